@@ -1,0 +1,145 @@
+// jax_fusedar native core: a framework-neutral C API around FlashInfer's fused
+// all-reduce (+ residual add + RMSNorm) kernel.
+//
+// Nothing here knows about JAX, XLA or torch. The XLA FFI handlers (ffi/xla) and the
+// Python module (ffi/python, used by jax_fusedar and torch_compat) are thin callers.
+// A C ABI (not C++) keeps the core usable from binaries built with other compilers:
+// the heavy CUDA library is built once and the small Python-specific parts are
+// built wherever they run.
+//
+// Error convention: every function returns 0 on success and a non-zero code on
+// failure; fusedar_last_error() then returns a message for the calling thread.
+#ifndef FUSEDAR_CORE_H_
+#define FUSEDAR_CORE_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// The library is built with hidden visibility; only this C API is exported.
+#if defined(__GNUC__)
+#pragma GCC visibility push(default)
+#endif
+
+#define FUSEDAR_ABI_VERSION 1
+#define FUSEDAR_IPC_HANDLE_BYTES 64
+// Each rank shares three buffers with its peers: two-shot data, barrier flags and
+// the Lamport (one-shot) triple buffer. See DESIGN.md §3 for the layout.
+#define FUSEDAR_SHARED_BUFFERS 3
+
+typedef enum {
+  FUSEDAR_OK = 0,
+  FUSEDAR_INVALID_ARGUMENT = 1,
+  FUSEDAR_CUDA_ERROR = 2,
+  FUSEDAR_UNSUPPORTED = 3,
+  FUSEDAR_INTERNAL = 4,
+} fusedar_status;
+
+// Element types, numbered like the dtype switch of the kernel's own wrapper.
+typedef enum {
+  FUSEDAR_FLOAT32 = 0,
+  FUSEDAR_FLOAT16 = 1,
+  FUSEDAR_BFLOAT16 = 2,
+} fusedar_dtype;
+
+// Opaque per-rank state: the buffers this process owns for one TP rank on one
+// device, the peer mappings, and the device-resident pointer table.
+typedef struct fusedar_rank fusedar_rank;
+
+typedef struct {
+  int32_t world_size;
+  int32_t max_token_num;
+  int32_t hidden_dim;
+  int32_t dtype;  // fusedar_dtype of the calls this workspace serves
+  int64_t two_shot_buffer_bytes;
+  int64_t flag_bytes;
+  int64_t lamport_comm_bytes;    // stride between the three Lamport sub-buffers
+  int64_t lamport_buffer_bytes;  // 3 * lamport_comm_bytes
+} fusedar_workspace_info;
+
+typedef struct {
+  int32_t pattern;  // FlashInfer AllReduceFusionPattern code
+  int32_t dtype;    // fusedar_dtype
+  int64_t num_tokens;
+  int64_t hidden_dim;
+  const void* input;
+  void* allreduce_out;
+  const void* residual_in;
+  void* residual_out;
+  void* norm_out;
+  void* quant_out;
+  void* scale_out;
+  const void* rms_gamma;
+  const float* scale_factor;  // device pointer (static FP8 / NVFP4 only)
+  float rms_eps;
+  float weight_bias;  // 0: gamma; 1: (1 + gamma), Gemma style
+  int32_t use_oneshot;  // 1 one-shot (Lamport), 0 two-shot; the caller decides (see policy)
+  int32_t fp32_acc;
+  int32_t layout;  // NVFP4 scale layout code
+  int32_t block_quant_group_size;
+} fusedar_launch_args;
+
+const char* fusedar_last_error(void);
+int fusedar_abi_version(void);
+
+// Fills *info with the buffer sizes a workspace of this shape needs.
+int fusedar_workspace_sizes(int32_t world_size, int32_t max_token_num, int32_t hidden_dim,
+                            int32_t dtype, fusedar_workspace_info* info);
+
+// Allocates this rank's shared buffers and control block on `device`.
+int fusedar_rank_create(int32_t device, int32_t world_size, int32_t rank, int32_t max_token_num,
+                        int32_t hidden_dim, int32_t dtype, fusedar_rank** out);
+// Device pointers of this rank's three shared buffers (for peers in this process).
+int fusedar_rank_local_pointers(const fusedar_rank* r, uint64_t out[FUSEDAR_SHARED_BUFFERS]);
+// CUDA IPC handles of the three shared buffers (for peers in other processes).
+int fusedar_rank_export_ipc(const fusedar_rank* r,
+                            uint8_t out[FUSEDAR_SHARED_BUFFERS * FUSEDAR_IPC_HANDLE_BYTES]);
+// Peer `peer` lives in this process on device `peer_device`: enables peer access and
+// records its raw pointers (cudaIpcOpenMemHandle does not work inside one process).
+int fusedar_rank_set_peer_pointers(fusedar_rank* r, int32_t peer, int32_t peer_device,
+                                   const uint64_t ptrs[FUSEDAR_SHARED_BUFFERS]);
+// Peer `peer` lives in another process: opens its IPC handles.
+int fusedar_rank_open_peer_ipc(
+    fusedar_rank* r, int32_t peer,
+    const uint8_t handles[FUSEDAR_SHARED_BUFFERS * FUSEDAR_IPC_HANDLE_BYTES]);
+// Once every peer is known: uploads the 3N+1 pointer table, zeroes the flags, fills the
+// Lamport buffers with -0.0 at the dtype's width and synchronises the device. The
+// caller must then barrier the group before the first launch.
+int fusedar_rank_finalize(fusedar_rank* r);
+// Closes IPC mappings and frees this rank's memory. Safe on a partially built rank.
+int fusedar_rank_destroy(fusedar_rank* r);
+
+int fusedar_rank_device(const fusedar_rank* r);
+int fusedar_rank_index(const fusedar_rank* r);
+int fusedar_rank_info(const fusedar_rank* r, fusedar_workspace_info* info);
+// Device pointer of the 3N+1 table the kernel reads (0 before finalize).
+uint64_t fusedar_rank_workspace_table(const fusedar_rank* r);
+
+// Checks a call against the workspace without launching (same checks as launch).
+int fusedar_check_launch(const fusedar_rank* r, const fusedar_launch_args* args);
+// Launches the fused kernel on `stream` (a cudaStream_t) with PDL and the completion
+// trigger at the end of the kernel (vLLM saw NaNs with an early trigger).
+int fusedar_launch(const fusedar_rank* r, const fusedar_launch_args* args, void* stream);
+
+// Whether pattern `pattern` for `dtype` was compiled into this library.
+int fusedar_pattern_compiled(int32_t pattern, int32_t dtype, int32_t fp32_acc);
+
+// Small device queries the Python layers need without a CUDA binding of their own.
+int fusedar_device_count(int32_t* count);
+int fusedar_can_access_peer(int32_t device, int32_t peer, int32_t* can);
+int fusedar_device_compute_capability(int32_t device, int32_t* major, int32_t* minor);
+int fusedar_device_mem_info(int32_t device, uint64_t* free_bytes, uint64_t* total_bytes);
+int fusedar_device_synchronize(int32_t device);
+
+#if defined(__GNUC__)
+#pragma GCC visibility pop
+#endif
+
+#ifdef __cplusplus
+}  // extern "C"
+#endif
+
+#endif  // FUSEDAR_CORE_H_

@@ -1,0 +1,221 @@
+// Validation and dispatch of one fused all-reduce call.
+//
+// The kernel knows nothing about the workspace's size: a call that is too large
+// writes past the peers' buffers, and a missing or mismatched peer spins forever.
+// So every call is checked here against the workspace metadata before launch, and
+// the one-shot/two-shot choice arrives already made (by the pure policy in
+// jax_fusedar/topology.py), so that every rank launches the same configuration.
+#include <cstdint>
+#include <string>
+
+#include "../kernels/compiled_patterns.h"
+#include "../kernels/kernel_call.h"
+#include "fusedar/core.h"
+#include "rank_state.h"
+#include "status.h"
+
+using fusedar::fail;
+
+namespace {
+
+constexpr int kAllReduce = 0;
+
+bool pattern_writes_norm_out(int p) { return p == 1 || p == 4 || p == 5 || p == 9 || p == 11; }
+bool pattern_is_fp4(int p) { return p == 3 || p == 5; }
+bool pattern_uses_scale_factor(int p) { return p == 2 || p == 3 || p == 4 || p == 5; }
+bool pattern_writes_scale_out(int p) { return p == 3 || p == 5 || (p >= 8 && p <= 11); }
+bool pattern_is_quantized(int p) { return p >= 2 && p <= 11; }
+
+std::string dtype_name(int dtype) {
+  switch (dtype) {
+    case FUSEDAR_FLOAT32: return "float32";
+    case FUSEDAR_FLOAT16: return "float16";
+    case FUSEDAR_BFLOAT16: return "bfloat16";
+  }
+  return "dtype#" + std::to_string(dtype);
+}
+
+int check(const fusedar_rank* r, const fusedar_launch_args* a) {
+  if (r == nullptr || a == nullptr) return fail(FUSEDAR_INVALID_ARGUMENT, "null argument");
+  if (r->table == nullptr) {
+    return fail(FUSEDAR_INVALID_ARGUMENT, "the workspace is not finalized");
+  }
+  const fusedar_workspace_info& ws = r->info;
+  const int n = ws.world_size;
+  if (a->dtype != FUSEDAR_FLOAT32 && a->dtype != FUSEDAR_FLOAT16 && a->dtype != FUSEDAR_BFLOAT16) {
+    return fail(FUSEDAR_INVALID_ARGUMENT, "unknown dtype code " + std::to_string(a->dtype));
+  }
+  if ((a->dtype == FUSEDAR_FLOAT32) != (ws.dtype == FUSEDAR_FLOAT32)) {
+    // The Lamport sentinel is -0.0 at the workspace's element width.
+    return fail(FUSEDAR_INVALID_ARGUMENT,
+                "call dtype " + dtype_name(a->dtype) + " does not match the workspace dtype " +
+                    dtype_name(ws.dtype) + " (float32 needs a float32 workspace, 16-bit types a "
+                    "16-bit one)");
+  }
+  if (!fusedar::kernels::is_compiled_pattern(a->pattern)) {
+    return fail(FUSEDAR_UNSUPPORTED, "pattern " + std::to_string(a->pattern) +
+                                         " is not compiled into this build of jax_fusedar");
+  }
+  if (a->dtype != FUSEDAR_FLOAT32 && !a->fp32_acc) {
+    return fail(FUSEDAR_UNSUPPORTED,
+                "fp32_acc=False is not compiled into this build (only fp32 accumulation)");
+  }
+  if (pattern_is_fp4(a->pattern)) {
+    int major = 0, minor = 0;
+    if (fusedar_device_compute_capability(r->device, &major, &minor)) return FUSEDAR_CUDA_ERROR;
+    if (major < 10) {
+      // On sm90 the NVFP4 epilogue compiles and runs but writes zeros and no scales.
+      return fail(FUSEDAR_UNSUPPORTED,
+                  "NVFP4 patterns (3, 5) need an sm100+ GPU (Blackwell); device " +
+                      std::to_string(r->device) + " is sm" + std::to_string(major * 10 + minor));
+    }
+  }
+  const int64_t m = a->num_tokens, h = a->hidden_dim;
+  const int64_t e = a->dtype == FUSEDAR_FLOAT32 ? 4 : 2;
+  const int64_t vec = 16 / e;
+  if (m <= 0 || h <= 0) return fail(FUSEDAR_INVALID_ARGUMENT, "empty input");
+  if (h % vec != 0) {
+    return fail(FUSEDAR_INVALID_ARGUMENT, "hidden_dim " + std::to_string(h) +
+                                              " is not a multiple of " + std::to_string(vec) +
+                                              " (16 bytes of " + dtype_name(a->dtype) + ")");
+  }
+  if (m * h > int64_t(ws.max_token_num) * ws.hidden_dim) {
+    return fail(FUSEDAR_INVALID_ARGUMENT,
+                "num_tokens*hidden_dim = " + std::to_string(m) + "*" + std::to_string(h) +
+                    " exceeds the workspace (max_token_num*hidden_dim = " +
+                    std::to_string(ws.max_token_num) + "*" + std::to_string(ws.hidden_dim) + ")");
+  }
+  if (a->use_oneshot) {
+    if (m * h * n * e > ws.lamport_comm_bytes) {
+      return fail(FUSEDAR_INVALID_ARGUMENT,
+                  "one-shot needs " + std::to_string(m * h * n * e) +
+                      " bytes of Lamport buffer, the workspace has " +
+                      std::to_string(ws.lamport_comm_bytes));
+    }
+  } else {
+    if (m <= n) {
+      return fail(FUSEDAR_INVALID_ARGUMENT, "two-shot needs more tokens (" + std::to_string(m) +
+                                                ") than ranks (" + std::to_string(n) + ")");
+    }
+    if (2 * m * h * e > ws.two_shot_buffer_bytes) {
+      return fail(FUSEDAR_INVALID_ARGUMENT, "two-shot buffer too small for this call");
+    }
+  }
+  if (a->input == nullptr) return fail(FUSEDAR_INVALID_ARGUMENT, "input is null");
+  if (a->pattern == kAllReduce) {
+    if (a->allreduce_out == nullptr) {
+      return fail(FUSEDAR_INVALID_ARGUMENT, "pattern 0 needs allreduce_out");
+    }
+  } else {
+    if (a->residual_in == nullptr || a->residual_out == nullptr || a->rms_gamma == nullptr) {
+      return fail(FUSEDAR_INVALID_ARGUMENT, "pattern " + std::to_string(a->pattern) +
+                                                " needs residual_in, residual_out and rms_gamma");
+    }
+    if (pattern_writes_norm_out(a->pattern) && a->norm_out == nullptr) {
+      return fail(FUSEDAR_INVALID_ARGUMENT,
+                  "pattern " + std::to_string(a->pattern) + " needs norm_out");
+    }
+    if (pattern_is_quantized(a->pattern) && a->quant_out == nullptr) {
+      return fail(FUSEDAR_INVALID_ARGUMENT,
+                  "pattern " + std::to_string(a->pattern) + " needs quant_out");
+    }
+    if (pattern_writes_scale_out(a->pattern) && a->scale_out == nullptr) {
+      return fail(FUSEDAR_INVALID_ARGUMENT,
+                  "pattern " + std::to_string(a->pattern) + " needs scale_out");
+    }
+    if (pattern_uses_scale_factor(a->pattern) && a->scale_factor == nullptr) {
+      return fail(FUSEDAR_INVALID_ARGUMENT,
+                  "pattern " + std::to_string(a->pattern) + " needs scale_factor");
+    }
+  }
+  return FUSEDAR_OK;
+}
+
+template <int DType>
+std::string launch_for_world(const fusedar::kernels::KernelCall& call) {
+  switch (call.nranks) {
+    case 2: return fusedar::kernels::launch<DType, 2>(call);
+    case 4: return fusedar::kernels::launch<DType, 4>(call);
+    case 8: return fusedar::kernels::launch<DType, 8>(call);
+    case 16: return fusedar::kernels::launch<DType, 16>(call);
+  }
+  return "unsupported world size " + std::to_string(call.nranks);
+}
+
+}  // namespace
+
+bool fusedar::kernels::pattern_compiled(int pattern, int dtype, bool fp32_acc) {
+  return is_compiled_pattern(pattern) && (dtype == FUSEDAR_FLOAT32 || fp32_acc);
+}
+
+extern "C" int fusedar_pattern_compiled(int32_t pattern, int32_t dtype, int32_t fp32_acc) {
+  return fusedar::kernels::pattern_compiled(pattern, dtype, fp32_acc != 0) ? 1 : 0;
+}
+
+extern "C" int fusedar_check_launch(const fusedar_rank* r, const fusedar_launch_args* a) {
+  return check(r, a);
+}
+
+extern "C" int fusedar_launch(const fusedar_rank* r, const fusedar_launch_args* a, void* stream) {
+  if (int rc = check(r, a)) return rc;
+  // FlashInfer's launcher queries the *current* device (SM count, cluster size).
+  fusedar::DeviceGuard guard(r->device);
+  FUSEDAR_CUDA_TRY(guard.status(), "selecting the device", r->device);
+  fusedar::kernels::KernelCall call{a, r->info.world_size, r->rank, r->table,
+                                    static_cast<cudaStream_t>(stream)};
+  std::string err;
+  switch (a->dtype) {
+    case FUSEDAR_FLOAT32: err = launch_for_world<FUSEDAR_FLOAT32>(call); break;
+    case FUSEDAR_FLOAT16: err = launch_for_world<FUSEDAR_FLOAT16>(call); break;
+    case FUSEDAR_BFLOAT16: err = launch_for_world<FUSEDAR_BFLOAT16>(call); break;
+  }
+  if (!err.empty()) {
+    (void)cudaGetLastError();
+    return fail(FUSEDAR_CUDA_ERROR, "device " + std::to_string(r->device) + ": " + err);
+  }
+  return FUSEDAR_OK;
+}
+
+extern "C" int fusedar_device_count(int32_t* count) {
+  int c = 0;
+  cudaError_t err = cudaGetDeviceCount(&c);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    *count = 0;
+    return fail(FUSEDAR_CUDA_ERROR, std::string("cudaGetDeviceCount: ") + cudaGetErrorString(err));
+  }
+  *count = c;
+  return FUSEDAR_OK;
+}
+
+extern "C" int fusedar_can_access_peer(int32_t device, int32_t peer, int32_t* can) {
+  int c = 0;
+  FUSEDAR_CUDA_TRY(cudaDeviceCanAccessPeer(&c, device, peer), "querying peer access", device);
+  *can = c;
+  return FUSEDAR_OK;
+}
+
+extern "C" int fusedar_device_compute_capability(int32_t device, int32_t* major, int32_t* minor) {
+  FUSEDAR_CUDA_TRY(cudaDeviceGetAttribute(major, cudaDevAttrComputeCapabilityMajor, device),
+                   "querying the compute capability", device);
+  FUSEDAR_CUDA_TRY(cudaDeviceGetAttribute(minor, cudaDevAttrComputeCapabilityMinor, device),
+                   "querying the compute capability", device);
+  return FUSEDAR_OK;
+}
+
+extern "C" int fusedar_device_mem_info(int32_t device, uint64_t* free_bytes, uint64_t* total) {
+  fusedar::DeviceGuard guard(device);
+  FUSEDAR_CUDA_TRY(guard.status(), "selecting the device", device);
+  size_t f = 0, t = 0;
+  FUSEDAR_CUDA_TRY(cudaMemGetInfo(&f, &t), "querying free memory", device);
+  *free_bytes = f;
+  *total = t;
+  return FUSEDAR_OK;
+}
+
+extern "C" int fusedar_device_synchronize(int32_t device) {
+  fusedar::DeviceGuard guard(device);
+  FUSEDAR_CUDA_TRY(guard.status(), "selecting the device", device);
+  FUSEDAR_CUDA_TRY(cudaDeviceSynchronize(), "synchronising", device);
+  return FUSEDAR_OK;
+}

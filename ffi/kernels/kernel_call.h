@@ -1,0 +1,33 @@
+// The seam between the native core and the heavy kernel translation units.
+//
+// Each (dtype, world size) pair is instantiated in its own translation unit
+// (generated from instance.cu.in) so they compile in parallel; the core only sees
+// this declaration and never includes FlashInfer's 2,000-line header itself.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+#include "fusedar/core.h"
+
+namespace fusedar::kernels {
+
+struct KernelCall {
+  const fusedar_launch_args* args;
+  int nranks;
+  int rank;
+  void** workspace_table;  // device pointer to the 3N+1 table
+  cudaStream_t stream;
+};
+
+// Launches FlashInfer's fused kernel. Returns an empty string on success, else why not.
+// DType is a fusedar_dtype code; defined once per (DType, NRanks) in a generated TU.
+template <int DType, int NRanks>
+std::string launch(const KernelCall& call);
+
+// Patterns compiled into this build (see compiled_patterns.h); the same list drives the
+// dispatch in launch_impl.cuh, so what we report and what we can run never drift.
+bool pattern_compiled(int pattern, int dtype, bool fp32_acc);
+
+}  // namespace fusedar::kernels

@@ -1,0 +1,97 @@
+// Fills FlashInfer's AllReduceFusionParams from a KernelCall and dispatches on the
+// pattern. Included only by the generated per-(dtype, world size) translation units.
+#pragma once
+
+#include <exception>
+#include <string>
+
+#include "compiled_patterns.h"
+#include "flashinfer_kernel.cuh"
+#include "kernel_call.h"
+
+namespace fusedar::kernels {
+
+namespace fi = flashinfer::trtllm_allreduce_fusion;
+
+template <typename T, int NRanks, bool Fp32Acc, fi::AllReduceFusionPattern Pattern>
+std::string launch_pattern(const fi::AllReduceFusionParams<T>& params) {
+  if constexpr (!is_compiled_pattern(static_cast<int>(Pattern))) {
+    return "pattern " + std::to_string(static_cast<int>(Pattern)) +
+           " is not compiled into this build of jax_fusedar";
+  } else {
+    // PDL is always on: the kernel waits on the grid dependency before touching any
+    // input, so overlapping its launch with the previous kernel is safe.
+    cudaError_t err =
+        fi::allreduce_fusion_kernel_launcher<Pattern, T, NRanks, Fp32Acc>(params, true);
+    if (err != cudaSuccess) {
+      return std::string("kernel launch failed: ") + cudaGetErrorString(err);
+    }
+    return {};
+  }
+}
+
+template <typename T, int NRanks, bool Fp32Acc>
+std::string launch_typed(const KernelCall& call) {
+  const fusedar_launch_args& a = *call.args;
+  fi::AllReduceFusionParams<T> p{};
+  p.nranks = NRanks;
+  p.rank = call.rank;
+  p.size = static_cast<int>(a.num_tokens * a.hidden_dim);
+  p.hidden_dim = static_cast<int>(a.hidden_dim);
+  p.workspace = call.workspace_table;
+  // FlashInfer's params are non-const; the kernel only reads the inputs.
+  p.allreduce_in = const_cast<void*>(a.input);
+  p.allreduce_out = a.allreduce_out;
+  p.residual_in = const_cast<void*>(a.residual_in);
+  p.residual_out = a.residual_out;
+  p.norm_out = a.norm_out;
+  p.quant_out = a.quant_out;
+  p.scale_out = a.scale_out;
+  p.rms_gamma = const_cast<void*>(a.rms_gamma);
+  p.rms_eps = a.rms_eps;
+  p.weight_bias = a.weight_bias;
+  p.scale_factor = const_cast<float*>(a.scale_factor);
+  p.use_oneshot = a.use_oneshot != 0;
+  p.layout = static_cast<flashinfer::QuantizationSFLayout>(a.layout);
+  p.stream = call.stream;
+  p.pattern = static_cast<fi::AllReduceFusionPattern>(a.pattern);
+  // Always trigger PDL completion at the end: an early trigger lets the next kernel
+  // read an unfinished Lamport buffer (vLLM saw NaNs, flashinfer #1223).
+  p.trigger_completion_at_end = true;
+  p.block_quant_group_size = a.block_quant_group_size;
+  p.tma_aligned_mn = static_cast<int>((a.num_tokens + 3) / 4 * 4);
+
+  using P = fi::AllReduceFusionPattern;
+  try {
+    switch (p.pattern) {
+      case P::kAllReduce:
+        return launch_pattern<T, NRanks, Fp32Acc, P::kAllReduce>(p);
+      case P::kARResidualRMSNorm:
+        return launch_pattern<T, NRanks, Fp32Acc, P::kARResidualRMSNorm>(p);
+      default:
+        return "pattern " + std::to_string(a.pattern) +
+               " is not compiled into this build of jax_fusedar";
+    }
+  } catch (const std::exception& e) {
+    // FLASHINFER_CHECK throws; turn it into an error the bindings report.
+    return std::string("FlashInfer kernel refused the launch: ") + e.what();
+  }
+}
+
+// fp32 inputs always accumulate in fp32 (FlashInfer forces Fp32Acc=false for float,
+// which means "no extra conversion"); 16-bit inputs are built with fp32 accumulation
+// only, the setting every production user runs.
+template <typename T, int NRanks>
+std::string launch_dtype(const KernelCall& call) {
+  if constexpr (std::is_same_v<T, float>) {
+    return launch_typed<T, NRanks, false>(call);
+  } else {
+    if (!call.args->fp32_acc) {
+      return "fp32_acc=False is not compiled into this build of jax_fusedar (only fp32 "
+             "accumulation is built)";
+    }
+    return launch_typed<T, NRanks, true>(call);
+  }
+}
+
+}  // namespace fusedar::kernels

@@ -1,0 +1,230 @@
+// _fusedar: the Python face of the native core, shared by jax_fusedar and
+// torch_compat. It exposes
+//   - Rank: one TP rank's workspace on one device (create, exchange, finalize, destroy,
+//     and a raw-pointer launch used by the torch layer and the GPU tests);
+//   - registrations(): the XLA FFI handler capsules, one table for all targets;
+//   - the workspace registry the XLA handlers consult;
+//   - a few device queries.
+// No JAX or torch headers: tensors arrive as integer device pointers and streams.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "../xla/handlers.h"
+#include "../xla/workspace_registry.h"
+#include "fusedar/core.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+// Invalid arguments and unsupported configurations are the caller's to fix
+// (ValueError); CUDA and internal failures are RuntimeError.
+void check(int rc) {
+  if (rc == FUSEDAR_OK) return;
+  std::string msg = fusedar_last_error();
+  if (rc == FUSEDAR_INVALID_ARGUMENT || rc == FUSEDAR_UNSUPPORTED) throw nb::value_error(msg.c_str());
+  throw std::runtime_error(msg);
+}
+
+nb::dict info_dict(const fusedar_workspace_info& i) {
+  nb::dict d;
+  d["world_size"] = i.world_size;
+  d["max_token_num"] = i.max_token_num;
+  d["hidden_dim"] = i.hidden_dim;
+  d["dtype"] = i.dtype;
+  d["two_shot_buffer_bytes"] = i.two_shot_buffer_bytes;
+  d["flag_bytes"] = i.flag_bytes;
+  d["lamport_comm_bytes"] = i.lamport_comm_bytes;
+  d["lamport_buffer_bytes"] = i.lamport_buffer_bytes;
+  return d;
+}
+
+class Rank {
+ public:
+  Rank(int device, int world_size, int rank, int max_token_num, int hidden_dim, int dtype) {
+    check(fusedar_rank_create(device, world_size, rank, max_token_num, hidden_dim, dtype, &r_));
+  }
+  ~Rank() { release(); }
+  Rank(const Rank&) = delete;
+  Rank& operator=(const Rank&) = delete;
+
+  fusedar_rank* get() const {
+    if (r_ == nullptr) throw nb::value_error("this workspace rank was destroyed");
+    return r_;
+  }
+
+  std::vector<uint64_t> local_pointers() const {
+    std::vector<uint64_t> out(FUSEDAR_SHARED_BUFFERS);
+    check(fusedar_rank_local_pointers(get(), out.data()));
+    return out;
+  }
+  nb::bytes export_ipc() const {
+    uint8_t buf[FUSEDAR_SHARED_BUFFERS * FUSEDAR_IPC_HANDLE_BYTES];
+    check(fusedar_rank_export_ipc(get(), buf));
+    return nb::bytes(reinterpret_cast<const char*>(buf), sizeof(buf));
+  }
+  void set_peer_pointers(int peer, int peer_device, const std::vector<uint64_t>& ptrs) {
+    if (ptrs.size() != FUSEDAR_SHARED_BUFFERS) throw nb::value_error("expected 3 pointers");
+    check(fusedar_rank_set_peer_pointers(get(), peer, peer_device, ptrs.data()));
+  }
+  void open_peer_ipc(int peer, nb::bytes handles) {
+    if (handles.size() != FUSEDAR_SHARED_BUFFERS * FUSEDAR_IPC_HANDLE_BYTES) {
+      throw nb::value_error("expected 3 CUDA IPC handles (192 bytes)");
+    }
+    check(fusedar_rank_open_peer_ipc(get(), peer, reinterpret_cast<const uint8_t*>(handles.c_str())));
+  }
+  void finalize() { check(fusedar_rank_finalize(get())); }
+  void destroy() {
+    if (r_ == nullptr) return;
+    fusedar::xla::unregister_rank(r_);
+    fusedar_rank* r = r_;
+    r_ = nullptr;
+    check(fusedar_rank_destroy(r));
+  }
+  bool alive() const { return r_ != nullptr; }
+  int device() const { return fusedar_rank_device(get()); }
+  int rank() const { return fusedar_rank_index(get()); }
+  uint64_t table() const { return fusedar_rank_workspace_table(get()); }
+  nb::dict info() const {
+    fusedar_workspace_info i;
+    check(fusedar_rank_info(get(), &i));
+    return info_dict(i);
+  }
+
+  // Raw-pointer entry for frameworks without an XLA-style custom call (torch) and
+  // for tests. Pointers are integers (tensor.data_ptr()), 0 meaning "absent".
+  void launch(int pattern, int dtype, int64_t num_tokens, int64_t hidden_dim, uint64_t input,
+              uint64_t allreduce_out, uint64_t residual_in, uint64_t residual_out,
+              uint64_t norm_out, uint64_t quant_out, uint64_t scale_out, uint64_t rms_gamma,
+              uint64_t scale_factor, float rms_eps, float weight_bias, bool use_oneshot,
+              bool fp32_acc, int layout, int block_quant_group_size, uint64_t stream,
+              bool check_only) const {
+    fusedar_launch_args a{};
+    a.pattern = pattern;
+    a.dtype = dtype;
+    a.num_tokens = num_tokens;
+    a.hidden_dim = hidden_dim;
+    a.input = reinterpret_cast<const void*>(input);
+    a.allreduce_out = reinterpret_cast<void*>(allreduce_out);
+    a.residual_in = reinterpret_cast<const void*>(residual_in);
+    a.residual_out = reinterpret_cast<void*>(residual_out);
+    a.norm_out = reinterpret_cast<void*>(norm_out);
+    a.quant_out = reinterpret_cast<void*>(quant_out);
+    a.scale_out = reinterpret_cast<void*>(scale_out);
+    a.rms_gamma = reinterpret_cast<const void*>(rms_gamma);
+    a.scale_factor = reinterpret_cast<const float*>(scale_factor);
+    a.rms_eps = rms_eps;
+    a.weight_bias = weight_bias;
+    a.use_oneshot = use_oneshot ? 1 : 0;
+    a.fp32_acc = fp32_acc ? 1 : 0;
+    a.layout = layout;
+    a.block_quant_group_size = block_quant_group_size;
+    if (check_only) {
+      check(fusedar_check_launch(get(), &a));
+      return;
+    }
+    nb::gil_scoped_release release;
+    int rc = fusedar_launch(get(), &a, reinterpret_cast<void*>(stream));
+    nb::gil_scoped_acquire acquire;
+    check(rc);
+  }
+
+ private:
+  void release() {
+    if (r_ != nullptr) {
+      fusedar::xla::unregister_rank(r_);
+      fusedar_rank_destroy(r_);
+      r_ = nullptr;
+    }
+  }
+  fusedar_rank* r_ = nullptr;
+};
+
+template <typename T>
+nb::capsule encapsulate(T* fn) {
+  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, T, XLA_FFI_CallFrame*>,
+                "an XLA FFI handler must take an XLA_FFI_CallFrame*");
+  return nb::capsule(reinterpret_cast<void*>(fn), "xla._CUSTOM_CALL_TARGET");
+}
+
+}  // namespace
+
+NB_MODULE(_fusedar, m) {
+  m.doc() = "jax_fusedar native core bindings (shared by the JAX and torch layers)";
+  m.attr("ABI_VERSION") = fusedar_abi_version();
+  m.attr("FLOAT32") = int(FUSEDAR_FLOAT32);
+  m.attr("FLOAT16") = int(FUSEDAR_FLOAT16);
+  m.attr("BFLOAT16") = int(FUSEDAR_BFLOAT16);
+
+  m.def("registrations", []() {
+    nb::dict d;
+    d[FUSEDAR_TARGET_ALLREDUCE_FUSION] = encapsulate(FusedarAllReduceFusionHandler);
+    return d;
+  });
+
+  m.def("workspace_sizes", [](int world_size, int max_token_num, int hidden_dim, int dtype) {
+    fusedar_workspace_info i;
+    check(fusedar_workspace_sizes(world_size, max_token_num, hidden_dim, dtype, &i));
+    return info_dict(i);
+  });
+  m.def("pattern_compiled", [](int pattern, int dtype, bool fp32_acc) {
+    return fusedar_pattern_compiled(pattern, dtype, fp32_acc) != 0;
+  });
+
+  m.def("device_count", []() {
+    int32_t c = 0;
+    check(fusedar_device_count(&c));
+    return c;
+  });
+  m.def("can_access_peer", [](int device, int peer) {
+    int32_t can = 0;
+    check(fusedar_can_access_peer(device, peer, &can));
+    return can != 0;
+  });
+  m.def("compute_capability", [](int device) {
+    int32_t major = 0, minor = 0;
+    check(fusedar_device_compute_capability(device, &major, &minor));
+    return std::make_tuple(major, minor);
+  });
+  m.def("mem_info", [](int device) {
+    uint64_t f = 0, t = 0;
+    check(fusedar_device_mem_info(device, &f, &t));
+    return std::make_tuple(f, t);
+  });
+  m.def("synchronize", [](int device) { check(fusedar_device_synchronize(device)); });
+
+  m.def("register_rank", [](int64_t workspace_id, int device_ordinal, const Rank& rank) {
+    fusedar::xla::register_rank(workspace_id, device_ordinal, rank.get());
+  });
+
+  nb::class_<Rank>(m, "Rank")
+      .def(nb::init<int, int, int, int, int, int>(), nb::arg("device"), nb::arg("world_size"),
+           nb::arg("rank"), nb::arg("max_token_num"), nb::arg("hidden_dim"), nb::arg("dtype"))
+      .def("local_pointers", &Rank::local_pointers)
+      .def("export_ipc", &Rank::export_ipc)
+      .def("set_peer_pointers", &Rank::set_peer_pointers, nb::arg("peer"), nb::arg("peer_device"),
+           nb::arg("pointers"))
+      .def("open_peer_ipc", &Rank::open_peer_ipc, nb::arg("peer"), nb::arg("handles"))
+      .def("finalize", &Rank::finalize)
+      .def("destroy", &Rank::destroy)
+      .def_prop_ro("alive", &Rank::alive)
+      .def_prop_ro("device", &Rank::device)
+      .def_prop_ro("rank", &Rank::rank)
+      .def_prop_ro("table", &Rank::table)
+      .def("info", &Rank::info)
+      .def("launch", &Rank::launch, nb::arg("pattern"), nb::arg("dtype"), nb::arg("num_tokens"),
+           nb::arg("hidden_dim"), nb::arg("input"), nb::arg("allreduce_out") = 0,
+           nb::arg("residual_in") = 0, nb::arg("residual_out") = 0, nb::arg("norm_out") = 0,
+           nb::arg("quant_out") = 0, nb::arg("scale_out") = 0, nb::arg("rms_gamma") = 0,
+           nb::arg("scale_factor") = 0, nb::arg("rms_eps") = 1e-6f, nb::arg("weight_bias") = 0.0f,
+           nb::arg("use_oneshot") = true, nb::arg("fp32_acc") = true, nb::arg("layout") = 0,
+           nb::arg("block_quant_group_size") = 0, nb::arg("stream") = 0,
+           nb::arg("check_only") = false);
+}

@@ -1,0 +1,31 @@
+"""jax_fusedar: FlashInfer's fused all-reduce + residual add + RMSNorm for JAX (XLA FFI).
+
+The JAX API is loaded lazily so that framework-neutral modules (``jax_fusedar.topology``,
+``jax_fusedar.patterns``, ``jax_fusedar.native``) can be imported, e.g. by ``torch_compat``,
+without importing JAX.
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .patterns import AllReduceFusionPattern, QuantizationSFLayout  # noqa: F401 (no jax)
+
+_LAZY = {
+    "allreduce_fusion": ("api", "allreduce_fusion"),
+    "AllReduceFusionOutputs": ("api", "AllReduceFusionOutputs"),
+    "create_allreduce_fusion_workspace": ("workspace", "create_allreduce_fusion_workspace"),
+    "abstract_workspace": ("workspace", "abstract_workspace"),
+    "AllReduceFusionWorkspace": ("workspace", "AllReduceFusionWorkspace"),
+}
+
+__all__ = ["AllReduceFusionPattern", "QuantizationSFLayout", *_LAZY]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(f".{module}", __name__), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'jax_fusedar' has no attribute {name!r}")

@@ -1,0 +1,150 @@
+"""``jax_fusedar.allreduce_fusion``: FlashInfer's unified ``allreduce_fusion`` in functional form.
+
+Call it on the local shard inside ``jax.shard_map``. Every decision (kernel or reference,
+one-shot or two-shot) is made here at trace time from shapes, dtype, world size and the
+workspace's metadata only, so every rank of a group makes the same choice and the kernel's
+spin-wait always finds its peers.
+"""
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import topology
+from .patterns import TRAITS, AllReduceFusionPattern, as_pattern
+from .primitive import allreduce_fusion_p, register_ffi_targets
+from .workspace import AllReduceFusionWorkspace
+
+log = logging.getLogger("jax_fusedar")
+_fallback_reasons_logged: set = set()
+
+
+class AllReduceFusionOutputs(NamedTuple):
+    allreduce_out: Optional[jax.Array]
+    residual_out: Optional[jax.Array]
+    norm_out: Optional[jax.Array]
+    quant_out: Optional[jax.Array]
+    scale_out: Optional[jax.Array]
+
+
+def _fallback(reason: str, strict: bool) -> None:
+    if strict:
+        raise ValueError(f"jax_fusedar: cannot use the fused kernel: {reason} (strict mode; "
+                         f"unset {topology.STRICT_ENV_VAR} or pass strict=False to fall back to "
+                         "psum + RMSNorm)")
+    if reason not in _fallback_reasons_logged:
+        _fallback_reasons_logged.add(reason)
+        log.warning("jax_fusedar: falling back to psum + RMSNorm: %s", reason)
+
+
+def _check_operand(name, value, shape, dtype):
+    if value.shape != shape or value.dtype != dtype:
+        raise ValueError(f"{name} must have shape {shape} and dtype {np.dtype(dtype).name}, "
+                         f"got {value.shape} {np.dtype(value.dtype).name}")
+
+
+def allreduce_fusion(x, *, axis_name: str, workspace: AllReduceFusionWorkspace,
+                     pattern=AllReduceFusionPattern.kARResidualRMSNorm, residual=None,
+                     rms_gamma=None, rms_eps: float = 1e-6, weight_bias: float = 0.0,
+                     scale_factor=None, layout_code=None, use_oneshot: Optional[bool] = None,
+                     fp32_acc: bool = True, strict: Optional[bool] = None
+                     ) -> AllReduceFusionOutputs:
+    """All-reduce ``x`` over ``axis_name`` fused with residual add + RMSNorm.
+
+    Args mirror ``flashinfer.comm.allreduce_fusion``. ``x``: the local ``[tokens, hidden]``
+    partial sum. ``residual``: added after the all-reduce (zeros when None, for residual
+    patterns). ``rms_gamma``: ``[hidden]``. ``weight_bias=1.0`` gives Gemma's ``(1 + gamma)``.
+    ``use_oneshot``: None picks by size (FlashInfer's heuristic). ``strict`` (default: the
+    ``JAX_FUSEDAR_STRICT`` environment variable): raise instead of falling back to psum +
+    RMSNorm when the kernel cannot serve the call.
+
+    Returns ``AllReduceFusionOutputs(allreduce_out, residual_out, norm_out, quant_out,
+    scale_out)`` with None for what the pattern does not produce. The outputs are invariant
+    over ``axis_name`` (like ``psum``), so ``shard_map``'s default ``check_vma=True`` works.
+    """
+    pattern = as_pattern(pattern)
+    traits = TRAITS[pattern]
+    strict = topology.strict_mode(strict)
+    if not isinstance(workspace, AllReduceFusionWorkspace):
+        raise TypeError("workspace must come from jax_fusedar.create_allreduce_fusion_workspace")
+    if workspace.destroyed:
+        raise ValueError(f"{workspace!r} was destroyed")
+    if workspace.axis_name != axis_name:
+        raise ValueError(f"the workspace was created for axis {workspace.axis_name!r}, "
+                         f"not {axis_name!r}")
+    x = jnp.asarray(x)
+    if x.ndim != 2:
+        raise ValueError(f"x must be 2-D [tokens, hidden], got shape {x.shape}")
+    dtype_name = np.dtype(x.dtype).name
+    if dtype_name not in ("bfloat16", "float16", "float32"):
+        raise ValueError(f"x has dtype {dtype_name}; supported: bfloat16, float16, float32")
+    if dtype_name != workspace.dtype.name:
+        raise ValueError(f"x has dtype {dtype_name} but the workspace was created for "
+                         f"{workspace.dtype.name}; create a workspace per dtype")
+    if not fp32_acc and dtype_name != "float32":
+        raise ValueError("fp32_acc=False is not built into jax_fusedar (the kernel is compiled "
+                         "with fp32 accumulation only, as every production user runs it)")
+    if scale_factor is not None or layout_code is not None:
+        raise ValueError(f"scale_factor/layout_code apply to quantized patterns only, not "
+                         f"{pattern.name}")
+    try:
+        world = jax.lax.axis_size(axis_name)
+    except NameError:
+        raise ValueError(f"allreduce_fusion must be called inside jax.shard_map over an axis "
+                         f"named {axis_name!r}") from None
+    if world != workspace.world_size:
+        raise ValueError(f"axis {axis_name!r} has size {world} but the workspace was created "
+                         f"for world size {workspace.world_size}")
+    tokens, hidden = x.shape
+    # World size and vector width are limits of the op itself, on every platform.
+    vec = topology.vector_width(dtype_name)
+    if hidden % vec:
+        raise ValueError(f"hidden size {hidden} is not a multiple of {vec} (16 bytes of "
+                         f"{dtype_name}), which the kernel requires")
+
+    operands = [x]
+    if traits.has_residual:
+        if residual is None:
+            residual = jnp.zeros_like(x)
+        residual = jnp.asarray(residual)
+        _check_operand("residual", residual, x.shape, x.dtype)
+        if rms_gamma is None:
+            raise ValueError(f"pattern {pattern.name} needs rms_gamma of shape ({hidden},)")
+        rms_gamma = jnp.asarray(rms_gamma)
+        _check_operand("rms_gamma", rms_gamma, (hidden,), x.dtype)
+        operands += [residual, rms_gamma]
+    elif residual is not None or rms_gamma is not None:
+        raise ValueError(f"pattern {pattern.name} takes no residual or rms_gamma")
+
+    # Trace-time decision: the kernel, or the reference with a logged reason.
+    use_kernel = workspace.backend == "trtllm"
+    oneshot = True
+    problem = (topology.kernel_support_problem(world, hidden, dtype_name)
+               or (None if topology.buffer_fits(tokens, hidden, workspace.sizes) else
+                   f"{tokens}x{hidden} tokens exceed the workspace "
+                   f"(max_token_num={workspace.max_token_num} x hidden {workspace.hidden_dim})"))
+    if problem is not None:
+        _fallback(problem, strict)
+        use_kernel = False
+    else:
+        # Raises for an explicit use_oneshot the workspace cannot serve (never degrade).
+        oneshot = topology.choose_oneshot(tokens, hidden, workspace.sizes, use_oneshot)
+    if use_kernel and not register_ffi_targets():
+        raise RuntimeError("the workspace uses the trtllm kernel but jax_fusedar's native "
+                           "extension is not available")
+
+    outs = allreduce_fusion_p.bind(
+        *operands, axis_name=(axis_name,), pattern=int(pattern), use_kernel=use_kernel,
+        workspace_id=workspace.id,
+        mesh_device_ids=tuple(int(d.id) for d in workspace.mesh.devices.flat),
+        use_oneshot=bool(oneshot), fp32_acc=bool(fp32_acc), rms_eps=float(rms_eps),
+        weight_bias=float(weight_bias), layout=0, block_quant_group_size=0)
+    if traits.has_allreduce_out:
+        return AllReduceFusionOutputs(outs[0], None, None, None, None)
+    residual_out = outs[0]
+    norm_out = outs[1] if traits.has_norm_out else None
+    return AllReduceFusionOutputs(None, residual_out, norm_out, None, None)

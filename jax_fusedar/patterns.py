@@ -1,0 +1,83 @@
+"""FlashInfer's fusion patterns and scale-factor layouts, with what each one reads and writes.
+
+Framework-neutral (no jax or torch import): the JAX primitive, the XLA handler's operand
+list and the torch layer all derive their inputs and outputs from this one table.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Optional
+
+
+class AllReduceFusionPattern(enum.IntEnum):
+    """FlashInfer's ``AllReduceFusionPattern`` codes (trtllm_allreduce_fusion.cuh)."""
+
+    kAllReduce = 0
+    kARResidualRMSNorm = 1
+    kARResidualRMSNormFP8Quant = 2
+    kARResidualRMSNormFP4Quant = 3
+    kARResidualRMSNormOutFP8Quant = 4
+    kARResidualRMSNormOutFP4Quant = 5
+    kARResidualRMSNormPerTokenGroupFP8PackedQuant = 8
+    kARResidualRMSNormOutPerTokenGroupFP8PackedQuant = 9
+    kARResidualRMSNormDynamicFP8Quant = 10
+    kARResidualRMSNormOutDynamicFP8Quant = 11
+
+
+class QuantizationSFLayout(enum.IntEnum):
+    """FlashInfer's NVFP4 scale-factor layouts. SWIZZLED_8x4 is not implemented by the kernel."""
+
+    SWIZZLED_128x4 = 0
+    SWIZZLED_8x4 = 1
+    LINEAR = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class PatternTraits:
+    has_allreduce_out: bool
+    has_residual: bool  # reads residual_in + rms_gamma, writes residual_out
+    has_norm_out: bool
+    quant: Optional[str]  # None, "fp8", "fp4", "group_fp8", "dynamic_fp8"
+
+    @property
+    def uses_scale_factor(self) -> bool:
+        return self.quant in ("fp8", "fp4")
+
+    @property
+    def writes_scale_out(self) -> bool:
+        return self.quant in ("fp4", "group_fp8", "dynamic_fp8")
+
+
+P = AllReduceFusionPattern
+TRAITS = {
+    P.kAllReduce: PatternTraits(True, False, False, None),
+    P.kARResidualRMSNorm: PatternTraits(False, True, True, None),
+    P.kARResidualRMSNormFP8Quant: PatternTraits(False, True, False, "fp8"),
+    P.kARResidualRMSNormFP4Quant: PatternTraits(False, True, False, "fp4"),
+    P.kARResidualRMSNormOutFP8Quant: PatternTraits(False, True, True, "fp8"),
+    P.kARResidualRMSNormOutFP4Quant: PatternTraits(False, True, True, "fp4"),
+    P.kARResidualRMSNormPerTokenGroupFP8PackedQuant: PatternTraits(False, True, False, "group_fp8"),
+    P.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant: PatternTraits(False, True, True, "group_fp8"),
+    P.kARResidualRMSNormDynamicFP8Quant: PatternTraits(False, True, False, "dynamic_fp8"),
+    P.kARResidualRMSNormOutDynamicFP8Quant: PatternTraits(False, True, True, "dynamic_fp8"),
+}
+del P
+
+# Patterns wired end to end (reference, JAX primitive, XLA handler, kernel build).
+SUPPORTED_PATTERNS = (AllReduceFusionPattern.kAllReduce, AllReduceFusionPattern.kARResidualRMSNorm)
+
+
+def as_pattern(pattern) -> AllReduceFusionPattern:
+    """Validates a pattern code and says clearly what is not available."""
+    try:
+        p = AllReduceFusionPattern(int(pattern))
+    except (ValueError, TypeError):
+        raise ValueError(
+            f"unknown fusion pattern {pattern!r}; valid codes: "
+            + ", ".join(f"{q.value} ({q.name})" for q in AllReduceFusionPattern)) from None
+    if p not in SUPPORTED_PATTERNS:
+        raise ValueError(
+            f"pattern {p.value} ({p.name}) is not supported by this version of jax_fusedar; "
+            "supported: " + ", ".join(f"{q.value} ({q.name})" for q in SUPPORTED_PATTERNS))
+    return p

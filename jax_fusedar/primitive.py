@@ -1,0 +1,134 @@
+"""The JAX primitive behind ``allreduce_fusion``: abstract eval, VMA rule, lowerings.
+
+* ``cuda`` lowering: a custom call to the XLA FFI handler (``jax_fusedar_allreduce_fusion_v1``)
+  when the call was cleared for the kernel at trace time, else the reference.
+* every other platform: the reference math (``reference.py``) lowered with ``lower_fun``.
+
+Operands: x, then residual_in and rms_gamma for residual patterns (see patterns.TRAITS and
+ffi/xla/allreduce_fusion.cc, which checks the same list). residual_in is aliased to
+residual_out, the in-place update FlashInfer and vLLM use (safe: each element is read and
+written by the same thread).
+"""
+from __future__ import annotations
+
+import numpy as np
+import jax
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from . import native, reference
+from .patterns import TRAITS, AllReduceFusionPattern
+
+FFI_TARGET = "jax_fusedar_allreduce_fusion_v1"
+
+allreduce_fusion_p = Primitive("jax_fusedar_allreduce_fusion")
+allreduce_fusion_p.multiple_results = True
+
+
+# --- varying-manual-axes (VMA) rule ------------------------------------------------------------
+# Inside shard_map the all-reduced sum no longer varies over the TP axis (as for psum), so
+# outputs drop `axis_name` from x's varying axes; the residual and gamma still contribute
+# theirs (a per-rank residual makes residual_out per-rank again).
+
+def _varying(aval) -> frozenset:
+    mat = getattr(aval, "mat", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", frozenset()))
+
+
+def _with_varying(aval, vma: frozenset):
+    if getattr(aval, "mat", None) is not None:
+        return aval.update(manual_axis_type=aval.mat.update(varying=vma))
+    return aval.update(vma=vma)
+
+
+def _abstract_eval(*avals, axis_name, pattern, **_):
+    traits = TRAITS[AllReduceFusionPattern(pattern)]
+    x = avals[0]
+    summed_vma = _varying(x) - frozenset(axis_name)
+    if not traits.has_residual:
+        return [_with_varying(x, summed_vma)]
+    residual, gamma = avals[1], avals[2]
+    res_vma = summed_vma | _varying(residual)
+    outs = [_with_varying(x, res_vma)]
+    if traits.has_norm_out:
+        outs.append(_with_varying(x, res_vma | _varying(gamma)))
+    return outs
+
+
+allreduce_fusion_p.def_abstract_eval(_abstract_eval)
+allreduce_fusion_p.def_impl(lambda *a, **k: (_ for _ in ()).throw(ValueError(
+    "jax_fusedar.allreduce_fusion must be called inside jax.shard_map")))
+
+
+# --- lowerings ---------------------------------------------------------------------------------
+
+def _reference_outputs(*args, axis_name, pattern, rms_eps, weight_bias, **_):
+    traits = TRAITS[AllReduceFusionPattern(pattern)]
+    x = args[0]
+    residual, gamma = (args[1], args[2]) if traits.has_residual else (None, None)
+    ar, res, norm = reference.allreduce_fusion_reference(
+        x, residual, gamma, axis_name=axis_name, pattern=pattern, rms_eps=rms_eps,
+        weight_bias=weight_bias)
+    return [o for o in (ar, res, norm) if o is not None]
+
+
+_reference_lowering = mlir.lower_fun(_reference_outputs, multiple_results=True)
+
+
+def _check_mesh(ctx, workspace_mesh_ids):
+    """Refuse to run on a mesh whose device order differs from the workspace's: a device
+    would then reduce with the wrong group, a silent wrong answer."""
+    axis_ctx = ctx.module_context.axis_context
+    mesh = getattr(axis_ctx, "mesh", None)
+    devices = getattr(mesh, "devices", None)
+    if devices is None or not isinstance(devices, np.ndarray) or devices.dtype != object:
+        return  # abstract mesh (export / cross-platform lowering): nothing to compare
+    ids = tuple(d.id for d in devices.flat)
+    if ids != workspace_mesh_ids:
+        raise ValueError(
+            "jax_fusedar: the shard_map mesh's devices differ from the mesh the workspace was "
+            f"created for ({ids} vs {workspace_mesh_ids}); create the workspace from the same mesh")
+
+
+def _cuda_lowering(ctx, *args, axis_name, pattern, use_kernel, workspace_id, mesh_device_ids,
+                   use_oneshot, fp32_acc, rms_eps, weight_bias, layout, block_quant_group_size):
+    if not use_kernel:
+        return _reference_lowering(ctx, *args, axis_name=axis_name, pattern=pattern,
+                                   rms_eps=rms_eps, weight_bias=weight_bias)
+    _check_mesh(ctx, mesh_device_ids)
+    traits = TRAITS[AllReduceFusionPattern(pattern)]
+    aliases = {1: 0} if traits.has_residual else {}
+    rule = jax.ffi.ffi_lowering(FFI_TARGET, operand_output_aliases=aliases)
+    return rule(ctx, *args, workspace_id=np.int64(workspace_id), pattern=np.int32(pattern),
+                use_oneshot=bool(use_oneshot), fp32_acc=bool(fp32_acc),
+                rms_eps=np.float32(rms_eps), weight_bias=np.float32(weight_bias),
+                layout=np.int32(layout), block_quant_group_size=np.int32(block_quant_group_size))
+
+
+def _default_lowering(ctx, *args, axis_name, pattern, rms_eps, weight_bias, **_):
+    return _reference_lowering(ctx, *args, axis_name=axis_name, pattern=pattern,
+                               rms_eps=rms_eps, weight_bias=weight_bias)
+
+
+mlir.register_lowering(allreduce_fusion_p, _default_lowering)
+mlir.register_lowering(allreduce_fusion_p, _cuda_lowering, platform="cuda")
+
+
+# --- FFI target registration -------------------------------------------------------------------
+
+_registered = False
+
+
+def register_ffi_targets() -> bool:
+    """Registers the handlers with XLA once per process; False without the native module."""
+    global _registered
+    if _registered:
+        return True
+    if not native.available():
+        return False
+    for name, capsule in native.ext.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+    _registered = True
+    return True

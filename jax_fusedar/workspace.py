@@ -1,0 +1,258 @@
+"""Workspaces for the fused all-reduce under JAX: one per TP group of a mesh axis.
+
+``create_allreduce_fusion_workspace(mesh, "tp", ...)`` builds, for every TP group along
+``"tp"`` (a ``("dp", "tp")`` mesh has one per dp index), the FlashInfer workspace of each
+member: local members (devices this process drives) reach each other through peer access
+and raw pointers; members in other processes (``jax.distributed``) through CUDA IPC
+handles exchanged over JAX's distributed key-value store, under keys unique to the group
+and the workspace. All groups are registered under one id, which the custom call carries;
+each device's XLA handler then finds its own rank by device ordinal.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+import threading
+from typing import Optional
+
+import numpy as np
+
+from . import native, topology
+
+log = logging.getLogger("jax_fusedar")
+
+_serials = itertools.count(1)
+_serial_lock = threading.Lock()
+
+
+def _dtype_name(dtype) -> str:
+    name = np.dtype(dtype).name
+    if name not in native.DTYPE_CODES:
+        raise ValueError(f"dtype {name} is not supported (bfloat16, float16 or float32)")
+    return name
+
+
+class AllReduceFusionWorkspace:
+    """Workspace of every TP group along ``axis_name`` of ``mesh``; see the module docstring.
+
+    ``backend`` is ``"trtllm"`` (FlashInfer's kernel) or ``"xla"`` (the reference path: XLA's
+    psum + RMSNorm, used on CPU and when asked for). Use as a context manager or call
+    ``destroy()``; calls traced after ``destroy()`` raise.
+    """
+
+    def __init__(self, *, mesh, axis_name: str, max_token_num: int, hidden_dim: int, dtype,
+                 backend: str, workspace_id: int, groups, sizes: topology.WorkspaceSizes):
+        self.mesh = mesh
+        self.axis_name = axis_name
+        self.max_token_num = int(max_token_num)
+        self.hidden_dim = int(hidden_dim)
+        self.dtype = np.dtype(dtype)
+        self.backend = backend
+        self.id = workspace_id
+        self.groups = groups
+        self.sizes = sizes
+        self._ranks: list = []  # native Rank objects this process owns
+        self._destroyed = False
+
+    @property
+    def world_size(self) -> int:
+        return self.sizes.world_size
+
+    @property
+    def destroyed(self) -> bool:
+        return self._destroyed
+
+    def is_buffer_size_sufficient(self, num_tokens: int, hidden_dim: int, dtype=None) -> bool:
+        """Whether a call of this shape fits (FlashInfer's element-count rule + dtype width)."""
+        if dtype is not None:
+            if (np.dtype(dtype).name == "float32") != (self.dtype.name == "float32"):
+                return False
+        return topology.buffer_fits(num_tokens, hidden_dim, self.sizes)
+
+    def destroy(self) -> None:
+        """Releases device memory and IPC mappings. Idempotent."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        errors = []
+        for rank in self._ranks:
+            try:
+                rank.destroy()
+            except Exception as e:  # keep freeing the others
+                errors.append(str(e))
+        self._ranks.clear()
+        if errors:
+            raise RuntimeError("destroying the workspace: " + "; ".join(errors))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.destroy()
+
+    def __repr__(self):
+        return (f"AllReduceFusionWorkspace(id={self.id}, backend={self.backend!r}, "
+                f"axis={self.axis_name!r}, world_size={self.world_size}, groups={len(self.groups)}, "
+                f"max_token_num={self.max_token_num}, hidden_dim={self.hidden_dim}, "
+                f"dtype={self.dtype.name}{', destroyed' if self._destroyed else ''})")
+
+
+def _mesh_groups(mesh, axis_name):
+    ids = np.vectorize(lambda d: d.id, otypes=[np.int64])(mesh.devices)
+    return topology.tp_groups_from_grid(ids, tuple(mesh.axis_names), axis_name)
+
+
+def create_allreduce_fusion_workspace(mesh, axis_name: str, *, max_token_num: int,
+                                      hidden_dim: int, dtype, backend: Optional[str] = "auto",
+                                      exchange_timeout_s: float = 120.0
+                                      ) -> AllReduceFusionWorkspace:
+    """Creates the workspaces of every TP group along ``axis_name`` of ``mesh``.
+
+    ``max_token_num * hidden_dim`` elements of ``dtype`` is the largest call it serves
+    (any hidden size, FlashInfer's rule). ``backend``: ``"auto"`` (FlashInfer's kernel on
+    GPUs of one node, the XLA reference elsewhere), ``"trtllm"``, ``"xla"`` or ``"mnnvl"``
+    (refused: it needs NVLink multicast); the ``JAX_FUSEDAR_ALLREDUCE_BACKEND`` environment
+    variable decides when ``backend`` is ``"auto"`` or ``None``.
+    """
+    import jax
+
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"axis {axis_name!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
+    dtype_name = _dtype_name(dtype)
+    world = int(mesh.shape[axis_name])
+    groups = _mesh_groups(mesh, axis_name)
+    platform = mesh.devices.flat[0].platform
+    num_nodes = _count_nodes(mesh) if jax.process_count() > 1 else 1
+    resolved = topology.resolve_backend(backend, platform=platform, num_nodes=num_nodes)
+    # Same limits on every backend: what runs on CPU runs fused on the GPU.
+    topology.check_kernel_supports(world, hidden_dim, dtype_name)
+    sizes = topology.workspace_sizes(world, max_token_num, hidden_dim, dtype_name)
+    with _serial_lock:
+        serial = next(_serials)
+    ws = AllReduceFusionWorkspace(mesh=mesh, axis_name=axis_name, max_token_num=max_token_num,
+                                  hidden_dim=hidden_dim, dtype=dtype_name, backend=resolved,
+                                  workspace_id=serial, groups=groups, sizes=sizes)
+    if resolved == "trtllm":
+        try:
+            _build_native(ws, exchange_timeout_s)
+        except BaseException:
+            ws.destroy()
+            raise
+    log.info("created %r", ws)
+    return ws
+
+
+def abstract_workspace(mesh, axis_name: str, *, max_token_num: int, hidden_dim: int, dtype,
+                       backend: str = "trtllm") -> AllReduceFusionWorkspace:
+    """A workspace description that allocates nothing: for lowering or exporting a program
+    for GPUs on a machine without them (``jit(f).trace(...).lower(lowering_platforms=("cuda",))``).
+    Running such a program fails with a clear FFI error (no workspace is registered)."""
+    dtype_name = _dtype_name(dtype)
+    if backend not in ("trtllm", "xla"):
+        raise ValueError(f"backend must be 'trtllm' or 'xla', not {backend!r}")
+    world = int(mesh.shape[axis_name])
+    topology.check_kernel_supports(world, hidden_dim, dtype_name)
+    with _serial_lock:
+        serial = next(_serials)
+    return AllReduceFusionWorkspace(
+        mesh=mesh, axis_name=axis_name, max_token_num=max_token_num, hidden_dim=hidden_dim,
+        dtype=dtype_name, backend=backend, workspace_id=serial,
+        groups=_mesh_groups(mesh, axis_name),
+        sizes=topology.workspace_sizes(world, max_token_num, hidden_dim, dtype_name))
+
+
+# --- native construction ---------------------------------------------------------------------
+
+class _KVChannel:
+    """Exchange within a TP group over JAX's distributed key-value store (multi-process)."""
+
+    def __init__(self, timeout_s: float):
+        from jax._src import distributed
+        self.client = distributed.global_state.client
+        if self.client is None:
+            raise RuntimeError("several JAX processes but no distributed client: call "
+                               "jax.distributed.initialize() first")
+        self.timeout_ms = int(timeout_s * 1000)
+
+    def publish(self, key: str, value: bytes) -> None:
+        self.client.key_value_set_bytes(key, value)
+
+    def fetch(self, key: str, who: str) -> bytes:
+        try:
+            return self.client.blocking_key_value_get_bytes(key, self.timeout_ms)
+        except Exception as e:  # the store raises on timeout: name who is missing
+            raise TimeoutError(f"jax_fusedar: {who} did not publish its workspace handles "
+                               f"within {self.timeout_ms / 1000:.0f} s (key {key}): {e}") from e
+
+    def barrier(self, key: str, process_ids) -> None:
+        try:
+            self.client.wait_at_barrier(key, self.timeout_ms, process_ids=sorted(process_ids))
+        except TypeError:  # older jaxlib: barrier over all processes
+            self.client.wait_at_barrier(key, self.timeout_ms)
+
+
+def _count_nodes(mesh) -> int:
+    """Distinct hosts among the mesh's processes (hostnames through the KV store)."""
+    import jax
+    chan = _KVChannel(60.0)
+    me = jax.process_index()
+    chan.publish(f"jax_fusedar/hostname/{me}", socket.gethostname().encode())
+    procs = sorted({d.process_index for d in mesh.devices.flat})
+    return len({chan.fetch(f"jax_fusedar/hostname/{p}", f"process {p}") for p in procs})
+
+
+def _build_native(ws: AllReduceFusionWorkspace, timeout_s: float) -> None:
+    import jax
+
+    ext = native.require()
+    code = native.DTYPE_CODES[ws.dtype.name]
+    me = jax.process_index()
+    by_id = {d.id: d for d in ws.mesh.devices.flat}
+    for d in by_id.values():
+        if d.platform != "gpu":
+            raise ValueError(f"the trtllm backend needs CUDA GPUs; {d} is {d.platform}")
+
+    # 1. Allocate every local member's buffers.
+    local = {}  # (group index, tp rank) -> (Rank, device)
+    for g in ws.groups:
+        for tp_rank, dev_id in enumerate(g.members):
+            d = by_id[dev_id]
+            if d.process_index == me:
+                r = ext.Rank(d.local_hardware_id, ws.world_size, tp_rank, ws.max_token_num,
+                             ws.hidden_dim, code)
+                ws._ranks.append(r)
+                local[(g.index, tp_rank)] = (r, d)
+
+    # 2. Publish handles for members in other processes, only within their own group.
+    remote_groups = [g for g in ws.groups
+                     if {by_id[m].process_index for m in g.members} - {me}
+                     and any(by_id[m].process_index == me for m in g.members)]
+    chan = _KVChannel(timeout_s) if remote_groups else None
+    for g in remote_groups:
+        for tp_rank, dev_id in enumerate(g.members):
+            if (g.index, tp_rank) in local:
+                key = topology.exchange_key("jax_fusedar", g, ws.id, f"ipc/rank{tp_rank}")
+                chan.publish(key, local[(g.index, tp_rank)][0].export_ipc())
+
+    # 3. Connect every local member to all its peers, then initialise.
+    for (gi, tp_rank), (r, d) in local.items():
+        g = ws.groups[gi]
+        for peer, peer_id in enumerate(g.members):
+            if peer == tp_rank:
+                continue
+            pd = by_id[peer_id]
+            if pd.process_index == me:
+                pr, _ = local[(gi, peer)]
+                r.set_peer_pointers(peer, pd.local_hardware_id, pr.local_pointers())
+            else:
+                key = topology.exchange_key("jax_fusedar", g, ws.id, f"ipc/rank{peer}")
+                r.open_peer_ipc(peer, chan.fetch(key, f"TP rank {peer} ({pd}, process "
+                                                      f"{pd.process_index})"))
+        r.finalize()
+        ext.register_rank(ws.id, d.local_hardware_id, r)
+
+    # 4. No peer may launch before everyone's buffers are initialised.
+    for g in remote_groups:
+        procs = {by_id[m].process_index for m in g.members}
+        chan.barrier(topology.exchange_key("jax_fusedar", g, ws.id, "ready"), procs)
