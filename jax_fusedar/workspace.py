@@ -192,14 +192,25 @@ class _KVChannel:
             self.client.wait_at_barrier(key, self.timeout_ms)
 
 
+_node_counts: dict = {}  # frozenset of process indices -> number of distinct hosts
+_hostname_published = False
+
+
 def _count_nodes(mesh) -> int:
-    """Distinct hosts among the mesh's processes (hostnames through the KV store)."""
+    """Distinct hosts among the mesh's processes (hostnames through the KV store, once per
+    process: keys in the store are write-once)."""
     import jax
-    chan = _KVChannel(60.0)
-    me = jax.process_index()
-    chan.publish(f"jax_fusedar/hostname/{me}", socket.gethostname().encode())
-    procs = sorted({d.process_index for d in mesh.devices.flat})
-    return len({chan.fetch(f"jax_fusedar/hostname/{p}", f"process {p}") for p in procs})
+    global _hostname_published
+    procs = frozenset(d.process_index for d in mesh.devices.flat)
+    if procs not in _node_counts:
+        chan = _KVChannel(60.0)
+        if not _hostname_published:
+            chan.publish(f"jax_fusedar/hostname/{jax.process_index()}",
+                         socket.gethostname().encode())
+            _hostname_published = True
+        _node_counts[procs] = len({chan.fetch(f"jax_fusedar/hostname/{p}", f"process {p}")
+                                   for p in sorted(procs)})
+    return _node_counts[procs]
 
 
 def _build_native(ws: AllReduceFusionWorkspace, timeout_s: float) -> None:

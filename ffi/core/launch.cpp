@@ -5,6 +5,7 @@
 // So every call is checked here against the workspace metadata before launch, and
 // the one-shot/two-shot choice arrives already made (by the pure policy in
 // jax_fusedar/topology.py), so that every rank launches the same configuration.
+#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -19,6 +20,8 @@ using fusedar::fail;
 namespace {
 
 constexpr int kAllReduce = 0;
+
+std::atomic<uint64_t> launches{0};
 
 bool pattern_writes_norm_out(int p) { return p == 1 || p == 4 || p == 5 || p == 9 || p == 11; }
 bool pattern_is_fp4(int p) { return p == 3 || p == 5; }
@@ -173,7 +176,12 @@ extern "C" int fusedar_launch(const fusedar_rank* r, const fusedar_launch_args* 
     (void)cudaGetLastError();
     return fail(FUSEDAR_CUDA_ERROR, "device " + std::to_string(r->device) + ": " + err);
   }
+  launches.fetch_add(1, std::memory_order_relaxed);
   return FUSEDAR_OK;
+}
+
+extern "C" uint64_t fusedar_launch_count(void) {
+  return launches.load(std::memory_order_relaxed);
 }
 
 extern "C" int fusedar_device_count(int32_t* count) {

@@ -199,6 +199,7 @@ NB_MODULE(_fusedar, m) {
     return std::make_tuple(f, t);
   });
   m.def("synchronize", [](int device) { check(fusedar_device_synchronize(device)); });
+  m.def("launch_count", []() { return fusedar_launch_count(); });
 
   m.def("register_rank", [](int64_t workspace_id, int device_ordinal, const Rank& rank) {
     fusedar::xla::register_rank(workspace_id, device_ordinal, rank.get());

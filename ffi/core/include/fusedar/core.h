@@ -124,6 +124,10 @@ int fusedar_check_launch(const fusedar_rank* r, const fusedar_launch_args* args)
 // trigger at the end of the kernel (vLLM saw NaNs with an early trigger).
 int fusedar_launch(const fusedar_rank* r, const fusedar_launch_args* args, void* stream);
 
+// Host-side launches so far in this process. Under CUDA-graph replay (XLA command
+// buffers) kernels run without a host launch, which is how tests see that capture works.
+uint64_t fusedar_launch_count(void);
+
 // Whether pattern `pattern` for `dtype` was compiled into this library.
 int fusedar_pattern_compiled(int32_t pattern, int32_t dtype, int32_t fp32_acc);
 

@@ -1,0 +1,34 @@
+import os
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "gpu: needs NVIDIA GPUs and the native extension (run on the device machine)")
+
+
+def gpu_count() -> int:
+    from jax_fusedar import native
+    return native.gpu_count()
+
+
+def pytest_collection_modifyitems(config, items):
+    if gpu_count() > 0:
+        return
+    skip = pytest.mark.skip(reason="no CUDA GPU visible (GPU tests run on the device machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+# Never let any process we start use NVLink multicast (see DESIGN.md: it can take a
+# shared host's GPUs down). Set here so every subprocess inherits it.
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")

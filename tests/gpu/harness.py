@@ -1,0 +1,87 @@
+"""Runs one function in N processes (one TP rank each) with a tiny message channel.
+
+Ranks pick GPU `rank % gpu_count`: on a one-GPU machine both ranks share GPU 0 (their
+kernels time-slice, slow but the protocol completes); with N GPUs each rank owns one.
+Every child inherits the no-multicast environment set in tests/conftest.py.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import traceback
+
+
+class Channel:
+    """All-to-all mailbox between the ranks of one run (pickled Python objects)."""
+
+    def __init__(self, rank, inboxes, timeout_s):
+        self.rank, self.inboxes, self.timeout_s = rank, inboxes, timeout_s
+        self.world = len(inboxes)
+        self._early = {}
+
+    def all_gather(self, tag, obj):
+        for r, box in enumerate(self.inboxes):
+            if r != self.rank:
+                box.put((tag, self.rank, obj))
+        got = {self.rank: obj}
+        while len(got) < self.world:
+            key = next((k for k in self._early if k[0] == tag), None)
+            if key is not None:
+                got[key[1]] = self._early.pop(key)
+                continue
+            try:
+                t, src, o = self.inboxes[self.rank].get(timeout=self.timeout_s)
+            except queue.Empty:
+                raise TimeoutError(f"rank {self.rank}: ranks {sorted(set(range(self.world)) - set(got))} "
+                                   f"never sent {tag!r}") from None
+            if t == tag:
+                got[src] = o
+            else:
+                self._early[(t, src)] = o
+        return [got[r] for r in range(self.world)]
+
+    def barrier(self, tag):
+        self.all_gather(tag, None)
+
+
+def _child(fn, rank, world, inboxes, results, timeout_s, kwargs):
+    try:
+        results.put((rank, "ok", fn(rank, world, Channel(rank, inboxes, timeout_s), **kwargs)))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(fn, world: int, *, timeout_s: float = 600.0, **kwargs):
+    """Runs fn(rank, world, channel, **kwargs) in `world` spawned processes; returns results."""
+    ctx = mp.get_context("spawn")
+    inboxes = [ctx.Queue() for _ in range(world)]
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_child, args=(fn, r, world, inboxes, results, timeout_s, kwargs))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    out, errors = {}, []
+    try:
+        for _ in range(world):
+            rank, status, payload = results.get(timeout=timeout_s)
+            (out.__setitem__(rank, payload) if status == "ok" else errors.append(payload))
+    except queue.Empty:
+        errors.append(f"timed out after {timeout_s} s waiting for ranks {sorted(set(range(world)) - set(out))}")
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [out[r] for r in range(world)]
+
+
+def device_for(rank: int) -> int:
+    from jax_fusedar import native
+    return rank % max(1, native.gpu_count())
+
+
+def env_int(name, default):
+    return int(os.environ.get(name, default))

@@ -1,0 +1,193 @@
+"""Tests for ``python -m jax_fusedar {demo,bench}`` on 8 virtual CPU devices.
+
+Every run is a subprocess: XLA reads the virtual device count only when JAX starts, and the
+CLI's own setup of XLA_FLAGS is part of what is tested.
+"""
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from jax_fusedar import native
+
+REPO = Path(__file__).resolve().parents[1]
+HOST_8 = "--xla_force_host_platform_device_count=8"
+
+
+def run_cli(*argv, xla_flags=HOST_8, pythonpath=(), timeout=600):
+    """Runs the CLI on CPU; xla_flags=None leaves XLA_FLAGS unset for the CLI to decide."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([*map(str, pythonpath), str(REPO),
+                                           os.environ.get("PYTHONPATH", "")]))
+    env.pop("XLA_FLAGS", None)
+    if xla_flags is not None:
+        env["XLA_FLAGS"] = xla_flags
+    return subprocess.run([sys.executable, "-m", "jax_fusedar", *map(str, argv)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def demo_rows(stdout):
+    """{row label: (max abs err, max rel err, tolerance)} of the demo's error table."""
+    rows = {}
+    for m in re.finditer(r"^(layer \d+ norm|final output)\s+(\S+)\s+(\S+)\s+(\S+)$", stdout,
+                         re.MULTILINE):
+        rows[m.group(1)] = tuple(float(v) for v in m.groups()[1:])
+    return rows
+
+
+# --- demo ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_demo_fused_matches_unfused(dtype):
+    r = run_cli("demo", "--tokens", 8, "--hidden", 256, "--layers", 3, "--iters", 2,
+                "--dtype", dtype, "--activation", "silu")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "world size 8" in r.stdout and "backend xla" in r.stdout
+    rows = demo_rows(r.stdout)
+    assert list(rows) == ["layer 1 norm", "layer 2 norm", "layer 3 norm", "final output"]
+    for label, (abs_err, rel_err, tol) in rows.items():
+        assert 0 <= rel_err <= tol, label
+        assert 0 <= abs_err
+    assert rows["final output"] == rows["layer 3 norm"]
+    assert re.search(r"^fused\s+\d+\.\d+$", r.stdout, re.MULTILINE)
+    assert re.search(r"^unfused\s+\d+\.\d+$", r.stdout, re.MULTILINE)
+    assert "PASS" in r.stdout
+
+
+@pytest.mark.skipif(native.gpu_count() > 0, reason="the CLI splits the host only without GPUs")
+def test_demo_sets_up_host_devices_itself():
+    r = run_cli("demo", "--tokens", 4, "--hidden", 64, "--layers", 1, "--iters", 1,
+                xla_flags=None)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "world size 8" in r.stdout
+
+
+@pytest.mark.parametrize("argv, xla_flags, message", [
+    (["demo"], "--xla_force_host_platform_device_count=3", "world size 3 is not supported"),
+    (["bench", "--hidden", 64], HOST_8.replace("8", "1"), "world size 1 is not supported"),
+    (["demo", "--ffn-mult", 1, "--hidden", 8, "--tokens", 2], HOST_8.replace("8", "16"),
+     "ffn size 8 (--ffn-mult 1 x --hidden 8) does not split over 16 devices"),
+    (["demo", "--backend", "trtllm"], HOST_8, "the 'trtllm' all-reduce backend needs a CUDA GPU"),
+])
+def test_unrunnable_setups_exit_with_a_message(argv, xla_flags, message):
+    r = run_cli(*argv, xla_flags=xla_flags)
+    assert r.returncode == 2
+    assert f"error: {message}" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+# --- bench ---------------------------------------------------------------------------------------
+
+def test_bench_writes_json_and_plot(tmp_path):
+    out = tmp_path / "bench"
+    r = run_cli("bench", "--tokens", "1,16", "--hidden", 256, "--iters", 3, "--repeats", 2,
+                "--out", out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "NOT the FlashInfer kernel" in r.stdout
+
+    report = json.loads((out / "bench.json").read_text())
+    machine = report["machine"]
+    assert machine["device_count"] == machine["world_size"] == 8
+    assert machine["backend"] == "xla" and machine["platform"] == "cpu"
+    assert {"jax_version", "jaxlib_version", "device_kind"} <= set(machine)
+    config = report["config"]
+    assert config["dtype"] == "bfloat16"
+    assert (config["iters"], config["repeats"]) == (3, 2)
+    assert config["modes"] == ["auto", "oneshot", "twoshot"]
+    assert (config["max_token_num"], config["hidden_dim"]) == (16, 256)
+    assert report["reference_path"] is True
+
+    cases = {(c["tokens"], c["hidden"]): c for c in report["cases"]}
+    assert set(cases) == {(1, 256), (16, 256)}
+    for case in cases.values():
+        assert case["baseline_us"] > 0 and len(case["baseline_us_repeats"]) == 2
+        assert set(case["fused"]) | set(case["skipped"]) == {"auto", "oneshot", "twoshot"}
+        for mode, m in case["fused"].items():
+            assert m["us"] > 0 and len(m["us_repeats"]) == 2
+            assert m["ratio"] == pytest.approx(m["us"] / case["baseline_us"])
+            assert m["chosen"] == mode if mode != "auto" else m["chosen"] in ("oneshot", "twoshot")
+    # Two-shot needs more tokens than the 8 ranks: skipped with the reason for 1 token only.
+    assert set(cases[(1, 256)]["skipped"]) == {"twoshot"}
+    assert "more tokens than ranks" in cases[(1, 256)]["skipped"]["twoshot"]
+    assert cases[(16, 256)]["skipped"] == {}
+    assert cases[(1, 256)]["fused"]["auto"]["chosen"] == "oneshot"
+
+    # The table: one row per measured mode, the skipped one as a note.
+    assert len(re.findall(r"^\s+(1|16)\s+256\s+", r.stdout, re.MULTILINE)) == 5
+    assert "skipped 1 x 256 twoshot" in r.stdout
+
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (out / "bench.png").stat().st_size > 0
+
+
+def test_bench_without_matplotlib_and_tqdm(tmp_path):
+    # Packages that fail to import shadow the real ones, if installed.
+    blocker = tmp_path / "blocked"
+    for name in ("matplotlib", "tqdm"):
+        (blocker / name).mkdir(parents=True)
+        (blocker / name / "__init__.py").write_text(f"raise ImportError('{name} blocked')\n")
+    out = tmp_path / "bench"
+    r = run_cli("bench", "--tokens", 4, "--hidden", 64, "--iters", 2, "--repeats", 1,
+                "--modes", "auto", "--out", out, pythonpath=[blocker])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "matplotlib is not installed" in r.stdout
+    assert not (out / "bench.png").exists()
+    assert json.loads((out / "bench.json").read_text())["cases"][0]["fused"]["auto"]["us"] > 0
+    assert "2/2" in r.stderr  # the fallback progress bar: baseline + auto
+
+
+def test_bench_loop_keeps_the_all_reduce_inside_the_loop():
+    # Without the optimization barrier XLA hoists the baseline's psum(x) out of the
+    # fori_loop and the baseline would time one all-reduce for all iterations.
+    script = textwrap.dedent("""
+        import jax, jax.numpy as jnp
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jax_fusedar import bench, demo
+        mesh = demo.tp_mesh()
+        loop = jax.jit(jax.shard_map(bench.looped(demo.plain_add_rmsnorm, 4), mesh=mesh,
+                                     in_specs=(P("tp"), P(), P()), out_specs=(P(), P())))
+        x = jax.device_put(jnp.zeros((8, 4, 64), jnp.bfloat16), NamedSharding(mesh, P("tp")))
+        hlo = loop.lower(x, jnp.zeros((4, 64), jnp.bfloat16),
+                         jnp.ones((64,), jnp.bfloat16)).compile().as_text()
+        print("all-reduce" in hlo, "all-reduce" in hlo[hlo.index("ENTRY"):])  # ENTRY is last
+    """)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=HOST_8,
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True", "False"]
+
+
+# --- flags ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--dtype", "int8"], "invalid choice: 'int8'"),
+    (["demo", "--hidden", "100"], "--hidden 100 is not a multiple of 8"),
+    (["demo", "--dtype", "float32", "--hidden", "102"], "--hidden 102 is not a multiple of 4"),
+    (["demo", "--layers", "0"], "0 is not positive"),
+    (["bench", "--hidden", "256,100"], "--hidden 100 is not a multiple of 8"),
+    (["bench", "--tokens", "1,x"], "'x' is not an integer"),
+    (["bench", "--modes", "auto,fast"], "subset of auto,oneshot,twoshot"),
+    ([], "required: {demo,bench}"),
+])
+def test_bad_flags_exit_with_a_message(argv, message):
+    r = run_cli(*argv)
+    assert r.returncode == 2
+    assert message in r.stderr
+    assert "error:" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_help_explains_the_subcommands():
+    r = run_cli("--help")
+    assert r.returncode == 0
+    assert "demo" in r.stdout and "bench" in r.stdout and "reference path" in r.stdout
+    for command in ("demo", "bench"):
+        r = run_cli(command, "--help")
+        assert r.returncode == 0 and "--tokens" in r.stdout and "--hidden" in r.stdout

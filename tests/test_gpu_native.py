@@ -1,0 +1,49 @@
+"""GPU: FlashInfer's kernel through the native core, two ranks in two processes (CUDA IPC).
+
+On one GPU both ranks share it; on two GPUs each owns one. Errors are in ulps of the
+intermediate magnitudes (tests/oracle.py); the bounds follow from the kernel's two
+roundings (<= 1 ulp each for all-reduce and residual) and, for the norm, that carried
+error through rsqrt * gamma plus one rounding of the output (3 for the 16-bit types;
+float32 gets 8 because fast-math rsqrtf is itself good to about 2 ulps of fp32).
+"""
+import json
+import os
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+BOUNDS = {
+    "bfloat16": {"allreduce": 1.0, "residual": 1.0, "norm": 3.0},
+    "float16": {"allreduce": 1.0, "residual": 1.0, "norm": 3.0},
+    "float32": {"allreduce": 1.0, "residual": 1.0, "norm": 8.0},
+}
+
+
+def test_native_sweep_two_ranks():
+    torch = pytest.importorskip("torch")
+    from tests.gpu import native_sweep
+    from tests.gpu.harness import env_int, run_ranks
+
+    quick = os.environ.get("JAX_FUSEDAR_GPU_QUICK") == "1"
+    tokens = (1, 16, 17, 129) if quick else (1, 2, 15, 16, 17, 64, 128, 129, 1000, 2048)
+    hiddens = (1024, 7168) if quick else (1024, 4096, 7168, 8192)
+    results = run_ranks(native_sweep.worker, 2, timeout_s=1500, tokens=tokens, hiddens=hiddens,
+                        max_tokens=max(tokens), loop_calls=env_int("JAX_FUSEDAR_LOOP_CALLS", 2000),
+                        seed=int.from_bytes(os.urandom(4), "little"))
+    report = {"ranks": results, "bounds": BOUNDS, "tokens": tokens, "hiddens": hiddens}
+    out = os.environ.get("JAX_FUSEDAR_REPORT_DIR")
+    if out:
+        with open(os.path.join(out, "native_sweep.json"), "w") as f:
+            json.dump(report, f, indent=1)
+    print(json.dumps({r["device"]: r["worst"] for r in results}, indent=1))
+    print("loop:", [r["loop"] for r in results])
+    assert results[0]["digest"] == results[1]["digest"], "ranks disagree bitwise"
+    for r in results:
+        assert r["nan_outputs"] == 0
+        for dtype, w in r["worst"].items():
+            assert w["cases"] > 0
+            for k in ("allreduce", "residual", "norm"):
+                assert w[k] <= BOUNDS[dtype][k], (dtype, k, w[k])
+        if r["loop"]:
+            assert r["loop"]["residual"] <= 1.0 and r["loop"]["norm"] <= 3.0, r["loop"]
