@@ -41,6 +41,15 @@ def _fallback(reason: str, strict: bool) -> None:
         log.warning("jax_fusedar: falling back to psum + RMSNorm: %s", reason)
 
 
+def _kernel_problem(world, tokens, hidden, dtype_name, workspace) -> Optional[str]:
+    """Why the kernel cannot serve this call (then it falls back), or None."""
+    problem = topology.kernel_support_problem(world, hidden, dtype_name)
+    if problem is None and not topology.buffer_fits(tokens, hidden, workspace.sizes):
+        problem = (f"{tokens}x{hidden} tokens exceed the workspace (max_token_num="
+                   f"{workspace.max_token_num} x hidden {workspace.hidden_dim})")
+    return problem
+
+
 def _check_operand(name, value, shape, dtype):
     if value.shape != shape or value.dtype != dtype:
         raise ValueError(f"{name} must have shape {shape} and dtype {np.dtype(dtype).name}, "
@@ -58,7 +67,9 @@ def allreduce_fusion(x, *, axis_name: str, workspace: AllReduceFusionWorkspace,
     Args mirror ``flashinfer.comm.allreduce_fusion``. ``x``: the local ``[tokens, hidden]``
     partial sum. ``residual``: added after the all-reduce (zeros when None, for residual
     patterns). ``rms_gamma``: ``[hidden]``. ``weight_bias=1.0`` gives Gemma's ``(1 + gamma)``.
-    ``use_oneshot``: None picks by size (FlashInfer's heuristic). ``strict`` (default: the
+    ``use_oneshot``: None picks by size (FlashInfer's heuristic). ``fp32_acc``: sum the ranks
+    in fp32 and round once (default, vLLM's choice) or round after every addition
+    (FlashInfer's default). ``strict`` (default: the
     ``JAX_FUSEDAR_STRICT`` environment variable): raise instead of falling back to psum +
     RMSNorm when the kernel cannot serve the call.
 
@@ -85,9 +96,6 @@ def allreduce_fusion(x, *, axis_name: str, workspace: AllReduceFusionWorkspace,
     if dtype_name != workspace.dtype.name:
         raise ValueError(f"x has dtype {dtype_name} but the workspace was created for "
                          f"{workspace.dtype.name}; create a workspace per dtype")
-    if not fp32_acc and dtype_name != "float32":
-        raise ValueError("fp32_acc=False is not built into jax_fusedar (the kernel is compiled "
-                         "with fp32 accumulation only, as every production user runs it)")
     if scale_factor is not None or layout_code is not None:
         raise ValueError(f"scale_factor/layout_code apply to quantized patterns only, not "
                          f"{pattern.name}")
@@ -123,11 +131,10 @@ def allreduce_fusion(x, *, axis_name: str, workspace: AllReduceFusionWorkspace,
     # Trace-time decision: the kernel, or the reference with a logged reason.
     use_kernel = workspace.backend == "trtllm"
     oneshot = True
-    problem = (topology.kernel_support_problem(world, hidden, dtype_name)
-               or (None if topology.buffer_fits(tokens, hidden, workspace.sizes) else
-                   f"{tokens}x{hidden} tokens exceed the workspace "
-                   f"(max_token_num={workspace.max_token_num} x hidden {workspace.hidden_dim})"))
-    if problem is not None:
+    if tokens == 0:
+        # Every rank has the same empty shape: nothing to exchange, the reference serves it.
+        use_kernel = False
+    elif (problem := _kernel_problem(world, tokens, hidden, dtype_name, workspace)) is not None:
         _fallback(problem, strict)
         use_kernel = False
     else:

@@ -64,13 +64,13 @@ allreduce_fusion_p.def_impl(lambda *a, **k: (_ for _ in ()).throw(ValueError(
 
 # --- lowerings ---------------------------------------------------------------------------------
 
-def _reference_outputs(*args, axis_name, pattern, rms_eps, weight_bias, **_):
+def _reference_outputs(*args, axis_name, pattern, rms_eps, weight_bias, fp32_acc, **_):
     traits = TRAITS[AllReduceFusionPattern(pattern)]
     x = args[0]
     residual, gamma = (args[1], args[2]) if traits.has_residual else (None, None)
     ar, res, norm = reference.allreduce_fusion_reference(
         x, residual, gamma, axis_name=axis_name, pattern=pattern, rms_eps=rms_eps,
-        weight_bias=weight_bias)
+        weight_bias=weight_bias, fp32_acc=fp32_acc)
     return [o for o in (ar, res, norm) if o is not None]
 
 
@@ -96,7 +96,7 @@ def _cuda_lowering(ctx, *args, axis_name, pattern, use_kernel, workspace_id, mes
                    use_oneshot, fp32_acc, rms_eps, weight_bias, layout, block_quant_group_size):
     if not use_kernel:
         return _reference_lowering(ctx, *args, axis_name=axis_name, pattern=pattern,
-                                   rms_eps=rms_eps, weight_bias=weight_bias)
+                                   rms_eps=rms_eps, weight_bias=weight_bias, fp32_acc=fp32_acc)
     _check_mesh(ctx, mesh_device_ids)
     traits = TRAITS[AllReduceFusionPattern(pattern)]
     aliases = {1: 0} if traits.has_residual else {}
@@ -107,9 +107,9 @@ def _cuda_lowering(ctx, *args, axis_name, pattern, use_kernel, workspace_id, mes
                 layout=np.int32(layout), block_quant_group_size=np.int32(block_quant_group_size))
 
 
-def _default_lowering(ctx, *args, axis_name, pattern, rms_eps, weight_bias, **_):
+def _default_lowering(ctx, *args, axis_name, pattern, rms_eps, weight_bias, fp32_acc, **_):
     return _reference_lowering(ctx, *args, axis_name=axis_name, pattern=pattern,
-                               rms_eps=rms_eps, weight_bias=weight_bias)
+                               rms_eps=rms_eps, weight_bias=weight_bias, fp32_acc=fp32_acc)
 
 
 mlir.register_lowering(allreduce_fusion_p, _default_lowering)

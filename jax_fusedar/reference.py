@@ -4,14 +4,17 @@ This is the lowering on every platform without the kernel (CPU, or a call the ke
 cannot serve) and the yardstick the GPU tests compare against. The kernel (FlashInfer's
 FusedOp, fp32 accumulation) computes, per token row:
 
-    s   = T(sum over ranks of float(x_r))          all-reduce, rounded once to T
+    s   = T(sum over ranks of float(x_r))          all-reduce, rounded once to T (fp32_acc;
+                                                   without it, rounded after every addition)
     r   = T(float(s) + float(residual))            residual add: second rounding
     inv = rsqrt(mean(float(r)^2) + eps)            in fp32
     y   = T(float(r) * inv * (weight_bias + float(gamma)))
 
 so residual_out is within about an ulp of |s| + |residual| (not of |r|), and norm_out
-inherits that through inv * gamma. The all-reduce order differs (psum's vs the kernel's
-rank order 0..N-1) only inside fp32, far below T's precision.
+inherits that through inv * gamma. With fp32_acc the summation order (psum's here, rank
+order 0..N-1 in the kernel) differs only inside fp32: exact for 2 ranks of 16-bit values,
+otherwise within (N - 1) * 2^-24 * sum(|x_r|), which under heavy cancellation can reach an
+ulp or more of a small |s|.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ def rms_norm(r, rms_gamma, *, rms_eps: float, weight_bias: float, out_dtype):
     r32 = r.astype(jnp.float32)
     inv = jax.lax.rsqrt(jnp.mean(r32 * r32, axis=-1, keepdims=True) + jnp.float32(rms_eps))
     scale = jnp.float32(weight_bias) + rms_gamma.astype(jnp.float32)
-    return ((r32 * inv) * scale).astype(out_dtype)
+    return round_to((r32 * inv) * scale, out_dtype)
 
 
 def epilogue(summed, residual, rms_gamma, *, pattern, rms_eps: float, weight_bias: float):
@@ -39,14 +42,47 @@ def epilogue(summed, residual, rms_gamma, *, pattern, rms_eps: float, weight_bia
     if traits.has_allreduce_out:
         return summed, None, None
     dtype = summed.dtype
-    r = (summed.astype(jnp.float32) + residual.astype(jnp.float32)).astype(dtype)
+    r = round_to(summed.astype(jnp.float32) + residual.astype(jnp.float32), dtype)
     norm = rms_norm(r, rms_gamma, rms_eps=rms_eps, weight_bias=weight_bias, out_dtype=dtype)
     return None, r, norm
 
 
+def round_to(x32, dtype):
+    """fp32 -> dtype with the rounding made explicit: XLA may otherwise keep excess
+    precision inside a fusion and skip a rounding the kernel performs."""
+    info = jnp.finfo(dtype)
+    rounded = jax.lax.reduce_precision(x32, info.nexp, info.nmant)
+    if info.nexp < 8:
+        # reduce_precision flushes float16 subnormals to zero; the kernel's conversion keeps
+        # them, so round those to the subnormal grid (half to even, like the hardware).
+        step = float(info.smallest_subnormal)
+        rounded = jnp.where(jnp.abs(x32) < float(info.smallest_normal),
+                            jnp.round(x32 / step) * step, rounded)
+    return rounded.astype(dtype)
+
+
+def allreduce_sum(x, axis_name, *, fp32_acc: bool):
+    """The kernel's all-reduce: with fp32_acc, the fp32 sum rounded once to x's dtype;
+    without, ranks added in rank order 0..N-1 with a rounding after every addition."""
+    if fp32_acc or x.dtype == jnp.float32:
+        return round_to(jax.lax.psum(x.astype(jnp.float32), axis_name), x.dtype)
+    # Rank r's contribution alone, as an invariant value: a psum where every other rank
+    # adds zeros is exact. (all_gather would do, but leaves the result marked per-rank.)
+    me = jax.lax.axis_index(axis_name)
+    x32 = x.astype(jnp.float32)
+
+    def contribution(r):
+        return jax.lax.psum(jnp.where(me == r, x32, 0.0), axis_name)
+
+    acc = contribution(0)
+    for r in range(1, jax.lax.axis_size(axis_name)):
+        acc = round_to(acc + contribution(r), x.dtype).astype(jnp.float32)
+    return acc.astype(x.dtype)
+
+
 def allreduce_fusion_reference(x, residual, rms_gamma, *, axis_name, pattern, rms_eps: float,
-                               weight_bias: float):
-    """The whole op on one shard inside shard_map: psum in fp32, then the epilogue."""
-    summed = jax.lax.psum(x.astype(jnp.float32), axis_name).astype(x.dtype)
+                               weight_bias: float, fp32_acc: bool = True):
+    """The whole op on one shard inside shard_map: the all-reduce, then the epilogue."""
+    summed = allreduce_sum(x, axis_name, fp32_acc=fp32_acc)
     return epilogue(summed, residual, rms_gamma, pattern=pattern, rms_eps=rms_eps,
                     weight_bias=weight_bias)

@@ -18,7 +18,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import native, topology
+from . import exchange, native, topology
 
 log = logging.getLogger("jax_fusedar")
 
@@ -66,7 +66,8 @@ class AllReduceFusionWorkspace:
     def is_buffer_size_sufficient(self, num_tokens: int, hidden_dim: int, dtype=None) -> bool:
         """Whether a call of this shape fits (FlashInfer's element-count rule + dtype width)."""
         if dtype is not None:
-            if (np.dtype(dtype).name == "float32") != (self.dtype.name == "float32"):
+            name = np.dtype(dtype).name
+            if name not in native.DTYPE_CODES or (name == "float32") != (self.dtype.name == "float32"):
                 return False
         return topology.buffer_fits(num_tokens, hidden_dim, self.sizes)
 
@@ -151,6 +152,8 @@ def abstract_workspace(mesh, axis_name: str, *, max_token_num: int, hidden_dim: 
     dtype_name = _dtype_name(dtype)
     if backend not in ("trtllm", "xla"):
         raise ValueError(f"backend must be 'trtllm' or 'xla', not {backend!r}")
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"axis {axis_name!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
     world = int(mesh.shape[axis_name])
     topology.check_kernel_supports(world, hidden_dim, dtype_name)
     with _serial_lock:
@@ -224,46 +227,20 @@ def _build_native(ws: AllReduceFusionWorkspace, timeout_s: float) -> None:
         if d.platform != "gpu":
             raise ValueError(f"the trtllm backend needs CUDA GPUs; {d} is {d.platform}")
 
-    # 1. Allocate every local member's buffers.
-    local = {}  # (group index, tp rank) -> (Rank, device)
-    for g in ws.groups:
-        for tp_rank, dev_id in enumerate(g.members):
-            d = by_id[dev_id]
-            if d.process_index == me:
-                r = ext.Rank(d.local_hardware_id, ws.world_size, tp_rank, ws.max_token_num,
-                             ws.hidden_dim, code)
-                ws._ranks.append(r)
-                local[(g.index, tp_rank)] = (r, d)
+    def make_rank(device: int, tp_rank: int):
+        r = ext.Rank(device, ws.world_size, tp_rank, ws.max_token_num, ws.hidden_dim, code)
+        ws._ranks.append(r)  # owned from birth, so a failure later still frees it
+        return r
 
-    # 2. Publish handles for members in other processes, only within their own group.
-    remote_groups = [g for g in ws.groups
-                     if {by_id[m].process_index for m in g.members} - {me}
-                     and any(by_id[m].process_index == me for m in g.members)]
-    chan = _KVChannel(timeout_s) if remote_groups else None
-    for g in remote_groups:
-        for tp_rank, dev_id in enumerate(g.members):
-            if (g.index, tp_rank) in local:
-                key = topology.exchange_key("jax_fusedar", g, ws.id, f"ipc/rank{tp_rank}")
-                chan.publish(key, local[(g.index, tp_rank)][0].export_ipc())
-
-    # 3. Connect every local member to all its peers, then initialise.
-    for (gi, tp_rank), (r, d) in local.items():
-        g = ws.groups[gi]
-        for peer, peer_id in enumerate(g.members):
-            if peer == tp_rank:
-                continue
-            pd = by_id[peer_id]
-            if pd.process_index == me:
-                pr, _ = local[(gi, peer)]
-                r.set_peer_pointers(peer, pd.local_hardware_id, pr.local_pointers())
-            else:
-                key = topology.exchange_key("jax_fusedar", g, ws.id, f"ipc/rank{peer}")
-                r.open_peer_ipc(peer, chan.fetch(key, f"TP rank {peer} ({pd}, process "
-                                                      f"{pd.process_index})"))
-        r.finalize()
-        ext.register_rank(ws.id, d.local_hardware_id, r)
-
-    # 4. No peer may launch before everyone's buffers are initialised.
-    for g in remote_groups:
-        procs = {by_id[m].process_index for m in g.members}
-        chan.barrier(topology.exchange_key("jax_fusedar", g, ws.id, "ready"), procs)
+    # The GPU is the device's own CUDA ordinal (local_hardware_id), never the TP rank.
+    members = {g.index: [exchange.Member(by_id[m].process_index, by_id[m].local_hardware_id)
+                         for m in g.members] for g in ws.groups}
+    spans = any(len({m.process for m in ms}) > 1 for ms in members.values())
+    chan = _KVChannel(timeout_s) if spans else None
+    plans = [exchange.create_and_publish(g, members[g.index], me, make_rank, chan,
+                                         namespace="jax_fusedar", serial=ws.id)
+             for g in ws.groups]
+    for plan in plans:
+        exchange.connect_and_finalize(plan, me, chan, namespace="jax_fusedar", serial=ws.id)
+        for tp_rank, rank in plan.local.items():
+            ext.register_rank(ws.id, plan.members[tp_rank].device, rank)

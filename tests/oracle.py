@@ -7,6 +7,9 @@ T), so errors are measured in ulps of the *intermediate* magnitudes (DESIGN.md Â
   residual_out: |r - r64| / ulp_T(|s64| + |res|)                   expect <= 1
   norm_out:     |y - y64| / (ulp_T(|s64| + |res|) * inv64 * |wb + g| + ulp_T(|y64|))
   allreduce:    |s - s64| / ulp_T(|s64|)                            expect <= 1
+
+The 1-ulp bounds assume the fp32 accumulation itself is exact, as it is for 2 ranks of
+16-bit values (the GPU tests' world size); N ranks add up to (N - 1) * 2^-24 * sum(|x_r|).
 """
 from __future__ import annotations
 

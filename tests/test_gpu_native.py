@@ -47,3 +47,20 @@ def test_native_sweep_two_ranks():
                 assert w[k] <= BOUNDS[dtype][k], (dtype, k, w[k])
         if r["loop"]:
             assert r["loop"]["residual"] <= 1.0 and r["loop"]["norm"] <= 3.0, r["loop"]
+
+
+def test_native_single_process_peer_pointers():
+    """Both ranks in this one process (the single-process path), in a child process so a
+    hang cannot take the test run with it."""
+    pytest.importorskip("torch")
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "tests.gpu.native_single_process", "4096"],
+                          capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(result)
+    assert result["worst"]["cases"] == 3
+    assert result["worst"]["residual"] <= 1.0 and result["worst"]["norm"] <= 3.0, result

@@ -59,10 +59,6 @@ int check(const fusedar_rank* r, const fusedar_launch_args* a) {
     return fail(FUSEDAR_UNSUPPORTED, "pattern " + std::to_string(a->pattern) +
                                          " is not compiled into this build of jax_fusedar");
   }
-  if (a->dtype != FUSEDAR_FLOAT32 && !a->fp32_acc) {
-    return fail(FUSEDAR_UNSUPPORTED,
-                "fp32_acc=False is not compiled into this build (only fp32 accumulation)");
-  }
   if (pattern_is_fp4(a->pattern)) {
     int major = 0, minor = 0;
     if (fusedar_device_compute_capability(r->device, &major, &minor)) return FUSEDAR_CUDA_ERROR;
@@ -147,12 +143,8 @@ std::string launch_for_world(const fusedar::kernels::KernelCall& call) {
 
 }  // namespace
 
-bool fusedar::kernels::pattern_compiled(int pattern, int dtype, bool fp32_acc) {
-  return is_compiled_pattern(pattern) && (dtype == FUSEDAR_FLOAT32 || fp32_acc);
-}
-
-extern "C" int fusedar_pattern_compiled(int32_t pattern, int32_t dtype, int32_t fp32_acc) {
-  return fusedar::kernels::pattern_compiled(pattern, dtype, fp32_acc != 0) ? 1 : 0;
+extern "C" int fusedar_pattern_compiled(int32_t pattern) {
+  return fusedar::kernels::is_compiled_pattern(pattern) ? 1 : 0;
 }
 
 extern "C" int fusedar_check_launch(const fusedar_rank* r, const fusedar_launch_args* a) {

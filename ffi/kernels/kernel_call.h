@@ -26,8 +26,4 @@ struct KernelCall {
 template <int DType, int NRanks>
 std::string launch(const KernelCall& call);
 
-// Patterns compiled into this build (see compiled_patterns.h); the same list drives the
-// dispatch in launch_impl.cuh, so what we report and what we can run never drift.
-bool pattern_compiled(int pattern, int dtype, bool fp32_acc);
-
 }  // namespace fusedar::kernels

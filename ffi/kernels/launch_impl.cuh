@@ -14,15 +14,13 @@ namespace fusedar::kernels {
 namespace fi = flashinfer::trtllm_allreduce_fusion;
 
 template <typename T, int NRanks, bool Fp32Acc, fi::AllReduceFusionPattern Pattern>
-std::string launch_pattern(const fi::AllReduceFusionParams<T>& params) {
+std::string launch_pattern(const fi::AllReduceFusionParams<T>& params, bool launch_with_pdl) {
   if constexpr (!is_compiled_pattern(static_cast<int>(Pattern))) {
     return "pattern " + std::to_string(static_cast<int>(Pattern)) +
            " is not compiled into this build of jax_fusedar";
   } else {
-    // PDL is always on: the kernel waits on the grid dependency before touching any
-    // input, so overlapping its launch with the previous kernel is safe.
-    cudaError_t err =
-        fi::allreduce_fusion_kernel_launcher<Pattern, T, NRanks, Fp32Acc>(params, true);
+    cudaError_t err = fi::allreduce_fusion_kernel_launcher<Pattern, T, NRanks, Fp32Acc>(
+        params, launch_with_pdl);
     if (err != cudaSuccess) {
       return std::string("kernel launch failed: ") + cudaGetErrorString(err);
     }
@@ -55,9 +53,7 @@ std::string launch_typed(const KernelCall& call) {
   p.layout = static_cast<flashinfer::QuantizationSFLayout>(a.layout);
   p.stream = call.stream;
   p.pattern = static_cast<fi::AllReduceFusionPattern>(a.pattern);
-  // Always trigger PDL completion at the end: an early trigger lets the next kernel
-  // read an unfinished Lamport buffer (vLLM saw NaNs, flashinfer #1223).
-  p.trigger_completion_at_end = true;
+  p.trigger_completion_at_end = a.trigger_completion_at_end != 0;
   p.block_quant_group_size = a.block_quant_group_size;
   p.tma_aligned_mn = static_cast<int>((a.num_tokens + 3) / 4 * 4);
 
@@ -65,9 +61,9 @@ std::string launch_typed(const KernelCall& call) {
   try {
     switch (p.pattern) {
       case P::kAllReduce:
-        return launch_pattern<T, NRanks, Fp32Acc, P::kAllReduce>(p);
+        return launch_pattern<T, NRanks, Fp32Acc, P::kAllReduce>(p, a.launch_with_pdl != 0);
       case P::kARResidualRMSNorm:
-        return launch_pattern<T, NRanks, Fp32Acc, P::kARResidualRMSNorm>(p);
+        return launch_pattern<T, NRanks, Fp32Acc, P::kARResidualRMSNorm>(p, a.launch_with_pdl != 0);
       default:
         return "pattern " + std::to_string(a.pattern) +
                " is not compiled into this build of jax_fusedar";
@@ -78,19 +74,16 @@ std::string launch_typed(const KernelCall& call) {
   }
 }
 
-// fp32 inputs always accumulate in fp32 (FlashInfer forces Fp32Acc=false for float,
-// which means "no extra conversion"); 16-bit inputs are built with fp32 accumulation
-// only, the setting every production user runs.
+// float inputs are summed in float either way (FlashInfer forces Fp32Acc=false for float,
+// which then means "no extra conversion"); 16-bit inputs get both variants, so that
+// FlashInfer's default (fp32_acc=False) and vLLM's choice (True) both run.
 template <typename T, int NRanks>
 std::string launch_dtype(const KernelCall& call) {
   if constexpr (std::is_same_v<T, float>) {
     return launch_typed<T, NRanks, false>(call);
   } else {
-    if (!call.args->fp32_acc) {
-      return "fp32_acc=False is not compiled into this build of jax_fusedar (only fp32 "
-             "accumulation is built)";
-    }
-    return launch_typed<T, NRanks, true>(call);
+    if (call.args->fp32_acc) return launch_typed<T, NRanks, true>(call);
+    return launch_typed<T, NRanks, false>(call);
   }
 }
 

@@ -104,8 +104,8 @@ class Rank {
               uint64_t allreduce_out, uint64_t residual_in, uint64_t residual_out,
               uint64_t norm_out, uint64_t quant_out, uint64_t scale_out, uint64_t rms_gamma,
               uint64_t scale_factor, float rms_eps, float weight_bias, bool use_oneshot,
-              bool fp32_acc, int layout, int block_quant_group_size, uint64_t stream,
-              bool check_only) const {
+              bool fp32_acc, int layout, int block_quant_group_size, bool launch_with_pdl,
+              bool trigger_completion_at_end, uint64_t stream, bool check_only) const {
     fusedar_launch_args a{};
     a.pattern = pattern;
     a.dtype = dtype;
@@ -126,6 +126,8 @@ class Rank {
     a.fp32_acc = fp32_acc ? 1 : 0;
     a.layout = layout;
     a.block_quant_group_size = block_quant_group_size;
+    a.launch_with_pdl = launch_with_pdl ? 1 : 0;
+    a.trigger_completion_at_end = trigger_completion_at_end ? 1 : 0;
     if (check_only) {
       check(fusedar_check_launch(get(), &a));
       return;
@@ -174,9 +176,7 @@ NB_MODULE(_fusedar, m) {
     check(fusedar_workspace_sizes(world_size, max_token_num, hidden_dim, dtype, &i));
     return info_dict(i);
   });
-  m.def("pattern_compiled", [](int pattern, int dtype, bool fp32_acc) {
-    return fusedar_pattern_compiled(pattern, dtype, fp32_acc) != 0;
-  });
+  m.def("pattern_compiled", [](int pattern) { return fusedar_pattern_compiled(pattern) != 0; });
 
   m.def("device_count", []() {
     int32_t c = 0;
@@ -226,6 +226,7 @@ NB_MODULE(_fusedar, m) {
            nb::arg("quant_out") = 0, nb::arg("scale_out") = 0, nb::arg("rms_gamma") = 0,
            nb::arg("scale_factor") = 0, nb::arg("rms_eps") = 1e-6f, nb::arg("weight_bias") = 0.0f,
            nb::arg("use_oneshot") = true, nb::arg("fp32_acc") = true, nb::arg("layout") = 0,
-           nb::arg("block_quant_group_size") = 0, nb::arg("stream") = 0,
+           nb::arg("block_quant_group_size") = 0, nb::arg("launch_with_pdl") = true,
+           nb::arg("trigger_completion_at_end") = true, nb::arg("stream") = 0,
            nb::arg("check_only") = false);
 }

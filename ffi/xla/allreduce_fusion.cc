@@ -77,6 +77,11 @@ ffi::Error AllReduceFusionImpl(void* stream, int32_t device_ordinal, ffi::Remain
   a.fp32_acc = fp32_acc ? 1 : 0;
   a.layout = layout;
   a.block_quant_group_size = block_quant_group_size;
+  // XLA neighbours are ordinary kernels: PDL is safe (the kernel waits on its grid
+  // dependency first) and the completion trigger stays at the end (vLLM saw NaNs
+  // with an early trigger, flashinfer #1223).
+  a.launch_with_pdl = 1;
+  a.trigger_completion_at_end = 1;
 
   size_t next_arg = 1;
   if (has_residual(pattern)) {

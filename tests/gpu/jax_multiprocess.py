@@ -82,13 +82,15 @@ def _parity(jax, jnp, jf, oracle, mesh, P, rank, world, seed, tokens, hiddens):
                     gam = rng.uniform(-2, 2, hidden).astype(np.float32).astype(jdt)
                     wb = float(case % 2)
 
-                    def f(x, r, g, oneshot=oneshot, wb=wb):
+                    acc = case % 3 != 2
+
+                    def f(x, r, g, oneshot=oneshot, wb=wb, acc=acc):
                         o = jf.allreduce_fusion(x, axis_name="tp", workspace=ws, residual=r,
                                                 rms_gamma=g, weight_bias=wb, use_oneshot=oneshot,
-                                                strict=True)
+                                                fp32_acc=acc, strict=True)
                         a = jf.allreduce_fusion(x, axis_name="tp", workspace=ws,
                                                 pattern=jf.AllReduceFusionPattern.kAllReduce,
-                                                use_oneshot=oneshot, strict=True)
+                                                use_oneshot=oneshot, fp32_acc=acc, strict=True)
                         return o.residual_out, o.norm_out, a.allreduce_out
 
                     fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("tp"), P(), P()),
@@ -108,6 +110,14 @@ def _parity(jax, jnp, jf, oracle, mesh, P, rank, world, seed, tokens, hiddens):
                         _local(a_out), s, dtype))
                     w["cases"] += 1
         ws.destroy()
+        if dtype == "bfloat16":
+            # A compiled program that outlives its workspace gets an FFI error, not a crash.
+            try:
+                fn(*[_global(jax, mesh, s, a) for s, a in
+                     ((P("tp"), xs[rank]), (P(), res), (P(), gam))])[0].block_until_ready()
+                worst["destroyed_workspace_error"] = "no error"
+            except Exception as e:  # XlaRuntimeError
+                worst["destroyed_workspace_error"] = str(e)[:300]
     return worst
 
 

@@ -77,9 +77,15 @@ typedef struct {
   float rms_eps;
   float weight_bias;  // 0: gamma; 1: (1 + gamma), Gemma style
   int32_t use_oneshot;  // 1 one-shot (Lamport), 0 two-shot; the caller decides (see policy)
-  int32_t fp32_acc;
-  int32_t layout;  // NVFP4 scale layout code
+  int32_t fp32_acc;     // 1: sum ranks in fp32, round once; 0: round after each add
+  int32_t layout;       // NVFP4 scale layout code
   int32_t block_quant_group_size;
+  // Programmatic dependent launch. Safe either way (the kernel waits on its grid
+  // dependency before reading inputs); the JAX path always sets 1.
+  int32_t launch_with_pdl;
+  // Fire PDL completion at the end of the kernel. 0 lets the next kernel start early,
+  // which vLLM saw read unfinished Lamport buffers (NaNs); the JAX path always sets 1.
+  int32_t trigger_completion_at_end;
 } fusedar_launch_args;
 
 const char* fusedar_last_error(void);
@@ -120,16 +126,16 @@ uint64_t fusedar_rank_workspace_table(const fusedar_rank* r);
 
 // Checks a call against the workspace without launching (same checks as launch).
 int fusedar_check_launch(const fusedar_rank* r, const fusedar_launch_args* args);
-// Launches the fused kernel on `stream` (a cudaStream_t) with PDL and the completion
-// trigger at the end of the kernel (vLLM saw NaNs with an early trigger).
+// Launches the fused kernel on `stream` (a cudaStream_t).
 int fusedar_launch(const fusedar_rank* r, const fusedar_launch_args* args, void* stream);
 
 // Host-side launches so far in this process. Under CUDA-graph replay (XLA command
 // buffers) kernels run without a host launch, which is how tests see that capture works.
 uint64_t fusedar_launch_count(void);
 
-// Whether pattern `pattern` for `dtype` was compiled into this library.
-int fusedar_pattern_compiled(int32_t pattern, int32_t dtype, int32_t fp32_acc);
+// Whether pattern `pattern` was compiled into this library (for every dtype and both
+// accumulation modes).
+int fusedar_pattern_compiled(int32_t pattern);
 
 // Small device queries the Python layers need without a CUDA binding of their own.
 int fusedar_device_count(int32_t* count);
