@@ -7,7 +7,6 @@ every output finite. Command buffers are exercised on (forced, min graph size 1)
 """
 import json
 import os
-import socket
 
 import pytest
 
@@ -20,16 +19,10 @@ CMDBUF_ON = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL
 CMDBUF_OFF = "--xla_gpu_enable_command_buffer="
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(task, xla_flags, **kw):
     from tests.gpu import jax_multiprocess
-    from tests.gpu.harness import run_ranks
-    return run_ranks(jax_multiprocess.worker, 2, timeout_s=900, port=_free_port(),
+    from tests.gpu.harness import free_port, run_ranks
+    return run_ranks(jax_multiprocess.worker, 2, timeout_s=900, port=free_port(),
                      xla_flags=xla_flags, task=task,
                      seed=int.from_bytes(os.urandom(4), "little"), **kw)
 

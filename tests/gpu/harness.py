@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import socket
 import traceback
 
 
@@ -85,3 +86,10 @@ def device_for(rank: int) -> int:
 
 def env_int(name, default):
     return int(os.environ.get(name, default))
+
+
+def free_port() -> int:
+    """A TCP port on localhost that is free right now (for a rendezvous server)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

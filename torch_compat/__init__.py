@@ -1,0 +1,23 @@
+"""torch_compat: FlashInfer's fused all-reduce (+ residual add + RMSNorm) for PyTorch.
+
+A drop-in for ``flashinfer.comm``'s unified API on the TRT-LLM backend
+(``create_allreduce_fusion_workspace``, ``allreduce_fusion``), built on the same native
+core as ``jax_fusedar`` and sharing its framework-neutral topology, exchange and pattern
+logic. It never imports JAX.
+"""
+from __future__ import annotations
+
+from jax_fusedar.patterns import AllReduceFusionPattern, QuantizationSFLayout
+
+from .channel import StoreChannel
+from .ops import allreduce_fusion
+from .workspace import TorchAllReduceFusionWorkspace, create_allreduce_fusion_workspace
+
+__all__ = [
+    "AllReduceFusionPattern",
+    "QuantizationSFLayout",
+    "StoreChannel",
+    "TorchAllReduceFusionWorkspace",
+    "allreduce_fusion",
+    "create_allreduce_fusion_workspace",
+]

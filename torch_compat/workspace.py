@@ -1,0 +1,358 @@
+"""FlashInfer-compatible workspace creation for torch: one workspace per TP process group.
+
+``create_allreduce_fusion_workspace`` keeps the names and defaults of
+``flashinfer.comm.create_allreduce_fusion_workspace`` but fixes by construction the DP+TP
+bugs vLLM hit with it (research/peers.md §2):
+
+1. the group is the TP ``ProcessGroup`` passed in (WORLD only when none is), and the
+   exchange involves only its members;
+2. ``world_size``/``rank`` are group-local and checked against ``dist.get_rank(group)``,
+   so a global rank passed by mistake is an error, not a wrong peer;
+3. the GPU is ``torch.cuda.current_device()``, never the TP rank;
+4. exchange keys derive from the group's global ranks and a per-group serial
+   (``topology.exchange_key``), never from ``random`` (vLLM seeds it identically
+   everywhere).
+
+The handles travel through the c10d store (``channel.StoreChannel``), with a timeout, so a
+member that never joins is a ``TimeoutError`` naming it. Memory and kernels are the shared
+native core (``jax_fusedar._fusedar.Rank``); no JAX is imported.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import socket
+import threading
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from jax_fusedar import exchange, native, topology
+
+from .channel import StoreChannel
+
+log = logging.getLogger("torch_compat")
+
+NAMESPACE = "torch_compat"
+
+TORCH_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+# One counter per group (its ordered global ranks): every member of a group creates the
+# group's workspaces in the same order, so they agree on the serial even when a process
+# also creates workspaces over other groups that its peers are not part of.
+_serials: Dict[Tuple[int, ...], "itertools.count[int]"] = {}
+_serial_lock = threading.Lock()
+
+
+def _next_serial(global_ranks: Sequence[int]) -> int:
+    with _serial_lock:
+        return next(_serials.setdefault(tuple(global_ranks), itertools.count(1)))
+
+
+def dtype_name(dtype) -> str:
+    """The topology name of a supported torch dtype; ValueError otherwise."""
+    try:
+        return TORCH_DTYPES[dtype]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype!r}"
+        ) from None
+
+
+class TorchAllReduceFusionWorkspace:
+    """One TP rank's workspace (FlashInfer's ``TRTLLMAllReduceFusionWorkspace`` for torch).
+
+    ``world_size``/``rank`` are the TP group's size and this process's rank in it,
+    ``global_ranks`` the group's members in TP-rank order, ``device`` the CUDA ordinal the
+    buffers live on. A call fits when ``num_tokens * hidden_dim <= max_token_num *
+    hidden_dim`` (any hidden size, FlashInfer's element-count rule) and its dtype has the
+    workspace's element width (bf16 and fp16 share a workspace, float32 needs its own).
+    ``destroy()`` frees it (idempotent; every later use raises); it is also a context
+    manager. All ranks must have finished their calls before any of them destroys.
+    """
+
+    backend = "trtllm"
+
+    def __init__(self, *, native_rank, global_ranks: Sequence[int], rank: int, device: int,
+                 max_token_num: int, hidden_dim: int, dtype: torch.dtype,
+                 sizes: topology.WorkspaceSizes, members: Sequence[exchange.Member] = ()):
+        self._rank_obj = native_rank
+        self.global_ranks = tuple(int(g) for g in global_ranks)
+        self.world_size = len(self.global_ranks)
+        self.rank = int(rank)
+        self.device = int(device)
+        # Where inputs must live; a plain attribute so the CPU tests can point it elsewhere.
+        self.torch_device = torch.device("cuda", self.device)
+        self.max_token_num = int(max_token_num)
+        self.hidden_dim = int(hidden_dim)
+        self.dtype = dtype
+        self.sizes = sizes
+        self.members = tuple(members)
+        self._destroyed = False
+
+    @property
+    def metadata(self) -> Dict[str, Any]:
+        """FlashInfer's workspace metadata (trtllm_ar.py, ``create_metadata=True``)."""
+        self._check_alive()
+        s = self.sizes
+        return {
+            "tp_rank": self.rank,
+            "tp_size": self.world_size,
+            "max_token_num": self.max_token_num,
+            "hidden_dim": self.hidden_dim,
+            "use_fp32_lamport": s.use_fp32_lamport,
+            "buffer_size": s.two_shot_buffer_bytes,
+            "flag_size": s.flag_bytes,
+            "lamport_comm_size": s.lamport_comm_bytes,
+            "lamport_buffer_size": s.lamport_buffer_bytes,
+        }
+
+    @property
+    def destroyed(self) -> bool:
+        return self._destroyed
+
+    def _check_alive(self) -> None:
+        if self._destroyed:
+            raise RuntimeError(f"this all-reduce fusion workspace was destroyed: {self!r}")
+
+    def native_rank(self):
+        """The native ``Rank`` (raises once destroyed)."""
+        self._check_alive()
+        return self._rank_obj
+
+    def fit_problem(self, tp_size: int, num_tokens: int, hidden_dim: int, dtype,
+                    use_oneshot: Optional[bool] = None) -> Optional[str]:
+        """Why a call of this size cannot use the workspace, or None if it can."""
+        self._check_alive()
+        problems = []
+        if tp_size != self.world_size:
+            problems.append(f"tp_size {tp_size} does not match the workspace's TP size "
+                            f"{self.world_size}")
+        if not topology.buffer_fits(num_tokens, hidden_dim, self.sizes):
+            problems.append(f"num_tokens*hidden_dim = {num_tokens}*{hidden_dim} exceeds the "
+                            f"workspace's max_token_num*hidden_dim = "
+                            f"{self.max_token_num}*{self.hidden_dim}")
+        if dtype not in TORCH_DTYPES:
+            problems.append(f"dtype {dtype} is not supported (bf16, fp16, fp32)")
+        elif (dtype == torch.float32) != self.sizes.use_fp32_lamport:
+            problems.append(f"dtype {dtype} does not have the workspace's element width "
+                            f"({self.dtype}): float32 needs a float32 workspace, bf16/fp16 a "
+                            f"16-bit one")
+        if not problems and use_oneshot is not None:
+            try:  # FlashInfer's trtllm workspace ignores use_oneshot; we check it is possible
+                topology.choose_oneshot(num_tokens, hidden_dim, self.sizes, bool(use_oneshot))
+            except ValueError as e:
+                problems.append(str(e))
+        return "; ".join(problems) or None
+
+    def is_buffer_size_sufficient(self, tp_size: int, num_tokens: int, hidden_dim: int,
+                                  dtype: torch.dtype, use_oneshot: Optional[Any] = None) -> bool:
+        """FlashInfer's check (``check_trtllm_allreduce_fusion_workspace_metadata``): same TP
+        size, ``num_tokens * hidden_dim <= max_token_num * hidden_dim``, same element width;
+        and, when ``use_oneshot`` is True/False, that this mode can run the call."""
+        problem = self.fit_problem(tp_size, num_tokens, hidden_dim, dtype, use_oneshot)
+        if problem:
+            log.warning("Workspace is insufficient for problem size. %s", problem)
+        return problem is None
+
+    def destroy(self) -> None:
+        """Frees the buffers and closes the peers' IPC mappings. Idempotent."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        rank, self._rank_obj = self._rank_obj, None
+        rank.destroy()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.destroy()
+
+    def __repr__(self):
+        return (f"TorchAllReduceFusionWorkspace(backend='trtllm', tp_rank={self.rank}, "
+                f"tp_size={self.world_size}, global_ranks={list(self.global_ranks)}, "
+                f"device=cuda:{self.device}, max_token_num={self.max_token_num}, "
+                f"hidden_dim={self.hidden_dim}, dtype={self.dtype}"
+                f"{', destroyed' if self._destroyed else ''})")
+
+
+# --- argument checks ----------------------------------------------------------------------------
+
+_XLA_NOTE = (" (torch_compat: 'xla' means JAX's collectives and does not exist under torch; "
+             "use torch.distributed.all_reduce + an RMSNorm for the unfused path)")
+
+
+def resolve_backend(backend: Optional[str], num_nodes: int) -> str:
+    """topology.resolve_backend for CUDA, refusing "xla" (also when it comes from
+    $JAX_FUSEDAR_ALLREDUCE_BACKEND): the only torch backend is "trtllm"."""
+    try:
+        resolved = topology.resolve_backend(backend, platform="cuda", num_nodes=num_nodes)
+    except ValueError as e:
+        raise ValueError(f"{e}{_XLA_NOTE if 'xla' in str(e) else ''}") from None
+    if resolved == "xla":
+        raise ValueError(f"all-reduce backend {backend!r} resolved to 'xla' (argument or "
+                         f"${topology.BACKEND_ENV_VAR}){_XLA_NOTE}")
+    return resolved
+
+
+def _group_membership(group, world_size, rank) -> Tuple[List[int], int]:
+    """(the group's global ranks in TP-rank order, this process's TP rank), after checking
+    that ``world_size``/``rank`` are the group-local ones (None: taken from the group)."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized: call "
+                           "torch.distributed.init_process_group() (any backend; gloo is "
+                           "enough) before creating the workspace")
+    if group is None:
+        group = dist.group.WORLD
+    local_rank = dist.get_rank(group)
+    if local_rank < 0:
+        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of "
+                         f"the process group passed as group=")
+    global_ranks = [int(g) for g in dist.get_process_group_ranks(group)]
+    size = len(global_ranks)
+    if world_size is not None and world_size != size:
+        raise ValueError(
+            f"world_size={world_size!r} but the TP group has {size} ranks (global ranks "
+            f"{global_ranks}): world_size is the size of `group` (dist.get_world_size(group)), "
+            f"not of WORLD; pass the TP ProcessGroup as group=")
+    if rank is not None and rank != local_rank:
+        raise ValueError(
+            f"rank={rank!r} but this process is rank {local_rank} of the TP group (global "
+            f"rank {dist.get_rank()}, group members {global_ranks}): `rank` is group-local "
+            f"(dist.get_rank(group)), not the global rank nor a device index")
+    return global_ranks, local_rank
+
+
+def _check_comm_backend(comm_backend, world_size: int, rank: int) -> None:
+    """FlashInfer's ``comm_backend`` (e.g. ``TorchDistBackend(tp_group)``) is not needed: the
+    exchange goes over ``group``'s c10d store. When one is given, it must describe the same
+    group (vLLM's first DP+TP bug was a workspace built over WORLD)."""
+    if comm_backend is None:
+        return
+    for what, mine, getter in (("size", world_size, "Get_size"), ("rank", rank, "Get_rank")):
+        fn = getattr(comm_backend, getter, None)
+        theirs = fn() if fn is not None else mine
+        if theirs != mine:
+            raise ValueError(
+                f"comm_backend.{getter}() = {theirs} but `group` gives TP {what} {mine}: "
+                f"comm_backend and group must describe the same TP group")
+
+
+def _current_cuda_device() -> int:
+    if not torch.cuda.is_available():
+        raise RuntimeError("the fused all-reduce needs a CUDA GPU, but torch sees none "
+                           f"(torch {torch.__version__}, CUDA build: "
+                           f"{torch.version.cuda is not None})")
+    # The device this process drives (vLLM bug #3 used the TP rank as the device index).
+    return torch.cuda.current_device()
+
+
+# --- the exchange --------------------------------------------------------------------------------
+
+
+def _join_group(*, global_ranks: Sequence[int], me: int, device: int, host: str,
+                channel: StoreChannel, serial: int, backend: Optional[str],
+                make_rank: Callable[[int, int], Any]):
+    """Runs the group exchange for this process's member; returns (native rank, members).
+    Pure values in, so tests can drive it with threads, a HashStore and fake ranks.
+
+    Every member first publishes its device and host, so each learns the others' devices
+    and whether the group spans hosts (and so which backend can run) before any memory is
+    allocated; then exchange.py creates, exchanges IPC handles and finalizes.
+    """
+    group = topology.TPGroup(tuple(global_ranks), 0)
+    tp_rank = group.rank_of(me)
+
+    def key(purpose: str) -> str:
+        return topology.exchange_key(NAMESPACE, group, serial, purpose)
+
+    channel.publish(key(f"member/rank{tp_rank}"),
+                    json.dumps({"device": device, "host": host, "pid": os.getpid()}).encode())
+    whos = {key(f"member/rank{r}"):
+            f"TP rank {r} of group {list(group.members)} (global rank {g})"
+            for r, g in enumerate(group.members)}
+    got = channel.fetch_many(whos)
+    infos = [json.loads(got[key(f"member/rank{r}")]) for r in range(group.size)]
+
+    # Same infos on every member, so every member accepts or refuses alike.
+    resolve_backend(backend, num_nodes=len({i["host"] for i in infos}))
+    places = [(i["host"], i["device"]) for i in infos]
+    if len(set(places)) < len(places):
+        # Legal (ranks time-slice one GPU, as in tests), but in production it is usually a
+        # device chosen from the TP rank instead of torch.cuda.set_device(local device).
+        log.warning("TP group %s: several ranks share a GPU (host, device): %s",
+                    list(group.members), places)
+    members = [exchange.Member(process=g, device=int(i["device"]))
+               for g, i in zip(group.members, infos)]
+    plan = exchange.create_and_publish(group, members, me, make_rank, channel,
+                                       namespace=NAMESPACE, serial=serial)
+    exchange.connect_and_finalize(plan, me, channel, namespace=NAMESPACE, serial=serial)
+    return plan.local[tp_rank], members
+
+
+def create_allreduce_fusion_workspace(
+    backend: str = "auto",
+    world_size: int = None,
+    rank: int = None,
+    max_token_num: int = None,
+    hidden_dim: int = None,
+    dtype: torch.dtype = None,
+    gpus_per_node: int = None,
+    comm_backend=None,
+    force_oneshot_support: bool = False,
+    group=None,
+    *,
+    timeout_s: float = 120.0,
+) -> TorchAllReduceFusionWorkspace:
+    """Creates this process's workspace of the TP group ``group``; collective over the group.
+
+    FlashInfer's signature. ``group``: the TP ``ProcessGroup`` (None: WORLD).
+    ``world_size``/``rank``: the group's size and this process's rank in it (group-local;
+    None takes them from ``group``). The GPU is ``torch.cuda.current_device()``: call
+    ``torch.cuda.set_device`` first. ``backend``: "auto" or "trtllm" (the kernel, one node),
+    "mnnvl" is refused (it needs NVLink multicast), "xla" does not exist under torch;
+    $JAX_FUSEDAR_ALLREDUCE_BACKEND decides for "auto". ``gpus_per_node`` and
+    ``force_oneshot_support`` only matter to FlashInfer's MNNVL backend and are ignored;
+    ``comm_backend`` is not used for the exchange (the group's c10d store is) but, when
+    given, must agree with ``group``. ``timeout_s`` bounds each wait for the other members:
+    a member that never joins raises ``TimeoutError`` naming it.
+    """
+    resolve_backend(backend, num_nodes=1)  # a bad name fails before anyone waits
+    name = dtype_name(dtype)
+    global_ranks, tp_rank = _group_membership(group, world_size, rank)
+    _check_comm_backend(comm_backend, len(global_ranks), tp_rank)
+    topology.check_kernel_supports(len(global_ranks), hidden_dim, name)
+    sizes = topology.workspace_sizes(len(global_ranks), max_token_num, hidden_dim, name)
+    device = _current_cuda_device()
+    ext = native.require()
+    me = dist.get_rank()
+    channel = StoreChannel(timeout_s=timeout_s, process=me)
+    # Taken only after every local check passed, so a member that refused its arguments
+    # does not leave the others' serials one ahead of its own.
+    serial = _next_serial(global_ranks)
+
+    created = []
+
+    def make_rank(dev: int, r: int):
+        created.append(ext.Rank(dev, sizes.world_size, r, sizes.max_token_num,
+                                sizes.hidden_dim, native.DTYPE_CODES[name]))
+        return created[-1]
+
+    try:
+        native_rank, members = _join_group(
+            global_ranks=global_ranks, me=me, device=device, host=socket.gethostname(),
+            channel=channel, serial=serial, backend=backend, make_rank=make_rank)
+    except BaseException:
+        for r in created:  # owned from birth: a failed exchange frees what it allocated
+            r.destroy()
+        raise
+    ws = TorchAllReduceFusionWorkspace(
+        native_rank=native_rank, global_ranks=global_ranks, rank=tp_rank, device=device,
+        max_token_num=sizes.max_token_num, hidden_dim=sizes.hidden_dim, dtype=dtype,
+        sizes=sizes, members=members)
+    log.info("created %r", ws)
+    return ws
