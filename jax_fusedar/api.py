@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import topology
-from .patterns import TRAITS, AllReduceFusionPattern, as_pattern
+from . import formats, topology
+from .patterns import TRAITS, AllReduceFusionPattern, QuantizationSFLayout, as_pattern
 from .primitive import allreduce_fusion_p, register_ffi_targets
 from .workspace import AllReduceFusionWorkspace
 
@@ -50,6 +50,49 @@ def _kernel_problem(world, tokens, hidden, dtype_name, workspace) -> Optional[st
     return problem
 
 
+def _quant_params(pattern, traits, x, hidden, scale_factor, layout_code, group_size,
+                  workspace):
+    """Validates the quantization arguments of ``pattern``; returns (layout, group size) as
+    the primitive's attributes (0 where unused)."""
+    name = pattern.name
+    if not traits.uses_scale_factor and scale_factor is not None:
+        raise ValueError(f"scale_factor applies to static FP8 and NVFP4 patterns, not {name}")
+    if traits.quant != "fp4" and layout_code is not None:
+        raise ValueError(f"layout_code applies to NVFP4 patterns only, not {name}")
+    if traits.quant != "group_fp8" and group_size is not None:
+        raise ValueError(f"block_quant_group_size applies to per-token-group FP8 patterns "
+                         f"only, not {name}")
+    if traits.quant is not None and x.dtype == jnp.float32 and traits.quant == "fp4":
+        raise ValueError("NVFP4 patterns need bfloat16 or float16 inputs")
+    layout = group = 0
+    if traits.quant == "fp4":
+        layout = int(formats.as_layout(QuantizationSFLayout.SWIZZLED_128x4
+                                       if layout_code is None else layout_code))
+        formats.check_hidden_fp4(hidden)
+        if workspace.backend == "trtllm":
+            _require_sm100(workspace)
+    if traits.quant == "group_fp8":
+        if group_size is None:
+            raise ValueError(f"{name} needs block_quant_group_size")
+        group = formats.check_group_size(hidden, group_size)
+        vec = topology.vector_width(np.dtype(x.dtype).name)
+        if group < vec or group > 32 * vec or group & (group - 1):
+            # Other sizes take the kernel's shared-memory reduction, which needs whole groups
+            # per thread block: not guaranteed for every hidden size, so not offered.
+            raise ValueError(f"block_quant_group_size must be a power of two from {vec} to "
+                             f"{32 * vec} for {np.dtype(x.dtype).name}, got {group}")
+    return layout, group
+
+
+def _require_sm100(workspace):
+    """On sm90 the NVFP4 epilogue compiles, runs and silently writes zeros: refuse it."""
+    for d in workspace.mesh.devices.flat:
+        cc = getattr(d, "compute_capability", None)
+        if cc is not None and float(cc) < 10.0:
+            raise ValueError(f"NVFP4 patterns (3, 5) need an sm100+ GPU (Blackwell); {d} is "
+                             f"sm{str(cc).replace('.', '')}")
+
+
 def _check_operand(name, value, shape, dtype):
     if value.shape != shape or value.dtype != dtype:
         raise ValueError(f"{name} must have shape {shape} and dtype {np.dtype(dtype).name}, "
@@ -60,14 +103,19 @@ def allreduce_fusion(x, *, axis_name: str, workspace: AllReduceFusionWorkspace,
                      pattern=AllReduceFusionPattern.kARResidualRMSNorm, residual=None,
                      rms_gamma=None, rms_eps: float = 1e-6, weight_bias: float = 0.0,
                      scale_factor=None, layout_code=None, use_oneshot: Optional[bool] = None,
-                     fp32_acc: bool = True, strict: Optional[bool] = None
-                     ) -> AllReduceFusionOutputs:
+                     fp32_acc: bool = True, block_quant_group_size: Optional[int] = None,
+                     strict: Optional[bool] = None) -> AllReduceFusionOutputs:
     """All-reduce ``x`` over ``axis_name`` fused with residual add + RMSNorm.
 
     Args mirror ``flashinfer.comm.allreduce_fusion``. ``x``: the local ``[tokens, hidden]``
     partial sum. ``residual``: added after the all-reduce (zeros when None, for residual
     patterns). ``rms_gamma``: ``[hidden]``. ``weight_bias=1.0`` gives Gemma's ``(1 + gamma)``.
-    ``use_oneshot``: None picks by size (FlashInfer's heuristic). ``fp32_acc``: sum the ranks
+    Quantized patterns (table in the README, layouts in ``jax_fusedar.formats``):
+    ``scale_factor`` (static FP8: the dequantization scale; NVFP4: the global scale) is a
+    float32 array of shape () or (1,), a runtime operand, never a baked constant;
+    ``layout_code`` picks the NVFP4 scale layout (default SWIZZLED_128x4);
+    ``block_quant_group_size`` is the per-token-group FP8 group size (8 to 256, a power of
+    two dividing hidden). ``use_oneshot``: None picks by size (FlashInfer's heuristic). ``fp32_acc``: sum the ranks
     in fp32 and round once (default, vLLM's choice) or round after every addition
     (FlashInfer's default). ``strict`` (default: the
     ``JAX_FUSEDAR_STRICT`` environment variable): raise instead of falling back to psum +
@@ -96,9 +144,6 @@ def allreduce_fusion(x, *, axis_name: str, workspace: AllReduceFusionWorkspace,
     if dtype_name != workspace.dtype.name:
         raise ValueError(f"x has dtype {dtype_name} but the workspace was created for "
                          f"{workspace.dtype.name}; create a workspace per dtype")
-    if scale_factor is not None or layout_code is not None:
-        raise ValueError(f"scale_factor/layout_code apply to quantized patterns only, not "
-                         f"{pattern.name}")
     try:
         world = jax.lax.axis_size(axis_name)
     except NameError:
@@ -127,6 +172,10 @@ def allreduce_fusion(x, *, axis_name: str, workspace: AllReduceFusionWorkspace,
         operands += [residual, rms_gamma]
     elif residual is not None or rms_gamma is not None:
         raise ValueError(f"pattern {pattern.name} takes no residual or rms_gamma")
+    layout, group_size = _quant_params(pattern, traits, x, hidden, scale_factor, layout_code,
+                                       block_quant_group_size, workspace)
+    if traits.uses_scale_factor:
+        operands.append(formats.check_scalar_scale(scale_factor, "scale_factor").reshape(1))
 
     # Trace-time decision: the kernel, or the reference with a logged reason.
     use_kernel = workspace.backend == "trtllm"
@@ -149,9 +198,12 @@ def allreduce_fusion(x, *, axis_name: str, workspace: AllReduceFusionWorkspace,
         workspace_id=workspace.id,
         mesh_device_ids=tuple(int(d.id) for d in workspace.mesh.devices.flat),
         use_oneshot=bool(oneshot), fp32_acc=bool(fp32_acc), rms_eps=float(rms_eps),
-        weight_bias=float(weight_bias), layout=0, block_quant_group_size=0)
+        weight_bias=float(weight_bias), layout=layout, block_quant_group_size=group_size)
     if traits.has_allreduce_out:
         return AllReduceFusionOutputs(outs[0], None, None, None, None)
-    residual_out = outs[0]
-    norm_out = outs[1] if traits.has_norm_out else None
-    return AllReduceFusionOutputs(None, residual_out, norm_out, None, None)
+    outs = list(outs)
+    residual_out = outs.pop(0)
+    norm_out = outs.pop(0) if traits.has_norm_out else None
+    quant_out = outs.pop(0) if traits.quant else None
+    scale_out = outs.pop(0) if traits.writes_scale_out else None
+    return AllReduceFusionOutputs(None, residual_out, norm_out, quant_out, scale_out)

@@ -4,8 +4,10 @@
   when the call was cleared for the kernel at trace time, else the reference.
 * every other platform: the reference math (``reference.py``) lowered with ``lower_fun``.
 
-Operands: x, then residual_in and rms_gamma for residual patterns (see patterns.TRAITS and
-ffi/xla/allreduce_fusion.cc, which checks the same list). residual_in is aliased to
+Operands: x, then residual_in and rms_gamma for residual patterns, then scale_factor (float32
+[1], a runtime operand) for static FP8 / NVFP4. Results: allreduce_out, or residual_out
+[+ norm_out] [+ quant_out [+ scale_out]] (see patterns.TRAITS, formats.py for the quantized
+layouts, and ffi/xla/allreduce_fusion.cc, which checks the same lists). residual_in is aliased to
 residual_out, the in-place update FlashInfer and vLLM use (safe: each element is read and
 written by the same thread).
 """
@@ -13,10 +15,11 @@ from __future__ import annotations
 
 import numpy as np
 import jax
+import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from . import native, reference
+from . import formats, native, quant_reference, reference
 from .patterns import TRAITS, AllReduceFusionPattern
 
 FFI_TARGET = "jax_fusedar_allreduce_fusion_v1"
@@ -43,7 +46,22 @@ def _with_varying(aval, vma: frozenset):
     return aval.update(vma=vma)
 
 
-def _abstract_eval(*avals, axis_name, pattern, **_):
+def quant_result_shapes(traits, tokens: int, hidden: int, layout: int, group_size: int):
+    """(shape, dtype) of quant_out and, if written, scale_out (see formats.py for layouts)."""
+    if traits.quant is None:
+        return []
+    if traits.quant == "fp4":
+        return [(formats.nvfp4_quant_shape(tokens, hidden), jnp.uint8),
+                (formats.nvfp4_scale_shape(tokens, hidden, layout), jnp.float8_e4m3fn)]
+    out = [((tokens, hidden), jnp.float8_e4m3fn)]
+    if traits.quant == "dynamic_fp8":
+        out.append(((tokens, 1), jnp.float32))
+    elif traits.quant == "group_fp8":
+        out.append((formats.group_scale_buffer_shape(tokens, hidden, group_size), jnp.int32))
+    return out
+
+
+def _abstract_eval(*avals, axis_name, pattern, layout, block_quant_group_size, **_):
     traits = TRAITS[AllReduceFusionPattern(pattern)]
     x = avals[0]
     summed_vma = _varying(x) - frozenset(axis_name)
@@ -51,9 +69,12 @@ def _abstract_eval(*avals, axis_name, pattern, **_):
         return [_with_varying(x, summed_vma)]
     residual, gamma = avals[1], avals[2]
     res_vma = summed_vma | _varying(residual)
+    norm_vma = res_vma | _varying(gamma) | (_varying(avals[3]) if len(avals) > 3 else frozenset())
     outs = [_with_varying(x, res_vma)]
     if traits.has_norm_out:
-        outs.append(_with_varying(x, res_vma | _varying(gamma)))
+        outs.append(_with_varying(x, norm_vma))
+    for shape, dtype in quant_result_shapes(traits, *x.shape, layout, block_quant_group_size):
+        outs.append(_with_varying(x.update(shape=shape, dtype=jnp.dtype(dtype)), norm_vma))
     return outs
 
 
@@ -64,14 +85,21 @@ allreduce_fusion_p.def_impl(lambda *a, **k: (_ for _ in ()).throw(ValueError(
 
 # --- lowerings ---------------------------------------------------------------------------------
 
-def _reference_outputs(*args, axis_name, pattern, rms_eps, weight_bias, fp32_acc, **_):
+def _reference_outputs(*args, axis_name, pattern, rms_eps, weight_bias, fp32_acc, layout,
+                       block_quant_group_size, **_):
     traits = TRAITS[AllReduceFusionPattern(pattern)]
     x = args[0]
     residual, gamma = (args[1], args[2]) if traits.has_residual else (None, None)
     ar, res, norm = reference.allreduce_fusion_reference(
         x, residual, gamma, axis_name=axis_name, pattern=pattern, rms_eps=rms_eps,
         weight_bias=weight_bias, fp32_acc=fp32_acc)
-    return [o for o in (ar, res, norm) if o is not None]
+    if traits.has_allreduce_out:
+        return [ar]
+    quant, scale = quant_reference.quantize_for_pattern(
+        norm, pattern, scale_factor=args[3] if traits.uses_scale_factor else None,
+        layout=layout, group_size=block_quant_group_size)
+    outs = [res] + ([norm] if traits.has_norm_out else [])
+    return outs + [o for o in (quant, scale) if o is not None]
 
 
 _reference_lowering = mlir.lower_fun(_reference_outputs, multiple_results=True)
@@ -96,7 +124,8 @@ def _cuda_lowering(ctx, *args, axis_name, pattern, use_kernel, workspace_id, mes
                    use_oneshot, fp32_acc, rms_eps, weight_bias, layout, block_quant_group_size):
     if not use_kernel:
         return _reference_lowering(ctx, *args, axis_name=axis_name, pattern=pattern,
-                                   rms_eps=rms_eps, weight_bias=weight_bias, fp32_acc=fp32_acc)
+                                   rms_eps=rms_eps, weight_bias=weight_bias, fp32_acc=fp32_acc,
+                                   layout=layout, block_quant_group_size=block_quant_group_size)
     _check_mesh(ctx, mesh_device_ids)
     traits = TRAITS[AllReduceFusionPattern(pattern)]
     aliases = {1: 0} if traits.has_residual else {}
@@ -107,9 +136,11 @@ def _cuda_lowering(ctx, *args, axis_name, pattern, use_kernel, workspace_id, mes
                 layout=np.int32(layout), block_quant_group_size=np.int32(block_quant_group_size))
 
 
-def _default_lowering(ctx, *args, axis_name, pattern, rms_eps, weight_bias, fp32_acc, **_):
+def _default_lowering(ctx, *args, axis_name, pattern, rms_eps, weight_bias, fp32_acc, layout,
+                      block_quant_group_size, **_):
     return _reference_lowering(ctx, *args, axis_name=axis_name, pattern=pattern,
-                               rms_eps=rms_eps, weight_bias=weight_bias, fp32_acc=fp32_acc)
+                               rms_eps=rms_eps, weight_bias=weight_bias, fp32_acc=fp32_acc,
+                               layout=layout, block_quant_group_size=block_quant_group_size)
 
 
 mlir.register_lowering(allreduce_fusion_p, _default_lowering)

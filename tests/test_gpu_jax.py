@@ -78,3 +78,21 @@ def test_jax_64_layer_model(cmdbuf):
             problems.append(f"rank {r['rank']}: the fused calls were not replayed from a "
                             f"command buffer (host launches per run {runs})")
     assert not problems, "\n".join(problems)
+
+
+def test_jax_quantized_fp8_patterns():
+    quick = os.environ.get("JAX_FUSEDAR_GPU_QUICK") == "1"
+    tokens = (1, 17, 128) if quick else (1, 16, 17, 128, 1024)
+    hiddens = (1024,) if quick else (1024, 4096, 8192)
+    res = _run("quant", CMDBUF_ON, tokens=tokens, hiddens=hiddens)
+    _report("jax_quant", res)
+    for r in res:
+        q = r["quant"]
+        assert q["cases"] > 0 and q["twins_equal"], q
+        assert q["worse"] == 0, q  # never more than one e4m3 code from the oracle
+        # One-code steps come from fast-math division near an e4m3 midpoint: rare.
+        assert sum(q["steps1"].values()) <= 1e-3 * 3 * q["elements"], q
+        assert q["dyn_scale_ulps"] <= 2.0 and q["group_scale_mismatch"] == 0, q
+        assert q["dequant_violations"] == 0, q
+        assert q["residual"] <= 1.0 and q["norm"] <= 3.0, q
+        assert "need an sm100+ GPU" in q["nvfp4_refused"], q

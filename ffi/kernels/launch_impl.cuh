@@ -15,9 +15,13 @@ namespace fi = flashinfer::trtllm_allreduce_fusion;
 
 template <typename T, int NRanks, bool Fp32Acc, fi::AllReduceFusionPattern Pattern>
 std::string launch_pattern(const fi::AllReduceFusionParams<T>& params, bool launch_with_pdl) {
+  constexpr bool kFp4 = fi::GetQuantType<Pattern> == fi::QuantType::kFP4;
   if constexpr (!is_compiled_pattern(static_cast<int>(Pattern))) {
     return "pattern " + std::to_string(static_cast<int>(Pattern)) +
            " is not compiled into this build of jax_fusedar";
+  } else if constexpr (kFp4 && (std::is_same_v<T, float> || CUDA_VERSION < 12080)) {
+    // As in FlashInfer's own dispatch: NVFP4 needs 16-bit inputs and CUDA 12.8+.
+    return "NVFP4 patterns need bfloat16 or float16 inputs (and CUDA 12.8+)";
   } else {
     cudaError_t err = fi::allreduce_fusion_kernel_launcher<Pattern, T, NRanks, Fp32Acc>(
         params, launch_with_pdl);
@@ -59,11 +63,22 @@ std::string launch_typed(const KernelCall& call) {
 
   using P = fi::AllReduceFusionPattern;
   try {
+    const bool pdl = a.launch_with_pdl != 0;
     switch (p.pattern) {
-      case P::kAllReduce:
-        return launch_pattern<T, NRanks, Fp32Acc, P::kAllReduce>(p, a.launch_with_pdl != 0);
-      case P::kARResidualRMSNorm:
-        return launch_pattern<T, NRanks, Fp32Acc, P::kARResidualRMSNorm>(p, a.launch_with_pdl != 0);
+#define FUSEDAR_PATTERN_CASE(name) \
+  case P::name:                    \
+    return launch_pattern<T, NRanks, Fp32Acc, P::name>(p, pdl);
+      FUSEDAR_PATTERN_CASE(kAllReduce)
+      FUSEDAR_PATTERN_CASE(kARResidualRMSNorm)
+      FUSEDAR_PATTERN_CASE(kARResidualRMSNormFP8Quant)
+      FUSEDAR_PATTERN_CASE(kARResidualRMSNormFP4Quant)
+      FUSEDAR_PATTERN_CASE(kARResidualRMSNormOutFP8Quant)
+      FUSEDAR_PATTERN_CASE(kARResidualRMSNormOutFP4Quant)
+      FUSEDAR_PATTERN_CASE(kARResidualRMSNormPerTokenGroupFP8PackedQuant)
+      FUSEDAR_PATTERN_CASE(kARResidualRMSNormOutPerTokenGroupFP8PackedQuant)
+      FUSEDAR_PATTERN_CASE(kARResidualRMSNormDynamicFP8Quant)
+      FUSEDAR_PATTERN_CASE(kARResidualRMSNormOutDynamicFP8Quant)
+#undef FUSEDAR_PATTERN_CASE
       default:
         return "pattern " + std::to_string(a.pattern) +
                " is not compiled into this build of jax_fusedar";

@@ -56,6 +56,11 @@ def worker(rank, world, chan, *, port, xla_flags, task, seed, **kw):
         out["loop"] = _loop(jax, jnp, jf, oracle, mesh, P, rank, world, seed, **kw)
     elif task == "model":
         out["model"] = _model(jax, jnp, jf, mesh, P, rank, world, seed, **kw)
+    elif task == "quant":
+        from tests.gpu import jax_quant
+        out["quant"] = jax_quant.run(jax, jnp, jf, mesh, P, rank, world, seed,
+                                     glob=lambda spec, a: _global(jax, mesh, spec, a),
+                                     local=_local, **kw)
     jax.distributed.shutdown()
     return out
 
