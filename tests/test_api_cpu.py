@@ -108,7 +108,7 @@ def trace_sharded(body, mesh, tokens, hidden, dtype="bfloat16", *, n_inputs=3, n
 
 def trace_fused(ws, tokens, hidden, dtype=None, *, mesh=None, pattern=AR_NORM, **kwargs):
     """Traces allreduce_fusion on [tokens, hidden] shards (residual and gamma per group)."""
-    has_residual = pattern == AR_NORM
+    has_residual = pattern != AR
     return trace_sharded(fused_body(ws, pattern, **kwargs), ws.mesh if mesh is None else mesh,
                          tokens, hidden, ws.dtype.name if dtype is None else dtype,
                          n_inputs=3 if has_residual else 1, n_outputs=2 if has_residual else 1)
@@ -642,3 +642,87 @@ def test_reference_without_fp32_acc_is_invariant_over_the_axis():
     want, _ = kernel_rounding(xs, np.zeros((4, 256), jdtype("bfloat16")), "bfloat16",
                               fp32_acc=False)
     np.testing.assert_array_equal(bits(out), bits(want))
+
+
+# --- quantized patterns: bad arguments -----------------------------------------------------------
+
+Q = jf.AllReduceFusionPattern
+
+
+@pytest.mark.parametrize("pattern,kwargs,match", [
+    (Q.kARResidualRMSNormFP8Quant, {}, "scale_factor is required"),
+    (Q.kARResidualRMSNormFP8Quant, {"scale_factor": 0.5}, "not a Python constant"),
+    (Q.kARResidualRMSNormFP8Quant, {"scale_factor": np.ones(1, np.float16)}, "dtype float32"),
+    (Q.kARResidualRMSNormFP8Quant, {"scale_factor": np.ones(2, np.float32)}, r"shape \(\) or \(1,\)"),
+    (Q.kARResidualRMSNormOutFP4Quant, {"scale_factor": np.ones(1, np.float32), "layout_code": 1},
+     "SWIZZLED_8x4"),
+    (Q.kARResidualRMSNormPerTokenGroupFP8PackedQuant, {}, "needs block_quant_group_size"),
+    (Q.kARResidualRMSNormPerTokenGroupFP8PackedQuant, {"block_quant_group_size": 96},
+     "divisible by group_size"),
+    (Q.kARResidualRMSNormDynamicFP8Quant, {"scale_factor": np.ones(1, np.float32)},
+     "scale_factor applies to static FP8 and NVFP4"),
+])
+def test_quantized_pattern_argument_errors(pattern, kwargs, match):
+    ws = xla_workspace(mesh_of("tp8"))
+    with pytest.raises(ValueError, match=match):
+        trace_fused(ws, 4, 256, pattern=pattern, **kwargs)
+
+
+@pytest.mark.parametrize("group", [48, 512])
+def test_group_size_outside_the_kernels_reduction_is_refused(group):
+    # 48 divides 768 but is no power of two; 512 is above 32 vectors of 8 bf16 elements.
+    ws = xla_workspace(mesh_of("tp8"), max_token_num=64, hidden_dim=1024)
+    with pytest.raises(ValueError, match="power of two from 8 to 256"):
+        trace_fused(ws, 4, 768 if group == 48 else 1024,
+                    pattern=Q.kARResidualRMSNormPerTokenGroupFP8PackedQuant,
+                    block_quant_group_size=group)
+
+
+def test_nvfp4_needs_16_bit_inputs():
+    ws = xla_workspace(mesh_of("tp8"), "float32")
+    with pytest.raises(ValueError, match="NVFP4 patterns need bfloat16 or float16"):
+        trace_fused(ws, 4, 256, pattern=Q.kARResidualRMSNormFP4Quant,
+                    scale_factor=np.ones(1, np.float32))
+
+
+@pytest.mark.parametrize("pattern,kwargs", [
+    (Q.kARResidualRMSNormOutFP8Quant, {"scale_factor": np.full(1, 0.02, np.float32)}),
+    (Q.kARResidualRMSNormOutDynamicFP8Quant, {}),
+    (Q.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant, {"block_quant_group_size": 64}),
+    (Q.kARResidualRMSNormOutFP4Quant, {"scale_factor": np.full(1, 40.0, np.float32),
+                                       "layout_code": jf.QuantizationSFLayout.LINEAR}),
+])
+def test_quantized_outputs_are_the_quantized_norm(pattern, kwargs):
+    """Through the public API on CPU: quant_out/scale_out equal the reference quantization of
+    the op's own norm_out, bit for bit, with the documented shapes and dtypes."""
+    from jax_fusedar import quant_reference
+    mesh = mesh_of("dp2_tp4")
+    ws = xla_workspace(mesh)
+    rng = new_rng()
+    tokens, hidden = 5, 256
+    xs = random_values(rng, (8 * tokens, hidden), "bfloat16")
+    res = random_values(rng, (2 * tokens, hidden), "bfloat16")
+    gam = random_gamma(rng, hidden, "bfloat16", leading=(2,)).reshape(2 * hidden)
+    sf = kwargs.pop("scale_factor", None)
+
+    def body(x, r, g, *s):
+        o = jf.allreduce_fusion(x, axis_name="tp", workspace=ws, pattern=pattern, residual=r,
+                                rms_gamma=g, scale_factor=s[0] if s else None, **kwargs)
+        return o.norm_out, o.quant_out, o.scale_out
+
+    args = (xs, res, gam) + ((sf,) if sf is not None else ())
+    in_specs = (P(("dp", "tp")), P("dp"), P("dp")) + ((P(),) if sf is not None else ())
+    norm, quant, scale = run_sharded(body, mesh, in_specs, (P("dp"),) * 3, *args)
+    for grp in range(2):
+        n = jnp.asarray(np.asarray(norm)[grp * tokens:(grp + 1) * tokens])
+        want_q, want_s = quant_reference.quantize_for_pattern(
+            n, pattern, scale_factor=None if sf is None else jnp.asarray(sf),
+            layout=kwargs.get("layout_code", 0), group_size=kwargs.get("block_quant_group_size"))
+        rows_q = np.asarray(quant).shape[0] // 2
+        np.testing.assert_array_equal(bits(np.asarray(quant)[grp * rows_q:(grp + 1) * rows_q]),
+                                      bits(want_q))
+        assert np.asarray(quant).dtype == np.asarray(want_q).dtype
+        if want_s is not None:
+            rows_s = np.asarray(scale).shape[0] // 2
+            np.testing.assert_array_equal(
+                bits(np.asarray(scale)[grp * rows_s:(grp + 1) * rows_s]), bits(want_s))

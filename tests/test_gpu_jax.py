@@ -1,14 +1,16 @@
 """GPU: the XLA FFI custom call under jit + shard_map, two `jax.distributed` processes.
 
-Bounds as in test_gpu_native.py. The 64-layer model is compared with the same math
-computed unfused on one device; bf16 matmuls around each fused op make the two diverge
-by rounding only, so the relative RMS difference must stay at bf16 scale (< 2e-2) and
-every output finite. Command buffers are exercised on (forced, min graph size 1) and off.
+Bounds as in test_gpu_native.py. The 64-layer bf16 model drifts from exact arithmetic by
+rounding over 64 layers whatever the all-reduce, so the fused model is held to the accuracy
+of the same math unfused (against a float64 model: at most 25% worse, plus 1e-3), and the
+handler's host launches show whether XLA replayed a command buffer. Command buffers are
+exercised on (forced, min graph size 1) and off.
 """
-import json
 import os
 
 import pytest
+
+from tests.gpu.harness import report
 
 pytestmark = pytest.mark.gpu
 
@@ -27,12 +29,6 @@ def _run(task, xla_flags, **kw):
                      seed=int.from_bytes(os.urandom(4), "little"), **kw)
 
 
-def _report(name, obj):
-    out = os.environ.get("JAX_FUSEDAR_REPORT_DIR")
-    if out:
-        with open(os.path.join(out, f"{name}.json"), "w") as f:
-            json.dump(obj, f, indent=1)
-    print(name, json.dumps(obj, indent=1))
 
 
 BOUNDS = {"bfloat16": (1.0, 3.0), "float16": (1.0, 3.0), "float32": (1.0, 8.0)}
@@ -44,7 +40,7 @@ def test_jax_parity(cmdbuf):
     tokens = (1, 17, 129) if quick else (1, 16, 17, 128, 129, 1000)
     hiddens = (1024, 7168) if quick else (1024, 4096, 7168)
     res = _run("parity", cmdbuf, tokens=tokens, hiddens=hiddens)
-    _report(f"jax_parity_{'on' if cmdbuf == CMDBUF_ON else 'off'}", res)
+    report(f"jax_parity_{'on' if cmdbuf == CMDBUF_ON else 'off'}", res)
     for r in res:
         assert "does not exist in this process" in r["worst"].pop("destroyed_workspace_error")
         for dtype, w in r["worst"].items():
@@ -56,7 +52,7 @@ def test_jax_parity(cmdbuf):
 def test_jax_ten_thousand_calls_in_a_loop():
     res = _run("loop", CMDBUF_ON, calls=int(os.environ.get("JAX_FUSEDAR_LOOP_CALLS", 10000)),
                m=16, hidden=4096)
-    _report("jax_loop", res)
+    report("jax_loop", res)
     for r in res:
         assert r["loop"]["violations"] == 0, r
 
@@ -64,7 +60,7 @@ def test_jax_ten_thousand_calls_in_a_loop():
 @pytest.mark.parametrize("cmdbuf", [CMDBUF_ON, CMDBUF_OFF], ids=["cmdbuf_on", "cmdbuf_off"])
 def test_jax_64_layer_model(cmdbuf):
     res = _run("model", cmdbuf, layers=64, m=16, hidden=1024, ffn=2048)
-    _report(f"jax_model_{'on' if cmdbuf == CMDBUF_ON else 'off'}", res)
+    report(f"jax_model_{'on' if cmdbuf == CMDBUF_ON else 'off'}", res)
     problems = []
     for r in res:
         m = r["model"]
@@ -85,7 +81,7 @@ def test_jax_quantized_fp8_patterns():
     tokens = (1, 17, 128) if quick else (1, 16, 17, 128, 1024)
     hiddens = (1024,) if quick else (1024, 4096, 8192)
     res = _run("quant", CMDBUF_ON, tokens=tokens, hiddens=hiddens)
-    _report("jax_quant", res)
+    report("jax_quant", res)
     for r in res:
         q = r["quant"]
         assert q["cases"] > 0 and q["twins_equal"], q

@@ -5,10 +5,11 @@ share a GPU when there are fewer GPUs than processes. Bounds as in test_gpu_nati
 residual_out within 1 ulp and norm_out within 3 ulps (bf16) of the intermediate
 magnitudes (tests/oracle.py). Results go to $JAX_FUSEDAR_REPORT_DIR/torch_*.json when set.
 """
-import json
 import os
 
 import pytest
+
+from tests.gpu.harness import report
 
 pytestmark = pytest.mark.gpu
 
@@ -27,12 +28,6 @@ def _seed():
     return int(env) if env else int.from_bytes(os.urandom(4), "little")
 
 
-def _report(name, obj):
-    out = os.environ.get("JAX_FUSEDAR_REPORT_DIR")
-    if out:
-        with open(os.path.join(out, f"{name}.json"), "w") as f:
-            json.dump(obj, f, indent=1)
-    print(name, json.dumps(obj, indent=1))
 
 
 def _run(worker, world, **kw):
@@ -49,7 +44,7 @@ def test_torch_dp_tp_two_groups_concurrently():
     seed = _seed()
     tokens = (1, 16, 128, 1000)
     res = _run("dp_tp_worker", 4, seed=seed, tokens=tokens, hidden=4096)
-    _report("torch_dp_tp", {"seed": seed, "tokens": tokens, "hidden": 4096, "ranks": res})
+    report("torch_dp_tp", {"seed": seed, "tokens": tokens, "hidden": 4096, "ranks": res})
     for rank, r in enumerate(res):
         group = DP_TP_GROUPS[rank // 2]
         assert r["global_ranks"] == group and r["tp_rank"] == group.index(rank), r
@@ -71,7 +66,7 @@ def test_torch_create_destroy_cycles_return_all_memory():
 
     seed, cycles = _seed(), env_int("JAX_FUSEDAR_TORCH_CYCLES", 200)
     res = _run("cycles_worker", 2, seed=seed, cycles=cycles, tokens=16, hidden=4096)
-    _report("torch_cycles", {"seed": seed, "ranks": res})
+    report("torch_cycles", {"seed": seed, "ranks": res})
     for r in res:
         print(f"rank {r['rank']} (GPU {r['device']}): {r['cycles']} cycles in "
               f"{r['seconds']:.1f} s; free before {r['free_before']} B, after "
@@ -86,7 +81,7 @@ def test_torch_create_destroy_cycles_return_all_memory():
 def test_torch_member_that_never_joins_times_out_naming_it():
     res = _run("never_join_worker", 2, create_timeout_s=10)
     r = res[0]
-    _report("torch_never_join", r)
+    report("torch_never_join", r)
     assert r["error_type"] == "TimeoutError", r
     assert "TP rank 1" in r["message"], r
     assert 9.0 <= r["seconds"] <= 15.0, r

@@ -6,6 +6,7 @@ Every child inherits the no-multicast environment set in tests/conftest.py.
 """
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import queue
@@ -93,3 +94,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def report(name, obj):
+    """Prints a GPU test's results and writes them to $JAX_FUSEDAR_REPORT_DIR/<name>.json."""
+    out = os.environ.get("JAX_FUSEDAR_REPORT_DIR")
+    if out:
+        with open(os.path.join(out, f"{name}.json"), "w") as f:
+            json.dump(obj, f, indent=1)
+    print(name, json.dumps(obj, indent=1))
