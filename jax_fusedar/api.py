@@ -62,7 +62,7 @@ def _quant_params(pattern, traits, x, hidden, scale_factor, layout_code, group_s
     if traits.quant != "group_fp8" and group_size is not None:
         raise ValueError(f"block_quant_group_size applies to per-token-group FP8 patterns "
                          f"only, not {name}")
-    if traits.quant is not None and x.dtype == jnp.float32 and traits.quant == "fp4":
+    if traits.quant == "fp4" and x.dtype == jnp.float32:
         raise ValueError("NVFP4 patterns need bfloat16 or float16 inputs")
     layout = group = 0
     if traits.quant == "fp4":
@@ -115,9 +115,9 @@ def allreduce_fusion(x, *, axis_name: str, workspace: AllReduceFusionWorkspace,
     float32 array of shape () or (1,), a runtime operand, never a baked constant;
     ``layout_code`` picks the NVFP4 scale layout (default SWIZZLED_128x4);
     ``block_quant_group_size`` is the per-token-group FP8 group size (8 to 256, a power of
-    two dividing hidden). ``use_oneshot``: None picks by size (FlashInfer's heuristic). ``fp32_acc``: sum the ranks
-    in fp32 and round once (default, vLLM's choice) or round after every addition
-    (FlashInfer's default). ``strict`` (default: the
+    two dividing hidden). ``use_oneshot``: None picks by size (FlashInfer's heuristic).
+    ``fp32_acc``: sum the ranks in fp32 and round once (default, vLLM's choice) or round
+    after every addition (FlashInfer's default). ``strict`` (default: the
     ``JAX_FUSEDAR_STRICT`` environment variable): raise instead of falling back to psum +
     RMSNorm when the kernel cannot serve the call.
 
