@@ -104,6 +104,24 @@ def _mesh_groups(mesh, axis_name):
     return topology.tp_groups_from_grid(ids, tuple(mesh.axis_names), axis_name)
 
 
+def _describe(mesh, axis_name, max_token_num, hidden_dim, dtype,
+              backend) -> AllReduceFusionWorkspace:
+    """The workspace object, validated, with a fresh id; nothing allocated yet. The limits
+    are the kernel's on every backend: what runs on CPU runs fused on the GPU."""
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"axis {axis_name!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
+    dtype_name = _dtype_name(dtype)
+    world = int(mesh.shape[axis_name])
+    topology.check_kernel_supports(world, hidden_dim, dtype_name)
+    sizes = topology.workspace_sizes(world, max_token_num, hidden_dim, dtype_name)
+    with _serial_lock:
+        serial = next(_serials)
+    return AllReduceFusionWorkspace(mesh=mesh, axis_name=axis_name, max_token_num=max_token_num,
+                                    hidden_dim=hidden_dim, dtype=dtype_name, backend=backend,
+                                    workspace_id=serial, groups=_mesh_groups(mesh, axis_name),
+                                    sizes=sizes)
+
+
 def create_allreduce_fusion_workspace(mesh, axis_name: str, *, max_token_num: int,
                                       hidden_dim: int, dtype, backend: Optional[str] = "auto",
                                       exchange_timeout_s: float = 120.0
@@ -118,22 +136,10 @@ def create_allreduce_fusion_workspace(mesh, axis_name: str, *, max_token_num: in
     """
     import jax
 
-    if axis_name not in mesh.axis_names:
-        raise ValueError(f"axis {axis_name!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
-    dtype_name = _dtype_name(dtype)
-    world = int(mesh.shape[axis_name])
-    groups = _mesh_groups(mesh, axis_name)
-    platform = mesh.devices.flat[0].platform
     num_nodes = _count_nodes(mesh) if jax.process_count() > 1 else 1
-    resolved = topology.resolve_backend(backend, platform=platform, num_nodes=num_nodes)
-    # Same limits on every backend: what runs on CPU runs fused on the GPU.
-    topology.check_kernel_supports(world, hidden_dim, dtype_name)
-    sizes = topology.workspace_sizes(world, max_token_num, hidden_dim, dtype_name)
-    with _serial_lock:
-        serial = next(_serials)
-    ws = AllReduceFusionWorkspace(mesh=mesh, axis_name=axis_name, max_token_num=max_token_num,
-                                  hidden_dim=hidden_dim, dtype=dtype_name, backend=resolved,
-                                  workspace_id=serial, groups=groups, sizes=sizes)
+    resolved = topology.resolve_backend(backend, platform=mesh.devices.flat[0].platform,
+                                        num_nodes=num_nodes)
+    ws = _describe(mesh, axis_name, max_token_num, hidden_dim, dtype, resolved)
     if resolved == "trtllm":
         try:
             _build_native(ws, exchange_timeout_s)
@@ -149,20 +155,9 @@ def abstract_workspace(mesh, axis_name: str, *, max_token_num: int, hidden_dim: 
     """A workspace description that allocates nothing: for lowering or exporting a program
     for GPUs on a machine without them (``jit(f).trace(...).lower(lowering_platforms=("cuda",))``).
     Running such a program fails with a clear FFI error (no workspace is registered)."""
-    dtype_name = _dtype_name(dtype)
     if backend not in ("trtllm", "xla"):
         raise ValueError(f"backend must be 'trtllm' or 'xla', not {backend!r}")
-    if axis_name not in mesh.axis_names:
-        raise ValueError(f"axis {axis_name!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
-    world = int(mesh.shape[axis_name])
-    topology.check_kernel_supports(world, hidden_dim, dtype_name)
-    with _serial_lock:
-        serial = next(_serials)
-    return AllReduceFusionWorkspace(
-        mesh=mesh, axis_name=axis_name, max_token_num=max_token_num, hidden_dim=hidden_dim,
-        dtype=dtype_name, backend=backend, workspace_id=serial,
-        groups=_mesh_groups(mesh, axis_name),
-        sizes=topology.workspace_sizes(world, max_token_num, hidden_dim, dtype_name))
+    return _describe(mesh, axis_name, max_token_num, hidden_dim, dtype, backend)
 
 
 # --- native construction ---------------------------------------------------------------------
