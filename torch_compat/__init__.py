@@ -9,15 +9,24 @@ from __future__ import annotations
 
 from jax_fusedar.patterns import AllReduceFusionPattern, QuantizationSFLayout
 
+from . import library
 from .channel import StoreChannel
+from .fusion_pass import AllReduceFusionPass, fuse_allreduce_rmsnorm
+from .library import lookup_workspace, register_workspace, unregister_workspace
 from .ops import allreduce_fusion
 from .workspace import TorchAllReduceFusionWorkspace, create_allreduce_fusion_workspace
 
 __all__ = [
+    "AllReduceFusionPass",
     "AllReduceFusionPattern",
     "QuantizationSFLayout",
     "StoreChannel",
     "TorchAllReduceFusionWorkspace",
     "allreduce_fusion",
     "create_allreduce_fusion_workspace",
+    "fuse_allreduce_rmsnorm",
+    "library",
+    "lookup_workspace",
+    "register_workspace",
+    "unregister_workspace",
 ]
