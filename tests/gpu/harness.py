@@ -13,6 +13,8 @@ import queue
 import socket
 import traceback
 
+import numpy as np
+
 
 class Channel:
     """All-to-all mailbox between the ranks of one run (pickled Python objects)."""
@@ -103,3 +105,21 @@ def report(name, obj):
         with open(os.path.join(out, f"{name}.json"), "w") as f:
             json.dump(obj, f, indent=1)
     print(name, json.dumps(obj, indent=1))
+
+
+def shape_cases(tokens, hiddens, world):
+    """(hidden, tokens, use_oneshot) of a sweep, in one order on every rank (the kernel's
+    protocol needs identical call sequences); two-shot only with more tokens than ranks."""
+    return [(hidden, m, oneshot) for hidden in hiddens for m in tokens
+            for oneshot in (True, False) if oneshot or m > world]
+
+
+def draw_case(seed, world, m, hidden):
+    """float32 inputs of one case from one seed: every rank's partial sum [m, hidden], the
+    residual [m, hidden] and gamma [hidden], so that each rank can rebuild the whole group's
+    inputs and its float64 oracle."""
+    rng = np.random.default_rng(seed)
+    xs = [rng.standard_normal((m, hidden), dtype=np.float32) for _ in range(world)]
+    residual = rng.standard_normal((m, hidden), dtype=np.float32)
+    gamma = rng.uniform(-2.0, 2.0, hidden).astype(np.float32)
+    return xs, residual, gamma

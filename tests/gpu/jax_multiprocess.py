@@ -66,6 +66,7 @@ def worker(rank, world, chan, *, port, xla_flags, task, seed, **kw):
 
 
 def _parity(jax, jnp, jf, oracle, mesh, P, rank, world, seed, tokens, hiddens):
+    from tests.gpu.harness import draw_case, shape_cases
     worst = {}
     case = 0
     for dtype in ("bfloat16", "float16", "float32"):
@@ -74,46 +75,39 @@ def _parity(jax, jnp, jf, oracle, mesh, P, rank, world, seed, tokens, hiddens):
         ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=max(tokens),
                                                   hidden_dim=max(hiddens), dtype=jdt)
         assert ws.backend == "trtllm", ws
-        for hidden in hiddens:
-            for m in tokens:
-                for oneshot in (True, False):
-                    if not oneshot and m <= world:
-                        continue
-                    case += 1
-                    rng = np.random.default_rng(seed + case)
-                    xs = [rng.standard_normal((m, hidden), dtype=np.float32).astype(jdt)
-                          for _ in range(world)]
-                    res = rng.standard_normal((m, hidden), dtype=np.float32).astype(jdt)
-                    gam = rng.uniform(-2, 2, hidden).astype(np.float32).astype(jdt)
-                    wb = float(case % 2)
+        for hidden, m, oneshot in shape_cases(tokens, hiddens, world):
+            case += 1
+            xs, res, gam = draw_case(seed + case, world, m, hidden)
+            xs, res, gam = [x.astype(jdt) for x in xs], res.astype(jdt), gam.astype(jdt)
+            wb = float(case % 2)
 
-                    acc = case % 3 != 2
+            acc = case % 3 != 2
 
-                    def f(x, r, g, oneshot=oneshot, wb=wb, acc=acc):
-                        o = jf.allreduce_fusion(x, axis_name="tp", workspace=ws, residual=r,
-                                                rms_gamma=g, weight_bias=wb, use_oneshot=oneshot,
-                                                fp32_acc=acc, strict=True)
-                        a = jf.allreduce_fusion(x, axis_name="tp", workspace=ws,
-                                                pattern=jf.AllReduceFusionPattern.kAllReduce,
-                                                use_oneshot=oneshot, fp32_acc=acc, strict=True)
-                        return o.residual_out, o.norm_out, a.allreduce_out
+            def f(x, r, g, oneshot=oneshot, wb=wb, acc=acc):
+                o = jf.allreduce_fusion(x, axis_name="tp", workspace=ws, residual=r,
+                                        rms_gamma=g, weight_bias=wb, use_oneshot=oneshot,
+                                        fp32_acc=acc, strict=True)
+                a = jf.allreduce_fusion(x, axis_name="tp", workspace=ws,
+                                        pattern=jf.AllReduceFusionPattern.kAllReduce,
+                                        use_oneshot=oneshot, fp32_acc=acc, strict=True)
+                return o.residual_out, o.norm_out, a.allreduce_out
 
-                    fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("tp"), P(), P()),
-                                               out_specs=(P(), P(), P())))
-                    r_out, n_out, a_out = fn(_global(jax, mesh, P("tp"), xs[rank]),
-                                             _global(jax, mesh, P(), res),
-                                             _global(jax, mesh, P(), gam))
-                    x64 = [x.astype(np.float64) for x in xs]
-                    r64, g64 = res.astype(np.float64), gam.astype(np.float64)
-                    s, r, y, inv = oracle.fused_reference(x64, r64, g64, rms_eps=1e-6,
-                                                          weight_bias=wb)
-                    w["residual"] = max(w["residual"], oracle.residual_error_ulps(
-                        _local(r_out), s, r, r64, dtype))
-                    w["norm"] = max(w["norm"], oracle.norm_error_ulps(
-                        _local(n_out), s, y, inv, r64, g64, weight_bias=wb, dtype_name=dtype))
-                    w["allreduce"] = max(w["allreduce"], oracle.allreduce_error_ulps(
-                        _local(a_out), s, dtype))
-                    w["cases"] += 1
+            fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("tp"), P(), P()),
+                                       out_specs=(P(), P(), P())))
+            r_out, n_out, a_out = fn(_global(jax, mesh, P("tp"), xs[rank]),
+                                     _global(jax, mesh, P(), res),
+                                     _global(jax, mesh, P(), gam))
+            x64 = [x.astype(np.float64) for x in xs]
+            r64, g64 = res.astype(np.float64), gam.astype(np.float64)
+            s, r, y, inv = oracle.fused_reference(x64, r64, g64, rms_eps=1e-6,
+                                                  weight_bias=wb)
+            w["residual"] = max(w["residual"], oracle.residual_error_ulps(
+                _local(r_out), s, r, r64, dtype))
+            w["norm"] = max(w["norm"], oracle.norm_error_ulps(
+                _local(n_out), s, y, inv, r64, g64, weight_bias=wb, dtype_name=dtype))
+            w["allreduce"] = max(w["allreduce"], oracle.allreduce_error_ulps(
+                _local(a_out), s, dtype))
+            w["cases"] += 1
         ws.destroy()
         if dtype == "bfloat16":
             # A compiled program that outlives its workspace gets an FFI error, not a crash.

@@ -29,6 +29,7 @@ def _code_steps(a_bytes, b_bytes):
 
 def run(jax, jnp, jf, mesh, P, rank, world, seed, tokens, hiddens, glob, local):
     from tests import oracle, quant_oracle
+    from tests.gpu.harness import draw_case, shape_cases
 
     Pn = jf.AllReduceFusionPattern
     stats = {"cases": 0, "elements": 0, "steps1": {}, "worse": 0, "twins_equal": True,
@@ -39,91 +40,84 @@ def run(jax, jnp, jf, mesh, P, rank, world, seed, tokens, hiddens, glob, local):
         jdt = jnp.dtype(dtype)
         ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=max(tokens),
                                                   hidden_dim=max(hiddens), dtype=jdt)
-        for hidden in hiddens:
-            for m in tokens:
-                for oneshot in (True, False):
-                    if not oneshot and m <= world:
-                        continue
-                    case += 1
-                    rng = np.random.default_rng(seed + case)
-                    xs = [rng.standard_normal((m, hidden), dtype=np.float32).astype(jdt)
-                          for _ in range(world)]
-                    res = rng.standard_normal((m, hidden), dtype=np.float32).astype(jdt)
-                    gam = rng.uniform(-2, 2, hidden).astype(np.float32).astype(jdt)
-                    s64, r64, y64, inv64 = oracle.fused_reference(
-                        [x.astype(np.float64) for x in xs], res.astype(np.float64),
-                        gam.astype(np.float64), rms_eps=1e-6, weight_bias=0.0)
-                    # A static scale that never saturates: the largest |y| maps to ~224.
-                    sf = np.asarray([np.abs(y64).max() / 224.0], np.float32)
+        for hidden, m, oneshot in shape_cases(tokens, hiddens, world):
+            case += 1
+            xs, res, gam = draw_case(seed + case, world, m, hidden)
+            xs, res, gam = [x.astype(jdt) for x in xs], res.astype(jdt), gam.astype(jdt)
+            s64, r64, y64, inv64 = oracle.fused_reference(
+                [x.astype(np.float64) for x in xs], res.astype(np.float64),
+                gam.astype(np.float64), rms_eps=1e-6, weight_bias=0.0)
+            # A static scale that never saturates: the largest |y| maps to ~224.
+            sf = np.asarray([np.abs(y64).max() / 224.0], np.float32)
 
-                    def f(x, r, g, s, oneshot=oneshot):
-                        kw = dict(axis_name="tp", workspace=ws, residual=r, rms_gamma=g,
-                                  use_oneshot=oneshot, strict=True)
-                        out = []
-                        for pat, extra in ((Pn.kARResidualRMSNormFP8Quant, {"scale_factor": s}),
-                                           (Pn.kARResidualRMSNormOutFP8Quant, {"scale_factor": s}),
-                                           (Pn.kARResidualRMSNormDynamicFP8Quant, {}),
-                                           (Pn.kARResidualRMSNormOutDynamicFP8Quant, {}),
-                                           (Pn.kARResidualRMSNormPerTokenGroupFP8PackedQuant,
-                                            {"block_quant_group_size": GROUP}),
-                                           (Pn.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant,
-                                            {"block_quant_group_size": GROUP})):
-                            o = jf.allreduce_fusion(x, pattern=pat, **kw, **extra)
-                            out.append(tuple(v for v in o if v is not None))
-                        return out
+            def f(x, r, g, s, oneshot=oneshot):
+                kw = dict(axis_name="tp", workspace=ws, residual=r, rms_gamma=g,
+                          use_oneshot=oneshot, strict=True)
+                out = []
+                for pat, extra in ((Pn.kARResidualRMSNormFP8Quant, {"scale_factor": s}),
+                                   (Pn.kARResidualRMSNormOutFP8Quant, {"scale_factor": s}),
+                                   (Pn.kARResidualRMSNormDynamicFP8Quant, {}),
+                                   (Pn.kARResidualRMSNormOutDynamicFP8Quant, {}),
+                                   (Pn.kARResidualRMSNormPerTokenGroupFP8PackedQuant,
+                                    {"block_quant_group_size": GROUP}),
+                                   (Pn.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant,
+                                    {"block_quant_group_size": GROUP})):
+                    o = jf.allreduce_fusion(x, pattern=pat, **kw, **extra)
+                    out.append(tuple(v for v in o if v is not None))
+                return out
 
-                    fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("tp"), P(), P(), P()),
-                                               out_specs=P()))
-                    outs = fn(glob(P("tp"), xs[rank]), glob(P(), res), glob(P(), gam),
-                              glob(P(), sf))
-                    outs = [[np.asarray(a.addressable_data(0)) for a in o] for o in outs]
-                    (r2, q2), (r4, n4, q4), (r10, q10, s10), (r11, n11, q11, s11), \
-                        (r8, q8, s8), (r9, n9, q9, s9) = outs
-                    byte = lambda a: a.view(np.uint8)  # noqa: E731
-                    for name, a, b in (("static q", byte(q2), byte(q4)),
-                                       ("dynamic q", byte(q10), byte(q11)),
-                                       ("dynamic scale", s10, s11),
-                                       ("group q", byte(q8), byte(q9)),
-                                       ("group scale", s8[:, :m], s9[:, :m])):
-                        diff = int(np.sum(a != b))
-                        if diff:
-                            stats["twins_equal"] = False
-                            stats.setdefault("twin_diffs", []).append(
-                                (name, dtype, hidden, m, oneshot, diff))
-                    for r_out, n_out in ((r4, n4), (r11, n11), (r9, n9)):
-                        stats["residual"] = max(stats["residual"], oracle.residual_error_ulps(
-                            r_out.astype(np.float64), s64, r64, res.astype(np.float64), dtype))
-                        stats["norm"] = max(stats["norm"], oracle.norm_error_ulps(
-                            n_out.astype(np.float64), s64, y64, inv64, res.astype(np.float64),
-                            gam.astype(np.float64), weight_bias=0.0, dtype_name=dtype))
-                    # Quantize the kernel's own norm output with the oracle.
-                    want4 = quant_oracle.fp8_static(n4, float(sf[0]))
-                    want11, ws11 = quant_oracle.fp8_dynamic(n11, "ieee")
-                    want9, wb9 = quant_oracle.fp8_group(n9, GROUP)
-                    for name, got, want in (("static", q4, want4), ("dynamic", q11, want11),
-                                            ("group", q9, want9)):
-                        d = _code_steps(byte(got), np.asarray(want).view(np.uint8))
-                        stats["steps1"][name] = stats["steps1"].get(name, 0) + int((d == 1).sum())
-                        stats["worse"] += int((d > 1).sum())
-                    stats["elements"] += n4.size
-                    ulp32 = np.spacing(np.abs(ws11).astype(np.float32))
-                    stats["dyn_scale_ulps"] = max(stats["dyn_scale_ulps"], float(
-                        np.max(np.abs(s11.astype(np.float64) - ws11) / ulp32)))
-                    stats["group_scale_mismatch"] += int(np.sum(s9[:, :m] != wb9[:, :m]))
-                    # Dequantization bound, on the kernel's own norm output.
-                    from jax_fusedar import formats
-                    y = n11.astype(np.float64)
-                    for deq, scale in ((q4.astype(np.float64) * sf[0], sf[0]),
-                                       (q11.astype(np.float64) * s11, s11),
-                                       (np.asarray(formats.dequantize_fp8(q9, s9, group_size=GROUP),
-                                                   np.float64), None)):
-                        if scale is None:
-                            scale = np.asarray(formats.unpack_ue8m0_scales(s9, m, hidden, GROUP),
-                                               np.float64).repeat(GROUP, axis=1)
-                            y = n9.astype(np.float64)
-                        bound = 2.0 ** -4 * np.abs(y) + 2.0 ** -10 * scale
-                        stats["dequant_violations"] += int(np.sum(np.abs(deq - y) > bound))
-                    stats["cases"] += 1
+            fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("tp"), P(), P(), P()),
+                                       out_specs=P()))
+            outs = fn(glob(P("tp"), xs[rank]), glob(P(), res), glob(P(), gam),
+                      glob(P(), sf))
+            outs = [[np.asarray(a.addressable_data(0)) for a in o] for o in outs]
+            (r2, q2), (r4, n4, q4), (r10, q10, s10), (r11, n11, q11, s11), \
+                (r8, q8, s8), (r9, n9, q9, s9) = outs
+            byte = lambda a: a.view(np.uint8)  # noqa: E731
+            for name, a, b in (("static q", byte(q2), byte(q4)),
+                               ("dynamic q", byte(q10), byte(q11)),
+                               ("dynamic scale", s10, s11),
+                               ("group q", byte(q8), byte(q9)),
+                               ("group scale", s8[:, :m], s9[:, :m])):
+                diff = int(np.sum(a != b))
+                if diff:
+                    stats["twins_equal"] = False
+                    stats.setdefault("twin_diffs", []).append(
+                        (name, dtype, hidden, m, oneshot, diff))
+            for r_out, n_out in ((r4, n4), (r11, n11), (r9, n9)):
+                stats["residual"] = max(stats["residual"], oracle.residual_error_ulps(
+                    r_out.astype(np.float64), s64, r64, res.astype(np.float64), dtype))
+                stats["norm"] = max(stats["norm"], oracle.norm_error_ulps(
+                    n_out.astype(np.float64), s64, y64, inv64, res.astype(np.float64),
+                    gam.astype(np.float64), weight_bias=0.0, dtype_name=dtype))
+            # Quantize the kernel's own norm output with the oracle.
+            want4 = quant_oracle.fp8_static(n4, float(sf[0]))
+            want11, ws11 = quant_oracle.fp8_dynamic(n11, "ieee")
+            want9, wb9 = quant_oracle.fp8_group(n9, GROUP)
+            for name, got, want in (("static", q4, want4), ("dynamic", q11, want11),
+                                    ("group", q9, want9)):
+                d = _code_steps(byte(got), np.asarray(want).view(np.uint8))
+                stats["steps1"][name] = stats["steps1"].get(name, 0) + int((d == 1).sum())
+                stats["worse"] += int((d > 1).sum())
+            stats["elements"] += n4.size
+            ulp32 = np.spacing(np.abs(ws11).astype(np.float32))
+            stats["dyn_scale_ulps"] = max(stats["dyn_scale_ulps"], float(
+                np.max(np.abs(s11.astype(np.float64) - ws11) / ulp32)))
+            stats["group_scale_mismatch"] += int(np.sum(s9[:, :m] != wb9[:, :m]))
+            # Dequantization bound, on the kernel's own norm output.
+            from jax_fusedar import formats
+            y = n11.astype(np.float64)
+            for deq, scale in ((q4.astype(np.float64) * sf[0], sf[0]),
+                               (q11.astype(np.float64) * s11, s11),
+                               (np.asarray(formats.dequantize_fp8(q9, s9, group_size=GROUP),
+                                           np.float64), None)):
+                if scale is None:
+                    scale = np.asarray(formats.unpack_ue8m0_scales(s9, m, hidden, GROUP),
+                                       np.float64).repeat(GROUP, axis=1)
+                    y = n9.astype(np.float64)
+                bound = 2.0 ** -4 * np.abs(y) + 2.0 ** -10 * scale
+                stats["dequant_violations"] += int(np.sum(np.abs(deq - y) > bound))
+            stats["cases"] += 1
         # NVFP4 on sm90 writes zeros: the API refuses it before tracing the kernel.
         try:
             jax.jit(jax.shard_map(

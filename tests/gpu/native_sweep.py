@@ -16,24 +16,15 @@ DTYPES = ("bfloat16", "float16", "float32")
 
 
 def cases(tokens, hiddens, world):
-    out = []
-    for dtype in DTYPES:
-        for hidden in hiddens:
-            for m in tokens:
-                for oneshot in (True, False):
-                    if not oneshot and m <= world:
-                        continue  # two-shot needs more tokens than ranks
-                    out.append((dtype, hidden, m, oneshot))
-    return out
+    from tests.gpu.harness import shape_cases
+    return [(dtype, *case) for dtype in DTYPES for case in shape_cases(tokens, hiddens, world)]
 
 
 def _inputs(seed, world, m, hidden, tdtype, torch):
-    rng = np.random.default_rng(seed)
-    xs = [torch.from_numpy(rng.standard_normal((m, hidden), dtype=np.float32)).to(tdtype)
-          for _ in range(world)]
-    residual = torch.from_numpy(rng.standard_normal((m, hidden), dtype=np.float32)).to(tdtype)
-    gamma = torch.from_numpy(rng.uniform(-2.0, 2.0, hidden).astype(np.float32)).to(tdtype)
-    return xs, residual, gamma
+    from tests.gpu.harness import draw_case
+    xs, residual, gamma = draw_case(seed, world, m, hidden)
+    return ([torch.from_numpy(x).to(tdtype) for x in xs], torch.from_numpy(residual).to(tdtype),
+            torch.from_numpy(gamma).to(tdtype))
 
 
 def worker(rank, world, chan, *, tokens, hiddens, max_tokens, loop_calls, seed):
