@@ -85,21 +85,32 @@ def build_parser():
                       help="fused op backend: auto = the kernel on GPUs, XLA elsewhere")
 
     bench = sub.add_parser("bench", formatter_class=fmt, help="latency of the fused op vs "
-                           "psum + residual add + RMSNorm",
-                           description="Time a jitted lax.fori_loop of --iters fused calls "
-                           "inside shard_map against the same loop with psum + residual add "
-                           "+ RMSNorm in plain jnp, for every tokens x hidden size; the "
-                           "per-call time is total / iters, median over --repeats.")
+                           "psum + residual add + RMSNorm (+ FP8 quantization)",
+                           description="Time the fused op against its unfused XLA twin (psum "
+                           "+ residual add + RMSNorm, + the FP8 quantization for patterns 4, "
+                           "11, 9) for every tokens x hidden size, both in the same run. "
+                           "--method chain: one jitted program of --chain dependent calls "
+                           "(each fed the previous norm output), time / chain; --method loop: "
+                           "a lax.fori_loop of --iters calls, time / iters. Median over "
+                           "--repeats.")
     bench.add_argument("--tokens", type=_int_list, default="1,16,128,1024,4096",
                        help="comma-separated token counts")
     bench.add_argument("--hidden", type=_int_list, default="4096,8192",
                        help="comma-separated hidden sizes")
     bench.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    bench.add_argument("--patterns", type=_int_list, default="1,4,11,9",
+                       help="fusion patterns to time: 1 (AR + residual + RMSNorm), 4 (+ static "
+                       "FP8), 11 (+ dynamic per-token FP8), 9 (+ per-token-group FP8)")
+    bench.add_argument("--method", choices=("chain", "loop"), default="chain",
+                       help="chain: dependent calls unrolled in one program; loop: fori_loop "
+                       "(pattern 1 only)")
+    bench.add_argument("--chain", type=_positive_int, default=64,
+                       help="calls per timed program (--method chain)")
     bench.add_argument("--iters", type=_positive_int, default=200,
-                       help="calls per timed loop")
-    bench.add_argument("--repeats", type=_positive_int, default=5,
-                       help="timed loops per case (the median is reported)")
-    bench.add_argument("--modes", type=_mode_list, default="auto,oneshot,twoshot",
+                       help="calls per timed loop (--method loop)")
+    bench.add_argument("--repeats", type=_positive_int, default=10,
+                       help="timed programs per case (the median is reported)")
+    bench.add_argument("--modes", type=_mode_list, default="auto",
                        help="fused op modes: auto (use_oneshot=None), oneshot, twoshot")
     bench.add_argument("--out", default="bench_out", help="folder for bench.json and bench.png")
     bench.add_argument("--backend", choices=BACKENDS, default="auto",

@@ -1,10 +1,21 @@
-"""``python -m jax_fusedar bench``: latency of the fused op vs psum + residual add + RMSNorm.
+"""``python -m jax_fusedar bench``: latency of the fused op vs the unfused XLA ops.
 
-Each measurement is one jitted ``lax.fori_loop`` of ``iters`` calls inside shard_map, timed
-with ``time.perf_counter`` around ``block_until_ready`` after a warm-up call; the per-call
-time is total / iters and the reported figure the median over ``repeats`` loops. The
-baseline runs the identical loop with ``demo.plain_add_rmsnorm`` (psum + add + RMSNorm in
-plain jnp) in the same process, so the two are directly comparable.
+Two timing methods, both with the baseline in the same process and run:
+
+* ``chain`` (default): one jitted program of ``--chain`` K calls, each call's input being the
+  previous call's norm output (a real dependency, as between the layers of a model, so XLA
+  can neither reorder nor combine the baseline's all-reduces). The per-call time is the
+  program's wall time / K, median over ``--repeats``; the host's dispatch of the program is
+  spread over K calls. With XLA command buffers (the default) the K fused calls replay as
+  one CUDA graph.
+* ``loop``: a ``lax.fori_loop`` of ``--iters`` calls on the same input (the method of the
+  yardsticks in DESIGN.md §7). XLA's while loop syncs with the host every iteration, which
+  adds the same few microseconds to both columns.
+
+Patterns: 1 (all-reduce + residual + RMSNorm) against ``psum`` + add + RMSNorm in plain jnp;
+the FP8 patterns 4 (static), 11 (dynamic per token) and 9 (per-token group, 128) against the
+same plus the matching FP8 quantization written in XLA (``quant_reference``, which XLA fuses
+into the norm's kernel).
 """
 from __future__ import annotations
 
@@ -22,12 +33,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from . import topology
+from . import quant_reference, topology
 from .api import allreduce_fusion
 from .demo import (AXIS, RMS_EPS, check_supported, describe_devices, open_workspace,
                    plain_add_rmsnorm, timed_runs, tp_mesh)
+from .patterns import AllReduceFusionPattern as Pattern
 
 USE_ONESHOT = {"auto": None, "oneshot": True, "twoshot": False}
+GROUP_SIZE = 128
+# Patterns the bench knows how to time, with the label of their unfused XLA twin.
+PATTERN_LABELS = {
+    int(Pattern.kARResidualRMSNorm): "psum + add + RMSNorm",
+    int(Pattern.kARResidualRMSNormOutFP8Quant): "... + static FP8",
+    int(Pattern.kARResidualRMSNormOutDynamicFP8Quant): "... + dynamic FP8",
+    int(Pattern.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant): f"... + group FP8 ({GROUP_SIZE})",
+}
 
 
 def reference_banner(device_kind: str) -> str:
@@ -46,16 +66,61 @@ def chosen_mode(tokens: int, hidden: int, sizes, mode: str):
     return ("oneshot" if oneshot else "twoshot"), None
 
 
+def fused_combine(ws, pattern: int, use_oneshot):
+    """combine(x, residual, gamma, scale) -> (residual_out, norm_out, quantized outputs)."""
+    quant = {}
+    if pattern == Pattern.kARResidualRMSNormOutFP8Quant:
+        quant = {"scale_factor": None}
+    elif pattern == Pattern.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant:
+        quant = {"block_quant_group_size": GROUP_SIZE}
+
+    def combine(x, residual, gamma, scale):
+        kw = dict(quant)
+        if "scale_factor" in kw:
+            kw["scale_factor"] = scale
+        out = allreduce_fusion(x, axis_name=AXIS, workspace=ws, pattern=pattern,
+                               residual=residual, rms_gamma=gamma, rms_eps=RMS_EPS,
+                               use_oneshot=use_oneshot, **kw)
+        extra = tuple(v for v in (out.quant_out, out.scale_out) if v is not None)
+        return out.residual_out, out.norm_out, extra
+    return combine
+
+
+def baseline_combine(pattern: int):
+    """The unfused twin of ``fused_combine``: psum + add + RMSNorm (+ the FP8 quantization)."""
+    def combine(x, residual, gamma, scale):
+        residual, norm = plain_add_rmsnorm(x, residual, gamma)
+        q = quant_reference.quantize_for_pattern(norm, pattern, scale_factor=scale,
+                                                 group_size=GROUP_SIZE)
+        return residual, norm, tuple(v for v in q if v is not None)
+    return combine
+
+
+def chained(combine, calls: int):
+    """Per-rank body: ``calls`` calls, each fed the previous call's norm output as its partial
+    sum. Every call's quantized outputs are returned, so none is dead code."""
+    def body(x, residual, gamma, scale):
+        x = x[0]
+        extras = []
+        for _ in range(calls):
+            residual, norm, extra = combine(x, residual, gamma, scale)
+            extras.append(extra)
+            # norm is invariant over the axis; the next all-reduce takes a per-rank partial.
+            x = jax.lax.pcast(norm, AXIS, to="varying")
+        return residual, norm, extras
+    return body
+
+
 def looped(combine, iters: int):
-    """Per-rank body: ``iters`` calls of ``combine(x, residual, gamma)`` in a fori_loop."""
-    def body(x, residual, gamma):
+    """Per-rank body: ``iters`` calls of ``combine`` on the same input in a fori_loop."""
+    def body(x, residual, gamma, scale):
         def step(i, carry):
             x, residual, _ = carry
             # psum(x) does not depend on the carry, so XLA could hoist the baseline's
             # all-reduce out of the loop; passing x through a barrier together with the loop
             # index makes it loop-variant at no runtime cost.
             x, _ = jax.lax.optimization_barrier((x, i))
-            residual, norm = combine(x, residual, gamma)
+            residual, norm, _ = combine(x, residual, gamma, scale)
             # norm is carried to the loop's result so that no iteration's norm is dead code.
             return x, residual, norm
         _, residual, norm = jax.lax.fori_loop(0, iters, step,
@@ -103,7 +168,8 @@ def progress_bar(total: int):
 
 
 def plot(report: dict, path: Path) -> bool:
-    """Latency vs tokens, one log-log panel per hidden size; False without matplotlib."""
+    """Latency vs tokens, one log-log panel per hidden size; False without matplotlib.
+    One colour per pattern: the unfused XLA twin dashed, the fused op solid (per mode)."""
     try:
         import matplotlib
     except ImportError:
@@ -112,23 +178,30 @@ def plot(report: dict, path: Path) -> bool:
     import matplotlib.pyplot as plt
 
     hiddens = report["config"]["hidden"]
-    fig, axes = plt.subplots(1, len(hiddens), figsize=(max(6, 5 * len(hiddens)), 4.5),
+    fig, axes = plt.subplots(1, len(hiddens), figsize=(max(6, 6 * len(hiddens)), 5),
                              squeeze=False)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    markers = {"auto": "o", "oneshot": "^", "twoshot": "s"}
     for ax, hidden in zip(axes[0], hiddens):
-        cases = [c for c in report["cases"] if c["hidden"] == hidden]
-        ax.plot([c["tokens"] for c in cases], [c["baseline_us"] for c in cases], "k--o",
-                label="psum + add + RMSNorm")
-        for mode in report["config"]["modes"]:
-            points = [(c["tokens"], c["fused"][mode]["us"]) for c in cases if mode in c["fused"]]
-            if points:
-                ax.plot(*zip(*points), marker="o", label=f"fused ({mode})")
+        for k, pattern in enumerate(report["config"]["patterns"]):
+            colour = colours[k % len(colours)]
+            cases = [c for c in report["cases"]
+                     if c["hidden"] == hidden and c["pattern"] == pattern]
+            ax.plot([c["tokens"] for c in cases], [c["baseline_us"] for c in cases], "--",
+                    color=colour, marker="x", label=f"XLA: {PATTERN_LABELS[pattern]}")
+            for mode in report["config"]["modes"]:
+                points = [(c["tokens"], c["fused"][mode]["us"]) for c in cases
+                          if mode in c["fused"]]
+                if points:
+                    ax.plot(*zip(*points), "-", color=colour, marker=markers[mode],
+                            label=f"fused pattern {pattern} ({mode})")
         ax.set(xscale="log", yscale="log", xlabel="tokens", ylabel="us per call",
                title=f"hidden {hidden}")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize="small")
+        ax.legend(fontsize="x-small")
     machine = report["machine"]
     title = (f"{machine['device_count']} x {machine['device_kind']}, {report['config']['dtype']}, "
-             f"backend {machine['backend']}")
+             f"backend {machine['backend']}, method {report['config']['method']}")
     if machine["backend"] == "xla":
         title += "\nXLA reference path, not the kernel"
     fig.suptitle(title, fontsize="medium")
@@ -147,32 +220,67 @@ def _machine_info(world: int, backend: str) -> dict:
 
 
 def _print_table(report: dict) -> None:
-    print(f"{'tokens':>7} {'hidden':>7}  {'mode':<16} {'fused us':>10} {'baseline us':>12} "
-          f"{'fused/baseline':>15}")
+    print(f"{'pattern':>7} {'tokens':>7} {'hidden':>7}  {'mode':<16} {'fused us':>10} "
+          f"{'XLA us':>10} {'fused/XLA':>10}")
     notes = []
     for case in report["cases"]:
         for mode in report["config"]["modes"]:
             if mode in case["skipped"]:
-                notes.append(f"{case['tokens']} x {case['hidden']} {mode}: "
-                             f"{case['skipped'][mode]}")
+                notes.append(f"pattern {case['pattern']} {case['tokens']} x {case['hidden']} "
+                             f"{mode}: {case['skipped'][mode]}")
                 continue
             m = case["fused"][mode]
             label = f"auto ({m['chosen']})" if mode == "auto" else mode
-            print(f"{case['tokens']:>7} {case['hidden']:>7}  {label:<16} {m['us']:>10.2f} "
-                  f"{case['baseline_us']:>12.2f} {m['ratio']:>15.3f}")
+            print(f"{case['pattern']:>7} {case['tokens']:>7} {case['hidden']:>7}  {label:<16} "
+                  f"{m['us']:>10.2f} {case['baseline_us']:>10.2f} {m['ratio']:>10.3f}")
     for note in notes:
         print(f"skipped {note}")
+    print("XLA twins: " + "; ".join(f"pattern {p}: {PATTERN_LABELS[p]}"
+                                    for p in report["config"]["patterns"]))
+
+
+def _inputs(rng, args, world, tokens, hidden, dtype, split, replicated):
+    x = rng.standard_normal((world, tokens, hidden), dtype=np.float32) / np.float32(
+        math.sqrt(world))
+    if args.method == "loop":
+        # The loop adds the same partial sums to the residual every call: scaled by 1/iters,
+        # the residual stays O(1) however many calls run (no fp16 overflow).
+        x /= np.float32(args.iters)
+    residual = rng.standard_normal((tokens, hidden), dtype=np.float32)
+    gamma = 1 + 0.1 * rng.standard_normal(hidden, dtype=np.float32)
+    # Static FP8 dequantization scale: norm outputs are O(1), so |y| / scale stays well
+    # inside e4m3's range (448).
+    scale = np.asarray([1.0 / 32.0], np.float32)
+    return (jax.device_put(x.astype(dtype), split),
+            jax.device_put(residual.astype(dtype), replicated),
+            jax.device_put(gamma.astype(dtype), replicated),
+            jax.device_put(scale, replicated))
 
 
 def main(args) -> int:
+    from .demo import SetupError
+
     mesh = tp_mesh()
     world = mesh.shape[AXIS]
     check_supported(world, args.hidden, args.dtype)
+    unknown = [p for p in args.patterns if p not in PATTERN_LABELS]
+    if unknown:
+        raise SetupError(f"--patterns: the bench times patterns {sorted(PATTERN_LABELS)}, "
+                         f"not {unknown}")
+    group = int(Pattern.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant)
+    for hidden in args.hidden:
+        if group in args.patterns and hidden % GROUP_SIZE:
+            raise SetupError(f"pattern {group} quantizes groups of {GROUP_SIZE}: --hidden "
+                             f"{hidden} is not a multiple of {GROUP_SIZE}")
+    if args.method == "loop" and args.patterns != [int(Pattern.kARResidualRMSNorm)]:
+        raise SetupError("--method loop times pattern 1 only (its loop drops the quantized "
+                         "outputs, which XLA would then not compute for the baseline)")
     dtype = jnp.dtype(args.dtype)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
     replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P(AXIS))
+    calls = args.chain if args.method == "chain" else args.iters
 
     with open_workspace(mesh, max_token_num=max(args.tokens), hidden_dim=max(args.hidden),
                         dtype=dtype, backend=args.backend) as ws:
@@ -180,19 +288,10 @@ def main(args) -> int:
         banner = reference_banner(machine["device_kind"]) if ws.backend == "xla" else None
         print(describe_devices(world, ws.backend))
 
-        def shard_loop(combine):
-            return jax.jit(jax.shard_map(looped(combine, args.iters), mesh=mesh,
-                                         in_specs=(P(AXIS), P(), P()), out_specs=(P(), P())))
-
-        def fused(use_oneshot):
-            def combine(x, residual, gamma):
-                out = allreduce_fusion(x, axis_name=AXIS, workspace=ws, residual=residual,
-                                       rms_gamma=gamma, rms_eps=RMS_EPS, use_oneshot=use_oneshot)
-                return out.residual_out, out.norm_out
-            return shard_loop(combine)
-
-        baseline = shard_loop(plain_add_rmsnorm)
-        fused_loops = {mode: fused(USE_ONESHOT[mode]) for mode in args.modes}
+        def program(combine):
+            body = chained(combine, calls) if args.method == "chain" else looped(combine, calls)
+            return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS), P(), P(), P()),
+                                         out_specs=P()))
 
         plan = []  # (tokens, hidden, {mode: chosen}, {mode: reason})
         for tokens in args.tokens:
@@ -207,46 +306,47 @@ def main(args) -> int:
                 plan.append((tokens, hidden, runnable, skipped))
 
         cases = []
-        bar = progress_bar(sum(1 + len(runnable) for _, _, runnable, _ in plan))
+        bar = progress_bar(len(args.patterns) *
+                           sum(1 + len(runnable) for _, _, runnable, _ in plan))
         try:
             for tokens, hidden, runnable, skipped in plan:
-                # Partial sums scaled by 1/iters: the loop adds their sum to the residual
-                # every call, which then stays O(1) however many calls run (no fp16 overflow).
-                x = (rng.standard_normal((world, tokens, hidden), dtype=np.float32)
-                     / np.float32(math.sqrt(world) * args.iters))
-                residual = rng.standard_normal((tokens, hidden), dtype=np.float32)
-                gamma = 1 + 0.1 * rng.standard_normal(hidden, dtype=np.float32)
-                inputs = (jax.device_put(x.astype(dtype), split),
-                          jax.device_put(residual.astype(dtype), replicated),
-                          jax.device_put(gamma.astype(dtype), replicated))
-                bar.set_description(f"{tokens}x{hidden} baseline")
-                base = per_call_seconds(baseline, inputs, args.iters, args.repeats)
-                bar.update()
-                case = {"tokens": tokens, "hidden": hidden,
-                        "baseline_us": statistics.median(base) * 1e6,
-                        "baseline_us_repeats": [t * 1e6 for t in base],
-                        "fused": {}, "skipped": skipped}
-                for mode, chosen in runnable.items():
-                    bar.set_description(f"{tokens}x{hidden} fused {mode}")
-                    times = per_call_seconds(fused_loops[mode], inputs, args.iters, args.repeats)
+                inputs = _inputs(rng, args, world, tokens, hidden, dtype, split, replicated)
+                for pattern in args.patterns:
+                    bar.set_description(f"p{pattern} {tokens}x{hidden} XLA")
+                    base = per_call_seconds(program(baseline_combine(pattern)), inputs, calls,
+                                            args.repeats)
                     bar.update()
-                    us = statistics.median(times) * 1e6
-                    case["fused"][mode] = {"chosen": chosen, "us": us,
-                                           "us_repeats": [t * 1e6 for t in times],
-                                           "ratio": us / case["baseline_us"]}
-                cases.append(case)
+                    case = {"pattern": pattern, "tokens": tokens, "hidden": hidden,
+                            "baseline": PATTERN_LABELS[pattern],
+                            "baseline_us": statistics.median(base) * 1e6,
+                            "baseline_us_repeats": [t * 1e6 for t in base],
+                            "fused": {}, "skipped": skipped}
+                    for mode, chosen in runnable.items():
+                        bar.set_description(f"p{pattern} {tokens}x{hidden} fused {mode}")
+                        fused = program(fused_combine(ws, pattern, USE_ONESHOT[mode]))
+                        times = per_call_seconds(fused, inputs, calls, args.repeats)
+                        bar.update()
+                        us = statistics.median(times) * 1e6
+                        case["fused"][mode] = {"chosen": chosen, "us": us,
+                                               "us_repeats": [t * 1e6 for t in times],
+                                               "ratio": us / case["baseline_us"]}
+                    cases.append(case)
         finally:
             bar.close()
 
+    method = ("per-call time = (one jitted program of `chain` dependent calls) / chain, "
+              "median over repeats" if args.method == "chain" else
+              "per-call time = (lax.fori_loop of iters calls) / iters, median over repeats")
     report = {
         "machine": machine,
-        "config": {"dtype": args.dtype, "iters": args.iters, "repeats": args.repeats,
+        "config": {"dtype": args.dtype, "method": args.method, "chain": args.chain,
+                   "iters": args.iters, "repeats": args.repeats, "patterns": args.patterns,
                    "tokens": args.tokens, "hidden": args.hidden, "modes": args.modes,
                    "max_token_num": max(args.tokens), "hidden_dim": max(args.hidden),
-                   "rms_eps": RMS_EPS,
+                   "rms_eps": RMS_EPS, "group_size": GROUP_SIZE,
                    "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
         "reference_path": machine["backend"] == "xla",
-        "method": "per-call time = (lax.fori_loop of iters calls) / iters, median over repeats",
+        "method": method,
         "cases": cases,
     }
     print()

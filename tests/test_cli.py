@@ -74,6 +74,12 @@ def test_demo_sets_up_host_devices_itself():
     (["demo", "--ffn-mult", 1, "--hidden", 8, "--tokens", 2], HOST_8.replace("8", "16"),
      "ffn size 8 (--ffn-mult 1 x --hidden 8) does not split over 16 devices"),
     (["demo", "--backend", "trtllm"], HOST_8, "the 'trtllm' all-reduce backend needs a CUDA GPU"),
+    (["bench", "--hidden", 64, "--patterns", "1,7"], HOST_8,
+     "--patterns: the bench times patterns [1, 4, 9, 11], not [7]"),
+    (["bench", "--hidden", "128,64", "--patterns", "1,9"], HOST_8,
+     "pattern 9 quantizes groups of 128: --hidden 64 is not a multiple of 128"),
+    (["bench", "--hidden", 64, "--method", "loop", "--patterns", "1,4"], HOST_8,
+     "--method loop times pattern 1 only"),
 ])
 def test_unrunnable_setups_exit_with_a_message(argv, xla_flags, message):
     r = run_cli(*argv, xla_flags=xla_flags)
@@ -86,8 +92,8 @@ def test_unrunnable_setups_exit_with_a_message(argv, xla_flags, message):
 
 def test_bench_writes_json_and_plot(tmp_path):
     out = tmp_path / "bench"
-    r = run_cli("bench", "--tokens", "1,16", "--hidden", 256, "--iters", 3, "--repeats", 2,
-                "--out", out)
+    r = run_cli("bench", "--tokens", "1,16", "--hidden", 256, "--chain", 3, "--repeats", 2,
+                "--patterns", "1,4", "--modes", "auto,oneshot,twoshot", "--out", out)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "NOT the FlashInfer kernel" in r.stdout
 
@@ -97,14 +103,14 @@ def test_bench_writes_json_and_plot(tmp_path):
     assert machine["backend"] == "xla" and machine["platform"] == "cpu"
     assert {"jax_version", "jaxlib_version", "device_kind"} <= set(machine)
     config = report["config"]
-    assert config["dtype"] == "bfloat16"
-    assert (config["iters"], config["repeats"]) == (3, 2)
+    assert config["dtype"] == "bfloat16" and config["method"] == "chain"
+    assert (config["chain"], config["repeats"], config["patterns"]) == (3, 2, [1, 4])
     assert config["modes"] == ["auto", "oneshot", "twoshot"]
     assert (config["max_token_num"], config["hidden_dim"]) == (16, 256)
     assert report["reference_path"] is True
 
-    cases = {(c["tokens"], c["hidden"]): c for c in report["cases"]}
-    assert set(cases) == {(1, 256), (16, 256)}
+    cases = {(c["pattern"], c["tokens"], c["hidden"]): c for c in report["cases"]}
+    assert set(cases) == {(p, t, 256) for p in (1, 4) for t in (1, 16)}
     for case in cases.values():
         assert case["baseline_us"] > 0 and len(case["baseline_us_repeats"]) == 2
         assert set(case["fused"]) | set(case["skipped"]) == {"auto", "oneshot", "twoshot"}
@@ -112,18 +118,30 @@ def test_bench_writes_json_and_plot(tmp_path):
             assert m["us"] > 0 and len(m["us_repeats"]) == 2
             assert m["ratio"] == pytest.approx(m["us"] / case["baseline_us"])
             assert m["chosen"] == mode if mode != "auto" else m["chosen"] in ("oneshot", "twoshot")
+    assert "static FP8" in cases[(4, 1, 256)]["baseline"]
     # Two-shot needs more tokens than the 8 ranks: skipped with the reason for 1 token only.
-    assert set(cases[(1, 256)]["skipped"]) == {"twoshot"}
-    assert "more tokens than ranks" in cases[(1, 256)]["skipped"]["twoshot"]
-    assert cases[(16, 256)]["skipped"] == {}
-    assert cases[(1, 256)]["fused"]["auto"]["chosen"] == "oneshot"
+    for p in (1, 4):
+        assert set(cases[(p, 1, 256)]["skipped"]) == {"twoshot"}
+        assert "more tokens than ranks" in cases[(p, 1, 256)]["skipped"]["twoshot"]
+        assert cases[(p, 16, 256)]["skipped"] == {}
+        assert cases[(p, 1, 256)]["fused"]["auto"]["chosen"] == "oneshot"
 
-    # The table: one row per measured mode, the skipped one as a note.
-    assert len(re.findall(r"^\s+(1|16)\s+256\s+", r.stdout, re.MULTILINE)) == 5
-    assert "skipped 1 x 256 twoshot" in r.stdout
+    # The table: one row per measured mode, the skipped ones as notes.
+    assert len(re.findall(r"^\s+[14]\s+(1|16)\s+256\s+", r.stdout, re.MULTILINE)) == 10
+    assert "skipped pattern 1 1 x 256 twoshot" in r.stdout
 
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "bench.png").stat().st_size > 0
+
+
+def test_bench_loop_method(tmp_path):
+    out = tmp_path / "bench"
+    r = run_cli("bench", "--tokens", 16, "--hidden", 64, "--method", "loop", "--iters", 3,
+                "--repeats", 1, "--patterns", 1, "--out", out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads((out / "bench.json").read_text())
+    assert report["config"]["method"] == "loop" and "fori_loop" in report["method"]
+    assert report["cases"][0]["fused"]["auto"]["us"] > 0
 
 
 def test_bench_without_matplotlib_and_tqdm(tmp_path):
@@ -133,8 +151,8 @@ def test_bench_without_matplotlib_and_tqdm(tmp_path):
         (blocker / name).mkdir(parents=True)
         (blocker / name / "__init__.py").write_text(f"raise ImportError('{name} blocked')\n")
     out = tmp_path / "bench"
-    r = run_cli("bench", "--tokens", 4, "--hidden", 64, "--iters", 2, "--repeats", 1,
-                "--modes", "auto", "--out", out, pythonpath=[blocker])
+    r = run_cli("bench", "--tokens", 4, "--hidden", 64, "--chain", 2, "--repeats", 1,
+                "--patterns", 1, "--modes", "auto", "--out", out, pythonpath=[blocker])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "matplotlib is not installed" in r.stdout
     assert not (out / "bench.png").exists()
@@ -142,27 +160,44 @@ def test_bench_without_matplotlib_and_tqdm(tmp_path):
     assert "2/2" in r.stderr  # the fallback progress bar: baseline + auto
 
 
-def test_bench_loop_keeps_the_all_reduce_inside_the_loop():
-    # Without the optimization barrier XLA hoists the baseline's psum(x) out of the
-    # fori_loop and the baseline would time one all-reduce for all iterations.
-    script = textwrap.dedent("""
+def _compiled_hlo(body_expr: str) -> str:
+    """Compiled CPU HLO of a bench program (8 virtual devices, bf16 16 x 128 inputs)."""
+    script = textwrap.dedent(f"""
         import jax, jax.numpy as jnp
         from jax.sharding import NamedSharding, PartitionSpec as P
         from jax_fusedar import bench, demo
         mesh = demo.tp_mesh()
-        loop = jax.jit(jax.shard_map(bench.looped(demo.plain_add_rmsnorm, 4), mesh=mesh,
-                                     in_specs=(P("tp"), P(), P()), out_specs=(P(), P())))
-        x = jax.device_put(jnp.zeros((8, 4, 64), jnp.bfloat16), NamedSharding(mesh, P("tp")))
-        hlo = loop.lower(x, jnp.zeros((4, 64), jnp.bfloat16),
-                         jnp.ones((64,), jnp.bfloat16)).compile().as_text()
-        print("all-reduce" in hlo, "all-reduce" in hlo[hlo.index("ENTRY"):])  # ENTRY is last
+        prog = jax.jit(jax.shard_map({body_expr}, mesh=mesh,
+                                     in_specs=(P("tp"), P(), P(), P()), out_specs=P()))
+        x = jax.device_put(jnp.ones((8, 16, 128), jnp.bfloat16), NamedSharding(mesh, P("tp")))
+        print(prog.lower(x, jnp.ones((16, 128), jnp.bfloat16), jnp.ones((128,), jnp.bfloat16),
+                         jnp.ones((1,), jnp.float32)).compile().as_text())
     """)
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=HOST_8,
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["True", "False"]
+    return r.stdout
+
+
+def test_bench_loop_keeps_the_all_reduce_inside_the_loop():
+    # Without the optimization barrier XLA hoists the baseline's psum(x) out of the
+    # fori_loop and the baseline would time one all-reduce for all iterations.
+    hlo = _compiled_hlo("bench.looped(bench.baseline_combine(1), 4)")
+    assert "all-reduce" in hlo
+    assert "all-reduce" not in hlo[hlo.index("ENTRY"):]  # ENTRY is last: only in the body
+
+
+@pytest.mark.parametrize("pattern", [1, 4, 11, 9])
+def test_bench_chain_keeps_every_baseline_call(pattern):
+    # Each call's input is the previous norm output, so XLA can neither combine the baseline's
+    # all-reduces nor drop a call's quantization: 5 calls, 5 all-reduces, 5 FP8 conversions.
+    hlo = _compiled_hlo(f"bench.chained(bench.baseline_combine({pattern}), 5)")
+    assert len(re.findall(r"= \S+ all-reduce\(", hlo)) == 5, hlo
+    if pattern != 1:
+        root = hlo[hlo.index("ENTRY"):]
+        assert len(re.findall(r"f8e4m3fn\[16,128\]", root.split("ROOT", 1)[1])) == 5
 
 
 # --- flags ---------------------------------------------------------------------------------------
@@ -175,6 +210,7 @@ def test_bench_loop_keeps_the_all_reduce_inside_the_loop():
     (["bench", "--hidden", "256,100"], "--hidden 100 is not a multiple of 8"),
     (["bench", "--tokens", "1,x"], "'x' is not an integer"),
     (["bench", "--modes", "auto,fast"], "subset of auto,oneshot,twoshot"),
+    (["bench", "--method", "fast"], "invalid choice: 'fast'"),
     ([], "required: {demo,bench}"),
 ])
 def test_bad_flags_exit_with_a_message(argv, message):
