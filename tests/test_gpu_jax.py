@@ -85,6 +85,7 @@ def test_jax_quantized_fp8_patterns():
     for r in res:
         q = r["quant"]
         assert q["cases"] > 0 and q["twins_equal"], q
+        assert q["rerun_diffs"] == 0, q  # same program, same inputs: same bytes
         assert q["worse"] == 0, q  # never more than one e4m3 code from the oracle
         # One-code steps come from fast-math division near an e4m3 midpoint: rare.
         assert sum(q["steps1"].values()) <= 1e-3 * 3 * q["elements"], q

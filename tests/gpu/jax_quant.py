@@ -27,6 +27,16 @@ def _code_steps(a_bytes, b_bytes):
     return np.abs(ordinal(a_bytes) - ordinal(b_bytes))
 
 
+def _bytes(a):
+    """Raw bytes of an array (elementwise views: uint8/16/32 of the same itemsize)."""
+    a = np.ascontiguousarray(a)
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+def _host(outs):
+    return [[np.asarray(a.addressable_data(0)) for a in o] for o in outs]
+
+
 def run(jax, jnp, jf, mesh, P, rank, world, seed, tokens, hiddens, glob, local):
     from tests import oracle, quant_oracle
     from tests.gpu.harness import draw_case, shape_cases
@@ -34,7 +44,7 @@ def run(jax, jnp, jf, mesh, P, rank, world, seed, tokens, hiddens, glob, local):
     Pn = jf.AllReduceFusionPattern
     stats = {"cases": 0, "elements": 0, "steps1": {}, "worse": 0, "twins_equal": True,
              "dyn_scale_ulps": 0.0, "group_scale_mismatch": 0, "dequant_violations": 0,
-             "residual": 0.0, "norm": 0.0}
+             "residual": 0.0, "norm": 0.0, "rerun_diffs": 0}
     case = 0
     for dtype in ("bfloat16", "float16"):
         jdt = jnp.dtype(dtype)
@@ -68,22 +78,34 @@ def run(jax, jnp, jf, mesh, P, rank, world, seed, tokens, hiddens, glob, local):
 
             fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("tp"), P(), P(), P()),
                                        out_specs=P()))
-            outs = fn(glob(P("tp"), xs[rank]), glob(P(), res), glob(P(), gam),
-                      glob(P(), sf))
-            outs = [[np.asarray(a.addressable_data(0)) for a in o] for o in outs]
+            args = (glob(P("tp"), xs[rank]), glob(P(), res), glob(P(), gam), glob(P(), sf))
+            outs = _host(fn(*args))
+            if m >= 1024:
+                # The same program again on the same inputs: the kernel is deterministic,
+                # so any difference between the runs is a protocol race, not rounding.
+                again = _host(fn(*args))
+                stats["rerun_diffs"] += sum(
+                    int(np.sum(_bytes(a) != _bytes(b)))
+                    for o1, o2 in zip(outs, again) for a, b in zip(o1, o2))
             (r2, q2), (r4, n4, q4), (r10, q10, s10), (r11, n11, q11, s11), \
                 (r8, q8, s8), (r9, n9, q9, s9) = outs
-            byte = lambda a: a.view(np.uint8)  # noqa: E731
-            for name, a, b in (("static q", byte(q2), byte(q4)),
+            byte = _bytes
+            for name, a, b in (("static r", r2, r4), ("dynamic r", r10, r11),
+                               ("group r", r8, r9), ("static q", byte(q2), byte(q4)),
                                ("dynamic q", byte(q10), byte(q11)),
                                ("dynamic scale", s10, s11),
                                ("group q", byte(q8), byte(q9)),
                                ("group scale", s8[:, :m], s9[:, :m])):
-                diff = int(np.sum(a != b))
+                diff = int(np.sum(_bytes(a) != _bytes(b)))
                 if diff:
                     stats["twins_equal"] = False
+                    where = np.argwhere(_bytes(a) != _bytes(b))[:12]
                     stats.setdefault("twin_diffs", []).append(
-                        (name, dtype, hidden, m, oneshot, diff))
+                        {"what": name, "dtype": dtype, "hidden": hidden, "tokens": m,
+                         "oneshot": oneshot, "count": diff,
+                         "first": [[int(i) for i in w] + [int(_bytes(a)[tuple(w)]),
+                                                          int(_bytes(b)[tuple(w)])]
+                                   for w in where]})
             for r_out, n_out in ((r4, n4), (r11, n11), (r9, n9)):
                 stats["residual"] = max(stats["residual"], oracle.residual_error_ulps(
                     r_out.astype(np.float64), s64, r64, res.astype(np.float64), dtype))
