@@ -316,8 +316,9 @@ def _call(ws, pattern=1, **over):
     (dict(quant_out=torch.empty(16, 1024, dtype=torch.uint8)), "does not write quant_out"),
     (dict(scale_out=torch.empty(16, 1)), "does not write scale_out"),
     (dict(pattern=0, norm_out=torch.empty(16, 1024).bfloat16()), "does not write"),
-    (dict(pattern=2), r"supported: 0 \(kAllReduce\), 1 \(kARResidualRMSNorm\)"),
-    (dict(pattern=5), "not supported"),
+    (dict(pattern=6), "unknown fusion pattern"),  # FlashInfer's MoE codes
+    (dict(pattern=7), "unknown fusion pattern"),
+    (dict(pattern=12), "unknown fusion pattern"),
     (dict(pattern=99), "unknown fusion pattern"),
     (dict(input="x"), "must be a torch.Tensor"),
 ])
@@ -326,10 +327,8 @@ def test_refused_with_a_clear_value_error(cpu_stream, over, match):
         _call(fake_workspace(), **over)
 
 
-def test_patterns_jax_fusedar_gains_stay_refused_until_checked_here(cpu_stream):
-    # jax_fusedar serves every pattern; torch_compat validates only 0 and 1 so far.
-    with pytest.raises(ValueError, match=r"not supported by torch_compat; supported: 0 "):
-        _call(fake_workspace(), pattern=2)
+def test_every_kernel_pattern_is_served():
+    assert set(ops.TORCH_PATTERNS) == set(torch_compat.AllReduceFusionPattern)
 
 
 def test_tensors_must_be_on_the_workspace_device(cpu_stream):
@@ -690,3 +689,263 @@ def test_dp_tp_over_gloo_four_processes():
     assert res[2]["peers"] == {"1": ("ipc", "ipc:3:0:1")}
     assert res[3]["peers"] == {"0": ("ipc", "ipc:2:1:0")}
     assert res[0]["peers"] == {"1": ("ipc", "ipc:1:1:1")}
+
+
+# --- allreduce_fusion: the quantized patterns -----------------------------------------------------
+
+QP = torch_compat.AllReduceFusionPattern
+FP8_STATIC = (QP.kARResidualRMSNormFP8Quant, QP.kARResidualRMSNormOutFP8Quant)
+FP8_DYNAMIC = (QP.kARResidualRMSNormDynamicFP8Quant, QP.kARResidualRMSNormOutDynamicFP8Quant)
+FP8_GROUP = (QP.kARResidualRMSNormPerTokenGroupFP8PackedQuant,
+             QP.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant)
+NVFP4 = (QP.kARResidualRMSNormFP4Quant, QP.kARResidualRMSNormOutFP4Quant)
+QUANT = FP8_STATIC + FP8_DYNAMIC + FP8_GROUP + NVFP4
+
+
+@pytest.fixture
+def sm100(monkeypatch):
+    monkeypatch.setattr(ops, "_compute_capability", lambda device: (10, 0))
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    monkeypatch.setattr(ops, "_compute_capability", lambda device: (9, 0))
+
+
+def group_scale_out(m, h, g):
+    """FlashInfer's per-token-group scale tensor: (M, K) int32 with strides (1, T)."""
+    from jax_fusedar import formats
+    k, t = formats.group_scale_buffer_shape(m, h, g)
+    return torch.empty(k, t, dtype=torch.int32)[:, :m].t()
+
+
+def _qtensors(pattern, m=16, h=1024, dtype=torch.bfloat16, group=128, layout=None):
+    """A valid full argument set for quantized ``pattern`` (CPU tensors)."""
+    from jax_fusedar import formats
+    p = QP(pattern)
+    from jax_fusedar.patterns import TRAITS
+    traits = TRAITS[p]
+    t = _tensors(m, h, dtype)
+    if not traits.has_norm_out:
+        del t["norm_out"]
+    if traits.quant == "fp4":
+        lay = 0 if layout is None else layout
+        t["quant_out"] = torch.empty(m, h // 2, dtype=torch.uint8)
+        t["scale_out"] = torch.empty(formats.nvfp4_scale_shape(m, h, lay),
+                                     dtype=torch.float8_e4m3fn)
+        t["scale_factor"] = torch.tensor([448.0 * 6.0], dtype=torch.float32)
+        if layout is not None:
+            t["layout_code"] = layout
+    else:
+        t["quant_out"] = torch.empty(m, h, dtype=torch.float8_e4m3fn)
+        if traits.quant == "fp8":
+            t["scale_factor"] = torch.tensor([0.05], dtype=torch.float32)
+        elif traits.quant == "dynamic_fp8":
+            t["scale_out"] = torch.empty(m, 1, dtype=torch.float32)
+        else:
+            t["scale_out"] = group_scale_out(m, h, group)
+            t["block_quant_group_size"] = group
+    return t
+
+
+@pytest.mark.parametrize("pattern", QUANT, ids=lambda p: p.name)
+def test_quantized_pattern_launch_arguments_and_return_value(cpu_stream, sm100, pattern):
+    from jax_fusedar.patterns import TRAITS
+    traits = TRAITS[pattern]
+    ws = fake_workspace()
+    t = _qtensors(pattern)
+    out = torch_compat.allreduce_fusion(workspace=ws, pattern=pattern, fp32_acc=True, **t)
+    # FlashInfer: norm_out when the pattern writes it, else quant_out.
+    assert out is (t["norm_out"] if traits.has_norm_out else t["quant_out"])
+    (args, kw), = ws._rank_obj.launches
+    assert args == (int(pattern), native.DTYPE_CODES["bfloat16"], 16, 1024,
+                    t["input"].data_ptr())
+    assert kw["quant_out"] == t["quant_out"].data_ptr()
+    assert kw["scale_out"] == (t["scale_out"].data_ptr() if "scale_out" in t else 0)
+    assert kw["norm_out"] == (t["norm_out"].data_ptr() if traits.has_norm_out else 0)
+    assert kw["residual_out"] == t["residual_out"].data_ptr() and kw["allreduce_out"] == 0
+    assert kw["scale_factor"] == (t["scale_factor"].data_ptr() if "scale_factor" in t else 0)
+    assert kw["block_quant_group_size"] == (128 if pattern in FP8_GROUP else 0)
+    assert kw["layout"] == 0
+
+
+def test_group_scale_view_is_flashinfers_and_covers_what_the_kernel_writes():
+    from jax_fusedar import formats
+    for m, h, g in ((1, 1024, 128), (5, 4096, 128), (16, 7168, 64), (17, 1024, 512)):
+        shape, strides = ops.group_scale_view_shape(m, h, g)
+        k, t = formats.group_scale_buffer_shape(m, h, g)
+        assert shape == (m, -(-(h // g) // 4)) == (m, k) and strides == (1, (m + 3) // 4 * 4)
+        v = group_scale_out(m, h, g)
+        assert tuple(v.shape) == shape and v.stride() == strides
+        s = torch.empty_strided(shape, strides, dtype=torch.int32)
+        # The minimal storage FlashInfer describes, which is everything the kernel writes
+        # (its last pack skips the padding tokens).
+        assert s.untyped_storage().nbytes() // 4 == formats.group_scale_min_storage_words(m, h, g)
+
+
+def test_nvfp4_layouts_and_sizes(cpu_stream, sm100):
+    from jax_fusedar import formats
+    ws = fake_workspace(max_tokens=200, hidden=1024)
+    for layout in (0, 2):
+        t = _qtensors(QP.kARResidualRMSNormOutFP4Quant, m=130, layout=layout)
+        torch_compat.allreduce_fusion(workspace=ws, pattern=5, **t)
+        assert ws._rank_obj.launches[-1][1]["layout"] == layout
+        # int32 and uint8 views of the same bytes are accepted too (vLLM keeps int32).
+        size = formats.nvfp4_scale_buffer_size(130, 1024, layout)
+        for sd, n in ((torch.int32, size // 4), (torch.uint8, size)):
+            t["scale_out"] = torch.empty(n, dtype=sd)
+            torch_compat.allreduce_fusion(workspace=ws, pattern=5, **t)
+    # The default layout is SWIZZLED_128x4 (FlashInfer's layout_code=None).
+    t = _qtensors(QP.kARResidualRMSNormFP4Quant, m=130)
+    torch_compat.allreduce_fusion(workspace=ws, pattern=3, **t)
+    assert ws._rank_obj.launches[-1][1]["layout"] == 0
+
+
+def test_nvfp4_is_refused_below_sm100(cpu_stream, sm90):
+    ws = fake_workspace()
+    for p in NVFP4:
+        with pytest.raises(ValueError, match=r"NVFP4 patterns \(3, 5\) need an sm100\+ GPU.*sm90"):
+            torch_compat.allreduce_fusion(workspace=ws, pattern=p, **_qtensors(p))
+    assert not ws._rank_obj.launches
+    # The FP8 patterns do not depend on the architecture.
+    torch_compat.allreduce_fusion(workspace=ws, pattern=4, **_qtensors(4))
+
+
+def test_scale_factor_as_python_float_like_flashinfer(cpu_stream, monkeypatch):
+    ws = fake_workspace()
+    t = _qtensors(QP.kARResidualRMSNormFP8Quant)
+    t["scale_factor"] = 0.25
+    torch_compat.allreduce_fusion(workspace=ws, pattern=2, **t)
+    assert ws._rank_obj.launches[-1][1]["scale_factor"] != 0
+    for bad, match in ((0.0, "positive and finite"), (-1.0, "positive"),
+                       (float("inf"), "finite"), (float("nan"), "positive"),
+                       (True, "float32 tensor or a float"), ("2", "float32 tensor or a float")):
+        t["scale_factor"] = bad
+        with pytest.raises(ValueError, match=match):
+            torch_compat.allreduce_fusion(workspace=ws, pattern=2, **t)
+    # Under CUDA-graph capture a float would need an uncapturable host->device copy.
+    monkeypatch.setattr(ops, "_capturing", lambda: True)
+    t["scale_factor"] = 0.25
+    with pytest.raises(ValueError, match="CUDA graph cannot capture"):
+        torch_compat.allreduce_fusion(workspace=ws, pattern=2, **t)
+    t["scale_factor"] = torch.tensor([0.25])
+    torch_compat.allreduce_fusion(workspace=ws, pattern=2, **t)  # a tensor is fine
+
+
+def test_quantized_inputs_a_pattern_does_not_read_are_ignored(cpu_stream):
+    ws = fake_workspace()
+    t = _qtensors(QP.kARResidualRMSNormOutDynamicFP8Quant)
+    torch_compat.allreduce_fusion(workspace=ws, pattern=11, scale_factor=2.0, layout_code=1,
+                                  block_quant_group_size=3, **t)
+    kw = ws._rank_obj.launches[-1][1]
+    assert kw["scale_factor"] == 0 and kw["layout"] == 0 and kw["block_quant_group_size"] == 0
+
+
+def _bad(pattern, **over):
+    t = _qtensors(pattern)
+    t.update(over)
+    return pattern, t
+
+
+E4M3 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("pattern, t, match", [
+    # every quantized pattern needs quant_out (and the pattern's scale_out)
+    (*_bad(2, quant_out=None), r"needs quant_out"),
+    (*_bad(11, scale_out=None), r"needs scale_out"),
+    (*_bad(10, quant_out=None, scale_out=None), r"needs quant_out, scale_out"),
+    (*_bad(8, scale_out=None), r"needs scale_out"),
+    (*_bad(4, norm_out=None), r"needs norm_out"),
+    (*_bad(9, residual_in=None), r"needs residual_in"),
+    # outputs the pattern does not write
+    (*_bad(2, norm_out=torch.empty(16, 1024).bfloat16()), "does not write norm_out"),
+    (*_bad(4, scale_out=torch.empty(16, 1)), "does not write scale_out"),
+    (*_bad(10, output=torch.empty(16, 1024).bfloat16()), None),  # output is checked, unused
+    # quant_out
+    (*_bad(2, quant_out=torch.empty(16, 1024, dtype=torch.uint8)), "quant_out must have dtype"),
+    (*_bad(4, quant_out=torch.empty(16, 512, dtype=E4M3)), r"quant_out must have shape \[16, 1024\]"),
+    (*_bad(11, quant_out=torch.empty(1024, 16, dtype=E4M3).t()), "quant_out must be contiguous"),
+    (*_bad(10, quant_out=torch.empty(16 * 1024 + 1, dtype=E4M3)[1:].view(16, 1024)), "16-byte boundary"),
+    (*_bad(9, quant_out=[0] * 4), "quant_out must be a torch.Tensor"),
+    # static scale_factor
+    (*_bad(2, scale_factor=None), r"needs scale_factor \(the dequantization scale"),
+    (*_bad(4, scale_factor=torch.tensor([1.0], dtype=torch.float64)), "float32 tensor, got"),
+    (*_bad(4, scale_factor=torch.ones(2)), r"shape \[1\]"),
+    # dynamic scale_out
+    (*_bad(10, scale_out=torch.empty(16)), r"scale_out must have shape \[token_num, 1\]"),
+    (*_bad(11, scale_out=torch.empty(16, 1, dtype=torch.float16)), "torch.float32"),
+    # [M, 1] with any stride on the size-1 dim is contiguous: accepted
+    (*_bad(11, scale_out=torch.empty(1, 16).t()), None),
+    (*_bad(11, scale_out=torch.empty(16, 2)[:, :1]), "scale_out must be contiguous"),
+    # per-token-group
+    (*_bad(8, block_quant_group_size=None), "block_quant_group_size is required"),
+    (*_bad(8, block_quant_group_size=0), "group_size must be > 0"),
+    (*_bad(8, block_quant_group_size=-128), "group_size must be > 0"),
+    (*_bad(8, block_quant_group_size=48), "must be divisible by group_size"),
+    (*_bad(8, block_quant_group_size=4), "power of two from 8 to 256"),
+    (*_bad(9, block_quant_group_size=512), "power of two from 8 to 256"),
+    (*_bad(9, block_quant_group_size=128.0), "must be an int"),
+    (*_bad(9, block_quant_group_size=True), "must be an int"),
+    (*_bad(8, scale_out=torch.empty(2, 17, dtype=torch.int32)[:, :16].t()),
+     r"stride must be \(1, 16\).*round_up\(token_num, 4\) = 16"),
+    (*_bad(8, scale_out=torch.empty(16, 2, dtype=torch.int32)), r"scale_out stride must be \(1, 16\)"),
+    (*_bad(8, scale_out=group_scale_out(16, 1024, 64)), r"scale_out shape must be \(16, 2\)"),
+    (*_bad(9, scale_out=torch.empty(2, 16).t()), "torch.int32"),
+    (*_bad(9, scale_out=torch.empty(2, 16, dtype=torch.int64).t()), "torch.int32"),
+])
+def test_quantized_refusals_are_clear_value_errors(cpu_stream, sm100, pattern, t, match):
+    ws = fake_workspace()
+    if match is None:  # accepted variants next to the refusals
+        torch_compat.allreduce_fusion(workspace=ws, pattern=pattern, **t)
+        return
+    with pytest.raises(ValueError, match=match):
+        torch_compat.allreduce_fusion(workspace=ws, pattern=pattern, **t)
+    assert not ws._rank_obj.launches
+
+
+def test_group_size_rule_follows_dtype_width(cpu_stream):
+    ws = fake_workspace(dtype=torch.float32)
+    t = _qtensors(8, dtype=torch.float32, group=4)  # fp32: 4 elements per 16-byte vector
+    torch_compat.allreduce_fusion(workspace=ws, pattern=8, **t)
+    assert ws._rank_obj.launches[-1][1]["block_quant_group_size"] == 4
+    t = _qtensors(8, dtype=torch.float32, group=256)
+    with pytest.raises(ValueError, match="power of two from 4 to 128 for float32"):
+        torch_compat.allreduce_fusion(workspace=ws, pattern=8, **t)
+    with pytest.raises(ValueError, match="must be divisible by group_size"):
+        torch_compat.allreduce_fusion(workspace=fake_workspace(), pattern=8,
+                                      **_qtensors(8, h=1024 + 64, group=128))
+    # 96 divides 1536 but is no power of two: the kernel's shared-memory path, not offered.
+    with pytest.raises(ValueError, match="power of two from 8 to 256 for bfloat16, got 96"):
+        torch_compat.allreduce_fusion(workspace=fake_workspace(), pattern=9,
+                                      **_qtensors(9, h=1536, group=96))
+
+
+@pytest.mark.parametrize("pattern, over, match", [
+    (3, dict(quant_out=torch.empty(16, 1024, dtype=torch.uint8)), r"quant_out must have shape \[16, 512\]"),
+    (5, dict(quant_out=torch.empty(16, 512, dtype=E4M3)), "quant_out must have dtype torch.uint8"),
+    (3, dict(scale_out=torch.empty(128, 60, dtype=E4M3)), "exactly 8192 bytes"),
+    (5, dict(scale_out=torch.empty(16, 64, dtype=E4M3)), r"SWIZZLED_128x4.*\(128, 64\)"),
+    (5, dict(scale_out=torch.empty(128, 64, dtype=torch.float16)), "scale_out must have dtype"),
+    (5, dict(scale_out=torch.empty(64, 128, dtype=E4M3).t()), "scale_out must be contiguous"),
+    (5, dict(layout_code=1), "SWIZZLED_8x4"),
+    (5, dict(layout_code=7), "unknown NVFP4 scale layout"),
+    (5, dict(layout_code=2), r"exactly 1024 bytes.*LINEAR"),  # swizzled-size buffer, linear layout
+    (3, dict(scale_factor=None), r"needs scale_factor \(the NVFP4 global scale"),
+    (5, dict(scale_out=None), "needs scale_out"),
+])
+def test_nvfp4_refusals(cpu_stream, sm100, pattern, over, match):
+    t = _qtensors(pattern)
+    t.update(over)
+    with pytest.raises(ValueError, match=match):
+        torch_compat.allreduce_fusion(workspace=fake_workspace(), pattern=pattern, **t)
+
+
+def test_nvfp4_needs_16bit_input_and_hidden_multiple_of_16(cpu_stream, sm100):
+    with pytest.raises(ValueError, match="bfloat16 or float16 input, got float32"):
+        torch_compat.allreduce_fusion(workspace=fake_workspace(dtype=torch.float32), pattern=5,
+                                      **_qtensors(5, dtype=torch.float32))
+    # 1032 = 129 vectors of 8: launchable, but not whole 16-element NVFP4 blocks.
+    ws = fake_workspace(max_tokens=16, hidden=2048)
+    with pytest.raises(ValueError, match="divisible by 16"):
+        torch_compat.allreduce_fusion(workspace=ws, pattern=5, **_qtensors(5, h=1032))

@@ -408,3 +408,201 @@ def test_inductor_end_to_end_with_post_grad_pass(gloo_world1, cpu_kernels):
     assert p.count == 1
     for a, b in zip(got, f(x, res, g)):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+# --- the quantized op ---------------------------------------------------------------------------
+
+QUANT = torch.ops.torch_compat.allreduce_residual_rmsnorm_quant.default
+E4M3 = torch.float8_e4m3fn
+
+
+def _ref_quant(input, residual, gamma, eps, weight_bias, pattern, scale_factor, group, layout,
+               use_oneshot, fp32_acc, handle):
+    """World-size-1 CPU stand-in for the quantized op, quantizing with the independent numpy
+    oracle (tests/quant_oracle.py); NVFP4 outputs are left zero (not an oracle check)."""
+    import quant_oracle
+    from jax_fusedar.patterns import TRAITS, AllReduceFusionPattern
+
+    library.lookup_workspace(handle)
+    traits = TRAITS[AllReduceFusionPattern(pattern)]
+    r_out, n_out, q_out, s_out = library._quant_outputs(input, pattern, group, layout)
+    r = input + residual
+    rf = r.float()
+    n = (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)
+         * (weight_bias + gamma.float())).to(input.dtype)
+    r_out.copy_(r)
+    if traits.has_norm_out:
+        n_out.copy_(n)
+    y = n.float().numpy()
+    if traits.quant == "fp8":
+        q = quant_oracle.fp8_static(y, float(scale_factor.reshape(())))
+    elif traits.quant == "dynamic_fp8":
+        q, s = quant_oracle.fp8_dynamic(y)
+        s_out.copy_(torch.from_numpy(s))
+    elif traits.quant == "group_fp8":
+        q, buf = quant_oracle.fp8_group(y, group)
+        s_out.copy_(torch.from_numpy(buf)[:, :input.shape[0]].t())
+    else:
+        q_out.zero_()
+        s_out.view(torch.uint8).zero_()
+        return r_out, n_out, q_out, s_out
+    q_out.copy_(torch.from_numpy(q).view(E4M3))
+    return r_out, n_out, q_out, s_out
+
+
+@pytest.fixture
+def cpu_quant_kernel():
+    with torch.library._scoped_library("torch_compat", "IMPL") as lib:
+        lib.impl("allreduce_residual_rmsnorm_quant", _ref_quant, "CPU")
+        yield
+
+
+# (pattern, extra args (scale_factor, group, layout)); NVFP4 uses layout LINEAR/swizzled
+QUANT_CASES = [(2, "sf"), (4, "sf"), (10, None), (11, None), (8, 64), (9, 128),
+               (3, "fp4:0"), (5, "fp4:2")]
+
+
+def _quant_args(pattern, extra, m=8, h=256, dtype=torch.bfloat16, device=None, handle=0):
+    if device is None:
+        x, res, g = _inputs(m, h, dtype)
+    else:  # under FakeTensorMode: fake CUDA tensors, no GPU needed
+        x, res = (torch.empty(m, h, dtype=dtype, device=device) for _ in range(2))
+        g = torch.empty(h, dtype=dtype, device=device)
+    sf = grp = lay = None
+    if extra == "sf" or str(extra).startswith("fp4"):
+        sf = torch.tensor([0.03], dtype=torch.float32, device=x.device)
+    if isinstance(extra, int):
+        grp = extra
+    if str(extra).startswith("fp4"):
+        lay = int(extra.split(":")[1])
+    return (x, res, g, EPS, 0.0, pattern, sf, grp, lay, None, False, handle)
+
+
+def _expected_quant_meta(pattern, extra, m=8, h=256, dtype=torch.bfloat16):
+    """(shape, dtype, stride) of the four outputs, from the formats helpers."""
+    from jax_fusedar import formats
+    full = ((m, h), dtype, (h, 1))
+    empty_t = ((0,), dtype, (1,))
+    norm = full if pattern in (4, 5, 9, 11) else empty_t
+    if pattern in (3, 5):
+        lay = int(extra.split(":")[1])
+        sshape = formats.nvfp4_scale_shape(m, h, lay)
+        return [full, norm, ((m, h // 2), torch.uint8, (h // 2, 1)),
+                (sshape, E4M3, (sshape[1], 1))]
+    q = ((m, h), E4M3, (h, 1))
+    if pattern in (2, 4):
+        s = ((0,), torch.float32, (1,))
+    elif pattern in (10, 11):
+        s = ((m, 1), torch.float32, (1, 1))
+    else:
+        k, t = formats.group_scale_buffer_shape(m, h, extra)
+        s = ((m, k), torch.int32, (1, t))
+    return [full, norm, q, s]
+
+
+def test_quant_schema():
+    assert str(QUANT._schema) == (
+        "torch_compat::allreduce_residual_rmsnorm_quant(Tensor input, Tensor residual, "
+        "Tensor gamma, float eps, float weight_bias, SymInt pattern, Tensor? scale_factor, "
+        "SymInt? block_quant_group_size, SymInt? layout_code, bool? use_oneshot, "
+        "bool fp32_acc, SymInt workspace_handle) -> (Tensor, Tensor, Tensor, Tensor)")
+    assert not QUANT._schema.is_mutable
+    assert library.QUANT_PATTERNS == (2, 3, 4, 5, 8, 9, 10, 11)
+
+
+@pytest.mark.parametrize("pattern, extra", QUANT_CASES)
+def test_quant_fake_tensor_shapes(pattern, extra, handle):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        args = _quant_args(pattern, extra, device="cuda", handle=handle)
+        outs = QUANT(*args)
+    for t, (shape, dtype, stride) in zip(outs, _expected_quant_meta(pattern, extra)):
+        assert (tuple(t.shape), t.dtype, t.stride(), t.device.type) == \
+            (tuple(shape), dtype, tuple(stride), "cuda")
+
+
+def test_quant_fake_refuses_plain_patterns_and_bad_shapes(handle):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        for p in (0, 1):
+            with pytest.raises(RuntimeError, match="quantized patterns"):
+                QUANT(*_quant_args(p, None, handle=handle))
+        args = list(_quant_args(10, None, handle=handle))
+        args[1] = torch.empty(4, 256)
+        with pytest.raises(RuntimeError, match="residual"):
+            QUANT(*args)
+
+
+@pytest.mark.parametrize("pattern, extra", QUANT_CASES)
+def test_quant_real_impl_wiring(monkeypatch, pattern, extra):
+    monkeypatch.setattr(ops, "_current_stream", lambda device: 0xC0FFEE)
+    monkeypatch.setattr(ops, "_compute_capability", lambda device: (10, 0))
+    ws = fake_workspace(global_ranks=(0, 1))
+    h = library.register_workspace(ws)
+    try:
+        args = _quant_args(pattern, extra, handle=h)
+        outs = library.allreduce_residual_rmsnorm_quant._init_fn(*args)
+        for t, (shape, dtype, stride) in zip(outs, _expected_quant_meta(pattern, extra)):
+            assert (tuple(t.shape), t.dtype, t.stride()) == (tuple(shape), dtype, tuple(stride))
+        (a, kw), = ws.native_rank().launches
+        r, n, q, s = outs
+        assert a[0] == pattern and a[4] == args[0].data_ptr()
+        assert kw["residual_out"] == r.data_ptr() and kw["quant_out"] == q.data_ptr()
+        assert kw["norm_out"] == (n.data_ptr() if pattern in (4, 5, 9, 11) else 0)
+        assert kw["scale_out"] == (0 if pattern in (2, 4) else s.data_ptr())
+        assert kw["scale_factor"] == (args[6].data_ptr() if args[6] is not None else 0)
+        assert kw["block_quant_group_size"] == (extra if isinstance(extra, int) else 0)
+    finally:
+        library.unregister_workspace(h)
+
+
+def test_quant_real_impl_refuses_nvfp4_on_sm90(monkeypatch):
+    monkeypatch.setattr(ops, "_current_stream", lambda device: 0)
+    monkeypatch.setattr(ops, "_compute_capability", lambda device: (9, 0))
+    ws = fake_workspace(global_ranks=(0, 1))
+    h = library.register_workspace(ws)
+    try:
+        with pytest.raises(ValueError, match="sm100"):
+            library.allreduce_residual_rmsnorm_quant._init_fn(*_quant_args(5, "fp4:0", handle=h))
+    finally:
+        library.unregister_workspace(h)
+    assert not ws.native_rank().launches
+
+
+@pytest.mark.parametrize("pattern, extra", [c for c in QUANT_CASES if c[0] not in (3, 5)])
+def test_quant_opcheck(cpu_quant_kernel, handle, pattern, extra):
+    utils = ("test_schema", "test_faketensor", "test_aot_dispatch_static",
+             "test_aot_dispatch_dynamic")
+    torch.library.opcheck(QUANT, _quant_args(pattern, extra, handle=handle), test_utils=utils)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_quant_torch_compile_fullgraph(cpu_quant_kernel, handle, backend):
+    torch._dynamo.reset()
+
+    def f(x, res, g, sf):
+        r, n, q, s = QUANT(x, res, g, EPS, 0.0, 11, None, None, None, None, False, handle)
+        r2, _, q2, _ = QUANT(n, r, g, EPS, 0.0, 2, sf, None, None, None, False, handle)
+        r3, n3, q3, s3 = QUANT(n, r2, g, EPS, 0.0, 9, None, 64, None, None, False, handle)
+        return q.float() * s, q2, s3, r3 + n3
+
+    x, res, g = _inputs()
+    sf = torch.tensor([0.02])
+    got = torch.compile(f, fullgraph=True, backend=backend)(x, res, g, sf)
+    want = f(x, res, g, sf)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+        assert torch.equal(a.view(torch.uint8) if a.dtype == E4M3 else a,
+                           b.view(torch.uint8) if b.dtype == E4M3 else b)
+    torch._dynamo.reset()
+
+
+def test_quant_stand_in_matches_the_oracle_dequantization(cpu_quant_kernel, handle):
+    # Sanity of the stand-in itself (so the tests above compare something meaningful):
+    # dequantized dynamic FP8 is within e4m3's half-step of the norm output.
+    x, res, g = _inputs(m=8, h=256)
+    r, n, q, s = QUANT(x, res, g, EPS, 0.0, 11, None, None, None, None, False, handle)
+    y = n.float()
+    deq = q.float() * s
+    assert torch.all((deq - y).abs() <= 2.0 ** -4 * y.abs() + 2.0 ** -10 * s)
+    assert torch.all(s > 0) and not torch.equal(q.view(torch.uint8), torch.zeros_like(q.view(torch.uint8)))

@@ -1,7 +1,7 @@
 """The fused all-reduce as ``torch.library`` custom ops, for ``torch.compile``.
 
-Two functional ops (they allocate and return their outputs, which is what ``torch.compile``
-and functionalization handle best; nothing is mutated):
+Three functional ops (they allocate and return their outputs, which is what
+``torch.compile`` and functionalization handle best; nothing is mutated):
 
 * ``torch_compat::allreduce(Tensor input, bool? use_oneshot, bool fp32_acc,
   int workspace_handle) -> Tensor`` -- pattern 0 (``kAllReduce``): the sum over the group.
@@ -10,6 +10,14 @@ and functionalization handle best; nothing is mutated):
   -> (Tensor residual_out, Tensor norm_out)`` -- pattern 1 (``kARResidualRMSNorm``):
   ``residual_out = sum + residual``, ``norm_out = rmsnorm(residual_out) * (weight_bias +
   gamma)``.
+* ``torch_compat::allreduce_residual_rmsnorm_quant(Tensor input, Tensor residual,
+  Tensor gamma, float eps, float weight_bias, int pattern, Tensor? scale_factor,
+  int? block_quant_group_size, int? layout_code, bool? use_oneshot, bool fp32_acc,
+  int workspace_handle) -> (Tensor residual_out, Tensor norm_out, Tensor quant_out,
+  Tensor scale_out)`` -- the quantized patterns 2, 3, 4, 5, 8, 9, 10, 11, with the tensors
+  ``ops.allreduce_fusion`` documents. An output the pattern does not produce comes back as
+  an empty tensor (shape [0]): ``norm_out`` for 2, 3, 8, 10; ``scale_out`` for 2, 4. The
+  per-token-group ``scale_out`` is FlashInfer's (M, K) int32 tensor with strides (1, T).
 
 A custom op cannot take a Python object, so the workspace travels as an int:
 ``register_workspace(ws)`` puts a live ``TorchAllReduceFusionWorkspace`` in a process-level
@@ -35,13 +43,16 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from jax_fusedar import formats, patterns
+
 from . import ops
 from .workspace import TorchAllReduceFusionWorkspace
 
 __all__ = [
     "register_workspace", "lookup_workspace", "unregister_workspace",
-    "allreduce", "allreduce_residual_rmsnorm",
-    "ALLREDUCE", "ALLREDUCE_RESIDUAL_RMSNORM",
+    "allreduce", "allreduce_residual_rmsnorm", "allreduce_residual_rmsnorm_quant",
+    "ALLREDUCE", "ALLREDUCE_RESIDUAL_RMSNORM", "ALLREDUCE_RESIDUAL_RMSNORM_QUANT",
+    "QUANT_PATTERNS",
 ]
 
 # --- workspace registry --------------------------------------------------------------------------
@@ -129,6 +140,78 @@ def _allreduce_residual_rmsnorm_fake(input, residual, gamma, eps, weight_bias, u
             torch.empty_like(input, memory_format=torch.contiguous_format))
 
 
+QUANT_PATTERNS = tuple(int(p) for p, t in patterns.TRAITS.items() if t.quant is not None)
+
+
+def _quant_outputs(input: torch.Tensor, pattern: int, block_quant_group_size: Optional[int],
+                   layout_code: Optional[int]):
+    """Fresh (residual_out, norm_out, quant_out, scale_out) for a quantized pattern, the
+    same in the real and the fake implementation (so their metadata agree)."""
+    torch._check(pattern in QUANT_PATTERNS,
+                 lambda: f"allreduce_residual_rmsnorm_quant serves the quantized patterns "
+                         f"{QUANT_PATTERNS}, got {pattern} (patterns 0 and 1 have their own ops)")
+    traits = patterns.TRAITS[patterns.AllReduceFusionPattern(pattern)]
+    m, h = input.shape
+    dev = input.device
+    residual_out = torch.empty_like(input, memory_format=torch.contiguous_format)
+    norm_out = (torch.empty_like(input, memory_format=torch.contiguous_format)
+                if traits.has_norm_out else input.new_empty((0,)))
+    if traits.quant == "fp4":
+        layout = (patterns.QuantizationSFLayout.SWIZZLED_128x4 if layout_code is None
+                  else layout_code)
+        quant_out = torch.empty(formats.nvfp4_quant_shape(m, h), dtype=torch.uint8, device=dev)
+        scale_out = torch.empty(formats.nvfp4_scale_shape(m, h, layout),
+                                dtype=torch.float8_e4m3fn, device=dev)
+    else:
+        quant_out = torch.empty((m, h), dtype=torch.float8_e4m3fn, device=dev)
+        if traits.quant == "dynamic_fp8":
+            scale_out = torch.empty((m, 1), dtype=torch.float32, device=dev)
+        elif traits.quant == "group_fp8":
+            shape, strides = ops.group_scale_view_shape(m, h, block_quant_group_size)
+            scale_out = torch.empty_strided(shape, strides, dtype=torch.int32, device=dev)
+        else:  # static FP8: no scale output
+            scale_out = torch.empty((0,), dtype=torch.float32, device=dev)
+    return residual_out, norm_out, quant_out, scale_out
+
+
+@torch.library.custom_op("torch_compat::allreduce_residual_rmsnorm_quant", mutates_args=(),
+                         device_types="cuda")
+def allreduce_residual_rmsnorm_quant(
+        input: torch.Tensor, residual: torch.Tensor, gamma: torch.Tensor, eps: float,
+        weight_bias: float, pattern: int, scale_factor: Optional[torch.Tensor],
+        block_quant_group_size: Optional[int], layout_code: Optional[int],
+        use_oneshot: Optional[bool], fp32_acc: bool,
+        workspace_handle: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A quantized pattern: ``(residual_out, norm_out, quant_out, scale_out)``, empty [0]
+    tensors for the outputs the pattern does not produce."""
+    ws = lookup_workspace(workspace_handle)
+    residual_out, norm_out, quant_out, scale_out = _quant_outputs(
+        input, pattern, block_quant_group_size, layout_code)
+    traits = patterns.TRAITS[patterns.AllReduceFusionPattern(pattern)]
+    ops.allreduce_fusion(input, ws, pattern, residual_out=residual_out,
+                         norm_out=norm_out if traits.has_norm_out else None,
+                         quant_out=quant_out,
+                         scale_out=scale_out if traits.writes_scale_out else None,
+                         residual_in=residual, rms_gamma=gamma, rms_eps=eps,
+                         scale_factor=scale_factor, layout_code=layout_code,
+                         use_oneshot=use_oneshot, fp32_acc=fp32_acc,
+                         block_quant_group_size=block_quant_group_size,
+                         weight_bias=weight_bias)
+    return residual_out, norm_out, quant_out, scale_out
+
+
+@allreduce_residual_rmsnorm_quant.register_fake
+def _allreduce_residual_rmsnorm_quant_fake(input, residual, gamma, eps, weight_bias, pattern,
+                                           scale_factor, block_quant_group_size, layout_code,
+                                           use_oneshot, fp32_acc, workspace_handle):
+    torch._check(residual.shape == input.shape,
+                 lambda: f"residual shape {list(residual.shape)} != input {list(input.shape)}")
+    torch._check(gamma.dim() == 1 and gamma.shape[0] == input.shape[-1],
+                 lambda: f"gamma must be [hidden_dim], got {list(gamma.shape)}")
+    return _quant_outputs(input, pattern, block_quant_group_size, layout_code)
+
+
 # The OpOverloads, as they appear in FX graphs.
 ALLREDUCE = torch.ops.torch_compat.allreduce.default
 ALLREDUCE_RESIDUAL_RMSNORM = torch.ops.torch_compat.allreduce_residual_rmsnorm.default
+ALLREDUCE_RESIDUAL_RMSNORM_QUANT = torch.ops.torch_compat.allreduce_residual_rmsnorm_quant.default

@@ -1,43 +1,76 @@
 """``allreduce_fusion`` for torch: FlashInfer's unified-API call on our native core.
 
 Names, defaults and out-parameter semantics follow ``flashinfer.comm.allreduce_fusion`` on a
-TRT-LLM workspace (allreduce.py), for the patterns this build supports (0 and 1):
+TRT-LLM workspace (allreduce.py) for every pattern the kernel serves: 0, 1, the static FP8
+patterns 2/4, NVFP4 3/5 (sm100+ only), per-token-group FP8 8/9 and dynamic FP8 10/11.
 
 * ``output`` is the all-reduce result of pattern 0; when None, a fresh
-  ``torch.empty_like(input)`` is allocated and returned, as FlashInfer does. Pattern 1 does
-  not write it (FlashInfer allocates one anyway and drops it; we allocate nothing).
-* Pattern 1 writes the caller's ``residual_out`` (input-sum + residual) and ``norm_out``
-  and returns ``norm_out``. FlashInfer passes None ones on to the kernel, which then stores
-  through a null pointer; here they are required (ValueError).
-* An output the pattern does not write (``residual_out``/``norm_out``/``quant_out``/
-  ``scale_out`` with pattern 0; ``quant_out``/``scale_out`` with pattern 1) is refused:
-  FlashInfer leaves it unwritten and, for pattern 0 with a ``norm_out``, even returns it.
-  Inputs a pattern does not read (``residual_in``/``rms_gamma`` for pattern 0,
-  ``scale_factor``, ``layout_code``, ``block_quant_group_size``) are ignored, as there.
+  ``torch.empty_like(input)`` is allocated and returned, as FlashInfer does. No other
+  pattern writes it (FlashInfer allocates one anyway and drops it; we allocate nothing).
+* Every other pattern reads ``residual_in`` and ``rms_gamma`` ([hidden_dim]) and writes the
+  caller's ``residual_out`` (input-sum + residual); the norm patterns (1, and the ``...Out...``
+  quantized ones 4, 5, 9, 11) also write ``norm_out``; the quantized ones write
+  ``quant_out`` and, except static FP8, ``scale_out``. FlashInfer passes None outputs on to
+  the kernel, which then stores through a null pointer; here every output the pattern
+  writes is required (ValueError).
+* Returned, as FlashInfer does: ``norm_out`` when the pattern writes it, else ``quant_out``
+  for the quantized patterns, else ``output``.
+* An output the pattern does not write (e.g. ``norm_out`` with pattern 2, ``scale_out`` with
+  pattern 4) is refused: FlashInfer leaves it unwritten and may even return it. Inputs a
+  pattern does not read (``residual_in``/``rms_gamma`` for pattern 0, ``scale_factor``,
+  ``layout_code``, ``block_quant_group_size``) are ignored, as there.
 
-Every check is on host metadata only, so the call can be captured in a CUDA graph (with
-outputs passed in). One-shot vs two-shot comes from ``topology.choose_oneshot``: a pure
-function of the shape, dtype width and workspace, so every rank picks the same mode.
+Quantized outputs (shapes per rank, M tokens x H hidden; byte layouts in
+``jax_fusedar/formats.py``, whose shape helpers are used here):
+
+* FP8 ``quant_out``: ``torch.float8_e4m3fn`` ``[M, H]``, contiguous.
+* static FP8 (2, 4): ``scale_factor`` the dequantization scale (the kernel multiplies by its
+  reciprocal): a float32 CUDA tensor of one element, read on the device, so it may change
+  between CUDA-graph replays. A Python float is accepted as FlashInfer accepts it (copied to
+  a fresh device tensor per call), but not while a CUDA graph is being captured.
+* dynamic FP8 (10, 11): ``scale_out`` float32 ``[M, 1]`` contiguous.
+* per-token-group FP8 (8, 9): ``block_quant_group_size`` g (a power of two from 16 bytes'
+  worth of elements to 32 times that, dividing H); ``scale_out`` int32 packed UE8M0 in
+  FlashInfer's MN-major TMA-aligned layout: shape ``(M, K)`` and strides ``(1, T)`` with
+  ``(K, T) = formats.group_scale_buffer_shape(M, H, g)``, e.g. ``torch.empty(K, T,
+  dtype=torch.int32)[:, :M].t()`` or ``torch.empty_strided((M, K), (1, T), dtype=torch.int32)``.
+* NVFP4 (3, 5), sm100+ only (on sm90 the kernel silently writes zeros, so it is refused
+  there): bf16/fp16 input, H % 16 == 0, ``scale_factor`` the global scale (as above),
+  ``layout_code`` SWIZZLED_128x4 (0, the default) or LINEAR (2); ``quant_out`` uint8
+  ``[M, H/2]``; ``scale_out`` contiguous, uint8/float8_e4m3fn/int32, of exactly
+  ``formats.nvfp4_scale_buffer_size(M, H, layout)`` bytes.
+
+Every check is on host metadata only (shape, dtype, device, strides, 16-byte alignment of
+the vectorised tensors, the device's compute capability), so the call can be captured in a
+CUDA graph with its outputs passed in. One-shot vs two-shot comes from
+``topology.choose_oneshot``: a pure function of the shape, dtype width and workspace, so
+every rank picks the same mode.
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+import numbers
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 
-from jax_fusedar import native, patterns, topology
+from jax_fusedar import formats, native, patterns, topology
 
 from .workspace import TORCH_DTYPES, TorchAllReduceFusionWorkspace
 
-# The patterns whose tensors this module checks. jax_fusedar may support more (quantized
-# outputs); those need their own checks here (quant_out/scale_out shapes and dtypes,
-# scale_factor) before torch callers may reach the kernel with them.
-TORCH_PATTERNS = (patterns.AllReduceFusionPattern.kAllReduce,
-                  patterns.AllReduceFusionPattern.kARResidualRMSNorm)
+# Every pattern this module checks and launches (all the kernel serves; 6, 7 and 12 are
+# FlashInfer's MoE / MNNVL codes, refused by patterns.as_pattern).
+TORCH_PATTERNS = tuple(patterns.TRAITS)
 
 # The kernel moves 16-byte vectors: a tensor starting elsewhere (a view with an odd
 # storage offset) faults with a misaligned address.
 _ALIGNMENT = 16
+# Scale tensors are read/written per float/int32 word.
+_SCALE_ALIGNMENT = 4
+
+_FP4_SCALE_DTYPES = (torch.uint8, torch.float8_e4m3fn, torch.int32)
+_FP4_QUANT_DTYPES = (torch.uint8,)
+
+_capabilities: Dict[int, Tuple[int, int]] = {}
 
 
 def _current_stream(device: int) -> int:
@@ -46,10 +79,29 @@ def _current_stream(device: int) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
-def _check_like(name: str, t, ref: torch.Tensor) -> None:
-    """``t`` must look exactly like ``ref`` (the input): same shape, dtype, contiguous."""
+def _compute_capability(device: int) -> Tuple[int, int]:
+    """(major, minor) of ``device``, cached (a host query; safe during graph capture). A
+    function so that CPU tests can stand in for it."""
+    cc = _capabilities.get(device)
+    if cc is None:
+        cc = _capabilities[device] = tuple(native.require().compute_capability(device))
+    return cc
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _check_tensor(name: str, t) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _check_like(name: str, t, ref: torch.Tensor) -> None:
+    """``t`` must look exactly like ``ref`` (the input): same shape, dtype, contiguous."""
+    _check_tensor(name, t)
     if tuple(t.shape) != tuple(ref.shape):
         raise ValueError(f"{name} must have the input's shape [token_num, hidden_dim] = "
                          f"{list(ref.shape)}, got {list(t.shape)}")
@@ -61,8 +113,7 @@ def _check_like(name: str, t, ref: torch.Tensor) -> None:
 
 def _check_gamma(gamma, ref: torch.Tensor) -> None:
     hidden_dim = ref.shape[1]
-    if not isinstance(gamma, torch.Tensor):
-        raise ValueError(f"rms_gamma must be a torch.Tensor, got {type(gamma).__name__}")
+    _check_tensor("rms_gamma", gamma)
     if tuple(gamma.shape) != (hidden_dim,):
         raise ValueError(f"rms_gamma must have shape [hidden_dim] = [{hidden_dim}], got "
                          f"{list(gamma.shape)}")
@@ -72,19 +123,19 @@ def _check_gamma(gamma, ref: torch.Tensor) -> None:
         raise ValueError("rms_gamma must be contiguous")
 
 
-def _check_placement(name: str, t: torch.Tensor, ws: TorchAllReduceFusionWorkspace) -> None:
+def _check_placement(name: str, t: torch.Tensor, ws: TorchAllReduceFusionWorkspace,
+                     alignment: int = _ALIGNMENT) -> None:
     if t.device != ws.torch_device:
         raise ValueError(f"{name} must be on {ws.torch_device} (the workspace's device), "
                          f"got {t.device}")
-    if t.data_ptr() % _ALIGNMENT:
-        raise ValueError(f"{name} must start on a {_ALIGNMENT}-byte boundary (the kernel "
-                         f"loads 16-byte vectors); got address {t.data_ptr():#x}")
+    if t.data_ptr() % alignment:
+        raise ValueError(f"{name} must start on a {alignment}-byte boundary (the kernel "
+                         f"accesses {alignment}-byte words); got address {t.data_ptr():#x}")
 
 
 def _check_input(input, ws: TorchAllReduceFusionWorkspace) -> str:
     """Checks the input against the workspace; returns its dtype name."""
-    if not isinstance(input, torch.Tensor):
-        raise ValueError(f"input must be a torch.Tensor, got {type(input).__name__}")
+    _check_tensor("input", input)
     if input.dim() != 2:
         raise ValueError(f"input must be 2-D [token_num, hidden_dim], got shape "
                          f"{list(input.shape)}")
@@ -102,6 +153,147 @@ def _check_input(input, ws: TorchAllReduceFusionWorkspace) -> str:
     # The workspace may be reused with another hidden size: that one must launch too.
     topology.check_kernel_supports(ws.world_size, hidden_dim, name)
     return name
+
+
+def check_group_size(hidden_dim: int, group_size, dtype_name: str) -> int:
+    """The per-token-group size rule of the kernel as this project serves it (the same as
+    ``jax_fusedar.api``): g divides hidden_dim (formats.check_group_size) and is a power of
+    two from one 16-byte vector to 32 vectors (the kernel's warp-shuffle path; other sizes
+    take a shared-memory path that needs whole groups per thread block)."""
+    if group_size is None:
+        raise ValueError("block_quant_group_size is required for the per-token-group FP8 "
+                         "patterns (8, 9)")
+    if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral):
+        raise ValueError(f"block_quant_group_size must be an int, got {group_size!r}")
+    g = formats.check_group_size(hidden_dim, int(group_size))
+    vec = topology.vector_width(dtype_name)
+    if g < vec or g > 32 * vec or g & (g - 1):
+        raise ValueError(f"block_quant_group_size must be a power of two from {vec} to "
+                         f"{32 * vec} for {dtype_name}, got {g}")
+    return g
+
+
+def group_scale_view_shape(token_num: int, hidden_dim: int, group_size: int):
+    """FlashInfer's per-token-group ``scale_out``: (shape, strides) = ((M, K), (1, T)) with
+    ``(K, T) = formats.group_scale_buffer_shape(M, H, g)``."""
+    k, t = formats.group_scale_buffer_shape(token_num, hidden_dim, group_size)
+    return (int(token_num), k), (1, t)
+
+
+def _scale_factor_tensor(scale_factor, ws: TorchAllReduceFusionWorkspace,
+                         pattern) -> torch.Tensor:
+    """The float32 one-element device tensor the kernel reads ``scale_factor`` from."""
+    what = "the dequantization scale" if patterns.TRAITS[pattern].quant == "fp8" \
+        else "the NVFP4 global scale"
+    if scale_factor is None:
+        raise ValueError(f"pattern {pattern.value} ({pattern.name}) needs scale_factor "
+                         f"({what}: a float32 CUDA tensor of one element)")
+    if isinstance(scale_factor, torch.Tensor):
+        if scale_factor.dtype != torch.float32:
+            raise ValueError(f"scale_factor must be a float32 tensor, got {scale_factor.dtype}")
+        if tuple(scale_factor.shape) not in ((), (1,)):
+            raise ValueError(f"scale_factor must have shape [1] (or be 0-d), got "
+                             f"{list(scale_factor.shape)}")
+        _check_placement("scale_factor", scale_factor, ws, _SCALE_ALIGNMENT)
+        return scale_factor
+    if isinstance(scale_factor, bool) or not isinstance(scale_factor, numbers.Real):
+        raise ValueError(f"scale_factor must be a float32 tensor or a float, got "
+                         f"{type(scale_factor).__name__}")
+    value = float(scale_factor)
+    if not (value > 0.0 and value < float("inf")):
+        raise ValueError(f"scale_factor must be positive and finite, got {value}")
+    if _capturing():
+        raise ValueError("a Python float scale_factor needs a fresh device tensor per call, "
+                         "which a CUDA graph cannot capture; pass a float32 CUDA tensor of "
+                         "one element (it may change between replays)")
+    return torch.tensor([value], dtype=torch.float32, device=ws.torch_device)
+
+
+def _check_quant(p, traits, name: str, input: torch.Tensor, ws, quant_out, scale_out,
+                 scale_factor, layout_code, block_quant_group_size):
+    """Checks the quantized outputs/inputs of ``p``; returns (scale_factor tensor or None,
+    layout code, group size) for the launch (0 where unused)."""
+    token_num, hidden_dim = input.shape
+    layout = group = 0
+    label = f"pattern {p.value} ({p.name})"
+    if traits.quant == "fp4":
+        if input.dtype == torch.float32:
+            raise ValueError(f"{label} (NVFP4) needs a bfloat16 or float16 input, got float32")
+        formats.check_hidden_fp4(hidden_dim)
+        layout = int(formats.as_layout(patterns.QuantizationSFLayout.SWIZZLED_128x4
+                                       if layout_code is None else layout_code))
+    if traits.quant == "group_fp8":
+        group = check_group_size(hidden_dim, block_quant_group_size, name)
+    missing = [k for k, t in (("quant_out", quant_out), ("scale_out", scale_out))
+               if t is None and (k == "quant_out" or traits.writes_scale_out)]
+    if missing:
+        raise ValueError(f"{label} needs {', '.join(missing)}")
+
+    # quant_out
+    _check_tensor("quant_out", quant_out)
+    if traits.quant == "fp4":
+        want_shape, dtypes = formats.nvfp4_quant_shape(token_num, hidden_dim), _FP4_QUANT_DTYPES
+    else:
+        want_shape, dtypes = (token_num, hidden_dim), (torch.float8_e4m3fn,)
+    if tuple(quant_out.shape) != tuple(want_shape):
+        raise ValueError(f"quant_out must have shape {list(want_shape)} for {label}, got "
+                         f"{list(quant_out.shape)}")
+    if quant_out.dtype not in dtypes:
+        raise ValueError(f"quant_out must have dtype {' or '.join(map(str, dtypes))} for "
+                         f"{label}, got {quant_out.dtype}")
+    if not quant_out.is_contiguous():
+        raise ValueError("quant_out must be contiguous")
+    _check_placement("quant_out", quant_out, ws)
+
+    # scale_out
+    if traits.quant == "dynamic_fp8":
+        _check_tensor("scale_out", scale_out)
+        if tuple(scale_out.shape) != (token_num, 1):
+            raise ValueError(f"scale_out must have shape [token_num, 1] = [{token_num}, 1] for "
+                             f"{label}, got {list(scale_out.shape)}")
+        if scale_out.dtype != torch.float32:
+            raise ValueError(f"scale_out must have dtype torch.float32 for {label}, got "
+                             f"{scale_out.dtype}")
+        if not scale_out.is_contiguous():
+            raise ValueError("scale_out must be contiguous")
+        _check_placement("scale_out", scale_out, ws, _SCALE_ALIGNMENT)
+    elif traits.quant == "group_fp8":
+        _check_tensor("scale_out", scale_out)
+        shape, strides = group_scale_view_shape(token_num, hidden_dim, group)
+        if scale_out.dtype != torch.int32:
+            raise ValueError(f"scale_out must have dtype torch.int32 (packed UE8M0) for "
+                             f"{label}, got {scale_out.dtype}")
+        if tuple(scale_out.shape) != shape:
+            raise ValueError(f"scale_out shape must be {shape} (token_num, ceil(hidden_dim/"
+                             f"group_size/4)) for {label}, got {tuple(scale_out.shape)}")
+        if tuple(scale_out.stride()) != strides:
+            raise ValueError(
+                f"scale_out stride must be {strides} (MN-major, tma_aligned_mn = "
+                f"round_up(token_num, 4) = {strides[1]}), got {tuple(scale_out.stride())}; "
+                f"allocate torch.empty({shape[1]}, {strides[1]}, dtype=torch.int32)"
+                f"[:, :{token_num}].t()")
+        _check_placement("scale_out", scale_out, ws, _SCALE_ALIGNMENT)
+    elif traits.quant == "fp4":
+        _check_tensor("scale_out", scale_out)
+        size = formats.nvfp4_scale_buffer_size(token_num, hidden_dim, layout)
+        if scale_out.dtype not in _FP4_SCALE_DTYPES:
+            raise ValueError(f"scale_out must have dtype torch.float8_e4m3fn, torch.uint8 or "
+                             f"torch.int32 for {label}, got {scale_out.dtype}")
+        if not scale_out.is_contiguous():
+            raise ValueError("scale_out must be contiguous")
+        nbytes = scale_out.numel() * scale_out.element_size()
+        if nbytes != size:
+            lay = patterns.QuantizationSFLayout(layout).name
+            raise ValueError(f"scale_out must hold exactly {size} bytes of e4m3 scales for "
+                             f"{token_num}x{hidden_dim} in layout {lay} "
+                             f"(formats.nvfp4_scale_shape: "
+                             f"{formats.nvfp4_scale_shape(token_num, hidden_dim, layout)}), "
+                             f"got {nbytes} bytes (shape {list(scale_out.shape)}, "
+                             f"{scale_out.dtype})")
+        _check_placement("scale_out", scale_out, ws, _SCALE_ALIGNMENT)
+
+    sf = _scale_factor_tensor(scale_factor, ws, p) if traits.uses_scale_factor else None
+    return sf, layout, group
 
 
 def allreduce_fusion(
@@ -125,26 +317,34 @@ def allreduce_fusion(
     block_quant_group_size: Optional[int] = None,
     weight_bias: float = 0.0,
 ) -> torch.Tensor:
-    """All-reduce ``input`` over the workspace's TP group (+ residual add + RMSNorm).
+    """All-reduce ``input`` over the workspace's TP group (+ residual add + RMSNorm
+    [+ quantization]).
 
     Collective: every rank of the group must make the same calls, in the same order, with
     the same shapes. ``pattern`` 0 (``kAllReduce``): returns ``output`` (allocated when
     None). ``pattern`` 1 (``kARResidualRMSNorm``): needs ``residual_in``, ``rms_gamma``
     ([hidden_dim]), ``residual_out`` and ``norm_out``; writes ``residual_out = sum +
     residual_in`` and ``norm_out = rmsnorm(residual_out) * (weight_bias + rms_gamma)``, and
-    returns ``norm_out``. ``use_oneshot`` True/False forces a mode (ValueError if it cannot
-    run the call), None picks FlashInfer's heuristic. See the module docstring for how this
-    differs from FlashInfer where FlashInfer would write through null pointers.
+    returns ``norm_out``. The quantized patterns (2, 3, 4, 5, 8, 9, 10, 11) quantize that
+    norm output (rounded to the input dtype first) into ``quant_out`` (+ ``scale_out``); see
+    the module docstring for their tensors. ``use_oneshot`` True/False forces a mode
+    (ValueError if it cannot run the call), None picks FlashInfer's heuristic.
     """
     if not isinstance(workspace, TorchAllReduceFusionWorkspace):
         raise TypeError(f"workspace must come from torch_compat.create_allreduce_fusion_"
                         f"workspace, got {type(workspace).__name__}")
     rank = workspace.native_rank()  # raises once destroyed
-    p = patterns.as_pattern(pattern)  # ValueError naming the supported patterns
+    p = patterns.as_pattern(pattern)  # ValueError naming the valid patterns
     if p not in TORCH_PATTERNS:
         raise ValueError(f"pattern {p.value} ({p.name}) is not supported by torch_compat; "
                          "supported: " + ", ".join(f"{q.value} ({q.name})" for q in TORCH_PATTERNS))
     traits = patterns.TRAITS[p]
+    if traits.quant == "fp4":
+        major, minor = _compute_capability(workspace.device)
+        if major < 10:
+            # On sm90 the NVFP4 epilogue compiles and runs but writes zeros and no scales.
+            raise ValueError(f"NVFP4 patterns (3, 5) need an sm100+ GPU (Blackwell); "
+                             f"cuda:{workspace.device} is sm{major}{minor}")
     name = _check_input(input, workspace)
     token_num, hidden_dim = input.shape
 
@@ -172,6 +372,11 @@ def allreduce_fusion(
         _check_placement(k, t, workspace)
     if traits.has_residual:
         _check_placement("rms_gamma", rms_gamma, workspace)
+    sf, layout, group = None, 0, 0
+    if traits.quant is not None:
+        sf, layout, group = _check_quant(p, traits, name, input, workspace, quant_out,
+                                         scale_out, scale_factor, layout_code,
+                                         block_quant_group_size)
 
     oneshot = topology.choose_oneshot(token_num, hidden_dim, workspace.sizes,
                                       None if use_oneshot is None else bool(use_oneshot))
@@ -186,9 +391,15 @@ def allreduce_fusion(
         allreduce_out=ptr(output) if traits.has_allreduce_out else 0,
         residual_in=ptr(residual_in) if traits.has_residual else 0,
         residual_out=ptr(residual_out), norm_out=ptr(norm_out),
+        quant_out=ptr(quant_out), scale_out=ptr(scale_out),
         rms_gamma=ptr(rms_gamma) if traits.has_residual else 0,
-        rms_eps=float(rms_eps), weight_bias=float(weight_bias), use_oneshot=oneshot,
-        fp32_acc=bool(fp32_acc), launch_with_pdl=bool(launch_with_pdl),
+        scale_factor=ptr(sf), rms_eps=float(rms_eps), weight_bias=float(weight_bias),
+        use_oneshot=oneshot, fp32_acc=bool(fp32_acc), layout=layout,
+        block_quant_group_size=group, launch_with_pdl=bool(launch_with_pdl),
         trigger_completion_at_end=bool(trigger_completion_at_end),
         stream=_current_stream(workspace.device))
-    return norm_out if traits.has_norm_out else output
+    if traits.has_norm_out:
+        return norm_out
+    if traits.quant is not None:
+        return quant_out
+    return output
