@@ -11,6 +11,7 @@ each device's XLA handler then finds its own rank by device ordinal.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import socket
 import threading
@@ -38,11 +39,14 @@ class AllReduceFusionWorkspace:
 
     ``backend`` is ``"trtllm"`` (FlashInfer's kernel) or ``"xla"`` (the reference path: XLA's
     psum + RMSNorm, used on CPU and when asked for). Use as a context manager or call
-    ``destroy()``; calls traced after ``destroy()`` raise.
+    ``destroy()``; calls traced after ``destroy()`` raise. ``check_calls``: whether the
+    kernel's calls are checked across ranks (``native.resolve_check_calls``; trtllm only).
     """
 
     def __init__(self, *, mesh, axis_name: str, max_token_num: int, hidden_dim: int, dtype,
-                 backend: str, workspace_id: int, groups, sizes: topology.WorkspaceSizes):
+                 backend: str, workspace_id: int, groups, sizes: topology.WorkspaceSizes,
+                 check_calls: bool = False,
+                 check_timeout_s: float = native.DEFAULT_CHECK_TIMEOUT_S):
         self.mesh = mesh
         self.axis_name = axis_name
         self.max_token_num = int(max_token_num)
@@ -52,6 +56,8 @@ class AllReduceFusionWorkspace:
         self.id = workspace_id
         self.groups = groups
         self.sizes = sizes
+        self.check_calls = bool(check_calls)
+        self.check_timeout_s = float(check_timeout_s)
         self._ranks: list = []  # native Rank objects this process owns
         self._destroyed = False
 
@@ -70,6 +76,12 @@ class AllReduceFusionWorkspace:
             if name not in native.DTYPE_CODES or (name == "float32") != (self.dtype.name == "float32"):
                 return False
         return topology.buffer_fits(num_tokens, hidden_dim, self.sizes)
+
+    def call_check_failures(self) -> list:
+        """After a checked call failed (the stream reported a CUDA error): what the handshake
+        of each of this process's ranks found, one message per failed rank (readable after
+        the trap killed the CUDA context); empty when nothing failed."""
+        return [m for m in (r.call_check_failure() for r in self._ranks if r.alive) if m]
 
     def destroy(self) -> None:
         """Releases device memory and IPC mappings. Idempotent."""
@@ -96,7 +108,8 @@ class AllReduceFusionWorkspace:
         return (f"AllReduceFusionWorkspace(id={self.id}, backend={self.backend!r}, "
                 f"axis={self.axis_name!r}, world_size={self.world_size}, groups={len(self.groups)}, "
                 f"max_token_num={self.max_token_num}, hidden_dim={self.hidden_dim}, "
-                f"dtype={self.dtype.name}{', destroyed' if self._destroyed else ''})")
+                f"dtype={self.dtype.name}{', check_calls' if self.check_calls else ''}"
+                f"{', destroyed' if self._destroyed else ''})")
 
 
 def _mesh_groups(mesh, axis_name):
@@ -124,7 +137,9 @@ def _describe(mesh, axis_name, max_token_num, hidden_dim, dtype,
 
 def create_allreduce_fusion_workspace(mesh, axis_name: str, *, max_token_num: int,
                                       hidden_dim: int, dtype, backend: Optional[str] = "auto",
-                                      exchange_timeout_s: float = 120.0
+                                      exchange_timeout_s: float = 120.0,
+                                      check_calls: Optional[bool] = None,
+                                      check_timeout_s: Optional[float] = None
                                       ) -> AllReduceFusionWorkspace:
     """Creates the workspaces of every TP group along ``axis_name`` of ``mesh``.
 
@@ -133,13 +148,25 @@ def create_allreduce_fusion_workspace(mesh, axis_name: str, *, max_token_num: in
     GPUs of one node, the XLA reference elsewhere), ``"trtllm"``, ``"xla"`` or ``"mnnvl"``
     (refused: it needs NVLink multicast); the ``JAX_FUSEDAR_ALLREDUCE_BACKEND`` environment
     variable decides when ``backend`` is ``"auto"`` or ``None``.
+
+    ``check_calls`` (None: ``$JAX_FUSEDAR_CHECK_CALLS``, default off) makes every kernel call
+    first check, on the device, that all ranks of the group make the same call (pattern,
+    dtype, shape, one-shot choice): a mismatch, or a rank missing for ``check_timeout_s``
+    (None: ``$JAX_FUSEDAR_CHECK_TIMEOUT_S``, default 30 s), fails the stream with a CUDA error
+    and a printed description instead of hanging (``call_check_failures()`` reads it back).
+    One extra tiny kernel per call; every process must pass the same setting.
     """
     import jax
+
+    check_calls = native.resolve_check_calls(check_calls)
+    check_timeout_s = native.resolve_check_timeout_s(check_timeout_s)
 
     num_nodes = _count_nodes(mesh) if jax.process_count() > 1 else 1
     resolved = topology.resolve_backend(backend, platform=mesh.devices.flat[0].platform,
                                         num_nodes=num_nodes)
     ws = _describe(mesh, axis_name, max_token_num, hidden_dim, dtype, resolved)
+    ws.check_calls = check_calls and resolved == "trtllm"
+    ws.check_timeout_s = check_timeout_s
     if resolved == "trtllm":
         try:
             _build_native(ws, exchange_timeout_s)
@@ -223,7 +250,8 @@ def _build_native(ws: AllReduceFusionWorkspace, timeout_s: float) -> None:
             raise ValueError(f"the trtllm backend needs CUDA GPUs; {d} is {d.platform}")
 
     def make_rank(device: int, tp_rank: int):
-        r = ext.Rank(device, ws.world_size, tp_rank, ws.max_token_num, ws.hidden_dim, code)
+        r = ext.Rank(device, ws.world_size, tp_rank, ws.max_token_num, ws.hidden_dim, code,
+                     check_calls=ws.check_calls, check_timeout_s=ws.check_timeout_s)
         ws._ranks.append(r)  # owned from birth, so a failure later still frees it
         return r
 
@@ -232,6 +260,9 @@ def _build_native(ws: AllReduceFusionWorkspace, timeout_s: float) -> None:
                          for m in g.members] for g in ws.groups}
     spans = any(len({m.process for m in ms}) > 1 for ms in members.values())
     chan = _KVChannel(timeout_s) if spans else None
+    if chan is not None:  # before anything is allocated
+        agree_on_check_calls(ws.groups, members, me, chan, serial=ws.id,
+                             check_calls=ws.check_calls)
     plans = [exchange.create_and_publish(g, members[g.index], me, make_rank, chan,
                                          namespace="jax_fusedar", serial=ws.id)
              for g in ws.groups]
@@ -239,3 +270,22 @@ def _build_native(ws: AllReduceFusionWorkspace, timeout_s: float) -> None:
         exchange.connect_and_finalize(plan, me, chan, namespace="jax_fusedar", serial=ws.id)
         for tp_rank, rank in plan.local.items():
             ext.register_rank(ws.id, plan.members[tp_rank].device, rank)
+
+
+def agree_on_check_calls(groups, members, me: int, chan, *, serial: int,
+                         check_calls: bool) -> None:
+    """Across processes: for every group this process is in, publishes its ``check_calls``
+    and compares with every other process of the group (ValueError naming who differs, on
+    every process alike). All keys are published before any is waited for, so processes
+    sharing several groups cannot wait on each other."""
+    def key(group, process):
+        return topology.exchange_key("jax_fusedar", group, serial, f"options/process{process}")
+
+    mine = [(g, sorted({m.process for m in members[g.index]})) for g in groups]
+    mine = [(g, procs) for g, procs in mine if me in procs and len(procs) > 1]
+    for g, _ in mine:
+        chan.publish(key(g, me), json.dumps({"check_calls": bool(check_calls)}).encode())
+    for g, procs in mine:
+        got = {f"process {p}": json.loads(chan.fetch(
+            key(g, p), f"process {p} (TP group {list(g.members)})")) for p in procs}
+        native.check_options_agree(got, what="processes")

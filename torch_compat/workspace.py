@@ -78,7 +78,8 @@ class TorchAllReduceFusionWorkspace:
 
     def __init__(self, *, native_rank, global_ranks: Sequence[int], rank: int, device: int,
                  max_token_num: int, hidden_dim: int, dtype: torch.dtype,
-                 sizes: topology.WorkspaceSizes, members: Sequence[exchange.Member] = ()):
+                 sizes: topology.WorkspaceSizes, members: Sequence[exchange.Member] = (),
+                 check_calls: bool = False):
         self._rank_obj = native_rank
         self.global_ranks = tuple(int(g) for g in global_ranks)
         self.world_size = len(self.global_ranks)
@@ -91,6 +92,7 @@ class TorchAllReduceFusionWorkspace:
         self.dtype = dtype
         self.sizes = sizes
         self.members = tuple(members)
+        self.check_calls = bool(check_calls)  # calls checked across ranks on the device
         self._destroyed = False
 
     @property
@@ -158,6 +160,11 @@ class TorchAllReduceFusionWorkspace:
             log.warning("Workspace is insufficient for problem size. %s", problem)
         return problem is None
 
+    def call_check_failure(self) -> str:
+        """With ``check_calls``: after a call failed with a CUDA error, what the on-device
+        check found (readable after the trap killed the CUDA context); "" otherwise."""
+        return self.native_rank().call_check_failure() if self.check_calls else ""
+
     def destroy(self) -> None:
         """Frees the buffers and closes the peers' IPC mappings. Idempotent."""
         if self._destroyed:
@@ -177,6 +184,7 @@ class TorchAllReduceFusionWorkspace:
                 f"tp_size={self.world_size}, global_ranks={list(self.global_ranks)}, "
                 f"device=cuda:{self.device}, max_token_num={self.max_token_num}, "
                 f"hidden_dim={self.hidden_dim}, dtype={self.dtype}"
+                f"{', check_calls' if self.check_calls else ''}"
                 f"{', destroyed' if self._destroyed else ''})")
 
 
@@ -256,13 +264,14 @@ def _current_cuda_device() -> int:
 
 def _join_group(*, global_ranks: Sequence[int], me: int, device: int, host: str,
                 channel: StoreChannel, serial: int, backend: Optional[str],
-                make_rank: Callable[[int, int], Any]):
+                make_rank: Callable[[int, int], Any], check_calls: bool = False):
     """Runs the group exchange for this process's member; returns (native rank, members).
     Pure values in, so tests can drive it with threads, a HashStore and fake ranks.
 
-    Every member first publishes its device and host, so each learns the others' devices
-    and whether the group spans hosts (and so which backend can run) before any memory is
-    allocated; then exchange.py creates, exchanges IPC handles and finalizes.
+    Every member first publishes its device, host and ``check_calls``, so each learns the
+    others' devices, whether the group spans hosts (and so which backend can run) and whether
+    all agree on the call check before any memory is allocated; then exchange.py creates,
+    exchanges IPC handles and finalizes.
     """
     group = topology.TPGroup(tuple(global_ranks), 0)
     tp_rank = group.rank_of(me)
@@ -271,7 +280,8 @@ def _join_group(*, global_ranks: Sequence[int], me: int, device: int, host: str,
         return topology.exchange_key(NAMESPACE, group, serial, purpose)
 
     channel.publish(key(f"member/rank{tp_rank}"),
-                    json.dumps({"device": device, "host": host, "pid": os.getpid()}).encode())
+                    json.dumps({"device": device, "host": host, "pid": os.getpid(),
+                                "check_calls": bool(check_calls)}).encode())
     whos = {key(f"member/rank{r}"):
             f"TP rank {r} of group {list(group.members)} (global rank {g})"
             for r, g in enumerate(group.members)}
@@ -280,6 +290,8 @@ def _join_group(*, global_ranks: Sequence[int], me: int, device: int, host: str,
 
     # Same infos on every member, so every member accepts or refuses alike.
     resolve_backend(backend, num_nodes=len({i["host"] for i in infos}))
+    native.check_options_agree(
+        {f"TP rank {r} (global rank {g})": i for r, (g, i) in enumerate(zip(group.members, infos))})
     places = [(i["host"], i["device"]) for i in infos]
     if len(set(places)) < len(places):
         # Legal (ranks time-slice one GPU, as in tests), but in production it is usually a
@@ -307,6 +319,8 @@ def create_allreduce_fusion_workspace(
     group=None,
     *,
     timeout_s: float = 120.0,
+    check_calls: Optional[bool] = None,
+    check_timeout_s: Optional[float] = None,
 ) -> TorchAllReduceFusionWorkspace:
     """Creates this process's workspace of the TP group ``group``; collective over the group.
 
@@ -320,8 +334,17 @@ def create_allreduce_fusion_workspace(
     ``comm_backend`` is not used for the exchange (the group's c10d store is) but, when
     given, must agree with ``group``. ``timeout_s`` bounds each wait for the other members:
     a member that never joins raises ``TimeoutError`` naming it.
+
+    ``check_calls`` (None: ``$JAX_FUSEDAR_CHECK_CALLS``, default off; not in FlashInfer): every
+    call first checks on the device that all ranks make the same call (pattern, dtype, shape,
+    one-shot choice); a mismatch, or a rank missing for ``check_timeout_s`` (None:
+    ``$JAX_FUSEDAR_CHECK_TIMEOUT_S``, default 30 s), fails the stream with a CUDA error and a
+    printed description instead of hanging (``ws.call_check_failure()`` reads it back). One
+    extra tiny kernel per call; every member must pass the same setting.
     """
     resolve_backend(backend, num_nodes=1)  # a bad name fails before anyone waits
+    check_calls = native.resolve_check_calls(check_calls)
+    check_timeout_s = native.resolve_check_timeout_s(check_timeout_s)
     name = dtype_name(dtype)
     global_ranks, tp_rank = _group_membership(group, world_size, rank)
     _check_comm_backend(comm_backend, len(global_ranks), tp_rank)
@@ -339,13 +362,15 @@ def create_allreduce_fusion_workspace(
 
     def make_rank(dev: int, r: int):
         created.append(ext.Rank(dev, sizes.world_size, r, sizes.max_token_num,
-                                sizes.hidden_dim, native.DTYPE_CODES[name]))
+                                sizes.hidden_dim, native.DTYPE_CODES[name],
+                                check_calls=check_calls, check_timeout_s=check_timeout_s))
         return created[-1]
 
     try:
         native_rank, members = _join_group(
             global_ranks=global_ranks, me=me, device=device, host=socket.gethostname(),
-            channel=channel, serial=serial, backend=backend, make_rank=make_rank)
+            channel=channel, serial=serial, backend=backend, make_rank=make_rank,
+            check_calls=check_calls)
     except BaseException:
         for r in created:  # owned from birth: a failed exchange frees what it allocated
             r.destroy()
@@ -353,6 +378,6 @@ def create_allreduce_fusion_workspace(
     ws = TorchAllReduceFusionWorkspace(
         native_rank=native_rank, global_ranks=global_ranks, rank=tp_rank, device=device,
         max_token_num=sizes.max_token_num, hidden_dim=sizes.hidden_dim, dtype=dtype,
-        sizes=sizes, members=members)
+        sizes=sizes, members=members, check_calls=check_calls)
     log.info("created %r", ws)
     return ws

@@ -11,6 +11,7 @@
 
 #include "../kernels/compiled_patterns.h"
 #include "../kernels/kernel_call.h"
+#include "call_check.h"
 #include "fusedar/core.h"
 #include "rank_state.h"
 #include "status.h"
@@ -156,6 +157,17 @@ extern "C" int fusedar_launch(const fusedar_rank* r, const fusedar_launch_args* 
   // FlashInfer's launcher queries the *current* device (SM count, cluster size).
   fusedar::DeviceGuard guard(r->device);
   FUSEDAR_CUDA_TRY(guard.status(), "selecting the device", r->device);
+  if (r->check_calls) {
+    // A handshake of this rank already trapped: say why instead of CUDA's generic error.
+    std::string failed = fusedar::call_check::failure(r);
+    if (!failed.empty()) return fail(FUSEDAR_CUDA_ERROR, failed);
+    // On the same stream, without PDL: it starts once the previous kernel has completed,
+    // and the fused kernel (PDL or not) starts only after it has exited.
+    cudaError_t err = fusedar::call_check::launch(r, *a, static_cast<cudaStream_t>(stream));
+    if (err != cudaSuccess) {
+      return fusedar::fail_cuda(err, "launching the call-check handshake", r->device);
+    }
+  }
   fusedar::kernels::KernelCall call{a, r->info.world_size, r->rank, r->table,
                                     static_cast<cudaStream_t>(stream)};
   std::string err;

@@ -1,6 +1,7 @@
 // The definition behind the opaque fusedar_rank handle (internal to the core).
 #pragma once
 
+#include <cstdint>
 #include <vector>
 
 #include "fusedar/core.h"
@@ -19,4 +20,10 @@ struct fusedar_rank {
   int* control = nullptr;                    // local 5-int control block
   void** table = nullptr;                    // device copy of the 3N+1 pointer table
   std::vector<fusedar_peer> peers;           // indexed by TP rank; peers[rank] is us
+  // Opt-in cross-rank call check (call_check.cu); set before finalize.
+  bool check_calls = false;
+  uint64_t check_timeout_ns = 0;
+  unsigned long long* check_seq = nullptr;  // device: handshakes so far on this rank
+  void* check_diag = nullptr;               // pinned, device-mapped failure record (host)
+  void* check_diag_device = nullptr;        // the same record's device address
 };

@@ -1,7 +1,8 @@
 // Workspace of one TP rank: FlashInfer's `void* workspace[3N+1]` (DESIGN.md §3).
 //
 //   [0, N)    two-shot data buffer of each rank       (peer-mapped)
-//   [N, 2N)   barrier flags of each rank               (peer-mapped, zeroed)
+//   [N, 2N)   barrier flags of each rank               (peer-mapped, zeroed), followed in
+//             the same allocation by the opt-in call-check area (call_check.h)
 //   [2N, 3N)  Lamport triple buffer of each rank       (peer-mapped, filled with -0.0)
 //   [3N]      this rank's control block {0,0,0,lamport_comm_bytes,0}   (local only)
 //
@@ -13,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "call_check.h"
 #include "fusedar/core.h"
 #include "rank_state.h"
 #include "status.h"
@@ -97,8 +99,9 @@ extern "C" int fusedar_rank_create(int32_t device, int32_t world_size, int32_t r
   r->rank = rank;
   r->info = info;
   r->peers.assign(world_size, {});
-  const int64_t sizes[FUSEDAR_SHARED_BUFFERS] = {info.two_shot_buffer_bytes, info.flag_bytes,
-                                                 info.lamport_buffer_bytes};
+  const int64_t sizes[FUSEDAR_SHARED_BUFFERS] = {
+      info.two_shot_buffer_bytes, fusedar::call_check::flag_allocation_bytes(info),
+      info.lamport_buffer_bytes};
   static const char* names[FUSEDAR_SHARED_BUFFERS] = {"two-shot buffer", "barrier flags",
                                                       "Lamport buffer"};
   for (int b = 0; b < FUSEDAR_SHARED_BUFFERS; ++b) {
@@ -248,8 +251,9 @@ extern "C" int fusedar_rank_finalize(fusedar_rank* r) {
   FUSEDAR_CUDA_TRY(cudaMemcpy(table, host.data(), host.size() * sizeof(void*),
                               cudaMemcpyHostToDevice),
                    "uploading the workspace pointer table", r->device);
-  FUSEDAR_CUDA_TRY(cudaMemset(r->local[1], 0, r->info.flag_bytes), "zeroing the barrier flags",
-                   r->device);
+  FUSEDAR_CUDA_TRY(cudaMemset(r->local[1], 0, fusedar::call_check::flag_allocation_bytes(r->info)),
+                   "zeroing the barrier flags and the call-check area", r->device);
+  FUSEDAR_CUDA_TRY(fusedar::call_check::reset(r), "resetting the call-check counter", r->device);
   const int control[5] = {0, 0, 0, static_cast<int>(r->info.lamport_comm_bytes), 0};
   FUSEDAR_CUDA_TRY(cudaMemcpy(r->control, control, sizeof(control), cudaMemcpyHostToDevice),
                    "initialising the control block", r->device);
@@ -284,6 +288,7 @@ extern "C" int fusedar_rank_destroy(fusedar_rank* r) {
     }
     if (r->control) note(cudaFree(r->control), "freeing the control block");
     if (r->table) note(cudaFree(r->table), "freeing the pointer table");
+    fusedar::call_check::release(r, &first_error);
   } else {
     first_error = "cannot select device " + std::to_string(r->device);
   }

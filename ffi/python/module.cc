@@ -48,8 +48,18 @@ nb::dict info_dict(const fusedar_workspace_info& i) {
 
 class Rank {
  public:
-  Rank(int device, int world_size, int rank, int max_token_num, int hidden_dim, int dtype) {
+  Rank(int device, int world_size, int rank, int max_token_num, int hidden_dim, int dtype,
+       bool check_calls, double check_timeout_s) {
     check(fusedar_rank_create(device, world_size, rank, max_token_num, hidden_dim, dtype, &r_));
+    if (check_calls) {
+      int rc = fusedar_rank_set_call_check(r_, 1, check_timeout_s);
+      if (rc != FUSEDAR_OK) {
+        std::string msg = fusedar_last_error();
+        release();
+        if (rc == FUSEDAR_INVALID_ARGUMENT) throw nb::value_error(msg.c_str());
+        throw std::runtime_error(msg);
+      }
+    }
   }
   ~Rank() { release(); }
   Rank(const Rank&) = delete;
@@ -92,6 +102,24 @@ class Rank {
   int device() const { return fusedar_rank_device(get()); }
   int rank() const { return fusedar_rank_index(get()); }
   uint64_t table() const { return fusedar_rank_workspace_table(get()); }
+  bool check_calls() const {
+    int32_t on = 0;
+    double t = 0;
+    check(fusedar_rank_call_check(get(), &on, &t));
+    return on != 0;
+  }
+  double check_timeout_s() const {
+    int32_t on = 0;
+    double t = 0;
+    check(fusedar_rank_call_check(get(), &on, &t));
+    return t;
+  }
+  // "" unless a call-check handshake of this rank failed; readable after the trap.
+  std::string call_check_failure() const {
+    std::vector<char> buf(2048);
+    check(fusedar_rank_call_check_failure(get(), buf.data(), buf.size()));
+    return std::string(buf.data());
+  }
   nb::dict info() const {
     fusedar_workspace_info i;
     check(fusedar_rank_info(get(), &i));
@@ -206,8 +234,10 @@ NB_MODULE(_fusedar, m) {
   });
 
   nb::class_<Rank>(m, "Rank")
-      .def(nb::init<int, int, int, int, int, int>(), nb::arg("device"), nb::arg("world_size"),
-           nb::arg("rank"), nb::arg("max_token_num"), nb::arg("hidden_dim"), nb::arg("dtype"))
+      .def(nb::init<int, int, int, int, int, int, bool, double>(), nb::arg("device"),
+           nb::arg("world_size"), nb::arg("rank"), nb::arg("max_token_num"),
+           nb::arg("hidden_dim"), nb::arg("dtype"), nb::arg("check_calls") = false,
+           nb::arg("check_timeout_s") = 30.0)
       .def("local_pointers", &Rank::local_pointers)
       .def("export_ipc", &Rank::export_ipc)
       .def("set_peer_pointers", &Rank::set_peer_pointers, nb::arg("peer"), nb::arg("peer_device"),
@@ -220,6 +250,9 @@ NB_MODULE(_fusedar, m) {
       .def_prop_ro("rank", &Rank::rank)
       .def_prop_ro("table", &Rank::table)
       .def("info", &Rank::info)
+      .def_prop_ro("check_calls", &Rank::check_calls)
+      .def_prop_ro("check_timeout_s", &Rank::check_timeout_s)
+      .def("call_check_failure", &Rank::call_check_failure)
       .def("launch", &Rank::launch, nb::arg("pattern"), nb::arg("dtype"), nb::arg("num_tokens"),
            nb::arg("hidden_dim"), nb::arg("input"), nb::arg("allreduce_out") = 0,
            nb::arg("residual_in") = 0, nb::arg("residual_out") = 0, nb::arg("norm_out") = 0,

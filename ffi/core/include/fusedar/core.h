@@ -124,6 +124,24 @@ int fusedar_rank_info(const fusedar_rank* r, fusedar_workspace_info* info);
 // Device pointer of the 3N+1 table the kernel reads (0 before finalize).
 uint64_t fusedar_rank_workspace_table(const fusedar_rank* r);
 
+// Opt-in cross-rank call check (off unless enabled). When on, every fusedar_launch first
+// runs a one-block handshake kernel on the same stream: it advances a device-resident call
+// counter (so CUDA-graph replays advance it too), writes {call number, signature} into
+// every peer's metadata slot (an area after FlashInfer's barrier flags, allocated for every
+// workspace whether checked or not), and waits until every rank's slot shows the same call
+// number. A rank whose signature (pattern, dtype, num_tokens, hidden_dim, use_oneshot,
+// fp32_acc, layout, block_quant_group_size) differs, or that does not arrive within
+// `timeout_s`, makes the handshake printf a description and __trap(): the stream fails
+// with a CUDA error instead of the fused kernel spinning forever. Costs one tiny kernel
+// and a cross-GPU round trip per call. Must be set identically on every rank, before
+// fusedar_rank_finalize; timeout_s in (0, 3600].
+int fusedar_rank_set_call_check(fusedar_rank* r, int32_t enabled, double timeout_s);
+int fusedar_rank_call_check(const fusedar_rank* r, int32_t* enabled, double* timeout_s);
+// After a failed handshake: what failed, written into `buf` (NUL-terminated, truncated to
+// `len`); an empty string when nothing failed. Reads pinned host memory only, so it works
+// after the trap has killed the CUDA context.
+int fusedar_rank_call_check_failure(const fusedar_rank* r, char* buf, size_t len);
+
 // Checks a call against the workspace without launching (same checks as launch).
 int fusedar_check_launch(const fusedar_rank* r, const fusedar_launch_args* args);
 // Launches the fused kernel on `stream` (a cudaStream_t).
