@@ -14,6 +14,7 @@ from . import native, topology
 DTYPES = ("bfloat16", "float16", "float32")
 BACKENDS = ("auto", "trtllm", "xla")
 MODES = ("auto", "oneshot", "twoshot")
+FRAMEWORKS = ("jax", "torch")
 HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
 
 DESCRIPTION = """\
@@ -115,7 +116,22 @@ def build_parser():
     bench.add_argument("--out", default="bench_out", help="folder for bench.json and bench.png")
     bench.add_argument("--backend", choices=BACKENDS, default="auto",
                        help="fused op backend: auto = the kernel on GPUs, XLA elsewhere")
+    bench.add_argument("--framework", choices=FRAMEWORKS, default="jax",
+                       help="torch: torch_compat vs FlashInfer's own build, NCCL and symmetric "
+                       "memory in spawned processes (its own options: bench --framework torch "
+                       "--help)")
     return parser, {"demo": demo, "bench": bench}
+
+
+def _torch_bench_argv(argv):
+    """The arguments for jax_fusedar.bench_torch when argv asks for ``bench --framework
+    torch`` (it has its own options), else None."""
+    if not argv or argv[0] != "bench":
+        return None
+    probe = argparse.ArgumentParser(add_help=False)
+    probe.add_argument("--framework")
+    known, _ = probe.parse_known_args(argv[1:])
+    return list(argv[1:]) if known.framework == "torch" else None
 
 
 def _check_hidden(parser, args) -> None:
@@ -135,6 +151,11 @@ def _ensure_host_devices() -> None:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    torch_argv = _torch_bench_argv(argv)
+    if torch_argv is not None:  # no JAX in this path
+        from .bench_torch import main as torch_bench
+        return torch_bench(torch_argv)
     parser, commands = build_parser()
     args = parser.parse_args(argv)
     _check_hidden(commands[args.command], args)
