@@ -945,8 +945,8 @@ def launch(worker: Callable, world: int, worker_args: tuple, timeout_s: float) -
 
     ctx = tmp.spawn(worker, args=worker_args, nprocs=world, join=False)
     deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
+    while not ctx.join(timeout=min(5.0, max(0.1, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
             alive = [i for i, p in enumerate(ctx.processes) if p.is_alive()]
             for p in ctx.processes:
                 if p.is_alive():

@@ -1,0 +1,315 @@
+"""Per-process body of tests/test_gpu_anchor.py: torch_compat against FlashInfer's own build.
+
+Every rank joins torch.distributed over gloo, creates a torch_compat workspace and
+FlashInfer's (backend "trtllm"), and runs the same inputs through both
+``allreduce_fusion``s: patterns 0, 1, static FP8 4/2, dynamic FP8 11/10 and per-token-group
+FP8 9/8 (group 128), bf16 and fp16, tokens x hidden from the sweep, one-shot and two-shot
+forced identically for both, fp32_acc True and False, launch_with_pdl=True. Every output is
+poisoned first (NaN; e4m3 and UE8M0 bytes 0xFF). Both builds compile the same kernel from
+the same header, so every output byte should agree: per pattern and output the differing
+bytes are counted (group scales over the whole (K, T) buffer, padding included).
+
+With fp32_acc=True both are also measured against the float64 oracle (tests/oracle.py):
+all-reduce and residual_out in ulps of the intermediate magnitudes, norm_out likewise; the
+quantized outputs against tests/quant_oracle.py applied to the build's own norm_out (the
+``...Out...`` twin's for patterns 2, 10, 8), as tests/gpu/jax_quant.py does: e4m3 codes
+counted one step apart and more, dynamic scales in fp32 ulps, group scale bytes.
+
+FlashInfer's quirks met here: patterns other than 0 and the dynamic FP8 ones allocate an
+unused ``output`` when none is passed (we pass none, so they do); it returns the "most
+downstream" output (norm_out, else quant_out, else output), which torch_compat mirrors.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from jax_fusedar import formats
+from jax_fusedar.patterns import TRAITS, AllReduceFusionPattern
+
+GROUP = 128
+RMS_EPS = 1e-6
+# Each "...Out..." pattern before its twin: the twin's oracle quantizes the Out one's norm_out.
+PATTERNS = (0, 1, 4, 2, 11, 10, 9, 8)
+TWIN = {2: 4, 10: 11, 8: 9}
+DTYPES = ("bfloat16", "float16")
+IMPLS = ("ours", "anchor")
+_KEEP = 4  # cases listed per differing output
+
+
+def _np_dtype(name):
+    import ml_dtypes
+    return {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[name]
+
+
+def _outputs(torch, p, m, h, dtype, device):
+    """Fresh outputs of pattern ``p`` as FlashInfer's API wants them, and the buffers to
+    poison and compare (the group scales' whole dense (K, T) buffer)."""
+    t = TRAITS[AllReduceFusionPattern(p)]
+    outs, buffers = {}, {}
+
+    def like():
+        return torch.empty((m, h), dtype=dtype, device=device)
+    if t.has_allreduce_out:
+        outs["output"] = like()
+    if t.has_residual:
+        outs["residual_out"] = like()
+    if t.has_norm_out:
+        outs["norm_out"] = like()
+    if t.quant is not None:
+        outs["quant_out"] = torch.empty((m, h), dtype=torch.float8_e4m3fn, device=device)
+    if t.quant == "dynamic_fp8":
+        outs["scale_out"] = torch.empty((m, 1), dtype=torch.float32, device=device)
+    if t.quant == "group_fp8":
+        k, tt = formats.group_scale_buffer_shape(m, h, GROUP)
+        base = torch.empty((k, tt), dtype=torch.int32, device=device)
+        outs["scale_out"] = base[:, :m].t()  # shape (m, k), strides (1, tt)
+        buffers["scale_out"] = base
+    for name, tensor in outs.items():
+        buffers.setdefault(name, tensor)
+    for name, b in buffers.items():  # poison
+        if b.dtype == torch.float8_e4m3fn:
+            b.view(torch.uint8).fill_(0xFF)
+        elif b.dtype == torch.int32:
+            b.fill_(-1)
+        else:
+            b.fill_(float("nan"))
+    return outs, buffers
+
+
+def _call(fn, ws, p, x, residual, gamma, sf, outs, oneshot, fp32_acc):
+    t = TRAITS[AllReduceFusionPattern(p)]
+    kw = dict(input=x, workspace=ws, pattern=p, launch_with_pdl=True, rms_eps=RMS_EPS,
+              use_oneshot=oneshot, fp32_acc=fp32_acc, **outs)
+    if t.has_residual:
+        kw.update(residual_in=residual, rms_gamma=gamma)
+    if t.uses_scale_factor:
+        kw["scale_factor"] = sf
+    if t.quant == "group_fp8":
+        kw["block_quant_group_size"] = GROUP
+    ret = fn(**kw)
+    want = "norm_out" if t.has_norm_out else ("quant_out" if t.quant else "output")
+    return ret is outs[want]
+
+
+def _bytes(torch, t):
+    return t.detach().contiguous().cpu().view(torch.uint8).numpy().reshape(-1)
+
+
+def _host(torch, buffers, dtype_name, m):
+    """numpy copies: float outputs in the call dtype, quant bytes, scales."""
+    out = {}
+    for name, b in buffers.items():
+        if name == "quant_out":
+            out[name] = b.cpu().view(torch.uint8).numpy()
+        elif name == "scale_out":
+            out[name] = b.cpu().numpy()
+        else:
+            out[name] = b.float().cpu().numpy().astype(_np_dtype(dtype_name))
+    return out
+
+
+def _unwritten(name, a, m):
+    """Poison left in an output the kernel should have written entirely."""
+    if name == "quant_out":
+        return int(np.sum((a & 0x7F) == 0x7F))
+    if name == "scale_out":
+        if a.dtype == np.int32:  # group scales: only the [:, :m] words hold scales
+            return int(np.sum(a[:, :m] == -1))
+        return int(np.isnan(a).sum())
+    return int(np.isnan(a.astype(np.float32)).sum())
+
+
+def _code_steps(a, b):
+    def ordinal(x):
+        x = x.astype(np.int32)
+        mag = x & 0x7F
+        return np.where(x & 0x80, -mag, mag)
+    return np.abs(ordinal(a) - ordinal(b))
+
+
+def _oracle_stats(host, dtype_name, ref, sf, m):
+    """Errors of one build's fp32_acc=True outputs (``host[p][name]``) against the oracles."""
+    from tests import oracle, quant_oracle
+
+    s64, r64, y64, inv64, res64, gam64 = ref
+    st = {"allreduce": 0.0, "residual": 0.0, "norm": 0.0, "steps1": {}, "worse": 0,
+          "dyn_scale_ulps": 0.0, "group_scale_mismatch": 0, "elements": 0}
+    for p, outs in host.items():
+        if "output" in outs:
+            st["allreduce"] = max(st["allreduce"], oracle.allreduce_error_ulps(
+                outs["output"].astype(np.float64), s64, dtype_name))
+        if "residual_out" in outs:
+            st["residual"] = max(st["residual"], oracle.residual_error_ulps(
+                outs["residual_out"].astype(np.float64), s64, r64, res64, dtype_name))
+        if "norm_out" in outs:
+            st["norm"] = max(st["norm"], oracle.norm_error_ulps(
+                outs["norm_out"].astype(np.float64), s64, y64, inv64, res64, gam64,
+                weight_bias=0.0, dtype_name=dtype_name))
+    wants = {}
+    for p in (4, 11, 9):
+        if p not in host:
+            continue
+        y = host[p]["norm_out"]  # the build's own norm output, in the call dtype
+        if p == 4:
+            wants[p] = ("static", quant_oracle.fp8_static(y, float(sf)), None)
+        elif p == 11:
+            q, s = quant_oracle.fp8_dynamic(y, "ieee")
+            wants[p] = ("dynamic", q, s)
+        else:
+            q, b = quant_oracle.fp8_group(y, GROUP)
+            wants[p] = ("group", q, b)
+    for p, outs in host.items():
+        base = TWIN.get(p, p)
+        if base not in wants or "quant_out" not in outs:
+            continue
+        kind, q_want, s_want = wants[base]
+        d = _code_steps(outs["quant_out"].reshape(m, -1),
+                        np.asarray(q_want).view(np.uint8).reshape(m, -1))
+        st["steps1"][kind] = st["steps1"].get(kind, 0) + int((d == 1).sum())
+        st["worse"] += int((d > 1).sum())
+        st["elements"] += int(d.size)
+        if kind == "dynamic":
+            got = outs["scale_out"].astype(np.float64)
+            ulp32 = np.spacing(np.abs(s_want).astype(np.float32)).astype(np.float64)
+            st["dyn_scale_ulps"] = max(st["dyn_scale_ulps"],
+                                       float(np.max(np.abs(got - s_want) / ulp32)))
+        elif kind == "group":
+            st["group_scale_mismatch"] += int(np.sum(outs["scale_out"][:, :m] != s_want[:, :m]))
+    return st
+
+
+def _merge_stats(into, st):
+    for k, v in st.items():
+        if k == "steps1":
+            for kind, n in v.items():
+                into[k][kind] = into[k].get(kind, 0) + n
+        elif k in ("worse", "group_scale_mismatch", "elements"):
+            into[k] += v
+        else:
+            into[k] = max(into[k], v)
+
+
+def new_result(rank, device, torch_version, anchor_module):
+    return {"rank": rank, "device": device, "torch": torch_version,
+            "anchor_module": anchor_module, "cases": 0, "calls": 0, "diffs": {},
+            "return_mismatch": [], "unwritten": {i: 0 for i in IMPLS}, "refused": {},
+            "oracle": {}}
+
+
+def new_stats():
+    return {i: {"allreduce": 0.0, "residual": 0.0, "norm": 0.0, "steps1": {}, "worse": 0,
+                "dyn_scale_ulps": 0.0, "group_scale_mismatch": 0, "elements": 0}
+            for i in IMPLS}
+
+
+def run_case(torch, calls, *, rank, device, dtype_name, xs, res, gam, m, hidden, oneshot,
+             patterns, result, stats):
+    """One shape case: every pattern through both builds, fp32_acc True then False, outputs
+    compared byte for byte; the fp32_acc=True outputs against the oracles. ``calls`` maps
+    "ours"/"anchor" to (allreduce_fusion, workspace); ``xs`` (every rank's partial sums),
+    ``res`` and ``gam`` are numpy arrays already in the call dtype."""
+    from tests import oracle
+
+    dtype = getattr(torch, dtype_name)
+
+    def to_dev(a):
+        return torch.from_numpy(np.asarray(a, dtype=np.float32)).to(device=device, dtype=dtype)
+
+    x, residual, gamma = to_dev(xs[rank]), to_dev(res), to_dev(gam)
+    res64, gam64 = res.astype(np.float64), gam.astype(np.float64)
+    s64, r64, y64, inv64 = oracle.fused_reference([a.astype(np.float64) for a in xs], res64,
+                                                  gam64, rms_eps=RMS_EPS, weight_bias=0.0)
+    # A static scale that never saturates: the largest |y| maps to ~224.
+    sf_val = np.float32(np.abs(y64).max() / 224.0)
+    sf = torch.tensor([sf_val], dtype=torch.float32, device=device)
+    label = f"{dtype_name} {m}x{hidden} {'oneshot' if oneshot else 'twoshot'}"
+    host = {i: {} for i in IMPLS}
+    for fp32_acc in (True, False):
+        for p in patterns:
+            bufs = {}
+            for impl in IMPLS:
+                fn, ws = calls[impl]
+                outs, buffers = _outputs(torch, p, m, hidden, dtype, device)
+                try:
+                    ok = _call(fn, ws, p, x, residual, gamma, sf, outs, oneshot, fp32_acc)
+                except (ValueError, TypeError, AssertionError) as e:
+                    # A host-side refusal: the same on every rank, nothing launched.
+                    result["refused"].setdefault(f"{impl} p{p}", f"{label}: {e}"[:300])
+                    continue
+                result["calls"] += 1
+                if not ok:
+                    result["return_mismatch"].append(f"{impl} p{p} {label}")
+                bufs[impl] = buffers
+            if device != "cpu":
+                torch.cuda.synchronize()
+            for impl, buffers in bufs.items():
+                h = _host(torch, buffers, dtype_name, m)
+                result["unwritten"][impl] += sum(_unwritten(n, a, m) for n, a in h.items())
+                if fp32_acc:
+                    host[impl][p] = h
+            if len(bufs) == 2:
+                for name in bufs["ours"]:
+                    a = _bytes(torch, bufs["ours"][name])
+                    b = _bytes(torch, bufs["anchor"][name])
+                    d = result["diffs"].setdefault(f"p{p}:{name}",
+                                                   {"bytes": 0, "differing": 0, "cases": []})
+                    n = int(np.sum(a != b))
+                    d["bytes"] += int(a.size)
+                    d["differing"] += n
+                    if n and len(d["cases"]) < _KEEP:
+                        d["cases"].append(f"{label} fp32_acc={fp32_acc}: {n}")
+    ref = (s64, r64, y64, inv64, res64, gam64)
+    ours_st = _oracle_stats(host["ours"], dtype_name, ref, sf_val, m)
+    same = set(host["ours"]) == set(host["anchor"]) and all(
+        host["ours"][p][n].tobytes() == host["anchor"][p][n].tobytes()
+        for p in host["ours"] for n in host["ours"][p])
+    # Identical bytes have identical errors: the oracle runs again only when they differ.
+    anc_st = ours_st if same else _oracle_stats(host["anchor"], dtype_name, ref, sf_val, m)
+    _merge_stats(stats["ours"], ours_st)
+    _merge_stats(stats["anchor"], anc_st)
+    result["cases"] += 1
+
+
+def worker(rank, world, chan, *, port, seed, anchor_path, tokens, hiddens, dtypes=DTYPES,
+           patterns=PATTERNS):
+    from tests.gpu import anchor
+    from tests.gpu.harness import draw_case, shape_cases
+    from tests.gpu.torch_workers import _init
+
+    torch, dist, device = _init(rank, world, port, rank)
+    import torch_compat as tc
+
+    t0 = time.monotonic()
+    try:
+        fi = anchor.load(anchor_path)  # raises AnchorUnavailable with the reason
+        result = new_result(rank, device, torch.__version__, getattr(fi, "__file__", "?"))
+        case_no = 0
+        for dtype_name in dtypes:
+            dtype = getattr(torch, dtype_name)
+            ours_ws = tc.create_allreduce_fusion_workspace(
+                "trtllm", world_size=world, rank=rank, max_token_num=max(tokens),
+                hidden_dim=max(hiddens), dtype=dtype, timeout_s=120)
+            fi_ws = anchor.create_workspace(
+                fi, world_size=world, rank=rank, max_token_num=max(tokens),
+                hidden_dim=max(hiddens), dtype=dtype, group=dist.group.WORLD)
+            calls = {"ours": (tc.allreduce_fusion, ours_ws),
+                     "anchor": (fi.allreduce_fusion, fi_ws)}
+            stats = new_stats()
+            npdt = _np_dtype(dtype_name)
+            for hidden, m, oneshot in shape_cases(tokens, hiddens, world):
+                case_no += 1
+                xs, res, gam = draw_case(seed + case_no, world, m, hidden)
+                run_case(torch, calls, rank=rank, device=device, dtype_name=dtype_name,
+                         xs=[a.astype(npdt) for a in xs], res=res.astype(npdt),
+                         gam=gam.astype(npdt), m=m, hidden=hidden, oneshot=oneshot,
+                         patterns=patterns, result=result, stats=stats)
+            result["oracle"][dtype_name] = stats
+            dist.barrier()  # no rank frees while a peer may still read its buffers
+            fi_ws.destroy()
+            ours_ws.destroy()
+        result["seconds"] = time.monotonic() - t0
+        return result
+    finally:
+        dist.destroy_process_group()
