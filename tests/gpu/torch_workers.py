@@ -208,3 +208,584 @@ def never_join_worker(rank, world, chan, *, port, create_timeout_s):
         return {"rank": 0, "error_type": error_type, "message": message, "seconds": elapsed}
     finally:
         dist.destroy_process_group()
+
+
+# =====================================================================================
+# Patterns 0/1 parity sweep, FP8 patterns, torch.compile, CUDA graphs, the fusion pass.
+# The tensor plumbing (new_outputs / call_pattern / outputs_to_numpy) and the checks
+# (plain_errors / quant_stats) are shared with tests/gpu/parity_jax_torch.py and are run
+# on CPU by tests/test_gpu_workers_cpu.py with a simulated kernel.
+# =====================================================================================
+
+FP8_PATTERNS = (2, 4, 10, 11, 8, 9)  # twins: (2, 4), (10, 11), (8, 9)
+GROUP = 128
+
+
+def _traits(pattern):
+    from jax_fusedar.patterns import TRAITS, AllReduceFusionPattern
+    return TRAITS[AllReduceFusionPattern(pattern)]
+
+
+def to_torch(torch, a, dtype, device):
+    """float32 numpy -> torch ``dtype`` on ``device`` (round to nearest even, as numpy/JAX)."""
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(dtype).to(device)
+
+
+def new_outputs(torch, pattern, m, hidden, dtype, device, group=GROUP):
+    """Poisoned outputs of ``pattern``: NaN in float outputs, 0xFF bytes (e4m3 NaN, UE8M0
+    255) in quant_out and the group scales. ``_scale_buf`` is the dense (K, T) buffer behind
+    the per-token-group scale view."""
+    from jax_fusedar import formats
+    t = _traits(pattern)
+    out = {}
+    nan = float("nan")
+    if t.has_allreduce_out:
+        out["output"] = torch.full((m, hidden), nan, dtype=dtype, device=device)
+    if t.has_residual:
+        out["residual_out"] = torch.full((m, hidden), nan, dtype=dtype, device=device)
+    if t.has_norm_out:
+        out["norm_out"] = torch.full((m, hidden), nan, dtype=dtype, device=device)
+    if t.quant is not None:
+        assert t.quant != "fp4", "NVFP4 is not run on sm90"
+        q = torch.empty((m, hidden), dtype=torch.float8_e4m3fn, device=device)
+        q.view(torch.uint8).fill_(0xFF)
+        out["quant_out"] = q
+    if t.quant == "dynamic_fp8":
+        out["scale_out"] = torch.full((m, 1), nan, dtype=torch.float32, device=device)
+    if t.quant == "group_fp8":
+        k, tt = formats.group_scale_buffer_shape(m, hidden, group)
+        buf = torch.full((k, tt), -1, dtype=torch.int32, device=device)
+        out["_scale_buf"] = buf
+        out["scale_out"] = buf[:, :m].t()  # FlashInfer's (M, K) tensor, strides (1, T)
+    return out
+
+
+def call_pattern(tc, ws, pattern, x, res, gam, outs, *, sf=None, group=GROUP, oneshot=None,
+                 fp32_acc=True, wb=0.0, pdl=True):
+    """One torch_compat.allreduce_fusion call of ``pattern`` into ``outs``; checks the
+    returned tensor is FlashInfer's (norm_out, else quant_out, else output)."""
+    t = _traits(pattern)
+    kw = {k: v for k, v in outs.items() if not k.startswith("_")}
+    if t.has_residual:
+        kw.update(residual_in=res, rms_gamma=gam, rms_eps=RMS_EPS, weight_bias=wb)
+    if t.uses_scale_factor:
+        kw["scale_factor"] = sf
+    if t.quant == "group_fp8":
+        kw["block_quant_group_size"] = group
+    ret = tc.allreduce_fusion(x, ws, pattern, launch_with_pdl=pdl, use_oneshot=oneshot,
+                              fp32_acc=fp32_acc, **kw)
+    want = outs.get("norm_out", outs.get("quant_out", outs.get("output")))
+    assert ret is want, f"pattern {pattern} returned the wrong tensor"
+    return ret
+
+
+def outputs_to_numpy(torch, outs):
+    """Host copies: float outputs as float64 values plus raw bytes (``<name>_bytes``),
+    quant_out as uint8 bytes, dynamic scales as float32 [M, 1], group scales as the dense
+    int32 (K, T) buffer (key ``scale_out``)."""
+    got = {}
+    for k, v in outs.items():
+        if k == "scale_out" and "_scale_buf" in outs:
+            continue
+        if k == "_scale_buf":
+            got["scale_out"] = v.cpu().numpy()
+        elif k == "quant_out":
+            got[k] = v.view(torch.uint8).cpu().numpy()
+        elif k == "scale_out":
+            got[k] = v.cpu().numpy()
+        else:
+            got[k] = v.float().cpu().numpy().astype(np.float64)
+            got[k + "_bytes"] = v.contiguous().view(torch.uint8).cpu().numpy()
+    return got
+
+
+def group_oracle(xs, res, gam, *, wb=0.0):
+    """float64 oracle tuple (s, r, y, inv) of the group's inputs (numpy, any float dtype)."""
+    from tests import oracle
+    return oracle.fused_reference([np.asarray(x, np.float64) for x in xs],
+                                  np.asarray(res, np.float64), np.asarray(gam, np.float64),
+                                  rms_eps=RMS_EPS, weight_bias=wb)
+
+
+def plain_errors(got, ref, res, gam, dtype, wb):
+    """ulp errors (tests/oracle.py) of whatever float outputs ``got`` holds + NaN count."""
+    from tests import oracle
+    s64, r64, y64, inv64 = ref
+    e = {"nans": 0}
+    if "output" in got:
+        e["allreduce"] = oracle.allreduce_error_ulps(got["output"], s64, dtype)
+        e["nans"] += int(np.isnan(got["output"]).sum())
+    if "residual_out" in got:
+        e["residual"] = oracle.residual_error_ulps(got["residual_out"], s64, r64, res, dtype)
+        e["nans"] += int(np.isnan(got["residual_out"]).sum())
+    if "norm_out" in got:
+        e["norm"] = oracle.norm_error_ulps(got["norm_out"], s64, y64, inv64, res, gam,
+                                           weight_bias=wb, dtype_name=dtype)
+        e["nans"] += int(np.isnan(got["norm_out"]).sum())
+    return e
+
+
+def code_steps(a_bytes, b_bytes):
+    """Distance in e4m3 codes between two byte arrays (ordered by value)."""
+    def ordinal(b):
+        b = np.asarray(b).astype(np.int32)
+        mag = b & 0x7F
+        return np.where(b & 0x80, -mag, mag)
+    return np.abs(ordinal(a_bytes) - ordinal(b_bytes))
+
+
+def new_quant_stats():
+    return {"cases": 0, "elements": 0, "steps1": {"static": 0, "dynamic": 0, "group": 0},
+            "worse": 0, "twin_diffs": [], "dyn_scale_ulps": 0.0, "group_scale_mismatch": 0,
+            "poisoned": 0, "residual": 0.0, "norm": 0.0}
+
+
+def quant_stats(stats, by_pattern, ref, res, gam, dtype, sf, group, label):
+    """Accumulates into ``stats`` the FP8 checks of one case. ``by_pattern``: {2, 4, 10,
+    11, 8, 9: outputs_to_numpy(...)}. Codes of the Out patterns (4, 11, 9) against
+    tests/quant_oracle.py applied to the kernel's own norm_out; each non-Out twin (2, 10, 8)
+    against its Out twin; scales against the oracle; residual/norm against float64."""
+    from tests import quant_oracle
+    o = by_pattern
+    m = o[4]["norm_out"].shape[0]
+    for p in FP8_PATTERNS:
+        e = plain_errors(o[p], ref, res, gam, dtype, 0.0)
+        stats["residual"] = max(stats["residual"], e["residual"])
+        stats["norm"] = max(stats["norm"], e.get("norm", 0.0))
+        q = o[p]["quant_out"]
+        stats["poisoned"] += e["nans"] + int(np.sum((q & 0x7F) == 0x7F))
+    stats["poisoned"] += int(np.isnan(o[10]["scale_out"]).sum() + np.isnan(o[11]["scale_out"]).sum())
+    for p in (8, 9):
+        stats["poisoned"] += int(np.sum(o[p]["scale_out"][:, :m].view(np.uint8) == 0xFF))
+    for name, a, b in (("static q", o[2]["quant_out"], o[4]["quant_out"]),
+                       ("dynamic q", o[10]["quant_out"], o[11]["quant_out"]),
+                       ("dynamic scale", o[10]["scale_out"], o[11]["scale_out"]),
+                       ("group q", o[8]["quant_out"], o[9]["quant_out"]),
+                       ("group scale", o[8]["scale_out"][:, :m], o[9]["scale_out"][:, :m])):
+        diff = int(np.sum(a.view(np.uint8) != b.view(np.uint8)))
+        if diff:
+            stats["twin_diffs"].append([name, label, diff])
+    want4 = quant_oracle.fp8_static(o[4]["norm_out"], float(sf))
+    want11, ws11 = quant_oracle.fp8_dynamic(o[11]["norm_out"], "ieee")
+    want9, wb9 = quant_oracle.fp8_group(o[9]["norm_out"], group)
+    for kind, got, want in (("static", o[4]["quant_out"], want4),
+                            ("dynamic", o[11]["quant_out"], want11),
+                            ("group", o[9]["quant_out"], want9)):
+        d = code_steps(got, np.asarray(want).view(np.uint8))
+        stats["steps1"][kind] += int((d == 1).sum())
+        stats["worse"] += int((d > 1).sum())
+    ulp32 = np.spacing(np.abs(ws11).astype(np.float32)).astype(np.float64)
+    stats["dyn_scale_ulps"] = max(stats["dyn_scale_ulps"], float(
+        np.max(np.abs(o[11]["scale_out"].astype(np.float64) - ws11) / ulp32)))
+    stats["group_scale_mismatch"] += int(np.sum(o[9]["scale_out"][:, :m] != wb9[:, :m]))
+    stats["elements"] += o[4]["quant_out"].size
+    stats["cases"] += 1
+    return stats
+
+
+def static_scale(ref):
+    """A static FP8 dequantization scale that never saturates: max |y| maps to ~224."""
+    return np.float32(np.abs(ref[2]).max() / 224.0)
+
+
+def _torch_dtype(torch, name):
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16,
+            "float32": torch.float32}[name]
+
+
+def _cases_with_seeds(seed, tokens, hiddens, world, dtypes):
+    from tests.gpu.harness import shape_cases
+    out = []
+    for dtype in dtypes:
+        for hidden, m, oneshot in shape_cases(tokens, hiddens, world):
+            out.append((len(out), dtype, hidden, m, oneshot))
+    return [(seed * 1000 + i, dtype, hidden, m, oneshot) for i, dtype, hidden, m, oneshot in out]
+
+
+def parity_worker(rank, world, chan, *, port, seed, tokens, hiddens, dtypes):
+    """Patterns 0 and 1 over tokens x hiddens x dtypes, one- and two-shot, against the
+    float64 oracle; every rank's outputs must agree bit for bit (digest)."""
+    torch, dist, device = _init(rank, world, port, rank)
+    import torch_compat as tc
+    from tests.gpu.harness import draw_case
+
+    try:
+        ws = tc.create_allreduce_fusion_workspace(
+            "trtllm", world, rank, max(tokens), max(hiddens), torch.bfloat16, timeout_s=120)
+        worst = {d: {"allreduce": 0.0, "residual": 0.0, "norm": 0.0, "cases": 0}
+                 for d in dtypes}
+        nans, digest, cases = 0, hashlib.sha256(), []
+        for i, (cseed, dtype, hidden, m, oneshot) in enumerate(
+                _cases_with_seeds(seed, tokens, hiddens, world, dtypes)):
+            dt = _torch_dtype(torch, dtype)
+            xs, res, gam = draw_case(cseed, world, m, hidden)
+            xs_t = [to_torch(torch, a, dt, "cpu") for a in xs]
+            res_t, gam_t = to_torch(torch, res, dt, "cpu"), to_torch(torch, gam, dt, "cpu")
+            wb, acc = float(i % 2), i % 3 != 2
+            res_np, gam_np = res_t.double().numpy(), gam_t.double().numpy()
+            ref = group_oracle([t.double().numpy() for t in xs_t], res_np, gam_np, wb=wb)
+            x, r_d, g_d = xs_t[rank].to(device), res_t.to(device), gam_t.to(device)
+            got = {}
+            for p in (0, 1):
+                outs = new_outputs(torch, p, m, hidden, dt, device)
+                call_pattern(tc, ws, p, x, r_d, g_d, outs, oneshot=oneshot, fp32_acc=acc,
+                             wb=wb, pdl=bool(i % 2))
+                torch.cuda.synchronize()
+                got.update(outputs_to_numpy(torch, outs))
+            e = plain_errors(got, ref, res_np, gam_np, dtype, wb)
+            w = worst[dtype]
+            for k in ("allreduce", "residual", "norm"):
+                w[k] = max(w[k], e[k])
+            w["cases"] += 1
+            nans += e["nans"]
+            for k in ("output_bytes", "residual_out_bytes", "norm_out_bytes"):
+                digest.update(got[k].tobytes())
+            cases.append((dtype, hidden, m, oneshot))
+        dist.barrier()
+        ws.destroy()
+        return {"rank": rank, "worst": worst, "nans": nans, "digest": digest.hexdigest(),
+                "cases": cases}
+    finally:
+        dist.destroy_process_group()
+
+
+def fp8_worker(rank, world, chan, *, port, seed, shapes, dtypes):
+    """The FP8 patterns through torch_compat.allreduce_fusion (quant_stats); ``shapes``:
+    (hidden, tokens, use_oneshot) list."""
+    torch, dist, device = _init(rank, world, port, rank)
+    import torch_compat as tc
+    from tests.gpu.harness import draw_case
+
+    try:
+        max_elems = max(h * m for h, m, _ in shapes)
+        hmax = max(h for h, _, _ in shapes)
+        ws = tc.create_allreduce_fusion_workspace(
+            "trtllm", world, rank, -(-max_elems // hmax), hmax, torch.bfloat16, timeout_s=120)
+        stats = new_quant_stats()
+        # NVFP4 on this GPU: refused before any launch (sm90), or run (sm100+).
+        cc = torch.cuda.get_device_capability(device)
+        stats["capability"] = list(cc)
+        i = 0
+        for dtype in dtypes:
+            dt = _torch_dtype(torch, dtype)
+            for hidden, m, oneshot in shapes:
+                i += 1
+                xs, res, gam = draw_case(seed * 1000 + i, world, m, hidden)
+                xs_t = [to_torch(torch, a, dt, "cpu") for a in xs]
+                res_t, gam_t = to_torch(torch, res, dt, "cpu"), to_torch(torch, gam, dt, "cpu")
+                res_np, gam_np = res_t.double().numpy(), gam_t.double().numpy()
+                ref = group_oracle([t.double().numpy() for t in xs_t], res_np, gam_np)
+                sf = static_scale(ref)
+                sf_d = torch.tensor([sf], dtype=torch.float32, device=device)
+                x, r_d, g_d = xs_t[rank].to(device), res_t.to(device), gam_t.to(device)
+                by_p = {}
+                for p in FP8_PATTERNS:
+                    outs = new_outputs(torch, p, m, hidden, dt, device)
+                    call_pattern(tc, ws, p, x, r_d, g_d, outs, sf=sf_d, oneshot=oneshot)
+                    torch.cuda.synchronize()
+                    by_p[p] = outputs_to_numpy(torch, outs)
+                quant_stats(stats, by_p, ref, res_np, gam_np, dtype, sf, GROUP,
+                            f"{dtype} {m}x{hidden} {'one' if oneshot else 'two'}-shot")
+        try:
+            x = torch.randn(16, 1024, device=device).bfloat16()
+            outs = {"residual_out": torch.empty_like(x), "norm_out": torch.empty_like(x),
+                    "quant_out": torch.empty(16, 512, dtype=torch.uint8, device=device),
+                    "scale_out": torch.empty(128, 64, dtype=torch.uint8, device=device)}
+            if cc[0] >= 10:
+                stats["nvfp4_refused"] = "sm100+: not refused (not run here)"
+            else:
+                tc.allreduce_fusion(x, ws, 5, residual_in=x, rms_gamma=x[0].clone(),
+                                    scale_factor=torch.ones(1, device=device), **outs)
+                stats["nvfp4_refused"] = "no error"
+        except ValueError as e:
+            stats["nvfp4_refused"] = str(e)[:200]
+        dist.barrier()
+        ws.destroy()
+        return {"rank": rank, "quant": stats}
+    finally:
+        dist.destroy_process_group()
+
+
+def compile_worker(rank, world, chan, *, port, seed, m, hidden, backend):
+    """The custom ops (patterns 0, 1 and quantized 11 and 9) under
+    torch.compile(fullgraph=True) on the GPU: the same bits as eager, and within the oracle
+    bounds."""
+    torch, dist, device = _init(rank, world, port, rank)
+    import torch_compat as tc
+    from torch_compat import library
+    from tests.gpu.harness import draw_case
+
+    try:
+        ws = tc.create_allreduce_fusion_workspace("trtllm", world, rank, m, hidden,
+                                                  torch.bfloat16, timeout_s=120)
+        h = library.register_workspace(ws)
+        AR, FUSED, QUANT = (library.ALLREDUCE, library.ALLREDUCE_RESIDUAL_RMSNORM,
+                            library.ALLREDUCE_RESIDUAL_RMSNORM_QUANT)
+
+        def f(x, res, g):
+            a = AR(x, None, True, h)
+            r, n = FUSED(x, res, g, RMS_EPS, 0.0, None, True, h)
+            r11, n11, q11, s11 = QUANT(x, res, g, RMS_EPS, 0.0, 11, None, None, None, None,
+                                       True, h)
+            r9, n9, q9, s9 = QUANT(x, res, g, RMS_EPS, 0.0, 9, None, GROUP, None, None, True, h)
+            return a, r, n, r11, n11, q11, s11, r9, n9, q9, s9
+
+        xs, res, gam = draw_case(seed, world, m, hidden)
+        xs_t = [to_torch(torch, a, torch.bfloat16, "cpu") for a in xs]
+        res_t, gam_t = (to_torch(torch, a, torch.bfloat16, "cpu") for a in (res, gam))
+        args = (xs_t[rank].to(device), res_t.to(device), gam_t.to(device))
+        eager = f(*args)
+        torch.cuda.synchronize()
+        torch._dynamo.reset()
+        compiled = torch.compile(f, fullgraph=True, backend=backend)
+        got = compiled(*args)
+        torch.cuda.synchronize()
+        names = ("allreduce", "residual_out", "norm_out", "r11", "n11", "q11", "s11", "r9",
+                 "n9", "q9", "s9")
+        differing = {}
+        for name, a, b in zip(names, eager, got):
+            same_meta = (a.shape, a.dtype, a.stride()) == (b.shape, b.dtype, b.stride())
+            if not same_meta:
+                differing[name] = f"metadata {tuple(a.shape)} {a.dtype} {a.stride()} vs " \
+                                  f"{tuple(b.shape)} {b.dtype} {b.stride()}"
+                continue
+            if name == "s9":  # only the written (M, K) view
+                a, b = a.contiguous(), b.contiguous()
+            ab = a.contiguous().view(torch.uint8) if a.element_size() else a
+            bb = b.contiguous().view(torch.uint8) if b.element_size() else b
+            n = int((ab != bb).sum())
+            if n:
+                differing[name] = n
+        ref = group_oracle([t.double().numpy() for t in xs_t], res_t.double().numpy(),
+                           gam_t.double().numpy())
+        e = plain_errors({"output": got[0].float().cpu().double().numpy(),
+                          "residual_out": got[1].float().cpu().double().numpy(),
+                          "norm_out": got[2].float().cpu().double().numpy()},
+                         ref, res_t.double().numpy(), gam_t.double().numpy(), "bfloat16", 0.0)
+        dist.barrier()
+        library.unregister_workspace(h)
+        ws.destroy()
+        return {"rank": rank, "backend": backend, "differing": differing, "errors": e,
+                "torch": torch.__version__}
+    finally:
+        dist.destroy_process_group()
+
+
+def cuda_graph_worker(rank, world, chan, *, port, seed, m, hidden, replays):
+    """Captures pattern 1 and pattern 11 (dynamic FP8) in one torch.cuda.CUDAGraph each,
+    then replays each ``replays`` times with fresh inputs copied into the static input
+    buffers, checking every replay against the float64 oracle (and quant_oracle)."""
+    torch, dist, device = _init(rank, world, port, rank)
+    import torch_compat as tc
+    from tests import quant_oracle
+    from tests.gpu.harness import draw_case
+
+    try:
+        ws = tc.create_allreduce_fusion_workspace("trtllm", world, rank, m, hidden,
+                                                  torch.bfloat16, timeout_s=120)
+        dt = torch.bfloat16
+        x = torch.zeros(m, hidden, dtype=dt, device=device)
+        res = torch.zeros_like(x)
+        gam = torch.zeros(hidden, dtype=dt, device=device)
+        results = {}
+        for p, pdl in ((1, False), (11, True)):
+            outs = new_outputs(torch, p, m, hidden, dt, device)
+            # Warm-up outside the capture with real data (collective: both ranks).
+            xs, r0, g0 = draw_case(seed * 1000 + p, world, m, hidden)
+            x.copy_(to_torch(torch, xs[rank], dt, device))
+            res.copy_(to_torch(torch, r0, dt, device))
+            gam.copy_(to_torch(torch, g0, dt, device))
+            call_pattern(tc, ws, p, x, res, gam, outs, oneshot=None, pdl=pdl)
+            torch.cuda.synchronize()
+            dist.barrier()
+            graph = torch.cuda.CUDAGraph()
+            launches0 = _native_launches()
+            with torch.cuda.graph(graph):
+                call_pattern(tc, ws, p, x, res, gam, outs, oneshot=None, pdl=pdl)
+            captured_launches = _native_launches() - launches0
+            torch.cuda.synchronize()
+            dist.barrier()
+            worst = {"residual": 0.0, "norm": 0.0, "nans": 0, "replays": 0,
+                     "code_steps1": 0, "code_worse": 0, "scale_ulps": 0.0, "poisoned": 0}
+            launches1 = _native_launches()
+            for i in range(replays):
+                xs, r_np, g_np = draw_case(seed * 1000 + 100 + i + 1000 * p, world, m, hidden)
+                xs_t = [to_torch(torch, a, dt, "cpu") for a in xs]
+                r_t, g_t = to_torch(torch, r_np, dt, "cpu"), to_torch(torch, g_np, dt, "cpu")
+                x.copy_(xs_t[rank].to(device))
+                res.copy_(r_t.to(device))
+                gam.copy_(g_t.to(device))
+                for k, v in outs.items():  # poison before every replay
+                    if k in ("residual_out", "norm_out") or (k == "scale_out" and p == 11):
+                        v.fill_(float("nan"))
+                    elif k == "quant_out":
+                        v.view(torch.uint8).fill_(0xFF)
+                graph.replay()
+                torch.cuda.synchronize()
+                got = outputs_to_numpy(torch, outs)
+                ref = group_oracle([t.double().numpy() for t in xs_t], r_t.double().numpy(),
+                                   g_t.double().numpy())
+                e = plain_errors(got, ref, r_t.double().numpy(), g_t.double().numpy(),
+                                 "bfloat16", 0.0)
+                worst["residual"] = max(worst["residual"], e["residual"])
+                worst["norm"] = max(worst["norm"], e["norm"])
+                worst["nans"] += e["nans"]
+                if p == 11:
+                    wq, wsc = quant_oracle.fp8_dynamic(got["norm_out"], "ieee")
+                    d = code_steps(got["quant_out"], np.asarray(wq).view(np.uint8))
+                    worst["code_steps1"] += int((d == 1).sum())
+                    worst["code_worse"] += int((d > 1).sum())
+                    ulp32 = np.spacing(np.abs(wsc).astype(np.float32)).astype(np.float64)
+                    worst["scale_ulps"] = max(worst["scale_ulps"], float(np.max(
+                        np.abs(got["scale_out"].astype(np.float64) - wsc) / ulp32)))
+                    worst["poisoned"] += int(np.sum((got["quant_out"] & 0x7F) == 0x7F))
+                worst["replays"] += 1
+            worst["host_launches_during_replays"] = _native_launches() - launches1
+            worst["launches_captured"] = captured_launches
+            worst["elements"] = m * hidden * replays
+            results[f"pattern{p}"] = worst
+            del graph
+        dist.barrier()
+        ws.destroy()
+        return {"rank": rank, "m": m, "hidden": hidden, "results": results}
+    finally:
+        dist.destroy_process_group()
+
+
+def _native_launches():
+    from jax_fusedar import native
+    return native.require().launch_count()
+
+
+def rms_manual(x, g, eps=RMS_EPS):
+    """vLLM's RMSNorm.forward_native (the form the fusion pass matches anywhere)."""
+    import torch
+    xf = x.to(torch.float32)
+    v = xf.pow(2).mean(-1, keepdim=True)
+    return (xf * torch.rsqrt(v + eps)).to(x.dtype) * g
+
+
+def build_tp_model(torch, group, rank, world, *, m, hidden, layers, seed, device, norm):
+    """(model, args, (norm64, residual64)): a ``layers``-layer TP block stack, row-parallel
+    matmul -> funcol.all_reduce over ``group`` -> + residual -> RMSNorm (``norm``: "manual"
+    or "F.rms_norm"), this rank's shards as args, and the float64 numpy model of the same
+    bf16-rounded values."""
+    import torch.nn.functional as F
+    from torch.distributed import _functional_collectives as funcol
+
+    rng = np.random.default_rng(seed)  # the same weights on every rank
+    dt = torch.bfloat16
+    shard = hidden // world
+    x_full = rng.standard_normal((m, hidden), dtype=np.float32)
+    res0 = rng.standard_normal((m, hidden), dtype=np.float32)
+    w_full = [rng.standard_normal((hidden, hidden), dtype=np.float32) / np.sqrt(hidden)
+              for _ in range(layers)]
+    gammas = [rng.uniform(0.5, 1.5, hidden).astype(np.float32) for _ in range(layers)]
+    lo, hi = rank * shard, (rank + 1) * shard
+    t = lambda a: to_torch(torch, a, dt, device)  # noqa: E731
+    args = (t(x_full[:, lo:hi]), t(res0), *[t(w[lo:hi]) for w in w_full],
+            *[t(g) for g in gammas])
+    norm_fn = rms_manual if norm == "manual" else \
+        (lambda r, g: F.rms_norm(r, (hidden,), g, RMS_EPS))
+
+    def model(x_shard, residual, *wg):
+        w_sh, gs = wg[:layers], wg[layers:]
+        h = x_shard
+        for i in range(layers):
+            partial = h @ w_sh[i]                  # row-parallel: [m, H/tp] @ [H/tp, H]
+            s = funcol.all_reduce(partial, "sum", group)
+            residual = s + residual
+            normed = norm_fn(residual, gs[i])
+            h = normed[:, lo:hi]                   # this rank's input shard of the next layer
+        return normed, residual
+
+    def f64(a):
+        return to_torch(torch, a, dt, "cpu").double().numpy()
+    h64, r64 = f64(x_full), f64(res0)
+    for i in range(layers):
+        r64 = h64 @ f64(w_full[i]) + r64
+        h64 = r64 / np.sqrt(np.mean(r64 * r64, axis=-1, keepdims=True) + RMS_EPS) * \
+            f64(gammas[i])
+    return model, args, (h64, r64)
+
+
+def trace_tp_model(torch, model, args):
+    """make_fx with fake tensors; F.rms_norm's CUDA path (aten._fused_rms_norm) decomposed
+    into the primitive form the pass matches."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    decomp = {}
+    if hasattr(torch.ops.aten, "_fused_rms_norm"):
+        from torch._decomp import get_decompositions
+        decomp = get_decompositions([torch.ops.aten._fused_rms_norm])
+    return make_fx(model, decomposition_table=decomp, tracing_mode="fake")(*args)
+
+
+def compare_models(torch, fused, unfused, ref64):
+    def rel(out, ref):
+        return float(np.max(np.abs(out.float().cpu().double().numpy() - ref)) /
+                     np.max(np.abs(ref)))
+    return {
+        "finite": bool(all(bool(torch.isfinite(a).all()) for a in (*fused, *unfused))),
+        "fused_vs_unfused": max(float((a.float() - b.float()).abs().max() /
+                                      b.float().abs().max()) for a, b in zip(fused, unfused)),
+        "fused_vs_f64": max(rel(fused[0], ref64[0]), rel(fused[1], ref64[1])),
+        "unfused_vs_f64": max(rel(unfused[0], ref64[0]), rel(unfused[1], ref64[1])),
+    }
+
+
+def count_targets(gm, target):
+    return sum(n.op == "call_function" and n.target is target for n in gm.graph.nodes)
+
+
+def fusion_pass_worker(rank, world, chan, *, port, seed, m, hidden, layers, mode):
+    """The TP model of build_tp_model over a real NCCL group (the unfused baseline).
+    mode "make_fx": for each norm form, trace, run (NCCL all-reduce), apply
+    fuse_allreduce_rmsnorm, run again. mode "inductor": torch.compile(fullgraph=True) with
+    the pass as inductor's post-grad custom pass against torch.compile without it."""
+    torch, dist, device = _init(rank, world, port, rank)
+    import torch_compat as tc
+    from torch_compat import fusion_pass, library
+
+    try:
+        nccl = dist.new_group(list(range(world)), backend="nccl")
+        ws = tc.create_allreduce_fusion_workspace("trtllm", world, rank, m, hidden,
+                                                  torch.bfloat16, timeout_s=120)
+        ar = torch.ops._c10d_functional.all_reduce.default
+        out = {"rank": rank, "mode": mode, "forms": {}}
+        for norm in (("manual", "F.rms_norm") if mode == "make_fx" else ("F.rms_norm",)):
+            model, args, ref64 = build_tp_model(torch, nccl, rank, world, m=m, hidden=hidden,
+                                                layers=layers, seed=seed, device=device,
+                                                norm=norm)
+            r = {}
+            if mode == "make_fx":
+                gm = trace_tp_model(torch, model, args)
+                r["all_reduces_before"] = count_targets(gm, ar)
+                unfused = gm(*args)
+                torch.cuda.synchronize()
+                r["replaced"] = tc.fuse_allreduce_rmsnorm(gm, ws)
+                r["fused_ops"] = count_targets(gm, library.ALLREDUCE_RESIDUAL_RMSNORM)
+                r["all_reduces_after"] = count_targets(gm, ar)
+                if r["replaced"] == 0:
+                    r["graph"] = gm.code[:3000]
+                fused = gm(*args)
+                torch.cuda.synchronize()
+            else:
+                torch._dynamo.reset()
+                unfused = torch.compile(model, fullgraph=True)(*args)
+                torch.cuda.synchronize()
+                torch._dynamo.reset()
+                p = fusion_pass.AllReduceFusionPass(ws)
+                with torch._inductor.config.patch(post_grad_custom_pre_pass=p,
+                                                  fx_graph_cache=False,
+                                                  force_disable_caches=True):
+                    fused = torch.compile(model, fullgraph=True)(*args)
+                torch.cuda.synchronize()
+                torch._dynamo.reset()
+                r["replaced"] = p.count
+            r.update(compare_models(torch, fused, unfused, ref64))
+            out["forms"][norm] = r
+        dist.barrier()
+        ws.destroy()
+        return out
+    finally:
+        dist.destroy_process_group()
