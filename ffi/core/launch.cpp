@@ -154,13 +154,16 @@ extern "C" int fusedar_check_launch(const fusedar_rank* r, const fusedar_launch_
 
 extern "C" int fusedar_launch(const fusedar_rank* r, const fusedar_launch_args* a, void* stream) {
   if (int rc = check(r, a)) return rc;
+  if (r->check_calls) {
+    // A handshake of this rank already trapped: say why instead of CUDA's generic error
+    // (before any CUDA call, which would only report the dead context).
+    std::string failed = fusedar::call_check::failure(r);
+    if (!failed.empty()) return fail(FUSEDAR_CUDA_ERROR, failed);
+  }
   // FlashInfer's launcher queries the *current* device (SM count, cluster size).
   fusedar::DeviceGuard guard(r->device);
   FUSEDAR_CUDA_TRY(guard.status(), "selecting the device", r->device);
   if (r->check_calls) {
-    // A handshake of this rank already trapped: say why instead of CUDA's generic error.
-    std::string failed = fusedar::call_check::failure(r);
-    if (!failed.empty()) return fail(FUSEDAR_CUDA_ERROR, failed);
     // On the same stream, without PDL: it starts once the previous kernel has completed,
     // and the fused kernel (PDL or not) starts only after it has exited.
     cudaError_t err = fusedar::call_check::launch(r, *a, static_cast<cudaStream_t>(stream));

@@ -1,0 +1,310 @@
+"""GPU body of the cross-rank call check (check_calls; ffi/core/call_check.h): two ranks in
+two processes (CUDA IPC), one case per run, because a trapped handshake kills the CUDA
+context of its process.
+
+Every case first makes MATCHING_CALLS matching calls with the check on (outputs against the
+float64 oracle, NaN-poisoned before each call), then:
+
+  ok        the same calls with the check off, a CUDA graph of checked calls replayed
+            (the device-resident call counter must advance on replay), and the handshake's
+            cost (median ms per call, check on vs off, back-to-back loops);
+  tokens    rank 0 calls with 16 tokens, rank 1 with 17        -> both ranks fail
+  pattern   rank 0 calls pattern 0, rank 1 pattern 1           -> both ranks fail
+  oneshot   rank 0 calls one-shot, rank 1 two-shot (32 tokens) -> both ranks fail
+  timeout   rank 1 makes no call; rank 0 times out after TIMEOUT_CASE_S and fails, while
+            rank 1's context stays healthy.
+
+"Fail" means: the stream synchronisation raises a CUDA error (the handshake's __trap)
+within the timeout instead of hanging, the rank's failure record (call_check_failure(),
+read from pinned host memory) describes the mismatch, and the next launch on that rank is
+refused with the same description. The device printf output lands in this process's
+stdout, which the pytest side (tests/test_gpu_topology.py) captures and checks.
+
+Run one case by hand:  python -m tests.gpu.native_mismatch tokens
+The last stdout line is "RESULT <json>".
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+HIDDEN = 4096
+MAX_TOKENS = 64
+DTYPE = "bfloat16"
+# (pattern, tokens, one-shot) of the matching calls every case makes first
+MATCHING = [(1, 16, True), (1, 17, False), (0, 16, True), (1, 1, True), (1, 33, False),
+            (0, 40, False), (1, 64, True)]
+MISMATCH_TIMEOUT_S = 20.0  # a mismatch must be reported long before this
+TIMEOUT_CASE_S = 3.0
+CASES = ("ok", "tokens", "pattern", "oneshot", "timeout")
+BOUNDS = {"allreduce": 1.0, "residual": 1.0, "norm": 3.0}
+
+
+def flush_c_stdio():
+    """Device printf writes through C stdio, fully buffered on a pipe: flush it now."""
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except Exception:  # noqa: BLE001 - best effort
+        pass
+
+
+def draw_inputs(seed, world, m, hidden, torch):
+    """bf16 torch tensors (CPU): every rank's input, the residual and gamma."""
+    from tests.gpu.harness import draw_case
+    xs, residual, gamma = draw_case(seed, world, m, hidden)
+    return ([torch.from_numpy(x).bfloat16() for x in xs], torch.from_numpy(residual).bfloat16(),
+            torch.from_numpy(gamma).bfloat16())
+
+
+def oracle_errors(xs, residual, gamma, outs, pattern, *, weight_bias=0.0, dtype="bfloat16"):
+    """Errors of one rank's outputs in units of their bounds' scale (tests/oracle.py), with
+    the fp32 accumulation's own error added to the scale: (N-1) * 2^-24 * sum_r |x_r|
+    (exact for 2 ranks of 16-bit values in practice, not for 4). xs: CPU tensors."""
+    from tests import oracle
+    x64 = [t.double().numpy() for t in xs]
+    r_np, g_np = residual.double().numpy(), gamma.double().numpy()
+    s64, r64, y64, inv64 = oracle.fused_reference(x64, r_np, g_np, rms_eps=1e-6,
+                                                  weight_bias=weight_bias)
+    acc = (len(xs) - 1) * 2.0**-24 * np.sum([np.abs(x) for x in x64], axis=0)
+    if pattern == 0:
+        out = outs["allreduce"].double().cpu().numpy()
+        return {"allreduce": float(np.max(np.abs(out - s64) /
+                                          (oracle.ulp(np.abs(s64) + acc, dtype) + acc)))}
+    carried = oracle.ulp(np.abs(s64) + np.abs(r_np) + acc, dtype) + acc
+    res = outs["residual"].double().cpu().numpy()
+    norm = outs["norm"].double().cpu().numpy()
+    return {
+        "residual": float(np.max(np.abs(res - r64) / carried)),
+        "norm": float(np.max(np.abs(norm - y64) /
+                             (carried * inv64 * np.abs(weight_bias + g_np)
+                              + oracle.ulp(y64, dtype)))),
+    }
+
+
+def fused_call(ws, pattern, m, x, res, gamma, outs, *, oneshot, stream):
+    """One raw-pointer launch of pattern 0 (writes outs['allreduce']) or 1 (outs['residual'],
+    outs['norm']) on `stream` (a torch stream)."""
+    from jax_fusedar import native
+    code = native.DTYPE_CODES[DTYPE]
+    if pattern == 0:
+        ws.launch(0, code, m, x.shape[1], x.data_ptr(), allreduce_out=outs["allreduce"].data_ptr(),
+                  use_oneshot=oneshot, stream=stream.cuda_stream)
+    else:
+        ws.launch(1, code, m, x.shape[1], x.data_ptr(), residual_in=res.data_ptr(),
+                  residual_out=outs["residual"].data_ptr(), norm_out=outs["norm"].data_ptr(),
+                  rms_gamma=gamma.data_ptr(), rms_eps=1e-6, use_oneshot=oneshot,
+                  stream=stream.cuda_stream)
+
+
+def new_outputs(x, torch):
+    return {k: torch.full_like(x, float("nan")) for k in ("allreduce", "residual", "norm")}
+
+
+def worst_of(errs):
+    """Per-key maxima; a NaN anywhere stays NaN (Python's max would drop it)."""
+    w = {}
+    for e in errs:
+        for k, v in e.items():
+            old = w.get(k, 0.0)
+            w[k] = float("nan") if (v != v or old != old) else max(old, v)
+    return w
+
+
+def matching_calls(ws, rank, world, device, stream, seed, torch):
+    """MATCHING on `ws`; returns (per-call errors, digest of all outputs)."""
+    errs, digest = [], hashlib.sha256()
+    for i, (pattern, m, oneshot) in enumerate(MATCHING):
+        xs, residual, gamma = draw_inputs(seed + i, world, m, HIDDEN, torch)
+        x, res, gam = (t.cuda(device) for t in (xs[rank], residual, gamma))
+        outs = new_outputs(x, torch)
+        fused_call(ws, pattern, m, x, res, gam, outs, oneshot=oneshot, stream=stream)
+        stream.synchronize()
+        e = oracle_errors(xs, residual, gamma, outs, pattern)
+        e["call"] = [pattern, m, oneshot]
+        errs.append(e)
+        for k in (("allreduce",) if pattern == 0 else ("residual", "norm")):
+            digest.update(outs[k].cpu().view(torch.uint8).numpy().tobytes())
+    return errs, digest.hexdigest()
+
+
+def make_workspace(ext, chan, tag, device, world, rank, *, check_calls, timeout_s):
+    from jax_fusedar import native
+    ws = ext.Rank(device, world, rank, MAX_TOKENS, HIDDEN, native.DTYPE_CODES[DTYPE],
+                  check_calls=check_calls, check_timeout_s=timeout_s)
+    handles = chan.all_gather(f"ipc-{tag}", ws.export_ipc())
+    for peer, h in enumerate(handles):
+        if peer != rank:
+            ws.open_peer_ipc(peer, h)
+    ws.finalize()
+    chan.barrier(f"ready-{tag}")
+    return ws
+
+
+def _graph_replays(ws, rank, world, device, seed, torch, chan):
+    """Captures 3 checked pattern-1 calls in a CUDA graph and replays it 3 times (each
+    replay: outputs poisoned first, then checked), then one eager call after the replays:
+    the device counter must have advanced in step on both ranks."""
+    xs, residual, gamma = draw_inputs(seed, world, 16, HIDDEN, torch)
+    x, res, gam = (t.cuda(device) for t in (xs[rank], residual, gamma))
+    outs = new_outputs(x, torch)
+    g = torch.cuda.CUDAGraph()
+    capture_error = None
+    try:
+        # relaxed: the point is the call counter under replay, not capture strictness
+        with torch.cuda.graph(g, capture_error_mode="relaxed"):
+            s = torch.cuda.current_stream(device)
+            for k in range(3):
+                fused_call(ws, 1, 16, x, res, gam, outs, oneshot=(k != 1), stream=s)
+    except Exception as e:  # noqa: BLE001 - reported, and both ranks skip the replays
+        capture_error = f"{type(e).__name__}: {e}"
+    errors = chan.all_gather("graph-captured", capture_error)
+    if any(errors):
+        return {"capture_errors": errors}
+    stream = torch.cuda.current_stream(device)
+    errs = []
+    for _ in range(3):
+        for t in outs.values():
+            t.fill_(float("nan"))
+        g.replay()
+        stream.synchronize()
+        errs.append(oracle_errors(xs, residual, gamma, outs, 1))
+    for t in outs.values():
+        t.fill_(float("nan"))
+    fused_call(ws, 1, 16, x, res, gam, outs, oneshot=True, stream=stream)
+    stream.synchronize()
+    errs.append(oracle_errors(xs, residual, gamma, outs, 1))
+    del g
+    return {"capture_errors": None, "worst": worst_of(errs), "replays": 3}
+
+
+def _timing(ws, rank, world, device, seed, torch, *, calls=100, reps=5):
+    """Median over `reps` of (ms for `calls` back-to-back pattern-1 one-shot calls)/calls;
+    the last call's outputs are checked."""
+    xs, residual, gamma = draw_inputs(seed, world, 16, HIDDEN, torch)
+    x, res, gam = (t.cuda(device) for t in (xs[rank], residual, gamma))
+    outs = new_outputs(x, torch)
+    stream = torch.cuda.current_stream(device)
+    per_call = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        for _ in range(calls):
+            fused_call(ws, 1, 16, x, res, gam, outs, oneshot=True, stream=stream)
+        end.record(stream)
+        stream.synchronize()
+        per_call.append(start.elapsed_time(end) / calls)
+    return {"ms_per_call_median": float(np.median(per_call)), "ms_per_call": per_call,
+            "last_call": oracle_errors(xs, residual, gamma, outs, 1)}
+
+
+def _failing_call(ws, rank, case, device, seed, world, torch):
+    """The mismatching call of `case` on this rank (None: this rank makes no call)."""
+    if case == "tokens":
+        pattern, m, oneshot = 1, (16 if rank == 0 else 17), True
+    elif case == "pattern":
+        pattern, m, oneshot = (0 if rank == 0 else 1), 16, True
+    elif case == "oneshot":
+        pattern, m, oneshot = 1, 32, rank == 0
+    elif case == "timeout":
+        if rank != 0:
+            return None
+        pattern, m, oneshot = 1, 16, True
+    else:
+        raise ValueError(case)
+    xs, residual, gamma = draw_inputs(seed, world, m, HIDDEN, torch)
+    x, res, gam = (t.cuda(device) for t in (xs[rank], residual, gamma))
+    outs = new_outputs(x, torch)
+    stream = torch.cuda.current_stream(device)
+    out = {"call": [pattern, m, oneshot]}
+    t0 = time.monotonic()
+    fused_call(ws, pattern, m, x, res, gam, outs, oneshot=oneshot, stream=stream)
+    out["launch_returned_s"] = time.monotonic() - t0
+    try:
+        stream.synchronize()
+        out["sync_error"] = None
+    except Exception as e:  # noqa: BLE001 - the expected outcome
+        out["sync_error"] = f"{type(e).__name__}: {e}"[:600]
+    out["elapsed_s"] = time.monotonic() - t0
+    flush_c_stdio()
+    out["failure_record"] = ws.call_check_failure()
+    try:  # the next launch must be refused with the same description
+        fused_call(ws, pattern, m, x, res, gam, outs, oneshot=oneshot, stream=stream)
+        out["relaunch_error"] = None
+    except Exception as e:  # noqa: BLE001
+        out["relaunch_error"] = f"{type(e).__name__}: {e}"[:1500]
+    return out
+
+
+def worker(rank, world, chan, *, case, seed):
+    import torch
+
+    from jax_fusedar import native
+
+    ext = native.require()
+    device = rank % max(1, torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    stream = torch.cuda.current_stream(device)
+    timeout_s = TIMEOUT_CASE_S if case == "timeout" else MISMATCH_TIMEOUT_S
+    result = {"rank": rank, "device": device, "case": case,
+              "gpu": torch.cuda.get_device_name(device)}
+    ws = make_workspace(ext, chan, "checked", device, world, rank, check_calls=True,
+                        timeout_s=timeout_s)
+    result["check_calls"], result["check_timeout_s"] = ws.check_calls, ws.check_timeout_s
+    errs, result["digest"] = matching_calls(ws, rank, world, device, stream, seed, torch)
+    result["matching"] = errs
+    result["worst"] = worst_of([{k: v for k, v in e.items() if k != "call"} for e in errs])
+    if case == "ok":
+        off = make_workspace(ext, chan, "unchecked", device, world, rank, check_calls=False,
+                             timeout_s=30.0)
+        result["off_check_calls"] = off.check_calls
+        errs_off, result["off_digest"] = matching_calls(off, rank, world, device, stream, seed,
+                                                        torch)
+        result["off_worst"] = worst_of([{k: v for k, v in e.items() if k != "call"}
+                                        for e in errs_off])
+        result["graph"] = _graph_replays(ws, rank, world, device, seed + 100, torch, chan)
+        chan.barrier("timing")
+        result["timing_on"] = _timing(ws, rank, world, device, seed + 200, torch)
+        result["timing_off"] = _timing(off, rank, world, device, seed + 200, torch)
+        result["failure_record"] = ws.call_check_failure()
+        chan.barrier("done")
+        for w in (ws, off):
+            w.destroy()
+        return result
+    chan.barrier("before-mismatch")
+    result["failing"] = _failing_call(ws, rank, case, device, seed + 999, world, torch)
+    chan.barrier("after-mismatch")  # rank 1 of "timeout" waits here for rank 0's verdict
+    if result["failing"] is None:  # this rank made no call: its context must be healthy
+        t = torch.arange(1000, device=device, dtype=torch.float32)
+        result["healthy_after"] = float(t.sum().item()) == 499500.0
+        result["failure_record"] = ws.call_check_failure()
+        ws.destroy()
+    flush_c_stdio()
+    return result
+
+
+def main(argv):
+    from tests.gpu.harness import run_ranks
+
+    case = argv[1] if len(argv) > 1 else "ok"
+    if case not in CASES:
+        raise SystemExit(f"unknown case {case!r}; one of {CASES}")
+    seed = int.from_bytes(os.urandom(4), "little")
+    t0 = time.monotonic()
+    try:
+        out = {"case": case, "seed": seed,
+               "ranks": run_ranks(worker, 2, timeout_s=120, case=case, seed=seed)}
+    except Exception as e:  # noqa: BLE001 - reported as JSON for the test to show
+        out = {"case": case, "seed": seed, "error": str(e)[-6000:]}
+    out["wall_s"] = time.monotonic() - t0
+    sys.stdout.flush()
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv)
