@@ -137,8 +137,8 @@ def test_torch_fp8_patterns():
         assert q["steps1"]["dynamic"] <= 2e-3 * q["elements"], q
         assert q["dyn_scale_ulps"] <= 1.0 and q["group_scale_mismatch"] == 0, q
         assert q["residual"] <= RESIDUAL_ULPS and q["norm"] <= NORM_ULPS, q
-        for name, label, diff in q["twin_diffs"]:
-            assert name == "group q" and diff <= 1e-5 * q["elements"] / q["cases"] * 4, q
+        assert all(name == "group q" for name, _, _ in q["twin_diffs"]), q
+        assert sum(diff for _, _, diff in q["twin_diffs"]) <= 1e-5 * q["elements"], q
         if q["capability"][0] < 10:
             assert "need an sm100+ GPU" in q["nvfp4_refused"], q
 
