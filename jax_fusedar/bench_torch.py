@@ -58,6 +58,8 @@ NORM_PATTERN = 1  # kARResidualRMSNorm
 FP8_MAX = 448.0
 
 IMPLS = ("ours", "anchor", "nccl", "symm_mem", "ours_fp8", "anchor_fp8")
+MODES = ("auto", "oneshot", "twoshot")
+USE_ONESHOT = {"auto": None, "oneshot": True, "twoshot": False}
 HOWS = ("eager", "graph")
 # (numerator, denominator) of the reported ratios, for each of eager and graph.
 RATIOS = (("ours", "anchor"), ("ours", "nccl"), ("ours", "symm_mem"),
@@ -176,6 +178,14 @@ def create_anchor_workspace(fi, *, world_size, rank, max_token_num, hidden_dim, 
 # --------------------------------------------------------------------------------------------
 
 
+def _mode_list(text: str) -> List[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    if not modes or any(m not in MODES for m in modes):
+        raise argparse.ArgumentTypeError(f"modes must be a comma-separated subset of "
+                                         f"{','.join(MODES)}, got {text!r}")
+    return [m for m in MODES if m in modes]
+
+
 def _world(text: str) -> int:
     value = _positive_int(text)
     if value not in topology.SUPPORTED_WORLD_SIZES:
@@ -199,6 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated hidden sizes")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     p.add_argument("--world", type=_world, default=2, help="processes (TP ranks) to spawn")
+    p.add_argument("--modes", type=_mode_list, default="auto",
+                   help="one-shot/two-shot choices to time, each a row per case: auto (the "
+                   "op's policy, FlashInfer's heuristic), oneshot, twoshot (forced); ours and "
+                   "the anchor always get the same one explicitly")
     p.add_argument("--iters", type=_positive_int, default=100,
                    help="calls per timed eager loop and per captured CUDA graph")
     p.add_argument("--repeats", type=_positive_int, default=5,
@@ -248,6 +262,7 @@ class Case:
     hidden: int
     oneshot: Optional[bool]  # the policy's choice, used by ours and the anchor alike
     skipped: Dict[str, str] = field(default_factory=dict)
+    policy: str = "auto"  # --modes entry: auto (the op's own choice), oneshot, twoshot
 
     @property
     def mode(self) -> Optional[str]:
@@ -255,18 +270,22 @@ class Case:
 
 
 def plan_cases(tokens: Sequence[int], hiddens: Sequence[int], dtype_name: str,
-               world: int) -> tuple:
+               world: int, modes: Sequence[str] = ("auto",)) -> tuple:
     """(workspace sizes, cases): one workspace of max(tokens) x max(hidden) serves every
-    case (FlashInfer's element-count rule), and each case's one-shot/two-shot choice is
-    ``topology.choose_oneshot(..., requested=None)``, the policy our op applies itself."""
+    case (FlashInfer's element-count rule). A case's one-shot/two-shot choice is
+    ``topology.choose_oneshot`` (the function our op calls itself): for mode "auto" its
+    policy (FlashInfer's size heuristic), for "oneshot"/"twoshot" that mode forced, or the
+    reason it cannot run."""
     sizes = topology.workspace_sizes(world, max(tokens), max(hiddens), dtype_name)
     cases = []
     for hidden in hiddens:
         for m in tokens:
-            try:
-                cases.append(Case(m, hidden, topology.choose_oneshot(m, hidden, sizes, None)))
-            except ValueError as e:
-                cases.append(Case(m, hidden, None, {i: str(e) for i in IMPLS}))
+            for mode in modes:
+                try:
+                    oneshot = topology.choose_oneshot(m, hidden, sizes, USE_ONESHOT[mode])
+                    cases.append(Case(m, hidden, oneshot, policy=mode))
+                except ValueError as e:
+                    cases.append(Case(m, hidden, None, {i: str(e) for i in IMPLS}, mode))
     return sizes, cases
 
 
@@ -311,6 +330,7 @@ def merge_ranks(rank_results: Sequence[dict]) -> List[dict]:
                     ratios[f"{num}/{den}:{how}"] = a / b
         cases.append({
             "tokens": first["tokens"], "hidden": first["hidden"], "mode": first["mode"],
+            "policy": first.get("policy", "auto"),
             "us": us, "us_per_rank": medians,
             "us_repeats": {k: [c["us_repeats"][k] for c in per_rank] for k in keys},
             "ratios": ratios, "skipped": skipped,
@@ -323,6 +343,7 @@ def build_report(rank_results: Sequence[dict], args, machine: dict, anchor: dict
         "machine": machine,
         "config": {"framework": "torch", "dtype": args.dtype, "world_size": args.world,
                    "tokens": list(args.tokens), "hidden": list(args.hidden),
+                   "modes": list(args.modes),
                    "iters": args.iters, "repeats": args.repeats, "warmup": args.warmup,
                    "variants": variant_keys(args), "launch_with_pdl": not args.no_pdl,
                    "fp32_acc": True, "rms_eps": RMS_EPS, "fp8_pattern": FP8_PATTERN,
@@ -356,7 +377,7 @@ def format_table(report: dict) -> str:
     hows = sorted({k.split(":")[1] for k in report["config"]["variants"]}, key=HOWS.index)
     for how in hows:
         lines.append(f"[{how}] us per call (slowest rank's median); ratios < 1: ours faster")
-        head = f"{'tokens':>6} {'hidden':>6} {'mode':<8}" + "".join(
+        head = f"{'tokens':>6} {'hidden':>6} {'mode':<16}" + "".join(
             f" {label:>9}" for label, _ in _COLUMNS)
         lines.append(head)
         for c in report["cases"]:
@@ -368,7 +389,7 @@ def format_table(report: dict) -> str:
                 else:
                     v = c["us"].get(f"{key}:{how}")
                     cells.append(f" {v:>9.2f}" if v is not None else f" {'-':>9}")
-            lines.append(f"{c['tokens']:>6} {c['hidden']:>6} {c['mode'] or '-':<8}"
+            lines.append(f"{c['tokens']:>6} {c['hidden']:>6} {_mode_label(c):<16}"
                          + "".join(cells))
         lines.append("")
     reasons: Dict[str, List[str]] = {}
@@ -379,6 +400,13 @@ def format_table(report: dict) -> str:
         shown = ", ".join(where[:4]) + (f" and {len(where) - 4} more" if len(where) > 4 else "")
         lines.append(f"skipped {shown}: {why}")
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _mode_label(case: dict) -> str:
+    """The mode that ran; "(forced)" when --modes forced it rather than the policy."""
+    mode = case["mode"] or "-"
+    policy = case.get("policy", "auto")
+    return mode if policy == "auto" else f"{mode}(forced)"
 
 
 def plot(report: dict, path: Path) -> bool:
@@ -394,6 +422,7 @@ def plot(report: dict, path: Path) -> bool:
     hows = sorted({k.split(":")[1] for k in report["config"]["variants"]}, key=HOWS.index)
     impls = [i for i in IMPLS if any(k.startswith(i + ":") for k in report["config"]["variants"])]
     hiddens = report["config"]["hidden"]
+    policies = list(report["config"].get("modes", ["auto"]))
     fig, axes = plt.subplots(len(hows), len(hiddens), squeeze=False,
                              figsize=(max(6, 5 * len(hiddens)), 4 * len(hows)))
     styles = {"ours": "C0-o", "anchor": "C1--s", "nccl": "k:^", "symm_mem": "C2-.v",
@@ -401,12 +430,16 @@ def plot(report: dict, path: Path) -> bool:
     for row, how in enumerate(hows):
         for col, hidden in enumerate(hiddens):
             ax = axes[row][col]
-            cases = [c for c in report["cases"] if c["hidden"] == hidden]
-            for impl in impls:
-                pts = [(c["tokens"], c["us"][f"{impl}:{how}"]) for c in cases
-                       if f"{impl}:{how}" in c["us"]]
-                if pts:
-                    ax.plot(*zip(*pts), styles[impl], label=impl)
+            for policy in policies:
+                cases = [c for c in report["cases"]
+                         if c["hidden"] == hidden and c.get("policy", "auto") == policy]
+                for impl in impls:
+                    pts = [(c["tokens"], c["us"][f"{impl}:{how}"]) for c in cases
+                           if f"{impl}:{how}" in c["us"]]
+                    if pts:
+                        label = impl if len(policies) == 1 else f"{impl} ({policy})"
+                        ax.plot(*zip(*pts), styles[impl], label=label,
+                                alpha=1.0 if policy == policies[0] else 0.5)
             ax.set(xscale="log", yscale="log", xlabel="tokens", ylabel="us per call",
                    title=f"{how}, hidden {hidden}")
             ax.grid(True, which="both", alpha=0.3)
@@ -452,7 +485,7 @@ def run_cases(rt, cases: Sequence[Case], factories: Mapping[str, Callable], keys
     out = []
     for case in cases:
         entry = {"tokens": case.tokens, "hidden": case.hidden, "mode": case.mode,
-                 "us_repeats": {}, "skipped": {}}
+                 "policy": case.policy, "us_repeats": {}, "skipped": {}}
         out.append(entry)
         if case.oneshot is None:
             for k in keys:
@@ -594,6 +627,7 @@ class Variants:
     def __init__(self, torch, dist, args, rank: int, device: int, shared_gpu: bool):
         self.torch, self.dist, self.args = torch, dist, args
         self.rank, self.device, self.world = rank, device, args.world
+        self.dev = torch.device("cuda", device)  # where the per-case tensors live
         self.dtype = getattr(torch, args.dtype)
         self.pdl = not args.no_pdl
         self.shared_gpu = shared_gpu
@@ -721,26 +755,26 @@ class Variants:
 
     def _inputs(self, case: Case):
         torch = self.torch
-        gen = torch.Generator(device=f"cuda:{self.device}")
+        gen = torch.Generator(device=self.dev)
         gen.manual_seed(self.args.seed * 1000003 + case.tokens * 131 + case.hidden * 7
                         + self.rank)
         shape = (case.tokens, case.hidden)
 
         def randn(*s):
-            return torch.randn(*s, generator=gen, device=self.device, dtype=torch.float32
+            return torch.randn(*s, generator=gen, device=self.dev, dtype=torch.float32
                                ).to(self.dtype)
 
         x, residual = randn(*shape), randn(*shape)
         gamma = 1 + 0.1 * randn(case.hidden)
-        outs = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(3)]
+        outs = [torch.empty(shape, dtype=self.dtype, device=self.dev) for _ in range(3)]
         return x, residual, gamma.to(self.dtype), outs
 
     def _fp8(self, case: Case):
         torch = self.torch
         quant = torch.empty((case.tokens, case.hidden), dtype=torch.float8_e4m3fn,
-                            device=self.device)
+                            device=self.dev)
         # RMSNorm outputs of N(0,1) rows with gamma ~ 1 stay within +-8: no saturation.
-        scale = torch.tensor([8.0 / FP8_MAX], dtype=torch.float32, device=self.device)
+        scale = torch.tensor([8.0 / FP8_MAX], dtype=torch.float32, device=self.dev)
         return quant, scale
 
     def ours(self, case: Case):
@@ -905,7 +939,7 @@ def _worker(rank: int, args, port: int, result_dir: str) -> None:
                             world_size=args.world, timeout=timedelta(seconds=args.timeout))
     try:
         rt = CudaRuntime(torch, dist, device)
-        _, cases = plan_cases(args.tokens, args.hidden, args.dtype, args.world)
+        _, cases = plan_cases(args.tokens, args.hidden, args.dtype, args.world, args.modes)
         keys = variant_keys(args)
         variants = Variants(torch, dist, args, rank, device, shared_gpu=gpus < args.world)
         variants.setup(rt)
@@ -986,7 +1020,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "GPUs, so timings mean little and NCCL/symm_mem are skipped", file=sys.stderr)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    sizes, cases = plan_cases(args.tokens, args.hidden, args.dtype, args.world)
+    sizes, cases = plan_cases(args.tokens, args.hidden, args.dtype, args.world, args.modes)
     print(f"{PROG}: {args.world} ranks, {args.dtype}, {len(cases)} cases x "
           f"{len(variant_keys(args))} variants; workspace {sizes.max_token_num} x "
           f"{sizes.hidden_dim} ({sizes.per_rank_bytes / 2**20:.0f} MiB per rank)", flush=True)

@@ -508,3 +508,121 @@ def test_anchor_compare_outputs_are_poisoned_in_flashinfers_layout():
     outs, bufs = ac._outputs(torch, 10, 3, 256, torch.float16, "cpu")
     assert set(outs) == {"residual_out", "quant_out", "scale_out"}
     assert outs["scale_out"].shape == (3, 1) and outs["scale_out"].dtype == torch.float32
+
+
+def test_modes_force_both_builds_alike_or_say_why():
+    a = bt.parse_args(["--modes", "twoshot,auto", "--tokens", "1,4096", "--hidden", "8192"])
+    assert a.modes == ["auto", "twoshot"]
+    sizes, cases = bt.plan_cases(a.tokens, a.hidden, a.dtype, a.world, a.modes)
+    got = [(c.tokens, c.policy, c.mode) for c in cases]
+    assert got == [(1, "auto", "oneshot"), (1, "twoshot", None),
+                   (4096, "auto", "oneshot"), (4096, "twoshot", "twoshot")]
+    assert "more tokens than ranks" in cases[1].skipped["ours"]
+    rt = FakeRuntime()
+    out = bt.run_cases(rt, cases, {"ours": lambda case: Counter("ours")}, ["ours:eager"],
+                       iters=1, repeats=1, warmup=0)
+    rep = bt.build_report([{"cases": out}, {"cases": out}], a, {}, {})
+    assert [c["policy"] for c in rep["cases"]] == ["auto", "twoshot", "auto", "twoshot"]
+    text = bt.format_table(rep)
+    assert " twoshot(forced) " in text and "more tokens than ranks" in text
+    with pytest.raises(SystemExit):
+        bt.parse_args(["--modes", "threeshot"])
+
+
+# --- every variant's call against the real APIs ----------------------------------------------
+
+ANCHOR_SRC = Path("/work/shared/anchor-flashinfer/flashinfer/comm/allreduce.py")
+
+
+def _anchor_params(func_name):
+    """Parameter names of a function in FlashInfer's allreduce.py, read with ast (the module
+    itself needs CUDA and Python 3.12 to import)."""
+    import ast
+    if not ANCHOR_SRC.exists():
+        pytest.skip(f"no FlashInfer source at {ANCHOR_SRC}")
+    tree = ast.parse(ANCHOR_SRC.read_text())
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == func_name)
+    a = fn.args
+    required = [x.arg for x in a.args[:len(a.args) - len(a.defaults)]]
+    return {x.arg for x in a.args + a.kwonlyargs}, required
+
+
+class FakeDist:
+    def __init__(self):
+        self.calls = []
+
+    def all_reduce(self, t, group=None):
+        self.calls.append(("all_reduce", tuple(t.shape), group))
+
+
+def test_variant_calls_bind_to_torch_compat_and_flashinfer():
+    import inspect
+
+    import torch_compat
+    ours_sig = inspect.signature(torch_compat.allreduce_fusion)
+    fi_names, fi_required = _anchor_params("allreduce_fusion")
+    calls = []
+
+    def ours(**kw):
+        ours_sig.bind(**kw)  # TypeError on a wrong name
+        calls.append(("ours", kw))
+
+    def anchor(**kw):
+        assert set(kw) <= fi_names and set(fi_required) <= set(kw), set(kw) - fi_names
+        calls.append(("anchor", kw))
+
+    def symm_op(buf, x, op, group_name, out):
+        calls.append(("symm", buf.shape, x.shape, op, group_name, out.shape))
+        buf.copy_(x)
+        out.copy_(2 * buf)  # two ranks with the same partial sum
+
+    args = bt.parse_args(["--tokens", "4", "--hidden", "256"])
+    dist = FakeDist()
+    v = bt.Variants(torch, dist, args, rank=1, device=0, shared_gpu=False)
+    v.dev = torch.device("cpu")
+    v.tc, v.fi = SimpleNamespace(allreduce_fusion=ours), SimpleNamespace(allreduce_fusion=anchor)
+    v.ours_ws, v.anchor_ws, v.nccl_group = "ws", "fi_ws", "nccl"
+    v.symm_buf, v.symm_op, v.symm_copy, v.symm_group_name = \
+        torch.empty(4 * 256, dtype=torch.bfloat16), symm_op, True, "0"
+    case = bt.Case(4, 256, False)
+    norms = {}
+    for impl, factory in v.factories().items():
+        norms[impl] = factory(case)()
+    by = {}
+    for c in calls:
+        by.setdefault(c[0], []).append(c)
+    (_, k1), (_, k4) = by["ours"]
+    assert k1["pattern"] == 1 and k4["pattern"] == 4
+    for kw in (k1, k4):
+        assert kw["use_oneshot"] is False and kw["fp32_acc"] is True
+        assert kw["launch_with_pdl"] is True and kw["workspace"] == "ws"
+        assert kw["input"].shape == (4, 256) and kw["rms_gamma"].shape == (256,)
+        assert kw["input"].dtype == kw["residual_in"].dtype == torch.bfloat16
+        assert "output" not in kw
+    assert k4["quant_out"].dtype == torch.float8_e4m3fn and k4["quant_out"].shape == (4, 256)
+    assert k4["scale_factor"].dtype == torch.float32 and k4["scale_factor"].shape == (1,)
+    (_, a1), (_, a4) = by["anchor"]
+    assert a1["workspace"] == a4["workspace"] == "fi_ws" and a1["use_oneshot"] is False
+    assert a1["output"].shape == (4, 256) and a4["pattern"] == 4
+    assert set(a4) - set(k4) == {"output"}
+    assert dist.calls == [("all_reduce", (4, 256), "nccl")]
+    assert by["symm"] == [("symm", (4, 256), (4, 256), "sum", "0", (4, 256))]
+    for impl in ("nccl", "symm_mem"):
+        assert norms[impl].shape == (4, 256) and norms[impl].dtype == torch.bfloat16
+        assert bool(torch.isfinite(norms[impl].float()).all()), impl
+    # Rank-dependent inputs: another rank draws other partial sums.
+    v0 = bt.Variants(torch, dist, args, rank=0, device=0, shared_gpu=False)
+    v0.dev = torch.device("cpu")
+    assert not torch.equal(v0._inputs(case)[0], v._inputs(case)[0])
+    assert torch.equal(v._inputs(case)[0], v._inputs(case)[0])
+
+
+def test_anchor_workspace_is_always_trtllm():
+    names, required = _anchor_params("create_allreduce_fusion_workspace")
+    seen = {}
+    fi = SimpleNamespace(create_allreduce_fusion_workspace=lambda **kw: seen.update(kw))
+    bt.create_anchor_workspace(fi, world_size=2, rank=1, max_token_num=8, hidden_dim=64,
+                               dtype=torch.bfloat16, group="g")
+    assert seen["backend"] == "trtllm" and set(seen) <= names
+    assert seen == {"backend": "trtllm", "world_size": 2, "rank": 1, "max_token_num": 8,
+                    "hidden_dim": 64, "dtype": torch.bfloat16, "group": "g"}
