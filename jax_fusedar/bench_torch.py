@@ -21,7 +21,8 @@ explicitly to both) with ``fp32_acc=True``. Results: a table on stdout, ``bench_
 and ``bench_torch.png`` under ``--out``.
 
 The anchor is a measuring instrument, loaded only here (and by the GPU tests), only when its
-folder exists: ``--anchor``, else ``$JAX_FUSEDAR_ANCHOR``, else ``<repo>/.anchor/anchor-flashinfer``.
+folder exists: ``--anchor``, else ``$JAX_FUSEDAR_ANCHOR``, else
+``<repo>/.anchor/anchor-flashinfer``.
 This module imports torch lazily, so its pure parts (arguments, plan, report, table, anchor
 path checks) run anywhere.
 """
@@ -918,7 +919,9 @@ def _machine(torch, device: int) -> dict:
             "python": platform.python_version(), "hostname": socket.gethostname(),
             "device_name": torch.cuda.get_device_name(device),
             "capability": ".".join(map(str, torch.cuda.get_device_capability(device))),
-            "gpus_visible": torch.cuda.device_count()}
+            "gpus_visible": torch.cuda.device_count(),
+            "env": {k: os.environ.get(k) for k in (*SAFE_ENV, "JAX_FUSEDAR_CHECK_CALLS",
+                                                   "CUDA_VISIBLE_DEVICES")}}
 
 
 def _worker(rank: int, args, port: int, result_dir: str) -> None:

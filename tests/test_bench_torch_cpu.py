@@ -330,7 +330,8 @@ def _fake_anchor(root: Path, broken=False) -> Path:
     for d in ("flashinfer/jit", "flashinfer/comm", "site/tvm_ffi",
               "ws/.cache/flashinfer/0.7.2.post1/90a/cached_ops/trtllm_comm"):
         (a / d).mkdir(parents=True)
-    (a / "ws/.cache/flashinfer/0.7.2.post1/90a/cached_ops/trtllm_comm/trtllm_comm.so").write_bytes(b"")
+    so = a / "ws/.cache/flashinfer/0.7.2.post1/90a/cached_ops/trtllm_comm/trtllm_comm.so"
+    so.write_bytes(b"")
     # The real package __init__s import far more than the trimmed copy holds.
     (a / "flashinfer/__init__.py").write_text("raise ImportError('heavy __init__ ran')\n")
     (a / "flashinfer/comm/__init__.py").write_text("raise ImportError('heavy __init__ ran')\n")
