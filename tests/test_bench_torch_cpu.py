@@ -7,6 +7,7 @@ folder for the loader); process spawning and the gloo agreement run for real.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -627,3 +628,39 @@ def test_anchor_workspace_is_always_trtllm():
     assert seen["backend"] == "trtllm" and set(seen) <= names
     assert seen == {"backend": "trtllm", "world_size": 2, "rank": 1, "max_token_num": 8,
                     "hidden_dim": 64, "dtype": torch.bfloat16, "group": "g"}
+
+
+def _fake_worker(rank, args, port, result_dir):
+    """Stands in for bench_torch._worker in spawned processes: the real plan and driver, a
+    fake runtime and fake variants."""
+    _, cases = bt.plan_cases(args.tokens, args.hidden, args.dtype, args.world, args.modes)
+    factories = {i: (lambda case, i=i: Counter(i)) for i in bt.IMPLS}
+    out = bt.run_cases(FakeRuntime(capture_fails={"symm_mem"}), cases, factories,
+                       bt.variant_keys(args), iters=2, repeats=3, warmup=1)
+    payload = {"rank": rank, "device": rank, "cases": out, "notes": {"port": port},
+               "machine": {"torch": "fake", "device_name": "Fake GPU"}}
+    Path(result_dir, f"rank{rank}.json").write_text(json.dumps(payload))
+
+
+def test_main_end_to_end_with_a_fake_worker(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(bt, "_worker", _fake_worker)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    out = tmp_path / "out"
+    rc = bt.main(["--tokens", "1,16", "--hidden", "1024", "--modes", "auto,twoshot",
+                  "--out", str(out), "--anchor", str(tmp_path / "no-anchor")])
+    assert rc == 0
+    text = capsys.readouterr()
+    assert "[eager]" in text.out and "[graph]" in text.out and "wrote" in text.out
+    assert "FlashInfer anchor unavailable: no anchor folder" in text.err
+    rep = json.loads((out / "bench_torch.json").read_text())
+    assert rep["anchor"]["problem"].startswith("no anchor folder")
+    assert [(c["tokens"], c["policy"], c["mode"]) for c in rep["cases"]] == [
+        (1, "auto", "oneshot"), (1, "twoshot", None), (16, "auto", "oneshot"),
+        (16, "twoshot", "twoshot")]
+    c = rep["cases"][2]
+    assert c["us"]["ours:eager"] == 1.0 and c["ratios"]["ours/anchor:graph"] == 1.0
+    assert c["skipped"]["symm_mem:graph"].startswith("capture failed")
+    assert rep["machine"]["devices"] == [0, 1]
+    if importlib.util.find_spec("matplotlib"):
+        assert (out / "bench_torch.png").exists()
