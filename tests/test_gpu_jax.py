@@ -84,7 +84,11 @@ def test_jax_quantized_fp8_patterns():
     report("jax_quant", res)
     for r in res:
         q = r["quant"]
-        assert q["cases"] > 0 and q["twins_equal"], q
+        # Twins (pattern with / without norm_out) agree on every residual and scale; their
+        # codes may differ by one step where a different launch geometry reorders the norm's
+        # fp32 reduction (seen: 5 to 9 of 8.4 M codes at 1024 x 8192 two-shot, bf16).
+        assert q["cases"] > 0 and q["twin_other_diffs"] == 0, q
+        assert q["twin_code_steps1"] <= 1e-5 * q["elements"], q
         assert q["rerun_diffs"] == 0, q  # same program, same inputs: same bytes
         assert q["worse"] == 0, q  # never more than one e4m3 code from the oracle
         # One-code steps come from fast-math division near an e4m3 midpoint: rare.

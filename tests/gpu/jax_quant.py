@@ -5,7 +5,9 @@ FP8), 10, 11 (dynamic FP8) and 8, 9 (per-token-group FP8, group 128) on the same
 Checks, per pattern pair:
 * the quantization of the kernel's own norm_out (patterns 4, 11, 9) against the independent
   numpy oracle (tests/quant_oracle.py): codes equal or one e4m3 step apart, counted;
-* the pattern without norm_out (2, 10, 8) bit-identical to its twin;
+* the pattern without norm_out (2, 10, 8) bit-identical to its twin, except quant codes one
+  e4m3 step apart in a tiny fraction (twins may launch with different block/cluster sizes,
+  which reorders RMSNorm's fp32 sum of squares); the same program run twice bit-identical;
 * scales: dynamic within 2 fp32 ulps of the oracle (fast-math division), group UE8M0 bytes
   equal; dequantized values within the e4m3 bound |q*s - y| <= 2^-4 |y| + 2^-10 s;
 * residual_out and norm_out within the core bounds against the float64 oracle.
@@ -44,7 +46,8 @@ def run(jax, jnp, jf, mesh, P, rank, world, seed, tokens, hiddens, glob, local):
     Pn = jf.AllReduceFusionPattern
     stats = {"cases": 0, "elements": 0, "steps1": {}, "worse": 0, "twins_equal": True,
              "dyn_scale_ulps": 0.0, "group_scale_mismatch": 0, "dequant_violations": 0,
-             "residual": 0.0, "norm": 0.0, "rerun_diffs": 0}
+             "residual": 0.0, "norm": 0.0, "rerun_diffs": 0,
+             "twin_code_steps1": 0, "twin_other_diffs": 0}
     case = 0
     for dtype in ("bfloat16", "float16"):
         jdt = jnp.dtype(dtype)
@@ -99,6 +102,14 @@ def run(jax, jnp, jf, mesh, P, rank, world, seed, tokens, hiddens, glob, local):
                 diff = int(np.sum(_bytes(a) != _bytes(b)))
                 if diff:
                     stats["twins_equal"] = False
+                    # Twins launch with different geometry when their register use differs
+                    # (FlashInfer sizes blocks and clusters from it), so RMSNorm's sum of
+                    # squares may run in another order and the fp32 rsqrt move by an ulp:
+                    # a code one e4m3 step away is that, anything else is a bug.
+                    one_step = (name.endswith(" q") and
+                                int(np.max(_code_steps(a, b))) == 1)
+                    key = "twin_code_steps1" if one_step else "twin_other_diffs"
+                    stats[key] += diff
                     where = np.argwhere(_bytes(a) != _bytes(b))[:12]
                     stats.setdefault("twin_diffs", []).append(
                         {"what": name, "dtype": dtype, "hidden": hidden, "tokens": m,
