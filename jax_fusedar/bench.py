@@ -2,12 +2,13 @@
 
 Two timing methods, both with the baseline in the same process and run:
 
-* ``chain`` (default): one jitted program of ``--chain`` K calls, each call's input being the
-  previous call's norm output (a real dependency, as between the layers of a model, so XLA
-  can neither reorder nor combine the baseline's all-reduces). The per-call time is the
-  program's wall time / K, median over ``--repeats``; the host's dispatch of the program is
-  spread over K calls. With XLA command buffers (the default) the K fused calls replay as
-  one CUDA graph.
+* ``chain`` (default): jitted programs of K and 2K calls (K = ``--chain``), each call's input
+  being the previous call's norm output (a real dependency, as between the layers of a
+  model, so XLA can neither reorder nor combine the baseline's all-reduces). The per-call
+  time is (median wall time of the 2K program - median of the K program) / K: what a call
+  adds, without the fixed cost of a program (host dispatch, the devices starting at
+  different times, the final sync), which a single program's time / K would spread over the
+  calls. With XLA command buffers (the default) the fused calls replay as one CUDA graph.
 * ``loop``: a ``lax.fori_loop`` of ``--iters`` calls on the same input (the method of the
   yardsticks in DESIGN.md §7). XLA's while loop syncs with the host every iteration, which
   adds the same few microseconds to both columns.
@@ -132,6 +133,15 @@ def looped(combine, iters: int):
 def per_call_seconds(loop, inputs, iters: int, repeats: int) -> list:
     """Per-call seconds of each of ``repeats`` runs of a loop of ``iters`` calls."""
     return [t / iters for t in timed_runs(loop, inputs, repeats)]
+
+
+def differential_seconds(make_program, inputs, calls: int, repeats: int):
+    """(per-call seconds, raw medians) from programs of ``calls`` and ``2 * calls`` calls:
+    the difference of their median wall times over ``calls``; ``make_program(n)`` builds the
+    program of n calls."""
+    short = statistics.median(timed_runs(make_program(calls), inputs, repeats))
+    long = statistics.median(timed_runs(make_program(2 * calls), inputs, repeats))
+    return (long - short) / calls, {"program_s": {calls: short, 2 * calls: long}}
 
 
 class _StderrBar:
@@ -288,10 +298,19 @@ def main(args) -> int:
         banner = reference_banner(machine["device_kind"]) if ws.backend == "xla" else None
         print(describe_devices(world, ws.backend))
 
-        def program(combine):
-            body = chained(combine, calls) if args.method == "chain" else looped(combine, calls)
+        def program(combine, n):
+            body = chained(combine, n) if args.method == "chain" else looped(combine, n)
             return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS), P(), P(), P()),
                                          out_specs=P()))
+
+        def measure(combine, inputs):
+            """(median per-call seconds, detail for the JSON)."""
+            if args.method == "chain":
+                t, detail = differential_seconds(lambda n: program(combine, n), inputs,
+                                                 calls, args.repeats)
+                return t, detail
+            times = per_call_seconds(program(combine, calls), inputs, calls, args.repeats)
+            return statistics.median(times), {"us_repeats": [x * 1e6 for x in times]}
 
         plan = []  # (tokens, hidden, {mode: chosen}, {mode: reason})
         for tokens in args.tokens:
@@ -313,29 +332,25 @@ def main(args) -> int:
                 inputs = _inputs(rng, args, world, tokens, hidden, dtype, split, replicated)
                 for pattern in args.patterns:
                     bar.set_description(f"p{pattern} {tokens}x{hidden} XLA")
-                    base = per_call_seconds(program(baseline_combine(pattern)), inputs, calls,
-                                            args.repeats)
+                    base, detail = measure(baseline_combine(pattern), inputs)
                     bar.update()
                     case = {"pattern": pattern, "tokens": tokens, "hidden": hidden,
-                            "baseline": PATTERN_LABELS[pattern],
-                            "baseline_us": statistics.median(base) * 1e6,
-                            "baseline_us_repeats": [t * 1e6 for t in base],
-                            "fused": {}, "skipped": skipped}
+                            "baseline": PATTERN_LABELS[pattern], "baseline_us": base * 1e6,
+                            "baseline_detail": detail, "fused": {}, "skipped": skipped}
                     for mode, chosen in runnable.items():
                         bar.set_description(f"p{pattern} {tokens}x{hidden} fused {mode}")
-                        fused = program(fused_combine(ws, pattern, USE_ONESHOT[mode]))
-                        times = per_call_seconds(fused, inputs, calls, args.repeats)
+                        t, detail = measure(fused_combine(ws, pattern, USE_ONESHOT[mode]),
+                                            inputs)
                         bar.update()
-                        us = statistics.median(times) * 1e6
-                        case["fused"][mode] = {"chosen": chosen, "us": us,
-                                               "us_repeats": [t * 1e6 for t in times],
-                                               "ratio": us / case["baseline_us"]}
+                        case["fused"][mode] = {"chosen": chosen, "us": t * 1e6,
+                                               "ratio": t * 1e6 / case["baseline_us"],
+                                               "detail": detail}
                     cases.append(case)
         finally:
             bar.close()
 
-    method = ("per-call time = (one jitted program of `chain` dependent calls) / chain, "
-              "median over repeats" if args.method == "chain" else
+    method = ("per-call time = (median time of a program of 2 x chain dependent calls - median "
+              "time of one of chain calls) / chain" if args.method == "chain" else
               "per-call time = (lax.fori_loop of iters calls) / iters, median over repeats")
     report = {
         "machine": machine,

@@ -112,10 +112,15 @@ def test_bench_writes_json_and_plot(tmp_path):
     cases = {(c["pattern"], c["tokens"], c["hidden"]): c for c in report["cases"]}
     assert set(cases) == {(p, t, 256) for p in (1, 4) for t in (1, 16)}
     for case in cases.values():
-        assert case["baseline_us"] > 0 and len(case["baseline_us_repeats"]) == 2
+        # Per-call time = (T(6 calls) - T(3 calls)) / 3: on a busy CPU the difference can
+        # have either sign, so check how it was derived rather than that it is positive.
+        for detail, us in [(case["baseline_detail"], case["baseline_us"])] + [
+                (m["detail"], m["us"]) for m in case["fused"].values()]:
+            program_s = {int(k): v for k, v in detail["program_s"].items()}
+            assert set(program_s) == {3, 6} and min(program_s.values()) > 0
+            assert us == pytest.approx((program_s[6] - program_s[3]) / 3 * 1e6)
         assert set(case["fused"]) | set(case["skipped"]) == {"auto", "oneshot", "twoshot"}
         for mode, m in case["fused"].items():
-            assert m["us"] > 0 and len(m["us_repeats"]) == 2
             assert m["ratio"] == pytest.approx(m["us"] / case["baseline_us"])
             assert m["chosen"] == mode if mode != "auto" else m["chosen"] in ("oneshot", "twoshot")
     assert "static FP8" in cases[(4, 1, 256)]["baseline"]
@@ -142,6 +147,7 @@ def test_bench_loop_method(tmp_path):
     report = json.loads((out / "bench.json").read_text())
     assert report["config"]["method"] == "loop" and "fori_loop" in report["method"]
     assert report["cases"][0]["fused"]["auto"]["us"] > 0
+    assert len(report["cases"][0]["fused"]["auto"]["detail"]["us_repeats"]) == 1
 
 
 def test_bench_without_matplotlib_and_tqdm(tmp_path):
@@ -156,7 +162,7 @@ def test_bench_without_matplotlib_and_tqdm(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "matplotlib is not installed" in r.stdout
     assert not (out / "bench.png").exists()
-    assert json.loads((out / "bench.json").read_text())["cases"][0]["fused"]["auto"]["us"] > 0
+    assert "us" in json.loads((out / "bench.json").read_text())["cases"][0]["fused"]["auto"]
     assert "2/2" in r.stderr  # the fallback progress bar: baseline + auto
 
 
