@@ -196,6 +196,7 @@ NB_MODULE(_fusedar, m) {
   m.def("registrations", []() {
     nb::dict d;
     d[FUSEDAR_TARGET_ALLREDUCE_FUSION] = encapsulate(FusedarAllReduceFusionHandler);
+    d[FUSEDAR_TARGET_DEVICE_TIMESTAMP] = encapsulate(FusedarDeviceTimestampHandler);
     return d;
   });
 

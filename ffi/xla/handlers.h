@@ -5,7 +5,10 @@
 #include "xla/ffi/api/ffi.h"
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FusedarAllReduceFusionHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FusedarDeviceTimestampHandler);
 
 // Stable, versioned target names: bump the suffix whenever operands, results or
 // attributes change, so a serialized program never meets a handler it was not built for.
 #define FUSEDAR_TARGET_ALLREDUCE_FUSION "jax_fusedar_allreduce_fusion_v1"
+// Benchmark support: a device-clock stamp ordered by data dependencies (jax_fusedar/timing.py).
+#define FUSEDAR_TARGET_DEVICE_TIMESTAMP "jax_fusedar_device_timestamp_v1"

@@ -162,6 +162,10 @@ int fusedar_device_compute_capability(int32_t device, int32_t* major, int32_t* m
 int fusedar_device_mem_info(int32_t device, uint64_t* free_bytes, uint64_t* total_bytes);
 int fusedar_device_synchronize(int32_t device);
 
+// Enqueues on `stream` a store of the device's %globaltimer (ns) into out[0] (low 32 bits)
+// and out[1] (high 32 bits), a device pointer. For benchmarks (jax_fusedar/timing.py).
+int fusedar_device_timestamp(void* stream, uint32_t* out);
+
 #if defined(__GNUC__)
 #pragma GCC visibility pop
 #endif
