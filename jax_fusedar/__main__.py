@@ -102,9 +102,10 @@ def build_parser():
     bench.add_argument("--patterns", type=_int_list, default="1,4,11,9",
                        help="fusion patterns to time: 1 (AR + residual + RMSNorm), 4 (+ static "
                        "FP8), 11 (+ dynamic per-token FP8), 9 (+ per-token-group FP8)")
-    bench.add_argument("--method", choices=("chain", "loop"), default="chain",
-                       help="chain: dependent calls unrolled in one program; loop: fori_loop "
-                       "(pattern 1 only)")
+    bench.add_argument("--method", choices=("auto", "device", "chain", "loop"), default="auto",
+                       help="device: dependent calls unrolled in one program, timed by device-"
+                       "clock stamps (GPUs); chain: the same timed by the host clock; loop: "
+                       "fori_loop (pattern 1 only); auto: device on GPUs, else chain")
     bench.add_argument("--chain", type=_positive_int, default=64,
                        help="calls per timed program (--method chain)")
     bench.add_argument("--iters", type=_positive_int, default=200,

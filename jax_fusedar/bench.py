@@ -1,8 +1,13 @@
 """``python -m jax_fusedar bench``: latency of the fused op vs the unfused XLA ops.
 
-Two timing methods, both with the baseline in the same process and run:
+Three timing methods, each with the baseline in the same process and run:
 
-* ``chain`` (default): jitted programs of K and 2K calls (K = ``--chain``), each call's input
+* ``device`` (the default on GPUs): as ``chain`` below, but each program is bracketed by
+  device-clock stamps (``timing.device_timestamp``) on every GPU, ordered by data
+  dependencies, so the figure is what the GPUs spent, not how fast the host dispatched:
+  (median over repeats of the 2K program's device time - the K program's) / K, for the
+  slower device. Gaps the host leaves between kernels still count, as in a model.
+* ``chain`` (the default elsewhere): jitted programs of K and 2K calls (K = ``--chain``), each call's input
   being the previous call's norm output (a real dependency, as between the layers of a
   model, so XLA can neither reorder nor combine the baseline's all-reduces). The per-call
   time is (median wall time of the 2K program - median of the K program) / K: what a call
@@ -34,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from . import quant_reference, topology
+from . import quant_reference, timing, topology
 from .api import allreduce_fusion
 from .demo import (AXIS, RMS_EPS, check_supported, describe_devices, open_workspace,
                    plain_add_rmsnorm, timed_runs, tp_mesh)
@@ -142,6 +147,29 @@ def differential_seconds(make_program, inputs, calls: int, repeats: int):
     short = statistics.median(timed_runs(make_program(calls), inputs, repeats))
     long = statistics.median(timed_runs(make_program(2 * calls), inputs, repeats))
     return (long - short) / calls, {"program_s": {calls: short, 2 * calls: long}}
+
+
+def device_seconds(program, inputs, repeats: int) -> float:
+    """Median over ``repeats`` runs (after a warm-up) of the device time between a program's
+    two stamps, for the slower device."""
+    jax.block_until_ready(program(*inputs))
+    spans = []
+    for _ in range(repeats):
+        t0, t1 = program(*inputs)[:2]
+        spans.append(float(np.max(timing.stamps_to_ns(t1) - timing.stamps_to_ns(t0))) * 1e-9)
+    return statistics.median(spans)
+
+
+def stamped(body):
+    """Wraps a per-rank body so that it returns (start stamp, end stamp, body's outputs...):
+    the start stamp passes x through to the first call, the end stamp follows the norm of
+    the last call (which follows its residual)."""
+    def wrapped(x, residual, gamma, scale):
+        t0, x = timing.device_timestamp(x)
+        residual, norm, extras = body(x, residual, gamma, scale)
+        t1, norm = timing.device_timestamp(norm)
+        return t0[None], t1[None], residual, norm, extras
+    return wrapped
 
 
 class _StderrBar:
@@ -290,7 +318,13 @@ def main(args) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
     replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P(AXIS))
-    calls = args.chain if args.method == "chain" else args.iters
+    method = args.method
+    if method == "auto":
+        method = "device" if timing.available() else "chain"
+    elif method == "device" and not timing.available():
+        raise SetupError("--method device needs GPUs and the native module (device clock "
+                         "stamps); use --method chain")
+    calls = args.iters if method == "loop" else args.chain
 
     with open_workspace(mesh, max_token_num=max(args.tokens), hidden_dim=max(args.hidden),
                         dtype=dtype, backend=args.backend) as ws:
@@ -299,13 +333,23 @@ def main(args) -> int:
         print(describe_devices(world, ws.backend))
 
         def program(combine, n):
-            body = chained(combine, n) if args.method == "chain" else looped(combine, n)
-            return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS), P(), P(), P()),
-                                         out_specs=P()))
+            if method == "loop":
+                return jax.jit(jax.shard_map(looped(combine, n), mesh=mesh,
+                                             in_specs=(P(AXIS), P(), P(), P()), out_specs=P()))
+            if method == "chain":
+                return jax.jit(jax.shard_map(chained(combine, n), mesh=mesh,
+                                             in_specs=(P(AXIS), P(), P(), P()), out_specs=P()))
+            return jax.jit(jax.shard_map(stamped(chained(combine, n)), mesh=mesh,
+                                         in_specs=(P(AXIS), P(), P(), P()),
+                                         out_specs=(P(AXIS), P(AXIS), P(), P(), P())))
 
         def measure(combine, inputs):
             """(median per-call seconds, detail for the JSON)."""
-            if args.method == "chain":
+            if method == "device":
+                short = device_seconds(program(combine, calls), inputs, args.repeats)
+                long = device_seconds(program(combine, 2 * calls), inputs, args.repeats)
+                return (long - short) / calls, {"device_s": {calls: short, 2 * calls: long}}
+            if method == "chain":
                 t, detail = differential_seconds(lambda n: program(combine, n), inputs,
                                                  calls, args.repeats)
                 return t, detail
@@ -349,19 +393,24 @@ def main(args) -> int:
         finally:
             bar.close()
 
-    method = ("per-call time = (median time of a program of 2 x chain dependent calls - median "
-              "time of one of chain calls) / chain" if args.method == "chain" else
-              "per-call time = (lax.fori_loop of iters calls) / iters, median over repeats")
+    description = {
+        "device": "per-call time = (median device time of a program of 2 x chain dependent "
+                  "calls - that of one of chain calls) / chain, between device-clock stamps, "
+                  "slower device",
+        "chain": "per-call time = (median wall time of a program of 2 x chain dependent calls "
+                 "- that of one of chain calls) / chain",
+        "loop": "per-call time = (lax.fori_loop of iters calls) / iters, median over repeats",
+    }[method]
     report = {
         "machine": machine,
-        "config": {"dtype": args.dtype, "method": args.method, "chain": args.chain,
+        "config": {"dtype": args.dtype, "method": method, "chain": args.chain,
                    "iters": args.iters, "repeats": args.repeats, "patterns": args.patterns,
                    "tokens": args.tokens, "hidden": args.hidden, "modes": args.modes,
                    "max_token_num": max(args.tokens), "hidden_dim": max(args.hidden),
                    "rms_eps": RMS_EPS, "group_size": GROUP_SIZE,
                    "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
         "reference_path": machine["backend"] == "xla",
-        "method": method,
+        "method": description,
         "cases": cases,
     }
     print()

@@ -78,6 +78,8 @@ def test_demo_sets_up_host_devices_itself():
      "--patterns: the bench times patterns [1, 4, 9, 11], not [7]"),
     (["bench", "--hidden", "128,64", "--patterns", "1,9"], HOST_8,
      "pattern 9 quantizes groups of 128: --hidden 64 is not a multiple of 128"),
+    (["bench", "--hidden", 128, "--method", "device"], HOST_8,
+     "--method device needs GPUs and the native module"),
     (["bench", "--hidden", 64, "--method", "loop", "--patterns", "1,4"], HOST_8,
      "--method loop times pattern 1 only"),
 ])
@@ -204,6 +206,38 @@ def test_bench_chain_keeps_every_baseline_call(pattern):
     if pattern != 1:
         root = hlo[hlo.index("ENTRY"):]
         assert len(re.findall(r"f8e4m3fn\[16,128\]", root.split("ROOT", 1)[1])) == 5
+
+
+def test_bench_device_method_brackets_the_chain_with_device_stamps():
+    # Lowered for CUDA on this CPU machine: one stamp before the first call (its x aliased
+    # through), one after the last norm; the calls in between untouched.
+    script = textwrap.dedent("""
+        import jax, jax.numpy as jnp
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jax_fusedar import bench, demo
+        mesh = demo.tp_mesh()
+        body = bench.stamped(bench.chained(bench.baseline_combine(4), 3))
+        prog = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P(), P()),
+                                     out_specs=(P("tp"), P("tp"), P(), P(), P())))
+        x = jax.ShapeDtypeStruct((8, 16, 128), jnp.bfloat16,
+                                 sharding=NamedSharding(mesh, P("tp")))
+        args = (x, jax.ShapeDtypeStruct((16, 128), jnp.bfloat16),
+                jax.ShapeDtypeStruct((128,), jnp.bfloat16),
+                jax.ShapeDtypeStruct((1,), jnp.float32))
+        print(prog.trace(*args).lower(lowering_platforms=("cuda",)).as_text())
+    """)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=HOST_8,
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                       timeout=300)
+    if r.returncode and "native" in r.stderr:
+        pytest.skip("the native module is not built here")
+    assert r.returncode == 0, r.stderr
+    stamps = [line for line in r.stdout.splitlines()
+              if "custom_call @jax_fusedar_device_timestamp_v1" in line]
+    assert len(stamps) == 2, r.stdout
+    assert all("output_operand_aliases" in line for line in stamps)
+    assert len(re.findall(r"all_reduce", r.stdout)) >= 3
 
 
 # --- flags ---------------------------------------------------------------------------------------
