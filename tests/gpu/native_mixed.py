@@ -60,8 +60,12 @@ def worker(proc, nprocs, chan, *, port, seed):
     result = {"process": proc, "gpus": [torch.cuda.get_device_name(d) for d in (0, 1)]}
 
     chan.barrier("before-create")
-    result["free_before_mib"] = {d: v / MIB for d, v in _mem(ext).items()}
     free_before = _mem(ext)
+    result["free_before_mib"] = {d: v / MIB for d, v in free_before.items()}
+    # Free memory is per GPU, and both processes allocate on both GPUs: no process may
+    # allocate before every process has taken its reading (seen on 2 x H200: a process that
+    # read late saw part of its peer's workspace already allocated).
+    chan.barrier("measured-before")
 
     workspaces = {}
     for serial, check in ((1, False), (2, True)):
@@ -78,6 +82,7 @@ def worker(proc, nprocs, chan, *, port, seed):
                        for tp in workspaces[False]}
     chan.barrier("created")
     free_mid = _mem(ext)
+    chan.barrier("measured-mid")  # the calls below allocate inputs through torch
     info = next(iter(workspaces[False].values())).info()
     per_rank = info["two_shot_buffer_bytes"] + info["flag_bytes"] + info["lamport_buffer_bytes"]
     result["workspace_bytes_per_rank"] = per_rank
