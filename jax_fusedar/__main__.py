@@ -106,8 +106,8 @@ def build_parser():
                        help="device: dependent calls unrolled in one program, timed by device-"
                        "clock stamps (GPUs); chain: the same timed by the host clock; loop: "
                        "fori_loop (pattern 1 only); auto: device on GPUs, else chain")
-    bench.add_argument("--chain", type=_positive_int, default=64,
-                       help="calls per timed program (--method chain)")
+    bench.add_argument("--chain", type=_positive_int, default=32,
+                       help="dependent calls per timed program (--method device, chain)")
     bench.add_argument("--iters", type=_positive_int, default=200,
                        help="calls per timed loop (--method loop)")
     bench.add_argument("--repeats", type=_positive_int, default=10,

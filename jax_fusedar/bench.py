@@ -2,18 +2,20 @@
 
 Three timing methods, each with the baseline in the same process and run:
 
-* ``device`` (the default on GPUs): as ``chain`` below, but each program is bracketed by
-  device-clock stamps (``timing.device_timestamp``) on every GPU, ordered by data
-  dependencies, so the figure is what the GPUs spent, not how fast the host dispatched:
-  (median over repeats of the 2K program's device time - the K program's) / K, for the
-  slower device. Gaps the host leaves between kernels still count, as in a model.
-* ``chain`` (the default elsewhere): jitted programs of K and 2K calls (K = ``--chain``), each call's input
-  being the previous call's norm output (a real dependency, as between the layers of a
-  model, so XLA can neither reorder nor combine the baseline's all-reduces). The per-call
-  time is (median wall time of the 2K program - median of the K program) / K: what a call
-  adds, without the fixed cost of a program (host dispatch, the devices starting at
-  different times, the final sync), which a single program's time / K would spread over the
-  calls. With XLA command buffers (the default) the fused calls replay as one CUDA graph.
+* ``device`` (the default on GPUs): one jitted program of K = ``--chain`` dependent calls
+  (as in ``chain`` below) bracketed by device-clock stamps (``timing.device_timestamp``) on
+  every GPU, ordered by data dependencies, so the figure is what the GPUs spent, not how
+  fast the host dispatched: the program's device time / K, for the slower device, median
+  over ``--repeats``. Gaps the host leaves between kernels count, as in a model, and so
+  does the first call's wait for the other GPU to start (spread over K calls, so the
+  figure errs on the slow side). A difference of two program lengths would remove that
+  wait but, measured on 2 x H200, the start skew varies by tens of microseconds between
+  runs, which made the difference noisier than the wait it removes.
+* ``chain`` (the default elsewhere): the same program of K dependent calls, each call's
+  input being the previous call's norm output (a real dependency, as between the layers of a
+  model, so XLA can neither reorder nor combine the baseline's all-reduces), timed by the
+  host clock around the whole program: wall time / K, median over ``--repeats``. Includes
+  the host's dispatch of the program, spread over K calls.
 * ``loop``: a ``lax.fori_loop`` of ``--iters`` calls on the same input (the method of the
   yardsticks in DESIGN.md §7). XLA's while loop syncs with the host every iteration, which
   adds the same few microseconds to both columns.
@@ -138,15 +140,6 @@ def looped(combine, iters: int):
 def per_call_seconds(loop, inputs, iters: int, repeats: int) -> list:
     """Per-call seconds of each of ``repeats`` runs of a loop of ``iters`` calls."""
     return [t / iters for t in timed_runs(loop, inputs, repeats)]
-
-
-def differential_seconds(make_program, inputs, calls: int, repeats: int):
-    """(per-call seconds, raw medians) from programs of ``calls`` and ``2 * calls`` calls:
-    the difference of their median wall times over ``calls``; ``make_program(n)`` builds the
-    program of n calls."""
-    short = statistics.median(timed_runs(make_program(calls), inputs, repeats))
-    long = statistics.median(timed_runs(make_program(2 * calls), inputs, repeats))
-    return (long - short) / calls, {"program_s": {calls: short, 2 * calls: long}}
 
 
 def device_seconds(program, inputs, repeats: int) -> float:
@@ -346,13 +339,8 @@ def main(args) -> int:
         def measure(combine, inputs):
             """(median per-call seconds, detail for the JSON)."""
             if method == "device":
-                short = device_seconds(program(combine, calls), inputs, args.repeats)
-                long = device_seconds(program(combine, 2 * calls), inputs, args.repeats)
-                return (long - short) / calls, {"device_s": {calls: short, 2 * calls: long}}
-            if method == "chain":
-                t, detail = differential_seconds(lambda n: program(combine, n), inputs,
-                                                 calls, args.repeats)
-                return t, detail
+                span = device_seconds(program(combine, calls), inputs, args.repeats)
+                return span / calls, {"device_s": {calls: span}}
             times = per_call_seconds(program(combine, calls), inputs, calls, args.repeats)
             return statistics.median(times), {"us_repeats": [x * 1e6 for x in times]}
 
@@ -394,11 +382,10 @@ def main(args) -> int:
             bar.close()
 
     description = {
-        "device": "per-call time = (median device time of a program of 2 x chain dependent "
-                  "calls - that of one of chain calls) / chain, between device-clock stamps, "
-                  "slower device",
-        "chain": "per-call time = (median wall time of a program of 2 x chain dependent calls "
-                 "- that of one of chain calls) / chain",
+        "device": "per-call time = median device time of a program of chain dependent calls "
+                  "/ chain, between device-clock stamps, slower device",
+        "chain": "per-call time = wall time of a program of chain dependent calls / chain, "
+                 "median over repeats",
         "loop": "per-call time = (lax.fori_loop of iters calls) / iters, median over repeats",
     }[method]
     report = {
