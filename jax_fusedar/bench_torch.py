@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 from . import topology
-from .__main__ import DTYPES, _int_list, _positive_int
+from .__main__ import DTYPES, _int_list, _mode_list, _positive_int
 
 PROG = "python -m jax_fusedar bench --framework torch"
 
@@ -59,7 +59,6 @@ NORM_PATTERN = 1  # kARResidualRMSNorm
 FP8_MAX = 448.0
 
 IMPLS = ("ours", "anchor", "nccl", "symm_mem", "ours_fp8", "anchor_fp8")
-MODES = ("auto", "oneshot", "twoshot")
 USE_ONESHOT = {"auto": None, "oneshot": True, "twoshot": False}
 HOWS = ("eager", "graph")
 # (numerator, denominator) of the reported ratios, for each of eager and graph.
@@ -177,14 +176,6 @@ def create_anchor_workspace(fi, *, world_size, rank, max_token_num, hidden_dim, 
 # --------------------------------------------------------------------------------------------
 # Arguments and plan (pure)
 # --------------------------------------------------------------------------------------------
-
-
-def _mode_list(text: str) -> List[str]:
-    modes = [m.strip() for m in text.split(",") if m.strip()]
-    if not modes or any(m not in MODES for m in modes):
-        raise argparse.ArgumentTypeError(f"modes must be a comma-separated subset of "
-                                         f"{','.join(MODES)}, got {text!r}")
-    return [m for m in MODES if m in modes]
 
 
 def _world(text: str) -> int:

@@ -51,6 +51,15 @@ def e4m3_value(b):
     return np.asarray(b, dtype=np.uint8).view(E4M3).astype(np.float64)
 
 
+def code_steps(a_bytes, b_bytes):
+    """Distance in e4m3 codes between two arrays of e4m3 bytes (codes ordered by value)."""
+    def ordinal(b):
+        b = np.asarray(b).astype(np.int32)
+        mag = b & 0x7F
+        return np.where(b & 0x80, -mag, mag)
+    return np.abs(ordinal(a_bytes) - ordinal(b_bytes))
+
+
 def e2m1_codes(v):
     """float64 -> 4-bit e2m1 codes: nearest table value (distance search), ties to the even
     code, |v| >= 6 (inf too) -> 6, sign bit 3 from the sign of v (also for zero), NaN -> +6."""

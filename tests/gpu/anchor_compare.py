@@ -121,14 +121,6 @@ def _unwritten(name, a, m):
     return int(np.isnan(a.astype(np.float32)).sum())
 
 
-def _code_steps(a, b):
-    def ordinal(x):
-        x = x.astype(np.int32)
-        mag = x & 0x7F
-        return np.where(x & 0x80, -mag, mag)
-    return np.abs(ordinal(a) - ordinal(b))
-
-
 def _oracle_stats(host, dtype_name, ref, sf, m):
     """Errors of one build's fp32_acc=True outputs (``host[p][name]``) against the oracles."""
     from tests import oracle, quant_oracle
@@ -165,7 +157,7 @@ def _oracle_stats(host, dtype_name, ref, sf, m):
         if base not in wants or "quant_out" not in outs:
             continue
         kind, q_want, s_want = wants[base]
-        d = _code_steps(outs["quant_out"].reshape(m, -1),
+        d = quant_oracle.code_steps(outs["quant_out"].reshape(m, -1),
                         np.asarray(q_want).view(np.uint8).reshape(m, -1))
         st["steps1"][kind] = st["steps1"].get(kind, 0) + int((d == 1).sum())
         st["worse"] += int((d > 1).sum())

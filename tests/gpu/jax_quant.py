@@ -20,15 +20,6 @@ import numpy as np
 GROUP = 128
 
 
-def _code_steps(a_bytes, b_bytes):
-    """Distance in e4m3 codes between two byte arrays (ordered by value)."""
-    def ordinal(b):
-        b = b.astype(np.int32)
-        mag = b & 0x7F
-        return np.where(b & 0x80, -mag, mag)
-    return np.abs(ordinal(a_bytes) - ordinal(b_bytes))
-
-
 def _bytes(a):
     """Raw bytes of an array (elementwise views: uint8/16/32 of the same itemsize)."""
     a = np.ascontiguousarray(a)
@@ -107,7 +98,7 @@ def run(jax, jnp, jf, mesh, P, rank, world, seed, tokens, hiddens, glob, local):
                     # squares may run in another order and the fp32 rsqrt move by an ulp:
                     # a code one e4m3 step away is that, anything else is a bug.
                     one_step = (name.endswith(" q") and
-                                int(np.max(_code_steps(a, b))) == 1)
+                                int(np.max(quant_oracle.code_steps(a, b))) == 1)
                     key = "twin_code_steps1" if one_step else "twin_other_diffs"
                     stats[key] += diff
                     where = np.argwhere(_bytes(a) != _bytes(b))[:12]
@@ -129,7 +120,7 @@ def run(jax, jnp, jf, mesh, P, rank, world, seed, tokens, hiddens, glob, local):
             want9, wb9 = quant_oracle.fp8_group(n9, GROUP)
             for name, got, want in (("static", q4, want4), ("dynamic", q11, want11),
                                     ("group", q9, want9)):
-                d = _code_steps(byte(got), np.asarray(want).view(np.uint8))
+                d = quant_oracle.code_steps(byte(got), np.asarray(want).view(np.uint8))
                 stats["steps1"][name] = stats["steps1"].get(name, 0) + int((d == 1).sum())
                 stats["worse"] += int((d > 1).sum())
             stats["elements"] += n4.size

@@ -325,15 +325,6 @@ def plain_errors(got, ref, res, gam, dtype, wb):
     return e
 
 
-def code_steps(a_bytes, b_bytes):
-    """Distance in e4m3 codes between two byte arrays (ordered by value)."""
-    def ordinal(b):
-        b = np.asarray(b).astype(np.int32)
-        mag = b & 0x7F
-        return np.where(b & 0x80, -mag, mag)
-    return np.abs(ordinal(a_bytes) - ordinal(b_bytes))
-
-
 def new_quant_stats():
     return {"cases": 0, "elements": 0, "steps1": {"static": 0, "dynamic": 0, "group": 0},
             "worse": 0, "twin_diffs": [], "dyn_scale_ulps": 0.0, "group_scale_mismatch": 0,
@@ -371,7 +362,7 @@ def quant_stats(stats, by_pattern, ref, res, gam, dtype, sf, group, label):
     for kind, got, want in (("static", o[4]["quant_out"], want4),
                             ("dynamic", o[11]["quant_out"], want11),
                             ("group", o[9]["quant_out"], want9)):
-        d = code_steps(got, np.asarray(want).view(np.uint8))
+        d = quant_oracle.code_steps(got, np.asarray(want).view(np.uint8))
         stats["steps1"][kind] += int((d == 1).sum())
         stats["worse"] += int((d > 1).sum())
     ulp32 = np.spacing(np.abs(ws11).astype(np.float32)).astype(np.float64)
@@ -632,7 +623,7 @@ def cuda_graph_worker(rank, world, chan, *, port, seed, m, hidden, replays):
                 worst["nans"] += e["nans"]
                 if p == 11:
                     wq, wsc = quant_oracle.fp8_dynamic(got["norm_out"], "ieee")
-                    d = code_steps(got["quant_out"], np.asarray(wq).view(np.uint8))
+                    d = quant_oracle.code_steps(got["quant_out"], np.asarray(wq).view(np.uint8))
                     worst["code_steps1"] += int((d == 1).sum())
                     worst["code_worse"] += int((d > 1).sum())
                     ulp32 = np.spacing(np.abs(wsc).astype(np.float32)).astype(np.float64)
