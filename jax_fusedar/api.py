@@ -74,13 +74,7 @@ def _quant_params(pattern, traits, x, hidden, scale_factor, layout_code, group_s
     if traits.quant == "group_fp8":
         if group_size is None:
             raise ValueError(f"{name} needs block_quant_group_size")
-        group = formats.check_group_size(hidden, group_size)
-        vec = topology.vector_width(np.dtype(x.dtype).name)
-        if group < vec or group > 32 * vec or group & (group - 1):
-            # Other sizes take the kernel's shared-memory reduction, which needs whole groups
-            # per thread block: not guaranteed for every hidden size, so not offered.
-            raise ValueError(f"block_quant_group_size must be a power of two from {vec} to "
-                             f"{32 * vec} for {np.dtype(x.dtype).name}, got {group}")
+        group = formats.check_kernel_group_size(hidden, group_size, np.dtype(x.dtype).name)
     return layout, group
 
 

@@ -38,6 +38,7 @@ import operator
 
 import numpy as np
 
+from . import topology
 from .patterns import QuantizationSFLayout
 
 FP8_E4M3_MAX = 448.0
@@ -83,6 +84,19 @@ def check_group_size(H, group_size) -> int:
         raise ValueError(f"group_size must be > 0, got {g}")
     if H % g:
         raise ValueError(f"hidden_dim must be divisible by group_size, got {H} and {g}")
+    return g
+
+
+def check_kernel_group_size(H, group_size, dtype_name: str) -> int:
+    """``check_group_size`` plus the rule of the group sizes this project serves (JAX and
+    torch alike): a power of two from one 16-byte vector to 32 vectors, the kernel's
+    warp-shuffle path. Other sizes take a shared-memory reduction that needs whole groups
+    per thread block, which is not guaranteed for every hidden size, so they are refused."""
+    g = check_group_size(H, group_size)
+    vec = topology.vector_width(dtype_name)
+    if g < vec or g > 32 * vec or g & (g - 1):
+        raise ValueError(f"block_quant_group_size must be a power of two from {vec} to "
+                         f"{32 * vec} for {dtype_name}, got {g}")
     return g
 
 

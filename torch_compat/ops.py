@@ -156,21 +156,14 @@ def _check_input(input, ws: TorchAllReduceFusionWorkspace) -> str:
 
 
 def check_group_size(hidden_dim: int, group_size, dtype_name: str) -> int:
-    """The per-token-group size rule of the kernel as this project serves it (the same as
-    ``jax_fusedar.api``): g divides hidden_dim (formats.check_group_size) and is a power of
-    two from one 16-byte vector to 32 vectors (the kernel's warp-shuffle path; other sizes
-    take a shared-memory path that needs whole groups per thread block)."""
+    """The per-token-group size rule (formats.check_kernel_group_size, shared with
+    ``jax_fusedar.api``), after the torch-side presence and type checks."""
     if group_size is None:
         raise ValueError("block_quant_group_size is required for the per-token-group FP8 "
                          "patterns (8, 9)")
     if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral):
         raise ValueError(f"block_quant_group_size must be an int, got {group_size!r}")
-    g = formats.check_group_size(hidden_dim, int(group_size))
-    vec = topology.vector_width(dtype_name)
-    if g < vec or g > 32 * vec or g & (g - 1):
-        raise ValueError(f"block_quant_group_size must be a power of two from {vec} to "
-                         f"{32 * vec} for {dtype_name}, got {g}")
-    return g
+    return formats.check_kernel_group_size(hidden_dim, int(group_size), dtype_name)
 
 
 def group_scale_view_shape(token_num: int, hidden_dim: int, group_size: int):
