@@ -375,6 +375,44 @@ def test_pass_on_undecomposed_aten_rms_norm(gloo_world1, cpu_kernels):
     torch.testing.assert_close(got[0], want[0], atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("rstd_used", [False, True])
+def test_pass_on_fused_rms_norm(gloo_world1, cpu_kernels, rstd_used):
+    # aten._fused_rms_norm (what F.rms_norm becomes on CUDA undecomposed) returns
+    # (output, rstd): fused when only the output is used, left alone when rstd is too.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    import operator
+    g = torch.fx.Graph()
+    x, res, gamma = g.placeholder("x"), g.placeholder("res"), g.placeholder("gamma")
+    name = gloo_world1.group_name
+    ar = g.call_function(torch.ops._c10d_functional.all_reduce.default, (x, "sum", name))
+    w = g.call_function(torch.ops._c10d_functional.wait_tensor.default, (ar,))
+    r = g.call_function(torch.ops.aten.add.Tensor, (res, w))
+    fused_norm = g.call_function(torch.ops.aten._fused_rms_norm.default, (r, [256], gamma, EPS))
+    n = g.call_function(operator.getitem, (fused_norm, 0))
+    outputs = [n, r]
+    if rstd_used:
+        outputs.append(g.call_function(operator.getitem, (fused_norm, 1)))
+    g.output(tuple(outputs))
+    args = _inputs()
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fakes = [mode.from_tensor(a) for a in args]
+        for node, v in zip((x, res, gamma), fakes):
+            node.meta["val"] = v
+        for node in (ar, w, r, n):
+            node.meta["val"] = fakes[0]
+        fused_norm.meta["val"] = torch.ops.aten._fused_rms_norm.default(
+            fakes[0], [256], fakes[2], EPS)
+    gm = torch.fx.GraphModule({}, g)
+    want = gm(*args)
+    replaced = fusion_pass.fuse_allreduce_rmsnorm(gm, fake_workspace())
+    assert replaced == (0 if rstd_used else 1)
+    assert any(node.target is torch.ops.aten._fused_rms_norm.default
+               for node in gm.graph.nodes) == rstd_used
+    got = gm(*args)
+    torch.testing.assert_close(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0], atol=2e-2, rtol=2e-2)
+
+
 def test_inductor_custom_pass_object(gloo_world1):
     gm, _ = _trace(gloo_world1, _rms_manual)
     p = fusion_pass.AllReduceFusionPass(fake_workspace())

@@ -19,6 +19,8 @@ into::
 where ``RMSNorm`` is one of
 
 * ``aten.rms_norm.default(r, [H], gamma, eps)`` (``F.rms_norm`` kept whole), or
+* ``aten._fused_rms_norm.default(r, [H], gamma, eps)[0]`` (what ``F.rms_norm`` becomes on
+  CUDA undecomposed; its second output, rstd, must be unused), or
 * its decomposition, which is also the hand-written form (vLLM's ``forward_native``)::
 
       rf = r            or  a cast of r to float32 (aten._to_copy / prims.convert_element_type
@@ -68,6 +70,9 @@ _MUL = (aten.mul.Tensor,)
 _CASTS = (aten._to_copy.default, prims.convert_element_type.default, aten.to.dtype)
 _RMS_NORM = tuple(op for op in (getattr(aten, "rms_norm", None),) if op is not None)
 _RMS_NORM = tuple(op.default for op in _RMS_NORM)
+# What F.rms_norm becomes on CUDA when it is not decomposed: (output, rstd).
+_FUSED_RMS_NORM = tuple(op.default for op in (getattr(aten, "_fused_rms_norm", None),)
+                        if op is not None)
 
 
 def _val(n: Any):
@@ -165,13 +170,20 @@ def _match_norm(r: fx.Node):
     """Matches an RMSNorm of ``r``; returns (gamma, eps, out node, internal nodes) or None.
     Internal nodes are every node of the norm but ``out`` (and ``r``)."""
     for u in r.users:
-        if _is(u, _RMS_NORM):
+        if _is(u, _RMS_NORM + _FUSED_RMS_NORM):
             args = list(u.args) + [None] * 4
             shape, gamma, eps = args[1], args[2], args[3] if len(u.args) > 3 else u.kwargs.get("eps")
             gamma = gamma if gamma is not None else u.kwargs.get("weight")
-            if isinstance(gamma, fx.Node) and isinstance(eps, numbers.Real) and \
-                    list(shape or ()) == [_static_shape(r)[-1]]:
+            if not (isinstance(gamma, fx.Node) and isinstance(eps, numbers.Real) and
+                    list(shape or ()) == [_static_shape(r)[-1]]):
+                return None
+            if _is(u, _RMS_NORM):
                 return gamma, float(eps), u, []
+            # _fused_rms_norm: the output is its only user, getitem 0 (rstd unused).
+            users = list(u.users)
+            if len(users) == 1 and users[0].target is operator.getitem and \
+                    users[0].args[1] == 0:
+                return gamma, float(eps), users[0], [u]
             return None
     # Decomposed form. rf: r or a float32 cast of r.
     cands = [r] + [u for u in r.users if _is(u, _CASTS) and _cast_dtype(u) == torch.float32]
