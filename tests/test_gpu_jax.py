@@ -97,3 +97,37 @@ def test_jax_quantized_fp8_patterns():
         assert q["dequant_violations"] == 0, q
         assert q["residual"] <= 1.0 and q["norm"] <= 3.0, q
         assert "need an sm100+ GPU" in q["nvfp4_refused"], q
+
+
+def _compute_capability_major() -> int:
+    from jax_fusedar import native
+    try:
+        return int(native.require().compute_capability(0)[0])
+    except Exception:  # no native module or no GPU: the gpu marker skips anyway
+        return 0
+
+
+@pytest.mark.skipif(_compute_capability_major() < 10,
+                    reason="NVFP4 runs on sm100+ (Blackwell) only; on older GPUs its refusal "
+                    "is checked by test_jax_quantized_fp8_patterns")
+def test_jax_nvfp4_patterns_on_blackwell():
+    quick = os.environ.get("JAX_FUSEDAR_GPU_QUICK") == "1"
+    tokens = (1, 17, 128) if quick else (1, 16, 17, 128, 129, 1024)
+    # 1040 / 16 = 65 scale columns: the swizzled layout pads them to 68.
+    hiddens = (1024,) if quick else (1024, 1040, 4096, 8192)
+    res = _run("nvfp4", CMDBUF_ON, tokens=tokens, hiddens=hiddens)
+    report("jax_nvfp4", res)
+    for r in res:
+        q = r["nvfp4"]
+        assert q["cases"] > 0 and q["nan_outputs"] == 0, q
+        assert q["residual"] <= 1.0 and q["norm"] <= 3.0, q
+        # Codes: the kernel's e2m1 of x * (gs / SF) against the oracle on its own norm_out;
+        # a code one step away can only come from the division's rounding near a midpoint.
+        assert q["worse"] == 0, q
+        assert q["steps1"] <= 1e-3 * q["codes"], q
+        # Block scales e4m3(gs * amax / 6) at every defined position of both layouts.
+        assert q["scale_bytes"] > 0 and q["scale_mismatch"] == 0, q
+        # Twins (with / without norm_out): residuals equal; codes and scales may differ
+        # only where the launch geometry reorders the norm's reduction (see the FP8 test).
+        assert q["twin_residual_diffs"] == 0, q
+        assert q["twin_code_diffs"] + q["twin_scale_diffs"] <= 1e-5 * q["codes"], q

@@ -9,7 +9,9 @@ machine both processes share GPU 0. Tasks:
              against precomputed oracle bounds (the count of violations must be 0);
 * "model":   a 64-layer TP MLP: the fused model, the same math unfused on one device (no
              collectives, so it also runs where two ranks share a GPU) and a float64
-             numpy model; the fused one must be as accurate as the unfused one.
+             numpy model; the fused one must be as accurate as the unfused one;
+* "quant":   the FP8 patterns (tests/gpu/jax_quant.py);
+* "nvfp4":   the NVFP4 patterns on sm100+ (tests/gpu/jax_nvfp4.py).
 """
 from __future__ import annotations
 
@@ -59,6 +61,11 @@ def worker(rank, world, chan, *, port, xla_flags, task, seed, **kw):
     elif task == "quant":
         from tests.gpu import jax_quant
         out["quant"] = jax_quant.run(jax, jnp, jf, mesh, P, rank, world, seed,
+                                     glob=lambda spec, a: _global(jax, mesh, spec, a),
+                                     local=_local, **kw)
+    elif task == "nvfp4":
+        from tests.gpu import jax_nvfp4
+        out["nvfp4"] = jax_nvfp4.run(jax, jnp, jf, mesh, P, rank, world, seed,
                                      glob=lambda spec, a: _global(jax, mesh, spec, a),
                                      local=_local, **kw)
     jax.distributed.shutdown()

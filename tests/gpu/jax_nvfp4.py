@@ -1,0 +1,109 @@
+"""Per-process body of the NVFP4 GPU test (two `jax.distributed` processes, sm100+ only).
+
+One jitted program per (dtype, layout, hidden, tokens, one/two-shot) runs patterns 3
+(NVFP4) and 5 (NVFP4 + norm_out) on the same inputs, with the global scale
+448 * 6 / amax(y) passed as a device array. Checks:
+* the quantization of the kernel's own norm_out (pattern 5) against the independent numpy
+  oracle (tests/quant_oracle.nvfp4), for both ways of rounding gs / SF ("ieee" and
+  "reciprocal"; the better one is reported): e2m1 codes equal or one step apart, counted;
+* the scale bytes the kernel wrote equal the oracle's, at every position the layout
+  defines (SWIZZLED_128x4 and LINEAR; padding bytes are left unwritten by the kernel and
+  are not compared);
+* pattern 3 against pattern 5: residual outputs equal; codes and scales counted apart;
+* residual_out and norm_out within the core bounds against the float64 oracle.
+Written for Blackwell (sm100): tests/test_gpu_jax.py skips it on older GPUs, where the
+API refuses NVFP4 (checked there instead).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def _e2m1_steps(a_packed, b_packed):
+    """Per-element distance in e2m1 codes between two packed uint8 arrays (low nibble
+    first; bit 3 is the sign, bits 0-2 the magnitude code, ordered by value)."""
+    def ordinals(p):
+        p = np.asarray(p).astype(np.int32)
+        nib = np.stack([p & 0xF, p >> 4], axis=-1)
+        mag = nib & 0x7
+        return np.where(nib & 0x8, -mag, mag)
+    return np.abs(ordinals(a_packed) - ordinals(b_packed))
+
+
+def run(jax, jnp, jf, mesh, P, rank, world, seed, tokens, hiddens, glob, local):
+    from tests import oracle, quant_oracle
+    from tests.gpu.harness import draw_case, shape_cases
+
+    Pn = jf.AllReduceFusionPattern
+    Lay = jf.QuantizationSFLayout
+    stats = {"cases": 0, "codes": 0, "steps1": 0, "worse": 0, "division": {},
+             "scale_bytes": 0, "scale_mismatch": 0, "twin_residual_diffs": 0,
+             "twin_code_diffs": 0, "twin_scale_diffs": 0, "residual": 0.0, "norm": 0.0,
+             "nan_outputs": 0}
+    case = 0
+    for dtype in ("bfloat16", "float16"):
+        jdt = jnp.dtype(dtype)
+        ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=max(tokens),
+                                                  hidden_dim=max(hiddens), dtype=jdt)
+        for layout in (Lay.SWIZZLED_128x4, Lay.LINEAR):
+            for hidden, m, oneshot in shape_cases(tokens, hiddens, world):
+                case += 1
+                xs, res, gam = draw_case(seed + case, world, m, hidden)
+                xs, res, gam = [x.astype(jdt) for x in xs], res.astype(jdt), gam.astype(jdt)
+                s64, r64, y64, inv64 = oracle.fused_reference(
+                    [x.astype(np.float64) for x in xs], res.astype(np.float64),
+                    gam.astype(np.float64), rms_eps=1e-6, weight_bias=0.0)
+                gs = np.asarray([448.0 * 6.0 / np.abs(y64).max()], np.float32)
+
+                def f(x, r, g, s, oneshot=oneshot, layout=layout):
+                    kw = dict(axis_name="tp", workspace=ws, residual=r, rms_gamma=g,
+                              use_oneshot=oneshot, strict=True, scale_factor=s,
+                              layout_code=layout)
+                    o3 = jf.allreduce_fusion(x, pattern=Pn.kARResidualRMSNormFP4Quant, **kw)
+                    o5 = jf.allreduce_fusion(x, pattern=Pn.kARResidualRMSNormOutFP4Quant,
+                                             **kw)
+                    return ((o3.residual_out, o3.quant_out, o3.scale_out),
+                            (o5.residual_out, o5.norm_out, o5.quant_out, o5.scale_out))
+
+                fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("tp"), P(), P(), P()),
+                                           out_specs=P()))
+                outs = fn(glob(P("tp"), xs[rank]), glob(P(), res), glob(P(), gam),
+                          glob(P(), gs))
+                (r3, q3, s3), (r5, n5, q5, s5) = [
+                    [np.asarray(a.addressable_data(0)) for a in o] for o in outs]
+                s3b = np.ascontiguousarray(s3).view(np.uint8).reshape(-1)
+                s5b = np.ascontiguousarray(s5).view(np.uint8).reshape(-1)
+
+                stats["nan_outputs"] += int(np.isnan(r5.astype(np.float32)).sum() +
+                                            np.isnan(n5.astype(np.float32)).sum())
+                stats["residual"] = max(stats["residual"], oracle.residual_error_ulps(
+                    r5.astype(np.float64), s64, r64, res.astype(np.float64), dtype))
+                stats["norm"] = max(stats["norm"], oracle.norm_error_ulps(
+                    n5.astype(np.float64), s64, y64, inv64, res.astype(np.float64),
+                    gam.astype(np.float64), weight_bias=0.0, dtype_name=dtype))
+
+                # The oracle on the kernel's own norm output, both division roundings.
+                best = None
+                for division in ("ieee", "reciprocal"):
+                    want_q, want_sf = quant_oracle.nvfp4(n5, float(gs[0]), division)
+                    d = _e2m1_steps(q5, want_q)
+                    counts = (int((d > 1).sum()), int((d == 1).sum()), division, want_sf)
+                    if best is None or counts[:2] < best[:2]:
+                        best = counts
+                worse, steps1, division, want_sf = best
+                stats["division"][division] = stats["division"].get(division, 0) + 1
+                stats["worse"] += worse
+                stats["steps1"] += steps1
+                stats["codes"] += m * hidden
+
+                buf, written = quant_oracle.nvfp4_scale_buffer(want_sf, hidden, int(layout))
+                stats["scale_bytes"] += int(written.sum())
+                stats["scale_mismatch"] += int(np.sum(s5b[written] != buf[written]))
+
+                stats["twin_residual_diffs"] += int(np.sum(
+                    r3.view(np.uint16) != r5.view(np.uint16)))
+                stats["twin_code_diffs"] += int(np.sum(q3 != q5))
+                stats["twin_scale_diffs"] += int(np.sum(s3b[written] != s5b[written]))
+                stats["cases"] += 1
+        ws.destroy()
+    return stats
