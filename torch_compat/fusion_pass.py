@@ -49,7 +49,7 @@ from __future__ import annotations
 import logging
 import numbers
 import operator
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
