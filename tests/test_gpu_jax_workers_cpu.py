@@ -24,8 +24,8 @@ SCRIPT = textwrap.dedent("""
     from tests.gpu import harness, {module}
 
     real_draw = harness.draw_case
-    def same_partials(seed, world, m, hidden):
-        xs, res, gam = real_draw(seed, world, m, hidden)
+    def same_partials(seed, world, m, hidden, dtype=None):
+        xs, res, gam = real_draw(seed, world, m, hidden, dtype)
         return [xs[0]] * world, res, gam
     harness.draw_case = same_partials
 

@@ -292,10 +292,9 @@ def worker(rank, world, chan, *, port, seed, anchor_path, tokens, hiddens, dtype
             npdt = _np_dtype(dtype_name)
             for hidden, m, oneshot in shape_cases(tokens, hiddens, world):
                 case_no += 1
-                xs, res, gam = draw_case(seed + case_no, world, m, hidden)
+                xs, res, gam = draw_case(seed + case_no, world, m, hidden, npdt)
                 run_case(torch, calls, rank=rank, device=device, dtype_name=dtype_name,
-                         xs=[a.astype(npdt) for a in xs], res=res.astype(npdt),
-                         gam=gam.astype(npdt), m=m, hidden=hidden, oneshot=oneshot,
+                         xs=xs, res=res, gam=gam, m=m, hidden=hidden, oneshot=oneshot,
                          patterns=patterns, result=result, stats=stats)
             result["oracle"][dtype_name] = stats
             dist.barrier()  # no rank frees while a peer may still read its buffers

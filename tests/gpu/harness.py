@@ -114,12 +114,15 @@ def shape_cases(tokens, hiddens, world):
             for oneshot in (True, False) if oneshot or m > world]
 
 
-def draw_case(seed, world, m, hidden):
-    """float32 inputs of one case from one seed: every rank's partial sum [m, hidden], the
-    residual [m, hidden] and gamma [hidden], so that each rank can rebuild the whole group's
-    inputs and its float64 oracle."""
+def draw_case(seed, world, m, hidden, dtype=None):
+    """Inputs of one case from one seed: every rank's partial sum [m, hidden], the residual
+    [m, hidden] and gamma [hidden], so that each rank can rebuild the whole group's inputs
+    and its float64 oracle. Drawn in float32, then cast to ``dtype`` when one is given."""
     rng = np.random.default_rng(seed)
     xs = [rng.standard_normal((m, hidden), dtype=np.float32) for _ in range(world)]
     residual = rng.standard_normal((m, hidden), dtype=np.float32)
     gamma = rng.uniform(-2.0, 2.0, hidden).astype(np.float32)
+    if dtype is not None:
+        xs, residual, gamma = [x.astype(dtype) for x in xs], residual.astype(dtype), \
+            gamma.astype(dtype)
     return xs, residual, gamma

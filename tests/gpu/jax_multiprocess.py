@@ -84,8 +84,7 @@ def _parity(jax, jnp, jf, oracle, mesh, P, rank, world, seed, tokens, hiddens):
         assert ws.backend == "trtllm", ws
         for hidden, m, oneshot in shape_cases(tokens, hiddens, world):
             case += 1
-            xs, res, gam = draw_case(seed + case, world, m, hidden)
-            xs, res, gam = [x.astype(jdt) for x in xs], res.astype(jdt), gam.astype(jdt)
+            xs, res, gam = draw_case(seed + case, world, m, hidden, jdt)
             wb = float(case % 2)
 
             acc = case % 3 != 2

@@ -48,8 +48,7 @@ def run(jax, jnp, jf, mesh, P, rank, world, seed, tokens, hiddens, glob, local):
         for layout in (Lay.SWIZZLED_128x4, Lay.LINEAR):
             for hidden, m, oneshot in shape_cases(tokens, hiddens, world):
                 case += 1
-                xs, res, gam = draw_case(seed + case, world, m, hidden)
-                xs, res, gam = [x.astype(jdt) for x in xs], res.astype(jdt), gam.astype(jdt)
+                xs, res, gam = draw_case(seed + case, world, m, hidden, jdt)
                 s64, r64, y64, inv64 = oracle.fused_reference(
                     [x.astype(np.float64) for x in xs], res.astype(np.float64),
                     gam.astype(np.float64), rms_eps=1e-6, weight_bias=0.0)
