@@ -349,49 +349,18 @@ def test_pass_skips_norm_without_weight_and_rmsnorm_of_other_things(gloo_world1)
     assert fusion_pass.fuse_allreduce_rmsnorm(gm, fake_workspace()) == 0
 
 
-def test_pass_on_undecomposed_aten_rms_norm(gloo_world1, cpu_kernels):
-    # A hand-built graph keeping aten.rms_norm whole (as a pre-decomposition graph would).
+def _hand_built_block(group, norm):
+    """A graph of one all_reduce -> wait -> add residual -> ``norm(g, r, gamma)`` block, as
+    a pre-decomposition graph holds it, with fake values on every node; ``norm`` adds the
+    norm's nodes and returns (output nodes, norm output node). Returns (gm, inputs)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     g = torch.fx.Graph()
     x, res, gamma = g.placeholder("x"), g.placeholder("res"), g.placeholder("gamma")
-    name = gloo_world1.group_name
-    ar = g.call_function(torch.ops._c10d_functional.all_reduce.default, (x, "sum", name))
+    ar = g.call_function(torch.ops._c10d_functional.all_reduce.default,
+                         (x, "sum", group.group_name))
     w = g.call_function(torch.ops._c10d_functional.wait_tensor.default, (ar,))
     r = g.call_function(torch.ops.aten.add.Tensor, (res, w))
-    n = g.call_function(torch.ops.aten.rms_norm.default, (r, [256], gamma, EPS))
-    g.output((n, r))
-    args = _inputs()
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fakes = [mode.from_tensor(a) for a in args]
-    for node, v in zip((x, res, gamma), fakes):
-        node.meta["val"] = v
-    for node in (ar, w, r, n):
-        node.meta["val"] = fakes[0]
-    gm = torch.fx.GraphModule({}, g)
-    want = gm(*args)
-    assert fusion_pass.fuse_allreduce_rmsnorm(gm, fake_workspace()) == 1
-    got = gm(*args)
-    torch.testing.assert_close(got[1], want[1])
-    torch.testing.assert_close(got[0], want[0], atol=2e-2, rtol=2e-2)
-
-
-@pytest.mark.parametrize("rstd_used", [False, True])
-def test_pass_on_fused_rms_norm(gloo_world1, cpu_kernels, rstd_used):
-    # aten._fused_rms_norm (what F.rms_norm becomes on CUDA undecomposed) returns
-    # (output, rstd): fused when only the output is used, left alone when rstd is too.
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    import operator
-    g = torch.fx.Graph()
-    x, res, gamma = g.placeholder("x"), g.placeholder("res"), g.placeholder("gamma")
-    name = gloo_world1.group_name
-    ar = g.call_function(torch.ops._c10d_functional.all_reduce.default, (x, "sum", name))
-    w = g.call_function(torch.ops._c10d_functional.wait_tensor.default, (ar,))
-    r = g.call_function(torch.ops.aten.add.Tensor, (res, w))
-    fused_norm = g.call_function(torch.ops.aten._fused_rms_norm.default, (r, [256], gamma, EPS))
-    n = g.call_function(operator.getitem, (fused_norm, 0))
-    outputs = [n, r]
-    if rstd_used:
-        outputs.append(g.call_function(operator.getitem, (fused_norm, 1)))
+    outputs, n = norm(g, r, gamma)
     g.output(tuple(outputs))
     args = _inputs()
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
@@ -400,17 +369,44 @@ def test_pass_on_fused_rms_norm(gloo_world1, cpu_kernels, rstd_used):
             node.meta["val"] = v
         for node in (ar, w, r, n):
             node.meta["val"] = fakes[0]
-        fused_norm.meta["val"] = torch.ops.aten._fused_rms_norm.default(
-            fakes[0], [256], fakes[2], EPS)
-    gm = torch.fx.GraphModule({}, g)
+        for node in g.nodes:
+            if node.target is torch.ops.aten._fused_rms_norm.default:
+                node.meta["val"] = node.target(fakes[0], [256], fakes[2], EPS)
+    return torch.fx.GraphModule({}, g), args
+
+
+def _fuse_and_compare(gm, args, want_replaced):
     want = gm(*args)
-    replaced = fusion_pass.fuse_allreduce_rmsnorm(gm, fake_workspace())
-    assert replaced == (0 if rstd_used else 1)
-    assert any(node.target is torch.ops.aten._fused_rms_norm.default
-               for node in gm.graph.nodes) == rstd_used
+    assert fusion_pass.fuse_allreduce_rmsnorm(gm, fake_workspace()) == want_replaced
     got = gm(*args)
     torch.testing.assert_close(got[1], want[1])
     torch.testing.assert_close(got[0], want[0], atol=2e-2, rtol=2e-2)
+
+
+def test_pass_on_undecomposed_aten_rms_norm(gloo_world1, cpu_kernels):
+    # A hand-built graph keeping aten.rms_norm whole (as a pre-decomposition graph would).
+    def norm(g, r, gamma):
+        n = g.call_function(torch.ops.aten.rms_norm.default, (r, [256], gamma, EPS))
+        return [n, r], n
+    gm, args = _hand_built_block(gloo_world1, norm)
+    _fuse_and_compare(gm, args, 1)
+
+
+@pytest.mark.parametrize("rstd_used", [False, True])
+def test_pass_on_fused_rms_norm(gloo_world1, cpu_kernels, rstd_used):
+    # aten._fused_rms_norm (what F.rms_norm becomes on CUDA undecomposed) returns
+    # (output, rstd): fused when only the output is used, left alone when rstd is too.
+    import operator
+
+    def norm(g, r, gamma):
+        fused = g.call_function(torch.ops.aten._fused_rms_norm.default, (r, [256], gamma, EPS))
+        n = g.call_function(operator.getitem, (fused, 0))
+        extra = [g.call_function(operator.getitem, (fused, 1))] if rstd_used else []
+        return [n, r] + extra, n
+    gm, args = _hand_built_block(gloo_world1, norm)
+    _fuse_and_compare(gm, args, 0 if rstd_used else 1)
+    assert any(node.target is torch.ops.aten._fused_rms_norm.default
+               for node in gm.graph.nodes) == rstd_used
 
 
 def test_inductor_custom_pass_object(gloo_world1):
