@@ -27,6 +27,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def gloo_world1():
+    """A one-rank torch.distributed world over gloo (an in-memory store), torn down after the
+    test; yields its WORLD group. torch is imported here, so JAX-only runs never need it."""
+    import torch.distributed as dist
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
 # Never let any process we start use NVLink multicast (see DESIGN.md: it can take a
 # shared host's GPUs down). Set here so every subprocess inherits it.
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")

@@ -162,14 +162,6 @@ def test_parity_phase1_on_cpu_and_phase2_logic_with_a_simulated_kernel(tmp_path,
     print("differing elements, JAX CPU reference vs simulated kernel:", total)
 
 
-@pytest.fixture
-def gloo_world1():
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("norm", ["manual", "F.rms_norm"])
 def test_fusion_pass_model_on_cpu(gloo_world1, norm):
     from test_torch_library_cpu import _ref_fused

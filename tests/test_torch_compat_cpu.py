@@ -356,14 +356,6 @@ def test_not_a_workspace_is_a_type_error():
 # --- create_allreduce_fusion_workspace: checks before any exchange --------------------------------
 
 
-@pytest.fixture
-def gloo_world1():
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 CREATE = dict(max_token_num=16, hidden_dim=1024, dtype=torch.bfloat16)
 
 

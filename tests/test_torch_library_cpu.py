@@ -69,14 +69,6 @@ def handle():
     library.unregister_workspace(h)
 
 
-@pytest.fixture
-def gloo_world1():
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
 def _inputs(m=8, h=256, dtype=torch.bfloat16, seed=0):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(m, h, generator=g).to(dtype), torch.randn(m, h, generator=g).to(dtype),
