@@ -129,11 +129,13 @@ def _choose_backend(ws: AllReduceFusionWorkspace, requested, platform: str,
     choice = topology.resolve_backend_for_groups(
         requested, platform=platform, groups=ws.groups, host_of=_device_hosts(ws.mesh, timeout_s),
         member_name="device")
-    if choice.reason and choice.reason not in _backend_reasons_logged:
-        _backend_reasons_logged.add(choice.reason)
-        log.warning("jax_fusedar: the workspace over axis %r uses XLA's all-reduce (psum + "
-                    "RMSNorm) for all its %d TP groups, since one program runs on every rank: "
-                    "%s", ws.axis_name, len(ws.groups), choice.reason)
+    if choice.reason:
+        message = (f"jax_fusedar: the workspace over axis {ws.axis_name!r} uses XLA's "
+                   f"all-reduce (psum + RMSNorm) for all its {len(ws.groups)} TP groups, "
+                   f"since one program runs on every rank: {choice.reason}")
+        if message not in _backend_reasons_logged:
+            _backend_reasons_logged.add(message)
+            log.warning("%s", message)
     return choice.backend
 
 
