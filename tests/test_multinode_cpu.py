@@ -17,28 +17,13 @@ program also runs on CPU (the reference path, cross-process over gloo) against t
 oracle. The worker (tests/gpu/jax_multinode.py) is the one the GPU test runs.
 """
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from tests.gpu import jax_multinode as mn
-from tests.gpu.harness import free_port, run_ranks
+from tests.gpu.harness import free_port, run_ranks, simulated_hosts_problem
 
-REPO = Path(__file__).resolve().parent.parent
-DEVICE = 2048  # jax numbers process 1's CPU devices from here: device 2048 + i is its i-th
-
-
-def _namespaces_problem():
-    """Why this machine cannot simulate hosts (no root / no namespaces), or None."""
-    r = subprocess.run([sys.executable, "-c", "from tests.gpu.harness import simulate_host; "
-                        "simulate_host('jf-probe')"], cwd=REPO, capture_output=True, text=True,
-                       timeout=60)
-    return None if r.returncode == 0 else r.stderr.strip().splitlines()[-1]
-
-
-_PROBLEM = _namespaces_problem()
+_PROBLEM = simulated_hosts_problem()
 pytestmark = pytest.mark.skipif(
     _PROBLEM is not None,
     reason=f"simulated hosts need private UTS and mount namespaces (root): {_PROBLEM}")
@@ -60,9 +45,14 @@ def one_host():
     return _run(("node0", "node0"), ["tp_across_hosts", "mixed_groups"], ("auto",))
 
 
-def _ids(members):
-    """Process 1's devices written as 4 + i (as in the layouts' docs)."""
-    return [m - DEVICE + 4 if m >= DEVICE else m for m in members]
+def _p1(r) -> int:
+    """The id of process 1's first device (jax numbers its CPU devices from 2048)."""
+    return min(int(d.split("@")[0]) for d in r["devices"] if d.endswith("@1"))
+
+
+def _ids(r, members):
+    """Device ids written as in the layouts' docs: process 1's i-th device as 4 + i."""
+    return [m - _p1(r) + 4 if m >= _p1(r) else m for m in members]
 
 
 def _kernel_lowered(rec):
@@ -89,7 +79,7 @@ def test_dp_across_hosts_tp_within_keeps_the_kernel(two_hosts, backend):
     for r in two_hosts:
         rec = r["layouts"]["dp_across_hosts"][backend]
         assert rec["backend"] == {"tp": "trtllm"}, rec
-        assert [_ids(g) for g in rec["groups"]["tp"]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        assert [_ids(r, g) for g in rec["groups"]["tp"]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
         _kernel_lowered(rec)
         assert rec["custom_calls"] == 1 and rec["all_reduces"] == 0, rec
         _numerics_ok(rec)
@@ -105,10 +95,10 @@ def test_tp_across_hosts_auto_takes_xla(two_hosts):
 
 def test_tp_across_hosts_trtllm_names_members_and_hosts(two_hosts):
     for r in two_hosts:
-        err = r["layouts"]["tp_across_hosts"]["trtllm"]["error"]
-        assert err.startswith(f"TP group [0, {DEVICE}] (devices) spans 2 nodes (node0: [0]; "
-                              f"node1: [{DEVICE}]), as do 3 more of the workspace's 4 TP "
-                              f"groups ([1, {DEVICE + 1}], "), err
+        err, d = r["layouts"]["tp_across_hosts"]["trtllm"]["error"], _p1(r)
+        assert err.startswith(f"TP group [0, {d}] (devices) spans 2 nodes (node0: [0]; "
+                              f"node1: [{d}]), as do 3 more of the workspace's 4 TP "
+                              f"groups ([1, {d + 1}], [2, {d + 2}], [3, {d + 3}]): "), err
         assert "the 'trtllm' all-reduce backend works only within one node" in err
 
 
@@ -117,19 +107,20 @@ def test_mixed_groups_decide_once_for_the_workspace(two_hosts):
     # the whole workspace takes XLA with auto, and trtllm names the first group across.
     for r in two_hosts:
         rec = r["layouts"]["mixed_groups"]
-        assert [_ids(g) for g in rec["auto"]["groups"]["tp"]] == [[0, 1], [2, 4], [3, 5],
+        assert [_ids(r, g) for g in rec["auto"]["groups"]["tp"]] == [[0, 1], [2, 4], [3, 5],
                                                                   [6, 7]]
         assert rec["auto"]["backend"] == {"tp": "xla"} and rec["auto"]["custom_calls"] == 0
         _numerics_ok(rec["auto"])
+        d = _p1(r)
         assert rec["trtllm"]["error"].startswith(
-            f"TP group [2, {DEVICE}] (devices) spans 2 nodes (node0: [2]; node1: [{DEVICE}]), "
-            f"as do 1 more of the workspace's 4 TP groups ([3, {DEVICE + 1}]): ")
+            f"TP group [2, {d}] (devices) spans 2 nodes (node0: [2]; node1: [{d}]), "
+            f"as do 1 more of the workspace's 4 TP groups ([3, {d + 1}]): ")
 
 
 def test_tp_within_and_pp_across_hosts_in_one_program(two_hosts):
     for r in two_hosts:
         auto = r["layouts"]["tp_and_pp"]["auto"]
-        assert f"TP group [0, {DEVICE}] (devices)" in r["layouts"]["tp_and_pp"]["trtllm"]["error"]
+        assert f"TP group [0, {_p1(r)}] (devices)" in r["layouts"]["tp_and_pp"]["trtllm"]["error"]
         assert auto["backend"] == {"tp": "trtllm", "pp": "xla"}, auto
         _kernel_lowered(auto)
         assert auto["custom_calls"] == 1 and auto["all_reduces"] >= 1, auto
@@ -144,7 +135,7 @@ def test_reason_logged_once_per_layout(two_hosts):
         assert all("uses XLA's all-reduce (psum + RMSNorm) for all its" in m and
                    "since one program runs on every rank" in m for m in msgs), msgs
         assert "axis 'tp' uses XLA's all-reduce (psum + RMSNorm) for all its 4 TP groups" \
-            in msgs[0] and f"TP group [0, {DEVICE}]" in msgs[0], msgs
+            in msgs[0] and f"TP group [0, {_p1(r)}]" in msgs[0], msgs
 
 
 def test_same_host_keeps_the_kernel_across_processes(one_host):

@@ -114,6 +114,18 @@ def simulate_host(name: str) -> None:
     os.unlink(f.name)  # the mount keeps it alive
 
 
+def simulated_hosts_problem():
+    """Why this machine cannot simulate hosts (``simulate_host`` fails: no root, no
+    namespaces), or None; probed in a throwaway process."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-c", "from tests.gpu.harness import simulate_host; "
+                        "simulate_host('jf-probe')"], cwd=root, capture_output=True, text=True,
+                       timeout=60)
+    return None if r.returncode == 0 else (r.stderr.strip().splitlines() or ["?"])[-1]
+
+
 def device_for(rank: int) -> int:
     from jax_fusedar import native
     return rank % max(1, native.gpu_count())

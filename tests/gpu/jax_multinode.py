@@ -192,7 +192,7 @@ def worker(rank, world, chan, *, port, platform, local_devices, hosts, layouts, 
                         jf.create_allreduce_fusion_workspace
                     workspaces.append(make(mesh, axis, **kw))
                     if backend == "auto":  # a second one: its reason is not logged again
-                        make(mesh, axis, **kw).__exit__()
+                        make(mesh, axis, **kw).destroy()
             except ValueError as e:
                 rec["error"] = str(e)
                 for ws in workspaces:
@@ -205,8 +205,8 @@ def worker(rank, world, chan, *, port, platform, local_devices, hosts, layouts, 
                 rec["not_lowered"] = "the kernel's custom call needs the native extension"
                 continue  # the decision above is still recorded
             fn = _program(jax, jf, mesh, workspaces)
-            lowered = fn.trace(*_avals(jax, mesh, dtype))
-            text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+            traced = fn.trace(*_avals(jax, mesh, dtype))
+            text = traced.lower(lowering_platforms=("cuda",)).as_text()
             rec["custom_calls"] = text.count(f"custom_call @{FFI_TARGET}")
             rec["all_reduces"] = text.count("stablehlo.all_reduce")
             chan.barrier(f"{name}/{backend}/run")
