@@ -17,11 +17,17 @@ program also runs on CPU (the reference path, cross-process over gloo) against t
 oracle. The worker (tests/gpu/jax_multinode.py) is the one the GPU test runs.
 """
 import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from tests.gpu import jax_multinode as mn
 from tests.gpu.harness import free_port, run_ranks, simulated_hosts_problem
+
+REPO = Path(__file__).resolve().parent.parent
 
 _PROBLEM = simulated_hosts_problem()
 pytestmark = pytest.mark.skipif(
@@ -151,3 +157,45 @@ def test_same_host_keeps_the_kernel_across_processes(one_host):
             assert rec["custom_calls"] == 1, (layout, rec)
             _numerics_ok(rec)
 
+
+
+# --- the README's two-node script, as two simulated hosts on CPU ---------------------------------
+
+# python -c _LAUNCH SCRIPT PROCESS_ID NUM_PROCESSES HOST: SCRIPT as PROCESS_ID on "host" HOST.
+_LAUNCH = ("import runpy, sys; from tests.gpu.harness import simulate_host; "
+           "simulate_host(sys.argv[4]); sys.argv = sys.argv[1:4]; "
+           "runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+def _readme_script() -> str:
+    text = (REPO / "README.md").read_text()
+    start = text.index("# two_node.py PROCESS_ID NUM_PROCESSES")
+    return text[start:text.index("```", start)]
+
+
+def test_readme_two_node_script_runs(tmp_path):
+    script = tmp_path / "two_node.py"
+    script.write_text(_readme_script())
+    env = dict(os.environ, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}",
+               JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    procs = [subprocess.Popen([sys.executable, "-c", _LAUNCH, str(script), str(rank), "2",
+                               f"node{rank}"], cwd=REPO, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for rank in range(2)]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for rank, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, out[-3000:]
+        lines = [line for line in out.splitlines() if line.startswith(f"{rank} ")]
+        # On CPU the workspace is the reference path; 4 TP ranks per process, 2 groups.
+        assert "backend='xla', axis='tp', world_size=4, groups=2" in lines[0], out[-3000:]
+        assert len(lines) == 2, out[-3000:]
+        # One norm_out shard per local device; RMSNorm * gamma ~ N(0, 1): a std near 1.
+        stds = [float(v) for v in re.findall(r"[-+]?\d*\.\d+(?:e[-+]?\d+)?", lines[1])]
+        assert len(stds) == 4 and all(0.5 < v < 2.0 for v in stds), lines[1]
