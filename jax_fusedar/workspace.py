@@ -126,6 +126,7 @@ def _choose_backend(ws: AllReduceFusionWorkspace, requested, platform: str,
     (``topology.resolve_backend_for_groups``). One backend for the whole workspace: one
     program runs on every rank, so the custom call is in it for all groups or for none.
     "auto" with a group across nodes takes XLA's collectives, and says why once."""
+    topology.resolve_backend(requested, platform=platform)  # a bad name fails before any wait
     choice = topology.resolve_backend_for_groups(
         requested, platform=platform, groups=ws.groups, host_of=_device_hosts(ws.mesh, timeout_s),
         member_name="device")
