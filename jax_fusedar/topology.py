@@ -477,7 +477,10 @@ def resolve_backend(
     $JAX_FUSEDAR_ALLREDUCE_BACKEND (``env`` defaults to os.environ), then "auto".
     ``platform`` is the JAX platform or lowering platform ("cuda", "gpu", "cpu", ...); "gpu"
     is taken to mean CUDA (JAX also says "gpu" on ROCm, so pass "rocm" there when known).
-    ``num_nodes`` is the number of hosts the TP group spans.
+    ``num_nodes`` is the number of hosts the TP group spans: "auto" takes the kernel on
+    CUDA within one node and XLA's collectives otherwise (never raising for a valid layout;
+    ``resolve_backend_for_groups`` also says which groups span nodes, for the caller to log),
+    an explicit "trtllm" across nodes raises.
     """
     num_nodes = _positive_int("num_nodes", num_nodes)
     env = os.environ if env is None else env
@@ -499,15 +502,8 @@ def resolve_backend(
     if name == "xla":
         return "xla"
     if name == "auto":
-        if not on_cuda:
-            return "xla"
-        if num_nodes == 1:
-            return "trtllm"
-        raise ValueError(
-            f"the TP group spans {num_nodes} nodes: the 'trtllm' backend's peer-memory protocol "
-            f"works only within one node, and 'mnnvl' (FlashInfer's multi-node backend) needs "
-            f"NVLink multicast, which jax_fusedar refuses; choose 'xla' explicitly"
-        )
+        # A TP group across nodes is a valid layout: XLA's all-reduce (NCCL) serves it.
+        return "trtllm" if on_cuda and num_nodes == 1 else "xla"
     # name == "trtllm"
     if not on_cuda:
         raise ValueError(
@@ -521,6 +517,102 @@ def resolve_backend(
             f"available in jax_fusedar) or 'xla'"
         )
     return "trtllm"
+
+
+def group_hosts(group: TPGroup, host_of: Mapping[int, str]) -> dict[str, tuple[int, ...]]:
+    """The hosts TP group ``group`` spans: host name -> the group's members on it (TP-rank
+    order), hosts in the order of their first member. ``host_of`` maps each member (a device
+    id under JAX, a global rank under torch) to the name of its host.
+
+    The one rule, for JAX and torch alike, for how many nodes a group spans: count the
+    distinct hosts of its own members, never of the whole mesh or world (a DP x TP layout
+    with every TP group inside one node keeps the kernel however many nodes the DP axis
+    spans). The kernel's peer memory (CUDA P2P / IPC) exists only between GPUs of one host.
+    """
+    missing = [m for m in group.members if m not in host_of]
+    if missing:
+        raise ValueError(f"no host known for member(s) {missing} of TP group "
+                         f"{list(group.members)}")
+    hosts: dict[str, list[int]] = {}
+    for m in group.members:
+        hosts.setdefault(str(host_of[m]), []).append(m)
+    return {h: tuple(ms) for h, ms in hosts.items()}
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    """What ``resolve_backend_for_groups`` decided for one workspace.
+
+    ``backend``: "trtllm" or "xla", for every group of the workspace. ``spanning``: the
+    groups whose members are on several hosts. ``reason``: set when "auto" chose "xla" on
+    CUDA because groups span hosts (names them; the caller logs it once), else None.
+    """
+
+    backend: str
+    spanning: tuple[TPGroup, ...] = ()
+    reason: Optional[str] = None
+
+
+# Why a TP group across nodes cannot use the kernel; one sentence for every message.
+_ONE_NODE_ONLY = (
+    "the 'trtllm' kernel's peer-memory protocol works only within one node, and 'mnnvl' "
+    "(FlashInfer's multi-node backend) needs NVLink multicast, which jax_fusedar refuses"
+)
+
+
+def _describe_spanning(spanning, n_groups: int, member_name: str) -> str:
+    (first, hosts), rest = spanning[0], spanning[1:]
+    where = "; ".join(f"{h}: {list(ms)}" for h, ms in hosts.items())
+    text = (f"TP group {list(first.members)} ({member_name}s) spans {len(hosts)} nodes "
+            f"({where})")
+    if rest:
+        shown = ", ".join(str(list(g.members)) for g, _ in rest[:3])
+        text += (f", as do {len(rest)} more of the workspace's {n_groups} TP groups "
+                 f"({shown}{', ...' if len(rest) > 3 else ''})")
+    return text
+
+
+def resolve_backend_for_groups(
+    requested: Optional[str],
+    *,
+    platform: str,
+    groups: Sequence[TPGroup],
+    host_of: Mapping[int, str],
+    env: Optional[Mapping[str, str]] = None,
+    member_name: str = "member",
+) -> BackendChoice:
+    """``resolve_backend`` for all TP groups of one workspace, each counted on its own hosts
+    (``group_hosts``); ``member_name`` says what the members are in messages ("device",
+    "global rank").
+
+    One backend for the whole workspace, decided from its groups: under JAX one program runs
+    on every device, so the custom call is in it for every group or for none (a per-group
+    choice would make the program differ between ranks). Every group within one node: the
+    kernel (on CUDA, unless "xla" is asked for). Some group across nodes: "auto" picks "xla"
+    for all groups and ``reason`` names the spanning groups and their hosts; an explicit
+    "trtllm" raises ValueError naming them. Every process must pass the same ``host_of``, so
+    that all decide alike.
+    """
+    groups = list(groups)
+    if not groups:
+        raise ValueError("resolve_backend_for_groups needs at least one TP group")
+    # The name, platform and environment are checked as for one node, so their errors
+    # read the same whatever the layout.
+    backend = resolve_backend(requested, platform=platform, num_nodes=1, env=env)
+    spans = [(g, group_hosts(g, host_of)) for g in groups]
+    spanning = [(g, h) for g, h in spans if len(h) > 1]
+    if not spanning:
+        return BackendChoice(backend)
+    where = _describe_spanning(spanning, len(groups), member_name)
+    nodes = max(len(h) for _, h in spanning)
+    if backend == "trtllm":
+        try:
+            backend = resolve_backend(requested, platform=platform, num_nodes=nodes, env=env)
+        except ValueError as e:  # an explicit 'trtllm' (argument or environment)
+            raise ValueError(f"{where}: {e}") from None
+        return BackendChoice(backend, tuple(g for g, _ in spanning),
+                             f"{where}: {_ONE_NODE_ONLY}")
+    return BackendChoice(backend, tuple(g for g, _ in spanning))
 
 
 STRICT_ENV_VAR = "JAX_FUSEDAR_STRICT"

@@ -117,6 +117,29 @@ def _mesh_groups(mesh, axis_name):
     return topology.tp_groups_from_grid(ids, tuple(mesh.axis_names), axis_name)
 
 
+_backend_reasons_logged: set = set()
+
+
+def _choose_backend(ws: AllReduceFusionWorkspace, requested, platform: str,
+                    timeout_s: float) -> str:
+    """The backend of every TP group of ``ws``, each group counted on its own members' hosts
+    (``topology.resolve_backend_for_groups``). One backend for the whole workspace: one
+    program runs on every rank, so the custom call is in it for all groups or for none.
+    "auto" with a group across nodes takes XLA's collectives, and says why once."""
+    topology.resolve_backend(requested, platform=platform)  # a bad name fails before any wait
+    choice = topology.resolve_backend_for_groups(
+        requested, platform=platform, groups=ws.groups, host_of=_device_hosts(ws.mesh, timeout_s),
+        member_name="device")
+    if choice.reason:
+        message = (f"jax_fusedar: the workspace over axis {ws.axis_name!r} uses XLA's "
+                   f"all-reduce (psum + RMSNorm) for all its {len(ws.groups)} TP groups, "
+                   f"since one program runs on every rank: {choice.reason}")
+        if message not in _backend_reasons_logged:
+            _backend_reasons_logged.add(message)
+            log.warning("%s", message)
+    return choice.backend
+
+
 def _describe(mesh, axis_name, max_token_num, hidden_dim, dtype,
               backend) -> AllReduceFusionWorkspace:
     """The workspace object, validated, with a fresh id; nothing allocated yet. The limits
@@ -145,9 +168,12 @@ def create_allreduce_fusion_workspace(mesh, axis_name: str, *, max_token_num: in
 
     ``max_token_num * hidden_dim`` elements of ``dtype`` is the largest call it serves
     (any hidden size, FlashInfer's rule). ``backend``: ``"auto"`` (FlashInfer's kernel on
-    GPUs of one node, the XLA reference elsewhere), ``"trtllm"``, ``"xla"`` or ``"mnnvl"``
-    (refused: it needs NVLink multicast); the ``JAX_FUSEDAR_ALLREDUCE_BACKEND`` environment
-    variable decides when ``backend`` is ``"auto"`` or ``None``.
+    GPUs when every TP group lies within one node, however many nodes the mesh spans; the
+    XLA reference elsewhere, e.g. when a TP group spans nodes, logged once), ``"trtllm"``
+    (raises if a TP group spans nodes), ``"xla"`` or ``"mnnvl"`` (refused: it needs NVLink
+    multicast); the ``JAX_FUSEDAR_ALLREDUCE_BACKEND`` environment variable decides when
+    ``backend`` is ``"auto"`` or ``None``. Hosts are told apart by ``socket.gethostname()``,
+    exchanged through ``jax.distributed``'s key-value store (within ``exchange_timeout_s``).
 
     ``check_calls`` (None: ``$JAX_FUSEDAR_CHECK_CALLS``, default off) makes every kernel call
     first check, on the device, that all ranks of the group make the same call (pattern,
@@ -156,15 +182,12 @@ def create_allreduce_fusion_workspace(mesh, axis_name: str, *, max_token_num: in
     and a printed description instead of hanging (``call_check_failures()`` reads it back).
     One extra tiny kernel per call; every process must pass the same setting.
     """
-    import jax
-
     check_calls = native.resolve_check_calls(check_calls)
     check_timeout_s = native.resolve_check_timeout_s(check_timeout_s)
 
-    num_nodes = _count_nodes(mesh) if jax.process_count() > 1 else 1
-    resolved = topology.resolve_backend(backend, platform=mesh.devices.flat[0].platform,
-                                        num_nodes=num_nodes)
-    ws = _describe(mesh, axis_name, max_token_num, hidden_dim, dtype, resolved)
+    ws = _describe(mesh, axis_name, max_token_num, hidden_dim, dtype, None)
+    ws.backend = resolved = _choose_backend(ws, backend, mesh.devices.flat[0].platform,
+                                            exchange_timeout_s)
     ws.check_calls = check_calls and resolved == "trtllm"
     ws.check_timeout_s = check_timeout_s
     if resolved == "trtllm":
@@ -181,10 +204,17 @@ def abstract_workspace(mesh, axis_name: str, *, max_token_num: int, hidden_dim: 
                        backend: str = "trtllm") -> AllReduceFusionWorkspace:
     """A workspace description that allocates nothing: for lowering or exporting a program
     for GPUs on a machine without them (``jit(f).trace(...).lower(lowering_platforms=("cuda",))``).
-    Running such a program fails with a clear FFI error (no workspace is registered)."""
-    if backend not in ("trtllm", "xla"):
-        raise ValueError(f"backend must be 'trtllm' or 'xla', not {backend!r}")
-    return _describe(mesh, axis_name, max_token_num, hidden_dim, dtype, backend)
+    Running such a program fails with a clear FFI error (no workspace is registered).
+
+    ``backend`` ("trtllm", "xla" or "auto") is decided as ``create_allreduce_fusion_workspace``
+    would on CUDA GPUs with the mesh's hosts: under ``jax.distributed`` each process's host
+    name counts, so "trtllm" raises and "auto" takes XLA's collectives for TP groups that
+    span hosts."""
+    if backend not in ("auto", "trtllm", "xla"):
+        raise ValueError(f"backend must be 'auto', 'trtllm' or 'xla', not {backend!r}")
+    ws = _describe(mesh, axis_name, max_token_num, hidden_dim, dtype, None)
+    ws.backend = _choose_backend(ws, backend, "cuda", _HOSTNAME_TIMEOUT_S)
+    return ws
 
 
 # --- native construction ---------------------------------------------------------------------
@@ -217,25 +247,29 @@ class _KVChannel:
             self.client.wait_at_barrier(key, self.timeout_ms)
 
 
-_node_counts: dict = {}  # frozenset of process indices -> number of distinct hosts
-_hostname_published = False
+_HOSTNAME_TIMEOUT_S = 120.0
+_hostnames: dict = {}  # process index -> its host's name, learnt once per process
 
 
-def _count_nodes(mesh) -> int:
-    """Distinct hosts among the mesh's processes (hostnames through the KV store, once per
-    process: keys in the store are write-once)."""
+def _device_hosts(mesh, timeout_s: float) -> dict:
+    """Device id -> the name of its process's host, for every device of ``mesh``. Under
+    ``jax.distributed`` every process publishes ``socket.gethostname()`` once (keys in the
+    store are write-once) and reads those of the mesh's other processes."""
     import jax
-    global _hostname_published
-    procs = frozenset(d.process_index for d in mesh.devices.flat)
-    if procs not in _node_counts:
-        chan = _KVChannel(60.0)
-        if not _hostname_published:
-            chan.publish(f"jax_fusedar/hostname/{jax.process_index()}",
-                         socket.gethostname().encode())
-            _hostname_published = True
-        _node_counts[procs] = len({chan.fetch(f"jax_fusedar/hostname/{p}", f"process {p}")
-                                   for p in sorted(procs)})
-    return _node_counts[procs]
+    devices = list(mesh.devices.flat)
+    if jax.process_count() == 1:
+        return {d.id: socket.gethostname() for d in devices}
+    me = jax.process_index()
+    missing = sorted({d.process_index for d in devices} - set(_hostnames) - {me})
+    if me not in _hostnames or missing:
+        chan = _KVChannel(timeout_s)
+        if me not in _hostnames:
+            chan.publish(f"jax_fusedar/hostname/{me}", socket.gethostname().encode())
+            _hostnames[me] = socket.gethostname()
+        for p in missing:
+            _hostnames[p] = chan.fetch(f"jax_fusedar/hostname/{p}",
+                                       f"process {p} (its host name)").decode()
+    return {d.id: _hostnames[d.process_index] for d in devices}
 
 
 def _build_native(ws: AllReduceFusionWorkspace, timeout_s: float) -> None:

@@ -512,8 +512,11 @@ def test_backend_choices(monkeypatch):
     kw = dict(max_token_num=8, hidden_dim=256, dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="'mnnvl' all-reduce backend needs NVLink multicast"):
         jf.create_allreduce_fusion_workspace(mesh, "tp", backend="mnnvl", **kw)
-    with pytest.raises(ValueError, match="backend must be 'trtllm' or 'xla', not 'mnnvl'"):
+    with pytest.raises(ValueError, match="backend must be 'auto', 'trtllm' or 'xla', "
+                                         "not 'mnnvl'"):
         jf.abstract_workspace(mesh, "tp", backend="mnnvl", **kw)
+    # abstract_workspace decides as on CUDA GPUs: auto is the kernel within one host.
+    assert jf.abstract_workspace(mesh, "tp", backend="auto", **kw).backend == "trtllm"
     with pytest.raises(ValueError, match="'trtllm' all-reduce backend needs a CUDA GPU, but "
                                          "the platform is 'cpu'"):
         jf.create_allreduce_fusion_workspace(mesh, "tp", backend="trtllm", **kw)
@@ -523,6 +526,8 @@ def test_backend_choices(monkeypatch):
         jf.create_allreduce_fusion_workspace(mesh, "tp", **kw)
     # An explicit backend wins over the variable.
     assert jf.create_allreduce_fusion_workspace(mesh, "tp", backend="xla", **kw).backend == "xla"
+    monkeypatch.setenv(topology.BACKEND_ENV_VAR, "xla")
+    assert jf.abstract_workspace(mesh, "tp", backend="auto", **kw).backend == "xla"
     monkeypatch.setenv(topology.BACKEND_ENV_VAR, "mnnvl")
     with pytest.raises(ValueError, match="'mnnvl' all-reduce backend needs NVLink multicast"):
         jf.create_allreduce_fusion_workspace(mesh, "tp", **kw)

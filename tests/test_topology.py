@@ -5,6 +5,7 @@ import ast
 import dataclasses
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -652,6 +653,9 @@ E = BACKEND_ENV_VAR
         ("auto", "tpu", 1, {}, "xla"),
         (None, "rocm", 1, {}, "xla"),
         (None, "cpu", 4, {}, "xla"),  # auto off-GPU never reaches the node check
+        # auto across nodes: XLA's collectives, never an error for a valid layout.
+        (None, "cuda", 2, {}, "xla"),
+        ("auto", "gpu", 4, {}, "xla"),
         ("xla", "cuda", 1, {}, "xla"),
         ("xla", "cpu", 4, {}, "xla"),
         ("trtllm", "cuda", 1, {}, "trtllm"),
@@ -683,9 +687,8 @@ def test_resolve_backend(requested, platform, nodes, env, expected):
         (None, "cuda", 1, {E: "bogus"}, rf"unknown.*'bogus'.*\${E}"),
         ("mnnvl", "cuda", 1, {}, r"mnnvl.*multicast.*cuMulticastCreate.*'trtllm'.*'xla'"),
         (None, "cuda", 1, {E: "mnnvl"}, r"mnnvl.*multicast"),
-        (None, "cuda", 2, {}, r"2 nodes.*only within one node.*'mnnvl'.*refuses.*'xla'"),
-        ("auto", "gpu", 4, {}, r"4 nodes"),
         ("trtllm", "cuda", 2, {}, r"only within one node.*2 nodes.*'mnnvl'.*'xla'"),
+        (None, "cuda", 2, {E: "trtllm"}, r"only within one node.*2 nodes"),
         ("trtllm", "cpu", 1, {}, r"'trtllm'.*needs a CUDA GPU.*'cpu'"),
         (None, "cpu", 1, {E: "trtllm"}, r"needs a CUDA GPU"),
         ("xla", "cuda", 0, {}, r"num_nodes must be a positive int"),
@@ -699,6 +702,92 @@ def test_resolve_backend_errors(requested, platform, nodes, env, pattern):
 
 def test_resolve_backend_defaults_to_one_node():
     assert resolve_backend(None, platform="cuda", env={}) == "trtllm"
+
+
+# --- per TP group: hosts counted on each group's own members ------------------------------------
+
+# ("dp", "tp") = (2, 4) over two hosts of 4 devices each: every TP group on one host.
+HOST_OF = {d: f"node{d // 4}" for d in range(8)}
+DP_ACROSS = tp_groups_from_grid(np.arange(8).reshape(2, 4), ("dp", "tp"), "tp")
+TP_ACROSS = tp_groups_from_grid(np.arange(8).reshape(2, 4).T, ("dp", "tp"), "tp")
+# Groups [0, 1], [2, 4], [3, 5], [6, 7]: two within a host, two across.
+MIXED = tp_groups_from_grid(np.array([0, 1, 2, 4, 3, 5, 6, 7]).reshape(2, 2, 2),
+                            ("pp", "dp", "tp"), "tp")
+
+
+def test_group_hosts_counts_each_groups_own_members():
+    assert [topo.group_hosts(g, HOST_OF) for g in DP_ACROSS] == [
+        {"node0": (0, 1, 2, 3)}, {"node1": (4, 5, 6, 7)}]
+    assert topo.group_hosts(TP_ACROSS[1], HOST_OF) == {"node0": (1,), "node1": (5,)}
+    # TP-rank order within a host, hosts in the order of their first member.
+    assert topo.group_hosts(TPGroup((5, 0, 4, 1), 0), HOST_OF) == {
+        "node1": (5, 4), "node0": (0, 1)}
+    with pytest.raises(ValueError, match=r"no host known for member\(s\) \[9\] of TP group "
+                                         r"\[0, 9\]"):
+        topo.group_hosts(TPGroup((0, 9), 0), HOST_OF)
+
+
+@pytest.mark.parametrize("requested", [None, "auto", "trtllm"])
+def test_groups_each_within_one_host_keep_the_kernel(requested):
+    # The mesh spans two hosts, its TP groups do not (the issue-16 layout).
+    choice = topo.resolve_backend_for_groups(requested, platform="cuda", groups=DP_ACROSS,
+                                             host_of=HOST_OF, env={})
+    assert choice == topo.BackendChoice("trtllm", (), None)
+
+
+@pytest.mark.parametrize("groups, first, more", [
+    (TP_ACROSS, r"TP group \[0, 4\] \(devices\) spans 2 nodes \(node0: \[0\]; node1: \[4\]\)",
+     r", as do 3 more of the workspace's 4 TP groups \(\[1, 5\], \[2, 6\], \[3, 7\]\)"),
+    (MIXED, r"TP group \[2, 4\] \(devices\) spans 2 nodes \(node0: \[2\]; node1: \[4\]\)",
+     r", as do 1 more of the workspace's 4 TP groups \(\[3, 5\]\)"),
+])
+def test_groups_across_hosts(groups, first, more):
+    kw = dict(platform="cuda", groups=groups, host_of=HOST_OF, member_name="device")
+    # auto: XLA for every group of the workspace (one program), the reason names the groups.
+    for env in ({}, {E: "auto"}):
+        choice = topo.resolve_backend_for_groups("auto", env=env, **kw)
+        assert choice.backend == "xla"
+        assert [list(g.members) for g in choice.spanning] == [
+            list(g.members) for g in groups if len(topo.group_hosts(g, HOST_OF)) > 1]
+        assert re.fullmatch(first + more + r": the 'trtllm' kernel's peer-memory protocol "
+                            r"works only within one node.*NVLink multicast.*refuses",
+                            choice.reason)
+    # An explicit trtllm, from the argument or the environment, raises naming them.
+    for requested, env in (("trtllm", {}), (None, {E: "trtllm"}), ("auto", {E: "trtllm"})):
+        with pytest.raises(ValueError, match=first + more + r": the 'trtllm' all-reduce "
+                                                            r"backend works only within one node"):
+            topo.resolve_backend_for_groups(requested, env=env, **kw)
+    # xla asked for: no reason to give; off CUDA: xla whatever the layout.
+    assert topo.resolve_backend_for_groups("xla", env={}, **kw).reason is None
+    choice = topo.resolve_backend_for_groups(None, env={}, **dict(kw, platform="cpu"))
+    assert choice.backend == "xla" and choice.reason is None
+
+
+def test_many_spanning_groups_are_summarised():
+    groups = tp_groups_from_grid(np.arange(16).reshape(2, 8).T, ("dp", "tp"), "tp")
+    host_of = {d: f"node{d // 8}" for d in range(16)}
+    reason = topo.resolve_backend_for_groups(None, platform="cuda", groups=groups,
+                                             host_of=host_of, env={}).reason
+    assert reason.startswith("TP group [0, 8] (members) spans 2 nodes (node0: [0]; "
+                             "node1: [8]), as do 7 more of the workspace's 8 TP groups "
+                             "([1, 9], [2, 10], [3, 11], ...): ")
+
+
+@pytest.mark.parametrize("requested, groups, host_of, env, pattern", [
+    ("bogus", DP_ACROSS, HOST_OF, {}, r"unknown all-reduce backend 'bogus'"),
+    ("trtllm", DP_ACROSS, HOST_OF, {}, None),
+    ("trtllm", TP_ACROSS, {}, {}, r"no host known for member\(s\) \[0, 4\]"),
+    ("mnnvl", TP_ACROSS, HOST_OF, {}, r"^the 'mnnvl' all-reduce backend needs NVLink"),
+    ("auto", [], HOST_OF, {}, r"needs at least one TP group"),
+])
+def test_resolve_backend_for_groups_errors(requested, groups, host_of, env, pattern):
+    call = lambda: topo.resolve_backend_for_groups(  # noqa: E731
+        requested, platform="cuda", groups=groups, host_of=host_of, env=env)
+    if pattern is None:
+        assert call().backend == "trtllm"
+        return
+    with pytest.raises(ValueError, match=pattern):
+        call()
 
 
 @pytest.mark.parametrize(

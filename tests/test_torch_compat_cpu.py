@@ -606,6 +606,8 @@ def test_group_across_hosts_is_refused_by_every_member():
     assert not out and set(errors) == {0, 1}
     for e in errors.values():
         assert isinstance(e, ValueError) and "spans 2 nodes" in str(e)
+        # The group's members and hosts are named (topology.resolve_backend_for_groups).
+        assert "TP group [0, 1] (global ranks) spans 2 nodes (node0: [0]; node1: [1])" in str(e)
         assert "does not exist under torch" in str(e)  # the advice names no JAX-only backend
 
 

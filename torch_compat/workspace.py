@@ -194,13 +194,24 @@ _XLA_NOTE = (" (torch_compat: 'xla' means JAX's collectives and does not exist u
              "use torch.distributed.all_reduce + an RMSNorm for the unfused path)")
 
 
-def resolve_backend(backend: Optional[str], num_nodes: int) -> str:
-    """topology.resolve_backend for CUDA, refusing "xla" (also when it comes from
-    $JAX_FUSEDAR_ALLREDUCE_BACKEND): the only torch backend is "trtllm"."""
+def resolve_backend(backend: Optional[str], group: Optional[topology.TPGroup] = None,
+                    host_of: Optional[Dict[int, str]] = None) -> str:
+    """topology.resolve_backend_for_groups for CUDA and the TP group ``group`` (``host_of``:
+    global rank -> host name; None: checks the name alone, as on one node), refusing "xla"
+    (also when it comes from $JAX_FUSEDAR_ALLREDUCE_BACKEND, or when "auto" would take it
+    for a group across nodes): the only torch backend is "trtllm"."""
     try:
-        resolved = topology.resolve_backend(backend, platform="cuda", num_nodes=num_nodes)
+        if group is None:
+            resolved, reason = topology.resolve_backend(backend, platform="cuda"), None
+        else:
+            choice = topology.resolve_backend_for_groups(
+                backend, platform="cuda", groups=[group], host_of=host_of,
+                member_name="global rank")
+            resolved, reason = choice.backend, choice.reason
     except ValueError as e:
         raise ValueError(f"{e}{_XLA_NOTE if 'xla' in str(e) else ''}") from None
+    if reason:
+        raise ValueError(f"{reason}; 'auto' would take the unfused 'xla' path{_XLA_NOTE}")
     if resolved == "xla":
         raise ValueError(f"all-reduce backend {backend!r} resolved to 'xla' (argument or "
                          f"${topology.BACKEND_ENV_VAR}){_XLA_NOTE}")
@@ -289,7 +300,7 @@ def _join_group(*, global_ranks: Sequence[int], me: int, device: int, host: str,
     infos = [json.loads(got[key(f"member/rank{r}")]) for r in range(group.size)]
 
     # Same infos on every member, so every member accepts or refuses alike.
-    resolve_backend(backend, num_nodes=len({i["host"] for i in infos}))
+    resolve_backend(backend, group, {g: i["host"] for g, i in zip(group.members, infos)})
     native.check_options_agree(
         {f"TP rank {r} (global rank {g})": i for r, (g, i) in enumerate(zip(group.members, infos))})
     places = [(i["host"], i["device"]) for i in infos]
@@ -342,7 +353,7 @@ def create_allreduce_fusion_workspace(
     printed description instead of hanging (``ws.call_check_failure()`` reads it back). One
     extra tiny kernel per call; every member must pass the same setting.
     """
-    resolve_backend(backend, num_nodes=1)  # a bad name fails before anyone waits
+    resolve_backend(backend)  # a bad name fails before anyone waits
     check_calls = native.resolve_check_calls(check_calls)
     check_timeout_s = native.resolve_check_timeout_s(check_timeout_s)
     name = dtype_name(dtype)

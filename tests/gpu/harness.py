@@ -82,6 +82,50 @@ def run_ranks(fn, world: int, *, timeout_s: float = 600.0, **kwargs):
     return [out[r] for r in range(world)]
 
 
+_CLONE_NEWNS, _CLONE_NEWUTS = 0x00020000, 0x04000000
+_MS_REC, _MS_PRIVATE, _MS_BIND = 0x4000, 1 << 18, 0x1000
+
+
+def simulate_host(name: str) -> None:
+    """Makes this process look like it runs on a host called ``name`` (``socket.gethostname()``
+    says so), to test multi-node layouts on one machine: a private UTS namespace with that
+    host name, and a private mount namespace whose /etc/hosts resolves it to 127.0.0.1 (gloo
+    resolves its own host name). Needs root (CAP_SYS_ADMIN); OSError otherwise. Affects
+    only this process and its children."""
+    import ctypes
+    import tempfile
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(rc, what):
+        if rc != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"simulate_host({name!r}): {what}: {os.strerror(err)}")
+
+    check(libc.unshare(_CLONE_NEWUTS | _CLONE_NEWNS), "unshare(CLONE_NEWUTS | CLONE_NEWNS)")
+    socket.sethostname(name)
+    # Mounts made from here on stay in this namespace.
+    check(libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "mount --make-rprivate /")
+    with open("/etc/hosts") as f:
+        hosts = f.read()
+    with tempfile.NamedTemporaryFile("w", prefix=f"hosts-{name}-", delete=False) as f:
+        f.write(f"{hosts.rstrip()}\n127.0.0.1 {name}\n")
+    check(libc.mount(f.name.encode(), b"/etc/hosts", None, _MS_BIND, None),
+          "mount --bind over /etc/hosts")
+    os.unlink(f.name)  # the mount keeps it alive
+
+
+def simulated_hosts_problem():
+    """Why this machine cannot simulate hosts (``simulate_host`` fails: no root, no
+    namespaces), or None; probed in a throwaway process."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-c", "from tests.gpu.harness import simulate_host; "
+                        "simulate_host('jf-probe')"], cwd=root, capture_output=True, text=True,
+                       timeout=60)
+    return None if r.returncode == 0 else (r.stderr.strip().splitlines() or ["?"])[-1]
+
+
 def device_for(rank: int) -> int:
     from jax_fusedar import native
     return rank % max(1, native.gpu_count())

@@ -1,0 +1,220 @@
+"""Per-process body of the multi-node layout tests: `jax.distributed` processes that look
+like separate hosts (``harness.simulate_host``: own host name per process), on one machine.
+
+Each process builds the same meshes over the global devices (ordered by process, so host h
+holds devices [h*L, (h+1)*L) of the flat order) and, for each layout and requested backend,
+records what the workspace chose (or the error), the program's lowering (custom calls to the
+kernel, XLA all-reduces) and, where it runs, each local output against the float64 oracle.
+
+* platform "cpu": the backend is decided by ``abstract_workspace`` (as it would be on CUDA
+  GPUs with these hosts), the program is lowered for cuda and run on CPU (the reference
+  path, over gloo);
+* platform "cuda": ``create_allreduce_fusion_workspace`` decides, and the program runs on the
+  GPUs (the kernel or XLA's NCCL all-reduce).
+
+Layouts (P processes = hosts, L devices each; a layout needing more devices is skipped):
+
+* "dp_across_hosts": ("dp", "tp") = (P, L), every TP group inside one host;
+* "tp_across_hosts": ("dp", "tp") = (L, P), every TP group across all hosts;
+* "mixed_groups":    ("pp", "dp", "tp") = (2, 2, 2) over devices [0, 1, 2, 4, 3, 5, 6, 7]:
+                     TP groups [0, 1] and [6, 7] inside a host, [2, 4] and [3, 5] across;
+* "tp_and_pp":       ("pp", "dp", "tp") = (2, 2, 2) in host order: TP inside a host, PP
+                     across; one program with a fused call over "tp" and one over "pp", each
+                     with its own workspace.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+
+TOKENS, HIDDEN, DTYPE = 8, 256, "bfloat16"
+
+LAYOUTS = {
+    # name: (axis names, shape from (P, L), device order from (P, L), workspace axes)
+    "dp_across_hosts": (("dp", "tp"), lambda p, l: (p, l), None, ("tp",)),
+    "tp_across_hosts": (("dp", "tp"), lambda p, l: (l, p), "transpose", ("tp",)),
+    "mixed_groups": (("pp", "dp", "tp"), lambda p, l: (2, 2, 2), [0, 1, 2, 4, 3, 5, 6, 7],
+                     ("tp",)),
+    "tp_and_pp": (("pp", "dp", "tp"), lambda p, l: (2, 2, 2), None, ("tp", "pp")),
+}
+
+
+class _Reasons(logging.Handler):
+    """Collects jax_fusedar's "uses XLA's all-reduce" warnings (each must come once)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        if "uses XLA's all-reduce" in record.getMessage():
+            self.messages.append(record.getMessage())
+
+
+def _setup(rank, world, port, platform, local_devices, device_ids):
+    os.environ["JAX_PLATFORMS"] = platform
+    if platform == "cpu":
+        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={local_devices}"
+    else:
+        os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    import jax
+    if platform == "cpu":  # cross-process CPU collectives (the reference path's psum)
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=world,
+                               process_id=rank, initialization_timeout=60,
+                               local_device_ids=None if platform == "cpu" else device_ids)
+    return jax
+
+
+def _mesh(jax, name, world, local):
+    from jax.sharding import Mesh
+    axes, shape_of, order, ws_axes = LAYOUTS[name]
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    shape = shape_of(world, local)
+    if len(devices) != int(np.prod(shape)):
+        return None, ws_axes
+    if order == "transpose":
+        grid = np.array(devices, dtype=object).reshape(world, local).T
+    else:
+        grid = np.array([devices[i] for i in (order or range(len(devices)))],
+                        dtype=object).reshape(shape)
+    return Mesh(grid, axes), ws_axes
+
+
+def _program(jax, jf, mesh, workspaces):
+    """shard_map over every mesh axis, each device holding its own partial sum [TOKENS,
+    HIDDEN]: the fused all-reduce + residual + RMSNorm of those partials over each
+    workspace's axis (several workspaces: several independent calls in one program).
+    Returns (residual_out, norm_out) per workspace, one row per group (its axis kept, size 1)."""
+    from jax.sharding import PartitionSpec as P
+    axes = tuple(mesh.axis_names)
+    keep = (1,) * len(axes)
+
+    def body(x, residual, gamma):
+        outs = []
+        for ws in workspaces:
+            o = jf.allreduce_fusion(x.reshape(TOKENS, HIDDEN), axis_name=ws.axis_name,
+                                    workspace=ws, residual=residual, rms_gamma=gamma)
+            outs += [o.residual_out.reshape(keep + (TOKENS, HIDDEN)),
+                     o.norm_out.reshape(keep + (TOKENS, HIDDEN))]
+        return tuple(outs)
+
+    out_specs = tuple(P(*[None if a == ws.axis_name else a for a in axes])
+                      for ws in workspaces for _ in range(2))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(*axes), P(), P()),
+                                 out_specs=out_specs))
+
+
+def _avals(jax, mesh, dtype):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    shapes = ((mesh.devices.shape + (TOKENS, HIDDEN), P(*mesh.axis_names)),
+              ((TOKENS, HIDDEN), P()), ((HIDDEN,), P()))
+    return [jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+            for shape, spec in shapes]
+
+
+def _check_outputs(jax, mesh, workspaces, fn, dtype, seed):
+    """Runs fn on fresh random inputs (different partials on every device); the worst error
+    (ulps of the call dtype, tests/oracle.py's measure) of this process's shards of every
+    residual_out and norm_out against the float64 oracle of its group."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from tests import oracle
+    rng = np.random.default_rng(seed)
+    partials = rng.standard_normal(mesh.devices.shape + (TOKENS, HIDDEN),
+                                   dtype=np.float32).astype(dtype)
+    residual = rng.standard_normal((TOKENS, HIDDEN), dtype=np.float32).astype(dtype)
+    gamma = rng.uniform(-2, 2, HIDDEN).astype(np.float32).astype(dtype)
+
+    def put(value, spec):
+        return jax.make_array_from_callback(value.shape, NamedSharding(mesh, spec),
+                                            lambda idx: value[idx])
+
+    outs = fn(put(partials, P(*mesh.axis_names)), put(residual, P()), put(gamma, P()))
+    worst = {"residual": 0.0, "norm": 0.0, "shards": 0}
+    for i, ws in enumerate(workspaces):
+        # Every group's sum over its members: the workspace's axis summed, kept with size 1.
+        group_sum = partials.astype(np.float64).sum(axis=mesh.axis_names.index(ws.axis_name),
+                                                    keepdims=True)
+        s, r64, y64, inv = oracle.fused_reference([group_sum], residual, gamma, rms_eps=1e-6,
+                                                  weight_bias=0.0)
+        for got_r, got_n in zip(outs[2 * i].addressable_shards,
+                                outs[2 * i + 1].addressable_shards):
+            idx = got_r.index
+            assert got_n.index == idx
+            worst["residual"] = max(worst["residual"], oracle.residual_error_ulps(
+                np.asarray(got_r.data), s[idx], r64[idx], residual, DTYPE))
+            worst["norm"] = max(worst["norm"], oracle.norm_error_ulps(
+                np.asarray(got_n.data), s[idx], y64[idx], inv[idx], residual, gamma,
+                weight_bias=0.0, dtype_name=DTYPE))
+            worst["shards"] += 1
+    return worst
+
+
+def worker(rank, world, chan, *, port, platform, local_devices, hosts, layouts, backends,
+           seed, device_ids=None):
+    """One process: pretends to run on host ``hosts[rank]``, then, for every layout and
+    backend, records {"backend" | "error", "custom_calls", "all_reduces", "worst", ...}."""
+    from tests.gpu.harness import simulate_host
+    simulate_host(hosts[rank])
+    jax = _setup(rank, world, port, platform, local_devices,
+                 device_ids[rank] if device_ids else None)
+    import jax.numpy as jnp
+
+    import jax_fusedar as jf
+    from jax_fusedar import native
+    from jax_fusedar.primitive import FFI_TARGET
+
+    reasons = _Reasons()
+    logging.getLogger("jax_fusedar").addHandler(reasons)
+    import socket
+    out = {"rank": rank, "host": socket.gethostname(), "layouts": {},
+           "devices": [f"{d.id}@{d.process_index}" for d in jax.devices()]}
+    dtype = jnp.dtype(DTYPE)
+    for name in layouts:
+        mesh, ws_axes = _mesh(jax, name, world, local_devices)
+        if mesh is None:
+            out["layouts"][name] = "skipped: not enough devices"
+            continue
+        res = out["layouts"][name] = {}
+        for backend in backends:
+            rec = res[backend] = {}
+            workspaces = []
+            try:
+                for axis in ws_axes:
+                    kw = dict(max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=dtype,
+                              backend=backend)
+                    make = jf.abstract_workspace if platform == "cpu" else \
+                        jf.create_allreduce_fusion_workspace
+                    workspaces.append(make(mesh, axis, **kw))
+                    if backend == "auto":  # a second one: its reason is not logged again
+                        make(mesh, axis, **kw).destroy()
+            except ValueError as e:
+                rec["error"] = str(e)
+                for ws in workspaces:
+                    ws.destroy()
+                continue
+            rec["backend"] = {ws.axis_name: ws.backend for ws in workspaces}
+            rec["groups"] = {ws.axis_name: [list(g.members) for g in ws.groups]
+                             for ws in workspaces}
+            if any(ws.backend == "trtllm" for ws in workspaces) and not native.available():
+                rec["not_lowered"] = "the kernel's custom call needs the native extension"
+                continue  # the decision above is still recorded
+            fn = _program(jax, jf, mesh, workspaces)
+            traced = fn.trace(*_avals(jax, mesh, dtype))
+            text = traced.lower(lowering_platforms=("cuda",)).as_text()
+            rec["custom_calls"] = text.count(f"custom_call @{FFI_TARGET}")
+            rec["all_reduces"] = text.count("stablehlo.all_reduce")
+            chan.barrier(f"{name}/{backend}/run")
+            rec["worst"] = _check_outputs(jax, mesh, workspaces, fn, dtype,
+                                          seed + len(out["layouts"]))
+            for ws in workspaces:
+                ws.destroy()
+            chan.barrier(f"{name}/{backend}/done")
+    out["reasons_logged"] = reasons.messages
+    jax.distributed.shutdown()
+    return out
