@@ -15,6 +15,7 @@ _LAZY = {
     "AllReduceFusionOutputs": ("api", "AllReduceFusionOutputs"),
     "create_allreduce_fusion_workspace": ("workspace", "create_allreduce_fusion_workspace"),
     "abstract_workspace": ("workspace", "abstract_workspace"),
+    "row_parallel_allreduce_fusion": ("partitioning", "row_parallel_allreduce_fusion"),
     "AllReduceFusionWorkspace": ("workspace", "AllReduceFusionWorkspace"),
 }
 
