@@ -26,7 +26,8 @@ from jax_fusedar.primitive import FFI_TARGET  # noqa: E402
 
 require_host_devices()
 
-LAYERS, BATCH, SEQ, HIDDEN, FFN = 4, 4, 8, 256, 512
+from sharded_model import (BATCH, FFN, HIDDEN, LAYERS, SEQ, jit_model,  # noqa: E402
+                           model_params, place, shard_map_model)
 
 
 @pytest.fixture(autouse=True)
@@ -38,54 +39,6 @@ def hermetic(monkeypatch):
 
 def mesh_2x4(axis_type):
     return jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(axis_type,) * 2)
-
-
-def model_params(rng, dtype):
-    """Per layer: column-parallel up projection, row-parallel down projection, norm gamma;
-    scaled so that activations stay O(1) through the layers."""
-    return [dict(w1=(random_values(rng, (HIDDEN, FFN), dtype) / 16).astype(jdtype(dtype)),
-                 w2=(random_values(rng, (FFN, HIDDEN), dtype) / 16).astype(jdtype(dtype)),
-                 gamma=random_gamma(rng, HIDDEN, dtype)) for _ in range(LAYERS)]
-
-
-PARAM_SPECS = dict(w1=P(None, "tp"), w2=P("tp", None), gamma=P())
-ACT_SPEC = P("dp", None, None)
-
-
-def jit_model(params, x, *, workspace):
-    """MaxText style: global arrays, shardings only on the inputs, no shard_map."""
-    h, residual = x, x
-    for p in params:
-        a = jax.nn.gelu(jnp.dot(h, p["w1"]))
-        out = jf.row_parallel_allreduce_fusion(a, p["w2"], residual=residual,
-                                               rms_gamma=p["gamma"], workspace=workspace)
-        h, residual = out.norm_out, out.residual_out
-    return h, residual
-
-
-def shard_map_model(mesh, ws):
-    """The same model written per shard with allreduce_fusion."""
-    def body(params, x):
-        h, residual = x, x
-        for p in params:
-            a = jax.nn.gelu(jnp.dot(h, p["w1"]))
-            partial = jnp.dot(a, p["w2"])
-            shape = partial.shape
-            out = jf.allreduce_fusion(partial.reshape(-1, HIDDEN), axis_name="tp",
-                                      workspace=ws, residual=residual.reshape(-1, HIDDEN),
-                                      rms_gamma=p["gamma"])
-            h, residual = out.norm_out.reshape(shape), out.residual_out.reshape(shape)
-        return h, residual
-
-    specs = [PARAM_SPECS] * LAYERS
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, ACT_SPEC),
-                                 out_specs=(ACT_SPEC, ACT_SPEC)))
-
-
-def place(mesh, params, x):
-    params = [{k: jax.device_put(v, NamedSharding(mesh, PARAM_SPECS[k])) for k, v in p.items()}
-              for p in params]
-    return params, jax.device_put(x, NamedSharding(mesh, ACT_SPEC))
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
@@ -100,7 +53,7 @@ def test_four_layer_jit_model_equals_the_shard_map_model_bitwise(axis_type, back
     make = (jf.create_allreduce_fusion_workspace if backend == "xla" else
             lambda *a, **k: jf.abstract_workspace(*a, backend="trtllm", **k))
     ws = make(mesh, "tp", max_token_num=BATCH * SEQ, hidden_dim=HIDDEN, dtype=jnp.bfloat16)
-    params, x = place(mesh, model_params(rng, dtype),
+    params, x = place(mesh, model_params(rng, jdtype(dtype)),
                       random_values(rng, (BATCH, SEQ, HIDDEN), dtype))
     want = shard_map_model(mesh, ws)(params, x)
     if axis_type == AxisType.Explicit:
@@ -121,7 +74,7 @@ def test_auto_axes_compile_to_one_all_reduce_per_layer_and_no_shard_map():
     mesh = mesh_2x4(AxisType.Auto)
     ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=BATCH * SEQ,
                                               hidden_dim=HIDDEN, dtype=jnp.bfloat16)
-    params, x = place(mesh, model_params(rng, "bfloat16"),
+    params, x = place(mesh, model_params(rng),
                       random_values(rng, (BATCH, SEQ, HIDDEN), "bfloat16"))
     hlo = jax.jit(lambda p, x: jit_model(p, x, workspace=ws)).lower(params, x).compile().as_text()
     # One all-reduce per layer (the reference's psum), over groups of 4 ("tp").
