@@ -41,10 +41,12 @@ def mesh_2x4(axis_type):
     return jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(axis_type,) * 2)
 
 
-@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+@pytest.mark.parametrize("axis_type,mesh_context", [
+    (AxisType.Auto, False), (AxisType.Auto, True), (AxisType.Explicit, True)])
 @pytest.mark.parametrize("backend", ["xla", pytest.param("trtllm", marks=pytest.mark.skipif(
     not native.available(), reason="a trtllm workspace's call needs the native extension"))])
-def test_four_layer_jit_model_equals_the_shard_map_model_bitwise(axis_type, backend):
+def test_four_layer_jit_model_equals_the_shard_map_model_bitwise(axis_type, mesh_context,
+                                                                 backend):
     """On CPU both run the reference lowering (a trtllm workspace also lowers to it here), so
     equal bits mean the partitioner ran the same per-shard program as shard_map does."""
     dtype = "bfloat16"
@@ -56,7 +58,7 @@ def test_four_layer_jit_model_equals_the_shard_map_model_bitwise(axis_type, back
     params, x = place(mesh, model_params(rng, jdtype(dtype)),
                       random_values(rng, (BATCH, SEQ, HIDDEN), dtype))
     want = shard_map_model(mesh, ws)(params, x)
-    if axis_type == AxisType.Explicit:
+    if mesh_context:  # MaxText runs under its mesh; Explicit axes need it
         with jax.set_mesh(mesh):
             got = jax.jit(lambda p, x: jit_model(p, x, workspace=ws))(params, x)
     else:
