@@ -26,7 +26,10 @@ When ``k`` is not sharded, the plain math runs (one matmul, the residual add and
 no reduction); when ``k`` is sharded over several mesh axes, or no workspace serves the
 axis, the reference all-reduce runs (logged once; ``strict`` raises). Outputs are sharded
 like ``h``'s leading dimensions, with the hidden dimension replicated (RMSNorm needs whole
-rows).
+rows). On Auto axes the op is a ``custom_vjp`` (custom_partitioning has no autodiff) whose
+backward is the plain math's gradient; on Explicit axes ``allreduce_fusion``'s rules apply.
+``jax.export`` works on Explicit axes only (the Auto-axes partition rule is a Python
+callback, which artifacts cannot carry).
 """
 from __future__ import annotations
 
@@ -96,7 +99,7 @@ def row_parallel_allreduce_fusion(
                              "shard_map; inside shard_map call jax_fusedar.allreduce_fusion on "
                              "the local matmul")
         return _explicit(cfg, mesh, h, w, residual, rms_gamma)
-    residual_out, norm_out = _partitioned(h, w, residual, rms_gamma, cfg)
+    residual_out, norm_out = _differentiable(h, w, residual, rms_gamma, cfg)
     return AllReduceFusionOutputs(None, residual_out, norm_out, None, None)
 
 
@@ -243,10 +246,34 @@ def _local_program(cfg: _Config, mesh, plan: _Plan):
 @partial(custom_partitioning, static_argnums=(4,))
 def _partitioned(h, w, residual, gamma, cfg):
     # The unpartitioned meaning (one device, or inside a fully manual region): plain math.
+    return _plain(h, w, residual, gamma, cfg)
+
+
+def _plain(h, w, residual, gamma, cfg):
     _, res, norm = reference.epilogue(jnp.dot(h, w, precision=cfg.precision), residual, gamma,
                                       pattern=_PATTERN, rms_eps=cfg.rms_eps,
                                       weight_bias=cfg.weight_bias)
     return res, norm
+
+
+# custom_partitioning has no autodiff rule: the forward is the partitioned op, the backward
+# the gradient of the plain math (matmul, residual add, RMSNorm), which the partitioner
+# shards like any jnp code (the all-reduce's transpose is the broadcast it already is).
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _differentiable(h, w, residual, gamma, cfg):
+    return _partitioned(h, w, residual, gamma, cfg)
+
+
+def _differentiable_fwd(h, w, residual, gamma, cfg):
+    return _partitioned(h, w, residual, gamma, cfg), (h, w, residual, gamma)
+
+
+def _differentiable_bwd(cfg, saved, cotangents):
+    _, vjp = jax.vjp(lambda *a: _plain(*a, cfg), *saved)
+    return vjp(tuple(cotangents))
+
+
+_differentiable.defvjp(_differentiable_fwd, _differentiable_bwd)
 
 
 def _spec_of(sharding, ndim):
