@@ -93,11 +93,12 @@ def row_parallel_allreduce_fusion(
                   None if use_oneshot is None else bool(use_oneshot), strict, precision)
     mesh = jax.typeof(h).sharding.mesh
     types = set(getattr(mesh, "axis_types", ()))
+    if AxisType.Manual in types:
+        # Inside shard_map the arrays are shards: the partial sums would never be reduced.
+        raise ValueError("row_parallel_allreduce_fusion is called on global arrays, outside "
+                         "shard_map; inside shard_map call jax_fusedar.allreduce_fusion on "
+                         "the local matmul")
     if AxisType.Explicit in types:
-        if AxisType.Manual in types:
-            raise ValueError("row_parallel_allreduce_fusion is called on global arrays, outside "
-                             "shard_map; inside shard_map call jax_fusedar.allreduce_fusion on "
-                             "the local matmul")
         return _explicit(cfg, mesh, h, w, residual, rms_gamma)
     residual_out, norm_out = _differentiable(h, w, residual, rms_gamma, cfg)
     return AllReduceFusionOutputs(None, residual_out, norm_out, None, None)

@@ -217,6 +217,11 @@ def test_argument_errors():
     with pytest.raises(TypeError, match="workspace must be"):
         call(h, w, residual=r, rms_gamma=g, workspace="tp")
     mesh = mesh_2x4(AxisType.Auto)
+    for axis_type in (AxisType.Auto, AxisType.Explicit):  # inside shard_map: refused
+        m = mesh_2x4(axis_type)
+        with pytest.raises(ValueError, match="outside shard_map"):
+            jax.jit(jax.shard_map(lambda h, w: call(h, w, residual=r, rms_gamma=g).norm_out,
+                                  mesh=m, in_specs=(P(), P()), out_specs=P()))(h, w)
     ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=8, hidden_dim=32,
                                               dtype=jnp.bfloat16)
     ws.destroy()
