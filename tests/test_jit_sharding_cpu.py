@@ -263,3 +263,18 @@ def test_gradients_equal_the_unsharded_plain_math(axis_type):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5,
                                    err_msg=name)
         assert np.abs(np.asarray(b)).max() > 1e-2, name  # not trivially zero
+
+
+def test_strict_mode_error_surfaces_from_the_partition_rule_at_compile_time():
+    """The partition rule runs inside XLA's compilation: its ValueError comes back as XLA's
+    runtime error carrying the same message."""
+    mesh = mesh_2x4(AxisType.Auto)
+    wrong_axis = jf.create_allreduce_fusion_workspace(mesh, "dp", max_token_num=64,
+                                                      hidden_dim=HIDDEN, dtype=jnp.bfloat16)
+    h = jax.device_put(jnp.ones((8, FFN), jnp.bfloat16), NamedSharding(mesh, P(None, "tp")))
+    w = jax.device_put(jnp.ones((FFN, HIDDEN), jnp.bfloat16), NamedSharding(mesh, P("tp")))
+    r, g = jnp.ones((8, HIDDEN), jnp.bfloat16), jnp.ones(HIDDEN, jnp.bfloat16)
+    f = jax.jit(lambda h, w: jf.row_parallel_allreduce_fusion(
+        h, w, residual=r, rms_gamma=g, workspace=wrong_axis, strict=True).norm_out)
+    with pytest.raises(Exception, match="no workspace was given for mesh axis 'tp'.*strict"):
+        f(h, w)
