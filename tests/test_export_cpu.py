@@ -129,7 +129,7 @@ def test_a_second_live_kernel_workspace_with_the_same_key_is_refused():
     assert wsmod.lookup(twin.id) is twin
 
 
-def test_default_jax_export_refuses_the_custom_call_and_the_helper_states_the_exemption():
+def test_disabled_checks_exempt_exactly_the_fused_target():
     assert jf.export.DISABLED_CHECKS == (
         jax.export.DisabledSafetyCheck.custom_call(FFI_TARGET),)
 
