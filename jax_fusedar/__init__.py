@@ -15,6 +15,8 @@ _LAZY = {
     "AllReduceFusionOutputs": ("api", "AllReduceFusionOutputs"),
     "create_allreduce_fusion_workspace": ("workspace", "create_allreduce_fusion_workspace"),
     "abstract_workspace": ("workspace", "abstract_workspace"),
+    "row_parallel_allreduce_fusion": ("partitioning", "row_parallel_allreduce_fusion"),
+    "export": ("export", None),  # the module: export(), deserialize(), DISABLED_CHECKS
     "AllReduceFusionWorkspace": ("workspace", "AllReduceFusionWorkspace"),
 }
 
@@ -25,7 +27,8 @@ def __getattr__(name):
     if name in _LAZY:
         import importlib
         module, attr = _LAZY[name]
-        value = getattr(importlib.import_module(f".{module}", __name__), attr)
+        mod = importlib.import_module(f".{module}", __name__)
+        value = mod if attr is None else getattr(mod, attr)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'jax_fusedar' has no attribute {name!r}")

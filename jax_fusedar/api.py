@@ -147,6 +147,15 @@ def allreduce_fusion(x, *, axis_name: str, workspace: AllReduceFusionWorkspace,
         raise ValueError(f"axis {axis_name!r} has size {world} but the workspace was created "
                          f"for world size {workspace.world_size}")
     tokens, hidden = x.shape
+    if not all(isinstance(d, (int, np.integer)) for d in x.shape):
+        # jax.export with symbolic shapes. The kernel's one-/two-shot choice and workspace fit
+        # are trace-time decisions every rank must make alike, so they need concrete sizes;
+        # and the reference cannot serve either: in JAX 0.10 a shape-polymorphic shard_map
+        # body fails to compile on CPU ("Module has dynamic shapes") as soon as it broadcasts.
+        raise ValueError(
+            f"x has a symbolic shape {x.shape}: allreduce_fusion needs concrete token and "
+            "hidden sizes (the kernel decides one-/two-shot and the workspace fit at trace "
+            "time); export one artifact per token count (e.g. per serving bucket)")
     # World size and vector width are limits of the op itself, on every platform.
     vec = topology.vector_width(dtype_name)
     if hidden % vec:

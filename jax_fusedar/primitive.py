@@ -123,6 +123,8 @@ def _check_mesh(ctx, workspace_mesh_ids):
 def _cuda_lowering(ctx, *args, axis_name, pattern, use_kernel, workspace_id, mesh_device_ids,
                    use_oneshot, fp32_acc, rms_eps, weight_bias, layout, block_quant_group_size):
     if not use_kernel:
+        from .export import check_reference_lowered_for_cuda
+        check_reference_lowered_for_cuda(workspace_id)
         return _reference_lowering(ctx, *args, axis_name=axis_name, pattern=pattern,
                                    rms_eps=rms_eps, weight_bias=weight_bias, fp32_acc=fp32_acc,
                                    layout=layout, block_quant_group_size=block_quant_group_size)
@@ -161,5 +163,9 @@ def register_ffi_targets() -> bool:
         return False
     for name, capsule in native.ext.registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+    # Host twins (never run): a program exported for ("cpu", "cuda") keeps the cuda branch's
+    # custom call in the module it compiles on CPU (ffi/xla/allreduce_fusion.cc).
+    for name, capsule in getattr(native.ext, "host_registrations", dict)().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
     _registered = True
     return True

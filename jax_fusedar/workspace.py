@@ -7,14 +7,22 @@ and raw pointers; members in other processes (``jax.distributed``) through CUDA 
 handles exchanged over JAX's distributed key-value store, under keys unique to the group
 and the workspace. All groups are registered under one id, which the custom call carries;
 each device's XLA handler then finds its own rank by device ordinal.
+
+The id is a hash of the workspace's *key* (backend, the mesh axis's TP groups by device id,
+max_token_num, hidden_dim, dtype and an optional user-given ``name``), not a creation
+counter: a program exported (``jax.export``) in one process finds, in another, the workspace
+created there with the same arguments, whatever else that process created before. Two live
+kernel workspaces with one key in one process are refused (give them distinct names).
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import logging
 import socket
 import threading
+import weakref
 from typing import Optional
 
 import numpy as np
@@ -23,8 +31,9 @@ from . import exchange, native, topology
 
 log = logging.getLogger("jax_fusedar")
 
-_serials = itertools.count(1)
+_serials = itertools.count(1)  # per-process creation counter: the exchange keys' serial
 _serial_lock = threading.Lock()
+_by_id: "weakref.WeakValueDictionary[int, AllReduceFusionWorkspace]" = weakref.WeakValueDictionary()
 
 
 def _dtype_name(dtype) -> str:
@@ -46,14 +55,18 @@ class AllReduceFusionWorkspace:
     def __init__(self, *, mesh, axis_name: str, max_token_num: int, hidden_dim: int, dtype,
                  backend: str, workspace_id: int, groups, sizes: topology.WorkspaceSizes,
                  check_calls: bool = False,
-                 check_timeout_s: float = native.DEFAULT_CHECK_TIMEOUT_S):
+                 check_timeout_s: float = native.DEFAULT_CHECK_TIMEOUT_S,
+                 name: Optional[str] = None, serial: Optional[int] = None, key: str = ""):
         self.mesh = mesh
         self.axis_name = axis_name
         self.max_token_num = int(max_token_num)
         self.hidden_dim = int(hidden_dim)
         self.dtype = np.dtype(dtype)
         self.backend = backend
-        self.id = workspace_id
+        self.id = workspace_id  # workspace_key_id(key): what the custom call carries
+        self.serial = workspace_id if serial is None else serial  # exchange keys only
+        self.name = name
+        self.key = key
         self.groups = groups
         self.sizes = sizes
         self.check_calls = bool(check_calls)
@@ -106,6 +119,7 @@ class AllReduceFusionWorkspace:
 
     def __repr__(self):
         return (f"AllReduceFusionWorkspace(id={self.id}, backend={self.backend!r}, "
+                f"{'' if self.name is None else f'name={self.name!r}, '}"
                 f"axis={self.axis_name!r}, world_size={self.world_size}, groups={len(self.groups)}, "
                 f"max_token_num={self.max_token_num}, hidden_dim={self.hidden_dim}, "
                 f"dtype={self.dtype.name}{', check_calls' if self.check_calls else ''}"
@@ -140,29 +154,84 @@ def _choose_backend(ws: AllReduceFusionWorkspace, requested, platform: str,
     return choice.backend
 
 
+def workspace_key(backend: str, groups, max_token_num: int, hidden_dim: int, dtype_name: str,
+                  name: Optional[str]) -> str:
+    """The stable identity a compiled or exported program refers to its workspace by."""
+    return json.dumps({"backend": backend, "groups": [list(g.members) for g in groups],
+                       "max_token_num": int(max_token_num), "hidden_dim": int(hidden_dim),
+                       "dtype": dtype_name, "name": name}, sort_keys=True)
+
+
+def workspace_key_id(key: str) -> int:
+    """The key's 63-bit hash: the custom call's ``workspace_id`` attribute."""
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
+
+
+def lookup(workspace_id: int) -> Optional[AllReduceFusionWorkspace]:
+    """The live workspace object of this process with that id, if any."""
+    return _by_id.get(int(workspace_id))
+
+
+def _check_name(name) -> Optional[str]:
+    if name is not None and (not isinstance(name, str) or not name):
+        raise ValueError(f"name must be None or a non-empty str, got {name!r}")
+    return name
+
+
 def _describe(mesh, axis_name, max_token_num, hidden_dim, dtype,
-              backend) -> AllReduceFusionWorkspace:
-    """The workspace object, validated, with a fresh id; nothing allocated yet. The limits
-    are the kernel's on every backend: what runs on CPU runs fused on the GPU."""
+              backend, name=None) -> AllReduceFusionWorkspace:
+    """The workspace object, validated; nothing allocated yet. The limits are the kernel's
+    on every backend: what runs on CPU runs fused on the GPU. Its stable id follows from
+    the backend: pass None when the backend is decided from the groups afterwards
+    (``_set_backend``)."""
+    name = _check_name(name)
     if axis_name not in mesh.axis_names:
         raise ValueError(f"axis {axis_name!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
     dtype_name = _dtype_name(dtype)
     world = int(mesh.shape[axis_name])
     topology.check_kernel_supports(world, hidden_dim, dtype_name)
     sizes = topology.workspace_sizes(world, max_token_num, hidden_dim, dtype_name)
+    groups = _mesh_groups(mesh, axis_name)
     with _serial_lock:
         serial = next(_serials)
-    return AllReduceFusionWorkspace(mesh=mesh, axis_name=axis_name, max_token_num=max_token_num,
-                                    hidden_dim=hidden_dim, dtype=dtype_name, backend=backend,
-                                    workspace_id=serial, groups=_mesh_groups(mesh, axis_name),
-                                    sizes=sizes)
+    ws = AllReduceFusionWorkspace(mesh=mesh, axis_name=axis_name, max_token_num=max_token_num,
+                                  hidden_dim=hidden_dim, dtype=dtype_name, backend=None,
+                                  workspace_id=None, groups=groups, sizes=sizes, name=name,
+                                  serial=serial)
+    if backend is not None:
+        _set_backend(ws, backend)
+    return ws
+
+
+def _set_backend(ws: AllReduceFusionWorkspace, backend: str) -> None:
+    """Fixes the backend, and with it the stable key and id programs find ``ws`` by."""
+    ws.backend = backend
+    ws.key = workspace_key(backend, ws.groups, ws.max_token_num, ws.hidden_dim,
+                           ws.dtype.name, ws.name)
+    ws.id = workspace_key_id(ws.key)
+
+
+def _claim_id(ws: AllReduceFusionWorkspace, allocates: bool) -> None:
+    """Records ``ws`` under its id; a second live kernel workspace with the same key would
+    take over the first one's registration in the XLA handler, so it is refused."""
+    with _serial_lock:
+        old = _by_id.get(ws.id)
+        if allocates and old is not None and old._ranks and not old.destroyed:
+            raise ValueError(
+                f"a live workspace with the same key already exists in this process ({old!r}); "
+                "programs find their workspace by (backend, mesh axis members, max_token_num, "
+                "hidden_dim, dtype, name): pass a distinct name= to each, or destroy the "
+                "first")
+        if old is None or not old._ranks or old.destroyed:
+            _by_id[ws.id] = ws
 
 
 def create_allreduce_fusion_workspace(mesh, axis_name: str, *, max_token_num: int,
                                       hidden_dim: int, dtype, backend: Optional[str] = "auto",
                                       exchange_timeout_s: float = 120.0,
                                       check_calls: Optional[bool] = None,
-                                      check_timeout_s: Optional[float] = None
+                                      check_timeout_s: Optional[float] = None,
+                                      name: Optional[str] = None
                                       ) -> AllReduceFusionWorkspace:
     """Creates the workspaces of every TP group along ``axis_name`` of ``mesh``.
 
@@ -181,13 +250,20 @@ def create_allreduce_fusion_workspace(mesh, axis_name: str, *, max_token_num: in
     (None: ``$JAX_FUSEDAR_CHECK_TIMEOUT_S``, default 30 s), fails the stream with a CUDA error
     and a printed description instead of hanging (``call_check_failures()`` reads it back).
     One extra tiny kernel per call; every process must pass the same setting.
+
+    ``name`` (optional) is part of the workspace's stable key, which compiled and exported
+    programs find it by (module docstring): needed only to keep two otherwise identical
+    kernel workspaces apart in one process, and then given alike when exporting
+    (``abstract_workspace(..., name=)``) and when serving.
     """
     check_calls = native.resolve_check_calls(check_calls)
     check_timeout_s = native.resolve_check_timeout_s(check_timeout_s)
 
-    ws = _describe(mesh, axis_name, max_token_num, hidden_dim, dtype, None)
-    ws.backend = resolved = _choose_backend(ws, backend, mesh.devices.flat[0].platform,
-                                            exchange_timeout_s)
+    ws = _describe(mesh, axis_name, max_token_num, hidden_dim, dtype, None, name)
+    _set_backend(ws, _choose_backend(ws, backend, mesh.devices.flat[0].platform,
+                                     exchange_timeout_s))
+    resolved = ws.backend
+    _claim_id(ws, allocates=resolved == "trtllm")
     ws.check_calls = check_calls and resolved == "trtllm"
     ws.check_timeout_s = check_timeout_s
     if resolved == "trtllm":
@@ -201,10 +277,14 @@ def create_allreduce_fusion_workspace(mesh, axis_name: str, *, max_token_num: in
 
 
 def abstract_workspace(mesh, axis_name: str, *, max_token_num: int, hidden_dim: int, dtype,
-                       backend: str = "trtllm") -> AllReduceFusionWorkspace:
+                       backend: str = "trtllm", name: Optional[str] = None
+                       ) -> AllReduceFusionWorkspace:
     """A workspace description that allocates nothing: for lowering or exporting a program
-    for GPUs on a machine without them (``jit(f).trace(...).lower(lowering_platforms=("cuda",))``).
-    Running such a program fails with a clear FFI error (no workspace is registered).
+    for GPUs on a machine without them (``jit(f).trace(...).lower(lowering_platforms=("cuda",))``,
+    ``jax_fusedar.export.export``). The program refers to the workspace by its stable key, so
+    it runs wherever a workspace with the same arguments (``name`` included) was created with
+    ``create_allreduce_fusion_workspace``; elsewhere the call fails with an FFI error naming
+    the missing key.
 
     ``backend`` ("trtllm", "xla" or "auto") is decided as ``create_allreduce_fusion_workspace``
     would on CUDA GPUs with the mesh's hosts: under ``jax.distributed`` each process's host
@@ -212,8 +292,9 @@ def abstract_workspace(mesh, axis_name: str, *, max_token_num: int, hidden_dim: 
     span hosts."""
     if backend not in ("auto", "trtllm", "xla"):
         raise ValueError(f"backend must be 'auto', 'trtllm' or 'xla', not {backend!r}")
-    ws = _describe(mesh, axis_name, max_token_num, hidden_dim, dtype, None)
-    ws.backend = _choose_backend(ws, backend, "cuda", _HOSTNAME_TIMEOUT_S)
+    ws = _describe(mesh, axis_name, max_token_num, hidden_dim, dtype, None, name)
+    _set_backend(ws, _choose_backend(ws, backend, "cuda", _HOSTNAME_TIMEOUT_S))
+    _claim_id(ws, allocates=False)
     return ws
 
 
@@ -295,13 +376,13 @@ def _build_native(ws: AllReduceFusionWorkspace, timeout_s: float) -> None:
     spans = any(len({m.process for m in ms}) > 1 for ms in members.values())
     chan = _KVChannel(timeout_s) if spans else None
     if chan is not None:  # before anything is allocated
-        agree_on_check_calls(ws.groups, members, me, chan, serial=ws.id,
+        agree_on_check_calls(ws.groups, members, me, chan, serial=ws.serial,
                              check_calls=ws.check_calls)
     plans = [exchange.create_and_publish(g, members[g.index], me, make_rank, chan,
-                                         namespace="jax_fusedar", serial=ws.id)
+                                         namespace="jax_fusedar", serial=ws.serial)
              for g in ws.groups]
     for plan in plans:
-        exchange.connect_and_finalize(plan, me, chan, namespace="jax_fusedar", serial=ws.id)
+        exchange.connect_and_finalize(plan, me, chan, namespace="jax_fusedar", serial=ws.serial)
         for tp_rank, rank in plan.local.items():
             ext.register_rank(ws.id, plan.members[tp_rank].device, rank)
 

@@ -595,7 +595,7 @@ def test_workspace_metadata_and_groups():
         4, "tp", np.dtype(jnp.float16), 32, 512)
     assert ws.groups == [TPGroup((0, 1, 2, 3), 0), TPGroup((4, 5, 6, 7), 1)]
     assert "groups=2" in repr(ws)
-    assert xla_workspace(mesh_of("tp8")).id > ws.id  # ids are never reused
+    assert xla_workspace(mesh_of("tp8")).serial > ws.serial  # serials are never reused
     # Groups follow the tp axis and the mesh's device order, not the device ids.
     shuffled = [5, 2, 7, 0, 3, 6, 1, 4]
     ws = xla_workspace(make_mesh((2, 4), ("dp", "tp"), device_ids=shuffled))

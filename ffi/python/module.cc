@@ -2,7 +2,8 @@
 // torch_compat. It exposes
 //   - Rank: one TP rank's workspace on one device (create, exchange, finalize, destroy,
 //     and a raw-pointer launch used by the torch layer and the GPU tests);
-//   - registrations(): the XLA FFI handler capsules, one table for all targets;
+//   - registrations(): the XLA FFI handler capsules, one table for all targets (and
+//     host_registrations(): the host twins multi-platform exports need);
 //   - the workspace registry the XLA handlers consult;
 //   - a few device queries.
 // No JAX or torch headers: tensors arrive as integer device pointers and streams.
@@ -197,6 +198,12 @@ NB_MODULE(_fusedar, m) {
     nb::dict d;
     d[FUSEDAR_TARGET_ALLREDUCE_FUSION] = encapsulate(FusedarAllReduceFusionHandler);
     d[FUSEDAR_TARGET_DEVICE_TIMESTAMP] = encapsulate(FusedarDeviceTimestampHandler);
+    return d;
+  });
+  // Targets registered for the host platform (jax_fusedar/primitive.py).
+  m.def("host_registrations", []() {
+    nb::dict d;
+    d[FUSEDAR_TARGET_ALLREDUCE_FUSION] = encapsulate(FusedarAllReduceFusionHostHandler);
     return d;
   });
 

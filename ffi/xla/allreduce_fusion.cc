@@ -161,3 +161,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedarAllReduceFusionHandler, fusedar::xla::AllRe
                                   .Attr<int32_t>("layout")
                                   .Attr<int32_t>("block_quant_group_size"),
                               {ffi::Traits::kCmdBufferCompatible});
+
+// The same target on the host platform. A program exported for ("cpu", "cuda") holds both
+// platforms' branches in one module; on CPU the reference branch runs, but XLA:CPU still
+// resolves every custom call of the module when it compiles it, the unreachable cuda
+// branch's included. This handler makes that resolution succeed; it never runs (the CPU
+// lowering never emits the custom call), and says so if it ever did.
+namespace fusedar::xla {
+namespace {
+ffi::Error AllReduceFusionHostImpl(ffi::RemainingArgs, ffi::RemainingRets, ffi::Dictionary) {
+  return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                    "jax_fusedar: the fused all-reduce kernel runs on CUDA GPUs only; on CPU "
+                    "programs use the reference lowering (psum + RMSNorm), so this call "
+                    "comes from a program lowered for cuda alone");
+}
+}  // namespace
+}  // namespace fusedar::xla
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedarAllReduceFusionHostHandler,
+                              fusedar::xla::AllReduceFusionHostImpl,
+                              ffi::Ffi::Bind()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attrs<ffi::Dictionary>());

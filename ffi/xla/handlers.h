@@ -6,6 +6,8 @@
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FusedarAllReduceFusionHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FusedarDeviceTimestampHandler);
+// Host twin of the fused target (never runs): see allreduce_fusion.cc.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FusedarAllReduceFusionHostHandler);
 
 // Stable, versioned target names: bump the suffix whenever operands, results or
 // attributes change, so a serialized program never meets a handler it was not built for.

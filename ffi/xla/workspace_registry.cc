@@ -38,9 +38,12 @@ fusedar_rank* find_rank(int64_t workspace_id, int32_t device_ordinal, std::strin
   *why = known ? "workspace " + std::to_string(workspace_id) + " has no rank on device " +
                      std::to_string(device_ordinal) +
                      " (the op runs on a device outside the mesh the workspace was made for)"
-               : "workspace " + std::to_string(workspace_id) +
-                     " does not exist in this process (destroyed, or the compiled program "
-                     "outlived it)";
+               : "no workspace with id " + std::to_string(workspace_id) +
+                     " exists in this process. The id is the hash of the workspace's key "
+                     "(backend, the mesh axis's members, max_token_num, hidden_dim, dtype, "
+                     "name): create the workspace the program was built or exported for "
+                     "with jax_fusedar.create_allreduce_fusion_workspace and the same "
+                     "arguments before running it (or it was destroyed)";
   return nullptr;
 }
 

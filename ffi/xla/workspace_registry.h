@@ -2,7 +2,8 @@
 //
 // A jitted program is SPMD: every device runs the same custom call with the same
 // attributes, so the attribute can only name a workspace *set* (one per
-// create_allreduce_fusion_workspace call, covering every TP group of the mesh); the
+// create_allreduce_fusion_workspace call, covering every TP group of the mesh), by the
+// hash of its stable key (jax_fusedar/workspace.py), so exported programs find it; the
 // device ordinal XLA hands each handler (Ctx<DeviceOrdinal>, never cudaGetDevice)
 // then picks that device's rank within its own group.
 #pragma once

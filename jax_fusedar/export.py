@@ -1,0 +1,120 @@
+"""``jax.export`` of programs that use jax_fusedar's op.
+
+``jax.export`` refuses custom calls whose targets are not on its list of targets with a
+compatibility guarantee. jax_fusedar's target keeps its own guarantee instead: the name is
+versioned (``jax_fusedar_allreduce_fusion_v1``), its operands, results and attributes never
+change under that name (a new layout gets a new name), and the handler re-checks the
+operand and result lists, so an artifact never meets a handler it was not built for.
+``DISABLED_CHECKS`` states exactly that exemption (for this target only), and ``export``
+applies it::
+
+    exp = jax_fusedar.export.export(jax.jit(f), platforms=("cpu", "cuda"))(*arg_specs)
+    blob = exp.serialize()
+    ...                                    # another process, after creating the workspace:
+    jax_fusedar.export.deserialize(blob).call(*args)
+
+At run time the custom call finds its workspace by the hash of a stable key (backend, the
+mesh axis's members by device id, max_token_num, hidden_dim, dtype and an optional
+``name``; see ``jax_fusedar.workspace``), so the serving process must create a workspace
+with the same arguments (``abstract_workspace`` on the exporting side, which allocates
+nothing, describes the same key); a missing one is an FFI error naming the id and the key's
+fields. Multi-platform exports run the reference (psum + RMSNorm) on CPU. A program lowered
+for cuda from a workspace on the XLA backend of a GPU-less process would silently hold the
+reference instead of the kernel: ``export`` refuses it (plain lowering warns). Symbolic
+token counts are refused with a clear error: export one artifact per token count.
+``row_parallel_allreduce_fusion`` exports on Explicit mesh axes (on Auto axes its
+partitioning is a Python callback, which ``export`` refuses with an explanation).
+Serializing needs the ``flatbuffers`` package (``jax.export``'s requirement).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import re
+import warnings
+
+import jax
+
+from .primitive import FFI_TARGET, register_ffi_targets
+
+DISABLED_CHECKS = (jax.export.DisabledSafetyCheck.custom_call(FFI_TARGET),)
+
+_refuse_reference = contextvars.ContextVar("jax_fusedar_export_refuses_reference", default=False)
+_allow_reference = contextvars.ContextVar("jax_fusedar_export_allows_reference", default=False)
+
+
+def export(fun, *, platforms=None, disabled_checks=(), **kwargs):
+    """``jax.export.export(fun, ...)`` with ``DISABLED_CHECKS`` added; ``fun`` is wrapped in
+    ``jax.jit`` if it is not jitted. Returns the function of argument specs that gives the
+    ``jax.export.Exported``, as ``jax.export.export`` does. Raises ValueError when a call
+    would be exported for cuda with the reference because its workspace is an XLA-backend
+    workspace of this GPU-less process (use ``abstract_workspace(..., backend="trtllm")``)."""
+    if not hasattr(fun, "trace"):
+        fun = jax.jit(fun)
+    exporter = jax.export.export(fun, platforms=platforms,
+                                 disabled_checks=(*DISABLED_CHECKS, *disabled_checks), **kwargs)
+
+    def do_export(*args, **kw):
+        token = _refuse_reference.set(not _allow_reference.get())
+        try:
+            return exporter(*args, **kw)
+        except NotImplementedError as e:
+            if "host_callbacks" not in str(e):
+                raise
+            raise ValueError(
+                f"jax.export: {e}. If the program calls row_parallel_allreduce_fusion on "
+                "Auto mesh axes, that is its partition rule (custom_partitioning runs a "
+                "Python callback when XLA compiles): export it on a mesh with Explicit axes "
+                "(jax.make_mesh's default, under jax.set_mesh), where the op is placed at "
+                "trace time, or write the layer with shard_map + allreduce_fusion") from e
+        finally:
+            _refuse_reference.reset(token)
+
+    return do_export
+
+
+def deserialize(blob) -> jax.export.Exported:
+    """``jax.export.deserialize`` after registering jax_fusedar's FFI targets with XLA (the
+    cuda handlers and their host twins), which a fresh process needs before it can compile
+    the artifact."""
+    register_ffi_targets()
+    return jax.export.deserialize(blob)
+
+
+def workspace_ids(exported) -> list:
+    """The workspace ids (``workspace_id`` attributes) the artifact's fused calls look up."""
+    text = exported.mlir_module() if hasattr(exported, "mlir_module") else str(exported)
+    return sorted({int(m) for m in re.findall(r"workspace_id = (\d+) : i64", text)})
+
+
+@contextlib.contextmanager
+def allow_reference_for_cuda():
+    """Inside ``export``: let a cuda lowering keep the reference for XLA-backend workspaces
+    (the program then never uses the kernel)."""
+    token = _allow_reference.set(True)
+    try:
+        yield
+    finally:
+        _allow_reference.reset(token)
+
+
+def check_reference_lowered_for_cuda(workspace_id: int) -> None:
+    """Called by the cuda lowering of a call that was not cleared for the kernel: when the
+    reason is that the workspace is on the XLA backend of a process without GPUs, the cuda
+    program would silently lack the kernel. Raises inside ``export``, else warns."""
+    if _allow_reference.get():
+        return
+    from .workspace import lookup
+    ws = lookup(workspace_id)
+    if ws is None or ws.backend != "xla":
+        return
+    if any(getattr(d, "platform", None) == "gpu" for d in ws.mesh.devices.flat):
+        return  # the XLA backend chosen on GPUs: the user's (or auto's) explicit choice
+    msg = (f"jax_fusedar: lowering for cuda with {ws!r}, an XLA-backend workspace of a process "
+           "without GPUs: the program will run psum + RMSNorm, not the fused kernel. To "
+           "export the kernel from this machine use jax_fusedar.abstract_workspace(..., "
+           "backend='trtllm'), which serving processes match by key")
+    if _refuse_reference.get():
+        raise ValueError(msg + " (or wrap the export in "
+                         "jax_fusedar.export.allow_reference_for_cuda() to keep the reference)")
+    warnings.warn(msg, stacklevel=2)

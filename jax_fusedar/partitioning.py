@@ -1,0 +1,318 @@
+"""``row_parallel_allreduce_fusion``: the fused op for plain ``jax.jit`` + shardings (no shard_map).
+
+Models written in MaxText's style never see the row-parallel all-reduce: they write
+``y = h @ w`` with ``w`` sharded along its contracting dimension and the partitioner (Shardy,
+JAX's default) inserts the all-reduce. This module gives such models one call for the
+row-parallel matmul *and* what follows it::
+
+    out = row_parallel_allreduce_fusion(h, w, residual=x, rms_gamma=gamma, workspace=ws)
+    # out.residual_out = h @ w + x;  out.norm_out = RMSNorm(out.residual_out) * gamma
+
+and partitions itself:
+
+* **Auto axes** (``jax.make_mesh(..., axis_types=(AxisType.Auto, ...))``, ``NamedSharding``
+  on the arguments, MaxText's way): a ``jax.experimental.custom_partitioning`` op with a
+  Shardy ``sharding_rule`` (as TransformerEngine-JAX's ``cpp_extensions`` do). Its partition
+  rule, which runs when XLA compiles the program, reads where the partitioner put ``w``'s
+  contracting dimension ``k``; each shard then runs its local matmul followed by
+  ``allreduce_fusion`` over that mesh axis (the kernel when a workspace fits, else the same
+  math in XLA: ``psum`` + residual add + RMSNorm, with the kernel's rounding points).
+* **Explicit axes** (``jax.make_mesh``'s default): the shardings are part of the types, so the
+  same per-shard program is placed with ``jax.shard_map`` at trace time.
+
+Either way the per-shard program is exactly what a user would write inside ``shard_map``
+(``allreduce_fusion(h_local @ w_local, ...)``), so both give the same bits as that version.
+When ``k`` is not sharded, the plain math runs (one matmul, the residual add and the norm,
+no reduction); when ``k`` is sharded over several mesh axes, or no workspace serves the
+axis, the reference all-reduce runs (logged once; ``strict`` raises). Outputs are sharded
+like ``h``'s leading dimensions, with the hidden dimension replicated (RMSNorm needs whole
+rows). On Auto axes the op is a ``custom_vjp`` (custom_partitioning has no autodiff) whose
+backward is the plain math's gradient; on Explicit axes ``allreduce_fusion``'s rules apply.
+``jax.export`` works on Explicit axes only (the Auto-axes partition rule is a Python
+callback, which artifacts cannot carry).
+"""
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import NamedTuple, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from . import reference, topology
+from .api import AllReduceFusionOutputs, _fallback, allreduce_fusion
+from .patterns import AllReduceFusionPattern
+from .workspace import AllReduceFusionWorkspace
+
+_PATTERN = int(AllReduceFusionPattern.kARResidualRMSNorm)
+
+# h [..., k] @ w [k, n] (+ residual [..., n], gamma [n]) -> residual_out, norm_out [..., n].
+# k is contracted (the partition rule reduces it); n must stay whole for RMSNorm.
+SHARDING_RULE = "... k, k n, ... n, n -> ... n, ... n"
+
+
+class _Config(NamedTuple):
+    """Static (hashable) arguments of the partitioned op."""
+    workspaces: tuple
+    rms_eps: float
+    weight_bias: float
+    fp32_acc: bool
+    use_oneshot: Optional[bool]
+    strict: Optional[bool]
+    precision: object
+
+
+def row_parallel_allreduce_fusion(
+        h, w, *, residual, rms_gamma,
+        workspace: Union[AllReduceFusionWorkspace, Sequence[AllReduceFusionWorkspace], None] = None,
+        rms_eps: float = 1e-6, weight_bias: float = 0.0, fp32_acc: bool = True,
+        use_oneshot: Optional[bool] = None, strict: Optional[bool] = None,
+        precision=None) -> AllReduceFusionOutputs:
+    """Row-parallel ``h @ w`` fused with the all-reduce, residual add and RMSNorm.
+
+    Call it under ``jax.jit`` on globally shaped arrays, outside ``shard_map``; it partitions
+    itself (module docstring). ``h``: ``[..., k]``; ``w``: ``[k, n]`` (shard ``k`` over the
+    tensor-parallel axis); ``residual``: ``[..., n]``; ``rms_gamma``: ``[n]``; all of one
+    dtype. ``workspace``: a workspace, or several (e.g. one per dtype or per axis), from
+    ``create_allreduce_fusion_workspace``; the one created on the same mesh for the axis that
+    shards ``k``, with the matmul's dtype, serves the call. None: the XLA path everywhere.
+    ``precision`` is ``jnp.dot``'s. The other arguments are ``allreduce_fusion``'s.
+
+    Returns ``AllReduceFusionOutputs`` with ``residual_out = h @ w + residual`` and
+    ``norm_out = RMSNorm(residual_out) * (weight_bias + rms_gamma)`` (other fields None).
+    """
+    workspaces = _as_workspaces(workspace)
+    h, w, residual, rms_gamma = (jnp.asarray(a) for a in (h, w, residual, rms_gamma))
+    _check_shapes(h, w, residual, rms_gamma)
+    cfg = _Config(workspaces, float(rms_eps), float(weight_bias), bool(fp32_acc),
+                  None if use_oneshot is None else bool(use_oneshot), strict, precision)
+    mesh = jax.typeof(h).sharding.mesh
+    types = set(getattr(mesh, "axis_types", ()))
+    if AxisType.Manual in types:
+        # Inside shard_map the arrays are shards: the partial sums would never be reduced.
+        raise ValueError("row_parallel_allreduce_fusion is called on global arrays, outside "
+                         "shard_map; inside shard_map call jax_fusedar.allreduce_fusion on "
+                         "the local matmul")
+    if AxisType.Explicit in types:
+        return _explicit(cfg, mesh, h, w, residual, rms_gamma)
+    residual_out, norm_out = _differentiable(h, w, residual, rms_gamma, cfg)
+    return AllReduceFusionOutputs(None, residual_out, norm_out, None, None)
+
+
+def _as_workspaces(workspace) -> tuple:
+    if workspace is None:
+        return ()
+    many = tuple(workspace) if isinstance(workspace, (list, tuple)) else (workspace,)
+    for ws in many:
+        if not isinstance(ws, AllReduceFusionWorkspace):
+            raise TypeError("workspace must be an AllReduceFusionWorkspace from "
+                            "jax_fusedar.create_allreduce_fusion_workspace, a sequence of them, "
+                            f"or None; got {type(ws).__name__}")
+        if ws.destroyed:
+            raise ValueError(f"workspace {ws!r} was destroyed")
+    return many
+
+
+def _check_shapes(h, w, residual, gamma):
+    if h.ndim < 2:
+        raise ValueError(f"h must be [..., tokens, k] (at least 2-D), got shape {h.shape}")
+    if w.ndim != 2 or w.shape[0] != h.shape[-1]:
+        raise ValueError(f"w must be [k, n] with k = h.shape[-1] = {h.shape[-1]}, got shape "
+                         f"{w.shape}")
+    n = w.shape[1]
+    if residual.shape != (*h.shape[:-1], n):
+        raise ValueError(f"residual must have shape {(*h.shape[:-1], n)} (h's leading "
+                         f"dimensions, w's n), got {residual.shape}")
+    if gamma.shape != (n,):
+        raise ValueError(f"rms_gamma must have shape ({n},), got {gamma.shape}")
+    for name, a in (("w", w), ("residual", residual), ("rms_gamma", gamma)):
+        if a.dtype != h.dtype:
+            raise ValueError(f"{name} has dtype {np.dtype(a.dtype).name} but h has "
+                             f"{np.dtype(h.dtype).name}; pass all four in one dtype")
+
+
+# --- the per-shard program (one source for both partitioning paths) ------------------------------
+
+def _axes(entry) -> tuple:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+class _Plan(NamedTuple):
+    batch: tuple  # spec entries of h's leading dimensions (the outputs' too)
+    k_axes: tuple  # mesh axes sharding the contracting dimension
+
+
+def _plan(ndim: int, h_spec, w_spec) -> _Plan:
+    """Where each operand must be: k sharded as w's contracting dimension is (h's if w's is
+    not), h's leading dimensions as they are minus those axes, n replicated."""
+    h_spec = tuple(h_spec) + (None,) * (ndim - len(tuple(h_spec)))
+    w_spec = tuple(w_spec) + (None,) * (2 - len(tuple(w_spec)))
+    k_axes = _axes(w_spec[0]) or _axes(h_spec[-1])
+    batch = []
+    for entry in h_spec[:-1]:
+        kept = tuple(a for a in _axes(entry) if a not in k_axes)
+        batch.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return _Plan(tuple(batch), k_axes)
+
+
+def _k_entry(plan: _Plan):
+    return None if not plan.k_axes else (
+        plan.k_axes[0] if len(plan.k_axes) == 1 else plan.k_axes)
+
+
+def _specs(plan: _Plan):
+    """(in specs of h, w, residual, gamma; out spec of both results)."""
+    k = _k_entry(plan)
+    out = P(*plan.batch, None)
+    return (P(*plan.batch, k), P(k, None), out, P(None)), out
+
+
+def _mesh_ids(mesh):
+    """The mesh's device ids, or None for an abstract mesh (explicit axes at trace time: the
+    devices are checked when the kernel's call is lowered)."""
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        return None
+    devices = getattr(mesh, "devices", None)
+    if not isinstance(devices, np.ndarray) or devices.dtype != object:
+        return None
+    return tuple(int(d.id) for d in devices.flat)
+
+
+def _same_mesh(ws_mesh, mesh) -> bool:
+    if tuple(ws_mesh.axis_names) != tuple(mesh.axis_names):
+        return False
+    if dict(ws_mesh.shape) != dict(mesh.shape):
+        return False
+    ids = _mesh_ids(mesh)
+    return ids is None or ids == _mesh_ids(ws_mesh)
+
+
+def _pick_workspace(cfg: _Config, mesh, plan: _Plan, dtype):
+    """(the workspace serving this call, None) or (None, why none does; None when the user
+    gave no workspace, i.e. asked for the XLA path)."""
+    if not cfg.workspaces:
+        return None, None
+    if len(plan.k_axes) > 1:
+        return None, (f"the contracting dimension is sharded over several mesh axes "
+                      f"{plan.k_axes}; the fused kernel reduces over one")
+    axis = plan.k_axes[0]
+    for ws in cfg.workspaces:
+        if (ws.axis_name == axis and not ws.destroyed and ws.dtype == np.dtype(dtype)
+                and _same_mesh(ws.mesh, mesh)):
+            return ws, None
+    return None, (f"no workspace was given for mesh axis {axis!r} of this mesh and dtype "
+                  f"{np.dtype(dtype).name}")
+
+
+def _local_program(cfg: _Config, mesh, plan: _Plan):
+    """The per-shard program: the local matmul, then the fused op over the k axis."""
+
+    def local(h, w, residual, gamma):
+        partial_sum = jnp.dot(h, w, precision=cfg.precision)
+        if not plan.k_axes:  # nothing to reduce: the plain math
+            _, res, norm = reference.epilogue(partial_sum, residual, gamma, pattern=_PATTERN,
+                                              rms_eps=cfg.rms_eps, weight_bias=cfg.weight_bias)
+            return res, norm
+        n = partial_sum.shape[-1]
+        rows = (math.prod(partial_sum.shape[:-1]), n)
+        x2, r2 = partial_sum.reshape(rows), residual.reshape(rows)
+        ws, why = _pick_workspace(cfg, mesh, plan, h.dtype)
+        if ws is not None:
+            out = allreduce_fusion(x2, axis_name=plan.k_axes[0], workspace=ws,
+                                   residual=r2, rms_gamma=gamma, rms_eps=cfg.rms_eps,
+                                   weight_bias=cfg.weight_bias, use_oneshot=cfg.use_oneshot,
+                                   fp32_acc=cfg.fp32_acc, strict=cfg.strict)
+            res, norm = out.residual_out, out.norm_out
+        else:
+            if why is not None:  # workspaces were given but none serves this call
+                _fallback(why, topology.strict_mode(cfg.strict))
+            axis = plan.k_axes[0] if len(plan.k_axes) == 1 else plan.k_axes
+            _, res, norm = reference.allreduce_fusion_reference(
+                x2, r2, gamma, axis_name=axis, pattern=_PATTERN, rms_eps=cfg.rms_eps,
+                weight_bias=cfg.weight_bias, fp32_acc=cfg.fp32_acc)
+        return res.reshape(partial_sum.shape), norm.reshape(partial_sum.shape)
+
+    return local
+
+
+# --- Auto axes: custom_partitioning with a Shardy rule -------------------------------------------
+
+@partial(custom_partitioning, static_argnums=(4,))
+def _partitioned(h, w, residual, gamma, cfg):
+    # The unpartitioned meaning (one device, or inside a fully manual region): plain math.
+    return _plain(h, w, residual, gamma, cfg)
+
+
+def _plain(h, w, residual, gamma, cfg):
+    _, res, norm = reference.epilogue(jnp.dot(h, w, precision=cfg.precision), residual, gamma,
+                                      pattern=_PATTERN, rms_eps=cfg.rms_eps,
+                                      weight_bias=cfg.weight_bias)
+    return res, norm
+
+
+# custom_partitioning has no autodiff rule: the forward is the partitioned op, the backward
+# the gradient of the plain math (matmul, residual add, RMSNorm), which the partitioner
+# shards like any jnp code (the all-reduce's transpose is the broadcast it already is).
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _differentiable(h, w, residual, gamma, cfg):
+    return _partitioned(h, w, residual, gamma, cfg)
+
+
+def _differentiable_fwd(h, w, residual, gamma, cfg):
+    return _partitioned(h, w, residual, gamma, cfg), (h, w, residual, gamma)
+
+
+def _differentiable_bwd(cfg, saved, cotangents):
+    _, vjp = jax.vjp(lambda *a: _plain(*a, cfg), *saved)
+    return vjp(tuple(cotangents))
+
+
+_differentiable.defvjp(_differentiable_fwd, _differentiable_bwd)
+
+
+def _spec_of(sharding, ndim):
+    spec = getattr(sharding, "spec", None)
+    return tuple(spec) if spec is not None else (None,) * ndim
+
+
+def partition(cfg, mesh, arg_shapes, result_shape):
+    """The partition rule (also called directly by the tests): the shardings every operand
+    and result must have, and the per-shard program."""
+    h, w = arg_shapes[0], arg_shapes[1]
+    plan = _plan(len(h.shape), _spec_of(h.sharding, len(h.shape)), _spec_of(w.sharding, 2))
+    in_specs, out_spec = _specs(plan)
+    arg_shardings = tuple(NamedSharding(mesh, s) for s in in_specs)
+    out = NamedSharding(mesh, out_spec)
+    return mesh, _local_program(cfg, mesh, plan), (out, out), arg_shardings
+
+
+def _infer_sharding_from_operands(cfg, mesh, arg_shapes, result_shape):
+    # For the GSPMD partitioner (Shardy uses the sharding rule).
+    h, w = arg_shapes[0], arg_shapes[1]
+    plan = _plan(len(h.shape), _spec_of(h.sharding, len(h.shape)), _spec_of(w.sharding, 2))
+    out = NamedSharding(mesh, _specs(plan)[1])
+    return (out, out)
+
+
+_partitioned.def_partition(partition=partition,
+                           infer_sharding_from_operands=_infer_sharding_from_operands,
+                           sharding_rule=SHARDING_RULE, need_replication_factors=("n",))
+
+
+# --- Explicit axes: the shardings are in the types -----------------------------------------------
+
+def _explicit(cfg, mesh, h, w, residual, gamma):
+    plan = _plan(h.ndim, jax.typeof(h).sharding.spec, jax.typeof(w).sharding.spec)
+    in_specs, out_spec = _specs(plan)
+    args = [jax.sharding.reshard(a, s) for a, s in zip((h, w, residual, gamma), in_specs)]
+    local = _local_program(cfg, mesh, plan)
+    res, norm = jax.shard_map(local, mesh=mesh, in_specs=in_specs,
+                              out_specs=(out_spec, out_spec))(*args)
+    return AllReduceFusionOutputs(None, res, norm, None, None)

@@ -1,0 +1,173 @@
+"""One JAX process driving every local GPU (``--platform cuda``) or 8 CPU devices
+(``--platform cpu``, the plumbing run of tests/test_gpu_jit_export_workers_cpu.py). Tasks
+(each prints one ``RESULT <json>`` line):
+
+* ``jit``:    the 4-layer model of tests/sharded_model.py under plain jit on Auto axes
+              (Shardy + custom_partitioning) and on Explicit axes, against the shard_map
+              version: bitwise equal?; the compiled HLO's fused custom calls and all-reduces.
+* ``export``: exports the shard_map layer for ("cpu", "cuda") with ``abstract_workspace``
+              (nothing allocated) and writes the artifact, the inputs and the workspace id.
+* ``serve``:  a fresh process: calls the artifact before its workspace exists (the error),
+              then creates the workspace with the same arguments and calls it: bitwise equal
+              to the same layer jitted here?; the kernel's host launches during the call;
+              the fused calls in the compiled artifact (on CPU: the dead cuda branch's).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+NAME = "served-layer"
+TOKENS, HIDDEN = 16, 4096
+
+
+def _setup(platform: str):
+    if platform == "cpu":
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    else:
+        os.environ["JAX_PLATFORMS"] = "cuda"
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import jax
+    return jax
+
+
+def _fused_calls(hlo: str) -> int:
+    from jax_fusedar.primitive import FFI_TARGET
+    return hlo.count(f'custom_call_target="{FFI_TARGET}"')
+
+
+def _bits(a):
+    a = np.asarray(a)
+    return a.view(f"u{a.itemsize}")
+
+
+def task_jit(jax, seed: int) -> dict:
+    import jax.numpy as jnp
+    from jax.sharding import AxisType
+
+    import jax_fusedar as jf
+    from tests.sharded_model import (BATCH, HIDDEN as H, SEQ, jit_model, model_params, place,
+                                     shard_map_model)
+    n = len(jax.devices())
+    dp = 2 if n >= 4 else 1
+    out = {"devices": [str(d) for d in jax.devices()], "seed": seed}
+    for axis_type in (AxisType.Auto, AxisType.Explicit):
+        rng = np.random.default_rng(seed)
+        mesh = jax.make_mesh((dp, n // dp), ("dp", "tp"), axis_types=(axis_type,) * 2)
+        with jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=BATCH * SEQ,
+                                                  hidden_dim=H, dtype=jnp.bfloat16) as ws:
+            params, x = place(mesh, model_params(rng), rng.standard_normal(
+                (BATCH, SEQ, H)).astype(np.float32).astype(jnp.bfloat16))
+            want = [np.asarray(a) for a in shard_map_model(mesh, ws)(params, x)]
+            fn = jax.jit(lambda p, x: jit_model(p, x, workspace=ws))
+            if axis_type == AxisType.Explicit:
+                with jax.set_mesh(mesh):
+                    got, hlo = fn(params, x), fn.lower(params, x).compile().as_text()
+            else:
+                got, hlo = fn(params, x), fn.lower(params, x).compile().as_text()
+            got = [np.asarray(a) for a in got]
+            out[axis_type.name] = {
+                "backend": ws.backend,
+                "bitwise_equal": all(np.array_equal(_bits(g), _bits(w))
+                                     for g, w in zip(got, want)),
+                "finite": bool(all(np.isfinite(g.astype(np.float32)).all() for g in got)),
+                "fused_calls_in_hlo": _fused_calls(hlo),
+                "all_reduces_in_hlo": hlo.count("all-reduce("),
+            }
+    return out
+
+
+def _layer(jax, jf, mesh, ws):
+    from jax.sharding import PartitionSpec as P
+
+    def body(partial, residual, gamma):
+        out = jf.allreduce_fusion(partial, axis_name="tp", workspace=ws, residual=residual,
+                                  rms_gamma=gamma)
+        return out.residual_out, out.norm_out
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P()),
+                                 out_specs=(P(), P())))
+
+
+def task_export(jax, path: str, seed: int) -> dict:
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jax_fusedar as jf
+    mesh = jax.make_mesh((len(jax.devices()),), ("tp",))
+    n = mesh.shape["tp"]
+    ws = jf.abstract_workspace(mesh, "tp", max_token_num=TOKENS, hidden_dim=HIDDEN,
+                               dtype=jnp.bfloat16, name=NAME)
+    specs = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, sp))
+             for s, sp in (((n * TOKENS, HIDDEN), P("tp")), ((TOKENS, HIDDEN), P()),
+                           ((HIDDEN,), P()))]
+    exported = jf.export.export(_layer(jax, jf, mesh, ws), platforms=("cpu", "cuda"))(*specs)
+    with open(path + ".bin", "wb") as f:
+        f.write(exported.serialize())
+    rng = np.random.default_rng(seed)
+    np.savez(path + ".npz", partial=rng.standard_normal((n * TOKENS, HIDDEN)).astype(np.float32),
+             residual=rng.standard_normal((TOKENS, HIDDEN)).astype(np.float32),
+             gamma=rng.uniform(-2, 2, HIDDEN).astype(np.float32))
+    return {"workspace_id": ws.id, "ids_in_artifact": jf.export.workspace_ids(exported)}
+
+
+def task_serve(jax, path: str) -> dict:
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jax_fusedar as jf
+    mesh = jax.make_mesh((len(jax.devices()),), ("tp",))
+    with open(path + ".bin", "rb") as f:
+        exported = jf.export.deserialize(f.read())
+    data = np.load(path + ".npz")
+    args = [jax.device_put(data[k].astype(jnp.bfloat16), NamedSharding(mesh, s))
+            for k, s in (("partial", P("tp")), ("residual", P()), ("gamma", P()))]
+    out = {"devices": [str(d) for d in jax.devices()]}
+    kw = dict(max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=jnp.bfloat16)
+    # A workspace under another name does not match the artifact's key.
+    with jf.create_allreduce_fusion_workspace(mesh, "tp", name="another", **kw) as other:
+        out["other_backend"] = other.backend
+        try:
+            jax.block_until_ready(exported.call(*args))
+            out["missing_workspace_error"] = "no error"
+        except Exception as e:  # XlaRuntimeError from the handler
+            out["missing_workspace_error"] = str(e)[:400]
+    with jf.create_allreduce_fusion_workspace(mesh, "tp", name=NAME, **kw) as ws:
+        out.update(backend=ws.backend, workspace_id=ws.id)
+        from jax_fusedar import native
+        launches = native.ext.launch_count() if native.available() else 0
+        got = [np.asarray(a) for a in exported.call(*args)]
+        out["kernel_launches"] = (native.ext.launch_count() if native.available() else 0) - launches
+        want = [np.asarray(a) for a in _layer(jax, jf, mesh, ws)(*args)]
+        hlo = jax.jit(exported.call).lower(*args).compile().as_text()
+    out.update(bitwise_equal=all(np.array_equal(_bits(g), _bits(w)) for g, w in zip(got, want)),
+               finite=bool(all(np.isfinite(g.astype(np.float32)).all() for g in got)),
+               fused_calls_in_hlo=_fused_calls(hlo), shapes=[list(g.shape) for g in got])
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("task", choices=("jit", "export", "serve"))
+    ap.add_argument("--platform", choices=("cpu", "cuda"), required=True)
+    ap.add_argument("--path", default="")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    jax = _setup(a.platform)
+    if a.task == "jit":
+        result = task_jit(jax, a.seed)
+    elif a.task == "export":
+        result = task_export(jax, a.path, a.seed)
+    else:
+        result = task_serve(jax, a.path)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

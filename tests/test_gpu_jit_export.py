@@ -1,0 +1,48 @@
+"""GPU: the plain-jit (Shardy) model and an exported artifact, one process driving both GPUs
+(tests/gpu/jax_single_process.py).
+
+* The 4-layer MaxText-style model (jit, NamedSharding on the weights, no shard_map) compiles
+  to one fused custom call per layer and no all-reduce, on Auto axes (custom_partitioning)
+  and Explicit axes, and equals the shard_map + allreduce_fusion model bit for bit.
+* A layer exported for ("cpu", "cuda") with abstract_workspace in one process runs, in a
+  fresh process, on both GPUs with the kernel, once a workspace with the same key exists
+  (before that: the handler's error naming the missing id), bitwise equal to the same layer
+  jitted there.
+"""
+import os
+
+import pytest
+
+from tests.gpu.harness import report
+from tests.gpu.single_process_run import run_task
+
+pytestmark = pytest.mark.gpu
+LAYERS = 4
+
+
+def _seed():
+    env = os.environ.get("JAX_FUSEDAR_TEST_SEED")
+    return int(env) if env else int.from_bytes(os.urandom(4), "little")
+
+
+def test_jit_only_model_uses_the_kernel_and_matches_shard_map_bitwise():
+    res = run_task("jit", "cuda", seed=_seed())
+    report("jax_jit_sharding", res)
+    for axes in ("Auto", "Explicit"):
+        r = res[axes]
+        assert r["backend"] == "trtllm", r
+        assert r["fused_calls_in_hlo"] == LAYERS and r["all_reduces_in_hlo"] == 0, (axes, r)
+        assert r["bitwise_equal"] and r["finite"], (axes, r)
+
+
+def test_exported_artifact_runs_in_a_fresh_process_on_both_gpus(tmp_path):
+    path = str(tmp_path / "layer")
+    made = run_task("export", "cuda", path=path, seed=_seed())
+    served = run_task("serve", "cuda", path=path)
+    report("jax_export_serve", {"export": made, "serve": served})
+    assert made["ids_in_artifact"] == [made["workspace_id"]]
+    assert served["workspace_id"] == made["workspace_id"] and served["backend"] == "trtllm"
+    assert len(served["devices"]) >= 2
+    assert f"no workspace with id {made['workspace_id']}" in served["missing_workspace_error"]
+    assert served["fused_calls_in_hlo"] == 1 and served["kernel_launches"] >= 2, served
+    assert served["bitwise_equal"] and served["finite"], served
