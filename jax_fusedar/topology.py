@@ -488,6 +488,19 @@ def _backend_name(value: Optional[str]) -> str:
     return value.strip().lower() or "auto"
 
 
+def requested_backend(
+    requested: Optional[str], env: Optional[Mapping[str, str]] = None
+) -> tuple[str, str]:
+    """(backend name, where it came from): an explicit ``requested`` other than None/"auto",
+    else $JAX_FUSEDAR_ALLREDUCE_BACKEND (``env`` defaults to os.environ), else "auto". Not
+    yet checked against any list (JAX and torch have their own)."""
+    env = os.environ if env is None else env
+    name, source = _backend_name(requested), "backend argument"
+    if name == "auto":
+        name, source = _backend_name(env.get(BACKEND_ENV_VAR, "")), f"${BACKEND_ENV_VAR}"
+    return name, source
+
+
 def resolve_backend(
     requested: Optional[str],
     *,
@@ -504,10 +517,7 @@ def resolve_backend(
     ``num_nodes`` is the number of hosts the TP group spans.
     """
     num_nodes = _positive_int("num_nodes", num_nodes)
-    env = os.environ if env is None else env
-    name, source = _backend_name(requested), "backend argument"
-    if name == "auto":
-        name, source = _backend_name(env.get(BACKEND_ENV_VAR, "")), f"${BACKEND_ENV_VAR}"
+    name, source = requested_backend(requested, env)
     if name not in BACKENDS:
         raise ValueError(
             f"unknown all-reduce backend {name!r} (from the {source}); choose one of {BACKENDS}"
