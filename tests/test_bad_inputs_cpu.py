@@ -139,9 +139,12 @@ def test_pmap_cuda_lowering_is_checked():
     d = jax.devices()
     ws = jf.abstract_workspace(dp_tp(), "tp", backend="trtllm", **KW)
     x = jax.ShapeDtypeStruct((4, 2, 256), jnp.bfloat16)
+    def cuda(f):
+        return jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+
     with pytest.raises(ValueError, match=r"as \[\(0, 2, 4, 6\)\]"):
-        _pmapped(ws, [d[0], d[2], d[4], d[6]]).trace(x).lower(lowering_platforms=("cuda",))
-    text = _pmapped(ws, d[:4]).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+        cuda(_pmapped(ws, [d[0], d[2], d[4], d[6]]))
+    text = cuda(_pmapped(ws, d[:4]))
     assert FFI_TARGET in text
 
 
@@ -178,7 +181,10 @@ def test_zero_tokens_give_empty_outputs_for_quantized_patterns(pattern, kwargs, 
     if native.available():
         kws = jf.abstract_workspace(mesh, "tp", backend="trtllm", **KW)
         with_sf = dict(kwargs, scale_factor=sf) if sf is not None else kwargs
-        text = trace_fused(kws, 0, 256, pattern=pattern, **with_sf).lower(
+        # scale_factor as a closed-over constant: lowering only, nothing runs.
+        body = fused_body(kws, pattern, **{k: (jnp.asarray(v) if k == "scale_factor" else v)
+                                          for k, v in with_sf.items()})
+        text = trace_sharded(body, mesh, 0, 256, n_outputs=len(shapes)).lower(
             lowering_platforms=("cuda",)).as_text()
         assert FFI_TARGET not in text
 
