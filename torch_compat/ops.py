@@ -318,6 +318,15 @@ def _check_quant_outputs(p, traits, input: torch.Tensor, ws, quant_out, scale_ou
         _check_placement("scale_out", scale_out, ws, _SCALE_ALIGNMENT)
 
 
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _option(check, name: str, value, **kw):
+    """``check`` (an ``arguments`` validator) of an option, except a symbolic value that
+    torch.compile may trace a scalar argument as: only the eager op sees its value."""
+    return value if isinstance(value, _SYMBOLIC) else check(name, value, **kw)
+
+
 class CheckedCall(NamedTuple):
     """What ``check_call`` found: the call's pattern and traits, input dtype name, NVFP4
     layout and group size for the launch, the mode (None while sizes are symbolic) and the
@@ -355,14 +364,14 @@ def check_call(input, workspace, pattern, *, residual_in=None, rms_gamma=None, r
                          "supported: " + ", ".join(f"{q.value} ({q.name})" for q in TORCH_PATTERNS))
     traits = patterns.TRAITS[p]
     # Options are taken as given, never coerced (bool("false") is True): arguments.py.
-    use_oneshot = arguments.as_bool("use_oneshot", use_oneshot, allow_none=True)
+    use_oneshot = _option(arguments.as_bool, "use_oneshot", use_oneshot, allow_none=True)
     options = dict(
-        fp32_acc=arguments.as_bool("fp32_acc", fp32_acc),
-        launch_with_pdl=arguments.as_bool("launch_with_pdl", launch_with_pdl),
-        trigger_completion_at_end=arguments.as_bool("trigger_completion_at_end",
-                                                    trigger_completion_at_end),
-        rms_eps=arguments.as_float("rms_eps", rms_eps, minimum=0.0),
-        weight_bias=arguments.as_float("weight_bias", weight_bias))
+        fp32_acc=_option(arguments.as_bool, "fp32_acc", fp32_acc),
+        launch_with_pdl=_option(arguments.as_bool, "launch_with_pdl", launch_with_pdl),
+        trigger_completion_at_end=_option(arguments.as_bool, "trigger_completion_at_end",
+                                          trigger_completion_at_end),
+        rms_eps=_option(arguments.as_float, "rms_eps", rms_eps, minimum=0.0),
+        weight_bias=_option(arguments.as_float, "weight_bias", weight_bias))
     name = _check_input(input, workspace)
     if traits.has_residual:
         missing = [k for k, t in (("residual_in", residual_in), ("rms_gamma", rms_gamma))
