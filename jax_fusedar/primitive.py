@@ -21,6 +21,7 @@ from jax.interpreters import mlir
 
 from . import formats, native, quant_reference, reference, topology
 from .patterns import TRAITS, AllReduceFusionPattern
+from .workspace import _mesh_groups
 
 FFI_TARGET = "jax_fusedar_allreduce_fusion_v1"
 
@@ -108,13 +109,6 @@ def _reference_outputs(*args, axis_name, pattern, rms_eps, weight_bias, fp32_acc
 _reference_lowering = mlir.lower_fun(_reference_outputs, multiple_results=True)
 
 
-def mesh_groups(mesh, axis_name: str):
-    """Member device ids of every group along ``axis_name`` of a concrete ``mesh``, in
-    TP-rank order."""
-    from .workspace import _mesh_groups  # the workspace's own rule
-    return [g.members for g in _mesh_groups(mesh, axis_name)]
-
-
 def check_call_groups(mesh, axis_name: str, workspace_groups) -> None:
     """Refuse a call whose mesh groups the devices along ``axis_name`` otherwise than the
     workspace (topology.groups_problem): a device would reduce with the wrong group, a
@@ -123,7 +117,8 @@ def check_call_groups(mesh, axis_name: str, workspace_groups) -> None:
     devices = getattr(mesh, "devices", None)
     if not isinstance(devices, np.ndarray) or devices.dtype != object or devices.size == 0:
         return
-    problem = topology.groups_problem(axis_name, workspace_groups, mesh_groups(mesh, axis_name))
+    call_groups = [g.members for g in _mesh_groups(mesh, axis_name)]  # the workspace's rule
+    problem = topology.groups_problem(axis_name, workspace_groups, call_groups)
     if problem:
         raise ValueError(f"jax_fusedar.allreduce_fusion: {problem}")
 
