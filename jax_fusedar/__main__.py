@@ -50,6 +50,69 @@ def _int_list(text: str) -> list:
     return sorted(set(values))
 
 
+# The patterns `bench` times (bench.PATTERN_LABELS has their unfused twins; a test checks
+# the two agree). Known here so that --patterns is checked before JAX starts.
+BENCH_PATTERNS = (1, 4, 9, 11)
+
+
+def _pattern_list(text: str) -> list:
+    """--patterns: codes of fusion patterns the bench times. A valid pattern it does not time
+    (0, 2, ...) is named as such, not as "not positive" or "unknown"."""
+    from .patterns import AllReduceFusionPattern
+    codes = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        try:
+            codes.append(int(part))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r} is not an integer") from None
+    if not codes:
+        raise argparse.ArgumentTypeError("expected a comma-separated list of pattern codes")
+    untimed = sorted({c for c in codes if c not in BENCH_PATTERNS})
+    if untimed:
+        known = {int(p): p.name for p in AllReduceFusionPattern}
+        what = "; ".join(f"{c} ({known[c]}) is a fusion pattern the bench does not time"
+                         if c in known else f"{c} is not a fusion pattern" for c in untimed)
+        raise argparse.ArgumentTypeError(
+            f"the bench times patterns {', '.join(map(str, BENCH_PATTERNS))}: {what}")
+    return sorted(set(codes))
+
+
+def _seed(text: str) -> int:
+    """A seed numpy's generators and JAX's keys both take: an integer in [0, 2**32)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"{value} is not in [0, 2**32)")
+    return value
+
+
+def check_out_dir(path, files) -> "str | None":
+    """Why results cannot be written to ``files`` in the folder ``path`` (created here if
+    missing), or None. Called before anything is measured, so a bad --out costs no run."""
+    import tempfile
+    from pathlib import Path
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        return f"{out} exists and is not a folder"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"cannot create the folder {out}: {e.strerror or e}"
+    for name in files:
+        if (out / name).is_dir():
+            return f"{out / name} is a folder, so {name} cannot be written there"
+    try:  # the folder exists; can we write in it?
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write_check_"):
+            pass
+    except OSError as e:
+        return f"cannot write in the folder {out}: {e.strerror or e}"
+    return None
+
+
 def _mode_list(text: str) -> list:
     modes = [m.strip() for m in text.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
@@ -81,7 +144,7 @@ def build_parser():
     demo.add_argument("--activation", choices=("gelu", "silu"), default="gelu")
     demo.add_argument("--iters", type=_positive_int, default=20,
                       help="timed runs of each model after warm-up (the median is shown)")
-    demo.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    demo.add_argument("--seed", type=_seed, default=0, help="seed of the random weights")
     demo.add_argument("--backend", choices=BACKENDS, default="auto",
                       help="fused op backend: auto = the kernel on GPUs, XLA elsewhere")
 
@@ -99,7 +162,7 @@ def build_parser():
     bench.add_argument("--hidden", type=_int_list, default="4096,8192",
                        help="comma-separated hidden sizes")
     bench.add_argument("--dtype", choices=DTYPES, default="bfloat16")
-    bench.add_argument("--patterns", type=_int_list, default="1,4,11,9",
+    bench.add_argument("--patterns", type=_pattern_list, default="1,4,11,9",
                        help="fusion patterns to time: 1 (AR + residual + RMSNorm), 4 (+ static "
                        "FP8), 11 (+ dynamic per-token FP8), 9 (+ per-token-group FP8)")
     bench.add_argument("--method", choices=("auto", "device", "chain", "loop"), default="auto",
@@ -160,6 +223,10 @@ def main(argv=None) -> int:
     parser, commands = build_parser()
     args = parser.parse_args(argv)
     _check_hidden(commands[args.command], args)
+    if args.command == "bench":
+        problem = check_out_dir(args.out, ("bench.json", "bench.png"))
+        if problem:
+            commands["bench"].error(f"--out {args.out}: {problem}")
     _ensure_host_devices()
     # Imported here, after XLA_FLAGS is settled, because they import JAX.
     from .demo import SetupError

@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import formats, topology
+from . import arguments, formats, topology
 from .patterns import TRAITS, AllReduceFusionPattern, QuantizationSFLayout, as_pattern
-from .primitive import allreduce_fusion_p, register_ffi_targets
+from .primitive import allreduce_fusion_p, check_call_groups, register_ffi_targets
 from .workspace import AllReduceFusionWorkspace
 
 log = logging.getLogger("jax_fusedar")
@@ -87,6 +87,24 @@ def _require_sm100(workspace):
                              f"sm{str(cc).replace('.', '')}")
 
 
+def _check_context_mesh(workspace, axis_name):
+    """At trace time, when the concrete mesh is known (``jax.set_mesh``): the call's groups
+    along ``axis_name`` must be the workspace's (primitive.check_call_groups). Otherwise the
+    same check runs when the call is lowered, on every platform, from the mesh of the
+    shard_map or pmap being lowered."""
+    try:
+        from jax._src.mesh import get_concrete_mesh  # no public accessor inside jit
+        mesh = get_concrete_mesh()
+    except Exception:  # another JAX version: the lowering still checks
+        return
+    if mesh is None or mesh.empty:
+        return
+    context = jax.sharding.get_abstract_mesh()
+    # Only the mesh this call runs under: same axes and sizes as the one in context.
+    if tuple(mesh.shape.items()) == tuple(getattr(context, "shape", {}).items()):
+        check_call_groups(mesh, axis_name, [g.members for g in workspace.groups])
+
+
 def _check_operand(name, value, shape, dtype):
     if value.shape != shape or value.dtype != dtype:
         raise ValueError(f"{name} must have shape {shape} and dtype {np.dtype(dtype).name}, "
@@ -122,8 +140,21 @@ def allreduce_fusion(x, *, axis_name: str, workspace: AllReduceFusionWorkspace,
     pattern = as_pattern(pattern)
     traits = TRAITS[pattern]
     strict = topology.strict_mode(strict)
+    # Options are taken as given, never coerced (bool("false") is True): arguments.py.
+    use_oneshot = arguments.as_bool("use_oneshot", use_oneshot, allow_none=True)
+    fp32_acc = arguments.as_bool("fp32_acc", fp32_acc)
+    rms_eps = arguments.as_float("rms_eps", rms_eps, minimum=0.0)
+    weight_bias = arguments.as_float("weight_bias", weight_bias)
+    if block_quant_group_size is not None:
+        block_quant_group_size = arguments.as_int("block_quant_group_size",
+                                                  block_quant_group_size)
     if not isinstance(workspace, AllReduceFusionWorkspace):
-        raise TypeError("workspace must come from jax_fusedar.create_allreduce_fusion_workspace")
+        if isinstance(workspace, jax.core.Tracer):  # e.g. a pytree node of the user's own
+            raise TypeError("workspace is a JAX tracer: pass the workspace itself, closed over "
+                            "or as a static argument (jax.jit(f, static_argnums=...)), not "
+                            "inside a traced pytree")
+        raise TypeError(f"workspace must come from jax_fusedar.create_allreduce_fusion_"
+                        f"workspace, got {type(workspace).__name__}")
     if workspace.destroyed:
         raise ValueError(f"{workspace!r} was destroyed")
     if workspace.axis_name != axis_name:
@@ -146,6 +177,7 @@ def allreduce_fusion(x, *, axis_name: str, workspace: AllReduceFusionWorkspace,
     if world != workspace.world_size:
         raise ValueError(f"axis {axis_name!r} has size {world} but the workspace was created "
                          f"for world size {workspace.world_size}")
+    _check_context_mesh(workspace, axis_name)
     tokens, hidden = x.shape
     if not all(isinstance(d, (int, np.integer)) for d in x.shape):
         # jax.export with symbolic shapes. The kernel's one-/two-shot choice and workspace fit
@@ -199,7 +231,7 @@ def allreduce_fusion(x, *, axis_name: str, workspace: AllReduceFusionWorkspace,
     outs = allreduce_fusion_p.bind(
         *operands, axis_name=(axis_name,), pattern=int(pattern), use_kernel=use_kernel,
         workspace_id=workspace.id,
-        mesh_device_ids=tuple(int(d.id) for d in workspace.mesh.devices.flat),
+        workspace_groups=tuple(g.members for g in workspace.groups),
         use_oneshot=bool(oneshot), fp32_acc=bool(fp32_acc), rms_eps=float(rms_eps),
         weight_bias=float(weight_bias), layout=layout, block_quant_group_size=group_size)
     if traits.has_allreduce_out:

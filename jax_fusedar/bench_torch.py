@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 from . import topology
-from .__main__ import DTYPES, _int_list, _mode_list, _positive_int
+from .__main__ import DTYPES, _int_list, _mode_list, _positive_int, _seed, check_out_dir
 
 PROG = "python -m jax_fusedar bench --framework torch"
 
@@ -224,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the torch symmetric-memory baseline")
     p.add_argument("--no-pdl", action="store_true",
                    help="launch ours and the anchor without programmatic dependent launch")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the random inputs")
     p.add_argument("--timeout", type=_positive_int, default=1200,
                    help="seconds before the whole run is killed (a kernel waiting for a peer "
                    "that never comes spins forever)")
@@ -245,6 +245,9 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
+    problem = check_out_dir(args.out, ("bench_torch.json", "bench_torch.png"))
+    if problem:  # before any rank is spawned
+        parser.error(f"--out {args.out}: {problem}")
     return args
 
 

@@ -38,7 +38,7 @@ import operator
 
 import numpy as np
 
-from . import topology
+from . import arguments, topology
 from .patterns import QuantizationSFLayout
 
 FP8_E4M3_MAX = 448.0
@@ -50,7 +50,9 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude codes 0..7
 # ----------------------------------------------------------------------------- validation
 
 def _as_dim(value, name: str) -> int:
-    try:
+    try:  # operator.index: ints, numpy ints and torch's SymInts, never 64.0
+        if isinstance(value, (bool, np.bool_)):
+            raise TypeError
         v = operator.index(value)
     except TypeError:
         raise ValueError(f"{name} must be an int, got {value!r}") from None
@@ -59,8 +61,8 @@ def _as_dim(value, name: str) -> int:
 
 def _check_tokens(M) -> int:
     M = _as_dim(M, "num_tokens (M)")
-    if M < 1:
-        raise ValueError(f"num_tokens (M) must be >= 1, got {M}")
+    if M < 0:  # 0 tokens: empty buffers of the same layout (a call of 0 tokens is served)
+        raise ValueError(f"num_tokens (M) must be >= 0, got {M}")
     return M
 
 
@@ -103,11 +105,12 @@ def check_kernel_group_size(H, group_size, dtype_name: str) -> int:
 def as_layout(layout) -> QuantizationSFLayout:
     """Validates an NVFP4 scale layout code. SWIZZLED_8x4 (1) is refused: the kernel's
     offset function returns nullptr for it, so it writes no scales at all."""
-    try:
-        lay = QuantizationSFLayout(int(layout))
-    except (ValueError, TypeError):
-        raise ValueError(f"unknown NVFP4 scale layout {layout!r}; valid: 0 (SWIZZLED_128x4), "
-                         "2 (LINEAR)") from None
+    lay = None
+    if arguments.is_int(layout):  # 2.7 or "2" are refused, not truncated to LINEAR
+        lay = next((q for q in QuantizationSFLayout if q.value == int(layout)), None)
+    if lay is None:
+        raise ValueError(f"unknown NVFP4 scale layout (layout_code) {layout!r}; valid: 0 "
+                         "(SWIZZLED_128x4), 2 (LINEAR), as a QuantizationSFLayout or an int")
     if lay == QuantizationSFLayout.SWIZZLED_8x4:
         raise ValueError("QuantizationSFLayout.SWIZZLED_8x4 (1) is not implemented by the "
                          "fused all-reduce kernel (it writes no scales); use SWIZZLED_128x4 (0) "

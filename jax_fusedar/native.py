@@ -10,6 +10,8 @@ from typing import Optional
 
 import numpy as np
 
+from . import arguments
+
 try:
     from jax_fusedar import _fusedar as ext
     _IMPORT_ERROR: Optional[BaseException] = None
@@ -51,13 +53,10 @@ CHECK_TIMEOUT_ENV_VAR = "JAX_FUSEDAR_CHECK_TIMEOUT_S"
 DEFAULT_CHECK_TIMEOUT_S = 30.0
 MAX_CHECK_TIMEOUT_S = 3600.0
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off", "")
-
-
 def resolve_check_calls(value=None) -> bool:
     """Whether a new workspace checks every call across ranks: ``value`` when it is a bool,
-    else ``$JAX_FUSEDAR_CHECK_CALLS`` (1/true/yes/on or 0/false/no/off; unset: off).
+    else ``$JAX_FUSEDAR_CHECK_CALLS`` (1/true/yes/on or 0/false/no/off; unset: off;
+    ``arguments.env_bool``, the parser of every boolean variable).
 
     With the check on, each launch first runs a one-block handshake kernel in which the ranks
     compare {call number, pattern, dtype, num_tokens, hidden_dim, one-shot, fp32_acc, layout,
@@ -66,18 +65,8 @@ def resolve_check_calls(value=None) -> bool:
     FlashInfer's kernel spinning forever. It costs an extra tiny kernel and a cross-GPU round
     trip per call, so it is off by default. Decided at creation, identically on every rank."""
     if value is None:
-        raw = os.environ.get(CHECK_CALLS_ENV_VAR, "")
-        word = raw.strip().lower()
-        if word in _TRUE:
-            return True
-        if word in _FALSE:
-            return False
-        raise ValueError(f"${CHECK_CALLS_ENV_VAR}={raw!r} is not a boolean: use 1/true/yes/on "
-                         f"or 0/false/no/off")
-    if isinstance(value, (bool, np.bool_)):
-        return bool(value)
-    raise TypeError(f"check_calls must be True, False or None (from ${CHECK_CALLS_ENV_VAR}), "
-                    f"got {value!r}")
+        return arguments.env_bool(CHECK_CALLS_ENV_VAR)
+    return arguments.as_bool("check_calls", value, allow_none=True)
 
 
 def resolve_check_timeout_s(value=None) -> float:

@@ -9,6 +9,8 @@ import dataclasses
 import enum
 from typing import Optional
 
+from . import arguments
+
 
 class AllReduceFusionPattern(enum.IntEnum):
     """FlashInfer's ``AllReduceFusionPattern`` codes (trtllm_allreduce_fusion.cuh)."""
@@ -66,10 +68,15 @@ del P
 
 def as_pattern(pattern) -> AllReduceFusionPattern:
     """Validates a pattern code, naming the valid ones when it is not (6, 7 and 12 are
-    FlashInfer's MoE / MNNVL-only codes, not served by this kernel)."""
+    FlashInfer's MoE / MNNVL-only codes, not served by this kernel). Only an
+    ``AllReduceFusionPattern`` or an int is a code: 1.9, "1" or True are refused, not
+    truncated or parsed into pattern 1."""
+    valid = ", ".join(f"{q.value} ({q.name})" for q in AllReduceFusionPattern)
+    if not arguments.is_int(pattern):
+        raise ValueError(f"unknown fusion pattern {pattern!r}: pattern must be an "
+                         f"AllReduceFusionPattern or its int code, not a "
+                         f"{type(pattern).__name__}; valid codes: {valid}")
     try:
         return AllReduceFusionPattern(int(pattern))
-    except (ValueError, TypeError):
-        raise ValueError(
-            f"unknown fusion pattern {pattern!r}; valid codes: "
-            + ", ".join(f"{q.value} ({q.name})" for q in AllReduceFusionPattern)) from None
+    except ValueError:
+        raise ValueError(f"unknown fusion pattern {pattern!r}; valid codes: {valid}") from None

@@ -19,8 +19,9 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from . import formats, native, quant_reference, reference
+from . import formats, native, quant_reference, reference, topology
 from .patterns import TRAITS, AllReduceFusionPattern
+from .workspace import _mesh_groups
 
 FFI_TARGET = "jax_fusedar_allreduce_fusion_v1"
 
@@ -95,40 +96,49 @@ def _reference_outputs(*args, axis_name, pattern, rms_eps, weight_bias, fp32_acc
         weight_bias=weight_bias, fp32_acc=fp32_acc)
     if traits.has_allreduce_out:
         return [ar]
+    outs = [res] + ([norm] if traits.has_norm_out else [])
+    if x.shape[0] == 0:  # no tokens: empty quantized outputs of the documented shapes
+        return outs + [jnp.zeros(shape, dtype) for shape, dtype in quant_result_shapes(
+            traits, 0, x.shape[1], layout, block_quant_group_size)]
     quant, scale = quant_reference.quantize_for_pattern(
         norm, pattern, scale_factor=args[3] if traits.uses_scale_factor else None,
         layout=layout, group_size=block_quant_group_size)
-    outs = [res] + ([norm] if traits.has_norm_out else [])
     return outs + [o for o in (quant, scale) if o is not None]
 
 
 _reference_lowering = mlir.lower_fun(_reference_outputs, multiple_results=True)
 
 
-def _check_mesh(ctx, workspace_mesh_ids):
-    """Refuse to run on a mesh whose device order differs from the workspace's: a device
-    would then reduce with the wrong group, a silent wrong answer."""
-    axis_ctx = ctx.module_context.axis_context
-    mesh = getattr(axis_ctx, "mesh", None)
+def check_call_groups(mesh, axis_name: str, workspace_groups) -> None:
+    """Refuse a call whose mesh groups the devices along ``axis_name`` otherwise than the
+    workspace (topology.groups_problem): a device would reduce with the wrong group, a
+    silent wrong answer on GPUs. ``mesh``: a concrete Mesh (pmap runs as one too); None or
+    an abstract mesh (export, cross-platform lowering) has nothing to compare."""
     devices = getattr(mesh, "devices", None)
-    if devices is None or not isinstance(devices, np.ndarray) or devices.dtype != object:
-        return  # abstract mesh (export / cross-platform lowering): nothing to compare
-    ids = tuple(d.id for d in devices.flat)
-    if ids != workspace_mesh_ids:
-        raise ValueError(
-            "jax_fusedar: the shard_map mesh's devices differ from the mesh the workspace was "
-            f"created for ({ids} vs {workspace_mesh_ids}); create the workspace from the same mesh")
+    if not isinstance(devices, np.ndarray) or devices.dtype != object or devices.size == 0:
+        return
+    call_groups = [g.members for g in _mesh_groups(mesh, axis_name)]  # the workspace's rule
+    problem = topology.groups_problem(axis_name, workspace_groups, call_groups)
+    if problem:
+        raise ValueError(f"jax_fusedar.allreduce_fusion: {problem}")
 
 
-def _cuda_lowering(ctx, *args, axis_name, pattern, use_kernel, workspace_id, mesh_device_ids,
+def _check_mesh(ctx, axis_name, workspace_groups):
+    """In every lowering (cuda and the reference ones): the mesh of the shard_map (or pmap)
+    being lowered is known here even when it was not at trace time."""
+    mesh = getattr(ctx.module_context.axis_context, "mesh", None)
+    check_call_groups(mesh, axis_name[0], workspace_groups)
+
+
+def _cuda_lowering(ctx, *args, axis_name, pattern, use_kernel, workspace_id, workspace_groups,
                    use_oneshot, fp32_acc, rms_eps, weight_bias, layout, block_quant_group_size):
+    _check_mesh(ctx, axis_name, workspace_groups)
     if not use_kernel:
         from .export import check_reference_lowered_for_cuda
         check_reference_lowered_for_cuda(workspace_id)
         return _reference_lowering(ctx, *args, axis_name=axis_name, pattern=pattern,
                                    rms_eps=rms_eps, weight_bias=weight_bias, fp32_acc=fp32_acc,
                                    layout=layout, block_quant_group_size=block_quant_group_size)
-    _check_mesh(ctx, mesh_device_ids)
     traits = TRAITS[AllReduceFusionPattern(pattern)]
     aliases = {1: 0} if traits.has_residual else {}
     rule = jax.ffi.ffi_lowering(FFI_TARGET, operand_output_aliases=aliases)
@@ -139,7 +149,8 @@ def _cuda_lowering(ctx, *args, axis_name, pattern, use_kernel, workspace_id, mes
 
 
 def _default_lowering(ctx, *args, axis_name, pattern, rms_eps, weight_bias, fp32_acc, layout,
-                      block_quant_group_size, **_):
+                      block_quant_group_size, workspace_groups, **_):
+    _check_mesh(ctx, axis_name, workspace_groups)
     return _reference_lowering(ctx, *args, axis_name=axis_name, pattern=pattern,
                                rms_eps=rms_eps, weight_bias=weight_bias, fp32_acc=fp32_acc,
                                layout=layout, block_quant_group_size=block_quant_group_size)

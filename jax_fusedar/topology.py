@@ -28,6 +28,8 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
+from . import arguments
+
 # ---------------------------------------------------------------------------------------------
 # Constants
 # ---------------------------------------------------------------------------------------------
@@ -425,6 +427,28 @@ def tp_groups_from_grid(
     ]
 
 
+def groups_problem(
+    axis_name: str, workspace_groups: Sequence[Sequence[int]], call_groups: Sequence[Sequence[int]]
+) -> Optional[str]:
+    """Why a call whose mesh groups the devices along ``axis_name`` as ``call_groups`` cannot
+    use a workspace built for ``workspace_groups`` (both: member ids in TP-rank order), or
+    None. Each device finds its workspace rank by its own id, so every calling group must be
+    one of the workspace's groups, members in the same order; comparing the flat device
+    lists is not enough (a ("dp", "tp") and a ("tp", "dp") mesh over the same devices group
+    them differently, and the kernel would then sum over the workspace's groups)."""
+    have = {tuple(int(m) for m in g) for g in workspace_groups}
+    if all(tuple(int(m) for m in g) in have for g in call_groups):
+        return None
+
+    def show(groups):
+        return ", ".join(str(tuple(int(m) for m in g)) for g in groups)
+
+    return (f"the mesh of this call groups the devices along {axis_name!r} as [{show(call_groups)}] "
+            f"but the workspace was created for the groups [{show(workspace_groups)}] "
+            f"(device ids in TP-rank order); create the workspace from the mesh the call runs "
+            f"under")
+
+
 def exchange_key(namespace: str, group: TPGroup, workspace_serial: int, purpose: str) -> str:
     """Key under which a group exchanges data (IPC handles, barriers) for one workspace.
 
@@ -464,6 +488,19 @@ def _backend_name(value: Optional[str]) -> str:
     return value.strip().lower() or "auto"
 
 
+def requested_backend(
+    requested: Optional[str], env: Optional[Mapping[str, str]] = None
+) -> tuple[str, str]:
+    """(backend name, where it came from): an explicit ``requested`` other than None/"auto",
+    else $JAX_FUSEDAR_ALLREDUCE_BACKEND (``env`` defaults to os.environ), else "auto". Not
+    yet checked against any list (JAX and torch have their own)."""
+    env = os.environ if env is None else env
+    name, source = _backend_name(requested), "backend argument"
+    if name == "auto":
+        name, source = _backend_name(env.get(BACKEND_ENV_VAR, "")), f"${BACKEND_ENV_VAR}"
+    return name, source
+
+
 def resolve_backend(
     requested: Optional[str],
     *,
@@ -483,10 +520,7 @@ def resolve_backend(
     an explicit "trtllm" across nodes raises.
     """
     num_nodes = _positive_int("num_nodes", num_nodes)
-    env = os.environ if env is None else env
-    name, source = _backend_name(requested), "backend argument"
-    if name == "auto":
-        name, source = _backend_name(env.get(BACKEND_ENV_VAR, "")), f"${BACKEND_ENV_VAR}"
+    name, source = requested_backend(requested, env)
     if name not in BACKENDS:
         raise ValueError(
             f"unknown all-reduce backend {name!r} (from the {source}); choose one of {BACKENDS}"
@@ -560,7 +594,9 @@ _ONE_NODE_ONLY = (
 )
 
 
-def _describe_spanning(spanning, n_groups: int, member_name: str) -> str:
+def describe_spanning(spanning, n_groups: int, member_name: str) -> str:
+    """The text "TP group [...] (devices) spans N nodes (host: [members]; ...)" for ``spanning``, a list
+    of (group, group_hosts(group)) pairs, the first in full and up to three more by name."""
     (first, hosts), rest = spanning[0], spanning[1:]
     where = "; ".join(f"{h}: {list(ms)}" for h, ms in hosts.items())
     text = (f"TP group {list(first.members)} ({member_name}s) spans {len(hosts)} nodes "
@@ -603,7 +639,7 @@ def resolve_backend_for_groups(
     spanning = [(g, h) for g, h in spans if len(h) > 1]
     if not spanning:
         return BackendChoice(backend)
-    where = _describe_spanning(spanning, len(groups), member_name)
+    where = describe_spanning(spanning, len(groups), member_name)
     nodes = max(len(h) for _, h in spanning)
     if backend == "trtllm":
         try:
@@ -619,9 +655,9 @@ STRICT_ENV_VAR = "JAX_FUSEDAR_STRICT"
 
 
 def strict_mode(explicit: Optional[bool], env: Optional[Mapping[str, str]] = None) -> bool:
-    """Whether to raise instead of falling back to XLA: ``explicit`` wins, else
-    $JAX_FUSEDAR_STRICT set to 1/true/yes (any case)."""
+    """Whether to raise instead of falling back to XLA: ``explicit`` (a real bool) wins, else
+    $JAX_FUSEDAR_STRICT (``arguments.env_bool``: 1/true/yes/on or 0/false/no/off, anything
+    else is an error naming the variable)."""
     if explicit is not None:
-        return bool(explicit)
-    env = os.environ if env is None else env
-    return env.get(STRICT_ENV_VAR, "").strip().lower() in ("1", "true", "yes")
+        return arguments.as_bool(f"strict (None: ${STRICT_ENV_VAR})", explicit)
+    return arguments.env_bool(STRICT_ENV_VAR, env)

@@ -27,7 +27,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import exchange, native, topology
+from . import arguments, exchange, native, topology
 
 log = logging.getLogger("jax_fusedar")
 
@@ -37,10 +37,22 @@ _by_id: "weakref.WeakValueDictionary[int, AllReduceFusionWorkspace]" = weakref.W
 
 
 def _dtype_name(dtype) -> str:
-    name = np.dtype(dtype).name
+    # np.dtype(None) is float64: name the argument instead of a dtype nobody passed.
+    try:
+        name = None if dtype is None else np.dtype(dtype).name
+    except TypeError:
+        name = None
     if name not in native.DTYPE_CODES:
-        raise ValueError(f"dtype {name} is not supported (bfloat16, float16 or float32)")
+        raise ValueError(f"dtype must be bfloat16, float16 or float32 (e.g. jnp.bfloat16), got "
+                         f"{dtype!r}" + (f" ({name})" if name and name != str(dtype) else ""))
     return name
+
+
+def _check_mesh(mesh) -> None:
+    import jax
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh((2, 4), "
+                        f"(\"dp\", \"tp\"))), got {type(mesh).__name__}")
 
 
 class AllReduceFusionWorkspace:
@@ -83,11 +95,22 @@ class AllReduceFusionWorkspace:
         return self._destroyed
 
     def is_buffer_size_sufficient(self, num_tokens: int, hidden_dim: int, dtype=None) -> bool:
-        """Whether a call of this shape fits (FlashInfer's element-count rule + dtype width)."""
+        """Whether ``allreduce_fusion`` serves a call of ``num_tokens x hidden_dim`` (of
+        ``dtype``, default the workspace's) with this workspace: the workspace's own dtype
+        (a call of another dtype is refused), a hidden size of whole 16-byte vectors, and
+        FlashInfer's element-count rule. 0 tokens fit (such a call returns empty outputs);
+        a negative or non-int count is an error, not an answer."""
+        num_tokens = arguments.as_int("num_tokens", num_tokens, minimum=0)
+        hidden_dim = arguments.as_int("hidden_dim", hidden_dim, minimum=1)
         if dtype is not None:
-            name = np.dtype(dtype).name
-            if name not in native.DTYPE_CODES or (name == "float32") != (self.dtype.name == "float32"):
+            try:
+                name = np.dtype(dtype).name
+            except TypeError:
                 return False
+            if name != self.dtype.name:
+                return False
+        if hidden_dim % topology.vector_width(self.dtype.name):
+            return False
         return topology.buffer_fits(num_tokens, hidden_dim, self.sizes)
 
     def call_check_failures(self) -> list:
@@ -124,6 +147,17 @@ class AllReduceFusionWorkspace:
                 f"max_token_num={self.max_token_num}, hidden_dim={self.hidden_dim}, "
                 f"dtype={self.dtype.name}{', check_calls' if self.check_calls else ''}"
                 f"{', destroyed' if self._destroyed else ''})")
+
+
+def _register_static() -> None:
+    """A workspace is configuration, never data: registered as a static pytree node (no
+    leaves; hashed and compared by identity, as objects are), so passing it to a jitted
+    function as an argument works like closing over it instead of JAX trying to trace it."""
+    import jax
+    jax.tree_util.register_static(AllReduceFusionWorkspace)
+
+
+_register_static()
 
 
 def _mesh_groups(mesh, axis_name):
@@ -184,8 +218,9 @@ def _describe(mesh, axis_name, max_token_num, hidden_dim, dtype,
     on every backend: what runs on CPU runs fused on the GPU. Its stable id follows from
     the backend: pass None when the backend is decided from the groups afterwards
     (``_set_backend``)."""
+    _check_mesh(mesh)
     name = _check_name(name)
-    if axis_name not in mesh.axis_names:
+    if not isinstance(axis_name, str) or axis_name not in mesh.axis_names:
         raise ValueError(f"axis {axis_name!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
     dtype_name = _dtype_name(dtype)
     world = int(mesh.shape[axis_name])
@@ -256,8 +291,12 @@ def create_allreduce_fusion_workspace(mesh, axis_name: str, *, max_token_num: in
     kernel workspaces apart in one process, and then given alike when exporting
     (``abstract_workspace(..., name=)``) and when serving.
     """
+    _check_mesh(mesh)
     check_calls = native.resolve_check_calls(check_calls)
     check_timeout_s = native.resolve_check_timeout_s(check_timeout_s)
+    exchange_timeout_s = arguments.as_float("exchange_timeout_s", exchange_timeout_s)
+    if exchange_timeout_s <= 0:
+        raise ValueError(f"exchange_timeout_s must be > 0 seconds, got {exchange_timeout_s}")
 
     ws = _describe(mesh, axis_name, max_token_num, hidden_dim, dtype, None, name)
     _set_backend(ws, _choose_backend(ws, backend, mesh.devices.flat[0].platform,

@@ -320,7 +320,9 @@ def test_cuda_lowering_passes_fp32_acc(dtype):
 def test_cuda_lowering_refuses_a_mesh_in_another_device_order():
     ws = trtllm_workspace()
     reversed_mesh = make_mesh((8,), ("tp",), device_ids=range(7, -1, -1))
-    with pytest.raises(ValueError, match="devices differ from the mesh the workspace"):
+    with pytest.raises(ValueError, match=r"groups the devices along 'tp' as \[\(7, 6, 5, 4, 3, "
+                                         r"2, 1, 0\)\] but the workspace was created for the "
+                                         r"groups \[\(0, 1, 2, 3, 4, 5, 6, 7\)\]"):
         cuda_text(ws, 3, 1024, mesh=reversed_mesh)
 
 
@@ -562,8 +564,9 @@ def test_is_buffer_size_sufficient():
     assert ws.is_buffer_size_sufficient(128, 128) and ws.is_buffer_size_sufficient(16, 1024)
     assert not ws.is_buffer_size_sufficient(129, 128)
     assert not ws.is_buffer_size_sufficient(17, 1024)
-    # dtype width: bf16 and fp16 share a layout, fp32 does not.
-    assert ws.is_buffer_size_sufficient(64, 256, jnp.float16)
+    # The workspace's own dtype only, as allreduce_fusion accepts (fp16 on a bf16 workspace
+    # is refused by the call, so it does not fit here either).
+    assert not ws.is_buffer_size_sufficient(64, 256, jnp.float16)
     assert ws.is_buffer_size_sufficient(64, 256, "bfloat16")
     assert not ws.is_buffer_size_sufficient(1, 256, jnp.float32)
     ws32 = xla_workspace(mesh, "float32", max_token_num=64, hidden_dim=256)

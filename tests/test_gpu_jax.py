@@ -10,6 +10,7 @@ import os
 
 import pytest
 
+from jax_fusedar.arguments import env_bool
 from tests.gpu.harness import report
 
 pytestmark = pytest.mark.gpu
@@ -36,7 +37,7 @@ BOUNDS = {"bfloat16": (1.0, 3.0), "float16": (1.0, 3.0), "float32": (1.0, 8.0)}
 
 @pytest.mark.parametrize("cmdbuf", [CMDBUF_ON, CMDBUF_OFF], ids=["cmdbuf_on", "cmdbuf_off"])
 def test_jax_parity(cmdbuf):
-    quick = os.environ.get("JAX_FUSEDAR_GPU_QUICK") == "1"
+    quick = env_bool("JAX_FUSEDAR_GPU_QUICK")  # the one boolean parser
     tokens = (1, 17, 129) if quick else (1, 16, 17, 128, 129, 1000)
     hiddens = (1024, 7168) if quick else (1024, 4096, 7168)
     res = _run("parity", cmdbuf, tokens=tokens, hiddens=hiddens)
@@ -77,7 +78,7 @@ def test_jax_64_layer_model(cmdbuf):
 
 
 def test_jax_quantized_fp8_patterns():
-    quick = os.environ.get("JAX_FUSEDAR_GPU_QUICK") == "1"
+    quick = env_bool("JAX_FUSEDAR_GPU_QUICK")  # the one boolean parser
     tokens = (1, 17, 128) if quick else (1, 16, 17, 128, 1024)
     hiddens = (1024,) if quick else (1024, 4096, 8192)
     res = _run("quant", CMDBUF_ON, tokens=tokens, hiddens=hiddens)
@@ -111,7 +112,7 @@ def _compute_capability_major() -> int:
                     reason="NVFP4 runs on sm100+ (Blackwell) only; on older GPUs its refusal "
                     "is checked by test_jax_quantized_fp8_patterns")
 def test_jax_nvfp4_patterns_on_blackwell():
-    quick = os.environ.get("JAX_FUSEDAR_GPU_QUICK") == "1"
+    quick = env_bool("JAX_FUSEDAR_GPU_QUICK")  # the one boolean parser
     tokens = (1, 17, 128) if quick else (1, 16, 17, 128, 129, 1024)
     # 1040 / 16 = 65 scale columns: the swizzled layout pads them to 68.
     hiddens = (1024,) if quick else (1024, 1040, 4096, 8192)

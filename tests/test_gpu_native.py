@@ -11,6 +11,8 @@ import os
 
 import pytest
 
+from jax_fusedar.arguments import env_bool
+
 pytestmark = pytest.mark.gpu
 
 BOUNDS = {
@@ -25,7 +27,7 @@ def test_native_sweep_two_ranks():
     from tests.gpu import native_sweep
     from tests.gpu.harness import env_int, run_ranks
 
-    quick = os.environ.get("JAX_FUSEDAR_GPU_QUICK") == "1"
+    quick = env_bool("JAX_FUSEDAR_GPU_QUICK")  # the one boolean parser
     tokens = (1, 16, 17, 129) if quick else (1, 2, 15, 16, 17, 64, 128, 129, 1000, 2048)
     hiddens = (1024, 7168) if quick else (1024, 4096, 7168, 8192)
     results = run_ranks(native_sweep.worker, 2, timeout_s=1500, tokens=tokens, hiddens=hiddens,

@@ -45,16 +45,26 @@ MIB = 1 << 20
 # --------------------------------------------------------------------------------------------
 
 
-def test_imports_only_stdlib_and_numpy():
-    # Checked on the source: the package __init__ may import jax, this module must not.
-    tree = ast.parse(Path(topo.__file__).read_text())
+def _import_roots(path):
     roots = set()
-    for node in ast.walk(tree):
+    for node in ast.walk(ast.parse(Path(path).read_text())):
         if isinstance(node, ast.Import):
             roots.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level:  # a sibling: ".name"
+            roots.update("." + alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             roots.add(node.module.split(".")[0])
-    assert roots <= {"__future__", "hashlib", "json", "os", "dataclasses", "typing", "numpy"}
+    return roots
+
+
+def test_imports_only_stdlib_and_numpy():
+    # Checked on the source: the package __init__ may import jax, this module must not, nor
+    # the one sibling it imports (the shared option checks).
+    from jax_fusedar import arguments
+    assert _import_roots(topo.__file__) <= {"__future__", "hashlib", "json", "os", "dataclasses",
+                                            "typing", "numpy", ".arguments"}
+    assert _import_roots(arguments.__file__) <= {"__future__", "math", "numbers", "os",
+                                                 "typing", "numpy"}
 
 
 def test_constants():
@@ -805,7 +815,8 @@ def test_resolve_backend_for_groups_errors(requested, groups, host_of, env, patt
         (None, {STRICT_ENV_VAR: "false"}, False),
         (None, {STRICT_ENV_VAR: "no"}, False),
         (None, {STRICT_ENV_VAR: ""}, False),
-        (None, {STRICT_ENV_VAR: "on"}, False),
+        (None, {STRICT_ENV_VAR: "on"}, True),
+        (None, {STRICT_ENV_VAR: "Off"}, False),
     ],
 )
 def test_strict_mode(explicit, env, expected):

@@ -305,7 +305,10 @@ def _call(ws, pattern=1, **over):
     (dict(residual_out=torch.empty(8, 1024).bfloat16()), "residual_out must have"),
     (dict(norm_out=torch.empty(16, 1024)), "norm_out must have the input's dtype"),
     (dict(norm_out=torch.empty(1024, 16).bfloat16().t()), "norm_out must be contiguous"),
-    (dict(output=torch.empty(16, 1023).bfloat16()), "output must have"),
+    (dict(pattern=0, residual_out=None, norm_out=None, output=torch.empty(16, 1023).bfloat16()),
+     "output must have"),
+    (dict(output=torch.empty(16, 1024).bfloat16()), r"pattern 1 \(kARResidualRMSNorm\) does "
+                                                    "not write output"),
     (dict(rms_gamma=torch.randn(16, 1024).bfloat16()), r"rms_gamma must have shape \[hidden_dim\]"),
     (dict(rms_gamma=torch.randn(1024)), "rms_gamma must have the input's dtype"),
     (dict(rms_gamma=[1.0] * 1024), "rms_gamma must be a torch.Tensor"),
@@ -606,9 +609,11 @@ def test_group_across_hosts_is_refused_by_every_member():
     assert not out and set(errors) == {0, 1}
     for e in errors.values():
         assert isinstance(e, ValueError) and "spans 2 nodes" in str(e)
-        # The group's members and hosts are named (topology.resolve_backend_for_groups).
+        # The group's members and hosts are named (topology.group_hosts); the advice names
+        # no JAX-only backend (torch's backend errors contradicted themselves), but the
+        # torch way.
         assert "TP group [0, 1] (global ranks) spans 2 nodes (node0: [0]; node1: [1])" in str(e)
-        assert "does not exist under torch" in str(e)  # the advice names no JAX-only backend
+        assert "'xla'" not in str(e) and "torch.distributed.all_reduce" in str(e)
 
 
 def test_shared_gpu_is_allowed_with_a_warning(caplog):
@@ -856,7 +861,7 @@ E4M3 = torch.float8_e4m3fn
     # outputs the pattern does not write
     (*_bad(2, norm_out=torch.empty(16, 1024).bfloat16()), "does not write norm_out"),
     (*_bad(4, scale_out=torch.empty(16, 1)), "does not write scale_out"),
-    (*_bad(10, output=torch.empty(16, 1024).bfloat16()), None),  # output is checked, unused
+    (*_bad(10, output=torch.empty(16, 1024).bfloat16()), "does not write output"),
     # quant_out
     (*_bad(2, quant_out=torch.empty(16, 1024, dtype=torch.uint8)), "quant_out must have dtype"),
     (*_bad(4, quant_out=torch.empty(16, 512, dtype=E4M3)), r"quant_out must have shape \[16, 1024\]"),

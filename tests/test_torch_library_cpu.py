@@ -152,14 +152,17 @@ def test_op_on_cpu_tensors_has_no_kernel(handle):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_fake_tensor_mode_shapes_and_dtypes(dtype, handle):
+def test_fake_tensor_mode_shapes_and_dtypes(dtype):
     from torch._subclasses.fake_tensor import FakeTensorMode
+    # A workspace of the inputs' element width: the fake impls check it as the eager op does.
+    handle = library.register_workspace(fake_workspace(dtype=dtype))
     with FakeTensorMode() as mode:
         x = torch.empty(5, 256, dtype=dtype, device="cuda")  # fake: no GPU needed
         res = torch.empty(5, 256, dtype=dtype, device="cuda")
         g = torch.empty(256, dtype=dtype, device="cuda")
         r, n = FUSED(x, res, g, EPS, 0.0, None, False, handle)
         o = AR(x, None, False, handle)
+    library.unregister_workspace(handle)
     for t in (r, n, o):
         assert t.fake_mode is mode
         assert t.shape == (5, 256) and t.dtype == dtype and t.device.type == "cuda"
@@ -169,11 +172,15 @@ def test_fake_tensor_mode_shapes_and_dtypes(dtype, handle):
 def test_fake_impl_checks_shapes(handle):
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():
-        x = torch.empty(5, 256)
-        with pytest.raises(RuntimeError, match="gamma"):
-            FUSED(x, torch.empty(5, 256), torch.empty(128), EPS, 0.0, None, False, handle)
-        with pytest.raises(RuntimeError, match="residual"):
-            FUSED(x, torch.empty(4, 256), torch.empty(256), EPS, 0.0, None, False, handle)
+        bf16 = dict(dtype=torch.bfloat16)  # the handle's workspace is a bf16 one
+        x = torch.empty(5, 256, **bf16)
+        # The eager op's own checks and messages (ops.check_call).
+        with pytest.raises(ValueError, match=r"rms_gamma must have shape \[hidden_dim\]"):
+            FUSED(x, torch.empty(5, 256, **bf16), torch.empty(128, **bf16), EPS, 0.0, None,
+                  False, handle)
+        with pytest.raises(ValueError, match="residual_in must have the input's shape"):
+            FUSED(x, torch.empty(4, 256, **bf16), torch.empty(256, **bf16), EPS, 0.0, None,
+                  False, handle)
 
 
 def test_opcheck(cpu_kernels, handle):
@@ -555,7 +562,7 @@ def test_quant_fake_refuses_plain_patterns_and_bad_shapes(handle):
                 QUANT(*_quant_args(p, None, handle=handle))
         args = list(_quant_args(10, None, handle=handle))
         args[1] = torch.empty(4, 256)
-        with pytest.raises(RuntimeError, match="residual"):
+        with pytest.raises(ValueError, match="residual_in must have the input's shape"):
             QUANT(*args)
 
 

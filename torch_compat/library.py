@@ -27,8 +27,12 @@ constant, so keep the workspace registered (and alive) as long as the graph may 
 
 The real kernel is registered for the CUDA dispatch key and calls
 ``torch_compat.ops.allreduce_fusion`` (every argument check of the eager op applies). The
-fake (meta) implementations return ``empty_like(input)`` tensors, so the ops trace under
-``FakeTensorMode``, ``make_fx`` and ``torch.compile(fullgraph=True)`` without a GPU.
+fake (meta) implementations run the eager op's checks of inputs and options
+(``ops.check_call``, with the workspace looked up from the handle) and return fresh tensors
+of the outputs' metadata, so the ops trace under ``FakeTensorMode``, ``make_fx`` and
+``torch.compile(fullgraph=True)`` without a GPU, and a call the op would refuse fails while
+tracing, not at run time. Only what needs real memory or the GPU (device placement,
+alignment, compute capability) waits for the run.
 
 These ops are collectives: every rank of the workspace's group must call them in the same
 order with the same shapes. They are declared functional (no mutated args); do not let a
@@ -109,6 +113,9 @@ def allreduce(input: torch.Tensor, use_oneshot: Optional[bool], fp32_acc: bool,
 
 @allreduce.register_fake
 def _allreduce_fake(input, use_oneshot, fp32_acc, workspace_handle):
+    # The eager op's own checks (ops.check_call), so tracing refuses what running would.
+    ops.check_call(input, lookup_workspace(workspace_handle), 0, use_oneshot=use_oneshot,
+                   fp32_acc=fp32_acc)
     return torch.empty_like(input, memory_format=torch.contiguous_format)
 
 
@@ -132,15 +139,28 @@ def allreduce_residual_rmsnorm(input: torch.Tensor, residual: torch.Tensor,
 @allreduce_residual_rmsnorm.register_fake
 def _allreduce_residual_rmsnorm_fake(input, residual, gamma, eps, weight_bias, use_oneshot,
                                      fp32_acc, workspace_handle):
-    torch._check(residual.shape == input.shape,
-                 lambda: f"residual shape {list(residual.shape)} != input {list(input.shape)}")
-    torch._check(gamma.dim() == 1 and gamma.shape[0] == input.shape[-1],
-                 lambda: f"gamma must be [hidden_dim], got {list(gamma.shape)}")
+    ops.check_call(input, lookup_workspace(workspace_handle), 1, residual_in=residual,
+                   rms_gamma=gamma, rms_eps=eps, weight_bias=weight_bias,
+                   use_oneshot=use_oneshot, fp32_acc=fp32_acc)
     return (torch.empty_like(input, memory_format=torch.contiguous_format),
             torch.empty_like(input, memory_format=torch.contiguous_format))
 
 
 QUANT_PATTERNS = tuple(int(p) for p, t in patterns.TRAITS.items() if t.quant is not None)
+
+
+def _check_quant_call(input, residual, gamma, eps, weight_bias, pattern, scale_factor,
+                      block_quant_group_size, layout_code, use_oneshot, fp32_acc,
+                      workspace_handle) -> None:
+    """The quantized op's checks, the same in the real and the fake implementation: its
+    patterns only, then every check of the eager op (ops.check_call)."""
+    torch._check(pattern in QUANT_PATTERNS,
+                 lambda: f"allreduce_residual_rmsnorm_quant serves the quantized patterns "
+                         f"{QUANT_PATTERNS}, got {pattern} (patterns 0 and 1 have their own ops)")
+    ops.check_call(input, lookup_workspace(workspace_handle), pattern, residual_in=residual,
+                   rms_gamma=gamma, rms_eps=eps, weight_bias=weight_bias,
+                   scale_factor=scale_factor, block_quant_group_size=block_quant_group_size,
+                   layout_code=layout_code, use_oneshot=use_oneshot, fp32_acc=fp32_acc)
 
 
 def _quant_outputs(input: torch.Tensor, pattern: int, block_quant_group_size: Optional[int],
@@ -185,6 +205,10 @@ def allreduce_residual_rmsnorm_quant(
     """A quantized pattern: ``(residual_out, norm_out, quant_out, scale_out)``, empty [0]
     tensors for the outputs the pattern does not produce."""
     ws = lookup_workspace(workspace_handle)
+    # Checked before the outputs are shaped from the input (a 3-D input must not get there).
+    _check_quant_call(input, residual, gamma, eps, weight_bias, pattern, scale_factor,
+                      block_quant_group_size, layout_code, use_oneshot, fp32_acc,
+                      workspace_handle)
     residual_out, norm_out, quant_out, scale_out = _quant_outputs(
         input, pattern, block_quant_group_size, layout_code)
     traits = patterns.TRAITS[patterns.AllReduceFusionPattern(pattern)]
@@ -204,10 +228,9 @@ def allreduce_residual_rmsnorm_quant(
 def _allreduce_residual_rmsnorm_quant_fake(input, residual, gamma, eps, weight_bias, pattern,
                                            scale_factor, block_quant_group_size, layout_code,
                                            use_oneshot, fp32_acc, workspace_handle):
-    torch._check(residual.shape == input.shape,
-                 lambda: f"residual shape {list(residual.shape)} != input {list(input.shape)}")
-    torch._check(gamma.dim() == 1 and gamma.shape[0] == input.shape[-1],
-                 lambda: f"gamma must be [hidden_dim], got {list(gamma.shape)}")
+    _check_quant_call(input, residual, gamma, eps, weight_bias, pattern, scale_factor,
+                      block_quant_group_size, layout_code, use_oneshot, fp32_acc,
+                      workspace_handle)
     return _quant_outputs(input, pattern, block_quant_group_size, layout_code)
 
 

@@ -49,11 +49,11 @@ every rank picks the same mode.
 from __future__ import annotations
 
 import numbers
-from typing import Dict, Optional, Tuple, Union
+from typing import Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
 
-from jax_fusedar import formats, native, patterns, topology
+from jax_fusedar import arguments, formats, native, patterns, topology
 
 from .workspace import TORCH_DTYPES, TorchAllReduceFusionWorkspace
 
@@ -133,6 +133,13 @@ def _check_placement(name: str, t: torch.Tensor, ws: TorchAllReduceFusionWorkspa
                          f"accesses {alignment}-byte words); got address {t.data_ptr():#x}")
 
 
+def _static_shape(t: torch.Tensor) -> bool:
+    """Whether ``t``'s sizes are plain ints. Under torch.compile with dynamic shapes they
+    are SymInts: the rules on sizes (workspace fit, launch limits, one-shot choice) then
+    wait for the eager op, which sees the real sizes; all other checks still run."""
+    return all(type(d) is int for d in t.shape)
+
+
 def _check_input(input, ws: TorchAllReduceFusionWorkspace) -> str:
     """Checks the input against the workspace; returns its dtype name."""
     _check_tensor("input", input)
@@ -143,15 +150,18 @@ def _check_input(input, ws: TorchAllReduceFusionWorkspace) -> str:
         raise ValueError(f"input dtype {input.dtype} is not supported (bf16, fp16, fp32)")
     if not input.is_contiguous():
         raise ValueError("input must be contiguous")
+    name = TORCH_DTYPES[input.dtype]
+    if not _static_shape(input):
+        return name
     token_num, hidden_dim = input.shape
     if token_num == 0 or hidden_dim == 0:
         raise ValueError(f"input is empty (shape {list(input.shape)})")
     problem = ws.fit_problem(ws.world_size, token_num, hidden_dim, input.dtype)
     if problem:
         raise ValueError(f"the call does not fit the workspace: {problem}")
-    name = TORCH_DTYPES[input.dtype]
-    # The workspace may be reused with another hidden size: that one must launch too.
-    topology.check_kernel_supports(ws.world_size, hidden_dim, name)
+    # The workspace may be reused with another hidden size: that one must launch too (for
+    # the world size the workspace was sized for: its group's).
+    topology.check_kernel_supports(ws.sizes.world_size, hidden_dim, name)
     return name
 
 
@@ -173,9 +183,8 @@ def group_scale_view_shape(token_num: int, hidden_dim: int, group_size: int):
     return (int(token_num), k), (1, t)
 
 
-def _scale_factor_tensor(scale_factor, ws: TorchAllReduceFusionWorkspace,
-                         pattern) -> torch.Tensor:
-    """The float32 one-element device tensor the kernel reads ``scale_factor`` from."""
+def _check_scale_factor(scale_factor, pattern) -> None:
+    """``scale_factor``'s value and metadata (shared with the fake implementations)."""
     what = "the dequantization scale" if patterns.TRAITS[pattern].quant == "fp8" \
         else "the NVFP4 global scale"
     if scale_factor is None:
@@ -187,14 +196,22 @@ def _scale_factor_tensor(scale_factor, ws: TorchAllReduceFusionWorkspace,
         if tuple(scale_factor.shape) not in ((), (1,)):
             raise ValueError(f"scale_factor must have shape [1] (or be 0-d), got "
                              f"{list(scale_factor.shape)}")
-        _check_placement("scale_factor", scale_factor, ws, _SCALE_ALIGNMENT)
-        return scale_factor
+        return
     if isinstance(scale_factor, bool) or not isinstance(scale_factor, numbers.Real):
         raise ValueError(f"scale_factor must be a float32 tensor or a float, got "
                          f"{type(scale_factor).__name__}")
     value = float(scale_factor)
     if not (value > 0.0 and value < float("inf")):
         raise ValueError(f"scale_factor must be positive and finite, got {value}")
+
+
+def _scale_factor_tensor(scale_factor, ws: TorchAllReduceFusionWorkspace) -> torch.Tensor:
+    """The float32 one-element device tensor the kernel reads ``scale_factor`` from (its
+    value was checked by ``check_call``)."""
+    if isinstance(scale_factor, torch.Tensor):
+        _check_placement("scale_factor", scale_factor, ws, _SCALE_ALIGNMENT)
+        return scale_factor
+    value = float(scale_factor)
     if _capturing():
         raise ValueError("a Python float scale_factor needs a fresh device tensor per call, "
                          "which a CUDA graph cannot capture; pass a float32 CUDA tensor of "
@@ -202,21 +219,36 @@ def _scale_factor_tensor(scale_factor, ws: TorchAllReduceFusionWorkspace,
     return torch.tensor([value], dtype=torch.float32, device=ws.torch_device)
 
 
-def _check_quant(p, traits, name: str, input: torch.Tensor, ws, quant_out, scale_out,
-                 scale_factor, layout_code, block_quant_group_size):
-    """Checks the quantized outputs/inputs of ``p``; returns (scale_factor tensor or None,
-    layout code, group size) for the launch (0 where unused)."""
-    token_num, hidden_dim = input.shape
+def _check_quant_inputs(p, traits, name: str, input: torch.Tensor, scale_factor, layout_code,
+                        block_quant_group_size):
+    """The quantization inputs of ``p``; returns (layout code, group size) for the launch (0
+    where unused, and the group size unchecked against hidden_dim while it is symbolic)."""
+    hidden_dim = input.shape[1]
+    static = _static_shape(input)
     layout = group = 0
     label = f"pattern {p.value} ({p.name})"
     if traits.quant == "fp4":
         if input.dtype == torch.float32:
             raise ValueError(f"{label} (NVFP4) needs a bfloat16 or float16 input, got float32")
-        formats.check_hidden_fp4(hidden_dim)
+        if static:
+            formats.check_hidden_fp4(hidden_dim)
         layout = int(formats.as_layout(patterns.QuantizationSFLayout.SWIZZLED_128x4
                                        if layout_code is None else layout_code))
     if traits.quant == "group_fp8":
-        group = check_group_size(hidden_dim, block_quant_group_size, name)
+        if static:
+            group = check_group_size(hidden_dim, block_quant_group_size, name)
+        else:
+            group = arguments.as_int("block_quant_group_size", block_quant_group_size)
+    if traits.uses_scale_factor:
+        _check_scale_factor(scale_factor, p)
+    return layout, group
+
+
+def _check_quant_outputs(p, traits, input: torch.Tensor, ws, quant_out, scale_out, layout,
+                         group):
+    """Checks the quantized outputs of ``p`` (eager only: they are the caller's tensors)."""
+    token_num, hidden_dim = input.shape
+    label = f"pattern {p.value} ({p.name})"
     missing = [k for k, t in (("quant_out", quant_out), ("scale_out", scale_out))
                if t is None and (k == "quant_out" or traits.writes_scale_out)]
     if missing:
@@ -285,8 +317,78 @@ def _check_quant(p, traits, name: str, input: torch.Tensor, ws, quant_out, scale
                              f"{scale_out.dtype})")
         _check_placement("scale_out", scale_out, ws, _SCALE_ALIGNMENT)
 
-    sf = _scale_factor_tensor(scale_factor, ws, p) if traits.uses_scale_factor else None
-    return sf, layout, group
+
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _option(check, name: str, value, **kw):
+    """``check`` (an ``arguments`` validator) of an option, except a symbolic value that
+    torch.compile may trace a scalar argument as: only the eager op sees its value."""
+    return value if isinstance(value, _SYMBOLIC) else check(name, value, **kw)
+
+
+class CheckedCall(NamedTuple):
+    """What ``check_call`` found: the call's pattern and traits, input dtype name, NVFP4
+    layout and group size for the launch, the mode (None while sizes are symbolic) and the
+    options as strictly typed values."""
+    pattern: patterns.AllReduceFusionPattern
+    traits: patterns.PatternTraits
+    dtype_name: str
+    layout: int
+    group: int
+    oneshot: Optional[bool]
+    rms_eps: float
+    weight_bias: float
+    fp32_acc: bool
+    launch_with_pdl: bool
+    trigger_completion_at_end: bool
+
+
+def check_call(input, workspace, pattern, *, residual_in=None, rms_gamma=None, rms_eps=1e-6,
+               scale_factor=None, layout_code=None, use_oneshot=None, fp32_acc=False,
+               block_quant_group_size=None, weight_bias=0.0, launch_with_pdl=False,
+               trigger_completion_at_end=True) -> CheckedCall:
+    """Every check of a call's inputs and options that needs no device memory: the eager op
+    and the fake (meta) implementations of ``torch_compat.library`` both run it, so what the
+    op refuses at run time ``torch.compile`` refuses while tracing. The caller's output
+    tensors, device placement and alignment, and the GPU's compute capability are checked by
+    the eager op only (fake tensors have no memory and the tracing machine may have no GPU).
+    """
+    if not isinstance(workspace, TorchAllReduceFusionWorkspace):
+        raise TypeError(f"workspace must come from torch_compat.create_allreduce_fusion_"
+                        f"workspace, got {type(workspace).__name__}")
+    workspace.native_rank()  # raises once destroyed
+    p = patterns.as_pattern(pattern)  # ValueError naming the valid patterns
+    if p not in TORCH_PATTERNS:
+        raise ValueError(f"pattern {p.value} ({p.name}) is not supported by torch_compat; "
+                         "supported: " + ", ".join(f"{q.value} ({q.name})" for q in TORCH_PATTERNS))
+    traits = patterns.TRAITS[p]
+    # Options are taken as given, never coerced (bool("false") is True): arguments.py.
+    use_oneshot = _option(arguments.as_bool, "use_oneshot", use_oneshot, allow_none=True)
+    options = dict(
+        fp32_acc=_option(arguments.as_bool, "fp32_acc", fp32_acc),
+        launch_with_pdl=_option(arguments.as_bool, "launch_with_pdl", launch_with_pdl),
+        trigger_completion_at_end=_option(arguments.as_bool, "trigger_completion_at_end",
+                                          trigger_completion_at_end),
+        rms_eps=_option(arguments.as_float, "rms_eps", rms_eps, minimum=0.0),
+        weight_bias=_option(arguments.as_float, "weight_bias", weight_bias))
+    name = _check_input(input, workspace)
+    if traits.has_residual:
+        missing = [k for k, t in (("residual_in", residual_in), ("rms_gamma", rms_gamma))
+                   if t is None]
+        if missing:
+            raise ValueError(f"pattern {p.value} ({p.name}) needs {', '.join(missing)}")
+        _check_like("residual_in", residual_in, input)
+        _check_gamma(rms_gamma, input)
+    layout, group = 0, 0
+    if traits.quant is not None:
+        layout, group = _check_quant_inputs(p, traits, name, input, scale_factor, layout_code,
+                                            block_quant_group_size)
+    oneshot = None
+    if _static_shape(input):
+        token_num, hidden_dim = input.shape
+        oneshot = topology.choose_oneshot(token_num, hidden_dim, workspace.sizes, use_oneshot)
+    return CheckedCall(p, traits, name, layout, group, oneshot, **options)
 
 
 def allreduce_fusion(
@@ -323,56 +425,56 @@ def allreduce_fusion(
     the module docstring for their tensors. ``use_oneshot`` True/False forces a mode
     (ValueError if it cannot run the call), None picks FlashInfer's heuristic.
     """
-    if not isinstance(workspace, TorchAllReduceFusionWorkspace):
-        raise TypeError(f"workspace must come from torch_compat.create_allreduce_fusion_"
-                        f"workspace, got {type(workspace).__name__}")
-    rank = workspace.native_rank()  # raises once destroyed
-    p = patterns.as_pattern(pattern)  # ValueError naming the valid patterns
-    if p not in TORCH_PATTERNS:
-        raise ValueError(f"pattern {p.value} ({p.name}) is not supported by torch_compat; "
-                         "supported: " + ", ".join(f"{q.value} ({q.name})" for q in TORCH_PATTERNS))
-    traits = patterns.TRAITS[p]
+    call = check_call(input, workspace, pattern, residual_in=residual_in, rms_gamma=rms_gamma,
+                      rms_eps=rms_eps, scale_factor=scale_factor, layout_code=layout_code,
+                      use_oneshot=use_oneshot, fp32_acc=fp32_acc,
+                      block_quant_group_size=block_quant_group_size, weight_bias=weight_bias,
+                      launch_with_pdl=launch_with_pdl,
+                      trigger_completion_at_end=trigger_completion_at_end)
+    rank = workspace.native_rank()
+    p, traits, name = call.pattern, call.traits, call.dtype_name
     if traits.quant == "fp4":
         major, minor = _compute_capability(workspace.device)
         if major < 10:
             # On sm90 the NVFP4 epilogue compiles and runs but writes zeros and no scales.
             raise ValueError(f"NVFP4 patterns (3, 5) need an sm100+ GPU (Blackwell); "
                              f"cuda:{workspace.device} is sm{major}{minor}")
-    name = _check_input(input, workspace)
     token_num, hidden_dim = input.shape
 
-    written = {"residual_out": traits.has_residual, "norm_out": traits.has_norm_out,
-               "quant_out": traits.quant is not None, "scale_out": traits.writes_scale_out}
-    given = {"residual_out": residual_out, "norm_out": norm_out, "quant_out": quant_out,
-             "scale_out": scale_out}
+    # Every output the pattern does not write is refused, output= included (FlashInfer
+    # would leave it unwritten and may even return it).
+    written = {"output": traits.has_allreduce_out, "residual_out": traits.has_residual,
+               "norm_out": traits.has_norm_out, "quant_out": traits.quant is not None,
+               "scale_out": traits.writes_scale_out}
+    given = {"output": output, "residual_out": residual_out, "norm_out": norm_out,
+             "quant_out": quant_out, "scale_out": scale_out}
     unwritten = [k for k, t in given.items() if t is not None and not written[k]]
     if unwritten:
         raise ValueError(f"pattern {p.value} ({p.name}) does not write {', '.join(unwritten)}; "
                          f"pass None (FlashInfer would leave it unwritten)")
     like_input = {"input": input, "output": output}
     if traits.has_residual:
-        needed = {"residual_in": residual_in, "residual_out": residual_out}
+        needed = {"residual_out": residual_out}
         if traits.has_norm_out:
             needed["norm_out"] = norm_out
-        missing = [k for k, t in {**needed, "rms_gamma": rms_gamma}.items() if t is None]
+        missing = [k for k, t in needed.items() if t is None]
         if missing:
             raise ValueError(f"pattern {p.value} ({p.name}) needs {', '.join(missing)}")
-        _check_gamma(rms_gamma, input)
-        like_input.update(needed)
+        like_input.update(needed, residual_in=residual_in)
     like_input = {k: t for k, t in like_input.items() if t is not None}
     for k, t in like_input.items():
         _check_like(k, t, input)
         _check_placement(k, t, workspace)
     if traits.has_residual:
         _check_placement("rms_gamma", rms_gamma, workspace)
-    sf, layout, group = None, 0, 0
+    sf = None
     if traits.quant is not None:
-        sf, layout, group = _check_quant(p, traits, name, input, workspace, quant_out,
-                                         scale_out, scale_factor, layout_code,
-                                         block_quant_group_size)
+        _check_quant_outputs(p, traits, input, workspace, quant_out, scale_out, call.layout,
+                             call.group)
+        if traits.uses_scale_factor:
+            sf = _scale_factor_tensor(scale_factor, workspace)
+    layout, group, oneshot = call.layout, call.group, call.oneshot
 
-    oneshot = topology.choose_oneshot(token_num, hidden_dim, workspace.sizes,
-                                      None if use_oneshot is None else bool(use_oneshot))
     if output is None and traits.has_allreduce_out:
         output = torch.empty_like(input)
 
@@ -386,10 +488,10 @@ def allreduce_fusion(
         residual_out=ptr(residual_out), norm_out=ptr(norm_out),
         quant_out=ptr(quant_out), scale_out=ptr(scale_out),
         rms_gamma=ptr(rms_gamma) if traits.has_residual else 0,
-        scale_factor=ptr(sf), rms_eps=float(rms_eps), weight_bias=float(weight_bias),
-        use_oneshot=oneshot, fp32_acc=bool(fp32_acc), layout=layout,
-        block_quant_group_size=group, launch_with_pdl=bool(launch_with_pdl),
-        trigger_completion_at_end=bool(trigger_completion_at_end),
+        scale_factor=ptr(sf), rms_eps=call.rms_eps, weight_bias=call.weight_bias,
+        use_oneshot=oneshot, fp32_acc=call.fp32_acc, layout=layout,
+        block_quant_group_size=group, launch_with_pdl=call.launch_with_pdl,
+        trigger_completion_at_end=call.trigger_completion_at_end,
         stream=_current_stream(workspace.device))
     if traits.has_norm_out:
         return norm_out

@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from jax_fusedar import exchange, native, topology
+from jax_fusedar import arguments, exchange, native, topology
 
 from .channel import StoreChannel
 
@@ -130,6 +130,8 @@ class TorchAllReduceFusionWorkspace:
         """Why a call of this size cannot use the workspace, or None if it can."""
         self._check_alive()
         problems = []
+        if num_tokens == 0:  # as the op refuses an empty input
+            problems.append("num_tokens is 0: the op refuses an empty input")
         if tp_size != self.world_size:
             problems.append(f"tp_size {tp_size} does not match the workspace's TP size "
                             f"{self.world_size}")
@@ -145,7 +147,7 @@ class TorchAllReduceFusionWorkspace:
                             f"16-bit one")
         if not problems and use_oneshot is not None:
             try:  # FlashInfer's trtllm workspace ignores use_oneshot; we check it is possible
-                topology.choose_oneshot(num_tokens, hidden_dim, self.sizes, bool(use_oneshot))
+                topology.choose_oneshot(num_tokens, hidden_dim, self.sizes, use_oneshot)
             except ValueError as e:
                 problems.append(str(e))
         return "; ".join(problems) or None
@@ -154,7 +156,14 @@ class TorchAllReduceFusionWorkspace:
                                   dtype: torch.dtype, use_oneshot: Optional[Any] = None) -> bool:
         """FlashInfer's check (``check_trtllm_allreduce_fusion_workspace_metadata``): same TP
         size, ``num_tokens * hidden_dim <= max_token_num * hidden_dim``, same element width;
-        and, when ``use_oneshot`` is True/False, that this mode can run the call."""
+        and, when ``use_oneshot`` is True/False, that this mode can run the call. It agrees
+        with what ``allreduce_fusion`` accepts: 0 tokens do not fit (the op refuses an empty
+        input); a negative or non-int count, or a ``use_oneshot`` that is not a bool, is an
+        error rather than an answer."""
+        tp_size = arguments.as_int("tp_size", tp_size, minimum=1)
+        num_tokens = arguments.as_int("num_tokens", num_tokens, minimum=0)
+        hidden_dim = arguments.as_int("hidden_dim", hidden_dim, minimum=1)
+        use_oneshot = arguments.as_bool("use_oneshot", use_oneshot, allow_none=True)
         problem = self.fit_problem(tp_size, num_tokens, hidden_dim, dtype, use_oneshot)
         if problem:
             log.warning("Workspace is insufficient for problem size. %s", problem)
@@ -190,32 +199,40 @@ class TorchAllReduceFusionWorkspace:
 
 # --- argument checks ----------------------------------------------------------------------------
 
-_XLA_NOTE = (" (torch_compat: 'xla' means JAX's collectives and does not exist under torch; "
-             "use torch.distributed.all_reduce + an RMSNorm for the unfused path)")
+# torch_compat's own backends: JAX's list has "xla" (JAX's collectives), which does not exist
+# here, so neither its messages nor its advice can be reused as they are.
+TORCH_BACKENDS = ("auto", "trtllm")
+_UNFUSED = "torch.distributed.all_reduce + an RMSNorm"
 
 
 def resolve_backend(backend: Optional[str], group: Optional[topology.TPGroup] = None,
                     host_of: Optional[Dict[int, str]] = None) -> str:
-    """topology.resolve_backend_for_groups for CUDA and the TP group ``group`` (``host_of``:
-    global rank -> host name; None: checks the name alone, as on one node), refusing "xla"
-    (also when it comes from $JAX_FUSEDAR_ALLREDUCE_BACKEND, or when "auto" would take it
-    for a group across nodes): the only torch backend is "trtllm"."""
-    try:
-        if group is None:
-            resolved, reason = topology.resolve_backend(backend, platform="cuda"), None
-        else:
-            choice = topology.resolve_backend_for_groups(
-                backend, platform="cuda", groups=[group], host_of=host_of,
-                member_name="global rank")
-            resolved, reason = choice.backend, choice.reason
-    except ValueError as e:
-        raise ValueError(f"{e}{_XLA_NOTE if 'xla' in str(e) else ''}") from None
-    if reason:
-        raise ValueError(f"{reason}; 'auto' would take the unfused 'xla' path{_XLA_NOTE}")
-    if resolved == "xla":
-        raise ValueError(f"all-reduce backend {backend!r} resolved to 'xla' (argument or "
-                         f"${topology.BACKEND_ENV_VAR}){_XLA_NOTE}")
-    return resolved
+    """The torch backend: "trtllm" (the kernel, one node), from ``backend`` or, for "auto"/None,
+    $JAX_FUSEDAR_ALLREDUCE_BACKEND (topology.requested_backend, the JAX precedence). With
+    ``group`` and ``host_of`` (global rank -> host name) the group's own hosts are counted
+    (topology.group_hosts, JAX's rule): a group across nodes is refused, naming its ranks and
+    hosts. Every refusal lists torch_compat's choices only."""
+    name, source = topology.requested_backend(backend)
+    choices = f"torch_compat's backends: {', '.join(map(repr, TORCH_BACKENDS))}"
+    if name == "xla":
+        raise ValueError(f"all-reduce backend 'xla' (from the {source}) means JAX's "
+                         f"collectives and does not exist under torch; {choices} (for the "
+                         f"unfused path use {_UNFUSED})")
+    if name == "mnnvl":
+        raise ValueError(f"the 'mnnvl' all-reduce backend (from the {source}) needs NVLink "
+                         f"multicast (cuMulticastCreate), which torch_compat never attempts; "
+                         f"use 'trtllm' (or 'auto') within one node, {_UNFUSED} across nodes")
+    if name not in TORCH_BACKENDS:
+        raise ValueError(f"unknown all-reduce backend {name!r} (from the {source}); {choices}")
+    if group is not None:
+        hosts = topology.group_hosts(group, host_of)
+        if len(hosts) > 1:
+            where = topology.describe_spanning([(group, hosts)], 1, "global rank")
+            raise ValueError(f"{where}: the 'trtllm' backend's peer-memory protocol works only "
+                             f"within one node, and FlashInfer's multi-node 'mnnvl' needs "
+                             f"NVLink multicast, which torch_compat refuses; use {_UNFUSED} "
+                             f"across nodes")
+    return "trtllm"
 
 
 def _group_membership(group, world_size, rank) -> Tuple[List[int], int]:
@@ -354,6 +371,7 @@ def create_allreduce_fusion_workspace(
     extra tiny kernel per call; every member must pass the same setting.
     """
     resolve_backend(backend)  # a bad name fails before anyone waits
+    timeout_s = arguments.as_float("timeout_s", timeout_s)
     check_calls = native.resolve_check_calls(check_calls)
     check_timeout_s = native.resolve_check_timeout_s(check_timeout_s)
     name = dtype_name(dtype)

@@ -1,0 +1,132 @@
+"""One process driving two devices: misuse that only the GPU path could turn into a silent
+wrong answer, and the numerics documented for extreme rows.
+
+``python -m tests.gpu.jax_misuse PLATFORM`` (``cuda``: two GPUs, the trtllm kernel; ``cpu``:
+two virtual devices, the reference path, so the plumbing runs in CI) prints one line
+``RESULT {json}``:
+
+* ``good``: a workspace on the mesh [d0, d1], called under that mesh (shard_map) and under
+  ``jax.pmap(devices=[d0, d1])``: errors in ulps against the float64 oracle, whether the two
+  agree bit for bit, and whether the lowered program has the custom call;
+* ``flipped_shard_map`` / ``flipped_pmap``: the same workspace under the mesh [d1, d0] and
+  under ``pmap(devices=[d1, d0])``, the 2-device equivalent of a regrouped mesh (each device
+  would find its rank in the workspace and sum in the other order, or, with more devices,
+  with the wrong group): the error message, or "no error";
+* ``overflow``: rows of |r| ~ 1e20 in bf16, whose fp32 sum of squares overflows: whether
+  norm_out is +-0 with the sign of r * gamma (README, Numerics), next to an ordinary row
+  within bounds.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+
+
+def main(platform: str) -> dict:
+    os.environ["JAX_PLATFORMS"] = platform
+    if platform == "cpu":
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    else:
+        os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jax_fusedar as jf
+    from jax_fusedar.primitive import FFI_TARGET
+    from tests import oracle
+    from tests.gpu.harness import draw_case
+
+    d = jax.devices()[:2]
+    mesh, flipped = Mesh(np.array(d), ("tp",)), Mesh(np.array(d[::-1]), ("tp",))
+    seed = int.from_bytes(os.urandom(4), "little")
+    ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=32, hidden_dim=1024,
+                                              dtype=jnp.bfloat16)
+    out = {"platform": platform, "backend": ws.backend, "devices": [str(x) for x in d],
+           "seed": seed, "jax": jax.__version__}
+
+    def body(x, r, g):
+        o = jf.allreduce_fusion(x, axis_name="tp", workspace=ws, residual=r, rms_gamma=g,
+                                strict=True)
+        return o.residual_out, o.norm_out
+
+    def sharded(m):
+        return jax.jit(jax.shard_map(body, mesh=m, in_specs=(P("tp"), P(), P()),
+                                     out_specs=(P(), P())))
+
+    def pmapped(devices):
+        return jax.pmap(body, axis_name="tp", in_axes=(0, None, None), devices=devices)
+
+    def place(m, xs, res, gam):
+        return (jax.device_put(np.concatenate(xs), NamedSharding(m, P("tp"))),
+                jax.device_put(res, NamedSharding(m, P())),
+                jax.device_put(gam, NamedSharding(m, P())))
+
+    # --- the workspace's own mesh and its pmap twin --------------------------------------------
+    tokens, hidden = 17, 1024
+    xs, res, gam = draw_case(seed, 2, tokens, hidden, jnp.bfloat16)
+    args = place(mesh, xs, res, gam)
+    r_out, n_out = sharded(mesh)(*args)
+    r_p, n_p = pmapped(d)(np.stack(xs), res, gam)
+    x64, r64, g64 = [x.astype(np.float64) for x in xs], res.astype(np.float64), \
+        gam.astype(np.float64)
+    s, r, y, inv = oracle.fused_reference(x64, r64, g64, rms_eps=1e-6, weight_bias=0.0)
+    good = {"residual_ulps": oracle.residual_error_ulps(np.asarray(r_out, np.float64), s, r,
+                                                        r64, "bfloat16"),
+            "norm_ulps": oracle.norm_error_ulps(np.asarray(n_out, np.float64), s, y, inv, r64,
+                                                g64, weight_bias=0.0, dtype_name="bfloat16"),
+            # Bits (the kernel is deterministic), and values: XLA's CPU reference may give
+            # a zero's sign differently in two differently fused programs.
+            "pmap_equals_shard_map_bits": all(
+                np.array_equal(np.asarray(a[0]).view(np.uint16), np.asarray(b).view(np.uint16))
+                for a, b in ((r_p, r_out), (n_p, n_out))),
+            "pmap_equals_shard_map_values": all(
+                np.array_equal(np.asarray(a[0], np.float32), np.asarray(b, np.float32))
+                for a, b in ((r_p, r_out), (n_p, n_out))),
+            "custom_call": FFI_TARGET in sharded(mesh).lower(*args).as_text()}
+    out["good"] = good
+
+    # --- the same devices in the other order -----------------------------------------------
+    def error_of(thunk):
+        try:
+            thunk()
+        except ValueError as e:
+            return str(e)
+        return "no error"
+
+    fargs = place(flipped, xs, res, gam)
+    out["flipped_shard_map"] = error_of(lambda: jax.block_until_ready(sharded(flipped)(*fargs)))
+    out["flipped_shard_map_lower"] = error_of(lambda: sharded(flipped).lower(*fargs))
+    out["flipped_pmap"] = error_of(
+        lambda: jax.block_until_ready(pmapped(d[::-1])(np.stack(xs), res, gam)))
+
+    # --- rows whose fp32 sum of squares overflows ------------------------------------------
+    rng = np.random.default_rng(seed)
+    big = rng.uniform(0.5, 1.0, (3, hidden)) * np.where(rng.random((3, hidden)) < 0.5, -1, 1)
+    rows = np.concatenate([big * 1e20, rng.standard_normal((1, hidden))]).astype(jnp.bfloat16)
+    zeros = np.zeros_like(rows)
+    r_o, n_o = sharded(mesh)(*place(mesh, [rows, zeros], zeros, gam))
+    n_o = np.asarray(n_o).astype(np.float32)
+    want_sign = np.signbit(rows[:3].astype(np.float32)) ^ np.signbit(gam.astype(np.float32))
+    rs, rr, ry, rinv = oracle.fused_reference([rows[3:].astype(np.float64)],
+                                              np.zeros((1, hidden)), g64, rms_eps=1e-6,
+                                              weight_bias=0.0)
+    out["overflow"] = {
+        "residual_exact": bool(np.array_equal(np.asarray(r_o).view(np.uint16),
+                                              rows.view(np.uint16))),
+        "zero_rows": bool(np.all(n_o[:3] == 0.0)),
+        "signs_of_r_times_gamma": bool(np.array_equal(np.signbit(n_o[:3]), want_sign)),
+        "ordinary_row_norm_ulps": oracle.norm_error_ulps(
+            n_o[3:].astype(np.float64), rs, ry, rinv, np.zeros((1, hidden)), g64,
+            weight_bias=0.0, dtype_name="bfloat16"),
+    }
+    ws.destroy()
+    return out
+
+
+if __name__ == "__main__":
+    print("RESULT " + json.dumps(main(sys.argv[1])), flush=True)
