@@ -121,7 +121,8 @@ def _check_mesh(ctx, workspace_mesh_ids):
 
 
 def _cuda_lowering(ctx, *args, axis_name, pattern, use_kernel, workspace_id, mesh_device_ids,
-                   use_oneshot, fp32_acc, rms_eps, weight_bias, layout, block_quant_group_size):
+                   use_oneshot, fp32_acc, rms_eps, weight_bias, layout, block_quant_group_size,
+                   plan=None):
     if not use_kernel:
         return _reference_lowering(ctx, *args, axis_name=axis_name, pattern=pattern,
                                    rms_eps=rms_eps, weight_bias=weight_bias, fp32_acc=fp32_acc,
@@ -163,3 +164,7 @@ def register_ffi_targets() -> bool:
         jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
     _registered = True
     return True
+
+
+# Autodiff and batching rules (they import this module).
+from . import transforms  # noqa: E402,F401
