@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jax_fusedar as jf  # noqa: E402
 from cpu_helpers import (bits, jdtype, make_mesh, new_rng, put, random_gamma,  # noqa: E402
                          random_values, require_host_devices)
-from jax_fusedar import quant_reference, reference  # noqa: E402
+from jax_fusedar import native, reference  # noqa: E402
 from jax_fusedar.patterns import TRAITS  # noqa: E402
 
 require_host_devices()
@@ -375,4 +375,29 @@ def test_reference_round_to_derivative_is_the_rounding():
     lin = jax.linear_transpose(lambda a: reference.round_tangent(a, jnp.dtype(jnp.float16)), t)
     (ct,) = lin(jnp.ones(3, jnp.float16))
     assert ct.dtype == np.float32 and np.all(np.asarray(ct) == 1)
-    assert quant_reference is not None  # imported for the patterns above
+
+
+@pytest.mark.skipif(not native.available(),
+                    reason="the cuda lowering of a trtllm workspace needs the native "
+                    "extension's FFI targets (run ./dev setup)")
+@pytest.mark.parametrize("variant", ["plain", "checkpoint"])
+def test_cuda_gradient_keeps_the_kernel_and_adds_no_all_reduce(variant):
+    """Lowered for cuda: the forward runs the kernel (one custom call per layer, again per
+    layer where checkpoint recomputes the forward), the tangent rule adds no collective to
+    the forward (the fused program has exactly one all-reduce per layer fewer than the
+    unfused one: the forward's psums), and the backward's collectives are JAX's own."""
+    mesh = make_mesh((8,), ("tp",))
+    ws = jf.abstract_workspace(mesh, "tp", max_token_num=64, hidden_dim=HIDDEN,
+                               dtype=jnp.bfloat16, backend="trtllm")
+    params, target = mlp_params(new_rng(), "bfloat16")
+    params = placed(mesh, params)
+    counts = []
+    for combine in (fused_combine(ws), unfused_combine()):
+        text = jax.jit(jax.grad(loss_fn(mesh, combine, variant))).trace(params, target).lower(
+            lowering_platforms=("cuda",)).as_text()
+        counts.append((text.count("@jax_fusedar_allreduce_fusion_v1("),
+                       text.count("all_reduce")))
+    (fused_calls, fused_ar), (unfused_calls, unfused_ar) = counts
+    runs = 2 if variant == "checkpoint" else 1
+    assert fused_calls == runs * LAYERS and unfused_calls == 0, counts
+    assert fused_ar == unfused_ar - runs * LAYERS, counts
