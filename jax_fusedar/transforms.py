@@ -21,10 +21,10 @@ outputs, so it gets no gradient.
 
 **Batching (vmap).** The op is row-wise: a batched x / residual is folded into the token
 dimension (one call of batch x tokens rows; the kernel decision is made again for that
-count, so a batch too large for the workspace falls back or, strict, raises). A batched
+count). A batch too large for the workspace, when one element fits, a batched
 ``rms_gamma`` or ``scale_factor``, or a scale layout that is not one row per token for the
 per-element token count (swizzled NVFP4 needs tokens % 128 == 0, per-token-group FP8
-tokens % 4 == 0), cannot be folded: those run one call per batch element in a
+tokens % 4 == 0), is not folded: those run one call per batch element in a
 ``jax.lax.map`` (correct, but a kernel launch per element).
 """
 from __future__ import annotations
@@ -120,7 +120,15 @@ def _batch(args, dims, **params):
                       else tuple(np.delete(x.shape, x_dim)))
     plan = params.get("plan")
     rows_only = all(d is None for d in dims[2:])  # gamma, scale_factor
-    if plan is not None and rows_only and _foldable(traits, params["layout"], tokens):
+    fold = plan is not None and rows_only and _foldable(traits, params["layout"], tokens)
+    if fold:
+        # A batch the workspace cannot hold runs per element when one element fits (so the
+        # kernel still serves it), decided from the workspace's sizes alone, on every backend.
+        def fits(rows):
+            return api._kernel_problem(plan.sizes.world_size, rows, hidden,
+                                       np.dtype(x.dtype).name, plan.sizes) is None
+        fold = fits(size * tokens) or not fits(tokens)
+    if fold:
         rows = [jnp.moveaxis(a, d, 0) if d is not None
                 else jnp.broadcast_to(a, (size, *a.shape)) for a, d in zip(args[:2], dims[:2])]
         rows = [r.reshape(size * tokens, hidden) for r in rows]

@@ -15,9 +15,12 @@ import json
 import logging
 import socket
 import threading
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
+
+if TYPE_CHECKING:  # annotations only: this module imports jax lazily
+    from jax.typing import DTypeLike
 
 from . import exchange, native, topology
 
@@ -136,7 +139,7 @@ def _describe(mesh, axis_name, max_token_num, hidden_dim, dtype,
 
 
 def create_allreduce_fusion_workspace(mesh, axis_name: str, *, max_token_num: int,
-                                      hidden_dim: int, dtype, backend: Optional[str] = "auto",
+                                      hidden_dim: int, dtype: DTypeLike, backend: Optional[str] = "auto",
                                       exchange_timeout_s: float = 120.0,
                                       check_calls: Optional[bool] = None,
                                       check_timeout_s: Optional[float] = None
@@ -177,8 +180,8 @@ def create_allreduce_fusion_workspace(mesh, axis_name: str, *, max_token_num: in
     return ws
 
 
-def abstract_workspace(mesh, axis_name: str, *, max_token_num: int, hidden_dim: int, dtype,
-                       backend: str = "trtllm") -> AllReduceFusionWorkspace:
+def abstract_workspace(mesh, axis_name: str, *, max_token_num: int, hidden_dim: int,
+                       dtype: DTypeLike, backend: str = "trtllm") -> AllReduceFusionWorkspace:
     """A workspace description that allocates nothing: for lowering or exporting a program
     for GPUs on a machine without them (``jit(f).trace(...).lower(lowering_platforms=("cuda",))``).
     Running such a program fails with a clear FFI error (no workspace is registered)."""

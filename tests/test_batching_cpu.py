@@ -316,13 +316,25 @@ def test_vmap_outside_shard_map_and_grad():
     assert_same_bits(results[0], results[1], "vmap outside shard_map, value and grad")
 
 
-def test_vmapped_batch_counts_against_the_workspace():
+def test_vmapped_batch_beyond_the_workspace_runs_per_element():
+    """The folded batch (12 rows) exceeds the workspace but one element (4 rows) fits: one
+    call per element in a loop (the kernel still serves them), even in strict mode; when an
+    element does not fit either, strict mode raises as for the unbatched call."""
     mesh = tp8()
     ws = xla_ws(mesh, max_token_num=8)
-    x, r, g = inputs(new_rng(), (3, 4))     # 4 rows fit; the folded 12 do not
-    body = lambda x, r, g: jax.vmap(  # noqa: E731
-        lambda x, r: tuple(call(ws, 1, x, r, g, {"strict": True})[1:3]))(x[0], r)
-    with pytest.raises(ValueError, match=r"12x256 tokens exceed the workspace"):
+    x, r, g = inputs(new_rng(), (3, 4))
+
+    def one(x, r, g):
+        return tuple(call(ws, 1, x, r, g, {"strict": True})[1:3])
+    body = lambda x, r, g: jax.vmap(one, in_axes=(0, 0, None))(x[0], r, g)  # noqa: E731
+    assert count_calls(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P()),
+                                     out_specs=(P(), P())), x, r, g) == (1, True)
+    got = sharded(mesh, body, 2)(x, r, g)
+    want = sharded(mesh, lambda x, r, g: per_element(lambda a, b: one(a, b, g), x[0], r),
+                   2)(x, r, g)
+    assert_same_bits(got, want, "per-element loop")
+    x, r, g = inputs(new_rng(), (2, 9))
+    with pytest.raises(ValueError, match=r"9x256 tokens exceed the workspace"):
         sharded(mesh, body, 2)(x, r, g)
 
 
@@ -333,8 +345,7 @@ needs_native = pytest.mark.skipif(
 
 @needs_native
 def test_cuda_lowering_of_vmapped_and_nd_calls():
-    """The kernel serves the folded rows: one custom call on [B*T, H]; a batch beyond the
-    workspace falls back (no custom call)."""
+    """The kernel serves the folded rows: one custom call on [B*T, H]."""
     mesh = tp8()
     ws = jf.abstract_workspace(mesh, "tp", max_token_num=16, hidden_dim=HIDDEN,
                                dtype=jnp.bfloat16, backend="trtllm")
@@ -350,8 +361,15 @@ def test_cuda_lowering_of_vmapped_and_nd_calls():
     nd = sharded(mesh, lambda x, r, g: tuple(call(ws, 1, x[0], r, g, {})[1:3]), 2).trace(
         x, r, g).lower(lowering_platforms=("cuda",)).as_text()
     assert nd.count(f"@{FFI_TARGET}") == 1 and "tensor<12x256xbf16>" in nd
-    x, r, g = inputs(new_rng(), (5, 4))  # 20 rows > 16
-    assert FFI_TARGET not in lowered(5)
+    # 20 rows > 16: a vmapped batch runs the kernel per element in a loop; an N-D call,
+    # one call by definition, falls back.
+    x, r, g = inputs(new_rng(), (5, 4))
+    text = lowered(5)
+    assert text.count(f"@{FFI_TARGET}") == 1 and "tensor<4x256xbf16>" in text
+    assert "stablehlo.while" in text
+    nd = sharded(mesh, lambda x, r, g: tuple(call(ws, 1, x[0], r, g, {})[1:3]), 2).trace(
+        x, r, g).lower(lowering_platforms=("cuda",)).as_text()
+    assert FFI_TARGET not in nd
 
 
 # --- dtypes --------------------------------------------------------------------------------------
