@@ -50,6 +50,15 @@ def unfused_combine(*, weight_bias=0.0, fp32_acc=True, **_):
     return combine
 
 
+def plain_jnp_combine():
+    """What a user writes without jax_fusedar, for float32: psum + add + RMSNorm in jnp."""
+    def combine(p, r, g):
+        r = jax.lax.psum(p, "tp") + r
+        y = r * jax.lax.rsqrt(jnp.mean(r * r, axis=-1, keepdims=True) + EPS) * g
+        return r, y
+    return combine
+
+
 # --- a Megatron-style MLP: column-parallel w1, row-parallel w2, the combine between layers ---
 
 def mlp_layer(combine, w1, w2, g, r, y):
@@ -159,6 +168,18 @@ def test_mlp_gradients_equal_the_unfused_model(dtype, mesh_shape):
     want = jax.jit(jax.value_and_grad(loss_fn(mesh, unfused_combine())))(params, target)
     assert_same_bits(got, want, f"grad {dtype} {mesh_shape}")
     some_change(got[1])
+
+
+def test_float32_gradients_equal_plain_jnp_psum_and_rmsnorm():
+    """In float32 the reference's roundings are identities: the fused op's gradients equal
+    those of the model written with jax.lax.psum and jnp alone, bit for bit."""
+    mesh = make_mesh((8,), ("tp",))
+    ws = xla_ws(mesh, "float32")
+    params, target = mlp_params(new_rng(), "float32")
+    params = placed(mesh, params)
+    got = jax.jit(jax.value_and_grad(loss_fn(mesh, fused_combine(ws))))(params, target)
+    want = jax.jit(jax.value_and_grad(loss_fn(mesh, plain_jnp_combine())))(params, target)
+    assert_same_bits(got, want, "float32 grad vs plain jnp")
 
 
 @pytest.mark.parametrize("variant", ["scan", "checkpoint", "checkpoint_dots",
