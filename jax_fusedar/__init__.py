@@ -32,3 +32,8 @@ def __getattr__(name):
         globals()[name] = value
         return value
     raise AttributeError(f"module 'jax_fusedar' has no attribute {name!r}")
+
+
+def __dir__():
+    # The lazy exports are attributes too (tab completion, dir(jax_fusedar)).
+    return sorted(set(globals()) | set(_LAZY))

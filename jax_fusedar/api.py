@@ -7,12 +7,15 @@ spin-wait always finds its peers.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from . import arguments, formats, topology
 from .patterns import TRAITS, AllReduceFusionPattern, QuantizationSFLayout, as_pattern
@@ -20,6 +23,8 @@ from .primitive import allreduce_fusion_p, check_call_groups, register_ffi_targe
 from .workspace import AllReduceFusionWorkspace
 
 log = logging.getLogger("jax_fusedar")
+# Kinds of fallback reason already logged: one warning per kind and process, not per shape
+# (a model with many sequence lengths would otherwise log every one).
 _fallback_reasons_logged: set = set()
 
 
@@ -31,23 +36,56 @@ class AllReduceFusionOutputs(NamedTuple):
     scale_out: Optional[jax.Array]
 
 
-def _fallback(reason: str, strict: bool) -> None:
+@dataclasses.dataclass(frozen=True)
+class CallPlan:
+    """What the trace-time kernel decision reads besides the call's shape, carried as a
+    parameter of the primitive so that its batching rule (jax_fusedar/transforms.py) can
+    decide again for the token count of the folded batch."""
+    backend: str
+    sizes: topology.WorkspaceSizes
+    strict: bool
+    use_oneshot: Optional[bool]  # as requested: None picks by size
+
+
+def _fallback(kind: str, reason: str, strict: bool, backend: str) -> None:
     if strict:
         raise ValueError(f"jax_fusedar: cannot use the fused kernel: {reason} (strict mode; "
                          f"unset {topology.STRICT_ENV_VAR} or pass strict=False to fall back to "
                          "psum + RMSNorm)")
-    if reason not in _fallback_reasons_logged:
-        _fallback_reasons_logged.add(reason)
-        log.warning("jax_fusedar: falling back to psum + RMSNorm: %s", reason)
+    # The xla backend never uses the kernel: nothing falls back there, nothing to report.
+    if backend == "trtllm" and kind not in _fallback_reasons_logged:
+        _fallback_reasons_logged.add(kind)
+        log.warning("jax_fusedar: falling back to psum + RMSNorm: %s (logged once per kind "
+                    "of reason; set %s=1 to raise instead)", reason, topology.STRICT_ENV_VAR)
 
 
-def _kernel_problem(world, tokens, hidden, dtype_name, workspace) -> Optional[str]:
-    """Why the kernel cannot serve this call (then it falls back), or None."""
+def _kernel_problem(world, tokens, hidden, dtype_name, sizes):
+    """(kind, why) the kernel cannot serve this call (then it falls back), or None."""
     problem = topology.kernel_support_problem(world, hidden, dtype_name)
-    if problem is None and not topology.buffer_fits(tokens, hidden, workspace.sizes):
-        problem = (f"{tokens}x{hidden} tokens exceed the workspace (max_token_num="
-                   f"{workspace.max_token_num} x hidden {workspace.hidden_dim})")
-    return problem
+    if problem is not None:
+        return "unsupported shape", problem
+    if not topology.buffer_fits(tokens, hidden, sizes):
+        return "workspace too small", (
+            f"{tokens}x{hidden} tokens exceed the workspace (max_token_num="
+            f"{sizes.max_token_num} x hidden {sizes.hidden_dim}; every row of an N-D or "
+            "vmapped call counts)")
+    return None
+
+
+def choose_path(plan: CallPlan, tokens: int, hidden: int, dtype_name: str):
+    """(use_kernel, use_oneshot) for a call of ``tokens`` rows: a pure function of the plan
+    and the shape, so every rank decides alike (logs or raises per ``plan.strict``)."""
+    use_kernel = plan.backend == "trtllm"
+    if tokens == 0:
+        # Every rank has the same empty shape: nothing to exchange, the reference serves it.
+        return False, True
+    problem = _kernel_problem(plan.sizes.world_size, tokens, hidden, dtype_name, plan.sizes)
+    if problem is not None:
+        _fallback(*problem, plan.strict, plan.backend)
+        return False, True
+    # Raises for an explicit use_oneshot the workspace cannot serve (never degrade).
+    oneshot = topology.choose_oneshot(tokens, hidden, plan.sizes, plan.use_oneshot)
+    return use_kernel, oneshot
 
 
 def _quant_params(pattern, traits, x, hidden, scale_factor, layout_code, group_size,
@@ -111,17 +149,69 @@ def _check_operand(name, value, shape, dtype):
                          f"got {value.shape} {np.dtype(value.dtype).name}")
 
 
-def allreduce_fusion(x, *, axis_name: str, workspace: AllReduceFusionWorkspace,
-                     pattern=AllReduceFusionPattern.kARResidualRMSNorm, residual=None,
-                     rms_gamma=None, rms_eps: float = 1e-6, weight_bias: float = 0.0,
-                     scale_factor=None, layout_code=None, use_oneshot: Optional[bool] = None,
+def _as_residual(residual, x):
+    """The residual stream, checked against x: same shape and dtype (the kernel reads and
+    writes it as x's dtype T)."""
+    residual = jnp.asarray(residual)
+    if (residual.dtype == jnp.float32 and x.dtype != jnp.float32
+            and residual.shape == x.shape):
+        t = np.dtype(x.dtype).name
+        raise ValueError(
+            f"residual has dtype float32 but x is {t}: the kernel reads and writes the "
+            f"residual stream in x's dtype, so it cannot keep a float32 stream exactly. "
+            f"Either round the stream to {t} (residual=residual.astype(x.dtype)), or keep "
+            f"it in float32 end to end: x=x.astype(jnp.float32) with a float32 workspace "
+            f"(the all-reduce then moves float32, and norm_out is float32)")
+    _check_operand("residual", residual, x.shape, x.dtype)
+    return residual
+
+
+def _as_gamma(rms_gamma, x, hidden, pattern):
+    """rms_gamma of x's dtype, or float32 (e.g. a Flax param_dtype) rounded to x's dtype
+    (round to nearest even) here, where the kernel would read it: the kernel, the
+    reference and their gradients all see the rounded gamma (its cotangent flows back to
+    the float32 parameter through the cast)."""
+    if rms_gamma is None:
+        raise ValueError(f"pattern {pattern.name} needs rms_gamma of shape ({hidden},)")
+    rms_gamma = jnp.asarray(rms_gamma)
+    if rms_gamma.dtype == jnp.float32 and rms_gamma.shape == (hidden,):
+        return rms_gamma.astype(x.dtype)
+    if rms_gamma.shape != (hidden,) or rms_gamma.dtype != x.dtype:
+        also = "" if x.dtype == jnp.float32 else " (or float32, rounded to it)"
+        raise ValueError(f"rms_gamma must have shape ({hidden},) and dtype "
+                         f"{np.dtype(x.dtype).name}{also}, got {rms_gamma.shape} "
+                         f"{np.dtype(rms_gamma.dtype).name}")
+    return rms_gamma
+
+
+def _restore_leading(out, lead, what, traits, layout):
+    """An output of the folded [M, ...] call back to x's leading dims, where its layout is
+    one row per token; the packed scale buffers (per-token-group FP8, swizzled NVFP4) stay
+    the 2-D buffers of the M folded rows."""
+    if out is None or len(lead) == 1:
+        return out
+    if what == "scale_out" and (traits.quant == "group_fp8" or (
+            traits.quant == "fp4" and layout != int(QuantizationSFLayout.LINEAR))):
+        return out
+    return out.reshape(*lead, *out.shape[1:])
+
+
+def allreduce_fusion(x: ArrayLike, *, axis_name: str, workspace: AllReduceFusionWorkspace,
+                     pattern=AllReduceFusionPattern.kARResidualRMSNorm,
+                     residual: Optional[ArrayLike] = None,
+                     rms_gamma: Optional[ArrayLike] = None, rms_eps: float = 1e-6,
+                     weight_bias: float = 0.0, scale_factor: Optional[ArrayLike] = None,
+                     layout_code=None, use_oneshot: Optional[bool] = None,
                      fp32_acc: bool = True, block_quant_group_size: Optional[int] = None,
                      strict: Optional[bool] = None) -> AllReduceFusionOutputs:
     """All-reduce ``x`` over ``axis_name`` fused with residual add + RMSNorm.
 
-    Args mirror ``flashinfer.comm.allreduce_fusion``. ``x``: the local ``[tokens, hidden]``
-    partial sum. ``residual``: added after the all-reduce (zeros when None, for residual
-    patterns). ``rms_gamma``: ``[hidden]``. ``weight_bias=1.0`` gives Gemma's ``(1 + gamma)``.
+    Args mirror ``flashinfer.comm.allreduce_fusion``. ``x``: the local ``[..., hidden]``
+    partial sum; every leading dim is a token dim (the norm is over the last axis, and all
+    rows count against the workspace). ``residual``: x's shape and dtype, added after the
+    all-reduce (zeros when None, for residual patterns). ``rms_gamma``: ``[hidden]`` of x's
+    dtype or float32 (then rounded to x's dtype, as the kernel reads it).
+    ``weight_bias=1.0`` gives Gemma's ``(1 + gamma)``.
     Quantized patterns (table in the README, layouts in ``jax_fusedar.formats``):
     ``scale_factor`` (static FP8: the dequantization scale; NVFP4: the global scale) is a
     float32 array of shape () or (1,), a runtime operand, never a baked constant;
@@ -134,8 +224,12 @@ def allreduce_fusion(x, *, axis_name: str, workspace: AllReduceFusionWorkspace,
     RMSNorm when the kernel cannot serve the call.
 
     Returns ``AllReduceFusionOutputs(allreduce_out, residual_out, norm_out, quant_out,
-    scale_out)`` with None for what the pattern does not produce. The outputs are invariant
-    over ``axis_name`` (like ``psum``), so ``shard_map``'s default ``check_vma=True`` works.
+    scale_out)`` with None for what the pattern does not produce; x's leading dims are kept
+    (but for the packed scale buffers, which describe the M = prod(leading dims) rows). The
+    outputs are invariant over ``axis_name`` (like ``psum``), so ``shard_map``'s default
+    ``check_vma=True`` works. Differentiable (``jax.grad``/``jvp``/``vjp``) with the
+    gradient of the same math unfused; ``quant_out``/``scale_out`` have zero derivative
+    (like ``jnp.round``). ``jax.vmap`` folds the batch into tokens.
     """
     pattern = as_pattern(pattern)
     traits = TRAITS[pattern]
@@ -161,8 +255,8 @@ def allreduce_fusion(x, *, axis_name: str, workspace: AllReduceFusionWorkspace,
         raise ValueError(f"the workspace was created for axis {workspace.axis_name!r}, "
                          f"not {axis_name!r}")
     x = jnp.asarray(x)
-    if x.ndim != 2:
-        raise ValueError(f"x must be 2-D [tokens, hidden], got shape {x.shape}")
+    if x.ndim < 1:
+        raise ValueError(f"x must be [..., hidden] (at least 1-D), got shape {x.shape}")
     dtype_name = np.dtype(x.dtype).name
     if dtype_name not in ("bfloat16", "float16", "float32"):
         raise ValueError(f"x has dtype {dtype_name}; supported: bfloat16, float16, float32")
@@ -178,7 +272,6 @@ def allreduce_fusion(x, *, axis_name: str, workspace: AllReduceFusionWorkspace,
         raise ValueError(f"axis {axis_name!r} has size {world} but the workspace was created "
                          f"for world size {workspace.world_size}")
     _check_context_mesh(workspace, axis_name)
-    tokens, hidden = x.shape
     if not all(isinstance(d, (int, np.integer)) for d in x.shape):
         # jax.export with symbolic shapes. The kernel's one-/two-shot choice and workspace fit
         # are trace-time decisions every rank must make alike, so they need concrete sizes;
@@ -188,6 +281,8 @@ def allreduce_fusion(x, *, axis_name: str, workspace: AllReduceFusionWorkspace,
             f"x has a symbolic shape {x.shape}: allreduce_fusion needs concrete token and "
             "hidden sizes (the kernel decides one-/two-shot and the workspace fit at trace "
             "time); export one artifact per token count (e.g. per serving bucket)")
+    lead, hidden = x.shape[:-1], x.shape[-1]
+    tokens = math.prod(lead)
     # World size and vector width are limits of the op itself, on every platform.
     vec = topology.vector_width(dtype_name)
     if hidden % vec:
@@ -196,34 +291,21 @@ def allreduce_fusion(x, *, axis_name: str, workspace: AllReduceFusionWorkspace,
 
     operands = [x]
     if traits.has_residual:
-        if residual is None:
-            residual = jnp.zeros_like(x)
-        residual = jnp.asarray(residual)
-        _check_operand("residual", residual, x.shape, x.dtype)
-        if rms_gamma is None:
-            raise ValueError(f"pattern {pattern.name} needs rms_gamma of shape ({hidden},)")
-        rms_gamma = jnp.asarray(rms_gamma)
-        _check_operand("rms_gamma", rms_gamma, (hidden,), x.dtype)
-        operands += [residual, rms_gamma]
+        residual = jnp.zeros_like(x) if residual is None else _as_residual(residual, x)
+        operands += [residual, _as_gamma(rms_gamma, x, hidden, pattern)]
     elif residual is not None or rms_gamma is not None:
         raise ValueError(f"pattern {pattern.name} takes no residual or rms_gamma")
+    # The primitive sees [tokens, hidden] rows (the op is row-wise).
+    operands[:2] = [o.reshape(tokens, hidden) for o in operands[:2]]
     layout, group_size = _quant_params(pattern, traits, x, hidden, scale_factor, layout_code,
                                        block_quant_group_size, workspace)
     if traits.uses_scale_factor:
         operands.append(formats.check_scalar_scale(scale_factor, "scale_factor").reshape(1))
 
     # Trace-time decision: the kernel, or the reference with a logged reason.
-    use_kernel = workspace.backend == "trtllm"
-    oneshot = True
-    if tokens == 0:
-        # Every rank has the same empty shape: nothing to exchange, the reference serves it.
-        use_kernel = False
-    elif (problem := _kernel_problem(world, tokens, hidden, dtype_name, workspace)) is not None:
-        _fallback(problem, strict)
-        use_kernel = False
-    else:
-        # Raises for an explicit use_oneshot the workspace cannot serve (never degrade).
-        oneshot = topology.choose_oneshot(tokens, hidden, workspace.sizes, use_oneshot)
+    plan = CallPlan(workspace.backend, workspace.sizes, strict,
+                    None if use_oneshot is None else bool(use_oneshot))
+    use_kernel, oneshot = choose_path(plan, tokens, hidden, dtype_name)
     if use_kernel and not register_ffi_targets():
         raise RuntimeError("the workspace uses the trtllm kernel but jax_fusedar's native "
                            "extension is not available")
@@ -233,12 +315,16 @@ def allreduce_fusion(x, *, axis_name: str, workspace: AllReduceFusionWorkspace,
         workspace_id=workspace.id,
         workspace_groups=tuple(g.members for g in workspace.groups),
         use_oneshot=bool(oneshot), fp32_acc=bool(fp32_acc), rms_eps=float(rms_eps),
-        weight_bias=float(weight_bias), layout=layout, block_quant_group_size=group_size)
+        weight_bias=float(weight_bias), layout=layout, block_quant_group_size=group_size,
+        plan=plan)
     if traits.has_allreduce_out:
-        return AllReduceFusionOutputs(outs[0], None, None, None, None)
-    outs = list(outs)
-    residual_out = outs.pop(0)
-    norm_out = outs.pop(0) if traits.has_norm_out else None
-    quant_out = outs.pop(0) if traits.quant else None
-    scale_out = outs.pop(0) if traits.writes_scale_out else None
-    return AllReduceFusionOutputs(None, residual_out, norm_out, quant_out, scale_out)
+        named = {"allreduce_out": outs[0]}
+    else:
+        outs = list(outs)
+        named = {"residual_out": outs.pop(0)}
+        named["norm_out"] = outs.pop(0) if traits.has_norm_out else None
+        named["quant_out"] = outs.pop(0) if traits.quant else None
+        named["scale_out"] = outs.pop(0) if traits.writes_scale_out else None
+    return AllReduceFusionOutputs(**{
+        f: _restore_leading(named.get(f), lead, f, traits, layout)
+        for f in AllReduceFusionOutputs._fields})

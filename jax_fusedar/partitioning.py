@@ -232,7 +232,8 @@ def _local_program(cfg: _Config, mesh, plan: _Plan):
             res, norm = out.residual_out, out.norm_out
         else:
             if why is not None:  # workspaces were given but none serves this call
-                _fallback(why, topology.strict_mode(cfg.strict))
+                _fallback("no matching workspace", why, topology.strict_mode(cfg.strict),
+                          "trtllm")
             axis = plan.k_axes[0] if len(plan.k_axes) == 1 else plan.k_axes
             _, res, norm = reference.allreduce_fusion_reference(
                 x2, r2, gamma, axis_name=axis, pattern=_PATTERN, rms_eps=cfg.rms_eps,

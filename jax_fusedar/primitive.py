@@ -131,7 +131,8 @@ def _check_mesh(ctx, axis_name, workspace_groups):
 
 
 def _cuda_lowering(ctx, *args, axis_name, pattern, use_kernel, workspace_id, workspace_groups,
-                   use_oneshot, fp32_acc, rms_eps, weight_bias, layout, block_quant_group_size):
+                   use_oneshot, fp32_acc, rms_eps, weight_bias, layout, block_quant_group_size,
+                   plan=None):
     _check_mesh(ctx, axis_name, workspace_groups)
     if not use_kernel:
         from .export import check_reference_lowered_for_cuda
@@ -180,3 +181,7 @@ def register_ffi_targets() -> bool:
         jax.ffi.register_ffi_target(name, capsule, platform="cpu")
     _registered = True
     return True
+
+
+# Autodiff and batching rules (they import this module).
+from . import transforms  # noqa: E402,F401

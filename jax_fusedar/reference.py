@@ -18,6 +18,8 @@ ulp or more of a small |s|.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -42,14 +44,26 @@ def epilogue(summed, residual, rms_gamma, *, pattern, rms_eps: float, weight_bia
     if traits.has_allreduce_out:
         return summed, None, None
     dtype = summed.dtype
-    r = round_to(summed.astype(jnp.float32) + residual.astype(jnp.float32), dtype)
+    r = residual_add(summed, residual)
     norm = rms_norm(r, rms_gamma, rms_eps=rms_eps, weight_bias=weight_bias, out_dtype=dtype)
     return None, r, norm
 
 
+def residual_add(summed, residual, *, rounding=None):
+    """T(float(summed) + float(residual)); ``rounding`` (default ``round_to``) is swapped for
+    ``round_tangent`` to apply the same (linear) map to tangents (jax_fusedar/transforms.py)."""
+    rounding = round_to if rounding is None else rounding
+    return rounding(summed.astype(jnp.float32) + residual.astype(jnp.float32), summed.dtype)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
 def round_to(x32, dtype):
     """fp32 -> dtype with the rounding made explicit: XLA may otherwise keep excess
-    precision inside a fusion and skip a rounding the kernel performs."""
+    precision inside a fusion and skip a rounding the kernel performs.
+
+    Its derivative is that of ``x32.astype(dtype)`` (the tangent rounded to dtype, see
+    ``round_tangent``), not the zero derivative of the subnormal branch's ``jnp.round``: the
+    op's gradient is the unfused math's, and a rule linear in the tangent transposes."""
     info = jnp.finfo(dtype)
     rounded = jax.lax.reduce_precision(x32, info.nexp, info.nmant)
     if info.nexp < 8:
@@ -61,11 +75,30 @@ def round_to(x32, dtype):
     return rounded.astype(dtype)
 
 
-def allreduce_sum(x, axis_name, *, fp32_acc: bool):
+def round_tangent(t32, dtype):
+    """The tangent (and, transposed, cotangent) map of ``round_to``: linear, rounding fp32
+    to dtype like ``astype`` (reduce_precision, so XLA cannot skip it; float16 subnormal
+    tangents flush to zero there, where the values themselves are kept)."""
+    info = jnp.finfo(dtype)
+    return jax.lax.reduce_precision(t32, info.nexp, info.nmant).astype(dtype)
+
+
+@round_to.defjvp
+def _round_to_jvp(dtype, primals, tangents):
+    (x32,), (t32,) = primals, tangents
+    return round_to(x32, dtype), round_tangent(t32, dtype)
+
+
+def allreduce_sum(x, axis_name, *, fp32_acc: bool, rounding=None):
     """The kernel's all-reduce: with fp32_acc, the fp32 sum rounded once to x's dtype;
-    without, ranks added in rank order 0..N-1 with a rounding after every addition."""
+    without, ranks added in rank order 0..N-1 with a rounding after every addition.
+
+    Linear in x but for ``round_to``'s subnormal branch; with ``rounding=round_tangent`` it
+    is exactly this function's tangent map (what jax.jvp of it computes), applied to a
+    tangent without recomputing the sum of the primal."""
+    round_to_ = round_to if rounding is None else rounding
     if fp32_acc or x.dtype == jnp.float32:
-        return round_to(jax.lax.psum(x.astype(jnp.float32), axis_name), x.dtype)
+        return round_to_(jax.lax.psum(x.astype(jnp.float32), axis_name), x.dtype)
     # Rank r's contribution alone, as an invariant value: a psum where every other rank
     # adds zeros is exact. (all_gather would do, but leaves the result marked per-rank.)
     me = jax.lax.axis_index(axis_name)
@@ -76,7 +109,7 @@ def allreduce_sum(x, axis_name, *, fp32_acc: bool):
 
     acc = contribution(0)
     for r in range(1, jax.lax.axis_size(axis_name)):
-        acc = round_to(acc + contribution(r), x.dtype).astype(jnp.float32)
+        acc = round_to_(acc + contribution(r), x.dtype).astype(jnp.float32)
     return acc.astype(x.dtype)
 
 

@@ -23,9 +23,12 @@ import logging
 import socket
 import threading
 import weakref
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
+
+if TYPE_CHECKING:  # annotations only: this module imports jax lazily
+    from jax.typing import DTypeLike
 
 from . import arguments, exchange, native, topology
 
@@ -262,7 +265,8 @@ def _claim_id(ws: AllReduceFusionWorkspace, allocates: bool) -> None:
 
 
 def create_allreduce_fusion_workspace(mesh, axis_name: str, *, max_token_num: int,
-                                      hidden_dim: int, dtype, backend: Optional[str] = "auto",
+                                      hidden_dim: int, dtype: DTypeLike,
+                                      backend: Optional[str] = "auto",
                                       exchange_timeout_s: float = 120.0,
                                       check_calls: Optional[bool] = None,
                                       check_timeout_s: Optional[float] = None,
@@ -315,8 +319,8 @@ def create_allreduce_fusion_workspace(mesh, axis_name: str, *, max_token_num: in
     return ws
 
 
-def abstract_workspace(mesh, axis_name: str, *, max_token_num: int, hidden_dim: int, dtype,
-                       backend: str = "trtllm", name: Optional[str] = None
+def abstract_workspace(mesh, axis_name: str, *, max_token_num: int, hidden_dim: int,
+                       dtype: DTypeLike, backend: str = "trtllm", name: Optional[str] = None
                        ) -> AllReduceFusionWorkspace:
     """A workspace description that allocates nothing: for lowering or exporting a program
     for GPUs on a machine without them (``jit(f).trace(...).lower(lowering_platforms=("cuda",))``,

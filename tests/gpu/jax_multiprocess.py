@@ -11,7 +11,8 @@ machine both processes share GPU 0. Tasks:
              collectives, so it also runs where two ranks share a GPU) and a float64
              numpy model; the fused one must be as accurate as the unfused one;
 * "quant":   the FP8 patterns (tests/gpu/jax_quant.py);
-* "nvfp4":   the NVFP4 patterns on sm100+ (tests/gpu/jax_nvfp4.py).
+* "nvfp4":   the NVFP4 patterns on sm100+ (tests/gpu/jax_nvfp4.py);
+* "grad":    gradients of a TP MLP, fused vs unfused vs float64 (tests/gpu/jax_grad.py).
 """
 from __future__ import annotations
 
@@ -68,6 +69,9 @@ def worker(rank, world, chan, *, port, xla_flags, task, seed, **kw):
         out["nvfp4"] = jax_nvfp4.run(jax, jnp, jf, mesh, P, rank, world, seed,
                                      glob=lambda spec, a: _global(jax, mesh, spec, a),
                                      local=_local, **kw)
+    elif task == "grad":
+        from tests.gpu import jax_grad
+        out["grad"] = jax_grad.run(jax, jnp, jf, mesh, P, seed, **kw)
     jax.distributed.shutdown()
     return out
 
