@@ -16,8 +16,8 @@ _LAZY = {
     "create_allreduce_fusion_workspace": ("workspace", "create_allreduce_fusion_workspace"),
     "abstract_workspace": ("workspace", "abstract_workspace"),
     "AllReduceFusionWorkspace": ("workspace", "AllReduceFusionWorkspace"),
-    "fuse": ("fuse", "fuse"),
-    "FusionReport": ("fuse", "FusionReport"),
+    "fuse": ("fusion_pass", "fuse"),
+    "FusionReport": ("fusion_pass", "FusionReport"),
 }
 
 __all__ = ["AllReduceFusionPattern", "QuantizationSFLayout", *_LAZY]
