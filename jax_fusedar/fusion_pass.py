@@ -81,6 +81,7 @@ class Site:
     dtype: Optional[str] = None
     rms_eps: Optional[float] = None
     rounding_change: Optional[str] = None
+    runs: Optional[int] = 1   # times it runs per call (scan lengths multiplied; None: a while loop)
 
 
 @dataclasses.dataclass
@@ -95,6 +96,12 @@ class FusionReport:
     def not_fused(self) -> list:
         return [s for s in self.sites if not s.fused]
 
+    def fused_runs(self) -> Optional[int]:
+        """Fused calls per run of the function (scan bodies count their length), or None
+        when one sits in a while loop."""
+        runs = [s.runs for s in self.fused]
+        return None if any(r is None for r in runs) else sum(runs)
+
     def reasons(self) -> Counter:
         """{reason: number of sites} of the sites left unfused."""
         return Counter(s.reason for s in self.not_fused)
@@ -103,6 +110,9 @@ class FusionReport:
         """vLLM-style one-line summary."""
         text = (f"jax_fusedar.fuse: fused {len(self.fused)} of {len(self.sites)} all-reduce + "
                 f"residual + RMSNorm site(s)")
+        runs = self.fused_runs()
+        if runs is not None and runs != len(self.fused):
+            text += f" ({runs} fused calls per run, loops counted)"
         if self.not_fused:
             text += "; not fused: " + "; ".join(f"{n} x {r}" for r, n in self.reasons().items())
         return text
@@ -538,7 +548,9 @@ def _match_site(g: _Graph, i: int, axis_name: str, allow: bool) -> _Match:
 @dataclasses.dataclass
 class _Plan:
     """What to change in one jaxpr: sites to emit (by eqn index), eqns to drop, and plans
-    for the sub-jaxprs of eqns (by eqn index -> {param name: plan or tuple of plans})."""
+    for the sub-jaxprs of eqns (by eqn index -> {(param name, index): plan}). ``jaxpr``: the
+    jaxpr the indices refer to (the original with norm calls inlined, see _inline_calls)."""
+    jaxpr: Any
     emit: dict
     skip: set
     children: dict
@@ -575,19 +587,82 @@ def _label(eqn) -> str:
     return n
 
 
+# Call-like primitives and the parameter holding their jaxpr.
+_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
+          "remat2": "jaxpr", "checkpoint": "jaxpr", "custom_jvp_call": "call_jaxpr",
+          "custom_vjp_call": "call_jaxpr"}
+
+
+def _splice(eqn):
+    """The eqns of a call-like eqn's jaxpr with its variables renamed into the caller's, or
+    None when that is not a plain substitution (constants, pass-through outputs)."""
+    sub = eqn.params.get(_CALLS[_name(eqn)])
+    closed = isinstance(sub, jcore.ClosedJaxpr)
+    inner = sub.jaxpr if closed else sub
+    if inner is None or (closed and sub.consts) or inner.constvars or \
+            len(inner.invars) != len(eqn.invars) or len(inner.outvars) != len(eqn.outvars):
+        return None
+    subst = dict(zip(inner.invars, eqn.invars))
+    for iv, ov in zip(inner.outvars, eqn.outvars):
+        if not isinstance(iv, jcore.Var) or iv in subst or iv not in \
+                {v for e in inner.eqns for v in e.outvars}:
+            return None
+        if not isinstance(ov, jcore.DropVar):
+            if iv in subst.values():
+                return None
+            subst[iv] = ov
+    out = []
+    for e in inner.eqns:
+        out.append(e.replace(
+            invars=[subst.get(a, a) if isinstance(a, jcore.Var) else a for a in e.invars],
+            outvars=[subst.get(v, v) for v in e.outvars]))
+    return out
+
+
+def _inline_calls(jaxpr):
+    """Splices into ``jaxpr`` every call (nested jit, checkpoint, custom_jvp / custom_vjp)
+    that receives the residual sum of an all-reduce, so that a norm written inside one is
+    seen together with its all-reduce (forms d and e of docs/fusion_pass.md). Values are
+    unchanged; the call's boundary (and, for a site then fused, its remat policy or custom
+    derivative rule) is dropped."""
+    for _ in range(8):  # nested calls: one level per round
+        g = _Graph(jaxpr)
+        targets = set()
+        for e in g.eqns:
+            if _name(e) not in _PSUMS:
+                continue
+            u = g.only_user(e.outvars[0])
+            if u is not None and _name(g.eqns[u]) == "add":
+                targets.update(c for c in g.users(g.eqns[u].outvars[0])
+                               if _name(g.eqns[c]) in _CALLS)
+        new, changed = [], False
+        for i, e in enumerate(g.eqns):
+            spliced = _splice(e) if i in targets else None
+            if spliced is None:
+                new.append(e)
+            else:
+                new.extend(spliced)
+                changed = True
+        if not changed:
+            return jaxpr
+        jaxpr = jaxpr.replace(eqns=new)
+    return jaxpr
+
+
 class _Analyzer:
     def __init__(self, fuser, axis_name):
         self.fuser = fuser
         self.axis = axis_name
-        self.sites = []  # (Site-like dict, match or None)
+        self.sites = []
 
-    def plan(self, jaxpr, where: str, mesh_shape: Optional[dict]) -> _Plan:
+    def plan(self, jaxpr, where: str, mesh_shape: Optional[dict], runs=1) -> _Plan:
+        jaxpr = _inline_calls(jaxpr)
         g = _Graph(jaxpr)
-        plan = _Plan(emit=defaultdict(list), skip=set(), children={})
+        plan = _Plan(jaxpr=jaxpr, emit=defaultdict(list), skip=set(), children={})
         taken = set()
         for i, e in enumerate(g.eqns):
             if _name(e) in _PSUMS and i not in taken:
-                self._site(g, i, where, mesh_shape, plan, taken)
+                self._site(g, i, where, mesh_shape, plan, taken, runs)
         for i, e in enumerate(g.eqns):
             if i in plan.skip:
                 continue
@@ -603,9 +678,14 @@ class _Analyzer:
                                                                          frozenset(mesh.axis_names)))
                 ctx = (mesh, frozenset(manual), e.params.get("check_vma", True))
             sub_plans = {}
+            inner_runs = runs
+            if _name(e) == "scan" and runs is not None:
+                inner_runs = runs * int(e.params.get("length", 1))
+            elif _name(e) == "while":
+                inner_runs = None
             for k, j, sj in subs:
                 p = self.plan(_open(sj), f"{where}/{_label(e)}" if where else _label(e),
-                              inner_shape)
+                              inner_shape, inner_runs)
                 if ctx is not None:
                     p.context = ctx
                 sub_plans[(k, j)] = p
@@ -613,7 +693,7 @@ class _Analyzer:
                 plan.children[i] = sub_plans
         return plan
 
-    def _site(self, g, i, where, mesh_shape, plan, taken):
+    def _site(self, g, i, where, mesh_shape, plan, taken, runs):
         where = where or "top level"
         try:
             if mesh_shape is None:
@@ -631,7 +711,8 @@ class _Analyzer:
                                    dtype=_dtype(g.eqns[i].outvars[0]),
                                    tokens=math.prod(_shape(g.eqns[i].outvars[0])[:-1]) if
                                    _shape(g.eqns[i].outvars[0]) else None,
-                                   hidden=(_shape(g.eqns[i].outvars[0]) or (None,))[-1]))
+                                   hidden=(_shape(g.eqns[i].outvars[0]) or (None,))[-1],
+                                   runs=runs))
             return
         m.workspace = ws
         plan.emit[m.emit_at].append(m)
@@ -644,7 +725,7 @@ class _Analyzer:
         taken |= m.core
         self.sites.append(Site(where=where, fused=True, reason=None, pattern=m.pattern,
                                tokens=m.tokens, hidden=m.hidden, dtype=m.dtype, rms_eps=m.eps,
-                               rounding_change=m.rounding_change))
+                               rounding_change=m.rounding_change, runs=runs))
 
 
 # --- rewriting -----------------------------------------------------------------------------------
@@ -761,8 +842,8 @@ def _eval(jaxpr, consts, args, plan: _Plan, fuser):
 def _rewrite(orig, plan: _Plan, fuser):
     """``orig`` (Jaxpr or ClosedJaxpr) with the plan applied, same signature."""
     closed = isinstance(orig, jcore.ClosedJaxpr)
-    jaxpr = orig.jaxpr if closed else orig
     consts = orig.consts if closed else ()
+    jaxpr = plan.jaxpr  # the original, with norm calls inlined: same inputs and outputs
     in_avals = [v.aval for v in jaxpr.invars]
     with _shard_map_context(plan.context):
         new, new_consts = _trace_to_jaxpr(
@@ -850,13 +931,11 @@ class FusedFunction:
     def _run(self, *args, **kwargs):
         closed, out_shape = jax.make_jaxpr(self.fn, return_shape=True)(*args, **kwargs)
         flat, _ = jax.tree.flatten((args, kwargs))
-        # Reserve workspaces for the largest site of each dtype first, so that every site
-        # of one program uses one workspace (analysis creates them in order met otherwise).
         analyzer = _Analyzer(self, self.axis_name)
         plan = analyzer.plan(closed.jaxpr, "", None)
         self.report = FusionReport(analyzer.sites)
         log.log(self.log_level, "%s", self.report.line())
-        outs = _eval(closed.jaxpr, closed.consts, flat, plan, self)
+        outs = _eval(plan.jaxpr, closed.consts, flat, plan, self)
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
     def __call__(self, *args, **kwargs):
