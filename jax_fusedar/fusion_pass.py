@@ -97,8 +97,8 @@ class FusionReport:
         return [s for s in self.sites if not s.fused]
 
     def fused_runs(self) -> Optional[int]:
-        """Fused calls per run of the function (scan bodies count their length), or None
-        when one sits in a while loop."""
+        """Fused calls per run of the function (scan bodies count their length; every cond
+        branch counts, so an upper bound there), or None when one sits in a while loop."""
         runs = [s.runs for s in self.fused]
         return None if any(r is None for r in runs) else sum(runs)
 
