@@ -59,7 +59,7 @@ class LlamaConfig:
 LLAMA3_8B = LlamaConfig(vocab=128256, hidden=4096, ffn=14336, layers=32, heads=32, kv_heads=8,
                         rope_theta=500000.0, rms_eps=1e-5)
 # A small one for CPUs: 8 ranks, 2 query heads and 1 KV head each.
-TINY = LlamaConfig(vocab=512, hidden=256, ffn=512, layers=4, heads=16, kv_heads=8,
+TINY = LlamaConfig(vocab=512, hidden=256, ffn=512, layers=2, heads=16, kv_heads=8,
                    rope_theta=10000.0, rms_eps=1e-5)
 PRESETS = {"llama3-8b": LLAMA3_8B, "tiny": TINY}
 
