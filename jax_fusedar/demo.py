@@ -136,7 +136,10 @@ def add_arguments(parser, *, positive_int, int_list, dtypes, backends) -> None:
     parser.add_argument("--bench-kv", type=int_list, default="128,2048",
                         help="--bench: KV cache lengths of the decode steps")
     parser.add_argument("--bench-prefill", type=int_list, default="1024,4096",
-                        help="--bench: prefill lengths (batch 1); '0' for none")
+                        help="--bench: prefill lengths (batch 1)")
+    parser.add_argument("--bench-prefill-layers", choices=("both",) + LAYER_MODES + ("none",),
+                        default="scan", help="--bench: layer modes of the prefills (each "
+                        "unrolled 32-layer program costs a long compile)")
     parser.add_argument("--bench-steps", type=positive_int, default=20,
                         help="--bench: back-to-back calls per timed run")
     parser.add_argument("--out", default="bench_out", help="--bench: folder for the JSON")
@@ -317,8 +320,10 @@ def bench_main(args, preset, cfg, mesh) -> int:
     dtype = jnp.dtype(args.dtype)
     device = jax.devices()[0]
     on_gpu = device.platform == "gpu"
-    prefills = [t for t in args.bench_prefill if t > 0] if args.bench_prefill else []
-    max_tokens = max([*args.bench_batches, *prefills])
+    prefills = list(args.bench_prefill)
+    pre_modes = {"both": LAYER_MODES, "none": ()}.get(args.bench_prefill_layers,
+                                                       (args.bench_prefill_layers,))
+    max_tokens = max([*args.bench_batches, *(prefills if pre_modes else [])])
     params = llama.init_params(cfg, mesh, AXIS, dtype, args.seed, host=not on_gpu)
     donate = (2, 3) if on_gpu else ()
     cases = []
@@ -335,60 +340,76 @@ def bench_main(args, preset, cfg, mesh) -> int:
         header = (f"{'kind':<8} {'layers':<9} {'batch':>5} {'kv/len':>6} {'unfused ms':>11} "
                   f"{'fused ms':>9} {'speedup':>8} {'fused tok/s':>12}  sites")
         print(header, flush=True)
-        for mode in _modes(args):
-            fwd = llama.make_forward(cfg, mesh, AXIS, scan=mode == "scan")
-            fused = fuse(fwd, workspace=ws)
-            progs = {"unfused": jax.jit(fwd, donate_argnums=donate),
-                     "fused": jax.jit(fused, donate_argnums=donate)}
-            shapes = [("decode", b, kv) for b in args.bench_batches for kv in args.bench_kv]
-            shapes += [("prefill", 1, t) for t in prefills]
-            for kind, batch, length in shapes:
-                T = 1 if kind == "decode" else length
-                pos = jnp.int32(length - 1 if kind == "decode" else 0)
-                tokens = jnp.zeros((batch, T), jnp.int32)
-                cache = llama.init_cache(cfg, mesh, AXIS, dtype, batch, length)
-                case = {"kind": kind, "layers": mode, "batch": batch,
-                        "kv_length" if kind == "decode" else "tokens": length}
-                for name, prog in progs.items():
-                    t0 = time.perf_counter()
-                    compiled = prog.lower(params, tokens, *cache, pos).compile()
-                    case[f"{name}_compile_s"] = time.perf_counter() - t0
-                    s, cache = _time_steps(compiled, params, tokens, cache, pos,
-                                           args.bench_steps, args.iters)
-                    del compiled
-                    case[f"{name}_ms"] = s * 1e3
-                rep = fused.report
-                case["fused_sites"] = len(rep.fused)
-                case["sites"] = len(rep.sites)
-                case["not_fused"] = dict(rep.reasons())
-                case["speedup"] = case["unfused_ms"] / case["fused_ms"]
-                case["fused_tokens_per_s"] = batch * T / (case["fused_ms"] * 1e-3)
-                case["unfused_tokens_per_s"] = batch * T / (case["unfused_ms"] * 1e-3)
-                cases.append(case)
-                print(f"{kind:<8} {mode:<9} {batch:>5} {length:>6} {case['unfused_ms']:>11.3f} "
-                      f"{case['fused_ms']:>9.3f} {case['speedup']:>8.3f} "
-                      f"{case['fused_tokens_per_s']:>12.1f}  {len(rep.fused)}/{len(rep.sites)}",
-                      flush=True)
-                del cache
-    report = {
-        "machine": {"platform": device.platform, "device_kind": device.device_kind,
-                    "device_count": jax.device_count(), "world_size": world,
-                    "backend": ws.backend, "jax_version": jax.__version__,
-                    "host": platform.node()},
-        "config": {"preset": preset, **{k: getattr(cfg, k) for k in
-                                        ("vocab", "hidden", "ffn", "layers", "heads",
-                                         "kv_heads")},
-                   "dtype": args.dtype, "steps_per_run": args.bench_steps,
-                   "runs": args.iters, "workspace_max_tokens": max_tokens},
-        "method": "wall time of back-to-back jitted calls (cache threaded through, donated on "
-                  "GPUs) / calls, median over runs; compile excluded",
-        "cases": cases,
-    }
-    path = out_dir / "bench_llama.json"
-    path.write_text(json.dumps(report, indent=1))
+        # Most telling first (batch-1 decode), and the JSON rewritten after every case, so
+        # a run cut short still leaves its numbers.
+        plan = [(mode, "decode", b, kv) for b in args.bench_batches for mode in _modes(args)
+                for kv in args.bench_kv]
+        plan += [(mode, "prefill", 1, t) for mode in pre_modes for t in prefills]
+        progs_by_mode = {}
+        for mode, kind, batch, length in plan:
+            if mode not in progs_by_mode:
+                fwd = llama.make_forward(cfg, mesh, AXIS, scan=mode == "scan")
+                fused = fuse(fwd, workspace=ws)
+                progs_by_mode[mode] = fused, {
+                    "unfused": jax.jit(fwd, donate_argnums=donate),
+                    "fused": jax.jit(fused, donate_argnums=donate)}
+            fused, progs = progs_by_mode[mode]
+            T = 1 if kind == "decode" else length
+            pos = jnp.int32(length - 1 if kind == "decode" else 0)
+            tokens = jnp.zeros((batch, T), jnp.int32)
+            cache = llama.init_cache(cfg, mesh, AXIS, dtype, batch, length)
+            case = {"kind": kind, "layers": mode, "batch": batch,
+                    "kv_length" if kind == "decode" else "tokens": length}
+            steps = args.bench_steps if kind == "decode" else max(2, args.bench_steps // 10)
+            for name, prog in progs.items():
+                t0 = time.perf_counter()
+                compiled = prog.lower(params, tokens, *cache, pos).compile()
+                case[f"{name}_compile_s"] = time.perf_counter() - t0
+                s, cache = _time_steps(compiled, params, tokens, cache, pos, steps,
+                                       args.iters)
+                del compiled
+                case[f"{name}_ms"] = s * 1e3
+            rep = fused.report
+            case["fused_sites"] = len(rep.fused)
+            case["sites"] = len(rep.sites)
+            case["not_fused"] = dict(rep.reasons())
+            case["speedup"] = case["unfused_ms"] / case["fused_ms"]
+            case["fused_tokens_per_s"] = batch * T / (case["fused_ms"] * 1e-3)
+            case["unfused_tokens_per_s"] = batch * T / (case["unfused_ms"] * 1e-3)
+            cases.append(case)
+            print(f"{kind:<8} {mode:<9} {batch:>5} {length:>6} {case['unfused_ms']:>11.3f} "
+                  f"{case['fused_ms']:>9.3f} {case['speedup']:>8.3f} "
+                  f"{case['fused_tokens_per_s']:>12.1f}  {len(rep.fused)}/{len(rep.sites)} "
+                  f"(compile {case['unfused_compile_s']:.0f}+{case['fused_compile_s']:.0f} s)",
+                  flush=True)
+            del cache
+            _write_bench(out_dir, device, world, ws.backend, preset, cfg, args, max_tokens,
+                         cases)
+    path = _write_bench(out_dir, device, world, ws.backend, preset, cfg, args, max_tokens, cases)
     dec1 = [c["speedup"] for c in cases if c["kind"] == "decode" and c["batch"] == 1]
     if dec1:
         print(f"decode batch 1 speedup: {min(dec1):.3f} - {max(dec1):.3f}")
     print(f"slowest case fused/unfused: {max(c['fused_ms'] / c['unfused_ms'] for c in cases):.3f}")
     print(f"wrote {path}")
     return 0
+
+
+def _write_bench(out_dir, device, world, backend, preset, cfg, args, max_tokens, cases):
+    report = {
+        "machine": {"platform": device.platform, "device_kind": device.device_kind,
+                    "device_count": jax.device_count(), "world_size": world,
+                    "backend": backend, "jax_version": jax.__version__,
+                    "host": platform.node()},
+        "config": {"preset": preset, **{k: getattr(cfg, k) for k in
+                                        ("vocab", "hidden", "ffn", "layers", "heads",
+                                         "kv_heads")},
+                   "dtype": args.dtype, "steps_per_run": args.bench_steps,
+                   "runs": args.iters, "workspace_max_tokens": max_tokens},
+        "method": "wall time of back-to-back jitted calls (--bench-steps per run for decode, "
+                  "a tenth of that (>= 2) for prefill; cache threaded through, donated on "
+                  "GPUs) / calls, median over runs; compile excluded",
+        "cases": cases,
+    }
+    path = out_dir / "bench_llama.json"
+    path.write_text(json.dumps(report, indent=1))
+    return path
