@@ -732,27 +732,39 @@ class _Analyzer:
 
 def _trace_to_jaxpr(fun, in_avals, debug_info):
     """(jaxpr, consts) of ``fun`` traced at ``in_avals`` in the current context (axis env,
-    abstract mesh): JAX's own staging routine, as its control-flow primitives use it."""
-    from jax._src import linear_util as lu
+    abstract mesh): JAX's own staging routine, as its control-flow primitives use it. The
+    public ``jax.make_jaxpr`` cannot take avals that vary over manual axes."""
     from jax._src.interpreters import partial_eval as pe
-    wrapped = lu.wrap_init(fun, debug_info=debug_info)
-    jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
-    return jaxpr, consts
+    if hasattr(pe, "trace_to_jaxpr_dynamic"):
+        from jax._src import linear_util as lu
+        wrapped = lu.wrap_init(fun, debug_info=debug_info)
+        jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
+        return jaxpr, consts
+    # Newer JAX: the FlatTree-based routine that replaced it.
+    from jax._src.tree_util import FlatTree
+    closed, _ = pe.trace_to_jaxpr(fun, FlatTree.flatten((tuple(in_avals), {})), debug_info)
+    return closed.jaxpr, closed.consts
 
 
 @contextlib.contextmanager
 def _shard_map_context(ctx):
-    """The context shard_map traces its body in: its axes bound, the manual abstract mesh,
-    check_vma."""
+    """The context shard_map traces its body in: its manual axes bound (psum and the fused
+    op look their sizes up), the manual abstract mesh, its check_vma setting."""
     if ctx is None:
         yield
         return
-    from jax._src import shard_map as sm
     from jax._src import config
-    from jax._src.mesh import use_abstract_mesh
+    from jax._src import core
+    from jax._src.mesh import AxisType, use_abstract_mesh
     mesh, manual, check_vma = ctx
-    with sm._extend_axis_env(mesh, manual), use_abstract_mesh(sm._as_manual_mesh(mesh, manual)), \
-            config._check_vma(check_vma):
+    manual_all = set(manual) | set(getattr(mesh, "manual_axes", ()))
+    inner = mesh.abstract_mesh.update_axis_types({n: AxisType.Manual for n in manual})
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(core.extend_axis_env_nd(
+            [(k, v) for k, v in mesh.shape.items() if k in manual_all]))
+        stack.enter_context(use_abstract_mesh(inner))
+        if hasattr(config, "_check_vma"):
+            stack.enter_context(config._check_vma(check_vma))
         yield
 
 
