@@ -603,9 +603,9 @@ def _splice(eqn):
             len(inner.invars) != len(eqn.invars) or len(inner.outvars) != len(eqn.outvars):
         return None
     subst = dict(zip(inner.invars, eqn.invars))
+    defined = {v for e in inner.eqns for v in e.outvars}
     for iv, ov in zip(inner.outvars, eqn.outvars):
-        if not isinstance(iv, jcore.Var) or iv in subst or iv not in \
-                {v for e in inner.eqns for v in e.outvars}:
+        if not isinstance(iv, jcore.Var) or iv in subst or iv not in defined:
             return None
         if not isinstance(ov, jcore.DropVar):
             if iv in subst.values():
@@ -705,6 +705,8 @@ class _Analyzer:
                 problem = f"hidden size {m.hidden} is not a multiple of 16 bytes"
             if problem:
                 raise _Reject(problem)
+            if m.core & (taken | plan.skip):
+                raise _Reject("overlaps another fused site")
             ws = self.fuser._workspace_for(m, world)  # raises _Reject when it cannot serve
         except _Reject as r:
             self.sites.append(Site(where=where, fused=False, reason=str(r),
@@ -786,7 +788,7 @@ def _emit(m: _Match, read, write, fuser):
         read(m.gamma).reshape(m.hidden).astype(T)
     kwargs = {}
     if m.scale is not None:
-        kwargs["scale_factor"] = read(m.scale).astype(jnp.float32)
+        kwargs["scale_factor"] = jnp.asarray(read(m.scale), jnp.float32)
     # The fused op takes [tokens, hidden]; models carry [batch, seq, hidden].
     out = allreduce_fusion(x.reshape(-1, m.hidden), axis_name=fuser.axis_name,
                            workspace=m.workspace, pattern=m.pattern,

@@ -453,14 +453,12 @@ def test_report_as_data(ws):
 def _jvp_missing() -> str:
     """The reason the fused primitive cannot be differentiated yet, or '' when it can."""
     x, res, g = inputs()
-    body = hand_body(jf.create_allreduce_fusion_workspace(MESH, "tp", max_token_num=T,
-                                                          hidden_dim=H, dtype=jnp.bfloat16,
-                                                          backend="xla"))
-    f = smap(body)
-    try:
-        jax.jvp(f, (x, res, g), (x, res, g))
-    except NotImplementedError as e:
-        return str(e)
+    with jf.create_allreduce_fusion_workspace(MESH, "tp", max_token_num=T, hidden_dim=H,
+                                              dtype=jnp.bfloat16, backend="xla") as w:
+        try:
+            jax.jvp(smap(hand_body(w)), (x, res, g), (x, res, g))
+        except NotImplementedError as e:
+            return str(e)
     return ""
 
 
@@ -508,3 +506,18 @@ def test_workspace_with_another_axis_is_refused(ws):
     mesh2 = jax.make_mesh((2, 4), ("dp", "tp"))
     with pytest.raises(ValueError, match=r"pass axis_name= \(the tensor-parallel axis\)"):
         jf.fuse(lambda x: x, mesh=mesh2)
+
+
+def test_two_all_reduces_into_one_add_fuse_once(ws):
+    # r = psum(a) + psum(b): the first becomes the fused op with psum(b) as its residual; the
+    # second cannot claim the same add.
+    x, res, g = inputs()
+
+    def body(x, res, g):
+        r = jax.lax.psum(x[0], "tp") + jax.lax.psum(x[0] * 2, "tp")
+        return r, norm_plain(r, g)
+    f = smap(body)
+    fused = jf.fuse(f, workspace=ws)
+    out = fused(x, res, g)
+    assert [s.reason for s in fused.report.sites] == [None, "overlaps another fused site"]
+    assert_close_to_unfused(f(x, res, g), out)
