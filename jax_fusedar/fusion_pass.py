@@ -757,7 +757,7 @@ def _shard_map_context(ctx):
         return
     from jax._src import config
     from jax._src import core
-    from jax._src.mesh import AxisType, use_abstract_mesh
+    from jax.sharding import AxisType, use_abstract_mesh
     mesh, manual, check_vma = ctx
     manual_all = set(manual) | set(getattr(mesh, "manual_axes", ()))
     inner = mesh.abstract_mesh.update_axis_types({n: AxisType.Manual for n in manual})
