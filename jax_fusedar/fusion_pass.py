@@ -1020,6 +1020,13 @@ def fuse(fn=None, *, mesh=None, axis_name: Optional[str] = None, workspace=None,
                                    not isinstance(max_tokens, (int, np.integer)) or
                                    max_tokens <= 0):
         raise ValueError(f"fuse: max_tokens must be a positive integer, got {max_tokens!r}")
+    if backend not in (None, "auto", "trtllm", "xla"):
+        raise ValueError(f"fuse: backend must be 'auto', 'trtllm' or 'xla', got {backend!r}")
+    for name, value in (("use_oneshot", use_oneshot), ("strict", strict)):
+        if value is not None and not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"fuse: {name} must be None, True or False, got {value!r}")
+    if isinstance(log_level, bool) or not isinstance(log_level, int):
+        raise TypeError(f"fuse: log_level must be a logging level (int), got {log_level!r}")
     if not isinstance(allow_rounding_change, (bool, np.bool_)):
         raise TypeError(f"fuse: allow_rounding_change must be True or False, got "
                         f"{allow_rounding_change!r}")

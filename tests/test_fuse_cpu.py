@@ -491,6 +491,13 @@ def test_grad_of_fused_equals_grad_of_original(ws):
     ({"mesh": MESH, "allow_rounding_change": "yes"}, TypeError,
      "fuse: allow_rounding_change must be True or False, got 'yes'"),
     ({"workspace": object()}, TypeError, "fuse: workspace must come from"),
+    ({"mesh": MESH, "backend": "nccl"}, ValueError,
+     "fuse: backend must be 'auto', 'trtllm' or 'xla', got 'nccl'"),
+    ({"mesh": MESH, "use_oneshot": 1}, TypeError,
+     "fuse: use_oneshot must be None, True or False, got 1"),
+    ({"mesh": MESH, "strict": "on"}, TypeError, "fuse: strict must be None, True or False"),
+    ({"mesh": MESH, "log_level": "INFO"}, TypeError,
+     "fuse: log_level must be a logging level (int), got 'INFO'"),
 ])
 def test_bad_arguments_are_refused_by_name(kwargs, error, message):
     with pytest.raises(error) as e:
