@@ -81,6 +81,7 @@ class Site:
     dtype: Optional[str] = None
     rms_eps: Optional[float] = None
     rounding_change: Optional[str] = None
+    weight_bias: Optional[float] = None   # 1.0 for Gemma's (1 + gamma)
     runs: Optional[int] = 1   # times it runs per call (scan lengths multiplied; None: a while loop)
 
 
@@ -147,6 +148,7 @@ class _Match:
     quant_var: Any = None       # FP8 output
     scale_out_var: Any = None   # dynamic FP8 per-token scale
     emit_at: int = 0
+    weight_bias: float = 0.0    # Gemma's (1 + gamma)
 
 
 class _Graph:
@@ -233,11 +235,28 @@ def _follow_views(g: _Graph, v, ops, eqns: set):
 
 def _gamma_root(g: _Graph, atom, hidden: int, aux: set):
     """Walks back from the operand multiplied into the norm through broadcasts, reshapes,
-    pvary and casts to the gamma array. Returns (root atom, dtypes met on the way)."""
+    pvary and casts to the gamma array, and through one float32 ``add`` of a constant
+    (Gemma's ``1 + gamma``: the kernel's weight_bias). Returns (root atom, dtypes met on the
+    way, weight_bias)."""
     dtypes = [_dtype(atom)]
+    bias = 0.0
     while isinstance(atom, jcore.Var):
         i, e = g.eqn(atom)
-        if e is None or len(e.invars) != 1 or _name(e) not in _SHAPE_OPS + _NO_OPS + (_CAST,):
+        if e is None:
+            break
+        if _name(e) == "add" and not bias and _dtype(atom) == "float32":
+            for const_side, other in ((0, 1), (1, 0)):
+                c = _const(g, e.invars[const_side], aux)
+                if c is not None and isinstance(e.invars[other], jcore.Var):
+                    bias = c
+                    break
+            if not bias:
+                break
+            aux.add(i)
+            atom = e.invars[other]
+            dtypes.append(_dtype(atom))
+            continue
+        if len(e.invars) != 1 or _name(e) not in _SHAPE_OPS + _NO_OPS + (_CAST,):
             break
         aux.add(i)
         atom = e.invars[0]
@@ -245,7 +264,7 @@ def _gamma_root(g: _Graph, atom, hidden: int, aux: set):
     shape = _shape(atom)
     if not shape or shape[-1] != hidden or math.prod(shape) != hidden:
         raise _Reject(f"gamma of shape {shape} is not a [{hidden}] vector")
-    return atom, dtypes
+    return atom, dtypes, bias
 
 
 def _is_square(g, e, f):
@@ -397,7 +416,7 @@ def _match_norm(g: _Graph, m: _Match, allow: bool):
     if gamma_op is not None:
         if _dtype(gamma_op) != "float32" and m.rounding_change is None:
             raise _Reject(f"gamma multiplied in {_dtype(gamma_op)}")
-        root, dtypes = _gamma_root(g, gamma_op, hidden, m.aux)
+        root, dtypes, m.weight_bias = _gamma_root(g, gamma_op, hidden, m.aux)
         rounded = any(d == T for d in dtypes) or T == "float32"
         if not rounded and dtypes[-1] == "float32":
             if not allow:
@@ -727,7 +746,8 @@ class _Analyzer:
         taken |= m.core
         self.sites.append(Site(where=where, fused=True, reason=None, pattern=m.pattern,
                                tokens=m.tokens, hidden=m.hidden, dtype=m.dtype, rms_eps=m.eps,
-                               rounding_change=m.rounding_change, runs=runs))
+                               rounding_change=m.rounding_change,
+                               weight_bias=m.weight_bias, runs=runs))
 
 
 # --- rewriting -----------------------------------------------------------------------------------
@@ -793,7 +813,8 @@ def _emit(m: _Match, read, write, fuser):
     out = allreduce_fusion(x.reshape(-1, m.hidden), axis_name=fuser.axis_name,
                            workspace=m.workspace, pattern=m.pattern,
                            residual=residual.reshape(-1, m.hidden), rms_gamma=gamma,
-                           rms_eps=m.eps, use_oneshot=fuser.use_oneshot, strict=fuser.strict,
+                           rms_eps=m.eps, weight_bias=m.weight_bias,
+                           use_oneshot=fuser.use_oneshot, strict=fuser.strict,
                            **kwargs)
     shape = _shape(m.res_var)
     write(m.res_var, _fix_vma(out.residual_out.reshape(shape), m.res_var.aval))

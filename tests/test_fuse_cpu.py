@@ -292,6 +292,32 @@ def test_kwargs_and_pytrees_pass_through(ws):
     assert_same((out["r"], out["h"]), smap(hand_body(ws))(x, res, g))
 
 
+def test_gemma_one_plus_gamma_and_no_gamma(ws):
+    x, res, g = inputs()
+
+    def gemma(r, g):
+        f = r.astype(jnp.float32)
+        n = f * jax.lax.rsqrt(jnp.mean(f * f, axis=-1, keepdims=True) + EPS)
+        return (n * (1.0 + g.astype(jnp.float32))).astype(r.dtype)
+
+    def plain(r, g):
+        f = r.astype(jnp.float32)
+        return (f * jax.lax.rsqrt(jnp.mean(f * f, axis=-1, keepdims=True) + EPS)).astype(r.dtype)
+
+    for norm, bias, gamma in ((gemma, 1.0, g), (plain, 0.0, jnp.ones_like(g))):
+        fused = jf.fuse(smap(site_body(norm)), workspace=ws)
+        out = fused(x, res, g)
+        site = fused.report.sites[0]
+        assert site.fused and site.weight_bias == bias, site
+
+        def hand(x, res, g, bias=bias, gamma=gamma):
+            o = jf.allreduce_fusion(x[0], axis_name="tp", workspace=ws, residual=res,
+                                    rms_gamma=gamma if bias == 0 else g, rms_eps=EPS,
+                                    weight_bias=bias)
+            return o.residual_out, o.norm_out
+        assert_same(out, smap(hand)(x, res, g))
+
+
 # --- FP8 tails -------------------------------------------------------------------------------------
 
 def test_static_fp8_tail_becomes_pattern_4_or_2(ws):
