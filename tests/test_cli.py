@@ -86,6 +86,7 @@ def test_demo_bench_writes_json(tmp_path):
         assert c["speedup"] == pytest.approx(c["unfused_ms"] / c["fused_ms"])
         assert c["unfused_compile_s"] > 0 and c["fused_ms"] > 0
     assert "decode batch 1 speedup" in r.stdout and "NOTE: backend 'xla'" in r.stdout
+    assert report["skipped"] == [] and report["total_s"] > 0
 
 
 @pytest.mark.skipif(native.gpu_count() > 0, reason="the CLI splits the host only without GPUs")
