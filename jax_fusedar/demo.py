@@ -27,7 +27,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import topology
 from .workspace import create_allreduce_fusion_workspace

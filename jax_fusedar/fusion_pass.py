@@ -891,7 +891,6 @@ def _rewrite(orig, plan: _Plan, fuser):
     if closed:
         return jcore.ClosedJaxpr(new, new_consts)
     if new_consts:
-        from jax._src.interpreters import partial_eval as pe
         raise AssertionError("jax_fusedar.fuse: a rewritten open jaxpr captured constants "
                              f"({len(new_consts)}); please report this form")
     return new
