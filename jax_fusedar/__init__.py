@@ -18,6 +18,8 @@ _LAZY = {
     "row_parallel_allreduce_fusion": ("partitioning", "row_parallel_allreduce_fusion"),
     "export": ("export", None),  # the module: export(), deserialize(), DISABLED_CHECKS
     "AllReduceFusionWorkspace": ("workspace", "AllReduceFusionWorkspace"),
+    "fuse": ("fusion_pass", "fuse"),
+    "FusionReport": ("fusion_pass", "FusionReport"),
 }
 
 __all__ = ["AllReduceFusionPattern", "QuantizationSFLayout", *_LAZY]

@@ -20,10 +20,10 @@ HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
 DESCRIPTION = """\
 FlashInfer's fused all-reduce + residual add + RMSNorm for JAX: demo and benchmark.
 
-  demo   run a small tensor-parallel MLP decoder on every local device twice, with the
-         fused op and with lax.psum + residual add + RMSNorm in plain jnp; print the
-         per-layer error between the two and their timings; exit 1 if the final output
-         differs by more than a bf16-eps based tolerance.
+  demo   run a tensor-parallel Llama decoder written in plain JAX (no jax_fusedar call)
+         as written and through jax_fusedar.fuse (which replaces its psum + residual add +
+         RMSNorm with the fused op); print the sites fused, tokens/s, greedy tokens and the
+         logits error; exit 1 if they disagree beyond a stated tolerance.
   bench  time the fused op against psum + residual add + RMSNorm for every tokens x hidden
          size (and one-shot/two-shot modes); print a table, write bench.json and bench.png.
 
@@ -129,24 +129,16 @@ def build_parser():
     sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench}")
     fmt = argparse.ArgumentDefaultsHelpFormatter
 
-    demo = sub.add_parser("demo", formatter_class=fmt, help="fused vs unfused TP decoder: "
-                          "errors and timings",
-                          description="Run a small attention-free tensor-parallel decoder "
-                          "(column-parallel up projection + activation, row-parallel down "
-                          "projection, then all-reduce + residual add + RMSNorm) on every "
-                          "local device, fused and unfused, and compare.")
-    demo.add_argument("--tokens", type=_positive_int, default=16)
-    demo.add_argument("--hidden", type=_positive_int, default=1024)
-    demo.add_argument("--layers", type=_positive_int, default=4)
-    demo.add_argument("--dtype", choices=DTYPES, default="bfloat16")
-    demo.add_argument("--ffn-mult", type=_positive_int, default=4,
-                      help="ffn size = ffn-mult x hidden, split over the devices")
-    demo.add_argument("--activation", choices=("gelu", "silu"), default="gelu")
-    demo.add_argument("--iters", type=_positive_int, default=20,
-                      help="timed runs of each model after warm-up (the median is shown)")
-    demo.add_argument("--seed", type=_seed, default=0, help="seed of the random weights")
-    demo.add_argument("--backend", choices=BACKENDS, default="auto",
-                      help="fused op backend: auto = the kernel on GPUs, XLA elsewhere")
+    demo = sub.add_parser("demo", formatter_class=fmt, help="a Llama decoder written without "
+                          "jax_fusedar, fused by jax_fusedar.fuse: tokens, errors, speed",
+                          description="Run a tensor-parallel Llama decoder (plain JAX under "
+                          "shard_map, random weights) as written and through jax_fusedar.fuse, "
+                          "layers unrolled and under lax.scan; print the sites fused, prefill "
+                          "and decode tokens/s, greedy tokens and the logits error. --bench "
+                          "times decode steps and prefills instead.")
+    from .demo import add_arguments  # the demo owns its flags
+    add_arguments(demo, positive_int=_positive_int, int_list=_int_list, seed=_seed,
+                  dtypes=DTYPES, backends=BACKENDS)
 
     bench = sub.add_parser("bench", formatter_class=fmt, help="latency of the fused op vs "
                            "psum + residual add + RMSNorm (+ FP8 quantization)",
@@ -222,11 +214,15 @@ def main(argv=None) -> int:
         return torch_bench(torch_argv)
     parser, commands = build_parser()
     args = parser.parse_args(argv)
-    _check_hidden(commands[args.command], args)
-    if args.command == "bench":
-        problem = check_out_dir(args.out, ("bench.json", "bench.png"))
+    if args.command == "bench":  # the demo's hidden size comes from its preset
+        _check_hidden(commands[args.command], args)
+    # The output folder is checked before anything is measured (a bad --out costs no run).
+    out_files = {"bench": ("bench.json", "bench.png"),
+                 "demo": ("bench_llama.json",) if getattr(args, "bench", False) else ()}
+    if out_files[args.command]:
+        problem = check_out_dir(args.out, out_files[args.command])
         if problem:
-            commands["bench"].error(f"--out {args.out}: {problem}")
+            commands[args.command].error(f"--out {args.out}: {problem}")
     _ensure_host_devices()
     # Imported here, after XLA_FLAGS is settled, because they import JAX.
     from .demo import SetupError

@@ -84,8 +84,8 @@ def test_readme_python_blocks_run_on_8_cpu_devices():
     ran = re.findall(r"ran README block at line (\d+)", r.stdout)
     assert [int(n) for n in ran] == [n for n, _ in blocks]
     facts = json.loads(r.stdout.split("FACTS ", 1)[1])
-    # The last assignment wins: the export block's call, then the jit block's outputs.
-    assert facts["residual_out"] == facts["norm_out"] == {"shape": [32, 4096], "finite": True}
+    # The last assignment wins: the fuse block's call (x [4, 512]), and the jit block's outputs.
+    assert facts["residual_out"] == facts["norm_out"] == {"shape": [4, 512], "finite": True}
     assert facts["norm"] == facts["stream"] == {"shape": [4, 32, 1024], "finite": True}
 
 
