@@ -192,7 +192,8 @@ def worker(rank, world, chan, *, port, platform, local_devices, hosts, layouts, 
                         jf.create_allreduce_fusion_workspace
                     workspaces.append(make(mesh, axis, **kw))
                     if backend == "auto":  # a second one: its reason is not logged again
-                        make(mesh, axis, **kw).destroy()
+                        # (another name: two live kernel workspaces may not share a key)
+                        make(mesh, axis, name="second", **kw).destroy()
             except ValueError as e:
                 rec["error"] = str(e)
                 for ws in workspaces:
