@@ -748,7 +748,9 @@ class Variants:
     def factories(self) -> Dict[str, Callable]:
         all_ = {"ours": self.ours, "anchor": self.anchor, "nccl": self.nccl,
                 "symm_mem": self.symm_mem, "ours_fp8": self.ours_fp8,
-                "anchor_fp8": self.anchor_fp8, "ours_no_timeout": self.ours_no_timeout}
+                "anchor_fp8": self.anchor_fp8}
+        if getattr(self.args, "timeout_compare", False):
+            all_["ours_no_timeout"] = self.ours_no_timeout
         return {k: (self._unavailable(k) if k in self.unavailable else f)
                 for k, f in all_.items()}
 
