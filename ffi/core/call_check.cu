@@ -13,10 +13,6 @@
 namespace fusedar::call_check {
 namespace {
 
-using watchdog::kMismatch;
-using watchdog::kNone;
-using watchdog::kOutOfStep;
-using watchdog::kTimeout;
 using watchdog::kWaitTimeout;
 
 struct Slot {
