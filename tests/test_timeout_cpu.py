@@ -381,3 +381,27 @@ def test_failure_messages_name_the_peer(tmp_path):
     assert "for rank 1 to deliver its two-shot barrier flag (thread block 7)" in lines["barrier"]
     assert ("for no peer to deliver this rank's own thread blocks (grid counter). A rank "
             "skipped") in lines["grid"]
+
+
+def test_bench_cli_times_both_settings_in_one_run(tmp_path):
+    """--timeout-compare on CPU (the XLA reference backend, no kernel): the run completes
+    with both figures per fused case and the on/off table; the GPU figures come from the
+    same command on the device machine."""
+    import json
+
+    from tests.test_cli import run_cli
+
+    out = tmp_path / "bench"
+    r = run_cli("bench", "--tokens", "1,16", "--hidden", 256, "--chain", 2, "--repeats", 1,
+                "--patterns", 1, "--timeout-compare", "--out", out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads((out / "bench.json").read_text())
+    assert report["config"]["timeout_compare"] is True
+    for case in report["cases"]:
+        m = case["fused"]["auto"]
+        assert m["timeout_s"] == 30.0 and m["no_timeout_us"] > 0
+        assert m["timeout_ratio"] == pytest.approx(m["us"] / m["no_timeout_us"])
+        assert isinstance(m["timeout_within_budget"], bool)
+    assert "wait timeout on vs off" in r.stdout
+    assert len(re.findall(r"^\s+1\s+(1|16)\s+256\s+auto \(\w+\)\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+"
+                          r"(yes|NO)$", r.stdout, re.MULTILINE)) == 2, r.stdout
