@@ -49,7 +49,7 @@ def _check_failed(f, me, peer, seq, tokens, oneshot, timeout_s, where):
     assert f["elapsed_s"] <= timeout_s + 1.0, f  # within timeout + 1 s
     assert f["elapsed_s"] >= timeout_s * 0.9, f  # and not for another reason
     record = f["failure_record"]
-    head = (f"jax_fusedar: the fused all-reduce timed out on rank {me} of 2 (device ")
+    head = (f"jax_fusedar kernel wait timed out on rank {me} of 2 (device ")
     assert record.startswith(head), record
     sig = SIG.format(tokens, "one-shot" if oneshot else "two-shot")
     assert f"call #{seq} {sig}: waited " in record, record

@@ -372,7 +372,7 @@ def test_failure_messages_name_the_peer(tmp_path):
     assert lines["clean"] == "[]"
     lamport = lines["lamport"]
     assert lamport.startswith(
-        "[jax_fusedar: the fused all-reduce timed out on rank 0 of 2 (device 1), call #4 "
+        "[jax_fusedar kernel wait timed out on rank 0 of 2 (device 1), call #4 "
         "{pattern=1 dtype=bfloat16 num_tokens=16 hidden_dim=4096 one-shot fp32_acc=1 layout=0 "
         "block_quant_group_size=0}: waited 3.0 s (timeout 3.0 s) for rank 1 to deliver its "
         "one-shot data in this rank's Lamport buffer (token 5). Rank 1 did not arrive"), lamport

@@ -204,7 +204,7 @@ std::string wait_timeout_text(const Record& d, const unsigned long long mine[3])
   std::string where = site_text(d.site);
   if (d.site == watchdog::kLamport) where += " (token " + std::to_string(d.detail) + ")";
   if (d.site == watchdog::kBarrier) where += " (thread block " + std::to_string(d.detail) + ")";
-  return "jax_fusedar: the fused all-reduce timed out on rank " + std::to_string(d.rank) +
+  return "jax_fusedar kernel wait timed out on rank " + std::to_string(d.rank) +
          " of " + std::to_string(d.world) + " (device " + std::to_string(d.device) +
          "), call #" + std::to_string(d.seq) + " " + describe_signature(mine) + ": waited " +
          secs + " for " + who + " to deliver " + where + ". " +
