@@ -426,7 +426,7 @@ def plot(report: dict, path: Path) -> bool:
     fig, axes = plt.subplots(len(hows), len(hiddens), squeeze=False,
                              figsize=(max(6, 5 * len(hiddens)), 4 * len(hows)))
     styles = {"ours": "C0-o", "anchor": "C1--s", "nccl": "k:^", "symm_mem": "C2-.v",
-              "ours_fp8": "C3-o", "anchor_fp8": "C4--s"}
+              "ours_fp8": "C3-o", "anchor_fp8": "C4--s", "ours_no_timeout": "C5:x"}
     for row, how in enumerate(hows):
         for col, hidden in enumerate(hiddens):
             ax = axes[row][col]

@@ -10,6 +10,7 @@ each device's XLA handler then finds its own rank by device ordinal.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -103,6 +104,24 @@ class AllReduceFusionWorkspace:
             if r.alive:
                 r.set_timeout(value)
         self.timeout_s = value
+
+    @contextlib.contextmanager
+    def explain_errors(self):
+        """A context in which an error (XLA reports a trapped kernel as a generic CUDA error,
+        e.g. "CUDA_ERROR_LAUNCH_FAILED: unspecified launch failure") is re-raised as
+        RuntimeError with the recorded text, naming the peer that did not arrive, when a
+        call on this workspace failed; other errors pass through unchanged::
+
+            with ws.explain_errors():
+                out = step(x).block_until_ready()
+        """
+        try:
+            yield self
+        except Exception as e:
+            failed = self.failures()
+            if failed:
+                raise RuntimeError("; ".join(failed)) from e
+            raise
 
     def raise_if_failed(self) -> None:
         """Raises RuntimeError with the recorded text if a call on this workspace timed out

@@ -134,6 +134,18 @@ def test_jax_build_passes_the_timeout_to_every_native_rank(monkeypatch):
     assert ws.call_check_failures() == ws.failures()  # one record for both mechanisms
     with pytest.raises(RuntimeError, match="rank 1 timed out waiting for rank 0"):
         ws.raise_if_failed()
+    # explain_errors: an error in the block comes back with the record's text...
+    with pytest.raises(RuntimeError, match="rank 1 timed out waiting for rank 0") as info:
+        with ws.explain_errors():
+            raise ValueError("CUDA_ERROR_LAUNCH_FAILED: unspecified launch failure")
+    assert isinstance(info.value.__cause__, ValueError)
+    FakeRank.made[1].record = ""
+    # ...and passes through unchanged when nothing was recorded.
+    with pytest.raises(ValueError, match="unrelated"):
+        with ws.explain_errors():
+            raise ValueError("unrelated")
+    with ws.explain_errors() as same:
+        assert same is ws
 
 
 def test_jax_set_timeout_reaches_every_rank_and_is_validated(monkeypatch):
@@ -230,7 +242,8 @@ def test_bench_timeout_budget():
 
     ok = bench.timeout_compare(10.05, 10.0, 30.0)  # 0.5%: within 1%
     assert ok["timeout_within_budget"] and ok["timeout_ratio"] == pytest.approx(1.005)
-    assert ok["no_timeout_us"] == 10.0 and ok["timeout_s"] == 30.0
+    assert ok["no_timeout_us"] == 10.0 and ok["timeout_on_us"] == 10.05
+    assert ok["timeout_s"] == 30.0
     assert bench.timeout_compare(5.09, 5.0, 30.0)["timeout_within_budget"]  # 0.09 us < 0.1
     assert not bench.timeout_compare(5.2, 5.0, 30.0)["timeout_within_budget"]  # 4%, 0.2 us
     assert not bench.timeout_compare(102.0, 100.0, 30.0)["timeout_within_budget"]  # 2%
@@ -400,7 +413,8 @@ def test_bench_cli_times_both_settings_in_one_run(tmp_path):
     for case in report["cases"]:
         m = case["fused"]["auto"]
         assert m["timeout_s"] == 30.0 and m["no_timeout_us"] > 0
-        assert m["timeout_ratio"] == pytest.approx(m["us"] / m["no_timeout_us"])
+        assert m["timeout_on_us"] > 0
+        assert m["timeout_ratio"] == pytest.approx(m["timeout_on_us"] / m["no_timeout_us"])
         assert isinstance(m["timeout_within_budget"], bool)
     assert "wait timeout on vs off" in r.stdout
     assert len(re.findall(r"^\s+1\s+(1|16)\s+256\s+auto \(\w+\)\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+"

@@ -1,9 +1,10 @@
 """Per-process body of the JAX bounded-wait test (tests/test_gpu_timeout.py): two
 `jax.distributed` processes, one GPU each, a workspace with timeout_s=TIMEOUT_S. Both run one
 good jitted call (checked against the float64 oracle); then rank 1 stops calling and rank
-0's next call must raise from the computation within TIMEOUT_S + 1 s, ``ws.failures()`` and
-``ws.raise_if_failed()`` must give the recorded text naming rank 1, and the call after that
-must raise too. Rank 0 sends what it found to rank 1 before that last call, in case the
+0's next call must raise from the computation (XLA's generic CUDA error, re-raised by
+``ws.explain_errors()`` as RuntimeError with the recorded text naming rank 1) within
+TIMEOUT_S + 1.5 s; ``ws.failures()`` and ``ws.raise_if_failed()`` must give the same text,
+and the call after that must raise too. Rank 0 sends what it found to rank 1 before that last call, in case the
 dead CUDA context takes the process down with it.
 """
 from __future__ import annotations
@@ -55,10 +56,12 @@ def worker(rank, world, chan, *, port, seed):
         failing = {}
         t0 = time.monotonic()
         try:
-            jax.block_until_ready(fn(*args))
+            with ws.explain_errors():
+                jax.block_until_ready(fn(*args))
             failing["error"] = None
         except Exception as e:  # noqa: BLE001 - the expected outcome
             failing["error"] = f"{type(e).__name__}: {e}"[:1500]
+            failing["xla_error"] = f"{type(e.__cause__).__name__}: {e.__cause__}"[:600]
         failing["elapsed_s"] = time.monotonic() - t0
         failing["failures"] = ws.failures()
         try:
