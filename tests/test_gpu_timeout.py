@@ -5,8 +5,6 @@ Each case runs in a fresh child (``python -m tests.gpu.native_timeout CASE``, or
 context of its process. Every wait is bounded (subprocess timeout, channel timeouts, the
 kernel's own timeout), and each result is written as JSON to $JAX_FUSEDAR_REPORT_DIR.
 """
-import re
-
 import pytest
 
 from tests.test_gpu_topology import _report, _run
@@ -15,12 +13,6 @@ pytestmark = pytest.mark.gpu
 
 SIG = "{{pattern=1 dtype=bfloat16 num_tokens={} hidden_dim=4096 {} fp32_acc=1 layout=0 " \
       "block_quant_group_size=0}}"
-DEVICE_MARK = re.compile(r"jax_fusedar: rank (\d) of 2 \(device \d\), call #\d+ .* waited "
-                         r"[\d.]+ s \(timeout\) for rank (\d)")
-
-
-def _device_lines(res):
-    return [l for l in res["output_tail"].splitlines() if DEVICE_MARK.search(l)]
 
 
 def test_timeout_on_gives_the_same_bits_graph_replay_and_cost():
@@ -38,7 +30,6 @@ def test_timeout_on_gives_the_same_bits_graph_replay_and_cost():
         assert g["capture_errors"] is None, g
         assert g["worst"]["residual"] <= 1.0 and g["worst"]["norm"] <= 3.0, g
         assert r["failure_record"] == ""
-    assert not _device_lines(res), res["output_tail"]
     print("per-call ms (median), timeout on:",
           [r["timing_on"]["ms_per_call_median"] for r in res["ranks"]], "off:",
           [r["timing_off"]["ms_per_call_median"] for r in res["ranks"]])
@@ -77,8 +68,6 @@ def test_a_missing_rank_makes_the_other_fail_with_the_record(case, tokens, onesh
     else:
         # The rank that made no call is untouched.
         assert r1["healthy_after"] is True and r1["failure_record"] == ""
-    assert any(m.group(1) == "0" and m.group(2) == "1"
-               for m in map(DEVICE_MARK.search, _device_lines(res))), res["output_tail"]
 
 
 def test_mismatched_token_counts_without_the_call_check_fail_on_both_ranks():

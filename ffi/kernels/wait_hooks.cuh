@@ -8,13 +8,12 @@
 // The hot path gains a counter increment and a branch taken once every kCheckEvery spins;
 // only then is the clock read, and only past the timeout is the call described (from the
 // kernel's params, by reference, so nothing is copied on the hot path) and the record
-// written. Nothing here touches the data the kernel sums, so outputs stay bit-identical.
+// written. The slow path makes no function call (see fail()). Nothing here touches the data the kernel sums, so outputs stay bit-identical.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <cstdio>
 #include <type_traits>
 #include <utility>
 
@@ -42,7 +41,8 @@ __device__ __forceinline__ constexpr unsigned dtype_code() {
 }
 
 struct CallInfo {
-  unsigned long long sig[3];  // as call_check::signature_of: {word, num_tokens, hidden_dim}
+  unsigned long long sig[3];  // {word, elements, hidden_dim}: call_check::signature_of's
+                              // layout, but elements = num_tokens * hidden_dim
 };
 
 // What a wait site knows about its call: the kernel's params (a reference to the kernel
@@ -63,7 +63,9 @@ struct Ctx {
                ((static_cast<unsigned long long>(p.layout) & 0xff) << 24) |
                (static_cast<unsigned long long>(static_cast<unsigned>(p.block_quant_group_size))
                 << 32);
-    c.sig[1] = static_cast<unsigned long long>(p.size / p.hidden_dim);
+    // The element count, not num_tokens: an integer division here cost registers in every
+    // kernel; the host divides by hidden_dim (call_check.cu, kWaitTimeout).
+    c.sig[1] = static_cast<unsigned long long>(p.size);
     c.sig[2] = static_cast<unsigned long long>(p.hidden_dim);
     return c;
   }
@@ -82,30 +84,16 @@ __device__ __forceinline__ bool expired(wd::Control* c, unsigned long long& t0) 
   return now - t0 > timeout;
 }
 
-__device__ __forceinline__ const char* site_name(int site) {
-  switch (site) {
-    case wd::kLamport: return "its one-shot (Lamport) data";
-    case wd::kBarrier: return "its two-shot barrier flag";
-    case wd::kGrid: return "this rank's own thread blocks";
-  }
-  return "?";
-}
-
-// The first thread past the timeout claims the record, fills it, prints and traps; every
-// other thread returns and keeps waiting until the trap ends the kernel (a second trap
-// before the record is complete could lose it).
-static __device__ __noinline__ void fail(wd::Control* c, CallInfo info, int site, int peer,
-                                         int detail, unsigned long long t0) {
+// The first thread past the timeout claims the record, fills it and traps; every other
+// thread returns and keeps waiting until the trap ends the kernel (a second trap before
+// the record is complete could lose it). Inlined and free of calls (no printf, no
+// __noinline__): an ABI call in the kernel, even on this cold path, made ptxas keep
+// values live across it and doubled the one-shot kernel's registers (56 -> 108, measured),
+// which cost occupancy and ~40% at 1024-4096 tokens x 8192. The host reads the record
+// (fusedar_rank_failure) and raises it.
+__device__ __forceinline__ void fail(wd::Control* c, const CallInfo& info, int site, int peer,
+                                     int detail, unsigned long long t0) {
   if (atomicCAS(&c->claimed, 0, 1) != 0) return;
-  const unsigned long long waited = now_ns() - t0;
-  const unsigned long long seq = *reinterpret_cast<volatile unsigned long long*>(&c->calls);
-  const unsigned long long timeout = *reinterpret_cast<volatile unsigned long long*>(&c->timeout_ns);
-  printf("jax_fusedar: rank %d of %d (device %d), call #%llu {pattern=%u num_tokens=%llu "
-         "hidden_dim=%llu %s}: waited %.1f s (timeout) for rank %d: %s (%d); trapping so "
-         "that the stream fails instead of hanging.\n",
-         c->rank, c->world, c->device, seq, unsigned(info.sig[0] & 0xff), info.sig[1],
-         info.sig[2], ((info.sig[0] >> 16) & 1) ? "one-shot" : "two-shot", waited * 1e-9, peer,
-         site_name(site), detail);
   volatile wd::Record* d = c->record;
   d->rank = c->rank;
   d->world = c->world;
@@ -114,14 +102,14 @@ static __device__ __noinline__ void fail(wd::Control* c, CallInfo info, int site
   d->failing_peers = 1;
   d->site = site;
   d->detail = detail;
-  d->seq = seq;
+  d->seq = *reinterpret_cast<volatile unsigned long long*>(&c->calls);
   d->peer_seq = 0;
   for (int i = 0; i < 3; ++i) {
     d->mine[i] = info.sig[i];
     d->theirs[i] = 0;
   }
-  d->waited_ns = waited;
-  d->timeout_ns = timeout;
+  d->waited_ns = now_ns() - t0;
+  d->timeout_ns = *reinterpret_cast<volatile unsigned long long*>(&c->timeout_ns);
   __threadfence_system();
   d->kind = wd::kWaitTimeout;
   __threadfence_system();
