@@ -282,11 +282,7 @@ std::string failure(const fusedar_rank* r) {
     mine[i] = d->mine[i];
     theirs[i] = d->theirs[i];
   }
-  if (kind == kWaitTimeout) {
-    // The kernel recorded the element count (a division on the device costs registers).
-    if (mine[2] != 0) mine[1] /= mine[2];
-    return wait_timeout_text(*const_cast<const Record*>(d), mine);
-  }
+  if (kind == kWaitTimeout) return wait_timeout_text(*const_cast<const Record*>(d), mine);
   const std::string head = "jax_fusedar call check failed on rank " + std::to_string(d->rank) +
                            " of " + std::to_string(d->world) + " (device " +
                            std::to_string(d->device) + "), call #" + std::to_string(d->seq) + ": ";

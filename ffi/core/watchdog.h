@@ -49,8 +49,7 @@ struct Record {
   int detail;         // kLamport: token index; kBarrier: thread block; kGrid: grid size
   unsigned long long seq;       // this rank's call number (1 = first call on the workspace)
   unsigned long long peer_seq;  // handshake: the latest call number seen from `peer`
-  unsigned long long mine[3];   // signature of this rank's call (call_check::Signature;
-                                // kWaitTimeout: mine[1] is num_tokens * hidden_dim)
+  unsigned long long mine[3];   // signature of this rank's call (call_check::Signature)
   unsigned long long theirs[3]; // handshake kMismatch: the peer's signature
   unsigned long long waited_ns;
   unsigned long long timeout_ns;

@@ -41,8 +41,7 @@ __device__ __forceinline__ constexpr unsigned dtype_code() {
 }
 
 struct CallInfo {
-  unsigned long long sig[3];  // {word, elements, hidden_dim}: call_check::signature_of's
-                              // layout, but elements = num_tokens * hidden_dim
+  unsigned long long sig[3];  // as call_check::signature_of: {word, num_tokens, hidden_dim}
 };
 
 // What a wait site knows about its call: the kernel's params (a reference to the kernel
@@ -63,9 +62,7 @@ struct Ctx {
                ((static_cast<unsigned long long>(p.layout) & 0xff) << 24) |
                (static_cast<unsigned long long>(static_cast<unsigned>(p.block_quant_group_size))
                 << 32);
-    // The element count, not num_tokens: an integer division here cost registers in every
-    // kernel; the host divides by hidden_dim (call_check.cu, kWaitTimeout).
-    c.sig[1] = static_cast<unsigned long long>(p.size);
+    c.sig[1] = static_cast<unsigned long long>(p.size / p.hidden_dim);
     c.sig[2] = static_cast<unsigned long long>(p.hidden_dim);
     return c;
   }
