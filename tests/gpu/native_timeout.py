@@ -155,6 +155,7 @@ def worker(rank, world, chan, *, case, seed):
                                           world, torch)
     elif case == "killed":
         chan.all_gather("dying", None)
+        chan.close()  # rank 0 must get "dying" whole before this process disappears
         sys.stdout.flush()
         os.kill(os.getpid(), signal.SIGKILL)
     result["expected_call"] = seq
