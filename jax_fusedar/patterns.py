@@ -66,17 +66,25 @@ TRAITS = {
 }
 del P
 
+
+def _valid_codes() -> str:
+    # Built only for an error message: as_pattern runs on every eager torch call.
+    return ", ".join(f"{q.value} ({q.name})" for q in AllReduceFusionPattern)
+
+
 def as_pattern(pattern) -> AllReduceFusionPattern:
     """Validates a pattern code, naming the valid ones when it is not (6, 7 and 12 are
     FlashInfer's MoE / MNNVL-only codes, not served by this kernel). Only an
     ``AllReduceFusionPattern`` or an int is a code: 1.9, "1" or True are refused, not
     truncated or parsed into pattern 1."""
-    valid = ", ".join(f"{q.value} ({q.name})" for q in AllReduceFusionPattern)
+    if isinstance(pattern, AllReduceFusionPattern):
+        return pattern
     if not arguments.is_int(pattern):
         raise ValueError(f"unknown fusion pattern {pattern!r}: pattern must be an "
                          f"AllReduceFusionPattern or its int code, not a "
-                         f"{type(pattern).__name__}; valid codes: {valid}")
+                         f"{type(pattern).__name__}; valid codes: {_valid_codes()}")
     try:
         return AllReduceFusionPattern(int(pattern))
     except ValueError:
-        raise ValueError(f"unknown fusion pattern {pattern!r}; valid codes: {valid}") from None
+        raise ValueError(f"unknown fusion pattern {pattern!r}; valid codes: "
+                         f"{_valid_codes()}") from None
