@@ -43,3 +43,14 @@ def gloo_world1():
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+
+
+@pytest.fixture
+def hermetic(monkeypatch):
+    """No strict mode, backend choice or call check leaking in from the environment, and
+    fallback warnings neither hidden by earlier tests nor hiding later ones (each kind logs
+    once). Imported lazily: a test module sets XLA_FLAGS before JAX is first imported."""
+    from jax_fusedar import api, native, topology
+    for var in (topology.STRICT_ENV_VAR, topology.BACKEND_ENV_VAR, native.CHECK_CALLS_ENV_VAR):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(api, "_fallback_reasons_logged", set())

@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import oracle
+from jax_fusedar import native
 
 HOST_DEVICES = 8
 HOST_DEVICES_FLAG = f"--xla_force_host_platform_device_count={HOST_DEVICES}"
@@ -29,6 +30,12 @@ RMS_EPS = 1e-6
 ALLREDUCE_ULPS = 1.0
 RESIDUAL_ULPS = 1.0
 NORM_ULPS = {"bfloat16": 3.0, "float16": 3.0, "float32": 8.0}
+
+
+# Lowering a trtllm workspace for cuda needs the native extension's FFI targets.
+needs_native = pytest.mark.skipif(
+    not native.available(), reason="the cuda lowering of a trtllm workspace needs the native "
+    "extension's FFI targets (run ./dev setup)")
 
 
 def require_host_devices(n: int = HOST_DEVICES) -> None:
@@ -168,3 +175,16 @@ def check_outputs(dtype_name: str, partials, *, residual=None, gamma=None, weigh
                      f"{ {k: bounds[k] for k in bad} } ({dtype_name}, weight_bias={weight_bias})")
     return errors
 
+
+
+def assert_same_bits(a, b, what):
+    """The pytrees ``a`` and ``b`` have the same leaves, bit for bit (NaNs and signed zeros
+    included), naming the first leaf that differs and in how many elements."""
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb), what
+    for i, (u, v) in enumerate(zip(la, lb)):
+        u, v = np.asarray(u), np.asarray(v)
+        assert u.dtype == v.dtype and u.shape == v.shape, (what, i, u.dtype, v.dtype,
+                                                            u.shape, v.shape)
+        diff = np.count_nonzero(bits(u) != bits(v))
+        assert diff == 0, f"{what}: leaf {i} differs in {diff} of {u.size} elements"

@@ -17,10 +17,11 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_fusedar as jf  # noqa: E402
+from cpu_helpers import needs_native  # noqa: E402
 from cpu_helpers import (RMS_EPS, bits, check_outputs, jdtype, kernel_rounding,  # noqa: E402
                          make_mesh, new_rng, random_gamma, random_partials, random_values,
                          require_host_devices, run_sharded)
-from jax_fusedar import api, native, topology  # noqa: E402
+from jax_fusedar import native, topology  # noqa: E402
 from jax_fusedar.primitive import FFI_TARGET  # noqa: E402
 from jax_fusedar.topology import TPGroup  # noqa: E402
 
@@ -32,18 +33,10 @@ MESHES = {"tp8": ((8,), ("tp",)), "dp2_tp4": ((2, 4), ("dp", "tp")),
           "dp4_tp2": ((4, 2), ("dp", "tp"))}
 MLIR_TYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 
-needs_native = pytest.mark.skipif(
-    not native.available(), reason="the cuda lowering of a trtllm workspace needs the native "
-    "extension's FFI targets (run ./dev setup)")
 
 
-@pytest.fixture(autouse=True)
-def hermetic(monkeypatch):
-    """No strict mode or backend choice leaking in from the environment, and fallback
-    warnings neither hidden by earlier tests nor hiding later ones (each logs once)."""
-    monkeypatch.delenv(topology.STRICT_ENV_VAR, raising=False)
-    monkeypatch.delenv(topology.BACKEND_ENV_VAR, raising=False)
-    monkeypatch.setattr(api, "_fallback_reasons_logged", set())
+# Environment and once-per-kind logging reset per test (conftest.py).
+pytestmark = pytest.mark.usefixtures("hermetic")
 
 
 def mesh_of(name):

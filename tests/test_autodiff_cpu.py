@@ -18,7 +18,8 @@ from jax.ad_checkpoint import checkpoint_name  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_fusedar as jf  # noqa: E402
-from cpu_helpers import (bits, jdtype, make_mesh, new_rng, put, random_gamma,  # noqa: E402
+from cpu_helpers import assert_same_bits  # noqa: E402
+from cpu_helpers import (jdtype, make_mesh, new_rng, put, random_gamma,  # noqa: E402
                          random_values, require_host_devices)
 from jax_fusedar import native, reference  # noqa: E402
 from jax_fusedar.patterns import TRAITS  # noqa: E402
@@ -134,14 +135,6 @@ def loss_fn(mesh, combine, variant="plain", check_vma=True):
     return loss
 
 
-def assert_same_bits(a, b, what):
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    assert len(la) == len(lb), what
-    for i, (u, v) in enumerate(zip(la, lb)):
-        u, v = np.asarray(u), np.asarray(v)
-        assert u.dtype == v.dtype and u.shape == v.shape, (what, i, u.dtype, v.dtype)
-        diff = np.count_nonzero(bits(u) != bits(v))
-        assert diff == 0, f"{what}: leaf {i} differs in {diff} of {u.size} elements"
 
 
 def xla_ws(mesh, dtype):

@@ -15,9 +15,10 @@ import pytest  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_fusedar as jf  # noqa: E402
+from cpu_helpers import needs_native  # noqa: E402
 from cpu_helpers import (jdtype, make_mesh, new_rng, random_gamma, random_values,  # noqa: E402
                          require_host_devices, run_sharded)
-from jax_fusedar import api, arguments, native, reference, topology  # noqa: E402
+from jax_fusedar import arguments, native, reference, topology  # noqa: E402
 from jax_fusedar.primitive import FFI_TARGET  # noqa: E402
 from test_api_cpu import (abstract, custom_calls, fused_body, trace_fused,  # noqa: E402
                           trace_sharded, xla_workspace)
@@ -25,17 +26,10 @@ from test_api_cpu import (abstract, custom_calls, fused_body, trace_fused,  # no
 require_host_devices()
 
 Q = jf.AllReduceFusionPattern
-needs_native = pytest.mark.skipif(
-    not native.available(), reason="the cuda lowering of a trtllm workspace needs the native "
-    "extension's FFI targets (run ./dev setup)")
 
 
-@pytest.fixture(autouse=True)
-def hermetic(monkeypatch):
-    monkeypatch.delenv(topology.STRICT_ENV_VAR, raising=False)
-    monkeypatch.delenv(topology.BACKEND_ENV_VAR, raising=False)
-    monkeypatch.delenv(native.CHECK_CALLS_ENV_VAR, raising=False)
-    monkeypatch.setattr(api, "_fallback_reasons_logged", set())
+# Environment and once-per-kind logging reset per test (conftest.py).
+pytestmark = pytest.mark.usefixtures("hermetic")
 
 
 KW = dict(max_token_num=64, hidden_dim=256, dtype=jnp.bfloat16)

@@ -18,9 +18,9 @@ import pytest  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_fusedar as jf  # noqa: E402
-from cpu_helpers import (bits, check_outputs, jdtype, make_mesh, new_rng, put,  # noqa: E402
+from cpu_helpers import needs_native, assert_same_bits  # noqa: E402
+from cpu_helpers import (bits, check_outputs, jdtype, make_mesh, new_rng,  # noqa: E402
                          random_gamma, random_partials, random_values, require_host_devices)
-from jax_fusedar import api, native, topology  # noqa: E402
 from jax_fusedar.patterns import TRAITS  # noqa: E402
 from jax_fusedar.primitive import FFI_TARGET  # noqa: E402
 
@@ -30,11 +30,8 @@ Q = jf.AllReduceFusionPattern
 HIDDEN = 256
 
 
-@pytest.fixture(autouse=True)
-def hermetic(monkeypatch):
-    monkeypatch.delenv(topology.STRICT_ENV_VAR, raising=False)
-    monkeypatch.delenv(topology.BACKEND_ENV_VAR, raising=False)
-    monkeypatch.setattr(api, "_fallback_reasons_logged", set())
+# Environment and once-per-kind logging reset per test (conftest.py).
+pytestmark = pytest.mark.usefixtures("hermetic")
 
 
 def tp8():
@@ -46,13 +43,6 @@ def xla_ws(mesh, dtype="bfloat16", max_token_num=256):
                                                 hidden_dim=HIDDEN, dtype=jdtype(dtype))
 
 
-def assert_same_bits(a, b, what):
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    assert len(la) == len(lb), what
-    for i, (u, v) in enumerate(zip(la, lb)):
-        u, v = np.asarray(u), np.asarray(v)
-        assert u.shape == v.shape and u.dtype == v.dtype, (what, i, u.shape, v.shape)
-        assert np.array_equal(bits(u), bits(v)), f"{what}: output {i} differs"
 
 
 QUANT_CASES = [
@@ -338,9 +328,6 @@ def test_vmapped_batch_beyond_the_workspace_runs_per_element():
         sharded(mesh, body, 2)(x, r, g)
 
 
-needs_native = pytest.mark.skipif(
-    not native.available(), reason="the cuda lowering of a trtllm workspace needs the native "
-    "extension's FFI targets (run ./dev setup)")
 
 
 @needs_native

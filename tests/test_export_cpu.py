@@ -18,9 +18,9 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_fusedar as jf  # noqa: E402
+from cpu_helpers import needs_native  # noqa: E402
 from cpu_helpers import (bits, make_mesh, new_rng, random_gamma, random_partials,  # noqa: E402
                          require_host_devices)
-from jax_fusedar import api, native, topology  # noqa: E402
 from jax_fusedar import workspace as wsmod  # noqa: E402
 from jax_fusedar.primitive import FFI_TARGET  # noqa: E402
 
@@ -29,16 +29,10 @@ pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbu
                     "(./dev installs it)")
 
 TOKENS, HIDDEN = 4, 256
-needs_native = pytest.mark.skipif(
-    not native.available(), reason="lowering a trtllm workspace for cuda needs the native "
-    "extension's FFI targets (run ./dev setup)")
 
 
-@pytest.fixture(autouse=True)
-def hermetic(monkeypatch):
-    monkeypatch.delenv(topology.STRICT_ENV_VAR, raising=False)
-    monkeypatch.delenv(topology.BACKEND_ENV_VAR, raising=False)
-    monkeypatch.setattr(api, "_fallback_reasons_logged", set())
+# Environment and once-per-kind logging reset per test (conftest.py).
+pytestmark = pytest.mark.usefixtures("hermetic")
 
 
 def mesh_2x4():

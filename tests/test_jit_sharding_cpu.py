@@ -19,9 +19,10 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_fusedar as jf  # noqa: E402
+from cpu_helpers import needs_native  # noqa: E402
 from cpu_helpers import bits, jdtype, new_rng, random_gamma, random_values  # noqa: E402
 from cpu_helpers import require_host_devices  # noqa: E402
-from jax_fusedar import api, native, partitioning, topology  # noqa: E402
+from jax_fusedar import native, partitioning  # noqa: E402
 from jax_fusedar.primitive import FFI_TARGET  # noqa: E402
 
 require_host_devices()
@@ -30,11 +31,8 @@ from sharded_model import (BATCH, FFN, HIDDEN, LAYERS, SEQ, jit_model,  # noqa: 
                            model_params, place, shard_map_model)
 
 
-@pytest.fixture(autouse=True)
-def hermetic(monkeypatch):
-    monkeypatch.delenv(topology.STRICT_ENV_VAR, raising=False)
-    monkeypatch.delenv(topology.BACKEND_ENV_VAR, raising=False)
-    monkeypatch.setattr(api, "_fallback_reasons_logged", set())
+# Environment and once-per-kind logging reset per test (conftest.py).
+pytestmark = pytest.mark.usefixtures("hermetic")
 
 
 def mesh_2x4(axis_type):
@@ -151,7 +149,6 @@ def lower_partitioned_shard_for_cuda(workspaces, h_spec=P("dp", "tp"), w_spec=P(
     return jax.jit(f).trace(*placed).lower(lowering_platforms=("cuda",)).as_text()
 
 
-needs_native = pytest.mark.skipif(not native.available(), reason="needs the native extension")
 
 
 @needs_native
