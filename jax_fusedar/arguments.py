@@ -19,6 +19,8 @@ _BOOLS = (bool, np.bool_)
 
 def is_int(value: object) -> bool:
     """A Python or numpy integer, and not a bool (True as a count or a code is a bug)."""
+    if type(value) is int:  # the common case, without numbers.Integral's ABC check
+        return True
     return isinstance(value, numbers.Integral) and not isinstance(value, _BOOLS)
 
 
@@ -36,7 +38,10 @@ def as_bool(name: str, value, *, allow_none: bool = False) -> Optional[bool]:
 def as_float(name: str, value, *, minimum: Optional[float] = None) -> float:
     """``value`` as a finite float: a Python or numpy real number (not a bool, a string, a
     complex number or an array), at least ``minimum`` when given."""
-    if isinstance(value, _BOOLS) or not isinstance(value, numbers.Real):
+    # The common case first (a Python float or int): numbers.Real is an ABC whose
+    # isinstance check costs microseconds, and torch_compat runs this on every eager call.
+    if type(value) is not float and type(value) is not int and (
+            isinstance(value, _BOOLS) or not isinstance(value, numbers.Real)):
         raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
     result = float(value)
     if not math.isfinite(result):
