@@ -59,9 +59,9 @@ def _fallback(kind: str, reason: str, strict: bool, backend: str) -> None:
                     "of reason; set %s=1 to raise instead)", reason, topology.STRICT_ENV_VAR)
 
 
-def _kernel_problem(world, tokens, hidden, dtype_name, sizes):
+def _kernel_problem(tokens, hidden, dtype_name, sizes):
     """(kind, why) the kernel cannot serve this call (then it falls back), or None."""
-    problem = topology.kernel_support_problem(world, hidden, dtype_name)
+    problem = topology.kernel_support_problem(sizes.world_size, hidden, dtype_name)
     if problem is not None:
         return "unsupported shape", problem
     if not topology.buffer_fits(tokens, hidden, sizes):
@@ -79,7 +79,7 @@ def choose_path(plan: CallPlan, tokens: int, hidden: int, dtype_name: str):
     if tokens == 0:
         # Every rank has the same empty shape: nothing to exchange, the reference serves it.
         return False, True
-    problem = _kernel_problem(plan.sizes.world_size, tokens, hidden, dtype_name, plan.sizes)
+    problem = _kernel_problem(tokens, hidden, dtype_name, plan.sizes)
     if problem is not None:
         _fallback(*problem, plan.strict, plan.backend)
         return False, True

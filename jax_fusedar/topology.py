@@ -588,15 +588,16 @@ class BackendChoice:
 
 
 # Why a TP group across nodes cannot use the kernel; one sentence for every message.
-_ONE_NODE_ONLY = (
+ONE_NODE_ONLY = (
     "the 'trtllm' kernel's peer-memory protocol works only within one node, and 'mnnvl' "
     "(FlashInfer's multi-node backend) needs NVLink multicast, which jax_fusedar refuses"
 )
 
 
 def describe_spanning(spanning, n_groups: int, member_name: str) -> str:
-    """The text "TP group [...] (devices) spans N nodes (host: [members]; ...)" for ``spanning``, a list
-    of (group, group_hosts(group)) pairs, the first in full and up to three more by name."""
+    """The text "TP group [...] (devices) spans N nodes (host: [members]; ...)" for
+    ``spanning``, a list of (group, group_hosts(group)) pairs: the first in full, up to three
+    more by their members."""
     (first, hosts), rest = spanning[0], spanning[1:]
     where = "; ".join(f"{h}: {list(ms)}" for h, ms in hosts.items())
     text = (f"TP group {list(first.members)} ({member_name}s) spans {len(hosts)} nodes "
@@ -647,7 +648,7 @@ def resolve_backend_for_groups(
         except ValueError as e:  # an explicit 'trtllm' (argument or environment)
             raise ValueError(f"{where}: {e}") from None
         return BackendChoice(backend, tuple(g for g, _ in spanning),
-                             f"{where}: {_ONE_NODE_ONLY}")
+                             f"{where}: {ONE_NODE_ONLY}")
     return BackendChoice(backend, tuple(g for g, _ in spanning))
 
 

@@ -125,7 +125,7 @@ def _batch(args, dims, **params):
         # A batch the workspace cannot hold runs per element when one element fits (so the
         # kernel still serves it), decided from the workspace's sizes alone, on every backend.
         def fits(rows):
-            return api._kernel_problem(plan.sizes.world_size, rows, hidden,
+            return api._kernel_problem(rows, hidden,
                                        np.dtype(x.dtype).name, plan.sizes) is None
         fold = fits(size * tokens) or not fits(tokens)
     if fold:

@@ -228,10 +228,7 @@ def resolve_backend(backend: Optional[str], group: Optional[topology.TPGroup] = 
         hosts = topology.group_hosts(group, host_of)
         if len(hosts) > 1:
             where = topology.describe_spanning([(group, hosts)], 1, "global rank")
-            raise ValueError(f"{where}: the 'trtllm' backend's peer-memory protocol works only "
-                             f"within one node, and FlashInfer's multi-node 'mnnvl' needs "
-                             f"NVLink multicast, which torch_compat refuses; use {_UNFUSED} "
-                             f"across nodes")
+            raise ValueError(f"{where}: {topology.ONE_NODE_ONLY}; use {_UNFUSED} across nodes")
     return "trtllm"
 
 
