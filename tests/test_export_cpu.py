@@ -18,7 +18,7 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_fusedar as jf  # noqa: E402
-from cpu_helpers import needs_native  # noqa: E402
+from cpu_helpers import assert_same_bits, needs_native  # noqa: E402
 from cpu_helpers import (bits, make_mesh, new_rng, random_gamma, random_partials,  # noqa: E402
                          require_host_devices)
 from jax_fusedar import workspace as wsmod  # noqa: E402
@@ -73,9 +73,7 @@ def test_round_trip_on_cpu_gives_the_jitted_bits():
                                               hidden_dim=HIDDEN, dtype=jnp.bfloat16)
     exported = jf.export.export(layer(ws), platforms=("cpu",))(*specs(mesh))
     args = values(new_rng(), mesh)
-    got, want = round_trip(exported).call(*args), layer(ws)(*args)
-    for g, w in zip(got, want):
-        np.testing.assert_array_equal(bits(g), bits(w))
+    assert_same_bits(round_trip(exported).call(*args), layer(ws)(*args), "cpu round trip")
 
 
 def test_workspace_key_is_stable_across_creation_order_and_names():
@@ -154,9 +152,8 @@ def test_multi_platform_artifact_runs_the_reference_on_cpu():
     xla_ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=TOKENS,
                                                   hidden_dim=HIDDEN, dtype=jnp.bfloat16)
     args = values(new_rng(), mesh)
-    got, want = round_trip(exported).call(*args), layer(xla_ws)(*args)
-    for g, w in zip(got, want):
-        np.testing.assert_array_equal(bits(g), bits(w))
+    assert_same_bits(round_trip(exported).call(*args), layer(xla_ws)(*args),
+                     "(cpu, cuda) artifact on cpu")
 
 
 def test_exporting_an_xla_workspace_for_cuda_is_refused_and_plain_lowering_warns():
