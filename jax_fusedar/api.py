@@ -73,19 +73,20 @@ def _kernel_problem(tokens, hidden, dtype_name, sizes):
 
 
 def choose_path(plan: CallPlan, tokens: int, hidden: int, dtype_name: str):
-    """(use_kernel, use_oneshot) for a call of ``tokens`` rows: a pure function of the plan
+    """(use_kernel, algorithm) for a call of ``tokens`` rows (algorithm: a topology.ALGORITHM_*
+    code): a pure function of the plan
     and the shape, so every rank decides alike (logs or raises per ``plan.strict``)."""
     use_kernel = plan.backend == "trtllm"
     if tokens == 0:
         # Every rank has the same empty shape: nothing to exchange, the reference serves it.
-        return False, True
+        return False, topology.ALGORITHM_ONESHOT
     problem = _kernel_problem(tokens, hidden, dtype_name, plan.sizes)
     if problem is not None:
         _fallback(*problem, plan.strict, plan.backend)
-        return False, True
+        return False, topology.ALGORITHM_ONESHOT
     # Raises for an explicit use_oneshot the workspace cannot serve (never degrade).
-    oneshot = topology.choose_oneshot(tokens, hidden, plan.sizes, plan.use_oneshot)
-    return use_kernel, oneshot
+    algorithm = topology.choose_algorithm(tokens, hidden, plan.sizes, plan.use_oneshot)
+    return use_kernel, algorithm
 
 
 def _quant_params(pattern, traits, x, hidden, scale_factor, layout_code, group_size,
@@ -305,7 +306,7 @@ def allreduce_fusion(x: ArrayLike, *, axis_name: str, workspace: AllReduceFusion
     # Trace-time decision: the kernel, or the reference with a logged reason.
     plan = CallPlan(workspace.backend, workspace.sizes, strict,
                     None if use_oneshot is None else bool(use_oneshot))
-    use_kernel, oneshot = choose_path(plan, tokens, hidden, dtype_name)
+    use_kernel, algorithm = choose_path(plan, tokens, hidden, dtype_name)
     if use_kernel and not register_ffi_targets():
         raise RuntimeError("the workspace uses the trtllm kernel but jax_fusedar's native "
                            "extension is not available")
@@ -314,7 +315,7 @@ def allreduce_fusion(x: ArrayLike, *, axis_name: str, workspace: AllReduceFusion
         *operands, axis_name=(axis_name,), pattern=int(pattern), use_kernel=use_kernel,
         workspace_id=workspace.id,
         workspace_groups=tuple(g.members for g in workspace.groups),
-        use_oneshot=bool(oneshot), fp32_acc=bool(fp32_acc), rms_eps=float(rms_eps),
+        algorithm=int(algorithm), fp32_acc=bool(fp32_acc), rms_eps=float(rms_eps),
         weight_bias=float(weight_bias), layout=layout, block_quant_group_size=group_size,
         plan=plan)
     if traits.has_allreduce_out:

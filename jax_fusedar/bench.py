@@ -65,13 +65,25 @@ def reference_banner(device_kind: str) -> str:
 
 
 def chosen_mode(tokens: int, hidden: int, sizes, mode: str):
-    """("oneshot" | "twoshot", None) as allreduce_fusion would launch, or (None, reason) when
-    the requested mode cannot run. The same decision function the op itself calls."""
+    """("oneshot" | "twoshot" | "large", None) as allreduce_fusion would launch, or (None,
+    reason) when the requested mode cannot run. The same decision function the op itself
+    calls; "oneshot" and "twoshot" force FlashInfer's kernels, "auto" may pick the
+    large-message algorithm."""
     try:
-        oneshot = topology.choose_oneshot(tokens, hidden, sizes, USE_ONESHOT[mode])
+        algorithm = topology.choose_algorithm(tokens, hidden, sizes, USE_ONESHOT[mode])
     except ValueError as e:
         return None, str(e)
-    return ("oneshot" if oneshot else "twoshot"), None
+    return topology.ALGORITHM_NAMES[algorithm], None
+
+
+def large_message_crossover(hidden: int, report: dict):
+    """Fewest tokens from which auto picks the large-message algorithm at this hidden size
+    (for the plot), or None where the world size has no measured threshold."""
+    min_mib = topology.LARGE_MESSAGE_MIN_MIB.get(report["machine"]["world_size"])
+    if min_mib is None:
+        return None
+    row_bytes = hidden * topology.element_size(report["config"]["dtype"])
+    return -(-min_mib * (1 << 20) // row_bytes)
 
 
 def fused_combine(ws, pattern: int, use_oneshot):
@@ -200,7 +212,8 @@ def progress_bar(total: int):
 
 def plot(report: dict, path: Path) -> bool:
     """Latency vs tokens, one log-log panel per hidden size; False without matplotlib.
-    One colour per pattern: the unfused XLA twin dashed, the fused op solid (per mode)."""
+    One colour per series: the unfused XLA twins dashed, the fused op solid (one series per
+    pattern and mode); a dotted line marks where auto switches to the large-message path."""
     try:
         import matplotlib
     except ImportError:
@@ -214,18 +227,25 @@ def plot(report: dict, path: Path) -> bool:
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     markers = {"auto": "o", "oneshot": "^", "twoshot": "s"}
     for ax, hidden in zip(axes[0], hiddens):
-        for k, pattern in enumerate(report["config"]["patterns"]):
-            colour = colours[k % len(colours)]
+        series = 0
+        for pattern in report["config"]["patterns"]:
             cases = [c for c in report["cases"]
                      if c["hidden"] == hidden and c["pattern"] == pattern]
             ax.plot([c["tokens"] for c in cases], [c["baseline_us"] for c in cases], "--",
-                    color=colour, marker="x", label=f"XLA: {PATTERN_LABELS[pattern]}")
+                    color=colours[series % len(colours)], marker="x",
+                    label=f"XLA: {PATTERN_LABELS[pattern]}")
+            series += 1
             for mode in report["config"]["modes"]:
                 points = [(c["tokens"], c["fused"][mode]["us"]) for c in cases
                           if mode in c["fused"]]
                 if points:
-                    ax.plot(*zip(*points), "-", color=colour, marker=markers[mode],
-                            label=f"fused pattern {pattern} ({mode})")
+                    ax.plot(*zip(*points), "-", color=colours[series % len(colours)],
+                            marker=markers[mode], label=f"fused pattern {pattern} ({mode})")
+                    series += 1
+        crossover = large_message_crossover(hidden, report)
+        if crossover is not None and "auto" in report["config"]["modes"]:
+            ax.axvline(crossover, linestyle=":", color="grey",
+                       label=f"auto: large-message from {crossover} tokens")
         ax.set(xscale="log", yscale="log", xlabel="tokens", ylabel="us per call",
                title=f"hidden {hidden}")
         ax.grid(True, which="both", alpha=0.3)

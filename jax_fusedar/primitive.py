@@ -131,7 +131,7 @@ def _check_mesh(ctx, axis_name, workspace_groups):
 
 
 def _cuda_lowering(ctx, *args, axis_name, pattern, use_kernel, workspace_id, workspace_groups,
-                   use_oneshot, fp32_acc, rms_eps, weight_bias, layout, block_quant_group_size,
+                   algorithm, fp32_acc, rms_eps, weight_bias, layout, block_quant_group_size,
                    plan=None):
     _check_mesh(ctx, axis_name, workspace_groups)
     if not use_kernel:
@@ -144,7 +144,7 @@ def _cuda_lowering(ctx, *args, axis_name, pattern, use_kernel, workspace_id, wor
     aliases = {1: 0} if traits.has_residual else {}
     rule = jax.ffi.ffi_lowering(FFI_TARGET, operand_output_aliases=aliases)
     return rule(ctx, *args, workspace_id=np.int64(workspace_id), pattern=np.int32(pattern),
-                use_oneshot=bool(use_oneshot), fp32_acc=bool(fp32_acc),
+                algorithm=np.int32(algorithm), fp32_acc=bool(fp32_acc),
                 rms_eps=np.float32(rms_eps), weight_bias=np.float32(weight_bias),
                 layout=np.int32(layout), block_quant_group_size=np.int32(block_quant_group_size))
 

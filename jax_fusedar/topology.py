@@ -355,6 +355,85 @@ def choose_oneshot(
 
 
 # ---------------------------------------------------------------------------------------------
+# The large-message algorithm
+# ---------------------------------------------------------------------------------------------
+
+# Algorithm codes of the native launch (fusedar_algorithm in ffi/core/include/fusedar/core.h).
+ALGORITHM_TWOSHOT = 0
+ALGORITHM_ONESHOT = 1
+ALGORITHM_LARGE_MESSAGE = 2
+ALGORITHM_NAMES = {ALGORITHM_TWOSHOT: "twoshot", ALGORITHM_ONESHOT: "oneshot",
+                   ALGORITHM_LARGE_MESSAGE: "large"}
+
+# Auto picks the large-message algorithm (reduce-scatter + epilogue + all-gather with copy
+# engines, ffi/kernels/large_message.h; the two-shot math bit for bit) from this many MiB of
+# input per rank (tokens * hidden * itemsize). Measured on 2 x H200 over NVLink, bf16, pattern 1,
+# CUDA-graph replay, median of 7 x 20 calls (tools/large_message_bench.cu, one run):
+#
+#     tokens x hidden          FlashInfer one-shot / two-shot    large-message
+#     1024 x 8192 (16 MiB)          78.6 /  85.2 us                 138.8 us
+#     2048 x 8192 (32 MiB)         153.2 / 163.4                    165.7
+#     4096 x 4096 (32 MiB)         167.0 / 182.6                    174.2
+#     8192 x 4096 (64 MiB)         331.3 / 352.9                    260.3
+#     4096 x 8192 (64 MiB)         301.7 / 315.9                    259.7
+#     8192 x 8192 (128 MiB)        601.4 / 616.0                    444.2
+#
+# Linear fits in the message size cross near 39 MiB; 48 keeps a margin on both sides. The
+# copy engines add a fixed latency per chunk (about 80 us in all), so small messages stay with
+# FlashInfer's kernels. World sizes 4, 8 and 16 were not measured: None keeps them on
+# FlashInfer's kernels until they are.
+LARGE_MESSAGE_MIN_MIB = {2: 48, 4: None, 8: None, 16: None}
+
+
+def large_message_bytes_needed(num_tokens: int, hidden_dim: int, world_size: int,
+                               dtype_name: str) -> int:
+    """Bytes of each rank's two-shot buffer the large-message algorithm uses: a receive slot and
+    a gather slot of ceil(tokens / world) rows per rank (large_message.h buffer_bytes_needed)."""
+    slot_rows = -(-num_tokens // world_size)
+    return 2 * world_size * slot_rows * hidden_dim * element_size(dtype_name)
+
+
+def large_message_problem(num_tokens: int, hidden_dim: int,
+                          sizes: WorkspaceSizes) -> Optional[str]:
+    """Why the large-message algorithm cannot run this call, or None. It needs what two-shot
+    needs (it reduces the same per-rank slices with the same launch shape) and its slots in the
+    two-shot buffer."""
+    problem = _twoshot_problem(num_tokens, hidden_dim, sizes)
+    if problem is not None:
+        return problem
+    needed = large_message_bytes_needed(num_tokens, hidden_dim, sizes.world_size,
+                                        sizes.dtype_name)
+    if needed > sizes.two_shot_buffer_bytes:
+        return (f"the large-message algorithm needs {needed} bytes of the two-shot buffer, the "
+                f"workspace has {sizes.two_shot_buffer_bytes}")
+    return None
+
+
+def prefers_large_message(num_tokens: int, hidden_dim: int, sizes: WorkspaceSizes) -> bool:
+    """Whether auto picks the large-message algorithm: measured faster at this world size and
+    message size, and feasible in this workspace."""
+    min_mib = LARGE_MESSAGE_MIN_MIB.get(sizes.world_size)
+    if min_mib is None:
+        return False
+    message = num_tokens * hidden_dim * element_size(sizes.dtype_name)
+    return message >= min_mib * _MIB and large_message_problem(num_tokens, hidden_dim,
+                                                                 sizes) is None
+
+
+def choose_algorithm(
+    num_tokens: int, hidden_dim: int, sizes: WorkspaceSizes, requested: Optional[bool]
+) -> int:
+    """The ALGORITHM_* code a call runs: a pure function of its arguments, like
+    ``choose_oneshot`` (every rank must run the same algorithm). ``requested`` True/False forces
+    FlashInfer's one-shot/two-shot kernel; None picks by size, the large-message algorithm
+    included."""
+    oneshot = choose_oneshot(num_tokens, hidden_dim, sizes, requested)
+    if requested is None and prefers_large_message(num_tokens, hidden_dim, sizes):
+        return ALGORITHM_LARGE_MESSAGE
+    return ALGORITHM_ONESHOT if oneshot else ALGORITHM_TWOSHOT
+
+
+# ---------------------------------------------------------------------------------------------
 # Tensor-parallel groups
 # ---------------------------------------------------------------------------------------------
 

@@ -132,10 +132,10 @@ def _batch(args, dims, **params):
         rows = [jnp.moveaxis(a, d, 0) if d is not None
                 else jnp.broadcast_to(a, (size, *a.shape)) for a, d in zip(args[:2], dims[:2])]
         rows = [r.reshape(size * tokens, hidden) for r in rows]
-        use_kernel, oneshot = api.choose_path(plan, size * tokens, hidden,
+        use_kernel, algorithm = api.choose_path(plan, size * tokens, hidden,
                                               np.dtype(x.dtype).name)
         outs = allreduce_fusion_p.bind(*rows, *args[2:], **dict(
-            params, use_kernel=use_kernel, use_oneshot=oneshot))
+            params, use_kernel=use_kernel, algorithm=algorithm))
         out_dims = []
         unfolded = []
         for i, o in enumerate(outs):

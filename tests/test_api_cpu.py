@@ -298,7 +298,7 @@ def test_cuda_lowering_of_plain_allreduce():
 def test_cuda_lowering_one_shot_choice(mesh_name, tokens, kwargs, oneshot):
     ws = trtllm_workspace(mesh_name, max_token_num=2048)
     call = only_fused_call(cuda_text(ws, tokens, 1024, **kwargs))
-    assert call["attrs"]["use_oneshot"] is oneshot
+    assert call["attrs"]["algorithm"] == (1 if oneshot else 0)
 
 
 @needs_native

@@ -335,7 +335,7 @@ static fusedar_launch_args args(int pattern, int dtype, long tokens, long hidden
                                 int fp32, int layout, int group) {
   fusedar_launch_args a{};
   a.pattern = pattern; a.dtype = dtype; a.num_tokens = tokens; a.hidden_dim = hidden;
-  a.use_oneshot = oneshot; a.fp32_acc = fp32; a.layout = layout;
+  a.algorithm = oneshot; a.fp32_acc = fp32; a.layout = layout;
   a.block_quant_group_size = group;
   return a;
 }

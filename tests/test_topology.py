@@ -821,3 +821,71 @@ def test_resolve_backend_for_groups_errors(requested, groups, host_of, env, patt
 )
 def test_strict_mode(explicit, env, expected):
     assert strict_mode(explicit, env=env) is expected
+
+
+# --- the large-message algorithm ---------------------------------------------------------------
+
+def _mib_tokens(mib, hidden, dtype="bfloat16"):
+    return mib * (1 << 20) // (hidden * topo.element_size(dtype))
+
+
+@pytest.mark.parametrize("hidden", [4096, 7168, 8192])
+def test_large_message_auto_crossover_world2(hidden):
+    sizes = topo.workspace_sizes(2, 8192, 8192, "bfloat16")
+    edge = -(-topo.LARGE_MESSAGE_MIN_MIB[2] * (1 << 20) // (hidden * 2))  # first row count at 48 MiB
+    assert topo.choose_algorithm(edge, hidden, sizes, None) == topo.ALGORITHM_LARGE_MESSAGE
+    assert topo.choose_algorithm(edge - 1, hidden, sizes, None) == topo.ALGORITHM_ONESHOT
+    # Below the crossover auto keeps FlashInfer's choice exactly.
+    for m in (1, 16, 128, 1024, edge - 1):
+        want = topo.ALGORITHM_ONESHOT if topo.choose_oneshot(m, hidden, sizes, None) else \
+            topo.ALGORITHM_TWOSHOT
+        assert topo.choose_algorithm(m, hidden, sizes, None) == want
+
+
+def test_large_message_forced_modes_stay_flashinfer():
+    sizes = topo.workspace_sizes(2, 8192, 8192, "bfloat16")
+    assert topo.choose_algorithm(8192, 8192, sizes, True) == topo.ALGORITHM_ONESHOT
+    assert topo.choose_algorithm(8192, 8192, sizes, False) == topo.ALGORITHM_TWOSHOT
+    assert topo.choose_algorithm(8192, 8192, sizes, None) == topo.ALGORITHM_LARGE_MESSAGE
+
+
+@pytest.mark.parametrize("world", [4, 8, 16])
+def test_large_message_unmeasured_worlds_keep_flashinfer(world):
+    # Not measured at these world sizes: auto never picks it, though it could run.
+    sizes = topo.workspace_sizes(world, 8192, 8192, "bfloat16")
+    assert topo.LARGE_MESSAGE_MIN_MIB[world] is None
+    assert topo.large_message_problem(8192, 8192, sizes) is None
+    assert not topo.prefers_large_message(8192, 8192, sizes)
+    assert topo.choose_algorithm(8192, 8192, sizes, None) in (topo.ALGORITHM_ONESHOT,
+                                                               topo.ALGORITHM_TWOSHOT)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8, 16])
+def test_large_message_fits_the_two_shot_buffer(world):
+    # N receive + N gather slots of ceil(M/N) rows: within today's two-shot buffer at the
+    # workspace's full size, so the workspace does not grow.
+    for dtype in ("bfloat16", "float32"):
+        sizes = topo.workspace_sizes(world, 8192, 8192, dtype)
+        needed = topo.large_message_bytes_needed(8192, 8192, world, dtype)
+        assert needed <= sizes.two_shot_buffer_bytes
+        assert topo.large_message_problem(8192, 8192, sizes) is None
+
+
+def test_large_message_problem_names_the_buffer():
+    # An odd row count at the full workspace needs one more row per slot than two-shot.
+    sizes = topo.workspace_sizes(2, 8191, 8192, "bfloat16")
+    assert topo.large_message_bytes_needed(8191, 8192, 2, "bfloat16") == 2 * 2 * 4096 * 8192 * 2
+    assert "two-shot buffer" in topo.large_message_problem(8191, 8192, sizes)
+    assert not topo.prefers_large_message(8191, 8192, sizes)
+    # ... and auto then falls back to FlashInfer's choice instead of failing.
+    assert topo.choose_algorithm(8191, 8192, sizes, None) == topo.ALGORITHM_ONESHOT
+    # Two-shot's own limits apply too (more tokens than ranks).
+    assert "more tokens than ranks" in topo.large_message_problem(2, 8192, sizes)
+
+
+def test_algorithm_codes_match_the_core_header():
+    header = (Path(__file__).resolve().parents[1] / "ffi" / "core" / "include" / "fusedar" /
+              "core.h").read_text()
+    for name, code in (("TWOSHOT", topo.ALGORITHM_TWOSHOT), ("ONESHOT", topo.ALGORITHM_ONESHOT),
+                       ("LARGE_MESSAGE", topo.ALGORITHM_LARGE_MESSAGE)):
+        assert re.search(rf"FUSEDAR_ALGORITHM_{name} = {code},", header), name

@@ -42,9 +42,9 @@ Quantized outputs (shapes per rank, M tokens x H hidden; byte layouts in
 
 Every check is on host metadata only (shape, dtype, device, strides, 16-byte alignment of
 the vectorised tensors, the device's compute capability), so the call can be captured in a
-CUDA graph with its outputs passed in. One-shot vs two-shot comes from
-``topology.choose_oneshot``: a pure function of the shape, dtype width and workspace, so
-every rank picks the same mode.
+CUDA graph with its outputs passed in. The algorithm (one-shot, two-shot or, by size, the
+large-message path) comes from ``topology.choose_algorithm``: a pure function of the shape,
+dtype width and workspace, so every rank picks the same one.
 """
 from __future__ import annotations
 
@@ -336,7 +336,7 @@ class CheckedCall(NamedTuple):
     dtype_name: str
     layout: int
     group: int
-    oneshot: Optional[bool]
+    algorithm: Optional[int]  # topology.ALGORITHM_*; None for a shape known only at run time
     rms_eps: float
     weight_bias: float
     fp32_acc: bool
@@ -384,11 +384,12 @@ def check_call(input, workspace, pattern, *, residual_in=None, rms_gamma=None, r
     if traits.quant is not None:
         layout, group = _check_quant_inputs(p, traits, name, input, scale_factor, layout_code,
                                             block_quant_group_size)
-    oneshot = None
+    algorithm = None
     if _static_shape(input):
         token_num, hidden_dim = input.shape
-        oneshot = topology.choose_oneshot(token_num, hidden_dim, workspace.sizes, use_oneshot)
-    return CheckedCall(p, traits, name, layout, group, oneshot, **options)
+        algorithm = topology.choose_algorithm(token_num, hidden_dim, workspace.sizes,
+                                              use_oneshot)
+    return CheckedCall(p, traits, name, layout, group, algorithm, **options)
 
 
 def allreduce_fusion(
@@ -473,7 +474,7 @@ def allreduce_fusion(
                              call.group)
         if traits.uses_scale_factor:
             sf = _scale_factor_tensor(scale_factor, workspace)
-    layout, group, oneshot = call.layout, call.group, call.oneshot
+    layout, group, algorithm = call.layout, call.group, call.algorithm
 
     if output is None and traits.has_allreduce_out:
         output = torch.empty_like(input)
@@ -489,7 +490,7 @@ def allreduce_fusion(
         quant_out=ptr(quant_out), scale_out=ptr(scale_out),
         rms_gamma=ptr(rms_gamma) if traits.has_residual else 0,
         scale_factor=ptr(sf), rms_eps=call.rms_eps, weight_bias=call.weight_bias,
-        use_oneshot=oneshot, fp32_acc=call.fp32_acc, layout=layout,
+        algorithm=algorithm, fp32_acc=call.fp32_acc, layout=layout,
         block_quant_group_size=group, launch_with_pdl=call.launch_with_pdl,
         trigger_completion_at_end=call.trigger_completion_at_end,
         stream=_current_stream(workspace.device))

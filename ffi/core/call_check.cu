@@ -60,7 +60,8 @@ __host__ __device__ const char* dtype_name(unsigned code) {
   "block_quant_group_size=%u}"
 #define FUSEDAR_SIG_ARGS(s)                                                              \
   unsigned((s)[0] & 0xff), dtype_name(unsigned(((s)[0] >> 8) & 0xff)), (s)[1], (s)[2], \
-      (((s)[0] >> 16) & 1) ? "one-shot" : "two-shot", unsigned(((s)[0] >> 17) & 1),     \
+      (((s)[0] >> 16) & 1) ? "one-shot" : ((((s)[0] >> 18) & 1) ? "large-message" : "two-shot"), \
+      unsigned(((s)[0] >> 17) & 1),                                                      \
       unsigned(((s)[0] >> 24) & 0xff), unsigned((s)[0] >> 32)
 
 __global__ void __launch_bounds__(32)
@@ -188,7 +189,8 @@ Signature signature_of(const fusedar_launch_args& a) {
   Signature s;
   s.word = (static_cast<unsigned long long>(a.pattern) & 0xff) |
            ((static_cast<unsigned long long>(a.dtype) & 0xff) << 8) |
-           (static_cast<unsigned long long>(a.use_oneshot ? 1 : 0) << 16) |
+           (static_cast<unsigned long long>(a.algorithm == FUSEDAR_ALGORITHM_ONESHOT) << 16) |
+           (static_cast<unsigned long long>(a.algorithm == FUSEDAR_ALGORITHM_LARGE_MESSAGE) << 18) |
            (static_cast<unsigned long long>(a.fp32_acc ? 1 : 0) << 17) |
            ((static_cast<unsigned long long>(a.layout) & 0xff) << 24) |
            (static_cast<unsigned long long>(static_cast<uint32_t>(a.block_quant_group_size))

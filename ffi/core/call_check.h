@@ -51,6 +51,7 @@ inline int64_t flag_allocation_bytes(const fusedar_workspace_info& info) {
 // Everything ranks must agree on, exactly (no hash: the failure message decodes it).
 struct Signature {
   unsigned long long word;  // pattern | dtype << 8 | oneshot << 16 | fp32_acc << 17 |
+                            // large_message << 18 |
                             // layout << 24 | block_quant_group_size << 32
   unsigned long long num_tokens;
   unsigned long long hidden_dim;

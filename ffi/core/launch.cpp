@@ -11,6 +11,7 @@
 
 #include "../kernels/compiled_patterns.h"
 #include "../kernels/kernel_call.h"
+#include "../kernels/large_message.h"
 #include "call_check.h"
 #include "fusedar/core.h"
 #include "rank_state.h"
@@ -85,7 +86,11 @@ int check(const fusedar_rank* r, const fusedar_launch_args* a) {
                     " exceeds the workspace (max_token_num*hidden_dim = " +
                     std::to_string(ws.max_token_num) + "*" + std::to_string(ws.hidden_dim) + ")");
   }
-  if (a->use_oneshot) {
+  if (a->algorithm != FUSEDAR_ALGORITHM_TWOSHOT && a->algorithm != FUSEDAR_ALGORITHM_ONESHOT &&
+      a->algorithm != FUSEDAR_ALGORITHM_LARGE_MESSAGE) {
+    return fail(FUSEDAR_INVALID_ARGUMENT, "unknown algorithm code " + std::to_string(a->algorithm));
+  }
+  if (a->algorithm == FUSEDAR_ALGORITHM_ONESHOT) {
     if (m * h * n * e > ws.lamport_comm_bytes) {
       return fail(FUSEDAR_INVALID_ARGUMENT,
                   "one-shot needs " + std::to_string(m * h * n * e) +
@@ -99,6 +104,19 @@ int check(const fusedar_rank* r, const fusedar_launch_args* a) {
     }
     if (2 * m * h * e > ws.two_shot_buffer_bytes) {
       return fail(FUSEDAR_INVALID_ARGUMENT, "two-shot buffer too small for this call");
+    }
+    if (a->algorithm == FUSEDAR_ALGORITHM_LARGE_MESSAGE) {
+      // N receive slots and N gather slots of ceil(M/N) rows in the two-shot buffer.
+      const int64_t needed = fusedar::kernels::large::buffer_bytes_needed(m, h, n, int(e));
+      if (needed > ws.two_shot_buffer_bytes) {
+        return fail(FUSEDAR_INVALID_ARGUMENT,
+                    "the large-message algorithm needs " + std::to_string(needed) +
+                        " bytes of the two-shot buffer, the workspace has " +
+                        std::to_string(ws.two_shot_buffer_bytes));
+      }
+      if (r->large == nullptr) {
+        return fail(FUSEDAR_INTERNAL, "the workspace has no large-message resources");
+      }
     }
   }
   if (a->input == nullptr) return fail(FUSEDAR_INVALID_ARGUMENT, "input is null");
@@ -172,7 +190,7 @@ extern "C" int fusedar_launch(const fusedar_rank* r, const fusedar_launch_args* 
     }
   }
   fusedar::kernels::KernelCall call{a, r->info.world_size, r->rank, r->table,
-                                    static_cast<cudaStream_t>(stream)};
+                                    static_cast<cudaStream_t>(stream), r->large};
   std::string err;
   switch (a->dtype) {
     case FUSEDAR_FLOAT32: err = launch_for_world<FUSEDAR_FLOAT32>(call); break;

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "../kernels/large_message.h"
 #include "fusedar/core.h"
 
 struct fusedar_peer {
@@ -26,4 +27,6 @@ struct fusedar_rank {
   unsigned long long* check_seq = nullptr;  // device: handshakes so far on this rank
   void* check_diag = nullptr;               // pinned, device-mapped failure record (host)
   void* check_diag_device = nullptr;        // the same record's device address
+  // Side streams, events and peer pointers of the large-message algorithm (from finalize).
+  fusedar::kernels::large::Resources* large = nullptr;
 };

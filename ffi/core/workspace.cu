@@ -27,6 +27,15 @@ constexpr int64_t kBarrierFlagCount = 256;
 
 int64_t round_up16(int64_t v) { return (v + 15) / 16 * 16; }
 
+// The barrier-flags allocation: FlashInfer's flags, the call-check area, then the flags of the
+// large-message algorithm (a few KiB; cudaMalloc rounds every allocation up to 2 MiB anyway).
+int64_t large_flags_offset(const fusedar_workspace_info& info) {
+  return (call_check::flag_allocation_bytes(info) + 255) / 256 * 256;
+}
+int64_t flag_allocation_bytes(const fusedar_workspace_info& info) {
+  return large_flags_offset(info) + int64_t(sizeof(kernels::large::Flags));
+}
+
 int element_size(int dtype) { return dtype == FUSEDAR_FLOAT32 ? 4 : 2; }
 
 bool valid_dtype(int dtype) {
@@ -100,7 +109,7 @@ extern "C" int fusedar_rank_create(int32_t device, int32_t world_size, int32_t r
   r->info = info;
   r->peers.assign(world_size, {});
   const int64_t sizes[FUSEDAR_SHARED_BUFFERS] = {
-      info.two_shot_buffer_bytes, fusedar::call_check::flag_allocation_bytes(info),
+      info.two_shot_buffer_bytes, fusedar::flag_allocation_bytes(info),
       info.lamport_buffer_bytes};
   static const char* names[FUSEDAR_SHARED_BUFFERS] = {"two-shot buffer", "barrier flags",
                                                       "Lamport buffer"};
@@ -251,12 +260,23 @@ extern "C" int fusedar_rank_finalize(fusedar_rank* r) {
   FUSEDAR_CUDA_TRY(cudaMemcpy(table, host.data(), host.size() * sizeof(void*),
                               cudaMemcpyHostToDevice),
                    "uploading the workspace pointer table", r->device);
-  FUSEDAR_CUDA_TRY(cudaMemset(r->local[1], 0, fusedar::call_check::flag_allocation_bytes(r->info)),
+  FUSEDAR_CUDA_TRY(cudaMemset(r->local[1], 0, fusedar::flag_allocation_bytes(r->info)),
                    "zeroing the barrier flags and the call-check area", r->device);
   FUSEDAR_CUDA_TRY(fusedar::call_check::reset(r), "resetting the call-check counter", r->device);
   const int control[5] = {0, 0, 0, static_cast<int>(r->info.lamport_comm_bytes), 0};
   FUSEDAR_CUDA_TRY(cudaMemcpy(r->control, control, sizeof(control), cudaMemcpyHostToDevice),
                    "initialising the control block", r->device);
+  {
+    auto* res = new fusedar::kernels::large::Resources();
+    r->large = res;
+    FUSEDAR_CUDA_TRY(fusedar::kernels::large::create_resources(res, r->device),
+                     "creating the large-message streams and events", r->device);
+    for (int p = 0; p < n; ++p) {
+      res->buffers[p] = static_cast<char*>(r->peers[p].ptr[0]);
+      res->flags.rank[p] = reinterpret_cast<fusedar::kernels::large::Flags*>(
+          static_cast<char*>(r->peers[p].ptr[1]) + fusedar::large_flags_offset(r->info));
+    }
+  }
   const uint32_t word = r->info.dtype == FUSEDAR_FLOAT32 ? 0x80000000u : 0x80008000u;
   const int64_t n_vec = r->info.lamport_buffer_bytes / 16;
   fusedar::fill_negative_zero<<<1024, 256>>>(static_cast<uint4*>(r->local[2]), n_vec, word);
@@ -288,6 +308,11 @@ extern "C" int fusedar_rank_destroy(fusedar_rank* r) {
     }
     if (r->control) note(cudaFree(r->control), "freeing the control block");
     if (r->table) note(cudaFree(r->table), "freeing the pointer table");
+    if (r->large) {
+      fusedar::kernels::large::destroy_resources(r->large);
+      delete r->large;
+      r->large = nullptr;
+    }
     fusedar::call_check::release(r, &first_error);
   } else {
     first_error = "cannot select device " + std::to_string(r->device);

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "fusedar/core.h"
+#include "large_message.h"
 
 namespace fusedar::kernels {
 
@@ -19,6 +20,8 @@ struct KernelCall {
   int rank;
   void** workspace_table;  // device pointer to the 3N+1 table
   cudaStream_t stream;
+  // Streams, events and peer pointers of the large-message algorithm (algorithm 2 only).
+  const large::Resources* large;
 };
 
 // Launches FlashInfer's fused kernel. Returns an empty string on success, else why not.

@@ -8,13 +8,15 @@
 #include "compiled_patterns.h"
 #include "flashinfer_kernel.cuh"
 #include "kernel_call.h"
+#include "large_message.cuh"
 
 namespace fusedar::kernels {
 
 namespace fi = flashinfer::trtllm_allreduce_fusion;
 
 template <typename T, int NRanks, bool Fp32Acc, fi::AllReduceFusionPattern Pattern>
-std::string launch_pattern(const fi::AllReduceFusionParams<T>& params, bool launch_with_pdl) {
+std::string launch_pattern(const fi::AllReduceFusionParams<T>& params, bool launch_with_pdl,
+                           const KernelCall& call) {
   constexpr bool kFp4 = fi::GetQuantType<Pattern> == fi::QuantType::kFP4;
   if constexpr (!is_compiled_pattern(static_cast<int>(Pattern))) {
     return "pattern " + std::to_string(static_cast<int>(Pattern)) +
@@ -22,6 +24,14 @@ std::string launch_pattern(const fi::AllReduceFusionParams<T>& params, bool laun
   } else if constexpr (kFp4 && (std::is_same_v<T, float> || CUDA_VERSION < 12080)) {
     // As in FlashInfer's own dispatch: NVFP4 needs 16-bit inputs and CUDA 12.8+.
     return "NVFP4 patterns need bfloat16 or float16 inputs (and CUDA 12.8+)";
+  } else if (call.args->algorithm == FUSEDAR_ALGORITHM_LARGE_MESSAGE) {
+    const int64_t rows = params.size / params.hidden_dim;
+    cudaError_t err = large::launch_large<Pattern, T, NRanks, Fp32Acc>(
+        params, *call.large, large::default_schedule(rows, NRanks));
+    if (err != cudaSuccess) {
+      return std::string("large-message launch failed: ") + cudaGetErrorString(err);
+    }
+    return {};
   } else {
     cudaError_t err = fi::allreduce_fusion_kernel_launcher<Pattern, T, NRanks, Fp32Acc>(
         params, launch_with_pdl);
@@ -53,7 +63,7 @@ std::string launch_typed(const KernelCall& call) {
   p.rms_eps = a.rms_eps;
   p.weight_bias = a.weight_bias;
   p.scale_factor = const_cast<float*>(a.scale_factor);
-  p.use_oneshot = a.use_oneshot != 0;
+  p.use_oneshot = a.algorithm == FUSEDAR_ALGORITHM_ONESHOT;
   p.layout = static_cast<flashinfer::QuantizationSFLayout>(a.layout);
   p.stream = call.stream;
   p.pattern = static_cast<fi::AllReduceFusionPattern>(a.pattern);
@@ -67,7 +77,7 @@ std::string launch_typed(const KernelCall& call) {
     switch (p.pattern) {
 #define FUSEDAR_PATTERN_CASE(name) \
   case P::name:                    \
-    return launch_pattern<T, NRanks, Fp32Acc, P::name>(p, pdl);
+    return launch_pattern<T, NRanks, Fp32Acc, P::name>(p, pdl, call);
       FUSEDAR_PATTERN_CASE(kAllReduce)
       FUSEDAR_PATTERN_CASE(kARResidualRMSNorm)
       FUSEDAR_PATTERN_CASE(kARResidualRMSNormFP8Quant)

@@ -132,7 +132,7 @@ class Rank {
   void launch(int pattern, int dtype, int64_t num_tokens, int64_t hidden_dim, uint64_t input,
               uint64_t allreduce_out, uint64_t residual_in, uint64_t residual_out,
               uint64_t norm_out, uint64_t quant_out, uint64_t scale_out, uint64_t rms_gamma,
-              uint64_t scale_factor, float rms_eps, float weight_bias, bool use_oneshot,
+              uint64_t scale_factor, float rms_eps, float weight_bias, int algorithm,
               bool fp32_acc, int layout, int block_quant_group_size, bool launch_with_pdl,
               bool trigger_completion_at_end, uint64_t stream, bool check_only) const {
     fusedar_launch_args a{};
@@ -151,7 +151,7 @@ class Rank {
     a.scale_factor = reinterpret_cast<const float*>(scale_factor);
     a.rms_eps = rms_eps;
     a.weight_bias = weight_bias;
-    a.use_oneshot = use_oneshot ? 1 : 0;
+    a.algorithm = algorithm;
     a.fp32_acc = fp32_acc ? 1 : 0;
     a.layout = layout;
     a.block_quant_group_size = block_quant_group_size;
@@ -266,7 +266,7 @@ NB_MODULE(_fusedar, m) {
            nb::arg("residual_in") = 0, nb::arg("residual_out") = 0, nb::arg("norm_out") = 0,
            nb::arg("quant_out") = 0, nb::arg("scale_out") = 0, nb::arg("rms_gamma") = 0,
            nb::arg("scale_factor") = 0, nb::arg("rms_eps") = 1e-6f, nb::arg("weight_bias") = 0.0f,
-           nb::arg("use_oneshot") = true, nb::arg("fp32_acc") = true, nb::arg("layout") = 0,
+           nb::arg("algorithm") = int(FUSEDAR_ALGORITHM_ONESHOT), nb::arg("fp32_acc") = true, nb::arg("layout") = 0,
            nb::arg("block_quant_group_size") = 0, nb::arg("launch_with_pdl") = true,
            nb::arg("trigger_completion_at_end") = true, nb::arg("stream") = 0,
            nb::arg("check_only") = false);

@@ -43,7 +43,7 @@ ffi::Error invalid(const std::string& msg) {
 
 ffi::Error AllReduceFusionImpl(void* stream, int32_t device_ordinal, ffi::RemainingArgs args,
                                ffi::RemainingRets rets, int64_t workspace_id, int32_t pattern,
-                               bool use_oneshot, bool fp32_acc, float rms_eps, float weight_bias,
+                               int32_t algorithm, bool fp32_acc, float rms_eps, float weight_bias,
                                int32_t layout, int32_t block_quant_group_size) {
   std::string why;
   fusedar_rank* rank = find_rank(workspace_id, device_ordinal, &why);
@@ -73,7 +73,7 @@ ffi::Error AllReduceFusionImpl(void* stream, int32_t device_ordinal, ffi::Remain
   a.input = x->untyped_data();
   a.rms_eps = rms_eps;
   a.weight_bias = weight_bias;
-  a.use_oneshot = use_oneshot ? 1 : 0;
+  a.algorithm = algorithm;
   a.fp32_acc = fp32_acc ? 1 : 0;
   a.layout = layout;
   a.block_quant_group_size = block_quant_group_size;
@@ -154,7 +154,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedarAllReduceFusionHandler, fusedar::xla::AllRe
                                   .RemainingRets()
                                   .Attr<int64_t>("workspace_id")
                                   .Attr<int32_t>("pattern")
-                                  .Attr<bool>("use_oneshot")
+                                  .Attr<int32_t>("algorithm")
                                   .Attr<bool>("fp32_acc")
                                   .Attr<float>("rms_eps")
                                   .Attr<float>("weight_bias")

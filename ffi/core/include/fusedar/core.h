@@ -24,7 +24,7 @@ extern "C" {
 #pragma GCC visibility push(default)
 #endif
 
-#define FUSEDAR_ABI_VERSION 1
+#define FUSEDAR_ABI_VERSION 2
 #define FUSEDAR_IPC_HANDLE_BYTES 64
 // Each rank shares three buffers with its peers: two-shot data, barrier flags and
 // the Lamport (one-shot) triple buffer. See DESIGN.md §3 for the layout.
@@ -60,6 +60,15 @@ typedef struct {
   int64_t lamport_buffer_bytes;  // 3 * lamport_comm_bytes
 } fusedar_workspace_info;
 
+// How a call moves its data. 0 and 1 are FlashInfer's kernels; 2 runs reduce-scatter +
+// epilogue + all-gather with copy engines (ffi/kernels/large_message.h): the two-shot math, bit
+// for bit, faster for large messages.
+typedef enum {
+  FUSEDAR_ALGORITHM_TWOSHOT = 0,
+  FUSEDAR_ALGORITHM_ONESHOT = 1,
+  FUSEDAR_ALGORITHM_LARGE_MESSAGE = 2,
+} fusedar_algorithm;
+
 typedef struct {
   int32_t pattern;  // FlashInfer AllReduceFusionPattern code
   int32_t dtype;    // fusedar_dtype
@@ -76,7 +85,9 @@ typedef struct {
   const float* scale_factor;  // device pointer (static FP8 / NVFP4 only)
   float rms_eps;
   float weight_bias;  // 0: gamma; 1: (1 + gamma), Gemma style
-  int32_t use_oneshot;  // 1 one-shot (Lamport), 0 two-shot; the caller decides (see policy)
+  // FUSEDAR_ALGORITHM_*: the caller decides (jax_fusedar/topology.py, choose_algorithm), so
+  // that every rank runs the same algorithm.
+  int32_t algorithm;
   int32_t fp32_acc;     // 1: sum ranks in fp32, round once; 0: round after each add
   int32_t layout;       // NVFP4 scale layout code
   int32_t block_quant_group_size;

@@ -1,0 +1,167 @@
+"""Per-rank body of the large-message sweep (torch tensors, raw-pointer launch).
+
+For every case (dtype, hidden, tokens, pattern) each rank draws the whole group's inputs,
+poisons every output with 0xff bytes (NaN for the float outputs), runs the call with the
+large-message algorithm and again with FlashInfer's two-shot kernel, and reports:
+
+* bit differences between the two (the large-message path reuses the two-shot math and launch
+  shape, so there must be none, quantized outputs and scales included),
+* for pattern 1 the ulp-scaled errors against the float64 oracle (tests/oracle.py),
+* NaNs left in the float outputs (unwritten elements),
+* a digest of its outputs, so the test can check that all ranks hold identical bits,
+* a CUDA-graph check: the call captured once and replayed on fresh inputs matches an eager call,
+* a loop mixing the four algorithms (one-shot, two-shot, large-message) without host syncs.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from jax_fusedar import topology
+
+LARGE = topology.ALGORITHM_LARGE_MESSAGE
+TWOSHOT = topology.ALGORITHM_TWOSHOT
+ONESHOT = topology.ALGORITHM_ONESHOT
+GROUP = 128
+
+
+def _outputs(torch, pattern, m, hidden, dtype, device):
+    """Output tensors of one call, poisoned (0xff bytes)."""
+    def poisoned(shape, dt):
+        t = torch.empty(shape, dtype=dt, device=device)
+        t.view(torch.uint8).fill_(0xFF)
+        return t
+    outs = {"residual_out": poisoned((m, hidden), dtype), "norm_out": poisoned((m, hidden), dtype)}
+    if pattern in (4, 9, 11):
+        outs["quant_out"] = poisoned((m, hidden), torch.uint8)
+    if pattern == 11:
+        outs["scale_out"] = poisoned((m,), torch.float32)
+    if pattern == 9:
+        # UE8M0 packed scales, TMA-aligned rows: generously sized; both algorithms see the same
+        # poisoned bytes, so the comparison also covers what neither writes.
+        outs["scale_out"] = poisoned((hidden // GROUP // 4 + 1, (m + 3) // 4 * 4), torch.int32)
+    return outs
+
+
+def _launch(ws, native, pattern, dtype, m, hidden, x, res, gamma, scale, outs, algorithm,
+            fp32_acc, stream):
+    ptr = lambda name: outs[name].data_ptr() if name in outs else 0  # noqa: E731
+    ws.launch(pattern, native.DTYPE_CODES[dtype], m, hidden, x.data_ptr(),
+              residual_in=res.data_ptr(), residual_out=ptr("residual_out"),
+              norm_out=ptr("norm_out"), quant_out=ptr("quant_out"), scale_out=ptr("scale_out"),
+              rms_gamma=gamma.data_ptr(), scale_factor=scale.data_ptr() if pattern == 4 else 0,
+              rms_eps=1e-6, weight_bias=0.0, algorithm=algorithm, fp32_acc=fp32_acc,
+              block_quant_group_size=GROUP if pattern == 9 else 0, stream=stream)
+
+
+def worker(rank, world, chan, *, cases, max_tokens, hidden_max, loop_calls, seed):
+    import torch
+
+    from jax_fusedar import native
+    from tests import oracle
+    from tests.gpu.harness import device_for, draw_case
+
+    ext = native.require()
+    device = device_for(rank)
+    torch.cuda.set_device(device)
+    tdt = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+    ws = ext.Rank(device, world, rank, max_tokens, hidden_max, native.DTYPE_CODES["bfloat16"])
+    for peer, h in enumerate(chan.all_gather("ipc", ws.export_ipc())):
+        if peer != rank:
+            ws.open_peer_ipc(peer, h)
+    ws.finalize()
+    chan.barrier("ready")
+    stream = torch.cuda.current_stream(device)
+    s = stream.cuda_stream
+
+    digest = hashlib.sha256()
+    mismatches = []
+    nan_outputs = 0
+    worst = {"residual": 0.0, "norm": 0.0, "cases": 0}
+    for i, (dtype, hidden, m, pattern) in enumerate(cases):
+        xs, residual, gamma = draw_case(seed + i, world, m, hidden)
+        xs = [torch.from_numpy(x).to(tdt[dtype]) for x in xs]
+        residual = torch.from_numpy(residual).to(tdt[dtype])
+        gamma = torch.from_numpy(gamma).to(tdt[dtype])
+        x, res, gam = xs[rank].cuda(device), residual.cuda(device), gamma.cuda(device)
+        scale = torch.tensor([0.37], dtype=torch.float32, device=device)
+        fp32_acc = i % 3 != 2
+        got = {}
+        for algorithm in (LARGE, TWOSHOT):
+            outs = _outputs(torch, pattern, m, hidden, tdt[dtype], device)
+            _launch(ws, native, pattern, dtype, m, hidden, x, res, gam, scale, outs, algorithm,
+                    fp32_acc, s)
+            got[algorithm] = outs
+        stream.synchronize()
+        for name in got[LARGE]:
+            a = got[LARGE][name].view(torch.uint8)
+            b = got[TWOSHOT][name].view(torch.uint8)
+            diff = int((a != b).sum())
+            if diff:
+                mismatches.append((dtype, hidden, m, pattern, name, diff))
+            digest.update(got[LARGE][name].cpu().view(torch.uint8).numpy().tobytes())
+        for name in ("residual_out", "norm_out"):
+            nan_outputs += int(torch.isnan(got[LARGE][name].float()).sum())
+        if pattern == 1:
+            r_np, g_np = residual.float().numpy(), gamma.float().numpy()
+            s64, r64, y64, inv64 = oracle.fused_reference([t.float().numpy() for t in xs], r_np,
+                                                          g_np, rms_eps=1e-6, weight_bias=0.0)
+            res_out = got[LARGE]["residual_out"].float().cpu().numpy()
+            norm_out = got[LARGE]["norm_out"].float().cpu().numpy()
+            worst["residual"] = max(worst["residual"], oracle.residual_error_ulps(
+                res_out, s64, r64, r_np, dtype))
+            worst["norm"] = max(worst["norm"], oracle.norm_error_ulps(
+                norm_out, s64, y64, inv64, r_np, g_np, weight_bias=0.0, dtype_name=dtype))
+            worst["cases"] += 1
+
+    # CUDA graph: capture one large-message call, replay it on fresh inputs copied into the
+    # captured buffers; it must match an eager call on the same inputs, bit for bit.
+    m, hidden, dtype = max_tokens, hidden_max, "bfloat16"
+    xs, residual, gamma = draw_case(seed - 1, world, m, hidden)
+    x = torch.from_numpy(xs[rank]).to(torch.bfloat16).cuda(device)
+    res = torch.from_numpy(residual).to(torch.bfloat16).cuda(device)
+    gam = torch.from_numpy(gamma).to(torch.bfloat16).cuda(device)
+    scale = torch.zeros(1, device=device)
+    graph_outs = _outputs(torch, 1, m, hidden, torch.bfloat16, device)
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream(device)
+    side.wait_stream(stream)
+    with torch.cuda.graph(graph, stream=side):
+        _launch(ws, native, 1, dtype, m, hidden, x, res, gam, scale, graph_outs, LARGE, True,
+                side.cuda_stream)
+    stream.wait_stream(side)
+    graph_diffs = 0
+    for replay in range(3):
+        xs2, _, _ = draw_case(seed + 1000 + replay, world, m, hidden)
+        x.copy_(torch.from_numpy(xs2[rank]).to(torch.bfloat16))
+        for t in graph_outs.values():
+            t.view(torch.uint8).fill_(0xFF)
+        graph.replay()
+        eager = _outputs(torch, 1, m, hidden, torch.bfloat16, device)
+        _launch(ws, native, 1, dtype, m, hidden, x, res, gam, scale, eager, TWOSHOT, True, s)
+        stream.synchronize()
+        graph_diffs += sum(int((graph_outs[k].view(torch.uint8) != eager[k].view(torch.uint8))
+                               .sum()) for k in eager)
+
+    # Many launches without a host sync, the algorithms interleaved: each one's buffers and
+    # flags must survive the others'. The last result is checked against the two-shot kernel.
+    m, hidden = 1024, min(4096, hidden_max)
+    xs, residual, gamma = draw_case(seed - 2, world, m, hidden)
+    x = torch.from_numpy(xs[rank]).to(torch.bfloat16).cuda(device)
+    res = torch.from_numpy(residual).to(torch.bfloat16).cuda(device)
+    gam = torch.from_numpy(gamma).to(torch.bfloat16).cuda(device)
+    loop_outs = _outputs(torch, 1, m, hidden, torch.bfloat16, device)
+    order = (LARGE, ONESHOT, LARGE, TWOSHOT, LARGE)
+    for k in range(loop_calls):
+        _launch(ws, native, 1, "bfloat16", m, hidden, x, res, gam, scale, loop_outs,
+                order[k % len(order)], True, s)
+    last = _outputs(torch, 1, m, hidden, torch.bfloat16, device)
+    _launch(ws, native, 1, "bfloat16", m, hidden, x, res, gam, scale, last, TWOSHOT, True, s)
+    stream.synchronize()
+    loop_diffs = sum(int((loop_outs[k].view(torch.uint8) != last[k].view(torch.uint8)).sum())
+                     for k in last)
+    ws.destroy() if hasattr(ws, "destroy") else None
+    return {"device": device, "digest": digest.hexdigest(), "mismatches": mismatches,
+            "nan_outputs": nan_outputs, "worst": worst, "graph_diffs": graph_diffs,
+            "loop_diffs": loop_diffs, "cases": len(cases)}
