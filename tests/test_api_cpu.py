@@ -269,7 +269,7 @@ def test_cuda_lowering_of_residual_rmsnorm(dtype, mesh_name):
     assert len(call["operands"]) == 3  # x, residual, gamma
     assert call["operand_types"] == [f"tensor<3x1024x{t}>"] * 2 + [f"tensor<1024x{t}>"]
     assert call["result_types"] == [f"tensor<3x1024x{t}>"] * 2  # residual_out, norm_out
-    assert call["attrs"] == dict(workspace_id=ws.id, pattern=1, use_oneshot=True, fp32_acc=True,
+    assert call["attrs"] == dict(workspace_id=ws.id, pattern=1, algorithm=1, fp32_acc=True,
                                  rms_eps=pytest.approx(float(np.float32(1e-5)), rel=1e-7),
                                  weight_bias=1.0, layout=0, block_quant_group_size=0)
     assert call["aliases"] == [(0, 1)]  # residual_out is written in place of residual_in

@@ -77,7 +77,7 @@ def test_real_bools_and_numbers_still_work(cpu_stream):
     _call(ws, pattern=np.int64(1), use_oneshot=np.bool_(True), fp32_acc=np.bool_(True),
           rms_eps=np.float32(1e-5), weight_bias=1)
     (_, kw), = ws._rank_obj.launches
-    assert kw["use_oneshot"] is True and kw["fp32_acc"] is True and kw["weight_bias"] == 1.0
+    assert kw["algorithm"] == 1 and kw["fp32_acc"] is True and kw["weight_bias"] == 1.0
     assert type(kw["rms_eps"]) is float and type(kw["weight_bias"]) is float
 
 

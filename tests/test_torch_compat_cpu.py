@@ -240,7 +240,7 @@ def test_pattern1_launch_arguments_and_return_value(cpu_stream):
     assert kw["norm_out"] == t["norm_out"].data_ptr()
     assert kw["rms_gamma"] == t["rms_gamma"].data_ptr()
     assert kw["allreduce_out"] == 0  # pattern 1 writes no all-reduce output
-    assert kw["stream"] == 0xC0FFEE and kw["use_oneshot"] is True
+    assert kw["stream"] == 0xC0FFEE and kw["algorithm"] == topology.ALGORITHM_ONESHOT
     assert kw["launch_with_pdl"] and kw["fp32_acc"] and kw["trigger_completion_at_end"]
     assert kw["rms_eps"] == pytest.approx(1e-5) and kw["weight_bias"] == 1.0
 
@@ -267,8 +267,9 @@ def test_oneshot_choice_is_the_topology_policy_and_forcible(cpu_stream):
     for m, use in ((1, None), (17, False), (17, True), (4096, None)):
         t = _tensors(m=m, h=4096)
         torch_compat.allreduce_fusion(workspace=ws, pattern=1, use_oneshot=use, **t)
-        expected = topology.choose_oneshot(m, 4096, ws.sizes, use)
-        assert ws._rank_obj.launches[-1][1]["use_oneshot"] is expected
+        expected = topology.choose_algorithm(m, 4096, ws.sizes, use)
+        assert expected == int(topology.choose_oneshot(m, 4096, ws.sizes, use))  # < 48 MiB
+        assert ws._rank_obj.launches[-1][1]["algorithm"] == expected
     with pytest.raises(ValueError, match="two-shot needs more tokens"):
         torch_compat.allreduce_fusion(workspace=ws, pattern=1, use_oneshot=False,
                                       **_tensors(m=2, h=4096))

@@ -137,7 +137,7 @@ def test_real_impl_launches_pattern1_through_the_workspace(monkeypatch):
         out = library.allreduce._init_fn(x, False, False, h)
         (args, kw) = ws.native_rank().launches[-1]
         assert args[0] == 0 and kw["allreduce_out"] == out.data_ptr()
-        assert kw["use_oneshot"] is False
+        assert kw["algorithm"] == 0  # two-shot (forced)
     finally:
         library.unregister_workspace(h)
 

@@ -94,11 +94,11 @@ def fused_call(ws, pattern, m, x, res, gamma, outs, *, oneshot, stream):
     code = native.DTYPE_CODES[DTYPE]
     if pattern == 0:
         ws.launch(0, code, m, x.shape[1], x.data_ptr(), allreduce_out=outs["allreduce"].data_ptr(),
-                  use_oneshot=oneshot, stream=stream.cuda_stream)
+                  algorithm=int(oneshot), stream=stream.cuda_stream)
     else:
         ws.launch(1, code, m, x.shape[1], x.data_ptr(), residual_in=res.data_ptr(),
                   residual_out=outs["residual"].data_ptr(), norm_out=outs["norm"].data_ptr(),
-                  rms_gamma=gamma.data_ptr(), rms_eps=1e-6, use_oneshot=oneshot,
+                  rms_gamma=gamma.data_ptr(), rms_eps=1e-6, algorithm=int(oneshot),
                   stream=stream.cuda_stream)
 
 

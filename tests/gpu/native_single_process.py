@@ -46,7 +46,7 @@ def run(*, tokens, hidden, seed):
             x, rd, gd, ro, no = outs[r]
             ranks[r].launch(1, code, m, hidden, x.data_ptr(), residual_in=rd.data_ptr(),
                             residual_out=ro.data_ptr(), norm_out=no.data_ptr(),
-                            rms_gamma=gd.data_ptr(), use_oneshot=True,
+                            rms_gamma=gd.data_ptr(), algorithm=1,
                             stream=streams[r].cuda_stream)
         for s in streams:
             s.synchronize()

@@ -70,11 +70,11 @@ def worker(rank, world, chan, *, tokens, hiddens, max_tokens, loop_calls, seed):
         ws = ws_for[dtype]
         code = native.DTYPE_CODES[dtype]
         ws.launch(0, code, m, hidden, x.data_ptr(), allreduce_out=ar_out.data_ptr(),
-                  use_oneshot=oneshot, fp32_acc=fp32_acc, stream=stream.cuda_stream)
+                  algorithm=int(oneshot), fp32_acc=fp32_acc, stream=stream.cuda_stream)
         ws.launch(1, code, m, hidden, x.data_ptr(), residual_in=res_d.data_ptr(),
                   residual_out=res_out.data_ptr(), norm_out=norm_out.data_ptr(),
                   rms_gamma=gamma_d.data_ptr(), rms_eps=1e-6, weight_bias=wb,
-                  use_oneshot=oneshot, fp32_acc=fp32_acc, stream=stream.cuda_stream)
+                  algorithm=int(oneshot), fp32_acc=fp32_acc, stream=stream.cuda_stream)
         stream.synchronize()
         outs = [t.float().cpu().numpy() for t in (ar_out, res_out, norm_out)]
         nan_outputs += sum(int(np.isnan(o).sum()) for o in outs)
@@ -105,7 +105,7 @@ def worker(rank, world, chan, *, tokens, hiddens, max_tokens, loop_calls, seed):
             ws_for[dtype].launch(1, native.DTYPE_CODES[dtype], m, hidden, x.data_ptr(),
                                  residual_in=res_d.data_ptr(), residual_out=res_out.data_ptr(),
                                  norm_out=norm_out.data_ptr(), rms_gamma=gamma_d.data_ptr(),
-                                 use_oneshot=(k % 5 != 0), stream=stream.cuda_stream)
+                                 algorithm=int(k % 5 != 0), stream=stream.cuda_stream)
         end.record(stream)
         stream.synchronize()
         s64, r64, y64, inv64 = oracle.fused_reference([t.float().numpy() for t in xs],
