@@ -384,6 +384,9 @@ ALGORITHM_NAMES = {ALGORITHM_TWOSHOT: "twoshot", ALGORITHM_ONESHOT: "oneshot",
 # FlashInfer's kernels until they are.
 LARGE_MESSAGE_MIN_MIB = {2: 48, 4: None, 8: None, 16: None}
 
+# Where the native core instantiates it (large_message.h compiled_for): 16-bit inputs only.
+LARGE_MESSAGE_WORLD_SIZES = (2, 4, 8)
+
 
 def large_message_bytes_needed(num_tokens: int, hidden_dim: int, world_size: int,
                                dtype_name: str) -> int:
@@ -398,6 +401,9 @@ def large_message_problem(num_tokens: int, hidden_dim: int,
     """Why the large-message algorithm cannot run this call, or None. It needs what two-shot
     needs (it reduces the same per-rank slices with the same launch shape) and its slots in the
     two-shot buffer."""
+    if sizes.world_size not in LARGE_MESSAGE_WORLD_SIZES or sizes.dtype_name == "float32":
+        return ("the large-message algorithm is compiled for float16/bfloat16 at world sizes "
+                f"{', '.join(map(str, LARGE_MESSAGE_WORLD_SIZES))}")
     problem = _twoshot_problem(num_tokens, hidden_dim, sizes)
     if problem is not None:
         return problem

@@ -83,6 +83,145 @@ __global__ void ping_pong(unsigned int* mine, unsigned int* peer, int rounds, in
   *elapsed_ns = t1 - t0;
 }
 
+// --- Variant under study (not in the core): the reduce kernel stores its sums straight into
+// the peers' gather slots over NVLink and its last CTA raises their flags, replacing the
+// gather copy, its event hop and the signal kernel of each chunk.
+struct SmGatherArgs {
+  lg::RowArgs<T> rows;
+  T* peer_sum[lg::kMaxRanks];         // our slice's gather slot in each peer's buffer
+  unsigned int* ctas_done;            // [kMaxChunks] counters, cleared by sm_gather_enter
+};
+
+__global__ void sm_gather_enter(lg::FlagsTable t, int rank, int nranks, unsigned int* ctas_done) {
+  if (threadIdx.x < lg::kMaxChunks) ctas_done[threadIdx.x] = 0;
+  __syncthreads();
+  // The same as enter_kernel afterwards (it clears our flags and meets the peers).
+  __shared__ unsigned int seq;
+  lg::Flags* own = t.rank[rank];
+  if (threadIdx.x == 0) seq = ++own->seq;
+  for (int i = threadIdx.x; i < lg::kMaxRanks * lg::kMaxChunks; i += blockDim.x) {
+    (&own->scattered[0][0])[i] = 0;
+    (&own->gathered[0][0])[i] = 0;
+  }
+  __threadfence_system();
+  __syncthreads();
+  int p = threadIdx.x;
+  if (p < nranks && p != rank) {
+    lg::store_release_sys(&t.rank[p]->entered[rank], seq);
+    lg::wait_for(&t.rank[rank]->entered[p], seq);
+  }
+}
+
+template <int NRanks>
+__global__ void __launch_bounds__(1024)
+    sm_gather_reduce(fi::AllReduceFusionParams<T> params, SmGatherArgs g) {
+  static constexpr int VEC = 8;
+  const lg::RowArgs<T>& a = g.rows;
+  const int rank = a.rank;
+  if (threadIdx.x == 0) {
+    for (int q = 0; q < NRanks; ++q)
+      if (q != rank) lg::wait_for(&a.flags.rank[rank]->scattered[q][a.chunk], 1u);
+  }
+  __syncthreads();
+  const lg::RowIndex ix = lg::row_index();
+  const int vec_per_row = params.hidden_dim / VEC;
+  const int64_t sb = lg::slice_begin(a.rows, NRanks, rank), sr = lg::slice_rows(a.rows, NRanks, rank);
+  const int64_t begin = lg::chunk_row(sb, sr, a.schedule, a.chunk);
+  const int64_t end = lg::chunk_row(sb, sr, a.schedule, a.chunk + 1);
+  fi::FusedOp<kPattern, T> fused_op(params, ix.access, ix.access);
+  for (int64_t row = begin + ix.token; row < end; row += ix.stride) {
+    const int64_t idx = row * vec_per_row + ix.access;
+    const int64_t local = (row - sb) * vec_per_row + ix.access;
+    flashinfer::vec_t<T, VEC> vals[NRanks];
+    for (int r = 0; r < NRanks; ++r) {
+      if (r == rank) vals[r].load(reinterpret_cast<const T*>(params.allreduce_in) + idx * VEC);
+      else vals[r].load(a.recv[r] + local * VEC);
+    }
+    flashinfer::vec_t<T, VEC> s = fi::allreduce_sum<T, VEC, NRanks, true>(vals);
+    for (int p = 0; p < NRanks; ++p)
+      if (p != rank) s.store(g.peer_sum[p] + local * VEC);
+    fused_op.update(static_cast<int>(idx));
+    fused_op(s, static_cast<int>(row));
+  }
+  // Every thread's stores to the peers, then the count: the last CTA raises the flags.
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    if (atomicAdd(&g.ctas_done[a.chunk], 1u) == gridDim.x - 1) {
+      __threadfence_system();
+      for (int p = 0; p < NRanks; ++p)
+        if (p != rank) lg::store_release_sys(&a.flags.rank[p]->gathered[rank][a.chunk], 1u);
+    }
+  }
+}
+
+template <int NRanks>
+cudaError_t launch_sm_gather(const fi::AllReduceFusionParams<T>& params, const lg::Resources& res,
+                             const lg::Schedule& sched, unsigned int* ctas_done) {
+  const int rank = params.rank;
+  const int64_t H = params.hidden_dim, M = params.size / params.hidden_dim;
+  const int64_t row_bytes = H * 2, slot_bytes = (M + NRanks - 1) / NRanks * row_bytes;
+  cudaStream_t s = params.stream;
+  auto recv_slot = [&](int p, int q) { return res.buffers[p] + q * slot_bytes; };
+  auto sum_slot = [&](int p, int q) { return res.buffers[p] + (NRanks + q) * slot_bytes; };
+  SmGatherArgs g{};
+  lg::RowArgs<T>& a = g.rows;
+  a.flags = res.flags; a.rank = rank; a.nranks = NRanks; a.schedule = sched; a.rows = M;
+  for (int q = 0; q < NRanks; ++q) {
+    a.recv[q] = reinterpret_cast<const T*>(recv_slot(rank, q));
+    a.sum[q] = reinterpret_cast<T*>(sum_slot(rank, q));
+    g.peer_sum[q] = reinterpret_cast<T*>(sum_slot(q, rank));
+  }
+  g.ctas_done = ctas_done;
+  const lg::Shape shape = lg::twoshot_shape<kPattern, T, NRanks, true>(params, res.sm_count);
+  sm_gather_enter<<<1, 32, 0, s>>>(res.flags, rank, NRanks, ctas_done);
+  cudaEventRecord(res.fork, s);
+  cudaStreamWaitEvent(res.copy, res.fork, 0);
+  cudaStreamWaitEvent(res.signal, res.fork, 0);
+  const char* input = static_cast<const char*>(params.allreduce_in);
+  for (int k = 0; k < sched.chunks; ++k) {
+    for (int j = 1; j < NRanks; ++j) {
+      const int p = (rank + j) % NRanks;
+      const int64_t sb = lg::slice_begin(M, NRanks, p), sr = lg::slice_rows(M, NRanks, p);
+      const int64_t b = lg::chunk_row(sb, sr, sched, k), e = lg::chunk_row(sb, sr, sched, k + 1);
+      if (e > b) cudaMemcpyAsync(recv_slot(p, rank) + (b - sb) * row_bytes, input + b * row_bytes,
+                                 (e - b) * row_bytes, cudaMemcpyDeviceToDevice, res.copy);
+    }
+    cudaEventRecord(res.scattered[k], res.copy);
+    cudaStreamWaitEvent(res.signal, res.scattered[k], 0);
+    lg::signal_kernel<<<1, 32, 0, res.signal>>>(res.flags, rank, NRanks, 0, k);
+  }
+  const int64_t ob = lg::slice_begin(M, NRanks, rank), orows = lg::slice_rows(M, NRanks, rank);
+  for (int k = 0; k < sched.chunks; ++k) {
+    a.chunk = k;
+    const int64_t rows = lg::chunk_row(ob, orows, sched, k + 1) - lg::chunk_row(ob, orows, sched, k);
+    int clusters = int(std::max<int64_t>(1, std::min<int64_t>(rows, shape.grid_limit)));
+    cudaLaunchConfig_t cfg{};
+    cudaLaunchAttribute attr[1];
+    cfg.gridDim = dim3(clusters * shape.cluster); cfg.blockDim = dim3(shape.block);
+    cfg.dynamicSmemBytes = shape.smem; cfg.stream = s;
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = shape.cluster; attr[0].val.clusterDim.y = 1; attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr; cfg.numAttrs = 1;
+    cudaError_t err = cudaLaunchKernelEx(&cfg, sm_gather_reduce<NRanks>, params, g);
+    if (err != cudaSuccess) return err;
+  }
+  int64_t peer_rows = 0;
+  for (int q = 0; q < NRanks; ++q) if (q != rank) {
+    const int64_t sb = lg::slice_begin(M, NRanks, q), sr = lg::slice_rows(M, NRanks, q);
+    for (int k = 0; k < sched.chunks; ++k)
+      peer_rows = std::max(peer_rows, lg::chunk_row(sb, sr, sched, k + 1) - lg::chunk_row(sb, sr, sched, k));
+  }
+  cudaError_t err = lg::launch_rows(lg::finish_kernel<kPattern, T, NRanks, true>, shape,
+      int(std::max<int64_t>(1, std::min<int64_t>(peer_rows, shape.grid_limit))), s, params, a);
+  if (err != cudaSuccess) return err;
+  cudaEventRecord(res.copy_done, res.copy);
+  cudaEventRecord(res.signal_done, res.signal);
+  cudaStreamWaitEvent(s, res.copy_done, 0);
+  cudaStreamWaitEvent(s, res.signal_done, 0);
+  return cudaGetLastError();
+}
+
 constexpr int kMaxTok = 8192, kMaxHidden = 8192;
 
 struct Rank {
@@ -98,6 +237,7 @@ struct Rank {
   void** table;
   lg::Resources res_large;
   unsigned long long* diff;
+  unsigned int* ctas_done;
 };
 Rank R[N];
 int64_t lamport_comm_bytes;
@@ -133,6 +273,8 @@ void setup() {
     CK(cudaMemcpy(k.control, ctl, sizeof(ctl), cudaMemcpyHostToDevice));
     CK(cudaMalloc(&k.table, (3 * N + 1) * sizeof(void*)));
     CK(cudaMalloc(&k.diff, 8));
+    CK(cudaMalloc(&k.ctas_done, lg::kMaxChunks * 4));
+    CK(cudaMemset(k.ctas_done, 0, lg::kMaxChunks * 4));
     CK(lg::create_resources(&k.res_large, r));
   }
   for (int r = 0; r < N; ++r) {
@@ -166,7 +308,7 @@ void launch(int algo, int r, int64_t M, int64_t H, int chunks) {
   p.workspace = k.table;
   p.allreduce_in = k.in;
   p.residual_in = k.res;
-  int o = algo == 0 ? 0 : algo;
+  int o = (algo == 0 || algo == 9) ? 0 : algo;
   p.residual_out = k.out[o][0];
   p.norm_out = k.out[o][1];
   p.rms_gamma = k.gamma;
@@ -176,7 +318,11 @@ void launch(int algo, int r, int64_t M, int64_t H, int chunks) {
   p.stream = k.s;
   p.pattern = kPattern;
   p.trigger_completion_at_end = true;
-  if (algo == 0) {
+  if (algo == 9) {
+    std::vector<int> w = g_weights;
+    if (chunks > 0) w.assign(chunks, 1);
+    CK(launch_sm_gather<N>(p, k.res_large, lg::make_schedule(w.data(), int(w.size())), k.ctas_done));
+  } else if (algo == 0) {
     const lg::Resources& res = k.res_large;
     std::vector<int> w = g_weights;
     if (chunks > 0) w.assign(chunks, 1);
@@ -303,7 +449,16 @@ void check(int64_t M, int64_t H, int chunks, uint32_t seed) {
       for (int x = 0; x < 2; ++x) CK(cudaMemset(R[r].out[a][x], 0xff, M * H * 2));  // NaN poison
     CK(cudaDeviceSynchronize());
   }
-  for (int algo : {0, 2, 1}) {
+  for (int algo : {9, 0, 2, 1}) {
+    if (algo == 0) {  // keep the SM-gather variant's outputs in slot 3 for the comparison
+      for (int r = 0; r < N; ++r) {
+        CK(cudaSetDevice(r));
+        CK(cudaDeviceSynchronize());
+        CK(cudaMemcpy(R[r].out[3][0], R[r].out[0][0], M * H * 2, cudaMemcpyDeviceToDevice));
+        CK(cudaMemcpy(R[r].out[3][1], R[r].out[0][1], M * H * 2, cudaMemcpyDeviceToDevice));
+        for (int x = 0; x < 2; ++x) CK(cudaMemset(R[r].out[0][x], 0xff, M * H * 2));
+      }
+    }
     for (int r = 0; r < N; ++r) {
       CK(cudaSetDevice(r));
       launch(algo, r, M, H, chunks);
@@ -321,6 +476,9 @@ void check(int64_t M, int64_t H, int chunks, uint32_t seed) {
   CK(cudaMemcpyPeer(tmp + M * H, 0, R[1].out[0][1], 1, M * H * 2));
   unsigned long long ranks = diff(0, tmp, R[0].out[0][0], M * H) + diff(0, tmp + M * H, R[0].out[0][1], M * H);
   CK(cudaFree(tmp));
+  printf("SM-gather variant vs two-shot: %llu\n",
+         diff(0, R[0].out[3][0], R[0].out[2][0], M * H) + diff(0, R[0].out[3][1], R[0].out[2][1], M * H) +
+         diff(1, R[1].out[3][0], R[1].out[2][0], M * H) + diff(1, R[1].out[3][1], R[1].out[2][1], M * H));
   printf("check M=%lld H=%lld chunks=%d: vs two-shot res %llu norm %llu | vs one-shot res %llu norm %llu | "
          "two-shot vs one-shot norm %llu | rank1 vs rank0 %llu\n",
          (long long)M, (long long)H, chunks, diff(0, R[0].out[0][0], R[0].out[2][0], M * H),
@@ -373,7 +531,8 @@ int main(int argc, char** argv) {
   printf("eager large 4096x8192 U4 kernel flags: %.1f us/call\n", time_eager(0, 4096, 8192, 4));
   struct V { const char* name; int algo; std::vector<int> w; };
   const std::vector<V> vs = {
-      {"U4", 0, {1, 1, 1, 1}}, {"U2", 0, {1, 1}}, {"U3", 0, {1, 1, 1}}, {"U8", 0, {1, 1, 1, 1, 1, 1, 1, 1}}};
+      {"U4", 0, {1, 1, 1, 1}}, {"U2", 0, {1, 1}}, {"U8", 0, {1, 1, 1, 1, 1, 1, 1, 1}},
+      {"smgU4", 9, {1, 1, 1, 1}}, {"smgU8", 9, {1, 1, 1, 1, 1, 1, 1, 1}}, {"smgU16", 9, std::vector<int>(16, 1)}};
   printf("%6s %6s |", "M", "H");
   for (auto& v : vs) printf(" %7s", v.name);
   printf(" | %7s %7s | %7s\n", "oneshot", "twoshot", "CEfloor");

@@ -106,6 +106,9 @@ int check(const fusedar_rank* r, const fusedar_launch_args* a) {
       return fail(FUSEDAR_INVALID_ARGUMENT, "two-shot buffer too small for this call");
     }
     if (a->algorithm == FUSEDAR_ALGORITHM_LARGE_MESSAGE) {
+      if (!fusedar::kernels::large::compiled_for(int(e), n)) {
+        return fail(FUSEDAR_UNSUPPORTED, fusedar::kernels::large::kNotCompiledMessage);
+      }
       // N receive slots and N gather slots of ceil(M/N) rows in the two-shot buffer.
       const int64_t needed = fusedar::kernels::large::buffer_bytes_needed(m, h, n, int(e));
       if (needed > ws.two_shot_buffer_bytes) {

@@ -39,6 +39,18 @@
 namespace fusedar::kernels::large {
 
 inline constexpr int kMaxRanks = 16;
+
+// Instantiated for 16-bit inputs at world sizes 2, 4 and 8: the sizes where prefill messages
+// are large (float32 inputs and 16 ranks are rare there, and each instantiation costs compile
+// time for every pattern). The policy (jax_fusedar/topology.py) never picks it elsewhere and
+// the launch check refuses it.
+inline bool compiled_for(int dtype_bytes, int nranks) {
+  return dtype_bytes == 2 && (nranks == 2 || nranks == 4 || nranks == 8);
+}
+template <typename T, int NRanks>
+inline constexpr bool kCompiledFor = sizeof(T) == 2 && (NRanks == 2 || NRanks == 4 || NRanks == 8);
+inline constexpr const char* kNotCompiledMessage =
+    "the large-message algorithm is compiled for float16/bfloat16 at world sizes 2, 4 and 8";
 inline constexpr int kMaxChunks = 16;
 
 // Flags of one rank, in its peer-mapped barrier-flags allocation (after FlashInfer's flags and

@@ -25,13 +25,17 @@ std::string launch_pattern(const fi::AllReduceFusionParams<T>& params, bool laun
     // As in FlashInfer's own dispatch: NVFP4 needs 16-bit inputs and CUDA 12.8+.
     return "NVFP4 patterns need bfloat16 or float16 inputs (and CUDA 12.8+)";
   } else if (call.args->algorithm == FUSEDAR_ALGORITHM_LARGE_MESSAGE) {
-    const int64_t rows = params.size / params.hidden_dim;
-    cudaError_t err = large::launch_large<Pattern, T, NRanks, Fp32Acc>(
-        params, *call.large, large::default_schedule(rows, NRanks));
-    if (err != cudaSuccess) {
-      return std::string("large-message launch failed: ") + cudaGetErrorString(err);
+    if constexpr (!large::kCompiledFor<T, NRanks>) {
+      return large::kNotCompiledMessage;
+    } else {
+      const int64_t rows = params.size / params.hidden_dim;
+      cudaError_t err = large::launch_large<Pattern, T, NRanks, Fp32Acc>(
+          params, *call.large, large::default_schedule(rows, NRanks));
+      if (err != cudaSuccess) {
+        return std::string("large-message launch failed: ") + cudaGetErrorString(err);
+      }
+      return {};
     }
-    return {};
   } else {
     cudaError_t err = fi::allreduce_fusion_kernel_launcher<Pattern, T, NRanks, Fp32Acc>(
         params, launch_with_pdl);
