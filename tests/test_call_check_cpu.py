@@ -331,11 +331,11 @@ HOST_PROGRAM = r"""
 #include "call_check.h"
 using namespace fusedar::call_check;
 
-static fusedar_launch_args args(int pattern, int dtype, long tokens, long hidden, int oneshot,
+static fusedar_launch_args args(int pattern, int dtype, long tokens, long hidden, int algorithm,
                                 int fp32, int layout, int group) {
   fusedar_launch_args a{};
   a.pattern = pattern; a.dtype = dtype; a.num_tokens = tokens; a.hidden_dim = hidden;
-  a.algorithm = oneshot; a.fp32_acc = fp32; a.layout = layout;
+  a.algorithm = algorithm; a.fp32_acc = fp32; a.layout = layout;
   a.block_quant_group_size = group;
   return a;
 }
@@ -365,6 +365,12 @@ int main() {
   d.kind = kMismatch;
   fusedar_rank_call_check_failure(&r, buf, sizeof buf);
   std::printf("mismatch=[%s]\n", buf);
+  Signature large = signature_of(args(1, FUSEDAR_BFLOAT16, 16, 4096, FUSEDAR_ALGORITHM_LARGE_MESSAGE, 1, 0, 0));
+  std::printf("large_word=%llx\n", large.word);
+  std::memcpy(d.theirs, &large, sizeof large);
+  fusedar_rank_call_check_failure(&r, buf, sizeof buf);
+  std::printf("mismatch_large=[%s]\n", buf);
+  std::memcpy(d.theirs, &theirs, sizeof theirs);
   d.kind = kTimeout; d.peer_seq = 6; d.timeout_ns = 2500000000ull; d.failing_peers = 1;
   fusedar_rank_call_check_failure(&r, buf, sizeof buf);
   std::printf("timeout=[%s]\n", buf);
@@ -410,6 +416,11 @@ def test_core_signature_and_failure_messages(tmp_path):
                                "block_quant_group_size=0} but rank 1 called {pattern=1 "
                                "dtype=bfloat16 num_tokens=16 hidden_dim=4096 one-shot"), mismatch
     assert "(2 ranks failed the check" in mismatch and "restart the process" in mismatch
+    # The large-message algorithm is its own bit (18): a rank running it against one running
+    # FlashInfer's one-shot or two-shot kernel fails the check.
+    assert lines["large_word"] == f"{1 | 2 << 8 | 1 << 17 | 1 << 18:x}"
+    assert ("rank 3 called {pattern=1 dtype=bfloat16 num_tokens=16 hidden_dim=4096 "
+            "large-message fp32_acc=1") in lines["mismatch_large"], lines["mismatch_large"]
     timeout = lines["timeout"]
     assert ("rank 3 did not make its call #7 {pattern=1 dtype=bfloat16 num_tokens=16 "
             "hidden_dim=4096 one-shot fp32_acc=1 layout=0 block_quant_group_size=0} within "

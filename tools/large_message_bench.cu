@@ -308,13 +308,13 @@ void launch(int algo, int r, int64_t M, int64_t H, int chunks) {
   p.workspace = k.table;
   p.allreduce_in = k.in;
   p.residual_in = k.res;
-  int o = (algo == 0 || algo == 9) ? 0 : algo;
+  int o = (algo == 0 || algo == 9) ? 0 : (algo == 8 ? 1 : (algo <= 2 ? algo : 3));
   p.residual_out = k.out[o][0];
   p.norm_out = k.out[o][1];
   p.rms_gamma = k.gamma;
   p.rms_eps = 1e-6f;
   p.weight_bias = 0.f;
-  p.use_oneshot = algo == 1;
+  p.use_oneshot = algo == 1 || algo == 8;
   p.stream = k.s;
   p.pattern = kPattern;
   p.trigger_completion_at_end = true;
