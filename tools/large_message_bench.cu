@@ -189,7 +189,7 @@ cudaError_t launch_sm_gather(const fi::AllReduceFusionParams<T>& params, const l
     }
     cudaEventRecord(res.scattered[k], res.copy);
     cudaStreamWaitEvent(res.signal, res.scattered[k], 0);
-    lg::signal_kernel<<<1, 32, 0, res.signal>>>(res.flags, rank, NRanks, 0, k);
+    lg::launch_signal(res, res.signal, rank, NRanks, 0, k);
   }
   const int64_t ob = lg::slice_begin(M, NRanks, rank), orows = lg::slice_rows(M, NRanks, rank);
   for (int k = 0; k < sched.chunks; ++k) {

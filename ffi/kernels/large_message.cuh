@@ -11,62 +11,12 @@
 
 #include "flashinfer_kernel.cuh"
 #include "large_message.h"
+#include "large_sync.cuh"
 
 namespace fusedar::kernels::large {
 
 namespace fi = flashinfer::trtllm_allreduce_fusion;
 using flashinfer::vec_t;
-
-__device__ __forceinline__ unsigned int load_acquire_sys(const unsigned int* p) {
-  unsigned int v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void store_release_sys(unsigned int* p, unsigned int v) {
-  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-// Call numbers wrap after 2^32 calls; compare by signed difference.
-__device__ __forceinline__ bool reached(unsigned int value, unsigned int target) {
-  return static_cast<int>(value - target) >= 0;
-}
-__device__ __forceinline__ void wait_for(const unsigned int* flag, unsigned int target) {
-  while (!reached(load_acquire_sys(flag), target)) {
-  }
-}
-
-// Step 1: bump the call number and meet every peer. Each peer is then inside this call, so
-// its previous call (of any algorithm) has finished on its stream and nobody reads the slots
-// we are about to write.
-__global__ void enter_kernel(FlagsTable t, int rank, int nranks) {
-  __shared__ unsigned int seq;
-  Flags* own = t.rank[rank];
-  if (threadIdx.x == 0) seq = ++own->seq;
-  // Clear the chunk flags of the previous call: every one was raised (we waited on each)
-  // and no peer raises one for this call before it has seen our `entered` below.
-  for (int i = threadIdx.x; i < kMaxRanks * kMaxChunks; i += blockDim.x) {
-    (&own->scattered[0][0])[i] = 0;
-    (&own->gathered[0][0])[i] = 0;
-  }
-  __threadfence_system();
-  __syncthreads();
-  int p = threadIdx.x;
-  if (p < nranks && p != rank) {
-    store_release_sys(&t.rank[p]->entered[rank], seq);
-    wait_for(&t.rank[rank]->entered[p], seq);
-  }
-}
-
-// After the copies of one chunk have completed (stream order): tell every peer.
-// kind 0: scattered, 1: gathered.
-__global__ void signal_kernel(FlagsTable t, int rank, int nranks, int kind, int chunk) {
-  int p = threadIdx.x;
-  if (p < nranks && p != rank) {
-    __threadfence_system();
-    unsigned int* flag =
-        kind == 0 ? &t.rank[p]->scattered[rank][chunk] : &t.rank[p]->gathered[rank][chunk];
-    store_release_sys(flag, 1u);
-  }
-}
 
 template <typename T>
 struct RowArgs {
@@ -237,14 +187,6 @@ cudaError_t launch_rows(Kernel kernel, const Shape& s, int clusters, cudaStream_
     if (fusedar_err_ != cudaSuccess) return fusedar_err_; \
   } while (0)
 
-// Raises flag `kind` (0 scattered, 1 gathered) of chunk k in every peer, after the work
-// already on `stream`.
-inline cudaError_t raise_flags(const Resources& res, cudaStream_t stream, int rank, int nranks,
-                               int kind, int k) {
-  signal_kernel<<<1, 32, 0, stream>>>(res.flags, rank, nranks, kind, k);
-  return cudaGetLastError();
-}
-
 // Enqueues the whole call on `stream` (forking to and joining back from the side streams).
 template <fi::AllReduceFusionPattern Pattern, typename T, int NRanks, bool Fp32Acc>
 cudaError_t launch_large(const fi::AllReduceFusionParams<T>& params, const Resources& res,
@@ -274,8 +216,7 @@ cudaError_t launch_large(const fi::AllReduceFusionParams<T>& params, const Resou
   }
   const Shape shape = twoshot_shape<Pattern, T, NRanks, Fp32Acc>(params, res.sm_count);
 
-  enter_kernel<<<1, 32, 0, s>>>(res.flags, rank, NRanks);
-  FUSEDAR_LARGE_TRY(cudaGetLastError());
+  FUSEDAR_LARGE_TRY(launch_enter(res, s, rank, NRanks));
   FUSEDAR_LARGE_TRY(cudaEventRecord(res.fork, s));
   FUSEDAR_LARGE_TRY(cudaStreamWaitEvent(res.copy, res.fork, 0));
   FUSEDAR_LARGE_TRY(cudaStreamWaitEvent(res.gather, res.fork, 0));
@@ -298,7 +239,7 @@ cudaError_t launch_large(const fi::AllReduceFusionParams<T>& params, const Resou
     // kernel launch between two copies.
     FUSEDAR_LARGE_TRY(cudaEventRecord(res.scattered[k], res.copy));
     FUSEDAR_LARGE_TRY(cudaStreamWaitEvent(res.signal, res.scattered[k], 0));
-    FUSEDAR_LARGE_TRY(raise_flags(res, res.signal, rank, NRanks, 0, k));
+    FUSEDAR_LARGE_TRY(launch_signal(res, res.signal, rank, NRanks, 0, k));
   }
 
   // 3. Reduce our slice chunk by chunk; 4. push each reduced chunk to every peer.
@@ -326,7 +267,7 @@ cudaError_t launch_large(const fi::AllReduceFusionParams<T>& params, const Resou
   }
   for (int k = 0; k < chunks; ++k) {
     FUSEDAR_LARGE_TRY(cudaStreamWaitEvent(res.signal, res.gathered[k], 0));
-    FUSEDAR_LARGE_TRY(raise_flags(res, res.signal, rank, NRanks, 1, k));
+    FUSEDAR_LARGE_TRY(launch_signal(res, res.signal, rank, NRanks, 1, k));
   }
 
   // 5. The peers' rows.

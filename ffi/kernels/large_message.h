@@ -92,6 +92,12 @@ struct Schedule {
 };
 
 cudaError_t create_resources(Resources* res, int device);
+// Step 1 (enter) on `stream`: a one-block kernel (large_resources.cu).
+cudaError_t launch_enter(const Resources& res, cudaStream_t stream, int rank, int nranks);
+// After the copies of chunk `chunk` on `stream`: raise flag `kind` (0 scattered, 1 gathered)
+// in every peer.
+cudaError_t launch_signal(const Resources& res, cudaStream_t stream, int rank, int nranks,
+                          int kind, int chunk);
 void destroy_resources(Resources* res);
 
 // Rows of the call that rank `r` owns: FlashInfer's two-shot split (the first M % N ranks
