@@ -288,17 +288,22 @@ def test_cuda_lowering_of_plain_allreduce():
 
 
 @needs_native
-@pytest.mark.parametrize("mesh_name,tokens,kwargs,oneshot", [
-    ("tp8", 1, {}, True),  # small: one-shot
-    ("tp8", 16, {"use_oneshot": False}, False),  # forced two-shot, 16 tokens > 8 ranks
-    ("tp8", 16, {"use_oneshot": True}, True),
-    ("tp8", 2048, {}, False),  # 2048*1024*2*8*2 bytes = 64 MiB > 42 MiB: two-shot
-    ("dp4_tp2", 2048, {}, True),  # the same call at world size 2 (limit 512 MiB): one-shot
+@pytest.mark.parametrize("mesh_name,tokens,kwargs,algorithm", [
+    ("tp8", 1, {}, 1),  # small: one-shot
+    ("tp8", 16, {"use_oneshot": False}, 0),  # forced two-shot, 16 tokens > 8 ranks
+    ("tp8", 16, {"use_oneshot": True}, 1),
+    ("tp8", 2048, {}, 0),  # 2048*1024*2*8*2 bytes = 64 MiB > 42 MiB: two-shot
+    ("dp4_tp2", 2048, {}, 1),  # the same call at world size 2 (limit 512 MiB): one-shot
+    # 48 MiB per rank at world size 2: the large-message algorithm (topology.LARGE_MESSAGE_MIN_MIB)
+    ("dp4_tp2", 24576, {}, 2),
+    ("dp4_tp2", 24575, {}, 1),
+    ("dp4_tp2", 24576, {"use_oneshot": False}, 0),  # forced: FlashInfer's two-shot kernel
+    ("tp8", 24576, {}, 0),  # not measured at world size 8: FlashInfer's choice
 ])
-def test_cuda_lowering_one_shot_choice(mesh_name, tokens, kwargs, oneshot):
-    ws = trtllm_workspace(mesh_name, max_token_num=2048)
+def test_cuda_lowering_algorithm_choice(mesh_name, tokens, kwargs, algorithm):
+    ws = trtllm_workspace(mesh_name, max_token_num=max(2048, tokens))
     call = only_fused_call(cuda_text(ws, tokens, 1024, **kwargs))
-    assert call["attrs"]["algorithm"] == (1 if oneshot else 0)
+    assert call["attrs"]["algorithm"] == algorithm
 
 
 @needs_native

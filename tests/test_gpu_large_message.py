@@ -61,3 +61,28 @@ def test_large_message_two_ranks():
         assert r["graph_diffs"] == 0 and r["loop_diffs"] == 0
         assert r["worst"]["cases"] > 0
         assert r["worst"]["residual"] <= 1.0 and r["worst"]["norm"] <= 3.0, r["worst"]
+
+
+def test_large_message_through_jax_with_command_buffers():
+    """jit + shard_map, XLA command buffers on: auto picks the large-message algorithm at
+    4096 x 8192 and its outputs equal the forced two-shot kernel's, replay after replay.
+    Worker: tests/gpu/jax_large_message.py, one process driving both GPUs."""
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = dict(os.environ)
+    for var in ("JAX_PLATFORMS", "XLA_FLAGS", "JAX_FUSEDAR_STRICT",
+                "JAX_FUSEDAR_ALLREDUCE_BACKEND", "JAX_FUSEDAR_CHECK_CALLS"):
+        env.pop(var, None)
+    proc = subprocess.run([sys.executable, "-m", "tests.gpu.jax_large_message"], cwd=root,
+                          env=env, capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-4000:] + proc.stderr[-4000:]
+    r = json.loads(lines[-1][len("RESULT "):])
+    print(r)
+    assert r["backend"] == "trtllm" and r["chosen"] == "large", r
+    assert r["auto_attr"] and r["twoshot_attr"], r
+    for replay in r["replays"]:
+        assert replay["same_bits"] == [True, True] and replay["nans"] == 0, r
