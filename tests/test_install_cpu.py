@@ -8,7 +8,8 @@ import subprocess
 import sys
 import zipfile
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+# The checkout's root, wherever in tests/ this file lives.
+ROOT = next(p for p in pathlib.Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
 FETCH = ROOT / "tools" / "fetch_flashinfer_headers.py"
 
 

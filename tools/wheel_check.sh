@@ -10,7 +10,7 @@
 #    without nvcc and no CUDACXX/CUDA_HOME, from a folder outside the checkout:
 #    tools/wheel_smoke.py (imports from the venv, the native module loads, the op on 8
 #    CPU devices against a float64 oracle, the cuda lowering's custom call) and the JAX
-#    API's CPU tests, none of which may be skipped.
+#    API's CPU tests (results, cuda lowering), none of which may be skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
@@ -52,8 +52,13 @@ echo "== fresh venv: the wheel with its [jax] extra"
 mkdir -p "$work/run"
 cp tools/wheel_smoke.py "$work/run/"
 cp -r tests "$work/run/tests"
-api_tests=$(cd "$work/run" && find tests -name test_api_cpu.py)
-[ -n "$api_tests" ] || { echo "wheel_check: tests/**/test_api_cpu.py not found" >&2; exit 1; }
+# The JAX API's CPU tests: tests/jax/test_api.py since the layout by layers, before it
+# tests/test_api_cpu.py.
+api_tests=""
+for f in tests/jax/test_api.py tests/test_api_cpu.py; do
+  if [ -f "$work/run/$f" ]; then api_tests=$f; break; fi
+done
+[ -n "$api_tests" ] || { echo "wheel_check: the JAX API's CPU test file was not found" >&2; exit 1; }
 no_cuda_path=$work/venv/bin:/usr/bin:/bin
 if PATH=$no_cuda_path command -v nvcc >/dev/null; then
   echo "wheel_check: nvcc is still on $no_cuda_path" >&2; exit 1
