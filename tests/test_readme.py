@@ -4,12 +4,12 @@ fresh process with 8 CPU devices (as a reader would paste them into one session)
 A block whose first line starts with ``# Needs 2 GPUs`` (the README states the convention
 where it first matters) cannot run here; it still must compile, and every
 ``comm.<function>(...)`` call in it must bind to ``torch_compat``'s real signature (so a
-renamed function or keyword fails here); tests/test_gpu_readme.py executes it verbatim on
+renamed function or keyword fails here); tests/gpu/test_readme.py executes it verbatim on
 two GPUs under torchrun.
 
 A block whose first line names a script (``# two_node.py ARGS...``) is a program launched
 with arguments, one process per node: it does not run in the shared namespace here; the
-test named in ``SCRIPT_TESTS`` writes it to a file and launches it (tests/test_multinode_cpu.py
+test named in ``SCRIPT_TESTS`` writes it to a file and launches it (tests/jax/test_multinode.py
 runs two_node.py as two processes on two simulated hosts).
 """
 import ast

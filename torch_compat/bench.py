@@ -1,5 +1,6 @@
-"""``python -m jax_fusedar bench --framework torch``: torch_compat's fused all-reduce against
-FlashInfer's own build of the same kernel (the "anchor"), NCCL and torch symmetric memory.
+"""``python -m torch_compat.bench`` (or ``python -m jax_fusedar bench --framework torch``):
+torch_compat's fused all-reduce against FlashInfer's own build of the same kernel (the
+"anchor"), NCCL and torch symmetric memory.
 
 The command spawns ``--world`` processes (one GPU each) itself. Every process joins a gloo
 group (torch_compat's workspace exchange goes over its c10d store; gloo also carries the
@@ -16,13 +17,13 @@ NCCL group for the NCCL baseline. For every tokens x hidden case it times, in on
 each eagerly (a loop of ``--iters`` calls between two CUDA events) and captured in a CUDA
 graph (``--iters`` calls per graph, one replay between two events), per call = elapsed /
 iters, median over ``--repeats``; a case's figure is the slowest rank's median. Ours and the
-anchor run the same one-shot/two-shot choice (``topology.choose_oneshot``'s policy, passed
+anchor run the same one-shot/two-shot choice (``launch_mode.choose_oneshot``'s policy, passed
 explicitly to both) with ``fp32_acc=True``. Results: a table on stdout, ``bench_torch.json``
 and ``bench_torch.png`` under ``--out``.
 
-The anchor is a measuring instrument, loaded only here (and by the GPU tests), only when its
-folder exists: ``--anchor``, else ``$JAX_FUSEDAR_ANCHOR``, else
-``<repo>/.anchor/anchor-flashinfer``.
+The anchor is a measuring instrument of the source checkout, loaded only here (and by the GPU
+tests) by ``tools/flashinfer_anchor.py``, only when its folder exists: ``--anchor``, else
+``$JAX_FUSEDAR_ANCHOR``, else ``<repository>/.anchor/anchor-flashinfer``.
 This module imports torch lazily, so its pure parts (arguments, plan, report, table, anchor
 path checks) run anywhere.
 """
@@ -38,17 +39,20 @@ import statistics
 import sys
 import tempfile
 import time
-import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
-from . import topology
-from .__main__ import DTYPES, _int_list, _mode_list, _positive_int, _seed, check_out_dir
+from jax_fusedar.cli import report as report_files
+from jax_fusedar.cli.argtypes import (DTYPES, check_out_dir, int_list, mode_list, positive_int,
+                                     seed)
+from jax_fusedar.common import launch_mode, limits, sizing
 
-PROG = "python -m jax_fusedar bench --framework torch"
+# The command as invoked: run directly, or through ``python -m jax_fusedar bench --framework
+# torch`` (which passes its own name, so messages name what the user typed).
+PROG = "python -m torch_compat.bench"
 
-# NVLink multicast stays off in every process this command starts (DESIGN.md): forced, not
+# NVLink multicast stays off in every process this command starts (docs/decisions.md): forced, not
 # defaulted, so a stray setting in the caller's environment cannot turn it on.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
             "NVSHMEM_DISABLE_NVLS": "1"}
@@ -66,111 +70,24 @@ RATIOS = (("ours", "anchor"), ("ours", "nccl"), ("ours", "symm_mem"),
           ("ours_fp8", "anchor_fp8"))
 
 # --------------------------------------------------------------------------------------------
-# The anchor: FlashInfer's own build, loaded through stub packages (its README)
+# The anchor: FlashInfer's own build, a measuring instrument of the source checkout
 # --------------------------------------------------------------------------------------------
 
 ANCHOR_ENV_VAR = "JAX_FUSEDAR_ANCHOR"
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_ANCHOR = REPO_ROOT / ".anchor" / "anchor-flashinfer"
-ANCHOR_CUDA_ARCH = "9.0a"  # its trtllm_comm module is prebuilt for sm_90a only
-CUDA_LIB_DIR = "/usr/local/cuda/lib64"
-# What the loader needs inside the anchor folder.
-_ANCHOR_ENTRIES = ("flashinfer/comm/allreduce.py", "flashinfer/jit/core.py", "site/tvm_ffi",
-                   "ws")
 
 
-class AnchorUnavailable(RuntimeError):
-    """The FlashInfer anchor cannot be loaded here; the message says why and what to set."""
-
-
-def resolve_anchor_path(explicit: Optional[str] = None,
-                        env: Optional[Mapping[str, str]] = None) -> Path:
-    """--anchor, else $JAX_FUSEDAR_ANCHOR, else <repo>/.anchor/anchor-flashinfer."""
-    env = os.environ if env is None else env
-    chosen = explicit or env.get(ANCHOR_ENV_VAR) or DEFAULT_ANCHOR
-    return Path(chosen).expanduser().resolve()
-
-
-def anchor_problem(path: Path) -> Optional[str]:
-    """Why the anchor folder at ``path`` cannot be used, or None when it looks complete."""
-    path = Path(path)
-    if not path.is_dir():
-        return f"no anchor folder at {path}"
-    missing = [e for e in _ANCHOR_ENTRIES if not (path / e).exists()]
-    if missing:
-        return f"{path} is not an anchor-flashinfer folder (missing {', '.join(missing)})"
-    if not any((path / "ws").rglob("trtllm_comm*.so")):
-        return f"{path / 'ws'} holds no prebuilt trtllm_comm module"
-    return None
-
-
-def anchor_environment(path: Path, env: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
-    """Variables the anchor needs, to set before it is imported (and, for LD_LIBRARY_PATH,
-    before the process that loads it starts: set them in the parent before spawning)."""
-    env = os.environ if env is None else env
-    libs = [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
-    if CUDA_LIB_DIR not in libs:
-        libs.append(CUDA_LIB_DIR)
-    return {"FLASHINFER_WORKSPACE_BASE": str(Path(path) / "ws"),
-            "FLASHINFER_CUDA_ARCH_LIST": ANCHOR_CUDA_ARCH,
-            "LD_LIBRARY_PATH": os.pathsep.join(libs), **SAFE_ENV}
-
-
-def _unavailable(path: Path, why: str) -> AnchorUnavailable:
-    return AnchorUnavailable(
-        f"FlashInfer anchor unavailable: {why}. Pass --anchor PATH or set ${ANCHOR_ENV_VAR} to "
-        f"the anchor-flashinfer folder (default {DEFAULT_ANCHOR}).")
-
-
-def load_anchor(path=None):
-    """Imports the anchor's ``flashinfer.comm.allreduce`` and returns it.
-
-    As its README does: the site/ folder (tvm_ffi for Python 3.12) goes on sys.path, the
-    ``flashinfer`` and ``flashinfer.comm`` packages become empty stubs (their __init__s import
-    far more than the trimmed copy holds), and JIT builds are disabled so the prebuilt module is
-    used. Raises AnchorUnavailable (never ImportError) with the reason. Use a fresh process:
-    another ``flashinfer`` already imported is refused.
-    """
-    path = resolve_anchor_path(None if path is None else str(path))
-    problem = anchor_problem(path)
-    if problem:
-        raise _unavailable(path, problem)
-    package_dir = str(path / "flashinfer")
-    loaded = sys.modules.get("flashinfer")
-    if loaded is not None:
-        if list(getattr(loaded, "__path__", [])) != [package_dir]:
-            raise _unavailable(path, "another 'flashinfer' is already imported in this process "
-                               f"(from {list(getattr(loaded, '__path__', []))}); load the "
-                               "anchor in a fresh process")
-        return importlib.import_module("flashinfer.comm.allreduce")
-    os.environ.update(anchor_environment(path))
-    site = str(path / "site")
-    if site not in sys.path:
-        sys.path.insert(0, site)
-    for name, sub in (("flashinfer", "flashinfer"), ("flashinfer.comm", "flashinfer/comm")):
-        stub = types.ModuleType(name)
-        stub.__path__ = [str(path / sub)]
-        sys.modules[name] = stub
+def anchor_loader():
+    """The anchor loader, ``tools/flashinfer_anchor.py`` of the source checkout (imported as
+    ``tools.flashinfer_anchor``: run from the repository root). It is not part of the
+    package: the anchor is FlashInfer's own build, which only a checkout holds. Raises
+    ImportError with what to do when it cannot be imported."""
     try:
-        core = importlib.import_module("flashinfer.jit.core")
-        core.JitSpecNvcc.build = _never_build  # the prebuilt module only, never nvcc
-        return importlib.import_module("flashinfer.comm.allreduce")
-    except Exception as e:
-        for name in [n for n in sys.modules if n == "flashinfer" or n.startswith("flashinfer.")]:
-            del sys.modules[name]
-        raise _unavailable(path, f"importing it failed: {type(e).__name__}: {e}") from e
-
-
-def _never_build(self, *args, **kwargs):
-    return None
-
-
-def create_anchor_workspace(fi, *, world_size, rank, max_token_num, hidden_dim, dtype, group):
-    """FlashInfer's workspace, always on the "trtllm" backend ("auto" reads the hardware
-    multicast attribute and may choose MNNVL, which calls cuMulticastCreate)."""
-    return fi.create_allreduce_fusion_workspace(
-        backend="trtllm", world_size=world_size, rank=rank, max_token_num=max_token_num,
-        hidden_dim=hidden_dim, dtype=dtype, group=group)
+        return importlib.import_module("tools.flashinfer_anchor")
+    except ImportError as e:
+        raise ImportError(
+            "FlashInfer anchor unavailable: its loader (tools/flashinfer_anchor.py) is part of "
+            "the source checkout; run this from the repository root, or pass --no-anchor "
+            f"({e})") from e
 
 
 # --------------------------------------------------------------------------------------------
@@ -179,43 +96,44 @@ def create_anchor_workspace(fi, *, world_size, rank, max_token_num, hidden_dim, 
 
 
 def _world(text: str) -> int:
-    value = _positive_int(text)
-    if value not in topology.SUPPORTED_WORLD_SIZES:
+    value = positive_int(text)
+    if value not in limits.SUPPORTED_WORLD_SIZES:
         raise argparse.ArgumentTypeError(
-            f"world size {value} is not one of {topology.SUPPORTED_WORLD_SIZES}")
+            f"world size {value} is not one of {limits.SUPPORTED_WORLD_SIZES}")
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog=PROG, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog=prog, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Time torch_compat's fused all-reduce + residual add + RMSNorm against "
         "FlashInfer's own build (the anchor), NCCL all_reduce + add + RMSNorm and torch "
         "symmetric-memory one-shot all-reduce + add + RMSNorm, eager and in CUDA graphs, in "
         "--world spawned processes (one GPU each). Writes bench_torch.json and bench_torch.png.")
     p.add_argument("--framework", choices=("torch",), default="torch",
                    help="this benchmark is the torch one (the JAX one is the default bench)")
-    p.add_argument("--tokens", type=_int_list, default="1,16,128,1024,4096",
+    p.add_argument("--tokens", type=int_list, default="1,16,128,1024,4096",
                    help="comma-separated token counts")
-    p.add_argument("--hidden", type=_int_list, default="4096,8192",
+    p.add_argument("--hidden", type=int_list, default="4096,8192",
                    help="comma-separated hidden sizes")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     p.add_argument("--world", type=_world, default=2, help="processes (TP ranks) to spawn")
-    p.add_argument("--modes", type=_mode_list, default="auto",
+    p.add_argument("--modes", type=mode_list, default="auto",
                    help="one-shot/two-shot choices to time, each a row per case: auto (the "
                    "op's policy, FlashInfer's heuristic), oneshot, twoshot (forced); ours and "
                    "the anchor always get the same one explicitly")
-    p.add_argument("--iters", type=_positive_int, default=100,
+    p.add_argument("--iters", type=positive_int, default=100,
                    help="calls per timed eager loop and per captured CUDA graph")
-    p.add_argument("--repeats", type=_positive_int, default=5,
+    p.add_argument("--repeats", type=positive_int, default=5,
                    help="timed loops (or graph replays) per variant; the median is reported")
-    p.add_argument("--warmup", type=_positive_int, default=5,
+    p.add_argument("--warmup", type=positive_int, default=5,
                    help="untimed calls of each variant before its timings and its capture")
     p.add_argument("--out", default="bench_out",
                    help="folder for bench_torch.json and bench_torch.png")
     p.add_argument("--anchor", default=None,
                    help=f"anchor-flashinfer folder (default ${ANCHOR_ENV_VAR}, else "
-                   f"{DEFAULT_ANCHOR})")
+                   "<repository>/.anchor/anchor-flashinfer; loaded by the checkout's "
+                   "tools/flashinfer_anchor.py)")
     p.add_argument("--no-anchor", action="store_true", help="do not load the anchor")
     p.add_argument("--no-graph", action="store_true", help="eager timings only")
     p.add_argument("--no-fp8", action="store_true", help="skip the pattern-4 FP8 rows")
@@ -224,25 +142,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the torch symmetric-memory baseline")
     p.add_argument("--no-pdl", action="store_true",
                    help="launch ours and the anchor without programmatic dependent launch")
-    p.add_argument("--seed", type=_seed, default=0, help="seed of the random inputs")
-    p.add_argument("--timeout", type=_positive_int, default=1200,
+    p.add_argument("--seed", type=seed, default=0, help="seed of the random inputs")
+    p.add_argument("--timeout", type=positive_int, default=1200,
                    help="seconds before the whole run is killed (a kernel waiting for a peer "
                    "that never comes spins forever)")
     return p
 
 
 def check_args(parser: argparse.ArgumentParser, args) -> None:
-    vec = topology.vector_width(args.dtype)
+    vec = limits.vector_width(args.dtype)
     for hidden in args.hidden:
-        problem = topology.kernel_support_problem(args.world, hidden, args.dtype)
+        problem = limits.kernel_support_problem(args.world, hidden, args.dtype)
         if problem:
             parser.error(f"--hidden {hidden}: {problem}")
         if hidden % vec:  # pragma: no cover (kernel_support_problem says it first)
             parser.error(f"--hidden {hidden} is not a multiple of {vec}")
 
 
-def parse_args(argv: Optional[Sequence[str]] = None):
-    parser = build_parser()
+def parse_args(argv: Optional[Sequence[str]] = None, prog: str = PROG):
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     check_args(parser, args)
     problem = check_out_dir(args.out, ("bench_torch.json", "bench_torch.png"))
@@ -268,16 +186,16 @@ def plan_cases(tokens: Sequence[int], hiddens: Sequence[int], dtype_name: str,
                world: int, modes: Sequence[str] = ("auto",)) -> tuple:
     """(workspace sizes, cases): one workspace of max(tokens) x max(hidden) serves every
     case (FlashInfer's element-count rule). A case's one-shot/two-shot choice is
-    ``topology.choose_oneshot`` (the function our op calls itself): for mode "auto" its
+    ``launch_mode.choose_oneshot`` (the function our op calls itself): for mode "auto" its
     policy (FlashInfer's size heuristic), for "oneshot"/"twoshot" that mode forced, or the
     reason it cannot run."""
-    sizes = topology.workspace_sizes(world, max(tokens), max(hiddens), dtype_name)
+    sizes = sizing.workspace_sizes(world, max(tokens), max(hiddens), dtype_name)
     cases = []
     for hidden in hiddens:
         for m in tokens:
             for mode in modes:
                 try:
-                    oneshot = topology.choose_oneshot(m, hidden, sizes, USE_ONESHOT[mode])
+                    oneshot = launch_mode.choose_oneshot(m, hidden, sizes, USE_ONESHOT[mode])
                     cases.append(Case(m, hidden, oneshot, policy=mode))
                 except ValueError as e:
                     cases.append(Case(m, hidden, None, {i: str(e) for i in IMPLS}, mode))
@@ -350,7 +268,7 @@ def build_report(rank_results: Sequence[dict], args, machine: dict, anchor: dict
                    "captured in one CUDA graph, events around one replay; per call = elapsed "
                    "/ iters; per rank the median over repeats, reported the slowest rank's. "
                    "Ranks meet at a gloo barrier (GPU idle) before every timed loop. ours and "
-                   "anchor get the same explicit use_oneshot (topology.choose_oneshot policy); "
+                   "anchor get the same explicit use_oneshot (launch_mode.choose_oneshot policy); "
                    "the anchor gets a preallocated output= so that it does not allocate the "
                    "unused [M,H] all-reduce output on every call; nccl all-reduces in place "
                    "(its values grow, which does not change its timing)."),
@@ -407,13 +325,9 @@ def _mode_label(case: dict) -> str:
 def plot(report: dict, path: Path) -> bool:
     """us per call vs tokens: one row per eager/graph, one column per hidden size; False
     without matplotlib."""
-    try:
-        import matplotlib
-    except ImportError:
+    plt = report_files.pyplot()
+    if plt is None:
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     hows = sorted({k.split(":")[1] for k in report["config"]["variants"]}, key=HOWS.index)
     impls = [i for i in IMPLS if any(k.startswith(i + ":") for k in report["config"]["variants"])]
     hiddens = report["config"]["hidden"]
@@ -442,9 +356,7 @@ def plot(report: dict, path: Path) -> bool:
     m, cfg = report["machine"], report["config"]
     fig.suptitle(f"torch, {cfg['world_size']} x {m.get('device_name', '?')}, {cfg['dtype']}, "
                  f"torch {m.get('torch', '?')}", fontsize="medium")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    report_files.save_figure(plt, fig, path)
     return True
 
 
@@ -647,16 +559,21 @@ class Variants:
         self.notes["ours_workspace"] = repr(self.ours_ws)
 
         if not args.no_anchor:
-            reason = None
+            reason, loader = None, None
             try:
-                self.fi = load_anchor(args.anchor)
+                loader = anchor_loader()
+                self.fi = loader.load_anchor(args.anchor)
                 self.notes["anchor_module"] = getattr(self.fi, "__file__", "?")
-            except AnchorUnavailable as e:
+            except ImportError as e:
+                reason = str(e)
+            except Exception as e:  # noqa: BLE001
+                if loader is None or not isinstance(e, loader.AnchorUnavailable):
+                    raise
                 reason = str(e)
             reason = rt.agree(reason)
             if reason is None:
                 try:
-                    self.anchor_ws = create_anchor_workspace(
+                    self.anchor_ws = loader.create_anchor_workspace(
                         self.fi, world_size=self.world, rank=self.rank,
                         max_token_num=max_tokens, hidden_dim=max_hidden, dtype=self.dtype,
                         group=dist.group.WORLD)
@@ -867,42 +784,6 @@ def _torch_version(torch) -> tuple:
     return tuple(parts)
 
 
-class _Progress:
-    """tqdm when installed, else one redrawn line on stderr; rank 0 only."""
-
-    def __init__(self, total: int):
-        try:
-            from tqdm import tqdm
-            self._bar = tqdm(total=total, unit="timing", file=sys.stderr)
-        except ImportError:
-            self._bar = None
-            self.total, self.n, self.desc = total, 0, ""
-
-    def set_description(self, desc: str) -> None:
-        if self._bar is not None:
-            self._bar.set_description(desc)
-        else:
-            self.desc = desc
-            self._draw()
-
-    def update(self, n: int = 1) -> None:
-        if self._bar is not None:
-            self._bar.update(n)
-        else:
-            self.n += n
-            self._draw()
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-        else:
-            sys.stderr.write("\n")
-
-    def _draw(self) -> None:
-        sys.stderr.write(f"\r{self.n}/{self.total} {self.desc:<40}")
-        sys.stderr.flush()
-
-
 def _machine(torch, device: int) -> dict:
     try:
         v = torch.cuda.nccl.version()
@@ -940,7 +821,8 @@ def _worker(rank: int, args, port: int, result_dir: str) -> None:
         keys = variant_keys(args)
         variants = Variants(torch, dist, args, rank, device, shared_gpu=gpus < args.world)
         variants.setup(rt)
-        progress = _Progress(len(cases) * len(keys)) if rank == 0 else None
+        progress = (report_files.progress_bar(len(cases) * len(keys), "timing")
+                    if rank == 0 else None)
         try:
             results = run_cases(rt, cases, variants.factories(), keys, iters=args.iters,
                                 repeats=args.repeats, warmup=args.warmup, progress=progress)
@@ -988,28 +870,34 @@ def launch(worker: Callable, world: int, worker_args: tuple, timeout_s: float) -
                                "waiting for a peer never returns); killed them")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = parse_args(argv)
+def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
+    args = parse_args(argv, prog)
     os.environ.update(SAFE_ENV)
     anchor = {"requested": not args.no_anchor, "path": None, "problem": None}
     if not args.no_anchor:
-        path = resolve_anchor_path(args.anchor)
-        anchor["path"] = str(path)
-        anchor["problem"] = anchor_problem(path)
-        args.anchor = str(path)
-        if anchor["problem"]:
-            print(f"note: {_unavailable(path, anchor['problem'])} Its rows are skipped.",
-                  file=sys.stderr)
+        try:
+            loader = anchor_loader()
+        except ImportError as e:
+            anchor["problem"] = str(e)
+            print(f"note: {e} Its rows are skipped.", file=sys.stderr)
         else:
-            # Before spawning: the ranks inherit them (LD_LIBRARY_PATH only works that way).
-            os.environ.update(anchor_environment(path))
+            path = loader.resolve_anchor_path(args.anchor)
+            anchor["path"] = str(path)
+            anchor["problem"] = loader.anchor_problem(path)
+            args.anchor = str(path)
+            if anchor["problem"]:
+                print(f"note: {loader.unavailable(path, anchor['problem'])} Its rows are "
+                      "skipped.", file=sys.stderr)
+            else:
+                # Before spawning: the ranks inherit them (LD_LIBRARY_PATH only works that way).
+                os.environ.update(loader.anchor_environment(path))
     try:
         import torch
     except ImportError:
-        print(f"{PROG}: error: torch is not installed", file=sys.stderr)
+        print(f"{prog}: error: torch is not installed", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
-        print(f"{PROG}: error: needs CUDA GPUs (torch {torch.__version__} sees none)",
+        print(f"{prog}: error: needs CUDA GPUs (torch {torch.__version__} sees none)",
               file=sys.stderr)
         return 2
     if torch.cuda.device_count() < args.world:
@@ -1018,7 +906,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     sizes, cases = plan_cases(args.tokens, args.hidden, args.dtype, args.world, args.modes)
-    print(f"{PROG}: {args.world} ranks, {args.dtype}, {len(cases)} cases x "
+    print(f"{prog}: {args.world} ranks, {args.dtype}, {len(cases)} cases x "
           f"{len(variant_keys(args))} variants; workspace {sizes.max_token_num} x "
           f"{sizes.hidden_dim} ({sizes.per_rank_bytes / 2**20:.0f} MiB per rank)", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench_torch_") as tmp:
@@ -1033,14 +921,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for k, v in notes.items():
             if r == 0 or k.startswith("unavailable"):
                 print(f"rank {r} {k}: {v}")
-    json_path = out_dir / "bench_torch.json"
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {json_path}")
-    png_path = out_dir / "bench_torch.png"
-    if plot(report, png_path):
-        print(f"wrote {png_path}")
-    else:
-        print(f"note: matplotlib is not installed, so no {png_path}")
+    report_files.write_results(out_dir, "bench_torch", report, plot)
     return 0
 
 

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "call_check.h"
+#include "device_guard.h"
 #include "fusedar/core.h"
 #include "rank_state.h"
 #include "status.h"

@@ -41,11 +41,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from . import quant_reference, timing, topology
-from .api import allreduce_fusion
+from .. import quant_reference, timing
+from ..api import allreduce_fusion
+from ..common import launch_mode
+from ..common.patterns import AllReduceFusionPattern as Pattern
+from . import report as report_files
 from .demo import (AXIS, RMS_EPS, check_supported, describe_devices, open_workspace,
                    plain_add_rmsnorm, timed_runs, tp_mesh)
-from .patterns import AllReduceFusionPattern as Pattern
 
 USE_ONESHOT = {"auto": None, "oneshot": True, "twoshot": False}
 GROUP_SIZE = 128
@@ -68,7 +70,7 @@ def chosen_mode(tokens: int, hidden: int, sizes, mode: str):
     """("oneshot" | "twoshot", None) as allreduce_fusion would launch, or (None, reason) when
     the requested mode cannot run. The same decision function the op itself calls."""
     try:
-        oneshot = topology.choose_oneshot(tokens, hidden, sizes, USE_ONESHOT[mode])
+        oneshot = launch_mode.choose_oneshot(tokens, hidden, sizes, USE_ONESHOT[mode])
     except ValueError as e:
         return None, str(e)
     return ("oneshot" if oneshot else "twoshot"), None
@@ -165,49 +167,12 @@ def stamped(body):
     return wrapped
 
 
-class _StderrBar:
-    """The progress bar when tqdm is not installed: one redrawn line on stderr."""
-
-    def __init__(self, total: int):
-        self.total, self.n, self.desc = total, 0, ""
-
-    def set_description(self, desc: str) -> None:
-        self.desc = desc
-        self._draw()
-
-    def update(self, n: int = 1) -> None:
-        self.n += n
-        self._draw()
-
-    def close(self) -> None:
-        sys.stderr.write("\n")
-
-    def _draw(self) -> None:
-        width = 30
-        done = width * self.n // self.total
-        sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {self.n}/{self.total} "
-                         f"{self.desc:<40}")
-        sys.stderr.flush()
-
-
-def progress_bar(total: int):
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return _StderrBar(total)
-    return tqdm(total=total, unit="loop", file=sys.stderr)
-
-
 def plot(report: dict, path: Path) -> bool:
     """Latency vs tokens, one log-log panel per hidden size; False without matplotlib.
     One colour per pattern: the unfused XLA twin dashed, the fused op solid (per mode)."""
-    try:
-        import matplotlib
-    except ImportError:
+    plt = report_files.pyplot()
+    if plt is None:
         return False
-    matplotlib.use("Agg")  # write a file; never needs a display
-    import matplotlib.pyplot as plt
-
     hiddens = report["config"]["hidden"]
     fig, axes = plt.subplots(1, len(hiddens), figsize=(max(6, 6 * len(hiddens)), 5),
                              squeeze=False)
@@ -236,9 +201,7 @@ def plot(report: dict, path: Path) -> bool:
     if machine["backend"] == "xla":
         title += "\nXLA reference path, not the kernel"
     fig.suptitle(title, fontsize="medium")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    report_files.save_figure(plt, fig, path)
     return True
 
 
@@ -357,8 +320,8 @@ def main(args) -> int:
                 plan.append((tokens, hidden, runnable, skipped))
 
         cases = []
-        bar = progress_bar(len(args.patterns) *
-                           sum(1 + len(runnable) for _, _, runnable, _ in plan))
+        bar = report_files.progress_bar(
+            len(args.patterns) * sum(1 + len(runnable) for _, _, runnable, _ in plan), "loop")
         try:
             for tokens, hidden, runnable, skipped in plan:
                 inputs = _inputs(rng, args, world, tokens, hidden, dtype, split, replicated)
@@ -404,13 +367,5 @@ def main(args) -> int:
     if banner:
         print(banner)
     _print_table(report)
-    json_path = out_dir / "bench.json"
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {json_path}")
-    png_path = out_dir / "bench.png"
-    if plot(report, png_path):
-        print(f"wrote {png_path}")
-    else:
-        print(f"note: matplotlib is not installed, so no {png_path} "
-              "(pip install matplotlib to get the plot)")
+    report_files.write_results(out_dir, "bench", report, plot)
     return 0

@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import topology
-from .workspace import create_allreduce_fusion_workspace
+from ..common import limits
+from ..workspace import create_allreduce_fusion_workspace
 
 AXIS = "tp"
 RMS_EPS = 1e-6
@@ -50,7 +50,7 @@ def tp_mesh():
 def check_supported(world: int, hiddens, dtype: str) -> None:
     """Refuse up front what the fused op would refuse, on every backend alike."""
     for hidden in hiddens:
-        problem = topology.kernel_support_problem(world, hidden, dtype)
+        problem = limits.kernel_support_problem(world, hidden, dtype)
         if problem:
             raise SetupError(f"{problem} (this machine has {world} device(s) of kind "
                              f"{jax.devices()[0].device_kind!r})")
@@ -149,7 +149,7 @@ def add_arguments(parser, *, positive_int, int_list, seed, dtypes, backends) -> 
 
 
 def _config(args, world: int):
-    from .models import llama
+    from ..models import llama
     name = args.preset
     if name == "auto":
         name = "llama3-8b" if jax.devices()[0].platform == "gpu" else "tiny"
@@ -216,8 +216,8 @@ def _margin(logits, step: int, seq: int) -> float:
 
 
 def main(args) -> int:
-    from .fusion_pass import fuse
-    from .models import llama
+    from ..fusion_pass import fuse
+    from ..models import llama
     mesh = tp_mesh()
     world = mesh.shape[AXIS]
     preset, cfg = _config(args, world)
@@ -317,8 +317,8 @@ def _time_steps(prog, params, tokens, cache, pos, steps: int, iters: int):
 def bench_main(args, preset, cfg, mesh) -> int:
     """Decode step and prefill wall times of the Llama model, unfused vs fused, for every
     layer mode x (batch x KV length) and prefill length, in one process; JSON to --out."""
-    from .fusion_pass import fuse
-    from .models import llama
+    from ..fusion_pass import fuse
+    from ..models import llama
     world = mesh.shape[AXIS]
     dtype = jnp.dtype(args.dtype)
     device = jax.devices()[0]

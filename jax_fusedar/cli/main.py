@@ -9,11 +9,11 @@ import argparse
 import os
 import sys
 
-from . import native, topology
+from ..common import limits, native
+from . import argtypes
+from .argtypes import DTYPES, MODES, check_out_dir
 
-DTYPES = ("bfloat16", "float16", "float32")
 BACKENDS = ("auto", "trtllm", "xla")
-MODES = ("auto", "oneshot", "twoshot")
 FRAMEWORKS = ("jax", "torch")
 HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
 
@@ -33,23 +33,6 @@ when XLA_FLAGS is unset).
 """ % HOST_DEVICES_FLAG
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{value} is not positive")
-    return value
-
-
-def _int_list(text: str) -> list:
-    values = [_positive_int(part) for part in text.split(",") if part.strip()]
-    if not values:
-        raise argparse.ArgumentTypeError("expected a comma-separated list of positive integers")
-    return sorted(set(values))
-
-
 # The patterns `bench` times (bench.PATTERN_LABELS has their unfused twins; a test checks
 # the two agree). Known here so that --patterns is checked before JAX starts.
 BENCH_PATTERNS = (1, 4, 9, 11)
@@ -58,7 +41,7 @@ BENCH_PATTERNS = (1, 4, 9, 11)
 def _pattern_list(text: str) -> list:
     """--patterns: codes of fusion patterns the bench times. A valid pattern it does not time
     (0, 2, ...) is named as such, not as "not positive" or "unknown"."""
-    from .patterns import AllReduceFusionPattern
+    from ..common.patterns import AllReduceFusionPattern
     codes = []
     for part in (p.strip() for p in text.split(",")):
         if not part:
@@ -79,49 +62,6 @@ def _pattern_list(text: str) -> list:
     return sorted(set(codes))
 
 
-def _seed(text: str) -> int:
-    """A seed numpy's generators and JAX's keys both take: an integer in [0, 2**32)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if not 0 <= value < 2**32:
-        raise argparse.ArgumentTypeError(f"{value} is not in [0, 2**32)")
-    return value
-
-
-def check_out_dir(path, files) -> "str | None":
-    """Why results cannot be written to ``files`` in the folder ``path`` (created here if
-    missing), or None. Called before anything is measured, so a bad --out costs no run."""
-    import tempfile
-    from pathlib import Path
-    out = Path(path)
-    if out.exists() and not out.is_dir():
-        return f"{out} exists and is not a folder"
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        return f"cannot create the folder {out}: {e.strerror or e}"
-    for name in files:
-        if (out / name).is_dir():
-            return f"{out / name} is a folder, so {name} cannot be written there"
-    try:  # the folder exists; can we write in it?
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".write_check_"):
-            pass
-    except OSError as e:
-        return f"cannot write in the folder {out}: {e.strerror or e}"
-    return None
-
-
-def _mode_list(text: str) -> list:
-    modes = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in MODES]
-    if unknown or not modes:
-        raise argparse.ArgumentTypeError(f"modes must be a comma-separated subset of "
-                                         f"{','.join(MODES)}, got {text!r}")
-    return [m for m in MODES if m in modes]
-
-
 def build_parser():
     """Returns the parser and its subcommand parsers by name."""
     parser = argparse.ArgumentParser(prog="python -m jax_fusedar", description=DESCRIPTION,
@@ -137,7 +77,7 @@ def build_parser():
                           "and decode tokens/s, greedy tokens and the logits error. --bench "
                           "times decode steps and prefills instead.")
     from .demo import add_arguments  # the demo owns its flags
-    add_arguments(demo, positive_int=_positive_int, int_list=_int_list, seed=_seed,
+    add_arguments(demo, positive_int=argtypes.positive_int, int_list=argtypes.int_list, seed=argtypes.seed,
                   dtypes=DTYPES, backends=BACKENDS)
 
     bench = sub.add_parser("bench", formatter_class=fmt, help="latency of the fused op vs "
@@ -149,9 +89,9 @@ def build_parser():
                            "(each fed the previous norm output), time / chain; --method loop: "
                            "a lax.fori_loop of --iters calls, time / iters. Median over "
                            "--repeats.")
-    bench.add_argument("--tokens", type=_int_list, default="1,16,128,1024,4096",
+    bench.add_argument("--tokens", type=argtypes.int_list, default="1,16,128,1024,4096",
                        help="comma-separated token counts")
-    bench.add_argument("--hidden", type=_int_list, default="4096,8192",
+    bench.add_argument("--hidden", type=argtypes.int_list, default="4096,8192",
                        help="comma-separated hidden sizes")
     bench.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     bench.add_argument("--patterns", type=_pattern_list, default="1,4,11,9",
@@ -161,13 +101,13 @@ def build_parser():
                        help="device: dependent calls unrolled in one program, timed by device-"
                        "clock stamps (GPUs); chain: the same timed by the host clock; loop: "
                        "fori_loop (pattern 1 only); auto: device on GPUs, else chain")
-    bench.add_argument("--chain", type=_positive_int, default=32,
+    bench.add_argument("--chain", type=argtypes.positive_int, default=32,
                        help="dependent calls per timed program (--method device, chain)")
-    bench.add_argument("--iters", type=_positive_int, default=200,
+    bench.add_argument("--iters", type=argtypes.positive_int, default=200,
                        help="calls per timed loop (--method loop)")
-    bench.add_argument("--repeats", type=_positive_int, default=10,
+    bench.add_argument("--repeats", type=argtypes.positive_int, default=10,
                        help="timed programs per case (the median is reported)")
-    bench.add_argument("--modes", type=_mode_list, default="auto",
+    bench.add_argument("--modes", type=argtypes.mode_list, default="auto",
                        help="fused op modes: auto (use_oneshot=None), oneshot, twoshot")
     bench.add_argument("--out", default="bench_out", help="folder for bench.json and bench.png")
     bench.add_argument("--backend", choices=BACKENDS, default="auto",
@@ -180,7 +120,7 @@ def build_parser():
 
 
 def _torch_bench_argv(argv):
-    """The arguments for jax_fusedar.bench_torch when argv asks for ``bench --framework
+    """The arguments for torch_compat.bench when argv asks for ``bench --framework
     torch`` (it has its own options), else None."""
     if not argv or argv[0] != "bench":
         return None
@@ -192,7 +132,7 @@ def _torch_bench_argv(argv):
 
 def _check_hidden(parser, args) -> None:
     """The kernel moves 16-byte vectors: refuse other hidden sizes before starting JAX."""
-    vec = topology.vector_width(args.dtype)
+    vec = limits.vector_width(args.dtype)
     hiddens = args.hidden if isinstance(args.hidden, list) else [args.hidden]
     for hidden in hiddens:
         if hidden % vec:
@@ -210,8 +150,13 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     torch_argv = _torch_bench_argv(argv)
     if torch_argv is not None:  # no JAX in this path
-        from .bench_torch import main as torch_bench
-        return torch_bench(torch_argv)
+        import importlib.util
+        if importlib.util.find_spec("torch") is None:  # torch_compat imports torch
+            print("python -m jax_fusedar bench --framework torch: error: torch is not "
+                  "installed", file=sys.stderr)
+            return 2
+        from torch_compat.bench import main as torch_bench
+        return torch_bench(torch_argv, prog="python -m jax_fusedar bench --framework torch")
     parser, commands = build_parser()
     args = parser.parse_args(argv)
     if args.command == "bench":  # the demo's hidden size comes from its preset
@@ -236,6 +181,3 @@ def main(argv=None) -> int:
         print(f"{commands[args.command].prog}: error: {e}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,7 +8,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import pytest  # noqa: E402
 
-from test_cli import run_cli  # noqa: E402
+from tests.cli.test_cli import run_cli  # noqa: E402
 
 
 def _refused(r, message):
@@ -67,12 +67,13 @@ def test_bad_values_name_the_flag(argv, message):
 
 
 def test_bench_patterns_known_to_the_parser_are_the_benchs():
-    from jax_fusedar import __main__, bench
+    from jax_fusedar.cli import main as __main__
+    from jax_fusedar.cli import bench as bench
     assert __main__.BENCH_PATTERNS == tuple(sorted(bench.PATTERN_LABELS))
 
 
 def test_seed_zero_and_a_fresh_out_folder_are_fine(tmp_path):
-    from jax_fusedar.__main__ import build_parser, check_out_dir
+    from jax_fusedar.cli.main import build_parser, check_out_dir
     parser, _ = build_parser()
     assert parser.parse_args(["demo", "--seed", "0"]).seed == 0
     assert parser.parse_args(["bench", "--patterns", "11,1"]).patterns == [1, 11]

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from jax_fusedar import native
+from jax_fusedar.common import native
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HOST_8 = "--xla_force_host_platform_device_count=8"
 
 
@@ -60,7 +60,7 @@ def test_demo_llama_fused_by_fuse_matches_unfused():
 
 
 def test_demo_hf_norm_is_reported_unfused():
-    # (allow_rounding_change on this form: tests/test_fuse_cpu.py)
+    # (allow_rounding_change on this form: tests/jax/test_fuse.py)
     r = run_cli("demo", "--layer-mode", "scan", "--norm", "hf", "--steps", 2, "--prompt", 4,
                 "--iters", 1)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -201,7 +201,8 @@ def _compiled_hlo(body_expr: str) -> str:
     script = textwrap.dedent(f"""
         import jax, jax.numpy as jnp
         from jax.sharding import NamedSharding, PartitionSpec as P
-        from jax_fusedar import bench, demo
+        from jax_fusedar.cli import bench as bench
+        from jax_fusedar.cli import demo as demo
         mesh = demo.tp_mesh()
         prog = jax.jit(jax.shard_map({body_expr}, mesh=mesh,
                                      in_specs=(P("tp"), P(), P(), P()), out_specs=P()))
@@ -242,7 +243,8 @@ def test_bench_device_method_brackets_the_chain_with_device_stamps():
     script = textwrap.dedent("""
         import jax, jax.numpy as jnp
         from jax.sharding import NamedSharding, PartitionSpec as P
-        from jax_fusedar import bench, demo
+        from jax_fusedar.cli import bench as bench
+        from jax_fusedar.cli import demo as demo
         mesh = demo.tp_mesh()
         body = bench.stamped(bench.chained(bench.baseline_combine(4), 3))
         prog = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P(), P()),

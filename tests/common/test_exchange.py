@@ -1,11 +1,11 @@
-"""The group exchange (jax_fusedar/exchange.py) against an in-memory channel: processes are
+"""The group exchange (jax_fusedar/common/exchange.py) against an in-memory channel: processes are
 threads, ranks are fakes that record what they were given."""
 import threading
 import time
 
 import pytest
 
-from jax_fusedar import exchange, topology
+from jax_fusedar.common import exchange, tp_groups
 
 
 class FakeStore:
@@ -73,7 +73,7 @@ class FakeRank:
 def _run_processes(groups_members, processes, timeout_s=5.0, skip=()):
     """Runs create/connect in one thread per process; returns {process: [plans]} and errors."""
     store = FakeStore()
-    groups = [topology.TPGroup(tuple(range(i * 100, i * 100 + len(ms))), i)
+    groups = [tp_groups.TPGroup(tuple(range(i * 100, i * 100 + len(ms))), i)
               for i, ms in enumerate(groups_members)]
     out, errors = {}, {}
 
@@ -124,7 +124,7 @@ def test_dp_tp_four_processes_two_devices_each_group_only_sees_its_own():
 
 def test_single_process_uses_pointers_and_no_channel():
     members = [M(0, d) for d in range(4)]
-    plan = exchange.create_and_publish(topology.TPGroup((0, 1, 2, 3), 0), members, 0,
+    plan = exchange.create_and_publish(tp_groups.TPGroup((0, 1, 2, 3), 0), members, 0,
                                        lambda dev, tp: FakeRank(0, dev, tp), None,
                                        namespace="t", serial=1)
     exchange.connect_and_finalize(plan, 0, None, namespace="t", serial=1)
@@ -154,13 +154,13 @@ def test_member_that_never_arrives_is_named_within_the_timeout():
 
 def test_group_spanning_processes_without_a_channel_is_refused():
     with pytest.raises(RuntimeError, match="spans several processes"):
-        exchange.create_and_publish(topology.TPGroup((0, 1), 0), [M(0, 0), M(1, 0)], 0,
+        exchange.create_and_publish(tp_groups.TPGroup((0, 1), 0), [M(0, 0), M(1, 0)], 0,
                                     lambda dev, tp: FakeRank(0, dev, tp), None,
                                     namespace="t", serial=1)
 
 
 def test_member_count_must_match_the_group():
     with pytest.raises(ValueError, match="members given"):
-        exchange.create_and_publish(topology.TPGroup((0, 1), 0), [M(0, 0)], 0,
+        exchange.create_and_publish(tp_groups.TPGroup((0, 1), 0), [M(0, 0)], 0,
                                     lambda dev, tp: FakeRank(0, dev, tp), None,
                                     namespace="t", serial=1)

@@ -1,7 +1,7 @@
-"""Tests for jax_fusedar.topology: kernel limits, workspace sizes, launch policy, TP groups,
-exchange keys and backend choice. Expected numbers are worked out by hand in the comments."""
+"""Tests for the rules in jax_fusedar.common: kernel limits (limits), workspace sizes (sizing),
+launch policy (launch_mode), TP groups (tp_groups), exchange keys (exchange) and backend choice
+(backend_choice). Expected numbers are worked out by hand in the comments."""
 
-import ast
 import dataclasses
 import os
 import random
@@ -13,30 +13,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jax_fusedar import topology as topo
-from jax_fusedar.topology import (
-    BACKEND_ENV_VAR,
-    BACKENDS,
-    MAX_COMM_SIZE,
-    ONESHOT_MAX_MIB,
-    STRICT_ENV_VAR,
-    TPGroup,
-    buffer_fits,
-    check_kernel_supports,
-    choose_oneshot,
-    element_size,
-    exchange_key,
-    kernel_support_problem,
-    oneshot_feasible,
-    resolve_backend,
-    strict_mode,
-    tp_groups_from_grid,
-    twoshot_feasible,
-    vector_width,
-    workspace_sizes,
-)
+from jax_fusedar.common import backend_choice, limits, sizing, tp_groups
+from jax_fusedar.common.backend_choice import (BACKEND_ENV_VAR, BACKENDS, STRICT_ENV_VAR,
+                                               resolve_backend, strict_mode)
+from jax_fusedar.common.sizing import MAX_COMM_SIZE, buffer_fits, workspace_sizes
+from jax_fusedar.common.launch_mode import (ONESHOT_MAX_MIB, choose_oneshot, oneshot_feasible,
+                                            twoshot_feasible)
+from jax_fusedar.common.tp_groups import TPGroup, tp_groups_from_grid
+from jax_fusedar.common.limits import (check_kernel_supports, element_size, kernel_support_problem,
+                                       vector_width)
+from jax_fusedar.common.exchange import exchange_key
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
 
 
@@ -45,34 +33,12 @@ MIB = 1 << 20
 # --------------------------------------------------------------------------------------------
 
 
-def _import_roots(path):
-    roots = set()
-    for node in ast.walk(ast.parse(Path(path).read_text())):
-        if isinstance(node, ast.Import):
-            roots.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level:  # a sibling: ".name"
-            roots.update("." + alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            roots.add(node.module.split(".")[0])
-    return roots
-
-
-def test_imports_only_stdlib_and_numpy():
-    # Checked on the source: the package __init__ may import jax, this module must not, nor
-    # the one sibling it imports (the shared option checks).
-    from jax_fusedar import arguments
-    assert _import_roots(topo.__file__) <= {"__future__", "hashlib", "json", "os", "dataclasses",
-                                            "typing", "numpy", ".arguments"}
-    assert _import_roots(arguments.__file__) <= {"__future__", "math", "numbers", "os",
-                                                 "typing", "numpy"}
-
-
 def test_constants():
-    assert topo.SUPPORTED_WORLD_SIZES == (2, 4, 8, 16)
+    assert limits.SUPPORTED_WORLD_SIZES == (2, 4, 8, 16)
     assert MAX_COMM_SIZE == 2_145_386_496  # INT32_MAX rounded down to 2 MiB
     assert MAX_COMM_SIZE % (2 * MIB) == 0
-    assert topo.BARRIER_FLAG_COUNT == 256
-    assert topo.CONTROL_BLOCK_INTS == 5
+    assert sizing.BARRIER_FLAG_COUNT == 256
+    assert sizing.CONTROL_BLOCK_INTS == 5
     assert ONESHOT_MAX_MIB == {2: 512, 4: 64, 8: 42, 16: 21}
     assert BACKENDS == ("auto", "trtllm", "mnnvl", "xla")
     assert BACKEND_ENV_VAR == "JAX_FUSEDAR_ALLREDUCE_BACKEND"
@@ -603,7 +569,8 @@ def test_exchange_keys_stable_and_not_random():
 def test_exchange_keys_same_in_another_process():
     # Another interpreter with a different str-hash seed computes the same key.
     code = (
-        "from jax_fusedar.topology import TPGroup, exchange_key;"
+        "from jax_fusedar.common.tp_groups import TPGroup;"
+        "from jax_fusedar.common.exchange import exchange_key;"
         "print(exchange_key('jax_fusedar', TPGroup((4, 5, 6, 7), 1), 2, 'ipc_handles'))"
     )
     env = dict(os.environ, PYTHONHASHSEED="12345", JAX_PLATFORMS="cpu")
@@ -726,23 +693,23 @@ MIXED = tp_groups_from_grid(np.array([0, 1, 2, 4, 3, 5, 6, 7]).reshape(2, 2, 2),
 
 
 def test_group_hosts_counts_each_groups_own_members():
-    assert [topo.group_hosts(g, HOST_OF) for g in DP_ACROSS] == [
+    assert [tp_groups.group_hosts(g, HOST_OF) for g in DP_ACROSS] == [
         {"node0": (0, 1, 2, 3)}, {"node1": (4, 5, 6, 7)}]
-    assert topo.group_hosts(TP_ACROSS[1], HOST_OF) == {"node0": (1,), "node1": (5,)}
+    assert tp_groups.group_hosts(TP_ACROSS[1], HOST_OF) == {"node0": (1,), "node1": (5,)}
     # TP-rank order within a host, hosts in the order of their first member.
-    assert topo.group_hosts(TPGroup((5, 0, 4, 1), 0), HOST_OF) == {
+    assert tp_groups.group_hosts(TPGroup((5, 0, 4, 1), 0), HOST_OF) == {
         "node1": (5, 4), "node0": (0, 1)}
     with pytest.raises(ValueError, match=r"no host known for member\(s\) \[9\] of TP group "
                                          r"\[0, 9\]"):
-        topo.group_hosts(TPGroup((0, 9), 0), HOST_OF)
+        tp_groups.group_hosts(TPGroup((0, 9), 0), HOST_OF)
 
 
 @pytest.mark.parametrize("requested", [None, "auto", "trtllm"])
 def test_groups_each_within_one_host_keep_the_kernel(requested):
     # The mesh spans two hosts, its TP groups do not (the issue-16 layout).
-    choice = topo.resolve_backend_for_groups(requested, platform="cuda", groups=DP_ACROSS,
+    choice = backend_choice.resolve_backend_for_groups(requested, platform="cuda", groups=DP_ACROSS,
                                              host_of=HOST_OF, env={})
-    assert choice == topo.BackendChoice("trtllm", (), None)
+    assert choice == backend_choice.BackendChoice("trtllm", (), None)
 
 
 @pytest.mark.parametrize("groups, first, more", [
@@ -755,10 +722,10 @@ def test_groups_across_hosts(groups, first, more):
     kw = dict(platform="cuda", groups=groups, host_of=HOST_OF, member_name="device")
     # auto: XLA for every group of the workspace (one program), the reason names the groups.
     for env in ({}, {E: "auto"}):
-        choice = topo.resolve_backend_for_groups("auto", env=env, **kw)
+        choice = backend_choice.resolve_backend_for_groups("auto", env=env, **kw)
         assert choice.backend == "xla"
         assert [list(g.members) for g in choice.spanning] == [
-            list(g.members) for g in groups if len(topo.group_hosts(g, HOST_OF)) > 1]
+            list(g.members) for g in groups if len(tp_groups.group_hosts(g, HOST_OF)) > 1]
         assert re.fullmatch(first + more + r": the 'trtllm' kernel's peer-memory protocol "
                             r"works only within one node.*NVLink multicast.*refuses",
                             choice.reason)
@@ -766,17 +733,17 @@ def test_groups_across_hosts(groups, first, more):
     for requested, env in (("trtllm", {}), (None, {E: "trtllm"}), ("auto", {E: "trtllm"})):
         with pytest.raises(ValueError, match=first + more + r": the 'trtllm' all-reduce "
                                                             r"backend works only within one node"):
-            topo.resolve_backend_for_groups(requested, env=env, **kw)
+            backend_choice.resolve_backend_for_groups(requested, env=env, **kw)
     # xla asked for: no reason to give; off CUDA: xla whatever the layout.
-    assert topo.resolve_backend_for_groups("xla", env={}, **kw).reason is None
-    choice = topo.resolve_backend_for_groups(None, env={}, **dict(kw, platform="cpu"))
+    assert backend_choice.resolve_backend_for_groups("xla", env={}, **kw).reason is None
+    choice = backend_choice.resolve_backend_for_groups(None, env={}, **dict(kw, platform="cpu"))
     assert choice.backend == "xla" and choice.reason is None
 
 
 def test_many_spanning_groups_are_summarised():
     groups = tp_groups_from_grid(np.arange(16).reshape(2, 8).T, ("dp", "tp"), "tp")
     host_of = {d: f"node{d // 8}" for d in range(16)}
-    reason = topo.resolve_backend_for_groups(None, platform="cuda", groups=groups,
+    reason = backend_choice.resolve_backend_for_groups(None, platform="cuda", groups=groups,
                                              host_of=host_of, env={}).reason
     assert reason.startswith("TP group [0, 8] (members) spans 2 nodes (node0: [0]; "
                              "node1: [8]), as do 7 more of the workspace's 8 TP groups "
@@ -791,7 +758,7 @@ def test_many_spanning_groups_are_summarised():
     ("auto", [], HOST_OF, {}, r"needs at least one TP group"),
 ])
 def test_resolve_backend_for_groups_errors(requested, groups, host_of, env, pattern):
-    call = lambda: topo.resolve_backend_for_groups(  # noqa: E731
+    call = lambda: backend_choice.resolve_backend_for_groups(  # noqa: E731
         requested, platform="cuda", groups=groups, host_of=host_of, env=env)
     if pattern is None:
         assert call().backend == "trtllm"

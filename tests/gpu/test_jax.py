@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from jax_fusedar.arguments import env_bool
+from jax_fusedar.common.arguments import env_bool
 from tests.gpu.harness import report
 
 pytestmark = pytest.mark.gpu
@@ -128,7 +128,7 @@ def test_jax_quantized_fp8_patterns():
 
 
 def _compute_capability_major() -> int:
-    from jax_fusedar import native
+    from jax_fusedar.common import native
     try:
         return int(native.require().compute_capability(0)[0])
     except Exception:  # no native module or no GPU: the gpu marker skips anyway

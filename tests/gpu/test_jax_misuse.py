@@ -45,7 +45,7 @@ def _check(r: dict, *, bits: bool) -> None:
 
 
 def _gpus() -> int:
-    from jax_fusedar import native
+    from jax_fusedar.common import native
     return native.gpu_count()
 
 

@@ -1,6 +1,6 @@
 """GPU: multi-node layouts on one machine, two `jax.distributed` processes made to look like
 two hosts (``harness.simulate_host``: own host name per process; needs root), the worker of
-tests/test_multinode_cpu.py on real GPUs (``create_allreduce_fusion_workspace``, the kernel
+tests/jax/test_multinode.py on real GPUs (``create_allreduce_fusion_workspace``, the kernel
 or XLA's NCCL all-reduce, each group's outputs against the float64 oracle).
 
 * TP across the two hosts, one GPU per process: ``auto`` takes XLA's all-reduce (no custom
@@ -26,7 +26,7 @@ def _simulated_hosts():
         pytest.skip(f"simulated hosts need private UTS and mount namespaces (root): {problem}")
 
 TWO_HOSTS, ONE_HOST = ("node0", "node1"), ("node0", "node0")
-BOUNDS = {"residual": 1.0, "norm": 3.0}  # ulps of bf16 (tests/oracle.py), as test_gpu_jax
+BOUNDS = {"residual": 1.0, "norm": 3.0}  # ulps of bf16 (tests/oracles/oracle.py), as test_gpu_jax
 
 
 def _run(hosts, layouts, backends, device_ids):
@@ -39,7 +39,7 @@ def _run(hosts, layouts, backends, device_ids):
 
 
 def _gpus() -> int:
-    from jax_fusedar import native
+    from jax_fusedar.common import native
     return native.gpu_count()
 
 

@@ -1,7 +1,7 @@
 """GPU: FlashInfer's kernel through the native core, two ranks in two processes (CUDA IPC).
 
 On one GPU both ranks share it; on two GPUs each owns one. Errors are in ulps of the
-intermediate magnitudes (tests/oracle.py); the bounds follow from the kernel's two
+intermediate magnitudes (tests/oracles/oracle.py); the bounds follow from the kernel's two
 roundings (<= 1 ulp each for all-reduce and residual) and, for the norm, that carried
 error through rsqrt * gamma plus one rounding of the output (3 for the 16-bit types;
 float32 gets 8 because fast-math rsqrtf is itself good to about 2 ulps of fp32).
@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from jax_fusedar.arguments import env_bool
+from jax_fusedar.common.arguments import env_bool
 
 pytestmark = pytest.mark.gpu
 

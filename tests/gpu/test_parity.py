@@ -6,7 +6,7 @@ torch_compat.allreduce_fusion on the same inputs with the same use_oneshot / fp3
 compare bytes per output (tests/gpu/parity_jax_torch.py). Every pattern available on sm90
 (0, 1, 2, 4, 8, 9, 10, 11), bf16 and fp16, one- and two-shot. Both sides are also held to
 the float64 oracle bounds (residual 1 ulp, norm 3 ulps, allreduce 1 ulp; FP8 codes within
-one e4m3 step of tests/quant_oracle.py on the kernel's own norm_out).
+one e4m3 step of tests/oracles/quant_oracle.py on the kernel's own norm_out).
 Results: $JAX_FUSEDAR_REPORT_DIR/parity_jax_torch.json.
 """
 import os
@@ -28,7 +28,7 @@ def _seed():
 
 
 def test_jax_and_torch_outputs_are_bitwise_identical():
-    from jax_fusedar import native
+    from jax_fusedar.common import native
     from tests.gpu import parity_jax_torch as par
     from tests.gpu.harness import free_port, run_ranks
 

@@ -1,13 +1,13 @@
 """GPU: the README's python blocks marked ``# Needs 2 GPUs`` (the torch_compat example), each
 run verbatim as a script under torchrun with one process per GPU (what the block's first line
-says); tests/test_readme_cpu.py runs every other block on CPU."""
+says); tests/test_readme.py runs every other block on CPU."""
 import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.test_readme_cpu import REPO, gpu_blocks
+from tests.test_readme import REPO, gpu_blocks
 
 pytestmark = pytest.mark.gpu
 

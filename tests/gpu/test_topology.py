@@ -52,7 +52,7 @@ def _report(name, result):
 
 
 def _gpus():
-    from jax_fusedar import native
+    from jax_fusedar.common import native
     return native.gpu_count()
 
 

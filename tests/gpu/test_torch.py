@@ -3,7 +3,7 @@
 Spawned processes join torch.distributed over gloo (tests/gpu/torch_workers.py); ranks
 share a GPU when there are fewer GPUs than processes. Bounds as in test_gpu_native.py:
 residual_out within 1 ulp and norm_out within 3 ulps (bf16) of the intermediate
-magnitudes (tests/oracle.py). Results go to $JAX_FUSEDAR_REPORT_DIR/torch_*.json when set.
+magnitudes (tests/oracles/oracle.py). Results go to $JAX_FUSEDAR_REPORT_DIR/torch_*.json when set.
 """
 import os
 
@@ -93,7 +93,7 @@ def _two_gpus():
         pytest.skip("needs 2 GPUs (2 processes, one GPU each)")
 
 
-# allreduce: the sum of 2 rounded inputs is rounded once (tests/oracle.py): 1 ulp of |sum|
+# allreduce: the sum of 2 rounded inputs is rounded once (tests/oracles/oracle.py): 1 ulp of |sum|
 # (0.5 for a correctly rounded sum; 1 leaves room for fp32_acc=False's order).
 ALLREDUCE_ULPS = 1.0
 
@@ -117,7 +117,7 @@ def test_torch_parity_patterns_0_1_sweep():
 
 def test_torch_fp8_patterns():
     """Patterns 2, 4, 10, 11, 8, 9 through torch_compat.allreduce_fusion. Codes of the Out
-    patterns against tests/quant_oracle.py applied to the kernel's own norm_out: equal for
+    patterns against tests/oracles/quant_oracle.py applied to the kernel's own norm_out: equal for
     static and per-token-group FP8; for dynamic FP8, one e4m3 step in a small fraction
     (fast-math division near a midpoint; the JAX test measured 5e-4). Scales: dynamic within
     1 fp32 ulp, group UE8M0 bytes equal. Twins (2/4, 10/11, 8/9) bit-identical, except the

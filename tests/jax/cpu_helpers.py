@@ -16,8 +16,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import oracle
-from jax_fusedar import native
+from tests.oracles import oracle
+from jax_fusedar.common import native
 
 HOST_DEVICES = 8
 HOST_DEVICES_FLAG = f"--xla_force_host_platform_device_count={HOST_DEVICES}"
@@ -26,7 +26,7 @@ SEED_ENV_VAR = "JAX_FUSEDAR_TEST_SEED"
 DTYPES = ("bfloat16", "float16", "float32")
 RMS_EPS = 1e-6
 
-# Bounds in the oracle's ulps of the intermediate magnitudes (tests/oracle.py, DESIGN.md §2).
+# Bounds in the oracle's ulps of the intermediate magnitudes (tests/oracles/oracle.py, DESIGN.md §2).
 ALLREDUCE_ULPS = 1.0
 RESIDUAL_ULPS = 1.0
 NORM_ULPS = {"bfloat16": 3.0, "float16": 3.0, "float32": 8.0}

@@ -17,13 +17,13 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_fusedar as jf  # noqa: E402
-from cpu_helpers import needs_native  # noqa: E402
-from cpu_helpers import (RMS_EPS, bits, check_outputs, jdtype, kernel_rounding,  # noqa: E402
+from tests.jax.cpu_helpers import needs_native  # noqa: E402
+from tests.jax.cpu_helpers import (RMS_EPS, bits, check_outputs, jdtype, kernel_rounding,  # noqa: E402
                          make_mesh, new_rng, random_gamma, random_partials, random_values,
                          require_host_devices, run_sharded)
-from jax_fusedar import native, topology  # noqa: E402
+from jax_fusedar.common import backend_choice, native  # noqa: E402
 from jax_fusedar.primitive import FFI_TARGET  # noqa: E402
-from jax_fusedar.topology import TPGroup  # noqa: E402
+from jax_fusedar.common.tp_groups import TPGroup  # noqa: E402
 
 require_host_devices()
 
@@ -415,7 +415,7 @@ def test_too_many_tokens_in_strict_mode(monkeypatch):
     match = r"cannot use the fused kernel: 9x256 tokens exceed the workspace.*strict mode"
     with pytest.raises(ValueError, match=match):
         trace_fused(ws, 9, 256, strict=True)
-    monkeypatch.setenv(topology.STRICT_ENV_VAR, "1")
+    monkeypatch.setenv(backend_choice.STRICT_ENV_VAR, "1")
     with pytest.raises(ValueError, match=match):
         trace_fused(ws, 9, 256)
     trace_fused(ws, 9, 256, strict=False)  # the explicit argument wins over the variable
@@ -423,7 +423,7 @@ def test_too_many_tokens_in_strict_mode(monkeypatch):
 
 
 def test_x_must_be_at_least_1d():
-    # [..., hidden] inputs of any rank >= 1 are served (tests/test_batching_cpu.py).
+    # [..., hidden] inputs of any rank >= 1 are served (tests/jax/test_batching.py).
     ws = xla_workspace(mesh_of("tp8"))
     body = fused_body(ws, AR)
     x = abstract(ws.mesh, P(), (), "bfloat16")
@@ -520,15 +520,15 @@ def test_backend_choices(monkeypatch):
     with pytest.raises(ValueError, match="'trtllm' all-reduce backend needs a CUDA GPU, but "
                                          "the platform is 'cpu'"):
         jf.create_allreduce_fusion_workspace(mesh, "tp", backend="trtllm", **kw)
-    monkeypatch.setenv(topology.BACKEND_ENV_VAR, "bogus")
+    monkeypatch.setenv(backend_choice.BACKEND_ENV_VAR, "bogus")
     with pytest.raises(ValueError, match=r"unknown all-reduce backend 'bogus' \(from the "
                                          r"\$JAX_FUSEDAR_ALLREDUCE_BACKEND\)"):
         jf.create_allreduce_fusion_workspace(mesh, "tp", **kw)
     # An explicit backend wins over the variable.
     assert jf.create_allreduce_fusion_workspace(mesh, "tp", backend="xla", **kw).backend == "xla"
-    monkeypatch.setenv(topology.BACKEND_ENV_VAR, "xla")
+    monkeypatch.setenv(backend_choice.BACKEND_ENV_VAR, "xla")
     assert jf.abstract_workspace(mesh, "tp", backend="auto", **kw).backend == "xla"
-    monkeypatch.setenv(topology.BACKEND_ENV_VAR, "mnnvl")
+    monkeypatch.setenv(backend_choice.BACKEND_ENV_VAR, "mnnvl")
     with pytest.raises(ValueError, match="'mnnvl' all-reduce backend needs NVLink multicast"):
         jf.create_allreduce_fusion_workspace(mesh, "tp", **kw)
 

@@ -15,12 +15,13 @@ import pytest  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_fusedar as jf  # noqa: E402
-from cpu_helpers import needs_native  # noqa: E402
-from cpu_helpers import (jdtype, make_mesh, new_rng, random_gamma, random_values,  # noqa: E402
+from tests.jax.cpu_helpers import needs_native  # noqa: E402
+from tests.jax.cpu_helpers import (jdtype, make_mesh, new_rng, random_gamma, random_values,  # noqa: E402
                          require_host_devices, run_sharded)
-from jax_fusedar import arguments, native, reference, topology  # noqa: E402
+from jax_fusedar.common import arguments, backend_choice, call_check, native  # noqa: E402
+from jax_fusedar import reference  # noqa: E402
 from jax_fusedar.primitive import FFI_TARGET  # noqa: E402
-from test_api_cpu import (abstract, custom_calls, fused_body, trace_fused,  # noqa: E402
+from tests.jax.test_api import (abstract, custom_calls, fused_body, trace_fused,  # noqa: E402
                           trace_sharded, xla_workspace)
 
 require_host_devices()
@@ -203,7 +204,7 @@ def test_rms_of_huge_rows_is_zero_like_the_kernel():
     norm = np.asarray(norm.astype(jnp.float32))
     assert np.array_equal(np.asarray(res.astype(jnp.float32)), rows.astype(np.float32))
     assert np.all(norm[:3] == 0.0)  # +-0 (the kernel's sign is checked on GPUs:
-    # tests/test_gpu_jax_misuse.py; XLA may sign a CPU zero otherwise in another program)
+    # tests/gpu/test_jax_misuse.py; XLA may sign a CPU zero otherwise in another program)
     # The ordinary row next to them is normalised as usual.
     r32 = rows[3].astype(np.float64)
     want = r32 / np.sqrt(np.mean(r32 ** 2) + 1e-6) * gamma.astype(np.float64)
@@ -276,25 +277,25 @@ def test_group_size_must_be_an_int(group):
 
 # --- 5. one parser for every boolean environment variable --------------------------------------
 
-@pytest.mark.parametrize("var", [topology.STRICT_ENV_VAR, native.CHECK_CALLS_ENV_VAR])
+@pytest.mark.parametrize("var", [backend_choice.STRICT_ENV_VAR, call_check.CHECK_CALLS_ENV_VAR])
 @pytest.mark.parametrize("raw,value", [("on", True), ("ON", True), (" yes ", True), ("1", True),
                                        ("off", False), ("No", False), ("0", False), ("", False)])
 def test_every_boolean_variable_reads_the_same_words(monkeypatch, var, raw, value):
     monkeypatch.setenv(var, raw)
     assert arguments.env_bool(var) is value
-    if var == topology.STRICT_ENV_VAR:
-        assert topology.strict_mode(None) is value
+    if var == backend_choice.STRICT_ENV_VAR:
+        assert backend_choice.strict_mode(None) is value
     else:
-        assert native.resolve_check_calls(None) is value
+        assert call_check.resolve_check_calls(None) is value
 
 
-@pytest.mark.parametrize("var", [topology.STRICT_ENV_VAR, native.CHECK_CALLS_ENV_VAR])
+@pytest.mark.parametrize("var", [backend_choice.STRICT_ENV_VAR, call_check.CHECK_CALLS_ENV_VAR])
 def test_garbage_in_a_boolean_variable_is_an_error_naming_it(monkeypatch, var):
     monkeypatch.setenv(var, "garbage")
     match = rf"\${var}='garbage' is not a boolean: use 1/true/yes/on or 0/false/no/off"
     with pytest.raises(ValueError, match=match):
         arguments.env_bool(var)
-    if var == topology.STRICT_ENV_VAR:  # read at every call
+    if var == backend_choice.STRICT_ENV_VAR:  # read at every call
         ws = xla_workspace(make_mesh((8,), ("tp",)))
         with pytest.raises(ValueError, match=match):
             trace_fused(ws, 4, 256)
@@ -306,7 +307,7 @@ def test_garbage_in_a_boolean_variable_is_an_error_naming_it(monkeypatch, var):
 
 def test_strict_from_the_environment_on_means_on(monkeypatch):
     ws = xla_workspace(make_mesh((8,), ("tp",)), max_token_num=8)
-    monkeypatch.setenv(topology.STRICT_ENV_VAR, "on")
+    monkeypatch.setenv(backend_choice.STRICT_ENV_VAR, "on")
     with pytest.raises(ValueError, match="cannot use the fused kernel.*strict mode"):
         trace_fused(ws, 9, 256)
 

@@ -3,7 +3,7 @@
 A fused program must equal, bit for bit, the same program written by hand with
 ``jax_fusedar.allreduce_fusion`` (the pass only swaps the equations of a site for the fused
 op); against the original it must agree within the fused op's documented rounding (the
-oracle bounds of tests/cpu_helpers.py). Forms whose rounding differs stay unfused with their
+oracle bounds of tests/jax/cpu_helpers.py). Forms whose rounding differs stay unfused with their
 reason, unless allow_rounding_change is set.
 """
 import os
@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-import cpu_helpers  # noqa: E402
+from tests.jax import cpu_helpers  # noqa: E402
 import jax_fusedar as jf  # noqa: E402
 
 cpu_helpers.require_host_devices()
@@ -116,7 +116,7 @@ def assert_same(a, b):
 def assert_close_to_unfused(unfused, fused, dtype="bfloat16"):
     """Within the fused op's rounding of the unfused twin: the all-reduce's sum order and
     rounding differ (psum in T vs the fp32 sum rounded once), an ulp of the residual sum,
-    carried through the norm (tests/cpu_helpers.py's bounds, in the output's eps)."""
+    carried through the norm (tests/jax/cpu_helpers.py's bounds, in the output's eps)."""
     eps = float(jnp.finfo(dtype).eps)
     for u, v in zip(jax.tree.leaves(unfused), jax.tree.leaves(fused)):
         u, v = np.asarray(u, np.float64), np.asarray(v, np.float64)

@@ -1,4 +1,4 @@
-"""CPU run of the workers of tests/test_gpu_jit_export.py (8 CPU devices, XLA workspaces), so
+"""CPU run of the workers of tests/gpu/test_jit_export.py (8 CPU devices, XLA workspaces), so
 that their plumbing and checks are proven before a GPU runs them: on CPU the op lowers to the
 reference, so the HLO has all-reduces instead of the kernel, and the ("cpu", "cuda")
 artifact runs its CPU branch."""
@@ -18,7 +18,7 @@ def test_jit_worker_on_cpu():
 
 
 def test_export_and_serve_workers_on_cpu(tmp_path):
-    from jax_fusedar import native
+    from jax_fusedar.common import native
     if not native.available():
         pytest.skip("exporting the cuda branch needs the native extension's FFI targets")
     path = str(tmp_path / "layer")

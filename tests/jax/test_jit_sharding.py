@@ -19,15 +19,16 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_fusedar as jf  # noqa: E402
-from cpu_helpers import needs_native  # noqa: E402
-from cpu_helpers import bits, jdtype, new_rng, random_gamma, random_values  # noqa: E402
-from cpu_helpers import require_host_devices  # noqa: E402
-from jax_fusedar import native, partitioning  # noqa: E402
+from tests.jax.cpu_helpers import needs_native  # noqa: E402
+from tests.jax.cpu_helpers import bits, jdtype, new_rng, random_gamma, random_values  # noqa: E402
+from tests.jax.cpu_helpers import require_host_devices  # noqa: E402
+from jax_fusedar.common import native  # noqa: E402
+from jax_fusedar import partitioning  # noqa: E402
 from jax_fusedar.primitive import FFI_TARGET  # noqa: E402
 
 require_host_devices()
 
-from sharded_model import (BATCH, FFN, HIDDEN, LAYERS, SEQ, jit_model,  # noqa: E402
+from tests.jax.sharded_model import (BATCH, FFN, HIDDEN, LAYERS, SEQ, jit_model,  # noqa: E402
                            model_params, place, shard_map_model)
 
 

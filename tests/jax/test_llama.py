@@ -1,7 +1,7 @@
 """The demo's Llama (jax_fusedar.models.llama) on 8 virtual CPU devices: configuration checks,
 on-device weight init (the GPU demo's path), unrolled == scanned layers.
 
-Its logits against Hugging Face's LlamaForCausalLM: tests/test_transformers_parity_cpu.py.
+Its logits against Hugging Face's LlamaForCausalLM: tests/jax/test_transformers_parity.py.
 """
 import os
 
@@ -15,7 +15,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-import cpu_helpers  # noqa: E402
+from tests.jax import cpu_helpers  # noqa: E402
 from jax_fusedar.models import llama  # noqa: E402
 
 cpu_helpers.require_host_devices()

@@ -27,7 +27,7 @@ import pytest
 from tests.gpu import jax_multinode as mn
 from tests.gpu.harness import free_port, run_ranks, simulated_hosts_problem
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 _PROBLEM = simulated_hosts_problem()
 pytestmark = pytest.mark.skipif(

@@ -1,5 +1,5 @@
 """The JAX quantized-epilogue reference (jax_fusedar.quant_reference) against the independent
-numpy oracle (tests/quant_oracle.py): bitwise equality, layouts, error bounds, bad inputs.
+numpy oracle (tests/oracles/quant_oracle.py): bitwise equality, layouts, error bounds, bad inputs.
 
 Every random test draws a fresh seed from os.urandom and names it in its failure message;
 rerun one with QUANT_SEED=<seed>.
@@ -24,10 +24,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import quant_oracle as O
-from jax_fusedar import formats
+from tests.oracles import quant_oracle as O
+from jax_fusedar.common import quant_layouts
+from jax_fusedar import quant_arrays
 from jax_fusedar import quant_reference as Q
-from jax_fusedar.patterns import AllReduceFusionPattern as P
+from jax_fusedar.common.patterns import AllReduceFusionPattern as P
 
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 TOKENS = (1, 17, 130)
@@ -103,10 +104,10 @@ _group = jax.jit(Q.quantize_fp8_group, static_argnums=1)
 _nvfp4 = jax.jit(Q.quantize_nvfp4, static_argnums=2)
 # both layouts in one compilation (compile time dominates these tests)
 _nvfp4_both = jax.jit(lambda y, gs: {0: Q.quantize_nvfp4(y, gs, 0), 2: Q.quantize_nvfp4(y, gs, 2)})
-_unpack = jax.jit(formats.unpack_ue8m0_scales, static_argnums=(1, 2, 3))
-_deq_fp8 = jax.jit(formats.dequantize_fp8, static_argnames="group_size")
-_deq_fp4 = jax.jit(formats.dequantize_nvfp4, static_argnums=(3, 4, 5))
-_block_scales = jax.jit(formats.nvfp4_block_scales, static_argnums=(1, 2, 3))
+_unpack = jax.jit(quant_arrays.unpack_ue8m0_scales, static_argnums=(1, 2, 3))
+_deq_fp8 = jax.jit(quant_arrays.dequantize_fp8, static_argnames="group_size")
+_deq_fp4 = jax.jit(quant_arrays.dequantize_nvfp4, static_argnums=(3, 4, 5))
+_block_scales = jax.jit(quant_arrays.nvfp4_block_scales, static_argnums=(1, 2, 3))
 
 # every token count and hidden size for each dtype (not the full product: compile time)
 SHAPES = [("bfloat16", 1, 64), ("bfloat16", 17, 1024), ("bfloat16", 130, 80),
@@ -167,7 +168,7 @@ def test_fp8_group_matches_oracle(dtype, M, H):
         q, buf = _group(jnp.asarray(y), g)
         wq, wbuf = O.fp8_group(y, g)
         assert buf.dtype == jnp.int32
-        assert buf.shape == formats.group_scale_buffer_shape(M, H, g) == wbuf.shape
+        assert buf.shape == quant_layouts.group_scale_buffer_shape(M, H, g) == wbuf.shape
         assert_e4m3_equal(bytes_of(q), wq, f"group fp8 g={g} seed={seed}")
         np.testing.assert_array_equal(np.asarray(buf), wbuf,
                                       err_msg=f"group scales g={g} seed={seed}")
@@ -195,11 +196,11 @@ def test_nvfp4_matches_oracle(dtype, M, H):
             packed, sf = both[layout]
             assert packed.dtype == jnp.uint8 and packed.shape == (M, H // 2)
             assert sf.dtype == jnp.float8_e4m3fn
-            assert sf.shape == formats.nvfp4_scale_shape(M, H, layout)
+            assert sf.shape == quant_layouts.nvfp4_scale_shape(M, H, layout)
             np.testing.assert_array_equal(np.asarray(packed), wp,
                                           err_msg=f"nvfp4 values gs={gs32!r} seed={seed}")
             buf, written = O.nvfp4_scale_buffer(wsf, H, layout)
-            assert sf.size == formats.nvfp4_scale_buffer_size(M, H, layout) == buf.size
+            assert sf.size == quant_layouts.nvfp4_scale_buffer_size(M, H, layout) == buf.size
             got = bytes_of(sf).reshape(-1)
             assert_e4m3_equal(got[written], buf[written],
                               f"nvfp4 scales layout={layout} gs={gs32!r} seed={seed}")
@@ -426,34 +427,34 @@ def test_constants_and_fast_math_claims():
                                  (257, 48), (130, 7168)])
 def test_swizzled_offsets(M, H):
     k = H // 16
-    size = formats.nvfp4_scale_buffer_size(M, H, 0)
+    size = quant_layouts.nvfp4_scale_buffer_size(M, H, 0)
     Mp, kp = -(-M // 128) * 128, -(-k // 4) * 4
     assert size == Mp * kp
     mm, kk = np.meshgrid(np.arange(M), np.arange(k), indexing="ij")
-    off = formats.swizzled_128x4_offset(mm, kk, H)
+    off = quant_layouts.swizzled_128x4_offset(mm, kk, H)
     for m in range(M):
         for j in range(k):
-            assert off[m, j] == O.swizzle_offset(m, j, H) == formats.swizzled_128x4_offset(m, j, H)
+            assert off[m, j] == O.swizzle_offset(m, j, H) == quant_layouts.swizzled_128x4_offset(m, j, H)
     off = off.reshape(-1)
     assert off.min() >= 0 and off.max() < size
     assert np.unique(off).size == off.size                  # distinct
     # the array form writes exactly those bytes, padding untouched (zero)
     vals = (np.arange(M * k) % 250 + 1).astype(np.uint8).reshape(M, k)
-    buf = np.asarray(formats.swizzle_128x4(jnp.asarray(vals))).reshape(-1)
+    buf = np.asarray(quant_arrays.swizzle_128x4(jnp.asarray(vals))).reshape(-1)
     expect = np.zeros(size, np.uint8)
     expect[off] = vals.reshape(-1)
     np.testing.assert_array_equal(buf, expect)
-    np.testing.assert_array_equal(np.asarray(formats.unswizzle_128x4(jnp.asarray(buf), M, H)),
+    np.testing.assert_array_equal(np.asarray(quant_arrays.unswizzle_128x4(jnp.asarray(buf), M, H)),
                                   vals)
     # LINEAR
-    assert formats.nvfp4_scale_buffer_size(M, H, 2) == M * k
-    assert formats.linear_offset(M - 1, k - 1, H) == M * k - 1
+    assert quant_layouts.nvfp4_scale_buffer_size(M, H, 2) == M * k
+    assert quant_layouts.linear_offset(M - 1, k - 1, H) == M * k - 1
 
 
 def test_group_buffer_layout_and_views():
     M, H, g = 5, 80, 16   # 5 groups -> 2 packs, T = 8
-    assert formats.group_scale_buffer_shape(M, H, g) == (2, 8)
-    assert formats.group_scale_min_storage_words(M, H, g) == 8 + 5
+    assert quant_layouts.group_scale_buffer_shape(M, H, g) == (2, 8)
+    assert quant_layouts.group_scale_min_storage_words(M, H, g) == 8 + 5
     exps = (np.arange(M * 5).reshape(M, 5) + 100).astype(np.uint8)
     buf = np.asarray(Q.pack_group_scales(jnp.asarray(exps), M, H, g))
     raw = buf.astype("<i4").tobytes()
@@ -466,7 +467,7 @@ def test_group_buffer_layout_and_views():
     used = {(p * 8 + m) * 4 + q for m in range(M) for j in range(5) for p, q in [divmod(j, 4)]}
     assert all(b[i] == 0 for i in range(b.size) if i not in used)
     np.testing.assert_array_equal(
-        np.asarray(formats.unpack_ue8m0_scales(jnp.asarray(buf), M, H, g)),
+        np.asarray(quant_arrays.unpack_ue8m0_scales(jnp.asarray(buf), M, H, g)),
         np.ldexp(1.0, exps.astype(int) - 127).astype(np.float32))
     # FlashInfer's (M, K) tensor with strides (1, T) is buf[:, :M].T
     np.testing.assert_array_equal(buf[:, :M].T.shape, (M, 2))
@@ -476,16 +477,16 @@ def test_nvfp4_scale_views_roundtrip():
     rng = np.random.default_rng(fresh_seed())
     b = rng.integers(0, 256, size=(256, 12), dtype=np.uint8)
     x = jax.lax.bitcast_convert_type(jnp.asarray(b), jnp.float8_e4m3fn)
-    w = formats.nvfp4_scales_as_int32(x)
+    w = quant_arrays.nvfp4_scales_as_int32(x)
     assert w.shape == (256, 3) and w.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(w), b.view("<i4"))   # little-endian words
-    back = formats.nvfp4_scales_as_fp8(w)
+    back = quant_arrays.nvfp4_scales_as_fp8(w)
     assert back.shape == (256, 12) and back.dtype == jnp.float8_e4m3fn
     np.testing.assert_array_equal(bytes_of(back), b)
     with pytest.raises(ValueError):
-        formats.nvfp4_scales_as_int32(x[:, :5])
+        quant_arrays.nvfp4_scales_as_int32(x[:, :5])
     with pytest.raises(ValueError):
-        formats.nvfp4_scales_as_fp8(x)
+        quant_arrays.nvfp4_scales_as_fp8(x)
 
 
 # ----------------------------------------------------------------------------- dequant bounds
@@ -535,7 +536,7 @@ def test_dequantized_error_bounds(dtype, M, H):
         assert not xh[zero_rows].any()
         # int32 view of the scales dequantizes identically (swizzled: always viewable)
         if layout == 0:
-            xi = _deq_fp4(packed, formats.nvfp4_scales_as_int32(sf), f32(gs), layout, M, H)
+            xi = _deq_fp4(packed, quant_arrays.nvfp4_scales_as_int32(sf), f32(gs), layout, M, H)
             np.testing.assert_array_equal(np.asarray(xi), xh)
 
 
@@ -613,17 +614,17 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="must be one of"):
         Q.quantize_fp8_dynamic(jnp.zeros((2, 64), jnp.int32))
     with pytest.raises(ValueError, match="divisible"):
-        formats.group_scale_buffer_shape(4, 80, 32)
+        quant_layouts.group_scale_buffer_shape(4, 80, 32)
     with pytest.raises(ValueError, match="divisible by 16"):
-        formats.nvfp4_scale_buffer_size(4, 72, 0)
+        quant_layouts.nvfp4_scale_buffer_size(4, 72, 0)
     with pytest.raises(ValueError, match="SWIZZLED_8x4"):
-        formats.nvfp4_scale_shape(4, 64, 1)
+        quant_layouts.nvfp4_scale_shape(4, 64, 1)
     with pytest.raises(ValueError):
-        formats.dequantize_fp8(jnp.zeros((4, 64), jnp.float8_e4m3fn), f32(np.ones((3, 1))))
+        quant_arrays.dequantize_fp8(jnp.zeros((4, 64), jnp.float8_e4m3fn), f32(np.ones((3, 1))))
     with pytest.raises(ValueError):
-        formats.dequantize_fp8(jnp.zeros((4, 64), jnp.float8_e4m3fn), None)
+        quant_arrays.dequantize_fp8(jnp.zeros((4, 64), jnp.float8_e4m3fn), None)
     with pytest.raises(ValueError, match="need shape"):
-        formats.unpack_ue8m0_scales(jnp.zeros((1, 4), jnp.int32), 5, 64, 32)
+        quant_arrays.unpack_ue8m0_scales(jnp.zeros((1, 4), jnp.int32), 5, 64, 32)
     with pytest.raises(ValueError, match="shape"):
-        formats.dequantize_nvfp4(jnp.zeros((4, 32), jnp.uint8), jnp.zeros((4, 4), jnp.uint8),
+        quant_arrays.dequantize_nvfp4(jnp.zeros((4, 32), jnp.uint8), jnp.zeros((4, 4), jnp.uint8),
                                  f32(1.0), 0, 4, 64)

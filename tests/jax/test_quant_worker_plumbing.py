@@ -13,7 +13,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent("""
     import json, os

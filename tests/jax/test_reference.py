@@ -1,4 +1,4 @@
-"""The reference math (jax_fusedar/reference.py) against the float64 oracle (tests/oracle.py),
+"""The reference math (jax_fusedar/reference.py) against the float64 oracle (tests/oracles/oracle.py),
 and its rounding points bit for bit. CPU only: 8 virtual host devices."""
 import os
 
@@ -11,8 +11,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-import oracle  # noqa: E402
-from cpu_helpers import (DTYPES, RMS_EPS, bits, check_outputs, jdtype,  # noqa: E402
+from tests.oracles import oracle  # noqa: E402
+from tests.jax.cpu_helpers import (DTYPES, RMS_EPS, bits, check_outputs, jdtype,  # noqa: E402
                          kernel_rounding, make_mesh, new_rng, random_gamma, random_partials,
                          random_values, require_host_devices, run_sharded)
 from jax_fusedar import reference  # noqa: E402

@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-import cpu_helpers  # noqa: E402
+from tests.jax import cpu_helpers  # noqa: E402
 import jax_fusedar as jf  # noqa: E402
 from jax_fusedar.models import llama  # noqa: E402
 

@@ -2,7 +2,7 @@
 process exchange and torch's member exchange, with fakes), the plumbing down to the native
 Rank, and the native core's host-side pieces (signature packing, the failure message)
 compiled with nvcc into a small host program. The handshake kernel itself runs only in
-tests/test_gpu_topology.py."""
+tests/gpu/test_topology.py."""
 import json
 import os
 import pathlib
@@ -13,9 +13,9 @@ import threading
 import numpy as np
 import pytest
 
-from jax_fusedar import exchange, native, topology
+from jax_fusedar.common import call_check, exchange, native, sizing, tp_groups
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 # --- option parsing -----------------------------------------------------------------------------
@@ -23,40 +23,40 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 @pytest.mark.parametrize("raw", ["1", "true", "TRUE", " yes ", "On"])
 def test_env_turns_the_check_on(monkeypatch, raw):
-    monkeypatch.setenv(native.CHECK_CALLS_ENV_VAR, raw)
-    assert native.resolve_check_calls(None) is True
-    assert native.resolve_check_calls(False) is False  # an explicit argument wins
+    monkeypatch.setenv(call_check.CHECK_CALLS_ENV_VAR, raw)
+    assert call_check.resolve_check_calls(None) is True
+    assert call_check.resolve_check_calls(False) is False  # an explicit argument wins
 
 
 @pytest.mark.parametrize("raw", [None, "", "0", "false", "No", "off"])
 def test_env_leaves_the_check_off(monkeypatch, raw):
     if raw is None:
-        monkeypatch.delenv(native.CHECK_CALLS_ENV_VAR, raising=False)
+        monkeypatch.delenv(call_check.CHECK_CALLS_ENV_VAR, raising=False)
     else:
-        monkeypatch.setenv(native.CHECK_CALLS_ENV_VAR, raw)
-    assert native.resolve_check_calls(None) is False
-    assert native.resolve_check_calls(True) is True
+        monkeypatch.setenv(call_check.CHECK_CALLS_ENV_VAR, raw)
+    assert call_check.resolve_check_calls(None) is False
+    assert call_check.resolve_check_calls(True) is True
 
 
 def test_env_garbage_is_a_clear_error(monkeypatch):
-    monkeypatch.setenv(native.CHECK_CALLS_ENV_VAR, "maybe")
+    monkeypatch.setenv(call_check.CHECK_CALLS_ENV_VAR, "maybe")
     with pytest.raises(ValueError, match=r"\$JAX_FUSEDAR_CHECK_CALLS='maybe' is not a boolean"):
-        native.resolve_check_calls(None)
+        call_check.resolve_check_calls(None)
 
 
 @pytest.mark.parametrize("value", [1, "yes", 0.0])
 def test_check_calls_argument_must_be_a_bool(value):
     with pytest.raises(TypeError, match="check_calls must be True, False or None"):
-        native.resolve_check_calls(value)
+        call_check.resolve_check_calls(value)
 
 
 def test_timeout_default_env_and_argument(monkeypatch):
-    monkeypatch.delenv(native.CHECK_TIMEOUT_ENV_VAR, raising=False)
-    assert native.resolve_check_timeout_s(None) == native.DEFAULT_CHECK_TIMEOUT_S == 30.0
-    monkeypatch.setenv(native.CHECK_TIMEOUT_ENV_VAR, " 2.5 ")
-    assert native.resolve_check_timeout_s(None) == 2.5
-    assert native.resolve_check_timeout_s(7) == 7.0
-    assert native.resolve_check_timeout_s(np.float32(0.5)) == 0.5
+    monkeypatch.delenv(call_check.CHECK_TIMEOUT_ENV_VAR, raising=False)
+    assert call_check.resolve_check_timeout_s(None) == call_check.DEFAULT_CHECK_TIMEOUT_S == 30.0
+    monkeypatch.setenv(call_check.CHECK_TIMEOUT_ENV_VAR, " 2.5 ")
+    assert call_check.resolve_check_timeout_s(None) == 2.5
+    assert call_check.resolve_check_timeout_s(7) == 7.0
+    assert call_check.resolve_check_timeout_s(np.float32(0.5)) == 0.5
 
 
 @pytest.mark.parametrize("raw, match", [("abc", "is not a number of seconds"),
@@ -65,9 +65,9 @@ def test_timeout_default_env_and_argument(monkeypatch):
                                         ("nan", r"must be in \(0, 3600\]"),
                                         ("4000", r"must be in \(0, 3600\]")])
 def test_bad_timeouts_from_the_environment(monkeypatch, raw, match):
-    monkeypatch.setenv(native.CHECK_TIMEOUT_ENV_VAR, raw)
+    monkeypatch.setenv(call_check.CHECK_TIMEOUT_ENV_VAR, raw)
     with pytest.raises(ValueError, match=r"\$JAX_FUSEDAR_CHECK_TIMEOUT_S.*" + match):
-        native.resolve_check_timeout_s(None)
+        call_check.resolve_check_timeout_s(None)
 
 
 @pytest.mark.parametrize("value, error", [(0, ValueError), (-3.0, ValueError),
@@ -75,14 +75,14 @@ def test_bad_timeouts_from_the_environment(monkeypatch, raw, match):
                                           ("10", TypeError)])
 def test_bad_timeout_arguments(value, error):
     with pytest.raises(error, match="check_timeout_s"):
-        native.resolve_check_timeout_s(value)
+        call_check.resolve_check_timeout_s(value)
 
 
 def test_options_must_agree():
-    native.check_options_agree({"a": {"check_calls": True}, "b": {"check_calls": True}})
-    native.check_options_agree({"a": {"check_calls": False}, "b": {}})  # absent = off
+    call_check.check_options_agree({"a": {"check_calls": True}, "b": {"check_calls": True}})
+    call_check.check_options_agree({"a": {"check_calls": False}, "b": {}})  # absent = off
     with pytest.raises(ValueError, match=r"disagree on check_calls: on for b; off for a, c"):
-        native.check_options_agree({"a": {"check_calls": False}, "b": {"check_calls": True},
+        call_check.check_options_agree({"a": {"check_calls": False}, "b": {"check_calls": True},
                                     "c": {}})
 
 
@@ -116,7 +116,7 @@ def _jax_agree(flags, groups_members, timeout_s=5.0):
     from jax_fusedar import workspace as jws
 
     store = _Store()
-    groups = [topology.TPGroup(tuple(range(10 * i, 10 * i + len(ms))), i)
+    groups = [tp_groups.TPGroup(tuple(range(10 * i, 10 * i + len(ms))), i)
               for i, ms in enumerate(groups_members)]
     members = {g.index: ms for g, ms in zip(groups, groups_members)}
     out, errors = {}, {}
@@ -202,10 +202,10 @@ def test_jax_build_passes_the_option_to_every_native_rank(monkeypatch):
         devices = np.array([Dev(0), Dev(1)], dtype=object)
 
     monkeypatch.setattr(native, "require", lambda: FakeExt)
-    sizes = topology.workspace_sizes(2, 16, 1024, "float32")
+    sizes = sizing.workspace_sizes(2, 16, 1024, "float32")
     ws = jws.AllReduceFusionWorkspace(
         mesh=Mesh(), axis_name="tp", max_token_num=16, hidden_dim=1024, dtype="float32",
-        backend="trtllm", workspace_id=99, groups=[topology.TPGroup((0, 1), 0)], sizes=sizes,
+        backend="trtllm", workspace_id=99, groups=[tp_groups.TPGroup((0, 1), 0)], sizes=sizes,
         check_calls=True, check_timeout_s=7.0)
     jws._build_native(ws, 5.0)
     assert made == [dict(device=0, rank=0, check_calls=True, check_timeout_s=7.0),
@@ -221,11 +221,11 @@ def test_jax_create_resolves_the_option_before_anything(monkeypatch):
     from jax_fusedar import workspace as jws
 
     mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
-    monkeypatch.setenv(native.CHECK_CALLS_ENV_VAR, "sometimes")
+    monkeypatch.setenv(call_check.CHECK_CALLS_ENV_VAR, "sometimes")
     with pytest.raises(ValueError, match="JAX_FUSEDAR_CHECK_CALLS"):
         jws.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=8, hidden_dim=1024,
                                               dtype="bfloat16", backend="xla")
-    monkeypatch.setenv(native.CHECK_CALLS_ENV_VAR, "1")
+    monkeypatch.setenv(call_check.CHECK_CALLS_ENV_VAR, "1")
     with pytest.raises(ValueError, match="check_timeout_s"):
         jws.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=8, hidden_dim=1024,
                                               dtype="bfloat16", backend="xla",
@@ -306,7 +306,7 @@ def test_torch_create_refuses_a_bad_environment_first(monkeypatch):
     torch = pytest.importorskip("torch")
     import torch_compat
 
-    monkeypatch.setenv(native.CHECK_CALLS_ENV_VAR, "2")
+    monkeypatch.setenv(call_check.CHECK_CALLS_ENV_VAR, "2")
     with pytest.raises(ValueError, match="JAX_FUSEDAR_CHECK_CALLS"):
         torch_compat.create_allreduce_fusion_workspace("trtllm", max_token_num=16,
                                                        hidden_dim=1024, dtype=torch.bfloat16)

@@ -8,12 +8,12 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 import torch_compat  # noqa: E402
-from jax_fusedar import topology  # noqa: E402
+from jax_fusedar.common import backend_choice, tp_groups  # noqa: E402
 from torch_compat import library, ops  # noqa: E402
 from torch_compat import workspace as wsmod  # noqa: E402
 
-from test_torch_compat_cpu import CREATE, _tensors, fake_workspace  # noqa: E402
-from test_torch_library_cpu import fake_workspace as one_rank_workspace  # noqa: E402
+from tests.torch.test_torch_compat import CREATE, _tensors, fake_workspace  # noqa: E402
+from tests.torch.test_library import fake_workspace as one_rank_workspace  # noqa: E402
 
 AR = torch.ops.torch_compat.allreduce.default
 FUSED = torch.ops.torch_compat.allreduce_residual_rmsnorm.default
@@ -143,18 +143,18 @@ def test_output_is_refused_where_the_pattern_does_not_write_it(cpu_stream, monke
     ("xla", "does not exist under torch; torch_compat's backends: 'auto', 'trtllm'"),
 ])
 def test_backend_errors_list_torch_backends_only(gloo_world1, monkeypatch, backend, match):
-    monkeypatch.delenv(topology.BACKEND_ENV_VAR, raising=False)
+    monkeypatch.delenv(backend_choice.BACKEND_ENV_VAR, raising=False)
     with pytest.raises(ValueError, match=match) as info:
         torch_compat.create_allreduce_fusion_workspace(backend, 1, 0, **CREATE)
     if backend != "xla":  # only the message about 'xla' itself names it
         assert "xla" not in str(info.value)
-    monkeypatch.setenv(topology.BACKEND_ENV_VAR, backend)
+    monkeypatch.setenv(backend_choice.BACKEND_ENV_VAR, backend)
     with pytest.raises(ValueError, match=r"\(from the \$JAX_FUSEDAR_ALLREDUCE_BACKEND\)"):
         torch_compat.create_allreduce_fusion_workspace("auto", 1, 0, **CREATE)
 
 
 def test_multi_node_advice_is_torchs():
-    group = topology.TPGroup(members=(0, 1, 2), index=0)
+    group = tp_groups.TPGroup(members=(0, 1, 2), index=0)
     with pytest.raises(ValueError, match="spans 3 nodes") as info:
         wsmod.resolve_backend("trtllm", group, {0: "a", 1: "b", 2: "c"})
     assert "xla" not in str(info.value) and "torch.distributed.all_reduce" in str(info.value)

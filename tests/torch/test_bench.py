@@ -1,5 +1,6 @@
-"""CPU tests of ``python -m jax_fusedar bench --framework torch`` (jax_fusedar/bench_torch.py)
-and of the anchor comparison's plumbing (tests/gpu/anchor.py, tests/gpu/anchor_compare.py).
+"""CPU tests of ``python -m torch_compat.bench`` (also ``python -m jax_fusedar bench --framework
+torch``), of the anchor loader (tools/flashinfer_anchor.py) and of the anchor comparison's
+plumbing (tests/gpu/anchor.py, tests/gpu/anchor_compare.py).
 
 No GPU: the CUDA parts are replaced by stand-ins (a fake runtime for the timing driver, fake
 ``allreduce_fusion``s computing the kernel's math in numpy for the comparison, a fake anchor
@@ -22,11 +23,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from jax_fusedar import __main__ as cli  # noqa: E402
-from jax_fusedar import bench_torch as bt  # noqa: E402
-from jax_fusedar import topology  # noqa: E402
+from jax_fusedar.cli import main as cli  # noqa: E402
+from jax_fusedar.common import launch_mode  # noqa: E402
+from tools import flashinfer_anchor as fa  # noqa: E402
+from torch_compat import bench as bt  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # --- arguments and the CLI hook --------------------------------------------------------------
@@ -62,11 +64,12 @@ def test_bad_arguments_are_refused(argv, needle, capsys):
 
 def test_cli_routes_bench_framework_torch_here(monkeypatch):
     seen = []
-    monkeypatch.setattr(bt, "main", lambda argv: seen.append(argv) or 7)
+    monkeypatch.setattr(bt, "main", lambda argv, prog: seen.append((argv, prog)) or 7)
     assert cli.main(["bench", "--framework", "torch", "--tokens", "1"]) == 7
     assert cli.main(["bench", "--tokens", "1", "--framework=torch"]) == 7
-    assert seen == [["--framework", "torch", "--tokens", "1"],
-                    ["--tokens", "1", "--framework=torch"]]
+    prog = "python -m jax_fusedar bench --framework torch"  # messages name what was typed
+    assert seen == [(["--framework", "torch", "--tokens", "1"], prog),
+                    (["--tokens", "1", "--framework=torch"], prog)]
     assert cli._torch_bench_argv(["bench", "--tokens", "1"]) is None
     assert cli._torch_bench_argv(["bench", "--framework", "jax"]) is None
     assert cli._torch_bench_argv(["demo", "--framework", "torch"]) is None
@@ -89,8 +92,8 @@ def test_command_without_gpu_says_so():
 
 
 def test_torch_bench_path_imports_no_jax():
-    code = ("import sys; from jax_fusedar import __main__ as m, bench_torch; "
-            "bench_torch.parse_args([]); print('jax' in sys.modules)")
+    code = ("import sys; from jax_fusedar import __main__; from torch_compat import bench; "
+            "bench.parse_args([]); print('jax' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                        env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=120)
     assert r.returncode == 0, r.stderr
@@ -105,7 +108,7 @@ def test_plan_uses_the_ops_own_policy_and_one_workspace():
     assert [(c.tokens, c.hidden) for c in cases] == [
         (m, h) for h in (4096, 8192) for m in (1, 16, 128, 1024, 4096)]
     for c in cases:
-        assert c.oneshot == topology.choose_oneshot(c.tokens, c.hidden, sizes, None)
+        assert c.oneshot == launch_mode.choose_oneshot(c.tokens, c.hidden, sizes, None)
         assert c.mode == ("oneshot" if c.oneshot else "twoshot") and not c.skipped
     assert cases[0].mode == "oneshot"  # 1 token: two-shot cannot run
 
@@ -294,33 +297,34 @@ def test_launch_kills_ranks_past_the_timeout():
 # --- the anchor loader ------------------------------------------------------------------------
 
 def test_anchor_path_precedence(monkeypatch, tmp_path):
-    assert bt.resolve_anchor_path(None, env={}) == bt.DEFAULT_ANCHOR
-    assert bt.DEFAULT_ANCHOR == REPO / ".anchor" / "anchor-flashinfer"
-    assert bt.resolve_anchor_path(None, env={bt.ANCHOR_ENV_VAR: str(tmp_path)}) == tmp_path
-    assert bt.resolve_anchor_path(str(tmp_path / "x"),
-                                  env={bt.ANCHOR_ENV_VAR: str(tmp_path)}) == tmp_path / "x"
+    assert fa.resolve_anchor_path(None, env={}) == fa.DEFAULT_ANCHOR
+    assert fa.DEFAULT_ANCHOR == REPO / ".anchor" / "anchor-flashinfer"
+    assert fa.resolve_anchor_path(None, env={fa.ANCHOR_ENV_VAR: str(tmp_path)}) == tmp_path
+    assert fa.resolve_anchor_path(str(tmp_path / "x"),
+                                  env={fa.ANCHOR_ENV_VAR: str(tmp_path)}) == tmp_path / "x"
 
 
 def test_missing_anchor_fails_with_a_clear_message(tmp_path):
     where = tmp_path / "nowhere"
-    with pytest.raises(bt.AnchorUnavailable) as e:
-        bt.load_anchor(where)
+    with pytest.raises(fa.AnchorUnavailable) as e:
+        fa.load_anchor(where)
     msg = str(e.value)
     assert f"no anchor folder at {where}" in msg
     assert "--anchor" in msg and "JAX_FUSEDAR_ANCHOR" in msg
     assert "flashinfer" not in sys.modules
     (tmp_path / "half" / "flashinfer").mkdir(parents=True)
-    with pytest.raises(bt.AnchorUnavailable, match="missing flashinfer/comm/allreduce.py"):
-        bt.load_anchor(tmp_path / "half")
+    with pytest.raises(fa.AnchorUnavailable, match="missing flashinfer/comm/allreduce.py"):
+        fa.load_anchor(tmp_path / "half")
     from tests.gpu import anchor
     assert anchor.problem(where) == f"no anchor folder at {where}"
 
 
 def test_anchor_environment_adds_the_cuda_libs_once(tmp_path):
-    env = bt.anchor_environment(tmp_path, env={"LD_LIBRARY_PATH": "/a:/usr/local/cuda/lib64"})
-    assert env["LD_LIBRARY_PATH"] == "/a:/usr/local/cuda/lib64"
-    env = bt.anchor_environment(tmp_path, env={})
-    assert env["LD_LIBRARY_PATH"] == "/usr/local/cuda/lib64"
+    libs = fa.CUDA_LIB_DIR
+    env = fa.anchor_environment(tmp_path, env={"LD_LIBRARY_PATH": f"/a:{libs}"})
+    assert env["LD_LIBRARY_PATH"] == f"/a:{libs}"
+    env = fa.anchor_environment(tmp_path, env={})
+    assert env["LD_LIBRARY_PATH"] == libs
     assert env["FLASHINFER_WORKSPACE_BASE"] == str(tmp_path / "ws")
     assert env["FLASHINFER_CUDA_ARCH_LIST"] == "9.0a"
     assert env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1" and env["NCCL_NVLS_ENABLE"] == "0"
@@ -363,10 +367,10 @@ def test_anchor_loader_stubs_packages_and_never_builds(tmp_path):
     a = _fake_anchor(tmp_path)
     code = textwrap.dedent(f"""
         import json, sys
-        from jax_fusedar import bench_torch as bt
-        fi = bt.load_anchor({str(a)!r})
-        again = bt.load_anchor({str(a)!r})
-        ws = bt.create_anchor_workspace(fi, world_size=2, rank=0, max_token_num=8,
+        from tools import flashinfer_anchor as fa
+        fi = fa.load_anchor({str(a)!r})
+        again = fa.load_anchor({str(a)!r})
+        ws = fa.create_anchor_workspace(fi, world_size=2, rank=0, max_token_num=8,
                                         hidden_dim=64, dtype="bf16", group=None)
         print(json.dumps({{"same": fi is again, "seen": fi.SEEN, "build": fi.BUILD,
                           "backend": ws["backend"], "site": sys.path[0]}}))
@@ -385,18 +389,18 @@ def test_anchor_loader_reports_import_failures_and_foreign_flashinfer(tmp_path):
     good = _fake_anchor(tmp_path / "b")
     code = textwrap.dedent(f"""
         import sys, types
-        from jax_fusedar import bench_torch as bt
+        from tools import flashinfer_anchor as fa
         try:
-            bt.load_anchor({str(broken)!r})
-        except bt.AnchorUnavailable as e:
+            fa.load_anchor({str(broken)!r})
+        except fa.AnchorUnavailable as e:
             print("1", e)
         print("2", [n for n in sys.modules if n.startswith("flashinfer")])
         other = types.ModuleType("flashinfer")
         other.__path__ = ["/site-packages/flashinfer"]
         sys.modules["flashinfer"] = other
         try:
-            bt.load_anchor({str(good)!r})
-        except bt.AnchorUnavailable as e:
+            fa.load_anchor({str(good)!r})
+        except fa.AnchorUnavailable as e:
             print("3", e)
     """)
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
@@ -419,7 +423,7 @@ def _round(a, npdt):
 def fake_allreduce_fusion(xs, rank, npdt, corrupt=None, refuse=()):
     """The kernel's math in numpy (fp32 sums rounded to the dtype, the norm in fp32, then
     quant_oracle's quantizers on the rounded norm), writing into the torch outputs."""
-    from tests import quant_oracle
+    from tests.oracles import quant_oracle
 
     def fn(*, input, workspace, pattern, launch_with_pdl, rms_eps, use_oneshot, fp32_acc,
            output=None, residual_out=None, norm_out=None, quant_out=None, scale_out=None,
@@ -623,7 +627,7 @@ def test_anchor_workspace_is_always_trtllm():
     names, required = _anchor_params("create_allreduce_fusion_workspace")
     seen = {}
     fi = SimpleNamespace(create_allreduce_fusion_workspace=lambda **kw: seen.update(kw))
-    bt.create_anchor_workspace(fi, world_size=2, rank=1, max_token_num=8, hidden_dim=64,
+    fa.create_anchor_workspace(fi, world_size=2, rank=1, max_token_num=8, hidden_dim=64,
                                dtype=torch.bfloat16, group="g")
     assert seen["backend"] == "trtllm" and set(seen) <= names
     assert seen == {"backend": "trtllm", "world_size": 2, "rank": 1, "max_token_num": 8,

@@ -5,7 +5,7 @@ CPU tensors (opcheck's fake-vs-real comparison, torch.compile, the numerics of a
 graph) it registers, for the test's duration only, a CPU *reference* implementation with
 world-size-1 semantics (the all-reduce sum of one rank is the input). That stand-in checks
 the plumbing (schemas, fake impls, tracing, graph rewiring), not the kernel: the kernel's
-numerics are tested on GPUs (tests/test_gpu_torch.py).
+numerics are tested on GPUs (tests/gpu/test_torch.py).
 """
 import pytest
 
@@ -16,11 +16,11 @@ import torch.nn.functional as F  # noqa: E402
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
 import torch_compat  # noqa: E402
-from jax_fusedar import topology  # noqa: E402
+from jax_fusedar.common import sizing  # noqa: E402
 from torch_compat import fusion_pass, library, ops  # noqa: E402
 from torch_compat import workspace as wsmod  # noqa: E402
 
-from test_torch_compat_cpu import FakeRank  # noqa: E402
+from tests.torch.test_torch_compat import FakeRank  # noqa: E402
 
 AR = torch.ops.torch_compat.allreduce.default
 FUSED = torch.ops.torch_compat.allreduce_residual_rmsnorm.default
@@ -34,7 +34,7 @@ def fake_workspace(global_ranks=(0,), max_tokens=64, hidden=256, dtype=torch.bfl
     ws = wsmod.TorchAllReduceFusionWorkspace(
         native_rank=FakeRank(), global_ranks=list(global_ranks), rank=0, device=0,
         max_token_num=max_tokens, hidden_dim=hidden, dtype=dtype,
-        sizes=topology.workspace_sizes(max(2, len(global_ranks)), max_tokens, hidden, name))
+        sizes=sizing.workspace_sizes(max(2, len(global_ranks)), max_tokens, hidden, name))
     ws.torch_device = torch.device("cpu")
     return ws
 
@@ -452,9 +452,9 @@ E4M3 = torch.float8_e4m3fn
 def _ref_quant(input, residual, gamma, eps, weight_bias, pattern, scale_factor, group, layout,
                use_oneshot, fp32_acc, handle):
     """World-size-1 CPU stand-in for the quantized op, quantizing with the independent numpy
-    oracle (tests/quant_oracle.py); NVFP4 outputs are left zero (not an oracle check)."""
-    import quant_oracle
-    from jax_fusedar.patterns import TRAITS, AllReduceFusionPattern
+    oracle (tests/oracles/quant_oracle.py); NVFP4 outputs are left zero (not an oracle check)."""
+    from tests.oracles import quant_oracle
+    from jax_fusedar.common.patterns import TRAITS, AllReduceFusionPattern
 
     library.lookup_workspace(handle)
     traits = TRAITS[AllReduceFusionPattern(pattern)]
@@ -513,13 +513,13 @@ def _quant_args(pattern, extra, m=8, h=256, dtype=torch.bfloat16, device=None, h
 
 def _expected_quant_meta(pattern, extra, m=8, h=256, dtype=torch.bfloat16):
     """(shape, dtype, stride) of the four outputs, from the formats helpers."""
-    from jax_fusedar import formats
+    from jax_fusedar.common import quant_layouts
     full = ((m, h), dtype, (h, 1))
     empty_t = ((0,), dtype, (1,))
     norm = full if pattern in (4, 5, 9, 11) else empty_t
     if pattern in (3, 5):
         lay = int(extra.split(":")[1])
-        sshape = formats.nvfp4_scale_shape(m, h, lay)
+        sshape = quant_layouts.nvfp4_scale_shape(m, h, lay)
         return [full, norm, ((m, h // 2), torch.uint8, (h // 2, 1)),
                 (sshape, E4M3, (sshape[1], 1))]
     q = ((m, h), E4M3, (h, 1))
@@ -528,7 +528,7 @@ def _expected_quant_meta(pattern, extra, m=8, h=256, dtype=torch.bfloat16):
     elif pattern in (10, 11):
         s = ((m, 1), torch.float32, (1, 1))
     else:
-        k, t = formats.group_scale_buffer_shape(m, h, extra)
+        k, t = quant_layouts.group_scale_buffer_shape(m, h, extra)
         s = ((m, k), torch.int32, (1, t))
     return [full, norm, q, s]
 

@@ -3,7 +3,7 @@ argument check, the c10d-store channel against real HashStore/TCPStore, the grou
 with the DP+TP layout that broke vLLM, and that torch_compat never imports JAX.
 
 Ranks are fakes that record what they were given; the kernel itself runs in
-tests/test_gpu_torch.py.
+tests/gpu/test_torch.py.
 """
 import ast
 import datetime
@@ -22,12 +22,13 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 import torch_compat  # noqa: E402
-from jax_fusedar import exchange, native, topology  # noqa: E402
+from jax_fusedar.common import (backend_choice, exchange, launch_mode, native,  # noqa: E402
+                                sizing, tp_groups)
 from torch_compat import ops  # noqa: E402
 from torch_compat import workspace as wsmod  # noqa: E402
 from torch_compat.channel import StoreChannel  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 ANCHOR = pathlib.Path("/work/shared/anchor-flashinfer/flashinfer/comm/allreduce.py")
 
 
@@ -167,7 +168,7 @@ def fake_workspace(world=2, max_tokens=128, hidden=1024, dtype=torch.bfloat16):
     ws = wsmod.TorchAllReduceFusionWorkspace(
         native_rank=FakeRank(), global_ranks=list(range(world)), rank=0, device=0,
         max_token_num=max_tokens, hidden_dim=hidden, dtype=dtype,
-        sizes=topology.workspace_sizes(world, max_tokens, hidden, name))
+        sizes=sizing.workspace_sizes(world, max_tokens, hidden, name))
     ws.torch_device = torch.device("cpu")  # so CPU tensors pass the device check
     return ws
 
@@ -267,7 +268,7 @@ def test_oneshot_choice_is_the_topology_policy_and_forcible(cpu_stream):
     for m, use in ((1, None), (17, False), (17, True), (4096, None)):
         t = _tensors(m=m, h=4096)
         torch_compat.allreduce_fusion(workspace=ws, pattern=1, use_oneshot=use, **t)
-        expected = topology.choose_oneshot(m, 4096, ws.sizes, use)
+        expected = launch_mode.choose_oneshot(m, 4096, ws.sizes, use)
         assert ws._rank_obj.launches[-1][1]["use_oneshot"] is expected
     with pytest.raises(ValueError, match="two-shot needs more tokens"):
         torch_compat.allreduce_fusion(workspace=ws, pattern=1, use_oneshot=False,
@@ -399,7 +400,7 @@ def test_create_refuses_backends_torch_cannot_run(gloo_world1, backend, match):
 
 
 def test_create_refuses_xla_from_the_environment(gloo_world1, monkeypatch):
-    monkeypatch.setenv(topology.BACKEND_ENV_VAR, "xla")
+    monkeypatch.setenv(backend_choice.BACKEND_ENV_VAR, "xla")
     with pytest.raises(ValueError, match="does not exist under torch"):
         torch_compat.create_allreduce_fusion_workspace("auto", 2, 0, **CREATE)
 
@@ -520,7 +521,7 @@ def fresh_serials(monkeypatch):
 
 
 def _key(ranks, serial, purpose="member/rank0"):
-    return topology.exchange_key(wsmod.NAMESPACE, topology.TPGroup(tuple(ranks), 0), serial,
+    return exchange.exchange_key(wsmod.NAMESPACE, tp_groups.TPGroup(tuple(ranks), 0), serial,
                                  purpose)
 
 
@@ -609,7 +610,7 @@ def test_group_across_hosts_is_refused_by_every_member():
     assert not out and set(errors) == {0, 1}
     for e in errors.values():
         assert isinstance(e, ValueError) and "spans 2 nodes" in str(e)
-        # The group's members and hosts are named (topology.group_hosts); the advice names
+        # The group's members and hosts are named (tp_groups.group_hosts); the advice names
         # no JAX-only backend (torch's backend errors contradicted themselves), but the
         # torch way.
         assert "TP group [0, 1] (global ranks) spans 2 nodes (node0: [0]; node1: [1])" in str(e)
@@ -714,16 +715,16 @@ def sm90(monkeypatch):
 
 def group_scale_out(m, h, g):
     """FlashInfer's per-token-group scale tensor: (M, K) int32 with strides (1, T)."""
-    from jax_fusedar import formats
-    k, t = formats.group_scale_buffer_shape(m, h, g)
+    from jax_fusedar.common import quant_layouts
+    k, t = quant_layouts.group_scale_buffer_shape(m, h, g)
     return torch.empty(k, t, dtype=torch.int32)[:, :m].t()
 
 
 def _qtensors(pattern, m=16, h=1024, dtype=torch.bfloat16, group=128, layout=None):
     """A valid full argument set for quantized ``pattern`` (CPU tensors)."""
-    from jax_fusedar import formats
+    from jax_fusedar.common import quant_layouts
     p = QP(pattern)
-    from jax_fusedar.patterns import TRAITS
+    from jax_fusedar.common.patterns import TRAITS
     traits = TRAITS[p]
     t = _tensors(m, h, dtype)
     if not traits.has_norm_out:
@@ -731,7 +732,7 @@ def _qtensors(pattern, m=16, h=1024, dtype=torch.bfloat16, group=128, layout=Non
     if traits.quant == "fp4":
         lay = 0 if layout is None else layout
         t["quant_out"] = torch.empty(m, h // 2, dtype=torch.uint8)
-        t["scale_out"] = torch.empty(formats.nvfp4_scale_shape(m, h, lay),
+        t["scale_out"] = torch.empty(quant_layouts.nvfp4_scale_shape(m, h, lay),
                                      dtype=torch.float8_e4m3fn)
         t["scale_factor"] = torch.tensor([448.0 * 6.0], dtype=torch.float32)
         if layout is not None:
@@ -750,7 +751,7 @@ def _qtensors(pattern, m=16, h=1024, dtype=torch.bfloat16, group=128, layout=Non
 
 @pytest.mark.parametrize("pattern", QUANT, ids=lambda p: p.name)
 def test_quantized_pattern_launch_arguments_and_return_value(cpu_stream, sm100, pattern):
-    from jax_fusedar.patterns import TRAITS
+    from jax_fusedar.common.patterns import TRAITS
     traits = TRAITS[pattern]
     ws = fake_workspace()
     t = _qtensors(pattern)
@@ -770,28 +771,28 @@ def test_quantized_pattern_launch_arguments_and_return_value(cpu_stream, sm100, 
 
 
 def test_group_scale_view_is_flashinfers_and_covers_what_the_kernel_writes():
-    from jax_fusedar import formats
+    from jax_fusedar.common import quant_layouts
     for m, h, g in ((1, 1024, 128), (5, 4096, 128), (16, 7168, 64), (17, 1024, 512)):
         shape, strides = ops.group_scale_view_shape(m, h, g)
-        k, t = formats.group_scale_buffer_shape(m, h, g)
+        k, t = quant_layouts.group_scale_buffer_shape(m, h, g)
         assert shape == (m, -(-(h // g) // 4)) == (m, k) and strides == (1, (m + 3) // 4 * 4)
         v = group_scale_out(m, h, g)
         assert tuple(v.shape) == shape and v.stride() == strides
         s = torch.empty_strided(shape, strides, dtype=torch.int32)
         # The minimal storage FlashInfer describes, which is everything the kernel writes
         # (its last pack skips the padding tokens).
-        assert s.untyped_storage().nbytes() // 4 == formats.group_scale_min_storage_words(m, h, g)
+        assert s.untyped_storage().nbytes() // 4 == quant_layouts.group_scale_min_storage_words(m, h, g)
 
 
 def test_nvfp4_layouts_and_sizes(cpu_stream, sm100):
-    from jax_fusedar import formats
+    from jax_fusedar.common import quant_layouts
     ws = fake_workspace(max_tokens=200, hidden=1024)
     for layout in (0, 2):
         t = _qtensors(QP.kARResidualRMSNormOutFP4Quant, m=130, layout=layout)
         torch_compat.allreduce_fusion(workspace=ws, pattern=5, **t)
         assert ws._rank_obj.launches[-1][1]["layout"] == layout
         # int32 and uint8 views of the same bytes are accepted too (vLLM keeps int32).
-        size = formats.nvfp4_scale_buffer_size(130, 1024, layout)
+        size = quant_layouts.nvfp4_scale_buffer_size(130, 1024, layout)
         for sd, n in ((torch.int32, size // 4), (torch.uint8, size)):
             t["scale_out"] = torch.empty(n, dtype=sd)
             torch_compat.allreduce_fusion(workspace=ws, pattern=5, **t)

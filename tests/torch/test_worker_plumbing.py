@@ -5,7 +5,7 @@ JAX phase of the parity test on JAX's CPU reference path (2 virtual devices).
 
 The simulated kernel goes through the real torch_compat.allreduce_fusion argument checks
 (on a FakeRank workspace) and then writes outputs computed like the kernel (sum rounded to
-T, + residual rounded to T, fp32 norm rounded to T, quantized with tests/quant_oracle.py).
+T, + residual rounded to T, fp32 norm rounded to T, quantized with tests/oracles/quant_oracle.py).
 """
 import numpy as np
 import pytest
@@ -16,7 +16,7 @@ dist = pytest.importorskip("torch.distributed")
 import torch_compat  # noqa: E402
 from torch_compat import ops  # noqa: E402
 
-from test_torch_compat_cpu import fake_workspace  # noqa: E402
+from tests.torch.test_torch_compat import fake_workspace  # noqa: E402
 from tests.gpu import parity_jax_torch as par  # noqa: E402
 from tests.gpu import torch_workers as tw  # noqa: E402
 
@@ -30,7 +30,7 @@ class SimTC:
         self.calls = []
 
     def allreduce_fusion(self, input, workspace, pattern, **kw):
-        import quant_oracle
+        from tests.oracles import quant_oracle
         ret = torch_compat.allreduce_fusion(input, workspace, pattern, **kw)
         self.calls.append((pattern, kw.get("use_oneshot"), kw.get("fp32_acc")))
         dt = input.dtype
@@ -164,8 +164,8 @@ def test_parity_phase1_on_cpu_and_phase2_logic_with_a_simulated_kernel(tmp_path,
 
 @pytest.mark.parametrize("norm", ["manual", "F.rms_norm"])
 def test_fusion_pass_model_on_cpu(gloo_world1, norm):
-    from test_torch_library_cpu import _ref_fused
-    from test_torch_library_cpu import fake_workspace as fake_workspace_world1
+    from tests.torch.test_library import _ref_fused
+    from tests.torch.test_library import fake_workspace as fake_workspace_world1
     from torch_compat import library
     model, args, ref64 = tw.build_tp_model(torch, gloo_world1, 0, 1, m=8, hidden=256,
                                            layers=4, seed=5, device="cpu", norm=norm)
