@@ -27,8 +27,8 @@ REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 GPU_MARKER = "# Needs 2 GPUs"
 SCRIPT_HEADER = re.compile(r"# (\w+\.py)\b")
-# script name -> the test file that launches it
-SCRIPT_TESTS = {"two_node.py": "test_multinode_cpu.py"}
+# script name -> the test file (under tests/) that launches it
+SCRIPT_TESTS = {"two_node.py": "jax/test_multinode.py"}
 
 
 def python_blocks():
@@ -123,5 +123,5 @@ def test_every_readme_script_is_launched_by_a_test():
     assert names, "the README lost its two-node script"
     for name in names:
         assert name in SCRIPT_TESTS, f"README script {name} is run by no test"
-        test_file = Path(__file__).with_name(SCRIPT_TESTS[name])
+        test_file = Path(__file__).parent / SCRIPT_TESTS[name]
         assert f"# {name}" in test_file.read_text(), f"{test_file.name} does not launch {name}"

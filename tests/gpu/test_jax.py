@@ -1,6 +1,6 @@
 """GPU: the XLA FFI custom call under jit + shard_map, two `jax.distributed` processes.
 
-Bounds as in test_gpu_native.py. The 64-layer bf16 model drifts from exact arithmetic by
+Bounds as in tests/gpu/test_native.py. The 64-layer bf16 model drifts from exact arithmetic by
 rounding over 64 layers whatever the all-reduce, so the fused model is held to the accuracy
 of the same math unfused (against a float64 model: at most 25% worse, plus 1e-3), and the
 handler's host launches show whether XLA replayed a command buffer. Command buffers are

@@ -1,7 +1,7 @@
 """GPU: torch_compat (FlashInfer's unified API for torch) on the shared native core.
 
 Spawned processes join torch.distributed over gloo (tests/gpu/torch_workers.py); ranks
-share a GPU when there are fewer GPUs than processes. Bounds as in test_gpu_native.py:
+share a GPU when there are fewer GPUs than processes. Bounds as in tests/gpu/test_native.py:
 residual_out within 1 ulp and norm_out within 3 ulps (bf16) of the intermediate
 magnitudes (tests/oracles/oracle.py). Results go to $JAX_FUSEDAR_REPORT_DIR/torch_*.json when set.
 """
