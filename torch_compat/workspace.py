@@ -2,7 +2,7 @@
 
 ``create_allreduce_fusion_workspace`` keeps the names and defaults of
 ``flashinfer.comm.create_allreduce_fusion_workspace`` but fixes by construction the DP+TP
-bugs vLLM hit with it (research/peers.md §2):
+bugs vLLM hit with it (docs/decisions.md):
 
 1. the group is the TP ``ProcessGroup`` passed in (WORLD only when none is), and the
    exchange involves only its members;

@@ -17,7 +17,7 @@ Three timing methods, each with the baseline in the same process and run:
   host clock around the whole program: wall time / K, median over ``--repeats``. Includes
   the host's dispatch of the program, spread over K calls.
 * ``loop``: a ``lax.fori_loop`` of ``--iters`` calls on the same input (the method of the
-  yardsticks in DESIGN.md §7). XLA's while loop syncs with the host every iteration, which
+  yardsticks in docs/benchmarks.md). XLA's while loop syncs with the host every iteration, which
   adds the same few microseconds to both columns.
 
 Patterns: 1 (all-reduce + residual + RMSNorm) against ``psum`` + add + RMSNorm in plain jnp;

@@ -66,7 +66,7 @@ def resolve_backend(
     on_cuda = platform.lower() in _CUDA_PLATFORMS
     if name == "mnnvl":
         # FlashInfer's MNNVL backend binds memory to an NVLink multicast object
-        # (cuMulticastCreate); jax_fusedar deliberately never creates one (DESIGN.md §3).
+        # (cuMulticastCreate); jax_fusedar deliberately never creates one (docs/decisions.md).
         raise ValueError(
             "the 'mnnvl' all-reduce backend needs NVLink multicast (cuMulticastCreate), which "
             "jax_fusedar never attempts; use 'trtllm' within one node or 'xla' otherwise"

@@ -57,7 +57,7 @@ def exchange_key(namespace: str, group: TPGroup, workspace_serial: int, purpose:
     Derived only from its arguments and the group's ordered members, so every process
     computes the same key without talking to the others, and two groups, two workspaces or
     two purposes never share a key. No random numbers: vLLM seeds ``random`` identically on
-    every rank, so FlashInfer's random exchange ids collided across TP groups (spec §2.3).
+    every rank, so FlashInfer's random exchange ids collided across TP groups (docs/decisions.md).
     ``group.index`` is deliberately left out: the members identify the group.
     """
     if not isinstance(namespace, str) or not namespace:

@@ -19,7 +19,7 @@ MAX_COMM_SIZE = (2**31 - 1) & ~((1 << 21) - 1)
 BARRIER_FLAG_COUNT = 256
 
 # The local (never shared) control block: {CTA counter, two-shot flag, Lamport index,
-# lamport_comm_size, clear size}, all int32 (spec §2.1).
+# lamport_comm_size, clear size}, all int32 (docs/architecture.md, workspace layout).
 CONTROL_BLOCK_INTS = 5
 
 # Buffers are rounded up to this many bytes (AR.py L507), which keeps every 16-byte vector
@@ -33,10 +33,10 @@ def _round_up(nbytes: int, alignment: int = _BUFFER_ALIGNMENT) -> int:
 
 @dataclass(frozen=True)
 class WorkspaceSizes:
-    """Per-rank byte sizes of one workspace (spec §2.1), all rounded up to 16 bytes.
+    """Per-rank byte sizes of one workspace (docs/architecture.md), all rounded up to 16 bytes.
 
     ``workspace_sizes`` builds it; every rank of a group computes identical values, and the
-    launch policy below reads only these fields, so every rank makes the same choices.
+    launch policy (``launch_mode``) reads only these fields, so every rank makes the same choices.
     """
 
     world_size: int

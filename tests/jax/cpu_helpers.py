@@ -1,5 +1,6 @@
-"""Shared helpers of the CPU tests (test_reference.py, test_api_cpu.py): 8 virtual CPU
-devices, meshes, random inputs and the float64-oracle checks with their ulp bounds.
+"""Shared helpers of the JAX CPU tests (tests/jax/test_reference.py, tests/jax/test_api.py,
+...): 8 virtual CPU devices, meshes, random inputs and the float64-oracle checks with their
+ulp bounds.
 
 A test module must set JAX_PLATFORMS / XLA_FLAGS before its first ``import jax`` (XLA reads
 the virtual device count once per process), then import this module and call
@@ -26,7 +27,8 @@ SEED_ENV_VAR = "JAX_FUSEDAR_TEST_SEED"
 DTYPES = ("bfloat16", "float16", "float32")
 RMS_EPS = 1e-6
 
-# Bounds in the oracle's ulps of the intermediate magnitudes (tests/oracles/oracle.py, DESIGN.md §2).
+# Bounds in the oracle's ulps of the intermediate magnitudes (tests/oracles/oracle.py,
+# docs/numerics.md).
 ALLREDUCE_ULPS = 1.0
 RESIDUAL_ULPS = 1.0
 NORM_ULPS = {"bfloat16": 3.0, "float16": 3.0, "float32": 8.0}

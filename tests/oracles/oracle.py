@@ -2,7 +2,7 @@
 jax_fusedar's own reference (no JAX here).
 
 The kernel rounds twice before the norm (the all-reduce sum to T, then sum + residual to
-T), so errors are measured in ulps of the *intermediate* magnitudes (DESIGN.md §2):
+T), so errors are measured in ulps of the *intermediate* magnitudes (docs/numerics.md):
 
   residual_out: |r - r64| / ulp_T(|s64| + |res|)                   expect <= 1
   norm_out:     |y - y64| / (ulp_T(|s64| + |res|) * inv64 * |wb + g| + ulp_T(|y64|))
