@@ -1,8 +1,8 @@
 """jax_fusedar: FlashInfer's fused all-reduce + residual add + RMSNorm for JAX (XLA FFI).
 
-The JAX API is loaded lazily so that framework-neutral modules (``jax_fusedar.common``,
-``jax_fusedar.common.patterns``, ``jax_fusedar.common.native``) can be imported, e.g. by ``torch_compat``,
-without importing JAX.
+The JAX API is loaded lazily so that the framework-neutral layer (``jax_fusedar.common``:
+patterns, limits, sizing, native, ...) can be imported, e.g. by ``torch_compat``, without
+importing JAX.
 """
 from __future__ import annotations
 

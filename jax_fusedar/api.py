@@ -51,8 +51,8 @@ class CallPlan:
 def _fallback(kind: str, reason: str, strict: bool, backend: str) -> None:
     if strict:
         raise ValueError(f"jax_fusedar: cannot use the fused kernel: {reason} (strict mode; "
-                         f"unset {backend_choice.STRICT_ENV_VAR} or pass strict=False to fall back to "
-                         "psum + RMSNorm)")
+                         f"unset {backend_choice.STRICT_ENV_VAR} or pass strict=False to fall "
+                         "back to psum + RMSNorm)")
     # The xla backend never uses the kernel: nothing falls back there, nothing to report.
     if backend == "trtllm" and kind not in _fallback_reasons_logged:
         _fallback_reasons_logged.add(kind)

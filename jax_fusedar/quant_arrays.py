@@ -8,9 +8,8 @@ import numpy as np
 from jax import lax
 
 from .common.quant_layouts import (E2M1_VALUES, NVFP4_BLOCK, QuantizationSFLayout, as_layout,
-                                   check_group_size,
-                                   check_hidden_fp4, check_tokens, group_scale_buffer_shape,
-                                   nvfp4_scale_shape, round_up)
+                                   check_group_size, check_hidden_fp4, check_tokens,
+                                   group_scale_buffer_shape, nvfp4_scale_shape, round_up)
 
 
 def swizzle_128x4(sf):

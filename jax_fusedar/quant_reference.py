@@ -236,7 +236,8 @@ def quantize_fp8_group(y, group_size):
 
     ``scales`` is the dense physical buffer of FlashInfer's MN-major tensor (shape (M, K),
     strides (1, round_up(M,4))): that tensor is ``scales[:, :M].T``; see
-    quant_layouts.group_scale_buffer_shape / quant_arrays.unpack_ue8m0_scales. ``group_size`` is static."""
+    quant_layouts.group_scale_buffer_shape / quant_arrays.unpack_ue8m0_scales. ``group_size``
+    is static."""
     M, H = _check_y(y, _FP8_IN_DTYPES, "quantize_fp8_group")
     g = quant_layouts.check_group_size(H, group_size)
     G = H // g

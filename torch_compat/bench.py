@@ -45,7 +45,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 from jax_fusedar.cli import report as report_files
 from jax_fusedar.cli.argtypes import (DTYPES, check_out_dir, int_list, mode_list, positive_int,
-                                     seed)
+                                      seed)
 from jax_fusedar.common import launch_mode, limits, sizing
 
 # The command as invoked: run directly, or through ``python -m jax_fusedar bench --framework

@@ -257,7 +257,8 @@ def _check_quant_outputs(p, traits, input: torch.Tensor, ws, quant_out, scale_ou
     # quant_out
     _check_tensor("quant_out", quant_out)
     if traits.quant == "fp4":
-        want_shape, dtypes = quant_layouts.nvfp4_quant_shape(token_num, hidden_dim), _FP4_QUANT_DTYPES
+        want_shape = quant_layouts.nvfp4_quant_shape(token_num, hidden_dim)
+        dtypes = _FP4_QUANT_DTYPES
     else:
         want_shape, dtypes = (token_num, hidden_dim), (torch.float8_e4m3fn,)
     if tuple(quant_out.shape) != tuple(want_shape):

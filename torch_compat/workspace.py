@@ -229,7 +229,8 @@ def resolve_backend(backend: Optional[str], group: Optional[tp_groups.TPGroup] =
         hosts = tp_groups.group_hosts(group, host_of)
         if len(hosts) > 1:
             where = backend_choice.describe_spanning([(group, hosts)], 1, "global rank")
-            raise ValueError(f"{where}: {backend_choice.ONE_NODE_ONLY}; use {_UNFUSED} across nodes")
+            raise ValueError(f"{where}: {backend_choice.ONE_NODE_ONLY}; use {_UNFUSED} across "
+                             "nodes")
     return "trtllm"
 
 

@@ -27,12 +27,10 @@ into the norm's kernel).
 """
 from __future__ import annotations
 
-import json
 import math
 import platform
 import socket
 import statistics
-import sys
 import time
 from pathlib import Path
 

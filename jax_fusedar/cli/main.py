@@ -11,7 +11,7 @@ import sys
 
 from ..common import limits, native
 from . import argtypes
-from .argtypes import DTYPES, MODES, check_out_dir
+from .argtypes import DTYPES, check_out_dir
 
 BACKENDS = ("auto", "trtllm", "xla")
 FRAMEWORKS = ("jax", "torch")
@@ -77,8 +77,8 @@ def build_parser():
                           "and decode tokens/s, greedy tokens and the logits error. --bench "
                           "times decode steps and prefills instead.")
     from .demo import add_arguments  # the demo owns its flags
-    add_arguments(demo, positive_int=argtypes.positive_int, int_list=argtypes.int_list, seed=argtypes.seed,
-                  dtypes=DTYPES, backends=BACKENDS)
+    add_arguments(demo, positive_int=argtypes.positive_int, int_list=argtypes.int_list,
+                  seed=argtypes.seed, dtypes=DTYPES, backends=BACKENDS)
 
     bench = sub.add_parser("bench", formatter_class=fmt, help="latency of the fused op vs "
                            "psum + residual add + RMSNorm (+ FP8 quantization)",

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Optional
 
 from tools.flashinfer_anchor import (ANCHOR_ENV_VAR, DEFAULT_ANCHOR, AnchorUnavailable,
-                                     anchor_environment, anchor_problem,
-                                     create_anchor_workspace, load_anchor, resolve_anchor_path)
+                                     anchor_environment, anchor_problem, create_anchor_workspace,
+                                     load_anchor, resolve_anchor_path)
 
 __all__ = ["ANCHOR_ENV_VAR", "DEFAULT_ANCHOR", "AnchorUnavailable", "create_workspace", "load",
            "path", "prepare_parent", "problem"]

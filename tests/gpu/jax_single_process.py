@@ -52,7 +52,7 @@ def task_jit(jax, seed: int) -> dict:
 
     import jax_fusedar as jf
     from tests.jax.sharded_model import (BATCH, HIDDEN as H, SEQ, jit_model, model_params, place,
-                                     shard_map_model)
+                                         shard_map_model)
     n = len(jax.devices())
     dp = 2 if n >= 4 else 1
     out = {"devices": [str(d) for d in jax.devices()], "seed": seed}

@@ -18,9 +18,10 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_fusedar as jf  # noqa: E402
 from tests.jax.cpu_helpers import needs_native  # noqa: E402
-from tests.jax.cpu_helpers import (RMS_EPS, bits, check_outputs, jdtype, kernel_rounding,  # noqa: E402
-                         make_mesh, new_rng, random_gamma, random_partials, random_values,
-                         require_host_devices, run_sharded)
+from tests.jax.cpu_helpers import (RMS_EPS, bits, check_outputs, jdtype,  # noqa: E402
+                                   kernel_rounding, make_mesh, new_rng, random_gamma,
+                                   random_partials, random_values, require_host_devices,
+                                   run_sharded)
 from jax_fusedar.common import backend_choice, native  # noqa: E402
 from jax_fusedar.primitive import FFI_TARGET  # noqa: E402
 from jax_fusedar.common.tp_groups import TPGroup  # noqa: E402

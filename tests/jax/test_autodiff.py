@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jax_fusedar as jf  # noqa: E402
 from tests.jax.cpu_helpers import assert_same_bits  # noqa: E402
 from tests.jax.cpu_helpers import (jdtype, make_mesh, new_rng, put, random_gamma,  # noqa: E402
-                         random_values, require_host_devices)
+                                   random_values, require_host_devices)
 from jax_fusedar.common import native  # noqa: E402
 from jax_fusedar import reference  # noqa: E402
 from jax_fusedar.common.patterns import TRAITS  # noqa: E402

@@ -16,13 +16,13 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_fusedar as jf  # noqa: E402
 from tests.jax.cpu_helpers import needs_native  # noqa: E402
-from tests.jax.cpu_helpers import (jdtype, make_mesh, new_rng, random_gamma, random_values,  # noqa: E402
-                         require_host_devices, run_sharded)
+from tests.jax.cpu_helpers import (jdtype, make_mesh, new_rng, random_gamma,  # noqa: E402
+                                   random_values, require_host_devices, run_sharded)
 from jax_fusedar.common import arguments, backend_choice, call_check, native  # noqa: E402
 from jax_fusedar import reference  # noqa: E402
 from jax_fusedar.primitive import FFI_TARGET  # noqa: E402
 from tests.jax.test_api import (abstract, custom_calls, fused_body, trace_fused,  # noqa: E402
-                          trace_sharded, xla_workspace)
+                                trace_sharded, xla_workspace)
 
 require_host_devices()
 

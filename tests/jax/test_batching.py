@@ -20,7 +20,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jax_fusedar as jf  # noqa: E402
 from tests.jax.cpu_helpers import needs_native, assert_same_bits  # noqa: E402
 from tests.jax.cpu_helpers import (bits, check_outputs, jdtype, make_mesh, new_rng,  # noqa: E402
-                         random_gamma, random_partials, random_values, require_host_devices)
+                                   random_gamma, random_partials, random_values,
+                                   require_host_devices)
 from jax_fusedar.common.patterns import TRAITS  # noqa: E402
 from jax_fusedar.primitive import FFI_TARGET  # noqa: E402
 

@@ -19,8 +19,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_fusedar as jf  # noqa: E402
 from tests.jax.cpu_helpers import assert_same_bits, needs_native  # noqa: E402
-from tests.jax.cpu_helpers import (bits, make_mesh, new_rng, random_gamma, random_partials,  # noqa: E402
-                         require_host_devices)
+from tests.jax.cpu_helpers import (bits, make_mesh, new_rng, random_gamma,  # noqa: E402
+                                   random_partials, require_host_devices)
 from jax_fusedar import workspace as wsmod  # noqa: E402
 from jax_fusedar.primitive import FFI_TARGET  # noqa: E402
 

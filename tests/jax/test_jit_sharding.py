@@ -29,7 +29,7 @@ from jax_fusedar.primitive import FFI_TARGET  # noqa: E402
 require_host_devices()
 
 from tests.jax.sharded_model import (BATCH, FFN, HIDDEN, LAYERS, SEQ, jit_model,  # noqa: E402
-                           model_params, place, shard_map_model)
+                                     model_params, place, shard_map_model)
 
 
 # Environment and once-per-kind logging reset per test (conftest.py).

@@ -434,7 +434,8 @@ def test_swizzled_offsets(M, H):
     off = quant_layouts.swizzled_128x4_offset(mm, kk, H)
     for m in range(M):
         for j in range(k):
-            assert off[m, j] == O.swizzle_offset(m, j, H) == quant_layouts.swizzled_128x4_offset(m, j, H)
+            assert (off[m, j] == O.swizzle_offset(m, j, H)
+                    == quant_layouts.swizzled_128x4_offset(m, j, H))
     off = off.reshape(-1)
     assert off.min() >= 0 and off.max() < size
     assert np.unique(off).size == off.size                  # distinct

@@ -1,5 +1,6 @@
-"""The reference math (jax_fusedar/reference.py) against the float64 oracle (tests/oracles/oracle.py),
-and its rounding points bit for bit. CPU only: 8 virtual host devices."""
+"""The reference math (jax_fusedar/reference.py) against the float64 oracle
+(tests/oracles/oracle.py), and its rounding points bit for bit. CPU only: 8 virtual host
+devices."""
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -13,8 +14,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from tests.oracles import oracle  # noqa: E402
 from tests.jax.cpu_helpers import (DTYPES, RMS_EPS, bits, check_outputs, jdtype,  # noqa: E402
-                         kernel_rounding, make_mesh, new_rng, random_gamma, random_partials,
-                         random_values, require_host_devices, run_sharded)
+                                   kernel_rounding, make_mesh, new_rng, random_gamma,
+                                   random_partials, random_values, require_host_devices,
+                                   run_sharded)
 from jax_fusedar import reference  # noqa: E402
 
 require_host_devices()

@@ -22,8 +22,8 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 import torch_compat  # noqa: E402
-from jax_fusedar.common import (backend_choice, exchange, launch_mode, native,  # noqa: E402
-                                sizing, tp_groups)
+from jax_fusedar.common import (backend_choice, exchange, launch_mode, native, sizing,  # noqa: E402
+                                tp_groups)
 from torch_compat import ops  # noqa: E402
 from torch_compat import workspace as wsmod  # noqa: E402
 from torch_compat.channel import StoreChannel  # noqa: E402
@@ -781,7 +781,8 @@ def test_group_scale_view_is_flashinfers_and_covers_what_the_kernel_writes():
         s = torch.empty_strided(shape, strides, dtype=torch.int32)
         # The minimal storage FlashInfer describes, which is everything the kernel writes
         # (its last pack skips the padding tokens).
-        assert s.untyped_storage().nbytes() // 4 == quant_layouts.group_scale_min_storage_words(m, h, g)
+        words = quant_layouts.group_scale_min_storage_words(m, h, g)
+        assert s.untyped_storage().nbytes() // 4 == words
 
 
 def test_nvfp4_layouts_and_sizes(cpu_stream, sm100):
