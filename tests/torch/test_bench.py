@@ -635,7 +635,7 @@ def test_anchor_workspace_is_always_trtllm():
 
 
 def _fake_worker(rank, args, port, result_dir):
-    """Stands in for bench_torch._worker in spawned processes: the real plan and driver, a
+    """Stands in for torch_compat.bench._worker in spawned processes: the real plan and driver, a
     fake runtime and fake variants."""
     _, cases = bt.plan_cases(args.tokens, args.hidden, args.dtype, args.world, args.modes)
     factories = {i: (lambda case, i=i: Counter(i)) for i in bt.IMPLS}
