@@ -26,7 +26,8 @@ on 2 x H200 at Llama-3-8B shapes, slicing stacked weights in the unrolled progra
 its 11.1 ms of kernels per step, and seven separate projections 134 us per layer against
 85 us for the fused four (device-clock profiles, docs/decisions.md). Under ``lax.scan`` XLA
 still copies each layer's weights out of the stack every step (2.9 ms at batch 1): a cost of
-scanning, not of the model, and the reason serving stacks unroll decode.
+scanning, not of the model, and the reason serving stacks unroll decode. The KV caches
+stay one stacked array per rank in both modes, written in place (``layer``).
 """
 from __future__ import annotations
 
@@ -253,13 +254,21 @@ def rms_norm_hf(x, gamma, eps):
 NORMS = {"fused-friendly": rms_norm, "hf": rms_norm_hf}
 
 
-def rope(x, positions, theta):
-    """Rotary embedding, rotate-half form (Hugging Face Llama): x [B, T, heads, hd]."""
-    hd = x.shape[-1]
+def rope_tables(positions, hd: int, theta):
+    """cos, sin [B, T, 1, hd] of the rotate-half rotary embedding at ``positions`` [B, T];
+    computed once per forward pass and shared by every layer (as Hugging Face's LlamaModel
+    does), not once per layer."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
     ang = positions.astype(jnp.float32)[:, :, None] * inv_freq      # [B, T, hd/2]
     cos = jnp.concatenate([jnp.cos(ang), jnp.cos(ang)], -1)[:, :, None, :]
     sin = jnp.concatenate([jnp.sin(ang), jnp.sin(ang)], -1)[:, :, None, :]
+    return cos, sin
+
+
+def rope(x, tables):
+    """Rotary embedding, rotate-half form (Hugging Face Llama): x [B, T, heads, hd]."""
+    cos, sin = tables
+    hd = x.shape[-1]
     x32 = x.astype(jnp.float32)
     rot = jnp.concatenate([-x32[..., hd // 2:], x32[..., :hd // 2]], -1)
     return (x32 * cos + rot * sin).astype(x.dtype)
@@ -269,27 +278,33 @@ def _dot(a, b):
     return jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype)
 
 
-def layer(cfg, axis, norm, x, h, lp, ck, cv, pos):
+def layer(cfg, axis, norm, x, h, lp, ck_all, cv_all, i, pos, tables):
     """One decoder layer on one rank. x: the residual stream, h: its normed copy [B, T, H];
-    lp: this layer's weight shards; ck, cv: this layer's cache shard [B, S, kv_local, hd];
-    pos: the first position of the T tokens. Returns (x, h, ck, cv) with h already the next
-    norm's output (see the module docstring)."""
+    lp: this layer's weight shards; ck_all, cv_all: every layer's cache shard
+    [L, B, S, kv_local, hd], of which this is layer ``i``; pos: the first position of the T
+    tokens; tables: rope_tables(). Returns (x, h, ck_all, cv_all) with h already the next
+    norm's output (see the module docstring). Only the T new rows of the cache are written,
+    in place in the whole cache (a donated cache is never copied; slicing one layer out and
+    stacking the layers back would copy every layer's cache every step)."""
     B, T, _ = x.shape
     hd = cfg.head_dim
     qkv = _dot(h, lp["wqkv"])                    # [B, T, (q + 2 kv) local heads * hd]
-    kv_width = ck.shape[2] * hd
+    kv_width = ck_all.shape[3] * hd
     q_width = qkv.shape[-1] - 2 * kv_width
     q = qkv[..., :q_width].reshape(B, T, -1, hd)
     k = qkv[..., q_width:q_width + kv_width].reshape(B, T, -1, hd)
     v = qkv[..., q_width + kv_width:].reshape(B, T, -1, hd)
-    positions = pos + jnp.arange(T, dtype=jnp.int32)[None, :].repeat(B, 0)
-    q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
-    ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, pos, 0, 0))
-    cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, pos, 0, 0))
+    q, k = rope(q, tables), rope(k, tables)
+    ck_all = jax.lax.dynamic_update_slice(ck_all, k.astype(ck_all.dtype)[None], (i, 0, pos, 0, 0))
+    cv_all = jax.lax.dynamic_update_slice(cv_all, v.astype(cv_all.dtype)[None], (i, 0, pos, 0, 0))
+    ck = jax.lax.dynamic_index_in_dim(ck_all, i, keepdims=False)
+    cv = jax.lax.dynamic_index_in_dim(cv_all, i, keepdims=False)
     kvl = ck.shape[2]
     group = q.shape[2] // kvl
-    qg = q.reshape(B, T, kvl, group, hd).astype(jnp.float32)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, ck.astype(jnp.float32)) / math.sqrt(hd)
+    qg = q.reshape(B, T, kvl, group, hd)
+    # float32 products and sums without a float32 copy of the cache.
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, ck,
+                        preferred_element_type=jnp.float32) / math.sqrt(hd)
     S = ck.shape[1]
     visible = jnp.arange(S)[None, :] <= (pos + jnp.arange(T))[:, None]     # causal, [T, S]
     scores = jnp.where(visible, scores, -jnp.inf)
@@ -303,7 +318,7 @@ def layer(cfg, axis, norm, x, h, lp, ck, cv, pos):
     mlp = _dot(act * up, lp["w_down"])
     x = jax.lax.psum(mlp, axis) + x                                         # row-parallel
     h = norm(x, lp["next_norm"], cfg.rms_eps)
-    return x, h, ck, cv
+    return x, h, ck_all, cv_all
 
 
 def forward_local(cfg, axis, params, tokens, ck, cv, pos, *, scan: bool, norm=rms_norm):
@@ -314,6 +329,9 @@ def forward_local(cfg, axis, params, tokens, ck, cv, pos, *, scan: bool, norm=rm
     if scan and per_layer:
         raise ValueError("scanned layers take stacked weights (llama.arrange(..., scan=True))")
     gains = [lp["attn_norm"] for lp in layers] if per_layer else None
+    B, T = tokens.shape
+    tables = rope_tables(pos + jnp.arange(T, dtype=jnp.int32)[None, :].repeat(B, 0),
+                         cfg.head_dim, cfg.rope_theta)
     x = jnp.take(params["embed"], tokens, axis=0)
     h = norm(x, gains[0] if per_layer else layers["attn_norm"][0], cfg.rms_eps)
     if scan:
@@ -321,24 +339,23 @@ def forward_local(cfg, axis, params, tokens, ck, cv, pos, *, scan: bool, norm=rm
         stacked = dict(layers, next_norm=jnp.concatenate([layers["attn_norm"][1:],
                                                           params["final_norm"][None]]))
 
+        # The caches ride in the carry (updated in place), not as scanned inputs/outputs
+        # (which would restack, i.e. copy, all of them every step).
         def step(carry, xs):
-            x, h = carry
-            lp, k1, v1 = xs
-            x, h, k1, v1 = layer(cfg, axis, norm, x, h, lp, k1, v1, pos)
-            return (x, h), (k1, v1)
-        (x, h), (ck, cv) = jax.lax.scan(step, (x, h), (stacked, ck, cv))
+            x, h, ck, cv = carry
+            lp, i = xs
+            return layer(cfg, axis, norm, x, h, lp, ck, cv, i, pos, tables), None
+        n = layers["attn_norm"].shape[0]
+        (x, h, ck, cv), _ = jax.lax.scan(step, (x, h, ck, cv),
+                                         (stacked, jnp.arange(n, dtype=jnp.int32)))
     else:
         n = len(layers) if per_layer else layers["attn_norm"].shape[0]
-        ks, vs = [], []
         for i in range(n):
             # Stacked weights work here too, but each slice is a copy per step: see arrange().
             lp = dict(layers[i]) if per_layer else {k: v[i] for k, v in layers.items()}
             lp["next_norm"] = (params["final_norm"] if i == n - 1 else
                                gains[i + 1] if per_layer else layers["attn_norm"][i + 1])
-            x, h, k1, v1 = layer(cfg, axis, norm, x, h, lp, ck[i], cv[i], pos)
-            ks.append(k1)
-            vs.append(v1)
-        ck, cv = jnp.stack(ks), jnp.stack(vs)
+            x, h, ck, cv = layer(cfg, axis, norm, x, h, lp, ck, cv, i, pos, tables)
     logits = jnp.einsum("bth,hv->btv", h, params["lm_head"], preferred_element_type=jnp.float32)
     return logits, ck, cv
 
