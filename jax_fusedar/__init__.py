@@ -1,14 +1,14 @@
 """jax_fusedar: FlashInfer's fused all-reduce + residual add + RMSNorm for JAX (XLA FFI).
 
-The JAX API is loaded lazily so that framework-neutral modules (``jax_fusedar.topology``,
-``jax_fusedar.patterns``, ``jax_fusedar.native``) can be imported, e.g. by ``torch_compat``,
-without importing JAX.
+The JAX API is loaded lazily so that the framework-neutral layer (``jax_fusedar.common``:
+patterns, limits, sizing, native, ...) can be imported, e.g. by ``torch_compat``, without
+importing JAX.
 """
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .patterns import AllReduceFusionPattern, QuantizationSFLayout  # noqa: F401 (no jax)
+from .common.patterns import AllReduceFusionPattern, QuantizationSFLayout  # noqa: F401 (no jax)
 
 _LAZY = {
     "allreduce_fusion": ("api", "allreduce_fusion"),
