@@ -25,7 +25,7 @@ def main() -> dict:
     from jax.sharding import PartitionSpec as P
 
     import jax_fusedar as jf
-    from jax_fusedar import native, topology
+    from jax_fusedar.common import launch_mode, native
     from tests.gpu.harness import draw_case
 
     m, hidden = 4096, 8192
@@ -43,8 +43,8 @@ def main() -> dict:
 
     auto, twoshot = program(None), program(False)
     split, replicated = NamedSharding(mesh, P("tp")), NamedSharding(mesh, P())
-    out = {"backend": ws.backend, "chosen": topology.ALGORITHM_NAMES[
-        topology.choose_algorithm(m, hidden, ws.sizes, None)], "replays": []}
+    out = {"backend": ws.backend, "chosen": launch_mode.ALGORITHM_NAMES[
+        launch_mode.choose_algorithm(m, hidden, ws.sizes, None)], "replays": []}
     for rep in range(3):
         xs, residual, gamma = draw_case(1000 + rep, 2, m, hidden)
         x = jax.device_put(jnp.asarray(np.stack(xs), jnp.bfloat16), split)

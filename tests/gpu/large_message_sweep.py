@@ -18,11 +18,11 @@ import hashlib
 
 import numpy as np
 
-from jax_fusedar import topology
+from jax_fusedar.common import launch_mode
 
-LARGE = topology.ALGORITHM_LARGE_MESSAGE
-TWOSHOT = topology.ALGORITHM_TWOSHOT
-ONESHOT = topology.ALGORITHM_ONESHOT
+LARGE = launch_mode.ALGORITHM_LARGE_MESSAGE
+TWOSHOT = launch_mode.ALGORITHM_TWOSHOT
+ONESHOT = launch_mode.ALGORITHM_ONESHOT
 GROUP = 128
 
 
@@ -58,8 +58,8 @@ def _launch(ws, native, pattern, dtype, m, hidden, x, res, gamma, scale, outs, a
 def worker(rank, world, chan, *, cases, max_tokens, hidden_max, loop_calls, seed):
     import torch
 
-    from jax_fusedar import native
-    from tests import oracle
+    from jax_fusedar.common import native
+    from tests.oracles import oracle
     from tests.gpu.harness import device_for, draw_case
 
     ext = native.require()

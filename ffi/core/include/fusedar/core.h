@@ -27,7 +27,7 @@ extern "C" {
 #define FUSEDAR_ABI_VERSION 2
 #define FUSEDAR_IPC_HANDLE_BYTES 64
 // Each rank shares three buffers with its peers: two-shot data, barrier flags and
-// the Lamport (one-shot) triple buffer. See DESIGN.md §3 for the layout.
+// the Lamport (one-shot) triple buffer; the layout is in docs/architecture.md.
 #define FUSEDAR_SHARED_BUFFERS 3
 
 typedef enum {
@@ -85,7 +85,7 @@ typedef struct {
   const float* scale_factor;  // device pointer (static FP8 / NVFP4 only)
   float rms_eps;
   float weight_bias;  // 0: gamma; 1: (1 + gamma), Gemma style
-  // FUSEDAR_ALGORITHM_*: the caller decides (jax_fusedar/topology.py, choose_algorithm), so
+  // FUSEDAR_ALGORITHM_*: the caller decides (jax_fusedar/common/launch_mode.py, choose_algorithm), so
   // that every rank runs the same algorithm.
   int32_t algorithm;
   int32_t fp32_acc;     // 1: sum ranks in fp32, round once; 0: round after each add

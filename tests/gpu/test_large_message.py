@@ -1,0 +1,87 @@
+"""GPU: the large-message algorithm (ffi/kernels/large_message.h), two ranks in two processes.
+
+It reuses FlashInfer's two-shot math and launch shape, so every output must equal the two-shot
+kernel's bit for bit (quantized outputs and scales included), on both sides of the auto
+crossover; pattern 1 is also held to the float64-oracle bounds of test_gpu_native. Also: the
+same bits on every rank, no unwritten (poisoned) element, CUDA-graph replay, and a loop that
+interleaves it with FlashInfer's one-shot and two-shot calls without host syncs.
+"""
+import json
+import os
+
+import pytest
+
+from jax_fusedar.common import launch_mode, sizing
+from jax_fusedar.common.arguments import env_bool
+
+pytestmark = pytest.mark.gpu
+
+
+def _cases(quick):
+    """(dtype, hidden, tokens, pattern): per hidden size, token counts just below and above the
+    auto crossover (48 MiB per rank at world size 2), a mid size, an odd count (uneven
+    slices) and a tiny one; the two 16-bit dtypes alternate."""
+    world = 2
+    tokens_for = {4096: (37, 5000, 6144), 7168: (1000, 3600), 8192: (5, 2900, 3100)}
+    if quick:
+        tokens_for = {4096: (37,), 7168: (1000,), 8192: (3100,)}
+    cases = []
+    for i, (hidden, m) in enumerate((h, m) for h, ms in tokens_for.items() for m in ms):
+        for pattern in (1, 4, 11, 9):
+            if m > world:
+                cases.append((("bfloat16", "float16")[(i + pattern) % 2], hidden, m, pattern))
+    max_tokens = max(m * h for h, ms in tokens_for.items() for m in ms) // 8192
+    return cases, max_tokens, 8192
+
+
+def test_large_message_two_ranks():
+    pytest.importorskip("torch")
+    from tests.gpu import large_message_sweep
+    from tests.gpu.harness import env_int, run_ranks
+
+    cases, max_tokens, hidden_max = _cases(env_bool("JAX_FUSEDAR_GPU_QUICK"))
+    sizes = sizing.workspace_sizes(2, max_tokens, hidden_max, "bfloat16")
+    assert any(launch_mode.prefers_large_message(m, h, sizes) for _, h, m, _ in cases)
+    assert any(not launch_mode.prefers_large_message(m, h, sizes) for _, h, m, _ in cases)
+    results = run_ranks(large_message_sweep.worker, 2, timeout_s=1200, cases=cases,
+                        max_tokens=max_tokens, hidden_max=hidden_max,
+                        loop_calls=env_int("JAX_FUSEDAR_LOOP_CALLS", 500),
+                        seed=int.from_bytes(os.urandom(4), "little"))
+    out = os.environ.get("JAX_FUSEDAR_REPORT_DIR")
+    if out:
+        with open(os.path.join(out, "large_message.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    print(json.dumps(results, indent=1))
+    assert results[0]["digest"] == results[1]["digest"], "ranks disagree bitwise"
+    for r in results:
+        assert r["cases"] == len(cases)
+        assert r["mismatches"] == [], r["mismatches"]
+        assert r["nan_outputs"] == 0
+        assert r["graph_diffs"] == 0 and r["loop_diffs"] == 0
+        assert r["worst"]["cases"] > 0
+        assert r["worst"]["residual"] <= 1.0 and r["worst"]["norm"] <= 3.0, r["worst"]
+
+
+def test_large_message_through_jax_with_command_buffers():
+    """jit + shard_map, XLA command buffers on: auto picks the large-message algorithm at
+    4096 x 8192 and its outputs equal the forced two-shot kernel's, replay after replay.
+    Worker: tests/gpu/jax_large_message.py, one process driving both GPUs."""
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = dict(os.environ)
+    for var in ("JAX_PLATFORMS", "XLA_FLAGS", "JAX_FUSEDAR_STRICT",
+                "JAX_FUSEDAR_ALLREDUCE_BACKEND", "JAX_FUSEDAR_CHECK_CALLS"):
+        env.pop(var, None)
+    proc = subprocess.run([sys.executable, "-m", "tests.gpu.jax_large_message"], cwd=root,
+                          env=env, capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-4000:] + proc.stderr[-4000:]
+    r = json.loads(lines[-1][len("RESULT "):])
+    print(r)
+    assert r["backend"] == "trtllm" and r["chosen"] == "large", r
+    assert r["auto_attr"] and r["twoshot_attr"], r
+    for replay in r["replays"]:
+        assert replay["same_bits"] == [True, True] and replay["nans"] == 0, r
