@@ -42,8 +42,8 @@ inline constexpr int kMaxRanks = 16;
 
 // Instantiated for 16-bit inputs at world sizes 2, 4 and 8: the sizes where prefill messages
 // are large (float32 inputs and 16 ranks are rare there, and each instantiation costs compile
-// time for every pattern). The policy (jax_fusedar/common/launch_mode.py) never picks it elsewhere and
-// the launch check refuses it.
+// time for every pattern). The policy (jax_fusedar/common/launch_mode.py) never picks it
+// elsewhere and the launch check refuses it.
 inline bool compiled_for(int dtype_bytes, int nranks) {
   return dtype_bytes == 2 && (nranks == 2 || nranks == 4 || nranks == 8);
 }

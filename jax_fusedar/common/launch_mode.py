@@ -1,5 +1,6 @@
 """One-shot (Lamport), two-shot (barrier) or, for large messages, the copy-engine path: which
-all-reduce algorithm a call runs, decided alike on every rank. Framework-neutral (never imports jax or torch).
+all-reduce algorithm a call runs, decided alike on every rank. Framework-neutral (never
+imports jax or torch).
 
 Line references ("ARF L...") are to FlashInfer 0.7.2.post1's
 ``trtllm_allreduce_fusion.cuh``; "AR.py" is its ``comm/trtllm_ar.py``.

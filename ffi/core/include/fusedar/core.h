@@ -85,8 +85,8 @@ typedef struct {
   const float* scale_factor;  // device pointer (static FP8 / NVFP4 only)
   float rms_eps;
   float weight_bias;  // 0: gamma; 1: (1 + gamma), Gemma style
-  // FUSEDAR_ALGORITHM_*: the caller decides (jax_fusedar/common/launch_mode.py, choose_algorithm), so
-  // that every rank runs the same algorithm.
+  // FUSEDAR_ALGORITHM_*: the caller decides (choose_algorithm in
+  // jax_fusedar/common/launch_mode.py), so that every rank runs the same algorithm.
   int32_t algorithm;
   int32_t fp32_acc;     // 1: sum ranks in fp32, round once; 0: round after each add
   int32_t layout;       // NVFP4 scale layout code
