@@ -25,11 +25,25 @@ _LAZY = {
 __all__ = ["AllReduceFusionPattern", "QuantizationSFLayout", *_LAZY]
 
 
+# JAX is an extra (numpy is the only hard dependency), so the package itself imports
+# without it: torch users need only its framework-neutral modules.
+NEEDS_JAX = "jax_fusedar's JAX API needs JAX: pip install 'jax_fusedar[jax]'"
+
+
+def _is_missing_jax(error: ModuleNotFoundError) -> bool:
+    return (error.name or "").split(".")[0] in ("jax", "jaxlib")
+
+
 def __getattr__(name):
     if name in _LAZY:
         import importlib
         module, attr = _LAZY[name]
-        mod = importlib.import_module(f".{module}", __name__)
+        try:
+            mod = importlib.import_module(f".{module}", __name__)
+        except ModuleNotFoundError as e:
+            if _is_missing_jax(e):
+                raise ImportError(f"{NEEDS_JAX} (jax_fusedar.{name}: {e})") from e
+            raise
         value = mod if attr is None else getattr(mod, attr)
         globals()[name] = value
         return value
