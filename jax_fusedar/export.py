@@ -2,7 +2,7 @@
 
 ``jax.export`` refuses custom calls whose targets are not on its list of targets with a
 compatibility guarantee. jax_fusedar's target keeps its own guarantee instead: the name is
-versioned (``jax_fusedar_allreduce_fusion_v1``), its operands, results and attributes never
+versioned (``jax_fusedar_allreduce_fusion_v2``), its operands, results and attributes never
 change under that name (a new layout gets a new name), and the handler re-checks the
 operand and result lists, so an artifact never meets a handler it was not built for.
 ``DISABLED_CHECKS`` states exactly that exemption (for this target only), and ``export``

@@ -1,6 +1,6 @@
 """The JAX primitive behind ``allreduce_fusion``: abstract eval, VMA rule, lowerings.
 
-* ``cuda`` lowering: a custom call to the XLA FFI handler (``jax_fusedar_allreduce_fusion_v1``)
+* ``cuda`` lowering: a custom call to the XLA FFI handler (``jax_fusedar_allreduce_fusion_v2``)
   when the call was cleared for the kernel at trace time, else the reference.
 * every other platform: the reference math (``reference.py``) lowered with ``lower_fun``.
 

@@ -11,6 +11,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(FusedarAllReduceFusionHostHandler);
 
 // Stable, versioned target names: bump the suffix whenever operands, results or
 // attributes change, so a serialized program never meets a handler it was not built for.
-#define FUSEDAR_TARGET_ALLREDUCE_FUSION "jax_fusedar_allreduce_fusion_v1"
+// v2: the attribute use_oneshot (bool) became algorithm (i32, fusedar_algorithm), so an
+// artifact exported with v1 fails to find its handler instead of being misread.
+#define FUSEDAR_TARGET_ALLREDUCE_FUSION "jax_fusedar_allreduce_fusion_v2"
 // Benchmark support: a device-clock stamp ordered by data dependencies (jax_fusedar/timing.py).
 #define FUSEDAR_TARGET_DEVICE_TIMESTAMP "jax_fusedar_device_timestamp_v1"

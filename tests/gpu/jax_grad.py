@@ -133,5 +133,5 @@ def run(jax, jnp, jf, mesh, P, seed, *, dtypes=("bfloat16", "float32"), layers=2
                              np.asarray(a).view(f"u{a.itemsize}")
                              != np.asarray(b).view(f"u{b.itemsize}")))}
         stats[dtype] = {"grads": per, "backend": ws.backend,
-                        "custom_calls": compiled.count("jax_fusedar_allreduce_fusion_v1")}
+                        "custom_calls": compiled.count("jax_fusedar_allreduce_fusion_v2")}
     return stats

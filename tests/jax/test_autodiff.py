@@ -410,7 +410,7 @@ def test_cuda_gradient_keeps_the_kernel_and_adds_no_all_reduce(variant):
     for combine in (fused_combine(ws), unfused_combine()):
         text = jax.jit(jax.grad(loss_fn(mesh, combine, variant))).trace(params, target).lower(
             lowering_platforms=("cuda",)).as_text()
-        counts.append((text.count("@jax_fusedar_allreduce_fusion_v1("),
+        counts.append((text.count("@jax_fusedar_allreduce_fusion_v2("),
                        text.count("all_reduce")))
     (fused_calls, fused_ar), (unfused_calls, unfused_ar) = counts
     runs = 2 if variant == "checkpoint" else 1
