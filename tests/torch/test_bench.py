@@ -537,7 +537,9 @@ def test_modes_force_both_builds_alike_or_say_why():
 
 # --- every variant's call against the real APIs ----------------------------------------------
 
-ANCHOR_SRC = Path("/work/shared/anchor-flashinfer/flashinfer/comm/allreduce.py")
+# FlashInfer's Python source in the anchor folder (fa.resolve_anchor_path: $JAX_FUSEDAR_ANCHOR
+# or <repo>/.anchor/anchor-flashinfer).
+ANCHOR_SRC = fa.resolve_anchor_path() / "flashinfer" / "comm" / "allreduce.py"
 
 
 def _anchor_params(func_name):

@@ -27,9 +27,12 @@ from jax_fusedar.common import (backend_choice, exchange, launch_mode, native, s
 from torch_compat import ops  # noqa: E402
 from torch_compat import workspace as wsmod  # noqa: E402
 from torch_compat.channel import StoreChannel  # noqa: E402
+from tools.flashinfer_anchor import resolve_anchor_path  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-ANCHOR = pathlib.Path("/work/shared/anchor-flashinfer/flashinfer/comm/allreduce.py")
+# FlashInfer's Python source, from the anchor folder the GPU tests use ($JAX_FUSEDAR_ANCHOR or
+# <repo>/.anchor/anchor-flashinfer: tools/flashinfer_anchor.py); skipped where absent.
+ANCHOR = resolve_anchor_path() / "flashinfer" / "comm" / "allreduce.py"
 
 
 # --- signatures ----------------------------------------------------------------------------------
