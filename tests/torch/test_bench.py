@@ -28,7 +28,7 @@ from jax_fusedar.common import launch_mode  # noqa: E402
 from tools import flashinfer_anchor as fa  # noqa: E402
 from torch_compat import bench as bt  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.repo import REPO
 
 
 # --- arguments and the CLI hook --------------------------------------------------------------
