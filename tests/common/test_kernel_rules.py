@@ -858,8 +858,7 @@ def test_large_message_problem_names_the_buffer():
 
 
 def test_algorithm_codes_match_the_core_header():
-    header = (Path(__file__).resolve().parents[2] / "ffi" / "core" / "include" / "fusedar" /
-              "core.h").read_text()
+    header = (REPO / "ffi" / "core" / "include" / "fusedar" / "core.h").read_text()
     for name, code in (("TWOSHOT", launch_mode.ALGORITHM_TWOSHOT), ("ONESHOT", launch_mode.ALGORITHM_ONESHOT),
                        ("LARGE_MESSAGE", launch_mode.ALGORITHM_LARGE_MESSAGE)):
         assert re.search(rf"FUSEDAR_ALGORITHM_{name} = {code},", header), name

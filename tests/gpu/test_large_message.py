@@ -66,16 +66,15 @@ def test_large_message_through_jax_with_command_buffers():
     """jit + shard_map, XLA command buffers on: auto picks the large-message algorithm at
     4096 x 8192 and its outputs equal the forced two-shot kernel's, replay after replay.
     Worker: tests/gpu/jax_large_message.py, one process driving both GPUs."""
-    import pathlib
     import subprocess
     import sys
 
-    root = pathlib.Path(__file__).resolve().parent.parent
+    from tests.repo import REPO
     env = dict(os.environ)
     for var in ("JAX_PLATFORMS", "XLA_FLAGS", "JAX_FUSEDAR_STRICT",
                 "JAX_FUSEDAR_ALLREDUCE_BACKEND", "JAX_FUSEDAR_CHECK_CALLS"):
         env.pop(var, None)
-    proc = subprocess.run([sys.executable, "-m", "tests.gpu.jax_large_message"], cwd=root,
+    proc = subprocess.run([sys.executable, "-m", "tests.gpu.jax_large_message"], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-4000:] + proc.stderr[-4000:]
