@@ -7,12 +7,14 @@
 //     -DFLASHINFER_ENABLE_FP8_E4M3 -DFLASHINFER_ENABLE_FP8_E5M2 -DFLASHINFER_ENABLE_FP4_E2M1 \
 //     -Ithird_party/flashinfer/include -Iffi/kernels -Iffi/core/include \
 //     tools/large_message_bench.cu ffi/kernels/large_resources.cu -o .carry/large_message_bench
-//   .carry/large_message_bench [sweep|decode]
+//   .carry/large_message_bench [sweep|decode|ce]
 //
-// Prints, per size: bit mismatches of the new path against FlashInfer's two-shot (residual_out,
-// norm_out), whether both ranks agree bit for bit, and the median time per call (CUDA-graph
-// replay of 20 calls, device events) of: the new path at several chunk counts, FlashInfer
-// one-shot, two-shot, and the copy-engine floor (the same bytes as memcpys only).
+// sweep prints, per size: bit mismatches of the new path against FlashInfer's two-shot
+// (residual_out, norm_out), whether both ranks agree bit for bit, and the median time per call
+// (CUDA-graph replay of 20 calls, device events) of: the new path at several chunk counts,
+// FlashInfer one-shot, two-shot, and the copy-engine floor (the same bytes as memcpys only).
+// ce does the same for the copy-engine one-shot variant (launch_ce_oneshot below), checked
+// bit for bit against FlashInfer's one-shot kernel; it exits 1 if any check fails.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -62,6 +64,14 @@ __global__ void count_diff(const uint16_t* a, const uint16_t* b, int64_t n,
   atomicAdd(out, c);
 }
 __global__ void empty_kernel() {}
+// Negative zeros at every `every`-th element: planted at the same places in every rank's input
+// and in the residual, the sum of -0s differs between the one-shot kernel (clears -0 first, so
+// +0) and the two-shot kernel (-0), and so do residual_out and norm_out there.
+__global__ void plant_neg_zero(T* p, int64_t n, int64_t every) {
+  for (int64_t i = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) * every; i < n;
+       i += int64_t(gridDim.x) * blockDim.x * every)
+    p[i] = __ushort_as_bfloat16(0x8000);
+}
 
 // One-way NVLink flag latency: rank 0 raises a flag in rank 1, which answers in rank 0, `rounds`
 // times; the round trips over 2 * rounds give the time a peer takes to see a flag.
@@ -222,13 +232,239 @@ cudaError_t launch_sm_gather(const fi::AllReduceFusionParams<T>& params, const l
   return cudaGetLastError();
 }
 
+// --- Variant under study (not in the core): copy-engine one-shot.
+//
+// At world size 2 one-shot and reduce-scatter + all-gather move the same bytes over the link
+// (each rank sends its whole input once), but RS+AG has two dependent transfer phases (the
+// gather can only start once a chunk is reduced), so its pipeline has a long tail. Here there
+// is one transfer phase: the copy engines push this rank's whole input, chunk by chunk, into
+// every peer's receive slot (peer pointers, as the scatter of launch_large does), a one-block
+// kernel raises one flag per chunk in the peer, and the caller's stream, chunk by chunk as the
+// flags arrive, sums all rows of the chunk in rank order and applies FusedOp (residual add,
+// RMSNorm, quantisation) to every row locally. No gather: each rank computes every row.
+//
+// Numerics: bit-identical to FlashInfer's ONE-SHOT kernel (the automatic choice at 2 ranks
+// below its token limit), which differs from the two-shot kernel in two ways:
+//   1. Before the sum it replaces -0 by +0 in every rank's input (remove_neg_zero: -0 is its
+//      Lamport "not arrived" sentinel). The sum of all -0 inputs is then +0, where two-shot
+//      gives -0, and residual_out/norm_out can differ in the sign of zero.
+//   2. RMSNorm's sum of squares is reduced by warp shuffles, then across the warps of a
+//      block, then across the blocks of a cluster in block order: the bits depend on the
+//      (threads per block, cluster size) split of a row. FlashInfer's launcher picks it from
+//      the number of clusters it wants (one per TOKEN in one-shot, one per rank's slice in
+//      two-shot) and from the launched kernel's register count. oneshot_shape() repeats the
+//      launcher's computation for the one-shot kernel.
+// The sum itself is allreduce_sum in rank order (vals[r] = rank r's rows), as in the one-shot
+// kernel, so every rank computes the same bits.
+
+// [q]: rank q's whole input as this rank sees it: the receive slot peer q fills, or
+// params.allreduce_in for q == rank.
+struct CeArgs {
+  lg::FlagsTable flags;
+  int rank;
+  lg::Schedule schedule;  // chunks over all M rows
+  int chunk_begin, chunk_end;
+  int64_t rows;
+  const T* src[lg::kMaxRanks];
+};
+
+template <fi::AllReduceFusionPattern Pattern, typename Tv, int NRanks, bool Fp32Acc>
+__global__ void __launch_bounds__(1024)
+    ce_oneshot_kernel(fi::AllReduceFusionParams<Tv> params, CeArgs a) {
+  static constexpr int VEC = fi::details::kBytesPerAccess / sizeof(Tv);
+  const int rank = a.rank;
+  const lg::RowIndex ix = lg::row_index();
+  const int vec_per_row = params.hidden_dim / VEC;
+  // Row 0's access is always in bounds; update() moves to the row actually handled.
+  fi::FusedOp<Pattern, Tv> fused_op(params, ix.access, ix.access);
+  for (int k = a.chunk_begin; k < a.chunk_end; ++k) {
+    if (threadIdx.x == 0) {
+#pragma unroll
+      for (int q = 0; q < NRanks; ++q)
+        if (q != rank) lg::wait_for(&a.flags.rank[rank]->scattered[q][k], 1u);
+    }
+    __syncthreads();
+    const int64_t begin = lg::chunk_row(0, a.rows, a.schedule, k);
+    const int64_t end = lg::chunk_row(0, a.rows, a.schedule, k + 1);
+    for (int64_t row = begin + ix.token; row < end; row += ix.stride) {
+      const int64_t idx = row * vec_per_row + ix.access;
+      flashinfer::vec_t<Tv, VEC> vals[NRanks];
+#pragma unroll
+      for (int r = 0; r < NRanks; ++r) {
+        vals[r].load(reinterpret_cast<const Tv*>(a.src[r]) + idx * VEC);
+        fi::remove_neg_zero<Tv, VEC>(vals[r]);  // as the one-shot kernel does before pushing
+      }
+      flashinfer::vec_t<Tv, VEC> s = fi::allreduce_sum<Tv, VEC, NRanks, Fp32Acc>(vals);
+      fused_op.update(static_cast<int>(idx));
+      fused_op(s, static_cast<int>(row));
+    }
+  }
+}
+
+// FlashInfer's ONE-SHOT launch shape (allreduce_fusion_kernel_launcher with use_oneshot):
+// one cluster wanted per token, the register count of the one-shot kernel that params
+// selects (trigger_completion_at_end), its FP4 and per-token-group FP8 adjustments. Only the
+// block and cluster sizes matter for the bits (each cluster handles whole rows); the grid is
+// ours (grid_limit keeps SMs free for the flag kernels).
+template <fi::AllReduceFusionPattern Pattern, typename Tv, int NRanks, bool Fp32Acc>
+lg::Shape oneshot_shape(const fi::AllReduceFusionParams<Tv>& p, int sm_count) {
+  static constexpr int VEC = fi::details::kBytesPerAccess / sizeof(Tv);
+  const int cluster_num = p.size / p.hidden_dim;  // one-shot: one cluster per token
+  const int threads_per_token = p.hidden_dim / VEC;
+  static const int max_cluster_size = flashinfer::GetMaxClusterSize(
+      reinterpret_cast<void const*>(
+          fi::allreduce_fusion_kernel_oneshot_lamport<Pattern, Tv, NRanks, Fp32Acc>),
+      128);
+  int cluster = std::min(8, max_cluster_size);
+  while (threads_per_token % cluster != 0 && cluster > 1) cluster /= 2;
+  int tpb = threads_per_token / cluster;
+  while (tpb < 128 && cluster >= 2) {
+    tpb *= 2;
+    cluster /= 2;
+  }
+  const int regs = p.trigger_completion_at_end
+                       ? fi::get_registers_per_thread_oneshot<Pattern, Tv, NRanks, Fp32Acc, true>()
+                       : fi::get_registers_per_thread_oneshot<Pattern, Tv, NRanks, Fp32Acc, false>();
+  static const int max_registers = fi::utils::getSMRegisters();
+  const int max_tpb = std::min(max_registers / regs, 1024);
+  auto adjust_for_sm_count = [&](int& t, int& c) {
+    while (cluster_num * c > sm_count && c > 1 && t <= max_tpb / 2) {
+      t *= 2;
+      c /= 2;
+    }
+  };
+  const int baseline_tpb = tpb, baseline_cluster = cluster;
+  if constexpr (fi::GetQuantType<Pattern> == fi::QuantType::kFP4) {
+    auto try_block = [&](int b) {
+      if (b < 128 || b > max_tpb || threads_per_token % b != 0) return false;
+      const int c = threads_per_token / b;
+      if (c > 8 || (c & (c - 1)) != 0) return false;
+      tpb = b;
+      cluster = c;
+      return true;
+    };
+    if (!try_block(160) && !try_block(192)) (void)try_block(128);
+  }
+  adjust_for_sm_count(tpb, cluster);
+  if (tpb * cluster != threads_per_token) {
+    tpb = baseline_tpb;
+    cluster = baseline_cluster;
+    adjust_for_sm_count(tpb, cluster);
+  }
+  lg::Shape s;
+  if constexpr (fi::GetQuantType<Pattern> == fi::QuantType::kPerTokenGroupFP8Packed) {
+    while (cluster > 1 && (tpb * VEC) % p.block_quant_group_size != 0) {
+      tpb *= 2;
+      cluster /= 2;
+    }
+    s.smem = size_t(tpb) * VEC / p.block_quant_group_size * sizeof(unsigned int);
+  }
+  s.block = tpb;
+  s.cluster = cluster;
+  s.grid_limit = std::max(1, (sm_count - 8) / cluster);
+  return s;
+}
+
+// copy_streams: 1 pushes each chunk with one cudaMemcpyAsync per peer on the copy stream; 2
+// splits each chunk's rows in halves over the copy and gather streams (the "copies only"
+// floor uses two streams). persistent: one compute launch that walks the chunks as their
+// flags arrive, else one launch per chunk.
+template <fi::AllReduceFusionPattern Pattern, typename Tv, int NRanks, bool Fp32Acc>
+cudaError_t launch_ce_oneshot(const fi::AllReduceFusionParams<Tv>& params,
+                              const lg::Resources& res, const lg::Schedule& sched,
+                              int copy_streams, bool persistent) {
+  const int rank = params.rank;
+  const int64_t H = params.hidden_dim, M = params.size / params.hidden_dim;
+  const int64_t row_bytes = H * int64_t(sizeof(Tv));
+  // Rank p's receive slot for sender q: M rows at q * M rows into p's two-shot buffer
+  // (N * max_tokens rows, so it fits whenever the call does).
+  auto recv_slot = [&](int p, int q) { return res.buffers[p] + q * M * row_bytes; };
+  cudaStream_t s = params.stream;
+  CeArgs a{};
+  a.flags = res.flags;
+  a.rank = rank;
+  a.schedule = sched;
+  a.rows = M;
+  for (int q = 0; q < NRanks; ++q)
+    a.src[q] = q == rank ? static_cast<const Tv*>(params.allreduce_in)
+                         : reinterpret_cast<const Tv*>(recv_slot(rank, q));
+  const lg::Shape shape = oneshot_shape<Pattern, Tv, NRanks, Fp32Acc>(params, res.sm_count);
+
+  cudaError_t err = lg::launch_enter(res, s, rank, NRanks);
+  if (err != cudaSuccess) return err;
+  cudaEventRecord(res.fork, s);
+  cudaStreamWaitEvent(res.copy, res.fork, 0);
+  if (copy_streams > 1) cudaStreamWaitEvent(res.gather, res.fork, 0);
+  cudaStreamWaitEvent(res.signal, res.fork, 0);
+  const char* input = static_cast<const char*>(params.allreduce_in);
+  int64_t max_chunk_rows = 0;
+  for (int k = 0; k < sched.chunks; ++k) {
+    const int64_t b = lg::chunk_row(0, M, sched, k), e = lg::chunk_row(0, M, sched, k + 1);
+    max_chunk_rows = std::max(max_chunk_rows, e - b);
+    const int64_t mid = copy_streams > 1 ? b + (e - b) / 2 : e;
+    for (int j = 1; j < NRanks; ++j) {
+      const int p = (rank + j) % NRanks;
+      if (mid > b)
+        cudaMemcpyAsync(recv_slot(p, rank) + b * row_bytes, input + b * row_bytes,
+                        (mid - b) * row_bytes, cudaMemcpyDeviceToDevice, res.copy);
+      if (e > mid)
+        cudaMemcpyAsync(recv_slot(p, rank) + mid * row_bytes, input + mid * row_bytes,
+                        (e - mid) * row_bytes, cudaMemcpyDeviceToDevice, res.gather);
+    }
+    cudaEventRecord(res.scattered[k], res.copy);
+    cudaStreamWaitEvent(res.signal, res.scattered[k], 0);
+    if (copy_streams > 1) {
+      cudaEventRecord(res.gathered[k], res.gather);
+      cudaStreamWaitEvent(res.signal, res.gathered[k], 0);
+    }
+    if ((err = lg::launch_signal(res, res.signal, rank, NRanks, 0, k)) != cudaSuccess) return err;
+  }
+  auto launch_chunks = [&](int k0, int k1, int64_t rows) {
+    a.chunk_begin = k0;
+    a.chunk_end = k1;
+    const int clusters = int(std::max<int64_t>(1, std::min<int64_t>(rows, shape.grid_limit)));
+    cudaLaunchConfig_t cfg{};
+    cudaLaunchAttribute attr[1];
+    cfg.gridDim = dim3(clusters * shape.cluster);
+    cfg.blockDim = dim3(shape.block);
+    cfg.dynamicSmemBytes = shape.smem;
+    cfg.stream = s;
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = shape.cluster;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, ce_oneshot_kernel<Pattern, Tv, NRanks, Fp32Acc>, params, a);
+  };
+  if (persistent) {
+    if ((err = launch_chunks(0, sched.chunks, max_chunk_rows)) != cudaSuccess) return err;
+  } else {
+    for (int k = 0; k < sched.chunks; ++k) {
+      const int64_t rows = lg::chunk_row(0, M, sched, k + 1) - lg::chunk_row(0, M, sched, k);
+      if ((err = launch_chunks(k, k + 1, rows)) != cudaSuccess) return err;
+    }
+  }
+  // Join: the call ends on `s` only when our copies into the peers and our flag stores are
+  // done (the caller may then overwrite its input).
+  cudaEventRecord(res.copy_done, res.copy);
+  cudaStreamWaitEvent(s, res.copy_done, 0);
+  if (copy_streams > 1) {
+    cudaEventRecord(res.gather_done, res.gather);
+    cudaStreamWaitEvent(s, res.gather_done, 0);
+  }
+  cudaEventRecord(res.signal_done, res.signal);
+  cudaStreamWaitEvent(s, res.signal_done, 0);
+  return cudaGetLastError();
+}
+
 constexpr int kMaxTok = 8192, kMaxHidden = 8192;
 
 struct Rank {
   int dev;
   cudaStream_t s;
   T *in, *res, *gamma;
-  T* out[4][2];  // algo x {residual_out, norm_out}
+  T* out[5][2];  // slot x {residual_out, norm_out}: 0 large, 1 one-shot, 2 two-shot, 3 spare, 4 CE one-shot
   char* twoshot;
   int* flags_fi;
   lg::Flags* flags_large;
@@ -294,10 +530,15 @@ void setup() {
 }
 
 std::vector<int> g_weights = {1, 1, 1, 1};
+// Copy-engine one-shot (algo 10): copy streams per rank (1 or 2), one persistent compute
+// launch or one launch per chunk.
+int g_ce_streams = 2;
+bool g_ce_persistent = true;
 
 
 // algo: 0 large-message, 1 FI one-shot, 2 FI two-shot,
-// 3 copy-engine floor (memcpys only), 4 empty kernel
+// 3 copy-engine floor (memcpys only, two streams), 4 empty kernel, 8 FI one-shot without PDL,
+// 9 SM-gather variant, 10 copy-engine one-shot, 11 copy-engine floor on one stream
 void launch(int algo, int r, int64_t M, int64_t H, int chunks) {
   Rank& k = R[r];
   fi::AllReduceFusionParams<T> p{};
@@ -308,7 +549,7 @@ void launch(int algo, int r, int64_t M, int64_t H, int chunks) {
   p.workspace = k.table;
   p.allreduce_in = k.in;
   p.residual_in = k.res;
-  int o = (algo == 0 || algo == 9) ? 0 : (algo == 8 ? 1 : (algo <= 2 ? algo : 3));
+  int o = (algo == 0 || algo == 9) ? 0 : (algo == 8 ? 1 : (algo <= 2 ? algo : (algo == 10 ? 4 : 3)));
   p.residual_out = k.out[o][0];
   p.norm_out = k.out[o][1];
   p.rms_gamma = k.gamma;
@@ -318,7 +559,25 @@ void launch(int algo, int r, int64_t M, int64_t H, int chunks) {
   p.stream = k.s;
   p.pattern = kPattern;
   p.trigger_completion_at_end = true;
-  if (algo == 9) {
+  if (algo == 10) {
+    std::vector<int> w = g_weights;
+    if (chunks > 0) w.assign(chunks, 1);
+    CK((launch_ce_oneshot<kPattern, T, N, true>(p, k.res_large, lg::make_schedule(w.data(), int(w.size())),
+                                                g_ce_streams, g_ce_persistent)));
+  } else if (algo == 11) {
+    // The copy-engine one-shot's bytes (the whole input to the peer) on one stream.
+    const int64_t bytes = M * H * 2;
+    const lg::Resources& res = k.res_large;
+    CK(cudaEventRecord(res.fork, k.s));
+    CK(cudaStreamWaitEvent(res.copy, res.fork, 0));
+    for (int c = 0; c < chunks; ++c) {
+      int64_t b = bytes * c / chunks, e = bytes * (c + 1) / chunks;
+      CK(cudaMemcpyAsync(R[1 - r].twoshot + b, (char*)k.in + b, e - b, cudaMemcpyDeviceToDevice,
+                         res.copy));
+    }
+    CK(cudaEventRecord(res.copy_done, res.copy));
+    CK(cudaStreamWaitEvent(k.s, res.copy_done, 0));
+  } else if (algo == 9) {
     std::vector<int> w = g_weights;
     if (chunks > 0) w.assign(chunks, 1);
     CK(launch_sm_gather<N>(p, k.res_large, lg::make_schedule(w.data(), int(w.size())), k.ctas_done));
@@ -487,9 +746,135 @@ void check(int64_t M, int64_t H, int chunks, uint32_t seed) {
          diff(0, R[0].out[2][1], R[0].out[1][1], M * H), ranks);
 }
 
+// The copy-engine one-shot against FlashInfer's one-shot (must be 0 bits apart) and two-shot
+// kernels, on both ranks, for each (copy streams, persistent, chunks) configuration; every
+// output poisoned (NaN) before each run. With neg_zero_every > 0, -0s are planted in the inputs
+// and residual so that one-shot and two-shot differ there (the "two-shot vs one-shot" count).
+bool check_ce(int64_t M, int64_t H, uint32_t seed, int64_t neg_zero_every) {
+  const int64_t n = M * H;
+  for (int r = 0; r < N; ++r) {
+    CK(cudaSetDevice(r));
+    fill_random<<<1024, 256>>>(R[r].in, n, seed + 17 * r);
+    fill_random<<<1024, 256>>>(R[r].res, n, seed + 1000);  // replicated residual
+    fill_random<<<64, 256>>>(R[r].gamma, H, seed + 2000);
+    if (neg_zero_every > 0) {
+      plant_neg_zero<<<1024, 256>>>(R[r].in, n, neg_zero_every);
+      plant_neg_zero<<<1024, 256>>>(R[r].res, n, neg_zero_every);
+    }
+    for (int a : {1, 2, 4})
+      for (int x = 0; x < 2; ++x) CK(cudaMemset(R[r].out[a][x], 0xff, n * 2));
+    CK(cudaDeviceSynchronize());
+  }
+  for (int algo : {2, 1}) {
+    for (int r = 0; r < N; ++r) {
+      CK(cudaSetDevice(r));
+      launch(algo, r, M, H, 0);
+    }
+    for (int r = 0; r < N; ++r) {
+      CK(cudaSetDevice(r));
+      CK(cudaStreamSynchronize(R[r].s));
+    }
+  }
+  unsigned long long fi_res = 0, fi_norm = 0;
+  for (int r = 0; r < N; ++r) {
+    fi_res += diff(r, R[r].out[2][0], R[r].out[1][0], n);
+    fi_norm += diff(r, R[r].out[2][1], R[r].out[1][1], n);
+  }
+  printf("check_ce M=%lld H=%lld neg_zero_every=%lld: FI two-shot vs one-shot res %llu norm %llu\n",
+         (long long)M, (long long)H, (long long)neg_zero_every, fi_res, fi_norm);
+  bool ok = true;
+  struct Cfg { int streams; bool persistent; int chunks; };
+  for (Cfg c : {Cfg{2, true, 4}, Cfg{2, true, 8}, Cfg{2, true, 2}, Cfg{1, true, 4}, Cfg{2, false, 4},
+                Cfg{2, true, 16}, Cfg{2, true, 3}}) {
+    g_ce_streams = c.streams;
+    g_ce_persistent = c.persistent;
+    for (int r = 0; r < N; ++r) {
+      CK(cudaSetDevice(r));
+      for (int x = 0; x < 2; ++x) CK(cudaMemset(R[r].out[4][x], 0xff, n * 2));
+      CK(cudaDeviceSynchronize());
+    }
+    for (int r = 0; r < N; ++r) {
+      CK(cudaSetDevice(r));
+      launch(10, r, M, H, c.chunks);
+    }
+    for (int r = 0; r < N; ++r) {
+      CK(cudaSetDevice(r));
+      CK(cudaStreamSynchronize(R[r].s));
+    }
+    unsigned long long one_res = 0, one_norm = 0, two_res = 0, two_norm = 0;
+    for (int r = 0; r < N; ++r) {
+      one_res += diff(r, R[r].out[4][0], R[r].out[1][0], n);
+      one_norm += diff(r, R[r].out[4][1], R[r].out[1][1], n);
+      two_res += diff(r, R[r].out[4][0], R[r].out[2][0], n);
+      two_norm += diff(r, R[r].out[4][1], R[r].out[2][1], n);
+    }
+    CK(cudaSetDevice(0));
+    T* tmp;
+    CK(cudaMalloc(&tmp, n * 2 * 2));
+    CK(cudaMemcpyPeer(tmp, 0, R[1].out[4][0], 1, n * 2));
+    CK(cudaMemcpyPeer(tmp + n, 0, R[1].out[4][1], 1, n * 2));
+    const unsigned long long ranks = diff(0, tmp, R[0].out[4][0], n) + diff(0, tmp + n, R[0].out[4][1], n);
+    CK(cudaFree(tmp));
+    const bool pass = one_res == 0 && one_norm == 0 && ranks == 0;
+    ok = ok && pass;
+    printf("  ce streams=%d %s chunks=%-2d: vs one-shot res %llu norm %llu | vs two-shot res %llu norm %llu"
+           " | rank1 vs rank0 %llu | %s\n",
+           c.streams, c.persistent ? "persistent" : "per-chunk ", c.chunks, one_res, one_norm, two_res,
+           two_norm, ranks, pass ? "OK" : "MISMATCH");
+  }
+  g_ce_streams = 2;
+  g_ce_persistent = true;
+  return ok;
+}
+
 int main(int argc, char** argv) {
+  // Line-buffered even into a file: a run cut short by `timeout` keeps every finished line.
+  setvbuf(stdout, nullptr, _IOLBF, 0);
   std::string mode = argc > 1 ? argv[1] : "sweep";
   setup();
+  if (mode == "ce") {
+    // The copy-engine one-shot: bit checks against FlashInfer's kernels, then timings next to
+    // the large-message path, FlashInfer's kernels and the copy floors (CUDA-graph replay of
+    // 20 calls, median of 7, us per call).
+    bool ok = true;
+    ok &= check_ce(4096, 8192, 11, 0);
+    ok &= check_ce(4096, 8192, 12, 97);
+    ok &= check_ce(1000, 4096, 13, 0);
+    ok &= check_ce(8191, 8192, 14, 0);
+    ok &= check_ce(1024, 7168, 15, 89);
+    ok &= check_ce(3, 4096, 16, 0);
+    printf("ce checks: %s\n", ok ? "ALL OK (bit-identical to FlashInfer one-shot on both ranks)" : "FAILED");
+    printf("eager ce 4096x8192 P4: %.1f us/call\n", time_eager(10, 4096, 8192, 4));
+    struct V { const char* name; int algo; int streams; bool persistent; int chunks; };
+    const std::vector<V> vs = {
+        {"U4", 0, 2, true, 4},     {"ceP2", 10, 2, true, 2},  {"ceP4", 10, 2, true, 4},
+        {"ceP8", 10, 2, true, 8},  {"ceP16", 10, 2, true, 16}, {"ceL4", 10, 2, false, 4},
+        {"ceL8", 10, 2, false, 8}, {"ce1sP4", 10, 1, true, 4}, {"ce1sP8", 10, 1, true, 8}};
+    printf("U4: large-message path (RS+AG, 4 chunks); ceP<k>: CE one-shot, 2 copy streams, one persistent\n"
+           "compute launch, k chunks; ceL<k>: one launch per chunk; ce1s: 1 copy stream; floor2/floor1: the\n"
+           "whole input to the peer as plain copies on 2 streams / 1 stream (floor2 = 'copies only')\n");
+    printf("%6s %6s |", "M", "H");
+    for (auto& v : vs) printf(" %7s", v.name);
+    printf(" | %7s %7s | %7s %7s\n", "oneshot", "twoshot", "floor2", "floor1");
+    for (int64_t H : {4096, 8192}) {
+      for (int64_t M : {1024, 2048, 4096, 8192}) {
+        printf("%6lld %6lld |", (long long)M, (long long)H);
+        for (auto& v : vs) {
+          g_weights.assign(v.chunks, 1);
+          g_ce_streams = v.streams;
+          g_ce_persistent = v.persistent;
+          printf(" %7.1f", time_algo(v.algo, M, H, 0));
+          fflush(stdout);
+        }
+        g_weights = {1, 1, 1, 1};
+        g_ce_streams = 2;
+        g_ce_persistent = true;
+        printf(" | %7.1f %7.1f | %7.1f %7.1f\n", time_algo(1, M, H, 0), time_algo(2, M, H, 0),
+               time_algo(3, M, H, 1), time_algo(11, M, H, 1));
+      }
+    }
+    return ok ? 0 : 1;
+  }
   if (mode == "decode") {
     // Where the time of a decode-size call goes (CUDA-graph replay of 50 back-to-back calls).
     for (int64_t H : {4096, 8192}) {
