@@ -25,6 +25,10 @@
 #include <string>
 #include <vector>
 
+// FlashInfer's header as shipped, without the core build's generated headers: on main (issue
+// 17) flashinfer_kernel.cuh includes the bounded-wait hooks and the generated register table
+// unless this is defined. The harness compares against FlashInfer's own kernels.
+#define FUSEDAR_UNHOOKED_PROBE
 #include "large_message.cuh"
 
 namespace fi = flashinfer::trtllm_allreduce_fusion;
