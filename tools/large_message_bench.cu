@@ -784,8 +784,19 @@ bool check_ce(int64_t M, int64_t H, uint32_t seed, int64_t neg_zero_every) {
     fi_res += diff(r, R[r].out[2][0], R[r].out[1][0], n);
     fi_norm += diff(r, R[r].out[2][1], R[r].out[1][1], n);
   }
-  printf("check_ce M=%lld H=%lld neg_zero_every=%lld: FI two-shot vs one-shot res %llu norm %llu\n",
-         (long long)M, (long long)H, (long long)neg_zero_every, fi_res, fi_norm);
+  // The block x cluster split of a row (RMSNorm's reduction order) of each launch shape.
+  CK(cudaSetDevice(0));
+  fi::AllReduceFusionParams<T> sp{};
+  sp.nranks = N;
+  sp.size = int(n);
+  sp.hidden_dim = int(H);
+  sp.trigger_completion_at_end = true;
+  const lg::Shape one = oneshot_shape<kPattern, T, N, true>(sp, R[0].res_large.sm_count);
+  const lg::Shape two = lg::twoshot_shape<kPattern, T, N, true>(sp, R[0].res_large.sm_count);
+  printf("check_ce M=%lld H=%lld neg_zero_every=%lld: FI two-shot vs one-shot res %llu norm %llu | "
+         "row split one-shot %dx%d two-shot %dx%d (threads x cluster)\n",
+         (long long)M, (long long)H, (long long)neg_zero_every, fi_res, fi_norm, one.block, one.cluster,
+         two.block, two.cluster);
   bool ok = true;
   struct Cfg { int streams; bool persistent; int chunks; };
   for (Cfg c : {Cfg{2, true, 4}, Cfg{2, true, 8}, Cfg{2, true, 2}, Cfg{1, true, 4}, Cfg{2, false, 4},
