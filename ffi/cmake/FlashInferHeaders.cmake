@@ -9,9 +9,10 @@
 #      route for JAX-only users who do not want flashinfer's heavy dependencies).
 #
 # The copy in the build tree marks six free functions of trtllm_allreduce_fusion.cuh
-# `inline`: the header defines them non-inline, so two translation units including it
-# fail to link with duplicate strong symbols. The patch checks that each definition
-# appears exactly as expected, so a changed header fails the build loudly.
+# `inline` (the header defines them non-inline, so two translation units including it
+# fail to link with duplicate strong symbols) and bounds every wait loop of the kernel
+# (ffi/core/watchdog.h). Each patch checks that its text appears exactly as often as
+# expected, so a changed header fails the build loudly.
 set(FUSEDAR_FLASHINFER_VERSION "0.7.2.post1")
 
 function(_fusedar_find_flashinfer_include out_var)
@@ -88,6 +89,44 @@ function(fusedar_prepare_flashinfer_headers out_include_dir)
   _fusedar_patch(text "template <>\n__device__ bool is_negative_zero<"
                  "template <>\n__device__ inline bool is_negative_zero<" 4
                  "is_negative_zero<> specialisations")
+  # Bounded waits (ffi/core/watchdog.h, ffi/kernels/wait_hooks.cuh, included first): every
+  # wait loop of the kernel reads the clock every so many spins and traps past the
+  # workspace's timeout. The loops' conditions and the data they read are unchanged.
+  #  - comm constructors: block 0 counts the call (the call number in the failure record);
+  _fusedar_patch(text "    if (threadIdx.x == 0) {\n      atomicAdd(counter_ptr, 1);\n    }"
+                 "    if (threadIdx.x == 0) {\n      atomicAdd(counter_ptr, 1);\n      ::fusedar_wait::count_call(counter_ptr);\n    }"
+                 2 "the comm constructors' counter increment")
+  #  - SyncComm/LamportComm::update: the grid-counter wait, given the call's context;
+  _fusedar_patch(text "  __device__ __forceinline__ void update(int new_flag_value) {"
+                 "  template <class FusedarCtx>\n  __device__ __forceinline__ void update(int new_flag_value, FusedarCtx const& fusedar_ctx) {"
+                 1 "SyncComm::update")
+  _fusedar_patch(text "  __device__ __forceinline__ void update(int new_clear_size) {"
+                 "  template <class FusedarCtx>\n  __device__ __forceinline__ void update(int new_clear_size, FusedarCtx const& fusedar_ctx) {"
+                 1 "LamportComm::update")
+  _fusedar_patch(text "      while (*reinterpret_cast<int volatile*>(counter_ptr) != gridDim.x) {\n      }"
+                 "      ::fusedar_wait::spin(fusedar_ctx, ::fusedar::watchdog::kGrid, -1, int(gridDim.x), [&] {\n        return *reinterpret_cast<int volatile*>(counter_ptr) != gridDim.x;\n      });"
+                 2 "the grid-counter wait loops")
+  _fusedar_patch(text "  comm.update(params.size * NRanks);"
+                 "  comm.update(params.size * NRanks, FUSEDAR_WAIT_CTX(true));" 1
+                 "the one-shot kernel's comm.update")
+  _fusedar_patch(text "  comm.update(barrier.m_flag_value);"
+                 "  comm.update(barrier.m_flag_value, FUSEDAR_WAIT_CTX(false));" 1
+                 "the two-shot kernel's comm.update")
+  #  - Barrier::sync: thread t < NRanks waits for rank t's flag;
+  _fusedar_patch(text "  __device__ __forceinline__ void sync() {"
+                 "  template <class FusedarCtx>\n  __device__ __forceinline__ void sync(FusedarCtx const& fusedar_ctx) {"
+                 1 "Barrier::sync")
+  _fusedar_patch(text "      while (ld_flag(m_current_flag) == prev_flag(m_flag_value)) {\n      }"
+                 "      ::fusedar_wait::spin(fusedar_ctx, ::fusedar::watchdog::kBarrier, int(threadIdx.x), int(blockIdx.x), [&] {\n        return ld_flag(m_current_flag) == prev_flag(m_flag_value);\n      });"
+                 1 "the barrier wait loop")
+  _fusedar_patch(text "  barrier.sync();" "  barrier.sync(FUSEDAR_WAIT_CTX(false));" 2
+                 "the two-shot kernel's barrier.sync calls")
+  #  - the one-shot Lamport poll: the missing peer is the one whose slot still holds -0.0.
+  _fusedar_patch(text "    bool done = false;\n" "    bool done = false;\n    FUSEDAR_WAIT_STATE\n" 1
+                 "the Lamport poll's state")
+  _fusedar_patch(text "        done &= !has_neg_zero<T, VEC_SIZE>(vals[r]);\n      }\n    }\n"
+                 "        done &= !has_neg_zero<T, VEC_SIZE>(vals[r]);\n      }\n      FUSEDAR_WAIT_LAMPORT_TICK\n    }\n"
+                 1 "the Lamport poll loop")
   set(patched "${dst}/flashinfer/comm/trtllm_allreduce_fusion.cuh")
   # Write through configure_file(COPYONLY) so an unchanged header keeps its timestamp
   # and a re-configure does not recompile every kernel.
