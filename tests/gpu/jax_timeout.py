@@ -1,4 +1,4 @@
-"""Per-process body of the JAX bounded-wait test (tests/test_gpu_timeout.py): two
+"""Per-process body of the JAX bounded-wait test (tests/gpu/test_timeout.py): two
 `jax.distributed` processes, one GPU each, a workspace with timeout_s=TIMEOUT_S. Both run one
 good jitted call (checked against the float64 oracle); then rank 1 stops calling and rank
 0's next call must raise from the computation (XLA's generic CUDA error, re-raised by

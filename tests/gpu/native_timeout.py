@@ -116,7 +116,7 @@ def _failing_call(ws, pattern, m, oneshot, rank, device, seed, world, torch):
 def worker(rank, world, chan, *, case, seed):
     import torch
 
-    from jax_fusedar import native
+    from jax_fusedar.common import native
 
     ext = native.require()
     device = rank % max(1, torch.cuda.device_count())
