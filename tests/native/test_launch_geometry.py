@@ -17,8 +17,8 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-TOOL = ROOT / "tools" / "launch_registers.py"
+from tests.repo import REPO  # noqa: E402
+TOOL = REPO / "tools" / "launch_registers.py"
 _spec = importlib.util.spec_from_file_location("launch_registers", TOOL)
 launch_registers = importlib.util.module_from_spec(_spec)
 sys.modules["launch_registers"] = launch_registers
@@ -64,7 +64,7 @@ def test_header_round_trip_keeps_every_count():
 
 
 def _build_dir() -> pathlib.Path | None:
-    candidates = [os.environ.get("JAX_FUSEDAR_BUILD_DIR"), ROOT / "build" / "dev"]
+    candidates = [os.environ.get("JAX_FUSEDAR_BUILD_DIR"), REPO / "build" / "dev"]
     for c in candidates:
         if c and list(pathlib.Path(c).glob("ffi/core/kernels/unhooked_*.cubin")):
             return pathlib.Path(c)
@@ -72,7 +72,7 @@ def _build_dir() -> pathlib.Path | None:
 
 
 def test_built_library_keeps_flashinfer_launch_geometry():
-    core = ROOT / "jax_fusedar" / "libfusedar_core.so"
+    core = REPO / "jax_fusedar" / "libfusedar_core.so"
     build = _build_dir()
     if build is None or not core.exists():
         pytest.skip("needs a core built here with its build tree (./dev setup)")

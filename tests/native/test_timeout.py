@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 
 from jax_fusedar.common import call_check, native, sizing, tp_groups  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests.repo import REPO  # noqa: E402
 
 
 # --- option parsing -----------------------------------------------------------------------------
@@ -290,7 +290,7 @@ def test_torch_bench_table_shows_the_on_off_ratio():
 # --- the build: FlashInfer's wait loops are hooked ----------------------------------------------
 
 
-HEADER = ROOT / "third_party" / "flashinfer" / "include"
+HEADER = REPO / "third_party" / "flashinfer" / "include"
 
 
 def test_the_build_hooks_every_wait_loop(tmp_path):
@@ -304,9 +304,9 @@ def test_the_build_hooks_every_wait_loop(tmp_path):
     script = tmp_path / "patch.cmake"
     script.write_text(
         f'set(CMAKE_BINARY_DIR "{tmp_path}")\n'
-        f'set(PROJECT_SOURCE_DIR "{ROOT}")\n'
+        f'set(PROJECT_SOURCE_DIR "{REPO}")\n'
         f'set(FLASHINFER_INCLUDE_DIR "{include}")\n'
-        f'include("{ROOT}/ffi/cmake/FlashInferHeaders.cmake")\n'
+        f'include("{REPO}/ffi/cmake/FlashInferHeaders.cmake")\n'
         'fusedar_prepare_flashinfer_headers(out out_unhooked)\n')
     run = subprocess.run(["cmake", "-P", str(script)], capture_output=True, text=True,
                          timeout=120)
@@ -391,7 +391,7 @@ def test_failure_messages_name_the_peer(tmp_path):
     src = tmp_path / "host_timeout.cu"
     src.write_text(HOST_PROGRAM)
     exe = tmp_path / "host_timeout"
-    core = ROOT / "ffi" / "core"
+    core = REPO / "ffi" / "core"
     cmd = [nvcc, "-std=c++17", "-arch=sm_90a", f"-I{core}", f"-I{core / 'include'}",
            str(src), str(core / "call_check.cu"), str(core / "status.cpp"), "-o", str(exe)]
     build = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
