@@ -25,7 +25,7 @@ def worker(rank, world, chan, *, port, seed):
     from jax.sharding import PartitionSpec as P
 
     import jax_fusedar as jf
-    from tests import oracle
+    from tests.oracles import oracle
     from tests.gpu.harness import draw_case
 
     mesh = Mesh(np.array(jax.devices()), ("tp",))
