@@ -202,7 +202,7 @@ def test_jax_build_passes_the_option_to_every_native_rank(monkeypatch):
         def finalize(self):
             pass
 
-        def call_check_failure(self):
+        def failure(self):
             return "rank failed" if made[0]["check_calls"] else ""
 
     class FakeExt:
@@ -226,8 +226,8 @@ def test_jax_build_passes_the_option_to_every_native_rank(monkeypatch):
         backend="trtllm", workspace_id=99, groups=[tp_groups.TPGroup((0, 1), 0)], sizes=sizes,
         check_calls=True, check_timeout_s=7.0)
     jws._build_native(ws, 5.0)
-    assert made == [dict(device=0, rank=0, check_calls=True, check_timeout_s=7.0),
-                    dict(device=1, rank=1, check_calls=True, check_timeout_s=7.0)]
+    assert made == [dict(device=0, rank=0, check_calls=True, check_timeout_s=7.0, timeout_s=30.0),
+                    dict(device=1, rank=1, check_calls=True, check_timeout_s=7.0, timeout_s=30.0)]
     assert "check_calls" in repr(ws)
     assert ws.call_check_failures() == ["rank failed", "rank failed"]
 
@@ -338,7 +338,7 @@ def test_extension_exposes_the_option():
         pytest.skip("native extension not built")
     doc = native.ext.Rank.__init__.__doc__
     assert "check_calls: bool = False" in doc and "check_timeout_s: float = 30.0" in doc, doc
-    for attr in ("check_calls", "check_timeout_s", "call_check_failure"):
+    for attr in ("check_calls", "check_timeout_s", "call_check_failure", "failure"):
         assert hasattr(native.ext.Rank, attr)
 
 
@@ -370,8 +370,8 @@ int main() {
   char buf[1024];
   fusedar_rank_call_check_failure(&r, buf, sizeof buf);
   std::printf("unchecked=[%s]\n", buf);
-  Diag d{};
-  r.check_diag = &d;
+  Record d{};
+  r.record = &d;
   fusedar_rank_call_check_failure(&r, buf, sizeof buf);
   std::printf("clean=[%s]\n", buf);
   Signature mine = signature_of(args(1, FUSEDAR_BFLOAT16, 16, 4096, 1, 1, 0, 0));
@@ -389,7 +389,7 @@ int main() {
   char small[16];
   fusedar_rank_call_check_failure(&r, small, sizeof small);
   std::printf("truncated=[%s]\n", small);
-  r.check_diag = nullptr;  // not owned
+  r.record = nullptr;  // not owned
   return 0;
 }
 """
