@@ -4,17 +4,14 @@ Rank, and the native core's host-side pieces (signature packing, the failure mes
 compiled with nvcc into a small host program. The handshake kernel itself runs only in
 tests/gpu/test_topology.py."""
 import json
-import os
-import shutil
-import subprocess
 import threading
 
 import numpy as np
 import pytest
 
 from jax_fusedar.common import call_check, exchange, join, native, sizing, tp_groups
+from tests.native.host_program import run_host_program
 
-from tests.repo import REPO
 
 
 # --- option parsing -----------------------------------------------------------------------------
@@ -395,29 +392,11 @@ int main() {
 """
 
 
-def _nvcc():
-    return shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc"
-                                    if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
-
-
 def test_core_signature_and_failure_messages(tmp_path):
-    nvcc = _nvcc()
-    if nvcc is None:
-        pytest.skip("nvcc not found")
-    src = tmp_path / "host_check.cu"
-    src.write_text(HOST_PROGRAM)
-    exe = tmp_path / "host_check"
-    core = REPO / "ffi" / "core"
-    cmd = [nvcc, "-std=c++17", "-arch=sm_90a", f"-I{core}", f"-I{core / 'include'}",
-           str(src), str(core / "call_check.cu"), str(core / "status.cpp"), "-o", str(exe)]
-    build = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert build.returncode == 0, build.stderr[-3000:]
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0, run.stderr
-    lines = dict(line.split("=", 1) for line in run.stdout.splitlines())
+    lines = run_host_program(tmp_path, "host_check", HOST_PROGRAM)
     # pattern 9 | bf16 (2) << 8 | one-shot << 16 | fp32_acc << 17 | layout 2 << 24 | 128 << 32
     assert lines["word"].split()[0] == f"{9 | 2 << 8 | 1 << 16 | 1 << 17 | 2 << 24 | 128 << 32:x}"
-    assert "tokens=16 hidden=7168" in run.stdout
+    assert any("tokens=16 hidden=7168" in text for text in lines.values())
     # FlashInfer's flags (4 ranks x 256 x 4 bytes) then 2 banks x 4 ranks x 32-byte slots.
     assert lines["offset"] == "4096 bytes=256 alloc=4352"
     assert lines["unchecked"] == "[]" and lines["clean"] == "[]"

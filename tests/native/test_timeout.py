@@ -20,6 +20,7 @@ import pytest  # noqa: E402
 
 from jax_fusedar.common import call_check, native, sizing, tp_groups  # noqa: E402
 
+from tests.native.host_program import run_host_program  # noqa: E402
 from tests.repo import REPO  # noqa: E402
 
 
@@ -379,26 +380,8 @@ int main() {
 """
 
 
-def _nvcc():
-    return shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc"
-                                    if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
-
-
 def test_failure_messages_name_the_peer(tmp_path):
-    nvcc = _nvcc()
-    if nvcc is None:
-        pytest.skip("nvcc not found")
-    src = tmp_path / "host_timeout.cu"
-    src.write_text(HOST_PROGRAM)
-    exe = tmp_path / "host_timeout"
-    core = REPO / "ffi" / "core"
-    cmd = [nvcc, "-std=c++17", "-arch=sm_90a", f"-I{core}", f"-I{core / 'include'}",
-           str(src), str(core / "call_check.cu"), str(core / "status.cpp"), "-o", str(exe)]
-    build = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert build.returncode == 0, build.stderr[-3000:]
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0, run.stderr
-    lines = dict(line.split("=", 1) for line in run.stdout.splitlines())
+    lines = run_host_program(tmp_path, "host_timeout", HOST_PROGRAM)
     assert lines["clean"] == "[]"
     lamport = lines["lamport"]
     assert lamport.startswith(
