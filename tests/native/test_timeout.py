@@ -357,7 +357,7 @@ int main() {
   std::printf("clean=[%s]\n", buf);
   fusedar_launch_args a{};
   a.pattern = 1; a.dtype = FUSEDAR_BFLOAT16; a.num_tokens = 16; a.hidden_dim = 4096;
-  a.use_oneshot = 1; a.fp32_acc = 1;
+  a.algorithm = FUSEDAR_ALGORITHM_ONESHOT; a.fp32_acc = 1;
   call_check::Signature s = call_check::signature_of(a);
   std::memcpy(d.mine, &s, sizeof s);
   d.rank = 0; d.world = 2; d.device = 1; d.peer = 1; d.seq = 4;

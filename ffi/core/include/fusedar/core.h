@@ -140,7 +140,7 @@ uint64_t fusedar_rank_workspace_table(const fusedar_rank* r);
 // counter (so CUDA-graph replays advance it too), writes {call number, signature} into
 // every peer's metadata slot (an area after FlashInfer's barrier flags, allocated for every
 // workspace whether checked or not), and waits until every rank's slot shows the same call
-// number. A rank whose signature (pattern, dtype, num_tokens, hidden_dim, use_oneshot,
+// number. A rank whose signature (pattern, dtype, num_tokens, hidden_dim, algorithm,
 // fp32_acc, layout, block_quant_group_size) differs, or that does not arrive within
 // `timeout_s`, makes the handshake printf a description and __trap(): the stream fails
 // with a CUDA error instead of the fused kernel spinning forever. Costs one tiny kernel
