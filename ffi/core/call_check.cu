@@ -188,33 +188,42 @@ std::string describe_signature(const unsigned long long s[3]) {
   return buf;
 }
 
-const char* site_text(int site) {
+// What the peer (or this rank's own grid) did not deliver, with the site's detail.
+std::string site_text(int site, int detail) {
+  const std::string d = std::to_string(detail);
   switch (site) {
-    case watchdog::kLamport: return "its one-shot data in this rank's Lamport buffer";
-    case watchdog::kBarrier: return "its two-shot barrier flag";
+    case watchdog::kLamport:
+      return "its one-shot data in this rank's Lamport buffer (token " + d + ")";
+    case watchdog::kBarrier: return "its two-shot barrier flag (thread block " + d + ")";
     case watchdog::kGrid: return "this rank's own thread blocks (grid counter)";
+    case watchdog::kLargeEnter:
+      return "its large-message entry flag (large-message call " + d + " of this rank)";
+    case watchdog::kLargeScatter:
+      return "its large-message chunk " + d + " scatter flag (its input rows of this rank's "
+             "slice)";
+    case watchdog::kLargeGather:
+      return "its large-message chunk " + d + " gather flag (its reduced rows)";
   }
-  return "an unknown wait";
+  return "an unknown wait (site " + std::to_string(site) + ")";
 }
 
-// A wait of the fused kernel (FlashInfer's, bounded by the workspace's timeout) expired.
+// A wait of the fused kernel (FlashInfer's or the large-message algorithm's, bounded by the
+// workspace's timeout) expired.
 std::string wait_timeout_text(const Record& d, const unsigned long long mine[3]) {
   char secs[64];
   std::snprintf(secs, sizeof(secs), "%.1f s (timeout %.1f s)", d.waited_ns * 1e-9,
                 d.timeout_ns * 1e-9);
   std::string who = d.peer >= 0 ? "rank " + std::to_string(d.peer) : std::string("no peer");
-  std::string where = site_text(d.site);
-  if (d.site == watchdog::kLamport) where += " (token " + std::to_string(d.detail) + ")";
-  if (d.site == watchdog::kBarrier) where += " (thread block " + std::to_string(d.detail) + ")";
+  const std::string where = site_text(d.site, d.detail);
   return "jax_fusedar kernel wait timed out on rank " + std::to_string(d.rank) +
          " of " + std::to_string(d.world) + " (device " + std::to_string(d.device) +
          "), call #" + std::to_string(d.seq) + " " + describe_signature(mine) + ": waited " +
          secs + " for " + who + " to deliver " + where + ". " +
          (d.peer >= 0 ? "Rank " + std::to_string(d.peer) + " did not arrive: it" : "A rank") +
          " skipped or added a call, stopped or died, or called with another pattern, shape "
-         "or one-shot choice. The kernel trapped, so this device's CUDA context is unusable: "
-         "restart the process. (timeout_s on the workspace or $JAX_FUSEDAR_TIMEOUT_S sets "
-         "the limit; 0 waits forever.)";
+         "or algorithm (one-shot, two-shot, large-message). The kernel trapped, so this "
+         "device's CUDA context is unusable: restart the process. (timeout_s on the workspace "
+         "or $JAX_FUSEDAR_TIMEOUT_S sets the limit; 0 waits forever.)";
 }
 
 }  // namespace

@@ -2,7 +2,7 @@
 //
 // Every wait loop the kernels run (FlashInfer's Lamport poll, two-shot barrier flags and
 // grid counters, patched in by ffi/cmake/FlashInferHeaders.cmake; the call check's
-// handshake) reads the device clock every so many iterations. Past the workspace's timeout
+// handshake; the large-message algorithm's entry and chunk flags, large_sync.cuh) reads the device clock every so many iterations. Past the workspace's timeout
 // the first waiting thread records what it waited for in pinned host memory (`Record`) and
 // traps: the stream fails with a CUDA error, and fusedar_launch refuses every later call
 // on that workspace with the recorded text (read from host memory, which survives the dead
@@ -29,6 +29,10 @@ enum Site : int {
   kLamport = 1,    // one-shot: a peer's data in this rank's Lamport buffer
   kBarrier = 2,    // two-shot: a peer's barrier flag
   kGrid = 3,       // this rank's own thread blocks (grid counter at the end of the kernel)
+  // The large-message algorithm (ffi/kernels/large_message.h):
+  kLargeEnter = 4,    // a peer's entry flag (it has entered the same large-message call)
+  kLargeScatter = 5,  // a peer's scatter flag: its input rows of one chunk of our slice
+  kLargeGather = 6,   // a peer's gather flag: one reduced chunk of its slice
 };
 
 constexpr uint64_t kDefaultTimeoutNs = 30ull * 1000000000ull;
@@ -46,7 +50,8 @@ struct Record {
   int peer;           // the rank whose data/flag/handshake did not arrive (-1: none / own grid)
   int failing_peers;  // handshake: how many ranks failed the check
   int site;           // Site
-  int detail;         // kLamport: token index; kBarrier: thread block; kGrid: grid size
+  int detail;         // kLamport: token index; kBarrier: thread block; kGrid: grid size;
+                      // kLargeEnter: large-message call number; kLargeScatter/Gather: chunk
   unsigned long long seq;       // this rank's call number (1 = first call on the workspace)
   unsigned long long peer_seq;  // handshake: the latest call number seen from `peer`
   unsigned long long mine[3];   // signature of this rank's call (call_check::Signature)
@@ -55,13 +60,20 @@ struct Record {
   unsigned long long timeout_ns;
 };
 
+// What a wait knows about its call, as call_check::signature_of encodes it:
+// {word, num_tokens, hidden_dim}. Written into the record (Record::mine).
+struct CallInfo {
+  unsigned long long sig[3];
+};
+
 // The control block, workspace[3N]: FlashInfer's five ints (counter, two-shot flag,
 // Lamport flag, Lamport comm size, Lamport clear size), then ours. Local to the rank.
 struct Control {
   int flashinfer[5];
   int claimed;                   // 0 until a waiting thread claims the record (atomicCAS)
   unsigned long long timeout_ns; // 0: wait forever (FlashInfer's behaviour)
-  unsigned long long calls;      // fused kernels started on this rank (block 0 counts)
+  unsigned long long calls;      // fused calls started on this rank: FlashInfer's kernels
+                                 // (block 0 counts) and large-message calls (the enter kernel)
   Record* record;                // device address of the pinned record
   int rank;
   int world;

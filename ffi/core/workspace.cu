@@ -298,6 +298,7 @@ extern "C" int fusedar_rank_finalize(fusedar_rank* r) {
       res->flags.rank[p] = reinterpret_cast<fusedar::kernels::large::Flags*>(
           static_cast<char*>(r->peers[p].ptr[1]) + fusedar::large_flags_offset(r->info));
     }
+    res->control = r->control;
   }
   const uint32_t word = r->info.dtype == FUSEDAR_FLOAT32 ? 0x80000000u : 0x80008000u;
   const int64_t n_vec = r->info.lamport_buffer_bytes / 16;

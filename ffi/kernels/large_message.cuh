@@ -21,6 +21,7 @@ using flashinfer::vec_t;
 template <typename T>
 struct RowArgs {
   FlagsTable flags;
+  Watch watch;                // bounds the flag waits (control block, call signature)
   int rank;
   int nranks;
   Schedule schedule;
@@ -54,7 +55,10 @@ __global__ void __launch_bounds__(1024)
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int q = 0; q < NRanks; ++q) {
-      if (q != rank) wait_for(&a.flags.rank[rank]->scattered[q][a.chunk], 1u);
+      if (q != rank) {
+        wait_for(a.watch, watchdog::kLargeScatter, q, a.chunk,
+                 &a.flags.rank[rank]->scattered[q][a.chunk], 1u);
+      }
     }
   }
   __syncthreads();
@@ -96,7 +100,9 @@ __global__ void __launch_bounds__(1024)
   for (int k = 0; k < a.schedule.chunks; ++k) {
     for (int j = 1; j < NRanks; ++j) {
       const int q = (rank + j) % NRanks;
-      if (threadIdx.x == 0) wait_for(&a.flags.rank[rank]->gathered[q][k], 1u);
+      if (threadIdx.x == 0) {
+        wait_for(a.watch, watchdog::kLargeGather, q, k, &a.flags.rank[rank]->gathered[q][k], 1u);
+      }
       __syncthreads();
       const int64_t sb = slice_begin(a.rows, NRanks, q), sr = slice_rows(a.rows, NRanks, q);
       const int64_t begin = chunk_row(sb, sr, a.schedule, k);
@@ -206,6 +212,8 @@ cudaError_t launch_large(const fi::AllReduceFusionParams<T>& params, const Resou
 
   RowArgs<T> a{};
   a.flags = res.flags;
+  a.watch.control = res.control;
+  a.watch.call = fusedar_wait::call_info<T>(params, false, Fp32Acc, true);
   a.rank = rank;
   a.nranks = NRanks;
   a.schedule = sched;
@@ -216,7 +224,7 @@ cudaError_t launch_large(const fi::AllReduceFusionParams<T>& params, const Resou
   }
   const Shape shape = twoshot_shape<Pattern, T, NRanks, Fp32Acc>(params, res.sm_count);
 
-  FUSEDAR_LARGE_TRY(launch_enter(res, s, rank, NRanks));
+  FUSEDAR_LARGE_TRY(launch_enter(res, s, rank, NRanks, a.watch));
   FUSEDAR_LARGE_TRY(cudaEventRecord(res.fork, s));
   FUSEDAR_LARGE_TRY(cudaStreamWaitEvent(res.copy, res.fork, 0));
   FUSEDAR_LARGE_TRY(cudaStreamWaitEvent(res.gather, res.fork, 0));

@@ -30,6 +30,8 @@
 
 #include <cstdint>
 
+#include "../core/watchdog.h"
+
 #if defined(__CUDACC__)
 #define FUSEDAR_HOST_DEVICE __host__ __device__
 #else
@@ -68,6 +70,13 @@ struct FlagsTable {
   Flags* rank[kMaxRanks];  // every rank's flags (peer pointers), [own rank] local
 };
 
+// What the flag waits need to bound themselves (ffi/core/watchdog.h): the rank's control
+// block (timeout, failure record) and the call's signature for the record.
+struct Watch {
+  watchdog::Control* control;
+  watchdog::CallInfo call;
+};
+
 // Streams and events of one rank, created once per workspace (not under capture).
 struct Resources {
   cudaStream_t copy = nullptr;    // scatter copies
@@ -80,6 +89,7 @@ struct Resources {
   cudaEvent_t copy_done = nullptr, gather_done = nullptr, signal_done = nullptr;
   FlagsTable flags{};
   char* buffers[kMaxRanks] = {};  // every rank's two-shot data buffer (peer pointers)
+  watchdog::Control* control = nullptr;  // this rank's control block (device memory)
   int sm_count = 0;
 };
 
@@ -92,8 +102,11 @@ struct Schedule {
 };
 
 cudaError_t create_resources(Resources* res, int device);
-// Step 1 (enter) on `stream`: a one-block kernel (large_resources.cu).
-cudaError_t launch_enter(const Resources& res, cudaStream_t stream, int rank, int nranks);
+// Step 1 (enter) on `stream`: a one-block kernel (large_resources.cu). It counts the call in
+// the control block (the record's call number) and waits for every peer, bounded by the
+// workspace's timeout.
+cudaError_t launch_enter(const Resources& res, cudaStream_t stream, int rank, int nranks,
+                         const Watch& watch);
 // After the copies of chunk `chunk` on `stream`: raise flag `kind` (0 scattered, 1 gathered)
 // in every peer.
 cudaError_t launch_signal(const Resources& res, cudaStream_t stream, int rank, int nranks,

@@ -9,11 +9,15 @@ namespace {
 
 // Step 1: bump the call number and meet every peer. Each peer is then inside this call, so
 // its previous call (of any algorithm) has finished on its stream and nobody reads the slots
-// we are about to write.
-__global__ void enter_kernel(FlagsTable t, int rank, int nranks) {
+// we are about to write. The call is counted in the control block too (the call number of
+// a failure record, shared with FlashInfer's kernels).
+__global__ void enter_kernel(FlagsTable t, int rank, int nranks, Watch watch) {
   __shared__ unsigned int seq;
   Flags* own = t.rank[rank];
-  if (threadIdx.x == 0) seq = ++own->seq;
+  if (threadIdx.x == 0) {
+    seq = ++own->seq;
+    atomicAdd(&watch.control->calls, 1ull);
+  }
   // Clear the chunk flags of the previous call: every one was raised (we waited on each)
   // and no peer raises one for this call before it has seen our `entered` below.
   for (int i = threadIdx.x; i < kMaxRanks * kMaxChunks; i += blockDim.x) {
@@ -25,7 +29,8 @@ __global__ void enter_kernel(FlagsTable t, int rank, int nranks) {
   int p = threadIdx.x;
   if (p < nranks && p != rank) {
     store_release_sys(&t.rank[p]->entered[rank], seq);
-    wait_for(&t.rank[rank]->entered[p], seq);
+    wait_for(watch, watchdog::kLargeEnter, p, static_cast<int>(seq), &t.rank[rank]->entered[p],
+             seq);
   }
 }
 
@@ -43,8 +48,9 @@ __global__ void signal_kernel(FlagsTable t, int rank, int nranks, int kind, int 
 
 }  // namespace
 
-cudaError_t launch_enter(const Resources& res, cudaStream_t stream, int rank, int nranks) {
-  enter_kernel<<<1, 32, 0, stream>>>(res.flags, rank, nranks);
+cudaError_t launch_enter(const Resources& res, cudaStream_t stream, int rank, int nranks,
+                         const Watch& watch) {
+  enter_kernel<<<1, 32, 0, stream>>>(res.flags, rank, nranks, watch);
   return cudaGetLastError();
 }
 

@@ -5,10 +5,12 @@
 //   - the one-shot Lamport poll gets FUSEDAR_WAIT_STATE / FUSEDAR_WAIT_LAMPORT_TICK,
 //   - the two-shot barrier and both grid-counter waits become fusedar_wait::spin(...),
 //   - the comm constructors count calls (block 0, FUSEDAR_WAIT_COUNT_CALL).
+// The large-message algorithm's flag waits use spin(...) too (large_sync.cuh wait_for).
 // The hot path gains a counter increment and a branch taken once every kCheckEvery spins;
 // only then is the clock read, and only past the timeout is the call described (from the
 // kernel's params, by reference, so nothing is copied on the hot path) and the record
-// written. The slow path makes no function call (see fail()). Nothing here touches the data the kernel sums, so outputs stay bit-identical.
+// written. The slow path makes no function call (see fail()). Nothing here touches the
+// data the kernel sums, so outputs stay bit-identical.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -34,15 +36,33 @@ template <template <class> class P, class T>
 T element_of(const P<T>&);
 
 template <class T>
-__device__ __forceinline__ constexpr unsigned dtype_code() {
+__host__ __device__ __forceinline__ constexpr unsigned dtype_code() {
   if constexpr (std::is_same_v<T, float>) return 0;       // FUSEDAR_FLOAT32
   else if constexpr (std::is_same_v<T, half>) return 1;   // FUSEDAR_FLOAT16
   else return 2;                                          // FUSEDAR_BFLOAT16
 }
 
-struct CallInfo {
-  unsigned long long sig[3];  // as call_check::signature_of: {word, num_tokens, hidden_dim}
-};
+using CallInfo = wd::CallInfo;
+
+// The call's signature from the kernel's params and the compile-time choices, bit for bit
+// as call_check::signature_of builds it from the launch arguments (the record's text
+// decodes it). Host and device: the large-message launcher computes it once per call.
+template <class T, class Params>
+__host__ __device__ __forceinline__ CallInfo call_info(const Params& p, bool one_shot,
+                                                       bool fp32_acc, bool large_message) {
+  CallInfo c;
+  c.sig[0] = (static_cast<unsigned long long>(p.pattern) & 0xff) |
+             (static_cast<unsigned long long>(dtype_code<T>()) << 8) |
+             (static_cast<unsigned long long>(one_shot ? 1 : 0) << 16) |
+             (static_cast<unsigned long long>(fp32_acc ? 1 : 0) << 17) |
+             (static_cast<unsigned long long>(large_message ? 1 : 0) << 18) |
+             ((static_cast<unsigned long long>(p.layout) & 0xff) << 24) |
+             (static_cast<unsigned long long>(static_cast<unsigned>(p.block_quant_group_size))
+              << 32);
+  c.sig[1] = static_cast<unsigned long long>(p.size / p.hidden_dim);
+  c.sig[2] = static_cast<unsigned long long>(p.hidden_dim);
+  return c;
+}
 
 // What a wait site knows about its call: the kernel's params (a reference to the kernel
 // parameter, as FlashInfer's FusedOp holds it) and the compile-time choices.
@@ -54,17 +74,7 @@ struct Ctx {
   }
   __device__ __forceinline__ CallInfo info() const {
     using T = decltype(element_of(std::declval<Params>()));
-    CallInfo c;
-    c.sig[0] = (static_cast<unsigned long long>(p.pattern) & 0xff) |
-               (static_cast<unsigned long long>(dtype_code<T>()) << 8) |
-               (static_cast<unsigned long long>(OneShot ? 1 : 0) << 16) |
-               (static_cast<unsigned long long>(Fp32Acc ? 1 : 0) << 17) |
-               ((static_cast<unsigned long long>(p.layout) & 0xff) << 24) |
-               (static_cast<unsigned long long>(static_cast<unsigned>(p.block_quant_group_size))
-                << 32);
-    c.sig[1] = static_cast<unsigned long long>(p.size / p.hidden_dim);
-    c.sig[2] = static_cast<unsigned long long>(p.hidden_dim);
-    return c;
+    return call_info<T>(p, OneShot, Fp32Acc, false);
   }
 };
 
