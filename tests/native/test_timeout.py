@@ -337,6 +337,47 @@ def test_the_build_hooks_every_wait_loop(tmp_path):
     assert unhooked.count("inline ") == original.count("inline ") + 6
 
 
+def _code(path):
+    """A source file without its comments."""
+    text = path.read_text()
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    return re.sub(r"//[^\n]*", "", text)
+
+
+def test_the_large_message_waits_are_bounded():
+    """The large-message algorithm's flag waits (entry, scatter and gather flags) all go
+    through the bounded wait (fusedar_wait::spin) with a site of their own: no other spin loop
+    is left in its sources."""
+    kernels = REPO / "ffi" / "kernels"
+    files = {name: _code(kernels / name)
+             for name in ("large_sync.cuh", "large_message.cuh", "large_resources.cu")}
+    for name, code in files.items():  # no spin of its own (the host code has loops with bodies)
+        assert not re.search(r"\bwhile\s*\([^;{]*\)\s*(\{\s*\}|;)", code), f"{name} spins"
+        assert not re.search(r"\bfor\s*\([^;]*;\s*;", code), f"{name} has an endless for loop"
+    # A flag is read in one place only: the condition of the bounded wait.
+    everywhere = "".join(files.values())
+    assert everywhere.count("load_acquire_sys(") == 2, "a flag read outside wait_for"
+    # The one wait helper is the bounded spin, and every call of it names its site.
+    assert re.search(r"void wait_for\(const Watch& watch, int site, int peer, int detail,"
+                     r"\s*const unsigned int\* flag, unsigned int target\)\s*\{\s*"
+                     r"fusedar_wait::spin\(", files["large_sync.cuh"]), files["large_sync.cuh"]
+    calls = [m.group(1) for code in files.values()
+             for m in re.finditer(r"\bwait_for\(\s*[\w.]+,\s*watchdog::(k\w+),", code)]
+    assert sorted(calls) == ["kLargeEnter", "kLargeGather", "kLargeScatter"], calls
+    assert sum(code.count("wait_for(") for code in files.values()) == 4  # 3 calls + definition
+    assert set(calls) <= set(wait_sites())
+
+
+def test_the_gpu_large_message_case_runs_the_large_message_algorithm():
+    """tests/gpu/native_timeout.py's never_large case must stay above the auto crossover, or
+    it would time out in FlashInfer's kernels instead of the large-message waits."""
+    from jax_fusedar.common import launch_mode
+    from tests.gpu import native_timeout
+
+    assert "never_large" in native_timeout.CASES
+    assert native_timeout.large_algorithm(2) == launch_mode.ALGORITHM_LARGE_MESSAGE
+
+
 # --- the failure message (host-only) ------------------------------------------------------------
 
 
@@ -374,14 +415,49 @@ int main() {
   d.site = watchdog::kGrid; d.peer = -1; d.detail = 132;
   fusedar_rank_failure(&r, buf, sizeof buf);
   std::printf("grid=[%s]\n", buf);
+  // The large-message algorithm's flags: a call of that algorithm, 8192 tokens.
+  a.algorithm = FUSEDAR_ALGORITHM_LARGE_MESSAGE; a.num_tokens = 8192;
+  s = call_check::signature_of(a);
+  std::memcpy(d.mine, &s, sizeof s);
+  d.peer = 1; d.seq = 9;
+  d.site = watchdog::kLargeEnter; d.detail = 3;
+  fusedar_rank_failure(&r, buf, sizeof buf);
+  std::printf("large_enter=[%s]\n", buf);
+  d.site = watchdog::kLargeScatter; d.detail = 2;
+  fusedar_rank_failure(&r, buf, sizeof buf);
+  std::printf("large_scatter=[%s]\n", buf);
+  d.site = watchdog::kLargeGather; d.detail = 1;
+  fusedar_rank_failure(&r, buf, sizeof buf);
+  std::printf("large_gather=[%s]\n", buf);
+  // Every site has its own text (SITES: the enumerators, from watchdog.h).
+  for (int site : {SITES}) {
+    d.site = site; d.detail = 0;
+    fusedar_rank_failure(&r, buf, sizeof buf);
+    std::printf("site%d=[%s]\n", site, buf);
+  }
   r.record = nullptr;  // not owned
   return 0;
 }
 """
 
 
+WATCHDOG_H = REPO / "ffi" / "core" / "watchdog.h"
+
+
+def wait_sites():
+    """Site enumerators of ffi/core/watchdog.h: {name: value}."""
+    text = WATCHDOG_H.read_text()
+    body = text[text.index("enum Site : int {"):]
+    body = body[:body.index("};")]
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"\b(k\w+) = (\d+),", body)}
+
+
 def test_failure_messages_name_the_peer(tmp_path):
-    lines = run_host_program(tmp_path, "host_timeout", HOST_PROGRAM)
+    sites = wait_sites()
+    kernel_sites = [v for k, v in sites.items() if k != "kHandshake"]  # the handshake's own text
+    lines = run_host_program(tmp_path, "host_timeout",
+                             HOST_PROGRAM.replace("{SITES}",
+                                                  "{" + ", ".join(map(str, kernel_sites)) + "}"))
     assert lines["clean"] == "[]"
     lamport = lines["lamport"]
     assert lamport.startswith(
@@ -394,6 +470,27 @@ def test_failure_messages_name_the_peer(tmp_path):
     assert "for rank 1 to deliver its two-shot barrier flag (thread block 7)" in lines["barrier"]
     assert ("for no peer to deliver this rank's own thread blocks (grid counter). A rank "
             "skipped") in lines["grid"]
+    large = ("[jax_fusedar kernel wait timed out on rank 0 of 2 (device 1), call #9 {pattern=1 "
+             "dtype=bfloat16 num_tokens=8192 hidden_dim=4096 large-message fp32_acc=1 layout=0 "
+             "block_quant_group_size=0}: waited 3.0 s (timeout 3.0 s) for rank 1 to deliver ")
+    assert lines["large_enter"].startswith(
+        large + "its large-message entry flag (large-message call 3 of this rank). Rank 1 did "
+        "not arrive"), lines["large_enter"]
+    assert lines["large_scatter"].startswith(
+        large + "its large-message chunk 2 scatter flag (its input rows of this rank's slice). "
+        "Rank 1 did not arrive"), lines["large_scatter"]
+    assert lines["large_gather"].startswith(
+        large + "its large-message chunk 1 gather flag (its reduced rows). Rank 1 did not "
+        "arrive"), lines["large_gather"]
+    for key in ("large_enter", "large_scatter", "large_gather"):
+        assert "restart the process" in lines[key] and "JAX_FUSEDAR_TIMEOUT_S" in lines[key]
+    # Site coverage: every wait site of the kernels has a text of its own.
+    assert {"kLamport", "kBarrier", "kGrid", "kLargeEnter", "kLargeScatter",
+            "kLargeGather"} <= set(sites), sites
+    texts = [lines[f"site{v}"] for v in kernel_sites]
+    assert not [t for t in texts if "an unknown wait" in t], texts
+    wheres = [t[t.index(" to deliver "):t.index(". ", t.index(" to deliver "))] for t in texts]
+    assert len(set(wheres)) == len(kernel_sites), wheres
 
 
 def test_bench_cli_times_both_settings_in_one_run(tmp_path):
