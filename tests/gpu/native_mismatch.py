@@ -87,18 +87,20 @@ def oracle_errors(xs, residual, gamma, outs, pattern, *, weight_bias=0.0, dtype=
     }
 
 
-def fused_call(ws, pattern, m, x, res, gamma, outs, *, oneshot, stream):
+def fused_call(ws, pattern, m, x, res, gamma, outs, *, oneshot, stream, algorithm=None):
     """One raw-pointer launch of pattern 0 (writes outs['allreduce']) or 1 (outs['residual'],
-    outs['norm']) on `stream` (a torch stream)."""
+    outs['norm']) on `stream` (a torch stream). ``algorithm`` (launch_mode.ALGORITHM_*), when
+    given, overrides the one-shot/two-shot choice ``oneshot``."""
     from jax_fusedar.common import native
     code = native.DTYPE_CODES[DTYPE]
+    algorithm = int(oneshot) if algorithm is None else algorithm
     if pattern == 0:
         ws.launch(0, code, m, x.shape[1], x.data_ptr(), allreduce_out=outs["allreduce"].data_ptr(),
-                  algorithm=int(oneshot), stream=stream.cuda_stream)
+                  algorithm=algorithm, stream=stream.cuda_stream)
     else:
         ws.launch(1, code, m, x.shape[1], x.data_ptr(), residual_in=res.data_ptr(),
                   residual_out=outs["residual"].data_ptr(), norm_out=outs["norm"].data_ptr(),
-                  rms_gamma=gamma.data_ptr(), rms_eps=1e-6, algorithm=int(oneshot),
+                  rms_gamma=gamma.data_ptr(), rms_eps=1e-6, algorithm=algorithm,
                   stream=stream.cuda_stream)
 
 

@@ -14,6 +14,10 @@ the CUDA context of its process.
                  the same way.
   tokens         rank 0 calls one-shot with 16 tokens, rank 1 with 17 (no call check): both
                  ranks must fail within TIMEOUT_S + 1 s, each naming the other.
+  never_large    on a workspace for LARGE_TOKENS tokens, after the good calls and one good
+                 call of LARGE_TOKENS (auto picks the large-message algorithm there) rank 1
+                 makes no call; rank 0's large-message call (its entry flag wait) must fail
+                 within TIMEOUT_S + 1 s, its record naming rank 1, the next launch refused.
 
 Run one case by hand:  python -m tests.gpu.native_timeout never_oneshot
 The last stdout line is "RESULT <json>".
@@ -41,7 +45,10 @@ CALLS = int(os.environ.get("JAX_FUSEDAR_TIMEOUT_CALLS", 10000))
 CYCLE = [(1, 16, True), (1, 17, False), (0, 16, True), (1, 1, True), (1, 33, False),
          (0, 40, False), (1, 64, True), (0, 3, True)]
 GOOD_FIRST = 3  # good calls every failure case makes first
-CASES = ("ok", "never_oneshot", "never_twoshot", "killed", "tokens")
+CASES = ("ok", "never_oneshot", "never_twoshot", "killed", "tokens", "never_large")
+# Above the auto crossover at 2 ranks (launch_mode.LARGE_MESSAGE_MIN_MIB: 48 MiB per rank):
+# 8192 x 4096 bf16 is 64 MiB.
+LARGE_TOKENS = 8192
 KEYS = {0: ("allreduce",), 1: ("residual", "norm")}
 
 
@@ -89,14 +96,35 @@ def _same_bits(on, off, rank, world, device, seed, torch):
             "seconds": time.monotonic() - t0}
 
 
-def _failing_call(ws, pattern, m, oneshot, rank, device, seed, world, torch):
+def large_algorithm(world):
+    """The algorithm auto picks for LARGE_TOKENS x HIDDEN on a workspace of that size (the
+    pure policy, as every front end calls it)."""
+    from jax_fusedar.common import launch_mode, sizing
+    sizes = sizing.workspace_sizes(world, LARGE_TOKENS, HIDDEN, DTYPE)
+    return launch_mode.choose_algorithm(LARGE_TOKENS, HIDDEN, sizes, None)
+
+
+def _good_large_call(ws, rank, world, device, seed, torch, algorithm):
+    """One pattern-1 call of LARGE_TOKENS with `algorithm`: its errors against the oracle."""
+    xs, residual, gamma = draw_inputs(seed, world, LARGE_TOKENS, HIDDEN, torch)
+    x, res, gam = (t.cuda(device) for t in (xs[rank], residual, gamma))
+    outs = new_outputs(x, torch)
+    stream = torch.cuda.current_stream(device)
+    fused_call(ws, 1, LARGE_TOKENS, x, res, gam, outs, oneshot=False, stream=stream,
+               algorithm=algorithm)
+    stream.synchronize()
+    return oracle_errors(xs, residual, gamma, outs, 1)
+
+
+def _failing_call(ws, pattern, m, oneshot, rank, device, seed, world, torch, algorithm=None):
     xs, residual, gamma = draw_inputs(seed, world, m, HIDDEN, torch)
     x, res, gam = (t.cuda(device) for t in (xs[rank], residual, gamma))
     outs = new_outputs(x, torch)
     stream = torch.cuda.current_stream(device)
-    out = {"call": [pattern, m, oneshot]}
+    out = {"call": [pattern, m, oneshot], "algorithm": algorithm}
     t0 = time.monotonic()
-    fused_call(ws, pattern, m, x, res, gam, outs, oneshot=oneshot, stream=stream)
+    fused_call(ws, pattern, m, x, res, gam, outs, oneshot=oneshot, stream=stream,
+               algorithm=algorithm)
     try:
         stream.synchronize()
         out["sync_error"] = None
@@ -106,7 +134,8 @@ def _failing_call(ws, pattern, m, oneshot, rank, device, seed, world, torch):
     flush_c_stdio()
     out["failure_record"] = ws.failure()
     try:  # the next launch must be refused with the recorded text
-        fused_call(ws, pattern, m, x, res, gam, outs, oneshot=oneshot, stream=stream)
+        fused_call(ws, pattern, m, x, res, gam, outs, oneshot=oneshot, stream=stream,
+                   algorithm=algorithm)
         out["relaunch_error"] = None
     except Exception as e:  # noqa: BLE001
         out["relaunch_error"] = f"{type(e).__name__}: {e}"[:1500]
@@ -118,13 +147,16 @@ def worker(rank, world, chan, *, case, seed):
 
     from jax_fusedar.common import native
 
+    from tests.gpu.harness import device_for
+
     ext = native.require()
-    device = rank % max(1, torch.cuda.device_count())
+    device = device_for(rank)  # ranks share the GPU when there is one
     torch.cuda.set_device(device)
     result = {"rank": rank, "device": device, "case": case,
               "gpu": torch.cuda.get_device_name(device)}
+    size = {"max_tokens": LARGE_TOKENS} if case == "never_large" else {}
     ws = make_workspace(ext, chan, "on", device, world, rank, check_calls=False, timeout_s=30.0,
-                        kernel_timeout_s=TIMEOUT_S)
+                        kernel_timeout_s=TIMEOUT_S, **size)
     result["timeout_s"] = ws.timeout_s
     if case == "ok":
         off = make_workspace(ext, chan, "off", device, world, rank, check_calls=False,
@@ -141,8 +173,13 @@ def worker(rank, world, chan, *, case, seed):
             w.destroy()
         return result
     result["good"] = _good_calls(ws, rank, world, device, seed, torch)
-    chan.barrier("good")
     seq = GOOD_FIRST + 1
+    if case == "never_large":
+        result["algorithm"] = algorithm = large_algorithm(world)
+        result["good_large"] = _good_large_call(ws, rank, world, device, seed + 500, torch,
+                                                algorithm)
+        seq += 1
+    chan.barrier("good")
     if case == "tokens":
         result["failing"] = _failing_call(ws, 1, 16 + rank, True, rank, device, seed + 999,
                                           world, torch)
@@ -150,9 +187,13 @@ def worker(rank, world, chan, *, case, seed):
         if case == "killed":
             chan.all_gather("dying", None)  # rank 1 kills itself right after this
             time.sleep(1.0)
-        pattern, m, oneshot = (1, 32, False) if case == "never_twoshot" else (1, 16, True)
-        result["failing"] = _failing_call(ws, pattern, m, oneshot, rank, device, seed + 999,
-                                          world, torch)
+        if case == "never_large":
+            result["failing"] = _failing_call(ws, 1, LARGE_TOKENS, False, rank, device,
+                                              seed + 999, world, torch, algorithm=algorithm)
+        else:
+            pattern, m, oneshot = (1, 32, False) if case == "never_twoshot" else (1, 16, True)
+            result["failing"] = _failing_call(ws, pattern, m, oneshot, rank, device,
+                                              seed + 999, world, torch)
     elif case == "killed":
         chan.all_gather("dying", None)
         chan.close()  # rank 0 must get "dying" whole before this process disappears

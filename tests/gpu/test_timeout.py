@@ -35,14 +35,14 @@ def test_timeout_on_gives_the_same_bits_graph_replay_and_cost():
           [r["timing_off"]["ms_per_call_median"] for r in res["ranks"]])
 
 
-def _check_failed(f, me, peer, seq, tokens, oneshot, timeout_s, where):
+def _check_failed(f, me, peer, seq, tokens, algorithm, timeout_s, where):
     assert f["sync_error"], f"rank {me}: the call did not fail: {f}"
     assert f["elapsed_s"] <= timeout_s + 1.0, f  # within timeout + 1 s
     assert f["elapsed_s"] >= timeout_s * 0.9, f  # and not for another reason
     record = f["failure_record"]
     head = (f"jax_fusedar kernel wait timed out on rank {me} of 2 (device ")
     assert record.startswith(head), record
-    sig = SIG.format(tokens, "one-shot" if oneshot else "two-shot")
+    sig = SIG.format(tokens, algorithm)
     assert f"call #{seq} {sig}: waited " in record, record
     assert f"for rank {peer} to deliver {where}" in record, record
     assert f"Rank {peer} did not arrive" in record, record
@@ -62,12 +62,36 @@ def test_a_missing_rank_makes_the_other_fail_with_the_record(case, tokens, onesh
     r0, r1 = res["ranks"]
     for k, v in r0["good"].items():
         assert v <= BOUNDS[k], (k, v)
-    _check_failed(r0["failing"], 0, 1, GOOD_FIRST + 1, tokens, oneshot, TIMEOUT_S, where)
+    _check_failed(r0["failing"], 0, 1, GOOD_FIRST + 1, tokens,
+                  "one-shot" if oneshot else "two-shot", TIMEOUT_S, where)
     if case == "killed":
         assert r1["exitcode"] == -9, r1  # SIGKILL, no result
     else:
         # The rank that made no call is untouched.
         assert r1["healthy_after"] is True and r1["failure_record"] == ""
+
+
+def test_a_rank_missing_from_a_large_message_call_makes_the_other_fail_with_the_record():
+    """Above the auto crossover (the large-message algorithm): after one good large-message
+    call rank 1 makes no call; rank 0's entry-flag wait must time out naming rank 1."""
+    from jax_fusedar.common import launch_mode
+    from tests.gpu.native_timeout import BOUNDS, GOOD_FIRST, LARGE_TOKENS, TIMEOUT_S
+    res = _run("tests.gpu.native_timeout", "never_large", timeout_s=300)
+    _report("timeout_never_large", res)
+    assert "error" not in res, res["error"] + "\n" + res["output_tail"]
+    r0, r1 = res["ranks"]
+    for r in (r0, r1):
+        assert r["algorithm"] == launch_mode.ALGORITHM_LARGE_MESSAGE, r["algorithm"]
+        for k, v in {**r["good"], **r["good_large"]}.items():
+            assert v <= BOUNDS[k], (r["rank"], k, v)  # NaN fails too
+        assert r["expected_call"] == GOOD_FIRST + 2
+    f = r0["failing"]
+    assert f["algorithm"] == launch_mode.ALGORITHM_LARGE_MESSAGE, f
+    # The record's call number counts every fused call (3 good, 1 good large, this one);
+    # the detail is the large-message call number (the good one was 1).
+    _check_failed(f, 0, 1, GOOD_FIRST + 2, LARGE_TOKENS, "large-message", TIMEOUT_S,
+                  "its large-message entry flag (large-message call 2 of this rank)")
+    assert r1["healthy_after"] is True and r1["failure_record"] == ""
 
 
 def test_mismatched_token_counts_without_the_call_check_fail_on_both_ranks():
@@ -77,7 +101,7 @@ def test_mismatched_token_counts_without_the_call_check_fail_on_both_ranks():
     assert "error" not in res, res["error"] + "\n" + res["output_tail"]
     for r in res["ranks"]:
         me = r["rank"]
-        _check_failed(r["failing"], me, 1 - me, GOOD_FIRST + 1, 16 + me, True, TIMEOUT_S,
+        _check_failed(r["failing"], me, 1 - me, GOOD_FIRST + 1, 16 + me, "one-shot", TIMEOUT_S,
                       "its one-shot data in this rank's Lamport buffer (token ")
 
 
