@@ -13,6 +13,7 @@ import pytest
 
 from jax_fusedar.common import launch_mode, sizing
 from jax_fusedar.common.arguments import env_bool
+from tests.gpu.harness import needs_gpus
 
 pytestmark = pytest.mark.gpu
 
@@ -62,6 +63,7 @@ def test_large_message_two_ranks():
         assert r["worst"]["residual"] <= 1.0 and r["worst"]["norm"] <= 3.0, r["worst"]
 
 
+@needs_gpus(2, "one process drives both devices")
 def test_large_message_through_jax_with_command_buffers():
     """jit + shard_map, XLA command buffers on: auto picks the large-message algorithm at
     4096 x 8192 and its outputs equal the forced two-shot kernel's, replay after replay.
