@@ -9,6 +9,7 @@
 #      route for JAX-only users who do not want flashinfer's heavy dependencies).
 #
 # The copy in the build tree marks six free functions of trtllm_allreduce_fusion.cuh
+# (and of trtllm_moe_allreduce_fusion.cuh)
 # `inline`: the header defines them non-inline, so two translation units including it
 # fail to link with duplicate strong symbols. The patch checks that each definition
 # appears exactly as expected, so a changed header fails the build loudly.
@@ -62,7 +63,7 @@ function(_fusedar_patch text_var old new expected_count what)
   list(LENGTH hits count)
   if(NOT count EQUAL expected_count)
     message(FATAL_ERROR "jax_fusedar: expected ${expected_count} definition(s) of ${what} in "
-                        "trtllm_allreduce_fusion.cuh, found ${count}; the FlashInfer header "
+                        "${name}.cuh, found ${count}; the FlashInfer header "
                         "changed, update ffi/cmake/FlashInferHeaders.cmake")
   endif()
   string(REPLACE "@@FUSEDAR_PATCH@@" "${new}" patched "${marked}")
@@ -79,19 +80,22 @@ function(fusedar_prepare_flashinfer_headers out_include_dir)
   foreach(rel exception.h fp4_layout.cuh logging.h utils.cuh vec_dtypes.cuh)
     configure_file("${src}/flashinfer/${rel}" "${dst}/flashinfer/${rel}" COPYONLY)
   endforeach()
-  set(header "${src}/flashinfer/comm/trtllm_allreduce_fusion.cuh")
-  set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS "${header}")
-  file(READ "${header}" text)
-  _fusedar_patch(text "\nint get_sm_count() {" "\ninline int get_sm_count() {" 1 "get_sm_count()")
-  _fusedar_patch(text "\nbool use_oneshot(int token_num) {"
-                 "\ninline bool use_oneshot(int token_num) {" 1 "use_oneshot(int)")
-  _fusedar_patch(text "template <>\n__device__ bool is_negative_zero<"
-                 "template <>\n__device__ inline bool is_negative_zero<" 4
-                 "is_negative_zero<> specialisations")
-  set(patched "${dst}/flashinfer/comm/trtllm_allreduce_fusion.cuh")
-  # Write through configure_file(COPYONLY) so an unchanged header keeps its timestamp
-  # and a re-configure does not recompile every kernel.
-  file(WRITE "${dst}/trtllm_allreduce_fusion.cuh.tmp" "${text}")
-  configure_file("${dst}/trtllm_allreduce_fusion.cuh.tmp" "${patched}" COPYONLY)
+  # The MoE header (patterns 6 and 7) defines the same six free functions.
+  foreach(name trtllm_allreduce_fusion trtllm_moe_allreduce_fusion)
+    set(header "${src}/flashinfer/comm/${name}.cuh")
+    set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS "${header}")
+    file(READ "${header}" text)
+    _fusedar_patch(text "\nint get_sm_count() {" "\ninline int get_sm_count() {" 1 "get_sm_count()")
+    _fusedar_patch(text "\nbool use_oneshot(int token_num) {"
+                   "\ninline bool use_oneshot(int token_num) {" 1 "use_oneshot(int)")
+    _fusedar_patch(text "template <>\n__device__ bool is_negative_zero<"
+                   "template <>\n__device__ inline bool is_negative_zero<" 4
+                   "is_negative_zero<> specialisations")
+    set(patched "${dst}/flashinfer/comm/${name}.cuh")
+    # Write through configure_file(COPYONLY) so an unchanged header keeps its timestamp
+    # and a re-configure does not recompile every kernel.
+    file(WRITE "${dst}/${name}.cuh.tmp" "${text}")
+    configure_file("${dst}/${name}.cuh.tmp" "${patched}" COPYONLY)
+  endforeach()
   set(${out_include_dir} "${dst}" PARENT_SCOPE)
 endfunction()

@@ -15,6 +15,9 @@ int fail(int code, std::string message);
 // Formats a CUDA failure: what we were doing, on which device, and CUDA's own words.
 int fail_cuda(cudaError_t err, const std::string& what, int device);
 
+// Counts a host-side kernel launch (fusedar_launch_count), dense or MoE.
+void note_launch();
+
 // Makes `device` current for the scope and restores the caller's device afterwards,
 // so that framework threads (XLA's, torch's) never see their current device change.
 class DeviceGuard {
