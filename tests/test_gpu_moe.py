@@ -1,0 +1,46 @@
+"""The MoE patterns (6, 7) on 2 GPUs: tests/gpu/moe_gpu.py's three stages, with their
+thresholds: every output within the float64 oracle's bound, torch_compat == FlashInfer's own
+build byte for byte (when the anchor is present), JAX == torch bit for bit with the custom
+call in the compiled program, CUDA-graph replays == eager calls."""
+import json
+import os
+
+import pytest
+
+from tests.gpu import moe_gpu
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    from jax_fusedar import native
+    if native.gpu_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    out = os.environ.get("JAX_FUSEDAR_REPORT_DIR") or str(tmp_path_factory.mktemp("moe"))
+    moe_gpu.main(["--out", out, "--stages", "torch,jax"])
+    return {s: json.loads(open(os.path.join(out, f"moe_{s}.json")).read())["result"]
+            for s in ("torch", "jax")}
+
+
+def test_torch_within_oracle_bounds_and_equal_to_flashinfer(reports):
+    ranks = reports["torch"]
+    assert "error" not in ranks, ranks
+    for name, entry in ranks[0]["cases"].items():
+        assert max(entry["oracle_error_fraction_of_bound"]) <= 1.0, (name, entry)
+    for rank in ranks:
+        assert rank["cuda_graph_replays_vs_eager_differing_elements"] == 0
+        for name, entry in rank["cases"].items():
+            assert entry["ranks_identical"], name
+            if rank["anchor_error"] is None:
+                assert entry["bytes_differing_vs_anchor"] == [0] * len(
+                    entry["bytes_differing_vs_anchor"]), (name, entry)
+
+
+def test_jax_equals_torch_bitwise_through_the_custom_call(reports):
+    result = reports["jax"]
+    assert "error" not in result, result
+    for name, entry in result["cases"].items():
+        assert entry["custom_call_in_hlo"], name
+        assert set(entry["elements_differing_vs_torch"]) == {0}, (name, entry)
+        assert max(entry["oracle_error_fraction_of_bound"]) <= 1.0, (name, entry)
