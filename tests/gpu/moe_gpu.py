@@ -462,7 +462,7 @@ def stage_anchor_2880(anchor_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     anchor.prepare_parent(anchor.path(anchor_path))
-    return run_ranks(_anchor_2880_rank, WORLD, timeout_s=60, port=port, anchor_path=anchor_path)
+    return run_ranks(_anchor_2880_rank, WORLD, timeout_s=25, port=port, anchor_path=anchor_path)
 
 
 def main(argv=None):
