@@ -44,25 +44,59 @@ def test_on_device_init_matches_the_host_init_in_shape_and_scale():
     dev = llama.init_params(llama.TINY, MESH, "tp", jnp.bfloat16, 3, host=False)
     host = llama.init_params(llama.TINY, MESH, "tp", jnp.bfloat16, 3, host=True)
     specs = llama.param_specs("tp")
-    assert set(dev) == set(host) == set(specs)
-    for k in dev:
-        assert dev[k].shape == host[k].shape and dev[k].dtype == jnp.bfloat16
-        assert dev[k].sharding.spec == specs[k]
-        a, b = np.asarray(dev[k], np.float32), np.asarray(host[k], np.float32)
+    flat = lambda t: dict(jax.tree_util.tree_flatten_with_path(t)[0])  # noqa: E731
+    d, h = flat(dev), flat(host)
+    s = dict(jax.tree_util.tree_flatten_with_path(
+        specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0])
+    assert set(d) == set(h) == set(s) and len(d) == 9
+    for k in d:
+        assert d[k].shape == h[k].shape and d[k].dtype == jnp.bfloat16
+        assert d[k].sharding.spec == s[k], k
+        a, b = np.asarray(d[k], np.float32), np.asarray(h[k], np.float32)
         assert np.std(a) == pytest.approx(np.std(b), rel=0.25), k  # 512 values at least
         assert not np.array_equal(a, b)
 
 
+def test_packed_projections_give_each_rank_its_own_q_k_v_and_gate_up():
+    """pack_columns: split over tp ranks by columns, rank r's block is [q_r | k_r | v_r]."""
+    cfg, tp = llama.TINY, 8
+    w = llama.init_params_numpy(cfg, 11)
+    tree = llama.from_hf_layout(w, tp)
+    qkv, gu = tree["layers"]["wqkv"], tree["layers"]["w_gate_up"]
+    nq, nkv, nf = (cfg.heads * cfg.head_dim // tp, cfg.kv_heads * cfg.head_dim // tp,
+                   cfg.ffn // tp)
+    for r in range(tp):
+        block = qkv[..., r * (nq + 2 * nkv):(r + 1) * (nq + 2 * nkv)]
+        np.testing.assert_array_equal(block[..., :nq], w["wq"][..., r * nq:(r + 1) * nq])
+        np.testing.assert_array_equal(block[..., nq:nq + nkv],
+                                      w["wk"][..., r * nkv:(r + 1) * nkv])
+        np.testing.assert_array_equal(block[..., nq + nkv:], w["wv"][..., r * nkv:(r + 1) * nkv])
+        g = gu[..., r * 2 * nf:(r + 1) * 2 * nf]
+        np.testing.assert_array_equal(g[..., :nf], w["w_gate"][..., r * nf:(r + 1) * nf])
+        np.testing.assert_array_equal(g[..., nf:], w["w_up"][..., r * nf:(r + 1) * nf])
+
+
 def test_unrolled_and_scanned_layers_agree():
+    """Scanned (stacked weights), unrolled on stacked weights and unrolled on per-layer
+    weights (llama.arrange): one model."""
     cfg = llama.TINY
     params = llama.init_params(cfg, MESH, "tp", jnp.float32, 5)
+    per_layer = llama.arrange(params, MESH, "tp", scan=False)
+    assert isinstance(per_layer["layers"], list) and len(per_layer["layers"]) == cfg.layers
+    assert per_layer["layers"][1]["wqkv"].sharding.spec == jax.sharding.PartitionSpec(None, "tp")
+    assert llama.arrange(params, MESH, "tp", scan=True) is params
+    with pytest.raises(ValueError, match="stacked"):
+        llama.arrange(per_layer, MESH, "tp", scan=True)
     tokens = jnp.asarray(np.random.default_rng(5).integers(0, cfg.vocab, (2, 6)), jnp.int32)
     out = {}
-    for scan in (False, True):
+    for name, scan, p in (("scan", True, params), ("unrolled", False, params),
+                          ("unrolled per layer", False, per_layer)):
         fwd = jax.jit(llama.make_forward(cfg, MESH, "tp", scan=scan))
         cache = llama.init_cache(cfg, MESH, "tp", jnp.float32, 2, 8)
-        logits, ck, cv = fwd(params, tokens, *cache, jnp.int32(0))
-        out[scan] = (np.asarray(logits), np.asarray(ck))
-        assert np.any(out[scan][1][:, :, :6] != 0) and np.all(out[scan][1][:, :, 6:] == 0)
-    np.testing.assert_allclose(out[True][0], out[False][0], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(out[True][1], out[False][1], rtol=1e-6, atol=1e-6)
+        logits, ck, cv = fwd(p, tokens, *cache, jnp.int32(0))
+        out[name] = (np.asarray(logits), np.asarray(ck))
+        assert np.any(out[name][1][:, :, :6] != 0) and np.all(out[name][1][:, :, 6:] == 0)
+    for name in ("unrolled", "unrolled per layer"):
+        np.testing.assert_allclose(out[name][0], out["scan"][0], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(out[name][1], out["scan"][1], rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(out["unrolled"][0], out["unrolled per layer"][0])

@@ -85,7 +85,8 @@ def setup():
 
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
 def test_llama_matches_transformers_unfused_and_fused(setup, scan):
-    mesh, params = setup["mesh"], setup["params"]
+    mesh = setup["mesh"]
+    params = llama.arrange(setup["params"], mesh, "tp", scan=scan)
     fwd = llama.make_forward(CFG, mesh, "tp", scan=scan)
     fused = jf.fuse(fwd, mesh=mesh, axis_name="tp", backend="xla")
     for name, prog in (("unfused", jax.jit(fwd)), ("fused", jax.jit(fused))):

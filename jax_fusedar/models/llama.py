@@ -14,6 +14,20 @@ norm, or the final norm) is computed at the end of that layer rather than at the
 next. Under ``lax.scan`` that keeps each all-reduce, its residual add and the RMSNorm that
 reads the sum in one scan step, where a jaxpr-level pass can see them together (with the norm
 at the top of the next step the pair straddles two iterations). Same math either way.
+
+Weights are held the way serving stacks hold them (vLLM's QKVParallelLinear and
+MergedColumnParallelLinear, MaxText's fused_qkv / fused MLP): one q|k|v projection and one
+gate|up projection per layer, each rank's columns contiguous, so a decode step runs four
+matmuls per layer instead of seven. ``init_params`` gives every layer's weights stacked on a
+leading axis (what ``lax.scan`` slices); ``arrange(params, scan=False)`` gives one array per
+layer for unrolled layers, so no step slices a stacked weight. Both matter at batch 1 on
+GPUs, where XLA's small-M matmuls are cheap but its slices of stacked weights are copies:
+on 2 x H200 at Llama-3-8B shapes, slicing stacked weights in the unrolled program cost 4.3 of
+its 11.1 ms of kernels per step, and seven separate projections 134 us per layer against
+85 us for the fused four (device-clock profiles, docs/decisions.md). Under ``lax.scan`` XLA
+still copies each layer's weights out of the stack every step (2.9 ms at batch 1): a cost of
+scanning, not of the model, and the reason serving stacks unroll decode. The KV caches
+stay one stacked array per rank in both modes, written in place (``layer``).
 """
 from __future__ import annotations
 
@@ -63,21 +77,62 @@ TINY = LlamaConfig(vocab=512, hidden=256, ffn=512, layers=2, heads=16, kv_heads=
 PRESETS = {"llama3-8b": LLAMA3_8B, "tiny": TINY}
 
 
-def param_specs(axis: str) -> dict:
-    """PartitionSpecs of the global weights (layer weights stacked on a leading axis)."""
-    col, row = P(None, None, axis), P(None, axis, None)
-    return {"embed": P(), "final_norm": P(), "lm_head": P(None, axis),
-            "attn_norm": P(), "mlp_norm": P(), "wq": col, "wk": col, "wv": col, "wo": row,
-            "w_gate": col, "w_up": col, "w_down": row}
+def _layer_specs(axis: str, stacked: bool) -> dict:
+    lead = (None,) if stacked else ()
+    col, row = P(*lead, None, axis), P(*lead, axis, None)
+    return {"attn_norm": P(), "mlp_norm": P(), "wqkv": col, "wo": row, "w_gate_up": col,
+            "w_down": row}
+
+
+def param_specs(axis: str, *, stacked: bool = True, layers: int | None = None) -> dict:
+    """PartitionSpecs of the global weights: layer weights stacked on a leading axis
+    (``stacked``), else a list of ``layers`` per-layer dicts (see ``arrange``)."""
+    top = {"embed": P(), "final_norm": P(), "lm_head": P(None, axis)}
+    if stacked:
+        return {**top, "layers": _layer_specs(axis, True)}
+    return {**top, "layers": [_layer_specs(axis, False) for _ in range(layers)]}
+
+
+def specs_like(params: dict, axis: str) -> dict:
+    """The PartitionSpecs of a params tree in either layout."""
+    layers = params["layers"]
+    if isinstance(layers, (list, tuple)):
+        return param_specs(axis, stacked=False, layers=len(layers))
+    return param_specs(axis)
 
 
 def param_shapes(cfg: LlamaConfig) -> dict:
+    """Global shapes, stacked layout. wqkv's columns are q | k | v of rank 0, then of rank 1,
+    ...; w_gate_up's are gate | up of each rank in turn (``pack_columns``)."""
     L, H, F, hd = cfg.layers, cfg.hidden, cfg.ffn, cfg.head_dim
     return {"embed": (cfg.vocab, H), "final_norm": (H,), "lm_head": (H, cfg.vocab),
-            "attn_norm": (L, H), "mlp_norm": (L, H), "wq": (L, H, cfg.heads * hd),
-            "wk": (L, H, cfg.kv_heads * hd), "wv": (L, H, cfg.kv_heads * hd),
-            "wo": (L, cfg.heads * hd, H), "w_gate": (L, H, F), "w_up": (L, H, F),
-            "w_down": (L, F, H)}
+            "layers": {"attn_norm": (L, H), "mlp_norm": (L, H),
+                       "wqkv": (L, H, (cfg.heads + 2 * cfg.kv_heads) * hd),
+                       "wo": (L, cfg.heads * hd, H), "w_gate_up": (L, H, 2 * F),
+                       "w_down": (L, F, H)}}
+
+
+# The separate projections of Hugging Face's LlamaForCausalLM (what init_params_numpy draws).
+HF_SHAPES = {"wq": lambda c: (c.layers, c.hidden, c.heads * c.head_dim),
+             "wk": lambda c: (c.layers, c.hidden, c.kv_heads * c.head_dim),
+             "wv": lambda c: (c.layers, c.hidden, c.kv_heads * c.head_dim),
+             "wo": lambda c: (c.layers, c.heads * c.head_dim, c.hidden),
+             "w_gate": lambda c: (c.layers, c.hidden, c.ffn),
+             "w_up": lambda c: (c.layers, c.hidden, c.ffn),
+             "w_down": lambda c: (c.layers, c.ffn, c.hidden),
+             "embed": lambda c: (c.vocab, c.hidden), "final_norm": lambda c: (c.hidden,),
+             "lm_head": lambda c: (c.hidden, c.vocab), "attn_norm": lambda c: (c.layers, c.hidden),
+             "mlp_norm": lambda c: (c.layers, c.hidden)}
+
+
+def pack_columns(parts, tp: int):
+    """Column-parallel weights [..., K, N_i] -> one [..., K, sum N_i] whose columns are, for
+    rank 0 then rank 1 ..., that rank's slice of each part in order: split by columns over
+    ``tp`` ranks, every rank gets its own q|k|v (or gate|up) side by side."""
+    xp = np if all(isinstance(p, np.ndarray) for p in parts) else jnp
+    blocks = [xp.reshape(p, (*p.shape[:-1], tp, p.shape[-1] // tp)) for p in parts]
+    out = xp.concatenate(blocks, axis=-1)
+    return xp.reshape(out, (*out.shape[:-2], -1))
 
 
 def _fan_in(name, shape):
@@ -85,11 +140,13 @@ def _fan_in(name, shape):
 
 
 def init_params_numpy(cfg: LlamaConfig, seed: int) -> dict:
-    """float32 numpy weights: normal / sqrt(fan-in) (activations stay O(1) through the layers),
-    norm gains 1 + 0.1 * normal (random, so a gain used at the wrong place shows)."""
+    """float32 numpy weights with Hugging Face's separate projections (``HF_SHAPES``):
+    normal / sqrt(fan-in) (activations stay O(1) through the layers), norm gains
+    1 + 0.1 * normal (random, so a gain used at the wrong place shows)."""
     rng = np.random.default_rng(seed)
     out = {}
-    for name, shape in param_shapes(cfg).items():
+    for name, shape_of in HF_SHAPES.items():
+        shape = shape_of(cfg)
         if name.endswith("norm"):
             out[name] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
         else:
@@ -98,32 +155,67 @@ def init_params_numpy(cfg: LlamaConfig, seed: int) -> dict:
     return out
 
 
+def from_hf_layout(w: dict, tp: int) -> dict:
+    """Separate projections (``init_params_numpy``) -> this model's stacked tree for ``tp``
+    tensor-parallel ranks."""
+    return {"embed": w["embed"], "final_norm": w["final_norm"], "lm_head": w["lm_head"],
+            "layers": {"attn_norm": w["attn_norm"], "mlp_norm": w["mlp_norm"],
+                       "wqkv": pack_columns([w["wq"], w["wk"], w["wv"]], tp), "wo": w["wo"],
+                       "w_gate_up": pack_columns([w["w_gate"], w["w_up"]], tp),
+                       "w_down": w["w_down"]}}
+
+
 def init_params(cfg: LlamaConfig, mesh, axis: str, dtype, seed: int, *, host: bool = True):
-    """Weights as sharded arrays of ``dtype``. ``host``: drawn with numpy (reproducible across
-    machines, used by the Hugging Face parity check); else drawn on the devices with
-    jax.random directly into their shards (Llama-3-8B's 8 G values in seconds)."""
+    """Weights as sharded arrays of ``dtype``, stacked layout. ``host``: drawn with numpy
+    (reproducible across machines, used by the Hugging Face parity check); else drawn on the
+    devices with jax.random directly into their shards (Llama-3-8B's 8 G values in
+    seconds)."""
     specs = param_specs(axis)
+    tp = mesh.shape[axis]
     if host:
-        arrays = init_params_numpy(cfg, seed)
-        return {k: jax.device_put(jnp.asarray(v, dtype), NamedSharding(mesh, specs[k]))
-                for k, v in arrays.items()}
+        tree = from_hf_layout(init_params_numpy(cfg, seed), tp)
+        return jax.tree.map(lambda v, s: jax.device_put(jnp.asarray(v, dtype),
+                                                        NamedSharding(mesh, s)), tree, specs)
     shapes = param_shapes(cfg)
-    names = sorted(shapes)
-    shardings = {k: NamedSharding(mesh, specs[k]) for k in names}
+    flat_shapes, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    names = [jax.tree_util.keystr(k) for k, _ in
+             jax.tree_util.tree_flatten_with_path(shapes,
+                                                  is_leaf=lambda x: isinstance(x, tuple))[0]]
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
 
     @partial(jax.jit, out_shardings=shardings)
     def draw(key):
-        keys = dict(zip(names, jax.random.split(key, len(names))))
-        out = {}
-        for k in names:
-            z = jax.random.normal(keys[k], shapes[k], jnp.float32)
-            if k.endswith("norm"):
-                out[k] = (1.0 + 0.1 * z).astype(dtype)
+        keys = jax.random.split(key, len(flat_shapes))
+        out = []
+        for k, name, shape in zip(keys, names, flat_shapes):
+            z = jax.random.normal(k, shape, jnp.float32)
+            if name.endswith("norm']"):
+                out.append((1.0 + 0.1 * z).astype(dtype))
             else:
-                out[k] = (z / math.sqrt(_fan_in(k, shapes[k]))).astype(dtype)
-        return out
+                fan_in = 1 if "embed" in name else shape[-2]
+                out.append((z / math.sqrt(fan_in)).astype(dtype))
+        return jax.tree.unflatten(treedef, out)
 
     return draw(jax.random.key(seed))
+
+
+def arrange(params: dict, mesh, axis: str, *, scan: bool) -> dict:
+    """The weights in the layout a layer mode reads without copying: stacked for ``scan``,
+    one array per layer for unrolled layers (sliced once here, a copy of the layer weights;
+    under jit every step would slice, i.e. copy, them again)."""
+    layers = params["layers"]
+    if scan or isinstance(layers, (list, tuple)):
+        if scan and isinstance(layers, (list, tuple)):
+            raise ValueError("arrange(scan=True) takes stacked weights (init_params's layout)")
+        return params
+    n = next(iter(layers.values())).shape[0]
+    specs = param_specs(axis, stacked=False, layers=n)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    split = jax.jit(lambda p: {**{k: v for k, v in p.items() if k != "layers"},
+                               "layers": [{k: v[i] for k, v in p["layers"].items()}
+                                          for i in range(n)]},
+                    out_shardings=shardings)
+    return split(params)
 
 
 def cache_shape(cfg: LlamaConfig, batch: int, length: int) -> tuple:
@@ -162,13 +254,21 @@ def rms_norm_hf(x, gamma, eps):
 NORMS = {"fused-friendly": rms_norm, "hf": rms_norm_hf}
 
 
-def rope(x, positions, theta):
-    """Rotary embedding, rotate-half form (Hugging Face Llama): x [B, T, heads, hd]."""
-    hd = x.shape[-1]
+def rope_tables(positions, hd: int, theta):
+    """cos, sin [B, T, 1, hd] of the rotate-half rotary embedding at ``positions`` [B, T];
+    computed once per forward pass and shared by every layer (as Hugging Face's LlamaModel
+    does), not once per layer."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
     ang = positions.astype(jnp.float32)[:, :, None] * inv_freq      # [B, T, hd/2]
     cos = jnp.concatenate([jnp.cos(ang), jnp.cos(ang)], -1)[:, :, None, :]
     sin = jnp.concatenate([jnp.sin(ang), jnp.sin(ang)], -1)[:, :, None, :]
+    return cos, sin
+
+
+def rope(x, tables):
+    """Rotary embedding, rotate-half form (Hugging Face Llama): x [B, T, heads, hd]."""
+    cos, sin = tables
+    hd = x.shape[-1]
     x32 = x.astype(jnp.float32)
     rot = jnp.concatenate([-x32[..., hd // 2:], x32[..., :hd // 2]], -1)
     return (x32 * cos + rot * sin).astype(x.dtype)
@@ -178,24 +278,33 @@ def _dot(a, b):
     return jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype)
 
 
-def layer(cfg, axis, norm, x, h, lp, ck, cv, pos):
+def layer(cfg, axis, norm, x, h, lp, ck_all, cv_all, i, pos, tables):
     """One decoder layer on one rank. x: the residual stream, h: its normed copy [B, T, H];
-    lp: this layer's weight shards; ck, cv: this layer's cache shard [B, S, kv_local, hd];
-    pos: the first position of the T tokens. Returns (x, h, ck, cv) with h already the next
-    norm's output (see the module docstring)."""
+    lp: this layer's weight shards; ck_all, cv_all: every layer's cache shard
+    [L, B, S, kv_local, hd], of which this is layer ``i``; pos: the first position of the T
+    tokens; tables: rope_tables(). Returns (x, h, ck_all, cv_all) with h already the next
+    norm's output (see the module docstring). Only the T new rows of the cache are written,
+    in place in the whole cache (a donated cache is never copied; slicing one layer out and
+    stacking the layers back would copy every layer's cache every step)."""
     B, T, _ = x.shape
     hd = cfg.head_dim
-    q = _dot(h, lp["wq"]).reshape(B, T, -1, hd)
-    k = _dot(h, lp["wk"]).reshape(B, T, -1, hd)
-    v = _dot(h, lp["wv"]).reshape(B, T, -1, hd)
-    positions = pos + jnp.arange(T, dtype=jnp.int32)[None, :].repeat(B, 0)
-    q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
-    ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, pos, 0, 0))
-    cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, pos, 0, 0))
+    qkv = _dot(h, lp["wqkv"])                    # [B, T, (q + 2 kv) local heads * hd]
+    kv_width = ck_all.shape[3] * hd
+    q_width = qkv.shape[-1] - 2 * kv_width
+    q = qkv[..., :q_width].reshape(B, T, -1, hd)
+    k = qkv[..., q_width:q_width + kv_width].reshape(B, T, -1, hd)
+    v = qkv[..., q_width + kv_width:].reshape(B, T, -1, hd)
+    q, k = rope(q, tables), rope(k, tables)
+    ck_all = jax.lax.dynamic_update_slice(ck_all, k.astype(ck_all.dtype)[None], (i, 0, pos, 0, 0))
+    cv_all = jax.lax.dynamic_update_slice(cv_all, v.astype(cv_all.dtype)[None], (i, 0, pos, 0, 0))
+    ck = jax.lax.dynamic_index_in_dim(ck_all, i, keepdims=False)
+    cv = jax.lax.dynamic_index_in_dim(cv_all, i, keepdims=False)
     kvl = ck.shape[2]
     group = q.shape[2] // kvl
-    qg = q.reshape(B, T, kvl, group, hd).astype(jnp.float32)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, ck.astype(jnp.float32)) / math.sqrt(hd)
+    qg = q.reshape(B, T, kvl, group, hd)
+    # float32 products and sums without a float32 copy of the cache.
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, ck,
+                        preferred_element_type=jnp.float32) / math.sqrt(hd)
     S = ck.shape[1]
     visible = jnp.arange(S)[None, :] <= (pos + jnp.arange(T))[:, None]     # causal, [T, S]
     scores = jnp.where(visible, scores, -jnp.inf)
@@ -204,52 +313,66 @@ def layer(cfg, axis, norm, x, h, lp, ck, cv, pos):
     attn = attn.reshape(B, T, -1).astype(x.dtype)
     x = jax.lax.psum(_dot(attn, lp["wo"]), axis) + x                        # row-parallel
     h = norm(x, lp["mlp_norm"], cfg.rms_eps)
-    act = jax.nn.silu(_dot(h, lp["w_gate"]).astype(jnp.float32)).astype(x.dtype)
-    mlp = _dot(act * _dot(h, lp["w_up"]), lp["w_down"])
+    gate, up = jnp.split(_dot(h, lp["w_gate_up"]), 2, axis=-1)    # this rank's FFN slice
+    act = jax.nn.silu(gate.astype(jnp.float32)).astype(x.dtype)
+    mlp = _dot(act * up, lp["w_down"])
     x = jax.lax.psum(mlp, axis) + x                                         # row-parallel
     h = norm(x, lp["next_norm"], cfg.rms_eps)
-    return x, h, ck, cv
-
-
-LAYER_KEYS = ("attn_norm", "mlp_norm", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+    return x, h, ck_all, cv_all
 
 
 def forward_local(cfg, axis, params, tokens, ck, cv, pos, *, scan: bool, norm=rms_norm):
     """The per-rank forward pass: tokens [B, T] int32 at positions pos..pos+T-1. Returns
     (this rank's vocabulary slice of the logits [B, T, V/tp] float32, caches)."""
+    layers = params["layers"]
+    per_layer = isinstance(layers, (list, tuple))
+    if scan and per_layer:
+        raise ValueError("scanned layers take stacked weights (llama.arrange(..., scan=True))")
+    gains = [lp["attn_norm"] for lp in layers] if per_layer else None
+    B, T = tokens.shape
+    tables = rope_tables(pos + jnp.arange(T, dtype=jnp.int32)[None, :].repeat(B, 0),
+                         cfg.head_dim, cfg.rope_theta)
     x = jnp.take(params["embed"], tokens, axis=0)
-    h = norm(x, params["attn_norm"][0], cfg.rms_eps)
-    stacked = {k: params[k] for k in LAYER_KEYS}
-    # The gain of the norm each layer ends with: the next layer's input norm, then the final.
-    stacked["next_norm"] = jnp.concatenate([params["attn_norm"][1:], params["final_norm"][None]])
+    h = norm(x, gains[0] if per_layer else layers["attn_norm"][0], cfg.rms_eps)
     if scan:
+        # The gain of the norm each layer ends with: the next layer's input norm, then the final.
+        stacked = dict(layers, next_norm=jnp.concatenate([layers["attn_norm"][1:],
+                                                          params["final_norm"][None]]))
+
+        # The caches ride in the carry (updated in place), not as scanned inputs/outputs
+        # (which would restack, i.e. copy, all of them every step).
         def step(carry, xs):
-            x, h = carry
-            lp, k1, v1 = xs
-            x, h, k1, v1 = layer(cfg, axis, norm, x, h, lp, k1, v1, pos)
-            return (x, h), (k1, v1)
-        (x, h), (ck, cv) = jax.lax.scan(step, (x, h), (stacked, ck, cv))
+            x, h, ck, cv = carry
+            lp, i = xs
+            return layer(cfg, axis, norm, x, h, lp, ck, cv, i, pos, tables), None
+        n = layers["attn_norm"].shape[0]
+        (x, h, ck, cv), _ = jax.lax.scan(step, (x, h, ck, cv),
+                                         (stacked, jnp.arange(n, dtype=jnp.int32)))
     else:
-        ks, vs = [], []
-        for i in range(cfg.layers):
-            lp = {k: v[i] for k, v in stacked.items()}
-            x, h, k1, v1 = layer(cfg, axis, norm, x, h, lp, ck[i], cv[i], pos)
-            ks.append(k1)
-            vs.append(v1)
-        ck, cv = jnp.stack(ks), jnp.stack(vs)
+        n = len(layers) if per_layer else layers["attn_norm"].shape[0]
+        for i in range(n):
+            # Stacked weights work here too, but each slice is a copy per step: see arrange().
+            lp = dict(layers[i]) if per_layer else {k: v[i] for k, v in layers.items()}
+            lp["next_norm"] = (params["final_norm"] if i == n - 1 else
+                               gains[i + 1] if per_layer else layers["attn_norm"][i + 1])
+            x, h, ck, cv = layer(cfg, axis, norm, x, h, lp, ck, cv, i, pos, tables)
     logits = jnp.einsum("bth,hv->btv", h, params["lm_head"], preferred_element_type=jnp.float32)
     return logits, ck, cv
 
 
 def make_forward(cfg, mesh, axis, *, scan: bool, norm=rms_norm):
     """forward(params, tokens, ck, cv, pos) -> (logits [B, T, V] float32, ck, cv): the
-    shard_map over ``axis`` (not jitted: wrap it in jax.jit, or in jax_fusedar.fuse)."""
-    specs = param_specs(axis)
+    shard_map over ``axis`` (not jitted: wrap it in jax.jit, or in jax_fusedar.fuse). params
+    in either layout (``arrange``); the specs follow the tree it is called with."""
     body = partial(forward_local, cfg, axis, scan=scan, norm=norm)
-    return jax.shard_map(
-        body, mesh=mesh,
-        in_specs=(specs, P(), cache_spec(axis), cache_spec(axis), P()),
-        out_specs=(P(None, None, axis), cache_spec(axis), cache_spec(axis)))
+
+    def forward(params, tokens, ck, cv, pos):
+        return jax.shard_map(
+            body, mesh=mesh,
+            in_specs=(specs_like(params, axis), P(), cache_spec(axis), cache_spec(axis), P()),
+            out_specs=(P(None, None, axis), cache_spec(axis), cache_spec(axis)),
+        )(params, tokens, ck, cv, pos)
+    return forward
 
 
 def greedy_decode(prefill, decode, params, prompt, ck, cv, steps: int):
