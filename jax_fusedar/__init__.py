@@ -1,14 +1,14 @@
 """jax_fusedar: FlashInfer's fused all-reduce + residual add + RMSNorm for JAX (XLA FFI).
 
-The JAX API is loaded lazily so that framework-neutral modules (``jax_fusedar.topology``,
-``jax_fusedar.patterns``, ``jax_fusedar.native``) can be imported, e.g. by ``torch_compat``,
-without importing JAX.
+The JAX API is loaded lazily so that the framework-neutral layer (``jax_fusedar.common``:
+patterns, limits, sizing, native, ...) can be imported, e.g. by ``torch_compat``, without
+importing JAX.
 """
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .patterns import AllReduceFusionPattern, QuantizationSFLayout  # noqa: F401 (no jax)
+from .common.patterns import AllReduceFusionPattern, QuantizationSFLayout  # noqa: F401 (no jax)
 
 _LAZY = {
     "allreduce_fusion": ("api", "allreduce_fusion"),
@@ -28,11 +28,25 @@ _LAZY = {
 __all__ = ["AllReduceFusionPattern", "QuantizationSFLayout", *_LAZY]
 
 
+# JAX is an extra (numpy is the only hard dependency), so the package itself imports
+# without it: torch users need only its framework-neutral modules.
+NEEDS_JAX = "jax_fusedar's JAX API needs JAX: pip install 'jax_fusedar[jax]'"
+
+
+def _is_missing_jax(error: ModuleNotFoundError) -> bool:
+    return (error.name or "").split(".")[0] in ("jax", "jaxlib")
+
+
 def __getattr__(name):
     if name in _LAZY:
         import importlib
         module, attr = _LAZY[name]
-        mod = importlib.import_module(f".{module}", __name__)
+        try:
+            mod = importlib.import_module(f".{module}", __name__)
+        except ModuleNotFoundError as e:
+            if _is_missing_jax(e):
+                raise ImportError(f"{NEEDS_JAX} (jax_fusedar.{name}: {e})") from e
+            raise
         value = mod if attr is None else getattr(mod, attr)
         globals()[name] = value
         return value

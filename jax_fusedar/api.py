@@ -17,9 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from . import arguments, formats, topology
-from .patterns import (MOE_PATTERNS, TRAITS, AllReduceFusionPattern, QuantizationSFLayout,
-                       as_pattern)
+from .common import arguments, backend_choice, launch_mode, limits, quant_layouts, sizing
+from . import quant_arrays
+from .common.patterns import (MOE_PATTERNS, TRAITS, AllReduceFusionPattern, QuantizationSFLayout,
+                              as_pattern)
 from .primitive import allreduce_fusion_p, check_call_groups, register_ffi_targets
 from .workspace import AllReduceFusionWorkspace
 
@@ -43,7 +44,7 @@ class CallPlan:
     parameter of the primitive so that its batching rule (jax_fusedar/transforms.py) can
     decide again for the token count of the folded batch."""
     backend: str
-    sizes: topology.WorkspaceSizes
+    sizes: sizing.WorkspaceSizes
     strict: bool
     use_oneshot: Optional[bool]  # as requested: None picks by size
 
@@ -51,21 +52,21 @@ class CallPlan:
 def _fallback(kind: str, reason: str, strict: bool, backend: str) -> None:
     if strict:
         raise ValueError(f"jax_fusedar: cannot use the fused kernel: {reason} (strict mode; "
-                         f"unset {topology.STRICT_ENV_VAR} or pass strict=False to fall back to "
-                         "psum + RMSNorm)")
+                         f"unset {backend_choice.STRICT_ENV_VAR} or pass strict=False to fall "
+                         "back to psum + RMSNorm)")
     # The xla backend never uses the kernel: nothing falls back there, nothing to report.
     if backend == "trtllm" and kind not in _fallback_reasons_logged:
         _fallback_reasons_logged.add(kind)
         log.warning("jax_fusedar: falling back to psum + RMSNorm: %s (logged once per kind "
-                    "of reason; set %s=1 to raise instead)", reason, topology.STRICT_ENV_VAR)
+                    "of reason; set %s=1 to raise instead)", reason, backend_choice.STRICT_ENV_VAR)
 
 
 def _kernel_problem(tokens, hidden, dtype_name, sizes):
     """(kind, why) the kernel cannot serve this call (then it falls back), or None."""
-    problem = topology.kernel_support_problem(sizes.world_size, hidden, dtype_name)
+    problem = limits.kernel_support_problem(sizes.world_size, hidden, dtype_name)
     if problem is not None:
         return "unsupported shape", problem
-    if not topology.buffer_fits(tokens, hidden, sizes):
+    if not sizing.buffer_fits(tokens, hidden, sizes):
         return "workspace too small", (
             f"{tokens}x{hidden} tokens exceed the workspace (max_token_num="
             f"{sizes.max_token_num} x hidden {sizes.hidden_dim}; every row of an N-D or "
@@ -85,7 +86,7 @@ def choose_path(plan: CallPlan, tokens: int, hidden: int, dtype_name: str):
         _fallback(*problem, plan.strict, plan.backend)
         return False, True
     # Raises for an explicit use_oneshot the workspace cannot serve (never degrade).
-    oneshot = topology.choose_oneshot(tokens, hidden, plan.sizes, plan.use_oneshot)
+    oneshot = launch_mode.choose_oneshot(tokens, hidden, plan.sizes, plan.use_oneshot)
     return use_kernel, oneshot
 
 
@@ -105,15 +106,15 @@ def _quant_params(pattern, traits, x, hidden, scale_factor, layout_code, group_s
         raise ValueError("NVFP4 patterns need bfloat16 or float16 inputs")
     layout = group = 0
     if traits.quant == "fp4":
-        layout = int(formats.as_layout(QuantizationSFLayout.SWIZZLED_128x4
+        layout = int(quant_layouts.as_layout(QuantizationSFLayout.SWIZZLED_128x4
                                        if layout_code is None else layout_code))
-        formats.check_hidden_fp4(hidden)
+        quant_layouts.check_hidden_fp4(hidden)
         if workspace.backend == "trtllm":
             _require_sm100(workspace)
     if traits.quant == "group_fp8":
         if group_size is None:
             raise ValueError(f"{name} needs block_quant_group_size")
-        group = formats.check_kernel_group_size(hidden, group_size, np.dtype(x.dtype).name)
+        group = quant_layouts.check_kernel_group_size(hidden, group_size, np.dtype(x.dtype).name)
     return layout, group
 
 
@@ -213,7 +214,7 @@ def allreduce_fusion(x: ArrayLike, *, axis_name: str, workspace: AllReduceFusion
     all-reduce (zeros when None, for residual patterns). ``rms_gamma``: ``[hidden]`` of x's
     dtype or float32 (then rounded to x's dtype, as the kernel reads it).
     ``weight_bias=1.0`` gives Gemma's ``(1 + gamma)``.
-    Quantized patterns (table in the README, layouts in ``jax_fusedar.formats``):
+    Quantized patterns (table in the README, layouts in ``jax_fusedar.common.quant_layouts``):
     ``scale_factor`` (static FP8: the dequantization scale; NVFP4: the global scale) is a
     float32 array of shape () or (1,), a runtime operand, never a baked constant;
     ``layout_code`` picks the NVFP4 scale layout (default SWIZZLED_128x4);
@@ -238,7 +239,7 @@ def allreduce_fusion(x: ArrayLike, *, axis_name: str, workspace: AllReduceFusion
                          "jax_fusedar.moe_reduction_allreduce_fusion (6) or "
                          "moe_finalize_allreduce_fusion (7)")
     traits = TRAITS[pattern]
-    strict = topology.strict_mode(strict)
+    strict = backend_choice.strict_mode(strict)
     # Options are taken as given, never coerced (bool("false") is True): arguments.py.
     use_oneshot = arguments.as_bool("use_oneshot", use_oneshot, allow_none=True)
     fp32_acc = arguments.as_bool("fp32_acc", fp32_acc)
@@ -289,7 +290,7 @@ def allreduce_fusion(x: ArrayLike, *, axis_name: str, workspace: AllReduceFusion
     lead, hidden = x.shape[:-1], x.shape[-1]
     tokens = math.prod(lead)
     # World size and vector width are limits of the op itself, on every platform.
-    vec = topology.vector_width(dtype_name)
+    vec = limits.vector_width(dtype_name)
     if hidden % vec:
         raise ValueError(f"hidden size {hidden} is not a multiple of {vec} (16 bytes of "
                          f"{dtype_name}), which the kernel requires")
@@ -305,7 +306,7 @@ def allreduce_fusion(x: ArrayLike, *, axis_name: str, workspace: AllReduceFusion
     layout, group_size = _quant_params(pattern, traits, x, hidden, scale_factor, layout_code,
                                        block_quant_group_size, workspace)
     if traits.uses_scale_factor:
-        operands.append(formats.check_scalar_scale(scale_factor, "scale_factor").reshape(1))
+        operands.append(quant_arrays.check_scalar_scale(scale_factor, "scale_factor").reshape(1))
 
     # Trace-time decision: the kernel, or the reference with a logged reason.
     plan = CallPlan(workspace.backend, workspace.sizes, strict,

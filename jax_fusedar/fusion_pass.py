@@ -51,8 +51,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from . import topology
-from .patterns import AllReduceFusionPattern as Pattern
+from .common import limits
+from .common.patterns import AllReduceFusionPattern as Pattern
 
 log = logging.getLogger("jax_fusedar")
 
@@ -719,8 +719,8 @@ class _Analyzer:
                 raise _Reject("all-reduce outside shard_map")
             m = _match_site(g, i, self.axis, self.fuser.allow_rounding_change)
             world = mesh_shape.get(self.axis)
-            problem = topology.kernel_support_problem(world, m.hidden, m.dtype)
-            if problem is None and m.hidden % topology.vector_width(m.dtype):
+            problem = limits.kernel_support_problem(world, m.hidden, m.dtype)
+            if problem is None and m.hidden % limits.vector_width(m.dtype):
                 problem = f"hidden size {m.hidden} is not a multiple of 16 bytes"
             if problem:
                 raise _Reject(problem)

@@ -46,9 +46,10 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from . import arguments, moe_reference, topology
+from . import moe_reference
+from .common import arguments, backend_choice, limits, sizing
 from .api import CallPlan, _as_gamma, _as_residual, _check_context_mesh, _fallback
-from .patterns import AllReduceFusionPattern
+from .common.patterns import AllReduceFusionPattern
 from .primitive import _check_mesh, _varying, _with_varying, register_ffi_targets
 from .workspace import AllReduceFusionWorkspace
 
@@ -69,13 +70,13 @@ class MoeAllReduceFusionOutputs(NamedTuple):
 # --- the kernel decision -----------------------------------------------------------------------
 
 def kernel_problem(tokens: int, hidden: int, dtype_name: str,
-                   sizes: topology.WorkspaceSizes) -> Optional[tuple]:
+                   sizes: sizing.WorkspaceSizes) -> Optional[tuple]:
     """(kind, why) FlashInfer's MoE kernels cannot serve a call of ``tokens`` x ``hidden``,
     or None. A pure function of the shape and the workspace, so every rank decides alike;
     ffi/core/moe_launch.cpp enforces the same rules before launching."""
     if dtype_name not in MOE_DTYPES:
         return "unsupported dtype", f"the MoE kernels take bfloat16 or float16, not {dtype_name}"
-    problem = topology.kernel_support_problem(sizes.world_size, hidden, dtype_name)
+    problem = limits.kernel_support_problem(sizes.world_size, hidden, dtype_name)
     if problem is not None:
         return "unsupported shape", problem
     if hidden % HIDDEN_MULTIPLE:
@@ -88,7 +89,7 @@ def kernel_problem(tokens: int, hidden: int, dtype_name: str,
     if warps // cluster > 32:
         return "unsupported shape", (f"hidden size {hidden} needs {warps // cluster * 32} "
                                      "threads per block, above the launch limit of 1024")
-    if not topology.buffer_fits(tokens, hidden, sizes):
+    if not sizing.buffer_fits(tokens, hidden, sizes):
         return "workspace too small", (
             f"{tokens}x{hidden} tokens exceed the workspace (max_token_num="
             f"{sizes.max_token_num} x hidden {sizes.hidden_dim})")
@@ -314,7 +315,7 @@ def _concrete_shape(name, shape):
 
 def _options(rms_eps, weight_bias, strict):
     return (arguments.as_float("rms_eps", rms_eps, minimum=0.0),
-            arguments.as_float("weight_bias", weight_bias), topology.strict_mode(strict))
+            arguments.as_float("weight_bias", weight_bias), backend_choice.strict_mode(strict))
 
 
 def _bind(operands, *, pattern, lead, hidden, workspace, axis_name, strict, rms_eps,

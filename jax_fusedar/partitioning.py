@@ -44,9 +44,10 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import reference, topology
+from .common import backend_choice
+from . import reference
 from .api import AllReduceFusionOutputs, _fallback, allreduce_fusion
-from .patterns import AllReduceFusionPattern
+from .common.patterns import AllReduceFusionPattern
 from .workspace import AllReduceFusionWorkspace
 
 _PATTERN = int(AllReduceFusionPattern.kARResidualRMSNorm)
@@ -232,7 +233,7 @@ def _local_program(cfg: _Config, mesh, plan: _Plan):
             res, norm = out.residual_out, out.norm_out
         else:
             if why is not None:  # workspaces were given but none serves this call
-                _fallback("no matching workspace", why, topology.strict_mode(cfg.strict),
+                _fallback("no matching workspace", why, backend_choice.strict_mode(cfg.strict),
                           "trtllm")
             axis = plan.k_axes[0] if len(plan.k_axes) == 1 else plan.k_axes
             _, res, norm = reference.allreduce_fusion_reference(

@@ -6,7 +6,7 @@
 
 Operands: x, then residual_in and rms_gamma for residual patterns, then scale_factor (float32
 [1], a runtime operand) for static FP8 / NVFP4. Results: allreduce_out, or residual_out
-[+ norm_out] [+ quant_out [+ scale_out]] (see patterns.TRAITS, formats.py for the quantized
+[+ norm_out] [+ quant_out [+ scale_out]] (see patterns.TRAITS, quant_layouts.py for the quantized
 layouts, and ffi/xla/allreduce_fusion.cc, which checks the same lists). residual_in is aliased to
 residual_out, the in-place update FlashInfer and vLLM use (safe: each element is read and
 written by the same thread).
@@ -19,8 +19,9 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from . import formats, native, quant_reference, reference, topology
-from .patterns import TRAITS, AllReduceFusionPattern
+from .common import native, quant_layouts, tp_groups
+from . import quant_reference, reference
+from .common.patterns import TRAITS, AllReduceFusionPattern
 from .workspace import _mesh_groups
 
 FFI_TARGET = "jax_fusedar_allreduce_fusion_v1"
@@ -48,17 +49,17 @@ def _with_varying(aval, vma: frozenset):
 
 
 def quant_result_shapes(traits, tokens: int, hidden: int, layout: int, group_size: int):
-    """(shape, dtype) of quant_out and, if written, scale_out (see formats.py for layouts)."""
+    """(shape, dtype) of quant_out and, if written, scale_out (see quant_layouts.py for layouts)."""
     if traits.quant is None:
         return []
     if traits.quant == "fp4":
-        return [(formats.nvfp4_quant_shape(tokens, hidden), jnp.uint8),
-                (formats.nvfp4_scale_shape(tokens, hidden, layout), jnp.float8_e4m3fn)]
+        return [(quant_layouts.nvfp4_quant_shape(tokens, hidden), jnp.uint8),
+                (quant_layouts.nvfp4_scale_shape(tokens, hidden, layout), jnp.float8_e4m3fn)]
     out = [((tokens, hidden), jnp.float8_e4m3fn)]
     if traits.quant == "dynamic_fp8":
         out.append(((tokens, 1), jnp.float32))
     elif traits.quant == "group_fp8":
-        out.append((formats.group_scale_buffer_shape(tokens, hidden, group_size), jnp.int32))
+        out.append((quant_layouts.group_scale_buffer_shape(tokens, hidden, group_size), jnp.int32))
     return out
 
 
@@ -111,14 +112,14 @@ _reference_lowering = mlir.lower_fun(_reference_outputs, multiple_results=True)
 
 def check_call_groups(mesh, axis_name: str, workspace_groups) -> None:
     """Refuse a call whose mesh groups the devices along ``axis_name`` otherwise than the
-    workspace (topology.groups_problem): a device would reduce with the wrong group, a
+    workspace (tp_groups.groups_problem): a device would reduce with the wrong group, a
     silent wrong answer on GPUs. ``mesh``: a concrete Mesh (pmap runs as one too); None or
     an abstract mesh (export, cross-platform lowering) has nothing to compare."""
     devices = getattr(mesh, "devices", None)
     if not isinstance(devices, np.ndarray) or devices.dtype != object or devices.size == 0:
         return
     call_groups = [g.members for g in _mesh_groups(mesh, axis_name)]  # the workspace's rule
-    problem = topology.groups_problem(axis_name, workspace_groups, call_groups)
+    problem = tp_groups.groups_problem(axis_name, workspace_groups, call_groups)
     if problem:
         raise ValueError(f"jax_fusedar.allreduce_fusion: {problem}")
 

@@ -92,9 +92,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import formats
-from .formats import FP8_E4M3_MAX, NVFP4_BLOCK, QuantizationSFLayout
-from .patterns import TRAITS, AllReduceFusionPattern
+from .common import quant_layouts
+from . import quant_arrays
+from .common.quant_layouts import FP8_E4M3_MAX, NVFP4_BLOCK, QuantizationSFLayout
+from .common.patterns import TRAITS, AllReduceFusionPattern
 
 _TINY = float(np.finfo(np.float32).tiny)                        # 2^-126
 _RECIP6 = np.float32(1.0) / np.float32(6.0)                     # constexpr 1.0f / 6.0f (L731)
@@ -186,7 +187,7 @@ def quantize_fp8_static(y, scale_factor):
     ``scale_factor``: float32 array of shape () or (1,), the dequantization scale (the kernel
     divides by it, through a reciprocal computed once)."""
     _check_y(y, _FP8_IN_DTYPES, "quantize_fp8_static")
-    s = formats.check_scalar_scale(scale_factor, "scale_factor")
+    s = quant_arrays.check_scalar_scale(scale_factor, "scale_factor")
     r = _div(jnp.float32(1.0), s)
     return e4m3_satfinite(_ftz(_f32(y) * r))
 
@@ -220,9 +221,9 @@ def _ue8m0_round_up(s):
 
 
 def pack_group_scales(exps, M: int, H: int, group_size: int):
-    """uint8 exponents [M, H/g] -> the dense int32 (K, round_up(M,4)) buffer (formats.py):
+    """uint8 exponents [M, H/g] -> the dense int32 (K, round_up(M,4)) buffer (quant_layouts.py):
     word (pack, token) = sum over pos of exps[token, 4*pack + pos] << 8*pos; padding 0."""
-    K, T = formats.group_scale_buffer_shape(M, H, group_size)
+    K, T = quant_layouts.group_scale_buffer_shape(M, H, group_size)
     groups = H // group_size
     e = jnp.pad(exps.astype(jnp.uint32), ((0, T - M), (0, 4 * K - groups)))
     e = e.reshape(T, K, 4)
@@ -235,9 +236,10 @@ def quantize_fp8_group(y, group_size):
 
     ``scales`` is the dense physical buffer of FlashInfer's MN-major tensor (shape (M, K),
     strides (1, round_up(M,4))): that tensor is ``scales[:, :M].T``; see
-    formats.group_scale_buffer_shape / formats.unpack_ue8m0_scales. ``group_size`` is static."""
+    quant_layouts.group_scale_buffer_shape / quant_arrays.unpack_ue8m0_scales. ``group_size``
+    is static."""
     M, H = _check_y(y, _FP8_IN_DTYPES, "quantize_fp8_group")
-    g = formats.check_group_size(H, group_size)
+    g = quant_layouts.check_group_size(H, group_size)
     G = H // g
     x = _f32(y).reshape(M, G, g)
     ax = jnp.abs(x)
@@ -266,9 +268,9 @@ def quantize_nvfp4(y, global_scale, layout=QuantizationSFLayout.SWIZZLED_128x4, 
     SWIZZLED_8x4 (1) raises ValueError (the kernel writes no scales for it). ``division``:
     how gs / float(SF) rounds ("ieee" or "reciprocal", module docstring)."""
     M, H = _check_y(y, _FP4_IN_DTYPES, "quantize_nvfp4")
-    formats.check_hidden_fp4(H)
-    lay = formats.as_layout(layout)
-    gs = _ftz(formats.check_scalar_scale(global_scale, "global_scale"))
+    quant_layouts.check_hidden_fp4(H)
+    lay = quant_layouts.as_layout(layout)
+    gs = _ftz(quant_arrays.check_scalar_scale(global_scale, "global_scale"))
     nb = H // NVFP4_BLOCK
     yb = y.reshape(M, nb, NVFP4_BLOCK)
     a = jnp.abs(yb)                                   # exact in T; max is exact in T too
@@ -284,7 +286,7 @@ def quantize_nvfp4(y, global_scale, layout=QuantizationSFLayout.SWIZZLED_128x4, 
     packed = codes[..., 0] | (codes[..., 1] << 4)
     sf = sf.reshape(M, nb)
     if lay == QuantizationSFLayout.SWIZZLED_128x4:
-        sf = formats.swizzle_128x4(sf)
+        sf = quant_arrays.swizzle_128x4(sf)
     return packed, sf
 
 

@@ -23,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .patterns import TRAITS, AllReduceFusionPattern
+from .common.patterns import TRAITS, AllReduceFusionPattern
 
 
 def rms_norm(r, rms_gamma, *, rms_eps: float, weight_bias: float, out_dtype):

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import native
+from .common import native
 from .primitive import register_ffi_targets
 
 TARGET = "jax_fusedar_device_timestamp_v1"

@@ -35,7 +35,7 @@ import numpy as np
 from jax.interpreters import ad, batching
 
 from . import reference
-from .patterns import TRAITS, AllReduceFusionPattern, QuantizationSFLayout
+from .common.patterns import TRAITS, AllReduceFusionPattern, QuantizationSFLayout
 from .primitive import _varying, allreduce_fusion_p
 
 

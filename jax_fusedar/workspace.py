@@ -30,7 +30,8 @@ import numpy as np
 if TYPE_CHECKING:  # annotations only: this module imports jax lazily
     from jax.typing import DTypeLike
 
-from . import arguments, exchange, native, topology
+from .common import (arguments, backend_choice, call_check, exchange, limits, native, sizing,
+                     tp_groups)
 
 log = logging.getLogger("jax_fusedar")
 
@@ -64,13 +65,13 @@ class AllReduceFusionWorkspace:
     ``backend`` is ``"trtllm"`` (FlashInfer's kernel) or ``"xla"`` (the reference path: XLA's
     psum + RMSNorm, used on CPU and when asked for). Use as a context manager or call
     ``destroy()``; calls traced after ``destroy()`` raise. ``check_calls``: whether the
-    kernel's calls are checked across ranks (``native.resolve_check_calls``; trtllm only).
+    kernel's calls are checked across ranks (``call_check.resolve_check_calls``; trtllm only).
     """
 
     def __init__(self, *, mesh, axis_name: str, max_token_num: int, hidden_dim: int, dtype,
-                 backend: str, workspace_id: int, groups, sizes: topology.WorkspaceSizes,
+                 backend: str, workspace_id: int, groups, sizes: sizing.WorkspaceSizes,
                  check_calls: bool = False,
-                 check_timeout_s: float = native.DEFAULT_CHECK_TIMEOUT_S,
+                 check_timeout_s: float = call_check.DEFAULT_CHECK_TIMEOUT_S,
                  name: Optional[str] = None, serial: Optional[int] = None, key: str = ""):
         self.mesh = mesh
         self.axis_name = axis_name
@@ -112,9 +113,9 @@ class AllReduceFusionWorkspace:
                 return False
             if name != self.dtype.name:
                 return False
-        if hidden_dim % topology.vector_width(self.dtype.name):
+        if hidden_dim % limits.vector_width(self.dtype.name):
             return False
-        return topology.buffer_fits(num_tokens, hidden_dim, self.sizes)
+        return sizing.buffer_fits(num_tokens, hidden_dim, self.sizes)
 
     def call_check_failures(self) -> list:
         """After a checked call failed (the stream reported a CUDA error): what the handshake
@@ -165,7 +166,7 @@ _register_static()
 
 def _mesh_groups(mesh, axis_name):
     ids = np.vectorize(lambda d: d.id, otypes=[np.int64])(mesh.devices)
-    return topology.tp_groups_from_grid(ids, tuple(mesh.axis_names), axis_name)
+    return tp_groups.tp_groups_from_grid(ids, tuple(mesh.axis_names), axis_name)
 
 
 _backend_reasons_logged: set = set()
@@ -174,11 +175,11 @@ _backend_reasons_logged: set = set()
 def _choose_backend(ws: AllReduceFusionWorkspace, requested, platform: str,
                     timeout_s: float) -> str:
     """The backend of every TP group of ``ws``, each group counted on its own members' hosts
-    (``topology.resolve_backend_for_groups``). One backend for the whole workspace: one
+    (``backend_choice.resolve_backend_for_groups``). One backend for the whole workspace: one
     program runs on every rank, so the custom call is in it for all groups or for none.
     "auto" with a group across nodes takes XLA's collectives, and says why once."""
-    topology.resolve_backend(requested, platform=platform)  # a bad name fails before any wait
-    choice = topology.resolve_backend_for_groups(
+    backend_choice.resolve_backend(requested, platform=platform)  # a bad name fails before any wait
+    choice = backend_choice.resolve_backend_for_groups(
         requested, platform=platform, groups=ws.groups, host_of=_device_hosts(ws.mesh, timeout_s),
         member_name="device")
     if choice.reason:
@@ -227,8 +228,8 @@ def _describe(mesh, axis_name, max_token_num, hidden_dim, dtype,
         raise ValueError(f"axis {axis_name!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
     dtype_name = _dtype_name(dtype)
     world = int(mesh.shape[axis_name])
-    topology.check_kernel_supports(world, hidden_dim, dtype_name)
-    sizes = topology.workspace_sizes(world, max_token_num, hidden_dim, dtype_name)
+    limits.check_kernel_supports(world, hidden_dim, dtype_name)
+    sizes = sizing.workspace_sizes(world, max_token_num, hidden_dim, dtype_name)
     groups = _mesh_groups(mesh, axis_name)
     with _serial_lock:
         serial = next(_serials)
@@ -296,8 +297,8 @@ def create_allreduce_fusion_workspace(mesh, axis_name: str, *, max_token_num: in
     (``abstract_workspace(..., name=)``) and when serving.
     """
     _check_mesh(mesh)
-    check_calls = native.resolve_check_calls(check_calls)
-    check_timeout_s = native.resolve_check_timeout_s(check_timeout_s)
+    check_calls = call_check.resolve_check_calls(check_calls)
+    check_timeout_s = call_check.resolve_check_timeout_s(check_timeout_s)
     exchange_timeout_s = arguments.as_float("exchange_timeout_s", exchange_timeout_s)
     if exchange_timeout_s <= 0:
         raise ValueError(f"exchange_timeout_s must be > 0 seconds, got {exchange_timeout_s}")
@@ -437,7 +438,7 @@ def agree_on_check_calls(groups, members, me: int, chan, *, serial: int,
     every process alike). All keys are published before any is waited for, so processes
     sharing several groups cannot wait on each other."""
     def key(group, process):
-        return topology.exchange_key("jax_fusedar", group, serial, f"options/process{process}")
+        return exchange.exchange_key("jax_fusedar", group, serial, f"options/process{process}")
 
     mine = [(g, sorted({m.process for m in members[g.index]})) for g in groups]
     mine = [(g, procs) for g, procs in mine if me in procs and len(procs) > 1]
@@ -446,4 +447,4 @@ def agree_on_check_calls(groups, members, me: int, chan, *, serial: int,
     for g, procs in mine:
         got = {f"process {p}": json.loads(chan.fetch(
             key(g, p), f"process {p} (TP group {list(g.members)})")) for p in procs}
-        native.check_options_agree(got, what="processes")
+        call_check.check_options_agree(got, what="processes")

@@ -1,11 +1,6 @@
 import os
-import pathlib
-import sys
 
 import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
 
 
 def pytest_configure(config):
@@ -14,7 +9,7 @@ def pytest_configure(config):
 
 
 def gpu_count() -> int:
-    from jax_fusedar import native
+    from jax_fusedar.common import native
     return native.gpu_count()
 
 
@@ -38,7 +33,7 @@ def gloo_world1():
     dist.destroy_process_group()
 
 
-# Never let any process we start use NVLink multicast (see DESIGN.md: it can take a
+# Never let any process we start use NVLink multicast (docs/decisions.md: it can take a
 # shared host's GPUs down). Set here so every subprocess inherits it.
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -50,7 +45,9 @@ def hermetic(monkeypatch):
     """No strict mode, backend choice or call check leaking in from the environment, and
     fallback warnings neither hidden by earlier tests nor hiding later ones (each kind logs
     once). Imported lazily: a test module sets XLA_FLAGS before JAX is first imported."""
-    from jax_fusedar import api, native, topology
-    for var in (topology.STRICT_ENV_VAR, topology.BACKEND_ENV_VAR, native.CHECK_CALLS_ENV_VAR):
+    from jax_fusedar import api
+    from jax_fusedar.common import backend_choice, call_check
+    for var in (backend_choice.STRICT_ENV_VAR, backend_choice.BACKEND_ENV_VAR,
+                call_check.CHECK_CALLS_ENV_VAR):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(api, "_fallback_reasons_logged", set())

@@ -6,7 +6,7 @@
 #   tools/gpu_check.sh PREBUILT_CORE [pytest args...]
 #
 # Logs and JSON reports go to $OUT (or ./gpu_reports). NVLink multicast stays off in
-# every process (NCCL_NVLS_ENABLE=0 etc.): see DESIGN.md.
+# every process (NCCL_NVLS_ENABLE=0 etc.): see docs/decisions.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 core=$(realpath "$1"); shift

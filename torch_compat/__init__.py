@@ -7,7 +7,7 @@ logic. It never imports JAX.
 """
 from __future__ import annotations
 
-from jax_fusedar.patterns import AllReduceFusionPattern, QuantizationSFLayout
+from jax_fusedar.common.patterns import AllReduceFusionPattern, QuantizationSFLayout
 
 from . import library, moe
 from .channel import StoreChannel

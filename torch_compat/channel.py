@@ -5,7 +5,7 @@ that ``torch.distributed.init_process_group`` created (``_get_default_store()``)
 through a collective: a collective over the wrong group is how vLLM's DP+TP runs hung, and
 the store lets a missing member surface as a ``TimeoutError`` naming it instead of a hang.
 
-Keys come from ``topology.exchange_key`` (unique per group and workspace); this module
+Keys come from ``exchange.exchange_key`` (unique per group and workspace); this module
 only moves bytes. The store's own timeout is left alone (torch.distributed uses it too):
 every wait passes this channel's timeout explicitly.
 """
@@ -22,7 +22,7 @@ def _is_store_timeout(e: BaseException) -> bool:
 
 
 class StoreChannel:
-    """Implements ``jax_fusedar.exchange.Channel`` on a c10d ``Store``.
+    """Implements ``jax_fusedar.common.exchange.Channel`` on a c10d ``Store``.
 
     ``store`` defaults to the default process group's store (torch.distributed must be
     initialised); tests pass a ``HashStore`` or ``TCPStore``. ``process`` (this process's

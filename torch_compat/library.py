@@ -47,7 +47,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from jax_fusedar import formats, patterns
+from jax_fusedar.common import patterns, quant_layouts
 
 from . import ops
 from .workspace import TorchAllReduceFusionWorkspace
@@ -179,8 +179,9 @@ def _quant_outputs(input: torch.Tensor, pattern: int, block_quant_group_size: Op
     if traits.quant == "fp4":
         layout = (patterns.QuantizationSFLayout.SWIZZLED_128x4 if layout_code is None
                   else layout_code)
-        quant_out = torch.empty(formats.nvfp4_quant_shape(m, h), dtype=torch.uint8, device=dev)
-        scale_out = torch.empty(formats.nvfp4_scale_shape(m, h, layout),
+        quant_out = torch.empty(quant_layouts.nvfp4_quant_shape(m, h), dtype=torch.uint8,
+                                device=dev)
+        scale_out = torch.empty(quant_layouts.nvfp4_scale_shape(m, h, layout),
                                 dtype=torch.float8_e4m3fn, device=dev)
     else:
         quant_out = torch.empty((m, h), dtype=torch.float8_e4m3fn, device=dev)

@@ -34,7 +34,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from jax_fusedar import arguments, native, patterns, topology
+from jax_fusedar.common import arguments, limits, native, patterns, sizing
 
 from .ops import _check_gamma, _check_like, _check_placement, _check_tensor, _current_stream
 from .ops import _capturing, _static_shape
@@ -180,8 +180,8 @@ def check_moe_call(pattern, workspace, *, input=None, residual_in=None, rms_gamm
                 f"{p.name}: hidden_dim {h} is not a multiple of {HIDDEN_MULTIPLE}; FlashInfer's "
                 "MoE kernels give each token whole warps of 8-element threads, and the spare "
                 "threads of a partial warp read the next token's row (wrong norms)")
-        topology.check_kernel_supports(workspace.sizes.world_size, h, name)
-        if not topology.buffer_fits(t, h, workspace.sizes):
+        limits.check_kernel_supports(workspace.sizes.world_size, h, name)
+        if not sizing.buffer_fits(t, h, workspace.sizes):
             raise ValueError(f"the call does not fit the workspace: {t}x{h} exceeds "
                              f"max_token_num={workspace.sizes.max_token_num} x hidden "
                              f"{workspace.sizes.hidden_dim}")

@@ -21,7 +21,7 @@ patterns 2/4, NVFP4 3/5 (sm100+ only), per-token-group FP8 8/9 and dynamic FP8 1
   ``layout_code``, ``block_quant_group_size``) are ignored, as there.
 
 Quantized outputs (shapes per rank, M tokens x H hidden; byte layouts in
-``jax_fusedar/formats.py``, whose shape helpers are used here):
+``jax_fusedar/quant_layouts.py``, whose shape helpers are used here):
 
 * FP8 ``quant_out``: ``torch.float8_e4m3fn`` ``[M, H]``, contiguous.
 * static FP8 (2, 4): ``scale_factor`` the dequantization scale (the kernel multiplies by its
@@ -32,18 +32,18 @@ Quantized outputs (shapes per rank, M tokens x H hidden; byte layouts in
 * per-token-group FP8 (8, 9): ``block_quant_group_size`` g (a power of two from 16 bytes'
   worth of elements to 32 times that, dividing H); ``scale_out`` int32 packed UE8M0 in
   FlashInfer's MN-major TMA-aligned layout: shape ``(M, K)`` and strides ``(1, T)`` with
-  ``(K, T) = formats.group_scale_buffer_shape(M, H, g)``, e.g. ``torch.empty(K, T,
+  ``(K, T) = quant_layouts.group_scale_buffer_shape(M, H, g)``, e.g. ``torch.empty(K, T,
   dtype=torch.int32)[:, :M].t()`` or ``torch.empty_strided((M, K), (1, T), dtype=torch.int32)``.
 * NVFP4 (3, 5), sm100+ only (on sm90 the kernel silently writes zeros, so it is refused
   there): bf16/fp16 input, H % 16 == 0, ``scale_factor`` the global scale (as above),
   ``layout_code`` SWIZZLED_128x4 (0, the default) or LINEAR (2); ``quant_out`` uint8
   ``[M, H/2]``; ``scale_out`` contiguous, uint8/float8_e4m3fn/int32, of exactly
-  ``formats.nvfp4_scale_buffer_size(M, H, layout)`` bytes.
+  ``quant_layouts.nvfp4_scale_buffer_size(M, H, layout)`` bytes.
 
 Every check is on host metadata only (shape, dtype, device, strides, 16-byte alignment of
 the vectorised tensors, the device's compute capability), so the call can be captured in a
 CUDA graph with its outputs passed in. One-shot vs two-shot comes from
-``topology.choose_oneshot``: a pure function of the shape, dtype width and workspace, so
+``launch_mode.choose_oneshot``: a pure function of the shape, dtype width and workspace, so
 every rank picks the same mode.
 """
 from __future__ import annotations
@@ -53,7 +53,7 @@ from typing import Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
 
-from jax_fusedar import arguments, formats, native, patterns, topology
+from jax_fusedar.common import arguments, launch_mode, limits, native, patterns, quant_layouts
 
 from .workspace import TORCH_DTYPES, TorchAllReduceFusionWorkspace
 
@@ -162,25 +162,25 @@ def _check_input(input, ws: TorchAllReduceFusionWorkspace) -> str:
         raise ValueError(f"the call does not fit the workspace: {problem}")
     # The workspace may be reused with another hidden size: that one must launch too (for
     # the world size the workspace was sized for: its group's).
-    topology.check_kernel_supports(ws.sizes.world_size, hidden_dim, name)
+    limits.check_kernel_supports(ws.sizes.world_size, hidden_dim, name)
     return name
 
 
 def check_group_size(hidden_dim: int, group_size, dtype_name: str) -> int:
-    """The per-token-group size rule (formats.check_kernel_group_size, shared with
+    """The per-token-group size rule (quant_layouts.check_kernel_group_size, shared with
     ``jax_fusedar.api``), after the torch-side presence and type checks."""
     if group_size is None:
         raise ValueError("block_quant_group_size is required for the per-token-group FP8 "
                          "patterns (8, 9)")
     if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral):
         raise ValueError(f"block_quant_group_size must be an int, got {group_size!r}")
-    return formats.check_kernel_group_size(hidden_dim, int(group_size), dtype_name)
+    return quant_layouts.check_kernel_group_size(hidden_dim, int(group_size), dtype_name)
 
 
 def group_scale_view_shape(token_num: int, hidden_dim: int, group_size: int):
     """FlashInfer's per-token-group ``scale_out``: (shape, strides) = ((M, K), (1, T)) with
-    ``(K, T) = formats.group_scale_buffer_shape(M, H, g)``."""
-    k, t = formats.group_scale_buffer_shape(token_num, hidden_dim, group_size)
+    ``(K, T) = quant_layouts.group_scale_buffer_shape(M, H, g)``."""
+    k, t = quant_layouts.group_scale_buffer_shape(token_num, hidden_dim, group_size)
     return (int(token_num), k), (1, t)
 
 
@@ -232,8 +232,8 @@ def _check_quant_inputs(p, traits, name: str, input: torch.Tensor, scale_factor,
         if input.dtype == torch.float32:
             raise ValueError(f"{label} (NVFP4) needs a bfloat16 or float16 input, got float32")
         if static:
-            formats.check_hidden_fp4(hidden_dim)
-        layout = int(formats.as_layout(patterns.QuantizationSFLayout.SWIZZLED_128x4
+            quant_layouts.check_hidden_fp4(hidden_dim)
+        layout = int(quant_layouts.as_layout(patterns.QuantizationSFLayout.SWIZZLED_128x4
                                        if layout_code is None else layout_code))
     if traits.quant == "group_fp8":
         if static:
@@ -258,7 +258,8 @@ def _check_quant_outputs(p, traits, input: torch.Tensor, ws, quant_out, scale_ou
     # quant_out
     _check_tensor("quant_out", quant_out)
     if traits.quant == "fp4":
-        want_shape, dtypes = formats.nvfp4_quant_shape(token_num, hidden_dim), _FP4_QUANT_DTYPES
+        want_shape = quant_layouts.nvfp4_quant_shape(token_num, hidden_dim)
+        dtypes = _FP4_QUANT_DTYPES
     else:
         want_shape, dtypes = (token_num, hidden_dim), (torch.float8_e4m3fn,)
     if tuple(quant_out.shape) != tuple(want_shape):
@@ -301,7 +302,7 @@ def _check_quant_outputs(p, traits, input: torch.Tensor, ws, quant_out, scale_ou
         _check_placement("scale_out", scale_out, ws, _SCALE_ALIGNMENT)
     elif traits.quant == "fp4":
         _check_tensor("scale_out", scale_out)
-        size = formats.nvfp4_scale_buffer_size(token_num, hidden_dim, layout)
+        size = quant_layouts.nvfp4_scale_buffer_size(token_num, hidden_dim, layout)
         if scale_out.dtype not in _FP4_SCALE_DTYPES:
             raise ValueError(f"scale_out must have dtype torch.float8_e4m3fn, torch.uint8 or "
                              f"torch.int32 for {label}, got {scale_out.dtype}")
@@ -312,8 +313,8 @@ def _check_quant_outputs(p, traits, input: torch.Tensor, ws, quant_out, scale_ou
             lay = patterns.QuantizationSFLayout(layout).name
             raise ValueError(f"scale_out must hold exactly {size} bytes of e4m3 scales for "
                              f"{token_num}x{hidden_dim} in layout {lay} "
-                             f"(formats.nvfp4_scale_shape: "
-                             f"{formats.nvfp4_scale_shape(token_num, hidden_dim, layout)}), "
+                             f"(quant_layouts.nvfp4_scale_shape: "
+                             f"{quant_layouts.nvfp4_scale_shape(token_num, hidden_dim, layout)}), "
                              f"got {nbytes} bytes (shape {list(scale_out.shape)}, "
                              f"{scale_out.dtype})")
         _check_placement("scale_out", scale_out, ws, _SCALE_ALIGNMENT)
@@ -400,7 +401,7 @@ def check_call(input, workspace, pattern, *, residual_in=None, rms_gamma=None, r
     oneshot = None
     if _static_shape(input):
         token_num, hidden_dim = input.shape
-        oneshot = topology.choose_oneshot(token_num, hidden_dim, workspace.sizes, use_oneshot)
+        oneshot = launch_mode.choose_oneshot(token_num, hidden_dim, workspace.sizes, use_oneshot)
     return CheckedCall(p, traits, name, layout, group, oneshot, **options)
 
 

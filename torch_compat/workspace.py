@@ -2,7 +2,7 @@
 
 ``create_allreduce_fusion_workspace`` keeps the names and defaults of
 ``flashinfer.comm.create_allreduce_fusion_workspace`` but fixes by construction the DP+TP
-bugs vLLM hit with it (research/peers.md §2):
+bugs vLLM hit with it (docs/decisions.md):
 
 1. the group is the TP ``ProcessGroup`` passed in (WORLD only when none is), and the
    exchange involves only its members;
@@ -10,7 +10,7 @@ bugs vLLM hit with it (research/peers.md §2):
    so a global rank passed by mistake is an error, not a wrong peer;
 3. the GPU is ``torch.cuda.current_device()``, never the TP rank;
 4. exchange keys derive from the group's global ranks and a per-group serial
-   (``topology.exchange_key``), never from ``random`` (vLLM seeds it identically
+   (``exchange.exchange_key``), never from ``random`` (vLLM seeds it identically
    everywhere).
 
 The handles travel through the c10d store (``channel.StoreChannel``), with a timeout, so a
@@ -30,7 +30,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from jax_fusedar import arguments, exchange, native, topology
+from jax_fusedar.common import (arguments, backend_choice, call_check, exchange, launch_mode,
+                                limits, native, sizing, tp_groups)
 
 from .channel import StoreChannel
 
@@ -78,7 +79,7 @@ class TorchAllReduceFusionWorkspace:
 
     def __init__(self, *, native_rank, global_ranks: Sequence[int], rank: int, device: int,
                  max_token_num: int, hidden_dim: int, dtype: torch.dtype,
-                 sizes: topology.WorkspaceSizes, members: Sequence[exchange.Member] = (),
+                 sizes: sizing.WorkspaceSizes, members: Sequence[exchange.Member] = (),
                  check_calls: bool = False):
         self._rank_obj = native_rank
         self.global_ranks = tuple(int(g) for g in global_ranks)
@@ -135,7 +136,7 @@ class TorchAllReduceFusionWorkspace:
         if tp_size != self.world_size:
             problems.append(f"tp_size {tp_size} does not match the workspace's TP size "
                             f"{self.world_size}")
-        if not topology.buffer_fits(num_tokens, hidden_dim, self.sizes):
+        if not sizing.buffer_fits(num_tokens, hidden_dim, self.sizes):
             problems.append(f"num_tokens*hidden_dim = {num_tokens}*{hidden_dim} exceeds the "
                             f"workspace's max_token_num*hidden_dim = "
                             f"{self.max_token_num}*{self.hidden_dim}")
@@ -147,7 +148,7 @@ class TorchAllReduceFusionWorkspace:
                             f"16-bit one")
         if not problems and use_oneshot is not None:
             try:  # FlashInfer's trtllm workspace ignores use_oneshot; we check it is possible
-                topology.choose_oneshot(num_tokens, hidden_dim, self.sizes, use_oneshot)
+                launch_mode.choose_oneshot(num_tokens, hidden_dim, self.sizes, use_oneshot)
             except ValueError as e:
                 problems.append(str(e))
         return "; ".join(problems) or None
@@ -205,14 +206,14 @@ TORCH_BACKENDS = ("auto", "trtllm")
 _UNFUSED = "torch.distributed.all_reduce + an RMSNorm"
 
 
-def resolve_backend(backend: Optional[str], group: Optional[topology.TPGroup] = None,
+def resolve_backend(backend: Optional[str], group: Optional[tp_groups.TPGroup] = None,
                     host_of: Optional[Dict[int, str]] = None) -> str:
     """The torch backend: "trtllm" (the kernel, one node), from ``backend`` or, for "auto"/None,
-    $JAX_FUSEDAR_ALLREDUCE_BACKEND (topology.requested_backend, the JAX precedence). With
+    $JAX_FUSEDAR_ALLREDUCE_BACKEND (backend_choice.requested_backend, the JAX precedence). With
     ``group`` and ``host_of`` (global rank -> host name) the group's own hosts are counted
-    (topology.group_hosts, JAX's rule): a group across nodes is refused, naming its ranks and
+    (tp_groups.group_hosts, JAX's rule): a group across nodes is refused, naming its ranks and
     hosts. Every refusal lists torch_compat's choices only."""
-    name, source = topology.requested_backend(backend)
+    name, source = backend_choice.requested_backend(backend)
     choices = f"torch_compat's backends: {', '.join(map(repr, TORCH_BACKENDS))}"
     if name == "xla":
         raise ValueError(f"all-reduce backend 'xla' (from the {source}) means JAX's "
@@ -225,10 +226,11 @@ def resolve_backend(backend: Optional[str], group: Optional[topology.TPGroup] = 
     if name not in TORCH_BACKENDS:
         raise ValueError(f"unknown all-reduce backend {name!r} (from the {source}); {choices}")
     if group is not None:
-        hosts = topology.group_hosts(group, host_of)
+        hosts = tp_groups.group_hosts(group, host_of)
         if len(hosts) > 1:
-            where = topology.describe_spanning([(group, hosts)], 1, "global rank")
-            raise ValueError(f"{where}: {topology.ONE_NODE_ONLY}; use {_UNFUSED} across nodes")
+            where = backend_choice.describe_spanning([(group, hosts)], 1, "global rank")
+            raise ValueError(f"{where}: {backend_choice.ONE_NODE_ONLY}; use {_UNFUSED} across "
+                             "nodes")
     return "trtllm"
 
 
@@ -298,11 +300,11 @@ def _join_group(*, global_ranks: Sequence[int], me: int, device: int, host: str,
     all agree on the call check before any memory is allocated; then exchange.py creates,
     exchanges IPC handles and finalizes.
     """
-    group = topology.TPGroup(tuple(global_ranks), 0)
+    group = tp_groups.TPGroup(tuple(global_ranks), 0)
     tp_rank = group.rank_of(me)
 
     def key(purpose: str) -> str:
-        return topology.exchange_key(NAMESPACE, group, serial, purpose)
+        return exchange.exchange_key(NAMESPACE, group, serial, purpose)
 
     channel.publish(key(f"member/rank{tp_rank}"),
                     json.dumps({"device": device, "host": host, "pid": os.getpid(),
@@ -315,7 +317,7 @@ def _join_group(*, global_ranks: Sequence[int], me: int, device: int, host: str,
 
     # Same infos on every member, so every member accepts or refuses alike.
     resolve_backend(backend, group, {g: i["host"] for g, i in zip(group.members, infos)})
-    native.check_options_agree(
+    call_check.check_options_agree(
         {f"TP rank {r} (global rank {g})": i for r, (g, i) in enumerate(zip(group.members, infos))})
     places = [(i["host"], i["device"]) for i in infos]
     if len(set(places)) < len(places):
@@ -369,13 +371,13 @@ def create_allreduce_fusion_workspace(
     """
     resolve_backend(backend)  # a bad name fails before anyone waits
     timeout_s = arguments.as_float("timeout_s", timeout_s)
-    check_calls = native.resolve_check_calls(check_calls)
-    check_timeout_s = native.resolve_check_timeout_s(check_timeout_s)
+    check_calls = call_check.resolve_check_calls(check_calls)
+    check_timeout_s = call_check.resolve_check_timeout_s(check_timeout_s)
     name = dtype_name(dtype)
     global_ranks, tp_rank = _group_membership(group, world_size, rank)
     _check_comm_backend(comm_backend, len(global_ranks), tp_rank)
-    topology.check_kernel_supports(len(global_ranks), hidden_dim, name)
-    sizes = topology.workspace_sizes(len(global_ranks), max_token_num, hidden_dim, name)
+    limits.check_kernel_supports(len(global_ranks), hidden_dim, name)
+    sizes = sizing.workspace_sizes(len(global_ranks), max_token_num, hidden_dim, name)
     device = _current_cuda_device()
     ext = native.require()
     me = dist.get_rank()

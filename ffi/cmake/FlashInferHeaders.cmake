@@ -6,14 +6,22 @@
 #   2. an installed flashinfer-python distribution, located through importlib.metadata;
 #   3. third_party/flashinfer/include, filled by tools/fetch_flashinfer_headers.py
 #      (downloads the pinned wheel with --no-deps and unpacks only these headers: the
-#      route for JAX-only users who do not want flashinfer's heavy dependencies).
+#      route for JAX-only users who do not want flashinfer's heavy dependencies);
+#   4. none of these: the build runs that script itself, unpacking into the build tree
+#      (so `pip install .` is one step; offline it fails, saying what to do).
 #
 # The copy in the build tree marks six free functions of trtllm_allreduce_fusion.cuh
 # (and of trtllm_moe_allreduce_fusion.cuh)
 # `inline`: the header defines them non-inline, so two translation units including it
 # fail to link with duplicate strong symbols. The patch checks that each definition
 # appears exactly as expected, so a changed header fails the build loudly.
-set(FUSEDAR_FLASHINFER_VERSION "0.7.2.post1")
+# The pinned version has one home: tools/fetch_flashinfer_headers.py.
+set(FUSEDAR_FLASHINFER_FETCH_SCRIPT "${CMAKE_CURRENT_LIST_DIR}/../../tools/fetch_flashinfer_headers.py")
+file(STRINGS "${FUSEDAR_FLASHINFER_FETCH_SCRIPT}" _fusedar_pin REGEX "^VERSION = \"[^\"]+\"$")
+string(REGEX REPLACE "^VERSION = \"([^\"]+)\"$" "\\1" FUSEDAR_FLASHINFER_VERSION "${_fusedar_pin}")
+if(NOT FUSEDAR_FLASHINFER_VERSION MATCHES "^[0-9]")
+  message(FATAL_ERROR "jax_fusedar: no 'VERSION = \"...\"' line in ${FUSEDAR_FLASHINFER_FETCH_SCRIPT}")
+endif()
 
 function(_fusedar_find_flashinfer_include out_var)
   if(FLASHINFER_INCLUDE_DIR)
@@ -49,12 +57,28 @@ function(_fusedar_find_flashinfer_include out_var)
     set(${out_var} "${vendored}" PARENT_SCOPE)
     return()
   endif()
-  message(FATAL_ERROR
-    "jax_fusedar: FlashInfer's kernel headers were not found. Either\n"
-    "  pip install --no-deps flashinfer-python==${FUSEDAR_FLASHINFER_VERSION}\n"
-    "or, without installing flashinfer at all,\n"
-    "  python tools/fetch_flashinfer_headers.py\n"
-    "or set FLASHINFER_INCLUDE_DIR to a directory containing flashinfer/comm/.")
+  # Fetch into the build tree, never the (possibly read-only) source tree; the script
+  # keeps a VERSION marker there, so a re-configure of the same build does not download
+  # again.
+  set(fetched "${CMAKE_BINARY_DIR}/flashinfer_fetched")
+  set(fetch_script "${FUSEDAR_FLASHINFER_FETCH_SCRIPT}")
+  if(NOT Python_EXECUTABLE)
+    message(FATAL_ERROR
+      "jax_fusedar: FlashInfer's kernel headers were not found and cannot be fetched "
+      "(no Python interpreter). Either\n"
+      "  pip install --no-deps flashinfer-python==${FUSEDAR_FLASHINFER_VERSION}\n"
+      "or set FLASHINFER_INCLUDE_DIR to a directory containing flashinfer/comm/.")
+  endif()
+  message(STATUS "jax_fusedar: fetching FlashInfer ${FUSEDAR_FLASHINFER_VERSION}'s headers "
+                 "(the wheel, --no-deps) into ${fetched}")
+  execute_process(
+    COMMAND "${Python_EXECUTABLE}" "${fetch_script}" --dest "${fetched}"
+    RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0 OR NOT EXISTS "${fetched}/include/flashinfer/comm/trtllm_allreduce_fusion.cuh")
+    message(FATAL_ERROR "jax_fusedar: FlashInfer's kernel headers were not found, and "
+                        "fetching them failed:\n${out}${err}")
+  endif()
+  set(${out_var} "${fetched}/include" PARENT_SCOPE)
 endfunction()
 
 function(_fusedar_patch text_var old new expected_count what)

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "call_check.h"
+#include "device_guard.h"
 #include "status.h"
 
 namespace fusedar::call_check {

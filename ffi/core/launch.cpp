@@ -4,7 +4,7 @@
 // writes past the peers' buffers, and a missing or mismatched peer spins forever.
 // So every call is checked here against the workspace metadata before launch, and
 // the one-shot/two-shot choice arrives already made (by the pure policy in
-// jax_fusedar/topology.py), so that every rank launches the same configuration.
+// jax_fusedar/common/topology.py), so that every rank launches the same configuration.
 #include <atomic>
 #include <cstdint>
 #include <string>
@@ -12,6 +12,7 @@
 #include "../kernels/compiled_patterns.h"
 #include "../kernels/kernel_call.h"
 #include "call_check.h"
+#include "device_guard.h"
 #include "fusedar/core.h"
 #include "rank_state.h"
 #include "status.h"

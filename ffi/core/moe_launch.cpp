@@ -10,6 +10,7 @@
 
 #include "../kernels/moe_kernel_call.h"
 #include "call_check.h"
+#include "device_guard.h"
 #include "fusedar/core.h"
 #include "rank_state.h"
 #include "status.h"

@@ -20,18 +20,6 @@ int fail_cuda(cudaError_t err, const std::string& what, int device) {
                                       ")");
 }
 
-DeviceGuard::DeviceGuard(int device) {
-  status_ = cudaGetDevice(&previous_);
-  if (status_ == cudaSuccess && previous_ != device) status_ = cudaSetDevice(device);
-}
-
-DeviceGuard::~DeviceGuard() {
-  int current = -1;
-  if (previous_ >= 0 && cudaGetDevice(&current) == cudaSuccess && current != previous_) {
-    cudaSetDevice(previous_);
-  }
-}
-
 }  // namespace fusedar
 
 extern "C" const char* fusedar_last_error(void) { return fusedar::last_error.c_str(); }

@@ -18,19 +18,6 @@ int fail_cuda(cudaError_t err, const std::string& what, int device);
 // Counts a host-side kernel launch (fusedar_launch_count), dense or MoE.
 void note_launch();
 
-// Makes `device` current for the scope and restores the caller's device afterwards,
-// so that framework threads (XLA's, torch's) never see their current device change.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device);
-  ~DeviceGuard();
-  cudaError_t status() const { return status_; }
-
- private:
-  int previous_ = -1;
-  cudaError_t status_ = cudaSuccess;
-};
-
 }  // namespace fusedar
 
 #define FUSEDAR_CUDA_TRY(expr, what, device)                      \

@@ -1,4 +1,4 @@
-// Workspace of one TP rank: FlashInfer's `void* workspace[3N+1]` (DESIGN.md §3).
+// Workspace of one TP rank: FlashInfer's `void* workspace[3N+1]` (docs/architecture.md).
 //
 //   [0, N)    two-shot data buffer of each rank       (peer-mapped)
 //   [N, 2N)   barrier flags of each rank               (peer-mapped, zeroed), followed in
@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "call_check.h"
+#include "device_guard.h"
 #include "fusedar/core.h"
 #include "rank_state.h"
 #include "status.h"

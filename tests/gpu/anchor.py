@@ -1,6 +1,6 @@
 """The FlashInfer anchor (FlashInfer 0.7.2.post1's own build of the kernel) for GPU tests.
 
-A thin layer over ``jax_fusedar.bench_torch``'s loader, which the torch benchmark shares:
+A thin layer over ``tools/flashinfer_anchor.py``, the loader the torch benchmark shares:
 where the anchor folder is (``$JAX_FUSEDAR_ANCHOR``, else ``<repo>/.anchor/anchor-flashinfer``),
 why it cannot be used, the environment the rank processes must inherit, and its workspace on
 the "trtllm" backend only (never "auto": it may choose MNNVL, i.e. NVLink multicast).
@@ -11,10 +11,9 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from jax_fusedar.bench_torch import (ANCHOR_ENV_VAR, DEFAULT_ANCHOR, AnchorUnavailable,
-                                     anchor_environment, anchor_problem,
-                                     create_anchor_workspace, load_anchor,
-                                     resolve_anchor_path)
+from tools.flashinfer_anchor import (ANCHOR_ENV_VAR, DEFAULT_ANCHOR, AnchorUnavailable,
+                                     anchor_environment, anchor_problem, create_anchor_workspace,
+                                     load_anchor, resolve_anchor_path)
 
 __all__ = ["ANCHOR_ENV_VAR", "DEFAULT_ANCHOR", "AnchorUnavailable", "create_workspace", "load",
            "path", "prepare_parent", "problem"]

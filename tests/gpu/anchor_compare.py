@@ -1,4 +1,4 @@
-"""Per-process body of tests/test_gpu_anchor.py: torch_compat against FlashInfer's own build.
+"""Per-process body of tests/gpu/test_anchor.py: torch_compat against FlashInfer's own build.
 
 Every rank joins torch.distributed over gloo, creates a torch_compat workspace and
 FlashInfer's (backend "trtllm"), and runs the same inputs through both
@@ -9,9 +9,9 @@ poisoned first (NaN; e4m3 and UE8M0 bytes 0xFF). Both builds compile the same ke
 the same header, so every output byte should agree: per pattern and output the differing
 bytes are counted (group scales over the whole (K, T) buffer, padding included).
 
-With fp32_acc=True both are also measured against the float64 oracle (tests/oracle.py):
+With fp32_acc=True both are also measured against the float64 oracle (tests/oracles/oracle.py):
 all-reduce and residual_out in ulps of the intermediate magnitudes, norm_out likewise; the
-quantized outputs against tests/quant_oracle.py applied to the build's own norm_out (the
+quantized outputs against tests/oracles/quant_oracle.py applied to the build's own norm_out (the
 ``...Out...`` twin's for patterns 2, 10, 8), as tests/gpu/jax_quant.py does: e4m3 codes
 counted one step apart and more, dynamic scales in fp32 ulps, group scale bytes.
 
@@ -25,8 +25,8 @@ import time
 
 import numpy as np
 
-from jax_fusedar import formats
-from jax_fusedar.patterns import TRAITS, AllReduceFusionPattern
+from jax_fusedar.common import quant_layouts
+from jax_fusedar.common.patterns import TRAITS, AllReduceFusionPattern
 
 GROUP = 128
 RMS_EPS = 1e-6
@@ -62,7 +62,7 @@ def _outputs(torch, p, m, h, dtype, device):
     if t.quant == "dynamic_fp8":
         outs["scale_out"] = torch.empty((m, 1), dtype=torch.float32, device=device)
     if t.quant == "group_fp8":
-        k, tt = formats.group_scale_buffer_shape(m, h, GROUP)
+        k, tt = quant_layouts.group_scale_buffer_shape(m, h, GROUP)
         base = torch.empty((k, tt), dtype=torch.int32, device=device)
         outs["scale_out"] = base[:, :m].t()  # shape (m, k), strides (1, tt)
         buffers["scale_out"] = base
@@ -123,7 +123,7 @@ def _unwritten(name, a, m):
 
 def _oracle_stats(host, dtype_name, ref, sf, m):
     """Errors of one build's fp32_acc=True outputs (``host[p][name]``) against the oracles."""
-    from tests import oracle, quant_oracle
+    from tests.oracles import oracle, quant_oracle
 
     s64, r64, y64, inv64, res64, gam64 = ref
     st = {"allreduce": 0.0, "residual": 0.0, "norm": 0.0, "steps1": {}, "worse": 0,
@@ -202,7 +202,7 @@ def run_case(torch, calls, *, rank, device, dtype_name, xs, res, gam, m, hidden,
     compared byte for byte; the fp32_acc=True outputs against the oracles. ``calls`` maps
     "ours"/"anchor" to (allreduce_fusion, workspace); ``xs`` (every rank's partial sums),
     ``res`` and ``gam`` are numpy arrays already in the call dtype."""
-    from tests import oracle
+    from tests.oracles import oracle
 
     dtype = getattr(torch, dtype_name)
 

@@ -127,7 +127,7 @@ def simulated_hosts_problem():
 
 
 def device_for(rank: int) -> int:
-    from jax_fusedar import native
+    from jax_fusedar.common import native
     return rank % max(1, native.gpu_count())
 
 

@@ -3,8 +3,8 @@ unfused (psum + residual add + RMSNorm, jax_fusedar.reference) and a float64 num
 with hand-written backpropagation (no JAX). Runs in any process layout: inputs are placed
 with make_array_from_callback from full arrays every process draws from one seed, and
 results are gathered with process_allgather, so the same code runs as two `jax.distributed`
-processes on GPUs (tests/test_gpu_jax.py) and in one process on 2 CPU devices
-(tests/test_gpu_jax_workers_cpu.py, where the fused op is the reference and the two models
+processes on GPUs (tests/gpu/test_jax.py) and in one process on 2 CPU devices
+(tests/jax/test_quant_worker_plumbing.py, where the fused op is the reference and the two models
 must agree bit for bit).
 
 The model: L layers of y -> tanh(y @ W1) @ W2 (W1 column-, W2 row-parallel over "tp"),

@@ -38,7 +38,7 @@ def main(platform: str) -> dict:
 
     import jax_fusedar as jf
     from jax_fusedar.primitive import FFI_TARGET
-    from tests import oracle
+    from tests.oracles import oracle
     from tests.gpu.harness import draw_case
 
     d = jax.devices()[:2]

@@ -118,12 +118,12 @@ def _avals(jax, mesh, dtype):
 
 def _check_outputs(jax, mesh, workspaces, fn, dtype, seed):
     """Runs fn on fresh random inputs (different partials on every device); the worst error
-    (ulps of the call dtype, tests/oracle.py's measure) of this process's shards of every
+    (ulps of the call dtype, tests/oracles/oracle.py's measure) of this process's shards of every
     residual_out and norm_out against the float64 oracle of its group."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from tests import oracle
+    from tests.oracles import oracle
     rng = np.random.default_rng(seed)
     partials = rng.standard_normal(mesh.devices.shape + (TOKENS, HIDDEN),
                                    dtype=np.float32).astype(dtype)
@@ -166,7 +166,7 @@ def worker(rank, world, chan, *, port, platform, local_devices, hosts, layouts, 
     import jax.numpy as jnp
 
     import jax_fusedar as jf
-    from jax_fusedar import native
+    from jax_fusedar.common import native
     from jax_fusedar.primitive import FFI_TARGET
 
     reasons = _Reasons()

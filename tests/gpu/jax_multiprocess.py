@@ -49,7 +49,7 @@ def worker(rank, world, chan, *, port, xla_flags, task, seed, **kw):
     from jax.sharding import PartitionSpec as P
 
     import jax_fusedar as jf
-    from tests import oracle
+    from tests.oracles import oracle
 
     mesh = Mesh(np.array(jax.devices()), ("tp",))
     out = {"rank": rank, "jax": jax.__version__, "devices": [str(d) for d in jax.devices()]}
@@ -232,7 +232,7 @@ def _model(jax, jnp, jf, mesh, P, rank, world, seed, layers, m, hidden, ffn):
     got = _local(got)
     # Host launches per further execution: `layers` without command buffers; fewer (none
     # once captured) when XLA replays a CUDA graph, where the handler's host code never runs.
-    from jax_fusedar import native
+    from jax_fusedar.common import native
     launches = []
     for _ in range(3):
         before = native.ext.launch_count()

@@ -11,7 +11,7 @@ One jitted program per (dtype, layout, hidden, tokens, one/two-shot) runs patter
   are not compared);
 * pattern 3 against pattern 5: residual outputs equal; codes and scales counted apart;
 * residual_out and norm_out within the core bounds against the float64 oracle.
-Written for Blackwell (sm100): tests/test_gpu_jax.py skips it on older GPUs, where the
+Written for Blackwell (sm100): tests/gpu/test_jax.py skips it on older GPUs, where the
 API refuses NVFP4 (checked there instead).
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ def _e2m1_steps(a_packed, b_packed):
 
 
 def run(jax, jnp, jf, mesh, P, rank, world, seed, tokens, hiddens, glob, local):
-    from tests import oracle, quant_oracle
+    from tests.oracles import oracle, quant_oracle
     from tests.gpu.harness import draw_case, shape_cases
 
     Pn = jf.AllReduceFusionPattern

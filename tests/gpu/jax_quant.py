@@ -4,7 +4,7 @@ One jitted program per (dtype, hidden, tokens, one/two-shot) runs patterns 2, 4 
 FP8), 10, 11 (dynamic FP8) and 8, 9 (per-token-group FP8, group 128) on the same inputs.
 Checks, per pattern pair:
 * the quantization of the kernel's own norm_out (patterns 4, 11, 9) against the independent
-  numpy oracle (tests/quant_oracle.py): codes equal or one e4m3 step apart, counted;
+  numpy oracle (tests/oracles/quant_oracle.py): codes equal or one e4m3 step apart, counted;
 * the pattern without norm_out (2, 10, 8) bit-identical to its twin, except quant codes one
   e4m3 step apart in a tiny fraction (twins may launch with different block/cluster sizes,
   which reorders RMSNorm's fp32 sum of squares); the same program run twice bit-identical;
@@ -31,7 +31,7 @@ def _host(outs):
 
 
 def run(jax, jnp, jf, mesh, P, rank, world, seed, tokens, hiddens, glob, local):
-    from tests import oracle, quant_oracle
+    from tests.oracles import oracle, quant_oracle
     from tests.gpu.harness import draw_case, shape_cases
 
     Pn = jf.AllReduceFusionPattern
@@ -127,14 +127,14 @@ def run(jax, jnp, jf, mesh, P, rank, world, seed, tokens, hiddens, glob, local):
                 np.max(np.abs(s11.astype(np.float64) - ws11) / ulp32)))
             stats["group_scale_mismatch"] += int(np.sum(s9[:, :m] != wb9[:, :m]))
             # Dequantization bound, on the kernel's own norm output.
-            from jax_fusedar import formats
+            from jax_fusedar import quant_arrays
             y = n11.astype(np.float64)
             for deq, scale in ((q4.astype(np.float64) * sf[0], sf[0]),
                                (q11.astype(np.float64) * s11, s11),
-                               (np.asarray(formats.dequantize_fp8(q9, s9, group_size=GROUP),
+                               (np.asarray(quant_arrays.dequantize_fp8(q9, s9, group_size=GROUP),
                                            np.float64), None)):
                 if scale is None:
-                    scale = np.asarray(formats.unpack_ue8m0_scales(s9, m, hidden, GROUP),
+                    scale = np.asarray(quant_arrays.unpack_ue8m0_scales(s9, m, hidden, GROUP),
                                        np.float64).repeat(GROUP, axis=1)
                     y = n9.astype(np.float64)
                 bound = 2.0 ** -4 * np.abs(y) + 2.0 ** -10 * scale

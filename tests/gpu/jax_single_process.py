@@ -1,8 +1,8 @@
 """One JAX process driving every local GPU (``--platform cuda``) or 8 CPU devices
-(``--platform cpu``, the plumbing run of tests/test_gpu_jit_export_workers_cpu.py). Tasks
+(``--platform cpu``, the plumbing run of tests/jax/test_jit_export_worker_plumbing.py). Tasks
 (each prints one ``RESULT <json>`` line):
 
-* ``jit``:    the 4-layer model of tests/sharded_model.py under plain jit on Auto axes
+* ``jit``:    the 4-layer model of tests/jax/sharded_model.py under plain jit on Auto axes
               (Shardy + custom_partitioning) and on Explicit axes, against the shard_map
               version: bitwise equal?; the compiled HLO's fused custom calls and all-reduces.
 * ``export``: exports the shard_map layer for ("cpu", "cuda") with ``abstract_workspace``
@@ -51,8 +51,8 @@ def task_jit(jax, seed: int) -> dict:
     from jax.sharding import AxisType
 
     import jax_fusedar as jf
-    from tests.sharded_model import (BATCH, HIDDEN as H, SEQ, jit_model, model_params, place,
-                                     shard_map_model)
+    from tests.jax.sharded_model import (BATCH, HIDDEN as H, SEQ, jit_model, model_params, place,
+                                         shard_map_model)
     n = len(jax.devices())
     dp = 2 if n >= 4 else 1
     out = {"devices": [str(d) for d in jax.devices()], "seed": seed}
@@ -140,7 +140,7 @@ def task_serve(jax, path: str) -> dict:
             out["missing_workspace_error"] = str(e)[:400]
     with jf.create_allreduce_fusion_workspace(mesh, "tp", name=NAME, **kw) as ws:
         out.update(backend=ws.backend, workspace_id=ws.id)
-        from jax_fusedar import native
+        from jax_fusedar.common import native
         launches = native.ext.launch_count() if native.available() else 0
         got = [np.asarray(a) for a in exported.call(*args)]
         out["kernel_launches"] = (native.ext.launch_count() if native.available() else 0) - launches

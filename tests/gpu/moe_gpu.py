@@ -1,7 +1,7 @@
 """The MoE patterns (6, 7) on 2 GPUs, in three stages that write JSON reports to --out:
 
 1. torch (one process per GPU): torch_compat against the float64 oracle (bounds of
-   tests/moe_oracle.py) and against FlashInfer's own build (the anchor) byte for byte, the
+   tests/oracles/moe_oracle.py) and against FlashInfer's own build (the anchor) byte for byte, the
    custom op captured in a CUDA graph and replayed with fresh inputs, and the bench: fused
    torch_compat vs the anchor vs the unfused torch sequence (gather + weighted sum + NCCL
    all_reduce + add + RMSNorm), each as CUDA-graph replays timed with CUDA events;
@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT)]
 
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                ("NVSHMEM_DISABLE_NVLS", "1")):
@@ -65,7 +65,7 @@ def case_name(c):
 
 def case_inputs(c):
     """Every rank's numpy inputs of case ``c`` (the same in every process)."""
-    import moe_oracle as mo
+    import tests.oracles.moe_oracle as mo
     pattern, dtype, tokens, hidden, k, experts = c[:6]
     rng = np.random.default_rng([pattern, tokens, hidden, k, experts])
     if pattern == 7:
@@ -80,7 +80,7 @@ JAX_CASE_NAMES = {case_name(c) for c in JAX_CASES}
 
 def oracle_errors(c, inputs, outs):
     """(residual_out, norm_out[, allreduce_out]) errors as fractions of their bounds."""
-    import moe_oracle as mo
+    import tests.oracles.moe_oracle as mo
     pattern, dtype = c[0], c[1]
     if pattern == 7:
         exact = [mo.finalize_local64(inputs["permuted"][r], inputs["idx"][r],

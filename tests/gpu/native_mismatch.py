@@ -18,7 +18,7 @@ float64 oracle, NaN-poisoned before each call), then:
 within the timeout instead of hanging, the rank's failure record (call_check_failure(),
 read from pinned host memory) describes the mismatch, and the next launch on that rank is
 refused with the same description. The device printf output lands in this process's
-stdout, which the pytest side (tests/test_gpu_topology.py) captures and checks.
+stdout, which the pytest side (tests/gpu/test_topology.py) captures and checks.
 
 Run one case by hand:  python -m tests.gpu.native_mismatch tokens
 The last stdout line is "RESULT <json>".
@@ -63,10 +63,10 @@ def draw_inputs(seed, world, m, hidden, torch):
 
 
 def oracle_errors(xs, residual, gamma, outs, pattern, *, weight_bias=0.0, dtype="bfloat16"):
-    """Errors of one rank's outputs in units of their bounds' scale (tests/oracle.py), with
+    """Errors of one rank's outputs in units of their bounds' scale (tests/oracles/oracle.py), with
     the fp32 accumulation's own error added to the scale: (N-1) * 2^-24 * sum_r |x_r|
     (exact for 2 ranks of 16-bit values in practice, not for 4). xs: CPU tensors."""
-    from tests import oracle
+    from tests.oracles import oracle
     x64 = [t.double().numpy() for t in xs]
     r_np, g_np = residual.double().numpy(), gamma.double().numpy()
     s64, r64, y64, inv64 = oracle.fused_reference(x64, r_np, g_np, rms_eps=1e-6,
@@ -90,7 +90,7 @@ def oracle_errors(xs, residual, gamma, outs, pattern, *, weight_bias=0.0, dtype=
 def fused_call(ws, pattern, m, x, res, gamma, outs, *, oneshot, stream):
     """One raw-pointer launch of pattern 0 (writes outs['allreduce']) or 1 (outs['residual'],
     outs['norm']) on `stream` (a torch stream)."""
-    from jax_fusedar import native
+    from jax_fusedar.common import native
     code = native.DTYPE_CODES[DTYPE]
     if pattern == 0:
         ws.launch(0, code, m, x.shape[1], x.data_ptr(), allreduce_out=outs["allreduce"].data_ptr(),
@@ -134,7 +134,7 @@ def matching_calls(ws, rank, world, device, stream, seed, torch):
 
 
 def make_workspace(ext, chan, tag, device, world, rank, *, check_calls, timeout_s):
-    from jax_fusedar import native
+    from jax_fusedar.common import native
     ws = ext.Rank(device, world, rank, MAX_TOKENS, HIDDEN, native.DTYPE_CODES[DTYPE],
                   check_calls=check_calls, check_timeout_s=timeout_s)
     handles = chan.all_gather(f"ipc-{tag}", ws.export_ipc())
@@ -244,7 +244,7 @@ def _failing_call(ws, rank, case, device, seed, world, torch):
 def worker(rank, world, chan, *, case, seed):
     import torch
 
-    from jax_fusedar import native
+    from jax_fusedar.common import native
 
     ext = native.require()
     device = rank % max(1, torch.cuda.device_count())

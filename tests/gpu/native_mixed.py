@@ -1,5 +1,5 @@
 """GPU body of the "mixed" topology: world size 4 over 2 processes, each process driving
-BOTH GPUs as two TP ranks, connected by jax_fusedar.exchange (Member(process, device)):
+BOTH GPUs as two TP ranks, connected by jax_fusedar.common.exchange (Member(process, device)):
 
     TP rank 0: process 0, GPU 0      TP rank 2: process 1, GPU 0
     TP rank 1: process 0, GPU 1      TP rank 3: process 1, GPU 1
@@ -40,7 +40,7 @@ def worker(proc, nprocs, chan, *, port, seed):
     import torch
     import torch.distributed as dist
 
-    from jax_fusedar import exchange, native, topology
+    from jax_fusedar.common import exchange, native, tp_groups
     from tests.gpu.native_mismatch import (draw_inputs, flush_c_stdio, fused_call, new_outputs,
                                            oracle_errors, worst_of)
     from torch_compat.channel import StoreChannel
@@ -55,7 +55,7 @@ def worker(proc, nprocs, chan, *, port, seed):
     kv = StoreChannel(store, timeout_s=60.0, process=proc)
     members = [exchange.Member(0, 0), exchange.Member(0, 1), exchange.Member(1, 0),
                exchange.Member(1, 1)]
-    group = topology.TPGroup((0, 1, 2, 3), 0)
+    group = tp_groups.TPGroup((0, 1, 2, 3), 0)
     code = native.DTYPE_CODES["bfloat16"]
     result = {"process": proc, "gpus": [torch.cuda.get_device_name(d) for d in (0, 1)]}
 

@@ -13,8 +13,8 @@ import numpy as np
 def run(*, tokens, hidden, seed):
     import torch
 
-    from jax_fusedar import native
-    from tests import oracle
+    from jax_fusedar.common import native
+    from tests.oracles import oracle
 
     ext = native.require()
     world = 2

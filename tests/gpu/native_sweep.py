@@ -3,7 +3,7 @@
 Every rank runs the same case list in the same order (the kernel's protocol needs it),
 draws the *whole group's* inputs from per-case seeds so each can build the float64
 oracle, poisons its outputs with NaN before each launch, and reports per-dtype maxima of
-the ulp-scaled errors (tests/oracle.py) plus a digest of its outputs so the test can check
+the ulp-scaled errors (tests/oracles/oracle.py) plus a digest of its outputs so the test can check
 all ranks produced identical bits.
 """
 from __future__ import annotations
@@ -30,8 +30,8 @@ def _inputs(seed, world, m, hidden, tdtype, torch):
 def worker(rank, world, chan, *, tokens, hiddens, max_tokens, loop_calls, seed):
     import torch
 
-    from jax_fusedar import native
-    from tests import oracle
+    from jax_fusedar.common import native
+    from tests.oracles import oracle
     from tests.gpu.harness import device_for
 
     ext = native.require()

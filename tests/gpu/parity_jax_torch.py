@@ -1,4 +1,4 @@
-"""JAX vs torch bitwise parity of the fused op (tests/test_gpu_parity.py).
+"""JAX vs torch bitwise parity of the fused op (tests/gpu/test_parity.py).
 
 Phase 1 (``jax_phase``, one process driving both GPUs: ``jax.shard_map`` over a 2-device
 mesh, the single-process peer-pointer workspace): runs every pattern available on sm90
@@ -10,10 +10,10 @@ Phase 2 (``torch_phase``, two processes, one GPU each, gloo + our IPC workspace)
 them, runs torch_compat.allreduce_fusion on the same inputs with the same use_oneshot,
 fp32_acc, eps and scales, and counts, per case, pattern and output, the elements whose
 bytes differ from JAX's output on the same device (TP rank); both sides are also checked
-against the float64 oracle (tests/oracle.py, tests/quant_oracle.py).
+against the float64 oracle (tests/oracles/oracle.py, tests/oracles/quant_oracle.py).
 
 The phase-1 body also runs on CPU (JAX's reference path, 2 virtual devices) and the
-phase-2 per-case logic with a simulated kernel, in tests/test_gpu_workers_cpu.py.
+phase-2 per-case logic with a simulated kernel, in tests/torch/test_worker_plumbing.py.
 """
 from __future__ import annotations
 

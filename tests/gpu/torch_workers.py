@@ -1,4 +1,4 @@
-"""Per-process bodies of the torch_compat GPU tests (tests/test_gpu_torch.py).
+"""Per-process bodies of the torch_compat GPU tests (tests/gpu/test_torch.py).
 
 Each process joins torch.distributed over gloo (never NCCL: the workspace exchange is our
 own, over the c10d store, and gloo needs nothing from the GPUs) and drives GPU
@@ -6,7 +6,7 @@ own, over the c10d store, and gloo needs nothing from the GPUs) and drives GPU
 ranks share a GPU (their kernels time-slice; the protocol still completes).
 
 Inputs are drawn from seeds derived from (seed, group, case, member), so every member can
-rebuild its whole group's inputs and the float64 oracle (tests/oracle.py).
+rebuild its whole group's inputs and the float64 oracle (tests/oracles/oracle.py).
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ class _Pattern1Case:
     """One pattern-1 call on this member's device, checked against the float64 oracle."""
 
     def __init__(self, torch, device, tp_rank, xs, residual, gamma):
-        from tests import oracle
+        from tests.oracles import oracle
 
         self.torch, self.xs, self.residual, self.gamma = torch, xs, residual, gamma
         self.x = xs[tp_rank].to(device)
@@ -70,7 +70,7 @@ class _Pattern1Case:
         """Poisons the outputs, calls, waits; returns (residual ulps, norm ulps, NaN count,
         digest of both outputs)."""
         import torch_compat as tc
-        from tests import oracle
+        from tests.oracles import oracle
 
         torch = self.torch
         self.res_out.fill_(float("nan"))
@@ -214,7 +214,7 @@ def never_join_worker(rank, world, chan, *, port, create_timeout_s):
 # Patterns 0/1 parity sweep, FP8 patterns, torch.compile, CUDA graphs, the fusion pass.
 # The tensor plumbing (new_outputs / call_pattern / outputs_to_numpy) and the checks
 # (plain_errors / quant_stats) are shared with tests/gpu/parity_jax_torch.py and are run
-# on CPU by tests/test_gpu_workers_cpu.py with a simulated kernel.
+# on CPU by tests/torch/test_worker_plumbing.py with a simulated kernel.
 # =====================================================================================
 
 FP8_PATTERNS = (2, 4, 10, 11, 8, 9)  # twins: (2, 4), (10, 11), (8, 9)
@@ -222,7 +222,7 @@ GROUP = 128
 
 
 def _traits(pattern):
-    from jax_fusedar.patterns import TRAITS, AllReduceFusionPattern
+    from jax_fusedar.common.patterns import TRAITS, AllReduceFusionPattern
     return TRAITS[AllReduceFusionPattern(pattern)]
 
 
@@ -235,7 +235,7 @@ def new_outputs(torch, pattern, m, hidden, dtype, device, group=GROUP):
     """Poisoned outputs of ``pattern``: NaN in float outputs, 0xFF bytes (e4m3 NaN, UE8M0
     255) in quant_out and the group scales. ``_scale_buf`` is the dense (K, T) buffer behind
     the per-token-group scale view."""
-    from jax_fusedar import formats
+    from jax_fusedar.common import quant_layouts
     t = _traits(pattern)
     out = {}
     nan = float("nan")
@@ -253,7 +253,7 @@ def new_outputs(torch, pattern, m, hidden, dtype, device, group=GROUP):
     if t.quant == "dynamic_fp8":
         out["scale_out"] = torch.full((m, 1), nan, dtype=torch.float32, device=device)
     if t.quant == "group_fp8":
-        k, tt = formats.group_scale_buffer_shape(m, hidden, group)
+        k, tt = quant_layouts.group_scale_buffer_shape(m, hidden, group)
         buf = torch.full((k, tt), -1, dtype=torch.int32, device=device)
         out["_scale_buf"] = buf
         out["scale_out"] = buf[:, :m].t()  # FlashInfer's (M, K) tensor, strides (1, T)
@@ -301,15 +301,15 @@ def outputs_to_numpy(torch, outs):
 
 def group_oracle(xs, res, gam, *, wb=0.0):
     """float64 oracle tuple (s, r, y, inv) of the group's inputs (numpy, any float dtype)."""
-    from tests import oracle
+    from tests.oracles import oracle
     return oracle.fused_reference([np.asarray(x, np.float64) for x in xs],
                                   np.asarray(res, np.float64), np.asarray(gam, np.float64),
                                   rms_eps=RMS_EPS, weight_bias=wb)
 
 
 def plain_errors(got, ref, res, gam, dtype, wb):
-    """ulp errors (tests/oracle.py) of whatever float outputs ``got`` holds + NaN count."""
-    from tests import oracle
+    """ulp errors (tests/oracles/oracle.py) of whatever float outputs ``got`` holds + NaN count."""
+    from tests.oracles import oracle
     s64, r64, y64, inv64 = ref
     e = {"nans": 0}
     if "output" in got:
@@ -334,9 +334,9 @@ def new_quant_stats():
 def quant_stats(stats, by_pattern, ref, res, gam, dtype, sf, group, label):
     """Accumulates into ``stats`` the FP8 checks of one case. ``by_pattern``: {2, 4, 10,
     11, 8, 9: outputs_to_numpy(...)}. Codes of the Out patterns (4, 11, 9) against
-    tests/quant_oracle.py applied to the kernel's own norm_out; each non-Out twin (2, 10, 8)
+    tests/oracles/quant_oracle.py applied to the kernel's own norm_out; each non-Out twin (2, 10, 8)
     against its Out twin; scales against the oracle; residual/norm against float64."""
-    from tests import quant_oracle
+    from tests.oracles import quant_oracle
     o = by_pattern
     m = o[4]["norm_out"].shape[0]
     for p in FP8_PATTERNS:
@@ -568,7 +568,7 @@ def cuda_graph_worker(rank, world, chan, *, port, seed, m, hidden, replays):
     buffers, checking every replay against the float64 oracle (and quant_oracle)."""
     torch, dist, device = _init(rank, world, port, rank)
     import torch_compat as tc
-    from tests import quant_oracle
+    from tests.oracles import quant_oracle
     from tests.gpu.harness import draw_case
 
     try:
@@ -644,7 +644,7 @@ def cuda_graph_worker(rank, world, chan, *, port, seed, m, hidden, replays):
 
 
 def _native_launches():
-    from jax_fusedar import native
+    from jax_fusedar.common import native
     return native.require().launch_count()
 
 

@@ -29,7 +29,7 @@ extern "C" {
 #define FUSEDAR_ABI_VERSION 2
 #define FUSEDAR_IPC_HANDLE_BYTES 64
 // Each rank shares three buffers with its peers: two-shot data, barrier flags and
-// the Lamport (one-shot) triple buffer. See DESIGN.md §3 for the layout.
+// the Lamport (one-shot) triple buffer; the layout is in docs/architecture.md.
 #define FUSEDAR_SHARED_BUFFERS 3
 
 typedef enum {

@@ -1,0 +1,21 @@
+"""The framework-neutral layer: every rule that the JAX API and ``torch_compat`` must apply
+alike, so both make the *same* decisions from the same inputs. Pure Python (stdlib + numpy);
+never imports jax or torch (``tests/common/test_no_framework_imports.py`` checks it).
+
+* ``limits``: what the FlashInfer kernel can run at all (world size, hidden size, dtype);
+* ``sizing``: how big one rank's workspace is, and whether a call fits it;
+* ``launch_mode``: whether a call runs one-shot or two-shot;
+* ``tp_groups``: which devices or processes form each tensor-parallel group, in which rank
+  order, on which hosts;
+* ``exchange``: the keys and the two-phase protocol by which a group exchanges its buffers;
+* ``backend_choice``: the kernel ("trtllm") or plain collectives ("xla"), and strict mode;
+* ``call_check``: the options of the opt-in cross-rank call check;
+* ``patterns``: FlashInfer's fusion patterns and what each reads and writes;
+* ``quant_layouts``: shapes and byte layouts of the quantized outputs;
+* ``arguments``: the shared argument and environment-variable validators;
+* ``native``: the loader of the native module.
+
+These are the decisions peer projects got wrong (DP groups built over WORLD, TP rank taken
+from a device id, colliding random exchange keys, per-rank launch choices that differ;
+``docs/decisions.md``), so every rule states the reason it exists.
+"""

@@ -1,0 +1,42 @@
+"""Loads the native extension (_fusedar) when it was built; framework-neutral
+(never imports jax or torch).
+
+A package built without a CUDA compiler has no extension: the fused op then runs its
+reference path everywhere, and asking for the kernel raises an error saying why.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+try:
+    from jax_fusedar import _fusedar as ext
+    _IMPORT_ERROR: Optional[BaseException] = None
+except ImportError as e:  # built without CUDA, or not built at all (source checkout)
+    ext = None
+    _IMPORT_ERROR = e
+
+DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
+
+
+def available() -> bool:
+    return ext is not None
+
+
+def require():
+    """Returns the extension module or raises a RuntimeError explaining how to get it."""
+    if ext is None:
+        raise RuntimeError(
+            "jax_fusedar's native extension is not available "
+            f"({_IMPORT_ERROR}); build the package with a CUDA compiler (nvcc) on PATH, "
+            "see the README's install section") from _IMPORT_ERROR
+    return ext
+
+
+def gpu_count() -> int:
+    """CUDA devices visible to this process (0 without a driver or without the extension)."""
+    if ext is None:
+        return 0
+    try:
+        return ext.device_count()
+    except RuntimeError:
+        return 0

@@ -1,0 +1,82 @@
+"""``python -m jax_fusedar``: bad arguments give a one-line message (exit 2), before anything
+runs: an unusable --out folder (bench and bench --framework torch), --seed out of range,
+--patterns naming a pattern the bench does not time."""
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import pytest  # noqa: E402
+
+from tests.cli.test_cli import run_cli  # noqa: E402
+
+
+def _refused(r, message):
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == "", r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_out_that_is_a_file(tmp_path, framework):
+    f = tmp_path / "results"
+    f.write_text("not a folder")
+    r = run_cli("bench", "--framework", framework, "--hidden", 64, "--out", f)
+    _refused(r, f"--out {f}: {f} exists and is not a folder")
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_out_that_cannot_be_created(framework):
+    r = run_cli("bench", "--framework", framework, "--hidden", 64, "--out", "/proc/forbidden")
+    _refused(r, "--out /proc/forbidden: cannot create the folder /proc/forbidden:")
+
+
+@pytest.mark.parametrize("framework,name", [("jax", "bench.json"), ("jax", "bench.png"),
+                                            ("torch", "bench_torch.json")])
+def test_out_whose_result_file_is_a_folder(tmp_path, framework, name):
+    """Checked before the first case: the bench would otherwise time every case and then
+    lose the results to IsADirectoryError."""
+    (tmp_path / name).mkdir()
+    r = run_cli("bench", "--framework", framework, "--hidden", 64, "--out", tmp_path)
+    _refused(r, f"{tmp_path / name} is a folder, so {name} cannot be written there")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes in read-only folders")
+def test_out_that_is_not_writable(tmp_path):
+    tmp_path.chmod(0o500)
+    try:
+        r = run_cli("bench", "--hidden", 64, "--out", tmp_path)
+    finally:
+        tmp_path.chmod(0o700)
+    _refused(r, f"cannot write in the folder {tmp_path}")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["demo", "--seed", "-1"], "argument --seed: -1 is not in [0, 2**32)"),
+    (["demo", "--seed", str(2**32)], f"argument --seed: {2**32} is not in [0, 2**32)"),
+    (["demo", "--seed", "x"], "argument --seed: 'x' is not an integer"),
+    (["bench", "--framework", "torch", "--seed", "-5"], "argument --seed: -5 is not in"),
+    (["bench", "--patterns", "0"], "argument --patterns: the bench times patterns 1, 4, 9, 11: "
+                                   "0 (kAllReduce) is a fusion pattern the bench does not time"),
+    (["bench", "--patterns", "1,2,12"], "2 (kARResidualRMSNormFP8Quant) is a fusion pattern the "
+                                        "bench does not time; 12 is not a fusion pattern"),
+    (["bench", "--patterns", "1,one"], "argument --patterns: 'one' is not an integer"),
+])
+def test_bad_values_name_the_flag(argv, message):
+    _refused(run_cli(*argv), message)
+
+
+def test_bench_patterns_known_to_the_parser_are_the_benchs():
+    from jax_fusedar.cli import main as __main__
+    from jax_fusedar.cli import bench as bench
+    assert __main__.BENCH_PATTERNS == tuple(sorted(bench.PATTERN_LABELS))
+
+
+def test_seed_zero_and_a_fresh_out_folder_are_fine(tmp_path):
+    from jax_fusedar.cli.main import build_parser, check_out_dir
+    parser, _ = build_parser()
+    assert parser.parse_args(["demo", "--seed", "0"]).seed == 0
+    assert parser.parse_args(["bench", "--patterns", "11,1"]).patterns == [1, 11]
+    out = tmp_path / "a" / "b"
+    assert check_out_dir(out, ("bench.json",)) is None and out.is_dir()
+    assert list(out.iterdir()) == []  # the write probe leaves nothing behind

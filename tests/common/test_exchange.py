@@ -1,0 +1,166 @@
+"""The group exchange (jax_fusedar/common/exchange.py) against an in-memory channel: processes are
+threads, ranks are fakes that record what they were given."""
+import threading
+import time
+
+import pytest
+
+from jax_fusedar.common import exchange, tp_groups
+
+
+class FakeStore:
+    """Write-once key-value store with blocking reads, like JAX's and torch's stores."""
+
+    def __init__(self):
+        self.data, self.cond, self.keys_written = {}, threading.Condition(), []
+        self.barriers = {}
+
+    def channel(self, timeout_s):
+        return _Chan(self, timeout_s)
+
+
+class _Chan:
+    def __init__(self, store, timeout_s):
+        self.store, self.timeout_s = store, timeout_s
+
+    def publish(self, key, value):
+        with self.store.cond:
+            assert key not in self.store.data, f"key {key} written twice"
+            self.store.data[key] = value
+            self.store.keys_written.append(key)
+            self.store.cond.notify_all()
+
+    def fetch(self, key, who):
+        with self.store.cond:
+            if not self.store.cond.wait_for(lambda: key in self.store.data, self.timeout_s):
+                raise TimeoutError(f"{who} did not publish within {self.timeout_s} s")
+            return self.store.data[key]
+
+    def barrier(self, key, processes):
+        with self.store.cond:
+            arrived = self.store.barriers.setdefault(key, set())
+            arrived.add(threading.current_thread().name)
+            self.store.cond.notify_all()
+            if not self.store.cond.wait_for(lambda: len(arrived) == len(processes),
+                                            self.timeout_s):
+                raise TimeoutError(f"barrier {key}: {len(arrived)}/{len(processes)} arrived")
+
+
+class FakeRank:
+    """Stands in for the native Rank: its 'IPC handle' names its process/device/TP rank."""
+
+    def __init__(self, process, device, tp_rank):
+        self.process, self.device, self.tp_rank = process, device, tp_rank
+        self.peers, self.finalized = {}, False
+
+    def export_ipc(self):
+        return f"ipc:{self.process}:{self.device}:{self.tp_rank}".encode()
+
+    def local_pointers(self):
+        return [hash((self.process, self.device, self.tp_rank, b)) for b in range(3)]
+
+    def set_peer_pointers(self, peer, peer_device, ptrs):
+        self.peers[peer] = ("ptr", peer_device, tuple(ptrs))
+
+    def open_peer_ipc(self, peer, handles):
+        self.peers[peer] = ("ipc", handles.decode())
+
+    def finalize(self):
+        assert not self.finalized
+        self.finalized = True
+
+
+def _run_processes(groups_members, processes, timeout_s=5.0, skip=()):
+    """Runs create/connect in one thread per process; returns {process: [plans]} and errors."""
+    store = FakeStore()
+    groups = [tp_groups.TPGroup(tuple(range(i * 100, i * 100 + len(ms))), i)
+              for i, ms in enumerate(groups_members)]
+    out, errors = {}, {}
+
+    def proc(me):
+        chan = store.channel(timeout_s)
+        try:
+            plans = [exchange.create_and_publish(
+                g, ms, me, lambda dev, tp, me=me: FakeRank(me, dev, tp), chan,
+                namespace="test", serial=7) for g, ms in zip(groups, groups_members)]
+            for p in plans:
+                exchange.connect_and_finalize(p, me, chan, namespace="test", serial=7)
+            out[me] = plans
+        except Exception as e:
+            errors[me] = e
+
+    threads = [threading.Thread(target=proc, args=(p,), name=f"p{p}") for p in processes
+               if p not in skip]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s * 4)
+    return out, errors, store
+
+
+M = exchange.Member
+
+
+def test_dp_tp_four_processes_two_devices_each_group_only_sees_its_own():
+    # Issue 4's layout: group A = {rank 0 on GPU 0, rank 1 on GPU 1}; group B = {rank 2 on
+    # GPU 1 as TP rank 0, rank 3 on GPU 0 as TP rank 1}.
+    a = [M(0, 0), M(1, 1)]
+    b = [M(2, 1), M(3, 0)]
+    out, errors, store = _run_processes([a, b], processes=[0, 1, 2, 3])
+    assert not errors, errors
+    ranks = {p: [r for plan in plans for r in plan.local.values()] for p, plans in out.items()}
+    for p, rs in ranks.items():
+        assert len(rs) == 1 and rs[0].finalized
+    # TP rank follows the position in the group, the device is the process's own.
+    assert (ranks[2][0].tp_rank, ranks[2][0].device) == (0, 1)
+    assert (ranks[3][0].tp_rank, ranks[3][0].device) == (1, 0)
+    assert ranks[0][0].peers == {1: ("ipc", "ipc:1:1:1")}
+    assert ranks[1][0].peers == {0: ("ipc", "ipc:0:0:0")}
+    assert ranks[2][0].peers == {1: ("ipc", "ipc:3:0:1")}
+    assert ranks[3][0].peers == {0: ("ipc", "ipc:2:1:0")}
+    # Keys differ between the groups although both have TP ranks 0 and 1.
+    assert len(set(store.keys_written)) == len(store.keys_written) == 4
+
+
+def test_single_process_uses_pointers_and_no_channel():
+    members = [M(0, d) for d in range(4)]
+    plan = exchange.create_and_publish(tp_groups.TPGroup((0, 1, 2, 3), 0), members, 0,
+                                       lambda dev, tp: FakeRank(0, dev, tp), None,
+                                       namespace="t", serial=1)
+    exchange.connect_and_finalize(plan, 0, None, namespace="t", serial=1)
+    for tp, r in plan.local.items():
+        assert r.finalized and sorted(r.peers) == [p for p in range(4) if p != tp]
+        assert all(v[0] == "ptr" and v[1] == p for p, v in r.peers.items())
+
+
+def test_mixed_local_pointers_and_remote_ipc():
+    # Process 0 drives two GPUs, process 1 the other two, all in one group of four.
+    members = [M(0, 0), M(0, 1), M(1, 0), M(1, 1)]
+    out, errors, _ = _run_processes([members], processes=[0, 1])
+    assert not errors, errors
+    r0 = out[0][0].local[0]
+    assert r0.peers[1][0] == "ptr" and r0.peers[1][1] == 1
+    assert r0.peers[2] == ("ipc", "ipc:1:0:2") and r0.peers[3] == ("ipc", "ipc:1:1:3")
+
+
+def test_member_that_never_arrives_is_named_within_the_timeout():
+    t0 = time.monotonic()
+    out, errors, _ = _run_processes([[M(0, 0), M(1, 1)]], processes=[0, 1], timeout_s=0.5,
+                                    skip=(1,))
+    assert time.monotonic() - t0 < 5
+    assert isinstance(errors[0], TimeoutError)
+    assert "TP rank 1" in str(errors[0]) and "process 1" in str(errors[0])
+
+
+def test_group_spanning_processes_without_a_channel_is_refused():
+    with pytest.raises(RuntimeError, match="spans several processes"):
+        exchange.create_and_publish(tp_groups.TPGroup((0, 1), 0), [M(0, 0), M(1, 0)], 0,
+                                    lambda dev, tp: FakeRank(0, dev, tp), None,
+                                    namespace="t", serial=1)
+
+
+def test_member_count_must_match_the_group():
+    with pytest.raises(ValueError, match="members given"):
+        exchange.create_and_publish(tp_groups.TPGroup((0, 1), 0), [M(0, 0)], 0,
+                                    lambda dev, tp: FakeRank(0, dev, tp), None,
+                                    namespace="t", serial=1)

@@ -1,0 +1,67 @@
+"""A workspace used under a mesh or pmap that orders its devices otherwise is refused before
+anything runs, on 2 GPUs (the kernel) as on 2 CPU devices (the reference path, in CI); rows
+whose fp32 sum of squares overflows give norm_out = +-0 on both (README, Numerics).
+Worker: tests/gpu/jax_misuse.py, one process driving both devices."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# Both orders of the two devices, named in the message (TP-rank order of the ids).
+FLIPPED = ("groups the devices along 'tp' as [(1, 0)] but the workspace was created for the "
+           "groups [(0, 1)]")
+
+
+def _run(platform: str) -> dict:
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+               NVSHMEM_DISABLE_NVLS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    for var in ("XLA_FLAGS", "JAX_FUSEDAR_STRICT", "JAX_FUSEDAR_ALLREDUCE_BACKEND",
+                "JAX_FUSEDAR_CHECK_CALLS"):
+        env.pop(var, None)
+    proc = subprocess.run([sys.executable, "-m", "tests.gpu.jax_misuse", platform], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _check(r: dict, *, bits: bool) -> None:
+    """``bits``: the kernel's results are compared bit for bit, zeros' signs included (XLA's
+    CPU reference may sign a zero differently in two differently fused programs)."""
+    good = r["good"]
+    assert good["residual_ulps"] <= 1.0 and good["norm_ulps"] <= 3.0, r  # as test_gpu_jax
+    assert good["pmap_equals_shard_map_bits" if bits else "pmap_equals_shard_map_values"], r
+    for key in ("flipped_shard_map", "flipped_shard_map_lower", "flipped_pmap"):
+        assert FLIPPED in r[key], (key, r[key])
+    o = r["overflow"]
+    assert o["residual_exact"] and o["zero_rows"], r
+    assert o["signs_of_r_times_gamma"] or not bits, r
+    assert o["ordinary_row_norm_ulps"] <= 3.0, r
+
+
+def _gpus() -> int:
+    from jax_fusedar.common import native
+    return native.gpu_count()
+
+
+def test_misuse_worker_on_two_cpu_devices():
+    r = _run("cpu")
+    from tests.gpu.harness import report
+    report("jax_misuse_cpu", r)
+    assert r["backend"] == "xla" and not r["good"]["custom_call"], r
+    _check(r, bits=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpus() < 2, reason="needs two GPUs in one process")
+def test_regrouped_devices_are_refused_on_two_gpus():
+    r = _run("cuda")
+    from tests.gpu.harness import report
+    report("jax_misuse_gpu", r)
+    assert r["backend"] == "trtllm" and r["good"]["custom_call"], r
+    _check(r, bits=True)

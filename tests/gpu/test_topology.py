@@ -1,0 +1,173 @@
+"""GPU: the cross-rank call check (check_calls) and the "mixed" topology.
+
+Each case runs in a fresh child (``python -m tests.gpu.native_mismatch CASE`` /
+``python -m tests.gpu.native_mixed``) with its output captured: a trapped handshake kills
+the CUDA context of its process, and the handshake's device printf goes to stdout. Every
+wait is bounded (subprocess timeout, channel timeouts, the check's own timeout), and each
+result is written as JSON (with the output's tail) to $JAX_FUSEDAR_REPORT_DIR.
+"""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PRINTF_MARK = "jax_fusedar call check FAILED on rank"
+SIG = "{{pattern={} dtype=bfloat16 num_tokens={} hidden_dim=4096 {} fp32_acc=1 layout=0 " \
+      "block_quant_group_size=0}}"
+
+
+def _run(module, *args, timeout_s):
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+               NVSHMEM_DISABLE_NVLS="1", PYTHONUNBUFFERED="1")
+    env.pop("JAX_FUSEDAR_CHECK_CALLS", None)
+    env.pop("JAX_FUSEDAR_CHECK_TIMEOUT_S", None)
+    try:
+        proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True,
+                              text=True, timeout=timeout_s, cwd=ROOT, env=env)
+        out, err, rc = proc.stdout, proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        def text(b):
+            return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+        pytest.fail(f"{module} {args} did not finish within {timeout_s} s (a hang?)\n"
+                    f"stdout tail:\n{text(e.stdout)[-4000:]}\nstderr tail:\n{text(e.stderr)[-4000:]}")
+    lines = [l for l in out.splitlines() if l.startswith("RESULT ")]
+    assert lines, (f"{module} {args} printed no RESULT line (rc {rc})\nstdout tail:\n"
+                   f"{out[-4000:]}\nstderr tail:\n{err[-4000:]}")
+    result = json.loads(lines[-1][len("RESULT "):])
+    result["rc"] = rc
+    result["output_tail"] = (out + "\n--- stderr ---\n" + err)[-8000:]
+    result["printf_lines"] = [l for l in (out + err).splitlines() if PRINTF_MARK in l]
+    return result
+
+
+def _report(name, result):
+    from tests.gpu.harness import report
+    report(name, result)
+
+
+def _gpus():
+    from jax_fusedar.common import native
+    return native.gpu_count()
+
+
+def _check_matching(r):
+    """The matching calls each case makes first (check on) stayed within the bounds."""
+    from tests.gpu.native_mismatch import BOUNDS, MATCHING
+    assert r["check_calls"] is True, r
+    assert len(r["matching"]) == len(MATCHING)
+    for e in r["matching"]:
+        for k, bound in BOUNDS.items():
+            if k in e:
+                assert e[k] <= bound, (r["rank"], e)  # NaN fails too
+
+
+def test_call_check_matching_calls_graph_replay_and_cost():
+    res = _run("tests.gpu.native_mismatch", "ok", timeout_s=170)
+    _report("call_check_ok", res)
+    assert "error" not in res, res["error"] + "\n" + res["output_tail"]
+    ranks = res["ranks"]
+    assert not res["printf_lines"], res["printf_lines"]
+    from tests.gpu.native_mismatch import BOUNDS
+    for r in ranks:
+        _check_matching(r)
+        assert r["off_check_calls"] is False
+        for k, v in r["off_worst"].items():
+            assert v <= BOUNDS[k], ("check off", r["rank"], k, v)
+        g = r["graph"]
+        assert g["capture_errors"] is None, g
+        assert g["worst"]["residual"] <= 1.0 and g["worst"]["norm"] <= 3.0, g
+        for t in ("timing_on", "timing_off"):
+            assert r[t]["last_call"]["residual"] <= 1.0 and r[t]["last_call"]["norm"] <= 3.0, r[t]
+        assert r["failure_record"] == ""
+    # Same bits on both ranks, and with the check on or off.
+    assert ranks[0]["digest"] == ranks[1]["digest"] == ranks[0]["off_digest"]
+    print("handshake cost (ms per call, median): on",
+          [r["timing_on"]["ms_per_call_median"] for r in ranks], "off",
+          [r["timing_off"]["ms_per_call_median"] for r in ranks])
+
+
+@pytest.mark.parametrize("case", ["tokens", "pattern", "oneshot"])
+def test_mismatched_calls_fail_instead_of_hanging(case):
+    from tests.gpu.native_mismatch import MATCHING, MISMATCH_TIMEOUT_S
+    res = _run("tests.gpu.native_mismatch", case, timeout_s=170)
+    _report(f"call_check_{case}", res)
+    assert "error" not in res, res["error"] + "\n" + res["output_tail"]
+    seq = len(MATCHING) + 1
+    calls = {r["rank"]: r["failing"]["call"] for r in res["ranks"]}
+    for r in res["ranks"]:
+        _check_matching(r)
+        f = r["failing"]
+        me, peer = r["rank"], 1 - r["rank"]
+        assert f["sync_error"], f"rank {me}: the mismatched call did not fail: {f}"
+        # Detected as a mismatch, well before the timeout would have fired.
+        assert f["elapsed_s"] < MISMATCH_TIMEOUT_S / 2, f
+        (pm, mm, om), (pp, mp, op) = calls[me], calls[peer]
+        mine = SIG.format(pm, mm, "one-shot" if om else "two-shot")
+        theirs = SIG.format(pp, mp, "one-shot" if op else "two-shot")
+        expected = (f"jax_fusedar call check failed on rank {me} of 2 (device {r['device']}), "
+                    f"call #{seq}: rank {peer} called {theirs} but rank {me} called {mine}")
+        assert f["failure_record"].startswith(expected), (expected, f["failure_record"])
+        assert f["relaunch_error"] and expected in f["relaunch_error"], f
+    # The device's own message reached stdout (one per rank; output buffered in the child).
+    assert res["printf_lines"], ("no device printf output captured; failure records: "
+                                 f"{[r['failing']['failure_record'] for r in res['ranks']]}\n"
+                                 f"{res['output_tail']}")
+    joined = "\n".join(res["printf_lines"])
+    for r in res["ranks"]:
+        assert f"FAILED on rank {r['rank']} of 2" in joined, joined
+
+
+def test_a_rank_that_never_calls_times_out():
+    from tests.gpu.native_mismatch import MATCHING, TIMEOUT_CASE_S
+    res = _run("tests.gpu.native_mismatch", "timeout", timeout_s=170)
+    _report("call_check_timeout", res)
+    assert "error" not in res, res["error"] + "\n" + res["output_tail"]
+    r0, r1 = res["ranks"]
+    for r in (r0, r1):
+        _check_matching(r)
+    seq = len(MATCHING) + 1
+    f = r0["failing"]
+    assert f["sync_error"], f
+    assert r0["check_timeout_s"] == pytest.approx(TIMEOUT_CASE_S)
+    assert TIMEOUT_CASE_S * 0.9 <= f["elapsed_s"] <= TIMEOUT_CASE_S + 12, f
+    assert (f"rank 1 did not make its call #{seq} {SIG.format(1, 16, 'one-shot')} within "
+            f"{TIMEOUT_CASE_S:.1f} s (the last call seen from it is #{seq - 1})"
+            ) in f["failure_record"], f["failure_record"]
+    assert f["relaunch_error"] and "did not make its call" in f["relaunch_error"], f
+    # The rank that made no call is untouched.
+    assert r1["failing"] is None and r1["healthy_after"] is True and r1["failure_record"] == ""
+    assert any("on rank 0 of 2" in l and "did not make its call" in l
+               for l in res["printf_lines"]), res["output_tail"]
+
+
+def test_mixed_topology_four_ranks_two_processes_two_gpus():
+    if _gpus() < 2:
+        pytest.skip("needs 2 GPUs")
+    res = _run("tests.gpu.native_mixed", timeout_s=170)
+    _report("mixed_topology", res)
+    assert "error" not in res, res["error"] + "\n" + res["output_tail"]
+    procs = res["processes"]
+    assert [p["local_tp_ranks"] for p in procs] == [[0, 1], [2, 3]]
+    assert procs[0]["paths"]["0"] == {"1": "pointers", "2": "ipc", "3": "ipc"}
+    assert procs[1]["paths"]["3"] == {"0": "ipc", "1": "ipc", "2": "pointers"}
+    for mode in ("off", "on"):
+        for p in procs:
+            w = p["calls"][mode]["worst"]
+            assert w["residual"] <= 1.0 and w["norm"] <= 3.0, (mode, p["process"], w)
+        # All four ranks hold the same bits, call by call.
+        for i, (d0, d1) in enumerate(zip(procs[0]["calls"][mode]["digests"],
+                                         procs[1]["calls"][mode]["digests"])):
+            assert len(set(d0.values()) | set(d1.values())) == 1, (mode, i, d0, d1)
+    for p in procs:
+        assert p["failure_records"] == ["", ""]
+        for d in ("0", "1"):
+            # The workspaces took the memory they should, and gave it back.
+            assert p["drop_mib"][d] >= 0.9 * p["expected_drop_mib"], p
+            assert abs(p["leak_mib"][d]) <= 64, p
+    assert not res["printf_lines"], res["printf_lines"]

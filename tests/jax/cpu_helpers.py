@@ -1,0 +1,192 @@
+"""Shared helpers of the JAX CPU tests (tests/jax/test_reference.py, tests/jax/test_api.py,
+...): 8 virtual CPU devices, meshes, random inputs and the float64-oracle checks with their
+ulp bounds.
+
+A test module must set JAX_PLATFORMS / XLA_FLAGS before its first ``import jax`` (XLA reads
+the virtual device count once per process), then import this module and call
+``require_host_devices()`` at module level.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tests.oracles import oracle
+from jax_fusedar.common import native
+
+HOST_DEVICES = 8
+HOST_DEVICES_FLAG = f"--xla_force_host_platform_device_count={HOST_DEVICES}"
+SEED_ENV_VAR = "JAX_FUSEDAR_TEST_SEED"
+
+DTYPES = ("bfloat16", "float16", "float32")
+RMS_EPS = 1e-6
+
+# Bounds in the oracle's ulps of the intermediate magnitudes (tests/oracles/oracle.py,
+# docs/numerics.md).
+ALLREDUCE_ULPS = 1.0
+RESIDUAL_ULPS = 1.0
+NORM_ULPS = {"bfloat16": 3.0, "float16": 3.0, "float32": 8.0}
+
+
+# Lowering a trtllm workspace for cuda needs the native extension's FFI targets.
+needs_native = pytest.mark.skipif(
+    not native.available(), reason="the cuda lowering of a trtllm workspace needs the native "
+    "extension's FFI targets (run ./dev setup)")
+
+
+def require_host_devices(n: int = HOST_DEVICES) -> None:
+    """Skips the calling module unless JAX runs on CPU with at least ``n`` devices."""
+    devices = jax.devices()
+    if devices[0].platform != "cpu" or len(devices) < n:
+        pytest.skip(
+            f"needs {n} CPU devices but JAX has {len(devices)} {devices[0].platform} device(s): "
+            f"JAX was initialised before the module could set JAX_PLATFORMS=cpu and "
+            f"XLA_FLAGS={HOST_DEVICES_FLAG}, or they were already set otherwise "
+            f"(JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')!r}, "
+            f"XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}); run the CPU tests in a fresh process",
+            allow_module_level=True)
+
+
+def new_rng() -> np.random.Generator:
+    """A generator with a fresh seed from os.urandom (or $JAX_FUSEDAR_TEST_SEED to replay a
+    failure). The seed is printed, so pytest shows it with any failure of the test."""
+    seed = int(os.environ.get(SEED_ENV_VAR) or int.from_bytes(os.urandom(8), "little"))
+    print(f"random seed: {seed} (replay with {SEED_ENV_VAR}={seed})")
+    return np.random.default_rng(seed)
+
+
+def jdtype(dtype_name: str) -> np.dtype:
+    return jnp.dtype(dtype_name)
+
+
+def random_values(rng, shape, dtype_name: str) -> np.ndarray:
+    """Standard normal values rounded to ``dtype_name``."""
+    return rng.standard_normal(shape).astype(np.float32).astype(jdtype(dtype_name))
+
+
+def random_partials(rng, shape, dtype_name: str) -> np.ndarray:
+    """Per-rank partial sums (leading axes: [..., rank]) whose fp32 sum is exact in any order.
+
+    The all-reduce accumulates in fp32 in an order the API does not fix (psum's or the
+    kernel's), so it is within an ulp of |sum| only when that accumulation is exact. It is not
+    for arbitrary inputs, 16-bit ones included: with cancellation a tiny partial loses bits
+    in an fp32 partial sum (seven bf16 values of ~0.5 cancelling exactly plus 1.77e-6 came out
+    3 bf16 ulps off). So the partials are normal values on a 2**-16 grid, below 7.5 in
+    magnitude: representable in every dtype (< 2**-9 they have under 8 significant bits) and
+    summing exactly in fp32 for up to 16 ranks (|sum| < 2**7 = 2**23 grid steps).
+    """
+    x = np.clip(np.round(rng.standard_normal(shape) * 2.0**16) / 2.0**16, -7.5, 7.5)
+    out = x.astype(np.float32).astype(jdtype(dtype_name))
+    # Rounding to a 16-bit type keeps the grid: a multiple of 2**-16 stays one.
+    assert np.all(np.round(out.astype(np.float64) * 2.0**16) == out.astype(np.float64) * 2.0**16)
+    return out
+
+
+def random_gamma(rng, hidden: int, dtype_name: str, leading=()) -> np.ndarray:
+    return rng.uniform(-2.0, 2.0, (*leading, hidden)).astype(np.float32).astype(jdtype(dtype_name))
+
+
+# --- meshes ------------------------------------------------------------------------------------
+
+def make_mesh(shape, axis_names, device_ids=None) -> Mesh:
+    """A mesh over the CPU devices ``device_ids`` (default: the first ones, in id order)."""
+    by_id = {d.id: d for d in jax.devices()}
+    ids = range(int(np.prod(shape))) if device_ids is None else device_ids
+    return Mesh(np.array([by_id[i] for i in ids], dtype=object).reshape(shape), axis_names)
+
+
+def put(mesh: Mesh, spec: P, value) -> jax.Array:
+    """Places a host array on ``mesh`` as ``spec`` says (shard_map requires it in JAX 0.10)."""
+    return jax.device_put(value, NamedSharding(mesh, spec))
+
+
+def run_sharded(f, mesh, in_specs, out_specs, *args):
+    """``jit(shard_map(f))`` on host arrays placed as ``in_specs`` say (default check_vma)."""
+    fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+    return fn(*(put(mesh, spec, a) for spec, a in zip(in_specs, args)))
+
+
+# --- the oracle --------------------------------------------------------------------------------
+
+def kernel_rounding(partials, residual, dtype_name: str, *, fp32_acc: bool = True):
+    """(allreduce_out, residual_out) rounded exactly where the kernel rounds, in numpy:
+    s = T(sum of the partials), with fp32_acc rounded once (the partials must sum exactly in
+    fp32, as random_partials' do) and without it rounded after every addition in rank order;
+    then r = T(float(s) + float(residual))."""
+    t = jdtype(dtype_name)
+    partials = np.asarray(partials)
+    if fp32_acc or dtype_name == "float32":
+        s = np.sum(partials.astype(np.float64), axis=0).astype(np.float32).astype(t)
+    else:
+        s = partials[0]
+        for x in partials[1:]:
+            s = (s.astype(np.float32) + x.astype(np.float32)).astype(t)
+    r = (s.astype(np.float32) + np.asarray(residual).astype(np.float32)).astype(t)
+    return s, r
+
+
+def bits(a) -> np.ndarray:
+    """The raw bits, so that -0.0 != 0.0 and NaN payloads count."""
+    a = np.asarray(a)
+    return a.view(f"u{a.itemsize}")
+
+
+def _f64(a) -> np.ndarray:
+    return np.asarray(a).astype(np.float64)
+
+
+def check_outputs(dtype_name: str, partials, *, residual=None, gamma=None, weight_bias=0.0,
+                  rms_eps=RMS_EPS, allreduce_out=None, residual_out=None, norm_out=None,
+                  what: str = "") -> dict:
+    """Asserts that the given outputs match the float64 oracle for the per-rank ``partials``
+    (a sequence of [M, H] arrays) within the ulp bounds above; returns the errors.
+
+    Each output must also have the shape [M, H] and the call dtype. ``residual`` defaults to
+    zeros, as in the API."""
+    partials = [np.asarray(x) for x in partials]
+    shape = partials[0].shape
+    residual = np.zeros(shape, partials[0].dtype) if residual is None else np.asarray(residual)
+    gamma = np.ones(shape[-1]) if gamma is None else np.asarray(gamma)
+    s, r, y, inv = oracle.fused_reference([_f64(x) for x in partials], _f64(residual),
+                                          _f64(gamma), rms_eps=rms_eps, weight_bias=weight_bias)
+    errors = {}
+    for name, out in (("allreduce_out", allreduce_out), ("residual_out", residual_out),
+                      ("norm_out", norm_out)):
+        if out is None:
+            continue
+        out = np.asarray(out)
+        assert out.shape == shape and out.dtype == jdtype(dtype_name), (
+            f"{what}: {name} is {out.shape} {out.dtype}, expected {shape} {dtype_name}")
+        if name == "allreduce_out":
+            errors[name] = oracle.allreduce_error_ulps(out, s, dtype_name)
+        elif name == "residual_out":
+            errors[name] = oracle.residual_error_ulps(out, s, r, _f64(residual), dtype_name)
+        else:
+            errors[name] = oracle.norm_error_ulps(out, s, y, inv, _f64(residual), _f64(gamma),
+                                                  weight_bias=weight_bias, dtype_name=dtype_name)
+    bounds = {"allreduce_out": ALLREDUCE_ULPS, "residual_out": RESIDUAL_ULPS,
+              "norm_out": NORM_ULPS[dtype_name]}
+    bad = {k: v for k, v in errors.items() if not v <= bounds[k]}  # NaN fails too
+    assert not bad, (f"{what}: errors in ulps {bad} exceed the bounds "
+                     f"{ {k: bounds[k] for k in bad} } ({dtype_name}, weight_bias={weight_bias})")
+    return errors
+
+
+
+def assert_same_bits(a, b, what):
+    """The pytrees ``a`` and ``b`` have the same leaves, bit for bit (NaNs and signed zeros
+    included), naming the first leaf that differs and in how many elements."""
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb), what
+    for i, (u, v) in enumerate(zip(la, lb)):
+        u, v = np.asarray(u), np.asarray(v)
+        assert u.dtype == v.dtype and u.shape == v.shape, (what, i, u.dtype, v.dtype,
+                                                            u.shape, v.shape)
+        diff = np.count_nonzero(bits(u) != bits(v))
+        assert diff == 0, f"{what}: leaf {i} differs in {diff} of {u.size} elements"

@@ -1,0 +1,746 @@
+"""The public JAX API on CPU: results against the float64 oracle on 1-D and (dp, tp) meshes,
+the cuda lowering (custom call, attributes, aliasing) on this GPU-less machine, trace-time
+errors, the logged fallback and the workspace object. 8 virtual host devices."""
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import logging  # noqa: E402
+import re  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jax_fusedar as jf  # noqa: E402
+from tests.jax.cpu_helpers import needs_native  # noqa: E402
+from tests.jax.cpu_helpers import (RMS_EPS, bits, check_outputs, jdtype,  # noqa: E402
+                                   kernel_rounding, make_mesh, new_rng, random_gamma,
+                                   random_partials, random_values, require_host_devices,
+                                   run_sharded)
+from jax_fusedar.common import backend_choice, native  # noqa: E402
+from jax_fusedar.primitive import FFI_TARGET  # noqa: E402
+from jax_fusedar.common.tp_groups import TPGroup  # noqa: E402
+
+require_host_devices()
+
+AR = jf.AllReduceFusionPattern.kAllReduce
+AR_NORM = jf.AllReduceFusionPattern.kARResidualRMSNorm
+MESHES = {"tp8": ((8,), ("tp",)), "dp2_tp4": ((2, 4), ("dp", "tp")),
+          "dp4_tp2": ((4, 2), ("dp", "tp"))}
+MLIR_TYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
+
+
+
+# Environment and once-per-kind logging reset per test (conftest.py).
+pytestmark = pytest.mark.usefixtures("hermetic")
+
+
+def mesh_of(name):
+    return make_mesh(*MESHES[name])
+
+
+def xla_workspace(mesh, dtype="bfloat16", *, max_token_num=64, hidden_dim=256):
+    ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=max_token_num,
+                                              hidden_dim=hidden_dim, dtype=jdtype(dtype))
+    assert ws.backend == "xla", ws
+    return ws
+
+
+# --- shard_map plumbing ------------------------------------------------------------------------
+# x is sharded over all mesh axes along dim 0 (dp major), so each shard is its [M, H] block;
+# per-group arrays (residual, gamma, outputs) are sharded over "dp" (replicated on a 1-D mesh).
+
+def specs(mesh):
+    """(x spec, per-group spec) for a ("tp",) or ("dp", "tp") mesh."""
+    if mesh.axis_names == ("tp",):
+        return P("tp"), P()
+    return P(("dp", "tp")), P("dp")
+
+
+def fused_body(ws, pattern=AR_NORM, *, seen=None, **kwargs):
+    """Per shard: allreduce_fusion(x, residual, gamma) returning the pattern's outputs;
+    ``seen`` receives which NamedTuple fields were None."""
+    def body(x, residual=None, gamma=None):
+        out = jf.allreduce_fusion(x, axis_name="tp", workspace=ws, pattern=pattern,
+                                  residual=residual, rms_gamma=gamma, **kwargs)
+        assert isinstance(out, jf.AllReduceFusionOutputs)
+        if seen is not None:
+            seen[int(pattern)] = tuple(f for f, v in zip(out._fields, out) if v is None)
+        return tuple(v for v in out if v is not None)
+    return body
+
+
+def abstract(mesh, spec, shape, dtype) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, jdtype(dtype), sharding=NamedSharding(mesh, spec))
+
+
+def local_shapes(mesh, tokens, hidden, dtype, n_inputs=3):
+    """ShapeDtypeStructs of the first ``n_inputs`` of (x, residual, gamma), placed so that each
+    shard sees [tokens, hidden], [tokens, hidden], [hidden]; with their in_specs."""
+    x_spec, group_spec = specs(mesh)
+    n = mesh.devices.size
+    groups = n // mesh.shape["tp"]
+    shapes = [((n * tokens, hidden), x_spec), ((groups * tokens, hidden), group_spec),
+              ((groups * hidden,), group_spec)][:n_inputs]
+    return ([abstract(mesh, spec, shape, dtype) for shape, spec in shapes],
+            tuple(spec for _, spec in shapes))
+
+
+def trace_sharded(body, mesh, tokens, hidden, dtype="bfloat16", *, n_inputs=3, n_outputs=1):
+    """jit(shard_map(body)).trace(...) on abstract shards (see local_shapes); the outputs
+    are per group."""
+    avals, in_specs = local_shapes(mesh, tokens, hidden, dtype, n_inputs)
+    out_specs = (specs(mesh)[1],) * n_outputs
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs,
+                                 out_specs=out_specs)).trace(*avals)
+
+
+def trace_fused(ws, tokens, hidden, dtype=None, *, mesh=None, pattern=AR_NORM, **kwargs):
+    """Traces allreduce_fusion on [tokens, hidden] shards (residual and gamma per group)."""
+    has_residual = pattern != AR
+    return trace_sharded(fused_body(ws, pattern, **kwargs), ws.mesh if mesh is None else mesh,
+                         tokens, hidden, ws.dtype.name if dtype is None else dtype,
+                         n_inputs=3 if has_residual else 1, n_outputs=2 if has_residual else 1)
+
+
+def cuda_text(ws, tokens, hidden, **kwargs) -> str:
+    return trace_fused(ws, tokens, hidden, **kwargs).lower(lowering_platforms=("cuda",)).as_text()
+
+
+# --- 1. results against the oracle -------------------------------------------------------------
+
+def run_and_check_groups(ws, tokens, hidden, what, **kwargs):
+    """Runs patterns 1 and 0 (with ``kwargs``) on ws.mesh over random data that differs per
+    TP group, and checks each group's outputs against its own members' data: allreduce_out
+    and residual_out bit for bit where the kernel rounds (kernel_rounding), and all three
+    against the float64 oracle (with fp32_acc; without it the sum's error grows per rank).
+    Returns every group's allreduce_out and which NamedTuple fields each pattern left None."""
+    mesh, dtype = ws.mesh, ws.dtype.name
+    fp32_acc = kwargs.get("fp32_acc", True)
+    # fp32 sums in fp32 either way, in an unspecified order: only exact sums compare.
+    one_rounding = fp32_acc or dtype == "float32"
+    world = mesh.shape["tp"]
+    groups = mesh.devices.size // world
+    rng = new_rng()
+    # Full-precision 16-bit partials without fp32_acc, so that the order of the roundings shows.
+    xs = (random_partials if one_rounding else random_values)(
+        rng, (groups, world, tokens, hidden), dtype)
+    residual = random_values(rng, (groups, tokens, hidden), dtype)
+    gamma = random_gamma(rng, hidden, dtype, leading=(groups,))
+    seen = {}
+    body1 = fused_body(ws, AR_NORM, seen=seen, **kwargs)
+    body0 = fused_body(ws, AR, seen=seen, **kwargs)
+    x_spec, group_spec = specs(mesh)
+    outs = run_sharded(lambda x, r, g: (*body1(x, r, g), *body0(x)), mesh,
+                       (x_spec, group_spec, group_spec), (group_spec,) * 3,
+                       xs.reshape(-1, hidden), residual.reshape(-1, hidden), gamma.reshape(-1))
+    res_out, norm_out, ar_out = (np.asarray(o).reshape(groups, tokens, hidden) for o in outs)
+    for g in range(groups):
+        where = f"{what}: TP group {g} (devices {ws.groups[g].members})"
+        s, r = kernel_rounding(xs[g], residual[g], dtype, fp32_acc=fp32_acc)
+        assert np.array_equal(bits(ar_out[g]), bits(s)), f"{where}: allreduce_out"
+        assert np.array_equal(bits(res_out[g]), bits(r)), f"{where}: residual_out"
+        if one_rounding:
+            check_outputs(dtype, xs[g], residual=residual[g], gamma=gamma[g],
+                          weight_bias=kwargs.get("weight_bias", 0.0),
+                          rms_eps=kwargs.get("rms_eps", RMS_EPS), allreduce_out=ar_out[g],
+                          residual_out=res_out[g], norm_out=norm_out[g], what=where)
+    return ar_out, seen
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("weight_bias", [0.0, 1.0])
+def test_each_tp_group_reduces_its_own_members(mesh_name, dtype, weight_bias):
+    ws = xla_workspace(mesh_of(mesh_name), dtype)
+    ar_out, seen = run_and_check_groups(ws, 7, 256, mesh_name, weight_bias=weight_bias,
+                                        rms_eps=1e-5)
+    assert seen == {1: ("allreduce_out", "quant_out", "scale_out"),
+                    0: ("residual_out", "norm_out", "quant_out", "scale_out")}
+    if len(ws.groups) > 1:  # the groups really saw different data
+        assert not np.array_equal(ar_out[0], ar_out[1])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_per_rank_residual_and_gamma_make_outputs_vary(dtype):
+    """The VMA rule: the sum is invariant over "tp", but a per-rank residual makes residual_out
+    and norm_out per-rank, and a per-rank gamma makes norm_out (only) per-rank."""
+    mesh = mesh_of("tp8")
+    tokens, hidden = 5, 256
+    ws = xla_workspace(mesh, dtype)
+    rng = new_rng()
+    xs = random_partials(rng, (8, tokens, hidden), dtype)
+    residuals = random_values(rng, (8, tokens, hidden), dtype)
+    gammas = random_gamma(rng, hidden, dtype, leading=(8,))
+    body = fused_body(ws, weight_bias=1.0)
+
+    res_out, norm_out = run_sharded(body, mesh, (P("tp"), P("tp"), P()), (P("tp"), P("tp")),
+                                    xs.reshape(-1, hidden), residuals.reshape(-1, hidden),
+                                    gammas[0])
+    res_out, norm_out = (np.asarray(o).reshape(8, tokens, hidden) for o in (res_out, norm_out))
+    for rank in range(8):
+        check_outputs(dtype, xs, residual=residuals[rank], gamma=gammas[0], weight_bias=1.0,
+                      residual_out=res_out[rank], norm_out=norm_out[rank],
+                      what=f"per-rank residual, rank {rank}")
+    assert not np.array_equal(res_out[0], res_out[1])
+
+    res_out, norm_out = run_sharded(body, mesh, (P("tp"), P(), P("tp")), (P(), P("tp")),
+                                    xs.reshape(-1, hidden), residuals[0], gammas.reshape(-1))
+    norm_out = np.asarray(norm_out).reshape(8, tokens, hidden)
+    for rank in range(8):
+        check_outputs(dtype, xs, residual=residuals[0], gamma=gammas[rank], weight_bias=1.0,
+                      residual_out=res_out, norm_out=norm_out[rank],
+                      what=f"per-rank gamma, rank {rank}")
+
+    # What varies cannot be declared replicated: residual_out with a per-rank residual,
+    # norm_out with a per-rank gamma.
+    x = abstract(mesh, P("tp"), (8 * tokens, hidden), dtype)
+    shared = [abstract(mesh, P(), (tokens, hidden), dtype), abstract(mesh, P(), (hidden,), dtype)]
+    per_rank = [abstract(mesh, P("tp"), (8 * tokens, hidden), dtype),
+                abstract(mesh, P("tp"), (8 * hidden,), dtype)]
+    for varying, out_specs, replicated in [(0, (P(), P("tp")), 0), (1, (P(), P()), 1)]:
+        args = [x, *[per_rank[i] if i == varying else shared[i] for i in (0, 1)]]
+        with pytest.raises(ValueError, match=rf"out_specs\[{replicated}\] is P\(\) which "
+                                             r"implies .* could not infer replication"):
+            jax.jit(jax.shard_map(body, mesh=mesh, in_specs=tuple(a.sharding.spec for a in args),
+                                  out_specs=out_specs)).trace(*args)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_without_fp32_acc_ranks_add_in_tp_order(dtype):
+    """fp32_acc=False rounds after every addition, ranks in TP order (their position on the
+    mesh's "tp" axis, not their device ids: the mesh is built from shuffled devices)."""
+    mesh = make_mesh((2, 4), ("dp", "tp"), device_ids=[5, 2, 7, 0, 3, 6, 1, 4])
+    run_and_check_groups(xla_workspace(mesh, dtype), 16, 256, "fp32_acc=False",
+                         fp32_acc=False, weight_bias=1.0)
+
+
+# --- 2. lowering for cuda on this CPU machine --------------------------------------------------
+
+_CALL = re.compile(r"stablehlo\.custom_call @(\w+)\(([^)]*)\) \{(.*)\} : \(([^)]*)\) -> (.*)$",
+                   re.MULTILINE)
+
+
+def _attr(text):
+    value, _, mlir_type = text.strip().partition(" : ")
+    if value in ("true", "false"):
+        return value == "true"
+    return float(value) if mlir_type.startswith("f") else int(value)
+
+
+def custom_calls(text):
+    """Every stablehlo.custom_call of a lowered module, parsed."""
+    calls = []
+    for target, operands, attrs, operand_types, result_types in _CALL.findall(text):
+        config = re.search(r"mhlo\.backend_config = \{([^{}]*)\}", attrs)
+        calls.append(dict(
+            target=target,
+            operands=[o.strip() for o in operands.split(",")],
+            operand_types=[t.strip() for t in operand_types.split(",")],
+            result_types=[t.strip() for t in result_types.strip("()").split(",")],
+            attrs={k: _attr(v) for k, v in re.findall(r"(\w+) = ([^,]+)", config.group(1))},
+            aliases=[(int(o or -1), int(i)) for o, i in re.findall(
+                r"output_tuple_indices = \[(\d*)\], operand_index = (\d+)", attrs)]))
+    return calls
+
+
+def only_fused_call(text):
+    calls = [c for c in custom_calls(text) if c["target"] == FFI_TARGET]
+    assert len(calls) == 1, text
+    return calls[0]
+
+
+def trtllm_workspace(mesh_name="tp8", dtype="bfloat16", *, max_token_num=64, hidden_dim=1024):
+    return jf.abstract_workspace(mesh_of(mesh_name), "tp", max_token_num=max_token_num,
+                                 hidden_dim=hidden_dim, dtype=jdtype(dtype), backend="trtllm")
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("mesh_name", ["tp8", "dp2_tp4"])
+def test_cuda_lowering_of_residual_rmsnorm(dtype, mesh_name):
+    ws = trtllm_workspace(mesh_name, dtype)
+    call = only_fused_call(cuda_text(ws, 3, 1024, rms_eps=1e-5, weight_bias=1.0))
+    t = MLIR_TYPES[dtype]
+    assert len(call["operands"]) == 3  # x, residual, gamma
+    assert call["operand_types"] == [f"tensor<3x1024x{t}>"] * 2 + [f"tensor<1024x{t}>"]
+    assert call["result_types"] == [f"tensor<3x1024x{t}>"] * 2  # residual_out, norm_out
+    assert call["attrs"] == dict(workspace_id=ws.id, pattern=1, use_oneshot=True, fp32_acc=True,
+                                 rms_eps=pytest.approx(float(np.float32(1e-5)), rel=1e-7),
+                                 weight_bias=1.0, layout=0, block_quant_group_size=0)
+    assert call["aliases"] == [(0, 1)]  # residual_out is written in place of residual_in
+
+
+@needs_native
+def test_cuda_lowering_of_plain_allreduce():
+    ws = trtllm_workspace()
+    text = cuda_text(ws, 2, 1024, pattern=AR)
+    call = only_fused_call(text)
+    assert call["operand_types"] == ["tensor<2x1024xbf16>"]
+    assert call["result_types"] == ["tensor<2x1024xbf16>"]
+    assert call["attrs"]["pattern"] == 0 and call["attrs"]["workspace_id"] == ws.id
+    assert call["aliases"] == [] and "output_operand_alias" not in text
+    assert "all_reduce" not in text  # the kernel does the reduction
+
+
+@needs_native
+@pytest.mark.parametrize("mesh_name,tokens,kwargs,oneshot", [
+    ("tp8", 1, {}, True),  # small: one-shot
+    ("tp8", 16, {"use_oneshot": False}, False),  # forced two-shot, 16 tokens > 8 ranks
+    ("tp8", 16, {"use_oneshot": True}, True),
+    ("tp8", 2048, {}, False),  # 2048*1024*2*8*2 bytes = 64 MiB > 42 MiB: two-shot
+    ("dp4_tp2", 2048, {}, True),  # the same call at world size 2 (limit 512 MiB): one-shot
+])
+def test_cuda_lowering_one_shot_choice(mesh_name, tokens, kwargs, oneshot):
+    ws = trtllm_workspace(mesh_name, max_token_num=2048)
+    call = only_fused_call(cuda_text(ws, tokens, 1024, **kwargs))
+    assert call["attrs"]["use_oneshot"] is oneshot
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_cuda_lowering_passes_fp32_acc(dtype):
+    ws = trtllm_workspace(dtype=dtype)
+    assert only_fused_call(cuda_text(ws, 3, 1024, fp32_acc=False))["attrs"]["fp32_acc"] is False
+    assert only_fused_call(cuda_text(ws, 3, 1024, fp32_acc=True))["attrs"]["fp32_acc"] is True
+
+
+@needs_native
+def test_cuda_lowering_refuses_a_mesh_in_another_device_order():
+    ws = trtllm_workspace()
+    reversed_mesh = make_mesh((8,), ("tp",), device_ids=range(7, -1, -1))
+    with pytest.raises(ValueError, match=r"groups the devices along 'tp' as \[\(7, 6, 5, 4, 3, "
+                                         r"2, 1, 0\)\] but the workspace was created for the "
+                                         r"groups \[\(0, 1, 2, 3, 4, 5, 6, 7\)\]"):
+        cuda_text(ws, 3, 1024, mesh=reversed_mesh)
+
+
+@pytest.mark.parametrize("mesh_name", ["tp8", "dp2_tp4"])
+def test_cpu_lowering_of_a_trtllm_workspace_uses_the_reference(mesh_name):
+    ws = trtllm_workspace(mesh_name, max_token_num=8, hidden_dim=256)
+    traced = trace_fused(ws, 4, 256, weight_bias=1.0)
+    text = traced.lower().as_text()
+    assert "custom_call" not in text and "all_reduce" in text
+    # ... and it runs, with the reference's results.
+    run_and_check_groups(ws, 4, 256, "trtllm workspace on cpu", weight_bias=1.0)
+
+
+@needs_native
+def test_cuda_lowering_of_a_call_exceeding_the_workspace():
+    ws = trtllm_workspace(max_token_num=4, hidden_dim=1024)
+    text = cuda_text(ws, 5, 1024, strict=False)
+    assert "custom_call" not in text and "all_reduce" in text
+    with pytest.raises(ValueError, match=r"cannot use the fused kernel: 5x1024 tokens exceed"):
+        cuda_text(ws, 5, 1024, strict=True)
+    # Fewer tokens of a larger hidden size fit: the rule counts elements.
+    only_fused_call(cuda_text(ws, 2, 2048, strict=True))
+
+
+# --- 3. errors at trace time -------------------------------------------------------------------
+
+def test_hidden_not_a_multiple_of_the_vector_width():
+    mesh = mesh_of("tp8")
+    with pytest.raises(ValueError, match="hidden size 100 is not a multiple of 8"):
+        trace_fused(xla_workspace(mesh, "bfloat16"), 2, 100)
+    with pytest.raises(ValueError, match="hidden size 6 is not a multiple of 4"):
+        trace_fused(xla_workspace(mesh, "float32"), 2, 6)
+    with pytest.raises(ValueError, match="hidden_dim=100 is not supported for bfloat16"):
+        xla_workspace(mesh, "bfloat16", hidden_dim=100)
+
+
+@pytest.mark.parametrize("shape,names", [((3,), ("tp",)), ((6,), ("tp",)),
+                                         ((2, 3), ("dp", "tp")), ((3, 2), ("tp", "dp"))])
+def test_unsupported_world_size_at_workspace_creation(shape, names):
+    mesh = make_mesh(shape, names)
+    size = mesh.shape["tp"]
+    with pytest.raises(ValueError, match=f"world size {size} is not supported.*2, 4, 8, 16"):
+        jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=8, hidden_dim=256,
+                                             dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match=f"world size {size} is not supported"):
+        jf.abstract_workspace(mesh, "tp", max_token_num=8, hidden_dim=256, dtype=jnp.bfloat16)
+
+
+@pytest.mark.parametrize("residual,gamma,match", [
+    (((4, 256), "bfloat16"), ((128,), "bfloat16"),
+     r"rms_gamma must have shape \(256,\) and dtype bfloat16 \(or float32, rounded to it\), "
+     r"got \(128,\) bfloat16"),
+    (((4, 256), "bfloat16"), ((256,), "float16"),
+     r"rms_gamma must have shape \(256,\) and dtype bfloat16 \(or float32, rounded to it\), "
+     r"got \(256,\) float16"),
+    (((4, 256), "bfloat16"), ((128,), "float32"),
+     r"rms_gamma must have shape \(256,\) and dtype bfloat16 \(or float32, rounded to it\), "
+     r"got \(128,\) float32"),
+    (((4, 128), "bfloat16"), ((256,), "bfloat16"),
+     r"residual must have shape \(4, 256\) and dtype bfloat16, got \(4, 128\) bfloat16"),
+    (((4, 256), "float16"), ((256,), "bfloat16"),
+     r"residual must have shape \(4, 256\) and dtype bfloat16, got \(4, 256\) float16"),
+    (((4, 256), "bfloat16"), None, r"needs rms_gamma of shape \(256,\)"),
+])
+def test_residual_and_gamma_checks(residual, gamma, match):
+    mesh = mesh_of("tp8")
+    ws = xla_workspace(mesh)
+
+    def body(x, res, g):  # cut and cast the well-formed operands into the case's ones
+        (r_rows, r_cols), r_dtype = residual
+        r = res.astype(r_dtype)[:r_rows, :r_cols]
+        g = None if gamma is None else g.astype(gamma[1])[: gamma[0][0]]
+        return jf.allreduce_fusion(x, axis_name="tp", workspace=ws, residual=r,
+                                   rms_gamma=g).residual_out
+
+    with pytest.raises(ValueError, match=match):
+        trace_sharded(body, mesh, 4, 256)
+
+
+def test_pattern_0_takes_no_residual_or_gamma():
+    ws = xla_workspace(mesh_of("tp8"))
+    with pytest.raises(ValueError, match="kAllReduce takes no residual or rms_gamma"):
+        trace_sharded(fused_body(ws, AR), ws.mesh, 4, 256, n_inputs=2)
+
+
+def test_x_dtype_must_match_the_workspace():
+    ws = xla_workspace(mesh_of("tp8"), "bfloat16")
+    with pytest.raises(ValueError, match="x has dtype float16 but the workspace was created "
+                                         "for bfloat16"):
+        trace_fused(ws, 4, 256, "float16")
+    with pytest.raises(ValueError, match="x has dtype int32; supported"):
+        trace_fused(ws, 4, 256, "int32", pattern=AR)
+
+
+def test_too_many_tokens_in_strict_mode(monkeypatch):
+    ws = xla_workspace(mesh_of("tp8"), max_token_num=8, hidden_dim=256)
+    match = r"cannot use the fused kernel: 9x256 tokens exceed the workspace.*strict mode"
+    with pytest.raises(ValueError, match=match):
+        trace_fused(ws, 9, 256, strict=True)
+    monkeypatch.setenv(backend_choice.STRICT_ENV_VAR, "1")
+    with pytest.raises(ValueError, match=match):
+        trace_fused(ws, 9, 256)
+    trace_fused(ws, 9, 256, strict=False)  # the explicit argument wins over the variable
+    trace_fused(ws, 16, 128)  # same element count as 8 x 256: fits
+
+
+def test_x_must_be_at_least_1d():
+    # [..., hidden] inputs of any rank >= 1 are served (tests/jax/test_batching.py).
+    ws = xla_workspace(mesh_of("tp8"))
+    body = fused_body(ws, AR)
+    x = abstract(ws.mesh, P(), (), "bfloat16")
+    with pytest.raises(ValueError, match=r"x must be \[\.\.\., hidden\] \(at least 1-D\), "
+                                         r"got shape \(\)"):
+        jax.jit(jax.shard_map(body, mesh=ws.mesh, in_specs=P(), out_specs=P())).trace(x)
+
+
+@pytest.mark.parametrize("pattern,match", [
+    (6, r"pattern 6 \(kMoEReductionARResidualRMSNorm\) has its own inputs"),
+    (12, r"unknown fusion pattern 12; valid codes: 0 \(kAllReduce\)"),
+    (99, "unknown fusion pattern 99"),
+    ("bogus", "unknown fusion pattern 'bogus'"),
+])
+def test_pattern_codes(pattern, match):
+    ws = xla_workspace(mesh_of("tp8"))
+    with pytest.raises(ValueError, match=match):
+        trace_sharded(fused_body(ws, pattern), ws.mesh, 4, 256, n_inputs=1)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"scale_factor": np.ones(1, np.float32)}, "scale_factor applies to static FP8 and NVFP4"),
+    ({"layout_code": 0}, "layout_code applies to NVFP4 patterns only"),
+    ({"block_quant_group_size": 64}, "block_quant_group_size applies to per-token-group"),
+])
+def test_quantization_arguments_refused_for_pattern_1(kwargs, match):
+    ws = xla_workspace(mesh_of("tp8"))
+    with pytest.raises(ValueError, match=match + ".*kARResidualRMSNorm"):
+        trace_fused(ws, 4, 256, **kwargs)
+
+
+def test_call_outside_shard_map():
+    ws = xla_workspace(mesh_of("tp8"))
+    x = jnp.asarray(random_values(new_rng(), (4, 256), "bfloat16"))
+    call = lambda x: jf.allreduce_fusion(x, axis_name="tp", workspace=ws,  # noqa: E731
+                                         pattern=AR).allreduce_out
+    match = "must be called inside jax.shard_map over an axis named 'tp'"
+    with pytest.raises(ValueError, match=match):
+        call(x)
+    with pytest.raises(ValueError, match=match):
+        jax.jit(call)(x)
+
+
+def test_wrong_axis():
+    mesh = mesh_of("dp2_tp4")
+    ws = xla_workspace(mesh)
+    body = lambda x: jf.allreduce_fusion(x, axis_name="dp", workspace=ws,  # noqa: E731
+                                         pattern=AR).allreduce_out
+    with pytest.raises(ValueError, match="created for axis 'tp', not 'dp'"):
+        trace_sharded(body, mesh, 4, 256, n_inputs=1)
+    # A "tp" axis of another size: the workspace (world size 4) used on an 8-device mesh.
+    with pytest.raises(ValueError, match="axis 'tp' has size 8 but the workspace was created "
+                                         "for world size 4"):
+        trace_fused(ws, 4, 256, mesh=mesh_of("tp8"))
+    with pytest.raises(ValueError, match="axis 'nope' is not an axis of the mesh"):
+        jf.create_allreduce_fusion_workspace(mesh, "nope", max_token_num=8, hidden_dim=256,
+                                             dtype=jnp.bfloat16)
+
+
+def test_destroyed_workspace():
+    ws = xla_workspace(mesh_of("tp8"))
+    trace_fused(ws, 4, 256)
+    ws.destroy()
+    with pytest.raises(ValueError, match=r"AllReduceFusionWorkspace\(id=\d+.*destroyed\) was "
+                                         "destroyed"):
+        trace_fused(ws, 4, 256)
+
+
+def test_not_a_workspace():
+    body = lambda x: jf.allreduce_fusion(x, axis_name="tp", workspace=object(),  # noqa: E731
+                                         pattern=AR).allreduce_out
+    with pytest.raises(TypeError, match="workspace must come from"):
+        trace_sharded(body, mesh_of("tp8"), 4, 256, n_inputs=1)
+
+
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_two_shot_needs_more_tokens_than_ranks(tokens):
+    ws = xla_workspace(mesh_of("tp8"))
+    with pytest.raises(ValueError, match=f"use_oneshot=False is not possible: two-shot needs "
+                                         f"more tokens than ranks, got {tokens} tokens for 8"):
+        trace_fused(ws, tokens, 256, use_oneshot=False)
+    trace_fused(ws, 9, 256, use_oneshot=False)
+
+
+def test_backend_choices(monkeypatch):
+    mesh = mesh_of("tp8")
+    kw = dict(max_token_num=8, hidden_dim=256, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="'mnnvl' all-reduce backend needs NVLink multicast"):
+        jf.create_allreduce_fusion_workspace(mesh, "tp", backend="mnnvl", **kw)
+    with pytest.raises(ValueError, match="backend must be 'auto', 'trtllm' or 'xla', "
+                                         "not 'mnnvl'"):
+        jf.abstract_workspace(mesh, "tp", backend="mnnvl", **kw)
+    # abstract_workspace decides as on CUDA GPUs: auto is the kernel within one host.
+    assert jf.abstract_workspace(mesh, "tp", backend="auto", **kw).backend == "trtllm"
+    with pytest.raises(ValueError, match="'trtllm' all-reduce backend needs a CUDA GPU, but "
+                                         "the platform is 'cpu'"):
+        jf.create_allreduce_fusion_workspace(mesh, "tp", backend="trtllm", **kw)
+    monkeypatch.setenv(backend_choice.BACKEND_ENV_VAR, "bogus")
+    with pytest.raises(ValueError, match=r"unknown all-reduce backend 'bogus' \(from the "
+                                         r"\$JAX_FUSEDAR_ALLREDUCE_BACKEND\)"):
+        jf.create_allreduce_fusion_workspace(mesh, "tp", **kw)
+    # An explicit backend wins over the variable.
+    assert jf.create_allreduce_fusion_workspace(mesh, "tp", backend="xla", **kw).backend == "xla"
+    monkeypatch.setenv(backend_choice.BACKEND_ENV_VAR, "xla")
+    assert jf.abstract_workspace(mesh, "tp", backend="auto", **kw).backend == "xla"
+    monkeypatch.setenv(backend_choice.BACKEND_ENV_VAR, "mnnvl")
+    with pytest.raises(ValueError, match="'mnnvl' all-reduce backend needs NVLink multicast"):
+        jf.create_allreduce_fusion_workspace(mesh, "tp", **kw)
+
+
+# --- 4. fallback -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fallback_logs_once_per_kind_and_stays_correct(dtype, caplog):
+    """A kernel workspace (traced here, where it runs the reference) logs a fallback once per
+    kind of reason, not per shape; an xla workspace, which never uses the kernel, never
+    logs one."""
+    caplog.set_level(logging.WARNING, logger="jax_fusedar")
+    mesh = mesh_of("dp2_tp4")
+    ws = jf.abstract_workspace(mesh, "tp", max_token_num=4, hidden_dim=256,
+                               dtype=jdtype(dtype), backend="trtllm")
+    # Traces of too-large calls of two shapes (patterns 1 and 0 each), strict off explicitly
+    # or by default.
+    for call, (strict, tokens) in enumerate([(False, 6), (None, 6), (False, 7)]):
+        run_and_check_groups(ws, tokens, 256, f"fallback call {call}", strict=strict)
+    warnings = [r for r in caplog.records if r.name == "jax_fusedar"
+                and r.levelno == logging.WARNING]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert re.search(r"falling back to psum \+ RMSNorm: 6x256 tokens exceed the workspace "
+                     r"\(max_token_num=4 x hidden 256; every row", warnings[0].getMessage())
+    assert "logged once per kind of reason" in warnings[0].getMessage()
+    caplog.clear()
+    run_and_check_groups(xla_workspace(mesh, dtype, max_token_num=4, hidden_dim=256), 6, 256,
+                         "xla backend")
+    assert not [r for r in caplog.records if r.name == "jax_fusedar"
+                and r.levelno == logging.WARNING]
+
+
+# --- 5. the workspace object -------------------------------------------------------------------
+
+def test_is_buffer_size_sufficient():
+    mesh = mesh_of("tp8")
+    ws = xla_workspace(mesh, "bfloat16", max_token_num=64, hidden_dim=256)
+    assert ws.is_buffer_size_sufficient(64, 256)
+    assert not ws.is_buffer_size_sufficient(65, 256)
+    # An element count: other shapes with no more elements fit.
+    assert ws.is_buffer_size_sufficient(128, 128) and ws.is_buffer_size_sufficient(16, 1024)
+    assert not ws.is_buffer_size_sufficient(129, 128)
+    assert not ws.is_buffer_size_sufficient(17, 1024)
+    # The workspace's own dtype only, as allreduce_fusion accepts (fp16 on a bf16 workspace
+    # is refused by the call, so it does not fit here either).
+    assert not ws.is_buffer_size_sufficient(64, 256, jnp.float16)
+    assert ws.is_buffer_size_sufficient(64, 256, "bfloat16")
+    assert not ws.is_buffer_size_sufficient(1, 256, jnp.float32)
+    ws32 = xla_workspace(mesh, "float32", max_token_num=64, hidden_dim=256)
+    assert ws32.is_buffer_size_sufficient(64, 256, np.float32)
+    assert not ws32.is_buffer_size_sufficient(1, 256, jnp.bfloat16)
+    assert not ws32.is_buffer_size_sufficient(1, 256, np.float16)
+    assert not ws32.is_buffer_size_sufficient(65, 256, np.float32)
+
+
+def test_context_manager_and_destroy():
+    mesh = mesh_of("tp8")
+    with xla_workspace(mesh) as ws:
+        assert not ws.destroyed
+        assert "backend='xla'" in repr(ws) and "destroyed" not in repr(ws)
+    assert ws.destroyed and repr(ws).endswith(", destroyed)")
+    ws.destroy()  # idempotent
+    assert ws.destroyed
+    with pytest.raises(RuntimeError, match="boom"):
+        with xla_workspace(mesh) as ws2:
+            raise RuntimeError("boom")
+    assert ws2.destroyed
+    abstract = trtllm_workspace()
+    assert "backend='trtllm'" in repr(abstract) and "world_size=8" in repr(abstract)
+
+
+def test_workspace_metadata_and_groups():
+    ws = xla_workspace(mesh_of("dp2_tp4"), "float16", max_token_num=32, hidden_dim=512)
+    assert (ws.world_size, ws.axis_name, ws.dtype, ws.max_token_num, ws.hidden_dim) == (
+        4, "tp", np.dtype(jnp.float16), 32, 512)
+    assert ws.groups == [TPGroup((0, 1, 2, 3), 0), TPGroup((4, 5, 6, 7), 1)]
+    assert "groups=2" in repr(ws)
+    assert xla_workspace(mesh_of("tp8")).serial > ws.serial  # serials are never reused
+    # Groups follow the tp axis and the mesh's device order, not the device ids.
+    shuffled = [5, 2, 7, 0, 3, 6, 1, 4]
+    ws = xla_workspace(make_mesh((2, 4), ("dp", "tp"), device_ids=shuffled))
+    assert [g.members for g in ws.groups] == [(5, 2, 7, 0), (3, 6, 1, 4)]
+    ws = xla_workspace(make_mesh((4, 2), ("tp", "dp"), device_ids=shuffled))
+    assert [g.members for g in ws.groups] == [(5, 7, 3, 1), (2, 0, 6, 4)]
+    assert [g.index for g in ws.groups] == [0, 1] and ws.world_size == 4
+
+
+# --- edge cases ----------------------------------------------------------------------------------
+
+def test_empty_call_returns_empty_outputs_on_a_kernel_workspace():
+    """0 tokens (the same on every rank) needs no exchange: no custom call, empty results."""
+    mesh = mesh_of("tp8")
+    ws = jf.abstract_workspace(mesh, "tp", max_token_num=64, hidden_dim=256, dtype=jnp.bfloat16)
+    text = cuda_text(ws, 0, 256) if native.available() else None
+    assert text is None or FFI_TARGET not in text
+    xs = np.zeros((0, 256), jdtype("bfloat16"))
+    res, norm = run_sharded(fused_body(xla_workspace(mesh)), mesh, (P("tp"), P(), P()),
+                            (P(), P()), xs, np.zeros((0, 256), jdtype("bfloat16")),
+                            random_gamma(new_rng(), 256, "bfloat16"))
+    assert res.shape == norm.shape == (0, 256)
+
+
+def test_abstract_workspace_unknown_axis():
+    with pytest.raises(ValueError, match="not an axis of the mesh"):
+        jf.abstract_workspace(mesh_of("tp8"), "nope", max_token_num=8, hidden_dim=256,
+                              dtype=jnp.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.float64, np.int8])
+def test_is_buffer_size_sufficient_refuses_unsupported_dtypes(dtype):
+    ws = xla_workspace(mesh_of("tp8"), "bfloat16", max_token_num=64, hidden_dim=256)
+    assert not ws.is_buffer_size_sufficient(1, 256, dtype)
+
+
+def test_reference_without_fp32_acc_is_invariant_over_the_axis():
+    """The rank-ordered sum (fp32_acc=False) called directly under check_vma=True: its
+    outputs are invariant over "tp", so out_specs=P() is accepted."""
+    from jax_fusedar import reference
+    mesh = mesh_of("tp8")
+    rng = new_rng()
+    xs = random_partials(rng, (8, 4, 256), "bfloat16")
+
+    def body(x):
+        return reference.allreduce_sum(x, "tp", fp32_acc=False)
+
+    out = run_sharded(body, mesh, (P("tp"),), P(), xs.reshape(32, 256))
+    want, _ = kernel_rounding(xs, np.zeros((4, 256), jdtype("bfloat16")), "bfloat16",
+                              fp32_acc=False)
+    np.testing.assert_array_equal(bits(out), bits(want))
+
+
+# --- quantized patterns: bad arguments -----------------------------------------------------------
+
+Q = jf.AllReduceFusionPattern
+
+
+@pytest.mark.parametrize("pattern,kwargs,match", [
+    (Q.kARResidualRMSNormFP8Quant, {}, "scale_factor is required"),
+    (Q.kARResidualRMSNormFP8Quant, {"scale_factor": 0.5}, "not a Python constant"),
+    (Q.kARResidualRMSNormFP8Quant, {"scale_factor": np.ones(1, np.float16)}, "dtype float32"),
+    (Q.kARResidualRMSNormFP8Quant, {"scale_factor": np.ones(2, np.float32)}, r"shape \(\) or \(1,\)"),
+    (Q.kARResidualRMSNormOutFP4Quant, {"scale_factor": np.ones(1, np.float32), "layout_code": 1},
+     "SWIZZLED_8x4"),
+    (Q.kARResidualRMSNormPerTokenGroupFP8PackedQuant, {}, "needs block_quant_group_size"),
+    (Q.kARResidualRMSNormPerTokenGroupFP8PackedQuant, {"block_quant_group_size": 96},
+     "divisible by group_size"),
+    (Q.kARResidualRMSNormDynamicFP8Quant, {"scale_factor": np.ones(1, np.float32)},
+     "scale_factor applies to static FP8 and NVFP4"),
+])
+def test_quantized_pattern_argument_errors(pattern, kwargs, match):
+    ws = xla_workspace(mesh_of("tp8"))
+    with pytest.raises(ValueError, match=match):
+        trace_fused(ws, 4, 256, pattern=pattern, **kwargs)
+
+
+@pytest.mark.parametrize("group", [48, 512])
+def test_group_size_outside_the_kernels_reduction_is_refused(group):
+    # 48 divides 768 but is no power of two; 512 is above 32 vectors of 8 bf16 elements.
+    ws = xla_workspace(mesh_of("tp8"), max_token_num=64, hidden_dim=1024)
+    with pytest.raises(ValueError, match="power of two from 8 to 256"):
+        trace_fused(ws, 4, 768 if group == 48 else 1024,
+                    pattern=Q.kARResidualRMSNormPerTokenGroupFP8PackedQuant,
+                    block_quant_group_size=group)
+
+
+def test_nvfp4_needs_16_bit_inputs():
+    ws = xla_workspace(mesh_of("tp8"), "float32")
+    with pytest.raises(ValueError, match="NVFP4 patterns need bfloat16 or float16"):
+        trace_fused(ws, 4, 256, pattern=Q.kARResidualRMSNormFP4Quant,
+                    scale_factor=np.ones(1, np.float32))
+
+
+@pytest.mark.parametrize("pattern,kwargs", [
+    (Q.kARResidualRMSNormOutFP8Quant, {"scale_factor": np.full(1, 0.02, np.float32)}),
+    (Q.kARResidualRMSNormOutDynamicFP8Quant, {}),
+    (Q.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant, {"block_quant_group_size": 64}),
+    (Q.kARResidualRMSNormOutFP4Quant, {"scale_factor": np.full(1, 40.0, np.float32),
+                                       "layout_code": jf.QuantizationSFLayout.LINEAR}),
+])
+def test_quantized_outputs_are_the_quantized_norm(pattern, kwargs):
+    """Through the public API on CPU: quant_out/scale_out equal the reference quantization of
+    the op's own norm_out, bit for bit, with the documented shapes and dtypes."""
+    from jax_fusedar import quant_reference
+    mesh = mesh_of("dp2_tp4")
+    ws = xla_workspace(mesh)
+    rng = new_rng()
+    tokens, hidden = 5, 256
+    xs = random_values(rng, (8 * tokens, hidden), "bfloat16")
+    res = random_values(rng, (2 * tokens, hidden), "bfloat16")
+    gam = random_gamma(rng, hidden, "bfloat16", leading=(2,)).reshape(2 * hidden)
+    sf = kwargs.pop("scale_factor", None)
+
+    def body(x, r, g, *s):
+        o = jf.allreduce_fusion(x, axis_name="tp", workspace=ws, pattern=pattern, residual=r,
+                                rms_gamma=g, scale_factor=s[0] if s else None, **kwargs)
+        return o.norm_out, o.quant_out, o.scale_out
+
+    args = (xs, res, gam) + ((sf,) if sf is not None else ())
+    in_specs = (P(("dp", "tp")), P("dp"), P("dp")) + ((P(),) if sf is not None else ())
+    norm, quant, scale = run_sharded(body, mesh, in_specs, (P("dp"),) * 3, *args)
+    for grp in range(2):
+        n = jnp.asarray(np.asarray(norm)[grp * tokens:(grp + 1) * tokens])
+        want_q, want_s = quant_reference.quantize_for_pattern(
+            n, pattern, scale_factor=None if sf is None else jnp.asarray(sf),
+            layout=kwargs.get("layout_code", 0), group_size=kwargs.get("block_quant_group_size"))
+        rows_q = np.asarray(quant).shape[0] // 2
+        np.testing.assert_array_equal(bits(np.asarray(quant)[grp * rows_q:(grp + 1) * rows_q]),
+                                      bits(want_q))
+        assert np.asarray(quant).dtype == np.asarray(want_q).dtype
+        if want_s is not None:
+            rows_s = np.asarray(scale).shape[0] // 2
+            np.testing.assert_array_equal(
+                bits(np.asarray(scale)[grp * rows_s:(grp + 1) * rows_s]), bits(want_s))

@@ -1,0 +1,418 @@
+"""Autodiff of allreduce_fusion on CPU (8 virtual devices): the fused op's gradients, JVPs and
+VJPs equal, bit for bit, those of the same math written unfused in plain JAX
+(jax_fusedar.reference: psum + residual add + RMSNorm), in a tensor-parallel MLP and under
+scan, checkpoint (with and without policies), cond, stop_gradient and check_vma both ways;
+quantized outputs have zero derivative; a few SGD steps give the same losses."""
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import functools  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.ad_checkpoint import checkpoint_name  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jax_fusedar as jf  # noqa: E402
+from tests.jax.cpu_helpers import assert_same_bits  # noqa: E402
+from tests.jax.cpu_helpers import (jdtype, make_mesh, new_rng, put, random_gamma,  # noqa: E402
+                                   random_values, require_host_devices)
+from jax_fusedar.common import native  # noqa: E402
+from jax_fusedar import reference  # noqa: E402
+from jax_fusedar.common.patterns import TRAITS  # noqa: E402
+
+require_host_devices()
+
+Q = jf.AllReduceFusionPattern
+EPS = 1e-5
+TOKENS, HIDDEN, FFN, LAYERS = 8, 256, 512, 2
+
+
+def fused_combine(ws, pattern=Q.kARResidualRMSNorm, **kw):
+    """(partial, residual, gamma) -> (residual_out, norm_out) through the fused op."""
+    def combine(p, r, g):
+        o = jf.allreduce_fusion(p, axis_name="tp", workspace=ws, pattern=pattern, residual=r,
+                                rms_gamma=g, rms_eps=EPS, **kw)
+        return o.residual_out, o.norm_out
+    return combine
+
+
+def unfused_combine(*, weight_bias=0.0, fp32_acc=True, **_):
+    """The same with psum + residual add + RMSNorm in plain JAX (the reference math; gamma
+    rounded to the stream's dtype as the fused op does with a float32 gamma)."""
+    def combine(p, r, g):
+        _, r_out, y = reference.allreduce_fusion_reference(
+            p, r, g.astype(p.dtype), axis_name="tp", pattern=1, rms_eps=EPS,
+            weight_bias=weight_bias, fp32_acc=fp32_acc)
+        return r_out, y
+    return combine
+
+
+def plain_jnp_combine():
+    """What a user writes without jax_fusedar, for float32: psum + add + RMSNorm in jnp."""
+    def combine(p, r, g):
+        r = jax.lax.psum(p, "tp") + r
+        y = r * jax.lax.rsqrt(jnp.mean(r * r, axis=-1, keepdims=True) + EPS) * g
+        return r, y
+    return combine
+
+
+# --- a Megatron-style MLP: column-parallel w1, row-parallel w2, the combine between layers ---
+
+def mlp_layer(combine, w1, w2, g, r, y):
+    h = jnp.tanh(y @ w1)            # [T, F/tp], varying over "tp"
+    return combine(h @ w2, r, g)    # partial sums of [T, H] -> (residual, normed)
+
+
+def model_body(combine, variant):
+    """shard_map body: LAYERS layers over the residual stream x; returns the last norm."""
+    layer = functools.partial(mlp_layer, combine)
+    if variant.startswith("checkpoint"):
+        policy = {"checkpoint": None,
+                  "checkpoint_dots": jax.checkpoint_policies.checkpoint_dots,
+                  "checkpoint_nothing": jax.checkpoint_policies.nothing_saveable,
+                  "checkpoint_names": jax.checkpoint_policies.save_only_these_names("normed"),
+                  }[variant]
+
+        plain = layer
+
+        def named(*a):
+            r, y = plain(*a)
+            return r, checkpoint_name(y, "normed")
+        layer = jax.checkpoint(named, policy=policy)
+
+    def body(w1, w2, gamma, x):
+        r, y = x, x
+        if variant == "scan":
+            def step(carry, ws):
+                return layer(*ws, *carry), None
+            (r, y), _ = jax.lax.scan(step, (r, y), (w1, w2, gamma))
+            return y
+        for i in range(LAYERS):
+            if variant == "cond":
+                # The fused layer on one branch, a local op on the other (predicate invariant).
+                r, y = jax.lax.cond(i % 2 == 0, lambda *a: layer(*a),
+                                    lambda w1, w2, g, r, y: (r, y * 2), w1[i], w2[i], gamma[i],
+                                    r, y)
+            else:
+                r, y = layer(w1[i], w2[i], gamma[i], r, y)
+            if variant == "stop_gradient" and i == 0:
+                r = jax.lax.stop_gradient(r)  # inputs still carry tangents into the op
+        return y
+    return body
+
+
+def mlp_params(rng, dtype, gamma_dtype=None):
+    w1 = (random_values(rng, (LAYERS, HIDDEN, FFN), "float32") / np.sqrt(HIDDEN)).astype(dtype)
+    w2 = (random_values(rng, (LAYERS, FFN, HIDDEN), "float32") / np.sqrt(FFN)).astype(dtype)
+    gamma = random_gamma(rng, HIDDEN, gamma_dtype or dtype, leading=(LAYERS,))
+    x = random_values(rng, (TOKENS, HIDDEN), dtype)
+    target = random_values(rng, (TOKENS, HIDDEN), "float32")
+    return (w1, w2, gamma, x), target
+
+
+SPECS = (P(None, None, "tp"), P(None, "tp", None), P(), P())
+
+
+def placed(mesh, params):
+    return tuple(put(mesh, s, a) for s, a in zip(SPECS, params))
+
+
+def model(mesh, combine, variant="plain", check_vma=True):
+    return jax.shard_map(model_body(combine, variant), mesh=mesh, in_specs=SPECS,
+                         out_specs=P(), check_vma=check_vma)
+
+
+def loss_fn(mesh, combine, variant="plain", check_vma=True):
+    f = model(mesh, combine, variant, check_vma)
+
+    def loss(params, target):
+        y = f(*params)
+        return jnp.mean((y.astype(jnp.float32) - target) ** 2)
+    return loss
+
+
+
+
+def xla_ws(mesh, dtype):
+    return jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=64,
+                                                hidden_dim=HIDDEN, dtype=jdtype(dtype))
+
+
+def some_change(tree):
+    """The test can fail: the gradients are not all zero."""
+    assert any(np.any(np.asarray(leaf) != 0) for leaf in jax.tree.leaves(tree))
+
+
+# --- gradients of the TP MLP -------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("mesh_shape", [(8,), (2, 4)], ids=["tp8", "dp2_tp4"])
+def test_mlp_gradients_equal_the_unfused_model(dtype, mesh_shape):
+    names = ("tp",) if len(mesh_shape) == 1 else ("dp", "tp")
+    mesh = make_mesh(mesh_shape, names)
+    ws = xla_ws(mesh, dtype)
+    params, target = mlp_params(new_rng(), dtype)
+    params = placed(mesh, params)
+    got = jax.jit(jax.value_and_grad(loss_fn(mesh, fused_combine(ws))))(params, target)
+    want = jax.jit(jax.value_and_grad(loss_fn(mesh, unfused_combine())))(params, target)
+    assert_same_bits(got, want, f"grad {dtype} {mesh_shape}")
+    some_change(got[1])
+
+
+def test_float32_gradients_equal_plain_jnp_psum_and_rmsnorm():
+    """In float32 the reference's roundings are identities: the fused op's gradients equal
+    those of the model written with jax.lax.psum and jnp alone, bit for bit."""
+    mesh = make_mesh((8,), ("tp",))
+    ws = xla_ws(mesh, "float32")
+    params, target = mlp_params(new_rng(), "float32")
+    params = placed(mesh, params)
+    got = jax.jit(jax.value_and_grad(loss_fn(mesh, fused_combine(ws))))(params, target)
+    want = jax.jit(jax.value_and_grad(loss_fn(mesh, plain_jnp_combine())))(params, target)
+    assert_same_bits(got, want, "float32 grad vs plain jnp")
+
+
+@pytest.mark.parametrize("variant", ["scan", "checkpoint", "checkpoint_dots",
+                                     "checkpoint_nothing", "checkpoint_names", "cond",
+                                     "stop_gradient"])
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_grad_under_transformations(variant, check_vma):
+    mesh = make_mesh((8,), ("tp",))
+    ws = xla_ws(mesh, "bfloat16")
+    params, target = mlp_params(new_rng(), "bfloat16")
+    params = placed(mesh, params)
+    got = jax.jit(jax.grad(loss_fn(mesh, fused_combine(ws), variant, check_vma)))(params, target)
+    want = jax.jit(jax.grad(loss_fn(mesh, unfused_combine(), variant, check_vma)))(params,
+                                                                                     target)
+    assert_same_bits(got, want, f"grad under {variant}, check_vma={check_vma}")
+    some_change(got)
+
+
+@pytest.mark.parametrize("variant", ["plain", "scan", "checkpoint_dots", "cond"])
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_jvp_and_vjp(variant, check_vma):
+    """Forward mode (not available through custom_vjp) and an explicit VJP with a random
+    cotangent."""
+    mesh = make_mesh((8,), ("tp",))
+    ws = xla_ws(mesh, "bfloat16")
+    rng = new_rng()
+    params, _ = mlp_params(rng, "bfloat16")
+    params = placed(mesh, params)
+    tangents, _ = mlp_params(rng, "bfloat16")
+    tangents = placed(mesh, tangents)
+    ct = random_values(rng, (TOKENS, HIDDEN), "bfloat16")
+    results = []
+    for combine in (fused_combine(ws), unfused_combine()):
+        f = model(mesh, combine, variant, check_vma)
+        jvp = jax.jit(lambda p, t, f=f: jax.jvp(lambda *a: f(*a), p, t))(params, tangents)
+        vjp = jax.jit(lambda p, c, f=f: jax.vjp(lambda *a: f(*a), *p)[1](c))(params, ct)
+        results.append((jvp, vjp))
+    assert_same_bits(results[0], results[1], f"jvp/vjp under {variant}, check_vma={check_vma}")
+    some_change(results[0][0][1])
+
+
+@pytest.mark.parametrize("kw", [{"weight_bias": 1.0}, {"fp32_acc": False}],
+                         ids=["weight_bias", "no_fp32_acc"])
+def test_gradients_with_weight_bias_and_without_fp32_acc(kw):
+    mesh = make_mesh((8,), ("tp",))
+    ws = xla_ws(mesh, "bfloat16")
+    params, target = mlp_params(new_rng(), "bfloat16")
+    params = placed(mesh, params)
+    got = jax.jit(jax.grad(loss_fn(mesh, fused_combine(ws, **kw))))(params, target)
+    want = jax.jit(jax.grad(loss_fn(mesh, unfused_combine(**kw))))(params, target)
+    assert_same_bits(got, want, f"grad with {kw}")
+
+
+def test_float32_gamma_with_bfloat16_stream():
+    """A float32 gamma (Flax's default param_dtype) is rounded to bfloat16 where the kernel
+    reads it: the forward equals the call with the rounded gamma, and gamma's gradient (in
+    float32) equals that of the unfused model that rounds it the same way."""
+    mesh = make_mesh((8,), ("tp",))
+    ws = xla_ws(mesh, "bfloat16")
+    rng = new_rng()
+    params, target = mlp_params(rng, "bfloat16", gamma_dtype="float32")
+    assert params[2].dtype == np.float32
+    rounded = (*params[:2], params[2].astype(jdtype("bfloat16")), params[3])
+    assert np.any(params[2] != rounded[2].astype(np.float32))  # the rounding is real
+    fwd32 = jax.jit(model(mesh, fused_combine(ws)))(*placed(mesh, params))
+    fwd16 = jax.jit(model(mesh, fused_combine(ws)))(*placed(mesh, rounded))
+    assert_same_bits(fwd32, fwd16, "float32 gamma vs gamma rounded to bfloat16")
+    params = placed(mesh, params)
+    got = jax.jit(jax.grad(loss_fn(mesh, fused_combine(ws))))(params, target)
+    want = jax.jit(jax.grad(loss_fn(mesh, unfused_combine())))(params, target)
+    assert got[2].dtype == np.float32
+    assert_same_bits(got, want, "grad with a float32 gamma")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_sgd_steps_give_equal_losses(dtype):
+    mesh = make_mesh((8,), ("tp",))
+    ws = xla_ws(mesh, dtype)
+    params0, target = mlp_params(new_rng(), dtype)
+    curves = []
+    for combine in (fused_combine(ws), unfused_combine()):
+        step_loss = jax.value_and_grad(loss_fn(mesh, combine))
+
+        @jax.jit
+        def step(params, target):
+            loss, grads = step_loss(params, target)
+            params = (*(p - (0.5 * g).astype(p.dtype) for p, g in zip(params[:3], grads[:3])),
+                      params[3])
+            return loss, params
+
+        params, losses = placed(mesh, params0), []
+        for _ in range(4):
+            loss, params = step(params, target)
+            losses.append(float(loss))
+        curves.append((losses, params))
+    assert curves[0][0] == curves[1][0], curves
+    assert curves[0][0][-1] < curves[0][0][0]  # it trains
+    assert_same_bits(curves[0][1], curves[1][1], "parameters after SGD")
+
+
+# --- per pattern -------------------------------------------------------------------------------
+
+def _one_call(ws, pattern, mesh, dtype, residual_spec=P(), **kw):
+    """jit(shard_map) of one call on x [8*T, H] (sharded), residual and gamma; returns the
+    function of (x, residual, gamma) giving the pattern's non-None outputs."""
+    def body(x, r, g):
+        o = jf.allreduce_fusion(x, axis_name="tp", workspace=ws, pattern=pattern,
+                                residual=None if pattern == Q.kAllReduce else r,
+                                rms_gamma=None if pattern == Q.kAllReduce else g, rms_eps=EPS,
+                                **kw)
+        return tuple(v for v in o if v is not None)
+    t = TRAITS[pattern]
+    n_out = 1 if t.has_allreduce_out else 2 + bool(t.quant) + t.writes_scale_out
+    return jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), residual_spec, P()),
+                         out_specs=(residual_spec,) * n_out)
+
+
+def test_allreduce_pattern_gradient_is_psums():
+    mesh = make_mesh((8,), ("tp",))
+    ws = xla_ws(mesh, "float32")
+    rng = new_rng()
+    x = put(mesh, P("tp"), random_values(rng, (8 * TOKENS, HIDDEN), "float32"))
+    w = random_values(rng, (TOKENS, HIDDEN), "float32")
+    f = _one_call(ws, Q.kAllReduce, mesh, "float32")
+    g_fused = jax.jit(jax.grad(lambda x: jnp.sum(f(x, None, None)[0] * w)))(x)
+
+    def unfused(x):
+        s = jax.shard_map(lambda x: jax.lax.psum(x, "tp"), mesh=mesh, in_specs=P("tp"),
+                          out_specs=P())(x)
+        return jnp.sum(s * w)
+    assert_same_bits(g_fused, jax.jit(jax.grad(unfused))(x), "pattern 0 grad vs psum")
+    # psum's transpose under check_vma=True: every rank's x gets the output's cotangent.
+    np.testing.assert_array_equal(np.asarray(g_fused), np.tile(w, (8, 1)))
+
+
+@pytest.mark.parametrize("pattern,kw", [
+    (Q.kARResidualRMSNormOutFP8Quant, {"scale_factor": np.full(1, 0.05, np.float32)}),
+    (Q.kARResidualRMSNormOutDynamicFP8Quant, {}),
+    (Q.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant, {"block_quant_group_size": 64}),
+    (Q.kARResidualRMSNormOutFP4Quant, {"scale_factor": np.full(1, 40.0, np.float32)}),
+])
+def test_quantized_patterns_differentiate_norm_out_and_not_the_codes(pattern, kw):
+    """residual_out and norm_out have the unfused gradient; quant_out and scale_out have
+    zero derivative (forward-mode tangents are zeros, reverse mode gives them no
+    contribution), like jnp.round."""
+    mesh = make_mesh((8,), ("tp",))
+    ws = xla_ws(mesh, "bfloat16")
+    rng = new_rng()
+    sf = kw.pop("scale_factor", None)
+    if sf is not None:
+        kw["scale_factor"] = sf
+    f = _one_call(ws, pattern, mesh, "bfloat16", **kw)
+    ref = _one_call(ws, Q.kARResidualRMSNorm, mesh, "bfloat16")
+    args = (put(mesh, P("tp"), random_values(rng, (8 * TOKENS, HIDDEN), "bfloat16")),
+            put(mesh, P(), random_values(rng, (TOKENS, HIDDEN), "bfloat16")),
+            put(mesh, P(), random_gamma(rng, HIDDEN, "bfloat16")))
+    w = random_values(rng, (TOKENS, HIDDEN), "float32")
+
+    def loss(outs):
+        return jnp.sum(outs[0].astype(jnp.float32) * w) + jnp.sum(
+            jnp.cos(outs[1].astype(jnp.float32)))
+
+    g = jax.jit(jax.grad(lambda *a: loss(f(*a)), argnums=(0, 1, 2)))(*args)
+    g_ref = jax.jit(jax.grad(lambda *a: loss(ref(*a)), argnums=(0, 1, 2)))(*args)
+    assert_same_bits(g, g_ref, f"pattern {int(pattern)} grad through residual/norm_out")
+
+    def through_codes(*a):
+        return sum(jnp.sum(o.astype(jnp.float32)) for o in f(*a)[2:])
+    g_codes = jax.jit(jax.grad(through_codes, argnums=(0, 1, 2)))(*args)
+    assert all(not np.any(np.asarray(v)) for v in g_codes)
+    tangents = tuple(jnp.ones_like(a) for a in args)
+    outs, touts = jax.jit(lambda a, t: jax.jvp(f, a, t))(args, tangents)
+    for o, t in zip(outs[2:], touts[2:]):
+        t = np.asarray(t)
+        assert t.shape == o.shape and not np.any(t.astype(np.float32) if t.dtype != jax.dtypes.float0
+                                                  else np.zeros(1)), (t.dtype, o.dtype)
+    assert np.any(np.asarray(touts[1]).astype(np.float32))
+
+
+def test_per_rank_residual_tangents_stay_per_rank():
+    """check_vma=True with a residual that varies over "tp" and no tangent for it: the
+    residual_out tangent (invariant sum) is marked varying like residual_out itself."""
+    mesh = make_mesh((8,), ("tp",))
+    ws = xla_ws(mesh, "float32")
+    rng = new_rng()
+    f = _one_call(ws, Q.kARResidualRMSNorm, mesh, "float32", residual_spec=P("tp"))
+    x = put(mesh, P("tp"), random_values(rng, (8 * TOKENS, HIDDEN), "float32"))
+    r = put(mesh, P("tp"), random_values(rng, (8 * TOKENS, HIDDEN), "float32"))
+    g = put(mesh, P(), random_gamma(rng, HIDDEN, "float32"))
+    dx = put(mesh, P("tp"), random_values(rng, (8 * TOKENS, HIDDEN), "float32"))
+    got = jax.jit(lambda x, dx: jax.jvp(lambda x: f(x, r, g), (x,), (dx,)))(x, dx)
+
+    def ref_body(x, r, g):
+        return unfused_combine()(x, r, g)
+    ref = jax.shard_map(ref_body, mesh=mesh, in_specs=(P("tp"), P("tp"), P()),
+                        out_specs=(P("tp"), P("tp")))
+    want = jax.jit(lambda x, dx: jax.jvp(lambda x: ref(x, r, g), (x,), (dx,)))(x, dx)
+    assert_same_bits(got, want, "per-rank residual jvp")
+    # and reverse mode, through both outputs
+    gr = jax.jit(jax.grad(lambda x, r: sum(jnp.sum(jnp.sin(o)) for o in f(x, r, g)),
+                          argnums=(0, 1)))(x, r)
+    gw = jax.jit(jax.grad(lambda x, r: sum(jnp.sum(jnp.sin(o)) for o in ref(x, r, g)),
+                          argnums=(0, 1)))(x, r)
+    assert_same_bits(gr, gw, "per-rank residual grad")
+
+
+def test_reference_round_to_derivative_is_the_rounding():
+    """round_to's derivative is the (linear) rounding of the tangent, even where the value
+    is a float16 subnormal (whose own rounding uses jnp.round, of derivative zero)."""
+    v = jnp.asarray([1e-6, 3.0001, -2e-5], jnp.float32)
+    t = jnp.asarray([0.5, 1.0001, 2.0], jnp.float32)
+    _, dt = jax.jvp(lambda a: reference.round_to(a, jnp.dtype(jnp.float16)), (v,), (t,))
+    np.testing.assert_array_equal(np.asarray(dt), np.asarray(t).astype(np.float16))
+    lin = jax.linear_transpose(lambda a: reference.round_tangent(a, jnp.dtype(jnp.float16)), t)
+    (ct,) = lin(jnp.ones(3, jnp.float16))
+    assert ct.dtype == np.float32 and np.all(np.asarray(ct) == 1)
+
+
+@pytest.mark.skipif(not native.available(),
+                    reason="the cuda lowering of a trtllm workspace needs the native "
+                    "extension's FFI targets (run ./dev setup)")
+@pytest.mark.parametrize("variant", ["plain", "checkpoint"])
+def test_cuda_gradient_keeps_the_kernel_and_adds_no_all_reduce(variant):
+    """Lowered for cuda: the forward runs the kernel (one custom call per layer, again per
+    layer where checkpoint recomputes the forward), the tangent rule adds no collective to
+    the forward (the fused program has exactly one all-reduce per layer fewer than the
+    unfused one: the forward's psums), and the backward's collectives are JAX's own."""
+    mesh = make_mesh((8,), ("tp",))
+    ws = jf.abstract_workspace(mesh, "tp", max_token_num=64, hidden_dim=HIDDEN,
+                               dtype=jnp.bfloat16, backend="trtllm")
+    params, target = mlp_params(new_rng(), "bfloat16")
+    params = placed(mesh, params)
+    counts = []
+    for combine in (fused_combine(ws), unfused_combine()):
+        text = jax.jit(jax.grad(loss_fn(mesh, combine, variant))).trace(params, target).lower(
+            lowering_platforms=("cuda",)).as_text()
+        counts.append((text.count("@jax_fusedar_allreduce_fusion_v1("),
+                       text.count("all_reduce")))
+    (fused_calls, fused_ar), (unfused_calls, unfused_ar) = counts
+    runs = 2 if variant == "checkpoint" else 1
+    assert fused_calls == runs * LAYERS and unfused_calls == 0, counts
+    assert fused_ar == unfused_ar - runs * LAYERS, counts

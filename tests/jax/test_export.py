@@ -1,0 +1,218 @@
+"""``jax.export`` of programs with the fused op, on 8 CPU devices: round trips (serialize,
+deserialize, call) against the directly jitted program; the stable workspace key the
+artifact carries (independent of creation order, distinct per name); multi-platform
+("cpu", "cuda") artifacts running the reference on CPU; the refusal to export the reference
+for cuda from an XLA-backend workspace of a GPU-less process; symbolic token counts."""
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import warnings  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jax_fusedar as jf  # noqa: E402
+from tests.jax.cpu_helpers import assert_same_bits, needs_native  # noqa: E402
+from tests.jax.cpu_helpers import (bits, make_mesh, new_rng, random_gamma,  # noqa: E402
+                                   random_partials, require_host_devices)
+from jax_fusedar import workspace as wsmod  # noqa: E402
+from jax_fusedar.primitive import FFI_TARGET  # noqa: E402
+
+require_host_devices()
+pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers "
+                    "(./dev installs it)")
+
+TOKENS, HIDDEN = 4, 256
+
+
+# Environment and once-per-kind logging reset per test (conftest.py).
+pytestmark = pytest.mark.usefixtures("hermetic")
+
+
+def mesh_2x4():
+    return make_mesh((2, 4), ("dp", "tp"))
+
+
+def layer(ws):
+    """dp x tp program: per-rank partials [TOKENS, HIDDEN], per-group residual and gamma."""
+    def body(x, residual, gamma):
+        out = jf.allreduce_fusion(x, axis_name="tp", workspace=ws, residual=residual,
+                                  rms_gamma=gamma)
+        return out.residual_out, out.norm_out
+    return jax.jit(jax.shard_map(body, mesh=ws.mesh, in_specs=(P(("dp", "tp")), P("dp"), P("dp")),
+                                 out_specs=(P("dp"), P("dp"))))
+
+
+def specs(mesh, tokens=TOKENS):
+    shapes = [((8 * tokens, HIDDEN), P(("dp", "tp"))), ((2 * tokens, HIDDEN), P("dp")),
+              ((2 * HIDDEN,), P("dp"))]
+    return [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, sp))
+            for s, sp in shapes]
+
+
+def values(rng, mesh, tokens=TOKENS):
+    host = [random_partials(rng, (8 * tokens, HIDDEN), "bfloat16"),
+            random_partials(rng, (2 * tokens, HIDDEN), "bfloat16"),
+            random_gamma(rng, 2 * HIDDEN, "bfloat16")]
+    return [jax.device_put(v, s.sharding) for v, s in zip(host, specs(mesh, tokens))]
+
+
+def round_trip(exported):
+    return jf.export.deserialize(exported.serialize())
+
+
+def test_round_trip_on_cpu_gives_the_jitted_bits():
+    mesh = mesh_2x4()
+    ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=TOKENS,
+                                              hidden_dim=HIDDEN, dtype=jnp.bfloat16)
+    exported = jf.export.export(layer(ws), platforms=("cpu",))(*specs(mesh))
+    args = values(new_rng(), mesh)
+    assert_same_bits(round_trip(exported).call(*args), layer(ws)(*args), "cpu round trip")
+
+
+def test_workspace_key_is_stable_across_creation_order_and_names():
+    mesh = mesh_2x4()
+    kw = dict(max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=jnp.bfloat16)
+    first = jf.abstract_workspace(mesh, "tp", **kw)
+    for _ in range(3):  # other workspaces created in between do not change the id
+        jf.abstract_workspace(mesh, "tp", max_token_num=8, hidden_dim=512, dtype=jnp.float16)
+    again = jf.abstract_workspace(mesh, "tp", **kw)
+    assert again.id == first.id and again.serial > first.serial
+    named = jf.abstract_workspace(mesh, "tp", name="decoder", **kw)
+    assert named.id != first.id and "name='decoder'" in repr(named)
+    # Each field of the key matters: members (device order), sizes, dtype, backend.
+    others = [jf.abstract_workspace(make_mesh((2, 4), ("dp", "tp"), [1, 0, 2, 3, 4, 5, 6, 7]),
+                                    "tp", **kw),
+              jf.abstract_workspace(mesh, "tp", **{**kw, "max_token_num": 2 * TOKENS}),
+              jf.abstract_workspace(mesh, "tp", **{**kw, "hidden_dim": 2 * HIDDEN}),
+              jf.abstract_workspace(mesh, "tp", **{**kw, "dtype": jnp.float16}),
+              jf.abstract_workspace(mesh, "tp", backend="xla", **kw)]
+    assert len({first.id, *(o.id for o in others)}) == 1 + len(others)
+    assert wsmod.workspace_key_id(first.key) == first.id and 0 < first.id < 2**63
+
+
+@pytest.mark.parametrize("name", [5, "", b"x"])
+def test_name_must_be_a_non_empty_str(name):
+    with pytest.raises(ValueError, match="name must be None or a non-empty str"):
+        jf.abstract_workspace(mesh_2x4(), "tp", max_token_num=TOKENS, hidden_dim=HIDDEN,
+                              dtype=jnp.bfloat16, name=name)
+
+
+def test_a_second_live_kernel_workspace_with_the_same_key_is_refused():
+    mesh = mesh_2x4()
+    kw = dict(max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=jnp.bfloat16)
+    live = jf.abstract_workspace(mesh, "tp", name="dup", **kw)
+    live._ranks.append(object())  # as if its native ranks were registered
+    wsmod._by_id[live.id] = live
+    twin = wsmod._describe(mesh, "tp", TOKENS, HIDDEN, jnp.bfloat16, "trtllm", "dup")
+    with pytest.raises(ValueError, match="pass a distinct name="):
+        wsmod._claim_id(twin, allocates=True)
+    wsmod._claim_id(wsmod._describe(mesh, "tp", TOKENS, HIDDEN, jnp.bfloat16, "trtllm",
+                                    "dup2"), allocates=True)
+    live._ranks.clear()
+    live._destroyed = True  # once destroyed, the key is free again
+    wsmod._claim_id(twin, allocates=True)
+    assert wsmod.lookup(twin.id) is twin
+
+
+def test_disabled_checks_exempt_exactly_the_fused_target():
+    assert jf.export.DISABLED_CHECKS == (
+        jax.export.DisabledSafetyCheck.custom_call(FFI_TARGET),)
+
+
+@needs_native
+def test_cuda_export_carries_the_stable_key_and_needs_the_helper():
+    mesh = mesh_2x4()
+    ws = jf.abstract_workspace(mesh, "tp", max_token_num=TOKENS, hidden_dim=HIDDEN,
+                               dtype=jnp.bfloat16, name="serve")
+    with pytest.raises(ValueError, match="custom call"):
+        jax.export.export(layer(ws), platforms=("cuda",))(*specs(mesh))
+    exported = jf.export.export(layer(ws), platforms=("cuda",))(*specs(mesh))
+    text = exported.mlir_module()
+    assert text.count(f"@{FFI_TARGET}") == 1 and "all_reduce" not in text
+    same = jf.abstract_workspace(mesh, "tp", max_token_num=TOKENS, hidden_dim=HIDDEN,
+                                 dtype=jnp.bfloat16, name="serve")
+    assert jf.export.workspace_ids(exported) == [same.id]
+    assert jf.export.workspace_ids(round_trip(exported)) == [same.id]
+
+
+@needs_native
+def test_multi_platform_artifact_runs_the_reference_on_cpu():
+    mesh = mesh_2x4()
+    ws = jf.abstract_workspace(mesh, "tp", max_token_num=TOKENS, hidden_dim=HIDDEN,
+                               dtype=jnp.bfloat16)
+    exported = jf.export.export(layer(ws), platforms=("cpu", "cuda"))(*specs(mesh))
+    assert f"@{FFI_TARGET}" in exported.mlir_module()  # the cuda branch has the kernel
+    xla_ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=TOKENS,
+                                                  hidden_dim=HIDDEN, dtype=jnp.bfloat16)
+    args = values(new_rng(), mesh)
+    assert_same_bits(round_trip(exported).call(*args), layer(xla_ws)(*args),
+                     "(cpu, cuda) artifact on cpu")
+
+
+def test_exporting_an_xla_workspace_for_cuda_is_refused_and_plain_lowering_warns():
+    mesh = mesh_2x4()
+    ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=TOKENS,
+                                              hidden_dim=HIDDEN, dtype=jnp.bfloat16)
+    assert ws.backend == "xla"
+    with pytest.raises(ValueError, match="not the fused kernel.*abstract_workspace"):
+        jf.export.export(layer(ws), platforms=("cuda",))(*specs(mesh))
+    with pytest.warns(UserWarning, match="XLA-backend workspace of a process without GPUs"):
+        layer(ws).trace(*specs(mesh)).lower(lowering_platforms=("cuda",))
+    with jf.export.allow_reference_for_cuda():
+        exported = jf.export.export(layer(ws), platforms=("cuda",))(*specs(mesh))
+    assert FFI_TARGET not in exported.mlir_module()
+    # The CPU lowering of the same workspace is silent (the reference is what CPU runs).
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jf.export.export(layer(ws), platforms=("cpu",))(*specs(mesh))
+
+
+def symbolic_specs(mesh):
+    t, = jax.export.symbolic_shape("t")
+    shapes = [((8 * t, HIDDEN), P(("dp", "tp"))), ((2 * t, HIDDEN), P("dp")),
+              ((2 * HIDDEN,), P("dp"))]
+    return [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, sp))
+            for s, sp in shapes]
+
+
+@pytest.mark.parametrize("backend", ["xla", "trtllm"])
+def test_symbolic_token_counts_are_refused(backend):
+    mesh = mesh_2x4()
+    ws = jf.abstract_workspace(mesh, "tp", max_token_num=TOKENS, hidden_dim=HIDDEN,
+                               dtype=jnp.bfloat16, backend=backend)
+    with pytest.raises(ValueError, match="symbolic shape.*one artifact per token count"):
+        jf.export.export(layer(ws), platforms=("cpu",))(*symbolic_specs(mesh))
+
+
+def test_row_parallel_exports_on_explicit_axes_and_auto_axes_get_an_explanation():
+    rng = new_rng()
+    for axis_type in (AxisType.Explicit, AxisType.Auto):
+        mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(axis_type,) * 2)
+        ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=16,
+                                                  hidden_dim=HIDDEN, dtype=jnp.bfloat16)
+        shapes = [((16, 512), P("dp", "tp")), ((512, HIDDEN), P("tp", None)),
+                  ((16, HIDDEN), P("dp")), ((HIDDEN,), P())]
+        args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, sp))
+                for s, sp in shapes]
+
+        def f(h, w, r, g):
+            out = jf.row_parallel_allreduce_fusion(h, w, residual=r, rms_gamma=g, workspace=ws)
+            return out.residual_out, out.norm_out
+
+        with jax.set_mesh(mesh):
+            if axis_type == AxisType.Auto:
+                with pytest.raises(ValueError, match="Explicit axes"):
+                    jf.export.export(f, platforms=("cpu",))(*args)
+                continue
+            exported = round_trip(jf.export.export(f, platforms=("cpu",))(*args))
+            vals = [jax.device_put((rng.standard_normal(a.shape) / 8).astype(a.dtype), a.sharding)
+                    for a in args]
+            for g, w in zip(exported.call(*vals), jax.jit(f)(*vals)):
+                np.testing.assert_array_equal(bits(g), bits(w))

@@ -1,0 +1,558 @@
+"""jax_fusedar.fuse on 8 virtual CPU devices: every form and wrapper of docs/fusion_pass.md.
+
+A fused program must equal, bit for bit, the same program written by hand with
+``jax_fusedar.allreduce_fusion`` (the pass only swaps the equations of a site for the fused
+op); against the original it must agree within the fused op's documented rounding (the
+oracle bounds of tests/jax/cpu_helpers.py). Forms whose rounding differs stay unfused with their
+reason, unless allow_rounding_change is set.
+"""
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import logging  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+from tests.jax import cpu_helpers  # noqa: E402
+import jax_fusedar as jf  # noqa: E402
+
+cpu_helpers.require_host_devices()
+
+MESH = jax.make_mesh((8,), ("tp",))
+EPS = 1e-6
+T, H = 6, 64
+
+
+# --- the norms as users write them (docs/fusion_pass.md, forms a-l) --------------------------------
+
+def norm_plain(r, g, eps=EPS):                     # (a): float32 inside, gamma in float32
+    f = r.astype(jnp.float32)
+    n = f * jax.lax.rsqrt(jnp.mean(f * f, axis=-1, keepdims=True) + eps)
+    return (n * g.astype(jnp.float32)).astype(r.dtype)
+
+
+def norm_pow(r, g, eps=EPS):                       # x ** 2 (integer_pow), 1/sqrt
+    f = r.astype(jnp.float32)
+    n = f * jax.lax.rsqrt(jnp.mean(f ** 2, axis=-1, keepdims=True) + eps)
+    return (g.astype(jnp.float32) * n).astype(r.dtype)
+
+
+def norm_maxtext(r, g, eps=EPS):                   # (a'): cast to T, then gamma in T
+    f = r.astype(jnp.float32)
+    n = f * jax.lax.rsqrt(jnp.mean(jnp.square(f), axis=-1, keepdims=True) + eps)
+    return n.astype(r.dtype) * g.astype(r.dtype)
+
+
+def norm_linen(r, g, eps=EPS):                     # (b): flax.linen.RMSNorm's sequence
+    f = r.astype(jnp.float32)
+    ms = jnp.mean(jax.lax.square(f), axis=-1)
+    mean = jnp.zeros_like(ms)
+    y = r.astype(jnp.float32) - mean[..., None]
+    inv = jax.lax.rsqrt(ms[..., None] + eps)
+    return (y * (inv * g.reshape(1, -1).astype(jnp.float32))).astype(r.dtype)
+
+
+def norm_nnx(r, g, eps=EPS):                       # (c): f32 param cast to T, then to f32
+    gb = g.astype(r.dtype)
+    f = r.astype(jnp.float32)
+    ms = jnp.mean(jax.lax.square(f), axis=-1)
+    inv = jax.lax.rsqrt(ms.reshape(ms.shape + (1,)) + eps)
+    scale = gb.reshape(1, -1).astype(jnp.float32)
+    return (r.astype(jnp.float32) * (inv * scale)).astype(r.dtype)
+
+
+# --- helpers -------------------------------------------------------------------------------------
+
+def inputs(dtype="bfloat16", gamma_dtype=None, shape=(T, H), seed=0):
+    rng = np.random.default_rng(seed)
+    x = jax.device_put(jnp.asarray(rng.standard_normal((8,) + shape), dtype),
+                       NamedSharding(MESH, P("tp")))
+    res = jnp.asarray(rng.standard_normal(shape), dtype)
+    g = jnp.asarray(1 + 0.1 * rng.standard_normal(shape[-1:]), gamma_dtype or dtype)
+    return x, res, g
+
+
+def smap(body, n_out=2):
+    return jax.jit(jax.shard_map(body, mesh=MESH, in_specs=(P("tp"), P(), P()),
+                                 out_specs=(P(),) * n_out))
+
+
+def site_body(norm):
+    def body(x, res, g):
+        r = jax.lax.psum(x[0], "tp") + res
+        return r, norm(r, g)
+    return body
+
+
+def hand_body(ws, eps=EPS):
+    """The same site written with the fused op directly (what fuse must produce)."""
+    def body(x, res, g):
+        h = res.shape[-1]
+        out = jf.allreduce_fusion(x[0].reshape(-1, h), axis_name="tp", workspace=ws,
+                                  residual=res.reshape(-1, h), rms_gamma=g.astype(res.dtype),
+                                  rms_eps=float(np.float32(eps)))
+        return out.residual_out.reshape(res.shape), out.norm_out.reshape(res.shape)
+    return body
+
+
+@pytest.fixture(scope="module")
+def ws():
+    with jf.create_allreduce_fusion_workspace(MESH, "tp", max_token_num=64, hidden_dim=H,
+                                              dtype=jnp.bfloat16, backend="xla") as w:
+        yield w
+
+
+def assert_same(a, b):
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(u, np.float32), np.asarray(v, np.float32))
+
+
+def assert_close_to_unfused(unfused, fused, dtype="bfloat16"):
+    """Within the fused op's rounding of the unfused twin: the all-reduce's sum order and
+    rounding differ (psum in T vs the fp32 sum rounded once), an ulp of the residual sum,
+    carried through the norm (tests/jax/cpu_helpers.py's bounds, in the output's eps)."""
+    eps = float(jnp.finfo(dtype).eps)
+    for u, v in zip(jax.tree.leaves(unfused), jax.tree.leaves(fused)):
+        u, v = np.asarray(u, np.float64), np.asarray(v, np.float64)
+        scale = np.max(np.abs(u))
+        assert np.max(np.abs(u - v)) <= 4 * eps * scale, np.max(np.abs(u - v)) / scale
+
+
+# --- forms that fuse -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("norm", [norm_plain, norm_pow, norm_linen, norm_nnx])
+def test_exact_forms_are_fused_and_equal_the_hand_written_op(norm, ws):
+    gamma_dtype = "float32" if norm is norm_nnx else None  # nnx rounds its f32 param to T
+    x, res, g = inputs(gamma_dtype=gamma_dtype)
+    f = smap(site_body(norm))
+    fused = jf.fuse(f, workspace=ws)
+    out = fused(x, res, g)
+    assert fused.report.line() == ("jax_fusedar.fuse: fused 1 of 1 all-reduce + residual + "
+                                   "RMSNorm site(s)")
+    site = fused.report.sites[0]
+    assert (site.pattern, site.tokens, site.hidden, site.dtype) == (1, T, H, "bfloat16")
+    assert site.rms_eps == pytest.approx(EPS) and site.rounding_change is None
+    assert_same(out, smap(hand_body(ws))(x, res, g))
+    assert_close_to_unfused(f(x, res, g), out)
+    assert "jax_fusedar_allreduce_fusion" in str(jax.make_jaxpr(fused)(x, res, g))
+    assert "psum" not in str(jax.make_jaxpr(fused)(x, res, g))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_other_dtypes(dtype):
+    x, res, g = inputs(dtype)
+    f = smap(site_body(norm_plain))
+    with jf.fuse(f, mesh=MESH, axis_name="tp", backend="xla") as fused:
+        out = fused(x, res, g)
+        assert len(fused.report.fused) == 1
+        ws = fused.workspaces[0]
+        assert (ws.dtype.name, ws.max_token_num, ws.hidden_dim) == (dtype, T, H)
+        assert_same(out, smap(hand_body(ws))(x, res, g))
+    assert ws.destroyed  # the transform's own workspaces go with it
+
+
+def test_3d_activations_and_check_vma_off(ws):
+    x, res, g = inputs(shape=(2, 3, H))
+
+    def body(x, res, g):
+        r = jax.lax.psum(x[0], "tp") + res
+        return r, norm_plain(r, g)
+    f = jax.jit(jax.shard_map(body, mesh=MESH, in_specs=(P("tp"), P(), P()),
+                              out_specs=(P(), P()), check_vma=False))
+    fused = jf.fuse(f, workspace=ws)
+    out = fused(x, res, g)
+    assert "psum[" in str(jax.make_jaxpr(f)(x, res, g))  # plain psum without check_vma
+    assert fused.report.sites[0].tokens == 6 and fused.report.sites[0].fused
+    assert_same(out, smap(hand_body(ws))(x, res, g))
+
+
+def _wrapped_models():
+    """(name, per-rank body) with the site inside each wrapper the pass must see through."""
+    def layer(x, r, g):
+        r = jax.lax.psum(x, "tp") + r
+        return r, norm_plain(r, g)
+
+    def in_scan(x, res, g):
+        def step(carry, gi):
+            r, h = layer(x[0] + carry[1], carry[0], gi)
+            return (r, h), None
+        (r, h), _ = jax.lax.scan(step, (res, jnp.zeros_like(res)), jnp.stack([g, g * 1.5]))
+        return r, h
+
+    def in_fori(x, res, g):
+        def step(i, carry):
+            return layer(x[0] + carry[1], carry[0], g)
+        return jax.lax.fori_loop(0, 3, step, (res, jnp.zeros_like(res)))
+
+    def in_while(x, res, g):
+        def body(c):
+            i, r, h = c
+            r, h = layer(x[0] + h, r, g)
+            return i + 1, r, h
+        _, r, h = jax.lax.while_loop(lambda c: c[0] < 2, body, (0, res, jnp.zeros_like(res)))
+        return r, h
+
+    def in_cond(x, res, g):
+        return jax.lax.cond(x[0, 0, 0] > 0, lambda: layer(x[0], res, g),
+                            lambda: layer(-x[0], res, g))
+
+    def in_jit(x, res, g):
+        return jax.jit(layer)(x[0], res, g)
+
+    def norm_in_jit(x, res, g):                    # (d): only the norm is jitted
+        r = jax.lax.psum(x[0], "tp") + res
+        return r, jax.jit(norm_plain)(r, g)
+
+    def norm_in_remat(x, res, g):                  # (e)
+        r = jax.lax.psum(x[0], "tp") + res
+        return r, jax.checkpoint(norm_plain)(r, g)
+
+    def in_remat(x, res, g):
+        return jax.checkpoint(layer)(x[0], res, g)
+
+    @jax.custom_jvp
+    def cnorm(r, g):
+        return norm_plain(r, g)
+    cnorm.defjvp(lambda p, t: (cnorm(*p), t[0]))
+
+    def norm_custom_jvp(x, res, g):
+        r = jax.lax.psum(x[0], "tp") + res
+        return r, cnorm(r, g)
+
+    @jax.custom_vjp
+    def vlayer(x, r, g):
+        return layer(x, r, g)
+    vlayer.defvjp(lambda x, r, g: (layer(x, r, g), None), lambda _, ct: (ct[0], ct[0], None))
+
+    def in_custom_vjp(x, res, g):
+        return vlayer(x[0], res, g)
+
+    def scan_remat(x, res, g):                     # (h): nn.scan(nn.remat(block))
+        def step(carry, gi):
+            r, h = jax.checkpoint(layer)(x[0] + carry[1], carry[0], gi)
+            return (r, h), None
+        (r, h), _ = jax.lax.scan(step, (res, jnp.zeros_like(res)), jnp.stack([g, g]))
+        return r, h
+
+    return {"scan": (in_scan, 1, 2), "fori_loop": (in_fori, 1, 3), "while": (in_while, 1, None),
+            "cond": (in_cond, 2, 2), "jit": (in_jit, 1, 1), "norm_in_jit": (norm_in_jit, 1, 1),
+            "norm_in_remat": (norm_in_remat, 1, 1), "remat": (in_remat, 1, 1),
+            "custom_jvp": (norm_custom_jvp, 1, 1), "custom_vjp": (in_custom_vjp, 1, 1),
+            "scan_remat": (scan_remat, 1, 2)}
+
+
+MODELS = _wrapped_models()
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_sites_inside_wrappers_are_fused(name, ws):
+    body, n_sites, runs = MODELS[name]
+    x, res, g = inputs()
+    f = smap(body)
+    fused = jf.fuse(f, workspace=ws)
+    out = fused(x, res, g)
+    rep = fused.report
+    assert len(rep.sites) == n_sites and len(rep.fused) == n_sites, rep.line()
+    assert rep.fused_runs() == runs  # scan/fori lengths counted; cond: each branch counts
+    text = str(jax.make_jaxpr(fused)(x, res, g))
+    assert text.count("jax_fusedar_allreduce_fusion") == n_sites
+    assert "psum" not in text
+    assert_close_to_unfused(f(x, res, g), out)
+
+
+def test_fuse_of_jit_and_jit_of_fuse_agree(ws):
+    x, res, g = inputs()
+    body = site_body(norm_plain)
+    sm = jax.shard_map(body, mesh=MESH, in_specs=(P("tp"), P(), P()), out_specs=(P(), P()))
+    a = jf.fuse(jax.jit(sm), workspace=ws)(x, res, g)
+    b = jax.jit(jf.fuse(sm, workspace=ws))(x, res, g)
+    c = jf.fuse(sm, workspace=ws)(x, res, g)             # eager shard_map inside
+    assert_same(a, b)
+    assert_same(a, c)
+    assert_same(a, smap(hand_body(ws))(x, res, g))
+
+
+def test_kwargs_and_pytrees_pass_through(ws):
+    x, res, g = inputs()
+
+    def fn(x, *, state):
+        def body(x, res, g):
+            r = jax.lax.psum(x[0], "tp") + res
+            return {"r": r, "h": norm_plain(r, g)}
+        return jax.shard_map(body, mesh=MESH, in_specs=(P("tp"), P(), P()),
+                             out_specs={"r": P(), "h": P()})(x, state["res"], state["g"])
+    out = jf.fuse(fn, workspace=ws)(x, state={"res": res, "g": g})
+    assert set(out) == {"r", "h"}
+    assert_same((out["r"], out["h"]), smap(hand_body(ws))(x, res, g))
+
+
+def test_gemma_one_plus_gamma_and_no_gamma(ws):
+    x, res, g = inputs()
+
+    def gemma(r, g):
+        f = r.astype(jnp.float32)
+        n = f * jax.lax.rsqrt(jnp.mean(f * f, axis=-1, keepdims=True) + EPS)
+        return (n * (1.0 + g.astype(jnp.float32))).astype(r.dtype)
+
+    def plain(r, g):
+        f = r.astype(jnp.float32)
+        return (f * jax.lax.rsqrt(jnp.mean(f * f, axis=-1, keepdims=True) + EPS)).astype(r.dtype)
+
+    for norm, bias, gamma in ((gemma, 1.0, g), (plain, 0.0, jnp.ones_like(g))):
+        fused = jf.fuse(smap(site_body(norm)), workspace=ws)
+        out = fused(x, res, g)
+        site = fused.report.sites[0]
+        assert site.fused and site.weight_bias == bias, site
+
+        def hand(x, res, g, bias=bias, gamma=gamma):
+            o = jf.allreduce_fusion(x[0], axis_name="tp", workspace=ws, residual=res,
+                                    rms_gamma=gamma if bias == 0 else g, rms_eps=EPS,
+                                    weight_bias=bias)
+            return o.residual_out, o.norm_out
+        assert_same(out, smap(hand)(x, res, g))
+
+
+# --- FP8 tails -------------------------------------------------------------------------------------
+
+def test_static_fp8_tail_becomes_pattern_4_or_2(ws):
+    x, res, g = inputs()
+    scale = jnp.float32(0.05)
+
+    def body(x, res, g, s, keep_norm):
+        r = jax.lax.psum(x[0], "tp") + res
+        y = norm_plain(r, g)
+        q = jnp.clip(y.astype(jnp.float32) / s, -448, 448).astype(jnp.float8_e4m3fn)
+        return (r, q, y) if keep_norm else (r, q)
+
+    for keep, pattern in ((True, 4), (False, 2)):
+        f = jax.jit(jax.shard_map(lambda a, b, c, d: body(a, b, c, d, keep), mesh=MESH,
+                                  in_specs=(P("tp"), P(), P(), P()),
+                                  out_specs=(P(),) * (3 if keep else 2)))
+        fused = jf.fuse(f, workspace=ws)
+        out = fused(x, res, g, scale)
+        assert fused.report.sites[0].pattern == pattern, fused.report
+        ref = f(x, res, g, scale)
+        # FP8 codes: within one e4m3 step of the unfused program's (rounding of the norm
+        # and the kernel's reciprocal multiply, quant_reference's documented modes).
+        qa = np.asarray(out[1], np.float32)
+        qb = np.asarray(ref[1], np.float32)
+        assert np.max(np.abs(qa - qb)) <= np.max(np.abs(qb)) / 8
+
+
+def test_dynamic_fp8_tail_becomes_pattern_11(ws):
+    x, res, g = inputs()
+
+    def body(x, res, g):
+        r = jax.lax.psum(x[0], "tp") + res
+        y = norm_plain(r, g)
+        y32 = y.astype(jnp.float32)
+        s = jnp.maximum(jnp.max(jnp.abs(y32), axis=-1, keepdims=True) / 448, 1 / (512 * 448))
+        q = jnp.clip(y32 / s, -448, 448).astype(jnp.float8_e4m3fn)
+        return r, y, q, s
+    f = jax.jit(jax.shard_map(body, mesh=MESH, in_specs=(P("tp"), P(), P()),
+                              out_specs=(P(),) * 4))
+    fused = jf.fuse(f, workspace=ws)
+    out = fused(x, res, g)
+    assert fused.report.sites[0].pattern == 11, fused.report
+    ref = f(x, res, g)
+    np.testing.assert_allclose(np.asarray(out[3]), np.asarray(ref[3]), rtol=2e-2)
+    qa, qb = np.asarray(out[2], np.float32), np.asarray(ref[2], np.float32)
+    assert np.max(np.abs(qa - qb)) <= 448 / 8
+
+
+# --- forms left alone, with reasons ----------------------------------------------------------------
+
+def _reason(body, ws, *, gamma_dtype=None, allow=False, shape=(T, H)):
+    x, res, g = inputs(gamma_dtype=gamma_dtype, shape=shape)
+    f = smap(body)
+    fused = jf.fuse(f, workspace=ws, allow_rounding_change=allow)
+    out = fused(x, res, g)
+    return fused.report, f(x, res, g), out
+
+
+@pytest.mark.parametrize("body, gamma_dtype, reason", [
+    (site_body(norm_maxtext), None, "gamma multiplied in bfloat16 after the norm is rounded"),
+    (site_body(norm_plain), "float32", "float32 gamma (the kernel reads gamma in bfloat16)"),
+    (site_body(lambda r, g: norm_plain(r, g, eps=g[0].astype(jnp.float32) * 0 + 1e-6)), None,
+     "eps traced (not a constant)"),
+    (site_body(lambda r, g: (r.astype(jnp.float32) * jax.lax.rsqrt(jnp.mean(
+        r.astype(jnp.float32) ** 2, axis=0, keepdims=True) + EPS)).astype(r.dtype)), None,
+     "norm over axis 0, not the last"),
+    (site_body(lambda r, g: (r * jax.lax.rsqrt(jnp.mean(r * r, axis=-1, keepdims=True) + EPS))
+               * g), None, "RMSNorm computed in bfloat16, not float32"),
+    (site_body(lambda r, g: r.astype(jnp.float32) * jax.lax.rsqrt(jnp.mean(
+        r.astype(jnp.float32) ** 2, axis=-1, keepdims=True) + EPS)), None,
+     "the norm output is not cast back to bfloat16"),
+    (lambda x, res, g: (jax.lax.psum(x[0], "tp"), norm_plain(res, g)), None,
+     "the all-reduce is not followed by a residual add only"),
+    (lambda x, res, g: ((jax.lax.psum(x[0].astype(jnp.float32), "tp") + res.astype(jnp.float32))
+                        .astype(res.dtype), norm_plain(res, g)), None,
+     "all-reduce in float32 of bfloat16 values"),
+    (lambda x, res, g: (jax.lax.psum(x[0], "tp") + res, res), None,
+     "no RMSNorm of the residual sum in the same scope"),
+])
+def test_non_exact_forms_stay_unfused_with_the_reason(body, gamma_dtype, reason, ws):
+    rep, unfused, out = _reason(body, ws, gamma_dtype=gamma_dtype)
+    assert len(rep.sites) == 1 and not rep.fused
+    assert rep.sites[0].reason.startswith(reason), rep.sites[0].reason
+    assert reason in rep.line()
+    assert_same(unfused, out)  # left alone: the very same program
+
+
+@pytest.mark.parametrize("norm, gamma_dtype, change", [
+    (norm_maxtext, None, "gamma multiplied in float32 before one rounding to bfloat16"),
+    (norm_plain, "float32", "gamma rounded to bfloat16"),
+])
+def test_allow_rounding_change_fuses_and_reports_it(norm, gamma_dtype, change, ws):
+    rep, unfused, out = _reason(site_body(norm), ws, gamma_dtype=gamma_dtype, allow=True)
+    assert len(rep.fused) == 1 and rep.sites[0].rounding_change == change
+    x, res, g = inputs(gamma_dtype=gamma_dtype)
+    assert_same(out, smap(hand_body(ws))(x, res, g))
+    assert_close_to_unfused(unfused, out)
+
+
+def test_all_reduce_over_another_axis_is_reported():
+    mesh2 = jax.make_mesh((2, 4), ("dp", "tp"))
+    x = jax.device_put(jnp.ones((8, T, H), jnp.bfloat16), NamedSharding(mesh2, P(("dp", "tp"))))
+    res = jax.device_put(jnp.ones((2 * T, H), jnp.bfloat16), NamedSharding(mesh2, P("dp")))
+    g = jnp.ones((H,), jnp.bfloat16)
+
+    def body(x, res, g):
+        r = jax.lax.psum(x[0], "dp") + res   # over dp: not the fused axis
+        return r, norm_plain(r, g)
+    f = jax.jit(jax.shard_map(body, mesh=mesh2, in_specs=(P(("dp", "tp")), P("dp"), P()),
+                              out_specs=(P("dp"), P("dp")), check_vma=False))
+    fused = jf.fuse(f, mesh=mesh2, axis_name="tp", backend="xla")
+    fused(x, res, g)
+    assert fused.report.sites[0].reason == "all-reduce over ('dp',), not the fused axis 'tp'"
+
+
+def test_sites_above_the_workspace_stay_unfused(ws):
+    x, res, g = inputs(shape=(2 * 64, H))        # 128 tokens > the workspace's 64
+    f = smap(site_body(norm_plain))
+    fused = jf.fuse(f, workspace=ws)
+    fused(x, res, g)
+    assert fused.report.sites[0].reason == "tokens 128 x hidden 64 > workspace max 64 x 64"
+    capped = jf.fuse(f, mesh=MESH, axis_name="tp", backend="xla", max_tokens=100)
+    capped(x, res, g)
+    assert capped.report.sites[0].reason == "tokens 128 > max_tokens 100"
+    assert not capped.workspaces
+
+
+def test_created_workspaces_are_reused_and_grown():
+    f = smap(site_body(norm_plain))
+    with jf.fuse(f, mesh=MESH, backend="xla") as fused:   # 1-D mesh: the axis is implied
+        fused(*inputs(shape=(4, H)))
+        fused(*inputs(shape=(2, H)))
+        assert [w.max_token_num for w in fused.workspaces] == [4]
+        fused(*inputs(shape=(16, H)))
+        assert [w.max_token_num for w in fused.workspaces] == [4, 16]
+        assert fused.report.sites[0].fused
+
+
+def test_report_is_logged_as_one_line(ws, caplog):
+    x, res, g = inputs()
+    with caplog.at_level(logging.INFO, logger="jax_fusedar"):
+        jf.fuse(smap(site_body(norm_maxtext)), workspace=ws)(x, res, g)
+    lines = [r.getMessage() for r in caplog.records if "jax_fusedar.fuse:" in r.getMessage()]
+    assert lines == ["jax_fusedar.fuse: fused 0 of 1 all-reduce + residual + RMSNorm site(s); "
+                     "not fused: 1 x gamma multiplied in bfloat16 after the norm is rounded"]
+
+
+def test_report_as_data(ws):
+    x, res, g = inputs()
+    fused = jf.fuse(smap(site_body(norm_plain)), workspace=ws)
+    rep = fused.analyze(x, res, g)
+    d = rep.as_dict()
+    assert d["fused"] == 1 and d["sites"][0]["pattern"] == 1 and d["sites"][0]["runs"] == 1
+    assert d["sites"][0]["where"].startswith("jit(")
+
+
+# --- grad ------------------------------------------------------------------------------------------
+
+def _jvp_missing() -> str:
+    """The reason the fused primitive cannot be differentiated yet, or '' when it can."""
+    x, res, g = inputs()
+    with jf.create_allreduce_fusion_workspace(MESH, "tp", max_token_num=T, hidden_dim=H,
+                                              dtype=jnp.bfloat16, backend="xla") as w:
+        try:
+            jax.jvp(smap(hand_body(w)), (x, res, g), (x, res, g))
+        except NotImplementedError as e:
+            return str(e)
+    return ""
+
+
+def test_grad_of_fused_equals_grad_of_original(ws):
+    missing = _jvp_missing()
+    if missing:
+        pytest.skip(f"allreduce_fusion has no JVP rule yet: {missing}")
+    x, res, g = inputs("float32")
+    with jf.create_allreduce_fusion_workspace(MESH, "tp", max_token_num=T, hidden_dim=H,
+                                              dtype=jnp.float32, backend="xla") as w32:
+        f = smap(site_body(norm_plain))
+
+        def loss(fn):
+            return lambda x, res, g: sum(jnp.sum(o ** 2) for o in fn(x, res, g))
+        # MESH has Explicit axes: the loss's scalar sum needs the mesh in context.
+        with jax.set_mesh(MESH):
+            want = jax.grad(loss(f), argnums=(0, 1, 2))(x, res, g)
+            got = jax.grad(loss(jf.fuse(f, workspace=w32)), argnums=(0, 1, 2))(x, res, g)
+    for a, b in zip(want, got):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-4)
+
+
+# --- arguments -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({}, ValueError, "fuse needs mesh= (and axis_name=) to create workspaces, or workspace="),
+    ({"mesh": "tp"}, TypeError, "fuse: mesh must be a jax.sharding.Mesh, got str"),
+    ({"mesh": MESH, "axis_name": "dp"}, ValueError,
+     "fuse: axis_name 'dp' is not an axis of the mesh ('tp',)"),
+    ({"mesh": MESH, "max_tokens": 0}, ValueError,
+     "fuse: max_tokens must be a positive integer, got 0"),
+    ({"mesh": MESH, "allow_rounding_change": "yes"}, TypeError,
+     "fuse: allow_rounding_change must be True or False, got 'yes'"),
+    ({"workspace": object()}, TypeError, "fuse: workspace must come from"),
+    ({"mesh": MESH, "backend": "nccl"}, ValueError,
+     "fuse: backend must be 'auto', 'trtllm' or 'xla', got 'nccl'"),
+    ({"mesh": MESH, "use_oneshot": 1}, TypeError,
+     "fuse: use_oneshot must be None, True or False, got 1"),
+    ({"mesh": MESH, "strict": "on"}, TypeError, "fuse: strict must be None, True or False"),
+    ({"mesh": MESH, "log_level": "INFO"}, TypeError,
+     "fuse: log_level must be a logging level (int), got 'INFO'"),
+])
+def test_bad_arguments_are_refused_by_name(kwargs, error, message):
+    with pytest.raises(error) as e:
+        jf.fuse(lambda x: x, **kwargs)
+    assert message in str(e.value)
+
+
+def test_workspace_with_another_axis_is_refused(ws):
+    with pytest.raises(ValueError, match="fuse: axis_name 'dp' differs from the workspace's axis 'tp'"):
+        jf.fuse(lambda x: x, workspace=ws, axis_name="dp")
+    with pytest.raises(TypeError, match="fuse: fn must be callable"):
+        jf.fuse(3, workspace=ws)
+    mesh2 = jax.make_mesh((2, 4), ("dp", "tp"))
+    with pytest.raises(ValueError, match=r"pass axis_name= \(the tensor-parallel axis\)"):
+        jf.fuse(lambda x: x, mesh=mesh2)
+
+
+def test_two_all_reduces_into_one_add_fuse_once(ws):
+    # r = psum(a) + psum(b): the first becomes the fused op with psum(b) as its residual; the
+    # second cannot claim the same add.
+    x, res, g = inputs()
+
+    def body(x, res, g):
+        r = jax.lax.psum(x[0], "tp") + jax.lax.psum(x[0] * 2, "tp")
+        return r, norm_plain(r, g)
+    f = smap(body)
+    fused = jf.fuse(f, workspace=ws)
+    out = fused(x, res, g)
+    assert [s.reason for s in fused.report.sites] == [None, "overlaps another fused site"]
+    assert_close_to_unfused(f(x, res, g), out)

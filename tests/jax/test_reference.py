@@ -1,0 +1,238 @@
+"""The reference math (jax_fusedar/reference.py) against the float64 oracle
+(tests/oracles/oracle.py), and its rounding points bit for bit. CPU only: 8 virtual host
+devices."""
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from tests.oracles import oracle  # noqa: E402
+from tests.jax.cpu_helpers import (DTYPES, RMS_EPS, bits, check_outputs, jdtype,  # noqa: E402
+                                   kernel_rounding, make_mesh, new_rng, random_gamma,
+                                   random_partials, random_values, require_host_devices,
+                                   run_sharded)
+from jax_fusedar import reference  # noqa: E402
+
+require_host_devices()
+
+WORLD = 8
+TOKENS = (1, 7, 64)
+HIDDENS = (8, 256, 1024)
+# rms_norm of exact inputs rounds once: half an ulp plus fp32 noise (16-bit); fp32 carries
+# the rsqrt's and the mean's own rounding.
+RMS_NORM_ULPS = {"bfloat16": 0.51, "float16": 0.51, "float32": 8.0}
+
+shapes = pytest.mark.parametrize("tokens,hidden", [(m, h) for m in TOKENS for h in HIDDENS])
+dtypes = pytest.mark.parametrize("dtype", DTYPES)
+weight_biases = pytest.mark.parametrize("weight_bias", [0.0, 1.0])
+
+
+def assert_rms_norm_of(r, gamma, weight_bias, y, dtype, rms_eps=RMS_EPS):
+    """y is RMSNorm(r) rounded once: measured in ulps of the float64 norm of r as given."""
+    r64 = np.asarray(r).astype(np.float64)
+    y64 = (r64 / np.sqrt(np.mean(r64 * r64, axis=-1, keepdims=True) + rms_eps)
+           * (weight_bias + np.asarray(gamma).astype(np.float64)))
+    err = oracle.allreduce_error_ulps(y, y64, dtype)
+    assert err <= RMS_NORM_ULPS[dtype], f"not RMSNorm(r) rounded once: off by {err} ulps"
+
+
+@jax.jit
+def _rms_norm(r, gamma, weight_bias, rms_eps):
+    return reference.rms_norm(r, gamma, rms_eps=rms_eps, weight_bias=weight_bias,
+                              out_dtype=r.dtype)
+
+
+@dtypes
+@weight_biases
+@shapes
+def test_rms_norm_against_oracle(dtype, weight_bias, tokens, hidden):
+    rng = new_rng()
+    r = random_values(rng, (tokens, hidden), dtype)
+    gamma = random_gamma(rng, hidden, dtype)
+    y = np.asarray(_rms_norm(r, gamma, weight_bias, RMS_EPS))
+    assert y.dtype == jdtype(dtype) and y.shape == r.shape
+    assert_rms_norm_of(r, gamma, weight_bias, y, dtype)
+
+
+@dtypes
+def test_rms_norm_eps_is_inside_the_root(dtype):
+    # Values ~1e-2 and eps 1e-3: eps is a tenth of the mean square, so misplacing it (outside
+    # the root, or dropping it) moves every output by far more than an ulp.
+    rng = new_rng()
+    r = (random_values(rng, (7, 256), "float32") * 1e-2).astype(jdtype(dtype))
+    gamma = random_gamma(rng, 256, dtype)
+    assert_rms_norm_of(r, gamma, 0.0, np.asarray(_rms_norm(r, gamma, 0.0, 1e-3)), dtype,
+                       rms_eps=1e-3)
+
+
+@dtypes
+@weight_biases
+@shapes
+def test_epilogue_against_oracle(dtype, weight_bias, tokens, hidden):
+    rng = new_rng()
+    summed = random_values(rng, (tokens, hidden), dtype)  # an all-reduce already rounded to T
+    residual = random_values(rng, (tokens, hidden), dtype)
+    gamma = random_gamma(rng, hidden, dtype)
+
+    @jax.jit
+    def epilogues(s, res, g):
+        return (reference.epilogue(s, None, None, pattern=0, rms_eps=RMS_EPS,
+                                   weight_bias=weight_bias),
+                reference.epilogue(s, res, g, pattern=1, rms_eps=RMS_EPS,
+                                   weight_bias=weight_bias))
+
+    (ar, none_r, none_n), (none_a, res_out, norm_out) = epilogues(summed, residual, gamma)
+    assert none_r is None and none_n is None and none_a is None
+    # Pattern 0 has nothing after the all-reduce: the sum comes back unchanged.
+    np.testing.assert_array_equal(bits(ar), bits(summed))
+    check_outputs(dtype, [summed], residual=residual, gamma=gamma, weight_bias=weight_bias,
+                  residual_out=res_out, norm_out=norm_out, what="epilogue")
+    # The residual add rounds exactly once, from fp32.
+    _, expected = kernel_rounding([summed], residual, dtype)
+    np.testing.assert_array_equal(bits(res_out), bits(expected))
+
+
+def _run_reference(partials, residual, gamma, weight_bias, **kwargs):
+    """Pattern 0 on the per-rank partials [WORLD, M, H], and pattern 1 with the (replicated)
+    residual and gamma, over a WORLD-device mesh. Checks that every rank got the same bits;
+    returns numpy (allreduce, residual, norm). (The outputs are gathered per rank: without
+    fp32_acc the reference all-gathers, which leaves them varying for check_vma.)"""
+    kwargs.update(axis_name="tp", rms_eps=RMS_EPS, weight_bias=weight_bias)
+
+    def f(x, res, g):
+        ar, _, _ = reference.allreduce_fusion_reference(x[0], None, None, pattern=0, **kwargs)
+        _, res_out, norm_out = reference.allreduce_fusion_reference(x[0], res, g, pattern=1,
+                                                                    **kwargs)
+        return ar[None], res_out[None], norm_out[None]
+
+    mesh = make_mesh((WORLD,), ("tp",))
+    outs = run_sharded(f, mesh, (P("tp"), P(), P()), (P("tp"),) * 3, partials, residual, gamma)
+    outs = [np.asarray(o) for o in outs]
+    for o in outs:
+        assert o.shape[0] == WORLD and all(np.array_equal(bits(o[0]), bits(o[k]))
+                                           for k in range(WORLD)), "the ranks disagree"
+    return [o[0] for o in outs]
+
+
+@dtypes
+@weight_biases
+@shapes
+def test_allreduce_fusion_reference_in_shard_map(dtype, weight_bias, tokens, hidden):
+    rng = new_rng()
+    partials = random_partials(rng, (WORLD, tokens, hidden), dtype)
+    residual = random_values(rng, (tokens, hidden), dtype)
+    gamma = random_gamma(rng, hidden, dtype)
+    ar, res_out, norm_out = _run_reference(partials, residual, gamma, weight_bias)
+    check_outputs(dtype, partials, residual=residual, gamma=gamma, weight_bias=weight_bias,
+                  allreduce_out=ar, residual_out=res_out, norm_out=norm_out,
+                  what=f"reference over {WORLD} ranks")
+    s, expected = kernel_rounding(partials, residual, dtype)
+    np.testing.assert_array_equal(bits(ar), bits(s))
+    np.testing.assert_array_equal(bits(res_out), bits(expected))
+    # The norm reads the residual as rounded to T, not the fp32 sum before that rounding.
+    assert_rms_norm_of(res_out, gamma, weight_bias, norm_out, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_residual_add_sees_the_rounded_sum(dtype):
+    """The all-reduce is rounded to T *before* the residual is added (two roundings).
+
+    Per element, with h half an ulp at 1 and a a random signed power of two: rank 0 holds a
+    (even mantissa) or a(1+2h) (odd), rank 1 holds a*h, the other ranks cancel in pairs. The
+    exact sums a(1+h) and a(1+3h) are ties, which T rounds to even: a and a(1+4h). Adding
+    the residual +a*h resp. -a*h makes another tie that rounds back to a resp. a(1+4h).
+    Adding it to the unrounded sum instead gives a(1+2h), exactly: a different answer in
+    every element. Magnitudes keep every fp32 partial sum exact, in any order."""
+    rng = new_rng()
+    h = 2.0 ** -({"bfloat16": 7, "float16": 10}[dtype] + 1)
+    shape = (7, 256)
+    a = rng.choice([-1.0, 1.0], shape) * 2.0 ** rng.integers(-4, 4, shape)
+    odd = rng.integers(0, 2, shape).astype(bool)
+    n_pairs = (WORLD - 2) // 2
+    pairs = rng.choice([-1.0, 1.0], (n_pairs, *shape)) * rng.uniform(0.25, 4, (n_pairs, *shape))
+    x64 = np.empty((WORLD, *shape))
+    x64[0] = np.where(odd, a * (1 + 2 * h), a)
+    x64[1] = a * h
+    x64[2::2] = pairs.astype(np.float32).astype(jdtype(dtype))
+    x64[3::2] = -x64[2::2]
+    r64 = np.where(odd, -a * h, a * h)
+    partials, residual = x64.astype(jdtype(dtype)), r64.astype(jdtype(dtype))
+    assert np.array_equal(partials.astype(np.float64), x64)  # the construction is exact in T
+    assert np.array_equal(residual.astype(np.float64), r64)
+
+    ar, res_out, _ = _run_reference(partials, residual, random_gamma(rng, 256, dtype), 0.0)
+    rounded_twice = np.where(odd, a * (1 + 4 * h), a)
+    np.testing.assert_array_equal(ar.astype(np.float64), rounded_twice)
+    np.testing.assert_array_equal(res_out.astype(np.float64), rounded_twice)
+    s, expected = kernel_rounding(partials, residual, dtype)
+    np.testing.assert_array_equal(bits(ar), bits(s))
+    np.testing.assert_array_equal(bits(res_out), bits(expected))
+    # Without the intermediate rounding: a(1+2h), different in every element.
+    one_rounding = (x64.sum(axis=0) + r64).astype(np.float32).astype(jdtype(dtype))
+    np.testing.assert_array_equal(one_rounding.astype(np.float64), a * (1 + 2 * h))
+    assert np.all(bits(one_rounding) != bits(res_out))
+
+
+def test_fp32_partials_with_cancellation_stay_within_the_summation_bound():
+    """Full-precision fp32 partials: the fp32 psum rounds (in an unspecified order), so with
+    cancellation it is not within an ulp of |sum|; it must stay within the classic bound of
+    recursive summation, (N - 1) u sum|x_r|, and residual_out within that plus its own ulp."""
+    rng = new_rng()
+    partials = rng.standard_normal((WORLD, 64, 256)).astype(np.float32)
+    residual = random_values(rng, (64, 256), "float32")
+    gamma = random_gamma(rng, 256, "float32")
+    ar, res_out, _ = _run_reference(partials, residual, gamma, 0.0)
+    x64 = partials.astype(np.float64)
+    s64 = x64.sum(axis=0)
+    bound = 1.01 * (WORLD - 1) * 2.0**-24 * np.abs(x64).sum(axis=0)
+    assert np.all(np.abs(ar - s64) <= bound)
+    r64 = s64 + residual.astype(np.float64)
+    assert np.all(np.abs(res_out - r64)
+                  <= bound + oracle.ulp(np.abs(s64) + np.abs(residual), "float32"))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_without_fp32_acc_every_addition_rounds_in_rank_order(dtype):
+    """fp32_acc=False: FlashInfer's default, a rounding to T after every addition, ranks in
+    order 0..N-1. Full-precision partials, so the roundings really differ from fp32_acc."""
+    rng = new_rng()
+    partials = random_values(rng, (WORLD, 64, 256), dtype)
+    residual = random_values(rng, (64, 256), dtype)
+    gamma = random_gamma(rng, 256, dtype)
+    ar, res_out, norm_out = _run_reference(partials, residual, gamma, 1.0, fp32_acc=False)
+    s, r = kernel_rounding(partials, residual, dtype, fp32_acc=False)
+    np.testing.assert_array_equal(bits(ar), bits(s))
+    np.testing.assert_array_equal(bits(res_out), bits(r))
+    assert_rms_norm_of(res_out, gamma, 1.0, norm_out, dtype)
+    # Another order, or a single rounding, gives other answers: the test can tell them apart.
+    reversed_s, _ = kernel_rounding(partials[::-1], residual, dtype, fp32_acc=False)
+    assert np.any(bits(reversed_s) != bits(s))
+    once = np.sum(partials.astype(np.float64), axis=0).astype(np.float32).astype(jdtype(dtype))
+    assert np.any(bits(once) != bits(s))
+
+
+def test_float16_subnormal_results_are_kept():
+    """Results below float16's smallest normal (2**-14, about 6.1e-5) are subnormals, as the
+    kernel's fp32 -> half conversion makes them, not zeros: the all-reduce, the residual add
+    and the norm (a small gamma) each land there."""
+    rng = new_rng()
+    # Multiples of the subnormal step 2**-24, exact in float16 and in every sum here:
+    # |sum| <= 8 * 100 steps and |sum + residual| <= 1000 steps, below 2**-14 = 1024 steps.
+    step = 2.0**-24
+    partials = (step * rng.integers(1, 101, (WORLD, 3, 8)) * rng.choice([-1, 1], (WORLD, 3, 8)))
+    partials = partials.astype(np.float16)
+    residual = (step * rng.integers(-200, 201, (3, 8))).astype(np.float16)
+    gamma = rng.uniform(1e-5, 4e-5, 8).astype(np.float16)
+    ar, res_out, norm_out = _run_reference(partials, residual, gamma, 0.0)
+    s, r = kernel_rounding(partials, residual, "float16")
+    assert np.all(np.abs(r.astype(np.float64)) < 2.0**-14) and np.count_nonzero(s) > 12
+    np.testing.assert_array_equal(ar, s)
+    np.testing.assert_array_equal(res_out, r)
+    assert np.count_nonzero(norm_out) > 12
+    assert_rms_norm_of(res_out, gamma, 0.0, norm_out, "float16")

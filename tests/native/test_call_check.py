@@ -1,0 +1,417 @@
+"""The opt-in cross-rank call check on CPU: option parsing, agreement at creation (JAX's
+process exchange and torch's member exchange, with fakes), the plumbing down to the native
+Rank, and the native core's host-side pieces (signature packing, the failure message)
+compiled with nvcc into a small host program. The handshake kernel itself runs only in
+tests/gpu/test_topology.py."""
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import threading
+
+import numpy as np
+import pytest
+
+from jax_fusedar.common import call_check, exchange, native, sizing, tp_groups
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+# --- option parsing -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("raw", ["1", "true", "TRUE", " yes ", "On"])
+def test_env_turns_the_check_on(monkeypatch, raw):
+    monkeypatch.setenv(call_check.CHECK_CALLS_ENV_VAR, raw)
+    assert call_check.resolve_check_calls(None) is True
+    assert call_check.resolve_check_calls(False) is False  # an explicit argument wins
+
+
+@pytest.mark.parametrize("raw", [None, "", "0", "false", "No", "off"])
+def test_env_leaves_the_check_off(monkeypatch, raw):
+    if raw is None:
+        monkeypatch.delenv(call_check.CHECK_CALLS_ENV_VAR, raising=False)
+    else:
+        monkeypatch.setenv(call_check.CHECK_CALLS_ENV_VAR, raw)
+    assert call_check.resolve_check_calls(None) is False
+    assert call_check.resolve_check_calls(True) is True
+
+
+def test_env_garbage_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv(call_check.CHECK_CALLS_ENV_VAR, "maybe")
+    with pytest.raises(ValueError, match=r"\$JAX_FUSEDAR_CHECK_CALLS='maybe' is not a boolean"):
+        call_check.resolve_check_calls(None)
+
+
+@pytest.mark.parametrize("value", [1, "yes", 0.0])
+def test_check_calls_argument_must_be_a_bool(value):
+    with pytest.raises(TypeError, match="check_calls must be True, False or None"):
+        call_check.resolve_check_calls(value)
+
+
+def test_timeout_default_env_and_argument(monkeypatch):
+    monkeypatch.delenv(call_check.CHECK_TIMEOUT_ENV_VAR, raising=False)
+    assert call_check.resolve_check_timeout_s(None) == call_check.DEFAULT_CHECK_TIMEOUT_S == 30.0
+    monkeypatch.setenv(call_check.CHECK_TIMEOUT_ENV_VAR, " 2.5 ")
+    assert call_check.resolve_check_timeout_s(None) == 2.5
+    assert call_check.resolve_check_timeout_s(7) == 7.0
+    assert call_check.resolve_check_timeout_s(np.float32(0.5)) == 0.5
+
+
+@pytest.mark.parametrize("raw, match", [("abc", "is not a number of seconds"),
+                                        ("0", r"must be in \(0, 3600\]"),
+                                        ("-1", r"must be in \(0, 3600\]"),
+                                        ("nan", r"must be in \(0, 3600\]"),
+                                        ("4000", r"must be in \(0, 3600\]")])
+def test_bad_timeouts_from_the_environment(monkeypatch, raw, match):
+    monkeypatch.setenv(call_check.CHECK_TIMEOUT_ENV_VAR, raw)
+    with pytest.raises(ValueError, match=r"\$JAX_FUSEDAR_CHECK_TIMEOUT_S.*" + match):
+        call_check.resolve_check_timeout_s(None)
+
+
+@pytest.mark.parametrize("value, error", [(0, ValueError), (-3.0, ValueError),
+                                          (float("inf"), ValueError), (True, TypeError),
+                                          ("10", TypeError)])
+def test_bad_timeout_arguments(value, error):
+    with pytest.raises(error, match="check_timeout_s"):
+        call_check.resolve_check_timeout_s(value)
+
+
+def test_options_must_agree():
+    call_check.check_options_agree({"a": {"check_calls": True}, "b": {"check_calls": True}})
+    call_check.check_options_agree({"a": {"check_calls": False}, "b": {}})  # absent = off
+    with pytest.raises(ValueError, match=r"disagree on check_calls: on for b; off for a, c"):
+        call_check.check_options_agree({"a": {"check_calls": False}, "b": {"check_calls": True},
+                                    "c": {}})
+
+
+# --- JAX: agreement across processes ------------------------------------------------------------
+
+
+class _Store:
+    def __init__(self):
+        self.data, self.cond = {}, threading.Condition()
+
+    def channel(self, timeout_s):
+        store = self
+
+        class Chan:
+            def publish(self, key, value):
+                with store.cond:
+                    assert key not in store.data, f"key {key} written twice"
+                    store.data[key] = value
+                    store.cond.notify_all()
+
+            def fetch(self, key, who):
+                with store.cond:
+                    if not store.cond.wait_for(lambda: key in store.data, timeout_s):
+                        raise TimeoutError(f"{who} did not publish")
+                    return store.data[key]
+
+        return Chan()
+
+
+def _jax_agree(flags, groups_members, timeout_s=5.0):
+    from jax_fusedar import workspace as jws
+
+    store = _Store()
+    groups = [tp_groups.TPGroup(tuple(range(10 * i, 10 * i + len(ms))), i)
+              for i, ms in enumerate(groups_members)]
+    members = {g.index: ms for g, ms in zip(groups, groups_members)}
+    out, errors = {}, {}
+
+    def proc(me):
+        try:
+            jws.agree_on_check_calls(groups, members, me, store.channel(timeout_s), serial=3,
+                                     check_calls=flags[me])
+            out[me] = True
+        except Exception as e:  # noqa: BLE001 - recorded for the assertions
+            errors[me] = e
+
+    threads = [threading.Thread(target=proc, args=(p,)) for p in flags]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(4 * timeout_s)
+    return out, errors, store
+
+
+M = exchange.Member
+
+
+def test_jax_processes_that_agree_pass():
+    # DP=2 x TP=2 over two processes with two GPUs each: every group spans both processes.
+    gm = [[M(0, 0), M(1, 0)], [M(0, 1), M(1, 1)]]
+    out, errors, store = _jax_agree({0: True, 1: True}, gm)
+    assert not errors and set(out) == {0, 1}
+    assert len(store.data) == 4  # one key per (group, process)
+    assert all(json.loads(v) == {"check_calls": True} for v in store.data.values())
+
+
+def test_jax_processes_that_disagree_all_refuse():
+    gm = [[M(0, 0), M(1, 0)]]
+    out, errors, _ = _jax_agree({0: True, 1: False}, gm)
+    assert not out and set(errors) == {0, 1}
+    for e in errors.values():
+        assert isinstance(e, ValueError)
+        assert "disagree on check_calls: on for process 0; off for process 1" in str(e)
+
+
+def test_jax_groups_within_one_process_publish_nothing():
+    gm = [[M(0, 0), M(0, 1)], [M(1, 0), M(1, 1)]]
+    out, errors, store = _jax_agree({0: True, 1: False}, gm)  # separate groups: no conflict
+    assert not errors and set(out) == {0, 1} and not store.data
+
+
+def test_jax_build_passes_the_option_to_every_native_rank(monkeypatch):
+    """_build_native with a fake extension and fake GPU devices (single process)."""
+    from jax_fusedar import workspace as jws
+
+    made = []
+
+    class FakeRank:
+        def __init__(self, device, world, rank, max_tokens, hidden, code, **kw):
+            made.append(dict(device=device, rank=rank, **kw))
+            self.alive = True
+
+        def local_pointers(self):
+            return [1, 2, 3]
+
+        def set_peer_pointers(self, *a):
+            pass
+
+        def finalize(self):
+            pass
+
+        def call_check_failure(self):
+            return "rank failed" if made[0]["check_calls"] else ""
+
+    class FakeExt:
+        Rank = FakeRank
+
+        @staticmethod
+        def register_rank(*a):
+            pass
+
+    class Dev:
+        def __init__(self, i):
+            self.id, self.platform, self.process_index, self.local_hardware_id = i, "gpu", 0, i
+
+    class Mesh:
+        devices = np.array([Dev(0), Dev(1)], dtype=object)
+
+    monkeypatch.setattr(native, "require", lambda: FakeExt)
+    sizes = sizing.workspace_sizes(2, 16, 1024, "float32")
+    ws = jws.AllReduceFusionWorkspace(
+        mesh=Mesh(), axis_name="tp", max_token_num=16, hidden_dim=1024, dtype="float32",
+        backend="trtllm", workspace_id=99, groups=[tp_groups.TPGroup((0, 1), 0)], sizes=sizes,
+        check_calls=True, check_timeout_s=7.0)
+    jws._build_native(ws, 5.0)
+    assert made == [dict(device=0, rank=0, check_calls=True, check_timeout_s=7.0),
+                    dict(device=1, rank=1, check_calls=True, check_timeout_s=7.0)]
+    assert "check_calls" in repr(ws)
+    assert ws.call_check_failures() == ["rank failed", "rank failed"]
+
+
+def test_jax_create_resolves_the_option_before_anything(monkeypatch):
+    import jax
+    from jax.sharding import Mesh
+
+    from jax_fusedar import workspace as jws
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
+    monkeypatch.setenv(call_check.CHECK_CALLS_ENV_VAR, "sometimes")
+    with pytest.raises(ValueError, match="JAX_FUSEDAR_CHECK_CALLS"):
+        jws.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=8, hidden_dim=1024,
+                                              dtype="bfloat16", backend="xla")
+    monkeypatch.setenv(call_check.CHECK_CALLS_ENV_VAR, "1")
+    with pytest.raises(ValueError, match="check_timeout_s"):
+        jws.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=8, hidden_dim=1024,
+                                              dtype="bfloat16", backend="xla",
+                                              check_timeout_s=-1)
+
+
+# --- torch: agreement among the members ---------------------------------------------------------
+
+
+def _torch_join(flags, timeout_s=10.0):
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    from torch_compat import workspace as tws
+    from torch_compat.channel import StoreChannel
+
+    store = dist.HashStore()
+    out, errors, made = {}, {}, []
+
+    class FakeRank:
+        def __init__(self, me, dev, tp):
+            made.append((me, dev, tp))
+
+        def export_ipc(self):
+            return b"ipc"
+
+        def open_peer_ipc(self, peer, handles):
+            pass
+
+        def finalize(self):
+            pass
+
+    def run(me):
+        try:
+            out[me] = tws._join_group(
+                global_ranks=[0, 1], me=me, device=me, host="node0",
+                channel=StoreChannel(store, timeout_s=timeout_s, process=me), serial=1,
+                backend="trtllm", make_rank=lambda dev, tp, me=me: FakeRank(me, dev, tp),
+                check_calls=flags[me])
+        except Exception as e:  # noqa: BLE001
+            errors[me] = e
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in flags]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(4 * timeout_s)
+    del torch
+    return out, errors, made
+
+
+def test_torch_members_that_agree_join():
+    out, errors, made = _torch_join({0: True, 1: True})
+    assert not errors and set(out) == {0, 1} and len(made) == 2
+
+
+def test_torch_members_that_disagree_all_refuse_before_allocating():
+    out, errors, made = _torch_join({0: False, 1: True})
+    assert not out and set(errors) == {0, 1} and not made
+    for e in errors.values():
+        assert isinstance(e, ValueError)
+        assert ("disagree on check_calls: on for TP rank 1 (global rank 1); off for TP rank 0 "
+                "(global rank 0)") in str(e)
+
+
+def test_torch_create_takes_the_option_keyword_only():
+    pytest.importorskip("torch")
+    import inspect
+
+    import torch_compat
+
+    params = inspect.signature(torch_compat.create_allreduce_fusion_workspace).parameters
+    for name in ("check_calls", "check_timeout_s"):
+        assert params[name].kind is inspect.Parameter.KEYWORD_ONLY and params[name].default is None
+
+
+def test_torch_create_refuses_a_bad_environment_first(monkeypatch):
+    torch = pytest.importorskip("torch")
+    import torch_compat
+
+    monkeypatch.setenv(call_check.CHECK_CALLS_ENV_VAR, "2")
+    with pytest.raises(ValueError, match="JAX_FUSEDAR_CHECK_CALLS"):
+        torch_compat.create_allreduce_fusion_workspace("trtllm", max_token_num=16,
+                                                       hidden_dim=1024, dtype=torch.bfloat16)
+
+
+# --- the native extension and core ---------------------------------------------------------------
+
+
+def test_extension_exposes_the_option():
+    if not native.available():
+        pytest.skip("native extension not built")
+    doc = native.ext.Rank.__init__.__doc__
+    assert "check_calls: bool = False" in doc and "check_timeout_s: float = 30.0" in doc, doc
+    for attr in ("check_calls", "check_timeout_s", "call_check_failure"):
+        assert hasattr(native.ext.Rank, attr)
+
+
+HOST_PROGRAM = r"""
+// Host-only exercise of call_check.cu: no CUDA call is made (no GPU here).
+#include <cstdio>
+#include <cstring>
+#include "call_check.h"
+using namespace fusedar::call_check;
+
+static fusedar_launch_args args(int pattern, int dtype, long tokens, long hidden, int oneshot,
+                                int fp32, int layout, int group) {
+  fusedar_launch_args a{};
+  a.pattern = pattern; a.dtype = dtype; a.num_tokens = tokens; a.hidden_dim = hidden;
+  a.use_oneshot = oneshot; a.fp32_acc = fp32; a.layout = layout;
+  a.block_quant_group_size = group;
+  return a;
+}
+
+int main() {
+  Signature s = signature_of(args(9, FUSEDAR_BFLOAT16, 16, 7168, 1, 1, 2, 128));
+  std::printf("word=%llx tokens=%llu hidden=%llu\n", s.word, s.num_tokens, s.hidden_dim);
+  fusedar_workspace_info info{};
+  info.world_size = 4; info.flag_bytes = 4 * 256 * 4;
+  std::printf("offset=%lld bytes=%lld alloc=%lld\n", (long long)area_offset(info),
+              (long long)area_bytes(4), (long long)flag_allocation_bytes(info));
+  fusedar_rank r;
+  r.rank = 1; r.device = 0; r.info = info;
+  char buf[1024];
+  fusedar_rank_call_check_failure(&r, buf, sizeof buf);
+  std::printf("unchecked=[%s]\n", buf);
+  Diag d{};
+  r.check_diag = &d;
+  fusedar_rank_call_check_failure(&r, buf, sizeof buf);
+  std::printf("clean=[%s]\n", buf);
+  Signature mine = signature_of(args(1, FUSEDAR_BFLOAT16, 16, 4096, 1, 1, 0, 0));
+  Signature theirs = signature_of(args(1, FUSEDAR_BFLOAT16, 17, 4096, 0, 1, 0, 0));
+  d.rank = 1; d.world = 4; d.device = 0; d.peer = 3; d.failing_peers = 2; d.seq = 7;
+  d.peer_seq = 7;
+  std::memcpy(d.mine, &mine, sizeof mine);
+  std::memcpy(d.theirs, &theirs, sizeof theirs);
+  d.kind = kMismatch;
+  fusedar_rank_call_check_failure(&r, buf, sizeof buf);
+  std::printf("mismatch=[%s]\n", buf);
+  d.kind = kTimeout; d.peer_seq = 6; d.timeout_ns = 2500000000ull; d.failing_peers = 1;
+  fusedar_rank_call_check_failure(&r, buf, sizeof buf);
+  std::printf("timeout=[%s]\n", buf);
+  char small[16];
+  fusedar_rank_call_check_failure(&r, small, sizeof small);
+  std::printf("truncated=[%s]\n", small);
+  r.check_diag = nullptr;  // not owned
+  return 0;
+}
+"""
+
+
+def _nvcc():
+    return shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc"
+                                    if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+
+
+def test_core_signature_and_failure_messages(tmp_path):
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    src = tmp_path / "host_check.cu"
+    src.write_text(HOST_PROGRAM)
+    exe = tmp_path / "host_check"
+    core = ROOT / "ffi" / "core"
+    cmd = [nvcc, "-std=c++17", "-arch=sm_90a", f"-I{core}", f"-I{core / 'include'}",
+           str(src), str(core / "call_check.cu"), str(core / "status.cpp"), "-o", str(exe)]
+    build = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-3000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    lines = dict(line.split("=", 1) for line in run.stdout.splitlines())
+    # pattern 9 | bf16 (2) << 8 | one-shot << 16 | fp32_acc << 17 | layout 2 << 24 | 128 << 32
+    assert lines["word"].split()[0] == f"{9 | 2 << 8 | 1 << 16 | 1 << 17 | 2 << 24 | 128 << 32:x}"
+    assert "tokens=16 hidden=7168" in run.stdout
+    # FlashInfer's flags (4 ranks x 256 x 4 bytes) then 2 banks x 4 ranks x 32-byte slots.
+    assert lines["offset"] == "4096 bytes=256 alloc=4352"
+    assert lines["unchecked"] == "[]" and lines["clean"] == "[]"
+    mismatch = lines["mismatch"]
+    assert mismatch.startswith("[jax_fusedar call check failed on rank 1 of 4 (device 0), "
+                               "call #7: rank 3 called {pattern=1 dtype=bfloat16 "
+                               "num_tokens=17 hidden_dim=4096 two-shot fp32_acc=1 layout=0 "
+                               "block_quant_group_size=0} but rank 1 called {pattern=1 "
+                               "dtype=bfloat16 num_tokens=16 hidden_dim=4096 one-shot"), mismatch
+    assert "(2 ranks failed the check" in mismatch and "restart the process" in mismatch
+    timeout = lines["timeout"]
+    assert ("rank 3 did not make its call #7 {pattern=1 dtype=bfloat16 num_tokens=16 "
+            "hidden_dim=4096 one-shot fp32_acc=1 layout=0 block_quant_group_size=0} within "
+            "2.5 s (the last call seen from it is #6)") in timeout, timeout
+    assert lines["truncated"] == "[jax_fusedar cal]"

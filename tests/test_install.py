@@ -1,0 +1,128 @@
+"""Install: JAX is an extra (the package imports without it and says how to get it), the
+FlashInfer header fetch (only headers unpacked; offline it says what to do), and ./dev's
+package lists (the demo gets the JAX side only). The wheel itself is checked by
+tools/wheel_check.sh in CI (.ci/run)."""
+import os
+import pathlib
+import subprocess
+import sys
+import zipfile
+
+# The checkout's root, wherever in tests/ this file lives.
+ROOT = next(p for p in pathlib.Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
+FETCH = ROOT / "tools" / "fetch_flashinfer_headers.py"
+
+
+def run_python(code: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, **kwargs)
+
+
+def test_package_imports_without_jax_and_names_the_extra():
+    # None in sys.modules makes `import jax` raise ModuleNotFoundError, as if not installed.
+    result = run_python(
+        "import sys\n"
+        "sys.modules['jax'] = None\n"
+        "import jax_fusedar as jf\n"
+        "print(jf.AllReduceFusionPattern.kARResidualRMSNorm.name)\n"
+        "for name in ('allreduce_fusion', 'create_allreduce_fusion_workspace', 'fuse'):\n"
+        "    try:\n"
+        "        getattr(jf, name)\n"
+        "    except ImportError as e:\n"
+        "        print('ImportError', name, e)\n"
+        "    else:\n"
+        "        print('imported', name)\n")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].endswith("kARResidualRMSNorm")
+    for line, name in zip(lines[1:], ("allreduce_fusion", "create_allreduce_fusion_workspace",
+                                      "fuse")):
+        assert line.startswith(f"ImportError {name} "), lines
+        assert "pip install 'jax_fusedar[jax]'" in line
+
+
+def test_other_import_errors_are_not_blamed_on_jax():
+    result = run_python(
+        "import sys\n"
+        "sys.modules['jax_fusedar.api'] = None\n"
+        "import jax_fusedar as jf\n"
+        "try:\n"
+        "    jf.allreduce_fusion\n"
+        "except ImportError as e:\n"
+        "    print(type(e).__name__, e)\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("ModuleNotFoundError"), result.stdout
+    assert "jax_fusedar[jax]" not in result.stdout
+
+
+def fake_flashinfer_wheel(path: pathlib.Path) -> dict:
+    headers = {"flashinfer/comm/trtllm_allreduce_fusion.cuh": "// kernel\n",
+               "flashinfer/utils.cuh": "// utils\n"}
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, text in headers.items():
+            zf.writestr(f"flashinfer/data/include/{name}", text)
+        zf.writestr("flashinfer/jit/core.py", "import torch\n")  # not a header: stays out
+        zf.writestr("flashinfer/data/csrc/x.cu", "// source\n")
+    return headers
+
+
+def test_fetch_unpacks_only_the_headers(tmp_path):
+    wheel = tmp_path / "flashinfer_python-test-py3-none-any.whl"
+    headers = fake_flashinfer_wheel(wheel)
+    dest = tmp_path / "dest"
+    cmd = [sys.executable, str(FETCH), "--wheel", str(wheel), "--dest", str(dest)]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert first.returncode == 0, first.stderr
+    unpacked = sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file())
+    assert unpacked == sorted(["VERSION", *(f"include/{n}" for n in headers)])
+    for name, text in headers.items():
+        assert (dest / "include" / name).read_text() == text
+    # The VERSION marker makes a second run (every re-configure) a no-op.
+    (dest / "include" / "flashinfer" / "utils.cuh").write_text("// edited\n")
+    second = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert second.returncode == 0 and "already in" in second.stdout
+    assert (dest / "include" / "flashinfer" / "utils.cuh").read_text() == "// edited\n"
+
+
+def test_fetch_offline_says_what_to_do(tmp_path):
+    # An index on a closed loopback port and no pip configuration: pip fails at once.
+    env = {**os.environ, "PIP_CONFIG_FILE": os.devnull, "PIP_NO_CACHE_DIR": "1",
+           "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_RETRIES": "0",
+           "PIP_TIMEOUT": "2"}
+    env.pop("PIP_FIND_LINKS", None)
+    result = subprocess.run([sys.executable, str(FETCH), "--dest", str(tmp_path / "dest")],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode != 0
+    message = result.stderr
+    assert "could not download flashinfer-python==" in message
+    assert "--wheel" in message and "FLASHINFER_INCLUDE_DIR" in message
+    assert not (tmp_path / "dest" / "VERSION").exists()
+
+
+def dev_requirements(*extras: str) -> list[str]:
+    result = subprocess.run([str(ROOT / "dev"), "requirements", *extras], capture_output=True,
+                            text=True, timeout=60, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.split()
+
+
+def names(requirements):
+    return {r.split(">")[0].split("=")[0].split("[")[0] for r in requirements}
+
+
+def test_dev_demo_installs_the_jax_side_only():
+    demo = names(dev_requirements("jax"))
+    assert {"jax", "jaxlib", "numpy", "nanobind", "scikit-build-core"} <= demo
+    assert not demo & {"torch", "transformers", "pytest", "matplotlib"}, demo
+
+
+def test_dev_test_installs_every_extra():
+    everything = names(dev_requirements())
+    assert {"jax", "torch", "transformers", "pytest", "flatbuffers", "matplotlib",
+            "tqdm"} <= everything
+
+
+def test_dev_rejects_an_unknown_extra():
+    result = subprocess.run([str(ROOT / "dev"), "requirements", "nope"], capture_output=True,
+                            text=True, timeout=60, cwd=ROOT)
+    assert result.returncode != 0 and "no extra 'nope'" in result.stderr

@@ -1,0 +1,127 @@
+"""Every ```python block of README.md runs, verbatim, in order and in one namespace, in a
+fresh process with 8 CPU devices (as a reader would paste them into one session).
+
+A block whose first line starts with ``# Needs 2 GPUs`` (the README states the convention
+where it first matters) cannot run here; it still must compile, and every
+``comm.<function>(...)`` call in it must bind to ``torch_compat``'s real signature (so a
+renamed function or keyword fails here); tests/gpu/test_readme.py executes it verbatim on
+two GPUs under torchrun.
+
+A block whose first line names a script (``# two_node.py ARGS...``) is a program launched
+with arguments, one process per node: it does not run in the shared namespace here; the
+test named in ``SCRIPT_TESTS`` writes it to a file and launches it (tests/jax/test_multinode.py
+runs two_node.py as two processes on two simulated hosts).
+"""
+import ast
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+README = REPO / "README.md"
+GPU_MARKER = "# Needs 2 GPUs"
+SCRIPT_HEADER = re.compile(r"# (\w+\.py)\b")
+# script name -> the test file (under tests/) that launches it
+SCRIPT_TESTS = {"two_node.py": "jax/test_multinode.py"}
+
+
+def python_blocks():
+    """[(line number of the block's first code line, code)] of every ```python block."""
+    text = README.read_text()
+    return [(text.count("\n", 0, m.start(1)) + 1, m.group(1))
+            for m in re.finditer(r"^```python\n(.*?)^```", text, re.M | re.S)]
+
+
+def script_blocks():
+    return [(n, code) for n, code in python_blocks() if SCRIPT_HEADER.match(code)]
+
+
+def cpu_blocks():
+    return [(n, code) for n, code in python_blocks()
+            if not code.startswith(GPU_MARKER) and not SCRIPT_HEADER.match(code)]
+
+
+def gpu_blocks():
+    return [(n, code) for n, code in python_blocks() if code.startswith(GPU_MARKER)]
+
+
+# Runs in the child: execs each block under its README line number (so a traceback points
+# at the README), then reports a few facts about what the blocks computed.
+RUNNER = r"""
+import json, sys
+import numpy as np
+blocks = json.loads(sys.stdin.read())
+ns = {"__name__": "__readme__"}
+for line, code in blocks:
+    exec(compile("\n" * (line - 1) + code, "README.md", "exec"), ns)
+    print(f"ran README block at line {line}", flush=True)
+facts = {}
+for name in ("residual_out", "norm_out", "norm", "stream"):
+    if name in ns:
+        a = np.asarray(ns[name]).astype(np.float32)
+        facts[name] = {"shape": list(a.shape), "finite": bool(np.isfinite(a).all())}
+print("FACTS " + json.dumps(facts))
+"""
+
+
+def test_readme_python_blocks_run_on_8_cpu_devices():
+    blocks = cpu_blocks()
+    assert len(blocks) >= 3, "the README lost its Usage / jit / export examples"
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    for var in ("JAX_FUSEDAR_STRICT", "JAX_FUSEDAR_ALLREDUCE_BACKEND"):
+        env.pop(var, None)
+    r = subprocess.run([sys.executable, "-c", RUNNER], input=json.dumps(blocks), env=env,
+                       capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert r.returncode == 0, f"a README block failed:\n{r.stdout}\n{r.stderr[-6000:]}"
+    ran = re.findall(r"ran README block at line (\d+)", r.stdout)
+    assert [int(n) for n in ran] == [n for n, _ in blocks]
+    facts = json.loads(r.stdout.split("FACTS ", 1)[1])
+    # The last assignment wins: the fuse block's call (x [4, 512]), and the jit block's outputs.
+    assert facts["residual_out"] == facts["norm_out"] == {"shape": [4, 512], "finite": True}
+    assert facts["norm"] == facts["stream"] == {"shape": [4, 32, 1024], "finite": True}
+
+
+def test_gpu_blocks_compile_and_call_torch_compat_as_it_is():
+    blocks = gpu_blocks()
+    assert blocks, "the README's torch example is expected to be marked as needing GPUs"
+    torch_compat = pytest.importorskip("torch_compat")
+    checked = 0
+    for line, code in blocks:
+        tree = ast.parse(code, filename=f"README.md:{line}")
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "comm"):
+                fn = getattr(torch_compat, node.func.attr)  # AttributeError if renamed
+                try:
+                    inspect.signature(fn).bind(*node.args, **{k.arg: k.value
+                                                             for k in node.keywords})
+                except TypeError as e:
+                    raise AssertionError(f"README.md:{line + node.lineno - 1}: "
+                                         f"comm.{node.func.attr}: {e}") from None
+                checked += 1
+    assert checked >= 2
+
+
+def test_every_python_block_is_run_here_or_marked():
+    """No block is silently left out: each is either executed above or carries the marker
+    (and then runs on GPUs); a marker anywhere but the first line does not count."""
+    for line, code in python_blocks():
+        assert code.startswith(GPU_MARKER) or GPU_MARKER not in code, line
+    assert len(cpu_blocks()) + len(gpu_blocks()) + len(script_blocks()) == len(python_blocks())
+
+
+def test_every_readme_script_is_launched_by_a_test():
+    names = [SCRIPT_HEADER.match(code).group(1) for _, code in script_blocks()]
+    assert names, "the README lost its two-node script"
+    for name in names:
+        assert name in SCRIPT_TESTS, f"README script {name} is run by no test"
+        test_file = Path(__file__).parent / SCRIPT_TESTS[name]
+        assert f"# {name}" in test_file.read_text(), f"{test_file.name} does not launch {name}"

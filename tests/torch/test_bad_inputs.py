@@ -1,0 +1,286 @@
+"""Misuse of torch_compat is a clear, early error naming what is wrong: coerced options, the
+buffer check agreeing with the op, argument names, unwritten out-parameters, torch's own
+backend list, and fake (meta) implementations that refuse what the eager op refuses, so
+``torch.compile`` fails while tracing instead of at run time. Ranks are FakeRanks (no GPU)."""
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+import torch_compat  # noqa: E402
+from jax_fusedar.common import backend_choice, tp_groups  # noqa: E402
+from torch_compat import library, ops  # noqa: E402
+from torch_compat import workspace as wsmod  # noqa: E402
+
+from tests.torch.test_torch_compat import CREATE, _tensors, fake_workspace  # noqa: E402
+from tests.torch.test_library import fake_workspace as one_rank_workspace  # noqa: E402
+
+AR = torch.ops.torch_compat.allreduce.default
+FUSED = torch.ops.torch_compat.allreduce_residual_rmsnorm.default
+QUANT = torch.ops.torch_compat.allreduce_residual_rmsnorm_quant.default
+
+
+@pytest.fixture
+def cpu_stream(monkeypatch):
+    monkeypatch.setattr(ops, "_current_stream", lambda device: 0xC0FFEE)
+
+
+def _call(ws, pattern=1, **over):
+    t = _tensors()
+    t.update(over)
+    return torch_compat.allreduce_fusion(workspace=ws, pattern=pattern, **t)
+
+
+# --- 4 and 7: options are never coerced, messages name the argument ----------------------------
+
+@pytest.mark.parametrize("over,error,match", [
+    (dict(pattern=1.5), ValueError, r"unknown fusion pattern 1\.5: pattern must be an "
+                                    r"AllReduceFusionPattern or its int code, not a float"),
+    (dict(pattern="1"), ValueError, "unknown fusion pattern '1': pattern must be"),
+    (dict(pattern=True), ValueError, "unknown fusion pattern True: pattern must be"),
+    (dict(use_oneshot="false"), TypeError, "use_oneshot must be True, False or None, got 'false'"),
+    (dict(use_oneshot=1), TypeError, "use_oneshot must be True, False or None, got 1"),
+    (dict(fp32_acc="no"), TypeError, "fp32_acc must be True or False, got 'no'"),
+    (dict(fp32_acc=None), TypeError, "fp32_acc must be True or False, got None"),
+    (dict(launch_with_pdl="yes"), TypeError, "launch_with_pdl must be True or False"),
+    (dict(trigger_completion_at_end=0), TypeError, "trigger_completion_at_end must be True or"),
+    (dict(rms_eps="abc"), TypeError, "rms_eps must be a real number, got 'abc'"),
+    (dict(rms_eps=None), TypeError, "rms_eps must be a real number, got None"),
+    (dict(rms_eps=-1.0), ValueError, "rms_eps must be >= 0.0"),
+    (dict(rms_eps=float("nan")), ValueError, "rms_eps must be finite"),
+    (dict(weight_bias=1j), TypeError, "weight_bias must be a real number, got 1j"),
+    (dict(weight_bias=None), TypeError, "weight_bias must be a real number, got None"),
+])
+def test_options_are_never_coerced(cpu_stream, over, error, match):
+    ws = fake_workspace()
+    with pytest.raises(error, match=match):
+        _call(ws, **over)
+    assert not ws._rank_obj.launches  # refused before the launch line
+
+
+def test_layout_code_is_not_truncated(cpu_stream, monkeypatch):
+    monkeypatch.setattr(ops, "_compute_capability", lambda device: (10, 0))
+    ws = fake_workspace()
+    t = _tensors()
+    for layout in (2.7, "2", True):
+        with pytest.raises(ValueError, match=r"layout \(layout_code\)"):
+            torch_compat.allreduce_fusion(
+                workspace=ws, pattern=5, layout_code=layout, scale_factor=1.0,
+                quant_out=torch.empty(16, 512, dtype=torch.uint8),
+                scale_out=torch.empty(16 * 64, dtype=torch.uint8), **t)
+    assert not ws._rank_obj.launches
+
+
+def test_real_bools_and_numbers_still_work(cpu_stream):
+    import numpy as np
+    ws = fake_workspace()
+    _call(ws, pattern=np.int64(1), use_oneshot=np.bool_(True), fp32_acc=np.bool_(True),
+          rms_eps=np.float32(1e-5), weight_bias=1)
+    (_, kw), = ws._rank_obj.launches
+    assert kw["use_oneshot"] is True and kw["fp32_acc"] is True and kw["weight_bias"] == 1.0
+    assert type(kw["rms_eps"]) is float and type(kw["weight_bias"]) is float
+
+
+# --- 6. is_buffer_size_sufficient agrees with the op ---------------------------------------------
+
+def test_is_buffer_size_sufficient_agrees_with_the_op(cpu_stream):
+    ws = fake_workspace(max_tokens=128, hidden=1024)
+    for m, h, dtype in [(16, 1024, torch.bfloat16), (0, 1024, torch.bfloat16),
+                        (129, 1024, torch.bfloat16), (16, 1024, torch.float32),
+                        (16, 1024, torch.float16), (256, 512, torch.bfloat16)]:
+        answer = ws.is_buffer_size_sufficient(2, m, h, dtype)
+        x = torch.zeros(m, h, dtype=dtype)
+        try:
+            torch_compat.allreduce_fusion(x, ws, 0)
+            accepted = True
+        except ValueError:
+            accepted = False
+        assert answer == accepted, (m, h, dtype)
+
+
+@pytest.mark.parametrize("args,error,match", [
+    ((2, -1, 1024, torch.bfloat16), ValueError, "num_tokens must be >= 0, got -1"),
+    ((2, 1.5, 1024, torch.bfloat16), TypeError, "num_tokens must be an int"),
+    ((2, 16, 0, torch.bfloat16), ValueError, "hidden_dim must be >= 1"),
+    ((2, 16, 1024, torch.bfloat16, "false"), TypeError, "use_oneshot must be True, False or None"),
+    ((True, 16, 1024, torch.bfloat16), TypeError, "tp_size must be an int"),
+])
+def test_is_buffer_size_sufficient_refuses_nonsense(args, error, match):
+    with pytest.raises(error, match=match):
+        fake_workspace().is_buffer_size_sufficient(*args)
+
+
+# --- 8. out-parameters the pattern does not write ------------------------------------------------
+
+@pytest.mark.parametrize("pattern", [1, 2, 11])
+def test_output_is_refused_where_the_pattern_does_not_write_it(cpu_stream, monkeypatch, pattern):
+    ws = fake_workspace()
+    t = _tensors()
+    extra = {}
+    if pattern != 1:
+        extra["quant_out"] = torch.empty(16, 1024, dtype=torch.float8_e4m3fn)
+        if pattern == 2:
+            extra.update(scale_factor=1.0, norm_out=None)
+        else:
+            extra["scale_out"] = torch.empty(16, 1)
+    t.update(extra)
+    with pytest.raises(ValueError, match=rf"pattern {pattern} \(\w+\) does not write output; "
+                                         r"pass None"):
+        torch_compat.allreduce_fusion(workspace=ws, pattern=pattern, output=torch.empty_like(
+            t["input"]), **t)
+    assert not ws._rank_obj.launches
+    torch_compat.allreduce_fusion(workspace=ws, pattern=pattern, **t)  # without it: fine
+    assert len(ws._rank_obj.launches) == 1
+
+
+# --- 9. torch's own backend list -----------------------------------------------------------------
+
+@pytest.mark.parametrize("backend,match", [
+    ("mnnvl", "needs NVLink multicast .* use 'trtllm' \\(or 'auto'\\) within one node, "
+              "torch.distributed.all_reduce"),
+    ("nccl", "unknown all-reduce backend 'nccl' \\(from the backend argument\\); "
+             "torch_compat's backends: 'auto', 'trtllm'$"),
+    ("xla", "does not exist under torch; torch_compat's backends: 'auto', 'trtllm'"),
+])
+def test_backend_errors_list_torch_backends_only(gloo_world1, monkeypatch, backend, match):
+    monkeypatch.delenv(backend_choice.BACKEND_ENV_VAR, raising=False)
+    with pytest.raises(ValueError, match=match) as info:
+        torch_compat.create_allreduce_fusion_workspace(backend, 1, 0, **CREATE)
+    if backend != "xla":  # only the message about 'xla' itself names it
+        assert "xla" not in str(info.value)
+    monkeypatch.setenv(backend_choice.BACKEND_ENV_VAR, backend)
+    with pytest.raises(ValueError, match=r"\(from the \$JAX_FUSEDAR_ALLREDUCE_BACKEND\)"):
+        torch_compat.create_allreduce_fusion_workspace("auto", 1, 0, **CREATE)
+
+
+def test_multi_node_advice_is_torchs():
+    group = tp_groups.TPGroup(members=(0, 1, 2), index=0)
+    with pytest.raises(ValueError, match="spans 3 nodes") as info:
+        wsmod.resolve_backend("trtllm", group, {0: "a", 1: "b", 2: "c"})
+    assert "xla" not in str(info.value) and "torch.distributed.all_reduce" in str(info.value)
+    assert wsmod.resolve_backend(None, group, {0: "a", 1: "a", 2: "a"}) == "trtllm"
+
+
+def test_create_timeout_is_named(gloo_world1):
+    with pytest.raises(TypeError, match="timeout_s must be a real number, got 'soon'"):
+        torch_compat.create_allreduce_fusion_workspace(world_size=1, rank=0, timeout_s="soon",
+                                                       **CREATE)
+
+
+# --- 10. the fake implementations run the eager op's checks --------------------------------------
+
+@pytest.fixture
+def handle():
+    ws = one_rank_workspace()  # bf16, max 64 tokens x 256
+    h = library.register_workspace(ws)
+    yield h
+    library.unregister_workspace(h)
+
+
+def _fake(shape, dtype=torch.bfloat16):
+    """A tensor on "cuda" under FakeTensorMode (no GPU needed), else a CPU one (the eager
+    op's workspace here lives on the CPU)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    fake = isinstance(_get_current_dispatch_mode(), FakeTensorMode)
+    return torch.zeros(*shape, dtype=dtype, device="cuda" if fake else "cpu")
+
+
+BF = torch.bfloat16
+
+
+# (op, args builder (handle -> args), eager call (ws, tensors) -> None, message)
+FAKE_CASES = {
+    "residual_float32": (
+        lambda h: (FUSED, (_fake((8, 256)), _fake((8, 256), torch.float32), _fake((256,)), 1e-6,
+                           0.0, None, False, h)),
+        "residual_in must have the input's dtype torch.bfloat16, got torch.float32"),
+    "allreduce_3d": (
+        lambda h: (AR, (_fake((2, 4, 256)), None, False, h)),
+        r"input must be 2-D \[token_num, hidden_dim\], got shape \[2, 4, 256\]"),
+    "quant_11_3d": (
+        lambda h: (QUANT, (_fake((2, 4, 256)), _fake((2, 4, 256)), _fake((256,)), 1e-6, 0.0, 11,
+                           None, None, None, None, False, h)),
+        r"input must be 2-D \[token_num, hidden_dim\], got shape \[2, 4, 256\]"),
+    "too_many_tokens": (
+        lambda h: (FUSED, (_fake((65, 256)), _fake((65, 256)), _fake((256,)), 1e-6, 0.0, None,
+                           False, h)),
+        "does not fit the workspace"),
+    "gamma_dtype": (
+        lambda h: (FUSED, (_fake((8, 256)), _fake((8, 256)), _fake((256,), torch.float16), 1e-6,
+                           0.0, None, False, h)),
+        "rms_gamma must have the input's dtype"),
+    "two_shot_impossible": (
+        lambda h: (AR, (_fake((2, 256)), False, False, h)),
+        "use_oneshot=False is not possible: two-shot needs more tokens than ranks"),
+    "group_size": (
+        lambda h: (QUANT, (_fake((8, 256)), _fake((8, 256)), _fake((256,)), 1e-6, 0.0, 9, None,
+                           96, None, None, False, h)),
+        "hidden_dim must be divisible by group_size"),
+    "static_fp8_scale_dtype": (
+        lambda h: (QUANT, (_fake((8, 256)), _fake((8, 256)), _fake((256,)), 1e-6, 0.0, 4,
+                           _fake((1,), torch.float16), None, None, None, False, h)),
+        "scale_factor must be a float32 tensor"),
+    "negative_eps": (
+        lambda h: (FUSED, (_fake((8, 256)), _fake((8, 256)), _fake((256,)), -1.0, 0.0, None,
+                           False, h)),
+        "rms_eps must be >= 0.0"),
+}
+
+
+@pytest.mark.parametrize("case", list(FAKE_CASES))
+def test_fake_refuses_what_eager_refuses(handle, cpu_stream, case):
+    """Under FakeTensorMode (what torch.compile traces with) the op raises the eager op's
+    ValueError; the same inputs, as real CPU tensors, through the eager op give the same
+    message."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    build, match = FAKE_CASES[case]
+    with FakeTensorMode():
+        op, args = build(handle)
+        with pytest.raises(ValueError, match=match):
+            op(*args)
+    # The eager op, on real tensors of the same metadata (the workspace is on "cpu").
+    op, real = build(handle)
+    ws = library.lookup_workspace(handle)
+    eager = {AR: library.allreduce._init_fn, FUSED: library.allreduce_residual_rmsnorm._init_fn,
+             QUANT: library.allreduce_residual_rmsnorm_quant._init_fn}[op]
+    with pytest.raises(ValueError, match=match):
+        eager(*real)
+    assert not ws.native_rank().launches
+
+
+def test_torch_compile_refuses_while_tracing(handle):
+    """fullgraph compile of a call the op refuses: the error comes from tracing (the backend
+    never gets a graph), not from running it."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def f(x, res, g):
+        return FUSED(x, res, g, 1e-6, 0.0, None, False, handle)
+
+    compiled = torch.compile(f, fullgraph=True, backend=backend)
+    with pytest.raises(Exception, match="residual_in must have the input's dtype"):
+        compiled(torch.zeros(8, 256, dtype=BF), torch.zeros(8, 256), torch.zeros(256, dtype=BF))
+    assert graphs == []
+    torch._dynamo.reset()
+
+
+def test_fake_checks_wait_for_real_sizes_when_symbolic(handle):
+    """With dynamic shapes the size rules (fit, one-shot) wait for the eager op; the rest
+    (dtypes, ranks of the tensors) are still checked while tracing."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, res, g):
+        return FUSED(x, res, g, 1e-6, 0.0, None, False, handle)
+
+    args = (torch.zeros(8, 256, dtype=BF), torch.zeros(8, 256, dtype=BF),
+            torch.zeros(256, dtype=BF))
+    gm = make_fx(f, tracing_mode="symbolic")(*args)
+    assert any(n.target is FUSED for n in gm.graph.nodes)
+    bad = (args[0], args[1].float(), args[2])
+    with pytest.raises(ValueError, match="residual_in must have the input's dtype"):
+        make_fx(f, tracing_mode="symbolic")(*bad)

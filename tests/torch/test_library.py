@@ -1,0 +1,641 @@
+"""torch_compat.library (custom ops + fake impls) and torch_compat.fusion_pass on CPU.
+
+No GPU: the real kernels are registered for CUDA only. Where a test needs the op to run on
+CPU tensors (opcheck's fake-vs-real comparison, torch.compile, the numerics of a rewritten
+graph) it registers, for the test's duration only, a CPU *reference* implementation with
+world-size-1 semantics (the all-reduce sum of one rank is the input). That stand-in checks
+the plumbing (schemas, fake impls, tracing, graph rewiring), not the kernel: the kernel's
+numerics are tested on GPUs (tests/gpu/test_torch.py).
+"""
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+import torch.nn.functional as F  # noqa: E402
+from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
+
+import torch_compat  # noqa: E402
+from jax_fusedar.common import sizing  # noqa: E402
+from torch_compat import fusion_pass, library, ops  # noqa: E402
+from torch_compat import workspace as wsmod  # noqa: E402
+
+from tests.torch.test_torch_compat import FakeRank  # noqa: E402
+
+AR = torch.ops.torch_compat.allreduce.default
+FUSED = torch.ops.torch_compat.allreduce_residual_rmsnorm.default
+EPS = 1e-6
+
+
+def fake_workspace(global_ranks=(0,), max_tokens=64, hidden=256, dtype=torch.bfloat16):
+    """A workspace over ``global_ranks`` backed by a FakeRank. Sizes are those of a 2-rank
+    workspace (the kernel has no 1-rank build; only the buffer rule matters here)."""
+    name = wsmod.dtype_name(dtype)
+    ws = wsmod.TorchAllReduceFusionWorkspace(
+        native_rank=FakeRank(), global_ranks=list(global_ranks), rank=0, device=0,
+        max_token_num=max_tokens, hidden_dim=hidden, dtype=dtype,
+        sizes=sizing.workspace_sizes(max(2, len(global_ranks)), max_tokens, hidden, name))
+    ws.torch_device = torch.device("cpu")
+    return ws
+
+
+def _ref_fused(input, residual, gamma, eps, weight_bias, use_oneshot, fp32_acc, handle):
+    library.lookup_workspace(handle)  # the handle must be live, as in the real kernel
+    r = input + residual  # world size 1: the sum over the group is the input
+    rf = r.float()
+    n = rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps) * (weight_bias + gamma.float())
+    return r.clone(), n.to(input.dtype)
+
+
+def _ref_ar(input, use_oneshot, fp32_acc, handle):
+    library.lookup_workspace(handle)
+    return input.clone()
+
+
+@pytest.fixture
+def cpu_kernels():
+    """CPU reference kernels for the two ops, registered for this test only."""
+    with torch.library._scoped_library("torch_compat", "IMPL") as lib:
+        lib.impl("allreduce_residual_rmsnorm", _ref_fused, "CPU")
+        lib.impl("allreduce", _ref_ar, "CPU")
+        yield
+
+
+@pytest.fixture
+def handle():
+    ws = fake_workspace()
+    h = library.register_workspace(ws)
+    yield h
+    library.unregister_workspace(h)
+
+
+def _inputs(m=8, h=256, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(m, h, generator=g).to(dtype), torch.randn(m, h, generator=g).to(dtype),
+            torch.randn(h, generator=g).to(dtype))
+
+
+# --- registry -----------------------------------------------------------------------------------
+
+
+def test_registry_roundtrip_and_errors():
+    ws = fake_workspace()
+    h = library.register_workspace(ws)
+    try:
+        assert isinstance(h, int)
+        assert library.register_workspace(ws) == h  # idempotent
+        assert library.lookup_workspace(h) is ws
+        other = fake_workspace()
+        h2 = library.register_workspace(other)
+        assert h2 != h
+        library.unregister_workspace(h2)
+        with pytest.raises(KeyError, match="no all-reduce fusion workspace"):
+            library.lookup_workspace(h2)
+        ws.destroy()
+        with pytest.raises(RuntimeError, match="destroyed"):
+            library.lookup_workspace(h)
+    finally:
+        library.unregister_workspace(h)
+    with pytest.raises(TypeError):
+        library.register_workspace(object())
+
+
+def test_exports():
+    assert torch_compat.library is library
+    assert torch_compat.register_workspace is library.register_workspace
+    assert torch_compat.fuse_allreduce_rmsnorm is fusion_pass.fuse_allreduce_rmsnorm
+
+
+def test_schemas():
+    assert str(FUSED._schema) == (
+        "torch_compat::allreduce_residual_rmsnorm(Tensor input, Tensor residual, Tensor gamma, "
+        "float eps, float weight_bias, bool? use_oneshot, bool fp32_acc, SymInt workspace_handle)"
+        " -> (Tensor, Tensor)")
+    assert str(AR._schema) == ("torch_compat::allreduce(Tensor input, bool? use_oneshot, "
+                               "bool fp32_acc, SymInt workspace_handle) -> Tensor")
+    assert not FUSED._schema.is_mutable and not AR._schema.is_mutable
+
+
+# --- the real (CUDA) implementation's wiring, through a FakeRank --------------------------------
+
+
+def test_real_impl_launches_pattern1_through_the_workspace(monkeypatch):
+    monkeypatch.setattr(ops, "_current_stream", lambda device: 0xC0FFEE)
+    ws = fake_workspace(global_ranks=(0, 1))
+    h = library.register_workspace(ws)
+    try:
+        x, res, g = _inputs()
+        r, n = library.allreduce_residual_rmsnorm._init_fn(x, res, g, 1e-5, 1.0, None, True, h)
+        assert r.shape == n.shape == x.shape and r.dtype == n.dtype == x.dtype
+        (args, kw), = ws.native_rank().launches
+        assert args[0] == 1 and args[2:4] == (8, 256) and args[4] == x.data_ptr()
+        assert kw["residual_in"] == res.data_ptr() and kw["rms_gamma"] == g.data_ptr()
+        assert kw["residual_out"] == r.data_ptr() and kw["norm_out"] == n.data_ptr()
+        assert kw["rms_eps"] == 1e-5 and kw["weight_bias"] == 1.0 and kw["fp32_acc"] is True
+        assert kw["stream"] == 0xC0FFEE
+
+        out = library.allreduce._init_fn(x, False, False, h)
+        (args, kw) = ws.native_rank().launches[-1]
+        assert args[0] == 0 and kw["allreduce_out"] == out.data_ptr()
+        assert kw["use_oneshot"] is False
+    finally:
+        library.unregister_workspace(h)
+
+
+def test_op_on_cpu_tensors_has_no_kernel(handle):
+    x, res, g = _inputs()
+    with pytest.raises(NotImplementedError):
+        FUSED(x, res, g, EPS, 0.0, None, False, handle)
+
+
+# --- fake tensors, opcheck, torch.compile -------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fake_tensor_mode_shapes_and_dtypes(dtype):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    # A workspace of the inputs' element width: the fake impls check it as the eager op does.
+    handle = library.register_workspace(fake_workspace(dtype=dtype))
+    with FakeTensorMode() as mode:
+        x = torch.empty(5, 256, dtype=dtype, device="cuda")  # fake: no GPU needed
+        res = torch.empty(5, 256, dtype=dtype, device="cuda")
+        g = torch.empty(256, dtype=dtype, device="cuda")
+        r, n = FUSED(x, res, g, EPS, 0.0, None, False, handle)
+        o = AR(x, None, False, handle)
+    library.unregister_workspace(handle)
+    for t in (r, n, o):
+        assert t.fake_mode is mode
+        assert t.shape == (5, 256) and t.dtype == dtype and t.device.type == "cuda"
+        assert t.is_contiguous()
+
+
+def test_fake_impl_checks_shapes(handle):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        bf16 = dict(dtype=torch.bfloat16)  # the handle's workspace is a bf16 one
+        x = torch.empty(5, 256, **bf16)
+        # The eager op's own checks and messages (ops.check_call).
+        with pytest.raises(ValueError, match=r"rms_gamma must have shape \[hidden_dim\]"):
+            FUSED(x, torch.empty(5, 256, **bf16), torch.empty(128, **bf16), EPS, 0.0, None,
+                  False, handle)
+        with pytest.raises(ValueError, match="residual_in must have the input's shape"):
+            FUSED(x, torch.empty(4, 256, **bf16), torch.empty(256, **bf16), EPS, 0.0, None,
+                  False, handle)
+
+
+def test_opcheck(cpu_kernels, handle):
+    x, res, g = _inputs()
+    # Every opcheck test but autograd (the ops are forward-only collectives, with no
+    # derivative registered; they run in inference graphs).
+    utils = ("test_schema", "test_faketensor", "test_aot_dispatch_static",
+             "test_aot_dispatch_dynamic")
+    torch.library.opcheck(FUSED, (x, res, g, EPS, 0.0, None, False, handle), test_utils=utils)
+    torch.library.opcheck(AR, (x, None, False, handle), test_utils=utils)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_torch_compile_fullgraph(cpu_kernels, handle, backend):
+    torch._dynamo.reset()
+
+    def f(x, res, g):
+        a = AR(x, None, False, handle)
+        r, n = FUSED(a, res, g, EPS, 0.0, None, False, handle)
+        return r * 2, n + 1
+
+    x, res, g = _inputs()
+    compiled = torch.compile(f, fullgraph=True, backend=backend)
+    got = compiled(x, res, g)
+    want = f(x, res, g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    torch._dynamo.reset()
+
+
+def test_torch_compile_fake_only_trace_with_dynamo_explain(handle):
+    # No kernel anywhere: dynamo + fake impls alone must produce one graph, no breaks.
+    torch._dynamo.reset()
+
+    def f(x, res, g):
+        return FUSED(x, res, g, EPS, 0.0, None, False, handle)
+
+    x, res, g = _inputs()
+    gms = []
+
+    def backend(gm, example_inputs):
+        gms.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(f, fullgraph=True, backend=backend)
+    with pytest.raises(Exception):
+        compiled(x, res, g)  # the graph runs the op on CPU, which has no kernel
+    assert len(gms) == 1
+    assert sum(n.target is FUSED or n.target is torch.ops.torch_compat.allreduce_residual_rmsnorm
+               for n in gms[0].graph.nodes) == 1
+    torch._dynamo.reset()
+
+
+# --- the fusion pass ----------------------------------------------------------------------------
+
+
+def _rms_fn(x, g):
+    return F.rms_norm(x, (x.shape[-1],), g, EPS)
+
+
+def _rms_manual(x, g):  # vLLM's RMSNorm.forward_native
+    xf = x.to(torch.float32)
+    v = xf.pow(2).mean(-1, keepdim=True)
+    return (xf * torch.rsqrt(v + EPS)).to(x.dtype) * g
+
+
+def _model(group, norm, blocks=4):
+    from torch.distributed import _functional_collectives as funcol
+
+    def f(h, residual, *gammas):
+        for i in range(blocks):
+            t = funcol.all_reduce(h * (i + 1), "sum", group)
+            residual = t + residual
+            h = norm(residual, gammas[i])
+        return h, residual
+
+    return f
+
+
+def _trace(group, norm, m=8, hidden=256, blocks=4, dtype=torch.bfloat16):
+    x, res, _ = _inputs(m, hidden, dtype)
+    gammas = [torch.randn(hidden).to(dtype) for _ in range(blocks)]
+    args = (x, res, *gammas)
+    gm = make_fx(_model(group, norm, blocks), tracing_mode="fake")(*args)
+    return gm, args
+
+
+def _count(gm, target):
+    return sum(n.op == "call_function" and n.target is target for n in gm.graph.nodes)
+
+
+@pytest.mark.parametrize("norm", [_rms_fn, _rms_manual], ids=["F.rms_norm", "manual"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_pass_fuses_every_block_and_keeps_numerics(gloo_world1, cpu_kernels, norm, dtype):
+    ws = fake_workspace(dtype=dtype)
+    gm, args = _trace(gloo_world1, norm, dtype=dtype)
+    want = gm(*args)
+    ar = torch.ops._c10d_functional.all_reduce.default
+    assert _count(gm, ar) == 4
+    n = torch_compat.fuse_allreduce_rmsnorm(gm, ws)
+    assert n == 4
+    assert _count(gm, FUSED) == 4 and _count(gm, ar) == 0
+    assert _count(gm, torch.ops.aten.rsqrt.default) == 0
+    got = gm(*args)
+    for g_, w_ in zip(got, want):
+        assert g_.dtype == w_.dtype and g_.shape == w_.shape
+        g_, w_ = g_.float(), w_.float()
+        if dtype == torch.bfloat16:
+            # The stand-in normalizes in float32 like the kernel; the traced norm rounds to
+            # bf16 (manual form: before the gamma multiply), and 4 chained blocks compound it.
+            torch.testing.assert_close(g_, w_, atol=0.02 * w_.abs().max().item(), rtol=0.02)
+        else:
+            torch.testing.assert_close(g_, w_, atol=1e-4, rtol=1e-4)
+    library.unregister_workspace(library.register_workspace(ws))
+
+
+def test_pass_leaves_graph_untouched_when_workspace_too_small(gloo_world1):
+    gm, _ = _trace(gloo_world1, _rms_fn, m=8, hidden=256)
+    before = gm.code
+    small = fake_workspace(max_tokens=4, hidden=256)  # 4*256 < 8*256 elements
+    assert fusion_pass.fuse_allreduce_rmsnorm(gm, small) == 0
+    assert gm.code == before
+
+
+def test_pass_only_fuses_the_workspaces_group(gloo_world1):
+    gm, _ = _trace(gloo_world1, _rms_fn)
+    before = gm.code
+    other = fake_workspace(global_ranks=(0, 1))  # another group than WORLD = [0]
+    assert fusion_pass.fuse_allreduce_rmsnorm(gm, other) == 0
+    assert fusion_pass.fuse_allreduce_rmsnorm(gm, fake_workspace(),
+                                              group_name="not-this-group") == 0
+    assert gm.code == before
+    name = gloo_world1.group_name
+    assert fusion_pass.fuse_allreduce_rmsnorm(gm, other, group_name=name) == 4
+
+
+def test_pass_refuses_dtype_width_mismatch(gloo_world1):
+    gm, _ = _trace(gloo_world1, _rms_fn, dtype=torch.float32)
+    assert fusion_pass.fuse_allreduce_rmsnorm(gm, fake_workspace(dtype=torch.bfloat16)) == 0
+
+
+def test_pass_skips_blocks_whose_allreduce_output_is_used_elsewhere(gloo_world1):
+    from torch.distributed import _functional_collectives as funcol
+
+    def f(x, res, g):
+        t = funcol.all_reduce(x, "sum", gloo_world1)
+        r = t + res
+        return _rms_fn(r, g), t * 3  # the plain sum is needed too: pattern 1 cannot give it
+
+    x, res, g = _inputs()
+    gm = make_fx(f, tracing_mode="fake")(x, res, g)
+    assert fusion_pass.fuse_allreduce_rmsnorm(gm, fake_workspace()) == 0
+
+
+def test_pass_skips_norm_without_weight_and_rmsnorm_of_other_things(gloo_world1):
+    from torch.distributed import _functional_collectives as funcol
+
+    def f(x, res):
+        t = funcol.all_reduce(x, "sum", gloo_world1)
+        r = t + res
+        return F.rms_norm(r, (r.shape[-1],), None, EPS), r
+
+    x, res, _ = _inputs()
+    gm = make_fx(f, tracing_mode="fake")(x, res)
+    assert fusion_pass.fuse_allreduce_rmsnorm(gm, fake_workspace()) == 0
+
+
+def _hand_built_block(group, norm):
+    """A graph of one all_reduce -> wait -> add residual -> ``norm(g, r, gamma)`` block, as
+    a pre-decomposition graph holds it, with fake values on every node; ``norm`` adds the
+    norm's nodes and returns (output nodes, norm output node). Returns (gm, inputs)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    g = torch.fx.Graph()
+    x, res, gamma = g.placeholder("x"), g.placeholder("res"), g.placeholder("gamma")
+    ar = g.call_function(torch.ops._c10d_functional.all_reduce.default,
+                         (x, "sum", group.group_name))
+    w = g.call_function(torch.ops._c10d_functional.wait_tensor.default, (ar,))
+    r = g.call_function(torch.ops.aten.add.Tensor, (res, w))
+    outputs, n = norm(g, r, gamma)
+    g.output(tuple(outputs))
+    args = _inputs()
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fakes = [mode.from_tensor(a) for a in args]
+        for node, v in zip((x, res, gamma), fakes):
+            node.meta["val"] = v
+        for node in (ar, w, r, n):
+            node.meta["val"] = fakes[0]
+        for node in g.nodes:
+            if node.target is torch.ops.aten._fused_rms_norm.default:
+                node.meta["val"] = node.target(fakes[0], [256], fakes[2], EPS)
+    return torch.fx.GraphModule({}, g), args
+
+
+def _fuse_and_compare(gm, args, want_replaced):
+    want = gm(*args)
+    assert fusion_pass.fuse_allreduce_rmsnorm(gm, fake_workspace()) == want_replaced
+    got = gm(*args)
+    torch.testing.assert_close(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0], atol=2e-2, rtol=2e-2)
+
+
+def test_pass_on_undecomposed_aten_rms_norm(gloo_world1, cpu_kernels):
+    # A hand-built graph keeping aten.rms_norm whole (as a pre-decomposition graph would).
+    def norm(g, r, gamma):
+        n = g.call_function(torch.ops.aten.rms_norm.default, (r, [256], gamma, EPS))
+        return [n, r], n
+    gm, args = _hand_built_block(gloo_world1, norm)
+    _fuse_and_compare(gm, args, 1)
+
+
+@pytest.mark.parametrize("rstd_used", [False, True])
+def test_pass_on_fused_rms_norm(gloo_world1, cpu_kernels, rstd_used):
+    # aten._fused_rms_norm (what F.rms_norm becomes on CUDA undecomposed) returns
+    # (output, rstd): fused when only the output is used, left alone when rstd is too.
+    import operator
+
+    def norm(g, r, gamma):
+        fused = g.call_function(torch.ops.aten._fused_rms_norm.default, (r, [256], gamma, EPS))
+        n = g.call_function(operator.getitem, (fused, 0))
+        extra = [g.call_function(operator.getitem, (fused, 1))] if rstd_used else []
+        return [n, r] + extra, n
+    gm, args = _hand_built_block(gloo_world1, norm)
+    _fuse_and_compare(gm, args, 0 if rstd_used else 1)
+    assert any(node.target is torch.ops.aten._fused_rms_norm.default
+               for node in gm.graph.nodes) == rstd_used
+
+
+def test_inductor_custom_pass_object(gloo_world1):
+    gm, _ = _trace(gloo_world1, _rms_manual)
+    p = fusion_pass.AllReduceFusionPass(fake_workspace())
+    p(gm.graph)
+    assert p.count == 4 and _count(gm, FUSED) == 4
+    assert p.uuid() == fusion_pass.AllReduceFusionPass(p.workspace).uuid()
+    library.unregister_workspace(p.handle)
+
+
+def test_inductor_end_to_end_with_post_grad_pass(gloo_world1, cpu_kernels):
+    # torch.compile(fullgraph=True) with inductor: dynamo traces the funcol all-reduce, the
+    # pass rewrites the post-grad graph, inductor compiles around the custom op.
+    from torch.distributed import _functional_collectives as funcol
+    torch._dynamo.reset()
+    p = fusion_pass.AllReduceFusionPass(fake_workspace(dtype=torch.float32))
+
+    def f(x, res, g):
+        t = funcol.all_reduce(x, "sum", gloo_world1)
+        r = t + res
+        return F.rms_norm(r, (r.shape[-1],), g, EPS), r
+
+    x, res, g = _inputs(dtype=torch.float32)
+    try:
+        # No cache: a hit (e.g. from an earlier run of this test) would skip the pass.
+        with torch._inductor.config.patch(post_grad_custom_pre_pass=p, fx_graph_cache=False,
+                                          force_disable_caches=True):
+            got = torch.compile(f, fullgraph=True, backend="inductor")(x, res, g)
+    finally:
+        torch._dynamo.reset()
+        library.unregister_workspace(p.handle)
+    assert p.count == 1
+    for a, b in zip(got, f(x, res, g)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+# --- the quantized op ---------------------------------------------------------------------------
+
+QUANT = torch.ops.torch_compat.allreduce_residual_rmsnorm_quant.default
+E4M3 = torch.float8_e4m3fn
+
+
+def _ref_quant(input, residual, gamma, eps, weight_bias, pattern, scale_factor, group, layout,
+               use_oneshot, fp32_acc, handle):
+    """World-size-1 CPU stand-in for the quantized op, quantizing with the independent numpy
+    oracle (tests/oracles/quant_oracle.py); NVFP4 outputs are left zero (not an oracle check)."""
+    from tests.oracles import quant_oracle
+    from jax_fusedar.common.patterns import TRAITS, AllReduceFusionPattern
+
+    library.lookup_workspace(handle)
+    traits = TRAITS[AllReduceFusionPattern(pattern)]
+    r_out, n_out, q_out, s_out = library._quant_outputs(input, pattern, group, layout)
+    r = input + residual
+    rf = r.float()
+    n = (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)
+         * (weight_bias + gamma.float())).to(input.dtype)
+    r_out.copy_(r)
+    if traits.has_norm_out:
+        n_out.copy_(n)
+    y = n.float().numpy()
+    if traits.quant == "fp8":
+        q = quant_oracle.fp8_static(y, float(scale_factor.reshape(())))
+    elif traits.quant == "dynamic_fp8":
+        q, s = quant_oracle.fp8_dynamic(y)
+        s_out.copy_(torch.from_numpy(s))
+    elif traits.quant == "group_fp8":
+        q, buf = quant_oracle.fp8_group(y, group)
+        s_out.copy_(torch.from_numpy(buf)[:, :input.shape[0]].t())
+    else:
+        q_out.zero_()
+        s_out.view(torch.uint8).zero_()
+        return r_out, n_out, q_out, s_out
+    q_out.copy_(torch.from_numpy(q).view(E4M3))
+    return r_out, n_out, q_out, s_out
+
+
+@pytest.fixture
+def cpu_quant_kernel():
+    with torch.library._scoped_library("torch_compat", "IMPL") as lib:
+        lib.impl("allreduce_residual_rmsnorm_quant", _ref_quant, "CPU")
+        yield
+
+
+# (pattern, extra args (scale_factor, group, layout)); NVFP4 uses layout LINEAR/swizzled
+QUANT_CASES = [(2, "sf"), (4, "sf"), (10, None), (11, None), (8, 64), (9, 128),
+               (3, "fp4:0"), (5, "fp4:2")]
+
+
+def _quant_args(pattern, extra, m=8, h=256, dtype=torch.bfloat16, device=None, handle=0):
+    if device is None:
+        x, res, g = _inputs(m, h, dtype)
+    else:  # under FakeTensorMode: fake CUDA tensors, no GPU needed
+        x, res = (torch.empty(m, h, dtype=dtype, device=device) for _ in range(2))
+        g = torch.empty(h, dtype=dtype, device=device)
+    sf = grp = lay = None
+    if extra == "sf" or str(extra).startswith("fp4"):
+        sf = torch.tensor([0.03], dtype=torch.float32, device=x.device)
+    if isinstance(extra, int):
+        grp = extra
+    if str(extra).startswith("fp4"):
+        lay = int(extra.split(":")[1])
+    return (x, res, g, EPS, 0.0, pattern, sf, grp, lay, None, False, handle)
+
+
+def _expected_quant_meta(pattern, extra, m=8, h=256, dtype=torch.bfloat16):
+    """(shape, dtype, stride) of the four outputs, from the formats helpers."""
+    from jax_fusedar.common import quant_layouts
+    full = ((m, h), dtype, (h, 1))
+    empty_t = ((0,), dtype, (1,))
+    norm = full if pattern in (4, 5, 9, 11) else empty_t
+    if pattern in (3, 5):
+        lay = int(extra.split(":")[1])
+        sshape = quant_layouts.nvfp4_scale_shape(m, h, lay)
+        return [full, norm, ((m, h // 2), torch.uint8, (h // 2, 1)),
+                (sshape, E4M3, (sshape[1], 1))]
+    q = ((m, h), E4M3, (h, 1))
+    if pattern in (2, 4):
+        s = ((0,), torch.float32, (1,))
+    elif pattern in (10, 11):
+        s = ((m, 1), torch.float32, (1, 1))
+    else:
+        k, t = quant_layouts.group_scale_buffer_shape(m, h, extra)
+        s = ((m, k), torch.int32, (1, t))
+    return [full, norm, q, s]
+
+
+def test_quant_schema():
+    assert str(QUANT._schema) == (
+        "torch_compat::allreduce_residual_rmsnorm_quant(Tensor input, Tensor residual, "
+        "Tensor gamma, float eps, float weight_bias, SymInt pattern, Tensor? scale_factor, "
+        "SymInt? block_quant_group_size, SymInt? layout_code, bool? use_oneshot, "
+        "bool fp32_acc, SymInt workspace_handle) -> (Tensor, Tensor, Tensor, Tensor)")
+    assert not QUANT._schema.is_mutable
+    assert library.QUANT_PATTERNS == (2, 3, 4, 5, 8, 9, 10, 11)
+
+
+@pytest.mark.parametrize("pattern, extra", QUANT_CASES)
+def test_quant_fake_tensor_shapes(pattern, extra, handle):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        args = _quant_args(pattern, extra, device="cuda", handle=handle)
+        outs = QUANT(*args)
+    for t, (shape, dtype, stride) in zip(outs, _expected_quant_meta(pattern, extra)):
+        assert (tuple(t.shape), t.dtype, t.stride(), t.device.type) == \
+            (tuple(shape), dtype, tuple(stride), "cuda")
+
+
+def test_quant_fake_refuses_plain_patterns_and_bad_shapes(handle):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        for p in (0, 1):
+            with pytest.raises(RuntimeError, match="quantized patterns"):
+                QUANT(*_quant_args(p, None, handle=handle))
+        args = list(_quant_args(10, None, handle=handle))
+        args[1] = torch.empty(4, 256)
+        with pytest.raises(ValueError, match="residual_in must have the input's shape"):
+            QUANT(*args)
+
+
+@pytest.mark.parametrize("pattern, extra", QUANT_CASES)
+def test_quant_real_impl_wiring(monkeypatch, pattern, extra):
+    monkeypatch.setattr(ops, "_current_stream", lambda device: 0xC0FFEE)
+    monkeypatch.setattr(ops, "_compute_capability", lambda device: (10, 0))
+    ws = fake_workspace(global_ranks=(0, 1))
+    h = library.register_workspace(ws)
+    try:
+        args = _quant_args(pattern, extra, handle=h)
+        outs = library.allreduce_residual_rmsnorm_quant._init_fn(*args)
+        for t, (shape, dtype, stride) in zip(outs, _expected_quant_meta(pattern, extra)):
+            assert (tuple(t.shape), t.dtype, t.stride()) == (tuple(shape), dtype, tuple(stride))
+        (a, kw), = ws.native_rank().launches
+        r, n, q, s = outs
+        assert a[0] == pattern and a[4] == args[0].data_ptr()
+        assert kw["residual_out"] == r.data_ptr() and kw["quant_out"] == q.data_ptr()
+        assert kw["norm_out"] == (n.data_ptr() if pattern in (4, 5, 9, 11) else 0)
+        assert kw["scale_out"] == (0 if pattern in (2, 4) else s.data_ptr())
+        assert kw["scale_factor"] == (args[6].data_ptr() if args[6] is not None else 0)
+        assert kw["block_quant_group_size"] == (extra if isinstance(extra, int) else 0)
+    finally:
+        library.unregister_workspace(h)
+
+
+def test_quant_real_impl_refuses_nvfp4_on_sm90(monkeypatch):
+    monkeypatch.setattr(ops, "_current_stream", lambda device: 0)
+    monkeypatch.setattr(ops, "_compute_capability", lambda device: (9, 0))
+    ws = fake_workspace(global_ranks=(0, 1))
+    h = library.register_workspace(ws)
+    try:
+        with pytest.raises(ValueError, match="sm100"):
+            library.allreduce_residual_rmsnorm_quant._init_fn(*_quant_args(5, "fp4:0", handle=h))
+    finally:
+        library.unregister_workspace(h)
+    assert not ws.native_rank().launches
+
+
+@pytest.mark.parametrize("pattern, extra", [c for c in QUANT_CASES if c[0] not in (3, 5)])
+def test_quant_opcheck(cpu_quant_kernel, handle, pattern, extra):
+    utils = ("test_schema", "test_faketensor", "test_aot_dispatch_static",
+             "test_aot_dispatch_dynamic")
+    torch.library.opcheck(QUANT, _quant_args(pattern, extra, handle=handle), test_utils=utils)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_quant_torch_compile_fullgraph(cpu_quant_kernel, handle, backend):
+    torch._dynamo.reset()
+
+    def f(x, res, g, sf):
+        r, n, q, s = QUANT(x, res, g, EPS, 0.0, 11, None, None, None, None, False, handle)
+        r2, _, q2, _ = QUANT(n, r, g, EPS, 0.0, 2, sf, None, None, None, False, handle)
+        r3, n3, q3, s3 = QUANT(n, r2, g, EPS, 0.0, 9, None, 64, None, None, False, handle)
+        return q.float() * s, q2, s3, r3 + n3
+
+    x, res, g = _inputs()
+    sf = torch.tensor([0.02])
+    got = torch.compile(f, fullgraph=True, backend=backend)(x, res, g, sf)
+    want = f(x, res, g, sf)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+        assert torch.equal(a.view(torch.uint8) if a.dtype == E4M3 else a,
+                           b.view(torch.uint8) if b.dtype == E4M3 else b)
+    torch._dynamo.reset()
+
+
+def test_quant_stand_in_matches_the_oracle_dequantization(cpu_quant_kernel, handle):
+    # Sanity of the stand-in itself (so the tests above compare something meaningful):
+    # dequantized dynamic FP8 is within e4m3's half-step of the norm output.
+    x, res, g = _inputs(m=8, h=256)
+    r, n, q, s = QUANT(x, res, g, EPS, 0.0, 11, None, None, None, None, False, handle)
+    y = n.float()
+    deq = q.float() * s
+    assert torch.all((deq - y).abs() <= 2.0 ** -4 * y.abs() + 2.0 ** -10 * s)
+    assert torch.all(s > 0) and not torch.equal(q.view(torch.uint8), torch.zeros_like(q.view(torch.uint8)))

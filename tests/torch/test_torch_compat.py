@@ -1,0 +1,952 @@
+"""torch_compat on CPU (torch's CPU build, no GPU): FlashInfer-compatible signatures, every
+argument check, the c10d-store channel against real HashStore/TCPStore, the group exchange
+with the DP+TP layout that broke vLLM, and that torch_compat never imports JAX.
+
+Ranks are fakes that record what they were given; the kernel itself runs in
+tests/gpu/test_torch.py.
+"""
+import ast
+import datetime
+import inspect
+import pathlib
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+import torch_compat  # noqa: E402
+from jax_fusedar.common import (backend_choice, exchange, launch_mode, native, sizing,  # noqa: E402
+                                tp_groups)
+from torch_compat import ops  # noqa: E402
+from torch_compat import workspace as wsmod  # noqa: E402
+from torch_compat.channel import StoreChannel  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+ANCHOR = pathlib.Path("/work/shared/anchor-flashinfer/flashinfer/comm/allreduce.py")
+
+
+# --- signatures ----------------------------------------------------------------------------------
+
+_ = inspect.Parameter.empty
+POS, KW = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
+
+# flashinfer/comm/allreduce.py (0.7.2.post1 era): (name, default, kind) in order.
+FI_CREATE = [
+    ("backend", "auto", POS), ("world_size", None, POS), ("rank", None, POS),
+    ("max_token_num", None, POS), ("hidden_dim", None, POS), ("dtype", None, POS),
+    ("gpus_per_node", None, POS), ("comm_backend", None, POS),
+    ("force_oneshot_support", False, POS), ("group", None, POS),
+    # keyword-only options of the MNNVL CuTe DSL backend
+    ("top_k", None, KW), ("rms_eps", None, KW), ("weight_bias", None, KW),
+    ("routed_scaling_factor", None, KW), ("include_shared_expert", None, KW),
+    ("add_residual", None, KW), ("write_residual_output", None, KW),
+    ("apply_rms_norm", None, KW), ("output_dtype", None, KW), ("dynamic_fp8", None, KW),
+    ("write_norm_output", None, KW), ("config", None, KW),
+]
+FI_CREATE_ONLY = {n for n, _d, k in FI_CREATE if k == KW}  # CuTe DSL only
+
+FI_FUSION = [
+    ("input", _, POS), ("workspace", _, POS), ("pattern", _, POS),
+    ("launch_with_pdl", False, POS), ("trigger_completion_at_end", True, POS),
+    ("output", None, POS), ("residual_out", None, POS), ("norm_out", None, POS),
+    ("quant_out", None, POS), ("scale_out", None, POS), ("residual_in", None, POS),
+    ("rms_gamma", None, POS), ("rms_eps", 1e-6, POS), ("scale_factor", None, POS),
+    ("layout_code", None, POS), ("use_oneshot", None, POS), ("fp32_acc", False, POS),
+    ("moe_reduction_device_num_experts", None, POS), ("moe_reduction_scale_input", None, POS),
+    ("moe_reduction_active_experts_token_input", None, POS),
+    ("moe_reduction_token_input", None, POS), ("expanded_idx_to_permuted_idx", None, POS),
+    ("expert_scale_factor", None, POS), ("shared_expert_output", None, POS),
+    ("block_quant_group_size", None, POS), ("weight_bias", 0.0, POS),
+    ("moe_finalize_backend", "trtllm", KW),
+]
+FI_FUSION_ONLY = set()  # every FlashInfer parameter, the MoE ones (6, 7) included
+
+FI_SUFFICIENT = [("self", _, POS), ("tp_size", _, POS), ("num_tokens", _, POS),
+                 ("hidden_dim", _, POS), ("dtype", _, POS), ("use_oneshot", None, POS)]
+
+
+def _params(fn):
+    return [(p.name, p.default, p.kind) for p in inspect.signature(fn).parameters.values()]
+
+
+def test_create_signature_matches_flashinfer():
+    ours = _params(torch_compat.create_allreduce_fusion_workspace)
+    assert ours[:-3] == [p for p in FI_CREATE if p[0] not in FI_CREATE_ONLY]
+    assert ours[-3:] == [("timeout_s", 120.0, KW), ("check_calls", None, KW),
+                         ("check_timeout_s", None, KW)]  # our additions, keyword-only
+
+
+def test_allreduce_fusion_signature_matches_flashinfer():
+    assert _params(torch_compat.allreduce_fusion)[:-1] == [
+        p for p in FI_FUSION if p[0] not in FI_FUSION_ONLY]
+    # Our addition, keyword-only: pattern 7's routed scaling (FlashInfer's unified API passes
+    # None, i.e. 1.0, to its kernel).
+    assert _params(torch_compat.allreduce_fusion)[-1] == ("routed_scaling_factor", None, KW)
+
+
+def test_is_buffer_size_sufficient_signature_matches_flashinfer():
+    assert _params(torch_compat.TorchAllReduceFusionWorkspace.is_buffer_size_sufficient) == \
+        FI_SUFFICIENT
+
+
+def _anchor_signature(tree, name):
+    fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name)
+    a = fn.args
+    pos = [x.arg for x in a.args]
+    defaults = [_] * (len(pos) - len(a.defaults)) + [ast.literal_eval(d) for d in a.defaults]
+    kw = [(x.arg, ast.literal_eval(d), KW) for x, d in zip(a.kwonlyargs, a.kw_defaults)]
+    return [(n, d, POS) for n, d in zip(pos, defaults)] + kw
+
+
+@pytest.mark.skipif(not ANCHOR.exists(), reason="FlashInfer's source is not on this machine")
+def test_hard_coded_lists_are_flashinfers():
+    tree = ast.parse(ANCHOR.read_text())
+    assert _anchor_signature(tree, "create_allreduce_fusion_workspace") == FI_CREATE
+    assert _anchor_signature(tree, "allreduce_fusion") == FI_FUSION
+    assert _anchor_signature(tree, "is_buffer_size_sufficient") == FI_SUFFICIENT
+
+
+def test_exports():
+    assert torch_compat.AllReduceFusionPattern.kARResidualRMSNorm == 1
+    assert torch_compat.QuantizationSFLayout.LINEAR == 2
+    assert set(torch_compat.__all__) >= {"create_allreduce_fusion_workspace", "allreduce_fusion",
+                                         "AllReduceFusionPattern", "QuantizationSFLayout"}
+
+
+def test_importing_torch_compat_does_not_import_jax():
+    code = ("import sys, torch_compat; "
+            "bad = [m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'jaxlib'))]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# --- fakes ----------------------------------------------------------------------------------------
+
+
+class FakeRank:
+    """Stands in for the native Rank: records exchange and launch calls."""
+
+    def __init__(self, process=0, device=0, tp_rank=0):
+        self.process, self.device, self.tp_rank = process, device, tp_rank
+        self.peers, self.finalized, self.launches, self.destroyed = {}, False, [], 0
+
+    def export_ipc(self):
+        return f"ipc:{self.process}:{self.device}:{self.tp_rank}".encode()
+
+    def local_pointers(self):
+        return [1, 2, 3]
+
+    def set_peer_pointers(self, peer, peer_device, ptrs):
+        self.peers[peer] = ("ptr", peer_device)
+
+    def open_peer_ipc(self, peer, handles):
+        self.peers[peer] = ("ipc", handles.decode())
+
+    def finalize(self):
+        self.finalized = True
+
+    def launch(self, *args, **kw):
+        self.launches.append((args, kw))
+
+    def destroy(self):
+        self.destroyed += 1
+
+
+def fake_workspace(world=2, max_tokens=128, hidden=1024, dtype=torch.bfloat16):
+    name = wsmod.dtype_name(dtype)
+    ws = wsmod.TorchAllReduceFusionWorkspace(
+        native_rank=FakeRank(), global_ranks=list(range(world)), rank=0, device=0,
+        max_token_num=max_tokens, hidden_dim=hidden, dtype=dtype,
+        sizes=sizing.workspace_sizes(world, max_tokens, hidden, name))
+    ws.torch_device = torch.device("cpu")  # so CPU tensors pass the device check
+    return ws
+
+
+@pytest.fixture
+def cpu_stream(monkeypatch):
+    monkeypatch.setattr(ops, "_current_stream", lambda device: 0xC0FFEE)
+
+
+def _tensors(m=16, h=1024, dtype=torch.bfloat16):
+    x = torch.randn(m, h).to(dtype)
+    return dict(input=x, residual_in=torch.randn(m, h).to(dtype),
+                rms_gamma=torch.randn(h).to(dtype), residual_out=torch.empty_like(x),
+                norm_out=torch.empty_like(x))
+
+
+# --- the workspace object -------------------------------------------------------------------------
+
+
+def test_workspace_metadata_and_buffer_rule():
+    ws = fake_workspace(world=2, max_tokens=128, hidden=1024)
+    md = ws.metadata
+    assert {k: md[k] for k in ("tp_rank", "tp_size", "max_token_num", "hidden_dim",
+                               "use_fp32_lamport")} == {
+        "tp_rank": 0, "tp_size": 2, "max_token_num": 128, "hidden_dim": 1024,
+        "use_fp32_lamport": False}
+    assert md["lamport_comm_size"] == ws.sizes.lamport_comm_bytes
+    assert ws.backend == "trtllm"
+    ok = ws.is_buffer_size_sufficient
+    assert ok(2, 128, 1024, torch.bfloat16)
+    assert ok(2, 256, 512, torch.float16)  # element count, and fp16 shares bf16's width
+    assert not ok(2, 129, 1024, torch.bfloat16)
+    assert not ok(4, 16, 1024, torch.bfloat16)  # TP size differs
+    assert not ok(2, 16, 1024, torch.float32)  # width differs
+    assert not ok(2, 16, 1024, torch.float64)
+    assert not ok(2, 2, 1024, torch.bfloat16, use_oneshot=False)  # two-shot needs > 2 tokens
+    assert ok(2, 3, 1024, torch.bfloat16, use_oneshot=False)
+    assert fake_workspace(dtype=torch.float32).metadata["use_fp32_lamport"]
+
+
+def test_destroy_is_idempotent_and_final(cpu_stream):
+    ws = fake_workspace()
+    rank = ws._rank_obj
+    with ws as same:
+        assert same is ws
+    assert ws.destroyed and rank.destroyed == 1
+    ws.destroy()
+    assert rank.destroyed == 1
+    for call in (lambda: ws.metadata,
+                 lambda: ws.is_buffer_size_sufficient(2, 1, 1024, torch.bfloat16),
+                 lambda: torch_compat.allreduce_fusion(workspace=ws, pattern=1, **_tensors())):
+        with pytest.raises(RuntimeError, match="destroyed"):
+            call()
+    assert "destroyed" in repr(ws)
+
+
+# --- allreduce_fusion: what reaches the kernel and what comes back --------------------------------
+
+
+def test_pattern1_launch_arguments_and_return_value(cpu_stream):
+    ws = fake_workspace()
+    t = _tensors(m=16)
+    out = torch_compat.allreduce_fusion(workspace=ws, pattern=1, launch_with_pdl=True,
+                                        fp32_acc=True, rms_eps=1e-5, weight_bias=1.0, **t)
+    assert out is t["norm_out"]  # FlashInfer returns norm_out for the norm patterns
+    (args, kw), = ws._rank_obj.launches
+    assert args == (1, native.DTYPE_CODES["bfloat16"], 16, 1024, t["input"].data_ptr())
+    assert kw["residual_in"] == t["residual_in"].data_ptr()
+    assert kw["residual_out"] == t["residual_out"].data_ptr()
+    assert kw["norm_out"] == t["norm_out"].data_ptr()
+    assert kw["rms_gamma"] == t["rms_gamma"].data_ptr()
+    assert kw["allreduce_out"] == 0  # pattern 1 writes no all-reduce output
+    assert kw["stream"] == 0xC0FFEE and kw["use_oneshot"] is True
+    assert kw["launch_with_pdl"] and kw["fp32_acc"] and kw["trigger_completion_at_end"]
+    assert kw["rms_eps"] == pytest.approx(1e-5) and kw["weight_bias"] == 1.0
+
+
+def test_pattern0_allocates_output_like_flashinfer(cpu_stream):
+    ws = fake_workspace()
+    x = torch.randn(8, 1024).to(torch.float16)  # fp16 on a bf16 workspace: same width
+    out = torch_compat.allreduce_fusion(x, ws, torch_compat.AllReduceFusionPattern.kAllReduce)
+    assert out.shape == x.shape and out.dtype == x.dtype and out is not x
+    (args, kw), = ws._rank_obj.launches
+    assert args[:2] == (0, native.DTYPE_CODES["float16"])
+    assert kw["allreduce_out"] == out.data_ptr() and kw["residual_in"] == 0
+    given = torch.empty_like(x)
+    assert torch_compat.allreduce_fusion(x, ws, 0, output=given) is given
+    # Inputs pattern 0 does not read are ignored, as in FlashInfer.
+    torch_compat.allreduce_fusion(x, ws, 0, residual_in=torch.empty_like(x),
+                                  rms_gamma=torch.empty(1024, dtype=x.dtype), scale_factor=2.0,
+                                  layout_code=2, block_quant_group_size=128)
+    assert ws._rank_obj.launches[-1][1]["residual_in"] == 0
+
+
+def test_oneshot_choice_is_the_topology_policy_and_forcible(cpu_stream):
+    ws = fake_workspace(max_tokens=4096, hidden=4096)
+    for m, use in ((1, None), (17, False), (17, True), (4096, None)):
+        t = _tensors(m=m, h=4096)
+        torch_compat.allreduce_fusion(workspace=ws, pattern=1, use_oneshot=use, **t)
+        expected = launch_mode.choose_oneshot(m, 4096, ws.sizes, use)
+        assert ws._rank_obj.launches[-1][1]["use_oneshot"] is expected
+    with pytest.raises(ValueError, match="two-shot needs more tokens"):
+        torch_compat.allreduce_fusion(workspace=ws, pattern=1, use_oneshot=False,
+                                      **_tensors(m=2, h=4096))
+
+
+def test_aliasing_in_place_outputs_is_allowed(cpu_stream):
+    ws = fake_workspace()
+    t = _tensors()
+    t["residual_out"], t["norm_out"] = t["residual_in"], t["input"]
+    assert torch_compat.allreduce_fusion(workspace=ws, pattern=1, **t) is t["input"]
+
+
+# --- allreduce_fusion: every refusal --------------------------------------------------------------
+
+
+def _call(ws, pattern=1, **over):
+    t = _tensors()
+    t.update(over)
+    return torch_compat.allreduce_fusion(workspace=ws, pattern=pattern, **t)
+
+
+@pytest.mark.parametrize("over, match", [
+    (dict(input=torch.randn(4, 8, 128).bfloat16()), "2-D"),
+    (dict(input=torch.randn(1024).bfloat16()), "2-D"),
+    (dict(input=torch.randn(16, 1024, dtype=torch.float64)), "not supported"),
+    (dict(input=torch.ones(16, 1024, dtype=torch.int32)), "not supported"),
+    (dict(input=torch.randn(1024, 16).bfloat16().t()), "contiguous"),
+    (dict(input=torch.randn(0, 1024).bfloat16()), "empty"),
+    (dict(input=torch.randn(16, 1024)), "element width"),  # fp32 on a bf16 workspace
+    (dict(input=torch.randn(129, 1024).bfloat16()), "exceeds"),
+    (dict(input=torch.randn(16, 1020).bfloat16()), "multiple of 8"),
+    (dict(residual_in=torch.randn(16, 512).bfloat16()), "residual_in must have"),
+    (dict(residual_in=torch.randn(16, 1024).half()), "residual_in must have the input's dtype"),
+    (dict(residual_out=torch.empty(8, 1024).bfloat16()), "residual_out must have"),
+    (dict(norm_out=torch.empty(16, 1024)), "norm_out must have the input's dtype"),
+    (dict(norm_out=torch.empty(1024, 16).bfloat16().t()), "norm_out must be contiguous"),
+    (dict(pattern=0, residual_out=None, norm_out=None, output=torch.empty(16, 1023).bfloat16()),
+     "output must have"),
+    (dict(output=torch.empty(16, 1024).bfloat16()), r"pattern 1 \(kARResidualRMSNorm\) does "
+                                                    "not write output"),
+    (dict(rms_gamma=torch.randn(16, 1024).bfloat16()), r"rms_gamma must have shape \[hidden_dim\]"),
+    (dict(rms_gamma=torch.randn(1024)), "rms_gamma must have the input's dtype"),
+    (dict(rms_gamma=[1.0] * 1024), "rms_gamma must be a torch.Tensor"),
+    (dict(rms_gamma=torch.randn(1025).bfloat16()[1:]), "16-byte boundary"),
+    (dict(residual_in=None), "needs residual_in"),
+    (dict(rms_gamma=None), "needs rms_gamma"),
+    (dict(residual_out=None), "needs residual_out"),
+    (dict(norm_out=None), "needs norm_out"),
+    (dict(quant_out=torch.empty(16, 1024, dtype=torch.uint8)), "does not write quant_out"),
+    (dict(scale_out=torch.empty(16, 1)), "does not write scale_out"),
+    (dict(pattern=0, norm_out=torch.empty(16, 1024).bfloat16()), "does not write"),
+    # FlashInfer's MoE codes: their own inputs (tests/torch/test_moe.py)
+    (dict(pattern=6), "kMoEReductionARResidualRMSNorm needs moe_reduction_device_num_experts"),
+    (dict(pattern=7), "kMoEFinalizeARResidualRMSNorm needs expanded_idx_to_permuted_idx"),
+    (dict(pattern=12), "unknown fusion pattern"),
+    (dict(pattern=99), "unknown fusion pattern"),
+    (dict(input="x"), "must be a torch.Tensor"),
+])
+def test_refused_with_a_clear_value_error(cpu_stream, over, match):
+    with pytest.raises(ValueError, match=match):
+        _call(fake_workspace(), **over)
+
+
+def test_every_kernel_pattern_is_served():
+    assert set(ops.TORCH_PATTERNS) == set(torch_compat.AllReduceFusionPattern)
+
+
+def test_tensors_must_be_on_the_workspace_device(cpu_stream):
+    ws = fake_workspace()
+    ws.torch_device = torch.device("cuda", 3)
+    with pytest.raises(ValueError, match=r"input must be on cuda:3 \(the workspace's device\)"):
+        _call(ws)
+    assert not ws._rank_obj.launches
+
+
+def test_hidden_size_the_kernel_cannot_launch_is_refused(cpu_stream):
+    # 1025 vectors of 8: odd, so a cluster of one CTA, which would need 1025 > 1024 threads.
+    h = 1025 * 8
+    ws = fake_workspace(max_tokens=4, hidden=8192 * 2)
+    with pytest.raises(ValueError, match="threads per CTA"):
+        _call(ws, **_tensors(m=1, h=h))
+
+
+def test_not_a_workspace_is_a_type_error():
+    with pytest.raises(TypeError, match="create_allreduce_fusion_workspace"):
+        torch_compat.allreduce_fusion(torch.randn(2, 8), object(), 0)
+
+
+# --- create_allreduce_fusion_workspace: checks before any exchange --------------------------------
+
+
+CREATE = dict(max_token_num=16, hidden_dim=1024, dtype=torch.bfloat16)
+
+
+def test_create_needs_torch_distributed():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        torch_compat.create_allreduce_fusion_workspace(world_size=2, rank=0, **CREATE)
+
+
+def test_create_rank_must_be_group_local(gloo_world1):
+    with pytest.raises(ValueError, match="group-local"):
+        torch_compat.create_allreduce_fusion_workspace(world_size=1, rank=1, **CREATE)
+
+
+def test_create_world_size_must_be_the_groups(gloo_world1):
+    with pytest.raises(ValueError, match=r"world_size=2 but the TP group has 1 ranks"):
+        torch_compat.create_allreduce_fusion_workspace(world_size=2, rank=0, **CREATE)
+
+
+@pytest.mark.parametrize("sub", [False, True], ids=["world", "new_group"])
+def test_create_world_size_one_is_refused_clearly(gloo_world1, sub):
+    group = dist.new_group([0]) if sub else None
+    for ws, r in ((1, 0), (None, None)):
+        with pytest.raises(ValueError, match="world size 1 is not supported.*2, 4, 8, 16"):
+            torch_compat.create_allreduce_fusion_workspace(world_size=ws, rank=r, group=group,
+                                                           **CREATE)
+
+
+@pytest.mark.parametrize("backend, match", [
+    ("xla", "does not exist under torch"),
+    ("mnnvl", "multicast"),
+    ("mnnvl-cutedsl", "unknown all-reduce backend"),
+    ("nccl", "unknown all-reduce backend"),
+])
+def test_create_refuses_backends_torch_cannot_run(gloo_world1, backend, match):
+    with pytest.raises(ValueError, match=match):
+        torch_compat.create_allreduce_fusion_workspace(backend, 2, 0, **CREATE)
+
+
+def test_create_refuses_xla_from_the_environment(gloo_world1, monkeypatch):
+    monkeypatch.setenv(backend_choice.BACKEND_ENV_VAR, "xla")
+    with pytest.raises(ValueError, match="does not exist under torch"):
+        torch_compat.create_allreduce_fusion_workspace("auto", 2, 0, **CREATE)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float64, torch.int8, "bfloat16"])
+def test_create_refuses_other_dtypes(gloo_world1, dtype):
+    with pytest.raises(ValueError, match="dtype must be torch.bfloat16"):
+        torch_compat.create_allreduce_fusion_workspace(
+            world_size=1, rank=0, max_token_num=16, hidden_dim=1024, dtype=dtype)
+
+
+def test_create_comm_backend_must_describe_the_same_group(gloo_world1):
+    class Backend:  # FlashInfer's CommBackend protocol, built over another group
+        def Get_rank(self):
+            return 3
+
+        def Get_size(self):
+            return 1
+
+    with pytest.raises(ValueError, match="comm_backend.Get_rank"):
+        torch_compat.create_allreduce_fusion_workspace(world_size=1, rank=0,
+                                                       comm_backend=Backend(), **CREATE)
+
+
+# --- the store channel ----------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["hash", "tcp"])
+def stores(request):
+    """A factory of store handles on one store: the same HashStore object, or a new TCPStore
+    client per call (as each process would have), all on one server."""
+    if request.param == "hash":
+        store = dist.HashStore()
+        yield lambda: store
+    else:
+        server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30))
+        yield lambda: dist.TCPStore("127.0.0.1", server.port, 1, False,
+                                    timeout=datetime.timedelta(seconds=30))
+        del server
+
+
+def test_channel_publish_fetch_roundtrip(stores):
+    a, b = StoreChannel(stores(), timeout_s=5), StoreChannel(stores(), timeout_s=5)
+    payload = bytes(range(256)) * 3  # IPC handles are binary
+    a.publish("k/1", payload)
+    assert b.fetch("k/1", "peer") == payload
+    b.publish("k/2", b"x")
+    assert b.fetch_many({"k/1": "a", "k/2": "b"}) == {"k/1": payload, "k/2": b"x"}
+
+
+def test_channel_fetch_names_who_is_missing_within_the_timeout(stores):
+    chan = StoreChannel(stores(), timeout_s=0.5)
+    chan.publish("present", b"1")
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError) as e:
+        chan.fetch_many({"present": "TP rank 0", "absent/1": "TP rank 1 (global rank 5)",
+                         "absent/2": "TP rank 2 (global rank 6)"})
+    assert time.monotonic() - t0 < 3
+    msg = str(e.value)
+    assert "TP rank 1 (global rank 5)" in msg and "TP rank 2 (global rank 6)" in msg
+    assert "TP rank 0" not in msg and "0.5 s" in msg
+
+
+def test_channel_fetch_waits_for_a_late_publisher(stores):
+    chan, late = StoreChannel(stores(), timeout_s=10), StoreChannel(stores(), timeout_s=10)
+    timer = threading.Timer(0.3, late.publish, args=("late", b"ok"))
+    timer.start()
+    assert chan.fetch("late", "late peer") == b"ok"
+    timer.join()
+
+
+def _barrier_threads(stores, processes, present, timeout_s):
+    errors, done = {}, []
+
+    def run(p):
+        try:
+            StoreChannel(stores(), timeout_s=timeout_s, process=p).barrier("b/1", processes)
+            done.append(p)
+        except Exception as e:
+            errors[p] = e
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in present]
+    for i, t in enumerate(threads):
+        time.sleep(0.05 * i)  # stagger arrivals: nobody may leave before the last one
+        t.start()
+    for t in threads:
+        t.join(timeout_s + 10)
+    return done, errors
+
+
+def test_channel_barrier_releases_when_all_arrive(stores):
+    done, errors = _barrier_threads(stores, [4, 5, 6], [4, 5, 6], timeout_s=10)
+    assert not errors and sorted(done) == [4, 5, 6]
+
+
+def test_channel_barrier_timeout_counts_arrivals(stores):
+    t0 = time.monotonic()
+    done, errors = _barrier_threads(stores, [4, 5, 6], [4, 6], timeout_s=0.5)
+    assert time.monotonic() - t0 < 5 and not done
+    for e in errors.values():
+        assert isinstance(e, TimeoutError)
+        assert "only 2 of 3" in str(e) and "not arrived: global ranks [5]" in str(e)
+
+
+def test_channel_barrier_reuse_is_detected():
+    store = dist.HashStore()
+    StoreChannel(store, timeout_s=1).barrier("b", [0])
+    with pytest.raises(RuntimeError, match="reused"):
+        StoreChannel(store, timeout_s=1).barrier("b", [0])
+
+
+# --- exchange keys and the group exchange ---------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_serials(monkeypatch):
+    monkeypatch.setattr(wsmod, "_serials", {})
+
+
+def _key(ranks, serial, purpose="member/rank0"):
+    return exchange.exchange_key(wsmod.NAMESPACE, tp_groups.TPGroup(tuple(ranks), 0), serial,
+                                 purpose)
+
+
+def test_keys_unique_across_groups_with_identical_seeds(fresh_serials):
+    # vLLM seeds `random` the same on every rank; keys must not depend on it.
+    keys = {}
+    for ranks in ([0, 1], [2, 3]):
+        random.seed(1234)
+        keys[tuple(ranks)] = _key(ranks, wsmod._next_serial(ranks))
+    assert keys[(0, 1)] != keys[(2, 3)]
+    # Same group, same serial -> the same key in every member (no coordination needed) ...
+    random.seed(99)
+    assert _key([0, 1], 1) == keys[(0, 1)]
+    # ... and the group's next workspace gets a new one.
+    assert _key([0, 1], wsmod._next_serial([0, 1])) != keys[(0, 1)]
+
+
+def test_serials_count_per_group(fresh_serials):
+    # A process that also builds a WORLD workspace keeps its TP group's serials in step with
+    # a peer that does not.
+    assert wsmod._next_serial([0, 1, 2, 3]) == 1
+    assert wsmod._next_serial([0, 1]) == 1
+    assert wsmod._next_serial([0, 1]) == 2
+    assert wsmod._next_serial([2, 3]) == 1
+
+
+def _join_threads(layout, timeout_s=10.0, hosts=None, skip=(), backend="trtllm"):
+    """layout: {global rank: (group's global ranks, device)}; one thread per process on one
+    HashStore (the default store each process would share)."""
+    store = dist.HashStore()
+    out, errors = {}, {}
+
+    def run(me):
+        ranks, device = layout[me]
+        try:
+            out[me] = wsmod._join_group(
+                global_ranks=ranks, me=me, device=device,
+                host=(hosts or {}).get(me, "node0"),
+                channel=StoreChannel(store, timeout_s=timeout_s, process=me), serial=1,
+                backend=backend,
+                make_rank=lambda dev, tp, me=me: FakeRank(me, dev, tp))
+        except Exception as e:
+            errors[me] = e
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in layout if p not in skip]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s * 4)
+    return out, errors
+
+
+DP_TP = {0: ([0, 1], 0), 1: ([0, 1], 1), 2: ([2, 3], 1), 3: ([2, 3], 0)}
+
+
+def test_dp_tp_groups_exchange_only_within_themselves():
+    random.seed(0)
+    out, errors = _join_threads(DP_TP)
+    assert not errors, errors
+    ranks = {p: o[0] for p, o in out.items()}
+    # Group B: global 2 is TP rank 0 on GPU 1, global 3 TP rank 1 on GPU 0, and each opened
+    # its own group's peer, never group A's.
+    assert (ranks[2].tp_rank, ranks[2].device) == (0, 1)
+    assert (ranks[3].tp_rank, ranks[3].device) == (1, 0)
+    assert ranks[0].peers == {1: ("ipc", "ipc:1:1:1")}
+    assert ranks[1].peers == {0: ("ipc", "ipc:0:0:0")}
+    assert ranks[2].peers == {1: ("ipc", "ipc:3:0:1")}
+    assert ranks[3].peers == {0: ("ipc", "ipc:2:1:0")}
+    assert all(r.finalized for r in ranks.values())
+    assert out[3][1] == [exchange.Member(2, 1), exchange.Member(3, 0)]
+
+
+def test_member_that_never_joins_is_named():
+    t0 = time.monotonic()
+    out, errors = _join_threads(DP_TP, timeout_s=0.5, skip=(3,))
+    assert time.monotonic() - t0 < 5
+    assert set(out) == {0, 1} and set(errors) == {2}
+    msg = str(errors[2])
+    assert isinstance(errors[2], TimeoutError)
+    assert "TP rank 1 of group [2, 3] (global rank 3)" in msg
+
+
+def test_group_across_hosts_is_refused_by_every_member():
+    out, errors = _join_threads({0: ([0, 1], 0), 1: ([0, 1], 0)}, hosts={1: "node1"},
+                                backend="auto")
+    assert not out and set(errors) == {0, 1}
+    for e in errors.values():
+        assert isinstance(e, ValueError) and "spans 2 nodes" in str(e)
+        # The group's members and hosts are named (tp_groups.group_hosts); the advice names
+        # no JAX-only backend (torch's backend errors contradicted themselves), but the
+        # torch way.
+        assert "TP group [0, 1] (global ranks) spans 2 nodes (node0: [0]; node1: [1])" in str(e)
+        assert "'xla'" not in str(e) and "torch.distributed.all_reduce" in str(e)
+
+
+def test_shared_gpu_is_allowed_with_a_warning(caplog):
+    out, errors = _join_threads({0: ([0, 1], 0), 1: ([0, 1], 0)})
+    assert not errors and set(out) == {0, 1}
+    assert "share a GPU" in caplog.text
+
+
+# --- multi-process CPU run over gloo: groups from dist.new_group, the real default store ---------
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gloo_worker(rank, world, chan, *, port):
+    """DP=2 x TP=2 with gloo: the checks that need real subgroups, and the exchange over
+    the default store with the crossed device layout (fake ranks: no GPU here)."""
+    import torch.distributed as dist
+
+    import torch_compat
+    from torch_compat import workspace as wsmod
+    from torch_compat.channel import StoreChannel
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every process, same order
+        group = groups[rank // 2]
+        random.seed(1234)  # as vLLM does, identically everywhere
+
+        def _error_of(**kw):
+            try:
+                torch_compat.create_allreduce_fusion_workspace(
+                    "trtllm", group=group, max_token_num=16, hidden_dim=1024,
+                    dtype=torch.bfloat16, timeout_s=5, **kw)
+            except Exception as e:
+                return f"{type(e).__name__}: {e}"
+            return "created"
+
+        seen = {"world_size": _error_of(world_size=world, rank=rank % 2)}
+        if rank >= 2:  # the global rank where the group-local one belongs
+            seen["global_rank"] = _error_of(world_size=2, rank=rank)
+        elif not torch.cuda.is_available():  # correct arguments: stops at the missing GPU
+            seen["correct"] = _error_of(world_size=2, rank=rank)
+        ranks = dist.get_process_group_ranks(group)
+        native, members = wsmod._join_group(
+            global_ranks=ranks, me=rank, device=[0, 1, 1, 0][rank], host=socket.gethostname(),
+            channel=StoreChannel(timeout_s=30, process=rank),
+            serial=wsmod._next_serial(ranks), backend="auto",
+            make_rank=lambda dev, tp: FakeRank(rank, dev, tp))
+        return {"seen": seen, "tp_rank": native.tp_rank, "device": native.device,
+                "peers": {str(k): v for k, v in native.peers.items()},
+                "members": [(m.process, m.device) for m in members]}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dp_tp_over_gloo_four_processes():
+    from tests.gpu.harness import run_ranks
+
+    res = run_ranks(gloo_worker, 4, timeout_s=180, port=_free_port())
+    for g, r in enumerate(res):
+        assert "the size of `group`" in r["seen"]["world_size"], r["seen"]
+        if g >= 2:
+            assert "group-local" in r["seen"]["global_rank"], r["seen"]
+        elif not torch.cuda.is_available():
+            assert "needs a CUDA GPU" in r["seen"]["correct"], r["seen"]
+        assert r["tp_rank"] == g % 2 and r["device"] == [0, 1, 1, 0][g]
+    assert res[2]["members"] == [(2, 1), (3, 0)]
+    assert res[2]["peers"] == {"1": ("ipc", "ipc:3:0:1")}
+    assert res[3]["peers"] == {"0": ("ipc", "ipc:2:1:0")}
+    assert res[0]["peers"] == {"1": ("ipc", "ipc:1:1:1")}
+
+
+# --- allreduce_fusion: the quantized patterns -----------------------------------------------------
+
+QP = torch_compat.AllReduceFusionPattern
+FP8_STATIC = (QP.kARResidualRMSNormFP8Quant, QP.kARResidualRMSNormOutFP8Quant)
+FP8_DYNAMIC = (QP.kARResidualRMSNormDynamicFP8Quant, QP.kARResidualRMSNormOutDynamicFP8Quant)
+FP8_GROUP = (QP.kARResidualRMSNormPerTokenGroupFP8PackedQuant,
+             QP.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant)
+NVFP4 = (QP.kARResidualRMSNormFP4Quant, QP.kARResidualRMSNormOutFP4Quant)
+QUANT = FP8_STATIC + FP8_DYNAMIC + FP8_GROUP + NVFP4
+
+
+@pytest.fixture
+def sm100(monkeypatch):
+    monkeypatch.setattr(ops, "_compute_capability", lambda device: (10, 0))
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    monkeypatch.setattr(ops, "_compute_capability", lambda device: (9, 0))
+
+
+def group_scale_out(m, h, g):
+    """FlashInfer's per-token-group scale tensor: (M, K) int32 with strides (1, T)."""
+    from jax_fusedar.common import quant_layouts
+    k, t = quant_layouts.group_scale_buffer_shape(m, h, g)
+    return torch.empty(k, t, dtype=torch.int32)[:, :m].t()
+
+
+def _qtensors(pattern, m=16, h=1024, dtype=torch.bfloat16, group=128, layout=None):
+    """A valid full argument set for quantized ``pattern`` (CPU tensors)."""
+    from jax_fusedar.common import quant_layouts
+    p = QP(pattern)
+    from jax_fusedar.common.patterns import TRAITS
+    traits = TRAITS[p]
+    t = _tensors(m, h, dtype)
+    if not traits.has_norm_out:
+        del t["norm_out"]
+    if traits.quant == "fp4":
+        lay = 0 if layout is None else layout
+        t["quant_out"] = torch.empty(m, h // 2, dtype=torch.uint8)
+        t["scale_out"] = torch.empty(quant_layouts.nvfp4_scale_shape(m, h, lay),
+                                     dtype=torch.float8_e4m3fn)
+        t["scale_factor"] = torch.tensor([448.0 * 6.0], dtype=torch.float32)
+        if layout is not None:
+            t["layout_code"] = layout
+    else:
+        t["quant_out"] = torch.empty(m, h, dtype=torch.float8_e4m3fn)
+        if traits.quant == "fp8":
+            t["scale_factor"] = torch.tensor([0.05], dtype=torch.float32)
+        elif traits.quant == "dynamic_fp8":
+            t["scale_out"] = torch.empty(m, 1, dtype=torch.float32)
+        else:
+            t["scale_out"] = group_scale_out(m, h, group)
+            t["block_quant_group_size"] = group
+    return t
+
+
+@pytest.mark.parametrize("pattern", QUANT, ids=lambda p: p.name)
+def test_quantized_pattern_launch_arguments_and_return_value(cpu_stream, sm100, pattern):
+    from jax_fusedar.common.patterns import TRAITS
+    traits = TRAITS[pattern]
+    ws = fake_workspace()
+    t = _qtensors(pattern)
+    out = torch_compat.allreduce_fusion(workspace=ws, pattern=pattern, fp32_acc=True, **t)
+    # FlashInfer: norm_out when the pattern writes it, else quant_out.
+    assert out is (t["norm_out"] if traits.has_norm_out else t["quant_out"])
+    (args, kw), = ws._rank_obj.launches
+    assert args == (int(pattern), native.DTYPE_CODES["bfloat16"], 16, 1024,
+                    t["input"].data_ptr())
+    assert kw["quant_out"] == t["quant_out"].data_ptr()
+    assert kw["scale_out"] == (t["scale_out"].data_ptr() if "scale_out" in t else 0)
+    assert kw["norm_out"] == (t["norm_out"].data_ptr() if traits.has_norm_out else 0)
+    assert kw["residual_out"] == t["residual_out"].data_ptr() and kw["allreduce_out"] == 0
+    assert kw["scale_factor"] == (t["scale_factor"].data_ptr() if "scale_factor" in t else 0)
+    assert kw["block_quant_group_size"] == (128 if pattern in FP8_GROUP else 0)
+    assert kw["layout"] == 0
+
+
+def test_group_scale_view_is_flashinfers_and_covers_what_the_kernel_writes():
+    from jax_fusedar.common import quant_layouts
+    for m, h, g in ((1, 1024, 128), (5, 4096, 128), (16, 7168, 64), (17, 1024, 512)):
+        shape, strides = ops.group_scale_view_shape(m, h, g)
+        k, t = quant_layouts.group_scale_buffer_shape(m, h, g)
+        assert shape == (m, -(-(h // g) // 4)) == (m, k) and strides == (1, (m + 3) // 4 * 4)
+        v = group_scale_out(m, h, g)
+        assert tuple(v.shape) == shape and v.stride() == strides
+        s = torch.empty_strided(shape, strides, dtype=torch.int32)
+        # The minimal storage FlashInfer describes, which is everything the kernel writes
+        # (its last pack skips the padding tokens).
+        words = quant_layouts.group_scale_min_storage_words(m, h, g)
+        assert s.untyped_storage().nbytes() // 4 == words
+
+
+def test_nvfp4_layouts_and_sizes(cpu_stream, sm100):
+    from jax_fusedar.common import quant_layouts
+    ws = fake_workspace(max_tokens=200, hidden=1024)
+    for layout in (0, 2):
+        t = _qtensors(QP.kARResidualRMSNormOutFP4Quant, m=130, layout=layout)
+        torch_compat.allreduce_fusion(workspace=ws, pattern=5, **t)
+        assert ws._rank_obj.launches[-1][1]["layout"] == layout
+        # int32 and uint8 views of the same bytes are accepted too (vLLM keeps int32).
+        size = quant_layouts.nvfp4_scale_buffer_size(130, 1024, layout)
+        for sd, n in ((torch.int32, size // 4), (torch.uint8, size)):
+            t["scale_out"] = torch.empty(n, dtype=sd)
+            torch_compat.allreduce_fusion(workspace=ws, pattern=5, **t)
+    # The default layout is SWIZZLED_128x4 (FlashInfer's layout_code=None).
+    t = _qtensors(QP.kARResidualRMSNormFP4Quant, m=130)
+    torch_compat.allreduce_fusion(workspace=ws, pattern=3, **t)
+    assert ws._rank_obj.launches[-1][1]["layout"] == 0
+
+
+def test_nvfp4_is_refused_below_sm100(cpu_stream, sm90):
+    ws = fake_workspace()
+    for p in NVFP4:
+        with pytest.raises(ValueError, match=r"NVFP4 patterns \(3, 5\) need an sm100\+ GPU.*sm90"):
+            torch_compat.allreduce_fusion(workspace=ws, pattern=p, **_qtensors(p))
+    assert not ws._rank_obj.launches
+    # The FP8 patterns do not depend on the architecture.
+    torch_compat.allreduce_fusion(workspace=ws, pattern=4, **_qtensors(4))
+
+
+def test_scale_factor_as_python_float_like_flashinfer(cpu_stream, monkeypatch):
+    ws = fake_workspace()
+    t = _qtensors(QP.kARResidualRMSNormFP8Quant)
+    t["scale_factor"] = 0.25
+    torch_compat.allreduce_fusion(workspace=ws, pattern=2, **t)
+    assert ws._rank_obj.launches[-1][1]["scale_factor"] != 0
+    for bad, match in ((0.0, "positive and finite"), (-1.0, "positive"),
+                       (float("inf"), "finite"), (float("nan"), "positive"),
+                       (True, "float32 tensor or a float"), ("2", "float32 tensor or a float")):
+        t["scale_factor"] = bad
+        with pytest.raises(ValueError, match=match):
+            torch_compat.allreduce_fusion(workspace=ws, pattern=2, **t)
+    # Under CUDA-graph capture a float would need an uncapturable host->device copy.
+    monkeypatch.setattr(ops, "_capturing", lambda: True)
+    t["scale_factor"] = 0.25
+    with pytest.raises(ValueError, match="CUDA graph cannot capture"):
+        torch_compat.allreduce_fusion(workspace=ws, pattern=2, **t)
+    t["scale_factor"] = torch.tensor([0.25])
+    torch_compat.allreduce_fusion(workspace=ws, pattern=2, **t)  # a tensor is fine
+
+
+def test_quantized_inputs_a_pattern_does_not_read_are_ignored(cpu_stream):
+    ws = fake_workspace()
+    t = _qtensors(QP.kARResidualRMSNormOutDynamicFP8Quant)
+    torch_compat.allreduce_fusion(workspace=ws, pattern=11, scale_factor=2.0, layout_code=1,
+                                  block_quant_group_size=3, **t)
+    kw = ws._rank_obj.launches[-1][1]
+    assert kw["scale_factor"] == 0 and kw["layout"] == 0 and kw["block_quant_group_size"] == 0
+
+
+def _bad(pattern, **over):
+    t = _qtensors(pattern)
+    t.update(over)
+    return pattern, t
+
+
+E4M3 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("pattern, t, match", [
+    # every quantized pattern needs quant_out (and the pattern's scale_out)
+    (*_bad(2, quant_out=None), r"needs quant_out"),
+    (*_bad(11, scale_out=None), r"needs scale_out"),
+    (*_bad(10, quant_out=None, scale_out=None), r"needs quant_out, scale_out"),
+    (*_bad(8, scale_out=None), r"needs scale_out"),
+    (*_bad(4, norm_out=None), r"needs norm_out"),
+    (*_bad(9, residual_in=None), r"needs residual_in"),
+    # outputs the pattern does not write
+    (*_bad(2, norm_out=torch.empty(16, 1024).bfloat16()), "does not write norm_out"),
+    (*_bad(4, scale_out=torch.empty(16, 1)), "does not write scale_out"),
+    (*_bad(10, output=torch.empty(16, 1024).bfloat16()), "does not write output"),
+    # quant_out
+    (*_bad(2, quant_out=torch.empty(16, 1024, dtype=torch.uint8)), "quant_out must have dtype"),
+    (*_bad(4, quant_out=torch.empty(16, 512, dtype=E4M3)), r"quant_out must have shape \[16, 1024\]"),
+    (*_bad(11, quant_out=torch.empty(1024, 16, dtype=E4M3).t()), "quant_out must be contiguous"),
+    (*_bad(10, quant_out=torch.empty(16 * 1024 + 1, dtype=E4M3)[1:].view(16, 1024)), "16-byte boundary"),
+    (*_bad(9, quant_out=[0] * 4), "quant_out must be a torch.Tensor"),
+    # static scale_factor
+    (*_bad(2, scale_factor=None), r"needs scale_factor \(the dequantization scale"),
+    (*_bad(4, scale_factor=torch.tensor([1.0], dtype=torch.float64)), "float32 tensor, got"),
+    (*_bad(4, scale_factor=torch.ones(2)), r"shape \[1\]"),
+    # dynamic scale_out
+    (*_bad(10, scale_out=torch.empty(16)), r"scale_out must have shape \[token_num, 1\]"),
+    (*_bad(11, scale_out=torch.empty(16, 1, dtype=torch.float16)), "torch.float32"),
+    # [M, 1] with any stride on the size-1 dim is contiguous: accepted
+    (*_bad(11, scale_out=torch.empty(1, 16).t()), None),
+    (*_bad(11, scale_out=torch.empty(16, 2)[:, :1]), "scale_out must be contiguous"),
+    # per-token-group
+    (*_bad(8, block_quant_group_size=None), "block_quant_group_size is required"),
+    (*_bad(8, block_quant_group_size=0), "group_size must be > 0"),
+    (*_bad(8, block_quant_group_size=-128), "group_size must be > 0"),
+    (*_bad(8, block_quant_group_size=48), "must be divisible by group_size"),
+    (*_bad(8, block_quant_group_size=4), "power of two from 8 to 256"),
+    (*_bad(9, block_quant_group_size=512), "power of two from 8 to 256"),
+    (*_bad(9, block_quant_group_size=128.0), "must be an int"),
+    (*_bad(9, block_quant_group_size=True), "must be an int"),
+    (*_bad(8, scale_out=torch.empty(2, 17, dtype=torch.int32)[:, :16].t()),
+     r"stride must be \(1, 16\).*round_up\(token_num, 4\) = 16"),
+    (*_bad(8, scale_out=torch.empty(16, 2, dtype=torch.int32)), r"scale_out stride must be \(1, 16\)"),
+    (*_bad(8, scale_out=group_scale_out(16, 1024, 64)), r"scale_out shape must be \(16, 2\)"),
+    (*_bad(9, scale_out=torch.empty(2, 16).t()), "torch.int32"),
+    (*_bad(9, scale_out=torch.empty(2, 16, dtype=torch.int64).t()), "torch.int32"),
+])
+def test_quantized_refusals_are_clear_value_errors(cpu_stream, sm100, pattern, t, match):
+    ws = fake_workspace()
+    if match is None:  # accepted variants next to the refusals
+        torch_compat.allreduce_fusion(workspace=ws, pattern=pattern, **t)
+        return
+    with pytest.raises(ValueError, match=match):
+        torch_compat.allreduce_fusion(workspace=ws, pattern=pattern, **t)
+    assert not ws._rank_obj.launches
+
+
+def test_group_size_rule_follows_dtype_width(cpu_stream):
+    ws = fake_workspace(dtype=torch.float32)
+    t = _qtensors(8, dtype=torch.float32, group=4)  # fp32: 4 elements per 16-byte vector
+    torch_compat.allreduce_fusion(workspace=ws, pattern=8, **t)
+    assert ws._rank_obj.launches[-1][1]["block_quant_group_size"] == 4
+    t = _qtensors(8, dtype=torch.float32, group=256)
+    with pytest.raises(ValueError, match="power of two from 4 to 128 for float32"):
+        torch_compat.allreduce_fusion(workspace=ws, pattern=8, **t)
+    with pytest.raises(ValueError, match="must be divisible by group_size"):
+        torch_compat.allreduce_fusion(workspace=fake_workspace(), pattern=8,
+                                      **_qtensors(8, h=1024 + 64, group=128))
+    # 96 divides 1536 but is no power of two: the kernel's shared-memory path, not offered.
+    with pytest.raises(ValueError, match="power of two from 8 to 256 for bfloat16, got 96"):
+        torch_compat.allreduce_fusion(workspace=fake_workspace(), pattern=9,
+                                      **_qtensors(9, h=1536, group=96))
+
+
+@pytest.mark.parametrize("pattern, over, match", [
+    (3, dict(quant_out=torch.empty(16, 1024, dtype=torch.uint8)), r"quant_out must have shape \[16, 512\]"),
+    (5, dict(quant_out=torch.empty(16, 512, dtype=E4M3)), "quant_out must have dtype torch.uint8"),
+    (3, dict(scale_out=torch.empty(128, 60, dtype=E4M3)), "exactly 8192 bytes"),
+    (5, dict(scale_out=torch.empty(16, 64, dtype=E4M3)), r"SWIZZLED_128x4.*\(128, 64\)"),
+    (5, dict(scale_out=torch.empty(128, 64, dtype=torch.float16)), "scale_out must have dtype"),
+    (5, dict(scale_out=torch.empty(64, 128, dtype=E4M3).t()), "scale_out must be contiguous"),
+    (5, dict(layout_code=1), "SWIZZLED_8x4"),
+    (5, dict(layout_code=7), "unknown NVFP4 scale layout"),
+    (5, dict(layout_code=2), r"exactly 1024 bytes.*LINEAR"),  # swizzled-size buffer, linear layout
+    (3, dict(scale_factor=None), r"needs scale_factor \(the NVFP4 global scale"),
+    (5, dict(scale_out=None), "needs scale_out"),
+])
+def test_nvfp4_refusals(cpu_stream, sm100, pattern, over, match):
+    t = _qtensors(pattern)
+    t.update(over)
+    with pytest.raises(ValueError, match=match):
+        torch_compat.allreduce_fusion(workspace=fake_workspace(), pattern=pattern, **t)
+
+
+def test_nvfp4_needs_16bit_input_and_hidden_multiple_of_16(cpu_stream, sm100):
+    with pytest.raises(ValueError, match="bfloat16 or float16 input, got float32"):
+        torch_compat.allreduce_fusion(workspace=fake_workspace(dtype=torch.float32), pattern=5,
+                                      **_qtensors(5, dtype=torch.float32))
+    # 1032 = 129 vectors of 8: launchable, but not whole 16-element NVFP4 blocks.
+    ws = fake_workspace(max_tokens=16, hidden=2048)
+    with pytest.raises(ValueError, match="divisible by 16"):
+        torch_compat.allreduce_fusion(workspace=ws, pattern=5, **_qtensors(5, h=1032))

@@ -1,0 +1,185 @@
+"""CPU run of the GPU tests' shared pieces, so the GPU run has the best chance to pass first
+time: the tensor plumbing and checks of tests/gpu/torch_workers.py and
+tests/gpu/parity_jax_torch.py, with a simulated kernel standing in for the launch, and the
+JAX phase of the parity test on JAX's CPU reference path (2 virtual devices).
+
+The simulated kernel goes through the real torch_compat.allreduce_fusion argument checks
+(on a FakeRank workspace) and then writes outputs computed like the kernel (sum rounded to
+T, + residual rounded to T, fp32 norm rounded to T, quantized with tests/oracles/quant_oracle.py).
+"""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+import torch_compat  # noqa: E402
+from torch_compat import ops  # noqa: E402
+
+from tests.torch.test_torch_compat import fake_workspace  # noqa: E402
+from tests.gpu import parity_jax_torch as par  # noqa: E402
+from tests.gpu import torch_workers as tw  # noqa: E402
+
+
+class SimTC:
+    """Stands in for the torch_compat module in the workers: real checks, simulated kernel
+    over the group's inputs ``xs`` (all ranks, torch tensors of the call dtype)."""
+
+    def __init__(self, xs):
+        self.xs = xs
+        self.calls = []
+
+    def allreduce_fusion(self, input, workspace, pattern, **kw):
+        from tests.oracles import quant_oracle
+        ret = torch_compat.allreduce_fusion(input, workspace, pattern, **kw)
+        self.calls.append((pattern, kw.get("use_oneshot"), kw.get("fp32_acc")))
+        dt = input.dtype
+        s = sum(x.float() for x in self.xs).to(dt)
+        if pattern == 0:
+            kw["output"].copy_(s)
+            return ret
+        r = (s.float() + kw["residual_in"].float()).to(dt)
+        rf = r.float()
+        y = (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + kw["rms_eps"])
+             * (kw["weight_bias"] + kw["rms_gamma"].float())).to(dt)
+        kw["residual_out"].copy_(r)
+        if kw.get("norm_out") is not None:
+            kw["norm_out"].copy_(y)
+        yn = y.float().numpy()
+        if pattern in (2, 4):
+            q = quant_oracle.fp8_static(yn, float(kw["scale_factor"].reshape(())))
+        elif pattern in (10, 11):
+            q, sc = quant_oracle.fp8_dynamic(yn)
+            kw["scale_out"].copy_(torch.from_numpy(sc))
+        elif pattern in (8, 9):
+            q, buf = quant_oracle.fp8_group(yn, kw["block_quant_group_size"])
+            kw["scale_out"].copy_(torch.from_numpy(buf)[:, :input.shape[0]].t())
+        if pattern != 1:
+            kw["quant_out"].view(torch.uint8).copy_(torch.from_numpy(np.asarray(q)))
+        return ret
+
+
+@pytest.fixture
+def cpu_launch(monkeypatch):
+    monkeypatch.setattr(ops, "_current_stream", lambda device: 0)
+
+
+def _case(seed, m, hidden, dtype, world=2):
+    from tests.gpu.harness import draw_case
+    xs, res, gam = draw_case(seed, world, m, hidden)
+    dt = tw._torch_dtype(torch, dtype)
+    return ([tw.to_torch(torch, a, dt, "cpu") for a in xs], tw.to_torch(torch, res, dt, "cpu"),
+            tw.to_torch(torch, gam, dt, "cpu"))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("m, oneshot", [(1, True), (17, False)])
+def test_workers_plumbing_and_checks_with_a_simulated_kernel(cpu_launch, dtype, m, oneshot):
+    hidden = 512
+    xs, res, gam = _case(7, m, hidden, dtype)
+    dt = xs[0].dtype
+    ws = fake_workspace(max_tokens=32, hidden=hidden)
+    sim = SimTC(xs)
+    res64, gam64 = res.double().numpy(), gam.double().numpy()
+    ref = tw.group_oracle([x.double().numpy() for x in xs], res64, gam64)
+    sf = tw.static_scale(ref)
+    sf_d = torch.tensor([sf])
+    got = {}
+    for p in (0, 1) + tw.FP8_PATTERNS:
+        outs = tw.new_outputs(torch, p, m, hidden, dt, "cpu")
+        tw.call_pattern(sim, ws, p, xs[0], res, gam, outs, sf=sf_d, oneshot=oneshot)
+        got[p] = tw.outputs_to_numpy(torch, outs)
+    assert [c[0] for c in sim.calls] == [0, 1, 2, 4, 10, 11, 8, 9]
+    assert all(c[1] is oneshot and c[2] is True for c in sim.calls)
+    launches = ws._rank_obj.launches
+    assert [a[0] for a, _ in launches] == [0, 1, 2, 4, 10, 11, 8, 9]
+    e = tw.plain_errors({**got[0], **got[1]}, ref, res64, gam64, dtype, 0.0)
+    assert e["nans"] == 0 and e["allreduce"] <= 0.5 and e["residual"] <= 1.0
+    assert e["norm"] <= 3.0, e
+    stats = tw.quant_stats(tw.new_quant_stats(), got, ref, res64, gam64, dtype, sf, tw.GROUP,
+                           "sim")
+    assert stats["worse"] == 0 and stats["poisoned"] == 0 and stats["twin_diffs"] == [], stats
+    assert sum(stats["steps1"].values()) == 0 and stats["dyn_scale_ulps"] == 0.0, stats
+    assert stats["group_scale_mismatch"] == 0 and stats["residual"] <= 1.0, stats
+    # The checks fail when they should: a code two steps off, an unwritten scale, a twin.
+    bad = {p: dict(v) for p, v in got.items()}
+    bad[4]["quant_out"] = got[4]["quant_out"].copy()
+    bad[4]["quant_out"][0, 0] = (int(bad[4]["quant_out"][0, 0]) & 0x80) | \
+        ((int(bad[4]["quant_out"][0, 0]) & 0x7F) ^ 0x02)
+    bad[11]["scale_out"] = got[11]["scale_out"].copy()
+    bad[11]["scale_out"][0, 0] = np.nan
+    stats = tw.quant_stats(tw.new_quant_stats(), bad, ref, res64, gam64, dtype, sf, tw.GROUP,
+                           "bad")
+    assert stats["worse"] + stats["steps1"]["static"] >= 1 and stats["poisoned"] >= 1
+    assert any(d[0] == "static q" for d in stats["twin_diffs"]), stats
+    unwritten = dict(got[1])
+    unwritten["norm_out"] = got[1]["norm_out"].copy()
+    unwritten["norm_out"][0, 0] = np.nan
+    assert tw.plain_errors(unwritten, ref, res64, gam64, dtype, 0.0)["nans"] == 1
+
+
+def test_parity_phase1_on_cpu_and_phase2_logic_with_a_simulated_kernel(tmp_path, cpu_launch):
+    pytest.importorskip("jax")
+    from tests.gpu.harness import run_ranks
+    (jres,) = run_ranks(par.jax_phase, 1, timeout_s=600, out_dir=str(tmp_path), seed=3,
+                        tokens=(1, 17), hiddens=(256,), dtypes=("bfloat16", "float16"),
+                        platform="cpu")
+    assert jres["cases"] == 6 and set(jres["backends"].values()) == {"xla"}, jres
+    import json
+    meta = json.load(open(tmp_path / "parity.json"))
+    data = dict(np.load(tmp_path / "parity.npz"))
+    assert meta["outputs"] == {
+        "0": ["allreduce_out"], "1": ["norm_out", "residual_out"],
+        "2": ["quant_out", "residual_out"], "4": ["norm_out", "quant_out", "residual_out"],
+        "8": ["quant_out", "residual_out", "scale_out"],
+        "9": ["norm_out", "quant_out", "residual_out", "scale_out"],
+        "10": ["quant_out", "residual_out", "scale_out"],
+        "11": ["norm_out", "quant_out", "residual_out", "scale_out"]}
+    ws = fake_workspace(max_tokens=32, hidden=256)
+    total = {}
+    for c in meta["cases"]:
+        k = f"c{c['case']}"
+        dt = tw._torch_dtype(torch, c["dtype"])
+        xs = [tw.to_torch(torch, data[f"{k}/x{r}"], dt, "cpu") for r in range(2)]
+        for rank in range(2):
+            out = par.compare_case(torch, SimTC(xs), ws, "cpu", data, c, rank, lambda: None)
+            for p, d in out["diffs"].items():
+                for name, n in d.items():
+                    assert isinstance(n, int), (c, p, name, n)  # same shapes on both sides
+                    total[(p, name)] = total.get((p, name), 0) + n
+            for side in ("torch", "jax"):
+                w = out[side]
+                assert w["nans"] == 0 and w["allreduce"] <= 1.0 and w["residual"] <= 1.0
+                assert w["norm"] <= 3.0, (side, w)
+                q = out[f"quant_{side}"]
+                assert q["worse"] == 0 and q["poisoned"] == 0, (side, q)
+                assert q["group_scale_mismatch"] == 0, (side, q)
+    # Every output of every pattern was compared; JAX's reference path rounds like the
+    # kernel, so the sum, residual and scales agree exactly with the simulation.
+    assert len(total) == 22, total
+    for key in ((0, "output"), (1, "residual_out"), (9, "scale_out"), (8, "scale_out")):
+        assert total[key] == 0, (key, total)
+    print("differing elements, JAX CPU reference vs simulated kernel:", total)
+
+
+@pytest.mark.parametrize("norm", ["manual", "F.rms_norm"])
+def test_fusion_pass_model_on_cpu(gloo_world1, norm):
+    from tests.torch.test_library import _ref_fused
+    from tests.torch.test_library import fake_workspace as fake_workspace_world1
+    from torch_compat import library
+    model, args, ref64 = tw.build_tp_model(torch, gloo_world1, 0, 1, m=8, hidden=256,
+                                           layers=4, seed=5, device="cpu", norm=norm)
+    gm = tw.trace_tp_model(torch, model, args)
+    ar = torch.ops._c10d_functional.all_reduce.default
+    assert tw.count_targets(gm, ar) == 4
+    unfused = gm(*args)
+    ws = fake_workspace_world1(max_tokens=8, hidden=256)  # the group's ranks: [0]
+    with torch.library._scoped_library("torch_compat", "IMPL") as lib:
+        lib.impl("allreduce_residual_rmsnorm", _ref_fused, "CPU")
+        assert torch_compat.fuse_allreduce_rmsnorm(gm, ws) == 4
+        assert tw.count_targets(gm, library.ALLREDUCE_RESIDUAL_RMSNORM) == 4
+        assert tw.count_targets(gm, ar) == 0
+        fused = gm(*args)
+    c = tw.compare_models(torch, fused, unfused, ref64)
+    assert c["finite"] and c["fused_vs_f64"] <= 1.25 * c["unfused_vs_f64"] + 2.0 ** -8, c
+    assert c["fused_vs_unfused"] <= 2e-2, c
