@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from .common import arguments, backend_choice, launch_mode, limits, quant_layouts, sizing
+from .common import (arguments, backend_choice, launch_mode, limits, patterns, quant_layouts,
+                     sizing)
 from . import quant_arrays
 from .common.patterns import (MOE_PATTERNS, TRAITS, AllReduceFusionPattern, QuantizationSFLayout,
                               as_pattern)
@@ -110,7 +111,7 @@ def _quant_params(pattern, traits, x, hidden, scale_factor, layout_code, group_s
                                        if layout_code is None else layout_code))
         quant_layouts.check_hidden_fp4(hidden)
         if workspace.backend == "trtllm":
-            _require_sm100(workspace)
+            _require_sm100(workspace, pattern)
     if traits.quant == "group_fp8":
         if group_size is None:
             raise ValueError(f"{name} needs block_quant_group_size")
@@ -118,13 +119,15 @@ def _quant_params(pattern, traits, x, hidden, scale_factor, layout_code, group_s
     return layout, group
 
 
-def _require_sm100(workspace):
-    """On sm90 the NVFP4 epilogue compiles, runs and silently writes zeros: refuse it."""
+def _require_sm100(workspace, pattern):
+    """Refuses an NVFP4 pattern on a pre-Blackwell device of the mesh (patterns.device_problem)."""
     for d in workspace.mesh.devices.flat:
         cc = getattr(d, "compute_capability", None)
-        if cc is not None and float(cc) < 10.0:
-            raise ValueError(f"NVFP4 patterns (3, 5) need an sm100+ GPU (Blackwell); {d} is "
-                             f"sm{str(cc).replace('.', '')}")
+        if cc is not None:
+            major, _, minor = str(cc).partition(".")
+            problem = patterns.device_problem(pattern, str(d), int(major), int(minor or 0))
+            if problem:
+                raise ValueError(problem)
 
 
 def _check_context_mesh(workspace, axis_name):

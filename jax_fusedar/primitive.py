@@ -6,8 +6,8 @@
 
 Operands: x, then residual_in and rms_gamma for residual patterns, then scale_factor (float32
 [1], a runtime operand) for static FP8 / NVFP4. Results: allreduce_out, or residual_out
-[+ norm_out] [+ quant_out [+ scale_out]] (see patterns.TRAITS, quant_layouts.py for the quantized
-layouts, and ffi/xla/allreduce_fusion.cc, which checks the same lists). residual_in is aliased to
+[+ norm_out] [+ quant_out [+ scale_out]] (common/results.py gives their shapes; quant_layouts.py
+describes the quantized layouts; ffi/xla/allreduce_fusion.cc checks the same lists). residual_in is aliased to
 residual_out, the in-place update FlashInfer and vLLM use (safe: each element is read and
 written by the same thread).
 """
@@ -19,12 +19,12 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from .common import native, quant_layouts, tp_groups
+from .common import native, results, tp_groups
 from . import quant_reference, reference
 from .common.patterns import TRAITS, AllReduceFusionPattern
 from .workspace import _mesh_groups
 
-FFI_TARGET = "jax_fusedar_allreduce_fusion_v1"
+FFI_TARGET = native.FFI_TARGETS["allreduce_fusion"]
 
 allreduce_fusion_p = Primitive("jax_fusedar_allreduce_fusion")
 allreduce_fusion_p.multiple_results = True
@@ -48,19 +48,11 @@ def _with_varying(aval, vma: frozenset):
     return aval.update(vma=vma)
 
 
-def quant_result_shapes(traits, tokens: int, hidden: int, layout: int, group_size: int):
-    """(shape, dtype) of quant_out and, if written, scale_out (see quant_layouts.py for layouts)."""
-    if traits.quant is None:
-        return []
-    if traits.quant == "fp4":
-        return [(quant_layouts.nvfp4_quant_shape(tokens, hidden), jnp.uint8),
-                (quant_layouts.nvfp4_scale_shape(tokens, hidden, layout), jnp.float8_e4m3fn)]
-    out = [((tokens, hidden), jnp.float8_e4m3fn)]
-    if traits.quant == "dynamic_fp8":
-        out.append(((tokens, 1), jnp.float32))
-    elif traits.quant == "group_fp8":
-        out.append((quant_layouts.group_scale_buffer_shape(tokens, hidden, group_size), jnp.int32))
-    return out
+def _result_avals(x, pattern: int, layout: int, group_size: int):
+    """(shape, dtype) of every result after the first (results.result_specs)."""
+    specs = results.result_specs(pattern, *x.shape, np.dtype(x.dtype).name, layout,
+                                 group_size)
+    return [(spec.storage_shape, jnp.dtype(spec.dtype)) for spec in specs[1:]]
 
 
 def _abstract_eval(*avals, axis_name, pattern, layout, block_quant_group_size, **_):
@@ -72,12 +64,10 @@ def _abstract_eval(*avals, axis_name, pattern, layout, block_quant_group_size, *
     residual, gamma = avals[1], avals[2]
     res_vma = summed_vma | _varying(residual)
     norm_vma = res_vma | _varying(gamma) | (_varying(avals[3]) if len(avals) > 3 else frozenset())
-    outs = [_with_varying(x, res_vma)]
-    if traits.has_norm_out:
-        outs.append(_with_varying(x, norm_vma))
-    for shape, dtype in quant_result_shapes(traits, *x.shape, layout, block_quant_group_size):
-        outs.append(_with_varying(x.update(shape=shape, dtype=jnp.dtype(dtype)), norm_vma))
-    return outs
+    # norm_out and the quantized outputs all derive from the normalized sum.
+    return [_with_varying(x, res_vma)] + [
+        _with_varying(x.update(shape=shape, dtype=dtype), norm_vma)
+        for shape, dtype in _result_avals(x, pattern, layout, block_quant_group_size)]
 
 
 allreduce_fusion_p.def_abstract_eval(_abstract_eval)
@@ -99,8 +89,10 @@ def _reference_outputs(*args, axis_name, pattern, rms_eps, weight_bias, fp32_acc
         return [ar]
     outs = [res] + ([norm] if traits.has_norm_out else [])
     if x.shape[0] == 0:  # no tokens: empty quantized outputs of the documented shapes
-        return outs + [jnp.zeros(shape, dtype) for shape, dtype in quant_result_shapes(
-            traits, 0, x.shape[1], layout, block_quant_group_size)]
+        specs = results.result_specs(pattern, 0, x.shape[1], np.dtype(x.dtype).name, layout,
+                                     block_quant_group_size)
+        return outs + [jnp.zeros(spec.storage_shape, spec.dtype) for spec in specs
+                       if spec.name in ("quant_out", "scale_out")]
     quant, scale = quant_reference.quantize_for_pattern(
         norm, pattern, scale_factor=args[3] if traits.uses_scale_factor else None,
         layout=layout, group_size=block_quant_group_size)

@@ -21,7 +21,7 @@ import numpy as np
 from .common import native
 from .primitive import register_ffi_targets
 
-TARGET = "jax_fusedar_device_timestamp_v1"
+TARGET = native.FFI_TARGETS["device_timestamp"]
 
 
 def available() -> bool:

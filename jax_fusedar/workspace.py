@@ -30,10 +30,12 @@ import numpy as np
 if TYPE_CHECKING:  # annotations only: this module imports jax lazily
     from jax.typing import DTypeLike
 
-from .common import (arguments, backend_choice, call_check, exchange, limits, native, sizing,
-                     tp_groups)
+from .common import (arguments, backend_choice, call_check, join, lifecycle, limits, native,
+                     sizing, tp_groups)
 
 log = logging.getLogger("jax_fusedar")
+
+NAMESPACE = "jax_fusedar"  # of the exchange keys (exchange.exchange_key)
 
 _serials = itertools.count(1)  # per-process creation counter: the exchange keys' serial
 _serial_lock = threading.Lock()
@@ -59,7 +61,7 @@ def _check_mesh(mesh) -> None:
                         f"(\"dp\", \"tp\"))), got {type(mesh).__name__}")
 
 
-class AllReduceFusionWorkspace:
+class AllReduceFusionWorkspace(lifecycle.WorkspaceLifecycle):
     """Workspace of every TP group along ``axis_name`` of ``mesh``; see the module docstring.
 
     ``backend`` is ``"trtllm"`` (FlashInfer's kernel) or ``"xla"`` (the reference path: XLA's
@@ -94,10 +96,6 @@ class AllReduceFusionWorkspace:
     def world_size(self) -> int:
         return self.sizes.world_size
 
-    @property
-    def destroyed(self) -> bool:
-        return self._destroyed
-
     def is_buffer_size_sufficient(self, num_tokens: int, hidden_dim: int, dtype=None) -> bool:
         """Whether ``allreduce_fusion`` serves a call of ``num_tokens x hidden_dim`` (of
         ``dtype``, default the workspace's) with this workspace: the workspace's own dtype
@@ -115,7 +113,7 @@ class AllReduceFusionWorkspace:
                 return False
         if hidden_dim % limits.vector_width(self.dtype.name):
             return False
-        return sizing.buffer_fits(num_tokens, hidden_dim, self.sizes)
+        return self.buffer_problem(num_tokens, hidden_dim) is None
 
     def call_check_failures(self) -> list:
         """After a checked call failed (the stream reported a CUDA error): what the handshake
@@ -123,11 +121,7 @@ class AllReduceFusionWorkspace:
         the trap killed the CUDA context); empty when nothing failed."""
         return [m for m in (r.call_check_failure() for r in self._ranks if r.alive) if m]
 
-    def destroy(self) -> None:
-        """Releases device memory and IPC mappings. Idempotent."""
-        if self._destroyed:
-            return
-        self._destroyed = True
+    def _release(self) -> None:
         errors = []
         for rank in self._ranks:
             try:
@@ -138,19 +132,12 @@ class AllReduceFusionWorkspace:
         if errors:
             raise RuntimeError("destroying the workspace: " + "; ".join(errors))
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.destroy()
-
-    def __repr__(self):
-        return (f"AllReduceFusionWorkspace(id={self.id}, backend={self.backend!r}, "
-                f"{'' if self.name is None else f'name={self.name!r}, '}"
-                f"axis={self.axis_name!r}, world_size={self.world_size}, groups={len(self.groups)}, "
-                f"max_token_num={self.max_token_num}, hidden_dim={self.hidden_dim}, "
-                f"dtype={self.dtype.name}{', check_calls' if self.check_calls else ''}"
-                f"{', destroyed' if self._destroyed else ''})")
+    def _repr_fields(self):
+        return [f"id={self.id}", f"backend={self.backend!r}",
+                *([] if self.name is None else [f"name={self.name!r}"]),
+                f"axis={self.axis_name!r}", f"world_size={self.world_size}",
+                f"groups={len(self.groups)}", f"max_token_num={self.max_token_num}",
+                f"hidden_dim={self.hidden_dim}", f"dtype={self.dtype.name}"]
 
 
 def _register_static() -> None:
@@ -415,36 +402,26 @@ def _build_native(ws: AllReduceFusionWorkspace, timeout_s: float) -> None:
         return r
 
     # The GPU is the device's own CUDA ordinal (local_hardware_id), never the TP rank.
-    members = {g.index: [exchange.Member(by_id[m].process_index, by_id[m].local_hardware_id)
-                         for m in g.members] for g in ws.groups}
-    spans = any(len({m.process for m in ms}) > 1 for ms in members.values())
-    chan = _KVChannel(timeout_s) if spans else None
-    if chan is not None:  # before anything is allocated
-        agree_on_check_calls(ws.groups, members, me, chan, serial=ws.serial,
-                             check_calls=ws.check_calls)
-    plans = [exchange.create_and_publish(g, members[g.index], me, make_rank, chan,
-                                         namespace="jax_fusedar", serial=ws.serial)
+    joins = [join.GroupJoin(g, tuple(by_id[m].process_index for m in g.members),
+                            {r: by_id[m].local_hardware_id for r, m in enumerate(g.members)
+                             if by_id[m].process_index == me})
              for g in ws.groups]
+    joins = [j for j in joins if j.my_devices]
+    chan = _KVChannel(timeout_s) if any(j.spans_processes for j in joins) else None
+    agreed = join_processes(joins, me, chan, serial=ws.serial, check_calls=ws.check_calls)
+    plans = join.connect(agreed, me, chan, namespace=NAMESPACE, serial=ws.serial,
+                         make_rank=make_rank)
     for plan in plans:
-        exchange.connect_and_finalize(plan, me, chan, namespace="jax_fusedar", serial=ws.serial)
         for tp_rank, rank in plan.local.items():
             ext.register_rank(ws.id, plan.members[tp_rank].device, rank)
 
 
-def agree_on_check_calls(groups, members, me: int, chan, *, serial: int,
-                         check_calls: bool) -> None:
-    """Across processes: for every group this process is in, publishes its ``check_calls``
-    and compares with every other process of the group (ValueError naming who differs, on
-    every process alike). All keys are published before any is waited for, so processes
-    sharing several groups cannot wait on each other."""
-    def key(group, process):
-        return exchange.exchange_key("jax_fusedar", group, serial, f"options/process{process}")
-
-    mine = [(g, sorted({m.process for m in members[g.index]})) for g in groups]
-    mine = [(g, procs) for g, procs in mine if me in procs and len(procs) > 1]
-    for g, _ in mine:
-        chan.publish(key(g, me), json.dumps({"check_calls": bool(check_calls)}).encode())
-    for g, procs in mine:
-        got = {f"process {p}": json.loads(chan.fetch(
-            key(g, p), f"process {p} (TP group {list(g.members)})")) for p in procs}
-        call_check.check_options_agree(got, what="processes")
+def join_processes(joins, me: int, chan, *, serial: int, check_calls: bool):
+    """Steps 1-2 of the shared join protocol (common/join.py) for this process's groups:
+    publish and agree, before anything is allocated (ValueError naming who differs, on
+    every process alike)."""
+    return join.agree(joins, me, chan, namespace=NAMESPACE, serial=serial,
+                      host=socket.gethostname(), options={"check_calls": bool(check_calls)},
+                      name=lambda g, p: f"process {p}",
+                      name_waited=lambda g, p: f"process {p} (TP group {list(g.members)})",
+                      what="processes")

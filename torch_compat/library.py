@@ -47,10 +47,10 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from jax_fusedar.common import patterns, quant_layouts
+from jax_fusedar.common import patterns, results
 
 from . import ops
-from .workspace import TorchAllReduceFusionWorkspace
+from .workspace import TORCH_DTYPES, TorchAllReduceFusionWorkspace
 
 __all__ = [
     "register_workspace", "lookup_workspace", "unregister_workspace",
@@ -166,33 +166,30 @@ def _check_quant_call(input, residual, gamma, eps, weight_bias, pattern, scale_f
 def _quant_outputs(input: torch.Tensor, pattern: int, block_quant_group_size: Optional[int],
                    layout_code: Optional[int]):
     """Fresh (residual_out, norm_out, quant_out, scale_out) for a quantized pattern, the
-    same in the real and the fake implementation (so their metadata agree)."""
+    same in the real and the fake implementation (so their metadata agree), shaped by
+    ``results.result_specs``; an output the pattern does not write is an empty [0] tensor."""
     torch._check(pattern in QUANT_PATTERNS,
                  lambda: f"allreduce_residual_rmsnorm_quant serves the quantized patterns "
                          f"{QUANT_PATTERNS}, got {pattern} (patterns 0 and 1 have their own ops)")
-    traits = patterns.TRAITS[patterns.AllReduceFusionPattern(pattern)]
+    layout = (patterns.QuantizationSFLayout.SWIZZLED_128x4 if layout_code is None
+              else layout_code)
     m, h = input.shape
-    dev = input.device
-    residual_out = torch.empty_like(input, memory_format=torch.contiguous_format)
-    norm_out = (torch.empty_like(input, memory_format=torch.contiguous_format)
-                if traits.has_norm_out else input.new_empty((0,)))
-    if traits.quant == "fp4":
-        layout = (patterns.QuantizationSFLayout.SWIZZLED_128x4 if layout_code is None
-                  else layout_code)
-        quant_out = torch.empty(quant_layouts.nvfp4_quant_shape(m, h), dtype=torch.uint8,
-                                device=dev)
-        scale_out = torch.empty(quant_layouts.nvfp4_scale_shape(m, h, layout),
-                                dtype=torch.float8_e4m3fn, device=dev)
-    else:
-        quant_out = torch.empty((m, h), dtype=torch.float8_e4m3fn, device=dev)
-        if traits.quant == "dynamic_fp8":
-            scale_out = torch.empty((m, 1), dtype=torch.float32, device=dev)
-        elif traits.quant == "group_fp8":
-            shape, strides = ops.group_scale_view_shape(m, h, block_quant_group_size)
-            scale_out = torch.empty_strided(shape, strides, dtype=torch.int32, device=dev)
-        else:  # static FP8: no scale output
-            scale_out = torch.empty((0,), dtype=torch.float32, device=dev)
-    return residual_out, norm_out, quant_out, scale_out
+    specs = {spec.name: spec for spec in results.result_specs(
+        pattern, m, h, TORCH_DTYPES[input.dtype], layout, block_quant_group_size)}
+    absent_dtypes = {"norm_out": input.dtype, "scale_out": torch.float32}
+    outputs = []
+    for name in ("residual_out", "norm_out", "quant_out", "scale_out"):
+        spec = specs.get(name)
+        if spec is None:
+            outputs.append(torch.empty((0,), dtype=absent_dtypes[name], device=input.device))
+        elif spec.strides is not None:
+            outputs.append(torch.empty_strided(spec.shape, spec.strides,
+                                               dtype=getattr(torch, spec.dtype),
+                                               device=input.device))
+        else:
+            outputs.append(torch.empty(spec.shape, dtype=getattr(torch, spec.dtype),
+                                       device=input.device))
+    return tuple(outputs)
 
 
 @torch.library.custom_op("torch_compat::allreduce_residual_rmsnorm_quant", mutates_args=(),

@@ -53,7 +53,8 @@ from typing import Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
 
-from jax_fusedar.common import arguments, launch_mode, limits, native, patterns, quant_layouts
+from jax_fusedar.common import (arguments, launch_mode, limits, native, patterns, quant_layouts,
+                                results)
 
 from .workspace import TORCH_DTYPES, TorchAllReduceFusionWorkspace
 
@@ -69,7 +70,6 @@ _ALIGNMENT = 16
 _SCALE_ALIGNMENT = 4
 
 _FP4_SCALE_DTYPES = (torch.uint8, torch.float8_e4m3fn, torch.int32)
-_FP4_QUANT_DTYPES = (torch.uint8,)
 
 _capabilities: Dict[int, Tuple[int, int]] = {}
 
@@ -177,13 +177,6 @@ def check_group_size(hidden_dim: int, group_size, dtype_name: str) -> int:
     return quant_layouts.check_kernel_group_size(hidden_dim, int(group_size), dtype_name)
 
 
-def group_scale_view_shape(token_num: int, hidden_dim: int, group_size: int):
-    """FlashInfer's per-token-group ``scale_out``: (shape, strides) = ((M, K), (1, T)) with
-    ``(K, T) = quant_layouts.group_scale_buffer_shape(M, H, g)``."""
-    k, t = quant_layouts.group_scale_buffer_shape(token_num, hidden_dim, group_size)
-    return (int(token_num), k), (1, t)
-
-
 def _check_scale_factor(scale_factor, pattern) -> None:
     """``scale_factor``'s value and metadata (shared with the fake implementations)."""
     what = "the dequantization scale" if patterns.TRAITS[pattern].quant == "fp8" \
@@ -247,48 +240,49 @@ def _check_quant_inputs(p, traits, name: str, input: torch.Tensor, scale_factor,
 
 def _check_quant_outputs(p, traits, input: torch.Tensor, ws, quant_out, scale_out, layout,
                          group):
-    """Checks the quantized outputs of ``p`` (eager only: they are the caller's tensors)."""
+    """Checks the quantized outputs of ``p`` (eager only: they are the caller's tensors)
+    against ``results.result_specs``."""
     token_num, hidden_dim = input.shape
     label = f"pattern {p.value} ({p.name})"
     missing = [k for k, t in (("quant_out", quant_out), ("scale_out", scale_out))
                if t is None and (k == "quant_out" or traits.writes_scale_out)]
     if missing:
         raise ValueError(f"{label} needs {', '.join(missing)}")
+    specs = {spec.name: spec for spec in results.result_specs(
+        p, token_num, hidden_dim, TORCH_DTYPES[input.dtype], layout, group)}
 
     # quant_out
     _check_tensor("quant_out", quant_out)
-    if traits.quant == "fp4":
-        want_shape = quant_layouts.nvfp4_quant_shape(token_num, hidden_dim)
-        dtypes = _FP4_QUANT_DTYPES
-    else:
-        want_shape, dtypes = (token_num, hidden_dim), (torch.float8_e4m3fn,)
-    if tuple(quant_out.shape) != tuple(want_shape):
-        raise ValueError(f"quant_out must have shape {list(want_shape)} for {label}, got "
+    want = specs["quant_out"]
+    want_dtype = getattr(torch, want.dtype)
+    if tuple(quant_out.shape) != tuple(want.shape):
+        raise ValueError(f"quant_out must have shape {list(want.shape)} for {label}, got "
                          f"{list(quant_out.shape)}")
-    if quant_out.dtype not in dtypes:
-        raise ValueError(f"quant_out must have dtype {' or '.join(map(str, dtypes))} for "
-                         f"{label}, got {quant_out.dtype}")
+    if quant_out.dtype != want_dtype:
+        raise ValueError(f"quant_out must have dtype {want_dtype} for {label}, got "
+                         f"{quant_out.dtype}")
     if not quant_out.is_contiguous():
         raise ValueError("quant_out must be contiguous")
     _check_placement("quant_out", quant_out, ws)
 
     # scale_out
+    want = specs.get("scale_out")
     if traits.quant == "dynamic_fp8":
         _check_tensor("scale_out", scale_out)
-        if tuple(scale_out.shape) != (token_num, 1):
+        if tuple(scale_out.shape) != want.shape:
             raise ValueError(f"scale_out must have shape [token_num, 1] = [{token_num}, 1] for "
                              f"{label}, got {list(scale_out.shape)}")
-        if scale_out.dtype != torch.float32:
-            raise ValueError(f"scale_out must have dtype torch.float32 for {label}, got "
+        if scale_out.dtype != getattr(torch, want.dtype):
+            raise ValueError(f"scale_out must have dtype torch.{want.dtype} for {label}, got "
                              f"{scale_out.dtype}")
         if not scale_out.is_contiguous():
             raise ValueError("scale_out must be contiguous")
         _check_placement("scale_out", scale_out, ws, _SCALE_ALIGNMENT)
     elif traits.quant == "group_fp8":
         _check_tensor("scale_out", scale_out)
-        shape, strides = group_scale_view_shape(token_num, hidden_dim, group)
-        if scale_out.dtype != torch.int32:
-            raise ValueError(f"scale_out must have dtype torch.int32 (packed UE8M0) for "
+        shape, strides = want.shape, want.strides
+        if scale_out.dtype != getattr(torch, want.dtype):
+            raise ValueError(f"scale_out must have dtype torch.{want.dtype} (packed UE8M0) for "
                              f"{label}, got {scale_out.dtype}")
         if tuple(scale_out.shape) != shape:
             raise ValueError(f"scale_out shape must be {shape} (token_num, ceil(hidden_dim/"
@@ -498,12 +492,11 @@ def allreduce_fusion(
                       trigger_completion_at_end=trigger_completion_at_end)
     rank = workspace.native_rank()
     p, traits, name = call.pattern, call.traits, call.dtype_name
-    if traits.quant == "fp4":
-        major, minor = _compute_capability(workspace.device)
-        if major < 10:
-            # On sm90 the NVFP4 epilogue compiles and runs but writes zeros and no scales.
-            raise ValueError(f"NVFP4 patterns (3, 5) need an sm100+ GPU (Blackwell); "
-                             f"cuda:{workspace.device} is sm{major}{minor}")
+    if traits.needs_sm100:
+        problem = patterns.device_problem(p, f"cuda:{workspace.device}",
+                                          *_compute_capability(workspace.device))
+        if problem:
+            raise ValueError(problem)
     token_num, hidden_dim = input.shape
 
     # Every output the pattern does not write is refused, output= included (FlashInfer

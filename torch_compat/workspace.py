@@ -20,9 +20,7 @@ native core (``jax_fusedar._fusedar.Rank``); no JAX is imported.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
-import os
 import socket
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -30,8 +28,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from jax_fusedar.common import (arguments, backend_choice, call_check, exchange, launch_mode,
-                                limits, native, sizing, tp_groups)
+from jax_fusedar.common import (arguments, backend_choice, call_check, exchange, join,
+                                launch_mode, lifecycle, limits, native, sizing, tp_groups)
 
 from .channel import StoreChannel
 
@@ -63,7 +61,7 @@ def dtype_name(dtype) -> str:
         ) from None
 
 
-class TorchAllReduceFusionWorkspace:
+class TorchAllReduceFusionWorkspace(lifecycle.WorkspaceLifecycle):
     """One TP rank's workspace (FlashInfer's ``TRTLLMAllReduceFusionWorkspace`` for torch).
 
     ``world_size``/``rank`` are the TP group's size and this process's rank in it,
@@ -113,14 +111,6 @@ class TorchAllReduceFusionWorkspace:
             "lamport_buffer_size": s.lamport_buffer_bytes,
         }
 
-    @property
-    def destroyed(self) -> bool:
-        return self._destroyed
-
-    def _check_alive(self) -> None:
-        if self._destroyed:
-            raise RuntimeError(f"this all-reduce fusion workspace was destroyed: {self!r}")
-
     def native_rank(self):
         """The native ``Rank`` (raises once destroyed)."""
         self._check_alive()
@@ -136,10 +126,9 @@ class TorchAllReduceFusionWorkspace:
         if tp_size != self.world_size:
             problems.append(f"tp_size {tp_size} does not match the workspace's TP size "
                             f"{self.world_size}")
-        if not sizing.buffer_fits(num_tokens, hidden_dim, self.sizes):
-            problems.append(f"num_tokens*hidden_dim = {num_tokens}*{hidden_dim} exceeds the "
-                            f"workspace's max_token_num*hidden_dim = "
-                            f"{self.max_token_num}*{self.hidden_dim}")
+        too_big = self.buffer_problem(num_tokens, hidden_dim)
+        if too_big:
+            problems.append(too_big)
         if dtype not in TORCH_DTYPES:
             problems.append(f"dtype {dtype} is not supported (bf16, fp16, fp32)")
         elif (dtype == torch.float32) != self.sizes.use_fp32_lamport:
@@ -175,27 +164,15 @@ class TorchAllReduceFusionWorkspace:
         check found (readable after the trap killed the CUDA context); "" otherwise."""
         return self.native_rank().call_check_failure() if self.check_calls else ""
 
-    def destroy(self) -> None:
-        """Frees the buffers and closes the peers' IPC mappings. Idempotent."""
-        if self._destroyed:
-            return
-        self._destroyed = True
+    def _release(self) -> None:
         rank, self._rank_obj = self._rank_obj, None
         rank.destroy()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.destroy()
-
-    def __repr__(self):
-        return (f"TorchAllReduceFusionWorkspace(backend='trtllm', tp_rank={self.rank}, "
-                f"tp_size={self.world_size}, global_ranks={list(self.global_ranks)}, "
-                f"device=cuda:{self.device}, max_token_num={self.max_token_num}, "
-                f"hidden_dim={self.hidden_dim}, dtype={self.dtype}"
-                f"{', check_calls' if self.check_calls else ''}"
-                f"{', destroyed' if self._destroyed else ''})")
+    def _repr_fields(self):
+        return ["backend='trtllm'", f"tp_rank={self.rank}", f"tp_size={self.world_size}",
+                f"global_ranks={list(self.global_ranks)}", f"device=cuda:{self.device}",
+                f"max_token_num={self.max_token_num}", f"hidden_dim={self.hidden_dim}",
+                f"dtype={self.dtype}"]
 
 
 # --- argument checks ----------------------------------------------------------------------------
@@ -292,45 +269,34 @@ def _current_cuda_device() -> int:
 def _join_group(*, global_ranks: Sequence[int], me: int, device: int, host: str,
                 channel: StoreChannel, serial: int, backend: Optional[str],
                 make_rank: Callable[[int, int], Any], check_calls: bool = False):
-    """Runs the group exchange for this process's member; returns (native rank, members).
-    Pure values in, so tests can drive it with threads, a HashStore and fake ranks.
-
-    Every member first publishes its device, host and ``check_calls``, so each learns the
-    others' devices, whether the group spans hosts (and so which backend can run) and whether
-    all agree on the call check before any memory is allocated; then exchange.py creates,
-    exchanges IPC handles and finalizes.
-    """
+    """Joins this process's member to its group by the shared protocol (``common/join.py``:
+    publish, agree, create, connect); returns (native rank, members). Pure values in, so tests
+    can drive it with threads, a HashStore and fake ranks. One member per process, so the
+    process is the member's global rank."""
     group = tp_groups.TPGroup(tuple(global_ranks), 0)
     tp_rank = group.rank_of(me)
+    joining = join.GroupJoin(group, group.members, {tp_rank: device})
 
-    def key(purpose: str) -> str:
-        return exchange.exchange_key(NAMESPACE, group, serial, purpose)
+    def accept(_, infos):
+        # Same infos on every member, so every member accepts or refuses alike.
+        resolve_backend(backend, group, {g: infos[g]["host"] for g in group.members})
+        places = [(infos[g]["host"], infos[g]["devices"][str(r)])
+                  for r, g in enumerate(group.members)]
+        if len(set(places)) < len(places):
+            # Legal (ranks time-slice one GPU, as in tests), but in production it is usually
+            # a device chosen from the TP rank instead of torch.cuda.set_device(local device).
+            log.warning("TP group %s: several ranks share a GPU (host, device): %s",
+                        list(group.members), places)
 
-    channel.publish(key(f"member/rank{tp_rank}"),
-                    json.dumps({"device": device, "host": host, "pid": os.getpid(),
-                                "check_calls": bool(check_calls)}).encode())
-    whos = {key(f"member/rank{r}"):
-            f"TP rank {r} of group {list(group.members)} (global rank {g})"
-            for r, g in enumerate(group.members)}
-    got = channel.fetch_many(whos)
-    infos = [json.loads(got[key(f"member/rank{r}")]) for r in range(group.size)]
-
-    # Same infos on every member, so every member accepts or refuses alike.
-    resolve_backend(backend, group, {g: i["host"] for g, i in zip(group.members, infos)})
-    call_check.check_options_agree(
-        {f"TP rank {r} (global rank {g})": i for r, (g, i) in enumerate(zip(group.members, infos))})
-    places = [(i["host"], i["device"]) for i in infos]
-    if len(set(places)) < len(places):
-        # Legal (ranks time-slice one GPU, as in tests), but in production it is usually a
-        # device chosen from the TP rank instead of torch.cuda.set_device(local device).
-        log.warning("TP group %s: several ranks share a GPU (host, device): %s",
-                    list(group.members), places)
-    members = [exchange.Member(process=g, device=int(i["device"]))
-               for g, i in zip(group.members, infos)]
-    plan = exchange.create_and_publish(group, members, me, make_rank, channel,
-                                       namespace=NAMESPACE, serial=serial)
-    exchange.connect_and_finalize(plan, me, channel, namespace=NAMESPACE, serial=serial)
-    return plan.local[tp_rank], members
+    agreed = join.agree(
+        [joining], me, channel, namespace=NAMESPACE, serial=serial, host=host,
+        options={"check_calls": bool(check_calls)}, accept=accept,
+        name=lambda g, p: f"TP rank {g.rank_of(p)} (global rank {p})",
+        name_waited=lambda g, p: f"TP rank {g.rank_of(p)} of group {list(g.members)} "
+                                 f"(global rank {p})")
+    plan, = join.connect(agreed, me, channel, namespace=NAMESPACE, serial=serial,
+                         make_rank=make_rank)
+    return plan.local[tp_rank], list(agreed[0].members)
 
 
 def create_allreduce_fusion_workspace(

@@ -4,7 +4,8 @@
 // writes past the peers' buffers, and a missing or mismatched peer spins forever.
 // So every call is checked here against the workspace metadata before launch, and
 // the one-shot/two-shot choice arrives already made (by the pure policy in
-// jax_fusedar/common/topology.py), so that every rank launches the same configuration.
+// jax_fusedar/common/launch_mode.py), so that every rank launches the same configuration.
+// What each pattern reads and writes comes from the one table, fusedar/patterns.h.
 #include <atomic>
 #include <cstdint>
 #include <string>
@@ -14,6 +15,7 @@
 #include "call_check.h"
 #include "device_guard.h"
 #include "fusedar/core.h"
+#include "fusedar/patterns.h"
 #include "rank_state.h"
 #include "status.h"
 
@@ -21,15 +23,20 @@ using fusedar::fail;
 
 namespace {
 
-constexpr int kAllReduce = 0;
-
 std::atomic<uint64_t> launches{0};
 
-bool pattern_writes_norm_out(int p) { return p == 1 || p == 4 || p == 5 || p == 9 || p == 11; }
-bool pattern_is_fp4(int p) { return p == 3 || p == 5; }
-bool pattern_uses_scale_factor(int p) { return p == 2 || p == 3 || p == 4 || p == 5; }
-bool pattern_writes_scale_out(int p) { return p == 3 || p == 5 || (p >= 8 && p <= 11); }
-bool pattern_is_quantized(int p) { return p >= 2 && p <= 11; }
+// The trait table and the kernel instantiations name the same patterns.
+constexpr bool table_matches_compiled_patterns() {
+  for (const fusedar::PatternTraits& p : fusedar::kPatterns) {
+    if (!fusedar::kernels::is_compiled_pattern(p.code)) return false;
+  }
+  for (int code : fusedar::kernels::kCompiledPatterns) {
+    if (fusedar::find_pattern(code) == nullptr) return false;
+  }
+  return true;
+}
+static_assert(table_matches_compiled_patterns(),
+              "fusedar/patterns.h and kernels/compiled_patterns.h disagree");
 
 std::string dtype_name(int dtype) {
   switch (dtype) {
@@ -57,11 +64,12 @@ int check(const fusedar_rank* r, const fusedar_launch_args* a) {
                     dtype_name(ws.dtype) + " (float32 needs a float32 workspace, 16-bit types a "
                     "16-bit one)");
   }
-  if (!fusedar::kernels::is_compiled_pattern(a->pattern)) {
+  const fusedar::PatternTraits* traits = fusedar::find_pattern(a->pattern);
+  if (traits == nullptr || !fusedar::kernels::is_compiled_pattern(a->pattern)) {
     return fail(FUSEDAR_UNSUPPORTED, "pattern " + std::to_string(a->pattern) +
                                          " is not compiled into this build of jax_fusedar");
   }
-  if (pattern_is_fp4(a->pattern)) {
+  if (traits->needs_sm100()) {
     int major = 0, minor = 0;
     if (fusedar_device_compute_capability(r->device, &major, &minor)) return FUSEDAR_CUDA_ERROR;
     if (major < 10) {
@@ -103,7 +111,7 @@ int check(const fusedar_rank* r, const fusedar_launch_args* a) {
     }
   }
   if (a->input == nullptr) return fail(FUSEDAR_INVALID_ARGUMENT, "input is null");
-  if (a->pattern == kAllReduce) {
+  if (traits->allreduce_out()) {
     if (a->allreduce_out == nullptr) {
       return fail(FUSEDAR_INVALID_ARGUMENT, "pattern 0 needs allreduce_out");
     }
@@ -112,19 +120,19 @@ int check(const fusedar_rank* r, const fusedar_launch_args* a) {
       return fail(FUSEDAR_INVALID_ARGUMENT, "pattern " + std::to_string(a->pattern) +
                                                 " needs residual_in, residual_out and rms_gamma");
     }
-    if (pattern_writes_norm_out(a->pattern) && a->norm_out == nullptr) {
+    if (traits->norm_out && a->norm_out == nullptr) {
       return fail(FUSEDAR_INVALID_ARGUMENT,
                   "pattern " + std::to_string(a->pattern) + " needs norm_out");
     }
-    if (pattern_is_quantized(a->pattern) && a->quant_out == nullptr) {
+    if (traits->quant_out() && a->quant_out == nullptr) {
       return fail(FUSEDAR_INVALID_ARGUMENT,
                   "pattern " + std::to_string(a->pattern) + " needs quant_out");
     }
-    if (pattern_writes_scale_out(a->pattern) && a->scale_out == nullptr) {
+    if (traits->scale_out() && a->scale_out == nullptr) {
       return fail(FUSEDAR_INVALID_ARGUMENT,
                   "pattern " + std::to_string(a->pattern) + " needs scale_out");
     }
-    if (pattern_uses_scale_factor(a->pattern) && a->scale_factor == nullptr) {
+    if (traits->scale_factor() && a->scale_factor == nullptr) {
       return fail(FUSEDAR_INVALID_ARGUMENT,
                   "pattern " + std::to_string(a->pattern) + " needs scale_factor");
     }

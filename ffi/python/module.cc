@@ -5,7 +5,9 @@
 //   - registrations(): the XLA FFI handler capsules, one table for all targets (and
 //     host_registrations(): the host twins multi-platform exports need);
 //   - the workspace registry the XLA handlers consult;
-//   - a few device queries.
+//   - a few device queries;
+//   - the native side of the contract tests/native/test_contract.py holds equal to the
+//     Python one: the pattern table, the workspace sizes and the FFI target names.
 // No JAX or torch headers: tensors arrive as integer device pointers and streams.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
@@ -20,6 +22,7 @@
 #include "../xla/handlers.h"
 #include "../xla/workspace_registry.h"
 #include "fusedar/core.h"
+#include "fusedar/patterns.h"
 
 namespace nb = nanobind;
 
@@ -32,6 +35,28 @@ void check(int rc) {
   std::string msg = fusedar_last_error();
   if (rc == FUSEDAR_INVALID_ARGUMENT || rc == FUSEDAR_UNSUPPORTED) throw nb::value_error(msg.c_str());
   throw std::runtime_error(msg);
+}
+
+// One row of fusedar/patterns.h, with the rules derived from it, under the names of
+// jax_fusedar/common/patterns.py.
+nb::dict traits_dict(const fusedar::PatternTraits& p) {
+  nb::dict d;
+  d["code"] = p.code;
+  d["has_allreduce_out"] = p.allreduce_out();
+  d["has_residual"] = p.residual;
+  d["has_norm_out"] = p.norm_out;
+  if (p.quant_out()) {
+    d["quant"] = fusedar::quant_kind_name(p.quant);
+  } else {
+    d["quant"] = nb::none();
+  }
+  d["uses_scale_factor"] = p.scale_factor();
+  d["writes_scale_out"] = p.scale_out();
+  d["needs_sm100"] = p.needs_sm100();
+  d["operands"] = p.operands();
+  d["results"] = p.results();
+  d["compiled"] = fusedar_pattern_compiled(p.code) != 0;
+  return d;
 }
 
 nb::dict info_dict(const fusedar_workspace_info& i) {
@@ -259,6 +284,18 @@ NB_MODULE(_fusedar, m) {
     return info_dict(i);
   });
   m.def("pattern_compiled", [](int pattern) { return fusedar_pattern_compiled(pattern) != 0; });
+  // Every pattern the native table serves: {code: traits}.
+  m.def("pattern_table", []() {
+    nb::dict d;
+    for (const fusedar::PatternTraits& p : fusedar::kPatterns) d[nb::int_(p.code)] = traits_dict(p);
+    return d;
+  });
+  m.def("ffi_target_names", []() {
+    nb::dict d;
+    d["allreduce_fusion"] = FUSEDAR_TARGET_ALLREDUCE_FUSION;
+    d["device_timestamp"] = FUSEDAR_TARGET_DEVICE_TIMESTAMP;
+    return d;
+  });
 
   m.def("device_count", []() {
     int32_t c = 0;

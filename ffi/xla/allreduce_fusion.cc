@@ -3,9 +3,10 @@
 // Operands, in order: x, then for residual patterns residual_in and rms_gamma, then
 // scale_factor for static FP8 / NVFP4 (a device array, so command buffers stay valid).
 // Results, in order: allreduce_out (pattern 0) or residual_out, then norm_out if the
-// pattern writes it, then quant_out and scale_out for quantized patterns. The Python
-// primitive (jax_fusedar/primitive.py) builds exactly this list from the same
-// pattern table, and this handler re-checks it, so a mismatch is an FFI error, never
+// pattern writes it, then quant_out and scale_out for quantized patterns; which ones a
+// pattern has comes from the native table (fusedar/patterns.h). The Python primitive
+// (jax_fusedar/primitive.py) builds exactly this list from the Python table, which
+// tests/native/test_contract.py holds equal to the native one, and this handler re-checks it, so a mismatch is an FFI error, never
 // a wild write.
 //
 // Per-call protocol state (Lamport buffer index, barrier flags) lives on the device,
@@ -14,6 +15,7 @@
 #include <string>
 
 #include "fusedar/core.h"
+#include "fusedar/patterns.h"
 #include "workspace_registry.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -31,12 +33,6 @@ int dtype_code(ffi::DataType t) {
   }
 }
 
-bool has_residual(int p) { return p != 0; }
-bool writes_norm_out(int p) { return p == 1 || p == 4 || p == 5 || p == 9 || p == 11; }
-bool uses_scale_factor(int p) { return p >= 2 && p <= 5; }
-bool is_quantized(int p) { return p >= 2 && p <= 11; }
-bool writes_scale_out(int p) { return p == 3 || p == 5 || (p >= 8 && p <= 11); }
-
 ffi::Error invalid(const std::string& msg) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jax_fusedar: " + msg);
 }
@@ -49,9 +45,10 @@ ffi::Error AllReduceFusionImpl(void* stream, int32_t device_ordinal, ffi::Remain
   fusedar_rank* rank = find_rank(workspace_id, device_ordinal, &why);
   if (rank == nullptr) return invalid(why);
 
-  const size_t want_args = 1 + (has_residual(pattern) ? 2 : 0) + (uses_scale_factor(pattern) ? 1 : 0);
-  const size_t want_rets = 1 + (writes_norm_out(pattern) ? 1 : 0) + (is_quantized(pattern) ? 1 : 0) +
-                           (writes_scale_out(pattern) ? 1 : 0);
+  const PatternTraits* traits = find_pattern(pattern);
+  if (traits == nullptr) return invalid("unknown fusion pattern " + std::to_string(pattern));
+  const size_t want_args = traits->operands();
+  const size_t want_rets = traits->results();
   if (args.size() != want_args || rets.size() != want_rets) {
     return invalid("pattern " + std::to_string(pattern) + " expects " +
                    std::to_string(want_args) + " operands and " + std::to_string(want_rets) +
@@ -84,7 +81,7 @@ ffi::Error AllReduceFusionImpl(void* stream, int32_t device_ordinal, ffi::Remain
   a.trigger_completion_at_end = 1;
 
   size_t next_arg = 1;
-  if (has_residual(pattern)) {
+  if (traits->residual) {
     auto residual = args.get<ffi::AnyBuffer>(next_arg++);
     auto gamma = args.get<ffi::AnyBuffer>(next_arg++);
     if (residual.has_error()) return residual.error();
@@ -100,7 +97,7 @@ ffi::Error AllReduceFusionImpl(void* stream, int32_t device_ordinal, ffi::Remain
     a.residual_in = residual->untyped_data();
     a.rms_gamma = gamma->untyped_data();
   }
-  if (uses_scale_factor(pattern)) {
+  if (traits->scale_factor()) {
     auto scale = args.get<ffi::AnyBuffer>(next_arg++);
     if (scale.has_error()) return scale.error();
     if (scale->element_type() != ffi::DataType::F32 || scale->element_count() != 1) {
@@ -115,22 +112,22 @@ ffi::Error AllReduceFusionImpl(void* stream, int32_t device_ordinal, ffi::Remain
   if ((*out0)->element_count() != x->element_count()) {
     return invalid("the first result must have x's shape");
   }
-  if (pattern == 0) {
+  if (traits->allreduce_out()) {
     a.allreduce_out = (*out0)->untyped_data();
   } else {
     a.residual_out = (*out0)->untyped_data();
   }
-  if (writes_norm_out(pattern)) {
+  if (traits->norm_out) {
     auto norm = rets.get<ffi::AnyBuffer>(next_ret++);
     if (norm.has_error()) return norm.error();
     a.norm_out = (*norm)->untyped_data();
   }
-  if (is_quantized(pattern)) {
+  if (traits->quant_out()) {
     auto quant = rets.get<ffi::AnyBuffer>(next_ret++);
     if (quant.has_error()) return quant.error();
     a.quant_out = (*quant)->untyped_data();
   }
-  if (writes_scale_out(pattern)) {
+  if (traits->scale_out()) {
     auto scale_out = rets.get<ffi::AnyBuffer>(next_ret++);
     if (scale_out.has_error()) return scale_out.error();
     a.scale_out = (*scale_out)->untyped_data();

@@ -8,9 +8,15 @@ never imports jax or torch (``tests/common/test_no_framework_imports.py`` checks
 * ``tp_groups``: which devices or processes form each tensor-parallel group, in which rank
   order, on which hosts;
 * ``exchange``: the keys and the two-phase protocol by which a group exchanges its buffers;
+* ``join``: the one protocol by which JAX's and torch's processes join a group (publish,
+  agree on the options, create, connect);
+* ``lifecycle``: the workspace base both front ends subclass (destroy, context manager,
+  repr, the element-count rule);
 * ``backend_choice``: the kernel ("trtllm") or plain collectives ("xla"), and strict mode;
 * ``call_check``: the options of the opt-in cross-rank call check;
-* ``patterns``: FlashInfer's fusion patterns and what each reads and writes;
+* ``patterns``: FlashInfer's fusion patterns and what each reads and writes (the native
+  twin is ffi/core/include/fusedar/patterns.h);
+* ``results``: the name, shape and dtype of every result of a call (``result_specs``);
 * ``quant_layouts``: shapes and byte layouts of the quantized outputs;
 * ``arguments``: the shared argument and environment-variable validators;
 * ``native``: the loader of the native module.

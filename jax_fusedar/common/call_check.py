@@ -1,6 +1,6 @@
 """Options of the opt-in cross-rank call check (ffi/core/call_check.h): whether a new
-workspace checks every call, how long a checked call waits, and that all members agree.
-Framework-neutral (never imports jax or torch)."""
+workspace checks every call and how long a checked call waits (that all members agree is
+``join.check_options_agree``'s). Framework-neutral (never imports jax or torch)."""
 from __future__ import annotations
 
 import os
@@ -51,18 +51,3 @@ def resolve_check_timeout_s(value=None) -> float:
     if not 0.0 < value <= MAX_CHECK_TIMEOUT_S:  # NaN fails too
         raise ValueError(f"{where} must be in (0, {MAX_CHECK_TIMEOUT_S:g}] seconds, got {value!r}")
     return value
-
-
-def check_options_agree(options_by_member: dict, what: str = "members") -> None:
-    """Raises ValueError unless every member created its workspace with the same call-check
-    setting. ``options_by_member``: {member description: {"check_calls": bool, ...}}, the
-    same dict on every member (so all of them accept or refuse alike). A checked rank whose
-    peer is unchecked would wait for a handshake that never comes and trap on its first
-    call; this says so at creation instead."""
-    on = sorted(str(m) for m, o in options_by_member.items() if o.get("check_calls"))
-    off = sorted(str(m) for m, o in options_by_member.items() if not o.get("check_calls"))
-    if on and off:
-        raise ValueError(
-            f"the {what} of this TP group disagree on check_calls: on for {', '.join(on)}; off "
-            f"for {', '.join(off)}. Pass the same check_calls (or set ${CHECK_CALLS_ENV_VAR} "
-            f"identically) in every process")

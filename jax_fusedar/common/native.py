@@ -17,6 +17,13 @@ except ImportError as e:  # built without CUDA, or not built at all (source chec
 
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
+# The XLA FFI targets by role (ffi/xla/handlers.h; ext.ffi_target_names() must equal this).
+# Versioned: a serialized program names the handler it was built for.
+FFI_TARGETS = {
+    "allreduce_fusion": "jax_fusedar_allreduce_fusion_v1",
+    "device_timestamp": "jax_fusedar_device_timestamp_v1",
+}
+
 
 def available() -> bool:
     return ext is not None

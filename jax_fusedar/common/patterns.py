@@ -1,7 +1,9 @@
 """FlashInfer's fusion patterns and scale-factor layouts, with what each one reads and writes.
 
-Framework-neutral (no jax or torch import): the JAX primitive, the XLA handler's operand
-list and the torch layer all derive their inputs and outputs from this one table.
+Framework-neutral (no jax or torch import): the JAX primitive and the torch layer derive
+their inputs and outputs from this one table (their result shapes through
+``results.result_specs``). Its native twin is ffi/core/include/fusedar/patterns.h (the launch
+check and the XLA handler's operand list); tests/native/test_contract.py holds the two equal.
 """
 from __future__ import annotations
 
@@ -55,6 +57,11 @@ class PatternTraits:
     def writes_scale_out(self) -> bool:
         return self.quant in ("fp4", "group_fp8", "dynamic_fp8")
 
+    @property
+    def needs_sm100(self) -> bool:
+        """On sm90 the NVFP4 epilogue compiles and runs but writes zeros and no scales."""
+        return self.quant == "fp4"
+
 
 P = AllReduceFusionPattern
 TRAITS = {
@@ -71,6 +78,17 @@ TRAITS = {
 }
 MOE_PATTERNS = (P.kMoEReductionARResidualRMSNorm, P.kMoEFinalizeARResidualRMSNorm)
 del P
+
+SM100_PATTERNS = tuple(int(p) for p, t in TRAITS.items() if t.needs_sm100)
+
+
+def device_problem(pattern, device: str, major: int, minor: int) -> Optional[str]:
+    """Why ``pattern`` cannot run on ``device`` (a label for the message) of compute
+    capability ``major.minor``, or None. The native launch refuses the same (launch.cpp)."""
+    if TRAITS[as_pattern(pattern)].needs_sm100 and int(major) < 10:
+        return (f"NVFP4 patterns ({', '.join(map(str, SM100_PATTERNS))}) need an sm100+ GPU "
+                f"(Blackwell); {device} is sm{int(major)}{int(minor)}")
+    return None
 
 
 def _valid_codes() -> str:

@@ -36,8 +36,9 @@ def _imported_after(modules):
 def test_the_common_layer_is_all_there():
     # A module added to common/ is checked below automatically; this guards the listing.
     names = {m.rsplit(".", 1)[1] for m in COMMON_MODULES}
-    assert {"arguments", "backend_choice", "call_check", "exchange", "launch_mode", "limits",
-            "native", "patterns", "quant_layouts", "sizing", "tp_groups"} <= names
+    assert {"arguments", "backend_choice", "call_check", "exchange", "join", "launch_mode",
+            "lifecycle", "limits", "native", "patterns", "quant_layouts", "results", "sizing",
+            "tp_groups"} <= names
 
 
 @pytest.mark.parametrize("module", COMMON_MODULES + JAX_FREE_CLI)

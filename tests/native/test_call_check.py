@@ -13,7 +13,7 @@ import threading
 import numpy as np
 import pytest
 
-from jax_fusedar.common import call_check, exchange, native, sizing, tp_groups
+from jax_fusedar.common import call_check, exchange, join, native, sizing, tp_groups
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -79,11 +79,19 @@ def test_bad_timeout_arguments(value, error):
 
 
 def test_options_must_agree():
-    call_check.check_options_agree({"a": {"check_calls": True}, "b": {"check_calls": True}})
-    call_check.check_options_agree({"a": {"check_calls": False}, "b": {}})  # absent = off
+    join.check_options_agree({"a": {"check_calls": True}, "b": {"check_calls": True}})
+    join.check_options_agree({"a": {"check_calls": False}, "b": {}})  # absent = off
     with pytest.raises(ValueError, match=r"disagree on check_calls: on for b; off for a, c"):
-        call_check.check_options_agree({"a": {"check_calls": False}, "b": {"check_calls": True},
-                                    "c": {}})
+        join.check_options_agree({"a": {"check_calls": False}, "b": {"check_calls": True},
+                                  "c": {}})
+
+
+def test_every_agreed_option_is_compared(monkeypatch):
+    """Option agreement is driven by join.AGREED_OPTIONS: one more entry, one more check."""
+    monkeypatch.setitem(join.AGREED_OPTIONS, "timeout_s", join.AgreedOption(None))
+    join.check_options_agree({"a": {"timeout_s": 5.0}, "b": {"timeout_s": 5.0}})
+    with pytest.raises(ValueError, match=r"disagree on timeout_s: 5.0 for a; 7.0 for b"):
+        join.check_options_agree({"a": {"timeout_s": 5.0}, "b": {"timeout_s": 7.0}})
 
 
 # --- JAX: agreement across processes ------------------------------------------------------------
@@ -123,9 +131,13 @@ def _jax_agree(flags, groups_members, timeout_s=5.0):
 
     def proc(me):
         try:
-            jws.agree_on_check_calls(groups, members, me, store.channel(timeout_s), serial=3,
-                                     check_calls=flags[me])
-            out[me] = True
+            joins = [join.GroupJoin(g, tuple(m.process for m in members[g.index]),
+                                    {r: m.device for r, m in enumerate(members[g.index])
+                                     if m.process == me})
+                     for g in groups]
+            joins = [j for j in joins if j.my_devices]
+            out[me] = jws.join_processes(joins, me, store.channel(timeout_s), serial=3,
+                                         check_calls=flags[me])
         except Exception as e:  # noqa: BLE001 - recorded for the assertions
             errors[me] = e
 
@@ -146,7 +158,14 @@ def test_jax_processes_that_agree_pass():
     out, errors, store = _jax_agree({0: True, 1: True}, gm)
     assert not errors and set(out) == {0, 1}
     assert len(store.data) == 4  # one key per (group, process)
-    assert all(json.loads(v) == {"check_calls": True} for v in store.data.values())
+    published = [json.loads(v) for v in store.data.values()]
+    assert all(p["options"] == {"check_calls": True} for p in published)
+    # Each process publishes the devices of its own members of the group ...
+    assert sorted(tuple(p["devices"].items()) for p in published) == [
+        (("0", 0),), (("0", 1),), (("1", 0),), (("1", 1),)]
+    # ... and every process ends with the same members, in TP-rank order.
+    for agreed in out.values():
+        assert [list(a.members) for a in agreed] == gm
 
 
 def test_jax_processes_that_disagree_all_refuse():

@@ -770,10 +770,12 @@ def test_quantized_pattern_launch_arguments_and_return_value(cpu_stream, sm100, 
 
 
 def test_group_scale_view_is_flashinfers_and_covers_what_the_kernel_writes():
-    from jax_fusedar.common import quant_layouts
+    from jax_fusedar.common import quant_layouts, results
     for m, h, g in ((1, 1024, 128), (5, 4096, 128), (16, 7168, 64), (17, 1024, 512)):
-        shape, strides = ops.group_scale_view_shape(m, h, g)
+        spec = results.result_spec(9, "scale_out", m, h, "bfloat16", group_size=g)
+        shape, strides = spec.shape, spec.strides
         k, t = quant_layouts.group_scale_buffer_shape(m, h, g)
+        assert spec.storage_shape == (k, t) and spec.dtype == "int32"
         assert shape == (m, -(-(h // g) // 4)) == (m, k) and strides == (1, (m + 3) // 4 * 4)
         v = group_scale_out(m, h, g)
         assert tuple(v.shape) == shape and v.stride() == strides
