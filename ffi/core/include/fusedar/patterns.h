@@ -2,7 +2,7 @@
 // reads and writes. The core's launch check (ffi/core/launch.cpp) and the XLA handler's
 // operand/result lists (ffi/xla/allreduce_fusion.cc) both read it; the Python table
 // (jax_fusedar/common/patterns.py) must equal it, which tests/native/test_contract.py checks
-// through the bound module (ext.pattern_traits). C++ only and header-only: no ABI.
+// through the bound module (ext.pattern_table()). C++ only and header-only: no ABI.
 //
 // Rows are keyed by code, so a pattern served by another entry point (FlashInfer's MoE
 // codes 6 and 7) adds its own rows without renumbering these.
