@@ -157,6 +157,17 @@ def main(argv=None) -> int:
             return 2
         from torch_compat.bench import main as torch_bench
         return torch_bench(torch_argv, prog="python -m jax_fusedar bench --framework torch")
+    # Every other command (and its parser: the demo's flags live with the demo) needs JAX,
+    # an extra. The check imports nothing: XLA_FLAGS is settled only after parsing.
+    import importlib.util
+    try:
+        has_jax = importlib.util.find_spec("jax") is not None
+    except ValueError:  # a blocked module (None in sys.modules)
+        has_jax = False
+    if not has_jax:
+        from .. import NEEDS_JAX
+        print(f"python -m jax_fusedar: error: {NEEDS_JAX}", file=sys.stderr)
+        return 2
     parser, commands = build_parser()
     args = parser.parse_args(argv)
     if args.command == "bench":  # the demo's hidden size comes from its preset

@@ -80,3 +80,17 @@ def test_seed_zero_and_a_fresh_out_folder_are_fine(tmp_path):
     out = tmp_path / "a" / "b"
     assert check_out_dir(out, ("bench.json",)) is None and out.is_dir()
     assert list(out.iterdir()) == []  # the write probe leaves nothing behind
+
+
+@pytest.mark.parametrize("command", [["demo"], ["bench", "--hidden", "64"]])
+def test_without_jax_the_cli_names_the_extra(tmp_path, command):
+    """JAX is an extra: without it the JAX commands say how to install it (exit 2), not a
+    traceback. A blocked import (None in sys.modules) stands in for a venv without jax."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['jax'] = None; "
+            "from jax_fusedar.cli.main import main; sys.exit(main(sys.argv[1:]))")
+    r = subprocess.run([sys.executable, "-c", code, *command, "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120,
+                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    _refused(r, "pip install 'jax_fusedar[jax]'")
