@@ -23,7 +23,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.repo import REPO
+
+
 README = REPO / "README.md"
 GPU_MARKER = "# Needs 2 GPUs"
 SCRIPT_HEADER = re.compile(r"# (\w+\.py)\b")

@@ -48,9 +48,15 @@ gpus=$(nvidia-smi -L | grep -c '^GPU ')
 
 # A venv that sees the system's packages; where Python has no ensurepip (a distribution
 # without its venv package) the venv runs the system's pip, which installs into the venv.
+# When python3 is itself a venv (the GPU machine's is /opt/torch/.venv), --system-site-packages
+# reaches only the base interpreter's packages, so a .pth file adds python3's own.
 make_venv() {
   python3 -m venv --system-site-packages "$1" 2>/dev/null \
     || { rm -rf "$1"; python3 -m venv --system-site-packages --without-pip "$1"; }
+  local outer inner
+  outer=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  inner=$("$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  if [ "$outer" != "$inner" ]; then echo "$outer" > "$inner/outer_site_packages.pth"; fi
 }
 
 step "build venv (system site-packages + the build tools from .carry/wheels)"

@@ -9,6 +9,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import pytest  # noqa: E402
 
 from tests.cli.test_cli import run_cli  # noqa: E402
+from tests.repo import REPO  # noqa: E402
 
 
 def _refused(r, message):
@@ -92,5 +93,5 @@ def test_without_jax_the_cli_names_the_extra(tmp_path, command):
             "from jax_fusedar.cli.main import main; sys.exit(main(sys.argv[1:]))")
     r = subprocess.run([sys.executable, "-c", code, *command, "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=120,
-                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+                       cwd=REPO)
     _refused(r, "pip install 'jax_fusedar[jax]'")

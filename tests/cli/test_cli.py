@@ -11,13 +11,14 @@ import statistics
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
 from jax_fusedar.common import native
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.repo import REPO
+
+
 HOST_8 = "--xla_force_host_platform_device_count=8"
 
 

@@ -8,7 +8,6 @@ import random
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,7 +23,9 @@ from jax_fusedar.common.limits import (check_kernel_supports, element_size, kern
                                        vector_width)
 from jax_fusedar.common.exchange import exchange_key
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.repo import REPO
+
+
 MIB = 1 << 20
 
 

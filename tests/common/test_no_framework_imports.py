@@ -7,13 +7,13 @@ import os
 import pkgutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 import jax_fusedar.common
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.repo import REPO
+
 
 COMMON_MODULES = sorted(f"jax_fusedar.common.{m.name}"
                         for m in pkgutil.iter_modules(jax_fusedar.common.__path__))

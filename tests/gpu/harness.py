@@ -119,9 +119,9 @@ def simulated_hosts_problem():
     namespaces), or None; probed in a throwaway process."""
     import subprocess
     import sys
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests.repo import REPO
     r = subprocess.run([sys.executable, "-c", "from tests.gpu.harness import simulate_host; "
-                        "simulate_host('jf-probe')"], cwd=root, capture_output=True, text=True,
+                        "simulate_host('jf-probe')"], cwd=REPO, capture_output=True, text=True,
                        timeout=60)
     return None if r.returncode == 0 else (r.stderr.strip().splitlines() or ["?"])[-1]
 

@@ -3,9 +3,8 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent.parent
+from tests.repo import REPO
 
 
 def run_task(task: str, platform: str, *, timeout_s: float = 900, **options) -> dict:

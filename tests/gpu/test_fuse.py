@@ -10,14 +10,13 @@ that sees the GPUs).
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from tests.gpu.harness import report
 
 pytestmark = pytest.mark.gpu
-REPO = Path(__file__).resolve().parents[1]
+from tests.repo import REPO
 
 
 def test_llama_demo_fused_by_fuse_on_gpus():

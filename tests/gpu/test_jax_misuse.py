@@ -4,13 +4,14 @@ whose fp32 sum of squares overflows give norm_out = +-0 on both (README, Numeric
 Worker: tests/gpu/jax_misuse.py, one process driving both devices."""
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from tests.repo import REPO
+
+
 # Both orders of the two devices, named in the message (TP-rank order of the ids).
 FLIPPED = ("groups the devices along 'tp' as [(1, 0)] but the workspace was created for the "
            "groups [(0, 1)]")
@@ -19,11 +20,11 @@ FLIPPED = ("groups the devices along 'tp' as [(1, 0)] but the workspace was crea
 def _run(platform: str) -> dict:
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
                NVSHMEM_DISABLE_NVLS="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     for var in ("XLA_FLAGS", "JAX_FUSEDAR_STRICT", "JAX_FUSEDAR_ALLREDUCE_BACKEND",
                 "JAX_FUSEDAR_CHECK_CALLS"):
         env.pop(var, None)
-    proc = subprocess.run([sys.executable, "-m", "tests.gpu.jax_misuse", platform], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "tests.gpu.jax_misuse", platform], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-4000:] + proc.stderr[-4000:]

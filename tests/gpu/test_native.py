@@ -12,6 +12,7 @@ import os
 import pytest
 
 from jax_fusedar.common.arguments import env_bool
+from tests.repo import REPO
 
 pytestmark = pytest.mark.gpu
 
@@ -60,7 +61,7 @@ def test_native_single_process_peer_pointers():
 
     proc = subprocess.run([sys.executable, "-m", "tests.gpu.native_single_process", "4096"],
                           capture_output=True, text=True, timeout=300,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                          cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     print(result)

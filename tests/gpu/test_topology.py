@@ -8,7 +8,6 @@ result is written as JSON (with the output's tail) to $JAX_FUSEDAR_REPORT_DIR.
 """
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -16,7 +15,9 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from tests.repo import REPO
+
+
 PRINTF_MARK = "jax_fusedar call check FAILED on rank"
 SIG = "{{pattern={} dtype=bfloat16 num_tokens={} hidden_dim=4096 {} fp32_acc=1 layout=0 " \
       "block_quant_group_size=0}}"
@@ -29,7 +30,7 @@ def _run(module, *args, timeout_s):
     env.pop("JAX_FUSEDAR_CHECK_TIMEOUT_S", None)
     try:
         proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True,
-                              text=True, timeout=timeout_s, cwd=ROOT, env=env)
+                              text=True, timeout=timeout_s, cwd=REPO, env=env)
         out, err, rc = proc.stdout, proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as e:
         def text(b):

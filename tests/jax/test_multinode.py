@@ -20,14 +20,14 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from tests.gpu import jax_multinode as mn
 from tests.gpu.harness import free_port, run_ranks, simulated_hosts_problem
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.repo import REPO
+
 
 _PROBLEM = simulated_hosts_problem()
 pytestmark = pytest.mark.skipif(

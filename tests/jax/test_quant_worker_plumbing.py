@@ -11,9 +11,9 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.repo import REPO
+
 
 SCRIPT = textwrap.dedent("""
     import json, os

@@ -5,7 +5,6 @@ compiled with nvcc into a small host program. The handshake kernel itself runs o
 tests/gpu/test_topology.py."""
 import json
 import os
-import pathlib
 import shutil
 import subprocess
 import threading
@@ -15,7 +14,7 @@ import pytest
 
 from jax_fusedar.common import call_check, exchange, join, native, sizing, tp_groups
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests.repo import REPO
 
 
 # --- option parsing -----------------------------------------------------------------------------
@@ -408,7 +407,7 @@ def test_core_signature_and_failure_messages(tmp_path):
     src = tmp_path / "host_check.cu"
     src.write_text(HOST_PROGRAM)
     exe = tmp_path / "host_check"
-    core = ROOT / "ffi" / "core"
+    core = REPO / "ffi" / "core"
     cmd = [nvcc, "-std=c++17", "-arch=sm_90a", f"-I{core}", f"-I{core / 'include'}",
            str(src), str(core / "call_check.cu"), str(core / "status.cpp"), "-o", str(exe)]
     build = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

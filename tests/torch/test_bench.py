@@ -28,7 +28,7 @@ from jax_fusedar.common import launch_mode  # noqa: E402
 from tools import flashinfer_anchor as fa  # noqa: E402
 from torch_compat import bench as bt  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.repo import REPO
 
 
 # --- arguments and the CLI hook --------------------------------------------------------------
@@ -537,7 +537,9 @@ def test_modes_force_both_builds_alike_or_say_why():
 
 # --- every variant's call against the real APIs ----------------------------------------------
 
-ANCHOR_SRC = Path("/work/shared/anchor-flashinfer/flashinfer/comm/allreduce.py")
+# FlashInfer's Python source in the anchor folder (fa.resolve_anchor_path: $JAX_FUSEDAR_ANCHOR
+# or <repo>/.anchor/anchor-flashinfer).
+ANCHOR_SRC = fa.resolve_anchor_path() / "flashinfer" / "comm" / "allreduce.py"
 
 
 def _anchor_params(func_name):

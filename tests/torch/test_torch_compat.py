@@ -8,7 +8,6 @@ tests/gpu/test_torch.py.
 import ast
 import datetime
 import inspect
-import pathlib
 import random
 import socket
 import subprocess
@@ -27,9 +26,14 @@ from jax_fusedar.common import (backend_choice, exchange, launch_mode, native, s
 from torch_compat import ops  # noqa: E402
 from torch_compat import workspace as wsmod  # noqa: E402
 from torch_compat.channel import StoreChannel  # noqa: E402
+from tools.flashinfer_anchor import resolve_anchor_path  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-ANCHOR = pathlib.Path("/work/shared/anchor-flashinfer/flashinfer/comm/allreduce.py")
+from tests.repo import REPO
+
+
+# FlashInfer's Python source, from the anchor folder the GPU tests use ($JAX_FUSEDAR_ANCHOR or
+# <repo>/.anchor/anchor-flashinfer: tools/flashinfer_anchor.py); skipped where absent.
+ANCHOR = resolve_anchor_path() / "flashinfer" / "comm" / "allreduce.py"
 
 
 # --- signatures ----------------------------------------------------------------------------------
@@ -124,7 +128,7 @@ def test_importing_torch_compat_does_not_import_jax():
     code = ("import sys, torch_compat; "
             "bad = [m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'jaxlib'))]; "
             "print(bad); sys.exit(1 if bad else 0)")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
