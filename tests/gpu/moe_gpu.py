@@ -11,7 +11,9 @@
 3. the anchor alone at hidden 2880 (a partial warp per token, refused by jax_fusedar and
    torch_compat) against the oracle, to show why.
 
-    python tests/gpu/moe_gpu.py --out DIR [--anchor PATH] [--stages torch,jax,anchor2880]
+    python -m tests.gpu.moe_gpu --out DIR [--anchor PATH] [--stages torch,jax,anchor2880]
+
+(from the repository's root).
 
 MOE_GPU_TORCH_TIMEOUT_S bounds stage 1 (its ranks are killed after it); MOE_GPU_CASES_ONLY=1
 skips the CUDA-graph check and the bench of stage 1.
@@ -21,14 +23,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT)]
 
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                ("NVSHMEM_DISABLE_NVLS", "1")):

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    from jax_fusedar import native
+    from jax_fusedar.common import native
     if native.gpu_count() < 2:
         pytest.skip("needs 2 GPUs")
     out = os.environ.get("JAX_FUSEDAR_REPORT_DIR") or str(tmp_path_factory.mktemp("moe"))
