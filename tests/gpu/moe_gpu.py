@@ -49,7 +49,8 @@ CASES = [
     (6, "float16", 128, 4096, 4, 4, None, None, None),
     (6, "bfloat16", 1, 7168, 1, 1, None, None, None),
 ]
-BENCH_TOKENS = (1, 16, 128, 1024)
+# MOE_GPU_BENCH_TOKENS=1024 (comma-separated) narrows the bench, e.g. to look at one size.
+BENCH_TOKENS = tuple(int(t) for t in os.environ.get("MOE_GPU_BENCH_TOKENS", "1,16,128,1024").split(","))
 # The cases JAX repeats (every compile costs seconds): both patterns, both dtypes, routed
 # scaling, one call above the one-shot threshold of 128 tokens.
 JAX_CASES = [CASES[1], CASES[3], CASES[4], CASES[5], CASES[7], CASES[8]]
@@ -317,9 +318,13 @@ def _torch_rank(rank, world, channel, *, port, anchor_path, out_dir):
             ro.copy_(r)
             no.copy_(n.bfloat16())
 
-        row = {"fused_torch_compat_graph_us": graph_timed(fused),
-               "unfused_torch_nccl_eager_us": eager_timed(unfused)}
+        # Each step announced first: a hang shows where it is.
+        say("bench", tokens, "fused (graph)")
+        row = {"fused_torch_compat_graph_us": graph_timed(fused)}
+        say("bench", tokens, "unfused (eager)")
+        row["unfused_torch_nccl_eager_us"] = eager_timed(unfused)
         if fi is not None:
+            say("bench", tokens, "anchor (graph)")
             row["anchor_flashinfer_graph_us"] = graph_timed(anchor_call)
         bench[tokens] = row
         say("bench", tokens, row)
