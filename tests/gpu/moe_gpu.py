@@ -321,6 +321,11 @@ def _torch_rank(rank, world, channel, *, port, anchor_path, out_dir):
         # Each step announced first: a hang shows where it is.
         say("bench", tokens, "fused (graph)")
         row = {"fused_torch_compat_graph_us": graph_timed(fused)}
+        # The unfused sequence captured in a CUDA graph like the fused op (NCCL collectives
+        # capture), so launch overhead does not count against it; eager as well, and as the
+        # only figure if the capture fails.
+        say("bench", tokens, "unfused (graph)")
+        row["unfused_torch_nccl_graph_us"] = graph_timed(unfused)
         say("bench", tokens, "unfused (eager)")
         row["unfused_torch_nccl_eager_us"] = eager_timed(unfused)
         if fi is not None:
