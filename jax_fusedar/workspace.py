@@ -16,6 +16,7 @@ kernel workspaces with one key in one process are refused (give them distinct na
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -68,12 +69,15 @@ class AllReduceFusionWorkspace(lifecycle.WorkspaceLifecycle):
     psum + RMSNorm, used on CPU and when asked for). Use as a context manager or call
     ``destroy()``; calls traced after ``destroy()`` raise. ``check_calls``: whether the
     kernel's calls are checked across ranks (``call_check.resolve_check_calls``; trtllm only).
+    ``timeout_s``: how long any wait inside the kernel may last (``call_check.resolve_timeout_s``;
+    0 waits forever).
     """
 
     def __init__(self, *, mesh, axis_name: str, max_token_num: int, hidden_dim: int, dtype,
                  backend: str, workspace_id: int, groups, sizes: sizing.WorkspaceSizes,
                  check_calls: bool = False,
                  check_timeout_s: float = call_check.DEFAULT_CHECK_TIMEOUT_S,
+                 timeout_s: float = call_check.DEFAULT_TIMEOUT_S,
                  name: Optional[str] = None, serial: Optional[int] = None, key: str = ""):
         self.mesh = mesh
         self.axis_name = axis_name
@@ -89,6 +93,7 @@ class AllReduceFusionWorkspace(lifecycle.WorkspaceLifecycle):
         self.sizes = sizes
         self.check_calls = bool(check_calls)
         self.check_timeout_s = float(check_timeout_s)
+        self.timeout_s = float(timeout_s)
         self._ranks: list = []  # native Rank objects this process owns
         self._destroyed = False
 
@@ -115,11 +120,54 @@ class AllReduceFusionWorkspace(lifecycle.WorkspaceLifecycle):
             return False
         return self.buffer_problem(num_tokens, hidden_dim) is None
 
-    def call_check_failures(self) -> list:
-        """After a checked call failed (the stream reported a CUDA error): what the handshake
-        of each of this process's ranks found, one message per failed rank (readable after
-        the trap killed the CUDA context); empty when nothing failed."""
-        return [m for m in (r.call_check_failure() for r in self._ranks if r.alive) if m]
+    def failures(self) -> list:
+        """After a call failed (the stream reported a CUDA error): what each of this
+        process's ranks recorded, one message per failed rank, naming the peer that did not
+        arrive: a wait of the kernel that outlasted ``timeout_s``, or a failed call-check
+        handshake. Readable after the trap killed the CUDA context; empty when nothing
+        failed (and on the xla backend)."""
+        return [m for m in (r.failure() for r in self._ranks if r.alive) if m]
+
+    # The call check and the bounded waits share one failure record.
+    call_check_failures = failures
+
+    def set_timeout(self, timeout_s) -> None:
+        """Changes ``timeout_s`` (validated as at creation; 0 waits forever) on every rank of
+        this process, effective for the next kernel (the device copy is updated between
+        programs; the compiled programs are unchanged). Other processes keep theirs."""
+        value = call_check.resolve_timeout_s(timeout_s) if timeout_s is not None else None
+        if value is None:
+            raise TypeError("timeout_s must be a number of seconds, got None")
+        for r in self._ranks:
+            if r.alive:
+                r.set_timeout(value)
+        self.timeout_s = value
+
+    @contextlib.contextmanager
+    def explain_errors(self):
+        """A context in which an error (XLA reports a trapped kernel as a generic CUDA error,
+        e.g. "CUDA_ERROR_LAUNCH_FAILED: unspecified launch failure") is re-raised as
+        RuntimeError with the recorded text, naming the peer that did not arrive, when a
+        call on this workspace failed; other errors pass through unchanged::
+
+            with ws.explain_errors():
+                out = step(x).block_until_ready()
+        """
+        try:
+            yield self
+        except Exception as e:
+            failed = self.failures()
+            if failed:
+                raise RuntimeError("; ".join(failed)) from e
+            raise
+
+    def raise_if_failed(self) -> None:
+        """Raises RuntimeError with the recorded text if a call on this workspace timed out
+        or failed the call check. For use where the computation's own error only says that
+        the CUDA stream failed (a trap is reported by XLA as a generic CUDA error)."""
+        failed = self.failures()
+        if failed:
+            raise RuntimeError("; ".join(failed))
 
     def _release(self) -> None:
         errors = []
@@ -258,7 +306,8 @@ def create_allreduce_fusion_workspace(mesh, axis_name: str, *, max_token_num: in
                                       exchange_timeout_s: float = 120.0,
                                       check_calls: Optional[bool] = None,
                                       check_timeout_s: Optional[float] = None,
-                                      name: Optional[str] = None
+                                      name: Optional[str] = None,
+                                      timeout_s: Optional[float] = None
                                       ) -> AllReduceFusionWorkspace:
     """Creates the workspaces of every TP group along ``axis_name`` of ``mesh``.
 
@@ -278,6 +327,14 @@ def create_allreduce_fusion_workspace(mesh, axis_name: str, *, max_token_num: in
     and a printed description instead of hanging (``call_check_failures()`` reads it back).
     One extra tiny kernel per call; every process must pass the same setting.
 
+    ``timeout_s`` (None: ``$JAX_FUSEDAR_TIMEOUT_S``, default 30 s; 0 waits forever) bounds
+    every wait inside the kernel, always, checked or not: a rank that waits longer than this
+    for a peer (one that never calls, died, or called with another shape) records which peer
+    it waited for and traps, so the computation fails with a CUDA error instead of hanging;
+    ``ws.failures()`` (or ``ws.raise_if_failed()``) gives the recorded text, and later calls
+    on the workspace are refused with it. The device's CUDA context is unusable afterwards:
+    restart the process.
+
     ``name`` (optional) is part of the workspace's stable key, which compiled and exported
     programs find it by (module docstring): needed only to keep two otherwise identical
     kernel workspaces apart in one process, and then given alike when exporting
@@ -289,6 +346,7 @@ def create_allreduce_fusion_workspace(mesh, axis_name: str, *, max_token_num: in
     exchange_timeout_s = arguments.as_float("exchange_timeout_s", exchange_timeout_s)
     if exchange_timeout_s <= 0:
         raise ValueError(f"exchange_timeout_s must be > 0 seconds, got {exchange_timeout_s}")
+    timeout_s = call_check.resolve_timeout_s(timeout_s)
 
     ws = _describe(mesh, axis_name, max_token_num, hidden_dim, dtype, None, name)
     _set_backend(ws, _choose_backend(ws, backend, mesh.devices.flat[0].platform,
@@ -297,6 +355,7 @@ def create_allreduce_fusion_workspace(mesh, axis_name: str, *, max_token_num: in
     _claim_id(ws, allocates=resolved == "trtllm")
     ws.check_calls = check_calls and resolved == "trtllm"
     ws.check_timeout_s = check_timeout_s
+    ws.timeout_s = timeout_s
     if resolved == "trtllm":
         try:
             _build_native(ws, exchange_timeout_s)
@@ -397,7 +456,8 @@ def _build_native(ws: AllReduceFusionWorkspace, timeout_s: float) -> None:
 
     def make_rank(device: int, tp_rank: int):
         r = ext.Rank(device, ws.world_size, tp_rank, ws.max_token_num, ws.hidden_dim, code,
-                     check_calls=ws.check_calls, check_timeout_s=ws.check_timeout_s)
+                     check_calls=ws.check_calls, check_timeout_s=ws.check_timeout_s,
+                     timeout_s=ws.timeout_s)
         ws._ranks.append(r)  # owned from birth, so a failure later still frees it
         return r
 

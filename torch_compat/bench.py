@@ -13,6 +13,9 @@ NCCL group for the NCCL baseline. For every tokens x hidden case it times, in on
 * ``nccl``      ``dist.all_reduce`` (NCCL, NVLS off) + residual add + ``F.rms_norm``
 * ``symm_mem``  torch symmetric memory one-shot all-reduce (multicast off) + add + RMSNorm
 * ``ours_fp8`` / ``anchor_fp8``  pattern 4 (static FP8 quant_out plus norm_out)
+* ``ours_no_timeout`` (with ``--timeout-compare``) ``ours`` on a second workspace created
+                with ``kernel_timeout_s=0`` (FlashInfer's spin-forever waits), so the cost
+                of the always-on wait timeout shows as the ``ours/ours_no_timeout`` ratio
 
 each eagerly (a loop of ``--iters`` calls between two CUDA events) and captured in a CUDA
 graph (``--iters`` calls per graph, one replay between two events), per call = elapsed /
@@ -62,12 +65,12 @@ FP8_PATTERN = 4  # kARResidualRMSNormOutFP8Quant: residual_out, norm_out, quant_
 NORM_PATTERN = 1  # kARResidualRMSNorm
 FP8_MAX = 448.0
 
-IMPLS = ("ours", "anchor", "nccl", "symm_mem", "ours_fp8", "anchor_fp8")
+IMPLS = ("ours", "anchor", "nccl", "symm_mem", "ours_fp8", "anchor_fp8", "ours_no_timeout")
 USE_ONESHOT = {"auto": None, "oneshot": True, "twoshot": False}
 HOWS = ("eager", "graph")
 # (numerator, denominator) of the reported ratios, for each of eager and graph.
 RATIOS = (("ours", "anchor"), ("ours", "nccl"), ("ours", "symm_mem"),
-          ("ours_fp8", "anchor_fp8"))
+          ("ours_fp8", "anchor_fp8"), ("ours", "ours_no_timeout"))
 
 # --------------------------------------------------------------------------------------------
 # The anchor: FlashInfer's own build, a measuring instrument of the source checkout
@@ -143,6 +146,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--no-pdl", action="store_true",
                    help="launch ours and the anchor without programmatic dependent launch")
     p.add_argument("--seed", type=seed, default=0, help="seed of the random inputs")
+    p.add_argument("--timeout-compare", action="store_true",
+                   help="also time ours with the kernel's wait timeout off (a second "
+                   "workspace with kernel_timeout_s=0): the ours/ours_no_timeout ratio")
     p.add_argument("--timeout", type=positive_int, default=1200,
                    help="seconds before the whole run is killed (a kernel waiting for a peer "
                    "that never comes spins forever)")
@@ -208,7 +214,8 @@ def variant_keys(args) -> List[str]:
              if not (args.no_anchor and i.startswith("anchor"))
              and not (args.no_fp8 and i.endswith("_fp8"))
              and not (args.no_nccl and i == "nccl")
-             and not (args.no_symm_mem and i == "symm_mem")]
+             and not (args.no_symm_mem and i == "symm_mem")
+             and not (i == "ours_no_timeout" and not getattr(args, "timeout_compare", False))]
     hows = ("eager",) if args.no_graph else HOWS
     return [f"{i}:{h}" for i in impls for h in hows]
 
@@ -280,7 +287,8 @@ def build_report(rank_results: Sequence[dict], args, machine: dict, anchor: dict
 _COLUMNS = (("ours", "ours"), ("anchor", "anchor"), ("nccl", "nccl"), ("symm", "symm_mem"),
             ("ours/anc", "ours/anchor"), ("ours/nccl", "ours/nccl"), ("ours/symm", "ours/symm_mem"),
             ("fp8 ours", "ours_fp8"), ("fp8 anc", "anchor_fp8"),
-            ("fp8 o/a", "ours_fp8/anchor_fp8"))
+            ("fp8 o/a", "ours_fp8/anchor_fp8"), ("ours t=0", "ours_no_timeout"),
+            ("on/off", "ours/ours_no_timeout"))
 
 
 def format_table(report: dict) -> str:
@@ -335,7 +343,7 @@ def plot(report: dict, path: Path) -> bool:
     fig, axes = plt.subplots(len(hows), len(hiddens), squeeze=False,
                              figsize=(max(6, 5 * len(hiddens)), 4 * len(hows)))
     styles = {"ours": "C0-o", "anchor": "C1--s", "nccl": "k:^", "symm_mem": "C2-.v",
-              "ours_fp8": "C3-o", "anchor_fp8": "C4--s"}
+              "ours_fp8": "C3-o", "anchor_fp8": "C4--s", "ours_no_timeout": "C5:x"}
     for row, how in enumerate(hows):
         for col, hidden in enumerate(hiddens):
             ax = axes[row][col]
@@ -541,6 +549,7 @@ class Variants:
         self.notes: Dict[str, str] = {}
         self.unavailable: Dict[str, str] = {}
         self.ours_ws = self.anchor_ws = self.fi = None
+        self.ours_off_ws = None
         self.nccl_group = None
         self.symm_buf = self.symm_group_name = None
         self.symm_op, self.symm_copy = None, False
@@ -557,6 +566,11 @@ class Variants:
             "trtllm", world_size=self.world, rank=self.rank, max_token_num=max_tokens,
             hidden_dim=max_hidden, dtype=self.dtype, timeout_s=120)
         self.notes["ours_workspace"] = repr(self.ours_ws)
+        if getattr(args, "timeout_compare", False):
+            self.ours_off_ws = tc.create_allreduce_fusion_workspace(
+                "trtllm", world_size=self.world, rank=self.rank, max_token_num=max_tokens,
+                hidden_dim=max_hidden, dtype=self.dtype, timeout_s=120, kernel_timeout_s=0)
+            self.notes["ours_timeout_s"] = str(self.ours_ws.timeout_s)
 
         if not args.no_anchor:
             reason, loader = None, None
@@ -655,6 +669,8 @@ class Variants:
         all_ = {"ours": self.ours, "anchor": self.anchor, "nccl": self.nccl,
                 "symm_mem": self.symm_mem, "ours_fp8": self.ours_fp8,
                 "anchor_fp8": self.anchor_fp8}
+        if getattr(self.args, "timeout_compare", False):
+            all_["ours_no_timeout"] = self.ours_no_timeout
         return {k: (self._unavailable(k) if k in self.unavailable else f)
                 for k, f in all_.items()}
 
@@ -689,13 +705,20 @@ class Variants:
         scale = torch.tensor([8.0 / FP8_MAX], dtype=torch.float32, device=self.dev)
         return quant, scale
 
-    def ours(self, case: Case):
+    def _ours_on(self, case: Case, ws):
         x, residual, gamma, (res_out, norm_out, _) = self._inputs(case)
-        tc, ws = self.tc, self.ours_ws
+        tc = self.tc
         kw = dict(input=x, workspace=ws, pattern=NORM_PATTERN, launch_with_pdl=self.pdl,
                   residual_out=res_out, norm_out=norm_out, residual_in=residual,
                   rms_gamma=gamma, rms_eps=RMS_EPS, use_oneshot=case.oneshot, fp32_acc=True)
         return lambda: tc.allreduce_fusion(**kw)
+
+    def ours(self, case: Case):
+        return self._ours_on(case, self.ours_ws)
+
+    def ours_no_timeout(self, case: Case):
+        """The same call on the workspace with the kernel's wait timeout off."""
+        return self._ours_on(case, self.ours_off_ws)
 
     def ours_fp8(self, case: Case):
         x, residual, gamma, (res_out, norm_out, _) = self._inputs(case)
@@ -770,6 +793,8 @@ class Variants:
             self.anchor_ws.destroy()
         if self.ours_ws is not None:
             self.ours_ws.destroy()
+        if self.ours_off_ws is not None:
+            self.ours_off_ws.destroy()
         self.symm_buf = None
         if self.nccl_group is not None:
             self.dist.destroy_process_group(self.nccl_group)

@@ -78,7 +78,7 @@ class TorchAllReduceFusionWorkspace(lifecycle.WorkspaceLifecycle):
     def __init__(self, *, native_rank, global_ranks: Sequence[int], rank: int, device: int,
                  max_token_num: int, hidden_dim: int, dtype: torch.dtype,
                  sizes: sizing.WorkspaceSizes, members: Sequence[exchange.Member] = (),
-                 check_calls: bool = False):
+                 check_calls: bool = False, timeout_s: float = call_check.DEFAULT_TIMEOUT_S):
         self._rank_obj = native_rank
         self.global_ranks = tuple(int(g) for g in global_ranks)
         self.world_size = len(self.global_ranks)
@@ -92,6 +92,7 @@ class TorchAllReduceFusionWorkspace(lifecycle.WorkspaceLifecycle):
         self.sizes = sizes
         self.members = tuple(members)
         self.check_calls = bool(check_calls)  # calls checked across ranks on the device
+        self.timeout_s = float(timeout_s)  # bound on every wait inside the kernel (0: none)
         self._destroyed = False
 
     @property
@@ -159,10 +160,15 @@ class TorchAllReduceFusionWorkspace(lifecycle.WorkspaceLifecycle):
             log.warning("Workspace is insufficient for problem size. %s", problem)
         return problem is None
 
-    def call_check_failure(self) -> str:
-        """With ``check_calls``: after a call failed with a CUDA error, what the on-device
-        check found (readable after the trap killed the CUDA context); "" otherwise."""
-        return self.native_rank().call_check_failure() if self.check_calls else ""
+    def failure(self) -> str:
+        """After a call failed with a CUDA error: what this rank recorded, naming the peer
+        that did not arrive (a wait of the kernel that outlasted ``timeout_s``, or a failed
+        call-check handshake); readable after the trap killed the CUDA context; "" when
+        nothing failed. Later calls on the workspace raise RuntimeError with this text."""
+        return self.native_rank().failure()
+
+    # The call check and the bounded waits share one failure record.
+    call_check_failure = failure
 
     def _release(self) -> None:
         rank, self._rank_obj = self._rank_obj, None
@@ -314,6 +320,7 @@ def create_allreduce_fusion_workspace(
     timeout_s: float = 120.0,
     check_calls: Optional[bool] = None,
     check_timeout_s: Optional[float] = None,
+    kernel_timeout_s: Optional[float] = None,
 ) -> TorchAllReduceFusionWorkspace:
     """Creates this process's workspace of the TP group ``group``; collective over the group.
 
@@ -334,11 +341,20 @@ def create_allreduce_fusion_workspace(
     ``$JAX_FUSEDAR_CHECK_TIMEOUT_S``, default 30 s), fails the stream with a CUDA error and a
     printed description instead of hanging (``ws.call_check_failure()`` reads it back). One
     extra tiny kernel per call; every member must pass the same setting.
+
+    ``kernel_timeout_s`` (None: ``$JAX_FUSEDAR_TIMEOUT_S``, default 30 s; 0 waits forever; not
+    in FlashInfer, and named apart from ``timeout_s``, which FlashInfer's signature does not
+    have either but which here bounds the creation exchange) bounds every wait inside the
+    kernel, always: a rank that waits longer for a peer (one that never calls, died, or
+    called with another shape) records which peer and traps, so the stream fails with a CUDA
+    error instead of hanging, and every later call on the workspace raises RuntimeError with
+    the recorded text (``ws.failure()`` reads it). Restart the process afterwards.
     """
     resolve_backend(backend)  # a bad name fails before anyone waits
     timeout_s = arguments.as_float("timeout_s", timeout_s)
     check_calls = call_check.resolve_check_calls(check_calls)
     check_timeout_s = call_check.resolve_check_timeout_s(check_timeout_s)
+    kernel_timeout_s = call_check.resolve_timeout_s(kernel_timeout_s, name="kernel_timeout_s")
     name = dtype_name(dtype)
     global_ranks, tp_rank = _group_membership(group, world_size, rank)
     _check_comm_backend(comm_backend, len(global_ranks), tp_rank)
@@ -357,7 +373,8 @@ def create_allreduce_fusion_workspace(
     def make_rank(dev: int, r: int):
         created.append(ext.Rank(dev, sizes.world_size, r, sizes.max_token_num,
                                 sizes.hidden_dim, native.DTYPE_CODES[name],
-                                check_calls=check_calls, check_timeout_s=check_timeout_s))
+                                check_calls=check_calls, check_timeout_s=check_timeout_s,
+                                timeout_s=kernel_timeout_s))
         return created[-1]
 
     try:
@@ -372,6 +389,6 @@ def create_allreduce_fusion_workspace(
     ws = TorchAllReduceFusionWorkspace(
         native_rank=native_rank, global_ranks=global_ranks, rank=tp_rank, device=device,
         max_token_num=sizes.max_token_num, hidden_dim=sizes.hidden_dim, dtype=dtype,
-        sizes=sizes, members=members, check_calls=check_calls)
+        sizes=sizes, members=members, check_calls=check_calls, timeout_s=kernel_timeout_s)
     log.info("created %r", ws)
     return ws

@@ -10,11 +10,19 @@
 #   4. none of these: the build runs that script itself, unpacking into the build tree
 #      (so `pip install .` is one step; offline it fails, saying what to do).
 #
-# The copy in the build tree marks six free functions of trtllm_allreduce_fusion.cuh
-# (and of trtllm_moe_allreduce_fusion.cuh)
-# `inline`: the header defines them non-inline, so two translation units including it
-# fail to link with duplicate strong symbols. The patch checks that each definition
-# appears exactly as expected, so a changed header fails the build loudly.
+# Two copies go into the build tree. Both mark six free functions of
+# trtllm_allreduce_fusion.cuh `inline` (the header defines them non-inline, so two
+# translation units including it fail to link with duplicate strong symbols).
+#  - flashinfer_unhooked: nothing else. The build compiles the kernels from it only to
+#    read their register counts (ffi/core/CMakeLists.txt, tools/launch_registers.py):
+#    FlashInfer's own build compiles exactly this code.
+#  - flashinfer_patched, the copy the library is built from: also bounds every wait loop
+#    of the kernel (ffi/core/watchdog.h) and keeps FlashInfer's launch geometry although
+#    the bounded waits change the kernels' register counts (see "Launch geometry" below).
+# trtllm_moe_allreduce_fusion.cuh (patterns 6, 7) defines the same free functions and goes
+# into both copies with the same `inline` marks only (its waits are not bounded yet).
+# Each patch checks that its text appears exactly as often as expected, so a changed
+# header fails the build loudly.
 # The pinned version has one home: tools/fetch_flashinfer_headers.py.
 set(FUSEDAR_FLASHINFER_FETCH_SCRIPT "${CMAKE_CURRENT_LIST_DIR}/../../tools/fetch_flashinfer_headers.py")
 file(STRINGS "${FUSEDAR_FLASHINFER_FETCH_SCRIPT}" _fusedar_pin REGEX "^VERSION = \"[^\"]+\"$")
@@ -94,32 +102,117 @@ function(_fusedar_patch text_var old new expected_count what)
   set(${text_var} "${patched}" PARENT_SCOPE)
 endfunction()
 
-function(fusedar_prepare_flashinfer_headers out_include_dir)
-  _fusedar_find_flashinfer_include(src)
-  message(STATUS "jax_fusedar: FlashInfer headers from ${src}")
-  set(dst "${CMAKE_BINARY_DIR}/flashinfer_patched")
-  # The kernel header's whole include closure (logging.h is copied but its body is
-  # skipped: FLASHINFER_LOGGING_H_ is pre-defined, see
-  # ffi/kernels/flashinfer_kernel.cuh).
+# Both headers define get_sm_count(), use_oneshot() and four is_negative_zero<>
+# specialisations non-inline: marked `inline` so that several translation units link.
+function(_fusedar_mark_inline text_var)
+  set(text "${${text_var}}")
+  _fusedar_patch(text "\nint get_sm_count() {" "\ninline int get_sm_count() {" 1 "get_sm_count()")
+  _fusedar_patch(text "\nbool use_oneshot(int token_num) {"
+                 "\ninline bool use_oneshot(int token_num) {" 1 "use_oneshot(int)")
+  _fusedar_patch(text "template <>\n__device__ bool is_negative_zero<"
+                 "template <>\n__device__ inline bool is_negative_zero<" 4
+                 "is_negative_zero<> specialisations")
+  set(${text_var} "${text}" PARENT_SCOPE)
+endfunction()
+
+# Writes `text` as dir/flashinfer/comm/trtllm_allreduce_fusion.cuh next to a copy of the
+# header's whole include closure (logging.h is copied but its body is skipped:
+# FLASHINFER_LOGGING_H_ is pre-defined, see ffi/kernels/flashinfer_kernel.cuh).
+function(_fusedar_write_header_tree src dst text)
   foreach(rel exception.h fp4_layout.cuh logging.h utils.cuh vec_dtypes.cuh)
     configure_file("${src}/flashinfer/${rel}" "${dst}/flashinfer/${rel}" COPYONLY)
   endforeach()
-  # The MoE header (patterns 6 and 7) defines the same six free functions.
-  foreach(name trtllm_allreduce_fusion trtllm_moe_allreduce_fusion)
-    set(header "${src}/flashinfer/comm/${name}.cuh")
-    set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS "${header}")
-    file(READ "${header}" text)
-    _fusedar_patch(text "\nint get_sm_count() {" "\ninline int get_sm_count() {" 1 "get_sm_count()")
-    _fusedar_patch(text "\nbool use_oneshot(int token_num) {"
-                   "\ninline bool use_oneshot(int token_num) {" 1 "use_oneshot(int)")
-    _fusedar_patch(text "template <>\n__device__ bool is_negative_zero<"
-                   "template <>\n__device__ inline bool is_negative_zero<" 4
-                   "is_negative_zero<> specialisations")
-    set(patched "${dst}/flashinfer/comm/${name}.cuh")
-    # Write through configure_file(COPYONLY) so an unchanged header keeps its timestamp
-    # and a re-configure does not recompile every kernel.
-    file(WRITE "${dst}/${name}.cuh.tmp" "${text}")
-    configure_file("${dst}/${name}.cuh.tmp" "${patched}" COPYONLY)
-  endforeach()
+  # Written through configure_file(COPYONLY) so an unchanged header keeps its timestamp
+  # and a re-configure does not recompile every kernel.
+  file(WRITE "${dst}/trtllm_allreduce_fusion.cuh.tmp" "${text}")
+  configure_file("${dst}/trtllm_allreduce_fusion.cuh.tmp"
+                 "${dst}/flashinfer/comm/trtllm_allreduce_fusion.cuh" COPYONLY)
+endfunction()
+
+# The MoE header (patterns 6 and 7) defines the same free functions non-inline; it gets the
+# same three `inline` patches (no wait hooks yet: its Lamport polls and grid counter still
+# spin without a clock) and goes into both trees.
+function(_fusedar_write_moe_header src dst)
+  set(name trtllm_moe_allreduce_fusion)  # named in _fusedar_patch's errors
+  set(header "${src}/flashinfer/comm/${name}.cuh")
+  set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS "${header}")
+  file(READ "${header}" text)
+  _fusedar_mark_inline(text)
+  file(WRITE "${dst}/${name}.cuh.tmp" "${text}")
+  configure_file("${dst}/${name}.cuh.tmp" "${dst}/flashinfer/comm/${name}.cuh" COPYONLY)
+endfunction()
+
+function(fusedar_prepare_flashinfer_headers out_include_dir out_unhooked_include_dir)
+  set(name trtllm_allreduce_fusion)  # named in _fusedar_patch's errors
+  _fusedar_find_flashinfer_include(src)
+  message(STATUS "jax_fusedar: FlashInfer headers from ${src}")
+  set(dst "${CMAKE_BINARY_DIR}/flashinfer_patched")
+  set(dst_unhooked "${CMAKE_BINARY_DIR}/flashinfer_unhooked")
+  set(header "${src}/flashinfer/comm/trtllm_allreduce_fusion.cuh")
+  set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS "${header}")
+  file(READ "${header}" text)
+  _fusedar_mark_inline(text)
+  _fusedar_write_header_tree("${src}" "${dst_unhooked}" "${text}")
+  _fusedar_write_moe_header("${src}" "${dst_unhooked}")
+  # Bounded waits (ffi/core/watchdog.h, ffi/kernels/wait_hooks.cuh, included first): every
+  # wait loop of the kernel reads the clock every so many spins and traps past the
+  # workspace's timeout. The loops' conditions and the data they read are unchanged.
+  #  - comm constructors: block 0 counts the call (the call number in the failure record);
+  _fusedar_patch(text "    if (threadIdx.x == 0) {\n      atomicAdd(counter_ptr, 1);\n    }"
+                 "    if (threadIdx.x == 0) {\n      atomicAdd(counter_ptr, 1);\n      ::fusedar_wait::count_call(counter_ptr);\n    }"
+                 2 "the comm constructors' counter increment")
+  #  - SyncComm/LamportComm::update: the grid-counter wait, given the call's context;
+  _fusedar_patch(text "  __device__ __forceinline__ void update(int new_flag_value) {"
+                 "  template <class FusedarCtx>\n  __device__ __forceinline__ void update(int new_flag_value, FusedarCtx const& fusedar_ctx) {"
+                 1 "SyncComm::update")
+  _fusedar_patch(text "  __device__ __forceinline__ void update(int new_clear_size) {"
+                 "  template <class FusedarCtx>\n  __device__ __forceinline__ void update(int new_clear_size, FusedarCtx const& fusedar_ctx) {"
+                 1 "LamportComm::update")
+  _fusedar_patch(text "      while (*reinterpret_cast<int volatile*>(counter_ptr) != gridDim.x) {\n      }"
+                 "      ::fusedar_wait::spin(fusedar_ctx, ::fusedar::watchdog::kGrid, -1, int(gridDim.x), [&] {\n        return *reinterpret_cast<int volatile*>(counter_ptr) != gridDim.x;\n      });"
+                 2 "the grid-counter wait loops")
+  _fusedar_patch(text "  comm.update(params.size * NRanks);"
+                 "  comm.update(params.size * NRanks, FUSEDAR_WAIT_CTX(true));" 1
+                 "the one-shot kernel's comm.update")
+  _fusedar_patch(text "  comm.update(barrier.m_flag_value);"
+                 "  comm.update(barrier.m_flag_value, FUSEDAR_WAIT_CTX(false));" 1
+                 "the two-shot kernel's comm.update")
+  #  - Barrier::sync: thread t < NRanks waits for rank t's flag;
+  _fusedar_patch(text "  __device__ __forceinline__ void sync() {"
+                 "  template <class FusedarCtx>\n  __device__ __forceinline__ void sync(FusedarCtx const& fusedar_ctx) {"
+                 1 "Barrier::sync")
+  _fusedar_patch(text "      while (ld_flag(m_current_flag) == prev_flag(m_flag_value)) {\n      }"
+                 "      ::fusedar_wait::spin(fusedar_ctx, ::fusedar::watchdog::kBarrier, int(threadIdx.x), int(blockIdx.x), [&] {\n        return ld_flag(m_current_flag) == prev_flag(m_flag_value);\n      });"
+                 1 "the barrier wait loop")
+  _fusedar_patch(text "  barrier.sync();" "  barrier.sync(FUSEDAR_WAIT_CTX(false));" 2
+                 "the two-shot kernel's barrier.sync calls")
+  #  - the one-shot Lamport poll: the missing peer is the one whose slot still holds -0.0.
+  _fusedar_patch(text "    bool done = false;\n" "    bool done = false;\n    FUSEDAR_WAIT_STATE\n" 1
+                 "the Lamport poll's state")
+  _fusedar_patch(text "        done &= !has_neg_zero<T, VEC_SIZE>(vals[r]);\n      }\n    }\n"
+                 "        done &= !has_neg_zero<T, VEC_SIZE>(vals[r]);\n      }\n      FUSEDAR_WAIT_LAMPORT_TICK\n    }\n"
+                 1 "the Lamport poll loop")
+  # Launch geometry (ffi/kernels/launch_registers.cuh). FlashInfer's launcher sizes blocks
+  # and clusters from the kernel's register count (max threads per block = 65536 / regs),
+  # and the block/cluster split decides the order of RMSNorm's sum of squares, so the
+  # hooked kernels, whose counts differ by a few registers, must launch as the unhooked
+  # ones would: the launcher reads the unhooked kernels' counts (measured by the build)
+  # instead of asking the runtime, and each hooked kernel is held to the unhooked one's
+  # register allocation, so that every block size FlashInfer picks still fits.
+  _fusedar_patch(text "          bool TriggerCompletionAtEnd = true>\n__global__ void allreduce_fusion_kernel_oneshot_lamport("
+                 "          bool TriggerCompletionAtEnd = true>\n__global__ void __maxnreg__((::fusedar_geometry::register_cap<TriggerCompletionAtEnd ? ::fusedar_geometry::kOneShotTrigger : ::fusedar_geometry::kOneShotNoTrigger, Pattern, T, NRanks, Fp32Acc>())) allreduce_fusion_kernel_oneshot_lamport("
+                 1 "the one-shot kernel")
+  _fusedar_patch(text "__global__ void allreduce_fusion_kernel_twoshot_sync("
+                 "__global__ void __maxnreg__((::fusedar_geometry::register_cap<::fusedar_geometry::kTwoShot, Pattern, T, NRanks, Fp32Acc>())) allreduce_fusion_kernel_twoshot_sync("
+                 1 "the two-shot kernel")
+  _fusedar_patch(text "      allreduce_fusion_kernel_oneshot_lamport<Pattern, T, NRanks, Fp32Acc, TriggerCompletionAtEnd>;\n  cudaFuncAttributes attr;\n  cudaFuncGetAttributes(&attr, kernel);\n  return attr.numRegs;"
+                 "      allreduce_fusion_kernel_oneshot_lamport<Pattern, T, NRanks, Fp32Acc, TriggerCompletionAtEnd>;\n  return ::fusedar_geometry::registers_for_geometry<TriggerCompletionAtEnd ? ::fusedar_geometry::kOneShotTrigger : ::fusedar_geometry::kOneShotNoTrigger, Pattern, T, NRanks, Fp32Acc>(reinterpret_cast<const void*>(kernel));"
+                 1 "get_registers_per_thread_oneshot()")
+  _fusedar_patch(text "  auto kernel = allreduce_fusion_kernel_twoshot_sync<Pattern, T, NRanks, Fp32Acc>;\n  cudaFuncAttributes attr;\n  cudaFuncGetAttributes(&attr, kernel);\n  return attr.numRegs;"
+                 "  auto kernel = allreduce_fusion_kernel_twoshot_sync<Pattern, T, NRanks, Fp32Acc>;\n  return ::fusedar_geometry::registers_for_geometry<::fusedar_geometry::kTwoShot, Pattern, T, NRanks, Fp32Acc>(reinterpret_cast<const void*>(kernel));"
+                 1 "get_registers_per_thread_twoshot()")
+  _fusedar_write_header_tree("${src}" "${dst}" "${text}")
+  _fusedar_write_moe_header("${src}" "${dst}")
   set(${out_include_dir} "${dst}" PARENT_SCOPE)
+  set(${out_unhooked_include_dir} "${dst_unhooked}" PARENT_SCOPE)
 endfunction()

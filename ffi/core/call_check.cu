@@ -14,6 +14,8 @@
 namespace fusedar::call_check {
 namespace {
 
+using watchdog::kWaitTimeout;
+
 struct Slot {
   unsigned long long seq;
   unsigned long long sig[3];
@@ -67,7 +69,7 @@ __host__ __device__ const char* dtype_name(unsigned code) {
 __global__ void __launch_bounds__(32)
     handshake_kernel(void* const* table, int n, int rank, int device, long long offset,
                      unsigned long long* seq_ptr, Signature mine, unsigned long long timeout_ns,
-                     Diag* diag) {
+                     Record* diag) {
   __shared__ unsigned long long s_seq;
   __shared__ int s_abort;
   __shared__ int s_kind[kMaxWorld];
@@ -157,7 +159,9 @@ __global__ void __launch_bounds__(32)
              rank, n, device, q, s_seen[q], seq);
     }
   }
-  volatile Diag* d = diag;
+  volatile Record* d = diag;
+  d->site = watchdog::kHandshake;
+  d->detail = 0;
   d->rank = rank;
   d->world = n;
   d->device = device;
@@ -181,6 +185,35 @@ std::string describe_signature(const unsigned long long s[3]) {
   char buf[256];
   std::snprintf(buf, sizeof(buf), FUSEDAR_SIG_FMT, FUSEDAR_SIG_ARGS(s));
   return buf;
+}
+
+const char* site_text(int site) {
+  switch (site) {
+    case watchdog::kLamport: return "its one-shot data in this rank's Lamport buffer";
+    case watchdog::kBarrier: return "its two-shot barrier flag";
+    case watchdog::kGrid: return "this rank's own thread blocks (grid counter)";
+  }
+  return "an unknown wait";
+}
+
+// A wait of the fused kernel (FlashInfer's, bounded by the workspace's timeout) expired.
+std::string wait_timeout_text(const Record& d, const unsigned long long mine[3]) {
+  char secs[64];
+  std::snprintf(secs, sizeof(secs), "%.1f s (timeout %.1f s)", d.waited_ns * 1e-9,
+                d.timeout_ns * 1e-9);
+  std::string who = d.peer >= 0 ? "rank " + std::to_string(d.peer) : std::string("no peer");
+  std::string where = site_text(d.site);
+  if (d.site == watchdog::kLamport) where += " (token " + std::to_string(d.detail) + ")";
+  if (d.site == watchdog::kBarrier) where += " (thread block " + std::to_string(d.detail) + ")";
+  return "jax_fusedar kernel wait timed out on rank " + std::to_string(d.rank) +
+         " of " + std::to_string(d.world) + " (device " + std::to_string(d.device) +
+         "), call #" + std::to_string(d.seq) + " " + describe_signature(mine) + ": waited " +
+         secs + " for " + who + " to deliver " + where + ". " +
+         (d.peer >= 0 ? "Rank " + std::to_string(d.peer) + " did not arrive: it" : "A rank") +
+         " skipped or added a call, stopped or died, or called with another pattern, shape "
+         "or one-shot choice. The kernel trapped, so this device's CUDA context is unusable: "
+         "restart the process. (timeout_s on the workspace or $JAX_FUSEDAR_TIMEOUT_S sets "
+         "the limit; 0 waits forever.)";
 }
 
 }  // namespace
@@ -211,15 +244,6 @@ int enable(fusedar_rank* r, bool enabled, double timeout_s) {
       FUSEDAR_CUDA_TRY(cudaMalloc(&r->check_seq, sizeof(unsigned long long)),
                        "allocating the call-check counter", r->device);
     }
-    if (r->check_diag == nullptr) {
-      FUSEDAR_CUDA_TRY(cudaHostAlloc(&r->check_diag, sizeof(Diag),
-                                     cudaHostAllocMapped | cudaHostAllocPortable),
-                       "allocating the call-check failure record (pinned host memory)",
-                       r->device);
-      std::memset(r->check_diag, 0, sizeof(Diag));
-      FUSEDAR_CUDA_TRY(cudaHostGetDevicePointer(&r->check_diag_device, r->check_diag, 0),
-                       "mapping the call-check failure record", r->device);
-    }
     r->check_timeout_ns = static_cast<uint64_t>(std::llround(timeout_s * 1e9));
   }
   r->check_calls = enabled;
@@ -228,7 +252,6 @@ int enable(fusedar_rank* r, bool enabled, double timeout_s) {
 
 cudaError_t reset(fusedar_rank* r) {
   if (!r->check_calls) return cudaSuccess;
-  std::memset(r->check_diag, 0, sizeof(Diag));
   return cudaMemset(r->check_seq, 0, sizeof(unsigned long long));
 }
 
@@ -239,22 +262,19 @@ void release(fusedar_rank* r, std::string* first_error) {
     }
   };
   if (r->check_seq) note(cudaFree(r->check_seq), "freeing the call-check counter");
-  if (r->check_diag) note(cudaFreeHost(r->check_diag), "freeing the call-check record");
   r->check_seq = nullptr;
-  r->check_diag = nullptr;
-  r->check_diag_device = nullptr;
 }
 
 cudaError_t launch(const fusedar_rank* r, const fusedar_launch_args& a, cudaStream_t stream) {
   handshake_kernel<<<1, 32, 0, stream>>>(
       r->table, r->info.world_size, r->rank, r->device, area_offset(r->info), r->check_seq,
-      signature_of(a), r->check_timeout_ns, static_cast<Diag*>(r->check_diag_device));
+      signature_of(a), r->check_timeout_ns, static_cast<Record*>(r->record_device));
   return cudaGetLastError();
 }
 
 std::string failure(const fusedar_rank* r) {
-  if (r->check_diag == nullptr) return {};
-  const volatile Diag* d = static_cast<const volatile Diag*>(r->check_diag);
+  if (r->record == nullptr) return {};
+  const volatile Record* d = static_cast<const volatile Record*>(r->record);
   const int kind = d->kind;
   if (kind == kNone) return {};
   std::atomic_thread_fence(std::memory_order_acquire);
@@ -263,6 +283,7 @@ std::string failure(const fusedar_rank* r) {
     mine[i] = d->mine[i];
     theirs[i] = d->theirs[i];
   }
+  if (kind == kWaitTimeout) return wait_timeout_text(*const_cast<const Record*>(d), mine);
   const std::string head = "jax_fusedar call check failed on rank " + std::to_string(d->rank) +
                            " of " + std::to_string(d->world) + " (device " +
                            std::to_string(d->device) + "), call #" + std::to_string(d->seq) + ": ";
@@ -316,6 +337,10 @@ extern "C" int fusedar_rank_call_check(const fusedar_rank* r, int32_t* enabled,
 }
 
 extern "C" int fusedar_rank_call_check_failure(const fusedar_rank* r, char* buf, size_t len) {
+  return fusedar_rank_failure(r, buf, len);
+}
+
+extern "C" int fusedar_rank_failure(const fusedar_rank* r, char* buf, size_t len) {
   if (r == nullptr || buf == nullptr || len == 0) {
     return fail(FUSEDAR_INVALID_ARGUMENT, "null argument");
   }

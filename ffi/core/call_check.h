@@ -10,7 +10,8 @@
 //                                             system-scope release store)
 //   for every rank p: wait until own area, bank seq%2, slot[p].seq == seq
 //                                            (acquire loads), then compare signatures;
-//   mismatch, timeout (%globaltimer) or a rank ahead by two -> printf + record + __trap().
+//   mismatch, timeout (%globaltimer) or a rank ahead by two -> printf + record + __trap()
+//   (the workspace's failure record, watchdog.h, shared with the kernel's bounded waits).
 //
 // The area sits in the barrier-flags allocation after FlashInfer's flags (which are left
 // as they are), so it is peer-mapped already and zeroed at finalize. It is allocated for
@@ -31,6 +32,7 @@
 
 #include "fusedar/core.h"
 #include "rank_state.h"
+#include "watchdog.h"
 
 namespace fusedar::call_check {
 
@@ -58,33 +60,23 @@ struct Signature {
 
 Signature signature_of(const fusedar_launch_args& a);
 
-enum Kind : int { kNone = 0, kMismatch = 1, kTimeout = 2, kOutOfStep = 3 };
+// Failures are recorded in the workspace's one failure record (watchdog::Record), which
+// the kernel's own bounded waits share: kinds kMismatch, kTimeout, kOutOfStep.
+using watchdog::Record;
+using watchdog::kMismatch;
+using watchdog::kNone;
+using watchdog::kOutOfStep;
+using watchdog::kTimeout;
 
-// Written once by a failing handshake (fields first, then `kind`), read by the host.
-struct Diag {
-  int kind;
-  int rank;
-  int world;
-  int device;
-  int peer;           // the first rank that failed the check
-  int failing_peers;  // how many did
-  unsigned long long seq;       // this rank's call number (1 = first checked call)
-  unsigned long long peer_seq;  // the latest call number seen from `peer`
-  unsigned long long mine[3];   // Signature of this rank's call
-  unsigned long long theirs[3]; // Signature of the peer's call (kMismatch)
-  unsigned long long waited_ns;
-  unsigned long long timeout_ns;
-};
-
-// Allocates the counter and the failure record (once) and records the settings.
+// Allocates the counter (once) and records the settings.
 int enable(fusedar_rank* r, bool enabled, double timeout_s);
-// Zeroes the counter and the failure record (from finalize; the area is zeroed with the
-// flags).
+// Zeroes the counter (from finalize; the area is zeroed with the flags).
 cudaError_t reset(fusedar_rank* r);
 void release(fusedar_rank* r, std::string* first_error);
 // Launches the handshake on `stream` (the rank's device must be current).
 cudaError_t launch(const fusedar_rank* r, const fusedar_launch_args& a, cudaStream_t stream);
-// "" when no handshake of this rank failed, else the description.
+// "" when no wait of this rank (handshake or fused kernel) timed out or failed the check,
+// else the description. Reads pinned host memory only: works after the trap.
 std::string failure(const fusedar_rank* r);
 
 }  // namespace fusedar::call_check

@@ -1,11 +1,12 @@
 // Validation and dispatch of one fused all-reduce call.
 //
 // The kernel knows nothing about the workspace's size: a call that is too large
-// writes past the peers' buffers, and a missing or mismatched peer spins forever.
-// So every call is checked here against the workspace metadata before launch, and
-// the one-shot/two-shot choice arrives already made (by the pure policy in
-// jax_fusedar/common/launch_mode.py), so that every rank launches the same configuration.
-// What each pattern reads and writes comes from the one table, fusedar/patterns.h.
+// writes past the peers' buffers, and a missing or mismatched peer spins until the
+// rank's timeout (watchdog.h) traps it. So every call is checked here against the
+// workspace metadata before launch, and the one-shot/two-shot choice arrives already made
+// (by the pure policy in jax_fusedar/common/launch_mode.py), so that every rank launches
+// the same configuration. What each pattern reads and writes comes from the one table,
+// fusedar/patterns.h.
 #include <atomic>
 #include <cstdint>
 #include <string>
@@ -167,9 +168,10 @@ extern "C" int fusedar_check_launch(const fusedar_rank* r, const fusedar_launch_
 
 extern "C" int fusedar_launch(const fusedar_rank* r, const fusedar_launch_args* a, void* stream) {
   if (int rc = check(r, a)) return rc;
-  if (r->check_calls) {
-    // A handshake of this rank already trapped: say why instead of CUDA's generic error
-    // (before any CUDA call, which would only report the dead context).
+  {
+    // A wait of this rank already timed out (or a handshake failed) and trapped: say why
+    // instead of CUDA's generic error (before any CUDA call, which would only report the
+    // dead context). One read of pinned host memory.
     std::string failed = fusedar::call_check::failure(r);
     if (!failed.empty()) return fail(FUSEDAR_CUDA_ERROR, failed);
   }

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "fusedar/core.h"
+#include "watchdog.h"
 
 struct fusedar_peer {
   void* ptr[FUSEDAR_SHARED_BUFFERS] = {};
@@ -17,13 +18,18 @@ struct fusedar_rank {
   int rank = -1;
   fusedar_workspace_info info{};
   void* local[FUSEDAR_SHARED_BUFFERS] = {};  // this rank's own shared buffers
-  int* control = nullptr;                    // local 5-int control block
+  // Local control block, workspace[3N]: FlashInfer's 5 ints, then the bounded-wait
+  // settings the kernel reads (watchdog.h).
+  fusedar::watchdog::Control* control = nullptr;
   void** table = nullptr;                    // device copy of the 3N+1 pointer table
   std::vector<fusedar_peer> peers;           // indexed by TP rank; peers[rank] is us
   // Opt-in cross-rank call check (call_check.cu); set before finalize.
   bool check_calls = false;
   uint64_t check_timeout_ns = 0;
   unsigned long long* check_seq = nullptr;  // device: handshakes so far on this rank
-  void* check_diag = nullptr;               // pinned, device-mapped failure record (host)
-  void* check_diag_device = nullptr;        // the same record's device address
+  // Bounded waits (watchdog.h): the kernel's timeout (0: wait forever) and the one failure
+  // record, written by a timed-out wait of the kernel or a failed call-check handshake.
+  uint64_t timeout_ns = fusedar::watchdog::kDefaultTimeoutNs;
+  void* record = nullptr;         // pinned, device-mapped watchdog::Record (host address)
+  void* record_device = nullptr;  // the same record's device address
 };

@@ -4,12 +4,14 @@
 //   [N, 2N)   barrier flags of each rank               (peer-mapped, zeroed), followed in
 //             the same allocation by the opt-in call-check area (call_check.h)
 //   [2N, 3N)  Lamport triple buffer of each rank       (peer-mapped, filled with -0.0)
-//   [3N]      this rank's control block {0,0,0,lamport_comm_bytes,0}   (local only)
+//   [3N]      this rank's control block {0,0,0,lamport_comm_bytes,0}, followed by the
+//             bounded-wait settings (watchdog.h)                      (local only)
 //
 // Peers in this process are reached through peer access and raw pointers
 // (cudaIpcOpenMemHandle refuses to open a handle in the process that exported it);
 // peers in other processes through CUDA IPC handles. Never multicast.
 #include <array>
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -118,10 +120,22 @@ extern "C" int fusedar_rank_create(int32_t device, int32_t world_size, int32_t r
                                 device);
     }
   }
-  cudaError_t err = cudaMalloc(&r->control, 5 * sizeof(int));
+  cudaError_t err = cudaMalloc(&r->control, sizeof(fusedar::watchdog::Control));
   if (err != cudaSuccess) {
     fusedar_rank_destroy(r);
     return fusedar::fail_cuda(err, "allocating the control block", device);
+  }
+  // The failure record: pinned host memory mapped into the device, so the host can read
+  // it after a trap has made the CUDA context unusable.
+  err = cudaHostAlloc(&r->record, sizeof(fusedar::watchdog::Record),
+                      cudaHostAllocMapped | cudaHostAllocPortable);
+  if (err == cudaSuccess) {
+    std::memset(r->record, 0, sizeof(fusedar::watchdog::Record));
+    err = cudaHostGetDevicePointer(&r->record_device, r->record, 0);
+  }
+  if (err != cudaSuccess) {
+    fusedar_rank_destroy(r);
+    return fusedar::fail_cuda(err, "allocating the failure record (pinned host memory)", device);
   }
   // Our own buffers are our own peer entry.
   for (int b = 0; b < FUSEDAR_SHARED_BUFFERS; ++b) r->peers[rank].ptr[b] = r->local[b];
@@ -255,8 +269,15 @@ extern "C" int fusedar_rank_finalize(fusedar_rank* r) {
   FUSEDAR_CUDA_TRY(cudaMemset(r->local[1], 0, fusedar::call_check::flag_allocation_bytes(r->info)),
                    "zeroing the barrier flags and the call-check area", r->device);
   FUSEDAR_CUDA_TRY(fusedar::call_check::reset(r), "resetting the call-check counter", r->device);
-  const int control[5] = {0, 0, 0, static_cast<int>(r->info.lamport_comm_bytes), 0};
-  FUSEDAR_CUDA_TRY(cudaMemcpy(r->control, control, sizeof(control), cudaMemcpyHostToDevice),
+  std::memset(r->record, 0, sizeof(fusedar::watchdog::Record));
+  fusedar::watchdog::Control control{};
+  control.flashinfer[3] = static_cast<int>(r->info.lamport_comm_bytes);
+  control.timeout_ns = r->timeout_ns;
+  control.record = static_cast<fusedar::watchdog::Record*>(r->record_device);
+  control.rank = r->rank;
+  control.world = n;
+  control.device = r->device;
+  FUSEDAR_CUDA_TRY(cudaMemcpy(r->control, &control, sizeof(control), cudaMemcpyHostToDevice),
                    "initialising the control block", r->device);
   const uint32_t word = r->info.dtype == FUSEDAR_FLOAT32 ? 0x80000000u : 0x80008000u;
   const int64_t n_vec = r->info.lamport_buffer_bytes / 16;
@@ -289,6 +310,7 @@ extern "C" int fusedar_rank_destroy(fusedar_rank* r) {
     }
     if (r->control) note(cudaFree(r->control), "freeing the control block");
     if (r->table) note(cudaFree(r->table), "freeing the pointer table");
+    if (r->record) note(cudaFreeHost(r->record), "freeing the failure record");
     fusedar::call_check::release(r, &first_error);
   } else {
     first_error = "cannot select device " + std::to_string(r->device);
@@ -306,5 +328,31 @@ extern "C" uint64_t fusedar_rank_workspace_table(const fusedar_rank* r) {
 extern "C" int fusedar_rank_info(const fusedar_rank* r, fusedar_workspace_info* info) {
   if (r == nullptr || info == nullptr) return fail(FUSEDAR_INVALID_ARGUMENT, "null argument");
   *info = r->info;
+  return FUSEDAR_OK;
+}
+
+extern "C" int fusedar_rank_set_timeout(fusedar_rank* r, double timeout_s) {
+  if (r == nullptr) return fail(FUSEDAR_INVALID_ARGUMENT, "rank is null");
+  if (!(timeout_s >= 0.0 && timeout_s <= FUSEDAR_MAX_TIMEOUT_S)) {  // NaN fails too
+    return fail(FUSEDAR_INVALID_ARGUMENT,
+                "timeout_s must be in [0, " + std::to_string(int(FUSEDAR_MAX_TIMEOUT_S)) +
+                    "] seconds (0: wait forever), got " + std::to_string(timeout_s));
+  }
+  r->timeout_ns = static_cast<uint64_t>(std::llround(timeout_s * 1e9));
+  if (r->table != nullptr) {
+    // Finalized: update the copy the kernels read. An aligned 8-byte store; a kernel
+    // running meanwhile sees the old or the new value, either is fine.
+    DeviceGuard guard(r->device);
+    FUSEDAR_CUDA_TRY(guard.status(), "selecting the device", r->device);
+    FUSEDAR_CUDA_TRY(cudaMemcpy(&r->control->timeout_ns, &r->timeout_ns, sizeof(uint64_t),
+                                cudaMemcpyHostToDevice),
+                     "updating the timeout", r->device);
+  }
+  return FUSEDAR_OK;
+}
+
+extern "C" int fusedar_rank_timeout(const fusedar_rank* r, double* timeout_s) {
+  if (r == nullptr || timeout_s == nullptr) return fail(FUSEDAR_INVALID_ARGUMENT, "null argument");
+  *timeout_s = r->timeout_ns * 1e-9;
   return FUSEDAR_OK;
 }

@@ -75,16 +75,15 @@ nb::dict info_dict(const fusedar_workspace_info& i) {
 class Rank {
  public:
   Rank(int device, int world_size, int rank, int max_token_num, int hidden_dim, int dtype,
-       bool check_calls, double check_timeout_s) {
+       bool check_calls, double check_timeout_s, double timeout_s) {
     check(fusedar_rank_create(device, world_size, rank, max_token_num, hidden_dim, dtype, &r_));
-    if (check_calls) {
-      int rc = fusedar_rank_set_call_check(r_, 1, check_timeout_s);
-      if (rc != FUSEDAR_OK) {
-        std::string msg = fusedar_last_error();
-        release();
-        if (rc == FUSEDAR_INVALID_ARGUMENT) throw nb::value_error(msg.c_str());
-        throw std::runtime_error(msg);
-      }
+    int rc = fusedar_rank_set_timeout(r_, timeout_s);
+    if (rc == FUSEDAR_OK && check_calls) rc = fusedar_rank_set_call_check(r_, 1, check_timeout_s);
+    if (rc != FUSEDAR_OK) {
+      std::string msg = fusedar_last_error();
+      release();
+      if (rc == FUSEDAR_INVALID_ARGUMENT) throw nb::value_error(msg.c_str());
+      throw std::runtime_error(msg);
     }
   }
   ~Rank() { release(); }
@@ -140,10 +139,17 @@ class Rank {
     check(fusedar_rank_call_check(get(), &on, &t));
     return t;
   }
-  // "" unless a call-check handshake of this rank failed; readable after the trap.
-  std::string call_check_failure() const {
+  double timeout_s() const {
+    double t = 0;
+    check(fusedar_rank_timeout(get(), &t));
+    return t;
+  }
+  void set_timeout(double timeout_s) { check(fusedar_rank_set_timeout(get(), timeout_s)); }
+  // "" unless a wait of this rank timed out or a call-check handshake failed; readable
+  // after the trap.
+  std::string failure() const {
     std::vector<char> buf(2048);
-    check(fusedar_rank_call_check_failure(get(), buf.data(), buf.size()));
+    check(fusedar_rank_failure(get(), buf.data(), buf.size()));
     return std::string(buf.data());
   }
   nb::dict info() const {
@@ -325,10 +331,10 @@ NB_MODULE(_fusedar, m) {
   });
 
   nb::class_<Rank>(m, "Rank")
-      .def(nb::init<int, int, int, int, int, int, bool, double>(), nb::arg("device"),
+      .def(nb::init<int, int, int, int, int, int, bool, double, double>(), nb::arg("device"),
            nb::arg("world_size"), nb::arg("rank"), nb::arg("max_token_num"),
            nb::arg("hidden_dim"), nb::arg("dtype"), nb::arg("check_calls") = false,
-           nb::arg("check_timeout_s") = 30.0)
+           nb::arg("check_timeout_s") = 30.0, nb::arg("timeout_s") = FUSEDAR_DEFAULT_TIMEOUT_S)
       .def("local_pointers", &Rank::local_pointers)
       .def("export_ipc", &Rank::export_ipc)
       .def("set_peer_pointers", &Rank::set_peer_pointers, nb::arg("peer"), nb::arg("peer_device"),
@@ -343,7 +349,10 @@ NB_MODULE(_fusedar, m) {
       .def("info", &Rank::info)
       .def_prop_ro("check_calls", &Rank::check_calls)
       .def_prop_ro("check_timeout_s", &Rank::check_timeout_s)
-      .def("call_check_failure", &Rank::call_check_failure)
+      .def_prop_ro("timeout_s", &Rank::timeout_s)
+      .def("set_timeout", &Rank::set_timeout, nb::arg("timeout_s"))
+      .def("failure", &Rank::failure)
+      .def("call_check_failure", &Rank::failure)
       .def("launch", &Rank::launch, nb::arg("pattern"), nb::arg("dtype"), nb::arg("num_tokens"),
            nb::arg("hidden_dim"), nb::arg("input"), nb::arg("allreduce_out") = 0,
            nb::arg("residual_in") = 0, nb::arg("residual_out") = 0, nb::arg("norm_out") = 0,

@@ -20,6 +20,11 @@ Three timing methods, each with the baseline in the same process and run:
   yardsticks in docs/benchmarks.md). XLA's while loop syncs with the host every iteration, which
   adds the same few microseconds to both columns.
 
+``--timeout-compare`` times every fused case with the workspace's wait timeout
+(``timeout_s``, always on by default) and with it off (``set_timeout(0)``, FlashInfer's
+spin-forever waits), TIMEOUT_ROUNDS alternating rounds each on the same workspace and
+compiled program, and prints the medians and their ratio.
+
 Patterns: 1 (all-reduce + residual + RMSNorm) against ``psum`` + add + RMSNorm in plain jnp;
 the FP8 patterns 4 (static), 11 (dynamic per token) and 9 (per-token group, 128) against the
 same plus the matching FP8 quantization written in XLA (``quant_reference``, which XLA fuses
@@ -231,6 +236,39 @@ def _print_table(report: dict) -> None:
                                     for p in report["config"]["patterns"]))
 
 
+# The budget the bounded waits must stay within (issue 17): 1% or 0.1 us, whichever is larger.
+TIMEOUT_BUDGET_REL = 0.01
+TIMEOUT_BUDGET_US = 0.1
+# On/off rounds per case (each a median over --repeats programs); the medians are compared.
+TIMEOUT_ROUNDS = 3
+
+
+def timeout_compare(on_us: float, off_us: float, timeout_s: float) -> dict:
+    """The JSON entry of one on/off pair: both times, on/off ratio, and whether the cost is
+    within the budget (1% or 0.1 us, whichever is larger)."""
+    budget = max(TIMEOUT_BUDGET_REL * off_us, TIMEOUT_BUDGET_US)
+    return {"timeout_s": timeout_s, "timeout_on_us": on_us, "no_timeout_us": off_us,
+            "timeout_ratio": on_us / off_us if off_us > 0 else float("nan"),
+            "timeout_within_budget": on_us - off_us <= budget}
+
+
+def _print_timeout_table(report: dict) -> None:
+    rows = [(case, mode, case["fused"][mode]) for case in report["cases"]
+            for mode in report["config"]["modes"]
+            if "no_timeout_us" in case["fused"].get(mode, {})]
+    if not rows:
+        return
+    print(f"\nwait timeout on vs off (budget: {TIMEOUT_BUDGET_REL:.0%} or "
+          f"{TIMEOUT_BUDGET_US} us, whichever is larger)")
+    print(f"{'pattern':>7} {'tokens':>7} {'hidden':>7}  {'mode':<16} {'on us':>9} {'off us':>9} "
+          f"{'on/off':>8} {'ok':>4}")
+    for case, mode, m in rows:
+        label = f"auto ({m['chosen']})" if mode == "auto" else mode
+        print(f"{case['pattern']:>7} {case['tokens']:>7} {case['hidden']:>7}  {label:<16} "
+              f"{m['timeout_on_us']:>9.2f} {m['no_timeout_us']:>9.2f} {m['timeout_ratio']:>8.4f} "
+              f"{'yes' if m['timeout_within_budget'] else 'NO':>4}")
+
+
 def _inputs(rng, args, world, tokens, hidden, dtype, split, replicated):
     x = rng.standard_normal((world, tokens, hidden), dtype=np.float32) / np.float32(
         math.sqrt(world))
@@ -297,12 +335,14 @@ def main(args) -> int:
                                          in_specs=(P(AXIS), P(), P(), P()),
                                          out_specs=(P(AXIS), P(AXIS), P(), P(), P())))
 
-        def measure(combine, inputs):
-            """(median per-call seconds, detail for the JSON)."""
+        def measure(combine, inputs, prog=None):
+            """(median per-call seconds, detail for the JSON); ``prog``: the compiled
+            program of ``combine`` when already built."""
+            prog = prog if prog is not None else program(combine, calls)
             if method == "device":
-                span = device_seconds(program(combine, calls), inputs, args.repeats)
+                span = device_seconds(prog, inputs, args.repeats)
                 return span / calls, {"device_s": {calls: span}}
-            times = per_call_seconds(program(combine, calls), inputs, calls, args.repeats)
+            times = per_call_seconds(prog, inputs, calls, args.repeats)
             return statistics.median(times), {"us_repeats": [x * 1e6 for x in times]}
 
         plan = []  # (tokens, hidden, {mode: chosen}, {mode: reason})
@@ -318,8 +358,9 @@ def main(args) -> int:
                 plan.append((tokens, hidden, runnable, skipped))
 
         cases = []
-        bar = report_files.progress_bar(
-            len(args.patterns) * sum(1 + len(runnable) for _, _, runnable, _ in plan), "loop")
+        per_mode = 1 + (2 * TIMEOUT_ROUNDS - 1 if args.timeout_compare else 0)
+        bar = report_files.progress_bar(len(args.patterns) * sum(
+            1 + per_mode * len(runnable) for _, _, runnable, _ in plan), "loop")
         try:
             for tokens, hidden, runnable, skipped in plan:
                 inputs = _inputs(rng, args, world, tokens, hidden, dtype, split, replicated)
@@ -332,12 +373,29 @@ def main(args) -> int:
                             "baseline_detail": detail, "fused": {}, "skipped": skipped}
                     for mode, chosen in runnable.items():
                         bar.set_description(f"p{pattern} {tokens}x{hidden} fused {mode}")
-                        t, detail = measure(fused_combine(ws, pattern, USE_ONESHOT[mode]),
-                                            inputs)
+                        fused = fused_combine(ws, pattern, USE_ONESHOT[mode])
+                        prog = program(fused, calls)
+                        t, detail = measure(fused, inputs, prog)
                         bar.update()
                         case["fused"][mode] = {"chosen": chosen, "us": t * 1e6,
                                                "ratio": t * 1e6 / case["baseline_us"],
                                                "detail": detail}
+                        if args.timeout_compare:
+                            bar.set_description(f"p{pattern} {tokens}x{hidden} {mode} t=0")
+                            # Alternating rounds of the same compiled program, the timeout
+                            # switched on the device in between: drift hits both alike.
+                            on_s, ons, offs = ws.timeout_s, [t], []
+                            for r in range(TIMEOUT_ROUNDS):
+                                ws.set_timeout(0)
+                                try:
+                                    offs.append(measure(fused, inputs, prog)[0])
+                                finally:
+                                    ws.set_timeout(on_s)
+                                if r + 1 < TIMEOUT_ROUNDS:
+                                    ons.append(measure(fused, inputs, prog)[0])
+                            case["fused"][mode].update(timeout_compare(
+                                statistics.median(ons) * 1e6, statistics.median(offs) * 1e6,
+                                on_s))
                     cases.append(case)
         finally:
             bar.close()
@@ -356,6 +414,7 @@ def main(args) -> int:
                    "tokens": args.tokens, "hidden": args.hidden, "modes": args.modes,
                    "max_token_num": max(args.tokens), "hidden_dim": max(args.hidden),
                    "rms_eps": RMS_EPS, "group_size": GROUP_SIZE,
+                   "timeout_compare": bool(args.timeout_compare),
                    "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
         "reference_path": machine["backend"] == "xla",
         "method": description,
@@ -365,5 +424,6 @@ def main(args) -> int:
     if banner:
         print(banner)
     _print_table(report)
+    _print_timeout_table(report)
     report_files.write_results(out_dir, "bench", report, plot)
     return 0

@@ -112,6 +112,9 @@ def build_parser():
     bench.add_argument("--out", default="bench_out", help="folder for bench.json and bench.png")
     bench.add_argument("--backend", choices=BACKENDS, default="auto",
                        help="fused op backend: auto = the kernel on GPUs, XLA elsewhere")
+    bench.add_argument("--timeout-compare", action="store_true",
+                       help="also time every fused case with the kernel's wait timeout off "
+                       "(timeout_s=0) on the same workspace, and print the on/off cost")
     bench.add_argument("--framework", choices=FRAMEWORKS, default="jax",
                        help="torch: torch_compat vs FlashInfer's own build, NCCL and symmetric "
                        "memory in spawned processes (its own options: bench --framework torch "

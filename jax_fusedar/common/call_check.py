@@ -31,16 +31,17 @@ def resolve_check_calls(value=None) -> bool:
     return arguments.as_bool("check_calls", value, allow_none=True)
 
 
-def resolve_check_timeout_s(value=None) -> float:
-    """How long a checked call waits for the other ranks before it traps: ``value`` or
-    ``$JAX_FUSEDAR_CHECK_TIMEOUT_S`` (seconds, default 30). Generous on purpose: a rank whose
-    host is legitimately late (compiling, loading) must not be reported as missing."""
-    where = "check_timeout_s"
+def _resolve_seconds(value, *, name: str, env_var: str, default: float, allow_zero: bool
+                     ) -> float:
+    """``value`` seconds, or the float in ``$env_var`` when ``value`` is None (unset or empty:
+    ``default``), within (0 or [0 with ``allow_zero``, MAX_CHECK_TIMEOUT_S]; errors name
+    the parameter or the variable."""
+    where = name
     if value is None:
-        raw = os.environ.get(CHECK_TIMEOUT_ENV_VAR, "").strip()
+        raw = os.environ.get(env_var, "").strip()
         if not raw:
-            return DEFAULT_CHECK_TIMEOUT_S
-        where = f"${CHECK_TIMEOUT_ENV_VAR}"
+            return default
+        where = f"${env_var}"
         try:
             value = float(raw)
         except ValueError:
@@ -48,6 +49,39 @@ def resolve_check_timeout_s(value=None) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"{where} must be a number of seconds, got {value!r}")
     value = float(value)
-    if not 0.0 < value <= MAX_CHECK_TIMEOUT_S:  # NaN fails too
-        raise ValueError(f"{where} must be in (0, {MAX_CHECK_TIMEOUT_S:g}] seconds, got {value!r}")
+    low_ok = value >= 0.0 if allow_zero else value > 0.0
+    if not (low_ok and value <= MAX_CHECK_TIMEOUT_S):  # NaN fails too
+        interval = "[0" if allow_zero else "(0"
+        zero = " (0: wait forever)" if allow_zero else ""
+        raise ValueError(f"{where} must be in {interval}, {MAX_CHECK_TIMEOUT_S:g}] seconds{zero}, "
+                         f"got {value!r}")
     return value
+
+
+def resolve_check_timeout_s(value=None) -> float:
+    """How long a checked call waits for the other ranks before it traps: ``value`` or
+    ``$JAX_FUSEDAR_CHECK_TIMEOUT_S`` (seconds, default 30). Generous on purpose: a rank whose
+    host is legitimately late (compiling, loading) must not be reported as missing."""
+    return _resolve_seconds(value, name="check_timeout_s", env_var=CHECK_TIMEOUT_ENV_VAR,
+                            default=DEFAULT_CHECK_TIMEOUT_S, allow_zero=False)
+
+
+# --- bounded waits inside the kernel (ffi/core/watchdog.h) ------------------------------------
+
+TIMEOUT_ENV_VAR = "JAX_FUSEDAR_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 30.0
+
+
+def resolve_timeout_s(value=None, name: str = "timeout_s") -> float:
+    """How long any wait inside the fused kernel (a peer's Lamport data, a barrier flag)
+    may last before the kernel records what it waited for and traps: ``value`` or
+    ``$JAX_FUSEDAR_TIMEOUT_S`` (seconds, default 30; 0 waits forever, FlashInfer's own
+    behaviour). Always on: it costs a counter increment per spin and a clock read every
+    thousand spins. After a timeout the stream fails with a CUDA error, the device's context
+    is unusable, and every later call on the workspace is refused with the recorded text
+    (the workspace's ``failures()``/``failure()`` read it). Per rank; generous on purpose:
+    a peer that is legitimately late (compiling, loading, a long step between calls) must
+    not be reported as missing. ``name``: the parameter errors name."""
+    return _resolve_seconds(value, name=name, env_var=TIMEOUT_ENV_VAR,
+                            default=DEFAULT_TIMEOUT_S, allow_zero=True)
+

@@ -48,6 +48,15 @@ class Channel:
     def barrier(self, tag):
         self.all_gather(tag, None)
 
+    def close(self):
+        """Flushes what this rank sent and closes its ends of the other ranks' inboxes: a
+        multiprocessing queue hands puts to a feeder thread, so a rank that is about to die
+        (SIGKILL) must wait for it, or its last message may never arrive, or arrive cut."""
+        for r, box in enumerate(self.inboxes):
+            if r != self.rank:
+                box.close()
+                box.join_thread()
+
 
 def _child(fn, rank, world, inboxes, results, timeout_s, kwargs):
     try:

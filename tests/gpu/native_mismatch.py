@@ -133,10 +133,14 @@ def matching_calls(ws, rank, world, device, stream, seed, torch):
     return errs, digest.hexdigest()
 
 
-def make_workspace(ext, chan, tag, device, world, rank, *, check_calls, timeout_s):
+def make_workspace(ext, chan, tag, device, world, rank, *, check_calls, timeout_s,
+                   kernel_timeout_s=None, max_tokens=MAX_TOKENS):
+    """A workspace over CUDA IPC; ``timeout_s`` is the call check's, ``kernel_timeout_s``
+    the kernel's bounded waits' (None: the default)."""
     from jax_fusedar.common import native
-    ws = ext.Rank(device, world, rank, MAX_TOKENS, HIDDEN, native.DTYPE_CODES[DTYPE],
-                  check_calls=check_calls, check_timeout_s=timeout_s)
+    kw = {} if kernel_timeout_s is None else {"timeout_s": kernel_timeout_s}
+    ws = ext.Rank(device, world, rank, max_tokens, HIDDEN, native.DTYPE_CODES[DTYPE],
+                  check_calls=check_calls, check_timeout_s=timeout_s, **kw)
     handles = chan.all_gather(f"ipc-{tag}", ws.export_ipc())
     for peer, h in enumerate(handles):
         if peer != rank:

@@ -4,17 +4,14 @@ Rank, and the native core's host-side pieces (signature packing, the failure mes
 compiled with nvcc into a small host program. The handshake kernel itself runs only in
 tests/gpu/test_topology.py."""
 import json
-import os
-import shutil
-import subprocess
 import threading
 
 import numpy as np
 import pytest
 
 from jax_fusedar.common import call_check, exchange, join, native, sizing, tp_groups
+from tests.native.host_program import run_host_program
 
-from tests.repo import REPO
 
 
 # --- option parsing -----------------------------------------------------------------------------
@@ -202,7 +199,7 @@ def test_jax_build_passes_the_option_to_every_native_rank(monkeypatch):
         def finalize(self):
             pass
 
-        def call_check_failure(self):
+        def failure(self):
             return "rank failed" if made[0]["check_calls"] else ""
 
     class FakeExt:
@@ -226,8 +223,8 @@ def test_jax_build_passes_the_option_to_every_native_rank(monkeypatch):
         backend="trtllm", workspace_id=99, groups=[tp_groups.TPGroup((0, 1), 0)], sizes=sizes,
         check_calls=True, check_timeout_s=7.0)
     jws._build_native(ws, 5.0)
-    assert made == [dict(device=0, rank=0, check_calls=True, check_timeout_s=7.0),
-                    dict(device=1, rank=1, check_calls=True, check_timeout_s=7.0)]
+    assert made == [dict(device=0, rank=0, check_calls=True, check_timeout_s=7.0, timeout_s=30.0),
+                    dict(device=1, rank=1, check_calls=True, check_timeout_s=7.0, timeout_s=30.0)]
     assert "check_calls" in repr(ws)
     assert ws.call_check_failures() == ["rank failed", "rank failed"]
 
@@ -338,7 +335,7 @@ def test_extension_exposes_the_option():
         pytest.skip("native extension not built")
     doc = native.ext.Rank.__init__.__doc__
     assert "check_calls: bool = False" in doc and "check_timeout_s: float = 30.0" in doc, doc
-    for attr in ("check_calls", "check_timeout_s", "call_check_failure"):
+    for attr in ("check_calls", "check_timeout_s", "call_check_failure", "failure"):
         assert hasattr(native.ext.Rank, attr)
 
 
@@ -370,8 +367,8 @@ int main() {
   char buf[1024];
   fusedar_rank_call_check_failure(&r, buf, sizeof buf);
   std::printf("unchecked=[%s]\n", buf);
-  Diag d{};
-  r.check_diag = &d;
+  Record d{};
+  r.record = &d;
   fusedar_rank_call_check_failure(&r, buf, sizeof buf);
   std::printf("clean=[%s]\n", buf);
   Signature mine = signature_of(args(1, FUSEDAR_BFLOAT16, 16, 4096, 1, 1, 0, 0));
@@ -389,35 +386,17 @@ int main() {
   char small[16];
   fusedar_rank_call_check_failure(&r, small, sizeof small);
   std::printf("truncated=[%s]\n", small);
-  r.check_diag = nullptr;  // not owned
+  r.record = nullptr;  // not owned
   return 0;
 }
 """
 
 
-def _nvcc():
-    return shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc"
-                                    if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
-
-
 def test_core_signature_and_failure_messages(tmp_path):
-    nvcc = _nvcc()
-    if nvcc is None:
-        pytest.skip("nvcc not found")
-    src = tmp_path / "host_check.cu"
-    src.write_text(HOST_PROGRAM)
-    exe = tmp_path / "host_check"
-    core = REPO / "ffi" / "core"
-    cmd = [nvcc, "-std=c++17", "-arch=sm_90a", f"-I{core}", f"-I{core / 'include'}",
-           str(src), str(core / "call_check.cu"), str(core / "status.cpp"), "-o", str(exe)]
-    build = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert build.returncode == 0, build.stderr[-3000:]
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0, run.stderr
-    lines = dict(line.split("=", 1) for line in run.stdout.splitlines())
+    lines = run_host_program(tmp_path, "host_check", HOST_PROGRAM)
     # pattern 9 | bf16 (2) << 8 | one-shot << 16 | fp32_acc << 17 | layout 2 << 24 | 128 << 32
     assert lines["word"].split()[0] == f"{9 | 2 << 8 | 1 << 16 | 1 << 17 | 2 << 24 | 128 << 32:x}"
-    assert "tokens=16 hidden=7168" in run.stdout
+    assert any("tokens=16 hidden=7168" in text for text in lines.values())
     # FlashInfer's flags (4 ranks x 256 x 4 bytes) then 2 banks x 4 ranks x 32-byte slots.
     assert lines["offset"] == "4096 bytes=256 alloc=4352"
     assert lines["unchecked"] == "[]" and lines["clean"] == "[]"

@@ -82,9 +82,10 @@ def _params(fn):
 
 def test_create_signature_matches_flashinfer():
     ours = _params(torch_compat.create_allreduce_fusion_workspace)
-    assert ours[:-3] == [p for p in FI_CREATE if p[0] not in FI_CREATE_ONLY]
-    assert ours[-3:] == [("timeout_s", 120.0, KW), ("check_calls", None, KW),
-                         ("check_timeout_s", None, KW)]  # our additions, keyword-only
+    assert ours[:-4] == [p for p in FI_CREATE if p[0] not in FI_CREATE_ONLY]
+    assert ours[-4:] == [("timeout_s", 120.0, KW), ("check_calls", None, KW),
+                         ("check_timeout_s", None, KW),
+                         ("kernel_timeout_s", None, KW)]  # our additions, keyword-only
 
 
 def test_allreduce_fusion_signature_matches_flashinfer():

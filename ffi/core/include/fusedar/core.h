@@ -139,10 +139,28 @@ uint64_t fusedar_rank_workspace_table(const fusedar_rank* r);
 // fusedar_rank_finalize; timeout_s in (0, 3600].
 int fusedar_rank_set_call_check(fusedar_rank* r, int32_t enabled, double timeout_s);
 int fusedar_rank_call_check(const fusedar_rank* r, int32_t* enabled, double* timeout_s);
-// After a failed handshake: what failed, written into `buf` (NUL-terminated, truncated to
-// `len`); an empty string when nothing failed. Reads pinned host memory only, so it works
-// after the trap has killed the CUDA context.
+// The same as fusedar_rank_failure (the call check and the bounded waits share one
+// failure record); kept for existing callers.
 int fusedar_rank_call_check_failure(const fusedar_rank* r, char* buf, size_t len);
+
+// Bounded waits, always on: every wait loop of the fused kernel (Lamport polls, barrier
+// flags, grid counters) reads the device clock every so many spins; a wait that lasts
+// longer than the rank's timeout records what it waited for (call number, pattern, shape,
+// the peer that did not arrive, rank, device) in the rank's failure record (pinned host
+// memory) and traps, so the stream fails with a CUDA error instead of hanging, and every
+// later fusedar_launch on this rank is refused with the recorded text
+// (fusedar_rank_failure). Default FUSEDAR_DEFAULT_TIMEOUT_S; 0 waits forever (FlashInfer's
+// behaviour). Settable at any time, also after finalize; timeout_s in [0,
+// FUSEDAR_MAX_TIMEOUT_S].
+#define FUSEDAR_DEFAULT_TIMEOUT_S 30.0
+#define FUSEDAR_MAX_TIMEOUT_S 3600.0
+int fusedar_rank_set_timeout(fusedar_rank* r, double timeout_s);
+int fusedar_rank_timeout(const fusedar_rank* r, double* timeout_s);
+// After a failed call: what failed (a timed-out wait of the kernel or a failed call-check
+// handshake), written into `buf` (NUL-terminated, truncated to `len`); an empty string
+// when nothing failed. Reads pinned host memory only, so it works after the trap has
+// killed the CUDA context.
+int fusedar_rank_failure(const fusedar_rank* r, char* buf, size_t len);
 
 // Checks a call against the workspace without launching (same checks as launch).
 int fusedar_check_launch(const fusedar_rank* r, const fusedar_launch_args* args);

@@ -1,0 +1,83 @@
+"""Per-process body of the JAX bounded-wait test (tests/gpu/test_timeout.py): two
+`jax.distributed` processes, one GPU each, a workspace with timeout_s=TIMEOUT_S. Both run one
+good jitted call (checked against the float64 oracle); then rank 1 stops calling and rank
+0's next call must raise from the computation (XLA's generic CUDA error, re-raised by
+``ws.explain_errors()`` as RuntimeError with the recorded text naming rank 1) within
+TIMEOUT_S + 1.5 s; ``ws.failures()`` and ``ws.raise_if_failed()`` must give the same text,
+and the call after that must raise too. Rank 0 sends what it found to rank 1 before that last call, in case the
+dead CUDA context takes the process down with it.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+TIMEOUT_S = 3.0
+TOKENS, HIDDEN = 16, 4096
+
+
+def worker(rank, world, chan, *, port, seed):
+    from tests.gpu.jax_multiprocess import _global, _local, _setup
+    jax = _setup(rank, world, port, "")
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    import jax_fusedar as jf
+    from tests.oracles import oracle
+    from tests.gpu.harness import draw_case
+
+    mesh = Mesh(np.array(jax.devices()), ("tp",))
+    ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=64, hidden_dim=HIDDEN,
+                                              dtype=jnp.bfloat16, timeout_s=TIMEOUT_S)
+    out = {"rank": rank, "backend": ws.backend, "timeout_s": ws.timeout_s}
+
+    def f(x, r, g):
+        o = jf.allreduce_fusion(x, axis_name="tp", workspace=ws, residual=r, rms_gamma=g,
+                                use_oneshot=True)
+        return o.residual_out, o.norm_out
+
+    fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("tp"), P(), P()),
+                               out_specs=(P(), P())))
+    xs, res, gam = draw_case(seed, world, TOKENS, HIDDEN, jnp.bfloat16)
+    args = (_global(jax, mesh, P("tp"), xs[rank]), _global(jax, mesh, P(), res),
+            _global(jax, mesh, P(), gam))
+    r_out, n_out = jax.block_until_ready(fn(*args))
+    x64 = [x.astype(np.float64) for x in xs]
+    r64, g64 = res.astype(np.float64), gam.astype(np.float64)
+    s, r, y, inv = oracle.fused_reference(x64, r64, g64, rms_eps=1e-6, weight_bias=0.0)
+    out["good"] = {
+        "residual": oracle.residual_error_ulps(_local(r_out), s, r, r64, "bfloat16"),
+        "norm": oracle.norm_error_ulps(_local(n_out), s, y, inv, r64, g64, weight_bias=0.0,
+                                       dtype_name="bfloat16")}
+    chan.barrier("good")
+    if rank == 0:
+        failing = {}
+        t0 = time.monotonic()
+        try:
+            with ws.explain_errors():
+                jax.block_until_ready(fn(*args))
+            failing["error"] = None
+        except Exception as e:  # noqa: BLE001 - the expected outcome
+            failing["error"] = f"{type(e).__name__}: {e}"[:1500]
+            failing["xla_error"] = f"{type(e.__cause__).__name__}: {e.__cause__}"[:600]
+        failing["elapsed_s"] = time.monotonic() - t0
+        failing["failures"] = ws.failures()
+        try:
+            ws.raise_if_failed()
+            failing["raise_if_failed"] = None
+        except RuntimeError as e:
+            failing["raise_if_failed"] = str(e)
+        chan.all_gather("partial", failing)
+        try:
+            jax.block_until_ready(fn(*args))
+            failing["next_call_error"] = None
+        except Exception as e:  # noqa: BLE001
+            failing["next_call_error"] = f"{type(e).__name__}: {e}"[:2000]
+        out["failing"] = failing
+    else:
+        out["rank0_partial"] = chan.all_gather("partial", None)[0]
+        out["failures"] = ws.failures()
+    chan.barrier("verdict")
+    return out

@@ -1,0 +1,228 @@
+"""GPU body of the kernel's bounded waits (timeout_s; ffi/core/watchdog.h): two ranks in two
+processes (CUDA IPC, the call check off), one case per run, because a trapped kernel kills
+the CUDA context of its process.
+
+  ok             CALLS good calls (a cycle of one-shot/two-shot, pattern 0/1 shapes) on a
+                 workspace with the timeout on and, call for call, on one with it off
+                 (timeout_s=0): the outputs must be the same bits (differing bytes counted
+                 on the device) and match the float64 oracle; a CUDA graph of good calls
+                 replayed on the timeout-on workspace; the per-call time on vs off.
+  never_oneshot  after a few good calls rank 1 makes no call; rank 0's one-shot call
+  never_twoshot  (Lamport poll) / two-shot call (barrier flags) must fail within
+                 TIMEOUT_S + 1 s, its record naming rank 1, the next launch refused with it.
+  killed         after a few good calls rank 1 is SIGKILLed; rank 0's next call must fail
+                 the same way.
+  tokens         rank 0 calls one-shot with 16 tokens, rank 1 with 17 (no call check): both
+                 ranks must fail within TIMEOUT_S + 1 s, each naming the other.
+
+Run one case by hand:  python -m tests.gpu.native_timeout never_oneshot
+The last stdout line is "RESULT <json>".
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import queue
+import signal
+import sys
+import time
+import traceback
+
+import numpy as np
+
+from tests.gpu.native_mismatch import (BOUNDS, DTYPE, HIDDEN, draw_inputs, flush_c_stdio,
+                                       fused_call, make_workspace, new_outputs, oracle_errors,
+                                       worst_of, _graph_replays, _timing)
+
+TIMEOUT_S = 3.0
+CALLS = int(os.environ.get("JAX_FUSEDAR_TIMEOUT_CALLS", 10000))
+# (pattern, tokens, one-shot) cycled through by the good calls
+CYCLE = [(1, 16, True), (1, 17, False), (0, 16, True), (1, 1, True), (1, 33, False),
+         (0, 40, False), (1, 64, True), (0, 3, True)]
+GOOD_FIRST = 3  # good calls every failure case makes first
+CASES = ("ok", "never_oneshot", "never_twoshot", "killed", "tokens")
+KEYS = {0: ("allreduce",), 1: ("residual", "norm")}
+
+
+def _good_calls(ws, rank, world, device, seed, torch, n=GOOD_FIRST):
+    stream = torch.cuda.current_stream(device)
+    errs = []
+    for i in range(n):
+        pattern, m, oneshot = CYCLE[i % len(CYCLE)]
+        xs, residual, gamma = draw_inputs(seed + i, world, m, HIDDEN, torch)
+        x, res, gam = (t.cuda(device) for t in (xs[rank], residual, gamma))
+        outs = new_outputs(x, torch)
+        fused_call(ws, pattern, m, x, res, gam, outs, oneshot=oneshot, stream=stream)
+        stream.synchronize()
+        errs.append(oracle_errors(xs, residual, gamma, outs, pattern))
+    return worst_of(errs)
+
+
+def _same_bits(on, off, rank, world, device, seed, torch):
+    """CALLS calls on each workspace, interleaved, same inputs: device-side count of the
+    output bytes that differ, and the oracle errors of each cycle entry's last call."""
+    stream = torch.cuda.current_stream(device)
+    cases = []
+    for i, (pattern, m, oneshot) in enumerate(CYCLE):
+        xs, residual, gamma = draw_inputs(seed + i, world, m, HIDDEN, torch)
+        x, res, gam = (t.cuda(device) for t in (xs[rank], residual, gamma))
+        cases.append((pattern, m, oneshot, xs, residual, gamma, x, res, gam,
+                      new_outputs(x, torch), new_outputs(x, torch)))
+    differing = torch.zeros((), dtype=torch.int64, device=device)
+    t0 = time.monotonic()
+    for i in range(CALLS):
+        pattern, m, oneshot, _, _, _, x, res, gam, out_on, out_off = cases[i % len(cases)]
+        for k in KEYS[pattern]:  # different poisons: an unwritten output differs
+            out_on[k].fill_(float("nan"))
+            out_off[k].fill_(float("inf"))
+        fused_call(on, pattern, m, x, res, gam, out_on, oneshot=oneshot, stream=stream)
+        fused_call(off, pattern, m, x, res, gam, out_off, oneshot=oneshot, stream=stream)
+        for k in KEYS[pattern]:
+            differing += (out_on[k].view(torch.uint8) != out_off[k].view(torch.uint8)).sum()
+    stream.synchronize()
+    errs = []
+    for pattern, m, oneshot, xs, residual, gamma, *_, out_on, out_off in cases:
+        errs.append(oracle_errors(xs, residual, gamma, out_on, pattern))
+        errs.append(oracle_errors(xs, residual, gamma, out_off, pattern))
+    return {"calls": CALLS, "differing_bytes": int(differing.item()), "worst": worst_of(errs),
+            "seconds": time.monotonic() - t0}
+
+
+def _failing_call(ws, pattern, m, oneshot, rank, device, seed, world, torch):
+    xs, residual, gamma = draw_inputs(seed, world, m, HIDDEN, torch)
+    x, res, gam = (t.cuda(device) for t in (xs[rank], residual, gamma))
+    outs = new_outputs(x, torch)
+    stream = torch.cuda.current_stream(device)
+    out = {"call": [pattern, m, oneshot]}
+    t0 = time.monotonic()
+    fused_call(ws, pattern, m, x, res, gam, outs, oneshot=oneshot, stream=stream)
+    try:
+        stream.synchronize()
+        out["sync_error"] = None
+    except Exception as e:  # noqa: BLE001 - the expected outcome
+        out["sync_error"] = f"{type(e).__name__}: {e}"[:600]
+    out["elapsed_s"] = time.monotonic() - t0
+    flush_c_stdio()
+    out["failure_record"] = ws.failure()
+    try:  # the next launch must be refused with the recorded text
+        fused_call(ws, pattern, m, x, res, gam, outs, oneshot=oneshot, stream=stream)
+        out["relaunch_error"] = None
+    except Exception as e:  # noqa: BLE001
+        out["relaunch_error"] = f"{type(e).__name__}: {e}"[:1500]
+    return out
+
+
+def worker(rank, world, chan, *, case, seed):
+    import torch
+
+    from jax_fusedar.common import native
+
+    ext = native.require()
+    device = rank % max(1, torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    result = {"rank": rank, "device": device, "case": case,
+              "gpu": torch.cuda.get_device_name(device)}
+    ws = make_workspace(ext, chan, "on", device, world, rank, check_calls=False, timeout_s=30.0,
+                        kernel_timeout_s=TIMEOUT_S)
+    result["timeout_s"] = ws.timeout_s
+    if case == "ok":
+        off = make_workspace(ext, chan, "off", device, world, rank, check_calls=False,
+                             timeout_s=30.0, kernel_timeout_s=0.0)
+        result["off_timeout_s"] = off.timeout_s
+        result["bits"] = _same_bits(ws, off, rank, world, device, seed, torch)
+        result["graph"] = _graph_replays(ws, rank, world, device, seed + 100, torch, chan)
+        chan.barrier("timing")
+        result["timing_on"] = _timing(ws, rank, world, device, seed + 200, torch)
+        result["timing_off"] = _timing(off, rank, world, device, seed + 200, torch)
+        result["failure_record"] = ws.failure()
+        chan.barrier("done")
+        for w in (ws, off):
+            w.destroy()
+        return result
+    result["good"] = _good_calls(ws, rank, world, device, seed, torch)
+    chan.barrier("good")
+    seq = GOOD_FIRST + 1
+    if case == "tokens":
+        result["failing"] = _failing_call(ws, 1, 16 + rank, True, rank, device, seed + 999,
+                                          world, torch)
+    elif rank == 0:
+        if case == "killed":
+            chan.all_gather("dying", None)  # rank 1 kills itself right after this
+            time.sleep(1.0)
+        pattern, m, oneshot = (1, 32, False) if case == "never_twoshot" else (1, 16, True)
+        result["failing"] = _failing_call(ws, pattern, m, oneshot, rank, device, seed + 999,
+                                          world, torch)
+    elif case == "killed":
+        chan.all_gather("dying", None)
+        chan.close()  # rank 0 must get "dying" whole before this process disappears
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    result["expected_call"] = seq
+    if case != "killed":
+        chan.barrier("verdict")  # rank 1 of "never_*" waits here for rank 0's verdict
+    if rank == 1 and case.startswith("never"):
+        t = torch.arange(1000, device=device, dtype=torch.float32)
+        result["healthy_after"] = float(t.sum().item()) == 499500.0
+        result["failure_record"] = ws.failure()
+        ws.destroy()
+    flush_c_stdio()
+    return result
+
+
+def _child(fn, rank, world, inboxes, results, timeout_s, kwargs):
+    from tests.gpu.harness import Channel
+    try:
+        results.put((rank, "ok", fn(rank, world, Channel(rank, inboxes, timeout_s), **kwargs)))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks_allowing_death(fn, world, *, timeout_s, killed=(), **kwargs):
+    """tests.gpu.harness.run_ranks, except that the ranks in `killed` are expected to die by
+    SIGKILL without a result (their exit codes are returned)."""
+    ctx = mp.get_context("spawn")
+    inboxes = [ctx.Queue() for _ in range(world)]
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_child, args=(fn, r, world, inboxes, results, timeout_s, kwargs))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    out, errors = {}, []
+    try:
+        for _ in range(world - len(killed)):
+            rank, status, payload = results.get(timeout=timeout_s)
+            (out.__setitem__(rank, payload) if status == "ok" else errors.append(payload))
+    except queue.Empty:
+        errors.append(f"timed out after {timeout_s} s waiting for ranks "
+                      f"{sorted(set(range(world)) - set(out) - set(killed))}")
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [out.get(r, {"rank": r, "exitcode": procs[r].exitcode}) for r in range(world)]
+
+
+def main(argv):
+    case = argv[1] if len(argv) > 1 else "ok"
+    if case not in CASES:
+        raise SystemExit(f"unknown case {case!r}; one of {CASES}")
+    seed = int.from_bytes(os.urandom(4), "little")
+    t0 = time.monotonic()
+    try:
+        out = {"case": case, "seed": seed, "timeout_s": TIMEOUT_S,
+               "ranks": run_ranks_allowing_death(worker, 2, timeout_s=120,
+                                                 killed=(1,) if case == "killed" else (),
+                                                 case=case, seed=seed)}
+    except Exception as e:  # noqa: BLE001 - reported as JSON for the test to show
+        out = {"case": case, "seed": seed, "error": str(e)[-6000:]}
+    out["wall_s"] = time.monotonic() - t0
+    sys.stdout.flush()
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv)

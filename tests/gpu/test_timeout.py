@@ -1,0 +1,108 @@
+"""GPU: the kernel's bounded waits (timeout_s, always on; ffi/core/watchdog.h).
+
+Each case runs in a fresh child (``python -m tests.gpu.native_timeout CASE``, or
+``tests.gpu.jax_timeout`` for JAX) with its output captured: a trapped kernel kills the CUDA
+context of its process. Every wait is bounded (subprocess timeout, channel timeouts, the
+kernel's own timeout), and each result is written as JSON to $JAX_FUSEDAR_REPORT_DIR.
+"""
+import pytest
+
+from tests.gpu.test_topology import _report, _run
+
+pytestmark = pytest.mark.gpu
+
+SIG = "{{pattern=1 dtype=bfloat16 num_tokens={} hidden_dim=4096 {} fp32_acc=1 layout=0 " \
+      "block_quant_group_size=0}}"
+
+
+def test_timeout_on_gives_the_same_bits_graph_replay_and_cost():
+    from tests.gpu.native_timeout import BOUNDS, CALLS
+    res = _run("tests.gpu.native_timeout", "ok", timeout_s=400)
+    _report("timeout_ok", res)
+    assert "error" not in res, res["error"] + "\n" + res["output_tail"]
+    for r in res["ranks"]:
+        assert r["timeout_s"] == pytest.approx(3.0) and r["off_timeout_s"] == 0.0
+        b = r["bits"]
+        assert b["calls"] == CALLS and b["differing_bytes"] == 0, b
+        for k, v in b["worst"].items():
+            assert v <= BOUNDS[k], (r["rank"], k, v)  # NaN fails too
+        g = r["graph"]
+        assert g["capture_errors"] is None, g
+        assert g["worst"]["residual"] <= 1.0 and g["worst"]["norm"] <= 3.0, g
+        assert r["failure_record"] == ""
+    print("per-call ms (median), timeout on:",
+          [r["timing_on"]["ms_per_call_median"] for r in res["ranks"]], "off:",
+          [r["timing_off"]["ms_per_call_median"] for r in res["ranks"]])
+
+
+def _check_failed(f, me, peer, seq, tokens, oneshot, timeout_s, where):
+    assert f["sync_error"], f"rank {me}: the call did not fail: {f}"
+    assert f["elapsed_s"] <= timeout_s + 1.0, f  # within timeout + 1 s
+    assert f["elapsed_s"] >= timeout_s * 0.9, f  # and not for another reason
+    record = f["failure_record"]
+    head = (f"jax_fusedar kernel wait timed out on rank {me} of 2 (device ")
+    assert record.startswith(head), record
+    sig = SIG.format(tokens, "one-shot" if oneshot else "two-shot")
+    assert f"call #{seq} {sig}: waited " in record, record
+    assert f"for rank {peer} to deliver {where}" in record, record
+    assert f"Rank {peer} did not arrive" in record, record
+    assert f["relaunch_error"] and record in f["relaunch_error"], f
+
+
+@pytest.mark.parametrize("case, tokens, oneshot, where", [
+    ("never_oneshot", 16, True, "its one-shot data in this rank's Lamport buffer (token "),
+    ("never_twoshot", 32, False, "its two-shot barrier flag (thread block "),
+    ("killed", 16, True, "its one-shot data in this rank's Lamport buffer (token "),
+])
+def test_a_missing_rank_makes_the_other_fail_with_the_record(case, tokens, oneshot, where):
+    from tests.gpu.native_timeout import BOUNDS, GOOD_FIRST, TIMEOUT_S
+    res = _run("tests.gpu.native_timeout", case, timeout_s=200)
+    _report(f"timeout_{case}", res)
+    assert "error" not in res, res["error"] + "\n" + res["output_tail"]
+    r0, r1 = res["ranks"]
+    for k, v in r0["good"].items():
+        assert v <= BOUNDS[k], (k, v)
+    _check_failed(r0["failing"], 0, 1, GOOD_FIRST + 1, tokens, oneshot, TIMEOUT_S, where)
+    if case == "killed":
+        assert r1["exitcode"] == -9, r1  # SIGKILL, no result
+    else:
+        # The rank that made no call is untouched.
+        assert r1["healthy_after"] is True and r1["failure_record"] == ""
+
+
+def test_mismatched_token_counts_without_the_call_check_fail_on_both_ranks():
+    from tests.gpu.native_timeout import GOOD_FIRST, TIMEOUT_S
+    res = _run("tests.gpu.native_timeout", "tokens", timeout_s=200)
+    _report("timeout_tokens", res)
+    assert "error" not in res, res["error"] + "\n" + res["output_tail"]
+    for r in res["ranks"]:
+        me = r["rank"]
+        _check_failed(r["failing"], me, 1 - me, GOOD_FIRST + 1, 16 + me, True, TIMEOUT_S,
+                      "its one-shot data in this rank's Lamport buffer (token ")
+
+
+def test_jax_surfaces_the_timeout_with_the_record():
+    import os
+
+    from tests.gpu import jax_timeout
+    from tests.gpu.harness import free_port
+    from tests.gpu.native_timeout import run_ranks_allowing_death
+    res = run_ranks_allowing_death(jax_timeout.worker, 2, timeout_s=90, port=free_port(),
+                                   seed=int.from_bytes(os.urandom(4), "little"))
+    _report("timeout_jax", res)
+    r0, r1 = res
+    for r in res:
+        assert r["backend"] == "trtllm" and r["timeout_s"] == jax_timeout.TIMEOUT_S, r
+        assert r["good"]["residual"] <= 1.0 and r["good"]["norm"] <= 3.0, r
+    f = r0["failing"]
+    assert len(f["failures"]) == 1 and "Rank 1 did not arrive" in f["failures"][0], f
+    # The computation raised XLA's generic CUDA error, re-raised with the record's text.
+    assert f["error"] == "RuntimeError: " + f["failures"][0][:1500 - 14], f
+    assert "CUDA" in f["xla_error"], f
+    assert "waited 3.0 s (timeout 3.0 s) for rank 1" in f["failures"][0], f
+    # The kernel traps at the timeout (the record says 3.0 s); XLA takes longer than torch to
+    # report the dead stream (measured 4.3 s in all on 2 x H200, torch 3.4-3.6 s).
+    assert f["elapsed_s"] <= jax_timeout.TIMEOUT_S + 1.5, f
+    assert f["raise_if_failed"] == f["failures"][0], f
+    assert f["next_call_error"], f  # XLA refuses the dead context before our handler runs
+    assert r1["failures"] == [], r1

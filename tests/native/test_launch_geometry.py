@@ -1,0 +1,87 @@
+"""The bounded waits must not change FlashInfer's launch geometry (issue 17).
+
+FlashInfer's launcher sizes blocks and clusters from the kernel's register count; the hooked
+kernels use a few more registers, so the build pins the geometry to the unhooked kernels'
+counts (ffi/kernels/launch_registers.cuh). tools/launch_registers.py check verifies a built
+library against its build tree: every kernel (pattern, dtype, world size, accumulation,
+one-shot and two-shot, every architecture) is launched as its unhooked twin and fits.
+"""
+from __future__ import annotations
+
+import filecmp
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from tests.repo import REPO  # noqa: E402
+TOOL = REPO / "tools" / "launch_registers.py"
+_spec = importlib.util.spec_from_file_location("launch_registers", TOOL)
+launch_registers = importlib.util.module_from_spec(_spec)
+sys.modules["launch_registers"] = launch_registers
+_spec.loader.exec_module(launch_registers)
+
+
+def test_mangled_kernel_names_name_their_instance():
+    one = ("_ZN10flashinfer23trtllm_allreduce_fusion39allreduce_fusion_kernel_oneshot_lamportI"
+           "LNS0_22AllReduceFusionPatternE11E13__nv_bfloat16Li8ELb1ELb0EEEvNS0_21AllReduce"
+           "FusionParamsIT0_EE")
+    two = ("_ZN10flashinfer23trtllm_allreduce_fusion36allreduce_fusion_kernel_twoshot_syncILNS0_"
+           "22AllReduceFusionPatternE0EfLi16ELb0EEEvNS0_21AllReduceFusionParamsIT0_EESt5arrayIiXT1"
+           "_EES7_")
+    K = launch_registers.Kernel
+    assert launch_registers.parse_kernel(one) == K(0, 11, 2, 8, True)
+    assert launch_registers.parse_kernel(two) == K(2, 0, 0, 16, False)
+    assert launch_registers.parse_kernel("_ZN7fusedar18fill_negative_zeroEP5uint4lj") is None
+
+
+def test_geometry_reproduces_the_parity_break_the_pin_prevents():
+    # 1024 x 8192 bf16 two-shot on 2 ranks: the unhooked kernel (64 registers) runs 1024-thread
+    # blocks without clusters; the hooked one (72 registers) would run 512 threads x cluster 2,
+    # which reorders RMSNorm's reduction (340 differing bytes against FlashInfer's build).
+    shape = dict(hidden_dim=8192, tokens=1024, elem_bytes=2, nranks=2, oneshot=False)
+    assert launch_registers.flashinfer_geometry(64, **shape) == (1024, 1)
+    assert launch_registers.flashinfer_geometry(72, **shape) == (512, 2)
+    # Every count up to 64 is one bucket there; above it, single registers matter (7168).
+    assert {launch_registers.flashinfer_geometry(r, **shape) for r in range(24, 65)} == {(1024, 1)}
+    s7168 = dict(shape, hidden_dim=7168)
+    assert launch_registers.flashinfer_geometry(72, **s7168) != launch_registers.flashinfer_geometry(
+        74, **s7168)
+
+
+def test_header_round_trip_keeps_every_count():
+    K = launch_registers.Kernel
+    table = {K(kind, p, 1, 4, acc): 30 + kind + p + acc for kind in range(3) for p in (0, 1, 11)
+             for acc in (0, 1)}
+    text = launch_registers.header_text(1, 4, {90: table, 100: {k: r + 1 for k, r in table.items()}})
+    assert "kArchs[kNumArchs] = {90, 100}" in text
+    assert "{41, 42}, {0, 0}" in text  # pattern 11 (then 12: none), one-shot, sm_90
+    with pytest.raises(ValueError, match="does not belong"):
+        launch_registers.header_text(2, 4, {90: table})
+
+
+def _build_dir() -> pathlib.Path | None:
+    candidates = [os.environ.get("JAX_FUSEDAR_BUILD_DIR"), REPO / "build" / "dev"]
+    for c in candidates:
+        if c and list(pathlib.Path(c).glob("ffi/core/kernels/unhooked_*.cubin")):
+            return pathlib.Path(c)
+    return None
+
+
+def test_built_library_keeps_flashinfer_launch_geometry():
+    core = REPO / "jax_fusedar" / "libfusedar_core.so"
+    build = _build_dir()
+    if build is None or not core.exists():
+        pytest.skip("needs a core built here with its build tree (./dev setup)")
+    built = build / "ffi" / "core" / "libfusedar_core.so"
+    if not built.exists() or not filecmp.cmp(built, core, shallow=False):
+        pytest.skip(f"jax_fusedar/libfusedar_core.so is not the one built in {build}")
+    if launch_registers.find_cuobjdump() is None:
+        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+    run = subprocess.run([sys.executable, str(TOOL), "check", "--core", str(core),
+                          "--build-dir", str(build)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "every hooked kernel launches as the unhooked one" in run.stdout

@@ -1,0 +1,421 @@
+"""The kernel's bounded waits (timeout_s, always on; ffi/core/watchdog.h) on CPU: option
+parsing, the plumbing down to the native Rank (JAX and torch, with fakes), the bench's
+on/off comparison, the build's patching of FlashInfer's wait loops, and the failure message
+of a timed-out wait (call_check.cu compiled with nvcc into a small host program). The
+kernel side runs in tests/gpu/test_timeout.py."""
+import os
+
+# The JAX plumbing test builds a 2-device mesh: 8 virtual host devices, set before JAX loads.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import math  # noqa: E402
+import pathlib  # noqa: E402
+import re  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from jax_fusedar.common import call_check, native, sizing, tp_groups  # noqa: E402
+
+from tests.native.host_program import run_host_program  # noqa: E402
+from tests.repo import REPO  # noqa: E402
+
+
+# --- option parsing -----------------------------------------------------------------------------
+
+
+def test_default_env_zero_and_argument(monkeypatch):
+    monkeypatch.delenv(call_check.TIMEOUT_ENV_VAR, raising=False)
+    assert call_check.resolve_timeout_s(None) == call_check.DEFAULT_TIMEOUT_S == 30.0
+    monkeypatch.setenv(call_check.TIMEOUT_ENV_VAR, " 2.5 ")
+    assert call_check.resolve_timeout_s(None) == 2.5
+    monkeypatch.setenv(call_check.TIMEOUT_ENV_VAR, "0")  # 0: wait forever (FlashInfer's behaviour)
+    assert call_check.resolve_timeout_s(None) == 0.0
+    monkeypatch.setenv(call_check.TIMEOUT_ENV_VAR, "")
+    assert call_check.resolve_timeout_s(None) == 30.0
+    assert call_check.resolve_timeout_s(7) == 7.0  # an explicit argument wins
+    assert call_check.resolve_timeout_s(0) == 0.0
+    assert call_check.resolve_timeout_s(np.float32(0.5)) == 0.5
+    assert call_check.resolve_timeout_s(3600) == 3600.0
+
+
+@pytest.mark.parametrize("raw, match", [("abc", "is not a number of seconds"),
+                                        ("-1", r"must be in \[0, 3600\] seconds \(0: wait"),
+                                        ("nan", r"must be in \[0, 3600\]"),
+                                        ("inf", r"must be in \[0, 3600\]"),
+                                        ("4000", r"must be in \[0, 3600\]")])
+def test_bad_timeouts_from_the_environment(monkeypatch, raw, match):
+    monkeypatch.setenv(call_check.TIMEOUT_ENV_VAR, raw)
+    with pytest.raises(ValueError, match=r"\$JAX_FUSEDAR_TIMEOUT_S.*" + match):
+        call_check.resolve_timeout_s(None)
+
+
+@pytest.mark.parametrize("value, error", [(-0.5, ValueError), (float("nan"), ValueError),
+                                          (3600.5, ValueError), (True, TypeError),
+                                          ("10", TypeError), ([1], TypeError)])
+def test_bad_timeout_arguments(value, error):
+    with pytest.raises(error, match="timeout_s"):
+        call_check.resolve_timeout_s(value)
+    with pytest.raises(error, match="kernel_timeout_s"):
+        call_check.resolve_timeout_s(value, name="kernel_timeout_s")
+
+
+def test_the_call_check_timeout_still_refuses_zero():
+    # The call check's timeout has no "wait forever": 0 stays an error there.
+    with pytest.raises(ValueError, match=r"check_timeout_s must be in \(0, 3600\]"):
+        call_check.resolve_check_timeout_s(0)
+
+
+# --- JAX plumbing -------------------------------------------------------------------------------
+
+
+class FakeRank:
+    """Stands in for native.ext.Rank: records what it was given."""
+    made = []
+
+    def __init__(self, device, world, rank, max_tokens, hidden, code, **kw):
+        self.kw = dict(device=device, rank=rank, **kw)
+        self.timeouts = [kw.get("timeout_s")]
+        self.alive = True
+        self.record = ""
+        FakeRank.made.append(self)
+
+    def local_pointers(self):
+        return [1, 2, 3]
+
+    def set_peer_pointers(self, *a):
+        pass
+
+    def finalize(self):
+        pass
+
+    def set_timeout(self, t):
+        self.timeouts.append(t)
+
+    def failure(self):
+        return self.record
+
+    def destroy(self):
+        self.alive = False
+
+
+def _fake_jax_workspace(monkeypatch, **kw):
+    from jax_fusedar import workspace as jws
+
+    class FakeExt:
+        Rank = FakeRank
+
+        @staticmethod
+        def register_rank(*a):
+            pass
+
+    class Dev:
+        def __init__(self, i):
+            self.id, self.platform, self.process_index, self.local_hardware_id = i, "gpu", 0, i
+
+    class Mesh:
+        devices = np.array([Dev(0), Dev(1)], dtype=object)
+
+    FakeRank.made = []
+    monkeypatch.setattr(native, "require", lambda: FakeExt)
+    sizes = sizing.workspace_sizes(2, 16, 1024, "float32")
+    ws = jws.AllReduceFusionWorkspace(
+        mesh=Mesh(), axis_name="tp", max_token_num=16, hidden_dim=1024, dtype="float32",
+        backend="trtllm", workspace_id=98, groups=[tp_groups.TPGroup((0, 1), 0)], sizes=sizes,
+        **kw)
+    jws._build_native(ws, 5.0)
+    return ws
+
+
+def test_jax_build_passes_the_timeout_to_every_native_rank(monkeypatch):
+    ws = _fake_jax_workspace(monkeypatch, timeout_s=4.5)
+    assert [r.kw["timeout_s"] for r in FakeRank.made] == [4.5, 4.5]
+    assert ws.failures() == []
+    ws.raise_if_failed()  # nothing failed: no error
+    FakeRank.made[1].record = "rank 1 timed out waiting for rank 0"
+    assert ws.failures() == ["rank 1 timed out waiting for rank 0"]
+    assert ws.call_check_failures() == ws.failures()  # one record for both mechanisms
+    with pytest.raises(RuntimeError, match="rank 1 timed out waiting for rank 0"):
+        ws.raise_if_failed()
+    # explain_errors: an error in the block comes back with the record's text...
+    with pytest.raises(RuntimeError, match="rank 1 timed out waiting for rank 0") as info:
+        with ws.explain_errors():
+            raise ValueError("CUDA_ERROR_LAUNCH_FAILED: unspecified launch failure")
+    assert isinstance(info.value.__cause__, ValueError)
+    FakeRank.made[1].record = ""
+    # ...and passes through unchanged when nothing was recorded.
+    with pytest.raises(ValueError, match="unrelated"):
+        with ws.explain_errors():
+            raise ValueError("unrelated")
+    with ws.explain_errors() as same:
+        assert same is ws
+
+
+def test_jax_set_timeout_reaches_every_rank_and_is_validated(monkeypatch):
+    ws = _fake_jax_workspace(monkeypatch)
+    assert ws.timeout_s == 30.0 and [r.kw["timeout_s"] for r in FakeRank.made] == [30.0, 30.0]
+    ws.set_timeout(0)
+    assert ws.timeout_s == 0.0 and [r.timeouts[-1] for r in FakeRank.made] == [0.0, 0.0]
+    with pytest.raises(ValueError, match=r"timeout_s must be in \[0, 3600\]"):
+        ws.set_timeout(-1)
+    with pytest.raises(TypeError, match="timeout_s"):
+        ws.set_timeout(None)
+    with pytest.raises(TypeError, match="timeout_s"):
+        ws.set_timeout("5")
+    assert ws.timeout_s == 0.0  # unchanged by the refused values
+
+
+def test_jax_create_resolves_the_timeout_before_anything(monkeypatch):
+    import jax
+    from jax.sharding import Mesh
+
+    from jax_fusedar import workspace as jws
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+    kw = dict(max_token_num=8, hidden_dim=1024, dtype="bfloat16", backend="xla")
+    with pytest.raises(ValueError, match=r"timeout_s must be in \[0, 3600\]"):
+        jws.create_allreduce_fusion_workspace(mesh, "tp", timeout_s=-1, **kw)
+    with pytest.raises(TypeError, match="timeout_s"):
+        jws.create_allreduce_fusion_workspace(mesh, "tp", timeout_s="30", **kw)
+    monkeypatch.setenv(call_check.TIMEOUT_ENV_VAR, "later")
+    with pytest.raises(ValueError, match="JAX_FUSEDAR_TIMEOUT_S"):
+        jws.create_allreduce_fusion_workspace(mesh, "tp", **kw)
+    monkeypatch.setenv(call_check.TIMEOUT_ENV_VAR, "12")
+    with jws.create_allreduce_fusion_workspace(mesh, "tp", **kw) as ws:
+        assert ws.timeout_s == 12.0 and ws.failures() == []
+    with jws.create_allreduce_fusion_workspace(mesh, "tp", timeout_s=0, **kw) as ws:
+        assert ws.timeout_s == 0.0
+
+
+# --- torch plumbing -----------------------------------------------------------------------------
+
+
+def test_torch_create_takes_kernel_timeout_s_keyword_only():
+    pytest.importorskip("torch")
+    import inspect
+
+    import torch_compat
+
+    params = inspect.signature(torch_compat.create_allreduce_fusion_workspace).parameters
+    p = params["kernel_timeout_s"]
+    assert p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is None
+    assert params["timeout_s"].default == 120.0  # the exchange's, unchanged
+
+
+def test_torch_create_refuses_a_bad_kernel_timeout_first(monkeypatch):
+    torch = pytest.importorskip("torch")
+    import torch_compat
+
+    kw = dict(max_token_num=16, hidden_dim=1024, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"kernel_timeout_s must be in \[0, 3600\]"):
+        torch_compat.create_allreduce_fusion_workspace("trtllm", kernel_timeout_s=-2, **kw)
+    monkeypatch.setenv(call_check.TIMEOUT_ENV_VAR, "soon")
+    with pytest.raises(ValueError, match="JAX_FUSEDAR_TIMEOUT_S"):
+        torch_compat.create_allreduce_fusion_workspace("trtllm", **kw)
+
+
+def test_torch_workspace_reports_the_record():
+    torch = pytest.importorskip("torch")
+    from torch_compat.workspace import TorchAllReduceFusionWorkspace
+
+    rank = FakeRank(0, 2, 0, 16, 1024, 2, timeout_s=3.0)
+    ws = TorchAllReduceFusionWorkspace(
+        native_rank=rank, global_ranks=[0, 1], rank=0, device=0, max_token_num=16,
+        hidden_dim=1024, dtype=torch.bfloat16,
+        sizes=sizing.workspace_sizes(2, 16, 1024, "bfloat16"), timeout_s=3.0)
+    assert ws.timeout_s == 3.0 and ws.failure() == ""
+    rank.record = "Rank 1 did not arrive"
+    assert ws.failure() == ws.call_check_failure() == "Rank 1 did not arrive"
+
+
+def test_extension_exposes_the_timeout():
+    if not native.available():
+        pytest.skip("native extension not built")
+    doc = native.ext.Rank.__init__.__doc__
+    assert "timeout_s: float = 30.0" in doc, doc
+    for attr in ("timeout_s", "set_timeout", "failure"):
+        assert hasattr(native.ext.Rank, attr)
+
+
+# --- the bench's on/off comparison --------------------------------------------------------------
+
+
+def test_bench_timeout_budget():
+    from jax_fusedar.cli import bench
+
+    ok = bench.timeout_compare(10.05, 10.0, 30.0)  # 0.5%: within 1%
+    assert ok["timeout_within_budget"] and ok["timeout_ratio"] == pytest.approx(1.005)
+    assert ok["no_timeout_us"] == 10.0 and ok["timeout_on_us"] == 10.05
+    assert ok["timeout_s"] == 30.0
+    assert bench.timeout_compare(5.09, 5.0, 30.0)["timeout_within_budget"]  # 0.09 us < 0.1
+    assert not bench.timeout_compare(5.2, 5.0, 30.0)["timeout_within_budget"]  # 4%, 0.2 us
+    assert not bench.timeout_compare(102.0, 100.0, 30.0)["timeout_within_budget"]  # 2%
+    assert math.isnan(bench.timeout_compare(1.0, 0.0, 30.0)["timeout_ratio"])
+
+
+def test_bench_options():
+    from jax_fusedar.cli.main import build_parser
+    from torch_compat import bench as bt
+
+    parser, _ = build_parser()
+    assert parser.parse_args(["bench", "--timeout-compare"]).timeout_compare is True
+    assert parser.parse_args(["bench"]).timeout_compare is False
+    a = bt.parse_args(["--timeout-compare", "--no-anchor", "--no-nccl", "--no-symm-mem",
+                       "--no-fp8"])
+    assert bt.variant_keys(a) == ["ours:eager", "ours:graph", "ours_no_timeout:eager",
+                                  "ours_no_timeout:graph"]
+    assert ("ours", "ours_no_timeout") in bt.RATIOS
+    assert "ours_no_timeout" not in " ".join(bt.variant_keys(bt.parse_args([])))
+
+
+def test_torch_bench_table_shows_the_on_off_ratio():
+    from torch_compat import bench as bt
+
+    a = bt.parse_args(["--timeout-compare", "--no-anchor", "--no-nccl", "--no-symm-mem",
+                       "--no-fp8", "--tokens", "16", "--hidden", "4096"])
+    rank = {"cases": [{"tokens": 16, "hidden": 4096, "mode": "oneshot", "policy": "auto",
+                       "us_repeats": {"ours:eager": [10.0, 10.2], "ours:graph": [6.0],
+                                      "ours_no_timeout:eager": [10.0], "ours_no_timeout:graph":
+                                      [6.0]}, "skipped": {}}]}
+    report = bt.build_report([rank, rank], a, {}, {})
+    case = report["cases"][0]
+    assert case["ratios"]["ours/ours_no_timeout:eager"] == pytest.approx(10.1 / 10.0)
+    assert case["ratios"]["ours/ours_no_timeout:graph"] == pytest.approx(1.0)
+    table = bt.format_table(report)
+    assert "on/off" in table and "1.010" in table and "1.000" in table
+
+
+# --- the build: FlashInfer's wait loops are hooked ----------------------------------------------
+
+
+HEADER = REPO / "third_party" / "flashinfer" / "include"
+
+
+def test_the_build_hooks_every_wait_loop(tmp_path):
+    """Runs FlashInferHeaders.cmake's patching (cmake -P) on the fetched header: every
+    spin loop of the kernel is replaced by a bounded one, and no `while` spin is left."""
+    if shutil.which("cmake") is None:
+        pytest.skip("cmake not found")
+    include = os.environ.get("FLASHINFER_INCLUDE_DIR", str(HEADER))
+    if not (pathlib.Path(include) / "flashinfer/comm/trtllm_allreduce_fusion.cuh").exists():
+        pytest.skip("FlashInfer's headers are not fetched (tools/fetch_flashinfer_headers.py)")
+    script = tmp_path / "patch.cmake"
+    script.write_text(
+        f'set(CMAKE_BINARY_DIR "{tmp_path}")\n'
+        f'set(PROJECT_SOURCE_DIR "{REPO}")\n'
+        f'set(FLASHINFER_INCLUDE_DIR "{include}")\n'
+        f'include("{REPO}/ffi/cmake/FlashInferHeaders.cmake")\n'
+        'fusedar_prepare_flashinfer_headers(out out_unhooked)\n')
+    run = subprocess.run(["cmake", "-P", str(script)], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    text = (tmp_path / "flashinfer_patched/flashinfer/comm/trtllm_allreduce_fusion.cuh"
+            ).read_text()
+    device = text[:text.index("inline int get_sm_count()")]  # the kernels' part
+    assert not re.search(r"while \([^)]*\)\s*\{\s*\}", device), "an unbounded spin is left"
+    assert device.count("::fusedar_wait::spin(") == 3  # 2 grid counters + the barrier
+    assert device.count("FUSEDAR_WAIT_LAMPORT_TICK") == 1
+    assert device.count("::fusedar_wait::count_call(counter_ptr)") == 2
+    assert device.count("barrier.sync(FUSEDAR_WAIT_CTX(false))") == 2
+    # The data the loops read is untouched: the same loads, the same conditions.
+    assert "done &= !has_neg_zero<T, VEC_SIZE>(vals[r]);" in device
+    assert "return ld_flag(m_current_flag) == prev_flag(m_flag_value);" in device
+    # FlashInfer's launch geometry (ffi/kernels/launch_registers.cuh): both kernels are held
+    # to the unhooked allocation and the launcher reads the unhooked register counts.
+    assert text.count("__global__ void __maxnreg__((::fusedar_geometry::register_cap<") == 2
+    assert text.count("return ::fusedar_geometry::registers_for_geometry<") == 2
+    assert "cudaFuncGetAttributes" not in text
+    # The probe copy is FlashInfer's header with only the six `inline`s: no hook at all.
+    unhooked = (tmp_path / "flashinfer_unhooked/flashinfer/comm/trtllm_allreduce_fusion.cuh"
+                ).read_text()
+    assert "fusedar" not in unhooked
+    original = (pathlib.Path(include) / "flashinfer/comm/trtllm_allreduce_fusion.cuh").read_text()
+    assert unhooked.replace("inline ", "") == original.replace("inline ", "")
+    assert unhooked.count("inline ") == original.count("inline ") + 6
+
+
+# --- the failure message (host-only) ------------------------------------------------------------
+
+
+HOST_PROGRAM = r"""
+// Host-only exercise of the failure record's text: no CUDA call is made (no GPU here).
+#include <cstdio>
+#include <cstring>
+#include "call_check.h"
+using namespace fusedar;
+
+int main() {
+  fusedar_rank r;
+  r.rank = 0; r.device = 1;
+  char buf[2048];
+  watchdog::Record d{};
+  r.record = &d;
+  fusedar_rank_failure(&r, buf, sizeof buf);
+  std::printf("clean=[%s]\n", buf);
+  fusedar_launch_args a{};
+  a.pattern = 1; a.dtype = FUSEDAR_BFLOAT16; a.num_tokens = 16; a.hidden_dim = 4096;
+  a.use_oneshot = 1; a.fp32_acc = 1;
+  call_check::Signature s = call_check::signature_of(a);
+  std::memcpy(d.mine, &s, sizeof s);
+  d.rank = 0; d.world = 2; d.device = 1; d.peer = 1; d.seq = 4;
+  d.waited_ns = 3000400000ull; d.timeout_ns = 3000000000ull;
+  d.site = watchdog::kLamport; d.detail = 5;
+  d.kind = watchdog::kWaitTimeout;
+  fusedar_rank_failure(&r, buf, sizeof buf);
+  std::printf("lamport=[%s]\n", buf);
+  fusedar_rank_call_check_failure(&r, buf, sizeof buf);
+  std::printf("alias=[%s]\n", buf);
+  d.site = watchdog::kBarrier; d.detail = 7;
+  fusedar_rank_failure(&r, buf, sizeof buf);
+  std::printf("barrier=[%s]\n", buf);
+  d.site = watchdog::kGrid; d.peer = -1; d.detail = 132;
+  fusedar_rank_failure(&r, buf, sizeof buf);
+  std::printf("grid=[%s]\n", buf);
+  r.record = nullptr;  // not owned
+  return 0;
+}
+"""
+
+
+def test_failure_messages_name_the_peer(tmp_path):
+    lines = run_host_program(tmp_path, "host_timeout", HOST_PROGRAM)
+    assert lines["clean"] == "[]"
+    lamport = lines["lamport"]
+    assert lamport.startswith(
+        "[jax_fusedar kernel wait timed out on rank 0 of 2 (device 1), call #4 "
+        "{pattern=1 dtype=bfloat16 num_tokens=16 hidden_dim=4096 one-shot fp32_acc=1 layout=0 "
+        "block_quant_group_size=0}: waited 3.0 s (timeout 3.0 s) for rank 1 to deliver its "
+        "one-shot data in this rank's Lamport buffer (token 5). Rank 1 did not arrive"), lamport
+    assert "restart the process" in lamport and "JAX_FUSEDAR_TIMEOUT_S" in lamport
+    assert lines["alias"] == lamport
+    assert "for rank 1 to deliver its two-shot barrier flag (thread block 7)" in lines["barrier"]
+    assert ("for no peer to deliver this rank's own thread blocks (grid counter). A rank "
+            "skipped") in lines["grid"]
+
+
+def test_bench_cli_times_both_settings_in_one_run(tmp_path):
+    """--timeout-compare on CPU (the XLA reference backend, no kernel): the run completes
+    with both figures per fused case and the on/off table; the GPU figures come from the
+    same command on the device machine."""
+    import json
+
+    from tests.cli.test_cli import run_cli
+
+    out = tmp_path / "bench"
+    r = run_cli("bench", "--tokens", "1,16", "--hidden", 256, "--chain", 2, "--repeats", 1,
+                "--patterns", 1, "--timeout-compare", "--out", out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads((out / "bench.json").read_text())
+    assert report["config"]["timeout_compare"] is True
+    for case in report["cases"]:
+        m = case["fused"]["auto"]
+        assert m["timeout_s"] == 30.0 and m["no_timeout_us"] > 0
+        assert m["timeout_on_us"] > 0
+        assert m["timeout_ratio"] == pytest.approx(m["timeout_on_us"] / m["no_timeout_us"])
+        assert isinstance(m["timeout_within_budget"], bool)
+    assert "wait timeout on vs off" in r.stdout
+    assert len(re.findall(r"^\s+1\s+(1|16)\s+256\s+auto \(\w+\)\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+"
+                          r"(yes|NO)$", r.stdout, re.MULTILINE)) == 2, r.stdout

@@ -1,0 +1,366 @@
+#!/usr/bin/env python3
+"""Register counts of FlashInfer's fused all-reduce kernels, hooked and unhooked.
+
+FlashInfer's launcher sizes blocks and clusters from the kernel's register count, and the
+block/cluster split decides RMSNorm's reduction order, so the kernels with bounded waits
+must launch exactly as the unhooked ones would (ffi/kernels/launch_registers.cuh). The build
+compiles every kernel once more without the hooks ("probe" cubins) and this tool
+
+  generate  writes the per-translation-unit header of the unhooked counts the launcher uses:
+              launch_registers.py generate --dtype 2 --nranks 2 --out H 90a=A.cubin 100a=B.cubin
+  check     verifies a built libfusedar_core.so against the probe cubins of its build tree:
+              launch_registers.py check --core jax_fusedar/libfusedar_core.so --build-dir build/dev
+            every kernel of every pattern, dtype, world size, accumulation mode, one-shot and
+            two-shot, on every architecture: the generated headers hold exactly the probe
+            counts (so the launch geometry is FlashInfer's), and each hooked kernel's register
+            allocation is at most the unhooked one's (so every block size FlashInfer picks
+            fits). It prints the counts and the (threads per block, cluster size) that
+            FlashInfer's launcher gives for a few shapes: with the pinned (unhooked) counts
+            and with the hooked kernels' own counts, to show what the pin prevents.
+
+Reading cubins needs no CUDA tool (the counts are EIATTR_REGCOUNT entries of the ELF's
+.nv.info section); reading the library's compressed fatbin needs cuobjdump (CUDA toolkit,
+or pip install nvidia-cuda-cuobjdump).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+from dataclasses import dataclass
+
+# Kinds of kernel per instance, in the order of the generated table (launch_registers.cuh).
+KINDS = ("oneshot_notrigger", "oneshot_trigger", "twoshot")
+MAX_PATTERNS = 16  # the table's pattern dimension; FlashInfer's patterns are 0..11
+DTYPES = {"f": 0, "6__half": 1, "13__nv_bfloat16": 2}
+DTYPE_NAMES = ("f32", "f16", "bf16")
+ALLOCATION_UNIT = 8  # registers per thread: allocated per warp in units of 256
+MAX_REGISTERS_PER_THREAD = 255
+
+_KERNEL = re.compile(
+    r"^_ZN10flashinfer23trtllm_allreduce_fusion(?:39allreduce_fusion_kernel_oneshot_lamport|"
+    r"36allreduce_fusion_kernel_twoshot_sync)ILNS0_22AllReduceFusionPatternE(?P<pattern>\d+)E"
+    r"(?P<dtype>f|6__half|13__nv_bfloat16)Li(?P<nranks>\d+)ELb(?P<acc>[01])E"
+    r"(?:Lb(?P<trigger>[01])E)?E")
+
+
+@dataclass(frozen=True, order=True)
+class Kernel:
+    kind: int  # index into KINDS
+    pattern: int
+    dtype: int
+    nranks: int
+    fp32_acc: bool
+
+    def describe(self) -> str:
+        return (f"{KINDS[self.kind]:17s} p{self.pattern:<2d} {DTYPE_NAMES[self.dtype]:4s} "
+                f"n{self.nranks:<2d} acc{int(self.fp32_acc)}")
+
+
+def parse_kernel(mangled: str) -> Kernel | None:
+    """The instance a mangled kernel name denotes; None for any other function."""
+    m = _KERNEL.match(mangled)
+    if not m:
+        return None
+    if m.group("trigger") is None:
+        kind = 2
+    else:
+        kind = 1 if m.group("trigger") == "1" else 0
+    return Kernel(kind, int(m.group("pattern")), DTYPES[m.group("dtype")], int(m.group("nranks")),
+                  m.group("acc") == "1")
+
+
+def cubin_registers(data: bytes) -> dict[str, int]:
+    """{mangled function name: registers per thread} from an uncompressed cubin (ELF64)."""
+    if data[:4] != b"\x7fELF" or data[4] != 2:
+        raise ValueError("not a 64-bit ELF cubin")
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize)
+                for i in range(shnum)]
+
+    def cstr(offset: int) -> str:
+        return data[offset:data.index(b"\0", offset)].decode()
+
+    names_at = sections[shstrndx][4]
+    symtab = next(s for s in sections if s[1] == 2)  # SHT_SYMTAB
+    strings_at = sections[symtab[6]][4]
+    symbols = [cstr(strings_at + struct.unpack_from("<I", data, symtab[4] + i * 24)[0])
+               for i in range(symtab[5] // 24)]
+    out = {}
+    for name_off, _type, _flags, _addr, offset, size, *_ in sections:
+        if cstr(names_at + name_off) != ".nv.info":
+            continue
+        pos, end = offset, offset + size
+        while pos < end:
+            fmt, attr = data[pos], data[pos + 1]
+            if fmt == 4:  # EIFMT_SVAL: u16 size, then the payload
+                length, = struct.unpack_from("<H", data, pos + 2)
+                if attr == 0x2F:  # EIATTR_REGCOUNT: u32 symbol index, u32 registers
+                    symbol, registers = struct.unpack_from("<II", data, pos + 4)
+                    out[symbols[symbol]] = registers
+                pos += 4 + length
+            else:  # the other formats carry at most a u16 in the entry itself
+                pos += 4
+    return out
+
+
+def kernel_registers(function_registers: dict[str, int]) -> dict[Kernel, int]:
+    out = {}
+    for name, registers in function_registers.items():
+        kernel = parse_kernel(name)
+        if kernel is not None:
+            out[kernel] = registers
+    return out
+
+
+def arch_number(arch: str) -> int:
+    """'90a' or 'sm_90a' -> 90, as the launcher computes it from the device (major*10+minor)."""
+    m = re.fullmatch(r"(?:sm_)?(\d+)[a-z]?", arch)
+    if not m:
+        raise ValueError(f"unrecognised architecture {arch!r}")
+    return int(m.group(1))
+
+
+def header_text(dtype: int, nranks: int, by_arch: dict[int, dict[Kernel, int]]) -> str:
+    """The generated header for one translation unit (read by launch_registers.cuh)."""
+    archs = sorted(by_arch)
+    lines = [
+        "// Generated by tools/launch_registers.py from this translation unit's kernels compiled",
+        "// without the bounded waits: registers per thread of each unhooked kernel, as",
+        "// cudaFuncGetAttributes reports them to FlashInfer's launcher. Do not edit.",
+        "#pragma once",
+        "#define FUSEDAR_UNHOOKED_REGISTERS_INCLUDED 1",
+        "namespace fusedar_geometry::unhooked {",
+        f"inline constexpr int kDtype = {dtype};  // {DTYPE_NAMES[dtype]}",
+        f"inline constexpr int kNRanks = {nranks};",
+        f"inline constexpr int kNumArchs = {len(archs)};",
+        f"inline constexpr int kArchs[kNumArchs] = {{{', '.join(map(str, archs))}}};",
+        "// [arch][kind: one-shot without/with completion trigger at end, two-shot][pattern]",
+        "// [fp32_acc]; 0 where the kernel is not instantiated.",
+        f"inline constexpr unsigned char kRegisters[kNumArchs][3][{MAX_PATTERNS}][2] = {{",
+    ]
+    for arch in archs:
+        table = by_arch[arch]
+        for kernel in table:
+            if kernel.dtype != dtype or kernel.nranks != nranks:
+                raise ValueError(f"sm_{arch}: {kernel.describe()} does not belong to "
+                                 f"{DTYPE_NAMES[dtype]} n{nranks}")
+            if kernel.pattern >= MAX_PATTERNS:
+                raise ValueError(f"pattern {kernel.pattern} >= {MAX_PATTERNS}")
+        lines.append(f"  {{  // sm_{arch}")
+        for kind, kind_name in enumerate(KINDS):
+            rows = []
+            for pattern in range(MAX_PATTERNS):
+                pair = [table.get(Kernel(kind, pattern, dtype, nranks, acc), 0)
+                        for acc in (False, True)]
+                rows.append(f"{{{pair[0]}, {pair[1]}}}")
+            lines.append(f"    {{{', '.join(rows)}}},  // {kind_name}")
+        lines.append("  },")
+    lines += ["};", "}  // namespace fusedar_geometry::unhooked", ""]
+    return "\n".join(lines)
+
+
+def find_cuobjdump(explicit: str | None = None) -> str | None:
+    candidates = [explicit, os.environ.get("CUOBJDUMP"), shutil.which("cuobjdump"),
+                  "/usr/local/cuda/bin/cuobjdump"]
+    try:  # pip install nvidia-cuda-cuobjdump
+        import nvidia  # type: ignore[import-not-found]
+        for root in getattr(nvidia, "__path__", []):
+            candidates += sorted(glob.glob(os.path.join(root, "*", "bin", "cuobjdump")))
+    except ImportError:
+        pass
+    for c in candidates:
+        if c and os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    return None
+
+
+def library_registers(core: str, cuobjdump: str) -> dict[int, dict[Kernel, int]]:
+    """{arch: {kernel: registers}} of every fused kernel in a built library."""
+    text = subprocess.run([cuobjdump, "--dump-resource-usage", core], check=True,
+                          capture_output=True, text=True).stdout
+    out: dict[int, dict[Kernel, int]] = {}
+    arch = None
+    function = None
+    for line in text.splitlines():
+        m = re.match(r"\s*arch = (sm_\w+)", line)
+        if m:
+            arch = arch_number(m.group(1))
+            continue
+        m = re.match(r"\s*Function (\S+):", line)
+        if m:
+            function = m.group(1)
+            continue
+        m = re.search(r"\bREG:(\d+)", line)
+        if m and function is not None and arch is not None:
+            kernel = parse_kernel(function)
+            if kernel is not None:
+                table = out.setdefault(arch, {})
+                if kernel in table and table[kernel] != int(m.group(1)):
+                    raise ValueError(f"sm_{arch} {kernel.describe()}: two register counts")
+                table[kernel] = int(m.group(1))
+            function = None
+    return out
+
+
+def allocated(registers: int) -> int:
+    return min(-(-registers // ALLOCATION_UNIT) * ALLOCATION_UNIT, MAX_REGISTERS_PER_THREAD)
+
+
+def flashinfer_geometry(registers: int, *, hidden_dim: int, tokens: int, elem_bytes: int,
+                        nranks: int, oneshot: bool, sm_count: int = 132,
+                        max_cluster_size: int = 8) -> tuple[int, int]:
+    """(threads per block, cluster size) from FlashInfer 0.7.2's allreduce_fusion_kernel_launcher
+    for a non-FP4, non-group-quant pattern (the FP4 and group-FP8 adjustments also depend on the
+    register count only through the same maximum block size). sm_count 132: H100/H200."""
+    vec = 16 // elem_bytes
+    cluster_num = tokens if oneshot else -(-tokens // nranks)
+    threads_per_token = hidden_dim // vec
+    cluster = min(8, max_cluster_size)
+    while threads_per_token % cluster and cluster > 1:
+        cluster //= 2
+    threads = threads_per_token // cluster
+    while threads < 128 and cluster >= 2:
+        threads *= 2
+        cluster //= 2
+    max_threads = min(65536 // registers, 1024)
+    while cluster_num * cluster > sm_count and cluster > 1 and threads <= max_threads // 2:
+        threads *= 2
+        cluster //= 2
+    return threads, cluster
+
+
+# (tokens, hidden_dim): one-shot kernels run the first three, two-shot kernels the rest.
+GEOMETRY_SHAPES = ((128, 4096), (128, 7168), (128, 8192), (1024, 7168), (1024, 8192), (4096, 8192))
+ONESHOT_MAX_TOKENS = 128
+
+
+def generate(args: argparse.Namespace) -> int:
+    by_arch: dict[int, dict[Kernel, int]] = {}
+    for spec in args.cubins:
+        arch, _, path = spec.partition("=")
+        number = arch_number(arch)
+        if number in by_arch:
+            raise SystemExit(f"architecture {number} given twice")
+        with open(path, "rb") as f:
+            by_arch[number] = kernel_registers(cubin_registers(f.read()))
+        if not by_arch[number]:
+            raise SystemExit(f"{path}: no fused all-reduce kernel found")
+    text = header_text(args.dtype, args.nranks, by_arch)
+    # Rewrite only on change, so an unchanged table does not recompile the kernels.
+    try:
+        with open(args.out) as f:
+            if f.read() == text:
+                return 0
+    except FileNotFoundError:
+        pass
+    with open(args.out, "w") as f:
+        f.write(text)
+    return 0
+
+
+_PROBE = re.compile(r"unhooked_(f32|f16|bf16)_n(\d+)\.sm_(\w+)\.cubin$")
+
+
+def check(args: argparse.Namespace) -> int:
+    problems: list[str] = []
+    probes: dict[int, dict[Kernel, int]] = {}
+    per_tu: dict[tuple[int, int], dict[int, dict[Kernel, int]]] = {}
+    cubins = sorted(glob.glob(os.path.join(args.build_dir, "**", "unhooked_*.cubin"),
+                              recursive=True))
+    if not cubins:
+        raise SystemExit(f"no unhooked probe cubins under {args.build_dir}")
+    for path in cubins:
+        m = _PROBE.search(path)
+        if not m:
+            continue
+        dtype, nranks, arch = DTYPE_NAMES.index(m.group(1)), int(m.group(2)), arch_number(m.group(3))
+        with open(path, "rb") as f:
+            table = kernel_registers(cubin_registers(f.read()))
+        per_tu.setdefault((dtype, nranks), {})[arch] = table
+        probes.setdefault(arch, {}).update(table)
+    # 1. The headers the library was compiled with hold exactly the probe counts.
+    for (dtype, nranks), by_arch in sorted(per_tu.items()):
+        name = f"unhooked_registers_{DTYPE_NAMES[dtype]}_n{nranks}.h"
+        found = glob.glob(os.path.join(args.build_dir, "**", name), recursive=True)
+        if len(found) != 1:
+            problems.append(f"{name}: expected one in the build tree, found {len(found)}")
+            continue
+        with open(found[0]) as f:
+            if f.read() != header_text(dtype, nranks, by_arch):
+                problems.append(f"{found[0]} is not what the probe cubins give (stale build?)")
+    # 2. The library's hooked kernels: the same set, and none allocates more registers.
+    cuobjdump = find_cuobjdump(args.cuobjdump)
+    if cuobjdump is None:
+        raise SystemExit("cuobjdump not found (CUDA toolkit, or pip install nvidia-cuda-cuobjdump)")
+    hooked = library_registers(args.core, cuobjdump)
+    if sorted(hooked) != sorted(probes):
+        problems.append(f"architectures: library {sorted(hooked)}, probes {sorted(probes)}")
+    rows = []
+    moved = 0
+    for arch in sorted(probes):
+        lib = hooked.get(arch, {})
+        if set(lib) != set(probes[arch]):
+            missing = sorted(set(probes[arch]) - set(lib))
+            extra = sorted(set(lib) - set(probes[arch]))
+            problems.append(f"sm_{arch}: kernels only unhooked {len(missing)}, only hooked "
+                            f"{len(extra)}: {[k.describe() for k in (missing + extra)[:4]]}")
+        for kernel in sorted(set(lib) & set(probes[arch])):
+            unhooked, mine = probes[arch][kernel], lib[kernel]
+            if allocated(mine) > allocated(unhooked):
+                problems.append(f"sm_{arch} {kernel.describe()}: hooked {mine} registers "
+                                f"allocate more than unhooked {unhooked}")
+            geometry = []
+            for tokens, hidden in GEOMETRY_SHAPES:
+                shape = dict(hidden_dim=hidden, tokens=tokens,
+                             elem_bytes=4 if kernel.dtype == 0 else 2,
+                             nranks=kernel.nranks, oneshot=kernel.kind != 2)
+                if shape["oneshot"] != (tokens <= ONESHOT_MAX_TOKENS):
+                    continue
+                pinned = flashinfer_geometry(unhooked, **shape)
+                unpinned = flashinfer_geometry(mine, **shape)
+                moved += pinned != unpinned
+                geometry.append(f"{tokens}x{hidden}:{pinned[0]}/{pinned[1]}"
+                                + ("" if pinned == unpinned else f"(unpinned {unpinned[0]}/{unpinned[1]})"))
+            rows.append(f"sm_{arch} {kernel.describe()}  unhooked {unhooked:3d}  hooked {mine:3d}  "
+                        + " ".join(geometry))
+    counts = {arch: len(t) for arch, t in sorted(probes.items())}
+    differ = sum(probes[a][k] != hooked.get(a, {}).get(k) for a in probes for k in probes[a])
+    if args.verbose:
+        print("\n".join(rows))
+    print(f"kernels per architecture {counts}; register counts that differ hooked vs unhooked: "
+          f"{differ}; launch geometries (threads/cluster) at {len(GEOMETRY_SHAPES)} shapes that the "
+          f"hooked counts would move without the pin: {moved}")
+    if problems:
+        print("\n".join(problems), file=sys.stderr)
+        return 1
+    print("launch geometry: every hooked kernel launches as the unhooked one; all fit")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate")
+    g.add_argument("--dtype", type=int, required=True, choices=(0, 1, 2))
+    g.add_argument("--nranks", type=int, required=True)
+    g.add_argument("--out", required=True)
+    g.add_argument("cubins", nargs="+", metavar="ARCH=CUBIN")
+    c = sub.add_parser("check")
+    c.add_argument("--core", required=True)
+    c.add_argument("--build-dir", required=True)
+    c.add_argument("--cuobjdump")
+    c.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    return generate(args) if args.command == "generate" else check(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
