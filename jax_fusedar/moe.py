@@ -47,13 +47,13 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from . import moe_reference
-from .common import arguments, backend_choice, limits, sizing
+from .common import arguments, backend_choice, limits, native, sizing
 from .api import CallPlan, _as_gamma, _as_residual, _check_context_mesh, _fallback
 from .common.patterns import AllReduceFusionPattern
 from .primitive import _check_mesh, _varying, _with_varying, register_ffi_targets
 from .workspace import AllReduceFusionWorkspace
 
-FFI_TARGET = "jax_fusedar_moe_allreduce_fusion_v1"
+FFI_TARGET = native.FFI_TARGETS["moe_allreduce_fusion"]
 REDUCTION = int(AllReduceFusionPattern.kMoEReductionARResidualRMSNorm)
 FINALIZE = int(AllReduceFusionPattern.kMoEFinalizeARResidualRMSNorm)
 # FlashInfer's MoE kernels give each token hidden/8 threads in whole warps.

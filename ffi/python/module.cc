@@ -299,6 +299,7 @@ NB_MODULE(_fusedar, m) {
   m.def("ffi_target_names", []() {
     nb::dict d;
     d["allreduce_fusion"] = FUSEDAR_TARGET_ALLREDUCE_FUSION;
+    d["moe_allreduce_fusion"] = FUSEDAR_TARGET_MOE_ALLREDUCE_FUSION;
     d["device_timestamp"] = FUSEDAR_TARGET_DEVICE_TIMESTAMP;
     return d;
   });
