@@ -1,12 +1,14 @@
-"""The MoE patterns (6, 7) on 2 GPUs, in three stages that write JSON reports to --out:
+"""The MoE patterns (6, 7) on 2 ranks, in three stages that write JSON reports to --out. Each
+rank is a process with a GPU of its own, or, with one GPU, the two share it (correctness only:
+the benches need a GPU per rank and say so in the report).
 
-1. torch (one process per GPU): torch_compat against the float64 oracle (bounds of
+1. torch (one process per rank): torch_compat against the float64 oracle (bounds of
    tests/oracles/moe_oracle.py) and against FlashInfer's own build (the anchor) byte for byte, the
    custom op captured in a CUDA graph and replayed with fresh inputs, and the bench: fused
    torch_compat vs the anchor vs the unfused torch sequence (gather + weighted sum + NCCL
    all_reduce + add + RMSNorm), each as CUDA-graph replays timed with CUDA events;
-2. JAX (one process driving both GPUs): the same cases through jax_fusedar's MoE ops,
-   bitwise against stage 1's torch outputs, and the bench: fused vs the unfused XLA sequence
+2. JAX (one `jax.distributed` process per rank, as TP serving runs): the same cases through
+   jax_fusedar's MoE ops, bitwise against stage 1's torch outputs, and the bench: fused vs the unfused XLA sequence
    (gather + weighted sum + psum + add + RMSNorm), chains of dependent calls in one jit;
 3. the anchor alone at hidden 2880 (a partial warp per token, refused by jax_fusedar and
    torch_compat) against the oracle, to show why.
@@ -15,7 +17,8 @@
 
 (from the repository's root).
 
-MOE_GPU_TORCH_TIMEOUT_S bounds stage 1 (its ranks are killed after it); MOE_GPU_CASES_ONLY=1
+MOE_GPU_TORCH_TIMEOUT_S and MOE_GPU_JAX_TIMEOUT_S bound stages 1 and 2 (their ranks are killed
+after it); MOE_GPU_CASES_ONLY=1
 skips the CUDA-graph check and the bench of stage 1.
 """
 from __future__ import annotations
@@ -101,19 +104,28 @@ def _bits(a):
     return np.ascontiguousarray(a).view(np.uint16)
 
 
+def _ranks_share_a_gpu():
+    """True with fewer GPUs than ranks: correctness still runs (the kernels time-slice the GPU),
+    the benches do not (their figures would mean nothing, and NCCL refuses shared GPUs)."""
+    from jax_fusedar.common import native
+    return native.gpu_count() < WORLD
+
+
 # --- stage 1: torch ---------------------------------------------------------------------------
 
 def _torch_rank(rank, world, channel, *, port, anchor_path, out_dir):
     import torch
     import torch.distributed as dist
 
-    torch.cuda.set_device(rank)
+    from tests.gpu.harness import device_for
+    dev = torch.device("cuda", device_for(rank))
+    torch.cuda.set_device(dev)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
-    nccl = dist.new_group(backend="nccl")
+    # NCCL (the unfused baseline of the bench) needs one GPU per rank.
+    nccl = None if _ranks_share_a_gpu() else dist.new_group(backend="nccl")
     import torch_compat as tc
     from torch_compat import library
-    dev = torch.device("cuda", rank)
     T = {"bfloat16": torch.bfloat16, "float16": torch.float16}
     ws = tc.create_allreduce_fusion_workspace("trtllm", world, rank, MAX_TOKENS, HIDDEN_WS,
                                               torch.bfloat16, group=dist.group.WORLD)
@@ -281,7 +293,10 @@ def _torch_rank(rank, world, channel, *, port, anchor_path, out_dir):
         return events_per_call(lambda: [fn() for _ in range(iters)], iters)
 
     bench = {}
-    for tokens in BENCH_TOKENS:
+    if nccl is None:
+        bench = "not run: ranks share a GPU (time-sliced kernels; NCCL needs one GPU per rank)"
+        say("bench", bench)
+    for tokens in BENCH_TOKENS if nccl is not None else ():
         c = (7, "bfloat16", tokens, 7168, 8, 256, True, True, 1.0)
         inputs = case_inputs(c)
         p_ = to_t(inputs["permuted"][rank], "bfloat16")
@@ -359,19 +374,28 @@ def stage_torch(out_dir, anchor_path):
 
 # --- stage 2: JAX -----------------------------------------------------------------------------
 
-def stage_jax(out_dir):
-    import jax
+def _jax_rank(rank, world, channel, *, port, out_dir):
+    """One `jax.distributed` process per rank (one GPU each, or all sharing one GPU: the
+    kernels time-slice it and the protocol still completes), as the JAX users' TP runs."""
+    from tests.gpu.jax_multiprocess import _global, _setup
+    jax = _setup(rank, world, port, "")
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, PartitionSpec as P
 
     import jax_fusedar as jf
-    mesh = jax.make_mesh((WORLD,), ("tp",))
+    mesh = Mesh(np.array(jax.devices()), ("tp",))
     workspaces = {d: jf.create_allreduce_fusion_workspace(
         mesh, "tp", max_token_num=MAX_TOKENS, hidden_dim=HIDDEN_WS, dtype=jnp.dtype(d),
         backend="trtllm") for d in ("bfloat16", "float16")}
     torch_out = np.load(Path(out_dir) / "moe_torch_outputs.npz")
-    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
-    report = {"cases": {}}
+    # P("tp") inputs are stacked [world, ...]: this process holds row `rank`.
+    put = lambda a, spec: _global(jax, mesh, spec, a[rank:rank + 1] if spec == P("tp") else a)  # noqa: E731
+    mine = lambda o: np.asarray(o.addressable_data(0))  # noqa: E731
+    report = {"rank": rank, "devices": [str(d) for d in jax.devices()], "cases": {}}
+
+    def say(*msg):
+        if rank == 0:
+            print(f"[jax {time.strftime('%T')}]", *msg, flush=True)
 
     def finalize_fn(ws, c):
         def body(p, i, sh, res, g, s):
@@ -414,15 +438,19 @@ def stage_jax(out_dir):
             args += [put(inputs["residual"], P()), put(inputs["gamma"], P())]
         lowered = f.lower(*args)
         text = lowered.as_text()
-        outs = [np.asarray(o) for o in lowered.compile()(*args)]
+        outs = [mine(o) for o in lowered.compile()(*args)]
         ref = [torch_out[f"{name}/{i}"] for i in range(len(outs))]
         report["cases"][name] = {
             "custom_call_in_hlo": "jax_fusedar_moe_allreduce_fusion_v1" in text,
             "elements_differing_vs_torch": [int((_bits(a) != _bits(b)).sum())
                                             for a, b in zip(outs, ref)],
             "oracle_error_fraction_of_bound": oracle_errors(c, inputs, outs)}
-        print(f"[jax {time.strftime('%T')}]", name, report["cases"][name], flush=True)
+        say(name, report["cases"][name])
 
+    if _ranks_share_a_gpu():
+        report["bench_us_per_call_wall_clock_chain20"] = (
+            "not run: ranks share a GPU (time-sliced kernels; XLA's psum needs one GPU per rank)")
+        return report
     # Bench: chains of dependent calls in one jit (the residual stream threads through).
     chain = 20
     bench = {}
@@ -466,14 +494,21 @@ def stage_jax(out_dir):
             f(*args).block_until_ready()
             times = []
             for _ in range(7):
+                channel.barrier(f"{label}/{tokens}")
                 t0 = time.perf_counter()
                 f(*args).block_until_ready()
                 times.append((time.perf_counter() - t0) * 1e6 / chain)
             row[label] = float(np.median(times))
         bench[tokens] = row
-        print(f"[jax {time.strftime('%T')}] bench", tokens, row, flush=True)
+        say("bench", tokens, row)
     report["bench_us_per_call_wall_clock_chain20"] = bench
     return report
+
+
+def stage_jax(out_dir):
+    from tests.gpu.harness import free_port, run_ranks
+    return run_ranks(_jax_rank, WORLD, timeout_s=float(os.environ.get(
+        "MOE_GPU_JAX_TIMEOUT_S", "300")), port=free_port(), out_dir=str(out_dir))
 
 
 # --- stage 3: the anchor at hidden 2880 ----------------------------------------------------
@@ -481,7 +516,9 @@ def stage_jax(out_dir):
 def _anchor_2880_rank(rank, world, channel, *, port, anchor_path):
     import torch
     import torch.distributed as dist
-    torch.cuda.set_device(rank)
+    from tests.gpu.harness import device_for
+    dev = torch.device("cuda", device_for(rank))
+    torch.cuda.set_device(dev)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     from tests.gpu import anchor
@@ -490,7 +527,6 @@ def _anchor_2880_rank(rank, world, channel, *, port, anchor_path):
                                   hidden_dim=2880, dtype=torch.bfloat16, group=dist.group.WORLD)
     c = (7, "bfloat16", 16, 2880, 4, 32, True, True, 1.0)
     inputs = case_inputs(c)
-    dev = torch.device("cuda", rank)
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).to(dev).view(  # noqa
         torch.bfloat16)
     res = t(inputs["residual"])

@@ -1,4 +1,4 @@
-"""The MoE patterns (6, 7) on 2 GPUs: tests/gpu/moe_gpu.py's three stages, with their
+"""The MoE patterns (6, 7) on 2 ranks (one GPU each, or sharing one): tests/gpu/moe_gpu.py's three stages, with their
 thresholds: every output within the float64 oracle's bound, torch_compat == FlashInfer's own
 build byte for byte (when the anchor is present), JAX == torch bit for bit with the custom
 call in the compiled program, CUDA-graph replays == eager calls."""
@@ -17,12 +17,12 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     from jax_fusedar.common import native
-    if native.gpu_count() < 2:
-        pytest.skip("needs 2 GPUs")
+    if native.gpu_count() < 1:
+        pytest.skip("needs a GPU (with one, both ranks share it)")
     out = os.environ.get("JAX_FUSEDAR_REPORT_DIR") or str(tmp_path_factory.mktemp("moe"))
-    # In a child: the JAX stage drives both GPUs from one process, and the pytest process
-    # stays off the GPUs (tools/gpu_check.sh runs it with JAX_PLATFORMS=cpu); a hang is cut
-    # by the timeout instead of stopping the run.
+    # In a child, whose stages spawn the rank processes: the pytest process stays off the GPUs
+    # (tools/gpu_check.sh runs it with JAX_PLATFORMS=cpu), and a hang is cut by the timeout
+    # instead of stopping the run.
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     try:
         subprocess.run([sys.executable, "-m", "tests.gpu.moe_gpu", "--out", out,
@@ -48,9 +48,12 @@ def test_torch_within_oracle_bounds_and_equal_to_flashinfer(reports):
 
 
 def test_jax_equals_torch_bitwise_through_the_custom_call(reports):
-    result = reports["jax"]
-    assert "error" not in result, result
-    for name, entry in result["cases"].items():
-        assert entry["custom_call_in_hlo"], name
-        assert set(entry["elements_differing_vs_torch"]) == {0}, (name, entry)
-        assert max(entry["oracle_error_fraction_of_bound"]) <= 1.0, (name, entry)
+    from tests.gpu.moe_gpu import JAX_CASES
+    ranks = reports["jax"]
+    assert "error" not in ranks, ranks
+    for rank in ranks:
+        assert len(rank["cases"]) == len(JAX_CASES), rank
+        for name, entry in rank["cases"].items():
+            assert entry["custom_call_in_hlo"], name
+            assert set(entry["elements_differing_vs_torch"]) == {0}, (rank["rank"], name, entry)
+            assert max(entry["oracle_error_fraction_of_bound"]) <= 1.0, (name, entry)
