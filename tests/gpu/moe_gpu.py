@@ -18,7 +18,8 @@ the benches need a GPU per rank and say so in the report).
 (from the repository's root).
 
 MOE_GPU_TORCH_TIMEOUT_S and MOE_GPU_JAX_TIMEOUT_S bound stages 1 and 2 (their ranks are killed
-after it); MOE_GPU_CASES_ONLY=1
+after it); MOE_GPU_BENCH_TOKENS narrows the benches; MOE_GPU_BENCH_ON_SHARED_GPU=1 runs stage 1's
+fused and anchor loops on a shared GPU (to see that they finish); MOE_GPU_CASES_ONLY=1
 skips the CUDA-graph check and the bench of stage 1.
 """
 from __future__ import annotations
@@ -293,10 +294,13 @@ def _torch_rank(rank, world, channel, *, port, anchor_path, out_dir):
         return events_per_call(lambda: [fn() for _ in range(iters)], iters)
 
     bench = {}
-    if nccl is None:
+    # On a shared GPU MOE_GPU_BENCH_ON_SHARED_GPU=1 still runs the fused and anchor loops (no
+    # NCCL baseline): their figures mean nothing there, but a loop that never ends shows.
+    shared_loops = nccl is None and os.environ.get("MOE_GPU_BENCH_ON_SHARED_GPU") == "1"
+    if nccl is None and not shared_loops:
         bench = "not run: ranks share a GPU (time-sliced kernels; NCCL needs one GPU per rank)"
         say("bench", bench)
-    for tokens in BENCH_TOKENS if nccl is not None else ():
+    for tokens in BENCH_TOKENS if nccl is not None or shared_loops else ():
         c = (7, "bfloat16", tokens, 7168, 8, 256, True, True, 1.0)
         inputs = case_inputs(c)
         p_ = to_t(inputs["permuted"][rank], "bfloat16")
@@ -339,10 +343,13 @@ def _torch_rank(rank, world, channel, *, port, anchor_path, out_dir):
         # The unfused sequence captured in a CUDA graph like the fused op (NCCL collectives
         # capture), so launch overhead does not count against it; eager as well, and as the
         # only figure if the capture fails.
-        say("bench", tokens, "unfused (graph)")
-        row["unfused_torch_nccl_graph_us"] = graph_timed(unfused)
-        say("bench", tokens, "unfused (eager)")
-        row["unfused_torch_nccl_eager_us"] = eager_timed(unfused)
+        if nccl is not None:
+            say("bench", tokens, "unfused (graph)")
+            row["unfused_torch_nccl_graph_us"] = graph_timed(unfused)
+            say("bench", tokens, "unfused (eager)")
+            row["unfused_torch_nccl_eager_us"] = eager_timed(unfused)
+        else:
+            row["shared_gpu"] = "figures mean nothing: the ranks time-slice one GPU"
         if fi is not None:
             say("bench", tokens, "anchor (graph)")
             row["anchor_flashinfer_graph_us"] = graph_timed(anchor_call)
