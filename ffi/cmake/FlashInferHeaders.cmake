@@ -20,7 +20,8 @@
 #    of the kernel (ffi/core/watchdog.h) and keeps FlashInfer's launch geometry although
 #    the bounded waits change the kernels' register counts (see "Launch geometry" below).
 # trtllm_moe_allreduce_fusion.cuh (patterns 6, 7) defines the same free functions and goes
-# into both copies with the same `inline` marks only (its waits are not bounded yet).
+# into both copies with the same `inline` marks; in flashinfer_patched its wait loops are
+# bounded too (its launcher reads no register count, so no geometry patch).
 # Each patch checks that its text appears exactly as often as expected, so a changed
 # header fails the build loudly.
 # The pinned version has one home: tools/fetch_flashinfer_headers.py.
@@ -130,14 +131,45 @@ function(_fusedar_write_header_tree src dst text)
 endfunction()
 
 # The MoE header (patterns 6 and 7) defines the same free functions non-inline; it gets the
-# same three `inline` patches (no wait hooks yet: its Lamport polls and grid counter still
-# spin without a clock) and goes into both trees.
-function(_fusedar_write_moe_header src dst)
+# same three `inline` patches and goes into both trees. With `hooked` (flashinfer_patched)
+# its wait loops are bounded as the dense kernel's are (ffi/kernels/wait_hooks.cuh, included
+# first by ffi/kernels/flashinfer_moe_kernel.cuh): both kernels' Lamport polls and the grid
+# counter of LamportComm::update (their only spin loops; rms_norm's cluster.sync() is a
+# hardware barrier of this rank's co-scheduled blocks). The loops' conditions and the data
+# they read are unchanged. Unlike the dense launcher, the MoE launchers size nothing from a
+# register count: the block size follows hidden_dim, and the cluster size is
+# min(8, cudaOccupancyMaxPotentialClusterSize(kernel, 128 threads)), which no register count
+# a kernel can have (at most 255 x 128 threads, half an SM's registers) lowers below 8. So the
+# hooked MoE kernels launch with FlashInfer's geometry as they are.
+function(_fusedar_write_moe_header src dst hooked)
   set(name trtllm_moe_allreduce_fusion)  # named in _fusedar_patch's errors
   set(header "${src}/flashinfer/comm/${name}.cuh")
   set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS "${header}")
   file(READ "${header}" text)
   _fusedar_mark_inline(text)
+  if(hooked)
+    #  - LamportComm's constructor: block 0 counts the call (the call number in the record);
+    _fusedar_patch(text "    if (threadIdx.x == 0) {\n      atomicAdd(counter_ptr, 1);\n    }"
+                   "    if (threadIdx.x == 0) {\n      atomicAdd(counter_ptr, 1);\n      ::fusedar_wait::count_call(counter_ptr);\n    }"
+                   1 "LamportComm's counter increment")
+    #  - LamportComm::update: the grid-counter wait, given the call's context (both kernels);
+    _fusedar_patch(text "  __device__ __forceinline__ void update(int new_clear_size) {"
+                   "  template <class FusedarCtx>\n  __device__ __forceinline__ void update(int new_clear_size, FusedarCtx const& fusedar_ctx) {"
+                   1 "LamportComm::update")
+    _fusedar_patch(text "      while (*reinterpret_cast<int volatile*>(counter_ptr) != gridDim.x) {\n      }"
+                   "      ::fusedar_wait::spin(fusedar_ctx, ::fusedar::watchdog::kGrid, -1, int(gridDim.x), [&] {\n        return *reinterpret_cast<int volatile*>(counter_ptr) != gridDim.x;\n      });"
+                   1 "the grid-counter wait loop")
+    _fusedar_patch(text "  comm.update(params.size * NRanks);"
+                   "  comm.update(params.size * NRanks, FUSEDAR_MOE_WAIT_CTX);" 2
+                   "the two kernels' comm.update")
+    #  - the Lamport polls of both kernels: the missing peer is the one whose slot still
+    #    holds -0.0 (pattern 6 polls this rank's buffer, pattern 7 each peer's own).
+    _fusedar_patch(text "    bool done = false;\n" "    bool done = false;\n    FUSEDAR_WAIT_STATE\n" 2
+                   "the Lamport polls' state")
+    _fusedar_patch(text "        done &= !has_neg_zero<T, VEC_SIZE>(vals[r]);\n      }\n    }\n"
+                   "        done &= !has_neg_zero<T, VEC_SIZE>(vals[r]);\n      }\n      FUSEDAR_MOE_WAIT_LAMPORT_TICK\n    }\n"
+                   2 "the Lamport poll loops")
+  endif()
   file(WRITE "${dst}/${name}.cuh.tmp" "${text}")
   configure_file("${dst}/${name}.cuh.tmp" "${dst}/flashinfer/comm/${name}.cuh" COPYONLY)
 endfunction()
@@ -153,7 +185,7 @@ function(fusedar_prepare_flashinfer_headers out_include_dir out_unhooked_include
   file(READ "${header}" text)
   _fusedar_mark_inline(text)
   _fusedar_write_header_tree("${src}" "${dst_unhooked}" "${text}")
-  _fusedar_write_moe_header("${src}" "${dst_unhooked}")
+  _fusedar_write_moe_header("${src}" "${dst_unhooked}" FALSE)
   # Bounded waits (ffi/core/watchdog.h, ffi/kernels/wait_hooks.cuh, included first): every
   # wait loop of the kernel reads the clock every so many spins and traps past the
   # workspace's timeout. The loops' conditions and the data they read are unchanged.
@@ -212,7 +244,7 @@ function(fusedar_prepare_flashinfer_headers out_include_dir out_unhooked_include
                  "  auto kernel = allreduce_fusion_kernel_twoshot_sync<Pattern, T, NRanks, Fp32Acc>;\n  return ::fusedar_geometry::registers_for_geometry<::fusedar_geometry::kTwoShot, Pattern, T, NRanks, Fp32Acc>(reinterpret_cast<const void*>(kernel));"
                  1 "get_registers_per_thread_twoshot()")
   _fusedar_write_header_tree("${src}" "${dst}" "${text}")
-  _fusedar_write_moe_header("${src}" "${dst}")
+  _fusedar_write_moe_header("${src}" "${dst}" TRUE)
   set(${out_include_dir} "${dst}" PARENT_SCOPE)
   set(${out_unhooked_include_dir} "${dst_unhooked}" PARENT_SCOPE)
 endfunction()

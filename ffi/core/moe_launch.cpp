@@ -3,6 +3,8 @@
 // As for the dense kernel (launch.cpp), the kernels trust their arguments: a call larger
 // than the workspace writes past the peers' Lamport buffers, and a partial warp per token
 // computes wrong norms. So every rule the kernels rely on is checked here, before launch.
+// A missing peer makes the kernels' bounded waits (watchdog.h) trap after the workspace's
+// timeout; later launches are refused with the recorded text.
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -121,7 +123,10 @@ extern "C" int fusedar_check_moe_launch(const fusedar_rank* r, const fusedar_moe
 extern "C" int fusedar_moe_launch(const fusedar_rank* r, const fusedar_moe_launch_args* a,
                                   void* stream) {
   if (int rc = check(r, a)) return rc;
-  if (r->check_calls) {
+  {
+    // A wait on this workspace (an MoE kernel's, a dense kernel's or the handshake's)
+    // already timed out and trapped: say why instead of CUDA's generic error, as
+    // fusedar_launch does (one read of pinned host memory, before any CUDA call).
     std::string failed = fusedar::call_check::failure(r);
     if (!failed.empty()) return fail(FUSEDAR_CUDA_ERROR, failed);
   }

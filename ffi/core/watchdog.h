@@ -1,8 +1,8 @@
 // Bounded waits: the memory layout shared by the host core and the kernel translation units.
 //
-// Every wait loop the kernels run (FlashInfer's Lamport poll, two-shot barrier flags and
-// grid counters, patched in by ffi/cmake/FlashInferHeaders.cmake; the call check's
-// handshake) reads the device clock every so many iterations. Past the workspace's timeout
+// Every wait loop the kernels run (FlashInfer's Lamport polls, two-shot barrier flags and
+// grid counters, in the dense kernels and the MoE ones (patterns 6, 7), patched in by
+// ffi/cmake/FlashInferHeaders.cmake; the call check's handshake) reads the device clock every so many iterations. Past the workspace's timeout
 // the first waiting thread records what it waited for in pinned host memory (`Record`) and
 // traps: the stream fails with a CUDA error, and fusedar_launch refuses every later call
 // on that workspace with the recorded text (read from host memory, which survives the dead
@@ -29,6 +29,7 @@ enum Site : int {
   kLamport = 1,    // one-shot: a peer's data in this rank's Lamport buffer
   kBarrier = 2,    // two-shot: a peer's barrier flag
   kGrid = 3,       // this rank's own thread blocks (grid counter at the end of the kernel)
+  kLamportPeer = 4,  // MoE pattern 7: a peer's data in that peer's own Lamport buffer
 };
 
 constexpr uint64_t kDefaultTimeoutNs = 30ull * 1000000000ull;
@@ -46,7 +47,7 @@ struct Record {
   int peer;           // the rank whose data/flag/handshake did not arrive (-1: none / own grid)
   int failing_peers;  // handshake: how many ranks failed the check
   int site;           // Site
-  int detail;         // kLamport: token index; kBarrier: thread block; kGrid: grid size
+  int detail;         // kLamport, kLamportPeer: token index; kBarrier: thread block; kGrid: grid size
   unsigned long long seq;       // this rank's call number (1 = first call on the workspace)
   unsigned long long peer_seq;  // handshake: the latest call number seen from `peer`
   unsigned long long mine[3];   // signature of this rank's call (call_check::Signature)

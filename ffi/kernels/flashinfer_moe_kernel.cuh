@@ -4,12 +4,16 @@
 // - The build's copy marks the same six free functions `inline` as in the dense header
 //   (get_sm_count, use_oneshot, four is_negative_zero specialisations), so the per-(dtype,
 //   world size) translation units link together (ffi/cmake/FlashInferHeaders.cmake).
+// - The same patching bounds the kernels' wait loops (Lamport polls, grid counter) with the
+//   hooks of wait_hooks.cuh, which is therefore included first.
 // - FLASHINFER_LOGGING_H_ is pre-defined (logging.h drags in spdlog). This header's
 //   launchers log one warning (more than 128 tokens still run one-shot); without spdlog it
 //   compiles to nothing, and the Python layers document the one-shot-only behaviour.
 #pragma once
 
 #include <array>
+
+#include "wait_hooks.cuh"
 
 #ifndef FLASHINFER_LOGGING_H_
 #define FLASHINFER_LOGGING_H_
