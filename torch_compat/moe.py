@@ -264,6 +264,12 @@ def moe_allreduce_fusion(input, workspace, pattern, *, launch_with_pdl=False,
         if t is not None:
             _check_placement(k, t, workspace, align)
     if p == FINALIZE:
+        # The index check copies to the host. After a wait on this workspace outlasted its
+        # timeout and trapped, that copy would raise CUDA's generic error: raise the record
+        # (naming the peer that did not arrive) instead, as the launch itself would.
+        failed = workspace.failure()
+        if failed:
+            raise RuntimeError(failed)
         check_index_values(expanded_idx_to_permuted_idx, input.shape[0])
 
     def ptr(t: Optional[torch.Tensor]) -> int:

@@ -232,6 +232,34 @@ def test_torch_workspace_reports_the_record():
     assert ws.failure() == ws.call_check_failure() == "Rank 1 did not arrive"
 
 
+def test_torch_moe_finalize_after_a_trap_raises_the_record_before_touching_the_device(
+        monkeypatch):
+    """Pattern 7's index check copies to the host, which a trapped context would answer with
+    CUDA's generic error: torch_compat raises the record first, and launches nothing."""
+    pytest.importorskip("torch")
+    import torch_compat
+    from torch_compat import moe
+
+    from tests.torch import test_moe as tm
+
+    monkeypatch.setattr(moe, "_current_stream", lambda device: 0xC0FFEE)
+    ws = tm.fake_workspace()
+    record = "jax_fusedar kernel wait timed out on rank 0 of 2 ... Rank 1 did not arrive"
+    ws.native_rank().failure = lambda: record
+
+    def no_copy(*a, **kw):
+        raise AssertionError("the index check ran on a failed workspace")
+
+    monkeypatch.setattr(moe, "check_index_values", no_copy)
+    with pytest.raises(RuntimeError, match="Rank 1 did not arrive"):
+        torch_compat.allreduce_fusion(workspace=ws, pattern=7, **tm.finalize_args())
+    assert ws.native_rank().moe_launches == []
+    ws.native_rank().failure = lambda: ""  # nothing recorded: the call goes through
+    monkeypatch.setattr(moe, "check_index_values", lambda idx, rows: None)
+    torch_compat.allreduce_fusion(workspace=ws, pattern=7, **tm.finalize_args())
+    assert len(ws.native_rank().moe_launches) == 1
+
+
 def test_extension_exposes_the_timeout():
     if not native.available():
         pytest.skip("native extension not built")

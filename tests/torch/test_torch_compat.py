@@ -162,6 +162,9 @@ class FakeRank:
     def launch(self, *args, **kw):
         self.launches.append((args, kw))
 
+    def failure(self):
+        return ""
+
     def destroy(self):
         self.destroyed += 1
 
