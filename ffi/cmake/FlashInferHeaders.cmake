@@ -21,7 +21,8 @@
 #    the bounded waits change the kernels' register counts (see "Launch geometry" below).
 # trtllm_moe_allreduce_fusion.cuh (patterns 6, 7) defines the same free functions and goes
 # into both copies with the same `inline` marks; in flashinfer_patched its wait loops are
-# bounded too (its launcher reads no register count, so no geometry patch).
+# bounded too and its kernels held to the unhooked kernels' registers (its launchers read no
+# register count, so nothing else is pinned).
 # Each patch checks that its text appears exactly as often as expected, so a changed
 # header fails the build loudly.
 # The pinned version has one home: tools/fetch_flashinfer_headers.py.
@@ -140,7 +141,8 @@ endfunction()
 # register count: the block size follows hidden_dim, and the cluster size is
 # min(8, cudaOccupancyMaxPotentialClusterSize(kernel, 128 threads)), which no register count
 # a kernel can have (at most 255 x 128 threads, half an SM's registers) lowers below 8. So the
-# hooked MoE kernels launch with FlashInfer's geometry as they are.
+# hooked MoE kernels launch with FlashInfer's geometry; only their register allocation is
+# capped at the unhooked one's, so that every block FlashInfer's build launches fits.
 function(_fusedar_write_moe_header src dst hooked)
   set(name trtllm_moe_allreduce_fusion)  # named in _fusedar_patch's errors
   set(header "${src}/flashinfer/comm/${name}.cuh")
@@ -169,6 +171,14 @@ function(_fusedar_write_moe_header src dst hooked)
     _fusedar_patch(text "        done &= !has_neg_zero<T, VEC_SIZE>(vals[r]);\n      }\n    }\n"
                    "        done &= !has_neg_zero<T, VEC_SIZE>(vals[r]);\n      }\n      FUSEDAR_MOE_WAIT_LAMPORT_TICK\n    }\n"
                    2 "the Lamport poll loops")
+    #  - registers: each hooked kernel is held to the unhooked one's allocation
+    #    (ffi/kernels/moe_launch_registers.cuh), so it launches wherever FlashInfer's does.
+    _fusedar_patch(text "__global__ void moereduce_allreduce_fusion_kernel_oneshot_lamport("
+                   "__global__ void __maxnreg__((::fusedar_geometry::moe_register_cap<::fusedar_geometry::kMoeReduction, T, NRanks, (AllReduceOut ? 8 : 0) | (ResidualOut ? 4 : 0) | (NormOut ? 2 : 0) | (QuantOut ? 1 : 0)>())) moereduce_allreduce_fusion_kernel_oneshot_lamport("
+                   1 "the MoE reduction kernel")
+    _fusedar_patch(text "__global__ void moefinalize_allreduce_fusion_kernel_oneshot_lamport("
+                   "__global__ void __maxnreg__((::fusedar_geometry::moe_register_cap<::fusedar_geometry::kMoeFinalize, T, NRanks, (ResidualOut ? 4 : 0) | (NormOut ? 2 : 0) | (QuantOut ? 1 : 0)>())) moefinalize_allreduce_fusion_kernel_oneshot_lamport("
+                   1 "the MoE finalize kernel")
   endif()
   file(WRITE "${dst}/${name}.cuh.tmp" "${text}")
   configure_file("${dst}/${name}.cuh.tmp" "${dst}/flashinfer/comm/${name}.cuh" COPYONLY)

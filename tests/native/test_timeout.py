@@ -413,8 +413,17 @@ def test_the_build_hooks_every_wait_loop_of_the_moe_kernels(tmp_path):
     # The data the loops read is untouched: the same loads, the same conditions.
     assert text.count("done &= !has_neg_zero<T, VEC_SIZE>(vals[r]);") == 2
     assert "return *reinterpret_cast<int volatile*>(counter_ptr) != gridDim.x;" in device
-    # The MoE launchers read no register count: nothing to pin.
-    assert "cudaFuncGetAttributes" not in text and "__maxnreg__" not in text
+    # The MoE launchers read no register count, but each hooked kernel is held to the
+    # unhooked one's registers (ffi/kernels/moe_launch_registers.cuh), so that every block
+    # FlashInfer's build launches fits.
+    assert "cudaFuncGetAttributes" not in text
+    assert text.count("__global__ void __maxnreg__((::fusedar_geometry::moe_register_cap<") == 2
+    assert ("moe_register_cap<::fusedar_geometry::kMoeReduction, T, NRanks, (AllReduceOut ? 8 "
+            ": 0) | (ResidualOut ? 4 : 0) | (NormOut ? 2 : 0) | (QuantOut ? 1 : 0)>())) "
+            "moereduce_allreduce_fusion_kernel_oneshot_lamport(") in text
+    assert ("moe_register_cap<::fusedar_geometry::kMoeFinalize, T, NRanks, (ResidualOut ? 4 : 0) "
+            "| (NormOut ? 2 : 0) | (QuantOut ? 1 : 0)>())) "
+            "moefinalize_allreduce_fusion_kernel_oneshot_lamport(") in text
     unhooked = (tmp_path / "flashinfer_unhooked" / name).read_text()
     assert "fusedar" not in unhooked
     original = (pathlib.Path(include) / name).read_text()
@@ -433,7 +442,9 @@ def test_the_build_hooks_every_wait_loop_of_the_moe_kernels(tmp_path):
         "  __device__ __forceinline__ void update(int new_clear_size) {",
         "      while (*reinterpret_cast<int volatile*>(counter_ptr) != gridDim.x) {",
         "      }",
+        "__global__ void moereduce_allreduce_fusion_kernel_oneshot_lamport(",
         "  comm.update(params.size * NRanks);",
+        "__global__ void moefinalize_allreduce_fusion_kernel_oneshot_lamport(",
         "  comm.update(params.size * NRanks);"], removed
     assert [line for line in added if "fusedar" not in line.lower()] == [
         "        return *reinterpret_cast<int volatile*>(counter_ptr) != gridDim.x;",
