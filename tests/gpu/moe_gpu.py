@@ -39,6 +39,7 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
 EPS = 1e-6
 WORLD = 2
 MAX_TOKENS = 1024
+BACK_TO_BACK_CALLS = 64
 HIDDEN_WS = 7168
 # (pattern, dtype, tokens, hidden, top_k or experts, experts, scale, shared, routed)
 CASES = [
@@ -254,6 +255,34 @@ def _torch_rank(rank, world, channel, *, port, anchor_path, out_dir):
         mismatches += int((gout[1].view(torch.int16) != eager[1].view(torch.int16)).sum())
     report["cuda_graph_replays_vs_eager_differing_elements"] = mismatches
     say("cuda graph replays vs eager, differing elements:", mismatches)
+
+    # Back-to-back calls (no host sync between them, as in a graph or a model's layers) at the
+    # workspace's largest size: a rank then starts its next call while a slower peer is still in
+    # this one. FlashInfer's finalize kernel polls the peers' buffers, which a peer already in
+    # its next call clears (docs/moe.md); this hung (or, with bounded waits, trapped).
+    c = (7, "bfloat16", MAX_TOKENS, 7168, 8, 256, True, True, 1.0)
+    inputs = case_inputs(c)
+    big = dict(p=to_t(inputs["permuted"][rank], "bfloat16"),
+               idx=torch.from_numpy(inputs["idx"][rank]).to(dev),
+               res=to_t(inputs["residual"], "bfloat16"), g=to_t(inputs["gamma"], "bfloat16"),
+               s=to_t(inputs["scale"], "bfloat16"), sh=to_t(inputs["shared"][rank], "bfloat16"))
+
+    def big_call():
+        return op(big["p"], big["idx"], big["res"], big["g"], big["s"], big["sh"], 1.0, EPS, 0.0,
+                  handle)
+
+    say("back-to-back calls at", MAX_TOKENS, "tokens")
+    t0 = time.perf_counter()
+    outs = [big_call() for _ in range(BACK_TO_BACK_CALLS)]
+    torch.cuda.synchronize()
+    first = outs[0][1].view(torch.int16)
+    report["back_to_back"] = {
+        "calls": BACK_TO_BACK_CALLS, "tokens": MAX_TOKENS,
+        "seconds": round(time.perf_counter() - t0, 3),
+        "calls_differing_from_the_first": sum(
+            int(not torch.equal(o[1].view(torch.int16), first)) for o in outs[1:])}
+    say("back-to-back:", report["back_to_back"])
+    del outs
 
     # Bench at DeepSeek shapes: hidden 7168, top_k 8 of 256 experts, 2 ranks (expert parallel).
     def events_per_call(run, iters, reps=5):

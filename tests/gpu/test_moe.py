@@ -40,6 +40,8 @@ def test_torch_within_oracle_bounds_and_equal_to_flashinfer(reports):
         assert max(entry["oracle_error_fraction_of_bound"]) <= 1.0, (name, entry)
     for rank in ranks:
         assert rank["cuda_graph_replays_vs_eager_differing_elements"] == 0
+        b2b = rank["back_to_back"]  # same inputs every call: the same bits every call
+        assert b2b["calls"] >= 64 and b2b["calls_differing_from_the_first"] == 0, b2b
         for name, entry in rank["cases"].items():
             assert entry["ranks_identical"], name
             if rank["anchor_error"] is None:
