@@ -442,7 +442,8 @@ def check_moe(build_dir: str, core: str, cuobjdump: str, verbose: bool):
         m = _MOE_PROBE.search(path)
         if not m:
             continue
-        dtype, nranks, arch = DTYPE_NAMES.index(m.group(1)), int(m.group(2)), arch_number(m.group(3))
+        dtype, nranks = DTYPE_NAMES.index(m.group(1)), int(m.group(2))
+        arch = arch_number(m.group(3))
         with open(path, "rb") as f:
             table = kernel_registers(cubin_registers(f.read()), parse_moe_kernel)
         per_tu.setdefault((dtype, nranks), {})[arch] = table

@@ -21,7 +21,8 @@
 #include <type_traits>
 
 #ifndef FUSEDAR_MOE_UNHOOKED_REGISTERS_INCLUDED
-#error "include the generated moe_unhooked_registers_<dtype>_n<ranks>.h first (see ffi/kernels/moe_instance.cu.in)"
+#error "include the generated moe_unhooked_registers_<dtype>_n<ranks>.h first \
+(see ffi/kernels/moe_instance.cu.in)"
 #endif
 
 namespace fusedar_geometry {
@@ -44,7 +45,9 @@ constexpr int moe_register_cap() {
                 "a translation unit may only instantiate the kernels its generated table covers");
   constexpr int regs = [] {
     for (int i = 0; i < moe_unhooked::kNumArchs; ++i) {
-      if (moe_unhooked::kArchs[i] == __CUDA_ARCH__ / 10) return int(moe_unhooked::kRegisters[i][K][Flags]);
+      if (moe_unhooked::kArchs[i] == __CUDA_ARCH__ / 10) {
+        return int(moe_unhooked::kRegisters[i][K][Flags]);
+      }
     }
     return 0;
   }();
