@@ -149,6 +149,17 @@ function(_fusedar_write_moe_header src dst hooked)
   set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS "${header}")
   file(READ "${header}" text)
   _fusedar_mark_inline(text)
+  # A race in FlashInfer's pattern 7 (both trees: a fix, not a hook). Its Lamport poll reads
+  # slot r of rank r's own buffer over NVLink, where every other kernel (pattern 6, the dense
+  # one-shot) reads slot r of this rank's buffer. The values are the same (each rank writes its
+  # rows into every rank's buffer, its own included), but rank r, once it has every peer's rows
+  # of call N, may start call N+1 and clear its call-N buffer while this rank still polls it:
+  # this rank then waits forever for data that was wiped. Back-to-back calls hang (64 calls
+  # at 1024 tokens x 7168, tests/gpu/moe_gpu.py; FlashInfer's own build too). Reading this
+  # rank's buffer, which only this rank clears, after it is done with it, gives the same bits.
+  _fusedar_patch(text "        // LDG.128 from local rank\n        vals[r].load_global_volatile(reinterpret_cast<T*>(comm.data_bufs[r]) +"
+                 "        // LDG.128 from local rank\n        vals[r].load_global_volatile(reinterpret_cast<T*>(comm.data_bufs[params.rank]) +"
+                 1 "pattern 7's Lamport poll (the peer-buffer race)")
   if(hooked)
     #  - LamportComm's constructor: block 0 counts the call (the call number in the record);
     _fusedar_patch(text "    if (threadIdx.x == 0) {\n      atomicAdd(counter_ptr, 1);\n    }"
@@ -164,8 +175,8 @@ function(_fusedar_write_moe_header src dst hooked)
     _fusedar_patch(text "  comm.update(params.size * NRanks);"
                    "  comm.update(params.size * NRanks, FUSEDAR_MOE_WAIT_CTX);" 2
                    "the two kernels' comm.update")
-    #  - the Lamport polls of both kernels: the missing peer is the one whose slot still
-    #    holds -0.0 (pattern 6 polls this rank's buffer, pattern 7 each peer's own).
+    #  - the Lamport polls of both kernels: the missing peer is the one whose slot (in this
+    #    rank's buffer) still holds -0.0.
     _fusedar_patch(text "    bool done = false;\n" "    bool done = false;\n    FUSEDAR_WAIT_STATE\n" 2
                    "the Lamport polls' state")
     _fusedar_patch(text "        done &= !has_neg_zero<T, VEC_SIZE>(vals[r]);\n      }\n    }\n"

@@ -190,7 +190,6 @@ std::string describe_signature(const unsigned long long s[3]) {
 const char* site_text(int site) {
   switch (site) {
     case watchdog::kLamport: return "its one-shot data in this rank's Lamport buffer";
-    case watchdog::kLamportPeer: return "its one-shot data in its own Lamport buffer";
     case watchdog::kBarrier: return "its two-shot barrier flag";
     case watchdog::kGrid: return "this rank's own thread blocks (grid counter)";
   }
@@ -204,7 +203,7 @@ std::string wait_timeout_text(const Record& d, const unsigned long long mine[3])
                 d.timeout_ns * 1e-9);
   std::string who = d.peer >= 0 ? "rank " + std::to_string(d.peer) : std::string("no peer");
   std::string where = site_text(d.site);
-  if (d.site == watchdog::kLamport || d.site == watchdog::kLamportPeer) {
+  if (d.site == watchdog::kLamport) {
     where += " (token " + std::to_string(d.detail) + ")";
   }
   if (d.site == watchdog::kBarrier) where += " (thread block " + std::to_string(d.detail) + ")";

@@ -26,10 +26,9 @@ enum Kind : int { kNone = 0, kMismatch = 1, kTimeout = 2, kOutOfStep = 3, kWaitT
 // Which wait of the fused kernel timed out (Record::site).
 enum Site : int {
   kHandshake = 0,  // the call check's handshake kernel
-  kLamport = 1,    // one-shot: a peer's data in this rank's Lamport buffer
+  kLamport = 1,    // one-shot (dense and MoE): a peer's data in this rank's Lamport buffer
   kBarrier = 2,    // two-shot: a peer's barrier flag
   kGrid = 3,       // this rank's own thread blocks (grid counter at the end of the kernel)
-  kLamportPeer = 4,  // MoE pattern 7: a peer's data in that peer's own Lamport buffer
 };
 
 constexpr uint64_t kDefaultTimeoutNs = 30ull * 1000000000ull;
@@ -47,7 +46,7 @@ struct Record {
   int peer;           // the rank whose data/flag/handshake did not arrive (-1: none / own grid)
   int failing_peers;  // handshake: how many ranks failed the check
   int site;           // Site
-  int detail;         // kLamport, kLamportPeer: token index; kBarrier: thread block; kGrid: grid size
+  int detail;         // kLamport: token index; kBarrier: thread block; kGrid: grid size
   unsigned long long seq;       // this rank's call number (1 = first call on the workspace)
   unsigned long long peer_seq;  // handshake: the latest call number seen from `peer`
   unsigned long long mine[3];   // signature of this rank's call (call_check::Signature)

@@ -97,10 +97,9 @@ struct MoeCtx {
     c.sig[2] = static_cast<unsigned long long>(p.hidden_dim);
     return c;
   }
-  // Pattern 6 polls this rank's own Lamport buffer, as the dense kernel does; FlashInfer's
-  // pattern 7 reads slot r of rank r's buffer (each rank also writes its rows into its own
-  // buffer), so the missing data is in the peer's buffer.
-  static constexpr int kLamportSite = kFinalize ? wd::kLamportPeer : wd::kLamport;
+  // Both MoE kernels poll this rank's own Lamport buffer, as the dense kernel does (pattern
+  // 7 after the build's fix of FlashInfer's peer-buffer race, ffi/cmake/FlashInferHeaders.cmake).
+  static constexpr int kLamportSite = wd::kLamport;
 };
 
 // Starts the clock on its first call (t0 == 0) and says whether the workspace's timeout

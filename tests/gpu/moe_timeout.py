@@ -4,10 +4,9 @@ off), one case per run, because a trapped kernel kills the CUDA context of its p
 
   never_finalize   GOOD_FIRST good pattern-7 calls (MoE finalize), checked against the
                    float64 oracle; then rank 1 makes no call and rank 0's pattern-7 call
-                   must fail within TIMEOUT_S + 1 s, its record naming rank 1 (the kernel
-                   polls each peer's own Lamport buffer), and the next launch (native and
-                   through torch_compat) must be refused with the record.
-  never_reduction  the same with pattern 6 (MoE reduction; it polls this rank's buffer).
+                   must fail within TIMEOUT_S + 1 s, its record naming rank 1, and the next
+                   launch (native and through torch_compat) must be refused with the record.
+  never_reduction  the same with pattern 6 (MoE reduction).
 
 Ranks take GPU harness.device_for(rank): with one GPU both ranks share it (the waiting rank
 spins, traps and fails alone; the rank that made no call stays healthy).

@@ -427,7 +427,13 @@ def test_the_build_hooks_every_wait_loop_of_the_moe_kernels(tmp_path):
     unhooked = (tmp_path / "flashinfer_unhooked" / name).read_text()
     assert "fusedar" not in unhooked
     original = (pathlib.Path(include) / name).read_text()
-    assert unhooked.replace("inline ", "") == original.replace("inline ", "")
+    # Both copies carry the fix of FlashInfer's pattern-7 race: its poll reads this rank's
+    # buffer (slot r), like pattern 6 and the dense one-shot, not rank r's own buffer.
+    racy = "vals[r].load_global_volatile(reinterpret_cast<T*>(comm.data_bufs[r]) +"
+    fixed = "vals[r].load_global_volatile(reinterpret_cast<T*>(comm.data_bufs[params.rank]) +"
+    assert original.count(racy) == 1 and racy not in unhooked and racy not in text
+    assert unhooked.count(fixed) == original.count(fixed) + 1 == 2
+    assert unhooked.replace("inline ", "") == original.replace("inline ", "").replace(racy, fixed)
     assert unhooked.count("inline ") == original.count("inline ") + 6
     # The hooked copy differs from the probe copy only where a wait is hooked: what the
     # patches removed, and what they added (hook lines, and the grid wait's condition,
@@ -506,13 +512,13 @@ int main() {
   fusedar_rank_failure(&r, buf, sizeof buf);
   std::printf("grid=[%s]\n", buf);
   // An MoE finalize call (pattern 7), described as fusedar_moe_launch describes it to the
-  // call check; its kernel polls each peer's own Lamport buffer.
+  // call check; its kernel polls this rank's Lamport buffer like the dense one-shot.
   fusedar_launch_args m{};
   m.pattern = 7; m.dtype = FUSEDAR_BFLOAT16; m.num_tokens = 16; m.hidden_dim = 7168;
   m.use_oneshot = 1;
   s = call_check::signature_of(m);
   std::memcpy(d.mine, &s, sizeof s);
-  d.site = watchdog::kLamportPeer; d.peer = 1; d.detail = 9;
+  d.site = watchdog::kLamport; d.peer = 1; d.detail = 9;
   fusedar_rank_failure(&r, buf, sizeof buf);
   std::printf("moe=[%s]\n", buf);
   r.record = nullptr;  // not owned
@@ -537,7 +543,7 @@ def test_failure_messages_name_the_peer(tmp_path):
             "skipped") in lines["grid"]
     assert ("call #4 {pattern=7 dtype=bfloat16 num_tokens=16 hidden_dim=7168 one-shot "
             "fp32_acc=0 layout=0 block_quant_group_size=0}: waited 3.0 s (timeout 3.0 s) for "
-            "rank 1 to deliver its one-shot data in its own Lamport buffer (token 9). Rank 1 "
+            "rank 1 to deliver its one-shot data in this rank's Lamport buffer (token 9). Rank 1 "
             "did not arrive") in lines["moe"], lines["moe"]
 
 
