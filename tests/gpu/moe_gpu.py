@@ -41,7 +41,7 @@ WORLD = 2
 MAX_TOKENS = 1024
 BACK_TO_BACK_CALLS = 64
 # FlashInfer's own finalize kernel (the anchor) has the peer-buffer race our build fixes
-# (docs/moe.md): graph-timed back-to-back at 1024 tokens it hung (2 x H200 and one H200).
+# (docs/moe.md), which hung our unfixed build graph-timed at 1024 tokens (2 x H200 and one H200).
 ANCHOR_BENCH_MAX_TOKENS = 128
 HIDDEN_WS = 7168
 # (pattern, dtype, tokens, hidden, top_k or experts, experts, scale, shared, routed)
@@ -387,8 +387,8 @@ def _torch_rank(rank, world, channel, *, port, anchor_path, out_dir):
             row["anchor_flashinfer_graph_us"] = graph_timed(anchor_call)
         elif fi is not None:
             row["anchor_flashinfer_graph_us"] = (
-                "not timed: FlashInfer's finalize kernel races in back-to-back calls and hung "
-                "here (docs/moe.md)")
+                "not timed: FlashInfer's finalize kernel has the back-to-back race that hung "
+                "our build here before its fix (docs/moe.md)")
         bench[tokens] = row
         say("bench", tokens, row)
     report["bench_us_per_call"] = bench
