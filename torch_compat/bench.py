@@ -705,7 +705,7 @@ class Variants:
         scale = torch.tensor([8.0 / FP8_MAX], dtype=torch.float32, device=self.dev)
         return quant, scale
 
-    def _ours_on(self, case: Case, ws):
+    def _ours_with_workspace(self, case: Case, ws):
         x, residual, gamma, (res_out, norm_out, _) = self._inputs(case)
         tc = self.tc
         kw = dict(input=x, workspace=ws, pattern=NORM_PATTERN, launch_with_pdl=self.pdl,
@@ -714,11 +714,11 @@ class Variants:
         return lambda: tc.allreduce_fusion(**kw)
 
     def ours(self, case: Case):
-        return self._ours_on(case, self.ours_ws)
+        return self._ours_with_workspace(case, self.ours_ws)
 
     def ours_no_timeout(self, case: Case):
         """The same call on the workspace with the kernel's wait timeout off."""
-        return self._ours_on(case, self.ours_off_ws)
+        return self._ours_with_workspace(case, self.ours_off_ws)
 
     def ours_fp8(self, case: Case):
         x, residual, gamma, (res_out, norm_out, _) = self._inputs(case)

@@ -140,6 +140,14 @@ def device_for(rank: int) -> int:
     return rank % max(1, native.gpu_count())
 
 
+def needs_gpus(count: int, why: str):
+    """A skip mark for tests that cannot share GPUs (one process driving several devices,
+    XLA's psum or NCCL, which refuse two ranks on one GPU); the others run on one GPU too."""
+    import pytest
+    from jax_fusedar.common import native
+    return pytest.mark.skipif(native.gpu_count() < count, reason=f"needs {count} GPUs: {why}")
+
+
 def env_int(name, default):
     return int(os.environ.get(name, default))
 

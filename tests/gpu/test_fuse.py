@@ -13,12 +13,13 @@ import sys
 
 import pytest
 
-from tests.gpu.harness import report
+from tests.gpu.harness import needs_gpus, report
 
 pytestmark = pytest.mark.gpu
 from tests.repo import REPO
 
 
+@needs_gpus(2, "the demo drives a TP group of 2 devices from one process")
 def test_llama_demo_fused_by_fuse_on_gpus():
     env = dict(os.environ, NCCL_NVLS_ENABLE="0")
     env.pop("JAX_PLATFORMS", None)

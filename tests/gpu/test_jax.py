@@ -11,7 +11,7 @@ import os
 import pytest
 
 from jax_fusedar.common.arguments import env_bool
-from tests.gpu.harness import report
+from tests.gpu.harness import needs_gpus, report
 
 pytestmark = pytest.mark.gpu
 
@@ -87,6 +87,7 @@ def test_jax_64_layer_model(cmdbuf):
 GRAD_SLACK_ULPS = {"bfloat16": 2 * 3.0, "float32": 2 * 8.0}
 
 
+@needs_gpus(2, "the unfused twin's psum runs on NCCL, which refuses two ranks on one GPU")
 def test_jax_gradients_of_the_fused_model():
     res = _run("grad", CMDBUF_OFF, layers=2, tokens=16, hidden=1024, ffn=2048)
     report("jax_grad", res)

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from tests.gpu.harness import needs_gpus
 from tests.repo import REPO
 
 
@@ -45,10 +46,6 @@ def _check(r: dict, *, bits: bool) -> None:
     assert o["ordinary_row_norm_ulps"] <= 3.0, r
 
 
-def _gpus() -> int:
-    from jax_fusedar.common import native
-    return native.gpu_count()
-
 
 def test_misuse_worker_on_two_cpu_devices():
     r = _run("cpu")
@@ -59,7 +56,7 @@ def test_misuse_worker_on_two_cpu_devices():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(_gpus() < 2, reason="needs two GPUs in one process")
+@needs_gpus(2, "one process drives both devices")
 def test_regrouped_devices_are_refused_on_two_gpus():
     r = _run("cuda")
     from tests.gpu.harness import report

@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from tests.gpu.harness import report
+from tests.gpu.harness import needs_gpus, report
 from tests.gpu.single_process_run import run_task
 
 pytestmark = pytest.mark.gpu
@@ -25,6 +25,7 @@ def _seed():
     return int(env) if env else int.from_bytes(os.urandom(4), "little")
 
 
+@needs_gpus(2, "one process drives both devices")
 def test_jit_only_model_uses_the_kernel_and_matches_shard_map_bitwise():
     res = run_task("jit", "cuda", seed=_seed())
     report("jax_jit_sharding", res)
@@ -35,6 +36,7 @@ def test_jit_only_model_uses_the_kernel_and_matches_shard_map_bitwise():
         assert r["bitwise_equal"] and r["finite"], (axes, r)
 
 
+@needs_gpus(2, "one process drives both devices")
 def test_exported_artifact_runs_in_a_fresh_process_on_both_gpus(tmp_path):
     path = str(tmp_path / "layer")
     made = run_task("export", "cuda", path=path, seed=_seed())

@@ -13,7 +13,6 @@ from jax_fusedar.common import call_check, exchange, join, native, sizing, tp_gr
 from tests.native.host_program import run_host_program
 
 
-
 # --- option parsing -----------------------------------------------------------------------------
 
 
