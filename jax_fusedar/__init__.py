@@ -20,6 +20,9 @@ _LAZY = {
     "AllReduceFusionWorkspace": ("workspace", "AllReduceFusionWorkspace"),
     "fuse": ("fusion_pass", "fuse"),
     "FusionReport": ("fusion_pass", "FusionReport"),
+    "moe_reduction_allreduce_fusion": ("moe", "moe_reduction_allreduce_fusion"),
+    "moe_finalize_allreduce_fusion": ("moe", "moe_finalize_allreduce_fusion"),
+    "MoeAllReduceFusionOutputs": ("moe", "MoeAllReduceFusionOutputs"),
 }
 
 __all__ = ["AllReduceFusionPattern", "QuantizationSFLayout", *_LAZY]

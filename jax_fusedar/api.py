@@ -20,7 +20,8 @@ from jax.typing import ArrayLike
 from .common import (arguments, backend_choice, launch_mode, limits, patterns, quant_layouts,
                      sizing)
 from . import quant_arrays
-from .common.patterns import TRAITS, AllReduceFusionPattern, QuantizationSFLayout, as_pattern
+from .common.patterns import (MOE_PATTERNS, TRAITS, AllReduceFusionPattern, QuantizationSFLayout,
+                              as_pattern)
 from .primitive import allreduce_fusion_p, check_call_groups, register_ffi_targets
 from .workspace import AllReduceFusionWorkspace
 
@@ -237,6 +238,10 @@ def allreduce_fusion(x: ArrayLike, *, axis_name: str, workspace: AllReduceFusion
     (like ``jnp.round``). ``jax.vmap`` folds the batch into tokens.
     """
     pattern = as_pattern(pattern)
+    if pattern in MOE_PATTERNS:
+        raise ValueError(f"pattern {pattern.value} ({pattern.name}) has its own inputs: call "
+                         "jax_fusedar.moe_reduction_allreduce_fusion (6) or "
+                         "moe_finalize_allreduce_fusion (7)")
     traits = TRAITS[pattern]
     strict = backend_choice.strict_mode(strict)
     # Options are taken as given, never coerced (bool("false") is True): arguments.py.

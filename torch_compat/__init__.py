@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from jax_fusedar.common.patterns import AllReduceFusionPattern, QuantizationSFLayout
 
-from . import library
+from . import library, moe
 from .channel import StoreChannel
 from .fusion_pass import AllReduceFusionPass, fuse_allreduce_rmsnorm
 from .library import lookup_workspace, register_workspace, unregister_workspace
@@ -27,6 +27,7 @@ __all__ = [
     "fuse_allreduce_rmsnorm",
     "library",
     "lookup_workspace",
+    "moe",
     "register_workspace",
     "unregister_workspace",
 ]

@@ -58,9 +58,10 @@ from jax_fusedar.common import (arguments, launch_mode, limits, native, patterns
 
 from .workspace import TORCH_DTYPES, TorchAllReduceFusionWorkspace
 
-# Every pattern this module checks and launches (all the kernel serves; 6, 7 and 12 are
-# FlashInfer's MoE / MNNVL codes, refused by patterns.as_pattern).
-TORCH_PATTERNS = tuple(patterns.TRAITS)
+# Every pattern allreduce_fusion serves: the dense ones checked and launched here, and the MoE
+# patterns 6 and 7 (torch_compat/moe.py). 12 is FlashInfer's MNNVL-only code, refused by
+# patterns.as_pattern.
+TORCH_PATTERNS = tuple(patterns.TRAITS) + patterns.MOE_PATTERNS
 
 # The kernel moves 16-byte vectors: a tensor starting elsewhere (a view with an odd
 # storage offset) faults with a misaligned address.
@@ -322,6 +323,15 @@ def _option(check, name: str, value, **kw):
     return value if isinstance(value, _SYMBOLIC) else check(name, value, **kw)
 
 
+def _is_moe_pattern(pattern) -> bool:
+    """Whether ``pattern`` is a valid code of an MoE pattern (anything else, including an
+    invalid value, goes on to ``check_call``, which names the problem)."""
+    try:
+        return patterns.as_pattern(pattern) in patterns.MOE_PATTERNS
+    except ValueError:
+        return False
+
+
 class CheckedCall(NamedTuple):
     """What ``check_call`` found: the call's pattern and traits, input dtype name, NVFP4
     layout and group size for the launch, the mode (None while sizes are symbolic) and the
@@ -354,6 +364,9 @@ def check_call(input, workspace, pattern, *, residual_in=None, rms_gamma=None, r
                         f"workspace, got {type(workspace).__name__}")
     workspace.native_rank()  # raises once destroyed
     p = patterns.as_pattern(pattern)  # ValueError naming the valid patterns
+    if p in patterns.MOE_PATTERNS:
+        raise ValueError(f"pattern {p.value} ({p.name}) is checked by "
+                         "torch_compat.moe.check_moe_call (it has its own inputs)")
     if p not in TORCH_PATTERNS:
         raise ValueError(f"pattern {p.value} ({p.name}) is not supported by torch_compat; "
                          "supported: " + ", ".join(f"{q.value} ({q.name})" for q in TORCH_PATTERNS))
@@ -405,8 +418,18 @@ def allreduce_fusion(
     layout_code: Optional[int] = None,
     use_oneshot: Optional[bool] = None,
     fp32_acc: bool = False,
+    moe_reduction_device_num_experts: Optional[int] = None,
+    moe_reduction_scale_input: Optional[torch.Tensor] = None,
+    moe_reduction_active_experts_token_input: Optional[torch.Tensor] = None,
+    moe_reduction_token_input: Optional[torch.Tensor] = None,
+    expanded_idx_to_permuted_idx: Optional[torch.Tensor] = None,
+    expert_scale_factor: Optional[torch.Tensor] = None,
+    shared_expert_output: Optional[torch.Tensor] = None,
     block_quant_group_size: Optional[int] = None,
     weight_bias: float = 0.0,
+    *,
+    moe_finalize_backend: str = "trtllm",
+    routed_scaling_factor: Optional[float] = None,
 ) -> torch.Tensor:
     """All-reduce ``input`` over the workspace's TP group (+ residual add + RMSNorm
     [+ quantization]).
@@ -420,7 +443,48 @@ def allreduce_fusion(
     norm output (rounded to the input dtype first) into ``quant_out`` (+ ``scale_out``); see
     the module docstring for their tensors. ``use_oneshot`` True/False forces a mode
     (ValueError if it cannot run the call), None picks FlashInfer's heuristic.
+
+    The MoE patterns 6 (``kMoEReductionARResidualRMSNorm``, the ``moe_reduction_*``
+    arguments) and 7 (``kMoEFinalizeARResidualRMSNorm``, ``input`` = the permuted expert
+    rows, ``expanded_idx_to_permuted_idx``, ``expert_scale_factor``,
+    ``shared_expert_output``) are served by ``torch_compat.moe.moe_allreduce_fusion`` with
+    FlashInfer's names, defaults and return rules (see there). ``moe_finalize_backend``
+    (FlashInfer's, keyword-only) takes only "trtllm"; ``routed_scaling_factor``
+    (keyword-only, not in FlashInfer's unified API, which passes None = 1.0) scales pattern
+    7's routed sum.
     """
+    if _is_moe_pattern(pattern):
+        from . import moe
+        return moe.moe_allreduce_fusion(
+            input, workspace, pattern, launch_with_pdl=launch_with_pdl,
+            trigger_completion_at_end=trigger_completion_at_end, output=output,
+            residual_out=residual_out, norm_out=norm_out, quant_out=quant_out,
+            scale_out=scale_out, residual_in=residual_in, rms_gamma=rms_gamma, rms_eps=rms_eps,
+            scale_factor=scale_factor, layout_code=layout_code, use_oneshot=use_oneshot,
+            fp32_acc=fp32_acc, moe_reduction_device_num_experts=moe_reduction_device_num_experts,
+            moe_reduction_scale_input=moe_reduction_scale_input,
+            moe_reduction_active_experts_token_input=moe_reduction_active_experts_token_input,
+            moe_reduction_token_input=moe_reduction_token_input,
+            expanded_idx_to_permuted_idx=expanded_idx_to_permuted_idx,
+            expert_scale_factor=expert_scale_factor, shared_expert_output=shared_expert_output,
+            block_quant_group_size=block_quant_group_size, weight_bias=weight_bias,
+            moe_finalize_backend=moe_finalize_backend,
+            routed_scaling_factor=routed_scaling_factor)
+    moe_only = {k: v for k, v in (
+        ("moe_reduction_device_num_experts", moe_reduction_device_num_experts),
+        ("moe_reduction_scale_input", moe_reduction_scale_input),
+        ("moe_reduction_active_experts_token_input", moe_reduction_active_experts_token_input),
+        ("moe_reduction_token_input", moe_reduction_token_input),
+        ("expanded_idx_to_permuted_idx", expanded_idx_to_permuted_idx),
+        ("expert_scale_factor", expert_scale_factor),
+        ("shared_expert_output", shared_expert_output),
+        ("routed_scaling_factor", routed_scaling_factor)) if v is not None}
+    if moe_only:
+        raise ValueError(f"{', '.join(moe_only)} apply to the MoE patterns 6 and 7 only, not "
+                         f"pattern {pattern!r}")
+    if moe_finalize_backend != "trtllm":
+        raise ValueError(f"moe_finalize_backend applies to pattern 7 and takes only "
+                         f"'trtllm' here, got {moe_finalize_backend!r}")
     call = check_call(input, workspace, pattern, residual_in=residual_in, rms_gamma=rms_gamma,
                       rms_eps=rms_eps, scale_factor=scale_factor, layout_code=layout_code,
                       use_oneshot=use_oneshot, fp32_acc=fp32_acc,

@@ -19,6 +19,10 @@
 #  - flashinfer_patched, the copy the library is built from: also bounds every wait loop
 #    of the kernel (ffi/core/watchdog.h) and keeps FlashInfer's launch geometry although
 #    the bounded waits change the kernels' register counts (see "Launch geometry" below).
+# trtllm_moe_allreduce_fusion.cuh (patterns 6, 7) defines the same free functions and goes
+# into both copies with the same `inline` marks; in flashinfer_patched its wait loops are
+# bounded too and its kernels held to the unhooked kernels' registers (its launchers read no
+# register count, so nothing else is pinned).
 # Each patch checks that its text appears exactly as often as expected, so a changed
 # header fails the build loudly.
 # The pinned version has one home: tools/fetch_flashinfer_headers.py.
@@ -93,11 +97,24 @@ function(_fusedar_patch text_var old new expected_count what)
   list(LENGTH hits count)
   if(NOT count EQUAL expected_count)
     message(FATAL_ERROR "jax_fusedar: expected ${expected_count} definition(s) of ${what} in "
-                        "trtllm_allreduce_fusion.cuh, found ${count}; the FlashInfer header "
+                        "${name}.cuh, found ${count}; the FlashInfer header "
                         "changed, update ffi/cmake/FlashInferHeaders.cmake")
   endif()
   string(REPLACE "@@FUSEDAR_PATCH@@" "${new}" patched "${marked}")
   set(${text_var} "${patched}" PARENT_SCOPE)
+endfunction()
+
+# Both headers define get_sm_count(), use_oneshot() and four is_negative_zero<>
+# specialisations non-inline: marked `inline` so that several translation units link.
+function(_fusedar_mark_inline text_var)
+  set(text "${${text_var}}")
+  _fusedar_patch(text "\nint get_sm_count() {" "\ninline int get_sm_count() {" 1 "get_sm_count()")
+  _fusedar_patch(text "\nbool use_oneshot(int token_num) {"
+                 "\ninline bool use_oneshot(int token_num) {" 1 "use_oneshot(int)")
+  _fusedar_patch(text "template <>\n__device__ bool is_negative_zero<"
+                 "template <>\n__device__ inline bool is_negative_zero<" 4
+                 "is_negative_zero<> specialisations")
+  set(${text_var} "${text}" PARENT_SCOPE)
 endfunction()
 
 # Writes `text` as dir/flashinfer/comm/trtllm_allreduce_fusion.cuh next to a copy of the
@@ -114,7 +131,72 @@ function(_fusedar_write_header_tree src dst text)
                  "${dst}/flashinfer/comm/trtllm_allreduce_fusion.cuh" COPYONLY)
 endfunction()
 
+# The MoE header (patterns 6 and 7) defines the same free functions non-inline; it gets the
+# same three `inline` patches and goes into both trees. With `hooked` (flashinfer_patched)
+# its wait loops are bounded as the dense kernel's are (ffi/kernels/wait_hooks.cuh, included
+# first by ffi/kernels/flashinfer_moe_kernel.cuh): both kernels' Lamport polls and the grid
+# counter of LamportComm::update (their only spin loops; rms_norm's cluster.sync() is a
+# hardware barrier of this rank's co-scheduled blocks). The loops' conditions and the data
+# they read are unchanged. Unlike the dense launcher, the MoE launchers size nothing from a
+# register count: the block size follows hidden_dim, and the cluster size is
+# min(8, cudaOccupancyMaxPotentialClusterSize(kernel, 128 threads)), which no register count
+# a kernel can have (at most 255 x 128 threads, half an SM's registers) lowers below 8. So the
+# hooked MoE kernels launch with FlashInfer's geometry; only their register allocation is
+# capped at the unhooked one's, so that every block FlashInfer's build launches fits.
+function(_fusedar_write_moe_header src dst hooked)
+  set(name trtllm_moe_allreduce_fusion)  # named in _fusedar_patch's errors
+  set(header "${src}/flashinfer/comm/${name}.cuh")
+  set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS "${header}")
+  file(READ "${header}" text)
+  _fusedar_mark_inline(text)
+  # A race in FlashInfer's pattern 7 (both trees: a fix, not a hook). Its Lamport poll reads
+  # slot r of rank r's own buffer over NVLink, where every other kernel (pattern 6, the dense
+  # one-shot) reads slot r of this rank's buffer. The values are the same (each rank writes its
+  # rows into every rank's buffer, its own included), but rank r, once it has every peer's rows
+  # of call N, may start call N+1 and clear its call-N buffer while this rank still polls it:
+  # this rank then waits forever for data that was wiped. Back-to-back calls hang (64 calls
+  # at 1024 tokens x 7168, tests/gpu/moe_gpu.py; FlashInfer's own build too). Reading this
+  # rank's buffer, which only this rank clears, after it is done with it, gives the same bits.
+  _fusedar_patch(text "        // LDG.128 from local rank\n        vals[r].load_global_volatile(reinterpret_cast<T*>(comm.data_bufs[r]) +"
+                 "        // LDG.128 from local rank\n        vals[r].load_global_volatile(reinterpret_cast<T*>(comm.data_bufs[params.rank]) +"
+                 1 "pattern 7's Lamport poll (the peer-buffer race)")
+  if(hooked)
+    #  - LamportComm's constructor: block 0 counts the call (the call number in the record);
+    _fusedar_patch(text "    if (threadIdx.x == 0) {\n      atomicAdd(counter_ptr, 1);\n    }"
+                   "    if (threadIdx.x == 0) {\n      atomicAdd(counter_ptr, 1);\n      ::fusedar_wait::count_call(counter_ptr);\n    }"
+                   1 "LamportComm's counter increment")
+    #  - LamportComm::update: the grid-counter wait, given the call's context (both kernels);
+    _fusedar_patch(text "  __device__ __forceinline__ void update(int new_clear_size) {"
+                   "  template <class FusedarCtx>\n  __device__ __forceinline__ void update(int new_clear_size, FusedarCtx const& fusedar_ctx) {"
+                   1 "LamportComm::update")
+    _fusedar_patch(text "      while (*reinterpret_cast<int volatile*>(counter_ptr) != gridDim.x) {\n      }"
+                   "      ::fusedar_wait::spin(fusedar_ctx, ::fusedar::watchdog::kGrid, -1, int(gridDim.x), [&] {\n        return *reinterpret_cast<int volatile*>(counter_ptr) != gridDim.x;\n      });"
+                   1 "the grid-counter wait loop")
+    _fusedar_patch(text "  comm.update(params.size * NRanks);"
+                   "  comm.update(params.size * NRanks, FUSEDAR_MOE_WAIT_CTX);" 2
+                   "the two kernels' comm.update")
+    #  - the Lamport polls of both kernels: the missing peer is the one whose slot (in this
+    #    rank's buffer) still holds -0.0.
+    _fusedar_patch(text "    bool done = false;\n" "    bool done = false;\n    FUSEDAR_WAIT_STATE\n" 2
+                   "the Lamport polls' state")
+    _fusedar_patch(text "        done &= !has_neg_zero<T, VEC_SIZE>(vals[r]);\n      }\n    }\n"
+                   "        done &= !has_neg_zero<T, VEC_SIZE>(vals[r]);\n      }\n      FUSEDAR_MOE_WAIT_LAMPORT_TICK\n    }\n"
+                   2 "the Lamport poll loops")
+    #  - registers: each hooked kernel is held to the unhooked one's allocation
+    #    (ffi/kernels/moe_launch_registers.cuh), so it launches wherever FlashInfer's does.
+    _fusedar_patch(text "__global__ void moereduce_allreduce_fusion_kernel_oneshot_lamport("
+                   "__global__ void __maxnreg__((::fusedar_geometry::moe_register_cap<::fusedar_geometry::kMoeReduction, T, NRanks, (AllReduceOut ? 8 : 0) | (ResidualOut ? 4 : 0) | (NormOut ? 2 : 0) | (QuantOut ? 1 : 0)>())) moereduce_allreduce_fusion_kernel_oneshot_lamport("
+                   1 "the MoE reduction kernel")
+    _fusedar_patch(text "__global__ void moefinalize_allreduce_fusion_kernel_oneshot_lamport("
+                   "__global__ void __maxnreg__((::fusedar_geometry::moe_register_cap<::fusedar_geometry::kMoeFinalize, T, NRanks, (ResidualOut ? 4 : 0) | (NormOut ? 2 : 0) | (QuantOut ? 1 : 0)>())) moefinalize_allreduce_fusion_kernel_oneshot_lamport("
+                   1 "the MoE finalize kernel")
+  endif()
+  file(WRITE "${dst}/${name}.cuh.tmp" "${text}")
+  configure_file("${dst}/${name}.cuh.tmp" "${dst}/flashinfer/comm/${name}.cuh" COPYONLY)
+endfunction()
+
 function(fusedar_prepare_flashinfer_headers out_include_dir out_unhooked_include_dir)
+  set(name trtllm_allreduce_fusion)  # named in _fusedar_patch's errors
   _fusedar_find_flashinfer_include(src)
   message(STATUS "jax_fusedar: FlashInfer headers from ${src}")
   set(dst "${CMAKE_BINARY_DIR}/flashinfer_patched")
@@ -122,13 +204,9 @@ function(fusedar_prepare_flashinfer_headers out_include_dir out_unhooked_include
   set(header "${src}/flashinfer/comm/trtllm_allreduce_fusion.cuh")
   set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS "${header}")
   file(READ "${header}" text)
-  _fusedar_patch(text "\nint get_sm_count() {" "\ninline int get_sm_count() {" 1 "get_sm_count()")
-  _fusedar_patch(text "\nbool use_oneshot(int token_num) {"
-                 "\ninline bool use_oneshot(int token_num) {" 1 "use_oneshot(int)")
-  _fusedar_patch(text "template <>\n__device__ bool is_negative_zero<"
-                 "template <>\n__device__ inline bool is_negative_zero<" 4
-                 "is_negative_zero<> specialisations")
+  _fusedar_mark_inline(text)
   _fusedar_write_header_tree("${src}" "${dst_unhooked}" "${text}")
+  _fusedar_write_moe_header("${src}" "${dst_unhooked}" FALSE)
   # Bounded waits (ffi/core/watchdog.h, ffi/kernels/wait_hooks.cuh, included first): every
   # wait loop of the kernel reads the clock every so many spins and traps past the
   # workspace's timeout. The loops' conditions and the data they read are unchanged.
@@ -187,6 +265,7 @@ function(fusedar_prepare_flashinfer_headers out_include_dir out_unhooked_include
                  "  auto kernel = allreduce_fusion_kernel_twoshot_sync<Pattern, T, NRanks, Fp32Acc>;\n  return ::fusedar_geometry::registers_for_geometry<::fusedar_geometry::kTwoShot, Pattern, T, NRanks, Fp32Acc>(reinterpret_cast<const void*>(kernel));"
                  1 "get_registers_per_thread_twoshot()")
   _fusedar_write_header_tree("${src}" "${dst}" "${text}")
+  _fusedar_write_moe_header("${src}" "${dst}" TRUE)
   set(${out_include_dir} "${dst}" PARENT_SCOPE)
   set(${out_unhooked_include_dir} "${dst_unhooked}" PARENT_SCOPE)
 endfunction()

@@ -175,6 +175,10 @@ std::string launch_for_world(const fusedar::kernels::KernelCall& call) {
 
 }  // namespace
 
+namespace fusedar {
+void note_launch() { launches.fetch_add(1, std::memory_order_relaxed); }
+}  // namespace fusedar
+
 extern "C" int fusedar_pattern_compiled(int32_t pattern) {
   return fusedar::kernels::is_compiled_pattern(pattern) ? 1 : 0;
 }
@@ -215,7 +219,7 @@ extern "C" int fusedar_launch(const fusedar_rank* r, const fusedar_launch_args* 
     (void)cudaGetLastError();
     return fail(FUSEDAR_CUDA_ERROR, "device " + std::to_string(r->device) + ": " + err);
   }
-  launches.fetch_add(1, std::memory_order_relaxed);
+  fusedar::note_launch();
   return FUSEDAR_OK;
 }
 

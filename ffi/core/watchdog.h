@@ -1,8 +1,10 @@
 // Bounded waits: the memory layout shared by the host core and the kernel translation units.
 //
-// Every wait loop the kernels run (FlashInfer's Lamport poll, two-shot barrier flags and
-// grid counters, patched in by ffi/cmake/FlashInferHeaders.cmake; the call check's
-// handshake; the large-message algorithm's entry and chunk flags, large_sync.cuh) reads the device clock every so many iterations. Past the workspace's timeout
+// Every wait loop the kernels run (FlashInfer's Lamport polls, two-shot barrier flags and
+// grid counters, in the dense kernels and the MoE ones (patterns 6, 7), patched in by
+// ffi/cmake/FlashInferHeaders.cmake; the call check's handshake; the large-message
+// algorithm's entry and chunk flags, large_sync.cuh) reads the device clock every so many
+// iterations. Past the workspace's timeout
 // the first waiting thread records what it waited for in pinned host memory (`Record`) and
 // traps: the stream fails with a CUDA error, and fusedar_launch refuses every later call
 // on that workspace with the recorded text (read from host memory, which survives the dead
@@ -26,7 +28,7 @@ enum Kind : int { kNone = 0, kMismatch = 1, kTimeout = 2, kOutOfStep = 3, kWaitT
 // Which wait of the fused kernel timed out (Record::site).
 enum Site : int {
   kHandshake = 0,  // the call check's handshake kernel
-  kLamport = 1,    // one-shot: a peer's data in this rank's Lamport buffer
+  kLamport = 1,    // one-shot (dense and MoE): a peer's data in this rank's Lamport buffer
   kBarrier = 2,    // two-shot: a peer's barrier flag
   kGrid = 3,       // this rank's own thread blocks (grid counter at the end of the kernel)
   // The large-message algorithm (ffi/kernels/large_message.h):

@@ -1,10 +1,12 @@
-// Bounded waits for FlashInfer's kernel: the device side of ffi/core/watchdog.h.
+// Bounded waits for FlashInfer's kernels: the device side of ffi/core/watchdog.h.
 //
-// Included before trtllm_allreduce_fusion.cuh, whose wait loops the build patches
-// (ffi/cmake/FlashInferHeaders.cmake) into calls of what is defined here:
-//   - the one-shot Lamport poll gets FUSEDAR_WAIT_STATE / FUSEDAR_WAIT_LAMPORT_TICK,
-//   - the two-shot barrier and both grid-counter waits become fusedar_wait::spin(...),
-//   - the comm constructors count calls (block 0, FUSEDAR_WAIT_COUNT_CALL).
+// Included before trtllm_allreduce_fusion.cuh and trtllm_moe_allreduce_fusion.cuh, whose
+// wait loops the build patches (ffi/cmake/FlashInferHeaders.cmake) into calls of what is
+// defined here:
+//   - the one-shot Lamport polls get FUSEDAR_WAIT_STATE / FUSEDAR_WAIT_LAMPORT_TICK (dense)
+//     or FUSEDAR_MOE_WAIT_LAMPORT_TICK (MoE patterns 6 and 7),
+//   - the two-shot barrier and the grid-counter waits become fusedar_wait::spin(...),
+//   - the comm constructors count calls (block 0, fusedar_wait::count_call).
 // The large-message algorithm's flag waits use spin(...) too (large_sync.cuh wait_for).
 // The hot path gains a counter increment and a branch taken once every kCheckEvery spins;
 // only then is the clock read, and only past the timeout is the call described (from the
@@ -76,6 +78,38 @@ struct Ctx {
     using T = decltype(element_of(std::declval<Params>()));
     return call_info<T>(p, OneShot, Fp32Acc, false);
   }
+};
+
+// The same for FlashInfer's MoE kernels, whose params carry no pattern: pattern 7's
+// (MoeFinalizeAllReduceFusionParams) has `top_k`, pattern 6's has not. The signature is the
+// one the call check gives an MoE call (ffi/core/moe_launch.cpp): pattern, dtype, one-shot
+// (the MoE kernels have no other mode), no fp32_acc, layout or block-quant group.
+template <class P, class = void>
+struct is_moe_finalize : std::false_type {};
+template <class P>
+struct is_moe_finalize<P, std::void_t<decltype(std::declval<const P&>().top_k)>>
+    : std::true_type {};
+
+template <class Params>
+struct MoeCtx {
+  static constexpr bool kFinalize = is_moe_finalize<Params>::value;
+  const Params& p;
+  __device__ __forceinline__ wd::Control* control() const {
+    return static_cast<wd::Control*>(p.workspace[3 * p.nranks]);
+  }
+  __device__ __forceinline__ CallInfo info() const {
+    using T = decltype(element_of(std::declval<Params>()));
+    CallInfo c;
+    c.sig[0] = static_cast<unsigned long long>(kFinalize ? 7 : 6) |
+               (static_cast<unsigned long long>(dtype_code<T>()) << 8) |
+               (1ull << 16);
+    c.sig[1] = static_cast<unsigned long long>(p.size / p.hidden_dim);
+    c.sig[2] = static_cast<unsigned long long>(p.hidden_dim);
+    return c;
+  }
+  // Both MoE kernels poll this rank's own Lamport buffer, as the dense kernel does (pattern
+  // 7 after the build's fix of FlashInfer's peer-buffer race, ffi/cmake/FlashInferHeaders.cmake).
+  static constexpr int kLamportSite = wd::kLamport;
 };
 
 // Starts the clock on its first call (t0 == 0) and says whether the workspace's timeout
@@ -153,18 +187,31 @@ __device__ __forceinline__ void count_call(int* counter_ptr) {
   unsigned long long fusedar_t0 = 0;
 
 // At the end of one Lamport poll: the peer still missing is the first whose slot still
-// holds the -0.0 sentinel (vals[r] is what rank r wrote into this rank's buffer).
-#define FUSEDAR_WAIT_LAMPORT_TICK                                                          \
+// holds the -0.0 sentinel (vals[r] is what rank r delivered to this call). `ctx` is the
+// call's context (Ctx or MoeCtx), `site` the watchdog::Site of the poll.
+#define FUSEDAR_WAIT_LAMPORT_TICK_AT(ctx, site)                                            \
   if (!done && ++fusedar_spins == ::fusedar::watchdog::kCheckEvery) {                      \
     fusedar_spins = 0;                                                                     \
-    const auto fusedar_ctx = FUSEDAR_WAIT_CTX(true);                                       \
+    const auto fusedar_ctx = ctx;                                                          \
     ::fusedar::watchdog::Control* fusedar_c = fusedar_ctx.control();                       \
     if (::fusedar_wait::expired(fusedar_c, fusedar_t0)) {                                  \
       int fusedar_peer = -1;                                                               \
       _Pragma("unroll") for (int fusedar_r = NRanks - 1; fusedar_r >= 0; --fusedar_r) {    \
         if (has_neg_zero<T, VEC_SIZE>(vals[fusedar_r])) fusedar_peer = fusedar_r;          \
       }                                                                                    \
-      ::fusedar_wait::fail(fusedar_c, fusedar_ctx.info(), ::fusedar::watchdog::kLamport,   \
-                           fusedar_peer, tidx, fusedar_t0);                                \
+      ::fusedar_wait::fail(fusedar_c, fusedar_ctx.info(), site, fusedar_peer, tidx,        \
+                           fusedar_t0);                                                    \
     }                                                                                      \
   }
+
+// The dense one-shot kernel (this rank's Lamport buffer).
+#define FUSEDAR_WAIT_LAMPORT_TICK \
+  FUSEDAR_WAIT_LAMPORT_TICK_AT(FUSEDAR_WAIT_CTX(true), ::fusedar::watchdog::kLamport)
+
+// Used inside FlashInfer's MoE kernels, where `params` is in scope.
+#define FUSEDAR_MOE_WAIT_CTX (::fusedar_wait::MoeCtx<decltype(params)>{params})
+
+// The MoE kernels (patterns 6 and 7): the site follows the kernel (MoeCtx::kLamportSite).
+#define FUSEDAR_MOE_WAIT_LAMPORT_TICK                   \
+  FUSEDAR_WAIT_LAMPORT_TICK_AT(FUSEDAR_MOE_WAIT_CTX,    \
+                               decltype(FUSEDAR_MOE_WAIT_CTX)::kLamportSite)

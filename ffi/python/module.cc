@@ -15,6 +15,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -198,6 +199,50 @@ class Rank {
     check(rc);
   }
 
+  // Raw-pointer entry for FlashInfer's MoE patterns 6 and 7 (fusedar_moe_launch_args);
+  // pointers are integers, 0 meaning "absent".
+  void moe_launch(int pattern, int dtype, int64_t num_tokens, int64_t hidden_dim,
+                  int num_experts, uint64_t expert_scales, uint64_t expert_outputs,
+                  uint64_t token_input, uint64_t allreduce_out, uint64_t permuted_input,
+                  int64_t num_permuted_rows, uint64_t expanded_idx_to_permuted_idx, int top_k,
+                  uint64_t expert_scale_factor, uint64_t shared_expert_output,
+                  float routed_scaling_factor, uint64_t residual_in, uint64_t residual_out,
+                  uint64_t norm_out, uint64_t rms_gamma, float rms_eps, float weight_bias,
+                  bool launch_with_pdl, uint64_t stream, bool check_only) const {
+    fusedar_moe_launch_args a{};
+    a.pattern = pattern;
+    a.dtype = dtype;
+    a.num_tokens = num_tokens;
+    a.hidden_dim = hidden_dim;
+    a.num_experts = num_experts;
+    a.expert_scales = reinterpret_cast<const float*>(expert_scales);
+    a.expert_outputs = reinterpret_cast<const void*>(expert_outputs);
+    a.token_input = reinterpret_cast<const void*>(token_input);
+    a.allreduce_out = reinterpret_cast<void*>(allreduce_out);
+    a.permuted_input = reinterpret_cast<const void*>(permuted_input);
+    a.num_permuted_rows = num_permuted_rows;
+    a.expanded_idx_to_permuted_idx = reinterpret_cast<const int32_t*>(expanded_idx_to_permuted_idx);
+    a.top_k = top_k;
+    a.expert_scale_factor = reinterpret_cast<const void*>(expert_scale_factor);
+    a.shared_expert_output = reinterpret_cast<const void*>(shared_expert_output);
+    a.routed_scaling_factor = routed_scaling_factor;
+    a.residual_in = reinterpret_cast<const void*>(residual_in);
+    a.residual_out = reinterpret_cast<void*>(residual_out);
+    a.norm_out = reinterpret_cast<void*>(norm_out);
+    a.rms_gamma = reinterpret_cast<const void*>(rms_gamma);
+    a.rms_eps = rms_eps;
+    a.weight_bias = weight_bias;
+    a.launch_with_pdl = launch_with_pdl ? 1 : 0;
+    if (check_only) {
+      check(fusedar_check_moe_launch(get(), &a));
+      return;
+    }
+    nb::gil_scoped_release release;
+    int rc = fusedar_moe_launch(get(), &a, reinterpret_cast<void*>(stream));
+    nb::gil_scoped_acquire acquire;
+    check(rc);
+  }
+
  private:
   void release() {
     if (r_ != nullptr) {
@@ -220,6 +265,15 @@ nb::capsule encapsulate(T* fn) {
 
 NB_MODULE(_fusedar, m) {
   m.doc() = "jax_fusedar native core bindings (shared by the JAX and torch layers)";
+  // The core is a separate library (a prebuilt one can be swapped in, see
+  // JAX_FUSEDAR_PREBUILT_CORE): refuse one built from another C API than this module's
+  // header, whose structs it would misread.
+  if (fusedar_abi_version() != FUSEDAR_ABI_VERSION) {
+    throw std::runtime_error("jax_fusedar: the native core has ABI version " +
+                             std::to_string(fusedar_abi_version()) + ", this module was built "
+                             "for " + std::to_string(FUSEDAR_ABI_VERSION) +
+                             ": rebuild both from the same source");
+  }
   m.attr("ABI_VERSION") = fusedar_abi_version();
   m.attr("FLOAT32") = int(FUSEDAR_FLOAT32);
   m.attr("FLOAT16") = int(FUSEDAR_FLOAT16);
@@ -228,6 +282,7 @@ NB_MODULE(_fusedar, m) {
   m.def("registrations", []() {
     nb::dict d;
     d[FUSEDAR_TARGET_ALLREDUCE_FUSION] = encapsulate(FusedarAllReduceFusionHandler);
+    d[FUSEDAR_TARGET_MOE_ALLREDUCE_FUSION] = encapsulate(FusedarMoeAllReduceFusionHandler);
     d[FUSEDAR_TARGET_DEVICE_TIMESTAMP] = encapsulate(FusedarDeviceTimestampHandler);
     return d;
   });
@@ -235,6 +290,7 @@ NB_MODULE(_fusedar, m) {
   m.def("host_registrations", []() {
     nb::dict d;
     d[FUSEDAR_TARGET_ALLREDUCE_FUSION] = encapsulate(FusedarAllReduceFusionHostHandler);
+    d[FUSEDAR_TARGET_MOE_ALLREDUCE_FUSION] = encapsulate(FusedarMoeAllReduceFusionHostHandler);
     return d;
   });
 
@@ -253,6 +309,7 @@ NB_MODULE(_fusedar, m) {
   m.def("ffi_target_names", []() {
     nb::dict d;
     d["allreduce_fusion"] = FUSEDAR_TARGET_ALLREDUCE_FUSION;
+    d["moe_allreduce_fusion"] = FUSEDAR_TARGET_MOE_ALLREDUCE_FUSION;
     d["device_timestamp"] = FUSEDAR_TARGET_DEVICE_TIMESTAMP;
     return d;
   });
@@ -315,5 +372,17 @@ NB_MODULE(_fusedar, m) {
            nb::arg("algorithm") = int(FUSEDAR_ALGORITHM_ONESHOT), nb::arg("fp32_acc") = true, nb::arg("layout") = 0,
            nb::arg("block_quant_group_size") = 0, nb::arg("launch_with_pdl") = true,
            nb::arg("trigger_completion_at_end") = true, nb::arg("stream") = 0,
+           nb::arg("check_only") = false)
+      .def("moe_launch", &Rank::moe_launch, nb::arg("pattern"), nb::arg("dtype"),
+           nb::arg("num_tokens"), nb::arg("hidden_dim"), nb::arg("num_experts") = 0,
+           nb::arg("expert_scales") = 0, nb::arg("expert_outputs") = 0,
+           nb::arg("token_input") = 0, nb::arg("allreduce_out") = 0,
+           nb::arg("permuted_input") = 0, nb::arg("num_permuted_rows") = 0,
+           nb::arg("expanded_idx_to_permuted_idx") = 0, nb::arg("top_k") = 0,
+           nb::arg("expert_scale_factor") = 0, nb::arg("shared_expert_output") = 0,
+           nb::arg("routed_scaling_factor") = 1.0f, nb::arg("residual_in") = 0,
+           nb::arg("residual_out") = 0, nb::arg("norm_out") = 0, nb::arg("rms_gamma") = 0,
+           nb::arg("rms_eps") = 1e-6f, nb::arg("weight_bias") = 0.0f,
+           nb::arg("launch_with_pdl") = true, nb::arg("stream") = 0,
            nb::arg("check_only") = false);
 }

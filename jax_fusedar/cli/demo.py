@@ -146,6 +146,10 @@ def add_arguments(parser, *, positive_int, int_list, seed, dtypes, backends) -> 
                         help="--bench: start no new case after this many seconds (the JSON "
                         "lists the cases left out)")
     parser.add_argument("--out", default="bench_out", help="--bench: folder for the JSON")
+    parser.add_argument("--moe", action="store_true",
+                        help="the decoder with mixture-of-experts MLPs (routed experts, expert "
+                        "parallel, plus a shared expert) combined by jax_fusedar's MoE finalize "
+                        "op, against the same model written plainly (jax_fusedar/cli/moe_demo.py)")
 
 
 def _config(args, world: int):
@@ -216,6 +220,9 @@ def _margin(logits, step: int, seq: int) -> float:
 
 
 def main(args) -> int:
+    if getattr(args, "moe", False):
+        from .moe_demo import main as moe_main
+        return moe_main(args)
     from ..fusion_pass import fuse
     from ..models import llama
     mesh = tp_mesh()

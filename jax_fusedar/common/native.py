@@ -21,6 +21,7 @@ DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 # Versioned: a serialized program names the handler it was built for.
 FFI_TARGETS = {
     "allreduce_fusion": "jax_fusedar_allreduce_fusion_v2",
+    "moe_allreduce_fusion": "jax_fusedar_moe_allreduce_fusion_v1",
     "device_timestamp": "jax_fusedar_device_timestamp_v1",
 }
 

@@ -23,6 +23,11 @@ class AllReduceFusionPattern(enum.IntEnum):
     kARResidualRMSNormFP4Quant = 3
     kARResidualRMSNormOutFP8Quant = 4
     kARResidualRMSNormOutFP4Quant = 5
+    # FlashInfer's MoE epilogues (trtllm_moe_allreduce_fusion.cuh): their own inputs, served by
+    # jax_fusedar.moe_reduction_allreduce_fusion / moe_finalize_allreduce_fusion and by
+    # torch_compat.allreduce_fusion (jax_fusedar/moe.py, torch_compat/moe.py); not in TRAITS.
+    kMoEReductionARResidualRMSNorm = 6
+    kMoEFinalizeARResidualRMSNorm = 7
     kARResidualRMSNormPerTokenGroupFP8PackedQuant = 8
     kARResidualRMSNormOutPerTokenGroupFP8PackedQuant = 9
     kARResidualRMSNormDynamicFP8Quant = 10
@@ -71,6 +76,7 @@ TRAITS = {
     P.kARResidualRMSNormDynamicFP8Quant: PatternTraits(False, True, False, "dynamic_fp8"),
     P.kARResidualRMSNormOutDynamicFP8Quant: PatternTraits(False, True, True, "dynamic_fp8"),
 }
+MOE_PATTERNS = (P.kMoEReductionARResidualRMSNorm, P.kMoEFinalizeARResidualRMSNorm)
 del P
 
 SM100_PATTERNS = tuple(int(p) for p, t in TRAITS.items() if t.needs_sm100)
@@ -91,8 +97,9 @@ def _valid_codes() -> str:
 
 
 def as_pattern(pattern) -> AllReduceFusionPattern:
-    """Validates a pattern code, naming the valid ones when it is not (6, 7 and 12 are
-    FlashInfer's MoE / MNNVL-only codes, not served by this kernel). Only an
+    """Validates a pattern code, naming the valid ones when it is not (12 is FlashInfer's
+    MNNVL-only code; the MoE codes 6 and 7 are valid here, and ``TRAITS`` has no entry for
+    them: callers route them to the MoE entry points, see ``MOE_PATTERNS``). Only an
     ``AllReduceFusionPattern`` or an int is a code: 1.9, "1" or True are refused, not
     truncated or parsed into pattern 1."""
     if isinstance(pattern, AllReduceFusionPattern):

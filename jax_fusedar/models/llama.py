@@ -278,7 +278,7 @@ def _dot(a, b):
     return jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype)
 
 
-def layer(cfg, axis, norm, x, h, lp, ck_all, cv_all, i, pos, tables):
+def layer(cfg, axis, norm, x, h, lp, ck_all, cv_all, i, pos, tables, mlp=None):
     """One decoder layer on one rank. x: the residual stream, h: its normed copy [B, T, H];
     lp: this layer's weight shards; ck_all, cv_all: every layer's cache shard
     [L, B, S, kv_local, hd], of which this is layer ``i``; pos: the first position of the T
@@ -313,15 +313,23 @@ def layer(cfg, axis, norm, x, h, lp, ck_all, cv_all, i, pos, tables):
     attn = attn.reshape(B, T, -1).astype(x.dtype)
     x = jax.lax.psum(_dot(attn, lp["wo"]), axis) + x                        # row-parallel
     h = norm(x, lp["mlp_norm"], cfg.rms_eps)
+    x, h = (dense_mlp if mlp is None else mlp)(cfg, axis, norm, x, h, lp)
+    return x, h, ck_all, cv_all
+
+
+def dense_mlp(cfg, axis, norm, x, h, lp):
+    """The SwiGLU MLP on this rank's FFN slice, then its all-reduce, the residual add and the
+    norm that ends the layer: returns (x, h). ``layer``'s ``mlp`` swaps it (an MoE block:
+    jax_fusedar/models/moe_llama.py)."""
     gate, up = jnp.split(_dot(h, lp["w_gate_up"]), 2, axis=-1)    # this rank's FFN slice
     act = jax.nn.silu(gate.astype(jnp.float32)).astype(x.dtype)
     mlp = _dot(act * up, lp["w_down"])
     x = jax.lax.psum(mlp, axis) + x                                         # row-parallel
-    h = norm(x, lp["next_norm"], cfg.rms_eps)
-    return x, h, ck_all, cv_all
+    return x, norm(x, lp["next_norm"], cfg.rms_eps)
 
 
-def forward_local(cfg, axis, params, tokens, ck, cv, pos, *, scan: bool, norm=rms_norm):
+def forward_local(cfg, axis, params, tokens, ck, cv, pos, *, scan: bool, norm=rms_norm,
+                  mlp=None):
     """The per-rank forward pass: tokens [B, T] int32 at positions pos..pos+T-1. Returns
     (this rank's vocabulary slice of the logits [B, T, V/tp] float32, caches)."""
     layers = params["layers"]
@@ -344,7 +352,7 @@ def forward_local(cfg, axis, params, tokens, ck, cv, pos, *, scan: bool, norm=rm
         def step(carry, xs):
             x, h, ck, cv = carry
             lp, i = xs
-            return layer(cfg, axis, norm, x, h, lp, ck, cv, i, pos, tables), None
+            return layer(cfg, axis, norm, x, h, lp, ck, cv, i, pos, tables, mlp), None
         n = layers["attn_norm"].shape[0]
         (x, h, ck, cv), _ = jax.lax.scan(step, (x, h, ck, cv),
                                          (stacked, jnp.arange(n, dtype=jnp.int32)))
@@ -355,7 +363,7 @@ def forward_local(cfg, axis, params, tokens, ck, cv, pos, *, scan: bool, norm=rm
             lp = dict(layers[i]) if per_layer else {k: v[i] for k, v in layers.items()}
             lp["next_norm"] = (params["final_norm"] if i == n - 1 else
                                gains[i + 1] if per_layer else layers["attn_norm"][i + 1])
-            x, h, ck, cv = layer(cfg, axis, norm, x, h, lp, ck, cv, i, pos, tables)
+            x, h, ck, cv = layer(cfg, axis, norm, x, h, lp, ck, cv, i, pos, tables, mlp)
     logits = jnp.einsum("bth,hv->btv", h, params["lm_head"], preferred_element_type=jnp.float32)
     return logits, ck, cv
 

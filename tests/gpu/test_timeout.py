@@ -36,13 +36,19 @@ def test_timeout_on_gives_the_same_bits_graph_replay_and_cost():
 
 
 def _check_failed(f, me, peer, seq, tokens, algorithm, timeout_s, where):
+    """`algorithm` is the signature's text for it: one-shot, two-shot or large-message."""
+    _check_failed_record(f, me, peer, seq, SIG.format(tokens, algorithm), timeout_s, where)
+
+
+def _check_failed_record(f, me, peer, seq, sig, timeout_s, where):
+    """Rank `me`'s call failed within timeout + 1 s with a record of call #seq (`sig`)
+    naming `peer` and the wait (`where`), and the next launch was refused with it."""
     assert f["sync_error"], f"rank {me}: the call did not fail: {f}"
     assert f["elapsed_s"] <= timeout_s + 1.0, f  # within timeout + 1 s
     assert f["elapsed_s"] >= timeout_s * 0.9, f  # and not for another reason
     record = f["failure_record"]
     head = (f"jax_fusedar kernel wait timed out on rank {me} of 2 (device ")
     assert record.startswith(head), record
-    sig = SIG.format(tokens, algorithm)
     assert f"call #{seq} {sig}: waited " in record, record
     assert f"for rank {peer} to deliver {where}" in record, record
     assert f"Rank {peer} did not arrive" in record, record
@@ -134,3 +140,33 @@ def test_jax_surfaces_the_timeout_with_the_record():
     assert f["raise_if_failed"] == f["failures"][0], f
     assert f["next_call_error"], f  # XLA refuses the dead context before our handler runs
     assert r1["failures"] == [], r1
+
+
+MOE_SIG = "{{pattern={} dtype=bfloat16 num_tokens={} hidden_dim={} one-shot fp32_acc=0 " \
+          "layout=0 block_quant_group_size=0}}"
+
+
+# The wait each MoE case fails in: both kernels poll this rank's Lamport buffer (pattern 7
+# after the build's fix of FlashInfer's peer-buffer race, docs/moe.md).
+MOE_WAITS = {"never_finalize": "its one-shot data in this rank's Lamport buffer (token ",
+             "never_reduction": "its one-shot data in this rank's Lamport buffer (token "}
+
+
+@pytest.mark.parametrize("case", sorted(MOE_WAITS))
+def test_a_rank_that_skips_an_moe_call_makes_the_other_fail_with_the_record(case):
+    from tests.gpu import moe_timeout as mt
+    where = MOE_WAITS[case]
+    res = _run("tests.gpu.moe_timeout", case, timeout_s=200)
+    _report(f"timeout_moe_{case}", res)
+    assert "error" not in res, res["error"] + "\n" + res["output_tail"]
+    r0, r1 = res["ranks"]
+    for r in (r0, r1):
+        assert r["timeout_s"] == pytest.approx(mt.TIMEOUT_S), r
+        for errors in r["good"]:  # fractions of the float64 oracle's bounds (NaN fails)
+            assert all(e <= 1.0 for e in errors), (r["rank"], r["good"])
+    f = r0["failing"]
+    sig = MOE_SIG.format(mt.CASES[case], mt.TOKENS, mt.HIDDEN)
+    _check_failed_record(f, 0, 1, mt.GOOD_FIRST + 1, sig, mt.TIMEOUT_S, where)
+    # torch_compat refuses the next call with the record too (not CUDA's generic error).
+    assert f["torch_compat_error"] and f["failure_record"] in f["torch_compat_error"], f
+    assert r1["healthy_after"] is True and r1["failure_record"] == "", r1

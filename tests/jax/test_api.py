@@ -439,7 +439,8 @@ def test_x_must_be_at_least_1d():
 
 
 @pytest.mark.parametrize("pattern,match", [
-    (6, r"unknown fusion pattern 6; valid codes: 0 \(kAllReduce\)"),
+    (6, r"pattern 6 \(kMoEReductionARResidualRMSNorm\) has its own inputs"),
+    (12, r"unknown fusion pattern 12; valid codes: 0 \(kAllReduce\)"),
     (99, "unknown fusion pattern 99"),
     ("bogus", "unknown fusion pattern 'bogus'"),
 ])

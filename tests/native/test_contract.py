@@ -30,16 +30,27 @@ def test_pattern_tables_are_equal():
         assert row["compiled"] is True and native.ext.pattern_compiled(int(pattern))
 
 
+# The codes of the dense kernel's table; the MoE codes (6, 7) have their own launcher and
+# handler (tests/jax/test_moe.py, tests/torch/test_moe.py).
+DENSE_PATTERNS = [p for p in AllReduceFusionPattern if p not in patterns.MOE_PATTERNS]
+
+
 def test_codes_outside_the_table_are_not_compiled():
     served = {int(p) for p in TRAITS}
+    moe = {int(p) for p in patterns.MOE_PATTERNS}
     for code in range(-1, 20):
         if code not in served:
+            # The dense kernel compiles only the table's codes; the MoE codes are valid
+            # patterns served by their own launcher (fusedar_moe_launch), not by this one.
             assert not native.ext.pattern_compiled(code), code
-            with pytest.raises(ValueError, match="unknown fusion pattern"):
-                patterns.as_pattern(code)
+            if code in moe:
+                assert int(patterns.as_pattern(code)) == code
+            else:
+                with pytest.raises(ValueError, match="unknown fusion pattern"):
+                    patterns.as_pattern(code)
 
 
-@pytest.mark.parametrize("pattern", list(AllReduceFusionPattern))
+@pytest.mark.parametrize("pattern", DENSE_PATTERNS)
 def test_result_specs_match_the_handlers_counts(pattern):
     """result_specs gives what the XLA handler checks: its operand and result counts."""
     row = native.ext.pattern_table()[int(pattern)]
@@ -123,17 +134,18 @@ def test_limits_are_the_cores():
 def test_ffi_target_names_are_the_handlers():
     assert native.ext.ffi_target_names() == native.FFI_TARGETS
     assert set(native.ext.registrations()) == set(native.FFI_TARGETS.values())
-    from jax_fusedar import primitive, timing
+    from jax_fusedar import moe, primitive, timing
     assert primitive.FFI_TARGET == native.FFI_TARGETS["allreduce_fusion"]
     assert timing.TARGET == native.FFI_TARGETS["device_timestamp"]
-    assert set(native.ext.host_registrations()) == {primitive.FFI_TARGET}
+    assert moe.FFI_TARGET == native.FFI_TARGETS["moe_allreduce_fusion"]
+    assert set(native.ext.host_registrations()) == {primitive.FFI_TARGET, moe.FFI_TARGET}
 
 
 def test_sm100_refusal_is_one_rule():
     """Python refuses exactly the patterns the native table marks as needing sm100+, with
     the message the native launch uses."""
     table = native.ext.pattern_table()
-    for pattern in AllReduceFusionPattern:
+    for pattern in DENSE_PATTERNS:
         problem = patterns.device_problem(pattern, "cuda:0", 9, 0)
         assert (problem is not None) == table[int(pattern)]["needs_sm100"]
         assert patterns.device_problem(pattern, "cuda:0", 10, 0) is None

@@ -63,6 +63,59 @@ def test_header_round_trip_keeps_every_count():
         launch_registers.header_text(2, 4, {90: table})
 
 
+def test_moe_kernel_names_and_their_table():
+    """The MoE kernels (patterns 6, 7): parsed from their mangled names, their bool template
+    flags as the index moe_launch_registers.cuh computes (first flag highest)."""
+    reduction = ("_ZN10flashinfer27trtllm_moe_allreduce_fusion49moereduce_allreduce_fusion_kernel"
+                 "_oneshot_lamportI13__nv_bfloat16Li2ELb1ELb0ELb1ELb0EEEvNS0_33MoeReductionAll"
+                 "ReduceFusionParamsIT_EE")
+    finalize = ("_ZN10flashinfer27trtllm_moe_allreduce_fusion51moefinalize_allreduce_fusion_kernel"
+                "_oneshot_lamportI6__halfLi16ELb1ELb1ELb0ES2_EEvNS0_32MoeFinalizeAllReduceFusion"
+                "ParamsIT_EE")
+    M = launch_registers.MoeKernel
+    assert launch_registers.parse_moe_kernel(reduction) == M(0, 2, 2, 0b1010)
+    assert launch_registers.parse_moe_kernel(finalize) == M(1, 1, 16, 0b110)
+    assert launch_registers.parse_moe_kernel(reduction.replace("Lb0ELb1ELb0EE", "Lb0ELb1EE")) \
+        is None  # a reduction kernel has four flags
+    assert launch_registers.parse_kernel(reduction) is None  # not a dense kernel
+    dense = ("_ZN10flashinfer23trtllm_allreduce_fusion36allreduce_fusion_kernel_twoshot_syncILNS0_"
+             "22AllReduceFusionPatternE0EfLi16ELb0EEEvNS0_21AllReduceFusionParamsIT0_EESt5arrayIi"
+             "XT1_EES7_")
+    assert launch_registers.parse_moe_kernel(dense) is None
+    table = {M(0, 1, 16, f): 70 + f for f in (0b0010, 0b0110, 0b1010, 0b1110)}
+    table[M(1, 1, 16, 0b110)] = 158
+    text = launch_registers.moe_header_text(1, 16, {90: table})
+    assert "kRegisters[kNumArchs][2][16]" in text
+    assert "{0, 0, 72, 0, 0, 0, 76, 0, 0, 0, 80, 0, 0, 0, 84, 0},  // reduction" in text
+    assert "{0, 0, 0, 0, 0, 0, 158, 0, 0, 0, 0, 0, 0, 0, 0, 0},  // finalize" in text
+    with pytest.raises(ValueError, match="does not belong"):
+        launch_registers.moe_header_text(2, 16, {90: table})
+    with pytest.raises(ValueError, match="two register counts"):
+        launch_registers.kernel_registers({reduction: 40, reduction + "x": 48},
+                                          launch_registers.parse_moe_kernel)
+
+
+def test_moe_probe_cubins_give_the_table(tmp_path):
+    """The build's MoE probe cubins, if this checkout has a build: `generate --moe` reads
+    every instantiated MoE kernel and writes the header the build compiled with."""
+    cubins = sorted((REPO / "build").glob("*/ffi/core/kernels/moe_unhooked_bf16_n2.sm_90a.cubin"))
+    if not cubins:
+        pytest.skip("no MoE probe cubin built here (cmake --build build/<dir>)")
+    out = tmp_path / "moe.h"
+    run = subprocess.run([sys.executable, str(TOOL), "generate", "--moe", "--dtype", "2",
+                          "--nranks", "2", "--out", str(out), f"90a={cubins[0]}"],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    text = out.read_text()
+    assert text == (cubins[0].parent / "moe_unhooked_registers_bf16_n2.h").read_text()
+    rows = [line for line in text.splitlines() if line.rstrip().endswith(("// reduction",
+                                                                         "// finalize"))]
+    counts = [[int(v) for v in line.split("{")[1].split("}")[0].split(",")] for line in rows]
+    # pattern 6: all-reduce-out and residual-out on/off, norm on, no FP4; pattern 7: one.
+    assert [i for i, v in enumerate(counts[0]) if v] == [0b0010, 0b0110, 0b1010, 0b1110]
+    assert [i for i, v in enumerate(counts[1]) if v] == [0b110]
+
+
 def _build_dir() -> pathlib.Path | None:
     candidates = [os.environ.get("JAX_FUSEDAR_BUILD_DIR"), REPO / "build" / "dev"]
     for c in candidates:

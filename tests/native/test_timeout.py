@@ -9,6 +9,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import difflib  # noqa: E402
 import math  # noqa: E402
 import pathlib  # noqa: E402
 import re  # noqa: E402
@@ -231,6 +232,34 @@ def test_torch_workspace_reports_the_record():
     assert ws.failure() == ws.call_check_failure() == "Rank 1 did not arrive"
 
 
+def test_torch_moe_finalize_after_a_trap_raises_the_record_before_touching_the_device(
+        monkeypatch):
+    """Pattern 7's index check copies to the host, which a trapped context would answer with
+    CUDA's generic error: torch_compat raises the record first, and launches nothing."""
+    pytest.importorskip("torch")
+    import torch_compat
+    from torch_compat import moe
+
+    from tests.torch import test_moe as tm
+
+    monkeypatch.setattr(moe, "_current_stream", lambda device: 0xC0FFEE)
+    ws = tm.fake_workspace()
+    record = "jax_fusedar kernel wait timed out on rank 0 of 2 ... Rank 1 did not arrive"
+    ws.native_rank().failure = lambda: record
+
+    def no_copy(*a, **kw):
+        raise AssertionError("the index check ran on a failed workspace")
+
+    monkeypatch.setattr(moe, "check_index_values", no_copy)
+    with pytest.raises(RuntimeError, match="Rank 1 did not arrive"):
+        torch_compat.allreduce_fusion(workspace=ws, pattern=7, **tm.finalize_args())
+    assert ws.native_rank().moe_launches == []
+    ws.native_rank().failure = lambda: ""  # nothing recorded: the call goes through
+    monkeypatch.setattr(moe, "check_index_values", lambda idx, rows: None)
+    torch_compat.allreduce_fusion(workspace=ws, pattern=7, **tm.finalize_args())
+    assert len(ws.native_rank().moe_launches) == 1
+
+
 def test_extension_exposes_the_timeout():
     if not native.available():
         pytest.skip("native extension not built")
@@ -294,24 +323,43 @@ def test_torch_bench_table_shows_the_on_off_ratio():
 HEADER = REPO / "third_party" / "flashinfer" / "include"
 
 
-def test_the_build_hooks_every_wait_loop(tmp_path):
-    """Runs FlashInferHeaders.cmake's patching (cmake -P) on the fetched header: every
-    spin loop of the kernel is replaced by a bounded one, and no `while` spin is left."""
+def _include_dir():
     if shutil.which("cmake") is None:
         pytest.skip("cmake not found")
     include = os.environ.get("FLASHINFER_INCLUDE_DIR", str(HEADER))
     if not (pathlib.Path(include) / "flashinfer/comm/trtllm_allreduce_fusion.cuh").exists():
         pytest.skip("FlashInfer's headers are not fetched (tools/fetch_flashinfer_headers.py)")
-    script = tmp_path / "patch.cmake"
+    return include
+
+
+def _run_patching(build_dir, include):
+    """FlashInferHeaders.cmake's patching (cmake -P) of the headers under `include` into
+    build_dir/flashinfer_patched and build_dir/flashinfer_unhooked."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    script = build_dir / "patch.cmake"
     script.write_text(
-        f'set(CMAKE_BINARY_DIR "{tmp_path}")\n'
+        f'set(CMAKE_BINARY_DIR "{build_dir}")\n'
         f'set(PROJECT_SOURCE_DIR "{REPO}")\n'
         f'set(FLASHINFER_INCLUDE_DIR "{include}")\n'
         f'include("{REPO}/ffi/cmake/FlashInferHeaders.cmake")\n'
         'fusedar_prepare_flashinfer_headers(out out_unhooked)\n')
-    run = subprocess.run(["cmake", "-P", str(script)], capture_output=True, text=True,
-                         timeout=120)
+    return subprocess.run(["cmake", "-P", str(script)], capture_output=True, text=True,
+                          timeout=120)
+
+
+def _patched_trees(tmp_path, name):
+    include = _include_dir()
+    if not (pathlib.Path(include) / name).exists():
+        pytest.skip(f"{name} is not among the fetched headers")
+    run = _run_patching(tmp_path, include)
     assert run.returncode == 0, run.stdout + run.stderr
+    return include
+
+
+def test_the_build_hooks_every_wait_loop(tmp_path):
+    """Runs FlashInferHeaders.cmake's patching (cmake -P) on the fetched header: every
+    spin loop of the kernel is replaced by a bounded one, and no `while` spin is left."""
+    include = _patched_trees(tmp_path, "flashinfer/comm/trtllm_allreduce_fusion.cuh")
     text = (tmp_path / "flashinfer_patched/flashinfer/comm/trtllm_allreduce_fusion.cuh"
             ).read_text()
     device = text[:text.index("inline int get_sm_count()")]  # the kernels' part
@@ -378,6 +426,95 @@ def test_the_gpu_large_message_case_runs_the_large_message_algorithm():
     assert native_timeout.large_algorithm(2) == launch_mode.ALGORITHM_LARGE_MESSAGE
 
 
+def test_the_build_hooks_every_wait_loop_of_the_moe_kernels(tmp_path):
+    """The same for FlashInfer's MoE header (patterns 6, 7): in flashinfer_patched both
+    kernels' Lamport polls and LamportComm's grid counter are bounded, and no spin is left;
+    the probe copy has only the six `inline`s."""
+    name = "flashinfer/comm/trtllm_moe_allreduce_fusion.cuh"
+    include = _patched_trees(tmp_path, name)
+    text = (tmp_path / "flashinfer_patched" / name).read_text()
+    device = text[:text.index("inline int get_sm_count()")]  # up to the launchers
+    assert "__global__" not in device[:device.index("struct LamportComm")]
+    assert not re.search(r"while \([^)]*\)\s*\{\s*\}", text), "an unbounded spin is left"
+    assert text.count("while (") == 4  # the two polls (bounded inside) and two launcher loops
+    assert device.count("::fusedar_wait::spin(fusedar_ctx, ::fusedar::watchdog::kGrid") == 1
+    assert device.count("::fusedar_wait::count_call(counter_ptr)") == 1
+    kernels = text[text.index("inline bool use_oneshot"):]
+    assert kernels.count("comm.update(params.size * NRanks, FUSEDAR_MOE_WAIT_CTX);") == 2
+    assert kernels.count("FUSEDAR_WAIT_STATE") == 2
+    assert kernels.count("FUSEDAR_MOE_WAIT_LAMPORT_TICK") == 2
+    # Each poll is hooked inside its own kernel: one tick per kernel, after its poll loop.
+    reduce_at = kernels.index("moereduce_allreduce_fusion_kernel_oneshot_lamport(")
+    finalize_at = kernels.index("moefinalize_allreduce_fusion_kernel_oneshot_lamport(")
+    for start, end in ((reduce_at, finalize_at), (finalize_at, len(kernels))):
+        body = kernels[start:end]
+        assert body.count("FUSEDAR_MOE_WAIT_LAMPORT_TICK") == 1
+        assert body.index("while (!done)") < body.index("FUSEDAR_MOE_WAIT_LAMPORT_TICK") \
+            < body.index("vec_t<T, VEC_SIZE> sum_val")
+    # The data the loops read is untouched: the same loads, the same conditions.
+    assert text.count("done &= !has_neg_zero<T, VEC_SIZE>(vals[r]);") == 2
+    assert "return *reinterpret_cast<int volatile*>(counter_ptr) != gridDim.x;" in device
+    # The MoE launchers read no register count, but each hooked kernel is held to the
+    # unhooked one's registers (ffi/kernels/moe_launch_registers.cuh), so that every block
+    # FlashInfer's build launches fits.
+    assert "cudaFuncGetAttributes" not in text
+    assert text.count("__global__ void __maxnreg__((::fusedar_geometry::moe_register_cap<") == 2
+    assert ("moe_register_cap<::fusedar_geometry::kMoeReduction, T, NRanks, (AllReduceOut ? 8 "
+            ": 0) | (ResidualOut ? 4 : 0) | (NormOut ? 2 : 0) | (QuantOut ? 1 : 0)>())) "
+            "moereduce_allreduce_fusion_kernel_oneshot_lamport(") in text
+    assert ("moe_register_cap<::fusedar_geometry::kMoeFinalize, T, NRanks, (ResidualOut ? 4 : 0) "
+            "| (NormOut ? 2 : 0) | (QuantOut ? 1 : 0)>())) "
+            "moefinalize_allreduce_fusion_kernel_oneshot_lamport(") in text
+    unhooked = (tmp_path / "flashinfer_unhooked" / name).read_text()
+    assert "fusedar" not in unhooked
+    original = (pathlib.Path(include) / name).read_text()
+    # Both copies carry the fix of FlashInfer's pattern-7 race: its poll reads this rank's
+    # buffer (slot r), like pattern 6 and the dense one-shot, not rank r's own buffer.
+    racy = "vals[r].load_global_volatile(reinterpret_cast<T*>(comm.data_bufs[r]) +"
+    fixed = "vals[r].load_global_volatile(reinterpret_cast<T*>(comm.data_bufs[params.rank]) +"
+    assert original.count(racy) == 1 and racy not in unhooked and racy not in text
+    assert unhooked.count(fixed) == original.count(fixed) + 1 == 2
+    assert unhooked.replace("inline ", "") == original.replace("inline ", "").replace(racy, fixed)
+    assert unhooked.count("inline ") == original.count("inline ") + 6
+    # The hooked copy differs from the probe copy only where a wait is hooked: what the
+    # patches removed, and what they added (hook lines, and the grid wait's condition,
+    # unchanged, inside the bounded spin).
+    removed, added = [], []
+    a, b = unhooked.splitlines(), text.splitlines()
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
+        if tag != "equal":
+            removed += a[i1:i2]
+            added += b[j1:j2]
+    assert removed == [
+        "  __device__ __forceinline__ void update(int new_clear_size) {",
+        "      while (*reinterpret_cast<int volatile*>(counter_ptr) != gridDim.x) {",
+        "      }",
+        "__global__ void moereduce_allreduce_fusion_kernel_oneshot_lamport(",
+        "  comm.update(params.size * NRanks);",
+        "__global__ void moefinalize_allreduce_fusion_kernel_oneshot_lamport(",
+        "  comm.update(params.size * NRanks);"], removed
+    assert [line for line in added if "fusedar" not in line.lower()] == [
+        "        return *reinterpret_cast<int volatile*>(counter_ptr) != gridDim.x;",
+        "      });"], added
+
+
+def test_a_changed_moe_header_fails_the_build_loudly(tmp_path):
+    """A FlashInfer MoE header whose wait loop no longer reads as expected stops the
+    configure with the patch's name, instead of building an unbounded kernel."""
+    name = "flashinfer/comm/trtllm_moe_allreduce_fusion.cuh"
+    src = tmp_path / "src"
+    shutil.copytree(_include_dir(), src)
+    header = src / name
+    text = header.read_text()
+    assert text.count("    bool done = false;\n") == 2
+    header.write_text(text.replace("    bool done = false;\n", "    bool done{false};\n", 1))
+    run = _run_patching(tmp_path / "out", str(src))
+    assert run.returncode != 0
+    said = " ".join((run.stdout + run.stderr).split())  # CMake wraps its messages
+    assert ("expected 2 definition(s) of the Lamport polls' state in "
+            "trtllm_moe_allreduce_fusion.cuh, found 1") in said, said
+
+
 # --- the failure message (host-only) ------------------------------------------------------------
 
 
@@ -415,6 +552,16 @@ int main() {
   d.site = watchdog::kGrid; d.peer = -1; d.detail = 132;
   fusedar_rank_failure(&r, buf, sizeof buf);
   std::printf("grid=[%s]\n", buf);
+  // An MoE finalize call (pattern 7), described as fusedar_moe_launch describes it to the
+  // call check; its kernel polls this rank's Lamport buffer like the dense one-shot.
+  fusedar_launch_args m{};
+  m.pattern = 7; m.dtype = FUSEDAR_BFLOAT16; m.num_tokens = 16; m.hidden_dim = 7168;
+  m.algorithm = FUSEDAR_ALGORITHM_ONESHOT;
+  s = call_check::signature_of(m);
+  std::memcpy(d.mine, &s, sizeof s);
+  d.site = watchdog::kLamport; d.peer = 1; d.detail = 9;
+  fusedar_rank_failure(&r, buf, sizeof buf);
+  std::printf("moe=[%s]\n", buf);
   // The large-message algorithm's flags: a call of that algorithm, 8192 tokens.
   a.algorithm = FUSEDAR_ALGORITHM_LARGE_MESSAGE; a.num_tokens = 8192;
   s = call_check::signature_of(a);
@@ -491,6 +638,10 @@ def test_failure_messages_name_the_peer(tmp_path):
     assert not [t for t in texts if "an unknown wait" in t], texts
     wheres = [t[t.index(" to deliver "):t.index(". ", t.index(" to deliver "))] for t in texts]
     assert len(set(wheres)) == len(kernel_sites), wheres
+    assert ("call #4 {pattern=7 dtype=bfloat16 num_tokens=16 hidden_dim=7168 one-shot "
+            "fp32_acc=0 layout=0 block_quant_group_size=0}: waited 3.0 s (timeout 3.0 s) for "
+            "rank 1 to deliver its one-shot data in this rank's Lamport buffer (token 9). Rank 1 "
+            "did not arrive") in lines["moe"], lines["moe"]
 
 
 def test_bench_cli_times_both_settings_in_one_run(tmp_path):

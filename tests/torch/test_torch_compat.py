@@ -70,12 +70,7 @@ FI_FUSION = [
     ("block_quant_group_size", None, POS), ("weight_bias", 0.0, POS),
     ("moe_finalize_backend", "trtllm", KW),
 ]
-FI_FUSION_ONLY = {  # the MoE patterns (6, 7, 12), which this build does not implement
-    "moe_reduction_device_num_experts", "moe_reduction_scale_input",
-    "moe_reduction_active_experts_token_input", "moe_reduction_token_input",
-    "expanded_idx_to_permuted_idx", "expert_scale_factor", "shared_expert_output",
-    "moe_finalize_backend",
-}
+FI_FUSION_ONLY = set()  # every FlashInfer parameter, the MoE ones (6, 7) included
 
 FI_SUFFICIENT = [("self", _, POS), ("tp_size", _, POS), ("num_tokens", _, POS),
                  ("hidden_dim", _, POS), ("dtype", _, POS), ("use_oneshot", None, POS)]
@@ -94,8 +89,11 @@ def test_create_signature_matches_flashinfer():
 
 
 def test_allreduce_fusion_signature_matches_flashinfer():
-    assert _params(torch_compat.allreduce_fusion) == [
+    assert _params(torch_compat.allreduce_fusion)[:-1] == [
         p for p in FI_FUSION if p[0] not in FI_FUSION_ONLY]
+    # Our addition, keyword-only: pattern 7's routed scaling (FlashInfer's unified API passes
+    # None, i.e. 1.0, to its kernel).
+    assert _params(torch_compat.allreduce_fusion)[-1] == ("routed_scaling_factor", None, KW)
 
 
 def test_is_buffer_size_sufficient_signature_matches_flashinfer():
@@ -163,6 +161,9 @@ class FakeRank:
 
     def launch(self, *args, **kw):
         self.launches.append((args, kw))
+
+    def failure(self):
+        return ""
 
     def destroy(self):
         self.destroyed += 1
@@ -327,8 +328,9 @@ def _call(ws, pattern=1, **over):
     (dict(quant_out=torch.empty(16, 1024, dtype=torch.uint8)), "does not write quant_out"),
     (dict(scale_out=torch.empty(16, 1)), "does not write scale_out"),
     (dict(pattern=0, norm_out=torch.empty(16, 1024).bfloat16()), "does not write"),
-    (dict(pattern=6), "unknown fusion pattern"),  # FlashInfer's MoE codes
-    (dict(pattern=7), "unknown fusion pattern"),
+    # FlashInfer's MoE codes: their own inputs (tests/torch/test_moe.py)
+    (dict(pattern=6), "kMoEReductionARResidualRMSNorm needs moe_reduction_device_num_experts"),
+    (dict(pattern=7), "kMoEFinalizeARResidualRMSNorm needs expanded_idx_to_permuted_idx"),
     (dict(pattern=12), "unknown fusion pattern"),
     (dict(pattern=99), "unknown fusion pattern"),
     (dict(input="x"), "must be a torch.Tensor"),

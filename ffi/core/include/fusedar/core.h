@@ -24,7 +24,12 @@ extern "C" {
 #pragma GCC visibility push(default)
 #endif
 
-#define FUSEDAR_ABI_VERSION 2
+// Bumped whenever the C API changes (functions or struct layouts); the nanobind module
+// refuses a core whose fusedar_abi_version() differs from the header it was built with.
+// 2 added the MoE entry points (fusedar_moe_launch_args, fusedar_check_moe_launch,
+// fusedar_moe_launch); 3 replaced fusedar_launch_args.use_oneshot by `algorithm`
+// (fusedar_algorithm, with the large-message algorithm).
+#define FUSEDAR_ABI_VERSION 3
 #define FUSEDAR_IPC_HANDLE_BYTES 64
 // Each rank shares three buffers with its peers: two-shot data, barrier flags and
 // the Lamport (one-shot) triple buffer; the layout is in docs/architecture.md.
@@ -175,6 +180,52 @@ int fusedar_rank_failure(const fusedar_rank* r, char* buf, size_t len);
 int fusedar_check_launch(const fusedar_rank* r, const fusedar_launch_args* args);
 // Launches the fused kernel on `stream` (a cudaStream_t).
 int fusedar_launch(const fusedar_rank* r, const fusedar_launch_args* args, void* stream);
+
+// FlashInfer's MoE epilogues (trtllm_moe_allreduce_fusion.cuh) on the same workspace:
+//   pattern 6 (kMoEReductionARResidualRMSNorm): per token, the weighted sum of this rank's
+//     `num_experts` expert rows plus `token_input`, then all-reduce, residual add, RMSNorm;
+//   pattern 7 (kMoEFinalizeARResidualRMSNorm): per token, the gather of its top_k rows of
+//     the permuted expert output (index -1 = dropped), each scaled by its router weight,
+//     summed, times `routed_scaling_factor`, plus `shared_expert_output`, then all-reduce,
+//     residual add, RMSNorm.
+// Both are one-shot (Lamport) only, 16-bit only, and need hidden_dim to fill whole warps
+// (a multiple of 256 elements): the kernels give each token hidden_dim/8 threads rounded up
+// to whole warps, and the spare threads of a partial warp read the next token's row.
+// Index values are not read by the core: an index outside [-1, num_permuted_rows) reads
+// outside `permuted_input` (the Python layers check them).
+typedef struct {
+  int32_t pattern;  // 6 or 7
+  int32_t dtype;    // FUSEDAR_FLOAT16 or FUSEDAR_BFLOAT16
+  int64_t num_tokens;
+  int64_t hidden_dim;
+  // Pattern 6.
+  int32_t num_experts;          // moe_reduction_device_num_experts (>= 1)
+  const float* expert_scales;   // [num_experts, num_tokens] float32
+  const void* expert_outputs;   // [num_experts, num_tokens, hidden_dim]
+  const void* token_input;      // [num_tokens, hidden_dim]
+  void* allreduce_out;          // optional [num_tokens, hidden_dim]: the all-reduced sum
+  // Pattern 7.
+  const void* permuted_input;                   // [num_permuted_rows, hidden_dim]
+  int64_t num_permuted_rows;
+  const int32_t* expanded_idx_to_permuted_idx;  // [num_tokens, top_k]
+  int32_t top_k;
+  const void* expert_scale_factor;   // optional [num_tokens, top_k], the call's dtype
+  const void* shared_expert_output;  // optional [num_tokens, hidden_dim]
+  float routed_scaling_factor;       // 1: not applied
+  // Both.
+  const void* residual_in;
+  void* residual_out;  // optional for pattern 6, required for 7
+  void* norm_out;
+  const void* rms_gamma;
+  float rms_eps;
+  float weight_bias;
+  int32_t launch_with_pdl;
+} fusedar_moe_launch_args;
+
+// Checks an MoE call against the workspace without launching (same checks as the launch).
+int fusedar_check_moe_launch(const fusedar_rank* r, const fusedar_moe_launch_args* args);
+// Launches FlashInfer's MoE kernel for args->pattern on `stream` (a cudaStream_t).
+int fusedar_moe_launch(const fusedar_rank* r, const fusedar_moe_launch_args* args, void* stream);
 
 // Host-side launches so far in this process. Under CUDA-graph replay (XLA command
 // buffers) kernels run without a host launch, which is how tests see that capture works.

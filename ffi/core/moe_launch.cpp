@@ -1,0 +1,160 @@
+// Validation and dispatch of FlashInfer's MoE epilogues (patterns 6 and 7).
+//
+// As for the dense kernel (launch.cpp), the kernels trust their arguments: a call larger
+// than the workspace writes past the peers' Lamport buffers, and a partial warp per token
+// computes wrong norms. So every rule the kernels rely on is checked here, before launch.
+// A missing peer makes the kernels' bounded waits (watchdog.h) trap after the workspace's
+// timeout; later launches are refused with the recorded text.
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "../kernels/moe_kernel_call.h"
+#include "call_check.h"
+#include "device_guard.h"
+#include "fusedar/core.h"
+#include "rank_state.h"
+#include "status.h"
+
+using fusedar::fail;
+
+namespace {
+
+std::string pattern_name(int p) {
+  return p == 6 ? "pattern 6 (kMoEReductionARResidualRMSNorm)"
+                : "pattern 7 (kMoEFinalizeARResidualRMSNorm)";
+}
+
+int check(const fusedar_rank* r, const fusedar_moe_launch_args* a) {
+  if (r == nullptr || a == nullptr) return fail(FUSEDAR_INVALID_ARGUMENT, "null argument");
+  if (r->table == nullptr) return fail(FUSEDAR_INVALID_ARGUMENT, "the workspace is not finalized");
+  if (a->pattern != 6 && a->pattern != 7) {
+    return fail(FUSEDAR_INVALID_ARGUMENT,
+                "pattern " + std::to_string(a->pattern) + " is not an MoE pattern (6 or 7)");
+  }
+  const std::string what = pattern_name(a->pattern);
+  if (a->dtype != FUSEDAR_FLOAT16 && a->dtype != FUSEDAR_BFLOAT16) {
+    return fail(FUSEDAR_INVALID_ARGUMENT,
+                what + " runs on float16 or bfloat16 only (FlashInfer instantiates no other)");
+  }
+  const fusedar_workspace_info& ws = r->info;
+  if (ws.dtype != FUSEDAR_FLOAT16 && ws.dtype != FUSEDAR_BFLOAT16) {
+    // The Lamport sentinel is -0.0 at the workspace's element width.
+    return fail(FUSEDAR_INVALID_ARGUMENT, what + " needs a 16-bit workspace");
+  }
+  const int64_t m = a->num_tokens, h = a->hidden_dim, n = ws.world_size, e = 2;
+  if (m <= 0 || h <= 0) return fail(FUSEDAR_INVALID_ARGUMENT, "empty input");
+  // 8 elements per thread, whole warps per token: 256 elements.
+  if (h % 256 != 0) {
+    return fail(FUSEDAR_INVALID_ARGUMENT,
+                what + ": hidden_dim " + std::to_string(h) +
+                    " is not a multiple of 256; FlashInfer's MoE kernels give each token "
+                    "whole warps of 8-element threads, and the spare threads of a partial "
+                    "warp read the next token's row");
+  }
+  if (m * h > int64_t(ws.max_token_num) * ws.hidden_dim) {
+    return fail(FUSEDAR_INVALID_ARGUMENT,
+                "num_tokens*hidden_dim = " + std::to_string(m) + "*" + std::to_string(h) +
+                    " exceeds the workspace (max_token_num*hidden_dim = " +
+                    std::to_string(ws.max_token_num) + "*" + std::to_string(ws.hidden_dim) + ")");
+  }
+  if (m * h * n * e > ws.lamport_comm_bytes) {
+    return fail(FUSEDAR_INVALID_ARGUMENT,
+                what + " is one-shot only and needs " + std::to_string(m * h * n * e) +
+                    " bytes of Lamport buffer; the workspace has " +
+                    std::to_string(ws.lamport_comm_bytes));
+  }
+  if (a->residual_in == nullptr || a->rms_gamma == nullptr || a->norm_out == nullptr) {
+    return fail(FUSEDAR_INVALID_ARGUMENT, what + " needs residual_in, rms_gamma and norm_out");
+  }
+  if (!std::isfinite(a->rms_eps) || !std::isfinite(a->weight_bias)) {
+    return fail(FUSEDAR_INVALID_ARGUMENT, "rms_eps and weight_bias must be finite");
+  }
+  if (a->pattern == 6) {
+    if (a->num_experts < 1) {
+      return fail(FUSEDAR_INVALID_ARGUMENT,
+                  what + " needs num_experts >= 1, got " + std::to_string(a->num_experts));
+    }
+    if (a->expert_scales == nullptr || a->expert_outputs == nullptr ||
+        a->token_input == nullptr) {
+      return fail(FUSEDAR_INVALID_ARGUMENT,
+                  what + " needs expert_scales, expert_outputs and token_input");
+    }
+  } else {
+    if (a->top_k < 1) {
+      return fail(FUSEDAR_INVALID_ARGUMENT,
+                  what + " needs top_k >= 1, got " + std::to_string(a->top_k));
+    }
+    if (a->num_permuted_rows < 1) {
+      return fail(FUSEDAR_INVALID_ARGUMENT, what + " needs at least one permuted row");
+    }
+    if (a->permuted_input == nullptr || a->expanded_idx_to_permuted_idx == nullptr) {
+      return fail(FUSEDAR_INVALID_ARGUMENT,
+                  what + " needs permuted_input and expanded_idx_to_permuted_idx");
+    }
+    if (a->residual_out == nullptr) {
+      return fail(FUSEDAR_INVALID_ARGUMENT, what + " needs residual_out");
+    }
+    if (!std::isfinite(a->routed_scaling_factor)) {
+      return fail(FUSEDAR_INVALID_ARGUMENT, "routed_scaling_factor must be finite");
+    }
+  }
+  return FUSEDAR_OK;
+}
+
+template <int DType>
+std::string launch_for_world(const fusedar::kernels::MoeKernelCall& call) {
+  switch (call.nranks) {
+    case 2: return fusedar::kernels::launch_moe<DType, 2>(call);
+    case 4: return fusedar::kernels::launch_moe<DType, 4>(call);
+    case 8: return fusedar::kernels::launch_moe<DType, 8>(call);
+    case 16: return fusedar::kernels::launch_moe<DType, 16>(call);
+  }
+  return "unsupported world size " + std::to_string(call.nranks);
+}
+
+}  // namespace
+
+extern "C" int fusedar_check_moe_launch(const fusedar_rank* r, const fusedar_moe_launch_args* a) {
+  return check(r, a);
+}
+
+extern "C" int fusedar_moe_launch(const fusedar_rank* r, const fusedar_moe_launch_args* a,
+                                  void* stream) {
+  if (int rc = check(r, a)) return rc;
+  {
+    // A wait on this workspace (an MoE kernel's, a dense kernel's or the handshake's)
+    // already timed out and trapped: say why instead of CUDA's generic error, as
+    // fusedar_launch does (one read of pinned host memory, before any CUDA call).
+    std::string failed = fusedar::call_check::failure(r);
+    if (!failed.empty()) return fail(FUSEDAR_CUDA_ERROR, failed);
+  }
+  fusedar::DeviceGuard guard(r->device);
+  FUSEDAR_CUDA_TRY(guard.status(), "selecting the device", r->device);
+  if (r->check_calls) {
+    // The ranks must agree on what the all-reduce moves: pattern, dtype and the token
+    // block (per-rank expert counts and top_k may differ, e.g. under expert parallelism).
+    fusedar_launch_args signature{};
+    signature.pattern = a->pattern;
+    signature.dtype = a->dtype;
+    signature.num_tokens = a->num_tokens;
+    signature.hidden_dim = a->hidden_dim;
+    signature.algorithm = FUSEDAR_ALGORITHM_ONESHOT;  // the MoE kernels' only mode
+    cudaError_t err =
+        fusedar::call_check::launch(r, signature, static_cast<cudaStream_t>(stream));
+    if (err != cudaSuccess) {
+      return fusedar::fail_cuda(err, "launching the call-check handshake", r->device);
+    }
+  }
+  fusedar::kernels::MoeKernelCall call{a, r->info.world_size, r->rank, r->table,
+                                       static_cast<cudaStream_t>(stream)};
+  std::string err = a->dtype == FUSEDAR_FLOAT16 ? launch_for_world<FUSEDAR_FLOAT16>(call)
+                                                : launch_for_world<FUSEDAR_BFLOAT16>(call);
+  if (!err.empty()) {
+    (void)cudaGetLastError();
+    return fail(FUSEDAR_CUDA_ERROR, "device " + std::to_string(r->device) + ": " + err);
+  }
+  fusedar::note_launch();
+  return FUSEDAR_OK;
+}

@@ -1,0 +1,628 @@
+"""The MoE patterns (6, 7) on 2 ranks, in three stages that write JSON reports to --out. Each
+rank is a process with a GPU of its own, or, with one GPU, the two share it (correctness only:
+the benches need a GPU per rank and say so in the report).
+
+1. torch (one process per rank): torch_compat against the float64 oracle (bounds of
+   tests/oracles/moe_oracle.py) and against FlashInfer's own build (the anchor) byte for byte, the
+   custom op captured in a CUDA graph and replayed with fresh inputs, and the bench: fused
+   torch_compat vs the anchor vs the unfused torch sequence (gather + weighted sum + NCCL
+   all_reduce + add + RMSNorm), each as CUDA-graph replays timed with CUDA events;
+2. JAX (one `jax.distributed` process per rank, as TP serving runs): the same cases through
+   jax_fusedar's MoE ops, bitwise against stage 1's torch outputs, and the bench: fused vs the unfused XLA sequence
+   (gather + weighted sum + psum + add + RMSNorm), chains of dependent calls in one jit;
+3. the anchor alone at hidden 2880 (a partial warp per token, refused by jax_fusedar and
+   torch_compat) against the oracle, to show why.
+
+    python -m tests.gpu.moe_gpu --out DIR [--anchor PATH] [--stages torch,jax,anchor2880]
+
+(from the repository's root).
+
+MOE_GPU_TORCH_TIMEOUT_S and MOE_GPU_JAX_TIMEOUT_S bound stages 1 and 2 (their ranks are killed
+after it); MOE_GPU_BENCH_TOKENS narrows the benches; MOE_GPU_BENCH_ON_SHARED_GPU=1 runs stage 1's
+fused and anchor loops on a shared GPU (to see that they finish); MOE_GPU_CASES_ONLY=1
+skips the CUDA-graph check and the bench of stage 1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+               ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ.setdefault(_k, _v)
+
+EPS = 1e-6
+WORLD = 2
+MAX_TOKENS = 1024
+BACK_TO_BACK_CALLS = 64
+# FlashInfer's own finalize kernel (the anchor) has the peer-buffer race our build fixes
+# (docs/moe.md), which hung our unfixed build graph-timed at 1024 tokens (2 x H200 and one H200).
+ANCHOR_BENCH_MAX_TOKENS = 128
+HIDDEN_WS = 7168
+# (pattern, dtype, tokens, hidden, top_k or experts, experts, scale, shared, routed)
+CASES = [
+    (7, "bfloat16", 1, 7168, 8, 256, True, True, 1.0),
+    (7, "bfloat16", 16, 7168, 8, 256, True, False, 2.5),
+    (7, "bfloat16", 128, 7168, 8, 256, True, True, 1.0),
+    (7, "bfloat16", 1024, 7168, 8, 256, True, True, 1.0),
+    (7, "float16", 16, 4096, 4, 64, True, True, 1.0),
+    (7, "bfloat16", 64, 4096, 2, 8, False, False, 1.0),
+    (7, "float16", 5, 7168, 1, 16, True, True, 1.0),
+    (6, "bfloat16", 16, 7168, 8, 8, None, None, None),
+    (6, "float16", 128, 4096, 4, 4, None, None, None),
+    (6, "bfloat16", 1, 7168, 1, 1, None, None, None),
+]
+# MOE_GPU_BENCH_TOKENS=1024 (comma-separated) narrows the bench, e.g. to look at one size.
+BENCH_TOKENS = tuple(int(t) for t in os.environ.get("MOE_GPU_BENCH_TOKENS", "1,16,128,1024").split(","))
+# The cases JAX repeats (every compile costs seconds): both patterns, both dtypes, routed
+# scaling, one call above the one-shot threshold of 128 tokens.
+JAX_CASES = [CASES[1], CASES[3], CASES[4], CASES[5], CASES[7], CASES[8]]
+
+
+def case_name(c):
+    return "p{}-{}-t{}-h{}-k{}-e{}{}{}{}".format(
+        c[0], c[1], c[2], c[3], c[4], c[5], "-scale" if c[6] else "",
+        "-shared" if c[7] else "", f"-routed{c[8]}" if c[8] not in (None, 1.0) else "")
+
+
+def case_inputs(c):
+    """Every rank's numpy inputs of case ``c`` (the same in every process)."""
+    import tests.oracles.moe_oracle as mo
+    pattern, dtype, tokens, hidden, k, experts = c[:6]
+    rng = np.random.default_rng([pattern, tokens, hidden, k, experts])
+    if pattern == 7:
+        return mo.random_finalize_case(rng, tokens=tokens, top_k=k, experts=experts, world=WORLD,
+                                       dtype_name=dtype, hidden=hidden, pad=2)
+    return mo.random_reduction_case(rng, tokens=tokens, experts=experts, world=WORLD,
+                                    dtype_name=dtype, hidden=hidden)
+
+
+JAX_CASE_NAMES = {case_name(c) for c in JAX_CASES}
+
+
+def oracle_errors(c, inputs, outs):
+    """(residual_out, norm_out[, allreduce_out]) errors as fractions of their bounds."""
+    import tests.oracles.moe_oracle as mo
+    pattern, dtype = c[0], c[1]
+    if pattern == 7:
+        exact = [mo.finalize_local64(inputs["permuted"][r], inputs["idx"][r],
+                                     inputs["scale"] if c[6] else None,
+                                     inputs["shared"][r] if c[7] else None, c[8])
+                 for r in range(WORLD)]
+    else:
+        exact = [mo.reduction_local64(inputs["expert_outputs"][r], inputs["expert_scales"][r],
+                                      inputs["token_input"][r]) for r in range(WORLD)]
+    s64, r64, y64, inv = mo.epilogue64([e[0] for e in exact], inputs["residual"],
+                                       inputs["gamma"], rms_eps=EPS, weight_bias=0.0)
+    magnitude = sum(e[1] for e in exact) + np.abs(np.asarray(inputs["residual"], np.float64))
+    return mo.errors(outs, s64=s64, r64=r64, y64=y64, inv64=inv, magnitude=magnitude,
+                     roundings=WORLD * (2 * exact[0][2] + 1) + WORLD, gamma=inputs["gamma"],
+                     weight_bias=0.0, dtype_name=dtype)
+
+
+def _bits(a):
+    return np.ascontiguousarray(a).view(np.uint16)
+
+
+def _ranks_share_a_gpu():
+    """True with fewer GPUs than ranks: correctness still runs (the kernels time-slice the GPU),
+    the benches do not (their figures would mean nothing, and NCCL refuses shared GPUs)."""
+    from jax_fusedar.common import native
+    return native.gpu_count() < WORLD
+
+
+# --- stage 1: torch ---------------------------------------------------------------------------
+
+def _torch_rank(rank, world, channel, *, port, anchor_path, out_dir):
+    import torch
+    import torch.distributed as dist
+
+    from tests.gpu.harness import device_for
+    dev = torch.device("cuda", device_for(rank))
+    torch.cuda.set_device(dev)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    # NCCL (the unfused baseline of the bench) needs one GPU per rank.
+    nccl = None if _ranks_share_a_gpu() else dist.new_group(backend="nccl")
+    import torch_compat as tc
+    from torch_compat import library
+    T = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+    ws = tc.create_allreduce_fusion_workspace("trtllm", world, rank, MAX_TOKENS, HIDDEN_WS,
+                                              torch.bfloat16, group=dist.group.WORLD)
+    fi = fws = None
+    anchor_error = None
+    try:
+        from tests.gpu import anchor
+        fi = anchor.load(anchor_path)
+        fws = anchor.create_workspace(fi, world_size=world, rank=rank, max_token_num=MAX_TOKENS,
+                                      hidden_dim=HIDDEN_WS, dtype=torch.bfloat16,
+                                      group=dist.group.WORLD)
+    except Exception as e:  # reported, and the anchor comparisons are marked missing
+        anchor_error = f"{type(e).__name__}: {e}"
+
+    def to_t(a, dtype):
+        t = torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).to(dev)
+        return t.view(T[dtype])
+
+    def run_case(c, inputs, impl):
+        dtype = c[1]
+        res_in = to_t(inputs["residual"], dtype)
+        gamma = to_t(inputs["gamma"], dtype)
+        norm = torch.full_like(res_in, float("nan"))
+        res_out = torch.full_like(res_in, float("nan"))
+        if c[0] == 7:
+            args = dict(input=to_t(inputs["permuted"][rank], dtype),
+                        expanded_idx_to_permuted_idx=torch.from_numpy(inputs["idx"][rank]).to(dev),
+                        expert_scale_factor=to_t(inputs["scale"], dtype) if c[6] else None,
+                        shared_expert_output=to_t(inputs["shared"][rank], dtype) if c[7] else None)
+            if impl == "ours":
+                tc.allreduce_fusion(workspace=ws, pattern=7, residual_in=res_in, rms_gamma=gamma,
+                                    residual_out=res_out, norm_out=norm, rms_eps=EPS,
+                                    launch_with_pdl=True, routed_scaling_factor=c[8], **args)
+            else:
+                fi.trtllm_moe_finalize_allreduce_fusion(
+                    allreduce_in=args["input"], residual_in=res_in, norm_weight=gamma,
+                    expanded_idx_to_permuted_idx=args["expanded_idx_to_permuted_idx"],
+                    norm_out=norm, residual_out=res_out, quant_out=None, scale_out=None,
+                    workspace_ptrs=fws.workspace_tensor, launch_with_pdl=True,
+                    world_rank=rank, world_size=world, eps=EPS,
+                    shared_expert_output=args["shared_expert_output"],
+                    expert_scale_factor=args["expert_scale_factor"],
+                    routed_scaling_factor=None if c[8] == 1.0 else c[8], weight_bias=0.0)
+            outs = [res_out, norm]
+        else:
+            e = c[5]
+            ar = torch.full_like(res_in, float("nan"))
+            kw = dict(moe_reduction_device_num_experts=e,
+                      moe_reduction_scale_input=torch.from_numpy(
+                          inputs["expert_scales"][rank]).to(dev),
+                      moe_reduction_active_experts_token_input=to_t(
+                          inputs["expert_outputs"][rank], dtype).reshape(e * c[2], c[3]),
+                      moe_reduction_token_input=to_t(inputs["token_input"][rank], dtype),
+                      residual_in=res_in, rms_gamma=gamma, residual_out=res_out, norm_out=norm,
+                      output=ar, rms_eps=EPS, launch_with_pdl=True)
+            mod = tc if impl == "ours" else fi
+            wsx = ws if impl == "ours" else fws
+            mod.allreduce_fusion(res_in, wsx, 6, **kw)
+            outs = [res_out, norm, ar]
+        torch.cuda.synchronize()
+        return [o.cpu().view(torch.int16).numpy().view(inputs["residual"].dtype) for o in outs]
+
+    def say(*msg):
+        if rank == 0:
+            print(f"[torch {time.strftime('%T')}]", *msg, flush=True)
+
+    say("workspaces ready; anchor:", anchor_error or "loaded")
+    report = {"rank": rank, "anchor_error": anchor_error, "cases": {}}
+    saved = {}
+    for c in CASES:
+        name = case_name(c)
+        inputs = case_inputs(c)
+        ours = run_case(c, inputs, "ours")
+        entry = {}
+        if rank == 0:
+            entry["oracle_error_fraction_of_bound"] = oracle_errors(c, inputs, ours)
+            for i, o in enumerate(ours):
+                saved[f"{name}/{i}"] = o
+        if fi is not None:
+            theirs = run_case(c, inputs, "anchor")
+            entry["bytes_differing_vs_anchor"] = [
+                int((_bits(a) != _bits(b)).sum()) * 2 for a, b in zip(ours, theirs)]
+        # Every rank holds the same (all-reduced) rows.
+        peers = channel.all_gather(f"bits/{name}", [o.tobytes() for o in ours])
+        entry["ranks_identical"] = all(p == peers[0] for p in peers)
+        report["cases"][name] = entry
+        say(name, entry)
+    if rank == 0:
+        np.savez(Path(out_dir) / "moe_torch_outputs.npz",
+                 **{k: v for k, v in saved.items() if k.split("/")[0] in JAX_CASE_NAMES})
+
+    if os.environ.get("MOE_GPU_CASES_ONLY") == "1":  # a short run: correctness only
+        ws.destroy()
+        dist.destroy_process_group()
+        return report
+
+    # CUDA graph: the custom op captured once, replayed with fresh inputs.
+    c = (7, "bfloat16", 16, 7168, 8, 256, True, True, 1.0)
+    inputs = case_inputs(c)
+    handle = library.register_workspace(ws)
+    static = dict(p=to_t(inputs["permuted"][rank], "bfloat16"),
+                  idx=torch.from_numpy(inputs["idx"][rank]).to(dev),
+                  res=to_t(inputs["residual"], "bfloat16"), g=to_t(inputs["gamma"], "bfloat16"),
+                  s=to_t(inputs["scale"], "bfloat16"),
+                  sh=to_t(inputs["shared"][rank], "bfloat16"))
+    op = torch.ops.torch_compat.moe_finalize_allreduce_residual_rmsnorm
+
+    def call():
+        return op(static["p"], static["idx"], static["res"], static["g"], static["s"],
+                  static["sh"], 1.0, EPS, 0.0, handle)
+
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gout = call()
+    mismatches = 0
+    for i in range(5):
+        static["res"].copy_(torch.randn_like(static["res"], dtype=torch.float32).bfloat16())
+        static["p"].copy_(torch.randn_like(static["p"], dtype=torch.float32).bfloat16())
+        graph.replay()
+        eager = call()
+        torch.cuda.synchronize()
+        mismatches += int((gout[1].view(torch.int16) != eager[1].view(torch.int16)).sum())
+    report["cuda_graph_replays_vs_eager_differing_elements"] = mismatches
+    say("cuda graph replays vs eager, differing elements:", mismatches)
+
+    # Back-to-back calls (no host sync between them, as in a graph or a model's layers) at the
+    # workspace's largest size: a rank then starts its next call while a slower peer is still in
+    # this one. FlashInfer's finalize kernel polls the peers' buffers, which a peer already in
+    # its next call clears (docs/moe.md); this hung (or, with bounded waits, trapped).
+    c = (7, "bfloat16", MAX_TOKENS, 7168, 8, 256, True, True, 1.0)
+    inputs = case_inputs(c)
+    big = dict(p=to_t(inputs["permuted"][rank], "bfloat16"),
+               idx=torch.from_numpy(inputs["idx"][rank]).to(dev),
+               res=to_t(inputs["residual"], "bfloat16"), g=to_t(inputs["gamma"], "bfloat16"),
+               s=to_t(inputs["scale"], "bfloat16"), sh=to_t(inputs["shared"][rank], "bfloat16"))
+
+    def big_call():
+        return op(big["p"], big["idx"], big["res"], big["g"], big["s"], big["sh"], 1.0, EPS, 0.0,
+                  handle)
+
+    say("back-to-back calls at", MAX_TOKENS, "tokens")
+    t0 = time.perf_counter()
+    outs = [big_call() for _ in range(BACK_TO_BACK_CALLS)]
+    torch.cuda.synchronize()
+    first = outs[0][1].view(torch.int16)
+    report["back_to_back"] = {
+        "calls": BACK_TO_BACK_CALLS, "tokens": MAX_TOKENS,
+        "seconds": round(time.perf_counter() - t0, 3),
+        "calls_differing_from_the_first": sum(
+            int(not torch.equal(o[1].view(torch.int16), first)) for o in outs[1:])}
+    say("back-to-back:", report["back_to_back"])
+    del outs
+
+    # Bench at DeepSeek shapes: hidden 7168, top_k 8 of 256 experts, 2 ranks (expert parallel).
+    def events_per_call(run, iters, reps=5):
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+            channel.barrier("t")
+            start.record()
+            run()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) * 1000 / iters)
+        return float(np.median(times))
+
+    def graph_timed(fn, iters=20):
+        """Per-call device time of ``iters`` calls captured in one CUDA graph; None on every
+        rank when capture failed on any (so the ranks never fall out of step)."""
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        ok = True
+        try:
+            with torch.cuda.graph(g):
+                for _ in range(iters):
+                    fn()
+        except Exception as e:  # noqa: BLE001 (reported as a missing figure)
+            ok = False
+            say("capture failed:", type(e).__name__, str(e)[:200])
+        if not all(channel.all_gather("capture", ok)):
+            return None
+        return events_per_call(g.replay, iters)
+
+    def eager_timed(fn, iters=20):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        return events_per_call(lambda: [fn() for _ in range(iters)], iters)
+
+    bench = {}
+    # On a shared GPU MOE_GPU_BENCH_ON_SHARED_GPU=1 still runs the fused and anchor loops (no
+    # NCCL baseline): their figures mean nothing there, but a loop that never ends shows.
+    shared_loops = nccl is None and os.environ.get("MOE_GPU_BENCH_ON_SHARED_GPU") == "1"
+    if nccl is None and not shared_loops:
+        bench = "not run: ranks share a GPU (time-sliced kernels; NCCL needs one GPU per rank)"
+        say("bench", bench)
+    for tokens in BENCH_TOKENS if nccl is not None or shared_loops else ():
+        c = (7, "bfloat16", tokens, 7168, 8, 256, True, True, 1.0)
+        inputs = case_inputs(c)
+        p_ = to_t(inputs["permuted"][rank], "bfloat16")
+        idx = torch.from_numpy(inputs["idx"][rank]).to(dev)
+        res = to_t(inputs["residual"], "bfloat16")
+        g_ = to_t(inputs["gamma"], "bfloat16")
+        s_ = to_t(inputs["scale"], "bfloat16")
+        sh = to_t(inputs["shared"][rank], "bfloat16")
+        ro, no = torch.empty_like(res), torch.empty_like(res)
+
+        def fused():
+            tc.allreduce_fusion(p_, ws, 7, residual_in=res, rms_gamma=g_, residual_out=ro,
+                                norm_out=no, expanded_idx_to_permuted_idx=idx,
+                                expert_scale_factor=s_, shared_expert_output=sh, rms_eps=EPS,
+                                launch_with_pdl=True)
+
+        def anchor_call():
+            fi.allreduce_fusion(p_, fws, 7, residual_in=res, rms_gamma=g_, residual_out=ro,
+                                norm_out=no, expanded_idx_to_permuted_idx=idx,
+                                expert_scale_factor=s_, shared_expert_output=sh, rms_eps=EPS,
+                                launch_with_pdl=True)
+
+        valid = (idx >= 0)
+        w = (s_.float() * valid)[..., None]
+        safe = idx.clamp(min=0).long()
+
+        def unfused():
+            rows = p_[safe].float() * w                    # gather + weight
+            y = (rows.sum(1).bfloat16().float() + sh.float()).bfloat16()
+            dist.all_reduce(y, group=nccl)                  # NCCL
+            r = (y.float() + res.float()).bfloat16()
+            rf = r.float()
+            n = rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + EPS) * g_.float()
+            ro.copy_(r)
+            no.copy_(n.bfloat16())
+
+        # Each step announced first: a hang shows where it is.
+        say("bench", tokens, "fused (graph)")
+        row = {"fused_torch_compat_graph_us": graph_timed(fused)}
+        # The unfused sequence captured in a CUDA graph like the fused op (NCCL collectives
+        # capture), so launch overhead does not count against it; eager as well, and as the
+        # only figure if the capture fails.
+        if nccl is not None:
+            say("bench", tokens, "unfused (graph)")
+            row["unfused_torch_nccl_graph_us"] = graph_timed(unfused)
+            say("bench", tokens, "unfused (eager)")
+            row["unfused_torch_nccl_eager_us"] = eager_timed(unfused)
+        else:
+            row["shared_gpu"] = "figures mean nothing: the ranks time-slice one GPU"
+        if fi is not None and tokens <= ANCHOR_BENCH_MAX_TOKENS:
+            say("bench", tokens, "anchor (graph)")
+            row["anchor_flashinfer_graph_us"] = graph_timed(anchor_call)
+        elif fi is not None:
+            row["anchor_flashinfer_graph_us"] = (
+                "not timed: FlashInfer's finalize kernel has the back-to-back race that hung "
+                "our build here before its fix (docs/moe.md)")
+        bench[tokens] = row
+        say("bench", tokens, row)
+    report["bench_us_per_call"] = bench
+    library.unregister_workspace(handle)
+    ws.destroy()
+    dist.destroy_process_group()
+    return report
+
+
+def stage_torch(out_dir, anchor_path):
+    from tests.gpu.harness import run_ranks
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    if anchor_path:
+        from tests.gpu import anchor
+        anchor.prepare_parent(anchor.path(anchor_path))
+    # The harness kills the ranks itself on timeout (a shell timeout would orphan them, still
+    # spinning on the GPUs).
+    reports = run_ranks(_torch_rank, WORLD, timeout_s=float(os.environ.get(
+        "MOE_GPU_TORCH_TIMEOUT_S", "240")), port=port, anchor_path=anchor_path,
+        out_dir=str(out_dir))
+    return reports
+
+
+# --- stage 2: JAX -----------------------------------------------------------------------------
+
+def _jax_rank(rank, world, channel, *, port, out_dir):
+    """One `jax.distributed` process per rank (one GPU each, or all sharing one GPU: the
+    kernels time-slice it and the protocol still completes), as the JAX users' TP runs."""
+    from tests.gpu.jax_multiprocess import _global, _setup
+    jax = _setup(rank, world, port, "")
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    import jax_fusedar as jf
+    mesh = Mesh(np.array(jax.devices()), ("tp",))
+    workspaces = {d: jf.create_allreduce_fusion_workspace(
+        mesh, "tp", max_token_num=MAX_TOKENS, hidden_dim=HIDDEN_WS, dtype=jnp.dtype(d),
+        backend="trtllm") for d in ("bfloat16", "float16")}
+    torch_out = np.load(Path(out_dir) / "moe_torch_outputs.npz")
+    # P("tp") inputs are stacked [world, ...]: this process holds row `rank`.
+    put = lambda a, spec: _global(jax, mesh, spec, a[rank:rank + 1] if spec == P("tp") else a)  # noqa: E731
+    mine = lambda o: np.asarray(o.addressable_data(0))  # noqa: E731
+    report = {"rank": rank, "devices": [str(d) for d in jax.devices()], "cases": {}}
+
+    def say(*msg):
+        if rank == 0:
+            print(f"[jax {time.strftime('%T')}]", *msg, flush=True)
+
+    def finalize_fn(ws, c):
+        def body(p, i, sh, res, g, s):
+            out = jf.moe_finalize_allreduce_fusion(
+                p[0], i[0], axis_name="tp", workspace=ws, residual=res, rms_gamma=g,
+                expert_scale_factor=s if c[6] else None,
+                shared_expert_output=sh[0] if c[7] else None, routed_scaling_factor=c[8],
+                rms_eps=EPS, strict=True)
+            return out.residual_out, out.norm_out
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"),) * 3 + (P(),) * 3,
+                                     out_specs=(P(), P())))
+
+    def stacked_finalize(inputs):
+        rows = max(p.shape[0] for p in inputs["permuted"])
+        h = inputs["residual"].shape[1]
+        perm = np.stack([np.concatenate([p, np.zeros((rows - p.shape[0], h), p.dtype)])
+                         for p in inputs["permuted"]])
+        return perm, np.stack(inputs["idx"]), np.stack(inputs["shared"])
+
+    for c in JAX_CASES:
+        name = case_name(c)
+        inputs = case_inputs(c)
+        ws = workspaces[c[1]]
+        if c[0] == 7:
+            perm, idx, shared = stacked_finalize(inputs)
+            f = finalize_fn(ws, c)
+            args = [put(perm, P("tp")), put(idx, P("tp")), put(shared, P("tp")),
+                    put(inputs["residual"], P()), put(inputs["gamma"], P()),
+                    put(inputs["scale"], P())]
+        else:
+            def body(x, s, t, res, g):
+                out = jf.moe_reduction_allreduce_fusion(
+                    x[0], s[0], t[0], axis_name="tp", workspace=ws, residual=res, rms_gamma=g,
+                    rms_eps=EPS, return_allreduce_out=True, strict=True)
+                return out.residual_out, out.norm_out, out.allreduce_out
+            f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"),) * 3 + (P(),) * 2,
+                                      out_specs=(P(), P(), P())))
+            args = [put(np.stack(inputs[k]), P("tp")) for k in
+                    ("expert_outputs", "expert_scales", "token_input")]
+            args += [put(inputs["residual"], P()), put(inputs["gamma"], P())]
+        lowered = f.lower(*args)
+        text = lowered.as_text()
+        outs = [mine(o) for o in lowered.compile()(*args)]
+        ref = [torch_out[f"{name}/{i}"] for i in range(len(outs))]
+        report["cases"][name] = {
+            "custom_call_in_hlo": "jax_fusedar_moe_allreduce_fusion_v1" in text,
+            "elements_differing_vs_torch": [int((_bits(a) != _bits(b)).sum())
+                                            for a, b in zip(outs, ref)],
+            "oracle_error_fraction_of_bound": oracle_errors(c, inputs, outs)}
+        say(name, report["cases"][name])
+
+    if _ranks_share_a_gpu():
+        report["bench_us_per_call_wall_clock_chain20"] = (
+            "not run: ranks share a GPU (time-sliced kernels; XLA's psum needs one GPU per rank)")
+        return report
+    # Bench: chains of dependent calls in one jit (the residual stream threads through).
+    chain = 20
+    bench = {}
+    for tokens in BENCH_TOKENS:
+        c = (7, "bfloat16", tokens, 7168, 8, 256, True, True, 1.0)
+        inputs = case_inputs(c)
+        perm, idx, shared = stacked_finalize(inputs)
+        ws = workspaces["bfloat16"]
+
+        def fused_chain(p, i, sh, res, g, s):
+            def step(_, r):
+                out = jf.moe_finalize_allreduce_fusion(
+                    p[0], i[0], axis_name="tp", workspace=ws, residual=r, rms_gamma=g,
+                    expert_scale_factor=s, shared_expert_output=sh[0], rms_eps=EPS, strict=True)
+                return out.norm_out
+            return jax.lax.fori_loop(0, chain, step, res)
+
+        def unfused_chain(p, i, sh, res, g, s):
+            def step(_, r):
+                ii = i[0]
+                valid = ii >= 0
+                rows = jnp.take(p[0], jnp.where(valid, ii, 0), axis=0).astype(jnp.float32)
+                w = jnp.where(valid, s.astype(jnp.float32), 0.0)[..., None]
+                y = ((rows * w).sum(1).astype(jnp.bfloat16).astype(jnp.float32)
+                     + sh[0].astype(jnp.float32)).astype(jnp.bfloat16)
+                y = jax.lax.psum(y, "tp")
+                rr = (y.astype(jnp.float32) + r.astype(jnp.float32)).astype(jnp.bfloat16)
+                rf = rr.astype(jnp.float32)
+                n = rf * jax.lax.rsqrt(jnp.mean(rf * rf, -1, keepdims=True) + EPS) * g.astype(
+                    jnp.float32)
+                return n.astype(jnp.bfloat16)
+            return jax.lax.fori_loop(0, chain, step, res)
+
+        args = [put(perm, P("tp")), put(idx, P("tp")), put(shared, P("tp")),
+                put(inputs["residual"], P()), put(inputs["gamma"], P()),
+                put(inputs["scale"], P())]
+        row = {}
+        for label, fn in (("fused_jax_us", fused_chain), ("unfused_xla_us", unfused_chain)):
+            f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P("tp"),) * 3 + (P(),) * 3,
+                                      out_specs=P()))
+            f(*args).block_until_ready()
+            times = []
+            for _ in range(7):
+                channel.barrier(f"{label}/{tokens}")
+                t0 = time.perf_counter()
+                f(*args).block_until_ready()
+                times.append((time.perf_counter() - t0) * 1e6 / chain)
+            row[label] = float(np.median(times))
+        bench[tokens] = row
+        say("bench", tokens, row)
+    report["bench_us_per_call_wall_clock_chain20"] = bench
+    return report
+
+
+def stage_jax(out_dir):
+    from tests.gpu.harness import free_port, run_ranks
+    return run_ranks(_jax_rank, WORLD, timeout_s=float(os.environ.get(
+        "MOE_GPU_JAX_TIMEOUT_S", "300")), port=free_port(), out_dir=str(out_dir))
+
+
+# --- stage 3: the anchor at hidden 2880 ----------------------------------------------------
+
+def _anchor_2880_rank(rank, world, channel, *, port, anchor_path):
+    import torch
+    import torch.distributed as dist
+    from tests.gpu.harness import device_for
+    dev = torch.device("cuda", device_for(rank))
+    torch.cuda.set_device(dev)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    from tests.gpu import anchor
+    fi = anchor.load(anchor_path)
+    fws = anchor.create_workspace(fi, world_size=world, rank=rank, max_token_num=64,
+                                  hidden_dim=2880, dtype=torch.bfloat16, group=dist.group.WORLD)
+    c = (7, "bfloat16", 16, 2880, 4, 32, True, True, 1.0)
+    inputs = case_inputs(c)
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).to(dev).view(  # noqa
+        torch.bfloat16)
+    res = t(inputs["residual"])
+    norm, ro = torch.full_like(res, float("nan")), torch.full_like(res, float("nan"))
+    fi.allreduce_fusion(t(inputs["permuted"][rank]), fws, 7, residual_in=res,
+                        rms_gamma=t(inputs["gamma"]), residual_out=ro, norm_out=norm,
+                        expanded_idx_to_permuted_idx=torch.from_numpy(inputs["idx"][rank]).to(dev),
+                        expert_scale_factor=t(inputs["scale"]),
+                        shared_expert_output=t(inputs["shared"][rank]), rms_eps=EPS)
+    torch.cuda.synchronize()
+    outs = [o.cpu().view(torch.int16).numpy().view(inputs["residual"].dtype) for o in (ro, norm)]
+    errs = oracle_errors(c, inputs, outs) if rank == 0 else None
+    dist.destroy_process_group()
+    return {"rank": rank, "oracle_error_fraction_of_bound": errs}
+
+
+def stage_anchor_2880(anchor_path):
+    from tests.gpu.harness import run_ranks
+    from tests.gpu import anchor
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    anchor.prepare_parent(anchor.path(anchor_path))
+    return run_ranks(_anchor_2880_rank, WORLD, timeout_s=25, port=port, anchor_path=anchor_path)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--anchor", default=None)
+    ap.add_argument("--stages", default="torch,jax,anchor2880")
+    a = ap.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for stage in a.stages.split(","):
+        t0 = time.time()
+        try:
+            if stage == "torch":
+                result = stage_torch(out, a.anchor)
+            elif stage == "jax":
+                result = stage_jax(out)
+            elif stage == "anchor2880":
+                result = stage_anchor_2880(a.anchor)
+            else:
+                raise ValueError(f"unknown stage {stage}")
+        except Exception as e:
+            import traceback
+            result = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        result = {"stage": stage, "seconds": round(time.time() - t0, 1), "result": result}
+        (out / f"moe_{stage}.json").write_text(json.dumps(result, indent=1, default=str))
+        print(json.dumps(result, default=str)[:6000], flush=True)
+
+
+if __name__ == "__main__":
+    main()
