@@ -131,6 +131,24 @@ def _require_sm100(workspace, pattern):
                 raise ValueError(problem)
 
 
+def _check_call_on_workspace(workspace, axis_name, dtype_name, *, op, dtype_of):
+    """What every op on a workspace needs of its call (allreduce_fusion, the MoE ops): the
+    workspace's dtype, inside shard_map over ``axis_name``, the workspace's world size and
+    groups. ``op`` and ``dtype_of`` (e.g. "x has") name the call in the errors."""
+    if dtype_name != workspace.dtype.name:
+        raise ValueError(f"{dtype_of} dtype {dtype_name} but the workspace was created for "
+                         f"{workspace.dtype.name}; create a workspace per dtype")
+    try:
+        world = jax.lax.axis_size(axis_name)
+    except NameError:
+        raise ValueError(f"{op} must be called inside jax.shard_map over an axis named "
+                         f"{axis_name!r}") from None
+    if world != workspace.world_size:
+        raise ValueError(f"axis {axis_name!r} has size {world} but the workspace was created "
+                         f"for world size {workspace.world_size}")
+    _check_context_mesh(workspace, axis_name)
+
+
 def _check_context_mesh(workspace, axis_name):
     """At trace time, when the concrete mesh is known (``jax.set_mesh``): the call's groups
     along ``axis_name`` must be the workspace's (primitive.check_call_groups). Otherwise the
@@ -270,18 +288,8 @@ def allreduce_fusion(x: ArrayLike, *, axis_name: str, workspace: AllReduceFusion
     dtype_name = np.dtype(x.dtype).name
     if dtype_name not in ("bfloat16", "float16", "float32"):
         raise ValueError(f"x has dtype {dtype_name}; supported: bfloat16, float16, float32")
-    if dtype_name != workspace.dtype.name:
-        raise ValueError(f"x has dtype {dtype_name} but the workspace was created for "
-                         f"{workspace.dtype.name}; create a workspace per dtype")
-    try:
-        world = jax.lax.axis_size(axis_name)
-    except NameError:
-        raise ValueError(f"allreduce_fusion must be called inside jax.shard_map over an axis "
-                         f"named {axis_name!r}") from None
-    if world != workspace.world_size:
-        raise ValueError(f"axis {axis_name!r} has size {world} but the workspace was created "
-                         f"for world size {workspace.world_size}")
-    _check_context_mesh(workspace, axis_name)
+    _check_call_on_workspace(workspace, axis_name, dtype_name, op="allreduce_fusion",
+                             dtype_of="x has")
     if not all(isinstance(d, (int, np.integer)) for d in x.shape):
         # jax.export with symbolic shapes. The kernel's one-/two-shot choice and workspace fit
         # are trace-time decisions every rank must make alike, so they need concrete sizes;

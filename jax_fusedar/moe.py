@@ -48,7 +48,7 @@ from jax.interpreters import ad, batching, mlir
 
 from . import moe_reference
 from .common import arguments, backend_choice, limits, native, sizing
-from .api import CallPlan, _as_gamma, _as_residual, _check_context_mesh, _fallback
+from .api import CallPlan, _as_gamma, _as_residual, _check_call_on_workspace, _fallback
 from .common.patterns import AllReduceFusionPattern
 from .primitive import _check_mesh, _varying, _with_varying, register_ffi_targets
 from .workspace import AllReduceFusionWorkspace
@@ -286,18 +286,8 @@ def _check_call_context(workspace, axis_name, dtype_name):
     if dtype_name not in MOE_DTYPES:
         raise ValueError(f"the MoE patterns take bfloat16 or float16 rows (FlashInfer's MoE "
                          f"kernels exist for those only), got {dtype_name}")
-    if dtype_name != workspace.dtype.name:
-        raise ValueError(f"the rows have dtype {dtype_name} but the workspace was created for "
-                         f"{workspace.dtype.name}; create a workspace per dtype")
-    try:
-        world = jax.lax.axis_size(axis_name)
-    except NameError:
-        raise ValueError(f"the MoE all-reduce fusion must be called inside jax.shard_map over "
-                         f"an axis named {axis_name!r}") from None
-    if world != workspace.world_size:
-        raise ValueError(f"axis {axis_name!r} has size {world} but the workspace was created "
-                         f"for world size {workspace.world_size}")
-    _check_context_mesh(workspace, axis_name)
+    _check_call_on_workspace(workspace, axis_name, dtype_name,
+                             op="the MoE all-reduce fusion", dtype_of="the rows have")
 
 
 def _check(name, value, shape, dtype):
