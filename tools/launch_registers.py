@@ -349,33 +349,48 @@ def generate(args: argparse.Namespace) -> int:
 _PROBE = re.compile(r"unhooked_(f32|f16|bf16)_n(\d+)\.sm_(\w+)\.cubin$")
 
 
-def check(args: argparse.Namespace) -> int:
-    problems: list[str] = []
-    probes: dict[int, dict[Kernel, int]] = {}
-    per_tu: dict[tuple[int, int], dict[int, dict[Kernel, int]]] = {}
-    cubins = sorted(glob.glob(os.path.join(args.build_dir, "**", "unhooked_*.cubin"),
-                              recursive=True))
-    if not cubins:
-        raise SystemExit(f"no unhooked probe cubins under {args.build_dir}")
-    for path in cubins:
-        m = _PROBE.search(path)
+def read_probe_cubins(build_dir: str, pattern: str, probe: re.Pattern, parse):
+    """The register tables of the build's probe cubins (files `pattern`, their names matched
+    by `probe`: dtype, ranks, architecture; kernels recognised by `parse`), per translation
+    unit {(dtype, nranks): {arch: table}} and per architecture {arch: table}."""
+    per_tu: dict = {}
+    probes: dict = {}
+    for path in sorted(glob.glob(os.path.join(build_dir, "**", pattern), recursive=True)):
+        m = probe.search(path)
         if not m:
             continue
-        dtype, nranks, arch = DTYPE_NAMES.index(m.group(1)), int(m.group(2)), arch_number(m.group(3))
+        dtype, nranks = DTYPE_NAMES.index(m.group(1)), int(m.group(2))
+        arch = arch_number(m.group(3))
         with open(path, "rb") as f:
-            table = kernel_registers(cubin_registers(f.read()))
+            table = kernel_registers(cubin_registers(f.read()), parse)
         per_tu.setdefault((dtype, nranks), {})[arch] = table
         probes.setdefault(arch, {}).update(table)
-    # 1. The headers the library was compiled with hold exactly the probe counts.
+    return per_tu, probes
+
+
+def stale_headers(build_dir: str, per_tu: dict, prefix: str, text) -> list[str]:
+    """Where a generated header in the build tree (`prefix`_<dtype>_n<ranks>.h) is not what
+    `text`(dtype, nranks, by_arch) makes of its probe cubins: the library was compiled with
+    other counts than the probes give."""
+    problems = []
     for (dtype, nranks), by_arch in sorted(per_tu.items()):
-        name = f"unhooked_registers_{DTYPE_NAMES[dtype]}_n{nranks}.h"
-        found = glob.glob(os.path.join(args.build_dir, "**", name), recursive=True)
+        name = f"{prefix}_{DTYPE_NAMES[dtype]}_n{nranks}.h"
+        found = glob.glob(os.path.join(build_dir, "**", name), recursive=True)
         if len(found) != 1:
             problems.append(f"{name}: expected one in the build tree, found {len(found)}")
             continue
         with open(found[0]) as f:
-            if f.read() != header_text(dtype, nranks, by_arch):
+            if f.read() != text(dtype, nranks, by_arch):
                 problems.append(f"{found[0]} is not what the probe cubins give (stale build?)")
+    return problems
+
+
+def check(args: argparse.Namespace) -> int:
+    per_tu, probes = read_probe_cubins(args.build_dir, "unhooked_*.cubin", _PROBE, parse_kernel)
+    if not per_tu:
+        raise SystemExit(f"no unhooked probe cubins under {args.build_dir}")
+    # 1. The headers the library was compiled with hold exactly the probe counts.
+    problems = stale_headers(args.build_dir, per_tu, "unhooked_registers", header_text)
     # 2. The library's hooked kernels: the same set, and none allocates more registers.
     cuobjdump = find_cuobjdump(args.cuobjdump)
     if cuobjdump is None:
@@ -434,31 +449,11 @@ _MOE_PROBE = re.compile(r"moe_unhooked_(f16|bf16)_n(\d+)\.sm_(\w+)\.cubin$")
 def check_moe(build_dir: str, core: str, cuobjdump: str, verbose: bool):
     """The MoE kernels: the generated headers hold exactly the probe counts, the library has
     the same kernels, and no hooked one allocates more registers than its unhooked twin."""
-    problems: list[str] = []
-    probes: dict[int, dict[MoeKernel, int]] = {}
-    per_tu: dict[tuple[int, int], dict[int, dict[MoeKernel, int]]] = {}
-    for path in sorted(glob.glob(os.path.join(build_dir, "**", "moe_unhooked_*.cubin"),
-                                 recursive=True)):
-        m = _MOE_PROBE.search(path)
-        if not m:
-            continue
-        dtype, nranks = DTYPE_NAMES.index(m.group(1)), int(m.group(2))
-        arch = arch_number(m.group(3))
-        with open(path, "rb") as f:
-            table = kernel_registers(cubin_registers(f.read()), parse_moe_kernel)
-        per_tu.setdefault((dtype, nranks), {})[arch] = table
-        probes.setdefault(arch, {}).update(table)
+    per_tu, probes = read_probe_cubins(build_dir, "moe_unhooked_*.cubin", _MOE_PROBE,
+                                       parse_moe_kernel)
     if not probes:
         return [f"no MoE probe cubins (moe_unhooked_*.cubin) under {build_dir}"], {}
-    for (dtype, nranks), by_arch in sorted(per_tu.items()):
-        name = f"moe_unhooked_registers_{DTYPE_NAMES[dtype]}_n{nranks}.h"
-        found = glob.glob(os.path.join(build_dir, "**", name), recursive=True)
-        if len(found) != 1:
-            problems.append(f"{name}: expected one in the build tree, found {len(found)}")
-            continue
-        with open(found[0]) as f:
-            if f.read() != moe_header_text(dtype, nranks, by_arch):
-                problems.append(f"{found[0]} is not what the probe cubins give (stale build?)")
+    problems = stale_headers(build_dir, per_tu, "moe_unhooked_registers", moe_header_text)
     hooked = library_registers(core, cuobjdump, parse_moe_kernel)
     for arch in sorted(probes):
         lib = hooked.get(arch, {})
