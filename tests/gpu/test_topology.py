@@ -1,7 +1,7 @@
 """GPU: the cross-rank call check (check_calls) and the "mixed" topology.
 
-Each case runs in a fresh child (``python -m tests.gpu.native_mismatch CASE`` /
-``python -m tests.gpu.native_mixed``) with its output captured: a trapped handshake kills
+Each case runs in a fresh child (``python -m tests.gpu.workers.native_mismatch CASE`` /
+``python -m tests.gpu.workers.native_mixed``) with its output captured: a trapped handshake kills
 the CUDA context of its process, and the handshake's device printf goes to stdout. Every
 wait is bounded (subprocess timeout, channel timeouts, the check's own timeout), and each
 result is written as JSON (with the output's tail) to $JAX_FUSEDAR_REPORT_DIR.
@@ -13,9 +13,10 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.gpu
-
+from tests.gpu.harness import world_params
 from tests.repo import REPO
+
+pytestmark = pytest.mark.gpu
 
 
 PRINTF_MARK = "jax_fusedar call check FAILED on rank"
@@ -59,7 +60,7 @@ def _gpus():
 
 def _check_matching(r):
     """The matching calls each case makes first (check on) stayed within the bounds."""
-    from tests.gpu.native_mismatch import BOUNDS, MATCHING
+    from tests.gpu.workers.native_mismatch import BOUNDS, MATCHING
     assert r["check_calls"] is True, r
     assert len(r["matching"]) == len(MATCHING)
     for e in r["matching"]:
@@ -68,13 +69,14 @@ def _check_matching(r):
                 assert e[k] <= bound, (r["rank"], e)  # NaN fails too
 
 
-def test_call_check_matching_calls_graph_replay_and_cost():
-    res = _run("tests.gpu.native_mismatch", "ok", timeout_s=170)
-    _report("call_check_ok", res)
+@pytest.mark.parametrize("world", world_params())
+def test_call_check_matching_calls_graph_replay_and_cost(world):
+    res = _run("tests.gpu.workers.native_mismatch", "ok", str(world), timeout_s=170)
+    _report(f"call_check_ok_world{world}", res)
     assert "error" not in res, res["error"] + "\n" + res["output_tail"]
     ranks = res["ranks"]
     assert not res["printf_lines"], res["printf_lines"]
-    from tests.gpu.native_mismatch import BOUNDS
+    from tests.gpu.workers.native_mismatch import BOUNDS
     for r in ranks:
         _check_matching(r)
         assert r["off_check_calls"] is False
@@ -86,8 +88,8 @@ def test_call_check_matching_calls_graph_replay_and_cost():
         for t in ("timing_on", "timing_off"):
             assert r[t]["last_call"]["residual"] <= 1.0 and r[t]["last_call"]["norm"] <= 3.0, r[t]
         assert r["failure_record"] == ""
-    # Same bits on both ranks, and with the check on or off.
-    assert ranks[0]["digest"] == ranks[1]["digest"] == ranks[0]["off_digest"]
+    # Same bits on every rank, and with the check on or off.
+    assert {r["digest"] for r in ranks} == {ranks[0]["off_digest"]}
     print("handshake cost (ms per call, median): on",
           [r["timing_on"]["ms_per_call_median"] for r in ranks], "off",
           [r["timing_off"]["ms_per_call_median"] for r in ranks])
@@ -95,8 +97,8 @@ def test_call_check_matching_calls_graph_replay_and_cost():
 
 @pytest.mark.parametrize("case", ["tokens", "pattern", "oneshot"])
 def test_mismatched_calls_fail_instead_of_hanging(case):
-    from tests.gpu.native_mismatch import MATCHING, MISMATCH_TIMEOUT_S
-    res = _run("tests.gpu.native_mismatch", case, timeout_s=170)
+    from tests.gpu.workers.native_mismatch import MATCHING, MISMATCH_TIMEOUT_S
+    res = _run("tests.gpu.workers.native_mismatch", case, timeout_s=170)
     _report(f"call_check_{case}", res)
     assert "error" not in res, res["error"] + "\n" + res["output_tail"]
     seq = len(MATCHING) + 1
@@ -124,33 +126,37 @@ def test_mismatched_calls_fail_instead_of_hanging(case):
         assert f"FAILED on rank {r['rank']} of 2" in joined, joined
 
 
-def test_a_rank_that_never_calls_times_out():
-    from tests.gpu.native_mismatch import MATCHING, TIMEOUT_CASE_S
-    res = _run("tests.gpu.native_mismatch", "timeout", timeout_s=170)
-    _report("call_check_timeout", res)
+@pytest.mark.parametrize("world", world_params())
+def test_a_rank_that_never_calls_times_out(world):
+    """The last rank makes no call: every other rank's handshake times out naming it."""
+    from tests.gpu.workers.native_mismatch import MATCHING, TIMEOUT_CASE_S
+    res = _run("tests.gpu.workers.native_mismatch", "timeout", str(world), timeout_s=170)
+    _report(f"call_check_timeout_world{world}", res)
     assert "error" not in res, res["error"] + "\n" + res["output_tail"]
-    r0, r1 = res["ranks"]
-    for r in (r0, r1):
+    *callers, missing = res["ranks"]
+    for r in res["ranks"]:
         _check_matching(r)
     seq = len(MATCHING) + 1
-    f = r0["failing"]
-    assert f["sync_error"], f
-    assert r0["check_timeout_s"] == pytest.approx(TIMEOUT_CASE_S)
-    assert TIMEOUT_CASE_S * 0.9 <= f["elapsed_s"] <= TIMEOUT_CASE_S + 12, f
-    assert (f"rank 1 did not make its call #{seq} {SIG.format(1, 16, 'one-shot')} within "
-            f"{TIMEOUT_CASE_S:.1f} s (the last call seen from it is #{seq - 1})"
-            ) in f["failure_record"], f["failure_record"]
-    assert f["relaunch_error"] and "did not make its call" in f["relaunch_error"], f
+    for r in callers:
+        f = r["failing"]
+        assert f["sync_error"], f
+        assert r["check_timeout_s"] == pytest.approx(TIMEOUT_CASE_S)
+        assert TIMEOUT_CASE_S * 0.9 <= f["elapsed_s"] <= TIMEOUT_CASE_S + 12, f
+        assert (f"rank {world - 1} did not make its call #{seq} "
+                f"{SIG.format(1, 16, 'one-shot')} within {TIMEOUT_CASE_S:.1f} s (the last call "
+                f"seen from it is #{seq - 1})") in f["failure_record"], f["failure_record"]
+        assert f["relaunch_error"] and "did not make its call" in f["relaunch_error"], f
+        assert any(f"on rank {r['rank']} of {world}" in l and "did not make its call" in l
+                   for l in res["printf_lines"]), res["output_tail"]
     # The rank that made no call is untouched.
-    assert r1["failing"] is None and r1["healthy_after"] is True and r1["failure_record"] == ""
-    assert any("on rank 0 of 2" in l and "did not make its call" in l
-               for l in res["printf_lines"]), res["output_tail"]
+    assert missing["failing"] is None and missing["healthy_after"] is True
+    assert missing["failure_record"] == ""
 
 
 def test_mixed_topology_four_ranks_two_processes_two_gpus():
     if _gpus() < 2:
         pytest.skip("needs 2 GPUs")
-    res = _run("tests.gpu.native_mixed", timeout_s=170)
+    res = _run("tests.gpu.workers.native_mixed", timeout_s=170)
     _report("mixed_topology", res)
     assert "error" not in res, res["error"] + "\n" + res["output_tail"]
     procs = res["processes"]

@@ -61,27 +61,38 @@ def sum_error_bound(xs, dtype_name: str, *, fp32_acc: bool) -> np.ndarray:
     """Per element, a bound on |allreduce_out - sum_r x_r| for the kernel's all-reduce of the
     rank inputs ``xs`` (list in rank order, values already in dtype_name).
 
-    The kernel adds the ranks in rank order 0..N-1. Let s_k = x_0 + ... + x_k (exact) and
-    e_k the error of the computed partial sum. Each addition errs by at most
+    Without fp32_acc (16-bit inputs) the kernel adds the ranks in rank order 0..N-1 and
+    rounds every addition to dtype_name. Let s_k = x_0 + ... + x_k (exact) and e_k the error
+    of the computed partial sum. Each addition errs by at most
     d * |computed operand sum| + h <= d * (|s_k| + E_{k-1}) + h, so
         E_0 = 0,  E_k = E_{k-1} * (1 + d) + d * |s_k| + h,  |e_{N-1}| <= E_{N-1},
-    with (d, h) = ``rounding_step`` when every addition rounds to dtype_name
-    (fp32_acc=False; float32 inputs always), or float32's unit roundoff and floor when the sum
-    stays in float32, followed by one rounding to dtype_name of the float32 total:
-        E = F + u_T * (|s_{N-1}| + F) + h_T.
-    For 2 ranks this is half an ulp of |s| plus float32-sized terms, whatever fp32_acc."""
+    with (d, h) = ``rounding_step``: the bound follows the partial sums, so cancelling
+    partial sums cost more than the total's size suggests.
+
+    With fp32_acc (and for float32 inputs) the sum stays in float32, in an order the API
+    leaves open (the kernel's is rank order, XLA's psum has its own): whatever the order,
+    the float32 sum errs by at most F = gamma_{N-1} * sum_r |x_r| + (N - 1) * h_32 with
+    gamma_n = n u_32 / (1 - n u_32), and the 16-bit types add one rounding of the total:
+        E = F + u_T * (|s| + F) + h_T.
+    For 2 ranks of 16-bit values either way this is half an ulp of |s| plus float32-sized
+    terms."""
     parts = [np.asarray(x, np.float64) for x in xs]
-    in_fp32 = fp32_acc or dtype_name == "float32"
-    d, h = ((unit_roundoff("float32"), rounding_floor("float32")) if in_fp32
-            else rounding_step(dtype_name))
-    s = parts[0].copy()
-    bound = np.zeros_like(s)
+    s = np.sum(parts, axis=0)
+    n = len(parts)
+    if fp32_acc or dtype_name == "float32":
+        u32, h32 = unit_roundoff("float32"), rounding_floor("float32")
+        gamma = (n - 1) * u32 / (1.0 - (n - 1) * u32)
+        bound = gamma * np.sum(np.abs(parts), axis=0) + (n - 1) * h32
+        if dtype_name != "float32":
+            bound = bound + unit_roundoff(dtype_name) * (np.abs(s) + bound) \
+                + rounding_floor(dtype_name)
+        return bound
+    d, h = rounding_step(dtype_name)
+    partial = parts[0].copy()
+    bound = np.zeros_like(partial)
     for x in parts[1:]:
-        s = s + x
-        bound = bound * (1.0 + d) + d * np.abs(s) + h
-    if in_fp32 and dtype_name != "float32":
-        bound = bound + unit_roundoff(dtype_name) * (np.abs(s) + bound) \
-            + rounding_floor(dtype_name)
+        partial = partial + x
+        bound = bound * (1.0 + d) + d * np.abs(partial) + h
     return bound
 
 
@@ -118,6 +129,31 @@ def norm_error_given_residual_ulps(norm_out, residual_out, gamma, *, rms_eps: fl
     inv = 1.0 / np.sqrt(np.mean(r * r, axis=-1, keepdims=True) + rms_eps)
     y = r * inv * (weight_bias + np.asarray(gamma, np.float64))
     return float(np.max(np.abs(np.asarray(norm_out, np.float64) - y) / ulp(y, dtype_name)))
+
+
+def accumulation_errors(xs, residual=None, gamma=None, *, allreduce_out=None,
+                        residual_out=None, norm_out=None, fp32_acc: bool = True,
+                        rms_eps: float = 1e-6, weight_bias: float = 0.0,
+                        dtype_name: str) -> dict:
+    """The errors that hold at every world size, for whichever outputs are given:
+    ``allreduce_bound`` and ``residual_bound`` (max error / the bound: at most 1) and
+    ``norm_own`` (norm_out against the RMSNorm of residual_out, in ulps: at most
+    NORM_GIVEN_RESIDUAL_ULPS). ``xs``: every rank's input in rank order."""
+    xs = [np.asarray(x, np.float64) for x in xs]
+    s64 = np.sum(xs, axis=0)
+    out = {}
+    if allreduce_out is not None:
+        out["allreduce_bound"] = bound_ratio(allreduce_out, s64, sum_error_bound(
+            xs, dtype_name, fp32_acc=fp32_acc))
+    if residual_out is not None:
+        res = np.asarray(residual, np.float64)
+        out["residual_bound"] = bound_ratio(residual_out, s64 + res, residual_error_bound(
+            xs, res, dtype_name, fp32_acc=fp32_acc))
+        if norm_out is not None:
+            out["norm_own"] = norm_error_given_residual_ulps(
+                norm_out, residual_out, gamma, rms_eps=rms_eps, weight_bias=weight_bias,
+                dtype_name=dtype_name)
+    return out
 
 
 def fused_reference(xs, residual, gamma, *, rms_eps: float, weight_bias: float):

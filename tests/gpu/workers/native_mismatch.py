@@ -20,7 +20,10 @@ read from pinned host memory) describes the mismatch, and the next launch on tha
 refused with the same description. The device printf output lands in this process's
 stdout, which the pytest side (tests/gpu/test_topology.py) captures and checks.
 
-Run one case by hand:  python -m tests.gpu.native_mismatch tokens
+"ok" and "timeout" also run with more ranks (``python -m ... timeout 8``: the last rank
+makes no call, every other one must time out naming it); the mismatches are for two ranks.
+
+Run one case by hand:  python -m tests.gpu.workers.native_mismatch tokens [world]
 The last stdout line is "RESULT <json>".
 """
 from __future__ import annotations
@@ -218,7 +221,7 @@ def _failing_call(ws, rank, case, device, seed, world, torch):
     elif case == "oneshot":
         pattern, m, oneshot = 1, 32, rank == 0
     elif case == "timeout":
-        if rank != 0:
+        if rank == world - 1:
             return None
         pattern, m, oneshot = 1, 16, True
     else:
@@ -284,7 +287,7 @@ def worker(rank, world, chan, *, case, seed):
         return result
     chan.barrier("before-mismatch")
     result["failing"] = _failing_call(ws, rank, case, device, seed + 999, world, torch)
-    chan.barrier("after-mismatch")  # rank 1 of "timeout" waits here for rank 0's verdict
+    chan.barrier("after-mismatch")  # the last rank of "timeout" waits for the others' verdicts
     if result["failing"] is None:  # this rank made no call: its context must be healthy
         t = torch.arange(1000, device=device, dtype=torch.float32)
         result["healthy_after"] = float(t.sum().item()) == 499500.0
@@ -298,13 +301,16 @@ def main(argv):
     from tests.gpu.harness import run_ranks
 
     case = argv[1] if len(argv) > 1 else "ok"
+    world = int(argv[2]) if len(argv) > 2 else 2
     if case not in CASES:
         raise SystemExit(f"unknown case {case!r}; one of {CASES}")
+    if world != 2 and case not in ("ok", "timeout"):
+        raise SystemExit(f"case {case!r} runs with 2 ranks")
     seed = int.from_bytes(os.urandom(4), "little")
     t0 = time.monotonic()
     try:
         out = {"case": case, "seed": seed,
-               "ranks": run_ranks(worker, 2, timeout_s=120, case=case, seed=seed)}
+               "ranks": run_ranks(worker, world, timeout_s=120, case=case, seed=seed)}
     except Exception as e:  # noqa: BLE001 - reported as JSON for the test to show
         out = {"case": case, "seed": seed, "error": str(e)[-6000:]}
     out["wall_s"] = time.monotonic() - t0
