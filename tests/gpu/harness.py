@@ -37,8 +37,9 @@ class Channel:
             try:
                 t, src, o = self.inboxes[self.rank].get(timeout=self.timeout_s)
             except queue.Empty:
-                raise TimeoutError(f"rank {self.rank}: ranks {sorted(set(range(self.world)) - set(got))} "
-                                   f"never sent {tag!r}") from None
+                missing = sorted(set(range(self.world)) - set(got))
+                raise TimeoutError(f"rank {self.rank}: ranks {missing} never sent "
+                                   f"{tag!r}") from None
             if t == tag:
                 got[src] = o
             else:
@@ -76,7 +77,8 @@ def run_ranks(fn, world: int, *, timeout_s: float = 600.0, **kwargs):
     ctx = mp.get_context("spawn")
     inboxes = [ctx.Queue() for _ in range(world)]
     results = ctx.Queue()
-    procs = [ctx.Process(target=child_main, args=(fn, r, world, inboxes, results, timeout_s, kwargs))
+    procs = [ctx.Process(target=child_main,
+                         args=(fn, r, world, inboxes, results, timeout_s, kwargs))
              for r in range(world)]
     for p in procs:
         p.start()

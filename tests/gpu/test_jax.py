@@ -1,9 +1,10 @@
 """GPU: the XLA FFI custom call under jit + shard_map, one `jax.distributed` process per rank
 (2, 4 or 8; ranks share GPUs when there are fewer, rank r on GPU r % G).
 
-Bounds: the accumulation bounds at every world size (docs/numerics.md, harness.bound_problems),
-and at 2 ranks also the ulp bounds of tests/gpu/test_native.py. The 64-layer bf16 model drifts from exact arithmetic by
-rounding over 64 layers whatever the all-reduce, so the fused model is held to the accuracy
+Bounds: the accumulation bounds at every world size (docs/numerics.md,
+harness.bound_problems), and at 2 ranks also the ulp bounds of tests/gpu/test_native.py. The
+64-layer bf16 model drifts from exact arithmetic by rounding over 64 layers whatever the
+all-reduce, so the fused model is held to the accuracy
 of the same math unfused (against a float64 model: at most 25% worse, plus 1e-3), and the
 handler's host launches show whether XLA replayed a command buffer. Command buffers are
 exercised on (forced, min graph size 1) and off.

@@ -25,8 +25,8 @@ def _run(platform: str) -> dict:
     for var in ("XLA_FLAGS", "JAX_FUSEDAR_STRICT", "JAX_FUSEDAR_ALLREDUCE_BACKEND",
                 "JAX_FUSEDAR_CHECK_CALLS"):
         env.pop(var, None)
-    proc = subprocess.run([sys.executable, "-m", "tests.gpu.workers.jax_misuse", platform], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "tests.gpu.workers.jax_misuse", platform],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-4000:] + proc.stderr[-4000:]
     return json.loads(lines[-1][len("RESULT "):])

@@ -37,7 +37,8 @@ def _run(module, *args, timeout_s):
         def text(b):
             return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
         pytest.fail(f"{module} {args} did not finish within {timeout_s} s (a hang?)\n"
-                    f"stdout tail:\n{text(e.stdout)[-4000:]}\nstderr tail:\n{text(e.stderr)[-4000:]}")
+                    f"stdout tail:\n{text(e.stdout)[-4000:]}\n"
+                    f"stderr tail:\n{text(e.stderr)[-4000:]}")
     lines = [l for l in out.splitlines() if l.startswith("RESULT ")]
     assert lines, (f"{module} {args} printed no RESULT line (rc {rc})\nstdout tail:\n"
                    f"{out[-4000:]}\nstderr tail:\n{err[-4000:]}")

@@ -12,8 +12,9 @@ bytes are counted (group scales over the whole (K, T) buffer, padding included).
 Both are also measured against the float64 oracle (tests/oracles/oracle.py): for both
 fp32_acc settings, all-reduce and residual_out against the accumulation bounds and norm_out
 against the RMSNorm of the build's own residual_out; with fp32_acc=True also all-reduce and
-residual_out in ulps of the intermediate magnitudes, norm_out likewise; the quantized outputs against tests/oracles/quant_oracle.py applied to the build's own norm_out (the
-``...Out...`` twin's for patterns 2, 10, 8), as tests/gpu/workers/jax_quant.py does: e4m3 codes
+residual_out in ulps of the intermediate magnitudes, norm_out likewise; the quantized outputs
+against tests/oracles/quant_oracle.py applied to the build's own norm_out (the ``...Out...``
+twin's for patterns 2, 10, 8), as tests/gpu/workers/jax_quant.py does: e4m3 codes
 counted one step apart and more, dynamic scales in fp32 ulps, group scale bytes.
 
 FlashInfer's quirks met here: patterns other than 0 and the dynamic FP8 ones allocate an

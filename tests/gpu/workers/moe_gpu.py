@@ -9,8 +9,9 @@ say so in the report).
    torch_compat vs the anchor vs the unfused torch sequence (gather + weighted sum + NCCL
    all_reduce + add + RMSNorm), each as CUDA-graph replays timed with CUDA events;
 2. JAX (one `jax.distributed` process per rank, as TP serving runs): the same cases through
-   jax_fusedar's MoE ops, bitwise against stage 1's torch outputs, and the bench: fused vs the unfused XLA sequence
-   (gather + weighted sum + psum + add + RMSNorm), chains of dependent calls in one jit;
+   jax_fusedar's MoE ops, bitwise against stage 1's torch outputs, and the bench: fused vs
+   the unfused XLA sequence (gather + weighted sum + psum + add + RMSNorm), chains of
+   dependent calls in one jit;
 3. the anchor alone at hidden 2880 (a partial warp per token, refused by jax_fusedar and
    torch_compat) against the oracle, to show why.
 
@@ -63,7 +64,8 @@ CASES = [
     (6, "bfloat16", 1, 7168, 1, 1, None, None, None),
 ]
 # MOE_GPU_BENCH_TOKENS=1024 (comma-separated) narrows the bench, e.g. to look at one size.
-BENCH_TOKENS = tuple(int(t) for t in os.environ.get("MOE_GPU_BENCH_TOKENS", "1,16,128,1024").split(","))
+BENCH_TOKENS = tuple(int(t) for t in
+                     os.environ.get("MOE_GPU_BENCH_TOKENS", "1,16,128,1024").split(","))
 # The cases JAX repeats (every compile costs seconds): both patterns, both dtypes, routed
 # scaling, one call above the one-shot threshold of 128 tokens.
 JAX_CASES = [CASES[1], CASES[3], CASES[4], CASES[5], CASES[7], CASES[8]]
@@ -438,7 +440,8 @@ def _jax_rank(rank, world, channel, *, port, out_dir):
         backend="trtllm") for d in ("bfloat16", "float16")}
     torch_out = np.load(Path(out_dir) / "moe_torch_outputs.npz")
     # P("tp") inputs are stacked [world, ...]: this process holds row `rank`.
-    put = lambda a, spec: _global(jax, mesh, spec, a[rank:rank + 1] if spec == P("tp") else a)  # noqa: E731
+    def put(a, spec):
+        return _global(jax, mesh, spec, a[rank:rank + 1] if spec == P("tp") else a)
     mine = lambda o: np.asarray(o.addressable_data(0))  # noqa: E731
     report = {"rank": rank, "devices": [str(d) for d in jax.devices()], "cases": {}}
 
@@ -604,13 +607,13 @@ def stage_anchor_2880(anchor_path):
 
 
 def main(argv=None):
+    global WORLD
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--anchor", default=None)
     ap.add_argument("--stages", default="torch,jax,anchor2880")
     ap.add_argument("--world", type=int, default=WORLD, choices=(2, 4, 8))
     a = ap.parse_args(argv)
-    global WORLD
     WORLD = a.world
     os.environ[WORLD_ENV_VAR] = str(a.world)
     out = Path(a.out)

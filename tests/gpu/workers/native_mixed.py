@@ -41,8 +41,8 @@ def worker(proc, nprocs, chan, *, port, seed):
     import torch.distributed as dist
 
     from jax_fusedar.common import exchange, native, tp_groups
-    from tests.gpu.workers.native_mismatch import (draw_inputs, flush_c_stdio, fused_call, new_outputs,
-                                           oracle_errors, worst_of)
+    from tests.gpu.workers.native_mismatch import (draw_inputs, flush_c_stdio, fused_call,
+                                                   new_outputs, oracle_errors, worst_of)
     from torch_compat.channel import StoreChannel
 
     ext = native.require()

@@ -353,7 +353,8 @@ def quant_stats(stats, by_pattern, ref, res, gam, dtype, sf, group, label, xs=No
         worst_of(stats, {k: v for k, v in e.items() if k != "nans"})
         q = o[p]["quant_out"]
         stats["poisoned"] += e["nans"] + int(np.sum((q & 0x7F) == 0x7F))
-    stats["poisoned"] += int(np.isnan(o[10]["scale_out"]).sum() + np.isnan(o[11]["scale_out"]).sum())
+    stats["poisoned"] += int(np.isnan(o[10]["scale_out"]).sum()
+                             + np.isnan(o[11]["scale_out"]).sum())
     for p in (8, 9):
         stats["poisoned"] += int(np.sum(o[p]["scale_out"][:, :m].view(np.uint8) == 0xFF))
     for name, a, b in (("static q", o[2]["quant_out"], o[4]["quant_out"]),
