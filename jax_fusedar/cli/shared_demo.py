@@ -134,7 +134,8 @@ def _require_fused(report, p: Plan, what: str) -> None:
 
 
 def _replicated(mesh, value):
-    return jax.device_put(np.asarray(value), NamedSharding(mesh, P()))
+    from ..models import llama
+    return llama.place(value, NamedSharding(mesh, P()))
 
 
 def _run_dense(args, p, rank, mesh, world, say, where, layers_note):

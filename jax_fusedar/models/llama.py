@@ -200,6 +200,14 @@ def from_hf_layout(w: dict, tp: int) -> dict:
                        "w_down": w["w_down"]}}
 
 
+def place(value, sharding):
+    """A host array (the same in every process) as a global array of ``sharding``, each
+    process filling its own shards. Unlike jax.device_put, it runs no cross-process check
+    (a collective, which ranks sharing a GPU cannot run: XLA's NCCL refuses them)."""
+    value = np.asarray(value)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
 def init_params(cfg: LlamaConfig, mesh, axis: str, dtype, seed: int, *, host: bool = True,
                 vocab_parallel: bool = True):
     """Weights as sharded arrays of ``dtype``, stacked layout. ``host``: drawn with numpy
@@ -211,8 +219,9 @@ def init_params(cfg: LlamaConfig, mesh, axis: str, dtype, seed: int, *, host: bo
     tp = mesh.shape[axis]
     if host:
         tree = from_hf_layout(init_params_numpy(cfg, seed), tp)
-        return jax.tree.map(lambda v, s: jax.device_put(jnp.asarray(v, dtype),
-                                                        NamedSharding(mesh, s)), tree, specs)
+        np_dtype = jnp.dtype(dtype)
+        return jax.tree.map(lambda v, s: place(np.asarray(v).astype(np_dtype),
+                                               NamedSharding(mesh, s)), tree, specs)
     shapes = param_shapes(cfg)
     flat_shapes, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
     names = [jax.tree_util.keystr(k) for k, _ in

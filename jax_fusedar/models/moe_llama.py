@@ -88,7 +88,9 @@ def init_params(cfg: MoeConfig, mesh, axis: str, dtype, seed: int, *,
         router=draw((L, H, E), H), expert_gate_up=draw((L, E, H, 2 * F), H),
         expert_down=draw((L, E, F, H), F), shared_gate=draw((L, H, S), H),
         shared_up=draw((L, H, S), H), shared_down=draw((L, S, H), S))
-    return jax.tree.map(lambda v, s: jax.device_put(jnp.asarray(v, dtype), NamedSharding(mesh, s)),
+    np_dtype = jnp.dtype(dtype)
+    return jax.tree.map(lambda v, s: llama.place(np.asarray(v).astype(np_dtype),
+                                                 NamedSharding(mesh, s)),
                         tree, param_specs(axis, vocab_parallel=vocab_parallel))
 
 

@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
 
 import numpy as np
@@ -24,7 +25,10 @@ class Channel:
         self.world = len(inboxes)
         self._early = {}
 
-    def all_gather(self, tag, obj):
+    def all_gather(self, tag, obj, timeout_s=None):
+        """Every rank's ``obj`` for ``tag``; TimeoutError naming the ranks that did not send
+        within ``timeout_s`` (default: the channel's)."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         for r, box in enumerate(self.inboxes):
             if r != self.rank:
                 box.put((tag, self.rank, obj))
@@ -35,7 +39,7 @@ class Channel:
                 got[key[1]] = self._early.pop(key)
                 continue
             try:
-                t, src, o = self.inboxes[self.rank].get(timeout=self.timeout_s)
+                t, src, o = self.inboxes[self.rank].get(timeout=timeout_s)
             except queue.Empty:
                 missing = sorted(set(range(self.world)) - set(got))
                 raise TimeoutError(f"rank {self.rank}: ranks {missing} never sent "
@@ -46,8 +50,8 @@ class Channel:
                 self._early[(t, src)] = o
         return [got[r] for r in range(self.world)]
 
-    def barrier(self, tag):
-        self.all_gather(tag, None)
+    def barrier(self, tag, timeout_s=None):
+        self.all_gather(tag, None, timeout_s)
 
     def close(self):
         """Flushes what this rank sent and closes its ends of the other ranks' inboxes: a
@@ -72,8 +76,10 @@ def child_main(fn, rank, world, inboxes, results, timeout_s, kwargs):
         results.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(fn, world: int, *, timeout_s: float = 600.0, **kwargs):
-    """Runs fn(rank, world, channel, **kwargs) in `world` spawned processes; returns results."""
+def run_ranks(fn, world: int, *, timeout_s: float = 600.0, allow_exit=(), **kwargs):
+    """Runs fn(rank, world, channel, **kwargs) in `world` spawned processes; returns results.
+    A rank that exits without a result fails the run at once, unless its exit code is in
+    ``allow_exit``: then its result is {"rank": r, "exitcode": code}."""
     ctx = mp.get_context("spawn")
     inboxes = [ctx.Queue() for _ in range(world)]
     results = ctx.Queue()
@@ -82,13 +88,42 @@ def run_ranks(fn, world: int, *, timeout_s: float = 600.0, **kwargs):
              for r in range(world)]
     for p in procs:
         p.start()
-    out, errors = {}, []
+    out, errors, exited, reported = {}, [], {}, set()
+    deadline = time.monotonic() + timeout_s
+
+    def take(item):
+        rank, status, payload = item
+        reported.add(rank)
+        (out.__setitem__(rank, payload) if status == "ok" else errors.append(payload))
+
     try:
-        for _ in range(world):
-            rank, status, payload = results.get(timeout=timeout_s)
-            (out.__setitem__(rank, payload) if status == "ok" else errors.append(payload))
+        while len(reported) < world:
+            try:
+                take(results.get(timeout=1.0))
+                continue
+            except queue.Empty:
+                pass
+            dead = [r for r, p in enumerate(procs) if r not in reported and
+                    p.exitcode is not None]
+            if dead:
+                # A process flushes its queue before it exits: whatever it sent is readable
+                # now, so a dead rank with nothing left to read sent no result.
+                try:
+                    while True:
+                        take(results.get(timeout=0.5))
+                except queue.Empty:
+                    pass
+                for r in (r for r in dead if r not in reported):
+                    reported.add(r)
+                    code = procs[r].exitcode
+                    if code in allow_exit:
+                        exited[r] = code
+                    else:
+                        errors.append(f"rank {r} exited with {code} without a result")
+            if time.monotonic() > deadline:
+                raise queue.Empty
     except queue.Empty:
-        missing = sorted(set(range(world)) - set(out))
+        missing = sorted(set(range(world)) - reported)
         errors.append(f"timed out after {timeout_s} s waiting for ranks {missing}\n"
                       + where_they_wait([procs[r] for r in missing]))
     finally:
@@ -98,7 +133,7 @@ def run_ranks(fn, world: int, *, timeout_s: float = 600.0, **kwargs):
                 p.kill()
     if errors:
         raise RuntimeError("\n".join(errors))
-    return [out[r] for r in range(world)]
+    return [out[r] if r in out else {"rank": r, "exitcode": exited[r]} for r in range(world)]
 
 
 def where_they_wait(procs) -> str:

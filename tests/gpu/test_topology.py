@@ -46,6 +46,10 @@ def _run(module, *args, timeout_s):
     result["rc"] = rc
     result["output_tail"] = (out + "\n--- stderr ---\n" + err)[-8000:]
     result["printf_lines"] = [l for l in (out + err).splitlines() if PRINTF_MARK in l]
+    # What a process ended by jax_fusedar.common.lost_traps wrote: its record and why.
+    result["lost_trap_lines"] = [l for l in err.splitlines()
+                                 if l.startswith("jax_fusedar call check failed on rank")
+                                 or "Ending the process with exit code" in l]
     return result
 
 
@@ -98,30 +102,42 @@ def test_call_check_matching_calls_graph_replay_and_cost(world):
 
 @pytest.mark.parametrize("case", ["tokens", "pattern", "oneshot"])
 def test_mismatched_calls_fail_instead_of_hanging(case):
-    from tests.gpu.workers.native_mismatch import MATCHING, MISMATCH_TIMEOUT_S
+    """Both ranks detect the mismatch and trap: each one's synchronization raises with the
+    record, or, where the GPU driver never reports the trap (ranks sharing a GPU trap at
+    the same moment; jax_fusedar/common/lost_traps.py), its process ends with the record on
+    stderr within the watcher's grace period. Either way the run ends, well before any
+    timeout."""
+    from jax_fusedar.common import lost_traps
+    from tests.gpu.workers.native_mismatch import (MATCHING, MISMATCH_TIMEOUT_S,
+                                                   failing_call_of)
     res = _run("tests.gpu.workers.native_mismatch", case, timeout_s=170)
     _report(f"call_check_{case}", res)
     assert "error" not in res, res["error"] + "\n" + res["output_tail"]
+    assert res["wall_s"] < 90, res["wall_s"]  # bounded: no rank waits for a timeout
     seq = len(MATCHING) + 1
-    calls = {r["rank"]: r["failing"]["call"] for r in res["ranks"]}
     for r in res["ranks"]:
+        me, peer = r["rank"], 1 - r["rank"]
+        (pm, mm, om), (pp, mp, op) = failing_call_of(case, me), failing_call_of(case, peer)
+        mine = SIG.format(pm, mm, "one-shot" if om else "two-shot")
+        theirs = SIG.format(pp, mp, "one-shot" if op else "two-shot")
+        expected = (f"jax_fusedar call check failed on rank {me} of 2 (device "
+                    f"{r.get('device', 0)}), call #{seq}: rank {peer} called {theirs} but "
+                    f"rank {me} called {mine}")
+        if "exitcode" in r:  # its trap was never reported: the watcher ended the process
+            assert r["exitcode"] == lost_traps.EXIT_CODE, r
+            lines = "\n".join(res["lost_trap_lines"])
+            assert expected in lines, (expected, lines)
+            assert f"Ending the process with exit code {lost_traps.EXIT_CODE}" in lines, lines
+            continue
         _check_matching(r)
         f = r["failing"]
-        me, peer = r["rank"], 1 - r["rank"]
         assert f["sync_error"], f"rank {me}: the mismatched call did not fail: {f}"
         # Detected as a mismatch, well before the timeout would have fired.
         assert f["elapsed_s"] < MISMATCH_TIMEOUT_S / 2, f
-        (pm, mm, om), (pp, mp, op) = calls[me], calls[peer]
-        mine = SIG.format(pm, mm, "one-shot" if om else "two-shot")
-        theirs = SIG.format(pp, mp, "one-shot" if op else "two-shot")
-        expected = (f"jax_fusedar call check failed on rank {me} of 2 (device {r['device']}), "
-                    f"call #{seq}: rank {peer} called {theirs} but rank {me} called {mine}")
         assert f["failure_record"].startswith(expected), (expected, f["failure_record"])
         assert f["relaunch_error"] and expected in f["relaunch_error"], f
     # The device's own message reached stdout (one per rank; output buffered in the child).
-    assert res["printf_lines"], ("no device printf output captured; failure records: "
-                                 f"{[r['failing']['failure_record'] for r in res['ranks']]}\n"
-                                 f"{res['output_tail']}")
+    assert res["printf_lines"], ("no device printf output captured\n" + res["output_tail"])
     joined = "\n".join(res["printf_lines"])
     for r in res["ranks"]:
         assert f"FAILED on rank {r['rank']} of 2" in joined, joined

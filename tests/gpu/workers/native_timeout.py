@@ -29,9 +29,7 @@ The last stdout line is "RESULT <json>".
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
-import queue
 import signal
 import sys
 import time
@@ -217,33 +215,14 @@ def worker(rank, world, chan, *, case, seed):
 
 def run_ranks_allowing_death(fn, world, *, timeout_s, killed=(), **kwargs):
     """tests.gpu.harness.run_ranks, except that the ranks in `killed` are expected to die by
-    SIGKILL without a result (their exit codes are returned)."""
-    from tests.gpu.harness import child_main, where_they_wait
-    ctx = mp.get_context("spawn")
-    inboxes = [ctx.Queue() for _ in range(world)]
-    results = ctx.Queue()
-    procs = [ctx.Process(target=child_main,
-                         args=(fn, r, world, inboxes, results, timeout_s, kwargs))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    out, errors = {}, []
-    try:
-        for _ in range(world - len(killed)):
-            rank, status, payload = results.get(timeout=timeout_s)
-            (out.__setitem__(rank, payload) if status == "ok" else errors.append(payload))
-    except queue.Empty:
-        missing = sorted(set(range(world)) - set(out) - set(killed))
-        errors.append(f"timed out after {timeout_s} s waiting for ranks {missing}\n"
-                      + where_they_wait([procs[r] for r in missing]))
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    if errors:
-        raise RuntimeError("\n".join(errors))
-    return [out.get(r, {"rank": r, "exitcode": procs[r].exitcode}) for r in range(world)]
+    SIGKILL without a result (their results are {"rank": r, "exitcode": -9})."""
+    from tests.gpu.harness import run_ranks
+    res = run_ranks(fn, world, timeout_s=timeout_s, allow_exit=(-9,) if killed else (),
+                    **kwargs)
+    unexpected = [r for r in res if "exitcode" in r and r["rank"] not in killed]
+    if unexpected:
+        raise RuntimeError(f"ranks died unexpectedly: {unexpected}")
+    return res
 
 
 def main(argv):
