@@ -40,10 +40,12 @@ _thread = None
 
 def watch(rank, device: int) -> None:
     """Watches ``rank`` (a native Rank: ``failure()`` reads its record) on CUDA ``device``
-    until it is destroyed or garbage collected."""
+    until it is destroyed or garbage collected (a weak reference: watching never keeps a
+    rank, or its GPU memory, alive)."""
     global _thread
+    ref = weakref.ref(rank)
     with _lock:
-        _watched.append([weakref.ref(rank), int(device), None])
+        _watched.append([ref, int(device), None])
         if _thread is None:
             _thread = threading.Thread(target=_loop, name="jax_fusedar-lost-traps",
                                        daemon=True)

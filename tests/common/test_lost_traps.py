@@ -70,3 +70,12 @@ def test_ending_prints_the_record_and_exits_with_the_code():
     assert r.stderr.startswith("jax_fusedar call check failed on rank 1 of 2: X\n"), r.stderr
     assert "has not reported the trap to this process (CUDA device 0" in r.stderr
     assert f"Ending the process with exit code {lost_traps.EXIT_CODE}." in r.stderr
+
+
+def test_native_ranks_can_be_watched():
+    """The watcher holds native ranks by weak reference (it must not keep their GPU memory
+    alive), so the extension's Rank type must allow them."""
+    from jax_fusedar.common import native
+    if native.ext is None:
+        pytest.skip("the native extension is not built (./dev setup)")
+    assert native.ext.Rank.__weakrefoffset__ > 0
