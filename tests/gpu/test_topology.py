@@ -48,7 +48,8 @@ def _run(module, *args, timeout_s):
     result["printf_lines"] = [l for l in (out + err).splitlines() if PRINTF_MARK in l]
     # What a process ended by jax_fusedar.common.lost_traps wrote: its record and why.
     result["lost_trap_lines"] = [l for l in err.splitlines()
-                                 if l.startswith("jax_fusedar call check failed on rank")
+                                 if l.startswith(("jax_fusedar call check failed on rank",
+                                                  "jax_fusedar kernel wait timed out on rank"))
                                  or "Ending the process with exit code" in l]
     return result
 

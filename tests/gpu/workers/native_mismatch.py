@@ -163,7 +163,7 @@ def make_workspace(ext, chan, tag, device, world, rank, *, check_calls, timeout_
     return ws
 
 
-def _graph_replays(ws, rank, world, device, seed, torch, chan):
+def graph_replays(ws, rank, world, device, seed, torch, chan):
     """Captures 3 checked pattern-1 calls in a CUDA graph and replays it 3 times (each
     replay: outputs poisoned first, then checked), then one eager call after the replays:
     the device counter must have advanced in step on both ranks."""
@@ -200,7 +200,7 @@ def _graph_replays(ws, rank, world, device, seed, torch, chan):
     return {"capture_errors": None, "worst": worst_of(errs), "replays": 3}
 
 
-def _timing(ws, rank, world, device, seed, torch, *, calls=100, reps=5):
+def timing(ws, rank, world, device, seed, torch, *, calls=100, reps=5):
     """Median over `reps` of (ms for `calls` back-to-back pattern-1 one-shot calls)/calls;
     the last call's outputs are checked."""
     xs, residual, gamma = draw_inputs(seed, world, 16, HIDDEN, torch)
@@ -289,10 +289,10 @@ def worker(rank, world, chan, *, case, seed):
                                                         torch)
         result["off_worst"] = worst_of([{k: v for k, v in e.items() if k != "call"}
                                         for e in errs_off])
-        result["graph"] = _graph_replays(ws, rank, world, device, seed + 100, torch, chan)
+        result["graph"] = graph_replays(ws, rank, world, device, seed + 100, torch, chan)
         chan.barrier("timing")
-        result["timing_on"] = _timing(ws, rank, world, device, seed + 200, torch)
-        result["timing_off"] = _timing(off, rank, world, device, seed + 200, torch)
+        result["timing_on"] = timing(ws, rank, world, device, seed + 200, torch)
+        result["timing_off"] = timing(off, rank, world, device, seed + 200, torch)
         result["failure_record"] = ws.call_check_failure()
         chan.barrier("done")
         for w in (ws, off):
