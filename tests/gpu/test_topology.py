@@ -101,7 +101,8 @@ def test_call_check_matching_calls_graph_replay_and_cost(world):
           [r["timing_off"]["ms_per_call_median"] for r in ranks])
 
 
-@pytest.mark.parametrize("case", ["tokens", "pattern", "oneshot"])
+@pytest.mark.parametrize("case", ["tokens", pytest.param("pattern", marks=pytest.mark.slow),
+                                  pytest.param("oneshot", marks=pytest.mark.slow)])
 def test_mismatched_calls_fail_instead_of_hanging(case):
     """Both ranks detect the mismatch and trap: each one's synchronization raises with the
     record, or, where the GPU driver never reports the trap (ranks sharing a GPU trap at

@@ -51,7 +51,7 @@ TIMEOUT_CASE_S = 3.0
 CASES = ("ok", "tokens", "pattern", "oneshot", "timeout")
 # How long a rank waits for its peers after its failing call: a peer whose trap the driver
 # lost ends after lost_traps.GRACE_S.
-AFTER_FAILURE_WAIT_S = 30.0
+AFTER_FAILURE_WAIT_S = 20.0
 BOUNDS = {"allreduce": 1.0, "residual": 1.0, "norm": 3.0}
 
 
