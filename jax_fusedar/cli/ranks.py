@@ -3,7 +3,7 @@ rank when there are fewer GPUs than ranks (they share the GPUs).
 
 ``python -m jax_fusedar demo`` on a machine with fewer GPUs than the TP size (``--tp``,
 default: every GPU, or 2 on a one-GPU machine) starts one process per rank
-(``python -m jax_fusedar.cli.ranks``): rank r drives GPU r % G through ``jax.distributed``,
+(``python -m jax_fusedar.cli.rank_process``): rank r drives GPU r % G through ``jax.distributed``,
 with on-demand GPU memory (XLA_PYTHON_CLIENT_PREALLOCATE=false, so that 8 ranks fit on one
 GPU). XLA's NCCL refuses two ranks on one GPU, so in that program every cross-process
 collective is the fused kernel (``jax_fusedar/cli/shared_demo.py`` says how), and the
@@ -15,7 +15,8 @@ slicing, not the kernel: the demo shows none and ``bench`` refuses to run
 ``--processes per-rank`` forces one process per rank anywhere; on CPUs the ranks run the
 reference path (XLA's all-reduce over gloo), which is how the CPU tests exercise this.
 
-This module imports no JAX: the parent never starts it (the ranks do).
+This module imports no JAX (the CLI calls it before JAX starts); a rank process runs
+``jax_fusedar/cli/rank_process.py``.
 """
 from __future__ import annotations
 
@@ -147,9 +148,9 @@ def rank_env(p: Plan, env) -> dict:
 
 
 def rank_command(p: Plan, rank: int, port: int, result_dir: str, demo_argv) -> list:
-    return [sys.executable, "-m", "jax_fusedar.cli.ranks", "--rank", str(rank), "--world",
-            str(p.world), "--gpus", str(p.gpus), "--port", str(port), "--result-dir",
-            result_dir, "--", *demo_argv]
+    return [sys.executable, "-m", "jax_fusedar.cli.rank_process", "--rank", str(rank),
+            "--world", str(p.world), "--gpus", str(p.gpus), "--port", str(port),
+            "--result-dir", result_dir, "--", *demo_argv]
 
 
 def free_port() -> int:
@@ -271,48 +272,3 @@ def dispatch(args, argv, parser, gpus: Optional[int] = None) -> Optional[int]:
                     "device would not time better")
         parser.error(f"--bench: {why}; --bench needs one GPU per rank")
     return launch(p, list(argv)[1:], prog=parser.prog)
-
-
-# --- a rank process ------------------------------------------------------------------------------
-
-def _rank_parser():
-    p = argparse.ArgumentParser(prog="python -m jax_fusedar.cli.ranks",
-                                description="One rank of 'python -m jax_fusedar demo' run as "
-                                "one process per rank (started by the demo itself).")
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--world", type=int, required=True)
-    p.add_argument("--gpus", type=int, required=True)
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--result-dir", required=True)
-    p.add_argument("demo_argv", nargs=argparse.REMAINDER)
-    return p
-
-
-def rank_main(argv=None) -> int:
-    opts = _rank_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    demo_argv = opts.demo_argv[1:] if opts.demo_argv[:1] == ["--"] else opts.demo_argv
-    p = Plan(world=opts.world, gpus=opts.gpus, per_rank=True)
-    from .main import build_parser  # imports no JAX
-    parser, commands = build_parser()
-    args = parser.parse_args(["demo", *demo_argv])
-    import jax
-    if p.platform == "cpu":  # the reference path's psum crosses processes
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{opts.port}",
-                               num_processes=p.world, process_id=opts.rank,
-                               local_device_ids=[p.device_of(opts.rank)] if p.gpus else None)
-    from . import shared_demo
-    from .demo import SetupError
-    try:
-        code, result = shared_demo.run(args, p, opts.rank)
-    except SetupError as e:
-        print(f"python -m jax_fusedar demo: error (rank {opts.rank}): {e}", file=sys.stderr,
-              flush=True)
-        return 2
-    Path(opts.result_dir, RESULT_FILE.format(opts.rank)).write_text(json.dumps(result))
-    jax.distributed.shutdown()
-    return code
-
-
-if __name__ == "__main__":
-    sys.exit(rank_main())

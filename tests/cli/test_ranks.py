@@ -1,4 +1,4 @@
-"""The demo's process launching (jax_fusedar/cli/ranks.py): the plan for every GPU count, what
+"""The demo's process launching (jax_fusedar/cli/ranks.py, rank_process.py): the plan for every GPU count, what
 each rank process is started with, how a failing rank is handled, ``bench``'s refusal of
 shared GPUs, and the demo run as one process per rank on CPUs (ranks over gloo, the reference
 path) against the unsharded reference."""
@@ -77,8 +77,9 @@ def test_rank_environment(gpus):
 def test_rank_command_carries_the_demo_flags():
     p = ranks.Plan(world=4, gpus=1, per_rank=True)
     cmd = ranks.rank_command(p, 3, 1234, "/tmp/x", ["--steps", "2", "--moe"])
-    assert cmd[:3] == [sys.executable, "-m", "jax_fusedar.cli.ranks"]
-    opts = ranks._rank_parser().parse_args(cmd[3:])
+    assert cmd[:3] == [sys.executable, "-m", "jax_fusedar.cli.rank_process"]
+    from jax_fusedar.cli import rank_process
+    opts = rank_process.parser().parse_args(cmd[3:])
     assert (opts.rank, opts.world, opts.gpus, opts.port, opts.result_dir) == \
         (3, 4, 1, 1234, "/tmp/x")
     assert opts.demo_argv == ["--", "--steps", "2", "--moe"]
