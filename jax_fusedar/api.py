@@ -278,8 +278,8 @@ def allreduce_fusion(x: ArrayLike, *, axis_name: str, workspace: AllReduceFusion
     if workspace.destroyed:
         raise ValueError(f"{workspace!r} was destroyed")
     if workspace.axis_name != axis_name:
-        raise ValueError(f"the workspace was created for axis {workspace.axis_name!r}, "
-                         f"not axis_name={axis_name!r}")
+        raise ValueError(f"axis_name={axis_name!r}: the workspace was created for axis "
+                         f"{workspace.axis_name!r}, not {axis_name!r}")
     x = jnp.asarray(x)
     if x.ndim < 1:
         raise ValueError(f"x must be [..., hidden] (at least 1-D), got shape {x.shape}")

@@ -281,8 +281,8 @@ def _check_call_context(workspace, axis_name, dtype_name):
     if workspace.destroyed:
         raise ValueError(f"{workspace!r} was destroyed")
     if workspace.axis_name != axis_name:
-        raise ValueError(f"the workspace was created for axis {workspace.axis_name!r}, "
-                         f"not axis_name={axis_name!r}")
+        raise ValueError(f"axis_name={axis_name!r}: the workspace was created for axis "
+                         f"{workspace.axis_name!r}, not {axis_name!r}")
     if dtype_name not in MOE_DTYPES:
         raise ValueError(f"the MoE patterns take bfloat16 or float16 rows (FlashInfer's MoE "
                          f"kernels exist for those only), got {dtype_name}")
