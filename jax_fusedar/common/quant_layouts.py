@@ -67,7 +67,8 @@ def _as_dim(value, name: str) -> int:
 
 def check_tokens(M) -> int:
     M = _as_dim(M, "num_tokens (M)")
-    if not arguments.is_symbolic(M) and M < 0:  # 0 tokens: empty buffers of the same layout (a call of 0 tokens is served)
+    # 0 tokens: empty buffers of the same layout (a call of 0 tokens is served).
+    if not arguments.is_symbolic(M) and M < 0:
         raise ValueError(f"num_tokens (M) must be >= 0, got {M}")
     return M
 
