@@ -12,7 +12,9 @@ machine both processes share GPU 0. Tasks:
              numpy model; the fused one must be as accurate as the unfused one;
 * "quant":   the FP8 patterns (tests/gpu/jax_quant.py);
 * "nvfp4":   the NVFP4 patterns on sm100+ (tests/gpu/jax_nvfp4.py);
-* "grad":    gradients of a TP MLP, fused vs unfused vs float64 (tests/gpu/jax_grad.py).
+* "grad":    gradients of a TP MLP, fused vs unfused vs float64 (tests/gpu/jax_grad.py);
+* "handler_errors": direct calls of the FFI target with wrong results or attributes
+             (tests/gpu/jax_handler_errors.py).
 """
 from __future__ import annotations
 
@@ -72,6 +74,11 @@ def worker(rank, world, chan, *, port, xla_flags, task, seed, **kw):
     elif task == "grad":
         from tests.gpu import jax_grad
         out["grad"] = jax_grad.run(jax, jnp, jf, mesh, P, seed, **kw)
+    elif task == "handler_errors":
+        from tests.gpu import jax_handler_errors
+        out["handler_errors"] = jax_handler_errors.run(
+            jax, jnp, jf, mesh, P, rank, world, seed,
+            glob=lambda spec, a: _global(jax, mesh, spec, a), local=_local, **kw)
     jax.distributed.shutdown()
     return out
 
