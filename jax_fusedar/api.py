@@ -263,10 +263,8 @@ def allreduce_fusion(x: ArrayLike, *, axis_name: str, workspace: AllReduceFusion
     traits = TRAITS[pattern]
     strict = backend_choice.strict_mode(strict)
     # Options are taken as given, never coerced (bool("false") is True): arguments.py.
-    use_oneshot = arguments.as_bool("use_oneshot", use_oneshot, allow_none=True)
-    fp32_acc = arguments.as_bool("fp32_acc", fp32_acc)
-    rms_eps = arguments.as_float("rms_eps", rms_eps, minimum=0.0)
-    weight_bias = arguments.as_float("weight_bias", weight_bias)
+    rms_eps, weight_bias, fp32_acc, use_oneshot = arguments.fusion_options(
+        rms_eps=rms_eps, weight_bias=weight_bias, fp32_acc=fp32_acc, use_oneshot=use_oneshot)
     if block_quant_group_size is not None:
         block_quant_group_size = arguments.as_int("block_quant_group_size",
                                                   block_quant_group_size)
@@ -280,8 +278,8 @@ def allreduce_fusion(x: ArrayLike, *, axis_name: str, workspace: AllReduceFusion
     if workspace.destroyed:
         raise ValueError(f"{workspace!r} was destroyed")
     if workspace.axis_name != axis_name:
-        raise ValueError(f"the workspace was created for axis {workspace.axis_name!r}, "
-                         f"not {axis_name!r}")
+        raise ValueError(f"axis_name={axis_name!r}: the workspace was created for axis "
+                         f"{workspace.axis_name!r}, not {axis_name!r}")
     x = jnp.asarray(x)
     if x.ndim < 1:
         raise ValueError(f"x must be [..., hidden] (at least 1-D), got shape {x.shape}")
@@ -309,7 +307,10 @@ def allreduce_fusion(x: ArrayLike, *, axis_name: str, workspace: AllReduceFusion
 
     operands = [x]
     if traits.has_residual:
-        residual = jnp.zeros_like(x) if residual is None else _as_residual(residual, x)
+        # jnp.zeros, not zeros_like: x varies over axis_name and zeros_like would carry
+        # that, making the outputs vary too (out_specs=P() refused) though the sum does not.
+        residual = (jnp.zeros(x.shape, x.dtype) if residual is None
+                    else _as_residual(residual, x))
         operands += [residual, _as_gamma(rms_gamma, x, hidden, pattern)]
     elif residual is not None or rms_gamma is not None:
         raise ValueError(f"pattern {pattern.name} takes no residual or rms_gamma")

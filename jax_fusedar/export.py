@@ -106,15 +106,17 @@ def check_reference_lowered_for_cuda(workspace_id: int) -> None:
         return
     from .workspace import lookup
     ws = lookup(workspace_id)
-    if ws is None or ws.backend != "xla":
-        return
+    if ws is None or ws.backend != "xla" or getattr(ws, "xla_requested", False):
+        return  # not the XLA backend, or the XLA backend asked for: served as asked
     if any(getattr(d, "platform", None) == "gpu" for d in ws.mesh.devices.flat):
         return  # the XLA backend chosen on GPUs: the user's (or auto's) explicit choice
     msg = (f"jax_fusedar: lowering for cuda with {ws!r}, an XLA-backend workspace of a process "
-           "without GPUs: the program will run psum + RMSNorm, not the fused kernel. To "
-           "export the kernel from this machine use jax_fusedar.abstract_workspace(..., "
-           "backend='trtllm'), which serving processes match by key")
+           "without GPUs (backend 'auto' found no GPU here): the program will run psum + "
+           "RMSNorm, not the fused kernel. To export the kernel from this machine use "
+           "jax_fusedar.abstract_workspace(..., backend='trtllm'), which serving processes "
+           "match by key; to export psum + RMSNorm for cuda on purpose, ask for it with "
+           "backend='xla' (abstract_workspace or create_allreduce_fusion_workspace)")
     if _refuse_reference.get():
         raise ValueError(msg + " (or wrap the export in "
-                         "jax_fusedar.export.allow_reference_for_cuda() to keep the reference)")
+                         "jax_fusedar.export.allow_reference_for_cuda())")
     warnings.warn(msg, stacklevel=2)

@@ -281,8 +281,8 @@ def _check_call_context(workspace, axis_name, dtype_name):
     if workspace.destroyed:
         raise ValueError(f"{workspace!r} was destroyed")
     if workspace.axis_name != axis_name:
-        raise ValueError(f"the workspace was created for axis {workspace.axis_name!r}, "
-                         f"not {axis_name!r}")
+        raise ValueError(f"axis_name={axis_name!r}: the workspace was created for axis "
+                         f"{workspace.axis_name!r}, not {axis_name!r}")
     if dtype_name not in MOE_DTYPES:
         raise ValueError(f"the MoE patterns take bfloat16 or float16 rows (FlashInfer's MoE "
                          f"kernels exist for those only), got {dtype_name}")
@@ -304,8 +304,8 @@ def _concrete_shape(name, shape):
 
 
 def _options(rms_eps, weight_bias, strict):
-    return (arguments.as_float("rms_eps", rms_eps, minimum=0.0),
-            arguments.as_float("weight_bias", weight_bias), backend_choice.strict_mode(strict))
+    return (arguments.as_float32("rms_eps", rms_eps, minimum=0.0),
+            arguments.as_float32("weight_bias", weight_bias), backend_choice.strict_mode(strict))
 
 
 def _bind(operands, *, pattern, lead, hidden, workspace, axis_name, strict, rms_eps,
@@ -360,8 +360,9 @@ def moe_reduction_allreduce_fusion(
     experts = expert_outputs.shape[0]
     _check("expert_outputs", expert_outputs, (experts, *lead, hidden), token_input.dtype)
     _check("expert_scales", expert_scales, (experts, *lead), jnp.float32)
-    residual = jnp.zeros_like(token_input) if residual is None else _as_residual(
-        residual, token_input)
+    # Not zeros_like: that would carry token_input's variance over the axis (api.py).
+    residual = (jnp.zeros(token_input.shape, token_input.dtype) if residual is None
+                else _as_residual(residual, token_input))
     gamma = _as_gamma(rms_gamma, token_input, hidden,
                       AllReduceFusionPattern.kMoEReductionARResidualRMSNorm)
     tokens = math.prod(lead)
@@ -405,7 +406,8 @@ def moe_finalize_allreduce_fusion(
     ``rms_gamma`` [H]. Returns ``MoeAllReduceFusionOutputs(None, residual_out, norm_out)``
     with the index map's leading dims."""
     rms_eps, weight_bias, strict = _options(rms_eps, weight_bias, strict)
-    routed_scaling_factor = arguments.as_float("routed_scaling_factor", routed_scaling_factor)
+    routed_scaling_factor = arguments.as_float32("routed_scaling_factor",
+                                                 routed_scaling_factor)
     permuted_input = jnp.asarray(permuted_input)
     idx = jnp.asarray(expanded_idx_to_permuted_idx)
     if permuted_input.ndim != 2 or permuted_input.shape[0] < 1:

@@ -44,7 +44,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .common import backend_choice
+from .common import arguments, backend_choice, limits
 from . import reference
 from .api import AllReduceFusionOutputs, _fallback, allreduce_fusion
 from .common.patterns import AllReduceFusionPattern
@@ -88,10 +88,11 @@ def row_parallel_allreduce_fusion(
     ``norm_out = RMSNorm(residual_out) * (weight_bias + rms_gamma)`` (other fields None).
     """
     workspaces = _as_workspaces(workspace)
-    h, w, residual, rms_gamma = (jnp.asarray(a) for a in (h, w, residual, rms_gamma))
+    cfg = _checked_config(workspaces, rms_eps, weight_bias, fp32_acc, use_oneshot, strict,
+                          precision)
+    h, w, residual, rms_gamma = _as_operands(h, w, residual, rms_gamma)
     _check_shapes(h, w, residual, rms_gamma)
-    cfg = _Config(workspaces, float(rms_eps), float(weight_bias), bool(fp32_acc),
-                  None if use_oneshot is None else bool(use_oneshot), strict, precision)
+    _check_up_front(cfg, h, w, residual, rms_gamma)
     mesh = jax.typeof(h).sharding.mesh
     types = set(getattr(mesh, "axis_types", ()))
     if AxisType.Manual in types:
@@ -117,6 +118,55 @@ def _as_workspaces(workspace) -> tuple:
         if ws.destroyed:
             raise ValueError(f"workspace {ws!r} was destroyed")
     return many
+
+
+def _checked_config(workspaces, rms_eps, weight_bias, fp32_acc, use_oneshot, strict,
+                    precision) -> _Config:
+    """The options, validated once, here, with ``allreduce_fusion``'s validators (never
+    coerced: ``bool("false")`` is True). On Auto axes the per-shard program runs only when
+    XLA compiles the partitioned op, where an error would be an INTERNAL custom_partitioner
+    traceback; when ``k`` is not sharded it never meets allreduce_fusion's checks at all."""
+    opts = arguments.fusion_options(rms_eps=rms_eps, weight_bias=weight_bias,
+                                    fp32_acc=fp32_acc, use_oneshot=use_oneshot)
+    return _Config(workspaces, opts.rms_eps, opts.weight_bias, opts.fp32_acc, opts.use_oneshot,
+                   backend_choice.strict_mode(strict), precision)
+
+
+def _as_operands(h, w, residual, rms_gamma):
+    """The four operands as arrays; ``residual=None`` is zeros, as for allreduce_fusion."""
+    for name, value in (("h", h), ("w", w), ("rms_gamma", rms_gamma)):
+        if value is None:
+            raise ValueError(f"{name} is required (row_parallel_allreduce_fusion(h, w, "
+                             "residual=..., rms_gamma=...): h [..., k], w [k, n], "
+                             "rms_gamma [n])")
+    h, w, rms_gamma = jnp.asarray(h), jnp.asarray(w), jnp.asarray(rms_gamma)
+    if residual is None:  # (with a w that is not [k, n], _check_shapes names w)
+        residual = jnp.zeros((*h.shape[:-1], w.shape[-1] if w.ndim == 2 else 0), h.dtype)
+    return h, w, jnp.asarray(residual), rms_gamma
+
+
+def _check_up_front(cfg: _Config, h, w, residual, gamma) -> None:
+    """What the per-shard program would refuse for any partitioning, refused now: the plain
+    math itself (e.g. ``precision``), and with a workspace of h's dtype the kernel's rules
+    on the hidden size n (16-byte vectors always; in strict mode the launch limits too)."""
+    jax.eval_shape(partial(_plain, cfg=cfg), *(jax.ShapeDtypeStruct(a.shape, a.dtype)
+                                               for a in (h, w, residual, gamma)))
+    dtype_name = np.dtype(h.dtype).name
+    n = w.shape[1]
+    for ws in cfg.workspaces:
+        if ws.dtype != np.dtype(h.dtype):
+            continue
+        if n % limits.vector_width(dtype_name):
+            raise ValueError(f"w is [k, n] with n = {n}, the hidden size of the fused op, "
+                             f"which is not a multiple of {limits.vector_width(dtype_name)} "
+                             f"(16 bytes of {dtype_name}), as the kernel requires")
+        problem = limits.kernel_support_problem(ws.world_size, n, dtype_name)
+        if problem and cfg.strict:
+            _fallback("unsupported shape", problem, True, ws.backend)
+    if cfg.strict and cfg.workspaces and not any(
+            ws.dtype == np.dtype(h.dtype) for ws in cfg.workspaces):
+        _fallback("no matching workspace", f"no workspace was given for dtype {dtype_name}",
+                  True, "trtllm")
 
 
 def _check_shapes(h, w, residual, gamma):

@@ -106,7 +106,10 @@ def check_call_groups(mesh, axis_name: str, workspace_groups) -> None:
     """Refuse a call whose mesh groups the devices along ``axis_name`` otherwise than the
     workspace (tp_groups.groups_problem): a device would reduce with the wrong group, a
     silent wrong answer on GPUs. ``mesh``: a concrete Mesh (pmap runs as one too); None or
-    an abstract mesh (export, cross-platform lowering) has nothing to compare."""
+    an abstract mesh (export, cross-platform lowering, an inner shard_map nested in another)
+    has nothing to compare: its ``devices`` raises instead of being absent."""
+    if mesh is None or isinstance(mesh, jax.sharding.AbstractMesh):
+        return
     devices = getattr(mesh, "devices", None)
     if not isinstance(devices, np.ndarray) or devices.dtype != object or devices.size == 0:
         return

@@ -94,6 +94,11 @@ class AllReduceFusionWorkspace(lifecycle.WorkspaceLifecycle):
         self.check_calls = bool(check_calls)
         self.check_timeout_s = float(check_timeout_s)
         self.timeout_s = float(timeout_s)
+        # Whether an "xla" backend is what the user asked for (backend="xla" or
+        # $JAX_FUSEDAR_ALLREDUCE_BACKEND=xla) or describes GPU processes (abstract_workspace),
+        # rather than what "auto" fell back to for lack of GPUs: only the latter is refused
+        # when lowered for cuda (export.check_reference_lowered_for_cuda).
+        self.xla_requested = False
         self._ranks: list = []  # native Rank objects this process owns
         self._destroyed = False
 
@@ -260,7 +265,8 @@ def _describe(mesh, axis_name, max_token_num, hidden_dim, dtype,
     _check_mesh(mesh)
     name = _check_name(name)
     if not isinstance(axis_name, str) or axis_name not in mesh.axis_names:
-        raise ValueError(f"axis {axis_name!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
+        raise ValueError(f"axis {axis_name!r} is not an axis of the mesh "
+                         f"{tuple(mesh.axis_names)} (axis_name must be one of them)")
     dtype_name = _dtype_name(dtype)
     world = int(mesh.shape[axis_name])
     limits.check_kernel_supports(world, hidden_dim, dtype_name)
@@ -352,6 +358,7 @@ def create_allreduce_fusion_workspace(mesh, axis_name: str, *, max_token_num: in
     _set_backend(ws, _choose_backend(ws, backend, mesh.devices.flat[0].platform,
                                      exchange_timeout_s))
     resolved = ws.backend
+    ws.xla_requested = backend_choice.requested_backend(backend)[0] == "xla"
     _claim_id(ws, allocates=resolved == "trtllm")
     ws.check_calls = check_calls and resolved == "trtllm"
     ws.check_timeout_s = check_timeout_s
@@ -379,11 +386,12 @@ def abstract_workspace(mesh, axis_name: str, *, max_token_num: int, hidden_dim: 
     ``backend`` ("trtllm", "xla" or "auto") is decided as ``create_allreduce_fusion_workspace``
     would on CUDA GPUs with the mesh's hosts: under ``jax.distributed`` each process's host
     name counts, so "trtllm" raises and "auto" takes XLA's collectives for TP groups that
-    span hosts."""
+    span hosts. An "xla" workspace exports psum + RMSNorm for cuda, as asked."""
     if backend not in ("auto", "trtllm", "xla"):
         raise ValueError(f"backend must be 'auto', 'trtllm' or 'xla', not {backend!r}")
     ws = _describe(mesh, axis_name, max_token_num, hidden_dim, dtype, None, name)
     _set_backend(ws, _choose_backend(ws, backend, "cuda", _HOSTNAME_TIMEOUT_S))
+    ws.xla_requested = True  # decided for GPUs: "xla" here is what cuda programs should run
     _claim_id(ws, allocates=False)
     return ws
 

@@ -54,6 +54,8 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.fx as fx
 
+from jax_fusedar.common import arguments
+
 from . import library
 from .workspace import TorchAllReduceFusionWorkspace
 
@@ -275,7 +277,8 @@ def fuse_allreduce_rmsnorm_graph(graph: fx.Graph, workspace: TorchAllReduceFusio
                                  workspace_handle: Optional[int] = None) -> int:
     """Rewrites ``graph`` in place (see the module docstring); returns the replacement
     count. ``workspace_handle`` defaults to ``library.register_workspace(workspace)``."""
-    handle = None if workspace_handle is None else int(workspace_handle)
+    handle = (None if workspace_handle is None
+              else arguments.as_int("workspace_handle", workspace_handle))
     count = 0
     # Match and rewrite one block at a time: block k+1's residual is block k's r, which the
     # rewrite of block k replaces, so matches are taken on the graph as it is now.

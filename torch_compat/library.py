@@ -47,7 +47,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from jax_fusedar.common import patterns, results
+from jax_fusedar.common import arguments, patterns, results
 
 from . import ops
 from .workspace import TORCH_DTYPES, TorchAllReduceFusionWorkspace
@@ -79,11 +79,18 @@ def register_workspace(ws: TorchAllReduceFusionWorkspace) -> int:
         return h
 
 
+def _as_handle(handle) -> int:
+    """A handle is an int (a SymInt while torch.compile traces with dynamic=True: its value,
+    under a guard), never "1" or 1.9 coerced to one."""
+    return arguments.as_int("workspace_handle", ops.concrete(handle))
+
+
 def lookup_workspace(handle: int) -> TorchAllReduceFusionWorkspace:
     """The workspace registered under ``handle``; KeyError if none, RuntimeError if it was
     destroyed since."""
+    handle = _as_handle(handle)
     with _lock:
-        ws = _registry.get(int(handle))
+        ws = _registry.get(handle)
     if ws is None:
         raise KeyError(f"no all-reduce fusion workspace is registered under handle {handle} "
                        f"(torch_compat.library.register_workspace)")
@@ -94,8 +101,9 @@ def lookup_workspace(handle: int) -> TorchAllReduceFusionWorkspace:
 
 def unregister_workspace(handle: int) -> None:
     """Drops ``handle`` from the registry (idempotent). Does not destroy the workspace."""
+    handle = _as_handle(handle)
     with _lock:
-        _registry.pop(int(handle), None)
+        _registry.pop(handle, None)
 
 
 # --- the ops -------------------------------------------------------------------------------------
@@ -154,6 +162,7 @@ def _check_quant_call(input, residual, gamma, eps, weight_bias, pattern, scale_f
                       workspace_handle) -> None:
     """The quantized op's checks, the same in the real and the fake implementation: its
     patterns only, then every check of the eager op (ops.check_call)."""
+    pattern = ops.concrete(pattern)
     torch._check(pattern in QUANT_PATTERNS,
                  lambda: f"allreduce_residual_rmsnorm_quant serves the quantized patterns "
                          f"{QUANT_PATTERNS}, got {pattern} (patterns 0 and 1 have their own ops)")
@@ -168,6 +177,7 @@ def _quant_outputs(input: torch.Tensor, pattern: int, block_quant_group_size: Op
     """Fresh (residual_out, norm_out, quant_out, scale_out) for a quantized pattern, the
     same in the real and the fake implementation (so their metadata agree), shaped by
     ``results.result_specs``; an output the pattern does not write is an empty [0] tensor."""
+    pattern, layout_code = ops.concrete(pattern), ops.concrete(layout_code)
     torch._check(pattern in QUANT_PATTERNS,
                  lambda: f"allreduce_residual_rmsnorm_quant serves the quantized patterns "
                          f"{QUANT_PATTERNS}, got {pattern} (patterns 0 and 1 have their own ops)")

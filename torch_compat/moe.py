@@ -97,8 +97,8 @@ def check_moe_call(pattern, workspace, *, input=None, residual_in=None, rms_gamm
         raise ValueError(f"{p.name}'s kernel always triggers completion at its end; pass "
                          "trigger_completion_at_end=True")
     launch_with_pdl = arguments.as_bool("launch_with_pdl", launch_with_pdl)
-    rms_eps = arguments.as_float("rms_eps", rms_eps, minimum=0.0)
-    weight_bias = arguments.as_float("weight_bias", weight_bias)
+    rms_eps = arguments.as_float32("rms_eps", rms_eps, minimum=0.0)
+    weight_bias = arguments.as_float32("weight_bias", weight_bias)
     missing = [k for k, v in (("residual_in", residual_in), ("rms_gamma", rms_gamma)) if v is None]
     if p == REDUCTION:
         missing += [k for k, v in (
@@ -171,7 +171,7 @@ def check_moe_call(pattern, workspace, *, input=None, residual_in=None, rms_gamm
         if shared_expert_output is not None:
             _shape("shared_expert_output", shared_expert_output, (t, h), dtype)
         if routed_scaling_factor is not None:
-            routed = arguments.as_float("routed_scaling_factor", routed_scaling_factor)
+            routed = arguments.as_float32("routed_scaling_factor", routed_scaling_factor)
     if _static_shape(residual_in):
         if t == 0:
             raise ValueError("residual_in is empty (no tokens)")

@@ -53,7 +53,7 @@ from typing import Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
 
-from jax_fusedar.common import (arguments, launch_mode, limits, native, patterns, quant_layouts,
+from jax_fusedar.common import (arguments, launch_mode, native, patterns, quant_layouts,
                                 results)
 
 from .workspace import TORCH_DTYPES, TorchAllReduceFusionWorkspace
@@ -157,12 +157,11 @@ def _check_input(input, ws: TorchAllReduceFusionWorkspace) -> str:
     token_num, hidden_dim = input.shape
     if token_num == 0 or hidden_dim == 0:
         raise ValueError(f"input is empty (shape {list(input.shape)})")
+    # One rule with is_buffer_size_sufficient: the element count, and the kernel's rule on
+    # this hidden size (the workspace may be reused with another one, which must launch too).
     problem = ws.fit_problem(ws.world_size, token_num, hidden_dim, input.dtype)
     if problem:
         raise ValueError(f"the call does not fit the workspace: {problem}")
-    # The workspace may be reused with another hidden size: that one must launch too (for
-    # the world size the workspace was sized for: its group's).
-    limits.check_kernel_supports(ws.sizes.world_size, hidden_dim, name)
     return name
 
 
@@ -172,6 +171,8 @@ def check_group_size(hidden_dim: int, group_size, dtype_name: str) -> int:
     if group_size is None:
         raise ValueError("block_quant_group_size is required for the per-token-group FP8 "
                          "patterns (8, 9)")
+    if arguments.is_symbolic(group_size):  # under torch.compile: checked by the eager op
+        return quant_layouts.check_kernel_group_size(hidden_dim, group_size, dtype_name)
     if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral):
         raise ValueError(f"block_quant_group_size must be an int, got {group_size!r}")
     return quant_layouts.check_kernel_group_size(hidden_dim, int(group_size), dtype_name)
@@ -216,7 +217,8 @@ def _scale_factor_tensor(scale_factor, ws: TorchAllReduceFusionWorkspace) -> tor
 def _check_quant_inputs(p, traits, name: str, input: torch.Tensor, scale_factor, layout_code,
                         block_quant_group_size):
     """The quantization inputs of ``p``; returns (layout code, group size) for the launch (0
-    where unused, and the group size unchecked against hidden_dim while it is symbolic)."""
+    where unused; sizes that are symbolic, the group size included, are checked by the eager
+    op)."""
     hidden_dim = input.shape[1]
     static = _static_shape(input)
     layout = group = 0
@@ -229,10 +231,7 @@ def _check_quant_inputs(p, traits, name: str, input: torch.Tensor, scale_factor,
         layout = int(quant_layouts.as_layout(patterns.QuantizationSFLayout.SWIZZLED_128x4
                                        if layout_code is None else layout_code))
     if traits.quant == "group_fp8":
-        if static:
-            group = check_group_size(hidden_dim, block_quant_group_size, name)
-        else:
-            group = arguments.as_int("block_quant_group_size", block_quant_group_size)
+        group = check_group_size(hidden_dim, block_quant_group_size, name)
     if traits.uses_scale_factor:
         _check_scale_factor(scale_factor, p)
     return layout, group
@@ -317,6 +316,15 @@ def _check_quant_outputs(p, traits, input: torch.Tensor, ws, quant_out, scale_ou
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
+def concrete(value):
+    """``value``, or the int of a SymInt: torch.compile with ``dynamic=True`` traces an int
+    argument as a SymInt, but the pattern and the NVFP4 layout decide the outputs' number,
+    dtypes and layout formula, so the fake implementations need their value. ``int()``
+    fixes it with a guard (another value compiles again); symbolic sizes and group sizes
+    stay symbolic (their checks wait for the eager op)."""
+    return int(value) if isinstance(value, torch.SymInt) else value
+
+
 def _option(check, name: str, value, **kw):
     """``check`` (an ``arguments`` validator) of an option, except a symbolic value that
     torch.compile may trace a scalar argument as: only the eager op sees its value."""
@@ -363,6 +371,7 @@ def check_call(input, workspace, pattern, *, residual_in=None, rms_gamma=None, r
         raise TypeError(f"workspace must come from torch_compat.create_allreduce_fusion_"
                         f"workspace, got {type(workspace).__name__}")
     workspace.native_rank()  # raises once destroyed
+    pattern, layout_code = concrete(pattern), concrete(layout_code)
     p = patterns.as_pattern(pattern)  # ValueError naming the valid patterns
     if p in patterns.MOE_PATTERNS:
         raise ValueError(f"pattern {p.value} ({p.name}) is checked by "
@@ -378,8 +387,8 @@ def check_call(input, workspace, pattern, *, residual_in=None, rms_gamma=None, r
         launch_with_pdl=_option(arguments.as_bool, "launch_with_pdl", launch_with_pdl),
         trigger_completion_at_end=_option(arguments.as_bool, "trigger_completion_at_end",
                                           trigger_completion_at_end),
-        rms_eps=_option(arguments.as_float, "rms_eps", rms_eps, minimum=0.0),
-        weight_bias=_option(arguments.as_float, "weight_bias", weight_bias))
+        rms_eps=_option(arguments.as_float32, "rms_eps", rms_eps, minimum=0.0),
+        weight_bias=_option(arguments.as_float32, "weight_bias", weight_bias))
     name = _check_input(input, workspace)
     if traits.has_residual:
         missing = [k for k, t in (("residual_in", residual_in), ("rms_gamma", rms_gamma))

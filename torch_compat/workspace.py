@@ -120,7 +120,8 @@ class TorchAllReduceFusionWorkspace(lifecycle.WorkspaceLifecycle):
 
     def fit_problem(self, tp_size: int, num_tokens: int, hidden_dim: int, dtype,
                     use_oneshot: Optional[bool] = None) -> Optional[str]:
-        """Why a call of this size cannot use the workspace, or None if it can."""
+        """Why a call of this size cannot use the workspace, or None if it can: the one rule
+        of both ``is_buffer_size_sufficient`` and the op (``ops.check_call``)."""
         self._check_alive()
         problems = []
         if num_tokens == 0:  # as the op refuses an empty input
@@ -137,6 +138,11 @@ class TorchAllReduceFusionWorkspace(lifecycle.WorkspaceLifecycle):
             problems.append(f"dtype {dtype} does not have the workspace's element width "
                             f"({self.dtype}): float32 needs a float32 workspace, bf16/fp16 a "
                             f"16-bit one")
+        else:  # the kernel's own rule on the hidden size (whole 16-byte vectors, launch limit)
+            launch = limits.kernel_support_problem(self.sizes.world_size, hidden_dim,
+                                                   TORCH_DTYPES[dtype])
+            if launch:
+                problems.append(launch)
         if not problems and use_oneshot is not None:
             try:  # FlashInfer's trtllm workspace ignores use_oneshot; we check it is possible
                 launch_mode.choose_oneshot(num_tokens, hidden_dim, self.sizes, use_oneshot)
@@ -148,10 +154,11 @@ class TorchAllReduceFusionWorkspace(lifecycle.WorkspaceLifecycle):
                                   dtype: torch.dtype, use_oneshot: Optional[Any] = None) -> bool:
         """FlashInfer's check (``check_trtllm_allreduce_fusion_workspace_metadata``): same TP
         size, ``num_tokens * hidden_dim <= max_token_num * hidden_dim``, same element width;
-        and, when ``use_oneshot`` is True/False, that this mode can run the call. It agrees
-        with what ``allreduce_fusion`` accepts: 0 tokens do not fit (the op refuses an empty
-        input); a negative or non-int count, or a ``use_oneshot`` that is not a bool, is an
-        error rather than an answer."""
+        and what the kernel needs of the hidden size (whole 16-byte vectors, within the
+        launch limit: ``limits.kernel_support_problem``) and, when ``use_oneshot`` is
+        True/False, that this mode can run the call. It agrees with what ``allreduce_fusion``
+        accepts: 0 tokens do not fit (the op refuses an empty input); a negative or non-int
+        count, or a ``use_oneshot`` that is not a bool, is an error rather than an answer."""
         tp_size = arguments.as_int("tp_size", tp_size, minimum=1)
         num_tokens = arguments.as_int("num_tokens", num_tokens, minimum=0)
         hidden_dim = arguments.as_int("hidden_dim", hidden_dim, minimum=1)
@@ -244,6 +251,20 @@ def _group_membership(group, world_size, rank) -> Tuple[List[int], int]:
             f"rank {dist.get_rank()}, group members {global_ranks}): `rank` is group-local "
             f"(dist.get_rank(group)), not the global rank nor a device index")
     return global_ranks, local_rank
+
+
+def _check_flashinfer_options(world_size, rank, max_token_num, hidden_dim, gpus_per_node,
+                              force_oneshot_support):
+    """FlashInfer's sizes and flags, typed as given (never coerced: ``world_size=2.0`` or
+    ``force_oneshot_support="no"`` are refused), even the two only its MNNVL backend reads.
+    Returns (world_size, rank) as ints, or None where not given."""
+    if gpus_per_node is not None:
+        arguments.as_int("gpus_per_node", gpus_per_node, minimum=1)
+    limits.positive_int("max_token_num", max_token_num)  # before any rule on the group
+    limits.positive_int("hidden_dim", hidden_dim)
+    arguments.as_bool("force_oneshot_support", force_oneshot_support)
+    return (None if world_size is None else arguments.as_int("world_size", world_size, minimum=1),
+            None if rank is None else arguments.as_int("rank", rank, minimum=0))
 
 
 def _check_comm_backend(comm_backend, world_size: int, rank: int) -> None:
@@ -352,6 +373,8 @@ def create_allreduce_fusion_workspace(
     the recorded text (``ws.failure()`` reads it). Restart the process afterwards.
     """
     resolve_backend(backend)  # a bad name fails before anyone waits
+    world_size, rank = _check_flashinfer_options(world_size, rank, max_token_num, hidden_dim,
+                                                 gpus_per_node, force_oneshot_support)
     timeout_s = arguments.as_float("timeout_s", timeout_s)
     check_calls = call_check.resolve_check_calls(check_calls)
     check_timeout_s = call_check.resolve_check_timeout_s(check_timeout_s)

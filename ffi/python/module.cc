@@ -20,7 +20,9 @@
 #include <tuple>
 #include <vector>
 
+#include "../xla/errors.h"
 #include "../xla/handlers.h"
+#include "../xla/result_check.h"
 #include "../xla/workspace_registry.h"
 #include "fusedar/core.h"
 #include "fusedar/patterns.h"
@@ -29,13 +31,35 @@ namespace nb = nanobind;
 
 namespace {
 
-// Invalid arguments and unsupported configurations are the caller's to fix
-// (ValueError); CUDA and internal failures are RuntimeError.
+// The exception of a failed core call (one rule with the XLA handlers, errors.h): invalid
+// arguments and unsupported configurations are the caller's to fix (ValueError); CUDA and
+// internal failures, and any status this module does not know, are RuntimeError.
+[[noreturn]] void raise_status(int rc, const std::string& msg) {
+  if (fusedar::xla::is_callers_error(rc)) throw nb::value_error(msg.c_str());
+  throw std::runtime_error(msg);
+}
+
 void check(int rc) {
   if (rc == FUSEDAR_OK) return;
-  std::string msg = fusedar_last_error();
-  if (rc == FUSEDAR_INVALID_ARGUMENT || rc == FUSEDAR_UNSUPPORTED) throw nb::value_error(msg.c_str());
-  throw std::runtime_error(msg);
+  raise_status(rc, fusedar_last_error());
+}
+
+// The module's element-type names (numpy's) as result_check.h's Element.
+fusedar::xla::Element element_named(const std::string& name) {
+  using fusedar::xla::Element;
+  for (Element e : {Element::kFloat32, Element::kFloat16, Element::kBFloat16, Element::kUInt8,
+                    Element::kFloat8E4M3FN, Element::kInt32}) {
+    if (name == fusedar::xla::element_name(e)) return e;
+  }
+  return Element::kOther;
+}
+
+const fusedar::PatternTraits& dense_pattern(int pattern) {
+  const fusedar::PatternTraits* traits = fusedar::find_pattern(pattern);
+  if (traits == nullptr) {
+    throw nb::value_error(("unknown fusion pattern " + std::to_string(pattern)).c_str());
+  }
+  return *traits;
 }
 
 // One row of fusedar/patterns.h, with the rules derived from it, under the names of
@@ -83,8 +107,7 @@ class Rank {
     if (rc != FUSEDAR_OK) {
       std::string msg = fusedar_last_error();
       release();
-      if (rc == FUSEDAR_INVALID_ARGUMENT) throw nb::value_error(msg.c_str());
-      throw std::runtime_error(msg);
+      raise_status(rc, msg);
     }
   }
   ~Rank() { release(); }
@@ -313,6 +336,50 @@ NB_MODULE(_fusedar, m) {
     d["device_timestamp"] = FUSEDAR_TARGET_DEVICE_TIMESTAMP;
     return d;
   });
+
+  // The error rule (errors.h), for the contract test: the core's status codes, the XLA FFI
+  // error code each becomes in a handler, and the exception each raises here.
+  m.def("status_codes", []() {
+    nb::dict d;
+    d["OK"] = int(FUSEDAR_OK);
+    d["INVALID_ARGUMENT"] = int(FUSEDAR_INVALID_ARGUMENT);
+    d["CUDA_ERROR"] = int(FUSEDAR_CUDA_ERROR);
+    d["UNSUPPORTED"] = int(FUSEDAR_UNSUPPORTED);
+    d["INTERNAL"] = int(FUSEDAR_INTERNAL);
+    return d;
+  });
+  m.def("ffi_error_code", [](int status) {
+    return std::string(fusedar::xla::error_code_name(fusedar::xla::error_code(status)));
+  }, nb::arg("status"));
+  m.def("raise_status", [](int status, const std::string& message) {
+    if (status != FUSEDAR_OK) raise_status(status, message);
+  }, nb::arg("status"), nb::arg("message"));
+  // The dense handler's result rule (result_check.h): [(name, element type, count)], and
+  // what it reports for a call's results [(element type, count)] ("" when they match).
+  m.def("expected_results", [](int pattern, int dtype, int64_t tokens, int64_t hidden,
+                               int layout, int block_quant_group_size) {
+    std::vector<fusedar::xla::ResultLayout> want;
+    std::string why;
+    if (!fusedar::xla::expected_results(dense_pattern(pattern), dtype, tokens, hidden, layout,
+                                        block_quant_group_size, &want, &why)) {
+      throw nb::value_error(why.c_str());
+    }
+    std::vector<std::tuple<std::string, std::string, int64_t>> out;
+    for (const auto& r : want) {
+      out.emplace_back(r.name, fusedar::xla::element_name(r.element), r.count);
+    }
+    return out;
+  }, nb::arg("pattern"), nb::arg("dtype"), nb::arg("tokens"), nb::arg("hidden"),
+     nb::arg("layout") = 0, nb::arg("block_quant_group_size") = 0);
+  m.def("results_problem", [](int pattern, int dtype, int64_t tokens, int64_t hidden,
+                              int layout, int block_quant_group_size,
+                              const std::vector<std::tuple<std::string, int64_t>>& results) {
+    std::vector<fusedar::xla::GivenResult> given;
+    for (const auto& [name, count] : results) given.push_back({element_named(name), count});
+    return fusedar::xla::results_problem(dense_pattern(pattern), dtype, tokens, hidden, layout,
+                                         block_quant_group_size, given);
+  }, nb::arg("pattern"), nb::arg("dtype"), nb::arg("tokens"), nb::arg("hidden"),
+     nb::arg("layout"), nb::arg("block_quant_group_size"), nb::arg("results"));
 
   m.def("device_count", []() {
     int32_t c = 0;

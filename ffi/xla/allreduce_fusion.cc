@@ -6,16 +6,21 @@
 // pattern writes it, then quant_out and scale_out for quantized patterns; which ones a
 // pattern has comes from the native table (fusedar/patterns.h). The Python primitive
 // (jax_fusedar/primitive.py) builds exactly this list from the Python table, which
-// tests/native/test_contract.py holds equal to the native one, and this handler re-checks it, so a mismatch is an FFI error, never
-// a wild write.
+// tests/native/test_contract.py holds equal to the native one, and this handler re-checks
+// it: every operand, and every result's element type and count (result_check.h), so a
+// mismatch is an FFI error, never a wild write. A failed launch returns the error code of
+// its status (errors.h): the caller's mistakes are INVALID_ARGUMENT, not INTERNAL.
 //
 // Per-call protocol state (Lamport buffer index, barrier flags) lives on the device,
 // so replaying a captured command buffer without running this host code is correct:
 // the handler is marked command-buffer compatible.
 #include <string>
+#include <vector>
 
+#include "errors.h"
 #include "fusedar/core.h"
 #include "fusedar/patterns.h"
+#include "result_check.h"
 #include "workspace_registry.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -30,6 +35,18 @@ int dtype_code(ffi::DataType t) {
     case ffi::DataType::F16: return FUSEDAR_FLOAT16;
     case ffi::DataType::BF16: return FUSEDAR_BFLOAT16;
     default: return -1;
+  }
+}
+
+Element element_of(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return Element::kFloat32;
+    case ffi::DataType::F16: return Element::kFloat16;
+    case ffi::DataType::BF16: return Element::kBFloat16;
+    case ffi::DataType::U8: return Element::kUInt8;
+    case ffi::DataType::F8E4M3FN: return Element::kFloat8E4M3FN;
+    case ffi::DataType::S32: return Element::kInt32;
+    default: return Element::kOther;
   }
 }
 
@@ -106,37 +123,30 @@ ffi::Error AllReduceFusionImpl(void* stream, int32_t device_ordinal, ffi::Remain
     a.scale_factor = static_cast<const float*>(scale->untyped_data());
   }
 
+  // Every result, checked against the pattern's list before anything is written.
+  std::vector<void*> out;
+  std::vector<GivenResult> given;
+  for (size_t i = 0; i < rets.size(); ++i) {
+    auto r = rets.get<ffi::AnyBuffer>(i);
+    if (r.has_error()) return r.error();
+    out.push_back((*r)->untyped_data());
+    given.push_back({element_of((*r)->element_type()),
+                     static_cast<int64_t>((*r)->element_count())});
+  }
+  const std::string problem =
+      results_problem(*traits, dtype, dims[0], dims[1], layout, block_quant_group_size, given);
+  if (!problem.empty()) return invalid(problem);
   size_t next_ret = 0;
-  auto out0 = rets.get<ffi::AnyBuffer>(next_ret++);
-  if (out0.has_error()) return out0.error();
-  if ((*out0)->element_count() != x->element_count()) {
-    return invalid("the first result must have x's shape");
-  }
   if (traits->allreduce_out()) {
-    a.allreduce_out = (*out0)->untyped_data();
+    a.allreduce_out = out[next_ret++];
   } else {
-    a.residual_out = (*out0)->untyped_data();
+    a.residual_out = out[next_ret++];
   }
-  if (traits->norm_out) {
-    auto norm = rets.get<ffi::AnyBuffer>(next_ret++);
-    if (norm.has_error()) return norm.error();
-    a.norm_out = (*norm)->untyped_data();
-  }
-  if (traits->quant_out()) {
-    auto quant = rets.get<ffi::AnyBuffer>(next_ret++);
-    if (quant.has_error()) return quant.error();
-    a.quant_out = (*quant)->untyped_data();
-  }
-  if (traits->scale_out()) {
-    auto scale_out = rets.get<ffi::AnyBuffer>(next_ret++);
-    if (scale_out.has_error()) return scale_out.error();
-    a.scale_out = (*scale_out)->untyped_data();
-  }
+  if (traits->norm_out) a.norm_out = out[next_ret++];
+  if (traits->quant_out()) a.quant_out = out[next_ret++];
+  if (traits->scale_out()) a.scale_out = out[next_ret++];
 
-  if (fusedar_launch(rank, &a, stream) != FUSEDAR_OK) {
-    return ffi::Error(ffi::ErrorCode::kInternal,
-                      std::string("jax_fusedar: ") + fusedar_last_error());
-  }
+  if (int status = fusedar_launch(rank, &a, stream)) return core_error(status);
   return ffi::Error::Success();
 }
 

@@ -8,12 +8,13 @@
 //   residual_in [T, H], rms_gamma [H], then expert_scale_factor [T, K] (x's dtype) when
 //   `has_expert_scale`, then shared_expert_output [T, H] when `has_shared_expert`;
 //   results: residual_out, norm_out.
-// The Python primitive (jax_fusedar/moe_primitive.py) builds exactly these lists; this
+// The Python primitive (jax_fusedar/moe.py) builds exactly these lists; this
 // handler re-checks shapes and dtypes, so a mismatch is an FFI error, never a wild read.
 // Per-call state lives on the device (as for the dense handler): command-buffer compatible.
 #include <string>
 #include <vector>
 
+#include "errors.h"
 #include "fusedar/core.h"
 #include "workspace_registry.h"
 #include "xla/ffi/api/ffi.h"
@@ -153,10 +154,8 @@ ffi::Error MoeAllReduceFusionImpl(void* stream, int32_t device_ordinal, ffi::Rem
   a.norm_out = out[1];
   a.allreduce_out = out[2];
 
-  if (fusedar_moe_launch(rank, &a, stream) != FUSEDAR_OK) {
-    return ffi::Error(ffi::ErrorCode::kInternal,
-                      std::string("jax_fusedar: ") + fusedar_last_error());
-  }
+  // The error code of the status (errors.h): the caller's mistakes are not INTERNAL.
+  if (int status = fusedar_moe_launch(rank, &a, stream)) return core_error(status);
   return ffi::Error::Success();
 }
 

@@ -151,8 +151,22 @@ def _ensure_host_devices() -> None:
         os.environ["XLA_FLAGS"] = HOST_DEVICES_FLAG
 
 
+def _environment_problem(argv) -> "str | None":
+    """A bad JAX_FUSEDAR_* variable, named with its value (common/environment.py), checked
+    before any work so that a run never dies half way through; None also for --help."""
+    if any(a in ("-h", "--help") for a in argv):
+        return None
+    from ..common import environment
+    found = environment.problems()
+    return "; ".join(found) if found else None
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    problem = _environment_problem(argv)
+    if problem:
+        print(f"python -m jax_fusedar: error: {problem}", file=sys.stderr)
+        return 2
     torch_argv = _torch_bench_argv(argv)
     if torch_argv is not None:  # no JAX in this path
         import importlib.util

@@ -19,6 +19,7 @@ never imports jax or torch (``tests/common/test_no_framework_imports.py`` checks
 * ``results``: the name, shape and dtype of every result of a call (``result_specs``);
 * ``quant_layouts``: shapes and byte layouts of the quantized outputs;
 * ``arguments``: the shared argument and environment-variable validators;
+* ``environment``: every ``JAX_FUSEDAR_*`` variable, checked at once (the CLI does, first);
 * ``native``: the loader of the native module.
 
 These are the decisions peer projects got wrong (DP groups built over WORLD, TP rank taken

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from typing import Mapping, Optional
+from typing import Mapping, NamedTuple, Optional
 
 import numpy as np
 
@@ -22,6 +22,20 @@ def is_int(value: object) -> bool:
     if type(value) is int:  # the common case, without numbers.Integral's ABC check
         return True
     return isinstance(value, numbers.Integral) and not isinstance(value, _BOOLS)
+
+
+# Sizes known only when the program runs, by (top-level package, type name): torch's SymInt
+# (torch.compile with dynamic shapes) and jax.export's symbolic dimensions. Told apart by
+# type because this layer imports neither framework.
+_SYMBOLIC_TYPES = {("torch", "SymInt"), ("jax", "_DimExpr")}
+
+
+def is_symbolic(value: object) -> bool:
+    """Whether ``value`` is a symbolic size (``_SYMBOLIC_TYPES``): arithmetic on it works,
+    but reading its value (``int()``, a comparison) would fix it to one number, so checks of
+    it wait for the run that sees the real size."""
+    t = type(value)
+    return (t.__module__.partition(".")[0], t.__name__) in _SYMBOLIC_TYPES
 
 
 def as_bool(name: str, value, *, allow_none: bool = False) -> Optional[bool]:
@@ -51,6 +65,25 @@ def as_float(name: str, value, *, minimum: Optional[float] = None) -> float:
     return result
 
 
+# The largest finite float32. The kernel reads rms_eps, weight_bias and the MoE
+# routed_scaling_factor as float32 (ffi/core/include/fusedar/core.h), so a float64 value
+# past it becomes inf there: the output would silently be zeros or inf.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def as_float32(name: str, value, *, minimum: Optional[float] = None) -> float:
+    """``as_float``, and finite in float32, the dtype the kernel (and the reference path's
+    float32 math) reads it in: ``rms_eps=1e39`` is refused, not turned into inf. Returned
+    as the Python float given (rounding to float32 happens where the value is used)."""
+    result = as_float(name, value, minimum=minimum)
+    with np.errstate(over="ignore"):  # the overflow is the answer, not a warning
+        rounded = float(np.float32(result))
+    if not math.isfinite(rounded):
+        raise ValueError(f"{name}={result!r} overflows float32 (the kernel computes in "
+                         f"float32, whose largest finite value is {FLOAT32_MAX:.7g})")
+    return result
+
+
 def as_int(name: str, value, *, minimum: Optional[int] = None) -> int:
     """``value`` as an int: a Python or numpy integer (not a bool or a float), at least
     ``minimum`` when given."""
@@ -60,6 +93,24 @@ def as_int(name: str, value, *, minimum: Optional[int] = None) -> int:
     if minimum is not None and result < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {result}")
     return result
+
+
+class FusionOptions(NamedTuple):
+    """The scalar options of a fused all-reduce call, as the kernel takes them."""
+    rms_eps: float
+    weight_bias: float
+    fp32_acc: bool
+    use_oneshot: Optional[bool]  # None: chosen by size
+
+
+def fusion_options(*, rms_eps, weight_bias, fp32_acc, use_oneshot) -> FusionOptions:
+    """The options every JAX entry point of the fused op validates, once and alike
+    (``allreduce_fusion``, ``row_parallel_allreduce_fusion``): real bools, and ``rms_eps``
+    (>= 0) and ``weight_bias`` finite in float32."""
+    return FusionOptions(rms_eps=as_float32("rms_eps", rms_eps, minimum=0.0),
+                         weight_bias=as_float32("weight_bias", weight_bias),
+                         fp32_acc=as_bool("fp32_acc", fp32_acc),
+                         use_oneshot=as_bool("use_oneshot", use_oneshot, allow_none=True))
 
 
 TRUE_WORDS = ("1", "true", "yes", "on")

@@ -39,6 +39,18 @@ def requested_backend(
     return name, source
 
 
+def requested_backend_name(requested: Optional[str],
+                           env: Optional[Mapping[str, str]] = None) -> str:
+    """``requested_backend``'s name, checked against ``BACKENDS`` (ValueError naming where
+    it came from: the argument or $JAX_FUSEDAR_ALLREDUCE_BACKEND)."""
+    name, source = requested_backend(requested, env)
+    if name not in BACKENDS:
+        raise ValueError(
+            f"unknown all-reduce backend {name!r} (from the {source}); choose one of {BACKENDS}"
+        )
+    return name
+
+
 def resolve_backend(
     requested: Optional[str],
     *,
@@ -58,11 +70,7 @@ def resolve_backend(
     an explicit "trtllm" across nodes raises.
     """
     num_nodes = positive_int("num_nodes", num_nodes)
-    name, source = requested_backend(requested, env)
-    if name not in BACKENDS:
-        raise ValueError(
-            f"unknown all-reduce backend {name!r} (from the {source}); choose one of {BACKENDS}"
-        )
+    name = requested_backend_name(requested, env)
     on_cuda = platform.lower() in _CUDA_PLATFORMS
     if name == "mnnvl":
         # FlashInfer's MNNVL backend binds memory to an NVLink multicast object

@@ -51,7 +51,12 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude codes 0..7
 # ----------------------------------------------------------------------------- validation
 
 def _as_dim(value, name: str) -> int:
-    try:  # operator.index: ints, numpy ints and torch's SymInts, never 64.0
+    """``value`` as an int size; a symbolic size (``arguments.is_symbolic``) is returned as
+    it is, unchecked: ``operator.index`` would fix it to one value (under torch.compile with
+    a dynamic token count, a ConstraintViolationError), and the run checks the real size."""
+    if arguments.is_symbolic(value):
+        return value
+    try:  # operator.index: ints and numpy ints, never 64.0
         if isinstance(value, (bool, np.bool_)):
             raise TypeError
         v = operator.index(value)
@@ -62,14 +67,15 @@ def _as_dim(value, name: str) -> int:
 
 def check_tokens(M) -> int:
     M = _as_dim(M, "num_tokens (M)")
-    if M < 0:  # 0 tokens: empty buffers of the same layout (a call of 0 tokens is served)
+    # 0 tokens: empty buffers of the same layout (a call of 0 tokens is served).
+    if not arguments.is_symbolic(M) and M < 0:
         raise ValueError(f"num_tokens (M) must be >= 0, got {M}")
     return M
 
 
 def check_hidden_fp4(H) -> int:
     H = _as_dim(H, "hidden_dim (H)")
-    if H < 1 or H % NVFP4_BLOCK:
+    if not arguments.is_symbolic(H) and (H < 1 or H % NVFP4_BLOCK):
         raise ValueError(
             f"NVFP4 needs hidden_dim divisible by {NVFP4_BLOCK} (one e4m3 scale per 16 "
             f"elements), got {H}")
@@ -83,6 +89,8 @@ def check_group_size(H, group_size) -> int:
         raise ValueError("group_size (block_quant_group_size) is required for the "
                          "per-token-group FP8 patterns (8/9)")
     g = _as_dim(group_size, "group_size")
+    if arguments.is_symbolic(H) or arguments.is_symbolic(g):
+        return g  # checked by the run, on the real sizes (_as_dim)
     if g <= 0:
         raise ValueError(f"group_size must be > 0, got {g}")
     if H % g:
@@ -97,6 +105,8 @@ def check_kernel_group_size(H, group_size, dtype_name: str) -> int:
     per thread block, which is not guaranteed for every hidden size, so they are refused."""
     g = check_group_size(H, group_size)
     vec = limits.vector_width(dtype_name)
+    if arguments.is_symbolic(g):
+        return g  # checked by the run (check_group_size)
     if g < vec or g > 32 * vec or g & (g - 1):
         raise ValueError(f"block_quant_group_size must be a power of two from {vec} to "
                          f"{32 * vec} for {dtype_name}, got {g}")
@@ -131,7 +141,7 @@ def group_scale_buffer_shape(M, H, group_size) -> tuple:
     FlashInfer's tensor is the view ``buf[:, :M].T`` (shape (M, K), strides (1, T))."""
     M = check_tokens(M)
     g = check_group_size(H, group_size)
-    groups = int(H) // g
+    groups = _as_dim(H, "hidden_dim (H)") // g  # symbolic sizes stay symbolic
     return ((groups + 3) // 4, round_up(M, 4))
 
 

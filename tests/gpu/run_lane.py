@@ -29,6 +29,7 @@ EXPECTED_S = {
     "quick": {"test_torch.py": 240, "test_timeout.py": 170, "test_anchor.py": 160,
               "test_moe.py": 150, "test_jax.py": 130, "test_demo.py": 90,
               "test_topology.py": 75, "test_native.py": 45, "test_large_message.py": 40,
+              "test_handler_errors.py": 30,
               "test_multinode.py": 40, "test_parity.py": 35},
     "slow": {"test_moe.py": 300, "test_torch.py": 250, "test_timeout.py": 150,
              "test_topology.py": 150, "test_jax.py": 150, "test_parity.py": 80,

@@ -4,6 +4,7 @@ uses must equal what the native module (fusedar/patterns.h, fusedar_workspace_si
 ffi/xla/handlers.h) reports. Runs on CPU: nothing here touches a GPU."""
 import itertools
 
+import numpy as np
 import pytest
 
 from jax_fusedar.common import limits, native, patterns, results, sizing
@@ -151,3 +152,106 @@ def test_sm100_refusal_is_one_rule():
         assert patterns.device_problem(pattern, "cuda:0", 10, 0) is None
     assert patterns.device_problem(3, "cuda:1", 9, 0) == (
         "NVFP4 patterns (3, 5) need an sm100+ GPU (Blackwell); cuda:1 is sm90")
+
+
+# --- the XLA handler's result rule (ffi/xla/result_check.h) --------------------------------------
+
+def _quant_params(pattern):
+    """(layout, group size) variations that matter to ``pattern``."""
+    quant = TRAITS[pattern].quant
+    if quant == "fp4":
+        return [(0, 0), (2, 0)]
+    if quant == "group_fp8":
+        return [(0, 16), (0, 128)]
+    return [(0, 0)]
+
+
+@pytest.mark.parametrize("pattern", DENSE_PATTERNS)
+def test_the_handlers_result_list_is_result_specs(pattern):
+    """What the handler checks each result against (element type and count of its dense
+    storage) is results.result_specs, the list the JAX primitive builds."""
+    for tokens, hidden, dtype in itertools.product((1, 5, 130), (256, 1024),
+                                                   ("bfloat16", "float16", "float32")):
+        if TRAITS[pattern].quant == "fp4" and dtype == "float32":
+            continue
+        for layout, group in _quant_params(pattern):
+            specs = results.result_specs(pattern, tokens, hidden, dtype, layout,
+                                         group or None)
+            want = [(s.name, s.dtype, int(np.prod(s.storage_shape))) for s in specs]
+            got = native.ext.expected_results(int(pattern), native.DTYPE_CODES[dtype], tokens,
+                                              hidden, layout, group)
+            assert [tuple(r) for r in got] == want, (pattern, tokens, hidden, dtype, layout)
+
+
+@pytest.mark.parametrize("pattern", DENSE_PATTERNS)
+def test_the_handler_checks_every_result(pattern):
+    """Each result, not only the first: a wrong count or element type in any position is
+    reported naming that result; the right list is accepted."""
+    tokens, hidden, dtype = 5, 1024, "bfloat16"
+    layout, group = _quant_params(pattern)[-1]
+    code = native.DTYPE_CODES[dtype]
+    right = [(d, n) for _, d, n in native.ext.expected_results(int(pattern), code, tokens,
+                                                               hidden, layout, group)]
+    problem = native.ext.results_problem
+    assert problem(int(pattern), code, tokens, hidden, layout, group, right) == ""
+    names = [name for name, _, _ in native.ext.expected_results(int(pattern), code, tokens,
+                                                                hidden, layout, group)]
+    for i, (d, n) in enumerate(right):
+        for wrong in ((d, n + 1), (d, n - 1), ("float32" if d != "float32" else "int32", n),
+                      ("float64", n)):
+            given = right[:i] + [wrong] + right[i + 1:]
+            text = problem(int(pattern), code, tokens, hidden, layout, group, given)
+            assert f"result {i} ({names[i]})" in text, (i, wrong, text)
+    assert "writes" in problem(int(pattern), code, tokens, hidden, layout, group, right[:-1])
+    assert "writes" in problem(int(pattern), code, tokens, hidden, layout, group,
+                               right + [right[0]])
+
+
+def test_the_handlers_quantization_parameters_are_checked():
+    P = AllReduceFusionPattern
+    code = native.DTYPE_CODES["bfloat16"]
+    fp4 = int(P.kARResidualRMSNormOutFP4Quant)
+    group = int(P.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant)
+    for layout in (1, 3, -1):
+        with pytest.raises(ValueError, match="unknown NVFP4 scale layout"):
+            native.ext.expected_results(fp4, code, 4, 1024, layout, 0)
+    with pytest.raises(ValueError, match="NVFP4 needs hidden_dim divisible by 16"):
+        native.ext.expected_results(fp4, code, 4, 1032, 0, 0)
+    for g in (0, -8, 48):
+        with pytest.raises(ValueError, match="does not divide hidden_dim"):
+            native.ext.expected_results(group, code, 4, 1024, 0, g)
+    with pytest.raises(ValueError, match="unknown fusion pattern 6"):
+        native.ext.expected_results(6, code, 4, 1024, 0, 0)
+
+
+# --- error statuses (ffi/xla/errors.h) -----------------------------------------------------------
+
+# (XLA FFI error code of a handler, Python exception of the module) per core status.
+STATUS_RULE = {"INVALID_ARGUMENT": ("INVALID_ARGUMENT", ValueError),
+               "UNSUPPORTED": ("UNIMPLEMENTED", ValueError),
+               "CUDA_ERROR": ("INTERNAL", RuntimeError),
+               "INTERNAL": ("INTERNAL", RuntimeError)}
+
+
+def test_every_status_maps_to_its_ffi_code_and_exception():
+    codes = native.ext.status_codes()
+    assert codes["OK"] == 0 and set(codes) == {"OK", *STATUS_RULE}
+    assert native.ext.ffi_error_code(codes["OK"]) == "OK"
+    native.ext.raise_status(codes["OK"], "not raised")
+    for name, (ffi_code, exception) in STATUS_RULE.items():
+        assert native.ext.ffi_error_code(codes[name]) == ffi_code, name
+        with pytest.raises(exception, match=f"^the {name} message$"):
+            native.ext.raise_status(codes[name], f"the {name} message")
+    # A status this build does not know is nobody's argument error.
+    assert native.ext.ffi_error_code(99) == "UNKNOWN"
+    with pytest.raises(RuntimeError, match="from the future"):
+        native.ext.raise_status(99, "from the future")
+
+
+def test_a_core_status_reaches_python_as_its_exception():
+    """Through a real core call: an unsupported world size is the core's UNSUPPORTED and an
+    unknown dtype its INVALID_ARGUMENT, both ValueError."""
+    with pytest.raises(ValueError, match="world size 3"):
+        native.ext.workspace_sizes(3, 1, 128, native.DTYPE_CODES["bfloat16"])
+    with pytest.raises(ValueError):
+        native.ext.workspace_sizes(2, 1, 128, 7)

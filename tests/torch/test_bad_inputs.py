@@ -98,6 +98,27 @@ def test_is_buffer_size_sufficient_agrees_with_the_op(cpu_stream):
         assert answer == accepted, (m, h, dtype)
 
 
+@pytest.mark.parametrize("dtype,m,h", [
+    # Not whole 16-byte vectors, and past the launch limit (a token's vectors over a cluster
+    # of at most 8 CTAs of at most 1024 threads), though all within the element count.
+    (torch.bfloat16, 1, 1020), (torch.bfloat16, 1, 131072), (torch.bfloat16, 1, 65544),
+    (torch.float32, 1, 6), (torch.float32, 1, 40000),
+    # ... and their neighbours the kernel takes.
+    (torch.bfloat16, 1, 1024), (torch.bfloat16, 1, 65536), (torch.float32, 1, 8),
+    (torch.float32, 1, 32768),
+])
+def test_is_buffer_size_sufficient_applies_the_kernels_hidden_size_rule(cpu_stream, dtype, m,
+                                                                        h):
+    ws = fake_workspace(max_tokens=1, hidden=131072, dtype=dtype)
+    answer = ws.is_buffer_size_sufficient(2, m, h, dtype)
+    try:
+        torch_compat.allreduce_fusion(torch.zeros(m, h, dtype=dtype), ws, 0)
+        accepted = True
+    except ValueError:
+        accepted = False
+    assert answer == accepted, (m, h, dtype)
+
+
 @pytest.mark.parametrize("args,error,match", [
     ((2, -1, 1024, torch.bfloat16), ValueError, "num_tokens must be >= 0, got -1"),
     ((2, 1.5, 1024, torch.bfloat16), TypeError, "num_tokens must be an int"),

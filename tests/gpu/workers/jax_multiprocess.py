@@ -16,7 +16,9 @@ dry run of these workers). Tasks:
              numpy model; the fused one must be as accurate as the unfused one;
 * "quant":   the FP8 patterns (tests/gpu/workers/jax_quant.py);
 * "nvfp4":   the NVFP4 patterns on sm100+ (tests/gpu/workers/jax_nvfp4.py);
-* "grad":    gradients of a TP MLP, fused vs unfused vs float64 (tests/gpu/workers/jax_grad.py).
+* "grad":    gradients of a TP MLP, fused vs unfused vs float64 (tests/gpu/workers/jax_grad.py);
+* "handler_errors": direct calls of the FFI target with wrong results or attributes
+             (tests/gpu/workers/jax_handler_errors.py).
 """
 from __future__ import annotations
 
@@ -86,6 +88,11 @@ def worker(rank, world, chan, *, port, xla_flags, task, seed, platform="cuda", *
     elif task == "grad":
         from tests.gpu.workers import jax_grad
         out["grad"] = jax_grad.run(jax, jnp, jf, mesh, P, seed, **kw)
+    elif task == "handler_errors":
+        from tests.gpu.workers import jax_handler_errors
+        out["handler_errors"] = jax_handler_errors.run(
+            jax, jnp, jf, mesh, P, rank, world, seed,
+            glob=lambda spec, a: _global(jax, mesh, spec, a), local=_local, **kw)
     jax.distributed.shutdown()
     return out
 

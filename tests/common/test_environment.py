@@ -1,0 +1,64 @@
+"""``common.environment``: every JAX_FUSEDAR_* variable the package reads is checked by one
+call, with the parser that reads it later, each problem naming its variable (the CLI runs it
+before any work: tests/cli/test_environment.py)."""
+import re
+
+import pytest
+
+from jax_fusedar.common import environment
+
+from tests.repo import REPO
+
+# Read by the torch bench as a folder path (any text names a folder; the bench reports a
+# missing one): nothing to parse.
+NOT_PARSED = {"JAX_FUSEDAR_ANCHOR"}
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for var, _ in environment.READERS:
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+def test_every_variable_the_package_reads_is_checked():
+    read = set()
+    for folder in ("jax_fusedar", "torch_compat"):
+        for path in (REPO / folder).rglob("*.py"):
+            read |= set(re.findall(r'"(JAX_FUSEDAR_[A-Z0-9_]+)"', path.read_text()))
+    assert read - NOT_PARSED == {var for var, _ in environment.READERS}
+
+
+def test_unset_and_good_values_have_no_problems(clean_env):
+    assert environment.problems() == []
+    for var, value in [("JAX_FUSEDAR_STRICT", "on"), ("JAX_FUSEDAR_CHECK_CALLS", "0"),
+                       ("JAX_FUSEDAR_TIMEOUT_S", "0"), ("JAX_FUSEDAR_CHECK_TIMEOUT_S", "2.5"),
+                       ("JAX_FUSEDAR_ALLREDUCE_BACKEND", "xla")]:
+        clean_env.setenv(var, value)
+    assert environment.problems() == []
+
+
+BAD = [
+    ("JAX_FUSEDAR_STRICT", "maybe", r"$JAX_FUSEDAR_STRICT='maybe' is not a boolean"),
+    ("JAX_FUSEDAR_CHECK_CALLS", "sometimes", "$JAX_FUSEDAR_CHECK_CALLS='sometimes' is not a "
+                                             "boolean"),
+    ("JAX_FUSEDAR_TIMEOUT_S", "abc", "$JAX_FUSEDAR_TIMEOUT_S='abc' is not a number of seconds"),
+    ("JAX_FUSEDAR_TIMEOUT_S", "-1", "$JAX_FUSEDAR_TIMEOUT_S must be in [0, 3600] seconds"),
+    ("JAX_FUSEDAR_CHECK_TIMEOUT_S", "0", "$JAX_FUSEDAR_CHECK_TIMEOUT_S must be in (0, 3600]"),
+    ("JAX_FUSEDAR_ALLREDUCE_BACKEND", "fast", "unknown all-reduce backend 'fast' (from the "
+                                              "$JAX_FUSEDAR_ALLREDUCE_BACKEND)"),
+]
+
+
+@pytest.mark.parametrize("var,value,message", BAD)
+def test_a_bad_value_is_named(clean_env, var, value, message):
+    clean_env.setenv(var, value)
+    found = environment.problems()
+    assert len(found) == 1 and message in found[0], found
+
+
+def test_all_bad_values_are_reported_together(clean_env):
+    for var, value, _ in BAD[:3] + BAD[4:]:
+        clean_env.setenv(var, value)
+    assert len(environment.problems()) == 5
+

@@ -1,0 +1,30 @@
+"""GPU: the XLA FFI handler checks every result and reports the core's status as its own
+error code (ffi/xla/result_check.h, ffi/xla/errors.h; the rules themselves are tested on
+CPU in tests/native/test_contract.py). Two `jax.distributed` processes; on a one-GPU
+machine they share GPU 0 (every refusal happens before a launch)."""
+import os
+
+import pytest
+
+from tests.gpu.harness import report
+
+pytestmark = pytest.mark.gpu
+
+
+def test_handler_errors_name_the_result_and_keep_the_code():
+    from tests.gpu.workers import jax_multiprocess
+    from tests.gpu.harness import free_port, run_ranks
+    res = run_ranks(jax_multiprocess.worker, 2, timeout_s=600, port=free_port(),
+                    xla_flags="", task="handler_errors",
+                    seed=int.from_bytes(os.urandom(4), "little"))
+    report("jax_handler_errors", res)
+    for r in res:
+        e = r["handler_errors"]
+        assert "INVALID_ARGUMENT" in e["wrong_norm_out"], e
+        assert "result 1 (norm_out) must be 16384 elements of bfloat16" in e["wrong_norm_out"], e
+        assert "INVALID_ARGUMENT" in e["wrong_scale_out"], e
+        assert "result 3 (scale_out) must be 16 elements of float32" in e["wrong_scale_out"], e
+        assert "INVALID_ARGUMENT" in e["unknown_algorithm"], e
+        assert "unknown algorithm code 7" in e["unknown_algorithm"], e
+        assert "INTERNAL" not in e["unknown_algorithm"], e
+        assert e["good"] == "no error", e

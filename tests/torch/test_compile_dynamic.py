@@ -1,0 +1,124 @@
+"""``torch.compile`` of the custom ops with a dynamic token count (``mark_dynamic``, as vLLM
+compiles) and with ``dynamic=True`` and the pattern and group size passed as arguments, on
+CPU: the fake implementations keep symbolic sizes symbolic (their checks wait for the eager
+op) and fix only what decides the outputs' structure (the pattern, the NVFP4 layout), with a
+guard. The graphs run the world-size-1 CPU stand-ins of tests/torch/test_library.py."""
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch._dynamo.testing import CompileCounterWithBackend  # noqa: E402
+
+from torch_compat import library  # noqa: E402
+from tests.torch.test_library import (EPS, QUANT_CASES, _expected_quant_meta,  # noqa: E402,F401
+                                      _inputs, _quant_args, cpu_kernels, cpu_quant_kernel,
+                                      fake_workspace)
+
+QUANT = torch.ops.torch_compat.allreduce_residual_rmsnorm_quant.default
+FUSED = torch.ops.torch_compat.allreduce_residual_rmsnorm.default
+AR = torch.ops.torch_compat.allreduce.default
+E4M3 = torch.float8_e4m3fn
+
+
+@pytest.fixture
+def handle():
+    h = library.register_workspace(fake_workspace(max_tokens=64, hidden=256))
+    yield h
+    library.unregister_workspace(h)
+    torch._dynamo.reset()
+
+
+def _same(a, b):
+    """Equal metadata and bits (NVFP4's stand-in writes zeros: still compared)."""
+    assert (a.shape, a.dtype, a.stride()) == (b.shape, b.dtype, b.stride())
+    view = (lambda t: t.view(torch.uint8)) if a.dtype == E4M3 else (lambda t: t)
+    assert torch.equal(view(a), view(b))
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("pattern, extra", QUANT_CASES)
+def test_dynamic_token_count(cpu_quant_kernel, handle, backend, pattern, extra):
+    """mark_dynamic on the token dim: one graph serves 8, 12 and 20 tokens (the NVFP4 and
+    per-token-group scale buffers' sizes stay formulas of the token count), each equal to
+    the op run eagerly. Used to raise ConstraintViolationError for 3, 5, 8 and 9."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(backend)
+    base = _quant_args(pattern, extra, handle=handle)
+
+    def f(x, res, g, sf):
+        return QUANT(x, res, g, *base[3:6], sf, *base[7:])
+
+    compiled = torch.compile(f, fullgraph=True, backend=counter)
+    for m in (8, 12, 20):
+        x, res, g, *_ = _quant_args(pattern, extra, m=m, handle=handle)
+        torch._dynamo.mark_dynamic(x, 0)
+        torch._dynamo.mark_dynamic(res, 0)
+        got = compiled(x, res, g, base[6])
+        for a, b, (shape, dtype, stride) in zip(got, f(x, res, g, base[6]),
+                                                _expected_quant_meta(pattern, extra, m=m)):
+            _same(a, b)
+            assert (tuple(a.shape), a.dtype, a.stride()) == (tuple(shape), dtype, tuple(stride))
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_dynamic_token_count_plain_ops(cpu_kernels, handle, backend):
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(backend)
+
+    def f(x, res, g):
+        a = AR(x, None, False, handle)
+        return FUSED(a, res, g, EPS, 0.0, None, False, handle)
+
+    compiled = torch.compile(f, fullgraph=True, backend=counter)
+    for m in (8, 12):
+        x, res, g = _inputs(m=m)
+        torch._dynamo.mark_dynamic(x, 0)
+        torch._dynamo.mark_dynamic(res, 0)
+        for a, b in zip(compiled(x, res, g), f(x, res, g)):
+            _same(a, b)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_dynamic_true_with_pattern_and_group_size_as_arguments(cpu_quant_kernel, handle,
+                                                               backend):
+    """dynamic=True traces int arguments as SymInts: the pattern (and layout) are fixed by a
+    guard, so another pattern compiles again instead of reusing a graph with the wrong
+    outputs; the group size stays symbolic. Used to fail with "unknown fusion pattern ...
+    not a SymInt"."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(backend)
+
+    def f(x, res, g, pattern, group):
+        return QUANT(x, res, g, EPS, 0.0, pattern, None, group, None, None, False, handle)
+
+    compiled = torch.compile(f, fullgraph=True, backend=counter, dynamic=True)
+    cases = [(9, 128, 8), (9, 128, 12), (9, 64, 12), (8, 64, 16), (11, None, 8)]
+    compiles = []
+    for pattern, group, m in cases:
+        x, res, g = _inputs(m=m)
+        got = compiled(x, res, g, pattern, group)
+        for a, b, (shape, dtype, stride) in zip(
+                got, f(x, res, g, pattern, group),
+                _expected_quant_meta(pattern, group, m=m)):
+            _same(a, b)
+            assert (tuple(a.shape), a.dtype, a.stride()) == (tuple(shape), dtype, tuple(stride))
+        compiles.append(counter.frame_count)
+    # Another token count or group size reuses the graph; another pattern compiles again
+    # (aot_eager's first call compiles twice: AOT's guard on the pattern restarts it).
+    assert compiles[0] == compiles[1] == compiles[2] < compiles[3] < compiles[4]
+
+
+def test_symbolic_tokens_still_refuse_what_is_concrete(handle):
+    """A concrete bad group size is refused while tracing even with a dynamic token count."""
+    torch._dynamo.reset()
+    x, res, g = _inputs(m=8)
+    torch._dynamo.mark_dynamic(x, 0)
+    torch._dynamo.mark_dynamic(res, 0)
+
+    def f(x, res, g):
+        return QUANT(x, res, g, EPS, 0.0, 9, None, 4, None, None, False, handle)
+
+    with pytest.raises(Exception, match="block_quant_group_size must be a power of two"):
+        torch.compile(f, fullgraph=True, backend="eager")(x, res, g)
