@@ -31,8 +31,8 @@ import numpy as np
 if TYPE_CHECKING:  # annotations only: this module imports jax lazily
     from jax.typing import DTypeLike
 
-from .common import (arguments, backend_choice, call_check, join, lifecycle, limits, native,
-                     sizing, tp_groups)
+from .common import (arguments, backend_choice, call_check, join, lifecycle, limits,
+                     lost_traps, native, sizing, tp_groups)
 
 log = logging.getLogger("jax_fusedar")
 
@@ -467,6 +467,7 @@ def _build_native(ws: AllReduceFusionWorkspace, timeout_s: float) -> None:
                      check_calls=ws.check_calls, check_timeout_s=ws.check_timeout_s,
                      timeout_s=ws.timeout_s)
         ws._ranks.append(r)  # owned from birth, so a failure later still frees it
+        lost_traps.watch(r, device)  # a trap the driver never reports ends the process
         return r
 
     # The GPU is the device's own CUDA ordinal (local_hardware_id), never the TP rank.

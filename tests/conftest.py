@@ -6,6 +6,8 @@ import pytest
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "gpu: needs NVIDIA GPUs and the native extension (run on the device machine)")
+    config.addinivalue_line(
+        "markers", "slow: takes minutes (left out of the quick lanes: -m 'not slow')")
 
 
 def gpu_count() -> int:

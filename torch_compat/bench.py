@@ -926,8 +926,10 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
               file=sys.stderr)
         return 2
     if torch.cuda.device_count() < args.world:
-        print(f"warning: {torch.cuda.device_count()} GPU(s) for {args.world} ranks: ranks share "
-              "GPUs, so timings mean little and NCCL/symm_mem are skipped", file=sys.stderr)
+        from jax_fusedar.cli.ranks import shared_gpu_timing  # imports no JAX
+        print(f"{prog}: error: --world {args.world} needs one GPU per rank: "
+              f"{shared_gpu_timing(torch.cuda.device_count(), args.world)}", file=sys.stderr)
+        return 2
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     sizes, cases = plan_cases(args.tokens, args.hidden, args.dtype, args.world, args.modes)

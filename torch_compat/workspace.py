@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from jax_fusedar.common import (arguments, backend_choice, call_check, exchange, join,
-                                launch_mode, lifecycle, limits, native, sizing, tp_groups)
+                                launch_mode, lifecycle, limits, lost_traps, native, sizing,
+                                tp_groups)
 
 from .channel import StoreChannel
 
@@ -398,6 +399,7 @@ def create_allreduce_fusion_workspace(
                                 sizes.hidden_dim, native.DTYPE_CODES[name],
                                 check_calls=check_calls, check_timeout_s=check_timeout_s,
                                 timeout_s=kernel_timeout_s))
+        lost_traps.watch(created[-1], dev)  # a trap the driver never reports ends the process
         return created[-1]
 
     try:

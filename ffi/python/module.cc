@@ -408,7 +408,7 @@ NB_MODULE(_fusedar, m) {
     fusedar::xla::register_rank(workspace_id, device_ordinal, rank.get());
   });
 
-  nb::class_<Rank>(m, "Rank")
+  nb::class_<Rank>(m, "Rank", nb::is_weak_referenceable())  // watched by lost_traps
       .def(nb::init<int, int, int, int, int, int, bool, double, double>(), nb::arg("device"),
            nb::arg("world_size"), nb::arg("rank"), nb::arg("max_token_num"),
            nb::arg("hidden_dim"), nb::arg("dtype"), nb::arg("check_calls") = false,

@@ -79,6 +79,8 @@ def build_parser():
     from .demo import add_arguments  # the demo owns its flags
     add_arguments(demo, positive_int=argtypes.positive_int, int_list=argtypes.int_list,
                   seed=argtypes.seed, dtypes=DTYPES, backends=BACKENDS)
+    from . import ranks  # the TP size and how its ranks run (imports no JAX)
+    ranks.add_arguments(demo)
 
     bench = sub.add_parser("bench", formatter_class=fmt, help="latency of the fused op vs "
                            "psum + residual add + RMSNorm (+ FP8 quantization)",
@@ -196,6 +198,11 @@ def main(argv=None) -> int:
         problem = check_out_dir(args.out, out_files[args.command])
         if problem:
             commands[args.command].error(f"--out {args.out}: {problem}")
+    # One process per rank where GPUs are fewer than ranks; bench refuses shared GPUs.
+    from . import ranks
+    code = ranks.dispatch(args, argv, commands[args.command])
+    if code is not None:
+        return code
     _ensure_host_devices()
     # Imported here, after XLA_FLAGS is settled, because they import JAX.
     from .demo import SetupError

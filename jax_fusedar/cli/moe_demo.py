@@ -31,7 +31,7 @@ def main(args) -> int:
     world = mesh.shape[AXIS]
     on_gpu = jax.devices()[0].platform == "gpu"
     if args.bench:
-        raise SetupError("--moe has no --bench mode (tests/gpu/moe_gpu.py times the op)")
+        raise SetupError("--moe has no --bench mode (tests/gpu/workers/moe_gpu.py times the op)")
     name, cfg = _preset(args, on_gpu)
     if args.layers:
         cfg = dataclasses.replace(cfg, base=dataclasses.replace(cfg.base, layers=args.layers))

@@ -5,8 +5,10 @@ It calls nothing from jax_fusedar: it is the model a user already has, which
 grouped-query attention with a KV cache, SwiGLU MLP; Megatron tensor parallelism over one mesh
 axis: q/k/v, gate and up projections split by columns (heads, FFN), o and down projections
 by rows (each rank holds a partial sum, all-reduced with ``psum``), the LM head split over the
-vocabulary. Layers run unrolled (a Python loop) or under ``lax.scan`` over stacked weights
-(MaxText's default).
+vocabulary (or, with ``vocab_parallel=False``, replicated: every rank computes all the logits
+from the replicated final norm, so the program needs no collective besides the all-reduces,
+which is what ranks sharing a GPU need; jax_fusedar/cli/shared_demo.py). Layers run unrolled
+(a Python loop) or under ``lax.scan`` over stacked weights (MaxText's default).
 
 Each layer is written pre-norm as in Hugging Face's ``LlamaDecoderLayer``, with one choice of
 where a norm sits: the norm that follows a layer's second all-reduce (the next layer's input
@@ -84,21 +86,25 @@ def _layer_specs(axis: str, stacked: bool) -> dict:
             "w_down": row}
 
 
-def param_specs(axis: str, *, stacked: bool = True, layers: int | None = None) -> dict:
+def param_specs(axis: str, *, stacked: bool = True, layers: int | None = None,
+                vocab_parallel: bool = True) -> dict:
     """PartitionSpecs of the global weights: layer weights stacked on a leading axis
-    (``stacked``), else a list of ``layers`` per-layer dicts (see ``arrange``)."""
-    top = {"embed": P(), "final_norm": P(), "lm_head": P(None, axis)}
+    (``stacked``), else a list of ``layers`` per-layer dicts (see ``arrange``); the LM head
+    split over the vocabulary or replicated (``vocab_parallel``)."""
+    top = {"embed": P(), "final_norm": P(),
+           "lm_head": P(None, axis) if vocab_parallel else P()}
     if stacked:
         return {**top, "layers": _layer_specs(axis, True)}
     return {**top, "layers": [_layer_specs(axis, False) for _ in range(layers)]}
 
 
-def specs_like(params: dict, axis: str) -> dict:
+def specs_like(params: dict, axis: str, *, vocab_parallel: bool = True) -> dict:
     """The PartitionSpecs of a params tree in either layout."""
     layers = params["layers"]
     if isinstance(layers, (list, tuple)):
-        return param_specs(axis, stacked=False, layers=len(layers))
-    return param_specs(axis)
+        return param_specs(axis, stacked=False, layers=len(layers),
+                           vocab_parallel=vocab_parallel)
+    return param_specs(axis, vocab_parallel=vocab_parallel)
 
 
 def param_shapes(cfg: LlamaConfig) -> dict:
@@ -135,6 +141,35 @@ def pack_columns(parts, tp: int):
     return xp.reshape(out, (*out.shape[:-2], -1))
 
 
+# The column-parallel weights packed per rank (``pack_columns``): name -> widths of its parts.
+PACKED = {"wqkv": lambda c: (c.heads * c.head_dim, c.kv_heads * c.head_dim,
+                             c.kv_heads * c.head_dim),
+          "w_gate_up": lambda c: (c.ffn, c.ffn)}
+
+
+def unpack_columns(w, widths, tp: int):
+    """The inverse of ``pack_columns``: [..., K, sum(widths)] packed for ``tp`` ranks -> the
+    parts [..., K, widths[i]]."""
+    xp = np if isinstance(w, np.ndarray) else jnp
+    per_rank = [width // tp for width in widths]
+    blocks = xp.reshape(w, (*w.shape[:-1], tp, sum(per_rank)))
+    bounds = np.cumsum([0, *per_rank])
+    return [xp.reshape(blocks[..., a:b], (*w.shape[:-1], -1))
+            for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def repack_columns(params: dict, cfg, from_tp: int, to_tp: int) -> dict:
+    """The same model's weights (stacked layout) packed for ``to_tp`` ranks instead of
+    ``from_tp``: only the columns of wqkv and w_gate_up move (``init_params`` on the devices
+    draws the packed arrays themselves, so the layout a draw is read with decides the model)."""
+    layers = dict(params["layers"])
+    for name, widths in PACKED.items():
+        if name in layers:
+            layers[name] = pack_columns(unpack_columns(layers[name], widths(cfg), from_tp),
+                                        to_tp)
+    return {**params, "layers": layers}
+
+
 def _fan_in(name, shape):
     return shape[-2] if name not in ("embed",) else 1
 
@@ -165,17 +200,28 @@ def from_hf_layout(w: dict, tp: int) -> dict:
                        "w_down": w["w_down"]}}
 
 
-def init_params(cfg: LlamaConfig, mesh, axis: str, dtype, seed: int, *, host: bool = True):
+def place(value, sharding):
+    """A host array (the same in every process) as a global array of ``sharding``, each
+    process filling its own shards. Unlike jax.device_put, it runs no cross-process check
+    (a collective, which ranks sharing a GPU cannot run: XLA's NCCL refuses them)."""
+    value = np.asarray(value)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def init_params(cfg: LlamaConfig, mesh, axis: str, dtype, seed: int, *, host: bool = True,
+                vocab_parallel: bool = True):
     """Weights as sharded arrays of ``dtype``, stacked layout. ``host``: drawn with numpy
     (reproducible across machines, used by the Hugging Face parity check); else drawn on the
     devices with jax.random directly into their shards (Llama-3-8B's 8 G values in
-    seconds)."""
-    specs = param_specs(axis)
+    seconds; the values do not depend on the sharding, but wqkv and w_gate_up are read as
+    packed for the mesh's TP size: ``repack_columns`` gives the same model for another)."""
+    specs = param_specs(axis, vocab_parallel=vocab_parallel)
     tp = mesh.shape[axis]
     if host:
         tree = from_hf_layout(init_params_numpy(cfg, seed), tp)
-        return jax.tree.map(lambda v, s: jax.device_put(jnp.asarray(v, dtype),
-                                                        NamedSharding(mesh, s)), tree, specs)
+        np_dtype = jnp.dtype(dtype)
+        return jax.tree.map(lambda v, s: place(np.asarray(v).astype(np_dtype),
+                                               NamedSharding(mesh, s)), tree, specs)
     shapes = param_shapes(cfg)
     flat_shapes, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
     names = [jax.tree_util.keystr(k) for k, _ in
@@ -199,7 +245,7 @@ def init_params(cfg: LlamaConfig, mesh, axis: str, dtype, seed: int, *, host: bo
     return draw(jax.random.key(seed))
 
 
-def arrange(params: dict, mesh, axis: str, *, scan: bool) -> dict:
+def arrange(params: dict, mesh, axis: str, *, scan: bool, vocab_parallel: bool = True) -> dict:
     """The weights in the layout a layer mode reads without copying: stacked for ``scan``,
     one array per layer for unrolled layers (sliced once here, a copy of the layer weights;
     under jit every step would slice, i.e. copy, them again)."""
@@ -209,7 +255,7 @@ def arrange(params: dict, mesh, axis: str, *, scan: bool) -> dict:
             raise ValueError("arrange(scan=True) takes stacked weights (init_params's layout)")
         return params
     n = next(iter(layers.values())).shape[0]
-    specs = param_specs(axis, stacked=False, layers=n)
+    specs = param_specs(axis, stacked=False, layers=n, vocab_parallel=vocab_parallel)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
     split = jax.jit(lambda p: {**{k: v for k, v in p.items() if k != "layers"},
                                "layers": [{k: v[i] for k, v in p["layers"].items()}
@@ -368,17 +414,21 @@ def forward_local(cfg, axis, params, tokens, ck, cv, pos, *, scan: bool, norm=rm
     return logits, ck, cv
 
 
-def make_forward(cfg, mesh, axis, *, scan: bool, norm=rms_norm):
+def make_forward(cfg, mesh, axis, *, scan: bool, norm=rms_norm, vocab_parallel: bool = True):
     """forward(params, tokens, ck, cv, pos) -> (logits [B, T, V] float32, ck, cv): the
     shard_map over ``axis`` (not jitted: wrap it in jax.jit, or in jax_fusedar.fuse). params
-    in either layout (``arrange``); the specs follow the tree it is called with."""
+    in either layout (``arrange``); the specs follow the tree it is called with. The logits
+    are split over the vocabulary, or replicated with a replicated LM head
+    (``vocab_parallel=False``, see ``init_params``)."""
     body = partial(forward_local, cfg, axis, scan=scan, norm=norm)
+    logits_spec = P(None, None, axis) if vocab_parallel else P()
 
     def forward(params, tokens, ck, cv, pos):
         return jax.shard_map(
             body, mesh=mesh,
-            in_specs=(specs_like(params, axis), P(), cache_spec(axis), cache_spec(axis), P()),
-            out_specs=(P(None, None, axis), cache_spec(axis), cache_spec(axis)),
+            in_specs=(specs_like(params, axis, vocab_parallel=vocab_parallel), P(),
+                      cache_spec(axis), cache_spec(axis), P()),
+            out_specs=(logits_spec, cache_spec(axis), cache_spec(axis)),
         )(params, tokens, ck, cv, pos)
     return forward
 

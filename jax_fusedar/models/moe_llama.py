@@ -60,8 +60,8 @@ SMALL = MoeConfig(llama.LlamaConfig(vocab=32000, hidden=2048, ffn=2048, layers=8
 PRESETS = {"tiny": TINY, "small": SMALL}
 
 
-def param_specs(axis: str) -> dict:
-    specs = llama.param_specs(axis)
+def param_specs(axis: str, *, vocab_parallel: bool = True) -> dict:
+    specs = llama.param_specs(axis, vocab_parallel=vocab_parallel)
     layers = {k: v for k, v in specs["layers"].items() if k not in ("w_gate_up", "w_down")}
     layers.update(router=P(), expert_gate_up=P(None, axis, None, None),
                   expert_down=P(None, axis, None, None), shared_gate=P(None, None, axis),
@@ -69,8 +69,10 @@ def param_specs(axis: str) -> dict:
     return {**specs, "layers": layers}
 
 
-def init_params(cfg: MoeConfig, mesh, axis: str, dtype, seed: int) -> dict:
-    """Random weights (normal / sqrt(fan-in)), numpy-drawn, placed as ``param_specs``."""
+def init_params(cfg: MoeConfig, mesh, axis: str, dtype, seed: int, *,
+                vocab_parallel: bool = True) -> dict:
+    """Random weights (normal / sqrt(fan-in)), numpy-drawn, placed as ``param_specs``: the
+    same model for every TP size."""
     w = llama.init_params_numpy(cfg.base, seed)
     tp = mesh.shape[axis]
     tree = llama.from_hf_layout(w, tp)
@@ -86,8 +88,10 @@ def init_params(cfg: MoeConfig, mesh, axis: str, dtype, seed: int) -> dict:
         router=draw((L, H, E), H), expert_gate_up=draw((L, E, H, 2 * F), H),
         expert_down=draw((L, E, F, H), F), shared_gate=draw((L, H, S), H),
         shared_up=draw((L, H, S), H), shared_down=draw((L, S, H), S))
-    return jax.tree.map(lambda v, s: jax.device_put(jnp.asarray(v, dtype), NamedSharding(mesh, s)),
-                        tree, param_specs(axis))
+    np_dtype = jnp.dtype(dtype)
+    return jax.tree.map(lambda v, s: llama.place(np.asarray(v).astype(np_dtype),
+                                                 NamedSharding(mesh, s)),
+                        tree, param_specs(axis, vocab_parallel=vocab_parallel))
 
 
 def _dot(a, b):
@@ -146,15 +150,18 @@ def fused_moe_mlp(cfg: MoeConfig, workspace):
     return mlp
 
 
-def make_forward(cfg: MoeConfig, mesh, axis, *, mlp, scan: bool = True):
-    """forward(params, tokens, ck, cv, pos) -> (logits [B, T, V] float32, ck, cv)."""
+def make_forward(cfg: MoeConfig, mesh, axis, *, mlp, scan: bool = True,
+                 vocab_parallel: bool = True):
+    """forward(params, tokens, ck, cv, pos) -> (logits [B, T, V] float32, ck, cv); the
+    logits split over the vocabulary or replicated (llama.make_forward)."""
     body = partial(llama.forward_local, cfg.base, axis, scan=scan, mlp=mlp)
+    logits_spec = P(None, None, axis) if vocab_parallel else P()
 
     def forward(params, tokens, ck, cv, pos):
         return jax.shard_map(
             body, mesh=mesh,
-            in_specs=(param_specs(axis), P(), llama.cache_spec(axis), llama.cache_spec(axis),
-                      P()),
-            out_specs=(P(None, None, axis), llama.cache_spec(axis), llama.cache_spec(axis)),
+            in_specs=(param_specs(axis, vocab_parallel=vocab_parallel), P(),
+                      llama.cache_spec(axis), llama.cache_spec(axis), P()),
+            out_specs=(logits_spec, llama.cache_spec(axis), llama.cache_spec(axis)),
         )(params, tokens, ck, cv, pos)
     return forward

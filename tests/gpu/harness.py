@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
 
 import numpy as np
@@ -24,7 +25,10 @@ class Channel:
         self.world = len(inboxes)
         self._early = {}
 
-    def all_gather(self, tag, obj):
+    def all_gather(self, tag, obj, timeout_s=None):
+        """Every rank's ``obj`` for ``tag``; TimeoutError naming the ranks that did not send
+        within ``timeout_s`` (default: the channel's)."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         for r, box in enumerate(self.inboxes):
             if r != self.rank:
                 box.put((tag, self.rank, obj))
@@ -35,18 +39,19 @@ class Channel:
                 got[key[1]] = self._early.pop(key)
                 continue
             try:
-                t, src, o = self.inboxes[self.rank].get(timeout=self.timeout_s)
+                t, src, o = self.inboxes[self.rank].get(timeout=timeout_s)
             except queue.Empty:
-                raise TimeoutError(f"rank {self.rank}: ranks {sorted(set(range(self.world)) - set(got))} "
-                                   f"never sent {tag!r}") from None
+                missing = sorted(set(range(self.world)) - set(got))
+                raise TimeoutError(f"rank {self.rank}: ranks {missing} never sent "
+                                   f"{tag!r}") from None
             if t == tag:
                 got[src] = o
             else:
                 self._early[(t, src)] = o
         return [got[r] for r in range(self.world)]
 
-    def barrier(self, tag):
-        self.all_gather(tag, None)
+    def barrier(self, tag, timeout_s=None):
+        self.all_gather(tag, None, timeout_s)
 
     def close(self):
         """Flushes what this rank sent and closes its ends of the other ranks' inboxes: a
@@ -58,29 +63,69 @@ class Channel:
                 box.join_thread()
 
 
-def _child(fn, rank, world, inboxes, results, timeout_s, kwargs):
+def child_main(fn, rank, world, inboxes, results, timeout_s, kwargs):
+    """A rank process's body: fn's result (or traceback) to the results queue."""
+    # SIGUSR1 prints every thread's Python stack to stderr: run_ranks asks a rank that does
+    # not answer in time where it waits.
+    import faulthandler
+    import signal
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         results.put((rank, "ok", fn(rank, world, Channel(rank, inboxes, timeout_s), **kwargs)))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(fn, world: int, *, timeout_s: float = 600.0, **kwargs):
-    """Runs fn(rank, world, channel, **kwargs) in `world` spawned processes; returns results."""
+def run_ranks(fn, world: int, *, timeout_s: float = 600.0, allow_exit=(), **kwargs):
+    """Runs fn(rank, world, channel, **kwargs) in `world` spawned processes; returns results.
+    A rank that exits without a result fails the run at once, unless its exit code is in
+    ``allow_exit``: then its result is {"rank": r, "exitcode": code}."""
     ctx = mp.get_context("spawn")
     inboxes = [ctx.Queue() for _ in range(world)]
     results = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(fn, r, world, inboxes, results, timeout_s, kwargs))
+    procs = [ctx.Process(target=child_main,
+                         args=(fn, r, world, inboxes, results, timeout_s, kwargs))
              for r in range(world)]
     for p in procs:
         p.start()
-    out, errors = {}, []
+    out, errors, exited, reported = {}, [], {}, set()
+    deadline = time.monotonic() + timeout_s
+
+    def take(item):
+        rank, status, payload = item
+        reported.add(rank)
+        (out.__setitem__(rank, payload) if status == "ok" else errors.append(payload))
+
     try:
-        for _ in range(world):
-            rank, status, payload = results.get(timeout=timeout_s)
-            (out.__setitem__(rank, payload) if status == "ok" else errors.append(payload))
+        while len(reported) < world:
+            try:
+                take(results.get(timeout=1.0))
+                continue
+            except queue.Empty:
+                pass
+            dead = [r for r, p in enumerate(procs) if r not in reported and
+                    p.exitcode is not None]
+            if dead:
+                # A process flushes its queue before it exits: whatever it sent is readable
+                # now, so a dead rank with nothing left to read sent no result.
+                try:
+                    while True:
+                        take(results.get(timeout=0.5))
+                except queue.Empty:
+                    pass
+                for r in (r for r in dead if r not in reported):
+                    reported.add(r)
+                    code = procs[r].exitcode
+                    if code in allow_exit:
+                        exited[r] = code
+                    else:
+                        errors.append(f"rank {r} exited with {code} without a result")
+            if time.monotonic() > deadline:
+                raise queue.Empty
     except queue.Empty:
-        errors.append(f"timed out after {timeout_s} s waiting for ranks {sorted(set(range(world)) - set(out))}")
+        missing = sorted(set(range(world)) - reported)
+        errors.append(f"timed out after {timeout_s} s waiting for ranks {missing}\n"
+                      + where_they_wait([procs[r] for r in missing]))
     finally:
         for p in procs:
             p.join(timeout=10)
@@ -88,7 +133,39 @@ def run_ranks(fn, world: int, *, timeout_s: float = 600.0, **kwargs):
                 p.kill()
     if errors:
         raise RuntimeError("\n".join(errors))
-    return [out[r] for r in range(world)]
+    return [out[r] if r in out else {"rank": r, "exitcode": exited[r]} for r in range(world)]
+
+
+def where_they_wait(procs) -> str:
+    """For processes that do not answer: their state and kernel wait channel (and, where
+    readable, the kernel stack: a wait inside the GPU driver shows there), and their Python
+    stacks (SIGUSR1, printed to their stderr by the handler ``child_main`` registers)."""
+    import signal
+    import time
+    lines = []
+    for p in procs:
+        if not p.is_alive():
+            lines.append(f"pid {p.pid}: exited with {p.exitcode}")
+            continue
+        info = []
+        for name in ("wchan", "stack"):
+            try:
+                with open(f"/proc/{p.pid}/{name}") as f:
+                    info.append(f"{name}: {f.read().strip()}")
+            except OSError as e:
+                info.append(f"{name}: unreadable ({e.strerror})")
+        try:
+            with open(f"/proc/{p.pid}/status") as f:
+                info += [line.strip() for line in f if line.startswith("State:")]
+        except OSError:
+            pass
+        try:
+            os.kill(p.pid, signal.SIGUSR1)
+        except OSError:
+            pass
+        lines.append(f"pid {p.pid}: " + "; ".join(info))
+    time.sleep(1.0)  # let the stacks reach stderr before the processes are killed
+    return "\n".join(lines)
 
 
 _CLONE_NEWNS, _CLONE_NEWUTS = 0x00020000, 0x04000000
@@ -146,6 +223,54 @@ def needs_gpus(count: int, why: str):
     import pytest
     from jax_fusedar.common import native
     return pytest.mark.skipif(native.gpu_count() < count, reason=f"needs {count} GPUs: {why}")
+
+
+# The world sizes the GPU suite runs at, on whatever GPUs there are (rank r on GPU r % G).
+WORLD_SIZES = (2, 4, 8)
+
+
+def world_params(quick=(2,), worlds=WORLD_SIZES):
+    """pytest parameters over ``worlds`` (ids world2, world4, ...), every one not in
+    ``quick`` marked slow (the quick lane is ``-m "gpu and not slow"``)."""
+    import pytest
+    return [pytest.param(w, id=f"world{w}", marks=() if w in quick else pytest.mark.slow)
+            for w in worlds]
+
+
+def sweep_params():
+    """A sweep's two sizes: "quick" (the quick lane) and "full" (marked slow)."""
+    import pytest
+    return [pytest.param("quick", id="quick"),
+            pytest.param("full", id="full", marks=pytest.mark.slow)]
+
+
+# The two-rank bounds in ulps of the intermediate magnitudes (docs/numerics.md); they assume
+# an exact float32 sum, which holds for 2 ranks of 16-bit values only.
+TWO_RANK_ULPS = {"allreduce": 1.0, "residual": 1.0}
+TWO_RANK_NORM_ULPS = {"bfloat16": 3.0, "float16": 3.0, "float32": 8.0}
+
+
+def bound_problems(worst: dict, dtype: str, world: int, where: str = "") -> list:
+    """What is wrong with the worst errors of a GPU test's plain outputs (dict of
+    tests/oracles/oracle.py's measures): at every world size the accumulation bounds
+    (``*_bound`` <= 1, ``norm_own`` within NORM_GIVEN_RESIDUAL_ULPS), whichever fp32_acc;
+    at 2 ranks also the ulp bounds of the intermediate magnitudes (``allreduce``,
+    ``residual``, ``norm``). A NaN fails every check."""
+    from tests.oracles import oracle
+    limits = {"allreduce_bound": 1.0, "residual_bound": 1.0,
+              "norm_own": oracle.NORM_GIVEN_RESIDUAL_ULPS[dtype]}
+    if world == 2:
+        limits.update(TWO_RANK_ULPS, norm=TWO_RANK_NORM_ULPS[dtype])
+    return [f"{where} {dtype} {k} {worst[k]} > {v}".strip() for k, v in limits.items()
+            if k in worst and not worst[k] <= v]
+
+
+def worst_of(into: dict, errors: dict) -> dict:
+    """Per-key maxima of error dicts; a NaN stays NaN (Python's max would drop it)."""
+    for k, v in errors.items():
+        old = into.get(k, 0.0)
+        into[k] = float("nan") if (v != v or old != old) else max(old, v)
+    return into
 
 
 def env_int(name, default):

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_handler_errors_name_the_result_and_keep_the_code():
-    from tests.gpu import jax_multiprocess
+    from tests.gpu.workers import jax_multiprocess
     from tests.gpu.harness import free_port, run_ranks
     res = run_ranks(jax_multiprocess.worker, 2, timeout_s=600, port=free_port(),
                     xla_flags="", task="handler_errors",

@@ -1,7 +1,7 @@
 """A workspace used under a mesh or pmap that orders its devices otherwise is refused before
 anything runs, on 2 GPUs (the kernel) as on 2 CPU devices (the reference path, in CI); rows
 whose fp32 sum of squares overflows give norm_out = +-0 on both (README, Numerics).
-Worker: tests/gpu/jax_misuse.py, one process driving both devices."""
+Worker: tests/gpu/workers/jax_misuse.py, one process driving both devices."""
 import json
 import os
 import subprocess
@@ -25,8 +25,8 @@ def _run(platform: str) -> dict:
     for var in ("XLA_FLAGS", "JAX_FUSEDAR_STRICT", "JAX_FUSEDAR_ALLREDUCE_BACKEND",
                 "JAX_FUSEDAR_CHECK_CALLS"):
         env.pop(var, None)
-    proc = subprocess.run([sys.executable, "-m", "tests.gpu.jax_misuse", platform], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "tests.gpu.workers.jax_misuse", platform],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-4000:] + proc.stderr[-4000:]
     return json.loads(lines[-1][len("RESULT "):])

@@ -1,5 +1,5 @@
 """GPU: the plain-jit (Shardy) model and an exported artifact, one process driving both GPUs
-(tests/gpu/jax_single_process.py).
+(tests/gpu/workers/jax_single_process.py).
 
 * The 4-layer MaxText-style model (jit, NamedSharding on the weights, no shard_map) compiles
   to one fused custom call per layer and no all-reduce, on Auto axes (custom_partitioning)
@@ -14,7 +14,7 @@ import os
 import pytest
 
 from tests.gpu.harness import needs_gpus, report
-from tests.gpu.single_process_run import run_task
+from tests.gpu.workers.single_process_run import run_task
 
 pytestmark = pytest.mark.gpu
 LAYERS = 4

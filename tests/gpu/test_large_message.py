@@ -12,8 +12,7 @@ import os
 import pytest
 
 from jax_fusedar.common import launch_mode, sizing
-from jax_fusedar.common.arguments import env_bool
-from tests.gpu.harness import needs_gpus
+from tests.gpu.harness import needs_gpus, sweep_params
 
 pytestmark = pytest.mark.gpu
 
@@ -35,12 +34,13 @@ def _cases(quick):
     return cases, max_tokens, 8192
 
 
-def test_large_message_two_ranks():
+@pytest.mark.parametrize("sweep", sweep_params())
+def test_large_message_two_ranks(sweep):
     pytest.importorskip("torch")
-    from tests.gpu import large_message_sweep
+    from tests.gpu.workers import large_message_sweep
     from tests.gpu.harness import env_int, run_ranks
 
-    cases, max_tokens, hidden_max = _cases(env_bool("JAX_FUSEDAR_GPU_QUICK"))
+    cases, max_tokens, hidden_max = _cases(sweep == "quick")
     sizes = sizing.workspace_sizes(2, max_tokens, hidden_max, "bfloat16")
     assert any(launch_mode.prefers_large_message(m, h, sizes) for _, h, m, _ in cases)
     assert any(not launch_mode.prefers_large_message(m, h, sizes) for _, h, m, _ in cases)
@@ -67,7 +67,7 @@ def test_large_message_two_ranks():
 def test_large_message_through_jax_with_command_buffers():
     """jit + shard_map, XLA command buffers on: auto picks the large-message algorithm at
     4096 x 8192 and its outputs equal the forced two-shot kernel's, replay after replay.
-    Worker: tests/gpu/jax_large_message.py, one process driving both GPUs."""
+    Worker: tests/gpu/workers/jax_large_message.py, one process driving both GPUs."""
     import subprocess
     import sys
 
@@ -76,7 +76,7 @@ def test_large_message_through_jax_with_command_buffers():
     for var in ("JAX_PLATFORMS", "XLA_FLAGS", "JAX_FUSEDAR_STRICT",
                 "JAX_FUSEDAR_ALLREDUCE_BACKEND", "JAX_FUSEDAR_CHECK_CALLS"):
         env.pop(var, None)
-    proc = subprocess.run([sys.executable, "-m", "tests.gpu.jax_large_message"], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "tests.gpu.workers.jax_large_message"], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from tests.gpu.harness import report
+from tests.gpu.harness import needs_gpus, report
 
 pytestmark = pytest.mark.gpu
 
@@ -30,7 +30,7 @@ BOUNDS = {"residual": 1.0, "norm": 3.0}  # ulps of bf16 (tests/oracles/oracle.py
 
 
 def _run(hosts, layouts, backends, device_ids):
-    from tests.gpu import jax_multinode as mn
+    from tests.gpu.workers import jax_multinode as mn
     from tests.gpu.harness import free_port, run_ranks
     return run_ranks(mn.worker, 2, timeout_s=300, port=free_port(), platform="cuda",
                      local_devices=len(device_ids[0]), hosts=hosts, layouts=layouts,
@@ -87,6 +87,8 @@ def test_tp_across_processes_of_one_host_keeps_the_kernel():
         assert r["reasons_logged"] == [], r
 
 
+@needs_gpus(2, "each simulated host drives a TP group of 2 devices, and one process cannot "
+               "drive a GPU twice")
 def test_dp_across_hosts_tp_within_keeps_the_kernel():
     # Own GPUs per process where there are 4; else both processes drive GPUs 0 and 1.
     own = _gpus() >= 4

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from jax_fusedar.common.arguments import env_bool
+from tests.gpu.harness import sweep_params
 from tests.repo import REPO
 
 pytestmark = pytest.mark.gpu
@@ -23,12 +23,13 @@ BOUNDS = {
 }
 
 
-def test_native_sweep_two_ranks():
+@pytest.mark.parametrize("sweep", sweep_params())
+def test_native_sweep_two_ranks(sweep):
     torch = pytest.importorskip("torch")
-    from tests.gpu import native_sweep
+    from tests.gpu.workers import native_sweep
     from tests.gpu.harness import env_int, run_ranks
 
-    quick = env_bool("JAX_FUSEDAR_GPU_QUICK")  # the one boolean parser
+    quick = sweep == "quick"
     tokens = (1, 16, 17, 129) if quick else (1, 2, 15, 16, 17, 64, 128, 129, 1000, 2048)
     hiddens = (1024, 7168) if quick else (1024, 4096, 7168, 8192)
     results = run_ranks(native_sweep.worker, 2, timeout_s=1500, tokens=tokens, hiddens=hiddens,
@@ -59,7 +60,7 @@ def test_native_single_process_peer_pointers():
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "tests.gpu.native_single_process", "4096"],
+    proc = subprocess.run([sys.executable, "-m", "tests.gpu.workers.native_single_process", "4096"],
                           capture_output=True, text=True, timeout=300,
                           cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,12 +1,13 @@
 """GPU: the kernel's bounded waits (timeout_s, always on; ffi/core/watchdog.h).
 
-Each case runs in a fresh child (``python -m tests.gpu.native_timeout CASE``, or
-``tests.gpu.jax_timeout`` for JAX) with its output captured: a trapped kernel kills the CUDA
+Each case runs in a fresh child (``python -m tests.gpu.workers.native_timeout CASE``, or
+``tests.gpu.workers.jax_timeout`` for JAX) with its output captured: a trapped kernel kills the CUDA
 context of its process. Every wait is bounded (subprocess timeout, channel timeouts, the
 kernel's own timeout), and each result is written as JSON to $JAX_FUSEDAR_REPORT_DIR.
 """
 import pytest
 
+from tests.gpu.harness import world_params
 from tests.gpu.test_topology import _report, _run
 
 pytestmark = pytest.mark.gpu
@@ -16,8 +17,8 @@ SIG = "{{pattern=1 dtype=bfloat16 num_tokens={} hidden_dim=4096 {} fp32_acc=1 la
 
 
 def test_timeout_on_gives_the_same_bits_graph_replay_and_cost():
-    from tests.gpu.native_timeout import BOUNDS, CALLS
-    res = _run("tests.gpu.native_timeout", "ok", timeout_s=400)
+    from tests.gpu.workers.native_timeout import BOUNDS, CALLS
+    res = _run("tests.gpu.workers.native_timeout", "ok", timeout_s=400)
     _report("timeout_ok", res)
     assert "error" not in res, res["error"] + "\n" + res["output_tail"]
     for r in res["ranks"]:
@@ -35,19 +36,20 @@ def test_timeout_on_gives_the_same_bits_graph_replay_and_cost():
           [r["timing_off"]["ms_per_call_median"] for r in res["ranks"]])
 
 
-def _check_failed(f, me, peer, seq, tokens, algorithm, timeout_s, where):
+def _check_failed(f, me, peer, seq, tokens, algorithm, timeout_s, where, world=2):
     """`algorithm` is the signature's text for it: one-shot, two-shot or large-message."""
-    _check_failed_record(f, me, peer, seq, SIG.format(tokens, algorithm), timeout_s, where)
+    _check_failed_record(f, me, peer, seq, SIG.format(tokens, algorithm), timeout_s, where,
+                         world)
 
 
-def _check_failed_record(f, me, peer, seq, sig, timeout_s, where):
+def _check_failed_record(f, me, peer, seq, sig, timeout_s, where, world=2):
     """Rank `me`'s call failed within timeout + 1 s with a record of call #seq (`sig`)
     naming `peer` and the wait (`where`), and the next launch was refused with it."""
     assert f["sync_error"], f"rank {me}: the call did not fail: {f}"
     assert f["elapsed_s"] <= timeout_s + 1.0, f  # within timeout + 1 s
     assert f["elapsed_s"] >= timeout_s * 0.9, f  # and not for another reason
     record = f["failure_record"]
-    head = (f"jax_fusedar kernel wait timed out on rank {me} of 2 (device ")
+    head = (f"jax_fusedar kernel wait timed out on rank {me} of {world} (device ")
     assert record.startswith(head), record
     assert f"call #{seq} {sig}: waited " in record, record
     assert f"for rank {peer} to deliver {where}" in record, record
@@ -55,34 +57,54 @@ def _check_failed_record(f, me, peer, seq, sig, timeout_s, where):
     assert f["relaunch_error"] and record in f["relaunch_error"], f
 
 
-@pytest.mark.parametrize("case, tokens, oneshot, where", [
-    ("never_oneshot", 16, True, "its one-shot data in this rank's Lamport buffer (token "),
-    ("never_twoshot", 32, False, "its two-shot barrier flag (thread block "),
-    ("killed", 16, True, "its one-shot data in this rank's Lamport buffer (token "),
+LAMPORT_WAIT = "its one-shot data in this rank's Lamport buffer (token "
+
+
+@pytest.mark.parametrize("case, tokens, oneshot, where, world", [
+    pytest.param("never_oneshot", 16, True, LAMPORT_WAIT, 2, id="never_oneshot-world2"),
+    pytest.param("never_twoshot", 32, False, "its two-shot barrier flag (thread block ", 2,
+                 id="never_twoshot-world2"),
+    pytest.param("killed", 16, True, LAMPORT_WAIT, 2, id="killed-world2"),
+    *[pytest.param("never_oneshot", 16, True, LAMPORT_WAIT, p.values[0], marks=p.marks,
+                   id=f"never_oneshot-{p.id}") for p in world_params(worlds=(4, 8))],
 ])
-def test_a_missing_rank_makes_the_other_fail_with_the_record(case, tokens, oneshot, where):
-    from tests.gpu.native_timeout import BOUNDS, GOOD_FIRST, TIMEOUT_S
-    res = _run("tests.gpu.native_timeout", case, timeout_s=200)
-    _report(f"timeout_{case}", res)
+def test_a_missing_rank_makes_the_other_fail_with_the_record(case, tokens, oneshot, where,
+                                                             world):
+    """The last rank makes no call (or is killed): every other rank fails naming it, its
+    synchronization raising with the record, or, where the GPU driver never reports its
+    trap (ranks sharing a GPU that time out at the same moment; seen at 4 ranks on one
+    H200), its process ending with the record on stderr (jax_fusedar/common/lost_traps.py)."""
+    from jax_fusedar.common import lost_traps
+    from tests.gpu.workers.native_timeout import BOUNDS, GOOD_FIRST, TIMEOUT_S
+    res = _run("tests.gpu.workers.native_timeout", case, str(world), timeout_s=200)
+    _report(f"timeout_{case}_world{world}", res)
     assert "error" not in res, res["error"] + "\n" + res["output_tail"]
-    r0, r1 = res["ranks"]
-    for k, v in r0["good"].items():
-        assert v <= BOUNDS[k], (k, v)
-    _check_failed(r0["failing"], 0, 1, GOOD_FIRST + 1, tokens,
-                  "one-shot" if oneshot else "two-shot", TIMEOUT_S, where)
+    *callers, missing = res["ranks"]
+    assert len(callers) == world - 1
+    lost = "\n".join(res["lost_trap_lines"])
+    for r in callers:
+        if "exitcode" in r:  # its trap was never reported: the watcher ended the process
+            assert r["exitcode"] == lost_traps.EXIT_CODE, r
+            assert f"jax_fusedar kernel wait timed out on rank {r['rank']} of {world}" in lost
+            assert f"Ending the process with exit code {lost_traps.EXIT_CODE}" in lost, lost
+            continue
+        for k, v in r["good"].items():
+            assert v <= BOUNDS[k], (r["rank"], k, v)
+        _check_failed(r["failing"], r["rank"], world - 1, GOOD_FIRST + 1, tokens,
+                      "one-shot" if oneshot else "two-shot", TIMEOUT_S, where, world)
     if case == "killed":
-        assert r1["exitcode"] == -9, r1  # SIGKILL, no result
+        assert missing["exitcode"] == -9, missing  # SIGKILL, no result
     else:
         # The rank that made no call is untouched.
-        assert r1["healthy_after"] is True and r1["failure_record"] == ""
+        assert missing["healthy_after"] is True and missing["failure_record"] == ""
 
 
 def test_a_rank_missing_from_a_large_message_call_makes_the_other_fail_with_the_record():
     """Above the auto crossover (the large-message algorithm): after one good large-message
     call rank 1 makes no call; rank 0's entry-flag wait must time out naming rank 1."""
     from jax_fusedar.common import launch_mode
-    from tests.gpu.native_timeout import BOUNDS, GOOD_FIRST, LARGE_TOKENS, TIMEOUT_S
-    res = _run("tests.gpu.native_timeout", "never_large", timeout_s=300)
+    from tests.gpu.workers.native_timeout import BOUNDS, GOOD_FIRST, LARGE_TOKENS, TIMEOUT_S
+    res = _run("tests.gpu.workers.native_timeout", "never_large", timeout_s=300)
     _report("timeout_never_large", res)
     assert "error" not in res, res["error"] + "\n" + res["output_tail"]
     r0, r1 = res["ranks"]
@@ -101,8 +123,8 @@ def test_a_rank_missing_from_a_large_message_call_makes_the_other_fail_with_the_
 
 
 def test_mismatched_token_counts_without_the_call_check_fail_on_both_ranks():
-    from tests.gpu.native_timeout import GOOD_FIRST, TIMEOUT_S
-    res = _run("tests.gpu.native_timeout", "tokens", timeout_s=200)
+    from tests.gpu.workers.native_timeout import GOOD_FIRST, TIMEOUT_S
+    res = _run("tests.gpu.workers.native_timeout", "tokens", timeout_s=200)
     _report("timeout_tokens", res)
     assert "error" not in res, res["error"] + "\n" + res["output_tail"]
     for r in res["ranks"]:
@@ -114,9 +136,9 @@ def test_mismatched_token_counts_without_the_call_check_fail_on_both_ranks():
 def test_jax_surfaces_the_timeout_with_the_record():
     import os
 
-    from tests.gpu import jax_timeout
+    from tests.gpu.workers import jax_timeout
     from tests.gpu.harness import free_port
-    from tests.gpu.native_timeout import run_ranks_allowing_death
+    from tests.gpu.workers.native_timeout import run_ranks_allowing_death
     res = run_ranks_allowing_death(jax_timeout.worker, 2, timeout_s=90, port=free_port(),
                                    seed=int.from_bytes(os.urandom(4), "little"))
     _report("timeout_jax", res)
@@ -154,9 +176,9 @@ MOE_WAITS = {"never_finalize": "its one-shot data in this rank's Lamport buffer 
 
 @pytest.mark.parametrize("case", sorted(MOE_WAITS))
 def test_a_rank_that_skips_an_moe_call_makes_the_other_fail_with_the_record(case):
-    from tests.gpu import moe_timeout as mt
+    from tests.gpu.workers import moe_timeout as mt
     where = MOE_WAITS[case]
-    res = _run("tests.gpu.moe_timeout", case, timeout_s=200)
+    res = _run("tests.gpu.workers.moe_timeout", case, timeout_s=200)
     _report(f"timeout_moe_{case}", res)
     assert "error" not in res, res["error"] + "\n" + res["output_tail"]
     r0, r1 = res["ranks"]

@@ -1,7 +1,7 @@
 """GPU: the cross-rank call check (check_calls) and the "mixed" topology.
 
-Each case runs in a fresh child (``python -m tests.gpu.native_mismatch CASE`` /
-``python -m tests.gpu.native_mixed``) with its output captured: a trapped handshake kills
+Each case runs in a fresh child (``python -m tests.gpu.workers.native_mismatch CASE`` /
+``python -m tests.gpu.workers.native_mixed``) with its output captured: a trapped handshake kills
 the CUDA context of its process, and the handshake's device printf goes to stdout. Every
 wait is bounded (subprocess timeout, channel timeouts, the check's own timeout), and each
 result is written as JSON (with the output's tail) to $JAX_FUSEDAR_REPORT_DIR.
@@ -13,9 +13,10 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.gpu
-
+from tests.gpu.harness import world_params
 from tests.repo import REPO
+
+pytestmark = pytest.mark.gpu
 
 
 PRINTF_MARK = "jax_fusedar call check FAILED on rank"
@@ -36,7 +37,8 @@ def _run(module, *args, timeout_s):
         def text(b):
             return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
         pytest.fail(f"{module} {args} did not finish within {timeout_s} s (a hang?)\n"
-                    f"stdout tail:\n{text(e.stdout)[-4000:]}\nstderr tail:\n{text(e.stderr)[-4000:]}")
+                    f"stdout tail:\n{text(e.stdout)[-4000:]}\n"
+                    f"stderr tail:\n{text(e.stderr)[-4000:]}")
     lines = [l for l in out.splitlines() if l.startswith("RESULT ")]
     assert lines, (f"{module} {args} printed no RESULT line (rc {rc})\nstdout tail:\n"
                    f"{out[-4000:]}\nstderr tail:\n{err[-4000:]}")
@@ -44,6 +46,11 @@ def _run(module, *args, timeout_s):
     result["rc"] = rc
     result["output_tail"] = (out + "\n--- stderr ---\n" + err)[-8000:]
     result["printf_lines"] = [l for l in (out + err).splitlines() if PRINTF_MARK in l]
+    # What a process ended by jax_fusedar.common.lost_traps wrote: its record and why.
+    result["lost_trap_lines"] = [l for l in err.splitlines()
+                                 if l.startswith(("jax_fusedar call check failed on rank",
+                                                  "jax_fusedar kernel wait timed out on rank"))
+                                 or "Ending the process with exit code" in l]
     return result
 
 
@@ -59,7 +66,7 @@ def _gpus():
 
 def _check_matching(r):
     """The matching calls each case makes first (check on) stayed within the bounds."""
-    from tests.gpu.native_mismatch import BOUNDS, MATCHING
+    from tests.gpu.workers.native_mismatch import BOUNDS, MATCHING
     assert r["check_calls"] is True, r
     assert len(r["matching"]) == len(MATCHING)
     for e in r["matching"]:
@@ -68,13 +75,14 @@ def _check_matching(r):
                 assert e[k] <= bound, (r["rank"], e)  # NaN fails too
 
 
-def test_call_check_matching_calls_graph_replay_and_cost():
-    res = _run("tests.gpu.native_mismatch", "ok", timeout_s=170)
-    _report("call_check_ok", res)
+@pytest.mark.parametrize("world", world_params())
+def test_call_check_matching_calls_graph_replay_and_cost(world):
+    res = _run("tests.gpu.workers.native_mismatch", "ok", str(world), timeout_s=170)
+    _report(f"call_check_ok_world{world}", res)
     assert "error" not in res, res["error"] + "\n" + res["output_tail"]
     ranks = res["ranks"]
     assert not res["printf_lines"], res["printf_lines"]
-    from tests.gpu.native_mismatch import BOUNDS
+    from tests.gpu.workers.native_mismatch import BOUNDS
     for r in ranks:
         _check_matching(r)
         assert r["off_check_calls"] is False
@@ -86,71 +94,88 @@ def test_call_check_matching_calls_graph_replay_and_cost():
         for t in ("timing_on", "timing_off"):
             assert r[t]["last_call"]["residual"] <= 1.0 and r[t]["last_call"]["norm"] <= 3.0, r[t]
         assert r["failure_record"] == ""
-    # Same bits on both ranks, and with the check on or off.
-    assert ranks[0]["digest"] == ranks[1]["digest"] == ranks[0]["off_digest"]
+    # Same bits on every rank, and with the check on or off.
+    assert {r["digest"] for r in ranks} == {ranks[0]["off_digest"]}
     print("handshake cost (ms per call, median): on",
           [r["timing_on"]["ms_per_call_median"] for r in ranks], "off",
           [r["timing_off"]["ms_per_call_median"] for r in ranks])
 
 
-@pytest.mark.parametrize("case", ["tokens", "pattern", "oneshot"])
+@pytest.mark.parametrize("case", ["tokens", pytest.param("pattern", marks=pytest.mark.slow),
+                                  pytest.param("oneshot", marks=pytest.mark.slow)])
 def test_mismatched_calls_fail_instead_of_hanging(case):
-    from tests.gpu.native_mismatch import MATCHING, MISMATCH_TIMEOUT_S
-    res = _run("tests.gpu.native_mismatch", case, timeout_s=170)
+    """Both ranks detect the mismatch and trap: each one's synchronization raises with the
+    record, or, where the GPU driver never reports the trap (ranks sharing a GPU trap at
+    the same moment; jax_fusedar/common/lost_traps.py), its process ends with the record on
+    stderr within the watcher's grace period. Either way the run ends, well before any
+    timeout."""
+    from jax_fusedar.common import lost_traps
+    from tests.gpu.workers.native_mismatch import (MATCHING, MISMATCH_TIMEOUT_S,
+                                                   failing_call_of)
+    res = _run("tests.gpu.workers.native_mismatch", case, timeout_s=170)
     _report(f"call_check_{case}", res)
     assert "error" not in res, res["error"] + "\n" + res["output_tail"]
+    assert res["wall_s"] < 90, res["wall_s"]  # bounded: no rank waits for a timeout
     seq = len(MATCHING) + 1
-    calls = {r["rank"]: r["failing"]["call"] for r in res["ranks"]}
     for r in res["ranks"]:
+        me, peer = r["rank"], 1 - r["rank"]
+        (pm, mm, om), (pp, mp, op) = failing_call_of(case, me), failing_call_of(case, peer)
+        mine = SIG.format(pm, mm, "one-shot" if om else "two-shot")
+        theirs = SIG.format(pp, mp, "one-shot" if op else "two-shot")
+        expected = (f"jax_fusedar call check failed on rank {me} of 2 (device "
+                    f"{r.get('device', 0)}), call #{seq}: rank {peer} called {theirs} but "
+                    f"rank {me} called {mine}")
+        if "exitcode" in r:  # its trap was never reported: the watcher ended the process
+            assert r["exitcode"] == lost_traps.EXIT_CODE, r
+            lines = "\n".join(res["lost_trap_lines"])
+            assert expected in lines, (expected, lines)
+            assert f"Ending the process with exit code {lost_traps.EXIT_CODE}" in lines, lines
+            continue
         _check_matching(r)
         f = r["failing"]
-        me, peer = r["rank"], 1 - r["rank"]
         assert f["sync_error"], f"rank {me}: the mismatched call did not fail: {f}"
         # Detected as a mismatch, well before the timeout would have fired.
         assert f["elapsed_s"] < MISMATCH_TIMEOUT_S / 2, f
-        (pm, mm, om), (pp, mp, op) = calls[me], calls[peer]
-        mine = SIG.format(pm, mm, "one-shot" if om else "two-shot")
-        theirs = SIG.format(pp, mp, "one-shot" if op else "two-shot")
-        expected = (f"jax_fusedar call check failed on rank {me} of 2 (device {r['device']}), "
-                    f"call #{seq}: rank {peer} called {theirs} but rank {me} called {mine}")
         assert f["failure_record"].startswith(expected), (expected, f["failure_record"])
         assert f["relaunch_error"] and expected in f["relaunch_error"], f
     # The device's own message reached stdout (one per rank; output buffered in the child).
-    assert res["printf_lines"], ("no device printf output captured; failure records: "
-                                 f"{[r['failing']['failure_record'] for r in res['ranks']]}\n"
-                                 f"{res['output_tail']}")
+    assert res["printf_lines"], ("no device printf output captured\n" + res["output_tail"])
     joined = "\n".join(res["printf_lines"])
     for r in res["ranks"]:
         assert f"FAILED on rank {r['rank']} of 2" in joined, joined
 
 
-def test_a_rank_that_never_calls_times_out():
-    from tests.gpu.native_mismatch import MATCHING, TIMEOUT_CASE_S
-    res = _run("tests.gpu.native_mismatch", "timeout", timeout_s=170)
-    _report("call_check_timeout", res)
+@pytest.mark.parametrize("world", world_params())
+def test_a_rank_that_never_calls_times_out(world):
+    """The last rank makes no call: every other rank's handshake times out naming it."""
+    from tests.gpu.workers.native_mismatch import MATCHING, TIMEOUT_CASE_S
+    res = _run("tests.gpu.workers.native_mismatch", "timeout", str(world), timeout_s=170)
+    _report(f"call_check_timeout_world{world}", res)
     assert "error" not in res, res["error"] + "\n" + res["output_tail"]
-    r0, r1 = res["ranks"]
-    for r in (r0, r1):
+    *callers, missing = res["ranks"]
+    for r in res["ranks"]:
         _check_matching(r)
     seq = len(MATCHING) + 1
-    f = r0["failing"]
-    assert f["sync_error"], f
-    assert r0["check_timeout_s"] == pytest.approx(TIMEOUT_CASE_S)
-    assert TIMEOUT_CASE_S * 0.9 <= f["elapsed_s"] <= TIMEOUT_CASE_S + 12, f
-    assert (f"rank 1 did not make its call #{seq} {SIG.format(1, 16, 'one-shot')} within "
-            f"{TIMEOUT_CASE_S:.1f} s (the last call seen from it is #{seq - 1})"
-            ) in f["failure_record"], f["failure_record"]
-    assert f["relaunch_error"] and "did not make its call" in f["relaunch_error"], f
+    for r in callers:
+        f = r["failing"]
+        assert f["sync_error"], f
+        assert r["check_timeout_s"] == pytest.approx(TIMEOUT_CASE_S)
+        assert TIMEOUT_CASE_S * 0.9 <= f["elapsed_s"] <= TIMEOUT_CASE_S + 12, f
+        assert (f"rank {world - 1} did not make its call #{seq} "
+                f"{SIG.format(1, 16, 'one-shot')} within {TIMEOUT_CASE_S:.1f} s (the last call "
+                f"seen from it is #{seq - 1})") in f["failure_record"], f["failure_record"]
+        assert f["relaunch_error"] and "did not make its call" in f["relaunch_error"], f
+        assert any(f"on rank {r['rank']} of {world}" in l and "did not make its call" in l
+                   for l in res["printf_lines"]), res["output_tail"]
     # The rank that made no call is untouched.
-    assert r1["failing"] is None and r1["healthy_after"] is True and r1["failure_record"] == ""
-    assert any("on rank 0 of 2" in l and "did not make its call" in l
-               for l in res["printf_lines"]), res["output_tail"]
+    assert missing["failing"] is None and missing["healthy_after"] is True
+    assert missing["failure_record"] == ""
 
 
 def test_mixed_topology_four_ranks_two_processes_two_gpus():
     if _gpus() < 2:
         pytest.skip("needs 2 GPUs")
-    res = _run("tests.gpu.native_mixed", timeout_s=170)
+    res = _run("tests.gpu.workers.native_mixed", timeout_s=170)
     _report("mixed_topology", res)
     assert "error" not in res, res["error"] + "\n" + res["output_tail"]
     procs = res["processes"]

@@ -1,7 +1,7 @@
 """The 4-layer tensor-parallel model of the plain-jit tests, written twice: MaxText's way
 (global arrays, NamedSharding on the weights, ``row_parallel_allreduce_fusion``, no
 shard_map) and per shard (shard_map + ``allreduce_fusion``). Shared by
-tests/jax/test_jit_sharding.py and the GPU worker tests/gpu/jax_single_process.py; sets no
+tests/jax/test_jit_sharding.py and the GPU worker tests/gpu/workers/jax_single_process.py; sets no
 environment, so it imports under any platform."""
 import jax
 import jax.numpy as jnp

@@ -4,7 +4,7 @@ reference, so the HLO has all-reduces instead of the kernel, and the ("cpu", "cu
 artifact runs its CPU branch."""
 import pytest
 
-from tests.gpu.single_process_run import run_task
+from tests.gpu.workers.single_process_run import run_task
 
 pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers")
 

@@ -14,7 +14,7 @@ The backend is decided per workspace from each TP group's own hosts (not the mes
 
 The same two processes with the same host name keep the kernel for TP across them. Every
 program also runs on CPU (the reference path, cross-process over gloo) against the float64
-oracle. The worker (tests/gpu/jax_multinode.py) is the one the GPU test runs.
+oracle. The worker (tests/gpu/workers/jax_multinode.py) is the one the GPU test runs.
 """
 import os
 import re
@@ -23,7 +23,7 @@ import sys
 
 import pytest
 
-from tests.gpu import jax_multinode as mn
+from tests.gpu.workers import jax_multinode as mn
 from tests.gpu.harness import free_port, run_ranks, simulated_hosts_problem
 
 from tests.repo import REPO

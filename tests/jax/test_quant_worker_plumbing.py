@@ -1,4 +1,4 @@
-"""CPU run of the JAX quantization GPU workers (tests/gpu/jax_quant.py, jax_nvfp4.py) on the
+"""CPU run of the JAX quantization GPU workers (tests/gpu/workers/jax_quant.py, jax_nvfp4.py) on the
 reference path, so that their plumbing and checks are proven before a GPU runs them (the
 NVFP4 one needs a Blackwell GPU, which the project's machines do not have).
 
@@ -21,7 +21,8 @@ SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import jax_fusedar as jf
-    from tests.gpu import harness, {module}
+    from tests.gpu import harness
+    from tests.gpu.workers import {module}
 
     real_draw = harness.draw_case
     def same_partials(seed, world, m, hidden, dtype=None):
@@ -80,7 +81,7 @@ GRAD_SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp
     from jax.sharding import Mesh, PartitionSpec as P
     import jax_fusedar as jf
-    from tests.gpu import jax_grad
+    from tests.gpu.workers import jax_grad
     mesh = Mesh(np.array(jax.devices()), ("tp",))
     print("STATS", json.dumps(jax_grad.run(jax, jnp, jf, mesh, P, 7, hidden=256, ffn=512,
                                            tokens=8)))

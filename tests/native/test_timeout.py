@@ -417,10 +417,10 @@ def test_the_large_message_waits_are_bounded():
 
 
 def test_the_gpu_large_message_case_runs_the_large_message_algorithm():
-    """tests/gpu/native_timeout.py's never_large case must stay above the auto crossover, or
+    """tests/gpu/workers/native_timeout.py's never_large case must stay above the auto crossover, or
     it would time out in FlashInfer's kernels instead of the large-message waits."""
     from jax_fusedar.common import launch_mode
-    from tests.gpu import native_timeout
+    from tests.gpu.workers import native_timeout
 
     assert "never_large" in native_timeout.CASES
     assert native_timeout.large_algorithm(2) == launch_mode.ALGORITHM_LARGE_MESSAGE

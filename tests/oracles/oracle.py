@@ -9,7 +9,12 @@ T), so errors are measured in ulps of the *intermediate* magnitudes (docs/numeri
   allreduce:    |s - s64| / ulp_T(|s64|)                            expect <= 1
 
 The 1-ulp bounds assume the fp32 accumulation itself is exact, as it is for 2 ranks of
-16-bit values (the GPU tests' world size); N ranks add up to (N - 1) * 2^-24 * sum(|x_r|).
+16-bit values; N ranks add up to (N - 1) * 2^-24 * sum(|x_r|), and with fp32_acc=False every
+one of the N - 1 additions rounds to the call dtype. ``sum_error_bound`` and
+``residual_error_bound`` give the bounds that hold at every world size and for both
+accumulations (docs/numerics.md derives them); ``norm_error_given_residual_ulps`` measures
+norm_out against the exact RMSNorm of the kernel's own residual_out, which separates the
+norm's own rounding from the error it inherits.
 """
 from __future__ import annotations
 
@@ -25,6 +30,130 @@ def ulp(magnitude, dtype_name: str) -> np.ndarray:
     a = np.abs(np.asarray(magnitude, dtype=np.float64))
     e = np.floor(np.log2(np.maximum(a, np.finfo(np.float64).tiny)))
     return np.exp2(np.maximum(e, emin) - mant)
+
+
+def unit_roundoff(dtype_name: str) -> float:
+    """Largest relative error of one round-to-nearest into dtype_name (normal range)."""
+    mant, _ = _FORMATS[dtype_name]
+    return 2.0 ** -(mant + 1)
+
+
+def rounding_floor(dtype_name: str) -> float:
+    """Largest absolute error of one rounding into dtype_name below its normal range: half
+    the subnormal spacing for the 16-bit types, the whole normal threshold for float32 (the
+    kernels are built with flush-to-zero, which may turn a tiny float32 result into 0)."""
+    mant, emin = _FORMATS[dtype_name]
+    return 2.0 ** emin if dtype_name == "float32" else 2.0 ** (emin - mant - 1)
+
+
+def rounding_step(dtype_name: str):
+    """(relative, absolute) error bound of the kernel's rounding of an exact sum a + b of two
+    dtype_name values: the sum in float32, then (16-bit types) converted to dtype_name, so
+    two roundings: |R(v) - v| <= relative * |v| + absolute."""
+    u32, h32 = unit_roundoff("float32"), rounding_floor("float32")
+    if dtype_name == "float32":
+        return u32, h32
+    u, h = unit_roundoff(dtype_name), rounding_floor(dtype_name)
+    return u + u32 + u * u32, h + h32 * (1.0 + u)
+
+
+def sum_error_bound(xs, dtype_name: str, *, fp32_acc: bool) -> np.ndarray:
+    """Per element, a bound on |allreduce_out - sum_r x_r| for the kernel's all-reduce of the
+    rank inputs ``xs`` (list in rank order, values already in dtype_name).
+
+    Without fp32_acc (16-bit inputs) the kernel adds the ranks in rank order 0..N-1 and
+    rounds every addition to dtype_name. Let s_k = x_0 + ... + x_k (exact) and e_k the error
+    of the computed partial sum. Each addition errs by at most
+    d * |computed operand sum| + h <= d * (|s_k| + E_{k-1}) + h, so
+        E_0 = 0,  E_k = E_{k-1} * (1 + d) + d * |s_k| + h,  |e_{N-1}| <= E_{N-1},
+    with (d, h) = ``rounding_step``: the bound follows the partial sums, so cancelling
+    partial sums cost more than the total's size suggests.
+
+    With fp32_acc (and for float32 inputs) the sum stays in float32, in an order the API
+    leaves open (the kernel's is rank order, XLA's psum has its own): whatever the order,
+    the float32 sum errs by at most F = gamma_{N-1} * sum_r |x_r| + (N - 1) * h_32 with
+    gamma_n = n u_32 / (1 - n u_32), and the 16-bit types add one rounding of the total:
+        E = F + u_T * (|s| + F) + h_T.
+    For 2 ranks of 16-bit values either way this is half an ulp of |s| plus float32-sized
+    terms."""
+    parts = [np.asarray(x, np.float64) for x in xs]
+    s = np.sum(parts, axis=0)
+    n = len(parts)
+    if fp32_acc or dtype_name == "float32":
+        u32, h32 = unit_roundoff("float32"), rounding_floor("float32")
+        gamma = (n - 1) * u32 / (1.0 - (n - 1) * u32)
+        bound = gamma * np.sum(np.abs(parts), axis=0) + (n - 1) * h32
+        if dtype_name != "float32":
+            bound = bound + unit_roundoff(dtype_name) * (np.abs(s) + bound) \
+                + rounding_floor(dtype_name)
+        return bound
+    d, h = rounding_step(dtype_name)
+    partial = parts[0].copy()
+    bound = np.zeros_like(partial)
+    for x in parts[1:]:
+        partial = partial + x
+        bound = bound * (1.0 + d) + d * np.abs(partial) + h
+    return bound
+
+
+def residual_error_bound(xs, residual, dtype_name: str, *, fp32_acc: bool) -> np.ndarray:
+    """Per element, a bound on |residual_out - (sum_r x_r + residual)|: the all-reduce's
+    bound E (``sum_error_bound``) carried through one more rounded addition,
+        E * (1 + d) + d * |sum_r x_r + residual| + h   ((d, h) = ``rounding_step``)."""
+    e = sum_error_bound(xs, dtype_name, fp32_acc=fp32_acc)
+    r = np.sum([np.asarray(x, np.float64) for x in xs], axis=0) \
+        + np.asarray(residual, np.float64)
+    d, h = rounding_step(dtype_name)
+    return e * (1.0 + d) + d * np.abs(r) + h
+
+
+def bound_ratio(out, exact, bound) -> float:
+    """max |out - exact| / bound: at most 1 where the bound holds (NaN propagates)."""
+    return float(np.max(np.abs(np.asarray(out, np.float64) - exact) / bound))
+
+
+# norm_out against the exact RMSNorm of the kernel's own residual_out, in ulps of that value:
+# the output rounding is half an ulp, and the float32 arithmetic before it (a sum of squares
+# reduced in about 18 float32 steps per row, fast-math rsqrt, three products) adds a relative
+# error near 14 * 2^-24: negligible next to a 16-bit ulp (the bound 1 also covers a result
+# that crosses a power of two), about 14 float32 ulps for float32 outputs.
+NORM_GIVEN_RESIDUAL_ULPS = {"bfloat16": 1.0, "float16": 1.0, "float32": 16.0}
+
+
+def norm_error_given_residual_ulps(norm_out, residual_out, gamma, *, rms_eps: float,
+                                   weight_bias: float, dtype_name: str) -> float:
+    """max |norm_out - N(residual_out)| / ulp_T(|N(residual_out)|), N the exact RMSNorm in
+    float64 of the kernel's own (rounded) residual_out: the norm's own error, independent of
+    the accumulation (bounds: NORM_GIVEN_RESIDUAL_ULPS)."""
+    r = np.asarray(residual_out, np.float64)
+    inv = 1.0 / np.sqrt(np.mean(r * r, axis=-1, keepdims=True) + rms_eps)
+    y = r * inv * (weight_bias + np.asarray(gamma, np.float64))
+    return float(np.max(np.abs(np.asarray(norm_out, np.float64) - y) / ulp(y, dtype_name)))
+
+
+def accumulation_errors(xs, residual=None, gamma=None, *, allreduce_out=None,
+                        residual_out=None, norm_out=None, fp32_acc: bool = True,
+                        rms_eps: float = 1e-6, weight_bias: float = 0.0,
+                        dtype_name: str) -> dict:
+    """The errors that hold at every world size, for whichever outputs are given:
+    ``allreduce_bound`` and ``residual_bound`` (max error / the bound: at most 1) and
+    ``norm_own`` (norm_out against the RMSNorm of residual_out, in ulps: at most
+    NORM_GIVEN_RESIDUAL_ULPS). ``xs``: every rank's input in rank order."""
+    xs = [np.asarray(x, np.float64) for x in xs]
+    s64 = np.sum(xs, axis=0)
+    out = {}
+    if allreduce_out is not None:
+        out["allreduce_bound"] = bound_ratio(allreduce_out, s64, sum_error_bound(
+            xs, dtype_name, fp32_acc=fp32_acc))
+    if residual_out is not None:
+        res = np.asarray(residual, np.float64)
+        out["residual_bound"] = bound_ratio(residual_out, s64 + res, residual_error_bound(
+            xs, res, dtype_name, fp32_acc=fp32_acc))
+        if norm_out is not None:
+            out["norm_own"] = norm_error_given_residual_ulps(
+                norm_out, residual_out, gamma, rms_eps=rms_eps, weight_bias=weight_bias,
+                dtype_name=dtype_name)
+    return out
 
 
 def fused_reference(xs, residual, gamma, *, rms_eps: float, weight_bias: float):

@@ -1,6 +1,6 @@
 """CPU tests of ``python -m torch_compat.bench`` (also ``python -m jax_fusedar bench --framework
 torch``), of the anchor loader (tools/flashinfer_anchor.py) and of the anchor comparison's
-plumbing (tests/gpu/anchor.py, tests/gpu/anchor_compare.py).
+plumbing (tests/gpu/anchor.py, tests/gpu/workers/anchor_compare.py).
 
 No GPU: the CUDA parts are replaced by stand-ins (a fake runtime for the timing driver, fake
 ``allreduce_fusion``s computing the kernel's math in numpy for the comparison, a fake anchor
@@ -468,7 +468,7 @@ def fake_allreduce_fusion(xs, rank, npdt, corrupt=None, refuse=()):
 
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float16"])
 def test_anchor_compare_case_counts_bytes_and_oracle_errors(dtype_name):
-    from tests.gpu import anchor_compare as ac
+    from tests.gpu.workers import anchor_compare as ac
     from tests.gpu.harness import draw_case
 
     npdt = ac._np_dtype(dtype_name)
@@ -493,6 +493,9 @@ def test_anchor_compare_case_counts_bytes_and_oracle_errors(dtype_name):
     assert result["diffs"]["p9:scale_out"]["bytes"] == 2 * 1 * 8 * 4  # whole (K, T) buffer
     ours, anc = stats["ours"], stats["anchor"]
     assert ours["allreduce"] <= 1.0 and ours["residual"] <= 1.0 and ours["norm"] <= 3.0
+    # The accumulation bounds, both fp32_acc settings (the fake sums in float32 either way).
+    from tests.gpu.harness import bound_problems
+    assert not bound_problems(ours, dtype_name, 4) and ours["norm_own"] > 0, ours
     assert ours["worse"] == 0 and sum(ours["steps1"].values()) == 0
     assert ours["dyn_scale_ulps"] == 0.0 and ours["group_scale_mismatch"] == 0
     assert ours["elements"] == 5 * m * hidden  # 4, 2, 11, 10, 9 (8 refused)
@@ -501,7 +504,7 @@ def test_anchor_compare_case_counts_bytes_and_oracle_errors(dtype_name):
 
 
 def test_anchor_compare_outputs_are_poisoned_in_flashinfers_layout():
-    from tests.gpu import anchor_compare as ac
+    from tests.gpu.workers import anchor_compare as ac
 
     outs, bufs = ac._outputs(torch, 9, 6, 512, torch.bfloat16, "cpu")
     assert set(outs) == {"residual_out", "norm_out", "quant_out", "scale_out"}

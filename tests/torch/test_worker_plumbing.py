@@ -1,6 +1,6 @@
 """CPU run of the GPU tests' shared pieces, so the GPU run has the best chance to pass first
-time: the tensor plumbing and checks of tests/gpu/torch_workers.py and
-tests/gpu/parity_jax_torch.py, with a simulated kernel standing in for the launch, and the
+time: the tensor plumbing and checks of tests/gpu/workers/torch_workers.py and
+tests/gpu/workers/parity_jax_torch.py, with a simulated kernel standing in for the launch, and the
 JAX phase of the parity test on JAX's CPU reference path (2 virtual devices).
 
 The simulated kernel goes through the real torch_compat.allreduce_fusion argument checks
@@ -17,8 +17,8 @@ import torch_compat  # noqa: E402
 from torch_compat import ops  # noqa: E402
 
 from tests.torch.test_torch_compat import fake_workspace  # noqa: E402
-from tests.gpu import parity_jax_torch as par  # noqa: E402
-from tests.gpu import torch_workers as tw  # noqa: E402
+from tests.gpu.workers import parity_jax_torch as par  # noqa: E402
+from tests.gpu.workers import torch_workers as tw  # noqa: E402
 
 
 class SimTC:
@@ -125,9 +125,8 @@ def test_parity_phase1_on_cpu_and_phase2_logic_with_a_simulated_kernel(tmp_path,
                         tokens=(1, 17), hiddens=(256,), dtypes=("bfloat16", "float16"),
                         platform="cpu")
     assert jres["cases"] == 6 and set(jres["backends"].values()) == {"xla"}, jres
-    import json
-    meta = json.load(open(tmp_path / "parity.json"))
-    data = dict(np.load(tmp_path / "parity.npz"))
+    meta, data = par.load(str(tmp_path))
+    assert meta["world"] == 2
     assert meta["outputs"] == {
         "0": ["allreduce_out"], "1": ["norm_out", "residual_out"],
         "2": ["quant_out", "residual_out"], "4": ["norm_out", "quant_out", "residual_out"],
@@ -160,6 +159,38 @@ def test_parity_phase1_on_cpu_and_phase2_logic_with_a_simulated_kernel(tmp_path,
     for key in ((0, "output"), (1, "residual_out"), (9, "scale_out"), (8, "scale_out")):
         assert total[key] == 0, (key, total)
     print("differing elements, JAX CPU reference vs simulated kernel:", total)
+
+
+@pytest.mark.slow
+def test_parity_phase1_as_four_rank_processes_on_cpu(tmp_path, cpu_launch):
+    """The JAX phase as one `jax.distributed` process per rank (what runs where GPUs are
+    fewer than ranks), 4 ranks over gloo; phase 2's logic at 4 ranks with the simulated
+    kernel: every output compared, both sides within the accumulation bounds."""
+    pytest.importorskip("jax")
+    from tests.gpu.harness import bound_problems, free_port, run_ranks
+    res = run_ranks(par.jax_rank_phase, 4, timeout_s=600, port=free_port(),
+                    out_dir=str(tmp_path), seed=5, tokens=(1, 9), hiddens=(256,),
+                    dtypes=("bfloat16",), platform="cpu")
+    assert [r["world"] for r in res] == [4] * 4 and res[0]["cases"] == 3, res
+    meta, data = par.load(str(tmp_path))
+    assert meta["world"] == 4 and len(meta["cases"]) == 3
+    ws = fake_workspace(max_tokens=32, hidden=256, world=4)
+    compared = 0
+    for c in meta["cases"]:
+        k = f"c{c['case']}"
+        dt = tw._torch_dtype(torch, c["dtype"])
+        xs = [tw.to_torch(torch, data[f"{k}/x{r}"], dt, "cpu") for r in range(4)]
+        for rank in range(4):
+            out = par.compare_case(torch, SimTC(xs), ws, "cpu", data, c, rank, lambda: None,
+                                   world=4)
+            compared += sum(isinstance(n, int) for d in out["diffs"].values()
+                            for n in d.values())
+            for side in ("torch", "jax"):
+                w = out[side]
+                assert w["nans"] == 0 and not bound_problems(w, "bfloat16", 4), (side, w)
+                assert "residual_bound" in w and "norm_own" in w, w
+                assert not bound_problems(out[f"quant_{side}"], "bfloat16", 4)
+    assert compared == 3 * 4 * 22
 
 
 @pytest.mark.parametrize("norm", ["manual", "F.rms_norm"])

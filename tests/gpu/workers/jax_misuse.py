@@ -1,7 +1,7 @@
 """One process driving two devices: misuse that only the GPU path could turn into a silent
 wrong answer, and the numerics documented for extreme rows.
 
-``python -m tests.gpu.jax_misuse PLATFORM`` (``cuda``: two GPUs, the trtllm kernel; ``cpu``:
+``python -m tests.gpu.workers.jax_misuse PLATFORM`` (``cuda``: two GPUs, the trtllm kernel; ``cpu``:
 two virtual devices, the reference path, so the plumbing runs in CI) prints one line
 ``RESULT {json}``:
 

@@ -1,6 +1,7 @@
-"""The MoE patterns (6, 7) on 2 ranks, in three stages that write JSON reports to --out. Each
-rank is a process with a GPU of its own, or, with one GPU, the two share it (correctness only:
-the benches need a GPU per rank and say so in the report).
+"""The MoE patterns (6, 7) on 2 ranks (``--world`` 4 or 8 for more), in three stages that write
+JSON reports to --out. Each rank is a process with a GPU of its own, or, with fewer GPUs, the
+ranks share them (rank r on GPU r % G; correctness only: the benches need a GPU per rank and
+say so in the report).
 
 1. torch (one process per rank): torch_compat against the float64 oracle (bounds of
    tests/oracles/moe_oracle.py) and against FlashInfer's own build (the anchor) byte for byte, the
@@ -8,12 +9,14 @@ the benches need a GPU per rank and say so in the report).
    torch_compat vs the anchor vs the unfused torch sequence (gather + weighted sum + NCCL
    all_reduce + add + RMSNorm), each as CUDA-graph replays timed with CUDA events;
 2. JAX (one `jax.distributed` process per rank, as TP serving runs): the same cases through
-   jax_fusedar's MoE ops, bitwise against stage 1's torch outputs, and the bench: fused vs the unfused XLA sequence
-   (gather + weighted sum + psum + add + RMSNorm), chains of dependent calls in one jit;
+   jax_fusedar's MoE ops, bitwise against stage 1's torch outputs, and the bench: fused vs
+   the unfused XLA sequence (gather + weighted sum + psum + add + RMSNorm), chains of
+   dependent calls in one jit;
 3. the anchor alone at hidden 2880 (a partial warp per token, refused by jax_fusedar and
    torch_compat) against the oracle, to show why.
 
-    python -m tests.gpu.moe_gpu --out DIR [--anchor PATH] [--stages torch,jax,anchor2880]
+    python -m tests.gpu.workers.moe_gpu --out DIR [--anchor PATH] [--stages torch,jax,anchor2880]
+        [--world N]
 
 (from the repository's root).
 
@@ -37,7 +40,10 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
     os.environ.setdefault(_k, _v)
 
 EPS = 1e-6
-WORLD = 2
+# The ranks; --world sets it in the environment, so the spawned rank processes (which import
+# this module afresh) see the same.
+WORLD_ENV_VAR = "MOE_GPU_WORLD"
+WORLD = int(os.environ.get(WORLD_ENV_VAR, "2"))
 MAX_TOKENS = 1024
 BACK_TO_BACK_CALLS = 64
 # FlashInfer's own finalize kernel (the anchor) has the peer-buffer race our build fixes
@@ -58,7 +64,8 @@ CASES = [
     (6, "bfloat16", 1, 7168, 1, 1, None, None, None),
 ]
 # MOE_GPU_BENCH_TOKENS=1024 (comma-separated) narrows the bench, e.g. to look at one size.
-BENCH_TOKENS = tuple(int(t) for t in os.environ.get("MOE_GPU_BENCH_TOKENS", "1,16,128,1024").split(","))
+BENCH_TOKENS = tuple(int(t) for t in
+                     os.environ.get("MOE_GPU_BENCH_TOKENS", "1,16,128,1024").split(","))
 # The cases JAX repeats (every compile costs seconds): both patterns, both dtypes, routed
 # scaling, one call above the one-shot threshold of 128 tokens.
 JAX_CASES = [CASES[1], CASES[3], CASES[4], CASES[5], CASES[7], CASES[8]]
@@ -420,19 +427,21 @@ def stage_torch(out_dir, anchor_path):
 def _jax_rank(rank, world, channel, *, port, out_dir):
     """One `jax.distributed` process per rank (one GPU each, or all sharing one GPU: the
     kernels time-slice it and the protocol still completes), as the JAX users' TP runs."""
-    from tests.gpu.jax_multiprocess import _global, _setup
+    from tests.gpu.workers.jax_multiprocess import _global, _setup
     jax = _setup(rank, world, port, "")
     import jax.numpy as jnp
     from jax.sharding import Mesh, PartitionSpec as P
 
     import jax_fusedar as jf
-    mesh = Mesh(np.array(jax.devices()), ("tp",))
+    mesh = Mesh(np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id))),
+                ("tp",))  # TP rank = process index: this process holds row `rank` below
     workspaces = {d: jf.create_allreduce_fusion_workspace(
         mesh, "tp", max_token_num=MAX_TOKENS, hidden_dim=HIDDEN_WS, dtype=jnp.dtype(d),
         backend="trtllm") for d in ("bfloat16", "float16")}
     torch_out = np.load(Path(out_dir) / "moe_torch_outputs.npz")
     # P("tp") inputs are stacked [world, ...]: this process holds row `rank`.
-    put = lambda a, spec: _global(jax, mesh, spec, a[rank:rank + 1] if spec == P("tp") else a)  # noqa: E731
+    def put(a, spec):
+        return _global(jax, mesh, spec, a[rank:rank + 1] if spec == P("tp") else a)
     mine = lambda o: np.asarray(o.addressable_data(0))  # noqa: E731
     report = {"rank": rank, "devices": [str(d) for d in jax.devices()], "cases": {}}
 
@@ -598,11 +607,15 @@ def stage_anchor_2880(anchor_path):
 
 
 def main(argv=None):
+    global WORLD
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--anchor", default=None)
     ap.add_argument("--stages", default="torch,jax,anchor2880")
+    ap.add_argument("--world", type=int, default=WORLD, choices=(2, 4, 8))
     a = ap.parse_args(argv)
+    WORLD = a.world
+    os.environ[WORLD_ENV_VAR] = str(a.world)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     for stage in a.stages.split(","):

@@ -20,7 +20,7 @@ TOKENS, HIDDEN = 16, 4096
 
 
 def worker(rank, world, chan, *, port, seed):
-    from tests.gpu.jax_multiprocess import _global, _local, _setup
+    from tests.gpu.workers.jax_multiprocess import _global, _local, _setup
     jax = _setup(rank, world, port, "")
     import jax.numpy as jnp
     from jax.sharding import Mesh

@@ -1,4 +1,4 @@
-"""Runs tests/gpu/jax_single_process.py in a fresh Python process and returns its RESULT."""
+"""Runs tests/gpu/workers/jax_single_process.py in a fresh Python process and returns its RESULT."""
 import json
 import os
 import subprocess
@@ -13,7 +13,8 @@ def run_task(task: str, platform: str, *, timeout_s: float = 900, **options) -> 
     for var in ("JAX_FUSEDAR_STRICT", "JAX_FUSEDAR_ALLREDUCE_BACKEND", "XLA_FLAGS",
                 "JAX_PLATFORMS"):
         env.pop(var, None)
-    cmd = [sys.executable, "-m", "tests.gpu.jax_single_process", task, "--platform", platform]
+    cmd = [sys.executable, "-m", "tests.gpu.workers.jax_single_process", task, "--platform",
+           platform]
     for k, v in options.items():
         cmd += [f"--{k}", str(v)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s,

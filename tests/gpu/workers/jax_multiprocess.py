@@ -2,19 +2,23 @@
 
 This drives the real XLA FFI custom call (handler, registry, IPC workspace over JAX's
 key-value store) under jit + shard_map with the default check_vma=True. On a one-GPU
-machine both processes share GPU 0. Tasks:
+machine the processes share GPU 0 (rank r drives GPU r % G). On platform "cpu" the same
+bodies run on JAX's reference path, one CPU device per process over gloo (the CPU tests'
+dry run of these workers). Tasks:
 
-* "parity":  tokens x hidden x dtype x one/two-shot against the float64 oracle;
+* "parity":  tokens x hidden x dtype x one/two-shot against the float64 oracle: the
+             accumulation bounds at every world size (fp32_acc alternating), the two-rank
+             ulp bounds at 2 ranks;
 * "loop":    10,000 consecutive calls in one jitted fori_loop, every call checked in-graph
              against precomputed oracle bounds (the count of violations must be 0);
 * "model":   a 64-layer TP MLP: the fused model, the same math unfused on one device (no
              collectives, so it also runs where two ranks share a GPU) and a float64
              numpy model; the fused one must be as accurate as the unfused one;
-* "quant":   the FP8 patterns (tests/gpu/jax_quant.py);
-* "nvfp4":   the NVFP4 patterns on sm100+ (tests/gpu/jax_nvfp4.py);
-* "grad":    gradients of a TP MLP, fused vs unfused vs float64 (tests/gpu/jax_grad.py);
+* "quant":   the FP8 patterns (tests/gpu/workers/jax_quant.py);
+* "nvfp4":   the NVFP4 patterns on sm100+ (tests/gpu/workers/jax_nvfp4.py);
+* "grad":    gradients of a TP MLP, fused vs unfused vs float64 (tests/gpu/workers/jax_grad.py);
 * "handler_errors": direct calls of the FFI target with wrong results or attributes
-             (tests/gpu/jax_handler_errors.py).
+             (tests/gpu/workers/jax_handler_errors.py).
 """
 from __future__ import annotations
 
@@ -23,10 +27,17 @@ import os
 import numpy as np
 
 
-def _setup(rank, world, port, xla_flags):
-    os.environ["JAX_PLATFORMS"] = "cuda"
+def _setup(rank, world, port, xla_flags, platform="cuda"):
+    os.environ["JAX_PLATFORMS"] = platform
     os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     os.environ["XLA_FLAGS"] = xla_flags
+    if platform == "cpu":
+        os.environ["JAX_NUM_CPU_DEVICES"] = "1"
+        import jax
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
+                                   num_processes=world, process_id=rank)
+        return jax
     from tests.gpu.harness import device_for
     device = device_for(rank)
     import jax
@@ -44,8 +55,8 @@ def _local(arr):
     return np.asarray(arr.addressable_data(0)).astype(np.float64)
 
 
-def worker(rank, world, chan, *, port, xla_flags, task, seed, **kw):
-    jax = _setup(rank, world, port, xla_flags)
+def worker(rank, world, chan, *, port, xla_flags, task, seed, platform="cuda", **kw):
+    jax = _setup(rank, world, port, xla_flags, platform)
     import jax.numpy as jnp
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
@@ -53,29 +64,32 @@ def worker(rank, world, chan, *, port, xla_flags, task, seed, **kw):
     import jax_fusedar as jf
     from tests.oracles import oracle
 
-    mesh = Mesh(np.array(jax.devices()), ("tp",))
-    out = {"rank": rank, "jax": jax.__version__, "devices": [str(d) for d in jax.devices()]}
+    mesh = Mesh(np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id))),
+                ("tp",))
+    out = {"rank": rank, "jax": jax.__version__, "devices": [str(d) for d in jax.devices()],
+           "world": world}
     if task == "parity":
-        out["worst"] = _parity(jax, jnp, jf, oracle, mesh, P, rank, world, seed, **kw)
+        out["worst"] = _parity(jax, jnp, jf, oracle, mesh, P, rank, world, seed,
+                               kernel=platform == "cuda", **kw)
     elif task == "loop":
         out["loop"] = _loop(jax, jnp, jf, oracle, mesh, P, rank, world, seed, **kw)
     elif task == "model":
         out["model"] = _model(jax, jnp, jf, mesh, P, rank, world, seed, **kw)
     elif task == "quant":
-        from tests.gpu import jax_quant
+        from tests.gpu.workers import jax_quant
         out["quant"] = jax_quant.run(jax, jnp, jf, mesh, P, rank, world, seed,
                                      glob=lambda spec, a: _global(jax, mesh, spec, a),
                                      local=_local, **kw)
     elif task == "nvfp4":
-        from tests.gpu import jax_nvfp4
+        from tests.gpu.workers import jax_nvfp4
         out["nvfp4"] = jax_nvfp4.run(jax, jnp, jf, mesh, P, rank, world, seed,
                                      glob=lambda spec, a: _global(jax, mesh, spec, a),
                                      local=_local, **kw)
     elif task == "grad":
-        from tests.gpu import jax_grad
+        from tests.gpu.workers import jax_grad
         out["grad"] = jax_grad.run(jax, jnp, jf, mesh, P, seed, **kw)
     elif task == "handler_errors":
-        from tests.gpu import jax_handler_errors
+        from tests.gpu.workers import jax_handler_errors
         out["handler_errors"] = jax_handler_errors.run(
             jax, jnp, jf, mesh, P, rank, world, seed,
             glob=lambda spec, a: _global(jax, mesh, spec, a), local=_local, **kw)
@@ -83,16 +97,20 @@ def worker(rank, world, chan, *, port, xla_flags, task, seed, **kw):
     return out
 
 
-def _parity(jax, jnp, jf, oracle, mesh, P, rank, world, seed, tokens, hiddens):
-    from tests.gpu.harness import draw_case, shape_cases
+def _parity(jax, jnp, jf, oracle, mesh, P, rank, world, seed, tokens, hiddens, kernel=True):
+    """Per dtype, the worst errors (harness.bound_problems's keys) over the cases, and, per
+    fp32_acc setting, the worst two-rank ulp measures (``ulps_fp32_acc`` /
+    ``ulps_no_fp32_acc``: what fp32_acc=False costs at this world size, reported)."""
+    from tests.gpu.harness import draw_case, shape_cases, worst_of
     worst = {}
     case = 0
     for dtype in ("bfloat16", "float16", "float32"):
         jdt = jnp.dtype(dtype)
-        w = worst[dtype] = {"residual": 0.0, "norm": 0.0, "allreduce": 0.0, "cases": 0}
+        w = worst[dtype] = {"residual": 0.0, "norm": 0.0, "allreduce": 0.0, "cases": 0,
+                            "ulps_fp32_acc": {}, "ulps_no_fp32_acc": {}}
         ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=max(tokens),
                                                   hidden_dim=max(hiddens), dtype=jdt)
-        assert ws.backend == "trtllm", ws
+        assert ws.backend == ("trtllm" if kernel else "xla"), ws
         for hidden, m, oneshot in shape_cases(tokens, hiddens, world):
             case += 1
             xs, res, gam = draw_case(seed + case, world, m, hidden, jdt)
@@ -118,15 +136,19 @@ def _parity(jax, jnp, jf, oracle, mesh, P, rank, world, seed, tokens, hiddens):
             r64, g64 = res.astype(np.float64), gam.astype(np.float64)
             s, r, y, inv = oracle.fused_reference(x64, r64, g64, rms_eps=1e-6,
                                                   weight_bias=wb)
-            w["residual"] = max(w["residual"], oracle.residual_error_ulps(
-                _local(r_out), s, r, r64, dtype))
-            w["norm"] = max(w["norm"], oracle.norm_error_ulps(
-                _local(n_out), s, y, inv, r64, g64, weight_bias=wb, dtype_name=dtype))
-            w["allreduce"] = max(w["allreduce"], oracle.allreduce_error_ulps(
-                _local(a_out), s, dtype))
+            ulps = {"residual": oracle.residual_error_ulps(_local(r_out), s, r, r64, dtype),
+                    "norm": oracle.norm_error_ulps(_local(n_out), s, y, inv, r64, g64,
+                                                   weight_bias=wb, dtype_name=dtype),
+                    "allreduce": oracle.allreduce_error_ulps(_local(a_out), s, dtype)}
+            worst_of(w, ulps)
+            worst_of(w["ulps_fp32_acc" if acc else "ulps_no_fp32_acc"], ulps)
+            worst_of(w, oracle.accumulation_errors(
+                x64, r64, g64, allreduce_out=_local(a_out), residual_out=_local(r_out),
+                norm_out=_local(n_out), fp32_acc=acc, rms_eps=1e-6, weight_bias=wb,
+                dtype_name=dtype))
             w["cases"] += 1
         ws.destroy()
-        if dtype == "bfloat16":
+        if dtype == "bfloat16" and kernel:
             # A compiled program that outlives its workspace gets an FFI error, not a crash.
             try:
                 fn(*[_global(jax, mesh, s, a) for s, a in
@@ -151,7 +173,12 @@ def _loop(jax, jnp, jf, oracle, mesh, P, rank, world, seed, calls, m, hidden, pe
         s, r, y, inv = oracle.fused_reference(x64, res[k].astype(np.float64),
                                               gam.astype(np.float64), rms_eps=1e-6,
                                               weight_bias=0.0)
-        carried = oracle.ulp(np.abs(s) + np.abs(res[k].astype(np.float64)), "bfloat16")
+        # The residual's error: within an ulp of |s| + |res| at 2 ranks, within the
+        # accumulation bound (fp32_acc=True, the default) at any world size.
+        carried = np.maximum(oracle.ulp(np.abs(s) + np.abs(res[k].astype(np.float64)),
+                                        "bfloat16"),
+                             oracle.residual_error_bound(x64, res[k], "bfloat16",
+                                                         fp32_acc=True))
         ref_r.append(r), ref_y.append(y), tol_r.append(carried)
         tol_y.append(3.0 * (carried * inv * np.abs(gam.astype(np.float64))
                             + oracle.ulp(y, "bfloat16")))

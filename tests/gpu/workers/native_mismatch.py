@@ -17,10 +17,16 @@ float64 oracle, NaN-poisoned before each call), then:
 "Fail" means: the stream synchronisation raises a CUDA error (the handshake's __trap)
 within the timeout instead of hanging, the rank's failure record (call_check_failure(),
 read from pinned host memory) describes the mismatch, and the next launch on that rank is
-refused with the same description. The device printf output lands in this process's
+refused with the same description; or, where the GPU driver never reports a rank's trap
+(ranks sharing a GPU that trap at the same moment), that rank's process ends with
+jax_fusedar.common.lost_traps.EXIT_CODE and the record on stderr within lost_traps.GRACE_S
+(its result is then {"rank": r, "exitcode": ...}). The device printf output lands in this process's
 stdout, which the pytest side (tests/gpu/test_topology.py) captures and checks.
 
-Run one case by hand:  python -m tests.gpu.native_mismatch tokens
+"ok" and "timeout" also run with more ranks (``python -m ... timeout 8``: the last rank
+makes no call, every other one must time out naming it); the mismatches are for two ranks.
+
+Run one case by hand:  python -m tests.gpu.workers.native_mismatch tokens [world]
 The last stdout line is "RESULT <json>".
 """
 from __future__ import annotations
@@ -43,6 +49,9 @@ MATCHING = [(1, 16, True), (1, 17, False), (0, 16, True), (1, 1, True), (1, 33, 
 MISMATCH_TIMEOUT_S = 20.0  # a mismatch must be reported long before this
 TIMEOUT_CASE_S = 3.0
 CASES = ("ok", "tokens", "pattern", "oneshot", "timeout")
+# How long a rank waits for its peers after its failing call: a peer whose trap the driver
+# lost ends after lost_traps.GRACE_S.
+AFTER_FAILURE_WAIT_S = 20.0
 BOUNDS = {"allreduce": 1.0, "residual": 1.0, "norm": 3.0}
 
 
@@ -149,10 +158,12 @@ def make_workspace(ext, chan, tag, device, world, rank, *, check_calls, timeout_
             ws.open_peer_ipc(peer, h)
     ws.finalize()
     chan.barrier(f"ready-{tag}")
+    from jax_fusedar.common import lost_traps
+    lost_traps.watch(ws, device)  # as the JAX and torch workspaces do
     return ws
 
 
-def _graph_replays(ws, rank, world, device, seed, torch, chan):
+def graph_replays(ws, rank, world, device, seed, torch, chan):
     """Captures 3 checked pattern-1 calls in a CUDA graph and replays it 3 times (each
     replay: outputs poisoned first, then checked), then one eager call after the replays:
     the device counter must have advanced in step on both ranks."""
@@ -189,7 +200,7 @@ def _graph_replays(ws, rank, world, device, seed, torch, chan):
     return {"capture_errors": None, "worst": worst_of(errs), "replays": 3}
 
 
-def _timing(ws, rank, world, device, seed, torch, *, calls=100, reps=5):
+def timing(ws, rank, world, device, seed, torch, *, calls=100, reps=5):
     """Median over `reps` of (ms for `calls` back-to-back pattern-1 one-shot calls)/calls;
     the last call's outputs are checked."""
     xs, residual, gamma = draw_inputs(seed, world, 16, HIDDEN, torch)
@@ -209,20 +220,25 @@ def _timing(ws, rank, world, device, seed, torch, *, calls=100, reps=5):
             "last_call": oracle_errors(xs, residual, gamma, outs, 1)}
 
 
+def failing_call_of(case, rank, world=2):
+    """(pattern, tokens, one-shot) of `case`'s failing call on `rank` (None: no call)."""
+    if case == "tokens":
+        return 1, (16 if rank == 0 else 17), True
+    if case == "pattern":
+        return (0 if rank == 0 else 1), 16, True
+    if case == "oneshot":
+        return 1, 32, rank == 0
+    if case == "timeout":
+        return None if rank == world - 1 else (1, 16, True)
+    raise ValueError(case)
+
+
 def _failing_call(ws, rank, case, device, seed, world, torch):
     """The mismatching call of `case` on this rank (None: this rank makes no call)."""
-    if case == "tokens":
-        pattern, m, oneshot = 1, (16 if rank == 0 else 17), True
-    elif case == "pattern":
-        pattern, m, oneshot = (0 if rank == 0 else 1), 16, True
-    elif case == "oneshot":
-        pattern, m, oneshot = 1, 32, rank == 0
-    elif case == "timeout":
-        if rank != 0:
-            return None
-        pattern, m, oneshot = 1, 16, True
-    else:
-        raise ValueError(case)
+    call = failing_call_of(case, rank, world)
+    if call is None:
+        return None
+    pattern, m, oneshot = call
     xs, residual, gamma = draw_inputs(seed, world, m, HIDDEN, torch)
     x, res, gam = (t.cuda(device) for t in (xs[rank], residual, gamma))
     outs = new_outputs(x, torch)
@@ -273,10 +289,10 @@ def worker(rank, world, chan, *, case, seed):
                                                         torch)
         result["off_worst"] = worst_of([{k: v for k, v in e.items() if k != "call"}
                                         for e in errs_off])
-        result["graph"] = _graph_replays(ws, rank, world, device, seed + 100, torch, chan)
+        result["graph"] = graph_replays(ws, rank, world, device, seed + 100, torch, chan)
         chan.barrier("timing")
-        result["timing_on"] = _timing(ws, rank, world, device, seed + 200, torch)
-        result["timing_off"] = _timing(off, rank, world, device, seed + 200, torch)
+        result["timing_on"] = timing(ws, rank, world, device, seed + 200, torch)
+        result["timing_off"] = timing(off, rank, world, device, seed + 200, torch)
         result["failure_record"] = ws.call_check_failure()
         chan.barrier("done")
         for w in (ws, off):
@@ -284,7 +300,10 @@ def worker(rank, world, chan, *, case, seed):
         return result
     chan.barrier("before-mismatch")
     result["failing"] = _failing_call(ws, rank, case, device, seed + 999, world, torch)
-    chan.barrier("after-mismatch")  # rank 1 of "timeout" waits here for rank 0's verdict
+    try:  # the last rank of "timeout" waits for the others' verdicts
+        chan.barrier("after-mismatch", timeout_s=AFTER_FAILURE_WAIT_S)
+    except TimeoutError as e:  # a peer whose lost trap ended its process
+        result["peer_gone"] = str(e)
     if result["failing"] is None:  # this rank made no call: its context must be healthy
         t = torch.arange(1000, device=device, dtype=torch.float32)
         result["healthy_after"] = float(t.sum().item()) == 499500.0
@@ -295,16 +314,21 @@ def worker(rank, world, chan, *, case, seed):
 
 
 def main(argv):
+    from jax_fusedar.common import lost_traps
     from tests.gpu.harness import run_ranks
 
     case = argv[1] if len(argv) > 1 else "ok"
+    world = int(argv[2]) if len(argv) > 2 else 2
     if case not in CASES:
         raise SystemExit(f"unknown case {case!r}; one of {CASES}")
+    if world != 2 and case not in ("ok", "timeout"):
+        raise SystemExit(f"case {case!r} runs with 2 ranks")
     seed = int.from_bytes(os.urandom(4), "little")
     t0 = time.monotonic()
     try:
         out = {"case": case, "seed": seed,
-               "ranks": run_ranks(worker, 2, timeout_s=120, case=case, seed=seed)}
+               "ranks": run_ranks(worker, world, timeout_s=120, case=case, seed=seed,
+                                  allow_exit=(lost_traps.EXIT_CODE,))}
     except Exception as e:  # noqa: BLE001 - reported as JSON for the test to show
         out = {"case": case, "seed": seed, "error": str(e)[-6000:]}
     out["wall_s"] = time.monotonic() - t0

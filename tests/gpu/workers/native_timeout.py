@@ -19,25 +19,27 @@ the CUDA context of its process.
                  makes no call; rank 0's large-message call (its entry flag wait) must fail
                  within TIMEOUT_S + 1 s, its record naming rank 1, the next launch refused.
 
-Run one case by hand:  python -m tests.gpu.native_timeout never_oneshot
+The "never_*" cases also run with more ranks (``python -m ... never_oneshot 8``): then the
+last rank makes no call and every other rank must fail naming it; the other cases are for
+two ranks.
+
+Run one case by hand:  python -m tests.gpu.workers.native_timeout never_oneshot [world]
 The last stdout line is "RESULT <json>".
 """
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
-import queue
 import signal
 import sys
 import time
-import traceback
 
 import numpy as np
 
-from tests.gpu.native_mismatch import (BOUNDS, DTYPE, HIDDEN, draw_inputs, flush_c_stdio,
-                                       fused_call, make_workspace, new_outputs, oracle_errors,
-                                       worst_of, _graph_replays, _timing)
+from tests.gpu.workers.native_mismatch import (AFTER_FAILURE_WAIT_S, BOUNDS, DTYPE, HIDDEN,
+                                               draw_inputs, flush_c_stdio, fused_call,
+                                               graph_replays, make_workspace, new_outputs,
+                                               oracle_errors, timing, worst_of)
 
 TIMEOUT_S = 3.0
 CALLS = int(os.environ.get("JAX_FUSEDAR_TIMEOUT_CALLS", 10000))
@@ -163,10 +165,10 @@ def worker(rank, world, chan, *, case, seed):
                              timeout_s=30.0, kernel_timeout_s=0.0)
         result["off_timeout_s"] = off.timeout_s
         result["bits"] = _same_bits(ws, off, rank, world, device, seed, torch)
-        result["graph"] = _graph_replays(ws, rank, world, device, seed + 100, torch, chan)
+        result["graph"] = graph_replays(ws, rank, world, device, seed + 100, torch, chan)
         chan.barrier("timing")
-        result["timing_on"] = _timing(ws, rank, world, device, seed + 200, torch)
-        result["timing_off"] = _timing(off, rank, world, device, seed + 200, torch)
+        result["timing_on"] = timing(ws, rank, world, device, seed + 200, torch)
+        result["timing_off"] = timing(off, rank, world, device, seed + 200, torch)
         result["failure_record"] = ws.failure()
         chan.barrier("done")
         for w in (ws, off):
@@ -174,6 +176,7 @@ def worker(rank, world, chan, *, case, seed):
         return result
     result["good"] = _good_calls(ws, rank, world, device, seed, torch)
     seq = GOOD_FIRST + 1
+    missing = world - 1  # the rank that makes no call (never_*), or is killed
     if case == "never_large":
         result["algorithm"] = algorithm = large_algorithm(world)
         result["good_large"] = _good_large_call(ws, rank, world, device, seed + 500, torch,
@@ -183,7 +186,7 @@ def worker(rank, world, chan, *, case, seed):
     if case == "tokens":
         result["failing"] = _failing_call(ws, 1, 16 + rank, True, rank, device, seed + 999,
                                           world, torch)
-    elif rank == 0:
+    elif rank != missing:
         if case == "killed":
             chan.all_gather("dying", None)  # rank 1 kills itself right after this
             time.sleep(1.0)
@@ -201,8 +204,11 @@ def worker(rank, world, chan, *, case, seed):
         os.kill(os.getpid(), signal.SIGKILL)
     result["expected_call"] = seq
     if case != "killed":
-        chan.barrier("verdict")  # rank 1 of "never_*" waits here for rank 0's verdict
-    if rank == 1 and case.startswith("never"):
+        try:  # the missing rank waits here for the others' verdicts
+            chan.barrier("verdict", timeout_s=AFTER_FAILURE_WAIT_S)
+        except TimeoutError as e:  # a rank whose lost trap ended its process
+            result["peer_gone"] = str(e)
+    if rank == missing and case.startswith("never"):
         t = torch.arange(1000, device=device, dtype=torch.float32)
         result["healthy_after"] = float(t.sum().item()) == 499500.0
         result["failure_record"] = ws.failure()
@@ -211,51 +217,33 @@ def worker(rank, world, chan, *, case, seed):
     return result
 
 
-def _child(fn, rank, world, inboxes, results, timeout_s, kwargs):
-    from tests.gpu.harness import Channel
-    try:
-        results.put((rank, "ok", fn(rank, world, Channel(rank, inboxes, timeout_s), **kwargs)))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
-
-
 def run_ranks_allowing_death(fn, world, *, timeout_s, killed=(), **kwargs):
     """tests.gpu.harness.run_ranks, except that the ranks in `killed` are expected to die by
-    SIGKILL without a result (their exit codes are returned)."""
-    ctx = mp.get_context("spawn")
-    inboxes = [ctx.Queue() for _ in range(world)]
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(fn, r, world, inboxes, results, timeout_s, kwargs))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    out, errors = {}, []
-    try:
-        for _ in range(world - len(killed)):
-            rank, status, payload = results.get(timeout=timeout_s)
-            (out.__setitem__(rank, payload) if status == "ok" else errors.append(payload))
-    except queue.Empty:
-        errors.append(f"timed out after {timeout_s} s waiting for ranks "
-                      f"{sorted(set(range(world)) - set(out) - set(killed))}")
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    if errors:
-        raise RuntimeError("\n".join(errors))
-    return [out.get(r, {"rank": r, "exitcode": procs[r].exitcode}) for r in range(world)]
+    SIGKILL without a result, and a rank whose trap the GPU driver never reported may end
+    with lost_traps.EXIT_CODE (jax_fusedar/common/lost_traps.py): their results are
+    {"rank": r, "exitcode": code}."""
+    from jax_fusedar.common import lost_traps
+    from tests.gpu.harness import run_ranks
+    res = run_ranks(fn, world, timeout_s=timeout_s, allow_exit=(-9, lost_traps.EXIT_CODE),
+                    **kwargs)
+    unexpected = [r for r in res if r.get("exitcode") == -9 and r["rank"] not in killed]
+    if unexpected:
+        raise RuntimeError(f"ranks killed unexpectedly: {unexpected}")
+    return res
 
 
 def main(argv):
     case = argv[1] if len(argv) > 1 else "ok"
+    world = int(argv[2]) if len(argv) > 2 else 2
     if case not in CASES:
         raise SystemExit(f"unknown case {case!r}; one of {CASES}")
+    if world != 2 and not case.startswith("never"):
+        raise SystemExit(f"case {case!r} runs with 2 ranks")
     seed = int.from_bytes(os.urandom(4), "little")
     t0 = time.monotonic()
     try:
         out = {"case": case, "seed": seed, "timeout_s": TIMEOUT_S,
-               "ranks": run_ranks_allowing_death(worker, 2, timeout_s=120,
+               "ranks": run_ranks_allowing_death(worker, world, timeout_s=120,
                                                  killed=(1,) if case == "killed" else (),
                                                  case=case, seed=seed)}
     except Exception as e:  # noqa: BLE001 - reported as JSON for the test to show

@@ -9,10 +9,12 @@ poisoned first (NaN; e4m3 and UE8M0 bytes 0xFF). Both builds compile the same ke
 the same header, so every output byte should agree: per pattern and output the differing
 bytes are counted (group scales over the whole (K, T) buffer, padding included).
 
-With fp32_acc=True both are also measured against the float64 oracle (tests/oracles/oracle.py):
-all-reduce and residual_out in ulps of the intermediate magnitudes, norm_out likewise; the
-quantized outputs against tests/oracles/quant_oracle.py applied to the build's own norm_out (the
-``...Out...`` twin's for patterns 2, 10, 8), as tests/gpu/jax_quant.py does: e4m3 codes
+Both are also measured against the float64 oracle (tests/oracles/oracle.py): for both
+fp32_acc settings, all-reduce and residual_out against the accumulation bounds and norm_out
+against the RMSNorm of the build's own residual_out; with fp32_acc=True also all-reduce and
+residual_out in ulps of the intermediate magnitudes, norm_out likewise; the quantized outputs
+against tests/oracles/quant_oracle.py applied to the build's own norm_out (the ``...Out...``
+twin's for patterns 2, 10, 8), as tests/gpu/workers/jax_quant.py does: e4m3 codes
 counted one step apart and more, dynamic scales in fp32 ulps, group scale bytes.
 
 FlashInfer's quirks met here: patterns other than 0 and the dynamic FP8 ones allocate an
@@ -173,6 +175,7 @@ def _oracle_stats(host, dtype_name, ref, sf, m):
 
 
 def _merge_stats(into, st):
+    from tests.gpu.harness import worst_of
     for k, v in st.items():
         if k == "steps1":
             for kind, n in v.items():
@@ -180,7 +183,7 @@ def _merge_stats(into, st):
         elif k in ("worse", "group_scale_mismatch", "elements"):
             into[k] += v
         else:
-            into[k] = max(into[k], v)
+            worst_of(into, {k: v})  # a NaN stays
 
 
 def new_result(rank, device, torch_version, anchor_module):
@@ -191,9 +194,25 @@ def new_result(rank, device, torch_version, anchor_module):
 
 
 def new_stats():
-    return {i: {"allreduce": 0.0, "residual": 0.0, "norm": 0.0, "steps1": {}, "worse": 0,
+    return {i: {"allreduce": 0.0, "residual": 0.0, "norm": 0.0, "allreduce_bound": 0.0,
+                "residual_bound": 0.0, "norm_own": 0.0, "steps1": {}, "worse": 0,
                 "dyn_scale_ulps": 0.0, "group_scale_mismatch": 0, "elements": 0}
             for i in IMPLS}
+
+
+def _accumulation_stats(by_acc, xs, res64, gam64, dtype_name):
+    """The accumulation bounds (oracle.accumulation_errors) of patterns 0 and 1 for both
+    fp32_acc settings: ``by_acc[fp32_acc][pattern]`` are one build's host outputs."""
+    from tests.gpu.harness import worst_of
+    from tests.oracles import oracle
+    st = {}
+    for fp32_acc, host in by_acc.items():
+        p0, p1 = host.get(0, {}), host.get(1, {})
+        worst_of(st, oracle.accumulation_errors(
+            xs, res64, gam64, allreduce_out=p0.get("output"),
+            residual_out=p1.get("residual_out"), norm_out=p1.get("norm_out"),
+            fp32_acc=fp32_acc, rms_eps=RMS_EPS, dtype_name=dtype_name))
+    return st
 
 
 def run_case(torch, calls, *, rank, device, dtype_name, xs, res, gam, m, hidden, oneshot,
@@ -218,6 +237,7 @@ def run_case(torch, calls, *, rank, device, dtype_name, xs, res, gam, m, hidden,
     sf = torch.tensor([sf_val], dtype=torch.float32, device=device)
     label = f"{dtype_name} {m}x{hidden} {'oneshot' if oneshot else 'twoshot'}"
     host = {i: {} for i in IMPLS}
+    plain = {i: {True: {}, False: {}} for i in IMPLS}  # patterns 0 and 1, both fp32_acc
     for fp32_acc in (True, False):
         for p in patterns:
             bufs = {}
@@ -241,6 +261,8 @@ def run_case(torch, calls, *, rank, device, dtype_name, xs, res, gam, m, hidden,
                 result["unwritten"][impl] += sum(_unwritten(n, a, m) for n, a in h.items())
                 if fp32_acc:
                     host[impl][p] = h
+                if p in (0, 1):
+                    plain[impl][fp32_acc][p] = h
             if len(bufs) == 2:
                 for name in bufs["ours"]:
                     a = _bytes(torch, bufs["ours"][name])
@@ -259,8 +281,10 @@ def run_case(torch, calls, *, rank, device, dtype_name, xs, res, gam, m, hidden,
         for p in host["ours"] for n in host["ours"][p])
     # Identical bytes have identical errors: the oracle runs again only when they differ.
     anc_st = ours_st if same else _oracle_stats(host["anchor"], dtype_name, ref, sf_val, m)
-    _merge_stats(stats["ours"], ours_st)
-    _merge_stats(stats["anchor"], anc_st)
+    xs64 = [np.asarray(x, np.float64) for x in xs]
+    for impl, st in (("ours", ours_st), ("anchor", anc_st)):
+        _merge_stats(stats[impl], {**st, **_accumulation_stats(plain[impl], xs64, res64,
+                                                                 gam64, dtype_name)})
     result["cases"] += 1
 
 
@@ -268,7 +292,7 @@ def worker(rank, world, chan, *, port, seed, anchor_path, tokens, hiddens, dtype
            patterns=PATTERNS):
     from tests.gpu import anchor
     from tests.gpu.harness import draw_case, shape_cases
-    from tests.gpu.torch_workers import _init
+    from tests.gpu.workers.torch_workers import _init
 
     torch, dist, device = _init(rank, world, port, rank)
     import torch_compat as tc

@@ -84,7 +84,8 @@ def worker(rank, world, chan, *, tokens, hiddens, max_tokens, loop_calls, seed):
                                                       weight_bias=wb)
         w = worst[dtype]
         w["allreduce"] = max(w["allreduce"], oracle.allreduce_error_ulps(outs[0], s64, dtype))
-        w["residual"] = max(w["residual"], oracle.residual_error_ulps(outs[1], s64, r64, r_np, dtype))
+        w["residual"] = max(w["residual"],
+                            oracle.residual_error_ulps(outs[1], s64, r64, r_np, dtype))
         w["norm"] = max(w["norm"], oracle.norm_error_ulps(outs[2], s64, y64, inv64, r_np, g_np,
                                                           weight_bias=wb, dtype_name=dtype))
         w["cases"] += 1

@@ -11,7 +11,7 @@ off), one case per run, because a trapped kernel kills the CUDA context of its p
 Ranks take GPU harness.device_for(rank): with one GPU both ranks share it (the waiting rank
 spins, traps and fails alone; the rank that made no call stays healthy).
 
-Run one case by hand:  python -m tests.gpu.moe_timeout never_finalize
+Run one case by hand:  python -m tests.gpu.workers.moe_timeout never_finalize
 The last stdout line is "RESULT <json>".
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ CASES = {"never_finalize": 7, "never_reduction": 6}
 
 
 def moe_case(pattern):
-    """A case tuple of tests.gpu.moe_gpu (its inputs and oracle): bf16, TOKENS x HIDDEN;
+    """A case tuple of tests.gpu.workers.moe_gpu (its inputs and oracle): bf16, TOKENS x HIDDEN;
     pattern 7: top-4 of 16 experts with router weights and a shared expert; pattern 6: 4
     experts per rank."""
     if pattern == 7:
@@ -43,7 +43,7 @@ def moe_case(pattern):
 def _inputs(c, seed):
     """Fresh random inputs of case ``c`` for every rank (the same in every process)."""
     import tests.oracles.moe_oracle as mo
-    from tests.gpu.moe_gpu import WORLD
+    from tests.gpu.workers.moe_gpu import WORLD
     pattern, dtype, tokens, hidden, k, experts = c[:6]
     rng = np.random.default_rng(seed)
     if pattern == 7:
@@ -58,7 +58,7 @@ class _Call:
     NaN), the torch_compat call, and the same call through the native Rank."""
 
     def __init__(self, c, inputs, rank, dev, torch):
-        from tests.gpu.moe_gpu import EPS
+        from tests.gpu.workers.moe_gpu import EPS
         self.c, self.inputs, self.torch, self.eps = c, inputs, torch, EPS
 
         def to_t(a):
@@ -125,7 +125,7 @@ class _Call:
 
     def oracle_errors(self):
         """Fractions of the float64 oracle's bounds (<= 1 passes; NaN: an unwritten output)."""
-        from tests.gpu.moe_gpu import oracle_errors
+        from tests.gpu.workers.moe_gpu import oracle_errors
         dtype = self.inputs["residual"].dtype
         outs = [self.res_out, self.norm] + ([self.ar] if self.c[0] == 6 else [])
         arrays = [o.cpu().view(self.torch.int16).numpy().view(dtype) for o in outs]
@@ -138,7 +138,7 @@ def worker(rank, world, chan, *, case, seed, port):
 
     import torch_compat as tc
     from tests.gpu.harness import device_for
-    from tests.gpu.native_mismatch import flush_c_stdio
+    from tests.gpu.workers.native_mismatch import flush_c_stdio
 
     device = device_for(rank)
     torch.cuda.set_device(device)
@@ -197,7 +197,7 @@ def worker(rank, world, chan, *, case, seed, port):
 
 def main(argv):
     from tests.gpu.harness import free_port
-    from tests.gpu.native_timeout import run_ranks_allowing_death
+    from tests.gpu.workers.native_timeout import run_ranks_allowing_death
     case = argv[1] if len(argv) > 1 else "never_finalize"
     if case not in CASES:
         raise SystemExit(f"unknown case {case!r}; one of {tuple(CASES)}")

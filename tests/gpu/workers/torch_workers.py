@@ -213,7 +213,7 @@ def never_join_worker(rank, world, chan, *, port, create_timeout_s):
 # =====================================================================================
 # Patterns 0/1 parity sweep, FP8 patterns, torch.compile, CUDA graphs, the fusion pass.
 # The tensor plumbing (new_outputs / call_pattern / outputs_to_numpy) and the checks
-# (plain_errors / quant_stats) are shared with tests/gpu/parity_jax_torch.py and are run
+# (plain_errors / quant_stats) are shared with tests/gpu/workers/parity_jax_torch.py and are run
 # on CPU by tests/torch/test_worker_plumbing.py with a simulated kernel.
 # =====================================================================================
 
@@ -307,11 +307,18 @@ def group_oracle(xs, res, gam, *, wb=0.0):
                                   rms_eps=RMS_EPS, weight_bias=wb)
 
 
-def plain_errors(got, ref, res, gam, dtype, wb):
-    """ulp errors (tests/oracles/oracle.py) of whatever float outputs ``got`` holds + NaN count."""
+def plain_errors(got, ref, res, gam, dtype, wb, *, xs=None, fp32_acc=True):
+    """ulp errors (tests/oracles/oracle.py) of whatever float outputs ``got`` holds + NaN
+    count; given every rank's inputs ``xs``, also the accumulation measures that hold at
+    every world size (oracle.accumulation_errors, for this ``fp32_acc``)."""
     from tests.oracles import oracle
     s64, r64, y64, inv64 = ref
     e = {"nans": 0}
+    if xs is not None:
+        e.update(oracle.accumulation_errors(
+            xs, res, gam, allreduce_out=got.get("output"), residual_out=got.get("residual_out"),
+            norm_out=got.get("norm_out"), fp32_acc=fp32_acc, rms_eps=RMS_EPS, weight_bias=wb,
+            dtype_name=dtype))
     if "output" in got:
         e["allreduce"] = oracle.allreduce_error_ulps(got["output"], s64, dtype)
         e["nans"] += int(np.isnan(got["output"]).sum())
@@ -331,21 +338,23 @@ def new_quant_stats():
             "poisoned": 0, "residual": 0.0, "norm": 0.0}
 
 
-def quant_stats(stats, by_pattern, ref, res, gam, dtype, sf, group, label):
+def quant_stats(stats, by_pattern, ref, res, gam, dtype, sf, group, label, xs=None):
     """Accumulates into ``stats`` the FP8 checks of one case. ``by_pattern``: {2, 4, 10,
     11, 8, 9: outputs_to_numpy(...)}. Codes of the Out patterns (4, 11, 9) against
     tests/oracles/quant_oracle.py applied to the kernel's own norm_out; each non-Out twin (2, 10, 8)
-    against its Out twin; scales against the oracle; residual/norm against float64."""
+    against its Out twin; scales against the oracle; residual/norm against float64 (and,
+    given every rank's inputs ``xs``, the accumulation bounds)."""
+    from tests.gpu.harness import worst_of
     from tests.oracles import quant_oracle
     o = by_pattern
     m = o[4]["norm_out"].shape[0]
     for p in FP8_PATTERNS:
-        e = plain_errors(o[p], ref, res, gam, dtype, 0.0)
-        stats["residual"] = max(stats["residual"], e["residual"])
-        stats["norm"] = max(stats["norm"], e.get("norm", 0.0))
+        e = plain_errors(o[p], ref, res, gam, dtype, 0.0, xs=xs)
+        worst_of(stats, {k: v for k, v in e.items() if k != "nans"})
         q = o[p]["quant_out"]
         stats["poisoned"] += e["nans"] + int(np.sum((q & 0x7F) == 0x7F))
-    stats["poisoned"] += int(np.isnan(o[10]["scale_out"]).sum() + np.isnan(o[11]["scale_out"]).sum())
+    stats["poisoned"] += int(np.isnan(o[10]["scale_out"]).sum()
+                             + np.isnan(o[11]["scale_out"]).sum())
     for p in (8, 9):
         stats["poisoned"] += int(np.sum(o[p]["scale_out"][:, :m].view(np.uint8) == 0xFF))
     for name, a, b in (("static q", o[2]["quant_out"], o[4]["quant_out"]),
@@ -398,7 +407,7 @@ def parity_worker(rank, world, chan, *, port, seed, tokens, hiddens, dtypes):
     float64 oracle; every rank's outputs must agree bit for bit (digest)."""
     torch, dist, device = _init(rank, world, port, rank)
     import torch_compat as tc
-    from tests.gpu.harness import draw_case
+    from tests.gpu.harness import draw_case, worst_of
 
     try:
         ws = tc.create_allreduce_fusion_workspace(
@@ -423,10 +432,10 @@ def parity_worker(rank, world, chan, *, port, seed, tokens, hiddens, dtypes):
                              wb=wb, pdl=bool(i % 2))
                 torch.cuda.synchronize()
                 got.update(outputs_to_numpy(torch, outs))
-            e = plain_errors(got, ref, res_np, gam_np, dtype, wb)
+            e = plain_errors(got, ref, res_np, gam_np, dtype, wb,
+                             xs=[t.double().numpy() for t in xs_t], fp32_acc=acc)
             w = worst[dtype]
-            for k in ("allreduce", "residual", "norm"):
-                w[k] = max(w[k], e[k])
+            worst_of(w, {k: v for k, v in e.items() if k != "nans"})
             w["cases"] += 1
             nans += e["nans"]
             for k in ("output_bytes", "residual_out_bytes", "norm_out_bytes"):
@@ -476,7 +485,8 @@ def fp8_worker(rank, world, chan, *, port, seed, shapes, dtypes):
                     torch.cuda.synchronize()
                     by_p[p] = outputs_to_numpy(torch, outs)
                 quant_stats(stats, by_p, ref, res_np, gam_np, dtype, sf, GROUP,
-                            f"{dtype} {m}x{hidden} {'one' if oneshot else 'two'}-shot")
+                            f"{dtype} {m}x{hidden} {'one' if oneshot else 'two'}-shot",
+                            xs=[t.double().numpy() for t in xs_t])
         try:
             x = torch.randn(16, 1024, device=device).bfloat16()
             outs = {"residual_out": torch.empty_like(x), "norm_out": torch.empty_like(x),
@@ -552,7 +562,8 @@ def compile_worker(rank, world, chan, *, port, seed, m, hidden, backend):
         e = plain_errors({"output": got[0].float().cpu().double().numpy(),
                           "residual_out": got[1].float().cpu().double().numpy(),
                           "norm_out": got[2].float().cpu().double().numpy()},
-                         ref, res_t.double().numpy(), gam_t.double().numpy(), "bfloat16", 0.0)
+                         ref, res_t.double().numpy(), gam_t.double().numpy(), "bfloat16", 0.0,
+                         xs=[t.double().numpy() for t in xs_t])
         dist.barrier()
         library.unregister_workspace(h)
         ws.destroy()
@@ -569,7 +580,7 @@ def cuda_graph_worker(rank, world, chan, *, port, seed, m, hidden, replays):
     torch, dist, device = _init(rank, world, port, rank)
     import torch_compat as tc
     from tests.oracles import quant_oracle
-    from tests.gpu.harness import draw_case
+    from tests.gpu.harness import draw_case, worst_of
 
     try:
         ws = tc.create_allreduce_fusion_workspace("trtllm", world, rank, m, hidden,
@@ -617,9 +628,8 @@ def cuda_graph_worker(rank, world, chan, *, port, seed, m, hidden, replays):
                 ref = group_oracle([t.double().numpy() for t in xs_t], r_t.double().numpy(),
                                    g_t.double().numpy())
                 e = plain_errors(got, ref, r_t.double().numpy(), g_t.double().numpy(),
-                                 "bfloat16", 0.0)
-                worst["residual"] = max(worst["residual"], e["residual"])
-                worst["norm"] = max(worst["norm"], e["norm"])
+                                 "bfloat16", 0.0, xs=[t.double().numpy() for t in xs_t])
+                worst_of(worst, {k: v for k, v in e.items() if k != "nans"})
                 worst["nans"] += e["nans"]
                 if p == 11:
                     wq, wsc = quant_oracle.fp8_dynamic(got["norm_out"], "ieee")

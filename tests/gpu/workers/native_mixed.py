@@ -14,7 +14,7 @@ mixed mapping). On each, pattern-1 calls in one-shot and two-shot against the fl
 oracle (NaN-poisoned outputs, fresh inputs per call; all four ranks must also agree
 bitwise). Then both are destroyed and each GPU's free memory must come back.
 
-Run by hand:  python -m tests.gpu.native_mixed      (last stdout line: "RESULT <json>")
+Run by hand:  python -m tests.gpu.workers.native_mixed      (last stdout line: "RESULT <json>")
 """
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ def worker(proc, nprocs, chan, *, port, seed):
     import torch.distributed as dist
 
     from jax_fusedar.common import exchange, native, tp_groups
-    from tests.gpu.native_mismatch import (draw_inputs, flush_c_stdio, fused_call, new_outputs,
-                                           oracle_errors, worst_of)
+    from tests.gpu.workers.native_mismatch import (draw_inputs, flush_c_stdio, fused_call,
+                                                   new_outputs, oracle_errors, worst_of)
     from torch_compat.channel import StoreChannel
 
     ext = native.require()

@@ -1,0 +1,74 @@
+"""GPU: ``python -m jax_fusedar demo`` on whatever GPUs there are. With fewer GPUs than the TP
+size the TP group runs as one process per rank sharing them (jax_fusedar/cli/ranks.py), the
+fused model on the kernel checked against the same model unsharded on one device; with one
+GPU per rank, one process drives them all, as before. On a one-GPU machine ``bench`` refuses,
+saying why."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.gpu.harness import report
+from tests.repo import REPO
+
+pytestmark = pytest.mark.gpu
+
+
+def _gpus() -> int:
+    from jax_fusedar.common import native
+    return native.gpu_count()
+
+
+def _cli(*argv, timeout=900):
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+               NVSHMEM_DISABLE_NVLS="1", PYTHONUNBUFFERED="1")
+    for var in ("JAX_PLATFORMS", "XLA_FLAGS", "JAX_FUSEDAR_STRICT",
+                "JAX_FUSEDAR_ALLREDUCE_BACKEND", "JAX_FUSEDAR_CHECK_CALLS"):
+        env.pop(var, None)
+    return subprocess.run([sys.executable, "-m", "jax_fusedar", *map(str, argv)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _check_demo(r, tp, name, modes):
+    report(name, {"returncode": r.returncode, "stdout": r.stdout,
+                  "stderr_tail": r.stderr[-4000:]})
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    out = r.stdout
+    gpus = _gpus()
+    assert "backend trtllm" in out, out
+    if gpus < tp:
+        assert f"over {tp} ranks, one process per rank sharing {gpus} GPU" in out, out
+        assert "timings: none; " in out and "tok/s" not in out, out
+    rels = re.findall(r"\(relative to max \|logits\| \S+: (\S+); tolerance (\S+) ", out)
+    assert len(rels) == len(modes), out
+    assert all(float(rel) <= float(tol) for rel, tol in rels), rels
+    for mode in modes:
+        assert f"PASS ({mode})" in out, out
+
+
+@pytest.mark.parametrize("tp", [None, 8], ids=["default", "tp8"])
+def test_demo(tp):
+    argv = ["demo"] + ([] if tp is None else ["--tp", tp])
+    world = tp or (2 if _gpus() == 1 else _gpus())
+    r = _cli(*argv)
+    _check_demo(r, world, f"gpu_demo_{tp or 'default'}", ["unrolled", "scan"])
+    if _gpus() < world:
+        assert "fused 8 of 8 all-reduce + residual + RMSNorm" in r.stdout, r.stdout
+
+
+@pytest.mark.slow
+def test_demo_moe():
+    world = 2 if _gpus() == 1 else _gpus()
+    r = _cli("demo", "--moe")
+    _check_demo(r, world, "gpu_demo_moe", ["moe"] if _gpus() < world else [])
+    assert "PASS" in r.stdout
+
+
+@pytest.mark.skipif(_gpus() != 1, reason="the refusal is for a one-GPU machine")
+def test_bench_refuses_one_gpu():
+    r = _cli("bench", timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "bench needs one GPU per rank and this machine has 1 GPU" in r.stderr, r.stderr
+    assert "not the kernel" in r.stderr, r.stderr

@@ -1,0 +1,174 @@
+"""The all-reduce's error bound at every world size (docs/numerics.md, "Accumulation across
+N ranks"; tests/oracles/oracle.py: sum_error_bound, residual_error_bound), for fp32_acc=True
+and False, tested where it can be on CPU:
+
+* on an exact numpy emulation of the kernel's additions (rank order, each sum in float32,
+  then, without fp32_acc, rounded to the call dtype), over inputs chosen to reach the bound
+  (partial sums that cancel) as well as ordinary ones: never exceeded, and not loose (the
+  cancelling inputs come within a factor 2.5 of it);
+* on the reference path (jax_fusedar.allreduce_fusion on 4 and 8 virtual CPU devices), which
+  rounds where the kernel rounds: within the bound, bit for bit the emulation, and norm_out
+  within an ulp of the exact RMSNorm of its own residual_out.
+
+The GPU tests hold the kernel to the same bounds at world 2, 4 and 8 (tests/gpu/test_jax.py,
+test_torch.py, test_anchor.py)."""
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jax_fusedar as jf  # noqa: E402
+from tests.jax.cpu_helpers import (RMS_EPS, bits, jdtype, make_mesh, new_rng,  # noqa: E402
+                                   random_gamma, random_values, require_host_devices,
+                                   run_sharded)
+from tests.oracles import oracle  # noqa: E402
+
+require_host_devices()
+
+pytestmark = pytest.mark.usefixtures("hermetic")
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def emulate_kernel_sum(xs, dtype_name, *, fp32_acc):
+    """allreduce_out as the kernel computes it (FlashInfer's allreduce_sum): ranks in order
+    0..N-1; with fp32_acc (or float32 inputs) a float32 running sum rounded once at the end,
+    without it every float32 addition rounded to the call dtype."""
+    t = jdtype(dtype_name)
+    acc = np.asarray(xs[0]).astype(np.float32)
+    for x in xs[1:]:
+        acc = acc + np.asarray(x).astype(np.float32)
+        if not (fp32_acc or dtype_name == "float32"):
+            acc = acc.astype(t).astype(np.float32)
+    return acc.astype(t)
+
+
+def emulate_residual(s, residual, dtype_name):
+    t = jdtype(dtype_name)
+    return (np.asarray(s).astype(np.float32) + np.asarray(residual).astype(np.float32)).astype(t)
+
+
+def inputs(kind, rng, world, shape, dtype_name):
+    """Per-rank partial sums [world, *shape] in the call dtype.
+
+    normal:     standard normal (what the GPU tests draw);
+    cancelling: rank r holds +-A_r with sum_r A_r ~ 0 plus a small term, so the running sum
+                is large while the total is small: each rounding of a large partial sum
+                counts against a small |s| (the case fp32_acc=False is worst at);
+    growing:    same-signed values, partial sums growing with every rank;
+    tiny:       magnitudes near the type's smallest normal (float16's subnormals)."""
+    if kind == "normal":
+        x = rng.standard_normal((world, *shape))
+    elif kind == "cancelling":
+        big = rng.uniform(50.0, 200.0, (world, *shape))
+        big *= np.where(np.arange(world) % 2 == 0, 1.0, -1.0).reshape(-1, *[1] * len(shape))
+        x = big + 1e-2 * rng.standard_normal((world, *shape))
+    elif kind == "growing":
+        x = rng.uniform(0.5, 1.5, (world, *shape))
+    else:
+        tiny = float(np.finfo(jdtype(dtype_name)).smallest_normal)
+        x = rng.standard_normal((world, *shape)) * 4 * tiny
+    return x.astype(np.float32).astype(jdtype(dtype_name))
+
+
+KINDS = ("normal", "cancelling", "growing", "tiny")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fp32_acc", [True, False], ids=["fp32_acc", "no_fp32_acc"])
+@pytest.mark.parametrize("world", [2, 4, 8, 16])
+def test_bound_holds_on_the_kernels_additions(world, fp32_acc, dtype):
+    rng = new_rng()
+    for kind in KINDS:
+        xs = inputs(kind, rng, world, (64, 512), dtype)
+        residual = random_values(rng, (64, 512), dtype)
+        s = emulate_kernel_sum(list(xs), dtype, fp32_acc=fp32_acc)
+        r = emulate_residual(s, residual, dtype)
+        s64 = np.sum(xs.astype(np.float64), axis=0)
+        ratio_s = oracle.bound_ratio(s, s64, oracle.sum_error_bound(xs, dtype,
+                                                                   fp32_acc=fp32_acc))
+        ratio_r = oracle.bound_ratio(r, s64 + residual.astype(np.float64),
+                                     oracle.residual_error_bound(xs, residual, dtype,
+                                                                 fp32_acc=fp32_acc))
+        assert ratio_s <= 1.0 and ratio_r <= 1.0, (kind, ratio_s, ratio_r)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("world", [4, 8, 16])
+def test_without_fp32_acc_the_bound_is_reached_and_the_two_rank_bound_is_not_enough(world,
+                                                                                      dtype):
+    """Where partial sums cancel, fp32_acc=False errs by about the bound (within a factor
+    2.5), far beyond the two-rank bound of one ulp of |s|; fp32_acc=True stays within that
+    ulp on the same inputs."""
+    rng = new_rng()
+    xs = inputs("cancelling", rng, world, (256, 512), dtype)
+    s64 = np.sum(xs.astype(np.float64), axis=0)
+    s = emulate_kernel_sum(list(xs), dtype, fp32_acc=False)
+    ratio = oracle.bound_ratio(s, s64, oracle.sum_error_bound(xs, dtype, fp32_acc=False))
+    assert 0.4 <= ratio <= 1.0, ratio
+    assert oracle.allreduce_error_ulps(s, s64, dtype) > 8.0
+    s_acc = emulate_kernel_sum(list(xs), dtype, fp32_acc=True)
+    assert oracle.allreduce_error_ulps(s_acc, s64, dtype) <= 1.0
+
+
+def test_a_bound_one_rounding_short_is_exceeded():
+    """The bound counts every rounding: the same recurrence over one rank fewer (one rounding
+    fewer) is exceeded by the emulated kernel on cancelling inputs."""
+    rng = new_rng()
+    xs = inputs("cancelling", rng, 8, (256, 512), "bfloat16")
+    s = emulate_kernel_sum(list(xs), "bfloat16", fp32_acc=False)
+    s64 = np.sum(xs.astype(np.float64), axis=0)
+    short = oracle.sum_error_bound(xs[1:], "bfloat16", fp32_acc=False)
+    assert oracle.bound_ratio(s, s64, short) > 1.0
+
+
+def _fused_on_cpu(world, dtype, fp32_acc, xs, residual, gamma, weight_bias):
+    mesh = make_mesh((world,), ("tp",))
+    tokens, hidden = residual.shape
+    ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=tokens,
+                                              hidden_dim=hidden, dtype=jdtype(dtype))
+    assert ws.backend == "xla", ws
+
+    def body(x, r, g):
+        o = jf.allreduce_fusion(x, axis_name="tp", workspace=ws, residual=r, rms_gamma=g,
+                                weight_bias=weight_bias, fp32_acc=fp32_acc, rms_eps=RMS_EPS)
+        a = jf.allreduce_fusion(x, axis_name="tp", workspace=ws, fp32_acc=fp32_acc,
+                                pattern=jf.AllReduceFusionPattern.kAllReduce)
+        return a.allreduce_out, o.residual_out, o.norm_out
+
+    outs = run_sharded(body, mesh, (P("tp"), P(), P()), (P(), P(), P()),
+                       xs.reshape(-1, hidden), residual, gamma)
+    return [np.asarray(o) for o in outs]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fp32_acc", [True, False], ids=["fp32_acc", "no_fp32_acc"])
+@pytest.mark.parametrize("world", [4, 8])
+def test_reference_path_within_the_bound(world, fp32_acc, dtype):
+    rng = new_rng()
+    for kind in ("normal", "cancelling"):
+        xs = inputs(kind, rng, world, (16, 256), dtype)
+        residual = random_values(rng, (16, 256), dtype)
+        gamma = random_gamma(rng, 256, dtype)
+        ar, res, norm = _fused_on_cpu(world, dtype, fp32_acc, xs, residual, gamma, 1.0)
+        s64 = np.sum(xs.astype(np.float64), axis=0)
+        where = (kind, world, dtype, fp32_acc)
+        assert oracle.bound_ratio(ar, s64, oracle.sum_error_bound(
+            xs, dtype, fp32_acc=fp32_acc)) <= 1.0, where
+        assert oracle.bound_ratio(res, s64 + residual.astype(np.float64),
+                                  oracle.residual_error_bound(xs, residual, dtype,
+                                                              fp32_acc=fp32_acc)) <= 1.0, where
+        assert oracle.norm_error_given_residual_ulps(
+            norm, res, gamma, rms_eps=RMS_EPS, weight_bias=1.0,
+            dtype_name=dtype) <= oracle.NORM_GIVEN_RESIDUAL_ULPS[dtype], where
+        if not fp32_acc and dtype != "float32":
+            # Every rounding where the kernel rounds (fp32_acc=True and float32 sum in psum's
+            # order, which the API leaves open).
+            s = emulate_kernel_sum(list(xs), dtype, fp32_acc=False)
+            assert np.array_equal(bits(ar), bits(s)), where
+            assert np.array_equal(bits(res), bits(emulate_residual(s, residual, dtype))), where

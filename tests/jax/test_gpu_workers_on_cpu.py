@@ -1,0 +1,55 @@
+"""The JAX GPU workers (tests/gpu/workers/jax_multiprocess.py: parity, the long loop, the FP8
+patterns) at 4 ranks on CPUs: one `jax.distributed` process per rank over gloo, JAX's
+reference path in place of the kernel. The reference path rounds where the kernel rounds
+(fp32_acc=False included), so this runs the workers' plumbing and, for real, the checks the
+GPU tests apply at world sizes above 2 (harness.bound_problems: the accumulation bounds)
+before a GPU does."""
+import os
+
+import pytest
+
+from tests.gpu import harness
+
+
+def _run(task, world, **kw):
+    return harness.run_ranks(_worker(), world, timeout_s=600, port=harness.free_port(),
+                             xla_flags="", task=task, seed=int.from_bytes(os.urandom(4),
+                                                                          "little"),
+                             platform="cpu", **kw)
+
+
+def _worker():
+    from tests.gpu.workers import jax_multiprocess
+    return jax_multiprocess.worker
+
+
+@pytest.mark.slow
+def test_parity_worker_at_four_ranks_within_the_bounds():
+    from tests.gpu.test_jax import parity_problems
+    res = _run("parity", 4, tokens=(1, 9), hiddens=(256,))
+    assert [r["world"] for r in res] == [4] * 4
+    assert not parity_problems(res, 4)
+    w = res[0]["worst"]["bfloat16"]
+    # 2 token counts: one-shot, and two-shot for 9 > 4 tokens; fp32_acc=False on 1 of 3.
+    assert w["cases"] == 3 and w["ulps_no_fp32_acc"], w
+    for key in ("allreduce_bound", "residual_bound", "norm_own"):
+        assert 0.0 < w[key], (key, w)
+    # Every rank held the same bounds over the same data.
+    assert all(r["worst"] == res[0]["worst"] for r in res)
+
+
+@pytest.mark.slow
+def test_loop_worker_at_four_ranks():
+    (r, *_) = _run("loop", 4, calls=20, m=4, hidden=256)
+    assert r["loop"]["calls"] == 20 and r["loop"]["violations"] == 0, r
+
+
+@pytest.mark.slow
+def test_quant_worker_at_four_ranks():
+    from tests.gpu.harness import bound_problems
+    res = _run("quant", 4, tokens=(1, 9), hiddens=(256,))
+    for r in res:
+        q = r["quant"]
+        assert q["cases"] == 2 * 3 and q["worse"] == 0, q
+        assert not bound_problems(q, "bfloat16", 4), q
+        assert "residual_bound" in q and "norm_own" in q, q

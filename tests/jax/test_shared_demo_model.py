@@ -1,0 +1,93 @@
+"""What the demo's one-process-per-rank mode (jax_fusedar/cli/shared_demo.py) relies on in the
+model, on 8 virtual CPU devices in one process: the replicated LM head gives the logits of
+the vocabulary-parallel one; weights drawn on the devices are the same values for any mesh,
+and ``repack_columns`` reads them as the same model for another TP size (what makes the
+unsharded reference the same model on GPUs); and the fused TP model stays within
+``reference_tolerance`` of that reference at 2, 4 and 8 ranks."""
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from jax_fusedar import fuse  # noqa: E402
+from jax_fusedar.cli.shared_demo import reference_tolerance  # noqa: E402
+from jax_fusedar.models import llama  # noqa: E402
+from tests.jax.cpu_helpers import make_mesh, require_host_devices  # noqa: E402
+
+require_host_devices()
+
+pytestmark = pytest.mark.usefixtures("hermetic")
+
+CFG = llama.TINY
+AXIS = "tp"
+
+
+def _logits(cfg, mesh, params, prompt, *, vocab_parallel=True, fused=False, scan=True):
+    fwd = llama.make_forward(cfg, mesh, AXIS, scan=scan, vocab_parallel=vocab_parallel)
+    if fused:
+        import jax_fusedar as jf
+        ws = jf.create_allreduce_fusion_workspace(mesh, AXIS, max_token_num=prompt.size,
+                                                  hidden_dim=cfg.hidden, dtype=jnp.bfloat16)
+        fwd = fuse(fwd, workspace=ws)
+    cache = llama.init_cache(cfg, mesh, AXIS, jnp.bfloat16, *prompt.shape)
+    return np.asarray(jax.jit(fwd)(params, prompt, *cache, jnp.int32(0))[0])
+
+
+def _prompt(seed=1):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, CFG.vocab, (2, 8)), jnp.int32)
+
+
+def test_a_replicated_lm_head_gives_the_same_logits():
+    mesh = make_mesh((4,), (AXIS,))
+    split = llama.init_params(CFG, mesh, AXIS, jnp.bfloat16, 0)
+    whole = llama.init_params(CFG, mesh, AXIS, jnp.bfloat16, 0, vocab_parallel=False)
+    assert whole["lm_head"].sharding.spec == jax.sharding.PartitionSpec()
+    a = _logits(CFG, mesh, split, _prompt())
+    b = _logits(CFG, mesh, whole, _prompt(), vocab_parallel=False)
+    np.testing.assert_array_equal(a, b)
+
+
+def test_device_draws_do_not_depend_on_the_mesh():
+    four = llama.init_params(CFG, make_mesh((4,), (AXIS,)), AXIS, jnp.bfloat16, 3, host=False)
+    one = llama.init_params(CFG, make_mesh((1,), (AXIS,)), AXIS, jnp.bfloat16, 3, host=False)
+    for a, b in zip(jax.tree.leaves(four), jax.tree.leaves(one)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("tp", [4, 8])
+def test_repacked_columns_are_the_same_model(tp):
+    """Weights drawn packed for ``tp`` ranks, repacked for one: the unsharded model's logits
+    equal the TP model's within rounding (and the packing round-trips exactly)."""
+    mesh = make_mesh((tp,), (AXIS,))
+    drawn = llama.init_params(CFG, mesh, AXIS, jnp.bfloat16, 5, host=False)
+    host = jax.tree.map(np.asarray, drawn)
+    one = llama.repack_columns(host, CFG, tp, 1)
+    back = llama.repack_columns(one, CFG, 1, tp)
+    for a, b in zip(jax.tree.leaves(host), jax.tree.leaves(back)):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(one["layers"]["wqkv"], host["layers"]["wqkv"])
+    mesh1 = make_mesh((1,), (AXIS,))
+    ref = _logits(CFG, mesh1, jax.tree.map(jnp.asarray, one), _prompt())
+    tp_logits = _logits(CFG, mesh, drawn, _prompt())
+    rel = np.max(np.abs(ref - tp_logits)) / np.max(np.abs(ref))
+    # Unfused at both sizes: only the partial sums' roundings differ (2 layers, 4 sites).
+    assert rel <= reference_tolerance("bfloat16", tp, 4), rel
+    # Read without repacking, the draw is another model.
+    wrong = _logits(CFG, mesh1, jax.tree.map(jnp.asarray, host), _prompt())
+    assert np.max(np.abs(wrong - tp_logits)) / np.max(np.abs(ref)) > 0.1
+
+
+@pytest.mark.parametrize("tp, seed", [(2, 0), (4, 1), (8, 2)])
+def test_fused_tp_model_within_the_reference_tolerance(tp, seed):
+    mesh = make_mesh((tp,), (AXIS,))
+    params = llama.init_params(CFG, mesh, AXIS, jnp.bfloat16, seed, vocab_parallel=False)
+    ref_params = llama.init_params(CFG, make_mesh((1,), (AXIS,)), AXIS, jnp.bfloat16, seed)
+    fused = _logits(CFG, mesh, params, _prompt(seed), vocab_parallel=False, fused=True)
+    ref = _logits(CFG, make_mesh((1,), (AXIS,)), ref_params, _prompt(seed))
+    rel = np.max(np.abs(ref - fused)) / np.max(np.abs(ref))
+    assert rel <= reference_tolerance("bfloat16", tp, 4), rel
