@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .demo import (AXIS, SetupError, _compare, _margin, _median_seconds, describe_devices,
-                   open_workspace, tolerance, tp_mesh)
+from .compare import compare_greedy, median_seconds, near_tie, tolerance
+from .setup import AXIS, SetupError, describe_devices, open_workspace, tp_mesh
 
 
 def _preset(args, on_gpu: bool):
@@ -63,11 +63,11 @@ def main(args) -> int:
         outs, speed = {}, {}
         for label, prog in progs.items():
             outs[label] = llama.greedy_decode(prog, prog, params, prompt, *cache, args.steps)
-            speed[label] = args.batch / _median_seconds(prog, (params, tok1, *cache, pos_d),
+            speed[label] = args.batch / median_seconds(prog, (params, tok1, *cache, pos_d),
                                                         args.iters)
         text = progs["fused"].lower(params, tok1, *cache, pos_d).as_text()
         kernel_calls = text.count("jax_fusedar_moe_allreduce_fusion_v1")
-    first, err, scale, margins = _compare(*outs["plain"], *outs["fused"])
+    first, err, scale, margins = compare_greedy(*outs["plain"], *outs["fused"])
     # Rounding sites per layer: the top_k routed additions, the shared expert's, the residual.
     tol = tolerance(args.dtype, world, base.layers * (cfg.top_k + 2))
     rel = err / scale if scale else float("inf")
@@ -83,7 +83,6 @@ def main(args) -> int:
         print(f"greedy tokens: first divergence at step {first[0]}, sequence {first[1]} "
               f"({margins})")
     print(f"max logits error {err:.4g} (relative {rel:.3e}; tolerance {tol:.3e})")
-    near_tie = first is not None and _margin(outs["plain"][1], *first) <= 2 * err
-    ok = rel <= tol and (first is None or near_tie)
+    ok = rel <= tol and (first is None or near_tie(outs["plain"][1], first, err))
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
