@@ -28,19 +28,14 @@ Serializing needs the ``flatbuffers`` package (``jax.export``'s requirement).
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import re
-import warnings
 
 import jax
 
-from .primitive import FFI_TARGET, register_ffi_targets
+from .ffi_op import allowing_reference_for_cuda, refusing_reference_for_cuda, register_ffi_targets
+from .primitive import FFI_TARGET
 
 DISABLED_CHECKS = (jax.export.DisabledSafetyCheck.custom_call(FFI_TARGET),)
-
-_refuse_reference = contextvars.ContextVar("jax_fusedar_export_refuses_reference", default=False)
-_allow_reference = contextvars.ContextVar("jax_fusedar_export_allows_reference", default=False)
 
 
 def export(fun, *, platforms=None, disabled_checks=(), **kwargs):
@@ -55,9 +50,9 @@ def export(fun, *, platforms=None, disabled_checks=(), **kwargs):
                                  disabled_checks=(*DISABLED_CHECKS, *disabled_checks), **kwargs)
 
     def do_export(*args, **kw):
-        token = _refuse_reference.set(not _allow_reference.get())
         try:
-            return exporter(*args, **kw)
+            with refusing_reference_for_cuda():
+                return exporter(*args, **kw)
         except NotImplementedError as e:
             if "host_callbacks" not in str(e):
                 raise
@@ -67,8 +62,6 @@ def export(fun, *, platforms=None, disabled_checks=(), **kwargs):
                 "Python callback when XLA compiles): export it on a mesh with Explicit axes "
                 "(jax.make_mesh's default, under jax.set_mesh), where the op is placed at "
                 "trace time, or write the layer with shard_map + allreduce_fusion") from e
-        finally:
-            _refuse_reference.reset(token)
 
     return do_export
 
@@ -87,34 +80,7 @@ def workspace_ids(exported) -> list:
     return sorted({int(m) for m in re.findall(r"workspace_id = (\d+) : i64", text)})
 
 
-@contextlib.contextmanager
 def allow_reference_for_cuda():
-    """Inside ``export``: let a cuda lowering keep the reference for XLA-backend workspaces
-    (the program then never uses the kernel)."""
-    token = _allow_reference.set(True)
-    try:
-        yield
-    finally:
-        _allow_reference.reset(token)
-
-
-def check_reference_lowered_for_cuda(workspace_id: int) -> None:
-    """Called by the cuda lowering of a call that was not cleared for the kernel: when the
-    reason is that the workspace is on the XLA backend of a process without GPUs, the cuda
-    program would silently lack the kernel. Raises inside ``export``, else warns."""
-    if _allow_reference.get():
-        return
-    from .workspace import lookup
-    ws = lookup(workspace_id)
-    if ws is None or ws.backend != "xla":
-        return
-    if any(getattr(d, "platform", None) == "gpu" for d in ws.mesh.devices.flat):
-        return  # the XLA backend chosen on GPUs: the user's (or auto's) explicit choice
-    msg = (f"jax_fusedar: lowering for cuda with {ws!r}, an XLA-backend workspace of a process "
-           "without GPUs: the program will run psum + RMSNorm, not the fused kernel. To "
-           "export the kernel from this machine use jax_fusedar.abstract_workspace(..., "
-           "backend='trtllm'), which serving processes match by key")
-    if _refuse_reference.get():
-        raise ValueError(msg + " (or wrap the export in "
-                         "jax_fusedar.export.allow_reference_for_cuda() to keep the reference)")
-    warnings.warn(msg, stacklevel=2)
+    """A context inside which ``export`` lets a cuda lowering keep the reference for
+    XLA-backend workspaces (the program then never uses the kernel)."""
+    return allowing_reference_for_cuda()

@@ -47,69 +47,26 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from . import moe_reference
-from .common import arguments, backend_choice, limits, native, sizing
-from .api import CallPlan, _as_gamma, _as_residual, _check_call_on_workspace, _fallback
+from .call_checks import (as_gamma, as_residual, check_call_on_workspace, check_concrete_shape,
+                          check_operand, check_workspace)
+from .call_plan import CallPlan, choose_moe_kernel
+from .common import arguments, backend_choice, moe_limits, native
 from .common.patterns import AllReduceFusionPattern
-from .primitive import _check_mesh, _varying, _with_varying, register_ffi_targets
+from .ffi_op import (check_lowering_mesh, check_reference_lowered_for_cuda,
+                     register_ffi_targets, varying, with_varying)
 from .workspace import AllReduceFusionWorkspace
 
 FFI_TARGET = native.FFI_TARGETS["moe_allreduce_fusion"]
 REDUCTION = int(AllReduceFusionPattern.kMoEReductionARResidualRMSNorm)
 FINALIZE = int(AllReduceFusionPattern.kMoEFinalizeARResidualRMSNorm)
-# FlashInfer's MoE kernels give each token hidden/8 threads in whole warps.
-HIDDEN_MULTIPLE = 256
-MOE_DTYPES = ("bfloat16", "float16")
+# The MoE kernels' rule, one for JAX, torch and the native launch (common/moe_limits.py).
+kernel_problem = moe_limits.kernel_problem
 
 
 class MoeAllReduceFusionOutputs(NamedTuple):
     allreduce_out: Optional[jax.Array]
     residual_out: jax.Array
     norm_out: jax.Array
-
-
-# --- the kernel decision -----------------------------------------------------------------------
-
-def kernel_problem(tokens: int, hidden: int, dtype_name: str,
-                   sizes: sizing.WorkspaceSizes) -> Optional[tuple]:
-    """(kind, why) FlashInfer's MoE kernels cannot serve a call of ``tokens`` x ``hidden``,
-    or None. A pure function of the shape and the workspace, so every rank decides alike;
-    ffi/core/moe_launch.cpp enforces the same rules before launching."""
-    if dtype_name not in MOE_DTYPES:
-        return "unsupported dtype", f"the MoE kernels take bfloat16 or float16, not {dtype_name}"
-    problem = limits.kernel_support_problem(sizes.world_size, hidden, dtype_name)
-    if problem is not None:
-        return "unsupported shape", problem
-    if hidden % HIDDEN_MULTIPLE:
-        return "unsupported shape", (
-            f"hidden size {hidden} is not a multiple of {HIDDEN_MULTIPLE}: FlashInfer's MoE "
-            "kernels give each token whole warps of 8-element threads, and the spare threads "
-            "of a partial warp read the next token's row")
-    warps = hidden // HIDDEN_MULTIPLE
-    cluster = next(c for c in (8, 4, 2, 1) if warps % c == 0)
-    if warps // cluster > 32:
-        return "unsupported shape", (f"hidden size {hidden} needs {warps // cluster * 32} "
-                                     "threads per block, above the launch limit of 1024")
-    if not sizing.buffer_fits(tokens, hidden, sizes):
-        return "workspace too small", (
-            f"{tokens}x{hidden} tokens exceed the workspace (max_token_num="
-            f"{sizes.max_token_num} x hidden {sizes.hidden_dim})")
-    need = tokens * hidden * sizes.world_size * 2
-    if need > sizes.lamport_comm_bytes:
-        return "workspace too small", (
-            f"the MoE kernels are one-shot only and need {need} bytes of Lamport buffer; the "
-            f"workspace has {sizes.lamport_comm_bytes}")
-    return None
-
-
-def choose_kernel(plan: CallPlan, tokens: int, hidden: int, dtype_name: str) -> bool:
-    """Whether the call runs the kernel (logs or raises per ``plan.strict`` when it cannot)."""
-    if tokens == 0:
-        return False
-    problem = kernel_problem(tokens, hidden, dtype_name, plan.sizes)
-    if problem is not None:
-        _fallback(*problem, plan.strict, plan.backend)
-        return False
-    return plan.backend == "trtllm"
 
 
 # --- the primitive -----------------------------------------------------------------------------
@@ -133,13 +90,13 @@ def _abstract_eval(*avals, axis_name, pattern, has_expert_scale, has_shared_expe
                    allreduce_out, **_):
     ops = _split(avals, pattern, has_expert_scale, has_shared_expert)
     local = [v for k, v in ops.items() if k not in ("residual", "rms_gamma")]
-    summed = frozenset().union(*(_varying(a) for a in local)) - frozenset(axis_name)
-    res_vma = summed | _varying(ops["residual"])
-    norm_vma = res_vma | _varying(ops["rms_gamma"])
+    summed = frozenset().union(*(varying(a) for a in local)) - frozenset(axis_name)
+    res_vma = summed | varying(ops["residual"])
+    norm_vma = res_vma | varying(ops["rms_gamma"])
     row = ops["residual"]
-    outs = [_with_varying(row, res_vma), _with_varying(row, norm_vma)]
+    outs = [with_varying(row, res_vma), with_varying(row, norm_vma)]
     if allreduce_out:
-        outs.append(_with_varying(row, summed))
+        outs.append(with_varying(row, summed))
     return outs
 
 
@@ -170,20 +127,19 @@ _reference_lowering = mlir.lower_fun(_reference_outputs, multiple_results=True)
 
 
 def _default_lowering(ctx, *args, workspace_groups, axis_name, **params):
-    _check_mesh(ctx, axis_name, workspace_groups)
+    check_lowering_mesh(ctx, axis_name, workspace_groups)
     return _reference_lowering(ctx, *args, axis_name=axis_name, **params)
 
 
 def _cuda_lowering(ctx, *args, use_kernel, workspace_id, workspace_groups, axis_name, pattern,
                    rms_eps, weight_bias, routed_scaling_factor, has_expert_scale,
                    has_shared_expert, allreduce_out, plan=None):
-    _check_mesh(ctx, axis_name, workspace_groups)
+    check_lowering_mesh(ctx, axis_name, workspace_groups)
     params = dict(axis_name=axis_name, pattern=pattern, rms_eps=rms_eps,
                   weight_bias=weight_bias, routed_scaling_factor=routed_scaling_factor,
                   has_expert_scale=has_expert_scale, has_shared_expert=has_shared_expert,
                   allreduce_out=allreduce_out)
     if not use_kernel:
-        from .export import check_reference_lowered_for_cuda
         check_reference_lowered_for_cuda(workspace_id)
         return _reference_lowering(ctx, *args, **params)
     # residual_in is updated in place into residual_out, as for the dense op (each element
@@ -263,7 +219,7 @@ def _batch(args, dims, **params):
             jnp.where((idx >= 0) & (idx < rows), idx + offset, -1))
         folded["permuted_input"] = flat(ops["permuted_input"])
     plan = params["plan"]
-    params = dict(params, use_kernel=choose_kernel(
+    params = dict(params, use_kernel=choose_moe_kernel(
         plan, size * tokens, hidden, np.dtype(ops["residual"].dtype).name))
     outs = moe_allreduce_fusion_p.bind(*(folded[n] for n in names), **params)
     return [o.reshape(size, tokens, hidden) for o in outs], [0] * n_out
@@ -275,32 +231,12 @@ batching.primitive_batchers[moe_allreduce_fusion_p] = _batch
 # --- the public functions ----------------------------------------------------------------------
 
 def _check_call_context(workspace, axis_name, dtype_name):
-    if not isinstance(workspace, AllReduceFusionWorkspace):
-        raise TypeError(f"workspace must come from jax_fusedar.create_allreduce_fusion_"
-                        f"workspace, got {type(workspace).__name__}")
-    if workspace.destroyed:
-        raise ValueError(f"{workspace!r} was destroyed")
-    if workspace.axis_name != axis_name:
-        raise ValueError(f"the workspace was created for axis {workspace.axis_name!r}, "
-                         f"not {axis_name!r}")
-    if dtype_name not in MOE_DTYPES:
+    check_workspace(workspace, axis_name)
+    if dtype_name not in moe_limits.MOE_DTYPES:
         raise ValueError(f"the MoE patterns take bfloat16 or float16 rows (FlashInfer's MoE "
                          f"kernels exist for those only), got {dtype_name}")
-    _check_call_on_workspace(workspace, axis_name, dtype_name,
-                             op="the MoE all-reduce fusion", dtype_of="the rows have")
-
-
-def _check(name, value, shape, dtype):
-    if tuple(value.shape) != tuple(shape) or value.dtype != dtype:
-        raise ValueError(f"{name} must have shape {tuple(shape)} and dtype "
-                         f"{np.dtype(dtype).name}, got {tuple(value.shape)} "
-                         f"{np.dtype(value.dtype).name}")
-
-
-def _concrete_shape(name, shape):
-    if not all(isinstance(d, (int, np.integer)) for d in shape):
-        raise ValueError(f"{name} has a symbolic shape {shape}: the MoE all-reduce fusion "
-                         "needs concrete sizes (the kernel decision is made at trace time)")
+    check_call_on_workspace(workspace, axis_name, dtype_name,
+                            op="the MoE all-reduce fusion", dtype_of="the rows have")
 
 
 def _options(rms_eps, weight_bias, strict):
@@ -313,7 +249,7 @@ def _bind(operands, *, pattern, lead, hidden, workspace, axis_name, strict, rms_
           has_shared_expert=False, allreduce_out=False):
     tokens = math.prod(lead)
     plan = CallPlan(workspace.backend, workspace.sizes, strict, True)
-    use_kernel = choose_kernel(plan, tokens, hidden, workspace.dtype.name)
+    use_kernel = choose_moe_kernel(plan, tokens, hidden, workspace.dtype.name)
     if use_kernel and not register_ffi_targets():
         raise RuntimeError("the workspace uses the trtllm kernel but jax_fusedar's native "
                            "extension is not available")
@@ -349,7 +285,7 @@ def moe_reduction_allreduce_fusion(
     if token_input.ndim < 2:
         raise ValueError(f"token_input must be [..., hidden] with at least one token dim, got "
                          f"shape {token_input.shape}")
-    _concrete_shape("token_input", token_input.shape)
+    check_concrete_shape("token_input", token_input.shape, "the MoE all-reduce fusion")
     dtype_name = np.dtype(token_input.dtype).name
     _check_call_context(workspace, axis_name, dtype_name)
     lead, hidden = token_input.shape[:-1], token_input.shape[-1]
@@ -358,11 +294,11 @@ def moe_reduction_allreduce_fusion(
                          f"(token_input's shape after the expert dim), got "
                          f"{expert_outputs.shape}")
     experts = expert_outputs.shape[0]
-    _check("expert_outputs", expert_outputs, (experts, *lead, hidden), token_input.dtype)
-    _check("expert_scales", expert_scales, (experts, *lead), jnp.float32)
-    residual = jnp.zeros_like(token_input) if residual is None else _as_residual(
+    check_operand("expert_outputs", expert_outputs, (experts, *lead, hidden), token_input.dtype)
+    check_operand("expert_scales", expert_scales, (experts, *lead), jnp.float32)
+    residual = jnp.zeros_like(token_input) if residual is None else as_residual(
         residual, token_input)
-    gamma = _as_gamma(rms_gamma, token_input, hidden,
+    gamma = as_gamma(rms_gamma, token_input, hidden,
                       AllReduceFusionPattern.kMoEReductionARResidualRMSNorm)
     tokens = math.prod(lead)
     operands = [expert_scales.reshape(experts, tokens),
@@ -411,8 +347,10 @@ def moe_finalize_allreduce_fusion(
     if permuted_input.ndim != 2 or permuted_input.shape[0] < 1:
         raise ValueError(f"permuted_input must be [rows >= 1, hidden], got shape "
                          f"{permuted_input.shape}")
-    _concrete_shape("permuted_input", permuted_input.shape)
-    _concrete_shape("expanded_idx_to_permuted_idx", idx.shape)
+    check_concrete_shape("permuted_input", permuted_input.shape,
+                         "the MoE all-reduce fusion")
+    check_concrete_shape("expanded_idx_to_permuted_idx", idx.shape,
+                         "the MoE all-reduce fusion")
     dtype = permuted_input.dtype
     _check_call_context(workspace, axis_name, np.dtype(dtype).name)
     rows, hidden = permuted_input.shape
@@ -424,18 +362,18 @@ def moe_finalize_allreduce_fusion(
     lead, top_k = idx.shape[:-1], idx.shape[-1]
     tokens = math.prod(lead)
     like = jnp.zeros((*lead, hidden), dtype)
-    residual = like if residual is None else _as_residual(residual, like)
-    gamma = _as_gamma(rms_gamma, like, hidden, AllReduceFusionPattern.kMoEFinalizeARResidualRMSNorm)
+    residual = like if residual is None else as_residual(residual, like)
+    gamma = as_gamma(rms_gamma, like, hidden, AllReduceFusionPattern.kMoEFinalizeARResidualRMSNorm)
     # A bad traced index becomes "dropped" (the kernel would read outside permuted_input).
     idx = jnp.where((idx >= -1) & (idx < rows), idx, -1).reshape(tokens, top_k)
     operands = [permuted_input, idx, residual.reshape(tokens, hidden), gamma]
     if expert_scale_factor is not None:
         expert_scale_factor = jnp.asarray(expert_scale_factor)
-        _check("expert_scale_factor", expert_scale_factor, (*lead, top_k), dtype)
+        check_operand("expert_scale_factor", expert_scale_factor, (*lead, top_k), dtype)
         operands.append(expert_scale_factor.reshape(tokens, top_k))
     if shared_expert_output is not None:
         shared_expert_output = jnp.asarray(shared_expert_output)
-        _check("shared_expert_output", shared_expert_output, (*lead, hidden), dtype)
+        check_operand("shared_expert_output", shared_expert_output, (*lead, hidden), dtype)
         operands.append(shared_expert_output.reshape(tokens, hidden))
     return _bind(operands, pattern=FINALIZE, lead=lead, hidden=hidden, workspace=workspace,
                  axis_name=axis_name, strict=strict, rms_eps=rms_eps, weight_bias=weight_bias,

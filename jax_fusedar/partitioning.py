@@ -46,7 +46,8 @@ from jax.sharding import PartitionSpec as P
 
 from .common import backend_choice
 from . import reference
-from .api import AllReduceFusionOutputs, _fallback, allreduce_fusion
+from .api import AllReduceFusionOutputs, allreduce_fusion
+from .call_plan import fallback
 from .common.patterns import AllReduceFusionPattern
 from .workspace import AllReduceFusionWorkspace
 
@@ -233,8 +234,8 @@ def _local_program(cfg: _Config, mesh, plan: _Plan):
             res, norm = out.residual_out, out.norm_out
         else:
             if why is not None:  # workspaces were given but none serves this call
-                _fallback("no matching workspace", why, backend_choice.strict_mode(cfg.strict),
-                          "trtllm")
+                fallback("no matching workspace", why, backend_choice.strict_mode(cfg.strict),
+                         "trtllm")
             axis = plan.k_axes[0] if len(plan.k_axes) == 1 else plan.k_axes
             _, res, norm = reference.allreduce_fusion_reference(
                 x2, r2, gamma, axis_name=axis, pattern=_PATTERN, rms_eps=cfg.rms_eps,

@@ -13,16 +13,19 @@ written by the same thread).
 """
 from __future__ import annotations
 
-import numpy as np
+from functools import partial
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import Primitive
-from jax.interpreters import mlir
+from jax.interpreters import ad, batching, mlir
 
-from .common import native, results, tp_groups
-from . import quant_reference, reference
+from . import quant_reference, reference, transforms
+from .common import native, results
 from .common.patterns import TRAITS, AllReduceFusionPattern
-from .workspace import _mesh_groups
+from .ffi_op import (check_lowering_mesh, check_reference_lowered_for_cuda, varying,
+                     with_varying)
 
 FFI_TARGET = native.FFI_TARGETS["allreduce_fusion"]
 
@@ -30,23 +33,9 @@ allreduce_fusion_p = Primitive("jax_fusedar_allreduce_fusion")
 allreduce_fusion_p.multiple_results = True
 
 
-# --- varying-manual-axes (VMA) rule ------------------------------------------------------------
-# Inside shard_map the all-reduced sum no longer varies over the TP axis (as for psum), so
-# outputs drop `axis_name` from x's varying axes; the residual and gamma still contribute
-# theirs (a per-rank residual makes residual_out per-rank again).
-
-def _varying(aval) -> frozenset:
-    mat = getattr(aval, "mat", None)
-    if mat is not None:
-        return frozenset(mat.varying)
-    return frozenset(getattr(aval, "vma", frozenset()))
-
-
-def _with_varying(aval, vma: frozenset):
-    if getattr(aval, "mat", None) is not None:
-        return aval.update(manual_axis_type=aval.mat.update(varying=vma))
-    return aval.update(vma=vma)
-
+# --- abstract evaluation ----------------------------------------------------------------------
+# The outputs drop `axis_name` from x's varying axes (ffi_op.varying); residual and gamma
+# still contribute theirs.
 
 def _result_avals(x, pattern: int, layout: int, group_size: int):
     """(shape, dtype) of every result after the first (results.result_specs)."""
@@ -58,15 +47,15 @@ def _result_avals(x, pattern: int, layout: int, group_size: int):
 def _abstract_eval(*avals, axis_name, pattern, layout, block_quant_group_size, **_):
     traits = TRAITS[AllReduceFusionPattern(pattern)]
     x = avals[0]
-    summed_vma = _varying(x) - frozenset(axis_name)
+    summed_vma = varying(x) - frozenset(axis_name)
     if not traits.has_residual:
-        return [_with_varying(x, summed_vma)]
+        return [with_varying(x, summed_vma)]
     residual, gamma = avals[1], avals[2]
-    res_vma = summed_vma | _varying(residual)
-    norm_vma = res_vma | _varying(gamma) | (_varying(avals[3]) if len(avals) > 3 else frozenset())
+    res_vma = summed_vma | varying(residual)
+    norm_vma = res_vma | varying(gamma) | (varying(avals[3]) if len(avals) > 3 else frozenset())
     # norm_out and the quantized outputs all derive from the normalized sum.
-    return [_with_varying(x, res_vma)] + [
-        _with_varying(x.update(shape=shape, dtype=dtype), norm_vma)
+    return [with_varying(x, res_vma)] + [
+        with_varying(x.update(shape=shape, dtype=dtype), norm_vma)
         for shape, dtype in _result_avals(x, pattern, layout, block_quant_group_size)]
 
 
@@ -102,33 +91,11 @@ def _reference_outputs(*args, axis_name, pattern, rms_eps, weight_bias, fp32_acc
 _reference_lowering = mlir.lower_fun(_reference_outputs, multiple_results=True)
 
 
-def check_call_groups(mesh, axis_name: str, workspace_groups) -> None:
-    """Refuse a call whose mesh groups the devices along ``axis_name`` otherwise than the
-    workspace (tp_groups.groups_problem): a device would reduce with the wrong group, a
-    silent wrong answer on GPUs. ``mesh``: a concrete Mesh (pmap runs as one too); None or
-    an abstract mesh (export, cross-platform lowering) has nothing to compare."""
-    devices = getattr(mesh, "devices", None)
-    if not isinstance(devices, np.ndarray) or devices.dtype != object or devices.size == 0:
-        return
-    call_groups = [g.members for g in _mesh_groups(mesh, axis_name)]  # the workspace's rule
-    problem = tp_groups.groups_problem(axis_name, workspace_groups, call_groups)
-    if problem:
-        raise ValueError(f"jax_fusedar.allreduce_fusion: {problem}")
-
-
-def _check_mesh(ctx, axis_name, workspace_groups):
-    """In every lowering (cuda and the reference ones): the mesh of the shard_map (or pmap)
-    being lowered is known here even when it was not at trace time."""
-    mesh = getattr(ctx.module_context.axis_context, "mesh", None)
-    check_call_groups(mesh, axis_name[0], workspace_groups)
-
-
 def _cuda_lowering(ctx, *args, axis_name, pattern, use_kernel, workspace_id, workspace_groups,
                    algorithm, fp32_acc, rms_eps, weight_bias, layout, block_quant_group_size,
                    plan=None):
-    _check_mesh(ctx, axis_name, workspace_groups)
+    check_lowering_mesh(ctx, axis_name, workspace_groups)
     if not use_kernel:
-        from .export import check_reference_lowered_for_cuda
         check_reference_lowered_for_cuda(workspace_id)
         return _reference_lowering(ctx, *args, axis_name=axis_name, pattern=pattern,
                                    rms_eps=rms_eps, weight_bias=weight_bias, fp32_acc=fp32_acc,
@@ -144,7 +111,7 @@ def _cuda_lowering(ctx, *args, axis_name, pattern, use_kernel, workspace_id, wor
 
 def _default_lowering(ctx, *args, axis_name, pattern, rms_eps, weight_bias, fp32_acc, layout,
                       block_quant_group_size, workspace_groups, **_):
-    _check_mesh(ctx, axis_name, workspace_groups)
+    check_lowering_mesh(ctx, axis_name, workspace_groups)
     return _reference_lowering(ctx, *args, axis_name=axis_name, pattern=pattern,
                                rms_eps=rms_eps, weight_bias=weight_bias, fp32_acc=fp32_acc,
                                layout=layout, block_quant_group_size=block_quant_group_size)
@@ -154,27 +121,7 @@ mlir.register_lowering(allreduce_fusion_p, _default_lowering)
 mlir.register_lowering(allreduce_fusion_p, _cuda_lowering, platform="cuda")
 
 
-# --- FFI target registration -------------------------------------------------------------------
+# --- autodiff and batching (transforms.py) ------------------------------------------------------
 
-_registered = False
-
-
-def register_ffi_targets() -> bool:
-    """Registers the handlers with XLA once per process; False without the native module."""
-    global _registered
-    if _registered:
-        return True
-    if not native.available():
-        return False
-    for name, capsule in native.ext.registrations().items():
-        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
-    # Host twins (never run): a program exported for ("cpu", "cuda") keeps the cuda branch's
-    # custom call in the module it compiles on CPU (ffi/xla/allreduce_fusion.cc).
-    for name, capsule in getattr(native.ext, "host_registrations", dict)().items():
-        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
-    _registered = True
-    return True
-
-
-# Autodiff and batching rules (they import this module).
-from . import transforms  # noqa: E402,F401
+ad.primitive_jvps[allreduce_fusion_p] = partial(transforms.jvp, allreduce_fusion_p)
+batching.primitive_batchers[allreduce_fusion_p] = partial(transforms.batch, allreduce_fusion_p)

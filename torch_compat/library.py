@@ -21,9 +21,10 @@ Three functional ops (they allocate and return their outputs, which is what
 
 A custom op cannot take a Python object, so the workspace travels as an int:
 ``register_workspace(ws)`` puts a live ``TorchAllReduceFusionWorkspace`` in a process-level
-registry and returns its handle; ``lookup_workspace(handle)`` gets it back;
-``unregister_workspace(handle)`` drops it. The handle is baked into a compiled graph as a
-constant, so keep the workspace registered (and alive) as long as the graph may run.
+registry (beside the workspace, ``torch_compat.workspace``) and returns its handle;
+``lookup_workspace(handle)`` gets it back; ``unregister_workspace(handle)`` drops it. The
+handle is baked into a compiled graph as a constant, so keep the workspace registered (and
+alive) as long as the graph may run.
 
 The real kernel is registered for the CUDA dispatch key and calls
 ``torch_compat.ops.allreduce_fusion`` (every argument check of the eager op applies). The
@@ -41,16 +42,14 @@ which carry the same constraint).
 """
 from __future__ import annotations
 
-import itertools
-import threading
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
 from jax_fusedar.common import patterns, results
 
 from . import ops
-from .workspace import TORCH_DTYPES, TorchAllReduceFusionWorkspace
+from .workspace import TORCH_DTYPES, lookup_workspace, register_workspace, unregister_workspace
 
 __all__ = [
     "register_workspace", "lookup_workspace", "unregister_workspace",
@@ -58,45 +57,6 @@ __all__ = [
     "ALLREDUCE", "ALLREDUCE_RESIDUAL_RMSNORM", "ALLREDUCE_RESIDUAL_RMSNORM_QUANT",
     "QUANT_PATTERNS",
 ]
-
-# --- workspace registry --------------------------------------------------------------------------
-
-_registry: Dict[int, TorchAllReduceFusionWorkspace] = {}
-_handles = itertools.count(1)
-_lock = threading.Lock()
-
-
-def register_workspace(ws: TorchAllReduceFusionWorkspace) -> int:
-    """Registers ``ws`` and returns its int handle (the same handle if already registered)."""
-    if not isinstance(ws, TorchAllReduceFusionWorkspace):
-        raise TypeError(f"expected a TorchAllReduceFusionWorkspace, got {type(ws).__name__}")
-    with _lock:
-        for h, w in _registry.items():
-            if w is ws:
-                return h
-        h = next(_handles)
-        _registry[h] = ws
-        return h
-
-
-def lookup_workspace(handle: int) -> TorchAllReduceFusionWorkspace:
-    """The workspace registered under ``handle``; KeyError if none, RuntimeError if it was
-    destroyed since."""
-    with _lock:
-        ws = _registry.get(int(handle))
-    if ws is None:
-        raise KeyError(f"no all-reduce fusion workspace is registered under handle {handle} "
-                       f"(torch_compat.library.register_workspace)")
-    if ws.destroyed:
-        raise RuntimeError(f"workspace handle {handle} refers to a destroyed workspace: {ws!r}")
-    return ws
-
-
-def unregister_workspace(handle: int) -> None:
-    """Drops ``handle`` from the registry (idempotent). Does not destroy the workspace."""
-    with _lock:
-        _registry.pop(int(handle), None)
-
 
 # --- the ops -------------------------------------------------------------------------------------
 

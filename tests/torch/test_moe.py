@@ -9,7 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 import torch_compat  # noqa: E402
 from jax_fusedar.common import sizing  # noqa: E402
-from torch_compat import library, moe, ops  # noqa: E402
+from torch_compat import cuda_state, library  # noqa: E402
 from torch_compat import workspace as wsmod  # noqa: E402
 
 from tests.torch.test_torch_compat import FakeRank  # noqa: E402
@@ -40,8 +40,7 @@ def fake_workspace(world=2, max_tokens=64, hidden=7168, dtype=BF):
 
 @pytest.fixture(autouse=True)
 def cpu_stream(monkeypatch):
-    monkeypatch.setattr(ops, "_current_stream", lambda device: 0xC0FFEE)
-    monkeypatch.setattr(moe, "_current_stream", lambda device: 0xC0FFEE)
+    monkeypatch.setattr(cuda_state, "current_stream", lambda device: 0xC0FFEE)
 
 
 def finalize_args(t=4, k=8, rows=40, h=7168, dtype=BF):
