@@ -22,8 +22,7 @@ from .call_plan import CallPlan, choose_path
 from .common import arguments, backend_choice, limits, patterns, quant_layouts
 from .common.patterns import (MOE_PATTERNS, TRAITS, AllReduceFusionPattern, QuantizationSFLayout,
                               as_pattern)
-from .ffi_op import register_ffi_targets
-from .primitive import allreduce_fusion_p
+from .primitive import allreduce_fusion_op
 from .workspace import AllReduceFusionWorkspace
 
 
@@ -171,17 +170,11 @@ def allreduce_fusion(x: ArrayLike, *, axis_name: str, workspace: AllReduceFusion
     plan = CallPlan(workspace.backend, workspace.sizes, strict,
                     None if use_oneshot is None else bool(use_oneshot))
     use_kernel, algorithm = choose_path(plan, tokens, hidden, dtype_name)
-    if use_kernel and not register_ffi_targets():
-        raise RuntimeError("the workspace uses the trtllm kernel but jax_fusedar's native "
-                           "extension is not available")
-
-    outs = allreduce_fusion_p.bind(
-        *operands, axis_name=(axis_name,), pattern=int(pattern), use_kernel=use_kernel,
-        workspace_id=workspace.id,
-        workspace_groups=tuple(g.members for g in workspace.groups),
-        algorithm=int(algorithm), fp32_acc=bool(fp32_acc), rms_eps=float(rms_eps),
-        weight_bias=float(weight_bias), layout=layout, block_quant_group_size=group_size,
-        plan=plan)
+    outs = allreduce_fusion_op.bind(
+        *operands, workspace=workspace, axis_name=axis_name, use_kernel=use_kernel, plan=plan,
+        pattern=int(pattern), algorithm=int(algorithm), fp32_acc=bool(fp32_acc),
+        rms_eps=float(rms_eps), weight_bias=float(weight_bias), layout=layout,
+        block_quant_group_size=group_size)
     if traits.has_allreduce_out:
         named = {"allreduce_out": outs[0]}
     else:

@@ -1,12 +1,14 @@
 """``jax.export`` of programs that use jax_fusedar's op.
 
 ``jax.export`` refuses custom calls whose targets are not on its list of targets with a
-compatibility guarantee. jax_fusedar's target keeps its own guarantee instead: the name is
-versioned (``jax_fusedar_allreduce_fusion_v2``), its operands, results and attributes never
-change under that name (a new layout gets a new name), and the handler re-checks the
-operand and result lists, so an artifact never meets a handler it was not built for.
-``DISABLED_CHECKS`` states exactly that exemption (for this target only), and ``export``
-applies it::
+compatibility guarantee. jax_fusedar's ops keep their own guarantee instead: each target's
+name is versioned (``jax_fusedar_allreduce_fusion_v2``, ``jax_fusedar_moe_allreduce_fusion_v1``),
+its operands, results and attributes never change under that name (a new layout gets a new
+name), and the handler re-checks the operand and result lists, so an artifact never meets a
+handler it was not built for. The targets come from the one registry of the package's ops
+(``ffi_op.export_safe_targets``: every op declared through ``ffi_op.FfiOp``, the dense op and
+both MoE ops); ``DISABLED_CHECKS`` states exactly that exemption (for those targets only), and
+``export`` applies it::
 
     exp = jax_fusedar.export.export(jax.jit(f), platforms=("cpu", "cuda"))(*arg_specs)
     blob = exp.serialize()
@@ -32,10 +34,12 @@ import re
 
 import jax
 
-from .ffi_op import allowing_reference_for_cuda, refusing_reference_for_cuda, register_ffi_targets
-from .primitive import FFI_TARGET
+from . import moe_primitive, primitive  # noqa: F401 (their ops fill the registry)
+from .ffi_op import (allowing_reference_for_cuda, export_safe_targets,
+                     refusing_reference_for_cuda, register_ffi_targets)
 
-DISABLED_CHECKS = (jax.export.DisabledSafetyCheck.custom_call(FFI_TARGET),)
+DISABLED_CHECKS = tuple(jax.export.DisabledSafetyCheck.custom_call(target)
+                        for target in export_safe_targets())
 
 
 def export(fun, *, platforms=None, disabled_checks=(), **kwargs):

@@ -18,7 +18,8 @@ add and RMSNorm (patterns 6 and 7), inside ``jax.shard_map``, on the workspace o
 
 Both return ``MoeAllReduceFusionOutputs(allreduce_out, residual_out, norm_out)``
 (``allreduce_out`` only for pattern 6 with ``return_allreduce_out=True``), invariant over
-``axis_name`` like ``psum``. The math and its rounding points are in ``moe_reference.py``.
+``axis_name`` like ``psum``. The math and its rounding points are in ``moe_reference.py``,
+the two ops (``ffi_op.FfiOp``) in ``moe_primitive.py``.
 
 Kernel or reference is decided at trace time from shapes, dtype and the workspace (as for
 ``allreduce_fusion``): the kernels run on 16-bit inputs, one-shot only (every token's row of
@@ -43,22 +44,15 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
 
-from . import moe_reference
 from .call_checks import (as_gamma, as_residual, check_call_on_workspace, check_concrete_shape,
                           check_operand, check_workspace)
 from .call_plan import CallPlan, choose_moe_kernel
-from .common import arguments, backend_choice, moe_limits, native
+from .common import arguments, backend_choice, moe_limits
 from .common.patterns import AllReduceFusionPattern
-from .ffi_op import (check_lowering_mesh, check_reference_lowered_for_cuda,
-                     register_ffi_targets, varying, with_varying)
+from .moe_primitive import FFI_TARGET, moe_finalize_op, moe_reduction_op  # noqa: F401
 from .workspace import AllReduceFusionWorkspace
 
-FFI_TARGET = native.FFI_TARGETS["moe_allreduce_fusion"]
-REDUCTION = int(AllReduceFusionPattern.kMoEReductionARResidualRMSNorm)
-FINALIZE = int(AllReduceFusionPattern.kMoEFinalizeARResidualRMSNorm)
 # The MoE kernels' rule, one for JAX, torch and the native launch (common/moe_limits.py).
 kernel_problem = moe_limits.kernel_problem
 
@@ -68,167 +62,6 @@ class MoeAllReduceFusionOutputs(NamedTuple):
     residual_out: jax.Array
     norm_out: jax.Array
 
-
-# --- the primitive -----------------------------------------------------------------------------
-
-moe_allreduce_fusion_p = Primitive("jax_fusedar_moe_allreduce_fusion")
-moe_allreduce_fusion_p.multiple_results = True
-
-
-def _split(args, pattern, has_expert_scale, has_shared_expert):
-    """Operands by name (the order ffi/xla/moe_allreduce_fusion.cc checks)."""
-    if pattern == REDUCTION:
-        names = ["expert_scales", "expert_outputs", "token_input", "residual", "rms_gamma"]
-    else:
-        names = ["permuted_input", "expanded_idx_to_permuted_idx", "residual", "rms_gamma"]
-        names += ["expert_scale_factor"] if has_expert_scale else []
-        names += ["shared_expert_output"] if has_shared_expert else []
-    return dict(zip(names, args))
-
-
-def _abstract_eval(*avals, axis_name, pattern, has_expert_scale, has_shared_expert,
-                   allreduce_out, **_):
-    ops = _split(avals, pattern, has_expert_scale, has_shared_expert)
-    local = [v for k, v in ops.items() if k not in ("residual", "rms_gamma")]
-    summed = frozenset().union(*(varying(a) for a in local)) - frozenset(axis_name)
-    res_vma = summed | varying(ops["residual"])
-    norm_vma = res_vma | varying(ops["rms_gamma"])
-    row = ops["residual"]
-    outs = [with_varying(row, res_vma), with_varying(row, norm_vma)]
-    if allreduce_out:
-        outs.append(with_varying(row, summed))
-    return outs
-
-
-moe_allreduce_fusion_p.def_abstract_eval(_abstract_eval)
-moe_allreduce_fusion_p.def_impl(lambda *a, **k: (_ for _ in ()).throw(ValueError(
-    "jax_fusedar's MoE all-reduce fusion must be called inside jax.shard_map")))
-
-
-def _reference_outputs(*args, axis_name, pattern, rms_eps, weight_bias, routed_scaling_factor,
-                       has_expert_scale, has_shared_expert, allreduce_out, **_):
-    ops = _split(args, pattern, has_expert_scale, has_shared_expert)
-    if pattern == REDUCTION:
-        local = moe_reference.moe_reduction_local(ops["expert_outputs"], ops["expert_scales"],
-                                                  ops["token_input"])
-    else:
-        local = moe_reference.moe_finalize_local(
-            ops["permuted_input"], ops["expanded_idx_to_permuted_idx"],
-            expert_scale_factor=ops.get("expert_scale_factor"),
-            shared_expert_output=ops.get("shared_expert_output"),
-            routed_scaling_factor=routed_scaling_factor)
-    summed, residual_out, norm_out = moe_reference.moe_epilogue(
-        local, ops["residual"], ops["rms_gamma"], axis_name=axis_name[0], rms_eps=rms_eps,
-        weight_bias=weight_bias)
-    return [residual_out, norm_out] + ([summed] if allreduce_out else [])
-
-
-_reference_lowering = mlir.lower_fun(_reference_outputs, multiple_results=True)
-
-
-def _default_lowering(ctx, *args, workspace_groups, axis_name, **params):
-    check_lowering_mesh(ctx, axis_name, workspace_groups)
-    return _reference_lowering(ctx, *args, axis_name=axis_name, **params)
-
-
-def _cuda_lowering(ctx, *args, use_kernel, workspace_id, workspace_groups, axis_name, pattern,
-                   rms_eps, weight_bias, routed_scaling_factor, has_expert_scale,
-                   has_shared_expert, allreduce_out, plan=None):
-    check_lowering_mesh(ctx, axis_name, workspace_groups)
-    params = dict(axis_name=axis_name, pattern=pattern, rms_eps=rms_eps,
-                  weight_bias=weight_bias, routed_scaling_factor=routed_scaling_factor,
-                  has_expert_scale=has_expert_scale, has_shared_expert=has_shared_expert,
-                  allreduce_out=allreduce_out)
-    if not use_kernel:
-        check_reference_lowered_for_cuda(workspace_id)
-        return _reference_lowering(ctx, *args, **params)
-    # residual_in is updated in place into residual_out, as for the dense op (each element
-    # is read and written by the same thread).
-    residual_index = 3 if pattern == REDUCTION else 2
-    rule = jax.ffi.ffi_lowering(FFI_TARGET, operand_output_aliases={residual_index: 0})
-    return rule(ctx, *args, workspace_id=np.int64(workspace_id), pattern=np.int32(pattern),
-                rms_eps=np.float32(rms_eps), weight_bias=np.float32(weight_bias),
-                routed_scaling_factor=np.float32(routed_scaling_factor),
-                has_expert_scale=bool(has_expert_scale),
-                has_shared_expert=bool(has_shared_expert), allreduce_out=bool(allreduce_out))
-
-
-mlir.register_lowering(moe_allreduce_fusion_p, _default_lowering)
-mlir.register_lowering(moe_allreduce_fusion_p, _cuda_lowering, platform="cuda")
-
-
-# --- autodiff: the tangent map of the reference math ------------------------------------------
-
-def _jvp(primals, tangents, **params):
-    outs = moe_allreduce_fusion_p.bind(*primals, **params)
-    floating = [i for i, x in enumerate(primals) if jnp.issubdtype(x.dtype, jnp.floating)]
-
-    def reference_of_floats(*values):
-        args = list(primals)
-        for i, v in zip(floating, values):
-            args[i] = v
-        return _reference_outputs(*args, **params)
-
-    _, out_tangents = jax.jvp(reference_of_floats, [primals[i] for i in floating],
-                              [ad.instantiate_zeros(tangents[i]) for i in floating])
-    return outs, list(out_tangents)
-
-
-ad.primitive_jvps[moe_allreduce_fusion_p] = _jvp
-
-
-# --- batching: fold the batch into tokens -------------------------------------------------------
-
-def _at_front(x, d, size):
-    if d is None:
-        return jnp.broadcast_to(x, (size, *x.shape))
-    return jnp.moveaxis(x, d, 0)
-
-
-def _batch(args, dims, **params):
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    pattern = params["pattern"]
-    names = list(_split(range(len(args)), pattern, params["has_expert_scale"],
-                        params["has_shared_expert"]))
-    gamma_batched = dims[names.index("rms_gamma")] is not None
-    ops = {n: _at_front(a, d, size) for n, a, d in zip(names, args, dims)}
-    n_out = 3 if params["allreduce_out"] else 2
-    if gamma_batched:
-        def one(xs):
-            return tuple(moe_allreduce_fusion_p.bind(*xs, **params))
-        outs = jax.lax.map(one, tuple(ops[n] for n in names))
-        return list(outs), [0] * n_out
-    tokens, hidden = ops["residual"].shape[1:]
-    folded = dict(ops)
-    folded["rms_gamma"] = args[names.index("rms_gamma")]
-    flat = lambda x: x.reshape(size * x.shape[1], *x.shape[2:])  # noqa: E731
-    for n in ("token_input", "residual", "expert_scale_factor", "shared_expert_output"):
-        if n in ops:
-            folded[n] = flat(ops[n])
-    if pattern == REDUCTION:
-        e = ops["expert_outputs"].shape[1]
-        folded["expert_outputs"] = jnp.swapaxes(ops["expert_outputs"], 0, 1).reshape(
-            e, size * tokens, hidden)
-        folded["expert_scales"] = jnp.swapaxes(ops["expert_scales"], 0, 1).reshape(
-            e, size * tokens)
-    else:
-        rows = ops["permuted_input"].shape[1]
-        idx = ops["expanded_idx_to_permuted_idx"]
-        offset = (jnp.arange(size, dtype=jnp.int32) * rows)[:, None, None]
-        folded["expanded_idx_to_permuted_idx"] = flat(
-            jnp.where((idx >= 0) & (idx < rows), idx + offset, -1))
-        folded["permuted_input"] = flat(ops["permuted_input"])
-    plan = params["plan"]
-    params = dict(params, use_kernel=choose_moe_kernel(
-        plan, size * tokens, hidden, np.dtype(ops["residual"].dtype).name))
-    outs = moe_allreduce_fusion_p.bind(*(folded[n] for n in names), **params)
-    return [o.reshape(size, tokens, hidden) for o in outs], [0] * n_out
-
-
-batching.primitive_batchers[moe_allreduce_fusion_p] = _batch
-
-
-# --- the public functions ----------------------------------------------------------------------
 
 def _check_call_context(workspace, axis_name, dtype_name):
     check_workspace(workspace, axis_name)
@@ -244,24 +77,13 @@ def _options(rms_eps, weight_bias, strict):
             arguments.as_float("weight_bias", weight_bias), backend_choice.strict_mode(strict))
 
 
-def _bind(operands, *, pattern, lead, hidden, workspace, axis_name, strict, rms_eps,
-          weight_bias, routed_scaling_factor=1.0, has_expert_scale=False,
-          has_shared_expert=False, allreduce_out=False):
-    tokens = math.prod(lead)
+def _bind(op, operands, *, lead, hidden, workspace, axis_name, strict, **params):
     plan = CallPlan(workspace.backend, workspace.sizes, strict, True)
-    use_kernel = choose_moe_kernel(plan, tokens, hidden, workspace.dtype.name)
-    if use_kernel and not register_ffi_targets():
-        raise RuntimeError("the workspace uses the trtllm kernel but jax_fusedar's native "
-                           "extension is not available")
-    outs = moe_allreduce_fusion_p.bind(
-        *operands, axis_name=(axis_name,), pattern=pattern, use_kernel=use_kernel,
-        workspace_id=workspace.id, workspace_groups=tuple(g.members for g in workspace.groups),
-        rms_eps=float(rms_eps), weight_bias=float(weight_bias),
-        routed_scaling_factor=float(routed_scaling_factor),
-        has_expert_scale=bool(has_expert_scale), has_shared_expert=bool(has_shared_expert),
-        allreduce_out=bool(allreduce_out), plan=plan)
+    use_kernel = choose_moe_kernel(plan, math.prod(lead), hidden, workspace.dtype.name)
+    outs = op.bind(*operands, workspace=workspace, axis_name=axis_name, use_kernel=use_kernel,
+                   plan=plan, **params)
     outs = [o.reshape(*lead, hidden) for o in outs]
-    return MoeAllReduceFusionOutputs(outs[2] if allreduce_out else None, outs[0], outs[1])
+    return MoeAllReduceFusionOutputs(outs[2] if len(outs) > 2 else None, outs[0], outs[1])
 
 
 def moe_reduction_allreduce_fusion(
@@ -304,7 +126,7 @@ def moe_reduction_allreduce_fusion(
     operands = [expert_scales.reshape(experts, tokens),
                 expert_outputs.reshape(experts, tokens, hidden),
                 token_input.reshape(tokens, hidden), residual.reshape(tokens, hidden), gamma]
-    return _bind(operands, pattern=REDUCTION, lead=lead, hidden=hidden, workspace=workspace,
+    return _bind(moe_reduction_op, operands, lead=lead, hidden=hidden, workspace=workspace,
                  axis_name=axis_name, strict=strict, rms_eps=rms_eps, weight_bias=weight_bias,
                  allreduce_out=return_allreduce_out)
 
@@ -375,7 +197,7 @@ def moe_finalize_allreduce_fusion(
         shared_expert_output = jnp.asarray(shared_expert_output)
         check_operand("shared_expert_output", shared_expert_output, (*lead, hidden), dtype)
         operands.append(shared_expert_output.reshape(tokens, hidden))
-    return _bind(operands, pattern=FINALIZE, lead=lead, hidden=hidden, workspace=workspace,
+    return _bind(moe_finalize_op, operands, lead=lead, hidden=hidden, workspace=workspace,
                  axis_name=axis_name, strict=strict, rms_eps=rms_eps, weight_bias=weight_bias,
                  routed_scaling_factor=routed_scaling_factor,
                  has_expert_scale=expert_scale_factor is not None,

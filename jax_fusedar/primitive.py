@@ -1,36 +1,27 @@
-"""The JAX primitive behind ``allreduce_fusion``: abstract eval, VMA rule, lowerings.
+"""The dense op behind ``allreduce_fusion``, declared through ``ffi_op.FfiOp``: its abstract
+evaluation, reference math, custom-call attributes and aliases here, its JVP and batching
+rules in ``transforms.py``.
 
-* ``cuda`` lowering: a custom call to the XLA FFI handler (``jax_fusedar_allreduce_fusion_v2``)
-  when the call was cleared for the kernel at trace time, else the reference.
-* every other platform: the reference math (``reference.py``) lowered with ``lower_fun``.
+* ``cuda``: a custom call to the XLA FFI handler (``jax_fusedar_allreduce_fusion_v2``) when
+  the call was cleared for the kernel at trace time, else the reference.
+* every other platform: the reference math (``reference.py``, ``quant_reference.py``).
 
 Operands: x, then residual_in and rms_gamma for residual patterns, then scale_factor (float32
 [1], a runtime operand) for static FP8 / NVFP4. Results: allreduce_out, or residual_out
-[+ norm_out] [+ quant_out [+ scale_out]] (common/results.py gives their shapes; quant_layouts.py
-describes the quantized layouts; ffi/xla/allreduce_fusion.cc checks the same lists). residual_in is aliased to
-residual_out, the in-place update FlashInfer and vLLM use (safe: each element is read and
-written by the same thread).
+[+ norm_out] [+ quant_out [+ scale_out]] (common/results.py gives their shapes;
+quant_layouts.py describes the quantized layouts; ffi/xla/allreduce_fusion.cc checks the
+same lists). residual_in is aliased to residual_out, the in-place update FlashInfer and vLLM
+use (safe: each element is read and written by the same thread).
 """
 from __future__ import annotations
 
-from functools import partial
-
-import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
 
 from . import quant_reference, reference, transforms
-from .common import native, results
+from .common import results
 from .common.patterns import TRAITS, AllReduceFusionPattern
-from .ffi_op import (check_lowering_mesh, check_reference_lowered_for_cuda, varying,
-                     with_varying)
-
-FFI_TARGET = native.FFI_TARGETS["allreduce_fusion"]
-
-allreduce_fusion_p = Primitive("jax_fusedar_allreduce_fusion")
-allreduce_fusion_p.multiple_results = True
+from .ffi_op import FfiOp, varying, with_varying
 
 
 # --- abstract evaluation ----------------------------------------------------------------------
@@ -59,15 +50,11 @@ def _abstract_eval(*avals, axis_name, pattern, layout, block_quant_group_size, *
         for shape, dtype in _result_avals(x, pattern, layout, block_quant_group_size)]
 
 
-allreduce_fusion_p.def_abstract_eval(_abstract_eval)
-allreduce_fusion_p.def_impl(lambda *a, **k: (_ for _ in ()).throw(ValueError(
-    "jax_fusedar.allreduce_fusion must be called inside jax.shard_map")))
-
-
-# --- lowerings ---------------------------------------------------------------------------------
+# --- reference math, custom call ----------------------------------------------------------------
 
 def _reference_outputs(*args, axis_name, pattern, rms_eps, weight_bias, fp32_acc, layout,
-                       block_quant_group_size, **_):
+                       block_quant_group_size, algorithm):
+    del algorithm  # the kernel's choice; the reference computes the same sum either way
     traits = TRAITS[AllReduceFusionPattern(pattern)]
     x = args[0]
     residual, gamma = (args[1], args[2]) if traits.has_residual else (None, None)
@@ -88,40 +75,23 @@ def _reference_outputs(*args, axis_name, pattern, rms_eps, weight_bias, fp32_acc
     return outs + [o for o in (quant, scale) if o is not None]
 
 
-_reference_lowering = mlir.lower_fun(_reference_outputs, multiple_results=True)
+def _attributes(*, pattern, algorithm, fp32_acc, rms_eps, weight_bias, layout,
+                block_quant_group_size):
+    # The handler finds its rank's workspace by workspace_id and the device ordinal.
+    return dict(pattern=np.int32(pattern), algorithm=np.int32(algorithm),
+                fp32_acc=bool(fp32_acc), rms_eps=np.float32(rms_eps),
+                weight_bias=np.float32(weight_bias), layout=np.int32(layout),
+                block_quant_group_size=np.int32(block_quant_group_size))
 
 
-def _cuda_lowering(ctx, *args, axis_name, pattern, use_kernel, workspace_id, workspace_groups,
-                   algorithm, fp32_acc, rms_eps, weight_bias, layout, block_quant_group_size,
-                   plan=None):
-    check_lowering_mesh(ctx, axis_name, workspace_groups)
-    if not use_kernel:
-        check_reference_lowered_for_cuda(workspace_id)
-        return _reference_lowering(ctx, *args, axis_name=axis_name, pattern=pattern,
-                                   rms_eps=rms_eps, weight_bias=weight_bias, fp32_acc=fp32_acc,
-                                   layout=layout, block_quant_group_size=block_quant_group_size)
-    traits = TRAITS[AllReduceFusionPattern(pattern)]
-    aliases = {1: 0} if traits.has_residual else {}
-    rule = jax.ffi.ffi_lowering(FFI_TARGET, operand_output_aliases=aliases)
-    return rule(ctx, *args, workspace_id=np.int64(workspace_id), pattern=np.int32(pattern),
-                algorithm=np.int32(algorithm), fp32_acc=bool(fp32_acc),
-                rms_eps=np.float32(rms_eps), weight_bias=np.float32(weight_bias),
-                layout=np.int32(layout), block_quant_group_size=np.int32(block_quant_group_size))
+def _aliases(*, pattern, **_):
+    return {1: 0} if TRAITS[AllReduceFusionPattern(pattern)].has_residual else {}
 
 
-def _default_lowering(ctx, *args, axis_name, pattern, rms_eps, weight_bias, fp32_acc, layout,
-                      block_quant_group_size, workspace_groups, **_):
-    check_lowering_mesh(ctx, axis_name, workspace_groups)
-    return _reference_lowering(ctx, *args, axis_name=axis_name, pattern=pattern,
-                               rms_eps=rms_eps, weight_bias=weight_bias, fp32_acc=fp32_acc,
-                               layout=layout, block_quant_group_size=block_quant_group_size)
-
-
-mlir.register_lowering(allreduce_fusion_p, _default_lowering)
-mlir.register_lowering(allreduce_fusion_p, _cuda_lowering, platform="cuda")
-
-
-# --- autodiff and batching (transforms.py) ------------------------------------------------------
-
-ad.primitive_jvps[allreduce_fusion_p] = partial(transforms.jvp, allreduce_fusion_p)
-batching.primitive_batchers[allreduce_fusion_p] = partial(transforms.batch, allreduce_fusion_p)
+allreduce_fusion_op = FfiOp(
+    "jax_fusedar_allreduce_fusion", target="allreduce_fusion",
+    public_name="jax_fusedar.allreduce_fusion", abstract_eval=_abstract_eval,
+    reference=_reference_outputs, attributes=_attributes, aliases=_aliases,
+    jvp=transforms.jvp, batch=transforms.batch)
+allreduce_fusion_p = allreduce_fusion_op.primitive
+FFI_TARGET = allreduce_fusion_op.target

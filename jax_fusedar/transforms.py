@@ -1,5 +1,5 @@
-"""Autodiff and batching rules of the ``allreduce_fusion`` primitive (``primitive.py``
-declares them; each rule receives the primitive it binds).
+"""Autodiff and batching rules of the dense op (``primitive.py`` declares them with the op;
+each rule receives the ``ffi_op.FfiOp`` whose primitive it binds).
 
 **JVP (and so grad / vjp / linearize, by JAX's transposition).** The primal outputs come
 from the primitive itself (the kernel on GPUs); the tangents are the tangent map of the
@@ -54,9 +54,9 @@ def _match_vma(t, like):
     return t
 
 
-def jvp(primitive, primals, tangents, **params):
+def jvp(op, primals, tangents, **params):
     """The JVP rule (module docstring)."""
-    outs = primitive.bind(*primals, **params)
+    outs = op.primitive.bind(*primals, **params)
     traits = TRAITS[AllReduceFusionPattern(params["pattern"])]
     out_tangents = [ad.Zero(jax.typeof(o).to_tangent_aval()) for o in outs]
     dtype = outs[0].dtype
@@ -111,7 +111,7 @@ def _foldable(traits, layout: int, tokens: int) -> bool:
     return True
 
 
-def batch(primitive, args, dims, **params):
+def batch(op, args, dims, **params):
     """The batching rule (module docstring): fold the batch into tokens, or map."""
     traits = TRAITS[AllReduceFusionPattern(params["pattern"])]
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
@@ -133,7 +133,7 @@ def batch(primitive, args, dims, **params):
         rows = [r.reshape(size * tokens, hidden) for r in rows]
         use_kernel, algorithm = choose_path(plan, size * tokens, hidden,
                                             np.dtype(x.dtype).name)
-        outs = primitive.bind(*rows, *args[2:], **dict(
+        outs = op.primitive.bind(*rows, *args[2:], **dict(
             params, use_kernel=use_kernel, algorithm=algorithm))
         out_dims = []
         unfolded = []
@@ -153,7 +153,7 @@ def batch(primitive, args, dims, **params):
         call = list(args)
         for i, e in zip(batched, elements):
             call[i] = e
-        return tuple(primitive.bind(*call, **params))
+        return tuple(op.primitive.bind(*call, **params))
 
     outs = jax.lax.map(one, [jnp.moveaxis(args[i], dims[i], 0) for i in batched])
     return list(outs), [0] * len(outs)

@@ -121,9 +121,13 @@ def test_a_second_live_kernel_workspace_with_the_same_key_is_refused():
     assert wsmod.lookup(twin.id) is twin
 
 
-def test_disabled_checks_exempt_exactly_the_fused_target():
+def test_disabled_checks_exempt_exactly_the_fused_targets():
+    # The ops' targets (the dense op's and the one both MoE ops call), from the registry;
+    # never the device timestamp of the benchmarks.
+    from jax_fusedar.common import native
     assert jf.export.DISABLED_CHECKS == (
-        jax.export.DisabledSafetyCheck.custom_call(FFI_TARGET),)
+        jax.export.DisabledSafetyCheck.custom_call(FFI_TARGET),
+        jax.export.DisabledSafetyCheck.custom_call(native.FFI_TARGETS["moe_allreduce_fusion"]))
 
 
 @needs_native
