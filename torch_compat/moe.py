@@ -22,7 +22,9 @@ routes them here; names, defaults and return rules of FlashInfer 0.7.2.post1's u
 
 Differences from FlashInfer, all toward failing loudly: 16-bit inputs only (FlashInfer's MoE
 kernels exist for those only); hidden_dim a multiple of 256 (with a partial warp per token
-the kernels read the next token's row and compute wrong norms); ``quant_out``/``scale_out``
+the kernels read the next token's row and compute wrong norms) that FlashInfer's launcher can
+place in one CTA (``jax_fusedar.common.moe_limits``, the rule JAX and the native launch apply
+too, checked before FlashInfer's own check would fail the launch); ``quant_out``/``scale_out``
 (FP4 output, sm100+) are refused; ``use_oneshot=False``, ``fp32_acc=True`` and
 ``trigger_completion_at_end=False`` are refused (the MoE kernels are one-shot only, round
 after each rank's addition and trigger completion at the end; FlashInfer ignores the
@@ -34,7 +36,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from jax_fusedar.common import arguments, limits, native, patterns, sizing
+from jax_fusedar.common import arguments, moe_limits, native, patterns
 
 from . import cuda_state
 from .tensors import (check_contiguous, check_gamma, check_like, check_placement, check_shape,
@@ -43,7 +45,7 @@ from .workspace import TORCH_DTYPES, TorchAllReduceFusionWorkspace, lookup_works
 
 REDUCTION = patterns.AllReduceFusionPattern.kMoEReductionARResidualRMSNorm
 FINALIZE = patterns.AllReduceFusionPattern.kMoEFinalizeARResidualRMSNorm
-HIDDEN_MULTIPLE = 256
+HIDDEN_MULTIPLE = moe_limits.HIDDEN_MULTIPLE
 _MOE_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -163,20 +165,13 @@ def check_moe_call(pattern, workspace, *, input=None, residual_in=None, rms_gamm
     if static_shape(residual_in):
         if t == 0:
             raise ValueError("residual_in is empty (no tokens)")
-        if h % HIDDEN_MULTIPLE:
-            raise ValueError(
-                f"{p.name}: hidden_dim {h} is not a multiple of {HIDDEN_MULTIPLE}; FlashInfer's "
-                "MoE kernels give each token whole warps of 8-element threads, and the spare "
-                "threads of a partial warp read the next token's row (wrong norms)")
-        limits.check_kernel_supports(workspace.sizes.world_size, h, name)
-        if not sizing.buffer_fits(t, h, workspace.sizes):
-            raise ValueError(f"the call does not fit the workspace: {t}x{h} exceeds "
-                             f"max_token_num={workspace.sizes.max_token_num} x hidden "
-                             f"{workspace.sizes.hidden_dim}")
-        need = t * h * workspace.sizes.world_size * 2
-        if need > workspace.sizes.lamport_comm_bytes:
-            raise ValueError(f"{p.name} is one-shot only and needs {need} bytes of Lamport "
-                             f"buffer; the workspace has {workspace.sizes.lamport_comm_bytes}")
+        # The MoE kernels' rule, one for JAX, torch and the native launch.
+        problem = moe_limits.kernel_problem(t, h, name, workspace.sizes)
+        if problem is not None:
+            kind, why = problem
+            if kind == "workspace too small":
+                raise ValueError(f"{p.name}: the call does not fit the workspace: {why}")
+            raise ValueError(f"{p.name}: {why}")
     return CheckedMoeCall(p, name, t, h, rms_eps, weight_bias, routed, launch_with_pdl)
 
 

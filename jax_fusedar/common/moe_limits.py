@@ -32,6 +32,10 @@ def kernel_problem(tokens: int, hidden: int, dtype_name: str,
     ffi/core/moe_launch.cpp enforces the same rules before launching."""
     if dtype_name not in MOE_DTYPES:
         return "unsupported dtype", f"the MoE kernels take bfloat16 or float16, not {dtype_name}"
+    if sizes.dtype_name not in MOE_DTYPES:
+        # The Lamport buffer's empty marker is -0.0 at the workspace's element width.
+        return "unsupported dtype", (f"the MoE kernels need a 16-bit workspace, not a "
+                                     f"{sizes.dtype_name} one")
     problem = limits.kernel_support_problem(sizes.world_size, hidden, dtype_name)
     if problem is not None:
         return "unsupported shape", problem

@@ -207,3 +207,28 @@ def test_custom_ops_fake_implementations_trace_and_refuse():
                     handle)
     finally:
         library.unregister_workspace(handle)
+
+
+def test_one_moe_rule_refuses_what_flashinfers_launcher_cannot_place():
+    """hidden 8448 is 33 warps per token: no cluster of 2, 4 or 8 CTAs divides them, so one
+    CTA would need 1056 threads and FlashInfer's launcher refuses it inside the launch. The
+    rule JAX applies at trace time (common.moe_limits) refuses it here too, eagerly and in
+    the fake implementations that torch.compile traces."""
+    ws = fake_workspace(hidden=8448)
+    with pytest.raises(ValueError, match="1056 threads per block"):
+        torch_compat.allreduce_fusion(workspace=ws, pattern=P7, **finalize_args(h=8448))
+    with pytest.raises(ValueError, match="1056 threads per block"):
+        torch_compat.allreduce_fusion(workspace=ws, pattern=P6,
+                                      norm_out=torch.empty(4, 8448, dtype=BF),
+                                      **reduction_args(h=8448))
+    assert not ws.native_rank().moe_launches
+    handle = library.register_workspace(ws)
+    try:
+        with FakeTensorMode():
+            a = finalize_args(h=8448)
+            with pytest.raises(ValueError, match="1056 threads per block"):
+                torch.ops.torch_compat.moe_finalize_allreduce_residual_rmsnorm(
+                    a["input"], a["expanded_idx_to_permuted_idx"], a["residual_in"],
+                    a["rms_gamma"], a["expert_scale_factor"], None, 1.0, 1e-6, 0.0, handle)
+    finally:
+        library.unregister_workspace(handle)
