@@ -32,7 +32,7 @@ arguments); an output a pattern does not write (``output`` for 7) is refused.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -41,7 +41,7 @@ from jax_fusedar.common import arguments, moe_limits, native, patterns
 from . import cuda_state
 from .tensors import (check_contiguous, check_gamma, check_like, check_placement, check_shape,
                       static_shape)
-from .workspace import TORCH_DTYPES, TorchAllReduceFusionWorkspace, lookup_workspace
+from .workspace import TORCH_DTYPES, TorchAllReduceFusionWorkspace
 
 REDUCTION = patterns.AllReduceFusionPattern.kMoEReductionARResidualRMSNorm
 FINALIZE = patterns.AllReduceFusionPattern.kMoEFinalizeARResidualRMSNorm
@@ -279,72 +279,3 @@ def moe_allreduce_fusion(input, workspace, pattern, *, launch_with_pdl=False,
                         shared_expert_output=ptr(shared_expert_output),
                         routed_scaling_factor=call.routed_scaling_factor, **common)
     return norm_out
-
-
-# --- torch.library custom ops (functional, for torch.compile; CUDA-graph capturable) --------
-
-@torch.library.custom_op("torch_compat::moe_reduction_allreduce_residual_rmsnorm",
-                         mutates_args=(), device_types="cuda")
-def moe_reduction_allreduce_residual_rmsnorm(
-        expert_outputs: torch.Tensor, expert_scales: torch.Tensor, token_input: torch.Tensor,
-        residual: torch.Tensor, gamma: torch.Tensor, eps: float, weight_bias: float,
-        workspace_handle: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pattern 6: ``(residual_out, norm_out, allreduce_out)`` for expert_outputs [E, T, H],
-    expert_scales float32 [E, T], token_input [T, H]."""
-    ws = lookup_workspace(workspace_handle)
-    outs = [torch.empty_like(residual, memory_format=torch.contiguous_format) for _ in range(3)]
-    moe_allreduce_fusion(None, ws, REDUCTION, residual_out=outs[0], norm_out=outs[1],
-                         output=outs[2], residual_in=residual, rms_gamma=gamma, rms_eps=eps,
-                         weight_bias=weight_bias,
-                         moe_reduction_device_num_experts=expert_outputs.shape[0],
-                         moe_reduction_scale_input=expert_scales,
-                         moe_reduction_active_experts_token_input=expert_outputs,
-                         moe_reduction_token_input=token_input)
-    return outs[0], outs[1], outs[2]
-
-
-@moe_reduction_allreduce_residual_rmsnorm.register_fake
-def _moe_reduction_fake(expert_outputs, expert_scales, token_input, residual, gamma, eps,
-                        weight_bias, workspace_handle):
-    check_moe_call(REDUCTION, lookup_workspace(workspace_handle), residual_in=residual,
-                   rms_gamma=gamma, rms_eps=eps, weight_bias=weight_bias,
-                   moe_reduction_device_num_experts=expert_outputs.shape[0],
-                   moe_reduction_scale_input=expert_scales,
-                   moe_reduction_active_experts_token_input=expert_outputs,
-                   moe_reduction_token_input=token_input)
-    return tuple(torch.empty_like(residual, memory_format=torch.contiguous_format)
-                 for _ in range(3))
-
-
-@torch.library.custom_op("torch_compat::moe_finalize_allreduce_residual_rmsnorm",
-                         mutates_args=(), device_types="cuda")
-def moe_finalize_allreduce_residual_rmsnorm(
-        permuted_input: torch.Tensor, expanded_idx_to_permuted_idx: torch.Tensor,
-        residual: torch.Tensor, gamma: torch.Tensor, expert_scale_factor: Optional[torch.Tensor],
-        shared_expert_output: Optional[torch.Tensor], routed_scaling_factor: float, eps: float,
-        weight_bias: float, workspace_handle: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Pattern 7: ``(residual_out, norm_out)``."""
-    ws = lookup_workspace(workspace_handle)
-    outs = [torch.empty_like(residual, memory_format=torch.contiguous_format) for _ in range(2)]
-    moe_allreduce_fusion(permuted_input, ws, FINALIZE, residual_out=outs[0], norm_out=outs[1],
-                         residual_in=residual, rms_gamma=gamma, rms_eps=eps,
-                         weight_bias=weight_bias,
-                         expanded_idx_to_permuted_idx=expanded_idx_to_permuted_idx,
-                         expert_scale_factor=expert_scale_factor,
-                         shared_expert_output=shared_expert_output,
-                         routed_scaling_factor=routed_scaling_factor)
-    return outs[0], outs[1]
-
-
-@moe_finalize_allreduce_residual_rmsnorm.register_fake
-def _moe_finalize_fake(permuted_input, expanded_idx_to_permuted_idx, residual, gamma,
-                       expert_scale_factor, shared_expert_output, routed_scaling_factor, eps,
-                       weight_bias, workspace_handle):
-    check_moe_call(FINALIZE, lookup_workspace(workspace_handle), input=permuted_input,
-                   residual_in=residual, rms_gamma=gamma, rms_eps=eps, weight_bias=weight_bias,
-                   expanded_idx_to_permuted_idx=expanded_idx_to_permuted_idx,
-                   expert_scale_factor=expert_scale_factor,
-                   shared_expert_output=shared_expert_output,
-                   routed_scaling_factor=routed_scaling_factor)
-    return tuple(torch.empty_like(residual, memory_format=torch.contiguous_format)
-                 for _ in range(2))

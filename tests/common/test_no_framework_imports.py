@@ -185,6 +185,23 @@ def test_no_import_cycles():
         "\n".join(" <-> ".join(c) for c in cycles)
 
 
+def test_the_packages_import_nothing_of_the_checkout():
+    # tools/ and tests/ are not installed: a wheel's modules must not import them (the torch
+    # bench loads the checkout's anchor loader only when present, and runs without it).
+    files = _module_files()
+    bad = []
+    for name, path in files.items():
+        if path.suffix != ".py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            modules = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                       [node.module or ""] if isinstance(node, ast.ImportFrom) and
+                       node.level == 0 else [])
+            bad += [f"{path.relative_to(REPO)}:{node.lineno}: {m}" for m in modules
+                    if m.split(".")[0] in ("tools", "tests")]
+    assert not bad, "\n".join(bad)
+
+
 def test_no_module_uses_another_modules_private_names():
     _, private = _imports(_module_files())
     bad = [b for found in private.values() for b in found]
