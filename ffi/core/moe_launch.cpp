@@ -5,15 +5,14 @@
 // computes wrong norms. So every rule the kernels rely on is checked here, before launch.
 // A missing peer makes the kernels' bounded waits (watchdog.h) trap after the workspace's
 // timeout; later launches are refused with the recorded text.
-#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "../kernels/moe_kernel_call.h"
-#include "call_check.h"
-#include "device_guard.h"
 #include "fusedar/core.h"
+#include "launch_prelude.h"
 #include "rank_state.h"
 #include "status.h"
 
@@ -155,38 +154,19 @@ extern "C" int fusedar_check_moe_launch(const fusedar_rank* r, const fusedar_moe
 extern "C" int fusedar_moe_launch(const fusedar_rank* r, const fusedar_moe_launch_args* a,
                                   void* stream) {
   if (int rc = check(r, a)) return rc;
-  {
-    // A wait on this workspace (an MoE kernel's, a dense kernel's or the handshake's)
-    // already timed out and trapped: say why instead of CUDA's generic error, as
-    // fusedar_launch does (one read of pinned host memory, before any CUDA call).
-    std::string failed = fusedar::call_check::failure(r);
-    if (!failed.empty()) return fail(FUSEDAR_CUDA_ERROR, failed);
-  }
-  fusedar::DeviceGuard guard(r->device);
-  FUSEDAR_CUDA_TRY(guard.status(), "selecting the device", r->device);
-  if (r->check_calls) {
-    // The ranks must agree on what the all-reduce moves: pattern, dtype and the token
-    // block (per-rank expert counts and top_k may differ, e.g. under expert parallelism).
-    fusedar_launch_args signature{};
-    signature.pattern = a->pattern;
-    signature.dtype = a->dtype;
-    signature.num_tokens = a->num_tokens;
-    signature.hidden_dim = a->hidden_dim;
-    signature.algorithm = FUSEDAR_ALGORITHM_ONESHOT;  // the MoE kernels' only mode
-    cudaError_t err =
-        fusedar::call_check::launch(r, signature, static_cast<cudaStream_t>(stream));
-    if (err != cudaSuccess) {
-      return fusedar::fail_cuda(err, "launching the call-check handshake", r->device);
-    }
-  }
-  fusedar::kernels::MoeKernelCall call{a, r->info.world_size, r->rank, r->table,
-                                       static_cast<cudaStream_t>(stream)};
-  std::string err = a->dtype == FUSEDAR_FLOAT16 ? launch_for_world<FUSEDAR_FLOAT16>(call)
-                                                : launch_for_world<FUSEDAR_BFLOAT16>(call);
-  if (!err.empty()) {
-    (void)cudaGetLastError();
-    return fail(FUSEDAR_CUDA_ERROR, "device " + std::to_string(r->device) + ": " + err);
-  }
-  fusedar::note_launch();
-  return FUSEDAR_OK;
+  // The ranks must agree on what the all-reduce moves: pattern, dtype and the token block
+  // (per-rank expert counts and top_k may differ, e.g. under expert parallelism).
+  fusedar_launch_args signature{};
+  signature.pattern = a->pattern;
+  signature.dtype = a->dtype;
+  signature.num_tokens = a->num_tokens;
+  signature.hidden_dim = a->hidden_dim;
+  signature.algorithm = FUSEDAR_ALGORITHM_ONESHOT;  // the MoE kernels' only mode
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  std::optional<fusedar::DeviceGuard> guard;
+  if (int rc = fusedar::launch_prelude(r, signature, s, guard)) return rc;
+  fusedar::kernels::MoeKernelCall call{a, r->info.world_size, r->rank, r->table, s};
+  return fusedar::launch_result(r, a->dtype == FUSEDAR_FLOAT16
+                                       ? launch_for_world<FUSEDAR_FLOAT16>(call)
+                                       : launch_for_world<FUSEDAR_BFLOAT16>(call));
 }
