@@ -60,7 +60,8 @@ PATTERN_LABELS = {
     int(Pattern.kARResidualRMSNorm): "psum + add + RMSNorm",
     int(Pattern.kARResidualRMSNormOutFP8Quant): "... + static FP8",
     int(Pattern.kARResidualRMSNormOutDynamicFP8Quant): "... + dynamic FP8",
-    int(Pattern.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant): f"... + group FP8 ({GROUP_SIZE})",
+    int(Pattern.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant):
+        f"... + group FP8 ({GROUP_SIZE})",
 }
 
 
