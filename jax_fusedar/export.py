@@ -1,12 +1,14 @@
 """``jax.export`` of programs that use jax_fusedar's op.
 
 ``jax.export`` refuses custom calls whose targets are not on its list of targets with a
-compatibility guarantee. jax_fusedar's target keeps its own guarantee instead: the name is
-versioned (``jax_fusedar_allreduce_fusion_v2``), its operands, results and attributes never
-change under that name (a new layout gets a new name), and the handler re-checks the
-operand and result lists, so an artifact never meets a handler it was not built for.
-``DISABLED_CHECKS`` states exactly that exemption (for this target only), and ``export``
-applies it::
+compatibility guarantee. jax_fusedar's ops keep their own guarantee instead: each target's
+name is versioned (``jax_fusedar_allreduce_fusion_v2``, ``jax_fusedar_moe_allreduce_fusion_v1``),
+its operands, results and attributes never change under that name (a new layout gets a new
+name), and the handler re-checks the operand and result lists, so an artifact never meets a
+handler it was not built for. The targets come from the one registry of the package's ops
+(``ffi_op.export_safe_targets``: every op declared through ``ffi_op.FfiOp``, the dense op and
+both MoE ops); ``DISABLED_CHECKS`` states exactly that exemption (for those targets only), and
+``export`` applies it::
 
     exp = jax_fusedar.export.export(jax.jit(f), platforms=("cpu", "cuda"))(*arg_specs)
     blob = exp.serialize()
@@ -28,19 +30,16 @@ Serializing needs the ``flatbuffers`` package (``jax.export``'s requirement).
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import re
-import warnings
 
 import jax
 
-from .primitive import FFI_TARGET, register_ffi_targets
+from . import moe_primitive, primitive  # noqa: F401 (their ops fill the registry)
+from .ffi_op import (allowing_reference_for_cuda, export_safe_targets,
+                     refusing_reference_for_cuda, register_ffi_targets)
 
-DISABLED_CHECKS = (jax.export.DisabledSafetyCheck.custom_call(FFI_TARGET),)
-
-_refuse_reference = contextvars.ContextVar("jax_fusedar_export_refuses_reference", default=False)
-_allow_reference = contextvars.ContextVar("jax_fusedar_export_allows_reference", default=False)
+DISABLED_CHECKS = tuple(jax.export.DisabledSafetyCheck.custom_call(target)
+                        for target in export_safe_targets())
 
 
 def export(fun, *, platforms=None, disabled_checks=(), **kwargs):
@@ -55,9 +54,9 @@ def export(fun, *, platforms=None, disabled_checks=(), **kwargs):
                                  disabled_checks=(*DISABLED_CHECKS, *disabled_checks), **kwargs)
 
     def do_export(*args, **kw):
-        token = _refuse_reference.set(not _allow_reference.get())
         try:
-            return exporter(*args, **kw)
+            with refusing_reference_for_cuda():
+                return exporter(*args, **kw)
         except NotImplementedError as e:
             if "host_callbacks" not in str(e):
                 raise
@@ -67,8 +66,6 @@ def export(fun, *, platforms=None, disabled_checks=(), **kwargs):
                 "Python callback when XLA compiles): export it on a mesh with Explicit axes "
                 "(jax.make_mesh's default, under jax.set_mesh), where the op is placed at "
                 "trace time, or write the layer with shard_map + allreduce_fusion") from e
-        finally:
-            _refuse_reference.reset(token)
 
     return do_export
 
@@ -87,36 +84,7 @@ def workspace_ids(exported) -> list:
     return sorted({int(m) for m in re.findall(r"workspace_id = (\d+) : i64", text)})
 
 
-@contextlib.contextmanager
 def allow_reference_for_cuda():
-    """Inside ``export``: let a cuda lowering keep the reference for XLA-backend workspaces
-    (the program then never uses the kernel)."""
-    token = _allow_reference.set(True)
-    try:
-        yield
-    finally:
-        _allow_reference.reset(token)
-
-
-def check_reference_lowered_for_cuda(workspace_id: int) -> None:
-    """Called by the cuda lowering of a call that was not cleared for the kernel: when the
-    reason is that the workspace is on the XLA backend of a process without GPUs, the cuda
-    program would silently lack the kernel. Raises inside ``export``, else warns."""
-    if _allow_reference.get():
-        return
-    from .workspace import lookup
-    ws = lookup(workspace_id)
-    if ws is None or ws.backend != "xla" or getattr(ws, "xla_requested", False):
-        return  # not the XLA backend, or the XLA backend asked for: served as asked
-    if any(getattr(d, "platform", None) == "gpu" for d in ws.mesh.devices.flat):
-        return  # the XLA backend chosen on GPUs: the user's (or auto's) explicit choice
-    msg = (f"jax_fusedar: lowering for cuda with {ws!r}, an XLA-backend workspace of a process "
-           "without GPUs (backend 'auto' found no GPU here): the program will run psum + "
-           "RMSNorm, not the fused kernel. To export the kernel from this machine use "
-           "jax_fusedar.abstract_workspace(..., backend='trtllm'), which serving processes "
-           "match by key; to export psum + RMSNorm for cuda on purpose, ask for it with "
-           "backend='xla' (abstract_workspace or create_allreduce_fusion_workspace)")
-    if _refuse_reference.get():
-        raise ValueError(msg + " (or wrap the export in "
-                         "jax_fusedar.export.allow_reference_for_cuda())")
-    warnings.warn(msg, stacklevel=2)
+    """A context inside which ``export`` lets a cuda lowering keep the reference for
+    XLA-backend workspaces (the program then never uses the kernel)."""
+    return allowing_reference_for_cuda()

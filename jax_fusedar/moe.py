@@ -18,7 +18,8 @@ add and RMSNorm (patterns 6 and 7), inside ``jax.shard_map``, on the workspace o
 
 Both return ``MoeAllReduceFusionOutputs(allreduce_out, residual_out, norm_out)``
 (``allreduce_out`` only for pattern 6 with ``return_allreduce_out=True``), invariant over
-``axis_name`` like ``psum``. The math and its rounding points are in ``moe_reference.py``.
+``axis_name`` like ``psum``. The math and its rounding points are in ``moe_reference.py``,
+the two ops (``ffi_op.FfiOp``) in ``moe_primitive.py``.
 
 Kernel or reference is decided at trace time from shapes, dtype and the workspace (as for
 ``allreduce_fusion``): the kernels run on 16-bit inputs, one-shot only (every token's row of
@@ -43,22 +44,17 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
 
-from . import moe_reference
-from .common import arguments, backend_choice, limits, native, sizing
-from .api import CallPlan, _as_gamma, _as_residual, _check_call_on_workspace, _fallback
+from .call_checks import (as_gamma, as_residual, check_call_on_workspace, check_concrete_shape,
+                          check_operand, check_workspace)
+from .call_plan import CallPlan, choose_moe_kernel
+from .common import arguments, backend_choice, moe_limits
 from .common.patterns import AllReduceFusionPattern
-from .primitive import _check_mesh, _varying, _with_varying, register_ffi_targets
+from .moe_primitive import FFI_TARGET, moe_finalize_op, moe_reduction_op  # noqa: F401
 from .workspace import AllReduceFusionWorkspace
 
-FFI_TARGET = native.FFI_TARGETS["moe_allreduce_fusion"]
-REDUCTION = int(AllReduceFusionPattern.kMoEReductionARResidualRMSNorm)
-FINALIZE = int(AllReduceFusionPattern.kMoEFinalizeARResidualRMSNorm)
-# FlashInfer's MoE kernels give each token hidden/8 threads in whole warps.
-HIDDEN_MULTIPLE = 256
-MOE_DTYPES = ("bfloat16", "float16")
+# The MoE kernels' rule, one for JAX, torch and the native launch (common/moe_limits.py).
+kernel_problem = moe_limits.kernel_problem
 
 
 class MoeAllReduceFusionOutputs(NamedTuple):
@@ -67,240 +63,13 @@ class MoeAllReduceFusionOutputs(NamedTuple):
     norm_out: jax.Array
 
 
-# --- the kernel decision -----------------------------------------------------------------------
-
-def kernel_problem(tokens: int, hidden: int, dtype_name: str,
-                   sizes: sizing.WorkspaceSizes) -> Optional[tuple]:
-    """(kind, why) FlashInfer's MoE kernels cannot serve a call of ``tokens`` x ``hidden``,
-    or None. A pure function of the shape and the workspace, so every rank decides alike;
-    ffi/core/moe_launch.cpp enforces the same rules before launching."""
-    if dtype_name not in MOE_DTYPES:
-        return "unsupported dtype", f"the MoE kernels take bfloat16 or float16, not {dtype_name}"
-    problem = limits.kernel_support_problem(sizes.world_size, hidden, dtype_name)
-    if problem is not None:
-        return "unsupported shape", problem
-    if hidden % HIDDEN_MULTIPLE:
-        return "unsupported shape", (
-            f"hidden size {hidden} is not a multiple of {HIDDEN_MULTIPLE}: FlashInfer's MoE "
-            "kernels give each token whole warps of 8-element threads, and the spare threads "
-            "of a partial warp read the next token's row")
-    warps = hidden // HIDDEN_MULTIPLE
-    cluster = next(c for c in (8, 4, 2, 1) if warps % c == 0)
-    if warps // cluster > 32:
-        return "unsupported shape", (f"hidden size {hidden} needs {warps // cluster * 32} "
-                                     "threads per block, above the launch limit of 1024")
-    if not sizing.buffer_fits(tokens, hidden, sizes):
-        return "workspace too small", (
-            f"{tokens}x{hidden} tokens exceed the workspace (max_token_num="
-            f"{sizes.max_token_num} x hidden {sizes.hidden_dim})")
-    need = tokens * hidden * sizes.world_size * 2
-    if need > sizes.lamport_comm_bytes:
-        return "workspace too small", (
-            f"the MoE kernels are one-shot only and need {need} bytes of Lamport buffer; the "
-            f"workspace has {sizes.lamport_comm_bytes}")
-    return None
-
-
-def choose_kernel(plan: CallPlan, tokens: int, hidden: int, dtype_name: str) -> bool:
-    """Whether the call runs the kernel (logs or raises per ``plan.strict`` when it cannot)."""
-    if tokens == 0:
-        return False
-    problem = kernel_problem(tokens, hidden, dtype_name, plan.sizes)
-    if problem is not None:
-        _fallback(*problem, plan.strict, plan.backend)
-        return False
-    return plan.backend == "trtllm"
-
-
-# --- the primitive -----------------------------------------------------------------------------
-
-moe_allreduce_fusion_p = Primitive("jax_fusedar_moe_allreduce_fusion")
-moe_allreduce_fusion_p.multiple_results = True
-
-
-def _split(args, pattern, has_expert_scale, has_shared_expert):
-    """Operands by name (the order ffi/xla/moe_allreduce_fusion.cc checks)."""
-    if pattern == REDUCTION:
-        names = ["expert_scales", "expert_outputs", "token_input", "residual", "rms_gamma"]
-    else:
-        names = ["permuted_input", "expanded_idx_to_permuted_idx", "residual", "rms_gamma"]
-        names += ["expert_scale_factor"] if has_expert_scale else []
-        names += ["shared_expert_output"] if has_shared_expert else []
-    return dict(zip(names, args))
-
-
-def _abstract_eval(*avals, axis_name, pattern, has_expert_scale, has_shared_expert,
-                   allreduce_out, **_):
-    ops = _split(avals, pattern, has_expert_scale, has_shared_expert)
-    local = [v for k, v in ops.items() if k not in ("residual", "rms_gamma")]
-    summed = frozenset().union(*(_varying(a) for a in local)) - frozenset(axis_name)
-    res_vma = summed | _varying(ops["residual"])
-    norm_vma = res_vma | _varying(ops["rms_gamma"])
-    row = ops["residual"]
-    outs = [_with_varying(row, res_vma), _with_varying(row, norm_vma)]
-    if allreduce_out:
-        outs.append(_with_varying(row, summed))
-    return outs
-
-
-moe_allreduce_fusion_p.def_abstract_eval(_abstract_eval)
-moe_allreduce_fusion_p.def_impl(lambda *a, **k: (_ for _ in ()).throw(ValueError(
-    "jax_fusedar's MoE all-reduce fusion must be called inside jax.shard_map")))
-
-
-def _reference_outputs(*args, axis_name, pattern, rms_eps, weight_bias, routed_scaling_factor,
-                       has_expert_scale, has_shared_expert, allreduce_out, **_):
-    ops = _split(args, pattern, has_expert_scale, has_shared_expert)
-    if pattern == REDUCTION:
-        local = moe_reference.moe_reduction_local(ops["expert_outputs"], ops["expert_scales"],
-                                                  ops["token_input"])
-    else:
-        local = moe_reference.moe_finalize_local(
-            ops["permuted_input"], ops["expanded_idx_to_permuted_idx"],
-            expert_scale_factor=ops.get("expert_scale_factor"),
-            shared_expert_output=ops.get("shared_expert_output"),
-            routed_scaling_factor=routed_scaling_factor)
-    summed, residual_out, norm_out = moe_reference.moe_epilogue(
-        local, ops["residual"], ops["rms_gamma"], axis_name=axis_name[0], rms_eps=rms_eps,
-        weight_bias=weight_bias)
-    return [residual_out, norm_out] + ([summed] if allreduce_out else [])
-
-
-_reference_lowering = mlir.lower_fun(_reference_outputs, multiple_results=True)
-
-
-def _default_lowering(ctx, *args, workspace_groups, axis_name, **params):
-    _check_mesh(ctx, axis_name, workspace_groups)
-    return _reference_lowering(ctx, *args, axis_name=axis_name, **params)
-
-
-def _cuda_lowering(ctx, *args, use_kernel, workspace_id, workspace_groups, axis_name, pattern,
-                   rms_eps, weight_bias, routed_scaling_factor, has_expert_scale,
-                   has_shared_expert, allreduce_out, plan=None):
-    _check_mesh(ctx, axis_name, workspace_groups)
-    params = dict(axis_name=axis_name, pattern=pattern, rms_eps=rms_eps,
-                  weight_bias=weight_bias, routed_scaling_factor=routed_scaling_factor,
-                  has_expert_scale=has_expert_scale, has_shared_expert=has_shared_expert,
-                  allreduce_out=allreduce_out)
-    if not use_kernel:
-        from .export import check_reference_lowered_for_cuda
-        check_reference_lowered_for_cuda(workspace_id)
-        return _reference_lowering(ctx, *args, **params)
-    # residual_in is updated in place into residual_out, as for the dense op (each element
-    # is read and written by the same thread).
-    residual_index = 3 if pattern == REDUCTION else 2
-    rule = jax.ffi.ffi_lowering(FFI_TARGET, operand_output_aliases={residual_index: 0})
-    return rule(ctx, *args, workspace_id=np.int64(workspace_id), pattern=np.int32(pattern),
-                rms_eps=np.float32(rms_eps), weight_bias=np.float32(weight_bias),
-                routed_scaling_factor=np.float32(routed_scaling_factor),
-                has_expert_scale=bool(has_expert_scale),
-                has_shared_expert=bool(has_shared_expert), allreduce_out=bool(allreduce_out))
-
-
-mlir.register_lowering(moe_allreduce_fusion_p, _default_lowering)
-mlir.register_lowering(moe_allreduce_fusion_p, _cuda_lowering, platform="cuda")
-
-
-# --- autodiff: the tangent map of the reference math ------------------------------------------
-
-def _jvp(primals, tangents, **params):
-    outs = moe_allreduce_fusion_p.bind(*primals, **params)
-    floating = [i for i, x in enumerate(primals) if jnp.issubdtype(x.dtype, jnp.floating)]
-
-    def reference_of_floats(*values):
-        args = list(primals)
-        for i, v in zip(floating, values):
-            args[i] = v
-        return _reference_outputs(*args, **params)
-
-    _, out_tangents = jax.jvp(reference_of_floats, [primals[i] for i in floating],
-                              [ad.instantiate_zeros(tangents[i]) for i in floating])
-    return outs, list(out_tangents)
-
-
-ad.primitive_jvps[moe_allreduce_fusion_p] = _jvp
-
-
-# --- batching: fold the batch into tokens -------------------------------------------------------
-
-def _at_front(x, d, size):
-    if d is None:
-        return jnp.broadcast_to(x, (size, *x.shape))
-    return jnp.moveaxis(x, d, 0)
-
-
-def _batch(args, dims, **params):
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    pattern = params["pattern"]
-    names = list(_split(range(len(args)), pattern, params["has_expert_scale"],
-                        params["has_shared_expert"]))
-    gamma_batched = dims[names.index("rms_gamma")] is not None
-    ops = {n: _at_front(a, d, size) for n, a, d in zip(names, args, dims)}
-    n_out = 3 if params["allreduce_out"] else 2
-    if gamma_batched:
-        def one(xs):
-            return tuple(moe_allreduce_fusion_p.bind(*xs, **params))
-        outs = jax.lax.map(one, tuple(ops[n] for n in names))
-        return list(outs), [0] * n_out
-    tokens, hidden = ops["residual"].shape[1:]
-    folded = dict(ops)
-    folded["rms_gamma"] = args[names.index("rms_gamma")]
-    flat = lambda x: x.reshape(size * x.shape[1], *x.shape[2:])  # noqa: E731
-    for n in ("token_input", "residual", "expert_scale_factor", "shared_expert_output"):
-        if n in ops:
-            folded[n] = flat(ops[n])
-    if pattern == REDUCTION:
-        e = ops["expert_outputs"].shape[1]
-        folded["expert_outputs"] = jnp.swapaxes(ops["expert_outputs"], 0, 1).reshape(
-            e, size * tokens, hidden)
-        folded["expert_scales"] = jnp.swapaxes(ops["expert_scales"], 0, 1).reshape(
-            e, size * tokens)
-    else:
-        rows = ops["permuted_input"].shape[1]
-        idx = ops["expanded_idx_to_permuted_idx"]
-        offset = (jnp.arange(size, dtype=jnp.int32) * rows)[:, None, None]
-        folded["expanded_idx_to_permuted_idx"] = flat(
-            jnp.where((idx >= 0) & (idx < rows), idx + offset, -1))
-        folded["permuted_input"] = flat(ops["permuted_input"])
-    plan = params["plan"]
-    params = dict(params, use_kernel=choose_kernel(
-        plan, size * tokens, hidden, np.dtype(ops["residual"].dtype).name))
-    outs = moe_allreduce_fusion_p.bind(*(folded[n] for n in names), **params)
-    return [o.reshape(size, tokens, hidden) for o in outs], [0] * n_out
-
-
-batching.primitive_batchers[moe_allreduce_fusion_p] = _batch
-
-
-# --- the public functions ----------------------------------------------------------------------
-
 def _check_call_context(workspace, axis_name, dtype_name):
-    if not isinstance(workspace, AllReduceFusionWorkspace):
-        raise TypeError(f"workspace must come from jax_fusedar.create_allreduce_fusion_"
-                        f"workspace, got {type(workspace).__name__}")
-    if workspace.destroyed:
-        raise ValueError(f"{workspace!r} was destroyed")
-    if workspace.axis_name != axis_name:
-        raise ValueError(f"axis_name={axis_name!r}: the workspace was created for axis "
-                         f"{workspace.axis_name!r}, not {axis_name!r}")
-    if dtype_name not in MOE_DTYPES:
+    check_workspace(workspace, axis_name)
+    if dtype_name not in moe_limits.MOE_DTYPES:
         raise ValueError(f"the MoE patterns take bfloat16 or float16 rows (FlashInfer's MoE "
                          f"kernels exist for those only), got {dtype_name}")
-    _check_call_on_workspace(workspace, axis_name, dtype_name,
-                             op="the MoE all-reduce fusion", dtype_of="the rows have")
-
-
-def _check(name, value, shape, dtype):
-    if tuple(value.shape) != tuple(shape) or value.dtype != dtype:
-        raise ValueError(f"{name} must have shape {tuple(shape)} and dtype "
-                         f"{np.dtype(dtype).name}, got {tuple(value.shape)} "
-                         f"{np.dtype(value.dtype).name}")
-
-
-def _concrete_shape(name, shape):
-    if not all(isinstance(d, (int, np.integer)) for d in shape):
-        raise ValueError(f"{name} has a symbolic shape {shape}: the MoE all-reduce fusion "
-                         "needs concrete sizes (the kernel decision is made at trace time)")
+    check_call_on_workspace(workspace, axis_name, dtype_name,
+                            op="the MoE all-reduce fusion", dtype_of="the rows have")
 
 
 def _options(rms_eps, weight_bias, strict):
@@ -308,24 +77,13 @@ def _options(rms_eps, weight_bias, strict):
             arguments.as_float32("weight_bias", weight_bias), backend_choice.strict_mode(strict))
 
 
-def _bind(operands, *, pattern, lead, hidden, workspace, axis_name, strict, rms_eps,
-          weight_bias, routed_scaling_factor=1.0, has_expert_scale=False,
-          has_shared_expert=False, allreduce_out=False):
-    tokens = math.prod(lead)
+def _bind(op, operands, *, lead, hidden, workspace, axis_name, strict, **params):
     plan = CallPlan(workspace.backend, workspace.sizes, strict, True)
-    use_kernel = choose_kernel(plan, tokens, hidden, workspace.dtype.name)
-    if use_kernel and not register_ffi_targets():
-        raise RuntimeError("the workspace uses the trtllm kernel but jax_fusedar's native "
-                           "extension is not available")
-    outs = moe_allreduce_fusion_p.bind(
-        *operands, axis_name=(axis_name,), pattern=pattern, use_kernel=use_kernel,
-        workspace_id=workspace.id, workspace_groups=tuple(g.members for g in workspace.groups),
-        rms_eps=float(rms_eps), weight_bias=float(weight_bias),
-        routed_scaling_factor=float(routed_scaling_factor),
-        has_expert_scale=bool(has_expert_scale), has_shared_expert=bool(has_shared_expert),
-        allreduce_out=bool(allreduce_out), plan=plan)
+    use_kernel = choose_moe_kernel(plan, math.prod(lead), hidden, workspace.dtype.name)
+    outs = op.bind(*operands, workspace=workspace, axis_name=axis_name, use_kernel=use_kernel,
+                   plan=plan, **params)
     outs = [o.reshape(*lead, hidden) for o in outs]
-    return MoeAllReduceFusionOutputs(outs[2] if allreduce_out else None, outs[0], outs[1])
+    return MoeAllReduceFusionOutputs(outs[2] if len(outs) > 2 else None, outs[0], outs[1])
 
 
 def moe_reduction_allreduce_fusion(
@@ -349,7 +107,7 @@ def moe_reduction_allreduce_fusion(
     if token_input.ndim < 2:
         raise ValueError(f"token_input must be [..., hidden] with at least one token dim, got "
                          f"shape {token_input.shape}")
-    _concrete_shape("token_input", token_input.shape)
+    check_concrete_shape("token_input", token_input.shape, "the MoE all-reduce fusion")
     dtype_name = np.dtype(token_input.dtype).name
     _check_call_context(workspace, axis_name, dtype_name)
     lead, hidden = token_input.shape[:-1], token_input.shape[-1]
@@ -358,18 +116,18 @@ def moe_reduction_allreduce_fusion(
                          f"(token_input's shape after the expert dim), got "
                          f"{expert_outputs.shape}")
     experts = expert_outputs.shape[0]
-    _check("expert_outputs", expert_outputs, (experts, *lead, hidden), token_input.dtype)
-    _check("expert_scales", expert_scales, (experts, *lead), jnp.float32)
+    check_operand("expert_outputs", expert_outputs, (experts, *lead, hidden), token_input.dtype)
+    check_operand("expert_scales", expert_scales, (experts, *lead), jnp.float32)
     # Not zeros_like: that would carry token_input's variance over the axis (api.py).
     residual = (jnp.zeros(token_input.shape, token_input.dtype) if residual is None
-                else _as_residual(residual, token_input))
-    gamma = _as_gamma(rms_gamma, token_input, hidden,
+                else as_residual(residual, token_input))
+    gamma = as_gamma(rms_gamma, token_input, hidden,
                       AllReduceFusionPattern.kMoEReductionARResidualRMSNorm)
     tokens = math.prod(lead)
     operands = [expert_scales.reshape(experts, tokens),
                 expert_outputs.reshape(experts, tokens, hidden),
                 token_input.reshape(tokens, hidden), residual.reshape(tokens, hidden), gamma]
-    return _bind(operands, pattern=REDUCTION, lead=lead, hidden=hidden, workspace=workspace,
+    return _bind(moe_reduction_op, operands, lead=lead, hidden=hidden, workspace=workspace,
                  axis_name=axis_name, strict=strict, rms_eps=rms_eps, weight_bias=weight_bias,
                  allreduce_out=return_allreduce_out)
 
@@ -413,8 +171,10 @@ def moe_finalize_allreduce_fusion(
     if permuted_input.ndim != 2 or permuted_input.shape[0] < 1:
         raise ValueError(f"permuted_input must be [rows >= 1, hidden], got shape "
                          f"{permuted_input.shape}")
-    _concrete_shape("permuted_input", permuted_input.shape)
-    _concrete_shape("expanded_idx_to_permuted_idx", idx.shape)
+    check_concrete_shape("permuted_input", permuted_input.shape,
+                         "the MoE all-reduce fusion")
+    check_concrete_shape("expanded_idx_to_permuted_idx", idx.shape,
+                         "the MoE all-reduce fusion")
     dtype = permuted_input.dtype
     _check_call_context(workspace, axis_name, np.dtype(dtype).name)
     rows, hidden = permuted_input.shape
@@ -426,20 +186,20 @@ def moe_finalize_allreduce_fusion(
     lead, top_k = idx.shape[:-1], idx.shape[-1]
     tokens = math.prod(lead)
     like = jnp.zeros((*lead, hidden), dtype)
-    residual = like if residual is None else _as_residual(residual, like)
-    gamma = _as_gamma(rms_gamma, like, hidden, AllReduceFusionPattern.kMoEFinalizeARResidualRMSNorm)
+    residual = like if residual is None else as_residual(residual, like)
+    gamma = as_gamma(rms_gamma, like, hidden, AllReduceFusionPattern.kMoEFinalizeARResidualRMSNorm)
     # A bad traced index becomes "dropped" (the kernel would read outside permuted_input).
     idx = jnp.where((idx >= -1) & (idx < rows), idx, -1).reshape(tokens, top_k)
     operands = [permuted_input, idx, residual.reshape(tokens, hidden), gamma]
     if expert_scale_factor is not None:
         expert_scale_factor = jnp.asarray(expert_scale_factor)
-        _check("expert_scale_factor", expert_scale_factor, (*lead, top_k), dtype)
+        check_operand("expert_scale_factor", expert_scale_factor, (*lead, top_k), dtype)
         operands.append(expert_scale_factor.reshape(tokens, top_k))
     if shared_expert_output is not None:
         shared_expert_output = jnp.asarray(shared_expert_output)
-        _check("shared_expert_output", shared_expert_output, (*lead, hidden), dtype)
+        check_operand("shared_expert_output", shared_expert_output, (*lead, hidden), dtype)
         operands.append(shared_expert_output.reshape(tokens, hidden))
-    return _bind(operands, pattern=FINALIZE, lead=lead, hidden=hidden, workspace=workspace,
+    return _bind(moe_finalize_op, operands, lead=lead, hidden=hidden, workspace=workspace,
                  axis_name=axis_name, strict=strict, rms_eps=rms_eps, weight_bias=weight_bias,
                  routed_scaling_factor=routed_scaling_factor,
                  has_expert_scale=expert_scale_factor is not None,

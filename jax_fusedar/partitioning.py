@@ -46,7 +46,8 @@ from jax.sharding import PartitionSpec as P
 
 from .common import arguments, backend_choice, limits
 from . import reference
-from .api import AllReduceFusionOutputs, _fallback, allreduce_fusion
+from .api import AllReduceFusionOutputs, allreduce_fusion
+from .call_plan import fallback
 from .common.patterns import AllReduceFusionPattern
 from .workspace import AllReduceFusionWorkspace
 
@@ -162,11 +163,11 @@ def _check_up_front(cfg: _Config, h, w, residual, gamma) -> None:
                              f"(16 bytes of {dtype_name}), as the kernel requires")
         problem = limits.kernel_support_problem(ws.world_size, n, dtype_name)
         if problem and cfg.strict:
-            _fallback("unsupported shape", problem, True, ws.backend)
+            fallback("unsupported shape", problem, True, ws.backend)
     if cfg.strict and cfg.workspaces and not any(
             ws.dtype == np.dtype(h.dtype) for ws in cfg.workspaces):
-        _fallback("no matching workspace", f"no workspace was given for dtype {dtype_name}",
-                  True, "trtllm")
+        fallback("no matching workspace", f"no workspace was given for dtype {dtype_name}",
+                 True, "trtllm")
 
 
 def _check_shapes(h, w, residual, gamma):
@@ -283,8 +284,8 @@ def _local_program(cfg: _Config, mesh, plan: _Plan):
             res, norm = out.residual_out, out.norm_out
         else:
             if why is not None:  # workspaces were given but none serves this call
-                _fallback("no matching workspace", why, backend_choice.strict_mode(cfg.strict),
-                          "trtllm")
+                fallback("no matching workspace", why, backend_choice.strict_mode(cfg.strict),
+                         "trtllm")
             axis = plan.k_axes[0] if len(plan.k_axes) == 1 else plan.k_axes
             _, res, norm = reference.allreduce_fusion_reference(
                 x2, r2, gamma, axis_name=axis, pattern=_PATTERN, rms_eps=cfg.rms_eps,

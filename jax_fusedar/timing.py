@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .common import native
-from .primitive import register_ffi_targets
+from .ffi_op import register_ffi_targets
 
 TARGET = native.FFI_TARGETS["device_timestamp"]
 

@@ -1,4 +1,5 @@
-"""Autodiff and batching rules of the ``allreduce_fusion`` primitive.
+"""Autodiff and batching rules of the dense op (``primitive.py`` declares them with the op;
+each rule receives the ``ffi_op.FfiOp`` whose primitive it binds).
 
 **JVP (and so grad / vjp / linearize, by JAX's transposition).** The primal outputs come
 from the primitive itself (the kernel on GPUs); the tangents are the tangent map of the
@@ -32,11 +33,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.interpreters import ad, batching
+from jax.interpreters import ad
 
 from . import reference
+from .call_plan import choose_path, kernel_problem
 from .common.patterns import TRAITS, AllReduceFusionPattern, QuantizationSFLayout
-from .primitive import _varying, allreduce_fusion_p
+from .ffi_op import varying
 
 
 def _is_zero(t) -> bool:
@@ -46,14 +48,15 @@ def _is_zero(t) -> bool:
 def _match_vma(t, like):
     """The tangent ``t`` marked varying over the axes its primal output varies over (a
     per-rank residual with no tangent still makes residual_out per-rank)."""
-    missing = _varying(jax.typeof(like)) - _varying(jax.typeof(t))
+    missing = varying(jax.typeof(like)) - varying(jax.typeof(t))
     if missing:
         t = jax.lax.pcast(t, tuple(sorted(missing)), to="varying")
     return t
 
 
-def _jvp(primals, tangents, **params):
-    outs = allreduce_fusion_p.bind(*primals, **params)
+def jvp(op, primals, tangents, **params):
+    """The JVP rule (module docstring)."""
+    outs = op.primitive.bind(*primals, **params)
     traits = TRAITS[AllReduceFusionPattern(params["pattern"])]
     out_tangents = [ad.Zero(jax.typeof(o).to_tangent_aval()) for o in outs]
     dtype = outs[0].dtype
@@ -96,8 +99,6 @@ def _jvp(primals, tangents, **params):
     return outs, out_tangents
 
 
-ad.primitive_jvps[allreduce_fusion_p] = _jvp
-
 
 # --- batching ----------------------------------------------------------------------------------
 
@@ -110,9 +111,8 @@ def _foldable(traits, layout: int, tokens: int) -> bool:
     return True
 
 
-def _batch(args, dims, **params):
-    from . import api  # the kernel decision (api imports this module through primitive)
-
+def batch(op, args, dims, **params):
+    """The batching rule (module docstring): fold the batch into tokens, or map."""
     traits = TRAITS[AllReduceFusionPattern(params["pattern"])]
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     x, x_dim = args[0], dims[0]
@@ -125,16 +125,15 @@ def _batch(args, dims, **params):
         # A batch the workspace cannot hold runs per element when one element fits (so the
         # kernel still serves it), decided from the workspace's sizes alone, on every backend.
         def fits(rows):
-            return api._kernel_problem(rows, hidden,
-                                       np.dtype(x.dtype).name, plan.sizes) is None
+            return kernel_problem(rows, hidden, np.dtype(x.dtype).name, plan.sizes) is None
         fold = fits(size * tokens) or not fits(tokens)
     if fold:
         rows = [jnp.moveaxis(a, d, 0) if d is not None
                 else jnp.broadcast_to(a, (size, *a.shape)) for a, d in zip(args[:2], dims[:2])]
         rows = [r.reshape(size * tokens, hidden) for r in rows]
-        use_kernel, algorithm = api.choose_path(plan, size * tokens, hidden,
-                                              np.dtype(x.dtype).name)
-        outs = allreduce_fusion_p.bind(*rows, *args[2:], **dict(
+        use_kernel, algorithm = choose_path(plan, size * tokens, hidden,
+                                            np.dtype(x.dtype).name)
+        outs = op.primitive.bind(*rows, *args[2:], **dict(
             params, use_kernel=use_kernel, algorithm=algorithm))
         out_dims = []
         unfolded = []
@@ -154,10 +153,7 @@ def _batch(args, dims, **params):
         call = list(args)
         for i, e in zip(batched, elements):
             call[i] = e
-        return tuple(allreduce_fusion_p.bind(*call, **params))
+        return tuple(op.primitive.bind(*call, **params))
 
     outs = jax.lax.map(one, [jnp.moveaxis(args[i], dims[i], 0) for i in batched])
     return list(outs), [0] * len(outs)
-
-
-batching.primitive_batchers[allreduce_fusion_p] = _batch

@@ -204,7 +204,8 @@ def _register_static() -> None:
 _register_static()
 
 
-def _mesh_groups(mesh, axis_name):
+def mesh_groups(mesh, axis_name):
+    """The TP groups along ``axis_name`` of ``mesh`` (by device id), in rank order."""
     ids = np.vectorize(lambda d: d.id, otypes=[np.int64])(mesh.devices)
     return tp_groups.tp_groups_from_grid(ids, tuple(mesh.axis_names), axis_name)
 
@@ -271,7 +272,7 @@ def _describe(mesh, axis_name, max_token_num, hidden_dim, dtype,
     world = int(mesh.shape[axis_name])
     limits.check_kernel_supports(world, hidden_dim, dtype_name)
     sizes = sizing.workspace_sizes(world, max_token_num, hidden_dim, dtype_name)
-    groups = _mesh_groups(mesh, axis_name)
+    groups = mesh_groups(mesh, axis_name)
     with _serial_lock:
         serial = next(_serials)
     ws = AllReduceFusionWorkspace(mesh=mesh, axis_name=axis_name, max_token_num=max_token_num,

@@ -47,9 +47,9 @@ def hermetic(monkeypatch):
     """No strict mode, backend choice or call check leaking in from the environment, and
     fallback warnings neither hidden by earlier tests nor hiding later ones (each kind logs
     once). Imported lazily: a test module sets XLA_FLAGS before JAX is first imported."""
-    from jax_fusedar import api
+    from jax_fusedar import call_plan
     from jax_fusedar.common import backend_choice, call_check
     for var in (backend_choice.STRICT_ENV_VAR, backend_choice.BACKEND_ENV_VAR,
                 call_check.CHECK_CALLS_ENV_VAR):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(api, "_fallback_reasons_logged", set())
+    monkeypatch.setattr(call_plan, "_fallback_reasons_logged", set())

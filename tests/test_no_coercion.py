@@ -193,11 +193,10 @@ def test_fuse(mesh, name, value):
 @pytest.fixture
 def torch_ws(monkeypatch):
     pytest.importorskip("torch")
-    from torch_compat import moe, ops
+    from torch_compat import cuda_state
     from tests.torch.test_moe import fake_workspace
-    monkeypatch.setattr(ops, "_current_stream", lambda device: 0)
-    monkeypatch.setattr(moe, "_current_stream", lambda device: 0)
-    monkeypatch.setattr(ops, "_compute_capability", lambda device: (10, 0))
+    monkeypatch.setattr(cuda_state, "current_stream", lambda device: 0)
+    monkeypatch.setattr(cuda_state, "compute_capability", lambda device: (10, 0))
     return fake_workspace(max_tokens=16, hidden=1024)
 
 

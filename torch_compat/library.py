@@ -1,6 +1,7 @@
-"""The fused all-reduce as ``torch.library`` custom ops, for ``torch.compile``.
+"""The fused all-reduce as ``torch.library`` custom ops, for ``torch.compile``: every op
+torch_compat registers is declared here.
 
-Three functional ops (they allocate and return their outputs, which is what
+Five functional ops (they allocate and return their outputs, which is what
 ``torch.compile`` and functionalization handle best; nothing is mutated):
 
 * ``torch_compat::allreduce(Tensor input, bool? use_oneshot, bool fp32_acc,
@@ -18,17 +19,29 @@ Three functional ops (they allocate and return their outputs, which is what
   ``ops.allreduce_fusion`` documents. An output the pattern does not produce comes back as
   an empty tensor (shape [0]): ``norm_out`` for 2, 3, 8, 10; ``scale_out`` for 2, 4. The
   per-token-group ``scale_out`` is FlashInfer's (M, K) int32 tensor with strides (1, T).
+* ``torch_compat::moe_reduction_allreduce_residual_rmsnorm(Tensor expert_outputs,
+  Tensor expert_scales, Tensor token_input, Tensor residual, Tensor gamma, float eps,
+  float weight_bias, int workspace_handle) -> (Tensor residual_out, Tensor norm_out,
+  Tensor allreduce_out)`` -- MoE pattern 6 (``torch_compat.moe``): expert_outputs [E, T, H],
+  expert_scales float32 [E, T], token_input [T, H].
+* ``torch_compat::moe_finalize_allreduce_residual_rmsnorm(Tensor permuted_input,
+  Tensor expanded_idx_to_permuted_idx, Tensor residual, Tensor gamma,
+  Tensor? expert_scale_factor, Tensor? shared_expert_output, float routed_scaling_factor,
+  float eps, float weight_bias, int workspace_handle) -> (Tensor residual_out,
+  Tensor norm_out)`` -- MoE pattern 7.
 
 A custom op cannot take a Python object, so the workspace travels as an int:
 ``register_workspace(ws)`` puts a live ``TorchAllReduceFusionWorkspace`` in a process-level
-registry and returns its handle; ``lookup_workspace(handle)`` gets it back;
-``unregister_workspace(handle)`` drops it. The handle is baked into a compiled graph as a
-constant, so keep the workspace registered (and alive) as long as the graph may run.
+registry (beside the workspace, ``torch_compat.workspace``) and returns its handle;
+``lookup_workspace(handle)`` gets it back; ``unregister_workspace(handle)`` drops it. The
+handle is baked into a compiled graph as a constant, so keep the workspace registered (and
+alive) as long as the graph may run.
 
 The real kernel is registered for the CUDA dispatch key and calls
-``torch_compat.ops.allreduce_fusion`` (every argument check of the eager op applies). The
-fake (meta) implementations run the eager op's checks of inputs and options
-(``ops.check_call``, with the workspace looked up from the handle) and return fresh tensors
+``torch_compat.ops.allreduce_fusion`` (the MoE ops ``torch_compat.moe.moe_allreduce_fusion``:
+every argument check of the eager op applies). The fake (meta) implementations run the eager
+op's checks of inputs and options (``ops.check_call``, ``moe.check_moe_call``, with the
+workspace looked up from the handle) and return fresh tensors
 of the outputs' metadata, so the ops trace under ``FakeTensorMode``, ``make_fx`` and
 ``torch.compile(fullgraph=True)`` without a GPU, and a call the op would refuse fails while
 tracing, not at run time. Only what needs real memory or the GPU (device placement,
@@ -41,70 +54,24 @@ which carry the same constraint).
 """
 from __future__ import annotations
 
-import itertools
-import threading
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
-from jax_fusedar.common import arguments, patterns, results
+from jax_fusedar.common import patterns, results
 
-from . import ops
-from .workspace import TORCH_DTYPES, TorchAllReduceFusionWorkspace
+from . import moe, ops
+from .tensors import concrete
+from .workspace import TORCH_DTYPES, lookup_workspace, register_workspace, unregister_workspace
 
 __all__ = [
     "register_workspace", "lookup_workspace", "unregister_workspace",
     "allreduce", "allreduce_residual_rmsnorm", "allreduce_residual_rmsnorm_quant",
+    "moe_reduction_allreduce_residual_rmsnorm", "moe_finalize_allreduce_residual_rmsnorm",
     "ALLREDUCE", "ALLREDUCE_RESIDUAL_RMSNORM", "ALLREDUCE_RESIDUAL_RMSNORM_QUANT",
+    "MOE_REDUCTION_ALLREDUCE_RESIDUAL_RMSNORM", "MOE_FINALIZE_ALLREDUCE_RESIDUAL_RMSNORM",
     "QUANT_PATTERNS",
 ]
-
-# --- workspace registry --------------------------------------------------------------------------
-
-_registry: Dict[int, TorchAllReduceFusionWorkspace] = {}
-_handles = itertools.count(1)
-_lock = threading.Lock()
-
-
-def register_workspace(ws: TorchAllReduceFusionWorkspace) -> int:
-    """Registers ``ws`` and returns its int handle (the same handle if already registered)."""
-    if not isinstance(ws, TorchAllReduceFusionWorkspace):
-        raise TypeError(f"expected a TorchAllReduceFusionWorkspace, got {type(ws).__name__}")
-    with _lock:
-        for h, w in _registry.items():
-            if w is ws:
-                return h
-        h = next(_handles)
-        _registry[h] = ws
-        return h
-
-
-def _as_handle(handle) -> int:
-    """A handle is an int (a SymInt while torch.compile traces with dynamic=True: its value,
-    under a guard), never "1" or 1.9 coerced to one."""
-    return arguments.as_int("workspace_handle", ops.concrete(handle))
-
-
-def lookup_workspace(handle: int) -> TorchAllReduceFusionWorkspace:
-    """The workspace registered under ``handle``; KeyError if none, RuntimeError if it was
-    destroyed since."""
-    handle = _as_handle(handle)
-    with _lock:
-        ws = _registry.get(handle)
-    if ws is None:
-        raise KeyError(f"no all-reduce fusion workspace is registered under handle {handle} "
-                       f"(torch_compat.library.register_workspace)")
-    if ws.destroyed:
-        raise RuntimeError(f"workspace handle {handle} refers to a destroyed workspace: {ws!r}")
-    return ws
-
-
-def unregister_workspace(handle: int) -> None:
-    """Drops ``handle`` from the registry (idempotent). Does not destroy the workspace."""
-    handle = _as_handle(handle)
-    with _lock:
-        _registry.pop(handle, None)
-
 
 # --- the ops -------------------------------------------------------------------------------------
 
@@ -162,7 +129,7 @@ def _check_quant_call(input, residual, gamma, eps, weight_bias, pattern, scale_f
                       workspace_handle) -> None:
     """The quantized op's checks, the same in the real and the fake implementation: its
     patterns only, then every check of the eager op (ops.check_call)."""
-    pattern = ops.concrete(pattern)
+    pattern = concrete(pattern)
     torch._check(pattern in QUANT_PATTERNS,
                  lambda: f"allreduce_residual_rmsnorm_quant serves the quantized patterns "
                          f"{QUANT_PATTERNS}, got {pattern} (patterns 0 and 1 have their own ops)")
@@ -177,7 +144,7 @@ def _quant_outputs(input: torch.Tensor, pattern: int, block_quant_group_size: Op
     """Fresh (residual_out, norm_out, quant_out, scale_out) for a quantized pattern, the
     same in the real and the fake implementation (so their metadata agree), shaped by
     ``results.result_specs``; an output the pattern does not write is an empty [0] tensor."""
-    pattern, layout_code = ops.concrete(pattern), ops.concrete(layout_code)
+    pattern, layout_code = concrete(pattern), concrete(layout_code)
     torch._check(pattern in QUANT_PATTERNS,
                  lambda: f"allreduce_residual_rmsnorm_quant serves the quantized patterns "
                          f"{QUANT_PATTERNS}, got {pattern} (patterns 0 and 1 have their own ops)")
@@ -242,7 +209,80 @@ def _allreduce_residual_rmsnorm_quant_fake(input, residual, gamma, eps, weight_b
     return _quant_outputs(input, pattern, block_quant_group_size, layout_code)
 
 
+# --- the MoE ops (patterns 6 and 7, torch_compat.moe) --------------------------------------------
+
+@torch.library.custom_op("torch_compat::moe_reduction_allreduce_residual_rmsnorm",
+                         mutates_args=(), device_types="cuda")
+def moe_reduction_allreduce_residual_rmsnorm(
+        expert_outputs: torch.Tensor, expert_scales: torch.Tensor, token_input: torch.Tensor,
+        residual: torch.Tensor, gamma: torch.Tensor, eps: float, weight_bias: float,
+        workspace_handle: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pattern 6: ``(residual_out, norm_out, allreduce_out)`` for expert_outputs [E, T, H],
+    expert_scales float32 [E, T], token_input [T, H]."""
+    ws = lookup_workspace(workspace_handle)
+    outs = [torch.empty_like(residual, memory_format=torch.contiguous_format) for _ in range(3)]
+    moe.moe_allreduce_fusion(None, ws, moe.REDUCTION, residual_out=outs[0], norm_out=outs[1],
+                             output=outs[2], residual_in=residual, rms_gamma=gamma, rms_eps=eps,
+                             weight_bias=weight_bias,
+                             moe_reduction_device_num_experts=expert_outputs.shape[0],
+                             moe_reduction_scale_input=expert_scales,
+                             moe_reduction_active_experts_token_input=expert_outputs,
+                             moe_reduction_token_input=token_input)
+    return outs[0], outs[1], outs[2]
+
+
+@moe_reduction_allreduce_residual_rmsnorm.register_fake
+def _moe_reduction_fake(expert_outputs, expert_scales, token_input, residual, gamma, eps,
+                        weight_bias, workspace_handle):
+    moe.check_moe_call(moe.REDUCTION, lookup_workspace(workspace_handle), residual_in=residual,
+                       rms_gamma=gamma, rms_eps=eps, weight_bias=weight_bias,
+                       moe_reduction_device_num_experts=expert_outputs.shape[0],
+                       moe_reduction_scale_input=expert_scales,
+                       moe_reduction_active_experts_token_input=expert_outputs,
+                       moe_reduction_token_input=token_input)
+    return tuple(torch.empty_like(residual, memory_format=torch.contiguous_format)
+                 for _ in range(3))
+
+
+@torch.library.custom_op("torch_compat::moe_finalize_allreduce_residual_rmsnorm",
+                         mutates_args=(), device_types="cuda")
+def moe_finalize_allreduce_residual_rmsnorm(
+        permuted_input: torch.Tensor, expanded_idx_to_permuted_idx: torch.Tensor,
+        residual: torch.Tensor, gamma: torch.Tensor, expert_scale_factor: Optional[torch.Tensor],
+        shared_expert_output: Optional[torch.Tensor], routed_scaling_factor: float, eps: float,
+        weight_bias: float, workspace_handle: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Pattern 7: ``(residual_out, norm_out)``."""
+    ws = lookup_workspace(workspace_handle)
+    outs = [torch.empty_like(residual, memory_format=torch.contiguous_format) for _ in range(2)]
+    moe.moe_allreduce_fusion(permuted_input, ws, moe.FINALIZE, residual_out=outs[0],
+                             norm_out=outs[1], residual_in=residual, rms_gamma=gamma,
+                             rms_eps=eps, weight_bias=weight_bias,
+                             expanded_idx_to_permuted_idx=expanded_idx_to_permuted_idx,
+                             expert_scale_factor=expert_scale_factor,
+                             shared_expert_output=shared_expert_output,
+                             routed_scaling_factor=routed_scaling_factor)
+    return outs[0], outs[1]
+
+
+@moe_finalize_allreduce_residual_rmsnorm.register_fake
+def _moe_finalize_fake(permuted_input, expanded_idx_to_permuted_idx, residual, gamma,
+                       expert_scale_factor, shared_expert_output, routed_scaling_factor, eps,
+                       weight_bias, workspace_handle):
+    moe.check_moe_call(moe.FINALIZE, lookup_workspace(workspace_handle), input=permuted_input,
+                       residual_in=residual, rms_gamma=gamma, rms_eps=eps, weight_bias=weight_bias,
+                       expanded_idx_to_permuted_idx=expanded_idx_to_permuted_idx,
+                       expert_scale_factor=expert_scale_factor,
+                       shared_expert_output=shared_expert_output,
+                       routed_scaling_factor=routed_scaling_factor)
+    return tuple(torch.empty_like(residual, memory_format=torch.contiguous_format)
+                 for _ in range(2))
+
+
 # The OpOverloads, as they appear in FX graphs.
 ALLREDUCE = torch.ops.torch_compat.allreduce.default
 ALLREDUCE_RESIDUAL_RMSNORM = torch.ops.torch_compat.allreduce_residual_rmsnorm.default
 ALLREDUCE_RESIDUAL_RMSNORM_QUANT = torch.ops.torch_compat.allreduce_residual_rmsnorm_quant.default
+MOE_REDUCTION_ALLREDUCE_RESIDUAL_RMSNORM = (
+    torch.ops.torch_compat.moe_reduction_allreduce_residual_rmsnorm.default)
+MOE_FINALIZE_ALLREDUCE_RESIDUAL_RMSNORM = (
+    torch.ops.torch_compat.moe_finalize_allreduce_residual_rmsnorm.default)

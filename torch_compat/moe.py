@@ -22,7 +22,9 @@ routes them here; names, defaults and return rules of FlashInfer 0.7.2.post1's u
 
 Differences from FlashInfer, all toward failing loudly: 16-bit inputs only (FlashInfer's MoE
 kernels exist for those only); hidden_dim a multiple of 256 (with a partial warp per token
-the kernels read the next token's row and compute wrong norms); ``quant_out``/``scale_out``
+the kernels read the next token's row and compute wrong norms) that FlashInfer's launcher can
+place in one CTA (``jax_fusedar.common.moe_limits``, the rule JAX and the native launch apply
+too, checked before FlashInfer's own check would fail the launch); ``quant_out``/``scale_out``
 (FP4 output, sm100+) are refused; ``use_oneshot=False``, ``fp32_acc=True`` and
 ``trigger_completion_at_end=False`` are refused (the MoE kernels are one-shot only, round
 after each rank's addition and trigger completion at the end; FlashInfer ignores the
@@ -30,19 +32,20 @@ arguments); an output a pattern does not write (``output`` for 7) is refused.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional
 
 import torch
 
-from jax_fusedar.common import arguments, limits, native, patterns, sizing
+from jax_fusedar.common import arguments, moe_limits, native, patterns
 
-from .ops import _check_gamma, _check_like, _check_placement, _check_tensor, _current_stream
-from .ops import _capturing, _static_shape
+from . import cuda_state
+from .tensors import (check_contiguous, check_gamma, check_like, check_placement, check_shape,
+                      static_shape)
 from .workspace import TORCH_DTYPES, TorchAllReduceFusionWorkspace
 
 REDUCTION = patterns.AllReduceFusionPattern.kMoEReductionARResidualRMSNorm
 FINALIZE = patterns.AllReduceFusionPattern.kMoEFinalizeARResidualRMSNorm
-HIDDEN_MULTIPLE = 256
+HIDDEN_MULTIPLE = moe_limits.HIDDEN_MULTIPLE
 _MOE_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -55,19 +58,6 @@ class CheckedMoeCall(NamedTuple):
     weight_bias: float
     routed_scaling_factor: float
     launch_with_pdl: bool
-
-
-def _contiguous(name, t):
-    _check_tensor(name, t)
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-
-
-def _shape(name, t, shape, dtype):
-    _contiguous(name, t)
-    if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-        raise ValueError(f"{name} must have shape {list(shape)} and dtype {dtype}, got "
-                         f"{list(t.shape)} {t.dtype}")
 
 
 def check_moe_call(pattern, workspace, *, input=None, residual_in=None, rms_gamma=None,
@@ -124,7 +114,7 @@ def check_moe_call(pattern, workspace, *, input=None, residual_in=None, rms_gamm
         raise ValueError(f"{p.name} needs {', '.join(missing)}")
     if extra:
         raise ValueError(f"{p.name} does not take {', '.join(extra)}")
-    _contiguous("residual_in", residual_in)
+    check_contiguous("residual_in", residual_in)
     if residual_in.dim() != 2:
         raise ValueError(f"residual_in must be 2-D [token_num, hidden_dim], got "
                          f"{list(residual_in.shape)}")
@@ -136,7 +126,7 @@ def check_moe_call(pattern, workspace, *, input=None, residual_in=None, rms_gamm
     if name != workspace.sizes.dtype_name and {name, workspace.sizes.dtype_name} - {
             "bfloat16", "float16"}:
         raise ValueError(f"the workspace was created for {workspace.sizes.dtype_name}, not {name}")
-    _check_gamma(rms_gamma, residual_in)
+    check_gamma(rms_gamma, residual_in)
     t, h = residual_in.shape
     routed = 1.0
     if p == REDUCTION:
@@ -144,58 +134,51 @@ def check_moe_call(pattern, workspace, *, input=None, residual_in=None, rms_gamm
         if e < 1:
             raise ValueError(f"moe_reduction_device_num_experts must be >= 1, got {e}")
         scale = moe_reduction_scale_input
-        _contiguous("moe_reduction_scale_input", scale)
+        check_contiguous("moe_reduction_scale_input", scale)
         if scale.dtype != torch.float32 or tuple(scale.shape) != (e, t):
             raise ValueError(
                 f"moe_reduction_scale_input must be float32 [num_experts, token_num] = "
                 f"[{e}, {t}] (the kernel reads it expert-major, element e * token_num + t), got "
                 f"{list(scale.shape)} {scale.dtype}")
         x = moe_reduction_active_experts_token_input
-        _contiguous("moe_reduction_active_experts_token_input", x)
+        check_contiguous("moe_reduction_active_experts_token_input", x)
         if x.dtype != dtype or tuple(x.shape) not in ((e * t, h), (e, t, h)):
             raise ValueError(f"moe_reduction_active_experts_token_input must be [{e * t}, {h}] "
                              f"or [{e}, {t}, {h}] of {dtype}, got {list(x.shape)} {x.dtype}")
-        _shape("moe_reduction_token_input", moe_reduction_token_input, (t, h), dtype)
+        check_shape("moe_reduction_token_input", moe_reduction_token_input, (t, h), dtype)
     else:
-        _contiguous("input", input)
+        check_contiguous("input", input)
         if input.dim() != 2 or input.shape[1] != h or input.dtype != dtype or input.shape[0] < 1:
             raise ValueError(f"input (the permuted expert rows) must be [rows >= 1, {h}] of "
                              f"{dtype}, got {list(input.shape)} {input.dtype}")
         idx = expanded_idx_to_permuted_idx
-        _contiguous("expanded_idx_to_permuted_idx", idx)
+        check_contiguous("expanded_idx_to_permuted_idx", idx)
         if idx.dtype != torch.int32 or idx.dim() != 2 or idx.shape[0] != t or idx.shape[1] < 1:
             raise ValueError(f"expanded_idx_to_permuted_idx must be int32 [token_num, top_k] = "
                              f"[{t}, top_k >= 1], got {list(idx.shape)} {idx.dtype}")
         if expert_scale_factor is not None:
-            _shape("expert_scale_factor", expert_scale_factor, tuple(idx.shape), dtype)
+            check_shape("expert_scale_factor", expert_scale_factor, tuple(idx.shape), dtype)
         if shared_expert_output is not None:
-            _shape("shared_expert_output", shared_expert_output, (t, h), dtype)
+            check_shape("shared_expert_output", shared_expert_output, (t, h), dtype)
         if routed_scaling_factor is not None:
             routed = arguments.as_float32("routed_scaling_factor", routed_scaling_factor)
-    if _static_shape(residual_in):
+    if static_shape(residual_in):
         if t == 0:
             raise ValueError("residual_in is empty (no tokens)")
-        if h % HIDDEN_MULTIPLE:
-            raise ValueError(
-                f"{p.name}: hidden_dim {h} is not a multiple of {HIDDEN_MULTIPLE}; FlashInfer's "
-                "MoE kernels give each token whole warps of 8-element threads, and the spare "
-                "threads of a partial warp read the next token's row (wrong norms)")
-        limits.check_kernel_supports(workspace.sizes.world_size, h, name)
-        if not sizing.buffer_fits(t, h, workspace.sizes):
-            raise ValueError(f"the call does not fit the workspace: {t}x{h} exceeds "
-                             f"max_token_num={workspace.sizes.max_token_num} x hidden "
-                             f"{workspace.sizes.hidden_dim}")
-        need = t * h * workspace.sizes.world_size * 2
-        if need > workspace.sizes.lamport_comm_bytes:
-            raise ValueError(f"{p.name} is one-shot only and needs {need} bytes of Lamport "
-                             f"buffer; the workspace has {workspace.sizes.lamport_comm_bytes}")
+        # The MoE kernels' rule, one for JAX, torch and the native launch.
+        problem = moe_limits.kernel_problem(t, h, name, workspace.sizes)
+        if problem is not None:
+            kind, why = problem
+            if kind == "workspace too small":
+                raise ValueError(f"{p.name}: the call does not fit the workspace: {why}")
+            raise ValueError(f"{p.name}: {why}")
     return CheckedMoeCall(p, name, t, h, rms_eps, weight_bias, routed, launch_with_pdl)
 
 
 def check_index_values(idx: torch.Tensor, rows: int) -> None:
     """Every index -1 or a row of the permuted input (one reduction and a device-to-host copy;
     skipped while capturing a CUDA graph)."""
-    if _capturing() or idx.numel() == 0:
+    if cuda_state.capturing() or idx.numel() == 0:
         return
     lo, hi = int(idx.min()), int(idx.max())
     if lo < -1 or hi >= rows:
@@ -249,9 +232,9 @@ def moe_allreduce_fusion(input, workspace, pattern, *, launch_with_pdl=False,
                "output": output}
     for k, t in tensors.items():
         if t is not None:
-            _check_like(k, t, residual_in)
-            _check_placement(k, t, workspace)
-    _check_placement("rms_gamma", rms_gamma, workspace)
+            check_like(k, t, residual_in)
+            check_placement(k, t, workspace)
+    check_placement("rms_gamma", rms_gamma, workspace)
     reads = ([("moe_reduction_scale_input", moe_reduction_scale_input, 4),
               ("moe_reduction_active_experts_token_input",
                moe_reduction_active_experts_token_input, 16),
@@ -262,7 +245,7 @@ def moe_allreduce_fusion(input, workspace, pattern, *, launch_with_pdl=False,
                    ("shared_expert_output", shared_expert_output, 16)])
     for k, t, align in reads:
         if t is not None:
-            _check_placement(k, t, workspace, align)
+            check_placement(k, t, workspace, align)
     if p == FINALIZE:
         # The index check copies to the host. After a wait on this workspace outlasted its
         # timeout and trapped, that copy would raise CUDA's generic error: raise the record
@@ -279,7 +262,7 @@ def moe_allreduce_fusion(input, workspace, pattern, *, launch_with_pdl=False,
     common = dict(residual_in=ptr(residual_in), residual_out=ptr(residual_out),
                   norm_out=ptr(norm_out), rms_gamma=ptr(rms_gamma), rms_eps=call.rms_eps,
                   weight_bias=call.weight_bias, launch_with_pdl=call.launch_with_pdl,
-                  stream=_current_stream(workspace.device))
+                  stream=cuda_state.current_stream(workspace.device))
     if p == REDUCTION:
         rank.moe_launch(int(p), native.DTYPE_CODES[call.dtype_name], call.token_num,
                         call.hidden_dim, num_experts=int(moe_reduction_device_num_experts),
@@ -296,76 +279,3 @@ def moe_allreduce_fusion(input, workspace, pattern, *, launch_with_pdl=False,
                         shared_expert_output=ptr(shared_expert_output),
                         routed_scaling_factor=call.routed_scaling_factor, **common)
     return norm_out
-
-
-# --- torch.library custom ops (functional, for torch.compile; CUDA-graph capturable) --------
-
-@torch.library.custom_op("torch_compat::moe_reduction_allreduce_residual_rmsnorm",
-                         mutates_args=(), device_types="cuda")
-def moe_reduction_allreduce_residual_rmsnorm(
-        expert_outputs: torch.Tensor, expert_scales: torch.Tensor, token_input: torch.Tensor,
-        residual: torch.Tensor, gamma: torch.Tensor, eps: float, weight_bias: float,
-        workspace_handle: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pattern 6: ``(residual_out, norm_out, allreduce_out)`` for expert_outputs [E, T, H],
-    expert_scales float32 [E, T], token_input [T, H]."""
-    from .library import lookup_workspace
-    ws = lookup_workspace(workspace_handle)
-    outs = [torch.empty_like(residual, memory_format=torch.contiguous_format) for _ in range(3)]
-    moe_allreduce_fusion(None, ws, REDUCTION, residual_out=outs[0], norm_out=outs[1],
-                         output=outs[2], residual_in=residual, rms_gamma=gamma, rms_eps=eps,
-                         weight_bias=weight_bias,
-                         moe_reduction_device_num_experts=expert_outputs.shape[0],
-                         moe_reduction_scale_input=expert_scales,
-                         moe_reduction_active_experts_token_input=expert_outputs,
-                         moe_reduction_token_input=token_input)
-    return outs[0], outs[1], outs[2]
-
-
-@moe_reduction_allreduce_residual_rmsnorm.register_fake
-def _moe_reduction_fake(expert_outputs, expert_scales, token_input, residual, gamma, eps,
-                        weight_bias, workspace_handle):
-    from .library import lookup_workspace
-    check_moe_call(REDUCTION, lookup_workspace(workspace_handle), residual_in=residual,
-                   rms_gamma=gamma, rms_eps=eps, weight_bias=weight_bias,
-                   moe_reduction_device_num_experts=expert_outputs.shape[0],
-                   moe_reduction_scale_input=expert_scales,
-                   moe_reduction_active_experts_token_input=expert_outputs,
-                   moe_reduction_token_input=token_input)
-    return tuple(torch.empty_like(residual, memory_format=torch.contiguous_format)
-                 for _ in range(3))
-
-
-@torch.library.custom_op("torch_compat::moe_finalize_allreduce_residual_rmsnorm",
-                         mutates_args=(), device_types="cuda")
-def moe_finalize_allreduce_residual_rmsnorm(
-        permuted_input: torch.Tensor, expanded_idx_to_permuted_idx: torch.Tensor,
-        residual: torch.Tensor, gamma: torch.Tensor, expert_scale_factor: Optional[torch.Tensor],
-        shared_expert_output: Optional[torch.Tensor], routed_scaling_factor: float, eps: float,
-        weight_bias: float, workspace_handle: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Pattern 7: ``(residual_out, norm_out)``."""
-    from .library import lookup_workspace
-    ws = lookup_workspace(workspace_handle)
-    outs = [torch.empty_like(residual, memory_format=torch.contiguous_format) for _ in range(2)]
-    moe_allreduce_fusion(permuted_input, ws, FINALIZE, residual_out=outs[0], norm_out=outs[1],
-                         residual_in=residual, rms_gamma=gamma, rms_eps=eps,
-                         weight_bias=weight_bias,
-                         expanded_idx_to_permuted_idx=expanded_idx_to_permuted_idx,
-                         expert_scale_factor=expert_scale_factor,
-                         shared_expert_output=shared_expert_output,
-                         routed_scaling_factor=routed_scaling_factor)
-    return outs[0], outs[1]
-
-
-@moe_finalize_allreduce_residual_rmsnorm.register_fake
-def _moe_finalize_fake(permuted_input, expanded_idx_to_permuted_idx, residual, gamma,
-                       expert_scale_factor, shared_expert_output, routed_scaling_factor, eps,
-                       weight_bias, workspace_handle):
-    from .library import lookup_workspace
-    check_moe_call(FINALIZE, lookup_workspace(workspace_handle), input=permuted_input,
-                   residual_in=residual, rms_gamma=gamma, rms_eps=eps, weight_bias=weight_bias,
-                   expanded_idx_to_permuted_idx=expanded_idx_to_permuted_idx,
-                   expert_scale_factor=expert_scale_factor,
-                   shared_expert_output=shared_expert_output,
-                   routed_scaling_factor=routed_scaling_factor)
-    return tuple(torch.empty_like(residual, memory_format=torch.contiguous_format)
-                 for _ in range(2))

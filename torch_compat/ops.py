@@ -49,13 +49,16 @@ dtype width and workspace, so every rank picks the same one.
 from __future__ import annotations
 
 import numbers
-from typing import Dict, NamedTuple, Optional, Tuple, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 
 from jax_fusedar.common import (arguments, launch_mode, native, patterns, quant_layouts,
                                 results)
 
+from . import cuda_state
+from .tensors import (SCALE_ALIGNMENT, check_gamma, check_like, check_placement, check_tensor,
+                      concrete, static_shape)
 from .workspace import TORCH_DTYPES, TorchAllReduceFusionWorkspace
 
 # Every pattern allreduce_fusion serves: the dense ones checked and launched here, and the MoE
@@ -63,87 +66,12 @@ from .workspace import TORCH_DTYPES, TorchAllReduceFusionWorkspace
 # patterns.as_pattern.
 TORCH_PATTERNS = tuple(patterns.TRAITS) + patterns.MOE_PATTERNS
 
-# The kernel moves 16-byte vectors: a tensor starting elsewhere (a view with an odd
-# storage offset) faults with a misaligned address.
-_ALIGNMENT = 16
-# Scale tensors are read/written per float/int32 word.
-_SCALE_ALIGNMENT = 4
-
 _FP4_SCALE_DTYPES = (torch.uint8, torch.float8_e4m3fn, torch.int32)
-
-_capabilities: Dict[int, Tuple[int, int]] = {}
-
-
-def _current_stream(device: int) -> int:
-    """The raw cudaStream_t of torch's current stream on ``device`` (so graph capture and
-    user streams are honoured). A function so that CPU tests can stand in for it."""
-    return torch.cuda.current_stream(device).cuda_stream
-
-
-def _compute_capability(device: int) -> Tuple[int, int]:
-    """(major, minor) of ``device``, cached (a host query; safe during graph capture). A
-    function so that CPU tests can stand in for it."""
-    cc = _capabilities.get(device)
-    if cc is None:
-        cc = _capabilities[device] = tuple(native.require().compute_capability(device))
-    return cc
-
-
-def _capturing() -> bool:
-    """Whether the current CUDA stream is being captured into a graph."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def _check_tensor(name: str, t) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    return t
-
-
-def _check_like(name: str, t, ref: torch.Tensor) -> None:
-    """``t`` must look exactly like ``ref`` (the input): same shape, dtype, contiguous."""
-    _check_tensor(name, t)
-    if tuple(t.shape) != tuple(ref.shape):
-        raise ValueError(f"{name} must have the input's shape [token_num, hidden_dim] = "
-                         f"{list(ref.shape)}, got {list(t.shape)}")
-    if t.dtype != ref.dtype:
-        raise ValueError(f"{name} must have the input's dtype {ref.dtype}, got {t.dtype}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-
-
-def _check_gamma(gamma, ref: torch.Tensor) -> None:
-    hidden_dim = ref.shape[1]
-    _check_tensor("rms_gamma", gamma)
-    if tuple(gamma.shape) != (hidden_dim,):
-        raise ValueError(f"rms_gamma must have shape [hidden_dim] = [{hidden_dim}], got "
-                         f"{list(gamma.shape)}")
-    if gamma.dtype != ref.dtype:
-        raise ValueError(f"rms_gamma must have the input's dtype {ref.dtype}, got {gamma.dtype}")
-    if not gamma.is_contiguous():
-        raise ValueError("rms_gamma must be contiguous")
-
-
-def _check_placement(name: str, t: torch.Tensor, ws: TorchAllReduceFusionWorkspace,
-                     alignment: int = _ALIGNMENT) -> None:
-    if t.device != ws.torch_device:
-        raise ValueError(f"{name} must be on {ws.torch_device} (the workspace's device), "
-                         f"got {t.device}")
-    if t.data_ptr() % alignment:
-        raise ValueError(f"{name} must start on a {alignment}-byte boundary (the kernel "
-                         f"accesses {alignment}-byte words); got address {t.data_ptr():#x}")
-
-
-def _static_shape(t: torch.Tensor) -> bool:
-    """Whether ``t``'s sizes are plain ints. Under torch.compile with dynamic shapes they
-    are SymInts: the rules on sizes (workspace fit, launch limits, one-shot choice) then
-    wait for the eager op, which sees the real sizes; all other checks still run."""
-    return all(type(d) is int for d in t.shape)
 
 
 def _check_input(input, ws: TorchAllReduceFusionWorkspace) -> str:
     """Checks the input against the workspace; returns its dtype name."""
-    _check_tensor("input", input)
+    check_tensor("input", input)
     if input.dim() != 2:
         raise ValueError(f"input must be 2-D [token_num, hidden_dim], got shape "
                          f"{list(input.shape)}")
@@ -152,7 +80,7 @@ def _check_input(input, ws: TorchAllReduceFusionWorkspace) -> str:
     if not input.is_contiguous():
         raise ValueError("input must be contiguous")
     name = TORCH_DTYPES[input.dtype]
-    if not _static_shape(input):
+    if not static_shape(input):
         return name
     token_num, hidden_dim = input.shape
     if token_num == 0 or hidden_dim == 0:
@@ -204,10 +132,10 @@ def _scale_factor_tensor(scale_factor, ws: TorchAllReduceFusionWorkspace) -> tor
     """The float32 one-element device tensor the kernel reads ``scale_factor`` from (its
     value was checked by ``check_call``)."""
     if isinstance(scale_factor, torch.Tensor):
-        _check_placement("scale_factor", scale_factor, ws, _SCALE_ALIGNMENT)
+        check_placement("scale_factor", scale_factor, ws, SCALE_ALIGNMENT)
         return scale_factor
     value = float(scale_factor)
-    if _capturing():
+    if cuda_state.capturing():
         raise ValueError("a Python float scale_factor needs a fresh device tensor per call, "
                          "which a CUDA graph cannot capture; pass a float32 CUDA tensor of "
                          "one element (it may change between replays)")
@@ -220,7 +148,7 @@ def _check_quant_inputs(p, traits, name: str, input: torch.Tensor, scale_factor,
     where unused; sizes that are symbolic, the group size included, are checked by the eager
     op)."""
     hidden_dim = input.shape[1]
-    static = _static_shape(input)
+    static = static_shape(input)
     layout = group = 0
     label = f"pattern {p.value} ({p.name})"
     if traits.quant == "fp4":
@@ -251,7 +179,7 @@ def _check_quant_outputs(p, traits, input: torch.Tensor, ws, quant_out, scale_ou
         p, token_num, hidden_dim, TORCH_DTYPES[input.dtype], layout, group)}
 
     # quant_out
-    _check_tensor("quant_out", quant_out)
+    check_tensor("quant_out", quant_out)
     want = specs["quant_out"]
     want_dtype = getattr(torch, want.dtype)
     if tuple(quant_out.shape) != tuple(want.shape):
@@ -262,12 +190,12 @@ def _check_quant_outputs(p, traits, input: torch.Tensor, ws, quant_out, scale_ou
                          f"{quant_out.dtype}")
     if not quant_out.is_contiguous():
         raise ValueError("quant_out must be contiguous")
-    _check_placement("quant_out", quant_out, ws)
+    check_placement("quant_out", quant_out, ws)
 
     # scale_out
     want = specs.get("scale_out")
     if traits.quant == "dynamic_fp8":
-        _check_tensor("scale_out", scale_out)
+        check_tensor("scale_out", scale_out)
         if tuple(scale_out.shape) != want.shape:
             raise ValueError(f"scale_out must have shape [token_num, 1] = [{token_num}, 1] for "
                              f"{label}, got {list(scale_out.shape)}")
@@ -276,9 +204,9 @@ def _check_quant_outputs(p, traits, input: torch.Tensor, ws, quant_out, scale_ou
                              f"{scale_out.dtype}")
         if not scale_out.is_contiguous():
             raise ValueError("scale_out must be contiguous")
-        _check_placement("scale_out", scale_out, ws, _SCALE_ALIGNMENT)
+        check_placement("scale_out", scale_out, ws, SCALE_ALIGNMENT)
     elif traits.quant == "group_fp8":
-        _check_tensor("scale_out", scale_out)
+        check_tensor("scale_out", scale_out)
         shape, strides = want.shape, want.strides
         if scale_out.dtype != getattr(torch, want.dtype):
             raise ValueError(f"scale_out must have dtype torch.{want.dtype} (packed UE8M0) for "
@@ -292,9 +220,9 @@ def _check_quant_outputs(p, traits, input: torch.Tensor, ws, quant_out, scale_ou
                 f"round_up(token_num, 4) = {strides[1]}), got {tuple(scale_out.stride())}; "
                 f"allocate torch.empty({shape[1]}, {strides[1]}, dtype=torch.int32)"
                 f"[:, :{token_num}].t()")
-        _check_placement("scale_out", scale_out, ws, _SCALE_ALIGNMENT)
+        check_placement("scale_out", scale_out, ws, SCALE_ALIGNMENT)
     elif traits.quant == "fp4":
-        _check_tensor("scale_out", scale_out)
+        check_tensor("scale_out", scale_out)
         size = quant_layouts.nvfp4_scale_buffer_size(token_num, hidden_dim, layout)
         if scale_out.dtype not in _FP4_SCALE_DTYPES:
             raise ValueError(f"scale_out must have dtype torch.float8_e4m3fn, torch.uint8 or "
@@ -310,19 +238,10 @@ def _check_quant_outputs(p, traits, input: torch.Tensor, ws, quant_out, scale_ou
                              f"{quant_layouts.nvfp4_scale_shape(token_num, hidden_dim, layout)}), "
                              f"got {nbytes} bytes (shape {list(scale_out.shape)}, "
                              f"{scale_out.dtype})")
-        _check_placement("scale_out", scale_out, ws, _SCALE_ALIGNMENT)
+        check_placement("scale_out", scale_out, ws, SCALE_ALIGNMENT)
 
 
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
-
-
-def concrete(value):
-    """``value``, or the int of a SymInt: torch.compile with ``dynamic=True`` traces an int
-    argument as a SymInt, but the pattern and the NVFP4 layout decide the outputs' number,
-    dtypes and layout formula, so the fake implementations need their value. ``int()``
-    fixes it with a guard (another value compiles again); symbolic sizes and group sizes
-    stay symbolic (their checks wait for the eager op)."""
-    return int(value) if isinstance(value, torch.SymInt) else value
 
 
 def _option(check, name: str, value, **kw):
@@ -395,14 +314,14 @@ def check_call(input, workspace, pattern, *, residual_in=None, rms_gamma=None, r
                    if t is None]
         if missing:
             raise ValueError(f"pattern {p.value} ({p.name}) needs {', '.join(missing)}")
-        _check_like("residual_in", residual_in, input)
-        _check_gamma(rms_gamma, input)
+        check_like("residual_in", residual_in, input)
+        check_gamma(rms_gamma, input)
     layout, group = 0, 0
     if traits.quant is not None:
         layout, group = _check_quant_inputs(p, traits, name, input, scale_factor, layout_code,
                                             block_quant_group_size)
     algorithm = None
-    if _static_shape(input):
+    if static_shape(input):
         token_num, hidden_dim = input.shape
         algorithm = launch_mode.choose_algorithm(token_num, hidden_dim, workspace.sizes,
                                               use_oneshot)
@@ -504,7 +423,7 @@ def allreduce_fusion(
     p, traits, name = call.pattern, call.traits, call.dtype_name
     if traits.needs_sm100:
         problem = patterns.device_problem(p, f"cuda:{workspace.device}",
-                                          *_compute_capability(workspace.device))
+                                          *cuda_state.compute_capability(workspace.device))
         if problem:
             raise ValueError(problem)
     token_num, hidden_dim = input.shape
@@ -531,10 +450,10 @@ def allreduce_fusion(
         like_input.update(needed, residual_in=residual_in)
     like_input = {k: t for k, t in like_input.items() if t is not None}
     for k, t in like_input.items():
-        _check_like(k, t, input)
-        _check_placement(k, t, workspace)
+        check_like(k, t, input)
+        check_placement(k, t, workspace)
     if traits.has_residual:
-        _check_placement("rms_gamma", rms_gamma, workspace)
+        check_placement("rms_gamma", rms_gamma, workspace)
     sf = None
     if traits.quant is not None:
         _check_quant_outputs(p, traits, input, workspace, quant_out, scale_out, call.layout,
@@ -560,7 +479,7 @@ def allreduce_fusion(
         algorithm=algorithm, fp32_acc=call.fp32_acc, layout=layout,
         block_quant_group_size=group, launch_with_pdl=call.launch_with_pdl,
         trigger_completion_at_end=call.trigger_completion_at_end,
-        stream=_current_stream(workspace.device))
+        stream=cuda_state.current_stream(workspace.device))
     if traits.has_norm_out:
         return norm_out
     if traits.quant is not None:

@@ -33,6 +33,7 @@ from jax_fusedar.common import (arguments, backend_choice, call_check, exchange,
                                 tp_groups)
 
 from .channel import StoreChannel
+from .tensors import concrete
 
 log = logging.getLogger("torch_compat")
 
@@ -417,3 +418,52 @@ def create_allreduce_fusion_workspace(
         sizes=sizes, members=members, check_calls=check_calls, timeout_s=kernel_timeout_s)
     log.info("created %r", ws)
     return ws
+
+
+# --- handles: the workspace as an int, for torch.library ops ------------------------------------
+# A custom op cannot take a Python object; its graph carries this handle instead
+# (torch_compat.library).
+
+_registry: Dict[int, TorchAllReduceFusionWorkspace] = {}
+_handles = itertools.count(1)
+_registry_lock = threading.Lock()
+
+
+def register_workspace(ws: TorchAllReduceFusionWorkspace) -> int:
+    """Registers ``ws`` and returns its int handle (the same handle if already registered)."""
+    if not isinstance(ws, TorchAllReduceFusionWorkspace):
+        raise TypeError(f"expected a TorchAllReduceFusionWorkspace, got {type(ws).__name__}")
+    with _registry_lock:
+        for h, w in _registry.items():
+            if w is ws:
+                return h
+        h = next(_handles)
+        _registry[h] = ws
+        return h
+
+
+def _as_handle(handle) -> int:
+    """A handle is an int (a SymInt while torch.compile traces with dynamic=True: its value,
+    under a guard), never "1" or 1.9 coerced to one."""
+    return arguments.as_int("workspace_handle", concrete(handle))
+
+
+def lookup_workspace(handle: int) -> TorchAllReduceFusionWorkspace:
+    """The workspace registered under ``handle``; KeyError if none, RuntimeError if it was
+    destroyed since."""
+    handle = _as_handle(handle)
+    with _registry_lock:
+        ws = _registry.get(handle)
+    if ws is None:
+        raise KeyError(f"no all-reduce fusion workspace is registered under handle {handle} "
+                       f"(torch_compat.library.register_workspace)")
+    if ws.destroyed:
+        raise RuntimeError(f"workspace handle {handle} refers to a destroyed workspace: {ws!r}")
+    return ws
+
+
+def unregister_workspace(handle: int) -> None:
+    """Drops ``handle`` from the registry (idempotent). Does not destroy the workspace."""
+    handle = _as_handle(handle)
+    with _registry_lock:
+        _registry.pop(handle, None)

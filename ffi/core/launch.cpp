@@ -7,25 +7,22 @@
 // (by the pure policy in jax_fusedar/common/launch_mode.py), so that every rank launches
 // the same configuration. What each pattern reads and writes comes from the one table,
 // fusedar/patterns.h.
-#include <atomic>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "../kernels/compiled_patterns.h"
 #include "../kernels/kernel_call.h"
 #include "../kernels/large_message.h"
-#include "call_check.h"
-#include "device_guard.h"
 #include "fusedar/core.h"
 #include "fusedar/patterns.h"
+#include "launch_prelude.h"
 #include "rank_state.h"
 #include "status.h"
 
 using fusedar::fail;
 
 namespace {
-
-std::atomic<uint64_t> launches{0};
 
 // The trait table and the kernel instantiations name the same patterns.
 constexpr bool table_matches_compiled_patterns() {
@@ -175,10 +172,6 @@ std::string launch_for_world(const fusedar::kernels::KernelCall& call) {
 
 }  // namespace
 
-namespace fusedar {
-void note_launch() { launches.fetch_add(1, std::memory_order_relaxed); }
-}  // namespace fusedar
-
 extern "C" int fusedar_pattern_compiled(int32_t pattern) {
   return fusedar::kernels::is_compiled_pattern(pattern) ? 1 : 0;
 }
@@ -189,84 +182,15 @@ extern "C" int fusedar_check_launch(const fusedar_rank* r, const fusedar_launch_
 
 extern "C" int fusedar_launch(const fusedar_rank* r, const fusedar_launch_args* a, void* stream) {
   if (int rc = check(r, a)) return rc;
-  {
-    // A wait of this rank already timed out (or a handshake failed) and trapped: say why
-    // instead of CUDA's generic error (before any CUDA call, which would only report the
-    // dead context). One read of pinned host memory.
-    std::string failed = fusedar::call_check::failure(r);
-    if (!failed.empty()) return fail(FUSEDAR_CUDA_ERROR, failed);
-  }
-  // FlashInfer's launcher queries the *current* device (SM count, cluster size).
-  fusedar::DeviceGuard guard(r->device);
-  FUSEDAR_CUDA_TRY(guard.status(), "selecting the device", r->device);
-  if (r->check_calls) {
-    // On the same stream, without PDL: it starts once the previous kernel has completed,
-    // and the fused kernel (PDL or not) starts only after it has exited.
-    cudaError_t err = fusedar::call_check::launch(r, *a, static_cast<cudaStream_t>(stream));
-    if (err != cudaSuccess) {
-      return fusedar::fail_cuda(err, "launching the call-check handshake", r->device);
-    }
-  }
-  fusedar::kernels::KernelCall call{a, r->info.world_size, r->rank, r->table,
-                                    static_cast<cudaStream_t>(stream), r->large};
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  std::optional<fusedar::DeviceGuard> guard;
+  if (int rc = fusedar::launch_prelude(r, *a, s, guard)) return rc;
+  fusedar::kernels::KernelCall call{a, r->info.world_size, r->rank, r->table, s, r->large};
   std::string err;
   switch (a->dtype) {
     case FUSEDAR_FLOAT32: err = launch_for_world<FUSEDAR_FLOAT32>(call); break;
     case FUSEDAR_FLOAT16: err = launch_for_world<FUSEDAR_FLOAT16>(call); break;
     case FUSEDAR_BFLOAT16: err = launch_for_world<FUSEDAR_BFLOAT16>(call); break;
   }
-  if (!err.empty()) {
-    (void)cudaGetLastError();
-    return fail(FUSEDAR_CUDA_ERROR, "device " + std::to_string(r->device) + ": " + err);
-  }
-  fusedar::note_launch();
-  return FUSEDAR_OK;
-}
-
-extern "C" uint64_t fusedar_launch_count(void) {
-  return launches.load(std::memory_order_relaxed);
-}
-
-extern "C" int fusedar_device_count(int32_t* count) {
-  int c = 0;
-  cudaError_t err = cudaGetDeviceCount(&c);
-  if (err != cudaSuccess) {
-    (void)cudaGetLastError();
-    *count = 0;
-    return fail(FUSEDAR_CUDA_ERROR, std::string("cudaGetDeviceCount: ") + cudaGetErrorString(err));
-  }
-  *count = c;
-  return FUSEDAR_OK;
-}
-
-extern "C" int fusedar_can_access_peer(int32_t device, int32_t peer, int32_t* can) {
-  int c = 0;
-  FUSEDAR_CUDA_TRY(cudaDeviceCanAccessPeer(&c, device, peer), "querying peer access", device);
-  *can = c;
-  return FUSEDAR_OK;
-}
-
-extern "C" int fusedar_device_compute_capability(int32_t device, int32_t* major, int32_t* minor) {
-  FUSEDAR_CUDA_TRY(cudaDeviceGetAttribute(major, cudaDevAttrComputeCapabilityMajor, device),
-                   "querying the compute capability", device);
-  FUSEDAR_CUDA_TRY(cudaDeviceGetAttribute(minor, cudaDevAttrComputeCapabilityMinor, device),
-                   "querying the compute capability", device);
-  return FUSEDAR_OK;
-}
-
-extern "C" int fusedar_device_mem_info(int32_t device, uint64_t* free_bytes, uint64_t* total) {
-  fusedar::DeviceGuard guard(device);
-  FUSEDAR_CUDA_TRY(guard.status(), "selecting the device", device);
-  size_t f = 0, t = 0;
-  FUSEDAR_CUDA_TRY(cudaMemGetInfo(&f, &t), "querying free memory", device);
-  *free_bytes = f;
-  *total = t;
-  return FUSEDAR_OK;
-}
-
-extern "C" int fusedar_device_synchronize(int32_t device) {
-  fusedar::DeviceGuard guard(device);
-  FUSEDAR_CUDA_TRY(guard.status(), "selecting the device", device);
-  FUSEDAR_CUDA_TRY(cudaDeviceSynchronize(), "synchronising", device);
-  return FUSEDAR_OK;
+  return fusedar::launch_result(r, err);
 }

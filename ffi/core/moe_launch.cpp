@@ -5,15 +5,14 @@
 // computes wrong norms. So every rule the kernels rely on is checked here, before launch.
 // A missing peer makes the kernels' bounded waits (watchdog.h) trap after the workspace's
 // timeout; later launches are refused with the recorded text.
-#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "../kernels/moe_kernel_call.h"
-#include "call_check.h"
-#include "device_guard.h"
 #include "fusedar/core.h"
+#include "launch_prelude.h"
 #include "rank_state.h"
 #include "status.h"
 
@@ -21,37 +20,53 @@ using fusedar::fail;
 
 namespace {
 
+constexpr int64_t kHiddenMultiple = 256;
+constexpr int64_t kMaxClusterSize = 8;
+constexpr int64_t kMaxThreadsPerBlock = 1024;
+
 std::string pattern_name(int p) {
   return p == 6 ? "pattern 6 (kMoEReductionARResidualRMSNorm)"
                 : "pattern 7 (kMoEFinalizeARResidualRMSNorm)";
 }
 
-int check(const fusedar_rank* r, const fusedar_moe_launch_args* a) {
-  if (r == nullptr || a == nullptr) return fail(FUSEDAR_INVALID_ARGUMENT, "null argument");
-  if (r->table == nullptr) return fail(FUSEDAR_INVALID_ARGUMENT, "the workspace is not finalized");
-  if (a->pattern != 6 && a->pattern != 7) {
+// The shape rules (jax_fusedar/common/moe_limits.py is their Python side, held equal by
+// tests/native/test_contract.py): what FlashInfer's MoE launcher and kernels need of a call
+// of m tokens x h hidden on the workspace `ws`.
+int shape_check(const fusedar_workspace_info& ws, int pattern, int dtype, int64_t m, int64_t h) {
+  if (pattern != 6 && pattern != 7) {
     return fail(FUSEDAR_INVALID_ARGUMENT,
-                "pattern " + std::to_string(a->pattern) + " is not an MoE pattern (6 or 7)");
+                "pattern " + std::to_string(pattern) + " is not an MoE pattern (6 or 7)");
   }
-  const std::string what = pattern_name(a->pattern);
-  if (a->dtype != FUSEDAR_FLOAT16 && a->dtype != FUSEDAR_BFLOAT16) {
+  const std::string what = pattern_name(pattern);
+  if (dtype != FUSEDAR_FLOAT16 && dtype != FUSEDAR_BFLOAT16) {
     return fail(FUSEDAR_INVALID_ARGUMENT,
                 what + " runs on float16 or bfloat16 only (FlashInfer instantiates no other)");
   }
-  const fusedar_workspace_info& ws = r->info;
   if (ws.dtype != FUSEDAR_FLOAT16 && ws.dtype != FUSEDAR_BFLOAT16) {
     // The Lamport sentinel is -0.0 at the workspace's element width.
     return fail(FUSEDAR_INVALID_ARGUMENT, what + " needs a 16-bit workspace");
   }
-  const int64_t m = a->num_tokens, h = a->hidden_dim, n = ws.world_size, e = 2;
+  const int64_t n = ws.world_size, e = 2;
   if (m <= 0 || h <= 0) return fail(FUSEDAR_INVALID_ARGUMENT, "empty input");
   // 8 elements per thread, whole warps per token: 256 elements.
-  if (h % 256 != 0) {
+  if (h % kHiddenMultiple != 0) {
     return fail(FUSEDAR_INVALID_ARGUMENT,
                 what + ": hidden_dim " + std::to_string(h) +
                     " is not a multiple of 256; FlashInfer's MoE kernels give each token "
                     "whole warps of 8-element threads, and the spare threads of a partial "
                     "warp read the next token's row");
+  }
+  // A token's warps are spread over a cluster of the largest of 8, 4, 2, 1 CTAs dividing
+  // their count; FlashInfer's launcher refuses a CTA above 1024 threads (its own check
+  // would fail the launch after the call check had already run on every rank).
+  const int64_t warps = h / kHiddenMultiple;
+  int64_t cluster = kMaxClusterSize;
+  while (warps % cluster != 0) cluster /= 2;
+  if (warps / cluster * 32 > kMaxThreadsPerBlock) {
+    return fail(FUSEDAR_INVALID_ARGUMENT,
+                what + ": hidden_dim " + std::to_string(h) + " needs " +
+                    std::to_string(warps / cluster * 32) +
+                    " threads per block, above the launch limit of 1024");
   }
   if (m * h > int64_t(ws.max_token_num) * ws.hidden_dim) {
     return fail(FUSEDAR_INVALID_ARGUMENT,
@@ -65,6 +80,16 @@ int check(const fusedar_rank* r, const fusedar_moe_launch_args* a) {
                     " bytes of Lamport buffer; the workspace has " +
                     std::to_string(ws.lamport_comm_bytes));
   }
+  return FUSEDAR_OK;
+}
+
+int check(const fusedar_rank* r, const fusedar_moe_launch_args* a) {
+  if (r == nullptr || a == nullptr) return fail(FUSEDAR_INVALID_ARGUMENT, "null argument");
+  if (r->table == nullptr) return fail(FUSEDAR_INVALID_ARGUMENT, "the workspace is not finalized");
+  if (int rc = shape_check(r->info, a->pattern, a->dtype, a->num_tokens, a->hidden_dim)) {
+    return rc;
+  }
+  const std::string what = pattern_name(a->pattern);
   if (a->residual_in == nullptr || a->rms_gamma == nullptr || a->norm_out == nullptr) {
     return fail(FUSEDAR_INVALID_ARGUMENT, what + " needs residual_in, rms_gamma and norm_out");
   }
@@ -116,6 +141,12 @@ std::string launch_for_world(const fusedar::kernels::MoeKernelCall& call) {
 
 }  // namespace
 
+extern "C" int fusedar_moe_shape_check(const fusedar_workspace_info* ws, int32_t pattern,
+                                       int32_t dtype, int64_t num_tokens, int64_t hidden_dim) {
+  if (ws == nullptr) return fail(FUSEDAR_INVALID_ARGUMENT, "null argument");
+  return shape_check(*ws, pattern, dtype, num_tokens, hidden_dim);
+}
+
 extern "C" int fusedar_check_moe_launch(const fusedar_rank* r, const fusedar_moe_launch_args* a) {
   return check(r, a);
 }
@@ -123,38 +154,19 @@ extern "C" int fusedar_check_moe_launch(const fusedar_rank* r, const fusedar_moe
 extern "C" int fusedar_moe_launch(const fusedar_rank* r, const fusedar_moe_launch_args* a,
                                   void* stream) {
   if (int rc = check(r, a)) return rc;
-  {
-    // A wait on this workspace (an MoE kernel's, a dense kernel's or the handshake's)
-    // already timed out and trapped: say why instead of CUDA's generic error, as
-    // fusedar_launch does (one read of pinned host memory, before any CUDA call).
-    std::string failed = fusedar::call_check::failure(r);
-    if (!failed.empty()) return fail(FUSEDAR_CUDA_ERROR, failed);
-  }
-  fusedar::DeviceGuard guard(r->device);
-  FUSEDAR_CUDA_TRY(guard.status(), "selecting the device", r->device);
-  if (r->check_calls) {
-    // The ranks must agree on what the all-reduce moves: pattern, dtype and the token
-    // block (per-rank expert counts and top_k may differ, e.g. under expert parallelism).
-    fusedar_launch_args signature{};
-    signature.pattern = a->pattern;
-    signature.dtype = a->dtype;
-    signature.num_tokens = a->num_tokens;
-    signature.hidden_dim = a->hidden_dim;
-    signature.algorithm = FUSEDAR_ALGORITHM_ONESHOT;  // the MoE kernels' only mode
-    cudaError_t err =
-        fusedar::call_check::launch(r, signature, static_cast<cudaStream_t>(stream));
-    if (err != cudaSuccess) {
-      return fusedar::fail_cuda(err, "launching the call-check handshake", r->device);
-    }
-  }
-  fusedar::kernels::MoeKernelCall call{a, r->info.world_size, r->rank, r->table,
-                                       static_cast<cudaStream_t>(stream)};
-  std::string err = a->dtype == FUSEDAR_FLOAT16 ? launch_for_world<FUSEDAR_FLOAT16>(call)
-                                                : launch_for_world<FUSEDAR_BFLOAT16>(call);
-  if (!err.empty()) {
-    (void)cudaGetLastError();
-    return fail(FUSEDAR_CUDA_ERROR, "device " + std::to_string(r->device) + ": " + err);
-  }
-  fusedar::note_launch();
-  return FUSEDAR_OK;
+  // The ranks must agree on what the all-reduce moves: pattern, dtype and the token block
+  // (per-rank expert counts and top_k may differ, e.g. under expert parallelism).
+  fusedar_launch_args signature{};
+  signature.pattern = a->pattern;
+  signature.dtype = a->dtype;
+  signature.num_tokens = a->num_tokens;
+  signature.hidden_dim = a->hidden_dim;
+  signature.algorithm = FUSEDAR_ALGORITHM_ONESHOT;  // the MoE kernels' only mode
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  std::optional<fusedar::DeviceGuard> guard;
+  if (int rc = fusedar::launch_prelude(r, signature, s, guard)) return rc;
+  fusedar::kernels::MoeKernelCall call{a, r->info.world_size, r->rank, r->table, s};
+  return fusedar::launch_result(r, a->dtype == FUSEDAR_FLOAT16
+                                       ? launch_for_world<FUSEDAR_FLOAT16>(call)
+                                       : launch_for_world<FUSEDAR_BFLOAT16>(call));
 }

@@ -15,9 +15,6 @@ int fail(int code, std::string message);
 // Formats a CUDA failure: what we were doing, on which device, and CUDA's own words.
 int fail_cuda(cudaError_t err, const std::string& what, int device);
 
-// Counts a host-side kernel launch (fusedar_launch_count), dense or MoE.
-void note_launch();
-
 }  // namespace fusedar
 
 #define FUSEDAR_CUDA_TRY(expr, what, device)                      \

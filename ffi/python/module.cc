@@ -7,7 +7,8 @@
 //   - the workspace registry the XLA handlers consult;
 //   - a few device queries;
 //   - the native side of the contract tests/native/test_contract.py holds equal to the
-//     Python one: the pattern table, the workspace sizes and the FFI target names.
+//     Python one: the pattern table, the workspace sizes, the MoE shape rule and the FFI
+//     target names.
 // No JAX or torch headers: tensors arrive as integer device pointers and streams.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
@@ -309,7 +310,7 @@ NB_MODULE(_fusedar, m) {
     d[FUSEDAR_TARGET_DEVICE_TIMESTAMP] = encapsulate(FusedarDeviceTimestampHandler);
     return d;
   });
-  // Targets registered for the host platform (jax_fusedar/primitive.py).
+  // Targets registered for the host platform (jax_fusedar/ffi_op.py, register_ffi_targets).
   m.def("host_registrations", []() {
     nb::dict d;
     d[FUSEDAR_TARGET_ALLREDUCE_FUSION] = encapsulate(FusedarAllReduceFusionHostHandler);
@@ -321,6 +322,19 @@ NB_MODULE(_fusedar, m) {
     fusedar_workspace_info i;
     check(fusedar_workspace_sizes(world_size, max_token_num, hidden_dim, dtype, &i));
     return info_dict(i);
+  });
+  // The MoE shape rule (fusedar_moe_shape_check) of a call of num_tokens x hidden_dim of
+  // `dtype` on a workspace created with these arguments: None, or why it is refused.
+  m.def("moe_shape_problem", [](int world_size, int max_token_num, int workspace_hidden_dim,
+                                int workspace_dtype, int pattern, int dtype, int64_t num_tokens,
+                                int64_t hidden_dim) -> nb::object {
+    fusedar_workspace_info i;
+    check(fusedar_workspace_sizes(world_size, max_token_num, workspace_hidden_dim,
+                                  workspace_dtype, &i));
+    if (fusedar_moe_shape_check(&i, pattern, dtype, num_tokens, hidden_dim) == FUSEDAR_OK) {
+      return nb::none();
+    }
+    return nb::str(fusedar_last_error());
   });
   m.def("pattern_compiled", [](int pattern) { return fusedar_pattern_compiled(pattern) != 0; });
   // Every pattern the native table serves: {code: traits}.

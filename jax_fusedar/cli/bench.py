@@ -49,8 +49,9 @@ from ..api import allreduce_fusion
 from ..common import launch_mode, limits
 from ..common.patterns import AllReduceFusionPattern as Pattern
 from . import report as report_files
-from .demo import (AXIS, RMS_EPS, check_supported, describe_devices, open_workspace,
-                   plain_add_rmsnorm, timed_runs, tp_mesh)
+from .compare import plain_add_rmsnorm, timed_runs
+from .setup import (AXIS, RMS_EPS, SetupError, check_supported, describe_devices,
+                    open_workspace, tp_mesh)
 
 USE_ONESHOT = {"auto": None, "oneshot": True, "twoshot": False}
 GROUP_SIZE = 128
@@ -59,7 +60,8 @@ PATTERN_LABELS = {
     int(Pattern.kARResidualRMSNorm): "psum + add + RMSNorm",
     int(Pattern.kARResidualRMSNormOutFP8Quant): "... + static FP8",
     int(Pattern.kARResidualRMSNormOutDynamicFP8Quant): "... + dynamic FP8",
-    int(Pattern.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant): f"... + group FP8 ({GROUP_SIZE})",
+    int(Pattern.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant):
+        f"... + group FP8 ({GROUP_SIZE})",
 }
 
 
@@ -308,8 +310,6 @@ def _inputs(rng, args, world, tokens, hidden, dtype, split, replicated):
 
 
 def main(args) -> int:
-    from .demo import SetupError
-
     mesh = tp_mesh()
     world = mesh.shape[AXIS]
     check_supported(world, args.hidden, args.dtype)

@@ -13,12 +13,13 @@ CPUs (8 virtual devices, the XLA reference path).
 ``--bench`` times decode steps (batch x KV length) and prefills of both versions instead,
 and writes ``bench_llama.json`` (see ``bench_main``).
 
-The helpers above the model section are shared with ``bench.py``.
+The mesh, workspace and device description come from ``setup``, the comparison with the
+unfused program (greedy tokens, margins, tolerance, timing) from ``compare``, both shared with
+the MoE demo and the bench.
 """
 from __future__ import annotations
 
 import json
-import math
 import platform
 import statistics
 import time
@@ -28,73 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..common import limits
-from ..workspace import create_allreduce_fusion_workspace
-
-AXIS = "tp"
-RMS_EPS = 1e-6
-
-
-class SetupError(ValueError):
-    """A configuration this machine cannot run; the CLI prints it without a traceback."""
-
-
-# --- shared with bench.py ------------------------------------------------------------------------
-
-def tp_mesh():
-    """A 1-D mesh over every local device, axis "tp"."""
-    devices = jax.devices()
-    return jax.make_mesh((len(devices),), (AXIS,), devices=devices)
-
-
-def check_supported(world: int, hiddens, dtype: str) -> None:
-    """Refuse up front what the fused op would refuse, on every backend alike."""
-    for hidden in hiddens:
-        problem = limits.kernel_support_problem(world, hidden, dtype)
-        if problem:
-            raise SetupError(f"{problem} (this machine has {world} device(s) of kind "
-                             f"{jax.devices()[0].device_kind!r})")
-
-
-def open_workspace(mesh, *, max_token_num: int, hidden_dim: int, dtype, backend: str):
-    """The workspace, with the reasons it cannot be built (e.g. --backend trtllm without a
-    GPU) reported as SetupError."""
-    try:
-        return create_allreduce_fusion_workspace(mesh, AXIS, max_token_num=max_token_num,
-                                                 hidden_dim=hidden_dim, dtype=dtype,
-                                                 backend=backend)
-    except ValueError as e:
-        raise SetupError(str(e)) from None
-
-
-def describe_devices(world: int, backend: str) -> str:
-    d = jax.devices()[0]
-    path = ("FlashInfer kernel" if backend == "trtllm"
-            else "XLA reference path (psum + RMSNorm), not the kernel")
-    return (f"devices: {world} x {d.device_kind} (platform {d.platform}), world size {world}, "
-            f"backend {backend}: {path}")
-
-
-def plain_add_rmsnorm(partial, residual, gamma, *, eps: float = RMS_EPS):
-    """The unfused combine as a model would write it: psum in the model dtype (what NCCL does),
-    residual add, RMSNorm in float32. Returns (residual_out, norm_out)."""
-    residual = jax.lax.psum(partial, AXIS) + residual
-    r = residual.astype(jnp.float32)
-    norm = r * jax.lax.rsqrt(jnp.mean(r * r, axis=-1, keepdims=True) + eps)
-    return residual, (norm * gamma.astype(jnp.float32)).astype(residual.dtype)
-
-
-def timed_runs(fn, args, runs: int) -> list:
-    """Seconds of each of ``runs`` calls, each waited for; after a warm-up call, which also
-    compiles, so that neither is timed."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return times
-
+from .compare import (TOLERANCE_FORMULA, compare_greedy, median_seconds, near_tie,
+                      tolerance)
+from .setup import AXIS, describe_devices, llama_preset, open_workspace, tp_mesh
 
 
 # --- the Llama demo ------------------------------------------------------------------------------
@@ -152,82 +89,16 @@ def add_arguments(parser, *, positive_int, int_list, seed, dtypes, backends) -> 
                         "op, against the same model written plainly (jax_fusedar/cli/moe_demo.py)")
 
 
-def _config(args, world: int):
-    from ..models import llama
-    name = args.preset
-    if name == "auto":
-        name = "llama3-8b" if jax.devices()[0].platform == "gpu" else "tiny"
-    cfg = llama.PRESETS[name]
-    if args.layers:
-        import dataclasses
-        cfg = dataclasses.replace(cfg, layers=args.layers)
-    try:
-        cfg.check(world)
-    except ValueError as e:
-        raise SetupError(f"preset {name}: {e}") from None
-    check_supported(world, [cfg.hidden], args.dtype)
-    return name, cfg
-
-
 def _modes(args):
     return LAYER_MODES if args.layer_mode == "both" else (args.layer_mode,)
 
 
-def _median_seconds(fn, fn_args, iters: int) -> float:
-    return statistics.median(timed_runs(fn, fn_args, iters))
-
-
-def tolerance(dtype: str, world: int, sites: int) -> float:
-    """Bound on max|fused - unfused| / max|unfused| of the logits.
-
-    At each site the two programs round differently: the fused op sums in float32 and rounds
-    once; a psum in the model dtype rounds after each of its world - 1 additions (about
-    sqrt(world - 1) * eps / 2 together), and the residual add rounds that differing sum, which
-    can land one ulp (eps) apart. The residual stream carries every site's difference forward
-    (the blocks' gain is about 1 at this init) and the final norm maps the stream's relative
-    error to the logits', plus one rounding of the norm output."""
-    eps = float(jnp.finfo(dtype).eps)
-    return eps + sites * (eps + math.sqrt(world - 1) * eps / 2)
-
-
-TOLERANCE_FORMULA = "eps + sites * (eps + sqrt(world - 1) * eps / 2)"
-
-
-def _compare(tok_u, log_u, tok_f, log_f):
-    """(first divergence (step, seq) or None, max abs logits error over the steps before it,
-    max |logits|, margins text)."""
-    diff = np.argwhere(tok_u != tok_f)
-    first = None
-    upto = tok_u.shape[1]
-    if len(diff):
-        step = int(diff[:, 1].min())
-        seq = int(diff[diff[:, 1] == step][0, 0])
-        first = (step, seq)
-        upto = step + 1  # the logits of the diverging step still share their inputs
-    err = float(np.max(np.abs(log_u[:upto] - log_f[:upto])))
-    scale = float(np.max(np.abs(log_u[:upto])))
-    margins = ""
-    if first is not None:
-        margins = (f"unfused top-2 margin {_margin(log_u, *first):.4g}, fused top-2 margin "
-                   f"{_margin(log_f, *first):.4g}")
-    return first, err, scale, margins
-
-
-def _margin(logits, step: int, seq: int) -> float:
-    """Top-1 minus top-2 logit of one sequence at one step."""
-    top = np.sort(logits[step, seq])[-2:]
-    return float(top[1] - top[0])
-
-
 def main(args) -> int:
-    if getattr(args, "moe", False):
-        from .moe_demo import main as moe_main
-        return moe_main(args)
     from ..fusion_pass import fuse
     from ..models import llama
     mesh = tp_mesh()
     world = mesh.shape[AXIS]
-    preset, cfg = _config(args, world)
+    preset, cfg = llama_preset(args, world)
     if args.bench:
         return bench_main(args, preset, cfg, mesh)
     dtype = jnp.dtype(args.dtype)
@@ -260,10 +131,10 @@ def main(args) -> int:
             outs, speed = {}, {}
             for name, prog in progs.items():
                 outs[name] = llama.greedy_decode(prog, prog, params, prompt, *cache, args.steps)
-                t_pre = _median_seconds(prog, (params, prompt, *cache, jnp.int32(0)), args.iters)
-                t_dec = _median_seconds(prog, (params, tok1, *cache, pos_d), args.iters)
+                t_pre = median_seconds(prog, (params, prompt, *cache, jnp.int32(0)), args.iters)
+                t_dec = median_seconds(prog, (params, tok1, *cache, pos_d), args.iters)
                 speed[name] = (args.batch * args.prompt / t_pre, args.batch / t_dec)
-            first, err, scale, margins = _compare(*outs["unfused"], *outs["fused"])
+            first, err, scale, margins = compare_greedy(*outs["unfused"], *outs["fused"])
             sites = reports["decode"]
             n_sites = sum(s.runs for s in sites.sites)  # executed per call (scan bodies x L)
             tol = tolerance(args.dtype, world, n_sites)
@@ -288,14 +159,12 @@ def main(args) -> int:
             print(f"max logits error {err:.4g} (relative to max |logits| {scale:.4g}: "
                   f"{rel:.3e}; tolerance {tol:.3e} = {TOLERANCE_FORMULA} with "
                   f"{n_sites} sites)")
-            # "not <=" so that NaN fails. A divergence is accepted only at a near tie: the
-            # unfused margin within twice the largest logits difference seen.
-            near_tie = first is not None and \
-                _margin(outs["unfused"][1], *first) <= 2 * err
             # Every site fused, unless the model's norm is one the pass must leave alone.
             expect_all = args.norm != "hf" or args.allow_rounding_change
             all_fused = len(sites.fused) == len(sites.sites) > 0
-            mode_ok = rel <= tol and (first is None or near_tie) and \
+            # "not <=" so that NaN fails. A divergence is accepted only at a near tie.
+            diverged_ok = first is None or near_tie(outs["unfused"][1], first, err)
+            mode_ok = rel <= tol and diverged_ok and \
                 (all_fused if expect_all else not sites.fused)
             print(f"{'PASS' if mode_ok else 'FAIL'} ({mode})")
             ok &= bool(mode_ok)

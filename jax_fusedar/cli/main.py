@@ -205,8 +205,10 @@ def main(argv=None) -> int:
         return code
     _ensure_host_devices()
     # Imported here, after XLA_FLAGS is settled, because they import JAX.
-    from .demo import SetupError
-    if args.command == "demo":
+    from .setup import SetupError
+    if args.command == "demo" and args.moe:
+        from .moe_demo import main as run
+    elif args.command == "demo":
         from .demo import main as run
     else:
         from .bench import main as run

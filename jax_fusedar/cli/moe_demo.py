@@ -10,35 +10,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .demo import (AXIS, SetupError, _compare, _margin, _median_seconds, describe_devices,
-                   open_workspace, tolerance, tp_mesh)
-
-
-def _preset(args, on_gpu: bool):
-    from ..models import moe_llama
-    name = {"auto": "small" if on_gpu else "tiny", "tiny": "tiny"}.get(args.preset)
-    if name is None:
-        raise SetupError(f"--moe has the presets tiny (CPUs) and small (GPUs, picked by "
-                         f"--preset auto), not {args.preset}")
-    return name, moe_llama.PRESETS[name]
+from .compare import compare_greedy, median_seconds, near_tie, tolerance
+from .setup import AXIS, SetupError, describe_devices, moe_preset, open_workspace, tp_mesh
 
 
 def main(args) -> int:
-    import dataclasses
-
     from ..models import llama, moe_llama
     mesh = tp_mesh()
     world = mesh.shape[AXIS]
     on_gpu = jax.devices()[0].platform == "gpu"
     if args.bench:
         raise SetupError("--moe has no --bench mode (tests/gpu/workers/moe_gpu.py times the op)")
-    name, cfg = _preset(args, on_gpu)
-    if args.layers:
-        cfg = dataclasses.replace(cfg, base=dataclasses.replace(cfg.base, layers=args.layers))
-    try:
-        cfg.check(world)
-    except ValueError as e:
-        raise SetupError(f"preset {name}: {e}") from None
+    name, cfg = moe_preset(args, world, on_gpu)
     dtype = jnp.dtype(args.dtype)
     base = cfg.base
     params = moe_llama.init_params(cfg, mesh, AXIS, dtype, args.seed)
@@ -63,11 +46,11 @@ def main(args) -> int:
         outs, speed = {}, {}
         for label, prog in progs.items():
             outs[label] = llama.greedy_decode(prog, prog, params, prompt, *cache, args.steps)
-            speed[label] = args.batch / _median_seconds(prog, (params, tok1, *cache, pos_d),
+            speed[label] = args.batch / median_seconds(prog, (params, tok1, *cache, pos_d),
                                                         args.iters)
         text = progs["fused"].lower(params, tok1, *cache, pos_d).as_text()
         kernel_calls = text.count("jax_fusedar_moe_allreduce_fusion_v1")
-    first, err, scale, margins = _compare(*outs["plain"], *outs["fused"])
+    first, err, scale, margins = compare_greedy(*outs["plain"], *outs["fused"])
     # Rounding sites per layer: the top_k routed additions, the shared expert's, the residual.
     tol = tolerance(args.dtype, world, base.layers * (cfg.top_k + 2))
     rel = err / scale if scale else float("inf")
@@ -83,7 +66,6 @@ def main(args) -> int:
         print(f"greedy tokens: first divergence at step {first[0]}, sequence {first[1]} "
               f"({margins})")
     print(f"max logits error {err:.4g} (relative {rel:.3e}; tolerance {tol:.3e})")
-    near_tie = first is not None and _margin(outs["plain"][1], *first) <= 2 * err
-    ok = rel <= tol and (first is None or near_tie)
+    ok = rel <= tol and (first is None or near_tie(outs["plain"][1], first, err))
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1

@@ -40,7 +40,7 @@ def main(argv=None) -> int:
                                num_processes=p.world, process_id=opts.rank,
                                local_device_ids=[p.device_of(opts.rank)] if p.gpus else None)
     from . import shared_demo
-    from .demo import SetupError
+    from .setup import SetupError
     try:
         code, result = shared_demo.run(args, p, opts.rank)
     except SetupError as e:

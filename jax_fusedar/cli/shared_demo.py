@@ -18,7 +18,6 @@ Rank 0 prints the report; every rank returns its greedy tokens, which the launch
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
@@ -26,8 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from .demo import AXIS, LAYER_MODES, SetupError, _compare, _config, _margin, open_workspace
+from .compare import compare_greedy, near_tie
+from .demo import LAYER_MODES
 from .ranks import Plan, shared_gpu_timing
+from .setup import AXIS, SetupError, llama_preset, moe_preset, open_workspace
 
 # Ranks sharing a GPU take turns on it, so a deep model only makes the check slower: the
 # preset's layers are cut to this many there unless --layers says otherwise.
@@ -104,7 +105,7 @@ def _timing_line(p: Plan) -> str:
 
 def _verdict(say, mode, toks_r, logs_r, toks_f, logs_f, tol_of, sites, dtype, steps, batch,
              expect_all_fused, report) -> bool:
-    first, err, scale, margins = _compare(toks_r, logs_r, toks_f, logs_f)
+    first, err, scale, margins = compare_greedy(toks_r, logs_r, toks_f, logs_f)
     tol = tol_of(sites)
     rel = err / scale if scale else float("inf")
     say(f"greedy tokens, sequence 0, reference: {toks_r[0].tolist()}")
@@ -116,8 +117,7 @@ def _verdict(say, mode, toks_r, logs_r, toks_f, logs_f, tol_of, sites, dtype, st
             f"({margins.replace('unfused', 'reference')})")
     say(f"max logits error {err:.4g} (relative to max |logits| {scale:.4g}: {rel:.3e}; "
         f"tolerance {tol:.3e} = {REFERENCE_TOLERANCE_FORMULA} with {sites} sites)")
-    near_tie = first is not None and _margin(logs_r, *first) <= 2 * err
-    ok = rel <= tol and (first is None or near_tie) and (
+    ok = rel <= tol and (first is None or near_tie(logs_r, first, err)) and (
         not expect_all_fused or len(report.fused) == len(report.sites) > 0)
     say(f"{'PASS' if ok else 'FAIL'} ({mode})")
     return bool(ok)
@@ -141,7 +141,7 @@ def _replicated(mesh, value):
 def _run_dense(args, p, rank, mesh, world, say, where, layers_note):
     from ..fusion_pass import fuse
     from ..models import llama
-    preset, cfg = _config(args, world)
+    preset, cfg = llama_preset(args, world)
     dtype = jnp.dtype(args.dtype)
     on_gpu = p.gpus > 0
     host = not on_gpu
@@ -221,15 +221,7 @@ def _modes(args):
 def _run_moe(args, p, rank, mesh, world, say, where, layers_note):
     from ..fusion_pass import fuse
     from ..models import llama, moe_llama
-    from .moe_demo import _preset
-    on_gpu = p.gpus > 0
-    name, cfg = _preset(args, on_gpu)
-    if args.layers:
-        cfg = dataclasses.replace(cfg, base=dataclasses.replace(cfg.base, layers=args.layers))
-    try:
-        cfg.check(world)
-    except ValueError as e:
-        raise SetupError(f"preset {name}: {e}") from None
+    name, cfg = moe_preset(args, world, on_gpu=p.gpus > 0)
     dtype = jnp.dtype(args.dtype)
     base = cfg.base
     params = moe_llama.init_params(cfg, mesh, AXIS, dtype, args.seed, vocab_parallel=False)

@@ -3,6 +3,7 @@ alike, so both make the *same* decisions from the same inputs. Pure Python (stdl
 never imports jax or torch (``tests/common/test_no_framework_imports.py`` checks it).
 
 * ``limits``: what the FlashInfer kernel can run at all (world size, hidden size, dtype);
+* ``moe_limits``: what FlashInfer's MoE kernels (patterns 6 and 7) can run;
 * ``sizing``: how big one rank's workspace is, and whether a call fits it;
 * ``launch_mode``: whether a call runs one-shot or two-shot;
 * ``tp_groups``: which devices or processes form each tensor-parallel group, in which rank
@@ -20,6 +21,7 @@ never imports jax or torch (``tests/common/test_no_framework_imports.py`` checks
 * ``quant_layouts``: shapes and byte layouts of the quantized outputs;
 * ``arguments``: the shared argument and environment-variable validators;
 * ``environment``: every ``JAX_FUSEDAR_*`` variable, checked at once (the CLI does, first);
+* ``lost_traps``: ends a process whose rank trapped while the GPU driver never reported it;
 * ``native``: the loader of the native module.
 
 These are the decisions peer projects got wrong (DP groups built over WORLD, TP rank taken

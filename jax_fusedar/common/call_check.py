@@ -74,14 +74,15 @@ DEFAULT_TIMEOUT_S = 30.0
 
 def resolve_timeout_s(value=None, name: str = "timeout_s") -> float:
     """How long any wait inside the fused kernel (a peer's Lamport data, a barrier flag, a
-    large-message entry or chunk flag) may last before the kernel records what it waited for and traps: ``value`` or
-    ``$JAX_FUSEDAR_TIMEOUT_S`` (seconds, default 30; 0 waits forever, FlashInfer's own
-    behaviour). Always on: it costs a counter increment per spin and a clock read every
-    thousand spins. After a timeout the stream fails with a CUDA error, the device's context
-    is unusable, and every later call on the workspace is refused with the recorded text
-    (the workspace's ``failures()``/``failure()`` read it). Per rank; generous on purpose:
-    a peer that is legitimately late (compiling, loading, a long step between calls) must
-    not be reported as missing. ``name``: the parameter errors name."""
+    large-message entry or chunk flag) may last before the kernel records what it waited for
+    and traps: ``value`` or ``$JAX_FUSEDAR_TIMEOUT_S`` (seconds, default 30; 0 waits
+    forever, FlashInfer's own behaviour). Always on: it costs a counter increment per spin
+    and a clock read every thousand spins. After a timeout the stream fails with a CUDA
+    error, the device's context is unusable, and every later call on the workspace is
+    refused with the recorded text (the workspace's ``failures()``/``failure()`` read it).
+    Per rank; generous on purpose: a peer that is legitimately late (compiling, loading, a
+    long step between calls) must not be reported as missing. ``name``: the parameter errors
+    name."""
     return _resolve_seconds(value, name=name, env_var=TIMEOUT_ENV_VAR,
                             default=DEFAULT_TIMEOUT_S, allow_zero=True)
 

@@ -108,7 +108,8 @@ def connect_and_finalize(plan: GroupPlan, me: int, channel: Optional[Channel], *
             if m.process == me:
                 rank_workspace.set_peer_pointers(peer, m.device, plan.local[peer].local_pointers())
             else:
-                who = f"TP rank {peer} of group {plan.group.members} (process {m.process}, device {m.device})"
+                who = (f"TP rank {peer} of group {plan.group.members} (process {m.process}, "
+                       f"device {m.device})")
                 rank_workspace.open_peer_ipc(peer, channel.fetch(
                     _key(namespace, plan, serial, f"ipc/rank{peer}"), who))
         rank_workspace.finalize()

@@ -94,7 +94,8 @@ def groups_problem(
         return ", ".join(str(tuple(int(m) for m in g)) for g in groups)
 
     return (f"the mesh of this call groups the devices along {axis_name!r} as "
-            f"[{show(call_groups)}] but the workspace was created for the groups [{show(workspace_groups)}] "
+            f"[{show(call_groups)}] but the workspace was created for the groups "
+            f"[{show(workspace_groups)}] "
             f"(device ids in TP-rank order); create the workspace from the mesh the call runs "
             f"under")
 

@@ -204,8 +204,8 @@ def _compiled_hlo(body_expr: str) -> str:
         import jax, jax.numpy as jnp
         from jax.sharding import NamedSharding, PartitionSpec as P
         from jax_fusedar.cli import bench as bench
-        from jax_fusedar.cli import demo as demo
-        mesh = demo.tp_mesh()
+        from jax_fusedar.cli import setup
+        mesh = setup.tp_mesh()
         prog = jax.jit(jax.shard_map({body_expr}, mesh=mesh,
                                      in_specs=(P("tp"), P(), P(), P()), out_specs=P()))
         x = jax.device_put(jnp.ones((8, 16, 128), jnp.bfloat16), NamedSharding(mesh, P("tp")))
@@ -246,8 +246,8 @@ def test_bench_device_method_brackets_the_chain_with_device_stamps():
         import jax, jax.numpy as jnp
         from jax.sharding import NamedSharding, PartitionSpec as P
         from jax_fusedar.cli import bench as bench
-        from jax_fusedar.cli import demo as demo
-        mesh = demo.tp_mesh()
+        from jax_fusedar.cli import setup
+        mesh = setup.tp_mesh()
         body = bench.stamped(bench.chained(bench.baseline_combine(4), 3))
         prog = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P(), P()),
                                      out_specs=(P("tp"), P("tp"), P(), P(), P())))

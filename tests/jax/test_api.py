@@ -295,7 +295,8 @@ def test_cuda_lowering_of_plain_allreduce():
     ("tp8", 16, {"use_oneshot": True}, 1),
     ("tp8", 2048, {}, 0),  # 2048*1024*2*8*2 bytes = 64 MiB > 42 MiB: two-shot
     ("dp4_tp2", 2048, {}, 1),  # the same call at world size 2 (limit 512 MiB): one-shot
-    # 48 MiB per rank at world size 2: the large-message algorithm (launch_mode.LARGE_MESSAGE_MIN_MIB)
+    # 48 MiB per rank at world size 2: the large-message algorithm
+    # (launch_mode.LARGE_MESSAGE_MIN_MIB)
     ("dp4_tp2", 24576, {}, 2),
     ("dp4_tp2", 24575, {}, 1),
     ("dp4_tp2", 24576, {"use_oneshot": False}, 0),  # forced: FlashInfer's two-shot kernel

@@ -121,9 +121,13 @@ def test_a_second_live_kernel_workspace_with_the_same_key_is_refused():
     assert wsmod.lookup(twin.id) is twin
 
 
-def test_disabled_checks_exempt_exactly_the_fused_target():
+def test_disabled_checks_exempt_exactly_the_fused_targets():
+    # The ops' targets (the dense op's and the one both MoE ops call), from the registry;
+    # never the device timestamp of the benchmarks.
+    from jax_fusedar.common import native
     assert jf.export.DISABLED_CHECKS == (
-        jax.export.DisabledSafetyCheck.custom_call(FFI_TARGET),)
+        jax.export.DisabledSafetyCheck.custom_call(FFI_TARGET),
+        jax.export.DisabledSafetyCheck.custom_call(native.FFI_TARGETS["moe_allreduce_fusion"]))
 
 
 @needs_native
@@ -216,3 +220,76 @@ def test_row_parallel_exports_on_explicit_axes_and_auto_axes_get_an_explanation(
                     for a in args]
             for g, w in zip(exported.call(*vals), jax.jit(f)(*vals)):
                 np.testing.assert_array_equal(bits(g), bits(w))
+
+
+# --- the MoE ops ---------------------------------------------------------------------------------
+# Exported like the dense op: their target is exempt too (one registry of the ops' targets).
+
+MOE_TOKENS, MOE_HIDDEN, MOE_ROWS, TOP_K, EXPERTS = 4, 256, 6, 2, 3
+
+
+def moe_layer(ws, pattern):
+    """A tp=4 program (dp 2) of one MoE op: three per-rank inputs (expert rows and what
+    weighs them), then the dp group's residual and gamma."""
+    def finalize(permuted, idx, scale, residual, gamma):
+        out = jf.moe_finalize_allreduce_fusion(
+            permuted[0], idx[0], axis_name="tp", workspace=ws, residual=residual,
+            rms_gamma=gamma, expert_scale_factor=scale[0])
+        return out.residual_out, out.norm_out
+
+    def reduction(outputs, scales, token_input, residual, gamma):
+        out = jf.moe_reduction_allreduce_fusion(
+            outputs[0], scales[0], token_input[0], axis_name="tp", workspace=ws,
+            residual=residual, rms_gamma=gamma, return_allreduce_out=True)
+        return out.residual_out, out.norm_out, out.allreduce_out
+
+    body, n_out = (finalize, 2) if pattern == 7 else (reduction, 3)
+    split, group = P(("dp", "tp")), P("dp")
+    return jax.jit(jax.shard_map(body, mesh=ws.mesh, in_specs=(split, split, split, group, group),
+                                 out_specs=(group,) * n_out))
+
+
+def moe_specs(mesh, pattern):
+    t, h = MOE_TOKENS, MOE_HIDDEN
+    if pattern == 7:
+        shapes = [((8, MOE_ROWS, h), jnp.bfloat16), ((8, t, TOP_K), jnp.int32),
+                  ((8, t, TOP_K), jnp.bfloat16), ((2 * t, h), jnp.bfloat16),
+                  ((2 * h,), jnp.bfloat16)]
+    else:
+        shapes = [((8, EXPERTS, t, h), jnp.bfloat16), ((8, EXPERTS, t), jnp.float32),
+                  ((8, t, h), jnp.bfloat16), ((2 * t, h), jnp.bfloat16), ((2 * h,), jnp.bfloat16)]
+    specs = [P(("dp", "tp"))] * 3 + [P("dp")] * 2
+    return [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, sp))
+            for (s, d), sp in zip(shapes, specs)]
+
+
+def moe_values(rng, mesh, pattern):
+    host = []
+    for spec in moe_specs(mesh, pattern):
+        if spec.dtype == jnp.int32:
+            host.append(rng.integers(-1, MOE_ROWS, spec.shape).astype(np.int32))
+        else:
+            host.append((rng.standard_normal(spec.shape) / 4).astype(spec.dtype))
+    return [jax.device_put(v, s.sharding) for v, s in zip(host, moe_specs(mesh, pattern))]
+
+
+@needs_native
+@pytest.mark.parametrize("pattern", [6, 7])
+def test_moe_export_round_trip(pattern):
+    """Exported for (cpu, cuda) from an abstract kernel workspace: the cuda branch keeps the
+    MoE custom call and the stable key; serialized, deserialized and run on CPU it gives the
+    bits of the same program jitted on an XLA workspace."""
+    mesh = mesh_2x4()
+    kw = dict(max_token_num=MOE_TOKENS, hidden_dim=MOE_HIDDEN, dtype=jnp.bfloat16)
+    served = jf.abstract_workspace(mesh, "tp", name="moe", **kw)
+    exported = jf.export.export(moe_layer(served, pattern),
+                                platforms=("cpu", "cuda"))(*moe_specs(mesh, pattern))
+    from jax_fusedar.common import native
+    text = exported.mlir_module()
+    assert text.count(f"@{native.FFI_TARGETS['moe_allreduce_fusion']}") == 1, text
+    assert f"pattern = {pattern} : i32" in text
+    assert jf.export.workspace_ids(round_trip(exported)) == [served.id]
+    xla_ws = jf.create_allreduce_fusion_workspace(mesh, "tp", **kw)
+    args = moe_values(new_rng(), mesh, pattern)
+    assert_same_bits(round_trip(exported).call(*args), moe_layer(xla_ws, pattern)(*args),
+                     f"pattern {pattern}: (cpu, cuda) artifact on cpu")

@@ -17,6 +17,7 @@ import jax_fusedar as jf  # noqa: E402
 import tests.oracles.moe_oracle as mo  # noqa: E402
 from tests.jax.cpu_helpers import make_mesh, needs_native, put, require_host_devices  # noqa: E402
 from jax_fusedar import moe, moe_reference  # noqa: E402
+from jax_fusedar.call_plan import CallPlan, choose_moe_kernel  # noqa: E402
 
 require_host_devices()
 pytestmark = pytest.mark.usefixtures("hermetic")
@@ -388,3 +389,15 @@ def test_kernel_problem_rules(tokens, hidden, world, problem):
         assert got is None
     else:
         assert got is not None and problem in got[1], got
+
+
+def test_hidden_sizes_flashinfers_launcher_cannot_place_fall_back_or_raise():
+    """hidden 8448 (33 warps per token, 1056 threads per CTA): the one MoE rule
+    (common.moe_limits, also torch's and the native launch's) keeps it off the kernel."""
+    ws = workspace(2, "bfloat16", tokens=4, hidden=8448, backend="trtllm")
+    plan = CallPlan(ws.backend, ws.sizes, True, True)
+    with pytest.raises(ValueError, match="1056 threads per block"):
+        choose_moe_kernel(plan, 4, 8448, "bfloat16")
+    assert not choose_moe_kernel(CallPlan(ws.backend, ws.sizes, False, True), 4, 8448,
+                                 "bfloat16")
+    assert choose_moe_kernel(CallPlan(ws.backend, ws.sizes, True, True), 4, 8192, "bfloat16")

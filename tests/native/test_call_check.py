@@ -379,7 +379,8 @@ int main() {
   d.kind = kMismatch;
   fusedar_rank_call_check_failure(&r, buf, sizeof buf);
   std::printf("mismatch=[%s]\n", buf);
-  Signature large = signature_of(args(1, FUSEDAR_BFLOAT16, 16, 4096, FUSEDAR_ALGORITHM_LARGE_MESSAGE, 1, 0, 0));
+  Signature large =
+      signature_of(args(1, FUSEDAR_BFLOAT16, 16, 4096, FUSEDAR_ALGORITHM_LARGE_MESSAGE, 1, 0, 0));
   std::printf("large_word=%llx\n", large.word);
   std::memcpy(d.theirs, &large, sizeof large);
   fusedar_rank_call_check_failure(&r, buf, sizeof buf);

@@ -255,3 +255,44 @@ def test_a_core_status_reaches_python_as_its_exception():
         native.ext.workspace_sizes(3, 1, 128, native.DTYPE_CODES["bfloat16"])
     with pytest.raises(ValueError):
         native.ext.workspace_sizes(2, 1, 128, 7)
+
+
+# --- the MoE kernels' rule ------------------------------------------------------------------------
+# One rule for JAX (jax_fusedar.moe), torch (torch_compat.moe, its fake implementations too) and
+# the native launch (fusedar_moe_shape_check, which fusedar_moe_launch runs): the Python side is
+# common.moe_limits.kernel_problem. Every call one side accepts, the other accepts.
+
+MOE_HIDDENS = (128, 256, 2880, 4096, 7168, 8192, 8448, 12288, 16384, 24576, 32768, 33024,
+               65536, 65792)
+
+
+@pytest.mark.parametrize("world_size", limits.SUPPORTED_WORLD_SIZES)
+def test_moe_kernel_rule_is_the_cores(world_size):
+    from jax_fusedar.common import moe_limits
+    checked = 0
+    for ws_dtype, dtype, hidden, tokens in itertools.product(
+            ("bfloat16", "float16", "float32"), ("bfloat16", "float16", "float32"),
+            MOE_HIDDENS, (1, 3, 64, 1024, 65536)):
+        ws_hidden = 7168
+        sizes = sizing.workspace_sizes(world_size, 1024, ws_hidden, ws_dtype)
+        ours = moe_limits.kernel_problem(tokens, hidden, dtype, sizes)
+        for pattern in patterns.MOE_PATTERNS:
+            theirs = native.ext.moe_shape_problem(
+                world_size, 1024, ws_hidden, native.DTYPE_CODES[ws_dtype], int(pattern),
+                native.DTYPE_CODES[dtype], tokens, hidden)
+            assert (ours is None) == (theirs is None), (pattern, ws_dtype, dtype, hidden,
+                                                        tokens, ours, theirs)
+            checked += 1
+    assert checked == 2 * 9 * len(MOE_HIDDENS) * 5
+
+
+def test_moe_kernel_rule_refuses_what_flashinfers_launcher_cannot_place():
+    """hidden 8448 = 33 warps: no cluster of 2, 4 or 8 divides them, so one CTA would need
+    1056 threads (FlashInfer's launcher refuses above 1024); 8192 = 32 warps fits."""
+    from jax_fusedar.common import moe_limits
+    sizes = sizing.workspace_sizes(2, 16, 8448, "bfloat16")
+    kind, why = moe_limits.kernel_problem(4, 8448, "bfloat16", sizes)
+    assert kind == "unsupported shape" and "1056 threads per block" in why
+    assert moe_limits.kernel_problem(4, 8192, "bfloat16", sizes) is None
+    assert "1056 threads per block" in native.ext.moe_shape_problem(
+        2, 16, 8448, native.DTYPE_CODES["bfloat16"], 7, native.DTYPE_CODES["bfloat16"], 4, 8448)

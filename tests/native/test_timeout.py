@@ -238,11 +238,11 @@ def test_torch_moe_finalize_after_a_trap_raises_the_record_before_touching_the_d
     CUDA's generic error: torch_compat raises the record first, and launches nothing."""
     pytest.importorskip("torch")
     import torch_compat
-    from torch_compat import moe
+    from torch_compat import cuda_state, moe
 
     from tests.torch import test_moe as tm
 
-    monkeypatch.setattr(moe, "_current_stream", lambda device: 0xC0FFEE)
+    monkeypatch.setattr(cuda_state, "current_stream", lambda device: 0xC0FFEE)
     ws = tm.fake_workspace()
     record = "jax_fusedar kernel wait timed out on rank 0 of 2 ... Rank 1 did not arrive"
     ws.native_rank().failure = lambda: record

@@ -9,7 +9,7 @@ dist = pytest.importorskip("torch.distributed")
 
 import torch_compat  # noqa: E402
 from jax_fusedar.common import backend_choice, tp_groups  # noqa: E402
-from torch_compat import library, ops  # noqa: E402
+from torch_compat import cuda_state, library  # noqa: E402
 from torch_compat import workspace as wsmod  # noqa: E402
 
 from tests.torch.test_torch_compat import CREATE, _tensors, fake_workspace  # noqa: E402
@@ -22,7 +22,7 @@ QUANT = torch.ops.torch_compat.allreduce_residual_rmsnorm_quant.default
 
 @pytest.fixture
 def cpu_stream(monkeypatch):
-    monkeypatch.setattr(ops, "_current_stream", lambda device: 0xC0FFEE)
+    monkeypatch.setattr(cuda_state, "current_stream", lambda device: 0xC0FFEE)
 
 
 def _call(ws, pattern=1, **over):
@@ -59,7 +59,7 @@ def test_options_are_never_coerced(cpu_stream, over, error, match):
 
 
 def test_layout_code_is_not_truncated(cpu_stream, monkeypatch):
-    monkeypatch.setattr(ops, "_compute_capability", lambda device: (10, 0))
+    monkeypatch.setattr(cuda_state, "compute_capability", lambda device: (10, 0))
     ws = fake_workspace()
     t = _tensors()
     for layout in (2.7, "2", True):

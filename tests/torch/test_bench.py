@@ -92,6 +92,28 @@ def test_command_without_gpu_says_so():
     assert "JAX_FUSEDAR_ANCHOR" in r.stderr
 
 
+def test_command_runs_from_the_installed_packages_without_the_checkout(tmp_path):
+    """An installed wheel holds jax_fusedar and torch_compat but not the checkout's tools/ (the
+    anchor's loader): the bench says its rows are skipped and why, then runs (here: stops at
+    the missing GPUs, exit 2), instead of failing on the import."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU (the command would run the benchmark)")
+    site, run = tmp_path / "site", tmp_path / "run"
+    site.mkdir()
+    run.mkdir()
+    for package in ("jax_fusedar", "torch_compat"):
+        (site / package).symlink_to(REPO / package, target_is_directory=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "JAX_FUSEDAR_ANCHOR")}
+    r = subprocess.run([sys.executable, "-m", "jax_fusedar", "bench", "--framework", "torch",
+                        "--tokens", "1", "--hidden", "1024", "--out", str(tmp_path / "out")],
+                       cwd=run, env=dict(env, PYTHONPATH=str(site)), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "FlashInfer anchor unavailable: its loader (tools/flashinfer_anchor.py) is part of " \
+        "the source checkout" in r.stderr and "Its rows are skipped" in r.stderr
+    assert "needs CUDA GPUs" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_torch_bench_path_imports_no_jax():
     code = ("import sys; from jax_fusedar import __main__; from torch_compat import bench; "
             "bench.parse_args([]); print('jax' in sys.modules)")

@@ -17,7 +17,7 @@ from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
 import torch_compat  # noqa: E402
 from jax_fusedar.common import sizing  # noqa: E402
-from torch_compat import fusion_pass, library, ops  # noqa: E402
+from torch_compat import cuda_state, fusion_pass, library  # noqa: E402
 from torch_compat import workspace as wsmod  # noqa: E402
 
 from tests.torch.test_torch_compat import FakeRank  # noqa: E402
@@ -120,7 +120,7 @@ def test_schemas():
 
 
 def test_real_impl_launches_pattern1_through_the_workspace(monkeypatch):
-    monkeypatch.setattr(ops, "_current_stream", lambda device: 0xC0FFEE)
+    monkeypatch.setattr(cuda_state, "current_stream", lambda device: 0xC0FFEE)
     ws = fake_workspace(global_ranks=(0, 1))
     h = library.register_workspace(ws)
     try:
@@ -568,8 +568,8 @@ def test_quant_fake_refuses_plain_patterns_and_bad_shapes(handle):
 
 @pytest.mark.parametrize("pattern, extra", QUANT_CASES)
 def test_quant_real_impl_wiring(monkeypatch, pattern, extra):
-    monkeypatch.setattr(ops, "_current_stream", lambda device: 0xC0FFEE)
-    monkeypatch.setattr(ops, "_compute_capability", lambda device: (10, 0))
+    monkeypatch.setattr(cuda_state, "current_stream", lambda device: 0xC0FFEE)
+    monkeypatch.setattr(cuda_state, "compute_capability", lambda device: (10, 0))
     ws = fake_workspace(global_ranks=(0, 1))
     h = library.register_workspace(ws)
     try:
@@ -590,8 +590,8 @@ def test_quant_real_impl_wiring(monkeypatch, pattern, extra):
 
 
 def test_quant_real_impl_refuses_nvfp4_on_sm90(monkeypatch):
-    monkeypatch.setattr(ops, "_current_stream", lambda device: 0)
-    monkeypatch.setattr(ops, "_compute_capability", lambda device: (9, 0))
+    monkeypatch.setattr(cuda_state, "current_stream", lambda device: 0)
+    monkeypatch.setattr(cuda_state, "compute_capability", lambda device: (9, 0))
     ws = fake_workspace(global_ranks=(0, 1))
     h = library.register_workspace(ws)
     try:

@@ -9,7 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 import torch_compat  # noqa: E402
 from jax_fusedar.common import sizing  # noqa: E402
-from torch_compat import library, moe, ops  # noqa: E402
+from torch_compat import cuda_state, library  # noqa: E402
 from torch_compat import workspace as wsmod  # noqa: E402
 
 from tests.torch.test_torch_compat import FakeRank  # noqa: E402
@@ -40,8 +40,7 @@ def fake_workspace(world=2, max_tokens=64, hidden=7168, dtype=BF):
 
 @pytest.fixture(autouse=True)
 def cpu_stream(monkeypatch):
-    monkeypatch.setattr(ops, "_current_stream", lambda device: 0xC0FFEE)
-    monkeypatch.setattr(moe, "_current_stream", lambda device: 0xC0FFEE)
+    monkeypatch.setattr(cuda_state, "current_stream", lambda device: 0xC0FFEE)
 
 
 def finalize_args(t=4, k=8, rows=40, h=7168, dtype=BF):
@@ -206,5 +205,30 @@ def test_custom_ops_fake_implementations_trace_and_refuse():
                     a["input"], a["expanded_idx_to_permuted_idx"], a["residual_in"],
                     a["rms_gamma"], a["expert_scale_factor"].float(), None, 1.0, 1e-6, 0.0,
                     handle)
+    finally:
+        library.unregister_workspace(handle)
+
+
+def test_one_moe_rule_refuses_what_flashinfers_launcher_cannot_place():
+    """hidden 8448 is 33 warps per token: no cluster of 2, 4 or 8 CTAs divides them, so one
+    CTA would need 1056 threads and FlashInfer's launcher refuses it inside the launch. The
+    rule JAX applies at trace time (common.moe_limits) refuses it here too, eagerly and in
+    the fake implementations that torch.compile traces."""
+    ws = fake_workspace(hidden=8448)
+    with pytest.raises(ValueError, match="1056 threads per block"):
+        torch_compat.allreduce_fusion(workspace=ws, pattern=P7, **finalize_args(h=8448))
+    with pytest.raises(ValueError, match="1056 threads per block"):
+        torch_compat.allreduce_fusion(workspace=ws, pattern=P6,
+                                      norm_out=torch.empty(4, 8448, dtype=BF),
+                                      **reduction_args(h=8448))
+    assert not ws.native_rank().moe_launches
+    handle = library.register_workspace(ws)
+    try:
+        with FakeTensorMode():
+            a = finalize_args(h=8448)
+            with pytest.raises(ValueError, match="1056 threads per block"):
+                torch.ops.torch_compat.moe_finalize_allreduce_residual_rmsnorm(
+                    a["input"], a["expanded_idx_to_permuted_idx"], a["residual_in"],
+                    a["rms_gamma"], a["expert_scale_factor"], None, 1.0, 1e-6, 0.0, handle)
     finally:
         library.unregister_workspace(handle)

@@ -23,7 +23,7 @@ dist = pytest.importorskip("torch.distributed")
 import torch_compat  # noqa: E402
 from jax_fusedar.common import (backend_choice, exchange, launch_mode, native, sizing,  # noqa: E402
                                 tp_groups)
-from torch_compat import ops  # noqa: E402
+from torch_compat import cuda_state, ops  # noqa: E402
 from torch_compat import workspace as wsmod  # noqa: E402
 from torch_compat.channel import StoreChannel  # noqa: E402
 from tools.flashinfer_anchor import resolve_anchor_path  # noqa: E402
@@ -181,7 +181,7 @@ def fake_workspace(world=2, max_tokens=128, hidden=1024, dtype=torch.bfloat16):
 
 @pytest.fixture
 def cpu_stream(monkeypatch):
-    monkeypatch.setattr(ops, "_current_stream", lambda device: 0xC0FFEE)
+    monkeypatch.setattr(cuda_state, "current_stream", lambda device: 0xC0FFEE)
 
 
 def _tensors(m=16, h=1024, dtype=torch.bfloat16):
@@ -713,12 +713,12 @@ QUANT = FP8_STATIC + FP8_DYNAMIC + FP8_GROUP + NVFP4
 
 @pytest.fixture
 def sm100(monkeypatch):
-    monkeypatch.setattr(ops, "_compute_capability", lambda device: (10, 0))
+    monkeypatch.setattr(cuda_state, "compute_capability", lambda device: (10, 0))
 
 
 @pytest.fixture
 def sm90(monkeypatch):
-    monkeypatch.setattr(ops, "_compute_capability", lambda device: (9, 0))
+    monkeypatch.setattr(cuda_state, "compute_capability", lambda device: (9, 0))
 
 
 def group_scale_out(m, h, g):
@@ -836,7 +836,7 @@ def test_scale_factor_as_python_float_like_flashinfer(cpu_stream, monkeypatch):
         with pytest.raises(ValueError, match=match):
             torch_compat.allreduce_fusion(workspace=ws, pattern=2, **t)
     # Under CUDA-graph capture a float would need an uncapturable host->device copy.
-    monkeypatch.setattr(ops, "_capturing", lambda: True)
+    monkeypatch.setattr(cuda_state, "capturing", lambda: True)
     t["scale_factor"] = 0.25
     with pytest.raises(ValueError, match="CUDA graph cannot capture"):
         torch_compat.allreduce_fusion(workspace=ws, pattern=2, **t)

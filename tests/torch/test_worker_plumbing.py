@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 import torch_compat  # noqa: E402
-from torch_compat import ops  # noqa: E402
+from torch_compat import cuda_state  # noqa: E402
 
 from tests.torch.test_torch_compat import fake_workspace  # noqa: E402
 from tests.gpu.workers import parity_jax_torch as par  # noqa: E402
@@ -61,7 +61,7 @@ class SimTC:
 
 @pytest.fixture
 def cpu_launch(monkeypatch):
-    monkeypatch.setattr(ops, "_current_stream", lambda device: 0)
+    monkeypatch.setattr(cuda_state, "current_stream", lambda device: 0)
 
 
 def _case(seed, m, hidden, dtype, world=2):

@@ -28,8 +28,8 @@ extern "C" {
 // refuses a core whose fusedar_abi_version() differs from the header it was built with.
 // 2 added the MoE entry points (fusedar_moe_launch_args, fusedar_check_moe_launch,
 // fusedar_moe_launch); 3 replaced fusedar_launch_args.use_oneshot by `algorithm`
-// (fusedar_algorithm, with the large-message algorithm).
-#define FUSEDAR_ABI_VERSION 3
+// (fusedar_algorithm, with the large-message algorithm); 4 added fusedar_moe_shape_check.
+#define FUSEDAR_ABI_VERSION 4
 #define FUSEDAR_IPC_HANDLE_BYTES 64
 // Each rank shares three buffers with its peers: two-shot data, barrier flags and
 // the Lamport (one-shot) triple buffer; the layout is in docs/architecture.md.
@@ -222,6 +222,14 @@ typedef struct {
   int32_t launch_with_pdl;
 } fusedar_moe_launch_args;
 
+// The shape rules of an MoE call of `num_tokens` x `hidden_dim` of `dtype` (pattern 6 or 7)
+// on a workspace described by `ws` (fusedar_workspace_sizes), without a rank: the 16-bit
+// dtypes, a hidden size of whole warps that FlashInfer's launcher can place in one CTA, the
+// workspace's element count and the one-shot Lamport buffer. FUSEDAR_OK, or
+// FUSEDAR_INVALID_ARGUMENT with the reason in fusedar_last_error(). The launch checks the same
+// rules (jax_fusedar/common/moe_limits.py is the Python side, held equal by a test).
+int fusedar_moe_shape_check(const fusedar_workspace_info* ws, int32_t pattern, int32_t dtype,
+                            int64_t num_tokens, int64_t hidden_dim);
 // Checks an MoE call against the workspace without launching (same checks as the launch).
 int fusedar_check_moe_launch(const fusedar_rank* r, const fusedar_moe_launch_args* args);
 // Launches FlashInfer's MoE kernel for args->pattern on `stream` (a cudaStream_t).

@@ -1,0 +1,88 @@
+"""How the demos (dense and MoE) and the bench compare the fused op with the unfused math: the
+unfused combine as a model writes it, timed runs, the greedy tokens and logits of two decodes
+(first divergence, top-2 margins, the near-tie rule) and the rounding tolerance of the logits."""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .setup import AXIS, RMS_EPS
+
+TOLERANCE_FORMULA = "eps + sites * (eps + sqrt(world - 1) * eps / 2)"
+
+
+def plain_add_rmsnorm(partial, residual, gamma, *, eps: float = RMS_EPS):
+    """The unfused combine as a model would write it: psum in the model dtype (what NCCL does),
+    residual add, RMSNorm in float32. Returns (residual_out, norm_out)."""
+    residual = jax.lax.psum(partial, AXIS) + residual
+    r = residual.astype(jnp.float32)
+    norm = r * jax.lax.rsqrt(jnp.mean(r * r, axis=-1, keepdims=True) + eps)
+    return residual, (norm * gamma.astype(jnp.float32)).astype(residual.dtype)
+
+
+def timed_runs(fn, args, runs: int) -> list:
+    """Seconds of each of ``runs`` calls, each waited for; after a warm-up call, which also
+    compiles, so that neither is timed."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def median_seconds(fn, fn_args, iters: int) -> float:
+    return statistics.median(timed_runs(fn, fn_args, iters))
+
+
+def tolerance(dtype: str, world: int, sites: int) -> float:
+    """Bound on max|fused - unfused| / max|unfused| of the logits.
+
+    At each site the two programs round differently: the fused op sums in float32 and rounds
+    once; a psum in the model dtype rounds after each of its world - 1 additions (about
+    sqrt(world - 1) * eps / 2 together), and the residual add rounds that differing sum, which
+    can land one ulp (eps) apart. The residual stream carries every site's difference forward
+    (the blocks' gain is about 1 at this init) and the final norm maps the stream's relative
+    error to the logits', plus one rounding of the norm output."""
+    eps = float(jnp.finfo(dtype).eps)
+    return eps + sites * (eps + math.sqrt(world - 1) * eps / 2)
+
+
+def compare_greedy(tok_u, log_u, tok_f, log_f):
+    """(first divergence (step, seq) or None, max abs logits error over the steps before it,
+    max |logits|, margins text) of two greedy decodes: tokens [seq, step] and logits [step,
+    seq, vocab] of the unfused and the fused program."""
+    diff = np.argwhere(tok_u != tok_f)
+    first = None
+    upto = tok_u.shape[1]
+    if len(diff):
+        step = int(diff[:, 1].min())
+        seq = int(diff[diff[:, 1] == step][0, 0])
+        first = (step, seq)
+        upto = step + 1  # the logits of the diverging step still share their inputs
+    err = float(np.max(np.abs(log_u[:upto] - log_f[:upto])))
+    scale = float(np.max(np.abs(log_u[:upto])))
+    margins = ""
+    if first is not None:
+        margins = (f"unfused top-2 margin {top2_margin(log_u, *first):.4g}, fused top-2 margin "
+                   f"{top2_margin(log_f, *first):.4g}")
+    return first, err, scale, margins
+
+
+def top2_margin(logits, step: int, seq: int) -> float:
+    """Top-1 minus top-2 logit of one sequence at one step."""
+    top = np.sort(logits[step, seq])[-2:]
+    return float(top[1] - top[0])
+
+
+def near_tie(logits, first, err: float) -> bool:
+    """Whether a divergence at ``first`` (step, seq) is a near tie, the only divergence the
+    demos accept: the unfused program's top-2 margin there within twice the largest logits
+    difference seen."""
+    return first is not None and top2_margin(logits, *first) <= 2 * err

@@ -1,0 +1,258 @@
+"""The one machinery behind every jax_fusedar FFI op (in the spirit of TransformerEngine-JAX's
+``BasePrimitive``, smaller): an op is declared once, as an ``FfiOp``, with
+
+* its abstract evaluation (shapes, dtypes and the varying-manual-axes rule, ``varying`` /
+  ``with_varying``),
+* its reference math (every platform, and the cuda platform when a call was not cleared for
+  the kernel at trace time),
+* the attributes and the in-place aliases of its custom call to the XLA FFI handler (cuda,
+  when cleared for the kernel),
+* its JVP rule (by default the tangent map of the reference math) and its batching rule,
+
+and is registered in the one registry of the package's FFI targets, from which
+``jax_fusedar.export`` takes the targets it exempts from ``jax.export``'s custom-call check
+(each op's target keeps its own compatibility guarantee: a versioned name whose operands,
+results and attributes never change, and a handler that re-checks them). None of the ops
+has a partition rule of its own (they run inside ``shard_map``);
+``row_parallel_allreduce_fusion`` (``partitioning.py``) partitions the program around the
+dense op.
+
+Every op binds the same machinery parameters besides its own: ``axis_name`` (a 1-tuple),
+``use_kernel`` (the trace-time decision, ``call_plan``), ``workspace_id`` and
+``workspace_groups`` (the workspace's stable id, which the custom call carries, and its TP
+groups, which every lowering checks against the mesh being lowered) and ``plan`` (what the
+batching rule needs to decide again). The lowerings do the rest alike for every op: the mesh
+check, the reference for calls not cleared for the kernel (with the export policy below),
+and the custom call.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import warnings
+from functools import partial
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from .call_checks import check_call_groups
+from .common import native
+
+# --- varying-manual-axes (VMA) -----------------------------------------------------------------
+# Inside shard_map the all-reduced sum no longer varies over the TP axis (as for psum), so
+# outputs drop `axis_name` from the summed operands' varying axes; the residual and gamma
+# still contribute theirs (a per-rank residual makes residual_out per-rank again).
+
+def varying(aval) -> frozenset:
+    """The manual mesh axes ``aval`` varies over."""
+    mat = getattr(aval, "mat", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", frozenset()))
+
+
+def with_varying(aval, vma: frozenset):
+    """``aval`` marked varying over exactly ``vma``."""
+    if getattr(aval, "mat", None) is not None:
+        return aval.update(manual_axis_type=aval.mat.update(varying=vma))
+    return aval.update(vma=vma)
+
+
+# --- lowering ----------------------------------------------------------------------------------
+
+def check_lowering_mesh(ctx, axis_name, workspace_groups):
+    """In every lowering (cuda and the reference ones): the mesh of the shard_map (or pmap)
+    being lowered is known here even when it was not at trace time."""
+    mesh = getattr(ctx.module_context.axis_context, "mesh", None)
+    check_call_groups(mesh, axis_name[0], workspace_groups)
+
+
+_refuse_reference = contextvars.ContextVar("jax_fusedar_export_refuses_reference", default=False)
+_allow_reference = contextvars.ContextVar("jax_fusedar_export_allows_reference", default=False)
+
+
+@contextlib.contextmanager
+def refusing_reference_for_cuda():
+    """``jax_fusedar.export``'s context: a cuda lowering that would silently hold the
+    reference for an XLA-backend workspace of a GPU-less process raises instead of warning
+    (unless ``allowing_reference_for_cuda`` is also in effect)."""
+    token = _refuse_reference.set(not _allow_reference.get())
+    try:
+        yield
+    finally:
+        _refuse_reference.reset(token)
+
+
+@contextlib.contextmanager
+def allowing_reference_for_cuda():
+    """Let a cuda lowering keep the reference for XLA-backend workspaces silently."""
+    token = _allow_reference.set(True)
+    try:
+        yield
+    finally:
+        _allow_reference.reset(token)
+
+
+def check_reference_lowered_for_cuda(workspace_id: int) -> None:
+    """Called by the cuda lowering of a call that was not cleared for the kernel: when the
+    reason is that the workspace is on the XLA backend of a process without GPUs, the cuda
+    program would silently lack the kernel. Raises inside ``export``, else warns."""
+    if _allow_reference.get():
+        return
+    from .workspace import lookup
+    ws = lookup(workspace_id)
+    if ws is None or ws.backend != "xla" or getattr(ws, "xla_requested", False):
+        return  # not the XLA backend, or the XLA backend asked for: served as asked
+    if any(getattr(d, "platform", None) == "gpu" for d in ws.mesh.devices.flat):
+        return  # the XLA backend chosen on GPUs: the user's (or auto's) explicit choice
+    msg = (f"jax_fusedar: lowering for cuda with {ws!r}, an XLA-backend workspace of a process "
+           "without GPUs (backend 'auto' found no GPU here): the program will run psum + "
+           "RMSNorm, not the fused kernel. To export the kernel from this machine use "
+           "jax_fusedar.abstract_workspace(..., backend='trtllm'), which serving processes "
+           "match by key; to export psum + RMSNorm for cuda on purpose, ask for it with "
+           "backend='xla' (abstract_workspace or create_allreduce_fusion_workspace)")
+    if _refuse_reference.get():
+        raise ValueError(msg + " (or wrap the export in "
+                         "jax_fusedar.export.allow_reference_for_cuda())")
+    warnings.warn(msg, stacklevel=2)
+
+
+# --- FFI target registration -------------------------------------------------------------------
+
+_registered = False
+
+
+def register_ffi_targets() -> bool:
+    """Registers the handlers with XLA once per process; False without the native module."""
+    global _registered
+    if _registered:
+        return True
+    if not native.available():
+        return False
+    for name, capsule in native.ext.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+    # Host twins (never run): a program exported for ("cpu", "cuda") keeps the cuda branch's
+    # custom call in the module it compiles on CPU (ffi/xla/allreduce_fusion.cc).
+    for name, capsule in getattr(native.ext, "host_registrations", dict)().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    _registered = True
+    return True
+
+
+# --- the ops -----------------------------------------------------------------------------------
+
+MACHINERY_PARAMS = ("use_kernel", "workspace_id", "workspace_groups", "plan")
+
+# The registry: every declared op by primitive name, and the FFI targets they call (ops may
+# share a target: both MoE ops call one handler).
+_ops: dict = {}
+_targets: dict = {}
+
+
+def declared_ops() -> tuple:
+    """Every ``FfiOp`` declared so far."""
+    return tuple(_ops.values())
+
+
+def export_safe_targets() -> tuple:
+    """The FFI targets of the declared ops, in ``common.native.FFI_TARGETS`` order (whatever
+    order the ops were imported in): what ``jax_fusedar.export`` exempts from
+    ``jax.export``'s check of custom calls without a compatibility guarantee."""
+    return tuple(t for t in native.FFI_TARGETS.values() if t in _targets)
+
+
+def op_params(params: dict) -> dict:
+    """An op's own parameters: ``params`` without the machinery's (``MACHINERY_PARAMS``)."""
+    return {k: v for k, v in params.items() if k not in MACHINERY_PARAMS}
+
+
+class FfiOp:
+    """A jax_fusedar FFI op: one primitive with every rule JAX needs, and its FFI target.
+
+    ``name``: the primitive's name. ``target``: the role of its handler in
+    ``common.native.FFI_TARGETS``. ``public_name``: how errors name the op.
+    ``abstract_eval(*avals, axis_name, **params)``: the result avals (``with_varying``).
+    ``reference(*args, axis_name, **params)``: the results in plain JAX (a list).
+    ``attributes(**params)``: the custom call's attributes besides ``workspace_id`` (typed:
+    np.int32, np.float32, bool). ``aliases(**params)``: {operand index: result index} updated
+    in place. ``jvp(op, primals, tangents, **params)``: None for the tangent map of the
+    reference math (``reference_jvp``). ``batch(op, args, dims, **params)``: the batching
+    rule. ``params`` are the op's own parameters (``op_params``) in ``reference``,
+    ``attributes`` and ``aliases``, and all of them in ``jvp`` and ``batch``, which re-bind
+    ``op.primitive``."""
+
+    def __init__(self, name: str, *, target: str, public_name: str, abstract_eval: Callable,
+                 reference: Callable, attributes: Callable, aliases: Callable,
+                 batch: Callable, jvp: Optional[Callable] = None):
+        if name in _ops:
+            raise ValueError(f"the op {name} is declared twice")
+        self.name = name
+        self.public_name = public_name
+        self.target = native.FFI_TARGETS[target]
+        self.reference = reference
+        self.attributes = attributes
+        self.aliases = aliases
+        self.primitive = Primitive(name)
+        self.primitive.multiple_results = True
+        self.primitive.def_abstract_eval(abstract_eval)
+        self.primitive.def_impl(self._outside_shard_map)
+        self._reference_lowering = mlir.lower_fun(reference, multiple_results=True)
+        mlir.register_lowering(self.primitive, partial(self._lower, kernel_platform=False))
+        mlir.register_lowering(self.primitive, partial(self._lower, kernel_platform=True),
+                               platform="cuda")
+        ad.primitive_jvps[self.primitive] = partial(jvp or reference_jvp, self)
+        batching.primitive_batchers[self.primitive] = partial(batch, self)
+        _ops[name] = self
+        _targets.setdefault(self.target, []).append(self)
+
+    def __repr__(self):
+        return f"FfiOp({self.name!r}, target={self.target!r})"
+
+    def bind(self, *operands, workspace, axis_name: str, use_kernel: bool, plan, **params):
+        """Binds the primitive for a call on ``workspace`` over ``axis_name``, decided at
+        trace time (``use_kernel``, ``plan``: ``call_plan``)."""
+        if use_kernel and not register_ffi_targets():
+            raise RuntimeError("the workspace uses the trtllm kernel but jax_fusedar's native "
+                               "extension is not available")
+        return self.primitive.bind(
+            *operands, axis_name=(axis_name,), use_kernel=bool(use_kernel),
+            workspace_id=workspace.id,
+            workspace_groups=tuple(g.members for g in workspace.groups), plan=plan, **params)
+
+    def _outside_shard_map(self, *args, **params):
+        raise ValueError(f"{self.public_name} must be called inside jax.shard_map")
+
+    def _lower(self, ctx, *args, kernel_platform: bool, axis_name, use_kernel, workspace_id,
+               workspace_groups, plan=None, **params):
+        check_lowering_mesh(ctx, axis_name, workspace_groups)
+        if kernel_platform and use_kernel:
+            rule = jax.ffi.ffi_lowering(self.target,
+                                        operand_output_aliases=self.aliases(**params))
+            return rule(ctx, *args, workspace_id=np.int64(workspace_id),
+                        **self.attributes(**params))
+        if kernel_platform:
+            check_reference_lowered_for_cuda(workspace_id)
+        return self._reference_lowering(ctx, *args, axis_name=axis_name, **params)
+
+
+def reference_jvp(op: FfiOp, primals, tangents, **params):
+    """The default JVP rule: the primal outputs from the op itself (the kernel on GPUs), the
+    tangents from ``jax.jvp`` of the op's reference math along the floating operands (an
+    index map gets none)."""
+    outs = op.primitive.bind(*primals, **params)
+    floating = [i for i, x in enumerate(primals) if jnp.issubdtype(x.dtype, jnp.floating)]
+    own = op_params(params)
+
+    def reference_of_floats(*values):
+        args = list(primals)
+        for i, v in zip(floating, values):
+            args[i] = v
+        return op.reference(*args, **own)
+
+    _, out_tangents = jax.jvp(reference_of_floats, [primals[i] for i in floating],
+                              [ad.instantiate_zeros(tangents[i]) for i in floating])
+    return outs, list(out_tangents)
