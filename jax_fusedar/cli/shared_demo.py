@@ -44,7 +44,7 @@ def reference_tolerance(dtype: str, world: int, sites: int) -> float:
     At each all-reduce the TP program rounds each of its ``world`` partial sums to the model
     dtype before summing them (about sqrt(world) * eps / 2 together), where the reference's
     single matmul rounds once, and the residual add rounds that differing sum, which can
-    land one ulp (eps) apart. As in the demo's own tolerance (cli/demo.py), the residual
+    land one ulp (eps) apart. As in the demos' own tolerance (cli/compare.py), the residual
     stream carries every site's difference forward and the final norm maps it to the
     logits, plus one rounding of the norm output."""
     eps = float(jnp.finfo(dtype).eps)
