@@ -6,6 +6,8 @@ import pytest
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "gpu: needs NVIDIA GPUs and the native extension (run on the device machine)")
+    config.addinivalue_line(
+        "markers", "slow: a long sweep, left out of the default runs (pytest -m slow)")
 
 
 def gpu_count() -> int:
@@ -14,6 +16,11 @@ def gpu_count() -> int:
 
 
 def pytest_collection_modifyitems(config, items):
+    if "slow" not in (config.option.markexpr or ""):
+        skip_slow = pytest.mark.skip(reason="a long sweep: run it with pytest -m slow")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(skip_slow)
     if gpu_count() > 0:
         return
     skip = pytest.mark.skip(reason="no CUDA GPU visible (GPU tests run on the device machine)")

@@ -321,10 +321,8 @@ def match_reduction(g: G.Graph, i: int, scope: Scope, axis: str, allow: bool) ->
     if src.kind == R.REDUCE_SCATTER:
         return _match_sequence_parallel(g, src, add_i, residual, r, skip, scope, allow)
     norm = _proof(g, r, allow)
-    if src.custom_vjp is not None and norm.quant_var is not None:
-        norm.quant_var = norm.scale_out_var = norm.scale = None
-        norm.pattern = 1
-        norm.tail_note = "FP8 tail not fused: the all-reduce keeps a custom_vjp rule"
+    if src.custom_vjp is not None:
+        norm_proof.drop_tail(norm, "FP8 tail not fused: the all-reduce keeps a custom_vjp rule")
     shape = G.shape(r)
     m = Match(kind=src.kind, source=src, residual=residual, r=r, norm=norm, dtype=T,
               hidden=shape[-1], tokens=math.prod(shape[:-1]), skip=skip,
@@ -434,10 +432,8 @@ def match_boundary(g: G.Graph, j: int, k: int, scope: Scope, axis: str, allow: b
     add_i, residual = _residual_add(g, d, allow)
     r = g.eqns[add_i].outvars[0]
     norm = _proof(g, r, allow)
-    if src.custom_vjp is not None and norm.quant_var is not None:
-        norm.quant_var = norm.scale_out_var = norm.scale = None
-        norm.pattern = 1
-        norm.tail_note = "FP8 tail not fused: the all-reduce keeps a custom_vjp rule"
+    if src.custom_vjp is not None:
+        norm_proof.drop_tail(norm, "FP8 tail not fused: the all-reduce keeps a custom_vjp rule")
     shape = G.shape(r)
     local_tokens = math.prod(shape[:-1])
     # The body's view of the sum has the local shape: tokens as the out spec splits them.
@@ -460,27 +456,17 @@ def match_boundary(g: G.Graph, j: int, k: int, scope: Scope, axis: str, allow: b
 
 def dot_candidate(g: G.Graph, i: int) -> bool:
     """Whether the dot_general at eqn i is worth reporting: its output (possibly cast) is
-    added to something, or normalized (a sandwich norm)."""
-    e = g.eqns[i]
-    d = e.outvars[0]
+    added to something a norm then reads, or is itself normalized (a sandwich norm)."""
+    d = g.eqns[i].outvars[0]
     u = g.only_user(d)
     if u is not None and G.name(g.eqns[u]) == G.CAST:
         d = g.eqns[u].outvars[0]
         u = g.only_user(d)
     if u is None:
         return False
-    n = G.name(g.eqns[u])
-    if n == "add":
-        r = g.eqns[u].outvars[0]
-        return any(G.name(g.eqns[w]) in (G.CAST, "mul", "square", "integer_pow")
-                   for w in g.users(r))
-    if n in (G.CAST, "mul", "square", "integer_pow"):
-        try:
-            proof = norm_proof.prove_rms_norm(g, d, True)
-        except Reject:
-            return False
-        return any(G.name(g.eqns[w]) == "add" for w in g.users(proof.out_var))
-    return False
+    if G.name(g.eqns[u]) == "add":
+        return norm_proof.norm_like(g, g.eqns[u].outvars[0])
+    return norm_proof.norm_like(g, d)
 
 
 def match_plain_dot(g: G.Graph, i: int, scope: Scope, allow: bool) -> Match:
@@ -518,10 +504,7 @@ def match_plain_dot(g: G.Graph, i: int, scope: Scope, allow: bool) -> Match:
     add_i, residual = _residual_add(g, d, allow)
     r = g.eqns[add_i].outvars[0]
     norm = _proof(g, r, allow)
-    if norm.quant_var is not None:
-        norm.quant_var = norm.scale_out_var = norm.scale = None
-        norm.pattern = 1
-        norm.tail_note = "FP8 tail not fused: the plain-jit entry computes the norm only"
+    norm_proof.drop_tail(norm, "FP8 tail not fused: the plain-jit entry computes the norm only")
     shape = G.shape(r)
     m = Match(kind=R.PLAIN_JIT_MATMUL, source=None, residual=residual, r=r, norm=norm, dtype=T,
               hidden=shape[-1], tokens=math.prod(shape[:-1]), skip=skip | {add_i}, dot=e,

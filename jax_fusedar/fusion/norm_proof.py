@@ -106,6 +106,7 @@ class NormProof:
     quant_var: Any = None         # FP8 output
     scale_out_var: Any = None     # dynamic FP8 per-token scale
     tail_note: Optional[str] = None
+    tail_eqns: tuple = ()         # the FP8 tail's eqns (from out_var and scale), in order
 
 
 def _cast_dtype(eqn) -> str:
@@ -249,6 +250,9 @@ class _Prover:
             return None if x is None else self.reshape(e, n, x)
         if n == "neg" and isinstance(x, Elem):
             return dataclasses.replace(x, k=-x.k).applied("k")
+        if n in ("max", "min") and any(isinstance(self.sym.get(a), Row) for a in e.invars
+                                       if G.is_var(a)):
+            raise Reject(f"{n} of the mean of squares inside the norm (RMSNorm adds eps)")
         return None   # not part of a norm (an FP8 tail, or something else): opaque
 
     def row_in_f32(self, row: Row) -> Row:
@@ -590,6 +594,15 @@ def prove_rms_norm(g: G.Graph, r, allow: bool) -> NormProof:
     return proof
 
 
+def norm_like(g: G.Graph, r) -> bool:
+    """Whether something reduces the squares (or the values: LayerNorm) of ``r`` over its
+    last axis: a norm, proven or not, reads it."""
+    prover = _Prover(g, r, True)
+    prover.run()
+    return any(isinstance(v, (Row, Sq)) for v in prover.sym.values()) or \
+        (prover.first_failure or "").startswith(("norm over axis", "LayerNorm", "RMSNorm "))
+
+
 def backward_slice(g: G.Graph, outs, stop: set) -> set:
     """Eqn indices computing ``outs`` back to the ``stop`` vars (and literals)."""
     seen = set()
@@ -643,6 +656,15 @@ def _clip(g, q):
         if lo == -FP8_MAX and hi == FP8_MAX:
             return g.eqns[u2].outvars[0], {u, u2}
     return None
+
+
+def drop_tail(proof: NormProof, note: str) -> None:
+    """Leaves a proven FP8 tail in the program (the norm alone is fused)."""
+    if proof.quant_var is not None:
+        proof.quant_var = proof.scale_out_var = proof.scale = None
+        proof.pattern = 1
+        proof.tail_eqns = ()
+        proof.tail_note = note
 
 
 def _match_fp8_tail(prover: _Prover, proof: NormProof):
@@ -756,4 +778,6 @@ def _match_fp8_tail(prover: _Prover, proof: NormProof):
     outs = [proof.quant_var] + ([dyn] if dyn is not None else [])
     stop = {prover.r, y} | ({proof.scale} if proof.scale is not None and G.is_var(proof.scale)
                             else set())
-    proof.eqns |= backward_slice(g, outs, stop)
+    tail_eqns = backward_slice(g, outs, stop)
+    proof.eqns |= tail_eqns
+    proof.tail_eqns = tuple(g.eqns[i] for i in sorted(tail_eqns))

@@ -50,6 +50,81 @@ def _call(m, fuser, x, residual, gamma, scale, axis):
                             strict=fuser.strict, **kwargs)
 
 
+class _Outputs:
+    """The fused call's outputs (AllReduceFusionOutputs' fields that the site reads)."""
+
+    def __init__(self, residual_out, norm_out, quant_out=None, scale_out=None):
+        self.residual_out, self.norm_out = residual_out, norm_out
+        self.quant_out, self.scale_out = quant_out, scale_out
+
+
+def _bind_all(eqns, env):
+    def read(a):
+        return a.val if isinstance(a, jcore.Literal) else env[a]
+    for e in eqns:
+        subfuns, params = bind_params(e, e.params)
+        with eqn_context(e):
+            ans = e.primitive.bind(*subfuns, *[read(a) for a in e.invars], **params)
+        for v, val in zip(e.outvars, ans if e.primitive.multiple_results else [ans]):
+            env[v] = val
+
+
+def _site_call(m, fuser, x, residual, gamma, scale, axis):
+    """The fused call of a site. With an FP8 tail, its quantized outputs keep the derivative
+    of the program's own tail (a cast to float8 passes tangents through, which the fused
+    op's quant_out, like jnp.round, does not): a custom_jvp whose primal is the fused call
+    alone, and whose tangents are the fused op's for residual_out and norm_out, then the
+    tail's equations differentiated at the norm's value."""
+    if m.norm.quant_var is None:
+        return _call(m, fuser, x, residual, gamma, scale, axis)
+    from .. import reference
+    norm = m.norm
+    T = jnp.dtype(m.dtype)
+    static = scale is not None
+    tail_outs = [norm.quant_var] + ([norm.scale_out_var] if norm.scale_out_var is not None
+                                    else [])
+
+    def fields(out):
+        vals = [out.residual_out, out.norm_out, out.quant_out, out.scale_out]
+        return tuple(v for v in vals if v is not None)
+
+    def tail(y, s):
+        env = {norm.out_var: y.reshape(G.shape(norm.out_var))}
+        if static and G.is_var(norm.scale):
+            env[norm.scale] = s.reshape(G.shape(norm.scale)).astype(norm.scale.aval.dtype)
+        _bind_all(norm.tail_eqns, env)
+        return tuple(env[v] for v in tail_outs)
+
+    @jax.custom_jvp
+    def site(x, residual, gamma, s):
+        return fields(_call(m, fuser, x, residual, gamma, s if static else None, axis))
+
+    @site.defjvp
+    def site_jvp(primals, tangents):
+        x, residual, gamma, s = primals
+        dx, dres, dgamma, ds = tangents
+        outs = site(x, residual, gamma, s)
+        r = outs[0]
+        dsum = reference.allreduce_sum(dx, axis, fp32_acc=True,
+                                       rounding=reference.round_tangent)
+        dr = reference.residual_add(dsum.reshape(r.shape), dres.reshape(r.shape),
+                                    rounding=reference.round_tangent)
+        y, dy = jax.jvp(lambda r_, g_: reference.rms_norm(
+            r_, g_, rms_eps=norm.eps, weight_bias=norm.weight_bias, out_dtype=T),
+            (r, gamma), (dr, dgamma))
+        _, dtail = jax.jvp(tail, (y, s), (dy, ds))
+        douts = [dr] + ([dy] if len(outs) - len(tail_outs) == 2 else []) + list(dtail)
+        return outs, tuple(_fix_vma(t.reshape(o.shape).astype(o.dtype), jax.typeof(o))
+                           for t, o in zip(douts, outs))
+
+    s_arg = jnp.asarray(scale, jnp.float32).reshape(()) if static else jnp.zeros((), jnp.float32)
+    outs = list(site(x, residual, gamma, s_arg))
+    r = outs.pop(0)
+    y = outs.pop(0) if len(outs) > len(tail_outs) else None
+    q = outs.pop(0)
+    return _Outputs(r, y, q, outs.pop(0) if outs else None)
+
+
 def _partial_input(m, x):
     """The fused op's input: the partial sum, in T (a float32 partial rounded, under
     allow_rounding_change), reduced first over the reduction's size-1 axes (no change in
@@ -68,6 +143,7 @@ def _fused_keeping_vjp(m, fuser, x, residual, gamma):
     from .. import reference
     parts = m.source.custom_vjp
     shape = x.shape
+    x_aval = jax.typeof(x)
 
     @jax.custom_vjp
     def site(x, residual, gamma):
@@ -89,16 +165,11 @@ def _fused_keeping_vjp(m, fuser, x, residual, gamma):
         _, vjp = jax.vjp(epilogue, r, jnp.zeros_like(r), gamma)
         ct_s, ct_res, ct_gamma = vjp(tuple(cts))
         (ct_x,) = parts.backward([], [ct_s.reshape(m.source.out.aval.shape)])
-        return ct_x.reshape(shape), ct_res, ct_gamma
+        return _fix_vma(ct_x.reshape(shape), x_aval), ct_res, ct_gamma
 
     site.defvjp(fwd, bwd)
 
-    class _Out:
-        pass
-    out = _Out()
-    out.residual_out, out.norm_out = site(x, residual, gamma)
-    out.quant_out = out.scale_out = None
-    return out
+    return _Outputs(*site(x, residual, gamma))
 
 
 class InScopeEmit:
@@ -119,7 +190,7 @@ class InScopeEmit:
         g = _gamma(m, gamma)
         if m.source.custom_vjp is not None:
             return _fused_keeping_vjp(m, fuser, x, residual.reshape(x.shape), g)
-        return _call(m, fuser, x, residual, g, scale, m.source.axis)
+        return _site_call(m, fuser, x, residual, g, scale, m.source.axis)
 
     def __call__(self, read, write, fuser, extra_in, extra_out):
         m = self.m
@@ -214,7 +285,7 @@ class BoundaryEmit:
                 gamma = vals.pop(0) if m.norm.gamma is not None else None
                 scale = vals.pop(0) if m.norm.scale is not None else None
                 xin.append((residual, gamma, scale))
-            return evaluate(plan.jaxpr, consts, args[:n_in], plan, fuser, extra_in=xin)
+            return tuple(evaluate(plan.jaxpr, consts, args[:n_in], plan, fuser, extra_in=xin))
 
         manual = p.get("newly_manual_axes", p.get("manual_axes"))
         outs = jax.shard_map(body_fn, mesh=mesh, in_specs=tuple(in_specs) + tuple(extra_specs),
@@ -253,7 +324,7 @@ class SequenceParallelEmit:
         x = _partial_input(m, read(src.x))
         gamma = None if m.norm.gamma is None else read(m.norm.gamma)
         scale = None if m.norm.scale is None else read(m.norm.scale)
-        out = _call(m, fuser, x, res_full, _gamma(m, gamma), scale, src.axis)
+        out = _site_call(m, fuser, x, res_full, _gamma(m, gamma), scale, src.axis)
         full_shape = res_full.shape
         r_full = out.residual_out.reshape(full_shape)
         n = res_shard.shape[dim]
