@@ -271,8 +271,10 @@ class _Prover:
             return x
         if to == "float32":
             return dataclasses.replace(x, dtype=to)
-        # Narrowing to T: exact while the value is still r itself.
-        if x.e == 1 and x.row is None and x.col is None and x.k == 1:
+        # Narrowing to T: exact while the value is still r itself, or is still the value
+        # last rounded to T (widened and narrowed back).
+        if (x.e == 1 and x.row is None and x.col is None and x.k == 1) or \
+                (x.path and x.path[-1][0] == "round"):
             return dataclasses.replace(x, dtype=to)
         return dataclasses.replace(x, dtype=to, path=x.path + (
             ("round", x.row is not None, x.col is not None),))
@@ -525,7 +527,12 @@ def _pick_output(prover: _Prover):
 
 
 def _roundings(prover: _Prover, x: Elem, out_dtype: str, allow: bool):
-    """The site's rounding change (None: exact), or raises why it is not fused."""
+    """The site's rounding change (None: exact), or raises why it is not fused.
+
+    Exact: every factor applied in float32, then one rounding to T. Rounding changes (fused
+    with ``allow_rounding_change``): gamma multiplied after the normalized value was rounded
+    to T, in T (Hugging Face, MaxText) or in float32 (Hugging Face Flax, whose output is then
+    float32, or rounded to T once more); a float32 gamma (the kernel reads it in T)."""
     T = prover.T
     if T == "float32":
         return None
@@ -538,25 +545,23 @@ def _roundings(prover: _Prover, x: Elem, out_dtype: str, allow: bool):
             raise Reject(f"RMSNorm computed in {T}, not float32")
     if not rounds:
         raise Reject(f"the norm output is not cast back to {T}")
-    if len(rounds) > 1:
-        raise Reject(f"the normalized value is rounded to {T} more than once")
     _, row_applied, col_applied = x.path[rounds[0]]
     if not row_applied:
         raise Reject(f"RMSNorm computed in {T}, not float32")
-    after = [ev for ev in x.path[rounds[0] + 1:]]
-    if any(ev[1] != "col" for ev in after):
+    ops_after = [ev for ev in x.path[rounds[0] + 1:] if ev[0] == "op"]
+    if any(ev[1] != "col" for ev in ops_after):
         raise Reject(f"the normalized value is scaled after its rounding to {T}")
-    if after:   # gamma multiplied after the rounding
-        if after[0][2] == T:   # in T (Hugging Face, MaxText)
+    if ops_after:   # gamma multiplied after the rounding
+        if ops_after[0][2] == T:   # in T (Hugging Face, MaxText)
             if not allow:
                 raise Reject(f"gamma multiplied in {T} after the norm is rounded")
             changes.append(f"gamma multiplied in float32 before one rounding to {T}")
-        else:                  # in float32, the output kept in float32 (Hugging Face Flax)
+        else:                      # in float32 (Hugging Face Flax)
             if not allow:
                 raise Reject(f"gamma multiplied in float32 after the norm is rounded to {T} "
-                             f"(a float32 output; the fused op writes {T})")
-            changes.append(f"gamma multiplied before one rounding to {T} (the float32 output "
-                           f"is the {T} one)")
+                             f"(the fused op rounds once, after it)")
+            changes.append(f"gamma multiplied before one rounding to {T}" + (
+                "" if out_dtype == T else f" (the float32 output is the {T} one)"))
     elif out_dtype != T:
         raise Reject(f"the norm output is not cast back to {T}")
     if x.col is not None and T not in x.col.dtypes and x.col.dtypes[0] == "float32":
