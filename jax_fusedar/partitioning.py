@@ -544,7 +544,7 @@ def _contraction_partitioned(h, w, residual, gamma, cfg):
     return _contraction_plain(h, w, residual, gamma, cfg)
 
 
-def _contraction_partition(cfg, mesh, arg_shapes, result_shape):
+def partition_contraction(cfg, mesh, arg_shapes, result_shape):
     h, w = arg_shapes[0], arg_shapes[1]
     in_specs, out_spec, k_axes = _contraction_plan(
         cfg, _spec_of(h.sharding, len(h.shape)), _spec_of(w.sharding, len(w.shape)))
@@ -561,7 +561,7 @@ def _contraction_infer(cfg, mesh, arg_shapes, result_shape):
     return (out, out)
 
 
-_contraction_partitioned.def_partition(partition=_contraction_partition,
+_contraction_partitioned.def_partition(partition=partition_contraction,
                                        infer_sharding_from_operands=_contraction_infer,
                                        sharding_rule=_contraction_rule)
 
