@@ -198,7 +198,10 @@ class _Prover:
         g = self.g
         self.sym[self.r] = Elem(1, None, None, 1.0, self.T)
         start = g.defs.get(self.r, -1) + 1
+        horizon = max(g.users(self.r), default=-1)   # the last eqn reading a symbolic value
         for i in range(start, len(g.eqns)):
+            if i > horizon:
+                break
             e = g.eqns[i]
             if not any(G.is_var(a) and a in self.tainted for a in e.invars):
                 continue
@@ -206,14 +209,21 @@ class _Prover:
             try:
                 val = self.rule(e)
             except Reject as why:
-                # A refusal on the normalized value's own path explains a missing norm best.
-                on_path = any(isinstance(self.sym.get(a), Elem) and self.sym[a].row is not None
-                              for a in e.invars if G.is_var(a))
-                if self.first_failure is None or (on_path and not self.failure_on_path):
+                # Only refusals on a statistic or a normalized value explain a missing norm
+                # (the residual sum's other uses, e.g. the next residual add, do not).
+                ins = [self.sym.get(a) for a in e.invars if G.is_var(a)]
+                normish = [v for v in ins if isinstance(v, (Sq, Row)) or
+                           isinstance(v, Elem) and (v.row is not None or v.col is not None)]
+                on_path = any(isinstance(v, Elem) and v.row is not None for v in normish)
+                squares = G.name(e) in ("square", "integer_pow", "pow", "reduce_sum") or (
+                    G.name(e) == "mul" and e.invars[0] is e.invars[1])
+                if (normish or squares) and (self.first_failure is None or
+                                (on_path and not self.failure_on_path)):
                     self.first_failure, self.failure_on_path = str(why), on_path
                 val = None
             if val is not None and len(e.outvars) == 1:
                 self.sym[e.outvars[0]] = val
+                horizon = max([horizon] + g.users(e.outvars[0]))
 
     def operand(self, a):
         """("sym", value) for a value computed from r and understood; ("free", atom) for a

@@ -193,7 +193,7 @@ class Spelling:
     bias: float = 0.0
     gamma: bool = True
     only_square: bool = False   # needs T == H (a [T] vector passes for a [H] one)
-    exact_in_f32: bool = False  # the refusal is about 16-bit rounding only
+    exact_in_f32: bool = False  # in float32 the site is fused (the refusal is about T)
 
 
 SPELLINGS = {
@@ -217,8 +217,9 @@ SPELLINGS = {
     "eps_as_max": Spelling(eps_as_max, "refused", "max of the mean of squares"),
     "layer_norm": Spelling(layer_norm, "refused", "LayerNorm (mean subtracted)"),
     "over_token_axis": Spelling(over_token_axis, "refused", "norm over axis 0"),
+    # In float32 the norm without gamma is the site, the per-token factor stays after it.
     "per_token_factor": Spelling(per_token_factor, "refused", "a per-token factor",
-                                 only_square=True),
+                                 only_square=True, exact_in_f32=True, gamma=False),
     "computed_in_t": Spelling(computed_in_t, "refused", "RMSNorm computed in {T}",
                               exact_in_f32=True),
     "kept_in_float32": Spelling(kept_in_float32, "refused", "the norm output is not cast back",
