@@ -136,20 +136,23 @@ def fuse(fn=None, *, mesh=None, axis_name: Optional[str] = None, workspace=None,
          max_tokens: Optional[int] = None, backend: Optional[str] = "auto",
          allow_rounding_change: bool = False, use_oneshot: Optional[bool] = None,
          strict: Optional[bool] = None, log_level: int = logging.INFO):
-    """Returns ``fn`` with every matched all-reduce + residual add + RMSNorm (+ FP8 tail)
-    replaced by :func:`jax_fusedar.allreduce_fusion`; see the module docstring.
+    """Returns ``fn`` with every proven all-reduce + residual add + RMSNorm (+ FP8 tail)
+    replaced by one fused call; see the module docstring and ``docs/fusion_pass.md``.
 
     Args:
       fn: the function (its arguments: arrays or pytrees of arrays; bind static ones with
-        ``functools.partial``). May itself be jitted, contain ``shard_map`` and loops.
-      mesh, axis_name: where workspaces are created (the mesh ``fn``'s shard_map runs on,
-        and its tensor-parallel axis; ``axis_name`` may be left out for a 1-D mesh).
+        ``functools.partial``). May itself be jitted, contain ``shard_map`` and loops, or be
+        a plain-jit model whose arguments carry shardings (run it under ``jax.set_mesh``
+        on Explicit axes).
+      mesh, axis_name: where workspaces are created (the mesh ``fn`` runs on, and its
+        tensor-parallel axis; ``axis_name`` may be left out for a 1-D mesh).
       workspace: use this workspace instead (its mesh and axis); sites it cannot serve stay
         unfused.
       max_tokens: the largest site (tokens) to fuse with created workspaces.
       backend: passed to ``create_allreduce_fusion_workspace`` ("auto": the kernel on GPUs).
       allow_rounding_change: also fuse forms whose rounding differs from the fused op's
-        (gamma multiplied in the activation dtype, a float32 gamma); reported per site.
+        (gamma multiplied after the norm's rounding, a float32 gamma, a float32 all-reduce
+        cast down before the add); reported per site as ``rounding_change``.
       use_oneshot, strict: passed to every ``allreduce_fusion`` call.
       log_level: level of the one-line report logged at each trace.
     Can be used as a decorator: ``@functools.partial(fuse, mesh=mesh)``.

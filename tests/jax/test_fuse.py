@@ -29,7 +29,7 @@ EPS = 1e-6
 T, H = 6, 64
 
 
-# --- the norms as users write them (docs/fusion_pass.md, forms a-l) --------------------------------
+# --- the norms as users write them (docs/fusion_pass.md, forms a-l) -------------------------------
 
 def norm_plain(r, g, eps=EPS):                     # (a): float32 inside, gamma in float32
     f = r.astype(jnp.float32)
@@ -124,7 +124,7 @@ def assert_close_to_unfused(unfused, fused, dtype="bfloat16"):
         assert np.max(np.abs(u - v)) <= 4 * eps * scale, np.max(np.abs(u - v)) / scale
 
 
-# --- forms that fuse -------------------------------------------------------------------------------
+# --- forms that fuse ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("norm", [norm_plain, norm_pow, norm_linen, norm_nnx])
 def test_exact_forms_are_fused_and_equal_the_hand_written_op(norm, ws):
@@ -323,7 +323,7 @@ def test_gemma_one_plus_gamma_and_no_gamma(ws):
         assert_same(out, smap(hand)(x, res, g))
 
 
-# --- FP8 tails -------------------------------------------------------------------------------------
+# --- FP8 tails ------------------------------------------------------------------------------------
 
 def test_static_fp8_tail_becomes_pattern_4_or_2(ws):
     x, res, g = inputs()
@@ -371,7 +371,7 @@ def test_dynamic_fp8_tail_becomes_pattern_11(ws):
     assert np.max(np.abs(qa - qb)) <= 448 / 8
 
 
-# --- forms left alone, with reasons ----------------------------------------------------------------
+# --- forms left alone, with reasons ---------------------------------------------------------------
 
 def _reason(body, ws, *, gamma_dtype=None, allow=False, shape=(T, H)):
     x, res, g = inputs(gamma_dtype=gamma_dtype, shape=shape)
@@ -479,7 +479,7 @@ def test_report_as_data(ws):
     assert d["sites"][0]["where"].startswith("jit(")
 
 
-# --- grad ------------------------------------------------------------------------------------------
+# --- grad -----------------------------------------------------------------------------------------
 
 def _jvp_missing() -> str:
     """The reason the fused primitive cannot be differentiated yet, or '' when it can."""
@@ -512,7 +512,7 @@ def test_grad_of_fused_equals_grad_of_original(ws):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-4)
 
 
-# --- arguments -------------------------------------------------------------------------------------
+# --- arguments ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs, error, message", [
     ({}, ValueError, "fuse needs mesh= (and axis_name=) to create workspaces, or workspace="),
@@ -539,7 +539,8 @@ def test_bad_arguments_are_refused_by_name(kwargs, error, message):
 
 
 def test_workspace_with_another_axis_is_refused(ws):
-    with pytest.raises(ValueError, match="fuse: axis_name 'dp' differs from the workspace's axis 'tp'"):
+    with pytest.raises(ValueError,
+                       match="fuse: axis_name 'dp' differs from the workspace's axis 'tp'"):
         jf.fuse(lambda x: x, workspace=ws, axis_name="dp")
     with pytest.raises(TypeError, match="fuse: fn must be callable"):
         jf.fuse(3, workspace=ws)

@@ -227,7 +227,7 @@ SPELLINGS = {
 }
 
 
-# --- wrappers around the norm -----------------------------------------------------------------------
+# --- wrappers around the norm ---------------------------------------------------------------------
 
 @jax.custom_vjp
 def zero_grad(x):
@@ -254,7 +254,7 @@ def wrap(kind, norm):
 WRAPPERS = ("none", "jit", "checkpoint", "custom_jvp", "zero_grad_beside")
 
 
-# --- one program ------------------------------------------------------------------------------------
+# --- one program ----------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class Program:
@@ -438,7 +438,7 @@ def check(prog: Program):
             "change": site.rounding_change}
 
 
-# --- the programs -----------------------------------------------------------------------------------
+# --- the programs ---------------------------------------------------------------------------------
 
 def all_programs():
     """Every spelling in every dtype (float32 gammas too, with and without the flag where

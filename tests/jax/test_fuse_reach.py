@@ -155,7 +155,7 @@ def test_sequence_parallel_norm_left_on_the_shard_is_reported():
                                   "is not all-gathered"), site.reason
 
 
-# --- a psum with a custom derivative (Megatron's g) -------------------------------------------------
+# --- a psum with a custom derivative (Megatron's g) -----------------------------------------------
 
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_psum_in_a_custom_vjp_is_fused_and_its_backward_kept(check_vma):
@@ -217,7 +217,7 @@ def test_psum_in_a_custom_jvp_whose_rule_is_psums_own_is_fused():
             assert rep.sites[0].reason.startswith("psum inside a custom_jvp whose tangent rule")
 
 
-# --- float32 psums and axis tuples --------------------------------------------------------------------
+# --- float32 psums and axis tuples ----------------------------------------------------------------
 
 def test_float32_psum_cast_down_before_the_add_needs_the_flag():
     mesh = mesh_2x4()
@@ -273,7 +273,7 @@ def test_psum_over_an_axis_tuple_whose_other_axes_have_size_one():
         "['dp'] have size > 1")
 
 
-# --- precision: forms that once changed results silently ---------------------------------------------
+# --- precision: forms that once changed results silently ------------------------------------------
 
 def _one_site(body, *, shape=(T, H), extra=(), allow=False):
     mesh = jax.make_mesh((8,), ("tp",))

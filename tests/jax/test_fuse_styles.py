@@ -68,7 +68,8 @@ def test_style_is_fused_within_the_bound(style):
     assert all(bool(s.rounding_change) == style.allow_rounding_change for s in rep.sites)
     eps = _eps(style.dtype)
     assert _rel(out, want) <= FORWARD_BOUND * eps, _rel(out, want) / eps
-
+    if not style.grad_check:
+        return
     ct = jnp.asarray(np.random.default_rng(3).standard_normal(want.shape), jnp.float32)
 
     def loss(fn):
