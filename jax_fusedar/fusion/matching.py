@@ -228,7 +228,7 @@ def _after_cast(g: G.Graph, src: Source, allow: bool) -> None:
     src.rounding_change = f"each rank's float32 partial sum rounded to {to} before the sum"
 
 
-def _not_followed_by_add(g: G.Graph, d, scope_allow: bool) -> str:
+def _not_followed_by_add(g: G.Graph, d) -> str:
     """The reason for an all-reduce whose sum is not (only) added to a residual."""
     us = g.users(d)
     if not us and d not in g.outs:
@@ -249,11 +249,11 @@ def _not_followed_by_add(g: G.Graph, d, scope_allow: bool) -> str:
     return "the all-reduce is not followed by a residual add"
 
 
-def _residual_add(g: G.Graph, d, allow: bool):
+def _residual_add(g: G.Graph, d):
     """(add eqn index, residual atom) of the add consuming the sum ``d``, or raises."""
     u = g.only_user(d)
     if u is None or G.name(g.eqns[u]) != "add":
-        raise Reject(_not_followed_by_add(g, d, allow))
+        raise Reject(_not_followed_by_add(g, d))
     add = g.eqns[u]
     residual = G.other_operand(add, d)
     if residual is None:
@@ -301,10 +301,6 @@ def _finish(g: G.Graph, m: Match, inputs) -> Match:
     return m
 
 
-def _proof(g, r, allow):
-    return norm_proof.prove_rms_norm(g, r, allow)
-
-
 def match_reduction(g: G.Graph, i: int, scope: Scope, axis: str, allow: bool) -> Match:
     """A site inside shard_map: a psum (or custom-rule psum, or psum_scatter) at eqn i."""
     src = reduction_source(g, i, scope, axis)
@@ -315,12 +311,12 @@ def match_reduction(g: G.Graph, i: int, scope: Scope, axis: str, allow: bool) ->
         raise Reject(f"all-reduce of {T}")
     if len(G.shape(d)) < 1 or G.shape(d)[-1] == 0:
         raise Reject(f"all-reduce of shape {G.shape(d)}")
-    add_i, residual = _residual_add(g, d, allow)
+    add_i, residual = _residual_add(g, d)
     r = g.eqns[add_i].outvars[0]
     skip = set(src.eqns) | {add_i}
     if src.kind == R.REDUCE_SCATTER:
-        return _match_sequence_parallel(g, src, add_i, residual, r, skip, scope, allow)
-    norm = _proof(g, r, allow)
+        return _match_sequence_parallel(g, src, add_i, residual, r, skip, allow)
+    norm = norm_proof.prove_rms_norm(g, r, allow)
     if src.custom_vjp is not None:
         norm_proof.drop_tail(norm, "FP8 tail not fused: the all-reduce keeps a custom_vjp rule")
     shape = G.shape(r)
@@ -341,7 +337,7 @@ def _gather_of(g: G.Graph, v, axis: str, dim: int):
     return None
 
 
-def _match_sequence_parallel(g, src, add_i, residual, r_shard, skip, scope, allow):
+def _match_sequence_parallel(g, src, add_i, residual, r_shard, skip, allow):
     """psum_scatter (tokens) -> add the residual shard -> all_gather -> RMSNorm, or
     -> RMSNorm on the shard -> all_gather of the norm: one fused all-reduce on all tokens
     (the residual shard is gathered first), the shards sliced back out."""
@@ -355,14 +351,14 @@ def _match_sequence_parallel(g, src, add_i, residual, r_shard, skip, scope, allo
     m = None
     if gi is not None:
         r_full = g.eqns[gi].outvars[0]
-        norm = _proof(g, r_full, allow)
+        norm = norm_proof.prove_rms_norm(g, r_full, allow)
         shape = G.shape(r_full)
         m = Match(kind=R.REDUCE_SCATTER, source=src, residual=residual, r=r_shard, norm=norm,
                   dtype=G.dtype(r_shard), hidden=shape[-1], tokens=math.prod(shape[:-1]),
                   skip=skip | {gi}, r_full=r_full)
     else:
         try:
-            norm = _proof(g, r_shard, allow)
+            norm = norm_proof.prove_rms_norm(g, r_shard, allow)
         except Reject as why:
             raise Reject(f"psum_scatter + residual add, then {why}") from None
         ni = _gather_of(g, norm.out_var, src.axis, dim)
@@ -401,8 +397,7 @@ def body_source(sm_eqn, k: int, scope_inner: Scope, axis: str):
     if G.dtype(src.out) != G.dtype(sm_eqn.outvars[k]):
         raise Reject("an all-reduce in float32 returned by the shard_map")
     # The sum must have no other use inside the body.
-    chain = v
-    uses = [u for u in bg.users(src.out)]
+    uses = bg.users(src.out)
     if len(uses) > 0 and not all(G.name(bg.eqns[u]) in G.NO_OPS for u in uses):
         raise Reject("the shard_map's all-reduce has other uses inside it")
     return bg, i, src
@@ -429,9 +424,9 @@ def match_boundary(g: G.Graph, j: int, k: int, scope: Scope, axis: str, allow: b
     T = G.dtype(d)
     if T not in G.FLOATS:
         raise Reject(f"all-reduce of {T}")
-    add_i, residual = _residual_add(g, d, allow)
+    add_i, residual = _residual_add(g, d)
     r = g.eqns[add_i].outvars[0]
-    norm = _proof(g, r, allow)
+    norm = norm_proof.prove_rms_norm(g, r, allow)
     if src.custom_vjp is not None:
         norm_proof.drop_tail(norm, "FP8 tail not fused: the all-reduce keeps a custom_vjp rule")
     shape = G.shape(r)
@@ -501,9 +496,9 @@ def match_plain_dot(g: G.Graph, i: int, scope: Scope, allow: bool) -> Match:
             raise Reject(f"the matmul outputs {T}, its operands are {G.dtype(h)}")
     if T not in G.FLOATS:
         raise Reject(f"a matmul of {T}")
-    add_i, residual = _residual_add(g, d, allow)
+    add_i, residual = _residual_add(g, d)
     r = g.eqns[add_i].outvars[0]
-    norm = _proof(g, r, allow)
+    norm = norm_proof.prove_rms_norm(g, r, allow)
     norm_proof.drop_tail(norm, "FP8 tail not fused: the plain-jit entry computes the norm only")
     shape = G.shape(r)
     m = Match(kind=R.PLAIN_JIT_MATMUL, source=None, residual=residual, r=r, norm=norm, dtype=T,

@@ -65,7 +65,6 @@ class Col:
     root: Any
     bias: float
     dtypes: tuple
-    chain: frozenset   # eqns from the root up to the multiplied operand
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +190,7 @@ class _Prover:
                          "value (gamma must vary along the hidden axis only)")
         if math.prod(root_shape) != self.H:
             raise Reject(f"gamma of shape {root_shape} is not a [{self.H}] vector")
-        return Col(root, bias, tuple(dtypes), frozenset(chain))
+        return Col(root, bias, tuple(dtypes))
 
     # --- the walk ---------------------------------------------------------------------------
     def run(self):

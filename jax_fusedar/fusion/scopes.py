@@ -225,7 +225,7 @@ class Analyzer:
             if m.boundary is not None:
                 boundary[m.boundary[0]].append(m)
             else:
-                plan.emit[m.emit_at].append(self._emitter(m, scope, roles, i, g))
+                plan.emit[m.emit_at].append(self._emitter(m))
         self._drop_dead(g, plan, removable)
         # Sub-jaxprs.
         for j, e in enumerate(g.eqns):
@@ -412,7 +412,8 @@ class Analyzer:
                 plan.skip.add(i)
 
     # --- emitters ----------------------------------------------------------------------------
-    def _emitter(self, m, scope, roles, i, g):
+    @staticmethod
+    def _emitter(m):
         from . import rewriting
         if m.kind == R.PLAIN_JIT_MATMUL:
             return rewriting.PlainJitEmit(m)

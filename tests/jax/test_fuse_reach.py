@@ -92,7 +92,7 @@ def test_per_linear_shard_map_moves_the_add_and_the_norm_in(axis_type):
     close(g_f, g_o, ulps=8)
 
 
-def test_a_residual_sharded_over_the_tp_axis_is_reported():
+def test_a_residual_resharded_by_the_program_before_the_add():
     mesh = mesh_2x4(AxisType.Explicit)
     x, w, res, g = operands(mesh, res_spec=P("dp", "tp"))
 
@@ -104,7 +104,7 @@ def test_a_residual_sharded_over_the_tp_axis_is_reported():
     fused = jf.fuse(model, mesh=mesh, axis_name="tp", backend="xla")
     with jax.set_mesh(mesh):
         fused(x, w, res, g)
-    assert fused.report.sites[0].fused   # resharded by the program itself: fine
+    assert fused.report.sites[0].fused   # the reshard is the residual's own eqn
     with jax.set_mesh(mesh):
         text = str(jax.make_jaxpr(fused)(x, w, res, g))
     assert "jax_fusedar_allreduce_fusion" in text and "psum" not in text
