@@ -215,14 +215,18 @@ def _check_once(g, proof, r_var, restricted_dim, restricted_size):
         err = np.abs(value - ref) / np.maximum(np.abs(ref), 1e-30)
         worst = max(worst, float(np.max(err)) if err.size else 0.0)
         if not np.all(np.isfinite(value)) or worst > TOLERANCE:
-            return f"{name} differs from RMSNorm's by {worst:.3g} (relative) on probe inputs"
+            return (f"the site's {name} output differs from the fused op's by {worst:.3g} "
+                    "(relative) on probe inputs; please report this form")
     return None
 
 
 def check(g: G.Graph, proof, r_var) -> None:
     """Raises Reject when the proven site's equations do not compute the fused op's math."""
     roles = [("r", r_var), ("gamma", proof.gamma), ("scale", proof.scale)]
-    key = _signature(g, proof.eqns, roles)
+    # The outcome depends on the equations and on the formula the proof claims for them.
+    key = (_signature(g, proof.eqns, roles), proof.eps, proof.weight_bias, proof.pattern,
+           proof.out_var is not None, proof.quant_var is not None,
+           proof.scale_out_var is not None)
     if key in _cache:
         problem = _cache[key]
     else:

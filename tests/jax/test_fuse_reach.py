@@ -449,3 +449,26 @@ def test_two_contracted_dims_in_the_entry():
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
             jf.row_parallel_allreduce_fusion(a, wo, residual=res, rms_gamma=g,
                                              contracting_dims=bad)
+
+
+def test_probe_validation_catches_a_proof_that_misreads_the_equations():
+    """The safety net: the proven equations, run in float64 on probes, must give the
+    formula the proof claims; a proof claiming another eps or weight_bias is refused."""
+    from jax_fusedar.fusion import graph, norm_proof, validation
+    from jax_fusedar.fusion.report import Reject
+    for shape in ((T, H), (H, H), (2, 3, H)):
+        def site(r, g):
+            f = r.astype(f32)
+            return (f / jnp.sqrt(jnp.mean(f ** 2, -1, keepdims=True) + EPS)
+                    * (1.0 + g.astype(f32))).astype(r.dtype)
+        jaxpr = jax.make_jaxpr(site)(jnp.ones(shape, jnp.bfloat16),
+                                     jnp.ones((H,), jnp.bfloat16)).jaxpr
+        g = graph.Graph(jaxpr)
+        r = jaxpr.invars[0]
+        proof = norm_proof.prove_rms_norm(g, r, allow=False)
+        assert proof.weight_bias == 1.0 and proof.eps == pytest.approx(EPS)
+        validation.check(g, proof, r)          # the right formula passes
+        for field, wrong in (("eps", 1e-2), ("weight_bias", 0.0)):
+            bad = norm_proof.NormProof(**{**proof.__dict__, field: wrong})
+            with pytest.raises(Reject, match="differs from the fused op's by"):
+                validation.check(g, bad, r)
