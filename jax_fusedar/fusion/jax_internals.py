@@ -15,22 +15,26 @@ import importlib
 
 import jax
 
+WRITTEN_FOR = "0.10"
 TESTED_JAX = "0.10.2"
-SUPPORTED = "JAX 0.8 to 0.10 (tested on 0.10.2)"
 
 
 class MissingJaxInternal(RuntimeError):
     """A JAX internal the fusion pass needs is absent from the installed JAX."""
 
 
-def _internal(module: str, name: str):
+def _advice(what: str) -> str:
+    return (f"jax_fusedar.fuse needs {what}, which JAX {jax.__version__} does not have; the "
+            f"fusion pass was written for JAX {WRITTEN_FOR} (tested on {TESTED_JAX}): install "
+            f"jax=={WRITTEN_FOR}.*, or call jax_fusedar.allreduce_fusion in the model directly")
+
+
+def internal(module: str, name: str):
+    """``module.name`` of JAX's internals, or MissingJaxInternal naming the JAX needed."""
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError):
-        raise MissingJaxInternal(
-            f"jax_fusedar.fuse needs {module}.{name}, which JAX {jax.__version__} does not "
-            f"have; the fusion pass supports {SUPPORTED}. Install a supported JAX, or call "
-            "jax_fusedar.allreduce_fusion in the model directly.") from None
+        raise MissingJaxInternal(_advice(f"{module}.{name}")) from None
 
 
 def trace_to_jaxpr(fun, in_avals, debug_info):
@@ -39,13 +43,13 @@ def trace_to_jaxpr(fun, in_avals, debug_info):
     use it."""
     pe = importlib.import_module("jax._src.interpreters.partial_eval")
     if hasattr(pe, "trace_to_jaxpr_dynamic"):
-        wrap_init = _internal("jax._src.linear_util", "wrap_init")
+        wrap_init = internal("jax._src.linear_util", "wrap_init")
         jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(wrap_init(fun, debug_info=debug_info),
                                                      list(in_avals))
         return jaxpr, consts
     # Newer JAX: the FlatTree-based routine that replaced it.
-    flat_tree = _internal("jax._src.tree_util", "FlatTree")
-    trace = _internal("jax._src.interpreters.partial_eval", "trace_to_jaxpr")
+    flat_tree = internal("jax._src.tree_util", "FlatTree")
+    trace = internal("jax._src.interpreters.partial_eval", "trace_to_jaxpr")
     closed, _ = trace(fun, flat_tree.flatten((tuple(in_avals), {})), debug_info)
     return closed.jaxpr, closed.consts
 
@@ -54,7 +58,7 @@ def trace_to_jaxpr(fun, in_avals, debug_info):
 def shard_map_body_context(mesh, manual_axes, check_vma):
     """The context shard_map traces its body in: its manual axes bound (psum and the fused
     op look their sizes up), the manual abstract mesh, its check_vma setting."""
-    extend_axis_env_nd = _internal("jax._src.core", "extend_axis_env_nd")
+    extend_axis_env_nd = internal("jax._src.core", "extend_axis_env_nd")
     from jax.sharding import AxisType, use_abstract_mesh
     manual_all = set(manual_axes) | set(getattr(mesh, "manual_axes", ()))
     inner = mesh.abstract_mesh.update_axis_types({n: AxisType.Manual for n in manual_axes})
@@ -89,10 +93,7 @@ class CustomVJPParts:
         params = eqn.params
         for key in ("bwd", "out_trees", "fwd_jaxpr_thunk", "call_jaxpr"):
             if key not in params:
-                raise MissingJaxInternal(
-                    f"jax_fusedar.fuse reads a custom_vjp_call's {key!r} parameter, which "
-                    f"JAX {jax.__version__} does not record; the fusion pass supports "
-                    f"{SUPPORTED}.")
+                raise MissingJaxInternal(_advice(f"a custom_vjp_call's {key!r} parameter"))
         self.num_consts = int(params.get("num_consts", 0))
         self._bwd = params["bwd"]
         self._out_trees = params["out_trees"]
@@ -107,17 +108,8 @@ class CustomVJPParts:
 
     def backward(self, residuals, cotangents):
         """The rule's cotangents for the eqn's inputs (zeros where it gives none)."""
-        zero_type = _internal("jax._src.ad_util", "Zero")
+        zero_type = internal("jax._src.ad_util", "Zero")
         outs = self._bwd.call_wrapped(*residuals, *cotangents)
         return [jax.numpy.zeros(o.aval.shape, o.aval.dtype) if isinstance(o, zero_type) else o
                 for o in outs]
 
-
-def concrete_mesh():
-    """The concrete mesh in context (``jax.set_mesh``), or None."""
-    try:
-        get = _internal("jax._src.mesh", "get_concrete_mesh")
-        mesh = get()
-    except MissingJaxInternal:
-        return None
-    return None if mesh is None or getattr(mesh, "empty", False) else mesh

@@ -472,3 +472,12 @@ def test_probe_validation_catches_a_proof_that_misreads_the_equations():
             bad = norm_proof.NormProof(**{**proof.__dict__, field: wrong})
             with pytest.raises(Reject, match="differs from the fused op's by"):
                 validation.check(g, bad, r)
+
+
+def test_a_missing_jax_internal_names_the_jax_needed():
+    from jax_fusedar.fusion import jax_internals
+    with pytest.raises(jax_internals.MissingJaxInternal,
+                       match=r"jax_fusedar.fuse needs jax._src.core.no_such_helper, which JAX "
+                             r"\S+ does not have; the fusion pass was written for JAX 0.10 "
+                             r"\(tested on 0.10.2\): install jax==0.10.\*"):
+        jax_internals.internal("jax._src.core", "no_such_helper")
