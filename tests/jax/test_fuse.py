@@ -29,9 +29,9 @@ EPS = 1e-6
 T, H = 6, 64
 
 
-# --- the norms as users write them (docs/fusion_pass.md, forms a-l) -------------------------------
+# --- the norms as users write them (plain jnp, MaxText, flax.linen, flax.nnx) ----------------------
 
-def norm_plain(r, g, eps=EPS):                     # (a): float32 inside, gamma in float32
+def norm_plain(r, g, eps=EPS):                     # float32 inside, gamma in float32
     f = r.astype(jnp.float32)
     n = f * jax.lax.rsqrt(jnp.mean(f * f, axis=-1, keepdims=True) + eps)
     return (n * g.astype(jnp.float32)).astype(r.dtype)
@@ -43,13 +43,13 @@ def norm_pow(r, g, eps=EPS):                       # x ** 2 (integer_pow), 1/sqr
     return (g.astype(jnp.float32) * n).astype(r.dtype)
 
 
-def norm_maxtext(r, g, eps=EPS):                   # (a'): cast to T, then gamma in T
+def norm_maxtext(r, g, eps=EPS):                   # cast to T, then gamma in T
     f = r.astype(jnp.float32)
     n = f * jax.lax.rsqrt(jnp.mean(jnp.square(f), axis=-1, keepdims=True) + eps)
     return n.astype(r.dtype) * g.astype(r.dtype)
 
 
-def norm_linen(r, g, eps=EPS):                     # (b): flax.linen.RMSNorm's sequence
+def norm_linen(r, g, eps=EPS):                     # flax.linen.RMSNorm's sequence
     f = r.astype(jnp.float32)
     ms = jnp.mean(jax.lax.square(f), axis=-1)
     mean = jnp.zeros_like(ms)
@@ -58,7 +58,7 @@ def norm_linen(r, g, eps=EPS):                     # (b): flax.linen.RMSNorm's s
     return (y * (inv * g.reshape(1, -1).astype(jnp.float32))).astype(r.dtype)
 
 
-def norm_nnx(r, g, eps=EPS):                       # (c): f32 param cast to T, then to f32
+def norm_nnx(r, g, eps=EPS):                       # f32 param cast to T, then to f32
     gb = g.astype(r.dtype)
     f = r.astype(jnp.float32)
     ms = jnp.mean(jax.lax.square(f), axis=-1)
@@ -205,11 +205,11 @@ def _wrapped_models():
     def in_jit(x, res, g):
         return jax.jit(layer)(x[0], res, g)
 
-    def norm_in_jit(x, res, g):                    # (d): only the norm is jitted
+    def norm_in_jit(x, res, g):                    # only the norm is jitted
         r = jax.lax.psum(x[0], "tp") + res
         return r, jax.jit(norm_plain)(r, g)
 
-    def norm_in_remat(x, res, g):                  # (e)
+    def norm_in_remat(x, res, g):                  # only the norm is checkpointed
         r = jax.lax.psum(x[0], "tp") + res
         return r, jax.checkpoint(norm_plain)(r, g)
 
@@ -233,7 +233,7 @@ def _wrapped_models():
     def in_custom_vjp(x, res, g):
         return vlayer(x[0], res, g)
 
-    def scan_remat(x, res, g):                     # (h): nn.scan(nn.remat(block))
+    def scan_remat(x, res, g):                     # nn.scan(nn.remat(block))
         def step(carry, gi):
             r, h = jax.checkpoint(layer)(x[0] + carry[1], carry[0], gi)
             return (r, h), None
