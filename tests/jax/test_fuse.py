@@ -29,7 +29,7 @@ EPS = 1e-6
 T, H = 6, 64
 
 
-# --- the norms as users write them (plain jnp, MaxText, flax.linen, flax.nnx) ----------------------
+# --- the norms as users write them (plain jnp, MaxText, flax.linen, flax.nnx) ---------------------
 
 def norm_plain(r, g, eps=EPS):                     # float32 inside, gamma in float32
     f = r.astype(jnp.float32)
