@@ -194,6 +194,7 @@ class Spelling:
     gamma: bool = True
     only_square: bool = False   # needs T == H (a [T] vector passes for a [H] one)
     exact_in_f32: bool = False  # in float32 the site is fused (the refusal is about T)
+    after: Optional[Callable] = None  # what the program does to the norm's output after it
 
 
 SPELLINGS = {
@@ -219,7 +220,8 @@ SPELLINGS = {
     "over_token_axis": Spelling(over_token_axis, "refused", "norm over axis 0"),
     # In float32 the norm without gamma is the site, the per-token factor stays after it.
     "per_token_factor": Spelling(per_token_factor, "refused", "a per-token factor",
-                                 only_square=True, exact_in_f32=True, gamma=False),
+                                 only_square=True, exact_in_f32=True, gamma=False,
+                                 after=lambda y, g: y * g[:, None]),
     "computed_in_t": Spelling(computed_in_t, "refused", "RMSNorm computed in {T}",
                               exact_in_f32=True),
     "kept_in_float32": Spelling(kept_in_float32, "refused", "the norm output is not cast back",
@@ -372,6 +374,8 @@ def oracle_errors(prog, args, out, site):
     gam = (site.weight_bias + np.asarray(g, np.float64) if SPELLINGS[prog.spelling].gamma
            else np.ones(r64.shape[-1]))
     y64 = r64 * inv * gam
+    if SPELLINGS[prog.spelling].after is not None:
+        y64 = SPELLINGS[prog.spelling].after(y64, np.asarray(g, np.float64))
     unit_r = ulp(np.abs(s) + np.abs(res64), T) + accumulation
     unit_y = unit_r * inv * np.abs(gam) + ulp(y64, T)
     e_res = float(np.max(np.abs(np.asarray(out[0], np.float64) - r64) / unit_r))
