@@ -74,7 +74,7 @@ def row_parallel_allreduce_fusion(
         workspace: Union[AllReduceFusionWorkspace, Sequence[AllReduceFusionWorkspace], None] = None,
         rms_eps: float = 1e-6, weight_bias: float = 0.0, fp32_acc: bool = True,
         use_oneshot: Optional[bool] = None, strict: Optional[bool] = None,
-        precision=None) -> AllReduceFusionOutputs:
+        precision=None, contracting_dims=None) -> AllReduceFusionOutputs:
     """Row-parallel ``h @ w`` fused with the all-reduce, residual add and RMSNorm.
 
     Call it under ``jax.jit`` on globally shaped arrays, outside ``shard_map``; it partitions
@@ -83,16 +83,27 @@ def row_parallel_allreduce_fusion(
     dtype. ``workspace``: a workspace, or several (e.g. one per dtype or per axis), from
     ``create_allreduce_fusion_workspace``; the one created on the same mesh for the axis that
     shards ``k``, with the matmul's dtype, serves the call. None: the XLA path everywhere.
-    ``precision`` is ``jnp.dot``'s. The other arguments are ``allreduce_fusion``'s.
+    ``precision`` is ``jnp.dot``'s. ``rms_gamma`` may also be float32 (a Flax
+    ``param_dtype``): it is rounded to the dtype, where the kernel reads it, as
+    ``allreduce_fusion`` does. ``contracting_dims``: ``((h dims), (w dims))`` contracted
+    pairwise, as ``jax.lax.dot_general``'s, for any contraction (e.g. ``bhtq,hqd->btd``:
+    ``((1, 3), (0, 1))``); h's other dims are token dims (in order) and w keeps exactly one
+    free dim, ``n``. None: ``h [..., k] @ w [k, n]``. The other arguments are
+    ``allreduce_fusion``'s.
 
     Returns ``AllReduceFusionOutputs`` with ``residual_out = h @ w + residual`` and
     ``norm_out = RMSNorm(residual_out) * (weight_bias + rms_gamma)`` (other fields None).
     """
+    if contracting_dims is not None:
+        return _contraction_entry(h, w, contracting_dims, residual, rms_gamma, workspace,
+                                  rms_eps, weight_bias, fp32_acc, use_oneshot, strict,
+                                  precision)
     workspaces = _as_workspaces(workspace)
     cfg = _checked_config(workspaces, rms_eps, weight_bias, fp32_acc, use_oneshot, strict,
                           precision)
     h, w, residual, rms_gamma = _as_operands(h, w, residual, rms_gamma)
     _check_shapes(h, w, residual, rms_gamma)
+    rms_gamma = _gamma_as(h.dtype, rms_gamma)
     _check_up_front(cfg, h, w, residual, rms_gamma)
     mesh = jax.typeof(h).sharding.mesh
     types = set(getattr(mesh, "axis_types", ()))
@@ -183,6 +194,8 @@ def _check_shapes(h, w, residual, gamma):
     if gamma.shape != (n,):
         raise ValueError(f"rms_gamma must have shape ({n},), got {gamma.shape}")
     for name, a in (("w", w), ("residual", residual), ("rms_gamma", gamma)):
+        if name == "rms_gamma" and a.dtype == jnp.float32:
+            continue   # rounded to h's dtype (_gamma_as), as allreduce_fusion does
         if a.dtype != h.dtype:
             raise ValueError(f"{name} has dtype {np.dtype(a.dtype).name} but h has "
                              f"{np.dtype(h.dtype).name}; pass all four in one dtype")
@@ -251,10 +264,11 @@ def _pick_workspace(cfg: _Config, mesh, plan: _Plan, dtype):
     gave no workspace, i.e. asked for the XLA path)."""
     if not cfg.workspaces:
         return None, None
-    if len(plan.k_axes) > 1:
+    k_axes = _reduced_axes(plan.k_axes, mesh)
+    if len(k_axes) > 1:
         return None, (f"the contracting dimension is sharded over several mesh axes "
-                      f"{plan.k_axes}; the fused kernel reduces over one")
-    axis = plan.k_axes[0]
+                      f"{k_axes}; the fused kernel reduces over one")
+    axis = k_axes[0]
     for ws in cfg.workspaces:
         if (ws.axis_name == axis and not ws.destroyed and ws.dtype == np.dtype(dtype)
                 and _same_mesh(ws.mesh, mesh)):
@@ -268,7 +282,8 @@ def _local_program(cfg: _Config, mesh, plan: _Plan):
 
     def local(h, w, residual, gamma):
         partial_sum = jnp.dot(h, w, precision=cfg.precision)
-        if not plan.k_axes:  # nothing to reduce: the plain math
+        partial_sum = _reduce_size_one_axes(partial_sum, plan.k_axes, mesh)
+        if not _reduced_axes(plan.k_axes, mesh):  # nothing to reduce: the plain math
             _, res, norm = reference.epilogue(partial_sum, residual, gamma, pattern=_PATTERN,
                                               rms_eps=cfg.rms_eps, weight_bias=cfg.weight_bias)
             return res, norm
@@ -277,7 +292,8 @@ def _local_program(cfg: _Config, mesh, plan: _Plan):
         x2, r2 = partial_sum.reshape(rows), residual.reshape(rows)
         ws, why = _pick_workspace(cfg, mesh, plan, h.dtype)
         if ws is not None:
-            out = allreduce_fusion(x2, axis_name=plan.k_axes[0], workspace=ws,
+            out = allreduce_fusion(x2, axis_name=_reduced_axes(plan.k_axes, mesh)[0],
+                                   workspace=ws,
                                    residual=r2, rms_gamma=gamma, rms_eps=cfg.rms_eps,
                                    weight_bias=cfg.weight_bias, use_oneshot=cfg.use_oneshot,
                                    fp32_acc=cfg.fp32_acc, strict=cfg.strict)
@@ -286,7 +302,8 @@ def _local_program(cfg: _Config, mesh, plan: _Plan):
             if why is not None:  # workspaces were given but none serves this call
                 fallback("no matching workspace", why, backend_choice.strict_mode(cfg.strict),
                          "trtllm")
-            axis = plan.k_axes[0] if len(plan.k_axes) == 1 else plan.k_axes
+            axes = _reduced_axes(plan.k_axes, mesh)
+            axis = axes[0] if len(axes) == 1 else axes
             _, res, norm = reference.allreduce_fusion_reference(
                 x2, r2, gamma, axis_name=axis, pattern=_PATTERN, rms_eps=cfg.rms_eps,
                 weight_bias=cfg.weight_bias, fp32_acc=cfg.fp32_acc)
@@ -368,4 +385,265 @@ def _explicit(cfg, mesh, h, w, residual, gamma):
     local = _local_program(cfg, mesh, plan)
     res, norm = jax.shard_map(local, mesh=mesh, in_specs=in_specs,
                               out_specs=(out_spec, out_spec))(*args)
+    return AllReduceFusionOutputs(None, res, norm, None, None)
+
+
+# --- size-1 mesh axes and float32 gammas (both entries) ------------------------------------------
+
+def _reduced_axes(axes, mesh) -> tuple:
+    """The mesh axes a reduction over ``axes`` really sums over: those of size > 1 (a
+    sharding over ('y', 'z') with z of size 1 is a sharding over 'y')."""
+    sizes = dict(mesh.shape)
+    return tuple(a for a in axes if sizes.get(a, 1) != 1)
+
+
+def _reduce_size_one_axes(x, axes, mesh):
+    """psum over the size-1 axes of ``axes``: no change in value, but the result no longer
+    varies over them (what the outputs' specs, which leave them out, require)."""
+    sizes = dict(mesh.shape)
+    ones = tuple(a for a in axes if sizes.get(a, 1) == 1)
+    return jax.lax.psum(x, ones) if ones else x
+
+
+def _gamma_as(dtype, gamma):
+    """A float32 gamma rounded to the call's dtype, where the kernel reads it."""
+    return gamma.astype(dtype) if gamma.dtype != dtype else gamma
+
+
+# --- any contraction: contracting_dims ------------------------------------------------------------
+
+class _Contraction(NamedTuple):
+    """Static description of a ``dot_general`` without batch dims: h's and w's contracted
+    dims (paired), and both ranks."""
+    h_dims: tuple
+    w_dims: tuple
+    h_ndim: int
+    w_ndim: int
+
+    @property
+    def h_free(self) -> tuple:
+        return tuple(d for d in range(self.h_ndim) if d not in self.h_dims)
+
+    @property
+    def w_free(self) -> int:
+        return next(d for d in range(self.w_ndim) if d not in self.w_dims)
+
+    def dimension_numbers(self):
+        return ((self.h_dims, self.w_dims), ((), ()))
+
+
+class _ContractionConfig(NamedTuple):
+    base: _Config
+    dims: _Contraction
+
+
+def _as_contraction(contracting_dims, h, w) -> _Contraction:
+    try:
+        hd, wd = contracting_dims
+        hd, wd = tuple(int(d) for d in hd), tuple(int(d) for d in wd)
+    except (TypeError, ValueError):
+        raise ValueError("contracting_dims must be ((h dims), (w dims)) as in "
+                         f"jax.lax.dot_general, got {contracting_dims!r}") from None
+    if len(hd) != len(wd) or not hd:
+        raise ValueError(f"contracting_dims pairs h's and w's dims one to one, got {hd} and "
+                         f"{wd}")
+    hd = tuple(d % h.ndim if -h.ndim <= d < h.ndim else d for d in hd)
+    wd = tuple(d % w.ndim if -w.ndim <= d < w.ndim else d for d in wd)
+    if any(not 0 <= d < h.ndim for d in hd) or len(set(hd)) != len(hd):
+        raise ValueError(f"contracting_dims: h's dims {hd} are not distinct dims of h "
+                         f"{h.shape}")
+    if any(not 0 <= d < w.ndim for d in wd) or len(set(wd)) != len(wd):
+        raise ValueError(f"contracting_dims: w's dims {wd} are not distinct dims of w "
+                         f"{w.shape}")
+    if w.ndim - len(wd) != 1:
+        raise ValueError(f"w {w.shape} must keep exactly one dim (n) out of the contraction "
+                         f"{wd}")
+    if h.ndim - len(hd) < 1:
+        raise ValueError(f"h {h.shape} must keep at least one (token) dim out of the "
+                         f"contraction {hd}")
+    for a, b in zip(hd, wd):
+        if h.shape[a] != w.shape[b]:
+            raise ValueError(f"contracting_dims pairs h's dim {a} ({h.shape[a]}) with w's dim "
+                             f"{b} ({w.shape[b]})")
+    return _Contraction(hd, wd, h.ndim, w.ndim)
+
+
+def _contraction_entry(h, w, contracting_dims, residual, rms_gamma, workspace, rms_eps,
+                       weight_bias, fp32_acc, use_oneshot, strict, precision):
+    workspaces = _as_workspaces(workspace)
+    base = _checked_config(workspaces, rms_eps, weight_bias, fp32_acc, use_oneshot, strict,
+                           precision)
+    for name, value in (("h", h), ("w", w), ("rms_gamma", rms_gamma)):
+        if value is None:
+            raise ValueError(f"{name} is required (row_parallel_allreduce_fusion(h, w, "
+                             "residual=..., rms_gamma=..., contracting_dims=...))")
+    h, w, rms_gamma = jnp.asarray(h), jnp.asarray(w), jnp.asarray(rms_gamma)
+    dims = _as_contraction(contracting_dims, h, w)
+    n = w.shape[dims.w_free]
+    lead = tuple(h.shape[d] for d in dims.h_free)
+    residual = jnp.zeros((*lead, n), h.dtype) if residual is None else jnp.asarray(residual)
+    if residual.shape != (*lead, n):
+        raise ValueError(f"residual must have shape {(*lead, n)} (h's free dims, w's n), got "
+                         f"{residual.shape}")
+    if rms_gamma.shape != (n,):
+        raise ValueError(f"rms_gamma must have shape ({n},), got {rms_gamma.shape}")
+    for name, a in (("w", w), ("residual", residual), ("rms_gamma", rms_gamma)):
+        if a.dtype != h.dtype and not (name == "rms_gamma" and a.dtype == jnp.float32):
+            raise ValueError(f"{name} has dtype {np.dtype(a.dtype).name} but h has "
+                             f"{np.dtype(h.dtype).name}; pass them in one dtype (rms_gamma "
+                             "may also be float32)")
+    rms_gamma = _gamma_as(h.dtype, rms_gamma)
+    cfg = _ContractionConfig(base, dims)
+    mesh = jax.typeof(h).sharding.mesh
+    types = set(getattr(mesh, "axis_types", ()))
+    if AxisType.Manual in types:
+        raise ValueError("row_parallel_allreduce_fusion is called on global arrays, outside "
+                         "shard_map; inside shard_map call jax_fusedar.allreduce_fusion on "
+                         "the local matmul")
+    if AxisType.Explicit in types:
+        return _contraction_explicit(cfg, mesh, h, w, residual, rms_gamma)
+    residual_out, norm_out = _contraction_differentiable(h, w, residual, rms_gamma, cfg)
+    return AllReduceFusionOutputs(None, residual_out, norm_out, None, None)
+
+
+def _contraction_plan(cfg: _ContractionConfig, h_spec, w_spec):
+    """(in specs of h, w, residual, gamma; out spec; the mesh axes sharding the
+    contraction). Each contracted pair is sharded as w's dim is (h's when w's is not), h's
+    free dims keep their axes but those, and n stays whole (RMSNorm needs whole rows)."""
+    dims = cfg.dims
+    h_spec = tuple(h_spec) + (None,) * (dims.h_ndim - len(tuple(h_spec)))
+    w_spec = tuple(w_spec) + (None,) * (dims.w_ndim - len(tuple(w_spec)))
+    pair_axes = [_axes(w_spec[b]) or _axes(h_spec[a]) for a, b in zip(dims.h_dims, dims.w_dims)]
+    k_axes = []
+    for axes in pair_axes:
+        k_axes += [x for x in axes if x not in k_axes]
+    k_axes = tuple(k_axes)
+    seen = set()
+    pair_entries = []
+    for axes in pair_axes:   # an axis shards one contracted dim only
+        kept = tuple(a for a in axes if a not in seen)
+        seen |= set(kept)
+        pair_entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    batch = []
+    for d in dims.h_free:
+        kept = tuple(a for a in _axes(h_spec[d]) if a not in k_axes)
+        batch.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    h_in = [None] * dims.h_ndim
+    w_in = [None] * dims.w_ndim
+    for (a, b), entry in zip(zip(dims.h_dims, dims.w_dims), pair_entries):
+        h_in[a] = w_in[b] = entry
+    for d, entry in zip(dims.h_free, batch):
+        h_in[d] = entry
+    out = P(*batch, None)
+    return (P(*h_in), P(*w_in), out, P(None)), out, k_axes
+
+
+def _contraction_local(cfg: _ContractionConfig, mesh, k_axes):
+    base = cfg.base
+    plan = _Plan(batch=(), k_axes=k_axes)
+
+    def local(h, w, residual, gamma):
+        partial_sum = jax.lax.dot_general(h, w, cfg.dims.dimension_numbers(),
+                                          precision=base.precision)
+        partial_sum = _reduce_size_one_axes(partial_sum, k_axes, mesh)
+        axes = _reduced_axes(k_axes, mesh)
+        if not axes:  # nothing to reduce: the plain math
+            _, res, norm = reference.epilogue(partial_sum, residual, gamma, pattern=_PATTERN,
+                                              rms_eps=base.rms_eps,
+                                              weight_bias=base.weight_bias)
+            return res, norm
+        n = partial_sum.shape[-1]
+        rows = (math.prod(partial_sum.shape[:-1]), n)
+        x2, r2 = partial_sum.reshape(rows), residual.reshape(rows)
+        ws, why = _pick_workspace(base, mesh, plan, h.dtype)
+        if ws is not None:
+            out = allreduce_fusion(x2, axis_name=axes[0], workspace=ws, residual=r2,
+                                   rms_gamma=gamma, rms_eps=base.rms_eps,
+                                   weight_bias=base.weight_bias, use_oneshot=base.use_oneshot,
+                                   fp32_acc=base.fp32_acc, strict=base.strict)
+            res, norm = out.residual_out, out.norm_out
+        else:
+            if why is not None:  # workspaces were given but none serves this call
+                fallback("no matching workspace", why, backend_choice.strict_mode(base.strict),
+                         "trtllm")
+            _, res, norm = reference.allreduce_fusion_reference(
+                x2, r2, gamma, axis_name=axes[0] if len(axes) == 1 else axes,
+                pattern=_PATTERN, rms_eps=base.rms_eps, weight_bias=base.weight_bias,
+                fp32_acc=base.fp32_acc)
+        return res.reshape(partial_sum.shape), norm.reshape(partial_sum.shape)
+
+    return local
+
+
+def _contraction_plain(h, w, residual, gamma, cfg: _ContractionConfig):
+    summed = jax.lax.dot_general(h, w, cfg.dims.dimension_numbers(), precision=cfg.base.precision)
+    _, res, norm = reference.epilogue(summed, residual, gamma, pattern=_PATTERN,
+                                      rms_eps=cfg.base.rms_eps, weight_bias=cfg.base.weight_bias)
+    return res, norm
+
+
+def _contraction_rule(cfg: _ContractionConfig, mesh, value_types, result_types):
+    """The Shardy rule: one factor per dim of h (contracted ones shared with w), n for w's
+    free dim, which the norm needs whole."""
+    dims = cfg.dims
+    h_names = [f"c{dims.h_dims.index(d)}" if d in dims.h_dims else f"t{d}"
+               for d in range(dims.h_ndim)]
+    w_names = [f"c{dims.w_dims.index(d)}" if d in dims.w_dims else "n"
+               for d in range(dims.w_ndim)]
+    lead = " ".join(f"t{d}" for d in dims.h_free)
+    rule = (f"{' '.join(h_names)}, {' '.join(w_names)}, {lead} n, n -> {lead} n, {lead} n")
+    return rule, {"need_replication_factors": ("n",)}
+
+
+@partial(custom_partitioning, static_argnums=(4,))
+def _contraction_partitioned(h, w, residual, gamma, cfg):
+    return _contraction_plain(h, w, residual, gamma, cfg)
+
+
+def partition_contraction(cfg, mesh, arg_shapes, result_shape):
+    h, w = arg_shapes[0], arg_shapes[1]
+    in_specs, out_spec, k_axes = _contraction_plan(
+        cfg, _spec_of(h.sharding, len(h.shape)), _spec_of(w.sharding, len(w.shape)))
+    out = NamedSharding(mesh, out_spec)
+    return (mesh, _contraction_local(cfg, mesh, k_axes), (out, out),
+            tuple(NamedSharding(mesh, s) for s in in_specs))
+
+
+def _contraction_infer(cfg, mesh, arg_shapes, result_shape):
+    h, w = arg_shapes[0], arg_shapes[1]
+    _, out_spec, _ = _contraction_plan(
+        cfg, _spec_of(h.sharding, len(h.shape)), _spec_of(w.sharding, len(w.shape)))
+    out = NamedSharding(mesh, out_spec)
+    return (out, out)
+
+
+_contraction_partitioned.def_partition(partition=partition_contraction,
+                                       infer_sharding_from_operands=_contraction_infer,
+                                       sharding_rule=_contraction_rule)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _contraction_differentiable(h, w, residual, gamma, cfg):
+    return _contraction_partitioned(h, w, residual, gamma, cfg)
+
+
+def _contraction_differentiable_fwd(h, w, residual, gamma, cfg):
+    return _contraction_partitioned(h, w, residual, gamma, cfg), (h, w, residual, gamma)
+
+
+def _contraction_differentiable_bwd(cfg, saved, cotangents):
+    _, vjp = jax.vjp(lambda *a: _contraction_plain(*a, cfg), *saved)
+    return vjp(tuple(cotangents))
+
+
+_contraction_differentiable.defvjp(_contraction_differentiable_fwd,
+                                   _contraction_differentiable_bwd)
+
+
+def _contraction_explicit(cfg, mesh, h, w, residual, gamma):
+    in_specs, out_spec, k_axes = _contraction_plan(
+        cfg, jax.typeof(h).sharding.spec, jax.typeof(w).sharding.spec)
+    args = [jax.sharding.reshard(a, s) for a, s in zip((h, w, residual, gamma), in_specs)]
+    res, norm = jax.shard_map(_contraction_local(cfg, mesh, k_axes), mesh=mesh,
+                              in_specs=in_specs, out_specs=(out_spec, out_spec))(*args)
     return AllReduceFusionOutputs(None, res, norm, None, None)

@@ -8,6 +8,9 @@ def pytest_configure(config):
         "markers", "gpu: needs NVIDIA GPUs and the native extension (run on the device machine)")
     config.addinivalue_line(
         "markers", "slow: takes minutes (left out of the quick lanes: -m 'not slow')")
+    config.addinivalue_line(
+        "markers", "sweep: an exhaustive sweep, left out of every lane unless asked for "
+                   "(pytest -m sweep)")
 
 
 def gpu_count() -> int:
@@ -16,6 +19,11 @@ def gpu_count() -> int:
 
 
 def pytest_collection_modifyitems(config, items):
+    if "sweep" not in (config.option.markexpr or ""):
+        skip_sweep = pytest.mark.skip(reason="an exhaustive sweep: run it with pytest -m sweep")
+        for item in items:
+            if "sweep" in item.keywords:
+                item.add_marker(skip_sweep)
     if gpu_count() > 0:
         return
     skip = pytest.mark.skip(reason="no CUDA GPU visible (GPU tests run on the device machine)")

@@ -1,0 +1,106 @@
+"""Use-def information of a jaxpr and the small queries the matchers share."""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Optional
+
+import numpy as np
+from jax.extend import core as jcore
+
+FLOATS = ("bfloat16", "float16", "float32")
+CAST = "convert_element_type"
+# Value-preserving under check_vma (they change only the varying-axes type).
+NO_OPS = ("pvary", "pcast", "copy", "copy_p")
+PSUMS = ("psum", "psum_invariant")
+# Call-like primitives and the parameter holding their jaxpr.
+CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
+         "remat2": "jaxpr", "checkpoint": "jaxpr", "custom_jvp_call": "call_jaxpr",
+         "custom_vjp_call": "call_jaxpr"}
+CUSTOM_RULE_CALLS = ("custom_jvp_call", "custom_vjp_call")
+
+
+def name(eqn) -> str:
+    return eqn.primitive.name
+
+
+def dtype(atom) -> str:
+    return np.dtype(atom.aval.dtype).name
+
+
+def shape(atom) -> tuple:
+    return tuple(atom.aval.shape)
+
+
+def is_var(atom) -> bool:
+    return isinstance(atom, jcore.Var) and not isinstance(atom, jcore.DropVar)
+
+
+def open_jaxpr(j):
+    return j.jaxpr if isinstance(j, jcore.ClosedJaxpr) else j
+
+
+class Graph:
+    """Use-def information of one jaxpr."""
+
+    def __init__(self, jaxpr):
+        self.jaxpr = jaxpr
+        self.eqns = jaxpr.eqns
+        self.defs = {}
+        self.uses = defaultdict(list)
+        for i, e in enumerate(self.eqns):
+            for v in e.invars:
+                if isinstance(v, jcore.Var):
+                    self.uses[v].append(i)
+            for v in e.outvars:
+                self.defs[v] = i
+        self.outs = {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
+
+    def eqn(self, v):
+        i = self.defs.get(v) if isinstance(v, jcore.Var) else None
+        return (i, self.eqns[i]) if i is not None else (None, None)
+
+    def users(self, v):
+        return sorted(set(self.uses.get(v, ())))
+
+    def only_user(self, v) -> Optional[int]:
+        """The one eqn using ``v`` when nothing else (not even the jaxpr's outputs) does."""
+        us = self.users(v)
+        if len(us) != 1 or v in self.outs:
+            return None
+        return us[0]
+
+    def used_outside(self, v, inside: set) -> bool:
+        return v in self.outs or any(u not in inside for u in self.users(v))
+
+
+def scalar_constant(g: Graph, atom, chain: Optional[set] = None):
+    """The Python value of ``atom`` when it is a constant with one value everywhere (a
+    literal, possibly through pvary, casts, broadcasts and reshapes, whose eqns are added to
+    ``chain``), else None."""
+    seen = []
+    while True:
+        if isinstance(atom, jcore.Literal):
+            val = np.asarray(atom.val)
+            if val.size < 1 or not np.all(val == val.reshape(-1)[0]):
+                return None
+            if chain is not None:
+                chain.update(seen)
+            return float(val.reshape(-1)[0])
+        i, e = g.eqn(atom)
+        if e is None or len(e.invars) != 1:
+            return None
+        if name(e) not in NO_OPS + (CAST, "broadcast_in_dim", "reshape", "squeeze",
+                                    "expand_dims"):
+            return None
+        seen.append(i)
+        atom = e.invars[0]
+
+
+def other_operand(eqn, v):
+    """The operand of a binary eqn that is not ``v`` (None when both or neither are)."""
+    a, b = eqn.invars
+    if a is v and b is not v:
+        return b
+    if b is v and a is not v:
+        return a
+    return None

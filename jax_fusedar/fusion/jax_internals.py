@@ -1,0 +1,115 @@
+"""The JAX internals the fusion pass relies on, in one place.
+
+The pass re-traces sub-jaxprs (a ``shard_map`` body, a ``scan`` body, ...) the way JAX's own
+control-flow rules do, which the public API does not offer: ``jax.make_jaxpr`` cannot take
+avals that vary over manual axes, and a ``shard_map`` body must be traced inside its axis
+environment and manual mesh. It also reads a ``custom_vjp`` call's backward rule. Each
+internal is looked up here when first needed; a JAX release that moved one gets a clear
+error naming the versions this code was written for, instead of an AttributeError deep in
+a trace.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+
+import jax
+
+WRITTEN_FOR = "0.10"
+TESTED_JAX = "0.10.2"
+
+
+class MissingJaxInternal(RuntimeError):
+    """A JAX internal the fusion pass needs is absent from the installed JAX."""
+
+
+def _advice(what: str) -> str:
+    return (f"jax_fusedar.fuse needs {what}, which JAX {jax.__version__} does not have; the "
+            f"fusion pass was written for JAX {WRITTEN_FOR} (tested on {TESTED_JAX}): install "
+            f"jax=={WRITTEN_FOR}.*, or call jax_fusedar.allreduce_fusion in the model directly")
+
+
+def internal(module: str, name: str):
+    """``module.name`` of JAX's internals, or MissingJaxInternal naming the JAX needed."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        raise MissingJaxInternal(_advice(f"{module}.{name}")) from None
+
+
+def trace_to_jaxpr(fun, in_avals, debug_info):
+    """(jaxpr, consts) of ``fun`` traced at ``in_avals`` in the current context (axis
+    environment, abstract mesh): JAX's own staging routine, as its control-flow primitives
+    use it."""
+    pe = importlib.import_module("jax._src.interpreters.partial_eval")
+    if hasattr(pe, "trace_to_jaxpr_dynamic"):
+        wrap_init = internal("jax._src.linear_util", "wrap_init")
+        jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(wrap_init(fun, debug_info=debug_info),
+                                                     list(in_avals))
+        return jaxpr, consts
+    # Newer JAX: the FlatTree-based routine that replaced it.
+    flat_tree = internal("jax._src.tree_util", "FlatTree")
+    trace = internal("jax._src.interpreters.partial_eval", "trace_to_jaxpr")
+    closed, _ = trace(fun, flat_tree.flatten((tuple(in_avals), {})), debug_info)
+    return closed.jaxpr, closed.consts
+
+
+@contextlib.contextmanager
+def shard_map_body_context(mesh, manual_axes, check_vma):
+    """The context shard_map traces its body in: its manual axes bound (psum and the fused
+    op look their sizes up), the manual abstract mesh, its check_vma setting."""
+    extend_axis_env_nd = internal("jax._src.core", "extend_axis_env_nd")
+    from jax.sharding import AxisType, use_abstract_mesh
+    manual_all = set(manual_axes) | set(getattr(mesh, "manual_axes", ()))
+    inner = mesh.abstract_mesh.update_axis_types({n: AxisType.Manual for n in manual_axes})
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(extend_axis_env_nd(
+            [(k, v) for k, v in mesh.shape.items() if k in manual_all]))
+        stack.enter_context(use_abstract_mesh(inner))
+        config = importlib.import_module("jax._src.config")
+        if hasattr(config, "_check_vma"):
+            stack.enter_context(config._check_vma(check_vma))
+        yield
+
+
+def bind_params(eqn, params):
+    """(subfuns, params) with which ``eqn.primitive`` is bound again with ``params``."""
+    out = eqn.primitive.get_bind_params(params)
+    if isinstance(out, tuple):  # (subfuns, params): call-like primitives of this JAX
+        return out
+    return (), out   # custom rules keep their functions in params["subfuns"]
+
+
+def eqn_context(eqn):
+    """The context manager an eqn was recorded under (its ``ctx``), or a null one."""
+    return eqn.ctx.manager if hasattr(eqn, "ctx") else contextlib.nullcontext()
+
+
+class CustomVJPParts:
+    """The pieces of a ``custom_vjp_call`` eqn: how many residuals its forward rule saves,
+    and its backward rule as a function of (residuals..., cotangents...)."""
+
+    def __init__(self, eqn):
+        params = eqn.params
+        for key in ("bwd", "out_trees", "fwd_jaxpr_thunk", "call_jaxpr"):
+            if key not in params:
+                raise MissingJaxInternal(_advice(f"a custom_vjp_call's {key!r} parameter"))
+        self.num_consts = int(params.get("num_consts", 0))
+        self._bwd = params["bwd"]
+        self._out_trees = params["out_trees"]
+        self._fwd_thunk = params["fwd_jaxpr_thunk"]
+        self.n_in = len(eqn.invars)
+
+    def num_residuals(self) -> int:
+        # The forward rule's jaxpr (traced as JAX does when differentiating) fills out_trees.
+        self._fwd_thunk.call_wrapped(*([True] * (self.n_in - self.num_consts)))
+        _, res_tree, _ = self._out_trees()
+        return res_tree.num_leaves
+
+    def backward(self, residuals, cotangents):
+        """The rule's cotangents for the eqn's inputs (zeros where it gives none)."""
+        zero_type = internal("jax._src.ad_util", "Zero")
+        outs = self._bwd.call_wrapped(*residuals, *cotangents)
+        return [jax.numpy.zeros(o.aval.shape, o.aval.dtype) if isinstance(o, zero_type) else o
+                for o in outs]
+

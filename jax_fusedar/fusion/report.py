@@ -1,0 +1,88 @@
+"""What the fusion pass reports: one :class:`Site` per all-reduce (or plain-jit matmul) it
+met, fused or not with the reason, gathered in a :class:`FusionReport`."""
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Optional
+
+# Site kinds: where the reduction comes from.
+PSUM = "psum"                         # psum inside the scope of the add and the norm
+PSUM_IN_SHARD_MAP = "shard_map psum"  # psum inside a shard_map, add + norm after it
+REDUCE_SCATTER = "reduce_scatter"     # psum_scatter + add + all_gather (sequence parallel)
+CUSTOM_RULE_PSUM = "custom_vjp psum"  # psum inside a custom_vjp / custom_jvp
+PLAIN_JIT_MATMUL = "dot_general"      # plain jit: the partitioner's all-reduce
+
+
+class Reject(Exception):
+    """A candidate site that is not fused; the message is the reported reason."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """One reduction met by the pass. ``where``: the path of wrappers around it (e.g.
+    ``jit(model)/shard_map/scan``). ``kind``: how the sum is formed (see the constants
+    above). ``reason``: why it was not fused (None when fused); ``rounding_change``: what
+    rounds differently from the original, for sites fused only because
+    ``allow_rounding_change`` was set; ``note``: what of the site stays unfused (e.g. an FP8
+    tail the kernel does not compute the same way)."""
+
+    where: str
+    fused: bool
+    reason: Optional[str]
+    kind: str = PSUM
+    pattern: Optional[int] = None
+    tokens: Optional[int] = None
+    hidden: Optional[int] = None
+    dtype: Optional[str] = None
+    rms_eps: Optional[float] = None
+    rounding_change: Optional[str] = None
+    weight_bias: Optional[float] = None   # 1.0 for Gemma's (1 + gamma)
+    runs: Optional[int] = 1   # times it runs per call (scan lengths multiplied; None: a while loop)
+    note: Optional[str] = None
+
+
+NO_SITES_ADVICE = (
+    "no all-reduce (psum / psum_scatter) and no matmul (dot_general) followed by a residual "
+    "add and an RMSNorm were found: fuse rewrites psum + add + RMSNorm inside shard_map and, "
+    "under plain jax.jit with shardings, dot_general + add + RMSNorm (the partitioner's "
+    "all-reduce); docs/fusion_pass.md lists the forms")
+
+
+@dataclasses.dataclass
+class FusionReport:
+    sites: list
+
+    @property
+    def fused(self) -> list:
+        return [s for s in self.sites if s.fused]
+
+    @property
+    def not_fused(self) -> list:
+        return [s for s in self.sites if not s.fused]
+
+    def fused_runs(self) -> Optional[int]:
+        """Fused calls per run of the function (scan bodies count their length; every cond
+        branch counts, so an upper bound there), or None when one sits in a while loop."""
+        runs = [s.runs for s in self.fused]
+        return None if any(r is None for r in runs) else sum(runs)
+
+    def reasons(self) -> Counter:
+        """{reason: number of sites} of the sites left unfused."""
+        return Counter(s.reason for s in self.not_fused)
+
+    def line(self) -> str:
+        """vLLM-style one-line summary."""
+        text = (f"jax_fusedar.fuse: fused {len(self.fused)} of {len(self.sites)} all-reduce + "
+                f"residual + RMSNorm site(s)")
+        if not self.sites:
+            return f"{text}: {NO_SITES_ADVICE}"
+        runs = self.fused_runs()
+        if runs is not None and runs != len(self.fused):
+            text += f" ({runs} fused calls per run, loops counted)"
+        if self.not_fused:
+            text += "; not fused: " + "; ".join(f"{n} x {r}" for r, n in self.reasons().items())
+        return text
+
+    def as_dict(self) -> dict:
+        return {"fused": len(self.fused), "sites": [dataclasses.asdict(s) for s in self.sites]}

@@ -1,0 +1,446 @@
+"""Rewriting: the program is evaluated again, equation by equation, under JAX's tracing, with
+each planned site's equations replaced by one fused call; sub-jaxprs with sites are re-traced
+in their own context and their primitive bound again with the new jaxpr. Every other
+equation is bound unchanged, so a program with nothing to fuse is the same program."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+from jax.sharding import PartitionSpec as P
+
+from . import graph as G
+from .jax_internals import bind_params, eqn_context, shard_map_body_context, trace_to_jaxpr
+
+
+def _fix_vma(val, aval):
+    """Marks ``val`` varying over the axes the original value varied over (under check_vma
+    the fused op's outputs may vary over fewer axes than the values they replace)."""
+    want = frozenset(getattr(aval, "vma", frozenset()) or ())
+    have = frozenset(getattr(jax.typeof(val), "vma", frozenset()) or ())
+    missing = tuple(sorted(want - have))
+    return jax.lax.pcast(val, missing, to="varying") if missing else val
+
+
+def _write(write, var, val):
+    if var is None or val is None:   # (norm_out of the FP8 patterns without it: unused)
+        return
+    if G.dtype(var) != jnp.dtype(val.dtype).name:
+        val = val.astype(var.aval.dtype)
+    write(var, _fix_vma(val.reshape(G.shape(var)), var.aval))
+
+
+def _gamma(m, value):
+    """gamma as the fused op takes it: [H] in T (a float32 gamma is rounded to T where the
+    kernel reads it; the proof allowed that only as a rounding change)."""
+    if value is None:
+        return jnp.ones((m.hidden,), m.dtype)
+    return jnp.asarray(value).reshape(m.hidden).astype(m.dtype)
+
+
+def _call(m, fuser, x, residual, gamma, scale, axis):
+    from ..api import allreduce_fusion
+    kwargs = {}
+    if scale is not None:
+        kwargs["scale_factor"] = jnp.asarray(scale, jnp.float32).reshape(())
+    return allreduce_fusion(x.reshape(-1, m.hidden), axis_name=axis, workspace=m.workspace,
+                            pattern=m.norm.pattern, residual=residual.reshape(-1, m.hidden),
+                            rms_gamma=gamma, rms_eps=m.norm.eps,
+                            weight_bias=m.norm.weight_bias, use_oneshot=fuser.use_oneshot,
+                            strict=fuser.strict, **kwargs)
+
+
+class _Outputs:
+    """The fused call's outputs (AllReduceFusionOutputs' fields that the site reads)."""
+
+    def __init__(self, residual_out, norm_out, quant_out=None, scale_out=None):
+        self.residual_out, self.norm_out = residual_out, norm_out
+        self.quant_out, self.scale_out = quant_out, scale_out
+
+
+def _bind_all(eqns, env):
+    def read(a):
+        return a.val if isinstance(a, jcore.Literal) else env[a]
+    for e in eqns:
+        subfuns, params = bind_params(e, e.params)
+        with eqn_context(e):
+            ans = e.primitive.bind(*subfuns, *[read(a) for a in e.invars], **params)
+        for v, val in zip(e.outvars, ans if e.primitive.multiple_results else [ans]):
+            env[v] = val
+
+
+def _site_call(m, fuser, x, residual, gamma, scale, axis):
+    """The fused call of a site. With an FP8 tail, its quantized outputs keep the derivative
+    of the program's own tail (a cast to float8 passes tangents through, which the fused
+    op's quant_out, like jnp.round, does not): a custom_jvp whose primal is the fused call
+    alone, and whose tangents are the fused op's for residual_out and norm_out, then the
+    tail's equations differentiated at the norm's value."""
+    if m.norm.quant_var is None:
+        return _call(m, fuser, x, residual, gamma, scale, axis)
+    from .. import reference
+    norm = m.norm
+    T = jnp.dtype(m.dtype)
+    static = scale is not None
+    tail_outs = [norm.quant_var] + ([norm.scale_out_var] if norm.scale_out_var is not None
+                                    else [])
+
+    def fields(out):
+        vals = [out.residual_out, out.norm_out, out.quant_out, out.scale_out]
+        return tuple(v for v in vals if v is not None)
+
+    def tail(y, s):
+        env = {norm.out_var: y.reshape(G.shape(norm.out_var))}
+        if static and G.is_var(norm.scale):
+            env[norm.scale] = s.reshape(G.shape(norm.scale)).astype(norm.scale.aval.dtype)
+        _bind_all(norm.tail_eqns, env)
+        return tuple(env[v] for v in tail_outs)
+
+    @jax.custom_jvp
+    def site(x, residual, gamma, s):
+        return fields(_call(m, fuser, x, residual, gamma, s if static else None, axis))
+
+    @site.defjvp
+    def site_jvp(primals, tangents):
+        x, residual, gamma, s = primals
+        dx, dres, dgamma, ds = tangents
+        outs = site(x, residual, gamma, s)
+        r = outs[0]
+        dsum = reference.allreduce_sum(dx, axis, fp32_acc=True,
+                                       rounding=reference.round_tangent)
+        dr = reference.residual_add(dsum.reshape(r.shape), dres.reshape(r.shape),
+                                    rounding=reference.round_tangent)
+        y, dy = jax.jvp(lambda r_, g_: reference.rms_norm(
+            r_, g_, rms_eps=norm.eps, weight_bias=norm.weight_bias, out_dtype=T),
+            (r, gamma), (dr, dgamma))
+        _, dtail = jax.jvp(tail, (y, s), (dy, ds))
+        douts = [dr] + ([dy] if len(outs) - len(tail_outs) == 2 else []) + list(dtail)
+        return outs, tuple(_fix_vma(t.reshape(o.shape).astype(o.dtype), jax.typeof(o))
+                           for t, o in zip(douts, outs))
+
+    s_arg = jnp.asarray(scale, jnp.float32).reshape(()) if static else jnp.zeros((), jnp.float32)
+    outs = list(site(x, residual, gamma, s_arg))
+    r = outs.pop(0)
+    y = outs.pop(0) if len(outs) > len(tail_outs) else None
+    q = outs.pop(0)
+    return _Outputs(r, y, q, outs.pop(0) if outs else None)
+
+
+def _partial_input(m, x):
+    """The fused op's input: the partial sum, in T (a float32 partial rounded, under
+    allow_rounding_change), reduced first over the reduction's size-1 axes (no change in
+    value; the varying-axes type then matches the all-reduce's)."""
+    src = m.source
+    if x.dtype != jnp.dtype(m.dtype):
+        x = x.astype(m.dtype)
+    if src.size_one_axes:
+        x = jax.lax.psum(x, src.size_one_axes)
+    return x
+
+
+def _fused_keeping_vjp(m, fuser, x, residual, gamma):
+    """The fused op for a psum that sat in a custom_vjp: its forward, with the custom rule
+    as the all-reduce's backward (the rest of the backward is the fused op's own math)."""
+    from .. import reference
+    parts = m.source.custom_vjp
+    shape = x.shape
+    x_aval = jax.typeof(x)
+
+    @jax.custom_vjp
+    def site(x, residual, gamma):
+        out = _call(m, fuser, x, residual, gamma, None, m.source.axis)
+        return out.residual_out.reshape(shape), out.norm_out.reshape(shape)
+
+    def fwd(x, residual, gamma):
+        r, y = site(x, residual, gamma)
+        return (r, y), (r, gamma)
+
+    def bwd(saved, cts):
+        r, gamma = saved
+
+        def epilogue(s, res, g):
+            _, r_out, y = reference.epilogue(s, res, g, pattern=1, rms_eps=m.norm.eps,
+                                             weight_bias=m.norm.weight_bias)
+            return r_out, y
+        # The residual add's tangent map is linear: linearize the norm at r itself.
+        _, vjp = jax.vjp(epilogue, r, jnp.zeros_like(r), gamma)
+        ct_s, ct_res, ct_gamma = vjp(tuple(cts))
+        (ct_x,) = parts.backward([], [ct_s.reshape(m.source.out.aval.shape)])
+        return _fix_vma(ct_x.reshape(shape), x_aval), ct_res, ct_gamma
+
+    site.defvjp(fwd, bwd)
+
+    return _Outputs(*site(x, residual, gamma))
+
+
+class InScopeEmit:
+    """psum (or a custom-rule psum) + add + norm in one scope."""
+
+    def __init__(self, m):
+        self.m = m
+
+    def inputs(self, read, extra_in):
+        m = self.m
+        gamma = None if m.norm.gamma is None else read(m.norm.gamma)
+        scale = None if m.norm.scale is None else read(m.norm.scale)
+        return read(m.residual), gamma, scale
+
+    def fused(self, read, fuser, residual, gamma, scale):
+        m = self.m
+        x = _partial_input(m, read(m.source.x))
+        g = _gamma(m, gamma)
+        if m.source.custom_vjp is not None:
+            return _fused_keeping_vjp(m, fuser, x, residual.reshape(x.shape), g)
+        return _site_call(m, fuser, x, residual, g, scale, m.source.axis)
+
+    def __call__(self, read, write, fuser, extra_in, extra_out):
+        m = self.m
+        residual, gamma, scale = self.inputs(read, extra_in)
+        out = self.fused(read, fuser, residual, gamma, scale)
+        _write(write, m.r, out.residual_out)
+        _write(write, m.norm.out_var, out.norm_out)
+        _write(write, m.norm.quant_var, out.quant_out)
+        _write(write, m.norm.scale_out_var, out.scale_out)
+
+
+class BodyEmit(InScopeEmit):
+    """The psum of a shard_map body whose add and norm were outside it: the residual, gamma
+    (and scale) come in as extra inputs of the body, the psum's value becomes residual_out
+    and the norm's outputs leave as extra outputs (BoundaryEmit lays them out)."""
+
+    def __init__(self, m, slot):
+        super().__init__(m)
+        self.slot = slot
+
+    def __call__(self, read, write, fuser, extra_in, extra_out):
+        m = self.m
+        residual, gamma, scale = extra_in[self.slot]
+        out = self.fused(read, fuser, residual, gamma, scale)
+        _write(write, m.source.out, out.residual_out)
+        outs = [out.norm_out.reshape(residual.shape)]
+        if m.norm.quant_var is not None:
+            outs.append(out.quant_out.reshape(residual.shape))
+        if m.norm.scale_out_var is not None:
+            outs.append(out.scale_out.reshape(residual.shape[:-1] + (1,)))
+        extra_out[self.slot] = outs
+
+
+def _reshard(val, spec):
+    """``val`` laid out as ``spec`` when its mesh has Explicit axes (shard_map then requires
+    it); on Auto axes shard_map's in_specs place it."""
+    sharding = getattr(jax.typeof(val), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    types = set(getattr(mesh, "axis_types", ()) or ())
+    if jax.sharding.AxisType.Explicit in types and tuple(sharding.spec) != tuple(spec):
+        return jax.sharding.reshard(val, spec)
+    return val
+
+
+class BoundaryEmit:
+    """A shard_map whose output is a psum, with the residual add and the norm after it: the
+    shard_map again, with the residual and gamma as extra inputs (laid out like the sum) and
+    the norm's outputs as extra outputs; inside it the psum is the fused op."""
+
+    def __init__(self, sm_eqn, matches, body_plan):
+        self.eqn = sm_eqn
+        self.matches = matches
+        self.body_plan = body_plan
+
+    def __call__(self, read, write, fuser, extra_in, extra_out):
+        e = self.eqn
+        p = e.params
+        mesh = p["mesh"]
+        out_specs = list(p["out_specs"])
+        in_specs = list(p["in_specs"])
+        extra_args, extra_specs, extra_out_specs, layout = [], [], [], []
+        for m in self.matches:
+            k = m.boundary[1]
+            spec = out_specs[k]
+            ins = [_reshard(read(m.residual), spec)]
+            specs = [spec]
+            for atom in (m.norm.gamma, m.norm.scale):
+                if atom is not None:
+                    ins.append(_reshard(read(atom), P()))
+                    specs.append(P())
+            extra_args += ins
+            extra_specs += specs
+            outs = [spec]
+            if m.norm.quant_var is not None:
+                outs.append(spec)
+            if m.norm.scale_out_var is not None:
+                outs.append(spec)
+            extra_out_specs += outs
+            layout.append((len(ins), len(outs)))
+        body = G.open_jaxpr(p["jaxpr"])
+        consts = getattr(p["jaxpr"], "consts", ())
+        n_in = len(e.invars)
+        plan = self.body_plan
+
+        def body_fn(*args):
+            xin = []
+            pos = n_in
+            for m, (n_extra, _) in zip(self.matches, layout):
+                vals = list(args[pos:pos + n_extra])
+                pos += n_extra
+                residual = vals.pop(0)
+                gamma = vals.pop(0) if m.norm.gamma is not None else None
+                scale = vals.pop(0) if m.norm.scale is not None else None
+                xin.append((residual, gamma, scale))
+            return tuple(evaluate(plan.jaxpr, consts, args[:n_in], plan, fuser, extra_in=xin))
+
+        manual = p.get("newly_manual_axes", p.get("manual_axes"))
+        outs = jax.shard_map(body_fn, mesh=mesh, in_specs=tuple(in_specs) + tuple(extra_specs),
+                             out_specs=tuple(out_specs) + tuple(extra_out_specs),
+                             axis_names=set(manual), check_vma=p.get("check_vma", True))(
+            *[read(a) for a in e.invars], *extra_args)
+        n_out = len(e.outvars)
+        for k, v in enumerate(e.outvars):
+            if not isinstance(v, jcore.DropVar):
+                write(v, outs[k])
+        pos = n_out
+        for m, (_, n_extra_out) in zip(self.matches, layout):
+            vals = list(outs[pos:pos + n_extra_out])
+            pos += n_extra_out
+            _write(write, m.r, outs[m.boundary[1]])
+            _write(write, m.norm.out_var, vals.pop(0))
+            if m.norm.quant_var is not None:
+                _write(write, m.norm.quant_var, vals.pop(0))
+            if m.norm.scale_out_var is not None:
+                _write(write, m.norm.scale_out_var, vals.pop(0))
+
+
+class SequenceParallelEmit:
+    """psum_scatter + add + all_gather + norm (or norm on the shard, then all_gather): the
+    residual shard gathered, one fused all-reduce on every token, the shards sliced out."""
+
+    def __init__(self, m):
+        self.m = m
+
+    def __call__(self, read, write, fuser, extra_in, extra_out):
+        m = self.m
+        src = m.source
+        dim = src.scatter_dim
+        res_shard = read(m.residual)
+        res_full = jax.lax.all_gather(res_shard, src.axis, axis=dim, tiled=True)
+        x = _partial_input(m, read(src.x))
+        gamma = None if m.norm.gamma is None else read(m.norm.gamma)
+        scale = None if m.norm.scale is None else read(m.norm.scale)
+        out = _site_call(m, fuser, x, res_full, _gamma(m, gamma), scale, src.axis)
+        full_shape = res_full.shape
+        r_full = out.residual_out.reshape(full_shape)
+        n = res_shard.shape[dim]
+        start = jax.lax.axis_index(src.axis) * n
+
+        def shard(v):
+            return jax.lax.dynamic_slice_in_dim(v, start, n, axis=dim)
+        _write(write, m.r, shard(r_full))
+        if m.r_full is not None:
+            _write(write, m.r_full, r_full)
+        y_full = out.norm_out.reshape(full_shape)
+        if m.gather_norm is not None:
+            _write(write, m.gather_norm, y_full)
+            _write(write, m.norm.out_var, shard(y_full))
+        else:
+            _write(write, m.norm.out_var, y_full)
+            _write(write, m.norm.quant_var, out.quant_out)
+            _write(write, m.norm.scale_out_var, out.scale_out)
+
+
+class PlainJitEmit:
+    """dot_general + add + norm under plain jit: the custom-partitioned entry, which reduces
+    over whatever mesh axis the partitioner shards the contraction along."""
+
+    def __init__(self, m):
+        self.m = m
+
+    def __call__(self, read, write, fuser, extra_in, extra_out):
+        from ..partitioning import row_parallel_allreduce_fusion
+        m = self.m
+        e = m.dot
+        (hc, wc), _ = e.params["dimension_numbers"]
+        gamma = None if m.norm.gamma is None else read(m.norm.gamma)
+        gamma = jnp.ones((m.hidden,), m.dtype) if gamma is None else \
+            jnp.asarray(gamma).reshape(m.hidden)
+        if gamma.dtype not in (jnp.dtype(m.dtype), jnp.dtype(jnp.float32)):
+            gamma = gamma.astype(m.dtype)
+        out = row_parallel_allreduce_fusion(
+            read(e.invars[0]), read(e.invars[1]), residual=read(m.residual), rms_gamma=gamma,
+            workspace=[m.workspace], rms_eps=m.norm.eps, weight_bias=m.norm.weight_bias,
+            use_oneshot=fuser.use_oneshot, strict=fuser.strict,
+            precision=e.params.get("precision"),
+            contracting_dims=(tuple(hc), tuple(wc)))
+        _write(write, m.r, out.residual_out)
+        _write(write, m.norm.out_var, out.norm_out)
+
+
+# --- evaluation -----------------------------------------------------------------------------
+
+def evaluate(jaxpr, consts, args, plan, fuser, extra_in=()):
+    """``jaxpr``'s outputs (then a shard_map body's extra outputs) with the plan applied."""
+    env = {}
+    extra_out = {}
+
+    def read(a):
+        return a.val if isinstance(a, jcore.Literal) else env[a]
+
+    def write(v, val):
+        env[v] = val
+
+    for v, c in zip(jaxpr.constvars, consts):
+        write(v, c)
+    for v, a in zip(jaxpr.invars, args):
+        write(v, a)
+    for i, eqn in enumerate(jaxpr.eqns):
+        for em in plan.emit.get(i, ()):
+            em(read, write, fuser, extra_in, extra_out)
+        if i in plan.skip:
+            continue
+        params = eqn.params
+        if i in plan.children:
+            params = dict(params)
+            for (k, j), sub in plan.children[i].items():
+                orig = params[k] if j is None else params[k][j]
+                new = rewrite(orig, sub, fuser)
+                if j is None:
+                    params[k] = new
+                else:
+                    seq = list(params[k])
+                    seq[j] = new
+                    params[k] = type(params[k])(seq)
+        subfuns, bind = bind_params(eqn, params)
+        with eqn_context(eqn):
+            ans = eqn.primitive.bind(*subfuns, *[read(a) for a in eqn.invars], **bind)
+        if eqn.primitive.multiple_results:
+            for v, a in zip(eqn.outvars, ans):
+                write(v, a)
+        else:
+            write(eqn.outvars[0], ans)
+    for em in plan.emit.get(len(jaxpr.eqns), ()):
+        em(read, write, fuser, extra_in, extra_out)
+    outs = [read(a) for a in jaxpr.outvars]
+    for slot in sorted(extra_out):
+        outs.extend(extra_out[slot])
+    return outs
+
+
+def rewrite(orig, plan, fuser):
+    """``orig`` (Jaxpr or ClosedJaxpr) with the plan applied, same signature."""
+    import contextlib
+    closed = isinstance(orig, jcore.ClosedJaxpr)
+    consts = orig.consts if closed else ()
+    jaxpr = plan.jaxpr
+    in_avals = [v.aval for v in jaxpr.invars]
+    context = shard_map_body_context(*plan.context) if plan.context else \
+        contextlib.nullcontext()
+    with context:
+        new, new_consts = trace_to_jaxpr(
+            lambda *a: evaluate(jaxpr, consts, a, plan, fuser), in_avals, jaxpr.debug_info)
+    for a, b in zip(jaxpr.outvars, new.outvars):
+        if a.aval.shape != b.aval.shape or a.aval.dtype != b.aval.dtype:
+            raise AssertionError(f"jax_fusedar.fuse changed an output type: {a.aval} -> "
+                                 f"{b.aval}")
+    if closed:
+        return jcore.ClosedJaxpr(new, new_consts)
+    if new_consts:
+        raise AssertionError("jax_fusedar.fuse: a rewritten open jaxpr captured constants "
+                             f"({len(new_consts)}); please report this form")
+    return new

@@ -1,0 +1,433 @@
+"""Walking a program's scopes: which sites each jaxpr holds, what to emit and skip there, and
+the plans of its sub-jaxprs (jit, shard_map, scan, while, cond, checkpoint, custom rules).
+
+Calls in a site's way. A norm written in a call of its own (a jitted, checkpointed or
+custom-rule norm function) is seen together with its all-reduce by splicing the call into
+the scope. The scope is matched twice: once with every call near a reduction spliced, to
+learn which calls a fusable site needs opened, then with only those spliced. A ``jit`` or
+``checkpoint`` call is opened when the site needs it (values unchanged; the norm's remat
+policy no longer applies to it); a ``custom_jvp`` / ``custom_vjp`` call is never opened (its
+derivative rule would be lost): that site is reported instead. Every other call keeps its
+boundary and rule, and is rewritten inside when it holds sites of its own.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+from typing import Any, Optional
+
+from jax.extend import core as jcore
+
+from ..common import limits
+from . import graph as G
+from . import matching
+from . import report as R
+from .matching import Scope
+from .report import Reject
+
+# Ops through which a value stays "near" a reduction (where a norm reading it may start).
+_NEAR = ("add", "sub", "mul", "div", "neg", "square", "integer_pow", "pow", "rsqrt", "sqrt",
+         "reduce_sum", "reduce_max", "abs", "max", "min", "clamp", "broadcast_in_dim", "reshape",
+         "squeeze", "expand_dims", "all_gather", G.CAST) + G.NO_OPS
+_REDUCTIONS = G.PSUMS + ("reduce_scatter",)
+
+
+@dataclasses.dataclass
+class Plan:
+    """What to change in one jaxpr: emitters by eqn index, eqns to drop, and plans for the
+    sub-jaxprs of eqns (by eqn index -> {(param name, index): plan}). ``jaxpr`` is the
+    jaxpr the indices refer to (the original with the calls that fused sites need spliced
+    in: same inputs and outputs). ``context``: for shard_map bodies, (mesh, manual axes,
+    check_vma). ``extra_out``: for a shard_map body that now also computes sites whose add
+    and norm were outside it, the number of extra outputs it returns."""
+    jaxpr: Any
+    emit: dict
+    skip: set
+    children: dict
+    context: Any = None
+    extra_out: int = 0
+
+    def empty(self) -> bool:
+        return not self.emit and not self.children
+
+
+def label(eqn) -> str:
+    n = G.name(eqn)
+    if n in ("jit", "pjit", "closed_call", "core_call") and eqn.params.get("name"):
+        return f"jit({eqn.params['name']})"
+    if n == "scan":
+        return f"scan(length={eqn.params.get('length')})"
+    if n == "remat2":
+        return "checkpoint"
+    return n
+
+
+def subjaxprs(eqn):
+    """(param name, index or None, jaxpr object) of every sub-jaxpr in the eqn's params."""
+    out = []
+    for k, v in eqn.params.items():
+        if isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr)):
+            out.append((k, None, v))
+        elif isinstance(v, (tuple, list)) and v and all(
+                isinstance(b, (jcore.Jaxpr, jcore.ClosedJaxpr)) for b in v):
+            out.extend((k, j, b) for j, b in enumerate(v))
+    return out
+
+
+# --- splicing calls --------------------------------------------------------------------------
+
+def _splice(eqn):
+    """The eqns of a call-like eqn's jaxpr with its variables renamed into the caller's, each
+    paired with the inner eqn it copies, or None when that is not a plain substitution
+    (constants, pass-through outputs)."""
+    sub = eqn.params.get(G.CALLS[G.name(eqn)])
+    closed = isinstance(sub, jcore.ClosedJaxpr)
+    inner = sub.jaxpr if closed else sub
+    if inner is None or (closed and sub.consts) or inner.constvars or \
+            len(inner.invars) != len(eqn.invars) or len(inner.outvars) != len(eqn.outvars) or \
+            eqn.params.get("num_consts", 0):
+        return None
+    subst = dict(zip(inner.invars, eqn.invars))
+    defined = {v for e in inner.eqns for v in e.outvars}
+    for iv, ov in zip(inner.outvars, eqn.outvars):
+        if not isinstance(iv, jcore.Var) or iv in subst or iv not in defined:
+            return None
+        if not isinstance(ov, jcore.DropVar):
+            if iv in subst.values():
+                return None
+            subst[iv] = ov
+    out = []
+    for e in inner.eqns:
+        out.append((e.replace(
+            invars=[subst.get(a, a) if isinstance(a, jcore.Var) else a for a in e.invars],
+            outvars=[subst.get(v, v) for v in e.outvars]), e))
+    return out
+
+
+def _starts(g: G.Graph, manual: bool):
+    """Vars a site's add and norm may start from: reduction outputs (manual scopes), and
+    shard_map / matmul outputs (outside shard_map)."""
+    out = []
+    for e in g.eqns:
+        n = G.name(e)
+        if (manual and (n in _REDUCTIONS or matching.custom_psum(e))) or \
+                (not manual and n in ("shard_map", "dot_general")):
+            out.extend(e.outvars)
+    return out
+
+
+def _near(g: G.Graph, starts) -> set:
+    seen = set()
+    todo = list(starts)
+    while todo:
+        v = todo.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        for u in g.users(v):
+            e = g.eqns[u]
+            if G.name(e) in _NEAR or G.name(e) in G.CALLS:
+                todo.extend(e.outvars)
+    return seen
+
+
+def inline_view(jaxpr, manual: bool, wanted=None):
+    """(jaxpr with calls spliced, stable keys, origins). Calls receiving a value near a
+    reduction are spliced: all of them when ``wanted`` is None, else those coming from a
+    top-level call whose id is in ``wanted``; custom-psum calls (reductions themselves) never
+    are. ``stable[id(eqn)]``: the id of the original eqn a spliced eqn copies (the same in
+    every view); ``origin[id(eqn)]``: the id of the scope's own call it was spliced from."""
+    stable, origin, alive = {}, {}, []
+    for _ in range(8):  # nested calls: one level per round
+        g = G.Graph(jaxpr)
+        near = _near(g, _starts(g, manual))
+        new, changed = [], False
+        for e in g.eqns:
+            o = origin.get(id(e), id(e))
+            spliced = None
+            if G.name(e) in G.CALLS and not matching.custom_psum(e) and \
+                    any(G.is_var(a) and a in near for a in e.invars) and \
+                    (wanted is None or o in wanted):
+                spliced = _splice(e)
+            if spliced is None:
+                new.append(e)
+                continue
+            changed = True
+            alive.append(e)   # ids stay unique while the maps are built
+            for copy, inner in spliced:
+                new.append(copy)
+                stable[id(copy)] = stable.get(id(inner), id(inner))
+                origin[id(copy)] = o
+        if not changed:
+            break
+        jaxpr = jaxpr.replace(eqns=new)
+    return jaxpr, stable, origin
+
+
+# --- the analyzer ----------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class BodyRole:
+    """A psum in a shard_map body whose add and norm are outside: fused by the outer scope
+    (``match`` set, its extra inputs and outputs numbered by ``slot``) or reported with the
+    outer scope's reason."""
+    match: Any = None
+    slot: int = 0
+    reason: Optional[str] = None
+    where: Optional[str] = None
+
+
+class Analyzer:
+    def __init__(self, fuser, axis_name: str):
+        self.fuser = fuser
+        self.axis = axis_name
+        self.sites = []
+        self.custom_rule_reasons = {}   # stable key of a source eqn -> reason
+        self.boundary_failures = {}     # (id of a shard_map eqn, output) -> reason
+
+    # --- one scope ---------------------------------------------------------------------------
+    def plan(self, jaxpr, scope: Scope, roles: Optional[dict] = None) -> Plan:
+        roles = roles or {}
+        manual = scope.manual
+        # Pass 1: every nearby call spliced, to find the calls fusable sites need opened.
+        view, keys, origin = inline_view(jaxpr, manual)
+        g = G.Graph(view)
+        needed = set()
+        for i, m in self._matches(g, scope, roles, keys, dry=True):
+            calls = {origin.get(id(g.eqns[j])) for j in m.skip | m.norm.eqns} - {None}
+            custom = [c for c in calls if G.name(self._call_by_key(jaxpr, c)) in
+                      G.CUSTOM_RULE_CALLS]
+            if custom:
+                what = G.name(self._call_by_key(jaxpr, custom[0])).replace("_call", "")
+                self.custom_rule_reasons[keys.get(id(g.eqns[i]), id(g.eqns[i]))] = (
+                    f"the RMSNorm is inside a {what} (fusing would drop its derivative "
+                    "rule): move the norm out of it, or put the all-reduce and the add in it")
+            else:
+                needed |= calls
+        # Pass 2: only the calls fused sites need.
+        view, keys, _ = inline_view(jaxpr, manual, wanted=needed)
+        g = G.Graph(view)
+        plan = Plan(jaxpr=view, emit=defaultdict(list), skip=set(), children={})
+        from . import rewriting
+        for i, e in enumerate(g.eqns):   # psums whose add and norm the outer scope fused
+            role = roles.get(keys.get(id(e), id(e)))
+            if role is not None and role.match is not None:
+                plan.skip.add(i)
+                plan.emit[i].append(rewriting.BodyEmit(role.match, role.slot))
+        removable = set()
+        boundary = defaultdict(list)   # shard_map eqn index -> [(k, match)]
+        for i, m in self._matches(g, scope, roles, keys, dry=False):
+            if isinstance(m, Reject):
+                continue
+            plan.skip |= m.skip
+            removable |= m.norm.eqns
+            if m.boundary is not None:
+                boundary[m.boundary[0]].append(m)
+            else:
+                plan.emit[m.emit_at].append(self._emitter(m))
+        self._drop_dead(g, plan, removable)
+        # Sub-jaxprs.
+        for j, e in enumerate(g.eqns):
+            if j in plan.skip and j not in boundary:
+                continue
+            subs = subjaxprs(e)
+            if not subs:
+                continue
+            if j in boundary:
+                plan.emit[boundary[j][0].emit_at].append(
+                    self._boundary_emitter(e, boundary[j], scope, g))
+                continue
+            child_scope, ctx = self._child_scope(e, scope)
+            sub_roles = self._roles_for(e, g, j, scope) if G.name(e) == "shard_map" else {}
+            sub_plans = {}
+            for k, idx, sj in subs:
+                p = self.plan(G.open_jaxpr(sj), child_scope, sub_roles)
+                if ctx is not None:
+                    p.context = ctx
+                sub_plans[(k, idx)] = p
+            if any(not p.empty() for p in sub_plans.values()):
+                plan.children[j] = sub_plans
+        return plan
+
+    @staticmethod
+    def _call_by_key(jaxpr, key):
+        for e in jaxpr.eqns:
+            if id(e) == key:
+                return e
+        return None
+
+    def _child_scope(self, e, scope: Scope):
+        where = f"{scope.where}/{label(e)}" if scope.where else label(e)
+        runs = scope.runs
+        if G.name(e) == "scan" and runs is not None:
+            runs = runs * int(e.params.get("length", 1))
+        elif G.name(e) == "while":
+            runs = None
+        if G.name(e) == "shard_map":
+            mesh = e.params["mesh"]
+            manual = e.params.get("newly_manual_axes", e.params.get(
+                "manual_axes", frozenset(mesh.axis_names)))
+            ctx = (mesh, frozenset(manual), e.params.get("check_vma", True))
+            return Scope(where, dict(mesh.shape), ctx, runs), ctx
+        return Scope(where, scope.mesh_shape, scope.ctx, runs), None
+
+    # --- candidates ------------------------------------------------------------------------
+    def _matches(self, g, scope: Scope, roles, keys, dry: bool):
+        """(eqn index, Match) of every fused site of the scope, in eqn order; sites left
+        unfused are reported (when not ``dry``) and yield nothing."""
+        taken = set()
+        for i, e in enumerate(g.eqns):
+            n = G.name(e)
+            stable = keys.get(id(e), id(e))
+            if scope.manual and (n in _REDUCTIONS or matching.custom_psum(e)):
+                role = roles.get(stable)
+                if role is not None:
+                    if not dry and role.reason is not None:
+                        self._report_unfused(g, i, scope, role.reason, R.PSUM_IN_SHARD_MAP)
+                    continue
+                yield from self._try(g, i, scope, taken, dry, stable, lambda: matching.
+                                     match_reduction(g, i, scope, self.axis,
+                                                     self.fuser.allow_rounding_change))
+            elif not scope.manual and n == "shard_map":
+                inner, _ = self._child_scope(e, scope)
+                for k in range(len(e.outvars)):
+                    try:
+                        matching.body_source(e, k, inner, self.axis)
+                    except (Reject, KeyError, TypeError):
+                        continue
+                    yield from self._try(g, i, scope, taken, dry, (stable, k), lambda k=k: (
+                        matching.match_boundary(g, i, k, scope, self.axis,
+                                                self.fuser.allow_rounding_change, inner)),
+                        boundary=True)
+            elif not scope.manual and n in _REDUCTIONS:
+                if not dry:
+                    self._report_unfused(g, i, scope, "all-reduce outside shard_map (the fused "
+                                         "op runs inside jax.shard_map)", self._kind_of(e, scope))
+            elif not scope.manual and n == "dot_general" and matching.dot_candidate(g, i):
+                yield from self._try(g, i, scope, taken, dry, stable, lambda: matching.
+                                     match_plain_dot(g, i, scope,
+                                                     self.fuser.allow_rounding_change))
+
+    def _try(self, g, i, scope, taken, dry, stable, match, boundary=False):
+        try:
+            m = match()
+            if stable in self.custom_rule_reasons:
+                raise Reject(self.custom_rule_reasons[stable])
+            if not dry:
+                self._admit(m, scope, taken, g)
+        except Reject as why:
+            reason = self.custom_rule_reasons.get(stable, str(why))
+            if boundary:
+                # Reported by the body's analysis, with this reason, when it is a psum.
+                if not dry:
+                    self.boundary_failures[(id(g.eqns[i]), stable[1])] = reason
+                return
+            if not dry:
+                kind = self._kind_of(g.eqns[i], scope)
+                self._report_unfused(g, i, scope, reason, kind)
+            return
+        if not dry:
+            taken |= m.skip
+            self._report_fused(m, scope)
+        yield i, m
+
+    def _kind_of(self, e, scope):
+        n = G.name(e)
+        if n == "reduce_scatter":
+            return R.REDUCE_SCATTER
+        if n in G.CUSTOM_RULE_CALLS:
+            return R.CUSTOM_RULE_PSUM
+        if n == "dot_general":
+            return R.PLAIN_JIT_MATMUL
+        return R.PSUM
+
+    def _roles_for(self, sm_eqn, g, j, scope):
+        """Roles of the body psums whose sites the outer scope matched or refused."""
+        roles = {}
+        inner, _ = self._child_scope(sm_eqn, scope)
+        body = G.open_jaxpr(sm_eqn.params["jaxpr"])
+        for k in range(len(sm_eqn.outvars)):
+            reason = self.boundary_failures.pop((id(sm_eqn), k), None)
+            if reason is None:
+                continue
+            try:
+                _, pi, _ = matching.body_source(sm_eqn, k, inner, self.axis)
+            except (Reject, KeyError, TypeError):
+                continue
+            roles[id(body.eqns[pi])] = BodyRole(reason=reason)
+        return roles
+
+    # --- admission: kernel limits, overlaps, workspaces --------------------------------------
+    def _world(self, m, scope: Scope, g):
+        if m.boundary is not None:
+            return dict(g.eqns[m.boundary[0]].params["mesh"].shape)[self.axis]
+        if scope.manual:
+            return scope.mesh_shape.get(self.axis)
+        return self.fuser.mesh.shape[self.axis]
+
+    def _admit(self, m, scope, taken, g):
+        world = self._world(m, scope, g)
+        problem = limits.kernel_support_problem(world, m.hidden, m.dtype)
+        if problem is None and m.hidden % limits.vector_width(m.dtype):
+            problem = f"hidden size {m.hidden} is not a multiple of 16 bytes"
+        if problem:
+            raise Reject(problem)
+        if m.skip & taken:
+            raise Reject("overlaps another fused site")
+        m.world = world
+        m.workspace = self.fuser.workspace_for(m, world)   # raises Reject when it cannot
+
+    # --- reporting ---------------------------------------------------------------------------
+    def _report_unfused(self, g, i, scope, reason, kind):
+        e = g.eqns[i]
+        out = e.outvars[0] if e.outvars else None
+        shp = G.shape(out) if out is not None else ()
+        self.sites.append(R.Site(
+            where=scope.where or "top level", fused=False, reason=reason, kind=kind,
+            dtype=G.dtype(out) if out is not None else None,
+            tokens=math.prod(shp[:-1]) if shp else None, hidden=shp[-1] if shp else None,
+            runs=scope.runs))
+
+    def _report_fused(self, m, scope):
+        where = scope.where or "top level"
+        if m.boundary is not None:
+            where = f"{where}/shard_map"
+        self.sites.append(R.Site(
+            where=where, fused=True, reason=None, kind=m.kind, pattern=m.norm.pattern,
+            tokens=m.tokens, hidden=m.hidden, dtype=m.dtype, rms_eps=m.norm.eps,
+            rounding_change=m.rounding, weight_bias=m.norm.weight_bias, runs=scope.runs,
+            note=m.norm.tail_note))
+
+    # --- what is dropped -----------------------------------------------------------------------
+    @staticmethod
+    def _drop_dead(g, plan: Plan, removable: set):
+        """Drops the proof's eqns whose results nothing live reads any more (the fused call
+        computes them); the others stay and read the fused call's residual_out."""
+        for i in sorted(removable - plan.skip, reverse=True):
+            e = g.eqns[i]
+            live = any(v in g.outs or any(u not in plan.skip for u in g.users(v))
+                       for v in e.outvars)
+            if not live:
+                plan.skip.add(i)
+
+    # --- emitters ----------------------------------------------------------------------------
+    @staticmethod
+    def _emitter(m):
+        from . import rewriting
+        if m.kind == R.PLAIN_JIT_MATMUL:
+            return rewriting.PlainJitEmit(m)
+        if m.kind == R.REDUCE_SCATTER:
+            return rewriting.SequenceParallelEmit(m)
+        return rewriting.InScopeEmit(m)
+
+    def _boundary_emitter(self, sm_eqn, matches, scope, g):
+        from . import rewriting
+        inner, ctx = self._child_scope(sm_eqn, scope)
+        body = G.open_jaxpr(sm_eqn.params["jaxpr"])
+        roles = {}
+        for slot, m in enumerate(matches):
+            roles[id(body.eqns[m.boundary[2]])] = BodyRole(match=m, slot=slot)
+        body_plan = self.plan(body, inner, roles)
+        body_plan.context = ctx
+        return rewriting.BoundaryEmit(sm_eqn, matches, body_plan)

@@ -1,0 +1,87 @@
+"""A Gemma-style decoder, tensor-parallel in one ``shard_map``: RMSNorm scales by ``(1 + w)``
+(the weights start at zero), and Gemma 2/3's sandwich norms normalize each block's output
+*before* it is added to the residual stream (``sandwich=True``). The fused op normalizes
+after the add, so the sandwich form must stay unfused; Gemma 1's pre-norm-only layout
+(``sandwich=False``) fuses, the ``(1 + w)`` as the op's ``weight_bias``."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from .common import Config, causal_attention, gamma, normal, rope
+
+DP, TP = "dp", "tp"
+
+
+class RMSNorm:
+    def __init__(self, eps):
+        self.eps = eps
+
+    def __call__(self, x, scale):
+        x32 = x.astype(jnp.float32)
+        var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+        normed = x32 * jax.lax.rsqrt(var + self.eps)
+        scale = jnp.expand_dims(scale.astype(jnp.float32), axis=range(len(x.shape) - 1))
+        return (normed * (1 + scale)).astype(x.dtype)
+
+
+def init_params(cfg: Config, seed: int, dtype):
+    rng = np.random.default_rng(seed)
+    d, f, qd = cfg.hidden, cfg.ffn, cfg.heads * cfg.head_dim
+    names = ("pre_attention_norm", "post_attention_norm", "pre_ffw_norm", "post_ffw_norm")
+    layers = []
+    for _ in range(cfg.layers):
+        p = {n: gamma(rng, d, dtype, around=0.0) for n in names}
+        p.update(wq=normal(rng, (d, qd), d, dtype), wk=normal(rng, (d, qd), d, dtype),
+                 wv=normal(rng, (d, qd), d, dtype), wo=normal(rng, (qd, d), qd, dtype),
+                 w_gate=normal(rng, (d, f), d, dtype), w_up=normal(rng, (d, f), d, dtype),
+                 w_down=normal(rng, (f, d), f, dtype))
+        layers.append(p)
+    return dict(layers=layers, final_norm=gamma(rng, d, dtype, around=0.0))
+
+
+SPECS = dict(pre_attention_norm=P(), post_attention_norm=P(), pre_ffw_norm=P(),
+             post_ffw_norm=P(), wq=P(None, TP), wk=P(None, TP), wv=P(None, TP),
+             wo=P(TP, None), w_gate=P(None, TP), w_up=P(None, TP), w_down=P(TP, None))
+
+
+def place(params, mesh):
+    layers = [{k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in p.items()}
+              for p in params["layers"]]
+    return dict(layers=layers, final_norm=jax.device_put(params["final_norm"],
+                                                         NamedSharding(mesh, P())))
+
+
+def input_sharding(mesh):
+    return NamedSharding(mesh, P(DP))
+
+
+def make_forward(cfg: Config, mesh, sandwich: bool = True):
+    norm = RMSNorm(cfg.eps)
+
+    def attention(p, h):
+        b, t, _ = h.shape
+        heads = p["wq"].shape[1] // cfg.head_dim
+        q = (h @ p["wq"]).reshape(b, t, heads, cfg.head_dim)
+        k = (h @ p["wk"]).reshape(b, t, heads, cfg.head_dim)
+        v = (h @ p["wv"]).reshape(b, t, heads, cfg.head_dim)
+        pos = jnp.arange(t)
+        a = causal_attention(rope(q, pos), rope(k, pos), v)
+        return jax.lax.psum(a.reshape(b, t, heads * cfg.head_dim) @ p["wo"], TP)
+
+    def mlp(p, h):
+        gate = jax.nn.gelu(h @ p["w_gate"], approximate=True)
+        return jax.lax.psum((gate * (h @ p["w_up"])) @ p["w_down"], TP)
+
+    def body(params, x):
+        for p in params["layers"]:
+            a = attention(p, norm(x, p["pre_attention_norm"]))
+            x = x + (norm(a, p["post_attention_norm"]) if sandwich else a)
+            m = mlp(p, norm(x, p["pre_ffw_norm"]))
+            x = x + (norm(m, p["post_ffw_norm"]) if sandwich else m)
+        return norm(x, params["final_norm"])
+
+    specs = dict(layers=[SPECS] * cfg.layers, final_norm=P())
+    return jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DP)), out_specs=P(DP))

@@ -1,0 +1,95 @@
+"""Llama with Hugging Face Flax's RMSNorm (``FlaxLlamaRMSNorm``): the variance from
+``jnp.power(x, 2).mean(-1)``, the division by ``jnp.sqrt(variance + eps)`` on the input,
+then ``weight * jnp.asarray(x, dtype=self.dtype)``: gamma multiplied after the cast to the
+module's dtype. Tensor-parallel in one ``shard_map`` (psum after the o- and down
+projections), the decoder layer written as Hugging Face writes it (``residual = hidden``,
+``hidden = residual + hidden``). ``weight_dtype`` is the norm weight's dtype: the model's
+(weights loaded in bfloat16) or float32 (Flax's default param_dtype, which makes the norm's
+output float32)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from .common import Config, causal_attention, gamma, normal, rope
+
+DP, TP = "dp", "tp"
+
+
+class FlaxLlamaRMSNorm:
+    def __init__(self, eps, dtype):
+        self.epsilon, self.dtype = eps, dtype
+
+    def __call__(self, hidden_states, weight):
+        variance = jnp.asarray(hidden_states, dtype=jnp.float32)
+        variance = jnp.power(variance, 2)
+        variance = variance.mean(-1, keepdims=True)
+        # use `jax.numpy.sqrt` as `jax.lax.rsqrt` does not match `torch.rsqrt`
+        hidden_states = hidden_states / jnp.sqrt(variance + self.epsilon)
+        return weight * jnp.asarray(hidden_states, dtype=self.dtype)
+
+
+def init_params(cfg: Config, seed: int, dtype, weight_dtype=None):
+    rng = np.random.default_rng(seed)
+    d, f, qd = cfg.hidden, cfg.ffn, cfg.heads * cfg.head_dim
+    wd = weight_dtype or dtype
+    layers = [dict(input_layernorm=gamma(rng, d, wd), q_proj=normal(rng, (d, qd), d, dtype),
+                   k_proj=normal(rng, (d, qd), d, dtype), v_proj=normal(rng, (d, qd), d, dtype),
+                   o_proj=normal(rng, (qd, d), qd, dtype),
+                   post_attention_layernorm=gamma(rng, d, wd),
+                   gate_proj=normal(rng, (d, f), d, dtype), up_proj=normal(rng, (d, f), d, dtype),
+                   down_proj=normal(rng, (f, d), f, dtype)) for _ in range(cfg.layers)]
+    return dict(layers=layers, norm=gamma(rng, d, wd))
+
+
+SPECS = dict(input_layernorm=P(), q_proj=P(None, TP), k_proj=P(None, TP), v_proj=P(None, TP),
+             o_proj=P(TP, None), post_attention_layernorm=P(), gate_proj=P(None, TP),
+             up_proj=P(None, TP), down_proj=P(TP, None))
+
+
+def place(params, mesh):
+    layers = [{k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in p.items()}
+              for p in params["layers"]]
+    return dict(layers=layers, norm=jax.device_put(params["norm"], NamedSharding(mesh, P())))
+
+
+def input_sharding(mesh):
+    return NamedSharding(mesh, P(DP))
+
+
+def make_forward(cfg: Config, mesh, dtype=jnp.bfloat16):
+    norm = FlaxLlamaRMSNorm(cfg.eps, dtype)
+
+    def self_attn(p, hidden):
+        b, t, _ = hidden.shape
+        heads = p["q_proj"].shape[1] // cfg.head_dim
+        q = (hidden @ p["q_proj"]).reshape(b, t, heads, cfg.head_dim)
+        k = (hidden @ p["k_proj"]).reshape(b, t, heads, cfg.head_dim)
+        v = (hidden @ p["v_proj"]).reshape(b, t, heads, cfg.head_dim)
+        pos = jnp.arange(t)
+        a = causal_attention(rope(q, pos), rope(k, pos), v)
+        return jax.lax.psum(a.reshape(b, t, heads * cfg.head_dim) @ p["o_proj"], TP)
+
+    def mlp(p, hidden):
+        act = jax.nn.silu(hidden @ p["gate_proj"]) * (hidden @ p["up_proj"])
+        return jax.lax.psum(act @ p["down_proj"], TP)
+
+    def decoder_layer(p, hidden_states):
+        residual = hidden_states
+        hidden_states = norm(hidden_states, p["input_layernorm"]).astype(dtype)
+        hidden_states = self_attn(p, hidden_states)
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = norm(hidden_states, p["post_attention_layernorm"]).astype(dtype)
+        hidden_states = mlp(p, hidden_states)
+        return residual + hidden_states
+
+    def body(params, x):
+        for p in params["layers"]:
+            x = decoder_layer(p, x)
+        return norm(x, params["norm"])
+
+    specs = dict(layers=[SPECS] * cfg.layers, norm=P())
+    return jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DP)), out_specs=P(DP))
