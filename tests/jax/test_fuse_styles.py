@@ -104,7 +104,7 @@ def _partitioned_shard_for_cuda(jaxpr, mesh):
     def arg(aval, spec):
         return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=NamedSharding(mesh, spec))
     args = tuple(arg(a, s) for a, s in zip((h, w, res, g), specs))
-    _, local, outs, ins = partitioning.partition_contraction(cfg, mesh, args, None)
+    _, local, outs, ins = partitioning.partition(cfg, mesh, args, None)
     f = jax.shard_map(local, mesh=mesh, in_specs=tuple(s.spec for s in ins),
                       out_specs=tuple(s.spec for s in outs), check_vma=False)
     placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(args, ins)]

@@ -113,8 +113,9 @@ def arg_shape(mesh, shape, spec, dtype=jnp.bfloat16):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
 
 
-def cfg(workspaces=(), strict=None):
-    return partitioning._Config(tuple(workspaces), 1e-6, 0.0, True, None, strict, None)
+def cfg(workspaces=(), strict=None, h_ndim=2):
+    return partitioning._Config(tuple(workspaces), 1e-6, 0.0, True, None, strict, None,
+                                partitioning._Contraction.matmul(h_ndim))
 
 
 @pytest.mark.parametrize("h_spec,w_spec,want_h,want_w,want_out", [
@@ -250,7 +251,7 @@ def test_gradients_equal_the_unsharded_plain_math(axis_type):
         out = jf.row_parallel_allreduce_fusion(h, w, residual=r, rms_gamma=g)
         return out.residual_out, out.norm_out
 
-    cfg_ = cfg()
+    cfg_ = cfg(h_ndim=3)
     want = jax.jit(jax.grad(lambda *a: loss(lambda *b: partitioning._plain(*b, cfg_), *a),
                             argnums=(0, 1, 2, 3)))(h, w, r, g)
     placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in

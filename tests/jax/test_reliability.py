@@ -112,6 +112,31 @@ def test_row_parallel_hidden_size_the_kernel_cannot_take_is_refused_while_tracin
     assert res.shape == norm.shape == (TOKENS, 60)
 
 
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_row_parallel_any_contraction_meets_the_same_up_front_checks(axis_type):
+    """contracting_dims (bhtq,hqd->btd) is the same op: its n = 60 is refused while tracing
+    too, naming n, where on Auto axes it failed inside XLA's compilation."""
+    mesh = mesh_2x4(axis_type)
+    ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=TOKENS, hidden_dim=64,
+                                              dtype=jnp.bfloat16)
+    rng = new_rng()
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
+    args = (put(random_values(rng, (2, 4, TOKENS // 2, 16), "bfloat16"), P("dp", "tp")),
+            put((random_values(rng, (4, 16, 60), "bfloat16") / 8).astype(jnp.bfloat16),
+                P("tp")),
+            put(random_values(rng, (2, TOKENS // 2, 60), "bfloat16"), P("dp")),
+            put(random_gamma(rng, 60, "bfloat16"), P()))
+
+    def call(**options):
+        with jax.set_mesh(mesh):
+            return jax.jit(lambda a, wo, r, g: jf.row_parallel_allreduce_fusion(
+                a, wo, residual=r, rms_gamma=g, contracting_dims=((1, 3), (0, 1)),
+                **options).norm_out)(*args)
+    with pytest.raises(ValueError, match="n = 60, .* not a multiple of 8"):
+        call(workspace=ws)
+    assert call().shape == (2, TOKENS // 2, 60)  # no workspace: the XLA path serves any n
+
+
 def test_row_parallel_bad_precision_is_refused_while_tracing():
     mesh = mesh_2x4(AxisType.Auto)
     with pytest.raises(ValueError, match="[Pp]recision"):
