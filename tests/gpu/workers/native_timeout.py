@@ -23,6 +23,13 @@ The "never_*" cases also run with more ranks (``python -m ... never_oneshot 8``)
 last rank makes no call and every other rank must fail naming it; the other cases are for
 two ranks.
 
+Where the GPU driver never reports a failing rank's trap (ranks sharing a GPU that time out
+at the same moment; jax_fusedar/common/lost_traps.py), that rank's process ends with
+lost_traps.EXIT_CODE and the record on stderr lost_traps.GRACE_S after the record appeared:
+its result is harness.run_ranks's {"rank", "exitcode", "exited_at", "notes"}, the notes
+holding what it had before its failing call (the good calls' errors) and when that call
+began. The other ranks wait for it AFTER_FAILURE_WAIT_S at most.
+
 Run one case by hand:  python -m tests.gpu.workers.native_timeout never_oneshot [world]
 The last stdout line is "RESULT <json>".
 """
@@ -34,12 +41,11 @@ import signal
 import sys
 import time
 
-import numpy as np
-
-from tests.gpu.workers.native_mismatch import (AFTER_FAILURE_WAIT_S, BOUNDS, DTYPE, HIDDEN,
+from tests.gpu.workers.native_mismatch import (AFTER_FAILURE_WAIT_S, DTYPE, HIDDEN,
                                                draw_inputs, flush_c_stdio, fused_call,
                                                graph_replays, make_workspace, new_outputs,
                                                oracle_errors, timing, worst_of)
+from tests.gpu.workers.native_mismatch import BOUNDS  # noqa: F401 - the tests read it here
 
 TIMEOUT_S = 3.0
 CALLS = int(os.environ.get("JAX_FUSEDAR_TIMEOUT_CALLS", 10000))
@@ -183,13 +189,18 @@ def worker(rank, world, chan, *, case, seed):
                                                 algorithm)
         seq += 1
     chan.barrier("good")
+
+    def note_before_failing():  # kept by the harness if the process ends without a result
+        chan.note(**result, failing_call_at=time.monotonic())
     if case == "tokens":
+        note_before_failing()
         result["failing"] = _failing_call(ws, 1, 16 + rank, True, rank, device, seed + 999,
                                           world, torch)
     elif rank != missing:
         if case == "killed":
             chan.all_gather("dying", None)  # rank 1 kills itself right after this
             time.sleep(1.0)
+        note_before_failing()
         if case == "never_large":
             result["failing"] = _failing_call(ws, 1, LARGE_TOKENS, False, rank, device,
                                               seed + 999, world, torch, algorithm=algorithm)
