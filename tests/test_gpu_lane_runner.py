@@ -40,7 +40,7 @@ def test_quick_lane_runs_on_cpu(tmp_path):
                        timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "alone first, then 2 jobs" in r.stdout, r.stdout
-    # Every file it writes: at most 8, what one device run brings back.
+    # Every file it writes: a few, whatever the number of tests.
     written = sorted(p.name for p in tmp_path.iterdir())
     assert written == ["job0.log", "job1.log", "reports.tgz", "solo.log", "summary.txt"]
     logs = [tmp_path / n for n in ("solo.log", "job0.log", "job1.log")]

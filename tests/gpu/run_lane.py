@@ -14,10 +14,10 @@ own rank processes, which share the GPUs; the pytest processes themselves stay o
 (JAX_PLATFORMS=cpu), as in tools/gpu_check.sh. ``--timeout-s`` bounds the whole lane: a job
 still running then is killed.
 
-``--out`` receives at most 8 files (what one device run brings back): ``solo.log`` and
-``job<i>.log`` (pytest -v -rA with every test's duration), ``summary.txt`` (each job's exit
-code and time, every non-passing test, every test's duration, slowest first) and
-``reports.tgz`` (the tests' JSON reports, $JAX_FUSEDAR_REPORT_DIR). The exit code is 0 only
+``--out`` receives few files (7 with 4 jobs): ``solo.log`` and ``job<i>.log`` (pytest -v -rA
+with every test's duration), ``summary.txt`` (each job's exit code and time, every
+non-passing test, every test's duration, slowest first) and ``reports.tgz`` (the tests'
+JSON reports, $JAX_FUSEDAR_REPORT_DIR). The exit code is 0 only
 if every job passed. Needs the native module built (tools/gpu_check.sh builds it).
 """
 from __future__ import annotations
