@@ -21,6 +21,8 @@ from tests.gpu.harness import world_params
 
 pytestmark = pytest.mark.gpu
 
+# A dense call's signature in a record: tokens, then the algorithm (one-shot, two-shot or
+# large-message).
 SIG = "{{pattern=1 dtype=bfloat16 num_tokens={} hidden_dim=4096 {} fp32_acc=1 layout=0 " \
       "block_quant_group_size=0}}"
 
@@ -43,12 +45,6 @@ def test_timeout_on_gives_the_same_bits_graph_replay_and_cost():
     print("per-call ms (median), timeout on:",
           [r["timing_on"]["ms_per_call_median"] for r in res["ranks"]], "off:",
           [r["timing_off"]["ms_per_call_median"] for r in res["ranks"]])
-
-
-def _check_failed(f, me, peer, seq, tokens, algorithm, timeout_s, where, world=2):
-    """`algorithm` is the signature's text for it: one-shot, two-shot or large-message."""
-    _check_failed_record(f, me, peer, seq, SIG.format(tokens, algorithm), timeout_s, where,
-                         world)
 
 
 def _check_failed_record(f, me, peer, seq, sig, timeout_s, where, world=2):
