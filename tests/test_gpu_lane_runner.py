@@ -18,10 +18,20 @@ def test_files_are_dealt_longest_first_to_the_least_loaded_job():
 
 def test_every_gpu_test_file_has_an_expected_time():
     files = {p.name for p in (REPO / "tests" / "gpu").glob("test_*.py")}
-    known = set(run_lane.EXPECTED_S["quick"]) | set(run_lane.EXPECTED_S["slow"])
-    # Files whose tests all need 2 or more GPUs default to 60 s.
-    assert files - known <= {"test_fuse.py", "test_jit_export.py", "test_readme.py",
-                             "test_jax_misuse.py"}, files - known
+    assert files <= set(run_lane.EXPECTED_S["quick"]), files - set(run_lane.EXPECTED_S["quick"])
+    for lane in ("slow", "worlds"):
+        assert set(run_lane.EXPECTED_S[lane]) <= files, lane
+
+
+def test_tests_are_dealt_one_by_one_except_those_of_one_module_fixture():
+    ids = ["tests/gpu/test_moe.py::test_a[world2]", "tests/gpu/test_moe.py::test_b[world2]",
+           "tests/gpu/test_moe.py::test_a[world4]", "tests/gpu/test_moe.py::test_b[world4]",
+           "tests/gpu/test_jax.py::test_x[world4]", "tests/gpu/test_jax.py::test_y"]
+    got = run_lane.units(ids, {"test_moe.py": 200, "test_jax.py": 100})
+    assert got == {tuple(ids[0:2]): 100, tuple(ids[2:4]): 100, (ids[4],): 50, (ids[5],): 50}
+    groups = run_lane.deal_weighted(got, 2)
+    assert sorted(map(len, groups)) == [2, 2]
+    assert {u for g in groups for u in g} == set(got)
 
 
 def test_quick_lane_runs_on_cpu(tmp_path):
@@ -29,6 +39,18 @@ def test_quick_lane_runs_on_cpu(tmp_path):
                         "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("job ") >= 4  # 2 jobs started, 2 finished
-    logs = sorted(tmp_path.glob("job*.log"))
-    assert len(logs) == 2 and all("skipped" in p.read_text() for p in logs)
+    assert "alone first, then 2 jobs" in r.stdout, r.stdout
+    # Every file it writes: a few, whatever the number of tests.
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert written == ["job0.log", "job1.log", "reports.tgz", "solo.log", "summary.txt"]
+    logs = [tmp_path / n for n in ("solo.log", "job0.log", "job1.log")]
+    assert all("SKIPPED" in p.read_text() for p in logs)
+    assert "test_torch_create_destroy_cycles_return_all_memory" in logs[0].read_text()
+    ran = " ".join(p.read_text() for p in logs)
+    quick = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", "-m",
+                            "gpu and not slow", "tests/gpu"], cwd=REPO, capture_output=True,
+                           text=True, timeout=600).stdout
+    for node in (line for line in quick.splitlines() if "::" in line):
+        assert ran.count(node + " ") >= 1, node  # each test ran in some job
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "job0: exit 0" in summary and "not passed:\n(none)" in summary, summary

@@ -54,6 +54,37 @@ def tolerance(dtype: str, world: int, sites: int) -> float:
     return eps + sites * (eps + math.sqrt(world - 1) * eps / 2)
 
 
+MOE_SITE_FORMULA = "eps + sqrt(n) * eps / 2 * m"
+
+
+def moe_kernel_roundings(top_k: int, world: int) -> int:
+    """Roundings of the MoE finalize kernel before its residual add, per token element, over
+    a TP group (jax_fusedar/moe_reference.py lists them): a product and an addition for each
+    of the token's top_k routed rows, each rank's addition of its shared-expert partial sum,
+    and the all-reduce's world - 1 additions in the model dtype."""
+    return 2 * top_k + world + (world - 1)
+
+
+def moe_tolerance(dtype: str, ratios, roundings: int, *, dense_sites: int = 0,
+                  world: int = 1) -> float:
+    """Bound on max|fused - other| / max|other| of the logits of the MoE decoder, the other
+    program summing the MoE terms differently (``roundings``: both programs' roundings of
+    them before the residual add).
+
+    Each MoE layer is one site of the dense tolerance's kind, scaled by what flows through
+    it: ``ratios`` holds, per layer, m = the largest magnitude of the terms the kernel adds
+    (summed over the ranks: every value it rounds is within it) over the largest magnitude of
+    the residual stream after the block; each rounding errs by at most eps / 2 of the value,
+    and n of them add up to about sqrt(n) times that (as the dense formula counts a psum's
+    roundings), plus the residual add's ulp (eps). ``dense_sites`` more sites (the
+    attention's fused all-reduces) count as in ``tolerance``'s terms over ``world`` partial
+    sums. The residual stream carries every site's difference to the final norm, plus one
+    rounding of its output (eps)."""
+    eps = float(jnp.finfo(dtype).eps)
+    dense = dense_sites * (eps + math.sqrt(world) * eps / 2)
+    return eps + dense + sum(eps + math.sqrt(roundings) * eps / 2 * m for m in ratios)
+
+
 def compare_greedy(tok_u, log_u, tok_f, log_f):
     """(first divergence (step, seq) or None, max abs logits error over the steps before it,
     max |logits|, margins text) of two greedy decodes: tokens [seq, step] and logits [step,

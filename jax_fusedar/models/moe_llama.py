@@ -123,6 +123,30 @@ def moe_block(cfg: MoeConfig, axis, h, lp):
     return rows.reshape(local_experts * n, H), idx, weights, shared
 
 
+def term_magnitudes(cfg: MoeConfig, axis, h, lp, shared_blocks: int = 1):
+    """Per token row [N, H] float32: this rank's sum of the magnitudes of the terms the MoE
+    finalize kernel adds, ``sum_k |w_k * row_k|`` over its local experts plus ``|shared|``
+    (``jax_fusedar/moe_reference.py`` lists its rounding points). Summed over the ranks of a
+    TP group it bounds every value the kernel rounds before the residual add. With
+    ``shared_blocks`` > 1 the shared expert's partial sum is split into that many column
+    blocks, each counted on its own: what the ranks of a TP group ``shared_blocks`` times
+    larger than this mesh axis hold (an unsharded model counted as its TP group)."""
+    rows, idx, weights, _ = moe_block(cfg, axis, h, lp)
+    valid = idx >= 0
+    gathered = jnp.take(rows, jnp.where(valid, idx, 0), axis=0).astype(jnp.float32)
+    w = jnp.where(valid, weights.astype(jnp.float32), 0.0)[..., None]
+    routed = jnp.abs(gathered * w).sum(1)
+    hf = h.reshape(-1, h.shape[-1])
+    s_act = jax.nn.silu(_dot(hf, lp["shared_gate"]).astype(jnp.float32)).astype(h.dtype)
+    s_act = s_act * _dot(hf, lp["shared_up"])
+    down = lp["shared_down"]
+    cols = s_act.shape[-1] // shared_blocks
+    shared = sum(jnp.abs(_dot(s_act[:, b * cols:(b + 1) * cols],
+                              down[b * cols:(b + 1) * cols]).astype(jnp.float32))
+                 for b in range(shared_blocks))
+    return routed + shared
+
+
 def plain_moe_mlp(cfg: MoeConfig):
     """The MoE MLP as a model would write it: combine, psum, residual add, RMSNorm."""
     def mlp(_, axis, norm, x, h, lp):
@@ -134,6 +158,33 @@ def plain_moe_mlp(cfg: MoeConfig):
         x = jax.lax.psum(combined.reshape(x.shape), axis) + x
         return x, norm(x, lp["next_norm"], cfg.base.rms_eps)
     return mlp
+
+
+def term_ratios(cfg: MoeConfig, mesh, axis, params, tokens, ck, cv, *, tp: int) -> list:
+    """One forward pass of the plain model over ``tokens`` from position 0: per layer, the
+    largest sum over the TP group's ranks of ``term_magnitudes`` (``tp`` ranks, on this mesh
+    or counted on fewer devices) over the largest magnitude of the residual stream after the
+    block. Returns the layers' ratios in no particular order (jax.debug.callback)."""
+    seen = []
+    plain = plain_moe_mlp(cfg)
+    blocks = tp // mesh.shape[axis]
+
+    def record(ratio, index):
+        if int(index) == 0:  # every device computes the same (replicated) ratio
+            seen.append(float(ratio))
+
+    def mlp(c, ax, norm, x, h, lp):
+        mag = jax.lax.psum(term_magnitudes(cfg, ax, h, lp, blocks), ax)
+        x, h = plain(c, ax, norm, x, h, lp)
+        ratio = jnp.max(mag) / jnp.max(jnp.abs(x.astype(jnp.float32)))
+        jax.debug.callback(record, ratio, jax.lax.axis_index(ax))
+        return x, h
+
+    logits, *_ = jax.jit(make_forward(cfg, mesh, axis, mlp=mlp))(params, tokens, ck, cv,
+                                                                  jnp.int32(0))
+    jax.block_until_ready(logits)
+    jax.effects_barrier()
+    return seen
 
 
 def fused_moe_mlp(cfg: MoeConfig, workspace):

@@ -196,7 +196,8 @@ def test_demo_one_process_per_rank_against_the_unsharded_reference(tp, extra):
     modes = ["moe"] if "--moe" in extra else (["scan"] if "scan" in extra
                                               else ["unrolled", "scan"])
     errs = re.findall(r"max logits error (\S+) \(relative to max \|logits\| (\S+): (\S+); "
-                      r"tolerance (\S+) = eps \+ sites \* \(eps \+ sqrt\(world\) \* eps / 2\)",
+                      r"tolerance (\S+) = eps \+ (?:sites|layers) \* \(eps \+ sqrt\(world\) \* "
+                      r"eps / 2\)",
                       out)
     assert len(errs) == len(modes)
     for _, scale, rel, tol in errs:

@@ -20,10 +20,18 @@ import numpy as np
 class Channel:
     """All-to-all mailbox between the ranks of one run (pickled Python objects)."""
 
-    def __init__(self, rank, inboxes, timeout_s):
+    def __init__(self, rank, inboxes, timeout_s, results=None):
         self.rank, self.inboxes, self.timeout_s = rank, inboxes, timeout_s
         self.world = len(inboxes)
         self._early = {}
+        self._results = results
+
+    def note(self, **facts):
+        """Hands ``facts`` to run_ranks at once (merged per rank): they reach the test even
+        if this process later ends without a result (see ``run_ranks``). Sent well before
+        an abrupt end (``os._exit``), they have left the process by then."""
+        if self._results is not None:
+            self._results.put((self.rank, "note", facts))
 
     def all_gather(self, tag, obj, timeout_s=None):
         """Every rank's ``obj`` for ``tag``; TimeoutError naming the ranks that did not send
@@ -71,7 +79,8 @@ def child_main(fn, rank, world, inboxes, results, timeout_s, kwargs):
     import signal
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
-        results.put((rank, "ok", fn(rank, world, Channel(rank, inboxes, timeout_s), **kwargs)))
+        chan = Channel(rank, inboxes, timeout_s, results)
+        results.put((rank, "ok", fn(rank, world, chan, **kwargs)))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
 
@@ -79,7 +88,9 @@ def child_main(fn, rank, world, inboxes, results, timeout_s, kwargs):
 def run_ranks(fn, world: int, *, timeout_s: float = 600.0, allow_exit=(), **kwargs):
     """Runs fn(rank, world, channel, **kwargs) in `world` spawned processes; returns results.
     A rank that exits without a result fails the run at once, unless its exit code is in
-    ``allow_exit``: then its result is {"rank": r, "exitcode": code}."""
+    ``allow_exit``: then its result is {"rank": r, "exitcode": code, "exited_at": when the
+    exit was seen (``time.monotonic()``, the same clock in every process of the machine,
+    within 1 s), "notes": what it sent by ``channel.note`` (merged)}."""
     ctx = mp.get_context("spawn")
     inboxes = [ctx.Queue() for _ in range(world)]
     results = ctx.Queue()
@@ -88,24 +99,27 @@ def run_ranks(fn, world: int, *, timeout_s: float = 600.0, allow_exit=(), **kwar
              for r in range(world)]
     for p in procs:
         p.start()
-    out, errors, exited, reported = {}, [], {}, set()
+    out, errors, exited, reported, notes = {}, [], {}, set(), {}
     deadline = time.monotonic() + timeout_s
 
     def take(item):
         rank, status, payload = item
+        if status == "note":
+            notes.setdefault(rank, {}).update(payload)
+            return
         reported.add(rank)
         (out.__setitem__(rank, payload) if status == "ok" else errors.append(payload))
 
     try:
         while len(reported) < world:
             try:
-                take(results.get(timeout=1.0))
-                continue
+                take(results.get(timeout=0.25))
             except queue.Empty:
                 pass
             dead = [r for r, p in enumerate(procs) if r not in reported and
                     p.exitcode is not None]
             if dead:
+                seen = time.monotonic()
                 # A process flushes its queue before it exits: whatever it sent is readable
                 # now, so a dead rank with nothing left to read sent no result.
                 try:
@@ -117,7 +131,8 @@ def run_ranks(fn, world: int, *, timeout_s: float = 600.0, allow_exit=(), **kwar
                     reported.add(r)
                     code = procs[r].exitcode
                     if code in allow_exit:
-                        exited[r] = code
+                        exited[r] = {"rank": r, "exitcode": code, "exited_at": seen,
+                                     "notes": notes.get(r, {})}
                     else:
                         errors.append(f"rank {r} exited with {code} without a result")
             if time.monotonic() > deadline:
@@ -133,7 +148,7 @@ def run_ranks(fn, world: int, *, timeout_s: float = 600.0, allow_exit=(), **kwar
                 p.kill()
     if errors:
         raise RuntimeError("\n".join(errors))
-    return [out[r] if r in out else {"rank": r, "exitcode": exited[r]} for r in range(world)]
+    return [out[r] if r in out else exited[r] for r in range(world)]
 
 
 def where_they_wait(procs) -> str:

@@ -4,7 +4,9 @@ tests/jax/test_multinode.py on real GPUs (``create_allreduce_fusion_workspace``,
 or XLA's NCCL all-reduce, each group's outputs against the float64 oracle).
 
 * TP across the two hosts, one GPU per process: ``auto`` takes XLA's all-reduce (no custom
-  call) and the result is right; ``trtllm`` raises naming the group's devices and hosts.
+  call) and the result is right (run where each process has a GPU of its own: XLA's NCCL
+  refuses two ranks on one GPU; on one GPU the choice and the lowering are checked);
+  ``trtllm`` raises naming the group's devices and hosts.
 * The same two processes with the same host name: the kernel (CUDA IPC across processes).
 * DP across the hosts, TP inside each (2 GPUs per process; on a 2-GPU machine both processes
   drive both GPUs, their kernels time-slice): the kernel for every TP group.
@@ -35,7 +37,13 @@ def _run(hosts, layouts, backends, device_ids):
     return run_ranks(mn.worker, 2, timeout_s=300, port=free_port(), platform="cuda",
                      local_devices=len(device_ids[0]), hosts=hosts, layouts=layouts,
                      backends=backends, device_ids=device_ids,
-                     seed=int.from_bytes(os.urandom(4), "little"))
+                     seed=int.from_bytes(os.urandom(4), "little"),
+                     run_xla_all_reduces=_own_gpus(device_ids))
+
+
+def _own_gpus(device_ids) -> bool:
+    """Whether no GPU serves both processes (XLA's NCCL all-reduce can run between them)."""
+    return not set(device_ids[0]) & set(device_ids[1])
 
 
 def _gpus() -> int:
@@ -67,7 +75,10 @@ def test_tp_across_hosts_takes_xla_with_auto_and_refuses_trtllm():
         auto = r["layouts"]["tp_across_hosts"]["auto"]
         assert auto["backend"] == {"tp": "xla"} and auto["groups"] == {"tp": [[a, b]]}, auto
         assert auto["custom_calls"] == 0 and auto["all_reduces"] >= 1, auto
-        _numerics_ok(auto)  # XLA's all-reduce (NCCL) between the two "hosts" ran
+        if _gpus() >= 2:
+            _numerics_ok(auto)  # XLA's all-reduce (NCCL) between the two "hosts" ran
+        else:
+            assert "NCCL refuses two ranks on one GPU" in auto["not_run"], auto
         err = r["layouts"]["tp_across_hosts"]["trtllm"]["error"]
         assert err.startswith(f"TP group [{a}, {b}] (devices) spans 2 nodes (node0: [{a}]; "
                               f"node1: [{b}]): the 'trtllm' all-reduce backend works only "

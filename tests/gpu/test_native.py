@@ -25,7 +25,7 @@ BOUNDS = {
 
 @pytest.mark.parametrize("sweep", sweep_params())
 def test_native_sweep_two_ranks(sweep):
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     from tests.gpu.workers import native_sweep
     from tests.gpu.harness import env_int, run_ranks
 

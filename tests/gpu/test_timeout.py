@@ -1,30 +1,41 @@
 """GPU: the kernel's bounded waits (timeout_s, always on; ffi/core/watchdog.h).
 
-Each case runs in a fresh child (``python -m tests.gpu.workers.native_timeout CASE``, or
-``tests.gpu.workers.jax_timeout`` for JAX) with its output captured: a trapped kernel kills the CUDA
+Each case runs in a fresh child (``python -m tests.gpu.workers.native_timeout CASE``,
+``tests.gpu.workers.jax_timeout`` for JAX, ``tests.gpu.workers.moe_timeout`` for the MoE
+kernels; tests/gpu/case_runs.py) with its output captured: a trapped kernel kills the CUDA
 context of its process. Every wait is bounded (subprocess timeout, channel timeouts, the
 kernel's own timeout), and each result is written as JSON to $JAX_FUSEDAR_REPORT_DIR.
+
+A failing rank either gets its error (its synchronization raises with the record) or, where
+the GPU driver never reports its trap (ranks sharing a GPU; seen on one H200 when several
+time out at the same moment), is ended by jax_fusedar/common/lost_traps.py with the record on
+stderr. Both outcomes are held to the same record (the peer, the call, the wait, the time
+waited) and to what the rank checked before its failing call (case_runs.lost_trap_record).
 """
+import re
+
 import pytest
 
+from tests.gpu.case_runs import lost_trap_record, report, run_case
 from tests.gpu.harness import world_params
-from tests.gpu.test_topology import _report, _run
 
 pytestmark = pytest.mark.gpu
 
+# A dense call's signature in a record: tokens, then the algorithm (one-shot, two-shot or
+# large-message).
 SIG = "{{pattern=1 dtype=bfloat16 num_tokens={} hidden_dim=4096 {} fp32_acc=1 layout=0 " \
       "block_quant_group_size=0}}"
 
 
 def test_timeout_on_gives_the_same_bits_graph_replay_and_cost():
-    from tests.gpu.workers.native_timeout import BOUNDS, CALLS
-    res = _run("tests.gpu.workers.native_timeout", "ok", timeout_s=400)
-    _report("timeout_ok", res)
+    from tests.gpu.workers.native_timeout import BOUNDS, same_bits_calls
+    res = run_case("tests.gpu.workers.native_timeout", "ok", timeout_s=400)
+    report("timeout_ok", res)
     assert "error" not in res, res["error"] + "\n" + res["output_tail"]
     for r in res["ranks"]:
         assert r["timeout_s"] == pytest.approx(3.0) and r["off_timeout_s"] == 0.0
         b = r["bits"]
-        assert b["calls"] == CALLS and b["differing_bytes"] == 0, b
+        assert b["calls"] == same_bits_calls() and b["differing_bytes"] == 0, b
         for k, v in b["worst"].items():
             assert v <= BOUNDS[k], (r["rank"], k, v)  # NaN fails too
         g = r["graph"]
@@ -36,25 +47,44 @@ def test_timeout_on_gives_the_same_bits_graph_replay_and_cost():
           [r["timing_off"]["ms_per_call_median"] for r in res["ranks"]])
 
 
-def _check_failed(f, me, peer, seq, tokens, algorithm, timeout_s, where, world=2):
-    """`algorithm` is the signature's text for it: one-shot, two-shot or large-message."""
-    _check_failed_record(f, me, peer, seq, SIG.format(tokens, algorithm), timeout_s, where,
-                         world)
-
-
 def _check_failed_record(f, me, peer, seq, sig, timeout_s, where, world=2):
     """Rank `me`'s call failed within timeout + 1 s with a record of call #seq (`sig`)
     naming `peer` and the wait (`where`), and the next launch was refused with it."""
     assert f["sync_error"], f"rank {me}: the call did not fail: {f}"
     assert f["elapsed_s"] <= timeout_s + 1.0, f  # within timeout + 1 s
     assert f["elapsed_s"] >= timeout_s * 0.9, f  # and not for another reason
-    record = f["failure_record"]
-    head = (f"jax_fusedar kernel wait timed out on rank {me} of {world} (device ")
-    assert record.startswith(head), record
-    assert f"call #{seq} {sig}: waited " in record, record
+    _check_record(f["failure_record"], me, peer, seq, sig, timeout_s, where, world)
+    assert f["relaunch_error"] and f["failure_record"] in f["relaunch_error"], f
+
+
+def _record_head(me, world):
+    return f"jax_fusedar kernel wait timed out on rank {me} of {world} (device "
+
+
+def _check_record(record, me, peer, seq, sig, timeout_s, where, world=2):
+    """A wait-timeout record (ffi/core/call_check.cu) of rank `me`'s call #seq (`sig`; None:
+    not checked) that waited about `timeout_s` for `peer` to deliver `where`."""
+    assert record.startswith(_record_head(me, world)), record
+    if sig is not None:
+        assert f"call #{seq} {sig}: waited " in record, record
     assert f"for rank {peer} to deliver {where}" in record, record
     assert f"Rank {peer} did not arrive" in record, record
-    assert f["relaunch_error"] and record in f["relaunch_error"], f
+    waited, limit = map(float, re.search(r": waited (\S+) s \(timeout (\S+) s\) for ",
+                                         record).groups())
+    assert limit == timeout_s and timeout_s * 0.9 <= waited <= timeout_s + 1.0, record
+
+
+def _check_lost(res, r, peer, seq, sig, timeout_s, where, world=2):
+    """Rank result `r` is of a process lost_traps ended: the same record as
+    _check_failed_record's, on stderr, and the end after the watcher's grace."""
+    record = lost_trap_record(res, r, _record_head(r["rank"], world),
+                              record_within_s=timeout_s + 1.0)
+    _check_record(record, r["rank"], peer, seq, sig, timeout_s, where, world)
+
+
+def _check_good(errors, bounds, rank):
+    for k, v in errors.items():
+        assert v <= bounds[k], (rank, k, v)  # NaN fails too
 
 
 LAMPORT_WAIT = "its one-shot data in this rank's Lamport buffer (token "
@@ -74,28 +104,26 @@ def test_a_missing_rank_makes_the_other_fail_with_the_record(case, tokens, onesh
     synchronization raising with the record, or, where the GPU driver never reports its
     trap (ranks sharing a GPU that time out at the same moment; seen at 4 ranks on one
     H200), its process ending with the record on stderr (jax_fusedar/common/lost_traps.py)."""
-    from jax_fusedar.common import lost_traps
     from tests.gpu.workers.native_timeout import BOUNDS, GOOD_FIRST, TIMEOUT_S
-    res = _run("tests.gpu.workers.native_timeout", case, str(world), timeout_s=200)
-    _report(f"timeout_{case}_world{world}", res)
+    res = run_case("tests.gpu.workers.native_timeout", case, str(world), timeout_s=200)
+    report(f"timeout_{case}_world{world}", res)
     assert "error" not in res, res["error"] + "\n" + res["output_tail"]
     *callers, missing = res["ranks"]
     assert len(callers) == world - 1
-    lost = "\n".join(res["lost_trap_lines"])
+    sig = SIG.format(tokens, "one-shot" if oneshot else "two-shot")
     for r in callers:
         if "exitcode" in r:  # its trap was never reported: the watcher ended the process
-            assert r["exitcode"] == lost_traps.EXIT_CODE, r
-            assert f"jax_fusedar kernel wait timed out on rank {r['rank']} of {world}" in lost
-            assert f"Ending the process with exit code {lost_traps.EXIT_CODE}" in lost, lost
+            _check_good(r["notes"]["good"], BOUNDS, r["rank"])
+            _check_lost(res, r, world - 1, GOOD_FIRST + 1, sig, TIMEOUT_S, where, world)
             continue
-        for k, v in r["good"].items():
-            assert v <= BOUNDS[k], (r["rank"], k, v)
-        _check_failed(r["failing"], r["rank"], world - 1, GOOD_FIRST + 1, tokens,
-                      "one-shot" if oneshot else "two-shot", TIMEOUT_S, where, world)
+        _check_good(r["good"], BOUNDS, r["rank"])
+        _check_failed_record(r["failing"], r["rank"], world - 1, GOOD_FIRST + 1, sig,
+                             TIMEOUT_S, where, world)
     if case == "killed":
         assert missing["exitcode"] == -9, missing  # SIGKILL, no result
     else:
         # The rank that made no call is untouched.
+        assert "exitcode" not in missing, f"the rank that made no call ended: {missing}"
         assert missing["healthy_after"] is True and missing["failure_record"] == ""
 
 
@@ -104,64 +132,87 @@ def test_a_rank_missing_from_a_large_message_call_makes_the_other_fail_with_the_
     call rank 1 makes no call; rank 0's entry-flag wait must time out naming rank 1."""
     from jax_fusedar.common import launch_mode
     from tests.gpu.workers.native_timeout import BOUNDS, GOOD_FIRST, LARGE_TOKENS, TIMEOUT_S
-    res = _run("tests.gpu.workers.native_timeout", "never_large", timeout_s=300)
-    _report("timeout_never_large", res)
+    res = run_case("tests.gpu.workers.native_timeout", "never_large", timeout_s=300)
+    report("timeout_never_large", res)
     assert "error" not in res, res["error"] + "\n" + res["output_tail"]
     r0, r1 = res["ranks"]
-    for r in (r0, r1):
+    assert "exitcode" not in r1, f"the rank that made no call ended: {r1}"
+    lost = "exitcode" in r0  # rank 0's trap was never reported: the watcher ended it
+    for r in (r0["notes"] if lost else r0, r1):
         assert r["algorithm"] == launch_mode.ALGORITHM_LARGE_MESSAGE, r["algorithm"]
-        for k, v in {**r["good"], **r["good_large"]}.items():
-            assert v <= BOUNDS[k], (r["rank"], k, v)  # NaN fails too
-        assert r["expected_call"] == GOOD_FIRST + 2
-    f = r0["failing"]
-    assert f["algorithm"] == launch_mode.ALGORITHM_LARGE_MESSAGE, f
+        _check_good({**r["good"], **r["good_large"]}, BOUNDS, r["rank"])
+    assert r1["expected_call"] == GOOD_FIRST + 2
     # The record's call number counts every fused call (3 good, 1 good large, this one);
     # the detail is the large-message call number (the good one was 1).
-    _check_failed(f, 0, 1, GOOD_FIRST + 2, LARGE_TOKENS, "large-message", TIMEOUT_S,
-                  "its large-message entry flag (large-message call 2 of this rank)")
+    sig = SIG.format(LARGE_TOKENS, "large-message")
+    where = "its large-message entry flag (large-message call 2 of this rank)"
+    if lost:
+        _check_lost(res, r0, 1, GOOD_FIRST + 2, sig, TIMEOUT_S, where)
+    else:
+        assert r0["expected_call"] == GOOD_FIRST + 2
+        f = r0["failing"]
+        assert f["algorithm"] == launch_mode.ALGORITHM_LARGE_MESSAGE, f
+        _check_failed_record(f, 0, 1, GOOD_FIRST + 2, sig, TIMEOUT_S, where)
     assert r1["healthy_after"] is True and r1["failure_record"] == ""
 
 
 def test_mismatched_token_counts_without_the_call_check_fail_on_both_ranks():
-    from tests.gpu.workers.native_timeout import GOOD_FIRST, TIMEOUT_S
-    res = _run("tests.gpu.workers.native_timeout", "tokens", timeout_s=200)
-    _report("timeout_tokens", res)
+    """Both ranks time out at the same moment, each naming the other; a rank whose trap the
+    driver never reports is ended by the watcher with the same record on stderr."""
+    from tests.gpu.workers.native_timeout import BOUNDS, GOOD_FIRST, TIMEOUT_S
+    res = run_case("tests.gpu.workers.native_timeout", "tokens", timeout_s=200)
+    report("timeout_tokens", res)
     assert "error" not in res, res["error"] + "\n" + res["output_tail"]
     for r in res["ranks"]:
         me = r["rank"]
-        _check_failed(r["failing"], me, 1 - me, GOOD_FIRST + 1, 16 + me, "one-shot", TIMEOUT_S,
-                      "its one-shot data in this rank's Lamport buffer (token ")
+        sig = SIG.format(16 + me, "one-shot")
+        if "exitcode" in r:  # its trap was never reported: the watcher ended the process
+            _check_good(r["notes"]["good"], BOUNDS, me)
+            _check_lost(res, r, 1 - me, GOOD_FIRST + 1, sig, TIMEOUT_S, LAMPORT_WAIT)
+            continue
+        _check_good(r["good"], BOUNDS, me)
+        _check_failed_record(r["failing"], me, 1 - me, GOOD_FIRST + 1, sig, TIMEOUT_S,
+                             LAMPORT_WAIT)
 
 
 def test_jax_surfaces_the_timeout_with_the_record():
-    import os
-
+    """Rank 1 stops calling; rank 0's jitted call raises with the record naming rank 1
+    (tests/gpu/workers/jax_timeout.py), or, where the driver never reports rank 0's trap,
+    the watcher ends rank 0 with the same record on stderr."""
     from tests.gpu.workers import jax_timeout
-    from tests.gpu.harness import free_port
-    from tests.gpu.workers.native_timeout import run_ranks_allowing_death
-    res = run_ranks_allowing_death(jax_timeout.worker, 2, timeout_s=90, port=free_port(),
-                                   seed=int.from_bytes(os.urandom(4), "little"))
-    _report("timeout_jax", res)
-    r0, r1 = res
-    for r in res:
+    res = run_case("tests.gpu.workers.jax_timeout", timeout_s=240)
+    report("timeout_jax", res)
+    assert "error" not in res, res["error"] + "\n" + res["output_tail"]
+    r0, r1 = res["ranks"]
+    lost = "exitcode" in r0  # rank 0's trap was never reported: the watcher ended it
+    for r in (r0["notes"] if lost else r0, r1):
         assert r["backend"] == "trtllm" and r["timeout_s"] == jax_timeout.TIMEOUT_S, r
         assert r["good"]["residual"] <= 1.0 and r["good"]["norm"] <= 3.0, r
+    assert r1["failures"] == [], r1  # rank 1 made no failing call
+    if lost:
+        # Rank 1 heard nothing from rank 0 and reported before rank 0 ended.
+        assert r1["rank0_partial"] is None and "rank0_silent" in r1, r1
+        _check_lost(res, r0, 1, None, None, jax_timeout.TIMEOUT_S,
+                    "its one-shot data in this rank's Lamport buffer (token ")
+        return
     f = r0["failing"]
+    assert r1["rank0_partial"] is not None, r1
     assert len(f["failures"]) == 1 and "Rank 1 did not arrive" in f["failures"][0], f
+    _check_record(f["failures"][0], 0, 1, None, None, jax_timeout.TIMEOUT_S,
+                  "its one-shot data in this rank's Lamport buffer (token ")
     # The computation raised XLA's generic CUDA error, re-raised with the record's text.
     assert f["error"] == "RuntimeError: " + f["failures"][0][:1500 - 14], f
     assert "CUDA" in f["xla_error"], f
     assert "waited 3.0 s (timeout 3.0 s) for rank 1" in f["failures"][0], f
     # The kernel traps at the timeout: its record is in host memory (ws.failures()) within
     # timeout + 1 s. XLA then takes longer than torch to report the dead stream: the raise came
-    # 1.41 s after the record on one H200 (session 6: record 3.004 s, raise 4.414 s), 4.3 s in
-    # all on 2 x H200; torch raises at 3.4-3.6 s.
+    # 1.41 s after the record on one H200 (record 3.004 s, raise 4.414 s), 4.3 s in all on
+    # 2 x H200; torch raises at 3.4-3.6 s.
     t = f["timeline_s"]
     assert t["dispatched"] < 1.0 and t["record"] <= jax_timeout.TIMEOUT_S + 1.0, f
     assert f["elapsed_s"] <= jax_timeout.TIMEOUT_S + 2.0, f
     assert f["raise_if_failed"] == f["failures"][0], f
     assert f["next_call_error"], f  # XLA refuses the dead context before our handler runs
-    assert r1["failures"] == [], r1
 
 
 MOE_SIG = "{{pattern={} dtype=bfloat16 num_tokens={} hidden_dim={} one-shot fp32_acc=0 " \
@@ -176,19 +227,27 @@ MOE_WAITS = {"never_finalize": "its one-shot data in this rank's Lamport buffer 
 
 @pytest.mark.parametrize("case", sorted(MOE_WAITS))
 def test_a_rank_that_skips_an_moe_call_makes_the_other_fail_with_the_record(case):
+    """Rank 1 skips an MoE call: rank 0's call fails with the record naming rank 1, or,
+    where the driver never reports rank 0's trap, the watcher ends rank 0 with the same
+    record on stderr; rank 1 stays healthy either way."""
     from tests.gpu.workers import moe_timeout as mt
     where = MOE_WAITS[case]
-    res = _run("tests.gpu.workers.moe_timeout", case, timeout_s=200)
-    _report(f"timeout_moe_{case}", res)
+    res = run_case("tests.gpu.workers.moe_timeout", case, timeout_s=200)
+    report(f"timeout_moe_{case}", res)
     assert "error" not in res, res["error"] + "\n" + res["output_tail"]
     r0, r1 = res["ranks"]
-    for r in (r0, r1):
+    lost = "exitcode" in r0  # rank 0's trap was never reported: the watcher ended it
+    for r in (r0["notes"] if lost else r0, r1):
         assert r["timeout_s"] == pytest.approx(mt.TIMEOUT_S), r
         for errors in r["good"]:  # fractions of the float64 oracle's bounds (NaN fails)
             assert all(e <= 1.0 for e in errors), (r["rank"], r["good"])
-    f = r0["failing"]
     sig = MOE_SIG.format(mt.CASES[case], mt.TOKENS, mt.HIDDEN)
-    _check_failed_record(f, 0, 1, mt.GOOD_FIRST + 1, sig, mt.TIMEOUT_S, where)
-    # torch_compat refuses the next call with the record too (not CUDA's generic error).
-    assert f["torch_compat_error"] and f["failure_record"] in f["torch_compat_error"], f
+    if lost:
+        _check_lost(res, r0, 1, mt.GOOD_FIRST + 1, sig, mt.TIMEOUT_S, where)
+    else:
+        f = r0["failing"]
+        _check_failed_record(f, 0, 1, mt.GOOD_FIRST + 1, sig, mt.TIMEOUT_S, where)
+        # torch_compat refuses the next call with the record too (not CUDA's generic error).
+        assert f["torch_compat_error"] and f["failure_record"] in f["torch_compat_error"], f
+    assert "exitcode" not in r1, f"the rank that made no call ended: {r1}"
     assert r1["healthy_after"] is True and r1["failure_record"] == "", r1

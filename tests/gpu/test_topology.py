@@ -6,57 +6,16 @@ the CUDA context of its process, and the handshake's device printf goes to stdou
 wait is bounded (subprocess timeout, channel timeouts, the check's own timeout), and each
 result is written as JSON (with the output's tail) to $JAX_FUSEDAR_REPORT_DIR.
 """
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
+from tests.gpu.case_runs import lost_trap_record, report, run_case
 from tests.gpu.harness import world_params
-from tests.repo import REPO
 
 pytestmark = pytest.mark.gpu
 
 
-PRINTF_MARK = "jax_fusedar call check FAILED on rank"
 SIG = "{{pattern={} dtype=bfloat16 num_tokens={} hidden_dim=4096 {} fp32_acc=1 layout=0 " \
       "block_quant_group_size=0}}"
-
-
-def _run(module, *args, timeout_s):
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-               NVSHMEM_DISABLE_NVLS="1", PYTHONUNBUFFERED="1")
-    env.pop("JAX_FUSEDAR_CHECK_CALLS", None)
-    env.pop("JAX_FUSEDAR_CHECK_TIMEOUT_S", None)
-    try:
-        proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True,
-                              text=True, timeout=timeout_s, cwd=REPO, env=env)
-        out, err, rc = proc.stdout, proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as e:
-        def text(b):
-            return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
-        pytest.fail(f"{module} {args} did not finish within {timeout_s} s (a hang?)\n"
-                    f"stdout tail:\n{text(e.stdout)[-4000:]}\n"
-                    f"stderr tail:\n{text(e.stderr)[-4000:]}")
-    lines = [l for l in out.splitlines() if l.startswith("RESULT ")]
-    assert lines, (f"{module} {args} printed no RESULT line (rc {rc})\nstdout tail:\n"
-                   f"{out[-4000:]}\nstderr tail:\n{err[-4000:]}")
-    result = json.loads(lines[-1][len("RESULT "):])
-    result["rc"] = rc
-    result["output_tail"] = (out + "\n--- stderr ---\n" + err)[-8000:]
-    result["printf_lines"] = [l for l in (out + err).splitlines() if PRINTF_MARK in l]
-    # What a process ended by jax_fusedar.common.lost_traps wrote: its record and why.
-    result["lost_trap_lines"] = [l for l in err.splitlines()
-                                 if l.startswith(("jax_fusedar call check failed on rank",
-                                                  "jax_fusedar kernel wait timed out on rank"))
-                                 or "Ending the process with exit code" in l]
-    return result
-
-
-def _report(name, result):
-    from tests.gpu.harness import report
-    report(name, result)
 
 
 def _gpus():
@@ -77,8 +36,8 @@ def _check_matching(r):
 
 @pytest.mark.parametrize("world", world_params())
 def test_call_check_matching_calls_graph_replay_and_cost(world):
-    res = _run("tests.gpu.workers.native_mismatch", "ok", str(world), timeout_s=170)
-    _report(f"call_check_ok_world{world}", res)
+    res = run_case("tests.gpu.workers.native_mismatch", "ok", str(world), timeout_s=170)
+    report(f"call_check_ok_world{world}", res)
     assert "error" not in res, res["error"] + "\n" + res["output_tail"]
     ranks = res["ranks"]
     assert not res["printf_lines"], res["printf_lines"]
@@ -107,31 +66,29 @@ def test_mismatched_calls_fail_instead_of_hanging(case):
     """Both ranks detect the mismatch and trap: each one's synchronization raises with the
     record, or, where the GPU driver never reports the trap (ranks sharing a GPU trap at
     the same moment; jax_fusedar/common/lost_traps.py), its process ends with the record on
-    stderr within the watcher's grace period. Either way the run ends, well before any
+    stderr after the watcher's grace period. Either way the run ends, well before any
     timeout."""
-    from jax_fusedar.common import lost_traps
     from tests.gpu.workers.native_mismatch import (MATCHING, MISMATCH_TIMEOUT_S,
                                                    failing_call_of)
-    res = _run("tests.gpu.workers.native_mismatch", case, timeout_s=170)
-    _report(f"call_check_{case}", res)
+    res = run_case("tests.gpu.workers.native_mismatch", case, timeout_s=170)
+    report(f"call_check_{case}", res)
     assert "error" not in res, res["error"] + "\n" + res["output_tail"]
     assert res["wall_s"] < 90, res["wall_s"]  # bounded: no rank waits for a timeout
     seq = len(MATCHING) + 1
     for r in res["ranks"]:
         me, peer = r["rank"], 1 - r["rank"]
+        lost = "exitcode" in r  # its trap was never reported: the watcher ended the process
         (pm, mm, om), (pp, mp, op) = failing_call_of(case, me), failing_call_of(case, peer)
         mine = SIG.format(pm, mm, "one-shot" if om else "two-shot")
         theirs = SIG.format(pp, mp, "one-shot" if op else "two-shot")
-        expected = (f"jax_fusedar call check failed on rank {me} of 2 (device "
-                    f"{r.get('device', 0)}), call #{seq}: rank {peer} called {theirs} but "
-                    f"rank {me} called {mine}")
-        if "exitcode" in r:  # its trap was never reported: the watcher ended the process
-            assert r["exitcode"] == lost_traps.EXIT_CODE, r
-            lines = "\n".join(res["lost_trap_lines"])
-            assert expected in lines, (expected, lines)
-            assert f"Ending the process with exit code {lost_traps.EXIT_CODE}" in lines, lines
+        device = (r["notes"] if lost else r)["device"]
+        expected = (f"jax_fusedar call check failed on rank {me} of 2 (device {device}), "
+                    f"call #{seq}: rank {peer} called {theirs} but rank {me} called {mine}")
+        _check_matching(r["notes"] if lost else r)
+        if lost:
+            # Detected as a mismatch, well before the timeout would have fired.
+            lost_trap_record(res, r, expected, record_within_s=MISMATCH_TIMEOUT_S / 2)
             continue
-        _check_matching(r)
         f = r["failing"]
         assert f["sync_error"], f"rank {me}: the mismatched call did not fail: {f}"
         # Detected as a mismatch, well before the timeout would have fired.
@@ -147,27 +104,40 @@ def test_mismatched_calls_fail_instead_of_hanging(case):
 
 @pytest.mark.parametrize("world", world_params())
 def test_a_rank_that_never_calls_times_out(world):
-    """The last rank makes no call: every other rank's handshake times out naming it."""
+    """The last rank makes no call: every other rank's handshake times out naming it, its
+    synchronization raising with the record, or, where the GPU driver never reports the
+    trap (callers sharing a GPU time out at the same moment), its process ending with the
+    record on stderr after the watcher's grace period (jax_fusedar/common/lost_traps.py)."""
     from tests.gpu.workers.native_mismatch import MATCHING, TIMEOUT_CASE_S
-    res = _run("tests.gpu.workers.native_mismatch", "timeout", str(world), timeout_s=170)
-    _report(f"call_check_timeout_world{world}", res)
+    res = run_case("tests.gpu.workers.native_mismatch", "timeout", str(world), timeout_s=170)
+    report(f"call_check_timeout_world{world}", res)
     assert "error" not in res, res["error"] + "\n" + res["output_tail"]
     *callers, missing = res["ranks"]
-    for r in res["ranks"]:
-        _check_matching(r)
     seq = len(MATCHING) + 1
-    for r in callers:
-        f = r["failing"]
-        assert f["sync_error"], f
-        assert r["check_timeout_s"] == pytest.approx(TIMEOUT_CASE_S)
-        assert TIMEOUT_CASE_S * 0.9 <= f["elapsed_s"] <= TIMEOUT_CASE_S + 12, f
-        assert (f"rank {world - 1} did not make its call #{seq} "
+    expected = (f"rank {world - 1} did not make its call #{seq} "
                 f"{SIG.format(1, 16, 'one-shot')} within {TIMEOUT_CASE_S:.1f} s (the last call "
-                f"seen from it is #{seq - 1})") in f["failure_record"], f["failure_record"]
-        assert f["relaunch_error"] and "did not make its call" in f["relaunch_error"], f
-        assert any(f"on rank {r['rank']} of {world}" in l and "did not make its call" in l
-                   for l in res["printf_lines"]), res["output_tail"]
+                f"seen from it is #{seq - 1})")
+    for r in callers:
+        if "exitcode" in r:  # its trap was never reported: the watcher ended the process
+            _check_matching(r["notes"])
+            assert r["notes"]["check_timeout_s"] == pytest.approx(TIMEOUT_CASE_S), r
+            record = lost_trap_record(
+                res, r, f"jax_fusedar call check failed on rank {r['rank']} of {world} ",
+                record_within_s=TIMEOUT_CASE_S + 12)
+            assert expected in record, (expected, record)
+        else:
+            _check_matching(r)
+            f = r["failing"]
+            assert f["sync_error"], f
+            assert r["check_timeout_s"] == pytest.approx(TIMEOUT_CASE_S)
+            assert TIMEOUT_CASE_S * 0.9 <= f["elapsed_s"] <= TIMEOUT_CASE_S + 12, f
+            assert expected in f["failure_record"], f["failure_record"]
+            assert f["relaunch_error"] and "did not make its call" in f["relaunch_error"], f
+        assert any(f"on rank {r['rank']} of {world}" in line and "did not make its call" in line
+                   for line in res["printf_lines"]), res["output_tail"]
     # The rank that made no call is untouched.
+    assert "exitcode" not in missing, f"the rank that made no call ended: {missing}"
+    _check_matching(missing)
     assert missing["failing"] is None and missing["healthy_after"] is True
     assert missing["failure_record"] == ""
 
@@ -175,8 +145,8 @@ def test_a_rank_that_never_calls_times_out(world):
 def test_mixed_topology_four_ranks_two_processes_two_gpus():
     if _gpus() < 2:
         pytest.skip("needs 2 GPUs")
-    res = _run("tests.gpu.workers.native_mixed", timeout_s=170)
-    _report("mixed_topology", res)
+    res = run_case("tests.gpu.workers.native_mixed", timeout_s=170)
+    report("mixed_topology", res)
     assert "error" not in res, res["error"] + "\n" + res["output_tail"]
     procs = res["processes"]
     assert [p["local_tp_ranks"] for p in procs] == [[0, 1], [2, 3]]

@@ -53,3 +53,33 @@ def test_quant_worker_at_four_ranks():
         assert q["cases"] == 2 * 3 and q["worse"] == 0, q
         assert not bound_problems(q, "bfloat16", 4), q
         assert "residual_bound" in q and "norm_own" in q, q
+
+
+@pytest.mark.slow
+def test_model_worker_at_two_ranks():
+    """The 64-layer model task's plumbing (8 layers here): the fused model against the same
+    math unfused on one device and a float64 model, as tests/gpu/test_jax.py holds it; no
+    kernel on CPU, so no host launches either."""
+    res = _run("model", 2, layers=8, m=4, hidden=256, ffn=512)
+    for r in res:
+        m = r["model"]
+        assert m["finite"] and m["fused_vs_f64"] <= 1.25 * m["unfused_vs_f64"] + 1e-3, m
+        assert m["host_launches_per_run"] == [0, 0, 0], m
+
+
+@pytest.mark.slow
+def test_fuse_styles_worker_at_two_ranks():
+    """tests/gpu/fuse_styles.py's worker as two CPU processes (the reference lowering over
+    gloo, so XLA collectives stay and every style runs): every site fused, and the fused
+    models as accurate as the unfused ones (fuse_styles.check)."""
+    from tests.gpu import fuse_styles
+    from tests.gpu.test_fuse_styles import CONFIG
+    styles = ["per_linear_llama", "sequence_parallel_llama", "plain_jit_llama_explicit",
+              "hf_flax_llama_float32"]
+    res = harness.run_ranks(fuse_styles.worker, 2, timeout_s=600, port=harness.free_port(),
+                            seed=int.from_bytes(os.urandom(4), "little") % (1 << 30),
+                            styles=styles, platform="cpu",
+                            config=dict(CONFIG, hidden=256, ffn=512, seq=16, heads=4))
+    assert not fuse_styles.check(res, styles, platform="cpu")
+    for r in res:
+        assert all(v["xla_collectives"] and "skipped" not in v for v in r["styles"].values())

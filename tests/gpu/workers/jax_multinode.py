@@ -156,9 +156,12 @@ def _check_outputs(jax, mesh, workspaces, fn, dtype, seed):
 
 
 def worker(rank, world, chan, *, port, platform, local_devices, hosts, layouts, backends,
-           seed, device_ids=None):
+           seed, device_ids=None, run_xla_all_reduces=True):
     """One process: pretends to run on host ``hosts[rank]``, then, for every layout and
-    backend, records {"backend" | "error", "custom_calls", "all_reduces", "worst", ...}."""
+    backend, records {"backend" | "error", "custom_calls", "all_reduces", "worst", ...}.
+    ``run_xla_all_reduces=False``: a program that holds XLA all-reduces is decided and
+    lowered but not run ("not_run" says why): the processes share a GPU, and XLA's NCCL
+    refuses two ranks on one GPU."""
     from tests.gpu.harness import simulate_host
     simulate_host(hosts[rank])
     jax = _setup(rank, world, port, platform, local_devices,
@@ -210,6 +213,12 @@ def worker(rank, world, chan, *, port, platform, local_devices, hosts, layouts, 
             text = traced.lower(lowering_platforms=("cuda",)).as_text()
             rec["custom_calls"] = text.count(f"custom_call @{FFI_TARGET}")
             rec["all_reduces"] = text.count("stablehlo.all_reduce")
+            if rec["all_reduces"] and not run_xla_all_reduces:
+                rec["not_run"] = ("XLA's all-reduce between processes sharing a GPU: NCCL "
+                                  "refuses two ranks on one GPU")
+                for ws in workspaces:
+                    ws.destroy()
+                continue
             chan.barrier(f"{name}/{backend}/run")
             rec["worst"] = _check_outputs(jax, mesh, workspaces, fn, dtype,
                                           seed + len(out["layouts"]))

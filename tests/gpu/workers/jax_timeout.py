@@ -7,9 +7,24 @@ rank 1); the record must reach host memory within TIMEOUT_S + 1 s (a thread poll
 raise come within TIMEOUT_S + 2 s; ``ws.failures()`` and ``ws.raise_if_failed()`` must give the
 same text, and the call after that must raise too. Rank 0 sends what it found to rank 1
 before that last call, in case the dead CUDA context takes the process down with it.
+
+Where the GPU driver never reports rank 0's trap (ranks sharing a GPU;
+jax_fusedar/common/lost_traps.py), rank 0's synchronization spins until the watcher ends the
+process (exit code lost_traps.EXIT_CODE, the record on stderr) lost_traps.GRACE_S after the
+record appeared. What rank 0 knew before its failing call (backend, timeout, the good call's
+errors, when the failing call began) is noted to the harness first (``chan.note``), so the
+test checks it either way. Rank 1 waits for rank 0's findings for PARTIAL_WAIT_S only and
+then reports at once, before rank 0's end takes the `jax.distributed` service (hosted by
+process 0) down with it.
+
+Run by hand:  python -m tests.gpu.workers.jax_timeout
+The last stdout line is "RESULT <json>".
 """
 from __future__ import annotations
 
+import json
+import os
+import sys
 import threading
 import time
 
@@ -17,6 +32,12 @@ import numpy as np
 
 TIMEOUT_S = 3.0
 TOKENS, HIDDEN = 16, 4096
+# How long rank 1 waits for rank 0's findings: past the raise's bound (TIMEOUT_S + 2 s, which
+# the test holds a reported trap to), well before a lost trap's end (TIMEOUT_S +
+# lost_traps.GRACE_S at the earliest).
+PARTIAL_WAIT_S = TIMEOUT_S + 7.0
+# How long rank 0 waits for rank 1 at the end (rank 1 does not wait there once it gave up).
+VERDICT_WAIT_S = 30.0
 
 
 def worker(rank, world, chan, *, port, seed):
@@ -55,6 +76,9 @@ def worker(rank, world, chan, *, port, seed):
                                        dtype_name="bfloat16")}
     chan.barrier("good")
     if rank == 0:
+        # Kept by the harness if this process ends without a result (a lost trap).
+        chan.note(backend=out["backend"], timeout_s=out["timeout_s"], good=out["good"],
+                  failing_call_at=time.monotonic())
         failing = {}
         # Where the time goes: when the call was handed to XLA, when the kernel's record
         # appeared in host memory (polled), when XLA raised.
@@ -96,7 +120,37 @@ def worker(rank, world, chan, *, port, seed):
             failing["next_call_error"] = f"{type(e).__name__}: {e}"[:2000]
         out["failing"] = failing
     else:
-        out["rank0_partial"] = chan.all_gather("partial", None)[0]
+        try:
+            out["rank0_partial"] = chan.all_gather("partial", None,
+                                                   timeout_s=PARTIAL_WAIT_S)[0]
+        except TimeoutError as e:  # rank 0's synchronization did not return
+            out["rank0_partial"] = None
+            out["rank0_silent"] = str(e)
         out["failures"] = ws.failures()
-    chan.barrier("verdict")
+        if out["rank0_partial"] is None:
+            return out  # report before rank 0's end can stop this process
+    try:
+        chan.barrier("verdict", timeout_s=VERDICT_WAIT_S)
+    except TimeoutError as e:  # rank 1 gave up on rank 0's findings and left
+        out["peer_gone"] = str(e)
     return out
+
+
+def main(argv):
+    from tests.gpu.harness import free_port
+    from tests.gpu.workers.native_timeout import run_ranks_allowing_death
+    seed = int.from_bytes(os.urandom(4), "little")
+    t0 = time.monotonic()
+    try:
+        out = {"seed": seed, "timeout_s": TIMEOUT_S,
+               "ranks": run_ranks_allowing_death(worker, 2, timeout_s=150, port=free_port(),
+                                                 seed=seed)}
+    except Exception as e:  # noqa: BLE001 - reported as JSON for the test to show
+        out = {"seed": seed, "error": str(e)[-6000:]}
+    out["wall_s"] = time.monotonic() - t0
+    sys.stdout.flush()
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import hashlib
 
-import numpy as np
-
 from jax_fusedar.common import launch_mode
 
 LARGE = launch_mode.ALGORITHM_LARGE_MESSAGE

@@ -9,7 +9,11 @@ off), one case per run, because a trapped kernel kills the CUDA context of its p
   never_reduction  the same with pattern 6 (MoE reduction).
 
 Ranks take GPU harness.device_for(rank): with one GPU both ranks share it (the waiting rank
-spins, traps and fails alone; the rank that made no call stays healthy).
+spins, traps and fails alone; the rank that made no call stays healthy). Where the GPU
+driver never reports rank 0's trap (jax_fusedar/common/lost_traps.py), the watcher ends
+rank 0's process (exit code lost_traps.EXIT_CODE, the record on stderr) lost_traps.GRACE_S
+after the record appeared; what rank 0 knew before its failing call is noted to the harness
+first (``chan.note``), and rank 1 waits for its verdict AFTER_FAILURE_WAIT_S at most.
 
 Run one case by hand:  python -m tests.gpu.workers.moe_timeout never_finalize
 The last stdout line is "RESULT <json>".
@@ -138,7 +142,7 @@ def worker(rank, world, chan, *, case, seed, port):
 
     import torch_compat as tc
     from tests.gpu.harness import device_for
-    from tests.gpu.workers.native_mismatch import flush_c_stdio
+    from tests.gpu.workers.native_mismatch import AFTER_FAILURE_WAIT_S, flush_c_stdio
 
     device = device_for(rank)
     torch.cuda.set_device(device)
@@ -162,6 +166,8 @@ def worker(rank, world, chan, *, case, seed, port):
     result["good"] = good
     chan.barrier("good")
     if rank == 0:
+        # Kept by the harness if this process ends without a result (a lost trap).
+        chan.note(timeout_s=result["timeout_s"], good=good, failing_call_at=time.monotonic())
         call = _Call(c, _inputs(c, seed + 999), rank, device, torch)
         f = {}
         t0 = time.monotonic()
@@ -184,14 +190,18 @@ def worker(rank, world, chan, *, case, seed, port):
             except Exception as e:  # noqa: BLE001
                 f[name] = f"{type(e).__name__}: {e}"[:1500]
         result["failing"] = f
-    chan.barrier("verdict")  # rank 1 makes no call until rank 0 has its verdict
+    try:  # rank 1 makes no call until rank 0 has its verdict
+        chan.barrier("verdict", timeout_s=AFTER_FAILURE_WAIT_S)
+    except TimeoutError as e:  # rank 0's lost trap ended (or is ending) its process
+        result["peer_gone"] = str(e)
     if rank == 1:
         t = torch.arange(1000, device=device, dtype=torch.float32)
         result["healthy_after"] = float(t.sum().item()) == 499500.0
         result["failure_record"] = ws.failure()
         ws.destroy()
     flush_c_stdio()
-    dist.destroy_process_group()
+    if "peer_gone" not in result:  # rank 0 hosts the store: leave a gone peer's group be
+        dist.destroy_process_group()
     return result
 
 

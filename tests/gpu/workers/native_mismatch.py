@@ -19,8 +19,10 @@ within the timeout instead of hanging, the rank's failure record (call_check_fai
 read from pinned host memory) describes the mismatch, and the next launch on that rank is
 refused with the same description; or, where the GPU driver never reports a rank's trap
 (ranks sharing a GPU that trap at the same moment), that rank's process ends with
-jax_fusedar.common.lost_traps.EXIT_CODE and the record on stderr within lost_traps.GRACE_S
-(its result is then {"rank": r, "exitcode": ...}). The device printf output lands in this process's
+jax_fusedar.common.lost_traps.EXIT_CODE and the record on stderr lost_traps.GRACE_S after the
+record appeared (its result is then harness.run_ranks's {"rank": r, "exitcode": ...,
+"exited_at": ..., "notes": ...}, the notes holding what the rank had before its failing
+call and when that call began). The device printf output lands in this process's
 stdout, which the pytest side (tests/gpu/test_topology.py) captures and checks.
 
 "ok" and "timeout" also run with more ranks (``python -m ... timeout 8``: the last rank
@@ -299,6 +301,9 @@ def worker(rank, world, chan, *, case, seed):
             w.destroy()
         return result
     chan.barrier("before-mismatch")
+    if failing_call_of(case, rank, world) is not None:
+        # Kept by the harness if this process ends without a result (a lost trap).
+        chan.note(**result, failing_call_at=time.monotonic())
     result["failing"] = _failing_call(ws, rank, case, device, seed + 999, world, torch)
     try:  # the last rank of "timeout" waits for the others' verdicts
         chan.barrier("after-mismatch", timeout_s=AFTER_FAILURE_WAIT_S)

@@ -2,7 +2,8 @@
 processes (CUDA IPC, the call check off), one case per run, because a trapped kernel kills
 the CUDA context of its process.
 
-  ok             CALLS good calls (a cycle of one-shot/two-shot, pattern 0/1 shapes) on a
+  ok             same_bits_calls() good calls (a cycle of one-shot/two-shot, pattern 0/1
+                 shapes; 10,000 with a GPU per rank, 1,000 where the ranks share one) on a
                  workspace with the timeout on and, call for call, on one with it off
                  (timeout_s=0): the outputs must be the same bits (differing bytes counted
                  on the device) and match the float64 oracle; a CUDA graph of good calls
@@ -23,6 +24,13 @@ The "never_*" cases also run with more ranks (``python -m ... never_oneshot 8``)
 last rank makes no call and every other rank must fail naming it; the other cases are for
 two ranks.
 
+Where the GPU driver never reports a failing rank's trap (ranks sharing a GPU that time out
+at the same moment; jax_fusedar/common/lost_traps.py), that rank's process ends with
+lost_traps.EXIT_CODE and the record on stderr lost_traps.GRACE_S after the record appeared:
+its result is harness.run_ranks's {"rank", "exitcode", "exited_at", "notes"}, the notes
+holding what it had before its failing call (the good calls' errors) and when that call
+began. The other ranks wait for it AFTER_FAILURE_WAIT_S at most.
+
 Run one case by hand:  python -m tests.gpu.workers.native_timeout never_oneshot [world]
 The last stdout line is "RESULT <json>".
 """
@@ -34,15 +42,24 @@ import signal
 import sys
 import time
 
-import numpy as np
-
-from tests.gpu.workers.native_mismatch import (AFTER_FAILURE_WAIT_S, BOUNDS, DTYPE, HIDDEN,
+from tests.gpu.workers.native_mismatch import (AFTER_FAILURE_WAIT_S, DTYPE, HIDDEN,
                                                draw_inputs, flush_c_stdio, fused_call,
                                                graph_replays, make_workspace, new_outputs,
                                                oracle_errors, timing, worst_of)
+from tests.gpu.workers.native_mismatch import BOUNDS  # noqa: F401 - the tests read it here
 
 TIMEOUT_S = 3.0
-CALLS = int(os.environ.get("JAX_FUSEDAR_TIMEOUT_CALLS", 10000))
+
+
+def same_bits_calls(world: int = 2) -> int:
+    """How many calls of each workspace the "ok" case compares: $JAX_FUSEDAR_TIMEOUT_CALLS,
+    else 10,000 with a GPU per rank and 1,000 where the ranks share GPUs: their kernels take
+    turns on a GPU (about 3 ms a call on one H200) and never run at the same time, so a
+    longer loop gives no more chance to catch a race."""
+    from jax_fusedar.common import native
+    default = 10000 if native.gpu_count() >= world else 1000
+    return int(os.environ.get("JAX_FUSEDAR_TIMEOUT_CALLS", default))
+
 # (pattern, tokens, one-shot) cycled through by the good calls
 CYCLE = [(1, 16, True), (1, 17, False), (0, 16, True), (1, 1, True), (1, 33, False),
          (0, 40, False), (1, 64, True), (0, 3, True)]
@@ -69,7 +86,8 @@ def _good_calls(ws, rank, world, device, seed, torch, n=GOOD_FIRST):
 
 
 def _same_bits(on, off, rank, world, device, seed, torch):
-    """CALLS calls on each workspace, interleaved, same inputs: device-side count of the
+    """same_bits_calls() calls on each workspace, interleaved, same inputs: device-side
+    count of the
     output bytes that differ, and the oracle errors of each cycle entry's last call."""
     stream = torch.cuda.current_stream(device)
     cases = []
@@ -80,7 +98,8 @@ def _same_bits(on, off, rank, world, device, seed, torch):
                       new_outputs(x, torch), new_outputs(x, torch)))
     differing = torch.zeros((), dtype=torch.int64, device=device)
     t0 = time.monotonic()
-    for i in range(CALLS):
+    calls = same_bits_calls(world)
+    for i in range(calls):
         pattern, m, oneshot, _, _, _, x, res, gam, out_on, out_off = cases[i % len(cases)]
         for k in KEYS[pattern]:  # different poisons: an unwritten output differs
             out_on[k].fill_(float("nan"))
@@ -94,7 +113,7 @@ def _same_bits(on, off, rank, world, device, seed, torch):
     for pattern, m, oneshot, xs, residual, gamma, *_, out_on, out_off in cases:
         errs.append(oracle_errors(xs, residual, gamma, out_on, pattern))
         errs.append(oracle_errors(xs, residual, gamma, out_off, pattern))
-    return {"calls": CALLS, "differing_bytes": int(differing.item()), "worst": worst_of(errs),
+    return {"calls": calls, "differing_bytes": int(differing.item()), "worst": worst_of(errs),
             "seconds": time.monotonic() - t0}
 
 
@@ -183,13 +202,18 @@ def worker(rank, world, chan, *, case, seed):
                                                 algorithm)
         seq += 1
     chan.barrier("good")
+
+    def note_before_failing():  # kept by the harness if the process ends without a result
+        chan.note(**result, failing_call_at=time.monotonic())
     if case == "tokens":
+        note_before_failing()
         result["failing"] = _failing_call(ws, 1, 16 + rank, True, rank, device, seed + 999,
                                           world, torch)
     elif rank != missing:
         if case == "killed":
             chan.all_gather("dying", None)  # rank 1 kills itself right after this
             time.sleep(1.0)
+        note_before_failing()
         if case == "never_large":
             result["failing"] = _failing_call(ws, 1, LARGE_TOKENS, False, rank, device,
                                               seed + 999, world, torch, algorithm=algorithm)

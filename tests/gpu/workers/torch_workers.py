@@ -164,22 +164,22 @@ def cycles_worker(rank, world, chan, *, port, seed, cycles, tokens, hidden):
             ws.destroy()
 
         def free_bytes():
+            """The device's free memory once every rank has finished and released its
+            allocator's cache: ranks may share a GPU, and free memory is device-wide."""
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
-            return torch.cuda.mem_get_info(device)[0]
+            dist.barrier()
+            free = torch.cuda.mem_get_info(device)[0]
+            dist.barrier()
+            return free
 
         cycle()  # warm-up: CUDA context, lazy kernel loading, allocator pools
-        # Measured between barriers: ranks may share a GPU, and free memory is device-wide.
-        dist.barrier()
         before = free_bytes()
-        dist.barrier()
         t0 = time.monotonic()
         for _ in range(cycles):
             cycle()
         seconds = time.monotonic() - t0
-        dist.barrier()
         after = free_bytes()
-        dist.barrier()
         return {"rank": rank, "device": device, "cycles": cycles, "seconds": seconds,
                 "free_before": before, "free_after": after, "worst": worst,
                 "nan_outputs": nan_outputs}

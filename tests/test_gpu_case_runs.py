@@ -1,0 +1,243 @@
+"""On CPU: what the GPU suite does when a rank's trap is never reported (ranks sharing a GPU;
+jax_fusedar/common/lost_traps.py ends that process). tests/gpu/harness.py's run_ranks keeps
+what such a rank noted before it ended and when it ended; tests/gpu/case_runs.py finds its
+record and holds the end to the watcher's timing; and the GPU timeout and call-check tests
+take either outcome, fed here with the results their workers give in each (the records in
+the format ffi/core/call_check.cu writes, checked on CPU by tests/native/test_timeout.py; the
+watcher's own lines from lost_traps itself). Those branches run on a GPU only when the
+driver loses a trap, so a mistake in them would otherwise show only there."""
+import os
+import time
+
+import pytest
+
+from jax_fusedar.common import lost_traps
+from tests.gpu import case_runs, harness
+
+REST = (". Rank {peer} did not arrive: it skipped or added a call, stopped or died, or called "
+        "with another pattern, shape or algorithm (one-shot, two-shot, large-message). The "
+        "kernel trapped, so this device's CUDA context is unusable: restart the process. "
+        "(timeout_s on the workspace or $JAX_FUSEDAR_TIMEOUT_S sets the limit; 0 waits "
+        "forever.)")
+LAMPORT = "its one-shot data in this rank's Lamport buffer (token "
+
+
+def _ending_worker(rank, world, chan, *, linger_s):
+    if rank == 0:
+        chan.note(good={"residual": 0.5}, failing_call_at=time.monotonic())
+        chan.note(device=3)
+        time.sleep(linger_s)
+        os._exit(lost_traps.EXIT_CODE)
+    return {"rank": rank}
+
+
+def test_run_ranks_keeps_what_an_ended_rank_noted_and_when_it_ended():
+    res = harness.run_ranks(_ending_worker, 2, timeout_s=120, linger_s=1.0,
+                            allow_exit=(lost_traps.EXIT_CODE,))
+    r0, r1 = res
+    assert r1 == {"rank": 1}
+    assert r0["rank"] == 0 and r0["exitcode"] == lost_traps.EXIT_CODE, r0
+    notes = r0["notes"]
+    assert notes["good"] == {"residual": 0.5} and notes["device"] == 3, notes
+    assert 1.0 <= r0["exited_at"] - notes["failing_call_at"] <= 2.5, r0
+
+
+def test_run_ranks_still_fails_on_an_exit_it_does_not_allow():
+    # (The pause lets the note leave first: a process that ends while its queue's feeder
+    # thread writes could leave the queue's lock taken.)
+    with pytest.raises(RuntimeError, match="rank 0 exited with 70 without a result"):
+        harness.run_ranks(_ending_worker, 2, timeout_s=120, linger_s=0.5)
+
+
+def _watcher_lines(monkeypatch, capsys, record, device=0):
+    """What lost_traps writes on stderr when it ends a process over ``record``."""
+    class Ended(Exception):
+        pass
+
+    def fake_exit(code):
+        raise Ended(code)
+
+    monkeypatch.setattr(lost_traps.os, "_exit", fake_exit)
+    with pytest.raises(Ended):
+        lost_traps._end(record, device)
+    monkeypatch.undo()
+    return capsys.readouterr().err
+
+
+def _wait_record(me, world, seq, sig, peer, where, waited=3.0):
+    return (f"jax_fusedar kernel wait timed out on rank {me} of {world} (device 0), call "
+            f"#{seq} {sig}: waited {waited:.1f} s (timeout 3.0 s) for rank {peer} to deliver "
+            f"{where}5)" + REST.format(peer=peer))
+
+
+def _lost(rank, notes, after_s):
+    now = time.monotonic()
+    return {"rank": rank, "exitcode": lost_traps.EXIT_CODE, "exited_at": now + after_s,
+            "notes": {**notes, "failing_call_at": now}}
+
+
+def _failing(record, elapsed_s=3.3):
+    return {"sync_error": "RuntimeError: CUDA error: unspecified launch failure",
+            "elapsed_s": elapsed_s, "failure_record": record,
+            "relaunch_error": "RuntimeError: " + record, "algorithm": None}
+
+
+def _result(ranks, stderr):
+    return {"ranks": ranks, "lost_trap_lines": case_runs.lost_trap_lines(stderr),
+            "output_tail": stderr, "printf_lines": [], "wall_s": 40.0}
+
+
+def test_lost_trap_record_holds_the_exit_the_record_and_the_timing(monkeypatch, capsys):
+    record = _wait_record(0, 2, 4, "{sig}", 1, LAMPORT)
+    err = "W1201 some log line\n" + _watcher_lines(monkeypatch, capsys, record)
+    head = "jax_fusedar kernel wait timed out on rank 0 of 2 "
+    good = _lost(0, {}, lost_traps.GRACE_S + 3.5)
+    assert case_runs.lost_trap_record(_result([good], err), good, head,
+                                      record_within_s=4.0) == record
+    for bad in (_lost(0, {}, lost_traps.GRACE_S - 1.0),   # ended before the watcher could
+                _lost(0, {}, 4.0 + lost_traps.GRACE_S + case_runs.LOST_TRAP_SLACK_S + 1),
+                {**good, "exitcode": 1}):
+        with pytest.raises(AssertionError):
+            case_runs.lost_trap_record(_result([bad], err), bad, head, record_within_s=4.0)
+    with pytest.raises(AssertionError):  # another rank's record only
+        case_runs.lost_trap_record(_result([good], err), good,
+                                   "jax_fusedar kernel wait timed out on rank 1 of 2 ",
+                                   record_within_s=4.0)
+
+
+def _fake_run(monkeypatch, module, res):
+    monkeypatch.setattr(module, "run_case", lambda *a, **k: res)
+    monkeypatch.setattr(module, "report", lambda name, obj: None)
+
+
+@pytest.mark.parametrize("lost_ranks", [(), (0,), (0, 2)])
+def test_the_missing_rank_test_at_four_ranks_takes_either_outcome(monkeypatch, capsys,
+                                                                   lost_ranks):
+    from tests.gpu import test_timeout as tt
+    from tests.gpu.workers.native_timeout import GOOD_FIRST
+    sig = tt.SIG.format(16, "one-shot")
+    good = {"residual": 0.9, "norm": 1.5}
+    ranks, err = [], ""
+    for me in range(3):
+        record = _wait_record(me, 4, GOOD_FIRST + 1, sig, 3, LAMPORT)
+        if me in lost_ranks:
+            err += _watcher_lines(monkeypatch, capsys, record)
+            ranks.append(_lost(me, {"good": good}, lost_traps.GRACE_S + 3.5))
+        else:
+            ranks.append({"rank": me, "good": good, "failing": _failing(record),
+                          "peer_gone": "rank 1: ranks [0] never sent 'verdict'"})
+    ranks.append({"rank": 3, "good": good, "healthy_after": True, "failure_record": ""})
+    _fake_run(monkeypatch, tt, _result(ranks, err))
+    tt.test_a_missing_rank_makes_the_other_fail_with_the_record("never_oneshot", 16, True,
+                                                                LAMPORT, 4)
+    # What the test holds either outcome to: the record naming the missing rank...
+    bad = [dict(r) for r in ranks]
+    wrong = _wait_record(1, 4, GOOD_FIRST + 1, sig, 2, LAMPORT)
+    if 1 not in lost_ranks:
+        bad[1]["failing"] = _failing(wrong)
+    _fake_run(monkeypatch, tt, _result(bad, err.replace("for rank 3", "for rank 2")))
+    with pytest.raises(AssertionError):
+        tt.test_a_missing_rank_makes_the_other_fail_with_the_record("never_oneshot", 16, True,
+                                                                    LAMPORT, 4)
+    # ... and the good calls before it (noted by a rank that then ended).
+    bad = [dict(r) for r in ranks]
+    bad[0] = (_lost(0, {"good": {"residual": 1.5, "norm": 1.0}}, lost_traps.GRACE_S + 3.5)
+              if 0 in lost_ranks else {**bad[0], "good": {"residual": 1.5, "norm": 1.0}})
+    _fake_run(monkeypatch, tt, _result(bad, err))
+    with pytest.raises(AssertionError):
+        tt.test_a_missing_rank_makes_the_other_fail_with_the_record("never_oneshot", 16, True,
+                                                                    LAMPORT, 4)
+
+
+@pytest.mark.parametrize("lost", [False, True])
+def test_the_jax_timeout_test_takes_either_outcome(monkeypatch, capsys, lost):
+    from tests.gpu import test_timeout as tt
+    from tests.gpu.workers import jax_timeout
+    record = _wait_record(0, 2, 2, "{sig}", 1, LAMPORT)
+    before = {"backend": "trtllm", "timeout_s": jax_timeout.TIMEOUT_S,
+              "good": {"residual": 0.9, "norm": 1.5}}
+    r1 = {"rank": 1, **before, "failures": []}
+    if lost:
+        err = _watcher_lines(monkeypatch, capsys, record)
+        r0 = _lost(0, before, lost_traps.GRACE_S + 3.5)
+        r1.update(rank0_partial=None, rank0_silent="rank 1: ranks [0] never sent 'partial'")
+    else:
+        err = ""
+        failing = {"error": "RuntimeError: " + record, "xla_error": "XlaRuntimeError: CUDA",
+                   "elapsed_s": 4.4, "timeline_s": {"dispatched": 0.01, "record": 3.0,
+                                                    "raised": 4.4},
+                   "failures": [record], "raise_if_failed": record,
+                   "next_call_error": "XlaRuntimeError: CUDA error"}
+        r0 = {"rank": 0, **before, "failing": failing}
+        r1["rank0_partial"] = failing
+    _fake_run(monkeypatch, tt, _result([r0, r1], err))
+    tt.test_jax_surfaces_the_timeout_with_the_record()
+    # Rank 1 reports a record of its own: wrong either way.
+    _fake_run(monkeypatch, tt, _result([r0, {**r1, "failures": [record]}], err))
+    with pytest.raises(AssertionError):
+        tt.test_jax_surfaces_the_timeout_with_the_record()
+
+
+@pytest.mark.parametrize("lost", [False, True])
+def test_the_moe_timeout_test_takes_either_outcome(monkeypatch, capsys, lost):
+    from tests.gpu import test_timeout as tt
+    from tests.gpu.workers import moe_timeout as mt
+    case = "never_finalize"
+    sig = tt.MOE_SIG.format(mt.CASES[case], mt.TOKENS, mt.HIDDEN)
+    record = _wait_record(0, 2, mt.GOOD_FIRST + 1, sig, 1, LAMPORT)
+    before = {"timeout_s": mt.TIMEOUT_S, "good": [[0.5, 0.7]] * mt.GOOD_FIRST}
+    r1 = {"rank": 1, **before, "healthy_after": True, "failure_record": ""}
+    if lost:
+        err = _watcher_lines(monkeypatch, capsys, record)
+        r0 = _lost(0, before, lost_traps.GRACE_S + 3.5)
+        r1["peer_gone"] = "rank 1: ranks [0] never sent 'verdict'"
+    else:
+        err = ""
+        r0 = {"rank": 0, **before, "failing": {**_failing(record),
+                                               "torch_compat_error": "RuntimeError: " + record}}
+    _fake_run(monkeypatch, tt, _result([r0, r1], err))
+    tt.test_a_rank_that_skips_an_moe_call_makes_the_other_fail_with_the_record(case)
+    # The record of a slower wait than the bound: wrong either way.
+    slow = _wait_record(0, 2, mt.GOOD_FIRST + 1, sig, 1, LAMPORT, waited=4.5)
+    err = err.replace(record, slow)
+    if not lost:
+        r0 = {**r0, "failing": {**r0["failing"], "failure_record": slow}}
+    _fake_run(monkeypatch, tt, _result([r0, r1], err))
+    with pytest.raises(AssertionError):
+        tt.test_a_rank_that_skips_an_moe_call_makes_the_other_fail_with_the_record(case)
+
+
+@pytest.mark.parametrize("lost", [False, True])
+def test_the_call_check_timeout_test_at_eight_ranks_takes_either_outcome(monkeypatch, capsys,
+                                                                         lost):
+    from tests.gpu import test_topology as tp
+    from tests.gpu.workers.native_mismatch import MATCHING, TIMEOUT_CASE_S
+    seq = len(MATCHING) + 1
+    matching = [{"residual": 0.9, "norm": 1.5} for _ in MATCHING]
+    before = {"check_calls": True, "check_timeout_s": TIMEOUT_CASE_S, "matching": matching,
+              "device": 0}
+    ranks, err, printf = [], "", []
+    for me in range(7):
+        record = (f"jax_fusedar call check failed on rank {me} of 8 (device 0), call #{seq}: "
+                  f"rank 7 did not make its call #{seq} {tp.SIG.format(1, 16, 'one-shot')} "
+                  f"within {TIMEOUT_CASE_S:.1f} s (the last call seen from it is #{seq - 1}); "
+                  f"a rank skipped or added a call, stopped, or created the workspace without "
+                  f"check_calls. The handshake trapped, so this device's CUDA context is "
+                  f"unusable: restart the process.")
+        printf.append(f"jax_fusedar call check FAILED on rank {me} of 8 (device 0), call "
+                      f"#{seq}: rank 7 did not make its call")
+        if lost and me % 3 == 0:
+            err += _watcher_lines(monkeypatch, capsys, record)
+            ranks.append(_lost(me, before, lost_traps.GRACE_S + TIMEOUT_CASE_S + 0.5))
+        else:
+            ranks.append({"rank": me, **before, "failing": _failing(record)})
+    ranks.append({"rank": 7, **before, "failing": None, "healthy_after": True,
+                  "failure_record": ""})
+    res = {**_result(ranks, err), "printf_lines": printf}
+    _fake_run(monkeypatch, tp, res)
+    tp.test_a_rank_that_never_calls_times_out(8)
+    # The rank that made no call must not have ended.
+    ranks[7] = _lost(7, before, 20.0)
+    _fake_run(monkeypatch, tp, {**res, "ranks": ranks})
+    with pytest.raises(AssertionError):
+        tp.test_a_rank_that_never_calls_times_out(8)
