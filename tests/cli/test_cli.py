@@ -17,6 +17,7 @@ import pytest
 from jax_fusedar.common import native
 
 from tests.repo import REPO
+from tests.skips import NO_NATIVE
 
 
 HOST_8 = "--xla_force_host_platform_device_count=8"
@@ -49,7 +50,13 @@ def test_demo_llama_fused_by_fuse_matches_unfused():
                      "site(s)") == 1
     assert "decode: jax_fusedar.fuse: fused 2 of 2 all-reduce + residual + RMSNorm site(s) " \
         "(4 fused calls per run, loops counted)" in out
-    assert out.count("greedy tokens: identical over 4 steps x 2 sequences") == 2
+    # The demo's own criterion, not identical tokens: rounding differs between CPUs (AVX-512
+    # or not), so a near tie may break either way; the demo then prints the divergence and
+    # its margins and passes only if the tie was near (checked by its PASS below).
+    verdicts = re.findall(r"^greedy tokens: (identical over 4 steps x 2 sequences|first "
+                          r"divergence at step \d+, sequence \d+ \(unfused top-2 margin .*\))$",
+                          out, re.MULTILINE)
+    assert len(verdicts) == 2, out
     rows = re.findall(r"^(unfused|fused)\s+(\d+\.\d)\s+(\d+\.\d)$", out, re.MULTILINE)
     assert len(rows) == 4 and all(float(p) > 0 and float(d) > 0 for _, p, d in rows)
     errs = re.findall(r"max logits error (\S+) \(relative to max \|logits\| (\S+): (\S+); "
@@ -67,7 +74,8 @@ def test_demo_hf_norm_is_reported_unfused():
     assert r.returncode == 0, r.stdout + r.stderr
     assert "fused 0 of 2 all-reduce + residual + RMSNorm site(s); not fused: 2 x gamma " \
         "multiplied in bfloat16 after the norm is rounded" in r.stdout
-    assert "greedy tokens: identical" in r.stdout and "PASS (scan)" in r.stdout
+    assert re.search(r"^greedy tokens: (identical|first divergence)", r.stdout, re.MULTILINE)
+    assert "PASS (scan)" in r.stdout
 
 
 def test_demo_bench_writes_json(tmp_path):
@@ -263,7 +271,7 @@ def test_bench_device_method_brackets_the_chain_with_device_stamps():
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                        timeout=300)
     if r.returncode and "native" in r.stderr:
-        pytest.skip("the native module is not built here")
+        pytest.skip(NO_NATIVE)
     assert r.returncode == 0, r.stderr
     stamps = [line for line in r.stdout.splitlines()
               if "custom_call @jax_fusedar_device_timestamp_v1" in line]

@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tests.oracles import oracle
+from tests.skips import native_skip_reason
 from jax_fusedar.common import native
 
 HOST_DEVICES = 8
@@ -34,10 +35,9 @@ RESIDUAL_ULPS = 1.0
 NORM_ULPS = {"bfloat16": 3.0, "float16": 3.0, "float32": 8.0}
 
 
-# Lowering a trtllm workspace for cuda needs the native extension's FFI targets.
+# Lowering a trtllm workspace for cuda needs the native module's FFI targets.
 needs_native = pytest.mark.skipif(
-    not native.available(), reason="the cuda lowering of a trtllm workspace needs the native "
-    "extension's FFI targets (run ./dev setup)")
+    not native.available(), reason=native_skip_reason("the cuda lowering of a trtllm workspace"))
 
 
 def require_host_devices(n: int = HOST_DEVICES) -> None:

@@ -205,8 +205,10 @@ def test_per_rank_residual_and_gamma_make_outputs_vary(dtype):
                 abstract(mesh, P("tp"), (8 * hidden,), dtype)]
     for varying, out_specs, replicated in [(0, (P(), P("tp")), 0), (1, (P(), P()), 1)]:
         args = [x, *[per_rank[i] if i == varying else shared[i] for i in (0, 1)]]
-        with pytest.raises(ValueError, match=rf"out_specs\[{replicated}\] is P\(\) which "
-                                             r"implies .* could not infer replication"):
+        # Newer JAX writes the spec as P(), 0.8 as PartitionSpec().
+        with pytest.raises(ValueError, match=rf"out_specs\[{replicated}\] is "
+                                             r"(P|PartitionSpec)\(\) which implies .* could "
+                                             r"not infer replication"):
             jax.jit(jax.shard_map(body, mesh=mesh, in_specs=tuple(a.sharding.spec for a in args),
                                   out_specs=out_specs)).trace(*args)
 
@@ -325,6 +327,7 @@ def test_cuda_lowering_refuses_a_mesh_in_another_device_order():
         cuda_text(ws, 3, 1024, mesh=reversed_mesh)
 
 
+@needs_native  # a call on a trtllm workspace is refused without the native module
 @pytest.mark.parametrize("mesh_name", ["tp8", "dp2_tp4"])
 def test_cpu_lowering_of_a_trtllm_workspace_uses_the_reference(mesh_name):
     ws = trtllm_workspace(mesh_name, max_token_num=8, hidden_dim=256)

@@ -24,6 +24,7 @@ from tests.jax.cpu_helpers import (jdtype, make_mesh, new_rng, put, random_gamma
 from jax_fusedar.common import native  # noqa: E402
 from jax_fusedar import reference  # noqa: E402
 from jax_fusedar.common.patterns import TRAITS  # noqa: E402
+from tests.skips import native_skip_reason  # noqa: E402
 
 require_host_devices()
 
@@ -393,8 +394,7 @@ def test_reference_round_to_derivative_is_the_rounding():
 
 
 @pytest.mark.skipif(not native.available(),
-                    reason="the cuda lowering of a trtllm workspace needs the native "
-                    "extension's FFI targets (run ./dev setup)")
+                    reason=native_skip_reason("the cuda lowering of a trtllm workspace"))
 @pytest.mark.parametrize("variant", ["plain", "checkpoint"])
 def test_cuda_gradient_keeps_the_kernel_and_adds_no_all_reduce(variant):
     """Lowered for cuda: the forward runs the kernel (one custom call per layer, again per

@@ -22,6 +22,7 @@ import jax_fusedar as jf  # noqa: E402
 from tests.jax.cpu_helpers import needs_native  # noqa: E402
 from tests.jax.cpu_helpers import bits, jdtype, new_rng, random_gamma, random_values  # noqa: E402
 from tests.jax.cpu_helpers import require_host_devices  # noqa: E402
+from tests.skips import native_skip_reason  # noqa: E402
 from jax_fusedar.common import native  # noqa: E402
 from jax_fusedar import partitioning  # noqa: E402
 from jax_fusedar.primitive import FFI_TARGET  # noqa: E402
@@ -43,7 +44,7 @@ def mesh_2x4(axis_type):
 @pytest.mark.parametrize("axis_type,mesh_context", [
     (AxisType.Auto, False), (AxisType.Auto, True), (AxisType.Explicit, True)])
 @pytest.mark.parametrize("backend", ["xla", pytest.param("trtllm", marks=pytest.mark.skipif(
-    not native.available(), reason="a trtllm workspace's call needs the native extension"))])
+    not native.available(), reason=native_skip_reason("a trtllm workspace's call")))])
 def test_four_layer_jit_model_equals_the_shard_map_model_bitwise(axis_type, mesh_context,
                                                                  backend):
     """On CPU both run the reference lowering (a trtllm workspace also lowers to it here), so

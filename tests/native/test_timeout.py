@@ -23,6 +23,7 @@ from jax_fusedar.common import call_check, native, sizing, tp_groups  # noqa: E4
 
 from tests.native.host_program import run_host_program  # noqa: E402
 from tests.repo import REPO  # noqa: E402
+from tests.skips import NO_NATIVE, needs_torch  # noqa: E402
 
 
 # --- option parsing -----------------------------------------------------------------------------
@@ -262,7 +263,7 @@ def test_torch_moe_finalize_after_a_trap_raises_the_record_before_touching_the_d
 
 def test_extension_exposes_the_timeout():
     if not native.available():
-        pytest.skip("native extension not built")
+        pytest.skip(NO_NATIVE)
     doc = native.ext.Rank.__init__.__doc__
     assert "timeout_s: float = 30.0" in doc, doc
     for attr in ("timeout_s", "set_timeout", "failure"):
@@ -285,6 +286,7 @@ def test_bench_timeout_budget():
     assert math.isnan(bench.timeout_compare(1.0, 0.0, 30.0)["timeout_ratio"])
 
 
+@needs_torch  # torch_compat.bench imports torch
 def test_bench_options():
     from jax_fusedar.cli.main import build_parser
     from torch_compat import bench as bt
@@ -300,6 +302,7 @@ def test_bench_options():
     assert "ours_no_timeout" not in " ".join(bt.variant_keys(bt.parse_args([])))
 
 
+@needs_torch
 def test_torch_bench_table_shows_the_on_off_ratio():
     from torch_compat import bench as bt
 
@@ -647,7 +650,7 @@ def test_failure_messages_name_the_peer(tmp_path):
 def test_bench_cli_times_both_settings_in_one_run(tmp_path):
     """--timeout-compare on CPU (the XLA reference backend, no kernel): the run completes
     with both figures per fused case and the on/off table; the GPU figures come from the
-    same command on the device machine."""
+    same command on a machine with GPUs."""
     import json
 
     from tests.cli.test_cli import run_cli
