@@ -4,8 +4,13 @@ import pytest
 
 
 def pytest_configure(config):
+    # docs/testing.md says what each marker is for and which lane runs it.
     config.addinivalue_line(
-        "markers", "gpu: needs NVIDIA GPUs and the native extension (run on the device machine)")
+        "markers", "gpu: needs NVIDIA GPUs and the native module (tools/gpu_check.sh runs them)")
+    config.addinivalue_line(
+        "markers", "slow: takes more than about 5 s on 2 cores; ./dev test --quick leaves it out")
+    config.addinivalue_line(
+        "markers", "oldest: also runs on the oldest JAX and torch supported (./dev oldest)")
 
 
 def gpu_count() -> int:
@@ -16,7 +21,8 @@ def gpu_count() -> int:
 def pytest_collection_modifyitems(config, items):
     if gpu_count() > 0:
         return
-    skip = pytest.mark.skip(reason="no CUDA GPU visible (GPU tests run on the device machine)")
+    skip = pytest.mark.skip(reason="no CUDA GPU visible (tools/gpu_check.sh runs the GPU tests "
+                                   "on a machine with GPUs)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
