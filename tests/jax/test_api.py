@@ -37,7 +37,8 @@ MLIR_TYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 
 
 # Environment and once-per-kind logging reset per test (conftest.py).
-pytestmark = pytest.mark.usefixtures("hermetic")
+# Also in the oldest-versions lane (./dev oldest).
+pytestmark = [pytest.mark.usefixtures("hermetic"), pytest.mark.oldest]
 
 
 def mesh_of(name):

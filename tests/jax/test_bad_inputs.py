@@ -1,8 +1,8 @@
-"""Misuse of the JAX API is a clear, early error naming what is wrong (issue: "every misuse is a
-clear, early error"): regrouped meshes and pmap, zero tokens for the quantized patterns, the
-fp32 sum-of-squares overflow, coerced options, boolean environment variables,
-is_buffer_size_sufficient agreeing with the call, argument names in messages, and a workspace
-passed as a jit argument. 8 virtual host devices."""
+"""Misuse of the JAX API is a clear, early error naming what is wrong: regrouped meshes and
+pmap, zero tokens for the quantized patterns, the fp32 sum-of-squares overflow, coerced
+options, boolean environment variables, is_buffer_size_sufficient agreeing with the call,
+argument names in messages, and a workspace passed as a jit argument. 8 virtual host
+devices."""
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -30,7 +30,8 @@ Q = jf.AllReduceFusionPattern
 
 
 # Environment and once-per-kind logging reset per test (conftest.py).
-pytestmark = pytest.mark.usefixtures("hermetic")
+# Also in the oldest-versions lane (./dev oldest).
+pytestmark = [pytest.mark.usefixtures("hermetic"), pytest.mark.oldest]
 
 
 KW = dict(max_token_num=64, hidden_dim=256, dtype=jnp.bfloat16)
@@ -189,7 +190,7 @@ def test_zero_tokens_give_empty_outputs_for_quantized_patterns(pattern, kwargs, 
 def test_rms_of_huge_rows_is_zero_like_the_kernel():
     """|r| ~ 1e20 (bf16 holds it; its square does not fit fp32): the kernel sums squares in
     fp32, so mean = inf, rsqrt = 0 and norm_out = +-0 (sign of r), as documented in the
-    README's Numerics. The reference path does exactly that; float64 would give O(1)."""
+    docs/numerics.md. The reference path does exactly that; float64 would give O(1)."""
     mesh = make_mesh((8,), ("tp",))
     ws = xla_workspace(mesh)
     rng = new_rng()

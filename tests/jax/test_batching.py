@@ -1,6 +1,6 @@
 """N-D inputs, vmap, and the argument dtypes users have (float32 gamma, float32 residual
-stream) of allreduce_fusion on CPU (8 virtual devices); the small API items of issue 11
-(fallback logging per kind, py.typed, dir()). Results are compared bit for bit with the
+stream) of allreduce_fusion on CPU (8 virtual devices); small API items (fallback logging
+per kind, py.typed, dir()). Results are compared bit for bit with the
 2-D call on the folded rows, or with one call per batch element."""
 import os
 
@@ -85,6 +85,7 @@ def sharded(mesh, body, n_out, x_spec=P("tp")):
 
 # --- N-D inputs ----------------------------------------------------------------------------------
 
+@pytest.mark.oldest
 @pytest.mark.parametrize("pattern,kw", QUANT_CASES, ids=case_ids)
 def test_nd_input_equals_the_2d_call_on_folded_rows(pattern, kw):
     """x/residual [B, S, H]: every output equals the 2-D call on the B*S rows; row-wise
@@ -162,6 +163,7 @@ def per_element(f, *batched):
     return tuple(jnp.stack(o) for o in zip(*outs))
 
 
+@pytest.mark.oldest
 @pytest.mark.parametrize("pattern,kw", QUANT_CASES, ids=case_ids)
 @pytest.mark.parametrize("tokens", [4, 5])
 def test_vmap_inside_shard_map_equals_per_element_calls(pattern, kw, tokens):
@@ -209,6 +211,7 @@ def count_calls(f, *args):
     return text.count("jax_fusedar_allreduce_fusion"), "scan" in text
 
 
+@pytest.mark.oldest
 def test_vmap_folds_into_one_call_or_maps():
     mesh = tp8()
     ws = xla_ws(mesh)
@@ -362,6 +365,7 @@ def test_cuda_lowering_of_vmapped_and_nd_calls():
 
 # --- dtypes --------------------------------------------------------------------------------------
 
+@pytest.mark.oldest
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_float32_gamma_is_rounded_to_the_stream_dtype(dtype):
     mesh = tp8()

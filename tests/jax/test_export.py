@@ -32,7 +32,8 @@ TOKENS, HIDDEN = 4, 256
 
 
 # Environment and once-per-kind logging reset per test (conftest.py).
-pytestmark = pytest.mark.usefixtures("hermetic")
+# Also in the oldest-versions lane (./dev oldest).
+pytestmark = [pytest.mark.usefixtures("hermetic"), pytest.mark.oldest]
 
 
 def mesh_2x4():

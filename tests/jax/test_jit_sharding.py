@@ -34,7 +34,8 @@ from tests.jax.sharded_model import (BATCH, FFN, HIDDEN, LAYERS, SEQ, jit_model,
 
 
 # Environment and once-per-kind logging reset per test (conftest.py).
-pytestmark = pytest.mark.usefixtures("hermetic")
+# Also in the oldest-versions lane (./dev oldest).
+pytestmark = [pytest.mark.usefixtures("hermetic"), pytest.mark.oldest]
 
 
 def mesh_2x4(axis_type):

@@ -19,7 +19,8 @@ from tests.jax.cpu_helpers import make_mesh, needs_native, put, require_host_dev
 from jax_fusedar import moe, moe_reference  # noqa: E402
 
 require_host_devices()
-pytestmark = pytest.mark.usefixtures("hermetic")
+# Also in the oldest-versions lane (./dev oldest).
+pytestmark = [pytest.mark.usefixtures("hermetic"), pytest.mark.oldest]
 EPS = 1e-6
 BF = jnp.bfloat16
 

@@ -19,6 +19,9 @@ from tests.jax.cpu_helpers import (DTYPES, RMS_EPS, bits, check_outputs, jdtype,
                                    run_sharded)
 from jax_fusedar import reference  # noqa: E402
 
+# Also in the oldest-versions lane (./dev oldest).
+pytestmark = pytest.mark.oldest
+
 require_host_devices()
 
 WORLD = 8

@@ -22,6 +22,9 @@ from torch_compat import workspace as wsmod  # noqa: E402
 
 from tests.torch.test_torch_compat import FakeRank  # noqa: E402
 
+# Also in the oldest-versions lane (./dev oldest).
+pytestmark = pytest.mark.oldest
+
 AR = torch.ops.torch_compat.allreduce.default
 FUSED = torch.ops.torch_compat.allreduce_residual_rmsnorm.default
 EPS = 1e-6
