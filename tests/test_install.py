@@ -41,6 +41,34 @@ def test_package_imports_without_jax_and_names_the_extra():
         assert "pip install 'jax_fusedar[jax]'" in line
 
 
+def test_too_old_a_jax_is_named_with_the_version_needed():
+    # An installed jax older than the minimum (metadata says 0.7.2; nothing is imported).
+    result = run_python(
+        "import importlib.metadata as m\n"
+        "real = m.version\n"
+        "m.version = lambda name: '0.7.2' if name == 'jax' else real(name)\n"
+        "import jax_fusedar as jf\n"
+        "try:\n"
+        "    jf.allreduce_fusion\n"
+        "except ImportError as e:\n"
+        "    print('ImportError', e)\n")
+    assert result.returncode == 0, result.stderr
+    import jax_fusedar
+    assert result.stdout.strip() == (
+        f"ImportError jax_fusedar's JAX API needs JAX >= {jax_fusedar.MIN_JAX}, found jax 0.7.2: "
+        f"pip install -U 'jax>={jax_fusedar.MIN_JAX}'"), result.stdout
+
+
+def test_the_jax_minimum_is_pyprojects():
+    import tomllib
+
+    import jax_fusedar
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    extras = meta["project"]["optional-dependencies"]
+    assert f"jax>={jax_fusedar.MIN_JAX}" in extras["jax"]
+    assert f"jaxlib>={jax_fusedar.MIN_JAX}" in meta["build-system"]["requires"]
+
+
 def test_other_import_errors_are_not_blamed_on_jax():
     result = run_python(
         "import sys\n"
