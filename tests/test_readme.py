@@ -92,6 +92,7 @@ print("FACTS " + json.dumps(facts))
 """
 
 
+@pytest.mark.slow
 def test_readme_python_blocks_run_on_8_cpu_devices():
     blocks = cpu_blocks()
     assert len(blocks) >= 4, "the README lost its allreduce_fusion / fuse / jit / MoE examples"

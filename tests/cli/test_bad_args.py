@@ -23,6 +23,7 @@ def _refused(r, message):
     assert "Traceback" not in r.stderr and r.stdout == "", r.stdout + r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("framework", JAX_AND_TORCH)
 def test_out_that_is_a_file(tmp_path, framework):
     f = tmp_path / "results"
@@ -31,12 +32,14 @@ def test_out_that_is_a_file(tmp_path, framework):
     _refused(r, f"--out {f}: {f} exists and is not a folder")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("framework", JAX_AND_TORCH)
 def test_out_that_cannot_be_created(framework):
     r = run_cli("bench", "--framework", framework, "--hidden", 64, "--out", "/proc/forbidden")
     _refused(r, "--out /proc/forbidden: cannot create the folder /proc/forbidden:")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("framework,name", [
     ("jax", "bench.json"), ("jax", "bench.png"),
     pytest.param("torch", "bench_torch.json", marks=needs_torch)])
@@ -58,6 +61,7 @@ def test_out_that_is_not_writable(tmp_path):
     _refused(r, f"cannot write in the folder {tmp_path}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv,message", [
     (["demo", "--seed", "-1"], "argument --seed: -1 is not in [0, 2**32)"),
     (["demo", "--seed", str(2**32)], f"argument --seed: {2**32} is not in [0, 2**32)"),

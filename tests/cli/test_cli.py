@@ -37,6 +37,7 @@ def run_cli(*argv, xla_flags=HOST_8, pythonpath=(), timeout=600):
 
 # --- demo ----------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_demo_llama_fused_by_fuse_matches_unfused():
     # The main job as ./dev demo runs it, trimmed: both layer modes, the tiny preset. Without
     # GPUs XLA_FLAGS stays unset, as for a user: the CLI splits the host into 8 devices itself
@@ -70,6 +71,7 @@ def test_demo_llama_fused_by_fuse_matches_unfused():
     assert "PASS (unrolled)" in out and "PASS (scan)" in out
 
 
+@pytest.mark.slow
 def test_demo_hf_norm_is_reported_unfused():
     # (allow_rounding_change on this form: tests/jax/test_fuse.py)
     r = run_cli("demo", "--layer-mode", "scan", "--norm", "hf", "--steps", 2, "--prompt", 4,
@@ -81,6 +83,7 @@ def test_demo_hf_norm_is_reported_unfused():
     assert "PASS (scan)" in r.stdout
 
 
+@pytest.mark.slow
 def test_demo_bench_writes_json(tmp_path):
     out = tmp_path / "b"
     r = run_cli("demo", "--bench", "--layer-mode", "scan", "--bench-batches", "1,2",
@@ -101,6 +104,7 @@ def test_demo_bench_writes_json(tmp_path):
     assert report["skipped"] == [] and report["total_s"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv, xla_flags, message", [
     (["demo"], "--xla_force_host_platform_device_count=3",
      "preset tiny: kv_heads 8 does not split over 3 tensor-parallel ranks"),
@@ -127,6 +131,7 @@ def test_unrunnable_setups_exit_with_a_message(argv, xla_flags, message):
 
 # --- bench ---------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_bench_writes_json_and_plot(tmp_path):
     out = tmp_path / "bench"
     r = run_cli("bench", "--tokens", "1,16", "--hidden", 256, "--chain", 3, "--repeats", 2,
@@ -174,6 +179,7 @@ def test_bench_writes_json_and_plot(tmp_path):
         assert (out / "bench.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_bench_loop_method(tmp_path):
     out = tmp_path / "bench"
     r = run_cli("bench", "--tokens", 16, "--hidden", 64, "--method", "loop", "--iters", 3,
@@ -185,6 +191,7 @@ def test_bench_loop_method(tmp_path):
     assert len(report["cases"][0]["fused"]["auto"]["detail"]["us_repeats"]) == 1
 
 
+@pytest.mark.slow
 def test_bench_without_matplotlib_and_tqdm(tmp_path):
     # Packages that fail to import shadow the real ones, if installed.
     blocker = tmp_path / "blocked"
@@ -223,6 +230,7 @@ def _compiled_hlo(body_expr: str) -> str:
     return r.stdout
 
 
+@pytest.mark.slow
 def test_bench_loop_keeps_the_all_reduce_inside_the_loop():
     # Without the optimization barrier XLA hoists the baseline's psum(x) out of the
     # fori_loop and the baseline would time one all-reduce for all iterations.
@@ -231,6 +239,7 @@ def test_bench_loop_keeps_the_all_reduce_inside_the_loop():
     assert "all-reduce" not in hlo[hlo.index("ENTRY"):]  # ENTRY is last: only in the body
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pattern", [1, 4, 11, 9])
 def test_bench_chain_keeps_every_baseline_call(pattern):
     # Each call's input is the previous norm output, so XLA can neither combine the baseline's
@@ -242,6 +251,7 @@ def test_bench_chain_keeps_every_baseline_call(pattern):
         assert len(re.findall(r"f8e4m3fn\[16,128\]", root.split("ROOT", 1)[1])) == 5
 
 
+@pytest.mark.slow
 def test_bench_device_method_brackets_the_chain_with_device_stamps():
     # Lowered for CUDA on this CPU machine: one stamp before the first call (its x aliased
     # through), one after the last norm; the calls in between untouched.
@@ -277,6 +287,7 @@ def test_bench_device_method_brackets_the_chain_with_device_stamps():
 
 # --- flags ---------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv, message", [
     (["demo", "--dtype", "int8"], "invalid choice: 'int8'"),
     (["demo", "--layers", "0"], "0 is not positive"),
@@ -298,6 +309,7 @@ def test_bad_flags_exit_with_a_message(argv, message):
     assert "error:" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_help_explains_the_subcommands():
     r = run_cli("--help")
     assert r.returncode == 0

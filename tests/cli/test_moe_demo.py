@@ -5,7 +5,10 @@ import re
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow
 def test_moe_demo_passes_on_cpu():
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_force_host_platform_device_count=8")

@@ -35,8 +35,8 @@ MIB = 1 << 20
 
 
 def test_the_documented_environment_variables_are_the_ones_read(monkeypatch):
-    # The names users set (docs/jax_api.md, docs/multinode.md), not the modules' constants: a renamed
-    # variable would leave users' settings silently ignored.
+    # The names users set (docs/jax_api.md, docs/multinode.md), not the modules' constants: a
+    # renamed variable would leave users' settings silently ignored.
     monkeypatch.setenv("JAX_FUSEDAR_STRICT", "1")
     assert strict_mode(None) is True
     monkeypatch.setenv("JAX_FUSEDAR_STRICT", "off")

@@ -154,6 +154,7 @@ def run_and_check_groups(ws, tokens, hidden, what, **kwargs):
     return ar_out, seen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_name", list(MESHES))
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("weight_bias", [0.0, 1.0])
@@ -546,6 +547,7 @@ def test_backend_choices(monkeypatch):
 
 # --- 4. fallback -------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_fallback_logs_once_per_kind_and_stays_correct(dtype, caplog):
     """A kernel workspace (traced here, where it runs the reference) logs a fallback once per
@@ -712,6 +714,7 @@ def test_nvfp4_needs_16_bit_inputs():
                     scale_factor=np.ones(1, np.float32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pattern,kwargs", [
     (Q.kARResidualRMSNormOutFP8Quant, {"scale_factor": np.full(1, 0.02, np.float32)}),
     (Q.kARResidualRMSNormOutDynamicFP8Quant, {}),

@@ -151,6 +151,7 @@ def some_change(tree):
 
 # --- gradients of the TP MLP -------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("mesh_shape", [(8,), (2, 4)], ids=["tp8", "dp2_tp4"])
 def test_mlp_gradients_equal_the_unfused_model(dtype, mesh_shape):
@@ -177,6 +178,7 @@ def test_float32_gradients_equal_plain_jnp_psum_and_rmsnorm():
     assert_same_bits(got, want, "float32 grad vs plain jnp")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", [
     pytest.param("scan", marks=pytest.mark.oldest), "checkpoint", "checkpoint_dots",
     "checkpoint_nothing", "checkpoint_names", pytest.param("cond", marks=pytest.mark.oldest),
@@ -194,6 +196,7 @@ def test_grad_under_transformations(variant, check_vma):
     some_change(got)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["plain", "scan", "checkpoint_dots", "cond"])
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_jvp_and_vjp(variant, check_vma):
@@ -217,6 +220,7 @@ def test_jvp_and_vjp(variant, check_vma):
     some_change(results[0][0][1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", [{"weight_bias": 1.0}, {"fp32_acc": False}],
                          ids=["weight_bias", "no_fp32_acc"])
 def test_gradients_with_weight_bias_and_without_fp32_acc(kw):
@@ -229,6 +233,7 @@ def test_gradients_with_weight_bias_and_without_fp32_acc(kw):
     assert_same_bits(got, want, f"grad with {kw}")
 
 
+@pytest.mark.slow
 @pytest.mark.oldest
 def test_float32_gamma_with_bfloat16_stream():
     """A float32 gamma (Flax's default param_dtype) is rounded to bfloat16 where the kernel
@@ -251,6 +256,7 @@ def test_float32_gamma_with_bfloat16_stream():
     assert_same_bits(got, want, "grad with a float32 gamma")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_sgd_steps_give_equal_losses(dtype):
     mesh = make_mesh((8,), ("tp",))
@@ -312,6 +318,7 @@ def test_allreduce_pattern_gradient_is_psums():
     np.testing.assert_array_equal(np.asarray(g_fused), np.tile(w, (8, 1)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pattern,kw", [
     (Q.kARResidualRMSNormOutFP8Quant, {"scale_factor": np.full(1, 0.05, np.float32)}),
     (Q.kARResidualRMSNormOutDynamicFP8Quant, {}),

@@ -85,6 +85,7 @@ def sharded(mesh, body, n_out, x_spec=P("tp")):
 
 # --- N-D inputs ----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.oldest
 @pytest.mark.parametrize("pattern,kw", QUANT_CASES, ids=case_ids)
 def test_nd_input_equals_the_2d_call_on_folded_rows(pattern, kw):
@@ -163,6 +164,7 @@ def per_element(f, *batched):
     return tuple(jnp.stack(o) for o in zip(*outs))
 
 
+@pytest.mark.slow
 @pytest.mark.oldest
 @pytest.mark.parametrize("pattern,kw", QUANT_CASES, ids=case_ids)
 @pytest.mark.parametrize("tokens", [4, 5])
@@ -229,6 +231,7 @@ def test_vmap_folds_into_one_call_or_maps():
     assert count_calls(run((0, 0, 0), gs), x, r, gs) == (1, True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("in_axes", [(0, None, None), (None, 0, None), (1, 1, None),
                                      (0, 0, 0)], ids=["x_only", "residual_only",
                                                       "axis1", "gamma_too"])

@@ -42,6 +42,7 @@ def mesh_2x4(axis_type):
     return jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(axis_type,) * 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axis_type,mesh_context", [
     (AxisType.Auto, False), (AxisType.Auto, True), (AxisType.Explicit, True)])
 @pytest.mark.parametrize("backend", ["xla", pytest.param("trtllm", marks=pytest.mark.skipif(

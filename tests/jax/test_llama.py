@@ -40,6 +40,7 @@ def test_llama3_8b_shapes():
     cfg.check(2)
 
 
+@pytest.mark.slow
 def test_on_device_init_matches_the_host_init_in_shape_and_scale():
     dev = llama.init_params(llama.TINY, MESH, "tp", jnp.bfloat16, 3, host=False)
     host = llama.init_params(llama.TINY, MESH, "tp", jnp.bfloat16, 3, host=True)
@@ -76,6 +77,7 @@ def test_packed_projections_give_each_rank_its_own_q_k_v_and_gate_up():
         np.testing.assert_array_equal(g[..., nf:], w["w_up"][..., r * nf:(r + 1) * nf])
 
 
+@pytest.mark.slow
 def test_unrolled_and_scanned_layers_agree():
     """Scanned (stacked weights), unrolled on stacked weights and unrolled on per-layer
     weights (llama.arrange): one model."""

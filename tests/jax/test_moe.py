@@ -99,6 +99,7 @@ FINALIZE_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case_args", FINALIZE_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_finalize_matches_rounding_points_and_oracle(case_args):
     world, dtype, tokens, hidden, top_k, experts, use_scale, use_shared, routed = case_args
@@ -140,6 +141,7 @@ def run_reduction(ws, case, *, return_allreduce_out=True):
     return [np.asarray(o) for o in f(*(put(mesh, s, a) for s, a in zip(specs, args)))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,dtype,tokens,hidden,experts", [
     (2, "bfloat16", 1, 7168, 8), (2, "float16", 16, 4096, 4), (4, "bfloat16", 128, 512, 3),
     (8, "float16", 1024, 256, 1), (2, "bfloat16", 5, 2880, 32)])
@@ -231,6 +233,7 @@ def test_vmap_and_nd_equal_per_element_calls():
         np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
 
 
+@pytest.mark.slow
 def test_grad_equals_grad_of_the_reference():
     world, dtype, hidden = 2, "float16", 256
     rng = np.random.default_rng(11)

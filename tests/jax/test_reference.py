@@ -51,6 +51,7 @@ def _rms_norm(r, gamma, weight_bias, rms_eps):
                               out_dtype=r.dtype)
 
 
+@pytest.mark.slow
 @dtypes
 @weight_biases
 @shapes
@@ -74,6 +75,7 @@ def test_rms_norm_eps_is_inside_the_root(dtype):
                        rms_eps=1e-3)
 
 
+@pytest.mark.slow
 @dtypes
 @weight_biases
 @shapes
@@ -123,6 +125,7 @@ def _run_reference(partials, residual, gamma, weight_bias, **kwargs):
     return [o[0] for o in outs]
 
 
+@pytest.mark.slow
 @dtypes
 @weight_biases
 @shapes

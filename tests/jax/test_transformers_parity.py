@@ -83,6 +83,7 @@ def setup():
                 ref_step_logits=np.stack(step_logits))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
 def test_llama_matches_transformers_unfused_and_fused(setup, scan):
     mesh = setup["mesh"]

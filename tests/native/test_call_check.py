@@ -398,6 +398,7 @@ int main() {
 """
 
 
+@pytest.mark.slow
 def test_core_signature_and_failure_messages(tmp_path):
     lines = run_host_program(tmp_path, "host_check", HOST_PROGRAM)
     # pattern 9 | bf16 (2) << 8 | one-shot << 16 | fp32_acc << 17 | layout 2 << 24 | 128 << 32

@@ -602,6 +602,7 @@ def wait_sites():
     return {m.group(1): int(m.group(2)) for m in re.finditer(r"\b(k\w+) = (\d+),", body)}
 
 
+@pytest.mark.slow
 def test_failure_messages_name_the_peer(tmp_path):
     sites = wait_sites()
     kernel_sites = [v for k, v in sites.items() if k != "kHandshake"]  # the handshake's own text
@@ -647,6 +648,7 @@ def test_failure_messages_name_the_peer(tmp_path):
             "did not arrive") in lines["moe"], lines["moe"]
 
 
+@pytest.mark.slow
 def test_bench_cli_times_both_settings_in_one_run(tmp_path):
     """--timeout-compare on CPU (the XLA reference backend, no kernel): the run completes
     with both figures per fused case and the on/off table; the GPU figures come from the

@@ -125,6 +125,7 @@ def test_exports():
                                          "AllReduceFusionPattern", "QuantizationSFLayout"}
 
 
+@pytest.mark.slow
 def test_importing_torch_compat_does_not_import_jax():
     code = ("import sys, torch_compat; "
             "bad = [m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'jaxlib'))]; "
@@ -683,6 +684,7 @@ def gloo_worker(rank, world, chan, *, port):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_dp_tp_over_gloo_four_processes():
     from tests.gpu.harness import run_ranks
 

@@ -118,6 +118,7 @@ def test_workers_plumbing_and_checks_with_a_simulated_kernel(cpu_launch, dtype, 
     assert tw.plain_errors(unwritten, ref, res64, gam64, dtype, 0.0)["nans"] == 1
 
 
+@pytest.mark.slow
 def test_parity_phase1_on_cpu_and_phase2_logic_with_a_simulated_kernel(tmp_path, cpu_launch):
     pytest.importorskip("jax")
     from tests.gpu.harness import run_ranks
