@@ -3,14 +3,11 @@ runs: an unusable --out folder (bench and bench --framework torch), --seed out o
 --patterns naming a pattern the bench does not time."""
 import os
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import pytest
 
-import pytest  # noqa: E402
-
-from tests.cli.test_cli import run_cli  # noqa: E402
-from tests.repo import REPO  # noqa: E402
-from tests.skips import needs_torch  # noqa: E402
+from tests.cli.test_cli import run_cli
+from tests.repo import REPO
+from tests.skips import needs_torch
 
 # bench --framework torch runs torch_compat's bench, which needs torch (without it the
 # CLI says so and exits 2 before checking anything else).

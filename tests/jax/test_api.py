@@ -1,30 +1,25 @@
 """The public JAX API on CPU: results against the float64 oracle on 1-D and (dp, tp) meshes,
 the cuda lowering (custom call, attributes, aliasing) on this GPU-less machine, trace-time
 errors, the logged fallback and the workspace object. 8 virtual host devices."""
-import os
+import logging
+import re
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import logging  # noqa: E402
-import re  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import jax_fusedar as jf  # noqa: E402
-from tests.jax.cpu_helpers import needs_native  # noqa: E402
-from tests.jax.cpu_helpers import (RMS_EPS, bits, check_outputs, jdtype,  # noqa: E402
+import jax_fusedar as jf
+from tests.jax.cpu_helpers import needs_native
+from tests.jax.cpu_helpers import (RMS_EPS, bits, check_outputs, jdtype,
                                    kernel_rounding, make_mesh, new_rng, random_gamma,
                                    random_partials, random_values, require_host_devices,
                                    run_sharded)
-from jax_fusedar.common import backend_choice, native  # noqa: E402
-from jax_fusedar.primitive import FFI_TARGET  # noqa: E402
-from jax_fusedar.common.tp_groups import TPGroup  # noqa: E402
+from jax_fusedar.common import backend_choice, native
+from jax_fusedar.primitive import FFI_TARGET
+from jax_fusedar.common.tp_groups import TPGroup
 
 require_host_devices()
 
@@ -33,7 +28,6 @@ AR_NORM = jf.AllReduceFusionPattern.kARResidualRMSNorm
 MESHES = {"tp8": ((8,), ("tp",)), "dp2_tp4": ((2, 4), ("dp", "tp")),
           "dp4_tp2": ((4, 2), ("dp", "tp"))}
 MLIR_TYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
-
 
 
 # Environment and once-per-kind logging reset per test (conftest.py).

@@ -3,28 +3,23 @@ VJPs equal, bit for bit, those of the same math written unfused in plain JAX
 (jax_fusedar.reference: psum + residual add + RMSNorm), in a tensor-parallel MLP and under
 scan, checkpoint (with and without policies), cond, stop_gradient and check_vma both ways;
 quantized outputs have zero derivative; a few SGD steps give the same losses."""
-import os
+import functools
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
 
-import functools  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax.ad_checkpoint import checkpoint_name  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import jax_fusedar as jf  # noqa: E402
-from tests.jax.cpu_helpers import assert_same_bits  # noqa: E402
-from tests.jax.cpu_helpers import (jdtype, make_mesh, new_rng, put, random_gamma,  # noqa: E402
+import jax_fusedar as jf
+from tests.jax.cpu_helpers import assert_same_bits
+from tests.jax.cpu_helpers import (jdtype, make_mesh, new_rng, put, random_gamma,
                                    random_values, require_host_devices)
-from jax_fusedar.common import native  # noqa: E402
-from jax_fusedar import reference  # noqa: E402
-from jax_fusedar.common.patterns import TRAITS  # noqa: E402
-from tests.skips import native_skip_reason  # noqa: E402
+from jax_fusedar.common import native
+from jax_fusedar import reference
+from jax_fusedar.common.patterns import TRAITS
+from tests.skips import native_skip_reason
 
 require_host_devices()
 
@@ -135,8 +130,6 @@ def loss_fn(mesh, combine, variant="plain", check_vma=True):
         y = f(*params)
         return jnp.mean((y.astype(jnp.float32) - target) ** 2)
     return loss
-
-
 
 
 def xla_ws(mesh, dtype):

@@ -3,25 +3,20 @@ pmap, zero tokens for the quantized patterns, the fp32 sum-of-squares overflow, 
 options, boolean environment variables, is_buffer_size_sufficient agreeing with the call,
 argument names in messages, and a workspace passed as a jit argument. 8 virtual host
 devices."""
-import os
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import jax_fusedar as jf  # noqa: E402
-from tests.jax.cpu_helpers import needs_native  # noqa: E402
-from tests.jax.cpu_helpers import (jdtype, make_mesh, new_rng, random_gamma,  # noqa: E402
+import jax_fusedar as jf
+from tests.jax.cpu_helpers import needs_native
+from tests.jax.cpu_helpers import (jdtype, make_mesh, new_rng, random_gamma,
                                    random_values, require_host_devices, run_sharded)
-from jax_fusedar.common import arguments, backend_choice, call_check, native  # noqa: E402
-from jax_fusedar import reference  # noqa: E402
-from jax_fusedar.primitive import FFI_TARGET  # noqa: E402
-from tests.jax.test_api import (abstract, custom_calls, fused_body, trace_fused,  # noqa: E402
+from jax_fusedar.common import arguments, backend_choice, call_check, native
+from jax_fusedar import reference
+from jax_fusedar.primitive import FFI_TARGET
+from tests.jax.test_api import (abstract, custom_calls, fused_body, trace_fused,
                                 trace_sharded, xla_workspace)
 
 require_host_devices()

@@ -2,28 +2,23 @@
 stream) of allreduce_fusion on CPU (8 virtual devices); small API items (fallback logging
 per kind, py.typed, dir()). Results are compared bit for bit with the
 2-D call on the folded rows, or with one call per batch element."""
-import os
+import logging
+import pathlib
+import re
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
 
-import logging  # noqa: E402
-import pathlib  # noqa: E402
-import re  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import jax_fusedar as jf  # noqa: E402
-from tests.jax.cpu_helpers import needs_native, assert_same_bits  # noqa: E402
-from tests.jax.cpu_helpers import (bits, check_outputs, jdtype, make_mesh, new_rng,  # noqa: E402
+import jax_fusedar as jf
+from tests.jax.cpu_helpers import needs_native, assert_same_bits
+from tests.jax.cpu_helpers import (bits, check_outputs, jdtype, make_mesh, new_rng,
                                    random_gamma, random_partials, random_values,
                                    require_host_devices)
-from jax_fusedar.common.patterns import TRAITS  # noqa: E402
-from jax_fusedar.primitive import FFI_TARGET  # noqa: E402
+from jax_fusedar.common.patterns import TRAITS
+from jax_fusedar.primitive import FFI_TARGET
 
 require_host_devices()
 
@@ -42,8 +37,6 @@ def tp8():
 def xla_ws(mesh, dtype="bfloat16", max_token_num=256):
     return jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=max_token_num,
                                                 hidden_dim=HIDDEN, dtype=jdtype(dtype))
-
-
 
 
 QUANT_CASES = [
@@ -333,8 +326,6 @@ def test_vmapped_batch_beyond_the_workspace_runs_per_element():
     x, r, g = inputs(new_rng(), (2, 9))
     with pytest.raises(ValueError, match=r"9x256 tokens exceed the workspace"):
         sharded(mesh, body, 2)(x, r, g)
-
-
 
 
 @needs_native

@@ -6,21 +6,16 @@ op); against the original it must agree within the fused op's documented roundin
 oracle bounds of tests/jax/cpu_helpers.py). Forms whose rounding differs stay unfused with their
 reason, unless allow_rounding_change is set.
 """
-import os
+import logging
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-import logging  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
-
-from tests.jax import cpu_helpers  # noqa: E402
-import jax_fusedar as jf  # noqa: E402
+from tests.jax import cpu_helpers
+import jax_fusedar as jf
 
 cpu_helpers.require_host_devices()
 

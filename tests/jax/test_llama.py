@@ -3,20 +3,15 @@ on-device weight init (the GPU demo's path), unrolled == scanned layers.
 
 Its logits against Hugging Face's LlamaForCausalLM: tests/jax/test_transformers_parity.py.
 """
-import os
+import dataclasses
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
 
-import dataclasses  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-from tests.jax import cpu_helpers  # noqa: E402
-from jax_fusedar.models import llama  # noqa: E402
+from tests.jax import cpu_helpers
+from jax_fusedar.models import llama
 
 cpu_helpers.require_host_devices()
 MESH = jax.make_mesh((8,), ("tp",))

@@ -2,21 +2,16 @@
 emulation of the kernels' rounding points for the rows before the norm, within stated bounds
 of the float64 oracle for everything, the cuda lowering's custom call, vmap, grad, N-D and
 every bad input. 8 virtual host devices."""
-import os
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import jax_fusedar as jf  # noqa: E402
-import tests.oracles.moe_oracle as mo  # noqa: E402
-from tests.jax.cpu_helpers import make_mesh, needs_native, put, require_host_devices  # noqa: E402
-from jax_fusedar import moe, moe_reference  # noqa: E402
+import jax_fusedar as jf
+import tests.oracles.moe_oracle as mo
+from tests.jax.cpu_helpers import make_mesh, needs_native, put, require_host_devices
+from jax_fusedar import moe, moe_reference
 
 require_host_devices()
 # Also in the oldest-versions lane (./dev oldest).
@@ -319,8 +314,6 @@ def call_finalize(ws, permuted, idx, *, gamma=None, **kw):
 
     f = jax.jit(jax.shard_map(body, mesh=ws.mesh, in_specs=P("tp"), out_specs=(P(), P())))
     return f(np.stack([permuted] * ws.world_size))
-
-
 
 
 @pytest.mark.parametrize("make,match", [

@@ -17,8 +17,8 @@ import sys
 
 import pytest
 
-from tests.repo import REPO  # noqa: E402
-from tests.skips import BUILD_NATIVE  # noqa: E402
+from tests.repo import REPO
+from tests.skips import BUILD_NATIVE
 
 TOOL = REPO / "tools" / "launch_registers.py"
 _spec = importlib.util.spec_from_file_location("launch_registers", TOOL)

@@ -3,27 +3,22 @@ parsing, the plumbing down to the native Rank (JAX and torch, with fakes), the b
 on/off comparison, the build's patching of FlashInfer's wait loops, and the failure message
 of a timed-out wait (call_check.cu compiled with nvcc into a small host program). The
 kernel side runs in tests/gpu/test_timeout.py."""
+import difflib
+import math
 import os
+import pathlib
+import re
+import shutil
+import subprocess
 
-# The JAX plumbing test builds a 2-device mesh: 8 virtual host devices, set before JAX loads.
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import numpy as np
+import pytest
 
-import difflib  # noqa: E402
-import math  # noqa: E402
-import pathlib  # noqa: E402
-import re  # noqa: E402
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
+from jax_fusedar.common import call_check, native, sizing, tp_groups
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-from jax_fusedar.common import call_check, native, sizing, tp_groups  # noqa: E402
-
-from tests.native.host_program import run_host_program  # noqa: E402
-from tests.repo import REPO  # noqa: E402
-from tests.skips import NO_NATIVE, needs_torch  # noqa: E402
+from tests.native.host_program import run_host_program
+from tests.repo import REPO
+from tests.skips import NO_NATIVE, needs_torch
 
 
 # --- option parsing -----------------------------------------------------------------------------

@@ -20,13 +20,12 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-
-from jax_fusedar.cli import main as cli  # noqa: E402
-from jax_fusedar.common import launch_mode  # noqa: E402
-from tools import flashinfer_anchor as fa  # noqa: E402
-from torch_compat import bench as bt  # noqa: E402
+from jax_fusedar.cli import main as cli
+from jax_fusedar.common import launch_mode
+from tools import flashinfer_anchor as fa
+from torch_compat import bench as bt
 
 from tests.repo import REPO
 

@@ -16,17 +16,16 @@ import threading
 import time
 
 import pytest
+import torch
+import torch.distributed as dist
 
-torch = pytest.importorskip("torch")
-dist = pytest.importorskip("torch.distributed")
-
-import torch_compat  # noqa: E402
-from jax_fusedar.common import (backend_choice, exchange, launch_mode, native, sizing,  # noqa: E402
+import torch_compat
+from jax_fusedar.common import (backend_choice, exchange, launch_mode, native, sizing,
                                 tp_groups)
-from torch_compat import ops  # noqa: E402
-from torch_compat import workspace as wsmod  # noqa: E402
-from torch_compat.channel import StoreChannel  # noqa: E402
-from tools.flashinfer_anchor import resolve_anchor_path  # noqa: E402
+from torch_compat import ops
+from torch_compat import workspace as wsmod
+from torch_compat.channel import StoreChannel
+from tools.flashinfer_anchor import resolve_anchor_path
 
 from tests.repo import REPO
 

@@ -9,16 +9,14 @@ T, + residual rounded to T, fp32 norm rounded to T, quantized with tests/oracles
 """
 import numpy as np
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-dist = pytest.importorskip("torch.distributed")
+import torch_compat
+from torch_compat import ops
 
-import torch_compat  # noqa: E402
-from torch_compat import ops  # noqa: E402
-
-from tests.torch.test_torch_compat import fake_workspace  # noqa: E402
-from tests.gpu import parity_jax_torch as par  # noqa: E402
-from tests.gpu import torch_workers as tw  # noqa: E402
+from tests.torch.test_torch_compat import fake_workspace
+from tests.gpu import parity_jax_torch as par
+from tests.gpu import torch_workers as tw
 
 
 class SimTC:
