@@ -150,8 +150,8 @@ def test_dev_demo_installs_the_jax_side_only():
 
 def test_dev_test_installs_every_extra():
     everything = names(dev_requirements())
-    assert {"jax", "torch", "transformers", "pytest", "flatbuffers", "matplotlib",
-            "tqdm"} <= everything
+    assert {"jax", "torch", "transformers", "pytest", "pytest-xdist", "flatbuffers",
+            "matplotlib", "tqdm"} <= everything
 
 
 def test_dev_oldest_pins_the_minimums_pyproject_declares():
@@ -195,6 +195,14 @@ def build_plan(tmp_path, gpus=None, **env_vars) -> str:
 def test_dev_skips_the_kernels_without_a_gpu(tmp_path):
     assert build_plan(tmp_path).startswith("build=0 ")
     assert build_plan(tmp_path, gpus=[]).startswith("build=0 ")
+
+
+def test_dev_runs_gpu_tests_one_at_a_time_and_cpu_tests_in_parallel(tmp_path):
+    assert build_plan(tmp_path, gpus=["9.0"]).endswith(" test_workers=0")
+    workers = int(build_plan(tmp_path).rsplit("test_workers=", 1)[1])
+    cpus = len(os.sched_getaffinity(0))  # what nproc counts
+    assert workers == (0 if cpus < 2 else min(cpus, 4))
+    assert build_plan(tmp_path, JAX_FUSEDAR_TEST_WORKERS="3").endswith(" test_workers=3")
 
 
 def test_dev_builds_for_the_visible_gpus_only(tmp_path):
