@@ -3,13 +3,15 @@ runs: an unusable --out folder (bench and bench --framework torch), --seed out o
 --patterns naming a pattern the bench does not time."""
 import os
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import pytest
 
-import pytest  # noqa: E402
+from tests.cli.test_cli import run_cli
+from tests.repo import REPO
+from tests.skips import needs_torch
 
-from tests.cli.test_cli import run_cli  # noqa: E402
-from tests.repo import REPO  # noqa: E402
+# bench --framework torch runs torch_compat's bench, which needs torch (without it the
+# CLI says so and exits 2 before checking anything else).
+JAX_AND_TORCH = ["jax", pytest.param("torch", marks=needs_torch)]
 
 
 def _refused(r, message):
@@ -18,7 +20,8 @@ def _refused(r, message):
     assert "Traceback" not in r.stderr and r.stdout == "", r.stdout + r.stderr
 
 
-@pytest.mark.parametrize("framework", ["jax", "torch"])
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", JAX_AND_TORCH)
 def test_out_that_is_a_file(tmp_path, framework):
     f = tmp_path / "results"
     f.write_text("not a folder")
@@ -26,14 +29,17 @@ def test_out_that_is_a_file(tmp_path, framework):
     _refused(r, f"--out {f}: {f} exists and is not a folder")
 
 
-@pytest.mark.parametrize("framework", ["jax", "torch"])
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", JAX_AND_TORCH)
 def test_out_that_cannot_be_created(framework):
     r = run_cli("bench", "--framework", framework, "--hidden", 64, "--out", "/proc/forbidden")
     _refused(r, "--out /proc/forbidden: cannot create the folder /proc/forbidden:")
 
 
-@pytest.mark.parametrize("framework,name", [("jax", "bench.json"), ("jax", "bench.png"),
-                                            ("torch", "bench_torch.json")])
+@pytest.mark.slow
+@pytest.mark.parametrize("framework,name", [
+    ("jax", "bench.json"), ("jax", "bench.png"),
+    pytest.param("torch", "bench_torch.json", marks=needs_torch)])
 def test_out_whose_result_file_is_a_folder(tmp_path, framework, name):
     """Checked before the first case: the bench would otherwise time every case and then
     lose the results to IsADirectoryError."""
@@ -52,11 +58,13 @@ def test_out_that_is_not_writable(tmp_path):
     _refused(r, f"cannot write in the folder {tmp_path}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv,message", [
     (["demo", "--seed", "-1"], "argument --seed: -1 is not in [0, 2**32)"),
     (["demo", "--seed", str(2**32)], f"argument --seed: {2**32} is not in [0, 2**32)"),
     (["demo", "--seed", "x"], "argument --seed: 'x' is not an integer"),
-    (["bench", "--framework", "torch", "--seed", "-5"], "argument --seed: -5 is not in"),
+    pytest.param(["bench", "--framework", "torch", "--seed", "-5"],
+                 "argument --seed: -5 is not in", marks=needs_torch),
     (["bench", "--patterns", "0"], "argument --patterns: the bench times patterns 1, 4, 9, 11: "
                                    "0 (kAllReduce) is a fusion pattern the bench does not time"),
     (["bench", "--patterns", "1,2,12"], "2 (kARResidualRMSNormFP8Quant) is a fusion pattern the "

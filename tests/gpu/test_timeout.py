@@ -154,7 +154,7 @@ def test_jax_surfaces_the_timeout_with_the_record():
     assert "waited 3.0 s (timeout 3.0 s) for rank 1" in f["failures"][0], f
     # The kernel traps at the timeout: its record is in host memory (ws.failures()) within
     # timeout + 1 s. XLA then takes longer than torch to report the dead stream: the raise came
-    # 1.41 s after the record on one H200 (session 6: record 3.004 s, raise 4.414 s), 4.3 s in
+    # 1.41 s after the record on one H200 (2026-12-01: record 3.004 s, raise 4.414 s), 4.3 s in
     # all on 2 x H200; torch raises at 3.4-3.6 s.
     t = f["timeline_s"]
     assert t["dispatched"] < 1.0 and t["record"] <= jax_timeout.TIMEOUT_S + 1.0, f

@@ -6,21 +6,16 @@ op); against the original it must agree within the fused op's documented roundin
 oracle bounds of tests/jax/cpu_helpers.py). Forms whose rounding differs stay unfused with their
 reason, unless allow_rounding_change is set.
 """
-import os
+import logging
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-import logging  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
-
-from tests.jax import cpu_helpers  # noqa: E402
-import jax_fusedar as jf  # noqa: E402
+from tests.jax import cpu_helpers
+import jax_fusedar as jf
 
 cpu_helpers.require_host_devices()
 
@@ -126,6 +121,7 @@ def assert_close_to_unfused(unfused, fused, dtype="bfloat16"):
 
 # --- forms that fuse ------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("norm", [norm_plain, norm_pow, norm_linen, norm_nnx])
 def test_exact_forms_are_fused_and_equal_the_hand_written_op(norm, ws):
     gamma_dtype = "float32" if norm is norm_nnx else None  # nnx rounds its f32 param to T
@@ -250,6 +246,7 @@ def _wrapped_models():
 MODELS = _wrapped_models()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
 def test_sites_inside_wrappers_are_fused(name, ws):
     body, n_sites, runs = MODELS[name]
@@ -381,6 +378,7 @@ def _reason(body, ws, *, gamma_dtype=None, allow=False, shape=(T, H)):
     return fused.report, f(x, res, g), out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("body, gamma_dtype, reason", [
     (site_body(norm_maxtext), None, "gamma multiplied in bfloat16 after the norm is rounded"),
     (site_body(norm_plain), "float32", "float32 gamma (the kernel reads gamma in bfloat16)"),
