@@ -3,24 +3,19 @@
 reason) per style; the fused model's outputs and gradients against the model as written,
 within the documented bound; and the program lowered for CUDA holding one fused custom call
 per fused site (the plain-jit Auto-axes style: the partition rule's per-shard program)."""
-import os
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
-
-from tests.jax import cpu_helpers  # noqa: E402
-from tests.jax.cpu_helpers import needs_native  # noqa: E402
-from tests.models.common import Config  # noqa: E402
-from tests.models.styles import PLAIN_JIT, STYLES  # noqa: E402
-import jax_fusedar as jf  # noqa: E402
-from jax_fusedar import partitioning  # noqa: E402
-from jax_fusedar.primitive import FFI_TARGET  # noqa: E402
+from tests.jax import cpu_helpers
+from tests.jax.cpu_helpers import needs_native
+from tests.models.common import Config
+from tests.models.styles import PLAIN_JIT, STYLES
+import jax_fusedar as jf
+from jax_fusedar import partitioning
+from jax_fusedar.primitive import FFI_TARGET
 
 cpu_helpers.require_host_devices()
 

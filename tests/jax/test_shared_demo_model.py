@@ -4,20 +4,15 @@ the vocabulary-parallel one; weights drawn on the devices are the same values fo
 and ``repack_columns`` reads them as the same model for another TP size (what makes the
 unsharded reference the same model on GPUs); and the fused TP model stays within
 ``reference_tolerance`` of that reference at 2, 4 and 8 ranks."""
-import os
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-from jax_fusedar import fuse  # noqa: E402
-from jax_fusedar.cli.shared_demo import reference_tolerance  # noqa: E402
-from jax_fusedar.models import llama  # noqa: E402
-from tests.jax.cpu_helpers import make_mesh, require_host_devices  # noqa: E402
+from jax_fusedar import fuse
+from jax_fusedar.cli.shared_demo import reference_tolerance
+from jax_fusedar.models import llama
+from tests.jax.cpu_helpers import make_mesh, require_host_devices
 
 require_host_devices()
 
