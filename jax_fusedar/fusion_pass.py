@@ -36,7 +36,7 @@ from typing import Optional
 import jax
 import numpy as np
 
-from .fusion import rewriting
+from .fusion import jax_internals, rewriting
 from .fusion.matching import Scope
 from .fusion.report import FusionReport, Reject, Site  # noqa: F401 (public names)
 from .fusion.scopes import Analyzer
@@ -157,6 +157,7 @@ def fuse(fn=None, *, mesh=None, axis_name: Optional[str] = None, workspace=None,
       log_level: level of the one-line report logged at each trace.
     Can be used as a decorator: ``@functools.partial(fuse, mesh=mesh)``.
     """
+    jax_internals.require_supported_jax()
     if fn is None:
         return functools.partial(fuse, mesh=mesh, axis_name=axis_name, workspace=workspace,
                                  max_tokens=max_tokens, backend=backend,

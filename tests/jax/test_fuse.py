@@ -536,6 +536,24 @@ def test_bad_arguments_are_refused_by_name(kwargs, error, message):
     assert message in str(e.value)
 
 
+@pytest.mark.oldest
+def test_a_jax_older_than_the_pass_needs_is_named(monkeypatch):
+    """The pass reads jaxprs through JAX 0.10's APIs: on an older JAX (the oldest lane runs
+    JAX 0.8.2; elsewhere the version is made to read 0.9.3) fuse refuses at once, naming the
+    JAX it needs and the op that runs on the older one, instead of failing inside a trace
+    with an AttributeError."""
+    if jax.__version_info__ >= (0, 10):
+        monkeypatch.setattr(jax, "__version_info__", (0, 9, 3))
+        monkeypatch.setattr(jax, "__version__", "0.9.3")
+    needs = (rf"jax_fusedar\.fuse needs JAX >= 0\.10, found jax {jax.__version__}: pip install "
+             rf"-U 'jax>=0\.10', or call jax_fusedar\.allreduce_fusion in the model directly "
+             rf"\(it runs on JAX >= {jf.MIN_JAX}\)")
+    with pytest.raises(RuntimeError, match=needs):
+        jf.fuse(lambda x: x, mesh=MESH)
+    with pytest.raises(RuntimeError, match=needs):
+        jf.fuse(mesh=MESH)   # the decorator form
+
+
 def test_workspace_with_another_axis_is_refused(ws):
     with pytest.raises(ValueError,
                        match="fuse: axis_name 'dp' differs from the workspace's axis 'tp'"):
