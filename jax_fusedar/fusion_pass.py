@@ -157,7 +157,6 @@ def fuse(fn=None, *, mesh=None, axis_name: Optional[str] = None, workspace=None,
       log_level: level of the one-line report logged at each trace.
     Can be used as a decorator: ``@functools.partial(fuse, mesh=mesh)``.
     """
-    jax_internals.require_supported_jax()
     if fn is None:
         return functools.partial(fuse, mesh=mesh, axis_name=axis_name, workspace=workspace,
                                  max_tokens=max_tokens, backend=backend,
@@ -204,6 +203,8 @@ def fuse(fn=None, *, mesh=None, axis_name: Optional[str] = None, workspace=None,
     if not isinstance(allow_rounding_change, (bool, np.bool_)):
         raise TypeError(f"fuse: allow_rounding_change must be True or False, got "
                         f"{allow_rounding_change!r}")
+    # The arguments first (each error names its argument), then whether this JAX can run it.
+    jax_internals.require_supported_jax()
     return FusedFunction(fn, mesh=mesh, axis_name=axis_name, workspace=workspace,
                          max_tokens=None if max_tokens is None else int(max_tokens),
                          backend=backend, allow_rounding_change=allow_rounding_change,

@@ -44,7 +44,8 @@ from tests.jax.cpu_helpers import make_mesh, require_host_devices  # noqa: E402
 
 require_host_devices()
 
-pytestmark = pytest.mark.usefixtures("hermetic")
+# Also in the oldest-versions lane (./dev oldest).
+pytestmark = [pytest.mark.usefixtures("hermetic"), pytest.mark.oldest]
 
 MESH_KW = dict(max_token_num=8, hidden_dim=256, dtype=jnp.bfloat16)
 

@@ -24,7 +24,8 @@ from tests.oracles import oracle
 
 require_host_devices()
 
-pytestmark = pytest.mark.usefixtures("hermetic")
+# Also in the oldest-versions lane (./dev oldest).
+pytestmark = [pytest.mark.usefixtures("hermetic"), pytest.mark.oldest]
 
 DTYPES = ("bfloat16", "float16", "float32")
 

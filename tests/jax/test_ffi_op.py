@@ -17,6 +17,8 @@ from tests.jax.cpu_helpers import make_mesh, needs_native, require_host_devices
 
 require_host_devices()
 
+# Also in the oldest-versions lane (./dev oldest).
+pytestmark = pytest.mark.oldest
 
 # --- a new op, declared in a page -----------------------------------------------------------------
 

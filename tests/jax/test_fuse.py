@@ -539,9 +539,9 @@ def test_bad_arguments_are_refused_by_name(kwargs, error, message):
 @pytest.mark.oldest
 def test_a_jax_older_than_the_pass_needs_is_named(monkeypatch):
     """The pass reads jaxprs through JAX 0.10's APIs: on an older JAX (the oldest lane runs
-    JAX 0.8.2; elsewhere the version is made to read 0.9.3) fuse refuses at once, naming the
-    JAX it needs and the op that runs on the older one, instead of failing inside a trace
-    with an AttributeError."""
+    JAX 0.8.2; elsewhere the version is made to read 0.9.3) fuse refuses once its arguments
+    are checked, before any trace, naming the JAX it needs and the op that runs on the older
+    one, instead of failing inside a trace with an AttributeError."""
     if jax.__version_info__ >= (0, 10):
         monkeypatch.setattr(jax, "__version_info__", (0, 9, 3))
         monkeypatch.setattr(jax, "__version__", "0.9.3")
@@ -551,7 +551,9 @@ def test_a_jax_older_than_the_pass_needs_is_named(monkeypatch):
     with pytest.raises(RuntimeError, match=needs):
         jf.fuse(lambda x: x, mesh=MESH)
     with pytest.raises(RuntimeError, match=needs):
-        jf.fuse(mesh=MESH)   # the decorator form
+        jf.fuse(mesh=MESH)(lambda x: x)   # the decorator form
+    with pytest.raises(ValueError, match="fuse: max_tokens must be a positive integer"):
+        jf.fuse(lambda x: x, mesh=MESH, max_tokens=0)   # the arguments are checked first
 
 
 def test_workspace_with_another_axis_is_refused(ws):

@@ -20,7 +20,8 @@ from jax_fusedar.primitive import FFI_TARGET
 
 require_host_devices()
 
-pytestmark = pytest.mark.usefixtures("hermetic")
+# Also in the oldest-versions lane (./dev oldest).
+pytestmark = [pytest.mark.usefixtures("hermetic"), pytest.mark.oldest]
 
 TOKENS, K, N = 16, 64, 128
 
