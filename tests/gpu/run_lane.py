@@ -30,7 +30,7 @@ EXPECTED_S = {
               "test_moe.py": 150, "test_jax.py": 130, "test_demo.py": 90,
               "test_topology.py": 75, "test_native.py": 45, "test_large_message.py": 40,
               "test_handler_errors.py": 30,
-              "test_multinode.py": 40, "test_parity.py": 35},
+              "test_multinode.py": 40, "test_parity.py": 35, "test_fuse_styles.py": 90},
     "slow": {"test_moe.py": 300, "test_torch.py": 250, "test_timeout.py": 150,
              "test_topology.py": 150, "test_jax.py": 150, "test_parity.py": 80,
              "test_native.py": 60, "test_large_message.py": 60, "test_demo.py": 100},

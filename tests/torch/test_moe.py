@@ -1,6 +1,6 @@
 """torch_compat's MoE patterns (6, 7) on CPU: FlashInfer's argument names, defaults and return
 rules, what reaches the native launch, every refused input, and the custom ops' fake
-implementations (the kernels themselves run in tests/gpu/moe_workers.py)."""
+implementations (the kernels themselves run in tests/gpu/workers/moe_gpu.py)."""
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
