@@ -121,7 +121,6 @@ def assert_close_to_unfused(unfused, fused, dtype="bfloat16"):
 
 # --- forms that fuse ------------------------------------------------------------------------------
 
-@pytest.mark.slow
 @pytest.mark.parametrize("norm", [norm_plain, norm_pow, norm_linen, norm_nnx])
 def test_exact_forms_are_fused_and_equal_the_hand_written_op(norm, ws):
     gamma_dtype = "float32" if norm is norm_nnx else None  # nnx rounds its f32 param to T
@@ -246,7 +245,6 @@ def _wrapped_models():
 MODELS = _wrapped_models()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
 def test_sites_inside_wrappers_are_fused(name, ws):
     body, n_sites, runs = MODELS[name]
@@ -378,7 +376,6 @@ def _reason(body, ws, *, gamma_dtype=None, allow=False, shape=(T, H)):
     return fused.report, f(x, res, g), out
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("body, gamma_dtype, reason", [
     (site_body(norm_maxtext), None, "gamma multiplied in bfloat16 after the norm is rounded"),
     (site_body(norm_plain), "float32", "float32 gamma (the kernel reads gamma in bfloat16)"),

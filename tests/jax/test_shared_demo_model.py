@@ -47,6 +47,7 @@ def test_a_replicated_lm_head_gives_the_same_logits():
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_device_draws_do_not_depend_on_the_mesh():
     four = llama.init_params(CFG, make_mesh((4,), (AXIS,)), AXIS, jnp.bfloat16, 3, host=False)
     one = llama.init_params(CFG, make_mesh((1,), (AXIS,)), AXIS, jnp.bfloat16, 3, host=False)
@@ -54,6 +55,7 @@ def test_device_draws_do_not_depend_on_the_mesh():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [4, 8])
 def test_repacked_columns_are_the_same_model(tp):
     """Weights drawn packed for ``tp`` ranks, repacked for one: the unsharded model's logits
