@@ -33,14 +33,39 @@ __all__ = ["AllReduceFusionPattern", "QuantizationSFLayout", *_LAZY]
 NEEDS_JAX = "jax_fusedar's JAX API needs JAX: pip install 'jax_fusedar[jax]'"
 
 
+# The oldest JAX the API runs on: pyproject.toml's minimum (tests/test_install.py keeps the
+# two equal). Older releases lack what it uses (jax.lax.pcast, JAX 0.8.2).
+MIN_JAX = "0.8.2"
+
+
 def _is_missing_jax(error: ModuleNotFoundError) -> bool:
     return (error.name or "").split(".")[0] in ("jax", "jaxlib")
+
+
+def _release(version: str) -> tuple:
+    """(0, 8, 2) for "0.8.2", "0.8.2.dev20250101", "0.8.2rc1"."""
+    import re
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
+
+
+def _check_jax_version() -> None:
+    """Raises ImportError naming the version needed when the installed JAX is too old (an
+    old JAX would otherwise fail later with an AttributeError deep inside)."""
+    from importlib import metadata
+    try:
+        found = metadata.version("jax")
+    except metadata.PackageNotFoundError:
+        return  # not installed: the import below says how to get it
+    if _release(found) < _release(MIN_JAX):
+        raise ImportError(f"jax_fusedar's JAX API needs JAX >= {MIN_JAX}, found jax {found}: "
+                          f"pip install -U 'jax>={MIN_JAX}'")
 
 
 def __getattr__(name):
     if name in _LAZY:
         import importlib
         module, attr = _LAZY[name]
+        _check_jax_version()
         try:
             mod = importlib.import_module(f".{module}", __name__)
         except ModuleNotFoundError as e:

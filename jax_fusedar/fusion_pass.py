@@ -36,7 +36,7 @@ from typing import Optional
 import jax
 import numpy as np
 
-from .fusion import rewriting
+from .fusion import jax_internals, rewriting
 from .fusion.matching import Scope
 from .fusion.report import FusionReport, Reject, Site  # noqa: F401 (public names)
 from .fusion.scopes import Analyzer
@@ -203,6 +203,8 @@ def fuse(fn=None, *, mesh=None, axis_name: Optional[str] = None, workspace=None,
     if not isinstance(allow_rounding_change, (bool, np.bool_)):
         raise TypeError(f"fuse: allow_rounding_change must be True or False, got "
                         f"{allow_rounding_change!r}")
+    # The arguments first (each error names its argument), then whether this JAX can run it.
+    jax_internals.require_supported_jax()
     return FusedFunction(fn, mesh=mesh, axis_name=axis_name, workspace=workspace,
                          max_tokens=None if max_tokens is None else int(max_tokens),
                          backend=backend, allow_rounding_change=allow_rounding_change,

@@ -4,13 +4,18 @@ import pytest
 
 
 def pytest_configure(config):
+    # docs/testing.md says what each marker is for and which lane runs it.
     config.addinivalue_line(
-        "markers", "gpu: needs NVIDIA GPUs and the native extension (run on the device machine)")
+        "markers", "gpu: needs NVIDIA GPUs and the native module (tools/gpu_check.sh and "
+                   "python -m tests.gpu.run_lane run them)")
     config.addinivalue_line(
-        "markers", "slow: takes minutes (left out of the quick lanes: -m 'not slow')")
+        "markers", "slow: takes more than about 5 s on 2 cores; ./dev test --quick and the "
+                   "GPU quick lane leave it out")
     config.addinivalue_line(
         "markers", "sweep: an exhaustive sweep, left out of every lane unless asked for "
                    "(pytest -m sweep)")
+    config.addinivalue_line(
+        "markers", "oldest: also runs on the oldest JAX and torch supported (./dev oldest)")
 
 
 def gpu_count() -> int:
@@ -26,7 +31,8 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip_sweep)
     if gpu_count() > 0:
         return
-    skip = pytest.mark.skip(reason="no CUDA GPU visible (GPU tests run on the device machine)")
+    skip = pytest.mark.skip(reason="no CUDA GPU visible (tools/gpu_check.sh runs the GPU tests "
+                                   "on a machine with GPUs)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
@@ -54,7 +60,7 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 def hermetic(monkeypatch):
     """No strict mode, backend choice or call check leaking in from the environment, and
     fallback warnings neither hidden by earlier tests nor hiding later ones (each kind logs
-    once). Imported lazily: a test module sets XLA_FLAGS before JAX is first imported."""
+    once). Imported lazily: tests/jax/conftest.py sets XLA_FLAGS before JAX is first imported."""
     from jax_fusedar import call_plan
     from jax_fusedar.common import backend_choice, call_check
     for var in (backend_choice.STRICT_ENV_VAR, backend_choice.BACKEND_ENV_VAR,

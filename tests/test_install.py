@@ -41,6 +41,34 @@ def test_package_imports_without_jax_and_names_the_extra():
         assert "pip install 'jax_fusedar[jax]'" in line
 
 
+def test_too_old_a_jax_is_named_with_the_version_needed():
+    # An installed jax older than the minimum (metadata says 0.7.2; nothing is imported).
+    result = run_python(
+        "import importlib.metadata as m\n"
+        "real = m.version\n"
+        "m.version = lambda name: '0.7.2' if name == 'jax' else real(name)\n"
+        "import jax_fusedar as jf\n"
+        "try:\n"
+        "    jf.allreduce_fusion\n"
+        "except ImportError as e:\n"
+        "    print('ImportError', e)\n")
+    assert result.returncode == 0, result.stderr
+    import jax_fusedar
+    assert result.stdout.strip() == (
+        f"ImportError jax_fusedar's JAX API needs JAX >= {jax_fusedar.MIN_JAX}, found jax 0.7.2: "
+        f"pip install -U 'jax>={jax_fusedar.MIN_JAX}'"), result.stdout
+
+
+def test_the_jax_minimum_is_pyprojects():
+    import tomllib
+
+    import jax_fusedar
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    extras = meta["project"]["optional-dependencies"]
+    assert f"jax>={jax_fusedar.MIN_JAX}" in extras["jax"]
+    assert f"jaxlib>={jax_fusedar.MIN_JAX}" in meta["build-system"]["requires"]
+
+
 def test_other_import_errors_are_not_blamed_on_jax():
     result = run_python(
         "import sys\n"
@@ -112,14 +140,100 @@ def names(requirements):
 
 def test_dev_demo_installs_the_jax_side_only():
     demo = names(dev_requirements("jax"))
-    assert {"jax", "jaxlib", "numpy", "nanobind", "scikit-build-core"} <= demo
+    assert {"jax", "numpy"} <= demo
     assert not demo & {"torch", "transformers", "pytest", "matplotlib"}, demo
+    # The build's own requirements only where it builds the native libraries.
+    assert not demo & {"nanobind", "scikit-build-core", "cmake", "ninja"}, demo
+    built = names(dev_requirements("--build", "jax"))
+    assert {"jax", "jaxlib", "numpy", "nanobind", "scikit-build-core", "cmake", "ninja"} <= built
 
 
 def test_dev_test_installs_every_extra():
     everything = names(dev_requirements())
-    assert {"jax", "torch", "transformers", "pytest", "flatbuffers", "matplotlib",
-            "tqdm"} <= everything
+    assert {"jax", "torch", "transformers", "pytest", "pytest-xdist", "flatbuffers",
+            "matplotlib", "tqdm"} <= everything
+
+
+def test_dev_oldest_pins_the_minimums_pyproject_declares():
+    import tomllib
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    minimum = {}
+    for req in meta["project"]["optional-dependencies"]["jax"] + \
+            meta["project"]["optional-dependencies"]["torch"]:
+        name, version = req.split(">=")
+        minimum[name] = version
+    pins = dict(r.split("==") for r in dev_requirements("--oldest", "jax", "torch") if "==" in r)
+    assert pins == {"jax": minimum["jax"], "jaxlib": minimum["jax"], "torch": minimum["torch"]}
+
+
+def build_plan(tmp_path, gpus=None, **env_vars) -> str:
+    """./dev build-plan's line, with nvidia-smi reporting these compute capabilities (a
+    stand-in on PATH) or absent, and these environment variables."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    path = "/usr/bin:/bin"
+    if gpus is not None:
+        (bin_dir / "nvidia-smi").write_text("#!/bin/sh\n" + "".join(
+            f"echo '{cap}'\n" for cap in gpus))
+        (bin_dir / "nvidia-smi").chmod(0o755)
+        path = f"{bin_dir}:{path}"
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("JAX_FUSEDAR_") and k != "PATH"}
+    # A checkout without an earlier native build: ./dev decides from the GPUs alone.
+    work = tmp_path / "checkout"
+    if not work.exists():
+        work.mkdir()
+        for name in ("dev", "pyproject.toml"):
+            (work / name).write_bytes((ROOT / name).read_bytes())
+        (work / "dev").chmod(0o755)
+    result = subprocess.run([str(work / "dev"), "build-plan"], capture_output=True, text=True,
+                            timeout=60, env={**env, "PATH": path, **env_vars})
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def test_dev_skips_the_kernels_without_a_gpu(tmp_path):
+    assert build_plan(tmp_path).startswith("build=0 ")
+    assert build_plan(tmp_path, gpus=[]).startswith("build=0 ")
+
+
+def test_dev_runs_gpu_tests_one_at_a_time_and_cpu_tests_in_parallel(tmp_path):
+    assert build_plan(tmp_path, gpus=["9.0"]).endswith(" test_workers=0")
+    workers = int(build_plan(tmp_path).rsplit("test_workers=", 1)[1])
+    cpus = len(os.sched_getaffinity(0))  # what nproc counts
+    assert workers == (0 if cpus < 2 else min(cpus, 4))
+    assert build_plan(tmp_path, JAX_FUSEDAR_TEST_WORKERS="3").endswith(" test_workers=3")
+
+
+def test_dev_builds_for_the_visible_gpus_only(tmp_path):
+    plan = build_plan(tmp_path, gpus=["9.0", "9.0"])
+    assert plan.startswith("build=1 archs_arg=-DJAX_FUSEDAR_CUDA_ARCHS=90a "), plan
+    plan = build_plan(tmp_path, gpus=["9.0", "10.0"])
+    assert "archs_arg=-DJAX_FUSEDAR_CUDA_ARCHS=90a;100a " in plan, plan
+    plan = build_plan(tmp_path, gpus=["9.0"], JAX_FUSEDAR_CUDA_ARCHS="100a")
+    assert "archs_arg=-DJAX_FUSEDAR_CUDA_ARCHS=100a " in plan, plan  # told otherwise
+
+
+def test_dev_keeps_an_earlier_native_build_in_step(tmp_path):
+    build_plan(tmp_path)  # makes the checkout
+    (tmp_path / "checkout" / "build" / "dev").mkdir(parents=True)
+    (tmp_path / "checkout" / "build" / "dev" / "build.ninja").write_text("")
+    (tmp_path / "checkout" / "jax_fusedar").mkdir()
+    (tmp_path / "checkout" / "jax_fusedar" / "_fusedar.cpython-311-x86_64-linux-gnu.so").touch()
+    plan = build_plan(tmp_path)
+    assert plan.startswith("build=1 archs_arg= why=built here before"), plan  # its archs
+
+
+def test_dev_builds_the_kernels_when_asked(tmp_path):
+    # CI: no GPU, every default architecture (CMake's default, or JAX_FUSEDAR_CUDA_ARCHS).
+    plan = build_plan(tmp_path, JAX_FUSEDAR_BUILD_KERNELS="1")
+    assert plan.startswith("build=1 archs_arg=-UJAX_FUSEDAR_CUDA_ARCHS "), plan
+    assert build_plan(tmp_path, gpus=["9.0"], JAX_FUSEDAR_BUILD_KERNELS="off").startswith(
+        "build=0 ")
+    bad = subprocess.run([str(tmp_path / "checkout" / "dev"), "build-plan"], text=True,
+                         capture_output=True, timeout=60,
+                         env={**os.environ, "JAX_FUSEDAR_BUILD_KERNELS": "maybe"})
+    assert bad.returncode == 2 and "JAX_FUSEDAR_BUILD_KERNELS must be" in bad.stderr
 
 
 def test_dev_rejects_an_unknown_extra():

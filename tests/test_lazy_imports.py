@@ -9,9 +9,13 @@ import importlib.util
 
 import pytest
 
+from tests.cpu_devices import use_host_devices
 from tests.repo import REPO
 
 OURS = ("tests", "jax_fusedar", "torch_compat")
+# Resolving imports runs test modules of tests/jax, which need the 8 CPU devices their
+# conftest.py sets up (pytest does not load it when this file runs alone).
+use_host_devices()
 
 
 def _own_imports():

@@ -4,13 +4,13 @@ row_parallel_allreduce_fusion, torch_compat's functions, the CLI's flags) with w
 options: strings for bools and numbers, floats and bools for ints, numbers for names. Each
 must raise TypeError or ValueError whose message names the argument, before anything runs.
 8 virtual CPU devices (JAX), FakeRanks (torch), the CLI's parser in process."""
-import os
+import pytest
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from tests.cpu_devices import use_host_devices
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+# The 8 CPU devices, set before JAX is first imported (below): this file sits outside the
+# folders whose conftest.py sets them up (tests/cpu_devices.py).
+use_host_devices()
 
 # Wrong values by the kind of option (None where None is not a valid value).
 BOOL = ["false", "True", 1, 0.0]
@@ -44,7 +44,8 @@ from tests.jax.cpu_helpers import make_mesh, require_host_devices  # noqa: E402
 
 require_host_devices()
 
-pytestmark = pytest.mark.usefixtures("hermetic")
+# Also in the oldest-versions lane (./dev oldest).
+pytestmark = [pytest.mark.usefixtures("hermetic"), pytest.mark.oldest]
 
 MESH_KW = dict(max_token_num=8, hidden_dim=256, dtype=jnp.bfloat16)
 

@@ -1,8 +1,9 @@
 """Every ```python block of README.md runs, verbatim, in order and in one namespace, in a
-fresh process with 8 CPU devices (as a reader would paste them into one session).
+fresh process with 8 CPU devices (as a reader would paste them into one interpreter); so do
+the blocks of the docs pages in ``RUN_PAGES``, each page in its own process.
 
-A block whose first line starts with ``# Needs 2 GPUs`` (the README states the convention
-where it first matters) cannot run here; it still must compile, and every
+A README block whose first line starts with ``# Needs 2 GPUs`` (the README states the
+convention where it first matters) cannot run here; it still must compile, and every
 ``comm.<function>(...)`` call in it must bind to ``torch_compat``'s real signature (so a
 renamed function or keyword fails here); tests/gpu/test_readme.py executes it verbatim on
 two GPUs under torchrun.
@@ -10,7 +11,7 @@ two GPUs under torchrun.
 A block whose first line names a script (``# two_node.py ARGS...``) is a program launched
 with arguments, one process per node: it does not run in the shared namespace here; the
 test named in ``SCRIPT_TESTS`` writes it to a file and launches it (tests/jax/test_multinode.py
-runs two_node.py as two processes on two simulated hosts).
+runs docs/multinode.md's two_node.py as two processes on two simulated hosts).
 """
 import ast
 import inspect
@@ -24,33 +25,52 @@ from pathlib import Path
 import pytest
 
 from tests.repo import REPO
+from tests.skips import needs_native
 
 
 README = REPO / "README.md"
+# Docs pages whose python blocks run here too (each page in its own process).
+RUN_PAGES = ["docs/jax_api.md", "docs/multinode.md"]
 GPU_MARKER = "# Needs 2 GPUs"
 SCRIPT_HEADER = re.compile(r"# (\w+\.py)\b")
 # script name -> the test file (under tests/) that launches it
 SCRIPT_TESTS = {"two_node.py": "jax/test_multinode.py"}
 
 
-def python_blocks():
+def python_blocks(page=README):
     """[(line number of the block's first code line, code)] of every ```python block."""
-    text = README.read_text()
+    text = page.read_text()
     return [(text.count("\n", 0, m.start(1)) + 1, m.group(1))
             for m in re.finditer(r"^```python\n(.*?)^```", text, re.M | re.S)]
 
 
-def script_blocks():
-    return [(n, code) for n, code in python_blocks() if SCRIPT_HEADER.match(code)]
+def script_blocks(page=README):
+    return [(n, code) for n, code in python_blocks(page) if SCRIPT_HEADER.match(code)]
 
 
-def cpu_blocks():
-    return [(n, code) for n, code in python_blocks()
+def cpu_blocks(page=README):
+    return [(n, code) for n, code in python_blocks(page)
             if not code.startswith(GPU_MARKER) and not SCRIPT_HEADER.match(code)]
 
 
-def gpu_blocks():
-    return [(n, code) for n, code in python_blocks() if code.startswith(GPU_MARKER)]
+def gpu_blocks(page=README):
+    return [(n, code) for n, code in python_blocks(page) if code.startswith(GPU_MARKER)]
+
+
+def run_blocks(page, blocks):
+    """Runs the blocks in one fresh process on 8 CPU devices; returns its stdout."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    for var in ("JAX_FUSEDAR_STRICT", "JAX_FUSEDAR_ALLREDUCE_BACKEND"):
+        env.pop(var, None)
+    r = subprocess.run([sys.executable, "-c", RUNNER.replace("README.md", page)],
+                       input=json.dumps(blocks), env=env, capture_output=True, text=True,
+                       timeout=900, cwd=REPO)
+    assert r.returncode == 0, f"a {page} block failed:\n{r.stdout}\n{r.stderr[-6000:]}"
+    ran = re.findall(r"ran README block at line (\d+)", r.stdout)
+    assert [int(n) for n in ran] == [n for n, _ in blocks]
+    return r.stdout
 
 
 # Runs in the child: execs each block under its README line number (so a traceback points
@@ -64,7 +84,7 @@ for line, code in blocks:
     exec(compile("\n" * (line - 1) + code, "README.md", "exec"), ns)
     print(f"ran README block at line {line}", flush=True)
 facts = {}
-for name in ("residual_out", "norm_out", "norm", "stream"):
+for name in ("residual_out", "norm_out", "norm", "stream", "moe_norm"):
     if name in ns:
         a = np.asarray(ns[name]).astype(np.float32)
         facts[name] = {"shape": list(a.shape), "finite": bool(np.isfinite(a).all())}
@@ -72,23 +92,29 @@ print("FACTS " + json.dumps(facts))
 """
 
 
+@pytest.mark.slow
 def test_readme_python_blocks_run_on_8_cpu_devices():
     blocks = cpu_blocks()
-    assert len(blocks) >= 3, "the README lost its Usage / jit / export examples"
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    for var in ("JAX_FUSEDAR_STRICT", "JAX_FUSEDAR_ALLREDUCE_BACKEND"):
-        env.pop(var, None)
-    r = subprocess.run([sys.executable, "-c", RUNNER], input=json.dumps(blocks), env=env,
-                       capture_output=True, text=True, timeout=900, cwd=REPO)
-    assert r.returncode == 0, f"a README block failed:\n{r.stdout}\n{r.stderr[-6000:]}"
-    ran = re.findall(r"ran README block at line (\d+)", r.stdout)
-    assert [int(n) for n in ran] == [n for n, _ in blocks]
-    facts = json.loads(r.stdout.split("FACTS ", 1)[1])
+    assert len(blocks) >= 4, "the README lost its allreduce_fusion / fuse / jit / MoE examples"
+    out = run_blocks("README.md", blocks)
+    facts = json.loads(out.split("FACTS ", 1)[1])
     # The last assignment wins: the fuse block's call (x [4, 512]), and the jit block's outputs.
     assert facts["residual_out"] == facts["norm_out"] == {"shape": [4, 512], "finite": True}
     assert facts["norm"] == facts["stream"] == {"shape": [4, 32, 1024], "finite": True}
+    assert facts["moe_norm"] == {"shape": [4, 512], "finite": True}
+
+
+# jax_api.md's export example lowers a kernel workspace for cuda: that needs the native module.
+@pytest.mark.parametrize("page", [pytest.param("docs/jax_api.md", marks=needs_native),
+                                  "docs/multinode.md"])
+def test_docs_python_blocks_run_on_8_cpu_devices(page):
+    blocks = cpu_blocks(REPO / page)
+    if page == "docs/jax_api.md":
+        assert blocks, "docs/jax_api.md lost its export example"
+    for _, code in python_blocks(REPO / page):
+        assert not code.startswith(GPU_MARKER), f"{page}: GPU blocks run only from the README"
+    if blocks:
+        run_blocks(page, blocks)
 
 
 def test_gpu_blocks_compile_and_call_torch_compat_as_it_is():
@@ -120,10 +146,12 @@ def test_every_python_block_is_run_here_or_marked():
     assert len(cpu_blocks()) + len(gpu_blocks()) + len(script_blocks()) == len(python_blocks())
 
 
-def test_every_readme_script_is_launched_by_a_test():
-    names = [SCRIPT_HEADER.match(code).group(1) for _, code in script_blocks()]
-    assert names, "the README lost its two-node script"
+@pytest.mark.parametrize("page", ["README.md", *RUN_PAGES])
+def test_every_script_is_launched_by_a_test(page):
+    names = [SCRIPT_HEADER.match(code).group(1) for _, code in script_blocks(REPO / page)]
+    if page == "docs/multinode.md":
+        assert names, "docs/multinode.md lost its two-node script"
     for name in names:
-        assert name in SCRIPT_TESTS, f"README script {name} is run by no test"
+        assert name in SCRIPT_TESTS, f"{page} script {name} is run by no test"
         test_file = Path(__file__).parent / SCRIPT_TESTS[name]
         assert f"# {name}" in test_file.read_text(), f"{test_file.name} does not launch {name}"

@@ -6,8 +6,8 @@
 //     -gencode=arch=compute_90a,code=sm_90a -DFLASHINFER_ENABLE_BF16 -DFLASHINFER_ENABLE_F16 \
 //     -DFLASHINFER_ENABLE_FP8_E4M3 -DFLASHINFER_ENABLE_FP8_E5M2 -DFLASHINFER_ENABLE_FP4_E2M1 \
 //     -Ithird_party/flashinfer/include -Iffi/kernels -Iffi/core/include \
-//     tools/large_message_bench.cu ffi/kernels/large_resources.cu -o .carry/large_message_bench
-//   .carry/large_message_bench [sweep|decode|ce]
+//     tools/large_message_bench.cu ffi/kernels/large_resources.cu -o build/large_message_bench
+//   build/large_message_bench [sweep|decode|ce]
 //
 // sweep prints, per size: bit mismatches of the new path against FlashInfer's two-shot
 // (residual_out, norm_out), whether both ranks agree bit for bit, and the median time per call
@@ -25,8 +25,8 @@
 #include <string>
 #include <vector>
 
-// FlashInfer's header as shipped, without the core build's generated headers: on main (issue
-// 17) flashinfer_kernel.cuh includes the bounded-wait hooks and the generated register table
+// FlashInfer's header as shipped, without the core build's generated headers:
+// flashinfer_kernel.cuh includes the bounded-wait hooks and the generated register table
 // unless this is defined. The harness compares against FlashInfer's own kernels.
 #define FUSEDAR_UNHOOKED_PROBE
 #include "large_message.cuh"

@@ -52,13 +52,8 @@ echo "== fresh venv: the wheel with its [jax] extra"
 mkdir -p "$work/run"
 cp tools/wheel_smoke.py "$work/run/"
 cp -r tests "$work/run/tests"
-# The JAX API's CPU tests: tests/jax/test_api.py since the layout by layers, before it
-# tests/test_api_cpu.py.
-api_tests=""
-for f in tests/jax/test_api.py tests/test_api_cpu.py; do
-  if [ -f "$work/run/$f" ]; then api_tests=$f; break; fi
-done
-[ -n "$api_tests" ] || { echo "wheel_check: the JAX API's CPU test file was not found" >&2; exit 1; }
+api_tests=tests/jax/test_api.py
+[ -f "$work/run/$api_tests" ] || { echo "wheel_check: $api_tests was not found" >&2; exit 1; }
 no_cuda_path=$work/venv/bin:/usr/bin:/bin
 if PATH=$no_cuda_path command -v nvcc >/dev/null; then
   echo "wheel_check: nvcc is still on $no_cuda_path" >&2; exit 1

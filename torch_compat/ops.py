@@ -21,7 +21,7 @@ patterns 2/4, NVFP4 3/5 (sm100+ only), per-token-group FP8 8/9 and dynamic FP8 1
   ``layout_code``, ``block_quant_group_size``) are ignored, as there.
 
 Quantized outputs (shapes per rank, M tokens x H hidden; byte layouts in
-``jax_fusedar/quant_layouts.py``, whose shape helpers are used here):
+``jax_fusedar/common/quant_layouts.py``, whose shape helpers are used here):
 
 * FP8 ``quant_out``: ``torch.float8_e4m3fn`` ``[M, H]``, contiguous.
 * static FP8 (2, 4): ``scale_factor`` the dequantization scale (the kernel multiplies by its

@@ -25,6 +25,12 @@ std::string launch_pattern(const fi::AllReduceFusionParams<T>& params, bool laun
     // As in FlashInfer's own dispatch: NVFP4 needs 16-bit inputs and CUDA 12.8+.
     return "NVFP4 patterns need bfloat16 or float16 inputs (and CUDA 12.8+)";
   } else if (call.args->algorithm == FUSEDAR_ALGORITHM_LARGE_MESSAGE) {
+#ifdef FUSEDAR_UNHOOKED_PROBE
+    // The register probe (launch_registers.cuh) reads only FlashInfer's one-shot and
+    // two-shot kernels: the large-message kernels, a third of a 16-bit probe's code, would
+    // only add compile time there.
+    return large::kNotCompiledMessage;
+#else
     if constexpr (!large::kCompiledFor<T, NRanks>) {
       return large::kNotCompiledMessage;
     } else {
@@ -36,6 +42,7 @@ std::string launch_pattern(const fi::AllReduceFusionParams<T>& params, bool laun
       }
       return {};
     }
+#endif
   } else {
     cudaError_t err = fi::allreduce_fusion_kernel_launcher<Pattern, T, NRanks, Fp32Acc>(
         params, launch_with_pdl);

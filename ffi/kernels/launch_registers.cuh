@@ -1,4 +1,4 @@
-// FlashInfer's launch geometry for the hooked kernels (issue 17).
+// FlashInfer's launch geometry for the hooked kernels.
 //
 // FlashInfer's launcher derives the block size and cluster size from the kernel's
 // register count (max threads per block = min(65536 / registers, 1024); it doubles the

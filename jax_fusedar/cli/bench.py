@@ -258,7 +258,7 @@ def _print_table(report: dict) -> None:
                                     for p in report["config"]["patterns"]))
 
 
-# The budget the bounded waits must stay within (issue 17): 1% or 0.1 us, whichever is larger.
+# The budget the bounded waits must stay within: 1% or 0.1 us, whichever is larger.
 TIMEOUT_BUDGET_REL = 0.01
 TIMEOUT_BUDGET_US = 0.1
 # On/off rounds per case (each a median over --repeats programs); the medians are compared.

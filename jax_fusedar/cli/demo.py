@@ -31,7 +31,8 @@ import numpy as np
 
 from .compare import (TOLERANCE_FORMULA, compare_greedy, median_seconds, near_tie,
                       tolerance)
-from .setup import AXIS, describe_devices, llama_preset, open_workspace, tp_mesh
+from .setup import (AXIS, describe_devices, llama_preset, open_workspace, require_fuse_jax,
+                    tp_mesh)
 
 
 # --- the Llama demo ------------------------------------------------------------------------------
@@ -96,6 +97,7 @@ def _modes(args):
 def main(args) -> int:
     from ..fusion_pass import fuse
     from ..models import llama
+    require_fuse_jax()
     mesh = tp_mesh()
     world = mesh.shape[AXIS]
     preset, cfg = llama_preset(args, world)

@@ -19,6 +19,16 @@ class SetupError(ValueError):
     """A configuration this machine cannot run; the CLI prints it without a traceback."""
 
 
+def require_fuse_jax() -> None:
+    """The demos' fused model is ``jax_fusedar.fuse``'s: on a JAX older than the pass needs,
+    a SetupError naming the JAX needed, before anything runs."""
+    from ..fusion.jax_internals import UnsupportedJax, require_supported_jax
+    try:
+        require_supported_jax()
+    except UnsupportedJax as e:
+        raise SetupError(str(e)) from None
+
+
 def tp_mesh():
     """A 1-D mesh over every local device, axis "tp"."""
     devices = jax.devices()

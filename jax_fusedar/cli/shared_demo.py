@@ -29,7 +29,8 @@ from .compare import (MOE_SITE_FORMULA, compare_greedy, moe_kernel_roundings,
                       moe_tolerance, near_tie)
 from .demo import LAYER_MODES
 from .ranks import Plan, shared_gpu_timing
-from .setup import AXIS, SetupError, llama_preset, moe_preset, open_workspace
+from .setup import (AXIS, SetupError, llama_preset, moe_preset, open_workspace,
+                    require_fuse_jax)
 
 # Ranks sharing a GPU take turns on it, so a deep model only makes the check slower: the
 # preset's layers are cut to this many there unless --layers says otherwise.
@@ -79,6 +80,7 @@ def _greedy(prefill, decode, params, prompt, cache, steps):
 
 def run(args, p: Plan, rank: int):
     """This rank's part of the demo: (exit code, result for the launcher)."""
+    require_fuse_jax()
     if args.bench:
         raise SetupError("--bench runs in one process driving a device per rank")
     mesh = _mesh()

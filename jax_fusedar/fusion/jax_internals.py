@@ -23,6 +23,24 @@ class MissingJaxInternal(RuntimeError):
     """A JAX internal the fusion pass needs is absent from the installed JAX."""
 
 
+class UnsupportedJax(RuntimeError):
+    """The installed JAX is older than the fusion pass needs."""
+
+
+def require_supported_jax() -> None:
+    """UnsupportedJax naming the JAX needed when the installed one is older than WRITTEN_FOR:
+    the pass reads jaxprs through APIs of that release (``jax.extend.core.DropVar`` is public
+    from JAX 0.10), so an older JAX would fail deep inside a trace with an AttributeError.
+    The fused op itself runs on older releases (``jax_fusedar.MIN_JAX``)."""
+    from jax_fusedar import MIN_JAX
+    need = tuple(int(part) for part in WRITTEN_FOR.split("."))
+    if tuple(jax.__version_info__[:len(need)]) < need:
+        raise UnsupportedJax(
+            f"jax_fusedar.fuse needs JAX >= {WRITTEN_FOR}, found jax {jax.__version__}: pip "
+            f"install -U 'jax>={WRITTEN_FOR}', or call jax_fusedar.allreduce_fusion in the "
+            f"model directly (it runs on JAX >= {MIN_JAX})")
+
+
 def _advice(what: str) -> str:
     return (f"jax_fusedar.fuse needs {what}, which JAX {jax.__version__} does not have; the "
             f"fusion pass was written for JAX {WRITTEN_FOR} (tested on {TESTED_JAX}): install "

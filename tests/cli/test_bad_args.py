@@ -3,13 +3,15 @@ runs: an unusable --out folder (bench and bench --framework torch), --seed out o
 --patterns naming a pattern the bench does not time."""
 import os
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import pytest
 
-import pytest  # noqa: E402
+from tests.cli.test_cli import run_cli
+from tests.repo import REPO
+from tests.skips import needs_torch
 
-from tests.cli.test_cli import run_cli  # noqa: E402
-from tests.repo import REPO  # noqa: E402
+# bench --framework torch runs torch_compat's bench, which needs torch (without it the
+# CLI says so and exits 2 before checking anything else).
+JAX_AND_TORCH = ["jax", pytest.param("torch", marks=needs_torch)]
 
 
 def _refused(r, message):
@@ -18,7 +20,8 @@ def _refused(r, message):
     assert "Traceback" not in r.stderr and r.stdout == "", r.stdout + r.stderr
 
 
-@pytest.mark.parametrize("framework", ["jax", "torch"])
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", JAX_AND_TORCH)
 def test_out_that_is_a_file(tmp_path, framework):
     f = tmp_path / "results"
     f.write_text("not a folder")
@@ -26,14 +29,17 @@ def test_out_that_is_a_file(tmp_path, framework):
     _refused(r, f"--out {f}: {f} exists and is not a folder")
 
 
-@pytest.mark.parametrize("framework", ["jax", "torch"])
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", JAX_AND_TORCH)
 def test_out_that_cannot_be_created(framework):
     r = run_cli("bench", "--framework", framework, "--hidden", 64, "--out", "/proc/forbidden")
     _refused(r, "--out /proc/forbidden: cannot create the folder /proc/forbidden:")
 
 
-@pytest.mark.parametrize("framework,name", [("jax", "bench.json"), ("jax", "bench.png"),
-                                            ("torch", "bench_torch.json")])
+@pytest.mark.slow
+@pytest.mark.parametrize("framework,name", [
+    ("jax", "bench.json"), ("jax", "bench.png"),
+    pytest.param("torch", "bench_torch.json", marks=needs_torch)])
 def test_out_whose_result_file_is_a_folder(tmp_path, framework, name):
     """Checked before the first case: the bench would otherwise time every case and then
     lose the results to IsADirectoryError."""
@@ -52,11 +58,13 @@ def test_out_that_is_not_writable(tmp_path):
     _refused(r, f"cannot write in the folder {tmp_path}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv,message", [
     (["demo", "--seed", "-1"], "argument --seed: -1 is not in [0, 2**32)"),
     (["demo", "--seed", str(2**32)], f"argument --seed: {2**32} is not in [0, 2**32)"),
     (["demo", "--seed", "x"], "argument --seed: 'x' is not an integer"),
-    (["bench", "--framework", "torch", "--seed", "-5"], "argument --seed: -5 is not in"),
+    pytest.param(["bench", "--framework", "torch", "--seed", "-5"],
+                 "argument --seed: -5 is not in", marks=needs_torch),
     (["bench", "--patterns", "0"], "argument --patterns: the bench times patterns 1, 4, 9, 11: "
                                    "0 (kAllReduce) is a fusion pattern the bench does not time"),
     (["bench", "--patterns", "1,2,12"], "2 (kARResidualRMSNormFP8Quant) is a fusion pattern the "
@@ -95,3 +103,33 @@ def test_without_jax_the_cli_names_the_extra(tmp_path, command):
                        capture_output=True, text=True, timeout=120,
                        cwd=REPO)
     _refused(r, "pip install 'jax_fusedar[jax]'")
+
+
+@pytest.mark.oldest
+@pytest.mark.parametrize("processes", ["one", pytest.param("per-rank", marks=pytest.mark.slow)])
+def test_demo_on_a_jax_older_than_fuse_needs_names_the_jax(processes):
+    """The demo's fused model is jax_fusedar.fuse's, which needs JAX 0.10: on an older JAX
+    (made to read 0.9.3 here; the oldest lane's 0.8.2 also reads that way) the demo says
+    which JAX it needs, in one line per process and exit 2, before any model is built. With
+    one process per rank each rank process starts from the parent's code, so the version is
+    made to read 0.9.3 there through a sitecustomize on PYTHONPATH."""
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+    with tempfile.TemporaryDirectory() as site:
+        Path(site, "sitecustomize.py").write_text(
+            "import jax\njax.__version_info__ = (0, 9, 3)\njax.__version__ = '0.9.3'\n")
+        env = dict(os.environ, JAX_PLATFORMS="cpu",
+                   PYTHONPATH=os.pathsep.join([site, str(REPO)]))
+        env.pop("XLA_FLAGS", None)
+        r = subprocess.run([sys.executable, "-m", "jax_fusedar", "demo", "--processes",
+                            processes, "--tp", "2"], capture_output=True, text=True,
+                           timeout=300, cwd=REPO, env=env)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert ("error" + (" (rank 0)" if processes == "per-rank" else "") +
+            ": jax_fusedar.fuse needs JAX >= 0.10, found jax 0.9.3: pip install -U "
+            "'jax>=0.10', or call jax_fusedar.allreduce_fusion in the model directly") \
+        in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "jax_fusedar demo: Llama" not in r.stdout, \
+        r.stdout + r.stderr

@@ -17,6 +17,7 @@ import pytest
 from jax_fusedar.common import native
 
 from tests.repo import REPO
+from tests.skips import NO_NATIVE
 
 
 HOST_8 = "--xla_force_host_platform_device_count=8"
@@ -36,9 +37,13 @@ def run_cli(*argv, xla_flags=HOST_8, pythonpath=(), timeout=600):
 
 # --- demo ----------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_demo_llama_fused_by_fuse_matches_unfused():
-    # The main job as ./dev demo runs it, trimmed: both layer modes, the tiny preset.
-    r = run_cli("demo", "--steps", 4, "--prompt", 8, "--iters", 1)
+    # The main job as ./dev demo runs it, trimmed: both layer modes, the tiny preset. Without
+    # GPUs XLA_FLAGS stays unset, as for a user: the CLI splits the host into 8 devices itself
+    # ("world size 8" below); with GPUs it would use them, so the test sets the flags.
+    r = run_cli("demo", "--steps", 4, "--prompt", 8, "--iters", 1,
+                xla_flags=None if native.gpu_count() == 0 else HOST_8)
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout
     assert "world size 8" in out and "backend xla" in out
@@ -49,7 +54,13 @@ def test_demo_llama_fused_by_fuse_matches_unfused():
                      "site(s)") == 1
     assert "decode: jax_fusedar.fuse: fused 2 of 2 all-reduce + residual + RMSNorm site(s) " \
         "(4 fused calls per run, loops counted)" in out
-    assert out.count("greedy tokens: identical over 4 steps x 2 sequences") == 2
+    # The demo's own criterion, not identical tokens: rounding differs between CPUs (AVX-512
+    # or not), so a near tie may break either way; the demo then prints the divergence and
+    # its margins and passes only if the tie was near (checked by its PASS below).
+    verdicts = re.findall(r"^greedy tokens: (identical over 4 steps x 2 sequences|first "
+                          r"divergence at step \d+, sequence \d+ \(unfused top-2 margin .*\))$",
+                          out, re.MULTILINE)
+    assert len(verdicts) == 2, out
     rows = re.findall(r"^(unfused|fused)\s+(\d+\.\d)\s+(\d+\.\d)$", out, re.MULTILINE)
     assert len(rows) == 4 and all(float(p) > 0 and float(d) > 0 for _, p, d in rows)
     errs = re.findall(r"max logits error (\S+) \(relative to max \|logits\| (\S+): (\S+); "
@@ -60,6 +71,7 @@ def test_demo_llama_fused_by_fuse_matches_unfused():
     assert "PASS (unrolled)" in out and "PASS (scan)" in out
 
 
+@pytest.mark.slow
 def test_demo_hf_norm_is_reported_unfused():
     # (allow_rounding_change on this form: tests/jax/test_fuse.py)
     r = run_cli("demo", "--layer-mode", "scan", "--norm", "hf", "--steps", 2, "--prompt", 4,
@@ -67,9 +79,11 @@ def test_demo_hf_norm_is_reported_unfused():
     assert r.returncode == 0, r.stdout + r.stderr
     assert "fused 0 of 2 all-reduce + residual + RMSNorm site(s); not fused: 2 x gamma " \
         "multiplied in bfloat16 after the norm is rounded" in r.stdout
-    assert "greedy tokens: identical" in r.stdout and "PASS (scan)" in r.stdout
+    assert re.search(r"^greedy tokens: (identical|first divergence)", r.stdout, re.MULTILINE)
+    assert "PASS (scan)" in r.stdout
 
 
+@pytest.mark.slow
 def test_demo_bench_writes_json(tmp_path):
     out = tmp_path / "b"
     r = run_cli("demo", "--bench", "--layer-mode", "scan", "--bench-batches", "1,2",
@@ -90,14 +104,7 @@ def test_demo_bench_writes_json(tmp_path):
     assert report["skipped"] == [] and report["total_s"] > 0
 
 
-@pytest.mark.skipif(native.gpu_count() > 0, reason="the CLI splits the host only without GPUs")
-def test_demo_sets_up_host_devices_itself():
-    r = run_cli("demo", "--layer-mode", "scan", "--steps", 1, "--prompt", 2, "--iters", 1,
-                xla_flags=None)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "world size 8" in r.stdout
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("argv, xla_flags, message", [
     (["demo"], "--xla_force_host_platform_device_count=3",
      "preset tiny: kv_heads 8 does not split over 3 tensor-parallel ranks"),
@@ -124,6 +131,7 @@ def test_unrunnable_setups_exit_with_a_message(argv, xla_flags, message):
 
 # --- bench ---------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_bench_writes_json_and_plot(tmp_path):
     out = tmp_path / "bench"
     r = run_cli("bench", "--tokens", "1,16", "--hidden", 256, "--chain", 3, "--repeats", 2,
@@ -171,6 +179,7 @@ def test_bench_writes_json_and_plot(tmp_path):
         assert (out / "bench.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_bench_loop_method(tmp_path):
     out = tmp_path / "bench"
     r = run_cli("bench", "--tokens", 16, "--hidden", 64, "--method", "loop", "--iters", 3,
@@ -182,6 +191,7 @@ def test_bench_loop_method(tmp_path):
     assert len(report["cases"][0]["fused"]["auto"]["detail"]["us_repeats"]) == 1
 
 
+@pytest.mark.slow
 def test_bench_without_matplotlib_and_tqdm(tmp_path):
     # Packages that fail to import shadow the real ones, if installed.
     blocker = tmp_path / "blocked"
@@ -220,6 +230,7 @@ def _compiled_hlo(body_expr: str) -> str:
     return r.stdout
 
 
+@pytest.mark.slow
 def test_bench_loop_keeps_the_all_reduce_inside_the_loop():
     # Without the optimization barrier XLA hoists the baseline's psum(x) out of the
     # fori_loop and the baseline would time one all-reduce for all iterations.
@@ -228,6 +239,7 @@ def test_bench_loop_keeps_the_all_reduce_inside_the_loop():
     assert "all-reduce" not in hlo[hlo.index("ENTRY"):]  # ENTRY is last: only in the body
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pattern", [1, 4, 11, 9])
 def test_bench_chain_keeps_every_baseline_call(pattern):
     # Each call's input is the previous norm output, so XLA can neither combine the baseline's
@@ -239,6 +251,7 @@ def test_bench_chain_keeps_every_baseline_call(pattern):
         assert len(re.findall(r"f8e4m3fn\[16,128\]", root.split("ROOT", 1)[1])) == 5
 
 
+@pytest.mark.slow
 def test_bench_device_method_brackets_the_chain_with_device_stamps():
     # Lowered for CUDA on this CPU machine: one stamp before the first call (its x aliased
     # through), one after the last norm; the calls in between untouched.
@@ -263,7 +276,7 @@ def test_bench_device_method_brackets_the_chain_with_device_stamps():
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                        timeout=300)
     if r.returncode and "native" in r.stderr:
-        pytest.skip("the native module is not built here")
+        pytest.skip(NO_NATIVE)
     assert r.returncode == 0, r.stderr
     stamps = [line for line in r.stdout.splitlines()
               if "custom_call @jax_fusedar_device_timestamp_v1" in line]
@@ -274,6 +287,7 @@ def test_bench_device_method_brackets_the_chain_with_device_stamps():
 
 # --- flags ---------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv, message", [
     (["demo", "--dtype", "int8"], "invalid choice: 'int8'"),
     (["demo", "--layers", "0"], "0 is not positive"),
@@ -295,6 +309,7 @@ def test_bad_flags_exit_with_a_message(argv, message):
     assert "error:" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_help_explains_the_subcommands():
     r = run_cli("--help")
     assert r.returncode == 0

@@ -20,9 +20,9 @@ from tests.repo import REPO
 # --- the plan ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("tp, processes, gpus, world, per_rank, shared", [
-    (None, "auto", 0, 8, False, False),   # CPUs: the 8 virtual devices, as before
+    (None, "auto", 0, 8, False, False),   # CPUs: the 8 virtual devices
     (None, "auto", 1, 2, True, True),     # one GPU: 2 ranks share it
-    (None, "auto", 2, 2, False, False),   # one GPU per rank: unchanged
+    (None, "auto", 2, 2, False, False),   # one GPU per rank: one process
     (None, "auto", 8, 8, False, False),
     (8, "auto", 1, 8, True, True),
     (4, "auto", 2, 4, True, True),        # 4 ranks on 2 GPUs: r % 2
@@ -102,7 +102,7 @@ def test_bench_refuses_one_gpu_saying_why(capsys):
     err = capsys.readouterr().err
     assert "bench needs one GPU per rank and this machine has 1 GPU" in err
     assert "take turns on it" in err and "measures that scheduling, not the kernel" in err
-    # CPUs (the reference path) and one GPU per rank are timed as before.
+    # CPUs (the reference path) and one GPU per rank are timed.
     for gpus in (0, 2, 8):
         assert ranks.dispatch(_args("bench"), ["bench"], _Parser(prog="bench"), gpus=gpus) \
             is None

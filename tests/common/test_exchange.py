@@ -102,8 +102,8 @@ M = exchange.Member
 
 
 def test_dp_tp_four_processes_two_devices_each_group_only_sees_its_own():
-    # Issue 4's layout: group A = {rank 0 on GPU 0, rank 1 on GPU 1}; group B = {rank 2 on
-    # GPU 1 as TP rank 0, rank 3 on GPU 0 as TP rank 1}.
+    # A DP x TP layout with crossed TP ranks: group A = {rank 0 on GPU 0, rank 1 on GPU 1};
+    # group B = {rank 2 on GPU 1 as TP rank 0, rank 3 on GPU 0 as TP rank 1}.
     a = [M(0, 0), M(1, 1)]
     b = [M(2, 1), M(3, 0)]
     out, errors, store = _run_processes([a, b], processes=[0, 1, 2, 3])

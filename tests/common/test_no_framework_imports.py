@@ -44,6 +44,7 @@ def test_the_common_layer_is_all_there():
             "results", "sizing", "tp_groups"} <= names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", COMMON_MODULES + JAX_FREE_CLI)
 def test_module_imports_neither_jax_nor_torch(module):
     roots = _imported_after([module])
@@ -51,6 +52,7 @@ def test_module_imports_neither_jax_nor_torch(module):
     assert not roots & {"jax", "jaxlib", "torch"}, sorted(roots & {"jax", "jaxlib", "torch"})
 
 
+@pytest.mark.slow
 def test_torch_compat_imports_no_jax():
     pytest.importorskip("torch")
     roots = _imported_after(["torch_compat", "torch_compat.bench"])

@@ -1,7 +1,7 @@
 """GPU: ``python -m jax_fusedar demo`` on whatever GPUs there are. With fewer GPUs than the TP
 size the TP group runs as one process per rank sharing them (jax_fusedar/cli/ranks.py), the
 fused model on the kernel checked against the same model unsharded on one device; with one
-GPU per rank, one process drives them all, as before. On a one-GPU machine ``bench`` refuses,
+GPU per rank, one process drives them all. On a one-GPU machine ``bench`` refuses,
 saying why."""
 import os
 import re

@@ -3,8 +3,8 @@ process driving every GPU, the FlashInfer kernel in place of each psum + residua
 
 The demo itself checks fused against unfused: greedy tokens identical over the steps (or a
 divergence only at a near tie: the unfused top-2 margin within twice the largest logits
-difference) and the logits within its stated tolerance; it exits 1 otherwise. Run by the
-lead through tools/gpu_check.sh (the parent pytest stays on CPU; the demo is a subprocess
+difference) and the logits within its stated tolerance; it exits 1 otherwise. Run by
+tools/gpu_check.sh (the parent pytest stays on CPU; the demo is a subprocess
 that sees the GPUs).
 """
 import os
@@ -14,9 +14,9 @@ import sys
 import pytest
 
 from tests.gpu.harness import needs_gpus, report
+from tests.repo import REPO
 
 pytestmark = pytest.mark.gpu
-from tests.repo import REPO
 
 
 @needs_gpus(2, "the demo drives a TP group of 2 devices from one process")

@@ -2,8 +2,8 @@
 ...): 8 virtual CPU devices, meshes, random inputs and the float64-oracle checks with their
 ulp bounds.
 
-A test module must set JAX_PLATFORMS / XLA_FLAGS before its first ``import jax`` (XLA reads
-the virtual device count once per process), then import this module and call
+tests/jax/conftest.py sets JAX_PLATFORMS / XLA_FLAGS before any test module imports JAX (XLA
+reads the virtual device count once per process); a test module imports this module and calls
 ``require_host_devices()`` at module level.
 """
 from __future__ import annotations
@@ -17,11 +17,11 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from tests.cpu_devices import HOST_DEVICES, HOST_DEVICES_FLAG
 from tests.oracles import oracle
+from tests.skips import native_skip_reason
 from jax_fusedar.common import native
 
-HOST_DEVICES = 8
-HOST_DEVICES_FLAG = f"--xla_force_host_platform_device_count={HOST_DEVICES}"
 SEED_ENV_VAR = "JAX_FUSEDAR_TEST_SEED"
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -34,10 +34,9 @@ RESIDUAL_ULPS = 1.0
 NORM_ULPS = {"bfloat16": 3.0, "float16": 3.0, "float32": 8.0}
 
 
-# Lowering a trtllm workspace for cuda needs the native extension's FFI targets.
+# Lowering a trtllm workspace for cuda needs the native module's FFI targets.
 needs_native = pytest.mark.skipif(
-    not native.available(), reason="the cuda lowering of a trtllm workspace needs the native "
-    "extension's FFI targets (run ./dev setup)")
+    not native.available(), reason=native_skip_reason("the cuda lowering of a trtllm workspace"))
 
 
 def require_host_devices(n: int = HOST_DEVICES) -> None:

@@ -12,25 +12,20 @@ and False, tested where it can be on CPU:
 
 The GPU tests hold the kernel to the same bounds at world 2, 4 and 8 (tests/gpu/test_jax.py,
 test_torch.py, test_anchor.py)."""
-import os
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import jax_fusedar as jf  # noqa: E402
-from tests.jax.cpu_helpers import (RMS_EPS, bits, jdtype, make_mesh, new_rng,  # noqa: E402
+import jax_fusedar as jf
+from tests.jax.cpu_helpers import (RMS_EPS, bits, jdtype, make_mesh, new_rng,
                                    random_gamma, random_values, require_host_devices,
                                    run_sharded)
-from tests.oracles import oracle  # noqa: E402
+from tests.oracles import oracle
 
 require_host_devices()
 
-pytestmark = pytest.mark.usefixtures("hermetic")
+# Also in the oldest-versions lane (./dev oldest).
+pytestmark = [pytest.mark.usefixtures("hermetic"), pytest.mark.oldest]
 
 DTYPES = ("bfloat16", "float16", "float32")
 

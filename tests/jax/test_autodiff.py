@@ -3,27 +3,23 @@ VJPs equal, bit for bit, those of the same math written unfused in plain JAX
 (jax_fusedar.reference: psum + residual add + RMSNorm), in a tensor-parallel MLP and under
 scan, checkpoint (with and without policies), cond, stop_gradient and check_vma both ways;
 quantized outputs have zero derivative; a few SGD steps give the same losses."""
-import os
+import functools
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
 
-import functools  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax.ad_checkpoint import checkpoint_name  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import jax_fusedar as jf  # noqa: E402
-from tests.jax.cpu_helpers import assert_same_bits  # noqa: E402
-from tests.jax.cpu_helpers import (jdtype, make_mesh, new_rng, put, random_gamma,  # noqa: E402
+import jax_fusedar as jf
+from tests.jax.cpu_helpers import assert_same_bits
+from tests.jax.cpu_helpers import (jdtype, make_mesh, new_rng, put, random_gamma,
                                    random_values, require_host_devices)
-from jax_fusedar.common import native  # noqa: E402
-from jax_fusedar import reference  # noqa: E402
-from jax_fusedar.common.patterns import TRAITS  # noqa: E402
+from jax_fusedar.common import native
+from jax_fusedar import reference
+from jax_fusedar.common.patterns import TRAITS
+from tests.skips import native_skip_reason
 
 require_host_devices()
 
@@ -136,8 +132,6 @@ def loss_fn(mesh, combine, variant="plain", check_vma=True):
     return loss
 
 
-
-
 def xla_ws(mesh, dtype):
     return jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=64,
                                                 hidden_dim=HIDDEN, dtype=jdtype(dtype))
@@ -150,6 +144,7 @@ def some_change(tree):
 
 # --- gradients of the TP MLP -------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("mesh_shape", [(8,), (2, 4)], ids=["tp8", "dp2_tp4"])
 def test_mlp_gradients_equal_the_unfused_model(dtype, mesh_shape):
@@ -176,9 +171,11 @@ def test_float32_gradients_equal_plain_jnp_psum_and_rmsnorm():
     assert_same_bits(got, want, "float32 grad vs plain jnp")
 
 
-@pytest.mark.parametrize("variant", ["scan", "checkpoint", "checkpoint_dots",
-                                     "checkpoint_nothing", "checkpoint_names", "cond",
-                                     "stop_gradient"])
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", [
+    pytest.param("scan", marks=pytest.mark.oldest), "checkpoint", "checkpoint_dots",
+    "checkpoint_nothing", "checkpoint_names", pytest.param("cond", marks=pytest.mark.oldest),
+    "stop_gradient"])
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_grad_under_transformations(variant, check_vma):
     mesh = make_mesh((8,), ("tp",))
@@ -192,6 +189,7 @@ def test_grad_under_transformations(variant, check_vma):
     some_change(got)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["plain", "scan", "checkpoint_dots", "cond"])
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_jvp_and_vjp(variant, check_vma):
@@ -215,6 +213,7 @@ def test_jvp_and_vjp(variant, check_vma):
     some_change(results[0][0][1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", [{"weight_bias": 1.0}, {"fp32_acc": False}],
                          ids=["weight_bias", "no_fp32_acc"])
 def test_gradients_with_weight_bias_and_without_fp32_acc(kw):
@@ -227,6 +226,8 @@ def test_gradients_with_weight_bias_and_without_fp32_acc(kw):
     assert_same_bits(got, want, f"grad with {kw}")
 
 
+@pytest.mark.slow
+@pytest.mark.oldest
 def test_float32_gamma_with_bfloat16_stream():
     """A float32 gamma (Flax's default param_dtype) is rounded to bfloat16 where the kernel
     reads it: the forward equals the call with the rounded gamma, and gamma's gradient (in
@@ -248,6 +249,7 @@ def test_float32_gamma_with_bfloat16_stream():
     assert_same_bits(got, want, "grad with a float32 gamma")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_sgd_steps_give_equal_losses(dtype):
     mesh = make_mesh((8,), ("tp",))
@@ -309,6 +311,7 @@ def test_allreduce_pattern_gradient_is_psums():
     np.testing.assert_array_equal(np.asarray(g_fused), np.tile(w, (8, 1)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pattern,kw", [
     (Q.kARResidualRMSNormOutFP8Quant, {"scale_factor": np.full(1, 0.05, np.float32)}),
     (Q.kARResidualRMSNormOutDynamicFP8Quant, {}),
@@ -353,6 +356,7 @@ def test_quantized_patterns_differentiate_norm_out_and_not_the_codes(pattern, kw
     assert np.any(np.asarray(touts[1]).astype(np.float32))
 
 
+@pytest.mark.oldest
 def test_per_rank_residual_tangents_stay_per_rank():
     """check_vma=True with a residual that varies over "tp" and no tangent for it: the
     residual_out tangent (invariant sum) is marked varying like residual_out itself."""
@@ -393,8 +397,7 @@ def test_reference_round_to_derivative_is_the_rounding():
 
 
 @pytest.mark.skipif(not native.available(),
-                    reason="the cuda lowering of a trtllm workspace needs the native "
-                    "extension's FFI targets (run ./dev setup)")
+                    reason=native_skip_reason("the cuda lowering of a trtllm workspace"))
 @pytest.mark.parametrize("variant", ["plain", "checkpoint"])
 def test_cuda_gradient_keeps_the_kernel_and_adds_no_all_reduce(variant):
     """Lowered for cuda: the forward runs the kernel (one custom call per layer, again per

@@ -1,27 +1,22 @@
-"""Misuse of the JAX API is a clear, early error naming what is wrong (issue: "every misuse is a
-clear, early error"): regrouped meshes and pmap, zero tokens for the quantized patterns, the
-fp32 sum-of-squares overflow, coerced options, boolean environment variables,
-is_buffer_size_sufficient agreeing with the call, argument names in messages, and a workspace
-passed as a jit argument. 8 virtual host devices."""
-import os
+"""Misuse of the JAX API is a clear, early error naming what is wrong: regrouped meshes and
+pmap, zero tokens for the quantized patterns, the fp32 sum-of-squares overflow, coerced
+options, boolean environment variables, is_buffer_size_sufficient agreeing with the call,
+argument names in messages, and a workspace passed as a jit argument. 8 virtual host
+devices."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import jax_fusedar as jf  # noqa: E402
-from tests.jax.cpu_helpers import needs_native  # noqa: E402
-from tests.jax.cpu_helpers import (jdtype, make_mesh, new_rng, random_gamma,  # noqa: E402
+import jax_fusedar as jf
+from tests.jax.cpu_helpers import needs_native
+from tests.jax.cpu_helpers import (jdtype, make_mesh, new_rng, random_gamma,
                                    random_values, require_host_devices, run_sharded)
-from jax_fusedar.common import arguments, backend_choice, call_check, native  # noqa: E402
-from jax_fusedar import reference  # noqa: E402
-from jax_fusedar.primitive import FFI_TARGET  # noqa: E402
-from tests.jax.test_api import (abstract, custom_calls, fused_body, trace_fused,  # noqa: E402
+from jax_fusedar.common import arguments, backend_choice, call_check, native
+from jax_fusedar import reference
+from jax_fusedar.primitive import FFI_TARGET
+from tests.jax.test_api import (abstract, custom_calls, fused_body, trace_fused,
                                 trace_sharded, xla_workspace)
 
 require_host_devices()
@@ -30,7 +25,8 @@ Q = jf.AllReduceFusionPattern
 
 
 # Environment and once-per-kind logging reset per test (conftest.py).
-pytestmark = pytest.mark.usefixtures("hermetic")
+# Also in the oldest-versions lane (./dev oldest).
+pytestmark = [pytest.mark.usefixtures("hermetic"), pytest.mark.oldest]
 
 
 KW = dict(max_token_num=64, hidden_dim=256, dtype=jnp.bfloat16)
@@ -189,7 +185,7 @@ def test_zero_tokens_give_empty_outputs_for_quantized_patterns(pattern, kwargs, 
 def test_rms_of_huge_rows_is_zero_like_the_kernel():
     """|r| ~ 1e20 (bf16 holds it; its square does not fit fp32): the kernel sums squares in
     fp32, so mean = inf, rsqrt = 0 and norm_out = +-0 (sign of r), as documented in the
-    README's Numerics. The reference path does exactly that; float64 would give O(1)."""
+    docs/numerics.md. The reference path does exactly that; float64 would give O(1)."""
     mesh = make_mesh((8,), ("tp",))
     ws = xla_workspace(mesh)
     rng = new_rng()

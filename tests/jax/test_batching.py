@@ -1,29 +1,24 @@
 """N-D inputs, vmap, and the argument dtypes users have (float32 gamma, float32 residual
-stream) of allreduce_fusion on CPU (8 virtual devices); the small API items of issue 11
-(fallback logging per kind, py.typed, dir()). Results are compared bit for bit with the
+stream) of allreduce_fusion on CPU (8 virtual devices); small API items (fallback logging
+per kind, py.typed, dir()). Results are compared bit for bit with the
 2-D call on the folded rows, or with one call per batch element."""
-import os
+import logging
+import pathlib
+import re
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
 
-import logging  # noqa: E402
-import pathlib  # noqa: E402
-import re  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import jax_fusedar as jf  # noqa: E402
-from tests.jax.cpu_helpers import needs_native, assert_same_bits  # noqa: E402
-from tests.jax.cpu_helpers import (bits, check_outputs, jdtype, make_mesh, new_rng,  # noqa: E402
+import jax_fusedar as jf
+from tests.jax.cpu_helpers import needs_native, assert_same_bits
+from tests.jax.cpu_helpers import (bits, check_outputs, jdtype, make_mesh, new_rng,
                                    random_gamma, random_partials, random_values,
                                    require_host_devices)
-from jax_fusedar.common.patterns import TRAITS  # noqa: E402
-from jax_fusedar.primitive import FFI_TARGET  # noqa: E402
+from jax_fusedar.common.patterns import TRAITS
+from jax_fusedar.primitive import FFI_TARGET
 
 require_host_devices()
 
@@ -42,8 +37,6 @@ def tp8():
 def xla_ws(mesh, dtype="bfloat16", max_token_num=256):
     return jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=max_token_num,
                                                 hidden_dim=HIDDEN, dtype=jdtype(dtype))
-
-
 
 
 QUANT_CASES = [
@@ -85,6 +78,8 @@ def sharded(mesh, body, n_out, x_spec=P("tp")):
 
 # --- N-D inputs ----------------------------------------------------------------------------------
 
+@pytest.mark.slow
+@pytest.mark.oldest
 @pytest.mark.parametrize("pattern,kw", QUANT_CASES, ids=case_ids)
 def test_nd_input_equals_the_2d_call_on_folded_rows(pattern, kw):
     """x/residual [B, S, H]: every output equals the 2-D call on the B*S rows; row-wise
@@ -162,6 +157,8 @@ def per_element(f, *batched):
     return tuple(jnp.stack(o) for o in zip(*outs))
 
 
+@pytest.mark.slow
+@pytest.mark.oldest
 @pytest.mark.parametrize("pattern,kw", QUANT_CASES, ids=case_ids)
 @pytest.mark.parametrize("tokens", [4, 5])
 def test_vmap_inside_shard_map_equals_per_element_calls(pattern, kw, tokens):
@@ -209,6 +206,7 @@ def count_calls(f, *args):
     return text.count("jax_fusedar_allreduce_fusion"), "scan" in text
 
 
+@pytest.mark.oldest
 def test_vmap_folds_into_one_call_or_maps():
     mesh = tp8()
     ws = xla_ws(mesh)
@@ -226,6 +224,7 @@ def test_vmap_folds_into_one_call_or_maps():
     assert count_calls(run((0, 0, 0), gs), x, r, gs) == (1, True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("in_axes", [(0, None, None), (None, 0, None), (1, 1, None),
                                      (0, 0, 0)], ids=["x_only", "residual_only",
                                                       "axis1", "gamma_too"])
@@ -329,8 +328,6 @@ def test_vmapped_batch_beyond_the_workspace_runs_per_element():
         sharded(mesh, body, 2)(x, r, g)
 
 
-
-
 @needs_native
 def test_cuda_lowering_of_vmapped_and_nd_calls():
     """The kernel serves the folded rows: one custom call on [B*T, H]."""
@@ -362,6 +359,7 @@ def test_cuda_lowering_of_vmapped_and_nd_calls():
 
 # --- dtypes --------------------------------------------------------------------------------------
 
+@pytest.mark.oldest
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_float32_gamma_is_rounded_to_the_stream_dtype(dtype):
     mesh = tp8()

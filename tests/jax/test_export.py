@@ -3,26 +3,21 @@ deserialize, call) against the directly jitted program; the stable workspace key
 artifact carries (independent of creation order, distinct per name); multi-platform
 ("cpu", "cuda") artifacts running the reference on CPU; the refusal to export the reference
 for cuda from an XLA-backend workspace of a GPU-less process; symbolic token counts."""
-import os
+import warnings
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import warnings  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax.sharding import AxisType, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import jax_fusedar as jf  # noqa: E402
-from tests.jax.cpu_helpers import assert_same_bits, needs_native  # noqa: E402
-from tests.jax.cpu_helpers import (bits, make_mesh, new_rng, random_gamma,  # noqa: E402
+import jax_fusedar as jf
+from tests.jax.cpu_helpers import assert_same_bits, needs_native
+from tests.jax.cpu_helpers import (bits, make_mesh, new_rng, random_gamma,
                                    random_partials, require_host_devices)
-from jax_fusedar import workspace as wsmod  # noqa: E402
-from jax_fusedar.primitive import FFI_TARGET  # noqa: E402
+from jax_fusedar import workspace as wsmod
+from jax_fusedar.primitive import FFI_TARGET
 
 require_host_devices()
 pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers "
@@ -32,7 +27,8 @@ TOKENS, HIDDEN = 4, 256
 
 
 # Environment and once-per-kind logging reset per test (conftest.py).
-pytestmark = pytest.mark.usefixtures("hermetic")
+# Also in the oldest-versions lane (./dev oldest).
+pytestmark = [pytest.mark.usefixtures("hermetic"), pytest.mark.oldest]
 
 
 def mesh_2x4():

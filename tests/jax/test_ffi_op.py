@@ -3,25 +3,22 @@ registry of ops and FFI targets that ``jax_fusedar.export`` reads, and an op dec
 a page (a scaled all-reduce) that is a JAX citizen with no rule of its own beyond its
 declaration: jit + shard_map on the reference, the VMA rule under check_vma, grad through the
 default JVP, vmap, and on cuda the custom call with its attributes and aliases."""
-import os
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import jax_fusedar as jf  # noqa: E402
-from jax_fusedar import ffi_op  # noqa: E402
-from jax_fusedar.call_plan import CallPlan  # noqa: E402
-from jax_fusedar.common import native  # noqa: E402
-from tests.jax.cpu_helpers import make_mesh, needs_native, require_host_devices  # noqa: E402
+import jax_fusedar as jf
+from jax_fusedar import ffi_op
+from jax_fusedar.call_plan import CallPlan
+from jax_fusedar.common import native
+from tests.jax.cpu_helpers import make_mesh, needs_native, require_host_devices
 
 require_host_devices()
 
+# Also in the oldest-versions lane (./dev oldest).
+pytestmark = pytest.mark.oldest
 
 # --- a new op, declared in a page -----------------------------------------------------------------
 

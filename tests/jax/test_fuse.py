@@ -6,21 +6,16 @@ op); against the original it must agree within the fused op's documented roundin
 oracle bounds of tests/jax/cpu_helpers.py). Forms whose rounding differs stay unfused with their
 reason, unless allow_rounding_change is set.
 """
-import os
+import logging
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-import logging  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
-
-from tests.jax import cpu_helpers  # noqa: E402
-import jax_fusedar as jf  # noqa: E402
+from tests.jax import cpu_helpers
+import jax_fusedar as jf
 
 cpu_helpers.require_host_devices()
 
@@ -536,6 +531,26 @@ def test_bad_arguments_are_refused_by_name(kwargs, error, message):
     with pytest.raises(error) as e:
         jf.fuse(lambda x: x, **kwargs)
     assert message in str(e.value)
+
+
+@pytest.mark.oldest
+def test_a_jax_older_than_the_pass_needs_is_named(monkeypatch):
+    """The pass reads jaxprs through JAX 0.10's APIs: on an older JAX (the oldest lane runs
+    JAX 0.8.2; elsewhere the version is made to read 0.9.3) fuse refuses once its arguments
+    are checked, before any trace, naming the JAX it needs and the op that runs on the older
+    one, instead of failing inside a trace with an AttributeError."""
+    if jax.__version_info__ >= (0, 10):
+        monkeypatch.setattr(jax, "__version_info__", (0, 9, 3))
+        monkeypatch.setattr(jax, "__version__", "0.9.3")
+    needs = (rf"jax_fusedar\.fuse needs JAX >= 0\.10, found jax {jax.__version__}: pip install "
+             rf"-U 'jax>=0\.10', or call jax_fusedar\.allreduce_fusion in the model directly "
+             rf"\(it runs on JAX >= {jf.MIN_JAX}\)")
+    with pytest.raises(RuntimeError, match=needs):
+        jf.fuse(lambda x: x, mesh=MESH)
+    with pytest.raises(RuntimeError, match=needs):
+        jf.fuse(mesh=MESH)(lambda x: x)   # the decorator form
+    with pytest.raises(ValueError, match="fuse: max_tokens must be a positive integer"):
+        jf.fuse(lambda x: x, mesh=MESH, max_tokens=0)   # the arguments are checked first
 
 
 def test_workspace_with_another_axis_is_refused(ws):

@@ -8,24 +8,19 @@ then the very same program (bit-equal outputs and gradients). Each generated pro
 says which of the two it must be, so refusing everything cannot pass. The default run takes
 a fixed sample; ``pytest -m sweep`` runs every combination.
 """
-import os
+import dataclasses
+import itertools
+from typing import Callable, Optional
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-import dataclasses  # noqa: E402
-import itertools  # noqa: E402
-from typing import Callable, Optional  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
-
-from tests.jax import cpu_helpers  # noqa: E402
-from tests.oracles.oracle import ulp  # noqa: E402
-import jax_fusedar as jf  # noqa: E402
+from tests.jax import cpu_helpers
+from tests.oracles.oracle import ulp
+import jax_fusedar as jf
 
 cpu_helpers.require_host_devices()
 

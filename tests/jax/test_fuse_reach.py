@@ -5,19 +5,14 @@ down before the add, a psum over several axes of which the others have size 1, a
 jit (row_parallel_allreduce_fusion with any contraction, size-1 extra axes, float32
 gammas). Also the adversarial forms that once changed results silently, and the custom
 derivative rules that must survive."""
-import os
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
-
-from tests.jax import cpu_helpers  # noqa: E402
-import jax_fusedar as jf  # noqa: E402
+from tests.jax import cpu_helpers
+import jax_fusedar as jf
 
 cpu_helpers.require_host_devices()
 

@@ -9,6 +9,7 @@ from tests.gpu.workers.single_process_run import run_task
 pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers")
 
 
+@pytest.mark.slow
 def test_jit_worker_on_cpu():
     res = run_task("jit", "cpu", seed=7)
     for axes in ("Auto", "Explicit"):

@@ -4,27 +4,23 @@ through custom_partitioning, and Explicit axes) gives the same bits as the same 
 written with shard_map + allreduce_fusion; the partition rule's choices (which axis, which
 workspace, the plain math when k is not sharded); the per-shard program lowered for cuda
 holds the fused custom call; argument errors."""
-import os
+import logging
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import logging  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax.sharding import AxisType, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import jax_fusedar as jf  # noqa: E402
-from tests.jax.cpu_helpers import needs_native  # noqa: E402
-from tests.jax.cpu_helpers import bits, jdtype, new_rng, random_gamma, random_values  # noqa: E402
-from tests.jax.cpu_helpers import require_host_devices  # noqa: E402
-from jax_fusedar.common import native  # noqa: E402
-from jax_fusedar import partitioning  # noqa: E402
-from jax_fusedar.primitive import FFI_TARGET  # noqa: E402
+import jax_fusedar as jf
+from tests.jax.cpu_helpers import needs_native
+from tests.jax.cpu_helpers import bits, jdtype, new_rng, random_gamma, random_values
+from tests.jax.cpu_helpers import require_host_devices
+from tests.skips import native_skip_reason
+from jax_fusedar.common import native
+from jax_fusedar import partitioning
+from jax_fusedar.primitive import FFI_TARGET
 
 require_host_devices()
 
@@ -33,17 +29,19 @@ from tests.jax.sharded_model import (BATCH, FFN, HIDDEN, LAYERS, SEQ, jit_model,
 
 
 # Environment and once-per-kind logging reset per test (conftest.py).
-pytestmark = pytest.mark.usefixtures("hermetic")
+# Also in the oldest-versions lane (./dev oldest).
+pytestmark = [pytest.mark.usefixtures("hermetic"), pytest.mark.oldest]
 
 
 def mesh_2x4(axis_type):
     return jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(axis_type,) * 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axis_type,mesh_context", [
     (AxisType.Auto, False), (AxisType.Auto, True), (AxisType.Explicit, True)])
 @pytest.mark.parametrize("backend", ["xla", pytest.param("trtllm", marks=pytest.mark.skipif(
-    not native.available(), reason="a trtllm workspace's call needs the native extension"))])
+    not native.available(), reason=native_skip_reason("a trtllm workspace's call")))])
 def test_four_layer_jit_model_equals_the_shard_map_model_bitwise(axis_type, mesh_context,
                                                                  backend):
     """On CPU both run the reference lowering (a trtllm workspace also lowers to it here), so
@@ -149,8 +147,6 @@ def lower_partitioned_shard_for_cuda(workspaces, h_spec=P("dp", "tp"), w_spec=P(
                       out_specs=tuple(s.spec for s in outs), check_vma=False)
     placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(args, ins)]
     return jax.jit(f).trace(*placed).lower(lowering_platforms=("cuda",)).as_text()
-
-
 
 
 @needs_native

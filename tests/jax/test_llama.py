@@ -3,20 +3,15 @@ on-device weight init (the GPU demo's path), unrolled == scanned layers.
 
 Its logits against Hugging Face's LlamaForCausalLM: tests/jax/test_transformers_parity.py.
 """
-import os
+import dataclasses
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
 
-import dataclasses  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-from tests.jax import cpu_helpers  # noqa: E402
-from jax_fusedar.models import llama  # noqa: E402
+from tests.jax import cpu_helpers
+from jax_fusedar.models import llama
 
 cpu_helpers.require_host_devices()
 MESH = jax.make_mesh((8,), ("tp",))
@@ -40,6 +35,7 @@ def test_llama3_8b_shapes():
     cfg.check(2)
 
 
+@pytest.mark.slow
 def test_on_device_init_matches_the_host_init_in_shape_and_scale():
     dev = llama.init_params(llama.TINY, MESH, "tp", jnp.bfloat16, 3, host=False)
     host = llama.init_params(llama.TINY, MESH, "tp", jnp.bfloat16, 3, host=True)
@@ -76,6 +72,7 @@ def test_packed_projections_give_each_rank_its_own_q_k_v_and_gate_up():
         np.testing.assert_array_equal(g[..., nf:], w["w_up"][..., r * nf:(r + 1) * nf])
 
 
+@pytest.mark.slow
 def test_unrolled_and_scanned_layers_agree():
     """Scanned (stacked weights), unrolled on stacked weights and unrolled on per-layer
     weights (llama.arrange): one model."""

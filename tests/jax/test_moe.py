@@ -2,25 +2,21 @@
 emulation of the kernels' rounding points for the rows before the norm, within stated bounds
 of the float64 oracle for everything, the cuda lowering's custom call, vmap, grad, N-D and
 every bad input. 8 virtual host devices."""
-import os
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import jax_fusedar as jf  # noqa: E402
-import tests.oracles.moe_oracle as mo  # noqa: E402
-from tests.jax.cpu_helpers import make_mesh, needs_native, put, require_host_devices  # noqa: E402
-from jax_fusedar import moe, moe_reference  # noqa: E402
-from jax_fusedar.call_plan import CallPlan, choose_moe_kernel  # noqa: E402
+import jax_fusedar as jf
+import tests.oracles.moe_oracle as mo
+from tests.jax.cpu_helpers import make_mesh, needs_native, put, require_host_devices
+from jax_fusedar import moe, moe_reference
+from jax_fusedar.call_plan import CallPlan, choose_moe_kernel
 
 require_host_devices()
-pytestmark = pytest.mark.usefixtures("hermetic")
+# Also in the oldest-versions lane (./dev oldest).
+pytestmark = [pytest.mark.usefixtures("hermetic"), pytest.mark.oldest]
 EPS = 1e-6
 BF = jnp.bfloat16
 
@@ -99,6 +95,7 @@ FINALIZE_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case_args", FINALIZE_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_finalize_matches_rounding_points_and_oracle(case_args):
     world, dtype, tokens, hidden, top_k, experts, use_scale, use_shared, routed = case_args
@@ -140,6 +137,7 @@ def run_reduction(ws, case, *, return_allreduce_out=True):
     return [np.asarray(o) for o in f(*(put(mesh, s, a) for s, a in zip(specs, args)))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,dtype,tokens,hidden,experts", [
     (2, "bfloat16", 1, 7168, 8), (2, "float16", 16, 4096, 4), (4, "bfloat16", 128, 512, 3),
     (8, "float16", 1024, 256, 1), (2, "bfloat16", 5, 2880, 32)])
@@ -231,6 +229,7 @@ def test_vmap_and_nd_equal_per_element_calls():
         np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
 
 
+@pytest.mark.slow
 def test_grad_equals_grad_of_the_reference():
     world, dtype, hidden = 2, "float16", 256
     rng = np.random.default_rng(11)
@@ -316,8 +315,6 @@ def call_finalize(ws, permuted, idx, *, gamma=None, **kw):
 
     f = jax.jit(jax.shard_map(body, mesh=ws.mesh, in_specs=P("tp"), out_specs=(P(), P())))
     return f(np.stack([permuted] * ws.world_size))
-
-
 
 
 @pytest.mark.parametrize("make,match", [

@@ -64,7 +64,7 @@ def _ids(r, members):
 def _kernel_lowered(rec):
     """Skips the rest of a test where the kernel's lowering cannot be built (the decision
     was checked before): allreduce_fusion emits the custom call only with the native
-    extension's FFI targets (run ./dev setup with nvcc, or copy the built libraries)."""
+    module's FFI targets (tests/skips.py says how to build it)."""
     if "not_lowered" in rec:
         pytest.skip(f"decision checked; lowering not checked: {rec['not_lowered']}")
 
@@ -74,6 +74,7 @@ def _numerics_ok(rec):
     assert w["shards"] > 0 and w["residual"] <= 1.0 and w["norm"] <= 3.0, rec
 
 
+@pytest.mark.slow
 def test_processes_look_like_two_hosts(two_hosts, one_host):
     assert [r["host"] for r in two_hosts] == ["node0", "node1"]
     assert [r["host"] for r in one_host] == ["node0", "node0"]
@@ -159,7 +160,7 @@ def test_same_host_keeps_the_kernel_across_processes(one_host):
 
 
 
-# --- the README's two-node script, as two simulated hosts on CPU ---------------------------------
+# --- docs/multinode.md's two-node script, as two simulated hosts on CPU ------------------------
 
 # python -c _LAUNCH SCRIPT PROCESS_ID NUM_PROCESSES HOST: SCRIPT as PROCESS_ID on "host" HOST.
 _LAUNCH = ("import runpy, sys; from tests.gpu.harness import simulate_host; "
@@ -167,15 +168,16 @@ _LAUNCH = ("import runpy, sys; from tests.gpu.harness import simulate_host; "
            "runpy.run_path(sys.argv[0], run_name='__main__')")
 
 
-def _readme_script() -> str:
-    text = (REPO / "README.md").read_text()
+def _docs_script() -> str:
+    text = (REPO / "docs" / "multinode.md").read_text()
     start = text.index("# two_node.py PROCESS_ID NUM_PROCESSES")
     return text[start:text.index("```", start)]
 
 
-def test_readme_two_node_script_runs(tmp_path):
+@pytest.mark.slow
+def test_docs_two_node_script_runs(tmp_path):
     script = tmp_path / "two_node.py"
-    script.write_text(_readme_script())
+    script.write_text(_docs_script())
     env = dict(os.environ, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}",
                JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))

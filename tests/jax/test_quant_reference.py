@@ -159,6 +159,7 @@ def test_fp8_dynamic_matches_oracle(dtype, M, H):
         assert not bytes_of(q)[0].any()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,M,H", SHAPES)
 def test_fp8_group_matches_oracle(dtype, M, H):
     seed = fresh_seed()
@@ -177,6 +178,7 @@ def test_fp8_group_matches_oracle(dtype, M, H):
         assert np.all(s >= 2.0 ** -33) and np.all(np.log2(s) == np.round(np.log2(s))), seed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,M,H", SHAPES)
 def test_nvfp4_matches_oracle(dtype, M, H):
     seed = fresh_seed()

@@ -12,6 +12,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tests.repo import REPO
 
 
@@ -54,6 +56,7 @@ def _run(module: str, hiddens) -> dict:
     return json.loads(line[len("STATS "):])
 
 
+@pytest.mark.slow
 def test_nvfp4_worker_on_the_reference_path():
     q = _run("jax_nvfp4", (1024, 1040))
     # 2 dtypes x 2 layouts x 2 hiddens x 5 (tokens 1, 17, 129; two-shot too above 2 tokens).
@@ -65,6 +68,7 @@ def test_nvfp4_worker_on_the_reference_path():
     assert q["twin_residual_diffs"] == q["twin_code_diffs"] == q["twin_scale_diffs"] == 0, q
 
 
+@pytest.mark.slow
 def test_fp8_worker_on_the_reference_path():
     q = _run("jax_quant", (1024,))
     assert q["cases"] == 2 * 5, q
@@ -88,6 +92,7 @@ GRAD_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_grad_worker_on_the_reference_path():
     """The gradient worker on 2 CPU devices: fused and unfused gradients agree bit for bit
     (the reference path), and both are within a few ulps of scale of the float64 oracle's

@@ -1,23 +1,21 @@
 """The reference math (jax_fusedar/reference.py) against the float64 oracle
 (tests/oracles/oracle.py), and its rounding points bit for bit. CPU only: 8 virtual host
 devices."""
-import os
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-from tests.oracles import oracle  # noqa: E402
-from tests.jax.cpu_helpers import (DTYPES, RMS_EPS, bits, check_outputs, jdtype,  # noqa: E402
+from tests.oracles import oracle
+from tests.jax.cpu_helpers import (DTYPES, RMS_EPS, bits, check_outputs, jdtype,
                                    kernel_rounding, make_mesh, new_rng, random_gamma,
                                    random_partials, random_values, require_host_devices,
                                    run_sharded)
-from jax_fusedar import reference  # noqa: E402
+from jax_fusedar import reference
+
+# Also in the oldest-versions lane (./dev oldest).
+pytestmark = pytest.mark.oldest
 
 require_host_devices()
 
@@ -48,6 +46,7 @@ def _rms_norm(r, gamma, weight_bias, rms_eps):
                               out_dtype=r.dtype)
 
 
+@pytest.mark.slow
 @dtypes
 @weight_biases
 @shapes
@@ -71,6 +70,7 @@ def test_rms_norm_eps_is_inside_the_root(dtype):
                        rms_eps=1e-3)
 
 
+@pytest.mark.slow
 @dtypes
 @weight_biases
 @shapes
@@ -120,6 +120,7 @@ def _run_reference(partials, residual, gamma, weight_bias, **kwargs):
     return [o[0] for o in outs]
 
 
+@pytest.mark.slow
 @dtypes
 @weight_biases
 @shapes

@@ -1,31 +1,27 @@
-"""Misuse that used to pass silently or fail with an error naming nothing, on 8 CPU devices:
+"""Misuse that must not pass silently or fail with an error naming nothing, on 8 CPU devices:
 ``row_parallel_allreduce_fusion``'s options validated up front with ``allreduce_fusion``'s
 validators (Auto axes included, where its per-shard program only runs inside XLA's
 compilation), ``residual=None`` as zeros; ``allreduce_fusion`` in an inner shard_map nested
 in an outer one; options checked in float32, the dtype the kernel reads them in; an
 ``abstract_workspace(backend="xla")`` exported for cuda."""
-import os
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax.sharding import AxisType, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import jax_fusedar as jf  # noqa: E402
-from tests.jax.cpu_helpers import (bits, make_mesh, new_rng, random_gamma,  # noqa: E402
+import jax_fusedar as jf
+from tests.jax.cpu_helpers import (bits, make_mesh, new_rng, random_gamma,
                                    random_partials, random_values, require_host_devices)
-from jax_fusedar import reference  # noqa: E402
-from jax_fusedar.common import backend_choice  # noqa: E402
-from jax_fusedar.primitive import FFI_TARGET  # noqa: E402
+from jax_fusedar import reference
+from jax_fusedar.common import backend_choice
+from jax_fusedar.primitive import FFI_TARGET
 
 require_host_devices()
 
-pytestmark = pytest.mark.usefixtures("hermetic")
+# Also in the oldest-versions lane (./dev oldest).
+pytestmark = [pytest.mark.usefixtures("hermetic"), pytest.mark.oldest]
 
 TOKENS, K, N = 16, 64, 128
 

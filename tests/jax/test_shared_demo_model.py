@@ -4,20 +4,15 @@ the vocabulary-parallel one; weights drawn on the devices are the same values fo
 and ``repack_columns`` reads them as the same model for another TP size (what makes the
 unsharded reference the same model on GPUs); and the fused TP model stays within
 ``reference_tolerance`` of that reference at 2, 4 and 8 ranks."""
-import os
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-from jax_fusedar import fuse  # noqa: E402
-from jax_fusedar.cli.shared_demo import reference_tolerance  # noqa: E402
-from jax_fusedar.models import llama  # noqa: E402
-from tests.jax.cpu_helpers import make_mesh, require_host_devices  # noqa: E402
+from jax_fusedar import fuse
+from jax_fusedar.cli.shared_demo import reference_tolerance
+from jax_fusedar.models import llama
+from tests.jax.cpu_helpers import make_mesh, require_host_devices
 
 require_host_devices()
 
@@ -52,6 +47,7 @@ def test_a_replicated_lm_head_gives_the_same_logits():
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_device_draws_do_not_depend_on_the_mesh():
     four = llama.init_params(CFG, make_mesh((4,), (AXIS,)), AXIS, jnp.bfloat16, 3, host=False)
     one = llama.init_params(CFG, make_mesh((1,), (AXIS,)), AXIS, jnp.bfloat16, 3, host=False)
@@ -59,6 +55,7 @@ def test_device_draws_do_not_depend_on_the_mesh():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [4, 8])
 def test_repacked_columns_are_the_same_model(tp):
     """Weights drawn packed for ``tp`` ranks, repacked for one: the unsharded model's logits

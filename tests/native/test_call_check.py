@@ -11,6 +11,7 @@ import pytest
 
 from jax_fusedar.common import call_check, exchange, join, native, sizing, tp_groups
 from tests.native.host_program import run_host_program
+from tests.skips import NO_NATIVE
 
 
 # --- option parsing -----------------------------------------------------------------------------
@@ -331,7 +332,7 @@ def test_torch_create_refuses_a_bad_environment_first(monkeypatch):
 
 def test_extension_exposes_the_option():
     if not native.available():
-        pytest.skip("native extension not built")
+        pytest.skip(NO_NATIVE)
     doc = native.ext.Rank.__init__.__doc__
     assert "check_calls: bool = False" in doc and "check_timeout_s: float = 30.0" in doc, doc
     for attr in ("check_calls", "check_timeout_s", "call_check_failure", "failure"):
@@ -398,6 +399,7 @@ int main() {
 """
 
 
+@pytest.mark.slow
 def test_core_signature_and_failure_messages(tmp_path):
     lines = run_host_program(tmp_path, "host_check", HOST_PROGRAM)
     # pattern 9 | bf16 (2) << 8 | one-shot << 16 | fp32_acc << 17 | layout 2 << 24 | 128 << 32

@@ -9,9 +9,9 @@ import pytest
 
 from jax_fusedar.common import limits, native, patterns, results, sizing
 from jax_fusedar.common.patterns import TRAITS, AllReduceFusionPattern
+from tests.skips import needs_native
 
-pytestmark = pytest.mark.skipif(not native.available(),
-                                reason="the native module is not built")
+pytestmark = needs_native
 
 TRAIT_FIELDS = ("has_allreduce_out", "has_residual", "has_norm_out", "quant",
                 "uses_scale_factor", "writes_scale_out", "needs_sm100")

@@ -1,4 +1,4 @@
-"""The bounded waits must not change FlashInfer's launch geometry (issue 17).
+"""The bounded waits must not change FlashInfer's launch geometry.
 
 FlashInfer's launcher sizes blocks and clusters from the kernel's register count; the hooked
 kernels use a few more registers, so the build pins the geometry to the unhooked kernels'
@@ -17,7 +17,9 @@ import sys
 
 import pytest
 
-from tests.repo import REPO  # noqa: E402
+from tests.repo import REPO
+from tests.skips import BUILD_NATIVE
+
 TOOL = REPO / "tools" / "launch_registers.py"
 _spec = importlib.util.spec_from_file_location("launch_registers", TOOL)
 launch_registers = importlib.util.module_from_spec(_spec)
@@ -131,7 +133,7 @@ def test_built_library_keeps_flashinfer_launch_geometry():
     core = REPO / "jax_fusedar" / "libfusedar_core.so"
     build = _build_dir()
     if build is None or not core.exists():
-        pytest.skip("needs a core built here with its build tree (./dev setup)")
+        pytest.skip(f"needs a core built here with its build tree ({BUILD_NATIVE})")
     built = build / "ffi" / "core" / "libfusedar_core.so"
     if not built.exists() or not filecmp.cmp(built, core, shallow=False):
         pytest.skip(f"jax_fusedar/libfusedar_core.so is not the one built in {build}")

@@ -3,26 +3,22 @@ parsing, the plumbing down to the native Rank (JAX and torch, with fakes), the b
 on/off comparison, the build's patching of FlashInfer's wait loops, and the failure message
 of a timed-out wait (call_check.cu compiled with nvcc into a small host program). The
 kernel side runs in tests/gpu/test_timeout.py."""
+import difflib
+import math
 import os
+import pathlib
+import re
+import shutil
+import subprocess
 
-# The JAX plumbing test builds a 2-device mesh: 8 virtual host devices, set before JAX loads.
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import numpy as np
+import pytest
 
-import difflib  # noqa: E402
-import math  # noqa: E402
-import pathlib  # noqa: E402
-import re  # noqa: E402
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
+from jax_fusedar.common import call_check, native, sizing, tp_groups
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-from jax_fusedar.common import call_check, native, sizing, tp_groups  # noqa: E402
-
-from tests.native.host_program import run_host_program  # noqa: E402
-from tests.repo import REPO  # noqa: E402
+from tests.native.host_program import run_host_program
+from tests.repo import REPO
+from tests.skips import NO_NATIVE, needs_torch
 
 
 # --- option parsing -----------------------------------------------------------------------------
@@ -262,7 +258,7 @@ def test_torch_moe_finalize_after_a_trap_raises_the_record_before_touching_the_d
 
 def test_extension_exposes_the_timeout():
     if not native.available():
-        pytest.skip("native extension not built")
+        pytest.skip(NO_NATIVE)
     doc = native.ext.Rank.__init__.__doc__
     assert "timeout_s: float = 30.0" in doc, doc
     for attr in ("timeout_s", "set_timeout", "failure"):
@@ -285,6 +281,7 @@ def test_bench_timeout_budget():
     assert math.isnan(bench.timeout_compare(1.0, 0.0, 30.0)["timeout_ratio"])
 
 
+@needs_torch  # torch_compat.bench imports torch
 def test_bench_options():
     from jax_fusedar.cli.main import build_parser
     from torch_compat import bench as bt
@@ -300,6 +297,7 @@ def test_bench_options():
     assert "ours_no_timeout" not in " ".join(bt.variant_keys(bt.parse_args([])))
 
 
+@needs_torch
 def test_torch_bench_table_shows_the_on_off_ratio():
     from torch_compat import bench as bt
 
@@ -599,6 +597,7 @@ def wait_sites():
     return {m.group(1): int(m.group(2)) for m in re.finditer(r"\b(k\w+) = (\d+),", body)}
 
 
+@pytest.mark.slow
 def test_failure_messages_name_the_peer(tmp_path):
     sites = wait_sites()
     kernel_sites = [v for k, v in sites.items() if k != "kHandshake"]  # the handshake's own text
@@ -644,10 +643,11 @@ def test_failure_messages_name_the_peer(tmp_path):
             "did not arrive") in lines["moe"], lines["moe"]
 
 
+@pytest.mark.slow
 def test_bench_cli_times_both_settings_in_one_run(tmp_path):
     """--timeout-compare on CPU (the XLA reference backend, no kernel): the run completes
     with both figures per fused case and the on/off table; the GPU figures come from the
-    same command on the device machine."""
+    same command on a machine with GPUs."""
     import json
 
     from tests.cli.test_cli import run_cli

@@ -3,17 +3,15 @@ buffer check agreeing with the op, argument names, unwritten out-parameters, tor
 backend list, and fake (meta) implementations that refuse what the eager op refuses, so
 ``torch.compile`` fails while tracing instead of at run time. Ranks are FakeRanks (no GPU)."""
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-dist = pytest.importorskip("torch.distributed")
+import torch_compat
+from jax_fusedar.common import backend_choice, tp_groups
+from torch_compat import cuda_state, library
+from torch_compat import workspace as wsmod
 
-import torch_compat  # noqa: E402
-from jax_fusedar.common import backend_choice, tp_groups  # noqa: E402
-from torch_compat import cuda_state, library  # noqa: E402
-from torch_compat import workspace as wsmod  # noqa: E402
-
-from tests.torch.test_torch_compat import CREATE, _tensors, fake_workspace  # noqa: E402
-from tests.torch.test_library import fake_workspace as one_rank_workspace  # noqa: E402
+from tests.torch.test_torch_compat import CREATE, _tensors, fake_workspace
+from tests.torch.test_library import fake_workspace as one_rank_workspace
 
 AR = torch.ops.torch_compat.allreduce.default
 FUSED = torch.ops.torch_compat.allreduce_residual_rmsnorm.default

@@ -20,13 +20,12 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-
-from jax_fusedar.cli import main as cli  # noqa: E402
-from jax_fusedar.common import launch_mode  # noqa: E402
-from tools import flashinfer_anchor as fa  # noqa: E402
-from torch_compat import bench as bt  # noqa: E402
+from jax_fusedar.cli import main as cli
+from jax_fusedar.common import launch_mode
+from tools import flashinfer_anchor as fa
+from torch_compat import bench as bt
 
 from tests.repo import REPO
 
@@ -79,6 +78,7 @@ def test_cli_routes_bench_framework_torch_here(monkeypatch):
     assert parser.parse_args(["bench", "--framework", "jax"]).framework == "jax"
 
 
+@pytest.mark.slow
 def test_command_without_gpu_says_so():
     env = dict(os.environ, PYTHONPATH=str(REPO), JAX_FUSEDAR_ANCHOR=str(REPO / "no-such"))
     r = subprocess.run([sys.executable, "-m", "jax_fusedar", "bench", "--framework", "torch",
@@ -114,6 +114,7 @@ def test_command_runs_from_the_installed_packages_without_the_checkout(tmp_path)
     assert "needs CUDA GPUs" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_torch_bench_path_imports_no_jax():
     code = ("import sys; from jax_fusedar import __main__; from torch_compat import bench; "
             "bench.parse_args([]); print('jax' in sys.modules)")
@@ -297,12 +298,14 @@ def _sleeping_worker(rank):
     time.sleep(60)
 
 
+@pytest.mark.slow
 def test_launch_and_agreement_over_gloo(tmp_path):
     bt.launch(_agree_worker, 2, (bt._free_port(), str(tmp_path)), timeout_s=120)
     for r in range(2):
         assert json.loads((tmp_path / f"{r}.json").read_text()) == [None, "rank 1: bad thing"]
 
 
+@pytest.mark.slow
 def test_launch_raises_a_ranks_error_and_ends_the_others():
     t0 = time.monotonic()
     with pytest.raises(Exception, match="rank one broke"):
@@ -674,6 +677,7 @@ def _fake_worker(rank, args, port, result_dir):
     Path(result_dir, f"rank{rank}.json").write_text(json.dumps(payload))
 
 
+@pytest.mark.slow
 def test_main_end_to_end_with_a_fake_worker(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(bt, "_worker", _fake_worker)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -4,13 +4,12 @@ CPU: the fake implementations keep symbolic sizes symbolic (their checks wait fo
 op) and fix only what decides the outputs' structure (the pattern, the NVFP4 layout), with a
 guard. The graphs run the world-size-1 CPU stand-ins of tests/torch/test_library.py."""
 import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 
-torch = pytest.importorskip("torch")
-
-from torch._dynamo.testing import CompileCounterWithBackend  # noqa: E402
-
-from torch_compat import library  # noqa: E402
-from tests.torch.test_library import (EPS, QUANT_CASES, _expected_quant_meta,  # noqa: E402,F401
+from torch_compat import library
+# cpu_kernels and cpu_quant_kernel are fixtures (used by name).
+from tests.torch.test_library import (EPS, QUANT_CASES, _expected_quant_meta,  # noqa: F401
                                       _inputs, _quant_args, cpu_kernels, cpu_quant_kernel,
                                       fake_workspace)
 
@@ -18,6 +17,9 @@ QUANT = torch.ops.torch_compat.allreduce_residual_rmsnorm_quant.default
 FUSED = torch.ops.torch_compat.allreduce_residual_rmsnorm.default
 AR = torch.ops.torch_compat.allreduce.default
 E4M3 = torch.float8_e4m3fn
+
+# Also in the oldest-versions lane (./dev oldest), with torch_compat's other CPU paths.
+pytestmark = pytest.mark.oldest
 
 
 @pytest.fixture

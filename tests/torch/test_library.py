@@ -8,19 +8,19 @@ the plumbing (schemas, fake impls, tracing, graph rewiring), not the kernel: the
 numerics are tested on GPUs (tests/gpu/test_torch.py).
 """
 import pytest
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
 
-torch = pytest.importorskip("torch")
-dist = pytest.importorskip("torch.distributed")
+import torch_compat
+from jax_fusedar.common import sizing
+from torch_compat import cuda_state, fusion_pass, library
+from torch_compat import workspace as wsmod
 
-import torch.nn.functional as F  # noqa: E402
-from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
+from tests.torch.test_torch_compat import FakeRank
 
-import torch_compat  # noqa: E402
-from jax_fusedar.common import sizing  # noqa: E402
-from torch_compat import cuda_state, fusion_pass, library  # noqa: E402
-from torch_compat import workspace as wsmod  # noqa: E402
-
-from tests.torch.test_torch_compat import FakeRank  # noqa: E402
+# Also in the oldest-versions lane (./dev oldest).
+pytestmark = pytest.mark.oldest
 
 AR = torch.ops.torch_compat.allreduce.default
 FUSED = torch.ops.torch_compat.allreduce_residual_rmsnorm.default

@@ -1,18 +1,16 @@
 """torch_compat's MoE patterns (6, 7) on CPU: FlashInfer's argument names, defaults and return
 rules, what reaches the native launch, every refused input, and the custom ops' fake
-implementations (the kernels themselves run in tests/gpu/moe_workers.py)."""
+implementations (the kernels themselves run in tests/gpu/workers/moe_gpu.py)."""
 import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-torch = pytest.importorskip("torch")
+import torch_compat
+from jax_fusedar.common import sizing
+from torch_compat import cuda_state, library
+from torch_compat import workspace as wsmod
 
-from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
-
-import torch_compat  # noqa: E402
-from jax_fusedar.common import sizing  # noqa: E402
-from torch_compat import cuda_state, library  # noqa: E402
-from torch_compat import workspace as wsmod  # noqa: E402
-
-from tests.torch.test_torch_compat import FakeRank  # noqa: E402
+from tests.torch.test_torch_compat import FakeRank
 
 P6 = torch_compat.AllReduceFusionPattern.kMoEReductionARResidualRMSNorm
 P7 = torch_compat.AllReduceFusionPattern.kMoEFinalizeARResidualRMSNorm

@@ -16,17 +16,16 @@ import threading
 import time
 
 import pytest
+import torch
+import torch.distributed as dist
 
-torch = pytest.importorskip("torch")
-dist = pytest.importorskip("torch.distributed")
-
-import torch_compat  # noqa: E402
-from jax_fusedar.common import (backend_choice, exchange, launch_mode, native, sizing,  # noqa: E402
+import torch_compat
+from jax_fusedar.common import (backend_choice, exchange, launch_mode, native, sizing,
                                 tp_groups)
-from torch_compat import cuda_state, ops  # noqa: E402
-from torch_compat import workspace as wsmod  # noqa: E402
-from torch_compat.channel import StoreChannel  # noqa: E402
-from tools.flashinfer_anchor import resolve_anchor_path  # noqa: E402
+from torch_compat import cuda_state, ops
+from torch_compat import workspace as wsmod
+from torch_compat.channel import StoreChannel
+from tools.flashinfer_anchor import resolve_anchor_path
 
 from tests.repo import REPO
 
@@ -125,6 +124,7 @@ def test_exports():
                                          "AllReduceFusionPattern", "QuantizationSFLayout"}
 
 
+@pytest.mark.slow
 def test_importing_torch_compat_does_not_import_jax():
     code = ("import sys, torch_compat; "
             "bad = [m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'jaxlib'))]; "
@@ -683,6 +683,7 @@ def gloo_worker(rank, world, chan, *, port):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_dp_tp_over_gloo_four_processes():
     from tests.gpu.harness import run_ranks
 

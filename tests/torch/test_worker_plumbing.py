@@ -9,16 +9,14 @@ T, + residual rounded to T, fp32 norm rounded to T, quantized with tests/oracles
 """
 import numpy as np
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-dist = pytest.importorskip("torch.distributed")
+import torch_compat
+from torch_compat import cuda_state
 
-import torch_compat  # noqa: E402
-from torch_compat import cuda_state  # noqa: E402
-
-from tests.torch.test_torch_compat import fake_workspace  # noqa: E402
-from tests.gpu.workers import parity_jax_torch as par  # noqa: E402
-from tests.gpu.workers import torch_workers as tw  # noqa: E402
+from tests.torch.test_torch_compat import fake_workspace
+from tests.gpu.workers import parity_jax_torch as par
+from tests.gpu.workers import torch_workers as tw
 
 
 class SimTC:
@@ -118,6 +116,7 @@ def test_workers_plumbing_and_checks_with_a_simulated_kernel(cpu_launch, dtype, 
     assert tw.plain_errors(unwritten, ref, res64, gam64, dtype, 0.0)["nans"] == 1
 
 
+@pytest.mark.slow
 def test_parity_phase1_on_cpu_and_phase2_logic_with_a_simulated_kernel(tmp_path, cpu_launch):
     pytest.importorskip("jax")
     from tests.gpu.harness import run_ranks

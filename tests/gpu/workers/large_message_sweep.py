@@ -6,7 +6,7 @@ large-message algorithm and again with FlashInfer's two-shot kernel, and reports
 
 * bit differences between the two (the large-message path reuses the two-shot math and launch
   shape, so there must be none, quantized outputs and scales included),
-* for pattern 1 the ulp-scaled errors against the float64 oracle (tests/oracle.py),
+* for pattern 1 the ulp-scaled errors against the float64 oracle (tests/oracles/oracle.py),
 * NaNs left in the float outputs (unwritten elements),
 * a digest of its outputs, so the test can check that all ranks hold identical bits,
 * a CUDA-graph check: the call captured once and replayed on fresh inputs matches an eager call,
