@@ -4,6 +4,7 @@ The JAX API is loaded lazily so that the framework-neutral layer (``jax_fusedar.
 patterns, limits, sizing, native, ...) can be imported, e.g. by ``torch_compat``, without
 importing JAX.
 """
+
 from __future__ import annotations
 
 __version__ = "0.1.0"
@@ -45,6 +46,7 @@ def _is_missing_jax(error: ModuleNotFoundError) -> bool:
 def _release(version: str) -> tuple:
     """(0, 8, 2) for "0.8.2", "0.8.2.dev20250101", "0.8.2rc1"."""
     import re
+
     return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
 
 
@@ -52,18 +54,22 @@ def _check_jax_version() -> None:
     """Raises ImportError naming the version needed when the installed JAX is too old (an
     old JAX would otherwise fail later with an AttributeError deep inside)."""
     from importlib import metadata
+
     try:
         found = metadata.version("jax")
     except metadata.PackageNotFoundError:
         return  # not installed: the import below says how to get it
     if _release(found) < _release(MIN_JAX):
-        raise ImportError(f"jax_fusedar's JAX API needs JAX >= {MIN_JAX}, found jax {found}: "
-                          f"pip install -U 'jax>={MIN_JAX}'")
+        raise ImportError(
+            f"jax_fusedar's JAX API needs JAX >= {MIN_JAX}, found jax {found}: "
+            f"pip install -U 'jax>={MIN_JAX}'"
+        )
 
 
 def __getattr__(name):
     if name in _LAZY:
         import importlib
+
         module, attr = _LAZY[name]
         _check_jax_version()
         try:

@@ -1,4 +1,5 @@
 """``python -m jax_fusedar {demo,bench}``: see ``jax_fusedar.cli.main``."""
+
 import sys
 
 from jax_fusedar.cli.main import main

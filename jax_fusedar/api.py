@@ -5,6 +5,7 @@ one-shot or two-shot) is made here at trace time from shapes, dtype, world size 
 workspace's metadata only, so every rank of a group makes the same choice and the kernel's
 spin-wait always finds its peers.
 """
+
 from __future__ import annotations
 
 import math
@@ -16,12 +17,22 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from . import quant_arrays
-from .call_checks import (as_gamma, as_residual, check_call_on_workspace, check_concrete_shape,
-                          check_workspace)
+from .call_checks import (
+    as_gamma,
+    as_residual,
+    check_call_on_workspace,
+    check_concrete_shape,
+    check_workspace,
+)
 from .call_plan import CallPlan, choose_path
 from .common import arguments, backend_choice, limits, patterns, quant_layouts
-from .common.patterns import (MOE_PATTERNS, TRAITS, AllReduceFusionPattern, QuantizationSFLayout,
-                              as_pattern)
+from .common.patterns import (
+    MOE_PATTERNS,
+    TRAITS,
+    AllReduceFusionPattern,
+    QuantizationSFLayout,
+    as_pattern,
+)
 from .primitive import allreduce_fusion_op
 from .workspace import AllReduceFusionWorkspace
 
@@ -34,8 +45,7 @@ class AllReduceFusionOutputs(NamedTuple):
     scale_out: Optional[jax.Array]
 
 
-def _quant_params(pattern, traits, x, hidden, scale_factor, layout_code, group_size,
-                  workspace):
+def _quant_params(pattern, traits, x, hidden, scale_factor, layout_code, group_size, workspace):
     """Validates the quantization arguments of ``pattern``; returns (layout, group size) as
     the primitive's attributes (0 where unused)."""
     name = pattern.name
@@ -44,14 +54,18 @@ def _quant_params(pattern, traits, x, hidden, scale_factor, layout_code, group_s
     if traits.quant != "fp4" and layout_code is not None:
         raise ValueError(f"layout_code applies to NVFP4 patterns only, not {name}")
     if traits.quant != "group_fp8" and group_size is not None:
-        raise ValueError(f"block_quant_group_size applies to per-token-group FP8 patterns "
-                         f"only, not {name}")
+        raise ValueError(
+            f"block_quant_group_size applies to per-token-group FP8 patterns only, not {name}"
+        )
     if traits.quant == "fp4" and x.dtype == jnp.float32:
         raise ValueError("NVFP4 patterns need bfloat16 or float16 inputs")
     layout = group = 0
     if traits.quant == "fp4":
-        layout = int(quant_layouts.as_layout(QuantizationSFLayout.SWIZZLED_128x4
-                                       if layout_code is None else layout_code))
+        layout = int(
+            quant_layouts.as_layout(
+                QuantizationSFLayout.SWIZZLED_128x4 if layout_code is None else layout_code
+            )
+        )
         quant_layouts.check_hidden_fp4(hidden)
         if workspace.backend == "trtllm":
             _require_sm100(workspace, pattern)
@@ -79,20 +93,31 @@ def _restore_leading(out, lead, what, traits, layout):
     the 2-D buffers of the M folded rows."""
     if out is None or len(lead) == 1:
         return out
-    if what == "scale_out" and (traits.quant == "group_fp8" or (
-            traits.quant == "fp4" and layout != int(QuantizationSFLayout.LINEAR))):
+    if what == "scale_out" and (
+        traits.quant == "group_fp8"
+        or (traits.quant == "fp4" and layout != int(QuantizationSFLayout.LINEAR))
+    ):
         return out
     return out.reshape(*lead, *out.shape[1:])
 
 
-def allreduce_fusion(x: ArrayLike, *, axis_name: str, workspace: AllReduceFusionWorkspace,
-                     pattern=AllReduceFusionPattern.kARResidualRMSNorm,
-                     residual: Optional[ArrayLike] = None,
-                     rms_gamma: Optional[ArrayLike] = None, rms_eps: float = 1e-6,
-                     weight_bias: float = 0.0, scale_factor: Optional[ArrayLike] = None,
-                     layout_code=None, use_oneshot: Optional[bool] = None,
-                     fp32_acc: bool = True, block_quant_group_size: Optional[int] = None,
-                     strict: Optional[bool] = None) -> AllReduceFusionOutputs:
+def allreduce_fusion(
+    x: ArrayLike,
+    *,
+    axis_name: str,
+    workspace: AllReduceFusionWorkspace,
+    pattern=AllReduceFusionPattern.kARResidualRMSNorm,
+    residual: Optional[ArrayLike] = None,
+    rms_gamma: Optional[ArrayLike] = None,
+    rms_eps: float = 1e-6,
+    weight_bias: float = 0.0,
+    scale_factor: Optional[ArrayLike] = None,
+    layout_code=None,
+    use_oneshot: Optional[bool] = None,
+    fp32_acc: bool = True,
+    block_quant_group_size: Optional[int] = None,
+    strict: Optional[bool] = None,
+) -> AllReduceFusionOutputs:
     """All-reduce ``x`` over ``axis_name`` fused with residual add + RMSNorm.
 
     Args mirror ``flashinfer.comm.allreduce_fusion``. ``x``: the local ``[..., hidden]``
@@ -122,17 +147,19 @@ def allreduce_fusion(x: ArrayLike, *, axis_name: str, workspace: AllReduceFusion
     """
     pattern = as_pattern(pattern)
     if pattern in MOE_PATTERNS:
-        raise ValueError(f"pattern {pattern.value} ({pattern.name}) has its own inputs: call "
-                         "jax_fusedar.moe_reduction_allreduce_fusion (6) or "
-                         "moe_finalize_allreduce_fusion (7)")
+        raise ValueError(
+            f"pattern {pattern.value} ({pattern.name}) has its own inputs: call "
+            "jax_fusedar.moe_reduction_allreduce_fusion (6) or "
+            "moe_finalize_allreduce_fusion (7)"
+        )
     traits = TRAITS[pattern]
     strict = backend_choice.strict_mode(strict)
     # Options are taken as given, never coerced (bool("false") is True): arguments.py.
     rms_eps, weight_bias, fp32_acc, use_oneshot = arguments.fusion_options(
-        rms_eps=rms_eps, weight_bias=weight_bias, fp32_acc=fp32_acc, use_oneshot=use_oneshot)
+        rms_eps=rms_eps, weight_bias=weight_bias, fp32_acc=fp32_acc, use_oneshot=use_oneshot
+    )
     if block_quant_group_size is not None:
-        block_quant_group_size = arguments.as_int("block_quant_group_size",
-                                                  block_quant_group_size)
+        block_quant_group_size = arguments.as_int("block_quant_group_size", block_quant_group_size)
     check_workspace(workspace, axis_name)
     x = jnp.asarray(x)
     if x.ndim < 1:
@@ -140,42 +167,58 @@ def allreduce_fusion(x: ArrayLike, *, axis_name: str, workspace: AllReduceFusion
     dtype_name = np.dtype(x.dtype).name
     if dtype_name not in ("bfloat16", "float16", "float32"):
         raise ValueError(f"x has dtype {dtype_name}; supported: bfloat16, float16, float32")
-    check_call_on_workspace(workspace, axis_name, dtype_name, op="allreduce_fusion",
-                            dtype_of="x has")
+    check_call_on_workspace(
+        workspace, axis_name, dtype_name, op="allreduce_fusion", dtype_of="x has"
+    )
     check_concrete_shape("x", x.shape, "allreduce_fusion")
     lead, hidden = x.shape[:-1], x.shape[-1]
     tokens = math.prod(lead)
     # World size and vector width are limits of the op itself, on every platform.
     vec = limits.vector_width(dtype_name)
     if hidden % vec:
-        raise ValueError(f"hidden size {hidden} is not a multiple of {vec} (16 bytes of "
-                         f"{dtype_name}), which the kernel requires")
+        raise ValueError(
+            f"hidden size {hidden} is not a multiple of {vec} (16 bytes of "
+            f"{dtype_name}), which the kernel requires"
+        )
 
     operands = [x]
     if traits.has_residual:
         # jnp.zeros, not zeros_like: x varies over axis_name and zeros_like would carry
         # that, making the outputs vary too (out_specs=P() refused) though the sum does not.
-        residual = (jnp.zeros(x.shape, x.dtype) if residual is None
-                    else as_residual(residual, x))
+        residual = jnp.zeros(x.shape, x.dtype) if residual is None else as_residual(residual, x)
         operands += [residual, as_gamma(rms_gamma, x, hidden, pattern)]
     elif residual is not None or rms_gamma is not None:
         raise ValueError(f"pattern {pattern.name} takes no residual or rms_gamma")
     # The primitive sees [tokens, hidden] rows (the op is row-wise).
     operands[:2] = [o.reshape(tokens, hidden) for o in operands[:2]]
-    layout, group_size = _quant_params(pattern, traits, x, hidden, scale_factor, layout_code,
-                                       block_quant_group_size, workspace)
+    layout, group_size = _quant_params(
+        pattern, traits, x, hidden, scale_factor, layout_code, block_quant_group_size, workspace
+    )
     if traits.uses_scale_factor:
         operands.append(quant_arrays.check_scalar_scale(scale_factor, "scale_factor").reshape(1))
 
     # Trace-time decision: the kernel, or the reference with a logged reason.
-    plan = CallPlan(workspace.backend, workspace.sizes, strict,
-                    None if use_oneshot is None else bool(use_oneshot))
+    plan = CallPlan(
+        workspace.backend,
+        workspace.sizes,
+        strict,
+        None if use_oneshot is None else bool(use_oneshot),
+    )
     use_kernel, algorithm = choose_path(plan, tokens, hidden, dtype_name)
     outs = allreduce_fusion_op.bind(
-        *operands, workspace=workspace, axis_name=axis_name, use_kernel=use_kernel, plan=plan,
-        pattern=int(pattern), algorithm=int(algorithm), fp32_acc=bool(fp32_acc),
-        rms_eps=float(rms_eps), weight_bias=float(weight_bias), layout=layout,
-        block_quant_group_size=group_size)
+        *operands,
+        workspace=workspace,
+        axis_name=axis_name,
+        use_kernel=use_kernel,
+        plan=plan,
+        pattern=int(pattern),
+        algorithm=int(algorithm),
+        fp32_acc=bool(fp32_acc),
+        rms_eps=float(rms_eps),
+        weight_bias=float(weight_bias),
+        layout=layout,
+        block_quant_group_size=group_size,
+    )
     if traits.has_allreduce_out:
         named = {"allreduce_out": outs[0]}
     else:
@@ -184,6 +227,9 @@ def allreduce_fusion(x: ArrayLike, *, axis_name: str, workspace: AllReduceFusion
         named["norm_out"] = outs.pop(0) if traits.has_norm_out else None
         named["quant_out"] = outs.pop(0) if traits.quant else None
         named["scale_out"] = outs.pop(0) if traits.writes_scale_out else None
-    return AllReduceFusionOutputs(**{
-        f: _restore_leading(named.get(f), lead, f, traits, layout)
-        for f in AllReduceFusionOutputs._fields})
+    return AllReduceFusionOutputs(
+        **{
+            f: _restore_leading(named.get(f), lead, f, traits, layout)
+            for f in AllReduceFusionOutputs._fields
+        }
+    )

@@ -5,6 +5,7 @@ and dtype, and the residual and gamma operands the kernels read in the call's dt
 
 Every error names the argument and says what to do.
 """
+
 from __future__ import annotations
 
 import jax
@@ -19,16 +20,22 @@ def check_workspace(workspace, axis_name: str) -> AllReduceFusionWorkspace:
     """``workspace`` is a live workspace created for ``axis_name``."""
     if not isinstance(workspace, AllReduceFusionWorkspace):
         if isinstance(workspace, jax.core.Tracer):  # e.g. a pytree node of the user's own
-            raise TypeError("workspace is a JAX tracer: pass the workspace itself, closed over "
-                            "or as a static argument (jax.jit(f, static_argnums=...)), not "
-                            "inside a traced pytree")
-        raise TypeError(f"workspace must come from jax_fusedar.create_allreduce_fusion_"
-                        f"workspace, got {type(workspace).__name__}")
+            raise TypeError(
+                "workspace is a JAX tracer: pass the workspace itself, closed over "
+                "or as a static argument (jax.jit(f, static_argnums=...)), not "
+                "inside a traced pytree"
+            )
+        raise TypeError(
+            f"workspace must come from jax_fusedar.create_allreduce_fusion_"
+            f"workspace, got {type(workspace).__name__}"
+        )
     if workspace.destroyed:
         raise ValueError(f"{workspace!r} was destroyed")
     if workspace.axis_name != axis_name:
-        raise ValueError(f"axis_name={axis_name!r}: the workspace was created for axis "
-                         f"{workspace.axis_name!r}, not {axis_name!r}")
+        raise ValueError(
+            f"axis_name={axis_name!r}: the workspace was created for axis "
+            f"{workspace.axis_name!r}, not {axis_name!r}"
+        )
     return workspace
 
 
@@ -37,16 +44,21 @@ def check_call_on_workspace(workspace, axis_name, dtype_name, *, op, dtype_of):
     workspace's dtype, inside shard_map over ``axis_name``, the workspace's world size and
     groups. ``op`` and ``dtype_of`` (e.g. "x has") name the call in the errors."""
     if dtype_name != workspace.dtype.name:
-        raise ValueError(f"{dtype_of} dtype {dtype_name} but the workspace was created for "
-                         f"{workspace.dtype.name}; create a workspace per dtype")
+        raise ValueError(
+            f"{dtype_of} dtype {dtype_name} but the workspace was created for "
+            f"{workspace.dtype.name}; create a workspace per dtype"
+        )
     try:
         world = jax.lax.axis_size(axis_name)
     except NameError:
-        raise ValueError(f"{op} must be called inside jax.shard_map over an axis named "
-                         f"{axis_name!r}") from None
+        raise ValueError(
+            f"{op} must be called inside jax.shard_map over an axis named {axis_name!r}"
+        ) from None
     if world != workspace.world_size:
-        raise ValueError(f"axis {axis_name!r} has size {world} but the workspace was created "
-                         f"for world size {workspace.world_size}")
+        raise ValueError(
+            f"axis {axis_name!r} has size {world} but the workspace was created "
+            f"for world size {workspace.world_size}"
+        )
     check_context_mesh(workspace, axis_name)
 
 
@@ -74,6 +86,7 @@ def check_context_mesh(workspace, axis_name):
     or pmap being lowered."""
     try:
         from jax._src.mesh import get_concrete_mesh  # no public accessor inside jit
+
         mesh = get_concrete_mesh()
     except Exception:  # another JAX version: the lowering still checks
         return
@@ -95,29 +108,32 @@ def check_concrete_shape(name: str, shape, op: str) -> None:
         raise ValueError(
             f"{name} has a symbolic shape {shape}: {op} needs concrete token and hidden sizes "
             "(the kernel decision and the workspace fit are made at trace time); export one "
-            "artifact per token count (e.g. per serving bucket)")
+            "artifact per token count (e.g. per serving bucket)"
+        )
 
 
 def check_operand(name, value, shape, dtype) -> None:
     if tuple(value.shape) != tuple(shape) or value.dtype != dtype:
-        raise ValueError(f"{name} must have shape {tuple(shape)} and dtype "
-                         f"{np.dtype(dtype).name}, got {tuple(value.shape)} "
-                         f"{np.dtype(value.dtype).name}")
+        raise ValueError(
+            f"{name} must have shape {tuple(shape)} and dtype "
+            f"{np.dtype(dtype).name}, got {tuple(value.shape)} "
+            f"{np.dtype(value.dtype).name}"
+        )
 
 
 def as_residual(residual, x):
     """The residual stream, checked against x: same shape and dtype (the kernel reads and
     writes it as x's dtype T)."""
     residual = jnp.asarray(residual)
-    if (residual.dtype == jnp.float32 and x.dtype != jnp.float32
-            and residual.shape == x.shape):
+    if residual.dtype == jnp.float32 and x.dtype != jnp.float32 and residual.shape == x.shape:
         t = np.dtype(x.dtype).name
         raise ValueError(
             f"residual has dtype float32 but x is {t}: the kernel reads and writes the "
             f"residual stream in x's dtype, so it cannot keep a float32 stream exactly. "
             f"Either round the stream to {t} (residual=residual.astype(x.dtype)), or keep "
             f"it in float32 end to end: x=x.astype(jnp.float32) with a float32 workspace "
-            f"(the all-reduce then moves float32, and norm_out is float32)")
+            f"(the all-reduce then moves float32, and norm_out is float32)"
+        )
     check_operand("residual", residual, x.shape, x.dtype)
     return residual
 
@@ -134,7 +150,9 @@ def as_gamma(rms_gamma, x, hidden, pattern):
         return rms_gamma.astype(x.dtype)
     if rms_gamma.shape != (hidden,) or rms_gamma.dtype != x.dtype:
         also = "" if x.dtype == jnp.float32 else " (or float32, rounded to it)"
-        raise ValueError(f"rms_gamma must have shape ({hidden},) and dtype "
-                         f"{np.dtype(x.dtype).name}{also}, got {rms_gamma.shape} "
-                         f"{np.dtype(rms_gamma.dtype).name}")
+        raise ValueError(
+            f"rms_gamma must have shape ({hidden},) and dtype "
+            f"{np.dtype(x.dtype).name}{also}, got {rms_gamma.shape} "
+            f"{np.dtype(rms_gamma.dtype).name}"
+        )
     return rms_gamma

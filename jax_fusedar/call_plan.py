@@ -7,6 +7,7 @@ Every decision is a pure function of the plan and the call's shape, so every ran
 decides alike and the kernel's spin-wait always finds its peers. The batching rules call the
 same functions again for the folded token count.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,6 +27,7 @@ class CallPlan:
     """What the trace-time kernel decision reads besides the call's shape, carried as a
     parameter of the primitive so that its batching rule can decide again for the token
     count of the folded batch."""
+
     backend: str
     sizes: sizing.WorkspaceSizes
     strict: bool
@@ -36,18 +38,25 @@ def fallback(kind: str, reason: str, strict: bool, backend: str) -> None:
     """The kernel cannot serve a call: raise in strict mode, else log ``reason`` (once per
     ``kind`` and process) and let the caller run the reference."""
     if strict:
-        raise ValueError(f"jax_fusedar: cannot use the fused kernel: {reason} (strict mode; "
-                         f"unset {backend_choice.STRICT_ENV_VAR} or pass strict=False to fall "
-                         "back to psum + RMSNorm)")
+        raise ValueError(
+            f"jax_fusedar: cannot use the fused kernel: {reason} (strict mode; "
+            f"unset {backend_choice.STRICT_ENV_VAR} or pass strict=False to fall "
+            "back to psum + RMSNorm)"
+        )
     # The xla backend never uses the kernel: nothing falls back there, nothing to report.
     if backend == "trtllm" and kind not in _fallback_reasons_logged:
         _fallback_reasons_logged.add(kind)
-        log.warning("jax_fusedar: falling back to psum + RMSNorm: %s (logged once per kind "
-                    "of reason; set %s=1 to raise instead)", reason, backend_choice.STRICT_ENV_VAR)
+        log.warning(
+            "jax_fusedar: falling back to psum + RMSNorm: %s (logged once per kind "
+            "of reason; set %s=1 to raise instead)",
+            reason,
+            backend_choice.STRICT_ENV_VAR,
+        )
 
 
-def kernel_problem(tokens: int, hidden: int, dtype_name: str,
-                   sizes: sizing.WorkspaceSizes) -> Optional[tuple]:
+def kernel_problem(
+    tokens: int, hidden: int, dtype_name: str, sizes: sizing.WorkspaceSizes
+) -> Optional[tuple]:
     """(kind, why) the dense kernel cannot serve this call (then it falls back), or None."""
     problem = limits.kernel_support_problem(sizes.world_size, hidden, dtype_name)
     if problem is not None:
@@ -56,7 +65,8 @@ def kernel_problem(tokens: int, hidden: int, dtype_name: str,
         return "workspace too small", (
             f"{tokens}x{hidden} tokens exceed the workspace (max_token_num="
             f"{sizes.max_token_num} x hidden {sizes.hidden_dim}; every row of an N-D or "
-            "vmapped call counts)")
+            "vmapped call counts)"
+        )
     return None
 
 

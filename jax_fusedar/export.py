@@ -28,6 +28,7 @@ token counts are refused with a clear error: export one artifact per token count
 partitioning is a Python callback, which ``export`` refuses with an explanation).
 Serializing needs the ``flatbuffers`` package (``jax.export``'s requirement).
 """
+
 from __future__ import annotations
 
 import re
@@ -35,11 +36,16 @@ import re
 import jax
 
 from . import moe_primitive, primitive  # noqa: F401 (their ops fill the registry)
-from .ffi_op import (allowing_reference_for_cuda, export_safe_targets,
-                     refusing_reference_for_cuda, register_ffi_targets)
+from .ffi_op import (
+    allowing_reference_for_cuda,
+    export_safe_targets,
+    refusing_reference_for_cuda,
+    register_ffi_targets,
+)
 
-DISABLED_CHECKS = tuple(jax.export.DisabledSafetyCheck.custom_call(target)
-                        for target in export_safe_targets())
+DISABLED_CHECKS = tuple(
+    jax.export.DisabledSafetyCheck.custom_call(target) for target in export_safe_targets()
+)
 
 
 def export(fun, *, platforms=None, disabled_checks=(), **kwargs):
@@ -50,8 +56,9 @@ def export(fun, *, platforms=None, disabled_checks=(), **kwargs):
     workspace of this GPU-less process (use ``abstract_workspace(..., backend="trtllm")``)."""
     if not hasattr(fun, "trace"):
         fun = jax.jit(fun)
-    exporter = jax.export.export(fun, platforms=platforms,
-                                 disabled_checks=(*DISABLED_CHECKS, *disabled_checks), **kwargs)
+    exporter = jax.export.export(
+        fun, platforms=platforms, disabled_checks=(*DISABLED_CHECKS, *disabled_checks), **kwargs
+    )
 
     def do_export(*args, **kw):
         try:
@@ -65,7 +72,8 @@ def export(fun, *, platforms=None, disabled_checks=(), **kwargs):
                 "Auto mesh axes, that is its partition rule (custom_partitioning runs a "
                 "Python callback when XLA compiles): export it on a mesh with Explicit axes "
                 "(jax.make_mesh's default, under jax.set_mesh), where the op is placed at "
-                "trace time, or write the layer with shard_map + allreduce_fusion") from e
+                "trace time, or write the layer with shard_map + allreduce_fusion"
+            ) from e
 
     return do_export
 

@@ -25,6 +25,7 @@ batching rule needs to decide again). The lowerings do the rest alike for every 
 check, the reference for calls not cleared for the kernel (with the export policy below),
 and the custom call.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -47,6 +48,7 @@ from .common import native
 # outputs drop `axis_name` from the summed operands' varying axes; the residual and gamma
 # still contribute theirs (a per-rank residual makes residual_out per-rank again).
 
+
 def varying(aval) -> frozenset:
     """The manual mesh axes ``aval`` varies over."""
     mat = getattr(aval, "mat", None)
@@ -63,6 +65,7 @@ def with_varying(aval, vma: frozenset):
 
 
 # --- lowering ----------------------------------------------------------------------------------
+
 
 def check_lowering_mesh(ctx, axis_name, workspace_groups):
     """In every lowering (cuda and the reference ones): the mesh of the shard_map (or pmap)
@@ -104,20 +107,24 @@ def check_reference_lowered_for_cuda(workspace_id: int) -> None:
     if _allow_reference.get():
         return
     from .workspace import lookup
+
     ws = lookup(workspace_id)
     if ws is None or ws.backend != "xla" or getattr(ws, "xla_requested", False):
         return  # not the XLA backend, or the XLA backend asked for: served as asked
     if any(getattr(d, "platform", None) == "gpu" for d in ws.mesh.devices.flat):
         return  # the XLA backend chosen on GPUs: the user's (or auto's) explicit choice
-    msg = (f"jax_fusedar: lowering for cuda with {ws!r}, an XLA-backend workspace of a process "
-           "without GPUs (backend 'auto' found no GPU here): the program will run psum + "
-           "RMSNorm, not the fused kernel. To export the kernel from this machine use "
-           "jax_fusedar.abstract_workspace(..., backend='trtllm'), which serving processes "
-           "match by key; to export psum + RMSNorm for cuda on purpose, ask for it with "
-           "backend='xla' (abstract_workspace or create_allreduce_fusion_workspace)")
+    msg = (
+        f"jax_fusedar: lowering for cuda with {ws!r}, an XLA-backend workspace of a process "
+        "without GPUs (backend 'auto' found no GPU here): the program will run psum + "
+        "RMSNorm, not the fused kernel. To export the kernel from this machine use "
+        "jax_fusedar.abstract_workspace(..., backend='trtllm'), which serving processes "
+        "match by key; to export psum + RMSNorm for cuda on purpose, ask for it with "
+        "backend='xla' (abstract_workspace or create_allreduce_fusion_workspace)"
+    )
     if _refuse_reference.get():
-        raise ValueError(msg + " (or wrap the export in "
-                         "jax_fusedar.export.allow_reference_for_cuda())")
+        raise ValueError(
+            msg + " (or wrap the export in jax_fusedar.export.allow_reference_for_cuda())"
+        )
     warnings.warn(msg, stacklevel=2)
 
 
@@ -185,9 +192,19 @@ class FfiOp:
     ``attributes`` and ``aliases``, and all of them in ``jvp`` and ``batch``, which re-bind
     ``op.primitive``."""
 
-    def __init__(self, name: str, *, target: str, public_name: str, abstract_eval: Callable,
-                 reference: Callable, attributes: Callable, aliases: Callable,
-                 batch: Callable, jvp: Optional[Callable] = None):
+    def __init__(
+        self,
+        name: str,
+        *,
+        target: str,
+        public_name: str,
+        abstract_eval: Callable,
+        reference: Callable,
+        attributes: Callable,
+        aliases: Callable,
+        batch: Callable,
+        jvp: Optional[Callable] = None,
+    ):
         if name in _ops:
             raise ValueError(f"the op {name} is declared twice")
         self.name = name
@@ -202,8 +219,9 @@ class FfiOp:
         self.primitive.def_impl(self._outside_shard_map)
         self._reference_lowering = mlir.lower_fun(reference, multiple_results=True)
         mlir.register_lowering(self.primitive, partial(self._lower, kernel_platform=False))
-        mlir.register_lowering(self.primitive, partial(self._lower, kernel_platform=True),
-                               platform="cuda")
+        mlir.register_lowering(
+            self.primitive, partial(self._lower, kernel_platform=True), platform="cuda"
+        )
         ad.primitive_jvps[self.primitive] = partial(jvp or reference_jvp, self)
         batching.primitive_batchers[self.primitive] = partial(batch, self)
         _ops[name] = self
@@ -216,24 +234,41 @@ class FfiOp:
         """Binds the primitive for a call on ``workspace`` over ``axis_name``, decided at
         trace time (``use_kernel``, ``plan``: ``call_plan``)."""
         if use_kernel and not register_ffi_targets():
-            raise RuntimeError("the workspace uses the trtllm kernel but jax_fusedar's native "
-                               "extension is not available")
+            raise RuntimeError(
+                "the workspace uses the trtllm kernel but jax_fusedar's native "
+                "extension is not available"
+            )
         return self.primitive.bind(
-            *operands, axis_name=(axis_name,), use_kernel=bool(use_kernel),
+            *operands,
+            axis_name=(axis_name,),
+            use_kernel=bool(use_kernel),
             workspace_id=workspace.id,
-            workspace_groups=tuple(g.members for g in workspace.groups), plan=plan, **params)
+            workspace_groups=tuple(g.members for g in workspace.groups),
+            plan=plan,
+            **params,
+        )
 
     def _outside_shard_map(self, *args, **params):
         raise ValueError(f"{self.public_name} must be called inside jax.shard_map")
 
-    def _lower(self, ctx, *args, kernel_platform: bool, axis_name, use_kernel, workspace_id,
-               workspace_groups, plan=None, **params):
+    def _lower(
+        self,
+        ctx,
+        *args,
+        kernel_platform: bool,
+        axis_name,
+        use_kernel,
+        workspace_id,
+        workspace_groups,
+        plan=None,
+        **params,
+    ):
         check_lowering_mesh(ctx, axis_name, workspace_groups)
         if kernel_platform and use_kernel:
-            rule = jax.ffi.ffi_lowering(self.target,
-                                        operand_output_aliases=self.aliases(**params))
-            return rule(ctx, *args, workspace_id=np.int64(workspace_id),
-                        **self.attributes(**params))
+            rule = jax.ffi.ffi_lowering(self.target, operand_output_aliases=self.aliases(**params))
+            return rule(
+                ctx, *args, workspace_id=np.int64(workspace_id), **self.attributes(**params)
+            )
         if kernel_platform:
             check_reference_lowered_for_cuda(workspace_id)
         return self._reference_lowering(ctx, *args, axis_name=axis_name, **params)
@@ -253,6 +288,9 @@ def reference_jvp(op: FfiOp, primals, tangents, **params):
             args[i] = v
         return op.reference(*args, **own)
 
-    _, out_tangents = jax.jvp(reference_of_floats, [primals[i] for i in floating],
-                              [ad.instantiate_zeros(tangents[i]) for i in floating])
+    _, out_tangents = jax.jvp(
+        reference_of_floats,
+        [primals[i] for i in floating],
+        [ad.instantiate_zeros(tangents[i]) for i in floating],
+    )
     return outs, list(out_tangents)

@@ -27,6 +27,7 @@ The sections of the pass live in ``jax_fusedar/fusion/`` (matching, scope walkin
 rewriting, the report, the JAX internals it uses); this module is the transform itself:
 workspaces, tracing, the report of each trace.
 """
+
 from __future__ import annotations
 
 import functools
@@ -46,11 +47,24 @@ log = logging.getLogger("jax_fusedar")
 
 # --- the transform -------------------------------------------------------------------------------
 
+
 class FusedFunction:
     """The callable returned by :func:`fuse`; see the module docstring."""
 
-    def __init__(self, fn, *, mesh, axis_name, workspace, max_tokens, backend,
-                 allow_rounding_change, use_oneshot, strict, log_level):
+    def __init__(
+        self,
+        fn,
+        *,
+        mesh,
+        axis_name,
+        workspace,
+        max_tokens,
+        backend,
+        allow_rounding_change,
+        use_oneshot,
+        strict,
+        log_level,
+    ):
         self.fn = fn
         self.mesh = mesh
         self.axis_name = axis_name
@@ -61,7 +75,7 @@ class FusedFunction:
         self.strict = strict
         self.log_level = log_level
         self.given_workspace = workspace
-        self.workspaces = []        # the ones this transform created
+        self.workspaces = []  # the ones this transform created
         self.report: Optional[FusionReport] = None
         self._jitted = jax.jit(self._run)
         functools.update_wrapper(self, fn, updated=())
@@ -75,25 +89,44 @@ class FusedFunction:
             if ws.dtype.name != m.dtype:
                 raise Reject(f"the workspace is for {ws.dtype.name}, the site is {m.dtype}")
             if not ws.is_buffer_size_sufficient(m.tokens, m.hidden):
-                raise Reject(f"tokens {m.tokens} x hidden {m.hidden} > workspace max "
-                              f"{ws.max_token_num} x {ws.hidden_dim}")
+                raise Reject(
+                    f"tokens {m.tokens} x hidden {m.hidden} > workspace max "
+                    f"{ws.max_token_num} x {ws.hidden_dim}"
+                )
             return ws
         if self.max_tokens is not None and m.tokens > self.max_tokens:
             raise Reject(f"tokens {m.tokens} > max_tokens {self.max_tokens}")
         for ws in reversed(self.workspaces):
-            if not ws.destroyed and ws.dtype.name == m.dtype and \
-                    ws.is_buffer_size_sufficient(m.tokens, m.hidden):
+            if (
+                not ws.destroyed
+                and ws.dtype.name == m.dtype
+                and ws.is_buffer_size_sufficient(m.tokens, m.hidden)
+            ):
                 return ws
         from .workspace import create_allreduce_fusion_workspace
+
         if self.mesh.shape[self.axis_name] != world:
-            raise Reject(f"the shard_map's axis {self.axis_name!r} has size {world}, the "
-                          f"mesh given to fuse has {self.mesh.shape[self.axis_name]}")
-        want = max([m.tokens] + [ws.max_token_num * ws.hidden_dim // m.hidden
-                                 for ws in self.workspaces if ws.dtype.name == m.dtype])
+            raise Reject(
+                f"the shard_map's axis {self.axis_name!r} has size {world}, the "
+                f"mesh given to fuse has {self.mesh.shape[self.axis_name]}"
+            )
+        want = max(
+            [m.tokens]
+            + [
+                ws.max_token_num * ws.hidden_dim // m.hidden
+                for ws in self.workspaces
+                if ws.dtype.name == m.dtype
+            ]
+        )
         try:
-            ws = create_allreduce_fusion_workspace(self.mesh, self.axis_name,
-                                                   max_token_num=want, hidden_dim=m.hidden,
-                                                   dtype=m.dtype, backend=self.backend)
+            ws = create_allreduce_fusion_workspace(
+                self.mesh,
+                self.axis_name,
+                max_token_num=want,
+                hidden_dim=m.hidden,
+                dtype=m.dtype,
+                backend=self.backend,
+            )
         except (ValueError, RuntimeError, MemoryError) as e:
             raise Reject(f"cannot create a workspace: {e}") from None
         self.workspaces.append(ws)
@@ -132,10 +165,19 @@ class FusedFunction:
         return self.report
 
 
-def fuse(fn=None, *, mesh=None, axis_name: Optional[str] = None, workspace=None,
-         max_tokens: Optional[int] = None, backend: Optional[str] = "auto",
-         allow_rounding_change: bool = False, use_oneshot: Optional[bool] = None,
-         strict: Optional[bool] = None, log_level: int = logging.INFO):
+def fuse(
+    fn=None,
+    *,
+    mesh=None,
+    axis_name: Optional[str] = None,
+    workspace=None,
+    max_tokens: Optional[int] = None,
+    backend: Optional[str] = "auto",
+    allow_rounding_change: bool = False,
+    use_oneshot: Optional[bool] = None,
+    strict: Optional[bool] = None,
+    log_level: int = logging.INFO,
+):
     """Returns ``fn`` with every proven all-reduce + residual add + RMSNorm (+ FP8 tail)
     replaced by one fused call; see the module docstring and ``docs/fusion_pass.md``.
 
@@ -158,40 +200,58 @@ def fuse(fn=None, *, mesh=None, axis_name: Optional[str] = None, workspace=None,
     Can be used as a decorator: ``@functools.partial(fuse, mesh=mesh)``.
     """
     if fn is None:
-        return functools.partial(fuse, mesh=mesh, axis_name=axis_name, workspace=workspace,
-                                 max_tokens=max_tokens, backend=backend,
-                                 allow_rounding_change=allow_rounding_change,
-                                 use_oneshot=use_oneshot, strict=strict, log_level=log_level)
+        return functools.partial(
+            fuse,
+            mesh=mesh,
+            axis_name=axis_name,
+            workspace=workspace,
+            max_tokens=max_tokens,
+            backend=backend,
+            allow_rounding_change=allow_rounding_change,
+            use_oneshot=use_oneshot,
+            strict=strict,
+            log_level=log_level,
+        )
     if not callable(fn):
         raise TypeError(f"fuse: fn must be callable, got {fn!r}")
     if workspace is not None:
         from .workspace import AllReduceFusionWorkspace
+
         if not isinstance(workspace, AllReduceFusionWorkspace):
-            raise TypeError("fuse: workspace must come from "
-                            "jax_fusedar.create_allreduce_fusion_workspace")
+            raise TypeError(
+                "fuse: workspace must come from jax_fusedar.create_allreduce_fusion_workspace"
+            )
         if mesh is not None and mesh is not workspace.mesh:
             raise ValueError("fuse: pass either mesh= or workspace=, not both")
         if axis_name is not None and axis_name != workspace.axis_name:
-            raise ValueError(f"fuse: axis_name {axis_name!r} differs from the workspace's "
-                             f"axis {workspace.axis_name!r}")
+            raise ValueError(
+                f"fuse: axis_name {axis_name!r} differs from the workspace's "
+                f"axis {workspace.axis_name!r}"
+            )
         mesh, axis_name = workspace.mesh, workspace.axis_name
     else:
         if mesh is None:
-            raise ValueError("fuse needs mesh= (and axis_name=) to create workspaces, or "
-                             "workspace=")
+            raise ValueError(
+                "fuse needs mesh= (and axis_name=) to create workspaces, or workspace="
+            )
         if not isinstance(mesh, jax.sharding.Mesh):
             raise TypeError(f"fuse: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
         if axis_name is None:
             if len(mesh.axis_names) != 1:
-                raise ValueError(f"fuse: the mesh has axes {tuple(mesh.axis_names)}; pass "
-                                 f"axis_name= (the tensor-parallel axis)")
+                raise ValueError(
+                    f"fuse: the mesh has axes {tuple(mesh.axis_names)}; pass "
+                    f"axis_name= (the tensor-parallel axis)"
+                )
             axis_name = mesh.axis_names[0]
         if axis_name not in mesh.axis_names:
-            raise ValueError(f"fuse: axis_name {axis_name!r} is not an axis of the mesh "
-                             f"{tuple(mesh.axis_names)}")
-    if max_tokens is not None and (isinstance(max_tokens, bool) or
-                                   not isinstance(max_tokens, (int, np.integer)) or
-                                   max_tokens <= 0):
+            raise ValueError(
+                f"fuse: axis_name {axis_name!r} is not an axis of the mesh {tuple(mesh.axis_names)}"
+            )
+    if max_tokens is not None and (
+        isinstance(max_tokens, bool)
+        or not isinstance(max_tokens, (int, np.integer))
+        or max_tokens <= 0
+    ):
         raise ValueError(f"fuse: max_tokens must be a positive integer, got {max_tokens!r}")
     if backend not in (None, "auto", "trtllm", "xla"):
         raise ValueError(f"fuse: backend must be 'auto', 'trtllm' or 'xla', got {backend!r}")
@@ -201,11 +261,20 @@ def fuse(fn=None, *, mesh=None, axis_name: Optional[str] = None, workspace=None,
     if isinstance(log_level, bool) or not isinstance(log_level, int):
         raise TypeError(f"fuse: log_level must be a logging level (int), got {log_level!r}")
     if not isinstance(allow_rounding_change, (bool, np.bool_)):
-        raise TypeError(f"fuse: allow_rounding_change must be True or False, got "
-                        f"{allow_rounding_change!r}")
+        raise TypeError(
+            f"fuse: allow_rounding_change must be True or False, got {allow_rounding_change!r}"
+        )
     # The arguments first (each error names its argument), then whether this JAX can run it.
     jax_internals.require_supported_jax()
-    return FusedFunction(fn, mesh=mesh, axis_name=axis_name, workspace=workspace,
-                         max_tokens=None if max_tokens is None else int(max_tokens),
-                         backend=backend, allow_rounding_change=allow_rounding_change,
-                         use_oneshot=use_oneshot, strict=strict, log_level=log_level)
+    return FusedFunction(
+        fn,
+        mesh=mesh,
+        axis_name=axis_name,
+        workspace=workspace,
+        max_tokens=None if max_tokens is None else int(max_tokens),
+        backend=backend,
+        allow_rounding_change=allow_rounding_change,
+        use_oneshot=use_oneshot,
+        strict=strict,
+        log_level=log_level,
+    )

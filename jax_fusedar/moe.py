@@ -36,6 +36,7 @@ Transformations: ``jax.grad``/``jvp``/``vjp`` (the tangent is that of the refere
 tokens (pattern 7 offsets each element's indices into the stacked permuted rows); a batched
 ``rms_gamma`` runs one call per element.
 """
+
 from __future__ import annotations
 
 import math
@@ -45,8 +46,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .call_checks import (as_gamma, as_residual, check_call_on_workspace, check_concrete_shape,
-                          check_operand, check_workspace)
+from .call_checks import (
+    as_gamma,
+    as_residual,
+    check_call_on_workspace,
+    check_concrete_shape,
+    check_operand,
+    check_workspace,
+)
 from .call_plan import CallPlan, choose_moe_kernel
 from .common import arguments, backend_choice, moe_limits
 from .common.patterns import AllReduceFusionPattern
@@ -66,31 +73,52 @@ class MoeAllReduceFusionOutputs(NamedTuple):
 def _check_call_context(workspace, axis_name, dtype_name):
     check_workspace(workspace, axis_name)
     if dtype_name not in moe_limits.MOE_DTYPES:
-        raise ValueError(f"the MoE patterns take bfloat16 or float16 rows (FlashInfer's MoE "
-                         f"kernels exist for those only), got {dtype_name}")
-    check_call_on_workspace(workspace, axis_name, dtype_name,
-                            op="the MoE all-reduce fusion", dtype_of="the rows have")
+        raise ValueError(
+            f"the MoE patterns take bfloat16 or float16 rows (FlashInfer's MoE "
+            f"kernels exist for those only), got {dtype_name}"
+        )
+    check_call_on_workspace(
+        workspace, axis_name, dtype_name, op="the MoE all-reduce fusion", dtype_of="the rows have"
+    )
 
 
 def _options(rms_eps, weight_bias, strict):
-    return (arguments.as_float32("rms_eps", rms_eps, minimum=0.0),
-            arguments.as_float32("weight_bias", weight_bias), backend_choice.strict_mode(strict))
+    return (
+        arguments.as_float32("rms_eps", rms_eps, minimum=0.0),
+        arguments.as_float32("weight_bias", weight_bias),
+        backend_choice.strict_mode(strict),
+    )
 
 
 def _bind(op, operands, *, lead, hidden, workspace, axis_name, strict, **params):
     plan = CallPlan(workspace.backend, workspace.sizes, strict, True)
     use_kernel = choose_moe_kernel(plan, math.prod(lead), hidden, workspace.dtype.name)
-    outs = op.bind(*operands, workspace=workspace, axis_name=axis_name, use_kernel=use_kernel,
-                   plan=plan, **params)
+    outs = op.bind(
+        *operands,
+        workspace=workspace,
+        axis_name=axis_name,
+        use_kernel=use_kernel,
+        plan=plan,
+        **params,
+    )
     outs = [o.reshape(*lead, hidden) for o in outs]
     return MoeAllReduceFusionOutputs(outs[2] if len(outs) > 2 else None, outs[0], outs[1])
 
 
 def moe_reduction_allreduce_fusion(
-        expert_outputs, expert_scales, token_input, *, axis_name: str,
-        workspace: AllReduceFusionWorkspace, residual=None, rms_gamma=None,
-        rms_eps: float = 1e-6, weight_bias: float = 0.0, return_allreduce_out: bool = False,
-        strict: Optional[bool] = None) -> MoeAllReduceFusionOutputs:
+    expert_outputs,
+    expert_scales,
+    token_input,
+    *,
+    axis_name: str,
+    workspace: AllReduceFusionWorkspace,
+    residual=None,
+    rms_gamma=None,
+    rms_eps: float = 1e-6,
+    weight_bias: float = 0.0,
+    return_allreduce_out: bool = False,
+    strict: Optional[bool] = None,
+) -> MoeAllReduceFusionOutputs:
     """Pattern 6 (``kMoEReductionARResidualRMSNorm``) on this rank's shard, inside shard_map.
 
     ``expert_outputs`` [E, ..., H] (bfloat16/float16, E >= 1 local experts), ``expert_scales``
@@ -105,31 +133,52 @@ def moe_reduction_allreduce_fusion(
     token_input = jnp.asarray(token_input)
     expert_outputs, expert_scales = jnp.asarray(expert_outputs), jnp.asarray(expert_scales)
     if token_input.ndim < 2:
-        raise ValueError(f"token_input must be [..., hidden] with at least one token dim, got "
-                         f"shape {token_input.shape}")
+        raise ValueError(
+            f"token_input must be [..., hidden] with at least one token dim, got "
+            f"shape {token_input.shape}"
+        )
     check_concrete_shape("token_input", token_input.shape, "the MoE all-reduce fusion")
     dtype_name = np.dtype(token_input.dtype).name
     _check_call_context(workspace, axis_name, dtype_name)
     lead, hidden = token_input.shape[:-1], token_input.shape[-1]
     if expert_outputs.ndim != token_input.ndim + 1 or expert_outputs.shape[0] < 1:
-        raise ValueError(f"expert_outputs must be [experts >= 1, *{list(token_input.shape)}] "
-                         f"(token_input's shape after the expert dim), got "
-                         f"{expert_outputs.shape}")
+        raise ValueError(
+            f"expert_outputs must be [experts >= 1, *{list(token_input.shape)}] "
+            f"(token_input's shape after the expert dim), got "
+            f"{expert_outputs.shape}"
+        )
     experts = expert_outputs.shape[0]
     check_operand("expert_outputs", expert_outputs, (experts, *lead, hidden), token_input.dtype)
     check_operand("expert_scales", expert_scales, (experts, *lead), jnp.float32)
     # Not zeros_like: that would carry token_input's variance over the axis (api.py).
-    residual = (jnp.zeros(token_input.shape, token_input.dtype) if residual is None
-                else as_residual(residual, token_input))
-    gamma = as_gamma(rms_gamma, token_input, hidden,
-                      AllReduceFusionPattern.kMoEReductionARResidualRMSNorm)
+    residual = (
+        jnp.zeros(token_input.shape, token_input.dtype)
+        if residual is None
+        else as_residual(residual, token_input)
+    )
+    gamma = as_gamma(
+        rms_gamma, token_input, hidden, AllReduceFusionPattern.kMoEReductionARResidualRMSNorm
+    )
     tokens = math.prod(lead)
-    operands = [expert_scales.reshape(experts, tokens),
-                expert_outputs.reshape(experts, tokens, hidden),
-                token_input.reshape(tokens, hidden), residual.reshape(tokens, hidden), gamma]
-    return _bind(moe_reduction_op, operands, lead=lead, hidden=hidden, workspace=workspace,
-                 axis_name=axis_name, strict=strict, rms_eps=rms_eps, weight_bias=weight_bias,
-                 allreduce_out=return_allreduce_out)
+    operands = [
+        expert_scales.reshape(experts, tokens),
+        expert_outputs.reshape(experts, tokens, hidden),
+        token_input.reshape(tokens, hidden),
+        residual.reshape(tokens, hidden),
+        gamma,
+    ]
+    return _bind(
+        moe_reduction_op,
+        operands,
+        lead=lead,
+        hidden=hidden,
+        workspace=workspace,
+        axis_name=axis_name,
+        strict=strict,
+        rms_eps=rms_eps,
+        weight_bias=weight_bias,
+        allreduce_out=return_allreduce_out,
+    )
 
 
 def check_permuted_indices(expanded_idx_to_permuted_idx, num_permuted_rows: int) -> None:
@@ -144,15 +193,25 @@ def check_permuted_indices(expanded_idx_to_permuted_idx, num_permuted_rows: int)
         raise ValueError(
             f"expanded_idx_to_permuted_idx{list(where)} = {int(idx[where])} is not -1 (dropped) "
             f"or a row of permuted_input (0..{num_permuted_rows - 1}); permuted_input has "
-            f"{num_permuted_rows} rows, fewer than the indices need")
+            f"{num_permuted_rows} rows, fewer than the indices need"
+        )
 
 
 def moe_finalize_allreduce_fusion(
-        permuted_input, expanded_idx_to_permuted_idx, *, axis_name: str,
-        workspace: AllReduceFusionWorkspace, residual=None, rms_gamma=None,
-        expert_scale_factor=None, shared_expert_output=None, routed_scaling_factor: float = 1.0,
-        rms_eps: float = 1e-6, weight_bias: float = 0.0,
-        strict: Optional[bool] = None) -> MoeAllReduceFusionOutputs:
+    permuted_input,
+    expanded_idx_to_permuted_idx,
+    *,
+    axis_name: str,
+    workspace: AllReduceFusionWorkspace,
+    residual=None,
+    rms_gamma=None,
+    expert_scale_factor=None,
+    shared_expert_output=None,
+    routed_scaling_factor: float = 1.0,
+    rms_eps: float = 1e-6,
+    weight_bias: float = 0.0,
+    strict: Optional[bool] = None,
+) -> MoeAllReduceFusionOutputs:
     """Pattern 7 (``kMoEFinalizeARResidualRMSNorm``) on this rank's shard, inside shard_map.
 
     ``permuted_input`` [P, H] (bfloat16/float16): this rank's expert rows in permuted
@@ -164,24 +223,24 @@ def moe_finalize_allreduce_fusion(
     ``rms_gamma`` [H]. Returns ``MoeAllReduceFusionOutputs(None, residual_out, norm_out)``
     with the index map's leading dims."""
     rms_eps, weight_bias, strict = _options(rms_eps, weight_bias, strict)
-    routed_scaling_factor = arguments.as_float32("routed_scaling_factor",
-                                                 routed_scaling_factor)
+    routed_scaling_factor = arguments.as_float32("routed_scaling_factor", routed_scaling_factor)
     permuted_input = jnp.asarray(permuted_input)
     idx = jnp.asarray(expanded_idx_to_permuted_idx)
     if permuted_input.ndim != 2 or permuted_input.shape[0] < 1:
-        raise ValueError(f"permuted_input must be [rows >= 1, hidden], got shape "
-                         f"{permuted_input.shape}")
-    check_concrete_shape("permuted_input", permuted_input.shape,
-                         "the MoE all-reduce fusion")
-    check_concrete_shape("expanded_idx_to_permuted_idx", idx.shape,
-                         "the MoE all-reduce fusion")
+        raise ValueError(
+            f"permuted_input must be [rows >= 1, hidden], got shape {permuted_input.shape}"
+        )
+    check_concrete_shape("permuted_input", permuted_input.shape, "the MoE all-reduce fusion")
+    check_concrete_shape("expanded_idx_to_permuted_idx", idx.shape, "the MoE all-reduce fusion")
     dtype = permuted_input.dtype
     _check_call_context(workspace, axis_name, np.dtype(dtype).name)
     rows, hidden = permuted_input.shape
     given = getattr(expanded_idx_to_permuted_idx, "dtype", idx.dtype)  # before x64 narrowing
     if given != jnp.int32 or idx.ndim < 2 or idx.shape[-1] < 1:
-        raise ValueError(f"expanded_idx_to_permuted_idx must be int32 [..., top_k >= 1], got "
-                         f"{idx.shape} {np.dtype(given).name}")
+        raise ValueError(
+            f"expanded_idx_to_permuted_idx must be int32 [..., top_k >= 1], got "
+            f"{idx.shape} {np.dtype(given).name}"
+        )
     check_permuted_indices(expanded_idx_to_permuted_idx, rows)
     lead, top_k = idx.shape[:-1], idx.shape[-1]
     tokens = math.prod(lead)
@@ -199,8 +258,17 @@ def moe_finalize_allreduce_fusion(
         shared_expert_output = jnp.asarray(shared_expert_output)
         check_operand("shared_expert_output", shared_expert_output, (*lead, hidden), dtype)
         operands.append(shared_expert_output.reshape(tokens, hidden))
-    return _bind(moe_finalize_op, operands, lead=lead, hidden=hidden, workspace=workspace,
-                 axis_name=axis_name, strict=strict, rms_eps=rms_eps, weight_bias=weight_bias,
-                 routed_scaling_factor=routed_scaling_factor,
-                 has_expert_scale=expert_scale_factor is not None,
-                 has_shared_expert=shared_expert_output is not None)
+    return _bind(
+        moe_finalize_op,
+        operands,
+        lead=lead,
+        hidden=hidden,
+        workspace=workspace,
+        axis_name=axis_name,
+        strict=strict,
+        rms_eps=rms_eps,
+        weight_bias=weight_bias,
+        routed_scaling_factor=routed_scaling_factor,
+        has_expert_scale=expert_scale_factor is not None,
+        has_shared_expert=shared_expert_output is not None,
+    )

@@ -16,6 +16,7 @@ and written by the same thread). The math and its rounding points are in
 ``jax.vmap`` folds the batch into tokens (the finalize offsets each element's indices into
 the stacked permuted rows), and a batched ``rms_gamma`` runs one call per element.
 """
+
 from __future__ import annotations
 
 import jax
@@ -30,15 +31,16 @@ from .ffi_op import FfiOp, varying, with_varying
 REDUCTION = int(AllReduceFusionPattern.kMoEReductionARResidualRMSNorm)
 FINALIZE = int(AllReduceFusionPattern.kMoEFinalizeARResidualRMSNorm)
 
-REDUCTION_OPERANDS = ("expert_scales", "expert_outputs", "token_input", "residual",
-                      "rms_gamma")
+REDUCTION_OPERANDS = ("expert_scales", "expert_outputs", "token_input", "residual", "rms_gamma")
 
 
 def finalize_operands(has_expert_scale: bool, has_shared_expert: bool) -> tuple:
     """The finalize op's operand names, in the handler's order."""
-    return (("permuted_input", "expanded_idx_to_permuted_idx", "residual", "rms_gamma")
-            + ("expert_scale_factor",) * has_expert_scale
-            + ("shared_expert_output",) * has_shared_expert)
+    return (
+        ("permuted_input", "expanded_idx_to_permuted_idx", "residual", "rms_gamma")
+        + ("expert_scale_factor",) * has_expert_scale
+        + ("shared_expert_output",) * has_shared_expert
+    )
 
 
 def _abstract_eval(ops: dict, axis_name, allreduce_out: bool):
@@ -57,18 +59,34 @@ def _abstract_eval(ops: dict, axis_name, allreduce_out: bool):
 
 def _epilogue(local, ops, axis_name, rms_eps, weight_bias, allreduce_out: bool):
     summed, residual_out, norm_out = moe_reference.moe_epilogue(
-        local, ops["residual"], ops["rms_gamma"], axis_name=axis_name[0], rms_eps=rms_eps,
-        weight_bias=weight_bias)
+        local,
+        ops["residual"],
+        ops["rms_gamma"],
+        axis_name=axis_name[0],
+        rms_eps=rms_eps,
+        weight_bias=weight_bias,
+    )
     return [residual_out, norm_out] + ([summed] if allreduce_out else [])
 
 
-def _attributes(pattern, rms_eps, weight_bias, routed_scaling_factor=1.0,
-                has_expert_scale=False, has_shared_expert=False, allreduce_out=False):
-    return dict(pattern=np.int32(pattern), rms_eps=np.float32(rms_eps),
-                weight_bias=np.float32(weight_bias),
-                routed_scaling_factor=np.float32(routed_scaling_factor),
-                has_expert_scale=bool(has_expert_scale),
-                has_shared_expert=bool(has_shared_expert), allreduce_out=bool(allreduce_out))
+def _attributes(
+    pattern,
+    rms_eps,
+    weight_bias,
+    routed_scaling_factor=1.0,
+    has_expert_scale=False,
+    has_shared_expert=False,
+    allreduce_out=False,
+):
+    return dict(
+        pattern=np.int32(pattern),
+        rms_eps=np.float32(rms_eps),
+        weight_bias=np.float32(weight_bias),
+        routed_scaling_factor=np.float32(routed_scaling_factor),
+        has_expert_scale=bool(has_expert_scale),
+        has_shared_expert=bool(has_shared_expert),
+        allreduce_out=bool(allreduce_out),
+    )
 
 
 def _at_front(x, d, size):
@@ -88,20 +106,31 @@ def _batch(op, names, fold, args, dims, params, n_out):
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     ops = {n: _at_front(a, d, size) for n, a, d in zip(names, args, dims)}
     if dims[names.index("rms_gamma")] is not None:
+
         def one(xs):
             return tuple(op.primitive.bind(*xs, **params))
+
         outs = jax.lax.map(one, tuple(ops[n] for n in names))
         return list(outs), [0] * n_out
     tokens, hidden = ops["residual"].shape[1:]
-    folded = dict(ops, residual=_flat(ops["residual"]),
-                  rms_gamma=args[names.index("rms_gamma")], **fold(ops, size))
-    params = dict(params, use_kernel=choose_moe_kernel(
-        params["plan"], size * tokens, hidden, np.dtype(ops["residual"].dtype).name))
+    folded = dict(
+        ops,
+        residual=_flat(ops["residual"]),
+        rms_gamma=args[names.index("rms_gamma")],
+        **fold(ops, size),
+    )
+    params = dict(
+        params,
+        use_kernel=choose_moe_kernel(
+            params["plan"], size * tokens, hidden, np.dtype(ops["residual"].dtype).name
+        ),
+    )
     outs = op.primitive.bind(*(folded[n] for n in names), **params)
     return [o.reshape(size, tokens, hidden) for o in outs], [0] * n_out
 
 
 # --- pattern 6: the expert reduction ------------------------------------------------------------
+
 
 def _reduction_abstract_eval(*avals, axis_name, allreduce_out, **_):
     return _abstract_eval(dict(zip(REDUCTION_OPERANDS, avals)), axis_name, allreduce_out)
@@ -109,46 +138,65 @@ def _reduction_abstract_eval(*avals, axis_name, allreduce_out, **_):
 
 def _reduction_reference(*args, axis_name, rms_eps, weight_bias, allreduce_out):
     ops = dict(zip(REDUCTION_OPERANDS, args))
-    local = moe_reference.moe_reduction_local(ops["expert_outputs"], ops["expert_scales"],
-                                              ops["token_input"])
+    local = moe_reference.moe_reduction_local(
+        ops["expert_outputs"], ops["expert_scales"], ops["token_input"]
+    )
     return _epilogue(local, ops, axis_name, rms_eps, weight_bias, allreduce_out)
 
 
 def _reduction_batch(op, args, dims, **params):
     def fold(ops, size):
         e, tokens, hidden = ops["expert_outputs"].shape[1:]
-        return {"token_input": _flat(ops["token_input"]),
-                "expert_outputs": jnp.swapaxes(ops["expert_outputs"], 0, 1).reshape(
-                    e, size * tokens, hidden),
-                "expert_scales": jnp.swapaxes(ops["expert_scales"], 0, 1).reshape(
-                    e, size * tokens)}
-    return _batch(op, REDUCTION_OPERANDS, fold, args, dims, params,
-                  3 if params["allreduce_out"] else 2)
+        return {
+            "token_input": _flat(ops["token_input"]),
+            "expert_outputs": jnp.swapaxes(ops["expert_outputs"], 0, 1).reshape(
+                e, size * tokens, hidden
+            ),
+            "expert_scales": jnp.swapaxes(ops["expert_scales"], 0, 1).reshape(e, size * tokens),
+        }
+
+    return _batch(
+        op, REDUCTION_OPERANDS, fold, args, dims, params, 3 if params["allreduce_out"] else 2
+    )
 
 
 moe_reduction_op = FfiOp(
-    "jax_fusedar_moe_reduction_allreduce_fusion", target="moe_allreduce_fusion",
+    "jax_fusedar_moe_reduction_allreduce_fusion",
+    target="moe_allreduce_fusion",
     public_name="jax_fusedar.moe_reduction_allreduce_fusion",
-    abstract_eval=_reduction_abstract_eval, reference=_reduction_reference,
+    abstract_eval=_reduction_abstract_eval,
+    reference=_reduction_reference,
     attributes=lambda **p: _attributes(REDUCTION, **p),
-    aliases=lambda **_: {REDUCTION_OPERANDS.index("residual"): 0}, batch=_reduction_batch)
+    aliases=lambda **_: {REDUCTION_OPERANDS.index("residual"): 0},
+    batch=_reduction_batch,
+)
 
 
 # --- pattern 7: the finalize (gather of the permuted expert rows) --------------------------------
+
 
 def _finalize_abstract_eval(*avals, axis_name, has_expert_scale, has_shared_expert, **_):
     names = finalize_operands(has_expert_scale, has_shared_expert)
     return _abstract_eval(dict(zip(names, avals)), axis_name, False)
 
 
-def _finalize_reference(*args, axis_name, rms_eps, weight_bias, routed_scaling_factor,
-                        has_expert_scale, has_shared_expert):
+def _finalize_reference(
+    *args,
+    axis_name,
+    rms_eps,
+    weight_bias,
+    routed_scaling_factor,
+    has_expert_scale,
+    has_shared_expert,
+):
     ops = dict(zip(finalize_operands(has_expert_scale, has_shared_expert), args))
     local = moe_reference.moe_finalize_local(
-        ops["permuted_input"], ops["expanded_idx_to_permuted_idx"],
+        ops["permuted_input"],
+        ops["expanded_idx_to_permuted_idx"],
         expert_scale_factor=ops.get("expert_scale_factor"),
         shared_expert_output=ops.get("shared_expert_output"),
-        routed_scaling_factor=routed_scaling_factor)
+        routed_scaling_factor=routed_scaling_factor,
+    )
     return _epilogue(local, ops, axis_name, rms_eps, weight_bias, False)
 
 
@@ -159,22 +207,29 @@ def _finalize_batch(op, args, dims, **params):
         rows = ops["permuted_input"].shape[1]
         idx = ops["expanded_idx_to_permuted_idx"]
         offset = (jnp.arange(size, dtype=jnp.int32) * rows)[:, None, None]
-        folded = {"expanded_idx_to_permuted_idx": _flat(
-                      jnp.where((idx >= 0) & (idx < rows), idx + offset, -1)),
-                  "permuted_input": _flat(ops["permuted_input"])}
+        folded = {
+            "expanded_idx_to_permuted_idx": _flat(
+                jnp.where((idx >= 0) & (idx < rows), idx + offset, -1)
+            ),
+            "permuted_input": _flat(ops["permuted_input"]),
+        }
         for n in ("expert_scale_factor", "shared_expert_output"):
             if n in ops:
                 folded[n] = _flat(ops[n])
         return folded
+
     return _batch(op, names, fold, args, dims, params, 2)
 
 
 moe_finalize_op = FfiOp(
-    "jax_fusedar_moe_finalize_allreduce_fusion", target="moe_allreduce_fusion",
+    "jax_fusedar_moe_finalize_allreduce_fusion",
+    target="moe_allreduce_fusion",
     public_name="jax_fusedar.moe_finalize_allreduce_fusion",
-    abstract_eval=_finalize_abstract_eval, reference=_finalize_reference,
+    abstract_eval=_finalize_abstract_eval,
+    reference=_finalize_reference,
     attributes=lambda **p: _attributes(FINALIZE, **p),
     aliases=lambda **_: {finalize_operands(False, False).index("residual"): 0},
-    batch=_finalize_batch)
+    batch=_finalize_batch,
+)
 
 FFI_TARGET = moe_reduction_op.target

@@ -35,6 +35,7 @@ An index outside ``[-1, num_permuted_rows)`` is the caller's error (the kernel w
 outside ``permuted_input``): the Python entry points refuse concrete ones, and this reference
 treats any such slot as dropped, so it never reads out of bounds.
 """
+
 from __future__ import annotations
 
 
@@ -73,15 +74,21 @@ def moe_reduction_local(expert_outputs, expert_scales, token_input):
         return _add(acc, _scaled(rows, scale[:, None], dtype), dtype), None
 
     # The kernel's accumulator starts at +0: 0 + the first term (a -0.0 term becomes +0.0).
-    first = _add(jnp.zeros((), dtype), _scaled(expert_outputs[0], expert_scales[0][:, None],
-                                               dtype), dtype)
+    first = _add(
+        jnp.zeros((), dtype), _scaled(expert_outputs[0], expert_scales[0][:, None], dtype), dtype
+    )
     acc, _ = jax.lax.scan(body, first, (expert_outputs[1:], expert_scales[1:]))
     return _add(acc, token_input, dtype)
 
 
-def moe_finalize_local(permuted_input, expanded_idx_to_permuted_idx, *,
-                       expert_scale_factor=None, shared_expert_output=None,
-                       routed_scaling_factor: float = 1.0):
+def moe_finalize_local(
+    permuted_input,
+    expanded_idx_to_permuted_idx,
+    *,
+    expert_scale_factor=None,
+    shared_expert_output=None,
+    routed_scaling_factor: float = 1.0,
+):
     """Pattern 7's per-rank row: the gather of each token's top_k rows, scaled and summed,
     times ``routed_scaling_factor``, plus the shared expert.
 
@@ -112,28 +119,52 @@ def moe_epilogue(local, residual, rms_gamma, *, axis_name, rms_eps: float, weigh
     the dense epilogue: returns (allreduce_out, residual_out, norm_out)."""
     summed = reference.allreduce_sum(positive_zero(local), axis_name, fp32_acc=False)
     residual_out = reference.residual_add(summed, residual)
-    norm_out = reference.rms_norm(residual_out, rms_gamma, rms_eps=rms_eps,
-                                  weight_bias=weight_bias, out_dtype=summed.dtype)
+    norm_out = reference.rms_norm(
+        residual_out, rms_gamma, rms_eps=rms_eps, weight_bias=weight_bias, out_dtype=summed.dtype
+    )
     return summed, residual_out, norm_out
 
 
-def moe_reduction_reference(expert_outputs, expert_scales, token_input, residual, rms_gamma, *,
-                            axis_name, rms_eps: float = 1e-6, weight_bias: float = 0.0):
+def moe_reduction_reference(
+    expert_outputs,
+    expert_scales,
+    token_input,
+    residual,
+    rms_gamma,
+    *,
+    axis_name,
+    rms_eps: float = 1e-6,
+    weight_bias: float = 0.0,
+):
     """Pattern 6 on one shard inside shard_map: (allreduce_out, residual_out, norm_out)."""
     local = moe_reduction_local(expert_outputs, expert_scales, token_input)
-    return moe_epilogue(local, residual, rms_gamma, axis_name=axis_name, rms_eps=rms_eps,
-                        weight_bias=weight_bias)
+    return moe_epilogue(
+        local, residual, rms_gamma, axis_name=axis_name, rms_eps=rms_eps, weight_bias=weight_bias
+    )
 
 
-def moe_finalize_reference(permuted_input, expanded_idx_to_permuted_idx, residual, rms_gamma, *,
-                           axis_name, expert_scale_factor=None, shared_expert_output=None,
-                           routed_scaling_factor: float = 1.0, rms_eps: float = 1e-6,
-                           weight_bias: float = 0.0):
+def moe_finalize_reference(
+    permuted_input,
+    expanded_idx_to_permuted_idx,
+    residual,
+    rms_gamma,
+    *,
+    axis_name,
+    expert_scale_factor=None,
+    shared_expert_output=None,
+    routed_scaling_factor: float = 1.0,
+    rms_eps: float = 1e-6,
+    weight_bias: float = 0.0,
+):
     """Pattern 7 on one shard inside shard_map: (residual_out, norm_out)."""
-    local = moe_finalize_local(permuted_input, expanded_idx_to_permuted_idx,
-                               expert_scale_factor=expert_scale_factor,
-                               shared_expert_output=shared_expert_output,
-                               routed_scaling_factor=routed_scaling_factor)
-    _, residual_out, norm_out = moe_epilogue(local, residual, rms_gamma, axis_name=axis_name,
-                                             rms_eps=rms_eps, weight_bias=weight_bias)
+    local = moe_finalize_local(
+        permuted_input,
+        expanded_idx_to_permuted_idx,
+        expert_scale_factor=expert_scale_factor,
+        shared_expert_output=shared_expert_output,
+        routed_scaling_factor=routed_scaling_factor,
+    )
+    _, residual_out, norm_out = moe_epilogue(
+        local, residual, rms_gamma, axis_name=axis_name, rms_eps=rms_eps, weight_bias=weight_bias
+    )
     return residual_out, norm_out

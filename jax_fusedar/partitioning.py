@@ -34,6 +34,7 @@ gradient; on Explicit axes ``allreduce_fusion``'s rules apply. ``jax.export`` wo
 Explicit axes only (the Auto-axes partition rule is a Python callback, which artifacts
 cannot carry).
 """
+
 from __future__ import annotations
 
 import math
@@ -61,6 +62,7 @@ class _Contraction(NamedTuple):
     """Static description of a ``dot_general`` without batch dims: h's and w's contracted
     dims (paired), and both ranks. h's other dims are the token dims, in order; w keeps
     one, n, the hidden size."""
+
     h_dims: tuple
     w_dims: tuple
     h_ndim: int
@@ -85,6 +87,7 @@ class _Contraction(NamedTuple):
 
 class _Config(NamedTuple):
     """Static (hashable) arguments of the partitioned op."""
+
     workspaces: tuple
     rms_eps: float
     weight_bias: float
@@ -96,11 +99,20 @@ class _Config(NamedTuple):
 
 
 def row_parallel_allreduce_fusion(
-        h, w, *, residual, rms_gamma,
-        workspace: Union[AllReduceFusionWorkspace, Sequence[AllReduceFusionWorkspace], None] = None,
-        rms_eps: float = 1e-6, weight_bias: float = 0.0, fp32_acc: bool = True,
-        use_oneshot: Optional[bool] = None, strict: Optional[bool] = None,
-        precision=None, contracting_dims=None) -> AllReduceFusionOutputs:
+    h,
+    w,
+    *,
+    residual,
+    rms_gamma,
+    workspace: Union[AllReduceFusionWorkspace, Sequence[AllReduceFusionWorkspace], None] = None,
+    rms_eps: float = 1e-6,
+    weight_bias: float = 0.0,
+    fp32_acc: bool = True,
+    use_oneshot: Optional[bool] = None,
+    strict: Optional[bool] = None,
+    precision=None,
+    contracting_dims=None,
+) -> AllReduceFusionOutputs:
     """Row-parallel ``h @ w`` fused with the all-reduce, residual add and RMSNorm.
 
     Call it under ``jax.jit`` on globally shaped arrays, outside ``shard_map``; it partitions
@@ -120,18 +132,20 @@ def row_parallel_allreduce_fusion(
     Returns ``AllReduceFusionOutputs`` with ``residual_out = h @ w + residual`` and
     ``norm_out = RMSNorm(residual_out) * (weight_bias + rms_gamma)`` (other fields None).
     """
-    h, w, residual, rms_gamma, dims = _checked_operands(h, w, residual, rms_gamma,
-                                                        contracting_dims)
-    cfg = _checked_config(dims, workspace, rms_eps, weight_bias, fp32_acc, use_oneshot, strict,
-                          precision)
+    h, w, residual, rms_gamma, dims = _checked_operands(h, w, residual, rms_gamma, contracting_dims)
+    cfg = _checked_config(
+        dims, workspace, rms_eps, weight_bias, fp32_acc, use_oneshot, strict, precision
+    )
     _check_up_front(cfg, h, w, residual, rms_gamma)
     mesh = jax.typeof(h).sharding.mesh
     types = set(getattr(mesh, "axis_types", ()))
     if AxisType.Manual in types:
         # Inside shard_map the arrays are shards: the partial sums would never be reduced.
-        raise ValueError("row_parallel_allreduce_fusion is called on global arrays, outside "
-                         "shard_map; inside shard_map call jax_fusedar.allreduce_fusion on "
-                         "the local matmul")
+        raise ValueError(
+            "row_parallel_allreduce_fusion is called on global arrays, outside "
+            "shard_map; inside shard_map call jax_fusedar.allreduce_fusion on "
+            "the local matmul"
+        )
     if AxisType.Explicit in types:
         return _explicit(cfg, mesh, h, w, residual, rms_gamma)
     residual_out, norm_out = _differentiable(h, w, residual, rms_gamma, cfg)
@@ -140,18 +154,29 @@ def row_parallel_allreduce_fusion(
 
 # --- validation, once, while tracing -------------------------------------------------------------
 
-def _checked_config(dims, workspace, rms_eps, weight_bias, fp32_acc, use_oneshot, strict,
-                    precision) -> _Config:
+
+def _checked_config(
+    dims, workspace, rms_eps, weight_bias, fp32_acc, use_oneshot, strict, precision
+) -> _Config:
     """The options, validated once, here, with ``allreduce_fusion``'s validators (never
     coerced: ``bool("false")`` is True). On Auto axes the per-shard program runs only when
     XLA compiles the partitioned op, where an error would be an INTERNAL custom_partitioner
     traceback; when the contraction is not sharded it never meets allreduce_fusion's checks
     at all."""
     workspaces = _as_workspaces(workspace)
-    opts = arguments.fusion_options(rms_eps=rms_eps, weight_bias=weight_bias,
-                                    fp32_acc=fp32_acc, use_oneshot=use_oneshot)
-    return _Config(workspaces, opts.rms_eps, opts.weight_bias, opts.fp32_acc, opts.use_oneshot,
-                   backend_choice.strict_mode(strict), precision, dims)
+    opts = arguments.fusion_options(
+        rms_eps=rms_eps, weight_bias=weight_bias, fp32_acc=fp32_acc, use_oneshot=use_oneshot
+    )
+    return _Config(
+        workspaces,
+        opts.rms_eps,
+        opts.weight_bias,
+        opts.fp32_acc,
+        opts.use_oneshot,
+        backend_choice.strict_mode(strict),
+        precision,
+        dims,
+    )
 
 
 def _as_workspaces(workspace) -> tuple:
@@ -160,9 +185,11 @@ def _as_workspaces(workspace) -> tuple:
     many = tuple(workspace) if isinstance(workspace, (list, tuple)) else (workspace,)
     for ws in many:
         if not isinstance(ws, AllReduceFusionWorkspace):
-            raise TypeError("workspace must be an AllReduceFusionWorkspace from "
-                            "jax_fusedar.create_allreduce_fusion_workspace, a sequence of them, "
-                            f"or None; got {type(ws).__name__}")
+            raise TypeError(
+                "workspace must be an AllReduceFusionWorkspace from "
+                "jax_fusedar.create_allreduce_fusion_workspace, a sequence of them, "
+                f"or None; got {type(ws).__name__}"
+            )
         if ws.destroyed:
             raise ValueError(f"workspace {ws!r} was destroyed")
     return many
@@ -174,24 +201,30 @@ def _checked_operands(h, w, residual, gamma, contracting_dims):
     rounded to h's dtype, where the kernel reads it."""
     for name, value in (("h", h), ("w", w), ("rms_gamma", gamma)):
         if value is None:
-            raise ValueError(f"{name} is required (row_parallel_allreduce_fusion(h, w, "
-                             "residual=..., rms_gamma=...): h [..., k], w [k, n], "
-                             "rms_gamma [n], or any contraction with contracting_dims)")
+            raise ValueError(
+                f"{name} is required (row_parallel_allreduce_fusion(h, w, "
+                "residual=..., rms_gamma=...): h [..., k], w [k, n], "
+                "rms_gamma [n], or any contraction with contracting_dims)"
+            )
     h, w, gamma = jnp.asarray(h), jnp.asarray(w), jnp.asarray(gamma)
     dims = _as_contraction(contracting_dims, h, w)
     n = w.shape[dims.w_free]
     lead = tuple(h.shape[d] for d in dims.h_free)
     residual = jnp.zeros((*lead, n), h.dtype) if residual is None else jnp.asarray(residual)
     if residual.shape != (*lead, n):
-        raise ValueError(f"residual must have shape {(*lead, n)} (h's free (token) dims, "
-                         f"w's n), got {residual.shape}")
+        raise ValueError(
+            f"residual must have shape {(*lead, n)} (h's free (token) dims, "
+            f"w's n), got {residual.shape}"
+        )
     if gamma.shape != (n,):
         raise ValueError(f"rms_gamma must have shape ({n},), got {gamma.shape}")
     for name, a in (("w", w), ("residual", residual), ("rms_gamma", gamma)):
         if a.dtype != h.dtype and not (name == "rms_gamma" and a.dtype == jnp.float32):
-            raise ValueError(f"{name} has dtype {np.dtype(a.dtype).name} but h has "
-                             f"{np.dtype(h.dtype).name}; pass them in one dtype (rms_gamma "
-                             "may also be float32)")
+            raise ValueError(
+                f"{name} has dtype {np.dtype(a.dtype).name} but h has "
+                f"{np.dtype(h.dtype).name}; pass them in one dtype (rms_gamma "
+                "may also be float32)"
+            )
     return h, w, residual, gamma.astype(h.dtype), dims
 
 
@@ -200,36 +233,38 @@ def _as_contraction(contracting_dims, h, w) -> _Contraction:
         if h.ndim < 2:
             raise ValueError(f"h must be [..., tokens, k] (at least 2-D), got shape {h.shape}")
         if w.ndim != 2 or w.shape[0] != h.shape[-1]:
-            raise ValueError(f"w must be [k, n] with k = h.shape[-1] = {h.shape[-1]}, got "
-                             f"shape {w.shape}; for another contraction pass contracting_dims")
+            raise ValueError(
+                f"w must be [k, n] with k = h.shape[-1] = {h.shape[-1]}, got "
+                f"shape {w.shape}; for another contraction pass contracting_dims"
+            )
         return _Contraction.matmul(h.ndim)
     try:
         hd, wd = contracting_dims
         hd, wd = tuple(int(d) for d in hd), tuple(int(d) for d in wd)
     except (TypeError, ValueError):
-        raise ValueError("contracting_dims must be ((h dims), (w dims)) as in "
-                         f"jax.lax.dot_general, got {contracting_dims!r}") from None
+        raise ValueError(
+            "contracting_dims must be ((h dims), (w dims)) as in "
+            f"jax.lax.dot_general, got {contracting_dims!r}"
+        ) from None
     if len(hd) != len(wd) or not hd:
-        raise ValueError(f"contracting_dims pairs h's and w's dims one to one, got {hd} and "
-                         f"{wd}")
+        raise ValueError(f"contracting_dims pairs h's and w's dims one to one, got {hd} and {wd}")
     hd = tuple(d % h.ndim if -h.ndim <= d < h.ndim else d for d in hd)
     wd = tuple(d % w.ndim if -w.ndim <= d < w.ndim else d for d in wd)
     if any(not 0 <= d < h.ndim for d in hd) or len(set(hd)) != len(hd):
-        raise ValueError(f"contracting_dims: h's dims {hd} are not distinct dims of h "
-                         f"{h.shape}")
+        raise ValueError(f"contracting_dims: h's dims {hd} are not distinct dims of h {h.shape}")
     if any(not 0 <= d < w.ndim for d in wd) or len(set(wd)) != len(wd):
-        raise ValueError(f"contracting_dims: w's dims {wd} are not distinct dims of w "
-                         f"{w.shape}")
+        raise ValueError(f"contracting_dims: w's dims {wd} are not distinct dims of w {w.shape}")
     if w.ndim - len(wd) != 1:
-        raise ValueError(f"w {w.shape} must keep exactly one dim (n) out of the contraction "
-                         f"{wd}")
+        raise ValueError(f"w {w.shape} must keep exactly one dim (n) out of the contraction {wd}")
     if h.ndim - len(hd) < 1:
-        raise ValueError(f"h {h.shape} must keep at least one (token) dim out of the "
-                         f"contraction {hd}")
+        raise ValueError(
+            f"h {h.shape} must keep at least one (token) dim out of the contraction {hd}"
+        )
     for a, b in zip(hd, wd):
         if h.shape[a] != w.shape[b]:
-            raise ValueError(f"contracting_dims pairs h's dim {a} ({h.shape[a]}) with w's dim "
-                             f"{b} ({w.shape[b]})")
+            raise ValueError(
+                f"contracting_dims pairs h's dim {a} ({h.shape[a]}) with w's dim {b} ({w.shape[b]})"
+            )
     return _Contraction(hd, wd, h.ndim, w.ndim)
 
 
@@ -237,8 +272,10 @@ def _check_up_front(cfg: _Config, h, w, residual, gamma) -> None:
     """What the per-shard program would refuse for any partitioning, refused now: the plain
     math itself (e.g. ``precision``), and with a workspace of h's dtype the kernel's rules
     on the hidden size n (16-byte vectors always; in strict mode the launch limits too)."""
-    jax.eval_shape(partial(_plain, cfg=cfg), *(jax.ShapeDtypeStruct(a.shape, a.dtype)
-                                               for a in (h, w, residual, gamma)))
+    jax.eval_shape(
+        partial(_plain, cfg=cfg),
+        *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (h, w, residual, gamma)),
+    )
     dtype_name = np.dtype(h.dtype).name
     n = w.shape[cfg.dims.w_free]
     for ws in cfg.workspaces:
@@ -246,20 +283,30 @@ def _check_up_front(cfg: _Config, h, w, residual, gamma) -> None:
             continue
         width = limits.vector_width(dtype_name)
         if n % width:
-            raise ValueError(f"w's free dim n = {n}, the hidden size of the fused op, is "
-                             f"not a multiple of {width} (16 bytes of {dtype_name}), as the "
-                             f"kernel requires; pass no {dtype_name} workspace for the XLA "
-                             "path")
+            raise ValueError(
+                f"w's free dim n = {n}, the hidden size of the fused op, is "
+                f"not a multiple of {width} (16 bytes of {dtype_name}), as the "
+                f"kernel requires; pass no {dtype_name} workspace for the XLA "
+                "path"
+            )
         problem = limits.kernel_support_problem(ws.world_size, n, dtype_name)
         if problem and cfg.strict:
             fallback("unsupported shape", problem, True, ws.backend)
-    if cfg.strict and cfg.workspaces and not any(
-            ws.dtype == np.dtype(h.dtype) for ws in cfg.workspaces):
-        fallback("no matching workspace", f"no workspace was given for dtype {dtype_name}",
-                 True, "trtllm")
+    if (
+        cfg.strict
+        and cfg.workspaces
+        and not any(ws.dtype == np.dtype(h.dtype) for ws in cfg.workspaces)
+    ):
+        fallback(
+            "no matching workspace",
+            f"no workspace was given for dtype {dtype_name}",
+            True,
+            "trtllm",
+        )
 
 
 # --- the plan and the per-shard program (one source for both partitioning paths) -----------------
+
 
 def _axes(entry) -> tuple:
     if entry is None:
@@ -273,8 +320,8 @@ def _entry(axes: tuple):
 
 class _Plan(NamedTuple):
     in_specs: tuple  # of h, w, residual, gamma
-    out_spec: P      # of both results
-    k_axes: tuple    # the mesh axes sharding the contraction
+    out_spec: P  # of both results
+    k_axes: tuple  # the mesh axes sharding the contraction
 
 
 def _plan(dims: _Contraction, h_spec, w_spec) -> _Plan:
@@ -327,46 +374,77 @@ def _pick_workspace(cfg: _Config, mesh, axes: tuple, dtype):
     if not cfg.workspaces:
         return None, None
     if len(axes) > 1:
-        return None, (f"the contracting dimension is sharded over several mesh axes "
-                      f"{axes}; the fused kernel reduces over one")
+        return None, (
+            f"the contracting dimension is sharded over several mesh axes "
+            f"{axes}; the fused kernel reduces over one"
+        )
     axis = axes[0]
     for ws in cfg.workspaces:
-        if (ws.axis_name == axis and not ws.destroyed and ws.dtype == np.dtype(dtype)
-                and _same_mesh(ws.mesh, mesh)):
+        if (
+            ws.axis_name == axis
+            and not ws.destroyed
+            and ws.dtype == np.dtype(dtype)
+            and _same_mesh(ws.mesh, mesh)
+        ):
             return ws, None
-    return None, (f"no workspace was given for mesh axis {axis!r} of this mesh and dtype "
-                  f"{np.dtype(dtype).name}")
+    return None, (
+        f"no workspace was given for mesh axis {axis!r} of this mesh and dtype "
+        f"{np.dtype(dtype).name}"
+    )
 
 
 def _local_program(cfg: _Config, mesh, k_axes: tuple):
     """The per-shard program: the local contraction, then the fused op over the k axis."""
 
     def local(h, w, residual, gamma):
-        partial_sum = jax.lax.dot_general(h, w, cfg.dims.dimension_numbers(),
-                                          precision=cfg.precision)
+        partial_sum = jax.lax.dot_general(
+            h, w, cfg.dims.dimension_numbers(), precision=cfg.precision
+        )
         partial_sum = _reduce_size_one_axes(partial_sum, k_axes, mesh)
         axes = _reduced_axes(k_axes, mesh)
         if not axes:  # nothing to reduce: the plain math
-            _, res, norm = reference.epilogue(partial_sum, residual, gamma, pattern=_PATTERN,
-                                              rms_eps=cfg.rms_eps, weight_bias=cfg.weight_bias)
+            _, res, norm = reference.epilogue(
+                partial_sum,
+                residual,
+                gamma,
+                pattern=_PATTERN,
+                rms_eps=cfg.rms_eps,
+                weight_bias=cfg.weight_bias,
+            )
             return res, norm
         n = partial_sum.shape[-1]
         rows = (math.prod(partial_sum.shape[:-1]), n)
         x2, r2 = partial_sum.reshape(rows), residual.reshape(rows)
         ws, why = _pick_workspace(cfg, mesh, axes, h.dtype)
         if ws is not None:
-            out = allreduce_fusion(x2, axis_name=axes[0], workspace=ws, residual=r2,
-                                   rms_gamma=gamma, rms_eps=cfg.rms_eps,
-                                   weight_bias=cfg.weight_bias, use_oneshot=cfg.use_oneshot,
-                                   fp32_acc=cfg.fp32_acc, strict=cfg.strict)
+            out = allreduce_fusion(
+                x2,
+                axis_name=axes[0],
+                workspace=ws,
+                residual=r2,
+                rms_gamma=gamma,
+                rms_eps=cfg.rms_eps,
+                weight_bias=cfg.weight_bias,
+                use_oneshot=cfg.use_oneshot,
+                fp32_acc=cfg.fp32_acc,
+                strict=cfg.strict,
+            )
             res, norm = out.residual_out, out.norm_out
         else:
             if why is not None:  # workspaces were given but none serves this call
-                fallback("no matching workspace", why, backend_choice.strict_mode(cfg.strict),
-                         "trtllm")
+                fallback(
+                    "no matching workspace", why, backend_choice.strict_mode(cfg.strict), "trtllm"
+                )
             _, res, norm = reference.allreduce_fusion_reference(
-                x2, r2, gamma, axis_name=_entry(axes), pattern=_PATTERN, rms_eps=cfg.rms_eps,
-                weight_bias=cfg.weight_bias, fp32_acc=cfg.fp32_acc)
+                x2,
+                r2,
+                gamma,
+                axis_name=_entry(axes),
+                pattern=_PATTERN,
+                rms_eps=cfg.rms_eps,
+                weight_bias=cfg.weight_bias,
+                fp32_acc=cfg.fp32_acc,
+            )
         return res.reshape(partial_sum.shape), norm.reshape(partial_sum.shape)
 
     return local
@@ -390,12 +468,14 @@ def _reduce_size_one_axes(x, axes, mesh):
 def _plain(h, w, residual, gamma, cfg):
     """The op's meaning on one device: the contraction, the residual add and the norm."""
     summed = jax.lax.dot_general(h, w, cfg.dims.dimension_numbers(), precision=cfg.precision)
-    _, res, norm = reference.epilogue(summed, residual, gamma, pattern=_PATTERN,
-                                      rms_eps=cfg.rms_eps, weight_bias=cfg.weight_bias)
+    _, res, norm = reference.epilogue(
+        summed, residual, gamma, pattern=_PATTERN, rms_eps=cfg.rms_eps, weight_bias=cfg.weight_bias
+    )
     return res, norm
 
 
 # --- Auto axes: custom_partitioning with a Shardy rule -------------------------------------------
+
 
 @partial(custom_partitioning, static_argnums=(4,))
 def _partitioned(h, w, residual, gamma, cfg):
@@ -438,8 +518,12 @@ def partition(cfg, mesh, arg_shapes, result_shape):
     and result must have, and the per-shard program."""
     plan = _plan_of(cfg, arg_shapes)
     out = NamedSharding(mesh, plan.out_spec)
-    return (mesh, _local_program(cfg, mesh, plan.k_axes), (out, out),
-            tuple(NamedSharding(mesh, s) for s in plan.in_specs))
+    return (
+        mesh,
+        _local_program(cfg, mesh, plan.k_axes),
+        (out, out),
+        tuple(NamedSharding(mesh, s) for s in plan.in_specs),
+    )
 
 
 def _infer_sharding_from_operands(cfg, mesh, arg_shapes, result_shape):
@@ -453,26 +537,32 @@ def _sharding_rule(cfg, mesh, value_types, result_types):
     partition rule reduces them), n for w's free dim, which the norm needs whole. For
     ``h [..., k] @ w [k, n]``: ``... k, k n, ... n, n -> ... n, ... n``."""
     dims = cfg.dims
-    h_names = [f"c{dims.h_dims.index(d)}" if d in dims.h_dims else f"t{d}"
-               for d in range(dims.h_ndim)]
-    w_names = [f"c{dims.w_dims.index(d)}" if d in dims.w_dims else "n"
-               for d in range(dims.w_ndim)]
+    h_names = [
+        f"c{dims.h_dims.index(d)}" if d in dims.h_dims else f"t{d}" for d in range(dims.h_ndim)
+    ]
+    w_names = [f"c{dims.w_dims.index(d)}" if d in dims.w_dims else "n" for d in range(dims.w_ndim)]
     lead = " ".join(f"t{d}" for d in dims.h_free)
     rule = f"{' '.join(h_names)}, {' '.join(w_names)}, {lead} n, n -> {lead} n, {lead} n"
     return rule, {"need_replication_factors": ("n",)}
 
 
-_partitioned.def_partition(partition=partition,
-                           infer_sharding_from_operands=_infer_sharding_from_operands,
-                           sharding_rule=_sharding_rule)
+_partitioned.def_partition(
+    partition=partition,
+    infer_sharding_from_operands=_infer_sharding_from_operands,
+    sharding_rule=_sharding_rule,
+)
 
 
 # --- Explicit axes: the shardings are in the types -----------------------------------------------
 
+
 def _explicit(cfg, mesh, h, w, residual, gamma):
     plan = _plan(cfg.dims, jax.typeof(h).sharding.spec, jax.typeof(w).sharding.spec)
     args = [jax.sharding.reshard(a, s) for a, s in zip((h, w, residual, gamma), plan.in_specs)]
-    res, norm = jax.shard_map(_local_program(cfg, mesh, plan.k_axes), mesh=mesh,
-                              in_specs=plan.in_specs,
-                              out_specs=(plan.out_spec, plan.out_spec))(*args)
+    res, norm = jax.shard_map(
+        _local_program(cfg, mesh, plan.k_axes),
+        mesh=mesh,
+        in_specs=plan.in_specs,
+        out_specs=(plan.out_spec, plan.out_spec),
+    )(*args)
     return AllReduceFusionOutputs(None, res, norm, None, None)

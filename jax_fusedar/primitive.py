@@ -13,6 +13,7 @@ quant_layouts.py describes the quantized layouts; ffi/xla/allreduce_fusion.cc ch
 same lists). residual_in is aliased to residual_out, the in-place update FlashInfer and vLLM
 use (safe: each element is read and written by the same thread).
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -28,10 +29,10 @@ from .ffi_op import FfiOp, varying, with_varying
 # The outputs drop `axis_name` from x's varying axes (ffi_op.varying); residual and gamma
 # still contribute theirs.
 
+
 def _result_avals(x, pattern: int, layout: int, group_size: int):
     """(shape, dtype) of every result after the first (results.result_specs)."""
-    specs = results.result_specs(pattern, *x.shape, np.dtype(x.dtype).name, layout,
-                                 group_size)
+    specs = results.result_specs(pattern, *x.shape, np.dtype(x.dtype).name, layout, group_size)
     return [(spec.storage_shape, jnp.dtype(spec.dtype)) for spec in specs[1:]]
 
 
@@ -47,41 +48,73 @@ def _abstract_eval(*avals, axis_name, pattern, layout, block_quant_group_size, *
     # norm_out and the quantized outputs all derive from the normalized sum.
     return [with_varying(x, res_vma)] + [
         with_varying(x.update(shape=shape, dtype=dtype), norm_vma)
-        for shape, dtype in _result_avals(x, pattern, layout, block_quant_group_size)]
+        for shape, dtype in _result_avals(x, pattern, layout, block_quant_group_size)
+    ]
 
 
 # --- reference math, custom call ----------------------------------------------------------------
 
-def _reference_outputs(*args, axis_name, pattern, rms_eps, weight_bias, fp32_acc, layout,
-                       block_quant_group_size, algorithm):
+
+def _reference_outputs(
+    *args,
+    axis_name,
+    pattern,
+    rms_eps,
+    weight_bias,
+    fp32_acc,
+    layout,
+    block_quant_group_size,
+    algorithm,
+):
     del algorithm  # the kernel's choice; the reference computes the same sum either way
     traits = TRAITS[AllReduceFusionPattern(pattern)]
     x = args[0]
     residual, gamma = (args[1], args[2]) if traits.has_residual else (None, None)
     ar, res, norm = reference.allreduce_fusion_reference(
-        x, residual, gamma, axis_name=axis_name, pattern=pattern, rms_eps=rms_eps,
-        weight_bias=weight_bias, fp32_acc=fp32_acc)
+        x,
+        residual,
+        gamma,
+        axis_name=axis_name,
+        pattern=pattern,
+        rms_eps=rms_eps,
+        weight_bias=weight_bias,
+        fp32_acc=fp32_acc,
+    )
     if traits.has_allreduce_out:
         return [ar]
     outs = [res] + ([norm] if traits.has_norm_out else [])
     if x.shape[0] == 0:  # no tokens: empty quantized outputs of the documented shapes
-        specs = results.result_specs(pattern, 0, x.shape[1], np.dtype(x.dtype).name, layout,
-                                     block_quant_group_size)
-        return outs + [jnp.zeros(spec.storage_shape, spec.dtype) for spec in specs
-                       if spec.name in ("quant_out", "scale_out")]
+        specs = results.result_specs(
+            pattern, 0, x.shape[1], np.dtype(x.dtype).name, layout, block_quant_group_size
+        )
+        return outs + [
+            jnp.zeros(spec.storage_shape, spec.dtype)
+            for spec in specs
+            if spec.name in ("quant_out", "scale_out")
+        ]
     quant, scale = quant_reference.quantize_for_pattern(
-        norm, pattern, scale_factor=args[3] if traits.uses_scale_factor else None,
-        layout=layout, group_size=block_quant_group_size)
+        norm,
+        pattern,
+        scale_factor=args[3] if traits.uses_scale_factor else None,
+        layout=layout,
+        group_size=block_quant_group_size,
+    )
     return outs + [o for o in (quant, scale) if o is not None]
 
 
-def _attributes(*, pattern, algorithm, fp32_acc, rms_eps, weight_bias, layout,
-                block_quant_group_size):
+def _attributes(
+    *, pattern, algorithm, fp32_acc, rms_eps, weight_bias, layout, block_quant_group_size
+):
     # The handler finds its rank's workspace by workspace_id and the device ordinal.
-    return dict(pattern=np.int32(pattern), algorithm=np.int32(algorithm),
-                fp32_acc=bool(fp32_acc), rms_eps=np.float32(rms_eps),
-                weight_bias=np.float32(weight_bias), layout=np.int32(layout),
-                block_quant_group_size=np.int32(block_quant_group_size))
+    return dict(
+        pattern=np.int32(pattern),
+        algorithm=np.int32(algorithm),
+        fp32_acc=bool(fp32_acc),
+        rms_eps=np.float32(rms_eps),
+        weight_bias=np.float32(weight_bias),
+        layout=np.int32(layout),
+        block_quant_group_size=np.int32(block_quant_group_size),
+    )
 
 
 def _aliases(*, pattern, **_):
@@ -89,9 +122,15 @@ def _aliases(*, pattern, **_):
 
 
 allreduce_fusion_op = FfiOp(
-    "jax_fusedar_allreduce_fusion", target="allreduce_fusion",
-    public_name="jax_fusedar.allreduce_fusion", abstract_eval=_abstract_eval,
-    reference=_reference_outputs, attributes=_attributes, aliases=_aliases,
-    jvp=transforms.jvp, batch=transforms.batch)
+    "jax_fusedar_allreduce_fusion",
+    target="allreduce_fusion",
+    public_name="jax_fusedar.allreduce_fusion",
+    abstract_eval=_abstract_eval,
+    reference=_reference_outputs,
+    attributes=_attributes,
+    aliases=_aliases,
+    jvp=transforms.jvp,
+    batch=transforms.batch,
+)
 allreduce_fusion_p = allreduce_fusion_op.primitive
 FFI_TARGET = allreduce_fusion_op.target

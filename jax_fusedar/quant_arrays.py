@@ -1,15 +1,25 @@
 """JAX array helpers for the quantized outputs' layouts (``common.quant_layouts`` describes
 them): NVFP4 scale swizzling, bit casts, and dequantization back to float32.
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .common.quant_layouts import (E2M1_VALUES, NVFP4_BLOCK, QuantizationSFLayout, as_layout,
-                                   check_group_size, check_hidden_fp4, check_tokens,
-                                   group_scale_buffer_shape, nvfp4_scale_shape, round_up)
+from .common.quant_layouts import (
+    E2M1_VALUES,
+    NVFP4_BLOCK,
+    QuantizationSFLayout,
+    as_layout,
+    check_group_size,
+    check_hidden_fp4,
+    check_tokens,
+    group_scale_buffer_shape,
+    nvfp4_scale_shape,
+    round_up,
+)
 
 
 def swizzle_128x4(sf):
@@ -32,8 +42,10 @@ def unswizzle_128x4(buf, M, H):
     k = H // NVFP4_BLOCK
     Mp, kp = round_up(M, 128), round_up(k, 4)
     if buf.size != Mp * kp:
-        raise ValueError(f"SWIZZLED_128x4 scale buffer for M={M}, H={H} has {Mp * kp} bytes, "
-                         f"got an array of shape {tuple(buf.shape)}")
+        raise ValueError(
+            f"SWIZZLED_128x4 scale buffer for M={M}, H={H} has {Mp * kp} bytes, "
+            f"got an array of shape {tuple(buf.shape)}"
+        )
     x = buf.reshape(Mp // 128, kp // 4, 32, 4, 4).transpose(0, 3, 2, 1, 4)
     return x.reshape(Mp, kp)[:M, :k]
 
@@ -46,8 +58,10 @@ def nvfp4_scales_as_int32(x):
     if x.dtype not in (jnp.float8_e4m3fn, jnp.uint8, jnp.int8):
         raise ValueError(f"expected float8_e4m3fn/uint8 scale bytes, got {x.dtype}")
     if x.ndim < 1 or x.shape[-1] % 4:
-        raise ValueError(f"the last dimension must be a multiple of 4 to view as int32, got "
-                         f"shape {tuple(x.shape)}")
+        raise ValueError(
+            f"the last dimension must be a multiple of 4 to view as int32, got "
+            f"shape {tuple(x.shape)}"
+        )
     return lax.bitcast_convert_type(x.reshape(*x.shape[:-1], x.shape[-1] // 4, 4), jnp.int32)
 
 
@@ -72,14 +86,16 @@ def unpack_ue8m0_scales(packed, M, H, group_size):
     if packed.dtype not in (jnp.int32, jnp.uint32):
         raise ValueError(f"packed group scales must be int32, got {packed.dtype}")
     if packed.size != K * T:
-        raise ValueError(f"packed group scales for M={M}, H={H}, group_size={group_size} need "
-                         f"shape {(K, T)} ({K * T} words), got {tuple(packed.shape)}")
+        raise ValueError(
+            f"packed group scales for M={M}, H={H}, group_size={group_size} need "
+            f"shape {(K, T)} ({K * T} words), got {tuple(packed.shape)}"
+        )
     w = lax.bitcast_convert_type(packed.reshape(K, T), jnp.uint32)
     shifts = jnp.arange(4, dtype=jnp.uint32) * 8
-    e = (w[:, :, None] >> shifts) & 0xFF                        # [K, T, 4]
-    e = e.transpose(1, 0, 2).reshape(T, K * 4)[:M, :groups]     # [M, groups]
+    e = (w[:, :, None] >> shifts) & 0xFF  # [K, T, 4]
+    e = e.transpose(1, 0, 2).reshape(T, K * 4)[:M, :groups]  # [M, groups]
     s = lax.bitcast_convert_type(e << 23, jnp.float32)
-    return jnp.where(e == 0, jnp.float32(2.0 ** -127), s)
+    return jnp.where(e == 0, jnp.float32(2.0**-127), s)
 
 
 def dequantize_fp8(q, scale, *, group_size=None, out_dtype=None):
@@ -110,8 +126,10 @@ def dequantize_fp8(q, scale, *, group_size=None, out_dtype=None):
         elif scale.shape == (M, 1):
             s = scale.astype(jnp.float32)
         else:
-            raise ValueError(f"scale must have shape (), (1,) or ({M}, 1) (or pass group_size "
-                             f"for packed group scales), got {tuple(scale.shape)}")
+            raise ValueError(
+                f"scale must have shape (), (1,) or ({M}, 1) (or pass group_size "
+                f"for packed group scales), got {tuple(scale.shape)}"
+            )
         out = qf * s
     return out.astype(out_dtype or jnp.float32)
 
@@ -140,11 +158,14 @@ def nvfp4_block_scales(scales, M, H, layout):
     elif scales.dtype == jnp.uint8:
         scales = lax.bitcast_convert_type(scales, jnp.float8_e4m3fn)
     if scales.dtype != jnp.float8_e4m3fn:
-        raise ValueError(f"NVFP4 scales must be float8_e4m3fn (or uint8/int32 views), got "
-                         f"{scales.dtype}")
+        raise ValueError(
+            f"NVFP4 scales must be float8_e4m3fn (or uint8/int32 views), got {scales.dtype}"
+        )
     if scales.size != shape[0] * shape[1]:
-        raise ValueError(f"NVFP4 scale buffer for M={M}, H={H}, layout={lay.name} has shape "
-                         f"{shape}, got {tuple(scales.shape)}")
+        raise ValueError(
+            f"NVFP4 scale buffer for M={M}, H={H}, layout={lay.name} has shape "
+            f"{shape}, got {tuple(scales.shape)}"
+        )
     scales = scales.reshape(shape)
     if lay == QuantizationSFLayout.SWIZZLED_128x4:
         scales = unswizzle_128x4(scales, M, H)
@@ -157,10 +178,11 @@ def dequantize_nvfp4(packed, scales, global_scale, layout, M, H, *, out_dtype=No
     M = check_tokens(M)
     H = check_hidden_fp4(H)
     if tuple(packed.shape) != (M, H // 2):
-        raise ValueError(f"packed NVFP4 values must have shape {(M, H // 2)}, got "
-                         f"{tuple(packed.shape)}")
+        raise ValueError(
+            f"packed NVFP4 values must have shape {(M, H // 2)}, got {tuple(packed.shape)}"
+        )
     gs = check_scalar_scale(global_scale, "global_scale")
-    sf = nvfp4_block_scales(scales, M, H, layout)                  # [M, H/16]
+    sf = nvfp4_block_scales(scales, M, H, layout)  # [M, H/16]
     v = unpack_fp4(packed).reshape(M, H // NVFP4_BLOCK, NVFP4_BLOCK)
     out = (v * sf[:, :, None]) / gs
     return out.reshape(M, H).astype(out_dtype or jnp.float32)
@@ -173,8 +195,10 @@ def check_scalar_scale(scale, name: str):
     if scale is None:
         raise ValueError(f"{name} is required (a float32 array of shape () or (1,))")
     if isinstance(scale, (int, float, bool, np.number)) or not hasattr(scale, "dtype"):
-        raise ValueError(f"{name} must be a float32 array of shape () or (1,) (a runtime "
-                         f"operand, not a Python constant), got {type(scale).__name__}")
+        raise ValueError(
+            f"{name} must be a float32 array of shape () or (1,) (a runtime "
+            f"operand, not a Python constant), got {type(scale).__name__}"
+        )
     if scale.dtype != jnp.float32:
         raise ValueError(f"{name} must have dtype float32, got {scale.dtype}")
     if tuple(scale.shape) not in ((), (1,)):

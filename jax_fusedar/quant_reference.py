@@ -86,6 +86,7 @@ powers of two), otherwise with a shared-memory atomicMax on the float bits, wher
 modelled. (The shared-memory path also assumes no group straddles two thread blocks of a
 token split over a cluster: a launch-configuration condition not modelled here.)
 """
+
 from __future__ import annotations
 
 import jax
@@ -97,16 +98,17 @@ from . import quant_arrays
 from .common.quant_layouts import FP8_E4M3_MAX, NVFP4_BLOCK, QuantizationSFLayout
 from .common.patterns import TRAITS, AllReduceFusionPattern
 
-_TINY = float(np.finfo(np.float32).tiny)                        # 2^-126
-_RECIP6 = np.float32(1.0) / np.float32(6.0)                     # constexpr 1.0f / 6.0f (L731)
-_DYN_MIN_SCALE = np.float32(1.0 / 512.0) / np.float32(448.0)    # kDynamicFP8MinScale (L39)
-_GROUP_MIN = np.float32(1e-10)                                  # 1e-10f (L1200), 0x2edbe6ff
+_TINY = float(np.finfo(np.float32).tiny)  # 2^-126
+_RECIP6 = np.float32(1.0) / np.float32(6.0)  # constexpr 1.0f / 6.0f (L731)
+_DYN_MIN_SCALE = np.float32(1.0 / 512.0) / np.float32(448.0)  # kDynamicFP8MinScale (L39)
+_GROUP_MIN = np.float32(1e-10)  # 1e-10f (L1200), 0x2edbe6ff
 
 _FP8_IN_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 _FP4_IN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
 # ----------------------------------------------------------------------------- primitives
+
 
 def _ftz(x):
     """Flush fp32 subnormals to a zero of the same sign (-ftz=true)."""
@@ -160,8 +162,15 @@ def e2m1_codes(v):
     everything above 5 (inf included) -> 6.0. Sign bit 3 follows the sign of v (-0.1 -> -0);
     NaN -> +6 (0x7)."""
     a = jnp.abs(v)
-    mag = ((a > 0.25).astype(jnp.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75)
-           + (a > 2.5) + (a >= 3.5) + (a > 5.0)).astype(jnp.uint8)
+    mag = (
+        (a > 0.25).astype(jnp.uint8)
+        + (a >= 0.75)
+        + (a > 1.25)
+        + (a >= 1.75)
+        + (a > 2.5)
+        + (a >= 3.5)
+        + (a > 5.0)
+    ).astype(jnp.uint8)
     nan = jnp.isnan(v)
     sign = jnp.where(jnp.signbit(v) & ~nan, jnp.uint8(8), jnp.uint8(0))
     return jnp.where(nan, jnp.uint8(7), mag | sign)
@@ -169,17 +178,21 @@ def e2m1_codes(v):
 
 def _check_y(y, dtypes, what: str):
     if not hasattr(y, "dtype") or y.ndim != 2:
-        raise ValueError(f"{what}: y must be a 2-D [tokens, hidden] array, got "
-                         f"{getattr(y, 'shape', type(y).__name__)}")
+        raise ValueError(
+            f"{what}: y must be a 2-D [tokens, hidden] array, got "
+            f"{getattr(y, 'shape', type(y).__name__)}"
+        )
     if y.dtype not in dtypes:
-        raise ValueError(f"{what}: y must be one of {[jnp.dtype(d).name for d in dtypes]}, "
-                         f"got {y.dtype}")
+        raise ValueError(
+            f"{what}: y must be one of {[jnp.dtype(d).name for d in dtypes]}, got {y.dtype}"
+        )
     if y.shape[0] < 1 or y.shape[1] < 1:
         raise ValueError(f"{what}: empty y of shape {tuple(y.shape)}")
     return y.shape
 
 
 # ----------------------------------------------------------------------------- FP8
+
 
 def quantize_fp8_static(y, scale_factor):
     """Patterns 2/4: float8_e4m3fn [M, H] = e4m3_satfinite(float(y) * fl(1/scale_factor)).
@@ -227,7 +240,7 @@ def pack_group_scales(exps, M: int, H: int, group_size: int):
     groups = H // group_size
     e = jnp.pad(exps.astype(jnp.uint32), ((0, T - M), (0, 4 * K - groups)))
     e = e.reshape(T, K, 4)
-    words = (e[..., 0] | (e[..., 1] << 8) | (e[..., 2] << 16) | (e[..., 3] << 24))  # [T, K]
+    words = e[..., 0] | (e[..., 1] << 8) | (e[..., 2] << 16) | (e[..., 3] << 24)  # [T, K]
     return jax.lax.bitcast_convert_type(words.T, jnp.int32)
 
 
@@ -257,8 +270,10 @@ def quantize_fp8_group(y, group_size):
 
 # ----------------------------------------------------------------------------- NVFP4
 
-def quantize_nvfp4(y, global_scale, layout=QuantizationSFLayout.SWIZZLED_128x4, *,
-                   division: str = "ieee"):
+
+def quantize_nvfp4(
+    y, global_scale, layout=QuantizationSFLayout.SWIZZLED_128x4, *, division: str = "ieee"
+):
     """Patterns 3/5: (packed uint8 [M, H/2], scales float8_e4m3fn 2-D).
 
     ``global_scale``: float32 array of shape () or (1,), multiplied in (typically
@@ -273,7 +288,7 @@ def quantize_nvfp4(y, global_scale, layout=QuantizationSFLayout.SWIZZLED_128x4, 
     gs = _ftz(quant_arrays.check_scalar_scale(global_scale, "global_scale"))
     nb = H // NVFP4_BLOCK
     yb = y.reshape(M, nb, NVFP4_BLOCK)
-    a = jnp.abs(yb)                                   # exact in T; max is exact in T too
+    a = jnp.abs(yb)  # exact in T; max is exact in T too
     isnan = jnp.isnan(a)
     vmax = jnp.max(jnp.where(isnan, -jnp.inf, a.astype(jnp.float32)), axis=-1, keepdims=True)
     vmax = jnp.where(jnp.all(isnan, axis=-1, keepdims=True), jnp.float32(jnp.nan), vmax)
@@ -292,9 +307,16 @@ def quantize_nvfp4(y, global_scale, layout=QuantizationSFLayout.SWIZZLED_128x4, 
 
 # ----------------------------------------------------------------------------- by pattern
 
-def quantize_for_pattern(y, pattern, *, scale_factor=None,
-                         layout=QuantizationSFLayout.SWIZZLED_128x4, group_size=None,
-                         division: str = "ieee"):
+
+def quantize_for_pattern(
+    y,
+    pattern,
+    *,
+    scale_factor=None,
+    layout=QuantizationSFLayout.SWIZZLED_128x4,
+    group_size=None,
+    division: str = "ieee",
+):
     """(quant_out, scale_out) of a fusion pattern given its norm output ``y`` (in T);
     scale_out is None for static FP8, both are None for unquantized patterns."""
     traits = TRAITS[AllReduceFusionPattern(int(pattern))]

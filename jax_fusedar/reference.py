@@ -16,6 +16,7 @@ order 0..N-1 in the kernel) differs only inside fp32: exact for 2 ranks of 16-bi
 otherwise within (N - 1) * 2^-24 * sum(|x_r|), which under heavy cancellation can reach an
 ulp or more of a small |s|.
 """
+
 from __future__ import annotations
 
 import functools
@@ -70,8 +71,9 @@ def round_to(x32, dtype):
         # reduce_precision flushes float16 subnormals to zero; the kernel's conversion keeps
         # them, so round those to the subnormal grid (half to even, like the hardware).
         step = float(info.smallest_subnormal)
-        rounded = jnp.where(jnp.abs(x32) < float(info.smallest_normal),
-                            jnp.round(x32 / step) * step, rounded)
+        rounded = jnp.where(
+            jnp.abs(x32) < float(info.smallest_normal), jnp.round(x32 / step) * step, rounded
+        )
     return rounded.astype(dtype)
 
 
@@ -113,9 +115,19 @@ def allreduce_sum(x, axis_name, *, fp32_acc: bool, rounding=None):
     return acc.astype(x.dtype)
 
 
-def allreduce_fusion_reference(x, residual, rms_gamma, *, axis_name, pattern, rms_eps: float,
-                               weight_bias: float, fp32_acc: bool = True):
+def allreduce_fusion_reference(
+    x,
+    residual,
+    rms_gamma,
+    *,
+    axis_name,
+    pattern,
+    rms_eps: float,
+    weight_bias: float,
+    fp32_acc: bool = True,
+):
     """The whole op on one shard inside shard_map: the all-reduce, then the epilogue."""
     summed = allreduce_sum(x, axis_name, fp32_acc=fp32_acc)
-    return epilogue(summed, residual, rms_gamma, pattern=pattern, rms_eps=rms_eps,
-                    weight_bias=weight_bias)
+    return epilogue(
+        summed, residual, rms_gamma, pattern=pattern, rms_eps=rms_eps, weight_bias=weight_bias
+    )

@@ -12,6 +12,7 @@ included, as a model would see them).
 
 CUDA only (the FFI target is registered for CUDA); ``available()`` says whether it can run.
 """
+
 from __future__ import annotations
 
 import jax
@@ -37,7 +38,8 @@ def device_timestamp(x):
     call = jax.ffi.ffi_call(
         TARGET,
         (jax.ShapeDtypeStruct((2,), jnp.uint32), jax.ShapeDtypeStruct(x.shape, x.dtype)),
-        input_output_aliases={0: 1})
+        input_output_aliases={0: 1},
+    )
     return call(x)
 
 

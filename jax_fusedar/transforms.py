@@ -28,6 +28,7 @@ per-element token count (swizzled NVFP4 needs tokens % 128 == 0, per-token-group
 tokens % 4 == 0), is not folded: those run one call per batch element in a
 ``jax.lax.map`` (correct, but a kernel launch per element).
 """
+
 from __future__ import annotations
 
 import jax
@@ -61,8 +62,13 @@ def jvp(op, primals, tangents, **params):
     out_tangents = [ad.Zero(jax.typeof(o).to_tangent_aval()) for o in outs]
     dtype = outs[0].dtype
     dx = tangents[0]
-    ds = None if _is_zero(dx) else reference.allreduce_sum(
-        dx, params["axis_name"], fp32_acc=params["fp32_acc"], rounding=reference.round_tangent)
+    ds = (
+        None
+        if _is_zero(dx)
+        else reference.allreduce_sum(
+            dx, params["axis_name"], fp32_acc=params["fp32_acc"], rounding=reference.round_tangent
+        )
+    )
     if traits.has_allreduce_out:
         if ds is not None:
             out_tangents[0] = _match_vma(ds, outs[0])
@@ -88,9 +94,13 @@ def jvp(op, primals, tangents, **params):
 
         def norm(*args):
             it = iter(args)
-            return reference.rms_norm(next(it) if with_r else r, next(it) if with_gamma else gamma,
-                                      rms_eps=params["rms_eps"],
-                                      weight_bias=params["weight_bias"], out_dtype=dtype)
+            return reference.rms_norm(
+                next(it) if with_r else r,
+                next(it) if with_gamma else gamma,
+                rms_eps=params["rms_eps"],
+                weight_bias=params["weight_bias"],
+                out_dtype=dtype,
+            )
 
         nz_primals = [r] * with_r + [gamma] * with_gamma
         nz_tangents = [out_tangents[0]] * with_r + [dgamma] * with_gamma
@@ -99,8 +109,8 @@ def jvp(op, primals, tangents, **params):
     return outs, out_tangents
 
 
-
 # --- batching ----------------------------------------------------------------------------------
+
 
 def _foldable(traits, layout: int, tokens: int) -> bool:
     """Whether the folded call's outputs split back into per-element outputs by a reshape."""
@@ -116,8 +126,7 @@ def batch(op, args, dims, **params):
     traits = TRAITS[AllReduceFusionPattern(params["pattern"])]
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     x, x_dim = args[0], dims[0]
-    tokens, hidden = (x.shape if x_dim is None
-                      else tuple(np.delete(x.shape, x_dim)))
+    tokens, hidden = x.shape if x_dim is None else tuple(np.delete(x.shape, x_dim))
     plan = params.get("plan")
     rows_only = all(d is None for d in dims[2:])  # gamma, scale_factor
     fold = plan is not None and rows_only and _foldable(traits, params["layout"], tokens)
@@ -126,15 +135,18 @@ def batch(op, args, dims, **params):
         # kernel still serves it), decided from the workspace's sizes alone, on every backend.
         def fits(rows):
             return kernel_problem(rows, hidden, np.dtype(x.dtype).name, plan.sizes) is None
+
         fold = fits(size * tokens) or not fits(tokens)
     if fold:
-        rows = [jnp.moveaxis(a, d, 0) if d is not None
-                else jnp.broadcast_to(a, (size, *a.shape)) for a, d in zip(args[:2], dims[:2])]
+        rows = [
+            jnp.moveaxis(a, d, 0) if d is not None else jnp.broadcast_to(a, (size, *a.shape))
+            for a, d in zip(args[:2], dims[:2])
+        ]
         rows = [r.reshape(size * tokens, hidden) for r in rows]
-        use_kernel, algorithm = choose_path(plan, size * tokens, hidden,
-                                            np.dtype(x.dtype).name)
-        outs = op.primitive.bind(*rows, *args[2:], **dict(
-            params, use_kernel=use_kernel, algorithm=algorithm))
+        use_kernel, algorithm = choose_path(plan, size * tokens, hidden, np.dtype(x.dtype).name)
+        outs = op.primitive.bind(
+            *rows, *args[2:], **dict(params, use_kernel=use_kernel, algorithm=algorithm)
+        )
         out_dims = []
         unfolded = []
         for i, o in enumerate(outs):

@@ -14,6 +14,7 @@ counter: a program exported (``jax.export``) in one process finds, in another, t
 created there with the same arguments, whatever else that process created before. Two live
 kernel workspaces with one key in one process are refused (give them distinct names).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,8 +32,18 @@ import numpy as np
 if TYPE_CHECKING:  # annotations only: this module imports jax lazily
     from jax.typing import DTypeLike
 
-from .common import (arguments, backend_choice, call_check, join, lifecycle, limits,
-                     lost_traps, native, sizing, tp_groups)
+from .common import (
+    arguments,
+    backend_choice,
+    call_check,
+    join,
+    lifecycle,
+    limits,
+    lost_traps,
+    native,
+    sizing,
+    tp_groups,
+)
 
 log = logging.getLogger("jax_fusedar")
 
@@ -50,16 +61,21 @@ def _dtype_name(dtype) -> str:
     except TypeError:
         name = None
     if name not in native.DTYPE_CODES:
-        raise ValueError(f"dtype must be bfloat16, float16 or float32 (e.g. jnp.bfloat16), got "
-                         f"{dtype!r}" + (f" ({name})" if name and name != str(dtype) else ""))
+        raise ValueError(
+            f"dtype must be bfloat16, float16 or float32 (e.g. jnp.bfloat16), got "
+            f"{dtype!r}" + (f" ({name})" if name and name != str(dtype) else "")
+        )
     return name
 
 
 def _check_mesh(mesh) -> None:
     import jax
+
     if not isinstance(mesh, jax.sharding.Mesh):
-        raise TypeError(f"mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh((2, 4), "
-                        f"(\"dp\", \"tp\"))), got {type(mesh).__name__}")
+        raise TypeError(
+            f"mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh((2, 4), "
+            f"(\"dp\", \"tp\"))), got {type(mesh).__name__}"
+        )
 
 
 class AllReduceFusionWorkspace(lifecycle.WorkspaceLifecycle):
@@ -73,12 +89,25 @@ class AllReduceFusionWorkspace(lifecycle.WorkspaceLifecycle):
     0 waits forever).
     """
 
-    def __init__(self, *, mesh, axis_name: str, max_token_num: int, hidden_dim: int, dtype,
-                 backend: str, workspace_id: int, groups, sizes: sizing.WorkspaceSizes,
-                 check_calls: bool = False,
-                 check_timeout_s: float = call_check.DEFAULT_CHECK_TIMEOUT_S,
-                 timeout_s: float = call_check.DEFAULT_TIMEOUT_S,
-                 name: Optional[str] = None, serial: Optional[int] = None, key: str = ""):
+    def __init__(
+        self,
+        *,
+        mesh,
+        axis_name: str,
+        max_token_num: int,
+        hidden_dim: int,
+        dtype,
+        backend: str,
+        workspace_id: int,
+        groups,
+        sizes: sizing.WorkspaceSizes,
+        check_calls: bool = False,
+        check_timeout_s: float = call_check.DEFAULT_CHECK_TIMEOUT_S,
+        timeout_s: float = call_check.DEFAULT_TIMEOUT_S,
+        name: Optional[str] = None,
+        serial: Optional[int] = None,
+        key: str = "",
+    ):
         self.mesh = mesh
         self.axis_name = axis_name
         self.max_token_num = int(max_token_num)
@@ -186,11 +215,17 @@ class AllReduceFusionWorkspace(lifecycle.WorkspaceLifecycle):
             raise RuntimeError("destroying the workspace: " + "; ".join(errors))
 
     def _repr_fields(self):
-        return [f"id={self.id}", f"backend={self.backend!r}",
-                *([] if self.name is None else [f"name={self.name!r}"]),
-                f"axis={self.axis_name!r}", f"world_size={self.world_size}",
-                f"groups={len(self.groups)}", f"max_token_num={self.max_token_num}",
-                f"hidden_dim={self.hidden_dim}", f"dtype={self.dtype.name}"]
+        return [
+            f"id={self.id}",
+            f"backend={self.backend!r}",
+            *([] if self.name is None else [f"name={self.name!r}"]),
+            f"axis={self.axis_name!r}",
+            f"world_size={self.world_size}",
+            f"groups={len(self.groups)}",
+            f"max_token_num={self.max_token_num}",
+            f"hidden_dim={self.hidden_dim}",
+            f"dtype={self.dtype.name}",
+        ]
 
 
 def _register_static() -> None:
@@ -198,6 +233,7 @@ def _register_static() -> None:
     leaves; hashed and compared by identity, as objects are), so passing it to a jitted
     function as an argument works like closing over it instead of JAX trying to trace it."""
     import jax
+
     jax.tree_util.register_static(AllReduceFusionWorkspace)
 
 
@@ -213,32 +249,48 @@ def mesh_groups(mesh, axis_name):
 _backend_reasons_logged: set = set()
 
 
-def _choose_backend(ws: AllReduceFusionWorkspace, requested, platform: str,
-                    timeout_s: float) -> str:
+def _choose_backend(
+    ws: AllReduceFusionWorkspace, requested, platform: str, timeout_s: float
+) -> str:
     """The backend of every TP group of ``ws``, each group counted on its own members' hosts
     (``backend_choice.resolve_backend_for_groups``). One backend for the whole workspace: one
     program runs on every rank, so the custom call is in it for all groups or for none.
     "auto" with a group across nodes takes XLA's collectives, and says why once."""
     backend_choice.resolve_backend(requested, platform=platform)  # a bad name fails before any wait
     choice = backend_choice.resolve_backend_for_groups(
-        requested, platform=platform, groups=ws.groups, host_of=_device_hosts(ws.mesh, timeout_s),
-        member_name="device")
+        requested,
+        platform=platform,
+        groups=ws.groups,
+        host_of=_device_hosts(ws.mesh, timeout_s),
+        member_name="device",
+    )
     if choice.reason:
-        message = (f"jax_fusedar: the workspace over axis {ws.axis_name!r} uses XLA's "
-                   f"all-reduce (psum + RMSNorm) for all its {len(ws.groups)} TP groups, "
-                   f"since one program runs on every rank: {choice.reason}")
+        message = (
+            f"jax_fusedar: the workspace over axis {ws.axis_name!r} uses XLA's "
+            f"all-reduce (psum + RMSNorm) for all its {len(ws.groups)} TP groups, "
+            f"since one program runs on every rank: {choice.reason}"
+        )
         if message not in _backend_reasons_logged:
             _backend_reasons_logged.add(message)
             log.warning("%s", message)
     return choice.backend
 
 
-def workspace_key(backend: str, groups, max_token_num: int, hidden_dim: int, dtype_name: str,
-                  name: Optional[str]) -> str:
+def workspace_key(
+    backend: str, groups, max_token_num: int, hidden_dim: int, dtype_name: str, name: Optional[str]
+) -> str:
     """The stable identity a compiled or exported program refers to its workspace by."""
-    return json.dumps({"backend": backend, "groups": [list(g.members) for g in groups],
-                       "max_token_num": int(max_token_num), "hidden_dim": int(hidden_dim),
-                       "dtype": dtype_name, "name": name}, sort_keys=True)
+    return json.dumps(
+        {
+            "backend": backend,
+            "groups": [list(g.members) for g in groups],
+            "max_token_num": int(max_token_num),
+            "hidden_dim": int(hidden_dim),
+            "dtype": dtype_name,
+            "name": name,
+        },
+        sort_keys=True,
+    )
 
 
 def workspace_key_id(key: str) -> int:
@@ -257,8 +309,9 @@ def _check_name(name) -> Optional[str]:
     return name
 
 
-def _describe(mesh, axis_name, max_token_num, hidden_dim, dtype,
-              backend, name=None) -> AllReduceFusionWorkspace:
+def _describe(
+    mesh, axis_name, max_token_num, hidden_dim, dtype, backend, name=None
+) -> AllReduceFusionWorkspace:
     """The workspace object, validated; nothing allocated yet. The limits are the kernel's
     on every backend: what runs on CPU runs fused on the GPU. Its stable id follows from
     the backend: pass None when the backend is decided from the groups afterwards
@@ -266,8 +319,10 @@ def _describe(mesh, axis_name, max_token_num, hidden_dim, dtype,
     _check_mesh(mesh)
     name = _check_name(name)
     if not isinstance(axis_name, str) or axis_name not in mesh.axis_names:
-        raise ValueError(f"axis {axis_name!r} is not an axis of the mesh "
-                         f"{tuple(mesh.axis_names)} (axis_name must be one of them)")
+        raise ValueError(
+            f"axis {axis_name!r} is not an axis of the mesh "
+            f"{tuple(mesh.axis_names)} (axis_name must be one of them)"
+        )
     dtype_name = _dtype_name(dtype)
     world = int(mesh.shape[axis_name])
     limits.check_kernel_supports(world, hidden_dim, dtype_name)
@@ -275,10 +330,19 @@ def _describe(mesh, axis_name, max_token_num, hidden_dim, dtype,
     groups = mesh_groups(mesh, axis_name)
     with _serial_lock:
         serial = next(_serials)
-    ws = AllReduceFusionWorkspace(mesh=mesh, axis_name=axis_name, max_token_num=max_token_num,
-                                  hidden_dim=hidden_dim, dtype=dtype_name, backend=None,
-                                  workspace_id=None, groups=groups, sizes=sizes, name=name,
-                                  serial=serial)
+    ws = AllReduceFusionWorkspace(
+        mesh=mesh,
+        axis_name=axis_name,
+        max_token_num=max_token_num,
+        hidden_dim=hidden_dim,
+        dtype=dtype_name,
+        backend=None,
+        workspace_id=None,
+        groups=groups,
+        sizes=sizes,
+        name=name,
+        serial=serial,
+    )
     if backend is not None:
         _set_backend(ws, backend)
     return ws
@@ -287,8 +351,9 @@ def _describe(mesh, axis_name, max_token_num, hidden_dim, dtype,
 def _set_backend(ws: AllReduceFusionWorkspace, backend: str) -> None:
     """Fixes the backend, and with it the stable key and id programs find ``ws`` by."""
     ws.backend = backend
-    ws.key = workspace_key(backend, ws.groups, ws.max_token_num, ws.hidden_dim,
-                           ws.dtype.name, ws.name)
+    ws.key = workspace_key(
+        backend, ws.groups, ws.max_token_num, ws.hidden_dim, ws.dtype.name, ws.name
+    )
     ws.id = workspace_key_id(ws.key)
 
 
@@ -302,20 +367,26 @@ def _claim_id(ws: AllReduceFusionWorkspace, allocates: bool) -> None:
                 f"a live workspace with the same key already exists in this process ({old!r}); "
                 "programs find their workspace by (backend, mesh axis members, max_token_num, "
                 "hidden_dim, dtype, name): pass a distinct name= to each, or destroy the "
-                "first")
+                "first"
+            )
         if old is None or not old._ranks or old.destroyed:
             _by_id[ws.id] = ws
 
 
-def create_allreduce_fusion_workspace(mesh, axis_name: str, *, max_token_num: int,
-                                      hidden_dim: int, dtype: DTypeLike,
-                                      backend: Optional[str] = "auto",
-                                      exchange_timeout_s: float = 120.0,
-                                      check_calls: Optional[bool] = None,
-                                      check_timeout_s: Optional[float] = None,
-                                      name: Optional[str] = None,
-                                      timeout_s: Optional[float] = None
-                                      ) -> AllReduceFusionWorkspace:
+def create_allreduce_fusion_workspace(
+    mesh,
+    axis_name: str,
+    *,
+    max_token_num: int,
+    hidden_dim: int,
+    dtype: DTypeLike,
+    backend: Optional[str] = "auto",
+    exchange_timeout_s: float = 120.0,
+    check_calls: Optional[bool] = None,
+    check_timeout_s: Optional[float] = None,
+    name: Optional[str] = None,
+    timeout_s: Optional[float] = None,
+) -> AllReduceFusionWorkspace:
     """Creates the workspaces of every TP group along ``axis_name`` of ``mesh``.
 
     ``max_token_num * hidden_dim`` elements of ``dtype`` is the largest call it serves
@@ -356,8 +427,9 @@ def create_allreduce_fusion_workspace(mesh, axis_name: str, *, max_token_num: in
     timeout_s = call_check.resolve_timeout_s(timeout_s)
 
     ws = _describe(mesh, axis_name, max_token_num, hidden_dim, dtype, None, name)
-    _set_backend(ws, _choose_backend(ws, backend, mesh.devices.flat[0].platform,
-                                     exchange_timeout_s))
+    _set_backend(
+        ws, _choose_backend(ws, backend, mesh.devices.flat[0].platform, exchange_timeout_s)
+    )
     resolved = ws.backend
     ws.xla_requested = backend_choice.requested_backend(backend)[0] == "xla"
     _claim_id(ws, allocates=resolved == "trtllm")
@@ -374,9 +446,16 @@ def create_allreduce_fusion_workspace(mesh, axis_name: str, *, max_token_num: in
     return ws
 
 
-def abstract_workspace(mesh, axis_name: str, *, max_token_num: int, hidden_dim: int,
-                       dtype: DTypeLike, backend: str = "trtllm", name: Optional[str] = None
-                       ) -> AllReduceFusionWorkspace:
+def abstract_workspace(
+    mesh,
+    axis_name: str,
+    *,
+    max_token_num: int,
+    hidden_dim: int,
+    dtype: DTypeLike,
+    backend: str = "trtllm",
+    name: Optional[str] = None,
+) -> AllReduceFusionWorkspace:
     """A workspace description that allocates nothing: for lowering or exporting a program
     for GPUs on a machine without them (``jit(f).trace(...).lower(lowering_platforms=("cuda",))``,
     ``jax_fusedar.export.export``). The program refers to the workspace by its stable key, so
@@ -399,15 +478,19 @@ def abstract_workspace(mesh, axis_name: str, *, max_token_num: int, hidden_dim: 
 
 # --- native construction ---------------------------------------------------------------------
 
+
 class _KVChannel:
     """Exchange within a TP group over JAX's distributed key-value store (multi-process)."""
 
     def __init__(self, timeout_s: float):
         from jax._src import distributed
+
         self.client = distributed.global_state.client
         if self.client is None:
-            raise RuntimeError("several JAX processes but no distributed client: call "
-                               "jax.distributed.initialize() first")
+            raise RuntimeError(
+                "several JAX processes but no distributed client: call "
+                "jax.distributed.initialize() first"
+            )
         self.timeout_ms = int(timeout_s * 1000)
 
     def publish(self, key: str, value: bytes) -> None:
@@ -417,8 +500,10 @@ class _KVChannel:
         try:
             return self.client.blocking_key_value_get_bytes(key, self.timeout_ms)
         except Exception as e:  # the store raises on timeout: name who is missing
-            raise TimeoutError(f"jax_fusedar: {who} did not publish its workspace handles "
-                               f"within {self.timeout_ms / 1000:.0f} s (key {key}): {e}") from e
+            raise TimeoutError(
+                f"jax_fusedar: {who} did not publish its workspace handles "
+                f"within {self.timeout_ms / 1000:.0f} s (key {key}): {e}"
+            ) from e
 
     def barrier(self, key: str, process_ids) -> None:
         try:
@@ -436,6 +521,7 @@ def _device_hosts(mesh, timeout_s: float) -> dict:
     ``jax.distributed`` every process publishes ``socket.gethostname()`` once (keys in the
     store are write-once) and reads those of the mesh's other processes."""
     import jax
+
     devices = list(mesh.devices.flat)
     if jax.process_count() == 1:
         return {d.id: socket.gethostname() for d in devices}
@@ -447,8 +533,9 @@ def _device_hosts(mesh, timeout_s: float) -> dict:
             chan.publish(f"jax_fusedar/hostname/{me}", socket.gethostname().encode())
             _hostnames[me] = socket.gethostname()
         for p in missing:
-            _hostnames[p] = chan.fetch(f"jax_fusedar/hostname/{p}",
-                                       f"process {p} (its host name)").decode()
+            _hostnames[p] = chan.fetch(
+                f"jax_fusedar/hostname/{p}", f"process {p} (its host name)"
+            ).decode()
     return {d.id: _hostnames[d.process_index] for d in devices}
 
 
@@ -464,23 +551,40 @@ def _build_native(ws: AllReduceFusionWorkspace, timeout_s: float) -> None:
             raise ValueError(f"the trtllm backend needs CUDA GPUs; {d} is {d.platform}")
 
     def make_rank(device: int, tp_rank: int):
-        r = ext.Rank(device, ws.world_size, tp_rank, ws.max_token_num, ws.hidden_dim, code,
-                     check_calls=ws.check_calls, check_timeout_s=ws.check_timeout_s,
-                     timeout_s=ws.timeout_s)
+        r = ext.Rank(
+            device,
+            ws.world_size,
+            tp_rank,
+            ws.max_token_num,
+            ws.hidden_dim,
+            code,
+            check_calls=ws.check_calls,
+            check_timeout_s=ws.check_timeout_s,
+            timeout_s=ws.timeout_s,
+        )
         ws._ranks.append(r)  # owned from birth, so a failure later still frees it
         lost_traps.watch(r, device)  # a trap the driver never reports ends the process
         return r
 
     # The GPU is the device's own CUDA ordinal (local_hardware_id), never the TP rank.
-    joins = [join.GroupJoin(g, tuple(by_id[m].process_index for m in g.members),
-                            {r: by_id[m].local_hardware_id for r, m in enumerate(g.members)
-                             if by_id[m].process_index == me})
-             for g in ws.groups]
+    joins = [
+        join.GroupJoin(
+            g,
+            tuple(by_id[m].process_index for m in g.members),
+            {
+                r: by_id[m].local_hardware_id
+                for r, m in enumerate(g.members)
+                if by_id[m].process_index == me
+            },
+        )
+        for g in ws.groups
+    ]
     joins = [j for j in joins if j.my_devices]
     chan = _KVChannel(timeout_s) if any(j.spans_processes for j in joins) else None
     agreed = join_processes(joins, me, chan, serial=ws.serial, check_calls=ws.check_calls)
-    plans = join.connect(agreed, me, chan, namespace=NAMESPACE, serial=ws.serial,
-                         make_rank=make_rank)
+    plans = join.connect(
+        agreed, me, chan, namespace=NAMESPACE, serial=ws.serial, make_rank=make_rank
+    )
     for plan in plans:
         for tp_rank, rank in plan.local.items():
             ext.register_rank(ws.id, plan.members[tp_rank].device, rank)
@@ -490,8 +594,15 @@ def join_processes(joins, me: int, chan, *, serial: int, check_calls: bool):
     """Steps 1-2 of the shared join protocol (common/join.py) for this process's groups:
     publish and agree, before anything is allocated (ValueError naming who differs, on
     every process alike)."""
-    return join.agree(joins, me, chan, namespace=NAMESPACE, serial=serial,
-                      host=socket.gethostname(), options={"check_calls": bool(check_calls)},
-                      name=lambda g, p: f"process {p}",
-                      name_waited=lambda g, p: f"process {p} (TP group {list(g.members)})",
-                      what="processes")
+    return join.agree(
+        joins,
+        me,
+        chan,
+        namespace=NAMESPACE,
+        serial=serial,
+        host=socket.gethostname(),
+        options={"check_calls": bool(check_calls)},
+        name=lambda g, p: f"process {p}",
+        name_waited=lambda g, p: f"process {p} (TP group {list(g.members)})",
+        what="processes",
+    )

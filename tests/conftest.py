@@ -6,20 +6,27 @@ import pytest
 def pytest_configure(config):
     # docs/testing.md says what each marker is for and which lane runs it.
     config.addinivalue_line(
-        "markers", "gpu: needs NVIDIA GPUs and the native module (tools/gpu_check.sh and "
-                   "python -m tests.gpu.run_lane run them)")
+        "markers",
+        "gpu: needs NVIDIA GPUs and the native module (tools/gpu_check.sh and "
+        "python -m tests.gpu.run_lane run them)",
+    )
     config.addinivalue_line(
-        "markers", "slow: takes more than about 5 s on 2 cores; ./dev test --quick and the "
-                   "GPU quick lane leave it out")
+        "markers",
+        "slow: takes more than about 5 s on 2 cores; ./dev test --quick and the "
+        "GPU quick lane leave it out",
+    )
     config.addinivalue_line(
-        "markers", "sweep: an exhaustive sweep, left out of every lane unless asked for "
-                   "(pytest -m sweep)")
+        "markers",
+        "sweep: an exhaustive sweep, left out of every lane unless asked for (pytest -m sweep)",
+    )
     config.addinivalue_line(
-        "markers", "oldest: also runs on the oldest JAX and torch supported (./dev oldest)")
+        "markers", "oldest: also runs on the oldest JAX and torch supported (./dev oldest)"
+    )
 
 
 def gpu_count() -> int:
     from jax_fusedar.common import native
+
     return native.gpu_count()
 
 
@@ -31,8 +38,9 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip_sweep)
     if gpu_count() > 0:
         return
-    skip = pytest.mark.skip(reason="no CUDA GPU visible (tools/gpu_check.sh runs the GPU tests "
-                                   "on a machine with GPUs)")
+    skip = pytest.mark.skip(
+        reason="no CUDA GPU visible (tools/gpu_check.sh runs the GPU tests on a machine with GPUs)"
+    )
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
@@ -43,6 +51,7 @@ def gloo_world1():
     """A one-rank torch.distributed world over gloo (an in-memory store), torn down after the
     test; yields its WORLD group. torch is imported here, so JAX-only runs never need it."""
     import torch.distributed as dist
+
     assert not dist.is_initialized()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield dist.group.WORLD
@@ -63,7 +72,11 @@ def hermetic(monkeypatch):
     once). Imported lazily: tests/jax/conftest.py sets XLA_FLAGS before JAX is first imported."""
     from jax_fusedar import call_plan
     from jax_fusedar.common import backend_choice, call_check
-    for var in (backend_choice.STRICT_ENV_VAR, backend_choice.BACKEND_ENV_VAR,
-                call_check.CHECK_CALLS_ENV_VAR):
+
+    for var in (
+        backend_choice.STRICT_ENV_VAR,
+        backend_choice.BACKEND_ENV_VAR,
+        call_check.CHECK_CALLS_ENV_VAR,
+    ):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(call_plan, "_fallback_reasons_logged", set())

@@ -2,6 +2,7 @@
 is imported and XLA_FLAGS when it first starts its backend, so the conftest.py of every folder
 of CPU tests that use JAX calls use_host_devices() before pytest imports its test modules; a
 value already in the environment wins. Imports no JAX."""
+
 import os
 
 HOST_DEVICES = 8

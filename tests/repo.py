@@ -2,6 +2,7 @@
 ``python -m jax_fusedar``) or read its files. One definition: a test module that computes
 the root from its own path breaks when it moves between test folders (it did once, in the
 GPU tests, where no CPU run could notice); tests/test_repo_root.py keeps it the only one."""
+
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent

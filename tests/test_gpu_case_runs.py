@@ -6,6 +6,7 @@ take either outcome, fed here with the results their workers give in each (the r
 the format ffi/core/call_check.cu writes, checked on CPU by tests/native/test_timeout.py; the
 watcher's own lines from lost_traps itself). Those branches run on a GPU only when the
 driver loses a trap, so a mistake in them would otherwise show only there."""
+
 import os
 import time
 
@@ -14,11 +15,13 @@ import pytest
 from jax_fusedar.common import lost_traps
 from tests.gpu import case_runs, harness
 
-REST = (". Rank {peer} did not arrive: it skipped or added a call, stopped or died, or called "
-        "with another pattern, shape or algorithm (one-shot, two-shot, large-message). The "
-        "kernel trapped, so this device's CUDA context is unusable: restart the process. "
-        "(timeout_s on the workspace or $JAX_FUSEDAR_TIMEOUT_S sets the limit; 0 waits "
-        "forever.)")
+REST = (
+    ". Rank {peer} did not arrive: it skipped or added a call, stopped or died, or called "
+    "with another pattern, shape or algorithm (one-shot, two-shot, large-message). The "
+    "kernel trapped, so this device's CUDA context is unusable: restart the process. "
+    "(timeout_s on the workspace or $JAX_FUSEDAR_TIMEOUT_S sets the limit; 0 waits "
+    "forever.)"
+)
 LAMPORT = "its one-shot data in this rank's Lamport buffer (token "
 
 
@@ -32,8 +35,9 @@ def _ending_worker(rank, world, chan, *, linger_s):
 
 
 def test_run_ranks_keeps_what_an_ended_rank_noted_and_when_it_ended():
-    res = harness.run_ranks(_ending_worker, 2, timeout_s=120, linger_s=1.0,
-                            allow_exit=(lost_traps.EXIT_CODE,))
+    res = harness.run_ranks(
+        _ending_worker, 2, timeout_s=120, linger_s=1.0, allow_exit=(lost_traps.EXIT_CODE,)
+    )
     r0, r1 = res
     assert r1 == {"rank": 1}
     assert r0["rank"] == 0 and r0["exitcode"] == lost_traps.EXIT_CODE, r0
@@ -51,6 +55,7 @@ def test_run_ranks_still_fails_on_an_exit_it_does_not_allow():
 
 def _watcher_lines(monkeypatch, capsys, record, device=0):
     """What lost_traps writes on stderr when it ends a process over ``record``."""
+
     class Ended(Exception):
         pass
 
@@ -65,26 +70,41 @@ def _watcher_lines(monkeypatch, capsys, record, device=0):
 
 
 def _wait_record(me, world, seq, sig, peer, where, waited=3.0):
-    return (f"jax_fusedar kernel wait timed out on rank {me} of {world} (device 0), call "
-            f"#{seq} {sig}: waited {waited:.1f} s (timeout 3.0 s) for rank {peer} to deliver "
-            f"{where}5)" + REST.format(peer=peer))
+    return (
+        f"jax_fusedar kernel wait timed out on rank {me} of {world} (device 0), call "
+        f"#{seq} {sig}: waited {waited:.1f} s (timeout 3.0 s) for rank {peer} to deliver "
+        f"{where}5)" + REST.format(peer=peer)
+    )
 
 
 def _lost(rank, notes, after_s):
     now = time.monotonic()
-    return {"rank": rank, "exitcode": lost_traps.EXIT_CODE, "exited_at": now + after_s,
-            "notes": {**notes, "failing_call_at": now}}
+    return {
+        "rank": rank,
+        "exitcode": lost_traps.EXIT_CODE,
+        "exited_at": now + after_s,
+        "notes": {**notes, "failing_call_at": now},
+    }
 
 
 def _failing(record, elapsed_s=3.3):
-    return {"sync_error": "RuntimeError: CUDA error: unspecified launch failure",
-            "elapsed_s": elapsed_s, "failure_record": record,
-            "relaunch_error": "RuntimeError: " + record, "algorithm": None}
+    return {
+        "sync_error": "RuntimeError: CUDA error: unspecified launch failure",
+        "elapsed_s": elapsed_s,
+        "failure_record": record,
+        "relaunch_error": "RuntimeError: " + record,
+        "algorithm": None,
+    }
 
 
 def _result(ranks, stderr):
-    return {"ranks": ranks, "lost_trap_lines": case_runs.lost_trap_lines(stderr),
-            "output_tail": stderr, "printf_lines": [], "wall_s": 40.0}
+    return {
+        "ranks": ranks,
+        "lost_trap_lines": case_runs.lost_trap_lines(stderr),
+        "output_tail": stderr,
+        "printf_lines": [],
+        "wall_s": 40.0,
+    }
 
 
 def test_lost_trap_record_holds_the_exit_the_record_and_the_timing(monkeypatch, capsys):
@@ -92,17 +112,23 @@ def test_lost_trap_record_holds_the_exit_the_record_and_the_timing(monkeypatch, 
     err = "W1201 some log line\n" + _watcher_lines(monkeypatch, capsys, record)
     head = "jax_fusedar kernel wait timed out on rank 0 of 2 "
     good = _lost(0, {}, lost_traps.GRACE_S + 3.5)
-    assert case_runs.lost_trap_record(_result([good], err), good, head,
-                                      record_within_s=4.0) == record
-    for bad in (_lost(0, {}, lost_traps.GRACE_S - 1.0),   # ended before the watcher could
-                _lost(0, {}, 4.0 + lost_traps.GRACE_S + case_runs.LOST_TRAP_SLACK_S + 1),
-                {**good, "exitcode": 1}):
+    assert (
+        case_runs.lost_trap_record(_result([good], err), good, head, record_within_s=4.0) == record
+    )
+    for bad in (
+        _lost(0, {}, lost_traps.GRACE_S - 1.0),  # ended before the watcher could
+        _lost(0, {}, 4.0 + lost_traps.GRACE_S + case_runs.LOST_TRAP_SLACK_S + 1),
+        {**good, "exitcode": 1},
+    ):
         with pytest.raises(AssertionError):
             case_runs.lost_trap_record(_result([bad], err), bad, head, record_within_s=4.0)
     with pytest.raises(AssertionError):  # another rank's record only
-        case_runs.lost_trap_record(_result([good], err), good,
-                                   "jax_fusedar kernel wait timed out on rank 1 of 2 ",
-                                   record_within_s=4.0)
+        case_runs.lost_trap_record(
+            _result([good], err),
+            good,
+            "jax_fusedar kernel wait timed out on rank 1 of 2 ",
+            record_within_s=4.0,
+        )
 
 
 def _fake_run(monkeypatch, module, res):
@@ -111,10 +137,10 @@ def _fake_run(monkeypatch, module, res):
 
 
 @pytest.mark.parametrize("lost_ranks", [(), (0,), (0, 2)])
-def test_the_missing_rank_test_at_four_ranks_takes_either_outcome(monkeypatch, capsys,
-                                                                   lost_ranks):
+def test_the_missing_rank_test_at_four_ranks_takes_either_outcome(monkeypatch, capsys, lost_ranks):
     from tests.gpu import test_timeout as tt
     from tests.gpu.workers.native_timeout import GOOD_FIRST
+
     sig = tt.SIG.format(16, "one-shot")
     good = {"residual": 0.9, "norm": 1.5}
     ranks, err = [], ""
@@ -124,12 +150,19 @@ def test_the_missing_rank_test_at_four_ranks_takes_either_outcome(monkeypatch, c
             err += _watcher_lines(monkeypatch, capsys, record)
             ranks.append(_lost(me, {"good": good}, lost_traps.GRACE_S + 3.5))
         else:
-            ranks.append({"rank": me, "good": good, "failing": _failing(record),
-                          "peer_gone": "rank 1: ranks [0] never sent 'verdict'"})
+            ranks.append(
+                {
+                    "rank": me,
+                    "good": good,
+                    "failing": _failing(record),
+                    "peer_gone": "rank 1: ranks [0] never sent 'verdict'",
+                }
+            )
     ranks.append({"rank": 3, "good": good, "healthy_after": True, "failure_record": ""})
     _fake_run(monkeypatch, tt, _result(ranks, err))
-    tt.test_a_missing_rank_makes_the_other_fail_with_the_record("never_oneshot", 16, True,
-                                                                LAMPORT, 4)
+    tt.test_a_missing_rank_makes_the_other_fail_with_the_record(
+        "never_oneshot", 16, True, LAMPORT, 4
+    )
     # What the test holds either outcome to: the record naming the missing rank...
     bad = [dict(r) for r in ranks]
     wrong = _wait_record(1, 4, GOOD_FIRST + 1, sig, 2, LAMPORT)
@@ -137,25 +170,34 @@ def test_the_missing_rank_test_at_four_ranks_takes_either_outcome(monkeypatch, c
         bad[1]["failing"] = _failing(wrong)
     _fake_run(monkeypatch, tt, _result(bad, err.replace("for rank 3", "for rank 2")))
     with pytest.raises(AssertionError):
-        tt.test_a_missing_rank_makes_the_other_fail_with_the_record("never_oneshot", 16, True,
-                                                                    LAMPORT, 4)
+        tt.test_a_missing_rank_makes_the_other_fail_with_the_record(
+            "never_oneshot", 16, True, LAMPORT, 4
+        )
     # ... and the good calls before it (noted by a rank that then ended).
     bad = [dict(r) for r in ranks]
-    bad[0] = (_lost(0, {"good": {"residual": 1.5, "norm": 1.0}}, lost_traps.GRACE_S + 3.5)
-              if 0 in lost_ranks else {**bad[0], "good": {"residual": 1.5, "norm": 1.0}})
+    bad[0] = (
+        _lost(0, {"good": {"residual": 1.5, "norm": 1.0}}, lost_traps.GRACE_S + 3.5)
+        if 0 in lost_ranks
+        else {**bad[0], "good": {"residual": 1.5, "norm": 1.0}}
+    )
     _fake_run(monkeypatch, tt, _result(bad, err))
     with pytest.raises(AssertionError):
-        tt.test_a_missing_rank_makes_the_other_fail_with_the_record("never_oneshot", 16, True,
-                                                                    LAMPORT, 4)
+        tt.test_a_missing_rank_makes_the_other_fail_with_the_record(
+            "never_oneshot", 16, True, LAMPORT, 4
+        )
 
 
 @pytest.mark.parametrize("lost", [False, True])
 def test_the_jax_timeout_test_takes_either_outcome(monkeypatch, capsys, lost):
     from tests.gpu import test_timeout as tt
     from tests.gpu.workers import jax_timeout
+
     record = _wait_record(0, 2, 2, "{sig}", 1, LAMPORT)
-    before = {"backend": "trtllm", "timeout_s": jax_timeout.TIMEOUT_S,
-              "good": {"residual": 0.9, "norm": 1.5}}
+    before = {
+        "backend": "trtllm",
+        "timeout_s": jax_timeout.TIMEOUT_S,
+        "good": {"residual": 0.9, "norm": 1.5},
+    }
     r1 = {"rank": 1, **before, "failures": []}
     if lost:
         err = _watcher_lines(monkeypatch, capsys, record)
@@ -163,11 +205,15 @@ def test_the_jax_timeout_test_takes_either_outcome(monkeypatch, capsys, lost):
         r1.update(rank0_partial=None, rank0_silent="rank 1: ranks [0] never sent 'partial'")
     else:
         err = ""
-        failing = {"error": "RuntimeError: " + record, "xla_error": "XlaRuntimeError: CUDA",
-                   "elapsed_s": 4.4, "timeline_s": {"dispatched": 0.01, "record": 3.0,
-                                                    "raised": 4.4},
-                   "failures": [record], "raise_if_failed": record,
-                   "next_call_error": "XlaRuntimeError: CUDA error"}
+        failing = {
+            "error": "RuntimeError: " + record,
+            "xla_error": "XlaRuntimeError: CUDA",
+            "elapsed_s": 4.4,
+            "timeline_s": {"dispatched": 0.01, "record": 3.0, "raised": 4.4},
+            "failures": [record],
+            "raise_if_failed": record,
+            "next_call_error": "XlaRuntimeError: CUDA error",
+        }
         r0 = {"rank": 0, **before, "failing": failing}
         r1["rank0_partial"] = failing
     _fake_run(monkeypatch, tt, _result([r0, r1], err))
@@ -182,6 +228,7 @@ def test_the_jax_timeout_test_takes_either_outcome(monkeypatch, capsys, lost):
 def test_the_moe_timeout_test_takes_either_outcome(monkeypatch, capsys, lost):
     from tests.gpu import test_timeout as tt
     from tests.gpu.workers import moe_timeout as mt
+
     case = "never_finalize"
     sig = tt.MOE_SIG.format(mt.CASES[case], mt.TOKENS, mt.HIDDEN)
     record = _wait_record(0, 2, mt.GOOD_FIRST + 1, sig, 1, LAMPORT)
@@ -193,8 +240,11 @@ def test_the_moe_timeout_test_takes_either_outcome(monkeypatch, capsys, lost):
         r1["peer_gone"] = "rank 1: ranks [0] never sent 'verdict'"
     else:
         err = ""
-        r0 = {"rank": 0, **before, "failing": {**_failing(record),
-                                               "torch_compat_error": "RuntimeError: " + record}}
+        r0 = {
+            "rank": 0,
+            **before,
+            "failing": {**_failing(record), "torch_compat_error": "RuntimeError: " + record},
+        }
     _fake_run(monkeypatch, tt, _result([r0, r1], err))
     tt.test_a_rank_that_skips_an_moe_call_makes_the_other_fail_with_the_record(case)
     # The record of a slower wait than the bound: wrong either way.
@@ -208,31 +258,40 @@ def test_the_moe_timeout_test_takes_either_outcome(monkeypatch, capsys, lost):
 
 
 @pytest.mark.parametrize("lost", [False, True])
-def test_the_call_check_timeout_test_at_eight_ranks_takes_either_outcome(monkeypatch, capsys,
-                                                                         lost):
+def test_the_call_check_timeout_test_at_eight_ranks_takes_either_outcome(monkeypatch, capsys, lost):
     from tests.gpu import test_topology as tp
     from tests.gpu.workers.native_mismatch import MATCHING, TIMEOUT_CASE_S
+
     seq = len(MATCHING) + 1
     matching = [{"residual": 0.9, "norm": 1.5} for _ in MATCHING]
-    before = {"check_calls": True, "check_timeout_s": TIMEOUT_CASE_S, "matching": matching,
-              "device": 0}
+    before = {
+        "check_calls": True,
+        "check_timeout_s": TIMEOUT_CASE_S,
+        "matching": matching,
+        "device": 0,
+    }
     ranks, err, printf = [], "", []
     for me in range(7):
-        record = (f"jax_fusedar call check failed on rank {me} of 8 (device 0), call #{seq}: "
-                  f"rank 7 did not make its call #{seq} {tp.SIG.format(1, 16, 'one-shot')} "
-                  f"within {TIMEOUT_CASE_S:.1f} s (the last call seen from it is #{seq - 1}); "
-                  f"a rank skipped or added a call, stopped, or created the workspace without "
-                  f"check_calls. The handshake trapped, so this device's CUDA context is "
-                  f"unusable: restart the process.")
-        printf.append(f"jax_fusedar call check FAILED on rank {me} of 8 (device 0), call "
-                      f"#{seq}: rank 7 did not make its call")
+        record = (
+            f"jax_fusedar call check failed on rank {me} of 8 (device 0), call #{seq}: "
+            f"rank 7 did not make its call #{seq} {tp.SIG.format(1, 16, 'one-shot')} "
+            f"within {TIMEOUT_CASE_S:.1f} s (the last call seen from it is #{seq - 1}); "
+            f"a rank skipped or added a call, stopped, or created the workspace without "
+            f"check_calls. The handshake trapped, so this device's CUDA context is "
+            f"unusable: restart the process."
+        )
+        printf.append(
+            f"jax_fusedar call check FAILED on rank {me} of 8 (device 0), call "
+            f"#{seq}: rank 7 did not make its call"
+        )
         if lost and me % 3 == 0:
             err += _watcher_lines(monkeypatch, capsys, record)
             ranks.append(_lost(me, before, lost_traps.GRACE_S + TIMEOUT_CASE_S + 0.5))
         else:
             ranks.append({"rank": me, **before, "failing": _failing(record)})
-    ranks.append({"rank": 7, **before, "failing": None, "healthy_after": True,
-                  "failure_record": ""})
+    ranks.append(
+        {"rank": 7, **before, "failing": None, "healthy_after": True, "failure_record": ""}
+    )
     res = {**_result(ranks, err), "printf_lines": printf}
     _fake_run(monkeypatch, tp, res)
     tp.test_a_rank_that_never_calls_times_out(8)

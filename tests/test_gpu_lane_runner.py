@@ -1,5 +1,6 @@
 """tests/gpu/run_lane.py, the GPU suite's lane runner: how it deals the test files to its
 jobs, and a CPU run of the quick lane (every GPU test skips here, every job passes)."""
+
 import subprocess
 import sys
 
@@ -9,10 +10,10 @@ from tests.repo import REPO
 
 def test_files_are_dealt_longest_first_to_the_least_loaded_job():
     expected = {"a.py": 100, "b.py": 60, "c.py": 50, "d.py": 40}
-    groups = run_lane.deal(["tests/gpu/d.py", "tests/gpu/a.py", "tests/gpu/c.py",
-                            "tests/gpu/b.py"], 2, expected)
-    assert groups == [["tests/gpu/a.py", "tests/gpu/d.py"], ["tests/gpu/b.py",
-                                                            "tests/gpu/c.py"]]
+    groups = run_lane.deal(
+        ["tests/gpu/d.py", "tests/gpu/a.py", "tests/gpu/c.py", "tests/gpu/b.py"], 2, expected
+    )
+    assert groups == [["tests/gpu/a.py", "tests/gpu/d.py"], ["tests/gpu/b.py", "tests/gpu/c.py"]]
     assert run_lane.deal(["tests/gpu/a.py"], 3, expected) == [["tests/gpu/a.py"]]
 
 
@@ -24,9 +25,14 @@ def test_every_gpu_test_file_has_an_expected_time():
 
 
 def test_tests_are_dealt_one_by_one_except_those_of_one_module_fixture():
-    ids = ["tests/gpu/test_moe.py::test_a[world2]", "tests/gpu/test_moe.py::test_b[world2]",
-           "tests/gpu/test_moe.py::test_a[world4]", "tests/gpu/test_moe.py::test_b[world4]",
-           "tests/gpu/test_jax.py::test_x[world4]", "tests/gpu/test_jax.py::test_y"]
+    ids = [
+        "tests/gpu/test_moe.py::test_a[world2]",
+        "tests/gpu/test_moe.py::test_b[world2]",
+        "tests/gpu/test_moe.py::test_a[world4]",
+        "tests/gpu/test_moe.py::test_b[world4]",
+        "tests/gpu/test_jax.py::test_x[world4]",
+        "tests/gpu/test_jax.py::test_y",
+    ]
     got = run_lane.units(ids, {"test_moe.py": 200, "test_jax.py": 100})
     assert got == {tuple(ids[0:2]): 100, tuple(ids[2:4]): 100, (ids[4],): 50, (ids[5],): 50}
     groups = run_lane.deal_weighted(got, 2)
@@ -35,9 +41,22 @@ def test_tests_are_dealt_one_by_one_except_those_of_one_module_fixture():
 
 
 def test_quick_lane_runs_on_cpu(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "tests.gpu.run_lane", "quick", "--jobs", "2",
-                        "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tests.gpu.run_lane",
+            "quick",
+            "--jobs",
+            "2",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "alone first, then 2 jobs" in r.stdout, r.stdout
     # Every file it writes: a few, whatever the number of tests.
@@ -47,9 +66,13 @@ def test_quick_lane_runs_on_cpu(tmp_path):
     assert all("SKIPPED" in p.read_text() for p in logs)
     assert "test_torch_create_destroy_cycles_return_all_memory" in logs[0].read_text()
     ran = " ".join(p.read_text() for p in logs)
-    quick = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", "-m",
-                            "gpu and not slow", "tests/gpu"], cwd=REPO, capture_output=True,
-                           text=True, timeout=600).stdout
+    quick = subprocess.run(
+        [sys.executable, "-m", "pytest", "--co", "-q", "-m", "gpu and not slow", "tests/gpu"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    ).stdout
     for node in (line for line in quick.splitlines() if "::" in line):
         assert ran.count(node + " ") >= 1, node  # each test ran in some job
     summary = (tmp_path / "summary.txt").read_text()

@@ -2,6 +2,7 @@
 FlashInfer header fetch (only headers unpacked; offline it says what to do), and ./dev's
 package lists (the demo gets the JAX side only). The wheel itself is checked by
 tools/wheel_check.sh in CI (.ci/run)."""
+
 import os
 import pathlib
 import subprocess
@@ -14,8 +15,14 @@ FETCH = ROOT / "tools" / "fetch_flashinfer_headers.py"
 
 
 def run_python(code: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, **kwargs)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        **kwargs,
+    )
 
 
 def test_package_imports_without_jax_and_names_the_extra():
@@ -31,12 +38,14 @@ def test_package_imports_without_jax_and_names_the_extra():
         "    except ImportError as e:\n"
         "        print('ImportError', name, e)\n"
         "    else:\n"
-        "        print('imported', name)\n")
+        "        print('imported', name)\n"
+    )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].endswith("kARResidualRMSNorm")
-    for line, name in zip(lines[1:], ("allreduce_fusion", "create_allreduce_fusion_workspace",
-                                      "fuse")):
+    for line, name in zip(
+        lines[1:], ("allreduce_fusion", "create_allreduce_fusion_workspace", "fuse")
+    ):
         assert line.startswith(f"ImportError {name} "), lines
         assert "pip install 'jax_fusedar[jax]'" in line
 
@@ -51,18 +60,22 @@ def test_too_old_a_jax_is_named_with_the_version_needed():
         "try:\n"
         "    jf.allreduce_fusion\n"
         "except ImportError as e:\n"
-        "    print('ImportError', e)\n")
+        "    print('ImportError', e)\n"
+    )
     assert result.returncode == 0, result.stderr
     import jax_fusedar
+
     assert result.stdout.strip() == (
         f"ImportError jax_fusedar's JAX API needs JAX >= {jax_fusedar.MIN_JAX}, found jax 0.7.2: "
-        f"pip install -U 'jax>={jax_fusedar.MIN_JAX}'"), result.stdout
+        f"pip install -U 'jax>={jax_fusedar.MIN_JAX}'"
+    ), result.stdout
 
 
 def test_the_jax_minimum_is_pyprojects():
     import tomllib
 
     import jax_fusedar
+
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
     extras = meta["project"]["optional-dependencies"]
     assert f"jax>={jax_fusedar.MIN_JAX}" in extras["jax"]
@@ -77,15 +90,18 @@ def test_other_import_errors_are_not_blamed_on_jax():
         "try:\n"
         "    jf.allreduce_fusion\n"
         "except ImportError as e:\n"
-        "    print(type(e).__name__, e)\n")
+        "    print(type(e).__name__, e)\n"
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("ModuleNotFoundError"), result.stdout
     assert "jax_fusedar[jax]" not in result.stdout
 
 
 def fake_flashinfer_wheel(path: pathlib.Path) -> dict:
-    headers = {"flashinfer/comm/trtllm_allreduce_fusion.cuh": "// kernel\n",
-               "flashinfer/utils.cuh": "// utils\n"}
+    headers = {
+        "flashinfer/comm/trtllm_allreduce_fusion.cuh": "// kernel\n",
+        "flashinfer/utils.cuh": "// utils\n",
+    }
     with zipfile.ZipFile(path, "w") as zf:
         for name, text in headers.items():
             zf.writestr(f"flashinfer/data/include/{name}", text)
@@ -114,12 +130,22 @@ def test_fetch_unpacks_only_the_headers(tmp_path):
 
 def test_fetch_offline_says_what_to_do(tmp_path):
     # An index on a closed loopback port and no pip configuration: pip fails at once.
-    env = {**os.environ, "PIP_CONFIG_FILE": os.devnull, "PIP_NO_CACHE_DIR": "1",
-           "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_RETRIES": "0",
-           "PIP_TIMEOUT": "2"}
+    env = {
+        **os.environ,
+        "PIP_CONFIG_FILE": os.devnull,
+        "PIP_NO_CACHE_DIR": "1",
+        "PIP_INDEX_URL": "http://127.0.0.1:9/simple",
+        "PIP_RETRIES": "0",
+        "PIP_TIMEOUT": "2",
+    }
     env.pop("PIP_FIND_LINKS", None)
-    result = subprocess.run([sys.executable, str(FETCH), "--dest", str(tmp_path / "dest")],
-                            capture_output=True, text=True, timeout=120, env=env)
+    result = subprocess.run(
+        [sys.executable, str(FETCH), "--dest", str(tmp_path / "dest")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert result.returncode != 0
     message = result.stderr
     assert "could not download flashinfer-python==" in message
@@ -128,8 +154,13 @@ def test_fetch_offline_says_what_to_do(tmp_path):
 
 
 def dev_requirements(*extras: str) -> list[str]:
-    result = subprocess.run([str(ROOT / "dev"), "requirements", *extras], capture_output=True,
-                            text=True, timeout=60, cwd=ROOT)
+    result = subprocess.run(
+        [str(ROOT / "dev"), "requirements", *extras],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr
     return result.stdout.split()
 
@@ -150,16 +181,27 @@ def test_dev_demo_installs_the_jax_side_only():
 
 def test_dev_test_installs_every_extra():
     everything = names(dev_requirements())
-    assert {"jax", "torch", "transformers", "pytest", "pytest-xdist", "flatbuffers",
-            "matplotlib", "tqdm"} <= everything
+    assert {
+        "jax",
+        "torch",
+        "transformers",
+        "pytest",
+        "pytest-xdist",
+        "flatbuffers",
+        "matplotlib",
+        "tqdm",
+    } <= everything
 
 
 def test_dev_oldest_pins_the_minimums_pyproject_declares():
     import tomllib
+
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
     minimum = {}
-    for req in meta["project"]["optional-dependencies"]["jax"] + \
-            meta["project"]["optional-dependencies"]["torch"]:
+    for req in (
+        meta["project"]["optional-dependencies"]["jax"]
+        + meta["project"]["optional-dependencies"]["torch"]
+    ):
         name, version = req.split(">=")
         minimum[name] = version
     pins = dict(r.split("==") for r in dev_requirements("--oldest", "jax", "torch") if "==" in r)
@@ -173,12 +215,12 @@ def build_plan(tmp_path, gpus=None, **env_vars) -> str:
     bin_dir.mkdir(exist_ok=True)
     path = "/usr/bin:/bin"
     if gpus is not None:
-        (bin_dir / "nvidia-smi").write_text("#!/bin/sh\n" + "".join(
-            f"echo '{cap}'\n" for cap in gpus))
+        (bin_dir / "nvidia-smi").write_text(
+            "#!/bin/sh\n" + "".join(f"echo '{cap}'\n" for cap in gpus)
+        )
         (bin_dir / "nvidia-smi").chmod(0o755)
         path = f"{bin_dir}:{path}"
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("JAX_FUSEDAR_") and k != "PATH"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_FUSEDAR_") and k != "PATH"}
     # A checkout without an earlier native build: ./dev decides from the GPUs alone.
     work = tmp_path / "checkout"
     if not work.exists():
@@ -186,8 +228,13 @@ def build_plan(tmp_path, gpus=None, **env_vars) -> str:
         for name in ("dev", "pyproject.toml"):
             (work / name).write_bytes((ROOT / name).read_bytes())
         (work / "dev").chmod(0o755)
-    result = subprocess.run([str(work / "dev"), "build-plan"], capture_output=True, text=True,
-                            timeout=60, env={**env, "PATH": path, **env_vars})
+    result = subprocess.run(
+        [str(work / "dev"), "build-plan"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**env, "PATH": path, **env_vars},
+    )
     assert result.returncode == 0, result.stderr
     return result.stdout.strip()
 
@@ -229,14 +276,24 @@ def test_dev_builds_the_kernels_when_asked(tmp_path):
     plan = build_plan(tmp_path, JAX_FUSEDAR_BUILD_KERNELS="1")
     assert plan.startswith("build=1 archs_arg=-UJAX_FUSEDAR_CUDA_ARCHS "), plan
     assert build_plan(tmp_path, gpus=["9.0"], JAX_FUSEDAR_BUILD_KERNELS="off").startswith(
-        "build=0 ")
-    bad = subprocess.run([str(tmp_path / "checkout" / "dev"), "build-plan"], text=True,
-                         capture_output=True, timeout=60,
-                         env={**os.environ, "JAX_FUSEDAR_BUILD_KERNELS": "maybe"})
+        "build=0 "
+    )
+    bad = subprocess.run(
+        [str(tmp_path / "checkout" / "dev"), "build-plan"],
+        text=True,
+        capture_output=True,
+        timeout=60,
+        env={**os.environ, "JAX_FUSEDAR_BUILD_KERNELS": "maybe"},
+    )
     assert bad.returncode == 2 and "JAX_FUSEDAR_BUILD_KERNELS must be" in bad.stderr
 
 
 def test_dev_rejects_an_unknown_extra():
-    result = subprocess.run([str(ROOT / "dev"), "requirements", "nope"], capture_output=True,
-                            text=True, timeout=60, cwd=ROOT)
+    result = subprocess.run(
+        [str(ROOT / "dev"), "requirements", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert result.returncode != 0 and "no extra 'nope'" in result.stderr

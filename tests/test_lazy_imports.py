@@ -3,6 +3,7 @@ inside functions. The GPU workers import lazily (inside the worker functions, wh
 on GPU machines), so a module that moved breaks them only there: a JAX timeout worker still
 imported ``tests.oracle`` after the oracles moved to ``tests.oracles``. Resolved here
 statically, with ast, without running any worker."""
+
 import ast
 import importlib
 import importlib.util
@@ -22,8 +23,12 @@ def _own_imports():
     for path in sorted((REPO / "tests").rglob("*.py")):
         tree = ast.parse(path.read_text(), str(path))
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
-                    and node.module.split(".")[0] in OURS:
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.level == 0
+                and node.module
+                and node.module.split(".")[0] in OURS
+            ):
                 for alias in node.names:
                     yield path, node.lineno, node.module, alias.name
             elif isinstance(node, ast.Import):

@@ -4,6 +4,7 @@ row_parallel_allreduce_fusion, torch_compat's functions, the CLI's flags) with w
 options: strings for bools and numbers, floats and bools for ints, numbers for names. Each
 must raise TypeError or ValueError whose message names the argument, before anything runs.
 8 virtual CPU devices (JAX), FakeRanks (torch), the CLI's parser in process."""
+
 import pytest
 
 from tests.cpu_devices import use_host_devices
@@ -62,16 +63,29 @@ def ws(mesh):
 
 def trace_in_shard_map(mesh, body, *shapes):
     """Traces ``body`` on per-shard arrays of ``shapes`` (rows split over "tp")."""
-    avals = [jax.ShapeDtypeStruct((8 * s[0], *s[1:]) if len(s) > 1 else s, dt,
-                                  sharding=NamedSharding(mesh, P("tp") if len(s) > 1 else P()))
-             for s, dt in shapes]
+    avals = [
+        jax.ShapeDtypeStruct(
+            (8 * s[0], *s[1:]) if len(s) > 1 else s,
+            dt,
+            sharding=NamedSharding(mesh, P("tp") if len(s) > 1 else P()),
+        )
+        for s, dt in shapes
+    ]
     specs = tuple(P("tp") if len(s) > 1 else P() for s, _ in shapes)
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(),
-                                 check_vma=False)).trace(*avals)
+    return jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)
+    ).trace(*avals)
 
 
-DENSE = cases(use_oneshot=OPTIONAL_BOOL, fp32_acc=BOOL + [None], strict=OPTIONAL_BOOL,
-              rms_eps=FLOAT, weight_bias=FLOAT, pattern=["1", 1.0, True], axis_name=NAME)
+DENSE = cases(
+    use_oneshot=OPTIONAL_BOOL,
+    fp32_acc=BOOL + [None],
+    strict=OPTIONAL_BOOL,
+    rms_eps=FLOAT,
+    weight_bias=FLOAT,
+    pattern=["1", 1.0, True],
+    axis_name=NAME,
+)
 
 
 @pytest.mark.parametrize("name,value", DENSE)
@@ -80,13 +94,16 @@ def test_allreduce_fusion(mesh, ws, name, value):
 
     def body(x):
         return jf.allreduce_fusion(x, workspace=ws, **kw).norm_out
+
     expect_named(lambda: trace_in_shard_map(mesh, body, ((4, 256), jnp.bfloat16)), name, value)
 
 
-@pytest.mark.parametrize("pattern,name,value", [
-    (9, "block_quant_group_size", v) for v in INT + ["sixty-four"]] + [
-    (3, "layout_code", v) for v in ["0", 0.0, True]] + [
-    (4, "scale_factor", v) for v in ["0.5", 0.5, True]])
+@pytest.mark.parametrize(
+    "pattern,name,value",
+    [(9, "block_quant_group_size", v) for v in INT + ["sixty-four"]]
+    + [(3, "layout_code", v) for v in ["0", 0.0, True]]
+    + [(4, "scale_factor", v) for v in ["0.5", 0.5, True]],
+)
 def test_allreduce_fusion_quantization_options(mesh, ws, pattern, name, value):
     kw = {name: value}
     if name != "scale_factor" and pattern != 9:
@@ -95,8 +112,15 @@ def test_allreduce_fusion_quantization_options(mesh, ws, pattern, name, value):
         kw["block_quant_group_size"] = 64
 
     def body(x):
-        return jf.allreduce_fusion(x, axis_name="tp", workspace=ws, pattern=pattern,
-                                   rms_gamma=jnp.ones(256, jnp.bfloat16), **kw).residual_out
+        return jf.allreduce_fusion(
+            x,
+            axis_name="tp",
+            workspace=ws,
+            pattern=pattern,
+            rms_gamma=jnp.ones(256, jnp.bfloat16),
+            **kw,
+        ).residual_out
+
     expect_named(lambda: trace_in_shard_map(mesh, body, ((4, 256), jnp.bfloat16)), name, value)
 
 
@@ -108,13 +132,22 @@ def test_moe_reduction_allreduce_fusion(mesh, ws, name, value):
     kw = {"axis_name": "tp", name: value}
 
     def body(outputs, scales, tokens):
-        return jf.moe_reduction_allreduce_fusion(outputs[None], scales[None], tokens,
-                                                 workspace=ws,
-                                                 rms_gamma=jnp.ones(256, jnp.bfloat16),
-                                                 **kw).norm_out
-    expect_named(lambda: trace_in_shard_map(mesh, body, ((4, 256), jnp.bfloat16),
-                                            ((4,), jnp.float32), ((4, 256), jnp.bfloat16)),
-                 name, value)
+        return jf.moe_reduction_allreduce_fusion(
+            outputs[None],
+            scales[None],
+            tokens,
+            workspace=ws,
+            rms_gamma=jnp.ones(256, jnp.bfloat16),
+            **kw,
+        ).norm_out
+
+    expect_named(
+        lambda: trace_in_shard_map(
+            mesh, body, ((4, 256), jnp.bfloat16), ((4,), jnp.float32), ((4, 256), jnp.bfloat16)
+        ),
+        name,
+        value,
+    )
 
 
 @pytest.mark.parametrize("name,value", MOE + cases(routed_scaling_factor=FLOAT))
@@ -122,17 +155,29 @@ def test_moe_finalize_allreduce_fusion(mesh, ws, name, value):
     kw = {"axis_name": "tp", name: value}
 
     def body(rows, idx):
-        return jf.moe_finalize_allreduce_fusion(rows, idx, workspace=ws,
-                                                rms_gamma=jnp.ones(256, jnp.bfloat16),
-                                                **kw).norm_out
-    expect_named(lambda: trace_in_shard_map(mesh, body, ((4, 256), jnp.bfloat16),
-                                            ((4, 1), jnp.int32)), name, value)
+        return jf.moe_finalize_allreduce_fusion(
+            rows, idx, workspace=ws, rms_gamma=jnp.ones(256, jnp.bfloat16), **kw
+        ).norm_out
+
+    expect_named(
+        lambda: trace_in_shard_map(mesh, body, ((4, 256), jnp.bfloat16), ((4, 1), jnp.int32)),
+        name,
+        value,
+    )
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
-@pytest.mark.parametrize("name,value", cases(
-    use_oneshot=OPTIONAL_BOOL, fp32_acc=BOOL + [None], strict=OPTIONAL_BOOL, rms_eps=FLOAT,
-    weight_bias=FLOAT, precision=["quickest", 3]))
+@pytest.mark.parametrize(
+    "name,value",
+    cases(
+        use_oneshot=OPTIONAL_BOOL,
+        fp32_acc=BOOL + [None],
+        strict=OPTIONAL_BOOL,
+        rms_eps=FLOAT,
+        weight_bias=FLOAT,
+        precision=["quickest", 3],
+    ),
+)
 def test_row_parallel_allreduce_fusion(axis_type, name, value):
     mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(axis_type,) * 2)
     ws = jf.create_allreduce_fusion_workspace(mesh, "tp", **MESH_KW)
@@ -141,28 +186,46 @@ def test_row_parallel_allreduce_fusion(axis_type, name, value):
 
     def f(h, w):
         return jf.row_parallel_allreduce_fusion(
-            h, w, residual=None, rms_gamma=jnp.ones(256, jnp.bfloat16), workspace=ws,
-            **{name: value}).norm_out
+            h,
+            w,
+            residual=None,
+            rms_gamma=jnp.ones(256, jnp.bfloat16),
+            workspace=ws,
+            **{name: value},
+        ).norm_out
 
     def run():
         with jax.set_mesh(mesh):
             jax.jit(f).lower(h, w)  # lowered: on Auto axes the partition rule runs here
+
     expect_named(run, "recision" if name == "precision" else name, value)
 
 
-@pytest.mark.parametrize("name,value", cases(
-    max_token_num=INT, hidden_dim=INT, exchange_timeout_s=FLOAT, check_calls=OPTIONAL_BOOL,
-    check_timeout_s=["30", True, 1j], timeout_s=["30", True, 1j], name=[5, ""], backend=[5],
-    dtype=["int8", None], axis_name=NAME))
+@pytest.mark.parametrize(
+    "name,value",
+    cases(
+        max_token_num=INT,
+        hidden_dim=INT,
+        exchange_timeout_s=FLOAT,
+        check_calls=OPTIONAL_BOOL,
+        check_timeout_s=["30", True, 1j],
+        timeout_s=["30", True, 1j],
+        name=[5, ""],
+        backend=[5],
+        dtype=["int8", None],
+        axis_name=NAME,
+    ),
+)
 def test_create_allreduce_fusion_workspace(mesh, name, value):
     kw = dict(MESH_KW, axis_name="tp")
     kw[name] = value
     expect_named(lambda: jf.create_allreduce_fusion_workspace(mesh, **kw), name, value)
 
 
-@pytest.mark.parametrize("name,value", cases(max_token_num=INT, hidden_dim=INT,
-                                             name=[5, ""], backend=[5, "fast"],
-                                             axis_name=NAME))
+@pytest.mark.parametrize(
+    "name,value",
+    cases(max_token_num=INT, hidden_dim=INT, name=[5, ""], backend=[5, "fast"], axis_name=NAME),
+)
 def test_abstract_workspace(mesh, name, value):
     kw = dict(MESH_KW, axis_name="tp")
     kw[name] = value
@@ -181,21 +244,31 @@ def test_workspace_is_buffer_size_sufficient(ws, name, value):
     expect_named(lambda: ws.is_buffer_size_sufficient(**kw), name, value)
 
 
-@pytest.mark.parametrize("name,value", cases(
-    max_tokens=INT, use_oneshot=OPTIONAL_BOOL, strict=OPTIONAL_BOOL,
-    allow_rounding_change=BOOL + [None], backend=[5, "fast"], log_level=["INFO", True],
-    axis_name=[5]))
+@pytest.mark.parametrize(
+    "name,value",
+    cases(
+        max_tokens=INT,
+        use_oneshot=OPTIONAL_BOOL,
+        strict=OPTIONAL_BOOL,
+        allow_rounding_change=BOOL + [None],
+        backend=[5, "fast"],
+        log_level=["INFO", True],
+        axis_name=[5],
+    ),
+)
 def test_fuse(mesh, name, value):
     expect_named(lambda: jf.fuse(lambda x: x, mesh=mesh, **{name: value}), name, value)
 
 
 # --- torch_compat -----------------------------------------------------------------------------
 
+
 @pytest.fixture
 def torch_ws(monkeypatch):
     pytest.importorskip("torch")
     from torch_compat import cuda_state
     from tests.torch.test_moe import fake_workspace
+
     monkeypatch.setattr(cuda_state, "current_stream", lambda device: 0)
     monkeypatch.setattr(cuda_state, "compute_capability", lambda device: (10, 0))
     return fake_workspace(max_tokens=16, hidden=1024)
@@ -203,6 +276,7 @@ def torch_ws(monkeypatch):
 
 def _dense_tensors(torch, pattern):
     from tests.torch.test_torch_compat import _tensors
+
     t = _tensors(m=4, h=1024)
     if pattern == 9:
         del t["norm_out"]
@@ -218,19 +292,31 @@ def _dense_tensors(torch, pattern):
     return t
 
 
-TORCH_DENSE = [(1, n, v) for n, v in cases(
-    use_oneshot=OPTIONAL_BOOL, fp32_acc=BOOL + [None], launch_with_pdl=BOOL + [None],
-    trigger_completion_at_end=BOOL + [None], rms_eps=FLOAT, weight_bias=FLOAT,
-    pattern=["1", 1.0, True], moe_finalize_backend=[5])] + [
-    (9, "block_quant_group_size", v) for v in INT] + [
-    (3, "layout_code", v) for v in ["0", 0.0, True]] + [
-    (4, "scale_factor", v) for v in ["0.5", True, None]]
+TORCH_DENSE = (
+    [
+        (1, n, v)
+        for n, v in cases(
+            use_oneshot=OPTIONAL_BOOL,
+            fp32_acc=BOOL + [None],
+            launch_with_pdl=BOOL + [None],
+            trigger_completion_at_end=BOOL + [None],
+            rms_eps=FLOAT,
+            weight_bias=FLOAT,
+            pattern=["1", 1.0, True],
+            moe_finalize_backend=[5],
+        )
+    ]
+    + [(9, "block_quant_group_size", v) for v in INT]
+    + [(3, "layout_code", v) for v in ["0", 0.0, True]]
+    + [(4, "scale_factor", v) for v in ["0.5", True, None]]
+)
 
 
 @pytest.mark.parametrize("pattern,name,value", TORCH_DENSE)
 def test_torch_allreduce_fusion(torch_ws, pattern, name, value):
     import torch
     import torch_compat
+
     t = _dense_tensors(torch, pattern)
     kw = dict(t, pattern=pattern)
     if pattern == 9:
@@ -240,36 +326,60 @@ def test_torch_allreduce_fusion(torch_ws, pattern, name, value):
     assert not torch_ws.native_rank().launches
 
 
-@pytest.mark.parametrize("name,value", cases(
-    rms_eps=FLOAT, weight_bias=FLOAT, launch_with_pdl=BOOL + [None], fp32_acc=BOOL + [None],
-    use_oneshot=OPTIONAL_BOOL, trigger_completion_at_end=BOOL + [None],
-    routed_scaling_factor=["2.5", True, 1j]))
+@pytest.mark.parametrize(
+    "name,value",
+    cases(
+        rms_eps=FLOAT,
+        weight_bias=FLOAT,
+        launch_with_pdl=BOOL + [None],
+        fp32_acc=BOOL + [None],
+        use_oneshot=OPTIONAL_BOOL,
+        trigger_completion_at_end=BOOL + [None],
+        routed_scaling_factor=["2.5", True, 1j],
+    ),
+)
 def test_torch_moe_allreduce_fusion(torch_ws, name, value):
     import torch_compat
     from tests.torch.test_moe import P7, finalize_args
+
     kw = dict(finalize_args(h=1024), pattern=P7)
     kw[name] = value
     expect_named(lambda: torch_compat.allreduce_fusion(workspace=torch_ws, **kw), name, value)
     assert not torch_ws.native_rank().moe_launches
 
 
-@pytest.mark.parametrize("name,value", cases(
-    tp_size=INT, num_tokens=INT, hidden_dim=INT, use_oneshot=OPTIONAL_BOOL))
+@pytest.mark.parametrize(
+    "name,value", cases(tp_size=INT, num_tokens=INT, hidden_dim=INT, use_oneshot=OPTIONAL_BOOL)
+)
 def test_torch_is_buffer_size_sufficient(torch_ws, name, value):
     import torch
+
     kw = dict(tp_size=2, num_tokens=4, hidden_dim=1024, dtype=torch.bfloat16)
     kw[name] = value
     expect_named(lambda: torch_ws.is_buffer_size_sufficient(**kw), name, value)
 
 
-@pytest.mark.parametrize("name,value", cases(
-    backend=[5, "fast"], world_size=["1", 1.0, True], rank=["0", 0.0, True],
-    max_token_num=INT, hidden_dim=INT, dtype=["bfloat16", None], timeout_s=FLOAT[:-1],
-    check_calls=OPTIONAL_BOOL, check_timeout_s=["30", True, 1j],
-    kernel_timeout_s=["30", True, 1j], gpus_per_node=INT, force_oneshot_support=BOOL))
+@pytest.mark.parametrize(
+    "name,value",
+    cases(
+        backend=[5, "fast"],
+        world_size=["1", 1.0, True],
+        rank=["0", 0.0, True],
+        max_token_num=INT,
+        hidden_dim=INT,
+        dtype=["bfloat16", None],
+        timeout_s=FLOAT[:-1],
+        check_calls=OPTIONAL_BOOL,
+        check_timeout_s=["30", True, 1j],
+        kernel_timeout_s=["30", True, 1j],
+        gpus_per_node=INT,
+        force_oneshot_support=BOOL,
+    ),
+)
 def test_torch_create_allreduce_fusion_workspace(gloo_world1, name, value):
     import torch
     import torch_compat
+
     kw = dict(world_size=1, rank=0, max_token_num=8, hidden_dim=1024, dtype=torch.bfloat16)
     kw[name] = value
     expect_named(lambda: torch_compat.create_allreduce_fusion_workspace(**kw), name, value)
@@ -279,6 +389,7 @@ def test_torch_create_allreduce_fusion_workspace(gloo_world1, name, value):
 def test_torch_workspace_handles(value):
     pytest.importorskip("torch")
     from torch_compat import library
+
     expect_named(lambda: library.lookup_workspace(value), "workspace_handle", value)
     expect_named(lambda: library.unregister_workspace(value), "workspace_handle", value)
 
@@ -287,26 +398,43 @@ def test_torch_workspace_handles(value):
 def test_torch_fusion_pass_handle(torch_ws, value):
     import torch.fx as fx
     import torch_compat
-    expect_named(lambda: torch_compat.fuse_allreduce_rmsnorm(
-        fx.symbolic_trace(lambda x: x), torch_ws, workspace_handle=value),
-        "workspace_handle", value)
+
+    expect_named(
+        lambda: torch_compat.fuse_allreduce_rmsnorm(
+            fx.symbolic_trace(lambda x: x), torch_ws, workspace_handle=value
+        ),
+        "workspace_handle",
+        value,
+    )
 
 
 # --- the CLI ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("argv,flag", [
-    (["bench", "--tokens", "1.5"], "--tokens"), (["bench", "--tokens", "many"], "--tokens"),
-    (["bench", "--hidden", "4k"], "--hidden"), (["bench", "--chain", "2.0"], "--chain"),
-    (["bench", "--iters", "true"], "--iters"), (["bench", "--repeats", "-1"], "--repeats"),
-    (["bench", "--modes", "fast"], "--modes"), (["bench", "--dtype", "fp8"], "--dtype"),
-    (["bench", "--method", "1"], "--method"), (["bench", "--backend", "nccl"], "--backend"),
-    (["bench", "--patterns", "1.0"], "--patterns"), (["bench", "--framework", "tf"],
-                                                      "--framework"),
-    (["demo", "--seed", "1e3"], "--seed"), (["demo", "--steps", "two"], "--steps"),
-    (["demo", "--dtype", "half"], "--dtype"), (["demo", "--backend", "yes"], "--backend"),
-])
+
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["bench", "--tokens", "1.5"], "--tokens"),
+        (["bench", "--tokens", "many"], "--tokens"),
+        (["bench", "--hidden", "4k"], "--hidden"),
+        (["bench", "--chain", "2.0"], "--chain"),
+        (["bench", "--iters", "true"], "--iters"),
+        (["bench", "--repeats", "-1"], "--repeats"),
+        (["bench", "--modes", "fast"], "--modes"),
+        (["bench", "--dtype", "fp8"], "--dtype"),
+        (["bench", "--method", "1"], "--method"),
+        (["bench", "--backend", "nccl"], "--backend"),
+        (["bench", "--patterns", "1.0"], "--patterns"),
+        (["bench", "--framework", "tf"], "--framework"),
+        (["demo", "--seed", "1e3"], "--seed"),
+        (["demo", "--steps", "two"], "--steps"),
+        (["demo", "--dtype", "half"], "--dtype"),
+        (["demo", "--backend", "yes"], "--backend"),
+    ],
+)
 def test_cli_flags(capsys, argv, flag):
     from jax_fusedar.cli.main import build_parser
+
     parser, _ = build_parser()
     with pytest.raises(SystemExit) as info:
         parser.parse_args(argv)
@@ -315,14 +443,21 @@ def test_cli_flags(capsys, argv, flag):
     assert f"argument {flag}" in err, err
 
 
-@pytest.mark.parametrize("var,value", [
-    ("JAX_FUSEDAR_STRICT", "maybe"), ("JAX_FUSEDAR_CHECK_CALLS", "2"),
-    ("JAX_FUSEDAR_TIMEOUT_S", "abc"), ("JAX_FUSEDAR_CHECK_TIMEOUT_S", "soon"),
-    ("JAX_FUSEDAR_ALLREDUCE_BACKEND", "fast")])
+@pytest.mark.parametrize(
+    "var,value",
+    [
+        ("JAX_FUSEDAR_STRICT", "maybe"),
+        ("JAX_FUSEDAR_CHECK_CALLS", "2"),
+        ("JAX_FUSEDAR_TIMEOUT_S", "abc"),
+        ("JAX_FUSEDAR_CHECK_TIMEOUT_S", "soon"),
+        ("JAX_FUSEDAR_ALLREDUCE_BACKEND", "fast"),
+    ],
+)
 def test_cli_environment(monkeypatch, capsys, var, value):
     """In process (tests/cli/test_environment.py runs the commands). The --out folder cannot
     be created, so a run that missed the variable stops there, without running the bench."""
     from jax_fusedar.cli.main import main
+
     monkeypatch.setenv(var, value)
     assert main(["bench", "--hidden", "64", "--out", "/proc/forbidden"]) == 2
     err = capsys.readouterr().err

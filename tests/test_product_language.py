@@ -4,6 +4,7 @@ Measurements carry their date, commit, hardware and versions instead (docs/testi
 
 The patterns are precise on purpose: JAX's scan ``carry``, a Python or torch.distributed
 session, or "helpers" of a module are ordinary words and stay allowed."""
+
 import re
 import subprocess
 
@@ -14,31 +15,59 @@ from tests.repo import REPO
 # (pattern, what it is); case-insensitive.
 FORBIDDEN = [
     (r"\bsessions?[\s-]*\d", "a numbered work session"),
-    (r"\b(this|next|previous|prior|last|later|earlier|current|work|device|gpu)\s+sessions?\b",
-     "a work session"),
+    (
+        r"\b(this|next|previous|prior|last|later|earlier|current|work|device|gpu)\s+sessions?\b",
+        "a work session",
+    ),
     (r"\blent\b|\blending\b|\bloaned\b", "lent machines"),
     (r"\bnvidia-h200(-x\d+)?\b|\bkind=nvidia", "a machine kind of the remote-run tool"),
-    (r"\bremote[- ]run\b|\bdevice machine\b|\bdevice tool\b|\bgive_back\b|\bbudget_left",
-     "the remote-run tool"),
-    (r"(^|[\s/`'\"(=\[])\.carry\b|\bcarry=\[|\bcarried\s+(core|library|binary|wheels?)\b",
-     "a folder carried to a remote machine"),
+    (
+        r"\bremote[- ]run\b|\bdevice machine\b|\bdevice tool\b|\bgive_back\b|\bbudget_left",
+        "the remote-run tool",
+    ),
+    (
+        r"(^|[\s/`'\"(=\[])\.carry\b|\bcarry=\[|\bcarried\s+(core|library|binary|wheels?)\b",
+        "a folder carried to a remote machine",
+    ),
     (r"\bissues?\s*#?\d+|\bthe issue's\b", "an issue number"),
     (r"\bowed\b", "results still owed (say what is not measured, as a fact)"),
 ]
 SELF = "tests/test_product_language.py"
-TEXT_SUFFIXES = {"", ".py", ".md", ".txt", ".toml", ".cfg", ".sh", ".cmake", ".cu", ".cuh",
-                 ".h", ".cc", ".cpp", ".in", ".map", ".yml", ".yaml", ".json"}
+TEXT_SUFFIXES = {
+    "",
+    ".py",
+    ".md",
+    ".txt",
+    ".toml",
+    ".cfg",
+    ".sh",
+    ".cmake",
+    ".cu",
+    ".cuh",
+    ".h",
+    ".cc",
+    ".cpp",
+    ".in",
+    ".map",
+    ".yml",
+    ".yaml",
+    ".json",
+}
 
 
 def tracked_files():
     try:
-        out = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True,
-                             check=True, timeout=60).stdout
+        out = subprocess.run(
+            ["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True, timeout=60
+        ).stdout
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("not a git checkout: the tracked files are unknown")
     names = [n for n in out.decode().split("\0") if n]
-    return [n for n in names if n != SELF and (REPO / n).is_file()
-            and (REPO / n).suffix in TEXT_SUFFIXES]
+    return [
+        n
+        for n in names
+        if n != SELF and (REPO / n).is_file() and (REPO / n).suffix in TEXT_SUFFIXES
+    ]
 
 
 def findings(text: str):
@@ -56,21 +85,40 @@ def test_no_history_words_in_the_repository():
     assert not found, "history words in the repository:\n" + "\n".join(found)
 
 
-@pytest.mark.parametrize("text", [
-    "measured in session 6 on one H200", "(session-3 model)", "Session 4: where it went",
-    "after the session's device time was spent in this session",
-    "no 2-GPU machine was lent", "run kind=nvidia-h200-x2 carry=[\".carry\"]",
-    "copy CORE to .carry/ first", "the carried core", "the issue's 210 us target",
-    "(issue 17)", "Issue 4's layout", "a longer measurement is still owed",
-    "run on the device machine"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "measured in session 6 on one H200",
+        "(session-3 model)",
+        "Session 4: where it went",
+        "after the session's device time was spent in this session",
+        "no 2-GPU machine was lent",
+        "run kind=nvidia-h200-x2 carry=[\".carry\"]",
+        "copy CORE to .carry/ first",
+        "the carried core",
+        "the issue's 210 us target",
+        "(issue 17)",
+        "Issue 4's layout",
+        "a longer measurement is still owed",
+        "run on the device machine",
+    ],
+)
 def test_the_patterns_catch_history_words(text):
     assert list(findings(text)), text
 
 
-@pytest.mark.parametrize("text", [
-    "def step(carry, xs): x, h = carry", "the residual error carried through the norm",
-    "a torch.distributed session", "paste them into one Python session",
-    "shared helpers of the tests", "lends itself to", "issues a warning",
-    "2 x H200 (NVLink)"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "def step(carry, xs): x, h = carry",
+        "the residual error carried through the norm",
+        "a torch.distributed session",
+        "paste them into one Python session",
+        "shared helpers of the tests",
+        "lends itself to",
+        "issues a warning",
+        "2 x H200 (NVLink)",
+    ],
+)
 def test_the_patterns_leave_ordinary_words_alone(text):
     assert not list(findings(text)), text

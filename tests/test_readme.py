@@ -13,6 +13,7 @@ with arguments, one process per node: it does not run in the shared namespace he
 test named in ``SCRIPT_TESTS`` writes it to a file and launches it (tests/jax/test_multinode.py
 runs docs/multinode.md's two_node.py as two processes on two simulated hosts).
 """
+
 import ast
 import inspect
 import json
@@ -40,8 +41,10 @@ SCRIPT_TESTS = {"two_node.py": "jax/test_multinode.py"}
 def python_blocks(page=README):
     """[(line number of the block's first code line, code)] of every ```python block."""
     text = page.read_text()
-    return [(text.count("\n", 0, m.start(1)) + 1, m.group(1))
-            for m in re.finditer(r"^```python\n(.*?)^```", text, re.M | re.S)]
+    return [
+        (text.count("\n", 0, m.start(1)) + 1, m.group(1))
+        for m in re.finditer(r"^```python\n(.*?)^```", text, re.M | re.S)
+    ]
 
 
 def script_blocks(page=README):
@@ -49,8 +52,11 @@ def script_blocks(page=README):
 
 
 def cpu_blocks(page=README):
-    return [(n, code) for n, code in python_blocks(page)
-            if not code.startswith(GPU_MARKER) and not SCRIPT_HEADER.match(code)]
+    return [
+        (n, code)
+        for n, code in python_blocks(page)
+        if not code.startswith(GPU_MARKER) and not SCRIPT_HEADER.match(code)
+    ]
 
 
 def gpu_blocks(page=README):
@@ -59,14 +65,23 @@ def gpu_blocks(page=README):
 
 def run_blocks(page, blocks):
     """Runs the blocks in one fresh process on 8 CPU devices; returns its stdout."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    )
     for var in ("JAX_FUSEDAR_STRICT", "JAX_FUSEDAR_ALLREDUCE_BACKEND"):
         env.pop(var, None)
-    r = subprocess.run([sys.executable, "-c", RUNNER.replace("README.md", page)],
-                       input=json.dumps(blocks), env=env, capture_output=True, text=True,
-                       timeout=900, cwd=REPO)
+    r = subprocess.run(
+        [sys.executable, "-c", RUNNER.replace("README.md", page)],
+        input=json.dumps(blocks),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=REPO,
+    )
     assert r.returncode == 0, f"a {page} block failed:\n{r.stdout}\n{r.stderr[-6000:]}"
     ran = re.findall(r"ran README block at line (\d+)", r.stdout)
     assert [int(n) for n in ran] == [n for n, _ in blocks]
@@ -105,8 +120,9 @@ def test_readme_python_blocks_run_on_8_cpu_devices():
 
 
 # jax_api.md's export example lowers a kernel workspace for cuda: that needs the native module.
-@pytest.mark.parametrize("page", [pytest.param("docs/jax_api.md", marks=needs_native),
-                                  "docs/multinode.md"])
+@pytest.mark.parametrize(
+    "page", [pytest.param("docs/jax_api.md", marks=needs_native), "docs/multinode.md"]
+)
 def test_docs_python_blocks_run_on_8_cpu_devices(page):
     blocks = cpu_blocks(REPO / page)
     if page == "docs/jax_api.md":
@@ -125,15 +141,21 @@ def test_gpu_blocks_compile_and_call_torch_compat_as_it_is():
     for line, code in blocks:
         tree = ast.parse(code, filename=f"README.md:{line}")
         for node in ast.walk(tree):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "comm"):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "comm"
+            ):
                 fn = getattr(torch_compat, node.func.attr)  # AttributeError if renamed
                 try:
-                    inspect.signature(fn).bind(*node.args, **{k.arg: k.value
-                                                             for k in node.keywords})
+                    inspect.signature(fn).bind(
+                        *node.args, **{k.arg: k.value for k in node.keywords}
+                    )
                 except TypeError as e:
-                    raise AssertionError(f"README.md:{line + node.lineno - 1}: "
-                                         f"comm.{node.func.attr}: {e}") from None
+                    raise AssertionError(
+                        f"README.md:{line + node.lineno - 1}: comm.{node.func.attr}: {e}"
+                    ) from None
                 checked += 1
     assert checked >= 2
 

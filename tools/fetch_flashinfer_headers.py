@@ -13,6 +13,7 @@ fill ``third_party/`` ahead of an offline build.
 
 Usage: python tools/fetch_flashinfer_headers.py [--wheel PATH] [--dest DIR]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,16 +46,34 @@ def _pip_commands() -> list[list[str]]:
 
 def _download(tmp: str) -> pathlib.Path:
     spec = f"flashinfer-python=={VERSION}"
-    pip = next((c for c in _pip_commands()
-                if subprocess.run([*c, "--version"], capture_output=True).returncode == 0), None)
+    pip = next(
+        (
+            c
+            for c in _pip_commands()
+            if subprocess.run([*c, "--version"], capture_output=True).returncode == 0
+        ),
+        None,
+    )
     if pip is not None:
         run = subprocess.run(
-            [*pip, "download", "--no-deps", "--quiet", "--disable-pip-version-check",
-             spec, "-d", tmp], capture_output=True, text=True)
+            [
+                *pip,
+                "download",
+                "--no-deps",
+                "--quiet",
+                "--disable-pip-version-check",
+                spec,
+                "-d",
+                tmp,
+            ],
+            capture_output=True,
+            text=True,
+        )
         if run.returncode == 0:
             return next(pathlib.Path(tmp).glob("flashinfer_python-*.whl"))
-        detail = (f"$ {' '.join(pip)} download --no-deps {spec}\n"
-                  f"{(run.stderr or run.stdout).strip()}")
+        detail = (
+            f"$ {' '.join(pip)} download --no-deps {spec}\n{(run.stderr or run.stdout).strip()}"
+        )
     else:
         detail = "no working pip was found"
     raise SystemExit(
@@ -66,7 +85,8 @@ def _download(tmp: str) -> pathlib.Path:
         "  * point FLASHINFER_INCLUDE_DIR at a directory that contains flashinfer/comm/\n"
         f"  * pip install --no-deps {spec}   (the build finds it through its metadata)\n"
         "  * build without the kernels: no nvcc on PATH and CUDACXX unset gives the "
-        "reference-only package")
+        "reference-only package"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         with zipfile.ZipFile(wheel) as zf:
             for name in zf.namelist():
                 if name.startswith(PREFIX + "flashinfer/") and not name.endswith("/"):
-                    target = dest / "include" / name[len(PREFIX):]
+                    target = dest / "include" / name[len(PREFIX) :]
                     target.parent.mkdir(parents=True, exist_ok=True)
                     target.write_bytes(zf.read(name))
                     n += 1

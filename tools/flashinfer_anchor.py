@@ -6,6 +6,7 @@ part of the package: it is imported as ``tools.flashinfer_anchor`` from the chec
 The anchor folder: ``--anchor``, else ``$JAX_FUSEDAR_ANCHOR``, else
 ``<repository>/.anchor/anchor-flashinfer`` (this file's ``../.anchor``).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -17,8 +18,11 @@ from typing import Dict, Mapping, Optional
 
 # NVLink multicast stays off in every process that loads the anchor (docs/decisions.md):
 # forced, not defaulted, so a stray setting in the caller's environment cannot turn it on.
-NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                    "NVSHMEM_DISABLE_NVLS": "1"}
+NO_MULTICAST_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 
 ANCHOR_ENV_VAR = "JAX_FUSEDAR_ANCHOR"
 REPO_ROOT = Path(__file__).resolve().parents[1]  # tools/ is never installed
@@ -27,16 +31,16 @@ ANCHOR_CUDA_ARCH = "9.0a"  # its trtllm_comm module is prebuilt for sm_90a only
 # The CUDA runtime libraries its prebuilt module links against.
 CUDA_LIB_DIR = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "lib64")
 # What the loader needs inside the anchor folder.
-_ANCHOR_ENTRIES = ("flashinfer/comm/allreduce.py", "flashinfer/jit/core.py", "site/tvm_ffi",
-                   "ws")
+_ANCHOR_ENTRIES = ("flashinfer/comm/allreduce.py", "flashinfer/jit/core.py", "site/tvm_ffi", "ws")
 
 
 class AnchorUnavailable(RuntimeError):
     """The FlashInfer anchor cannot be loaded here; the message says why and what to set."""
 
 
-def resolve_anchor_path(explicit: Optional[str] = None,
-                        env: Optional[Mapping[str, str]] = None) -> Path:
+def resolve_anchor_path(
+    explicit: Optional[str] = None, env: Optional[Mapping[str, str]] = None
+) -> Path:
     """--anchor, else $JAX_FUSEDAR_ANCHOR, else <repo>/.anchor/anchor-flashinfer."""
     env = os.environ if env is None else env
     chosen = explicit or env.get(ANCHOR_ENV_VAR) or DEFAULT_ANCHOR
@@ -63,15 +67,19 @@ def anchor_environment(path: Path, env: Optional[Mapping[str, str]] = None) -> D
     libs = [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
     if CUDA_LIB_DIR not in libs:
         libs.append(CUDA_LIB_DIR)
-    return {"FLASHINFER_WORKSPACE_BASE": str(Path(path) / "ws"),
-            "FLASHINFER_CUDA_ARCH_LIST": ANCHOR_CUDA_ARCH,
-            "LD_LIBRARY_PATH": os.pathsep.join(libs), **NO_MULTICAST_ENV}
+    return {
+        "FLASHINFER_WORKSPACE_BASE": str(Path(path) / "ws"),
+        "FLASHINFER_CUDA_ARCH_LIST": ANCHOR_CUDA_ARCH,
+        "LD_LIBRARY_PATH": os.pathsep.join(libs),
+        **NO_MULTICAST_ENV,
+    }
 
 
 def unavailable(path: Path, why: str) -> AnchorUnavailable:
     return AnchorUnavailable(
         f"FlashInfer anchor unavailable: {why}. Pass --anchor PATH or set ${ANCHOR_ENV_VAR} to "
-        f"the anchor-flashinfer folder (default {DEFAULT_ANCHOR}).")
+        f"the anchor-flashinfer folder (default {DEFAULT_ANCHOR})."
+    )
 
 
 def load_anchor(path=None):
@@ -91,9 +99,12 @@ def load_anchor(path=None):
     loaded = sys.modules.get("flashinfer")
     if loaded is not None:
         if list(getattr(loaded, "__path__", [])) != [package_dir]:
-            raise unavailable(path, "another 'flashinfer' is already imported in this process "
-                               f"(from {list(getattr(loaded, '__path__', []))}); load the "
-                               "anchor in a fresh process")
+            raise unavailable(
+                path,
+                "another 'flashinfer' is already imported in this process "
+                f"(from {list(getattr(loaded, '__path__', []))}); load the "
+                "anchor in a fresh process",
+            )
         return importlib.import_module("flashinfer.comm.allreduce")
     os.environ.update(anchor_environment(path))
     site = str(path / "site")
@@ -121,5 +132,11 @@ def create_anchor_workspace(fi, *, world_size, rank, max_token_num, hidden_dim, 
     """FlashInfer's workspace, always on the "trtllm" backend ("auto" reads the hardware
     multicast attribute and may choose MNNVL, which calls cuMulticastCreate)."""
     return fi.create_allreduce_fusion_workspace(
-        backend="trtllm", world_size=world_size, rank=rank, max_token_num=max_token_num,
-        hidden_dim=hidden_dim, dtype=dtype, group=group)
+        backend="trtllm",
+        world_size=world_size,
+        rank=rank,
+        max_token_num=max_token_num,
+        hidden_dim=hidden_dim,
+        dtype=dtype,
+        group=group,
+    )

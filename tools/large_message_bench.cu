@@ -37,20 +37,24 @@ using T = __nv_bfloat16;
 constexpr int N = 2;
 constexpr auto kPattern = fi::AllReduceFusionPattern::kARResidualRMSNorm;
 
-#define CK(x)                                                                          \
-  do {                                                                                 \
-    cudaError_t e_ = (x);                                                              \
-    if (e_ != cudaSuccess) {                                                           \
+#define CK(x)                                                                            \
+  do {                                                                                   \
+    cudaError_t e_ = (x);                                                                \
+    if (e_ != cudaSuccess) {                                                             \
       fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      exit(1);                                                                         \
-    }                                                                                  \
+      exit(1);                                                                           \
+    }                                                                                    \
   } while (0)
 
 __global__ void fill_random(T* p, int64_t n, uint32_t seed) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     uint32_t x = uint32_t(i) * 2654435761u ^ seed;
-    x ^= x >> 15; x *= 2246822519u; x ^= x >> 13; x *= 3266489917u; x ^= x >> 16;
+    x ^= x >> 15;
+    x *= 2246822519u;
+    x ^= x >> 13;
+    x *= 3266489917u;
+    x ^= x >> 16;
     p[i] = __float2bfloat16((x & 0xffffff) / float(0x800000) - 1.0f);
   }
 }
@@ -86,9 +90,11 @@ __global__ void ping_pong(unsigned int* mine, unsigned int* peer, int rounds, in
   for (int i = 1; i <= rounds; ++i) {
     if (first) {
       asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(peer), "r"(unsigned(i)) : "memory");
-      while (fusedar::kernels::large::load_acquire_sys(mine) != unsigned(i)) {}
+      while (fusedar::kernels::large::load_acquire_sys(mine) != unsigned(i)) {
+      }
     } else {
-      while (fusedar::kernels::large::load_acquire_sys(mine) != unsigned(i)) {}
+      while (fusedar::kernels::large::load_acquire_sys(mine) != unsigned(i)) {
+      }
       asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(peer), "r"(unsigned(i)) : "memory");
     }
   }
@@ -139,7 +145,8 @@ __global__ void __launch_bounds__(1024)
   __syncthreads();
   const lg::RowIndex ix = lg::row_index();
   const int vec_per_row = params.hidden_dim / VEC;
-  const int64_t sb = lg::slice_begin(a.rows, NRanks, rank), sr = lg::slice_rows(a.rows, NRanks, rank);
+  const int64_t sb = lg::slice_begin(a.rows, NRanks, rank),
+                sr = lg::slice_rows(a.rows, NRanks, rank);
   const int64_t begin = lg::chunk_row(sb, sr, a.schedule, a.chunk);
   const int64_t end = lg::chunk_row(sb, sr, a.schedule, a.chunk + 1);
   fi::FusedOp<kPattern, T> fused_op(params, ix.access, ix.access);
@@ -148,8 +155,10 @@ __global__ void __launch_bounds__(1024)
     const int64_t local = (row - sb) * vec_per_row + ix.access;
     flashinfer::vec_t<T, VEC> vals[NRanks];
     for (int r = 0; r < NRanks; ++r) {
-      if (r == rank) vals[r].load(reinterpret_cast<const T*>(params.allreduce_in) + idx * VEC);
-      else vals[r].load(a.recv[r] + local * VEC);
+      if (r == rank)
+        vals[r].load(reinterpret_cast<const T*>(params.allreduce_in) + idx * VEC);
+      else
+        vals[r].load(a.recv[r] + local * VEC);
     }
     flashinfer::vec_t<T, VEC> s = fi::allreduce_sum<T, VEC, NRanks, true>(vals);
     for (int p = 0; p < NRanks; ++p)
@@ -180,7 +189,11 @@ cudaError_t launch_sm_gather(const fi::AllReduceFusionParams<T>& params, const l
   auto sum_slot = [&](int p, int q) { return res.buffers[p] + (NRanks + q) * slot_bytes; };
   SmGatherArgs g{};
   lg::RowArgs<T>& a = g.rows;
-  a.flags = res.flags; a.rank = rank; a.nranks = NRanks; a.schedule = sched; a.rows = M;
+  a.flags = res.flags;
+  a.rank = rank;
+  a.nranks = NRanks;
+  a.schedule = sched;
+  a.rows = M;
   for (int q = 0; q < NRanks; ++q) {
     a.recv[q] = reinterpret_cast<const T*>(recv_slot(rank, q));
     a.sum[q] = reinterpret_cast<T*>(sum_slot(rank, q));
@@ -198,8 +211,9 @@ cudaError_t launch_sm_gather(const fi::AllReduceFusionParams<T>& params, const l
       const int p = (rank + j) % NRanks;
       const int64_t sb = lg::slice_begin(M, NRanks, p), sr = lg::slice_rows(M, NRanks, p);
       const int64_t b = lg::chunk_row(sb, sr, sched, k), e = lg::chunk_row(sb, sr, sched, k + 1);
-      if (e > b) cudaMemcpyAsync(recv_slot(p, rank) + (b - sb) * row_bytes, input + b * row_bytes,
-                                 (e - b) * row_bytes, cudaMemcpyDeviceToDevice, res.copy);
+      if (e > b)
+        cudaMemcpyAsync(recv_slot(p, rank) + (b - sb) * row_bytes, input + b * row_bytes,
+                        (e - b) * row_bytes, cudaMemcpyDeviceToDevice, res.copy);
     }
     cudaEventRecord(res.scattered[k], res.copy);
     cudaStreamWaitEvent(res.signal, res.scattered[k], 0);
@@ -208,25 +222,34 @@ cudaError_t launch_sm_gather(const fi::AllReduceFusionParams<T>& params, const l
   const int64_t ob = lg::slice_begin(M, NRanks, rank), orows = lg::slice_rows(M, NRanks, rank);
   for (int k = 0; k < sched.chunks; ++k) {
     a.chunk = k;
-    const int64_t rows = lg::chunk_row(ob, orows, sched, k + 1) - lg::chunk_row(ob, orows, sched, k);
+    const int64_t rows =
+        lg::chunk_row(ob, orows, sched, k + 1) - lg::chunk_row(ob, orows, sched, k);
     int clusters = int(std::max<int64_t>(1, std::min<int64_t>(rows, shape.grid_limit)));
     cudaLaunchConfig_t cfg{};
     cudaLaunchAttribute attr[1];
-    cfg.gridDim = dim3(clusters * shape.cluster); cfg.blockDim = dim3(shape.block);
-    cfg.dynamicSmemBytes = shape.smem; cfg.stream = s;
+    cfg.gridDim = dim3(clusters * shape.cluster);
+    cfg.blockDim = dim3(shape.block);
+    cfg.dynamicSmemBytes = shape.smem;
+    cfg.stream = s;
     attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = shape.cluster; attr[0].val.clusterDim.y = 1; attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr; cfg.numAttrs = 1;
+    attr[0].val.clusterDim.x = shape.cluster;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
     cudaError_t err = cudaLaunchKernelEx(&cfg, sm_gather_reduce<NRanks>, params, g);
     if (err != cudaSuccess) return err;
   }
   int64_t peer_rows = 0;
-  for (int q = 0; q < NRanks; ++q) if (q != rank) {
-    const int64_t sb = lg::slice_begin(M, NRanks, q), sr = lg::slice_rows(M, NRanks, q);
-    for (int k = 0; k < sched.chunks; ++k)
-      peer_rows = std::max(peer_rows, lg::chunk_row(sb, sr, sched, k + 1) - lg::chunk_row(sb, sr, sched, k));
-  }
-  cudaError_t err = lg::launch_rows(lg::finish_kernel<kPattern, T, NRanks, true>, shape,
+  for (int q = 0; q < NRanks; ++q)
+    if (q != rank) {
+      const int64_t sb = lg::slice_begin(M, NRanks, q), sr = lg::slice_rows(M, NRanks, q);
+      for (int k = 0; k < sched.chunks; ++k)
+        peer_rows = std::max(peer_rows,
+                             lg::chunk_row(sb, sr, sched, k + 1) - lg::chunk_row(sb, sr, sched, k));
+    }
+  cudaError_t err = lg::launch_rows(
+      lg::finish_kernel<kPattern, T, NRanks, true>, shape,
       int(std::max<int64_t>(1, std::min<int64_t>(peer_rows, shape.grid_limit))), s, params, a);
   if (err != cudaSuccess) return err;
   cudaEventRecord(res.copy_done, res.copy);
@@ -326,9 +349,10 @@ lg::Shape oneshot_shape(const fi::AllReduceFusionParams<Tv>& p, int sm_count) {
     tpb *= 2;
     cluster /= 2;
   }
-  const int regs = p.trigger_completion_at_end
-                       ? fi::get_registers_per_thread_oneshot<Pattern, Tv, NRanks, Fp32Acc, true>()
-                       : fi::get_registers_per_thread_oneshot<Pattern, Tv, NRanks, Fp32Acc, false>();
+  const int regs =
+      p.trigger_completion_at_end
+          ? fi::get_registers_per_thread_oneshot<Pattern, Tv, NRanks, Fp32Acc, true>()
+          : fi::get_registers_per_thread_oneshot<Pattern, Tv, NRanks, Fp32Acc, false>();
   static const int max_registers = fi::utils::getSMRegisters();
   const int max_tpb = std::min(max_registers / regs, 1024);
   auto adjust_for_sm_count = [&](int& t, int& c) {
@@ -374,9 +398,8 @@ lg::Shape oneshot_shape(const fi::AllReduceFusionParams<Tv>& p, int sm_count) {
 // floor uses two streams). persistent: one compute launch that walks the chunks as their
 // flags arrive, else one launch per chunk.
 template <fi::AllReduceFusionPattern Pattern, typename Tv, int NRanks, bool Fp32Acc>
-cudaError_t launch_ce_oneshot(const fi::AllReduceFusionParams<Tv>& params,
-                              const lg::Resources& res, const lg::Schedule& sched,
-                              int copy_streams, bool persistent) {
+cudaError_t launch_ce_oneshot(const fi::AllReduceFusionParams<Tv>& params, const lg::Resources& res,
+                              const lg::Schedule& sched, int copy_streams, bool persistent) {
   const int rank = params.rank;
   const int64_t H = params.hidden_dim, M = params.size / params.hidden_dim;
   const int64_t row_bytes = H * int64_t(sizeof(Tv));
@@ -468,7 +491,8 @@ struct Rank {
   int dev;
   cudaStream_t s;
   T *in, *res, *gamma;
-  T* out[5][2];  // slot x {residual_out, norm_out}: 0 large, 1 one-shot, 2 two-shot, 3 spare, 4 CE one-shot
+  T* out[5][2];  // slot x {residual_out, norm_out}: 0 large, 1 one-shot, 2 two-shot, 3 spare, 4 CE
+                 // one-shot
   char* twoshot;
   int* flags_fi;
   lg::Flags* flags_large;
@@ -539,7 +563,6 @@ std::vector<int> g_weights = {1, 1, 1, 1};
 int g_ce_streams = 2;
 bool g_ce_persistent = true;
 
-
 // algo: 0 large-message, 1 FI one-shot, 2 FI two-shot,
 // 3 copy-engine floor (memcpys only, two streams), 4 empty kernel, 8 FI one-shot without PDL,
 // 9 SM-gather variant, 10 copy-engine one-shot, 11 copy-engine floor on one stream
@@ -553,7 +576,8 @@ void launch(int algo, int r, int64_t M, int64_t H, int chunks) {
   p.workspace = k.table;
   p.allreduce_in = k.in;
   p.residual_in = k.res;
-  int o = (algo == 0 || algo == 9) ? 0 : (algo == 8 ? 1 : (algo <= 2 ? algo : (algo == 10 ? 4 : 3)));
+  int o =
+      (algo == 0 || algo == 9) ? 0 : (algo == 8 ? 1 : (algo <= 2 ? algo : (algo == 10 ? 4 : 3)));
   p.residual_out = k.out[o][0];
   p.norm_out = k.out[o][1];
   p.rms_gamma = k.gamma;
@@ -566,7 +590,8 @@ void launch(int algo, int r, int64_t M, int64_t H, int chunks) {
   if (algo == 10) {
     std::vector<int> w = g_weights;
     if (chunks > 0) w.assign(chunks, 1);
-    CK((launch_ce_oneshot<kPattern, T, N, true>(p, k.res_large, lg::make_schedule(w.data(), int(w.size())),
+    CK((launch_ce_oneshot<kPattern, T, N, true>(p, k.res_large,
+                                                lg::make_schedule(w.data(), int(w.size())),
                                                 g_ce_streams, g_ce_persistent)));
   } else if (algo == 11) {
     // The copy-engine one-shot's bytes (the whole input to the peer) on one stream.
@@ -584,7 +609,8 @@ void launch(int algo, int r, int64_t M, int64_t H, int chunks) {
   } else if (algo == 9) {
     std::vector<int> w = g_weights;
     if (chunks > 0) w.assign(chunks, 1);
-    CK(launch_sm_gather<N>(p, k.res_large, lg::make_schedule(w.data(), int(w.size())), k.ctas_done));
+    CK(launch_sm_gather<N>(p, k.res_large, lg::make_schedule(w.data(), int(w.size())),
+                           k.ctas_done));
   } else if (algo == 0) {
     const lg::Resources& res = k.res_large;
     std::vector<int> w = g_weights;
@@ -737,17 +763,24 @@ void check(int64_t M, int64_t H, int chunks, uint32_t seed) {
   CK(cudaMalloc(&tmp, M * H * 2 * 2));
   CK(cudaMemcpyPeer(tmp, 0, R[1].out[0][0], 1, M * H * 2));
   CK(cudaMemcpyPeer(tmp + M * H, 0, R[1].out[0][1], 1, M * H * 2));
-  unsigned long long ranks = diff(0, tmp, R[0].out[0][0], M * H) + diff(0, tmp + M * H, R[0].out[0][1], M * H);
+  unsigned long long ranks =
+      diff(0, tmp, R[0].out[0][0], M * H) + diff(0, tmp + M * H, R[0].out[0][1], M * H);
   CK(cudaFree(tmp));
   printf("SM-gather variant vs two-shot: %llu\n",
-         diff(0, R[0].out[3][0], R[0].out[2][0], M * H) + diff(0, R[0].out[3][1], R[0].out[2][1], M * H) +
-         diff(1, R[1].out[3][0], R[1].out[2][0], M * H) + diff(1, R[1].out[3][1], R[1].out[2][1], M * H));
-  printf("check M=%lld H=%lld chunks=%d: vs two-shot res %llu norm %llu | vs one-shot res %llu norm %llu | "
-         "two-shot vs one-shot norm %llu | rank1 vs rank0 %llu\n",
-         (long long)M, (long long)H, chunks, diff(0, R[0].out[0][0], R[0].out[2][0], M * H),
-         diff(0, R[0].out[0][1], R[0].out[2][1], M * H) + diff(1, R[1].out[0][1], R[1].out[2][1], M * H),
-         diff(0, R[0].out[0][0], R[0].out[1][0], M * H), diff(0, R[0].out[0][1], R[0].out[1][1], M * H),
-         diff(0, R[0].out[2][1], R[0].out[1][1], M * H), ranks);
+         diff(0, R[0].out[3][0], R[0].out[2][0], M * H) +
+             diff(0, R[0].out[3][1], R[0].out[2][1], M * H) +
+             diff(1, R[1].out[3][0], R[1].out[2][0], M * H) +
+             diff(1, R[1].out[3][1], R[1].out[2][1], M * H));
+  printf(
+      "check M=%lld H=%lld chunks=%d: vs two-shot res %llu norm %llu | vs one-shot res %llu norm "
+      "%llu | "
+      "two-shot vs one-shot norm %llu | rank1 vs rank0 %llu\n",
+      (long long)M, (long long)H, chunks, diff(0, R[0].out[0][0], R[0].out[2][0], M * H),
+      diff(0, R[0].out[0][1], R[0].out[2][1], M * H) +
+          diff(1, R[1].out[0][1], R[1].out[2][1], M * H),
+      diff(0, R[0].out[0][0], R[0].out[1][0], M * H),
+      diff(0, R[0].out[0][1], R[0].out[1][1], M * H),
+      diff(0, R[0].out[2][1], R[0].out[1][1], M * H), ranks);
 }
 
 // The copy-engine one-shot against FlashInfer's one-shot (must be 0 bits apart) and two-shot
@@ -793,14 +826,19 @@ bool check_ce(int64_t M, int64_t H, uint32_t seed, int64_t neg_zero_every) {
   sp.trigger_completion_at_end = true;
   const lg::Shape one = oneshot_shape<kPattern, T, N, true>(sp, R[0].res_large.sm_count);
   const lg::Shape two = lg::twoshot_shape<kPattern, T, N, true>(sp, R[0].res_large.sm_count);
-  printf("check_ce M=%lld H=%lld neg_zero_every=%lld: FI two-shot vs one-shot res %llu norm %llu | "
-         "row split one-shot %dx%d two-shot %dx%d (threads x cluster)\n",
-         (long long)M, (long long)H, (long long)neg_zero_every, fi_res, fi_norm, one.block, one.cluster,
-         two.block, two.cluster);
+  printf(
+      "check_ce M=%lld H=%lld neg_zero_every=%lld: FI two-shot vs one-shot res %llu norm %llu | "
+      "row split one-shot %dx%d two-shot %dx%d (threads x cluster)\n",
+      (long long)M, (long long)H, (long long)neg_zero_every, fi_res, fi_norm, one.block,
+      one.cluster, two.block, two.cluster);
   bool ok = true;
-  struct Cfg { int streams; bool persistent; int chunks; };
-  for (Cfg c : {Cfg{2, true, 4}, Cfg{2, true, 8}, Cfg{2, true, 2}, Cfg{1, true, 4}, Cfg{2, false, 4},
-                Cfg{2, true, 16}, Cfg{2, true, 3}}) {
+  struct Cfg {
+    int streams;
+    bool persistent;
+    int chunks;
+  };
+  for (Cfg c : {Cfg{2, true, 4}, Cfg{2, true, 8}, Cfg{2, true, 2}, Cfg{1, true, 4},
+                Cfg{2, false, 4}, Cfg{2, true, 16}, Cfg{2, true, 3}}) {
     g_ce_streams = c.streams;
     g_ce_persistent = c.persistent;
     for (int r = 0; r < N; ++r) {
@@ -828,14 +866,17 @@ bool check_ce(int64_t M, int64_t H, uint32_t seed, int64_t neg_zero_every) {
     CK(cudaMalloc(&tmp, n * 2 * 2));
     CK(cudaMemcpyPeer(tmp, 0, R[1].out[4][0], 1, n * 2));
     CK(cudaMemcpyPeer(tmp + n, 0, R[1].out[4][1], 1, n * 2));
-    const unsigned long long ranks = diff(0, tmp, R[0].out[4][0], n) + diff(0, tmp + n, R[0].out[4][1], n);
+    const unsigned long long ranks =
+        diff(0, tmp, R[0].out[4][0], n) + diff(0, tmp + n, R[0].out[4][1], n);
     CK(cudaFree(tmp));
     const bool pass = one_res == 0 && one_norm == 0 && ranks == 0;
     ok = ok && pass;
-    printf("  ce streams=%d %s chunks=%-2d: vs one-shot res %llu norm %llu | vs two-shot res %llu norm %llu"
-           " | rank1 vs rank0 %llu | %s\n",
-           c.streams, c.persistent ? "persistent" : "per-chunk ", c.chunks, one_res, one_norm, two_res,
-           two_norm, ranks, pass ? "OK" : "MISMATCH");
+    printf(
+        "  ce streams=%d %s chunks=%-2d: vs one-shot res %llu norm %llu | vs two-shot res %llu "
+        "norm %llu"
+        " | rank1 vs rank0 %llu | %s\n",
+        c.streams, c.persistent ? "persistent" : "per-chunk ", c.chunks, one_res, one_norm, two_res,
+        two_norm, ranks, pass ? "OK" : "MISMATCH");
   }
   g_ce_streams = 2;
   g_ce_persistent = true;
@@ -858,16 +899,27 @@ int main(int argc, char** argv) {
     ok &= check_ce(8191, 8192, 14, 0);
     ok &= check_ce(1024, 7168, 15, 89);
     ok &= check_ce(3, 4096, 16, 0);
-    printf("ce checks: %s\n", ok ? "ALL OK (bit-identical to FlashInfer one-shot on both ranks)" : "FAILED");
+    printf("ce checks: %s\n",
+           ok ? "ALL OK (bit-identical to FlashInfer one-shot on both ranks)" : "FAILED");
     printf("eager ce 4096x8192 P4: %.1f us/call\n", time_eager(10, 4096, 8192, 4));
-    struct V { const char* name; int algo; int streams; bool persistent; int chunks; };
+    struct V {
+      const char* name;
+      int algo;
+      int streams;
+      bool persistent;
+      int chunks;
+    };
     const std::vector<V> vs = {
-        {"U4", 0, 2, true, 4},     {"ceP2", 10, 2, true, 2},  {"ceP4", 10, 2, true, 4},
+        {"U4", 0, 2, true, 4},     {"ceP2", 10, 2, true, 2},   {"ceP4", 10, 2, true, 4},
         {"ceP8", 10, 2, true, 8},  {"ceP16", 10, 2, true, 16}, {"ceL4", 10, 2, false, 4},
         {"ceL8", 10, 2, false, 8}, {"ce1sP4", 10, 1, true, 4}, {"ce1sP8", 10, 1, true, 8}};
-    printf("U4: large-message path (RS+AG, 4 chunks); ceP<k>: CE one-shot, 2 copy streams, one persistent\n"
-           "compute launch, k chunks; ceL<k>: one launch per chunk; ce1s: 1 copy stream; floor2/floor1: the\n"
-           "whole input to the peer as plain copies on 2 streams / 1 stream (floor2 = 'copies only')\n");
+    printf(
+        "U4: large-message path (RS+AG, 4 chunks); ceP<k>: CE one-shot, 2 copy streams, one "
+        "persistent\n"
+        "compute launch, k chunks; ceL<k>: one launch per chunk; ce1s: 1 copy stream; "
+        "floor2/floor1: the\n"
+        "whole input to the peer as plain copies on 2 streams / 1 stream (floor2 = 'copies "
+        "only')\n");
     printf("%6s %6s |", "M", "H");
     for (auto& v : vs) printf(" %7s", v.name);
     printf(" | %7s %7s | %7s %7s\n", "oneshot", "twoshot", "floor2", "floor1");
@@ -894,10 +946,11 @@ int main(int argc, char** argv) {
     // Where the time of a decode-size call goes (CUDA-graph replay of 50 back-to-back calls).
     for (int64_t H : {4096, 8192}) {
       for (int64_t M : {1, 16, 128}) {
-        printf("decode M=%lld H=%lld: one-shot %.2f us (no PDL %.2f), two-shot %.2f us, empty kernel "
-               "%.2f us\n",
-               (long long)M, (long long)H, time_algo(1, M, H, 0, 50), time_algo(8, M, H, 0, 50),
-               M > N ? time_algo(2, M, H, 0, 50) : 0.f, time_algo(4, M, H, 0, 50));
+        printf(
+            "decode M=%lld H=%lld: one-shot %.2f us (no PDL %.2f), two-shot %.2f us, empty kernel "
+            "%.2f us\n",
+            (long long)M, (long long)H, time_algo(1, M, H, 0, 50), time_algo(8, M, H, 0, 50),
+            M > N ? time_algo(2, M, H, 0, 50) : 0.f, time_algo(4, M, H, 0, 50));
       }
     }
     unsigned int* flag[N];
@@ -929,10 +982,17 @@ int main(int argc, char** argv) {
   g_weights = {1, 2, 4, 4, 2, 1};
   check(1024, 7168, 0, 5);
   printf("eager large 4096x8192 U4 kernel flags: %.1f us/call\n", time_eager(0, 4096, 8192, 4));
-  struct V { const char* name; int algo; std::vector<int> w; };
-  const std::vector<V> vs = {
-      {"U4", 0, {1, 1, 1, 1}}, {"U2", 0, {1, 1}}, {"U8", 0, {1, 1, 1, 1, 1, 1, 1, 1}},
-      {"smgU4", 9, {1, 1, 1, 1}}, {"smgU8", 9, {1, 1, 1, 1, 1, 1, 1, 1}}, {"smgU16", 9, std::vector<int>(16, 1)}};
+  struct V {
+    const char* name;
+    int algo;
+    std::vector<int> w;
+  };
+  const std::vector<V> vs = {{"U4", 0, {1, 1, 1, 1}},
+                             {"U2", 0, {1, 1}},
+                             {"U8", 0, {1, 1, 1, 1, 1, 1, 1, 1}},
+                             {"smgU4", 9, {1, 1, 1, 1}},
+                             {"smgU8", 9, {1, 1, 1, 1, 1, 1, 1, 1}},
+                             {"smgU16", 9, std::vector<int>(16, 1)}};
   printf("%6s %6s |", "M", "H");
   for (auto& v : vs) printf(" %7s", v.name);
   printf(" | %7s %7s | %7s\n", "oneshot", "twoshot", "CEfloor");
@@ -944,7 +1004,8 @@ int main(int argc, char** argv) {
         printf(" %7.1f", time_algo(v.algo, M, H, 0));
         fflush(stdout);
       }
-      printf(" | %7.1f %7.1f | %7.1f\n", time_algo(1, M, H, 0), time_algo(2, M, H, 0), time_algo(3, M, H, 1));
+      printf(" | %7.1f %7.1f | %7.1f\n", time_algo(1, M, H, 0), time_algo(2, M, H, 0),
+             time_algo(3, M, H, 1));
       fflush(stdout);
     }
   }

@@ -26,6 +26,7 @@ Reading cubins needs no CUDA tool (the counts are EIATTR_REGCOUNT entries of the
 .nv.info section); reading the library's compressed fatbin needs cuobjdump (CUDA toolkit,
 or pip install nvidia-cuda-cuobjdump).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,7 +51,8 @@ _KERNEL = re.compile(
     r"^_ZN10flashinfer23trtllm_allreduce_fusion(?:39allreduce_fusion_kernel_oneshot_lamport|"
     r"36allreduce_fusion_kernel_twoshot_sync)ILNS0_22AllReduceFusionPatternE(?P<pattern>\d+)E"
     r"(?P<dtype>f|6__half|13__nv_bfloat16)Li(?P<nranks>\d+)ELb(?P<acc>[01])E"
-    r"(?:Lb(?P<trigger>[01])E)?E")
+    r"(?:Lb(?P<trigger>[01])E)?E"
+)
 
 
 # FlashInfer's MoE kernels: reduction (pattern 6; template flags AllReduceOut, ResidualOut,
@@ -60,7 +62,8 @@ MOE_FLAG_COMBINATIONS = 16  # the table's flag dimension: the flags as bits, fir
 _MOE_KERNEL = re.compile(
     r"^_ZN10flashinfer27trtllm_moe_allreduce_fusion(?:(?P<reduction>49moereduce_allreduce_"
     r"fusion_kernel_oneshot_lamport)|51moefinalize_allreduce_fusion_kernel_oneshot_lamport)I"
-    r"(?P<dtype>6__half|13__nv_bfloat16)Li(?P<nranks>\d+)E(?P<flags>(?:Lb[01]E)+)")
+    r"(?P<dtype>6__half|13__nv_bfloat16)Li(?P<nranks>\d+)E(?P<flags>(?:Lb[01]E)+)"
+)
 
 
 @dataclass(frozen=True, order=True)
@@ -71,8 +74,10 @@ class MoeKernel:
     flags: int  # the template's bool flags as bits, the first one highest
 
     def describe(self) -> str:
-        return (f"moe_{MOE_KINDS[self.kind]:9s} {DTYPE_NAMES[self.dtype]:4s} n{self.nranks:<2d} "
-                f"flags{self.flags:04b}")
+        return (
+            f"moe_{MOE_KINDS[self.kind]:9s} {DTYPE_NAMES[self.dtype]:4s} n{self.nranks:<2d} "
+            f"flags{self.flags:04b}"
+        )
 
 
 def parse_moe_kernel(mangled: str) -> MoeKernel | None:
@@ -83,8 +88,12 @@ def parse_moe_kernel(mangled: str) -> MoeKernel | None:
     bits = re.findall(r"Lb([01])E", m.group("flags"))
     if len(bits) != (4 if m.group("reduction") else 3):
         return None
-    return MoeKernel(0 if m.group("reduction") else 1, DTYPES[m.group("dtype")],
-                     int(m.group("nranks")), int("".join(bits), 2))
+    return MoeKernel(
+        0 if m.group("reduction") else 1,
+        DTYPES[m.group("dtype")],
+        int(m.group("nranks")),
+        int("".join(bits), 2),
+    )
 
 
 @dataclass(frozen=True, order=True)
@@ -96,8 +105,10 @@ class Kernel:
     fp32_acc: bool
 
     def describe(self) -> str:
-        return (f"{KINDS[self.kind]:17s} p{self.pattern:<2d} {DTYPE_NAMES[self.dtype]:4s} "
-                f"n{self.nranks:<2d} acc{int(self.fp32_acc)}")
+        return (
+            f"{KINDS[self.kind]:17s} p{self.pattern:<2d} {DTYPE_NAMES[self.dtype]:4s} "
+            f"n{self.nranks:<2d} acc{int(self.fp32_acc)}"
+        )
 
 
 def parse_kernel(mangled: str) -> Kernel | None:
@@ -109,27 +120,35 @@ def parse_kernel(mangled: str) -> Kernel | None:
         kind = 2
     else:
         kind = 1 if m.group("trigger") == "1" else 0
-    return Kernel(kind, int(m.group("pattern")), DTYPES[m.group("dtype")], int(m.group("nranks")),
-                  m.group("acc") == "1")
+    return Kernel(
+        kind,
+        int(m.group("pattern")),
+        DTYPES[m.group("dtype")],
+        int(m.group("nranks")),
+        m.group("acc") == "1",
+    )
 
 
 def cubin_registers(data: bytes) -> dict[str, int]:
     """{mangled function name: registers per thread} from an uncompressed cubin (ELF64)."""
     if data[:4] != b"\x7fELF" or data[4] != 2:
         raise ValueError("not a 64-bit ELF cubin")
-    shoff, = struct.unpack_from("<Q", data, 0x28)
+    (shoff,) = struct.unpack_from("<Q", data, 0x28)
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
-    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize)
-                for i in range(shnum)]
+    sections = [
+        struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)
+    ]
 
     def cstr(offset: int) -> str:
-        return data[offset:data.index(b"\0", offset)].decode()
+        return data[offset : data.index(b"\0", offset)].decode()
 
     names_at = sections[shstrndx][4]
     symtab = next(s for s in sections if s[1] == 2)  # SHT_SYMTAB
     strings_at = sections[symtab[6]][4]
-    symbols = [cstr(strings_at + struct.unpack_from("<I", data, symtab[4] + i * 24)[0])
-               for i in range(symtab[5] // 24)]
+    symbols = [
+        cstr(strings_at + struct.unpack_from("<I", data, symtab[4] + i * 24)[0])
+        for i in range(symtab[5] // 24)
+    ]
     out = {}
     for name_off, _type, _flags, _addr, offset, size, *_ in sections:
         if cstr(names_at + name_off) != ".nv.info":
@@ -138,7 +157,7 @@ def cubin_registers(data: bytes) -> dict[str, int]:
         while pos < end:
             fmt, attr = data[pos], data[pos + 1]
             if fmt == 4:  # EIFMT_SVAL: u16 size, then the payload
-                length, = struct.unpack_from("<H", data, pos + 2)
+                (length,) = struct.unpack_from("<H", data, pos + 2)
                 if attr == 0x2F:  # EIATTR_REGCOUNT: u32 symbol index, u32 registers
                     symbol, registers = struct.unpack_from("<II", data, pos + 4)
                     out[symbols[symbol]] = registers
@@ -192,16 +211,19 @@ def header_text(dtype: int, nranks: int, by_arch: dict[int, dict[Kernel, int]]) 
         table = by_arch[arch]
         for kernel in table:
             if kernel.dtype != dtype or kernel.nranks != nranks:
-                raise ValueError(f"sm_{arch}: {kernel.describe()} does not belong to "
-                                 f"{DTYPE_NAMES[dtype]} n{nranks}")
+                raise ValueError(
+                    f"sm_{arch}: {kernel.describe()} does not belong to "
+                    f"{DTYPE_NAMES[dtype]} n{nranks}"
+                )
             if kernel.pattern >= MAX_PATTERNS:
                 raise ValueError(f"pattern {kernel.pattern} >= {MAX_PATTERNS}")
         lines.append(f"  {{  // sm_{arch}")
         for kind, kind_name in enumerate(KINDS):
             rows = []
             for pattern in range(MAX_PATTERNS):
-                pair = [table.get(Kernel(kind, pattern, dtype, nranks, acc), 0)
-                        for acc in (False, True)]
+                pair = [
+                    table.get(Kernel(kind, pattern, dtype, nranks, acc), 0) for acc in (False, True)
+                ]
                 rows.append(f"{{{pair[0]}, {pair[1]}}}")
             lines.append(f"    {{{', '.join(rows)}}},  // {kind_name}")
         lines.append("  },")
@@ -232,12 +254,16 @@ def moe_header_text(dtype: int, nranks: int, by_arch: dict[int, dict[MoeKernel, 
         table = by_arch[arch]
         for kernel in table:
             if kernel.dtype != dtype or kernel.nranks != nranks:
-                raise ValueError(f"sm_{arch}: {kernel.describe()} does not belong to "
-                                 f"{DTYPE_NAMES[dtype]} n{nranks}")
+                raise ValueError(
+                    f"sm_{arch}: {kernel.describe()} does not belong to "
+                    f"{DTYPE_NAMES[dtype]} n{nranks}"
+                )
         lines.append(f"  {{  // sm_{arch}")
         for kind, kind_name in enumerate(MOE_KINDS):
-            row = [str(table.get(MoeKernel(kind, dtype, nranks, flags), 0))
-                   for flags in range(MOE_FLAG_COMBINATIONS)]
+            row = [
+                str(table.get(MoeKernel(kind, dtype, nranks, flags), 0))
+                for flags in range(MOE_FLAG_COMBINATIONS)
+            ]
             lines.append(f"    {{{', '.join(row)}}},  // {kind_name}")
         lines.append("  },")
     lines += ["};", "}  // namespace fusedar_geometry::moe_unhooked", ""]
@@ -245,10 +271,15 @@ def moe_header_text(dtype: int, nranks: int, by_arch: dict[int, dict[MoeKernel, 
 
 
 def find_cuobjdump(explicit: str | None = None) -> str | None:
-    candidates = [explicit, os.environ.get("CUOBJDUMP"), shutil.which("cuobjdump"),
-                  "/usr/local/cuda/bin/cuobjdump"]
+    candidates = [
+        explicit,
+        os.environ.get("CUOBJDUMP"),
+        shutil.which("cuobjdump"),
+        "/usr/local/cuda/bin/cuobjdump",
+    ]
     try:  # pip install nvidia-cuda-cuobjdump
         import nvidia  # type: ignore[import-not-found]
+
         for root in getattr(nvidia, "__path__", []):
             candidates += sorted(glob.glob(os.path.join(root, "*", "bin", "cuobjdump")))
     except ImportError:
@@ -263,8 +294,9 @@ def library_registers(core: str, cuobjdump: str, parse=None) -> dict[int, dict]:
     """{arch: {kernel: registers}} of every fused kernel (`parse`: parse_kernel by default,
     or parse_moe_kernel) in a built library."""
     parse = parse or parse_kernel
-    text = subprocess.run([cuobjdump, "--dump-resource-usage", core], check=True,
-                          capture_output=True, text=True).stdout
+    text = subprocess.run(
+        [cuobjdump, "--dump-resource-usage", core], check=True, capture_output=True, text=True
+    ).stdout
     out: dict[int, dict[Kernel, int]] = {}
     arch = None
     function = None
@@ -293,9 +325,17 @@ def allocated(registers: int) -> int:
     return min(-(-registers // ALLOCATION_UNIT) * ALLOCATION_UNIT, MAX_REGISTERS_PER_THREAD)
 
 
-def flashinfer_geometry(registers: int, *, hidden_dim: int, tokens: int, elem_bytes: int,
-                        nranks: int, oneshot: bool, sm_count: int = 132,
-                        max_cluster_size: int = 8) -> tuple[int, int]:
+def flashinfer_geometry(
+    registers: int,
+    *,
+    hidden_dim: int,
+    tokens: int,
+    elem_bytes: int,
+    nranks: int,
+    oneshot: bool,
+    sm_count: int = 132,
+    max_cluster_size: int = 8,
+) -> tuple[int, int]:
     """(threads per block, cluster size) from FlashInfer 0.7.2's allreduce_fusion_kernel_launcher
     for a non-FP4, non-group-quant pattern (the FP4 and group-FP8 adjustments also depend on the
     register count only through the same maximum block size). sm_count 132: H100/H200."""
@@ -329,8 +369,9 @@ def generate(args: argparse.Namespace) -> int:
         if number in by_arch:
             raise SystemExit(f"architecture {number} given twice")
         with open(path, "rb") as f:
-            by_arch[number] = kernel_registers(cubin_registers(f.read()),
-                                               parse_moe_kernel if args.moe else parse_kernel)
+            by_arch[number] = kernel_registers(
+                cubin_registers(f.read()), parse_moe_kernel if args.moe else parse_kernel
+            )
         if not by_arch[number]:
             raise SystemExit(f"{path}: no fused all-reduce kernel found")
     text = (moe_header_text if args.moe else header_text)(args.dtype, args.nranks, by_arch)
@@ -405,27 +446,39 @@ def check(args: argparse.Namespace) -> int:
         if set(lib) != set(probes[arch]):
             missing = sorted(set(probes[arch]) - set(lib))
             extra = sorted(set(lib) - set(probes[arch]))
-            problems.append(f"sm_{arch}: kernels only unhooked {len(missing)}, only hooked "
-                            f"{len(extra)}: {[k.describe() for k in (missing + extra)[:4]]}")
+            problems.append(
+                f"sm_{arch}: kernels only unhooked {len(missing)}, only hooked "
+                f"{len(extra)}: {[k.describe() for k in (missing + extra)[:4]]}"
+            )
         for kernel in sorted(set(lib) & set(probes[arch])):
             unhooked, mine = probes[arch][kernel], lib[kernel]
             if allocated(mine) > allocated(unhooked):
-                problems.append(f"sm_{arch} {kernel.describe()}: hooked {mine} registers "
-                                f"allocate more than unhooked {unhooked}")
+                problems.append(
+                    f"sm_{arch} {kernel.describe()}: hooked {mine} registers "
+                    f"allocate more than unhooked {unhooked}"
+                )
             geometry = []
             for tokens, hidden in GEOMETRY_SHAPES:
-                shape = dict(hidden_dim=hidden, tokens=tokens,
-                             elem_bytes=4 if kernel.dtype == 0 else 2,
-                             nranks=kernel.nranks, oneshot=kernel.kind != 2)
+                shape = dict(
+                    hidden_dim=hidden,
+                    tokens=tokens,
+                    elem_bytes=4 if kernel.dtype == 0 else 2,
+                    nranks=kernel.nranks,
+                    oneshot=kernel.kind != 2,
+                )
                 if shape["oneshot"] != (tokens <= ONESHOT_MAX_TOKENS):
                     continue
                 pinned = flashinfer_geometry(unhooked, **shape)
                 unpinned = flashinfer_geometry(mine, **shape)
                 moved += pinned != unpinned
-                geometry.append(f"{tokens}x{hidden}:{pinned[0]}/{pinned[1]}"
-                                + ("" if pinned == unpinned else f"(unpinned {unpinned[0]}/{unpinned[1]})"))
-            rows.append(f"sm_{arch} {kernel.describe()}  unhooked {unhooked:3d}  hooked {mine:3d}  "
-                        + " ".join(geometry))
+                geometry.append(
+                    f"{tokens}x{hidden}:{pinned[0]}/{pinned[1]}"
+                    + ("" if pinned == unpinned else f"(unpinned {unpinned[0]}/{unpinned[1]})")
+                )
+            rows.append(
+                f"sm_{arch} {kernel.describe()}  unhooked {unhooked:3d}  hooked {mine:3d}  "
+                + " ".join(geometry)
+            )
     moe_problems, moe_counts = check_moe(args.build_dir, args.core, cuobjdump, args.verbose)
     problems += moe_problems
     counts = {arch: len(t) for arch, t in sorted(probes.items())}
@@ -433,9 +486,11 @@ def check(args: argparse.Namespace) -> int:
     if args.verbose:
         print("\n".join(rows))
     print(f"MoE kernels per architecture {moe_counts}; none allocates more registers hooked")
-    print(f"kernels per architecture {counts}; register counts that differ hooked vs unhooked: "
-          f"{differ}; launch geometries (threads/cluster) at {len(GEOMETRY_SHAPES)} shapes that the "
-          f"hooked counts would move without the pin: {moved}")
+    print(
+        f"kernels per architecture {counts}; register counts that differ hooked vs unhooked: "
+        f"{differ}; launch geometries (threads/cluster) at {len(GEOMETRY_SHAPES)} shapes that the "
+        f"hooked counts would move without the pin: {moved}"
+    )
     if problems:
         print("\n".join(problems), file=sys.stderr)
         return 1
@@ -449,8 +504,9 @@ _MOE_PROBE = re.compile(r"moe_unhooked_(f16|bf16)_n(\d+)\.sm_(\w+)\.cubin$")
 def check_moe(build_dir: str, core: str, cuobjdump: str, verbose: bool):
     """The MoE kernels: the generated headers hold exactly the probe counts, the library has
     the same kernels, and no hooked one allocates more registers than its unhooked twin."""
-    per_tu, probes = read_probe_cubins(build_dir, "moe_unhooked_*.cubin", _MOE_PROBE,
-                                       parse_moe_kernel)
+    per_tu, probes = read_probe_cubins(
+        build_dir, "moe_unhooked_*.cubin", _MOE_PROBE, parse_moe_kernel
+    )
     if not probes:
         return [f"no MoE probe cubins (moe_unhooked_*.cubin) under {build_dir}"], {}
     problems = stale_headers(build_dir, per_tu, "moe_unhooked_registers", moe_header_text)
@@ -458,28 +514,34 @@ def check_moe(build_dir: str, core: str, cuobjdump: str, verbose: bool):
     for arch in sorted(probes):
         lib = hooked.get(arch, {})
         if set(lib) != set(probes[arch]):
-            problems.append(f"sm_{arch}: the library's MoE kernels are not the probes' "
-                            f"({len(lib)} vs {len(probes[arch])})")
+            problems.append(
+                f"sm_{arch}: the library's MoE kernels are not the probes' "
+                f"({len(lib)} vs {len(probes[arch])})"
+            )
         for kernel in sorted(set(lib) & set(probes[arch])):
             unhooked, mine = probes[arch][kernel], lib[kernel]
             if allocated(mine) > allocated(unhooked):
-                problems.append(f"sm_{arch} {kernel.describe()}: hooked {mine} registers "
-                                f"allocate more than unhooked {unhooked}")
+                problems.append(
+                    f"sm_{arch} {kernel.describe()}: hooked {mine} registers "
+                    f"allocate more than unhooked {unhooked}"
+                )
             if verbose:
                 print(f"sm_{arch} {kernel.describe()}  unhooked {unhooked:3d}  hooked {mine:3d}")
     return problems, {arch: len(t) for arch, t in sorted(probes.items())}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate")
     g.add_argument("--dtype", type=int, required=True, choices=(0, 1, 2))
     g.add_argument("--nranks", type=int, required=True)
     g.add_argument("--out", required=True)
-    g.add_argument("--moe", action="store_true",
-                   help="the MoE kernels' table (moe_launch_registers.cuh)")
+    g.add_argument(
+        "--moe", action="store_true", help="the MoE kernels' table (moe_launch_registers.cuh)"
+    )
     g.add_argument("cubins", nargs="+", metavar="ARCH=CUBIN")
     c = sub.add_parser("check")
     c.add_argument("--core", required=True)

@@ -6,6 +6,7 @@ it in a fresh venv, from a folder outside the checkout):
 3. the fused op on 8 virtual CPU devices matches a float64 numpy oracle;
 4. lowering the same call for CUDA GPUs emits exactly one call of the kernel's FFI target.
 """
+
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -39,6 +40,7 @@ def check_installed_from_venv() -> None:
     # Imported directly, so a module that fails to load (a missing core, a wrong
     # interpreter tag) raises here instead of quietly selecting the reference path.
     import jax_fusedar._fusedar as ext
+
     assert pathlib.Path(ext.__file__).resolve().parent == package, ext.__file__
     print(f"installed: {package} ({', '.join(libs)})")
 
@@ -51,11 +53,14 @@ def oracle(partials: np.ndarray, residual: np.ndarray, gamma: np.ndarray):
 
 def fused(ws):
     def layer(partial, residual, gamma):
-        out = jf.allreduce_fusion(partial, axis_name="tp", workspace=ws, residual=residual,
-                                  rms_gamma=gamma, rms_eps=EPS)
+        out = jf.allreduce_fusion(
+            partial, axis_name="tp", workspace=ws, residual=residual, rms_gamma=gamma, rms_eps=EPS
+        )
         return out.residual_out, out.norm_out
-    return jax.jit(jax.shard_map(layer, mesh=ws.mesh, in_specs=(P("tp"), P(), P()),
-                                 out_specs=(P(), P())))
+
+    return jax.jit(
+        jax.shard_map(layer, mesh=ws.mesh, in_specs=(P("tp"), P(), P()), out_specs=(P(), P()))
+    )
 
 
 def check_cpu_results(mesh) -> None:
@@ -63,10 +68,17 @@ def check_cpu_results(mesh) -> None:
     partials = rng.standard_normal((TP, TOKENS, HIDDEN), dtype=np.float32)
     residual = rng.standard_normal((TOKENS, HIDDEN), dtype=np.float32)
     gamma = rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32)
-    ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=TOKENS,
-                                              hidden_dim=HIDDEN, dtype=jnp.float32)
-    args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in
-            ((partials.reshape(TP * TOKENS, HIDDEN), P("tp")), (residual, P()), (gamma, P()))]
+    ws = jf.create_allreduce_fusion_workspace(
+        mesh, "tp", max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=jnp.float32
+    )
+    args = [
+        jax.device_put(a, NamedSharding(mesh, s))
+        for a, s in (
+            (partials.reshape(TP * TOKENS, HIDDEN), P("tp")),
+            (residual, P()),
+            (gamma, P()),
+        )
+    ]
     residual_out, norm_out = (np.asarray(x) for x in fused(ws)(*args))
     want_residual, want_norm = oracle(partials, residual, gamma)
     np.testing.assert_allclose(residual_out, want_residual, rtol=RTOL, atol=ATOL)
@@ -75,16 +87,20 @@ def check_cpu_results(mesh) -> None:
 
 
 def check_cuda_lowering(mesh) -> None:
-    ws = jf.abstract_workspace(mesh, "tp", max_token_num=TOKENS, hidden_dim=HIDDEN,
-                               dtype=jnp.bfloat16, backend="trtllm")
-    shapes = (jax.ShapeDtypeStruct((TP * TOKENS, HIDDEN), jnp.bfloat16,
-                                   sharding=NamedSharding(mesh, P("tp"))),
-              jax.ShapeDtypeStruct((TOKENS, HIDDEN), jnp.bfloat16,
-                                   sharding=NamedSharding(mesh, P())),
-              jax.ShapeDtypeStruct((HIDDEN,), jnp.bfloat16, sharding=NamedSharding(mesh, P())))
+    ws = jf.abstract_workspace(
+        mesh, "tp", max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=jnp.bfloat16, backend="trtllm"
+    )
+    shapes = (
+        jax.ShapeDtypeStruct(
+            (TP * TOKENS, HIDDEN), jnp.bfloat16, sharding=NamedSharding(mesh, P("tp"))
+        ),
+        jax.ShapeDtypeStruct((TOKENS, HIDDEN), jnp.bfloat16, sharding=NamedSharding(mesh, P())),
+        jax.ShapeDtypeStruct((HIDDEN,), jnp.bfloat16, sharding=NamedSharding(mesh, P())),
+    )
     text = fused(ws).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
     targets = re.findall(r"custom_call @(\w+)", text) + re.findall(
-        r'call_target_name = "(\w+)"', text)
+        r'call_target_name = "(\w+)"', text
+    )
     kernel_calls = [t for t in targets if t.startswith("jax_fusedar_allreduce_fusion")]
     assert len(kernel_calls) == 1, f"expected one fused-kernel custom call, got {targets}"
     print(f"cuda lowering: custom call {kernel_calls[0]}")

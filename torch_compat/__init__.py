@@ -5,6 +5,7 @@ A drop-in for ``flashinfer.comm``'s unified API on the TRT-LLM backend
 core as ``jax_fusedar`` and sharing its framework-neutral topology, exchange and pattern
 logic. It never imports JAX.
 """
+
 from __future__ import annotations
 
 from jax_fusedar.common.patterns import AllReduceFusionPattern, QuantizationSFLayout

@@ -30,6 +30,7 @@ tests) by ``tools/flashinfer_anchor.py``, only when its folder exists: ``--ancho
 This module imports torch lazily, so its pure parts (arguments, plan, report, table, anchor
 path checks) run anywhere.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 from jax_fusedar.cli import report as report_files
-from jax_fusedar.cli.argtypes import (DTYPES, check_out_dir, int_list, mode_list, positive_int,
-                                      seed)
+from jax_fusedar.cli.argtypes import DTYPES, check_out_dir, int_list, mode_list, positive_int, seed
 from jax_fusedar.common import launch_mode, limits, sizing
 
 # The command as invoked: run directly, or through ``python -m jax_fusedar bench --framework
@@ -57,8 +57,11 @@ PROG = "python -m torch_compat.bench"
 
 # NVLink multicast stays off in every process this command starts (docs/decisions.md): forced, not
 # defaulted, so a stray setting in the caller's environment cannot turn it on.
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-            "NVSHMEM_DISABLE_NVLS": "1"}
+SAFE_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 
 RMS_EPS = 1e-6
 FP8_PATTERN = 4  # kARResidualRMSNormOutFP8Quant: residual_out, norm_out, quant_out
@@ -69,8 +72,13 @@ IMPLS = ("ours", "anchor", "nccl", "symm_mem", "ours_fp8", "anchor_fp8", "ours_n
 USE_ONESHOT = {"auto": None, "oneshot": True, "twoshot": False}
 HOWS = ("eager", "graph")
 # (numerator, denominator) of the reported ratios, for each of eager and graph.
-RATIOS = (("ours", "anchor"), ("ours", "nccl"), ("ours", "symm_mem"),
-          ("ours_fp8", "anchor_fp8"), ("ours", "ours_no_timeout"))
+RATIOS = (
+    ("ours", "anchor"),
+    ("ours", "nccl"),
+    ("ours", "symm_mem"),
+    ("ours_fp8", "anchor_fp8"),
+    ("ours", "ours_no_timeout"),
+)
 
 # --------------------------------------------------------------------------------------------
 # The anchor: FlashInfer's own build, a measuring instrument of the source checkout
@@ -90,7 +98,8 @@ def anchor_loader():
         raise ImportError(
             "FlashInfer anchor unavailable: its loader (tools/flashinfer_anchor.py) is part of "
             "the source checkout; run this from the repository root, or pass --no-anchor "
-            f"({e})") from e
+            f"({e})"
+        ) from e
 
 
 # --------------------------------------------------------------------------------------------
@@ -102,56 +111,96 @@ def _world(text: str) -> int:
     value = positive_int(text)
     if value not in limits.SUPPORTED_WORLD_SIZES:
         raise argparse.ArgumentTypeError(
-            f"world size {value} is not one of {limits.SUPPORTED_WORLD_SIZES}")
+            f"world size {value} is not one of {limits.SUPPORTED_WORLD_SIZES}"
+        )
     return value
 
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog=prog, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog=prog,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Time torch_compat's fused all-reduce + residual add + RMSNorm against "
         "FlashInfer's own build (the anchor), NCCL all_reduce + add + RMSNorm and torch "
         "symmetric-memory one-shot all-reduce + add + RMSNorm, eager and in CUDA graphs, in "
-        "--world spawned processes (one GPU each). Writes bench_torch.json and bench_torch.png.")
-    p.add_argument("--framework", choices=("torch",), default="torch",
-                   help="this benchmark is the torch one (the JAX one is the default bench)")
-    p.add_argument("--tokens", type=int_list, default="1,16,128,1024,4096",
-                   help="comma-separated token counts")
-    p.add_argument("--hidden", type=int_list, default="4096,8192",
-                   help="comma-separated hidden sizes")
+        "--world spawned processes (one GPU each). Writes bench_torch.json and bench_torch.png.",
+    )
+    p.add_argument(
+        "--framework",
+        choices=("torch",),
+        default="torch",
+        help="this benchmark is the torch one (the JAX one is the default bench)",
+    )
+    p.add_argument(
+        "--tokens", type=int_list, default="1,16,128,1024,4096", help="comma-separated token counts"
+    )
+    p.add_argument(
+        "--hidden", type=int_list, default="4096,8192", help="comma-separated hidden sizes"
+    )
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     p.add_argument("--world", type=_world, default=2, help="processes (TP ranks) to spawn")
-    p.add_argument("--modes", type=mode_list, default="auto",
-                   help="one-shot/two-shot choices to time, each a row per case: auto (the "
-                   "op's policy, FlashInfer's heuristic), oneshot, twoshot (forced); ours and "
-                   "the anchor always get the same one explicitly")
-    p.add_argument("--iters", type=positive_int, default=100,
-                   help="calls per timed eager loop and per captured CUDA graph")
-    p.add_argument("--repeats", type=positive_int, default=5,
-                   help="timed loops (or graph replays) per variant; the median is reported")
-    p.add_argument("--warmup", type=positive_int, default=5,
-                   help="untimed calls of each variant before its timings and its capture")
-    p.add_argument("--out", default="bench_out",
-                   help="folder for bench_torch.json and bench_torch.png")
-    p.add_argument("--anchor", default=None,
-                   help=f"anchor-flashinfer folder (default ${ANCHOR_ENV_VAR}, else "
-                   "<repository>/.anchor/anchor-flashinfer; loaded by the checkout's "
-                   "tools/flashinfer_anchor.py)")
+    p.add_argument(
+        "--modes",
+        type=mode_list,
+        default="auto",
+        help="one-shot/two-shot choices to time, each a row per case: auto (the "
+        "op's policy, FlashInfer's heuristic), oneshot, twoshot (forced); ours and "
+        "the anchor always get the same one explicitly",
+    )
+    p.add_argument(
+        "--iters",
+        type=positive_int,
+        default=100,
+        help="calls per timed eager loop and per captured CUDA graph",
+    )
+    p.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=5,
+        help="timed loops (or graph replays) per variant; the median is reported",
+    )
+    p.add_argument(
+        "--warmup",
+        type=positive_int,
+        default=5,
+        help="untimed calls of each variant before its timings and its capture",
+    )
+    p.add_argument(
+        "--out", default="bench_out", help="folder for bench_torch.json and bench_torch.png"
+    )
+    p.add_argument(
+        "--anchor",
+        default=None,
+        help=f"anchor-flashinfer folder (default ${ANCHOR_ENV_VAR}, else "
+        "<repository>/.anchor/anchor-flashinfer; loaded by the checkout's "
+        "tools/flashinfer_anchor.py)",
+    )
     p.add_argument("--no-anchor", action="store_true", help="do not load the anchor")
     p.add_argument("--no-graph", action="store_true", help="eager timings only")
     p.add_argument("--no-fp8", action="store_true", help="skip the pattern-4 FP8 rows")
     p.add_argument("--no-nccl", action="store_true", help="skip the NCCL baseline")
-    p.add_argument("--no-symm-mem", action="store_true",
-                   help="skip the torch symmetric-memory baseline")
-    p.add_argument("--no-pdl", action="store_true",
-                   help="launch ours and the anchor without programmatic dependent launch")
+    p.add_argument(
+        "--no-symm-mem", action="store_true", help="skip the torch symmetric-memory baseline"
+    )
+    p.add_argument(
+        "--no-pdl",
+        action="store_true",
+        help="launch ours and the anchor without programmatic dependent launch",
+    )
     p.add_argument("--seed", type=seed, default=0, help="seed of the random inputs")
-    p.add_argument("--timeout-compare", action="store_true",
-                   help="also time ours with the kernel's wait timeout off (a second "
-                   "workspace with kernel_timeout_s=0): the ours/ours_no_timeout ratio")
-    p.add_argument("--timeout", type=positive_int, default=1200,
-                   help="seconds before the whole run is killed (a kernel waiting for a peer "
-                   "that never comes spins forever)")
+    p.add_argument(
+        "--timeout-compare",
+        action="store_true",
+        help="also time ours with the kernel's wait timeout off (a second "
+        "workspace with kernel_timeout_s=0): the ours/ours_no_timeout ratio",
+    )
+    p.add_argument(
+        "--timeout",
+        type=positive_int,
+        default=1200,
+        help="seconds before the whole run is killed (a kernel waiting for a peer "
+        "that never comes spins forever)",
+    )
     return p
 
 
@@ -188,8 +237,13 @@ class Case:
         return None if self.oneshot is None else ("oneshot" if self.oneshot else "twoshot")
 
 
-def plan_cases(tokens: Sequence[int], hiddens: Sequence[int], dtype_name: str,
-               world: int, modes: Sequence[str] = ("auto",)) -> tuple:
+def plan_cases(
+    tokens: Sequence[int],
+    hiddens: Sequence[int],
+    dtype_name: str,
+    world: int,
+    modes: Sequence[str] = ("auto",),
+) -> tuple:
     """(workspace sizes, cases): one workspace of max(tokens) x max(hidden) serves every
     case (FlashInfer's element-count rule). A case's one-shot/two-shot choice is
     ``launch_mode.choose_oneshot`` (the function our op calls itself): for mode "auto" its
@@ -210,12 +264,15 @@ def plan_cases(tokens: Sequence[int], hiddens: Sequence[int], dtype_name: str,
 
 def variant_keys(args) -> List[str]:
     """``impl:how`` for every variant this run asks for (before runtime skips)."""
-    impls = [i for i in IMPLS
-             if not (args.no_anchor and i.startswith("anchor"))
-             and not (args.no_fp8 and i.endswith("_fp8"))
-             and not (args.no_nccl and i == "nccl")
-             and not (args.no_symm_mem and i == "symm_mem")
-             and not (i == "ours_no_timeout" and not getattr(args, "timeout_compare", False))]
+    impls = [
+        i
+        for i in IMPLS
+        if not (args.no_anchor and i.startswith("anchor"))
+        and not (args.no_fp8 and i.endswith("_fp8"))
+        and not (args.no_nccl and i == "nccl")
+        and not (args.no_symm_mem and i == "symm_mem")
+        and not (i == "ours_no_timeout" and not getattr(args, "timeout_compare", False))
+    ]
     hows = ("eager",) if args.no_graph else HOWS
     return [f"{i}:{h}" for i in impls for h in hows]
 
@@ -248,47 +305,75 @@ def merge_ranks(rank_results: Sequence[dict]) -> List[dict]:
                 a, b = us.get(f"{num}:{how}"), us.get(f"{den}:{how}")
                 if a is not None and b is not None and b > 0:
                     ratios[f"{num}/{den}:{how}"] = a / b
-        cases.append({
-            "tokens": first["tokens"], "hidden": first["hidden"], "mode": first["mode"],
-            "policy": first.get("policy", "auto"),
-            "us": us, "us_per_rank": medians,
-            "us_repeats": {k: [c["us_repeats"][k] for c in per_rank] for k in keys},
-            "ratios": ratios, "skipped": skipped,
-        })
+        cases.append(
+            {
+                "tokens": first["tokens"],
+                "hidden": first["hidden"],
+                "mode": first["mode"],
+                "policy": first.get("policy", "auto"),
+                "us": us,
+                "us_per_rank": medians,
+                "us_repeats": {k: [c["us_repeats"][k] for c in per_rank] for k in keys},
+                "ratios": ratios,
+                "skipped": skipped,
+            }
+        )
     return cases
 
 
 def build_report(rank_results: Sequence[dict], args, machine: dict, anchor: dict) -> dict:
     return {
         "machine": machine,
-        "config": {"framework": "torch", "dtype": args.dtype, "world_size": args.world,
-                   "tokens": list(args.tokens), "hidden": list(args.hidden),
-                   "modes": list(args.modes),
-                   "iters": args.iters, "repeats": args.repeats, "warmup": args.warmup,
-                   "variants": variant_keys(args), "launch_with_pdl": not args.no_pdl,
-                   "fp32_acc": True, "rms_eps": RMS_EPS, "fp8_pattern": FP8_PATTERN,
-                   "max_token_num": max(args.tokens), "hidden_dim": max(args.hidden),
-                   "seed": args.seed,
-                   "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+        "config": {
+            "framework": "torch",
+            "dtype": args.dtype,
+            "world_size": args.world,
+            "tokens": list(args.tokens),
+            "hidden": list(args.hidden),
+            "modes": list(args.modes),
+            "iters": args.iters,
+            "repeats": args.repeats,
+            "warmup": args.warmup,
+            "variants": variant_keys(args),
+            "launch_with_pdl": not args.no_pdl,
+            "fp32_acc": True,
+            "rms_eps": RMS_EPS,
+            "fp8_pattern": FP8_PATTERN,
+            "max_token_num": max(args.tokens),
+            "hidden_dim": max(args.hidden),
+            "seed": args.seed,
+            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        },
         "anchor": anchor,
-        "method": ("eager: CUDA events around a loop of iters calls; graph: iters calls "
-                   "captured in one CUDA graph, events around one replay; per call = elapsed "
-                   "/ iters; per rank the median over repeats, reported the slowest rank's. "
-                   "Ranks meet at a gloo barrier (GPU idle) before every timed loop. ours and "
-                   "anchor get the same explicit use_oneshot (launch_mode.choose_oneshot policy); "
-                   "the anchor gets a preallocated output= so that it does not allocate the "
-                   "unused [M,H] all-reduce output on every call; nccl all-reduces in place "
-                   "(its values grow, which does not change its timing)."),
+        "method": (
+            "eager: CUDA events around a loop of iters calls; graph: iters calls "
+            "captured in one CUDA graph, events around one replay; per call = elapsed "
+            "/ iters; per rank the median over repeats, reported the slowest rank's. "
+            "Ranks meet at a gloo barrier (GPU idle) before every timed loop. ours and "
+            "anchor get the same explicit use_oneshot (launch_mode.choose_oneshot policy); "
+            "the anchor gets a preallocated output= so that it does not allocate the "
+            "unused [M,H] all-reduce output on every call; nccl all-reduces in place "
+            "(its values grow, which does not change its timing)."
+        ),
         "rank_notes": [r.get("notes", {}) for r in rank_results],
         "cases": merge_ranks(rank_results),
     }
 
 
-_COLUMNS = (("ours", "ours"), ("anchor", "anchor"), ("nccl", "nccl"), ("symm", "symm_mem"),
-            ("ours/anc", "ours/anchor"), ("ours/nccl", "ours/nccl"), ("ours/symm", "ours/symm_mem"),
-            ("fp8 ours", "ours_fp8"), ("fp8 anc", "anchor_fp8"),
-            ("fp8 o/a", "ours_fp8/anchor_fp8"), ("ours t=0", "ours_no_timeout"),
-            ("on/off", "ours/ours_no_timeout"))
+_COLUMNS = (
+    ("ours", "ours"),
+    ("anchor", "anchor"),
+    ("nccl", "nccl"),
+    ("symm", "symm_mem"),
+    ("ours/anc", "ours/anchor"),
+    ("ours/nccl", "ours/nccl"),
+    ("ours/symm", "ours/symm_mem"),
+    ("fp8 ours", "ours_fp8"),
+    ("fp8 anc", "anchor_fp8"),
+    ("fp8 o/a", "ours_fp8/anchor_fp8"),
+    ("ours t=0", "ours_no_timeout"),
+    ("on/off", "ours/ours_no_timeout"),
+)
 
 
 def format_table(report: dict) -> str:
@@ -299,7 +384,8 @@ def format_table(report: dict) -> str:
     for how in hows:
         lines.append(f"[{how}] us per call (slowest rank's median); ratios < 1: ours faster")
         head = f"{'tokens':>6} {'hidden':>6} {'mode':<16}" + "".join(
-            f" {label:>9}" for label, _ in _COLUMNS)
+            f" {label:>9}" for label, _ in _COLUMNS
+        )
         lines.append(head)
         for c in report["cases"]:
             cells = []
@@ -310,8 +396,7 @@ def format_table(report: dict) -> str:
                 else:
                     v = c["us"].get(f"{key}:{how}")
                     cells.append(f" {v:>9.2f}" if v is not None else f" {'-':>9}")
-            lines.append(f"{c['tokens']:>6} {c['hidden']:>6} {_mode_label(c):<16}"
-                         + "".join(cells))
+            lines.append(f"{c['tokens']:>6} {c['hidden']:>6} {_mode_label(c):<16}" + "".join(cells))
         lines.append("")
     reasons: Dict[str, List[str]] = {}
     for c in report["cases"]:
@@ -340,30 +425,56 @@ def plot(report: dict, path: Path) -> bool:
     impls = [i for i in IMPLS if any(k.startswith(i + ":") for k in report["config"]["variants"])]
     hiddens = report["config"]["hidden"]
     policies = list(report["config"].get("modes", ["auto"]))
-    fig, axes = plt.subplots(len(hows), len(hiddens), squeeze=False,
-                             figsize=(max(6, 5 * len(hiddens)), 4 * len(hows)))
-    styles = {"ours": "C0-o", "anchor": "C1--s", "nccl": "k:^", "symm_mem": "C2-.v",
-              "ours_fp8": "C3-o", "anchor_fp8": "C4--s", "ours_no_timeout": "C5:x"}
+    fig, axes = plt.subplots(
+        len(hows), len(hiddens), squeeze=False, figsize=(max(6, 5 * len(hiddens)), 4 * len(hows))
+    )
+    styles = {
+        "ours": "C0-o",
+        "anchor": "C1--s",
+        "nccl": "k:^",
+        "symm_mem": "C2-.v",
+        "ours_fp8": "C3-o",
+        "anchor_fp8": "C4--s",
+        "ours_no_timeout": "C5:x",
+    }
     for row, how in enumerate(hows):
         for col, hidden in enumerate(hiddens):
             ax = axes[row][col]
             for policy in policies:
-                cases = [c for c in report["cases"]
-                         if c["hidden"] == hidden and c.get("policy", "auto") == policy]
+                cases = [
+                    c
+                    for c in report["cases"]
+                    if c["hidden"] == hidden and c.get("policy", "auto") == policy
+                ]
                 for impl in impls:
-                    pts = [(c["tokens"], c["us"][f"{impl}:{how}"]) for c in cases
-                           if f"{impl}:{how}" in c["us"]]
+                    pts = [
+                        (c["tokens"], c["us"][f"{impl}:{how}"])
+                        for c in cases
+                        if f"{impl}:{how}" in c["us"]
+                    ]
                     if pts:
                         label = impl if len(policies) == 1 else f"{impl} ({policy})"
-                        ax.plot(*zip(*pts), styles[impl], label=label,
-                                alpha=1.0 if policy == policies[0] else 0.5)
-            ax.set(xscale="log", yscale="log", xlabel="tokens", ylabel="us per call",
-                   title=f"{how}, hidden {hidden}")
+                        ax.plot(
+                            *zip(*pts),
+                            styles[impl],
+                            label=label,
+                            alpha=1.0 if policy == policies[0] else 0.5,
+                        )
+            ax.set(
+                xscale="log",
+                yscale="log",
+                xlabel="tokens",
+                ylabel="us per call",
+                title=f"{how}, hidden {hidden}",
+            )
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize="small")
     m, cfg = report["machine"], report["config"]
-    fig.suptitle(f"torch, {cfg['world_size']} x {m.get('device_name', '?')}, {cfg['dtype']}, "
-                 f"torch {m.get('torch', '?')}", fontsize="medium")
+    fig.suptitle(
+        f"torch, {cfg['world_size']} x {m.get('device_name', '?')}, {cfg['dtype']}, "
+        f"torch {m.get('torch', '?')}",
+        fontsize="medium",
+    )
     report_files.save_figure(plt, fig, path)
     return True
 
@@ -382,8 +493,17 @@ def _reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
-def run_cases(rt, cases: Sequence[Case], factories: Mapping[str, Callable], keys: Sequence[str],
-              *, iters: int, repeats: int, warmup: int, progress=None) -> List[dict]:
+def run_cases(
+    rt,
+    cases: Sequence[Case],
+    factories: Mapping[str, Callable],
+    keys: Sequence[str],
+    *,
+    iters: int,
+    repeats: int,
+    warmup: int,
+    progress=None,
+) -> List[dict]:
     """Times every variant of every case on this rank. Collective: every rank runs the same
     cases and factories in the same order, and ``rt.agree`` makes a variant that fails to set
     up (or to capture) on any rank be skipped on all of them, so no rank waits alone.
@@ -399,8 +519,14 @@ def run_cases(rt, cases: Sequence[Case], factories: Mapping[str, Callable], keys
         wanted.setdefault(impl, []).append(how)
     out = []
     for case in cases:
-        entry = {"tokens": case.tokens, "hidden": case.hidden, "mode": case.mode,
-                 "policy": case.policy, "us_repeats": {}, "skipped": {}}
+        entry = {
+            "tokens": case.tokens,
+            "hidden": case.hidden,
+            "mode": case.mode,
+            "policy": case.policy,
+            "us_repeats": {},
+            "skipped": {},
+        }
         out.append(entry)
         if case.oneshot is None:
             for k in keys:
@@ -563,13 +689,26 @@ class Variants:
 
         self.tc = tc
         self.ours_ws = tc.create_allreduce_fusion_workspace(
-            "trtllm", world_size=self.world, rank=self.rank, max_token_num=max_tokens,
-            hidden_dim=max_hidden, dtype=self.dtype, timeout_s=120)
+            "trtllm",
+            world_size=self.world,
+            rank=self.rank,
+            max_token_num=max_tokens,
+            hidden_dim=max_hidden,
+            dtype=self.dtype,
+            timeout_s=120,
+        )
         self.notes["ours_workspace"] = repr(self.ours_ws)
         if getattr(args, "timeout_compare", False):
             self.ours_off_ws = tc.create_allreduce_fusion_workspace(
-                "trtllm", world_size=self.world, rank=self.rank, max_token_num=max_tokens,
-                hidden_dim=max_hidden, dtype=self.dtype, timeout_s=120, kernel_timeout_s=0)
+                "trtllm",
+                world_size=self.world,
+                rank=self.rank,
+                max_token_num=max_tokens,
+                hidden_dim=max_hidden,
+                dtype=self.dtype,
+                timeout_s=120,
+                kernel_timeout_s=0,
+            )
             self.notes["ours_timeout_s"] = str(self.ours_ws.timeout_s)
 
         if not args.no_anchor:
@@ -588,9 +727,14 @@ class Variants:
             if reason is None:
                 try:
                     self.anchor_ws = loader.create_anchor_workspace(
-                        self.fi, world_size=self.world, rank=self.rank,
-                        max_token_num=max_tokens, hidden_dim=max_hidden, dtype=self.dtype,
-                        group=dist.group.WORLD)
+                        self.fi,
+                        world_size=self.world,
+                        rank=self.rank,
+                        max_token_num=max_tokens,
+                        hidden_dim=max_hidden,
+                        dtype=self.dtype,
+                        group=dist.group.WORLD,
+                    )
                 except Exception as e:  # noqa: BLE001
                     reason = "creating FlashInfer's workspace failed: " + _reason(e)
                 reason = rt.agree(reason)
@@ -603,8 +747,7 @@ class Variants:
                 reason = "ranks share a GPU (NCCL needs one GPU per rank)"
             else:
                 try:
-                    self.nccl_group = dist.new_group(ranks=list(range(self.world)),
-                                                     backend="nccl")
+                    self.nccl_group = dist.new_group(ranks=list(range(self.world)), backend="nccl")
                     probe = torch.ones(8, device=self.device)
                     dist.all_reduce(probe, group=self.nccl_group)  # creates the communicator
                     rt.sync()
@@ -617,8 +760,11 @@ class Variants:
                 self.unavailable["nccl"] = reason
 
         if not args.no_symm_mem:
-            reason = self._setup_symm_mem(max_tokens * max_hidden) if not self.shared_gpu \
+            reason = (
+                self._setup_symm_mem(max_tokens * max_hidden)
+                if not self.shared_gpu
                 else "ranks share a GPU (symmetric memory needs one GPU per rank)"
+            )
             reason = rt.agree(reason)
             if reason:
                 self.unavailable["symm_mem"] = reason
@@ -649,6 +795,7 @@ class Variants:
             # Before 2.11 a group had to be registered; 2.11 deprecated it (the C++ side
             # resolves the group's store itself) and registering twice is an error.
             import warnings
+
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
@@ -666,17 +813,22 @@ class Variants:
         return None
 
     def factories(self) -> Dict[str, Callable]:
-        all_ = {"ours": self.ours, "anchor": self.anchor, "nccl": self.nccl,
-                "symm_mem": self.symm_mem, "ours_fp8": self.ours_fp8,
-                "anchor_fp8": self.anchor_fp8}
+        all_ = {
+            "ours": self.ours,
+            "anchor": self.anchor,
+            "nccl": self.nccl,
+            "symm_mem": self.symm_mem,
+            "ours_fp8": self.ours_fp8,
+            "anchor_fp8": self.anchor_fp8,
+        }
         if getattr(self.args, "timeout_compare", False):
             all_["ours_no_timeout"] = self.ours_no_timeout
-        return {k: (self._unavailable(k) if k in self.unavailable else f)
-                for k, f in all_.items()}
+        return {k: (self._unavailable(k) if k in self.unavailable else f) for k, f in all_.items()}
 
     def _unavailable(self, impl):
         def factory(case):
             raise Skip(self.unavailable[impl])
+
         return factory
 
     # --- per-case tensors ---
@@ -684,13 +836,13 @@ class Variants:
     def _inputs(self, case: Case):
         torch = self.torch
         gen = torch.Generator(device=self.dev)
-        gen.manual_seed(self.args.seed * 1000003 + case.tokens * 131 + case.hidden * 7
-                        + self.rank)
+        gen.manual_seed(self.args.seed * 1000003 + case.tokens * 131 + case.hidden * 7 + self.rank)
         shape = (case.tokens, case.hidden)
 
         def randn(*s):
-            return torch.randn(*s, generator=gen, device=self.dev, dtype=torch.float32
-                               ).to(self.dtype)
+            return torch.randn(*s, generator=gen, device=self.dev, dtype=torch.float32).to(
+                self.dtype
+            )
 
         x, residual = randn(*shape), randn(*shape)
         gamma = 1 + 0.1 * randn(case.hidden)
@@ -699,8 +851,7 @@ class Variants:
 
     def _fp8(self, case: Case):
         torch = self.torch
-        quant = torch.empty((case.tokens, case.hidden), dtype=torch.float8_e4m3fn,
-                            device=self.dev)
+        quant = torch.empty((case.tokens, case.hidden), dtype=torch.float8_e4m3fn, device=self.dev)
         # RMSNorm outputs of N(0,1) rows with gamma ~ 1 stay within +-8: no saturation.
         scale = torch.tensor([8.0 / FP8_MAX], dtype=torch.float32, device=self.dev)
         return quant, scale
@@ -708,9 +859,19 @@ class Variants:
     def _ours_with_workspace(self, case: Case, ws):
         x, residual, gamma, (res_out, norm_out, _) = self._inputs(case)
         tc = self.tc
-        kw = dict(input=x, workspace=ws, pattern=NORM_PATTERN, launch_with_pdl=self.pdl,
-                  residual_out=res_out, norm_out=norm_out, residual_in=residual,
-                  rms_gamma=gamma, rms_eps=RMS_EPS, use_oneshot=case.oneshot, fp32_acc=True)
+        kw = dict(
+            input=x,
+            workspace=ws,
+            pattern=NORM_PATTERN,
+            launch_with_pdl=self.pdl,
+            residual_out=res_out,
+            norm_out=norm_out,
+            residual_in=residual,
+            rms_gamma=gamma,
+            rms_eps=RMS_EPS,
+            use_oneshot=case.oneshot,
+            fp32_acc=True,
+        )
         return lambda: tc.allreduce_fusion(**kw)
 
     def ours(self, case: Case):
@@ -724,29 +885,62 @@ class Variants:
         x, residual, gamma, (res_out, norm_out, _) = self._inputs(case)
         quant, scale = self._fp8(case)
         tc, ws = self.tc, self.ours_ws
-        kw = dict(input=x, workspace=ws, pattern=FP8_PATTERN, launch_with_pdl=self.pdl,
-                  residual_out=res_out, norm_out=norm_out, quant_out=quant,
-                  residual_in=residual, rms_gamma=gamma, rms_eps=RMS_EPS, scale_factor=scale,
-                  use_oneshot=case.oneshot, fp32_acc=True)
+        kw = dict(
+            input=x,
+            workspace=ws,
+            pattern=FP8_PATTERN,
+            launch_with_pdl=self.pdl,
+            residual_out=res_out,
+            norm_out=norm_out,
+            quant_out=quant,
+            residual_in=residual,
+            rms_gamma=gamma,
+            rms_eps=RMS_EPS,
+            scale_factor=scale,
+            use_oneshot=case.oneshot,
+            fp32_acc=True,
+        )
         return lambda: tc.allreduce_fusion(**kw)
 
     def anchor(self, case: Case):
         x, residual, gamma, (res_out, norm_out, scratch) = self._inputs(case)
         fi, ws = self.fi, self.anchor_ws
-        kw = dict(input=x, workspace=ws, pattern=NORM_PATTERN, launch_with_pdl=self.pdl,
-                  output=scratch, residual_out=res_out, norm_out=norm_out,
-                  residual_in=residual, rms_gamma=gamma, rms_eps=RMS_EPS,
-                  use_oneshot=case.oneshot, fp32_acc=True)
+        kw = dict(
+            input=x,
+            workspace=ws,
+            pattern=NORM_PATTERN,
+            launch_with_pdl=self.pdl,
+            output=scratch,
+            residual_out=res_out,
+            norm_out=norm_out,
+            residual_in=residual,
+            rms_gamma=gamma,
+            rms_eps=RMS_EPS,
+            use_oneshot=case.oneshot,
+            fp32_acc=True,
+        )
         return lambda: fi.allreduce_fusion(**kw)
 
     def anchor_fp8(self, case: Case):
         x, residual, gamma, (res_out, norm_out, scratch) = self._inputs(case)
         quant, scale = self._fp8(case)
         fi, ws = self.fi, self.anchor_ws
-        kw = dict(input=x, workspace=ws, pattern=FP8_PATTERN, launch_with_pdl=self.pdl,
-                  output=scratch, residual_out=res_out, norm_out=norm_out, quant_out=quant,
-                  residual_in=residual, rms_gamma=gamma, rms_eps=RMS_EPS, scale_factor=scale,
-                  use_oneshot=case.oneshot, fp32_acc=True)
+        kw = dict(
+            input=x,
+            workspace=ws,
+            pattern=FP8_PATTERN,
+            launch_with_pdl=self.pdl,
+            output=scratch,
+            residual_out=res_out,
+            norm_out=norm_out,
+            quant_out=quant,
+            residual_in=residual,
+            rms_gamma=gamma,
+            rms_eps=RMS_EPS,
+            scale_factor=scale,
+            use_oneshot=case.oneshot,
+            fp32_acc=True,
+        )
         return lambda: fi.allreduce_fusion(**kw)
 
     def _add_rmsnorm(self, reduced, residual, gamma, res_out):
@@ -757,6 +951,7 @@ class Variants:
         def epilogue():
             torch.add(reduced, residual, out=res_out)
             return F.rms_norm(res_out, (hidden,), gamma, RMS_EPS)
+
         return epilogue
 
     def nccl(self, case: Case):
@@ -767,6 +962,7 @@ class Variants:
         def call():
             dist.all_reduce(x, group=group)  # in place, as a TP layer does
             return epilogue()
+
         return call
 
     def symm_mem(self, case: Case):
@@ -776,14 +972,17 @@ class Variants:
         op, group_name = self.symm_op, self.symm_group_name
         epilogue = self._add_rmsnorm(reduced, residual, gamma, res_out)
         if self.symm_copy:
+
             def call():
                 op(buf, x, "sum", group_name, reduced)
                 return epilogue()
         else:  # older torch: copy into the symmetric buffer first
+
             def call():
                 buf.copy_(x)
                 op(buf, "sum", group_name, reduced)
                 return epilogue()
+
         return call
 
     def teardown(self, rt) -> None:
@@ -815,13 +1014,20 @@ def _machine(torch, device: int) -> dict:
         nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
     except Exception:  # noqa: BLE001
         nccl = None
-    return {"torch": torch.__version__, "cuda": torch.version.cuda, "nccl": nccl,
-            "python": platform.python_version(), "hostname": socket.gethostname(),
-            "device_name": torch.cuda.get_device_name(device),
-            "capability": ".".join(map(str, torch.cuda.get_device_capability(device))),
-            "gpus_visible": torch.cuda.device_count(),
-            "env": {k: os.environ.get(k) for k in (*SAFE_ENV, "JAX_FUSEDAR_CHECK_CALLS",
-                                                   "CUDA_VISIBLE_DEVICES")}}
+    return {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": nccl,
+        "python": platform.python_version(),
+        "hostname": socket.gethostname(),
+        "device_name": torch.cuda.get_device_name(device),
+        "capability": ".".join(map(str, torch.cuda.get_device_capability(device))),
+        "gpus_visible": torch.cuda.device_count(),
+        "env": {
+            k: os.environ.get(k)
+            for k in (*SAFE_ENV, "JAX_FUSEDAR_CHECK_CALLS", "CUDA_VISIBLE_DEVICES")
+        },
+    }
 
 
 def _worker(rank: int, args, port: int, result_dir: str) -> None:
@@ -838,27 +1044,47 @@ def _worker(rank: int, args, port: int, result_dir: str) -> None:
         raise RuntimeError("torch sees no CUDA GPU in the benchmark process")
     device = rank % gpus
     torch.cuda.set_device(device)  # torch_compat takes torch.cuda.current_device()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=args.world, timeout=timedelta(seconds=args.timeout))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=args.world,
+        timeout=timedelta(seconds=args.timeout),
+    )
     try:
         rt = CudaRuntime(torch, dist, device)
         _, cases = plan_cases(args.tokens, args.hidden, args.dtype, args.world, args.modes)
         keys = variant_keys(args)
         variants = Variants(torch, dist, args, rank, device, shared_gpu=gpus < args.world)
         variants.setup(rt)
-        progress = (report_files.progress_bar(len(cases) * len(keys), "timing")
-                    if rank == 0 else None)
+        progress = (
+            report_files.progress_bar(len(cases) * len(keys), "timing") if rank == 0 else None
+        )
         try:
-            results = run_cases(rt, cases, variants.factories(), keys, iters=args.iters,
-                                repeats=args.repeats, warmup=args.warmup, progress=progress)
+            results = run_cases(
+                rt,
+                cases,
+                variants.factories(),
+                keys,
+                iters=args.iters,
+                repeats=args.repeats,
+                warmup=args.warmup,
+                progress=progress,
+            )
         finally:
             if progress:
                 progress.close()
         variants.teardown(rt)
-        payload = {"rank": rank, "device": device, "machine": _machine(torch, device),
-                   "notes": {**variants.notes, **{f"unavailable {k}": v
-                                                  for k, v in variants.unavailable.items()}},
-                   "cases": results}
+        payload = {
+            "rank": rank,
+            "device": device,
+            "machine": _machine(torch, device),
+            "notes": {
+                **variants.notes,
+                **{f"unavailable {k}": v for k, v in variants.unavailable.items()},
+            },
+            "cases": results,
+        }
         Path(result_dir, f"rank{rank}.json").write_text(json.dumps(payload))
     finally:
         dist.destroy_process_group()
@@ -891,8 +1117,10 @@ def launch(worker: Callable, world: int, worker_args: tuple, timeout_s: float) -
                     p.kill()
             for p in ctx.processes:
                 p.join(timeout=10)
-            raise TimeoutError(f"ranks {alive} still running after {timeout_s:.0f} s (a kernel "
-                               "waiting for a peer never returns); killed them")
+            raise TimeoutError(
+                f"ranks {alive} still running after {timeout_s:.0f} s (a kernel "
+                "waiting for a peer never returns); killed them"
+            )
 
 
 def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
@@ -911,8 +1139,10 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
             anchor["problem"] = loader.anchor_problem(path)
             args.anchor = str(path)
             if anchor["problem"]:
-                print(f"note: {loader.unavailable(path, anchor['problem'])} Its rows are "
-                      "skipped.", file=sys.stderr)
+                print(
+                    f"note: {loader.unavailable(path, anchor['problem'])} Its rows are skipped.",
+                    file=sys.stderr,
+                )
             else:
                 # Before spawning: the ranks inherit them (LD_LIBRARY_PATH only works that way).
                 os.environ.update(loader.anchor_environment(path))
@@ -922,25 +1152,36 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
         print(f"{prog}: error: torch is not installed", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
-        print(f"{prog}: error: needs CUDA GPUs (torch {torch.__version__} sees none)",
-              file=sys.stderr)
+        print(
+            f"{prog}: error: needs CUDA GPUs (torch {torch.__version__} sees none)", file=sys.stderr
+        )
         return 2
     if torch.cuda.device_count() < args.world:
         from jax_fusedar.cli.ranks import shared_gpu_timing  # imports no JAX
-        print(f"{prog}: error: --world {args.world} needs one GPU per rank: "
-              f"{shared_gpu_timing(torch.cuda.device_count(), args.world)}", file=sys.stderr)
+
+        print(
+            f"{prog}: error: --world {args.world} needs one GPU per rank: "
+            f"{shared_gpu_timing(torch.cuda.device_count(), args.world)}",
+            file=sys.stderr,
+        )
         return 2
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     sizes, cases = plan_cases(args.tokens, args.hidden, args.dtype, args.world, args.modes)
-    print(f"{prog}: {args.world} ranks, {args.dtype}, {len(cases)} cases x "
-          f"{len(variant_keys(args))} variants; workspace {sizes.max_token_num} x "
-          f"{sizes.hidden_dim} ({sizes.per_rank_bytes / 2**20:.0f} MiB per rank)", flush=True)
+    print(
+        f"{prog}: {args.world} ranks, {args.dtype}, {len(cases)} cases x "
+        f"{len(variant_keys(args))} variants; workspace {sizes.max_token_num} x "
+        f"{sizes.hidden_dim} ({sizes.per_rank_bytes / 2**20:.0f} MiB per rank)",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory(prefix="bench_torch_") as tmp:
         launch(_worker, args.world, (args, _free_port(), tmp), args.timeout)
         ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(args.world)]
-    machine = {**ranks[0]["machine"], "world_size": args.world,
-               "devices": [r["device"] for r in ranks]}
+    machine = {
+        **ranks[0]["machine"],
+        "world_size": args.world,
+        "devices": [r["device"] for r in ranks],
+    }
     report = build_report(ranks, args, machine, anchor)
     print()
     print(format_table(report), end="")

@@ -9,6 +9,7 @@ Keys come from ``exchange.exchange_key`` (unique per group and workspace); this 
 only moves bytes. The store's own timeout is left alone (torch.distributed uses it too):
 every wait passes this channel's timeout explicitly.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -32,6 +33,7 @@ class StoreChannel:
     def __init__(self, store=None, *, timeout_s: float = 120.0, process: Optional[int] = None):
         if store is None:
             from torch.distributed import distributed_c10d
+
             store = distributed_c10d._get_default_store()
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
@@ -63,7 +65,8 @@ class StoreChannel:
                 f"torch_compat: {'; '.join(whos[k] for k in missing) or 'a member'} did not "
                 f"publish within {self.timeout_s:g} s (store keys {missing}). Every rank of "
                 f"the TP group must call create_allreduce_fusion_workspace with the same "
-                f"group, in the same order") from e
+                f"group, in the same order"
+            ) from e
         return {k: self.store.get(k) for k in keys}
 
     def barrier(self, key: str, processes: Sequence[int]) -> None:
@@ -75,8 +78,10 @@ class StoreChannel:
             self.store.set(f"{key}/arrived/{self.process}", b"1")
         arrived = self.store.add(f"{key}/count", 1)
         if arrived > expected:
-            raise RuntimeError(f"barrier {key}: {arrived} arrivals for {expected} processes "
-                               f"(the key was reused: exchange keys must be unique)")
+            raise RuntimeError(
+                f"barrier {key}: {arrived} arrivals for {expected} processes "
+                f"(the key was reused: exchange keys must be unique)"
+            )
         if arrived == expected:
             self.store.set(f"{key}/done", b"1")
         try:
@@ -87,9 +92,9 @@ class StoreChannel:
             count = self.store.add(f"{key}/count", 0)
             absent = ""
             if self.process is not None:
-                late = [p for p in processes
-                        if not self.store.check([f"{key}/arrived/{p}"])]
+                late = [p for p in processes if not self.store.check([f"{key}/arrived/{p}"])]
                 absent = f"; not arrived: global ranks {late}"
             raise TimeoutError(
                 f"torch_compat: barrier {key}: only {count} of {expected} processes "
-                f"{sorted(processes)} arrived within {self.timeout_s:g} s{absent}") from e
+                f"{sorted(processes)} arrived within {self.timeout_s:g} s{absent}"
+            ) from e

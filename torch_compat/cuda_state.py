@@ -1,6 +1,7 @@
 """The CUDA state a launch reads from torch and the native module: the current stream, the
 device's compute capability and whether a CUDA graph is being captured. Functions (looked up
 through this module at each call) so that CPU tests can stand in for them."""
+
 from __future__ import annotations
 
 from typing import Dict, Tuple

@@ -44,6 +44,7 @@ A block is rewritten only when all of these hold, otherwise it is left untouched
 Numerics: the kernel adds in the input dtype and normalizes in float32, like the decomposed
 ``F.rms_norm``; the float32-add variants (``x.float() + residual.float()``) are not matched.
 """
+
 from __future__ import annotations
 
 import logging
@@ -73,8 +74,9 @@ _CASTS = (aten._to_copy.default, prims.convert_element_type.default, aten.to.dty
 _RMS_NORM = tuple(op for op in (getattr(aten, "rms_norm", None),) if op is not None)
 _RMS_NORM = tuple(op.default for op in _RMS_NORM)
 # What F.rms_norm becomes on CUDA when it is not decomposed: (output, rstd).
-_FUSED_RMS_NORM = tuple(op.default for op in (getattr(aten, "_fused_rms_norm", None),)
-                        if op is not None)
+_FUSED_RMS_NORM = tuple(
+    op.default for op in (getattr(aten, "_fused_rms_norm", None),) if op is not None
+)
 
 
 def _val(n: Any):
@@ -143,8 +145,10 @@ def _match_normalize(r: fx.Node, rf: fx.Node):
     """rf * rsqrt(mean(rf**2, -1, keepdim) + eps): (sq, mean, add, rsqrt, mul, eps) or None."""
     ndim = len(_static_shape(r))
     for sq in rf.users:
-        if not ((_is(sq, (aten.pow.Tensor_Scalar,)) and sq.args[0] is rf and sq.args[1] == 2)
-                or (_is(sq, _MUL) and sq.args[0] is rf and sq.args[1] is rf)):
+        if not (
+            (_is(sq, (aten.pow.Tensor_Scalar,)) and sq.args[0] is rf and sq.args[1] == 2)
+            or (_is(sq, _MUL) and sq.args[0] is rf and sq.args[1] is rf)
+        ):
             continue
         mean = _only_user(sq)
         if not _is(mean, (aten.mean.dim,)) or mean.args[0] is not sq:
@@ -154,9 +158,12 @@ def _match_normalize(r: fx.Node, rf: fx.Node):
         if dims not in ([-1], [ndim - 1]) or not keep or mean.kwargs.get("dtype") is not None:
             continue
         add_eps = _only_user(mean)
-        if not _is(add_eps, _ADD) or add_eps.args[0] is not mean or \
-                not isinstance(add_eps.args[1], numbers.Real) or \
-                add_eps.kwargs.get("alpha", 1) != 1:
+        if (
+            not _is(add_eps, _ADD)
+            or add_eps.args[0] is not mean
+            or not isinstance(add_eps.args[1], numbers.Real)
+            or add_eps.kwargs.get("alpha", 1) != 1
+        ):
             continue
         rsqrt = _only_user(add_eps)
         if not _is(rsqrt, (aten.rsqrt.default,)):
@@ -174,17 +181,23 @@ def _match_norm(r: fx.Node):
     for u in r.users:
         if _is(u, _RMS_NORM + _FUSED_RMS_NORM):
             args = list(u.args) + [None] * 4
-            shape, gamma, eps = args[1], args[2], args[3] if len(u.args) > 3 else u.kwargs.get("eps")
+            shape, gamma, eps = (
+                args[1],
+                args[2],
+                args[3] if len(u.args) > 3 else u.kwargs.get("eps"),
+            )
             gamma = gamma if gamma is not None else u.kwargs.get("weight")
-            if not (isinstance(gamma, fx.Node) and isinstance(eps, numbers.Real) and
-                    list(shape or ()) == [_static_shape(r)[-1]]):
+            if not (
+                isinstance(gamma, fx.Node)
+                and isinstance(eps, numbers.Real)
+                and list(shape or ()) == [_static_shape(r)[-1]]
+            ):
                 return None
             if _is(u, _RMS_NORM):
                 return gamma, float(eps), u, []
             # _fused_rms_norm: the output is its only user, getitem 0 (rstd unused).
             users = list(u.users)
-            if len(users) == 1 and users[0].target is operator.getitem and \
-                    users[0].args[1] == 0:
+            if len(users) == 1 and users[0].target is operator.getitem and users[0].args[1] == 0:
                 return gamma, float(eps), users[0], [u]
             return None
     # Decomposed form. rf: r or a float32 cast of r.
@@ -220,13 +233,15 @@ def _match_norm(r: fx.Node):
     return gamma, eps, cur, internals
 
 
-def _group_matches(group_name: Any, workspace: TorchAllReduceFusionWorkspace,
-                   expected: Optional[str]) -> bool:
+def _group_matches(
+    group_name: Any, workspace: TorchAllReduceFusionWorkspace, expected: Optional[str]
+) -> bool:
     if expected is not None:
         return group_name == expected
     try:
         import torch.distributed as dist
         from torch.distributed.distributed_c10d import _resolve_process_group
+
         pg = _resolve_process_group(group_name)
         return tuple(dist.get_process_group_ranks(pg)) == tuple(workspace.global_ranks)
     except Exception as e:  # noqa: BLE001 - an unresolvable group is simply not ours
@@ -253,15 +268,23 @@ def _match(ar: fx.Node, workspace, group_name: Optional[str]) -> Optional[_Match
     if shape is None or len(shape) != 2 or not _is_static(x):
         return None
     dtype = _dtype(x)
-    if _static_shape(residual) != shape or _dtype(residual) != dtype or \
-            _static_shape(add) != shape or _dtype(add) != dtype:
+    if (
+        _static_shape(residual) != shape
+        or _dtype(residual) != dtype
+        or _static_shape(add) != shape
+        or _dtype(add) != dtype
+    ):
         return None
     norm = _match_norm(add)
     if norm is None:
         return None
     gamma, eps, out, internals = norm
-    if _static_shape(gamma) != (shape[1],) or _dtype(gamma) != dtype or \
-            _static_shape(out) != shape or _dtype(out) != dtype:
+    if (
+        _static_shape(gamma) != (shape[1],)
+        or _dtype(gamma) != dtype
+        or _static_shape(out) != shape
+        or _dtype(out) != dtype
+    ):
         return None
     block = {ar, wait, add, out, *internals}
     for n in internals:
@@ -272,13 +295,18 @@ def _match(ar: fx.Node, workspace, group_name: Optional[str]) -> Optional[_Match
     return _Match(ar, wait, add, residual, gamma, eps, out, internals)
 
 
-def fuse_allreduce_rmsnorm_graph(graph: fx.Graph, workspace: TorchAllReduceFusionWorkspace,
-                                 *, group_name: Optional[str] = None,
-                                 workspace_handle: Optional[int] = None) -> int:
+def fuse_allreduce_rmsnorm_graph(
+    graph: fx.Graph,
+    workspace: TorchAllReduceFusionWorkspace,
+    *,
+    group_name: Optional[str] = None,
+    workspace_handle: Optional[int] = None,
+) -> int:
     """Rewrites ``graph`` in place (see the module docstring); returns the replacement
     count. ``workspace_handle`` defaults to ``library.register_workspace(workspace)``."""
-    handle = (None if workspace_handle is None
-              else arguments.as_int("workspace_handle", workspace_handle))
+    handle = (
+        None if workspace_handle is None else arguments.as_int("workspace_handle", workspace_handle)
+    )
     count = 0
     # Match and rewrite one block at a time: block k+1's residual is block k's r, which the
     # rewrite of block k replaces, so matches are taken on the graph as it is now.
@@ -298,7 +326,8 @@ def fuse_allreduce_rmsnorm_graph(graph: fx.Graph, workspace: TorchAllReduceFusio
         with graph.inserting_after(anchor):
             fused = graph.call_function(
                 library.ALLREDUCE_RESIDUAL_RMSNORM,
-                (m.ar.args[0], m.residual, m.gamma, m.eps, 0.0, None, False, handle))
+                (m.ar.args[0], m.residual, m.gamma, m.eps, 0.0, None, False, handle),
+            )
         with graph.inserting_after(fused):
             norm_out = graph.call_function(operator.getitem, (fused, 1))
         with graph.inserting_after(fused):
@@ -318,12 +347,17 @@ def fuse_allreduce_rmsnorm_graph(graph: fx.Graph, workspace: TorchAllReduceFusio
     return count
 
 
-def fuse_allreduce_rmsnorm(gm: fx.GraphModule, workspace: TorchAllReduceFusionWorkspace, *,
-                           group_name: Optional[str] = None,
-                           workspace_handle: Optional[int] = None) -> int:
+def fuse_allreduce_rmsnorm(
+    gm: fx.GraphModule,
+    workspace: TorchAllReduceFusionWorkspace,
+    *,
+    group_name: Optional[str] = None,
+    workspace_handle: Optional[int] = None,
+) -> int:
     """:func:`fuse_allreduce_rmsnorm_graph` on a GraphModule, recompiling it when changed."""
-    count = fuse_allreduce_rmsnorm_graph(gm.graph, workspace, group_name=group_name,
-                                         workspace_handle=workspace_handle)
+    count = fuse_allreduce_rmsnorm_graph(
+        gm.graph, workspace, group_name=group_name, workspace_handle=workspace_handle
+    )
     if count:
         gm.recompile()
     return count
@@ -339,8 +373,9 @@ class AllReduceFusionPass(_Base):
     """The pass as an inductor custom post-grad pass (``torch._inductor.config.
     post_grad_custom_pre_pass``); see :func:`install`. ``count`` sums the replacements."""
 
-    def __init__(self, workspace: TorchAllReduceFusionWorkspace, *,
-                 group_name: Optional[str] = None):
+    def __init__(
+        self, workspace: TorchAllReduceFusionWorkspace, *, group_name: Optional[str] = None
+    ):
         self.workspace = workspace
         self.group_name = group_name
         self.handle = library.register_workspace(workspace)
@@ -348,29 +383,38 @@ class AllReduceFusionPass(_Base):
 
     def __call__(self, graph: Union[fx.Graph, fx.GraphModule]) -> None:
         if isinstance(graph, fx.GraphModule):
-            self.count += fuse_allreduce_rmsnorm(graph, self.workspace,
-                                                 group_name=self.group_name,
-                                                 workspace_handle=self.handle)
+            self.count += fuse_allreduce_rmsnorm(
+                graph, self.workspace, group_name=self.group_name, workspace_handle=self.handle
+            )
         else:
-            self.count += fuse_allreduce_rmsnorm_graph(graph, self.workspace,
-                                                       group_name=self.group_name,
-                                                       workspace_handle=self.handle)
+            self.count += fuse_allreduce_rmsnorm_graph(
+                graph, self.workspace, group_name=self.group_name, workspace_handle=self.handle
+            )
 
     def uuid(self) -> Any:
         # Part of inductor's cache key: the pass's code version and what it bakes in.
         ws = self.workspace
-        return ("torch_compat.AllReduceFusionPass/1", self.handle, self.group_name,
-                ws.world_size, tuple(ws.global_ranks), ws.max_token_num, ws.hidden_dim,
-                str(ws.dtype))
+        return (
+            "torch_compat.AllReduceFusionPass/1",
+            self.handle,
+            self.group_name,
+            ws.world_size,
+            tuple(ws.global_ranks),
+            ws.max_token_num,
+            ws.hidden_dim,
+            str(ws.dtype),
+        )
 
 
-def install(workspace: TorchAllReduceFusionWorkspace, *,
-            group_name: Optional[str] = None) -> AllReduceFusionPass:
+def install(
+    workspace: TorchAllReduceFusionWorkspace, *, group_name: Optional[str] = None
+) -> AllReduceFusionPass:
     """Sets ``torch._inductor.config.post_grad_custom_pre_pass`` to the fusion pass for
     ``workspace`` (replacing any pass there) and returns it. Use
     ``torch._inductor.config.patch(post_grad_custom_pre_pass=AllReduceFusionPass(ws))`` for
     a scoped install instead."""
     import torch._inductor.config as cfg
+
     p = AllReduceFusionPass(workspace, group_name=group_name)
     cfg.post_grad_custom_pre_pass = p
     return p

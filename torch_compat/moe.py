@@ -30,6 +30,7 @@ too, checked before FlashInfer's own check would fail the launch); ``quant_out``
 after each rank's addition and trigger completion at the end; FlashInfer ignores the
 arguments); an output a pattern does not write (``output`` for 7) is refused.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
@@ -39,8 +40,14 @@ import torch
 from jax_fusedar.common import arguments, moe_limits, native, patterns
 
 from . import cuda_state
-from .tensors import (check_contiguous, check_gamma, check_like, check_placement, check_shape,
-                      static_shape)
+from .tensors import (
+    check_contiguous,
+    check_gamma,
+    check_like,
+    check_placement,
+    check_shape,
+    static_shape,
+)
 from .workspace import TORCH_DTYPES, TorchAllReduceFusionWorkspace
 
 REDUCTION = patterns.AllReduceFusionPattern.kMoEReductionARResidualRMSNorm
@@ -60,71 +67,120 @@ class CheckedMoeCall(NamedTuple):
     launch_with_pdl: bool
 
 
-def check_moe_call(pattern, workspace, *, input=None, residual_in=None, rms_gamma=None,
-                   rms_eps=1e-6, weight_bias=0.0, use_oneshot=None, fp32_acc=False,
-                   launch_with_pdl=False, trigger_completion_at_end=True,
-                   moe_reduction_device_num_experts=None, moe_reduction_scale_input=None,
-                   moe_reduction_active_experts_token_input=None,
-                   moe_reduction_token_input=None, expanded_idx_to_permuted_idx=None,
-                   expert_scale_factor=None, shared_expert_output=None,
-                   routed_scaling_factor=None) -> CheckedMoeCall:
+def check_moe_call(
+    pattern,
+    workspace,
+    *,
+    input=None,
+    residual_in=None,
+    rms_gamma=None,
+    rms_eps=1e-6,
+    weight_bias=0.0,
+    use_oneshot=None,
+    fp32_acc=False,
+    launch_with_pdl=False,
+    trigger_completion_at_end=True,
+    moe_reduction_device_num_experts=None,
+    moe_reduction_scale_input=None,
+    moe_reduction_active_experts_token_input=None,
+    moe_reduction_token_input=None,
+    expanded_idx_to_permuted_idx=None,
+    expert_scale_factor=None,
+    shared_expert_output=None,
+    routed_scaling_factor=None,
+) -> CheckedMoeCall:
     """Every check of an MoE call that needs no device memory (the eager op and the fake
     implementations of the custom ops both run it)."""
     if not isinstance(workspace, TorchAllReduceFusionWorkspace):
-        raise TypeError(f"workspace must come from torch_compat.create_allreduce_fusion_"
-                        f"workspace, got {type(workspace).__name__}")
+        raise TypeError(
+            f"workspace must come from torch_compat.create_allreduce_fusion_"
+            f"workspace, got {type(workspace).__name__}"
+        )
     workspace.native_rank()  # raises once destroyed
     p = patterns.as_pattern(pattern)
     if p not in patterns.MOE_PATTERNS:
         raise ValueError(f"pattern {p.value} ({p.name}) is not an MoE pattern")
     if arguments.as_bool("use_oneshot", use_oneshot, allow_none=True) is False:
-        raise ValueError(f"{p.name} is one-shot only (FlashInfer's MoE kernels have no "
-                         "two-shot variant); pass use_oneshot=None or True")
+        raise ValueError(
+            f"{p.name} is one-shot only (FlashInfer's MoE kernels have no "
+            "two-shot variant); pass use_oneshot=None or True"
+        )
     if arguments.as_bool("fp32_acc", fp32_acc):
-        raise ValueError(f"fp32_acc does not apply to {p.name}: its kernel always rounds after "
-                         "each rank's addition (pass fp32_acc=False)")
+        raise ValueError(
+            f"fp32_acc does not apply to {p.name}: its kernel always rounds after "
+            "each rank's addition (pass fp32_acc=False)"
+        )
     if not arguments.as_bool("trigger_completion_at_end", trigger_completion_at_end):
-        raise ValueError(f"{p.name}'s kernel always triggers completion at its end; pass "
-                         "trigger_completion_at_end=True")
+        raise ValueError(
+            f"{p.name}'s kernel always triggers completion at its end; pass "
+            "trigger_completion_at_end=True"
+        )
     launch_with_pdl = arguments.as_bool("launch_with_pdl", launch_with_pdl)
     rms_eps = arguments.as_float32("rms_eps", rms_eps, minimum=0.0)
     weight_bias = arguments.as_float32("weight_bias", weight_bias)
     missing = [k for k, v in (("residual_in", residual_in), ("rms_gamma", rms_gamma)) if v is None]
     if p == REDUCTION:
-        missing += [k for k, v in (
-            ("moe_reduction_device_num_experts", moe_reduction_device_num_experts),
-            ("moe_reduction_scale_input", moe_reduction_scale_input),
-            ("moe_reduction_active_experts_token_input",
-             moe_reduction_active_experts_token_input),
-            ("moe_reduction_token_input", moe_reduction_token_input)) if v is None]
-        extra = [k for k, v in (("expanded_idx_to_permuted_idx", expanded_idx_to_permuted_idx),
-                                ("expert_scale_factor", expert_scale_factor),
-                                ("shared_expert_output", shared_expert_output),
-                                ("routed_scaling_factor", routed_scaling_factor)) if v is not None]
+        missing += [
+            k
+            for k, v in (
+                ("moe_reduction_device_num_experts", moe_reduction_device_num_experts),
+                ("moe_reduction_scale_input", moe_reduction_scale_input),
+                (
+                    "moe_reduction_active_experts_token_input",
+                    moe_reduction_active_experts_token_input,
+                ),
+                ("moe_reduction_token_input", moe_reduction_token_input),
+            )
+            if v is None
+        ]
+        extra = [
+            k
+            for k, v in (
+                ("expanded_idx_to_permuted_idx", expanded_idx_to_permuted_idx),
+                ("expert_scale_factor", expert_scale_factor),
+                ("shared_expert_output", shared_expert_output),
+                ("routed_scaling_factor", routed_scaling_factor),
+            )
+            if v is not None
+        ]
     else:
-        missing += [] if expanded_idx_to_permuted_idx is not None else [
-            "expanded_idx_to_permuted_idx"]
+        missing += (
+            [] if expanded_idx_to_permuted_idx is not None else ["expanded_idx_to_permuted_idx"]
+        )
         missing += [] if input is not None else ["input"]
-        extra = [k for k, v in (
-            ("moe_reduction_device_num_experts", moe_reduction_device_num_experts),
-            ("moe_reduction_scale_input", moe_reduction_scale_input),
-            ("moe_reduction_active_experts_token_input", moe_reduction_active_experts_token_input),
-            ("moe_reduction_token_input", moe_reduction_token_input)) if v is not None]
+        extra = [
+            k
+            for k, v in (
+                ("moe_reduction_device_num_experts", moe_reduction_device_num_experts),
+                ("moe_reduction_scale_input", moe_reduction_scale_input),
+                (
+                    "moe_reduction_active_experts_token_input",
+                    moe_reduction_active_experts_token_input,
+                ),
+                ("moe_reduction_token_input", moe_reduction_token_input),
+            )
+            if v is not None
+        ]
     if missing:
         raise ValueError(f"{p.name} needs {', '.join(missing)}")
     if extra:
         raise ValueError(f"{p.name} does not take {', '.join(extra)}")
     check_contiguous("residual_in", residual_in)
     if residual_in.dim() != 2:
-        raise ValueError(f"residual_in must be 2-D [token_num, hidden_dim], got "
-                         f"{list(residual_in.shape)}")
+        raise ValueError(
+            f"residual_in must be 2-D [token_num, hidden_dim], got {list(residual_in.shape)}"
+        )
     if residual_in.dtype not in _MOE_DTYPES:
-        raise ValueError(f"{p.name} takes bfloat16 or float16 tensors (FlashInfer's MoE kernels "
-                         f"exist for those only), got {residual_in.dtype}")
+        raise ValueError(
+            f"{p.name} takes bfloat16 or float16 tensors (FlashInfer's MoE kernels "
+            f"exist for those only), got {residual_in.dtype}"
+        )
     dtype = residual_in.dtype
     name = TORCH_DTYPES[dtype]
     if name != workspace.sizes.dtype_name and {name, workspace.sizes.dtype_name} - {
-            "bfloat16", "float16"}:
+        "bfloat16",
+        "float16",
+    }:
         raise ValueError(f"the workspace was created for {workspace.sizes.dtype_name}, not {name}")
     check_gamma(rms_gamma, residual_in)
     t, h = residual_in.shape
@@ -139,23 +195,30 @@ def check_moe_call(pattern, workspace, *, input=None, residual_in=None, rms_gamm
             raise ValueError(
                 f"moe_reduction_scale_input must be float32 [num_experts, token_num] = "
                 f"[{e}, {t}] (the kernel reads it expert-major, element e * token_num + t), got "
-                f"{list(scale.shape)} {scale.dtype}")
+                f"{list(scale.shape)} {scale.dtype}"
+            )
         x = moe_reduction_active_experts_token_input
         check_contiguous("moe_reduction_active_experts_token_input", x)
         if x.dtype != dtype or tuple(x.shape) not in ((e * t, h), (e, t, h)):
-            raise ValueError(f"moe_reduction_active_experts_token_input must be [{e * t}, {h}] "
-                             f"or [{e}, {t}, {h}] of {dtype}, got {list(x.shape)} {x.dtype}")
+            raise ValueError(
+                f"moe_reduction_active_experts_token_input must be [{e * t}, {h}] "
+                f"or [{e}, {t}, {h}] of {dtype}, got {list(x.shape)} {x.dtype}"
+            )
         check_shape("moe_reduction_token_input", moe_reduction_token_input, (t, h), dtype)
     else:
         check_contiguous("input", input)
         if input.dim() != 2 or input.shape[1] != h or input.dtype != dtype or input.shape[0] < 1:
-            raise ValueError(f"input (the permuted expert rows) must be [rows >= 1, {h}] of "
-                             f"{dtype}, got {list(input.shape)} {input.dtype}")
+            raise ValueError(
+                f"input (the permuted expert rows) must be [rows >= 1, {h}] of "
+                f"{dtype}, got {list(input.shape)} {input.dtype}"
+            )
         idx = expanded_idx_to_permuted_idx
         check_contiguous("expanded_idx_to_permuted_idx", idx)
         if idx.dtype != torch.int32 or idx.dim() != 2 or idx.shape[0] != t or idx.shape[1] < 1:
-            raise ValueError(f"expanded_idx_to_permuted_idx must be int32 [token_num, top_k] = "
-                             f"[{t}, top_k >= 1], got {list(idx.shape)} {idx.dtype}")
+            raise ValueError(
+                f"expanded_idx_to_permuted_idx must be int32 [token_num, top_k] = "
+                f"[{t}, top_k >= 1], got {list(idx.shape)} {idx.dtype}"
+            )
         if expert_scale_factor is not None:
             check_shape("expert_scale_factor", expert_scale_factor, tuple(idx.shape), dtype)
         if shared_expert_output is not None:
@@ -183,43 +246,78 @@ def check_index_values(idx: torch.Tensor, rows: int) -> None:
     lo, hi = int(idx.min()), int(idx.max())
     if lo < -1 or hi >= rows:
         bad = lo if lo < -1 else hi
-        raise ValueError(f"expanded_idx_to_permuted_idx holds {bad}, not -1 (dropped) or a row "
-                         f"of input (0..{rows - 1}); input has {rows} rows, fewer than the "
-                         "indices need")
+        raise ValueError(
+            f"expanded_idx_to_permuted_idx holds {bad}, not -1 (dropped) or a row "
+            f"of input (0..{rows - 1}); input has {rows} rows, fewer than the "
+            "indices need"
+        )
 
 
-def moe_allreduce_fusion(input, workspace, pattern, *, launch_with_pdl=False,
-                         trigger_completion_at_end=True, output=None, residual_out=None,
-                         norm_out=None, quant_out=None, scale_out=None, residual_in=None,
-                         rms_gamma=None, rms_eps=1e-6, scale_factor=None, layout_code=None,
-                         use_oneshot=None, fp32_acc=False, moe_reduction_device_num_experts=None,
-                         moe_reduction_scale_input=None,
-                         moe_reduction_active_experts_token_input=None,
-                         moe_reduction_token_input=None, expanded_idx_to_permuted_idx=None,
-                         expert_scale_factor=None, shared_expert_output=None,
-                         block_quant_group_size=None, weight_bias=0.0,
-                         moe_finalize_backend="trtllm", routed_scaling_factor=None):
+def moe_allreduce_fusion(
+    input,
+    workspace,
+    pattern,
+    *,
+    launch_with_pdl=False,
+    trigger_completion_at_end=True,
+    output=None,
+    residual_out=None,
+    norm_out=None,
+    quant_out=None,
+    scale_out=None,
+    residual_in=None,
+    rms_gamma=None,
+    rms_eps=1e-6,
+    scale_factor=None,
+    layout_code=None,
+    use_oneshot=None,
+    fp32_acc=False,
+    moe_reduction_device_num_experts=None,
+    moe_reduction_scale_input=None,
+    moe_reduction_active_experts_token_input=None,
+    moe_reduction_token_input=None,
+    expanded_idx_to_permuted_idx=None,
+    expert_scale_factor=None,
+    shared_expert_output=None,
+    block_quant_group_size=None,
+    weight_bias=0.0,
+    moe_finalize_backend="trtllm",
+    routed_scaling_factor=None,
+):
     """Patterns 6 and 7 of ``torch_compat.allreduce_fusion`` (see the module docstring)."""
     call = check_moe_call(
-        pattern, workspace, input=input, residual_in=residual_in, rms_gamma=rms_gamma,
-        rms_eps=rms_eps, weight_bias=weight_bias, use_oneshot=use_oneshot, fp32_acc=fp32_acc,
-        launch_with_pdl=launch_with_pdl, trigger_completion_at_end=trigger_completion_at_end,
+        pattern,
+        workspace,
+        input=input,
+        residual_in=residual_in,
+        rms_gamma=rms_gamma,
+        rms_eps=rms_eps,
+        weight_bias=weight_bias,
+        use_oneshot=use_oneshot,
+        fp32_acc=fp32_acc,
+        launch_with_pdl=launch_with_pdl,
+        trigger_completion_at_end=trigger_completion_at_end,
         moe_reduction_device_num_experts=moe_reduction_device_num_experts,
         moe_reduction_scale_input=moe_reduction_scale_input,
         moe_reduction_active_experts_token_input=moe_reduction_active_experts_token_input,
         moe_reduction_token_input=moe_reduction_token_input,
         expanded_idx_to_permuted_idx=expanded_idx_to_permuted_idx,
-        expert_scale_factor=expert_scale_factor, shared_expert_output=shared_expert_output,
-        routed_scaling_factor=routed_scaling_factor)
+        expert_scale_factor=expert_scale_factor,
+        shared_expert_output=shared_expert_output,
+        routed_scaling_factor=routed_scaling_factor,
+    )
     p = call.pattern
     if quant_out is not None or scale_out is not None:
-        raise ValueError(f"{p.name} with quant_out/scale_out (FP4 output) needs an sm100+ "
-                         "GPU and is not built into torch_compat")
+        raise ValueError(
+            f"{p.name} with quant_out/scale_out (FP4 output) needs an sm100+ "
+            "GPU and is not built into torch_compat"
+        )
     if block_quant_group_size is not None:
         raise ValueError(f"block_quant_group_size does not apply to {p.name}")
     if p == FINALIZE and moe_finalize_backend != "trtllm":
-        raise ValueError(f"moe_finalize_backend must be 'trtllm' here, got "
-                         f"{moe_finalize_backend!r}")
+        raise ValueError(
+            f"moe_finalize_backend must be 'trtllm' here, got {moe_finalize_backend!r}"
+        )
     del scale_factor, layout_code  # read only by the FP4 output, as in FlashInfer
     if p == FINALIZE:
         if output is not None:
@@ -228,21 +326,35 @@ def moe_allreduce_fusion(input, workspace, pattern, *, launch_with_pdl=False,
         residual_out = torch.empty_like(residual_in) if residual_out is None else residual_out
     elif norm_out is None:
         raise ValueError(f"{p.name} needs norm_out (the kernel always writes it)")
-    tensors = {"residual_in": residual_in, "norm_out": norm_out, "residual_out": residual_out,
-               "output": output}
+    tensors = {
+        "residual_in": residual_in,
+        "norm_out": norm_out,
+        "residual_out": residual_out,
+        "output": output,
+    }
     for k, t in tensors.items():
         if t is not None:
             check_like(k, t, residual_in)
             check_placement(k, t, workspace)
     check_placement("rms_gamma", rms_gamma, workspace)
-    reads = ([("moe_reduction_scale_input", moe_reduction_scale_input, 4),
-              ("moe_reduction_active_experts_token_input",
-               moe_reduction_active_experts_token_input, 16),
-              ("moe_reduction_token_input", moe_reduction_token_input, 16)] if p == REDUCTION
-             else [("input", input, 16), ("expanded_idx_to_permuted_idx",
-                                          expanded_idx_to_permuted_idx, 4),
-                   ("expert_scale_factor", expert_scale_factor, 2),
-                   ("shared_expert_output", shared_expert_output, 16)])
+    reads = (
+        [
+            ("moe_reduction_scale_input", moe_reduction_scale_input, 4),
+            (
+                "moe_reduction_active_experts_token_input",
+                moe_reduction_active_experts_token_input,
+                16,
+            ),
+            ("moe_reduction_token_input", moe_reduction_token_input, 16),
+        ]
+        if p == REDUCTION
+        else [
+            ("input", input, 16),
+            ("expanded_idx_to_permuted_idx", expanded_idx_to_permuted_idx, 4),
+            ("expert_scale_factor", expert_scale_factor, 2),
+            ("shared_expert_output", shared_expert_output, 16),
+        ]
+    )
     for k, t, align in reads:
         if t is not None:
             check_placement(k, t, workspace, align)
@@ -259,23 +371,43 @@ def moe_allreduce_fusion(input, workspace, pattern, *, launch_with_pdl=False,
         return 0 if t is None else t.data_ptr()
 
     rank = workspace.native_rank()
-    common = dict(residual_in=ptr(residual_in), residual_out=ptr(residual_out),
-                  norm_out=ptr(norm_out), rms_gamma=ptr(rms_gamma), rms_eps=call.rms_eps,
-                  weight_bias=call.weight_bias, launch_with_pdl=call.launch_with_pdl,
-                  stream=cuda_state.current_stream(workspace.device))
+    common = dict(
+        residual_in=ptr(residual_in),
+        residual_out=ptr(residual_out),
+        norm_out=ptr(norm_out),
+        rms_gamma=ptr(rms_gamma),
+        rms_eps=call.rms_eps,
+        weight_bias=call.weight_bias,
+        launch_with_pdl=call.launch_with_pdl,
+        stream=cuda_state.current_stream(workspace.device),
+    )
     if p == REDUCTION:
-        rank.moe_launch(int(p), native.DTYPE_CODES[call.dtype_name], call.token_num,
-                        call.hidden_dim, num_experts=int(moe_reduction_device_num_experts),
-                        expert_scales=ptr(moe_reduction_scale_input),
-                        expert_outputs=ptr(moe_reduction_active_experts_token_input),
-                        token_input=ptr(moe_reduction_token_input), allreduce_out=ptr(output),
-                        **common)
+        rank.moe_launch(
+            int(p),
+            native.DTYPE_CODES[call.dtype_name],
+            call.token_num,
+            call.hidden_dim,
+            num_experts=int(moe_reduction_device_num_experts),
+            expert_scales=ptr(moe_reduction_scale_input),
+            expert_outputs=ptr(moe_reduction_active_experts_token_input),
+            token_input=ptr(moe_reduction_token_input),
+            allreduce_out=ptr(output),
+            **common,
+        )
     else:
         idx = expanded_idx_to_permuted_idx
-        rank.moe_launch(int(p), native.DTYPE_CODES[call.dtype_name], call.token_num,
-                        call.hidden_dim, permuted_input=ptr(input),
-                        num_permuted_rows=input.shape[0], expanded_idx_to_permuted_idx=ptr(idx),
-                        top_k=idx.shape[1], expert_scale_factor=ptr(expert_scale_factor),
-                        shared_expert_output=ptr(shared_expert_output),
-                        routed_scaling_factor=call.routed_scaling_factor, **common)
+        rank.moe_launch(
+            int(p),
+            native.DTYPE_CODES[call.dtype_name],
+            call.token_num,
+            call.hidden_dim,
+            permuted_input=ptr(input),
+            num_permuted_rows=input.shape[0],
+            expanded_idx_to_permuted_idx=ptr(idx),
+            top_k=idx.shape[1],
+            expert_scale_factor=ptr(expert_scale_factor),
+            shared_expert_output=ptr(shared_expert_output),
+            routed_scaling_factor=call.routed_scaling_factor,
+            **common,
+        )
     return norm_out

@@ -46,6 +46,7 @@ CUDA graph with its outputs passed in. The algorithm (one-shot, two-shot or, by 
 large-message path) comes from ``launch_mode.choose_algorithm``: a pure function of the shape,
 dtype width and workspace, so every rank picks the same one.
 """
+
 from __future__ import annotations
 
 import numbers
@@ -53,12 +54,18 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
-from jax_fusedar.common import (arguments, launch_mode, native, patterns, quant_layouts,
-                                results)
+from jax_fusedar.common import arguments, launch_mode, native, patterns, quant_layouts, results
 
 from . import cuda_state
-from .tensors import (SCALE_ALIGNMENT, check_gamma, check_like, check_placement, check_tensor,
-                      concrete, static_shape)
+from .tensors import (
+    SCALE_ALIGNMENT,
+    check_gamma,
+    check_like,
+    check_placement,
+    check_tensor,
+    concrete,
+    static_shape,
+)
 from .workspace import TORCH_DTYPES, TorchAllReduceFusionWorkspace
 
 # Every pattern allreduce_fusion serves: the dense ones checked and launched here, and the MoE
@@ -73,8 +80,9 @@ def _check_input(input, ws: TorchAllReduceFusionWorkspace) -> str:
     """Checks the input against the workspace; returns its dtype name."""
     check_tensor("input", input)
     if input.dim() != 2:
-        raise ValueError(f"input must be 2-D [token_num, hidden_dim], got shape "
-                         f"{list(input.shape)}")
+        raise ValueError(
+            f"input must be 2-D [token_num, hidden_dim], got shape {list(input.shape)}"
+        )
     if input.dtype not in TORCH_DTYPES:
         raise ValueError(f"input dtype {input.dtype} is not supported (bf16, fp16, fp32)")
     if not input.is_contiguous():
@@ -97,8 +105,9 @@ def check_group_size(hidden_dim: int, group_size, dtype_name: str) -> int:
     """The per-token-group size rule (quant_layouts.check_kernel_group_size, shared with
     ``jax_fusedar.api``), after the torch-side presence and type checks."""
     if group_size is None:
-        raise ValueError("block_quant_group_size is required for the per-token-group FP8 "
-                         "patterns (8, 9)")
+        raise ValueError(
+            "block_quant_group_size is required for the per-token-group FP8 patterns (8, 9)"
+        )
     if arguments.is_symbolic(group_size):  # under torch.compile: checked by the eager op
         return quant_layouts.check_kernel_group_size(hidden_dim, group_size, dtype_name)
     if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral):
@@ -108,21 +117,28 @@ def check_group_size(hidden_dim: int, group_size, dtype_name: str) -> int:
 
 def _check_scale_factor(scale_factor, pattern) -> None:
     """``scale_factor``'s value and metadata (shared with the fake implementations)."""
-    what = "the dequantization scale" if patterns.TRAITS[pattern].quant == "fp8" \
+    what = (
+        "the dequantization scale"
+        if patterns.TRAITS[pattern].quant == "fp8"
         else "the NVFP4 global scale"
+    )
     if scale_factor is None:
-        raise ValueError(f"pattern {pattern.value} ({pattern.name}) needs scale_factor "
-                         f"({what}: a float32 CUDA tensor of one element)")
+        raise ValueError(
+            f"pattern {pattern.value} ({pattern.name}) needs scale_factor "
+            f"({what}: a float32 CUDA tensor of one element)"
+        )
     if isinstance(scale_factor, torch.Tensor):
         if scale_factor.dtype != torch.float32:
             raise ValueError(f"scale_factor must be a float32 tensor, got {scale_factor.dtype}")
         if tuple(scale_factor.shape) not in ((), (1,)):
-            raise ValueError(f"scale_factor must have shape [1] (or be 0-d), got "
-                             f"{list(scale_factor.shape)}")
+            raise ValueError(
+                f"scale_factor must have shape [1] (or be 0-d), got {list(scale_factor.shape)}"
+            )
         return
     if isinstance(scale_factor, bool) or not isinstance(scale_factor, numbers.Real):
-        raise ValueError(f"scale_factor must be a float32 tensor or a float, got "
-                         f"{type(scale_factor).__name__}")
+        raise ValueError(
+            f"scale_factor must be a float32 tensor or a float, got {type(scale_factor).__name__}"
+        )
     value = float(scale_factor)
     if not (value > 0.0 and value < float("inf")):
         raise ValueError(f"scale_factor must be positive and finite, got {value}")
@@ -136,14 +152,17 @@ def _scale_factor_tensor(scale_factor, ws: TorchAllReduceFusionWorkspace) -> tor
         return scale_factor
     value = float(scale_factor)
     if cuda_state.capturing():
-        raise ValueError("a Python float scale_factor needs a fresh device tensor per call, "
-                         "which a CUDA graph cannot capture; pass a float32 CUDA tensor of "
-                         "one element (it may change between replays)")
+        raise ValueError(
+            "a Python float scale_factor needs a fresh device tensor per call, "
+            "which a CUDA graph cannot capture; pass a float32 CUDA tensor of "
+            "one element (it may change between replays)"
+        )
     return torch.tensor([value], dtype=torch.float32, device=ws.torch_device)
 
 
-def _check_quant_inputs(p, traits, name: str, input: torch.Tensor, scale_factor, layout_code,
-                        block_quant_group_size):
+def _check_quant_inputs(
+    p, traits, name: str, input: torch.Tensor, scale_factor, layout_code, block_quant_group_size
+):
     """The quantization inputs of ``p``; returns (layout code, group size) for the launch (0
     where unused; sizes that are symbolic, the group size included, are checked by the eager
     op)."""
@@ -156,8 +175,11 @@ def _check_quant_inputs(p, traits, name: str, input: torch.Tensor, scale_factor,
             raise ValueError(f"{label} (NVFP4) needs a bfloat16 or float16 input, got float32")
         if static:
             quant_layouts.check_hidden_fp4(hidden_dim)
-        layout = int(quant_layouts.as_layout(patterns.QuantizationSFLayout.SWIZZLED_128x4
-                                       if layout_code is None else layout_code))
+        layout = int(
+            quant_layouts.as_layout(
+                patterns.QuantizationSFLayout.SWIZZLED_128x4 if layout_code is None else layout_code
+            )
+        )
     if traits.quant == "group_fp8":
         group = check_group_size(hidden_dim, block_quant_group_size, name)
     if traits.uses_scale_factor:
@@ -165,29 +187,37 @@ def _check_quant_inputs(p, traits, name: str, input: torch.Tensor, scale_factor,
     return layout, group
 
 
-def _check_quant_outputs(p, traits, input: torch.Tensor, ws, quant_out, scale_out, layout,
-                         group):
+def _check_quant_outputs(p, traits, input: torch.Tensor, ws, quant_out, scale_out, layout, group):
     """Checks the quantized outputs of ``p`` (eager only: they are the caller's tensors)
     against ``results.result_specs``."""
     token_num, hidden_dim = input.shape
     label = f"pattern {p.value} ({p.name})"
-    missing = [k for k, t in (("quant_out", quant_out), ("scale_out", scale_out))
-               if t is None and (k == "quant_out" or traits.writes_scale_out)]
+    missing = [
+        k
+        for k, t in (("quant_out", quant_out), ("scale_out", scale_out))
+        if t is None and (k == "quant_out" or traits.writes_scale_out)
+    ]
     if missing:
         raise ValueError(f"{label} needs {', '.join(missing)}")
-    specs = {spec.name: spec for spec in results.result_specs(
-        p, token_num, hidden_dim, TORCH_DTYPES[input.dtype], layout, group)}
+    specs = {
+        spec.name: spec
+        for spec in results.result_specs(
+            p, token_num, hidden_dim, TORCH_DTYPES[input.dtype], layout, group
+        )
+    }
 
     # quant_out
     check_tensor("quant_out", quant_out)
     want = specs["quant_out"]
     want_dtype = getattr(torch, want.dtype)
     if tuple(quant_out.shape) != tuple(want.shape):
-        raise ValueError(f"quant_out must have shape {list(want.shape)} for {label}, got "
-                         f"{list(quant_out.shape)}")
+        raise ValueError(
+            f"quant_out must have shape {list(want.shape)} for {label}, got {list(quant_out.shape)}"
+        )
     if quant_out.dtype != want_dtype:
-        raise ValueError(f"quant_out must have dtype {want_dtype} for {label}, got "
-                         f"{quant_out.dtype}")
+        raise ValueError(
+            f"quant_out must have dtype {want_dtype} for {label}, got {quant_out.dtype}"
+        )
     if not quant_out.is_contiguous():
         raise ValueError("quant_out must be contiguous")
     check_placement("quant_out", quant_out, ws)
@@ -197,11 +227,14 @@ def _check_quant_outputs(p, traits, input: torch.Tensor, ws, quant_out, scale_ou
     if traits.quant == "dynamic_fp8":
         check_tensor("scale_out", scale_out)
         if tuple(scale_out.shape) != want.shape:
-            raise ValueError(f"scale_out must have shape [token_num, 1] = [{token_num}, 1] for "
-                             f"{label}, got {list(scale_out.shape)}")
+            raise ValueError(
+                f"scale_out must have shape [token_num, 1] = [{token_num}, 1] for "
+                f"{label}, got {list(scale_out.shape)}"
+            )
         if scale_out.dtype != getattr(torch, want.dtype):
-            raise ValueError(f"scale_out must have dtype torch.{want.dtype} for {label}, got "
-                             f"{scale_out.dtype}")
+            raise ValueError(
+                f"scale_out must have dtype torch.{want.dtype} for {label}, got {scale_out.dtype}"
+            )
         if not scale_out.is_contiguous():
             raise ValueError("scale_out must be contiguous")
         check_placement("scale_out", scale_out, ws, SCALE_ALIGNMENT)
@@ -209,35 +242,44 @@ def _check_quant_outputs(p, traits, input: torch.Tensor, ws, quant_out, scale_ou
         check_tensor("scale_out", scale_out)
         shape, strides = want.shape, want.strides
         if scale_out.dtype != getattr(torch, want.dtype):
-            raise ValueError(f"scale_out must have dtype torch.{want.dtype} (packed UE8M0) for "
-                             f"{label}, got {scale_out.dtype}")
+            raise ValueError(
+                f"scale_out must have dtype torch.{want.dtype} (packed UE8M0) for "
+                f"{label}, got {scale_out.dtype}"
+            )
         if tuple(scale_out.shape) != shape:
-            raise ValueError(f"scale_out shape must be {shape} (token_num, ceil(hidden_dim/"
-                             f"group_size/4)) for {label}, got {tuple(scale_out.shape)}")
+            raise ValueError(
+                f"scale_out shape must be {shape} (token_num, ceil(hidden_dim/"
+                f"group_size/4)) for {label}, got {tuple(scale_out.shape)}"
+            )
         if tuple(scale_out.stride()) != strides:
             raise ValueError(
                 f"scale_out stride must be {strides} (MN-major, tma_aligned_mn = "
                 f"round_up(token_num, 4) = {strides[1]}), got {tuple(scale_out.stride())}; "
                 f"allocate torch.empty({shape[1]}, {strides[1]}, dtype=torch.int32)"
-                f"[:, :{token_num}].t()")
+                f"[:, :{token_num}].t()"
+            )
         check_placement("scale_out", scale_out, ws, SCALE_ALIGNMENT)
     elif traits.quant == "fp4":
         check_tensor("scale_out", scale_out)
         size = quant_layouts.nvfp4_scale_buffer_size(token_num, hidden_dim, layout)
         if scale_out.dtype not in _FP4_SCALE_DTYPES:
-            raise ValueError(f"scale_out must have dtype torch.float8_e4m3fn, torch.uint8 or "
-                             f"torch.int32 for {label}, got {scale_out.dtype}")
+            raise ValueError(
+                f"scale_out must have dtype torch.float8_e4m3fn, torch.uint8 or "
+                f"torch.int32 for {label}, got {scale_out.dtype}"
+            )
         if not scale_out.is_contiguous():
             raise ValueError("scale_out must be contiguous")
         nbytes = scale_out.numel() * scale_out.element_size()
         if nbytes != size:
             lay = patterns.QuantizationSFLayout(layout).name
-            raise ValueError(f"scale_out must hold exactly {size} bytes of e4m3 scales for "
-                             f"{token_num}x{hidden_dim} in layout {lay} "
-                             f"(quant_layouts.nvfp4_scale_shape: "
-                             f"{quant_layouts.nvfp4_scale_shape(token_num, hidden_dim, layout)}), "
-                             f"got {nbytes} bytes (shape {list(scale_out.shape)}, "
-                             f"{scale_out.dtype})")
+            raise ValueError(
+                f"scale_out must hold exactly {size} bytes of e4m3 scales for "
+                f"{token_num}x{hidden_dim} in layout {lay} "
+                f"(quant_layouts.nvfp4_scale_shape: "
+                f"{quant_layouts.nvfp4_scale_shape(token_num, hidden_dim, layout)}), "
+                f"got {nbytes} bytes (shape {list(scale_out.shape)}, "
+                f"{scale_out.dtype})"
+            )
         check_placement("scale_out", scale_out, ws, SCALE_ALIGNMENT)
 
 
@@ -263,6 +305,7 @@ class CheckedCall(NamedTuple):
     """What ``check_call`` found: the call's pattern and traits, input dtype name, NVFP4
     layout and group size for the launch, the mode (None while sizes are symbolic) and the
     options as strictly typed values."""
+
     pattern: patterns.AllReduceFusionPattern
     traits: patterns.PatternTraits
     dtype_name: str
@@ -276,10 +319,23 @@ class CheckedCall(NamedTuple):
     trigger_completion_at_end: bool
 
 
-def check_call(input, workspace, pattern, *, residual_in=None, rms_gamma=None, rms_eps=1e-6,
-               scale_factor=None, layout_code=None, use_oneshot=None, fp32_acc=False,
-               block_quant_group_size=None, weight_bias=0.0, launch_with_pdl=False,
-               trigger_completion_at_end=True) -> CheckedCall:
+def check_call(
+    input,
+    workspace,
+    pattern,
+    *,
+    residual_in=None,
+    rms_gamma=None,
+    rms_eps=1e-6,
+    scale_factor=None,
+    layout_code=None,
+    use_oneshot=None,
+    fp32_acc=False,
+    block_quant_group_size=None,
+    weight_bias=0.0,
+    launch_with_pdl=False,
+    trigger_completion_at_end=True,
+) -> CheckedCall:
     """Every check of a call's inputs and options that needs no device memory: the eager op
     and the fake (meta) implementations of ``torch_compat.library`` both run it, so what the
     op refuses at run time ``torch.compile`` refuses while tracing. The caller's output
@@ -287,44 +343,55 @@ def check_call(input, workspace, pattern, *, residual_in=None, rms_gamma=None, r
     the eager op only (fake tensors have no memory and the tracing machine may have no GPU).
     """
     if not isinstance(workspace, TorchAllReduceFusionWorkspace):
-        raise TypeError(f"workspace must come from torch_compat.create_allreduce_fusion_"
-                        f"workspace, got {type(workspace).__name__}")
+        raise TypeError(
+            f"workspace must come from torch_compat.create_allreduce_fusion_"
+            f"workspace, got {type(workspace).__name__}"
+        )
     workspace.native_rank()  # raises once destroyed
     pattern, layout_code = concrete(pattern), concrete(layout_code)
     p = patterns.as_pattern(pattern)  # ValueError naming the valid patterns
     if p in patterns.MOE_PATTERNS:
-        raise ValueError(f"pattern {p.value} ({p.name}) is checked by "
-                         "torch_compat.moe.check_moe_call (it has its own inputs)")
+        raise ValueError(
+            f"pattern {p.value} ({p.name}) is checked by "
+            "torch_compat.moe.check_moe_call (it has its own inputs)"
+        )
     if p not in TORCH_PATTERNS:
-        raise ValueError(f"pattern {p.value} ({p.name}) is not supported by torch_compat; "
-                         "supported: " + ", ".join(f"{q.value} ({q.name})" for q in TORCH_PATTERNS))
+        raise ValueError(
+            f"pattern {p.value} ({p.name}) is not supported by torch_compat; "
+            "supported: " + ", ".join(f"{q.value} ({q.name})" for q in TORCH_PATTERNS)
+        )
     traits = patterns.TRAITS[p]
     # Options are taken as given, never coerced (bool("false") is True): arguments.py.
     use_oneshot = _option(arguments.as_bool, "use_oneshot", use_oneshot, allow_none=True)
     options = dict(
         fp32_acc=_option(arguments.as_bool, "fp32_acc", fp32_acc),
         launch_with_pdl=_option(arguments.as_bool, "launch_with_pdl", launch_with_pdl),
-        trigger_completion_at_end=_option(arguments.as_bool, "trigger_completion_at_end",
-                                          trigger_completion_at_end),
+        trigger_completion_at_end=_option(
+            arguments.as_bool, "trigger_completion_at_end", trigger_completion_at_end
+        ),
         rms_eps=_option(arguments.as_float32, "rms_eps", rms_eps, minimum=0.0),
-        weight_bias=_option(arguments.as_float32, "weight_bias", weight_bias))
+        weight_bias=_option(arguments.as_float32, "weight_bias", weight_bias),
+    )
     name = _check_input(input, workspace)
     if traits.has_residual:
-        missing = [k for k, t in (("residual_in", residual_in), ("rms_gamma", rms_gamma))
-                   if t is None]
+        missing = [
+            k for k, t in (("residual_in", residual_in), ("rms_gamma", rms_gamma)) if t is None
+        ]
         if missing:
             raise ValueError(f"pattern {p.value} ({p.name}) needs {', '.join(missing)}")
         check_like("residual_in", residual_in, input)
         check_gamma(rms_gamma, input)
     layout, group = 0, 0
     if traits.quant is not None:
-        layout, group = _check_quant_inputs(p, traits, name, input, scale_factor, layout_code,
-                                            block_quant_group_size)
+        layout, group = _check_quant_inputs(
+            p, traits, name, input, scale_factor, layout_code, block_quant_group_size
+        )
     algorithm = None
     if static_shape(input):
         token_num, hidden_dim = input.shape
-        algorithm = launch_mode.choose_algorithm(token_num, hidden_dim, workspace.sizes,
-                                              use_oneshot)
+        algorithm = launch_mode.choose_algorithm(
+            token_num, hidden_dim, workspace.sizes, use_oneshot
+        )
     return CheckedCall(p, traits, name, layout, group, algorithm, **options)
 
 
@@ -383,62 +450,108 @@ def allreduce_fusion(
     """
     if _is_moe_pattern(pattern):
         from . import moe
+
         return moe.moe_allreduce_fusion(
-            input, workspace, pattern, launch_with_pdl=launch_with_pdl,
-            trigger_completion_at_end=trigger_completion_at_end, output=output,
-            residual_out=residual_out, norm_out=norm_out, quant_out=quant_out,
-            scale_out=scale_out, residual_in=residual_in, rms_gamma=rms_gamma, rms_eps=rms_eps,
-            scale_factor=scale_factor, layout_code=layout_code, use_oneshot=use_oneshot,
-            fp32_acc=fp32_acc, moe_reduction_device_num_experts=moe_reduction_device_num_experts,
+            input,
+            workspace,
+            pattern,
+            launch_with_pdl=launch_with_pdl,
+            trigger_completion_at_end=trigger_completion_at_end,
+            output=output,
+            residual_out=residual_out,
+            norm_out=norm_out,
+            quant_out=quant_out,
+            scale_out=scale_out,
+            residual_in=residual_in,
+            rms_gamma=rms_gamma,
+            rms_eps=rms_eps,
+            scale_factor=scale_factor,
+            layout_code=layout_code,
+            use_oneshot=use_oneshot,
+            fp32_acc=fp32_acc,
+            moe_reduction_device_num_experts=moe_reduction_device_num_experts,
             moe_reduction_scale_input=moe_reduction_scale_input,
             moe_reduction_active_experts_token_input=moe_reduction_active_experts_token_input,
             moe_reduction_token_input=moe_reduction_token_input,
             expanded_idx_to_permuted_idx=expanded_idx_to_permuted_idx,
-            expert_scale_factor=expert_scale_factor, shared_expert_output=shared_expert_output,
-            block_quant_group_size=block_quant_group_size, weight_bias=weight_bias,
+            expert_scale_factor=expert_scale_factor,
+            shared_expert_output=shared_expert_output,
+            block_quant_group_size=block_quant_group_size,
+            weight_bias=weight_bias,
             moe_finalize_backend=moe_finalize_backend,
-            routed_scaling_factor=routed_scaling_factor)
-    moe_only = {k: v for k, v in (
-        ("moe_reduction_device_num_experts", moe_reduction_device_num_experts),
-        ("moe_reduction_scale_input", moe_reduction_scale_input),
-        ("moe_reduction_active_experts_token_input", moe_reduction_active_experts_token_input),
-        ("moe_reduction_token_input", moe_reduction_token_input),
-        ("expanded_idx_to_permuted_idx", expanded_idx_to_permuted_idx),
-        ("expert_scale_factor", expert_scale_factor),
-        ("shared_expert_output", shared_expert_output),
-        ("routed_scaling_factor", routed_scaling_factor)) if v is not None}
+            routed_scaling_factor=routed_scaling_factor,
+        )
+    moe_only = {
+        k: v
+        for k, v in (
+            ("moe_reduction_device_num_experts", moe_reduction_device_num_experts),
+            ("moe_reduction_scale_input", moe_reduction_scale_input),
+            ("moe_reduction_active_experts_token_input", moe_reduction_active_experts_token_input),
+            ("moe_reduction_token_input", moe_reduction_token_input),
+            ("expanded_idx_to_permuted_idx", expanded_idx_to_permuted_idx),
+            ("expert_scale_factor", expert_scale_factor),
+            ("shared_expert_output", shared_expert_output),
+            ("routed_scaling_factor", routed_scaling_factor),
+        )
+        if v is not None
+    }
     if moe_only:
-        raise ValueError(f"{', '.join(moe_only)} apply to the MoE patterns 6 and 7 only, not "
-                         f"pattern {pattern!r}")
+        raise ValueError(
+            f"{', '.join(moe_only)} apply to the MoE patterns 6 and 7 only, not pattern {pattern!r}"
+        )
     if moe_finalize_backend != "trtllm":
-        raise ValueError(f"moe_finalize_backend applies to pattern 7 and takes only "
-                         f"'trtllm' here, got {moe_finalize_backend!r}")
-    call = check_call(input, workspace, pattern, residual_in=residual_in, rms_gamma=rms_gamma,
-                      rms_eps=rms_eps, scale_factor=scale_factor, layout_code=layout_code,
-                      use_oneshot=use_oneshot, fp32_acc=fp32_acc,
-                      block_quant_group_size=block_quant_group_size, weight_bias=weight_bias,
-                      launch_with_pdl=launch_with_pdl,
-                      trigger_completion_at_end=trigger_completion_at_end)
+        raise ValueError(
+            f"moe_finalize_backend applies to pattern 7 and takes only "
+            f"'trtllm' here, got {moe_finalize_backend!r}"
+        )
+    call = check_call(
+        input,
+        workspace,
+        pattern,
+        residual_in=residual_in,
+        rms_gamma=rms_gamma,
+        rms_eps=rms_eps,
+        scale_factor=scale_factor,
+        layout_code=layout_code,
+        use_oneshot=use_oneshot,
+        fp32_acc=fp32_acc,
+        block_quant_group_size=block_quant_group_size,
+        weight_bias=weight_bias,
+        launch_with_pdl=launch_with_pdl,
+        trigger_completion_at_end=trigger_completion_at_end,
+    )
     rank = workspace.native_rank()
     p, traits, name = call.pattern, call.traits, call.dtype_name
     if traits.needs_sm100:
-        problem = patterns.device_problem(p, f"cuda:{workspace.device}",
-                                          *cuda_state.compute_capability(workspace.device))
+        problem = patterns.device_problem(
+            p, f"cuda:{workspace.device}", *cuda_state.compute_capability(workspace.device)
+        )
         if problem:
             raise ValueError(problem)
     token_num, hidden_dim = input.shape
 
     # Every output the pattern does not write is refused, output= included (FlashInfer
     # would leave it unwritten and may even return it).
-    written = {"output": traits.has_allreduce_out, "residual_out": traits.has_residual,
-               "norm_out": traits.has_norm_out, "quant_out": traits.quant is not None,
-               "scale_out": traits.writes_scale_out}
-    given = {"output": output, "residual_out": residual_out, "norm_out": norm_out,
-             "quant_out": quant_out, "scale_out": scale_out}
+    written = {
+        "output": traits.has_allreduce_out,
+        "residual_out": traits.has_residual,
+        "norm_out": traits.has_norm_out,
+        "quant_out": traits.quant is not None,
+        "scale_out": traits.writes_scale_out,
+    }
+    given = {
+        "output": output,
+        "residual_out": residual_out,
+        "norm_out": norm_out,
+        "quant_out": quant_out,
+        "scale_out": scale_out,
+    }
     unwritten = [k for k, t in given.items() if t is not None and not written[k]]
     if unwritten:
-        raise ValueError(f"pattern {p.value} ({p.name}) does not write {', '.join(unwritten)}; "
-                         f"pass None (FlashInfer would leave it unwritten)")
+        raise ValueError(
+            f"pattern {p.value} ({p.name}) does not write {', '.join(unwritten)}; "
+            f"pass None (FlashInfer would leave it unwritten)"
+        )
     like_input = {"input": input, "output": output}
     if traits.has_residual:
         needed = {"residual_out": residual_out}
@@ -456,8 +569,9 @@ def allreduce_fusion(
         check_placement("rms_gamma", rms_gamma, workspace)
     sf = None
     if traits.quant is not None:
-        _check_quant_outputs(p, traits, input, workspace, quant_out, scale_out, call.layout,
-                             call.group)
+        _check_quant_outputs(
+            p, traits, input, workspace, quant_out, scale_out, call.layout, call.group
+        )
         if traits.uses_scale_factor:
             sf = _scale_factor_tensor(scale_factor, workspace)
     layout, group, algorithm = call.layout, call.group, call.algorithm
@@ -469,17 +583,29 @@ def allreduce_fusion(
         return 0 if t is None else t.data_ptr()
 
     rank.launch(
-        int(p), native.DTYPE_CODES[name], token_num, hidden_dim, ptr(input),
+        int(p),
+        native.DTYPE_CODES[name],
+        token_num,
+        hidden_dim,
+        ptr(input),
         allreduce_out=ptr(output) if traits.has_allreduce_out else 0,
         residual_in=ptr(residual_in) if traits.has_residual else 0,
-        residual_out=ptr(residual_out), norm_out=ptr(norm_out),
-        quant_out=ptr(quant_out), scale_out=ptr(scale_out),
+        residual_out=ptr(residual_out),
+        norm_out=ptr(norm_out),
+        quant_out=ptr(quant_out),
+        scale_out=ptr(scale_out),
         rms_gamma=ptr(rms_gamma) if traits.has_residual else 0,
-        scale_factor=ptr(sf), rms_eps=call.rms_eps, weight_bias=call.weight_bias,
-        algorithm=algorithm, fp32_acc=call.fp32_acc, layout=layout,
-        block_quant_group_size=group, launch_with_pdl=call.launch_with_pdl,
+        scale_factor=ptr(sf),
+        rms_eps=call.rms_eps,
+        weight_bias=call.weight_bias,
+        algorithm=algorithm,
+        fp32_acc=call.fp32_acc,
+        layout=layout,
+        block_quant_group_size=group,
+        launch_with_pdl=call.launch_with_pdl,
         trigger_completion_at_end=call.trigger_completion_at_end,
-        stream=cuda_state.current_stream(workspace.device))
+        stream=cuda_state.current_stream(workspace.device),
+    )
     if traits.has_norm_out:
         return norm_out
     if traits.quant is not None:

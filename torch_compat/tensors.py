@@ -5,6 +5,7 @@ workspace's device with the alignment the kernels access, whether the sizes are 
 argument traced as a SymInt. Host metadata only, so every check also runs on fake tensors
 and during CUDA-graph capture.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,16 +33,19 @@ def check_shape(name: str, t, shape, dtype) -> None:
     """``t`` is a contiguous tensor of exactly ``shape`` and ``dtype``."""
     check_contiguous(name, t)
     if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-        raise ValueError(f"{name} must have shape {list(shape)} and dtype {dtype}, got "
-                         f"{list(t.shape)} {t.dtype}")
+        raise ValueError(
+            f"{name} must have shape {list(shape)} and dtype {dtype}, got {list(t.shape)} {t.dtype}"
+        )
 
 
 def check_like(name: str, t, ref: torch.Tensor) -> None:
     """``t`` must look exactly like ``ref`` (the input): same shape, dtype, contiguous."""
     check_tensor(name, t)
     if tuple(t.shape) != tuple(ref.shape):
-        raise ValueError(f"{name} must have the input's shape [token_num, hidden_dim] = "
-                         f"{list(ref.shape)}, got {list(t.shape)}")
+        raise ValueError(
+            f"{name} must have the input's shape [token_num, hidden_dim] = "
+            f"{list(ref.shape)}, got {list(t.shape)}"
+        )
     if t.dtype != ref.dtype:
         raise ValueError(f"{name} must have the input's dtype {ref.dtype}, got {t.dtype}")
     if not t.is_contiguous():
@@ -53,8 +57,9 @@ def check_gamma(gamma, ref: torch.Tensor) -> None:
     hidden_dim = ref.shape[1]
     check_tensor("rms_gamma", gamma)
     if tuple(gamma.shape) != (hidden_dim,):
-        raise ValueError(f"rms_gamma must have shape [hidden_dim] = [{hidden_dim}], got "
-                         f"{list(gamma.shape)}")
+        raise ValueError(
+            f"rms_gamma must have shape [hidden_dim] = [{hidden_dim}], got {list(gamma.shape)}"
+        )
     if gamma.dtype != ref.dtype:
         raise ValueError(f"rms_gamma must have the input's dtype {ref.dtype}, got {gamma.dtype}")
     if not gamma.is_contiguous():
@@ -65,11 +70,14 @@ def check_placement(name: str, t: torch.Tensor, ws, alignment: int = ALIGNMENT) 
     """``t`` is on the device of ``ws`` (a TorchAllReduceFusionWorkspace) and starts on an
     ``alignment``-byte boundary."""
     if t.device != ws.torch_device:
-        raise ValueError(f"{name} must be on {ws.torch_device} (the workspace's device), "
-                         f"got {t.device}")
+        raise ValueError(
+            f"{name} must be on {ws.torch_device} (the workspace's device), got {t.device}"
+        )
     if t.data_ptr() % alignment:
-        raise ValueError(f"{name} must start on a {alignment}-byte boundary (the kernel "
-                         f"accesses {alignment}-byte words); got address {t.data_ptr():#x}")
+        raise ValueError(
+            f"{name} must start on a {alignment}-byte boundary (the kernel "
+            f"accesses {alignment}-byte words); got address {t.data_ptr():#x}"
+        )
 
 
 def static_shape(t: torch.Tensor) -> bool:

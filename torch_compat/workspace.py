@@ -17,6 +17,7 @@ The handles travel through the c10d store (``channel.StoreChannel``), with a tim
 member that never joins is a ``TimeoutError`` naming it. Memory and kernels are the shared
 native core (``jax_fusedar._fusedar.Rank``); no JAX is imported.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -28,9 +29,20 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from jax_fusedar.common import (arguments, backend_choice, call_check, exchange, join,
-                                launch_mode, lifecycle, limits, lost_traps, native, sizing,
-                                tp_groups)
+from jax_fusedar.common import (
+    arguments,
+    backend_choice,
+    call_check,
+    exchange,
+    join,
+    launch_mode,
+    lifecycle,
+    limits,
+    lost_traps,
+    native,
+    sizing,
+    tp_groups,
+)
 
 from .channel import StoreChannel
 from .tensors import concrete
@@ -77,10 +89,21 @@ class TorchAllReduceFusionWorkspace(lifecycle.WorkspaceLifecycle):
 
     backend = "trtllm"
 
-    def __init__(self, *, native_rank, global_ranks: Sequence[int], rank: int, device: int,
-                 max_token_num: int, hidden_dim: int, dtype: torch.dtype,
-                 sizes: sizing.WorkspaceSizes, members: Sequence[exchange.Member] = (),
-                 check_calls: bool = False, timeout_s: float = call_check.DEFAULT_TIMEOUT_S):
+    def __init__(
+        self,
+        *,
+        native_rank,
+        global_ranks: Sequence[int],
+        rank: int,
+        device: int,
+        max_token_num: int,
+        hidden_dim: int,
+        dtype: torch.dtype,
+        sizes: sizing.WorkspaceSizes,
+        members: Sequence[exchange.Member] = (),
+        check_calls: bool = False,
+        timeout_s: float = call_check.DEFAULT_TIMEOUT_S,
+    ):
         self._rank_obj = native_rank
         self.global_ranks = tuple(int(g) for g in global_ranks)
         self.world_size = len(self.global_ranks)
@@ -119,8 +142,14 @@ class TorchAllReduceFusionWorkspace(lifecycle.WorkspaceLifecycle):
         self._check_alive()
         return self._rank_obj
 
-    def fit_problem(self, tp_size: int, num_tokens: int, hidden_dim: int, dtype,
-                    use_oneshot: Optional[bool] = None) -> Optional[str]:
+    def fit_problem(
+        self,
+        tp_size: int,
+        num_tokens: int,
+        hidden_dim: int,
+        dtype,
+        use_oneshot: Optional[bool] = None,
+    ) -> Optional[str]:
         """Why a call of this size cannot use the workspace, or None if it can: the one rule
         of both ``is_buffer_size_sufficient`` and the op (``ops.check_call``)."""
         self._check_alive()
@@ -128,20 +157,24 @@ class TorchAllReduceFusionWorkspace(lifecycle.WorkspaceLifecycle):
         if num_tokens == 0:  # as the op refuses an empty input
             problems.append("num_tokens is 0: the op refuses an empty input")
         if tp_size != self.world_size:
-            problems.append(f"tp_size {tp_size} does not match the workspace's TP size "
-                            f"{self.world_size}")
+            problems.append(
+                f"tp_size {tp_size} does not match the workspace's TP size {self.world_size}"
+            )
         too_big = self.buffer_problem(num_tokens, hidden_dim)
         if too_big:
             problems.append(too_big)
         if dtype not in TORCH_DTYPES:
             problems.append(f"dtype {dtype} is not supported (bf16, fp16, fp32)")
         elif (dtype == torch.float32) != self.sizes.use_fp32_lamport:
-            problems.append(f"dtype {dtype} does not have the workspace's element width "
-                            f"({self.dtype}): float32 needs a float32 workspace, bf16/fp16 a "
-                            f"16-bit one")
+            problems.append(
+                f"dtype {dtype} does not have the workspace's element width "
+                f"({self.dtype}): float32 needs a float32 workspace, bf16/fp16 a "
+                f"16-bit one"
+            )
         else:  # the kernel's own rule on the hidden size (whole 16-byte vectors, launch limit)
-            launch = limits.kernel_support_problem(self.sizes.world_size, hidden_dim,
-                                                   TORCH_DTYPES[dtype])
+            launch = limits.kernel_support_problem(
+                self.sizes.world_size, hidden_dim, TORCH_DTYPES[dtype]
+            )
             if launch:
                 problems.append(launch)
         if not problems and use_oneshot is not None:
@@ -151,8 +184,14 @@ class TorchAllReduceFusionWorkspace(lifecycle.WorkspaceLifecycle):
                 problems.append(str(e))
         return "; ".join(problems) or None
 
-    def is_buffer_size_sufficient(self, tp_size: int, num_tokens: int, hidden_dim: int,
-                                  dtype: torch.dtype, use_oneshot: Optional[Any] = None) -> bool:
+    def is_buffer_size_sufficient(
+        self,
+        tp_size: int,
+        num_tokens: int,
+        hidden_dim: int,
+        dtype: torch.dtype,
+        use_oneshot: Optional[Any] = None,
+    ) -> bool:
         """FlashInfer's check (``check_trtllm_allreduce_fusion_workspace_metadata``): same TP
         size, ``num_tokens * hidden_dim <= max_token_num * hidden_dim``, same element width;
         and what the kernel needs of the hidden size (whole 16-byte vectors, within the
@@ -184,10 +223,16 @@ class TorchAllReduceFusionWorkspace(lifecycle.WorkspaceLifecycle):
         rank.destroy()
 
     def _repr_fields(self):
-        return ["backend='trtllm'", f"tp_rank={self.rank}", f"tp_size={self.world_size}",
-                f"global_ranks={list(self.global_ranks)}", f"device=cuda:{self.device}",
-                f"max_token_num={self.max_token_num}", f"hidden_dim={self.hidden_dim}",
-                f"dtype={self.dtype}"]
+        return [
+            "backend='trtllm'",
+            f"tp_rank={self.rank}",
+            f"tp_size={self.world_size}",
+            f"global_ranks={list(self.global_ranks)}",
+            f"device=cuda:{self.device}",
+            f"max_token_num={self.max_token_num}",
+            f"hidden_dim={self.hidden_dim}",
+            f"dtype={self.dtype}",
+        ]
 
 
 # --- argument checks ----------------------------------------------------------------------------
@@ -198,8 +243,11 @@ TORCH_BACKENDS = ("auto", "trtllm")
 _UNFUSED = "torch.distributed.all_reduce + an RMSNorm"
 
 
-def resolve_backend(backend: Optional[str], group: Optional[tp_groups.TPGroup] = None,
-                    host_of: Optional[Dict[int, str]] = None) -> str:
+def resolve_backend(
+    backend: Optional[str],
+    group: Optional[tp_groups.TPGroup] = None,
+    host_of: Optional[Dict[int, str]] = None,
+) -> str:
     """The torch backend: "trtllm" (the kernel, one node), from ``backend`` or, for "auto"/None,
     $JAX_FUSEDAR_ALLREDUCE_BACKEND (backend_choice.requested_backend, the JAX precedence). With
     ``group`` and ``host_of`` (global rank -> host name) the group's own hosts are counted
@@ -208,21 +256,26 @@ def resolve_backend(backend: Optional[str], group: Optional[tp_groups.TPGroup] =
     name, source = backend_choice.requested_backend(backend)
     choices = f"torch_compat's backends: {', '.join(map(repr, TORCH_BACKENDS))}"
     if name == "xla":
-        raise ValueError(f"all-reduce backend 'xla' (from the {source}) means JAX's "
-                         f"collectives and does not exist under torch; {choices} (for the "
-                         f"unfused path use {_UNFUSED})")
+        raise ValueError(
+            f"all-reduce backend 'xla' (from the {source}) means JAX's "
+            f"collectives and does not exist under torch; {choices} (for the "
+            f"unfused path use {_UNFUSED})"
+        )
     if name == "mnnvl":
-        raise ValueError(f"the 'mnnvl' all-reduce backend (from the {source}) needs NVLink "
-                         f"multicast (cuMulticastCreate), which torch_compat never attempts; "
-                         f"use 'trtllm' (or 'auto') within one node, {_UNFUSED} across nodes")
+        raise ValueError(
+            f"the 'mnnvl' all-reduce backend (from the {source}) needs NVLink "
+            f"multicast (cuMulticastCreate), which torch_compat never attempts; "
+            f"use 'trtllm' (or 'auto') within one node, {_UNFUSED} across nodes"
+        )
     if name not in TORCH_BACKENDS:
         raise ValueError(f"unknown all-reduce backend {name!r} (from the {source}); {choices}")
     if group is not None:
         hosts = tp_groups.group_hosts(group, host_of)
         if len(hosts) > 1:
             where = backend_choice.describe_spanning([(group, hosts)], 1, "global rank")
-            raise ValueError(f"{where}: {backend_choice.ONE_NODE_ONLY}; use {_UNFUSED} across "
-                             "nodes")
+            raise ValueError(
+                f"{where}: {backend_choice.ONE_NODE_ONLY}; use {_UNFUSED} across nodes"
+            )
     return "trtllm"
 
 
@@ -230,32 +283,39 @@ def _group_membership(group, world_size, rank) -> Tuple[List[int], int]:
     """(the group's global ranks in TP-rank order, this process's TP rank), after checking
     that ``world_size``/``rank`` are the group-local ones (None: taken from the group)."""
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialized: call "
-                           "torch.distributed.init_process_group() (any backend; gloo is "
-                           "enough) before creating the workspace")
+        raise RuntimeError(
+            "torch.distributed is not initialized: call "
+            "torch.distributed.init_process_group() (any backend; gloo is "
+            "enough) before creating the workspace"
+        )
     if group is None:
         group = dist.group.WORLD
     local_rank = dist.get_rank(group)
     if local_rank < 0:
-        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of "
-                         f"the process group passed as group=")
+        raise ValueError(
+            f"this process (global rank {dist.get_rank()}) is not a member of "
+            f"the process group passed as group="
+        )
     global_ranks = [int(g) for g in dist.get_process_group_ranks(group)]
     size = len(global_ranks)
     if world_size is not None and world_size != size:
         raise ValueError(
             f"world_size={world_size!r} but the TP group has {size} ranks (global ranks "
             f"{global_ranks}): world_size is the size of `group` (dist.get_world_size(group)), "
-            f"not of WORLD; pass the TP ProcessGroup as group=")
+            f"not of WORLD; pass the TP ProcessGroup as group="
+        )
     if rank is not None and rank != local_rank:
         raise ValueError(
             f"rank={rank!r} but this process is rank {local_rank} of the TP group (global "
             f"rank {dist.get_rank()}, group members {global_ranks}): `rank` is group-local "
-            f"(dist.get_rank(group)), not the global rank nor a device index")
+            f"(dist.get_rank(group)), not the global rank nor a device index"
+        )
     return global_ranks, local_rank
 
 
-def _check_flashinfer_options(world_size, rank, max_token_num, hidden_dim, gpus_per_node,
-                              force_oneshot_support):
+def _check_flashinfer_options(
+    world_size, rank, max_token_num, hidden_dim, gpus_per_node, force_oneshot_support
+):
     """FlashInfer's sizes and flags, typed as given (never coerced: ``world_size=2.0`` or
     ``force_oneshot_support="no"`` are refused), even the two only its MNNVL backend reads.
     Returns (world_size, rank) as ints, or None where not given."""
@@ -264,8 +324,10 @@ def _check_flashinfer_options(world_size, rank, max_token_num, hidden_dim, gpus_
     limits.positive_int("max_token_num", max_token_num)  # before any rule on the group
     limits.positive_int("hidden_dim", hidden_dim)
     arguments.as_bool("force_oneshot_support", force_oneshot_support)
-    return (None if world_size is None else arguments.as_int("world_size", world_size, minimum=1),
-            None if rank is None else arguments.as_int("rank", rank, minimum=0))
+    return (
+        None if world_size is None else arguments.as_int("world_size", world_size, minimum=1),
+        None if rank is None else arguments.as_int("rank", rank, minimum=0),
+    )
 
 
 def _check_comm_backend(comm_backend, world_size: int, rank: int) -> None:
@@ -280,14 +342,17 @@ def _check_comm_backend(comm_backend, world_size: int, rank: int) -> None:
         if theirs != mine:
             raise ValueError(
                 f"comm_backend.{getter}() = {theirs} but `group` gives TP {what} {mine}: "
-                f"comm_backend and group must describe the same TP group")
+                f"comm_backend and group must describe the same TP group"
+            )
 
 
 def _current_cuda_device() -> int:
     if not torch.cuda.is_available():
-        raise RuntimeError("the fused all-reduce needs a CUDA GPU, but torch sees none "
-                           f"(torch {torch.__version__}, CUDA build: "
-                           f"{torch.version.cuda is not None})")
+        raise RuntimeError(
+            "the fused all-reduce needs a CUDA GPU, but torch sees none "
+            f"(torch {torch.__version__}, CUDA build: "
+            f"{torch.version.cuda is not None})"
+        )
     # The device this process drives (vLLM bug #3 used the TP rank as the device index).
     return torch.cuda.current_device()
 
@@ -295,9 +360,18 @@ def _current_cuda_device() -> int:
 # --- the exchange --------------------------------------------------------------------------------
 
 
-def _join_group(*, global_ranks: Sequence[int], me: int, device: int, host: str,
-                channel: StoreChannel, serial: int, backend: Optional[str],
-                make_rank: Callable[[int, int], Any], check_calls: bool = False):
+def _join_group(
+    *,
+    global_ranks: Sequence[int],
+    me: int,
+    device: int,
+    host: str,
+    channel: StoreChannel,
+    serial: int,
+    backend: Optional[str],
+    make_rank: Callable[[int, int], Any],
+    check_calls: bool = False,
+):
     """Joins this process's member to its group by the shared protocol (``common/join.py``:
     publish, agree, create, connect); returns (native rank, members). Pure values in, so tests
     can drive it with threads, a HashStore and fake ranks. One member per process, so the
@@ -309,22 +383,35 @@ def _join_group(*, global_ranks: Sequence[int], me: int, device: int, host: str,
     def accept(_, infos):
         # Same infos on every member, so every member accepts or refuses alike.
         resolve_backend(backend, group, {g: infos[g]["host"] for g in group.members})
-        places = [(infos[g]["host"], infos[g]["devices"][str(r)])
-                  for r, g in enumerate(group.members)]
+        places = [
+            (infos[g]["host"], infos[g]["devices"][str(r)]) for r, g in enumerate(group.members)
+        ]
         if len(set(places)) < len(places):
             # Legal (ranks time-slice one GPU, as in tests), but in production it is usually
             # a device chosen from the TP rank instead of torch.cuda.set_device(local device).
-            log.warning("TP group %s: several ranks share a GPU (host, device): %s",
-                        list(group.members), places)
+            log.warning(
+                "TP group %s: several ranks share a GPU (host, device): %s",
+                list(group.members),
+                places,
+            )
 
     agreed = join.agree(
-        [joining], me, channel, namespace=NAMESPACE, serial=serial, host=host,
-        options={"check_calls": bool(check_calls)}, accept=accept,
+        [joining],
+        me,
+        channel,
+        namespace=NAMESPACE,
+        serial=serial,
+        host=host,
+        options={"check_calls": bool(check_calls)},
+        accept=accept,
         name=lambda g, p: f"TP rank {g.rank_of(p)} (global rank {p})",
-        name_waited=lambda g, p: f"TP rank {g.rank_of(p)} of group {list(g.members)} "
-                                 f"(global rank {p})")
-    plan, = join.connect(agreed, me, channel, namespace=NAMESPACE, serial=serial,
-                         make_rank=make_rank)
+        name_waited=lambda g, p: (
+            f"TP rank {g.rank_of(p)} of group {list(g.members)} (global rank {p})"
+        ),
+    )
+    (plan,) = join.connect(
+        agreed, me, channel, namespace=NAMESPACE, serial=serial, make_rank=make_rank
+    )
     return plan.local[tp_rank], list(agreed[0].members)
 
 
@@ -374,8 +461,9 @@ def create_allreduce_fusion_workspace(
     the recorded text (``ws.failure()`` reads it). Restart the process afterwards.
     """
     resolve_backend(backend)  # a bad name fails before anyone waits
-    world_size, rank = _check_flashinfer_options(world_size, rank, max_token_num, hidden_dim,
-                                                 gpus_per_node, force_oneshot_support)
+    world_size, rank = _check_flashinfer_options(
+        world_size, rank, max_token_num, hidden_dim, gpus_per_node, force_oneshot_support
+    )
     timeout_s = arguments.as_float("timeout_s", timeout_s)
     check_calls = call_check.resolve_check_calls(check_calls)
     check_timeout_s = call_check.resolve_check_timeout_s(check_timeout_s)
@@ -396,26 +484,51 @@ def create_allreduce_fusion_workspace(
     created = []
 
     def make_rank(dev: int, r: int):
-        created.append(ext.Rank(dev, sizes.world_size, r, sizes.max_token_num,
-                                sizes.hidden_dim, native.DTYPE_CODES[name],
-                                check_calls=check_calls, check_timeout_s=check_timeout_s,
-                                timeout_s=kernel_timeout_s))
+        created.append(
+            ext.Rank(
+                dev,
+                sizes.world_size,
+                r,
+                sizes.max_token_num,
+                sizes.hidden_dim,
+                native.DTYPE_CODES[name],
+                check_calls=check_calls,
+                check_timeout_s=check_timeout_s,
+                timeout_s=kernel_timeout_s,
+            )
+        )
         lost_traps.watch(created[-1], dev)  # a trap the driver never reports ends the process
         return created[-1]
 
     try:
         native_rank, members = _join_group(
-            global_ranks=global_ranks, me=me, device=device, host=socket.gethostname(),
-            channel=channel, serial=serial, backend=backend, make_rank=make_rank,
-            check_calls=check_calls)
+            global_ranks=global_ranks,
+            me=me,
+            device=device,
+            host=socket.gethostname(),
+            channel=channel,
+            serial=serial,
+            backend=backend,
+            make_rank=make_rank,
+            check_calls=check_calls,
+        )
     except BaseException:
         for r in created:  # owned from birth: a failed exchange frees what it allocated
             r.destroy()
         raise
     ws = TorchAllReduceFusionWorkspace(
-        native_rank=native_rank, global_ranks=global_ranks, rank=tp_rank, device=device,
-        max_token_num=sizes.max_token_num, hidden_dim=sizes.hidden_dim, dtype=dtype,
-        sizes=sizes, members=members, check_calls=check_calls, timeout_s=kernel_timeout_s)
+        native_rank=native_rank,
+        global_ranks=global_ranks,
+        rank=tp_rank,
+        device=device,
+        max_token_num=sizes.max_token_num,
+        hidden_dim=sizes.hidden_dim,
+        dtype=dtype,
+        sizes=sizes,
+        members=members,
+        check_calls=check_calls,
+        timeout_s=kernel_timeout_s,
+    )
     log.info("created %r", ws)
     return ws
 
@@ -455,8 +568,10 @@ def lookup_workspace(handle: int) -> TorchAllReduceFusionWorkspace:
     with _registry_lock:
         ws = _registry.get(handle)
     if ws is None:
-        raise KeyError(f"no all-reduce fusion workspace is registered under handle {handle} "
-                       f"(torch_compat.library.register_workspace)")
+        raise KeyError(
+            f"no all-reduce fusion workspace is registered under handle {handle} "
+            f"(torch_compat.library.register_workspace)"
+        )
     if ws.destroyed:
         raise RuntimeError(f"workspace handle {handle} refers to a destroyed workspace: {ws!r}")
     return ws

@@ -58,14 +58,13 @@ __host__ __device__ const char* dtype_name(unsigned code) {
 }
 
 // The decoded fields of a signature, in the order the messages print them.
-#define FUSEDAR_SIG_FMT \
+#define FUSEDAR_SIG_FMT                                                            \
   "{pattern=%u dtype=%s num_tokens=%llu hidden_dim=%llu %s fp32_acc=%u layout=%u " \
   "block_quant_group_size=%u}"
-#define FUSEDAR_SIG_ARGS(s)                                                              \
-  unsigned((s)[0] & 0xff), dtype_name(unsigned(((s)[0] >> 8) & 0xff)), (s)[1], (s)[2], \
+#define FUSEDAR_SIG_ARGS(s)                                                                      \
+  unsigned((s)[0] & 0xff), dtype_name(unsigned(((s)[0] >> 8) & 0xff)), (s)[1], (s)[2],           \
       (((s)[0] >> 16) & 1) ? "one-shot" : ((((s)[0] >> 18) & 1) ? "large-message" : "two-shot"), \
-      unsigned(((s)[0] >> 17) & 1),                                                      \
-      unsigned(((s)[0] >> 24) & 0xff), unsigned((s)[0] >> 32)
+      unsigned(((s)[0] >> 17) & 1), unsigned(((s)[0] >> 24) & 0xff), unsigned((s)[0] >> 32)
 
 __global__ void __launch_bounds__(32)
     handshake_kernel(void* const* table, int n, int rank, int device, long long offset,
@@ -90,8 +89,8 @@ __global__ void __launch_bounds__(32)
   if (p < n) {
     const unsigned long long t0 = global_timer_ns();
     // Our slot in peer p's area (p == rank: our own area).
-    Slot* dst = reinterpret_cast<Slot*>(static_cast<char*>(table[n + p]) + offset) + bank * n +
-                rank;
+    Slot* dst =
+        reinterpret_cast<Slot*>(static_cast<char*>(table[n + p]) + offset) + bank * n + rank;
     for (int i = 0; i < 3; ++i) st_relaxed_sys(&dst->sig[i], my_sig[i]);
     st_release_sys(&dst->seq, seq);
     // Peer p's slot in our area.
@@ -140,24 +139,25 @@ __global__ void __launch_bounds__(32)
     ++failing;
     if (first < 0) first = q;
     if (s_kind[q] == kMismatch) {
-      printf("jax_fusedar call check FAILED on rank %d of %d (device %d), call #%llu: rank %d "
-             "called " FUSEDAR_SIG_FMT " but rank %d called " FUSEDAR_SIG_FMT
-             ". Every rank must make the same sequence of fused all-reduce calls (same "
-             "pattern, dtype, shape and one-shot choice). Trapping so that the stream fails "
-             "instead of hanging.\n",
-             rank, n, device, seq, q, FUSEDAR_SIG_ARGS(s_theirs[q]), rank,
-             FUSEDAR_SIG_ARGS(my_sig));
+      printf(
+          "jax_fusedar call check FAILED on rank %d of %d (device %d), call #%llu: rank %d "
+          "called " FUSEDAR_SIG_FMT " but rank %d called " FUSEDAR_SIG_FMT
+          ". Every rank must make the same sequence of fused all-reduce calls (same "
+          "pattern, dtype, shape and one-shot choice). Trapping so that the stream fails "
+          "instead of hanging.\n",
+          rank, n, device, seq, q, FUSEDAR_SIG_ARGS(s_theirs[q]), rank, FUSEDAR_SIG_ARGS(my_sig));
     } else if (s_kind[q] == kTimeout) {
-      printf("jax_fusedar call check FAILED on rank %d of %d (device %d), call #%llu " FUSEDAR_SIG_FMT
-             ": rank %d did not make its call #%llu within %.1f s (the last call seen from it is "
-             "#%llu). A rank skipped or added a call, stopped, or created the workspace without "
-             "check_calls. Trapping so that the stream fails instead of hanging.\n",
-             rank, n, device, seq, FUSEDAR_SIG_ARGS(my_sig), q, seq, timeout_ns * 1e-9,
-             s_seen[q]);
+      printf(
+          "jax_fusedar call check FAILED on rank %d of %d (device %d), call #%llu " FUSEDAR_SIG_FMT
+          ": rank %d did not make its call #%llu within %.1f s (the last call seen from it is "
+          "#%llu). A rank skipped or added a call, stopped, or created the workspace without "
+          "check_calls. Trapping so that the stream fails instead of hanging.\n",
+          rank, n, device, seq, FUSEDAR_SIG_ARGS(my_sig), q, seq, timeout_ns * 1e-9, s_seen[q]);
     } else {
-      printf("jax_fusedar call check FAILED on rank %d of %d (device %d): rank %d is at call "
-             "#%llu while this rank is at #%llu; the ranks' call counts diverged. Trapping.\n",
-             rank, n, device, q, s_seen[q], seq);
+      printf(
+          "jax_fusedar call check FAILED on rank %d of %d (device %d): rank %d is at call "
+          "#%llu while this rank is at #%llu; the ranks' call counts diverged. Trapping.\n",
+          rank, n, device, q, s_seen[q], seq);
     }
   }
   volatile Record* d = diag;
@@ -199,7 +199,8 @@ std::string site_text(int site, int detail) {
     case watchdog::kLargeEnter:
       return "its large-message entry flag (large-message call " + d + " of this rank)";
     case watchdog::kLargeScatter:
-      return "its large-message chunk " + d + " scatter flag (its input rows of this rank's "
+      return "its large-message chunk " + d +
+             " scatter flag (its input rows of this rank's "
              "slice)";
     case watchdog::kLargeGather:
       return "its large-message chunk " + d + " gather flag (its reduced rows)";
@@ -215,10 +216,10 @@ std::string wait_timeout_text(const Record& d, const unsigned long long mine[3])
                 d.timeout_ns * 1e-9);
   std::string who = d.peer >= 0 ? "rank " + std::to_string(d.peer) : std::string("no peer");
   const std::string where = site_text(d.site, d.detail);
-  return "jax_fusedar kernel wait timed out on rank " + std::to_string(d.rank) +
-         " of " + std::to_string(d.world) + " (device " + std::to_string(d.device) +
-         "), call #" + std::to_string(d.seq) + " " + describe_signature(mine) + ": waited " +
-         secs + " for " + who + " to deliver " + where + ". " +
+  return "jax_fusedar kernel wait timed out on rank " + std::to_string(d.rank) + " of " +
+         std::to_string(d.world) + " (device " + std::to_string(d.device) + "), call #" +
+         std::to_string(d.seq) + " " + describe_signature(mine) + ": waited " + secs + " for " +
+         who + " to deliver " + where + ". " +
          (d.peer >= 0 ? "Rank " + std::to_string(d.peer) + " did not arrive: it" : "A rank") +
          " skipped or added a call, stopped or died, or called with another pattern, shape "
          "or algorithm (one-shot, two-shot, large-message). The kernel trapped, so this "
@@ -236,8 +237,7 @@ Signature signature_of(const fusedar_launch_args& a) {
            (static_cast<unsigned long long>(a.algorithm == FUSEDAR_ALGORITHM_LARGE_MESSAGE) << 18) |
            (static_cast<unsigned long long>(a.fp32_acc ? 1 : 0) << 17) |
            ((static_cast<unsigned long long>(a.layout) & 0xff) << 24) |
-           (static_cast<unsigned long long>(static_cast<uint32_t>(a.block_quant_group_size))
-            << 32);
+           (static_cast<unsigned long long>(static_cast<uint32_t>(a.block_quant_group_size)) << 32);
   s.num_tokens = static_cast<unsigned long long>(a.num_tokens);
   s.hidden_dim = static_cast<unsigned long long>(a.hidden_dim);
   return s;
@@ -246,8 +246,9 @@ Signature signature_of(const fusedar_launch_args& a) {
 int enable(fusedar_rank* r, bool enabled, double timeout_s) {
   if (enabled) {
     if (!(timeout_s > 0.0 && timeout_s <= 3600.0)) {
-      return fail(FUSEDAR_INVALID_ARGUMENT, "call-check timeout must be in (0, 3600] seconds, got " +
-                                                std::to_string(timeout_s));
+      return fail(
+          FUSEDAR_INVALID_ARGUMENT,
+          "call-check timeout must be in (0, 3600] seconds, got " + std::to_string(timeout_s));
     }
     DeviceGuard guard(r->device);
     FUSEDAR_CUDA_TRY(guard.status(), "selecting the device", r->device);
@@ -313,15 +314,17 @@ std::string failure(const fusedar_rank* r) {
           "); a rank skipped or added a call, stopped, or created the workspace without "
           "check_calls";
   } else {
-    msg = head + "rank " + std::to_string(d->peer) + " is at call #" +
-          std::to_string(d->peer_seq) + "; the ranks' call counts diverged";
+    msg = head + "rank " + std::to_string(d->peer) + " is at call #" + std::to_string(d->peer_seq) +
+          "; the ranks' call counts diverged";
   }
   if (d->failing_peers > 1) {
-    msg += " (" + std::to_string(d->failing_peers) + " ranks failed the check; see the "
+    msg += " (" + std::to_string(d->failing_peers) +
+           " ranks failed the check; see the "
            "device printf output for each)";
   }
-  return msg + ". The handshake trapped, so this device's CUDA context is unusable: restart "
-               "the process.";
+  return msg +
+         ". The handshake trapped, so this device's CUDA context is unusable: restart "
+         "the process.";
 }
 
 }  // namespace fusedar::call_check
@@ -337,8 +340,7 @@ extern "C" int fusedar_rank_set_call_check(fusedar_rank* r, int32_t enabled, dou
   return fusedar::call_check::enable(r, enabled != 0, timeout_s);
 }
 
-extern "C" int fusedar_rank_call_check(const fusedar_rank* r, int32_t* enabled,
-                                       double* timeout_s) {
+extern "C" int fusedar_rank_call_check(const fusedar_rank* r, int32_t* enabled, double* timeout_s) {
   if (r == nullptr || enabled == nullptr || timeout_s == nullptr) {
     return fail(FUSEDAR_INVALID_ARGUMENT, "null argument");
   }

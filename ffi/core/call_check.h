@@ -63,11 +63,11 @@ Signature signature_of(const fusedar_launch_args& a);
 
 // Failures are recorded in the workspace's one failure record (watchdog::Record), which
 // the kernel's own bounded waits share: kinds kMismatch, kTimeout, kOutOfStep.
-using watchdog::Record;
 using watchdog::kMismatch;
 using watchdog::kNone;
 using watchdog::kOutOfStep;
 using watchdog::kTimeout;
+using watchdog::Record;
 
 // Allocates the counter (once) and records the settings.
 int enable(fusedar_rank* r, bool enabled, double timeout_s);

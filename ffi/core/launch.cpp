@@ -58,10 +58,11 @@ int check(const fusedar_rank* r, const fusedar_launch_args* a) {
   }
   if ((a->dtype == FUSEDAR_FLOAT32) != (ws.dtype == FUSEDAR_FLOAT32)) {
     // The Lamport sentinel is -0.0 at the workspace's element width.
-    return fail(FUSEDAR_INVALID_ARGUMENT,
-                "call dtype " + dtype_name(a->dtype) + " does not match the workspace dtype " +
-                    dtype_name(ws.dtype) + " (float32 needs a float32 workspace, 16-bit types a "
-                    "16-bit one)");
+    return fail(FUSEDAR_INVALID_ARGUMENT, "call dtype " + dtype_name(a->dtype) +
+                                              " does not match the workspace dtype " +
+                                              dtype_name(ws.dtype) +
+                                              " (float32 needs a float32 workspace, 16-bit types a "
+                                              "16-bit one)");
   }
   const fusedar::PatternTraits* traits = fusedar::find_pattern(a->pattern);
   if (traits == nullptr || !fusedar::kernels::is_compiled_pattern(a->pattern)) {
@@ -99,10 +100,9 @@ int check(const fusedar_rank* r, const fusedar_launch_args* a) {
   }
   if (a->algorithm == FUSEDAR_ALGORITHM_ONESHOT) {
     if (m * h * n * e > ws.lamport_comm_bytes) {
-      return fail(FUSEDAR_INVALID_ARGUMENT,
-                  "one-shot needs " + std::to_string(m * h * n * e) +
-                      " bytes of Lamport buffer, the workspace has " +
-                      std::to_string(ws.lamport_comm_bytes));
+      return fail(FUSEDAR_INVALID_ARGUMENT, "one-shot needs " + std::to_string(m * h * n * e) +
+                                                " bytes of Lamport buffer, the workspace has " +
+                                                std::to_string(ws.lamport_comm_bytes));
     }
   } else {
     if (m <= n) {

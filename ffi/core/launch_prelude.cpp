@@ -13,8 +13,8 @@ std::atomic<uint64_t> launches{0};
 
 namespace fusedar {
 
-int launch_prelude(const fusedar_rank* r, const fusedar_launch_args& signature,
-                   cudaStream_t stream, std::optional<DeviceGuard>& guard) {
+int launch_prelude(const fusedar_rank* r, const fusedar_launch_args& signature, cudaStream_t stream,
+                   std::optional<DeviceGuard>& guard) {
   std::string failed = call_check::failure(r);
   if (!failed.empty()) return fail(FUSEDAR_CUDA_ERROR, failed);
   guard.emplace(r->device);
@@ -40,6 +40,4 @@ int launch_result(const fusedar_rank* r, const std::string& error) {
 }  // namespace fusedar
 
 // Host-side launches so far in this process, dense and MoE.
-extern "C" uint64_t fusedar_launch_count(void) {
-  return launches.load(std::memory_order_relaxed);
-}
+extern "C" uint64_t fusedar_launch_count(void) { return launches.load(std::memory_order_relaxed); }

@@ -22,8 +22,8 @@ namespace fusedar {
 // 3. with the call check on, launch the handshake on `stream`, without PDL: it starts once
 //    the previous kernel has completed, and the fused kernel (PDL or not) starts only after
 //    it has exited. `signature` is what the ranks must agree on.
-int launch_prelude(const fusedar_rank* r, const fusedar_launch_args& signature,
-                   cudaStream_t stream, std::optional<DeviceGuard>& guard);
+int launch_prelude(const fusedar_rank* r, const fusedar_launch_args& signature, cudaStream_t stream,
+                   std::optional<DeviceGuard>& guard);
 
 // After the kernel's launcher returned `error` ("" when it launched): the launch's status,
 // with the launch counted (fusedar_launch_count) when it succeeded.

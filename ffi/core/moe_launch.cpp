@@ -63,10 +63,9 @@ int shape_check(const fusedar_workspace_info& ws, int pattern, int dtype, int64_
   int64_t cluster = kMaxClusterSize;
   while (warps % cluster != 0) cluster /= 2;
   if (warps / cluster * 32 > kMaxThreadsPerBlock) {
-    return fail(FUSEDAR_INVALID_ARGUMENT,
-                what + ": hidden_dim " + std::to_string(h) + " needs " +
-                    std::to_string(warps / cluster * 32) +
-                    " threads per block, above the launch limit of 1024");
+    return fail(FUSEDAR_INVALID_ARGUMENT, what + ": hidden_dim " + std::to_string(h) + " needs " +
+                                              std::to_string(warps / cluster * 32) +
+                                              " threads per block, above the launch limit of 1024");
   }
   if (m * h > int64_t(ws.max_token_num) * ws.hidden_dim) {
     return fail(FUSEDAR_INVALID_ARGUMENT,
@@ -75,10 +74,10 @@ int shape_check(const fusedar_workspace_info& ws, int pattern, int dtype, int64_
                     std::to_string(ws.max_token_num) + "*" + std::to_string(ws.hidden_dim) + ")");
   }
   if (m * h * n * e > ws.lamport_comm_bytes) {
-    return fail(FUSEDAR_INVALID_ARGUMENT,
-                what + " is one-shot only and needs " + std::to_string(m * h * n * e) +
-                    " bytes of Lamport buffer; the workspace has " +
-                    std::to_string(ws.lamport_comm_bytes));
+    return fail(FUSEDAR_INVALID_ARGUMENT, what + " is one-shot only and needs " +
+                                              std::to_string(m * h * n * e) +
+                                              " bytes of Lamport buffer; the workspace has " +
+                                              std::to_string(ws.lamport_comm_bytes));
   }
   return FUSEDAR_OK;
 }
@@ -101,8 +100,7 @@ int check(const fusedar_rank* r, const fusedar_moe_launch_args* a) {
       return fail(FUSEDAR_INVALID_ARGUMENT,
                   what + " needs num_experts >= 1, got " + std::to_string(a->num_experts));
     }
-    if (a->expert_scales == nullptr || a->expert_outputs == nullptr ||
-        a->token_input == nullptr) {
+    if (a->expert_scales == nullptr || a->expert_outputs == nullptr || a->token_input == nullptr) {
       return fail(FUSEDAR_INVALID_ARGUMENT,
                   what + " needs expert_scales, expert_outputs and token_input");
     }

@@ -16,8 +16,7 @@ int fail(int code, std::string message) {
 int fail_cuda(cudaError_t err, const std::string& what, int device) {
   (void)cudaGetLastError();  // clear sticky-free errors so the next call starts clean
   return fail(FUSEDAR_CUDA_ERROR, what + " on device " + std::to_string(device) + ": " +
-                                      cudaGetErrorName(err) + " (" + cudaGetErrorString(err) +
-                                      ")");
+                                      cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
 }
 
 }  // namespace fusedar

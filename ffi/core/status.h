@@ -17,10 +17,10 @@ int fail_cuda(cudaError_t err, const std::string& what, int device);
 
 }  // namespace fusedar
 
-#define FUSEDAR_CUDA_TRY(expr, what, device)                      \
-  do {                                                            \
-    cudaError_t fusedar_err_ = (expr);                            \
-    if (fusedar_err_ != cudaSuccess) {                            \
+#define FUSEDAR_CUDA_TRY(expr, what, device)                       \
+  do {                                                             \
+    cudaError_t fusedar_err_ = (expr);                             \
+    if (fusedar_err_ != cudaSuccess) {                             \
       return ::fusedar::fail_cuda(fusedar_err_, (what), (device)); \
-    }                                                             \
+    }                                                              \
   } while (0)

@@ -53,11 +53,11 @@ struct Record {
   int failing_peers;  // handshake: how many ranks failed the check
   int site;           // Site
   int detail;         // kLamport: token index; kBarrier: thread block; kGrid: grid size;
-                      // kLargeEnter: large-message call number; kLargeScatter/Gather: chunk
-  unsigned long long seq;       // this rank's call number (1 = first call on the workspace)
+               // kLargeEnter: large-message call number; kLargeScatter/Gather: chunk
+  unsigned long long seq;  // this rank's call number (1 = first call on the workspace)
   unsigned long long peer_seq;  // handshake: the latest call number seen from `peer`
-  unsigned long long mine[3];   // signature of this rank's call (call_check::Signature)
-  unsigned long long theirs[3]; // handshake kMismatch: the peer's signature
+  unsigned long long mine[3];  // signature of this rank's call (call_check::Signature)
+  unsigned long long theirs[3];  // handshake kMismatch: the peer's signature
   unsigned long long waited_ns;
   unsigned long long timeout_ns;
 };
@@ -72,11 +72,11 @@ struct CallInfo {
 // Lamport flag, Lamport comm size, Lamport clear size), then ours. Local to the rank.
 struct Control {
   int flashinfer[5];
-  int claimed;                   // 0 until a waiting thread claims the record (atomicCAS)
-  unsigned long long timeout_ns; // 0: wait forever (FlashInfer's behaviour)
-  unsigned long long calls;      // fused calls started on this rank: FlashInfer's kernels
-                                 // (block 0 counts) and large-message calls (the enter kernel)
-  Record* record;                // device address of the pinned record
+  int claimed;  // 0 until a waiting thread claims the record (atomicCAS)
+  unsigned long long timeout_ns;  // 0: wait forever (FlashInfer's behaviour)
+  unsigned long long calls;  // fused calls started on this rank: FlashInfer's kernels
+                             // (block 0 counts) and large-message calls (the enter kernel)
+  Record* record;  // device address of the pinned record
   int rank;
   int world;
   int device;

@@ -112,8 +112,7 @@ extern "C" int fusedar_rank_create(int32_t device, int32_t world_size, int32_t r
   r->info = info;
   r->peers.assign(world_size, {});
   const int64_t sizes[FUSEDAR_SHARED_BUFFERS] = {
-      info.two_shot_buffer_bytes, fusedar::flag_allocation_bytes(info),
-      info.lamport_buffer_bytes};
+      info.two_shot_buffer_bytes, fusedar::flag_allocation_bytes(info), info.lamport_buffer_bytes};
   static const char* names[FUSEDAR_SHARED_BUFFERS] = {"two-shot buffer", "barrier flags",
                                                       "Lamport buffer"};
   for (int b = 0; b < FUSEDAR_SHARED_BUFFERS; ++b) {
@@ -183,9 +182,9 @@ static int check_peer_slot(const fusedar_rank* r, int32_t peer) {
     return fail(FUSEDAR_INVALID_ARGUMENT, "the workspace is already finalized");
   }
   if (peer < 0 || peer >= r->info.world_size || peer == r->rank) {
-    return fail(FUSEDAR_INVALID_ARGUMENT,
-                "peer " + std::to_string(peer) + " is not another rank of this group of " +
-                    std::to_string(r->info.world_size));
+    return fail(FUSEDAR_INVALID_ARGUMENT, "peer " + std::to_string(peer) +
+                                              " is not another rank of this group of " +
+                                              std::to_string(r->info.world_size));
   }
   if (r->peers[peer].known) {
     return fail(FUSEDAR_INVALID_ARGUMENT, "peer " + std::to_string(peer) + " was already set");
@@ -193,16 +192,15 @@ static int check_peer_slot(const fusedar_rank* r, int32_t peer) {
   return FUSEDAR_OK;
 }
 
-extern "C" int fusedar_rank_set_peer_pointers(fusedar_rank* r, int32_t peer,
-                                              int32_t peer_device,
+extern "C" int fusedar_rank_set_peer_pointers(fusedar_rank* r, int32_t peer, int32_t peer_device,
                                               const uint64_t ptrs[FUSEDAR_SHARED_BUFFERS]) {
   if (int rc = check_peer_slot(r, peer)) return rc;
   DeviceGuard guard(r->device);
   FUSEDAR_CUDA_TRY(guard.status(), "selecting the device", r->device);
   if (peer_device != r->device) {
     int can = 0;
-    FUSEDAR_CUDA_TRY(cudaDeviceCanAccessPeer(&can, r->device, peer_device),
-                     "querying peer access", r->device);
+    FUSEDAR_CUDA_TRY(cudaDeviceCanAccessPeer(&can, r->device, peer_device), "querying peer access",
+                     r->device);
     if (!can) {
       return fail(FUSEDAR_UNSUPPORTED,
                   "device " + std::to_string(r->device) + " cannot access device " +
@@ -213,8 +211,8 @@ extern "C" int fusedar_rank_set_peer_pointers(fusedar_rank* r, int32_t peer,
     if (err == cudaErrorPeerAccessAlreadyEnabled) {
       (void)cudaGetLastError();  // another workspace enabled it already: fine
     } else if (err != cudaSuccess) {
-      return fusedar::fail_cuda(err, "enabling peer access to device " + std::to_string(peer_device),
-                                r->device);
+      return fusedar::fail_cuda(
+          err, "enabling peer access to device " + std::to_string(peer_device), r->device);
     }
   }
   for (int b = 0; b < FUSEDAR_SHARED_BUFFERS; ++b) {
@@ -255,9 +253,9 @@ extern "C" int fusedar_rank_finalize(fusedar_rank* r) {
   const int n = r->info.world_size;
   for (int p = 0; p < n; ++p) {
     if (!r->peers[p].known) {
-      return fail(FUSEDAR_INVALID_ARGUMENT,
-                  "rank " + std::to_string(r->rank) + " has no buffers for peer " +
-                      std::to_string(p) + "; set every peer before finalize");
+      return fail(FUSEDAR_INVALID_ARGUMENT, "rank " + std::to_string(r->rank) +
+                                                " has no buffers for peer " + std::to_string(p) +
+                                                "; set every peer before finalize");
     }
   }
   DeviceGuard guard(r->device);
@@ -272,9 +270,9 @@ extern "C" int fusedar_rank_finalize(fusedar_rank* r) {
   FUSEDAR_CUDA_TRY(cudaMalloc(&table, host.size() * sizeof(void*)),
                    "allocating the workspace pointer table", r->device);
   r->table = static_cast<void**>(table);
-  FUSEDAR_CUDA_TRY(cudaMemcpy(table, host.data(), host.size() * sizeof(void*),
-                              cudaMemcpyHostToDevice),
-                   "uploading the workspace pointer table", r->device);
+  FUSEDAR_CUDA_TRY(
+      cudaMemcpy(table, host.data(), host.size() * sizeof(void*), cudaMemcpyHostToDevice),
+      "uploading the workspace pointer table", r->device);
   FUSEDAR_CUDA_TRY(cudaMemset(r->local[1], 0, fusedar::flag_allocation_bytes(r->info)),
                    "zeroing the barrier flags and the call-check area", r->device);
   FUSEDAR_CUDA_TRY(fusedar::call_check::reset(r), "resetting the call-check counter", r->device);

@@ -45,7 +45,6 @@ __device__ __forceinline__ RowIndex row_index() {
                   static_cast<int>(grid.num_clusters())};
 }
 
-
 // Step 3: reduce one chunk of our slice, keep the sum for the gather, apply the epilogue.
 template <fi::AllReduceFusionPattern Pattern, typename T, int NRanks, bool Fp32Acc>
 __global__ void __launch_bounds__(1024)
@@ -187,9 +186,9 @@ cudaError_t launch_rows(Kernel kernel, const Shape& s, int clusters, cudaStream_
   return cudaLaunchKernelEx(&cfg, kernel, params, a);
 }
 
-#define FUSEDAR_LARGE_TRY(expr)                       \
-  do {                                                \
-    cudaError_t fusedar_err_ = (expr);                \
+#define FUSEDAR_LARGE_TRY(expr)                           \
+  do {                                                    \
+    cudaError_t fusedar_err_ = (expr);                    \
     if (fusedar_err_ != cudaSuccess) return fusedar_err_; \
   } while (0)
 
@@ -258,8 +257,8 @@ cudaError_t launch_large(const fi::AllReduceFusionParams<T>& params, const Resou
     const int64_t e = chunk_row(own_begin, own_rows, sched, k + 1);
     const int clusters =
         static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(e - b, shape.grid_limit)));
-    FUSEDAR_LARGE_TRY(launch_rows(reduce_chunk_kernel<Pattern, T, NRanks, Fp32Acc>, shape,
-                                  clusters, s, params, a));
+    FUSEDAR_LARGE_TRY(launch_rows(reduce_chunk_kernel<Pattern, T, NRanks, Fp32Acc>, shape, clusters,
+                                  s, params, a));
     FUSEDAR_LARGE_TRY(cudaEventRecord(res.reduced[k], s));
     FUSEDAR_LARGE_TRY(cudaStreamWaitEvent(res.gather, res.reduced[k], 0));
     for (int j = 1; j < NRanks; ++j) {
@@ -291,8 +290,8 @@ cudaError_t launch_large(const fi::AllReduceFusionParams<T>& params, const Resou
   }
   const int clusters = static_cast<int>(
       std::max<int64_t>(1, std::min<int64_t>(peer_rows_per_chunk, shape.grid_limit)));
-  FUSEDAR_LARGE_TRY(launch_rows(finish_kernel<Pattern, T, NRanks, Fp32Acc>, shape, clusters, s,
-                                params, a));
+  FUSEDAR_LARGE_TRY(
+      launch_rows(finish_kernel<Pattern, T, NRanks, Fp32Acc>, shape, clusters, s, params, a));
 
   // Join: the call ends on `stream` only when every copy and flag store has completed.
   FUSEDAR_LARGE_TRY(cudaEventRecord(res.copy_done, res.copy));

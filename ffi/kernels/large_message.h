@@ -109,8 +109,8 @@ cudaError_t launch_enter(const Resources& res, cudaStream_t stream, int rank, in
                          const Watch& watch);
 // After the copies of chunk `chunk` on `stream`: raise flag `kind` (0 scattered, 1 gathered)
 // in every peer.
-cudaError_t launch_signal(const Resources& res, cudaStream_t stream, int rank, int nranks,
-                          int kind, int chunk);
+cudaError_t launch_signal(const Resources& res, cudaStream_t stream, int rank, int nranks, int kind,
+                          int chunk);
 void destroy_resources(Resources* res);
 
 // Rows of the call that rank `r` owns: FlashInfer's two-shot split (the first M % N ranks

@@ -54,8 +54,8 @@ cudaError_t launch_enter(const Resources& res, cudaStream_t stream, int rank, in
   return cudaGetLastError();
 }
 
-cudaError_t launch_signal(const Resources& res, cudaStream_t stream, int rank, int nranks,
-                          int kind, int chunk) {
+cudaError_t launch_signal(const Resources& res, cudaStream_t stream, int rank, int nranks, int kind,
+                          int chunk) {
   signal_kernel<<<1, 32, 0, stream>>>(res.flags, rank, nranks, kind, chunk);
   return cudaGetLastError();
 }

@@ -44,8 +44,8 @@ std::string launch_pattern(const fi::AllReduceFusionParams<T>& params, bool laun
     }
 #endif
   } else {
-    cudaError_t err = fi::allreduce_fusion_kernel_launcher<Pattern, T, NRanks, Fp32Acc>(
-        params, launch_with_pdl);
+    cudaError_t err =
+        fi::allreduce_fusion_kernel_launcher<Pattern, T, NRanks, Fp32Acc>(params, launch_with_pdl);
     if (err != cudaSuccess) {
       return std::string("kernel launch failed: ") + cudaGetErrorString(err);
     }
@@ -87,8 +87,7 @@ std::string launch_typed(const KernelCall& call) {
     const bool pdl = a.launch_with_pdl != 0;
     switch (p.pattern) {
 #define FUSEDAR_PATTERN_CASE(name) \
-  case P::name:                    \
-    return launch_pattern<T, NRanks, Fp32Acc, P::name>(p, pdl, call);
+  case P::name: return launch_pattern<T, NRanks, Fp32Acc, P::name>(p, pdl, call);
       FUSEDAR_PATTERN_CASE(kAllReduce)
       FUSEDAR_PATTERN_CASE(kARResidualRMSNorm)
       FUSEDAR_PATTERN_CASE(kARResidualRMSNormFP8Quant)

@@ -26,7 +26,8 @@
 #include <type_traits>
 
 #ifndef FUSEDAR_UNHOOKED_REGISTERS_INCLUDED
-#error "include the generated unhooked_registers_<dtype>_n<ranks>.h first (see ffi/kernels/instance.cu.in)"
+#error \
+    "include the generated unhooked_registers_<dtype>_n<ranks>.h first (see ffi/kernels/instance.cu.in)"
 #endif
 
 namespace fusedar_geometry {
@@ -41,9 +42,12 @@ inline constexpr int kMaxRegistersPerThread = 255;
 
 template <class T>
 constexpr int dtype_code() {
-  if constexpr (std::is_same_v<T, float>) return 0;
-  else if constexpr (std::is_same_v<T, half>) return 1;
-  else return 2;
+  if constexpr (std::is_same_v<T, float>)
+    return 0;
+  else if constexpr (std::is_same_v<T, half>)
+    return 1;
+  else
+    return 2;
 }
 
 // The unhooked kernel's registers per thread on `arch` (major * 10 + minor), 0 where this

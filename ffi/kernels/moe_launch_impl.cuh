@@ -62,10 +62,14 @@ std::string launch_moe_typed(const MoeKernelCall& call) {
       p.moe_reduction_active_experts_token_input = const_cast<void*>(a.expert_outputs);
       p.moe_reduction_token_input = const_cast<void*>(a.token_input);
       const bool ar = a.allreduce_out != nullptr, res = a.residual_out != nullptr;
-      if (ar && res) err = launch_reduction<T, NRanks, true, true>(p, pdl);
-      else if (ar) err = launch_reduction<T, NRanks, true, false>(p, pdl);
-      else if (res) err = launch_reduction<T, NRanks, false, true>(p, pdl);
-      else err = launch_reduction<T, NRanks, false, false>(p, pdl);
+      if (ar && res)
+        err = launch_reduction<T, NRanks, true, true>(p, pdl);
+      else if (ar)
+        err = launch_reduction<T, NRanks, true, false>(p, pdl);
+      else if (res)
+        err = launch_reduction<T, NRanks, false, true>(p, pdl);
+      else
+        err = launch_reduction<T, NRanks, false, false>(p, pdl);
     } else if (a.pattern == 7) {
       fim::MoeFinalizeAllReduceFusionParams<T> p{};
       fill_common<T>(p, call);
@@ -77,8 +81,8 @@ std::string launch_moe_typed(const MoeKernelCall& call) {
       p.routed_scaling_factor = a.routed_scaling_factor;
       // residual_out and norm_out always (FlashInfer's unified API allocates both), router
       // weights in the call's dtype (FlashInfer's ScaleType default, as its build uses).
-      err = fim::moefinalize_allreduce_fusion_kernel_launcher<T, NRanks, true, true, false, T>(
-          p, pdl);
+      err = fim::moefinalize_allreduce_fusion_kernel_launcher<T, NRanks, true, true, false, T>(p,
+                                                                                               pdl);
     } else {
       return "pattern " + std::to_string(a.pattern) + " is not an MoE pattern";
     }

@@ -21,7 +21,8 @@
 #include <type_traits>
 
 #ifndef FUSEDAR_MOE_UNHOOKED_REGISTERS_INCLUDED
-#error "include the generated moe_unhooked_registers_<dtype>_n<ranks>.h first \
+#error \
+    "include the generated moe_unhooked_registers_<dtype>_n<ranks>.h first \
 (see ffi/kernels/moe_instance.cu.in)"
 #endif
 

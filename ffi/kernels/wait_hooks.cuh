@@ -39,9 +39,12 @@ T element_of(const P<T>&);
 
 template <class T>
 __host__ __device__ __forceinline__ constexpr unsigned dtype_code() {
-  if constexpr (std::is_same_v<T, float>) return 0;       // FUSEDAR_FLOAT32
-  else if constexpr (std::is_same_v<T, half>) return 1;   // FUSEDAR_FLOAT16
-  else return 2;                                          // FUSEDAR_BFLOAT16
+  if constexpr (std::is_same_v<T, float>)
+    return 0;       // FUSEDAR_FLOAT32
+  else if constexpr (std::is_same_v<T, half>)
+    return 1;   // FUSEDAR_FLOAT16
+  else
+    return 2;                                          // FUSEDAR_BFLOAT16
 }
 
 using CallInfo = wd::CallInfo;
@@ -53,14 +56,14 @@ template <class T, class Params>
 __host__ __device__ __forceinline__ CallInfo call_info(const Params& p, bool one_shot,
                                                        bool fp32_acc, bool large_message) {
   CallInfo c;
-  c.sig[0] = (static_cast<unsigned long long>(p.pattern) & 0xff) |
-             (static_cast<unsigned long long>(dtype_code<T>()) << 8) |
-             (static_cast<unsigned long long>(one_shot ? 1 : 0) << 16) |
-             (static_cast<unsigned long long>(fp32_acc ? 1 : 0) << 17) |
-             (static_cast<unsigned long long>(large_message ? 1 : 0) << 18) |
-             ((static_cast<unsigned long long>(p.layout) & 0xff) << 24) |
-             (static_cast<unsigned long long>(static_cast<unsigned>(p.block_quant_group_size))
-              << 32);
+  c.sig[0] =
+      (static_cast<unsigned long long>(p.pattern) & 0xff) |
+      (static_cast<unsigned long long>(dtype_code<T>()) << 8) |
+      (static_cast<unsigned long long>(one_shot ? 1 : 0) << 16) |
+      (static_cast<unsigned long long>(fp32_acc ? 1 : 0) << 17) |
+      (static_cast<unsigned long long>(large_message ? 1 : 0) << 18) |
+      ((static_cast<unsigned long long>(p.layout) & 0xff) << 24) |
+      (static_cast<unsigned long long>(static_cast<unsigned>(p.block_quant_group_size)) << 32);
   c.sig[1] = static_cast<unsigned long long>(p.size / p.hidden_dim);
   c.sig[2] = static_cast<unsigned long long>(p.hidden_dim);
   return c;
@@ -87,8 +90,8 @@ struct Ctx {
 template <class P, class = void>
 struct is_moe_finalize : std::false_type {};
 template <class P>
-struct is_moe_finalize<P, std::void_t<decltype(std::declval<const P&>().top_k)>>
-    : std::true_type {};
+struct is_moe_finalize<P, std::void_t<decltype(std::declval<const P&>().top_k)>> : std::true_type {
+};
 
 template <class Params>
 struct MoeCtx {
@@ -101,8 +104,7 @@ struct MoeCtx {
     using T = decltype(element_of(std::declval<Params>()));
     CallInfo c;
     c.sig[0] = static_cast<unsigned long long>(kFinalize ? 7 : 6) |
-               (static_cast<unsigned long long>(dtype_code<T>()) << 8) |
-               (1ull << 16);
+               (static_cast<unsigned long long>(dtype_code<T>()) << 8) | (1ull << 16);
     c.sig[1] = static_cast<unsigned long long>(p.size / p.hidden_dim);
     c.sig[2] = static_cast<unsigned long long>(p.hidden_dim);
     return c;
@@ -115,7 +117,8 @@ struct MoeCtx {
 // Starts the clock on its first call (t0 == 0) and says whether the workspace's timeout
 // has passed since; never with a zero timeout (FlashInfer's wait-forever behaviour).
 __device__ __forceinline__ bool expired(wd::Control* c, unsigned long long& t0) {
-  const unsigned long long timeout = *reinterpret_cast<volatile unsigned long long*>(&c->timeout_ns);
+  const unsigned long long timeout =
+      *reinterpret_cast<volatile unsigned long long*>(&c->timeout_ns);
   if (timeout == 0) return false;
   const unsigned long long now = now_ns();
   if (t0 == 0) {
@@ -179,29 +182,27 @@ __device__ __forceinline__ void count_call(int* counter_ptr) {
 }  // namespace fusedar_wait
 
 // Used inside FlashInfer's kernels, where `params` and `Fp32Acc` are in scope.
-#define FUSEDAR_WAIT_CTX(oneshot) \
-  (::fusedar_wait::Ctx<Fp32Acc, oneshot, decltype(params)>{params})
+#define FUSEDAR_WAIT_CTX(oneshot) (::fusedar_wait::Ctx<Fp32Acc, oneshot, decltype(params)>{params})
 
-#define FUSEDAR_WAIT_STATE         \
-  unsigned fusedar_spins = 0;      \
+#define FUSEDAR_WAIT_STATE    \
+  unsigned fusedar_spins = 0; \
   unsigned long long fusedar_t0 = 0;
 
 // At the end of one Lamport poll: the peer still missing is the first whose slot still
 // holds the -0.0 sentinel (vals[r] is what rank r delivered to this call). `ctx` is the
 // call's context (Ctx or MoeCtx), `site` the watchdog::Site of the poll.
-#define FUSEDAR_WAIT_LAMPORT_TICK_AT(ctx, site)                                            \
-  if (!done && ++fusedar_spins == ::fusedar::watchdog::kCheckEvery) {                      \
-    fusedar_spins = 0;                                                                     \
-    const auto fusedar_ctx = ctx;                                                          \
-    ::fusedar::watchdog::Control* fusedar_c = fusedar_ctx.control();                       \
-    if (::fusedar_wait::expired(fusedar_c, fusedar_t0)) {                                  \
-      int fusedar_peer = -1;                                                               \
-      _Pragma("unroll") for (int fusedar_r = NRanks - 1; fusedar_r >= 0; --fusedar_r) {    \
-        if (has_neg_zero<T, VEC_SIZE>(vals[fusedar_r])) fusedar_peer = fusedar_r;          \
-      }                                                                                    \
-      ::fusedar_wait::fail(fusedar_c, fusedar_ctx.info(), site, fusedar_peer, tidx,        \
-                           fusedar_t0);                                                    \
-    }                                                                                      \
+#define FUSEDAR_WAIT_LAMPORT_TICK_AT(ctx, site)                                                  \
+  if (!done && ++fusedar_spins == ::fusedar::watchdog::kCheckEvery) {                            \
+    fusedar_spins = 0;                                                                           \
+    const auto fusedar_ctx = ctx;                                                                \
+    ::fusedar::watchdog::Control* fusedar_c = fusedar_ctx.control();                             \
+    if (::fusedar_wait::expired(fusedar_c, fusedar_t0)) {                                        \
+      int fusedar_peer = -1;                                                                     \
+      _Pragma("unroll") for (int fusedar_r = NRanks - 1; fusedar_r >= 0; --fusedar_r) {          \
+        if (has_neg_zero<T, VEC_SIZE>(vals[fusedar_r])) fusedar_peer = fusedar_r;                \
+      }                                                                                          \
+      ::fusedar_wait::fail(fusedar_c, fusedar_ctx.info(), site, fusedar_peer, tidx, fusedar_t0); \
+    }                                                                                            \
   }
 
 // The dense one-shot kernel (this rank's Lamport buffer).
@@ -212,6 +213,5 @@ __device__ __forceinline__ void count_call(int* counter_ptr) {
 #define FUSEDAR_MOE_WAIT_CTX (::fusedar_wait::MoeCtx<decltype(params)>{params})
 
 // The MoE kernels (patterns 6 and 7): the site follows the kernel (MoeCtx::kLamportSite).
-#define FUSEDAR_MOE_WAIT_LAMPORT_TICK                   \
-  FUSEDAR_WAIT_LAMPORT_TICK_AT(FUSEDAR_MOE_WAIT_CTX,    \
-                               decltype(FUSEDAR_MOE_WAIT_CTX)::kLamportSite)
+#define FUSEDAR_MOE_WAIT_LAMPORT_TICK \
+  FUSEDAR_WAIT_LAMPORT_TICK_AT(FUSEDAR_MOE_WAIT_CTX, decltype(FUSEDAR_MOE_WAIT_CTX)::kLamportSite)

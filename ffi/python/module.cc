@@ -138,7 +138,8 @@ class Rank {
     if (handles.size() != FUSEDAR_SHARED_BUFFERS * FUSEDAR_IPC_HANDLE_BYTES) {
       throw nb::value_error("expected 3 CUDA IPC handles (192 bytes)");
     }
-    check(fusedar_rank_open_peer_ipc(get(), peer, reinterpret_cast<const uint8_t*>(handles.c_str())));
+    check(
+        fusedar_rank_open_peer_ipc(get(), peer, reinterpret_cast<const uint8_t*>(handles.c_str())));
   }
   void finalize() { check(fusedar_rank_finalize(get())); }
   void destroy() {
@@ -188,8 +189,8 @@ class Rank {
   void launch(int pattern, int dtype, int64_t num_tokens, int64_t hidden_dim, uint64_t input,
               uint64_t allreduce_out, uint64_t residual_in, uint64_t residual_out,
               uint64_t norm_out, uint64_t quant_out, uint64_t scale_out, uint64_t rms_gamma,
-              uint64_t scale_factor, float rms_eps, float weight_bias, int algorithm,
-              bool fp32_acc, int layout, int block_quant_group_size, bool launch_with_pdl,
+              uint64_t scale_factor, float rms_eps, float weight_bias, int algorithm, bool fp32_acc,
+              int layout, int block_quant_group_size, bool launch_with_pdl,
               bool trigger_completion_at_end, uint64_t stream, bool check_only) const {
     fusedar_launch_args a{};
     a.pattern = pattern;
@@ -225,14 +226,13 @@ class Rank {
 
   // Raw-pointer entry for FlashInfer's MoE patterns 6 and 7 (fusedar_moe_launch_args);
   // pointers are integers, 0 meaning "absent".
-  void moe_launch(int pattern, int dtype, int64_t num_tokens, int64_t hidden_dim,
-                  int num_experts, uint64_t expert_scales, uint64_t expert_outputs,
-                  uint64_t token_input, uint64_t allreduce_out, uint64_t permuted_input,
-                  int64_t num_permuted_rows, uint64_t expanded_idx_to_permuted_idx, int top_k,
-                  uint64_t expert_scale_factor, uint64_t shared_expert_output,
-                  float routed_scaling_factor, uint64_t residual_in, uint64_t residual_out,
-                  uint64_t norm_out, uint64_t rms_gamma, float rms_eps, float weight_bias,
-                  bool launch_with_pdl, uint64_t stream, bool check_only) const {
+  void moe_launch(int pattern, int dtype, int64_t num_tokens, int64_t hidden_dim, int num_experts,
+                  uint64_t expert_scales, uint64_t expert_outputs, uint64_t token_input,
+                  uint64_t allreduce_out, uint64_t permuted_input, int64_t num_permuted_rows,
+                  uint64_t expanded_idx_to_permuted_idx, int top_k, uint64_t expert_scale_factor,
+                  uint64_t shared_expert_output, float routed_scaling_factor, uint64_t residual_in,
+                  uint64_t residual_out, uint64_t norm_out, uint64_t rms_gamma, float rms_eps,
+                  float weight_bias, bool launch_with_pdl, uint64_t stream, bool check_only) const {
     fusedar_moe_launch_args a{};
     a.pattern = pattern;
     a.dtype = dtype;
@@ -293,10 +293,11 @@ NB_MODULE(_fusedar, m) {
   // JAX_FUSEDAR_PREBUILT_CORE): refuse one built from another C API than this module's
   // header, whose structs it would misread.
   if (fusedar_abi_version() != FUSEDAR_ABI_VERSION) {
-    throw std::runtime_error("jax_fusedar: the native core has ABI version " +
-                             std::to_string(fusedar_abi_version()) + ", this module was built "
-                             "for " + std::to_string(FUSEDAR_ABI_VERSION) +
-                             ": rebuild both from the same source");
+    throw std::runtime_error(
+        "jax_fusedar: the native core has ABI version " + std::to_string(fusedar_abi_version()) +
+        ", this module was built "
+        "for " +
+        std::to_string(FUSEDAR_ABI_VERSION) + ": rebuild both from the same source");
   }
   m.attr("ABI_VERSION") = fusedar_abi_version();
   m.attr("FLOAT32") = int(FUSEDAR_FLOAT32);
@@ -325,17 +326,17 @@ NB_MODULE(_fusedar, m) {
   });
   // The MoE shape rule (fusedar_moe_shape_check) of a call of num_tokens x hidden_dim of
   // `dtype` on a workspace created with these arguments: None, or why it is refused.
-  m.def("moe_shape_problem", [](int world_size, int max_token_num, int workspace_hidden_dim,
-                                int workspace_dtype, int pattern, int dtype, int64_t num_tokens,
-                                int64_t hidden_dim) -> nb::object {
-    fusedar_workspace_info i;
-    check(fusedar_workspace_sizes(world_size, max_token_num, workspace_hidden_dim,
-                                  workspace_dtype, &i));
-    if (fusedar_moe_shape_check(&i, pattern, dtype, num_tokens, hidden_dim) == FUSEDAR_OK) {
-      return nb::none();
-    }
-    return nb::str(fusedar_last_error());
-  });
+  m.def("moe_shape_problem",
+        [](int world_size, int max_token_num, int workspace_hidden_dim, int workspace_dtype,
+           int pattern, int dtype, int64_t num_tokens, int64_t hidden_dim) -> nb::object {
+          fusedar_workspace_info i;
+          check(fusedar_workspace_sizes(world_size, max_token_num, workspace_hidden_dim,
+                                        workspace_dtype, &i));
+          if (fusedar_moe_shape_check(&i, pattern, dtype, num_tokens, hidden_dim) == FUSEDAR_OK) {
+            return nb::none();
+          }
+          return nb::str(fusedar_last_error());
+        });
   m.def("pattern_compiled", [](int pattern) { return fusedar_pattern_compiled(pattern) != 0; });
   // Every pattern the native table serves: {code: traits}.
   m.def("pattern_table", []() {
@@ -362,38 +363,49 @@ NB_MODULE(_fusedar, m) {
     d["INTERNAL"] = int(FUSEDAR_INTERNAL);
     return d;
   });
-  m.def("ffi_error_code", [](int status) {
-    return std::string(fusedar::xla::error_code_name(fusedar::xla::error_code(status)));
-  }, nb::arg("status"));
-  m.def("raise_status", [](int status, const std::string& message) {
-    if (status != FUSEDAR_OK) raise_status(status, message);
-  }, nb::arg("status"), nb::arg("message"));
+  m.def(
+      "ffi_error_code",
+      [](int status) {
+        return std::string(fusedar::xla::error_code_name(fusedar::xla::error_code(status)));
+      },
+      nb::arg("status"));
+  m.def(
+      "raise_status",
+      [](int status, const std::string& message) {
+        if (status != FUSEDAR_OK) raise_status(status, message);
+      },
+      nb::arg("status"), nb::arg("message"));
   // The dense handler's result rule (result_check.h): [(name, element type, count)], and
   // what it reports for a call's results [(element type, count)] ("" when they match).
-  m.def("expected_results", [](int pattern, int dtype, int64_t tokens, int64_t hidden,
-                               int layout, int block_quant_group_size) {
-    std::vector<fusedar::xla::ResultLayout> want;
-    std::string why;
-    if (!fusedar::xla::expected_results(dense_pattern(pattern), dtype, tokens, hidden, layout,
-                                        block_quant_group_size, &want, &why)) {
-      throw nb::value_error(why.c_str());
-    }
-    std::vector<std::tuple<std::string, std::string, int64_t>> out;
-    for (const auto& r : want) {
-      out.emplace_back(r.name, fusedar::xla::element_name(r.element), r.count);
-    }
-    return out;
-  }, nb::arg("pattern"), nb::arg("dtype"), nb::arg("tokens"), nb::arg("hidden"),
-     nb::arg("layout") = 0, nb::arg("block_quant_group_size") = 0);
-  m.def("results_problem", [](int pattern, int dtype, int64_t tokens, int64_t hidden,
-                              int layout, int block_quant_group_size,
-                              const std::vector<std::tuple<std::string, int64_t>>& results) {
-    std::vector<fusedar::xla::GivenResult> given;
-    for (const auto& [name, count] : results) given.push_back({element_named(name), count});
-    return fusedar::xla::results_problem(dense_pattern(pattern), dtype, tokens, hidden, layout,
-                                         block_quant_group_size, given);
-  }, nb::arg("pattern"), nb::arg("dtype"), nb::arg("tokens"), nb::arg("hidden"),
-     nb::arg("layout"), nb::arg("block_quant_group_size"), nb::arg("results"));
+  m.def(
+      "expected_results",
+      [](int pattern, int dtype, int64_t tokens, int64_t hidden, int layout,
+         int block_quant_group_size) {
+        std::vector<fusedar::xla::ResultLayout> want;
+        std::string why;
+        if (!fusedar::xla::expected_results(dense_pattern(pattern), dtype, tokens, hidden, layout,
+                                            block_quant_group_size, &want, &why)) {
+          throw nb::value_error(why.c_str());
+        }
+        std::vector<std::tuple<std::string, std::string, int64_t>> out;
+        for (const auto& r : want) {
+          out.emplace_back(r.name, fusedar::xla::element_name(r.element), r.count);
+        }
+        return out;
+      },
+      nb::arg("pattern"), nb::arg("dtype"), nb::arg("tokens"), nb::arg("hidden"),
+      nb::arg("layout") = 0, nb::arg("block_quant_group_size") = 0);
+  m.def(
+      "results_problem",
+      [](int pattern, int dtype, int64_t tokens, int64_t hidden, int layout,
+         int block_quant_group_size, const std::vector<std::tuple<std::string, int64_t>>& results) {
+        std::vector<fusedar::xla::GivenResult> given;
+        for (const auto& [name, count] : results) given.push_back({element_named(name), count});
+        return fusedar::xla::results_problem(dense_pattern(pattern), dtype, tokens, hidden, layout,
+                                             block_quant_group_size, given);
+      },
+      nb::arg("pattern"), nb::arg("dtype"), nb::arg("tokens"), nb::arg("hidden"), nb::arg("layout"),
+      nb::arg("block_quant_group_size"), nb::arg("results"));
 
   m.def("device_count", []() {
     int32_t c = 0;
@@ -424,9 +436,9 @@ NB_MODULE(_fusedar, m) {
 
   nb::class_<Rank>(m, "Rank", nb::is_weak_referenceable())  // watched by lost_traps
       .def(nb::init<int, int, int, int, int, int, bool, double, double>(), nb::arg("device"),
-           nb::arg("world_size"), nb::arg("rank"), nb::arg("max_token_num"),
-           nb::arg("hidden_dim"), nb::arg("dtype"), nb::arg("check_calls") = false,
-           nb::arg("check_timeout_s") = 30.0, nb::arg("timeout_s") = FUSEDAR_DEFAULT_TIMEOUT_S)
+           nb::arg("world_size"), nb::arg("rank"), nb::arg("max_token_num"), nb::arg("hidden_dim"),
+           nb::arg("dtype"), nb::arg("check_calls") = false, nb::arg("check_timeout_s") = 30.0,
+           nb::arg("timeout_s") = FUSEDAR_DEFAULT_TIMEOUT_S)
       .def("local_pointers", &Rank::local_pointers)
       .def("export_ipc", &Rank::export_ipc)
       .def("set_peer_pointers", &Rank::set_peer_pointers, nb::arg("peer"), nb::arg("peer_device"),
@@ -450,20 +462,18 @@ NB_MODULE(_fusedar, m) {
            nb::arg("residual_in") = 0, nb::arg("residual_out") = 0, nb::arg("norm_out") = 0,
            nb::arg("quant_out") = 0, nb::arg("scale_out") = 0, nb::arg("rms_gamma") = 0,
            nb::arg("scale_factor") = 0, nb::arg("rms_eps") = 1e-6f, nb::arg("weight_bias") = 0.0f,
-           nb::arg("algorithm") = int(FUSEDAR_ALGORITHM_ONESHOT), nb::arg("fp32_acc") = true, nb::arg("layout") = 0,
-           nb::arg("block_quant_group_size") = 0, nb::arg("launch_with_pdl") = true,
-           nb::arg("trigger_completion_at_end") = true, nb::arg("stream") = 0,
-           nb::arg("check_only") = false)
+           nb::arg("algorithm") = int(FUSEDAR_ALGORITHM_ONESHOT), nb::arg("fp32_acc") = true,
+           nb::arg("layout") = 0, nb::arg("block_quant_group_size") = 0,
+           nb::arg("launch_with_pdl") = true, nb::arg("trigger_completion_at_end") = true,
+           nb::arg("stream") = 0, nb::arg("check_only") = false)
       .def("moe_launch", &Rank::moe_launch, nb::arg("pattern"), nb::arg("dtype"),
            nb::arg("num_tokens"), nb::arg("hidden_dim"), nb::arg("num_experts") = 0,
-           nb::arg("expert_scales") = 0, nb::arg("expert_outputs") = 0,
-           nb::arg("token_input") = 0, nb::arg("allreduce_out") = 0,
-           nb::arg("permuted_input") = 0, nb::arg("num_permuted_rows") = 0,
-           nb::arg("expanded_idx_to_permuted_idx") = 0, nb::arg("top_k") = 0,
-           nb::arg("expert_scale_factor") = 0, nb::arg("shared_expert_output") = 0,
-           nb::arg("routed_scaling_factor") = 1.0f, nb::arg("residual_in") = 0,
-           nb::arg("residual_out") = 0, nb::arg("norm_out") = 0, nb::arg("rms_gamma") = 0,
-           nb::arg("rms_eps") = 1e-6f, nb::arg("weight_bias") = 0.0f,
-           nb::arg("launch_with_pdl") = true, nb::arg("stream") = 0,
-           nb::arg("check_only") = false);
+           nb::arg("expert_scales") = 0, nb::arg("expert_outputs") = 0, nb::arg("token_input") = 0,
+           nb::arg("allreduce_out") = 0, nb::arg("permuted_input") = 0,
+           nb::arg("num_permuted_rows") = 0, nb::arg("expanded_idx_to_permuted_idx") = 0,
+           nb::arg("top_k") = 0, nb::arg("expert_scale_factor") = 0,
+           nb::arg("shared_expert_output") = 0, nb::arg("routed_scaling_factor") = 1.0f,
+           nb::arg("residual_in") = 0, nb::arg("residual_out") = 0, nb::arg("norm_out") = 0,
+           nb::arg("rms_gamma") = 0, nb::arg("rms_eps") = 1e-6f, nb::arg("weight_bias") = 0.0f,
+           nb::arg("launch_with_pdl") = true, nb::arg("stream") = 0, nb::arg("check_only") = false);
 }

@@ -67,10 +67,9 @@ ffi::Error AllReduceFusionImpl(void* stream, int32_t device_ordinal, ffi::Remain
   const size_t want_args = traits->operands();
   const size_t want_rets = traits->results();
   if (args.size() != want_args || rets.size() != want_rets) {
-    return invalid("pattern " + std::to_string(pattern) + " expects " +
-                   std::to_string(want_args) + " operands and " + std::to_string(want_rets) +
-                   " results, got " + std::to_string(args.size()) + " and " +
-                   std::to_string(rets.size()));
+    return invalid("pattern " + std::to_string(pattern) + " expects " + std::to_string(want_args) +
+                   " operands and " + std::to_string(want_rets) + " results, got " +
+                   std::to_string(args.size()) + " and " + std::to_string(rets.size()));
   }
   auto x = args.get<ffi::AnyBuffer>(0);
   if (x.has_error()) return x.error();
@@ -130,8 +129,8 @@ ffi::Error AllReduceFusionImpl(void* stream, int32_t device_ordinal, ffi::Remain
     auto r = rets.get<ffi::AnyBuffer>(i);
     if (r.has_error()) return r.error();
     out.push_back((*r)->untyped_data());
-    given.push_back({element_of((*r)->element_type()),
-                     static_cast<int64_t>((*r)->element_count())});
+    given.push_back(
+        {element_of((*r)->element_type()), static_cast<int64_t>((*r)->element_count())});
   }
   const std::string problem =
       results_problem(*traits, dtype, dims[0], dims[1], layout, block_quant_group_size, given);
@@ -185,9 +184,6 @@ ffi::Error AllReduceFusionHostImpl(ffi::RemainingArgs, ffi::RemainingRets, ffi::
 }  // namespace
 }  // namespace fusedar::xla
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedarAllReduceFusionHostHandler,
-                              fusedar::xla::AllReduceFusionHostImpl,
-                              ffi::Ffi::Bind()
-                                  .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attrs<ffi::Dictionary>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    FusedarAllReduceFusionHostHandler, fusedar::xla::AllReduceFusionHostImpl,
+    ffi::Ffi::Bind().RemainingArgs().RemainingRets().Attrs<ffi::Dictionary>());

@@ -25,7 +25,8 @@ ffi::Error DeviceTimestampImpl(void* stream, ffi::AnyBuffer dep, ffi::Result<ffi
   }
   if (fusedar_device_timestamp(stream, static_cast<uint32_t*>(stamp->untyped_data())) !=
       FUSEDAR_OK) {
-    return ffi::Error(ffi::ErrorCode::kInternal, std::string("jax_fusedar: ") + fusedar_last_error());
+    return ffi::Error(ffi::ErrorCode::kInternal,
+                      std::string("jax_fusedar: ") + fusedar_last_error());
   }
   return ffi::Error::Success();
 }

@@ -45,8 +45,7 @@ inline bool is_callers_error(int status) {
 
 // The FFI error of a failed core call, with the core's message for this thread.
 inline ::xla::ffi::Error core_error(int status) {
-  return ::xla::ffi::Error(error_code(status), std::string("jax_fusedar: ") +
-                                                   fusedar_last_error());
+  return ::xla::ffi::Error(error_code(status), std::string("jax_fusedar: ") + fusedar_last_error());
 }
 
 }  // namespace fusedar::xla

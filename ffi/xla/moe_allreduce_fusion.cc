@@ -55,14 +55,13 @@ ffi::Error MoeAllReduceFusionImpl(void* stream, int32_t device_ordinal, ffi::Rem
   fusedar_rank* rank = find_rank(workspace_id, device_ordinal, &why);
   if (rank == nullptr) return invalid(why);
   if (pattern != 6 && pattern != 7) return invalid("not an MoE pattern");
-  const size_t want_args = pattern == 6 ? 5 : 4 + (has_expert_scale ? 1 : 0) +
-                                                  (has_shared_expert ? 1 : 0);
+  const size_t want_args =
+      pattern == 6 ? 5 : 4 + (has_expert_scale ? 1 : 0) + (has_shared_expert ? 1 : 0);
   const size_t want_rets = 2 + (pattern == 6 && allreduce_out ? 1 : 0);
   if (args.size() != want_args || rets.size() != want_rets) {
-    return invalid("pattern " + std::to_string(pattern) + " expects " +
-                   std::to_string(want_args) + " operands and " + std::to_string(want_rets) +
-                   " results, got " + std::to_string(args.size()) + " and " +
-                   std::to_string(rets.size()));
+    return invalid("pattern " + std::to_string(pattern) + " expects " + std::to_string(want_args) +
+                   " operands and " + std::to_string(want_rets) + " results, got " +
+                   std::to_string(args.size()) + " and " + std::to_string(rets.size()));
   }
   std::vector<ffi::AnyBuffer> in;
   for (size_t i = 0; i < args.size(); ++i) {
@@ -187,9 +186,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedarMoeAllReduceFusionHandler,
                                   .Attr<bool>("allreduce_out"),
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedarMoeAllReduceFusionHostHandler,
-                              fusedar::xla::MoeAllReduceFusionHostImpl,
-                              ffi::Ffi::Bind()
-                                  .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attrs<ffi::Dictionary>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    FusedarMoeAllReduceFusionHostHandler, fusedar::xla::MoeAllReduceFusionHostImpl,
+    ffi::Ffi::Bind().RemainingArgs().RemainingRets().Attrs<ffi::Dictionary>());

@@ -60,8 +60,8 @@ inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 // order; false with *why set when the quantization parameters cannot describe any result
 // (quant_layouts.py's rules: h % 16 for NVFP4, its layout, a group size dividing h).
 inline bool expected_results(const PatternTraits& traits, int dtype, int64_t m, int64_t h,
-                             int32_t layout, int32_t group_size,
-                             std::vector<ResultLayout>* out, std::string* why) {
+                             int32_t layout, int32_t group_size, std::vector<ResultLayout>* out,
+                             std::string* why) {
   const Element x = element_of_dtype(dtype);
   out->clear();
   if (traits.allreduce_out()) {

@@ -1,5 +1,6 @@
 """Argument types and checks shared by the command-line tools (``python -m jax_fusedar``,
 ``python -m torch_compat.bench``). Imports neither jax nor torch."""
+
 from __future__ import annotations
 
 import argparse
@@ -63,6 +64,7 @@ def mode_list(text: str) -> list:
     modes = [m.strip() for m in text.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
-        raise argparse.ArgumentTypeError(f"modes must be a comma-separated subset of "
-                                         f"{','.join(MODES)}, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"modes must be a comma-separated subset of {','.join(MODES)}, got {text!r}"
+        )
     return [m for m in MODES if m in modes]

@@ -30,6 +30,7 @@ the FP8 patterns 4 (static), 11 (dynamic per token) and 9 (per-token group, 128)
 same plus the matching FP8 quantization written in XLA (``quant_reference``, which XLA fuses
 into the norm's kernel).
 """
+
 from __future__ import annotations
 
 import math
@@ -50,8 +51,15 @@ from ..common import launch_mode, limits
 from ..common.patterns import AllReduceFusionPattern as Pattern
 from . import report as report_files
 from .compare import plain_add_rmsnorm, timed_runs
-from .setup import (AXIS, RMS_EPS, SetupError, check_supported, describe_devices,
-                    open_workspace, tp_mesh)
+from .setup import (
+    AXIS,
+    RMS_EPS,
+    SetupError,
+    check_supported,
+    describe_devices,
+    open_workspace,
+    tp_mesh,
+)
 
 USE_ONESHOT = {"auto": None, "oneshot": True, "twoshot": False}
 GROUP_SIZE = 128
@@ -60,15 +68,18 @@ PATTERN_LABELS = {
     int(Pattern.kARResidualRMSNorm): "psum + add + RMSNorm",
     int(Pattern.kARResidualRMSNormOutFP8Quant): "... + static FP8",
     int(Pattern.kARResidualRMSNormOutDynamicFP8Quant): "... + dynamic FP8",
-    int(Pattern.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant):
-        f"... + group FP8 ({GROUP_SIZE})",
+    int(
+        Pattern.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant
+    ): f"... + group FP8 ({GROUP_SIZE})",
 }
 
 
 def reference_banner(device_kind: str) -> str:
-    return ("NOTE: backend 'xla': these numbers time XLA's reference path (psum + residual add "
-            f"+ RMSNorm) on {device_kind}, NOT the FlashInfer kernel; 'fused' and the mode "
-            "column only say what the kernel would run.")
+    return (
+        "NOTE: backend 'xla': these numbers time XLA's reference path (psum + residual add "
+        f"+ RMSNorm) on {device_kind}, NOT the FlashInfer kernel; 'fused' and the mode "
+        "column only say what the kernel would run."
+    )
 
 
 def chosen_mode(tokens: int, hidden: int, sizes, mode: str):
@@ -105,27 +116,40 @@ def fused_combine(ws, pattern: int, use_oneshot):
         kw = dict(quant)
         if "scale_factor" in kw:
             kw["scale_factor"] = scale
-        out = allreduce_fusion(x, axis_name=AXIS, workspace=ws, pattern=pattern,
-                               residual=residual, rms_gamma=gamma, rms_eps=RMS_EPS,
-                               use_oneshot=use_oneshot, **kw)
+        out = allreduce_fusion(
+            x,
+            axis_name=AXIS,
+            workspace=ws,
+            pattern=pattern,
+            residual=residual,
+            rms_gamma=gamma,
+            rms_eps=RMS_EPS,
+            use_oneshot=use_oneshot,
+            **kw,
+        )
         extra = tuple(v for v in (out.quant_out, out.scale_out) if v is not None)
         return out.residual_out, out.norm_out, extra
+
     return combine
 
 
 def baseline_combine(pattern: int):
     """The unfused twin of ``fused_combine``: psum + add + RMSNorm (+ the FP8 quantization)."""
+
     def combine(x, residual, gamma, scale):
         residual, norm = plain_add_rmsnorm(x, residual, gamma)
-        q = quant_reference.quantize_for_pattern(norm, pattern, scale_factor=scale,
-                                                 group_size=GROUP_SIZE)
+        q = quant_reference.quantize_for_pattern(
+            norm, pattern, scale_factor=scale, group_size=GROUP_SIZE
+        )
         return residual, norm, tuple(v for v in q if v is not None)
+
     return combine
 
 
 def chained(combine, calls: int):
     """Per-rank body: ``calls`` calls, each fed the previous call's norm output as its partial
     sum. Every call's quantized outputs are returned, so none is dead code."""
+
     def body(x, residual, gamma, scale):
         x = x[0]
         extras = []
@@ -135,11 +159,13 @@ def chained(combine, calls: int):
             # norm is invariant over the axis; the next all-reduce takes a per-rank partial.
             x = jax.lax.pcast(norm, AXIS, to="varying")
         return residual, norm, extras
+
     return body
 
 
 def looped(combine, iters: int):
     """Per-rank body: ``iters`` calls of ``combine`` on the same input in a fori_loop."""
+
     def body(x, residual, gamma, scale):
         def step(i, carry):
             x, residual, _ = carry
@@ -150,9 +176,12 @@ def looped(combine, iters: int):
             residual, norm, _ = combine(x, residual, gamma, scale)
             # norm is carried to the loop's result so that no iteration's norm is dead code.
             return x, residual, norm
-        _, residual, norm = jax.lax.fori_loop(0, iters, step,
-                                              (x[0], residual, jnp.zeros_like(residual)))
+
+        _, residual, norm = jax.lax.fori_loop(
+            0, iters, step, (x[0], residual, jnp.zeros_like(residual))
+        )
         return residual, norm
+
     return body
 
 
@@ -176,11 +205,13 @@ def stamped(body):
     """Wraps a per-rank body so that it returns (start stamp, end stamp, body's outputs...):
     the start stamp passes x through to the first call, the end stamp follows the norm of
     the last call (which follows its residual)."""
+
     def wrapped(x, residual, gamma, scale):
         t0, x = timing.device_timestamp(x)
         residual, norm, extras = body(x, residual, gamma, scale)
         t1, norm = timing.device_timestamp(norm)
         return t0[None], t1[None], residual, norm, extras
+
     return wrapped
 
 
@@ -192,37 +223,59 @@ def plot(report: dict, path: Path) -> bool:
     if plt is None:
         return False
     hiddens = report["config"]["hidden"]
-    fig, axes = plt.subplots(1, len(hiddens), figsize=(max(6, 6 * len(hiddens)), 5),
-                             squeeze=False)
+    fig, axes = plt.subplots(1, len(hiddens), figsize=(max(6, 6 * len(hiddens)), 5), squeeze=False)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     markers = {"auto": "o", "oneshot": "^", "twoshot": "s"}
     for ax, hidden in zip(axes[0], hiddens):
         series = 0
         for pattern in report["config"]["patterns"]:
-            cases = [c for c in report["cases"]
-                     if c["hidden"] == hidden and c["pattern"] == pattern]
-            ax.plot([c["tokens"] for c in cases], [c["baseline_us"] for c in cases], "--",
-                    color=colours[series % len(colours)], marker="x",
-                    label=f"XLA: {PATTERN_LABELS[pattern]}")
+            cases = [
+                c for c in report["cases"] if c["hidden"] == hidden and c["pattern"] == pattern
+            ]
+            ax.plot(
+                [c["tokens"] for c in cases],
+                [c["baseline_us"] for c in cases],
+                "--",
+                color=colours[series % len(colours)],
+                marker="x",
+                label=f"XLA: {PATTERN_LABELS[pattern]}",
+            )
             series += 1
             for mode in report["config"]["modes"]:
-                points = [(c["tokens"], c["fused"][mode]["us"]) for c in cases
-                          if mode in c["fused"]]
+                points = [
+                    (c["tokens"], c["fused"][mode]["us"]) for c in cases if mode in c["fused"]
+                ]
                 if points:
-                    ax.plot(*zip(*points), "-", color=colours[series % len(colours)],
-                            marker=markers[mode], label=f"fused pattern {pattern} ({mode})")
+                    ax.plot(
+                        *zip(*points),
+                        "-",
+                        color=colours[series % len(colours)],
+                        marker=markers[mode],
+                        label=f"fused pattern {pattern} ({mode})",
+                    )
                     series += 1
         crossover = large_message_crossover(hidden, report)
         if crossover is not None and "auto" in report["config"]["modes"]:
-            ax.axvline(crossover, linestyle=":", color="grey",
-                       label=f"auto: large-message from {crossover} tokens")
-        ax.set(xscale="log", yscale="log", xlabel="tokens", ylabel="us per call",
-               title=f"hidden {hidden}")
+            ax.axvline(
+                crossover,
+                linestyle=":",
+                color="grey",
+                label=f"auto: large-message from {crossover} tokens",
+            )
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="tokens",
+            ylabel="us per call",
+            title=f"hidden {hidden}",
+        )
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize="x-small")
     machine = report["machine"]
-    title = (f"{machine['device_count']} x {machine['device_kind']}, {report['config']['dtype']}, "
-             f"backend {machine['backend']}, method {report['config']['method']}")
+    title = (
+        f"{machine['device_count']} x {machine['device_kind']}, {report['config']['dtype']}, "
+        f"backend {machine['backend']}, method {report['config']['method']}"
+    )
     if machine["backend"] == "xla":
         title += "\nXLA reference path, not the kernel"
     fig.suptitle(title, fontsize="medium")
@@ -232,30 +285,45 @@ def plot(report: dict, path: Path) -> bool:
 
 def _machine_info(world: int, backend: str) -> dict:
     d = jax.devices()[0]
-    return {"jax_version": jax.__version__, "jaxlib_version": jax.lib.__version__,
-            "python": platform.python_version(), "hostname": socket.gethostname(),
-            "platform": d.platform, "device_kind": d.device_kind,
-            "device_count": jax.device_count(), "world_size": world, "backend": backend}
+    return {
+        "jax_version": jax.__version__,
+        "jaxlib_version": jax.lib.__version__,
+        "python": platform.python_version(),
+        "hostname": socket.gethostname(),
+        "platform": d.platform,
+        "device_kind": d.device_kind,
+        "device_count": jax.device_count(),
+        "world_size": world,
+        "backend": backend,
+    }
 
 
 def _print_table(report: dict) -> None:
-    print(f"{'pattern':>7} {'tokens':>7} {'hidden':>7}  {'mode':<16} {'fused us':>10} "
-          f"{'XLA us':>10} {'fused/XLA':>10}")
+    print(
+        f"{'pattern':>7} {'tokens':>7} {'hidden':>7}  {'mode':<16} {'fused us':>10} "
+        f"{'XLA us':>10} {'fused/XLA':>10}"
+    )
     notes = []
     for case in report["cases"]:
         for mode in report["config"]["modes"]:
             if mode in case["skipped"]:
-                notes.append(f"pattern {case['pattern']} {case['tokens']} x {case['hidden']} "
-                             f"{mode}: {case['skipped'][mode]}")
+                notes.append(
+                    f"pattern {case['pattern']} {case['tokens']} x {case['hidden']} "
+                    f"{mode}: {case['skipped'][mode]}"
+                )
                 continue
             m = case["fused"][mode]
             label = f"auto ({m['chosen']})" if mode == "auto" else mode
-            print(f"{case['pattern']:>7} {case['tokens']:>7} {case['hidden']:>7}  {label:<16} "
-                  f"{m['us']:>10.2f} {case['baseline_us']:>10.2f} {m['ratio']:>10.3f}")
+            print(
+                f"{case['pattern']:>7} {case['tokens']:>7} {case['hidden']:>7}  {label:<16} "
+                f"{m['us']:>10.2f} {case['baseline_us']:>10.2f} {m['ratio']:>10.3f}"
+            )
     for note in notes:
         print(f"skipped {note}")
-    print("XLA twins: " + "; ".join(f"pattern {p}: {PATTERN_LABELS[p]}"
-                                    for p in report["config"]["patterns"]))
+    print(
+        "XLA twins: "
+        + "; ".join(f"pattern {p}: {PATTERN_LABELS[p]}" for p in report["config"]["patterns"])
+    )
 
 
 # The budget the bounded waits must stay within: 1% or 0.1 us, whichever is larger.
@@ -269,31 +337,45 @@ def timeout_compare(on_us: float, off_us: float, timeout_s: float) -> dict:
     """The JSON entry of one on/off pair: both times, on/off ratio, and whether the cost is
     within the budget (1% or 0.1 us, whichever is larger)."""
     budget = max(TIMEOUT_BUDGET_REL * off_us, TIMEOUT_BUDGET_US)
-    return {"timeout_s": timeout_s, "timeout_on_us": on_us, "no_timeout_us": off_us,
-            "timeout_ratio": on_us / off_us if off_us > 0 else float("nan"),
-            "timeout_within_budget": on_us - off_us <= budget}
+    return {
+        "timeout_s": timeout_s,
+        "timeout_on_us": on_us,
+        "no_timeout_us": off_us,
+        "timeout_ratio": on_us / off_us if off_us > 0 else float("nan"),
+        "timeout_within_budget": on_us - off_us <= budget,
+    }
 
 
 def _print_timeout_table(report: dict) -> None:
-    rows = [(case, mode, case["fused"][mode]) for case in report["cases"]
-            for mode in report["config"]["modes"]
-            if "no_timeout_us" in case["fused"].get(mode, {})]
+    rows = [
+        (case, mode, case["fused"][mode])
+        for case in report["cases"]
+        for mode in report["config"]["modes"]
+        if "no_timeout_us" in case["fused"].get(mode, {})
+    ]
     if not rows:
         return
-    print(f"\nwait timeout on vs off (budget: {TIMEOUT_BUDGET_REL:.0%} or "
-          f"{TIMEOUT_BUDGET_US} us, whichever is larger)")
-    print(f"{'pattern':>7} {'tokens':>7} {'hidden':>7}  {'mode':<16} {'on us':>9} {'off us':>9} "
-          f"{'on/off':>8} {'ok':>4}")
+    print(
+        f"\nwait timeout on vs off (budget: {TIMEOUT_BUDGET_REL:.0%} or "
+        f"{TIMEOUT_BUDGET_US} us, whichever is larger)"
+    )
+    print(
+        f"{'pattern':>7} {'tokens':>7} {'hidden':>7}  {'mode':<16} {'on us':>9} {'off us':>9} "
+        f"{'on/off':>8} {'ok':>4}"
+    )
     for case, mode, m in rows:
         label = f"auto ({m['chosen']})" if mode == "auto" else mode
-        print(f"{case['pattern']:>7} {case['tokens']:>7} {case['hidden']:>7}  {label:<16} "
-              f"{m['timeout_on_us']:>9.2f} {m['no_timeout_us']:>9.2f} {m['timeout_ratio']:>8.4f} "
-              f"{'yes' if m['timeout_within_budget'] else 'NO':>4}")
+        print(
+            f"{case['pattern']:>7} {case['tokens']:>7} {case['hidden']:>7}  {label:<16} "
+            f"{m['timeout_on_us']:>9.2f} {m['no_timeout_us']:>9.2f} {m['timeout_ratio']:>8.4f} "
+            f"{'yes' if m['timeout_within_budget'] else 'NO':>4}"
+        )
 
 
 def _inputs(rng, args, world, tokens, hidden, dtype, split, replicated):
     x = rng.standard_normal((world, tokens, hidden), dtype=np.float32) / np.float32(
-        math.sqrt(world))
+        math.sqrt(world)
+    )
     if args.method == "loop":
         # The loop adds the same partial sums to the residual every call: scaled by 1/iters,
         # the residual stays O(1) however many calls run (no fp16 overflow).
@@ -303,10 +385,12 @@ def _inputs(rng, args, world, tokens, hidden, dtype, split, replicated):
     # Static FP8 dequantization scale: norm outputs are O(1), so |y| / scale stays well
     # inside e4m3's range (448).
     scale = np.asarray([1.0 / 32.0], np.float32)
-    return (jax.device_put(x.astype(dtype), split),
-            jax.device_put(residual.astype(dtype), replicated),
-            jax.device_put(gamma.astype(dtype), replicated),
-            jax.device_put(scale, replicated))
+    return (
+        jax.device_put(x.astype(dtype), split),
+        jax.device_put(residual.astype(dtype), replicated),
+        jax.device_put(gamma.astype(dtype), replicated),
+        jax.device_put(scale, replicated),
+    )
 
 
 def main(args) -> int:
@@ -315,16 +399,21 @@ def main(args) -> int:
     check_supported(world, args.hidden, args.dtype)
     unknown = [p for p in args.patterns if p not in PATTERN_LABELS]
     if unknown:
-        raise SetupError(f"--patterns: the bench times patterns {sorted(PATTERN_LABELS)}, "
-                         f"not {unknown}")
+        raise SetupError(
+            f"--patterns: the bench times patterns {sorted(PATTERN_LABELS)}, not {unknown}"
+        )
     group = int(Pattern.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant)
     for hidden in args.hidden:
         if group in args.patterns and hidden % GROUP_SIZE:
-            raise SetupError(f"pattern {group} quantizes groups of {GROUP_SIZE}: --hidden "
-                             f"{hidden} is not a multiple of {GROUP_SIZE}")
+            raise SetupError(
+                f"pattern {group} quantizes groups of {GROUP_SIZE}: --hidden "
+                f"{hidden} is not a multiple of {GROUP_SIZE}"
+            )
     if args.method == "loop" and args.patterns != [int(Pattern.kARResidualRMSNorm)]:
-        raise SetupError("--method loop times pattern 1 only (its loop drops the quantized "
-                         "outputs, which XLA would then not compute for the baseline)")
+        raise SetupError(
+            "--method loop times pattern 1 only (its loop drops the quantized "
+            "outputs, which XLA would then not compute for the baseline)"
+        )
     dtype = jnp.dtype(args.dtype)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -334,26 +423,50 @@ def main(args) -> int:
     if method == "auto":
         method = "device" if timing.available() else "chain"
     elif method == "device" and not timing.available():
-        raise SetupError("--method device needs GPUs and the native module (device clock "
-                         "stamps); use --method chain")
+        raise SetupError(
+            "--method device needs GPUs and the native module (device clock "
+            "stamps); use --method chain"
+        )
     calls = args.iters if method == "loop" else args.chain
 
-    with open_workspace(mesh, max_token_num=max(args.tokens), hidden_dim=max(args.hidden),
-                        dtype=dtype, backend=args.backend) as ws:
+    with open_workspace(
+        mesh,
+        max_token_num=max(args.tokens),
+        hidden_dim=max(args.hidden),
+        dtype=dtype,
+        backend=args.backend,
+    ) as ws:
         machine = _machine_info(world, ws.backend)
         banner = reference_banner(machine["device_kind"]) if ws.backend == "xla" else None
         print(describe_devices(world, ws.backend))
 
         def program(combine, n):
             if method == "loop":
-                return jax.jit(jax.shard_map(looped(combine, n), mesh=mesh,
-                                             in_specs=(P(AXIS), P(), P(), P()), out_specs=P()))
+                return jax.jit(
+                    jax.shard_map(
+                        looped(combine, n),
+                        mesh=mesh,
+                        in_specs=(P(AXIS), P(), P(), P()),
+                        out_specs=P(),
+                    )
+                )
             if method == "chain":
-                return jax.jit(jax.shard_map(chained(combine, n), mesh=mesh,
-                                             in_specs=(P(AXIS), P(), P(), P()), out_specs=P()))
-            return jax.jit(jax.shard_map(stamped(chained(combine, n)), mesh=mesh,
-                                         in_specs=(P(AXIS), P(), P(), P()),
-                                         out_specs=(P(AXIS), P(AXIS), P(), P(), P())))
+                return jax.jit(
+                    jax.shard_map(
+                        chained(combine, n),
+                        mesh=mesh,
+                        in_specs=(P(AXIS), P(), P(), P()),
+                        out_specs=P(),
+                    )
+                )
+            return jax.jit(
+                jax.shard_map(
+                    stamped(chained(combine, n)),
+                    mesh=mesh,
+                    in_specs=(P(AXIS), P(), P(), P()),
+                    out_specs=(P(AXIS), P(AXIS), P(), P(), P()),
+                )
+            )
 
         def measure(combine, inputs, prog=None):
             """(median per-call seconds, detail for the JSON); ``prog``: the compiled
@@ -379,8 +492,10 @@ def main(args) -> int:
 
         cases = []
         per_mode = 1 + (2 * TIMEOUT_ROUNDS - 1 if args.timeout_compare else 0)
-        bar = report_files.progress_bar(len(args.patterns) * sum(
-            1 + per_mode * len(runnable) for _, _, runnable, _ in plan), "loop")
+        bar = report_files.progress_bar(
+            len(args.patterns) * sum(1 + per_mode * len(runnable) for _, _, runnable, _ in plan),
+            "loop",
+        )
         try:
             for tokens, hidden, runnable, skipped in plan:
                 inputs = _inputs(rng, args, world, tokens, hidden, dtype, split, replicated)
@@ -388,18 +503,28 @@ def main(args) -> int:
                     bar.set_description(f"p{pattern} {tokens}x{hidden} XLA")
                     base, detail = measure(baseline_combine(pattern), inputs)
                     bar.update()
-                    case = {"pattern": pattern, "tokens": tokens, "hidden": hidden,
-                            "baseline": PATTERN_LABELS[pattern], "baseline_us": base * 1e6,
-                            "baseline_detail": detail, "fused": {}, "skipped": skipped}
+                    case = {
+                        "pattern": pattern,
+                        "tokens": tokens,
+                        "hidden": hidden,
+                        "baseline": PATTERN_LABELS[pattern],
+                        "baseline_us": base * 1e6,
+                        "baseline_detail": detail,
+                        "fused": {},
+                        "skipped": skipped,
+                    }
                     for mode, chosen in runnable.items():
                         bar.set_description(f"p{pattern} {tokens}x{hidden} fused {mode}")
                         fused = fused_combine(ws, pattern, USE_ONESHOT[mode])
                         prog = program(fused, calls)
                         t, detail = measure(fused, inputs, prog)
                         bar.update()
-                        case["fused"][mode] = {"chosen": chosen, "us": t * 1e6,
-                                               "ratio": t * 1e6 / case["baseline_us"],
-                                               "detail": detail}
+                        case["fused"][mode] = {
+                            "chosen": chosen,
+                            "us": t * 1e6,
+                            "ratio": t * 1e6 / case["baseline_us"],
+                            "detail": detail,
+                        }
                         if args.timeout_compare:
                             bar.set_description(f"p{pattern} {tokens}x{hidden} {mode} t=0")
                             # Alternating rounds of the same compiled program, the timeout
@@ -413,29 +538,43 @@ def main(args) -> int:
                                     ws.set_timeout(on_s)
                                 if r + 1 < TIMEOUT_ROUNDS:
                                     ons.append(measure(fused, inputs, prog)[0])
-                            case["fused"][mode].update(timeout_compare(
-                                statistics.median(ons) * 1e6, statistics.median(offs) * 1e6,
-                                on_s))
+                            case["fused"][mode].update(
+                                timeout_compare(
+                                    statistics.median(ons) * 1e6,
+                                    statistics.median(offs) * 1e6,
+                                    on_s,
+                                )
+                            )
                     cases.append(case)
         finally:
             bar.close()
 
     description = {
         "device": "per-call time = median device time of a program of chain dependent calls "
-                  "/ chain, between device-clock stamps, slower device",
+        "/ chain, between device-clock stamps, slower device",
         "chain": "per-call time = wall time of a program of chain dependent calls / chain, "
-                 "median over repeats",
+        "median over repeats",
         "loop": "per-call time = (lax.fori_loop of iters calls) / iters, median over repeats",
     }[method]
     report = {
         "machine": machine,
-        "config": {"dtype": args.dtype, "method": method, "chain": args.chain,
-                   "iters": args.iters, "repeats": args.repeats, "patterns": args.patterns,
-                   "tokens": args.tokens, "hidden": args.hidden, "modes": args.modes,
-                   "max_token_num": max(args.tokens), "hidden_dim": max(args.hidden),
-                   "rms_eps": RMS_EPS, "group_size": GROUP_SIZE,
-                   "timeout_compare": bool(args.timeout_compare),
-                   "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+        "config": {
+            "dtype": args.dtype,
+            "method": method,
+            "chain": args.chain,
+            "iters": args.iters,
+            "repeats": args.repeats,
+            "patterns": args.patterns,
+            "tokens": args.tokens,
+            "hidden": args.hidden,
+            "modes": args.modes,
+            "max_token_num": max(args.tokens),
+            "hidden_dim": max(args.hidden),
+            "rms_eps": RMS_EPS,
+            "group_size": GROUP_SIZE,
+            "timeout_compare": bool(args.timeout_compare),
+            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        },
         "reference_path": machine["backend"] == "xla",
         "method": description,
         "cases": cases,

@@ -1,6 +1,7 @@
 """How the demos (dense and MoE) and the bench compare the fused op with the unfused math: the
 unfused combine as a model writes it, timed runs, the greedy tokens and logits of two decodes
 (first divergence, top-2 margins, the near-tie rule) and the rounding tolerance of the logits."""
+
 from __future__ import annotations
 
 import math
@@ -65,8 +66,9 @@ def moe_kernel_roundings(top_k: int, world: int) -> int:
     return 2 * top_k + world + (world - 1)
 
 
-def moe_tolerance(dtype: str, ratios, roundings: int, *, dense_sites: int = 0,
-                  world: int = 1) -> float:
+def moe_tolerance(
+    dtype: str, ratios, roundings: int, *, dense_sites: int = 0, world: int = 1
+) -> float:
     """Bound on max|fused - other| / max|other| of the logits of the MoE decoder, the other
     program summing the MoE terms differently (``roundings``: both programs' roundings of
     them before the residual add).
@@ -101,8 +103,10 @@ def compare_greedy(tok_u, log_u, tok_f, log_f):
     scale = float(np.max(np.abs(log_u[:upto])))
     margins = ""
     if first is not None:
-        margins = (f"unfused top-2 margin {top2_margin(log_u, *first):.4g}, fused top-2 margin "
-                   f"{top2_margin(log_f, *first):.4g}")
+        margins = (
+            f"unfused top-2 margin {top2_margin(log_u, *first):.4g}, fused top-2 margin "
+            f"{top2_margin(log_f, *first):.4g}"
+        )
     return first, err, scale, margins
 
 

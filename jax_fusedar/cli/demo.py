@@ -17,6 +17,7 @@ The mesh, workspace and device description come from ``setup``, the comparison w
 unfused program (greedy tokens, margins, tolerance, timing) from ``compare``, both shared with
 the MoE demo and the bench.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,10 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .compare import (TOLERANCE_FORMULA, compare_greedy, median_seconds, near_tie,
-                      tolerance)
-from .setup import (AXIS, describe_devices, llama_preset, open_workspace, require_fuse_jax,
-                    tp_mesh)
+from .compare import TOLERANCE_FORMULA, compare_greedy, median_seconds, near_tie, tolerance
+from .setup import AXIS, describe_devices, llama_preset, open_workspace, require_fuse_jax, tp_mesh
 
 
 # --- the Llama demo ------------------------------------------------------------------------------
@@ -43,51 +42,110 @@ _T0 = time.perf_counter()  # process start (about): the bench's total time inclu
 
 def add_arguments(parser, *, positive_int, int_list, seed, dtypes, backends) -> None:
     """The demo's flags (the CLI passes its validators, so every flag is checked alike)."""
-    parser.add_argument("--preset", choices=("auto", "tiny", "llama3-8b"), default="auto",
-                        help="model shapes: auto = llama3-8b on GPUs, tiny on CPUs")
-    parser.add_argument("--layers", type=positive_int, default=None,
-                        help="override the preset's number of layers")
+    parser.add_argument(
+        "--preset",
+        choices=("auto", "tiny", "llama3-8b"),
+        default="auto",
+        help="model shapes: auto = llama3-8b on GPUs, tiny on CPUs",
+    )
+    parser.add_argument(
+        "--layers", type=positive_int, default=None, help="override the preset's number of layers"
+    )
     parser.add_argument("--dtype", choices=dtypes, default="bfloat16")
     parser.add_argument("--batch", type=positive_int, default=2, help="sequences decoded")
-    parser.add_argument("--prompt", type=positive_int, default=16,
-                        help="prompt length (tokens prefilled per sequence)")
-    parser.add_argument("--steps", type=positive_int, default=8,
-                        help="greedy decode steps compared between fused and unfused")
-    parser.add_argument("--layer-mode", choices=("both",) + LAYER_MODES, default="both",
-                        help="layers as a Python loop (unrolled), under lax.scan, or both")
-    parser.add_argument("--norm", choices=("fused-friendly", "hf"), default="fused-friendly",
-                        help="RMSNorm as written in the model: gamma multiplied in float32 "
-                        "(fused-friendly) or in the activation dtype after a cast (Hugging "
-                        "Face's form, left unfused unless --allow-rounding-change)")
-    parser.add_argument("--allow-rounding-change", action="store_true",
-                        help="let fuse() fuse norms whose rounding differs from the kernel's")
-    parser.add_argument("--iters", type=positive_int, default=5,
-                        help="timed calls of each program after warm-up (median shown)")
+    parser.add_argument(
+        "--prompt",
+        type=positive_int,
+        default=16,
+        help="prompt length (tokens prefilled per sequence)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=positive_int,
+        default=8,
+        help="greedy decode steps compared between fused and unfused",
+    )
+    parser.add_argument(
+        "--layer-mode",
+        choices=("both",) + LAYER_MODES,
+        default="both",
+        help="layers as a Python loop (unrolled), under lax.scan, or both",
+    )
+    parser.add_argument(
+        "--norm",
+        choices=("fused-friendly", "hf"),
+        default="fused-friendly",
+        help="RMSNorm as written in the model: gamma multiplied in float32 "
+        "(fused-friendly) or in the activation dtype after a cast (Hugging "
+        "Face's form, left unfused unless --allow-rounding-change)",
+    )
+    parser.add_argument(
+        "--allow-rounding-change",
+        action="store_true",
+        help="let fuse() fuse norms whose rounding differs from the kernel's",
+    )
+    parser.add_argument(
+        "--iters",
+        type=positive_int,
+        default=5,
+        help="timed calls of each program after warm-up (median shown)",
+    )
     parser.add_argument("--seed", type=seed, default=0, help="seed of the random weights")
-    parser.add_argument("--backend", choices=backends, default="auto",
-                        help="fused op backend: auto = the kernel on GPUs, XLA elsewhere")
-    parser.add_argument("--bench", action="store_true",
-                        help="time decode steps and prefills fused vs unfused (below) and "
-                        "write bench_llama.json to --out, instead of the comparison")
-    parser.add_argument("--bench-batches", type=int_list, default="1,16,64",
-                        help="--bench: decode batch sizes")
-    parser.add_argument("--bench-kv", type=int_list, default="128,2048",
-                        help="--bench: KV cache lengths of the decode steps")
-    parser.add_argument("--bench-prefill", type=int_list, default="1024,4096",
-                        help="--bench: prefill lengths (batch 1)")
-    parser.add_argument("--bench-prefill-layers", choices=("both",) + LAYER_MODES + ("none",),
-                        default="scan", help="--bench: layer modes of the prefills (each "
-                        "unrolled 32-layer program costs a long compile)")
-    parser.add_argument("--bench-steps", type=positive_int, default=20,
-                        help="--bench: back-to-back calls per timed run")
-    parser.add_argument("--bench-budget-s", type=positive_int, default=None,
-                        help="--bench: start no new case after this many seconds (the JSON "
-                        "lists the cases left out)")
+    parser.add_argument(
+        "--backend",
+        choices=backends,
+        default="auto",
+        help="fused op backend: auto = the kernel on GPUs, XLA elsewhere",
+    )
+    parser.add_argument(
+        "--bench",
+        action="store_true",
+        help="time decode steps and prefills fused vs unfused (below) and "
+        "write bench_llama.json to --out, instead of the comparison",
+    )
+    parser.add_argument(
+        "--bench-batches", type=int_list, default="1,16,64", help="--bench: decode batch sizes"
+    )
+    parser.add_argument(
+        "--bench-kv",
+        type=int_list,
+        default="128,2048",
+        help="--bench: KV cache lengths of the decode steps",
+    )
+    parser.add_argument(
+        "--bench-prefill",
+        type=int_list,
+        default="1024,4096",
+        help="--bench: prefill lengths (batch 1)",
+    )
+    parser.add_argument(
+        "--bench-prefill-layers",
+        choices=("both",) + LAYER_MODES + ("none",),
+        default="scan",
+        help="--bench: layer modes of the prefills (each "
+        "unrolled 32-layer program costs a long compile)",
+    )
+    parser.add_argument(
+        "--bench-steps",
+        type=positive_int,
+        default=20,
+        help="--bench: back-to-back calls per timed run",
+    )
+    parser.add_argument(
+        "--bench-budget-s",
+        type=positive_int,
+        default=None,
+        help="--bench: start no new case after this many seconds (the JSON "
+        "lists the cases left out)",
+    )
     parser.add_argument("--out", default="bench_out", help="--bench: folder for the JSON")
-    parser.add_argument("--moe", action="store_true",
-                        help="the decoder with mixture-of-experts MLPs (routed experts, expert "
-                        "parallel, plus a shared expert) combined by jax_fusedar's MoE finalize "
-                        "op, against the same model written plainly (jax_fusedar/cli/moe_demo.py)")
+    parser.add_argument(
+        "--moe",
+        action="store_true",
+        help="the decoder with mixture-of-experts MLPs (routed experts, expert "
+        "parallel, plus a shared expert) combined by jax_fusedar's MoE finalize "
+        "op, against the same model written plainly (jax_fusedar/cli/moe_demo.py)",
+    )
 
 
 def _modes(args):
@@ -97,6 +155,7 @@ def _modes(args):
 def main(args) -> int:
     from ..fusion_pass import fuse
     from ..models import llama
+
     require_fuse_jax()
     mesh = tp_mesh()
     world = mesh.shape[AXIS]
@@ -110,15 +169,22 @@ def main(args) -> int:
     prompt = jnp.asarray(rng.integers(0, cfg.vocab, (args.batch, args.prompt)), jnp.int32)
     length = args.prompt + args.steps
     norm = llama.NORMS[args.norm]
-    print(f"jax_fusedar demo: Llama decoder ({preset}: {cfg.layers} layers, hidden {cfg.hidden}, "
-          f"ffn {cfg.ffn}, {cfg.heads}/{cfg.kv_heads} heads, vocab {cfg.vocab}), {args.dtype}, "
-          f"random weights (seed {args.seed}), tensor parallel over {world} devices; batch "
-          f"{args.batch}, prompt {args.prompt}, {args.steps} greedy steps; norm "
-          f"{args.norm}")
+    print(
+        f"jax_fusedar demo: Llama decoder ({preset}: {cfg.layers} layers, hidden {cfg.hidden}, "
+        f"ffn {cfg.ffn}, {cfg.heads}/{cfg.kv_heads} heads, vocab {cfg.vocab}), {args.dtype}, "
+        f"random weights (seed {args.seed}), tensor parallel over {world} devices; batch "
+        f"{args.batch}, prompt {args.prompt}, {args.steps} greedy steps; norm "
+        f"{args.norm}"
+    )
     print("the model calls no jax_fusedar function; 'fused' = jax_fusedar.fuse(model)")
     ok = True
-    with open_workspace(mesh, max_token_num=args.batch * args.prompt, hidden_dim=cfg.hidden,
-                        dtype=dtype, backend=args.backend) as ws:
+    with open_workspace(
+        mesh,
+        max_token_num=args.batch * args.prompt,
+        hidden_dim=cfg.hidden,
+        dtype=dtype,
+        backend=args.backend,
+    ) as ws:
         print(describe_devices(world, ws.backend))
         for mode in _modes(args):
             fwd = llama.make_forward(cfg, mesh, AXIS, scan=mode == "scan", norm=norm)
@@ -128,8 +194,10 @@ def main(args) -> int:
             cache = llama.init_cache(cfg, mesh, AXIS, dtype, args.batch, length)
             tok1 = prompt[:, :1]
             pos_d = jnp.int32(args.prompt)
-            reports = {"prefill": fused.analyze(params, prompt, *cache, jnp.int32(0)),
-                       "decode": fused.analyze(params, tok1, *cache, pos_d)}
+            reports = {
+                "prefill": fused.analyze(params, prompt, *cache, jnp.int32(0)),
+                "decode": fused.analyze(params, tok1, *cache, pos_d),
+            }
             outs, speed = {}, {}
             for name, prog in progs.items():
                 outs[name] = llama.greedy_decode(prog, prog, params, prompt, *cache, args.steps)
@@ -148,26 +216,31 @@ def main(args) -> int:
             print(f"{'':<8} {'prefill tok/s':>14} {'decode tok/s':>13}")
             for name, (p, d) in speed.items():
                 print(f"{name:<8} {p:>14.1f} {d:>13.1f}")
-            print(f"speedup  {speed['fused'][0] / speed['unfused'][0]:>14.3f} "
-                  f"{speed['fused'][1] / speed['unfused'][1]:>13.3f}")
+            print(
+                f"speedup  {speed['fused'][0] / speed['unfused'][0]:>14.3f} "
+                f"{speed['fused'][1] / speed['unfused'][1]:>13.3f}"
+            )
             tu, tf = outs["unfused"][0], outs["fused"][0]
             print(f"greedy tokens, sequence 0, unfused: {tu[0].tolist()}")
             print(f"greedy tokens, sequence 0, fused:   {tf[0].tolist()}")
             if first is None:
                 print(f"greedy tokens: identical over {args.steps} steps x {args.batch} sequences")
             else:
-                print(f"greedy tokens: first divergence at step {first[0]}, sequence {first[1]} "
-                      f"({margins})")
-            print(f"max logits error {err:.4g} (relative to max |logits| {scale:.4g}: "
-                  f"{rel:.3e}; tolerance {tol:.3e} = {TOLERANCE_FORMULA} with "
-                  f"{n_sites} sites)")
+                print(
+                    f"greedy tokens: first divergence at step {first[0]}, sequence {first[1]} "
+                    f"({margins})"
+                )
+            print(
+                f"max logits error {err:.4g} (relative to max |logits| {scale:.4g}: "
+                f"{rel:.3e}; tolerance {tol:.3e} = {TOLERANCE_FORMULA} with "
+                f"{n_sites} sites)"
+            )
             # Every site fused, unless the model's norm is one the pass must leave alone.
             expect_all = args.norm != "hf" or args.allow_rounding_change
             all_fused = len(sites.fused) == len(sites.sites) > 0
             # "not <=" so that NaN fails. A divergence is accepted only at a near tie.
             diverged_ok = first is None or near_tie(outs["unfused"][1], first, err)
-            mode_ok = rel <= tol and diverged_ok and \
-                (all_fused if expect_all else not sites.fused)
+            mode_ok = rel <= tol and diverged_ok and (all_fused if expect_all else not sites.fused)
             print(f"{'PASS' if mode_ok else 'FAIL'} ({mode})")
             ok &= bool(mode_ok)
     return 0 if ok else 1
@@ -175,12 +248,13 @@ def main(args) -> int:
 
 # --- --bench -------------------------------------------------------------------------------------
 
+
 def _time_steps(prog, params, tokens, cache, pos, steps: int, iters: int):
     """(median seconds per call over ``iters`` runs of ``steps`` back-to-back calls, cache):
     wall time from the first dispatch to the last result, so host dispatch gaps count, as
     in serving. The cache is threaded through (donated where the platform allows)."""
     ck, cv = cache
-    logits, ck, cv = prog(params, tokens, ck, cv, pos)       # warm-up (compiled already)
+    logits, ck, cv = prog(params, tokens, ck, cv, pos)  # warm-up (compiled already)
     jax.block_until_ready(logits)
     per = []
     for _ in range(iters):
@@ -197,42 +271,57 @@ def bench_main(args, preset, cfg, mesh) -> int:
     layer mode x (batch x KV length) and prefill length, in one process; JSON to --out."""
     from ..fusion_pass import fuse
     from ..models import llama
+
     world = mesh.shape[AXIS]
     dtype = jnp.dtype(args.dtype)
     device = jax.devices()[0]
     on_gpu = device.platform == "gpu"
     prefills = list(args.bench_prefill)
-    pre_modes = {"both": LAYER_MODES, "none": ()}.get(args.bench_prefill_layers,
-                                                       (args.bench_prefill_layers,))
+    pre_modes = {"both": LAYER_MODES, "none": ()}.get(
+        args.bench_prefill_layers, (args.bench_prefill_layers,)
+    )
     max_tokens = max([*args.bench_batches, *(prefills if pre_modes else [])])
     stacked = llama.init_params(cfg, mesh, AXIS, dtype, args.seed, host=not on_gpu)
     donate = (2, 3) if on_gpu else ()
     cases, skipped = [], []
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    print(f"jax_fusedar demo --bench: Llama ({preset}: {cfg.layers} layers, hidden {cfg.hidden}, "
-          f"ffn {cfg.ffn}, {cfg.heads}/{cfg.kv_heads} heads), {args.dtype}, TP {world}; "
-          f"{args.bench_steps} calls per run, median of {args.iters} runs", flush=True)
-    with open_workspace(mesh, max_token_num=max_tokens, hidden_dim=cfg.hidden, dtype=dtype,
-                        backend=args.backend) as ws:
+    print(
+        f"jax_fusedar demo --bench: Llama ({preset}: {cfg.layers} layers, hidden {cfg.hidden}, "
+        f"ffn {cfg.ffn}, {cfg.heads}/{cfg.kv_heads} heads), {args.dtype}, TP {world}; "
+        f"{args.bench_steps} calls per run, median of {args.iters} runs",
+        flush=True,
+    )
+    with open_workspace(
+        mesh, max_token_num=max_tokens, hidden_dim=cfg.hidden, dtype=dtype, backend=args.backend
+    ) as ws:
         print(describe_devices(world, ws.backend), flush=True)
         if ws.backend != "trtllm":
             print("NOTE: backend 'xla': 'fused' runs the reference path, not the kernel")
-        header = (f"{'kind':<8} {'layers':<9} {'batch':>5} {'kv/len':>6} {'unfused ms':>11} "
-                  f"{'fused ms':>9} {'speedup':>8} {'fused tok/s':>12}  sites")
+        header = (
+            f"{'kind':<8} {'layers':<9} {'batch':>5} {'kv/len':>6} {'unfused ms':>11} "
+            f"{'fused ms':>9} {'speedup':>8} {'fused tok/s':>12}  sites"
+        )
         print(header, flush=True)
         # Most telling first (batch-1 decode), and the JSON rewritten after every case, so
         # a run cut short still leaves its numbers.
-        plan = [(mode, "decode", b, kv) for b in args.bench_batches for mode in _modes(args)
-                for kv in args.bench_kv]
+        plan = [
+            (mode, "decode", b, kv)
+            for b in args.bench_batches
+            for mode in _modes(args)
+            for kv in args.bench_kv
+        ]
         plan += [(mode, "prefill", 1, t) for mode in pre_modes for t in prefills]
         progs_by_mode, params_by_mode = {}, {}
         start = time.perf_counter()
         for mode, kind, batch, length in plan:
             if args.bench_budget_s and time.perf_counter() - start > args.bench_budget_s:
                 skipped.append({"kind": kind, "layers": mode, "batch": batch, "length": length})
-                print(f"skipped (--bench-budget-s {args.bench_budget_s}): {kind} {mode} "
-                      f"batch {batch} length {length}", flush=True)
+                print(
+                    f"skipped (--bench-budget-s {args.bench_budget_s}): {kind} {mode} "
+                    f"batch {batch} length {length}",
+                    flush=True,
+                )
                 continue
             if mode not in progs_by_mode:
                 fwd = llama.make_forward(cfg, mesh, AXIS, scan=mode == "scan")
@@ -240,24 +329,31 @@ def bench_main(args, preset, cfg, mesh) -> int:
                 # Each mode reads its own layout (llama.arrange): one copy of the layer
                 # weights per mode, made once, as a server loads its weights once.
                 params_by_mode[mode] = llama.arrange(stacked, mesh, AXIS, scan=mode == "scan")
-                progs_by_mode[mode] = fused, {
-                    "unfused": jax.jit(fwd, donate_argnums=donate),
-                    "fused": jax.jit(fused, donate_argnums=donate)}
+                progs_by_mode[mode] = (
+                    fused,
+                    {
+                        "unfused": jax.jit(fwd, donate_argnums=donate),
+                        "fused": jax.jit(fused, donate_argnums=donate),
+                    },
+                )
             fused, progs = progs_by_mode[mode]
             params = params_by_mode[mode]
             T = 1 if kind == "decode" else length
             pos = jnp.int32(length - 1 if kind == "decode" else 0)
             tokens = jnp.zeros((batch, T), jnp.int32)
             cache = llama.init_cache(cfg, mesh, AXIS, dtype, batch, length)
-            case = {"kind": kind, "layers": mode, "batch": batch,
-                    "kv_length" if kind == "decode" else "tokens": length}
+            case = {
+                "kind": kind,
+                "layers": mode,
+                "batch": batch,
+                "kv_length" if kind == "decode" else "tokens": length,
+            }
             steps = args.bench_steps if kind == "decode" else max(2, args.bench_steps // 10)
             for name, prog in progs.items():
                 t0 = time.perf_counter()
                 compiled = prog.lower(params, tokens, *cache, pos).compile()
                 case[f"{name}_compile_s"] = time.perf_counter() - t0
-                s, cache = _time_steps(compiled, params, tokens, cache, pos, steps,
-                                       args.iters)
+                s, cache = _time_steps(compiled, params, tokens, cache, pos, steps, args.iters)
                 del compiled
                 case[f"{name}_ms"] = s * 1e3
             rep = fused.report
@@ -268,42 +364,57 @@ def bench_main(args, preset, cfg, mesh) -> int:
             case["fused_tokens_per_s"] = batch * T / (case["fused_ms"] * 1e-3)
             case["unfused_tokens_per_s"] = batch * T / (case["unfused_ms"] * 1e-3)
             cases.append(case)
-            print(f"{kind:<8} {mode:<9} {batch:>5} {length:>6} {case['unfused_ms']:>11.3f} "
-                  f"{case['fused_ms']:>9.3f} {case['speedup']:>8.3f} "
-                  f"{case['fused_tokens_per_s']:>12.1f}  {len(rep.fused)}/{len(rep.sites)} "
-                  f"(compile {case['unfused_compile_s']:.0f}+{case['fused_compile_s']:.0f} s)",
-                  flush=True)
+            print(
+                f"{kind:<8} {mode:<9} {batch:>5} {length:>6} {case['unfused_ms']:>11.3f} "
+                f"{case['fused_ms']:>9.3f} {case['speedup']:>8.3f} "
+                f"{case['fused_tokens_per_s']:>12.1f}  {len(rep.fused)}/{len(rep.sites)} "
+                f"(compile {case['unfused_compile_s']:.0f}+{case['fused_compile_s']:.0f} s)",
+                flush=True,
+            )
             del cache
-            _write_bench(out_dir, device, world, ws.backend, preset, cfg, args, max_tokens,
-                         cases, skipped)
-    path = _write_bench(out_dir, device, world, ws.backend, preset, cfg, args, max_tokens, cases,
-                        skipped)
+            _write_bench(
+                out_dir, device, world, ws.backend, preset, cfg, args, max_tokens, cases, skipped
+            )
+    path = _write_bench(
+        out_dir, device, world, ws.backend, preset, cfg, args, max_tokens, cases, skipped
+    )
     dec1 = [c["speedup"] for c in cases if c["kind"] == "decode" and c["batch"] == 1]
     if dec1:
         print(f"decode batch 1 speedup: {min(dec1):.3f} - {max(dec1):.3f}")
     if cases:
-        print(f"slowest case fused/unfused: "
-              f"{max(c['fused_ms'] / c['unfused_ms'] for c in cases):.3f}")
+        print(
+            f"slowest case fused/unfused: {max(c['fused_ms'] / c['unfused_ms'] for c in cases):.3f}"
+        )
     print(f"total {time.perf_counter() - _T0:.0f} s")
     print(f"wrote {path}")
     return 0
 
 
-def _write_bench(out_dir, device, world, backend, preset, cfg, args, max_tokens, cases,
-                 skipped):
+def _write_bench(out_dir, device, world, backend, preset, cfg, args, max_tokens, cases, skipped):
     report = {
-        "machine": {"platform": device.platform, "device_kind": device.device_kind,
-                    "device_count": jax.device_count(), "world_size": world,
-                    "backend": backend, "jax_version": jax.__version__,
-                    "host": platform.node()},
-        "config": {"preset": preset, **{k: getattr(cfg, k) for k in
-                                        ("vocab", "hidden", "ffn", "layers", "heads",
-                                         "kv_heads")},
-                   "dtype": args.dtype, "steps_per_run": args.bench_steps,
-                   "runs": args.iters, "workspace_max_tokens": max_tokens},
+        "machine": {
+            "platform": device.platform,
+            "device_kind": device.device_kind,
+            "device_count": jax.device_count(),
+            "world_size": world,
+            "backend": backend,
+            "jax_version": jax.__version__,
+            "host": platform.node(),
+        },
+        "config": {
+            "preset": preset,
+            **{
+                k: getattr(cfg, k)
+                for k in ("vocab", "hidden", "ffn", "layers", "heads", "kv_heads")
+            },
+            "dtype": args.dtype,
+            "steps_per_run": args.bench_steps,
+            "runs": args.iters,
+            "workspace_max_tokens": max_tokens,
+        },
         "method": "wall time of back-to-back jitted calls (--bench-steps per run for decode, "
-                  "a tenth of that (>= 2) for prefill; cache threaded through, donated on "
-                  "GPUs) / calls, median over runs; compile excluded",
+        "a tenth of that (>= 2) for prefill; cache threaded through, donated on "
+        "GPUs) / calls, median over runs; compile excluded",
         "cases": cases,
         "skipped": skipped,
         "total_s": time.perf_counter() - _T0,

@@ -3,6 +3,7 @@
 This module imports no JAX: without GPUs it first splits the host into 8 virtual CPU devices
 (the fused op needs 2, 4, 8 or 16 ranks), which XLA reads only when JAX starts.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,7 +18,8 @@ BACKENDS = ("auto", "trtllm", "xla")
 FRAMEWORKS = ("jax", "torch")
 HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
 
-DESCRIPTION = """\
+DESCRIPTION = (
+    """\
 FlashInfer's fused all-reduce + residual add + RMSNorm for JAX: demo and benchmark.
 
   demo   run a tensor-parallel Llama decoder written in plain JAX (no jax_fusedar call)
@@ -30,7 +32,9 @@ FlashInfer's fused all-reduce + residual add + RMSNorm for JAX: demo and benchma
 Without GPUs both run on 8 virtual CPU devices through the XLA reference path, not the
 kernel (XLA_FLAGS=%s is set automatically
 when XLA_FLAGS is unset).
-""" % HOST_DEVICES_FLAG
+"""
+    % HOST_DEVICES_FLAG
+)
 
 
 # The patterns `bench` times (bench.PATTERN_LABELS has their unfused twins; a test checks
@@ -42,6 +46,7 @@ def _pattern_list(text: str) -> list:
     """--patterns: codes of fusion patterns the bench times. A valid pattern it does not time
     (0, 2, ...) is named as such, not as "not positive" or "unknown"."""
     from ..common.patterns import AllReduceFusionPattern
+
     codes = []
     for part in (p.strip() for p in text.split(",")):
         if not part:
@@ -55,72 +60,135 @@ def _pattern_list(text: str) -> list:
     untimed = sorted({c for c in codes if c not in BENCH_PATTERNS})
     if untimed:
         known = {int(p): p.name for p in AllReduceFusionPattern}
-        what = "; ".join(f"{c} ({known[c]}) is a fusion pattern the bench does not time"
-                         if c in known else f"{c} is not a fusion pattern" for c in untimed)
+        what = "; ".join(
+            f"{c} ({known[c]}) is a fusion pattern the bench does not time"
+            if c in known
+            else f"{c} is not a fusion pattern"
+            for c in untimed
+        )
         raise argparse.ArgumentTypeError(
-            f"the bench times patterns {', '.join(map(str, BENCH_PATTERNS))}: {what}")
+            f"the bench times patterns {', '.join(map(str, BENCH_PATTERNS))}: {what}"
+        )
     return sorted(set(codes))
 
 
 def build_parser():
     """Returns the parser and its subcommand parsers by name."""
-    parser = argparse.ArgumentParser(prog="python -m jax_fusedar", description=DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m jax_fusedar",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench}")
     fmt = argparse.ArgumentDefaultsHelpFormatter
 
-    demo = sub.add_parser("demo", formatter_class=fmt, help="a Llama decoder written without "
-                          "jax_fusedar, fused by jax_fusedar.fuse: tokens, errors, speed",
-                          description="Run a tensor-parallel Llama decoder (plain JAX under "
-                          "shard_map, random weights) as written and through jax_fusedar.fuse, "
-                          "layers unrolled and under lax.scan; print the sites fused, prefill "
-                          "and decode tokens/s, greedy tokens and the logits error. --bench "
-                          "times decode steps and prefills instead.")
+    demo = sub.add_parser(
+        "demo",
+        formatter_class=fmt,
+        help="a Llama decoder written without "
+        "jax_fusedar, fused by jax_fusedar.fuse: tokens, errors, speed",
+        description="Run a tensor-parallel Llama decoder (plain JAX under "
+        "shard_map, random weights) as written and through jax_fusedar.fuse, "
+        "layers unrolled and under lax.scan; print the sites fused, prefill "
+        "and decode tokens/s, greedy tokens and the logits error. --bench "
+        "times decode steps and prefills instead.",
+    )
     from .demo import add_arguments  # the demo owns its flags
-    add_arguments(demo, positive_int=argtypes.positive_int, int_list=argtypes.int_list,
-                  seed=argtypes.seed, dtypes=DTYPES, backends=BACKENDS)
+
+    add_arguments(
+        demo,
+        positive_int=argtypes.positive_int,
+        int_list=argtypes.int_list,
+        seed=argtypes.seed,
+        dtypes=DTYPES,
+        backends=BACKENDS,
+    )
     from . import ranks  # the TP size and how its ranks run (imports no JAX)
+
     ranks.add_arguments(demo)
 
-    bench = sub.add_parser("bench", formatter_class=fmt, help="latency of the fused op vs "
-                           "psum + residual add + RMSNorm (+ FP8 quantization)",
-                           description="Time the fused op against its unfused XLA twin (psum "
-                           "+ residual add + RMSNorm, + the FP8 quantization for patterns 4, "
-                           "11, 9) for every tokens x hidden size, both in the same run. "
-                           "--method chain: one jitted program of --chain dependent calls "
-                           "(each fed the previous norm output), time / chain; --method loop: "
-                           "a lax.fori_loop of --iters calls, time / iters. Median over "
-                           "--repeats.")
-    bench.add_argument("--tokens", type=argtypes.int_list, default="1,16,128,1024,4096",
-                       help="comma-separated token counts")
-    bench.add_argument("--hidden", type=argtypes.int_list, default="4096,8192",
-                       help="comma-separated hidden sizes")
+    bench = sub.add_parser(
+        "bench",
+        formatter_class=fmt,
+        help="latency of the fused op vs psum + residual add + RMSNorm (+ FP8 quantization)",
+        description="Time the fused op against its unfused XLA twin (psum "
+        "+ residual add + RMSNorm, + the FP8 quantization for patterns 4, "
+        "11, 9) for every tokens x hidden size, both in the same run. "
+        "--method chain: one jitted program of --chain dependent calls "
+        "(each fed the previous norm output), time / chain; --method loop: "
+        "a lax.fori_loop of --iters calls, time / iters. Median over "
+        "--repeats.",
+    )
+    bench.add_argument(
+        "--tokens",
+        type=argtypes.int_list,
+        default="1,16,128,1024,4096",
+        help="comma-separated token counts",
+    )
+    bench.add_argument(
+        "--hidden", type=argtypes.int_list, default="4096,8192", help="comma-separated hidden sizes"
+    )
     bench.add_argument("--dtype", choices=DTYPES, default="bfloat16")
-    bench.add_argument("--patterns", type=_pattern_list, default="1,4,11,9",
-                       help="fusion patterns to time: 1 (AR + residual + RMSNorm), 4 (+ static "
-                       "FP8), 11 (+ dynamic per-token FP8), 9 (+ per-token-group FP8)")
-    bench.add_argument("--method", choices=("auto", "device", "chain", "loop"), default="auto",
-                       help="device: dependent calls unrolled in one program, timed by device-"
-                       "clock stamps (GPUs); chain: the same timed by the host clock; loop: "
-                       "fori_loop (pattern 1 only); auto: device on GPUs, else chain")
-    bench.add_argument("--chain", type=argtypes.positive_int, default=32,
-                       help="dependent calls per timed program (--method device, chain)")
-    bench.add_argument("--iters", type=argtypes.positive_int, default=200,
-                       help="calls per timed loop (--method loop)")
-    bench.add_argument("--repeats", type=argtypes.positive_int, default=10,
-                       help="timed programs per case (the median is reported)")
-    bench.add_argument("--modes", type=argtypes.mode_list, default="auto",
-                       help="fused op modes: auto (use_oneshot=None), oneshot, twoshot")
+    bench.add_argument(
+        "--patterns",
+        type=_pattern_list,
+        default="1,4,11,9",
+        help="fusion patterns to time: 1 (AR + residual + RMSNorm), 4 (+ static "
+        "FP8), 11 (+ dynamic per-token FP8), 9 (+ per-token-group FP8)",
+    )
+    bench.add_argument(
+        "--method",
+        choices=("auto", "device", "chain", "loop"),
+        default="auto",
+        help="device: dependent calls unrolled in one program, timed by device-"
+        "clock stamps (GPUs); chain: the same timed by the host clock; loop: "
+        "fori_loop (pattern 1 only); auto: device on GPUs, else chain",
+    )
+    bench.add_argument(
+        "--chain",
+        type=argtypes.positive_int,
+        default=32,
+        help="dependent calls per timed program (--method device, chain)",
+    )
+    bench.add_argument(
+        "--iters",
+        type=argtypes.positive_int,
+        default=200,
+        help="calls per timed loop (--method loop)",
+    )
+    bench.add_argument(
+        "--repeats",
+        type=argtypes.positive_int,
+        default=10,
+        help="timed programs per case (the median is reported)",
+    )
+    bench.add_argument(
+        "--modes",
+        type=argtypes.mode_list,
+        default="auto",
+        help="fused op modes: auto (use_oneshot=None), oneshot, twoshot",
+    )
     bench.add_argument("--out", default="bench_out", help="folder for bench.json and bench.png")
-    bench.add_argument("--backend", choices=BACKENDS, default="auto",
-                       help="fused op backend: auto = the kernel on GPUs, XLA elsewhere")
-    bench.add_argument("--timeout-compare", action="store_true",
-                       help="also time every fused case with the kernel's wait timeout off "
-                       "(timeout_s=0) on the same workspace, and print the on/off cost")
-    bench.add_argument("--framework", choices=FRAMEWORKS, default="jax",
-                       help="torch: torch_compat vs FlashInfer's own build, NCCL and symmetric "
-                       "memory in spawned processes (its own options: bench --framework torch "
-                       "--help)")
+    bench.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="auto",
+        help="fused op backend: auto = the kernel on GPUs, XLA elsewhere",
+    )
+    bench.add_argument(
+        "--timeout-compare",
+        action="store_true",
+        help="also time every fused case with the kernel's wait timeout off "
+        "(timeout_s=0) on the same workspace, and print the on/off cost",
+    )
+    bench.add_argument(
+        "--framework",
+        choices=FRAMEWORKS,
+        default="jax",
+        help="torch: torch_compat vs FlashInfer's own build, NCCL and symmetric "
+        "memory in spawned processes (its own options: bench --framework torch "
+        "--help)",
+    )
     return parser, {"demo": demo, "bench": bench}
 
 
@@ -141,8 +209,10 @@ def _check_hidden(parser, args) -> None:
     hiddens = args.hidden if isinstance(args.hidden, list) else [args.hidden]
     for hidden in hiddens:
         if hidden % vec:
-            parser.error(f"--hidden {hidden} is not a multiple of {vec}: the kernel moves "
-                         f"16-byte vectors ({vec} x {args.dtype})")
+            parser.error(
+                f"--hidden {hidden} is not a multiple of {vec}: the kernel moves "
+                f"16-byte vectors ({vec} x {args.dtype})"
+            )
 
 
 def _ensure_host_devices() -> None:
@@ -157,6 +227,7 @@ def _environment_problem(argv) -> "str | None":
     if any(a in ("-h", "--help") for a in argv):
         return None
     from ..common import environment
+
     found = environment.problems()
     return "; ".join(found) if found else None
 
@@ -170,21 +241,27 @@ def main(argv=None) -> int:
     torch_argv = _torch_bench_argv(argv)
     if torch_argv is not None:  # no JAX in this path
         import importlib.util
+
         if importlib.util.find_spec("torch") is None:  # torch_compat imports torch
-            print("python -m jax_fusedar bench --framework torch: error: torch is not "
-                  "installed", file=sys.stderr)
+            print(
+                "python -m jax_fusedar bench --framework torch: error: torch is not installed",
+                file=sys.stderr,
+            )
             return 2
         from torch_compat.bench import main as torch_bench
+
         return torch_bench(torch_argv, prog="python -m jax_fusedar bench --framework torch")
     # Every other command (and its parser: the demo's flags live with the demo) needs JAX,
     # an extra. The check imports nothing: XLA_FLAGS is settled only after parsing.
     import importlib.util
+
     try:
         has_jax = importlib.util.find_spec("jax") is not None
     except ValueError:  # a blocked module (None in sys.modules)
         has_jax = False
     if not has_jax:
         from .. import NEEDS_JAX
+
         print(f"python -m jax_fusedar: error: {NEEDS_JAX}", file=sys.stderr)
         return 2
     parser, commands = build_parser()
@@ -192,20 +269,24 @@ def main(argv=None) -> int:
     if args.command == "bench":  # the demo's hidden size comes from its preset
         _check_hidden(commands[args.command], args)
     # The output folder is checked before anything is measured (a bad --out costs no run).
-    out_files = {"bench": ("bench.json", "bench.png"),
-                 "demo": ("bench_llama.json",) if getattr(args, "bench", False) else ()}
+    out_files = {
+        "bench": ("bench.json", "bench.png"),
+        "demo": ("bench_llama.json",) if getattr(args, "bench", False) else (),
+    }
     if out_files[args.command]:
         problem = check_out_dir(args.out, out_files[args.command])
         if problem:
             commands[args.command].error(f"--out {args.out}: {problem}")
     # One process per rank where GPUs are fewer than ranks; bench refuses shared GPUs.
     from . import ranks
+
     code = ranks.dispatch(args, argv, commands[args.command])
     if code is not None:
         return code
     _ensure_host_devices()
     # Imported here, after XLA_FLAGS is settled, because they import JAX.
     from .setup import SetupError
+
     if args.command == "demo" and args.moe:
         from .moe_demo import main as run
     elif args.command == "demo":
@@ -217,4 +298,3 @@ def main(argv=None) -> int:
     except SetupError as e:
         print(f"{commands[args.command].prog}: error: {e}", file=sys.stderr)
         return 2
-

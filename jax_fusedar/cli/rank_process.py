@@ -3,6 +3,7 @@ as one process per rank. The demo starts these itself (jax_fusedar/cli/ranks.py)
 process joins ``jax.distributed`` on its device (GPU rank % G, or one CPU device over gloo),
 runs its part of the demo (jax_fusedar/cli/shared_demo.py) and writes its result where the
 launcher reads it. Exit code: 0 PASS, 1 FAIL, 2 a configuration it cannot run."""
+
 from __future__ import annotations
 
 import argparse
@@ -14,9 +15,11 @@ from .ranks import RESULT_FILE, Plan
 
 
 def parser():
-    p = argparse.ArgumentParser(prog="python -m jax_fusedar.cli.rank_process",
-                                description="One rank of 'python -m jax_fusedar demo' run as "
-                                "one process per rank (started by the demo itself).")
+    p = argparse.ArgumentParser(
+        prog="python -m jax_fusedar.cli.rank_process",
+        description="One rank of 'python -m jax_fusedar demo' run as "
+        "one process per rank (started by the demo itself).",
+    )
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--gpus", type=int, required=True)
@@ -31,21 +34,30 @@ def main(argv=None) -> int:
     demo_argv = opts.demo_argv[1:] if opts.demo_argv[:1] == ["--"] else opts.demo_argv
     p = Plan(world=opts.world, gpus=opts.gpus, per_rank=True)
     from .main import build_parser  # imports no JAX
+
     demo_parser, _ = build_parser()
     args = demo_parser.parse_args(["demo", *demo_argv])
     import jax
+
     if p.platform == "cpu":  # the reference path's psum crosses processes
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{opts.port}",
-                               num_processes=p.world, process_id=opts.rank,
-                               local_device_ids=[p.device_of(opts.rank)] if p.gpus else None)
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{opts.port}",
+        num_processes=p.world,
+        process_id=opts.rank,
+        local_device_ids=[p.device_of(opts.rank)] if p.gpus else None,
+    )
     from . import shared_demo
     from .setup import SetupError
+
     try:
         code, result = shared_demo.run(args, p, opts.rank)
     except SetupError as e:
-        print(f"python -m jax_fusedar demo: error (rank {opts.rank}): {e}", file=sys.stderr,
-              flush=True)
+        print(
+            f"python -m jax_fusedar demo: error (rank {opts.rank}): {e}",
+            file=sys.stderr,
+            flush=True,
+        )
         return 2
     Path(opts.result_dir, RESULT_FILE.format(opts.rank)).write_text(json.dumps(result))
     jax.distributed.shutdown()

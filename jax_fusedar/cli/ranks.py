@@ -18,6 +18,7 @@ reference path (XLA's all-reduce over gloo), which is how the CPU tests exercise
 This module imports no JAX (the CLI calls it before JAX starts); a rank process runs
 ``jax_fusedar/cli/rank_process.py``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,11 @@ from ..common import limits
 
 PROCESS_MODES = ("auto", "one", "per-rank")
 # What every process we start inherits: never NVLink multicast (docs/decisions.md).
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                "NVSHMEM_DISABLE_NVLS": "1"}
+NO_MULTICAST = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 # After one rank fails, the others get this long to fail or finish on their own (a rank
 # waiting for it in the kernel fails after the kernel's timeout_s, 30 s by default) before
 # they are stopped.
@@ -50,19 +54,23 @@ RESULT_FILE = "rank{}.json"
 def shared_gpu_timing(gpus: int, world: int) -> str:
     """Why nothing is timed when ranks share GPUs (the demo prints it; bench refuses with
     it)."""
-    return (f"{world} ranks would share {gpus} GPU{'s' if gpus != 1 else ''}: ranks sharing "
-            f"a GPU take turns on it (the GPU time-slices their kernels, and each all-reduce "
-            f"waits for every rank's turn), so a timing measures that scheduling, not the "
-            f"kernel")
+    return (
+        f"{world} ranks would share {gpus} GPU{'s' if gpus != 1 else ''}: ranks sharing "
+        f"a GPU take turns on it (the GPU time-slices their kernels, and each all-reduce "
+        f"waits for every rank's turn), so a timing measures that scheduling, not the "
+        f"kernel"
+    )
 
 
 def bench_refusal(gpus: int) -> Optional[str]:
     """bench times the fused op with one GPU per rank; on a machine with one GPU it refuses
     (a TP group of one is not an all-reduce, and ranks sharing the GPU time nothing)."""
     if gpus == 1:
-        return (f"bench needs one GPU per rank and this machine has 1 GPU: "
-                f"{shared_gpu_timing(1, 2)}. Run it where each of the 2, 4 or 8 ranks has its "
-                f"own GPU; 'python -m jax_fusedar demo' checks the kernel's results on one GPU")
+        return (
+            f"bench needs one GPU per rank and this machine has 1 GPU: "
+            f"{shared_gpu_timing(1, 2)}. Run it where each of the 2, 4 or 8 ranks has its "
+            f"own GPU; 'python -m jax_fusedar demo' checks the kernel's results on one GPU"
+        )
     return None
 
 
@@ -79,20 +87,29 @@ def _tp(text: str) -> int:
 
 def add_arguments(parser) -> None:
     """The demo's flags for the TP size and how its ranks run."""
-    parser.add_argument("--tp", type=_tp, default=None,
-                        help="tensor-parallel size: 2, 4, 8 or 16 (default: every GPU; 2 on "
-                        "a one-GPU machine; the 8 virtual devices on CPUs). With fewer GPUs "
-                        "than ranks, one process per rank shares the GPUs")
-    parser.add_argument("--processes", choices=PROCESS_MODES, default="auto",
-                        help="auto: one process driving a device per rank, or one process "
-                        "per rank when there are fewer GPUs than ranks; one: always one "
-                        "process; per-rank: always one process per rank (on CPUs over gloo)")
+    parser.add_argument(
+        "--tp",
+        type=_tp,
+        default=None,
+        help="tensor-parallel size: 2, 4, 8 or 16 (default: every GPU; 2 on "
+        "a one-GPU machine; the 8 virtual devices on CPUs). With fewer GPUs "
+        "than ranks, one process per rank shares the GPUs",
+    )
+    parser.add_argument(
+        "--processes",
+        choices=PROCESS_MODES,
+        default="auto",
+        help="auto: one process driving a device per rank, or one process "
+        "per rank when there are fewer GPUs than ranks; one: always one "
+        "process; per-rank: always one process per rank (on CPUs over gloo)",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """How a demo's TP group runs. ``gpus`` 0 means CPUs (virtual devices, or one CPU device
     per rank process)."""
+
     world: int
     gpus: int
     per_rank: bool
@@ -118,9 +135,11 @@ def plan(tp: Optional[int], processes: str, gpus: int) -> Plan:
     world = tp if tp is not None else (gpus if gpus >= 2 else 2 if gpus == 1 else 8)
     fewer = 0 < gpus < world
     if processes == "one" and fewer:
-        raise ValueError(f"--processes one: a process drives each device once, and --tp "
-                         f"{world} needs {world} GPUs where this machine has {gpus}; use "
-                         f"--processes auto (one process per rank, sharing the GPUs)")
+        raise ValueError(
+            f"--processes one: a process drives each device once, and --tp "
+            f"{world} needs {world} GPUs where this machine has {gpus}; use "
+            f"--processes auto (one process per rank, sharing the GPUs)"
+        )
     return Plan(world=world, gpus=gpus, per_rank=processes == "per-rank" or fewer)
 
 
@@ -130,8 +149,11 @@ def single_process_env(p: Plan, tp_given: bool, env) -> dict:
     if not tp_given or p.per_rank:
         return {}
     if p.gpus:
-        return {} if p.gpus == p.world else \
-            {"JAX_CUDA_VISIBLE_DEVICES": ",".join(map(str, range(p.world)))}
+        return (
+            {}
+            if p.gpus == p.world
+            else {"JAX_CUDA_VISIBLE_DEVICES": ",".join(map(str, range(p.world)))}
+        )
     return {"JAX_NUM_CPU_DEVICES": str(p.world)}
 
 
@@ -140,17 +162,32 @@ def rank_env(p: Plan, env) -> dict:
     taken on demand (ranks sharing a GPU must fit together), no NVLink multicast."""
     out = {k: v for k, v in env.items() if k not in ("JAX_CUDA_VISIBLE_DEVICES",)}
     out.update(NO_MULTICAST)
-    out.update(JAX_PLATFORMS=p.platform, XLA_PYTHON_CLIENT_PREALLOCATE="false",
-               PYTHONUNBUFFERED="1")
+    out.update(
+        JAX_PLATFORMS=p.platform, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1"
+    )
     if not p.gpus:
         out["JAX_NUM_CPU_DEVICES"] = "1"
     return out
 
 
 def rank_command(p: Plan, rank: int, port: int, result_dir: str, demo_argv) -> list:
-    return [sys.executable, "-m", "jax_fusedar.cli.rank_process", "--rank", str(rank),
-            "--world", str(p.world), "--gpus", str(p.gpus), "--port", str(port),
-            "--result-dir", result_dir, "--", *demo_argv]
+    return [
+        sys.executable,
+        "-m",
+        "jax_fusedar.cli.rank_process",
+        "--rank",
+        str(rank),
+        "--world",
+        str(p.world),
+        "--gpus",
+        str(p.gpus),
+        "--port",
+        str(port),
+        "--result-dir",
+        result_dir,
+        "--",
+        *demo_argv,
+    ]
 
 
 def free_port() -> int:
@@ -182,12 +219,15 @@ def _stop(procs, ranks, say) -> None:
             time.sleep(0.1)
     stuck = [r for r in ranks if procs[r].poll() is None]
     if stuck:
-        say(f"ranks {stuck} did not exit after SIGKILL (a process stuck in the GPU driver); "
-            f"pids {[procs[r].pid for r in stuck]}")
+        say(
+            f"ranks {stuck} did not exit after SIGKILL (a process stuck in the GPU driver); "
+            f"pids {[procs[r].pid for r in stuck]}"
+        )
 
 
-def launch(p: Plan, demo_argv, *, prog: str = "python -m jax_fusedar demo",
-           env=None, out=None) -> int:
+def launch(
+    p: Plan, demo_argv, *, prog: str = "python -m jax_fusedar demo", env=None, out=None
+) -> int:
     """Runs the demo as ``p.world`` rank processes and returns the exit code: rank 0's
     verdict (0 PASS, 1 FAIL, 2 a configuration it cannot run), 1 when another rank failed
     or the ranks disagree. Rank 0 prints the report; the others' output goes to logs, whose
@@ -205,9 +245,14 @@ def launch(p: Plan, demo_argv, *, prog: str = "python -m jax_fusedar demo",
         try:
             for r in range(p.world):
                 log = None if r == 0 else open(logs[r], "w")
-                procs.append(subprocess.Popen(
-                    rank_command(p, r, port, tmp, demo_argv), env=rank_env(p, env),
-                    stdout=log, stderr=subprocess.STDOUT if log else None))
+                procs.append(
+                    subprocess.Popen(
+                        rank_command(p, r, port, tmp, demo_argv),
+                        env=rank_env(p, env),
+                        stdout=log,
+                        stderr=subprocess.STDOUT if log else None,
+                    )
+                )
                 if log:
                     log.close()  # the child holds its own descriptor
             failed_at = None
@@ -235,12 +280,13 @@ def launch(p: Plan, demo_argv, *, prog: str = "python -m jax_fusedar demo",
             return codes[0]
         if any(c != 0 for c in codes):
             return 1
-        results = [json.loads(Path(tmp, RESULT_FILE.format(r)).read_text())
-                   for r in range(p.world)]
+        results = [json.loads(Path(tmp, RESULT_FILE.format(r)).read_text()) for r in range(p.world)]
         digests = {json.dumps(r["tokens"], sort_keys=True) for r in results}
         if len(digests) != 1:
-            say("FAIL: the ranks decoded different tokens: "
-                + "; ".join(f"rank {r['rank']}: {r['tokens']}" for r in results))
+            say(
+                "FAIL: the ranks decoded different tokens: "
+                + "; ".join(f"rank {r['rank']}: {r['tokens']}" for r in results)
+            )
             return 1
         return 0
 
@@ -252,6 +298,7 @@ def dispatch(args, argv, parser, gpus: Optional[int] = None) -> Optional[int]:
     devices, and None says: go on in this process."""
     if gpus is None:
         from ..common import native
+
         gpus = native.gpu_count()
     if args.command == "bench":
         why = bench_refusal(gpus)
@@ -267,8 +314,11 @@ def dispatch(args, argv, parser, gpus: Optional[int] = None) -> Optional[int]:
         os.environ.update(single_process_env(p, args.tp is not None, os.environ))
         return None
     if args.bench:
-        why = (shared_gpu_timing(p.gpus, p.world) if p.shared_gpus
-               else "one process per rank times nothing that one process driving every "
-                    "device would not time better")
+        why = (
+            shared_gpu_timing(p.gpus, p.world)
+            if p.shared_gpus
+            else "one process per rank times nothing that one process driving every "
+            "device would not time better"
+        )
         parser.error(f"--bench: {why}; --bench needs one GPU per rank")
     return launch(p, list(argv)[1:], prog=parser.prog)

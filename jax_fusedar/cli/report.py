@@ -1,6 +1,7 @@
 """How the benchmarks (``python -m jax_fusedar bench``, ``python -m torch_compat.bench``)
 report: a progress bar, matplotlib figures written to files, and the JSON + plot files at the
 end. Imports neither jax nor torch (tqdm and matplotlib are optional)."""
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,9 @@ class _StderrBar:
     def _draw(self) -> None:
         width = 30
         done = width * self.n // max(self.total, 1)
-        sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {self.n}/{self.total} "
-                         f"{self.desc:<40}")
+        sys.stderr.write(
+            f"\r[{'#' * done}{'.' * (width - done)}] {self.n}/{self.total} {self.desc:<40}"
+        )
         sys.stderr.flush()
 
 
@@ -53,6 +55,7 @@ def pyplot():
         return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 
@@ -62,8 +65,9 @@ def save_figure(plt, fig, path: Path) -> None:
     plt.close(fig)
 
 
-def write_results(out_dir: Path, name: str, report: dict,
-                  plot: Callable[[dict, Path], bool]) -> None:
+def write_results(
+    out_dir: Path, name: str, report: dict, plot: Callable[[dict, Path], bool]
+) -> None:
     """Writes ``<name>.json`` and, through ``plot`` (False: no matplotlib), ``<name>.png``
     under ``out_dir``, saying what was written."""
     json_path = Path(out_dir) / f"{name}.json"
@@ -73,5 +77,7 @@ def write_results(out_dir: Path, name: str, report: dict,
     if plot(report, png_path):
         print(f"wrote {png_path}")
     else:
-        print(f"note: matplotlib is not installed, so no {png_path} "
-              "(pip install matplotlib to get the plot)")
+        print(
+            f"note: matplotlib is not installed, so no {png_path} "
+            "(pip install matplotlib to get the plot)"
+        )

@@ -5,6 +5,7 @@ options through these, so ``use_oneshot="false"``, ``fp32_acc="no"``, ``layout_c
 ``rms_eps=None`` fail the same way everywhere, naming the argument, instead of being coerced
 by ``bool()``/``int()``/``float()`` into something else (``bool("false")`` is True).
 """
+
 from __future__ import annotations
 
 import math
@@ -54,8 +55,11 @@ def as_float(name: str, value, *, minimum: Optional[float] = None) -> float:
     complex number or an array), at least ``minimum`` when given."""
     # The common case first (a Python float or int): numbers.Real is an ABC whose
     # isinstance check costs microseconds, and torch_compat runs this on every eager call.
-    if type(value) is not float and type(value) is not int and (
-            isinstance(value, _BOOLS) or not isinstance(value, numbers.Real)):
+    if (
+        type(value) is not float
+        and type(value) is not int
+        and (isinstance(value, _BOOLS) or not isinstance(value, numbers.Real))
+    ):
         raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
     result = float(value)
     if not math.isfinite(result):
@@ -79,8 +83,10 @@ def as_float32(name: str, value, *, minimum: Optional[float] = None) -> float:
     with np.errstate(over="ignore"):  # the overflow is the answer, not a warning
         rounded = float(np.float32(result))
     if not math.isfinite(rounded):
-        raise ValueError(f"{name}={result!r} overflows float32 (the kernel computes in "
-                         f"float32, whose largest finite value is {FLOAT32_MAX:.7g})")
+        raise ValueError(
+            f"{name}={result!r} overflows float32 (the kernel computes in "
+            f"float32, whose largest finite value is {FLOAT32_MAX:.7g})"
+        )
     return result
 
 
@@ -97,6 +103,7 @@ def as_int(name: str, value, *, minimum: Optional[int] = None) -> int:
 
 class FusionOptions(NamedTuple):
     """The scalar options of a fused all-reduce call, as the kernel takes them."""
+
     rms_eps: float
     weight_bias: float
     fp32_acc: bool
@@ -107,10 +114,12 @@ def fusion_options(*, rms_eps, weight_bias, fp32_acc, use_oneshot) -> FusionOpti
     """The options every JAX entry point of the fused op validates, once and alike
     (``allreduce_fusion``, ``row_parallel_allreduce_fusion``): real bools, and ``rms_eps``
     (>= 0) and ``weight_bias`` finite in float32."""
-    return FusionOptions(rms_eps=as_float32("rms_eps", rms_eps, minimum=0.0),
-                         weight_bias=as_float32("weight_bias", weight_bias),
-                         fp32_acc=as_bool("fp32_acc", fp32_acc),
-                         use_oneshot=as_bool("use_oneshot", use_oneshot, allow_none=True))
+    return FusionOptions(
+        rms_eps=as_float32("rms_eps", rms_eps, minimum=0.0),
+        weight_bias=as_float32("weight_bias", weight_bias),
+        fp32_acc=as_bool("fp32_acc", fp32_acc),
+        use_oneshot=as_bool("use_oneshot", use_oneshot, allow_none=True),
+    )
 
 
 TRUE_WORDS = ("1", "true", "yes", "on")
@@ -130,5 +139,7 @@ def env_bool(var: str, env: Optional[Mapping[str, str]] = None, *, default: bool
         return True
     if word in FALSE_WORDS:
         return False
-    raise ValueError(f"${var}={raw!r} is not a boolean: use {'/'.join(TRUE_WORDS)} or "
-                     f"{'/'.join(FALSE_WORDS)} (or leave it unset)")
+    raise ValueError(
+        f"${var}={raw!r} is not a boolean: use {'/'.join(TRUE_WORDS)} or "
+        f"{'/'.join(FALSE_WORDS)} (or leave it unset)"
+    )

@@ -1,6 +1,7 @@
 """Which all-reduce backend a workspace uses ("trtllm": the kernel, "xla": plain
 collectives), and strict mode (raise instead of falling back). Framework-neutral (never
 imports jax or torch)."""
+
 from __future__ import annotations
 
 import os
@@ -39,8 +40,9 @@ def requested_backend(
     return name, source
 
 
-def requested_backend_name(requested: Optional[str],
-                           env: Optional[Mapping[str, str]] = None) -> str:
+def requested_backend_name(
+    requested: Optional[str], env: Optional[Mapping[str, str]] = None
+) -> str:
     """``requested_backend``'s name, checked against ``BACKENDS`` (ValueError naming where
     it came from: the argument or $JAX_FUSEDAR_ALLREDUCE_BACKEND)."""
     name, source = requested_backend(requested, env)
@@ -126,12 +128,13 @@ def describe_spanning(spanning, n_groups: int, member_name: str) -> str:
     more by their members."""
     (first, hosts), rest = spanning[0], spanning[1:]
     where = "; ".join(f"{h}: {list(ms)}" for h, ms in hosts.items())
-    text = (f"TP group {list(first.members)} ({member_name}s) spans {len(hosts)} nodes "
-            f"({where})")
+    text = f"TP group {list(first.members)} ({member_name}s) spans {len(hosts)} nodes ({where})"
     if rest:
         shown = ", ".join(str(list(g.members)) for g, _ in rest[:3])
-        text += (f", as do {len(rest)} more of the workspace's {n_groups} TP groups "
-                 f"({shown}{', ...' if len(rest) > 3 else ''})")
+        text += (
+            f", as do {len(rest)} more of the workspace's {n_groups} TP groups "
+            f"({shown}{', ...' if len(rest) > 3 else ''})"
+        )
     return text
 
 
@@ -173,8 +176,7 @@ def resolve_backend_for_groups(
             backend = resolve_backend(requested, platform=platform, num_nodes=nodes, env=env)
         except ValueError as e:  # an explicit 'trtllm' (argument or environment)
             raise ValueError(f"{where}: {e}") from None
-        return BackendChoice(backend, tuple(g for g, _ in spanning),
-                             f"{where}: {ONE_NODE_ONLY}")
+        return BackendChoice(backend, tuple(g for g, _ in spanning), f"{where}: {ONE_NODE_ONLY}")
     return BackendChoice(backend, tuple(g for g, _ in spanning))
 
 

@@ -1,6 +1,7 @@
 """Options of the opt-in cross-rank call check (ffi/core/call_check.h): whether a new
 workspace checks every call and how long a checked call waits (that all members agree is
 ``join.check_options_agree``'s). Framework-neutral (never imports jax or torch)."""
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,7 @@ def resolve_check_calls(value=None) -> bool:
     return arguments.as_bool("check_calls", value, allow_none=True)
 
 
-def _resolve_seconds(value, *, name: str, env_var: str, default: float, allow_zero: bool
-                     ) -> float:
+def _resolve_seconds(value, *, name: str, env_var: str, default: float, allow_zero: bool) -> float:
     """``value`` seconds, or the float in ``$env_var`` when ``value`` is None (unset or empty:
     ``default``), within (0 or [0 with ``allow_zero``, MAX_CHECK_TIMEOUT_S]; errors name
     the parameter or the variable."""
@@ -53,8 +53,9 @@ def _resolve_seconds(value, *, name: str, env_var: str, default: float, allow_ze
     if not (low_ok and value <= MAX_CHECK_TIMEOUT_S):  # NaN fails too
         interval = "[0" if allow_zero else "(0"
         zero = " (0: wait forever)" if allow_zero else ""
-        raise ValueError(f"{where} must be in {interval}, {MAX_CHECK_TIMEOUT_S:g}] seconds{zero}, "
-                         f"got {value!r}")
+        raise ValueError(
+            f"{where} must be in {interval}, {MAX_CHECK_TIMEOUT_S:g}] seconds{zero}, got {value!r}"
+        )
     return value
 
 
@@ -62,8 +63,13 @@ def resolve_check_timeout_s(value=None) -> float:
     """How long a checked call waits for the other ranks before it traps: ``value`` or
     ``$JAX_FUSEDAR_CHECK_TIMEOUT_S`` (seconds, default 30). Generous on purpose: a rank whose
     host is legitimately late (compiling, loading) must not be reported as missing."""
-    return _resolve_seconds(value, name="check_timeout_s", env_var=CHECK_TIMEOUT_ENV_VAR,
-                            default=DEFAULT_CHECK_TIMEOUT_S, allow_zero=False)
+    return _resolve_seconds(
+        value,
+        name="check_timeout_s",
+        env_var=CHECK_TIMEOUT_ENV_VAR,
+        default=DEFAULT_CHECK_TIMEOUT_S,
+        allow_zero=False,
+    )
 
 
 # --- bounded waits inside the kernel (ffi/core/watchdog.h) ------------------------------------
@@ -83,6 +89,6 @@ def resolve_timeout_s(value=None, name: str = "timeout_s") -> float:
     Per rank; generous on purpose: a peer that is legitimately late (compiling, loading, a
     long step between calls) must not be reported as missing. ``name``: the parameter errors
     name."""
-    return _resolve_seconds(value, name=name, env_var=TIMEOUT_ENV_VAR,
-                            default=DEFAULT_TIMEOUT_S, allow_zero=True)
-
+    return _resolve_seconds(
+        value, name=name, env_var=TIMEOUT_ENV_VAR, default=DEFAULT_TIMEOUT_S, allow_zero=True
+    )

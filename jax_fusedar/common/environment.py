@@ -6,6 +6,7 @@ traced call, the others when a workspace is created. A command-line run calls ``
 first, so a bad value ends it with one line naming the variable before any work starts
 (instead of a traceback from deep inside a run that already set up devices and workspaces).
 """
+
 from __future__ import annotations
 
 from typing import Callable, List, Tuple

@@ -10,6 +10,7 @@ Two phases, so that a process holding members of several groups never waits on a
 that is itself waiting: every process first creates and publishes all its members of all
 its groups (``create_and_publish``), then connects them (``connect_and_finalize``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,6 +35,7 @@ class Channel(Protocol):
 @dataclasses.dataclass(frozen=True)
 class Member:
     """One TP rank: the process that drives it and that process's CUDA device ordinal."""
+
     process: int
     device: int
 
@@ -75,9 +77,16 @@ def _key(namespace: str, plan: GroupPlan, serial: int, purpose: str) -> str:
     return exchange_key(namespace, plan.group, serial, purpose)
 
 
-def create_and_publish(group: TPGroup, members: Sequence[Member], me: int,
-                       make_rank_workspace: Callable[[int, int], object],
-                       channel: Optional[Channel], *, namespace: str, serial: int) -> GroupPlan:
+def create_and_publish(
+    group: TPGroup,
+    members: Sequence[Member],
+    me: int,
+    make_rank_workspace: Callable[[int, int], object],
+    channel: Optional[Channel],
+    *,
+    namespace: str,
+    serial: int,
+) -> GroupPlan:
     """Creates this process's members of ``group`` (their rank workspaces,
     ``make_rank_workspace(device, tp_rank)``) and, if the group spans other processes,
     publishes their IPC handles."""
@@ -89,16 +98,20 @@ def create_and_publish(group: TPGroup, members: Sequence[Member], me: int,
             plan.local[tp_rank] = make_rank_workspace(m.device, tp_rank)
     if plan.local and len(plan.processes) > 1:
         if channel is None:
-            raise RuntimeError("this TP group spans several processes but there is no "
-                               "channel to exchange workspace handles")
+            raise RuntimeError(
+                "this TP group spans several processes but there is no "
+                "channel to exchange workspace handles"
+            )
         for tp_rank, rank_workspace in plan.local.items():
-            channel.publish(_key(namespace, plan, serial, f"ipc/rank{tp_rank}"),
-                            rank_workspace.export_ipc())
+            channel.publish(
+                _key(namespace, plan, serial, f"ipc/rank{tp_rank}"), rank_workspace.export_ipc()
+            )
     return plan
 
 
-def connect_and_finalize(plan: GroupPlan, me: int, channel: Optional[Channel], *,
-                         namespace: str, serial: int) -> None:
+def connect_and_finalize(
+    plan: GroupPlan, me: int, channel: Optional[Channel], *, namespace: str, serial: int
+) -> None:
     """Gives every local member all its peers' buffers, initialises it, and, across
     processes, waits until every member is initialised (no peer may launch earlier)."""
     for tp_rank, rank_workspace in plan.local.items():
@@ -108,10 +121,13 @@ def connect_and_finalize(plan: GroupPlan, me: int, channel: Optional[Channel], *
             if m.process == me:
                 rank_workspace.set_peer_pointers(peer, m.device, plan.local[peer].local_pointers())
             else:
-                who = (f"TP rank {peer} of group {plan.group.members} (process {m.process}, "
-                       f"device {m.device})")
-                rank_workspace.open_peer_ipc(peer, channel.fetch(
-                    _key(namespace, plan, serial, f"ipc/rank{peer}"), who))
+                who = (
+                    f"TP rank {peer} of group {plan.group.members} (process {m.process}, "
+                    f"device {m.device})"
+                )
+                rank_workspace.open_peer_ipc(
+                    peer, channel.fetch(_key(namespace, plan, serial, f"ipc/rank{peer}"), who)
+                )
         rank_workspace.finalize()
     if plan.local and len(plan.processes) > 1:
         channel.barrier(_key(namespace, plan, serial, "ready"), plan.processes)

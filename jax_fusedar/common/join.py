@@ -20,6 +20,7 @@ For every group this process has members in (``agree``, then ``connect``):
 Every process publishes for all its groups before it waits for any, and creates all its
 members before it connects any, so processes sharing several groups never wait on each other.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,6 +36,7 @@ from .tp_groups import TPGroup
 class AgreedOption:
     """An option every process of a group must pass alike (a checked rank whose peer is not
     checked would wait for a handshake that never comes)."""
+
     default: Any  # what a process that did not publish the option means
     env_var: Optional[str] = None  # named in the advice when the option also comes from one
 
@@ -51,8 +53,9 @@ def _describe_value(value) -> str:
     return repr(value)
 
 
-def check_options_agree(options_by_member: Mapping[str, Mapping[str, Any]],
-                        what: str = "members") -> None:
+def check_options_agree(
+    options_by_member: Mapping[str, Mapping[str, Any]], what: str = "members"
+) -> None:
     """Raises ValueError unless every member passed the same value of every option in
     ``AGREED_OPTIONS``. ``options_by_member``: {member description: {option: value}}, the same
     dict on every member, so all of them accept or refuse alike; an absent option is its
@@ -64,21 +67,25 @@ def check_options_agree(options_by_member: Mapping[str, Mapping[str, Any]],
             by_value.setdefault(value, []).append(str(member))
         if len(by_value) > 1:
             # Booleans read "on ...; off ...", as the options are spelled.
-            order = sorted(by_value, key=lambda v: (not v, repr(v)) if isinstance(v, bool)
-                           else (True, repr(v)))
-            parts = "; ".join(f"{_describe_value(v)} for {', '.join(sorted(by_value[v]))}"
-                              for v in order)
+            order = sorted(
+                by_value, key=lambda v: (not v, repr(v)) if isinstance(v, bool) else (True, repr(v))
+            )
+            parts = "; ".join(
+                f"{_describe_value(v)} for {', '.join(sorted(by_value[v]))}" for v in order
+            )
             how = f"Pass the same {name}"
             if option.env_var:
                 how += f" (or set ${option.env_var} identically)"
-            raise ValueError(f"the {what} of this TP group disagree on {name}: {parts}. "
-                             f"{how} in every process")
+            raise ValueError(
+                f"the {what} of this TP group disagree on {name}: {parts}. {how} in every process"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
 class GroupJoin:
     """This process's view of one group before the join: which process drives each TP rank,
     and the devices of the members that this process drives."""
+
     group: TPGroup
     processes: Tuple[int, ...]  # process of each TP rank
     my_devices: Mapping[int, int]  # TP rank -> CUDA device ordinal, this process's members
@@ -91,6 +98,7 @@ class GroupJoin:
 @dataclasses.dataclass(frozen=True)
 class Agreed:
     """A group whose processes agreed: its members and what each process published."""
+
     join: GroupJoin
     members: Tuple[exchange.Member, ...]  # in TP-rank order
     infos: Mapping[int, Mapping[str, Any]]  # process -> what it published
@@ -109,11 +117,20 @@ def _fetch_all(channel, whos: Mapping[str, str]) -> Dict[str, bytes]:
     return {key: channel.fetch(key, who) for key, who in whos.items()}
 
 
-def agree(joins: Sequence[GroupJoin], me: int, channel, *, namespace: str, serial: int,
-          host: str, options: Mapping[str, Any], name: Callable[[TPGroup, int], str],
-          name_waited: Optional[Callable[[TPGroup, int], str]] = None,
-          accept: Optional[Callable[[GroupJoin, Mapping[int, Mapping[str, Any]]], None]] = None,
-          what: str = "members") -> List[Agreed]:
+def agree(
+    joins: Sequence[GroupJoin],
+    me: int,
+    channel,
+    *,
+    namespace: str,
+    serial: int,
+    host: str,
+    options: Mapping[str, Any],
+    name: Callable[[TPGroup, int], str],
+    name_waited: Optional[Callable[[TPGroup, int], str]] = None,
+    accept: Optional[Callable[[GroupJoin, Mapping[int, Mapping[str, Any]]], None]] = None,
+    what: str = "members",
+) -> List[Agreed]:
     """Steps 1 and 2 (publish, agree) for ``joins``, the groups this process has members in;
     nothing is allocated. ``options``: this process's value of every option in
     ``AGREED_OPTIONS``. ``name(group, process)``: how the agreement message names a process
@@ -125,46 +142,71 @@ def agree(joins: Sequence[GroupJoin], me: int, channel, *, namespace: str, seria
     if missing:
         raise ValueError(f"options {sorted(missing)} must be given to join a group")
     if name_waited is None:
+
         def name_waited(group, process):
             return f"{name(group, process)} of TP group {list(group.members)}"
 
     def info_of(j: GroupJoin) -> Dict[str, Any]:
-        return {"host": host, "pid": os.getpid(),
-                "devices": {str(r): int(d) for r, d in j.my_devices.items()},
-                "options": {o: options[o] for o in AGREED_OPTIONS}}
+        return {
+            "host": host,
+            "pid": os.getpid(),
+            "devices": {str(r): int(d) for r, d in j.my_devices.items()},
+            "options": {o: options[o] for o in AGREED_OPTIONS},
+        }
 
     for j in joins:  # 1. publish, for every group, before waiting for any
         if j.spans_processes:
             if channel is None:
-                raise RuntimeError("this TP group spans several processes but there is no "
-                                   "channel to exchange workspace handles")
-            channel.publish(_publish_key(namespace, j.group, serial, me),
-                            json.dumps(info_of(j)).encode())
+                raise RuntimeError(
+                    "this TP group spans several processes but there is no "
+                    "channel to exchange workspace handles"
+                )
+            channel.publish(
+                _publish_key(namespace, j.group, serial, me), json.dumps(info_of(j)).encode()
+            )
     agreed = []
     for j in joins:  # 2. agree, from the same data on every process
         infos = {me: info_of(j)}
         others = sorted(set(j.processes) - {me})
         if others:
-            got = _fetch_all(channel, {_publish_key(namespace, j.group, serial, p):
-                                       name_waited(j.group, p) for p in others})
+            got = _fetch_all(
+                channel,
+                {
+                    _publish_key(namespace, j.group, serial, p): name_waited(j.group, p)
+                    for p in others
+                },
+            )
             for p in others:
                 infos[p] = json.loads(got[_publish_key(namespace, j.group, serial, p)])
-        check_options_agree({name(j.group, p): infos[p]["options"] for p in sorted(infos)},
-                            what=what)
+        check_options_agree(
+            {name(j.group, p): infos[p]["options"] for p in sorted(infos)}, what=what
+        )
         if accept is not None:
             accept(j, infos)
-        members = tuple(exchange.Member(p, int(infos[p]["devices"][str(r)]))
-                        for r, p in enumerate(j.processes))
+        members = tuple(
+            exchange.Member(p, int(infos[p]["devices"][str(r)])) for r, p in enumerate(j.processes)
+        )
         agreed.append(Agreed(j, members, infos))
     return agreed
 
 
-def connect(agreed: Sequence[Agreed], me: int, channel, *, namespace: str, serial: int,
-            make_rank: Callable[[int, int], object]) -> List[exchange.GroupPlan]:
+def connect(
+    agreed: Sequence[Agreed],
+    me: int,
+    channel,
+    *,
+    namespace: str,
+    serial: int,
+    make_rank: Callable[[int, int], object],
+) -> List[exchange.GroupPlan]:
     """Steps 3 and 4 (create, connect). ``make_rank(device, tp_rank)`` allocates one member's
     native workspace; the caller owns it from birth, so that a later failure can free it."""
-    plans = [exchange.create_and_publish(a.join.group, a.members, me, make_rank, channel,
-                                         namespace=namespace, serial=serial) for a in agreed]
+    plans = [
+        exchange.create_and_publish(
+            a.join.group, a.members, me, make_rank, channel, namespace=namespace, serial=serial
+        )
+        for a in agreed
+    ]
     for plan in plans:
         exchange.connect_and_finalize(plan, me, channel, namespace=namespace, serial=serial)
     return plans

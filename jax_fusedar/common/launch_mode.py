@@ -5,6 +5,7 @@ imports jax or torch).
 Line references ("ARF L...") are to FlashInfer 0.7.2.post1's
 ``trtllm_allreduce_fusion.cuh``; "AR.py" is its ``comm/trtllm_ar.py``.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -92,9 +93,7 @@ def choose_oneshot(
     oneshot_problem = _oneshot_problem(num_tokens, hidden_dim, sizes)
     twoshot_problem = _twoshot_problem(num_tokens, hidden_dim, sizes)
     if requested is None:
-        comm_bytes = (
-            num_tokens * hidden_dim * 2 * sizes.world_size * element_size(sizes.dtype_name)
-        )
+        comm_bytes = num_tokens * hidden_dim * 2 * sizes.world_size * element_size(sizes.dtype_name)
         prefer_oneshot = comm_bytes <= ONESHOT_MAX_MIB[sizes.world_size] * MIB
         if oneshot_problem is None and (prefer_oneshot or twoshot_problem is not None):
             return True
@@ -121,8 +120,11 @@ def choose_oneshot(
 ALGORITHM_TWOSHOT = 0
 ALGORITHM_ONESHOT = 1
 ALGORITHM_LARGE_MESSAGE = 2
-ALGORITHM_NAMES = {ALGORITHM_TWOSHOT: "twoshot", ALGORITHM_ONESHOT: "oneshot",
-                   ALGORITHM_LARGE_MESSAGE: "large"}
+ALGORITHM_NAMES = {
+    ALGORITHM_TWOSHOT: "twoshot",
+    ALGORITHM_ONESHOT: "oneshot",
+    ALGORITHM_LARGE_MESSAGE: "large",
+}
 
 # Auto picks the large-message algorithm (reduce-scatter + epilogue + all-gather with copy
 # engines, ffi/kernels/large_message.h; the two-shot math bit for bit) from this many MiB of
@@ -147,30 +149,33 @@ LARGE_MESSAGE_MIN_MIB = {2: 48, 4: None, 8: None, 16: None}
 LARGE_MESSAGE_WORLD_SIZES = (2, 4, 8)
 
 
-def large_message_bytes_needed(num_tokens: int, hidden_dim: int, world_size: int,
-                               dtype_name: str) -> int:
+def large_message_bytes_needed(
+    num_tokens: int, hidden_dim: int, world_size: int, dtype_name: str
+) -> int:
     """Bytes of each rank's two-shot buffer the large-message algorithm uses: a receive slot and
     a gather slot of ceil(tokens / world) rows per rank (large_message.h buffer_bytes_needed)."""
     slot_rows = -(-num_tokens // world_size)
     return 2 * world_size * slot_rows * hidden_dim * element_size(dtype_name)
 
 
-def large_message_problem(num_tokens: int, hidden_dim: int,
-                          sizes: WorkspaceSizes) -> Optional[str]:
+def large_message_problem(num_tokens: int, hidden_dim: int, sizes: WorkspaceSizes) -> Optional[str]:
     """Why the large-message algorithm cannot run this call, or None. It needs what two-shot
     needs (it reduces the same per-rank slices with the same launch shape) and its slots in the
     two-shot buffer."""
     if sizes.world_size not in LARGE_MESSAGE_WORLD_SIZES or sizes.dtype_name == "float32":
-        return ("the large-message algorithm is compiled for float16/bfloat16 at world sizes "
-                f"{', '.join(map(str, LARGE_MESSAGE_WORLD_SIZES))}")
+        return (
+            "the large-message algorithm is compiled for float16/bfloat16 at world sizes "
+            f"{', '.join(map(str, LARGE_MESSAGE_WORLD_SIZES))}"
+        )
     problem = _twoshot_problem(num_tokens, hidden_dim, sizes)
     if problem is not None:
         return problem
-    needed = large_message_bytes_needed(num_tokens, hidden_dim, sizes.world_size,
-                                        sizes.dtype_name)
+    needed = large_message_bytes_needed(num_tokens, hidden_dim, sizes.world_size, sizes.dtype_name)
     if needed > sizes.two_shot_buffer_bytes:
-        return (f"the large-message algorithm needs {needed} bytes of the two-shot buffer, the "
-                f"workspace has {sizes.two_shot_buffer_bytes}")
+        return (
+            f"the large-message algorithm needs {needed} bytes of the two-shot buffer, the "
+            f"workspace has {sizes.two_shot_buffer_bytes}"
+        )
     return None
 
 
@@ -181,8 +186,7 @@ def prefers_large_message(num_tokens: int, hidden_dim: int, sizes: WorkspaceSize
     if min_mib is None:
         return False
     message = num_tokens * hidden_dim * element_size(sizes.dtype_name)
-    return message >= min_mib * MIB and large_message_problem(num_tokens, hidden_dim,
-                                                                 sizes) is None
+    return message >= min_mib * MIB and large_message_problem(num_tokens, hidden_dim, sizes) is None
 
 
 def choose_algorithm(

@@ -3,6 +3,7 @@
 names itself in one repr format and answers the size question by FlashInfer's element-count
 rule. Framework-neutral (never imports jax or torch).
 """
+
 from __future__ import annotations
 
 from typing import List, Optional
@@ -49,8 +50,9 @@ class WorkspaceLifecycle:
         raise NotImplementedError
 
     def __repr__(self):
-        flags = (["check_calls"] if self.check_calls else []) + \
-            (["destroyed"] if self._destroyed else [])
+        flags = (["check_calls"] if self.check_calls else []) + (
+            ["destroyed"] if self._destroyed else []
+        )
         return f"{type(self).__name__}({', '.join(self._repr_fields() + flags)})"
 
     def buffer_problem(self, num_tokens: int, hidden_dim: int) -> Optional[str]:
@@ -59,5 +61,7 @@ class WorkspaceLifecycle:
         hidden size serves any (tokens, hidden) with no more elements."""
         if sizing.buffer_fits(num_tokens, hidden_dim, self.sizes):
             return None
-        return (f"num_tokens*hidden_dim = {num_tokens}*{hidden_dim} exceeds the workspace's "
-                f"max_token_num*hidden_dim = {self.sizes.max_token_num}*{self.sizes.hidden_dim}")
+        return (
+            f"num_tokens*hidden_dim = {num_tokens}*{hidden_dim} exceeds the workspace's "
+            f"max_token_num*hidden_dim = {self.sizes.max_token_num}*{self.sizes.hidden_dim}"
+        )

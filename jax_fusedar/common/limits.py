@@ -4,6 +4,7 @@ hardware and index limits behind them. Framework-neutral (never imports jax or t
 Line references ("ARF L...") are to FlashInfer 0.7.2.post1's
 ``trtllm_allreduce_fusion.cuh``; "AR.py" is its ``comm/trtllm_ar.py``.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -126,4 +127,3 @@ def check_kernel_supports(world_size: int, hidden_dim: int, dtype_name: str) -> 
     problem = kernel_support_problem(world_size, hidden_dim, dtype_name)
     if problem:
         raise ValueError(problem)
-

@@ -21,6 +21,7 @@ it).
 
 Framework-neutral: the JAX and torch workspaces register their ranks here.
 """
+
 from __future__ import annotations
 
 import os
@@ -47,8 +48,7 @@ def watch(rank, device: int) -> None:
     with _lock:
         _watched.append([ref, int(device), None])
         if _thread is None:
-            _thread = threading.Thread(target=_loop, name="jax_fusedar-lost-traps",
-                                       daemon=True)
+            _thread = threading.Thread(target=_loop, name="jax_fusedar-lost-traps", daemon=True)
             _thread.start()
 
 
@@ -64,6 +64,7 @@ def context_failed(device: int, native_module=None) -> bool:
     that reached it, every CUDA call does)."""
     if native_module is None:
         from . import native
+
         native_module = native.ext
     try:
         native_module.mem_info(device)
@@ -107,6 +108,7 @@ def _forget(entry) -> None:
 def _end(text: str, device: int) -> None:
     try:
         import ctypes
+
         ctypes.CDLL(None).fflush(None)  # device printf output still buffered in C stdio
     except Exception:  # noqa: BLE001 - best effort
         pass
@@ -115,7 +117,8 @@ def _end(text: str, device: int) -> None:
         f"the GPU driver has not reported the trap to this process (CUDA device {device} "
         f"still looks healthy, so its synchronization would wait forever; seen when ranks "
         f"sharing a GPU trap at the same moment). Ending the process with exit code "
-        f"{EXIT_CODE}.\n")
+        f"{EXIT_CODE}.\n"
+    )
     sys.stderr.flush()
     os._exit(EXIT_CODE)
 

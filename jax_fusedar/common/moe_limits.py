@@ -5,6 +5,7 @@ jax or torch).
 Line references ("MoE L...") are to FlashInfer 0.7.2.post1's
 ``trtllm_moe_allreduce_fusion.cuh`` (the launcher, ``moe_allreduce_fusion_kernel_launcher``).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -25,8 +26,9 @@ MAX_THREADS_PER_BLOCK = 1024
 ELEMENT_BYTES = 2
 
 
-def kernel_problem(tokens: int, hidden: int, dtype_name: str,
-                   sizes: sizing.WorkspaceSizes) -> Optional[tuple]:
+def kernel_problem(
+    tokens: int, hidden: int, dtype_name: str, sizes: sizing.WorkspaceSizes
+) -> Optional[tuple]:
     """(kind, why) FlashInfer's MoE kernels cannot serve a call of ``tokens`` x ``hidden``,
     or None. A pure function of the shape and the workspace, so every rank decides alike;
     ffi/core/moe_launch.cpp enforces the same rules before launching."""
@@ -34,8 +36,9 @@ def kernel_problem(tokens: int, hidden: int, dtype_name: str,
         return "unsupported dtype", f"the MoE kernels take bfloat16 or float16, not {dtype_name}"
     if sizes.dtype_name not in MOE_DTYPES:
         # The Lamport buffer's empty marker is -0.0 at the workspace's element width.
-        return "unsupported dtype", (f"the MoE kernels need a 16-bit workspace, not a "
-                                     f"{sizes.dtype_name} one")
+        return "unsupported dtype", (
+            f"the MoE kernels need a 16-bit workspace, not a {sizes.dtype_name} one"
+        )
     problem = limits.kernel_support_problem(sizes.world_size, hidden, dtype_name)
     if problem is not None:
         return "unsupported shape", problem
@@ -43,7 +46,8 @@ def kernel_problem(tokens: int, hidden: int, dtype_name: str,
         return "unsupported shape", (
             f"hidden size {hidden} is not a multiple of {HIDDEN_MULTIPLE}: FlashInfer's MoE "
             "kernels give each token whole warps of 8-element threads, and the spare threads "
-            "of a partial warp read the next token's row")
+            "of a partial warp read the next token's row"
+        )
     warps = hidden // HIDDEN_MULTIPLE
     cluster = MAX_CLUSTER_SIZE
     while warps % cluster:
@@ -51,14 +55,17 @@ def kernel_problem(tokens: int, hidden: int, dtype_name: str,
     if warps // cluster * 32 > MAX_THREADS_PER_BLOCK:
         return "unsupported shape", (
             f"hidden size {hidden} needs {warps // cluster * 32} threads per block, above "
-            f"the launch limit of {MAX_THREADS_PER_BLOCK}")
+            f"the launch limit of {MAX_THREADS_PER_BLOCK}"
+        )
     if not sizing.buffer_fits(tokens, hidden, sizes):
         return "workspace too small", (
             f"{tokens}x{hidden} tokens exceed the workspace (max_token_num="
-            f"{sizes.max_token_num} x hidden {sizes.hidden_dim})")
+            f"{sizes.max_token_num} x hidden {sizes.hidden_dim})"
+        )
     need = tokens * hidden * sizes.world_size * ELEMENT_BYTES
     if need > sizes.lamport_comm_bytes:
         return "workspace too small", (
             f"the MoE kernels are one-shot only and need {need} bytes of Lamport buffer; the "
-            f"workspace has {sizes.lamport_comm_bytes}")
+            f"workspace has {sizes.lamport_comm_bytes}"
+        )
     return None

@@ -4,12 +4,14 @@
 A package built without a CUDA compiler has no extension: the fused op then runs its
 reference path everywhere, and asking for the kernel raises an error saying why.
 """
+
 from __future__ import annotations
 
 from typing import Optional
 
 try:
     from jax_fusedar import _fusedar as ext
+
     _IMPORT_ERROR: Optional[BaseException] = None
 except ImportError as e:  # built without CUDA, or not built at all (source checkout)
     ext = None
@@ -36,7 +38,8 @@ def require():
         raise RuntimeError(
             "jax_fusedar's native extension is not available "
             f"({_IMPORT_ERROR}); build the package with a CUDA compiler (nvcc) on PATH, "
-            "see the README's install section") from _IMPORT_ERROR
+            "see the README's install section"
+        ) from _IMPORT_ERROR
     return ext
 
 

@@ -5,6 +5,7 @@ their inputs and outputs from this one table (their result shapes through
 ``results.result_specs``). Its native twin is ffi/core/include/fusedar/patterns.h (the launch
 check and the XLA handler's operand list); tests/native/test_contract.py holds the two equal.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -72,7 +73,9 @@ TRAITS = {
     P.kARResidualRMSNormOutFP8Quant: PatternTraits(False, True, True, "fp8"),
     P.kARResidualRMSNormOutFP4Quant: PatternTraits(False, True, True, "fp4"),
     P.kARResidualRMSNormPerTokenGroupFP8PackedQuant: PatternTraits(False, True, False, "group_fp8"),
-    P.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant: PatternTraits(False, True, True, "group_fp8"),
+    P.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant: PatternTraits(
+        False, True, True, "group_fp8"
+    ),
     P.kARResidualRMSNormDynamicFP8Quant: PatternTraits(False, True, False, "dynamic_fp8"),
     P.kARResidualRMSNormOutDynamicFP8Quant: PatternTraits(False, True, True, "dynamic_fp8"),
 }
@@ -86,8 +89,10 @@ def device_problem(pattern, device: str, major: int, minor: int) -> Optional[str
     """Why ``pattern`` cannot run on ``device`` (a label for the message) of compute
     capability ``major.minor``, or None. The native launch refuses the same (launch.cpp)."""
     if TRAITS[as_pattern(pattern)].needs_sm100 and int(major) < 10:
-        return (f"NVFP4 patterns ({', '.join(map(str, SM100_PATTERNS))}) need an sm100+ GPU "
-                f"(Blackwell); {device} is sm{int(major)}{int(minor)}")
+        return (
+            f"NVFP4 patterns ({', '.join(map(str, SM100_PATTERNS))}) need an sm100+ GPU "
+            f"(Blackwell); {device} is sm{int(major)}{int(minor)}"
+        )
     return None
 
 
@@ -105,11 +110,14 @@ def as_pattern(pattern) -> AllReduceFusionPattern:
     if isinstance(pattern, AllReduceFusionPattern):
         return pattern
     if not arguments.is_int(pattern):
-        raise ValueError(f"unknown fusion pattern {pattern!r}: pattern must be an "
-                         f"AllReduceFusionPattern or its int code, not a "
-                         f"{type(pattern).__name__}; valid codes: {_valid_codes()}")
+        raise ValueError(
+            f"unknown fusion pattern {pattern!r}: pattern must be an "
+            f"AllReduceFusionPattern or its int code, not a "
+            f"{type(pattern).__name__}; valid codes: {_valid_codes()}"
+        )
     try:
         return AllReduceFusionPattern(int(pattern))
     except ValueError:
-        raise ValueError(f"unknown fusion pattern {pattern!r}; valid codes: "
-                         f"{_valid_codes()}") from None
+        raise ValueError(
+            f"unknown fusion pattern {pattern!r}; valid codes: {_valid_codes()}"
+        ) from None

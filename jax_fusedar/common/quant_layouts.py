@@ -33,6 +33,7 @@ Framework-neutral (never imports jax or torch): the JAX primitive, the FFI handl
 list and the torch layer share these shapes. The JAX array helpers that (de)quantize these
 layouts are in ``jax_fusedar.quant_arrays``.
 """
+
 from __future__ import annotations
 
 import operator
@@ -49,6 +50,7 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude codes 0..7
 
 
 # ----------------------------------------------------------------------------- validation
+
 
 def _as_dim(value, name: str) -> int:
     """``value`` as an int size; a symbolic size (``arguments.is_symbolic``) is returned as
@@ -78,7 +80,8 @@ def check_hidden_fp4(H) -> int:
     if not arguments.is_symbolic(H) and (H < 1 or H % NVFP4_BLOCK):
         raise ValueError(
             f"NVFP4 needs hidden_dim divisible by {NVFP4_BLOCK} (one e4m3 scale per 16 "
-            f"elements), got {H}")
+            f"elements), got {H}"
+        )
     return H
 
 
@@ -86,8 +89,10 @@ def check_group_size(H, group_size) -> int:
     """Validates a per-token-group size against hidden_dim; returns it as an int."""
     H = _as_dim(H, "hidden_dim (H)")
     if group_size is None:
-        raise ValueError("group_size (block_quant_group_size) is required for the "
-                         "per-token-group FP8 patterns (8/9)")
+        raise ValueError(
+            "group_size (block_quant_group_size) is required for the "
+            "per-token-group FP8 patterns (8/9)"
+        )
     g = _as_dim(group_size, "group_size")
     if arguments.is_symbolic(H) or arguments.is_symbolic(g):
         return g  # checked by the run, on the real sizes (_as_dim)
@@ -108,8 +113,10 @@ def check_kernel_group_size(H, group_size, dtype_name: str) -> int:
     if arguments.is_symbolic(g):
         return g  # checked by the run (check_group_size)
     if g < vec or g > 32 * vec or g & (g - 1):
-        raise ValueError(f"block_quant_group_size must be a power of two from {vec} to "
-                         f"{32 * vec} for {dtype_name}, got {g}")
+        raise ValueError(
+            f"block_quant_group_size must be a power of two from {vec} to "
+            f"{32 * vec} for {dtype_name}, got {g}"
+        )
     return g
 
 
@@ -120,12 +127,16 @@ def as_layout(layout) -> QuantizationSFLayout:
     if arguments.is_int(layout):  # 2.7 or "2" are refused, not truncated to LINEAR
         lay = next((q for q in QuantizationSFLayout if q.value == int(layout)), None)
     if lay is None:
-        raise ValueError(f"unknown NVFP4 scale layout (layout_code) {layout!r}; valid: 0 "
-                         "(SWIZZLED_128x4), 2 (LINEAR), as a QuantizationSFLayout or an int")
+        raise ValueError(
+            f"unknown NVFP4 scale layout (layout_code) {layout!r}; valid: 0 "
+            "(SWIZZLED_128x4), 2 (LINEAR), as a QuantizationSFLayout or an int"
+        )
     if lay == QuantizationSFLayout.SWIZZLED_8x4:
-        raise ValueError("QuantizationSFLayout.SWIZZLED_8x4 (1) is not implemented by the "
-                         "fused all-reduce kernel (it writes no scales); use SWIZZLED_128x4 (0) "
-                         "or LINEAR (2)")
+        raise ValueError(
+            "QuantizationSFLayout.SWIZZLED_8x4 (1) is not implemented by the "
+            "fused all-reduce kernel (it writes no scales); use SWIZZLED_128x4 (0) "
+            "or LINEAR (2)"
+        )
     return lay
 
 
@@ -134,6 +145,7 @@ def round_up(x: int, m: int) -> int:
 
 
 # ----------------------------------------------------------------------------- shapes
+
 
 def group_scale_buffer_shape(M, H, group_size) -> tuple:
     """Shape ``(K, T)`` of the dense int32 buffer holding per-token-group UE8M0 scales:
@@ -186,8 +198,7 @@ def swizzled_128x4_offset(m, k, H):
     num_k_tiles = (H + 63) // 64
     m = np.asarray(m, dtype=np.int64) if not isinstance(m, int) else m
     k = np.asarray(k, dtype=np.int64) if not isinstance(k, int) else k
-    return (((m // 128) * num_k_tiles + k // 4) * 512 + (m % 32) * 16
-            + ((m % 128) // 32) * 4 + k % 4)
+    return ((m // 128) * num_k_tiles + k // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + k % 4
 
 
 def linear_offset(m, k, H):

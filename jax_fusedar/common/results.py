@@ -8,6 +8,7 @@ residual_out [+ norm_out] [+ quant_out [+ scale_out]]. Framework-neutral (never 
 jax or torch): dtypes are names both frameworks resolve (``jnp.dtype(name)``,
 ``getattr(torch, name)``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,9 +38,14 @@ class ResultSpec:
         return (k, t)
 
 
-def result_specs(pattern, tokens: int, hidden: int, dtype_name: str,
-                 layout=QuantizationSFLayout.SWIZZLED_128x4,
-                 group_size: Optional[int] = None) -> Tuple[ResultSpec, ...]:
+def result_specs(
+    pattern,
+    tokens: int,
+    hidden: int,
+    dtype_name: str,
+    layout=QuantizationSFLayout.SWIZZLED_128x4,
+    group_size: Optional[int] = None,
+) -> Tuple[ResultSpec, ...]:
     """The results ``pattern`` writes for a ``[tokens, hidden]`` input of ``dtype_name``.
 
     ``layout`` (NVFP4 scale layout) and ``group_size`` (per-token-group FP8) matter only to
@@ -52,11 +58,16 @@ def result_specs(pattern, tokens: int, hidden: int, dtype_name: str,
     if traits.has_norm_out:
         specs.append(ResultSpec("norm_out", rows, dtype_name))
     if traits.quant == "fp4":
-        specs.append(ResultSpec("quant_out", quant_layouts.nvfp4_quant_shape(tokens, hidden),
-                                "uint8"))
-        specs.append(ResultSpec("scale_out", quant_layouts.nvfp4_scale_shape(tokens, hidden,
-                                                                            layout),
-                                "float8_e4m3fn"))
+        specs.append(
+            ResultSpec("quant_out", quant_layouts.nvfp4_quant_shape(tokens, hidden), "uint8")
+        )
+        specs.append(
+            ResultSpec(
+                "scale_out",
+                quant_layouts.nvfp4_scale_shape(tokens, hidden, layout),
+                "float8_e4m3fn",
+            )
+        )
     elif traits.quant is not None:
         specs.append(ResultSpec("quant_out", rows, "float8_e4m3fn"))
         if traits.quant == "dynamic_fp8":

@@ -4,6 +4,7 @@ fits it. Framework-neutral (never imports jax or torch).
 Line references ("ARF L...") are to FlashInfer 0.7.2.post1's
 ``trtllm_allreduce_fusion.cuh``; "AR.py" is its ``comm/trtllm_ar.py``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -98,4 +99,3 @@ def buffer_fits(num_tokens: int, hidden_dim: int, sizes: WorkspaceSizes) -> bool
     serves any (tokens, hidden) with no more elements (AR.py L755-760). The kernel itself knows
     nothing of the workspace size: a call that does not fit writes past the peers' buffers."""
     return num_tokens * hidden_dim <= sizes.max_token_num * sizes.hidden_dim
-

@@ -1,6 +1,7 @@
 """Tensor-parallel (TP) groups: which devices (JAX) or processes (torch) form each group, in
 which rank order, and which hosts a group spans. Framework-neutral (never imports jax or
 torch)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -72,8 +73,7 @@ def tp_groups_from_grid(
     # the groups in row-major order over them.
     rows = np.moveaxis(grid, axis, -1).reshape(-1, grid.shape[axis])
     return [
-        TPGroup(members=tuple(int(i) for i in row), index=index)
-        for index, row in enumerate(rows)
+        TPGroup(members=tuple(int(i) for i in row), index=index) for index, row in enumerate(rows)
     ]
 
 
@@ -93,11 +93,13 @@ def groups_problem(
     def show(groups):
         return ", ".join(str(tuple(int(m) for m in g)) for g in groups)
 
-    return (f"the mesh of this call groups the devices along {axis_name!r} as "
-            f"[{show(call_groups)}] but the workspace was created for the groups "
-            f"[{show(workspace_groups)}] "
-            f"(device ids in TP-rank order); create the workspace from the mesh the call runs "
-            f"under")
+    return (
+        f"the mesh of this call groups the devices along {axis_name!r} as "
+        f"[{show(call_groups)}] but the workspace was created for the groups "
+        f"[{show(workspace_groups)}] "
+        f"(device ids in TP-rank order); create the workspace from the mesh the call runs "
+        f"under"
+    )
 
 
 def group_hosts(group: TPGroup, host_of: Mapping[int, str]) -> dict[str, tuple[int, ...]]:
@@ -112,10 +114,8 @@ def group_hosts(group: TPGroup, host_of: Mapping[int, str]) -> dict[str, tuple[i
     """
     missing = [m for m in group.members if m not in host_of]
     if missing:
-        raise ValueError(f"no host known for member(s) {missing} of TP group "
-                         f"{list(group.members)}")
+        raise ValueError(f"no host known for member(s) {missing} of TP group {list(group.members)}")
     hosts: dict[str, list[int]] = {}
     for m in group.members:
         hosts.setdefault(str(host_of[m]), []).append(m)
     return {h: tuple(ms) for h, ms in hosts.items()}
-

@@ -1,4 +1,5 @@
 """Use-def information of a jaxpr and the small queries the matchers share."""
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -13,9 +14,16 @@ CAST = "convert_element_type"
 NO_OPS = ("pvary", "pcast", "copy", "copy_p")
 PSUMS = ("psum", "psum_invariant")
 # Call-like primitives and the parameter holding their jaxpr.
-CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
-         "remat2": "jaxpr", "checkpoint": "jaxpr", "custom_jvp_call": "call_jaxpr",
-         "custom_vjp_call": "call_jaxpr"}
+CALLS = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "remat2": "jaxpr",
+    "checkpoint": "jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+}
 CUSTOM_RULE_CALLS = ("custom_jvp_call", "custom_vjp_call")
 
 
@@ -89,8 +97,7 @@ def scalar_constant(g: Graph, atom, chain: Optional[set] = None):
         i, e = g.eqn(atom)
         if e is None or len(e.invars) != 1:
             return None
-        if name(e) not in NO_OPS + (CAST, "broadcast_in_dim", "reshape", "squeeze",
-                                    "expand_dims"):
+        if name(e) not in NO_OPS + (CAST, "broadcast_in_dim", "reshape", "squeeze", "expand_dims"):
             return None
         seen.append(i)
         atom = e.invars[0]

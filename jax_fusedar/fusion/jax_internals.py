@@ -8,6 +8,7 @@ internal is looked up here when first needed; a JAX release that moved one gets 
 error naming the versions this code was written for, instead of an AttributeError deep in
 a trace.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,18 +34,22 @@ def require_supported_jax() -> None:
     from JAX 0.10), so an older JAX would fail deep inside a trace with an AttributeError.
     The fused op itself runs on older releases (``jax_fusedar.MIN_JAX``)."""
     from jax_fusedar import MIN_JAX
+
     need = tuple(int(part) for part in WRITTEN_FOR.split("."))
-    if tuple(jax.__version_info__[:len(need)]) < need:
+    if tuple(jax.__version_info__[: len(need)]) < need:
         raise UnsupportedJax(
             f"jax_fusedar.fuse needs JAX >= {WRITTEN_FOR}, found jax {jax.__version__}: pip "
             f"install -U 'jax>={WRITTEN_FOR}', or call jax_fusedar.allreduce_fusion in the "
-            f"model directly (it runs on JAX >= {MIN_JAX})")
+            f"model directly (it runs on JAX >= {MIN_JAX})"
+        )
 
 
 def _advice(what: str) -> str:
-    return (f"jax_fusedar.fuse needs {what}, which JAX {jax.__version__} does not have; the "
-            f"fusion pass was written for JAX {WRITTEN_FOR} (tested on {TESTED_JAX}): install "
-            f"jax=={WRITTEN_FOR}.*, or call jax_fusedar.allreduce_fusion in the model directly")
+    return (
+        f"jax_fusedar.fuse needs {what}, which JAX {jax.__version__} does not have; the "
+        f"fusion pass was written for JAX {WRITTEN_FOR} (tested on {TESTED_JAX}): install "
+        f"jax=={WRITTEN_FOR}.*, or call jax_fusedar.allreduce_fusion in the model directly"
+    )
 
 
 def internal(module: str, name: str):
@@ -62,8 +67,9 @@ def trace_to_jaxpr(fun, in_avals, debug_info):
     pe = importlib.import_module("jax._src.interpreters.partial_eval")
     if hasattr(pe, "trace_to_jaxpr_dynamic"):
         wrap_init = internal("jax._src.linear_util", "wrap_init")
-        jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(wrap_init(fun, debug_info=debug_info),
-                                                     list(in_avals))
+        jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
+            wrap_init(fun, debug_info=debug_info), list(in_avals)
+        )
         return jaxpr, consts
     # Newer JAX: the FlatTree-based routine that replaced it.
     flat_tree = internal("jax._src.tree_util", "FlatTree")
@@ -78,11 +84,13 @@ def shard_map_body_context(mesh, manual_axes, check_vma):
     op look their sizes up), the manual abstract mesh, its check_vma setting."""
     extend_axis_env_nd = internal("jax._src.core", "extend_axis_env_nd")
     from jax.sharding import AxisType, use_abstract_mesh
+
     manual_all = set(manual_axes) | set(getattr(mesh, "manual_axes", ()))
     inner = mesh.abstract_mesh.update_axis_types({n: AxisType.Manual for n in manual_axes})
     with contextlib.ExitStack() as stack:
-        stack.enter_context(extend_axis_env_nd(
-            [(k, v) for k, v in mesh.shape.items() if k in manual_all]))
+        stack.enter_context(
+            extend_axis_env_nd([(k, v) for k, v in mesh.shape.items() if k in manual_all])
+        )
         stack.enter_context(use_abstract_mesh(inner))
         config = importlib.import_module("jax._src.config")
         if hasattr(config, "_check_vma"):
@@ -95,7 +103,7 @@ def bind_params(eqn, params):
     out = eqn.primitive.get_bind_params(params)
     if isinstance(out, tuple):  # (subfuns, params): call-like primitives of this JAX
         return out
-    return (), out   # custom rules keep their functions in params["subfuns"]
+    return (), out  # custom rules keep their functions in params["subfuns"]
 
 
 def eqn_context(eqn):
@@ -128,6 +136,7 @@ class CustomVJPParts:
         """The rule's cotangents for the eqn's inputs (zeros where it gives none)."""
         zero_type = internal("jax._src.ad_util", "Zero")
         outs = self._bwd.call_wrapped(*residuals, *cotangents)
-        return [jax.numpy.zeros(o.aval.shape, o.aval.dtype) if isinstance(o, zero_type) else o
-                for o in outs]
-
+        return [
+            jax.numpy.zeros(o.aval.shape, o.aval.dtype) if isinstance(o, zero_type) else o
+            for o in outs
+        ]

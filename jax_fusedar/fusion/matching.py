@@ -2,6 +2,7 @@
 ``shard_map`` whose output is a psum, or under plain jit a ``dot_general``), the residual add
 after it, and the proven RMSNorm (norm_proof.py) of the sum, checked on probes
 (validation.py). Each function returns a :class:`Match` or raises Reject with the reason."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,6 +23,7 @@ class Scope:
     """Where a jaxpr sits: its path of wrappers, the mesh axes it is manual over (None
     outside shard_map), the enclosing shard_map's (mesh, manual axes, check_vma), and how
     many times it runs per call (None inside a while loop)."""
+
     where: str
     mesh_shape: Optional[dict]
     ctx: Any
@@ -35,34 +37,36 @@ class Scope:
 @dataclasses.dataclass
 class Source:
     """Where the summed value comes from."""
+
     kind: str
-    eqns: set                      # eqns the fused op replaces
-    out: Any                       # the sum the residual is added to (dtype T)
-    x: Any                         # the local partial sum
-    axis: str                      # the mesh axis reduced over
-    size_one_axes: tuple = ()      # other axes of the reduction, all of size 1
+    eqns: set  # eqns the fused op replaces
+    out: Any  # the sum the residual is added to (dtype T)
+    x: Any  # the local partial sum
+    axis: str  # the mesh axis reduced over
+    size_one_axes: tuple = ()  # other axes of the reduction, all of size 1
     rounding_change: Optional[str] = None
-    custom_vjp: Any = None         # (CustomVJPParts) a custom_vjp's backward to keep
+    custom_vjp: Any = None  # (CustomVJPParts) a custom_vjp's backward to keep
     scatter_dim: Optional[int] = None  # psum_scatter's token dimension
 
 
 @dataclasses.dataclass
 class Match:
     """A site the pass can fuse (kernel support and workspaces are checked afterwards)."""
+
     kind: str
     source: Optional[Source]
     residual: Any
-    r: Any                         # the residual sum: becomes residual_out
+    r: Any  # the residual sum: becomes residual_out
     norm: norm_proof.NormProof
     dtype: str
     hidden: int
     tokens: int
-    skip: set                      # eqns the emitted call replaces
+    skip: set  # eqns the emitted call replaces
     emit_at: int = 0
     rounding_change: Optional[str] = None
     # sequence parallelism: the residual's shard var and the gathered sum's var
     r_full: Any = None
-    gather_norm: Any = None        # SP with the norm on the shard: the gathered norm var
+    gather_norm: Any = None  # SP with the norm on the shard: the gathered norm var
     # plain jit: the matmul
     dot: Any = None
     # shard_map boundary: (shard_map eqn index, output index)
@@ -78,6 +82,7 @@ class Match:
 
 # --- reductions -----------------------------------------------------------------------------
 
+
 def _axes_problem(axes, axis, mesh_shape):
     """(size-1 axes to drop, None) or (None, reason) for a reduction over ``axes``."""
     if any(not isinstance(a, str) for a in axes):
@@ -87,8 +92,10 @@ def _axes_problem(axes, axis, mesh_shape):
     others = tuple(a for a in axes if a != axis)
     big = [a for a in others if mesh_shape.get(a, 0) != 1]
     if big:
-        return None, (f"all-reduce over {axes}: the fused op reduces over one mesh axis "
-                      f"({axis!r}) and {big} have size > 1")
+        return None, (
+            f"all-reduce over {axes}: the fused op reduces over one mesh axis "
+            f"({axis!r}) and {big} have size > 1"
+        )
     return others, None
 
 
@@ -97,8 +104,12 @@ def _single_psum_body(call_eqn):
     value-preserving ops), or None."""
     sub = G.open_jaxpr(call_eqn.params["call_jaxpr"])
     consts = getattr(call_eqn.params["call_jaxpr"], "consts", ())
-    if consts or len(sub.invars) != 1 or len(sub.outvars) != 1 or \
-            call_eqn.params.get("num_consts", 0):
+    if (
+        consts
+        or len(sub.invars) != 1
+        or len(sub.outvars) != 1
+        or call_eqn.params.get("num_consts", 0)
+    ):
         return None
     core = [e for e in sub.eqns if G.name(e) not in G.NO_OPS]
     if len(core) != 1 or G.name(core[0]) not in G.PSUMS:
@@ -120,7 +131,7 @@ def _check_jvp_rule(call_eqn, ps, scope):
             jaxpr, _, _ = fun.call_wrapped(False)
     except MissingJaxInternal:
         raise
-    except Exception as e:   # noqa: BLE001 - a rule that cannot be traced alone
+    except Exception as e:  # noqa: BLE001 - a rule that cannot be traced alone
         raise Reject(f"psum inside a custom_jvp whose rule cannot be traced alone ({e})")
     jaxpr = G.open_jaxpr(jaxpr)
     tangent_in = jaxpr.invars[-1]
@@ -144,8 +155,10 @@ def _check_jvp_rule(call_eqn, ps, scope):
             if w is tangent_in:
                 return
         break
-    raise Reject("psum inside a custom_jvp whose tangent rule is not the psum of the tangent "
-                 "(fusing would change the derivative)")
+    raise Reject(
+        "psum inside a custom_jvp whose tangent rule is not the psum of the tangent "
+        "(fusing would change the derivative)"
+    )
 
 
 def _custom_vjp_parts(call_eqn, scope):
@@ -155,11 +168,13 @@ def _custom_vjp_parts(call_eqn, scope):
             n_res = parts.num_residuals()
     except MissingJaxInternal:
         raise
-    except Exception as e:   # noqa: BLE001
+    except Exception as e:  # noqa: BLE001
         raise Reject(f"psum inside a custom_vjp whose forward rule cannot be traced alone ({e})")
     if n_res:
-        raise Reject("psum inside a custom_vjp whose forward rule saves residuals (the fused "
-                     "op keeps only its backward rule when it needs none)")
+        raise Reject(
+            "psum inside a custom_vjp whose forward rule saves residuals (the fused "
+            "op keeps only its backward rule when it needs none)"
+        )
     return parts
 
 
@@ -191,8 +206,15 @@ def reduction_source(g: G.Graph, i: int, scope: Scope, axis: str) -> Source:
         raise Reject(problem)
     if len(e.invars) != 1 or not G.is_var(e.invars[0]) or len(e.outvars) != 1:
         raise Reject("all-reduce of several operands")
-    src = Source(kind=kind, eqns={i}, out=e.outvars[0], x=e.invars[0], axis=axis,
-                 size_one_axes=drop, custom_vjp=parts)
+    src = Source(
+        kind=kind,
+        eqns={i},
+        out=e.outvars[0],
+        x=e.invars[0],
+        axis=axis,
+        size_one_axes=drop,
+        custom_vjp=parts,
+    )
     if kind == R.REDUCE_SCATTER:
         if not e.params.get("tiled", False):
             raise Reject("psum_scatter without tiled=True")
@@ -209,11 +231,16 @@ def _after_cast(g: G.Graph, src: Source, allow: bool) -> None:
     u = g.only_user(d)
     if u is None or G.name(g.eqns[u]) != G.CAST:
         xi, xe = g.eqn(src.x)
-        if xe is not None and G.name(xe) == G.CAST and G.dtype(xe.invars[0]) in ("bfloat16",
-                                                                               "float16"):
+        if (
+            xe is not None
+            and G.name(xe) == G.CAST
+            and G.dtype(xe.invars[0]) in ("bfloat16", "float16")
+        ):
             t = G.dtype(xe.invars[0])
-            raise Reject(f"all-reduce in float32 of {t} values (the kernel rounds the sum to "
-                         f"{t} before the residual add)")
+            raise Reject(
+                f"all-reduce in float32 of {t} values (the kernel rounds the sum to "
+                f"{t} before the residual add)"
+            )
         return
     to = np.dtype(g.eqns[u].params["new_dtype"]).name
     if to not in ("bfloat16", "float16"):
@@ -221,8 +248,10 @@ def _after_cast(g: G.Graph, src: Source, allow: bool) -> None:
     if src.kind == R.REDUCE_SCATTER:
         raise Reject(f"psum_scatter in float32, cast to {to} before the add")
     if not allow:
-        raise Reject(f"all-reduce in float32, cast to {to} before the residual add: the fused "
-                     f"op sums {to} partials (pass allow_rounding_change=True to fuse it)")
+        raise Reject(
+            f"all-reduce in float32, cast to {to} before the residual add: the fused "
+            f"op sums {to} partials (pass allow_rounding_change=True to fuse it)"
+        )
     src.eqns.add(u)
     src.out = g.eqns[u].outvars[0]
     src.rounding_change = f"each rank's float32 partial sum rounded to {to} before the sum"
@@ -241,8 +270,10 @@ def _not_followed_by_add(g: G.Graph, d) -> str:
         if proof is not None:
             after = [G.name(g.eqns[u]) for u in g.users(proof.out_var)]
             if "add" in after:
-                return ("sandwich norm: the all-reduce's output is normalized before the "
-                        "residual add (the fused op normalizes after it; correctly not fused)")
+                return (
+                    "sandwich norm: the all-reduce's output is normalized before the "
+                    "residual add (the fused op normalizes after it; correctly not fused)"
+                )
             return "post-norm: the all-reduce's output is normalized with no residual add first"
     if any(G.name(g.eqns[u]) == "add" for u in us):
         return "the all-reduce's result has other uses besides the residual add"
@@ -260,10 +291,13 @@ def _residual_add(g: G.Graph, d):
         raise Reject("the all-reduce's sum is added to itself")
     if G.shape(residual) != G.shape(d) or G.dtype(residual) != G.dtype(d):
         if G.dtype(residual) != G.dtype(d):
-            raise Reject(f"the residual is {G.dtype(residual)}, the sum {G.dtype(d)} (the "
-                         "kernel adds them in one dtype)")
-        raise Reject(f"the residual's shape {G.shape(residual)} differs from the sum's "
-                     f"{G.shape(d)}")
+            raise Reject(
+                f"the residual is {G.dtype(residual)}, the sum {G.dtype(d)} (the "
+                "kernel adds them in one dtype)"
+            )
+        raise Reject(
+            f"the residual's shape {G.shape(residual)} differs from the sum's {G.shape(d)}"
+        )
     return u, residual
 
 
@@ -320,9 +354,18 @@ def match_reduction(g: G.Graph, i: int, scope: Scope, axis: str, allow: bool) ->
     if src.custom_vjp is not None:
         norm_proof.drop_tail(norm, "FP8 tail not fused: the all-reduce keeps a custom_vjp rule")
     shape = G.shape(r)
-    m = Match(kind=src.kind, source=src, residual=residual, r=r, norm=norm, dtype=T,
-              hidden=shape[-1], tokens=math.prod(shape[:-1]), skip=skip,
-              rounding_change=src.rounding_change)
+    m = Match(
+        kind=src.kind,
+        source=src,
+        residual=residual,
+        r=r,
+        norm=norm,
+        dtype=T,
+        hidden=shape[-1],
+        tokens=math.prod(shape[:-1]),
+        skip=skip,
+        rounding_change=src.rounding_change,
+    )
     return _finish(g, m, [src.x, residual, norm.gamma, norm.scale])
 
 
@@ -330,9 +373,13 @@ def _gather_of(g: G.Graph, v, axis: str, dim: int):
     """The eqn index gathering ``v`` back over ``axis`` along ``dim`` (tiled), or None."""
     for u in g.users(v):
         e = g.eqns[u]
-        if G.name(e) == "all_gather" and tuple(e.params["axis_name"]) == (axis,) and \
-                int(e.params["all_gather_dimension"]) == dim and e.params.get("tiled") and \
-                e.params.get("axis_index_groups") is None:
+        if (
+            G.name(e) == "all_gather"
+            and tuple(e.params["axis_name"]) == (axis,)
+            and int(e.params["all_gather_dimension"]) == dim
+            and e.params.get("tiled")
+            and e.params.get("axis_index_groups") is None
+        ):
             return u
     return None
 
@@ -353,9 +400,18 @@ def _match_sequence_parallel(g, src, add_i, residual, r_shard, skip, allow):
         r_full = g.eqns[gi].outvars[0]
         norm = norm_proof.prove_rms_norm(g, r_full, allow)
         shape = G.shape(r_full)
-        m = Match(kind=R.REDUCE_SCATTER, source=src, residual=residual, r=r_shard, norm=norm,
-                  dtype=G.dtype(r_shard), hidden=shape[-1], tokens=math.prod(shape[:-1]),
-                  skip=skip | {gi}, r_full=r_full)
+        m = Match(
+            kind=R.REDUCE_SCATTER,
+            source=src,
+            residual=residual,
+            r=r_shard,
+            norm=norm,
+            dtype=G.dtype(r_shard),
+            hidden=shape[-1],
+            tokens=math.prod(shape[:-1]),
+            skip=skip | {gi},
+            r_full=r_full,
+        )
     else:
         try:
             norm = norm_proof.prove_rms_norm(g, r_shard, allow)
@@ -363,19 +419,31 @@ def _match_sequence_parallel(g, src, add_i, residual, r_shard, skip, allow):
             raise Reject(f"psum_scatter + residual add, then {why}") from None
         ni = _gather_of(g, norm.out_var, src.axis, dim)
         if ni is None or norm.quant_var is not None:
-            raise Reject("psum_scatter + add + RMSNorm on the token shard whose output is not "
-                         "all-gathered (the fused all-reduce would move more data; left as "
-                         "it is)")
+            raise Reject(
+                "psum_scatter + add + RMSNorm on the token shard whose output is not "
+                "all-gathered (the fused all-reduce would move more data; left as "
+                "it is)"
+            )
         full = G.shape(g.eqns[ni].outvars[0])
-        m = Match(kind=R.REDUCE_SCATTER, source=src, residual=residual, r=r_shard, norm=norm,
-                  dtype=G.dtype(r_shard), hidden=full[-1], tokens=math.prod(full[:-1]),
-                  skip=skip | {ni}, gather_norm=g.eqns[ni].outvars[0])
+        m = Match(
+            kind=R.REDUCE_SCATTER,
+            source=src,
+            residual=residual,
+            r=r_shard,
+            norm=norm,
+            dtype=G.dtype(r_shard),
+            hidden=full[-1],
+            tokens=math.prod(full[:-1]),
+            skip=skip | {ni},
+            gather_norm=g.eqns[ni].outvars[0],
+        )
     if m.norm.quant_var is not None and m.r_full is None:
         raise Reject("psum_scatter with an FP8 tail on the shard")
     return _finish(g, m, [src.x, residual, m.norm.gamma, m.norm.scale])
 
 
 # --- across a shard_map boundary (per-linear shard_map) --------------------------------------
+
 
 def body_source(sm_eqn, k: int, scope_inner: Scope, axis: str):
     """(body graph, source eqn index, Source) when the shard_map's output k is a psum (or a
@@ -409,8 +477,9 @@ def _spec_axes(entry):
     return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
-def match_boundary(g: G.Graph, j: int, k: int, scope: Scope, axis: str, allow: bool,
-                   inner: Scope) -> Match:
+def match_boundary(
+    g: G.Graph, j: int, k: int, scope: Scope, axis: str, allow: bool, inner: Scope
+) -> Match:
     """shard_map output k (a psum over ``axis`` inside) -> residual add -> RMSNorm outside."""
     sm = g.eqns[j]
     d = sm.outvars[k]
@@ -433,12 +502,22 @@ def match_boundary(g: G.Graph, j: int, k: int, scope: Scope, axis: str, allow: b
     local_tokens = math.prod(shape[:-1])
     # The body's view of the sum has the local shape: tokens as the out spec splits them.
     mesh = sm.params["mesh"]
-    for dim, entry in enumerate(spec[:len(shape) - 1]):
+    for dim, entry in enumerate(spec[: len(shape) - 1]):
         for a in _spec_axes(entry):
             local_tokens //= dict(mesh.shape)[a]
-    m = Match(kind=R.PSUM_IN_SHARD_MAP, source=src, residual=residual, r=r, norm=norm,
-              dtype=T, hidden=shape[-1], tokens=local_tokens, skip={j, add_i},
-              boundary=(j, k, pi), rounding_change=src.rounding_change)
+    m = Match(
+        kind=R.PSUM_IN_SHARD_MAP,
+        source=src,
+        residual=residual,
+        r=r,
+        norm=norm,
+        dtype=T,
+        hidden=shape[-1],
+        tokens=local_tokens,
+        skip={j, add_i},
+        boundary=(j, k, pi),
+        rounding_change=src.rounding_change,
+    )
     # Everything the new shard_map replaces must be used only after it runs.
     m = _finish(g, m, [residual, norm.gamma, norm.scale] + list(sm.invars))
     for v in sm.outvars:
@@ -448,6 +527,7 @@ def match_boundary(g: G.Graph, j: int, k: int, scope: Scope, axis: str, allow: b
 
 
 # --- plain jit (the partitioner's all-reduce) --------------------------------------------------
+
 
 def dot_candidate(g: G.Graph, i: int) -> bool:
     """Whether the dot_general at eqn i is worth reporting: its output (possibly cast) is
@@ -482,12 +562,18 @@ def match_plain_dot(g: G.Graph, i: int, scope: Scope, allow: bool) -> Match:
         raise Reject("the matmul's operands have different dtypes")
     if T != G.dtype(h):
         u = g.only_user(d)
-        if T == "float32" and u is not None and G.name(g.eqns[u]) == G.CAST and \
-                np.dtype(g.eqns[u].params["new_dtype"]).name == G.dtype(h):
+        if (
+            T == "float32"
+            and u is not None
+            and G.name(g.eqns[u]) == G.CAST
+            and np.dtype(g.eqns[u].params["new_dtype"]).name == G.dtype(h)
+        ):
             if not allow:
-                raise Reject(f"matmul accumulated in float32, cast to {G.dtype(h)} before the "
-                             f"residual add: under sharding the fused op sums {G.dtype(h)} "
-                             "partials (pass allow_rounding_change=True to fuse it)")
+                raise Reject(
+                    f"matmul accumulated in float32, cast to {G.dtype(h)} before the "
+                    f"residual add: under sharding the fused op sums {G.dtype(h)} "
+                    "partials (pass allow_rounding_change=True to fuse it)"
+                )
             change = f"each shard's float32 partial product rounded to {G.dtype(h)}"
             skip.add(u)
             d = g.eqns[u].outvars[0]
@@ -501,7 +587,17 @@ def match_plain_dot(g: G.Graph, i: int, scope: Scope, allow: bool) -> Match:
     norm = norm_proof.prove_rms_norm(g, r, allow)
     norm_proof.drop_tail(norm, "FP8 tail not fused: the plain-jit entry computes the norm only")
     shape = G.shape(r)
-    m = Match(kind=R.PLAIN_JIT_MATMUL, source=None, residual=residual, r=r, norm=norm, dtype=T,
-              hidden=shape[-1], tokens=math.prod(shape[:-1]), skip=skip | {add_i}, dot=e,
-              rounding_change=change)
+    m = Match(
+        kind=R.PLAIN_JIT_MATMUL,
+        source=None,
+        residual=residual,
+        r=r,
+        norm=norm,
+        dtype=T,
+        hidden=shape[-1],
+        tokens=math.prod(shape[:-1]),
+        skip=skip | {add_i},
+        dot=e,
+        rounding_change=change,
+    )
     return _finish(g, m, [h, w, residual, norm.gamma])

@@ -23,6 +23,7 @@ with the factors applied before it, and the result classifies the site as exact 
 op rounds at the same points: the norm in float32, one rounding at the end), a rounding
 change (fused only with ``allow_rounding_change``), or not fusable.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,7 +35,7 @@ from jax.extend import core as jcore
 from . import graph as G
 from .report import Reject
 
-MEAN_TOLERANCE = 1e-6   # relative, on constants that are float32 literals
+MEAN_TOLERANCE = 1e-6  # relative, on constants that are float32 literals
 FP8_MAX = 448.0
 FP8_MIN_SCALE = 1.0 / (512.0 * 448.0)
 
@@ -42,6 +43,7 @@ FP8_MIN_SCALE = 1.0 / (512.0 * 448.0)
 @dataclasses.dataclass(frozen=True)
 class Row:
     """``c * (a * Q + b) ** p`` per token (``mean``: ``c * sum_j f_j`` instead)."""
+
     a: float
     b: float
     p: float
@@ -62,6 +64,7 @@ class Row:
 class Col:
     """``bias + gamma`` along the hidden axis; ``root`` is gamma's array, ``dtypes`` the
     dtypes it passed through on the way (to tell whether its value is T's)."""
+
     root: Any
     bias: float
     dtypes: tuple
@@ -72,6 +75,7 @@ class Elem:
     """``k * f**e * row * col`` elementwise. ``path``: what happened to the value, in order:
     ("op", factor, dtype) for each factor applied ("row", "col", "k") and ("round", row
     applied, col applied) for each narrowing cast to T."""
+
     e: int
     row: Optional[Row]
     col: Optional[Col]
@@ -86,6 +90,7 @@ class Elem:
 @dataclasses.dataclass(frozen=True)
 class Sq:
     """``k2 * f^2`` elementwise."""
+
     dtype: str
     k2: float = 1.0
 
@@ -93,23 +98,25 @@ class Sq:
 @dataclasses.dataclass
 class NormProof:
     """What the fused op needs of a proven norm, and what of the program it replaces."""
-    out_var: Any                  # the norm output (norm_out)
-    gamma: Any                    # gamma's root atom, or None (ones)
+
+    out_var: Any  # the norm output (norm_out)
+    gamma: Any  # gamma's root atom, or None (ones)
     weight_bias: float
     eps: float
     rounding_change: Optional[str]
-    out_dtype: str                # the norm output's dtype (T, or float32: cast back)
-    eqns: set                     # every eqn of the proof (for validation and liveness)
+    out_dtype: str  # the norm output's dtype (T, or float32: cast back)
+    eqns: set  # every eqn of the proof (for validation and liveness)
     pattern: int = 1
-    scale: Any = None             # static FP8 scale atom
-    quant_var: Any = None         # FP8 output
-    scale_out_var: Any = None     # dynamic FP8 per-token scale
+    scale: Any = None  # static FP8 scale atom
+    quant_var: Any = None  # FP8 output
+    scale_out_var: Any = None  # dynamic FP8 per-token scale
     tail_note: Optional[str] = None
-    tail_eqns: tuple = ()         # the FP8 tail's eqns (from out_var and scale), in order
+    tail_eqns: tuple = ()  # the FP8 tail's eqns (from out_var and scale), in order
 
 
 def _cast_dtype(eqn) -> str:
     import numpy as np
+
     return np.dtype(eqn.params["new_dtype"]).name
 
 
@@ -119,12 +126,12 @@ class _Prover:
         self.r = r
         self.T = G.dtype(r)
         self.shape = G.shape(r)
-        self.m = len(self.shape) - 1          # number of token dims
+        self.m = len(self.shape) - 1  # number of token dims
         self.H = self.shape[-1]
         self.allow = allow
-        self.sym = {}                          # var -> symbolic value
-        self.tainted = {r}                     # vars computed from r
-        self.first_failure = None              # reason of the first refusal met
+        self.sym = {}  # var -> symbolic value
+        self.tainted = {r}  # vars computed from r
+        self.first_failure = None  # reason of the first refusal met
         self.failure_on_path = False
 
     # --- free values ------------------------------------------------------------------------
@@ -145,16 +152,24 @@ class _Prover:
                 opened = False
                 for c_side, v_side in ((0, 1), (1, 0)):
                     c = G.scalar_constant(g, e.invars[c_side])
-                    if c is not None and G.is_var(e.invars[v_side]) and \
-                            G.shape(e.invars[v_side]) == G.shape(cur):
+                    if (
+                        c is not None
+                        and G.is_var(e.invars[v_side])
+                        and G.shape(e.invars[v_side]) == G.shape(cur)
+                    ):
                         bias, cur, opened = c, e.invars[v_side], True
                         chain.append(j)
                         break
                 if not opened:
                     break
                 continue
-            if len(e.invars) != 1 or n not in G.NO_OPS + (G.CAST, "broadcast_in_dim", "reshape",
-                                                          "squeeze", "expand_dims"):
+            if len(e.invars) != 1 or n not in G.NO_OPS + (
+                G.CAST,
+                "broadcast_in_dim",
+                "reshape",
+                "squeeze",
+                "expand_dims",
+            ):
                 break
             chain.append(j)
             cur = e.invars[0]
@@ -174,8 +189,7 @@ class _Prover:
             elif n in ("reshape", "squeeze", "expand_dims"):
                 kept = [lab for lab in labels if lab is not None]
                 if [s for s in out_shape if s != 1] != [root_shape[lab] for lab in kept]:
-                    raise Reject(f"gamma {root_shape} is reshaped to {out_shape} inside the "
-                                 "norm")
+                    raise Reject(f"gamma {root_shape} is reshaped to {out_shape} inside the norm")
                 it = iter(kept)
                 labels = [next(it) if s != 1 else None for s in out_shape]
             dtypes.append(G.dtype(e.outvars[0]))
@@ -183,11 +197,15 @@ class _Prover:
         if not placed:
             return None
         if len(placed) > 1:
-            raise Reject(f"an array of shape {root_shape} multiplies the normalized value "
-                         "(only a [hidden] gamma along the last axis is fused)")
+            raise Reject(
+                f"an array of shape {root_shape} multiplies the normalized value "
+                "(only a [hidden] gamma along the last axis is fused)"
+            )
         if placed[0] != len(labels) - 1:
-            raise Reject(f"a per-token factor of shape {root_shape} multiplies the normalized "
-                         "value (gamma must vary along the hidden axis only)")
+            raise Reject(
+                f"a per-token factor of shape {root_shape} multiplies the normalized "
+                "value (gamma must vary along the hidden axis only)"
+            )
         if math.prod(root_shape) != self.H:
             raise Reject(f"gamma of shape {root_shape} is not a [{self.H}] vector")
         return Col(root, bias, tuple(dtypes))
@@ -197,7 +215,7 @@ class _Prover:
         g = self.g
         self.sym[self.r] = Elem(1, None, None, 1.0, self.T)
         start = g.defs.get(self.r, -1) + 1
-        horizon = max(g.users(self.r), default=-1)   # the last eqn reading a symbolic value
+        horizon = max(g.users(self.r), default=-1)  # the last eqn reading a symbolic value
         for i in range(start, len(g.eqns)):
             if i > horizon:
                 break
@@ -211,13 +229,20 @@ class _Prover:
                 # Only refusals on a statistic or a normalized value explain a missing norm
                 # (the residual sum's other uses, e.g. the next residual add, do not).
                 ins = [self.sym.get(a) for a in e.invars if G.is_var(a)]
-                normish = [v for v in ins if isinstance(v, (Sq, Row)) or
-                           isinstance(v, Elem) and (v.row is not None or v.col is not None)]
+                normish = [
+                    v
+                    for v in ins
+                    if isinstance(v, (Sq, Row))
+                    or isinstance(v, Elem)
+                    and (v.row is not None or v.col is not None)
+                ]
                 on_path = any(isinstance(v, Elem) and v.row is not None for v in normish)
                 squares = G.name(e) in ("square", "integer_pow", "pow", "reduce_sum") or (
-                    G.name(e) == "mul" and e.invars[0] is e.invars[1])
-                if (normish or squares) and (self.first_failure is None or
-                                (on_path and not self.failure_on_path)):
+                    G.name(e) == "mul" and e.invars[0] is e.invars[1]
+                )
+                if (normish or squares) and (
+                    self.first_failure is None or (on_path and not self.failure_on_path)
+                ):
                     self.first_failure, self.failure_on_path = str(why), on_path
                 val = None
             if val is not None and len(e.outvars) == 1:
@@ -250,8 +275,7 @@ class _Prover:
             if x is None:
                 return None
             if not isinstance(x, Row) or x.p != 1 or x.c != 1 or x.mean:
-                raise Reject(f"{n} of something other than the mean of squares inside the "
-                             "norm")
+                raise Reject(f"{n} of something other than the mean of squares inside the norm")
             return self.row_in_f32(dataclasses.replace(x, p=-0.5 if n == "rsqrt" else 0.5))
         if n == "reduce_sum":
             return None if x is None else self.reduce_sum(e, x)
@@ -259,10 +283,11 @@ class _Prover:
             return None if x is None else self.reshape(e, n, x)
         if n == "neg" and isinstance(x, Elem):
             return dataclasses.replace(x, k=-x.k).applied("k")
-        if n in ("max", "min") and any(isinstance(self.sym.get(a), Row) for a in e.invars
-                                       if G.is_var(a)):
+        if n in ("max", "min") and any(
+            isinstance(self.sym.get(a), Row) for a in e.invars if G.is_var(a)
+        ):
             raise Reject(f"{n} of the mean of squares inside the norm (RMSNorm adds eps)")
-        return None   # not part of a norm (an FP8 tail, or something else): opaque
+        return None  # not part of a norm (an FP8 tail, or something else): opaque
 
     def row_in_f32(self, row: Row) -> Row:
         if row.dtype != "float32":
@@ -282,18 +307,20 @@ class _Prover:
             return dataclasses.replace(x, dtype=to)
         # Narrowing to T: exact while the value is still r itself, or is still the value
         # last rounded to T (widened and narrowed back).
-        if (x.e == 1 and x.row is None and x.col is None and x.k == 1) or \
-                (x.path and x.path[-1][0] == "round"):
+        if (x.e == 1 and x.row is None and x.col is None and x.k == 1) or (
+            x.path and x.path[-1][0] == "round"
+        ):
             return dataclasses.replace(x, dtype=to)
-        return dataclasses.replace(x, dtype=to, path=x.path + (
-            ("round", x.row is not None, x.col is not None),))
+        return dataclasses.replace(
+            x, dtype=to, path=x.path + (("round", x.row is not None, x.col is not None),)
+        )
 
     def muldiv(self, e, n):
         a, b = e.invars
         ka, va = self.operand(a)
         kb, vb = self.operand(b)
         if "opaque" in (ka, kb):
-            return None   # e.g. an FP8 tail's division by its dynamic scale
+            return None  # e.g. an FP8 tail's division by its dynamic scale
         if ka == kb == "sym":
             if n == "mul" and a is b and isinstance(va, Elem):
                 return self.square_of(va)
@@ -303,7 +330,7 @@ class _Prover:
             return self.times_free(x, free)
         if ka == "sym":
             return self.over_free(va, vb)
-        c = G.scalar_constant(self.g, va)    # constant / symbolic
+        c = G.scalar_constant(self.g, va)  # constant / symbolic
         if isinstance(vb, Row) and c is not None and not vb.mean:
             return self.row_in_f32(vb.inverse().scaled(c))
         raise Reject("a value divided by a statistic of the residual sum inside the norm")
@@ -323,18 +350,17 @@ class _Prover:
             if isinstance(x, Elem) and isinstance(y, Row):
                 return self.apply_row(x, y)
             if isinstance(x, Elem) and isinstance(y, Elem) and x.e + y.e == 1:
-                f, fac = (x, y) if x.e == 1 else (y, x)   # f: the value, fac: row * col
+                f, fac = (x, y) if x.e == 1 else (y, x)  # f: the value, fac: row * col
                 if f.row is not None or (f.col is not None and fac.col is not None):
                     raise Reject("two per-token factors multiply the normalized value")
                 out = dataclasses.replace(f, row=fac.row, col=f.col or fac.col, k=f.k * fac.k)
                 out = out.applied("row")
                 return out.applied("col") if fac.col is not None else out
-            raise Reject("two values computed from the residual sum multiplied inside the "
-                         "norm")
+            raise Reject("two values computed from the residual sum multiplied inside the norm")
         if isinstance(x, Elem) and isinstance(y, Row):
             return self.apply_row(x, y.inverse())
         if isinstance(x, Elem) and isinstance(y, Elem):
-            return None   # e.g. an FP8 tail's division by its dynamic scale
+            return None  # e.g. an FP8 tail's division by its dynamic scale
         raise Reject("a division of per-token statistics inside the norm")
 
     def apply_row(self, x: Elem, row: Row):
@@ -386,7 +412,7 @@ class _Prover:
         if isinstance(x, Row) and math.prod(G.shape(free)) == 1:
             raise Reject("the mean's divisor traced (not a constant)")
         if isinstance(x, Elem) and x.row is not None:
-            return None   # e.g. a static FP8 scale: the tail's
+            return None  # e.g. a static FP8 scale: the tail's
         raise Reject("a division by a traced value inside the norm")
 
     def times_free_const(self, x, k):
@@ -403,11 +429,16 @@ class _Prover:
         if "opaque" in (ka, kb):
             return None
         if ka == kb == "sym":
-            if n == "sub" and isinstance(va, Elem) and (isinstance(vb, Elem) or
-                                                       isinstance(vb, Row) and vb.mean):
+            if (
+                n == "sub"
+                and isinstance(va, Elem)
+                and (isinstance(vb, Elem) or isinstance(vb, Row) and vb.mean)
+            ):
                 raise Reject("LayerNorm (mean subtracted), not RMSNorm")
-            raise Reject(f"an {'addition' if n == 'add' else 'subtraction'} of two values "
-                         "computed from the residual sum inside the norm")
+            raise Reject(
+                f"an {'addition' if n == 'add' else 'subtraction'} of two values "
+                "computed from the residual sum inside the norm"
+            )
         if ka == "free":
             if n == "sub":
                 raise Reject("a statistic of the residual sum is subtracted from a value")
@@ -421,17 +452,22 @@ class _Prover:
                     raise Reject("eps traced (not a constant)")
                 raise Reject("a traced value is added to the mean of squares")
             if va.p != 1 or va.c != 1:
-                raise Reject("eps added after the square root (x / (sqrt(mean) + eps)), not "
-                             "inside it as RMSNorm does")
+                raise Reject(
+                    "eps added after the square root (x / (sqrt(mean) + eps)), not "
+                    "inside it as RMSNorm does"
+                )
             return dataclasses.replace(va, b=va.b + (c if n == "add" else -c))
         if isinstance(va, Elem):
             if n == "sub" and c == 0.0 and va.e == 1 and va.row is None and va.col is None:
-                return va   # flax.linen's (x - 0)
+                return va  # flax.linen's (x - 0)
             if n == "sub":
-                raise Reject("a value is subtracted from the residual sum inside the norm "
-                             "(LayerNorm's mean?), not RMSNorm")
-            raise Reject("a value is added to the normalized output (a bias: LayerNorm's "
-                         "beta?), not RMSNorm")
+                raise Reject(
+                    "a value is subtracted from the residual sum inside the norm "
+                    "(LayerNorm's mean?), not RMSNorm"
+                )
+            raise Reject(
+                "a value is added to the normalized output (a bias: LayerNorm's beta?), not RMSNorm"
+            )
         raise Reject("an addition to the squares inside the norm")
 
     def power(self, e, n, x):
@@ -474,24 +510,34 @@ class _Prover:
                     raise Reject(f"a per-token statistic broadcast to {out}")
                 for d, (s, dst) in enumerate(zip(src, e.params["broadcast_dimensions"])):
                     if s != 1 and dst != d:
-                        raise Reject(f"a per-token statistic broadcast along axis {dst} (the "
-                                     "hidden axis or another token axis)")
+                        raise Reject(
+                            f"a per-token statistic broadcast along axis {dst} (the "
+                            "hidden axis or another token axis)"
+                        )
                 return x
             pos_in = [(p, s) for p, s in enumerate(src) if s != 1]
             pos_out = [(p, s) for p, s in enumerate(out) if s != 1]
-            if pos_in != pos_out or len(out) > self.m + 1 or \
-                    (len(out) == self.m + 1 and out[-1] != 1):
+            if (
+                pos_in != pos_out
+                or len(out) > self.m + 1
+                or (len(out) == self.m + 1 and out[-1] != 1)
+            ):
                 raise Reject(f"a per-token statistic reshaped from {src} to {out}")
             return x
-        if isinstance(x, Elem) and (out == src or (
-                n == "broadcast_in_dim" and
-                tuple(e.params["broadcast_dimensions"]) == tuple(range(len(out))) and
-                all(a == b for a, b in zip(src, out)))):
+        if isinstance(x, Elem) and (
+            out == src
+            or (
+                n == "broadcast_in_dim"
+                and tuple(e.params["broadcast_dimensions"]) == tuple(range(len(out)))
+                and all(a == b for a, b in zip(src, out))
+            )
+        ):
             return x
         raise Reject(f"a value of the norm reshaped from {src} to {out}")
 
 
 # --- choosing the output and checking it -----------------------------------------------------
+
 
 def _canonical(prover: _Prover, x: Elem) -> float:
     """The norm's eps, or raises why ``x`` is not RMSNorm: ``x = k * f * c * (a Q + b) **
@@ -499,8 +545,10 @@ def _canonical(prover: _Prover, x: Elem) -> float:
     ``k * c / sqrt(a H) == 1``."""
     row = x.row
     if row.p != -0.5:
-        raise Reject(f"the residual sum is multiplied by (mean of squares) ** {-row.p:g}, not "
-                     "its inverse square root")
+        raise Reject(
+            f"the residual sum is multiplied by (mean of squares) ** {-row.p:g}, not "
+            "its inverse square root"
+        )
     if row.a <= 0 or row.c <= 0:
         raise Reject("the norm's mean of squares has a non-positive factor")
     H = prover.H
@@ -509,8 +557,10 @@ def _canonical(prover: _Prover, x: Elem) -> float:
     if not math.isclose(overall, 1.0, rel_tol=MEAN_TOLERANCE):
         if row.c == 1 and x.k == 1:
             raise Reject(f"the mean divides by {1.0 / row.a:g}, not the hidden size {H}")
-        raise Reject(f"the normalized value is scaled by {overall:g} (a constant the fused "
-                     "op does not apply)")
+        raise Reject(
+            f"the normalized value is scaled by {overall:g} (a constant the fused "
+            "op does not apply)"
+        )
     if eps < 0:
         raise Reject(f"negative eps ({eps:g}) inside the norm")
     return eps
@@ -520,9 +570,15 @@ def _pick_output(prover: _Prover):
     """(var, value) of the norm's output: every factor applied, in T when there is such a
     value (an FP8 tail's cast back to float32 comes after it), else the first in float32."""
     g = prover.g
-    cands = [(g.defs[v], v, s) for v, s in prover.sym.items()
-             if isinstance(s, Elem) and s.e == 1 and s.row is not None and
-             G.shape(v) == prover.shape and v in g.defs]
+    cands = [
+        (g.defs[v], v, s)
+        for v, s in prover.sym.items()
+        if isinstance(s, Elem)
+        and s.e == 1
+        and s.row is not None
+        and G.shape(v) == prover.shape
+        and v in g.defs
+    ]
     if not cands:
         return None
     with_col = [c for c in cands if c[2].col is not None]
@@ -547,7 +603,7 @@ def _roundings(prover: _Prover, x: Elem, out_dtype: str, allow: bool):
         return None
     changes = []
     rounds = [k for k, ev in enumerate(x.path) if ev[0] == "round"]
-    for ev in x.path[:rounds[0] if rounds else len(x.path)]:
+    for ev in x.path[: rounds[0] if rounds else len(x.path)]:
         if ev[2] != "float32":
             if ev[1] == "col":
                 raise Reject(f"gamma multiplied in {T} before the norm")
@@ -557,20 +613,24 @@ def _roundings(prover: _Prover, x: Elem, out_dtype: str, allow: bool):
     _, row_applied, col_applied = x.path[rounds[0]]
     if not row_applied:
         raise Reject(f"RMSNorm computed in {T}, not float32")
-    ops_after = [ev for ev in x.path[rounds[0] + 1:] if ev[0] == "op"]
+    ops_after = [ev for ev in x.path[rounds[0] + 1 :] if ev[0] == "op"]
     if any(ev[1] != "col" for ev in ops_after):
         raise Reject(f"the normalized value is scaled after its rounding to {T}")
-    if ops_after:   # gamma multiplied after the rounding
-        if ops_after[0][2] == T:   # in T (Hugging Face, MaxText)
+    if ops_after:  # gamma multiplied after the rounding
+        if ops_after[0][2] == T:  # in T (Hugging Face, MaxText)
             if not allow:
                 raise Reject(f"gamma multiplied in {T} after the norm is rounded")
             changes.append(f"gamma multiplied in float32 before one rounding to {T}")
-        else:                      # in float32 (Hugging Face Flax)
+        else:  # in float32 (Hugging Face Flax)
             if not allow:
-                raise Reject(f"gamma multiplied in float32 after the norm is rounded to {T} "
-                             f"(the fused op rounds once, after it)")
-            changes.append(f"gamma multiplied before one rounding to {T}" + (
-                "" if out_dtype == T else f" (the float32 output is the {T} one)"))
+                raise Reject(
+                    f"gamma multiplied in float32 after the norm is rounded to {T} "
+                    f"(the fused op rounds once, after it)"
+                )
+            changes.append(
+                f"gamma multiplied before one rounding to {T}"
+                + ("" if out_dtype == T else f" (the float32 output is the {T} one)")
+            )
     elif out_dtype != T:
         raise Reject(f"the norm output is not cast back to {T}")
     if x.col is not None and T not in x.col.dtypes and x.col.dtypes[0] == "float32":
@@ -600,9 +660,15 @@ def prove_rms_norm(g: G.Graph, r, allow: bool) -> NormProof:
             raise Reject(prover.first_failure) from None
         raise
     col = x.col
-    proof = NormProof(out_var=out, gamma=None if col is None else col.root,
-                      weight_bias=0.0 if col is None else col.bias, eps=eps,
-                      rounding_change=change, out_dtype=out_dtype, eqns=set())
+    proof = NormProof(
+        out_var=out,
+        gamma=None if col is None else col.root,
+        weight_bias=0.0 if col is None else col.bias,
+        eps=eps,
+        rounding_change=change,
+        out_dtype=out_dtype,
+        eqns=set(),
+    )
     proof.eqns = backward_slice(g, [out], stop={r} | ({col.root} if col else set()))
     _match_fp8_tail(prover, proof)
     return proof
@@ -613,8 +679,9 @@ def norm_like(g: G.Graph, r) -> bool:
     last axis: a norm, proven or not, reads it."""
     prover = _Prover(g, r, True)
     prover.run()
-    return any(isinstance(v, (Row, Sq)) for v in prover.sym.values()) or \
-        (prover.first_failure or "").startswith(("norm over axis", "LayerNorm", "RMSNorm "))
+    return any(isinstance(v, (Row, Sq)) for v in prover.sym.values()) or (
+        prover.first_failure or ""
+    ).startswith(("norm over axis", "LayerNorm", "RMSNorm "))
 
 
 def backward_slice(g: G.Graph, outs, stop: set) -> set:
@@ -634,6 +701,7 @@ def backward_slice(g: G.Graph, outs, stop: set) -> set:
 
 
 # --- FP8 tails --------------------------------------------------------------------------------
+
 
 def _follow(g, v, names):
     """Through single-use eqns of ``names``; (last var, eqns)."""
@@ -687,13 +755,15 @@ def _match_fp8_tail(prover: _Prover, proof: NormProof):
     ``s = max(max|float(y)| / 448, 2^-9/448); clip(float(y) / s) -> e4m3`` (10/11). A tail
     that differs (another amax axis, another minimum) is left in the program with a note."""
     from ..common.patterns import AllReduceFusionPattern as Pattern
+
     g = prover.g
     y = proof.out_var
     T = prover.T
     if T == "float32" or proof.out_dtype != T:
         return
-    casts = [u for u in g.users(y) if G.name(g.eqns[u]) == G.CAST and
-             _cast_dtype(g.eqns[u]) == "float32"]
+    casts = [
+        u for u in g.users(y) if G.name(g.eqns[u]) == G.CAST and _cast_dtype(g.eqns[u]) == "float32"
+    ]
     if len(casts) != 1:
         return
     y32 = g.eqns[casts[0]].outvars[0]
@@ -717,10 +787,17 @@ def _match_fp8_tail(prover: _Prover, proof: NormProof):
             return
         axes = tuple(int(a) % (prover.m + 1) for a in g.eqns[u].params["axes"])
         if axes != (prover.m,):
-            kind = ("a per-tensor scale" if len(axes) == prover.m + 1 else
-                    "a per-channel scale" if prover.m not in axes else "not per token")
-            proof.tail_note = (f"FP8 tail not fused: its amax reduces axes {axes} ({kind}); "
-                               "the fused op scales per token (the last axis)")
+            kind = (
+                "a per-tensor scale"
+                if len(axes) == prover.m + 1
+                else "a per-channel scale"
+                if prover.m not in axes
+                else "not per token"
+            )
+            proof.tail_note = (
+                f"FP8 tail not fused: its amax reduces axes {axes} ({kind}); "
+                "the fused op scales per token (the last axis)"
+            )
             return
         chain.add(u)
         v = g.eqns[u].outvars[0]
@@ -728,15 +805,22 @@ def _match_fp8_tail(prover: _Prover, proof: NormProof):
         for j in more:
             e = g.eqns[j]
             if G.name(e) == "broadcast_in_dim" and any(
-                    s != 1 and dst != k for k, (s, dst) in enumerate(
-                        zip(G.shape(e.invars[0]), e.params["broadcast_dimensions"]))):
-                proof.tail_note = "FP8 tail not fused: its per-token scale is broadcast " \
-                                  "along another axis"
+                s != 1 and dst != k
+                for k, (s, dst) in enumerate(
+                    zip(G.shape(e.invars[0]), e.params["broadcast_dimensions"])
+                )
+            ):
+                proof.tail_note = (
+                    "FP8 tail not fused: its per-token scale is broadcast along another axis"
+                )
                 return
         chain |= more
         u = g.only_user(v)
-        if u is None or G.name(g.eqns[u]) != "div" or \
-                G.scalar_constant(g, g.eqns[u].invars[1]) != FP8_MAX:
+        if (
+            u is None
+            or G.name(g.eqns[u]) != "div"
+            or G.scalar_constant(g, g.eqns[u].invars[1]) != FP8_MAX
+        ):
             proof.tail_note = "FP8 tail not fused: its scale is not amax / 448"
             return
         chain.add(u)
@@ -747,8 +831,9 @@ def _match_fp8_tail(prover: _Prover, proof: NormProof):
             return
         lo = G.scalar_constant(g, G.other_operand(g.eqns[u], v))
         if lo is None or not math.isclose(lo, FP8_MIN_SCALE, rel_tol=1e-6):
-            proof.tail_note = ("FP8 tail not fused: its scale's minimum is not 2^-9 / 448 (the "
-                               "fused op's)")
+            proof.tail_note = (
+                "FP8 tail not fused: its scale's minimum is not 2^-9 / 448 (the fused op's)"
+            )
             return
         chain.add(u)
         dyn = g.eqns[u].outvars[0]
@@ -783,15 +868,22 @@ def _match_fp8_tail(prover: _Prover, proof: NormProof):
     norm_used = y in g.outs or any(x not in tail for x in g.users(y))
     if dyn is not None:
         proof.scale_out_var = dyn
-        proof.pattern = int(Pattern.kARResidualRMSNormOutDynamicFP8Quant if norm_used
-                            else Pattern.kARResidualRMSNormDynamicFP8Quant)
+        proof.pattern = int(
+            Pattern.kARResidualRMSNormOutDynamicFP8Quant
+            if norm_used
+            else Pattern.kARResidualRMSNormDynamicFP8Quant
+        )
     else:
         proof.scale = scale
-        proof.pattern = int(Pattern.kARResidualRMSNormOutFP8Quant if norm_used
-                            else Pattern.kARResidualRMSNormFP8Quant)
+        proof.pattern = int(
+            Pattern.kARResidualRMSNormOutFP8Quant
+            if norm_used
+            else Pattern.kARResidualRMSNormFP8Quant
+        )
     outs = [proof.quant_var] + ([dyn] if dyn is not None else [])
-    stop = {prover.r, y} | ({proof.scale} if proof.scale is not None and G.is_var(proof.scale)
-                            else set())
+    stop = {prover.r, y} | (
+        {proof.scale} if proof.scale is not None and G.is_var(proof.scale) else set()
+    )
     tail_eqns = backward_slice(g, outs, stop)
     proof.eqns |= tail_eqns
     proof.tail_eqns = tuple(g.eqns[i] for i in sorted(tail_eqns))

@@ -1,5 +1,6 @@
 """What the fusion pass reports: one :class:`Site` per all-reduce (or plain-jit matmul) it
 met, fused or not with the reason, gathered in a :class:`FusionReport`."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -7,11 +8,11 @@ from collections import Counter
 from typing import Optional
 
 # Site kinds: where the reduction comes from.
-PSUM = "psum"                         # psum inside the scope of the add and the norm
+PSUM = "psum"  # psum inside the scope of the add and the norm
 PSUM_IN_SHARD_MAP = "shard_map psum"  # psum inside a shard_map, add + norm after it
-REDUCE_SCATTER = "reduce_scatter"     # psum_scatter + add + all_gather (sequence parallel)
+REDUCE_SCATTER = "reduce_scatter"  # psum_scatter + add + all_gather (sequence parallel)
 CUSTOM_RULE_PSUM = "custom_vjp psum"  # psum inside a custom_vjp / custom_jvp
-PLAIN_JIT_MATMUL = "dot_general"      # plain jit: the partitioner's all-reduce
+PLAIN_JIT_MATMUL = "dot_general"  # plain jit: the partitioner's all-reduce
 
 
 class Reject(Exception):
@@ -37,8 +38,8 @@ class Site:
     dtype: Optional[str] = None
     rms_eps: Optional[float] = None
     rounding_change: Optional[str] = None
-    weight_bias: Optional[float] = None   # 1.0 for Gemma's (1 + gamma)
-    runs: Optional[int] = 1   # times it runs per call (scan lengths multiplied; None: a while loop)
+    weight_bias: Optional[float] = None  # 1.0 for Gemma's (1 + gamma)
+    runs: Optional[int] = 1  # times it runs per call (scan lengths multiplied; None: a while loop)
     note: Optional[str] = None
 
 
@@ -46,7 +47,8 @@ NO_SITES_ADVICE = (
     "no all-reduce (psum / psum_scatter) and no matmul (dot_general) followed by a residual "
     "add and an RMSNorm were found: fuse rewrites psum + add + RMSNorm inside shard_map and, "
     "under plain jax.jit with shardings, dot_general + add + RMSNorm (the partitioner's "
-    "all-reduce); docs/fusion_pass.md lists the forms")
+    "all-reduce); docs/fusion_pass.md lists the forms"
+)
 
 
 @dataclasses.dataclass
@@ -73,8 +75,10 @@ class FusionReport:
 
     def line(self) -> str:
         """vLLM-style one-line summary."""
-        text = (f"jax_fusedar.fuse: fused {len(self.fused)} of {len(self.sites)} all-reduce + "
-                f"residual + RMSNorm site(s)")
+        text = (
+            f"jax_fusedar.fuse: fused {len(self.fused)} of {len(self.sites)} all-reduce + "
+            f"residual + RMSNorm site(s)"
+        )
         if not self.sites:
             return f"{text}: {NO_SITES_ADVICE}"
         runs = self.fused_runs()

@@ -2,6 +2,7 @@
 each planned site's equations replaced by one fused call; sub-jaxprs with sites are re-traced
 in their own context and their primitive bound again with the new jaxpr. Every other
 equation is bound unchanged, so a program with nothing to fuse is the same program."""
+
 from __future__ import annotations
 
 import jax
@@ -23,7 +24,7 @@ def _fix_vma(val, aval):
 
 
 def _write(write, var, val):
-    if var is None or val is None:   # (norm_out of the FP8 patterns without it: unused)
+    if var is None or val is None:  # (norm_out of the FP8 patterns without it: unused)
         return
     if G.dtype(var) != jnp.dtype(val.dtype).name:
         val = val.astype(var.aval.dtype)
@@ -40,14 +41,23 @@ def _gamma(m, value):
 
 def _call(m, fuser, x, residual, gamma, scale, axis):
     from ..api import allreduce_fusion
+
     kwargs = {}
     if scale is not None:
         kwargs["scale_factor"] = jnp.asarray(scale, jnp.float32).reshape(())
-    return allreduce_fusion(x.reshape(-1, m.hidden), axis_name=axis, workspace=m.workspace,
-                            pattern=m.norm.pattern, residual=residual.reshape(-1, m.hidden),
-                            rms_gamma=gamma, rms_eps=m.norm.eps,
-                            weight_bias=m.norm.weight_bias, use_oneshot=fuser.use_oneshot,
-                            strict=fuser.strict, **kwargs)
+    return allreduce_fusion(
+        x.reshape(-1, m.hidden),
+        axis_name=axis,
+        workspace=m.workspace,
+        pattern=m.norm.pattern,
+        residual=residual.reshape(-1, m.hidden),
+        rms_gamma=gamma,
+        rms_eps=m.norm.eps,
+        weight_bias=m.norm.weight_bias,
+        use_oneshot=fuser.use_oneshot,
+        strict=fuser.strict,
+        **kwargs,
+    )
 
 
 class _Outputs:
@@ -61,6 +71,7 @@ class _Outputs:
 def _bind_all(eqns, env):
     def read(a):
         return a.val if isinstance(a, jcore.Literal) else env[a]
+
     for e in eqns:
         subfuns, params = bind_params(e, e.params)
         with eqn_context(e):
@@ -78,11 +89,11 @@ def _site_call(m, fuser, x, residual, gamma, scale, axis):
     if m.norm.quant_var is None:
         return _call(m, fuser, x, residual, gamma, scale, axis)
     from .. import reference
+
     norm = m.norm
     T = jnp.dtype(m.dtype)
     static = scale is not None
-    tail_outs = [norm.quant_var] + ([norm.scale_out_var] if norm.scale_out_var is not None
-                                    else [])
+    tail_outs = [norm.quant_var] + ([norm.scale_out_var] if norm.scale_out_var is not None else [])
 
     def fields(out):
         vals = [out.residual_out, out.norm_out, out.quant_out, out.scale_out]
@@ -105,17 +116,22 @@ def _site_call(m, fuser, x, residual, gamma, scale, axis):
         dx, dres, dgamma, ds = tangents
         outs = site(x, residual, gamma, s)
         r = outs[0]
-        dsum = reference.allreduce_sum(dx, axis, fp32_acc=True,
-                                       rounding=reference.round_tangent)
-        dr = reference.residual_add(dsum.reshape(r.shape), dres.reshape(r.shape),
-                                    rounding=reference.round_tangent)
-        y, dy = jax.jvp(lambda r_, g_: reference.rms_norm(
-            r_, g_, rms_eps=norm.eps, weight_bias=norm.weight_bias, out_dtype=T),
-            (r, gamma), (dr, dgamma))
+        dsum = reference.allreduce_sum(dx, axis, fp32_acc=True, rounding=reference.round_tangent)
+        dr = reference.residual_add(
+            dsum.reshape(r.shape), dres.reshape(r.shape), rounding=reference.round_tangent
+        )
+        y, dy = jax.jvp(
+            lambda r_, g_: reference.rms_norm(
+                r_, g_, rms_eps=norm.eps, weight_bias=norm.weight_bias, out_dtype=T
+            ),
+            (r, gamma),
+            (dr, dgamma),
+        )
         _, dtail = jax.jvp(tail, (y, s), (dy, ds))
         douts = [dr] + ([dy] if len(outs) - len(tail_outs) == 2 else []) + list(dtail)
-        return outs, tuple(_fix_vma(t.reshape(o.shape).astype(o.dtype), jax.typeof(o))
-                           for t, o in zip(douts, outs))
+        return outs, tuple(
+            _fix_vma(t.reshape(o.shape).astype(o.dtype), jax.typeof(o)) for t, o in zip(douts, outs)
+        )
 
     s_arg = jnp.asarray(scale, jnp.float32).reshape(()) if static else jnp.zeros((), jnp.float32)
     outs = list(site(x, residual, gamma, s_arg))
@@ -141,6 +157,7 @@ def _fused_keeping_vjp(m, fuser, x, residual, gamma):
     """The fused op for a psum that sat in a custom_vjp: its forward, with the custom rule
     as the all-reduce's backward (the rest of the backward is the fused op's own math)."""
     from .. import reference
+
     parts = m.source.custom_vjp
     shape = x.shape
     x_aval = jax.typeof(x)
@@ -158,9 +175,11 @@ def _fused_keeping_vjp(m, fuser, x, residual, gamma):
         r, gamma = saved
 
         def epilogue(s, res, g):
-            _, r_out, y = reference.epilogue(s, res, g, pattern=1, rms_eps=m.norm.eps,
-                                             weight_bias=m.norm.weight_bias)
+            _, r_out, y = reference.epilogue(
+                s, res, g, pattern=1, rms_eps=m.norm.eps, weight_bias=m.norm.weight_bias
+            )
             return r_out, y
+
         # The residual add's tangent map is linear: linearize the norm at r itself.
         _, vjp = jax.vjp(epilogue, r, jnp.zeros_like(r), gamma)
         ct_s, ct_res, ct_gamma = vjp(tuple(cts))
@@ -270,7 +289,6 @@ class BoundaryEmit:
                 outs.append(spec)
             extra_out_specs += outs
             layout.append((len(ins), len(outs)))
-        body = G.open_jaxpr(p["jaxpr"])
         consts = getattr(p["jaxpr"], "consts", ())
         n_in = len(e.invars)
         plan = self.body_plan
@@ -279,7 +297,7 @@ class BoundaryEmit:
             xin = []
             pos = n_in
             for m, (n_extra, _) in zip(self.matches, layout):
-                vals = list(args[pos:pos + n_extra])
+                vals = list(args[pos : pos + n_extra])
                 pos += n_extra
                 residual = vals.pop(0)
                 gamma = vals.pop(0) if m.norm.gamma is not None else None
@@ -288,17 +306,21 @@ class BoundaryEmit:
             return tuple(evaluate(plan.jaxpr, consts, args[:n_in], plan, fuser, extra_in=xin))
 
         manual = p.get("newly_manual_axes", p.get("manual_axes"))
-        outs = jax.shard_map(body_fn, mesh=mesh, in_specs=tuple(in_specs) + tuple(extra_specs),
-                             out_specs=tuple(out_specs) + tuple(extra_out_specs),
-                             axis_names=set(manual), check_vma=p.get("check_vma", True))(
-            *[read(a) for a in e.invars], *extra_args)
+        outs = jax.shard_map(
+            body_fn,
+            mesh=mesh,
+            in_specs=tuple(in_specs) + tuple(extra_specs),
+            out_specs=tuple(out_specs) + tuple(extra_out_specs),
+            axis_names=set(manual),
+            check_vma=p.get("check_vma", True),
+        )(*[read(a) for a in e.invars], *extra_args)
         n_out = len(e.outvars)
         for k, v in enumerate(e.outvars):
             if not isinstance(v, jcore.DropVar):
                 write(v, outs[k])
         pos = n_out
         for m, (_, n_extra_out) in zip(self.matches, layout):
-            vals = list(outs[pos:pos + n_extra_out])
+            vals = list(outs[pos : pos + n_extra_out])
             pos += n_extra_out
             _write(write, m.r, outs[m.boundary[1]])
             _write(write, m.norm.out_var, vals.pop(0))
@@ -332,6 +354,7 @@ class SequenceParallelEmit:
 
         def shard(v):
             return jax.lax.dynamic_slice_in_dim(v, start, n, axis=dim)
+
         _write(write, m.r, shard(r_full))
         if m.r_full is not None:
             _write(write, m.r_full, r_full)
@@ -354,25 +377,37 @@ class PlainJitEmit:
 
     def __call__(self, read, write, fuser, extra_in, extra_out):
         from ..partitioning import row_parallel_allreduce_fusion
+
         m = self.m
         e = m.dot
         (hc, wc), _ = e.params["dimension_numbers"]
         gamma = None if m.norm.gamma is None else read(m.norm.gamma)
-        gamma = jnp.ones((m.hidden,), m.dtype) if gamma is None else \
-            jnp.asarray(gamma).reshape(m.hidden)
+        gamma = (
+            jnp.ones((m.hidden,), m.dtype)
+            if gamma is None
+            else jnp.asarray(gamma).reshape(m.hidden)
+        )
         if gamma.dtype not in (jnp.dtype(m.dtype), jnp.dtype(jnp.float32)):
             gamma = gamma.astype(m.dtype)
         out = row_parallel_allreduce_fusion(
-            read(e.invars[0]), read(e.invars[1]), residual=read(m.residual), rms_gamma=gamma,
-            workspace=[m.workspace], rms_eps=m.norm.eps, weight_bias=m.norm.weight_bias,
-            use_oneshot=fuser.use_oneshot, strict=fuser.strict,
+            read(e.invars[0]),
+            read(e.invars[1]),
+            residual=read(m.residual),
+            rms_gamma=gamma,
+            workspace=[m.workspace],
+            rms_eps=m.norm.eps,
+            weight_bias=m.norm.weight_bias,
+            use_oneshot=fuser.use_oneshot,
+            strict=fuser.strict,
             precision=e.params.get("precision"),
-            contracting_dims=(tuple(hc), tuple(wc)))
+            contracting_dims=(tuple(hc), tuple(wc)),
+        )
         _write(write, m.r, out.residual_out)
         _write(write, m.norm.out_var, out.norm_out)
 
 
 # --- evaluation -----------------------------------------------------------------------------
+
 
 def evaluate(jaxpr, consts, args, plan, fuser, extra_in=()):
     """``jaxpr``'s outputs (then a shard_map body's extra outputs) with the plan applied."""
@@ -425,22 +460,24 @@ def evaluate(jaxpr, consts, args, plan, fuser, extra_in=()):
 def rewrite(orig, plan, fuser):
     """``orig`` (Jaxpr or ClosedJaxpr) with the plan applied, same signature."""
     import contextlib
+
     closed = isinstance(orig, jcore.ClosedJaxpr)
     consts = orig.consts if closed else ()
     jaxpr = plan.jaxpr
     in_avals = [v.aval for v in jaxpr.invars]
-    context = shard_map_body_context(*plan.context) if plan.context else \
-        contextlib.nullcontext()
+    context = shard_map_body_context(*plan.context) if plan.context else contextlib.nullcontext()
     with context:
         new, new_consts = trace_to_jaxpr(
-            lambda *a: evaluate(jaxpr, consts, a, plan, fuser), in_avals, jaxpr.debug_info)
+            lambda *a: evaluate(jaxpr, consts, a, plan, fuser), in_avals, jaxpr.debug_info
+        )
     for a, b in zip(jaxpr.outvars, new.outvars):
         if a.aval.shape != b.aval.shape or a.aval.dtype != b.aval.dtype:
-            raise AssertionError(f"jax_fusedar.fuse changed an output type: {a.aval} -> "
-                                 f"{b.aval}")
+            raise AssertionError(f"jax_fusedar.fuse changed an output type: {a.aval} -> {b.aval}")
     if closed:
         return jcore.ClosedJaxpr(new, new_consts)
     if new_consts:
-        raise AssertionError("jax_fusedar.fuse: a rewritten open jaxpr captured constants "
-                             f"({len(new_consts)}); please report this form")
+        raise AssertionError(
+            "jax_fusedar.fuse: a rewritten open jaxpr captured constants "
+            f"({len(new_consts)}); please report this form"
+        )
     return new

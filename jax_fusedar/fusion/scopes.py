@@ -10,6 +10,7 @@ policy no longer applies to it); a ``custom_jvp`` / ``custom_vjp`` call is never
 derivative rule would be lost): that site is reported instead. Every other call keeps its
 boundary and rule, and is rewritten inside when it holds sites of its own.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,9 +28,30 @@ from .matching import Scope
 from .report import Reject
 
 # Ops through which a value stays "near" a reduction (where a norm reading it may start).
-_NEAR = ("add", "sub", "mul", "div", "neg", "square", "integer_pow", "pow", "rsqrt", "sqrt",
-         "reduce_sum", "reduce_max", "abs", "max", "min", "clamp", "broadcast_in_dim", "reshape",
-         "squeeze", "expand_dims", "all_gather", G.CAST) + G.NO_OPS
+_NEAR = (
+    "add",
+    "sub",
+    "mul",
+    "div",
+    "neg",
+    "square",
+    "integer_pow",
+    "pow",
+    "rsqrt",
+    "sqrt",
+    "reduce_sum",
+    "reduce_max",
+    "abs",
+    "max",
+    "min",
+    "clamp",
+    "broadcast_in_dim",
+    "reshape",
+    "squeeze",
+    "expand_dims",
+    "all_gather",
+    G.CAST,
+) + G.NO_OPS
 _REDUCTIONS = G.PSUMS + ("reduce_scatter",)
 
 
@@ -41,6 +63,7 @@ class Plan:
     in: same inputs and outputs). ``context``: for shard_map bodies, (mesh, manual axes,
     check_vma). ``extra_out``: for a shard_map body that now also computes sites whose add
     and norm were outside it, the number of extra outputs it returns."""
+
     jaxpr: Any
     emit: dict
     skip: set
@@ -69,13 +92,17 @@ def subjaxprs(eqn):
     for k, v in eqn.params.items():
         if isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr)):
             out.append((k, None, v))
-        elif isinstance(v, (tuple, list)) and v and all(
-                isinstance(b, (jcore.Jaxpr, jcore.ClosedJaxpr)) for b in v):
+        elif (
+            isinstance(v, (tuple, list))
+            and v
+            and all(isinstance(b, (jcore.Jaxpr, jcore.ClosedJaxpr)) for b in v)
+        ):
             out.extend((k, j, b) for j, b in enumerate(v))
     return out
 
 
 # --- splicing calls --------------------------------------------------------------------------
+
 
 def _splice(eqn):
     """The eqns of a call-like eqn's jaxpr with its variables renamed into the caller's, each
@@ -84,9 +111,14 @@ def _splice(eqn):
     sub = eqn.params.get(G.CALLS[G.name(eqn)])
     closed = isinstance(sub, jcore.ClosedJaxpr)
     inner = sub.jaxpr if closed else sub
-    if inner is None or (closed and sub.consts) or inner.constvars or \
-            len(inner.invars) != len(eqn.invars) or len(inner.outvars) != len(eqn.outvars) or \
-            eqn.params.get("num_consts", 0):
+    if (
+        inner is None
+        or (closed and sub.consts)
+        or inner.constvars
+        or len(inner.invars) != len(eqn.invars)
+        or len(inner.outvars) != len(eqn.outvars)
+        or eqn.params.get("num_consts", 0)
+    ):
         return None
     subst = dict(zip(inner.invars, eqn.invars))
     defined = {v for e in inner.eqns for v in e.outvars}
@@ -99,9 +131,15 @@ def _splice(eqn):
             subst[iv] = ov
     out = []
     for e in inner.eqns:
-        out.append((e.replace(
-            invars=[subst.get(a, a) if isinstance(a, jcore.Var) else a for a in e.invars],
-            outvars=[subst.get(v, v) for v in e.outvars]), e))
+        out.append(
+            (
+                e.replace(
+                    invars=[subst.get(a, a) if isinstance(a, jcore.Var) else a for a in e.invars],
+                    outvars=[subst.get(v, v) for v in e.outvars],
+                ),
+                e,
+            )
+        )
     return out
 
 
@@ -111,8 +149,9 @@ def _starts(g: G.Graph, manual: bool):
     out = []
     for e in g.eqns:
         n = G.name(e)
-        if (manual and (n in _REDUCTIONS or matching.custom_psum(e))) or \
-                (not manual and n in ("shard_map", "dot_general")):
+        if (manual and (n in _REDUCTIONS or matching.custom_psum(e))) or (
+            not manual and n in ("shard_map", "dot_general")
+        ):
             out.extend(e.outvars)
     return out
 
@@ -146,15 +185,18 @@ def inline_view(jaxpr, manual: bool, wanted=None):
         for e in g.eqns:
             o = origin.get(id(e), id(e))
             spliced = None
-            if G.name(e) in G.CALLS and not matching.custom_psum(e) and \
-                    any(G.is_var(a) and a in near for a in e.invars) and \
-                    (wanted is None or o in wanted):
+            if (
+                G.name(e) in G.CALLS
+                and not matching.custom_psum(e)
+                and any(G.is_var(a) and a in near for a in e.invars)
+                and (wanted is None or o in wanted)
+            ):
                 spliced = _splice(e)
             if spliced is None:
                 new.append(e)
                 continue
             changed = True
-            alive.append(e)   # ids stay unique while the maps are built
+            alive.append(e)  # ids stay unique while the maps are built
             for copy, inner in spliced:
                 new.append(copy)
                 stable[id(copy)] = stable.get(id(inner), id(inner))
@@ -167,11 +209,13 @@ def inline_view(jaxpr, manual: bool, wanted=None):
 
 # --- the analyzer ----------------------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class BodyRole:
     """A psum in a shard_map body whose add and norm are outside: fused by the outer scope
     (``match`` set, its extra inputs and outputs numbered by ``slot``) or reported with the
     outer scope's reason."""
+
     match: Any = None
     slot: int = 0
     reason: Optional[str] = None
@@ -183,8 +227,8 @@ class Analyzer:
         self.fuser = fuser
         self.axis = axis_name
         self.sites = []
-        self.custom_rule_reasons = {}   # stable key of a source eqn -> reason
-        self.boundary_failures = {}     # (id of a shard_map eqn, output) -> reason
+        self.custom_rule_reasons = {}  # stable key of a source eqn -> reason
+        self.boundary_failures = {}  # (id of a shard_map eqn, output) -> reason
 
     # --- one scope ---------------------------------------------------------------------------
     def plan(self, jaxpr, scope: Scope, roles: Optional[dict] = None) -> Plan:
@@ -196,13 +240,15 @@ class Analyzer:
         needed = set()
         for i, m in self._matches(g, scope, roles, keys, dry=True):
             calls = {origin.get(id(g.eqns[j])) for j in m.skip | m.norm.eqns} - {None}
-            custom = [c for c in calls if G.name(self._call_by_key(jaxpr, c)) in
-                      G.CUSTOM_RULE_CALLS]
+            custom = [
+                c for c in calls if G.name(self._call_by_key(jaxpr, c)) in G.CUSTOM_RULE_CALLS
+            ]
             if custom:
                 what = G.name(self._call_by_key(jaxpr, custom[0])).replace("_call", "")
                 self.custom_rule_reasons[keys.get(id(g.eqns[i]), id(g.eqns[i]))] = (
                     f"the RMSNorm is inside a {what} (fusing would drop its derivative "
-                    "rule): move the norm out of it, or put the all-reduce and the add in it")
+                    "rule): move the norm out of it, or put the all-reduce and the add in it"
+                )
             else:
                 needed |= calls
         # Pass 2: only the calls fused sites need.
@@ -210,13 +256,14 @@ class Analyzer:
         g = G.Graph(view)
         plan = Plan(jaxpr=view, emit=defaultdict(list), skip=set(), children={})
         from . import rewriting
-        for i, e in enumerate(g.eqns):   # psums whose add and norm the outer scope fused
+
+        for i, e in enumerate(g.eqns):  # psums whose add and norm the outer scope fused
             role = roles.get(keys.get(id(e), id(e)))
             if role is not None and role.match is not None:
                 plan.skip.add(i)
                 plan.emit[i].append(rewriting.BodyEmit(role.match, role.slot))
         removable = set()
-        boundary = defaultdict(list)   # shard_map eqn index -> [(k, match)]
+        boundary = defaultdict(list)  # shard_map eqn index -> [(k, match)]
         for i, m in self._matches(g, scope, roles, keys, dry=False):
             if isinstance(m, Reject):
                 continue
@@ -236,7 +283,8 @@ class Analyzer:
                 continue
             if j in boundary:
                 plan.emit[boundary[j][0].emit_at].append(
-                    self._boundary_emitter(e, boundary[j], scope, g))
+                    self._boundary_emitter(e, boundary[j], scope, g)
+                )
                 continue
             child_scope, ctx = self._child_scope(e, scope)
             sub_roles = self._roles_for(e, g, j, scope) if G.name(e) == "shard_map" else {}
@@ -266,8 +314,9 @@ class Analyzer:
             runs = None
         if G.name(e) == "shard_map":
             mesh = e.params["mesh"]
-            manual = e.params.get("newly_manual_axes", e.params.get(
-                "manual_axes", frozenset(mesh.axis_names)))
+            manual = e.params.get(
+                "newly_manual_axes", e.params.get("manual_axes", frozenset(mesh.axis_names))
+            )
             ctx = (mesh, frozenset(manual), e.params.get("check_vma", True))
             return Scope(where, dict(mesh.shape), ctx, runs), ctx
         return Scope(where, scope.mesh_shape, scope.ctx, runs), None
@@ -286,9 +335,17 @@ class Analyzer:
                     if not dry and role.reason is not None:
                         self._report_unfused(g, i, scope, role.reason, R.PSUM_IN_SHARD_MAP)
                     continue
-                yield from self._try(g, i, scope, taken, dry, stable, lambda: matching.
-                                     match_reduction(g, i, scope, self.axis,
-                                                     self.fuser.allow_rounding_change))
+                yield from self._try(
+                    g,
+                    i,
+                    scope,
+                    taken,
+                    dry,
+                    stable,
+                    lambda: matching.match_reduction(
+                        g, i, scope, self.axis, self.fuser.allow_rounding_change
+                    ),
+                )
             elif not scope.manual and n == "shard_map":
                 inner, _ = self._child_scope(e, scope)
                 for k in range(len(e.outvars)):
@@ -296,18 +353,37 @@ class Analyzer:
                         matching.body_source(e, k, inner, self.axis)
                     except (Reject, KeyError, TypeError):
                         continue
-                    yield from self._try(g, i, scope, taken, dry, (stable, k), lambda k=k: (
-                        matching.match_boundary(g, i, k, scope, self.axis,
-                                                self.fuser.allow_rounding_change, inner)),
-                        boundary=True)
+                    yield from self._try(
+                        g,
+                        i,
+                        scope,
+                        taken,
+                        dry,
+                        (stable, k),
+                        lambda k=k: matching.match_boundary(
+                            g, i, k, scope, self.axis, self.fuser.allow_rounding_change, inner
+                        ),
+                        boundary=True,
+                    )
             elif not scope.manual and n in _REDUCTIONS:
                 if not dry:
-                    self._report_unfused(g, i, scope, "all-reduce outside shard_map (the fused "
-                                         "op runs inside jax.shard_map)", self._kind_of(e, scope))
+                    self._report_unfused(
+                        g,
+                        i,
+                        scope,
+                        "all-reduce outside shard_map (the fused op runs inside jax.shard_map)",
+                        self._kind_of(e, scope),
+                    )
             elif not scope.manual and n == "dot_general" and matching.dot_candidate(g, i):
-                yield from self._try(g, i, scope, taken, dry, stable, lambda: matching.
-                                     match_plain_dot(g, i, scope,
-                                                     self.fuser.allow_rounding_change))
+                yield from self._try(
+                    g,
+                    i,
+                    scope,
+                    taken,
+                    dry,
+                    stable,
+                    lambda: matching.match_plain_dot(g, i, scope, self.fuser.allow_rounding_change),
+                )
 
     def _try(self, g, i, scope, taken, dry, stable, match, boundary=False):
         try:
@@ -376,28 +452,47 @@ class Analyzer:
         if m.skip & taken:
             raise Reject("overlaps another fused site")
         m.world = world
-        m.workspace = self.fuser.workspace_for(m, world)   # raises Reject when it cannot
+        m.workspace = self.fuser.workspace_for(m, world)  # raises Reject when it cannot
 
     # --- reporting ---------------------------------------------------------------------------
     def _report_unfused(self, g, i, scope, reason, kind):
         e = g.eqns[i]
         out = e.outvars[0] if e.outvars else None
         shp = G.shape(out) if out is not None else ()
-        self.sites.append(R.Site(
-            where=scope.where or "top level", fused=False, reason=reason, kind=kind,
-            dtype=G.dtype(out) if out is not None else None,
-            tokens=math.prod(shp[:-1]) if shp else None, hidden=shp[-1] if shp else None,
-            runs=scope.runs))
+        self.sites.append(
+            R.Site(
+                where=scope.where or "top level",
+                fused=False,
+                reason=reason,
+                kind=kind,
+                dtype=G.dtype(out) if out is not None else None,
+                tokens=math.prod(shp[:-1]) if shp else None,
+                hidden=shp[-1] if shp else None,
+                runs=scope.runs,
+            )
+        )
 
     def _report_fused(self, m, scope):
         where = scope.where or "top level"
         if m.boundary is not None:
             where = f"{where}/shard_map"
-        self.sites.append(R.Site(
-            where=where, fused=True, reason=None, kind=m.kind, pattern=m.norm.pattern,
-            tokens=m.tokens, hidden=m.hidden, dtype=m.dtype, rms_eps=m.norm.eps,
-            rounding_change=m.rounding, weight_bias=m.norm.weight_bias, runs=scope.runs,
-            note=m.norm.tail_note))
+        self.sites.append(
+            R.Site(
+                where=where,
+                fused=True,
+                reason=None,
+                kind=m.kind,
+                pattern=m.norm.pattern,
+                tokens=m.tokens,
+                hidden=m.hidden,
+                dtype=m.dtype,
+                rms_eps=m.norm.eps,
+                rounding_change=m.rounding,
+                weight_bias=m.norm.weight_bias,
+                runs=scope.runs,
+                note=m.norm.tail_note,
+            )
+        )
 
     # --- what is dropped -----------------------------------------------------------------------
     @staticmethod
@@ -406,8 +501,9 @@ class Analyzer:
         computes them); the others stay and read the fused call's residual_out."""
         for i in sorted(removable - plan.skip, reverse=True):
             e = g.eqns[i]
-            live = any(v in g.outs or any(u not in plan.skip for u in g.users(v))
-                       for v in e.outvars)
+            live = any(
+                v in g.outs or any(u not in plan.skip for u in g.users(v)) for v in e.outvars
+            )
             if not live:
                 plan.skip.add(i)
 
@@ -415,6 +511,7 @@ class Analyzer:
     @staticmethod
     def _emitter(m):
         from . import rewriting
+
         if m.kind == R.PLAIN_JIT_MATMUL:
             return rewriting.PlainJitEmit(m)
         if m.kind == R.REDUCE_SCATTER:
@@ -423,6 +520,7 @@ class Analyzer:
 
     def _boundary_emitter(self, sm_eqn, matches, scope, g):
         from . import rewriting
+
         inner, ctx = self._child_scope(sm_eqn, scope)
         body = G.open_jaxpr(sm_eqn.params["jaxpr"])
         roles = {}

@@ -15,6 +15,7 @@ replaced in the equations' shape parameters, and where that is ambiguous (a shap
 substitution cannot tell apart) the check falls back to the full shape. Results are cached
 per equation structure, so a model's repeated layers are checked once.
 """
+
 from __future__ import annotations
 
 import math
@@ -26,7 +27,7 @@ from . import graph as G
 from .report import Reject
 
 TOLERANCE = 1e-9
-FULL_CHECK_ELEMENTS = 1 << 20      # sites up to this many elements are checked whole
+FULL_CHECK_ELEMENTS = 1 << 20  # sites up to this many elements are checked whole
 _cache: dict = {}
 
 
@@ -52,8 +53,14 @@ def _eval_eqn(e, args, fix):
         return [args[0]]
     if n in ("mul", "div", "add", "sub", "max", "min"):
         a, b = args
-        fn = {"mul": np.multiply, "div": np.divide, "add": np.add, "sub": np.subtract,
-              "max": np.maximum, "min": np.minimum}[n]
+        fn = {
+            "mul": np.multiply,
+            "div": np.divide,
+            "add": np.add,
+            "sub": np.subtract,
+            "max": np.maximum,
+            "min": np.minimum,
+        }[n]
         return [fn(a, b)]
     if n == "neg":
         return [-args[0]]
@@ -141,17 +148,23 @@ def _signature(g, eqns, roles):
     out = []
     for i in sorted(eqns):
         e = g.eqns[i]
-        params = tuple(sorted((k, repr(v)) for k, v in e.params.items()
-                              if k not in ("ctx_mesh", "out_sharding", "sharding")))
-        out.append((G.name(e), params, tuple(ref(a) for a in e.invars),
-                    tuple(ref(v) for v in e.outvars)))
+        params = tuple(
+            sorted(
+                (k, repr(v))
+                for k, v in e.params.items()
+                if k not in ("ctx_mesh", "out_sharding", "sharding")
+            )
+        )
+        out.append(
+            (G.name(e), params, tuple(ref(a) for a in e.invars), tuple(ref(v) for v in e.outvars))
+        )
     return tuple(out), tuple(role for role, _ in roles)
 
 
 def _probe_rows(shape, rng):
     tokens = math.prod(shape[:-1])
     rows = np.arange(tokens)
-    scales = np.exp2(((rows * 5) % 23) - 11.0)            # 2^-11 .. 2^11 across rows
+    scales = np.exp2(((rows * 5) % 23) - 11.0)  # 2^-11 .. 2^11 across rows
     r = rng.standard_normal((tokens, shape[-1])) * scales[:, None]
     return r.reshape(shape)
 
@@ -176,16 +189,19 @@ def _check_once(g, proof, r_var, restricted_dim, restricted_size):
     m = len(shape) - 1
 
     if restricted_dim is None:
+
         def fix(s):
             return s
+
         probe_shape = shape
     else:
         full = shape[restricted_dim]
 
         def fix(s):
             if len(s) in (m, m + 1) and s[restricted_dim] == full:
-                return s[:restricted_dim] + (restricted_size,) + s[restricted_dim + 1:]
+                return s[:restricted_dim] + (restricted_size,) + s[restricted_dim + 1 :]
             return s
+
         probe_shape = fix(shape)
     rng = np.random.default_rng(20260922)
     r = _probe_rows(probe_shape, rng)
@@ -215,8 +231,10 @@ def _check_once(g, proof, r_var, restricted_dim, restricted_size):
         err = np.abs(value - ref) / np.maximum(np.abs(ref), 1e-30)
         worst = max(worst, float(np.max(err)) if err.size else 0.0)
         if not np.all(np.isfinite(value)) or worst > TOLERANCE:
-            return (f"the site's {name} output differs from the fused op's by {worst:.3g} "
-                    "(relative) on probe inputs; please report this form")
+            return (
+                f"the site's {name} output differs from the fused op's by {worst:.3g} "
+                "(relative) on probe inputs; please report this form"
+            )
     return None
 
 
@@ -224,9 +242,15 @@ def check(g: G.Graph, proof, r_var) -> None:
     """Raises Reject when the proven site's equations do not compute the fused op's math."""
     roles = [("r", r_var), ("gamma", proof.gamma), ("scale", proof.scale)]
     # The outcome depends on the equations and on the formula the proof claims for them.
-    key = (_signature(g, proof.eqns, roles), proof.eps, proof.weight_bias, proof.pattern,
-           proof.out_var is not None, proof.quant_var is not None,
-           proof.scale_out_var is not None)
+    key = (
+        _signature(g, proof.eqns, roles),
+        proof.eps,
+        proof.weight_bias,
+        proof.pattern,
+        proof.out_var is not None,
+        proof.quant_var is not None,
+        proof.scale_out_var is not None,
+    )
     if key in _cache:
         problem = _cache[key]
     else:
@@ -241,7 +265,7 @@ def check(g: G.Graph, proof, r_var) -> None:
                 problem = _check_once(g, proof, r_var, dim, size)
                 done = True
             except (_Unsupported, ValueError, IndexError):
-                done = False   # a shape the substitution could not follow: check it whole
+                done = False  # a shape the substitution could not follow: check it whole
         if not done:
             try:
                 problem = _check_once(g, proof, r_var, None, None)

@@ -31,6 +31,7 @@ still copies each layer's weights out of the stack every step (2.9 ms at batch 1
 scanning, not of the model, and the reason serving stacks unroll decode. The KV caches
 stay one stacked array per rank in both modes, written in place (``layer``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -66,33 +67,50 @@ class LlamaConfig:
             raise ValueError(f"heads {self.heads} is not a multiple of kv_heads {self.kv_heads}")
         for name in ("kv_heads", "heads", "ffn", "vocab"):
             if getattr(self, name) % world:
-                raise ValueError(f"{name} {getattr(self, name)} does not split over {world} "
-                                 f"tensor-parallel ranks")
+                raise ValueError(
+                    f"{name} {getattr(self, name)} does not split over {world} "
+                    f"tensor-parallel ranks"
+                )
 
 
 # Llama-3-8B's shapes (rope scaling left out: it only changes the frequencies).
-LLAMA3_8B = LlamaConfig(vocab=128256, hidden=4096, ffn=14336, layers=32, heads=32, kv_heads=8,
-                        rope_theta=500000.0, rms_eps=1e-5)
+LLAMA3_8B = LlamaConfig(
+    vocab=128256,
+    hidden=4096,
+    ffn=14336,
+    layers=32,
+    heads=32,
+    kv_heads=8,
+    rope_theta=500000.0,
+    rms_eps=1e-5,
+)
 # A small one for CPUs: 8 ranks, 2 query heads and 1 KV head each.
-TINY = LlamaConfig(vocab=512, hidden=256, ffn=512, layers=2, heads=16, kv_heads=8,
-                   rope_theta=10000.0, rms_eps=1e-5)
+TINY = LlamaConfig(
+    vocab=512, hidden=256, ffn=512, layers=2, heads=16, kv_heads=8, rope_theta=10000.0, rms_eps=1e-5
+)
 PRESETS = {"llama3-8b": LLAMA3_8B, "tiny": TINY}
 
 
 def _layer_specs(axis: str, stacked: bool) -> dict:
     lead = (None,) if stacked else ()
     col, row = P(*lead, None, axis), P(*lead, axis, None)
-    return {"attn_norm": P(), "mlp_norm": P(), "wqkv": col, "wo": row, "w_gate_up": col,
-            "w_down": row}
+    return {
+        "attn_norm": P(),
+        "mlp_norm": P(),
+        "wqkv": col,
+        "wo": row,
+        "w_gate_up": col,
+        "w_down": row,
+    }
 
 
-def param_specs(axis: str, *, stacked: bool = True, layers: int | None = None,
-                vocab_parallel: bool = True) -> dict:
+def param_specs(
+    axis: str, *, stacked: bool = True, layers: int | None = None, vocab_parallel: bool = True
+) -> dict:
     """PartitionSpecs of the global weights: layer weights stacked on a leading axis
     (``stacked``), else a list of ``layers`` per-layer dicts (see ``arrange``); the LM head
     split over the vocabulary or replicated (``vocab_parallel``)."""
-    top = {"embed": P(), "final_norm": P(),
-           "lm_head": P(None, axis) if vocab_parallel else P()}
+    top = {"embed": P(), "final_norm": P(), "lm_head": P(None, axis) if vocab_parallel else P()}
     if stacked:
         return {**top, "layers": _layer_specs(axis, True)}
     return {**top, "layers": [_layer_specs(axis, False) for _ in range(layers)]}
@@ -102,8 +120,7 @@ def specs_like(params: dict, axis: str, *, vocab_parallel: bool = True) -> dict:
     """The PartitionSpecs of a params tree in either layout."""
     layers = params["layers"]
     if isinstance(layers, (list, tuple)):
-        return param_specs(axis, stacked=False, layers=len(layers),
-                           vocab_parallel=vocab_parallel)
+        return param_specs(axis, stacked=False, layers=len(layers), vocab_parallel=vocab_parallel)
     return param_specs(axis, vocab_parallel=vocab_parallel)
 
 
@@ -111,24 +128,36 @@ def param_shapes(cfg: LlamaConfig) -> dict:
     """Global shapes, stacked layout. wqkv's columns are q | k | v of rank 0, then of rank 1,
     ...; w_gate_up's are gate | up of each rank in turn (``pack_columns``)."""
     L, H, F, hd = cfg.layers, cfg.hidden, cfg.ffn, cfg.head_dim
-    return {"embed": (cfg.vocab, H), "final_norm": (H,), "lm_head": (H, cfg.vocab),
-            "layers": {"attn_norm": (L, H), "mlp_norm": (L, H),
-                       "wqkv": (L, H, (cfg.heads + 2 * cfg.kv_heads) * hd),
-                       "wo": (L, cfg.heads * hd, H), "w_gate_up": (L, H, 2 * F),
-                       "w_down": (L, F, H)}}
+    return {
+        "embed": (cfg.vocab, H),
+        "final_norm": (H,),
+        "lm_head": (H, cfg.vocab),
+        "layers": {
+            "attn_norm": (L, H),
+            "mlp_norm": (L, H),
+            "wqkv": (L, H, (cfg.heads + 2 * cfg.kv_heads) * hd),
+            "wo": (L, cfg.heads * hd, H),
+            "w_gate_up": (L, H, 2 * F),
+            "w_down": (L, F, H),
+        },
+    }
 
 
 # The separate projections of Hugging Face's LlamaForCausalLM (what init_params_numpy draws).
-HF_SHAPES = {"wq": lambda c: (c.layers, c.hidden, c.heads * c.head_dim),
-             "wk": lambda c: (c.layers, c.hidden, c.kv_heads * c.head_dim),
-             "wv": lambda c: (c.layers, c.hidden, c.kv_heads * c.head_dim),
-             "wo": lambda c: (c.layers, c.heads * c.head_dim, c.hidden),
-             "w_gate": lambda c: (c.layers, c.hidden, c.ffn),
-             "w_up": lambda c: (c.layers, c.hidden, c.ffn),
-             "w_down": lambda c: (c.layers, c.ffn, c.hidden),
-             "embed": lambda c: (c.vocab, c.hidden), "final_norm": lambda c: (c.hidden,),
-             "lm_head": lambda c: (c.hidden, c.vocab), "attn_norm": lambda c: (c.layers, c.hidden),
-             "mlp_norm": lambda c: (c.layers, c.hidden)}
+HF_SHAPES = {
+    "wq": lambda c: (c.layers, c.hidden, c.heads * c.head_dim),
+    "wk": lambda c: (c.layers, c.hidden, c.kv_heads * c.head_dim),
+    "wv": lambda c: (c.layers, c.hidden, c.kv_heads * c.head_dim),
+    "wo": lambda c: (c.layers, c.heads * c.head_dim, c.hidden),
+    "w_gate": lambda c: (c.layers, c.hidden, c.ffn),
+    "w_up": lambda c: (c.layers, c.hidden, c.ffn),
+    "w_down": lambda c: (c.layers, c.ffn, c.hidden),
+    "embed": lambda c: (c.vocab, c.hidden),
+    "final_norm": lambda c: (c.hidden,),
+    "lm_head": lambda c: (c.hidden, c.vocab),
+    "attn_norm": lambda c: (c.layers, c.hidden),
+    "mlp_norm": lambda c: (c.layers, c.hidden),
+}
 
 
 def pack_columns(parts, tp: int):
@@ -142,9 +171,10 @@ def pack_columns(parts, tp: int):
 
 
 # The column-parallel weights packed per rank (``pack_columns``): name -> widths of its parts.
-PACKED = {"wqkv": lambda c: (c.heads * c.head_dim, c.kv_heads * c.head_dim,
-                             c.kv_heads * c.head_dim),
-          "w_gate_up": lambda c: (c.ffn, c.ffn)}
+PACKED = {
+    "wqkv": lambda c: (c.heads * c.head_dim, c.kv_heads * c.head_dim, c.kv_heads * c.head_dim),
+    "w_gate_up": lambda c: (c.ffn, c.ffn),
+}
 
 
 def unpack_columns(w, widths, tp: int):
@@ -154,8 +184,9 @@ def unpack_columns(w, widths, tp: int):
     per_rank = [width // tp for width in widths]
     blocks = xp.reshape(w, (*w.shape[:-1], tp, sum(per_rank)))
     bounds = np.cumsum([0, *per_rank])
-    return [xp.reshape(blocks[..., a:b], (*w.shape[:-1], -1))
-            for a, b in zip(bounds[:-1], bounds[1:])]
+    return [
+        xp.reshape(blocks[..., a:b], (*w.shape[:-1], -1)) for a, b in zip(bounds[:-1], bounds[1:])
+    ]
 
 
 def repack_columns(params: dict, cfg, from_tp: int, to_tp: int) -> dict:
@@ -165,8 +196,7 @@ def repack_columns(params: dict, cfg, from_tp: int, to_tp: int) -> dict:
     layers = dict(params["layers"])
     for name, widths in PACKED.items():
         if name in layers:
-            layers[name] = pack_columns(unpack_columns(layers[name], widths(cfg), from_tp),
-                                        to_tp)
+            layers[name] = pack_columns(unpack_columns(layers[name], widths(cfg), from_tp), to_tp)
     return {**params, "layers": layers}
 
 
@@ -193,11 +223,19 @@ def init_params_numpy(cfg: LlamaConfig, seed: int) -> dict:
 def from_hf_layout(w: dict, tp: int) -> dict:
     """Separate projections (``init_params_numpy``) -> this model's stacked tree for ``tp``
     tensor-parallel ranks."""
-    return {"embed": w["embed"], "final_norm": w["final_norm"], "lm_head": w["lm_head"],
-            "layers": {"attn_norm": w["attn_norm"], "mlp_norm": w["mlp_norm"],
-                       "wqkv": pack_columns([w["wq"], w["wk"], w["wv"]], tp), "wo": w["wo"],
-                       "w_gate_up": pack_columns([w["w_gate"], w["w_up"]], tp),
-                       "w_down": w["w_down"]}}
+    return {
+        "embed": w["embed"],
+        "final_norm": w["final_norm"],
+        "lm_head": w["lm_head"],
+        "layers": {
+            "attn_norm": w["attn_norm"],
+            "mlp_norm": w["mlp_norm"],
+            "wqkv": pack_columns([w["wq"], w["wk"], w["wv"]], tp),
+            "wo": w["wo"],
+            "w_gate_up": pack_columns([w["w_gate"], w["w_up"]], tp),
+            "w_down": w["w_down"],
+        },
+    }
 
 
 def place(value, sharding):
@@ -208,8 +246,16 @@ def place(value, sharding):
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
-def init_params(cfg: LlamaConfig, mesh, axis: str, dtype, seed: int, *, host: bool = True,
-                vocab_parallel: bool = True):
+def init_params(
+    cfg: LlamaConfig,
+    mesh,
+    axis: str,
+    dtype,
+    seed: int,
+    *,
+    host: bool = True,
+    vocab_parallel: bool = True,
+):
     """Weights as sharded arrays of ``dtype``, stacked layout. ``host``: drawn with numpy
     (reproducible across machines, used by the Hugging Face parity check); else drawn on the
     devices with jax.random directly into their shards (Llama-3-8B's 8 G values in
@@ -220,13 +266,17 @@ def init_params(cfg: LlamaConfig, mesh, axis: str, dtype, seed: int, *, host: bo
     if host:
         tree = from_hf_layout(init_params_numpy(cfg, seed), tp)
         np_dtype = jnp.dtype(dtype)
-        return jax.tree.map(lambda v, s: place(np.asarray(v).astype(np_dtype),
-                                               NamedSharding(mesh, s)), tree, specs)
+        return jax.tree.map(
+            lambda v, s: place(np.asarray(v).astype(np_dtype), NamedSharding(mesh, s)), tree, specs
+        )
     shapes = param_shapes(cfg)
     flat_shapes, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
-    names = [jax.tree_util.keystr(k) for k, _ in
-             jax.tree_util.tree_flatten_with_path(shapes,
-                                                  is_leaf=lambda x: isinstance(x, tuple))[0]]
+    names = [
+        jax.tree_util.keystr(k)
+        for k, _ in jax.tree_util.tree_flatten_with_path(
+            shapes, is_leaf=lambda x: isinstance(x, tuple)
+        )[0]
+    ]
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
 
     @partial(jax.jit, out_shardings=shardings)
@@ -257,10 +307,13 @@ def arrange(params: dict, mesh, axis: str, *, scan: bool, vocab_parallel: bool =
     n = next(iter(layers.values())).shape[0]
     specs = param_specs(axis, stacked=False, layers=n, vocab_parallel=vocab_parallel)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
-    split = jax.jit(lambda p: {**{k: v for k, v in p.items() if k != "layers"},
-                               "layers": [{k: v[i] for k, v in p["layers"].items()}
-                                          for i in range(n)]},
-                    out_shardings=shardings)
+    split = jax.jit(
+        lambda p: {
+            **{k: v for k, v in p.items() if k != "layers"},
+            "layers": [{k: v[i] for k, v in p["layers"].items()} for i in range(n)],
+        },
+        out_shardings=shardings,
+    )
     return split(params)
 
 
@@ -275,12 +328,14 @@ def cache_spec(axis: str):
 def init_cache(cfg, mesh, axis, dtype, batch: int, length: int):
     """Zeroed (k, v) caches, [layers, batch, length, kv_heads, head_dim], split over KV heads."""
     sharding = NamedSharding(mesh, cache_spec(axis))
-    make = jax.jit(lambda: jnp.zeros(cache_shape(cfg, batch, length), dtype),
-                   out_shardings=sharding)
+    make = jax.jit(
+        lambda: jnp.zeros(cache_shape(cfg, batch, length), dtype), out_shardings=sharding
+    )
     return make(), make()
 
 
 # --- the per-rank model --------------------------------------------------------------------------
+
 
 def rms_norm(x, gamma, eps):
     """RMSNorm in float32, cast back once (vLLM's and the fused kernel's rounding)."""
@@ -305,7 +360,7 @@ def rope_tables(positions, hd: int, theta):
     computed once per forward pass and shared by every layer (as Hugging Face's LlamaModel
     does), not once per layer."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
-    ang = positions.astype(jnp.float32)[:, :, None] * inv_freq      # [B, T, hd/2]
+    ang = positions.astype(jnp.float32)[:, :, None] * inv_freq  # [B, T, hd/2]
     cos = jnp.concatenate([jnp.cos(ang), jnp.cos(ang)], -1)[:, :, None, :]
     sin = jnp.concatenate([jnp.sin(ang), jnp.sin(ang)], -1)[:, :, None, :]
     return cos, sin
@@ -316,7 +371,7 @@ def rope(x, tables):
     cos, sin = tables
     hd = x.shape[-1]
     x32 = x.astype(jnp.float32)
-    rot = jnp.concatenate([-x32[..., hd // 2:], x32[..., :hd // 2]], -1)
+    rot = jnp.concatenate([-x32[..., hd // 2 :], x32[..., : hd // 2]], -1)
     return (x32 * cos + rot * sin).astype(x.dtype)
 
 
@@ -334,12 +389,12 @@ def layer(cfg, axis, norm, x, h, lp, ck_all, cv_all, i, pos, tables, mlp=None):
     stacking the layers back would copy every layer's cache every step)."""
     B, T, _ = x.shape
     hd = cfg.head_dim
-    qkv = _dot(h, lp["wqkv"])                    # [B, T, (q + 2 kv) local heads * hd]
+    qkv = _dot(h, lp["wqkv"])  # [B, T, (q + 2 kv) local heads * hd]
     kv_width = ck_all.shape[3] * hd
     q_width = qkv.shape[-1] - 2 * kv_width
     q = qkv[..., :q_width].reshape(B, T, -1, hd)
-    k = qkv[..., q_width:q_width + kv_width].reshape(B, T, -1, hd)
-    v = qkv[..., q_width + kv_width:].reshape(B, T, -1, hd)
+    k = qkv[..., q_width : q_width + kv_width].reshape(B, T, -1, hd)
+    v = qkv[..., q_width + kv_width :].reshape(B, T, -1, hd)
     q, k = rope(q, tables), rope(k, tables)
     ck_all = jax.lax.dynamic_update_slice(ck_all, k.astype(ck_all.dtype)[None], (i, 0, pos, 0, 0))
     cv_all = jax.lax.dynamic_update_slice(cv_all, v.astype(cv_all.dtype)[None], (i, 0, pos, 0, 0))
@@ -349,15 +404,16 @@ def layer(cfg, axis, norm, x, h, lp, ck_all, cv_all, i, pos, tables, mlp=None):
     group = q.shape[2] // kvl
     qg = q.reshape(B, T, kvl, group, hd)
     # float32 products and sums without a float32 copy of the cache.
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, ck,
-                        preferred_element_type=jnp.float32) / math.sqrt(hd)
+    scores = jnp.einsum(
+        "btkgd,bskd->bkgts", qg, ck, preferred_element_type=jnp.float32
+    ) / math.sqrt(hd)
     S = ck.shape[1]
-    visible = jnp.arange(S)[None, :] <= (pos + jnp.arange(T))[:, None]     # causal, [T, S]
+    visible = jnp.arange(S)[None, :] <= (pos + jnp.arange(T))[:, None]  # causal, [T, S]
     scores = jnp.where(visible, scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     attn = jnp.einsum("bkgts,bskd->btkgd", probs, cv.astype(jnp.float32))
     attn = attn.reshape(B, T, -1).astype(x.dtype)
-    x = jax.lax.psum(_dot(attn, lp["wo"]), axis) + x                        # row-parallel
+    x = jax.lax.psum(_dot(attn, lp["wo"]), axis) + x  # row-parallel
     h = norm(x, lp["mlp_norm"], cfg.rms_eps)
     x, h = (dense_mlp if mlp is None else mlp)(cfg, axis, norm, x, h, lp)
     return x, h, ck_all, cv_all
@@ -367,15 +423,14 @@ def dense_mlp(cfg, axis, norm, x, h, lp):
     """The SwiGLU MLP on this rank's FFN slice, then its all-reduce, the residual add and the
     norm that ends the layer: returns (x, h). ``layer``'s ``mlp`` swaps it (an MoE block:
     jax_fusedar/models/moe_llama.py)."""
-    gate, up = jnp.split(_dot(h, lp["w_gate_up"]), 2, axis=-1)    # this rank's FFN slice
+    gate, up = jnp.split(_dot(h, lp["w_gate_up"]), 2, axis=-1)  # this rank's FFN slice
     act = jax.nn.silu(gate.astype(jnp.float32)).astype(x.dtype)
     mlp = _dot(act * up, lp["w_down"])
-    x = jax.lax.psum(mlp, axis) + x                                         # row-parallel
+    x = jax.lax.psum(mlp, axis) + x  # row-parallel
     return x, norm(x, lp["next_norm"], cfg.rms_eps)
 
 
-def forward_local(cfg, axis, params, tokens, ck, cv, pos, *, scan: bool, norm=rms_norm,
-                  mlp=None):
+def forward_local(cfg, axis, params, tokens, ck, cv, pos, *, scan: bool, norm=rms_norm, mlp=None):
     """The per-rank forward pass: tokens [B, T] int32 at positions pos..pos+T-1. Returns
     (this rank's vocabulary slice of the logits [B, T, V/tp] float32, caches)."""
     layers = params["layers"]
@@ -384,14 +439,16 @@ def forward_local(cfg, axis, params, tokens, ck, cv, pos, *, scan: bool, norm=rm
         raise ValueError("scanned layers take stacked weights (llama.arrange(..., scan=True))")
     gains = [lp["attn_norm"] for lp in layers] if per_layer else None
     B, T = tokens.shape
-    tables = rope_tables(pos + jnp.arange(T, dtype=jnp.int32)[None, :].repeat(B, 0),
-                         cfg.head_dim, cfg.rope_theta)
+    tables = rope_tables(
+        pos + jnp.arange(T, dtype=jnp.int32)[None, :].repeat(B, 0), cfg.head_dim, cfg.rope_theta
+    )
     x = jnp.take(params["embed"], tokens, axis=0)
     h = norm(x, gains[0] if per_layer else layers["attn_norm"][0], cfg.rms_eps)
     if scan:
         # The gain of the norm each layer ends with: the next layer's input norm, then the final.
-        stacked = dict(layers, next_norm=jnp.concatenate([layers["attn_norm"][1:],
-                                                          params["final_norm"][None]]))
+        stacked = dict(
+            layers, next_norm=jnp.concatenate([layers["attn_norm"][1:], params["final_norm"][None]])
+        )
 
         # The caches ride in the carry (updated in place), not as scanned inputs/outputs
         # (which would restack, i.e. copy, all of them every step).
@@ -399,16 +456,23 @@ def forward_local(cfg, axis, params, tokens, ck, cv, pos, *, scan: bool, norm=rm
             x, h, ck, cv = carry
             lp, i = xs
             return layer(cfg, axis, norm, x, h, lp, ck, cv, i, pos, tables, mlp), None
+
         n = layers["attn_norm"].shape[0]
-        (x, h, ck, cv), _ = jax.lax.scan(step, (x, h, ck, cv),
-                                         (stacked, jnp.arange(n, dtype=jnp.int32)))
+        (x, h, ck, cv), _ = jax.lax.scan(
+            step, (x, h, ck, cv), (stacked, jnp.arange(n, dtype=jnp.int32))
+        )
     else:
         n = len(layers) if per_layer else layers["attn_norm"].shape[0]
         for i in range(n):
             # Stacked weights work here too, but each slice is a copy per step: see arrange().
             lp = dict(layers[i]) if per_layer else {k: v[i] for k, v in layers.items()}
-            lp["next_norm"] = (params["final_norm"] if i == n - 1 else
-                               gains[i + 1] if per_layer else layers["attn_norm"][i + 1])
+            lp["next_norm"] = (
+                params["final_norm"]
+                if i == n - 1
+                else gains[i + 1]
+                if per_layer
+                else layers["attn_norm"][i + 1]
+            )
             x, h, ck, cv = layer(cfg, axis, norm, x, h, lp, ck, cv, i, pos, tables, mlp)
     logits = jnp.einsum("bth,hv->btv", h, params["lm_head"], preferred_element_type=jnp.float32)
     return logits, ck, cv
@@ -425,11 +489,18 @@ def make_forward(cfg, mesh, axis, *, scan: bool, norm=rms_norm, vocab_parallel: 
 
     def forward(params, tokens, ck, cv, pos):
         return jax.shard_map(
-            body, mesh=mesh,
-            in_specs=(specs_like(params, axis, vocab_parallel=vocab_parallel), P(),
-                      cache_spec(axis), cache_spec(axis), P()),
+            body,
+            mesh=mesh,
+            in_specs=(
+                specs_like(params, axis, vocab_parallel=vocab_parallel),
+                P(),
+                cache_spec(axis),
+                cache_spec(axis),
+                P(),
+            ),
             out_specs=(logits_spec, cache_spec(axis), cache_spec(axis)),
         )(params, tokens, ck, cv, pos)
+
     return forward
 
 

@@ -19,6 +19,7 @@ RMSNorm. Fused: ``jax_fusedar.moe_finalize_allreduce_fusion`` does all of that i
 (pattern 7). The two differ only in rounding (the kernel rounds after every addition, the
 plain form sums in float32), so greedy tokens agree unless two logits are within that.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,7 +36,7 @@ from . import llama
 
 @dataclasses.dataclass(frozen=True)
 class MoeConfig:
-    base: llama.LlamaConfig   # attention, vocabulary, norms (its ffn is unused)
+    base: llama.LlamaConfig  # attention, vocabulary, norms (its ffn is unused)
     experts: int
     top_k: int
     expert_ffn: int
@@ -51,26 +52,46 @@ class MoeConfig:
             raise ValueError(f"shared_ffn {self.shared_ffn} does not split over {world} ranks")
 
 
-TINY = MoeConfig(dataclasses.replace(llama.TINY, ffn=256), experts=16, top_k=4, expert_ffn=128,
-                 shared_ffn=256)
+TINY = MoeConfig(
+    dataclasses.replace(llama.TINY, ffn=256), experts=16, top_k=4, expert_ffn=128, shared_ffn=256
+)
 # GPU demo: hidden 2048 (a multiple of 256, as the MoE kernels need), 64 experts, top-8.
-SMALL = MoeConfig(llama.LlamaConfig(vocab=32000, hidden=2048, ffn=2048, layers=8, heads=16,
-                                    kv_heads=8, rope_theta=500000.0, rms_eps=1e-5),
-                  experts=64, top_k=8, expert_ffn=512, shared_ffn=1024)
+SMALL = MoeConfig(
+    llama.LlamaConfig(
+        vocab=32000,
+        hidden=2048,
+        ffn=2048,
+        layers=8,
+        heads=16,
+        kv_heads=8,
+        rope_theta=500000.0,
+        rms_eps=1e-5,
+    ),
+    experts=64,
+    top_k=8,
+    expert_ffn=512,
+    shared_ffn=1024,
+)
 PRESETS = {"tiny": TINY, "small": SMALL}
 
 
 def param_specs(axis: str, *, vocab_parallel: bool = True) -> dict:
     specs = llama.param_specs(axis, vocab_parallel=vocab_parallel)
     layers = {k: v for k, v in specs["layers"].items() if k not in ("w_gate_up", "w_down")}
-    layers.update(router=P(), expert_gate_up=P(None, axis, None, None),
-                  expert_down=P(None, axis, None, None), shared_gate=P(None, None, axis),
-                  shared_up=P(None, None, axis), shared_down=P(None, axis, None))
+    layers.update(
+        router=P(),
+        expert_gate_up=P(None, axis, None, None),
+        expert_down=P(None, axis, None, None),
+        shared_gate=P(None, None, axis),
+        shared_up=P(None, None, axis),
+        shared_down=P(None, axis, None),
+    )
     return {**specs, "layers": layers}
 
 
-def init_params(cfg: MoeConfig, mesh, axis: str, dtype, seed: int, *,
-                vocab_parallel: bool = True) -> dict:
+def init_params(
+    cfg: MoeConfig, mesh, axis: str, dtype, seed: int, *, vocab_parallel: bool = True
+) -> dict:
     """Random weights (normal / sqrt(fan-in)), numpy-drawn, placed as ``param_specs``: the
     same model for every TP size."""
     w = llama.init_params_numpy(cfg.base, seed)
@@ -78,20 +99,25 @@ def init_params(cfg: MoeConfig, mesh, axis: str, dtype, seed: int, *,
     tree = llama.from_hf_layout(w, tp)
     del tree["layers"]["w_gate_up"], tree["layers"]["w_down"]
     rng = np.random.default_rng(seed + 1)
-    L, H, E, F, S = (cfg.base.layers, cfg.base.hidden, cfg.experts, cfg.expert_ffn,
-                     cfg.shared_ffn)
+    L, H, E, F, S = (cfg.base.layers, cfg.base.hidden, cfg.experts, cfg.expert_ffn, cfg.shared_ffn)
 
     def draw(shape, fan_in):
         return (rng.standard_normal(shape) / math.sqrt(fan_in)).astype(np.float32)
 
     tree["layers"].update(
-        router=draw((L, H, E), H), expert_gate_up=draw((L, E, H, 2 * F), H),
-        expert_down=draw((L, E, F, H), F), shared_gate=draw((L, H, S), H),
-        shared_up=draw((L, H, S), H), shared_down=draw((L, S, H), S))
+        router=draw((L, H, E), H),
+        expert_gate_up=draw((L, E, H, 2 * F), H),
+        expert_down=draw((L, E, F, H), F),
+        shared_gate=draw((L, H, S), H),
+        shared_up=draw((L, H, S), H),
+        shared_down=draw((L, S, H), S),
+    )
     np_dtype = jnp.dtype(dtype)
-    return jax.tree.map(lambda v, s: llama.place(np.asarray(v).astype(np_dtype),
-                                                 NamedSharding(mesh, s)),
-                        tree, param_specs(axis, vocab_parallel=vocab_parallel))
+    return jax.tree.map(
+        lambda v, s: llama.place(np.asarray(v).astype(np_dtype), NamedSharding(mesh, s)),
+        tree,
+        param_specs(axis, vocab_parallel=vocab_parallel),
+    )
 
 
 def _dot(a, b):
@@ -104,17 +130,19 @@ def moe_block(cfg: MoeConfig, axis, h, lp):
     B, T, H = h.shape
     n = B * T
     hf = h.reshape(n, H)
-    logits = jnp.dot(hf, lp["router"], preferred_element_type=jnp.float32)     # [N, E]
+    logits = jnp.dot(hf, lp["router"], preferred_element_type=jnp.float32)  # [N, E]
     top_logits, top_experts = jax.lax.top_k(logits, cfg.top_k)
     weights = jax.nn.softmax(top_logits, axis=-1).astype(h.dtype)
     local_experts = lp["expert_gate_up"].shape[0]
     first = jax.lax.axis_index(axis) * local_experts
-    gate_up = jnp.einsum("nh,ehf->enf", hf, lp["expert_gate_up"],
-                         preferred_element_type=jnp.float32).astype(h.dtype)
+    gate_up = jnp.einsum(
+        "nh,ehf->enf", hf, lp["expert_gate_up"], preferred_element_type=jnp.float32
+    ).astype(h.dtype)
     gate, up = jnp.split(gate_up, 2, axis=-1)
     act = jax.nn.silu(gate.astype(jnp.float32)).astype(h.dtype) * up
-    rows = jnp.einsum("enf,efh->enh", act, lp["expert_down"],
-                      preferred_element_type=jnp.float32).astype(h.dtype)
+    rows = jnp.einsum(
+        "enf,efh->enh", act, lp["expert_down"], preferred_element_type=jnp.float32
+    ).astype(h.dtype)
     local = top_experts - first
     mine = (local >= 0) & (local < local_experts)
     idx = jnp.where(mine, local * n + jnp.arange(n)[:, None], -1).astype(jnp.int32)
@@ -141,14 +169,20 @@ def term_magnitudes(cfg: MoeConfig, axis, h, lp, shared_blocks: int = 1):
     s_act = s_act * _dot(hf, lp["shared_up"])
     down = lp["shared_down"]
     cols = s_act.shape[-1] // shared_blocks
-    shared = sum(jnp.abs(_dot(s_act[:, b * cols:(b + 1) * cols],
-                              down[b * cols:(b + 1) * cols]).astype(jnp.float32))
-                 for b in range(shared_blocks))
+    shared = sum(
+        jnp.abs(
+            _dot(s_act[:, b * cols : (b + 1) * cols], down[b * cols : (b + 1) * cols]).astype(
+                jnp.float32
+            )
+        )
+        for b in range(shared_blocks)
+    )
     return routed + shared
 
 
 def plain_moe_mlp(cfg: MoeConfig):
     """The MoE MLP as a model would write it: combine, psum, residual add, RMSNorm."""
+
     def mlp(_, axis, norm, x, h, lp):
         rows, idx, weights, shared = moe_block(cfg, axis, h, lp)
         valid = idx >= 0
@@ -157,6 +191,7 @@ def plain_moe_mlp(cfg: MoeConfig):
         combined = ((gathered * w).sum(1) + shared.astype(jnp.float32)).astype(x.dtype)
         x = jax.lax.psum(combined.reshape(x.shape), axis) + x
         return x, norm(x, lp["next_norm"], cfg.base.rms_eps)
+
     return mlp
 
 
@@ -180,8 +215,9 @@ def term_ratios(cfg: MoeConfig, mesh, axis, params, tokens, ck, cv, *, tp: int) 
         jax.debug.callback(record, ratio, jax.lax.axis_index(ax))
         return x, h
 
-    logits, *_ = jax.jit(make_forward(cfg, mesh, axis, mlp=mlp))(params, tokens, ck, cv,
-                                                                  jnp.int32(0))
+    logits, *_ = jax.jit(make_forward(cfg, mesh, axis, mlp=mlp))(
+        params, tokens, ck, cv, jnp.int32(0)
+    )
     jax.block_until_ready(logits)
     jax.effects_barrier()
     return seen
@@ -194,15 +230,24 @@ def fused_moe_mlp(cfg: MoeConfig, workspace):
     def mlp(_, axis, norm, x, h, lp):
         rows, idx, weights, shared = moe_block(cfg, axis, h, lp)
         out = moe_finalize_allreduce_fusion(
-            rows, idx, axis_name=axis, workspace=workspace, residual=x.reshape(idx.shape[0], -1),
-            rms_gamma=lp["next_norm"], expert_scale_factor=weights,
-            shared_expert_output=shared, rms_eps=cfg.base.rms_eps)
+            rows,
+            idx,
+            axis_name=axis,
+            workspace=workspace,
+            residual=x.reshape(idx.shape[0], -1),
+            rms_gamma=lp["next_norm"],
+            expert_scale_factor=weights,
+            shared_expert_output=shared,
+            rms_eps=cfg.base.rms_eps,
+        )
         return out.residual_out.reshape(x.shape), out.norm_out.reshape(x.shape)
+
     return mlp
 
 
-def make_forward(cfg: MoeConfig, mesh, axis, *, mlp, scan: bool = True,
-                 vocab_parallel: bool = True):
+def make_forward(
+    cfg: MoeConfig, mesh, axis, *, mlp, scan: bool = True, vocab_parallel: bool = True
+):
     """forward(params, tokens, ck, cv, pos) -> (logits [B, T, V] float32, ck, cv); the
     logits split over the vocabulary or replicated (llama.make_forward)."""
     body = partial(llama.forward_local, cfg.base, axis, scan=scan, mlp=mlp)
@@ -210,9 +255,16 @@ def make_forward(cfg: MoeConfig, mesh, axis, *, mlp, scan: bool = True,
 
     def forward(params, tokens, ck, cv, pos):
         return jax.shard_map(
-            body, mesh=mesh,
-            in_specs=(param_specs(axis, vocab_parallel=vocab_parallel), P(),
-                      llama.cache_spec(axis), llama.cache_spec(axis), P()),
+            body,
+            mesh=mesh,
+            in_specs=(
+                param_specs(axis, vocab_parallel=vocab_parallel),
+                P(),
+                llama.cache_spec(axis),
+                llama.cache_spec(axis),
+                P(),
+            ),
             out_specs=(logits_spec, llama.cache_spec(axis), llama.cache_spec(axis)),
         )(params, tokens, ck, cv, pos)
+
     return forward

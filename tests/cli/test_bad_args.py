@@ -1,6 +1,7 @@
 """``python -m jax_fusedar``: bad arguments give a one-line message (exit 2), before anything
 runs: an unusable --out folder (bench and bench --framework torch), --seed out of range,
 --patterns naming a pattern the bench does not time."""
+
 import os
 
 import pytest
@@ -37,9 +38,14 @@ def test_out_that_cannot_be_created(framework):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("framework,name", [
-    ("jax", "bench.json"), ("jax", "bench.png"),
-    pytest.param("torch", "bench_torch.json", marks=needs_torch)])
+@pytest.mark.parametrize(
+    "framework,name",
+    [
+        ("jax", "bench.json"),
+        ("jax", "bench.png"),
+        pytest.param("torch", "bench_torch.json", marks=needs_torch),
+    ],
+)
 def test_out_whose_result_file_is_a_folder(tmp_path, framework, name):
     """Checked before the first case: the bench would otherwise time every case and then
     lose the results to IsADirectoryError."""
@@ -59,18 +65,30 @@ def test_out_that_is_not_writable(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("argv,message", [
-    (["demo", "--seed", "-1"], "argument --seed: -1 is not in [0, 2**32)"),
-    (["demo", "--seed", str(2**32)], f"argument --seed: {2**32} is not in [0, 2**32)"),
-    (["demo", "--seed", "x"], "argument --seed: 'x' is not an integer"),
-    pytest.param(["bench", "--framework", "torch", "--seed", "-5"],
-                 "argument --seed: -5 is not in", marks=needs_torch),
-    (["bench", "--patterns", "0"], "argument --patterns: the bench times patterns 1, 4, 9, 11: "
-                                   "0 (kAllReduce) is a fusion pattern the bench does not time"),
-    (["bench", "--patterns", "1,2,12"], "2 (kARResidualRMSNormFP8Quant) is a fusion pattern the "
-                                        "bench does not time; 12 is not a fusion pattern"),
-    (["bench", "--patterns", "1,one"], "argument --patterns: 'one' is not an integer"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["demo", "--seed", "-1"], "argument --seed: -1 is not in [0, 2**32)"),
+        (["demo", "--seed", str(2**32)], f"argument --seed: {2**32} is not in [0, 2**32)"),
+        (["demo", "--seed", "x"], "argument --seed: 'x' is not an integer"),
+        pytest.param(
+            ["bench", "--framework", "torch", "--seed", "-5"],
+            "argument --seed: -5 is not in",
+            marks=needs_torch,
+        ),
+        (
+            ["bench", "--patterns", "0"],
+            "argument --patterns: the bench times patterns 1, 4, 9, 11: "
+            "0 (kAllReduce) is a fusion pattern the bench does not time",
+        ),
+        (
+            ["bench", "--patterns", "1,2,12"],
+            "2 (kARResidualRMSNormFP8Quant) is a fusion pattern the "
+            "bench does not time; 12 is not a fusion pattern",
+        ),
+        (["bench", "--patterns", "1,one"], "argument --patterns: 'one' is not an integer"),
+    ],
+)
 def test_bad_values_name_the_flag(argv, message):
     _refused(run_cli(*argv), message)
 
@@ -78,11 +96,13 @@ def test_bad_values_name_the_flag(argv, message):
 def test_bench_patterns_known_to_the_parser_are_the_benchs():
     from jax_fusedar.cli import main as __main__
     from jax_fusedar.cli import bench as bench
+
     assert __main__.BENCH_PATTERNS == tuple(sorted(bench.PATTERN_LABELS))
 
 
 def test_seed_zero_and_a_fresh_out_folder_are_fine(tmp_path):
     from jax_fusedar.cli.main import build_parser, check_out_dir
+
     parser, _ = build_parser()
     assert parser.parse_args(["demo", "--seed", "0"]).seed == 0
     assert parser.parse_args(["bench", "--patterns", "11,1"]).patterns == [1, 11]
@@ -97,11 +117,18 @@ def test_without_jax_the_cli_names_the_extra(tmp_path, command):
     traceback. A blocked import (None in sys.modules) stands in for a venv without jax."""
     import subprocess
     import sys
-    code = ("import sys; sys.modules['jax'] = None; "
-            "from jax_fusedar.cli.main import main; sys.exit(main(sys.argv[1:]))")
-    r = subprocess.run([sys.executable, "-c", code, *command, "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=120,
-                       cwd=REPO)
+
+    code = (
+        "import sys; sys.modules['jax'] = None; "
+        "from jax_fusedar.cli.main import main; sys.exit(main(sys.argv[1:]))"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, *command, "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     _refused(r, "pip install 'jax_fusedar[jax]'")
 
 
@@ -117,19 +144,28 @@ def test_demo_on_a_jax_older_than_fuse_needs_names_the_jax(processes):
     import sys
     import tempfile
     from pathlib import Path
+
     with tempfile.TemporaryDirectory() as site:
         Path(site, "sitecustomize.py").write_text(
-            "import jax\njax.__version_info__ = (0, 9, 3)\njax.__version__ = '0.9.3'\n")
-        env = dict(os.environ, JAX_PLATFORMS="cpu",
-                   PYTHONPATH=os.pathsep.join([site, str(REPO)]))
+            "import jax\njax.__version_info__ = (0, 9, 3)\njax.__version__ = '0.9.3'\n"
+        )
+        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([site, str(REPO)]))
         env.pop("XLA_FLAGS", None)
-        r = subprocess.run([sys.executable, "-m", "jax_fusedar", "demo", "--processes",
-                            processes, "--tp", "2"], capture_output=True, text=True,
-                           timeout=300, cwd=REPO, env=env)
+        r = subprocess.run(
+            [sys.executable, "-m", "jax_fusedar", "demo", "--processes", processes, "--tp", "2"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=REPO,
+            env=env,
+        )
     assert r.returncode == 2, r.stdout + r.stderr
-    assert ("error" + (" (rank 0)" if processes == "per-rank" else "") +
-            ": jax_fusedar.fuse needs JAX >= 0.10, found jax 0.9.3: pip install -U "
-            "'jax>=0.10', or call jax_fusedar.allreduce_fusion in the model directly") \
-        in r.stderr, r.stderr
-    assert "Traceback" not in r.stderr and "jax_fusedar demo: Llama" not in r.stdout, \
+    assert (
+        "error"
+        + (" (rank 0)" if processes == "per-rank" else "")
+        + ": jax_fusedar.fuse needs JAX >= 0.10, found jax 0.9.3: pip install -U "
+        "'jax>=0.10', or call jax_fusedar.allreduce_fusion in the model directly"
+    ) in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "jax_fusedar demo: Llama" not in r.stdout, (
         r.stdout + r.stderr
+    )

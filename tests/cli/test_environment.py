@@ -2,6 +2,7 @@
 line naming it (exit 2) before any work, whichever the variable and the command (before,
 ``JAX_FUSEDAR_STRICT=maybe ... bench`` started timing and died with a traceback at the
 first traced call)."""
+
 import pytest
 
 from tests.cli.test_cli import run_cli
@@ -9,17 +10,34 @@ from tests.cli.test_cli import run_cli
 # (variable, bad value, what the error line says)
 BAD = [
     ("JAX_FUSEDAR_STRICT", "maybe", "$JAX_FUSEDAR_STRICT='maybe' is not a boolean"),
-    ("JAX_FUSEDAR_CHECK_CALLS", "sometimes", "$JAX_FUSEDAR_CHECK_CALLS='sometimes' is not a "
-                                             "boolean"),
+    (
+        "JAX_FUSEDAR_CHECK_CALLS",
+        "sometimes",
+        "$JAX_FUSEDAR_CHECK_CALLS='sometimes' is not a boolean",
+    ),
     ("JAX_FUSEDAR_TIMEOUT_S", "abc", "$JAX_FUSEDAR_TIMEOUT_S='abc' is not a number of seconds"),
     ("JAX_FUSEDAR_CHECK_TIMEOUT_S", "-3", "$JAX_FUSEDAR_CHECK_TIMEOUT_S must be in (0, 3600]"),
-    ("JAX_FUSEDAR_ALLREDUCE_BACKEND", "fast", "unknown all-reduce backend 'fast' (from the "
-                                              "$JAX_FUSEDAR_ALLREDUCE_BACKEND)"),
+    (
+        "JAX_FUSEDAR_ALLREDUCE_BACKEND",
+        "fast",
+        "unknown all-reduce backend 'fast' (from the $JAX_FUSEDAR_ALLREDUCE_BACKEND)",
+    ),
 ]
 
 COMMANDS = {
-    "bench": ["bench", "--tokens", "1", "--hidden", "64", "--repeats", "1", "--chain", "1",
-              "--patterns", "1"],
+    "bench": [
+        "bench",
+        "--tokens",
+        "1",
+        "--hidden",
+        "64",
+        "--repeats",
+        "1",
+        "--chain",
+        "1",
+        "--patterns",
+        "1",
+    ],
     "demo": ["demo", "--steps", "1", "--prompt", "4", "--iters", "1"],
     "bench-torch": ["bench", "--framework", "torch"],
 }
@@ -27,15 +45,15 @@ COMMANDS = {
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 @pytest.mark.parametrize("var,value,message", BAD)
-def test_a_bad_variable_is_one_error_line_before_any_work(monkeypatch, tmp_path, command, var,
-                                                          value, message):
+def test_a_bad_variable_is_one_error_line_before_any_work(
+    monkeypatch, tmp_path, command, var, value, message
+):
     for other, _, _ in BAD:
         monkeypatch.delenv(other, raising=False)
     monkeypatch.setenv(var, value)
     r = run_cli(*COMMANDS[command], "--out", tmp_path / "out", timeout=300)
     assert r.returncode == 2, r.stdout + r.stderr
-    assert r.stderr.startswith("python -m jax_fusedar: error: ") and message in r.stderr, \
-        r.stderr
+    assert r.stderr.startswith("python -m jax_fusedar: error: ") and message in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and r.stdout == "", r.stdout + r.stderr
     assert not (tmp_path / "out").exists()  # nothing was set up, not even the --out folder
 

@@ -1,5 +1,6 @@
 """``python -m jax_fusedar demo --moe`` on 8 virtual CPU devices (the reference lowering):
 the MoE decoder's greedy tokens agree between the plain model and the fused op."""
+
 import os
 import re
 import subprocess
@@ -10,11 +11,30 @@ import pytest
 
 @pytest.mark.slow
 def test_moe_demo_passes_on_cpu():
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    run = subprocess.run([sys.executable, "-m", "jax_fusedar", "demo", "--moe", "--layers", "1",
-                          "--prompt", "4", "--steps", "3", "--iters", "1"],
-                         capture_output=True, text=True, env=env, timeout=600)
+    env = dict(
+        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8"
+    )
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jax_fusedar",
+            "demo",
+            "--moe",
+            "--layers",
+            "1",
+            "--prompt",
+            "4",
+            "--steps",
+            "3",
+            "--iters",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     # Identical tokens, or a divergence the demo accepts only at a near tie (its PASS):
     # rounding differs between CPUs, so a near tie may break either way.

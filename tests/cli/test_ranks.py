@@ -1,12 +1,10 @@
-"""The demo's process launching (jax_fusedar/cli/ranks.py, rank_process.py): the plan for every GPU count, what
-each rank process is started with, how a failing rank is handled, ``bench``'s refusal of
-shared GPUs, and the demo run as one process per rank on CPUs (ranks over gloo, the reference
-path) against the unsharded reference."""
+"""The demo's process launching (jax_fusedar/cli/ranks.py, rank_process.py): the plan for
+every GPU count, what each rank process is started with, how a failing rank is handled,
+``bench``'s refusal of shared GPUs, and the demo run as one process per rank on CPUs (ranks
+over gloo, the reference path) against the unsharded reference."""
+
 import argparse
-import json
-import os
 import re
-import subprocess
 import sys
 import textwrap
 
@@ -14,22 +12,25 @@ import pytest
 
 from jax_fusedar.cli import ranks
 from tests.cli.test_cli import run_cli
-from tests.repo import REPO
 
 
 # --- the plan ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("tp, processes, gpus, world, per_rank, shared", [
-    (None, "auto", 0, 8, False, False),   # CPUs: the 8 virtual devices
-    (None, "auto", 1, 2, True, True),     # one GPU: 2 ranks share it
-    (None, "auto", 2, 2, False, False),   # one GPU per rank: one process
-    (None, "auto", 8, 8, False, False),
-    (8, "auto", 1, 8, True, True),
-    (4, "auto", 2, 4, True, True),        # 4 ranks on 2 GPUs: r % 2
-    (4, "auto", 8, 4, False, False),      # one process, 4 of the 8 GPUs
-    (2, "per-rank", 0, 2, True, False),   # forced: ranks on CPUs
-    (2, "per-rank", 4, 2, True, False),   # forced on GPUs, each its own GPU
-])
+
+@pytest.mark.parametrize(
+    "tp, processes, gpus, world, per_rank, shared",
+    [
+        (None, "auto", 0, 8, False, False),  # CPUs: the 8 virtual devices
+        (None, "auto", 1, 2, True, True),  # one GPU: 2 ranks share it
+        (None, "auto", 2, 2, False, False),  # one GPU per rank: one process
+        (None, "auto", 8, 8, False, False),
+        (8, "auto", 1, 8, True, True),
+        (4, "auto", 2, 4, True, True),  # 4 ranks on 2 GPUs: r % 2
+        (4, "auto", 8, 4, False, False),  # one process, 4 of the 8 GPUs
+        (2, "per-rank", 0, 2, True, False),  # forced: ranks on CPUs
+        (2, "per-rank", 4, 2, True, False),  # forced on GPUs, each its own GPU
+    ],
+)
 def test_plan(tp, processes, gpus, world, per_rank, shared):
     p = ranks.plan(tp, processes, gpus)
     assert (p.world, p.gpus, p.per_rank, p.shared_gpus) == (world, gpus, per_rank, shared)
@@ -37,8 +38,11 @@ def test_plan(tp, processes, gpus, world, per_rank, shared):
 
 
 def test_plan_refuses_one_process_for_more_ranks_than_gpus():
-    with pytest.raises(ValueError, match=r"--processes one: .*--tp 8 needs 8 GPUs where this "
-                                         r"machine has 1; use --processes auto"):
+    with pytest.raises(
+        ValueError,
+        match=r"--processes one: .*--tp 8 needs 8 GPUs where this "
+        r"machine has 1; use --processes auto",
+    ):
         ranks.plan(8, "one", 1)
 
 
@@ -51,9 +55,11 @@ def test_rank_r_drives_gpu_r_mod_gpus(gpus, devices):
 def test_one_process_sees_exactly_the_tp_group():
     env = {}
     assert ranks.single_process_env(ranks.plan(4, "auto", 8), True, env) == {
-        "JAX_CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+        "JAX_CUDA_VISIBLE_DEVICES": "0,1,2,3"
+    }
     assert ranks.single_process_env(ranks.plan(4, "auto", 0), True, env) == {
-        "JAX_NUM_CPU_DEVICES": "4"}
+        "JAX_NUM_CPU_DEVICES": "4"
+    }
     # Without --tp, or with every GPU: nothing changes.
     assert ranks.single_process_env(ranks.plan(None, "auto", 8), False, env) == {}
     assert ranks.single_process_env(ranks.plan(8, "auto", 8), True, env) == {}
@@ -62,8 +68,9 @@ def test_one_process_sees_exactly_the_tp_group():
 @pytest.mark.parametrize("gpus", [0, 1])
 def test_rank_environment(gpus):
     p = ranks.Plan(world=8, gpus=gpus, per_rank=True)
-    env = ranks.rank_env(p, {"PATH": "/bin", "JAX_CUDA_VISIBLE_DEVICES": "3",
-                             "NCCL_NVLS_ENABLE": "1"})
+    env = ranks.rank_env(
+        p, {"PATH": "/bin", "JAX_CUDA_VISIBLE_DEVICES": "3", "NCCL_NVLS_ENABLE": "1"}
+    )
     assert env["PATH"] == "/bin"
     # 8 processes on one GPU: memory on demand, never NVLink multicast.
     assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
@@ -79,13 +86,20 @@ def test_rank_command_carries_the_demo_flags():
     cmd = ranks.rank_command(p, 3, 1234, "/tmp/x", ["--steps", "2", "--moe"])
     assert cmd[:3] == [sys.executable, "-m", "jax_fusedar.cli.rank_process"]
     from jax_fusedar.cli import rank_process
+
     opts = rank_process.parser().parse_args(cmd[3:])
-    assert (opts.rank, opts.world, opts.gpus, opts.port, opts.result_dir) == \
-        (3, 4, 1, 1234, "/tmp/x")
+    assert (opts.rank, opts.world, opts.gpus, opts.port, opts.result_dir) == (
+        3,
+        4,
+        1,
+        1234,
+        "/tmp/x",
+    )
     assert opts.demo_argv == ["--", "--steps", "2", "--moe"]
 
 
 # --- bench and --bench on shared GPUs ----------------------------------------------------------
+
 
 def _args(command, **kw):
     defaults = dict(command=command, tp=None, processes="auto", bench=False)
@@ -104,23 +118,27 @@ def test_bench_refuses_one_gpu_saying_why(capsys):
     assert "take turns on it" in err and "measures that scheduling, not the kernel" in err
     # CPUs (the reference path) and one GPU per rank are timed.
     for gpus in (0, 2, 8):
-        assert ranks.dispatch(_args("bench"), ["bench"], _Parser(prog="bench"), gpus=gpus) \
-            is None
+        assert ranks.dispatch(_args("bench"), ["bench"], _Parser(prog="bench"), gpus=gpus) is None
 
 
 def test_demo_bench_refuses_shared_gpus():
-    with pytest.raises(SystemExit, match=r"--bench: 2 ranks would share 1 GPU: ranks sharing "
-                                         r"a GPU take turns on it"):
-        ranks.dispatch(_args("demo", bench=True), ["demo", "--bench"], _Parser(prog="demo"),
-                       gpus=1)
+    with pytest.raises(
+        SystemExit,
+        match=r"--bench: 2 ranks would share 1 GPU: ranks sharing "
+        r"a GPU take turns on it",
+    ):
+        ranks.dispatch(_args("demo", bench=True), ["demo", "--bench"], _Parser(prog="demo"), gpus=1)
 
 
 def test_bad_tp_is_refused_before_anything_starts():
     r = run_cli("demo", "--tp", "3")
     assert r.returncode == 2
     assert "--tp: invalid _tp value" not in r.stderr
-    assert re.search(r"argument --tp: world size 3 is not supported: the fused all-reduce "
-                     r"kernel is built for TP groups of 2, 4, 8, 16 ranks", r.stderr), r.stderr
+    assert re.search(
+        r"argument --tp: world size 3 is not supported: the fused all-reduce "
+        r"kernel is built for TP groups of 2, 4, 8, 16 ranks",
+        r.stderr,
+    ), r.stderr
 
 
 # --- the launcher's handling of failing ranks (fake rank processes, no JAX) --------------------
@@ -149,8 +167,16 @@ def fake_ranks(tmp_path, monkeypatch):
     script.write_text(FAKE_RANK)
 
     def command(p, rank, port, result_dir, demo_argv):
-        return [sys.executable, str(script), "--rank", str(rank), "--result-dir", result_dir,
-                *demo_argv]
+        return [
+            sys.executable,
+            str(script),
+            "--rank",
+            str(rank),
+            "--result-dir",
+            result_dir,
+            *demo_argv,
+        ]
+
     monkeypatch.setattr(ranks, "rank_command", command)
     monkeypatch.setattr(ranks, "GRACE_S", 1.0)
     monkeypatch.setattr(ranks, "STOP_WAIT_S", 2.0)
@@ -181,24 +207,36 @@ def test_ranks_that_decode_different_tokens_fail(fake_ranks, capsys):
 
 # --- the demo as one process per rank on CPUs ---------------------------------------------------
 
+
 @pytest.mark.slow
-@pytest.mark.parametrize("tp, extra", [(2, ()), (4, ("--layer-mode", "scan")),
-                                       (2, ("--moe",))])
+@pytest.mark.parametrize("tp, extra", [(2, ()), (4, ("--layer-mode", "scan")), (2, ("--moe",))])
 def test_demo_one_process_per_rank_against_the_unsharded_reference(tp, extra):
-    r = run_cli("demo", "--processes", "per-rank", "--tp", tp, "--steps", 3, "--prompt", 8,
-                *extra, xla_flags=None)
+    r = run_cli(
+        "demo",
+        "--processes",
+        "per-rank",
+        "--tp",
+        tp,
+        "--steps",
+        3,
+        "--prompt",
+        8,
+        *extra,
+        xla_flags=None,
+    )
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
     out = r.stdout
     assert f"over {tp} ranks, one process per rank on CPUs (gloo)" in out
     assert f"world size {tp}, backend xla" in out
     assert "'reference' = the" in out and "unsharded on one device of rank 0" in out
     assert "timings: none" in out and "tok/s" not in out
-    modes = ["moe"] if "--moe" in extra else (["scan"] if "scan" in extra
-                                              else ["unrolled", "scan"])
-    errs = re.findall(r"max logits error (\S+) \(relative to max \|logits\| (\S+): (\S+); "
-                      r"tolerance (\S+) = eps \+ (?:sites|layers) \* \(eps \+ sqrt\(world\) \* "
-                      r"eps / 2\)",
-                      out)
+    modes = ["moe"] if "--moe" in extra else (["scan"] if "scan" in extra else ["unrolled", "scan"])
+    errs = re.findall(
+        r"max logits error (\S+) \(relative to max \|logits\| (\S+): (\S+); "
+        r"tolerance (\S+) = eps \+ (?:sites|layers) \* \(eps \+ sqrt\(world\) \* "
+        r"eps / 2\)",
+        out,
+    )
     assert len(errs) == len(modes)
     for _, scale, rel, tol in errs:
         assert float(scale) > 0 and 0 <= float(rel) <= float(tol)
@@ -209,8 +247,19 @@ def test_demo_one_process_per_rank_against_the_unsharded_reference(tp, extra):
 def test_demo_run_as_ranks_reports_a_setup_error_from_the_ranks():
     """A configuration the ranks cannot run (here a preset --moe does not have) fails in
     every rank process with the demo's own message, and the launcher exits 2."""
-    r = run_cli("demo", "--moe", "--preset", "llama3-8b", "--processes", "per-rank", "--tp",
-                "2", xla_flags=None)
+    r = run_cli(
+        "demo",
+        "--moe",
+        "--preset",
+        "llama3-8b",
+        "--processes",
+        "per-rank",
+        "--tp",
+        "2",
+        xla_flags=None,
+    )
     assert r.returncode == 2, r.stdout + r.stderr[-3000:]
-    assert "error (rank 0): --moe has the presets tiny (CPUs) and small (GPUs, picked by " \
-           "--preset auto), not llama3-8b" in r.stderr
+    assert (
+        "error (rank 0): --moe has the presets tiny (CPUs) and small (GPUs, picked by "
+        "--preset auto), not llama3-8b" in r.stderr
+    )

@@ -1,6 +1,7 @@
 """``common.environment``: every JAX_FUSEDAR_* variable the package reads is checked by one
 call, with the parser that reads it later, each problem naming its variable (the CLI runs it
 before any work: tests/cli/test_environment.py)."""
+
 import re
 
 import pytest
@@ -31,22 +32,32 @@ def test_every_variable_the_package_reads_is_checked():
 
 def test_unset_and_good_values_have_no_problems(clean_env):
     assert environment.problems() == []
-    for var, value in [("JAX_FUSEDAR_STRICT", "on"), ("JAX_FUSEDAR_CHECK_CALLS", "0"),
-                       ("JAX_FUSEDAR_TIMEOUT_S", "0"), ("JAX_FUSEDAR_CHECK_TIMEOUT_S", "2.5"),
-                       ("JAX_FUSEDAR_ALLREDUCE_BACKEND", "xla")]:
+    for var, value in [
+        ("JAX_FUSEDAR_STRICT", "on"),
+        ("JAX_FUSEDAR_CHECK_CALLS", "0"),
+        ("JAX_FUSEDAR_TIMEOUT_S", "0"),
+        ("JAX_FUSEDAR_CHECK_TIMEOUT_S", "2.5"),
+        ("JAX_FUSEDAR_ALLREDUCE_BACKEND", "xla"),
+    ]:
         clean_env.setenv(var, value)
     assert environment.problems() == []
 
 
 BAD = [
     ("JAX_FUSEDAR_STRICT", "maybe", r"$JAX_FUSEDAR_STRICT='maybe' is not a boolean"),
-    ("JAX_FUSEDAR_CHECK_CALLS", "sometimes", "$JAX_FUSEDAR_CHECK_CALLS='sometimes' is not a "
-                                             "boolean"),
+    (
+        "JAX_FUSEDAR_CHECK_CALLS",
+        "sometimes",
+        "$JAX_FUSEDAR_CHECK_CALLS='sometimes' is not a boolean",
+    ),
     ("JAX_FUSEDAR_TIMEOUT_S", "abc", "$JAX_FUSEDAR_TIMEOUT_S='abc' is not a number of seconds"),
     ("JAX_FUSEDAR_TIMEOUT_S", "-1", "$JAX_FUSEDAR_TIMEOUT_S must be in [0, 3600] seconds"),
     ("JAX_FUSEDAR_CHECK_TIMEOUT_S", "0", "$JAX_FUSEDAR_CHECK_TIMEOUT_S must be in (0, 3600]"),
-    ("JAX_FUSEDAR_ALLREDUCE_BACKEND", "fast", "unknown all-reduce backend 'fast' (from the "
-                                              "$JAX_FUSEDAR_ALLREDUCE_BACKEND)"),
+    (
+        "JAX_FUSEDAR_ALLREDUCE_BACKEND",
+        "fast",
+        "unknown all-reduce backend 'fast' (from the $JAX_FUSEDAR_ALLREDUCE_BACKEND)",
+    ),
 ]
 
 
@@ -61,4 +72,3 @@ def test_all_bad_values_are_reported_together(clean_env):
     for var, value, _ in BAD[:3] + BAD[4:]:
         clean_env.setenv(var, value)
     assert len(environment.problems()) == 5
-

@@ -1,5 +1,6 @@
 """The group exchange (jax_fusedar/common/exchange.py) against an in-memory channel: processes are
 threads, ranks are fakes that record what they were given."""
+
 import threading
 import time
 
@@ -41,8 +42,7 @@ class _Chan:
             arrived = self.store.barriers.setdefault(key, set())
             arrived.add(threading.current_thread().name)
             self.store.cond.notify_all()
-            if not self.store.cond.wait_for(lambda: len(arrived) == len(processes),
-                                            self.timeout_s):
+            if not self.store.cond.wait_for(lambda: len(arrived) == len(processes), self.timeout_s):
                 raise TimeoutError(f"barrier {key}: {len(arrived)}/{len(processes)} arrived")
 
 
@@ -73,24 +73,36 @@ class FakeRank:
 def _run_processes(groups_members, processes, timeout_s=5.0, skip=()):
     """Runs create/connect in one thread per process; returns {process: [plans]} and errors."""
     store = FakeStore()
-    groups = [tp_groups.TPGroup(tuple(range(i * 100, i * 100 + len(ms))), i)
-              for i, ms in enumerate(groups_members)]
+    groups = [
+        tp_groups.TPGroup(tuple(range(i * 100, i * 100 + len(ms))), i)
+        for i, ms in enumerate(groups_members)
+    ]
     out, errors = {}, {}
 
     def proc(me):
         chan = store.channel(timeout_s)
         try:
-            plans = [exchange.create_and_publish(
-                g, ms, me, lambda dev, tp, me=me: FakeRank(me, dev, tp), chan,
-                namespace="test", serial=7) for g, ms in zip(groups, groups_members)]
+            plans = [
+                exchange.create_and_publish(
+                    g,
+                    ms,
+                    me,
+                    lambda dev, tp, me=me: FakeRank(me, dev, tp),
+                    chan,
+                    namespace="test",
+                    serial=7,
+                )
+                for g, ms in zip(groups, groups_members)
+            ]
             for p in plans:
                 exchange.connect_and_finalize(p, me, chan, namespace="test", serial=7)
             out[me] = plans
         except Exception as e:
             errors[me] = e
 
-    threads = [threading.Thread(target=proc, args=(p,), name=f"p{p}") for p in processes
-               if p not in skip]
+    threads = [
+        threading.Thread(target=proc, args=(p,), name=f"p{p}") for p in processes if p not in skip
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -124,9 +136,15 @@ def test_dp_tp_four_processes_two_devices_each_group_only_sees_its_own():
 
 def test_single_process_uses_pointers_and_no_channel():
     members = [M(0, d) for d in range(4)]
-    plan = exchange.create_and_publish(tp_groups.TPGroup((0, 1, 2, 3), 0), members, 0,
-                                       lambda dev, tp: FakeRank(0, dev, tp), None,
-                                       namespace="t", serial=1)
+    plan = exchange.create_and_publish(
+        tp_groups.TPGroup((0, 1, 2, 3), 0),
+        members,
+        0,
+        lambda dev, tp: FakeRank(0, dev, tp),
+        None,
+        namespace="t",
+        serial=1,
+    )
     exchange.connect_and_finalize(plan, 0, None, namespace="t", serial=1)
     for tp, r in plan.local.items():
         assert r.finalized and sorted(r.peers) == [p for p in range(4) if p != tp]
@@ -145,8 +163,9 @@ def test_mixed_local_pointers_and_remote_ipc():
 
 def test_member_that_never_arrives_is_named_within_the_timeout():
     t0 = time.monotonic()
-    out, errors, _ = _run_processes([[M(0, 0), M(1, 1)]], processes=[0, 1], timeout_s=0.5,
-                                    skip=(1,))
+    out, errors, _ = _run_processes(
+        [[M(0, 0), M(1, 1)]], processes=[0, 1], timeout_s=0.5, skip=(1,)
+    )
     assert time.monotonic() - t0 < 5
     assert isinstance(errors[0], TimeoutError)
     assert "TP rank 1" in str(errors[0]) and "process 1" in str(errors[0])
@@ -154,13 +173,25 @@ def test_member_that_never_arrives_is_named_within_the_timeout():
 
 def test_group_spanning_processes_without_a_channel_is_refused():
     with pytest.raises(RuntimeError, match="spans several processes"):
-        exchange.create_and_publish(tp_groups.TPGroup((0, 1), 0), [M(0, 0), M(1, 0)], 0,
-                                    lambda dev, tp: FakeRank(0, dev, tp), None,
-                                    namespace="t", serial=1)
+        exchange.create_and_publish(
+            tp_groups.TPGroup((0, 1), 0),
+            [M(0, 0), M(1, 0)],
+            0,
+            lambda dev, tp: FakeRank(0, dev, tp),
+            None,
+            namespace="t",
+            serial=1,
+        )
 
 
 def test_member_count_must_match_the_group():
     with pytest.raises(ValueError, match="members given"):
-        exchange.create_and_publish(tp_groups.TPGroup((0, 1), 0), [M(0, 0)], 0,
-                                    lambda dev, tp: FakeRank(0, dev, tp), None,
-                                    namespace="t", serial=1)
+        exchange.create_and_publish(
+            tp_groups.TPGroup((0, 1), 0),
+            [M(0, 0)],
+            0,
+            lambda dev, tp: FakeRank(0, dev, tp),
+            None,
+            namespace="t",
+            serial=1,
+        )

@@ -13,14 +13,26 @@ import numpy as np
 import pytest
 
 from jax_fusedar.common import backend_choice, launch_mode, limits, sizing, tp_groups
-from jax_fusedar.common.backend_choice import (BACKEND_ENV_VAR, STRICT_ENV_VAR,
-                                               resolve_backend, strict_mode)
+from jax_fusedar.common.backend_choice import (
+    BACKEND_ENV_VAR,
+    STRICT_ENV_VAR,
+    resolve_backend,
+    strict_mode,
+)
 from jax_fusedar.common.sizing import MAX_COMM_SIZE, buffer_fits, workspace_sizes
-from jax_fusedar.common.launch_mode import (ONESHOT_MAX_MIB, choose_oneshot, oneshot_feasible,
-                                            twoshot_feasible)
+from jax_fusedar.common.launch_mode import (
+    ONESHOT_MAX_MIB,
+    choose_oneshot,
+    oneshot_feasible,
+    twoshot_feasible,
+)
 from jax_fusedar.common.tp_groups import TPGroup, tp_groups_from_grid
-from jax_fusedar.common.limits import (check_kernel_supports, element_size, kernel_support_problem,
-                                       vector_width)
+from jax_fusedar.common.limits import (
+    check_kernel_supports,
+    element_size,
+    kernel_support_problem,
+    vector_width,
+)
 from jax_fusedar.common.exchange import exchange_key
 
 from tests.repo import REPO
@@ -683,36 +695,54 @@ HOST_OF = {d: f"node{d // 4}" for d in range(8)}
 DP_ACROSS = tp_groups_from_grid(np.arange(8).reshape(2, 4), ("dp", "tp"), "tp")
 TP_ACROSS = tp_groups_from_grid(np.arange(8).reshape(2, 4).T, ("dp", "tp"), "tp")
 # Groups [0, 1], [2, 4], [3, 5], [6, 7]: two within a host, two across.
-MIXED = tp_groups_from_grid(np.array([0, 1, 2, 4, 3, 5, 6, 7]).reshape(2, 2, 2),
-                            ("pp", "dp", "tp"), "tp")
+MIXED = tp_groups_from_grid(
+    np.array([0, 1, 2, 4, 3, 5, 6, 7]).reshape(2, 2, 2), ("pp", "dp", "tp"), "tp"
+)
 
 
 def test_group_hosts_counts_each_groups_own_members():
     assert [tp_groups.group_hosts(g, HOST_OF) for g in DP_ACROSS] == [
-        {"node0": (0, 1, 2, 3)}, {"node1": (4, 5, 6, 7)}]
+        {"node0": (0, 1, 2, 3)},
+        {"node1": (4, 5, 6, 7)},
+    ]
     assert tp_groups.group_hosts(TP_ACROSS[1], HOST_OF) == {"node0": (1,), "node1": (5,)}
     # TP-rank order within a host, hosts in the order of their first member.
     assert tp_groups.group_hosts(TPGroup((5, 0, 4, 1), 0), HOST_OF) == {
-        "node1": (5, 4), "node0": (0, 1)}
-    with pytest.raises(ValueError, match=r"no host known for member\(s\) \[9\] of TP group "
-                                         r"\[0, 9\]"):
+        "node1": (5, 4),
+        "node0": (0, 1),
+    }
+    with pytest.raises(
+        ValueError,
+        match=r"no host known for member\(s\) \[9\] of TP group "
+        r"\[0, 9\]",
+    ):
         tp_groups.group_hosts(TPGroup((0, 9), 0), HOST_OF)
 
 
 @pytest.mark.parametrize("requested", [None, "auto", "trtllm"])
 def test_groups_each_within_one_host_keep_the_kernel(requested):
     # The mesh spans two hosts, its TP groups do not (the issue-16 layout).
-    choice = backend_choice.resolve_backend_for_groups(requested, platform="cuda", groups=DP_ACROSS,
-                                             host_of=HOST_OF, env={})
+    choice = backend_choice.resolve_backend_for_groups(
+        requested, platform="cuda", groups=DP_ACROSS, host_of=HOST_OF, env={}
+    )
     assert choice == backend_choice.BackendChoice("trtllm", (), None)
 
 
-@pytest.mark.parametrize("groups, first, more", [
-    (TP_ACROSS, r"TP group \[0, 4\] \(devices\) spans 2 nodes \(node0: \[0\]; node1: \[4\]\)",
-     r", as do 3 more of the workspace's 4 TP groups \(\[1, 5\], \[2, 6\], \[3, 7\]\)"),
-    (MIXED, r"TP group \[2, 4\] \(devices\) spans 2 nodes \(node0: \[2\]; node1: \[4\]\)",
-     r", as do 1 more of the workspace's 4 TP groups \(\[3, 5\]\)"),
-])
+@pytest.mark.parametrize(
+    "groups, first, more",
+    [
+        (
+            TP_ACROSS,
+            r"TP group \[0, 4\] \(devices\) spans 2 nodes \(node0: \[0\]; node1: \[4\]\)",
+            r", as do 3 more of the workspace's 4 TP groups \(\[1, 5\], \[2, 6\], \[3, 7\]\)",
+        ),
+        (
+            MIXED,
+            r"TP group \[2, 4\] \(devices\) spans 2 nodes \(node0: \[2\]; node1: \[4\]\)",
+            r", as do 1 more of the workspace's 4 TP groups \(\[3, 5\]\)",
+        ),
+    ],
+)
 def test_groups_across_hosts(groups, first, more):
     kw = dict(platform="cuda", groups=groups, host_of=HOST_OF, member_name="device")
     # auto: XLA for every group of the workspace (one program), the reason names the groups.
@@ -720,14 +750,20 @@ def test_groups_across_hosts(groups, first, more):
         choice = backend_choice.resolve_backend_for_groups("auto", env=env, **kw)
         assert choice.backend == "xla"
         assert [list(g.members) for g in choice.spanning] == [
-            list(g.members) for g in groups if len(tp_groups.group_hosts(g, HOST_OF)) > 1]
-        assert re.fullmatch(first + more + r": the 'trtllm' kernel's peer-memory protocol "
-                            r"works only within one node.*NVLink multicast.*refuses",
-                            choice.reason)
+            list(g.members) for g in groups if len(tp_groups.group_hosts(g, HOST_OF)) > 1
+        ]
+        assert re.fullmatch(
+            first + more + r": the 'trtllm' kernel's peer-memory protocol "
+            r"works only within one node.*NVLink multicast.*refuses",
+            choice.reason,
+        )
     # An explicit trtllm, from the argument or the environment, raises naming them.
     for requested, env in (("trtllm", {}), (None, {E: "trtllm"}), ("auto", {E: "trtllm"})):
-        with pytest.raises(ValueError, match=first + more + r": the 'trtllm' all-reduce "
-                                                            r"backend works only within one node"):
+        with pytest.raises(
+            ValueError,
+            match=first + more + r": the 'trtllm' all-reduce "
+            r"backend works only within one node",
+        ):
             backend_choice.resolve_backend_for_groups(requested, env=env, **kw)
     # xla asked for: no reason to give; off CUDA: xla whatever the layout.
     assert backend_choice.resolve_backend_for_groups("xla", env={}, **kw).reason is None
@@ -738,23 +774,30 @@ def test_groups_across_hosts(groups, first, more):
 def test_many_spanning_groups_are_summarised():
     groups = tp_groups_from_grid(np.arange(16).reshape(2, 8).T, ("dp", "tp"), "tp")
     host_of = {d: f"node{d // 8}" for d in range(16)}
-    reason = backend_choice.resolve_backend_for_groups(None, platform="cuda", groups=groups,
-                                             host_of=host_of, env={}).reason
-    assert reason.startswith("TP group [0, 8] (members) spans 2 nodes (node0: [0]; "
-                             "node1: [8]), as do 7 more of the workspace's 8 TP groups "
-                             "([1, 9], [2, 10], [3, 11], ...): ")
+    reason = backend_choice.resolve_backend_for_groups(
+        None, platform="cuda", groups=groups, host_of=host_of, env={}
+    ).reason
+    assert reason.startswith(
+        "TP group [0, 8] (members) spans 2 nodes (node0: [0]; "
+        "node1: [8]), as do 7 more of the workspace's 8 TP groups "
+        "([1, 9], [2, 10], [3, 11], ...): "
+    )
 
 
-@pytest.mark.parametrize("requested, groups, host_of, env, pattern", [
-    ("bogus", DP_ACROSS, HOST_OF, {}, r"unknown all-reduce backend 'bogus'"),
-    ("trtllm", DP_ACROSS, HOST_OF, {}, None),
-    ("trtllm", TP_ACROSS, {}, {}, r"no host known for member\(s\) \[0, 4\]"),
-    ("mnnvl", TP_ACROSS, HOST_OF, {}, r"^the 'mnnvl' all-reduce backend needs NVLink"),
-    ("auto", [], HOST_OF, {}, r"needs at least one TP group"),
-])
+@pytest.mark.parametrize(
+    "requested, groups, host_of, env, pattern",
+    [
+        ("bogus", DP_ACROSS, HOST_OF, {}, r"unknown all-reduce backend 'bogus'"),
+        ("trtllm", DP_ACROSS, HOST_OF, {}, None),
+        ("trtllm", TP_ACROSS, {}, {}, r"no host known for member\(s\) \[0, 4\]"),
+        ("mnnvl", TP_ACROSS, HOST_OF, {}, r"^the 'mnnvl' all-reduce backend needs NVLink"),
+        ("auto", [], HOST_OF, {}, r"needs at least one TP group"),
+    ],
+)
 def test_resolve_backend_for_groups_errors(requested, groups, host_of, env, pattern):
     call = lambda: backend_choice.resolve_backend_for_groups(  # noqa: E731
-        requested, platform="cuda", groups=groups, host_of=host_of, env=env)
+        requested, platform="cuda", groups=groups, host_of=host_of, env=env
+    )
     if pattern is None:
         assert call().backend == "trtllm"
         return
@@ -787,6 +830,7 @@ def test_strict_mode(explicit, env, expected):
 
 # --- the large-message algorithm ---------------------------------------------------------------
 
+
 def _mib_tokens(mib, hidden, dtype="bfloat16"):
     return mib * (1 << 20) // (hidden * limits.element_size(dtype))
 
@@ -794,13 +838,23 @@ def _mib_tokens(mib, hidden, dtype="bfloat16"):
 @pytest.mark.parametrize("hidden", [4096, 7168, 8192])
 def test_large_message_auto_crossover_world2(hidden):
     sizes = sizing.workspace_sizes(2, 8192, 8192, "bfloat16")
-    edge = -(-launch_mode.LARGE_MESSAGE_MIN_MIB[2] * (1 << 20) // (hidden * 2))  # first row count at 48 MiB
-    assert launch_mode.choose_algorithm(edge, hidden, sizes, None) == launch_mode.ALGORITHM_LARGE_MESSAGE
-    assert launch_mode.choose_algorithm(edge - 1, hidden, sizes, None) == launch_mode.ALGORITHM_ONESHOT
+    edge = -(
+        -launch_mode.LARGE_MESSAGE_MIN_MIB[2] * (1 << 20) // (hidden * 2)
+    )  # first row count at 48 MiB
+    assert (
+        launch_mode.choose_algorithm(edge, hidden, sizes, None)
+        == launch_mode.ALGORITHM_LARGE_MESSAGE
+    )
+    assert (
+        launch_mode.choose_algorithm(edge - 1, hidden, sizes, None) == launch_mode.ALGORITHM_ONESHOT
+    )
     # Below the crossover auto keeps FlashInfer's choice exactly.
     for m in (1, 16, 128, 1024, edge - 1):
-        want = launch_mode.ALGORITHM_ONESHOT if launch_mode.choose_oneshot(m, hidden, sizes, None) else \
-            launch_mode.ALGORITHM_TWOSHOT
+        want = (
+            launch_mode.ALGORITHM_ONESHOT
+            if launch_mode.choose_oneshot(m, hidden, sizes, None)
+            else launch_mode.ALGORITHM_TWOSHOT
+        )
         assert launch_mode.choose_algorithm(m, hidden, sizes, None) == want
 
 
@@ -808,7 +862,9 @@ def test_large_message_forced_modes_stay_flashinfer():
     sizes = sizing.workspace_sizes(2, 8192, 8192, "bfloat16")
     assert launch_mode.choose_algorithm(8192, 8192, sizes, True) == launch_mode.ALGORITHM_ONESHOT
     assert launch_mode.choose_algorithm(8192, 8192, sizes, False) == launch_mode.ALGORITHM_TWOSHOT
-    assert launch_mode.choose_algorithm(8192, 8192, sizes, None) == launch_mode.ALGORITHM_LARGE_MESSAGE
+    assert (
+        launch_mode.choose_algorithm(8192, 8192, sizes, None) == launch_mode.ALGORITHM_LARGE_MESSAGE
+    )
 
 
 @pytest.mark.parametrize("world", [4, 8, 16])
@@ -818,8 +874,10 @@ def test_large_message_unmeasured_worlds_keep_flashinfer(world):
     assert launch_mode.LARGE_MESSAGE_MIN_MIB[world] is None
     assert (launch_mode.large_message_problem(8192, 8192, sizes) is None) == (world in (4, 8))
     assert not launch_mode.prefers_large_message(8192, 8192, sizes)
-    assert launch_mode.choose_algorithm(8192, 8192, sizes, None) in (launch_mode.ALGORITHM_ONESHOT,
-                                                               launch_mode.ALGORITHM_TWOSHOT)
+    assert launch_mode.choose_algorithm(8192, 8192, sizes, None) in (
+        launch_mode.ALGORITHM_ONESHOT,
+        launch_mode.ALGORITHM_TWOSHOT,
+    )
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
@@ -836,13 +894,17 @@ def test_large_message_fits_the_two_shot_buffer(world):
 def test_large_message_only_16_bit():
     sizes = sizing.workspace_sizes(2, 8192, 8192, "float32")
     assert "float16/bfloat16" in launch_mode.large_message_problem(8192, 8192, sizes)
-    assert launch_mode.choose_algorithm(8192, 8192, sizes, None) != launch_mode.ALGORITHM_LARGE_MESSAGE
+    assert (
+        launch_mode.choose_algorithm(8192, 8192, sizes, None) != launch_mode.ALGORITHM_LARGE_MESSAGE
+    )
 
 
 def test_large_message_problem_names_the_buffer():
     # An odd row count at the full workspace needs one more row per slot than two-shot.
     sizes = sizing.workspace_sizes(2, 8191, 8192, "bfloat16")
-    assert launch_mode.large_message_bytes_needed(8191, 8192, 2, "bfloat16") == 2 * 2 * 4096 * 8192 * 2
+    assert (
+        launch_mode.large_message_bytes_needed(8191, 8192, 2, "bfloat16") == 2 * 2 * 4096 * 8192 * 2
+    )
     assert "two-shot buffer" in launch_mode.large_message_problem(8191, 8192, sizes)
     assert not launch_mode.prefers_large_message(8191, 8192, sizes)
     # ... and auto then falls back to FlashInfer's choice instead of failing.
@@ -853,6 +915,9 @@ def test_large_message_problem_names_the_buffer():
 
 def test_algorithm_codes_match_the_core_header():
     header = (REPO / "ffi" / "core" / "include" / "fusedar" / "core.h").read_text()
-    for name, code in (("TWOSHOT", launch_mode.ALGORITHM_TWOSHOT), ("ONESHOT", launch_mode.ALGORITHM_ONESHOT),
-                       ("LARGE_MESSAGE", launch_mode.ALGORITHM_LARGE_MESSAGE)):
+    for name, code in (
+        ("TWOSHOT", launch_mode.ALGORITHM_TWOSHOT),
+        ("ONESHOT", launch_mode.ALGORITHM_ONESHOT),
+        ("LARGE_MESSAGE", launch_mode.ALGORITHM_LARGE_MESSAGE),
+    ):
         assert re.search(rf"FUSEDAR_ALGORITHM_{name} = {code},", header), name

@@ -4,6 +4,7 @@ importing jax or torch, and ``import torch_compat`` brings in torch but never ja
 subprocesses, because a test process has usually imported both already), and the import
 graph of ``jax_fusedar`` and ``torch_compat`` has no cycles and no module uses another
 module's private names (read statically)."""
+
 import ast
 import json
 import os
@@ -18,20 +19,29 @@ import jax_fusedar.common
 from tests.repo import REPO
 
 
-COMMON_MODULES = sorted(f"jax_fusedar.common.{m.name}"
-                        for m in pkgutil.iter_modules(jax_fusedar.common.__path__))
+COMMON_MODULES = sorted(
+    f"jax_fusedar.common.{m.name}" for m in pkgutil.iter_modules(jax_fusedar.common.__path__)
+)
 # The command-line pieces the torch benchmark shares (python -m jax_fusedar's own entry point
 # must not start JAX either: it sets XLA_FLAGS before JAX reads them).
 JAX_FREE_CLI = ["jax_fusedar.cli.argtypes", "jax_fusedar.cli.report", "jax_fusedar.cli.main"]
 
 
 def _imported_after(modules):
-    code = ("import importlib, json, sys\n"
-            f"for m in {modules!r}:\n"
-            "    importlib.import_module(m)\n"
-            "print(json.dumps(sorted({n.split('.')[0] for n in sys.modules})))\n")
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                       env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=300)
+    code = (
+        "import importlib, json, sys\n"
+        f"for m in {modules!r}:\n"
+        "    importlib.import_module(m)\n"
+        "print(json.dumps(sorted({n.split('.')[0] for n in sys.modules})))\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     return set(json.loads(r.stdout.strip().splitlines()[-1]))
 
@@ -39,9 +49,23 @@ def _imported_after(modules):
 def test_the_common_layer_is_all_there():
     # A module added to common/ is checked below automatically; this guards the listing.
     names = {m.rsplit(".", 1)[1] for m in COMMON_MODULES}
-    assert {"arguments", "backend_choice", "call_check", "exchange", "join", "launch_mode",
-            "lifecycle", "limits", "moe_limits", "native", "patterns", "quant_layouts",
-            "results", "sizing", "tp_groups"} <= names
+    assert {
+        "arguments",
+        "backend_choice",
+        "call_check",
+        "exchange",
+        "join",
+        "launch_mode",
+        "lifecycle",
+        "limits",
+        "moe_limits",
+        "native",
+        "patterns",
+        "quant_layouts",
+        "results",
+        "sizing",
+        "tp_groups",
+    } <= names
 
 
 @pytest.mark.slow
@@ -94,7 +118,7 @@ def _absolute(module_name, files, level, target):
     base = module_name.split(".")
     if not _is_package(module_name, files):
         base = base[:-1]
-    base = base[:len(base) - (level - 1)]
+    base = base[: len(base) - (level - 1)]
     return ".".join(base + ([target] if target else []))
 
 
@@ -126,15 +150,22 @@ def _imports(files):
                         continue
                     targets.add(source)
                     if alias.name.startswith("_") and source != name:
-                        bad.append(f"{path.relative_to(REPO)}:{node.lineno}: from {source} "
-                                   f"import {alias.name}")
+                        bad.append(
+                            f"{path.relative_to(REPO)}:{node.lineno}: from {source} "
+                            f"import {alias.name}"
+                        )
         for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
-                    and node.value.id in bound and node.attr.startswith("_") \
-                    and not node.attr.startswith("__") \
-                    and f"{bound[node.value.id]}.{node.attr}" not in files:
-                bad.append(f"{path.relative_to(REPO)}:{node.lineno}: "
-                           f"{bound[node.value.id]}.{node.attr}")
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in bound
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and f"{bound[node.value.id]}.{node.attr}" not in files
+            ):
+                bad.append(
+                    f"{path.relative_to(REPO)}:{node.lineno}: {bound[node.value.id]}.{node.attr}"
+                )
         edges[name] = targets - {name}
         private[name] = bad
     return edges, private
@@ -183,8 +214,9 @@ def test_the_import_graph_is_read_whole():
 
 def test_no_import_cycles():
     cycles = _cycles(_imports(_module_files())[0])
-    assert not cycles, "modules that import each other (directly or around a loop):\n" + \
-        "\n".join(" <-> ".join(c) for c in cycles)
+    assert not cycles, "modules that import each other (directly or around a loop):\n" + "\n".join(
+        " <-> ".join(c) for c in cycles
+    )
 
 
 def test_the_packages_import_nothing_of_the_checkout():
@@ -196,16 +228,25 @@ def test_the_packages_import_nothing_of_the_checkout():
         if path.suffix != ".py":
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            modules = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                       [node.module or ""] if isinstance(node, ast.ImportFrom) and
-                       node.level == 0 else [])
-            bad += [f"{path.relative_to(REPO)}:{node.lineno}: {m}" for m in modules
-                    if m.split(".")[0] in ("tools", "tests")]
+            modules = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and node.level == 0
+                else []
+            )
+            bad += [
+                f"{path.relative_to(REPO)}:{node.lineno}: {m}"
+                for m in modules
+                if m.split(".")[0] in ("tools", "tests")
+            ]
     assert not bad, "\n".join(bad)
 
 
 def test_no_module_uses_another_modules_private_names():
     _, private = _imports(_module_files())
     bad = [b for found in private.values() for b in found]
-    assert not bad, ("private names used across modules (give them a public name in the "
-                     "module that owns them):\n" + "\n".join(bad))
+    assert not bad, (
+        "private names used across modules (give them a public name in the "
+        "module that owns them):\n" + "\n".join(bad)
+    )

@@ -5,18 +5,34 @@ where the anchor folder is (``$JAX_FUSEDAR_ANCHOR``, else ``<repo>/.anchor/ancho
 why it cannot be used, the environment the rank processes must inherit, and its workspace on
 the "trtllm" backend only (never "auto": it may choose MNNVL, i.e. NVLink multicast).
 """
+
 from __future__ import annotations
 
 import os
 from pathlib import Path
 from typing import Optional
 
-from tools.flashinfer_anchor import (ANCHOR_ENV_VAR, DEFAULT_ANCHOR, AnchorUnavailable,
-                                     anchor_environment, anchor_problem, create_anchor_workspace,
-                                     load_anchor, resolve_anchor_path)
+from tools.flashinfer_anchor import (
+    ANCHOR_ENV_VAR,
+    DEFAULT_ANCHOR,
+    AnchorUnavailable,
+    anchor_environment,
+    anchor_problem,
+    create_anchor_workspace,
+    load_anchor,
+    resolve_anchor_path,
+)
 
-__all__ = ["ANCHOR_ENV_VAR", "DEFAULT_ANCHOR", "AnchorUnavailable", "create_workspace", "load",
-           "path", "prepare_parent", "problem"]
+__all__ = [
+    "ANCHOR_ENV_VAR",
+    "DEFAULT_ANCHOR",
+    "AnchorUnavailable",
+    "create_workspace",
+    "load",
+    "path",
+    "prepare_parent",
+    "problem",
+]
 
 
 def path(explicit: Optional[str] = None) -> Path:

@@ -7,6 +7,7 @@ driver never reported (ranks sharing a GPU that trap at the same moment) ends wi
 jax_fusedar/common/lost_traps.py's record on stderr. Every wait is bounded (this
 subprocess's timeout, the workers' channel timeouts, the kernel's own timeouts).
 """
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,10 @@ from tests.repo import REPO
 
 PRINTF_MARK = "jax_fusedar call check FAILED on rank"
 # The first words of every failure record (ffi/core/call_check.cu).
-RECORD_HEADS = ("jax_fusedar call check failed on rank",
-                "jax_fusedar kernel wait timed out on rank")
+RECORD_HEADS = (
+    "jax_fusedar call check failed on rank",
+    "jax_fusedar kernel wait timed out on rank",
+)
 # From the moment a lost trap's record could appear to the moment harness.run_ranks sees the
 # process gone, beyond lost_traps.GRACE_S: the watcher's poll to see the record and its poll
 # to act after the grace (lost_traps.POLL_S each), run_ranks's poll, and scheduling on a
@@ -34,25 +37,43 @@ def run_case(module, *args, timeout_s):
     ended by lost_traps wrote on stderr: its record and why) added. Fails the test if the
     child does not finish within ``timeout_s`` or prints no result."""
     import pytest
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-               NVSHMEM_DISABLE_NVLS="1", PYTHONUNBUFFERED="1")
+
+    env = dict(
+        os.environ,
+        NCCL_NVLS_ENABLE="0",
+        TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+        NVSHMEM_DISABLE_NVLS="1",
+        PYTHONUNBUFFERED="1",
+    )
     env.pop("JAX_FUSEDAR_CHECK_CALLS", None)
     env.pop("JAX_FUSEDAR_CHECK_TIMEOUT_S", None)
     env.pop("JAX_PLATFORMS", None)  # the lane runner keeps pytest itself on CPU
     try:
-        proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True,
-                              text=True, timeout=timeout_s, cwd=REPO, env=env)
+        proc = subprocess.run(
+            [sys.executable, "-m", module, *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            cwd=REPO,
+            env=env,
+        )
         out, err, rc = proc.stdout, proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as e:
+
         def text(b):
             return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
-        pytest.fail(f"{module} {args} did not finish within {timeout_s} s (a hang?)\n"
-                    f"stdout tail:\n{text(e.stdout)[-4000:]}\n"
-                    f"stderr tail:\n{text(e.stderr)[-4000:]}")
+
+        pytest.fail(
+            f"{module} {args} did not finish within {timeout_s} s (a hang?)\n"
+            f"stdout tail:\n{text(e.stdout)[-4000:]}\n"
+            f"stderr tail:\n{text(e.stderr)[-4000:]}"
+        )
     lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-    assert lines, (f"{module} {args} printed no RESULT line (rc {rc})\nstdout tail:\n"
-                   f"{out[-4000:]}\nstderr tail:\n{err[-4000:]}")
-    result = json.loads(lines[-1][len("RESULT "):])
+    assert lines, (
+        f"{module} {args} printed no RESULT line (rc {rc})\nstdout tail:\n"
+        f"{out[-4000:]}\nstderr tail:\n{err[-4000:]}"
+    )
+    result = json.loads(lines[-1][len("RESULT ") :])
     result["rc"] = rc
     result["output_tail"] = (out + "\n--- stderr ---\n" + err)[-8000:]
     result["printf_lines"] = [line for line in (out + err).splitlines() if PRINTF_MARK in line]
@@ -63,8 +84,11 @@ def run_case(module, *args, timeout_s):
 def lost_trap_lines(stderr: str) -> list:
     """The lines of ``stderr`` that lost_traps writes when it ends a process: the record
     (one line) and the line saying why (written together, in one write)."""
-    return [line for line in stderr.splitlines()
-            if line.startswith(RECORD_HEADS) or "Ending the process with exit code" in line]
+    return [
+        line
+        for line in stderr.splitlines()
+        if line.startswith(RECORD_HEADS) or "Ending the process with exit code" in line
+    ]
 
 
 def lost_trap_record(res, r, head, *, record_within_s) -> str:
@@ -76,6 +100,7 @@ def lost_trap_record(res, r, head, *, record_within_s) -> str:
     LOST_TRAP_SLACK_S. Returns the rank's record: the one stderr line beginning with
     ``head`` (the caller checks its text)."""
     from jax_fusedar.common import lost_traps
+
     assert r["exitcode"] == lost_traps.EXIT_CODE, r
     lines = res["lost_trap_lines"]
     records = [line for line in lines if line.startswith(head)]
@@ -83,11 +108,13 @@ def lost_trap_record(res, r, head, *, record_within_s) -> str:
     why = f"Ending the process with exit code {lost_traps.EXIT_CODE}."
     assert any(why in line for line in lines), lines
     ended = r["exited_at"] - r["notes"]["failing_call_at"]
-    assert lost_traps.GRACE_S <= ended <= (record_within_s + lost_traps.GRACE_S
-                                           + LOST_TRAP_SLACK_S), (ended, r)
+    assert (
+        lost_traps.GRACE_S <= ended <= (record_within_s + lost_traps.GRACE_S + LOST_TRAP_SLACK_S)
+    ), (ended, r)
     return records[0]
 
 
 def report(name, result):
     from tests.gpu.harness import report as write
+
     write(name, result)

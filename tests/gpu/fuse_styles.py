@@ -14,6 +14,7 @@ shard) needs one GPU per rank and is skipped, with that reason, when ranks share
 ``platform="cpu"`` runs the same steps on CPU processes (gloo collectives, the reference
 lowering instead of the kernel) as a dry run of everything but the kernel.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,7 @@ import re
 
 import numpy as np
 
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
-               "collective-permute")
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 # Against the float32 run: fused error <= RATIO * unfused error + FLOOR (relative RMS). The
 # fused model is sharded: each rank's partial product is rounded to T before the sum, which
 # the one-device unfused run never does (measured on CPU ranks: up to 1.21x).
@@ -34,17 +34,23 @@ def _setup(rank, world, port, platform):
     os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     os.environ.pop("XLA_FLAGS", None)
     import jax
+
     # float32 matmuls in float32 (not TF32): the float32 run is the yardstick.
     jax.config.update("jax_default_matmul_precision", "highest")
     if platform == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
-                                   num_processes=world, process_id=rank)
+        jax.distributed.initialize(
+            coordinator_address=f"127.0.0.1:{port}", num_processes=world, process_id=rank
+        )
     else:
         from tests.gpu.harness import device_for
-        jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
-                                   num_processes=world, process_id=rank,
-                                   local_device_ids=[device_for(rank)])
+
+        jax.distributed.initialize(
+            coordinator_address=f"127.0.0.1:{port}",
+            num_processes=world,
+            process_id=rank,
+            local_device_ids=[device_for(rank)],
+        )
     return jax
 
 
@@ -55,7 +61,7 @@ def _global(jax, value, sharding):
 
 def _rel_rms(a, ref):
     a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
-    return float(np.sqrt(np.mean((a - ref) ** 2) / max(np.mean(ref ** 2), 1e-300)))
+    return float(np.sqrt(np.mean((a - ref) ** 2) / max(np.mean(ref**2), 1e-300)))
 
 
 def _one_style(jax, jf, style, cfg, mesh, seed, gpus, world, platform):
@@ -70,23 +76,35 @@ def _one_style(jax, jf, style, cfg, mesh, seed, gpus, world, platform):
     dtype = jnp.dtype(style.dtype)
     host_params = style.params(cfg, seed)
     host_x = np.asarray(activations(cfg, seed + 1, dtype))
-    params = jax.tree.map(lambda v, s: _global(jax, v, NamedSharding(mesh, s)), host_params,
-                          _specs(mod, host_params))
+    params = jax.tree.map(
+        lambda v, s: _global(jax, v, NamedSharding(mesh, s)), host_params, _specs(mod, host_params)
+    )
     x = _global(jax, host_x, mod.input_sharding(mesh))
     forward = style.forward(cfg, mesh)
-    fused = jf.fuse(forward, mesh=mesh, axis_name="tp", backend="auto" if platform == "cuda"
-                    else "xla", allow_rounding_change=style.allow_rounding_change, strict=True)
+    fused = jf.fuse(
+        forward,
+        mesh=mesh,
+        axis_name="tp",
+        backend="auto" if platform == "cuda" else "xla",
+        allow_rounding_change=style.allow_rounding_change,
+        strict=True,
+    )
     with jax.set_mesh(mesh):
         compiled = jax.jit(fused).lower(params, x).compile()
     hlo = compiled.as_text()
-    out = {"sites": len(fused.report.sites), "fused": len(fused.report.fused),
-           "report": fused.report.line(),
-           "custom_calls": len(re.findall(rf'custom_call_target="{FFI_TARGET}"', hlo))}
+    out = {
+        "sites": len(fused.report.sites),
+        "fused": len(fused.report.fused),
+        "report": fused.report.line(),
+        "custom_calls": len(re.findall(rf'custom_call_target="{FFI_TARGET}"', hlo)),
+    }
     left = [c for c in COLLECTIVES if re.search(rf"\b{c}(-start)?\(", hlo)]
     out["xla_collectives"] = left
     if left and platform == "cuda" and gpus < world:
-        out["skipped"] = (f"the fused program still has XLA collectives {left}, which NCCL "
-                          f"cannot run with {world} ranks on {gpus} GPU(s)")
+        out["skipped"] = (
+            f"the fused program still has XLA collectives {left}, which NCCL "
+            f"cannot run with {world} ranks on {gpus} GPU(s)"
+        )
         fused.close()
         return out
     with jax.set_mesh(mesh):
@@ -96,28 +114,35 @@ def _one_style(jax, jf, style, cfg, mesh, seed, gpus, world, platform):
 
     # The same model unfused, on this process's one device: no collective crosses processes.
     local = jax.local_devices()[0]
-    mesh1 = jax.make_mesh((1, 1), ("dp", "tp"), axis_types=(style.axis_type,) * 2,
-                          devices=[local])
+    mesh1 = jax.make_mesh((1, 1), ("dp", "tp"), axis_types=(style.axis_type,) * 2, devices=[local])
 
     def run_local(as_float32):
         st = dataclasses.replace(style, dtype="float32") if as_float32 else style
         cast = (lambda v: np.asarray(v, np.float32)) if as_float32 else np.asarray
-        p = jax.tree.map(lambda v, s: jax.device_put(cast(v), NamedSharding(mesh1, s)),
-                         host_params, _specs(mod, host_params))
+        p = jax.tree.map(
+            lambda v, s: jax.device_put(cast(v), NamedSharding(mesh1, s)),
+            host_params,
+            _specs(mod, host_params),
+        )
         xx = jax.device_put(cast(host_x), mod.input_sharding(mesh1))
         with jax.set_mesh(mesh1):
             return np.asarray(jax.jit(st.forward(cfg, mesh1))(p, xx), np.float64)
+
     unfused = run_local(False)
     exact = run_local(True)
-    out.update(fused_vs_f32=_rel_rms(got, exact), unfused_vs_f32=_rel_rms(unfused, exact),
-               fused_vs_unfused_max_abs=float(np.max(np.abs(got - unfused))),
-               finite=bool(np.isfinite(got).all()))
+    out.update(
+        fused_vs_f32=_rel_rms(got, exact),
+        unfused_vs_f32=_rel_rms(unfused, exact),
+        fused_vs_unfused_max_abs=float(np.max(np.abs(got - unfused))),
+        finite=bool(np.isfinite(got).all()),
+    )
     return out
 
 
 def _specs(mod, host_params):
     """The PartitionSpec tree of a model's params (each module's SPECS per layer)."""
     from jax.sharding import PartitionSpec as P
+
     out = {}
     for key, value in host_params.items():
         if isinstance(value, list):
@@ -141,13 +166,17 @@ def worker(rank, world, chan, *, port, seed, styles, platform="cuda", config=Non
         style = BY_NAME[name]
         mesh = jax.make_mesh((1, world), ("dp", "tp"), axis_types=(style.axis_type,) * 2)
         try:
-            results["styles"][name] = _one_style(jax, jf, style, cfg, mesh, seed, gpus, world,
-                                                 platform)
+            results["styles"][name] = _one_style(
+                jax, jf, style, cfg, mesh, seed, gpus, world, platform
+            )
         except Exception as e:  # noqa: BLE001 - reported per style, the others still run
             import traceback
-            results["styles"][name] = {"error": f"{type(e).__name__}: {e}",
-                                       "traceback": traceback.format_exc()[-3000:]}
-        chan.barrier(f"style {name}")   # every rank runs the styles in one order
+
+            results["styles"][name] = {
+                "error": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc()[-3000:],
+            }
+        chan.barrier(f"style {name}")  # every rank runs the styles in one order
     jax.distributed.shutdown()
     return results
 
@@ -166,8 +195,10 @@ def check(results, styles, *, platform="cuda"):
             if v["fused"] != v["sites"] or not v["sites"]:
                 problems.append(f"{where}: {v['report']}")
             if platform == "cuda" and v["custom_calls"] != v["fused"]:
-                problems.append(f"{where}: {v['custom_calls']} fused custom calls in the "
-                                f"compiled HLO, {v['fused']} sites fused")
+                problems.append(
+                    f"{where}: {v['custom_calls']} fused custom calls in the "
+                    f"compiled HLO, {v['fused']} sites fused"
+                )
             if "skipped" in v:
                 continue
             ran += 1

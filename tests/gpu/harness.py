@@ -4,6 +4,7 @@ Ranks pick GPU `rank % gpu_count`: on a one-GPU machine both ranks share GPU 0 (
 kernels time-slice, slow but the protocol completes); with N GPUs each rank owns one.
 Every child inherits the no-multicast environment set in tests/conftest.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,8 +51,9 @@ class Channel:
                 t, src, o = self.inboxes[self.rank].get(timeout=timeout_s)
             except queue.Empty:
                 missing = sorted(set(range(self.world)) - set(got))
-                raise TimeoutError(f"rank {self.rank}: ranks {missing} never sent "
-                                   f"{tag!r}") from None
+                raise TimeoutError(
+                    f"rank {self.rank}: ranks {missing} never sent {tag!r}"
+                ) from None
             if t == tag:
                 got[src] = o
             else:
@@ -77,6 +79,7 @@ def child_main(fn, rank, world, inboxes, results, timeout_s, kwargs):
     # not answer in time where it waits.
     import faulthandler
     import signal
+
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         chan = Channel(rank, inboxes, timeout_s, results)
@@ -94,9 +97,10 @@ def run_ranks(fn, world: int, *, timeout_s: float = 600.0, allow_exit=(), **kwar
     ctx = mp.get_context("spawn")
     inboxes = [ctx.Queue() for _ in range(world)]
     results = ctx.Queue()
-    procs = [ctx.Process(target=child_main,
-                         args=(fn, r, world, inboxes, results, timeout_s, kwargs))
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=child_main, args=(fn, r, world, inboxes, results, timeout_s, kwargs))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     out, errors, exited, reported, notes = {}, [], {}, set(), {}
@@ -116,8 +120,7 @@ def run_ranks(fn, world: int, *, timeout_s: float = 600.0, allow_exit=(), **kwar
                 take(results.get(timeout=0.25))
             except queue.Empty:
                 pass
-            dead = [r for r, p in enumerate(procs) if r not in reported and
-                    p.exitcode is not None]
+            dead = [r for r, p in enumerate(procs) if r not in reported and p.exitcode is not None]
             if dead:
                 seen = time.monotonic()
                 # A process flushes its queue before it exits: whatever it sent is readable
@@ -131,16 +134,22 @@ def run_ranks(fn, world: int, *, timeout_s: float = 600.0, allow_exit=(), **kwar
                     reported.add(r)
                     code = procs[r].exitcode
                     if code in allow_exit:
-                        exited[r] = {"rank": r, "exitcode": code, "exited_at": seen,
-                                     "notes": notes.get(r, {})}
+                        exited[r] = {
+                            "rank": r,
+                            "exitcode": code,
+                            "exited_at": seen,
+                            "notes": notes.get(r, {}),
+                        }
                     else:
                         errors.append(f"rank {r} exited with {code} without a result")
             if time.monotonic() > deadline:
                 raise queue.Empty
     except queue.Empty:
         missing = sorted(set(range(world)) - reported)
-        errors.append(f"timed out after {timeout_s} s waiting for ranks {missing}\n"
-                      + where_they_wait([procs[r] for r in missing]))
+        errors.append(
+            f"timed out after {timeout_s} s waiting for ranks {missing}\n"
+            + where_they_wait([procs[r] for r in missing])
+        )
     finally:
         for p in procs:
             p.join(timeout=10)
@@ -157,6 +166,7 @@ def where_they_wait(procs) -> str:
     stacks (SIGUSR1, printed to their stderr by the handler ``child_main`` registers)."""
     import signal
     import time
+
     lines = []
     for p in procs:
         if not p.is_alive():
@@ -195,6 +205,7 @@ def simulate_host(name: str) -> None:
     only this process and its children."""
     import ctypes
     import tempfile
+
     libc = ctypes.CDLL(None, use_errno=True)
 
     def check(rc, what):
@@ -210,8 +221,10 @@ def simulate_host(name: str) -> None:
         hosts = f.read()
     with tempfile.NamedTemporaryFile("w", prefix=f"hosts-{name}-", delete=False) as f:
         f.write(f"{hosts.rstrip()}\n127.0.0.1 {name}\n")
-    check(libc.mount(f.name.encode(), b"/etc/hosts", None, _MS_BIND, None),
-          "mount --bind over /etc/hosts")
+    check(
+        libc.mount(f.name.encode(), b"/etc/hosts", None, _MS_BIND, None),
+        "mount --bind over /etc/hosts",
+    )
     os.unlink(f.name)  # the mount keeps it alive
 
 
@@ -221,14 +234,24 @@ def simulated_hosts_problem():
     import subprocess
     import sys
     from tests.repo import REPO
-    r = subprocess.run([sys.executable, "-c", "from tests.gpu.harness import simulate_host; "
-                        "simulate_host('jf-probe')"], cwd=REPO, capture_output=True, text=True,
-                       timeout=60)
+
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from tests.gpu.harness import simulate_host; simulate_host('jf-probe')",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return None if r.returncode == 0 else (r.stderr.strip().splitlines() or ["?"])[-1]
 
 
 def device_for(rank: int) -> int:
     from jax_fusedar.common import native
+
     return rank % max(1, native.gpu_count())
 
 
@@ -237,6 +260,7 @@ def needs_gpus(count: int, why: str):
     XLA's psum or NCCL, which refuse two ranks on one GPU); the others run on one GPU too."""
     import pytest
     from jax_fusedar.common import native
+
     return pytest.mark.skipif(native.gpu_count() < count, reason=f"needs {count} GPUs: {why}")
 
 
@@ -248,15 +272,21 @@ def world_params(quick=(2,), worlds=WORLD_SIZES):
     """pytest parameters over ``worlds`` (ids world2, world4, ...), every one not in
     ``quick`` marked slow (the quick lane is ``-m "gpu and not slow"``)."""
     import pytest
-    return [pytest.param(w, id=f"world{w}", marks=() if w in quick else pytest.mark.slow)
-            for w in worlds]
+
+    return [
+        pytest.param(w, id=f"world{w}", marks=() if w in quick else pytest.mark.slow)
+        for w in worlds
+    ]
 
 
 def sweep_params():
     """A sweep's two sizes: "quick" (the quick lane) and "full" (marked slow)."""
     import pytest
-    return [pytest.param("quick", id="quick"),
-            pytest.param("full", id="full", marks=pytest.mark.slow)]
+
+    return [
+        pytest.param("quick", id="quick"),
+        pytest.param("full", id="full", marks=pytest.mark.slow),
+    ]
 
 
 # The two-rank bounds in ulps of the intermediate magnitudes (docs/numerics.md); they assume
@@ -272,12 +302,19 @@ def bound_problems(worst: dict, dtype: str, world: int, where: str = "") -> list
     at 2 ranks also the ulp bounds of the intermediate magnitudes (``allreduce``,
     ``residual``, ``norm``). A NaN fails every check."""
     from tests.oracles import oracle
-    limits = {"allreduce_bound": 1.0, "residual_bound": 1.0,
-              "norm_own": oracle.NORM_GIVEN_RESIDUAL_ULPS[dtype]}
+
+    limits = {
+        "allreduce_bound": 1.0,
+        "residual_bound": 1.0,
+        "norm_own": oracle.NORM_GIVEN_RESIDUAL_ULPS[dtype],
+    }
     if world == 2:
         limits.update(TWO_RANK_ULPS, norm=TWO_RANK_NORM_ULPS[dtype])
-    return [f"{where} {dtype} {k} {worst[k]} > {v}".strip() for k, v in limits.items()
-            if k in worst and not worst[k] <= v]
+    return [
+        f"{where} {dtype} {k} {worst[k]} > {v}".strip()
+        for k, v in limits.items()
+        if k in worst and not worst[k] <= v
+    ]
 
 
 def worst_of(into: dict, errors: dict) -> dict:
@@ -311,8 +348,13 @@ def report(name, obj):
 def shape_cases(tokens, hiddens, world):
     """(hidden, tokens, use_oneshot) of a sweep, in one order on every rank (the kernel's
     protocol needs identical call sequences); two-shot only with more tokens than ranks."""
-    return [(hidden, m, oneshot) for hidden in hiddens for m in tokens
-            for oneshot in (True, False) if oneshot or m > world]
+    return [
+        (hidden, m, oneshot)
+        for hidden in hiddens
+        for m in tokens
+        for oneshot in (True, False)
+        if oneshot or m > world
+    ]
 
 
 def draw_case(seed, world, m, hidden, dtype=None):
@@ -324,6 +366,9 @@ def draw_case(seed, world, m, hidden, dtype=None):
     residual = rng.standard_normal((m, hidden), dtype=np.float32)
     gamma = rng.uniform(-2.0, 2.0, hidden).astype(np.float32)
     if dtype is not None:
-        xs, residual, gamma = [x.astype(dtype) for x in xs], residual.astype(dtype), \
-            gamma.astype(dtype)
+        xs, residual, gamma = (
+            [x.astype(dtype) for x in xs],
+            residual.astype(dtype),
+            gamma.astype(dtype),
+        )
     return xs, residual, gamma

@@ -20,6 +20,7 @@ non-passing test, every test's duration, slowest first) and ``reports.tgz`` (the
 JSON reports, $JAX_FUSEDAR_REPORT_DIR). The exit code is 0 only
 if every job passed. Needs the native module built (tools/gpu_check.sh builds it).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,32 +37,66 @@ from pathlib import Path
 from tests.repo import REPO
 
 # lane: (marker expression, -k expression or None)
-LANES = {"quick": ("gpu and not slow", None), "slow": ("gpu and slow", None),
-         "worlds": ("gpu and slow", "world4 or world8 or demo_moe"), "all": ("gpu", None)}
+LANES = {
+    "quick": ("gpu and not slow", None),
+    "slow": ("gpu and slow", None),
+    "worlds": ("gpu and slow", "world4 or world8 or demo_moe"),
+    "all": ("gpu", None),
+}
 # Seconds per test file and lane on one H200 with the ranks sharing it, 4 jobs at once
 # (estimates from the single tests measured there, docs/gpu_testing.md; used only to deal
 # the tests to the jobs). A file's tests share its estimate equally.
 EXPECTED_S = {
-    "quick": {"test_timeout.py": 240, "test_torch.py": 205, "test_anchor.py": 155,
-              "test_jax.py": 145, "test_moe.py": 135, "test_fuse_styles.py": 120,
-              "test_demo.py": 90, "test_topology.py": 90, "test_multinode.py": 50,
-              "test_native.py": 45, "test_large_message.py": 40, "test_parity.py": 40,
-              "test_handler_errors.py": 30, "test_fuse.py": 5, "test_jit_export.py": 5,
-              "test_readme.py": 5, "test_jax_misuse.py": 5},
-    "slow": {"test_torch.py": 400, "test_moe.py": 240, "test_jax.py": 300,
-             "test_topology.py": 240, "test_timeout.py": 105, "test_parity.py": 95,
-             "test_native.py": 60, "test_large_message.py": 60, "test_demo.py": 110},
-    "worlds": {"test_torch.py": 355, "test_moe.py": 240, "test_jax.py": 215,
-               "test_topology.py": 175, "test_demo.py": 110, "test_timeout.py": 105,
-               "test_parity.py": 95},
+    "quick": {
+        "test_timeout.py": 240,
+        "test_torch.py": 205,
+        "test_anchor.py": 155,
+        "test_jax.py": 145,
+        "test_moe.py": 135,
+        "test_fuse_styles.py": 120,
+        "test_demo.py": 90,
+        "test_topology.py": 90,
+        "test_multinode.py": 50,
+        "test_native.py": 45,
+        "test_large_message.py": 40,
+        "test_parity.py": 40,
+        "test_handler_errors.py": 30,
+        "test_fuse.py": 5,
+        "test_jit_export.py": 5,
+        "test_readme.py": 5,
+        "test_jax_misuse.py": 5,
+    },
+    "slow": {
+        "test_torch.py": 400,
+        "test_moe.py": 240,
+        "test_jax.py": 300,
+        "test_topology.py": 240,
+        "test_timeout.py": 105,
+        "test_parity.py": 95,
+        "test_native.py": 60,
+        "test_large_message.py": 60,
+        "test_demo.py": 110,
+    },
+    "worlds": {
+        "test_torch.py": 355,
+        "test_moe.py": 240,
+        "test_jax.py": 215,
+        "test_topology.py": 175,
+        "test_demo.py": 110,
+        "test_timeout.py": 105,
+        "test_parity.py": 95,
+    },
 }
 # Tests that measure the whole GPU (free memory is device-wide): run first, alone.
 SOLO = ("tests/gpu/test_torch.py::test_torch_create_destroy_cycles_return_all_memory",)
 # Files whose tests share a module-scoped fixture per parameter (run together, or the
 # fixture runs twice).
 SHARED_FIXTURE_FILES = ("test_moe.py",)
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                "NVSHMEM_DISABLE_NVLS": "1"}
+NO_MULTICAST = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 
 
 def deal_weighted(weights: dict, jobs: int) -> list:
@@ -105,13 +140,27 @@ def units(node_ids, expected: dict) -> dict:
 
 def collect(marks: str, keyword, extra, env) -> list:
     """The node ids of the lane's tests (pytest --collect-only)."""
-    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-           "-m", marks, *(["-k", keyword] if keyword else []), *extra, "tests/gpu"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "--collect-only",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-m",
+        marks,
+        *(["-k", keyword] if keyword else []),
+        *extra,
+        "tests/gpu",
+    ]
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     ids = [line for line in r.stdout.splitlines() if "::" in line]
     if r.returncode != 0 or not ids:  # 5: nothing selected, a broken lane
-        raise SystemExit(f"collecting the lane found no tests (pytest exit {r.returncode}):\n"
-                         f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+        raise SystemExit(
+            f"collecting the lane found no tests (pytest exit {r.returncode}):\n"
+            f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+        )
     return ids
 
 
@@ -122,16 +171,18 @@ def summarize(logs: dict, codes: dict, seconds: dict) -> str:
     for name, path in logs.items():
         text = path.read_text(errors="replace") if path.exists() else ""
         last = text.rstrip().splitlines()[-1:] or [""]
-        lines.append(f"{name}: exit {codes.get(name)} after {seconds.get(name, 0):.0f} s: "
-                     f"{last[0]}")
-        failing += [line for line in text.splitlines()
-                    if line.startswith(("FAILED ", "ERROR "))]
+        lines.append(
+            f"{name}: exit {codes.get(name)} after {seconds.get(name, 0):.0f} s: {last[0]}"
+        )
+        failing += [line for line in text.splitlines() if line.startswith(("FAILED ", "ERROR "))]
         durations += re.findall(r"^(\d+\.\d+)s (call|setup|teardown) +(\S.*)$", text, re.M)
     lines.append("")
     lines += ["not passed:", *(failing or ["(none)"]), ""]
     lines.append("durations (s, slowest first):")
-    lines += [f"{float(s):8.2f} {kind:8} {node}" for s, kind, node in
-              sorted(durations, key=lambda d: -float(d[0]))]
+    lines += [
+        f"{float(s):8.2f} {kind:8} {node}"
+        for s, kind, node in sorted(durations, key=lambda d: -float(d[0]))
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -139,12 +190,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tests.gpu.run_lane")
     ap.add_argument("lane", choices=sorted(LANES))
     ap.add_argument("--jobs", type=int, default=4)
-    ap.add_argument("--timeout-s", type=float, default=540.0,
-                    help="the whole lane is stopped after this long")
+    ap.add_argument(
+        "--timeout-s", type=float, default=540.0, help="the whole lane is stopped after this long"
+    )
     ap.add_argument("--out", default=os.environ.get("JAX_FUSEDAR_REPORT_DIR", "gpu_reports"))
     argv = list(sys.argv[1:] if argv is None else argv)
     cut = argv.index("--") if "--" in argv else len(argv)
-    a, extra = ap.parse_args(argv[:cut]), argv[cut + 1:]
+    a, extra = ap.parse_args(argv[:cut]), argv[cut + 1 :]
     t0 = time.monotonic()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -152,16 +204,35 @@ def main(argv=None) -> int:
     marks, keyword = LANES[a.lane]
     expected = EXPECTED_S.get(a.lane) or {
         f: EXPECTED_S["quick"].get(f, 0) + EXPECTED_S["slow"].get(f, 0)
-        for f in set(EXPECTED_S["quick"]) | set(EXPECTED_S["slow"])}
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-               JAX_FUSEDAR_REPORT_DIR=str(reports), **NO_MULTICAST)
+        for f in set(EXPECTED_S["quick"]) | set(EXPECTED_S["slow"])
+    }
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        PYTHONUNBUFFERED="1",
+        JAX_FUSEDAR_REPORT_DIR=str(reports),
+        **NO_MULTICAST,
+    )
     node_ids = collect(marks, keyword, extra, env)
     solo = [n for n in node_ids if n in SOLO]
     groups = deal_weighted(units([n for n in node_ids if n not in SOLO], expected), a.jobs)
-    print(f"lane {a.lane}: {len(node_ids)} tests, {len(solo)} alone first, then "
-          f"{len(groups)} jobs", flush=True)
-    base = [sys.executable, "-m", "pytest", "-m", marks, "-v", "-rA", "-p", "no:cacheprovider",
-            "--durations=0", *extra]
+    print(
+        f"lane {a.lane}: {len(node_ids)} tests, {len(solo)} alone first, then {len(groups)} jobs",
+        flush=True,
+    )
+    base = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-m",
+        marks,
+        "-v",
+        "-rA",
+        "-p",
+        "no:cacheprovider",
+        "--durations=0",
+        *extra,
+    ]
     logs, codes, seconds = {}, {}, {}
 
     def start(name, ids):
@@ -169,22 +240,35 @@ def main(argv=None) -> int:
         log = open(logs[name], "w")
         left = max(1, int(a.timeout_s - (time.monotonic() - t0)))
         print(f"{name}: {len(ids)} tests: {' '.join(ids)}", flush=True)
-        return (name, subprocess.Popen(["timeout", "-s", "KILL", str(left), *base, *ids],
-                                       cwd=REPO, env=env, stdout=log,
-                                       stderr=subprocess.STDOUT), log, time.monotonic())
+        return (
+            name,
+            subprocess.Popen(
+                ["timeout", "-s", "KILL", str(left), *base, *ids],
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            ),
+            log,
+            time.monotonic(),
+        )
 
     def wait(run):
         name, proc, log, began = run
         codes[name] = proc.wait()
         log.close()
         seconds[name] = time.monotonic() - began
-        print(f"{name}: exit {codes[name]} after {seconds[name]:.0f} s (lane at "
-              f"{time.monotonic() - t0:.0f} s)", flush=True)
+        print(
+            f"{name}: exit {codes[name]} after {seconds[name]:.0f} s (lane at "
+            f"{time.monotonic() - t0:.0f} s)",
+            flush=True,
+        )
 
     if solo:
         wait(start("solo", solo))
-    for run in [start(f"job{i}", [n for unit in group for n in unit])
-                for i, group in enumerate(groups)]:
+    for run in [
+        start(f"job{i}", [n for unit in group for n in unit]) for i, group in enumerate(groups)
+    ]:
         wait(run)
     (out / "summary.txt").write_text(summarize(logs, codes, seconds))
     with tarfile.open(out / "reports.tgz", "w:gz") as tar:

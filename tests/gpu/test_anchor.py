@@ -16,6 +16,7 @@ Skipped unless the anchor folder exists: ``$JAX_FUSEDAR_ANCHOR``, else
 ``<repo>/.anchor/anchor-flashinfer``. Results go to
 $JAX_FUSEDAR_REPORT_DIR/torch_anchor_world<N>.json.
 """
+
 import os
 
 import pytest
@@ -55,25 +56,50 @@ def test_torch_compat_matches_flashinfer_bitwise(anchor_path, world):
 
     seed = _seed()
     tokens = TOKENS if world == 2 else TOKENS[:3]
-    res = run_ranks(anchor_compare.worker, world, timeout_s=900, port=free_port(), seed=seed,
-                    anchor_path=str(anchor_path), tokens=tokens, hiddens=HIDDENS)
-    report(f"torch_anchor_world{world}", {"seed": seed, "tokens": tokens, "hiddens": HIDDENS,
-                                          "patterns": anchor_compare.PATTERNS, "ranks": res})
+    res = run_ranks(
+        anchor_compare.worker,
+        world,
+        timeout_s=900,
+        port=free_port(),
+        seed=seed,
+        anchor_path=str(anchor_path),
+        tokens=tokens,
+        hiddens=HIDDENS,
+    )
+    report(
+        f"torch_anchor_world{world}",
+        {
+            "seed": seed,
+            "tokens": tokens,
+            "hiddens": HIDDENS,
+            "patterns": anchor_compare.PATTERNS,
+            "ranks": res,
+        },
+    )
     for r in res:
-        print(f"rank {r['rank']} (GPU {r['device']}): {r['cases']} cases, {r['calls']} calls in "
-              f"{r['seconds']:.1f} s; anchor {r['anchor_module']}")
+        print(
+            f"rank {r['rank']} (GPU {r['device']}): {r['cases']} cases, {r['calls']} calls in "
+            f"{r['seconds']:.1f} s; anchor {r['anchor_module']}"
+        )
         assert not r["refused"], f"rank {r['rank']} calls refused: {r['refused']}"
         assert r["cases"] > 0 and r["calls"] > 0, r
         assert not r["return_mismatch"], r["return_mismatch"]
         differing = {k: d for k, d in r["diffs"].items() if d["differing"]}
         assert not differing, f"rank {r['rank']}: outputs differ from FlashInfer's: {differing}"
-        expected = {f"p{p}:{n}" for p, ns in (
-            (0, ["output"]), (1, ["residual_out", "norm_out"]),
-            (2, ["residual_out", "quant_out"]), (4, ["residual_out", "norm_out", "quant_out"]),
-            (8, ["residual_out", "quant_out", "scale_out"]),
-            (9, ["residual_out", "norm_out", "quant_out", "scale_out"]),
-            (10, ["residual_out", "quant_out", "scale_out"]),
-            (11, ["residual_out", "norm_out", "quant_out", "scale_out"])) for n in ns}
+        expected = {
+            f"p{p}:{n}"
+            for p, ns in (
+                (0, ["output"]),
+                (1, ["residual_out", "norm_out"]),
+                (2, ["residual_out", "quant_out"]),
+                (4, ["residual_out", "norm_out", "quant_out"]),
+                (8, ["residual_out", "quant_out", "scale_out"]),
+                (9, ["residual_out", "norm_out", "quant_out", "scale_out"]),
+                (10, ["residual_out", "quant_out", "scale_out"]),
+                (11, ["residual_out", "norm_out", "quant_out", "scale_out"]),
+            )
+            for n in ns
+        }
         assert set(r["diffs"]) == expected, sorted(r["diffs"])
         assert r["unwritten"] == {"ours": 0, "anchor": 0}, r["unwritten"]
         for dtype, per_impl in r["oracle"].items():

@@ -3,6 +3,7 @@ size the TP group runs as one process per rank sharing them (jax_fusedar/cli/ran
 fused model on the kernel checked against the same model unsharded on one device; with one
 GPU per rank, one process drives them all. On a one-GPU machine ``bench`` refuses,
 saying why."""
+
 import os
 import re
 import subprocess
@@ -18,22 +19,38 @@ pytestmark = pytest.mark.gpu
 
 def _gpus() -> int:
     from jax_fusedar.common import native
+
     return native.gpu_count()
 
 
 def _cli(*argv, timeout=900):
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-               NVSHMEM_DISABLE_NVLS="1", PYTHONUNBUFFERED="1")
-    for var in ("JAX_PLATFORMS", "XLA_FLAGS", "JAX_FUSEDAR_STRICT",
-                "JAX_FUSEDAR_ALLREDUCE_BACKEND", "JAX_FUSEDAR_CHECK_CALLS"):
+    env = dict(
+        os.environ,
+        NCCL_NVLS_ENABLE="0",
+        TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+        NVSHMEM_DISABLE_NVLS="1",
+        PYTHONUNBUFFERED="1",
+    )
+    for var in (
+        "JAX_PLATFORMS",
+        "XLA_FLAGS",
+        "JAX_FUSEDAR_STRICT",
+        "JAX_FUSEDAR_ALLREDUCE_BACKEND",
+        "JAX_FUSEDAR_CHECK_CALLS",
+    ):
         env.pop(var, None)
-    return subprocess.run([sys.executable, "-m", "jax_fusedar", *map(str, argv)], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "jax_fusedar", *map(str, argv)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _check_demo(r, tp, name, modes):
-    report(name, {"returncode": r.returncode, "stdout": r.stdout,
-                  "stderr_tail": r.stderr[-4000:]})
+    report(name, {"returncode": r.returncode, "stdout": r.stdout, "stderr_tail": r.stderr[-4000:]})
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
     out = r.stdout
     gpus = _gpus()

@@ -7,6 +7,7 @@ difference) and the logits within its stated tolerance; it exits 1 otherwise. Ru
 tools/gpu_check.sh (the parent pytest stays on CPU; the demo is a subprocess
 that sees the GPUs).
 """
+
 import os
 import subprocess
 import sys
@@ -24,16 +25,42 @@ def test_llama_demo_fused_by_fuse_on_gpus():
     env = dict(os.environ, NCCL_NVLS_ENABLE="0")
     env.pop("JAX_PLATFORMS", None)
     env.pop("XLA_FLAGS", None)
-    argv = ["demo", "--preset", "llama3-8b", "--layers", "4", "--batch", "4", "--prompt", "32",
-            "--steps", "16", "--iters", "3"]
-    r = subprocess.run([sys.executable, "-m", "jax_fusedar", *argv], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=900)
-    report("gpu_fuse_demo", {"argv": argv, "returncode": r.returncode, "stdout": r.stdout,
-                             "stderr_tail": r.stderr[-4000:]})
+    argv = [
+        "demo",
+        "--preset",
+        "llama3-8b",
+        "--layers",
+        "4",
+        "--batch",
+        "4",
+        "--prompt",
+        "32",
+        "--steps",
+        "16",
+        "--iters",
+        "3",
+    ]
+    r = subprocess.run(
+        [sys.executable, "-m", "jax_fusedar", *argv],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    report(
+        "gpu_fuse_demo",
+        {
+            "argv": argv,
+            "returncode": r.returncode,
+            "stdout": r.stdout,
+            "stderr_tail": r.stderr[-4000:],
+        },
+    )
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
     out = r.stdout
     assert "backend trtllm: FlashInfer kernel" in out
     assert "decode: jax_fusedar.fuse: fused 8 of 8 all-reduce + residual + RMSNorm" in out
     assert "prefill: jax_fusedar.fuse: fused 8 of 8" in out
-    assert "decode: jax_fusedar.fuse: fused 2 of 2" in out   # the scan body, run 4 times
+    assert "decode: jax_fusedar.fuse: fused 2 of 2" in out  # the scan body, run 4 times
     assert "PASS (unrolled)" in out and "PASS (scan)" in out

@@ -5,6 +5,7 @@ compiled HLO, and the fused model as accurate as the same model unfused on one d
 against its float32 run (tests/gpu/fuse_styles.py). The styles whose fused program keeps
 XLA collectives (sequence parallelism gathers the residual shard) run only with a GPU per
 rank and are reported as skipped otherwise."""
+
 import os
 
 import pytest
@@ -13,10 +14,18 @@ from tests.gpu.harness import report
 
 pytestmark = pytest.mark.gpu
 
-STYLES = ["per_linear_llama", "sequence_parallel_llama",
-          "sequence_parallel_llama_norm_after_gather", "megatron_mlp", "plain_jit_llama_auto",
-          "plain_jit_llama_explicit", "gemma_pre_norm", "hf_flax_llama_allow",
-          "hf_flax_llama_f32_weights_allow", "hf_flax_llama_float32"]
+STYLES = [
+    "per_linear_llama",
+    "sequence_parallel_llama",
+    "sequence_parallel_llama_norm_after_gather",
+    "megatron_mlp",
+    "plain_jit_llama_auto",
+    "plain_jit_llama_explicit",
+    "gemma_pre_norm",
+    "hf_flax_llama_allow",
+    "hf_flax_llama_f32_weights_allow",
+    "hf_flax_llama_float32",
+]
 # Llama-like sizes a kernel call sees in decode-to-prefill ranges, small enough for a minute.
 CONFIG = dict(batch=2, seq=64, hidden=1024, heads=8, head_dim=128, ffn=2048, layers=2)
 
@@ -24,9 +33,16 @@ CONFIG = dict(batch=2, seq=64, hidden=1024, heads=8, head_dim=128, ffn=2048, lay
 def test_style_models_fused_on_gpus():
     from tests.gpu import fuse_styles
     from tests.gpu.harness import free_port, run_ranks
-    res = run_ranks(fuse_styles.worker, 2, timeout_s=1500, port=free_port(),
-                    seed=int.from_bytes(os.urandom(4), "little") % (1 << 30), styles=STYLES,
-                    config=CONFIG)
+
+    res = run_ranks(
+        fuse_styles.worker,
+        2,
+        timeout_s=1500,
+        port=free_port(),
+        seed=int.from_bytes(os.urandom(4), "little") % (1 << 30),
+        styles=STYLES,
+        config=CONFIG,
+    )
     report("gpu_fuse_styles", res)
     problems = fuse_styles.check(res, STYLES)
     assert not problems, "\n".join(problems)

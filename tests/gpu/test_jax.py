@@ -9,28 +9,38 @@ of the same math unfused (against a float64 model: at most 25% worse, plus 1e-3)
 handler's host launches show whether XLA replayed a command buffer. Command buffers are
 exercised on (forced, min graph size 1) and off.
 """
+
 import os
 
 import pytest
 
-from tests.gpu.harness import (bound_problems, needs_gpus, report, sweep_params,
-                               world_params)
+from tests.gpu.harness import bound_problems, needs_gpus, report, sweep_params, world_params
 
 pytestmark = pytest.mark.gpu
 
 # XLA wraps the custom call in a dynamic-slice fusion when an operand is a slice (gamma[l]),
 # so that command type is enabled too; min graph size 1 forces capture of short sequences.
-CMDBUF_ON = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,"
-             "DYNAMIC_SLICE_FUSION --xla_gpu_graph_min_graph_size=1")
+CMDBUF_ON = (
+    "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,"
+    "DYNAMIC_SLICE_FUSION --xla_gpu_graph_min_graph_size=1"
+)
 CMDBUF_OFF = "--xla_gpu_enable_command_buffer="
 
 
 def _run(task, xla_flags, world=2, **kw):
     from tests.gpu.workers import jax_multiprocess
     from tests.gpu.harness import free_port, run_ranks
-    return run_ranks(jax_multiprocess.worker, world, timeout_s=900, port=free_port(),
-                     xla_flags=xla_flags, task=task,
-                     seed=int.from_bytes(os.urandom(4), "little"), **kw)
+
+    return run_ranks(
+        jax_multiprocess.worker,
+        world,
+        timeout_s=900,
+        port=free_port(),
+        xla_flags=xla_flags,
+        task=task,
+        seed=int.from_bytes(os.urandom(4), "little"),
+        **kw,
+    )
 
 
 def parity_problems(res, world):
@@ -49,12 +59,18 @@ def parity_problems(res, world):
 def _parity_params():
     """Command buffers on and off at 2 ranks, each a quick and a full sweep; 4 and 8 ranks
     with command buffers on, the quick sweep (slow: ranks share the GPUs)."""
-    on, off = (pytest.param(f, id=i) for f, i in ((CMDBUF_ON, "cmdbuf_on"),
-                                                 (CMDBUF_OFF, "cmdbuf_off")))
-    out = [pytest.param(c.values[0], 2, s.values[0], id=f"{c.id}-world2-{s.id}", marks=s.marks)
-           for c in (on, off) for s in sweep_params()]
-    return out + [pytest.param(CMDBUF_ON, w.values[0], "quick", id=f"cmdbuf_on-{w.id}-quick",
-                               marks=w.marks) for w in world_params(quick=(), worlds=(4, 8))]
+    on, off = (
+        pytest.param(f, id=i) for f, i in ((CMDBUF_ON, "cmdbuf_on"), (CMDBUF_OFF, "cmdbuf_off"))
+    )
+    out = [
+        pytest.param(c.values[0], 2, s.values[0], id=f"{c.id}-world2-{s.id}", marks=s.marks)
+        for c in (on, off)
+        for s in sweep_params()
+    ]
+    return out + [
+        pytest.param(CMDBUF_ON, w.values[0], "quick", id=f"cmdbuf_on-{w.id}-quick", marks=w.marks)
+        for w in world_params(quick=(), worlds=(4, 8))
+    ]
 
 
 @pytest.mark.parametrize("cmdbuf, world, sweep", _parity_params())
@@ -79,6 +95,7 @@ def test_jax_ten_thousand_calls_in_a_loop(world):
     same time: a longer loop gives no more chance to catch a race), each checked in-graph
     against the oracle's bounds."""
     from jax_fusedar.common import native
+
     own = native.gpu_count() >= world
     calls = int(os.environ.get("JAX_FUSEDAR_LOOP_CALLS", 10000 if world == 2 and own else 1000))
     res = _run("loop", CMDBUF_ON, world, calls=calls, m=16, hidden=4096)
@@ -101,8 +118,10 @@ def test_jax_64_layer_model(cmdbuf):
             problems.append(f"rank {r['rank']}: expected 64 host launches per run, got {runs}")
         if cmdbuf == CMDBUF_ON and not all(n < 64 for n in runs):
             # Captured calls replay from the CUDA graph without running the handler.
-            problems.append(f"rank {r['rank']}: the fused calls were not replayed from a "
-                            f"command buffer (host launches per run {runs})")
+            problems.append(
+                f"rank {r['rank']}: the fused calls were not replayed from a "
+                f"command buffer (host launches per run {runs})"
+            )
     assert not problems, "\n".join(problems)
 
 
@@ -124,20 +143,30 @@ def test_jax_gradients_of_the_fused_model():
     for r in res:
         for dtype, s in r["grad"].items():
             if s["backend"] != "trtllm" or s["custom_calls"] < 2:
-                problems.append(f"rank {r['rank']} {dtype}: the kernel is not in the gradient "
-                                f"program ({s['backend']}, {s['custom_calls']} custom calls)")
+                problems.append(
+                    f"rank {r['rank']} {dtype}: the kernel is not in the gradient "
+                    f"program ({s['backend']}, {s['custom_calls']} custom calls)"
+                )
             for name, e in s["grads"].items():
-                if not (e["finite"] and e["fused_ulps"] <= e["unfused_ulps"]
-                        + GRAD_SLACK_ULPS[dtype]
-                        and e["fused_rel"] <= 1.25 * e["unfused_rel"] + 1e-3):
+                if not (
+                    e["finite"]
+                    and e["fused_ulps"] <= e["unfused_ulps"] + GRAD_SLACK_ULPS[dtype]
+                    and e["fused_rel"] <= 1.25 * e["unfused_rel"] + 1e-3
+                ):
                     problems.append(f"rank {r['rank']} {dtype} d{name}: {e}")
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("world, sweep", [
-    *[pytest.param(2, s.values[0], id=f"world2-{s.id}", marks=s.marks) for s in sweep_params()],
-    *[pytest.param(w.values[0], "quick", id=f"{w.id}-quick", marks=w.marks)
-      for w in world_params(quick=(), worlds=(4, 8))]])
+@pytest.mark.parametrize(
+    "world, sweep",
+    [
+        *[pytest.param(2, s.values[0], id=f"world2-{s.id}", marks=s.marks) for s in sweep_params()],
+        *[
+            pytest.param(w.values[0], "quick", id=f"{w.id}-quick", marks=w.marks)
+            for w in world_params(quick=(), worlds=(4, 8))
+        ],
+    ],
+)
 def test_jax_quantized_fp8_patterns(world, sweep):
     quick = sweep == "quick"
     tokens = (1, 17, 128) if quick else (1, 16, 17, 128, 1024)
@@ -164,15 +193,18 @@ def test_jax_quantized_fp8_patterns(world, sweep):
 
 def _compute_capability_major() -> int:
     from jax_fusedar.common import native
+
     try:
         return int(native.require().compute_capability(0)[0])
     except Exception:  # no native module or no GPU: the gpu marker skips anyway
         return 0
 
 
-@pytest.mark.skipif(_compute_capability_major() < 10,
-                    reason="NVFP4 runs on sm100+ (Blackwell) only; on older GPUs its refusal "
-                    "is checked by test_jax_quantized_fp8_patterns")
+@pytest.mark.skipif(
+    _compute_capability_major() < 10,
+    reason="NVFP4 runs on sm100+ (Blackwell) only; on older GPUs its refusal "
+    "is checked by test_jax_quantized_fp8_patterns",
+)
 @pytest.mark.parametrize("sweep", sweep_params())
 def test_jax_nvfp4_patterns_on_blackwell(sweep):
     quick = sweep == "quick"

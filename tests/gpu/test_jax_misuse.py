@@ -2,6 +2,7 @@
 anything runs, on 2 GPUs (the kernel) as on 2 CPU devices (the reference path, in CI); rows
 whose fp32 sum of squares overflows give norm_out = +-0 on both (README, Numerics).
 Worker: tests/gpu/workers/jax_misuse.py, one process driving both devices."""
+
 import json
 import os
 import subprocess
@@ -14,22 +15,39 @@ from tests.repo import REPO
 
 
 # Both orders of the two devices, named in the message (TP-rank order of the ids).
-FLIPPED = ("groups the devices along 'tp' as [(1, 0)] but the workspace was created for the "
-           "groups [(0, 1)]")
+FLIPPED = (
+    "groups the devices along 'tp' as [(1, 0)] but the workspace was created for the "
+    "groups [(0, 1)]"
+)
 
 
 def _run(platform: str) -> dict:
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-               NVSHMEM_DISABLE_NVLS="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    for var in ("XLA_FLAGS", "JAX_FUSEDAR_STRICT", "JAX_FUSEDAR_ALLREDUCE_BACKEND",
-                "JAX_FUSEDAR_CHECK_CALLS"):
+    env = dict(
+        os.environ,
+        NCCL_NVLS_ENABLE="0",
+        TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+        NVSHMEM_DISABLE_NVLS="1",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    )
+    for var in (
+        "XLA_FLAGS",
+        "JAX_FUSEDAR_STRICT",
+        "JAX_FUSEDAR_ALLREDUCE_BACKEND",
+        "JAX_FUSEDAR_CHECK_CALLS",
+    ):
         env.pop(var, None)
-    proc = subprocess.run([sys.executable, "-m", "tests.gpu.workers.jax_misuse", platform],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.gpu.workers.jax_misuse", platform],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def _check(r: dict, *, bits: bool) -> None:
@@ -46,10 +64,10 @@ def _check(r: dict, *, bits: bool) -> None:
     assert o["ordinary_row_norm_ulps"] <= 3.0, r
 
 
-
 def test_misuse_worker_on_two_cpu_devices():
     r = _run("cpu")
     from tests.gpu.harness import report
+
     report("jax_misuse_cpu", r)
     assert r["backend"] == "xla" and not r["good"]["custom_call"], r
     _check(r, bits=False)
@@ -60,6 +78,7 @@ def test_misuse_worker_on_two_cpu_devices():
 def test_regrouped_devices_are_refused_on_two_gpus():
     r = _run("cuda")
     from tests.gpu.harness import report
+
     report("jax_misuse_gpu", r)
     assert r["backend"] == "trtllm" and r["good"]["custom_call"], r
     _check(r, bits=True)

@@ -9,6 +9,7 @@
   (before that: the handler's error naming the missing id), bitwise equal to the same layer
   jitted there.
 """
+
 import os
 
 import pytest

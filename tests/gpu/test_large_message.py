@@ -6,6 +6,7 @@ crossover; pattern 1 is also held to the float64-oracle bounds of test_gpu_nativ
 same bits on every rank, no unwritten (poisoned) element, CUDA-graph replay, and a loop that
 interleaves it with FlashInfer's one-shot and two-shot calls without host syncs.
 """
+
 import json
 import os
 
@@ -44,10 +45,16 @@ def test_large_message_two_ranks(sweep):
     sizes = sizing.workspace_sizes(2, max_tokens, hidden_max, "bfloat16")
     assert any(launch_mode.prefers_large_message(m, h, sizes) for _, h, m, _ in cases)
     assert any(not launch_mode.prefers_large_message(m, h, sizes) for _, h, m, _ in cases)
-    results = run_ranks(large_message_sweep.worker, 2, timeout_s=1200, cases=cases,
-                        max_tokens=max_tokens, hidden_max=hidden_max,
-                        loop_calls=env_int("JAX_FUSEDAR_LOOP_CALLS", 500),
-                        seed=int.from_bytes(os.urandom(4), "little"))
+    results = run_ranks(
+        large_message_sweep.worker,
+        2,
+        timeout_s=1200,
+        cases=cases,
+        max_tokens=max_tokens,
+        hidden_max=hidden_max,
+        loop_calls=env_int("JAX_FUSEDAR_LOOP_CALLS", 500),
+        seed=int.from_bytes(os.urandom(4), "little"),
+    )
     out = os.environ.get("JAX_FUSEDAR_REPORT_DIR")
     if out:
         with open(os.path.join(out, "large_message.json"), "w") as f:
@@ -72,15 +79,27 @@ def test_large_message_through_jax_with_command_buffers():
     import sys
 
     from tests.repo import REPO
+
     env = dict(os.environ)
-    for var in ("JAX_PLATFORMS", "XLA_FLAGS", "JAX_FUSEDAR_STRICT",
-                "JAX_FUSEDAR_ALLREDUCE_BACKEND", "JAX_FUSEDAR_CHECK_CALLS"):
+    for var in (
+        "JAX_PLATFORMS",
+        "XLA_FLAGS",
+        "JAX_FUSEDAR_STRICT",
+        "JAX_FUSEDAR_ALLREDUCE_BACKEND",
+        "JAX_FUSEDAR_CHECK_CALLS",
+    ):
         env.pop(var, None)
-    proc = subprocess.run([sys.executable, "-m", "tests.gpu.workers.jax_large_message"], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.gpu.workers.jax_large_message"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-4000:] + proc.stderr[-4000:]
-    r = json.loads(lines[-1][len("RESULT "):])
+    r = json.loads(lines[-1][len("RESULT ") :])
     print(r)
     assert r["backend"] == "trtllm" and r["chosen"] == "large", r
     assert r["auto_attr"] and r["twoshot_attr"], r

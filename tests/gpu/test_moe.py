@@ -4,6 +4,7 @@ within the float64 oracle's bound, torch_compat == FlashInfer's own build byte f
 the anchor is present), JAX == torch bit for bit with the custom call in the compiled program;
 at 2 ranks also CUDA-graph replays == eager calls and 64 back-to-back calls with the same
 bits (more ranks run the cases only)."""
+
 import json
 import os
 import subprocess
@@ -20,11 +21,14 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(scope="module", params=world_params())
 def reports(request, tmp_path_factory):
     from jax_fusedar.common import native
+
     if native.gpu_count() < 1:
         pytest.skip("needs a GPU (with one, the ranks share it)")
     world = request.param
-    out = os.path.join(os.environ.get("JAX_FUSEDAR_REPORT_DIR") or
-                       str(tmp_path_factory.mktemp("moe")), f"moe_world{world}")
+    out = os.path.join(
+        os.environ.get("JAX_FUSEDAR_REPORT_DIR") or str(tmp_path_factory.mktemp("moe")),
+        f"moe_world{world}",
+    )
     os.makedirs(out, exist_ok=True)
     # In a child, whose stages spawn the rank processes: the pytest process stays off the GPUs
     # (tools/gpu_check.sh runs it with JAX_PLATFORMS=cpu), and a hang is cut by the timeout
@@ -33,13 +37,28 @@ def reports(request, tmp_path_factory):
     if world != 2:
         env["MOE_GPU_CASES_ONLY"] = "1"
     try:
-        subprocess.run([sys.executable, "-m", "tests.gpu.workers.moe_gpu", "--out", out,
-                        "--stages", "torch,jax", "--world", str(world)], cwd=REPO, env=env,
-                       timeout=600)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tests.gpu.workers.moe_gpu",
+                "--out",
+                out,
+                "--stages",
+                "torch,jax",
+                "--world",
+                str(world),
+            ],
+            cwd=REPO,
+            env=env,
+            timeout=600,
+        )
     except subprocess.TimeoutExpired:
         pytest.fail("tests.gpu.workers.moe_gpu did not finish within 600 s (a hang?)")
-    return world, {s: json.loads(open(os.path.join(out, f"moe_{s}.json")).read())["result"]
-                   for s in ("torch", "jax")}
+    return world, {
+        s: json.loads(open(os.path.join(out, f"moe_{s}.json")).read())["result"]
+        for s in ("torch", "jax")
+    }
 
 
 def test_torch_within_oracle_bounds_and_equal_to_flashinfer(reports):
@@ -58,11 +77,13 @@ def test_torch_within_oracle_bounds_and_equal_to_flashinfer(reports):
             assert entry["ranks_identical"], name
             if rank["anchor_error"] is None:
                 assert entry["bytes_differing_vs_anchor"] == [0] * len(
-                    entry["bytes_differing_vs_anchor"]), (name, entry)
+                    entry["bytes_differing_vs_anchor"]
+                ), (name, entry)
 
 
 def test_jax_equals_torch_bitwise_through_the_custom_call(reports):
     from tests.gpu.workers.moe_gpu import JAX_CASES
+
     world, reports = reports
     ranks = reports["jax"]
     assert len(ranks) == world

@@ -11,6 +11,7 @@ or XLA's NCCL all-reduce, each group's outputs against the float64 oracle).
 * DP across the hosts, TP inside each (2 GPUs per process; on a 2-GPU machine both processes
   drive both GPUs, their kernels time-slice): the kernel for every TP group.
 """
+
 import os
 
 import pytest
@@ -23,9 +24,11 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(autouse=True)
 def _simulated_hosts():
     from tests.gpu.harness import simulated_hosts_problem
+
     problem = simulated_hosts_problem()
     if problem:
         pytest.skip(f"simulated hosts need private UTS and mount namespaces (root): {problem}")
+
 
 TWO_HOSTS, ONE_HOST = ("node0", "node1"), ("node0", "node0")
 BOUNDS = {"residual": 1.0, "norm": 3.0}  # ulps of bf16 (tests/oracles/oracle.py), as test_gpu_jax
@@ -34,11 +37,21 @@ BOUNDS = {"residual": 1.0, "norm": 3.0}  # ulps of bf16 (tests/oracles/oracle.py
 def _run(hosts, layouts, backends, device_ids):
     from tests.gpu.workers import jax_multinode as mn
     from tests.gpu.harness import free_port, run_ranks
-    return run_ranks(mn.worker, 2, timeout_s=300, port=free_port(), platform="cuda",
-                     local_devices=len(device_ids[0]), hosts=hosts, layouts=layouts,
-                     backends=backends, device_ids=device_ids,
-                     seed=int.from_bytes(os.urandom(4), "little"),
-                     run_xla_all_reduces=_own_gpus(device_ids))
+
+    return run_ranks(
+        mn.worker,
+        2,
+        timeout_s=300,
+        port=free_port(),
+        platform="cuda",
+        local_devices=len(device_ids[0]),
+        hosts=hosts,
+        layouts=layouts,
+        backends=backends,
+        device_ids=device_ids,
+        seed=int.from_bytes(os.urandom(4), "little"),
+        run_xla_all_reduces=_own_gpus(device_ids),
+    )
 
 
 def _own_gpus(device_ids) -> bool:
@@ -48,6 +61,7 @@ def _own_gpus(device_ids) -> bool:
 
 def _gpus() -> int:
     from jax_fusedar.common import native
+
     return native.gpu_count()
 
 
@@ -80,9 +94,11 @@ def test_tp_across_hosts_takes_xla_with_auto_and_refuses_trtllm():
         else:
             assert "NCCL refuses two ranks on one GPU" in auto["not_run"], auto
         err = r["layouts"]["tp_across_hosts"]["trtllm"]["error"]
-        assert err.startswith(f"TP group [{a}, {b}] (devices) spans 2 nodes (node0: [{a}]; "
-                              f"node1: [{b}]): the 'trtllm' all-reduce backend works only "
-                              f"within one node"), err
+        assert err.startswith(
+            f"TP group [{a}, {b}] (devices) spans 2 nodes (node0: [{a}]; "
+            f"node1: [{b}]): the 'trtllm' all-reduce backend works only "
+            f"within one node"
+        ), err
         assert len(r["reasons_logged"]) == 1, r
         assert f"node1: [{b}]" in r["reasons_logged"][0], r
 
@@ -98,8 +114,10 @@ def test_tp_across_processes_of_one_host_keeps_the_kernel():
         assert r["reasons_logged"] == [], r
 
 
-@needs_gpus(2, "each simulated host drives a TP group of 2 devices, and one process cannot "
-               "drive a GPU twice")
+@needs_gpus(
+    2,
+    "each simulated host drives a TP group of 2 devices, and one process cannot drive a GPU twice",
+)
 def test_dp_across_hosts_tp_within_keeps_the_kernel():
     # Own GPUs per process where there are 4; else both processes drive GPUs 0 and 1.
     own = _gpus() >= 4
@@ -118,5 +136,7 @@ def test_dp_across_hosts_tp_within_keeps_the_kernel():
             auto = r["layouts"]["tp_across_hosts"]["auto"]
             assert auto["backend"] == {"tp": "xla"} and auto["custom_calls"] == 0, auto
             _numerics_ok(auto)
-            assert f"TP group [{p0[0]}, {p1[0]}] (devices) spans 2 nodes" in \
-                r["layouts"]["tp_across_hosts"]["trtllm"]["error"]
+            assert (
+                f"TP group [{p0[0]}, {p1[0]}] (devices) spans 2 nodes"
+                in r["layouts"]["tp_across_hosts"]["trtllm"]["error"]
+            )

@@ -6,6 +6,7 @@ roundings (<= 1 ulp each for all-reduce and residual) and, for the norm, that ca
 error through rsqrt * gamma plus one rounding of the output (3 for the 16-bit types;
 float32 gets 8 because fast-math rsqrtf is itself good to about 2 ulps of fp32).
 """
+
 import json
 import os
 
@@ -32,9 +33,16 @@ def test_native_sweep_two_ranks(sweep):
     quick = sweep == "quick"
     tokens = (1, 16, 17, 129) if quick else (1, 2, 15, 16, 17, 64, 128, 129, 1000, 2048)
     hiddens = (1024, 7168) if quick else (1024, 4096, 7168, 8192)
-    results = run_ranks(native_sweep.worker, 2, timeout_s=1500, tokens=tokens, hiddens=hiddens,
-                        max_tokens=max(tokens), loop_calls=env_int("JAX_FUSEDAR_LOOP_CALLS", 2000),
-                        seed=int.from_bytes(os.urandom(4), "little"))
+    results = run_ranks(
+        native_sweep.worker,
+        2,
+        timeout_s=1500,
+        tokens=tokens,
+        hiddens=hiddens,
+        max_tokens=max(tokens),
+        loop_calls=env_int("JAX_FUSEDAR_LOOP_CALLS", 2000),
+        seed=int.from_bytes(os.urandom(4), "little"),
+    )
     report = {"ranks": results, "bounds": BOUNDS, "tokens": tokens, "hiddens": hiddens}
     out = os.environ.get("JAX_FUSEDAR_REPORT_DIR")
     if out:
@@ -60,9 +68,13 @@ def test_native_single_process_peer_pointers():
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "tests.gpu.workers.native_single_process", "4096"],
-                          capture_output=True, text=True, timeout=300,
-                          cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.gpu.workers.native_single_process", "4096"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     print(result)

@@ -10,6 +10,7 @@ Both sides are also held to the float64 oracle's bounds (harness.bound_problems;
 within one e4m3 step of tests/oracles/quant_oracle.py on the kernel's own norm_out).
 Results: $JAX_FUSEDAR_REPORT_DIR/parity_jax_torch_world<N>.json.
 """
+
 import os
 import tempfile
 
@@ -43,14 +44,20 @@ def test_jax_and_torch_outputs_are_bitwise_identical(world):
         if native.gpu_count() >= world:  # one process driving the N GPUs
             (jax_res,) = run_ranks(par.jax_phase, 1, timeout_s=600, out_dir=d, tp=world, **kw)
         else:  # one process per rank, sharing the GPUs
-            jax_res = run_ranks(par.jax_rank_phase, world, timeout_s=600, port=free_port(),
-                                out_dir=d, **kw)[0]
+            jax_res = run_ranks(
+                par.jax_rank_phase, world, timeout_s=600, port=free_port(), out_dir=d, **kw
+            )[0]
         assert set(jax_res["backends"].values()) == {"trtllm"}, jax_res
         res = run_ranks(par.torch_phase, world, timeout_s=900, port=free_port(), out_dir=d)
-    report(f"parity_jax_torch_world{world}",
-           {"seed": seed, "jax": jax_res,
+    report(
+        f"parity_jax_torch_world{world}",
+        {
+            "seed": seed,
+            "jax": jax_res,
             "ranks": [{k: v for k, v in r.items() if k != "per_case"} for r in res],
-            "per_case": [r["per_case"] for r in res]})
+            "per_case": [r["per_case"] for r in res],
+        },
+    )
     problems = []
     for r in res:
         assert r["cases"] == jax_res["cases"] > 0
@@ -59,8 +66,10 @@ def test_jax_and_torch_outputs_are_bitwise_identical(world):
             # apart between twin patterns on identical inputs; here a one-step e4m3
             # difference in at most 1e-5 of the codes is reported, not failed. Everything
             # else bitwise.
-            if key in ("p8/quant_out", "p9/quant_out") and \
-                    n <= 1e-5 * r["quant"]["torch"]["elements"]:
+            if (
+                key in ("p8/quant_out", "p9/quant_out")
+                and n <= 1e-5 * r["quant"]["torch"]["elements"]
+            ):
                 continue
             problems.append(f"rank {r['rank']}: {key}: {n} elements differ from JAX")
         for side in ("torch", "jax"):
@@ -70,8 +79,14 @@ def test_jax_and_torch_outputs_are_bitwise_identical(world):
             problems += bound_problems(w, "bfloat16", world, f"rank {r['rank']} {side}")
             q = r["quant"][side]
             problems += bound_problems(q, "bfloat16", world, f"rank {r['rank']} {side} FP8")
-            if q["worse"] or q["poisoned"] or q["group_scale_mismatch"] or \
-                    q["dyn_scale_ulps"] > 1.0 or q["steps1"]["static"] or \
-                    q["steps1"]["group"] or q["steps1"]["dynamic"] > 2e-3 * q["elements"]:
+            if (
+                q["worse"]
+                or q["poisoned"]
+                or q["group_scale_mismatch"]
+                or q["dyn_scale_ulps"] > 1.0
+                or q["steps1"]["static"]
+                or q["steps1"]["group"]
+                or q["steps1"]["dynamic"] > 2e-3 * q["elements"]
+            ):
                 problems.append(f"rank {r['rank']} {side} FP8 outside the oracle bounds: {q}")
     assert not problems, "\n".join(problems)

@@ -12,6 +12,7 @@ time out at the same moment), is ended by jax_fusedar/common/lost_traps.py with 
 stderr. Both outcomes are held to the same record (the peer, the call, the wait, the time
 waited) and to what the rank checked before its failing call (case_runs.lost_trap_record).
 """
+
 import re
 
 import pytest
@@ -23,12 +24,15 @@ pytestmark = pytest.mark.gpu
 
 # A dense call's signature in a record: tokens, then the algorithm (one-shot, two-shot or
 # large-message).
-SIG = "{{pattern=1 dtype=bfloat16 num_tokens={} hidden_dim=4096 {} fp32_acc=1 layout=0 " \
-      "block_quant_group_size=0}}"
+SIG = (
+    "{{pattern=1 dtype=bfloat16 num_tokens={} hidden_dim=4096 {} fp32_acc=1 layout=0 "
+    "block_quant_group_size=0}}"
+)
 
 
 def test_timeout_on_gives_the_same_bits_graph_replay_and_cost():
     from tests.gpu.workers.native_timeout import BOUNDS, same_bits_calls
+
     res = run_case("tests.gpu.workers.native_timeout", "ok", timeout_s=400)
     report("timeout_ok", res)
     assert "error" not in res, res["error"] + "\n" + res["output_tail"]
@@ -42,9 +46,12 @@ def test_timeout_on_gives_the_same_bits_graph_replay_and_cost():
         assert g["capture_errors"] is None, g
         assert g["worst"]["residual"] <= 1.0 and g["worst"]["norm"] <= 3.0, g
         assert r["failure_record"] == ""
-    print("per-call ms (median), timeout on:",
-          [r["timing_on"]["ms_per_call_median"] for r in res["ranks"]], "off:",
-          [r["timing_off"]["ms_per_call_median"] for r in res["ranks"]])
+    print(
+        "per-call ms (median), timeout on:",
+        [r["timing_on"]["ms_per_call_median"] for r in res["ranks"]],
+        "off:",
+        [r["timing_off"]["ms_per_call_median"] for r in res["ranks"]],
+    )
 
 
 def _check_failed_record(f, me, peer, seq, sig, timeout_s, where, world=2):
@@ -69,16 +76,18 @@ def _check_record(record, me, peer, seq, sig, timeout_s, where, world=2):
         assert f"call #{seq} {sig}: waited " in record, record
     assert f"for rank {peer} to deliver {where}" in record, record
     assert f"Rank {peer} did not arrive" in record, record
-    waited, limit = map(float, re.search(r": waited (\S+) s \(timeout (\S+) s\) for ",
-                                         record).groups())
+    waited, limit = map(
+        float, re.search(r": waited (\S+) s \(timeout (\S+) s\) for ", record).groups()
+    )
     assert limit == timeout_s and timeout_s * 0.9 <= waited <= timeout_s + 1.0, record
 
 
 def _check_lost(res, r, peer, seq, sig, timeout_s, where, world=2):
     """Rank result `r` is of a process lost_traps ended: the same record as
     _check_failed_record's, on stderr, and the end after the watcher's grace."""
-    record = lost_trap_record(res, r, _record_head(r["rank"], world),
-                              record_within_s=timeout_s + 1.0)
+    record = lost_trap_record(
+        res, r, _record_head(r["rank"], world), record_within_s=timeout_s + 1.0
+    )
     _check_record(record, r["rank"], peer, seq, sig, timeout_s, where, world)
 
 
@@ -90,21 +99,40 @@ def _check_good(errors, bounds, rank):
 LAMPORT_WAIT = "its one-shot data in this rank's Lamport buffer (token "
 
 
-@pytest.mark.parametrize("case, tokens, oneshot, where, world", [
-    pytest.param("never_oneshot", 16, True, LAMPORT_WAIT, 2, id="never_oneshot-world2"),
-    pytest.param("never_twoshot", 32, False, "its two-shot barrier flag (thread block ", 2,
-                 id="never_twoshot-world2"),
-    pytest.param("killed", 16, True, LAMPORT_WAIT, 2, id="killed-world2"),
-    *[pytest.param("never_oneshot", 16, True, LAMPORT_WAIT, p.values[0], marks=p.marks,
-                   id=f"never_oneshot-{p.id}") for p in world_params(worlds=(4, 8))],
-])
-def test_a_missing_rank_makes_the_other_fail_with_the_record(case, tokens, oneshot, where,
-                                                             world):
+@pytest.mark.parametrize(
+    "case, tokens, oneshot, where, world",
+    [
+        pytest.param("never_oneshot", 16, True, LAMPORT_WAIT, 2, id="never_oneshot-world2"),
+        pytest.param(
+            "never_twoshot",
+            32,
+            False,
+            "its two-shot barrier flag (thread block ",
+            2,
+            id="never_twoshot-world2",
+        ),
+        pytest.param("killed", 16, True, LAMPORT_WAIT, 2, id="killed-world2"),
+        *[
+            pytest.param(
+                "never_oneshot",
+                16,
+                True,
+                LAMPORT_WAIT,
+                p.values[0],
+                marks=p.marks,
+                id=f"never_oneshot-{p.id}",
+            )
+            for p in world_params(worlds=(4, 8))
+        ],
+    ],
+)
+def test_a_missing_rank_makes_the_other_fail_with_the_record(case, tokens, oneshot, where, world):
     """The last rank makes no call (or is killed): every other rank fails naming it, its
     synchronization raising with the record, or, where the GPU driver never reports its
     trap (ranks sharing a GPU that time out at the same moment; seen at 4 ranks on one
     H200), its process ending with the record on stderr (jax_fusedar/common/lost_traps.py)."""
     from tests.gpu.workers.native_timeout import BOUNDS, GOOD_FIRST, TIMEOUT_S
+
     res = run_case("tests.gpu.workers.native_timeout", case, str(world), timeout_s=200)
     report(f"timeout_{case}_world{world}", res)
     assert "error" not in res, res["error"] + "\n" + res["output_tail"]
@@ -117,8 +145,9 @@ def test_a_missing_rank_makes_the_other_fail_with_the_record(case, tokens, onesh
             _check_lost(res, r, world - 1, GOOD_FIRST + 1, sig, TIMEOUT_S, where, world)
             continue
         _check_good(r["good"], BOUNDS, r["rank"])
-        _check_failed_record(r["failing"], r["rank"], world - 1, GOOD_FIRST + 1, sig,
-                             TIMEOUT_S, where, world)
+        _check_failed_record(
+            r["failing"], r["rank"], world - 1, GOOD_FIRST + 1, sig, TIMEOUT_S, where, world
+        )
     if case == "killed":
         assert missing["exitcode"] == -9, missing  # SIGKILL, no result
     else:
@@ -132,6 +161,7 @@ def test_a_rank_missing_from_a_large_message_call_makes_the_other_fail_with_the_
     call rank 1 makes no call; rank 0's entry-flag wait must time out naming rank 1."""
     from jax_fusedar.common import launch_mode
     from tests.gpu.workers.native_timeout import BOUNDS, GOOD_FIRST, LARGE_TOKENS, TIMEOUT_S
+
     res = run_case("tests.gpu.workers.native_timeout", "never_large", timeout_s=300)
     report("timeout_never_large", res)
     assert "error" not in res, res["error"] + "\n" + res["output_tail"]
@@ -160,6 +190,7 @@ def test_mismatched_token_counts_without_the_call_check_fail_on_both_ranks():
     """Both ranks time out at the same moment, each naming the other; a rank whose trap the
     driver never reports is ended by the watcher with the same record on stderr."""
     from tests.gpu.workers.native_timeout import BOUNDS, GOOD_FIRST, TIMEOUT_S
+
     res = run_case("tests.gpu.workers.native_timeout", "tokens", timeout_s=200)
     report("timeout_tokens", res)
     assert "error" not in res, res["error"] + "\n" + res["output_tail"]
@@ -171,8 +202,7 @@ def test_mismatched_token_counts_without_the_call_check_fail_on_both_ranks():
             _check_lost(res, r, 1 - me, GOOD_FIRST + 1, sig, TIMEOUT_S, LAMPORT_WAIT)
             continue
         _check_good(r["good"], BOUNDS, me)
-        _check_failed_record(r["failing"], me, 1 - me, GOOD_FIRST + 1, sig, TIMEOUT_S,
-                             LAMPORT_WAIT)
+        _check_failed_record(r["failing"], me, 1 - me, GOOD_FIRST + 1, sig, TIMEOUT_S, LAMPORT_WAIT)
 
 
 def test_jax_surfaces_the_timeout_with_the_record():
@@ -180,6 +210,7 @@ def test_jax_surfaces_the_timeout_with_the_record():
     (tests/gpu/workers/jax_timeout.py), or, where the driver never reports rank 0's trap,
     the watcher ends rank 0 with the same record on stderr."""
     from tests.gpu.workers import jax_timeout
+
     res = run_case("tests.gpu.workers.jax_timeout", timeout_s=240)
     report("timeout_jax", res)
     assert "error" not in res, res["error"] + "\n" + res["output_tail"]
@@ -192,16 +223,30 @@ def test_jax_surfaces_the_timeout_with_the_record():
     if lost:
         # Rank 1 heard nothing from rank 0 and reported before rank 0 ended.
         assert r1["rank0_partial"] is None and "rank0_silent" in r1, r1
-        _check_lost(res, r0, 1, None, None, jax_timeout.TIMEOUT_S,
-                    "its one-shot data in this rank's Lamport buffer (token ")
+        _check_lost(
+            res,
+            r0,
+            1,
+            None,
+            None,
+            jax_timeout.TIMEOUT_S,
+            "its one-shot data in this rank's Lamport buffer (token ",
+        )
         return
     f = r0["failing"]
     assert r1["rank0_partial"] is not None, r1
     assert len(f["failures"]) == 1 and "Rank 1 did not arrive" in f["failures"][0], f
-    _check_record(f["failures"][0], 0, 1, None, None, jax_timeout.TIMEOUT_S,
-                  "its one-shot data in this rank's Lamport buffer (token ")
+    _check_record(
+        f["failures"][0],
+        0,
+        1,
+        None,
+        None,
+        jax_timeout.TIMEOUT_S,
+        "its one-shot data in this rank's Lamport buffer (token ",
+    )
     # The computation raised XLA's generic CUDA error, re-raised with the record's text.
-    assert f["error"] == "RuntimeError: " + f["failures"][0][:1500 - 14], f
+    assert f["error"] == "RuntimeError: " + f["failures"][0][: 1500 - 14], f
     assert "CUDA" in f["xla_error"], f
     assert "waited 3.0 s (timeout 3.0 s) for rank 1" in f["failures"][0], f
     # The kernel traps at the timeout: its record is in host memory (ws.failures()) within
@@ -215,14 +260,18 @@ def test_jax_surfaces_the_timeout_with_the_record():
     assert f["next_call_error"], f  # XLA refuses the dead context before our handler runs
 
 
-MOE_SIG = "{{pattern={} dtype=bfloat16 num_tokens={} hidden_dim={} one-shot fp32_acc=0 " \
-          "layout=0 block_quant_group_size=0}}"
+MOE_SIG = (
+    "{{pattern={} dtype=bfloat16 num_tokens={} hidden_dim={} one-shot fp32_acc=0 "
+    "layout=0 block_quant_group_size=0}}"
+)
 
 
 # The wait each MoE case fails in: both kernels poll this rank's Lamport buffer (pattern 7
 # after the build's fix of FlashInfer's peer-buffer race, docs/moe.md).
-MOE_WAITS = {"never_finalize": "its one-shot data in this rank's Lamport buffer (token ",
-             "never_reduction": "its one-shot data in this rank's Lamport buffer (token "}
+MOE_WAITS = {
+    "never_finalize": "its one-shot data in this rank's Lamport buffer (token ",
+    "never_reduction": "its one-shot data in this rank's Lamport buffer (token ",
+}
 
 
 @pytest.mark.parametrize("case", sorted(MOE_WAITS))
@@ -231,6 +280,7 @@ def test_a_rank_that_skips_an_moe_call_makes_the_other_fail_with_the_record(case
     where the driver never reports rank 0's trap, the watcher ends rank 0 with the same
     record on stderr; rank 1 stays healthy either way."""
     from tests.gpu.workers import moe_timeout as mt
+
     where = MOE_WAITS[case]
     res = run_case("tests.gpu.workers.moe_timeout", case, timeout_s=200)
     report(f"timeout_moe_{case}", res)

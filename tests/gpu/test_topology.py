@@ -6,6 +6,7 @@ the CUDA context of its process, and the handshake's device printf goes to stdou
 wait is bounded (subprocess timeout, channel timeouts, the check's own timeout), and each
 result is written as JSON (with the output's tail) to $JAX_FUSEDAR_REPORT_DIR.
 """
+
 import pytest
 
 from tests.gpu.case_runs import lost_trap_record, report, run_case
@@ -14,18 +15,22 @@ from tests.gpu.harness import world_params
 pytestmark = pytest.mark.gpu
 
 
-SIG = "{{pattern={} dtype=bfloat16 num_tokens={} hidden_dim=4096 {} fp32_acc=1 layout=0 " \
-      "block_quant_group_size=0}}"
+SIG = (
+    "{{pattern={} dtype=bfloat16 num_tokens={} hidden_dim=4096 {} fp32_acc=1 layout=0 "
+    "block_quant_group_size=0}}"
+)
 
 
 def _gpus():
     from jax_fusedar.common import native
+
     return native.gpu_count()
 
 
 def _check_matching(r):
     """The matching calls each case makes first (check on) stayed within the bounds."""
     from tests.gpu.workers.native_mismatch import BOUNDS, MATCHING
+
     assert r["check_calls"] is True, r
     assert len(r["matching"]) == len(MATCHING)
     for e in r["matching"]:
@@ -42,6 +47,7 @@ def test_call_check_matching_calls_graph_replay_and_cost(world):
     ranks = res["ranks"]
     assert not res["printf_lines"], res["printf_lines"]
     from tests.gpu.workers.native_mismatch import BOUNDS
+
     for r in ranks:
         _check_matching(r)
         assert r["off_check_calls"] is False
@@ -55,21 +61,30 @@ def test_call_check_matching_calls_graph_replay_and_cost(world):
         assert r["failure_record"] == ""
     # Same bits on every rank, and with the check on or off.
     assert {r["digest"] for r in ranks} == {ranks[0]["off_digest"]}
-    print("handshake cost (ms per call, median): on",
-          [r["timing_on"]["ms_per_call_median"] for r in ranks], "off",
-          [r["timing_off"]["ms_per_call_median"] for r in ranks])
+    print(
+        "handshake cost (ms per call, median): on",
+        [r["timing_on"]["ms_per_call_median"] for r in ranks],
+        "off",
+        [r["timing_off"]["ms_per_call_median"] for r in ranks],
+    )
 
 
-@pytest.mark.parametrize("case", ["tokens", pytest.param("pattern", marks=pytest.mark.slow),
-                                  pytest.param("oneshot", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "tokens",
+        pytest.param("pattern", marks=pytest.mark.slow),
+        pytest.param("oneshot", marks=pytest.mark.slow),
+    ],
+)
 def test_mismatched_calls_fail_instead_of_hanging(case):
     """Both ranks detect the mismatch and trap: each one's synchronization raises with the
     record, or, where the GPU driver never reports the trap (ranks sharing a GPU trap at
     the same moment; jax_fusedar/common/lost_traps.py), its process ends with the record on
     stderr after the watcher's grace period. Either way the run ends, well before any
     timeout."""
-    from tests.gpu.workers.native_mismatch import (MATCHING, MISMATCH_TIMEOUT_S,
-                                                   failing_call_of)
+    from tests.gpu.workers.native_mismatch import MATCHING, MISMATCH_TIMEOUT_S, failing_call_of
+
     res = run_case("tests.gpu.workers.native_mismatch", case, timeout_s=170)
     report(f"call_check_{case}", res)
     assert "error" not in res, res["error"] + "\n" + res["output_tail"]
@@ -82,8 +97,10 @@ def test_mismatched_calls_fail_instead_of_hanging(case):
         mine = SIG.format(pm, mm, "one-shot" if om else "two-shot")
         theirs = SIG.format(pp, mp, "one-shot" if op else "two-shot")
         device = (r["notes"] if lost else r)["device"]
-        expected = (f"jax_fusedar call check failed on rank {me} of 2 (device {device}), "
-                    f"call #{seq}: rank {peer} called {theirs} but rank {me} called {mine}")
+        expected = (
+            f"jax_fusedar call check failed on rank {me} of 2 (device {device}), "
+            f"call #{seq}: rank {peer} called {theirs} but rank {me} called {mine}"
+        )
         _check_matching(r["notes"] if lost else r)
         if lost:
             # Detected as a mismatch, well before the timeout would have fired.
@@ -96,7 +113,7 @@ def test_mismatched_calls_fail_instead_of_hanging(case):
         assert f["failure_record"].startswith(expected), (expected, f["failure_record"])
         assert f["relaunch_error"] and expected in f["relaunch_error"], f
     # The device's own message reached stdout (one per rank; output buffered in the child).
-    assert res["printf_lines"], ("no device printf output captured\n" + res["output_tail"])
+    assert res["printf_lines"], "no device printf output captured\n" + res["output_tail"]
     joined = "\n".join(res["printf_lines"])
     for r in res["ranks"]:
         assert f"FAILED on rank {r['rank']} of 2" in joined, joined
@@ -109,21 +126,27 @@ def test_a_rank_that_never_calls_times_out(world):
     trap (callers sharing a GPU time out at the same moment), its process ending with the
     record on stderr after the watcher's grace period (jax_fusedar/common/lost_traps.py)."""
     from tests.gpu.workers.native_mismatch import MATCHING, TIMEOUT_CASE_S
+
     res = run_case("tests.gpu.workers.native_mismatch", "timeout", str(world), timeout_s=170)
     report(f"call_check_timeout_world{world}", res)
     assert "error" not in res, res["error"] + "\n" + res["output_tail"]
     *callers, missing = res["ranks"]
     seq = len(MATCHING) + 1
-    expected = (f"rank {world - 1} did not make its call #{seq} "
-                f"{SIG.format(1, 16, 'one-shot')} within {TIMEOUT_CASE_S:.1f} s (the last call "
-                f"seen from it is #{seq - 1})")
+    expected = (
+        f"rank {world - 1} did not make its call #{seq} "
+        f"{SIG.format(1, 16, 'one-shot')} within {TIMEOUT_CASE_S:.1f} s (the last call "
+        f"seen from it is #{seq - 1})"
+    )
     for r in callers:
         if "exitcode" in r:  # its trap was never reported: the watcher ended the process
             _check_matching(r["notes"])
             assert r["notes"]["check_timeout_s"] == pytest.approx(TIMEOUT_CASE_S), r
             record = lost_trap_record(
-                res, r, f"jax_fusedar call check failed on rank {r['rank']} of {world} ",
-                record_within_s=TIMEOUT_CASE_S + 12)
+                res,
+                r,
+                f"jax_fusedar call check failed on rank {r['rank']} of {world} ",
+                record_within_s=TIMEOUT_CASE_S + 12,
+            )
             assert expected in record, (expected, record)
         else:
             _check_matching(r)
@@ -133,8 +156,10 @@ def test_a_rank_that_never_calls_times_out(world):
             assert TIMEOUT_CASE_S * 0.9 <= f["elapsed_s"] <= TIMEOUT_CASE_S + 12, f
             assert expected in f["failure_record"], f["failure_record"]
             assert f["relaunch_error"] and "did not make its call" in f["relaunch_error"], f
-        assert any(f"on rank {r['rank']} of {world}" in line and "did not make its call" in line
-                   for line in res["printf_lines"]), res["output_tail"]
+        assert any(
+            f"on rank {r['rank']} of {world}" in line and "did not make its call" in line
+            for line in res["printf_lines"]
+        ), res["output_tail"]
     # The rank that made no call is untouched.
     assert "exitcode" not in missing, f"the rank that made no call ended: {missing}"
     _check_matching(missing)
@@ -157,8 +182,9 @@ def test_mixed_topology_four_ranks_two_processes_two_gpus():
             w = p["calls"][mode]["worst"]
             assert w["residual"] <= 1.0 and w["norm"] <= 3.0, (mode, p["process"], w)
         # All four ranks hold the same bits, call by call.
-        for i, (d0, d1) in enumerate(zip(procs[0]["calls"][mode]["digests"],
-                                         procs[1]["calls"][mode]["digests"])):
+        for i, (d0, d1) in enumerate(
+            zip(procs[0]["calls"][mode]["digests"], procs[1]["calls"][mode]["digests"])
+        ):
             assert len(set(d0.values()) | set(d1.values())) == 1, (mode, i, d0, d1)
     for p in procs:
         assert p["failure_records"] == ["", ""]

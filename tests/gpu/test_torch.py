@@ -7,6 +7,7 @@ ranks residual_out within 1 ulp and norm_out within 3 ulps (bf16) of the interme
 magnitudes (tests/oracles/oracle.py). Results go to $JAX_FUSEDAR_REPORT_DIR/torch_*.json when
 set.
 """
+
 import os
 
 import pytest
@@ -30,14 +31,11 @@ def _seed():
     return int(env) if env else int.from_bytes(os.urandom(4), "little")
 
 
-
-
 def _run(worker, world, **kw):
     from tests.gpu.workers import torch_workers
     from tests.gpu.harness import free_port, run_ranks
 
-    return run_ranks(getattr(torch_workers, worker), world, timeout_s=900,
-                     port=free_port(), **kw)
+    return run_ranks(getattr(torch_workers, worker), world, timeout_s=900, port=free_port(), **kw)
 
 
 def test_torch_dp_tp_two_groups_concurrently():
@@ -70,14 +68,17 @@ def test_torch_create_destroy_cycles_return_all_memory():
     res = _run("cycles_worker", 2, seed=seed, cycles=cycles, tokens=16, hidden=4096)
     report("torch_cycles", {"seed": seed, "ranks": res})
     for r in res:
-        print(f"rank {r['rank']} (GPU {r['device']}): {r['cycles']} cycles in "
-              f"{r['seconds']:.1f} s; free before {r['free_before']} B, after "
-              f"{r['free_after']} B (delta {r['free_after'] - r['free_before']} B)")
+        print(
+            f"rank {r['rank']} (GPU {r['device']}): {r['cycles']} cycles in "
+            f"{r['seconds']:.1f} s; free before {r['free_before']} B, after "
+            f"{r['free_after']} B (delta {r['free_after'] - r['free_before']} B)"
+        )
         assert r["nan_outputs"] == 0, r
         assert r["worst"]["residual"] <= RESIDUAL_ULPS and r["worst"]["norm"] <= NORM_ULPS, r
         assert r["free_after"] >= r["free_before"], (
             f"rank {r['rank']}: {r['free_before'] - r['free_after']} bytes of GPU memory not "
-            f"returned after {r['cycles']} create/destroy cycles")
+            f"returned after {r['cycles']} create/destroy cycles"
+        )
 
 
 def test_torch_member_that_never_joins_times_out_naming_it():
@@ -99,12 +100,18 @@ def test_torch_parity_patterns_0_1_sweep(world):
     {1,16,128} x 4096), patterns 0 and 1, one-shot and two-shot (where tokens > ranks),
     fp32_acc True and False (every third case), against the float64 oracle's bounds."""
     seed = _seed()
-    tokens, hiddens = ((1, 16, 128, 1024), (4096, 8192)) if world == 2 else ((1, 16, 128),
-                                                                              (4096,))
-    res = _run("parity_worker", world, seed=seed, tokens=tokens, hiddens=hiddens,
-               dtypes=("bfloat16", "float16"))
+    tokens, hiddens = ((1, 16, 128, 1024), (4096, 8192)) if world == 2 else ((1, 16, 128), (4096,))
+    res = _run(
+        "parity_worker",
+        world,
+        seed=seed,
+        tokens=tokens,
+        hiddens=hiddens,
+        dtypes=("bfloat16", "float16"),
+    )
     report(f"torch_parity_world{world}", {"seed": seed, "ranks": res})
     from tests.gpu.harness import shape_cases
+
     problems = []
     for r in res:
         assert r["nans"] == 0, r
@@ -124,8 +131,14 @@ def test_torch_fp8_patterns(world):
     1 fp32 ulp, group UE8M0 bytes equal. Twins (2/4, 10/11, 8/9) bit-identical, except the
     known group-quant rarity (docs/numerics.md: 9 codes of 8.4 M once), allowed at <= 1e-5."""
     seed = _seed()
-    shapes = [(1024, 1, True), (1024, 17, True), (1024, 17, False), (4096, 128, True),
-              (4096, 128, False), (8192, 1024, False)]
+    shapes = [
+        (1024, 1, True),
+        (1024, 17, True),
+        (1024, 17, False),
+        (4096, 128, True),
+        (4096, 128, False),
+        (8192, 1024, False),
+    ]
     if world != 2:
         shapes = shapes[:5]
     res = _run("fp8_worker", world, seed=seed, shapes=shapes, dtypes=("bfloat16", "float16"))
@@ -145,10 +158,16 @@ def test_torch_fp8_patterns(world):
             assert "need an sm100+ GPU" in q["nvfp4_refused"], q
 
 
-@pytest.mark.parametrize("backend, world", [
-    pytest.param("aot_eager", 2, id="aot_eager-world2"),
-    *[pytest.param("inductor", w.values[0], id=f"inductor-{w.id}", marks=w.marks)
-      for w in world_params()]])
+@pytest.mark.parametrize(
+    "backend, world",
+    [
+        pytest.param("aot_eager", 2, id="aot_eager-world2"),
+        *[
+            pytest.param("inductor", w.values[0], id=f"inductor-{w.id}", marks=w.marks)
+            for w in world_params()
+        ],
+    ],
+)
 def test_torch_custom_ops_under_torch_compile(backend, world):
     """torch.compile(fullgraph=True) of the custom ops (patterns 0, 1, 11, 9) on the GPU:
     the same bits and metadata as eager, and the plain outputs within the oracle bounds."""
@@ -181,8 +200,7 @@ def test_torch_cuda_graph_capture_and_replay(world):
         assert q["code_steps1"] <= 2e-3 * q["elements"], q
 
 
-@needs_gpus(2, "the unfused model's all_reduce runs on NCCL, which refuses two ranks on one "
-               "GPU")
+@needs_gpus(2, "the unfused model's all_reduce runs on NCCL, which refuses two ranks on one GPU")
 @pytest.mark.parametrize("mode", ["make_fx", "inductor"])
 def test_torch_fusion_pass_on_a_4_layer_tp_model(mode):
     """A 4-layer TP model (row-parallel matmul -> NCCL all_reduce -> + residual -> RMSNorm):
@@ -201,5 +219,5 @@ def test_torch_fusion_pass_on_a_4_layer_tp_model(mode):
                 assert f["all_reduces_before"] == 4 and f["all_reduces_after"] == 0, (form, f)
                 assert f["fused_ops"] == 4, (form, f)
             assert f["finite"], (form, f)
-            assert f["fused_vs_f64"] <= 1.25 * f["unfused_vs_f64"] + 2.0 ** -8, (form, f)
+            assert f["fused_vs_f64"] <= 1.25 * f["unfused_vs_f64"] + 2.0**-8, (form, f)
             assert f["fused_vs_unfused"] <= 2e-2, (form, f)

@@ -6,6 +6,7 @@ tests/jax/conftest.py sets JAX_PLATFORMS / XLA_FLAGS before any test module impo
 reads the virtual device count once per process); a test module imports this module and calls
 ``require_host_devices()`` at module level.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,7 +37,8 @@ NORM_ULPS = {"bfloat16": 3.0, "float16": 3.0, "float32": 8.0}
 
 # Lowering a trtllm workspace for cuda needs the native module's FFI targets.
 needs_native = pytest.mark.skipif(
-    not native.available(), reason=native_skip_reason("the cuda lowering of a trtllm workspace"))
+    not native.available(), reason=native_skip_reason("the cuda lowering of a trtllm workspace")
+)
 
 
 def require_host_devices(n: int = HOST_DEVICES) -> None:
@@ -49,7 +51,8 @@ def require_host_devices(n: int = HOST_DEVICES) -> None:
             f"XLA_FLAGS={HOST_DEVICES_FLAG}, or they were already set otherwise "
             f"(JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')!r}, "
             f"XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}); run the CPU tests in a fresh process",
-            allow_module_level=True)
+            allow_module_level=True,
+        )
 
 
 def new_rng() -> np.random.Generator:
@@ -93,6 +96,7 @@ def random_gamma(rng, hidden: int, dtype_name: str, leading=()) -> np.ndarray:
 
 # --- meshes ------------------------------------------------------------------------------------
 
+
 def make_mesh(shape, axis_names, device_ids=None) -> Mesh:
     """A mesh over the CPU devices ``device_ids`` (default: the first ones, in id order)."""
     by_id = {d.id: d for d in jax.devices()}
@@ -112,6 +116,7 @@ def run_sharded(f, mesh, in_specs, out_specs, *args):
 
 
 # --- the oracle --------------------------------------------------------------------------------
+
 
 def kernel_rounding(partials, residual, dtype_name: str, *, fp32_acc: bool = True):
     """(allreduce_out, residual_out) rounded exactly where the kernel rounds, in numpy:
@@ -140,9 +145,19 @@ def _f64(a) -> np.ndarray:
     return np.asarray(a).astype(np.float64)
 
 
-def check_outputs(dtype_name: str, partials, *, residual=None, gamma=None, weight_bias=0.0,
-                  rms_eps=RMS_EPS, allreduce_out=None, residual_out=None, norm_out=None,
-                  what: str = "") -> dict:
+def check_outputs(
+    dtype_name: str,
+    partials,
+    *,
+    residual=None,
+    gamma=None,
+    weight_bias=0.0,
+    rms_eps=RMS_EPS,
+    allreduce_out=None,
+    residual_out=None,
+    norm_out=None,
+    what: str = "",
+) -> dict:
     """Asserts that the given outputs match the float64 oracle for the per-rank ``partials``
     (a sequence of [M, H] arrays) within the ulp bounds above; returns the errors.
 
@@ -152,30 +167,51 @@ def check_outputs(dtype_name: str, partials, *, residual=None, gamma=None, weigh
     shape = partials[0].shape
     residual = np.zeros(shape, partials[0].dtype) if residual is None else np.asarray(residual)
     gamma = np.ones(shape[-1]) if gamma is None else np.asarray(gamma)
-    s, r, y, inv = oracle.fused_reference([_f64(x) for x in partials], _f64(residual),
-                                          _f64(gamma), rms_eps=rms_eps, weight_bias=weight_bias)
+    s, r, y, inv = oracle.fused_reference(
+        [_f64(x) for x in partials],
+        _f64(residual),
+        _f64(gamma),
+        rms_eps=rms_eps,
+        weight_bias=weight_bias,
+    )
     errors = {}
-    for name, out in (("allreduce_out", allreduce_out), ("residual_out", residual_out),
-                      ("norm_out", norm_out)):
+    for name, out in (
+        ("allreduce_out", allreduce_out),
+        ("residual_out", residual_out),
+        ("norm_out", norm_out),
+    ):
         if out is None:
             continue
         out = np.asarray(out)
         assert out.shape == shape and out.dtype == jdtype(dtype_name), (
-            f"{what}: {name} is {out.shape} {out.dtype}, expected {shape} {dtype_name}")
+            f"{what}: {name} is {out.shape} {out.dtype}, expected {shape} {dtype_name}"
+        )
         if name == "allreduce_out":
             errors[name] = oracle.allreduce_error_ulps(out, s, dtype_name)
         elif name == "residual_out":
             errors[name] = oracle.residual_error_ulps(out, s, r, _f64(residual), dtype_name)
         else:
-            errors[name] = oracle.norm_error_ulps(out, s, y, inv, _f64(residual), _f64(gamma),
-                                                  weight_bias=weight_bias, dtype_name=dtype_name)
-    bounds = {"allreduce_out": ALLREDUCE_ULPS, "residual_out": RESIDUAL_ULPS,
-              "norm_out": NORM_ULPS[dtype_name]}
+            errors[name] = oracle.norm_error_ulps(
+                out,
+                s,
+                y,
+                inv,
+                _f64(residual),
+                _f64(gamma),
+                weight_bias=weight_bias,
+                dtype_name=dtype_name,
+            )
+    bounds = {
+        "allreduce_out": ALLREDUCE_ULPS,
+        "residual_out": RESIDUAL_ULPS,
+        "norm_out": NORM_ULPS[dtype_name],
+    }
     bad = {k: v for k, v in errors.items() if not v <= bounds[k]}  # NaN fails too
-    assert not bad, (f"{what}: errors in ulps {bad} exceed the bounds "
-                     f"{ {k: bounds[k] for k in bad} } ({dtype_name}, weight_bias={weight_bias})")
+    assert not bad, (
+        f"{what}: errors in ulps {bad} exceed the bounds "
+        f"{ {k: bounds[k] for k in bad} } ({dtype_name}, weight_bias={weight_bias})"
+    )
     return errors
-
 
 
 def assert_same_bits(a, b, what):
@@ -185,7 +221,13 @@ def assert_same_bits(a, b, what):
     assert len(la) == len(lb), what
     for i, (u, v) in enumerate(zip(la, lb)):
         u, v = np.asarray(u), np.asarray(v)
-        assert u.dtype == v.dtype and u.shape == v.shape, (what, i, u.dtype, v.dtype,
-                                                            u.shape, v.shape)
+        assert u.dtype == v.dtype and u.shape == v.shape, (
+            what,
+            i,
+            u.dtype,
+            v.dtype,
+            u.shape,
+            v.shape,
+        )
         diff = np.count_nonzero(bits(u) != bits(v))
         assert diff == 0, f"{what}: leaf {i} differs in {diff} of {u.size} elements"

@@ -12,14 +12,23 @@ and False, tested where it can be on CPU:
 
 The GPU tests hold the kernel to the same bounds at world 2, 4 and 8 (tests/gpu/test_jax.py,
 test_torch.py, test_anchor.py)."""
+
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_fusedar as jf
-from tests.jax.cpu_helpers import (RMS_EPS, bits, jdtype, make_mesh, new_rng,
-                                   random_gamma, random_values, require_host_devices,
-                                   run_sharded)
+from tests.jax.cpu_helpers import (
+    RMS_EPS,
+    bits,
+    jdtype,
+    make_mesh,
+    new_rng,
+    random_gamma,
+    random_values,
+    require_host_devices,
+    run_sharded,
+)
 from tests.oracles import oracle
 
 require_host_devices()
@@ -85,18 +94,18 @@ def test_bound_holds_on_the_kernels_additions(world, fp32_acc, dtype):
         s = emulate_kernel_sum(list(xs), dtype, fp32_acc=fp32_acc)
         r = emulate_residual(s, residual, dtype)
         s64 = np.sum(xs.astype(np.float64), axis=0)
-        ratio_s = oracle.bound_ratio(s, s64, oracle.sum_error_bound(xs, dtype,
-                                                                   fp32_acc=fp32_acc))
-        ratio_r = oracle.bound_ratio(r, s64 + residual.astype(np.float64),
-                                     oracle.residual_error_bound(xs, residual, dtype,
-                                                                 fp32_acc=fp32_acc))
+        ratio_s = oracle.bound_ratio(s, s64, oracle.sum_error_bound(xs, dtype, fp32_acc=fp32_acc))
+        ratio_r = oracle.bound_ratio(
+            r,
+            s64 + residual.astype(np.float64),
+            oracle.residual_error_bound(xs, residual, dtype, fp32_acc=fp32_acc),
+        )
         assert ratio_s <= 1.0 and ratio_r <= 1.0, (kind, ratio_s, ratio_r)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("world", [4, 8, 16])
-def test_without_fp32_acc_the_bound_is_reached_and_the_two_rank_bound_is_not_enough(world,
-                                                                                      dtype):
+def test_without_fp32_acc_the_bound_is_reached_and_the_two_rank_bound_is_not_enough(world, dtype):
     """Where partial sums cancel, fp32_acc=False errs by about the bound (within a factor
     2.5), far beyond the two-rank bound of one ulp of |s|; fp32_acc=True stays within that
     ulp on the same inputs."""
@@ -125,19 +134,34 @@ def test_a_bound_one_rounding_short_is_exceeded():
 def _fused_on_cpu(world, dtype, fp32_acc, xs, residual, gamma, weight_bias):
     mesh = make_mesh((world,), ("tp",))
     tokens, hidden = residual.shape
-    ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=tokens,
-                                              hidden_dim=hidden, dtype=jdtype(dtype))
+    ws = jf.create_allreduce_fusion_workspace(
+        mesh, "tp", max_token_num=tokens, hidden_dim=hidden, dtype=jdtype(dtype)
+    )
     assert ws.backend == "xla", ws
 
     def body(x, r, g):
-        o = jf.allreduce_fusion(x, axis_name="tp", workspace=ws, residual=r, rms_gamma=g,
-                                weight_bias=weight_bias, fp32_acc=fp32_acc, rms_eps=RMS_EPS)
-        a = jf.allreduce_fusion(x, axis_name="tp", workspace=ws, fp32_acc=fp32_acc,
-                                pattern=jf.AllReduceFusionPattern.kAllReduce)
+        o = jf.allreduce_fusion(
+            x,
+            axis_name="tp",
+            workspace=ws,
+            residual=r,
+            rms_gamma=g,
+            weight_bias=weight_bias,
+            fp32_acc=fp32_acc,
+            rms_eps=RMS_EPS,
+        )
+        a = jf.allreduce_fusion(
+            x,
+            axis_name="tp",
+            workspace=ws,
+            fp32_acc=fp32_acc,
+            pattern=jf.AllReduceFusionPattern.kAllReduce,
+        )
         return a.allreduce_out, o.residual_out, o.norm_out
 
-    outs = run_sharded(body, mesh, (P("tp"), P(), P()), (P(), P(), P()),
-                       xs.reshape(-1, hidden), residual, gamma)
+    outs = run_sharded(
+        body, mesh, (P("tp"), P(), P()), (P(), P(), P()), xs.reshape(-1, hidden), residual, gamma
+    )
     return [np.asarray(o) for o in outs]
 
 
@@ -153,14 +177,23 @@ def test_reference_path_within_the_bound(world, fp32_acc, dtype):
         ar, res, norm = _fused_on_cpu(world, dtype, fp32_acc, xs, residual, gamma, 1.0)
         s64 = np.sum(xs.astype(np.float64), axis=0)
         where = (kind, world, dtype, fp32_acc)
-        assert oracle.bound_ratio(ar, s64, oracle.sum_error_bound(
-            xs, dtype, fp32_acc=fp32_acc)) <= 1.0, where
-        assert oracle.bound_ratio(res, s64 + residual.astype(np.float64),
-                                  oracle.residual_error_bound(xs, residual, dtype,
-                                                              fp32_acc=fp32_acc)) <= 1.0, where
-        assert oracle.norm_error_given_residual_ulps(
-            norm, res, gamma, rms_eps=RMS_EPS, weight_bias=1.0,
-            dtype_name=dtype) <= oracle.NORM_GIVEN_RESIDUAL_ULPS[dtype], where
+        assert (
+            oracle.bound_ratio(ar, s64, oracle.sum_error_bound(xs, dtype, fp32_acc=fp32_acc)) <= 1.0
+        ), where
+        assert (
+            oracle.bound_ratio(
+                res,
+                s64 + residual.astype(np.float64),
+                oracle.residual_error_bound(xs, residual, dtype, fp32_acc=fp32_acc),
+            )
+            <= 1.0
+        ), where
+        assert (
+            oracle.norm_error_given_residual_ulps(
+                norm, res, gamma, rms_eps=RMS_EPS, weight_bias=1.0, dtype_name=dtype
+            )
+            <= oracle.NORM_GIVEN_RESIDUAL_ULPS[dtype]
+        ), where
         if not fp32_acc and dtype != "float32":
             # Every rounding where the kernel rounds (fp32_acc=True and float32 sum in psum's
             # order, which the API leaves open).

@@ -1,6 +1,7 @@
 """The public JAX API on CPU: results against the float64 oracle on 1-D and (dp, tp) meshes,
 the cuda lowering (custom call, attributes, aliasing) on this GPU-less machine, trace-time
 errors, the logged fallback and the workspace object. 8 virtual host devices."""
+
 import logging
 import re
 
@@ -13,10 +14,20 @@ from jax.sharding import PartitionSpec as P
 
 import jax_fusedar as jf
 from tests.jax.cpu_helpers import needs_native
-from tests.jax.cpu_helpers import (RMS_EPS, bits, check_outputs, jdtype,
-                                   kernel_rounding, make_mesh, new_rng, random_gamma,
-                                   random_partials, random_values, require_host_devices,
-                                   run_sharded)
+from tests.jax.cpu_helpers import (
+    RMS_EPS,
+    bits,
+    check_outputs,
+    jdtype,
+    kernel_rounding,
+    make_mesh,
+    new_rng,
+    random_gamma,
+    random_partials,
+    random_values,
+    require_host_devices,
+    run_sharded,
+)
 from jax_fusedar.common import backend_choice, native
 from jax_fusedar.primitive import FFI_TARGET
 from jax_fusedar.common.tp_groups import TPGroup
@@ -25,8 +36,11 @@ require_host_devices()
 
 AR = jf.AllReduceFusionPattern.kAllReduce
 AR_NORM = jf.AllReduceFusionPattern.kARResidualRMSNorm
-MESHES = {"tp8": ((8,), ("tp",)), "dp2_tp4": ((2, 4), ("dp", "tp")),
-          "dp4_tp2": ((4, 2), ("dp", "tp"))}
+MESHES = {
+    "tp8": ((8,), ("tp",)),
+    "dp2_tp4": ((2, 4), ("dp", "tp")),
+    "dp4_tp2": ((4, 2), ("dp", "tp")),
+}
 MLIR_TYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 
 
@@ -40,8 +54,9 @@ def mesh_of(name):
 
 
 def xla_workspace(mesh, dtype="bfloat16", *, max_token_num=64, hidden_dim=256):
-    ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=max_token_num,
-                                              hidden_dim=hidden_dim, dtype=jdtype(dtype))
+    ws = jf.create_allreduce_fusion_workspace(
+        mesh, "tp", max_token_num=max_token_num, hidden_dim=hidden_dim, dtype=jdtype(dtype)
+    )
     assert ws.backend == "xla", ws
     return ws
 
@@ -49,6 +64,7 @@ def xla_workspace(mesh, dtype="bfloat16", *, max_token_num=64, hidden_dim=256):
 # --- shard_map plumbing ------------------------------------------------------------------------
 # x is sharded over all mesh axes along dim 0 (dp major), so each shard is its [M, H] block;
 # per-group arrays (residual, gamma, outputs) are sharded over "dp" (replicated on a 1-D mesh).
+
 
 def specs(mesh):
     """(x spec, per-group spec) for a ("tp",) or ("dp", "tp") mesh."""
@@ -60,13 +76,22 @@ def specs(mesh):
 def fused_body(ws, pattern=AR_NORM, *, seen=None, **kwargs):
     """Per shard: allreduce_fusion(x, residual, gamma) returning the pattern's outputs;
     ``seen`` receives which NamedTuple fields were None."""
+
     def body(x, residual=None, gamma=None):
-        out = jf.allreduce_fusion(x, axis_name="tp", workspace=ws, pattern=pattern,
-                                  residual=residual, rms_gamma=gamma, **kwargs)
+        out = jf.allreduce_fusion(
+            x,
+            axis_name="tp",
+            workspace=ws,
+            pattern=pattern,
+            residual=residual,
+            rms_gamma=gamma,
+            **kwargs,
+        )
         assert isinstance(out, jf.AllReduceFusionOutputs)
         if seen is not None:
             seen[int(pattern)] = tuple(f for f, v in zip(out._fields, out) if v is None)
         return tuple(v for v in out if v is not None)
+
     return body
 
 
@@ -80,10 +105,15 @@ def local_shapes(mesh, tokens, hidden, dtype, n_inputs=3):
     x_spec, group_spec = specs(mesh)
     n = mesh.devices.size
     groups = n // mesh.shape["tp"]
-    shapes = [((n * tokens, hidden), x_spec), ((groups * tokens, hidden), group_spec),
-              ((groups * hidden,), group_spec)][:n_inputs]
-    return ([abstract(mesh, spec, shape, dtype) for shape, spec in shapes],
-            tuple(spec for _, spec in shapes))
+    shapes = [
+        ((n * tokens, hidden), x_spec),
+        ((groups * tokens, hidden), group_spec),
+        ((groups * hidden,), group_spec),
+    ][:n_inputs]
+    return (
+        [abstract(mesh, spec, shape, dtype) for shape, spec in shapes],
+        tuple(spec for _, spec in shapes),
+    )
 
 
 def trace_sharded(body, mesh, tokens, hidden, dtype="bfloat16", *, n_inputs=3, n_outputs=1):
@@ -91,16 +121,23 @@ def trace_sharded(body, mesh, tokens, hidden, dtype="bfloat16", *, n_inputs=3, n
     are per group."""
     avals, in_specs = local_shapes(mesh, tokens, hidden, dtype, n_inputs)
     out_specs = (specs(mesh)[1],) * n_outputs
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs,
-                                 out_specs=out_specs)).trace(*avals)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)).trace(
+        *avals
+    )
 
 
 def trace_fused(ws, tokens, hidden, dtype=None, *, mesh=None, pattern=AR_NORM, **kwargs):
     """Traces allreduce_fusion on [tokens, hidden] shards (residual and gamma per group)."""
     has_residual = pattern != AR
-    return trace_sharded(fused_body(ws, pattern, **kwargs), ws.mesh if mesh is None else mesh,
-                         tokens, hidden, ws.dtype.name if dtype is None else dtype,
-                         n_inputs=3 if has_residual else 1, n_outputs=2 if has_residual else 1)
+    return trace_sharded(
+        fused_body(ws, pattern, **kwargs),
+        ws.mesh if mesh is None else mesh,
+        tokens,
+        hidden,
+        ws.dtype.name if dtype is None else dtype,
+        n_inputs=3 if has_residual else 1,
+        n_outputs=2 if has_residual else 1,
+    )
 
 
 def cuda_text(ws, tokens, hidden, **kwargs) -> str:
@@ -108,6 +145,7 @@ def cuda_text(ws, tokens, hidden, **kwargs) -> str:
 
 
 # --- 1. results against the oracle -------------------------------------------------------------
+
 
 def run_and_check_groups(ws, tokens, hidden, what, **kwargs):
     """Runs patterns 1 and 0 (with ``kwargs``) on ws.mesh over random data that differs per
@@ -124,16 +162,23 @@ def run_and_check_groups(ws, tokens, hidden, what, **kwargs):
     rng = new_rng()
     # Full-precision 16-bit partials without fp32_acc, so that the order of the roundings shows.
     xs = (random_partials if one_rounding else random_values)(
-        rng, (groups, world, tokens, hidden), dtype)
+        rng, (groups, world, tokens, hidden), dtype
+    )
     residual = random_values(rng, (groups, tokens, hidden), dtype)
     gamma = random_gamma(rng, hidden, dtype, leading=(groups,))
     seen = {}
     body1 = fused_body(ws, AR_NORM, seen=seen, **kwargs)
     body0 = fused_body(ws, AR, seen=seen, **kwargs)
     x_spec, group_spec = specs(mesh)
-    outs = run_sharded(lambda x, r, g: (*body1(x, r, g), *body0(x)), mesh,
-                       (x_spec, group_spec, group_spec), (group_spec,) * 3,
-                       xs.reshape(-1, hidden), residual.reshape(-1, hidden), gamma.reshape(-1))
+    outs = run_sharded(
+        lambda x, r, g: (*body1(x, r, g), *body0(x)),
+        mesh,
+        (x_spec, group_spec, group_spec),
+        (group_spec,) * 3,
+        xs.reshape(-1, hidden),
+        residual.reshape(-1, hidden),
+        gamma.reshape(-1),
+    )
     res_out, norm_out, ar_out = (np.asarray(o).reshape(groups, tokens, hidden) for o in outs)
     for g in range(groups):
         where = f"{what}: TP group {g} (devices {ws.groups[g].members})"
@@ -141,10 +186,18 @@ def run_and_check_groups(ws, tokens, hidden, what, **kwargs):
         assert np.array_equal(bits(ar_out[g]), bits(s)), f"{where}: allreduce_out"
         assert np.array_equal(bits(res_out[g]), bits(r)), f"{where}: residual_out"
         if one_rounding:
-            check_outputs(dtype, xs[g], residual=residual[g], gamma=gamma[g],
-                          weight_bias=kwargs.get("weight_bias", 0.0),
-                          rms_eps=kwargs.get("rms_eps", RMS_EPS), allreduce_out=ar_out[g],
-                          residual_out=res_out[g], norm_out=norm_out[g], what=where)
+            check_outputs(
+                dtype,
+                xs[g],
+                residual=residual[g],
+                gamma=gamma[g],
+                weight_bias=kwargs.get("weight_bias", 0.0),
+                rms_eps=kwargs.get("rms_eps", RMS_EPS),
+                allreduce_out=ar_out[g],
+                residual_out=res_out[g],
+                norm_out=norm_out[g],
+                what=where,
+            )
     return ar_out, seen
 
 
@@ -154,10 +207,13 @@ def run_and_check_groups(ws, tokens, hidden, what, **kwargs):
 @pytest.mark.parametrize("weight_bias", [0.0, 1.0])
 def test_each_tp_group_reduces_its_own_members(mesh_name, dtype, weight_bias):
     ws = xla_workspace(mesh_of(mesh_name), dtype)
-    ar_out, seen = run_and_check_groups(ws, 7, 256, mesh_name, weight_bias=weight_bias,
-                                        rms_eps=1e-5)
-    assert seen == {1: ("allreduce_out", "quant_out", "scale_out"),
-                    0: ("residual_out", "norm_out", "quant_out", "scale_out")}
+    ar_out, seen = run_and_check_groups(
+        ws, 7, 256, mesh_name, weight_bias=weight_bias, rms_eps=1e-5
+    )
+    assert seen == {
+        1: ("allreduce_out", "quant_out", "scale_out"),
+        0: ("residual_out", "norm_out", "quant_out", "scale_out"),
+    }
     if len(ws.groups) > 1:  # the groups really saw different data
         assert not np.array_equal(ar_out[0], ar_out[1])
 
@@ -175,38 +231,76 @@ def test_per_rank_residual_and_gamma_make_outputs_vary(dtype):
     gammas = random_gamma(rng, hidden, dtype, leading=(8,))
     body = fused_body(ws, weight_bias=1.0)
 
-    res_out, norm_out = run_sharded(body, mesh, (P("tp"), P("tp"), P()), (P("tp"), P("tp")),
-                                    xs.reshape(-1, hidden), residuals.reshape(-1, hidden),
-                                    gammas[0])
+    res_out, norm_out = run_sharded(
+        body,
+        mesh,
+        (P("tp"), P("tp"), P()),
+        (P("tp"), P("tp")),
+        xs.reshape(-1, hidden),
+        residuals.reshape(-1, hidden),
+        gammas[0],
+    )
     res_out, norm_out = (np.asarray(o).reshape(8, tokens, hidden) for o in (res_out, norm_out))
     for rank in range(8):
-        check_outputs(dtype, xs, residual=residuals[rank], gamma=gammas[0], weight_bias=1.0,
-                      residual_out=res_out[rank], norm_out=norm_out[rank],
-                      what=f"per-rank residual, rank {rank}")
+        check_outputs(
+            dtype,
+            xs,
+            residual=residuals[rank],
+            gamma=gammas[0],
+            weight_bias=1.0,
+            residual_out=res_out[rank],
+            norm_out=norm_out[rank],
+            what=f"per-rank residual, rank {rank}",
+        )
     assert not np.array_equal(res_out[0], res_out[1])
 
-    res_out, norm_out = run_sharded(body, mesh, (P("tp"), P(), P("tp")), (P(), P("tp")),
-                                    xs.reshape(-1, hidden), residuals[0], gammas.reshape(-1))
+    res_out, norm_out = run_sharded(
+        body,
+        mesh,
+        (P("tp"), P(), P("tp")),
+        (P(), P("tp")),
+        xs.reshape(-1, hidden),
+        residuals[0],
+        gammas.reshape(-1),
+    )
     norm_out = np.asarray(norm_out).reshape(8, tokens, hidden)
     for rank in range(8):
-        check_outputs(dtype, xs, residual=residuals[0], gamma=gammas[rank], weight_bias=1.0,
-                      residual_out=res_out, norm_out=norm_out[rank],
-                      what=f"per-rank gamma, rank {rank}")
+        check_outputs(
+            dtype,
+            xs,
+            residual=residuals[0],
+            gamma=gammas[rank],
+            weight_bias=1.0,
+            residual_out=res_out,
+            norm_out=norm_out[rank],
+            what=f"per-rank gamma, rank {rank}",
+        )
 
     # What varies cannot be declared replicated: residual_out with a per-rank residual,
     # norm_out with a per-rank gamma.
     x = abstract(mesh, P("tp"), (8 * tokens, hidden), dtype)
     shared = [abstract(mesh, P(), (tokens, hidden), dtype), abstract(mesh, P(), (hidden,), dtype)]
-    per_rank = [abstract(mesh, P("tp"), (8 * tokens, hidden), dtype),
-                abstract(mesh, P("tp"), (8 * hidden,), dtype)]
+    per_rank = [
+        abstract(mesh, P("tp"), (8 * tokens, hidden), dtype),
+        abstract(mesh, P("tp"), (8 * hidden,), dtype),
+    ]
     for varying, out_specs, replicated in [(0, (P(), P("tp")), 0), (1, (P(), P()), 1)]:
         args = [x, *[per_rank[i] if i == varying else shared[i] for i in (0, 1)]]
         # Newer JAX writes the spec as P(), 0.8 as PartitionSpec().
-        with pytest.raises(ValueError, match=rf"out_specs\[{replicated}\] is "
-                                             r"(P|PartitionSpec)\(\) which implies .* could "
-                                             r"not infer replication"):
-            jax.jit(jax.shard_map(body, mesh=mesh, in_specs=tuple(a.sharding.spec for a in args),
-                                  out_specs=out_specs)).trace(*args)
+        with pytest.raises(
+            ValueError,
+            match=rf"out_specs\[{replicated}\] is "
+            r"(P|PartitionSpec)\(\) which implies .* could "
+            r"not infer replication",
+        ):
+            jax.jit(
+                jax.shard_map(
+                    body,
+                    mesh=mesh,
+                    in_specs=tuple(a.sharding.spec for a in args),
+                    out_specs=out_specs,
+                )
+            ).trace(*args)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -214,14 +308,16 @@ def test_without_fp32_acc_ranks_add_in_tp_order(dtype):
     """fp32_acc=False rounds after every addition, ranks in TP order (their position on the
     mesh's "tp" axis, not their device ids: the mesh is built from shuffled devices)."""
     mesh = make_mesh((2, 4), ("dp", "tp"), device_ids=[5, 2, 7, 0, 3, 6, 1, 4])
-    run_and_check_groups(xla_workspace(mesh, dtype), 16, 256, "fp32_acc=False",
-                         fp32_acc=False, weight_bias=1.0)
+    run_and_check_groups(
+        xla_workspace(mesh, dtype), 16, 256, "fp32_acc=False", fp32_acc=False, weight_bias=1.0
+    )
 
 
 # --- 2. lowering for cuda on this CPU machine --------------------------------------------------
 
-_CALL = re.compile(r"stablehlo\.custom_call @(\w+)\(([^)]*)\) \{(.*)\} : \(([^)]*)\) -> (.*)$",
-                   re.MULTILINE)
+_CALL = re.compile(
+    r"stablehlo\.custom_call @(\w+)\(([^)]*)\) \{(.*)\} : \(([^)]*)\) -> (.*)$", re.MULTILINE
+)
 
 
 def _attr(text):
@@ -236,14 +332,21 @@ def custom_calls(text):
     calls = []
     for target, operands, attrs, operand_types, result_types in _CALL.findall(text):
         config = re.search(r"mhlo\.backend_config = \{([^{}]*)\}", attrs)
-        calls.append(dict(
-            target=target,
-            operands=[o.strip() for o in operands.split(",")],
-            operand_types=[t.strip() for t in operand_types.split(",")],
-            result_types=[t.strip() for t in result_types.strip("()").split(",")],
-            attrs={k: _attr(v) for k, v in re.findall(r"(\w+) = ([^,]+)", config.group(1))},
-            aliases=[(int(o or -1), int(i)) for o, i in re.findall(
-                r"output_tuple_indices = \[(\d*)\], operand_index = (\d+)", attrs)]))
+        calls.append(
+            dict(
+                target=target,
+                operands=[o.strip() for o in operands.split(",")],
+                operand_types=[t.strip() for t in operand_types.split(",")],
+                result_types=[t.strip() for t in result_types.strip("()").split(",")],
+                attrs={k: _attr(v) for k, v in re.findall(r"(\w+) = ([^,]+)", config.group(1))},
+                aliases=[
+                    (int(o or -1), int(i))
+                    for o, i in re.findall(
+                        r"output_tuple_indices = \[(\d*)\], operand_index = (\d+)", attrs
+                    )
+                ],
+            )
+        )
     return calls
 
 
@@ -254,8 +357,14 @@ def only_fused_call(text):
 
 
 def trtllm_workspace(mesh_name="tp8", dtype="bfloat16", *, max_token_num=64, hidden_dim=1024):
-    return jf.abstract_workspace(mesh_of(mesh_name), "tp", max_token_num=max_token_num,
-                                 hidden_dim=hidden_dim, dtype=jdtype(dtype), backend="trtllm")
+    return jf.abstract_workspace(
+        mesh_of(mesh_name),
+        "tp",
+        max_token_num=max_token_num,
+        hidden_dim=hidden_dim,
+        dtype=jdtype(dtype),
+        backend="trtllm",
+    )
 
 
 @needs_native
@@ -268,9 +377,16 @@ def test_cuda_lowering_of_residual_rmsnorm(dtype, mesh_name):
     assert len(call["operands"]) == 3  # x, residual, gamma
     assert call["operand_types"] == [f"tensor<3x1024x{t}>"] * 2 + [f"tensor<1024x{t}>"]
     assert call["result_types"] == [f"tensor<3x1024x{t}>"] * 2  # residual_out, norm_out
-    assert call["attrs"] == dict(workspace_id=ws.id, pattern=1, algorithm=1, fp32_acc=True,
-                                 rms_eps=pytest.approx(float(np.float32(1e-5)), rel=1e-7),
-                                 weight_bias=1.0, layout=0, block_quant_group_size=0)
+    assert call["attrs"] == dict(
+        workspace_id=ws.id,
+        pattern=1,
+        algorithm=1,
+        fp32_acc=True,
+        rms_eps=pytest.approx(float(np.float32(1e-5)), rel=1e-7),
+        weight_bias=1.0,
+        layout=0,
+        block_quant_group_size=0,
+    )
     assert call["aliases"] == [(0, 1)]  # residual_out is written in place of residual_in
 
 
@@ -287,19 +403,22 @@ def test_cuda_lowering_of_plain_allreduce():
 
 
 @needs_native
-@pytest.mark.parametrize("mesh_name,tokens,kwargs,algorithm", [
-    ("tp8", 1, {}, 1),  # small: one-shot
-    ("tp8", 16, {"use_oneshot": False}, 0),  # forced two-shot, 16 tokens > 8 ranks
-    ("tp8", 16, {"use_oneshot": True}, 1),
-    ("tp8", 2048, {}, 0),  # 2048*1024*2*8*2 bytes = 64 MiB > 42 MiB: two-shot
-    ("dp4_tp2", 2048, {}, 1),  # the same call at world size 2 (limit 512 MiB): one-shot
-    # 48 MiB per rank at world size 2: the large-message algorithm
-    # (launch_mode.LARGE_MESSAGE_MIN_MIB)
-    ("dp4_tp2", 24576, {}, 2),
-    ("dp4_tp2", 24575, {}, 1),
-    ("dp4_tp2", 24576, {"use_oneshot": False}, 0),  # forced: FlashInfer's two-shot kernel
-    ("tp8", 24576, {}, 0),  # not measured at world size 8: FlashInfer's choice
-])
+@pytest.mark.parametrize(
+    "mesh_name,tokens,kwargs,algorithm",
+    [
+        ("tp8", 1, {}, 1),  # small: one-shot
+        ("tp8", 16, {"use_oneshot": False}, 0),  # forced two-shot, 16 tokens > 8 ranks
+        ("tp8", 16, {"use_oneshot": True}, 1),
+        ("tp8", 2048, {}, 0),  # 2048*1024*2*8*2 bytes = 64 MiB > 42 MiB: two-shot
+        ("dp4_tp2", 2048, {}, 1),  # the same call at world size 2 (limit 512 MiB): one-shot
+        # 48 MiB per rank at world size 2: the large-message algorithm
+        # (launch_mode.LARGE_MESSAGE_MIN_MIB)
+        ("dp4_tp2", 24576, {}, 2),
+        ("dp4_tp2", 24575, {}, 1),
+        ("dp4_tp2", 24576, {"use_oneshot": False}, 0),  # forced: FlashInfer's two-shot kernel
+        ("tp8", 24576, {}, 0),  # not measured at world size 8: FlashInfer's choice
+    ],
+)
 def test_cuda_lowering_algorithm_choice(mesh_name, tokens, kwargs, algorithm):
     ws = trtllm_workspace(mesh_name, max_token_num=max(2048, tokens))
     call = only_fused_call(cuda_text(ws, tokens, 1024, **kwargs))
@@ -318,9 +437,12 @@ def test_cuda_lowering_passes_fp32_acc(dtype):
 def test_cuda_lowering_refuses_a_mesh_in_another_device_order():
     ws = trtllm_workspace()
     reversed_mesh = make_mesh((8,), ("tp",), device_ids=range(7, -1, -1))
-    with pytest.raises(ValueError, match=r"groups the devices along 'tp' as \[\(7, 6, 5, 4, 3, "
-                                         r"2, 1, 0\)\] but the workspace was created for the "
-                                         r"groups \[\(0, 1, 2, 3, 4, 5, 6, 7\)\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"groups the devices along 'tp' as \[\(7, 6, 5, 4, 3, "
+        r"2, 1, 0\)\] but the workspace was created for the "
+        r"groups \[\(0, 1, 2, 3, 4, 5, 6, 7\)\]",
+    ):
         cuda_text(ws, 3, 1024, mesh=reversed_mesh)
 
 
@@ -348,6 +470,7 @@ def test_cuda_lowering_of_a_call_exceeding_the_workspace():
 
 # --- 3. errors at trace time -------------------------------------------------------------------
 
+
 def test_hidden_not_a_multiple_of_the_vector_width():
     mesh = mesh_of("tp8")
     with pytest.raises(ValueError, match="hidden size 100 is not a multiple of 8"):
@@ -358,34 +481,55 @@ def test_hidden_not_a_multiple_of_the_vector_width():
         xla_workspace(mesh, "bfloat16", hidden_dim=100)
 
 
-@pytest.mark.parametrize("shape,names", [((3,), ("tp",)), ((6,), ("tp",)),
-                                         ((2, 3), ("dp", "tp")), ((3, 2), ("tp", "dp"))])
+@pytest.mark.parametrize(
+    "shape,names",
+    [((3,), ("tp",)), ((6,), ("tp",)), ((2, 3), ("dp", "tp")), ((3, 2), ("tp", "dp"))],
+)
 def test_unsupported_world_size_at_workspace_creation(shape, names):
     mesh = make_mesh(shape, names)
     size = mesh.shape["tp"]
     with pytest.raises(ValueError, match=f"world size {size} is not supported.*2, 4, 8, 16"):
-        jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=8, hidden_dim=256,
-                                             dtype=jnp.bfloat16)
+        jf.create_allreduce_fusion_workspace(
+            mesh, "tp", max_token_num=8, hidden_dim=256, dtype=jnp.bfloat16
+        )
     with pytest.raises(ValueError, match=f"world size {size} is not supported"):
         jf.abstract_workspace(mesh, "tp", max_token_num=8, hidden_dim=256, dtype=jnp.bfloat16)
 
 
-@pytest.mark.parametrize("residual,gamma,match", [
-    (((4, 256), "bfloat16"), ((128,), "bfloat16"),
-     r"rms_gamma must have shape \(256,\) and dtype bfloat16 \(or float32, rounded to it\), "
-     r"got \(128,\) bfloat16"),
-    (((4, 256), "bfloat16"), ((256,), "float16"),
-     r"rms_gamma must have shape \(256,\) and dtype bfloat16 \(or float32, rounded to it\), "
-     r"got \(256,\) float16"),
-    (((4, 256), "bfloat16"), ((128,), "float32"),
-     r"rms_gamma must have shape \(256,\) and dtype bfloat16 \(or float32, rounded to it\), "
-     r"got \(128,\) float32"),
-    (((4, 128), "bfloat16"), ((256,), "bfloat16"),
-     r"residual must have shape \(4, 256\) and dtype bfloat16, got \(4, 128\) bfloat16"),
-    (((4, 256), "float16"), ((256,), "bfloat16"),
-     r"residual must have shape \(4, 256\) and dtype bfloat16, got \(4, 256\) float16"),
-    (((4, 256), "bfloat16"), None, r"needs rms_gamma of shape \(256,\)"),
-])
+@pytest.mark.parametrize(
+    "residual,gamma,match",
+    [
+        (
+            ((4, 256), "bfloat16"),
+            ((128,), "bfloat16"),
+            r"rms_gamma must have shape \(256,\) and dtype bfloat16 \(or float32, rounded to it\), "
+            r"got \(128,\) bfloat16",
+        ),
+        (
+            ((4, 256), "bfloat16"),
+            ((256,), "float16"),
+            r"rms_gamma must have shape \(256,\) and dtype bfloat16 \(or float32, rounded to it\), "
+            r"got \(256,\) float16",
+        ),
+        (
+            ((4, 256), "bfloat16"),
+            ((128,), "float32"),
+            r"rms_gamma must have shape \(256,\) and dtype bfloat16 \(or float32, rounded to it\), "
+            r"got \(128,\) float32",
+        ),
+        (
+            ((4, 128), "bfloat16"),
+            ((256,), "bfloat16"),
+            r"residual must have shape \(4, 256\) and dtype bfloat16, got \(4, 128\) bfloat16",
+        ),
+        (
+            ((4, 256), "float16"),
+            ((256,), "bfloat16"),
+            r"residual must have shape \(4, 256\) and dtype bfloat16, got \(4, 256\) float16",
+        ),
+        (((4, 256), "bfloat16"), None, r"needs rms_gamma of shape \(256,\)"),
+    ],
+)
 def test_residual_and_gamma_checks(residual, gamma, match):
     mesh = mesh_of("tp8")
     ws = xla_workspace(mesh)
@@ -394,8 +538,9 @@ def test_residual_and_gamma_checks(residual, gamma, match):
         (r_rows, r_cols), r_dtype = residual
         r = res.astype(r_dtype)[:r_rows, :r_cols]
         g = None if gamma is None else g.astype(gamma[1])[: gamma[0][0]]
-        return jf.allreduce_fusion(x, axis_name="tp", workspace=ws, residual=r,
-                                   rms_gamma=g).residual_out
+        return jf.allreduce_fusion(
+            x, axis_name="tp", workspace=ws, residual=r, rms_gamma=g
+        ).residual_out
 
     with pytest.raises(ValueError, match=match):
         trace_sharded(body, mesh, 4, 256)
@@ -409,8 +554,9 @@ def test_pattern_0_takes_no_residual_or_gamma():
 
 def test_x_dtype_must_match_the_workspace():
     ws = xla_workspace(mesh_of("tp8"), "bfloat16")
-    with pytest.raises(ValueError, match="x has dtype float16 but the workspace was created "
-                                         "for bfloat16"):
+    with pytest.raises(
+        ValueError, match="x has dtype float16 but the workspace was created for bfloat16"
+    ):
         trace_fused(ws, 4, 256, "float16")
     with pytest.raises(ValueError, match="x has dtype int32; supported"):
         trace_fused(ws, 4, 256, "int32", pattern=AR)
@@ -433,28 +579,37 @@ def test_x_must_be_at_least_1d():
     ws = xla_workspace(mesh_of("tp8"))
     body = fused_body(ws, AR)
     x = abstract(ws.mesh, P(), (), "bfloat16")
-    with pytest.raises(ValueError, match=r"x must be \[\.\.\., hidden\] \(at least 1-D\), "
-                                         r"got shape \(\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"x must be \[\.\.\., hidden\] \(at least 1-D\), "
+        r"got shape \(\)",
+    ):
         jax.jit(jax.shard_map(body, mesh=ws.mesh, in_specs=P(), out_specs=P())).trace(x)
 
 
-@pytest.mark.parametrize("pattern,match", [
-    (6, r"pattern 6 \(kMoEReductionARResidualRMSNorm\) has its own inputs"),
-    (12, r"unknown fusion pattern 12; valid codes: 0 \(kAllReduce\)"),
-    (99, "unknown fusion pattern 99"),
-    ("bogus", "unknown fusion pattern 'bogus'"),
-])
+@pytest.mark.parametrize(
+    "pattern,match",
+    [
+        (6, r"pattern 6 \(kMoEReductionARResidualRMSNorm\) has its own inputs"),
+        (12, r"unknown fusion pattern 12; valid codes: 0 \(kAllReduce\)"),
+        (99, "unknown fusion pattern 99"),
+        ("bogus", "unknown fusion pattern 'bogus'"),
+    ],
+)
 def test_pattern_codes(pattern, match):
     ws = xla_workspace(mesh_of("tp8"))
     with pytest.raises(ValueError, match=match):
         trace_sharded(fused_body(ws, pattern), ws.mesh, 4, 256, n_inputs=1)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"scale_factor": np.ones(1, np.float32)}, "scale_factor applies to static FP8 and NVFP4"),
-    ({"layout_code": 0}, "layout_code applies to NVFP4 patterns only"),
-    ({"block_quant_group_size": 64}, "block_quant_group_size applies to per-token-group"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"scale_factor": np.ones(1, np.float32)}, "scale_factor applies to static FP8 and NVFP4"),
+        ({"layout_code": 0}, "layout_code applies to NVFP4 patterns only"),
+        ({"block_quant_group_size": 64}, "block_quant_group_size applies to per-token-group"),
+    ],
+)
 def test_quantization_arguments_refused_for_pattern_1(kwargs, match):
     ws = xla_workspace(mesh_of("tp8"))
     with pytest.raises(ValueError, match=match + ".*kARResidualRMSNorm"):
@@ -464,8 +619,14 @@ def test_quantization_arguments_refused_for_pattern_1(kwargs, match):
 def test_call_outside_shard_map():
     ws = xla_workspace(mesh_of("tp8"))
     x = jnp.asarray(random_values(new_rng(), (4, 256), "bfloat16"))
-    call = lambda x: jf.allreduce_fusion(x, axis_name="tp", workspace=ws,  # noqa: E731
-                                         pattern=AR).allreduce_out
+    call = lambda x: (
+        jf.allreduce_fusion(
+            x,
+            axis_name="tp",
+            workspace=ws,  # noqa: E731
+            pattern=AR,
+        ).allreduce_out
+    )
     match = "must be called inside jax.shard_map over an axis named 'tp'"
     with pytest.raises(ValueError, match=match):
         call(x)
@@ -476,31 +637,48 @@ def test_call_outside_shard_map():
 def test_wrong_axis():
     mesh = mesh_of("dp2_tp4")
     ws = xla_workspace(mesh)
-    body = lambda x: jf.allreduce_fusion(x, axis_name="dp", workspace=ws,  # noqa: E731
-                                         pattern=AR).allreduce_out
+    body = lambda x: (
+        jf.allreduce_fusion(
+            x,
+            axis_name="dp",
+            workspace=ws,  # noqa: E731
+            pattern=AR,
+        ).allreduce_out
+    )
     with pytest.raises(ValueError, match="created for axis 'tp', not 'dp'"):
         trace_sharded(body, mesh, 4, 256, n_inputs=1)
     # A "tp" axis of another size: the workspace (world size 4) used on an 8-device mesh.
-    with pytest.raises(ValueError, match="axis 'tp' has size 8 but the workspace was created "
-                                         "for world size 4"):
+    with pytest.raises(
+        ValueError, match="axis 'tp' has size 8 but the workspace was created for world size 4"
+    ):
         trace_fused(ws, 4, 256, mesh=mesh_of("tp8"))
     with pytest.raises(ValueError, match="axis 'nope' is not an axis of the mesh"):
-        jf.create_allreduce_fusion_workspace(mesh, "nope", max_token_num=8, hidden_dim=256,
-                                             dtype=jnp.bfloat16)
+        jf.create_allreduce_fusion_workspace(
+            mesh, "nope", max_token_num=8, hidden_dim=256, dtype=jnp.bfloat16
+        )
 
 
 def test_destroyed_workspace():
     ws = xla_workspace(mesh_of("tp8"))
     trace_fused(ws, 4, 256)
     ws.destroy()
-    with pytest.raises(ValueError, match=r"AllReduceFusionWorkspace\(id=\d+.*destroyed\) was "
-                                         "destroyed"):
+    with pytest.raises(
+        ValueError,
+        match=r"AllReduceFusionWorkspace\(id=\d+.*destroyed\) was "
+        "destroyed",
+    ):
         trace_fused(ws, 4, 256)
 
 
 def test_not_a_workspace():
-    body = lambda x: jf.allreduce_fusion(x, axis_name="tp", workspace=object(),  # noqa: E731
-                                         pattern=AR).allreduce_out
+    body = lambda x: (
+        jf.allreduce_fusion(
+            x,
+            axis_name="tp",
+            workspace=object(),  # noqa: E731
+            pattern=AR,
+        ).allreduce_out
+    )
     with pytest.raises(TypeError, match="workspace must come from"):
         trace_sharded(body, mesh_of("tp8"), 4, 256, n_inputs=1)
 
@@ -508,8 +686,11 @@ def test_not_a_workspace():
 @pytest.mark.parametrize("tokens", [1, 8])
 def test_two_shot_needs_more_tokens_than_ranks(tokens):
     ws = xla_workspace(mesh_of("tp8"))
-    with pytest.raises(ValueError, match=f"use_oneshot=False is not possible: two-shot needs "
-                                         f"more tokens than ranks, got {tokens} tokens for 8"):
+    with pytest.raises(
+        ValueError,
+        match=f"use_oneshot=False is not possible: two-shot needs "
+        f"more tokens than ranks, got {tokens} tokens for 8",
+    ):
         trace_fused(ws, tokens, 256, use_oneshot=False)
     trace_fused(ws, 9, 256, use_oneshot=False)
 
@@ -519,17 +700,20 @@ def test_backend_choices(monkeypatch):
     kw = dict(max_token_num=8, hidden_dim=256, dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="'mnnvl' all-reduce backend needs NVLink multicast"):
         jf.create_allreduce_fusion_workspace(mesh, "tp", backend="mnnvl", **kw)
-    with pytest.raises(ValueError, match="backend must be 'auto', 'trtllm' or 'xla', "
-                                         "not 'mnnvl'"):
+    with pytest.raises(ValueError, match="backend must be 'auto', 'trtllm' or 'xla', not 'mnnvl'"):
         jf.abstract_workspace(mesh, "tp", backend="mnnvl", **kw)
     # abstract_workspace decides as on CUDA GPUs: auto is the kernel within one host.
     assert jf.abstract_workspace(mesh, "tp", backend="auto", **kw).backend == "trtllm"
-    with pytest.raises(ValueError, match="'trtllm' all-reduce backend needs a CUDA GPU, but "
-                                         "the platform is 'cpu'"):
+    with pytest.raises(
+        ValueError, match="'trtllm' all-reduce backend needs a CUDA GPU, but the platform is 'cpu'"
+    ):
         jf.create_allreduce_fusion_workspace(mesh, "tp", backend="trtllm", **kw)
     monkeypatch.setenv(backend_choice.BACKEND_ENV_VAR, "bogus")
-    with pytest.raises(ValueError, match=r"unknown all-reduce backend 'bogus' \(from the "
-                                         r"\$JAX_FUSEDAR_ALLREDUCE_BACKEND\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown all-reduce backend 'bogus' \(from the "
+        r"\$JAX_FUSEDAR_ALLREDUCE_BACKEND\)",
+    ):
         jf.create_allreduce_fusion_workspace(mesh, "tp", **kw)
     # An explicit backend wins over the variable.
     assert jf.create_allreduce_fusion_workspace(mesh, "tp", backend="xla", **kw).backend == "xla"
@@ -542,6 +726,7 @@ def test_backend_choices(monkeypatch):
 
 # --- 4. fallback -------------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_fallback_logs_once_per_kind_and_stays_correct(dtype, caplog):
@@ -550,26 +735,34 @@ def test_fallback_logs_once_per_kind_and_stays_correct(dtype, caplog):
     logs one."""
     caplog.set_level(logging.WARNING, logger="jax_fusedar")
     mesh = mesh_of("dp2_tp4")
-    ws = jf.abstract_workspace(mesh, "tp", max_token_num=4, hidden_dim=256,
-                               dtype=jdtype(dtype), backend="trtllm")
+    ws = jf.abstract_workspace(
+        mesh, "tp", max_token_num=4, hidden_dim=256, dtype=jdtype(dtype), backend="trtllm"
+    )
     # Traces of too-large calls of two shapes (patterns 1 and 0 each), strict off explicitly
     # or by default.
     for call, (strict, tokens) in enumerate([(False, 6), (None, 6), (False, 7)]):
         run_and_check_groups(ws, tokens, 256, f"fallback call {call}", strict=strict)
-    warnings = [r for r in caplog.records if r.name == "jax_fusedar"
-                and r.levelno == logging.WARNING]
+    warnings = [
+        r for r in caplog.records if r.name == "jax_fusedar" and r.levelno == logging.WARNING
+    ]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
-    assert re.search(r"falling back to psum \+ RMSNorm: 6x256 tokens exceed the workspace "
-                     r"\(max_token_num=4 x hidden 256; every row", warnings[0].getMessage())
+    assert re.search(
+        r"falling back to psum \+ RMSNorm: 6x256 tokens exceed the workspace "
+        r"\(max_token_num=4 x hidden 256; every row",
+        warnings[0].getMessage(),
+    )
     assert "logged once per kind of reason" in warnings[0].getMessage()
     caplog.clear()
-    run_and_check_groups(xla_workspace(mesh, dtype, max_token_num=4, hidden_dim=256), 6, 256,
-                         "xla backend")
-    assert not [r for r in caplog.records if r.name == "jax_fusedar"
-                and r.levelno == logging.WARNING]
+    run_and_check_groups(
+        xla_workspace(mesh, dtype, max_token_num=4, hidden_dim=256), 6, 256, "xla backend"
+    )
+    assert not [
+        r for r in caplog.records if r.name == "jax_fusedar" and r.levelno == logging.WARNING
+    ]
 
 
 # --- 5. the workspace object -------------------------------------------------------------------
+
 
 def test_is_buffer_size_sufficient():
     mesh = mesh_of("tp8")
@@ -611,7 +804,12 @@ def test_context_manager_and_destroy():
 def test_workspace_metadata_and_groups():
     ws = xla_workspace(mesh_of("dp2_tp4"), "float16", max_token_num=32, hidden_dim=512)
     assert (ws.world_size, ws.axis_name, ws.dtype, ws.max_token_num, ws.hidden_dim) == (
-        4, "tp", np.dtype(jnp.float16), 32, 512)
+        4,
+        "tp",
+        np.dtype(jnp.float16),
+        32,
+        512,
+    )
     assert ws.groups == [TPGroup((0, 1, 2, 3), 0), TPGroup((4, 5, 6, 7), 1)]
     assert "groups=2" in repr(ws)
     assert xla_workspace(mesh_of("tp8")).serial > ws.serial  # serials are never reused
@@ -626,6 +824,7 @@ def test_workspace_metadata_and_groups():
 
 # --- edge cases ----------------------------------------------------------------------------------
 
+
 def test_empty_call_returns_empty_outputs_on_a_kernel_workspace():
     """0 tokens (the same on every rank) needs no exchange: no custom call, empty results."""
     mesh = mesh_of("tp8")
@@ -633,16 +832,23 @@ def test_empty_call_returns_empty_outputs_on_a_kernel_workspace():
     text = cuda_text(ws, 0, 256) if native.available() else None
     assert text is None or FFI_TARGET not in text
     xs = np.zeros((0, 256), jdtype("bfloat16"))
-    res, norm = run_sharded(fused_body(xla_workspace(mesh)), mesh, (P("tp"), P(), P()),
-                            (P(), P()), xs, np.zeros((0, 256), jdtype("bfloat16")),
-                            random_gamma(new_rng(), 256, "bfloat16"))
+    res, norm = run_sharded(
+        fused_body(xla_workspace(mesh)),
+        mesh,
+        (P("tp"), P(), P()),
+        (P(), P()),
+        xs,
+        np.zeros((0, 256), jdtype("bfloat16")),
+        random_gamma(new_rng(), 256, "bfloat16"),
+    )
     assert res.shape == norm.shape == (0, 256)
 
 
 def test_abstract_workspace_unknown_axis():
     with pytest.raises(ValueError, match="not an axis of the mesh"):
-        jf.abstract_workspace(mesh_of("tp8"), "nope", max_token_num=8, hidden_dim=256,
-                              dtype=jnp.bfloat16)
+        jf.abstract_workspace(
+            mesh_of("tp8"), "nope", max_token_num=8, hidden_dim=256, dtype=jnp.bfloat16
+        )
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.float64, np.int8])
@@ -655,6 +861,7 @@ def test_reference_without_fp32_acc_is_invariant_over_the_axis():
     """The rank-ordered sum (fp32_acc=False) called directly under check_vma=True: its
     outputs are invariant over "tp", so out_specs=P() is accepted."""
     from jax_fusedar import reference
+
     mesh = mesh_of("tp8")
     rng = new_rng()
     xs = random_partials(rng, (8, 4, 256), "bfloat16")
@@ -663,8 +870,9 @@ def test_reference_without_fp32_acc_is_invariant_over_the_axis():
         return reference.allreduce_sum(x, "tp", fp32_acc=False)
 
     out = run_sharded(body, mesh, (P("tp"),), P(), xs.reshape(32, 256))
-    want, _ = kernel_rounding(xs, np.zeros((4, 256), jdtype("bfloat16")), "bfloat16",
-                              fp32_acc=False)
+    want, _ = kernel_rounding(
+        xs, np.zeros((4, 256), jdtype("bfloat16")), "bfloat16", fp32_acc=False
+    )
     np.testing.assert_array_equal(bits(out), bits(want))
 
 
@@ -673,19 +881,35 @@ def test_reference_without_fp32_acc_is_invariant_over_the_axis():
 Q = jf.AllReduceFusionPattern
 
 
-@pytest.mark.parametrize("pattern,kwargs,match", [
-    (Q.kARResidualRMSNormFP8Quant, {}, "scale_factor is required"),
-    (Q.kARResidualRMSNormFP8Quant, {"scale_factor": 0.5}, "not a Python constant"),
-    (Q.kARResidualRMSNormFP8Quant, {"scale_factor": np.ones(1, np.float16)}, "dtype float32"),
-    (Q.kARResidualRMSNormFP8Quant, {"scale_factor": np.ones(2, np.float32)}, r"shape \(\) or \(1,\)"),
-    (Q.kARResidualRMSNormOutFP4Quant, {"scale_factor": np.ones(1, np.float32), "layout_code": 1},
-     "SWIZZLED_8x4"),
-    (Q.kARResidualRMSNormPerTokenGroupFP8PackedQuant, {}, "needs block_quant_group_size"),
-    (Q.kARResidualRMSNormPerTokenGroupFP8PackedQuant, {"block_quant_group_size": 96},
-     "divisible by group_size"),
-    (Q.kARResidualRMSNormDynamicFP8Quant, {"scale_factor": np.ones(1, np.float32)},
-     "scale_factor applies to static FP8 and NVFP4"),
-])
+@pytest.mark.parametrize(
+    "pattern,kwargs,match",
+    [
+        (Q.kARResidualRMSNormFP8Quant, {}, "scale_factor is required"),
+        (Q.kARResidualRMSNormFP8Quant, {"scale_factor": 0.5}, "not a Python constant"),
+        (Q.kARResidualRMSNormFP8Quant, {"scale_factor": np.ones(1, np.float16)}, "dtype float32"),
+        (
+            Q.kARResidualRMSNormFP8Quant,
+            {"scale_factor": np.ones(2, np.float32)},
+            r"shape \(\) or \(1,\)",
+        ),
+        (
+            Q.kARResidualRMSNormOutFP4Quant,
+            {"scale_factor": np.ones(1, np.float32), "layout_code": 1},
+            "SWIZZLED_8x4",
+        ),
+        (Q.kARResidualRMSNormPerTokenGroupFP8PackedQuant, {}, "needs block_quant_group_size"),
+        (
+            Q.kARResidualRMSNormPerTokenGroupFP8PackedQuant,
+            {"block_quant_group_size": 96},
+            "divisible by group_size",
+        ),
+        (
+            Q.kARResidualRMSNormDynamicFP8Quant,
+            {"scale_factor": np.ones(1, np.float32)},
+            "scale_factor applies to static FP8 and NVFP4",
+        ),
+    ],
+)
 def test_quantized_pattern_argument_errors(pattern, kwargs, match):
     ws = xla_workspace(mesh_of("tp8"))
     with pytest.raises(ValueError, match=match):
@@ -697,30 +921,44 @@ def test_group_size_outside_the_kernels_reduction_is_refused(group):
     # 48 divides 768 but is no power of two; 512 is above 32 vectors of 8 bf16 elements.
     ws = xla_workspace(mesh_of("tp8"), max_token_num=64, hidden_dim=1024)
     with pytest.raises(ValueError, match="power of two from 8 to 256"):
-        trace_fused(ws, 4, 768 if group == 48 else 1024,
-                    pattern=Q.kARResidualRMSNormPerTokenGroupFP8PackedQuant,
-                    block_quant_group_size=group)
+        trace_fused(
+            ws,
+            4,
+            768 if group == 48 else 1024,
+            pattern=Q.kARResidualRMSNormPerTokenGroupFP8PackedQuant,
+            block_quant_group_size=group,
+        )
 
 
 def test_nvfp4_needs_16_bit_inputs():
     ws = xla_workspace(mesh_of("tp8"), "float32")
     with pytest.raises(ValueError, match="NVFP4 patterns need bfloat16 or float16"):
-        trace_fused(ws, 4, 256, pattern=Q.kARResidualRMSNormFP4Quant,
-                    scale_factor=np.ones(1, np.float32))
+        trace_fused(
+            ws, 4, 256, pattern=Q.kARResidualRMSNormFP4Quant, scale_factor=np.ones(1, np.float32)
+        )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pattern,kwargs", [
-    (Q.kARResidualRMSNormOutFP8Quant, {"scale_factor": np.full(1, 0.02, np.float32)}),
-    (Q.kARResidualRMSNormOutDynamicFP8Quant, {}),
-    (Q.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant, {"block_quant_group_size": 64}),
-    (Q.kARResidualRMSNormOutFP4Quant, {"scale_factor": np.full(1, 40.0, np.float32),
-                                       "layout_code": jf.QuantizationSFLayout.LINEAR}),
-])
+@pytest.mark.parametrize(
+    "pattern,kwargs",
+    [
+        (Q.kARResidualRMSNormOutFP8Quant, {"scale_factor": np.full(1, 0.02, np.float32)}),
+        (Q.kARResidualRMSNormOutDynamicFP8Quant, {}),
+        (Q.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant, {"block_quant_group_size": 64}),
+        (
+            Q.kARResidualRMSNormOutFP4Quant,
+            {
+                "scale_factor": np.full(1, 40.0, np.float32),
+                "layout_code": jf.QuantizationSFLayout.LINEAR,
+            },
+        ),
+    ],
+)
 def test_quantized_outputs_are_the_quantized_norm(pattern, kwargs):
     """Through the public API on CPU: quant_out/scale_out equal the reference quantization of
     the op's own norm_out, bit for bit, with the documented shapes and dtypes."""
     from jax_fusedar import quant_reference
+
     mesh = mesh_of("dp2_tp4")
     ws = xla_workspace(mesh)
     rng = new_rng()
@@ -731,23 +969,37 @@ def test_quantized_outputs_are_the_quantized_norm(pattern, kwargs):
     sf = kwargs.pop("scale_factor", None)
 
     def body(x, r, g, *s):
-        o = jf.allreduce_fusion(x, axis_name="tp", workspace=ws, pattern=pattern, residual=r,
-                                rms_gamma=g, scale_factor=s[0] if s else None, **kwargs)
+        o = jf.allreduce_fusion(
+            x,
+            axis_name="tp",
+            workspace=ws,
+            pattern=pattern,
+            residual=r,
+            rms_gamma=g,
+            scale_factor=s[0] if s else None,
+            **kwargs,
+        )
         return o.norm_out, o.quant_out, o.scale_out
 
     args = (xs, res, gam) + ((sf,) if sf is not None else ())
     in_specs = (P(("dp", "tp")), P("dp"), P("dp")) + ((P(),) if sf is not None else ())
     norm, quant, scale = run_sharded(body, mesh, in_specs, (P("dp"),) * 3, *args)
     for grp in range(2):
-        n = jnp.asarray(np.asarray(norm)[grp * tokens:(grp + 1) * tokens])
+        n = jnp.asarray(np.asarray(norm)[grp * tokens : (grp + 1) * tokens])
         want_q, want_s = quant_reference.quantize_for_pattern(
-            n, pattern, scale_factor=None if sf is None else jnp.asarray(sf),
-            layout=kwargs.get("layout_code", 0), group_size=kwargs.get("block_quant_group_size"))
+            n,
+            pattern,
+            scale_factor=None if sf is None else jnp.asarray(sf),
+            layout=kwargs.get("layout_code", 0),
+            group_size=kwargs.get("block_quant_group_size"),
+        )
         rows_q = np.asarray(quant).shape[0] // 2
-        np.testing.assert_array_equal(bits(np.asarray(quant)[grp * rows_q:(grp + 1) * rows_q]),
-                                      bits(want_q))
+        np.testing.assert_array_equal(
+            bits(np.asarray(quant)[grp * rows_q : (grp + 1) * rows_q]), bits(want_q)
+        )
         assert np.asarray(quant).dtype == np.asarray(want_q).dtype
         if want_s is not None:
             rows_s = np.asarray(scale).shape[0] // 2
             np.testing.assert_array_equal(
-                bits(np.asarray(scale)[grp * rows_s:(grp + 1) * rows_s]), bits(want_s))
+                bits(np.asarray(scale)[grp * rows_s : (grp + 1) * rows_s]), bits(want_s)
+            )

@@ -3,6 +3,7 @@ VJPs equal, bit for bit, those of the same math written unfused in plain JAX
 (jax_fusedar.reference: psum + residual add + RMSNorm), in a tensor-parallel MLP and under
 scan, checkpoint (with and without policies), cond, stop_gradient and check_vma both ways;
 quantized outputs have zero derivative; a few SGD steps give the same losses."""
+
 import functools
 
 import jax
@@ -14,8 +15,15 @@ from jax.sharding import PartitionSpec as P
 
 import jax_fusedar as jf
 from tests.jax.cpu_helpers import assert_same_bits
-from tests.jax.cpu_helpers import (jdtype, make_mesh, new_rng, put, random_gamma,
-                                   random_values, require_host_devices)
+from tests.jax.cpu_helpers import (
+    jdtype,
+    make_mesh,
+    new_rng,
+    put,
+    random_gamma,
+    random_values,
+    require_host_devices,
+)
 from jax_fusedar.common import native
 from jax_fusedar import reference
 from jax_fusedar.common.patterns import TRAITS
@@ -30,75 +38,109 @@ TOKENS, HIDDEN, FFN, LAYERS = 8, 256, 512, 2
 
 def fused_combine(ws, pattern=Q.kARResidualRMSNorm, **kw):
     """(partial, residual, gamma) -> (residual_out, norm_out) through the fused op."""
+
     def combine(p, r, g):
-        o = jf.allreduce_fusion(p, axis_name="tp", workspace=ws, pattern=pattern, residual=r,
-                                rms_gamma=g, rms_eps=EPS, **kw)
+        o = jf.allreduce_fusion(
+            p,
+            axis_name="tp",
+            workspace=ws,
+            pattern=pattern,
+            residual=r,
+            rms_gamma=g,
+            rms_eps=EPS,
+            **kw,
+        )
         return o.residual_out, o.norm_out
+
     return combine
 
 
 def unfused_combine(*, weight_bias=0.0, fp32_acc=True, **_):
     """The same with psum + residual add + RMSNorm in plain JAX (the reference math; gamma
     rounded to the stream's dtype as the fused op does with a float32 gamma)."""
+
     def combine(p, r, g):
         _, r_out, y = reference.allreduce_fusion_reference(
-            p, r, g.astype(p.dtype), axis_name="tp", pattern=1, rms_eps=EPS,
-            weight_bias=weight_bias, fp32_acc=fp32_acc)
+            p,
+            r,
+            g.astype(p.dtype),
+            axis_name="tp",
+            pattern=1,
+            rms_eps=EPS,
+            weight_bias=weight_bias,
+            fp32_acc=fp32_acc,
+        )
         return r_out, y
+
     return combine
 
 
 def plain_jnp_combine():
     """What a user writes without jax_fusedar, for float32: psum + add + RMSNorm in jnp."""
+
     def combine(p, r, g):
         r = jax.lax.psum(p, "tp") + r
         y = r * jax.lax.rsqrt(jnp.mean(r * r, axis=-1, keepdims=True) + EPS) * g
         return r, y
+
     return combine
 
 
 # --- a Megatron-style MLP: column-parallel w1, row-parallel w2, the combine between layers ---
 
+
 def mlp_layer(combine, w1, w2, g, r, y):
-    h = jnp.tanh(y @ w1)            # [T, F/tp], varying over "tp"
-    return combine(h @ w2, r, g)    # partial sums of [T, H] -> (residual, normed)
+    h = jnp.tanh(y @ w1)  # [T, F/tp], varying over "tp"
+    return combine(h @ w2, r, g)  # partial sums of [T, H] -> (residual, normed)
 
 
 def model_body(combine, variant):
     """shard_map body: LAYERS layers over the residual stream x; returns the last norm."""
     layer = functools.partial(mlp_layer, combine)
     if variant.startswith("checkpoint"):
-        policy = {"checkpoint": None,
-                  "checkpoint_dots": jax.checkpoint_policies.checkpoint_dots,
-                  "checkpoint_nothing": jax.checkpoint_policies.nothing_saveable,
-                  "checkpoint_names": jax.checkpoint_policies.save_only_these_names("normed"),
-                  }[variant]
+        policy = {
+            "checkpoint": None,
+            "checkpoint_dots": jax.checkpoint_policies.checkpoint_dots,
+            "checkpoint_nothing": jax.checkpoint_policies.nothing_saveable,
+            "checkpoint_names": jax.checkpoint_policies.save_only_these_names("normed"),
+        }[variant]
 
         plain = layer
 
         def named(*a):
             r, y = plain(*a)
             return r, checkpoint_name(y, "normed")
+
         layer = jax.checkpoint(named, policy=policy)
 
     def body(w1, w2, gamma, x):
         r, y = x, x
         if variant == "scan":
+
             def step(carry, ws):
                 return layer(*ws, *carry), None
+
             (r, y), _ = jax.lax.scan(step, (r, y), (w1, w2, gamma))
             return y
         for i in range(LAYERS):
             if variant == "cond":
                 # The fused layer on one branch, a local op on the other (predicate invariant).
-                r, y = jax.lax.cond(i % 2 == 0, lambda *a: layer(*a),
-                                    lambda w1, w2, g, r, y: (r, y * 2), w1[i], w2[i], gamma[i],
-                                    r, y)
+                r, y = jax.lax.cond(
+                    i % 2 == 0,
+                    lambda *a: layer(*a),
+                    lambda w1, w2, g, r, y: (r, y * 2),
+                    w1[i],
+                    w2[i],
+                    gamma[i],
+                    r,
+                    y,
+                )
             else:
                 r, y = layer(w1[i], w2[i], gamma[i], r, y)
             if variant == "stop_gradient" and i == 0:
                 r = jax.lax.stop_gradient(r)  # inputs still carry tangents into the op
         return y
+
     return body
 
 
@@ -119,8 +161,9 @@ def placed(mesh, params):
 
 
 def model(mesh, combine, variant="plain", check_vma=True):
-    return jax.shard_map(model_body(combine, variant), mesh=mesh, in_specs=SPECS,
-                         out_specs=P(), check_vma=check_vma)
+    return jax.shard_map(
+        model_body(combine, variant), mesh=mesh, in_specs=SPECS, out_specs=P(), check_vma=check_vma
+    )
 
 
 def loss_fn(mesh, combine, variant="plain", check_vma=True):
@@ -129,12 +172,14 @@ def loss_fn(mesh, combine, variant="plain", check_vma=True):
     def loss(params, target):
         y = f(*params)
         return jnp.mean((y.astype(jnp.float32) - target) ** 2)
+
     return loss
 
 
 def xla_ws(mesh, dtype):
-    return jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=64,
-                                                hidden_dim=HIDDEN, dtype=jdtype(dtype))
+    return jf.create_allreduce_fusion_workspace(
+        mesh, "tp", max_token_num=64, hidden_dim=HIDDEN, dtype=jdtype(dtype)
+    )
 
 
 def some_change(tree):
@@ -143,6 +188,7 @@ def some_change(tree):
 
 
 # --- gradients of the TP MLP -------------------------------------------------------------------
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -172,10 +218,18 @@ def test_float32_gradients_equal_plain_jnp_psum_and_rmsnorm():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", [
-    pytest.param("scan", marks=pytest.mark.oldest), "checkpoint", "checkpoint_dots",
-    "checkpoint_nothing", "checkpoint_names", pytest.param("cond", marks=pytest.mark.oldest),
-    "stop_gradient"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        pytest.param("scan", marks=pytest.mark.oldest),
+        "checkpoint",
+        "checkpoint_dots",
+        "checkpoint_nothing",
+        "checkpoint_names",
+        pytest.param("cond", marks=pytest.mark.oldest),
+        "stop_gradient",
+    ],
+)
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_grad_under_transformations(variant, check_vma):
     mesh = make_mesh((8,), ("tp",))
@@ -183,8 +237,7 @@ def test_grad_under_transformations(variant, check_vma):
     params, target = mlp_params(new_rng(), "bfloat16")
     params = placed(mesh, params)
     got = jax.jit(jax.grad(loss_fn(mesh, fused_combine(ws), variant, check_vma)))(params, target)
-    want = jax.jit(jax.grad(loss_fn(mesh, unfused_combine(), variant, check_vma)))(params,
-                                                                                     target)
+    want = jax.jit(jax.grad(loss_fn(mesh, unfused_combine(), variant, check_vma)))(params, target)
     assert_same_bits(got, want, f"grad under {variant}, check_vma={check_vma}")
     some_change(got)
 
@@ -214,8 +267,9 @@ def test_jvp_and_vjp(variant, check_vma):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kw", [{"weight_bias": 1.0}, {"fp32_acc": False}],
-                         ids=["weight_bias", "no_fp32_acc"])
+@pytest.mark.parametrize(
+    "kw", [{"weight_bias": 1.0}, {"fp32_acc": False}], ids=["weight_bias", "no_fp32_acc"]
+)
 def test_gradients_with_weight_bias_and_without_fp32_acc(kw):
     mesh = make_mesh((8,), ("tp",))
     ws = xla_ws(mesh, "bfloat16")
@@ -262,8 +316,10 @@ def test_sgd_steps_give_equal_losses(dtype):
         @jax.jit
         def step(params, target):
             loss, grads = step_loss(params, target)
-            params = (*(p - (0.5 * g).astype(p.dtype) for p, g in zip(params[:3], grads[:3])),
-                      params[3])
+            params = (
+                *(p - (0.5 * g).astype(p.dtype) for p, g in zip(params[:3], grads[:3])),
+                params[3],
+            )
             return loss, params
 
         params, losses = placed(mesh, params0), []
@@ -278,19 +334,29 @@ def test_sgd_steps_give_equal_losses(dtype):
 
 # --- per pattern -------------------------------------------------------------------------------
 
+
 def _one_call(ws, pattern, mesh, dtype, residual_spec=P(), **kw):
     """jit(shard_map) of one call on x [8*T, H] (sharded), residual and gamma; returns the
     function of (x, residual, gamma) giving the pattern's non-None outputs."""
+
     def body(x, r, g):
-        o = jf.allreduce_fusion(x, axis_name="tp", workspace=ws, pattern=pattern,
-                                residual=None if pattern == Q.kAllReduce else r,
-                                rms_gamma=None if pattern == Q.kAllReduce else g, rms_eps=EPS,
-                                **kw)
+        o = jf.allreduce_fusion(
+            x,
+            axis_name="tp",
+            workspace=ws,
+            pattern=pattern,
+            residual=None if pattern == Q.kAllReduce else r,
+            rms_gamma=None if pattern == Q.kAllReduce else g,
+            rms_eps=EPS,
+            **kw,
+        )
         return tuple(v for v in o if v is not None)
+
     t = TRAITS[pattern]
     n_out = 1 if t.has_allreduce_out else 2 + bool(t.quant) + t.writes_scale_out
-    return jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), residual_spec, P()),
-                         out_specs=(residual_spec,) * n_out)
+    return jax.shard_map(
+        body, mesh=mesh, in_specs=(P("tp"), residual_spec, P()), out_specs=(residual_spec,) * n_out
+    )
 
 
 def test_allreduce_pattern_gradient_is_psums():
@@ -303,21 +369,26 @@ def test_allreduce_pattern_gradient_is_psums():
     g_fused = jax.jit(jax.grad(lambda x: jnp.sum(f(x, None, None)[0] * w)))(x)
 
     def unfused(x):
-        s = jax.shard_map(lambda x: jax.lax.psum(x, "tp"), mesh=mesh, in_specs=P("tp"),
-                          out_specs=P())(x)
+        s = jax.shard_map(
+            lambda x: jax.lax.psum(x, "tp"), mesh=mesh, in_specs=P("tp"), out_specs=P()
+        )(x)
         return jnp.sum(s * w)
+
     assert_same_bits(g_fused, jax.jit(jax.grad(unfused))(x), "pattern 0 grad vs psum")
     # psum's transpose under check_vma=True: every rank's x gets the output's cotangent.
     np.testing.assert_array_equal(np.asarray(g_fused), np.tile(w, (8, 1)))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pattern,kw", [
-    (Q.kARResidualRMSNormOutFP8Quant, {"scale_factor": np.full(1, 0.05, np.float32)}),
-    (Q.kARResidualRMSNormOutDynamicFP8Quant, {}),
-    (Q.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant, {"block_quant_group_size": 64}),
-    (Q.kARResidualRMSNormOutFP4Quant, {"scale_factor": np.full(1, 40.0, np.float32)}),
-])
+@pytest.mark.parametrize(
+    "pattern,kw",
+    [
+        (Q.kARResidualRMSNormOutFP8Quant, {"scale_factor": np.full(1, 0.05, np.float32)}),
+        (Q.kARResidualRMSNormOutDynamicFP8Quant, {}),
+        (Q.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant, {"block_quant_group_size": 64}),
+        (Q.kARResidualRMSNormOutFP4Quant, {"scale_factor": np.full(1, 40.0, np.float32)}),
+    ],
+)
 def test_quantized_patterns_differentiate_norm_out_and_not_the_codes(pattern, kw):
     """residual_out and norm_out have the unfused gradient; quant_out and scale_out have
     zero derivative (forward-mode tangents are zeros, reverse mode gives them no
@@ -330,14 +401,17 @@ def test_quantized_patterns_differentiate_norm_out_and_not_the_codes(pattern, kw
         kw["scale_factor"] = sf
     f = _one_call(ws, pattern, mesh, "bfloat16", **kw)
     ref = _one_call(ws, Q.kARResidualRMSNorm, mesh, "bfloat16")
-    args = (put(mesh, P("tp"), random_values(rng, (8 * TOKENS, HIDDEN), "bfloat16")),
-            put(mesh, P(), random_values(rng, (TOKENS, HIDDEN), "bfloat16")),
-            put(mesh, P(), random_gamma(rng, HIDDEN, "bfloat16")))
+    args = (
+        put(mesh, P("tp"), random_values(rng, (8 * TOKENS, HIDDEN), "bfloat16")),
+        put(mesh, P(), random_values(rng, (TOKENS, HIDDEN), "bfloat16")),
+        put(mesh, P(), random_gamma(rng, HIDDEN, "bfloat16")),
+    )
     w = random_values(rng, (TOKENS, HIDDEN), "float32")
 
     def loss(outs):
         return jnp.sum(outs[0].astype(jnp.float32) * w) + jnp.sum(
-            jnp.cos(outs[1].astype(jnp.float32)))
+            jnp.cos(outs[1].astype(jnp.float32))
+        )
 
     g = jax.jit(jax.grad(lambda *a: loss(f(*a)), argnums=(0, 1, 2)))(*args)
     g_ref = jax.jit(jax.grad(lambda *a: loss(ref(*a)), argnums=(0, 1, 2)))(*args)
@@ -345,14 +419,16 @@ def test_quantized_patterns_differentiate_norm_out_and_not_the_codes(pattern, kw
 
     def through_codes(*a):
         return sum(jnp.sum(o.astype(jnp.float32)) for o in f(*a)[2:])
+
     g_codes = jax.jit(jax.grad(through_codes, argnums=(0, 1, 2)))(*args)
     assert all(not np.any(np.asarray(v)) for v in g_codes)
     tangents = tuple(jnp.ones_like(a) for a in args)
     outs, touts = jax.jit(lambda a, t: jax.jvp(f, a, t))(args, tangents)
     for o, t in zip(outs[2:], touts[2:]):
         t = np.asarray(t)
-        assert t.shape == o.shape and not np.any(t.astype(np.float32) if t.dtype != jax.dtypes.float0
-                                                  else np.zeros(1)), (t.dtype, o.dtype)
+        assert t.shape == o.shape and not np.any(
+            t.astype(np.float32) if t.dtype != jax.dtypes.float0 else np.zeros(1)
+        ), (t.dtype, o.dtype)
     assert np.any(np.asarray(touts[1]).astype(np.float32))
 
 
@@ -372,15 +448,19 @@ def test_per_rank_residual_tangents_stay_per_rank():
 
     def ref_body(x, r, g):
         return unfused_combine()(x, r, g)
-    ref = jax.shard_map(ref_body, mesh=mesh, in_specs=(P("tp"), P("tp"), P()),
-                        out_specs=(P("tp"), P("tp")))
+
+    ref = jax.shard_map(
+        ref_body, mesh=mesh, in_specs=(P("tp"), P("tp"), P()), out_specs=(P("tp"), P("tp"))
+    )
     want = jax.jit(lambda x, dx: jax.jvp(lambda x: ref(x, r, g), (x,), (dx,)))(x, dx)
     assert_same_bits(got, want, "per-rank residual jvp")
     # and reverse mode, through both outputs
-    gr = jax.jit(jax.grad(lambda x, r: sum(jnp.sum(jnp.sin(o)) for o in f(x, r, g)),
-                          argnums=(0, 1)))(x, r)
-    gw = jax.jit(jax.grad(lambda x, r: sum(jnp.sum(jnp.sin(o)) for o in ref(x, r, g)),
-                          argnums=(0, 1)))(x, r)
+    gr = jax.jit(
+        jax.grad(lambda x, r: sum(jnp.sum(jnp.sin(o)) for o in f(x, r, g)), argnums=(0, 1))
+    )(x, r)
+    gw = jax.jit(
+        jax.grad(lambda x, r: sum(jnp.sum(jnp.sin(o)) for o in ref(x, r, g)), argnums=(0, 1))
+    )(x, r)
     assert_same_bits(gr, gw, "per-rank residual grad")
 
 
@@ -396,8 +476,9 @@ def test_reference_round_to_derivative_is_the_rounding():
     assert ct.dtype == np.float32 and np.all(np.asarray(ct) == 1)
 
 
-@pytest.mark.skipif(not native.available(),
-                    reason=native_skip_reason("the cuda lowering of a trtllm workspace"))
+@pytest.mark.skipif(
+    not native.available(), reason=native_skip_reason("the cuda lowering of a trtllm workspace")
+)
 @pytest.mark.parametrize("variant", ["plain", "checkpoint"])
 def test_cuda_gradient_keeps_the_kernel_and_adds_no_all_reduce(variant):
     """Lowered for cuda: the forward runs the kernel (one custom call per layer, again per
@@ -405,16 +486,20 @@ def test_cuda_gradient_keeps_the_kernel_and_adds_no_all_reduce(variant):
     the forward (the fused program has exactly one all-reduce per layer fewer than the
     unfused one: the forward's psums), and the backward's collectives are JAX's own."""
     mesh = make_mesh((8,), ("tp",))
-    ws = jf.abstract_workspace(mesh, "tp", max_token_num=64, hidden_dim=HIDDEN,
-                               dtype=jnp.bfloat16, backend="trtllm")
+    ws = jf.abstract_workspace(
+        mesh, "tp", max_token_num=64, hidden_dim=HIDDEN, dtype=jnp.bfloat16, backend="trtllm"
+    )
     params, target = mlp_params(new_rng(), "bfloat16")
     params = placed(mesh, params)
     counts = []
     for combine in (fused_combine(ws), unfused_combine()):
-        text = jax.jit(jax.grad(loss_fn(mesh, combine, variant))).trace(params, target).lower(
-            lowering_platforms=("cuda",)).as_text()
-        counts.append((text.count("@jax_fusedar_allreduce_fusion_v2("),
-                       text.count("all_reduce")))
+        text = (
+            jax.jit(jax.grad(loss_fn(mesh, combine, variant)))
+            .trace(params, target)
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
+        counts.append((text.count("@jax_fusedar_allreduce_fusion_v2("), text.count("all_reduce")))
     (fused_calls, fused_ar), (unfused_calls, unfused_ar) = counts
     runs = 2 if variant == "checkpoint" else 1
     assert fused_calls == runs * LAYERS and unfused_calls == 0, counts

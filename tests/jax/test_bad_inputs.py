@@ -3,6 +3,7 @@ pmap, zero tokens for the quantized patterns, the fp32 sum-of-squares overflow, 
 options, boolean environment variables, is_buffer_size_sufficient agreeing with the call,
 argument names in messages, and a workspace passed as a jit argument. 8 virtual host
 devices."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,13 +12,26 @@ from jax.sharding import PartitionSpec as P
 
 import jax_fusedar as jf
 from tests.jax.cpu_helpers import needs_native
-from tests.jax.cpu_helpers import (jdtype, make_mesh, new_rng, random_gamma,
-                                   random_values, require_host_devices, run_sharded)
+from tests.jax.cpu_helpers import (
+    jdtype,
+    make_mesh,
+    new_rng,
+    random_gamma,
+    random_values,
+    require_host_devices,
+    run_sharded,
+)
 from jax_fusedar.common import arguments, backend_choice, call_check, native
 from jax_fusedar import reference
 from jax_fusedar.primitive import FFI_TARGET
-from tests.jax.test_api import (abstract, custom_calls, fused_body, trace_fused,
-                                trace_sharded, xla_workspace)
+from tests.jax.test_api import (
+    abstract,
+    custom_calls,
+    fused_body,
+    trace_fused,
+    trace_sharded,
+    xla_workspace,
+)
 
 require_host_devices()
 
@@ -34,6 +48,7 @@ KW = dict(max_token_num=64, hidden_dim=256, dtype=jnp.bfloat16)
 
 # --- 1. regrouped meshes and pmap ----------------------------------------------------------------
 
+
 def dp_tp():
     return jax.make_mesh((2, 4), ("dp", "tp"))
 
@@ -48,12 +63,20 @@ def regrouped_trace(ws, mesh):
     x = abstract(mesh, P(("tp", "dp")), (8 * 4, 256), "bfloat16")
     res = abstract(mesh, P("dp"), (2 * 4, 256), "bfloat16")
     gam = abstract(mesh, P("dp"), (2 * 256,), "bfloat16")
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(("tp", "dp")), P("dp"), P("dp")),
-                                 out_specs=(P("dp"), P("dp")))).trace(x, res, gam)
+    return jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P(("tp", "dp")), P("dp"), P("dp")),
+            out_specs=(P("dp"), P("dp")),
+        )
+    ).trace(x, res, gam)
 
 
-REGROUPED = (r"groups the devices along 'tp' as \[\(0, 2, 4, 6\), \(1, 3, 5, 7\)\] but the "
-             r"workspace was created for the groups \[\(0, 1, 2, 3\), \(4, 5, 6, 7\)\]")
+REGROUPED = (
+    r"groups the devices along 'tp' as \[\(0, 2, 4, 6\), \(1, 3, 5, 7\)\] but the "
+    r"workspace was created for the groups \[\(0, 1, 2, 3\), \(4, 5, 6, 7\)\]"
+)
 
 
 def test_regrouped_mesh_is_refused_on_cpu():
@@ -66,11 +89,15 @@ def test_regrouped_mesh_is_refused_on_cpu():
     with pytest.raises(ValueError, match=REGROUPED):
         traced.lower()
     rng = new_rng()
-    args = (random_values(rng, (32, 256), "bfloat16"), random_values(rng, (8, 256), "bfloat16"),
-            random_gamma(rng, 512, "bfloat16"))
+    args = (
+        random_values(rng, (32, 256), "bfloat16"),
+        random_values(rng, (8, 256), "bfloat16"),
+        random_gamma(rng, 512, "bfloat16"),
+    )
     with pytest.raises(ValueError, match=REGROUPED):
-        run_sharded(fused_body(ws), mesh, (P(("tp", "dp")), P("dp"), P("dp")),
-                    (P("dp"), P("dp")), *args)
+        run_sharded(
+            fused_body(ws), mesh, (P(("tp", "dp")), P("dp"), P("dp")), (P("dp"), P("dp")), *args
+        )
 
 
 def test_regrouped_mesh_is_refused_at_trace_time_under_set_mesh():
@@ -104,17 +131,24 @@ def test_same_groups_in_another_mesh_order_are_accepted():
 
 
 def _pmapped(ws, devices):
-    return jax.pmap(lambda x: jf.allreduce_fusion(x, axis_name="tp", workspace=ws,
-                                                  pattern=Q.kAllReduce).allreduce_out,
-                    axis_name="tp", devices=devices)
+    return jax.pmap(
+        lambda x: (
+            jf.allreduce_fusion(x, axis_name="tp", workspace=ws, pattern=Q.kAllReduce).allreduce_out
+        ),
+        axis_name="tp",
+        devices=devices,
+    )
 
 
 def test_pmap_is_checked_like_shard_map():
     d = jax.devices()
     x = jnp.asarray(random_values(new_rng(), (4, 2, 256), "bfloat16"))
     ws = xla_workspace(dp_tp())  # groups (0,1,2,3), (4,5,6,7)
-    with pytest.raises(ValueError, match=r"as \[\(0, 2, 4, 6\)\] but the workspace was "
-                                         r"created for the groups \[\(0, 1, 2, 3\), "):
+    with pytest.raises(
+        ValueError,
+        match=r"as \[\(0, 2, 4, 6\)\] but the workspace was "
+        r"created for the groups \[\(0, 1, 2, 3\), ",
+    ):
         _pmapped(ws, [d[0], d[2], d[4], d[6]])(x)
     # A workspace of those very devices serves the pmap, with psum's result.
     ws_pmap = xla_workspace(make_mesh((4,), ("tp",), device_ids=[0, 2, 4, 6]))
@@ -130,6 +164,7 @@ def test_pmap_cuda_lowering_is_checked():
     d = jax.devices()
     ws = jf.abstract_workspace(dp_tp(), "tp", backend="trtllm", **KW)
     x = jax.ShapeDtypeStruct((4, 2, 256), jnp.bfloat16)
+
     def cuda(f):
         return jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -141,30 +176,60 @@ def test_pmap_cuda_lowering_is_checked():
 
 # --- 2. zero tokens for every pattern ----------------------------------------------------------
 
-@pytest.mark.parametrize("pattern,kwargs,shapes", [
-    (Q.kARResidualRMSNormFP8Quant, {"scale_factor": np.ones(1, np.float32)},
-     [((0, 256), "bfloat16"), ((0, 256), "float8_e4m3fn")]),
-    (Q.kARResidualRMSNormOutDynamicFP8Quant, {},
-     [((0, 256), "bfloat16")] * 2 + [((0, 256), "float8_e4m3fn"), ((0, 1), "float32")]),
-    (Q.kARResidualRMSNormPerTokenGroupFP8PackedQuant, {"block_quant_group_size": 64},
-     [((0, 256), "bfloat16"), ((0, 256), "float8_e4m3fn"), ((1, 0), "int32")]),
-    (Q.kARResidualRMSNormOutFP4Quant, {"scale_factor": np.ones(1, np.float32)},
-     [((0, 256), "bfloat16")] * 2 + [((0, 128), "uint8"), ((0, 16), "float8_e4m3fn")]),
-    (Q.kARResidualRMSNormFP4Quant, {"scale_factor": np.ones(1, np.float32), "layout_code": 2},
-     [((0, 256), "bfloat16"), ((0, 128), "uint8"), ((0, 16), "float8_e4m3fn")]),
-])
+
+@pytest.mark.parametrize(
+    "pattern,kwargs,shapes",
+    [
+        (
+            Q.kARResidualRMSNormFP8Quant,
+            {"scale_factor": np.ones(1, np.float32)},
+            [((0, 256), "bfloat16"), ((0, 256), "float8_e4m3fn")],
+        ),
+        (
+            Q.kARResidualRMSNormOutDynamicFP8Quant,
+            {},
+            [((0, 256), "bfloat16")] * 2 + [((0, 256), "float8_e4m3fn"), ((0, 1), "float32")],
+        ),
+        (
+            Q.kARResidualRMSNormPerTokenGroupFP8PackedQuant,
+            {"block_quant_group_size": 64},
+            [((0, 256), "bfloat16"), ((0, 256), "float8_e4m3fn"), ((1, 0), "int32")],
+        ),
+        (
+            Q.kARResidualRMSNormOutFP4Quant,
+            {"scale_factor": np.ones(1, np.float32)},
+            [((0, 256), "bfloat16")] * 2 + [((0, 128), "uint8"), ((0, 16), "float8_e4m3fn")],
+        ),
+        (
+            Q.kARResidualRMSNormFP4Quant,
+            {"scale_factor": np.ones(1, np.float32), "layout_code": 2},
+            [((0, 256), "bfloat16"), ((0, 128), "uint8"), ((0, 16), "float8_e4m3fn")],
+        ),
+    ],
+)
 def test_zero_tokens_give_empty_outputs_for_quantized_patterns(pattern, kwargs, shapes):
     mesh = make_mesh((8,), ("tp",))
     ws = xla_workspace(mesh)
     sf = kwargs.pop("scale_factor", None)
 
     def body(x, r, g, *s):
-        o = jf.allreduce_fusion(x, axis_name="tp", workspace=ws, pattern=pattern, residual=r,
-                                rms_gamma=g, scale_factor=s[0] if s else None, **kwargs)
+        o = jf.allreduce_fusion(
+            x,
+            axis_name="tp",
+            workspace=ws,
+            pattern=pattern,
+            residual=r,
+            rms_gamma=g,
+            scale_factor=s[0] if s else None,
+            **kwargs,
+        )
         return tuple(v for v in o if v is not None)
 
-    args = (np.zeros((0, 256), jdtype("bfloat16")), np.zeros((0, 256), jdtype("bfloat16")),
-            random_gamma(new_rng(), 256, "bfloat16")) + ((sf,) if sf is not None else ())
+    args = (
+        np.zeros((0, 256), jdtype("bfloat16")),
+        np.zeros((0, 256), jdtype("bfloat16")),
+        random_gamma(new_rng(), 256, "bfloat16"),
+    ) + ((sf,) if sf is not None else ())
     in_specs = (P("tp"), P(), P()) + ((P(),) if sf is not None else ())
     outs = run_sharded(body, mesh, in_specs, (P(),) * len(shapes), *args)
     assert [(o.shape, jnp.dtype(o.dtype).name) for o in outs] == shapes
@@ -173,14 +238,21 @@ def test_zero_tokens_give_empty_outputs_for_quantized_patterns(pattern, kwargs, 
         kws = jf.abstract_workspace(mesh, "tp", backend="trtllm", **KW)
         with_sf = dict(kwargs, scale_factor=sf) if sf is not None else kwargs
         # scale_factor as a closed-over constant: lowering only, nothing runs.
-        body = fused_body(kws, pattern, **{k: (jnp.asarray(v) if k == "scale_factor" else v)
-                                          for k, v in with_sf.items()})
-        text = trace_sharded(body, mesh, 0, 256, n_outputs=len(shapes)).lower(
-            lowering_platforms=("cuda",)).as_text()
+        body = fused_body(
+            kws,
+            pattern,
+            **{k: (jnp.asarray(v) if k == "scale_factor" else v) for k, v in with_sf.items()},
+        )
+        text = (
+            trace_sharded(body, mesh, 0, 256, n_outputs=len(shapes))
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
         assert FFI_TARGET not in text
 
 
 # --- 3. the fp32 sum of squares overflows like the kernel's ------------------------------------
+
 
 def test_rms_of_huge_rows_is_zero_like_the_kernel():
     """|r| ~ 1e20 (bf16 holds it; its square does not fit fp32): the kernel sums squares in
@@ -189,54 +261,80 @@ def test_rms_of_huge_rows_is_zero_like_the_kernel():
     mesh = make_mesh((8,), ("tp",))
     ws = xla_workspace(mesh)
     rng = new_rng()
-    big = (rng.uniform(0.5, 1.0, (3, 256)) * np.where(rng.random((3, 256)) < 0.5, -1, 1)
-           * 1e20).astype(np.float32)
+    big = (
+        rng.uniform(0.5, 1.0, (3, 256)) * np.where(rng.random((3, 256)) < 0.5, -1, 1) * 1e20
+    ).astype(np.float32)
     small = random_values(rng, (1, 256), "bfloat16").astype(np.float32)
     rows = np.concatenate([big, small]).astype(jdtype("bfloat16"))
     xs = np.concatenate([rows] + [np.zeros_like(rows)] * 7)  # rank 0 holds the rows
     gamma = random_gamma(rng, 256, "bfloat16")
-    res, norm = run_sharded(fused_body(ws), mesh, (P("tp"), P(), P()), (P(), P()), xs,
-                            np.zeros((4, 256), jdtype("bfloat16")), gamma)
+    res, norm = run_sharded(
+        fused_body(ws),
+        mesh,
+        (P("tp"), P(), P()),
+        (P(), P()),
+        xs,
+        np.zeros((4, 256), jdtype("bfloat16")),
+        gamma,
+    )
     norm = np.asarray(norm.astype(jnp.float32))
     assert np.array_equal(np.asarray(res.astype(jnp.float32)), rows.astype(np.float32))
     assert np.all(norm[:3] == 0.0)  # +-0 (the kernel's sign is checked on GPUs:
     # tests/gpu/test_jax_misuse.py; XLA may sign a CPU zero otherwise in another program)
     # The ordinary row next to them is normalised as usual.
     r32 = rows[3].astype(np.float64)
-    want = r32 / np.sqrt(np.mean(r32 ** 2) + 1e-6) * gamma.astype(np.float64)
+    want = r32 / np.sqrt(np.mean(r32**2) + 1e-6) * gamma.astype(np.float64)
     np.testing.assert_allclose(norm[3], want, rtol=2**-6, atol=2**-6)
     # The float64 oracle disagrees (the overflow is fp32's): documented, not hidden.
     f64 = rows[0].astype(np.float64)
-    assert np.abs(f64 / np.sqrt(np.mean(f64 ** 2))).max() > 0.1
+    assert np.abs(f64 / np.sqrt(np.mean(f64**2))).max() > 0.1
 
 
 def test_reference_rms_norm_overflows_in_fp32():
     r = jnp.full((2, 64), 2e19, jnp.bfloat16)  # squares 4e38 > fp32 max 3.4e38
-    out = reference.rms_norm(r, jnp.ones((64,), jnp.bfloat16), rms_eps=1e-6, weight_bias=0.0,
-                             out_dtype=jnp.bfloat16)
+    out = reference.rms_norm(
+        r, jnp.ones((64,), jnp.bfloat16), rms_eps=1e-6, weight_bias=0.0, out_dtype=jnp.bfloat16
+    )
     assert np.all(np.asarray(out.astype(jnp.float32)) == 0.0)
     r = jnp.full((2, 64), 1e19, jnp.bfloat16)  # 64 squares of 1e38 overflow only when summed
-    out = reference.rms_norm(r, jnp.ones((64,), jnp.bfloat16), rms_eps=1e-6, weight_bias=0.0,
-                             out_dtype=jnp.bfloat16)
+    out = reference.rms_norm(
+        r, jnp.ones((64,), jnp.bfloat16), rms_eps=1e-6, weight_bias=0.0, out_dtype=jnp.bfloat16
+    )
     assert np.all(np.asarray(out.astype(jnp.float32)) == 0.0)
 
 
 # --- 4. options are never coerced --------------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs,error,match", [
-    ({"pattern": 1.9}, ValueError, r"unknown fusion pattern 1\.9: pattern must be an "
-                                   r"AllReduceFusionPattern or its int code, not a float"),
-    ({"pattern": "1"}, ValueError, "unknown fusion pattern '1': pattern must be"),
-    ({"pattern": True}, ValueError, "unknown fusion pattern True: pattern must be"),
-    ({"pattern": np.float64(1)}, ValueError, "pattern must be"),
-    ({"use_oneshot": "false"}, TypeError, "use_oneshot must be True, False or None, got 'false'"),
-    ({"use_oneshot": 0}, TypeError, "use_oneshot must be True, False or None, got 0"),
-    ({"fp32_acc": "no"}, TypeError, "fp32_acc must be True or False, got 'no'"),
-    ({"fp32_acc": None}, TypeError, "fp32_acc must be True or False, got None"),
-    ({"strict": "no"}, TypeError, r"strict \(None: \$JAX_FUSEDAR_STRICT\) must be True or "
-                                  r"False, got 'no'"),
-    ({"strict": 1}, TypeError, "strict .* must be True or False"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (
+            {"pattern": 1.9},
+            ValueError,
+            r"unknown fusion pattern 1\.9: pattern must be an "
+            r"AllReduceFusionPattern or its int code, not a float",
+        ),
+        ({"pattern": "1"}, ValueError, "unknown fusion pattern '1': pattern must be"),
+        ({"pattern": True}, ValueError, "unknown fusion pattern True: pattern must be"),
+        ({"pattern": np.float64(1)}, ValueError, "pattern must be"),
+        (
+            {"use_oneshot": "false"},
+            TypeError,
+            "use_oneshot must be True, False or None, got 'false'",
+        ),
+        ({"use_oneshot": 0}, TypeError, "use_oneshot must be True, False or None, got 0"),
+        ({"fp32_acc": "no"}, TypeError, "fp32_acc must be True or False, got 'no'"),
+        ({"fp32_acc": None}, TypeError, "fp32_acc must be True or False, got None"),
+        (
+            {"strict": "no"},
+            TypeError,
+            r"strict \(None: \$JAX_FUSEDAR_STRICT\) must be True or "
+            r"False, got 'no'",
+        ),
+        ({"strict": 1}, TypeError, "strict .* must be True or False"),
+    ],
+)
 def test_coerced_options_are_refused(kwargs, error, match):
     ws = xla_workspace(make_mesh((8,), ("tp",)))
     with pytest.raises(error, match=match):
@@ -245,37 +343,71 @@ def test_coerced_options_are_refused(kwargs, error, match):
 
 def test_numpy_bools_and_ints_are_real_options():
     ws = xla_workspace(make_mesh((8,), ("tp",)))
-    trace_fused(ws, 4, 256, pattern=np.int64(1), use_oneshot=np.bool_(True),
-                fp32_acc=np.bool_(False), strict=np.bool_(False), rms_eps=np.float32(1e-5),
-                weight_bias=np.int32(1))
+    trace_fused(
+        ws,
+        4,
+        256,
+        pattern=np.int64(1),
+        use_oneshot=np.bool_(True),
+        fp32_acc=np.bool_(False),
+        strict=np.bool_(False),
+        rms_eps=np.float32(1e-5),
+        weight_bias=np.int32(1),
+    )
 
 
-@pytest.mark.parametrize("layout,match", [
-    (2.7, r"layout \(layout_code\) 2\.7"),
-    ("2", r"layout \(layout_code\) '2'"),
-    (True, r"layout \(layout_code\) True"),
-    (3, r"layout \(layout_code\) 3"),
-])
+@pytest.mark.parametrize(
+    "layout,match",
+    [
+        (2.7, r"layout \(layout_code\) 2\.7"),
+        ("2", r"layout \(layout_code\) '2'"),
+        (True, r"layout \(layout_code\) True"),
+        (3, r"layout \(layout_code\) 3"),
+    ],
+)
 def test_layout_code_is_not_truncated(layout, match):
     ws = xla_workspace(make_mesh((8,), ("tp",)))
     with pytest.raises(ValueError, match=match):
-        trace_fused(ws, 4, 256, pattern=Q.kARResidualRMSNormOutFP4Quant,
-                    scale_factor=np.ones(1, np.float32), layout_code=layout)
+        trace_fused(
+            ws,
+            4,
+            256,
+            pattern=Q.kARResidualRMSNormOutFP4Quant,
+            scale_factor=np.ones(1, np.float32),
+            layout_code=layout,
+        )
 
 
 @pytest.mark.parametrize("group", [64.0, True, "64"])
 def test_group_size_must_be_an_int(group):
     ws = xla_workspace(make_mesh((8,), ("tp",)))
     with pytest.raises(TypeError, match="block_quant_group_size must be an int"):
-        trace_fused(ws, 4, 256, pattern=Q.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant,
-                    block_quant_group_size=group)
+        trace_fused(
+            ws,
+            4,
+            256,
+            pattern=Q.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant,
+            block_quant_group_size=group,
+        )
 
 
 # --- 5. one parser for every boolean environment variable --------------------------------------
 
+
 @pytest.mark.parametrize("var", [backend_choice.STRICT_ENV_VAR, call_check.CHECK_CALLS_ENV_VAR])
-@pytest.mark.parametrize("raw,value", [("on", True), ("ON", True), (" yes ", True), ("1", True),
-                                       ("off", False), ("No", False), ("0", False), ("", False)])
+@pytest.mark.parametrize(
+    "raw,value",
+    [
+        ("on", True),
+        ("ON", True),
+        (" yes ", True),
+        ("1", True),
+        ("off", False),
+        ("No", False),
+        ("0", False),
+        ("", False),
+    ],
+)
 def test_every_boolean_variable_reads_the_same_words(monkeypatch, var, raw, value):
     monkeypatch.setenv(var, raw)
     assert arguments.env_bool(var) is value
@@ -310,11 +442,20 @@ def test_strict_from_the_environment_on_means_on(monkeypatch):
 
 # --- 6. is_buffer_size_sufficient agrees with the call -----------------------------------------
 
+
 def test_is_buffer_size_sufficient_agrees_with_what_a_call_accepts():
     mesh = make_mesh((8,), ("tp",))
     ws = xla_workspace(mesh, max_token_num=8, hidden_dim=256)
-    cases = [(0, 256, None), (8, 256, None), (16, 128, None), (9, 256, None),
-             (4, 256, "float16"), (4, 256, "bfloat16"), (4, 256, "float32"), (4, 100, None)]
+    cases = [
+        (0, 256, None),
+        (8, 256, None),
+        (16, 128, None),
+        (9, 256, None),
+        (4, 256, "float16"),
+        (4, 256, "bfloat16"),
+        (4, 256, "float32"),
+        (4, 100, None),
+    ]
     for tokens, hidden, dtype in cases:
         answer = ws.is_buffer_size_sufficient(tokens, hidden, dtype)
         try:
@@ -326,13 +467,16 @@ def test_is_buffer_size_sufficient_agrees_with_what_a_call_accepts():
     assert not ws.is_buffer_size_sufficient(4, 256, np.int8)
 
 
-@pytest.mark.parametrize("tokens,hidden,error,match", [
-    (-1, 256, ValueError, "num_tokens must be >= 0, got -1"),
-    (1.5, 256, TypeError, "num_tokens must be an int"),
-    (True, 256, TypeError, "num_tokens must be an int"),
-    (4, 0, ValueError, "hidden_dim must be >= 1"),
-    (4, -256, ValueError, "hidden_dim must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "tokens,hidden,error,match",
+    [
+        (-1, 256, ValueError, "num_tokens must be >= 0, got -1"),
+        (1.5, 256, TypeError, "num_tokens must be an int"),
+        (True, 256, TypeError, "num_tokens must be an int"),
+        (4, 0, ValueError, "hidden_dim must be >= 1"),
+        (4, -256, ValueError, "hidden_dim must be >= 1"),
+    ],
+)
 def test_is_buffer_size_sufficient_refuses_nonsense(tokens, hidden, error, match):
     ws = xla_workspace(make_mesh((8,), ("tp",)))
     with pytest.raises(error, match=match):
@@ -341,12 +485,17 @@ def test_is_buffer_size_sufficient_refuses_nonsense(tokens, hidden, error, match
 
 # --- 7. messages name the argument -------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", [None, "float64", np.int8, "nope"])
 def test_workspace_dtype_is_named(dtype):
-    with pytest.raises(ValueError, match=r"dtype must be bfloat16, float16 or float32 "
-                                         rf"\(e.g. jnp.bfloat16\), got {dtype!r}"):
-        jf.create_allreduce_fusion_workspace(make_mesh((8,), ("tp",)), "tp", max_token_num=8,
-                                             hidden_dim=256, dtype=dtype)
+    with pytest.raises(
+        ValueError,
+        match=r"dtype must be bfloat16, float16 or float32 "
+        rf"\(e.g. jnp.bfloat16\), got {dtype!r}",
+    ):
+        jf.create_allreduce_fusion_workspace(
+            make_mesh((8,), ("tp",)), "tp", max_token_num=8, hidden_dim=256, dtype=dtype
+        )
 
 
 @pytest.mark.parametrize("mesh", [None, "devices", "abstract"])
@@ -363,19 +512,23 @@ def test_workspace_mesh_is_named(mesh):
 def test_workspace_exchange_timeout_is_named():
     for value, error in ((None, TypeError), (0, ValueError), (-1.0, ValueError)):
         with pytest.raises(error, match="exchange_timeout_s must be"):
-            jf.create_allreduce_fusion_workspace(make_mesh((8,), ("tp",)), "tp",
-                                                 exchange_timeout_s=value, **KW)
+            jf.create_allreduce_fusion_workspace(
+                make_mesh((8,), ("tp",)), "tp", exchange_timeout_s=value, **KW
+            )
 
 
-@pytest.mark.parametrize("kwargs,error,match", [
-    ({"rms_eps": None}, TypeError, "rms_eps must be a real number, got None"),
-    ({"rms_eps": "1e-6"}, TypeError, "rms_eps must be a real number, got '1e-6'"),
-    ({"rms_eps": -1e-6}, ValueError, "rms_eps must be >= 0.0"),
-    ({"rms_eps": float("nan")}, ValueError, "rms_eps must be finite"),
-    ({"weight_bias": None}, TypeError, "weight_bias must be a real number, got None"),
-    ({"weight_bias": 1j}, TypeError, r"weight_bias must be a real number, got 1j"),
-    ({"weight_bias": float("inf")}, ValueError, "weight_bias must be finite"),
-])
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        ({"rms_eps": None}, TypeError, "rms_eps must be a real number, got None"),
+        ({"rms_eps": "1e-6"}, TypeError, "rms_eps must be a real number, got '1e-6'"),
+        ({"rms_eps": -1e-6}, ValueError, "rms_eps must be >= 0.0"),
+        ({"rms_eps": float("nan")}, ValueError, "rms_eps must be finite"),
+        ({"weight_bias": None}, TypeError, "weight_bias must be a real number, got None"),
+        ({"weight_bias": 1j}, TypeError, r"weight_bias must be a real number, got 1j"),
+        ({"weight_bias": float("inf")}, ValueError, "weight_bias must be finite"),
+    ],
+)
 def test_float_options_are_named(kwargs, error, match):
     ws = xla_workspace(make_mesh((8,), ("tp",)))
     with pytest.raises(error, match=match):
@@ -383,6 +536,7 @@ def test_float_options_are_named(kwargs, error, match):
 
 
 # --- 12. a workspace passed as a jit argument ---------------------------------------------------
+
 
 def test_workspace_as_a_jit_argument_is_static():
     mesh = make_mesh((8,), ("tp",))
@@ -392,9 +546,15 @@ def test_workspace_as_a_jit_argument_is_static():
     def f(x, ws):
         calls.append(ws)
         return jax.shard_map(
-            lambda x: jf.allreduce_fusion(x, axis_name="tp", workspace=ws,
-                                          pattern=Q.kAllReduce).allreduce_out,
-            mesh=mesh, in_specs=P("tp"), out_specs=P())(x)
+            lambda x: (
+                jf.allreduce_fusion(
+                    x, axis_name="tp", workspace=ws, pattern=Q.kAllReduce
+                ).allreduce_out
+            ),
+            mesh=mesh,
+            in_specs=P("tp"),
+            out_specs=P(),
+        )(x)
 
     rng = new_rng()
     xs = random_values(rng, (8 * 2, 256), "bfloat16")
@@ -420,8 +580,11 @@ def test_a_traced_workspace_says_how_to_pass_it():
     def body(x, w):
         return jf.allreduce_fusion(x, axis_name="tp", workspace=w, pattern=Q.kAllReduce)
 
-    with pytest.raises(TypeError, match="workspace is a JAX tracer: pass the workspace itself, "
-                                        "closed over or as a static argument"):
+    with pytest.raises(
+        TypeError,
+        match="workspace is a JAX tracer: pass the workspace itself, "
+        "closed over or as a static argument",
+    ):
         jax.jit(body).trace(jnp.zeros((4, 256)), jnp.zeros(()))
     with pytest.raises(TypeError, match="workspace must come from .*got str"):
         trace_sharded(fused_body("ws", Q.kAllReduce), ws.mesh, 4, 256, n_inputs=1)

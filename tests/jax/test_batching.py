@@ -2,6 +2,7 @@
 stream) of allreduce_fusion on CPU (8 virtual devices); small API items (fallback logging
 per kind, py.typed, dir()). Results are compared bit for bit with the
 2-D call on the folded rows, or with one call per batch element."""
+
 import logging
 import pathlib
 import re
@@ -14,9 +15,17 @@ from jax.sharding import PartitionSpec as P
 
 import jax_fusedar as jf
 from tests.jax.cpu_helpers import needs_native, assert_same_bits
-from tests.jax.cpu_helpers import (bits, check_outputs, jdtype, make_mesh, new_rng,
-                                   random_gamma, random_partials, random_values,
-                                   require_host_devices)
+from tests.jax.cpu_helpers import (
+    bits,
+    check_outputs,
+    jdtype,
+    make_mesh,
+    new_rng,
+    random_gamma,
+    random_partials,
+    random_values,
+    require_host_devices,
+)
 from jax_fusedar.common.patterns import TRAITS
 from jax_fusedar.primitive import FFI_TARGET
 
@@ -35,8 +44,9 @@ def tp8():
 
 
 def xla_ws(mesh, dtype="bfloat16", max_token_num=256):
-    return jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=max_token_num,
-                                                hidden_dim=HIDDEN, dtype=jdtype(dtype))
+    return jf.create_allreduce_fusion_workspace(
+        mesh, "tp", max_token_num=max_token_num, hidden_dim=HIDDEN, dtype=jdtype(dtype)
+    )
 
 
 QUANT_CASES = [
@@ -45,17 +55,28 @@ QUANT_CASES = [
     (Q.kARResidualRMSNormOutFP8Quant, {"scale_factor": np.full(1, 0.05, np.float32)}),
     (Q.kARResidualRMSNormOutDynamicFP8Quant, {}),
     (Q.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant, {"block_quant_group_size": 64}),
-    (Q.kARResidualRMSNormOutFP4Quant, {"scale_factor": np.full(1, 40.0, np.float32),
-                                       "layout_code": jf.QuantizationSFLayout.LINEAR}),
+    (
+        Q.kARResidualRMSNormOutFP4Quant,
+        {
+            "scale_factor": np.full(1, 40.0, np.float32),
+            "layout_code": jf.QuantizationSFLayout.LINEAR,
+        },
+    ),
     (Q.kARResidualRMSNormOutFP4Quant, {"scale_factor": np.full(1, 40.0, np.float32)}),
 ]
 case_ids = [f"p{int(p)}" + ("_linear" if "layout_code" in k else "") for p, k in QUANT_CASES]
 
 
 def call(ws, pattern, x, r, g, kw):
-    o = jf.allreduce_fusion(x, axis_name="tp", workspace=ws, pattern=pattern,
-                            residual=None if pattern == Q.kAllReduce else r,
-                            rms_gamma=None if pattern == Q.kAllReduce else g, **kw)
+    o = jf.allreduce_fusion(
+        x,
+        axis_name="tp",
+        workspace=ws,
+        pattern=pattern,
+        residual=None if pattern == Q.kAllReduce else r,
+        rms_gamma=None if pattern == Q.kAllReduce else g,
+        **kw,
+    )
     return o
 
 
@@ -65,18 +86,20 @@ def n_outputs(pattern):
 
 
 def inputs(rng, lead, dtype="bfloat16"):
-    x = random_values(rng, (8, *lead, HIDDEN), dtype)     # per rank
+    x = random_values(rng, (8, *lead, HIDDEN), dtype)  # per rank
     r = random_values(rng, (*lead, HIDDEN), dtype)
     g = random_gamma(rng, HIDDEN, dtype)
     return x, r, g
 
 
 def sharded(mesh, body, n_out, x_spec=P("tp")):
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(x_spec, P(), P()),
-                                 out_specs=(P(),) * n_out))
+    return jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(x_spec, P(), P()), out_specs=(P(),) * n_out)
+    )
 
 
 # --- N-D inputs ----------------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 @pytest.mark.oldest
@@ -94,13 +117,17 @@ def test_nd_input_equals_the_2d_call_on_folded_rows(pattern, kw):
         return tuple(v for v in call(ws, pattern, x[0], r, g, kw) if v is not None)
 
     def flat(x, r, g):
-        return tuple(v for v in call(ws, pattern, x[0].reshape(-1, HIDDEN),
-                                     r.reshape(-1, HIDDEN), g, kw) if v is not None)
+        return tuple(
+            v
+            for v in call(ws, pattern, x[0].reshape(-1, HIDDEN), r.reshape(-1, HIDDEN), g, kw)
+            if v is not None
+        )
 
     got = sharded(mesh, nd, n)(x, r, g)
     want = sharded(mesh, flat, n)(x, r, g)
     packed = TRAITS[pattern].quant == "group_fp8" or (
-        TRAITS[pattern].quant == "fp4" and "layout_code" not in kw)
+        TRAITS[pattern].quant == "fp4" and "layout_code" not in kw
+    )
     for i, (a, b) in enumerate(zip(got, want)):
         if not (packed and i == n - 1):
             assert a.shape[:2] == lead, (i, a.shape)
@@ -115,27 +142,41 @@ def test_nd_against_the_oracle_and_one_dim():
     xs = random_partials(rng, (8, 3, 5, HIDDEN), "float32")
     r = random_values(rng, (3, 5, HIDDEN), "float32")
     g = random_gamma(rng, HIDDEN, "float32")
-    res, norm = sharded(mesh, lambda x, r, g: tuple(call(ws, Q.kARResidualRMSNorm, x[0], r, g,
-                                                         {})[1:3]), 2)(xs, r, g)
-    check_outputs("float32", xs.reshape(8, 15, HIDDEN), residual=r.reshape(15, HIDDEN),
-                  gamma=g, residual_out=np.asarray(res).reshape(15, HIDDEN),
-                  norm_out=np.asarray(norm).reshape(15, HIDDEN), what="[3, 5, H]")
+    res, norm = sharded(
+        mesh, lambda x, r, g: tuple(call(ws, Q.kARResidualRMSNorm, x[0], r, g, {})[1:3]), 2
+    )(xs, r, g)
+    check_outputs(
+        "float32",
+        xs.reshape(8, 15, HIDDEN),
+        residual=r.reshape(15, HIDDEN),
+        gamma=g,
+        residual_out=np.asarray(res).reshape(15, HIDDEN),
+        norm_out=np.asarray(norm).reshape(15, HIDDEN),
+        what="[3, 5, H]",
+    )
     # A 1-D x is one token.
-    one = sharded(mesh, lambda x, r, g: tuple(call(ws, Q.kARResidualRMSNorm, x[0, 0, 0], r[0, 0],
-                                                   g, {})[1:3]), 2)(xs, r, g)
+    one = sharded(
+        mesh,
+        lambda x, r, g: tuple(call(ws, Q.kARResidualRMSNorm, x[0, 0, 0], r[0, 0], g, {})[1:3]),
+        2,
+    )(xs, r, g)
     assert one[0].shape == (HIDDEN,)
-    assert_same_bits([np.asarray(o) for o in one], [np.asarray(res)[0, 0], np.asarray(norm)[0, 0]],
-                     "1-D x")
+    assert_same_bits(
+        [np.asarray(o) for o in one], [np.asarray(res)[0, 0], np.asarray(norm)[0, 0]], "1-D x"
+    )
 
 
 def test_nd_rows_all_count_against_the_workspace():
     mesh = tp8()
     ws = xla_ws(mesh, max_token_num=16)
-    x, r, g = inputs(new_rng(), (3, 6))     # 18 rows > 16
+    x, r, g = inputs(new_rng(), (3, 6))  # 18 rows > 16
     body = lambda x, r, g: tuple(call(ws, 1, x[0], r, g, {"strict": True})[1:3])  # noqa: E731
-    with pytest.raises(ValueError, match=r"18x256 tokens exceed the workspace \(max_token_num="
-                                         r"16 x hidden 256; every row of an N-D or vmapped "
-                                         r"call counts\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"18x256 tokens exceed the workspace \(max_token_num="
+        r"16 x hidden 256; every row of an N-D or vmapped "
+        r"call counts\)",
+    ):
         sharded(mesh, body, 2)(x, r, g)
 
 
@@ -144,12 +185,16 @@ def test_residual_must_have_x_shape():
     ws = xla_ws(mesh)
     x, r, g = inputs(new_rng(), (2, 4))
     body = lambda x, r, g: tuple(call(ws, 1, x[0], r.reshape(8, HIDDEN), g, {})[1:3])  # noqa
-    with pytest.raises(ValueError, match=r"residual must have shape \(2, 4, 256\) and dtype "
-                                         r"bfloat16, got \(8, 256\) bfloat16"):
+    with pytest.raises(
+        ValueError,
+        match=r"residual must have shape \(2, 4, 256\) and dtype "
+        r"bfloat16, got \(8, 256\) bfloat16",
+    ):
         sharded(mesh, body, 2)(x, r, g)
 
 
 # --- vmap ----------------------------------------------------------------------------------------
+
 
 def per_element(f, *batched):
     """Stacked results of f on each batch element (no vmap)."""
@@ -174,10 +219,10 @@ def test_vmap_inside_shard_map_equals_per_element_calls(pattern, kw, tokens):
     def one(x, r, g):
         return tuple(v for v in call(ws, pattern, x, r, g, kw) if v is not None)
 
-    got = sharded(mesh, lambda x, r, g: jax.vmap(one, in_axes=(0, 0, None))(x[0], r, g),
-                  n)(x, r, g)
-    want = sharded(mesh, lambda x, r, g: per_element(lambda a, b: one(a, b, g), x[0], r),
-                   n)(x, r, g)
+    got = sharded(mesh, lambda x, r, g: jax.vmap(one, in_axes=(0, 0, None))(x[0], r, g), n)(x, r, g)
+    want = sharded(mesh, lambda x, r, g: per_element(lambda a, b: one(a, b, g), x[0], r), n)(
+        x, r, g
+    )
     assert_same_bits(got, want, f"vmap pattern {int(pattern)}, {tokens} tokens")
 
 
@@ -192,9 +237,11 @@ def test_vmap_folds_swizzled_nvfp4_scales_of_whole_tiles():
 
     def one(x, r):
         return tuple(v for v in call(ws, p, x, r, g, kw) if v is not None)
+
     body = lambda x, r, g: jax.vmap(one)(x[0], r)  # noqa: E731
-    assert count_calls(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P()),
-                                     out_specs=(P(),) * 4), x, r, g) == (1, False)
+    assert count_calls(
+        jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=(P(),) * 4), x, r, g
+    ) == (1, False)
     got = sharded(mesh, body, 4)(x, r, g)
     want = sharded(mesh, lambda x, r, g: per_element(one, x[0], r), 4)(x, r, g)
     assert_same_bits(got, want, "swizzled NVFP4 scales under vmap")
@@ -217,17 +264,24 @@ def test_vmap_folds_into_one_call_or_maps():
         return call(ws, 1, x, r, g, {})[1:3]
 
     def run(in_axes, g_arg):
-        return jax.shard_map(lambda x, r, g: jax.vmap(one, in_axes=in_axes)(x[0], r, g),
-                             mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=(P(), P()))
+        return jax.shard_map(
+            lambda x, r, g: jax.vmap(one, in_axes=in_axes)(x[0], r, g),
+            mesh=mesh,
+            in_specs=(P("tp"), P(), P()),
+            out_specs=(P(), P()),
+        )
+
     assert count_calls(run((0, 0, None), g), x, r, g) == (1, False)
     assert count_calls(run((0, None, None), g), x, r[0], g) == (1, False)
     assert count_calls(run((0, 0, 0), gs), x, r, gs) == (1, True)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("in_axes", [(0, None, None), (None, 0, None), (1, 1, None),
-                                     (0, 0, 0)], ids=["x_only", "residual_only",
-                                                      "axis1", "gamma_too"])
+@pytest.mark.parametrize(
+    "in_axes",
+    [(0, None, None), (None, 0, None), (1, 1, None), (0, 0, 0)],
+    ids=["x_only", "residual_only", "axis1", "gamma_too"],
+)
 def test_vmap_axes_and_batched_gamma(in_axes):
     mesh = tp8()
     ws = xla_ws(mesh)
@@ -254,9 +308,12 @@ def test_vmap_axes_and_batched_gamma(in_axes):
         if in_axes == (1, 1, None):
             xa, ra = jnp.swapaxes(xa, 0, 1), jnp.swapaxes(ra, 0, 1)
         got = jax.vmap(one, in_axes=in_axes)(xa, ra, ga)
-        want = [one(pick(xa, in_axes[0], i), pick(ra, in_axes[1], i), pick(ga, in_axes[2], i))
-                for i in range(B)]
+        want = [
+            one(pick(xa, in_axes[0], i), pick(ra, in_axes[1], i), pick(ga, in_axes[2], i))
+            for i in range(B)
+        ]
         return (*got, *(jnp.stack(w) for w in zip(*want)))
+
     outs = sharded(mesh, body, 4)(x, r, g)
     assert_same_bits(outs[:2], outs[2:], f"vmap in_axes={in_axes}")
 
@@ -273,8 +330,10 @@ def test_vmap_of_a_batched_scale_factor_runs_per_element():
         got = jax.vmap(one)(x[0], r, sf)
         want = per_element(one, x[0], r, sf)
         return (*got, *want)
-    outs = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P(), P()),
-                                 out_specs=(P(),) * 6))(x, r, g, sf)
+
+    outs = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P(), P()), out_specs=(P(),) * 6)
+    )(x, r, g, sf)
     assert_same_bits(outs[:3], outs[3:], "batched scale_factor")
     assert not np.array_equal(bits(outs[2][0]), bits(outs[2][1]))
 
@@ -283,6 +342,7 @@ def test_vmap_outside_shard_map_and_grad():
     """vmap of a jit(shard_map) program (shard_map batches its body) and grad through the
     vmapped op equal the unfused math's."""
     from jax_fusedar import reference
+
     mesh = tp8()
     ws = xla_ws(mesh, "float32")
     rng = new_rng()
@@ -294,8 +354,10 @@ def test_vmap_outside_shard_map_and_grad():
         return call(ws, 1, x, r, g, {})[2]
 
     def unfused(x, r, g):
-        return reference.allreduce_fusion_reference(x, r, g, axis_name="tp", pattern=1,
-                                                    rms_eps=1e-6, weight_bias=0.0)[2]
+        return reference.allreduce_fusion_reference(
+            x, r, g, axis_name="tp", pattern=1, rms_eps=1e-6, weight_bias=0.0
+        )[2]
+
     results = []
     for body in (fused, unfused):
         f = jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=P())
@@ -316,12 +378,15 @@ def test_vmapped_batch_beyond_the_workspace_runs_per_element():
 
     def one(x, r, g):
         return tuple(call(ws, 1, x, r, g, {"strict": True})[1:3])
+
     body = lambda x, r, g: jax.vmap(one, in_axes=(0, 0, None))(x[0], r, g)  # noqa: E731
-    assert count_calls(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P()),
-                                     out_specs=(P(), P())), x, r, g) == (1, True)
+    assert count_calls(
+        jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=(P(), P())), x, r, g
+    ) == (1, True)
     got = sharded(mesh, body, 2)(x, r, g)
-    want = sharded(mesh, lambda x, r, g: per_element(lambda a, b: one(a, b, g), x[0], r),
-                   2)(x, r, g)
+    want = sharded(mesh, lambda x, r, g: per_element(lambda a, b: one(a, b, g), x[0], r), 2)(
+        x, r, g
+    )
     assert_same_bits(got, want, "per-element loop")
     x, r, g = inputs(new_rng(), (2, 9))
     with pytest.raises(ValueError, match=r"9x256 tokens exceed the workspace"):
@@ -332,19 +397,27 @@ def test_vmapped_batch_beyond_the_workspace_runs_per_element():
 def test_cuda_lowering_of_vmapped_and_nd_calls():
     """The kernel serves the folded rows: one custom call on [B*T, H]."""
     mesh = tp8()
-    ws = jf.abstract_workspace(mesh, "tp", max_token_num=16, hidden_dim=HIDDEN,
-                               dtype=jnp.bfloat16, backend="trtllm")
+    ws = jf.abstract_workspace(
+        mesh, "tp", max_token_num=16, hidden_dim=HIDDEN, dtype=jnp.bfloat16, backend="trtllm"
+    )
     x, r, g = inputs(new_rng(), (3, 4))
 
     def lowered(B):
-        body = lambda x, r, g: jax.vmap(  # noqa: E731
-            lambda x, r: tuple(call(ws, 1, x, r, g, {})[1:3]))(x[0, :B], r[:B])
-        return sharded(mesh, body, 2).trace(x, r, g).lower(
-            lowering_platforms=("cuda",)).as_text()
+        body = (
+            lambda x, r, g: jax.vmap(  # noqa: E731
+                lambda x, r: tuple(call(ws, 1, x, r, g, {})[1:3])
+            )(x[0, :B], r[:B])
+        )
+        return sharded(mesh, body, 2).trace(x, r, g).lower(lowering_platforms=("cuda",)).as_text()
+
     text = lowered(3)
     assert text.count(f"@{FFI_TARGET}") == 1 and "tensor<12x256xbf16>" in text
-    nd = sharded(mesh, lambda x, r, g: tuple(call(ws, 1, x[0], r, g, {})[1:3]), 2).trace(
-        x, r, g).lower(lowering_platforms=("cuda",)).as_text()
+    nd = (
+        sharded(mesh, lambda x, r, g: tuple(call(ws, 1, x[0], r, g, {})[1:3]), 2)
+        .trace(x, r, g)
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
     assert nd.count(f"@{FFI_TARGET}") == 1 and "tensor<12x256xbf16>" in nd
     # 20 rows > 16: a vmapped batch runs the kernel per element in a loop; an N-D call,
     # one call by definition, falls back.
@@ -352,12 +425,17 @@ def test_cuda_lowering_of_vmapped_and_nd_calls():
     text = lowered(5)
     assert text.count(f"@{FFI_TARGET}") == 1 and "tensor<4x256xbf16>" in text
     assert "stablehlo.while" in text
-    nd = sharded(mesh, lambda x, r, g: tuple(call(ws, 1, x[0], r, g, {})[1:3]), 2).trace(
-        x, r, g).lower(lowering_platforms=("cuda",)).as_text()
+    nd = (
+        sharded(mesh, lambda x, r, g: tuple(call(ws, 1, x[0], r, g, {})[1:3]), 2)
+        .trace(x, r, g)
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
     assert FFI_TARGET not in nd
 
 
 # --- dtypes --------------------------------------------------------------------------------------
+
 
 @pytest.mark.oldest
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -379,9 +457,12 @@ def test_float32_residual_stream_names_the_alternatives(dtype):
     ws = xla_ws(mesh, dtype)
     x, r, g = inputs(new_rng(), (4,), dtype)
     body = lambda x, r, g: tuple(call(ws, 1, x[0], r.astype(jnp.float32), g, {})[1:3])  # noqa
-    with pytest.raises(ValueError, match=re.escape(
-            f"residual has dtype float32 but x is {dtype}") + ".*residual.astype\\(x.dtype\\)"
-            ".*x=x.astype\\(jnp.float32\\) with a float32 workspace"):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(f"residual has dtype float32 but x is {dtype}")
+        + ".*residual.astype\\(x.dtype\\)"
+        ".*x=x.astype\\(jnp.float32\\) with a float32 workspace",
+    ):
         sharded(mesh, body, 2)(x, r, g)
 
 
@@ -394,13 +475,22 @@ def test_float32_residual_stream_with_the_float32_alternative():
     xs = random_partials(rng, (8, 4, HIDDEN), "bfloat16")
     r = random_values(rng, (4, HIDDEN), "float32")
     g = random_gamma(rng, HIDDEN, "float32")
-    res, norm = sharded(mesh, lambda x, r, g: tuple(call(ws, 1, x[0].astype(jnp.float32), r, g,
-                                                         {})[1:3]), 2)(xs, r, g)
-    check_outputs("float32", xs.astype(np.float32), residual=r, gamma=g, residual_out=res,
-                  norm_out=norm, what="float32 stream")
+    res, norm = sharded(
+        mesh, lambda x, r, g: tuple(call(ws, 1, x[0].astype(jnp.float32), r, g, {})[1:3]), 2
+    )(xs, r, g)
+    check_outputs(
+        "float32",
+        xs.astype(np.float32),
+        residual=r,
+        gamma=g,
+        residual_out=res,
+        norm_out=norm,
+        what="float32 stream",
+    )
 
 
 # --- small API items -----------------------------------------------------------------------------
+
 
 def test_dir_lists_the_lazy_exports_and_py_typed_ships():
     names = dir(jf)
@@ -413,31 +503,40 @@ def test_dir_lists_the_lazy_exports_and_py_typed_ships():
 def test_fallback_is_logged_once_per_kind_not_per_shape(caplog):
     caplog.set_level(logging.WARNING, logger="jax_fusedar")
     mesh = tp8()
-    ws = jf.abstract_workspace(mesh, "tp", max_token_num=8, hidden_dim=HIDDEN,
-                               dtype=jnp.bfloat16, backend="trtllm")
+    ws = jf.abstract_workspace(
+        mesh, "tp", max_token_num=8, hidden_dim=HIDDEN, dtype=jnp.bfloat16, backend="trtllm"
+    )
     for lead in [(9,), (10,), (3, 4), (2, 2, 5)]:
         x, r, g = inputs(new_rng(), lead)
         sharded(mesh, lambda x, r, g: tuple(call(ws, 1, x[0], r, g, {})[1:3]), 2).trace(x, r, g)
-    msgs = [r.getMessage() for r in caplog.records if r.name == "jax_fusedar"
-            and r.levelno == logging.WARNING]
+    msgs = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "jax_fusedar" and r.levelno == logging.WARNING
+    ]
     assert len(msgs) == 1 and "9x256 tokens exceed the workspace" in msgs[0], msgs
     # Another kind of reason (a hidden size the kernel cannot launch: 8200 / 8 = 1025 vectors,
     # odd, so one CTA of 1025 threads) is logged once too, whatever the token count.
-    big = jf.abstract_workspace(mesh, "tp", max_token_num=256, hidden_dim=HIDDEN,
-                                dtype=jnp.bfloat16, backend="trtllm")
+    big = jf.abstract_workspace(
+        mesh, "tp", max_token_num=256, hidden_dim=HIDDEN, dtype=jnp.bfloat16, backend="trtllm"
+    )
     rng = new_rng()
     for tokens in (2, 3):
         x = random_values(rng, (8, tokens, 8200), "bfloat16")
         r = random_values(rng, (tokens, 8200), "bfloat16")
         g = random_gamma(rng, 8200, "bfloat16")
         sharded(mesh, lambda x, r, g: tuple(call(big, 1, x[0], r, g, {})[1:3]), 2).trace(x, r, g)
-    msgs = [r.getMessage() for r in caplog.records if r.name == "jax_fusedar"
-            and r.levelno == logging.WARNING]
+    msgs = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "jax_fusedar" and r.levelno == logging.WARNING
+    ]
     assert len(msgs) == 2 and "hidden_dim=8200 cannot be launched" in msgs[1], msgs
     caplog.clear()
     xla = xla_ws(mesh, max_token_num=8)
     for lead in [(9,), (12,)]:
         x, r, g = inputs(new_rng(), lead)
         sharded(mesh, lambda x, r, g: tuple(call(xla, 1, x[0], r, g, {})[1:3]), 2).trace(x, r, g)
-    assert not [r for r in caplog.records if r.name == "jax_fusedar"
-                and r.levelno == logging.WARNING], "the xla backend never uses the kernel"
+    assert not [
+        r for r in caplog.records if r.name == "jax_fusedar" and r.levelno == logging.WARNING
+    ], "the xla backend never uses the kernel"

@@ -3,6 +3,7 @@ deserialize, call) against the directly jitted program; the stable workspace key
 artifact carries (independent of creation order, distinct per name); multi-platform
 ("cpu", "cuda") artifacts running the reference on CPU; the refusal to export the reference
 for cuda from an XLA-backend workspace of a GPU-less process; symbolic token counts."""
+
 import warnings
 
 import jax
@@ -14,14 +15,21 @@ from jax.sharding import PartitionSpec as P
 
 import jax_fusedar as jf
 from tests.jax.cpu_helpers import assert_same_bits, needs_native
-from tests.jax.cpu_helpers import (bits, make_mesh, new_rng, random_gamma,
-                                   random_partials, require_host_devices)
+from tests.jax.cpu_helpers import (
+    bits,
+    make_mesh,
+    new_rng,
+    random_gamma,
+    random_partials,
+    require_host_devices,
+)
 from jax_fusedar import workspace as wsmod
 from jax_fusedar.primitive import FFI_TARGET
 
 require_host_devices()
-pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers "
-                    "(./dev installs it)")
+pytest.importorskip(
+    "flatbuffers", reason="jax.export serialization needs flatbuffers (./dev installs it)"
+)
 
 TOKENS, HIDDEN = 4, 256
 
@@ -37,25 +45,40 @@ def mesh_2x4():
 
 def layer(ws):
     """dp x tp program: per-rank partials [TOKENS, HIDDEN], per-group residual and gamma."""
+
     def body(x, residual, gamma):
-        out = jf.allreduce_fusion(x, axis_name="tp", workspace=ws, residual=residual,
-                                  rms_gamma=gamma)
+        out = jf.allreduce_fusion(
+            x, axis_name="tp", workspace=ws, residual=residual, rms_gamma=gamma
+        )
         return out.residual_out, out.norm_out
-    return jax.jit(jax.shard_map(body, mesh=ws.mesh, in_specs=(P(("dp", "tp")), P("dp"), P("dp")),
-                                 out_specs=(P("dp"), P("dp"))))
+
+    return jax.jit(
+        jax.shard_map(
+            body,
+            mesh=ws.mesh,
+            in_specs=(P(("dp", "tp")), P("dp"), P("dp")),
+            out_specs=(P("dp"), P("dp")),
+        )
+    )
 
 
 def specs(mesh, tokens=TOKENS):
-    shapes = [((8 * tokens, HIDDEN), P(("dp", "tp"))), ((2 * tokens, HIDDEN), P("dp")),
-              ((2 * HIDDEN,), P("dp"))]
-    return [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, sp))
-            for s, sp in shapes]
+    shapes = [
+        ((8 * tokens, HIDDEN), P(("dp", "tp"))),
+        ((2 * tokens, HIDDEN), P("dp")),
+        ((2 * HIDDEN,), P("dp")),
+    ]
+    return [
+        jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, sp)) for s, sp in shapes
+    ]
 
 
 def values(rng, mesh, tokens=TOKENS):
-    host = [random_partials(rng, (8 * tokens, HIDDEN), "bfloat16"),
-            random_partials(rng, (2 * tokens, HIDDEN), "bfloat16"),
-            random_gamma(rng, 2 * HIDDEN, "bfloat16")]
+    host = [
+        random_partials(rng, (8 * tokens, HIDDEN), "bfloat16"),
+        random_partials(rng, (2 * tokens, HIDDEN), "bfloat16"),
+        random_gamma(rng, 2 * HIDDEN, "bfloat16"),
+    ]
     return [jax.device_put(v, s.sharding) for v, s in zip(host, specs(mesh, tokens))]
 
 
@@ -65,8 +88,9 @@ def round_trip(exported):
 
 def test_round_trip_on_cpu_gives_the_jitted_bits():
     mesh = mesh_2x4()
-    ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=TOKENS,
-                                              hidden_dim=HIDDEN, dtype=jnp.bfloat16)
+    ws = jf.create_allreduce_fusion_workspace(
+        mesh, "tp", max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=jnp.bfloat16
+    )
     exported = jf.export.export(layer(ws), platforms=("cpu",))(*specs(mesh))
     args = values(new_rng(), mesh)
     assert_same_bits(round_trip(exported).call(*args), layer(ws)(*args), "cpu round trip")
@@ -83,12 +107,15 @@ def test_workspace_key_is_stable_across_creation_order_and_names():
     named = jf.abstract_workspace(mesh, "tp", name="decoder", **kw)
     assert named.id != first.id and "name='decoder'" in repr(named)
     # Each field of the key matters: members (device order), sizes, dtype, backend.
-    others = [jf.abstract_workspace(make_mesh((2, 4), ("dp", "tp"), [1, 0, 2, 3, 4, 5, 6, 7]),
-                                    "tp", **kw),
-              jf.abstract_workspace(mesh, "tp", **{**kw, "max_token_num": 2 * TOKENS}),
-              jf.abstract_workspace(mesh, "tp", **{**kw, "hidden_dim": 2 * HIDDEN}),
-              jf.abstract_workspace(mesh, "tp", **{**kw, "dtype": jnp.float16}),
-              jf.abstract_workspace(mesh, "tp", backend="xla", **kw)]
+    others = [
+        jf.abstract_workspace(
+            make_mesh((2, 4), ("dp", "tp"), [1, 0, 2, 3, 4, 5, 6, 7]), "tp", **kw
+        ),
+        jf.abstract_workspace(mesh, "tp", **{**kw, "max_token_num": 2 * TOKENS}),
+        jf.abstract_workspace(mesh, "tp", **{**kw, "hidden_dim": 2 * HIDDEN}),
+        jf.abstract_workspace(mesh, "tp", **{**kw, "dtype": jnp.float16}),
+        jf.abstract_workspace(mesh, "tp", backend="xla", **kw),
+    ]
     assert len({first.id, *(o.id for o in others)}) == 1 + len(others)
     assert wsmod.workspace_key_id(first.key) == first.id and 0 < first.id < 2**63
 
@@ -96,8 +123,9 @@ def test_workspace_key_is_stable_across_creation_order_and_names():
 @pytest.mark.parametrize("name", [5, "", b"x"])
 def test_name_must_be_a_non_empty_str(name):
     with pytest.raises(ValueError, match="name must be None or a non-empty str"):
-        jf.abstract_workspace(mesh_2x4(), "tp", max_token_num=TOKENS, hidden_dim=HIDDEN,
-                              dtype=jnp.bfloat16, name=name)
+        jf.abstract_workspace(
+            mesh_2x4(), "tp", max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=jnp.bfloat16, name=name
+        )
 
 
 def test_a_second_live_kernel_workspace_with_the_same_key_is_refused():
@@ -109,8 +137,9 @@ def test_a_second_live_kernel_workspace_with_the_same_key_is_refused():
     twin = wsmod._describe(mesh, "tp", TOKENS, HIDDEN, jnp.bfloat16, "trtllm", "dup")
     with pytest.raises(ValueError, match="pass a distinct name="):
         wsmod._claim_id(twin, allocates=True)
-    wsmod._claim_id(wsmod._describe(mesh, "tp", TOKENS, HIDDEN, jnp.bfloat16, "trtllm",
-                                    "dup2"), allocates=True)
+    wsmod._claim_id(
+        wsmod._describe(mesh, "tp", TOKENS, HIDDEN, jnp.bfloat16, "trtllm", "dup2"), allocates=True
+    )
     live._ranks.clear()
     live._destroyed = True  # once destroyed, the key is free again
     wsmod._claim_id(twin, allocates=True)
@@ -121,23 +150,27 @@ def test_disabled_checks_exempt_exactly_the_fused_targets():
     # The ops' targets (the dense op's and the one both MoE ops call), from the registry;
     # never the device timestamp of the benchmarks.
     from jax_fusedar.common import native
+
     assert jf.export.DISABLED_CHECKS == (
         jax.export.DisabledSafetyCheck.custom_call(FFI_TARGET),
-        jax.export.DisabledSafetyCheck.custom_call(native.FFI_TARGETS["moe_allreduce_fusion"]))
+        jax.export.DisabledSafetyCheck.custom_call(native.FFI_TARGETS["moe_allreduce_fusion"]),
+    )
 
 
 @needs_native
 def test_cuda_export_carries_the_stable_key_and_needs_the_helper():
     mesh = mesh_2x4()
-    ws = jf.abstract_workspace(mesh, "tp", max_token_num=TOKENS, hidden_dim=HIDDEN,
-                               dtype=jnp.bfloat16, name="serve")
+    ws = jf.abstract_workspace(
+        mesh, "tp", max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=jnp.bfloat16, name="serve"
+    )
     with pytest.raises(ValueError, match="custom call"):
         jax.export.export(layer(ws), platforms=("cuda",))(*specs(mesh))
     exported = jf.export.export(layer(ws), platforms=("cuda",))(*specs(mesh))
     text = exported.mlir_module()
     assert text.count(f"@{FFI_TARGET}") == 1 and "all_reduce" not in text
-    same = jf.abstract_workspace(mesh, "tp", max_token_num=TOKENS, hidden_dim=HIDDEN,
-                                 dtype=jnp.bfloat16, name="serve")
+    same = jf.abstract_workspace(
+        mesh, "tp", max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=jnp.bfloat16, name="serve"
+    )
     assert jf.export.workspace_ids(exported) == [same.id]
     assert jf.export.workspace_ids(round_trip(exported)) == [same.id]
 
@@ -145,21 +178,25 @@ def test_cuda_export_carries_the_stable_key_and_needs_the_helper():
 @needs_native
 def test_multi_platform_artifact_runs_the_reference_on_cpu():
     mesh = mesh_2x4()
-    ws = jf.abstract_workspace(mesh, "tp", max_token_num=TOKENS, hidden_dim=HIDDEN,
-                               dtype=jnp.bfloat16)
+    ws = jf.abstract_workspace(
+        mesh, "tp", max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=jnp.bfloat16
+    )
     exported = jf.export.export(layer(ws), platforms=("cpu", "cuda"))(*specs(mesh))
     assert f"@{FFI_TARGET}" in exported.mlir_module()  # the cuda branch has the kernel
-    xla_ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=TOKENS,
-                                                  hidden_dim=HIDDEN, dtype=jnp.bfloat16)
+    xla_ws = jf.create_allreduce_fusion_workspace(
+        mesh, "tp", max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=jnp.bfloat16
+    )
     args = values(new_rng(), mesh)
-    assert_same_bits(round_trip(exported).call(*args), layer(xla_ws)(*args),
-                     "(cpu, cuda) artifact on cpu")
+    assert_same_bits(
+        round_trip(exported).call(*args), layer(xla_ws)(*args), "(cpu, cuda) artifact on cpu"
+    )
 
 
 def test_exporting_an_xla_workspace_for_cuda_is_refused_and_plain_lowering_warns():
     mesh = mesh_2x4()
-    ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=TOKENS,
-                                              hidden_dim=HIDDEN, dtype=jnp.bfloat16)
+    ws = jf.create_allreduce_fusion_workspace(
+        mesh, "tp", max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=jnp.bfloat16
+    )
     assert ws.backend == "xla"
     with pytest.raises(ValueError, match="not the fused kernel.*abstract_workspace"):
         jf.export.export(layer(ws), platforms=("cuda",))(*specs(mesh))
@@ -175,18 +212,23 @@ def test_exporting_an_xla_workspace_for_cuda_is_refused_and_plain_lowering_warns
 
 
 def symbolic_specs(mesh):
-    t, = jax.export.symbolic_shape("t")
-    shapes = [((8 * t, HIDDEN), P(("dp", "tp"))), ((2 * t, HIDDEN), P("dp")),
-              ((2 * HIDDEN,), P("dp"))]
-    return [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, sp))
-            for s, sp in shapes]
+    (t,) = jax.export.symbolic_shape("t")
+    shapes = [
+        ((8 * t, HIDDEN), P(("dp", "tp"))),
+        ((2 * t, HIDDEN), P("dp")),
+        ((2 * HIDDEN,), P("dp")),
+    ]
+    return [
+        jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, sp)) for s, sp in shapes
+    ]
 
 
 @pytest.mark.parametrize("backend", ["xla", "trtllm"])
 def test_symbolic_token_counts_are_refused(backend):
     mesh = mesh_2x4()
-    ws = jf.abstract_workspace(mesh, "tp", max_token_num=TOKENS, hidden_dim=HIDDEN,
-                               dtype=jnp.bfloat16, backend=backend)
+    ws = jf.abstract_workspace(
+        mesh, "tp", max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=jnp.bfloat16, backend=backend
+    )
     with pytest.raises(ValueError, match="symbolic shape.*one artifact per token count"):
         jf.export.export(layer(ws), platforms=("cpu",))(*symbolic_specs(mesh))
 
@@ -195,12 +237,19 @@ def test_row_parallel_exports_on_explicit_axes_and_auto_axes_get_an_explanation(
     rng = new_rng()
     for axis_type in (AxisType.Explicit, AxisType.Auto):
         mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(axis_type,) * 2)
-        ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=16,
-                                                  hidden_dim=HIDDEN, dtype=jnp.bfloat16)
-        shapes = [((16, 512), P("dp", "tp")), ((512, HIDDEN), P("tp", None)),
-                  ((16, HIDDEN), P("dp")), ((HIDDEN,), P())]
-        args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, sp))
-                for s, sp in shapes]
+        ws = jf.create_allreduce_fusion_workspace(
+            mesh, "tp", max_token_num=16, hidden_dim=HIDDEN, dtype=jnp.bfloat16
+        )
+        shapes = [
+            ((16, 512), P("dp", "tp")),
+            ((512, HIDDEN), P("tp", None)),
+            ((16, HIDDEN), P("dp")),
+            ((HIDDEN,), P()),
+        ]
+        args = [
+            jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, sp))
+            for s, sp in shapes
+        ]
 
         def f(h, w, r, g):
             out = jf.row_parallel_allreduce_fusion(h, w, residual=r, rms_gamma=g, workspace=ws)
@@ -212,8 +261,10 @@ def test_row_parallel_exports_on_explicit_axes_and_auto_axes_get_an_explanation(
                     jf.export.export(f, platforms=("cpu",))(*args)
                 continue
             exported = round_trip(jf.export.export(f, platforms=("cpu",))(*args))
-            vals = [jax.device_put((rng.standard_normal(a.shape) / 8).astype(a.dtype), a.sharding)
-                    for a in args]
+            vals = [
+                jax.device_put((rng.standard_normal(a.shape) / 8).astype(a.dtype), a.sharding)
+                for a in args
+            ]
             for g, w in zip(exported.call(*vals), jax.jit(f)(*vals)):
                 np.testing.assert_array_equal(bits(g), bits(w))
 
@@ -227,36 +278,67 @@ MOE_TOKENS, MOE_HIDDEN, MOE_ROWS, TOP_K, EXPERTS = 4, 256, 6, 2, 3
 def moe_layer(ws, pattern):
     """A tp=4 program (dp 2) of one MoE op: three per-rank inputs (expert rows and what
     weighs them), then the dp group's residual and gamma."""
+
     def finalize(permuted, idx, scale, residual, gamma):
         out = jf.moe_finalize_allreduce_fusion(
-            permuted[0], idx[0], axis_name="tp", workspace=ws, residual=residual,
-            rms_gamma=gamma, expert_scale_factor=scale[0])
+            permuted[0],
+            idx[0],
+            axis_name="tp",
+            workspace=ws,
+            residual=residual,
+            rms_gamma=gamma,
+            expert_scale_factor=scale[0],
+        )
         return out.residual_out, out.norm_out
 
     def reduction(outputs, scales, token_input, residual, gamma):
         out = jf.moe_reduction_allreduce_fusion(
-            outputs[0], scales[0], token_input[0], axis_name="tp", workspace=ws,
-            residual=residual, rms_gamma=gamma, return_allreduce_out=True)
+            outputs[0],
+            scales[0],
+            token_input[0],
+            axis_name="tp",
+            workspace=ws,
+            residual=residual,
+            rms_gamma=gamma,
+            return_allreduce_out=True,
+        )
         return out.residual_out, out.norm_out, out.allreduce_out
 
     body, n_out = (finalize, 2) if pattern == 7 else (reduction, 3)
     split, group = P(("dp", "tp")), P("dp")
-    return jax.jit(jax.shard_map(body, mesh=ws.mesh, in_specs=(split, split, split, group, group),
-                                 out_specs=(group,) * n_out))
+    return jax.jit(
+        jax.shard_map(
+            body,
+            mesh=ws.mesh,
+            in_specs=(split, split, split, group, group),
+            out_specs=(group,) * n_out,
+        )
+    )
 
 
 def moe_specs(mesh, pattern):
     t, h = MOE_TOKENS, MOE_HIDDEN
     if pattern == 7:
-        shapes = [((8, MOE_ROWS, h), jnp.bfloat16), ((8, t, TOP_K), jnp.int32),
-                  ((8, t, TOP_K), jnp.bfloat16), ((2 * t, h), jnp.bfloat16),
-                  ((2 * h,), jnp.bfloat16)]
+        shapes = [
+            ((8, MOE_ROWS, h), jnp.bfloat16),
+            ((8, t, TOP_K), jnp.int32),
+            ((8, t, TOP_K), jnp.bfloat16),
+            ((2 * t, h), jnp.bfloat16),
+            ((2 * h,), jnp.bfloat16),
+        ]
     else:
-        shapes = [((8, EXPERTS, t, h), jnp.bfloat16), ((8, EXPERTS, t), jnp.float32),
-                  ((8, t, h), jnp.bfloat16), ((2 * t, h), jnp.bfloat16), ((2 * h,), jnp.bfloat16)]
+        shapes = [
+            ((8, EXPERTS, t, h), jnp.bfloat16),
+            ((8, EXPERTS, t), jnp.float32),
+            ((8, t, h), jnp.bfloat16),
+            ((2 * t, h), jnp.bfloat16),
+            ((2 * h,), jnp.bfloat16),
+        ]
     specs = [P(("dp", "tp"))] * 3 + [P("dp")] * 2
-    return [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, sp))
-            for (s, d), sp in zip(shapes, specs)]
+    return [
+        jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, sp))
+        for (s, d), sp in zip(shapes, specs)
+    ]
 
 
 def moe_values(rng, mesh, pattern):
@@ -278,14 +360,19 @@ def test_moe_export_round_trip(pattern):
     mesh = mesh_2x4()
     kw = dict(max_token_num=MOE_TOKENS, hidden_dim=MOE_HIDDEN, dtype=jnp.bfloat16)
     served = jf.abstract_workspace(mesh, "tp", name="moe", **kw)
-    exported = jf.export.export(moe_layer(served, pattern),
-                                platforms=("cpu", "cuda"))(*moe_specs(mesh, pattern))
+    exported = jf.export.export(moe_layer(served, pattern), platforms=("cpu", "cuda"))(
+        *moe_specs(mesh, pattern)
+    )
     from jax_fusedar.common import native
+
     text = exported.mlir_module()
     assert text.count(f"@{native.FFI_TARGETS['moe_allreduce_fusion']}") == 1, text
     assert f"pattern = {pattern} : i32" in text
     assert jf.export.workspace_ids(round_trip(exported)) == [served.id]
     xla_ws = jf.create_allreduce_fusion_workspace(mesh, "tp", **kw)
     args = moe_values(new_rng(), mesh, pattern)
-    assert_same_bits(round_trip(exported).call(*args), moe_layer(xla_ws, pattern)(*args),
-                     f"pattern {pattern}: (cpu, cuda) artifact on cpu")
+    assert_same_bits(
+        round_trip(exported).call(*args),
+        moe_layer(xla_ws, pattern)(*args),
+        f"pattern {pattern}: (cpu, cuda) artifact on cpu",
+    )

@@ -3,6 +3,7 @@ registry of ops and FFI targets that ``jax_fusedar.export`` reads, and an op dec
 a page (a scaled all-reduce) that is a JAX citizen with no rule of its own beyond its
 declaration: jit + shard_map on the reference, the VMA rule under check_vma, grad through the
 default JVP, vmap, and on cuda the custom call with its attributes and aliases."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,6 +23,7 @@ pytestmark = pytest.mark.oldest
 
 # --- a new op, declared in a page -----------------------------------------------------------------
 
+
 def _abstract_eval(x, *, axis_name, **_):
     return [ffi_op.with_varying(x, ffi_op.varying(x) - frozenset(axis_name))]
 
@@ -36,27 +38,36 @@ def _batch(op, args, dims, **params):
 
 
 SCALED_SUM = ffi_op.FfiOp(
-    "tests_scaled_allreduce", target="allreduce_fusion", public_name="tests.scaled_allreduce",
-    abstract_eval=_abstract_eval, reference=_reference,
+    "tests_scaled_allreduce",
+    target="allreduce_fusion",
+    public_name="tests.scaled_allreduce",
+    abstract_eval=_abstract_eval,
+    reference=_reference,
     attributes=lambda *, scale: {"scale": np.float32(scale)},
-    aliases=lambda **_: {}, batch=_batch)
+    aliases=lambda **_: {},
+    batch=_batch,
+)
 
 
 def scaled_sum(x, ws, scale=2.0, use_kernel=False):
     plan = CallPlan(ws.backend, ws.sizes, False, None)
-    return SCALED_SUM.bind(x, workspace=ws, axis_name="tp", use_kernel=use_kernel, plan=plan,
-                           scale=float(scale))[0]
+    return SCALED_SUM.bind(
+        x, workspace=ws, axis_name="tp", use_kernel=use_kernel, plan=plan, scale=float(scale)
+    )[0]
 
 
 def xla_workspace(mesh):
-    return jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=4, hidden_dim=128,
-                                                dtype=jnp.float32)
+    return jf.create_allreduce_fusion_workspace(
+        mesh, "tp", max_token_num=4, hidden_dim=128, dtype=jnp.float32
+    )
 
 
 # --- the registry -------------------------------------------------------------------------------
 
+
 def test_every_op_of_the_package_is_declared_in_the_registry():
     from jax_fusedar import moe_primitive, primitive
+
     ops = {op.name: op for op in ffi_op.declared_ops()}
     assert ops["jax_fusedar_allreduce_fusion"] is primitive.allreduce_fusion_op
     assert ops["jax_fusedar_moe_reduction_allreduce_fusion"] is moe_primitive.moe_reduction_op
@@ -64,26 +75,37 @@ def test_every_op_of_the_package_is_declared_in_the_registry():
     # Every handler of an op is exempt from jax.export's check; the benchmarks' device
     # timestamp (no op, no host twin) is not.
     assert ffi_op.export_safe_targets() == tuple(
-        t for role, t in native.FFI_TARGETS.items() if role != "device_timestamp")
+        t for role, t in native.FFI_TARGETS.items() if role != "device_timestamp"
+    )
     assert [c for c in jf.export.DISABLED_CHECKS] == [
-        jax.export.DisabledSafetyCheck.custom_call(t) for t in ffi_op.export_safe_targets()]
+        jax.export.DisabledSafetyCheck.custom_call(t) for t in ffi_op.export_safe_targets()
+    ]
 
 
 def test_an_op_is_declared_once():
     with pytest.raises(ValueError, match="declared twice"):
-        ffi_op.FfiOp("tests_scaled_allreduce", target="allreduce_fusion", public_name="x",
-                     abstract_eval=_abstract_eval, reference=_reference,
-                     attributes=lambda **_: {}, aliases=lambda **_: {}, batch=_batch)
+        ffi_op.FfiOp(
+            "tests_scaled_allreduce",
+            target="allreduce_fusion",
+            public_name="x",
+            abstract_eval=_abstract_eval,
+            reference=_reference,
+            attributes=lambda **_: {},
+            aliases=lambda **_: {},
+            batch=_batch,
+        )
 
 
 # --- the declared op is a JAX citizen -------------------------------------------------------------
+
 
 def test_a_declared_op_runs_under_jit_and_shard_map_with_its_vma_rule():
     mesh = make_mesh((8,), ("tp",))
     ws = xla_workspace(mesh)
     x = np.arange(8 * 4 * 128, dtype=np.float32).reshape(8, 4, 128) / 1024
-    f = jax.jit(jax.shard_map(lambda x: scaled_sum(x[0], ws), mesh=mesh, in_specs=P("tp"),
-                              out_specs=P()))  # out_specs=P() needs the invariant result
+    f = jax.jit(
+        jax.shard_map(lambda x: scaled_sum(x[0], ws), mesh=mesh, in_specs=P("tp"), out_specs=P())
+    )  # out_specs=P() needs the invariant result
     np.testing.assert_allclose(np.asarray(f(x)), 2 * x.astype(np.float64).sum(0), rtol=1e-6)
 
 
@@ -99,21 +121,25 @@ def test_a_declared_op_differentiates_and_vmaps_through_the_machinery():
         g = jax.grad(loss)(x[0])
         batched = jax.vmap(lambda r: scaled_sum(r, ws))(x[0])
         return g[None], batched
-    g, batched = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"),
-                                       out_specs=(P("tp"), P())))(x)
+
+    g, batched = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=(P("tp"), P()))
+    )(x)
     total = x.astype(np.float64).sum(0)
     # A float32 sum of 8 standard normals is within 8 * 2**-24 * sum|x| of the exact one.
     bound = 8 * 2.0**-24 * np.abs(x.astype(np.float64)).sum(0).max()
     # d/dx_r sum((3 * sum_r x_r)^2) = 18 * sum_r x_r for every rank r.
-    np.testing.assert_allclose(np.asarray(g), np.broadcast_to(18 * total, g.shape), rtol=0,
-                               atol=18 * 2 * bound)
+    np.testing.assert_allclose(
+        np.asarray(g), np.broadcast_to(18 * total, g.shape), rtol=0, atol=18 * 2 * bound
+    )
     np.testing.assert_allclose(np.asarray(batched), 2 * total, rtol=0, atol=2 * 2 * bound)
 
 
 def test_a_declared_op_refuses_to_run_outside_shard_map():
     ws = xla_workspace(make_mesh((8,), ("tp",)))
-    with pytest.raises(ValueError, match="tests.scaled_allreduce must be called inside "
-                                         "jax.shard_map"):
+    with pytest.raises(
+        ValueError, match="tests.scaled_allreduce must be called inside jax.shard_map"
+    ):
         scaled_sum(np.ones((4, 128), np.float32), ws)
 
 
@@ -121,10 +147,19 @@ def test_a_declared_op_refuses_to_run_outside_shard_map():
 def test_a_declared_op_lowers_to_its_custom_call_on_cuda():
     mesh = make_mesh((8,), ("tp",))
     ws = jf.abstract_workspace(mesh, "tp", max_token_num=4, hidden_dim=128, dtype=jnp.float32)
-    f = jax.jit(jax.shard_map(lambda x: scaled_sum(x[0], ws, scale=0.5, use_kernel=True),
-                              mesh=mesh, in_specs=P("tp"), out_specs=P()))
-    text = f.trace(jax.ShapeDtypeStruct((8, 4, 128), jnp.float32)).lower(
-        lowering_platforms=("cuda",)).as_text()
+    f = jax.jit(
+        jax.shard_map(
+            lambda x: scaled_sum(x[0], ws, scale=0.5, use_kernel=True),
+            mesh=mesh,
+            in_specs=P("tp"),
+            out_specs=P(),
+        )
+    )
+    text = (
+        f.trace(jax.ShapeDtypeStruct((8, 4, 128), jnp.float32))
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
     call = [line for line in text.splitlines() if f"@{SCALED_SUM.target}" in line]
     assert len(call) == 1, text
     assert f"workspace_id = {ws.id} : i64" in call[0] and "scale = 5.000000e-01" in call[0]

@@ -6,6 +6,7 @@ op); against the original it must agree within the fused op's documented roundin
 oracle bounds of tests/jax/cpu_helpers.py). Forms whose rounding differs stay unfused with their
 reason, unless allow_rounding_change is set.
 """
+
 import logging
 
 import jax
@@ -26,25 +27,26 @@ T, H = 6, 64
 
 # --- the norms as users write them (plain jnp, MaxText, flax.linen, flax.nnx) ---------------------
 
-def norm_plain(r, g, eps=EPS):                     # float32 inside, gamma in float32
+
+def norm_plain(r, g, eps=EPS):  # float32 inside, gamma in float32
     f = r.astype(jnp.float32)
     n = f * jax.lax.rsqrt(jnp.mean(f * f, axis=-1, keepdims=True) + eps)
     return (n * g.astype(jnp.float32)).astype(r.dtype)
 
 
-def norm_pow(r, g, eps=EPS):                       # x ** 2 (integer_pow), 1/sqrt
+def norm_pow(r, g, eps=EPS):  # x ** 2 (integer_pow), 1/sqrt
     f = r.astype(jnp.float32)
-    n = f * jax.lax.rsqrt(jnp.mean(f ** 2, axis=-1, keepdims=True) + eps)
+    n = f * jax.lax.rsqrt(jnp.mean(f**2, axis=-1, keepdims=True) + eps)
     return (g.astype(jnp.float32) * n).astype(r.dtype)
 
 
-def norm_maxtext(r, g, eps=EPS):                   # cast to T, then gamma in T
+def norm_maxtext(r, g, eps=EPS):  # cast to T, then gamma in T
     f = r.astype(jnp.float32)
     n = f * jax.lax.rsqrt(jnp.mean(jnp.square(f), axis=-1, keepdims=True) + eps)
     return n.astype(r.dtype) * g.astype(r.dtype)
 
 
-def norm_linen(r, g, eps=EPS):                     # flax.linen.RMSNorm's sequence
+def norm_linen(r, g, eps=EPS):  # flax.linen.RMSNorm's sequence
     f = r.astype(jnp.float32)
     ms = jnp.mean(jax.lax.square(f), axis=-1)
     mean = jnp.zeros_like(ms)
@@ -53,7 +55,7 @@ def norm_linen(r, g, eps=EPS):                     # flax.linen.RMSNorm's sequen
     return (y * (inv * g.reshape(1, -1).astype(jnp.float32))).astype(r.dtype)
 
 
-def norm_nnx(r, g, eps=EPS):                       # f32 param cast to T, then to f32
+def norm_nnx(r, g, eps=EPS):  # f32 param cast to T, then to f32
     gb = g.astype(r.dtype)
     f = r.astype(jnp.float32)
     ms = jnp.mean(jax.lax.square(f), axis=-1)
@@ -64,42 +66,54 @@ def norm_nnx(r, g, eps=EPS):                       # f32 param cast to T, then t
 
 # --- helpers -------------------------------------------------------------------------------------
 
+
 def inputs(dtype="bfloat16", gamma_dtype=None, shape=(T, H), seed=0):
     rng = np.random.default_rng(seed)
-    x = jax.device_put(jnp.asarray(rng.standard_normal((8,) + shape), dtype),
-                       NamedSharding(MESH, P("tp")))
+    x = jax.device_put(
+        jnp.asarray(rng.standard_normal((8,) + shape), dtype), NamedSharding(MESH, P("tp"))
+    )
     res = jnp.asarray(rng.standard_normal(shape), dtype)
     g = jnp.asarray(1 + 0.1 * rng.standard_normal(shape[-1:]), gamma_dtype or dtype)
     return x, res, g
 
 
 def smap(body, n_out=2):
-    return jax.jit(jax.shard_map(body, mesh=MESH, in_specs=(P("tp"), P(), P()),
-                                 out_specs=(P(),) * n_out))
+    return jax.jit(
+        jax.shard_map(body, mesh=MESH, in_specs=(P("tp"), P(), P()), out_specs=(P(),) * n_out)
+    )
 
 
 def site_body(norm):
     def body(x, res, g):
         r = jax.lax.psum(x[0], "tp") + res
         return r, norm(r, g)
+
     return body
 
 
 def hand_body(ws, eps=EPS):
     """The same site written with the fused op directly (what fuse must produce)."""
+
     def body(x, res, g):
         h = res.shape[-1]
-        out = jf.allreduce_fusion(x[0].reshape(-1, h), axis_name="tp", workspace=ws,
-                                  residual=res.reshape(-1, h), rms_gamma=g.astype(res.dtype),
-                                  rms_eps=float(np.float32(eps)))
+        out = jf.allreduce_fusion(
+            x[0].reshape(-1, h),
+            axis_name="tp",
+            workspace=ws,
+            residual=res.reshape(-1, h),
+            rms_gamma=g.astype(res.dtype),
+            rms_eps=float(np.float32(eps)),
+        )
         return out.residual_out.reshape(res.shape), out.norm_out.reshape(res.shape)
+
     return body
 
 
 @pytest.fixture(scope="module")
 def ws():
-    with jf.create_allreduce_fusion_workspace(MESH, "tp", max_token_num=64, hidden_dim=H,
-                                              dtype=jnp.bfloat16, backend="xla") as w:
+    with jf.create_allreduce_fusion_workspace(
+        MESH, "tp", max_token_num=64, hidden_dim=H, dtype=jnp.bfloat16, backend="xla"
+    ) as w:
         yield w
 
 
@@ -121,6 +135,7 @@ def assert_close_to_unfused(unfused, fused, dtype="bfloat16"):
 
 # --- forms that fuse ------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("norm", [norm_plain, norm_pow, norm_linen, norm_nnx])
 def test_exact_forms_are_fused_and_equal_the_hand_written_op(norm, ws):
     gamma_dtype = "float32" if norm is norm_nnx else None  # nnx rounds its f32 param to T
@@ -128,8 +143,9 @@ def test_exact_forms_are_fused_and_equal_the_hand_written_op(norm, ws):
     f = smap(site_body(norm))
     fused = jf.fuse(f, workspace=ws)
     out = fused(x, res, g)
-    assert fused.report.line() == ("jax_fusedar.fuse: fused 1 of 1 all-reduce + residual + "
-                                   "RMSNorm site(s)")
+    assert fused.report.line() == (
+        "jax_fusedar.fuse: fused 1 of 1 all-reduce + residual + RMSNorm site(s)"
+    )
     site = fused.report.sites[0]
     assert (site.pattern, site.tokens, site.hidden, site.dtype) == (1, T, H, "bfloat16")
     assert site.rms_eps == pytest.approx(EPS) and site.rounding_change is None
@@ -158,8 +174,12 @@ def test_3d_activations_and_check_vma_off(ws):
     def body(x, res, g):
         r = jax.lax.psum(x[0], "tp") + res
         return r, norm_plain(r, g)
-    f = jax.jit(jax.shard_map(body, mesh=MESH, in_specs=(P("tp"), P(), P()),
-                              out_specs=(P(), P()), check_vma=False))
+
+    f = jax.jit(
+        jax.shard_map(
+            body, mesh=MESH, in_specs=(P("tp"), P(), P()), out_specs=(P(), P()), check_vma=False
+        )
+    )
     fused = jf.fuse(f, workspace=ws)
     out = fused(x, res, g)
     assert "psum[" in str(jax.make_jaxpr(f)(x, res, g))  # plain psum without check_vma
@@ -169,6 +189,7 @@ def test_3d_activations_and_check_vma_off(ws):
 
 def _wrapped_models():
     """(name, per-rank body) with the site inside each wrapper the pass must see through."""
+
     def layer(x, r, g):
         r = jax.lax.psum(x, "tp") + r
         return r, norm_plain(r, g)
@@ -177,12 +198,14 @@ def _wrapped_models():
         def step(carry, gi):
             r, h = layer(x[0] + carry[1], carry[0], gi)
             return (r, h), None
+
         (r, h), _ = jax.lax.scan(step, (res, jnp.zeros_like(res)), jnp.stack([g, g * 1.5]))
         return r, h
 
     def in_fori(x, res, g):
         def step(i, carry):
             return layer(x[0] + carry[1], carry[0], g)
+
         return jax.lax.fori_loop(0, 3, step, (res, jnp.zeros_like(res)))
 
     def in_while(x, res, g):
@@ -190,21 +213,23 @@ def _wrapped_models():
             i, r, h = c
             r, h = layer(x[0] + h, r, g)
             return i + 1, r, h
+
         _, r, h = jax.lax.while_loop(lambda c: c[0] < 2, body, (0, res, jnp.zeros_like(res)))
         return r, h
 
     def in_cond(x, res, g):
-        return jax.lax.cond(x[0, 0, 0] > 0, lambda: layer(x[0], res, g),
-                            lambda: layer(-x[0], res, g))
+        return jax.lax.cond(
+            x[0, 0, 0] > 0, lambda: layer(x[0], res, g), lambda: layer(-x[0], res, g)
+        )
 
     def in_jit(x, res, g):
         return jax.jit(layer)(x[0], res, g)
 
-    def norm_in_jit(x, res, g):                    # only the norm is jitted
+    def norm_in_jit(x, res, g):  # only the norm is jitted
         r = jax.lax.psum(x[0], "tp") + res
         return r, jax.jit(norm_plain)(r, g)
 
-    def norm_in_remat(x, res, g):                  # only the norm is checkpointed
+    def norm_in_remat(x, res, g):  # only the norm is checkpointed
         r = jax.lax.psum(x[0], "tp") + res
         return r, jax.checkpoint(norm_plain)(r, g)
 
@@ -214,6 +239,7 @@ def _wrapped_models():
     @jax.custom_jvp
     def cnorm(r, g):
         return norm_plain(r, g)
+
     cnorm.defjvp(lambda p, t: (cnorm(*p), t[0]))
 
     def norm_custom_jvp(x, res, g):
@@ -223,23 +249,33 @@ def _wrapped_models():
     @jax.custom_vjp
     def vlayer(x, r, g):
         return layer(x, r, g)
+
     vlayer.defvjp(lambda x, r, g: (layer(x, r, g), None), lambda _, ct: (ct[0], ct[0], None))
 
     def in_custom_vjp(x, res, g):
         return vlayer(x[0], res, g)
 
-    def scan_remat(x, res, g):                     # nn.scan(nn.remat(block))
+    def scan_remat(x, res, g):  # nn.scan(nn.remat(block))
         def step(carry, gi):
             r, h = jax.checkpoint(layer)(x[0] + carry[1], carry[0], gi)
             return (r, h), None
+
         (r, h), _ = jax.lax.scan(step, (res, jnp.zeros_like(res)), jnp.stack([g, g]))
         return r, h
 
-    return {"scan": (in_scan, 1, 2), "fori_loop": (in_fori, 1, 3), "while": (in_while, 1, None),
-            "cond": (in_cond, 2, 2), "jit": (in_jit, 1, 1), "norm_in_jit": (norm_in_jit, 1, 1),
-            "norm_in_remat": (norm_in_remat, 1, 1), "remat": (in_remat, 1, 1),
-            "custom_vjp": (in_custom_vjp, 1, 1), "scan_remat": (scan_remat, 1, 2),
-            "norm_in_custom_jvp": (norm_custom_jvp, 1, 0)}
+    return {
+        "scan": (in_scan, 1, 2),
+        "fori_loop": (in_fori, 1, 3),
+        "while": (in_while, 1, None),
+        "cond": (in_cond, 2, 2),
+        "jit": (in_jit, 1, 1),
+        "norm_in_jit": (norm_in_jit, 1, 1),
+        "norm_in_remat": (norm_in_remat, 1, 1),
+        "remat": (in_remat, 1, 1),
+        "custom_vjp": (in_custom_vjp, 1, 1),
+        "scan_remat": (scan_remat, 1, 2),
+        "norm_in_custom_jvp": (norm_custom_jvp, 1, 0),
+    }
 
 
 MODELS = _wrapped_models()
@@ -253,9 +289,10 @@ def test_sites_inside_wrappers_are_fused(name, ws):
     fused = jf.fuse(f, workspace=ws)
     out = fused(x, res, g)
     rep = fused.report
-    if runs == 0:   # a norm with its own derivative rule: fusing would drop the rule
-        assert rep.sites[0].reason.startswith("the RMSNorm is inside a custom_jvp (fusing "
-                                              "would drop its derivative rule)"), rep.line()
+    if runs == 0:  # a norm with its own derivative rule: fusing would drop the rule
+        assert rep.sites[0].reason.startswith(
+            "the RMSNorm is inside a custom_jvp (fusing would drop its derivative rule)"
+        ), rep.line()
         assert_same(out, f(x, res, g))
         return
     assert len(rep.sites) == n_sites and len(rep.fused) == n_sites, rep.line()
@@ -272,7 +309,7 @@ def test_fuse_of_jit_and_jit_of_fuse_agree(ws):
     sm = jax.shard_map(body, mesh=MESH, in_specs=(P("tp"), P(), P()), out_specs=(P(), P()))
     a = jf.fuse(jax.jit(sm), workspace=ws)(x, res, g)
     b = jax.jit(jf.fuse(sm, workspace=ws))(x, res, g)
-    c = jf.fuse(sm, workspace=ws)(x, res, g)             # eager shard_map inside
+    c = jf.fuse(sm, workspace=ws)(x, res, g)  # eager shard_map inside
     assert_same(a, b)
     assert_same(a, c)
     assert_same(a, smap(hand_body(ws))(x, res, g))
@@ -285,8 +322,11 @@ def test_kwargs_and_pytrees_pass_through(ws):
         def body(x, res, g):
             r = jax.lax.psum(x[0], "tp") + res
             return {"r": r, "h": norm_plain(r, g)}
-        return jax.shard_map(body, mesh=MESH, in_specs=(P("tp"), P(), P()),
-                             out_specs={"r": P(), "h": P()})(x, state["res"], state["g"])
+
+        return jax.shard_map(
+            body, mesh=MESH, in_specs=(P("tp"), P(), P()), out_specs={"r": P(), "h": P()}
+        )(x, state["res"], state["g"])
+
     out = jf.fuse(fn, workspace=ws)(x, state={"res": res, "g": g})
     assert set(out) == {"r", "h"}
     assert_same((out["r"], out["h"]), smap(hand_body(ws))(x, res, g))
@@ -311,14 +351,22 @@ def test_gemma_one_plus_gamma_and_no_gamma(ws):
         assert site.fused and site.weight_bias == bias, site
 
         def hand(x, res, g, bias=bias, gamma=gamma):
-            o = jf.allreduce_fusion(x[0], axis_name="tp", workspace=ws, residual=res,
-                                    rms_gamma=gamma if bias == 0 else g, rms_eps=EPS,
-                                    weight_bias=bias)
+            o = jf.allreduce_fusion(
+                x[0],
+                axis_name="tp",
+                workspace=ws,
+                residual=res,
+                rms_gamma=gamma if bias == 0 else g,
+                rms_eps=EPS,
+                weight_bias=bias,
+            )
             return o.residual_out, o.norm_out
+
         assert_same(out, smap(hand)(x, res, g))
 
 
 # --- FP8 tails ------------------------------------------------------------------------------------
+
 
 def test_static_fp8_tail_becomes_pattern_4_or_2(ws):
     x, res, g = inputs()
@@ -331,9 +379,14 @@ def test_static_fp8_tail_becomes_pattern_4_or_2(ws):
         return (r, q, y) if keep_norm else (r, q)
 
     for keep, pattern in ((True, 4), (False, 2)):
-        f = jax.jit(jax.shard_map(lambda a, b, c, d: body(a, b, c, d, keep), mesh=MESH,
-                                  in_specs=(P("tp"), P(), P(), P()),
-                                  out_specs=(P(),) * (3 if keep else 2)))
+        f = jax.jit(
+            jax.shard_map(
+                lambda a, b, c, d: body(a, b, c, d, keep),
+                mesh=MESH,
+                in_specs=(P("tp"), P(), P(), P()),
+                out_specs=(P(),) * (3 if keep else 2),
+            )
+        )
         fused = jf.fuse(f, workspace=ws)
         out = fused(x, res, g, scale)
         assert fused.report.sites[0].pattern == pattern, fused.report
@@ -355,8 +408,8 @@ def test_dynamic_fp8_tail_becomes_pattern_11(ws):
         s = jnp.maximum(jnp.max(jnp.abs(y32), axis=-1, keepdims=True) / 448, 1 / (512 * 448))
         q = jnp.clip(y32 / s, -448, 448).astype(jnp.float8_e4m3fn)
         return r, y, q, s
-    f = jax.jit(jax.shard_map(body, mesh=MESH, in_specs=(P("tp"), P(), P()),
-                              out_specs=(P(),) * 4))
+
+    f = jax.jit(jax.shard_map(body, mesh=MESH, in_specs=(P("tp"), P(), P()), out_specs=(P(),) * 4))
     fused = jf.fuse(f, workspace=ws)
     out = fused(x, res, g)
     assert fused.report.sites[0].pattern == 11, fused.report
@@ -368,6 +421,7 @@ def test_dynamic_fp8_tail_becomes_pattern_11(ws):
 
 # --- forms left alone, with reasons ---------------------------------------------------------------
 
+
 def _reason(body, ws, *, gamma_dtype=None, allow=False, shape=(T, H)):
     x, res, g = inputs(gamma_dtype=gamma_dtype, shape=shape)
     f = smap(body)
@@ -376,27 +430,69 @@ def _reason(body, ws, *, gamma_dtype=None, allow=False, shape=(T, H)):
     return fused.report, f(x, res, g), out
 
 
-@pytest.mark.parametrize("body, gamma_dtype, reason", [
-    (site_body(norm_maxtext), None, "gamma multiplied in bfloat16 after the norm is rounded"),
-    (site_body(norm_plain), "float32", "float32 gamma (the kernel reads gamma in bfloat16)"),
-    (site_body(lambda r, g: norm_plain(r, g, eps=g[0].astype(jnp.float32) * 0 + 1e-6)), None,
-     "eps traced (not a constant)"),
-    (site_body(lambda r, g: (r.astype(jnp.float32) * jax.lax.rsqrt(jnp.mean(
-        r.astype(jnp.float32) ** 2, axis=0, keepdims=True) + EPS)).astype(r.dtype)), None,
-     "norm over axis 0, not the last"),
-    (site_body(lambda r, g: (r * jax.lax.rsqrt(jnp.mean(r * r, axis=-1, keepdims=True) + EPS))
-               * g), None, "RMSNorm computed in bfloat16, not float32"),
-    (site_body(lambda r, g: r.astype(jnp.float32) * jax.lax.rsqrt(jnp.mean(
-        r.astype(jnp.float32) ** 2, axis=-1, keepdims=True) + EPS)), None,
-     "the norm output is not cast back to bfloat16"),
-    (lambda x, res, g: (jax.lax.psum(x[0], "tp"), norm_plain(res, g)), None,
-     "the all-reduce is not followed by a residual add"),
-    (lambda x, res, g: ((jax.lax.psum(x[0].astype(jnp.float32), "tp") + res.astype(jnp.float32))
-                        .astype(res.dtype), norm_plain(res, g)), None,
-     "all-reduce in float32 of bfloat16 values"),
-    (lambda x, res, g: (jax.lax.psum(x[0], "tp") + res, res), None,
-     "no RMSNorm of the residual sum in the same scope"),
-])
+@pytest.mark.parametrize(
+    "body, gamma_dtype, reason",
+    [
+        (site_body(norm_maxtext), None, "gamma multiplied in bfloat16 after the norm is rounded"),
+        (site_body(norm_plain), "float32", "float32 gamma (the kernel reads gamma in bfloat16)"),
+        (
+            site_body(lambda r, g: norm_plain(r, g, eps=g[0].astype(jnp.float32) * 0 + 1e-6)),
+            None,
+            "eps traced (not a constant)",
+        ),
+        (
+            site_body(
+                lambda r, g: (
+                    r.astype(jnp.float32)
+                    * jax.lax.rsqrt(
+                        jnp.mean(r.astype(jnp.float32) ** 2, axis=0, keepdims=True) + EPS
+                    )
+                ).astype(r.dtype)
+            ),
+            None,
+            "norm over axis 0, not the last",
+        ),
+        (
+            site_body(
+                lambda r, g: (r * jax.lax.rsqrt(jnp.mean(r * r, axis=-1, keepdims=True) + EPS)) * g
+            ),
+            None,
+            "RMSNorm computed in bfloat16, not float32",
+        ),
+        (
+            site_body(
+                lambda r, g: (
+                    r.astype(jnp.float32)
+                    * jax.lax.rsqrt(
+                        jnp.mean(r.astype(jnp.float32) ** 2, axis=-1, keepdims=True) + EPS
+                    )
+                )
+            ),
+            None,
+            "the norm output is not cast back to bfloat16",
+        ),
+        (
+            lambda x, res, g: (jax.lax.psum(x[0], "tp"), norm_plain(res, g)),
+            None,
+            "the all-reduce is not followed by a residual add",
+        ),
+        (
+            lambda x, res, g: (
+                (jax.lax.psum(x[0].astype(jnp.float32), "tp") + res.astype(jnp.float32)).astype(
+                    res.dtype
+                ),
+                norm_plain(res, g),
+            ),
+            None,
+            "all-reduce in float32 of bfloat16 values",
+        ),
+        (
+            lambda x, res, g: (jax.lax.psum(x[0], "tp") + res, res),
+            None,
+            "no RMSNorm of the residual sum in the same scope",
+        ),
+    ],
+)
 def test_non_exact_forms_stay_unfused_with_the_reason(body, gamma_dtype, reason, ws):
     rep, unfused, out = _reason(body, ws, gamma_dtype=gamma_dtype)
     assert len(rep.sites) == 1 and not rep.fused
@@ -405,10 +501,13 @@ def test_non_exact_forms_stay_unfused_with_the_reason(body, gamma_dtype, reason,
     assert_same(unfused, out)  # left alone: the very same program
 
 
-@pytest.mark.parametrize("norm, gamma_dtype, change", [
-    (norm_maxtext, None, "gamma multiplied in float32 before one rounding to bfloat16"),
-    (norm_plain, "float32", "gamma rounded to bfloat16"),
-])
+@pytest.mark.parametrize(
+    "norm, gamma_dtype, change",
+    [
+        (norm_maxtext, None, "gamma multiplied in float32 before one rounding to bfloat16"),
+        (norm_plain, "float32", "gamma rounded to bfloat16"),
+    ],
+)
 def test_allow_rounding_change_fuses_and_reports_it(norm, gamma_dtype, change, ws):
     rep, unfused, out = _reason(site_body(norm), ws, gamma_dtype=gamma_dtype, allow=True)
     assert len(rep.fused) == 1 and rep.sites[0].rounding_change == change
@@ -424,17 +523,25 @@ def test_all_reduce_over_another_axis_is_reported():
     g = jnp.ones((H,), jnp.bfloat16)
 
     def body(x, res, g):
-        r = jax.lax.psum(x[0], "dp") + res   # over dp: not the fused axis
+        r = jax.lax.psum(x[0], "dp") + res  # over dp: not the fused axis
         return r, norm_plain(r, g)
-    f = jax.jit(jax.shard_map(body, mesh=mesh2, in_specs=(P(("dp", "tp")), P("dp"), P()),
-                              out_specs=(P("dp"), P("dp")), check_vma=False))
+
+    f = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh2,
+            in_specs=(P(("dp", "tp")), P("dp"), P()),
+            out_specs=(P("dp"), P("dp")),
+            check_vma=False,
+        )
+    )
     fused = jf.fuse(f, mesh=mesh2, axis_name="tp", backend="xla")
     fused(x, res, g)
     assert fused.report.sites[0].reason == "all-reduce over ('dp',), not the fused axis 'tp'"
 
 
 def test_sites_above_the_workspace_stay_unfused(ws):
-    x, res, g = inputs(shape=(2 * 64, H))        # 128 tokens > the workspace's 64
+    x, res, g = inputs(shape=(2 * 64, H))  # 128 tokens > the workspace's 64
     f = smap(site_body(norm_plain))
     fused = jf.fuse(f, workspace=ws)
     fused(x, res, g)
@@ -447,7 +554,7 @@ def test_sites_above_the_workspace_stay_unfused(ws):
 
 def test_created_workspaces_are_reused_and_grown():
     f = smap(site_body(norm_plain))
-    with jf.fuse(f, mesh=MESH, backend="xla") as fused:   # 1-D mesh: the axis is implied
+    with jf.fuse(f, mesh=MESH, backend="xla") as fused:  # 1-D mesh: the axis is implied
         fused(*inputs(shape=(4, H)))
         fused(*inputs(shape=(2, H)))
         assert [w.max_token_num for w in fused.workspaces] == [4]
@@ -461,8 +568,10 @@ def test_report_is_logged_as_one_line(ws, caplog):
     with caplog.at_level(logging.INFO, logger="jax_fusedar"):
         jf.fuse(smap(site_body(norm_maxtext)), workspace=ws)(x, res, g)
     lines = [r.getMessage() for r in caplog.records if "jax_fusedar.fuse:" in r.getMessage()]
-    assert lines == ["jax_fusedar.fuse: fused 0 of 1 all-reduce + residual + RMSNorm site(s); "
-                     "not fused: 1 x gamma multiplied in bfloat16 after the norm is rounded"]
+    assert lines == [
+        "jax_fusedar.fuse: fused 0 of 1 all-reduce + residual + RMSNorm site(s); "
+        "not fused: 1 x gamma multiplied in bfloat16 after the norm is rounded"
+    ]
 
 
 def test_report_as_data(ws):
@@ -476,11 +585,13 @@ def test_report_as_data(ws):
 
 # --- grad -----------------------------------------------------------------------------------------
 
+
 def _jvp_missing() -> str:
     """The reason the fused primitive cannot be differentiated yet, or '' when it can."""
     x, res, g = inputs()
-    with jf.create_allreduce_fusion_workspace(MESH, "tp", max_token_num=T, hidden_dim=H,
-                                              dtype=jnp.bfloat16, backend="xla") as w:
+    with jf.create_allreduce_fusion_workspace(
+        MESH, "tp", max_token_num=T, hidden_dim=H, dtype=jnp.bfloat16, backend="xla"
+    ) as w:
         try:
             jax.jvp(smap(hand_body(w)), (x, res, g), (x, res, g))
         except NotImplementedError as e:
@@ -493,12 +604,14 @@ def test_grad_of_fused_equals_grad_of_original(ws):
     if missing:
         pytest.skip(f"allreduce_fusion has no JVP rule yet: {missing}")
     x, res, g = inputs("float32")
-    with jf.create_allreduce_fusion_workspace(MESH, "tp", max_token_num=T, hidden_dim=H,
-                                              dtype=jnp.float32, backend="xla") as w32:
+    with jf.create_allreduce_fusion_workspace(
+        MESH, "tp", max_token_num=T, hidden_dim=H, dtype=jnp.float32, backend="xla"
+    ) as w32:
         f = smap(site_body(norm_plain))
 
         def loss(fn):
-            return lambda x, res, g: sum(jnp.sum(o ** 2) for o in fn(x, res, g))
+            return lambda x, res, g: sum(jnp.sum(o**2) for o in fn(x, res, g))
+
         # MESH has Explicit axes: the loss's scalar sum needs the mesh in context.
         with jax.set_mesh(MESH):
             want = jax.grad(loss(f), argnums=(0, 1, 2))(x, res, g)
@@ -509,24 +622,46 @@ def test_grad_of_fused_equals_grad_of_original(ws):
 
 # --- arguments ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs, error, message", [
-    ({}, ValueError, "fuse needs mesh= (and axis_name=) to create workspaces, or workspace="),
-    ({"mesh": "tp"}, TypeError, "fuse: mesh must be a jax.sharding.Mesh, got str"),
-    ({"mesh": MESH, "axis_name": "dp"}, ValueError,
-     "fuse: axis_name 'dp' is not an axis of the mesh ('tp',)"),
-    ({"mesh": MESH, "max_tokens": 0}, ValueError,
-     "fuse: max_tokens must be a positive integer, got 0"),
-    ({"mesh": MESH, "allow_rounding_change": "yes"}, TypeError,
-     "fuse: allow_rounding_change must be True or False, got 'yes'"),
-    ({"workspace": object()}, TypeError, "fuse: workspace must come from"),
-    ({"mesh": MESH, "backend": "nccl"}, ValueError,
-     "fuse: backend must be 'auto', 'trtllm' or 'xla', got 'nccl'"),
-    ({"mesh": MESH, "use_oneshot": 1}, TypeError,
-     "fuse: use_oneshot must be None, True or False, got 1"),
-    ({"mesh": MESH, "strict": "on"}, TypeError, "fuse: strict must be None, True or False"),
-    ({"mesh": MESH, "log_level": "INFO"}, TypeError,
-     "fuse: log_level must be a logging level (int), got 'INFO'"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({}, ValueError, "fuse needs mesh= (and axis_name=) to create workspaces, or workspace="),
+        ({"mesh": "tp"}, TypeError, "fuse: mesh must be a jax.sharding.Mesh, got str"),
+        (
+            {"mesh": MESH, "axis_name": "dp"},
+            ValueError,
+            "fuse: axis_name 'dp' is not an axis of the mesh ('tp',)",
+        ),
+        (
+            {"mesh": MESH, "max_tokens": 0},
+            ValueError,
+            "fuse: max_tokens must be a positive integer, got 0",
+        ),
+        (
+            {"mesh": MESH, "allow_rounding_change": "yes"},
+            TypeError,
+            "fuse: allow_rounding_change must be True or False, got 'yes'",
+        ),
+        ({"workspace": object()}, TypeError, "fuse: workspace must come from"),
+        (
+            {"mesh": MESH, "backend": "nccl"},
+            ValueError,
+            "fuse: backend must be 'auto', 'trtllm' or 'xla', got 'nccl'",
+        ),
+        (
+            {"mesh": MESH, "use_oneshot": 1},
+            TypeError,
+            "fuse: use_oneshot must be None, True or False, got 1",
+        ),
+        ({"mesh": MESH, "strict": "on"}, TypeError, "fuse: strict must be None, True or False"),
+        (
+            {"mesh": MESH, "log_level": "INFO"},
+            TypeError,
+            "fuse: log_level must be a logging level (int), got 'INFO'",
+        ),
+    ],
+)
 def test_bad_arguments_are_refused_by_name(kwargs, error, message):
     with pytest.raises(error) as e:
         jf.fuse(lambda x: x, **kwargs)
@@ -542,20 +677,23 @@ def test_a_jax_older_than_the_pass_needs_is_named(monkeypatch):
     if jax.__version_info__ >= (0, 10):
         monkeypatch.setattr(jax, "__version_info__", (0, 9, 3))
         monkeypatch.setattr(jax, "__version__", "0.9.3")
-    needs = (rf"jax_fusedar\.fuse needs JAX >= 0\.10, found jax {jax.__version__}: pip install "
-             rf"-U 'jax>=0\.10', or call jax_fusedar\.allreduce_fusion in the model directly "
-             rf"\(it runs on JAX >= {jf.MIN_JAX}\)")
+    needs = (
+        rf"jax_fusedar\.fuse needs JAX >= 0\.10, found jax {jax.__version__}: pip install "
+        rf"-U 'jax>=0\.10', or call jax_fusedar\.allreduce_fusion in the model directly "
+        rf"\(it runs on JAX >= {jf.MIN_JAX}\)"
+    )
     with pytest.raises(RuntimeError, match=needs):
         jf.fuse(lambda x: x, mesh=MESH)
     with pytest.raises(RuntimeError, match=needs):
-        jf.fuse(mesh=MESH)(lambda x: x)   # the decorator form
+        jf.fuse(mesh=MESH)(lambda x: x)  # the decorator form
     with pytest.raises(ValueError, match="fuse: max_tokens must be a positive integer"):
-        jf.fuse(lambda x: x, mesh=MESH, max_tokens=0)   # the arguments are checked first
+        jf.fuse(lambda x: x, mesh=MESH, max_tokens=0)  # the arguments are checked first
 
 
 def test_workspace_with_another_axis_is_refused(ws):
-    with pytest.raises(ValueError,
-                       match="fuse: axis_name 'dp' differs from the workspace's axis 'tp'"):
+    with pytest.raises(
+        ValueError, match="fuse: axis_name 'dp' differs from the workspace's axis 'tp'"
+    ):
         jf.fuse(lambda x: x, workspace=ws, axis_name="dp")
     with pytest.raises(TypeError, match="fuse: fn must be callable"):
         jf.fuse(3, workspace=ws)
@@ -572,6 +710,7 @@ def test_two_all_reduces_into_one_add_fuse_once(ws):
     def body(x, res, g):
         r = jax.lax.psum(x[0], "tp") + jax.lax.psum(x[0] * 2, "tp")
         return r, norm_plain(r, g)
+
     f = smap(body)
     fused = jf.fuse(f, workspace=ws)
     out = fused(x, res, g)

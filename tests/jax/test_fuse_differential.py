@@ -8,6 +8,7 @@ then the very same program (bit-equal outputs and gradients). Each generated pro
 says which of the two it must be, so refusing everything cannot pass. The default run takes
 a fixed sample; ``pytest -m sweep`` runs every combination.
 """
+
 import dataclasses
 import itertools
 from typing import Callable, Optional
@@ -49,6 +50,7 @@ FP8_GRAD_BOUND = 0.25
 # --- norm spellings -------------------------------------------------------------------------------
 # Each takes the residual sum r (dtype T) and gamma g, and returns the norm output.
 
+
 def _f(r):
     return r.astype(f32)
 
@@ -62,13 +64,13 @@ def rsqrt_mul(r, g):
     return (x * jax.lax.rsqrt(_ms(x) + EPS) * g.astype(f32)).astype(r.dtype)
 
 
-def sqrt_div(r, g):                       # Hugging Face Flax's and Gemma's spelling
+def sqrt_div(r, g):  # Hugging Face Flax's and Gemma's spelling
     x = _f(r)
     var = jnp.power(x, 2).mean(-1, keepdims=True)
     return (g.astype(f32) * x / jnp.sqrt(var + EPS)).astype(r.dtype)
 
 
-def gamma_over_rms(r, g):                 # gamma * x / rms
+def gamma_over_rms(r, g):  # gamma * x / rms
     x = _f(r)
     rms = jnp.sqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + EPS)
     return (g.astype(f32) * x / rms).astype(r.dtype)
@@ -81,8 +83,9 @@ def pow_minus_half(r, g):
 
 def sum_over_h(r, g):
     x = _f(r)
-    return (x * jax.lax.rsqrt(jnp.sum(x ** 2, -1, keepdims=True) / x.shape[-1] + EPS)
-            * g.astype(f32)).astype(r.dtype)
+    return (
+        x * jax.lax.rsqrt(jnp.sum(x**2, -1, keepdims=True) / x.shape[-1] + EPS) * g.astype(f32)
+    ).astype(r.dtype)
 
 
 def sum_times_inverse_h(r, g):
@@ -97,7 +100,7 @@ def reciprocal_of_sqrt(r, g):
     return (inv * x * g.astype(f32)).astype(r.dtype)
 
 
-def linen(r, g):                          # flax.linen.RMSNorm's sequence
+def linen(r, g):  # flax.linen.RMSNorm's sequence
     x = _f(r)
     ms = jnp.mean(jax.lax.square(x), axis=-1)
     y = _f(r) - jnp.zeros_like(ms)[..., None]
@@ -115,18 +118,19 @@ def no_gamma(r, g):
     return (x * jax.lax.rsqrt(_ms(x) + EPS)).astype(r.dtype)
 
 
-def constant_in_sum(r, g):                # rsqrt((sum + 1) / H): RMSNorm with eps = 1/H
+def constant_in_sum(r, g):  # rsqrt((sum + 1) / H): RMSNorm with eps = 1/H
     x = _f(r)
-    return (x * jax.lax.rsqrt((jnp.sum(x * x, -1, keepdims=True) + 1.0) / x.shape[-1])
-            * g.astype(f32)).astype(r.dtype)
+    return (
+        x * jax.lax.rsqrt((jnp.sum(x * x, -1, keepdims=True) + 1.0) / x.shape[-1]) * g.astype(f32)
+    ).astype(r.dtype)
 
 
-def hf_gamma_after_cast(r, g):            # MaxText / Hugging Face: gamma multiplied in T
+def hf_gamma_after_cast(r, g):  # MaxText / Hugging Face: gamma multiplied in T
     x = _f(r)
     return (x * jax.lax.rsqrt(_ms(x) + EPS)).astype(r.dtype) * g.astype(r.dtype)
 
 
-def hf_flax_float32_output(r, g):         # FlaxLlamaRMSNorm with a float32 weight
+def hf_flax_float32_output(r, g):  # FlaxLlamaRMSNorm with a float32 weight
     x = _f(r)
     y = r / jnp.sqrt(jnp.power(x, 2).mean(-1, keepdims=True) + EPS)
     return g.astype(f32) * jnp.asarray(y, dtype=r.dtype)
@@ -134,10 +138,14 @@ def hf_flax_float32_output(r, g):         # FlaxLlamaRMSNorm with a float32 weig
 
 # Not RMSNorm, or not the fused op's rounding: left alone with the reason.
 
+
 def times_two_in_mean(r, g):
     x = _f(r)
-    return (x * jax.lax.rsqrt(jnp.sum(x * x, -1, keepdims=True) * 2.0 / x.shape[-1] + EPS)
-            * g.astype(f32)).astype(r.dtype)
+    return (
+        x
+        * jax.lax.rsqrt(jnp.sum(x * x, -1, keepdims=True) * 2.0 / x.shape[-1] + EPS)
+        * g.astype(f32)
+    ).astype(r.dtype)
 
 
 def rsqrt_mul_f32(r, g):
@@ -163,11 +171,12 @@ def layer_norm(r, g):
 
 def over_token_axis(r, g):
     x = _f(r)
-    return (x * jax.lax.rsqrt(jnp.mean(x * x, axis=0, keepdims=True) + EPS)
-            * g.astype(f32)).astype(r.dtype)
+    return (x * jax.lax.rsqrt(jnp.mean(x * x, axis=0, keepdims=True) + EPS) * g.astype(f32)).astype(
+        r.dtype
+    )
 
 
-def per_token_factor(r, g):               # T == H: g[:, None] is a per-token value
+def per_token_factor(r, g):  # T == H: g[:, None] is a per-token value
     x = _f(r)
     return (x * jax.lax.rsqrt(_ms(x) + EPS) * g.astype(f32)[:, None]).astype(r.dtype)
 
@@ -183,11 +192,11 @@ def kept_in_float32(r, g):
 @dataclasses.dataclass(frozen=True)
 class Spelling:
     norm: Callable
-    expect: str            # "fused", "changed" (fused only with allow_rounding_change), or
-    reason: str = ""       # the reason's start when not fused by default
+    expect: str  # "fused", "changed" (fused only with allow_rounding_change), or
+    reason: str = ""  # the reason's start when not fused by default
     bias: float = 0.0
     gamma: bool = True
-    only_square: bool = False   # needs T == H (a [T] vector passes for a [H] one)
+    only_square: bool = False  # needs T == H (a [T] vector passes for a [H] one)
     exact_in_f32: bool = False  # in float32 the site is fused (the refusal is about T)
     after: Optional[Callable] = None  # what the program does to the norm's output after it
 
@@ -204,27 +213,38 @@ SPELLINGS = {
     "gemma_one_plus": Spelling(gemma_one_plus, "fused", bias=1.0),
     "no_gamma": Spelling(no_gamma, "fused", gamma=False),
     "constant_in_sum": Spelling(constant_in_sum, "fused"),
-    "hf_gamma_after_cast": Spelling(hf_gamma_after_cast, "changed",
-                                    "gamma multiplied in {T} after the norm is rounded"),
-    "hf_flax_float32_output": Spelling(hf_flax_float32_output, "changed",
-                                       "gamma multiplied in float32 after the norm is rounded"),
+    "hf_gamma_after_cast": Spelling(
+        hf_gamma_after_cast, "changed", "gamma multiplied in {T} after the norm is rounded"
+    ),
+    "hf_flax_float32_output": Spelling(
+        hf_flax_float32_output, "changed", "gamma multiplied in float32 after the norm is rounded"
+    ),
     "times_two_in_mean": Spelling(times_two_in_mean, "refused", "the mean divides by 32"),
     "eps_outside_sqrt": Spelling(eps_outside_sqrt, "refused", "eps added after the square root"),
     "eps_as_max": Spelling(eps_as_max, "refused", "max of the mean of squares"),
     "layer_norm": Spelling(layer_norm, "refused", "LayerNorm (mean subtracted)"),
     "over_token_axis": Spelling(over_token_axis, "refused", "norm over axis 0"),
     # In float32 the norm without gamma is the site, the per-token factor stays after it.
-    "per_token_factor": Spelling(per_token_factor, "refused", "a per-token factor",
-                                 only_square=True, exact_in_f32=True, gamma=False,
-                                 after=lambda y, g: y * g[:, None]),
-    "computed_in_t": Spelling(computed_in_t, "refused", "RMSNorm computed in {T}",
-                              exact_in_f32=True),
-    "kept_in_float32": Spelling(kept_in_float32, "refused", "the norm output is not cast back",
-                                exact_in_f32=True),
+    "per_token_factor": Spelling(
+        per_token_factor,
+        "refused",
+        "a per-token factor",
+        only_square=True,
+        exact_in_f32=True,
+        gamma=False,
+        after=lambda y, g: y * g[:, None],
+    ),
+    "computed_in_t": Spelling(
+        computed_in_t, "refused", "RMSNorm computed in {T}", exact_in_f32=True
+    ),
+    "kept_in_float32": Spelling(
+        kept_in_float32, "refused", "the norm output is not cast back", exact_in_f32=True
+    ),
 }
 
 
 # --- wrappers around the norm ---------------------------------------------------------------------
+
 
 @jax.custom_vjp
 def zero_grad(x):
@@ -253,15 +273,16 @@ WRAPPERS = ("none", "jit", "checkpoint", "custom_jvp", "zero_grad_beside")
 
 # --- one program ----------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class Program:
     spelling: str
     dtype: str = "bfloat16"
-    gamma_dtype: Optional[str] = None   # None: T
+    gamma_dtype: Optional[str] = None  # None: T
     shape: tuple = (6, 64)
     wrapper: str = "none"
     allow: bool = False
-    tail: str = "none"                  # FP8 tail: none, static, dynamic, per_channel
+    tail: str = "none"  # FP8 tail: none, static, dynamic, per_channel
 
     @property
     def id(self):
@@ -299,19 +320,20 @@ class Program:
                     s = scale
                 else:
                     axis = {"dynamic": -1, "per_channel": 0, "per_tensor": None}[tail]
-                    s = jnp.maximum(jnp.max(jnp.abs(y32), axis=axis, keepdims=True) / 448,
-                                    1 / (512 * 448))
+                    s = jnp.maximum(
+                        jnp.max(jnp.abs(y32), axis=axis, keepdims=True) / 448, 1 / (512 * 448)
+                    )
                     outs.append(s)
                 q = jnp.clip(y32 / s, -448, 448).astype(jnp.float8_e4m3fn)
                 outs.append(q.astype(f32))
             if self.wrapper == "zero_grad_beside":
-                outs.append(zero_grad(r) * 3)   # a zero-gradient helper on the residual
+                outs.append(zero_grad(r) * 3)  # a zero-gradient helper on the residual
             return tuple(outs)
+
         return body
 
     def n_out(self):
-        return 2 + {"none": 0, "static": 1}.get(self.tail, 2) + (
-            self.wrapper == "zero_grad_beside")
+        return 2 + {"none": 0, "static": 1}.get(self.tail, 2) + (self.wrapper == "zero_grad_beside")
 
 
 def inputs(prog: Program, seed=0):
@@ -324,15 +346,24 @@ def inputs(prog: Program, seed=0):
     scales = np.exp2(np.arange(int(np.prod(shape[:-1]))) % 7 - 3.0).reshape(shape[:-1] + (1,))
     x = (x.astype(np.float32) * scales).astype(jnp.dtype(T))
     n = shape[-1] if not SPELLINGS[prog.spelling].only_square else shape[0]
-    g = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32).astype(
-        jnp.dtype(prog.gamma_dtype or T))
+    g = (
+        (1 + 0.1 * rng.standard_normal(n))
+        .astype(np.float32)
+        .astype(jnp.dtype(prog.gamma_dtype or T))
+    )
     xs = jax.device_put(jnp.asarray(x), NamedSharding(MESH, P("tp")))
     return xs, jnp.asarray(res), jnp.asarray(g), jnp.float32(0.05)
 
 
 def program_fn(prog: Program):
-    return jax.jit(jax.shard_map(prog.body(), mesh=MESH, in_specs=(P("tp"), P(), P(), P()),
-                                 out_specs=(P(),) * prog.n_out()))
+    return jax.jit(
+        jax.shard_map(
+            prog.body(),
+            mesh=MESH,
+            in_specs=(P("tp"), P(), P(), P()),
+            out_specs=(P(),) * prog.n_out(),
+        )
+    )
 
 
 def _bits(a):
@@ -344,11 +375,13 @@ def grads(fn, args, which, seed=1):
     w.r.t. x, residual, gamma."""
     rng = np.random.default_rng(seed)
     outs = jax.eval_shape(fn, *args)
-    cts = [jnp.asarray(rng.standard_normal(o.shape), f32) * (k in which)
-           for k, o in enumerate(outs)]
+    cts = [
+        jnp.asarray(rng.standard_normal(o.shape), f32) * (k in which) for k, o in enumerate(outs)
+    ]
 
     def loss(x, res, g):
         return sum(jnp.sum(o.astype(f32) * c) for o, c in zip(fn(x, res, g, args[3]), cts))
+
     with jax.set_mesh(MESH):
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args[:3])
 
@@ -364,10 +397,13 @@ def oracle_errors(prog, args, out, site):
     r64 = s + res64
     # The float32 accumulation of N ranks is exact for 16-bit inputs of similar scale only:
     # it adds up to (N - 1) * 2^-24 * sum(|x_r|) (docs/numerics.md).
-    accumulation = (xs.shape[0] - 1) * 2.0 ** -24 * np.sum(np.abs(xs), axis=0)
+    accumulation = (xs.shape[0] - 1) * 2.0**-24 * np.sum(np.abs(xs), axis=0)
     inv = 1.0 / np.sqrt(np.mean(r64 * r64, -1, keepdims=True) + site.rms_eps)
-    gam = (site.weight_bias + np.asarray(g, np.float64) if SPELLINGS[prog.spelling].gamma
-           else np.ones(r64.shape[-1]))
+    gam = (
+        site.weight_bias + np.asarray(g, np.float64)
+        if SPELLINGS[prog.spelling].gamma
+        else np.ones(r64.shape[-1])
+    )
     y64 = r64 * inv * gam
     if SPELLINGS[prog.spelling].after is not None:
         y64 = SPELLINGS[prog.spelling].after(y64, np.asarray(g, np.float64))
@@ -404,7 +440,7 @@ def check(prog: Program):
     if want == "refused":
         assert not site.fused, (prog.id, rep.line())
         assert site.reason.startswith(reason), (prog.id, site.reason)
-        for a, b in zip(out_o, out_f):   # the very same program
+        for a, b in zip(out_o, out_f):  # the very same program
             np.testing.assert_array_equal(_bits(a), _bits(b))
         for a, b in zip(g_o, g_f):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -432,12 +468,20 @@ def check(prog: Program):
         tail = list(range(2, 2 + n_tail))
         q_err = grad_errors(prog, grads(f, args, tail), grads(fused, args, tail), eps=1.0)
         assert max(q_err) <= FP8_GRAD_BOUND, (prog.id, q_err)
-    return {"program": prog.id, "fused": True, "e_res": e_res, "e_norm": e_norm,
-            "original_res": o_res, "original_norm": o_norm, "grad": max(g_err),
-            "change": site.rounding_change}
+    return {
+        "program": prog.id,
+        "fused": True,
+        "e_res": e_res,
+        "e_norm": e_norm,
+        "original_res": o_res,
+        "original_norm": o_norm,
+        "grad": max(g_err),
+        "change": site.rounding_change,
+    }
 
 
 # --- the programs ---------------------------------------------------------------------------------
+
 
 def all_programs():
     """Every spelling in every dtype (float32 gammas too, with and without the flag where
@@ -464,19 +508,26 @@ def all_programs():
 def quick_programs():
     """The default sample: every spelling once (bf16, T == H where it matters), the other
     dtypes, float32 gammas with and without the flag, every wrapper and tail."""
-    out = [Program(n, "bfloat16", None, (64, 64) if sp.only_square else (6, 64))
-           for n, sp in SPELLINGS.items()]
-    out += [Program("hf_gamma_after_cast", allow=True), Program("hf_flax_float32_output",
-                                                                  gamma_dtype="float32",
-                                                                  allow=True)]
-    out += [Program("sqrt_div", "float16", shape=(2, 3, 64)),
-            Program("gamma_over_rms", "float32", shape=(64, 64)),
-            Program("rsqrt_mul", "bfloat16", "float32"),
-            Program("rsqrt_mul", "bfloat16", "float32", allow=True),
-            Program("rsqrt_mul", shape=(64, 64))]
+    out = [
+        Program(n, "bfloat16", None, (64, 64) if sp.only_square else (6, 64))
+        for n, sp in SPELLINGS.items()
+    ]
+    out += [
+        Program("hf_gamma_after_cast", allow=True),
+        Program("hf_flax_float32_output", gamma_dtype="float32", allow=True),
+    ]
+    out += [
+        Program("sqrt_div", "float16", shape=(2, 3, 64)),
+        Program("gamma_over_rms", "float32", shape=(64, 64)),
+        Program("rsqrt_mul", "bfloat16", "float32"),
+        Program("rsqrt_mul", "bfloat16", "float32", allow=True),
+        Program("rsqrt_mul", shape=(64, 64)),
+    ]
     out += [Program("rsqrt_mul", wrapper=w) for w in WRAPPERS[1:]]
-    out += [Program("rsqrt_mul", tail=t, shape=(64, 64) if t == "per_channel" else (6, 64))
-            for t in ("static", "dynamic", "per_channel", "per_tensor")]
+    out += [
+        Program("rsqrt_mul", tail=t, shape=(64, 64) if t == "per_channel" else (6, 64))
+        for t in ("static", "dynamic", "per_channel", "per_tensor")
+    ]
     return out
 
 
@@ -498,7 +549,9 @@ def test_every_generated_program():
         except AssertionError as e:
             failures.append(f"{prog.id}: {e}")
     fused = [r for r in results if r["fused"]]
-    print(f"{len(results)} programs, {len(fused)} fused; worst residual "
-          f"{max(r['e_res'] for r in fused):.3g}, norm {max(r['e_norm'] for r in fused):.3g}, "
-          f"grad {max(r['grad'] for r in fused):.3g}")
+    print(
+        f"{len(results)} programs, {len(fused)} fused; worst residual "
+        f"{max(r['e_res'] for r in fused):.3g}, norm {max(r['e_norm'] for r in fused):.3g}, "
+        f"grad {max(r['grad'] for r in fused):.3g}"
+    )
     assert not failures, "\n".join(failures)

@@ -5,6 +5,7 @@ down before the add, a psum over several axes of which the others have size 1, a
 jit (row_parallel_allreduce_fusion with any contraction, size-1 extra axes, float32
 gammas). Also the adversarial forms that once changed results silently, and the custom
 derivative rules that must survive."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,8 +24,9 @@ T, H, F = 8, 64, 128
 
 def norm(r, g):
     x = r.astype(f32)
-    return (x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + EPS)
-            * g.astype(f32)).astype(r.dtype)
+    return (x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + EPS) * g.astype(f32)).astype(
+        r.dtype
+    )
 
 
 def mesh_2x4(axis_type=AxisType.Auto):
@@ -33,12 +35,15 @@ def mesh_2x4(axis_type=AxisType.Auto):
 
 def operands(mesh, dtype=jnp.bfloat16, seed=0, res_spec=P("dp")):
     rng = np.random.default_rng(seed)
-    x = jax.device_put(jnp.asarray(rng.standard_normal((T, F)), dtype),
-                       NamedSharding(mesh, P("dp", "tp")))
-    w = jax.device_put(jnp.asarray(rng.standard_normal((F, H)) / 8, dtype),
-                       NamedSharding(mesh, P("tp")))
-    res = jax.device_put(jnp.asarray(rng.standard_normal((T, H)), dtype),
-                         NamedSharding(mesh, res_spec))
+    x = jax.device_put(
+        jnp.asarray(rng.standard_normal((T, F)), dtype), NamedSharding(mesh, P("dp", "tp"))
+    )
+    w = jax.device_put(
+        jnp.asarray(rng.standard_normal((F, H)) / 8, dtype), NamedSharding(mesh, P("tp"))
+    )
+    res = jax.device_put(
+        jnp.asarray(rng.standard_normal((T, H)), dtype), NamedSharding(mesh, res_spec)
+    )
     g = jnp.asarray(1 + 0.1 * rng.standard_normal(H), dtype)
     return x, w, res, g
 
@@ -52,6 +57,7 @@ def run(fn, args, mesh, **kw):
 
     def loss(f):
         return lambda *a: sum(jnp.sum(o.astype(f32) * c) for o, c in zip(f(*a), ct))
+
     with jax.set_mesh(mesh):
         out, want = fused(*args), jax.jit(fn)(*args)
         argnums = tuple(range(len(args)))
@@ -63,23 +69,33 @@ def run(fn, args, mesh, **kw):
 def close(a, b, ulps=4):
     for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         u, v = np.asarray(u, np.float64), np.asarray(v, np.float64)
-        eps = float(jnp.finfo(jnp.asarray(a[0]).dtype).eps) if np.asarray(a[0]).dtype != \
-            np.float32 else 1e-6
-        assert np.max(np.abs(u - v)) <= ulps * eps * max(np.max(np.abs(v)), 1e-30), \
-            np.max(np.abs(u - v)) / np.max(np.abs(v))
+        eps = (
+            float(jnp.finfo(jnp.asarray(a[0]).dtype).eps)
+            if np.asarray(a[0]).dtype != np.float32
+            else 1e-6
+        )
+        assert np.max(np.abs(u - v)) <= ulps * eps * max(np.max(np.abs(v)), 1e-30), np.max(
+            np.abs(u - v)
+        ) / np.max(np.abs(v))
 
 
 # --- across the shard_map boundary ----------------------------------------------------------------
+
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
 def test_per_linear_shard_map_moves_the_add_and_the_norm_in(axis_type):
     mesh = mesh_2x4(axis_type)
 
     def model(x, w, res, g):
-        s = jax.shard_map(lambda x, w: jax.lax.psum(x @ w, "tp"), mesh=mesh,
-                          in_specs=(P("dp", "tp"), P("tp")), out_specs=P("dp"))(x, w)
+        s = jax.shard_map(
+            lambda x, w: jax.lax.psum(x @ w, "tp"),
+            mesh=mesh,
+            in_specs=(P("dp", "tp"), P("tp")),
+            out_specs=P("dp"),
+        )(x, w)
         r = s + res
         return r, norm(r, g)
+
     rep, out, want, g_f, g_o = run(model, operands(mesh), mesh)
     assert rep.line() == "jax_fusedar.fuse: fused 1 of 1 all-reduce + residual + RMSNorm site(s)"
     assert rep.sites[0].kind == "shard_map psum" and rep.sites[0].tokens == T // 2
@@ -92,20 +108,26 @@ def test_a_residual_resharded_by_the_program_before_the_add():
     x, w, res, g = operands(mesh, res_spec=P("dp", "tp"))
 
     def model(x, w, res, g):
-        s = jax.shard_map(lambda x, w: jax.lax.psum(x @ w, "tp"), mesh=mesh,
-                          in_specs=(P("dp", "tp"), P("tp")), out_specs=P("dp"))(x, w)
+        s = jax.shard_map(
+            lambda x, w: jax.lax.psum(x @ w, "tp"),
+            mesh=mesh,
+            in_specs=(P("dp", "tp"), P("tp")),
+            out_specs=P("dp"),
+        )(x, w)
         r = s + jax.sharding.reshard(res, P("dp"))
         return r, norm(r, g)
+
     fused = jf.fuse(model, mesh=mesh, axis_name="tp", backend="xla")
     with jax.set_mesh(mesh):
         fused(x, w, res, g)
-    assert fused.report.sites[0].fused   # the reshard is the residual's own eqn
+    assert fused.report.sites[0].fused  # the reshard is the residual's own eqn
     with jax.set_mesh(mesh):
         text = str(jax.make_jaxpr(fused)(x, w, res, g))
     assert "jax_fusedar_allreduce_fusion" in text and "psum" not in text
 
 
 # --- sequence parallelism -------------------------------------------------------------------------
+
 
 def _sp(norm_on_shard_gathered=True, gather=True):
     mesh = mesh_2x4()
@@ -117,12 +139,20 @@ def _sp(norm_on_shard_gathered=True, gather=True):
             y = norm(r, g)
             return r, jax.lax.all_gather(y, "tp", axis=0, tiled=True) if gather else y
         return r, norm(jax.lax.all_gather(r, "tp", axis=0, tiled=True), g)
+
     out_y = P("dp") if gather else P(("dp", "tp"))
-    f = jax.shard_map(body, mesh=mesh, in_specs=(P("dp", "tp"), P("tp"), P(("dp", "tp")), P()),
-                      out_specs=(P(("dp", "tp")), out_y), check_vma=False)
+    f = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(P("dp", "tp"), P("tp"), P(("dp", "tp")), P()),
+        out_specs=(P(("dp", "tp")), out_y),
+        check_vma=False,
+    )
     x, w, _, g = operands(mesh)
-    res = jax.device_put(jnp.asarray(np.random.default_rng(2).standard_normal((T, H)),
-                                     jnp.bfloat16), NamedSharding(mesh, P(("dp", "tp"))))
+    res = jax.device_put(
+        jnp.asarray(np.random.default_rng(2).standard_normal((T, H)), jnp.bfloat16),
+        NamedSharding(mesh, P(("dp", "tp"))),
+    )
     return f, (x, w, res, g), mesh
 
 
@@ -131,7 +161,7 @@ def test_sequence_parallel_site_is_one_fused_all_reduce(on_shard):
     f, args, mesh = _sp(norm_on_shard_gathered=on_shard)
     rep, out, want, g_f, g_o = run(f, args, mesh)
     assert len(rep.fused) == 1 and rep.sites[0].kind == "reduce_scatter", rep.line()
-    assert rep.sites[0].tokens == T // 2     # every token of the dp shard
+    assert rep.sites[0].tokens == T // 2  # every token of the dp shard
     close(out, want)
     close(g_f, g_o, ulps=8)
     with jax.set_mesh(mesh):
@@ -146,11 +176,13 @@ def test_sequence_parallel_norm_left_on_the_shard_is_reported():
         fused(*args)
     site = fused.report.sites[0]
     assert site.kind == "reduce_scatter" and not site.fused
-    assert site.reason.startswith("psum_scatter + add + RMSNorm on the token shard whose output "
-                                  "is not all-gathered"), site.reason
+    assert site.reason.startswith(
+        "psum_scatter + add + RMSNorm on the token shard whose output is not all-gathered"
+    ), site.reason
 
 
 # --- a psum with a custom derivative (Megatron's g) -----------------------------------------------
+
 
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_psum_in_a_custom_vjp_is_fused_and_its_backward_kept(check_vma):
@@ -159,17 +191,25 @@ def test_psum_in_a_custom_vjp_is_fused_and_its_backward_kept(check_vma):
     @jax.custom_vjp
     def g_op(v):
         return jax.lax.psum(v, "tp")
-    if check_vma:   # the identity backward, typed as the varying input
-        g_op.defvjp(lambda v: (g_op(v), None),
-                    lambda _, ct: (jax.lax.pcast(ct, "tp", to="varying"),))
+
+    if check_vma:  # the identity backward, typed as the varying input
+        g_op.defvjp(
+            lambda v: (g_op(v), None), lambda _, ct: (jax.lax.pcast(ct, "tp", to="varying"),)
+        )
     else:
         g_op.defvjp(lambda v: (g_op(v), None), lambda _, ct: (ct,))
 
     def body(x, w, res, g):
         r = g_op(x @ w) + res
         return r, norm(r, g)
-    f = jax.shard_map(body, mesh=mesh, in_specs=(P("dp", "tp"), P("tp"), P("dp"), P()),
-                      out_specs=(P("dp"), P("dp")), check_vma=check_vma)
+
+    f = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(P("dp", "tp"), P("tp"), P("dp"), P()),
+        out_specs=(P("dp"), P("dp")),
+        check_vma=check_vma,
+    )
     rep, out, want, g_f, g_o = run(f, operands(mesh), mesh)
     assert len(rep.fused) == 1 and rep.sites[0].kind == "custom_vjp psum", rep.line()
     close(out, want)
@@ -177,11 +217,18 @@ def test_psum_in_a_custom_vjp_is_fused_and_its_backward_kept(check_vma):
     # Under check_vma=False the rule's identity differs from psum's own transpose (a
     # psum): the fused gradient is the rule's, not psum's.
     if not check_vma:
+
         def plain(x, w, res, g):
             r = jax.lax.psum(x @ w, "tp") + res
             return r, norm(r, g)
-        fp = jax.shard_map(plain, mesh=mesh, in_specs=(P("dp", "tp"), P("tp"), P("dp"), P()),
-                           out_specs=(P("dp"), P("dp")), check_vma=False)
+
+        fp = jax.shard_map(
+            plain,
+            mesh=mesh,
+            in_specs=(P("dp", "tp"), P("tp"), P("dp"), P()),
+            out_specs=(P("dp"), P("dp")),
+            check_vma=False,
+        )
         _, _, _, g_plain, _ = run(fp, operands(mesh), mesh)
         assert not np.allclose(np.asarray(g_plain[0], f32), np.asarray(g_f[0], f32))
 
@@ -192,19 +239,27 @@ def test_psum_in_a_custom_jvp_whose_rule_is_psums_own_is_fused():
     @jax.custom_jvp
     def g_op(v):
         return jax.lax.psum(v, "tp")
+
     g_op.defjvp(lambda p, t: (g_op(*p), jax.lax.psum(t[0], "tp")))
 
     @jax.custom_jvp
     def g_bad(v):
         return jax.lax.psum(v, "tp")
+
     g_bad.defjvp(lambda p, t: (g_bad(*p), 2 * jax.lax.psum(t[0], "tp")))
 
     for op, fused_ in ((g_op, True), (g_bad, False)):
+
         def body(x, w, res, g, op=op):
             r = op(x @ w) + res
             return r, norm(r, g)
-        f = jax.shard_map(body, mesh=mesh, in_specs=(P("dp", "tp"), P("tp"), P("dp"), P()),
-                          out_specs=(P("dp"), P("dp")))
+
+        f = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P("dp", "tp"), P("tp"), P("dp"), P()),
+            out_specs=(P("dp"), P("dp")),
+        )
         rep, out, want, g_f, g_o = run(f, operands(mesh), mesh)
         assert rep.sites[0].fused == fused_, rep.line()
         close(g_f, g_o, ulps=8)
@@ -214,38 +269,57 @@ def test_psum_in_a_custom_jvp_whose_rule_is_psums_own_is_fused():
 
 # --- float32 psums and axis tuples ----------------------------------------------------------------
 
+
 def test_float32_psum_cast_down_before_the_add_needs_the_flag():
     mesh = mesh_2x4()
 
     def body(x, w, res, g):
         r = jax.lax.psum(jnp.dot(x, w, preferred_element_type=f32), "tp").astype(res.dtype) + res
         return r, norm(r, g)
-    f = jax.shard_map(body, mesh=mesh, in_specs=(P("dp", "tp"), P("tp"), P("dp"), P()),
-                      out_specs=(P("dp"), P("dp")))
+
+    f = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(P("dp", "tp"), P("tp"), P("dp"), P()),
+        out_specs=(P("dp"), P("dp")),
+    )
     args = operands(mesh)
     rep, out, want, _, _ = run(f, args, mesh)
     assert rep.sites[0].reason == (
         "all-reduce in float32, cast to bfloat16 before the residual add: the fused op sums "
-        "bfloat16 partials (pass allow_rounding_change=True to fuse it)")
+        "bfloat16 partials (pass allow_rounding_change=True to fuse it)"
+    )
     rep, out, want, g_f, g_o = run(f, args, mesh, allow_rounding_change=True)
-    assert rep.sites[0].rounding_change == \
-        "each rank's float32 partial sum rounded to bfloat16 before the sum"
+    assert (
+        rep.sites[0].rounding_change
+        == "each rank's float32 partial sum rounded to bfloat16 before the sum"
+    )
     close(out, want, ulps=8)
 
 
 def test_psum_over_an_axis_tuple_whose_other_axes_have_size_one():
     mesh = jax.make_mesh((1, 8), ("z", "tp"), axis_types=(AxisType.Auto,) * 2)
     for axes, fused_ in ((("z", "tp"), True), (("tp", "z"), True)):
+
         def body(x, w, res, g, axes=axes):
             r = jax.lax.psum(x @ w, axes) + res
             return r, norm(r, g)
-        f = jax.shard_map(body, mesh=mesh, in_specs=(P(None, ("z", "tp")), P(("z", "tp")), P(),
-                                                     P()), out_specs=(P(), P()))
+
+        f = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P(None, ("z", "tp")), P(("z", "tp")), P(), P()),
+            out_specs=(P(), P()),
+        )
         rng = np.random.default_rng(0)
-        x = jax.device_put(jnp.asarray(rng.standard_normal((T, F)), jnp.bfloat16),
-                           NamedSharding(mesh, P(None, ("z", "tp"))))
-        w = jax.device_put(jnp.asarray(rng.standard_normal((F, H)) / 8, jnp.bfloat16),
-                           NamedSharding(mesh, P(("z", "tp"))))
+        x = jax.device_put(
+            jnp.asarray(rng.standard_normal((T, F)), jnp.bfloat16),
+            NamedSharding(mesh, P(None, ("z", "tp"))),
+        )
+        w = jax.device_put(
+            jnp.asarray(rng.standard_normal((F, H)) / 8, jnp.bfloat16),
+            NamedSharding(mesh, P(("z", "tp"))),
+        )
         res = jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16)
         g = jnp.ones((H,), jnp.bfloat16)
         rep, out, want, g_f, g_o = run(f, (x, w, res, g), mesh)
@@ -257,49 +331,65 @@ def test_psum_over_an_axis_tuple_whose_other_axes_have_size_one():
     def body2(x, w, res, g):
         r = jax.lax.psum(x @ w, ("dp", "tp")) + res
         return r, norm(r, g)
-    f = jax.shard_map(body2, mesh=mesh2, in_specs=(P(None, ("dp", "tp")), P(("dp", "tp")), P(),
-                                                   P()), out_specs=(P(), P()))
+
+    f = jax.shard_map(
+        body2,
+        mesh=mesh2,
+        in_specs=(P(None, ("dp", "tp")), P(("dp", "tp")), P(), P()),
+        out_specs=(P(), P()),
+    )
     fused = jf.fuse(f, mesh=mesh2, axis_name="tp", backend="xla")
-    fused.analyze(jax.ShapeDtypeStruct((T, F), jnp.bfloat16),
-                  jax.ShapeDtypeStruct((F, H), jnp.bfloat16),
-                  jax.ShapeDtypeStruct((T, H), jnp.bfloat16), jax.ShapeDtypeStruct((H,), f32))
+    fused.analyze(
+        jax.ShapeDtypeStruct((T, F), jnp.bfloat16),
+        jax.ShapeDtypeStruct((F, H), jnp.bfloat16),
+        jax.ShapeDtypeStruct((T, H), jnp.bfloat16),
+        jax.ShapeDtypeStruct((H,), f32),
+    )
     assert fused.report.sites[0].reason == (
         "all-reduce over ('dp', 'tp'): the fused op reduces over one mesh axis ('tp') and "
-        "['dp'] have size > 1")
+        "['dp'] have size > 1"
+    )
 
 
 # --- precision: forms that once changed results silently ------------------------------------------
 
+
 def _one_site(body, *, shape=(T, H), extra=(), allow=False):
     mesh = jax.make_mesh((8,), ("tp",))
     rng = np.random.default_rng(4)
-    x = jax.device_put(jnp.asarray(rng.standard_normal((8,) + shape), jnp.bfloat16),
-                       NamedSharding(mesh, P("tp")))
+    x = jax.device_put(
+        jnp.asarray(rng.standard_normal((8,) + shape), jnp.bfloat16), NamedSharding(mesh, P("tp"))
+    )
     res = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
     g = jnp.asarray(1 + 0.1 * rng.standard_normal(shape[-1]), jnp.bfloat16)
     args = (x, res, g) + tuple(extra)
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"),) + (P(),) * (len(args) - 1),
-                              out_specs=P()))
+    f = jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(P("tp"),) + (P(),) * (len(args) - 1), out_specs=P()
+        )
+    )
     fused = jf.fuse(f, mesh=mesh, backend="xla", allow_rounding_change=allow)
     out = fused(*args)
     return fused.report, out, f(*args)
 
 
 def test_constants_around_the_mean_are_accounted_for():
-    def plus_one(x, res, g):      # rsqrt((sum + 1) / H) is RMSNorm with eps = 1/H
+    def plus_one(x, res, g):  # rsqrt((sum + 1) / H) is RMSNorm with eps = 1/H
         r = jax.lax.psum(x[0], "tp") + res
         f = r.astype(f32)
         y = f * jax.lax.rsqrt((jnp.sum(f * f, -1, keepdims=True) + 1.0) / H)
         return r, (y * g.astype(f32)).astype(r.dtype)
+
     rep, out, want = _one_site(plus_one)
     assert rep.sites[0].fused and rep.sites[0].rms_eps == pytest.approx(1 / H)
     close(out, want, ulps=2)
 
-    def times_two(x, res, g):     # rsqrt(sum * 2 / H + eps): not RMSNorm
+    def times_two(x, res, g):  # rsqrt(sum * 2 / H + eps): not RMSNorm
         r = jax.lax.psum(x[0], "tp") + res
         f = r.astype(f32)
         y = f * jax.lax.rsqrt(jnp.sum(f * f, -1, keepdims=True) * 2.0 / H + EPS)
         return r, (y * g.astype(f32)).astype(r.dtype)
+
     rep, out, want = _one_site(times_two)
     assert rep.sites[0].reason == "the mean divides by 32, not the hidden size 64"
     np.testing.assert_array_equal(np.asarray(out[1], f32), np.asarray(want[1], f32))
@@ -311,6 +401,7 @@ def test_a_per_token_scale_is_not_taken_for_gamma_when_tokens_equal_hidden():
         f = r.astype(f32)
         n = f * jax.lax.rsqrt(jnp.mean(f * f, -1, keepdims=True) + EPS)
         return r, (n * s[:, None].astype(f32)).astype(r.dtype)
+
     s = jnp.linspace(0.5, 2.0, H).astype(jnp.bfloat16)
     rep, out, want = _one_site(per_token, shape=(H, H), extra=(s,))
     assert not rep.sites[0].fused
@@ -318,38 +409,45 @@ def test_a_per_token_scale_is_not_taken_for_gamma_when_tokens_equal_hidden():
     np.testing.assert_array_equal(np.asarray(out[1], f32), np.asarray(want[1], f32))
 
 
-@pytest.mark.parametrize("tokens, axis, kind", [(H, 0, "per-channel"), (T, None, "per-tensor"),
-                                                (T, -1, None)])
+@pytest.mark.parametrize(
+    "tokens, axis, kind", [(H, 0, "per-channel"), (T, None, "per-tensor"), (T, -1, None)]
+)
 def test_the_fp8_amax_axis_decides_the_tail(tokens, axis, kind):
     def body(x, res, g):
         r = jax.lax.psum(x[0], "tp") + res
         y32 = norm(r, g).astype(f32)
         s = jnp.maximum(jnp.max(jnp.abs(y32), axis=axis, keepdims=True) / 448, 1 / (512 * 448))
         return r, jnp.clip(y32 / s, -448, 448).astype(jnp.float8_e4m3fn).astype(f32), s
+
     rep, out, want = _one_site(body, shape=(tokens, H))
     site = rep.sites[0]
     assert site.fused
     if kind is None:
         assert site.pattern == 10 and site.note is None
         assert np.max(np.abs(np.asarray(out[1]) - np.asarray(want[1]))) <= 448 / 8
-    else:     # the norm is fused, the tail stays as written (on the fused norm's output)
+    else:  # the norm is fused, the tail stays as written (on the fused norm's output)
         assert site.pattern == 1 and kind in site.note, site
-        np.testing.assert_allclose(np.asarray(out[2]), np.asarray(want[2]), rtol=2 ** -7)
+        np.testing.assert_allclose(np.asarray(out[2]), np.asarray(want[2]), rtol=2**-7)
 
 
 # --- custom derivative rules survive --------------------------------------------------------------
+
 
 def test_custom_rules_beside_the_norm_and_at_unfused_sites_are_kept():
     @jax.custom_vjp
     def no_grad(v):
         return v
+
     no_grad.defvjp(lambda v: (v, None), lambda _, ct: (jnp.zeros_like(ct),))
 
     @jax.custom_vjp
-    def half_grad_norm(r, g):   # a norm with its own (deliberately different) rule
+    def half_grad_norm(r, g):  # a norm with its own (deliberately different) rule
         return norm(r, g)
-    half_grad_norm.defvjp(lambda r, g: (norm(r, g), (r, g)),
-                          lambda res, ct: tuple(0.5 * v for v in jax.vjp(norm, *res)[1](ct)))
+
+    half_grad_norm.defvjp(
+        lambda r, g: (norm(r, g), (r, g)),
+        lambda res, ct: tuple(0.5 * v for v in jax.vjp(norm, *res)[1](ct)),
+    )
 
     def beside(x, res, g):
         r = jax.lax.psum(x[0], "tp") + res
@@ -362,16 +460,18 @@ def test_custom_rules_beside_the_norm_and_at_unfused_sites_are_kept():
     mesh = jax.make_mesh((8,), ("tp",))
     for body, fused_ in ((beside, True), (rule_on_norm, False)):
         rng = np.random.default_rng(5)
-        x = jax.device_put(jnp.asarray(rng.standard_normal((8, T, H)), f32),
-                           NamedSharding(mesh, P("tp")))
+        x = jax.device_put(
+            jnp.asarray(rng.standard_normal((8, T, H)), f32), NamedSharding(mesh, P("tp"))
+        )
         res = jnp.asarray(rng.standard_normal((T, H)), f32)
         g = jnp.asarray(1 + 0.1 * rng.standard_normal(H), f32)
         n_out = 3 if body is beside else 2
-        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P()),
-                                  out_specs=(P(),) * n_out))
+        f = jax.jit(
+            jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=(P(),) * n_out)
+        )
         rep, out, want, g_f, g_o = run(f, (x, res, g), mesh)
         assert rep.sites[0].fused == fused_, rep.line()
-        for a, b in zip(g_f, g_o):   # the rules' gradients, not the plain derivative
+        for a, b in zip(g_f, g_o):  # the rules' gradients, not the plain derivative
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
         if not fused_:
             assert rep.sites[0].reason.startswith("the RMSNorm is inside a custom_vjp")
@@ -379,12 +479,14 @@ def test_custom_rules_beside_the_norm_and_at_unfused_sites_are_kept():
 
 # --- plain jit ------------------------------------------------------------------------------------
 
+
 def test_plain_jit_program_without_sites_says_what_to_do():
     mesh = mesh_2x4()
     fused = jf.fuse(lambda a, b: a @ b + 1, mesh=mesh, axis_name="tp", backend="xla")
     rep = fused.analyze(jax.ShapeDtypeStruct((T, F), f32), jax.ShapeDtypeStruct((F, H), f32))
-    assert rep.line().startswith("jax_fusedar.fuse: fused 0 of 0 all-reduce + residual + "
-                                 "RMSNorm site(s): no all-reduce")
+    assert rep.line().startswith(
+        "jax_fusedar.fuse: fused 0 of 0 all-reduce + residual + RMSNorm site(s): no all-reduce"
+    )
     assert "under plain jax.jit with shardings, dot_general + add + RMSNorm" in rep.line()
 
 
@@ -394,10 +496,14 @@ def test_plain_jit_size_one_axes_and_float32_gamma(axis_type):
     rounding change: fused with the flag, the kernel reading it in bfloat16)."""
     mesh = jax.make_mesh((8, 1), ("tp", "z"), axis_types=(axis_type,) * 2)
     rng = np.random.default_rng(6)
-    h = jax.device_put(jnp.asarray(rng.standard_normal((2, 4, F)), jnp.bfloat16),
-                       NamedSharding(mesh, P(None, None, ("tp", "z"))))
-    w = jax.device_put(jnp.asarray(rng.standard_normal((F, H)) / 8, jnp.bfloat16),
-                       NamedSharding(mesh, P(("tp", "z"))))
+    h = jax.device_put(
+        jnp.asarray(rng.standard_normal((2, 4, F)), jnp.bfloat16),
+        NamedSharding(mesh, P(None, None, ("tp", "z"))),
+    )
+    w = jax.device_put(
+        jnp.asarray(rng.standard_normal((F, H)) / 8, jnp.bfloat16),
+        NamedSharding(mesh, P(("tp", "z"))),
+    )
     res = jnp.asarray(rng.standard_normal((2, 4, H)), jnp.bfloat16)
     g = jnp.asarray(1 + 0.1 * rng.standard_normal(H), f32)
     explicit = axis_type == AxisType.Explicit
@@ -406,17 +512,27 @@ def test_plain_jit_size_one_axes_and_float32_gamma(axis_type):
         o = jnp.einsum("btf,fd->btd", h, w, out_sharding=P() if explicit else None)
         r = o + res
         return r, norm(r, g)
+
     rep, out, want, g_f, g_o = run(model, (h, w, res, g), mesh, allow_rounding_change=True)
     assert rep.sites[0].fused and rep.sites[0].rounding_change == "gamma rounded to bfloat16"
     close(out, want, ulps=4)
-    ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=8, hidden_dim=H,
-                                              dtype=jnp.bfloat16, backend="xla")
+    ws = jf.create_allreduce_fusion_workspace(
+        mesh, "tp", max_token_num=8, hidden_dim=H, dtype=jnp.bfloat16, backend="xla"
+    )
     # The entry itself, without the flag's help: the size-1 axis is no second reduction
     # axis (the workspace serves it: no fallback, so strict mode is fine).
     with jax.set_mesh(mesh):
-        direct = jax.jit(lambda *a: jf.row_parallel_allreduce_fusion(
-            a[0], a[1], residual=a[2], rms_gamma=a[3], workspace=ws, strict=True,
-            contracting_dims=((2,), (0,))))(h, w, res, g)
+        direct = jax.jit(
+            lambda *a: jf.row_parallel_allreduce_fusion(
+                a[0],
+                a[1],
+                residual=a[2],
+                rms_gamma=a[3],
+                workspace=ws,
+                strict=True,
+                contracting_dims=((2,), (0,)),
+            )
+        )(h, w, res, g)
     close((direct.residual_out, direct.norm_out), want, ulps=4)
     ws.destroy()
 
@@ -424,26 +540,32 @@ def test_plain_jit_size_one_axes_and_float32_gamma(axis_type):
 def test_two_contracted_dims_in_the_entry():
     mesh = mesh_2x4()
     rng = np.random.default_rng(7)
-    a = jax.device_put(jnp.asarray(rng.standard_normal((2, 8, 4, 16)), f32),
-                       NamedSharding(mesh, P("dp", "tp")))
-    wo = jax.device_put(jnp.asarray(rng.standard_normal((8, 16, H)) / 8, f32),
-                        NamedSharding(mesh, P("tp")))
+    a = jax.device_put(
+        jnp.asarray(rng.standard_normal((2, 8, 4, 16)), f32), NamedSharding(mesh, P("dp", "tp"))
+    )
+    wo = jax.device_put(
+        jnp.asarray(rng.standard_normal((8, 16, H)) / 8, f32), NamedSharding(mesh, P("tp"))
+    )
     res = jnp.asarray(rng.standard_normal((2, 4, H)), f32)
     g = jnp.asarray(1 + 0.1 * rng.standard_normal(H), f32)
-    out = jax.jit(lambda *a: jf.row_parallel_allreduce_fusion(
-        a[0], a[1], residual=a[2], rms_gamma=a[3], contracting_dims=((1, 3), (0, 1))))(
-        a, wo, res, g)
-    r = np.einsum("bhtq,hqd->btd", np.asarray(a, np.float64), np.asarray(wo, np.float64)) + \
-        np.asarray(res, np.float64)
+    out = jax.jit(
+        lambda *a: jf.row_parallel_allreduce_fusion(
+            a[0], a[1], residual=a[2], rms_gamma=a[3], contracting_dims=((1, 3), (0, 1))
+        )
+    )(a, wo, res, g)
+    r = np.einsum(
+        "bhtq,hqd->btd", np.asarray(a, np.float64), np.asarray(wo, np.float64)
+    ) + np.asarray(res, np.float64)
     y = r / np.sqrt(np.mean(r * r, -1, keepdims=True) + EPS) * np.asarray(g, np.float64)
     np.testing.assert_allclose(np.asarray(out.residual_out), r, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(out.norm_out), y, rtol=1e-5, atol=1e-5)
-    for bad, message in ((((1,), (0, 1)), "pairs h's and w's dims one to one"),
-                         (((3,), (1,)), "w (8, 16, 64) must keep exactly one dim"),
-                         (((0, 3), (0, 1)), "pairs h's dim 0 (2) with w's dim 0 (8)")):
+    for bad, message in (
+        (((1,), (0, 1)), "pairs h's and w's dims one to one"),
+        (((3,), (1,)), "w (8, 16, 64) must keep exactly one dim"),
+        (((0, 3), (0, 1)), "pairs h's dim 0 (2) with w's dim 0 (8)"),
+    ):
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-            jf.row_parallel_allreduce_fusion(a, wo, residual=res, rms_gamma=g,
-                                             contracting_dims=bad)
+            jf.row_parallel_allreduce_fusion(a, wo, residual=res, rms_gamma=g, contracting_dims=bad)
 
 
 def test_probe_validation_catches_a_proof_that_misreads_the_equations():
@@ -451,18 +573,23 @@ def test_probe_validation_catches_a_proof_that_misreads_the_equations():
     formula the proof claims; a proof claiming another eps or weight_bias is refused."""
     from jax_fusedar.fusion import graph, norm_proof, validation
     from jax_fusedar.fusion.report import Reject
+
     for shape in ((T, H), (H, H), (2, 3, H)):
+
         def site(r, g):
             f = r.astype(f32)
-            return (f / jnp.sqrt(jnp.mean(f ** 2, -1, keepdims=True) + EPS)
-                    * (1.0 + g.astype(f32))).astype(r.dtype)
-        jaxpr = jax.make_jaxpr(site)(jnp.ones(shape, jnp.bfloat16),
-                                     jnp.ones((H,), jnp.bfloat16)).jaxpr
+            return (
+                f / jnp.sqrt(jnp.mean(f**2, -1, keepdims=True) + EPS) * (1.0 + g.astype(f32))
+            ).astype(r.dtype)
+
+        jaxpr = jax.make_jaxpr(site)(
+            jnp.ones(shape, jnp.bfloat16), jnp.ones((H,), jnp.bfloat16)
+        ).jaxpr
         g = graph.Graph(jaxpr)
         r = jaxpr.invars[0]
         proof = norm_proof.prove_rms_norm(g, r, allow=False)
         assert proof.weight_bias == 1.0 and proof.eps == pytest.approx(EPS)
-        validation.check(g, proof, r)          # the right formula passes
+        validation.check(g, proof, r)  # the right formula passes
         for field, wrong in (("eps", 1e-2), ("weight_bias", 0.0)):
             bad = norm_proof.NormProof(**{**proof.__dict__, field: wrong})
             with pytest.raises(Reject, match="differs from the fused op's by"):
@@ -471,8 +598,11 @@ def test_probe_validation_catches_a_proof_that_misreads_the_equations():
 
 def test_a_missing_jax_internal_names_the_jax_needed():
     from jax_fusedar.fusion import jax_internals
-    with pytest.raises(jax_internals.MissingJaxInternal,
-                       match=r"jax_fusedar.fuse needs jax._src.core.no_such_helper, which JAX "
-                             r"\S+ does not have; the fusion pass was written for JAX 0.10 "
-                             r"\(tested on 0.10.2\): install jax==0.10.\*"):
+
+    with pytest.raises(
+        jax_internals.MissingJaxInternal,
+        match=r"jax_fusedar.fuse needs jax._src.core.no_such_helper, which JAX "
+        r"\S+ does not have; the fusion pass was written for JAX 0.10 "
+        r"\(tested on 0.10.2\): install jax==0.10.\*",
+    ):
         jax_internals.internal("jax._src.core", "no_such_helper")

@@ -3,6 +3,7 @@
 reason) per style; the fused model's outputs and gradients against the model as written,
 within the documented bound; and the program lowered for CUDA holding one fused custom call
 per fused site (the plain-jit Auto-axes style: the partition rule's per-shard program)."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,7 +24,7 @@ CFG = Config()
 # The documented bound, at model level (docs/fusion_pass.md): every fused site is within
 # its bound, and the differences travel through the layers as any rounding does. Measured
 # on these 2-layer models: about one eps_T of max |output| forward, a few for gradients.
-FORWARD_BOUND = 4.0    # max |fused - original| / (eps_T * max |original|)
+FORWARD_BOUND = 4.0  # max |fused - original| / (eps_T * max |original|)
 GRAD_BOUND = 16.0
 
 
@@ -44,18 +45,32 @@ def _setup(style):
 
 # The styles that take more than about 5 s of CPU here (2-layer models, forward and grad,
 # fused and not): left out of the quick lane, run by the full suite.
-SLOW_STYLES = {"per_linear_llama", "sequence_parallel_llama", "hf_flax_llama_allow",
-               "plain_jit_llama_auto", "plain_jit_llama_explicit"}
+SLOW_STYLES = {
+    "per_linear_llama",
+    "sequence_parallel_llama",
+    "hf_flax_llama_allow",
+    "plain_jit_llama_auto",
+    "plain_jit_llama_explicit",
+}
 
 
-@pytest.mark.parametrize("style", [
-    pytest.param(s, id=s.name, marks=[pytest.mark.slow] if s.name in SLOW_STYLES else [])
-    for s in STYLES])
+@pytest.mark.parametrize(
+    "style",
+    [
+        pytest.param(s, id=s.name, marks=[pytest.mark.slow] if s.name in SLOW_STYLES else [])
+        for s in STYLES
+    ],
+)
 def test_style_is_fused_within_the_bound(style):
     mesh, params, x, forward = _setup(style)
     with jax.set_mesh(mesh):
-        fused = jf.fuse(forward, mesh=mesh, axis_name="tp", backend="xla",
-                        allow_rounding_change=style.allow_rounding_change)
+        fused = jf.fuse(
+            forward,
+            mesh=mesh,
+            axis_name="tp",
+            backend="xla",
+            allow_rounding_change=style.allow_rounding_change,
+        )
         out = fused(params, x)
         want = jax.jit(forward)(params, x)
     rep = fused.report
@@ -77,6 +92,7 @@ def test_style_is_fused_within_the_bound(style):
 
     def loss(fn):
         return lambda p, x: jnp.sum(fn(p, x).astype(jnp.float32) * ct)
+
     with jax.set_mesh(mesh):
         g_fused = jax.jit(jax.grad(loss(fused), argnums=(0, 1)))(params, x)
         g_want = jax.jit(jax.grad(loss(forward), argnums=(0, 1)))(params, x)
@@ -97,30 +113,44 @@ def _partitioned_shard_for_cuda(jaxpr, mesh):
                 sub = getattr(v, "jaxpr", v)
                 if hasattr(sub, "eqns"):
                     walk(sub)
+
     walk(jaxpr)
     assert found, "no custom_partitioning call in the fused program"
     e = found[0]
     cfg = e.params["static_args"][0]
     h, w, res, g = (v.aval for v in e.invars)
-    specs = (P("dp", "tp"), P("tp"), P("dp"), P())   # bhtq sharded on h, hqd on h
+    specs = (P("dp", "tp"), P("tp"), P("dp"), P())  # bhtq sharded on h, hqd on h
 
     def arg(aval, spec):
         return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=NamedSharding(mesh, spec))
+
     args = tuple(arg(a, s) for a, s in zip((h, w, res, g), specs))
     _, local, outs, ins = partitioning.partition(cfg, mesh, args, None)
-    f = jax.shard_map(local, mesh=mesh, in_specs=tuple(s.spec for s in ins),
-                      out_specs=tuple(s.spec for s in outs), check_vma=False)
+    f = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=tuple(s.spec for s in ins),
+        out_specs=tuple(s.spec for s in outs),
+        check_vma=False,
+    )
     placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(args, ins)]
     return jax.jit(f).trace(*placed).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @needs_native
-@pytest.mark.parametrize("style", [s for s in STYLES if s.fused], ids=[s.name for s in STYLES
-                                                                      if s.fused])
+@pytest.mark.parametrize(
+    "style", [s for s in STYLES if s.fused], ids=[s.name for s in STYLES if s.fused]
+)
 def test_style_lowers_to_the_fused_custom_call_for_cuda(style):
     mesh, params, x, forward = _setup(style)
-    ws = jf.abstract_workspace(mesh, "tp", max_token_num=CFG.tokens, hidden_dim=CFG.hidden,
-                               dtype=jnp.dtype(style.dtype), backend="trtllm")
+    ws = jf.abstract_workspace(
+        mesh,
+        "tp",
+        max_token_num=CFG.tokens,
+        hidden_dim=CFG.hidden,
+        dtype=jnp.dtype(style.dtype),
+        backend="trtllm",
+    )
     fused = jf.fuse(forward, workspace=ws, allow_rounding_change=style.allow_rounding_change)
     with jax.set_mesh(mesh):
         traced = jax.jit(fused).trace(params, x)

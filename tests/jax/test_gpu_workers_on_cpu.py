@@ -4,6 +4,7 @@ reference path in place of the kernel. The reference path rounds where the kerne
 (fp32_acc=False included), so this runs the workers' plumbing and, for real, the checks the
 GPU tests apply at world sizes above 2 (harness.bound_problems: the accumulation bounds)
 before a GPU does."""
+
 import os
 
 import pytest
@@ -12,20 +13,29 @@ from tests.gpu import harness
 
 
 def _run(task, world, **kw):
-    return harness.run_ranks(_worker(), world, timeout_s=600, port=harness.free_port(),
-                             xla_flags="", task=task, seed=int.from_bytes(os.urandom(4),
-                                                                          "little"),
-                             platform="cpu", **kw)
+    return harness.run_ranks(
+        _worker(),
+        world,
+        timeout_s=600,
+        port=harness.free_port(),
+        xla_flags="",
+        task=task,
+        seed=int.from_bytes(os.urandom(4), "little"),
+        platform="cpu",
+        **kw,
+    )
 
 
 def _worker():
     from tests.gpu.workers import jax_multiprocess
+
     return jax_multiprocess.worker
 
 
 @pytest.mark.slow
 def test_parity_worker_at_four_ranks_within_the_bounds():
     from tests.gpu.test_jax import parity_problems
+
     res = _run("parity", 4, tokens=(1, 9), hiddens=(256,))
     assert [r["world"] for r in res] == [4] * 4
     assert not parity_problems(res, 4)
@@ -47,6 +57,7 @@ def test_loop_worker_at_four_ranks():
 @pytest.mark.slow
 def test_quant_worker_at_four_ranks():
     from tests.gpu.harness import bound_problems
+
     res = _run("quant", 4, tokens=(1, 9), hiddens=(256,))
     for r in res:
         q = r["quant"]
@@ -74,12 +85,23 @@ def test_fuse_styles_worker_at_two_ranks():
     models as accurate as the unfused ones (fuse_styles.check)."""
     from tests.gpu import fuse_styles
     from tests.gpu.test_fuse_styles import CONFIG
-    styles = ["per_linear_llama", "sequence_parallel_llama", "plain_jit_llama_explicit",
-              "hf_flax_llama_float32"]
-    res = harness.run_ranks(fuse_styles.worker, 2, timeout_s=600, port=harness.free_port(),
-                            seed=int.from_bytes(os.urandom(4), "little") % (1 << 30),
-                            styles=styles, platform="cpu",
-                            config=dict(CONFIG, hidden=256, ffn=512, seq=16, heads=4))
+
+    styles = [
+        "per_linear_llama",
+        "sequence_parallel_llama",
+        "plain_jit_llama_explicit",
+        "hf_flax_llama_float32",
+    ]
+    res = harness.run_ranks(
+        fuse_styles.worker,
+        2,
+        timeout_s=600,
+        port=harness.free_port(),
+        seed=int.from_bytes(os.urandom(4), "little") % (1 << 30),
+        styles=styles,
+        platform="cpu",
+        config=dict(CONFIG, hidden=256, ffn=512, seq=16, heads=4),
+    )
     assert not fuse_styles.check(res, styles, platform="cpu")
     for r in res:
         assert all(v["xla_collectives"] and "skipped" not in v for v in r["styles"].values())

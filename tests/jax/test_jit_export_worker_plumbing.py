@@ -2,6 +2,7 @@
 that their plumbing and checks are proven before a GPU runs them: on CPU the op lowers to the
 reference, so the HLO has all-reduces instead of the kernel, and the ("cpu", "cuda")
 artifact runs its CPU branch."""
+
 import pytest
 
 from tests.gpu.workers.single_process_run import run_task
@@ -20,6 +21,7 @@ def test_jit_worker_on_cpu():
 
 def test_export_and_serve_workers_on_cpu(tmp_path):
     from jax_fusedar.common import native
+
     if not native.available():
         pytest.skip("exporting the cuda branch needs the native extension's FFI targets")
     path = str(tmp_path / "layer")

@@ -4,6 +4,7 @@ through custom_partitioning, and Explicit axes) gives the same bits as the same 
 written with shard_map + allreduce_fusion; the partition rule's choices (which axis, which
 workspace, the plain math when k is not sharded); the per-shard program lowered for cuda
 holds the fused custom call; argument errors."""
+
 import logging
 
 import jax
@@ -24,8 +25,17 @@ from jax_fusedar.primitive import FFI_TARGET
 
 require_host_devices()
 
-from tests.jax.sharded_model import (BATCH, FFN, HIDDEN, LAYERS, SEQ, jit_model,  # noqa: E402
-                                     model_params, place, shard_map_model)
+from tests.jax.sharded_model import (  # noqa: E402
+    BATCH,
+    FFN,
+    HIDDEN,
+    LAYERS,
+    SEQ,
+    jit_model,
+    model_params,
+    place,
+    shard_map_model,
+)
 
 
 # Environment and once-per-kind logging reset per test (conftest.py).
@@ -38,22 +48,37 @@ def mesh_2x4(axis_type):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("axis_type,mesh_context", [
-    (AxisType.Auto, False), (AxisType.Auto, True), (AxisType.Explicit, True)])
-@pytest.mark.parametrize("backend", ["xla", pytest.param("trtllm", marks=pytest.mark.skipif(
-    not native.available(), reason=native_skip_reason("a trtllm workspace's call")))])
-def test_four_layer_jit_model_equals_the_shard_map_model_bitwise(axis_type, mesh_context,
-                                                                 backend):
+@pytest.mark.parametrize(
+    "axis_type,mesh_context",
+    [(AxisType.Auto, False), (AxisType.Auto, True), (AxisType.Explicit, True)],
+)
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "xla",
+        pytest.param(
+            "trtllm",
+            marks=pytest.mark.skipif(
+                not native.available(), reason=native_skip_reason("a trtllm workspace's call")
+            ),
+        ),
+    ],
+)
+def test_four_layer_jit_model_equals_the_shard_map_model_bitwise(axis_type, mesh_context, backend):
     """On CPU both run the reference lowering (a trtllm workspace also lowers to it here), so
     equal bits mean the partitioner ran the same per-shard program as shard_map does."""
     dtype = "bfloat16"
     rng = new_rng()
     mesh = mesh_2x4(axis_type)
-    make = (jf.create_allreduce_fusion_workspace if backend == "xla" else
-            lambda *a, **k: jf.abstract_workspace(*a, backend="trtllm", **k))
+    make = (
+        jf.create_allreduce_fusion_workspace
+        if backend == "xla"
+        else lambda *a, **k: jf.abstract_workspace(*a, backend="trtllm", **k)
+    )
     ws = make(mesh, "tp", max_token_num=BATCH * SEQ, hidden_dim=HIDDEN, dtype=jnp.bfloat16)
-    params, x = place(mesh, model_params(rng, jdtype(dtype)),
-                      random_values(rng, (BATCH, SEQ, HIDDEN), dtype))
+    params, x = place(
+        mesh, model_params(rng, jdtype(dtype)), random_values(rng, (BATCH, SEQ, HIDDEN), dtype)
+    )
     want = shard_map_model(mesh, ws)(params, x)
     if mesh_context:  # MaxText runs under its mesh; Explicit axes need it
         with jax.set_mesh(mesh):
@@ -71,10 +96,10 @@ def test_four_layer_jit_model_equals_the_shard_map_model_bitwise(axis_type, mesh
 def test_auto_axes_compile_to_one_all_reduce_per_layer_and_no_shard_map():
     rng = new_rng()
     mesh = mesh_2x4(AxisType.Auto)
-    ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=BATCH * SEQ,
-                                              hidden_dim=HIDDEN, dtype=jnp.bfloat16)
-    params, x = place(mesh, model_params(rng),
-                      random_values(rng, (BATCH, SEQ, HIDDEN), "bfloat16"))
+    ws = jf.create_allreduce_fusion_workspace(
+        mesh, "tp", max_token_num=BATCH * SEQ, hidden_dim=HIDDEN, dtype=jnp.bfloat16
+    )
+    params, x = place(mesh, model_params(rng), random_values(rng, (BATCH, SEQ, HIDDEN), "bfloat16"))
     hlo = jax.jit(lambda p, x: jit_model(p, x, workspace=ws)).lower(params, x).compile().as_text()
     # One all-reduce per layer (the reference's psum), over groups of 4 ("tp").
     assert hlo.count("all-reduce(") == LAYERS, hlo
@@ -85,24 +110,32 @@ def test_plain_math_when_the_contracting_dim_is_not_sharded(caplog):
     """w replicated: no reduction, the plain math (one matmul, add, norm), no fallback log."""
     rng = new_rng()
     mesh = mesh_2x4(AxisType.Auto)
-    ws = jf.abstract_workspace(mesh, "tp", max_token_num=64, hidden_dim=HIDDEN,
-                               dtype=jnp.bfloat16)
+    ws = jf.abstract_workspace(mesh, "tp", max_token_num=64, hidden_dim=HIDDEN, dtype=jnp.bfloat16)
     h = random_values(rng, (BATCH * SEQ, FFN), "bfloat16")
     w = (random_values(rng, (FFN, HIDDEN), "bfloat16") / 16).astype(jnp.bfloat16)
     r = random_values(rng, (BATCH * SEQ, HIDDEN), "bfloat16")
     g = random_gamma(rng, HIDDEN, "bfloat16")
     hs = jax.device_put(h, NamedSharding(mesh, P("dp", None)))
     ws_ = jax.device_put(w, NamedSharding(mesh, P()))
-    f = jax.jit(lambda *a: tuple(jf.row_parallel_allreduce_fusion(
-        a[0], a[1], residual=a[2], rms_gamma=a[3], workspace=ws))[1:3])
+    f = jax.jit(
+        lambda *a: tuple(
+            jf.row_parallel_allreduce_fusion(
+                a[0], a[1], residual=a[2], rms_gamma=a[3], workspace=ws
+            )
+        )[1:3]
+    )
     with caplog.at_level(logging.WARNING, logger="jax_fusedar"):
         res, norm = f(hs, ws_, r, g)
         hlo = f.lower(hs, ws_, r, g).compile().as_text()
     assert "all-reduce" not in hlo
     assert not caplog.records
     from jax_fusedar import reference
-    _, want_r, want_n = jax.jit(lambda h, w, r, g: reference.epilogue(
-        jnp.dot(h, w), r, g, pattern=1, rms_eps=1e-6, weight_bias=0.0))(h, w, r, g)
+
+    _, want_r, want_n = jax.jit(
+        lambda h, w, r, g: reference.epilogue(
+            jnp.dot(h, w), r, g, pattern=1, rms_eps=1e-6, weight_bias=0.0
+        )
+    )(h, w, r, g)
     np.testing.assert_array_equal(bits(res), bits(want_r))
     np.testing.assert_array_equal(bits(norm), bits(want_n))
 
@@ -112,39 +145,64 @@ def arg_shape(mesh, shape, spec, dtype=jnp.bfloat16):
 
 
 def cfg(workspaces=(), strict=None, h_ndim=2):
-    return partitioning._Config(tuple(workspaces), 1e-6, 0.0, True, None, strict, None,
-                                partitioning._Contraction.matmul(h_ndim))
+    return partitioning._Config(
+        tuple(workspaces),
+        1e-6,
+        0.0,
+        True,
+        None,
+        strict,
+        None,
+        partitioning._Contraction.matmul(h_ndim),
+    )
 
 
-@pytest.mark.parametrize("h_spec,w_spec,want_h,want_w,want_out", [
-    (P("dp", "tp"), P("tp", None), P("dp", "tp"), P("tp", None), P("dp", None)),
-    # h's k replicated but w's sharded: w decides, h is resharded to match.
-    (P("dp", None), P("tp", None), P("dp", "tp"), P("tp", None), P("dp", None)),
-    # w's n sharded (column-parallel layout): n is gathered, RMSNorm needs whole rows.
-    (P(None, "tp"), P("tp", "dp"), P(None, "tp"), P("tp", None), P(None, None)),
-    # tokens sharded over the k axis too: that axis goes to k only.
-    (P(("dp", "tp"), None), P("tp", None), P("dp", "tp"), P("tp", None), P("dp", None)),
-    (P("dp", None), P(None, None), P("dp", None), P(None, None), P("dp", None)),
-])
+@pytest.mark.parametrize(
+    "h_spec,w_spec,want_h,want_w,want_out",
+    [
+        (P("dp", "tp"), P("tp", None), P("dp", "tp"), P("tp", None), P("dp", None)),
+        # h's k replicated but w's sharded: w decides, h is resharded to match.
+        (P("dp", None), P("tp", None), P("dp", "tp"), P("tp", None), P("dp", None)),
+        # w's n sharded (column-parallel layout): n is gathered, RMSNorm needs whole rows.
+        (P(None, "tp"), P("tp", "dp"), P(None, "tp"), P("tp", None), P(None, None)),
+        # tokens sharded over the k axis too: that axis goes to k only.
+        (P(("dp", "tp"), None), P("tp", None), P("dp", "tp"), P("tp", None), P("dp", None)),
+        (P("dp", None), P(None, None), P("dp", None), P(None, None), P("dp", None)),
+    ],
+)
 def test_partition_rule_shardings(h_spec, w_spec, want_h, want_w, want_out):
     mesh = mesh_2x4(AxisType.Auto)
-    args = (arg_shape(mesh, (32, FFN), h_spec), arg_shape(mesh, (FFN, HIDDEN), w_spec),
-            arg_shape(mesh, (32, HIDDEN), P()), arg_shape(mesh, (HIDDEN,), P()))
+    args = (
+        arg_shape(mesh, (32, FFN), h_spec),
+        arg_shape(mesh, (FFN, HIDDEN), w_spec),
+        arg_shape(mesh, (32, HIDDEN), P()),
+        arg_shape(mesh, (HIDDEN,), P()),
+    )
     _, _, outs, ins = partitioning.partition(cfg(), mesh, args, None)
     assert [s.spec for s in ins] == [want_h, want_w, want_out, P(None)]
     assert [s.spec for s in outs] == [want_out, want_out]
 
 
-def lower_partitioned_shard_for_cuda(workspaces, h_spec=P("dp", "tp"), w_spec=P("tp", None),
-                                     **cfg_kwargs):
+def lower_partitioned_shard_for_cuda(
+    workspaces, h_spec=P("dp", "tp"), w_spec=P("tp", None), **cfg_kwargs
+):
     """What XLA compiles on each GPU: the partition rule's per-shard program, lowered for cuda
     inside a manual region over the mesh (as custom_partitioning does at compile time)."""
     mesh = mesh_2x4(AxisType.Auto)
-    args = (arg_shape(mesh, (32, FFN), h_spec), arg_shape(mesh, (FFN, HIDDEN), w_spec),
-            arg_shape(mesh, (32, HIDDEN), P()), arg_shape(mesh, (HIDDEN,), P()))
+    args = (
+        arg_shape(mesh, (32, FFN), h_spec),
+        arg_shape(mesh, (FFN, HIDDEN), w_spec),
+        arg_shape(mesh, (32, HIDDEN), P()),
+        arg_shape(mesh, (HIDDEN,), P()),
+    )
     _, local, outs, ins = partitioning.partition(cfg(workspaces, **cfg_kwargs), mesh, args, None)
-    f = jax.shard_map(local, mesh=mesh, in_specs=tuple(s.spec for s in ins),
-                      out_specs=tuple(s.spec for s in outs), check_vma=False)
+    f = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=tuple(s.spec for s in ins),
+        out_specs=tuple(s.spec for s in outs),
+        check_vma=False,
+    )
     placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(args, ins)]
     return jax.jit(f).trace(*placed).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -152,8 +210,7 @@ def lower_partitioned_shard_for_cuda(workspaces, h_spec=P("dp", "tp"), w_spec=P(
 @needs_native
 def test_partitioned_shard_lowers_to_the_fused_custom_call_for_cuda():
     mesh = mesh_2x4(AxisType.Auto)
-    ws = jf.abstract_workspace(mesh, "tp", max_token_num=64, hidden_dim=HIDDEN,
-                               dtype=jnp.bfloat16)
+    ws = jf.abstract_workspace(mesh, "tp", max_token_num=64, hidden_dim=HIDDEN, dtype=jnp.bfloat16)
     text = lower_partitioned_shard_for_cuda([ws])
     assert text.count(f"@{FFI_TARGET}") == 1 and "all_reduce" not in text
 
@@ -161,21 +218,32 @@ def test_partitioned_shard_lowers_to_the_fused_custom_call_for_cuda():
 @needs_native
 def test_explicit_axes_lower_to_the_fused_custom_call_for_cuda():
     mesh = mesh_2x4(AxisType.Explicit)
-    ws = jf.abstract_workspace(mesh, "tp", max_token_num=64, hidden_dim=HIDDEN,
-                               dtype=jnp.bfloat16)
-    args = (arg_shape(mesh, (32, FFN), P("dp", "tp")), arg_shape(mesh, (FFN, HIDDEN), P("tp")),
-            arg_shape(mesh, (32, HIDDEN), P("dp")), arg_shape(mesh, (HIDDEN,), P()))
+    ws = jf.abstract_workspace(mesh, "tp", max_token_num=64, hidden_dim=HIDDEN, dtype=jnp.bfloat16)
+    args = (
+        arg_shape(mesh, (32, FFN), P("dp", "tp")),
+        arg_shape(mesh, (FFN, HIDDEN), P("tp")),
+        arg_shape(mesh, (32, HIDDEN), P("dp")),
+        arg_shape(mesh, (HIDDEN,), P()),
+    )
     with jax.set_mesh(mesh):
-        text = jax.jit(lambda *a: jf.row_parallel_allreduce_fusion(
-            a[0], a[1], residual=a[2], rms_gamma=a[3], workspace=ws)[1:3]).trace(
-            *args).lower(lowering_platforms=("cuda",)).as_text()
+        text = (
+            jax.jit(
+                lambda *a: jf.row_parallel_allreduce_fusion(
+                    a[0], a[1], residual=a[2], rms_gamma=a[3], workspace=ws
+                )[1:3]
+            )
+            .trace(*args)
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
     assert text.count(f"@{FFI_TARGET}") == 1 and "all_reduce" not in text
 
 
 def test_no_matching_workspace_falls_back_with_a_logged_reason_or_raises_in_strict_mode(caplog):
     mesh = mesh_2x4(AxisType.Auto)
-    other = jf.abstract_workspace(mesh, "dp", max_token_num=64, hidden_dim=HIDDEN,
-                                  dtype=jnp.bfloat16)  # the wrong axis
+    other = jf.abstract_workspace(
+        mesh, "dp", max_token_num=64, hidden_dim=HIDDEN, dtype=jnp.bfloat16
+    )  # the wrong axis
     with caplog.at_level(logging.WARNING, logger="jax_fusedar"):
         text = lower_partitioned_shard_for_cuda([other])
     assert FFI_TARGET not in text and "all_reduce" in text
@@ -186,10 +254,10 @@ def test_no_matching_workspace_falls_back_with_a_logged_reason_or_raises_in_stri
 
 def test_k_sharded_over_two_axes_uses_the_reference_over_both():
     mesh = mesh_2x4(AxisType.Auto)
-    ws = jf.abstract_workspace(mesh, "tp", max_token_num=64, hidden_dim=HIDDEN,
-                               dtype=jnp.bfloat16)
-    text = lower_partitioned_shard_for_cuda([ws], h_spec=P(None, ("dp", "tp")),
-                                            w_spec=P(("dp", "tp"), None))
+    ws = jf.abstract_workspace(mesh, "tp", max_token_num=64, hidden_dim=HIDDEN, dtype=jnp.bfloat16)
+    text = lower_partitioned_shard_for_cuda(
+        [ws], h_spec=P(None, ("dp", "tp")), w_spec=P(("dp", "tp"), None)
+    )
     assert FFI_TARGET not in text and "all_reduce" in text
 
 
@@ -215,10 +283,17 @@ def test_argument_errors():
     for axis_type in (AxisType.Auto, AxisType.Explicit):  # inside shard_map: refused
         m = mesh_2x4(axis_type)
         with pytest.raises(ValueError, match="outside shard_map"):
-            jax.jit(jax.shard_map(lambda h, w: call(h, w, residual=r, rms_gamma=g).norm_out,
-                                  mesh=m, in_specs=(P(), P()), out_specs=P()))(h, w)
-    ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=8, hidden_dim=32,
-                                              dtype=jnp.bfloat16)
+            jax.jit(
+                jax.shard_map(
+                    lambda h, w: call(h, w, residual=r, rms_gamma=g).norm_out,
+                    mesh=m,
+                    in_specs=(P(), P()),
+                    out_specs=P(),
+                )
+            )(h, w)
+    ws = jf.create_allreduce_fusion_workspace(
+        mesh, "tp", max_token_num=8, hidden_dim=32, dtype=jnp.bfloat16
+    )
     ws.destroy()
     with pytest.raises(ValueError, match="was destroyed"):
         call(h, w, residual=r, rms_gamma=g, workspace=[ws])
@@ -248,15 +323,19 @@ def test_gradients_equal_the_unsharded_plain_math(axis_type):
         return out.residual_out, out.norm_out
 
     cfg_ = cfg(h_ndim=3)
-    want = jax.jit(jax.grad(lambda *a: loss(lambda *b: partitioning._plain(*b, cfg_), *a),
-                            argnums=(0, 1, 2, 3)))(h, w, r, g)
-    placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in
-              zip((h, w, r, g), (P("dp", None, "tp"), P("tp", None), P("dp"), P()))]
+    want = jax.jit(
+        jax.grad(
+            lambda *a: loss(lambda *b: partitioning._plain(*b, cfg_), *a), argnums=(0, 1, 2, 3)
+        )
+    )(h, w, r, g)
+    placed = [
+        jax.device_put(a, NamedSharding(mesh, s))
+        for a, s in zip((h, w, r, g), (P("dp", None, "tp"), P("tp", None), P("dp"), P()))
+    ]
     with jax.set_mesh(mesh):
         got = jax.jit(jax.grad(lambda *a: loss(fused, *a), argnums=(0, 1, 2, 3)))(*placed)
     for name, a, b in zip(("h", "w", "residual", "gamma"), got, want):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5,
-                                   err_msg=name)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5, err_msg=name)
         assert np.abs(np.asarray(b)).max() > 1e-2, name  # not trivially zero
 
 
@@ -264,12 +343,18 @@ def test_strict_mode_error_surfaces_from_the_partition_rule_at_compile_time():
     """The partition rule runs inside XLA's compilation: its ValueError comes back as XLA's
     runtime error carrying the same message."""
     mesh = mesh_2x4(AxisType.Auto)
-    wrong_axis = jf.create_allreduce_fusion_workspace(mesh, "dp", max_token_num=64,
-                                                      hidden_dim=HIDDEN, dtype=jnp.bfloat16)
+    wrong_axis = jf.create_allreduce_fusion_workspace(
+        mesh, "dp", max_token_num=64, hidden_dim=HIDDEN, dtype=jnp.bfloat16
+    )
     h = jax.device_put(jnp.ones((8, FFN), jnp.bfloat16), NamedSharding(mesh, P(None, "tp")))
     w = jax.device_put(jnp.ones((FFN, HIDDEN), jnp.bfloat16), NamedSharding(mesh, P("tp")))
     r, g = jnp.ones((8, HIDDEN), jnp.bfloat16), jnp.ones(HIDDEN, jnp.bfloat16)
-    f = jax.jit(lambda h, w: jf.row_parallel_allreduce_fusion(
-        h, w, residual=r, rms_gamma=g, workspace=wrong_axis, strict=True).norm_out)
+    f = jax.jit(
+        lambda h, w: (
+            jf.row_parallel_allreduce_fusion(
+                h, w, residual=r, rms_gamma=g, workspace=wrong_axis, strict=True
+            ).norm_out
+        )
+    )
     with pytest.raises(Exception, match="no workspace was given for mesh axis 'tp'.*strict"):
         f(h, w)

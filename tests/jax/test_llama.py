@@ -3,6 +3,7 @@ on-device weight init (the GPU demo's path), unrolled == scanned layers.
 
 Its logits against Hugging Face's LlamaForCausalLM: tests/jax/test_transformers_parity.py.
 """
+
 import dataclasses
 
 import jax
@@ -17,12 +18,15 @@ cpu_helpers.require_host_devices()
 MESH = jax.make_mesh((8,), ("tp",))
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"kv_heads": 4}, "kv_heads 4 does not split over 8 tensor-parallel ranks"),
-    ({"heads": 32, "kv_heads": 12}, "heads 32 is not a multiple of kv_heads 12"),
-    ({"hidden": 250}, "hidden 250 is not a multiple of heads 16"),
-    ({"vocab": 500}, "vocab 500 does not split over 8 tensor-parallel ranks"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"kv_heads": 4}, "kv_heads 4 does not split over 8 tensor-parallel ranks"),
+        ({"heads": 32, "kv_heads": 12}, "heads 32 is not a multiple of kv_heads 12"),
+        ({"hidden": 250}, "hidden 250 is not a multiple of heads 16"),
+        ({"vocab": 500}, "vocab 500 does not split over 8 tensor-parallel ranks"),
+    ],
+)
 def test_config_that_does_not_split_is_refused_by_name(change, message):
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(llama.TINY, **change).check(8)
@@ -30,8 +34,14 @@ def test_config_that_does_not_split_is_refused_by_name(change, message):
 
 def test_llama3_8b_shapes():
     cfg = llama.LLAMA3_8B
-    assert (cfg.layers, cfg.hidden, cfg.ffn, cfg.heads, cfg.kv_heads, cfg.head_dim) == \
-        (32, 4096, 14336, 32, 8, 128)
+    assert (cfg.layers, cfg.hidden, cfg.ffn, cfg.heads, cfg.kv_heads, cfg.head_dim) == (
+        32,
+        4096,
+        14336,
+        32,
+        8,
+        128,
+    )
     cfg.check(2)
 
 
@@ -42,8 +52,11 @@ def test_on_device_init_matches_the_host_init_in_shape_and_scale():
     specs = llama.param_specs("tp")
     flat = lambda t: dict(jax.tree_util.tree_flatten_with_path(t)[0])  # noqa: E731
     d, h = flat(dev), flat(host)
-    s = dict(jax.tree_util.tree_flatten_with_path(
-        specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0])
+    s = dict(
+        jax.tree_util.tree_flatten_with_path(
+            specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
+        )[0]
+    )
     assert set(d) == set(h) == set(s) and len(d) == 9
     for k in d:
         assert d[k].shape == h[k].shape and d[k].dtype == jnp.bfloat16
@@ -59,17 +72,17 @@ def test_packed_projections_give_each_rank_its_own_q_k_v_and_gate_up():
     w = llama.init_params_numpy(cfg, 11)
     tree = llama.from_hf_layout(w, tp)
     qkv, gu = tree["layers"]["wqkv"], tree["layers"]["w_gate_up"]
-    nq, nkv, nf = (cfg.heads * cfg.head_dim // tp, cfg.kv_heads * cfg.head_dim // tp,
-                   cfg.ffn // tp)
+    nq, nkv, nf = (cfg.heads * cfg.head_dim // tp, cfg.kv_heads * cfg.head_dim // tp, cfg.ffn // tp)
     for r in range(tp):
-        block = qkv[..., r * (nq + 2 * nkv):(r + 1) * (nq + 2 * nkv)]
-        np.testing.assert_array_equal(block[..., :nq], w["wq"][..., r * nq:(r + 1) * nq])
-        np.testing.assert_array_equal(block[..., nq:nq + nkv],
-                                      w["wk"][..., r * nkv:(r + 1) * nkv])
-        np.testing.assert_array_equal(block[..., nq + nkv:], w["wv"][..., r * nkv:(r + 1) * nkv])
-        g = gu[..., r * 2 * nf:(r + 1) * 2 * nf]
-        np.testing.assert_array_equal(g[..., :nf], w["w_gate"][..., r * nf:(r + 1) * nf])
-        np.testing.assert_array_equal(g[..., nf:], w["w_up"][..., r * nf:(r + 1) * nf])
+        block = qkv[..., r * (nq + 2 * nkv) : (r + 1) * (nq + 2 * nkv)]
+        np.testing.assert_array_equal(block[..., :nq], w["wq"][..., r * nq : (r + 1) * nq])
+        np.testing.assert_array_equal(
+            block[..., nq : nq + nkv], w["wk"][..., r * nkv : (r + 1) * nkv]
+        )
+        np.testing.assert_array_equal(block[..., nq + nkv :], w["wv"][..., r * nkv : (r + 1) * nkv])
+        g = gu[..., r * 2 * nf : (r + 1) * 2 * nf]
+        np.testing.assert_array_equal(g[..., :nf], w["w_gate"][..., r * nf : (r + 1) * nf])
+        np.testing.assert_array_equal(g[..., nf:], w["w_up"][..., r * nf : (r + 1) * nf])
 
 
 @pytest.mark.slow
@@ -86,8 +99,11 @@ def test_unrolled_and_scanned_layers_agree():
         llama.arrange(per_layer, MESH, "tp", scan=True)
     tokens = jnp.asarray(np.random.default_rng(5).integers(0, cfg.vocab, (2, 6)), jnp.int32)
     out = {}
-    for name, scan, p in (("scan", True, params), ("unrolled", False, params),
-                          ("unrolled per layer", False, per_layer)):
+    for name, scan, p in (
+        ("scan", True, params),
+        ("unrolled", False, params),
+        ("unrolled per layer", False, per_layer),
+    ):
         fwd = jax.jit(llama.make_forward(cfg, MESH, "tp", scan=scan))
         cache = llama.init_cache(cfg, MESH, "tp", jnp.float32, 2, 8)
         logits, ck, cv = fwd(p, tokens, *cache, jnp.int32(0))

@@ -2,6 +2,7 @@
 emulation of the kernels' rounding points for the rows before the norm, within stated bounds
 of the float64 oracle for everything, the cuda lowering's custom call, vmap, grad, N-D and
 every bad input. 8 virtual host devices."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,8 +29,14 @@ def mesh_of(world):
 def workspace(world, dtype, *, tokens, hidden, backend=None):
     kw = {} if backend is None else {"backend": backend}
     make = jf.abstract_workspace if backend == "trtllm" else jf.create_allreduce_fusion_workspace
-    return make(mesh_of(world), "tp", max_token_num=max(tokens, 1), hidden_dim=hidden,
-                dtype=jnp.dtype(dtype), **kw)
+    return make(
+        mesh_of(world),
+        "tp",
+        max_token_num=max(tokens, 1),
+        hidden_dim=hidden,
+        dtype=jnp.dtype(dtype),
+        **kw,
+    )
 
 
 def run_finalize(ws, case, *, use_scale=True, use_shared=True, routed=1.0, weight_bias=0.0):
@@ -38,17 +45,29 @@ def run_finalize(ws, case, *, use_scale=True, use_shared=True, routed=1.0, weigh
     rows = max(p.shape[0] for p in case["permuted"])
     hidden = case["residual"].shape[1]
     # Stack the ranks' buffers (padded to the longest; padding rows are never indexed).
-    permuted = np.stack([np.concatenate([p, np.zeros((rows - p.shape[0], hidden), p.dtype)])
-                         for p in case["permuted"]])
+    permuted = np.stack(
+        [
+            np.concatenate([p, np.zeros((rows - p.shape[0], hidden), p.dtype)])
+            for p in case["permuted"]
+        ]
+    )
     idx = np.stack(case["idx"])
     shared = np.stack(case["shared"])
 
     def body(permuted, idx, shared, residual, gamma):
         out = jf.moe_finalize_allreduce_fusion(
-            permuted[0], idx[0], axis_name="tp", workspace=ws, residual=residual,
-            rms_gamma=gamma, expert_scale_factor=case["scale"] if use_scale else None,
+            permuted[0],
+            idx[0],
+            axis_name="tp",
+            workspace=ws,
+            residual=residual,
+            rms_gamma=gamma,
+            expert_scale_factor=case["scale"] if use_scale else None,
             shared_expert_output=shared[0] if use_shared else None,
-            routed_scaling_factor=routed, rms_eps=EPS, weight_bias=weight_bias)
+            routed_scaling_factor=routed,
+            rms_eps=EPS,
+            weight_bias=weight_bias,
+        )
         assert out.allreduce_out is None
         return out.residual_out, out.norm_out
 
@@ -61,22 +80,47 @@ def run_finalize(ws, case, *, use_scale=True, use_shared=True, routed=1.0, weigh
 def check_finalize(outs, case, world, dtype, *, use_scale, use_shared, routed, weight_bias):
     scale = case["scale"] if use_scale else None
     # Bitwise: the rows before the norm, at the kernel's rounding points.
-    local = [mo.finalize_local_rounded(case["permuted"][r], case["idx"][r], dtype, scale=scale,
-                                       shared=case["shared"][r] if use_shared else None,
-                                       routed=routed) for r in range(world)]
+    local = [
+        mo.finalize_local_rounded(
+            case["permuted"][r],
+            case["idx"][r],
+            dtype,
+            scale=scale,
+            shared=case["shared"][r] if use_shared else None,
+            routed=routed,
+        )
+        for r in range(world)
+    ]
     _, residual_out = mo.epilogue_rounded(local, case["residual"], dtype)
     np.testing.assert_array_equal(outs[0].view(np.uint16), residual_out.view(np.uint16))
     # Bounds of the float64 oracle.
-    exact = [mo.finalize_local64(case["permuted"][r], case["idx"][r], scale,
-                                 case["shared"][r] if use_shared else None, routed)
-             for r in range(world)]
-    s64, r64, y64, inv = mo.epilogue64([e[0] for e in exact], case["residual"], case["gamma"],
-                                       rms_eps=EPS, weight_bias=weight_bias)
+    exact = [
+        mo.finalize_local64(
+            case["permuted"][r],
+            case["idx"][r],
+            scale,
+            case["shared"][r] if use_shared else None,
+            routed,
+        )
+        for r in range(world)
+    ]
+    s64, r64, y64, inv = mo.epilogue64(
+        [e[0] for e in exact], case["residual"], case["gamma"], rms_eps=EPS, weight_bias=weight_bias
+    )
     magnitude = sum(e[1] for e in exact) + np.abs(np.asarray(case["residual"], np.float64))
     roundings = world * (2 * exact[0][2] + 1) + world
-    errs = mo.errors(outs, s64=s64, r64=r64, y64=y64, inv64=inv, magnitude=magnitude,
-                     roundings=roundings, gamma=case["gamma"], weight_bias=weight_bias,
-                     dtype_name=dtype)
+    errs = mo.errors(
+        outs,
+        s64=s64,
+        r64=r64,
+        y64=y64,
+        inv64=inv,
+        magnitude=magnitude,
+        roundings=roundings,
+        gamma=case["gamma"],
+        weight_bias=weight_bias,
+        dtype_name=dtype,
+    )
     assert max(errs) <= 1.0, errs
     return errs
 
@@ -100,25 +144,44 @@ FINALIZE_CASES = [
 def test_finalize_matches_rounding_points_and_oracle(case_args):
     world, dtype, tokens, hidden, top_k, experts, use_scale, use_shared, routed = case_args
     rng = np.random.default_rng(tokens * 131 + hidden + top_k)
-    case = mo.random_finalize_case(rng, tokens=tokens, top_k=top_k, experts=experts,
-                                   world=world, dtype_name=dtype, hidden=hidden, pad=1)
+    case = mo.random_finalize_case(
+        rng,
+        tokens=tokens,
+        top_k=top_k,
+        experts=experts,
+        world=world,
+        dtype_name=dtype,
+        hidden=hidden,
+        pad=1,
+    )
     ws = workspace(world, dtype, tokens=tokens, hidden=hidden)
-    outs, world = run_finalize(ws, case, use_scale=use_scale, use_shared=use_shared,
-                               routed=routed, weight_bias=0.0)
-    check_finalize(outs, case, world, dtype, use_scale=use_scale, use_shared=use_shared,
-                   routed=routed, weight_bias=0.0)
+    outs, world = run_finalize(
+        ws, case, use_scale=use_scale, use_shared=use_shared, routed=routed, weight_bias=0.0
+    )
+    check_finalize(
+        outs,
+        case,
+        world,
+        dtype,
+        use_scale=use_scale,
+        use_shared=use_shared,
+        routed=routed,
+        weight_bias=0.0,
+    )
 
 
 def test_finalize_all_slots_dropped_and_gemma_bias():
     rng = np.random.default_rng(5)
-    case = mo.random_finalize_case(rng, tokens=4, top_k=2, experts=4, world=2,
-                                   dtype_name="bfloat16", hidden=256)
+    case = mo.random_finalize_case(
+        rng, tokens=4, top_k=2, experts=4, world=2, dtype_name="bfloat16", hidden=256
+    )
     case["idx"][0][1] = -1  # token 1 dropped on every rank: only shared + residual remain
     case["idx"][1][1] = -1
     ws = workspace(2, "bfloat16", tokens=4, hidden=256)
     outs, world = run_finalize(ws, case, weight_bias=1.0)
-    check_finalize(outs, case, world, "bfloat16", use_scale=True, use_shared=True, routed=1.0,
-                   weight_bias=1.0)
+    check_finalize(
+        outs, case, world, "bfloat16", use_scale=True, use_shared=True, routed=1.0, weight_bias=1.0
+    )
 
 
 def run_reduction(ws, case, *, return_allreduce_out=True):
@@ -126,61 +189,113 @@ def run_reduction(ws, case, *, return_allreduce_out=True):
 
     def body(x, s, tok, residual, gamma):
         out = jf.moe_reduction_allreduce_fusion(
-            x[0], s[0], tok[0], axis_name="tp", workspace=ws, residual=residual,
-            rms_gamma=gamma, rms_eps=EPS, return_allreduce_out=return_allreduce_out)
+            x[0],
+            s[0],
+            tok[0],
+            axis_name="tp",
+            workspace=ws,
+            residual=residual,
+            rms_gamma=gamma,
+            rms_eps=EPS,
+            return_allreduce_out=return_allreduce_out,
+        )
         return out.residual_out, out.norm_out, out.allreduce_out
 
     specs = (P("tp"), P("tp"), P("tp"), P(), P())
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(), P(), P())))
-    args = (np.stack(case["expert_outputs"]), np.stack(case["expert_scales"]),
-            np.stack(case["token_input"]), case["residual"], case["gamma"])
+    args = (
+        np.stack(case["expert_outputs"]),
+        np.stack(case["expert_scales"]),
+        np.stack(case["token_input"]),
+        case["residual"],
+        case["gamma"],
+    )
     return [np.asarray(o) for o in f(*(put(mesh, s, a) for s, a in zip(specs, args)))]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,dtype,tokens,hidden,experts", [
-    (2, "bfloat16", 1, 7168, 8), (2, "float16", 16, 4096, 4), (4, "bfloat16", 128, 512, 3),
-    (8, "float16", 1024, 256, 1), (2, "bfloat16", 5, 2880, 32)])
+@pytest.mark.parametrize(
+    "world,dtype,tokens,hidden,experts",
+    [
+        (2, "bfloat16", 1, 7168, 8),
+        (2, "float16", 16, 4096, 4),
+        (4, "bfloat16", 128, 512, 3),
+        (8, "float16", 1024, 256, 1),
+        (2, "bfloat16", 5, 2880, 32),
+    ],
+)
 def test_reduction_matches_rounding_points_and_oracle(world, dtype, tokens, hidden, experts):
     rng = np.random.default_rng(tokens + hidden + experts)
-    case = mo.random_reduction_case(rng, tokens=tokens, experts=experts, world=world,
-                                    dtype_name=dtype, hidden=hidden)
+    case = mo.random_reduction_case(
+        rng, tokens=tokens, experts=experts, world=world, dtype_name=dtype, hidden=hidden
+    )
     outs = run_reduction(workspace(world, dtype, tokens=tokens, hidden=hidden), case)
-    local = [mo.reduction_local_rounded(case["expert_outputs"][r], case["expert_scales"][r],
-                                        case["token_input"][r], dtype) for r in range(world)]
+    local = [
+        mo.reduction_local_rounded(
+            case["expert_outputs"][r], case["expert_scales"][r], case["token_input"][r], dtype
+        )
+        for r in range(world)
+    ]
     s, residual_out = mo.epilogue_rounded(local, case["residual"], dtype)
     np.testing.assert_array_equal(outs[0].view(np.uint16), residual_out.view(np.uint16))
     np.testing.assert_array_equal(outs[2].view(np.uint16), s.view(np.uint16))
-    exact = [mo.reduction_local64(case["expert_outputs"][r], case["expert_scales"][r],
-                                  case["token_input"][r]) for r in range(world)]
-    s64, r64, y64, inv = mo.epilogue64([e[0] for e in exact], case["residual"], case["gamma"],
-                                       rms_eps=EPS, weight_bias=0.0)
+    exact = [
+        mo.reduction_local64(
+            case["expert_outputs"][r], case["expert_scales"][r], case["token_input"][r]
+        )
+        for r in range(world)
+    ]
+    s64, r64, y64, inv = mo.epilogue64(
+        [e[0] for e in exact], case["residual"], case["gamma"], rms_eps=EPS, weight_bias=0.0
+    )
     magnitude = sum(e[1] for e in exact) + np.abs(np.asarray(case["residual"], np.float64))
-    errs = mo.errors([outs[0], outs[1], outs[2]], s64=s64, r64=r64, y64=y64, inv64=inv,
-                     magnitude=magnitude, roundings=world * (2 * exact[0][2] + 1) + world,
-                     gamma=case["gamma"], weight_bias=0.0, dtype_name=dtype)
+    errs = mo.errors(
+        [outs[0], outs[1], outs[2]],
+        s64=s64,
+        r64=r64,
+        y64=y64,
+        inv64=inv,
+        magnitude=magnitude,
+        roundings=world * (2 * exact[0][2] + 1) + world,
+        gamma=case["gamma"],
+        weight_bias=0.0,
+        dtype_name=dtype,
+    )
     assert max(errs) <= 1.0, errs
 
 
 def test_reduction_without_allreduce_out():
     rng = np.random.default_rng(1)
-    case = mo.random_reduction_case(rng, tokens=2, experts=2, world=2, dtype_name="bfloat16",
-                                    hidden=256)
+    case = mo.random_reduction_case(
+        rng, tokens=2, experts=2, world=2, dtype_name="bfloat16", hidden=256
+    )
     ws = workspace(2, "bfloat16", tokens=2, hidden=256)
     with_ar = run_reduction(ws, case)
     mesh = ws.mesh
 
     def body(x, s, tok, residual, gamma):
-        out = jf.moe_reduction_allreduce_fusion(x[0], s[0], tok[0], axis_name="tp",
-                                                workspace=ws, residual=residual,
-                                                rms_gamma=gamma, rms_eps=EPS)
+        out = jf.moe_reduction_allreduce_fusion(
+            x[0],
+            s[0],
+            tok[0],
+            axis_name="tp",
+            workspace=ws,
+            residual=residual,
+            rms_gamma=gamma,
+            rms_eps=EPS,
+        )
         assert out.allreduce_out is None
         return out.residual_out, out.norm_out
 
     specs = (P("tp"), P("tp"), P("tp"), P(), P())
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(), P())))
-    args = (np.stack(case["expert_outputs"]), np.stack(case["expert_scales"]),
-            np.stack(case["token_input"]), case["residual"], case["gamma"])
+    args = (
+        np.stack(case["expert_outputs"]),
+        np.stack(case["expert_scales"]),
+        np.stack(case["token_input"]),
+        case["residual"],
+        case["gamma"],
+    )
     outs = f(*(put(mesh, s, a) for s, a in zip(specs, args)))
     for a, b in zip(outs, with_ar[:2]):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint16), b.view(np.uint16))
@@ -188,20 +303,34 @@ def test_reduction_without_allreduce_out():
 
 # --- transformations ---------------------------------------------------------------------------
 
+
 def finalize_fn(ws, **kw):
     def body(permuted, idx, residual, gamma, scale):
-        out = jf.moe_finalize_allreduce_fusion(permuted, idx, axis_name="tp", workspace=ws,
-                                               residual=residual, rms_gamma=gamma,
-                                               expert_scale_factor=scale, rms_eps=EPS, **kw)
+        out = jf.moe_finalize_allreduce_fusion(
+            permuted,
+            idx,
+            axis_name="tp",
+            workspace=ws,
+            residual=residual,
+            rms_gamma=gamma,
+            expert_scale_factor=scale,
+            rms_eps=EPS,
+            **kw,
+        )
         return out.residual_out, out.norm_out
+
     return body
 
 
 def test_vmap_and_nd_equal_per_element_calls():
     world, dtype, hidden, tokens, top_k = 2, "bfloat16", 256, 3, 2
     rng = np.random.default_rng(7)
-    cases = [mo.random_finalize_case(rng, tokens=tokens, top_k=top_k, experts=4, world=world,
-                                     dtype_name=dtype, hidden=hidden) for _ in range(3)]
+    cases = [
+        mo.random_finalize_case(
+            rng, tokens=tokens, top_k=top_k, experts=4, world=world, dtype_name=dtype, hidden=hidden
+        )
+        for _ in range(3)
+    ]
     rows = max(p.shape[0] for c in cases for p in c["permuted"])
     pad = lambda p: np.concatenate([p, np.zeros((rows - p.shape[0], hidden), p.dtype)])  # noqa
     permuted = np.stack([np.stack([pad(c["permuted"][r]) for c in cases]) for r in range(world)])
@@ -215,16 +344,23 @@ def test_vmap_and_nd_equal_per_element_calls():
     specs = (P("tp"), P("tp"), P(), P(), P())
 
     def batched(permuted, idx, residual, gamma, scale):
-        return jax.vmap(body, in_axes=(0, 0, 0, None, 0))(permuted[0], idx[0], residual,
-                                                          gamma, scale)
+        return jax.vmap(body, in_axes=(0, 0, 0, None, 0))(
+            permuted[0], idx[0], residual, gamma, scale
+        )
 
     def looped(permuted, idx, residual, gamma, scale):
         outs = [body(permuted[0, b], idx[0, b], residual[b], gamma, scale[b]) for b in range(3)]
         return tuple(jnp.stack(o) for o in zip(*outs))
 
     args = [put(mesh, s, a) for s, a in zip(specs, (permuted, idx, residual, gamma, scale))]
-    run = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=specs,  # noqa: E731
-                                          out_specs=(P(), P())))(*args)
+    run = lambda f: jax.jit(
+        jax.shard_map(
+            f,
+            mesh=mesh,
+            in_specs=specs,  # noqa: E731
+            out_specs=(P(), P()),
+        )
+    )(*args)
     for a, b in zip(run(batched), run(looped)):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
 
@@ -233,11 +369,16 @@ def test_vmap_and_nd_equal_per_element_calls():
 def test_grad_equals_grad_of_the_reference():
     world, dtype, hidden = 2, "float16", 256
     rng = np.random.default_rng(11)
-    case = mo.random_finalize_case(rng, tokens=4, top_k=2, experts=4, world=world,
-                                   dtype_name=dtype, hidden=hidden)
+    case = mo.random_finalize_case(
+        rng, tokens=4, top_k=2, experts=4, world=world, dtype_name=dtype, hidden=hidden
+    )
     rows = max(p.shape[0] for p in case["permuted"])
-    permuted = np.stack([np.concatenate([p, np.zeros((rows - p.shape[0], hidden), p.dtype)])
-                         for p in case["permuted"]])
+    permuted = np.stack(
+        [
+            np.concatenate([p, np.zeros((rows - p.shape[0], hidden), p.dtype)])
+            for p in case["permuted"]
+        ]
+    )
     idx = np.stack(case["idx"])
     ws = workspace(world, dtype, tokens=4, hidden=hidden)
     mesh = ws.mesh
@@ -245,22 +386,35 @@ def test_grad_equals_grad_of_the_reference():
 
     def loss_fused(permuted, idx, residual, gamma, scale):
         r, n = finalize_fn(ws)(permuted[0], idx[0], residual, gamma, scale)
-        return (r.astype(jnp.float32).sum() + (n.astype(jnp.float32) ** 2).sum())
+        return r.astype(jnp.float32).sum() + (n.astype(jnp.float32) ** 2).sum()
 
     def loss_ref(permuted, idx, residual, gamma, scale):
         r, n = moe_reference.moe_finalize_reference(
-            permuted[0], idx[0], residual, gamma, axis_name="tp", expert_scale_factor=scale,
-            rms_eps=EPS)
-        return (r.astype(jnp.float32).sum() + (n.astype(jnp.float32) ** 2).sum())
+            permuted[0],
+            idx[0],
+            residual,
+            gamma,
+            axis_name="tp",
+            expert_scale_factor=scale,
+            rms_eps=EPS,
+        )
+        return r.astype(jnp.float32).sum() + (n.astype(jnp.float32) ** 2).sum()
 
-    args = [put(mesh, s, a) for s, a in zip(specs, (permuted, idx, case["residual"],
-                                                    case["gamma"], case["scale"]))]
+    args = [
+        put(mesh, s, a)
+        for s, a in zip(specs, (permuted, idx, case["residual"], case["gamma"], case["scale"]))
+    ]
 
     def grads(loss):
         g = jax.grad(lambda p, r, gm, s, i: loss(p, i, r, gm, s), argnums=(0, 1, 2, 3))
-        f = jax.shard_map(lambda p, i, r, gm, s: tuple(
-            jax.lax.psum(x, "tp") if k > 0 else x for k, x in enumerate(g(p, r, gm, s, i))),
-            mesh=mesh, in_specs=specs, out_specs=(P("tp"), P(), P(), P()))
+        f = jax.shard_map(
+            lambda p, i, r, gm, s: tuple(
+                jax.lax.psum(x, "tp") if k > 0 else x for k, x in enumerate(g(p, r, gm, s, i))
+            ),
+            mesh=mesh,
+            in_specs=specs,
+            out_specs=(P("tp"), P(), P(), P()),
+        )
         return jax.jit(f)(*args)
 
     for a, b in zip(grads(loss_fused), grads(loss_ref)):
@@ -270,13 +424,15 @@ def test_grad_equals_grad_of_the_reference():
 
 # --- the cuda lowering (kernel decision, custom call) on this GPU-less machine -----------------
 
+
 @needs_native
 @pytest.mark.parametrize("hidden,kernel", [(7168, True), (4096, True), (2880, False)])
 def test_cuda_lowering_uses_the_moe_custom_call(hidden, kernel):
     ws = workspace(2, "bfloat16", tokens=16, hidden=hidden, backend="trtllm")
     rng = np.random.default_rng(0)
-    case = mo.random_finalize_case(rng, tokens=16, top_k=8, experts=16, world=2,
-                                   dtype_name="bfloat16", hidden=8)
+    case = mo.random_finalize_case(
+        rng, tokens=16, top_k=8, experts=16, world=2, dtype_name="bfloat16", hidden=8
+    )
     idx = jax.ShapeDtypeStruct((2, 16, 8), jnp.int32)
     permuted = jax.ShapeDtypeStruct((2, 40, hidden), jnp.bfloat16)
     row = jax.ShapeDtypeStruct((16, hidden), jnp.bfloat16)
@@ -287,53 +443,96 @@ def test_cuda_lowering_uses_the_moe_custom_call(hidden, kernel):
     def body(permuted, idx, residual, gamma, scale):
         return finalize_fn(ws, strict=False)(permuted[0], idx[0], residual, gamma, scale)
 
-    f = jax.jit(jax.shard_map(body, mesh=ws.mesh, in_specs=(P("tp"), P("tp"), P(), P(), P()),
-                              out_specs=(P(), P())))
-    text = f.trace(permuted, idx, row, gamma, scale).lower(
-        lowering_platforms=("cuda",)).as_text()
+    f = jax.jit(
+        jax.shard_map(
+            body, mesh=ws.mesh, in_specs=(P("tp"), P("tp"), P(), P(), P()), out_specs=(P(), P())
+        )
+    )
+    text = f.trace(permuted, idx, row, gamma, scale).lower(lowering_platforms=("cuda",)).as_text()
     assert (moe.FFI_TARGET in text) == kernel
     if kernel:
         assert "has_expert_scale = true" in text and "has_shared_expert = false" in text
     else:
         with pytest.raises(ValueError, match="multiple of 256"):
-            jax.jit(jax.shard_map(
-                lambda *a: finalize_fn(ws, strict=True)(a[0][0], a[1][0], *a[2:]),
-                mesh=ws.mesh, in_specs=(P("tp"), P("tp"), P(), P(), P()),
-                out_specs=(P(), P()))).trace(permuted, idx, row, gamma, scale)
+            jax.jit(
+                jax.shard_map(
+                    lambda *a: finalize_fn(ws, strict=True)(a[0][0], a[1][0], *a[2:]),
+                    mesh=ws.mesh,
+                    in_specs=(P("tp"), P("tp"), P(), P(), P()),
+                    out_specs=(P(), P()),
+                )
+            ).trace(permuted, idx, row, gamma, scale)
 
 
 # --- bad inputs --------------------------------------------------------------------------------
+
 
 def call_finalize(ws, permuted, idx, *, gamma=None, **kw):
     """The op on every rank with the same (concrete, closed-over) index map."""
     gamma = np.ones(permuted.shape[-1], BF) if gamma is None else gamma
 
     def body(p):
-        out = jf.moe_finalize_allreduce_fusion(p[0], idx, axis_name="tp", workspace=ws,
-                                               rms_gamma=gamma, rms_eps=EPS, **kw)
+        out = jf.moe_finalize_allreduce_fusion(
+            p[0], idx, axis_name="tp", workspace=ws, rms_gamma=gamma, rms_eps=EPS, **kw
+        )
         return out.residual_out, out.norm_out
 
     f = jax.jit(jax.shard_map(body, mesh=ws.mesh, in_specs=P("tp"), out_specs=(P(), P())))
     return f(np.stack([permuted] * ws.world_size))
 
 
-@pytest.mark.parametrize("make,match", [
-    (lambda: (np.zeros((4, 256), BF), np.array([[0, 4]], np.int32), {}), "not -1 .* 4 rows"),
-    (lambda: (np.zeros((4, 256), BF), np.array([[-2, 0]], np.int32), {}), "-2"),
-    (lambda: (np.zeros((4, 256), BF), np.array([[0, 1]], np.int64), {}), "int32"),
-    (lambda: (np.zeros((4, 256), np.float32), np.array([[0, 1]], np.int32), {}),
-     "bfloat16 or float16"),
-    (lambda: (np.zeros((4, 256), BF), np.array([[0, 1]], np.int32),
-              {"expert_scale_factor": np.ones((1, 2), np.float32)}), "expert_scale_factor"),
-    (lambda: (np.zeros((4, 256), BF), np.array([[0, 1]], np.int32),
-              {"shared_expert_output": np.ones((1, 128), BF)}), "shared_expert_output"),
-    (lambda: (np.zeros((4, 256), BF), np.array([[0, 1]], np.int32),
-              {"residual": np.ones((2, 256), BF)}), "residual"),
-    (lambda: (np.zeros((4, 256), BF), np.array([[0, 1]], np.int32),
-              {"routed_scaling_factor": float("nan")}), "routed_scaling_factor"),
-    (lambda: (np.zeros((4, 256), BF), np.array([[0, 1]], np.int32), {"gamma": np.ones(8, BF)}),
-     "rms_gamma"),
-])
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda: (np.zeros((4, 256), BF), np.array([[0, 4]], np.int32), {}), "not -1 .* 4 rows"),
+        (lambda: (np.zeros((4, 256), BF), np.array([[-2, 0]], np.int32), {}), "-2"),
+        (lambda: (np.zeros((4, 256), BF), np.array([[0, 1]], np.int64), {}), "int32"),
+        (
+            lambda: (np.zeros((4, 256), np.float32), np.array([[0, 1]], np.int32), {}),
+            "bfloat16 or float16",
+        ),
+        (
+            lambda: (
+                np.zeros((4, 256), BF),
+                np.array([[0, 1]], np.int32),
+                {"expert_scale_factor": np.ones((1, 2), np.float32)},
+            ),
+            "expert_scale_factor",
+        ),
+        (
+            lambda: (
+                np.zeros((4, 256), BF),
+                np.array([[0, 1]], np.int32),
+                {"shared_expert_output": np.ones((1, 128), BF)},
+            ),
+            "shared_expert_output",
+        ),
+        (
+            lambda: (
+                np.zeros((4, 256), BF),
+                np.array([[0, 1]], np.int32),
+                {"residual": np.ones((2, 256), BF)},
+            ),
+            "residual",
+        ),
+        (
+            lambda: (
+                np.zeros((4, 256), BF),
+                np.array([[0, 1]], np.int32),
+                {"routed_scaling_factor": float("nan")},
+            ),
+            "routed_scaling_factor",
+        ),
+        (
+            lambda: (
+                np.zeros((4, 256), BF),
+                np.array([[0, 1]], np.int32),
+                {"gamma": np.ones(8, BF)},
+            ),
+            "rms_gamma",
+        ),
+    ],
+)
 def test_finalize_bad_inputs(make, match):
     permuted, idx, kw = make()
     ws = workspace(2, "bfloat16", tokens=4, hidden=256)
@@ -348,12 +547,18 @@ def test_reduction_bad_inputs_and_dense_entry_point_refuses_moe_codes():
     x = np.zeros((2, 3, 256), BF)
 
     def call(x, s, tok):
-        return jax.jit(jax.shard_map(
-            lambda x, s, t: jf.moe_reduction_allreduce_fusion(
-                x[0], s[0], t[0], axis_name="tp", workspace=ws,
-                rms_gamma=np.ones(256, BF)).norm_out,
-            mesh=ws.mesh, in_specs=(P("tp"),) * 3, out_specs=P()))(
-            np.stack([x] * 2), np.stack([s] * 2), np.stack([tok] * 2))
+        return jax.jit(
+            jax.shard_map(
+                lambda x, s, t: (
+                    jf.moe_reduction_allreduce_fusion(
+                        x[0], s[0], t[0], axis_name="tp", workspace=ws, rms_gamma=np.ones(256, BF)
+                    ).norm_out
+                ),
+                mesh=ws.mesh,
+                in_specs=(P("tp"),) * 3,
+                out_specs=P(),
+            )
+        )(np.stack([x] * 2), np.stack([s] * 2), np.stack([tok] * 2))
 
     with pytest.raises(ValueError, match="expert_scales .*float32"):
         call(x, np.zeros((2, 3), BF), np.zeros((3, 256), BF))
@@ -362,20 +567,38 @@ def test_reduction_bad_inputs_and_dense_entry_point_refuses_moe_codes():
     with pytest.raises(ValueError, match="expert_outputs"):
         call(np.zeros((2, 4, 256), BF), np.zeros((2, 3), np.float32), np.zeros((3, 256), BF))
     with pytest.raises(ValueError, match="has its own inputs"):
-        jax.jit(jax.shard_map(lambda x: jf.allreduce_fusion(
-            x, axis_name="tp", workspace=ws, pattern=7).norm_out, mesh=ws.mesh,
-            in_specs=P("tp"), out_specs=P()))(np.zeros((2, 256), BF))
+        jax.jit(
+            jax.shard_map(
+                lambda x: jf.allreduce_fusion(x, axis_name="tp", workspace=ws, pattern=7).norm_out,
+                mesh=ws.mesh,
+                in_specs=P("tp"),
+                out_specs=P(),
+            )
+        )(np.zeros((2, 256), BF))
     with pytest.raises(ValueError, match="inside jax.shard_map"):
-        jf.moe_reduction_allreduce_fusion(x, np.zeros((2, 3), np.float32),
-                                          np.zeros((3, 256), BF), axis_name="tp", workspace=ws,
-                                          rms_gamma=np.ones(256, BF))
+        jf.moe_reduction_allreduce_fusion(
+            x,
+            np.zeros((2, 3), np.float32),
+            np.zeros((3, 256), BF),
+            axis_name="tp",
+            workspace=ws,
+            rms_gamma=np.ones(256, BF),
+        )
 
 
-@pytest.mark.parametrize("tokens,hidden,world,problem", [
-    (4, 7168, 2, None), (4, 2880, 2, "multiple of 256"), (200, 7168, 2, "exceed"),
-    (4, 33 * 256, 2, "1024"), (4, 7168, 3, "world size")])
+@pytest.mark.parametrize(
+    "tokens,hidden,world,problem",
+    [
+        (4, 7168, 2, None),
+        (4, 2880, 2, "multiple of 256"),
+        (200, 7168, 2, "exceed"),
+        (4, 33 * 256, 2, "1024"),
+        (4, 7168, 3, "world size"),
+    ],
+)
 def test_kernel_problem_rules(tokens, hidden, world, problem):
     from jax_fusedar.common import sizing as topology
+
     if world == 3:
         with pytest.raises(ValueError, match="world size"):
             topology.workspace_sizes(world, 128, 7168, "bfloat16")
@@ -395,6 +618,5 @@ def test_hidden_sizes_flashinfers_launcher_cannot_place_fall_back_or_raise():
     plan = CallPlan(ws.backend, ws.sizes, True, True)
     with pytest.raises(ValueError, match="1056 threads per block"):
         choose_moe_kernel(plan, 4, 8448, "bfloat16")
-    assert not choose_moe_kernel(CallPlan(ws.backend, ws.sizes, False, True), 4, 8448,
-                                 "bfloat16")
+    assert not choose_moe_kernel(CallPlan(ws.backend, ws.sizes, False, True), 4, 8448, "bfloat16")
     assert choose_moe_kernel(CallPlan(ws.backend, ws.sizes, True, True), 4, 8192, "bfloat16")

@@ -4,6 +4,7 @@ CPU devices, where the MoE op runs its reference lowering with the kernel's roun
 (``moe_llama.term_ratios``) are the TP group's, the fused TP model of the one-process-per-rank
 demo stays within the tolerance of the unsharded reference at 2, 4 and 8 ranks, and a model
 that differs by more than rounding does not."""
+
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -33,8 +34,7 @@ DTYPE = jnp.bfloat16
 
 
 def _prompt(seed):
-    return jnp.asarray(np.random.default_rng(seed).integers(0, CFG.base.vocab, (2, 8)),
-                       jnp.int32)
+    return jnp.asarray(np.random.default_rng(seed).integers(0, CFG.base.vocab, (2, 8)), jnp.int32)
 
 
 def _cache(mesh, prompt):
@@ -48,8 +48,9 @@ def _reference(seed, prompt):
     params = moe_llama.init_params(CFG, mesh1, AXIS, DTYPE, seed)
     fwd = moe_llama.make_forward(CFG, mesh1, AXIS, mlp=moe_llama.plain_moe_mlp(CFG))
     logits = np.asarray(jax.jit(fwd)(params, prompt, *_cache(mesh1, prompt), jnp.int32(0))[0])
-    return logits, lambda tp: moe_llama.term_ratios(CFG, mesh1, AXIS, params, prompt,
-                                                    *_cache(mesh1, prompt), tp=tp)
+    return logits, lambda tp: moe_llama.term_ratios(
+        CFG, mesh1, AXIS, params, prompt, *_cache(mesh1, prompt), tp=tp
+    )
 
 
 def _fused(tp, seed, prompt, *, drop_shared=False):
@@ -60,12 +61,13 @@ def _fused(tp, seed, prompt, *, drop_shared=False):
     params = moe_llama.init_params(CFG, mesh, AXIS, DTYPE, seed, vocab_parallel=False)
     if drop_shared:
         params["layers"]["shared_down"] = jnp.zeros_like(params["layers"]["shared_down"])
-    ws = jf.create_allreduce_fusion_workspace(mesh, AXIS, max_token_num=prompt.size,
-                                              hidden_dim=CFG.base.hidden, dtype=DTYPE)
-    fwd = moe_llama.make_forward(CFG, mesh, AXIS, mlp=moe_llama.fused_moe_mlp(CFG, ws),
-                                 vocab_parallel=False)
-    out = jax.jit(fuse(fwd, workspace=ws))(params, prompt, *_cache(mesh, prompt),
-                                           jnp.int32(0))[0]
+    ws = jf.create_allreduce_fusion_workspace(
+        mesh, AXIS, max_token_num=prompt.size, hidden_dim=CFG.base.hidden, dtype=DTYPE
+    )
+    fwd = moe_llama.make_forward(
+        CFG, mesh, AXIS, mlp=moe_llama.fused_moe_mlp(CFG, ws), vocab_parallel=False
+    )
+    out = jax.jit(fuse(fwd, workspace=ws))(params, prompt, *_cache(mesh, prompt), jnp.int32(0))[0]
     return np.asarray(out)
 
 
@@ -73,16 +75,20 @@ def test_the_kernel_roundings_and_the_formula():
     # top-8 of the GPU preset over 2 ranks: 8 products and 8 additions, 2 shared-expert
     # additions, 1 all-reduce addition.
     assert moe_kernel_roundings(8, 2) == 19
-    eps = 2.0 ** -7
+    eps = 2.0**-7
     ratios = [0.5, 0.25]
     got = moe_tolerance("bfloat16", ratios, 20, dense_sites=2, world=2)
-    want = eps + 2 * (eps + math.sqrt(2) * eps / 2) + sum(
-        eps + math.sqrt(20) * eps / 2 * m for m in ratios)
+    want = (
+        eps
+        + 2 * (eps + math.sqrt(2) * eps / 2)
+        + sum(eps + math.sqrt(20) * eps / 2 * m for m in ratios)
+    )
     assert got == pytest.approx(want, rel=1e-12)
     # A block whose terms are as large as the stream (m = 1), rounded as often as a psum of
     # 2 partial sums, is a site of the dense formula.
     assert moe_tolerance("bfloat16", [1.0] * 3, 2) == pytest.approx(
-        reference_tolerance("bfloat16", 2, 3), rel=1e-12)
+        reference_tolerance("bfloat16", 2, 3), rel=1e-12
+    )
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -93,8 +99,7 @@ def test_the_unsharded_models_ratios_are_the_tp_groups(tp):
     _, ratios_for = _reference(3, prompt)
     mesh = make_mesh((tp,), (AXIS,))
     params = moe_llama.init_params(CFG, mesh, AXIS, DTYPE, 3)
-    on_mesh = moe_llama.term_ratios(CFG, mesh, AXIS, params, prompt, *_cache(mesh, prompt),
-                                    tp=tp)
+    on_mesh = moe_llama.term_ratios(CFG, mesh, AXIS, params, prompt, *_cache(mesh, prompt), tp=tp)
     one = ratios_for(tp)
     assert len(one) == len(on_mesh) == CFG.base.layers
     np.testing.assert_allclose(sorted(one), sorted(on_mesh), rtol=2e-2)
@@ -108,14 +113,18 @@ def test_the_fused_tp_model_is_within_the_moe_tolerance(tp, seed):
     prompt = _prompt(seed)
     ref, ratios_for = _reference(seed, prompt)
     ratios = ratios_for(tp)
-    tol = moe_tolerance("bfloat16", ratios, moe_kernel_roundings(CFG.top_k, tp) + 1,
-                        dense_sites=CFG.base.layers, world=tp)
+    tol = moe_tolerance(
+        "bfloat16",
+        ratios,
+        moe_kernel_roundings(CFG.top_k, tp) + 1,
+        dense_sites=CFG.base.layers,
+        world=tp,
+    )
     # The magnitudes tighten it below the count of every rounding site at full scale, the
     # MoE demo's former tolerance (11 sites a layer at top-8 on GPUs, top_k + 3 here).
     assert tol < reference_tolerance("bfloat16", tp, CFG.base.layers * (CFG.top_k + 3)) / 2
     rel = np.max(np.abs(_fused(tp, seed, prompt) - ref)) / np.max(np.abs(ref))
     assert rel <= tol, (rel, tol)
     # A model that differs by more than rounding (no shared expert) is outside it.
-    wrong = np.max(np.abs(_fused(tp, seed, prompt, drop_shared=True) - ref)) / np.max(
-        np.abs(ref))
+    wrong = np.max(np.abs(_fused(tp, seed, prompt, drop_shared=True) - ref)) / np.max(np.abs(ref))
     assert wrong > tol, (wrong, tol)

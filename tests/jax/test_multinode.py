@@ -16,6 +16,7 @@ The same two processes with the same host name keep the kernel for TP across the
 program also runs on CPU (the reference path, cross-process over gloo) against the float64
 oracle. The worker (tests/gpu/workers/jax_multinode.py) is the one the GPU test runs.
 """
+
 import os
 import re
 import subprocess
@@ -32,13 +33,23 @@ from tests.repo import REPO
 _PROBLEM = simulated_hosts_problem()
 pytestmark = pytest.mark.skipif(
     _PROBLEM is not None,
-    reason=f"simulated hosts need private UTS and mount namespaces (root): {_PROBLEM}")
+    reason=f"simulated hosts need private UTS and mount namespaces (root): {_PROBLEM}",
+)
 
 
 def _run(hosts, layouts, backends):
-    return run_ranks(mn.worker, 2, timeout_s=120, port=free_port(), platform="cpu",
-                     local_devices=4, hosts=hosts, layouts=layouts, backends=backends,
-                     seed=int.from_bytes(os.urandom(4), "little"))
+    return run_ranks(
+        mn.worker,
+        2,
+        timeout_s=120,
+        port=free_port(),
+        platform="cpu",
+        local_devices=4,
+        hosts=hosts,
+        layouts=layouts,
+        backends=backends,
+        seed=int.from_bytes(os.urandom(4), "little"),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -103,9 +114,11 @@ def test_tp_across_hosts_auto_takes_xla(two_hosts):
 def test_tp_across_hosts_trtllm_names_members_and_hosts(two_hosts):
     for r in two_hosts:
         err, d = r["layouts"]["tp_across_hosts"]["trtllm"]["error"], _p1(r)
-        assert err.startswith(f"TP group [0, {d}] (devices) spans 2 nodes (node0: [0]; "
-                              f"node1: [{d}]), as do 3 more of the workspace's 4 TP "
-                              f"groups ([1, {d + 1}], [2, {d + 2}], [3, {d + 3}]): "), err
+        assert err.startswith(
+            f"TP group [0, {d}] (devices) spans 2 nodes (node0: [0]; "
+            f"node1: [{d}]), as do 3 more of the workspace's 4 TP "
+            f"groups ([1, {d + 1}], [2, {d + 2}], [3, {d + 3}]): "
+        ), err
         assert "the 'trtllm' all-reduce backend works only within one node" in err
 
 
@@ -114,14 +127,14 @@ def test_mixed_groups_decide_once_for_the_workspace(two_hosts):
     # the whole workspace takes XLA with auto, and trtllm names the first group across.
     for r in two_hosts:
         rec = r["layouts"]["mixed_groups"]
-        assert [_ids(r, g) for g in rec["auto"]["groups"]["tp"]] == [[0, 1], [2, 4], [3, 5],
-                                                                  [6, 7]]
+        assert [_ids(r, g) for g in rec["auto"]["groups"]["tp"]] == [[0, 1], [2, 4], [3, 5], [6, 7]]
         assert rec["auto"]["backend"] == {"tp": "xla"} and rec["auto"]["custom_calls"] == 0
         _numerics_ok(rec["auto"])
         d = _p1(r)
         assert rec["trtllm"]["error"].startswith(
             f"TP group [2, {d}] (devices) spans 2 nodes (node0: [2]; node1: [{d}]), "
-            f"as do 1 more of the workspace's 4 TP groups ([3, {d + 1}]): ")
+            f"as do 1 more of the workspace's 4 TP groups ([3, {d + 1}]): "
+        )
 
 
 def test_tp_within_and_pp_across_hosts_in_one_program(two_hosts):
@@ -139,10 +152,15 @@ def test_reason_logged_once_per_layout(two_hosts):
         # tp_across, mixed_groups, and tp_and_pp's "pp": each workspace was created twice.
         msgs = r["reasons_logged"]
         assert len(msgs) == 3, msgs
-        assert all("uses XLA's all-reduce (psum + RMSNorm) for all its" in m and
-                   "since one program runs on every rank" in m for m in msgs), msgs
-        assert "axis 'tp' uses XLA's all-reduce (psum + RMSNorm) for all its 4 TP groups" \
-            in msgs[0] and f"TP group [0, {_p1(r)}]" in msgs[0], msgs
+        assert all(
+            "uses XLA's all-reduce (psum + RMSNorm) for all its" in m
+            and "since one program runs on every rank" in m
+            for m in msgs
+        ), msgs
+        assert (
+            "axis 'tp' uses XLA's all-reduce (psum + RMSNorm) for all its 4 TP groups" in msgs[0]
+            and f"TP group [0, {_p1(r)}]" in msgs[0]
+        ), msgs
 
 
 def test_same_host_keeps_the_kernel_across_processes(one_host):
@@ -159,32 +177,44 @@ def test_same_host_keeps_the_kernel_across_processes(one_host):
             _numerics_ok(rec)
 
 
-
 # --- docs/multinode.md's two-node script, as two simulated hosts on CPU ------------------------
 
 # python -c _LAUNCH SCRIPT PROCESS_ID NUM_PROCESSES HOST: SCRIPT as PROCESS_ID on "host" HOST.
-_LAUNCH = ("import runpy, sys; from tests.gpu.harness import simulate_host; "
-           "simulate_host(sys.argv[4]); sys.argv = sys.argv[1:4]; "
-           "runpy.run_path(sys.argv[0], run_name='__main__')")
+_LAUNCH = (
+    "import runpy, sys; from tests.gpu.harness import simulate_host; "
+    "simulate_host(sys.argv[4]); sys.argv = sys.argv[1:4]; "
+    "runpy.run_path(sys.argv[0], run_name='__main__')"
+)
 
 
 def _docs_script() -> str:
     text = (REPO / "docs" / "multinode.md").read_text()
     start = text.index("# two_node.py PROCESS_ID NUM_PROCESSES")
-    return text[start:text.index("```", start)]
+    return text[start : text.index("```", start)]
 
 
 @pytest.mark.slow
 def test_docs_two_node_script_runs(tmp_path):
     script = tmp_path / "two_node.py"
     script.write_text(_docs_script())
-    env = dict(os.environ, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}",
-               JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    procs = [subprocess.Popen([sys.executable, "-c", _LAUNCH, str(script), str(rank), "2",
-                               f"node{rank}"], cwd=REPO, env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for rank in range(2)]
+    env = dict(
+        os.environ,
+        JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}",
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _LAUNCH, str(script), str(rank), "2", f"node{rank}"],
+            cwd=REPO,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for rank in range(2)
+    ]
     try:
         outs = [p.communicate(timeout=120)[0] for p in procs]
     finally:

@@ -14,6 +14,7 @@ Error bounds checked on dequantized values (float64 truth x = float(y)):
     (+ fp32 slack) where v = x*gs/SF is the value e2m1 rounds (steps 0.5 up to 2, 1 up to 4,
     2 up to 6; |v| <= 6/(1-2^-4) as SF is rounded from gs*amax/6).
 """
+
 from __future__ import annotations
 
 import os
@@ -62,8 +63,8 @@ def make_y(rng, M, H, dtype_name, *, specials=False, extremes=True):
             # exact group/row maxima at 7 * 2^j
             j = int(rng.integers(-8, 8))
             idx = rng.choice(H, size=max(1, H // 16), replace=False)
-            y[m] = rng.uniform(-1, 1, H) * 7 * 2.0 ** j
-            y[m, idx] = 7 * 2.0 ** j * rng.choice([-1, 1], size=idx.size)
+            y[m] = rng.uniform(-1, 1, H) * 7 * 2.0**j
+            y[m, idx] = 7 * 2.0**j * rng.choice([-1, 1], size=idx.size)
     if M >= 3:
         y[0] = 0.0
     if specials:
@@ -71,8 +72,8 @@ def make_y(rng, M, H, dtype_name, *, specials=False, extremes=True):
         flat = y.reshape(-1)
         pos = rng.choice(y.size, size=3 * n, replace=False)
         flat[pos[:n]] = np.nan
-        flat[pos[n:2 * n]] = np.inf
-        flat[pos[2 * n:]] = -np.inf
+        flat[pos[n : 2 * n]] = np.inf
+        flat[pos[2 * n :]] = -np.inf
         if H >= 16:
             y[-1, :16] = np.nan  # an all-NaN NVFP4 block / group
     with np.errstate(over="ignore"):
@@ -90,8 +91,10 @@ def assert_e4m3_equal(got_bytes, want_bytes, msg):
     bad = (gn != wn) | (~gn & (got_bytes != want_bytes))
     if bad.any():
         i = tuple(np.argwhere(bad)[0])
-        raise AssertionError(f"{msg}: {bad.sum()} e4m3 mismatches, first at {i}: "
-                             f"got 0x{got_bytes[i]:02x} want 0x{want_bytes[i]:02x}")
+        raise AssertionError(
+            f"{msg}: {bad.sum()} e4m3 mismatches, first at {i}: "
+            f"got 0x{got_bytes[i]:02x} want 0x{want_bytes[i]:02x}"
+        )
 
 
 def f32(x):
@@ -110,9 +113,16 @@ _deq_fp4 = jax.jit(quant_arrays.dequantize_nvfp4, static_argnums=(3, 4, 5))
 _block_scales = jax.jit(quant_arrays.nvfp4_block_scales, static_argnums=(1, 2, 3))
 
 # every token count and hidden size for each dtype (not the full product: compile time)
-SHAPES = [("bfloat16", 1, 64), ("bfloat16", 17, 1024), ("bfloat16", 130, 80),
-          ("bfloat16", 130, 7168), ("float16", 1, 80), ("float16", 17, 64),
-          ("float16", 130, 1024), ("float16", 17, 7168)]
+SHAPES = [
+    ("bfloat16", 1, 64),
+    ("bfloat16", 17, 1024),
+    ("bfloat16", 130, 80),
+    ("bfloat16", 130, 7168),
+    ("float16", 1, 80),
+    ("float16", 17, 64),
+    ("float16", 130, 1024),
+    ("float16", 17, 7168),
+]
 assert {(d, M) for d, M, _ in SHAPES} == {(d, M) for d in DTYPES for M in TOKENS}
 assert {(d, H) for d, _, H in SHAPES} == {(d, H) for d in DTYPES for H in HIDDENS}
 
@@ -126,16 +136,19 @@ def _groups(H, dtype, rng):
 
 # ----------------------------------------------------------------------------- bitwise
 
+
 @pytest.mark.parametrize("dtype,M,H", SHAPES)
 def test_fp8_static_matches_oracle(dtype, M, H):
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     y = make_y(rng, M, H, dtype)
     amax = float(np.max(np.abs(y.astype(np.float64))))
-    scales = [2.0 ** int(rng.integers(-10, 10)),                   # power of two
-              float(np.float32(rng.uniform(0.01, 3.0))),           # arbitrary
-              max(amax, 1.0) / 448 * float(rng.uniform(0.05, 1.5)),  # some saturation
-              1e-30]                                               # everything saturates
+    scales = [
+        2.0 ** int(rng.integers(-10, 10)),  # power of two
+        float(np.float32(rng.uniform(0.01, 3.0))),  # arbitrary
+        max(amax, 1.0) / 448 * float(rng.uniform(0.05, 1.5)),  # some saturation
+        1e-30,
+    ]  # everything saturates
     shape = () if rng.integers(2) else (1,)
     for s in scales:
         s32 = np.float32(s)
@@ -151,11 +164,12 @@ def test_fp8_dynamic_matches_oracle(dtype, M, H):
     q, s = _dynamic(jnp.asarray(y))
     wq, ws = O.fp8_dynamic(y)
     assert s.shape == (M, 1) and s.dtype == jnp.float32 and q.dtype == jnp.float8_e4m3fn
-    np.testing.assert_array_equal(np.asarray(s).view(np.uint32), ws.view(np.uint32),
-                                  err_msg=f"dynamic scale seed={seed}")
+    np.testing.assert_array_equal(
+        np.asarray(s).view(np.uint32), ws.view(np.uint32), err_msg=f"dynamic scale seed={seed}"
+    )
     assert_e4m3_equal(bytes_of(q), wq, f"dynamic fp8 seed={seed}")
     if M >= 3:  # the all-zero row gets the minimum scale 2^-9/448 and zeros
-        assert np.asarray(s)[0, 0] == np.float32(2.0 ** -9) / np.float32(448)
+        assert np.asarray(s)[0, 0] == np.float32(2.0**-9) / np.float32(448)
         assert not bytes_of(q)[0].any()
 
 
@@ -171,11 +185,12 @@ def test_fp8_group_matches_oracle(dtype, M, H):
         assert buf.dtype == jnp.int32
         assert buf.shape == quant_layouts.group_scale_buffer_shape(M, H, g) == wbuf.shape
         assert_e4m3_equal(bytes_of(q), wq, f"group fp8 g={g} seed={seed}")
-        np.testing.assert_array_equal(np.asarray(buf), wbuf,
-                                      err_msg=f"group scales g={g} seed={seed}")
+        np.testing.assert_array_equal(
+            np.asarray(buf), wbuf, err_msg=f"group scales g={g} seed={seed}"
+        )
         # the exponents, unpacked, are the oracle's powers of two
         s = np.asarray(_unpack(buf, M, H, g))
-        assert np.all(s >= 2.0 ** -33) and np.all(np.log2(s) == np.round(np.log2(s))), seed
+        assert np.all(s >= 2.0**-33) and np.all(np.log2(s) == np.round(np.log2(s))), seed
 
 
 @pytest.mark.slow
@@ -186,10 +201,12 @@ def test_nvfp4_matches_oracle(dtype, M, H):
     y = make_y(rng, M, H, dtype)
     amax = float(np.max(np.abs(y.astype(np.float64))))
     typical = 448 * 6 / max(amax, 1e-30)
-    gss = [typical * float(rng.uniform(0.5, 2.0)),   # SFs from subnormal to saturated
-           float(rng.uniform(1, 1000))]
+    gss = [
+        typical * float(rng.uniform(0.5, 2.0)),  # SFs from subnormal to saturated
+        float(rng.uniform(1, 1000)),
+    ]
     if M * H <= 20000:
-        gss += [1e-30, 1e30]                          # all SF zero / all saturated
+        gss += [1e-30, 1e30]  # all SF zero / all saturated
     for gs in gss:
         gs32 = np.float32(gs)
         wp, wsf = O.nvfp4(y, float(gs32))
@@ -199,13 +216,15 @@ def test_nvfp4_matches_oracle(dtype, M, H):
             assert packed.dtype == jnp.uint8 and packed.shape == (M, H // 2)
             assert sf.dtype == jnp.float8_e4m3fn
             assert sf.shape == quant_layouts.nvfp4_scale_shape(M, H, layout)
-            np.testing.assert_array_equal(np.asarray(packed), wp,
-                                          err_msg=f"nvfp4 values gs={gs32!r} seed={seed}")
+            np.testing.assert_array_equal(
+                np.asarray(packed), wp, err_msg=f"nvfp4 values gs={gs32!r} seed={seed}"
+            )
             buf, written = O.nvfp4_scale_buffer(wsf, H, layout)
             assert sf.size == quant_layouts.nvfp4_scale_buffer_size(M, H, layout) == buf.size
             got = bytes_of(sf).reshape(-1)
-            assert_e4m3_equal(got[written], buf[written],
-                              f"nvfp4 scales layout={layout} gs={gs32!r} seed={seed}")
+            assert_e4m3_equal(
+                got[written], buf[written], f"nvfp4 scales layout={layout} gs={gs32!r} seed={seed}"
+            )
             assert not got[~written].any()  # our documented fill for the padding: zeros
 
 
@@ -238,14 +257,16 @@ def test_reciprocal_division_mode(dtype, M, H):
     yj = jnp.asarray(y)
     q, s = jax.jit(lambda y: Q.quantize_fp8_dynamic(y, division="reciprocal"))(yj)
     wq, ws = O.fp8_dynamic(y, "reciprocal")
-    np.testing.assert_array_equal(np.asarray(s).view(np.uint32), ws.view(np.uint32),
-                                  err_msg=f"seed={seed}")
+    np.testing.assert_array_equal(
+        np.asarray(s).view(np.uint32), ws.view(np.uint32), err_msg=f"seed={seed}"
+    )
     assert_e4m3_equal(bytes_of(q), wq, f"dynamic reciprocal seed={seed}")
     _, ws_ieee = O.fp8_dynamic(y, "ieee")
     assert (ws != ws_ieee).any() or M < 50, f"seed={seed}"
     for gs in (3.0 * 2.0 ** int(rng.integers(-3, 4)), float(np.float32(rng.uniform(1, 100)))):
         packed, sf = jax.jit(lambda y, g: Q.quantize_nvfp4(y, g, 2, division="reciprocal"))(
-            yj, f32(gs))
+            yj, f32(gs)
+        )
         wp, wsf = O.nvfp4(y, gs, "reciprocal")
         np.testing.assert_array_equal(np.asarray(packed), wp, err_msg=f"gs={gs} seed={seed}")
         assert_e4m3_equal(bytes_of(sf), wsf, f"gs={gs} seed={seed}")
@@ -306,8 +327,24 @@ def test_nvfp4_operation_order(dtype):
         assert_e4m3_equal(bytes_of(sf), wsf, f"gs={gs} seed={seed}")
     assert found_sf > 0 and found_q > 0, (found_sf, found_q, seed)
     # with gs = 1 and a block max of 6, SF = 1 and oscale = 1: v = x, so the e2m1 ties show
-    ties = [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5,
-            -5.0, -0.1]
+    ties = [
+        6.0,
+        0.25,
+        0.75,
+        1.25,
+        1.75,
+        2.5,
+        3.5,
+        5.0,
+        -0.25,
+        -0.75,
+        -1.25,
+        -1.75,
+        -2.5,
+        -3.5,
+        -5.0,
+        -0.1,
+    ]
     packed, sf = _nvfp4(jnp.asarray(np.array([ties], DTYPES[dtype])), f32(1.0), 2)
     codes = np.stack([np.asarray(packed)[0] & 0xF, np.asarray(packed)[0] >> 4], -1).reshape(-1)
     np.testing.assert_array_equal(codes, [7, 0, 2, 2, 4, 4, 6, 6, 8, 10, 10, 12, 12, 14, 14, 8])
@@ -316,6 +353,7 @@ def test_nvfp4_operation_order(dtype):
 
 # ----------------------------------------------------------------------------- specials
 
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_nan_inf_semantics(dtype):
     seed = fresh_seed()
@@ -323,8 +361,9 @@ def test_nan_inf_semantics(dtype):
     M, H = 17, 96
     y = make_y(rng, M, H, dtype, specials=True)
     yj = jnp.asarray(y)
-    assert_e4m3_equal(bytes_of(_static(yj, f32(0.75))), O.fp8_static(y, 0.75),
-                      f"static seed={seed}")
+    assert_e4m3_equal(
+        bytes_of(_static(yj, f32(0.75))), O.fp8_static(y, 0.75), f"static seed={seed}"
+    )
     q, s = _dynamic(yj)
     wq, ws = O.fp8_dynamic(y)
     np.testing.assert_array_equal(np.asarray(s).view(np.uint32), ws.view(np.uint32))
@@ -344,8 +383,9 @@ def test_nan_inf_semantics(dtype):
         assert_e4m3_equal(bytes_of(sf).reshape(-1)[written], buf[written], f"seed={seed}")
     # documented specifics: NaN -> NaN (static), NaN -> -448 (dynamic clamp via fmaxf),
     # all-NaN NVFP4 block -> NaN SF and +6 codes (0x77)
-    assert np.isnan(np.asarray(_static(f32([[np.nan]]).astype(jnp.bfloat16),
-                                       f32(1.0))).astype(np.float32)).all()
+    assert np.isnan(
+        np.asarray(_static(f32([[np.nan]]).astype(jnp.bfloat16), f32(1.0))).astype(np.float32)
+    ).all()
     qd, _ = _dynamic(jnp.asarray([[np.nan, 1.0]], jnp.bfloat16))
     assert float(qd[0, 0].astype(jnp.float32)) == -448.0
     p, sf = _nvfp4(jnp.full((1, 16), jnp.nan, jnp.bfloat16), f32(1.0), 2)
@@ -358,10 +398,13 @@ def test_float32_input_fp8_paths():
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     y = make_y(rng, 17, 96, "bfloat16", specials=True).astype(np.float32)
-    y[3] *= np.float32(1 + 2.0 ** -20)   # bits a 16-bit type would not have
+    y[3] *= np.float32(1 + 2.0**-20)  # bits a 16-bit type would not have
     yj = jnp.asarray(y)
-    assert_e4m3_equal(bytes_of(jax.jit(Q.quantize_fp8_static)(yj, f32(0.3))),
-                      O.fp8_static(y, float(np.float32(0.3))), f"seed={seed}")
+    assert_e4m3_equal(
+        bytes_of(jax.jit(Q.quantize_fp8_static)(yj, f32(0.3))),
+        O.fp8_static(y, float(np.float32(0.3))),
+        f"seed={seed}",
+    )
     q, s = jax.jit(Q.quantize_fp8_dynamic)(yj)
     wq, ws = O.fp8_dynamic(y)
     np.testing.assert_array_equal(np.asarray(s), ws, err_msg=f"seed={seed}")
@@ -378,8 +421,11 @@ def test_e2m1_rounding_table():
     ties = {0.25: 0, 0.75: 2, 1.25: 2, 1.75: 4, 2.5: 4, 3.5: 6, 5.0: 6}
     vals = []
     for t, code in ties.items():
-        for v, c in ((t, code), (np.nextafter(np.float32(t), np.float32(0)), None),
-                     (np.nextafter(np.float32(t), np.float32(9)), None)):
+        for v, c in (
+            (t, code),
+            (np.nextafter(np.float32(t), np.float32(0)), None),
+            (np.nextafter(np.float32(t), np.float32(9)), None),
+        ):
             vals.append(float(v))
     vals += [0.0, -0.0, -0.1, 6.0, 7.0, 1e30, np.inf, -np.inf, np.nan, 0.5, 3.0, -4.0]
     v = np.array(vals, np.float32)
@@ -388,8 +434,8 @@ def test_e2m1_rounding_table():
     for t, code in ties.items():
         assert int(Q.e2m1_codes(jnp.float32(t))) == code
         assert int(Q.e2m1_codes(jnp.float32(-t))) == code | 8
-    assert int(Q.e2m1_codes(jnp.float32(-0.1))) == 8      # sign kept on underflow
-    assert int(Q.e2m1_codes(jnp.float32(np.nan))) == 7    # NaN -> +6
+    assert int(Q.e2m1_codes(jnp.float32(-0.1))) == 8  # sign kept on underflow
+    assert int(Q.e2m1_codes(jnp.float32(np.nan))) == 7  # NaN -> +6
     assert int(Q.e2m1_codes(jnp.float32(-np.inf))) == 15  # satfinite
 
 
@@ -399,8 +445,14 @@ def test_e4m3_conversion_is_rne_satfinite():
     t = np.arange(0, 0x7F, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
     mids = (t[:-1] + t[1:]) / 2
     m32 = mids.astype(np.float32)
-    v = np.concatenate([m32, np.nextafter(m32, np.float32(1e9)), np.nextafter(m32, np.float32(0)),
-                        [448.0, 460.0, 464.0, 470.0, 1e9, np.inf, 2.0 ** -10, 3 * 2.0 ** -11]])
+    v = np.concatenate(
+        [
+            m32,
+            np.nextafter(m32, np.float32(1e9)),
+            np.nextafter(m32, np.float32(0)),
+            [448.0, 460.0, 464.0, 470.0, 1e9, np.inf, 2.0**-10, 3 * 2.0**-11],
+        ]
+    )
     v = np.concatenate([v, -v]).astype(np.float32)
     got = bytes_of(Q.e4m3_satfinite(jnp.asarray(v)))
     np.testing.assert_array_equal(got, O.e4m3_bytes_sat(v))
@@ -416,17 +468,19 @@ def test_e4m3_conversion_is_rne_satfinite():
 
 def test_constants_and_fast_math_claims():
     assert hex(np.float32(1e-10).view(np.uint32)) == "0x2edbe6ff"
-    assert Q._DYN_MIN_SCALE == np.float32(2.0 ** -9 / 448)
+    assert Q._DYN_MIN_SCALE == np.float32(2.0**-9 / 448)
     # a multiply by fl(1/448) lands exactly on the power of two for every amax = 7 * 2^j
     r = np.float32(1) / np.float32(448)
     for j in range(-30, 30):
-        assert np.float32(np.float32(7 * 2.0 ** j) * r) == np.float32(2.0 ** (j - 6))
+        assert np.float32(np.float32(7 * 2.0**j) * r) == np.float32(2.0 ** (j - 6))
 
 
 # ----------------------------------------------------------------------------- layouts
 
-@pytest.mark.parametrize("M,H", [(1, 16), (1, 64), (17, 80), (130, 80), (130, 1024),
-                                 (257, 48), (130, 7168)])
+
+@pytest.mark.parametrize(
+    "M,H", [(1, 16), (1, 64), (17, 80), (130, 80), (130, 1024), (257, 48), (130, 7168)]
+)
 def test_swizzled_offsets(M, H):
     k = H // 16
     size = quant_layouts.nvfp4_scale_buffer_size(M, H, 0)
@@ -436,26 +490,30 @@ def test_swizzled_offsets(M, H):
     off = quant_layouts.swizzled_128x4_offset(mm, kk, H)
     for m in range(M):
         for j in range(k):
-            assert (off[m, j] == O.swizzle_offset(m, j, H)
-                    == quant_layouts.swizzled_128x4_offset(m, j, H))
+            assert (
+                off[m, j]
+                == O.swizzle_offset(m, j, H)
+                == quant_layouts.swizzled_128x4_offset(m, j, H)
+            )
     off = off.reshape(-1)
     assert off.min() >= 0 and off.max() < size
-    assert np.unique(off).size == off.size                  # distinct
+    assert np.unique(off).size == off.size  # distinct
     # the array form writes exactly those bytes, padding untouched (zero)
     vals = (np.arange(M * k) % 250 + 1).astype(np.uint8).reshape(M, k)
     buf = np.asarray(quant_arrays.swizzle_128x4(jnp.asarray(vals))).reshape(-1)
     expect = np.zeros(size, np.uint8)
     expect[off] = vals.reshape(-1)
     np.testing.assert_array_equal(buf, expect)
-    np.testing.assert_array_equal(np.asarray(quant_arrays.unswizzle_128x4(jnp.asarray(buf), M, H)),
-                                  vals)
+    np.testing.assert_array_equal(
+        np.asarray(quant_arrays.unswizzle_128x4(jnp.asarray(buf), M, H)), vals
+    )
     # LINEAR
     assert quant_layouts.nvfp4_scale_buffer_size(M, H, 2) == M * k
     assert quant_layouts.linear_offset(M - 1, k - 1, H) == M * k - 1
 
 
 def test_group_buffer_layout_and_views():
-    M, H, g = 5, 80, 16   # 5 groups -> 2 packs, T = 8
+    M, H, g = 5, 80, 16  # 5 groups -> 2 packs, T = 8
     assert quant_layouts.group_scale_buffer_shape(M, H, g) == (2, 8)
     assert quant_layouts.group_scale_min_storage_words(M, H, g) == 8 + 5
     exps = (np.arange(M * 5).reshape(M, 5) + 100).astype(np.uint8)
@@ -471,7 +529,8 @@ def test_group_buffer_layout_and_views():
     assert all(b[i] == 0 for i in range(b.size) if i not in used)
     np.testing.assert_array_equal(
         np.asarray(quant_arrays.unpack_ue8m0_scales(jnp.asarray(buf), M, H, g)),
-        np.ldexp(1.0, exps.astype(int) - 127).astype(np.float32))
+        np.ldexp(1.0, exps.astype(int) - 127).astype(np.float32),
+    )
     # FlashInfer's (M, K) tensor with strides (1, T) is buf[:, :M].T
     np.testing.assert_array_equal(buf[:, :M].T.shape, (M, 2))
 
@@ -482,7 +541,7 @@ def test_nvfp4_scale_views_roundtrip():
     x = jax.lax.bitcast_convert_type(jnp.asarray(b), jnp.float8_e4m3fn)
     w = quant_arrays.nvfp4_scales_as_int32(x)
     assert w.shape == (256, 3) and w.dtype == jnp.int32
-    np.testing.assert_array_equal(np.asarray(w), b.view("<i4"))   # little-endian words
+    np.testing.assert_array_equal(np.asarray(w), b.view("<i4"))  # little-endian words
     back = quant_arrays.nvfp4_scales_as_fp8(w)
     assert back.shape == (256, 12) and back.dtype == jnp.float8_e4m3fn
     np.testing.assert_array_equal(bytes_of(back), b)
@@ -494,6 +553,7 @@ def test_nvfp4_scale_views_roundtrip():
 
 # ----------------------------------------------------------------------------- dequant bounds
 
+
 @pytest.mark.parametrize("dtype,M,H", [("bfloat16", 17, 1024), ("float16", 130, 1024)])
 def test_dequantized_error_bounds(dtype, M, H):
     seed = fresh_seed()
@@ -504,21 +564,24 @@ def test_dequantized_error_bounds(dtype, M, H):
     s = np.float32(max(np.max(np.abs(x)), 1e-3) / 448 * 1.01)
     q = _static(jnp.asarray(y), f32(s))
     xh = np.asarray(_deq_fp8(q, f32([s]))).astype(np.float64)
-    assert np.all(np.abs(x - xh) <= np.maximum(2.0 ** -4 * np.abs(x), 2.0 ** -10 * s) * 1.0001
-                  + 1e-300), f"static seed={seed}"
+    assert np.all(
+        np.abs(x - xh) <= np.maximum(2.0**-4 * np.abs(x), 2.0**-10 * s) * 1.0001 + 1e-300
+    ), f"static seed={seed}"
     # dynamic
     q, sc = _dynamic(jnp.asarray(y))
     xh = np.asarray(_deq_fp8(q, sc)).astype(np.float64)
     sc = np.asarray(sc).astype(np.float64)
-    assert np.all(np.abs(x - xh) <= np.maximum(2.0 ** -4 * np.abs(x), 2.0 ** -10 * sc) * 1.0001
-                  ), f"dynamic seed={seed}"
+    assert np.all(np.abs(x - xh) <= np.maximum(2.0**-4 * np.abs(x), 2.0**-10 * sc) * 1.0001), (
+        f"dynamic seed={seed}"
+    )
     # group (power-of-two scales >= amax/448: the products q*s are exact)
     for g in (32, 64, 128):
         q, buf = _group(jnp.asarray(y), g)
         xh = np.asarray(_deq_fp8(q, buf, group_size=g)).astype(np.float64)
         s = np.repeat(np.asarray(_unpack(buf, M, H, g)), g, axis=1)
-        assert np.all(np.abs(x - xh) <= np.maximum(2.0 ** -4 * np.abs(x), 2.0 ** -10 * s)), \
+        assert np.all(np.abs(x - xh) <= np.maximum(2.0**-4 * np.abs(x), 2.0**-10 * s)), (
             f"group g={g} seed={seed}"
+        )
     # NVFP4 (blocks whose SF is an e4m3 normal), on data of one order of magnitude
     y = make_y(rng, M, H, dtype, extremes=False)
     x = y.astype(np.float64)
@@ -528,10 +591,10 @@ def test_dequantized_error_bounds(dtype, M, H):
         packed, sf = _nvfp4_both(jnp.asarray(y), f32(gs))[layout]
         xh = np.asarray(_deq_fp4(packed, sf, f32(gs), layout, M, H))
         sfv = np.repeat(np.asarray(_block_scales(sf, M, H, layout)), 16, axis=1)
-        ok = (sfv >= 2.0 ** -6) & (sfv <= 448)
+        ok = (sfv >= 2.0**-6) & (sfv <= 448)
         unit = sfv / float(gs)
         v = x / np.where(ok, unit, 1.0)
-        bound = np.maximum(0.25, np.abs(v) / 4) * unit * (1 + 2.0 ** -20)
+        bound = np.maximum(0.25, np.abs(v) / 4) * unit * (1 + 2.0**-20)
         err = np.abs(x - xh.astype(np.float64))
         assert np.all((err <= bound + 1e-30) | ~ok), f"nvfp4 layout={layout} seed={seed}"
         zero_rows = ~y.astype(np.float64).any(axis=1)
@@ -544,6 +607,7 @@ def test_dequantized_error_bounds(dtype, M, H):
 
 
 # ----------------------------------------------------------------------------- API
+
 
 def test_jit_scale_is_an_operand():
     """The scale is a runtime operand: one compilation serves different scales."""
@@ -567,19 +631,26 @@ def test_quantize_for_pattern():
     one = jax.ShapeDtypeStruct((1,), jnp.float32)
 
     def shapes(pattern, **kw):
-        out = jax.eval_shape(lambda y, s: Q.quantize_for_pattern(y, pattern, scale_factor=s,
-                                                                 **kw), y, one)
+        out = jax.eval_shape(
+            lambda y, s: Q.quantize_for_pattern(y, pattern, scale_factor=s, **kw), y, one
+        )
         return jax.tree.map(lambda a: (a.shape, a.dtype.name), out)
 
     assert shapes(P.kARResidualRMSNorm) == (None, None)
     assert shapes(P.kAllReduce) == (None, None)
     assert shapes(P.kARResidualRMSNormOutFP8Quant) == (((3, 64), "float8_e4m3fn"), None)
-    assert shapes(P.kARResidualRMSNormFP4Quant, layout=2) == (((3, 32), "uint8"),
-                                                             ((3, 4), "float8_e4m3fn"))
-    assert shapes(P.kARResidualRMSNormOutFP4Quant) == (((3, 32), "uint8"),
-                                                      ((128, 4), "float8_e4m3fn"))
-    assert shapes(P.kARResidualRMSNormDynamicFP8Quant) == (((3, 64), "float8_e4m3fn"),
-                                                          ((3, 1), "float32"))
+    assert shapes(P.kARResidualRMSNormFP4Quant, layout=2) == (
+        ((3, 32), "uint8"),
+        ((3, 4), "float8_e4m3fn"),
+    )
+    assert shapes(P.kARResidualRMSNormOutFP4Quant) == (
+        ((3, 32), "uint8"),
+        ((128, 4), "float8_e4m3fn"),
+    )
+    assert shapes(P.kARResidualRMSNormDynamicFP8Quant) == (
+        ((3, 64), "float8_e4m3fn"),
+        ((3, 1), "float32"),
+    )
     assert shapes(9, group_size=32) == (((3, 64), "float8_e4m3fn"), ((1, 4), "int32"))
     assert shapes(8, group_size=16) == (((3, 64), "float8_e4m3fn"), ((1, 4), "int32"))
 
@@ -629,5 +700,6 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="need shape"):
         quant_arrays.unpack_ue8m0_scales(jnp.zeros((1, 4), jnp.int32), 5, 64, 32)
     with pytest.raises(ValueError, match="shape"):
-        quant_arrays.dequantize_nvfp4(jnp.zeros((4, 32), jnp.uint8), jnp.zeros((4, 4), jnp.uint8),
-                                 f32(1.0), 0, 4, 64)
+        quant_arrays.dequantize_nvfp4(
+            jnp.zeros((4, 32), jnp.uint8), jnp.zeros((4, 4), jnp.uint8), f32(1.0), 0, 4, 64
+        )

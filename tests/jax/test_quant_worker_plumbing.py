@@ -7,6 +7,7 @@ workers draw each rank's partial sums and pass rank 0's to ``glob``; here every 
 the same partial sums (``draw_case`` patched), so rank 0's, repeated, is the global array
 and the float64 oracle of the workers sees the same data as the op.
 """
+
 import os
 import subprocess
 import sys
@@ -46,14 +47,24 @@ SCRIPT = textwrap.dedent("""
 
 def _run(module: str, hiddens) -> dict:
     import json
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", SCRIPT.format(module=module, hiddens=hiddens)],
-                       env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
+
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", SCRIPT.format(module=module, hiddens=hiddens)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=REPO,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     line = [x for x in r.stdout.splitlines() if x.startswith("STATS ")][-1]
-    return json.loads(line[len("STATS "):])
+    return json.loads(line[len("STATS ") :])
 
 
 @pytest.mark.slow
@@ -78,7 +89,6 @@ def test_fp8_worker_on_the_reference_path():
     assert q["rerun_diffs"] == 0, q
 
 
-
 GRAD_SCRIPT = textwrap.dedent("""
     import json
     import numpy as np
@@ -98,11 +108,21 @@ def test_grad_worker_on_the_reference_path():
     (the reference path), and both are within a few ulps of scale of the float64 oracle's
     hand-written backpropagation (which a wrong oracle would miss by orders of magnitude)."""
     import json
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", GRAD_SCRIPT], env=env, capture_output=True,
-                       text=True, timeout=900, cwd=REPO)
+
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", GRAD_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=REPO,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     stats = json.loads([x for x in r.stdout.splitlines() if x.startswith("STATS ")][-1][6:])
     assert set(stats) == {"bfloat16", "float32"}

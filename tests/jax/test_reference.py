@@ -1,17 +1,28 @@
 """The reference math (jax_fusedar/reference.py) against the float64 oracle
 (tests/oracles/oracle.py), and its rounding points bit for bit. CPU only: 8 virtual host
 devices."""
+
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from tests.oracles import oracle
-from tests.jax.cpu_helpers import (DTYPES, RMS_EPS, bits, check_outputs, jdtype,
-                                   kernel_rounding, make_mesh, new_rng, random_gamma,
-                                   random_partials, random_values, require_host_devices,
-                                   run_sharded)
+from tests.jax.cpu_helpers import (
+    DTYPES,
+    RMS_EPS,
+    bits,
+    check_outputs,
+    jdtype,
+    kernel_rounding,
+    make_mesh,
+    new_rng,
+    random_gamma,
+    random_partials,
+    random_values,
+    require_host_devices,
+    run_sharded,
+)
 from jax_fusedar import reference
 
 # Also in the oldest-versions lane (./dev oldest).
@@ -34,16 +45,18 @@ weight_biases = pytest.mark.parametrize("weight_bias", [0.0, 1.0])
 def assert_rms_norm_of(r, gamma, weight_bias, y, dtype, rms_eps=RMS_EPS):
     """y is RMSNorm(r) rounded once: measured in ulps of the float64 norm of r as given."""
     r64 = np.asarray(r).astype(np.float64)
-    y64 = (r64 / np.sqrt(np.mean(r64 * r64, axis=-1, keepdims=True) + rms_eps)
-           * (weight_bias + np.asarray(gamma).astype(np.float64)))
+    y64 = (
+        r64
+        / np.sqrt(np.mean(r64 * r64, axis=-1, keepdims=True) + rms_eps)
+        * (weight_bias + np.asarray(gamma).astype(np.float64))
+    )
     err = oracle.allreduce_error_ulps(y, y64, dtype)
     assert err <= RMS_NORM_ULPS[dtype], f"not RMSNorm(r) rounded once: off by {err} ulps"
 
 
 @jax.jit
 def _rms_norm(r, gamma, weight_bias, rms_eps):
-    return reference.rms_norm(r, gamma, rms_eps=rms_eps, weight_bias=weight_bias,
-                              out_dtype=r.dtype)
+    return reference.rms_norm(r, gamma, rms_eps=rms_eps, weight_bias=weight_bias, out_dtype=r.dtype)
 
 
 @pytest.mark.slow
@@ -66,8 +79,9 @@ def test_rms_norm_eps_is_inside_the_root(dtype):
     rng = new_rng()
     r = (random_values(rng, (7, 256), "float32") * 1e-2).astype(jdtype(dtype))
     gamma = random_gamma(rng, 256, dtype)
-    assert_rms_norm_of(r, gamma, 0.0, np.asarray(_rms_norm(r, gamma, 0.0, 1e-3)), dtype,
-                       rms_eps=1e-3)
+    assert_rms_norm_of(
+        r, gamma, 0.0, np.asarray(_rms_norm(r, gamma, 0.0, 1e-3)), dtype, rms_eps=1e-3
+    )
 
 
 @pytest.mark.slow
@@ -82,17 +96,25 @@ def test_epilogue_against_oracle(dtype, weight_bias, tokens, hidden):
 
     @jax.jit
     def epilogues(s, res, g):
-        return (reference.epilogue(s, None, None, pattern=0, rms_eps=RMS_EPS,
-                                   weight_bias=weight_bias),
-                reference.epilogue(s, res, g, pattern=1, rms_eps=RMS_EPS,
-                                   weight_bias=weight_bias))
+        return (
+            reference.epilogue(s, None, None, pattern=0, rms_eps=RMS_EPS, weight_bias=weight_bias),
+            reference.epilogue(s, res, g, pattern=1, rms_eps=RMS_EPS, weight_bias=weight_bias),
+        )
 
     (ar, none_r, none_n), (none_a, res_out, norm_out) = epilogues(summed, residual, gamma)
     assert none_r is None and none_n is None and none_a is None
     # Pattern 0 has nothing after the all-reduce: the sum comes back unchanged.
     np.testing.assert_array_equal(bits(ar), bits(summed))
-    check_outputs(dtype, [summed], residual=residual, gamma=gamma, weight_bias=weight_bias,
-                  residual_out=res_out, norm_out=norm_out, what="epilogue")
+    check_outputs(
+        dtype,
+        [summed],
+        residual=residual,
+        gamma=gamma,
+        weight_bias=weight_bias,
+        residual_out=res_out,
+        norm_out=norm_out,
+        what="epilogue",
+    )
     # The residual add rounds exactly once, from fp32.
     _, expected = kernel_rounding([summed], residual, dtype)
     np.testing.assert_array_equal(bits(res_out), bits(expected))
@@ -107,16 +129,18 @@ def _run_reference(partials, residual, gamma, weight_bias, **kwargs):
 
     def f(x, res, g):
         ar, _, _ = reference.allreduce_fusion_reference(x[0], None, None, pattern=0, **kwargs)
-        _, res_out, norm_out = reference.allreduce_fusion_reference(x[0], res, g, pattern=1,
-                                                                    **kwargs)
+        _, res_out, norm_out = reference.allreduce_fusion_reference(
+            x[0], res, g, pattern=1, **kwargs
+        )
         return ar[None], res_out[None], norm_out[None]
 
     mesh = make_mesh((WORLD,), ("tp",))
     outs = run_sharded(f, mesh, (P("tp"), P(), P()), (P("tp"),) * 3, partials, residual, gamma)
     outs = [np.asarray(o) for o in outs]
     for o in outs:
-        assert o.shape[0] == WORLD and all(np.array_equal(bits(o[0]), bits(o[k]))
-                                           for k in range(WORLD)), "the ranks disagree"
+        assert o.shape[0] == WORLD and all(
+            np.array_equal(bits(o[0]), bits(o[k])) for k in range(WORLD)
+        ), "the ranks disagree"
     return [o[0] for o in outs]
 
 
@@ -130,9 +154,17 @@ def test_allreduce_fusion_reference_in_shard_map(dtype, weight_bias, tokens, hid
     residual = random_values(rng, (tokens, hidden), dtype)
     gamma = random_gamma(rng, hidden, dtype)
     ar, res_out, norm_out = _run_reference(partials, residual, gamma, weight_bias)
-    check_outputs(dtype, partials, residual=residual, gamma=gamma, weight_bias=weight_bias,
-                  allreduce_out=ar, residual_out=res_out, norm_out=norm_out,
-                  what=f"reference over {WORLD} ranks")
+    check_outputs(
+        dtype,
+        partials,
+        residual=residual,
+        gamma=gamma,
+        weight_bias=weight_bias,
+        allreduce_out=ar,
+        residual_out=res_out,
+        norm_out=norm_out,
+        what=f"reference over {WORLD} ranks",
+    )
     s, expected = kernel_rounding(partials, residual, dtype)
     np.testing.assert_array_equal(bits(ar), bits(s))
     np.testing.assert_array_equal(bits(res_out), bits(expected))
@@ -194,8 +226,9 @@ def test_fp32_partials_with_cancellation_stay_within_the_summation_bound():
     bound = 1.01 * (WORLD - 1) * 2.0**-24 * np.abs(x64).sum(axis=0)
     assert np.all(np.abs(ar - s64) <= bound)
     r64 = s64 + residual.astype(np.float64)
-    assert np.all(np.abs(res_out - r64)
-                  <= bound + oracle.ulp(np.abs(s64) + np.abs(residual), "float32"))
+    assert np.all(
+        np.abs(res_out - r64) <= bound + oracle.ulp(np.abs(s64) + np.abs(residual), "float32")
+    )
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -226,7 +259,7 @@ def test_float16_subnormal_results_are_kept():
     # Multiples of the subnormal step 2**-24, exact in float16 and in every sum here:
     # |sum| <= 8 * 100 steps and |sum + residual| <= 1000 steps, below 2**-14 = 1024 steps.
     step = 2.0**-24
-    partials = (step * rng.integers(1, 101, (WORLD, 3, 8)) * rng.choice([-1, 1], (WORLD, 3, 8)))
+    partials = step * rng.integers(1, 101, (WORLD, 3, 8)) * rng.choice([-1, 1], (WORLD, 3, 8))
     partials = partials.astype(np.float16)
     residual = (step * rng.integers(-200, 201, (3, 8))).astype(np.float16)
     gamma = rng.uniform(1e-5, 4e-5, 8).astype(np.float16)

@@ -4,6 +4,7 @@ validators (Auto axes included, where its per-shard program only runs inside XLA
 compilation), ``residual=None`` as zeros; ``allreduce_fusion`` in an inner shard_map nested
 in an outer one; options checked in float32, the dtype the kernel reads them in; an
 ``abstract_workspace(backend="xla")`` exported for cuda."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,8 +13,15 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_fusedar as jf
-from tests.jax.cpu_helpers import (bits, make_mesh, new_rng, random_gamma,
-                                   random_partials, random_values, require_host_devices)
+from tests.jax.cpu_helpers import (
+    bits,
+    make_mesh,
+    new_rng,
+    random_gamma,
+    random_partials,
+    random_values,
+    require_host_devices,
+)
 from jax_fusedar import reference
 from jax_fusedar.common import backend_choice
 from jax_fusedar.primitive import FFI_TARGET
@@ -38,16 +46,22 @@ def row_parallel_args(mesh, *, k_sharded=True, n=N, dtype=jnp.bfloat16):
     r = random_values(rng, (TOKENS, n), name)
     g = random_gamma(rng, n, name)
     put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
-    return (put(h, P("dp", "tp" if k_sharded else None)),
-            put(w, P("tp" if k_sharded else None, None)), put(r, P("dp", None)), put(g, P()))
+    return (
+        put(h, P("dp", "tp" if k_sharded else None)),
+        put(w, P("tp" if k_sharded else None, None)),
+        put(r, P("dp", None)),
+        put(g, P()),
+    )
 
 
 def call_row_parallel(mesh, args, **options):
     """The op under jit on Auto axes (the partition rule runs when XLA compiles), or under
     the mesh on Explicit axes; returns (residual_out, norm_out)."""
+
     def f(h, w, r, g):
         out = jf.row_parallel_allreduce_fusion(h, w, residual=r, rms_gamma=g, **options)
         return out.residual_out, out.norm_out
+
     with jax.set_mesh(mesh):
         return jax.jit(f)(*args)
 
@@ -71,15 +85,17 @@ BAD_OPTIONS = [
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
 @pytest.mark.parametrize("k_sharded", [True, False])
 @pytest.mark.parametrize("over,error,match", BAD_OPTIONS)
-def test_row_parallel_refuses_bad_options_by_name_up_front(axis_type, k_sharded, over, error,
-                                                           match):
+def test_row_parallel_refuses_bad_options_by_name_up_front(
+    axis_type, k_sharded, over, error, match
+):
     """Every misuse is the same TypeError/ValueError as allreduce_fusion's, raised while
     tracing: not coerced (fp32_acc="false" gave fp32_acc=True's bits), not skipped (k not
     sharded never reached allreduce_fusion: rms_eps=-10 gave NaN), and not an INTERNAL
     custom_partitioner traceback from XLA's compilation (Auto axes)."""
     mesh = mesh_2x4(axis_type)
-    ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=TOKENS, hidden_dim=N,
-                                              dtype=jnp.bfloat16)
+    ws = jf.create_allreduce_fusion_workspace(
+        mesh, "tp", max_token_num=TOKENS, hidden_dim=N, dtype=jnp.bfloat16
+    )
     args = row_parallel_args(mesh, k_sharded=k_sharded)
     with pytest.raises(error, match=match):
         call_row_parallel(mesh, args, workspace=ws, **over)
@@ -98,8 +114,9 @@ def test_row_parallel_hidden_size_the_kernel_cannot_take_is_refused_while_tracin
     per-shard program, which on Auto axes runs inside XLA's compilation (an INTERNAL error);
     refused while tracing instead, naming w's n."""
     mesh = mesh_2x4(axis_type)
-    ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=TOKENS, hidden_dim=64,
-                                              dtype=jnp.bfloat16)
+    ws = jf.create_allreduce_fusion_workspace(
+        mesh, "tp", max_token_num=TOKENS, hidden_dim=64, dtype=jnp.bfloat16
+    )
     args = row_parallel_args(mesh, n=60)
     with pytest.raises(ValueError, match="n = 60, .* not a multiple of 8"):
         call_row_parallel(mesh, args, workspace=ws)
@@ -113,21 +130,28 @@ def test_row_parallel_any_contraction_meets_the_same_up_front_checks(axis_type):
     """contracting_dims (bhtq,hqd->btd) is the same op: its n = 60 is refused while tracing
     too, naming n, where on Auto axes it failed inside XLA's compilation."""
     mesh = mesh_2x4(axis_type)
-    ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=TOKENS, hidden_dim=64,
-                                              dtype=jnp.bfloat16)
+    ws = jf.create_allreduce_fusion_workspace(
+        mesh, "tp", max_token_num=TOKENS, hidden_dim=64, dtype=jnp.bfloat16
+    )
     rng = new_rng()
     put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
-    args = (put(random_values(rng, (2, 4, TOKENS // 2, 16), "bfloat16"), P("dp", "tp")),
-            put((random_values(rng, (4, 16, 60), "bfloat16") / 8).astype(jnp.bfloat16),
-                P("tp")),
-            put(random_values(rng, (2, TOKENS // 2, 60), "bfloat16"), P("dp")),
-            put(random_gamma(rng, 60, "bfloat16"), P()))
+    args = (
+        put(random_values(rng, (2, 4, TOKENS // 2, 16), "bfloat16"), P("dp", "tp")),
+        put((random_values(rng, (4, 16, 60), "bfloat16") / 8).astype(jnp.bfloat16), P("tp")),
+        put(random_values(rng, (2, TOKENS // 2, 60), "bfloat16"), P("dp")),
+        put(random_gamma(rng, 60, "bfloat16"), P()),
+    )
 
     def call(**options):
         with jax.set_mesh(mesh):
-            return jax.jit(lambda a, wo, r, g: jf.row_parallel_allreduce_fusion(
-                a, wo, residual=r, rms_gamma=g, contracting_dims=((1, 3), (0, 1)),
-                **options).norm_out)(*args)
+            return jax.jit(
+                lambda a, wo, r, g: (
+                    jf.row_parallel_allreduce_fusion(
+                        a, wo, residual=r, rms_gamma=g, contracting_dims=((1, 3), (0, 1)), **options
+                    ).norm_out
+                )
+            )(*args)
+
     with pytest.raises(ValueError, match="n = 60, .* not a multiple of 8"):
         call(workspace=ws)
     assert call().shape == (2, TOKENS // 2, 60)  # no workspace: the XLA path serves any n
@@ -144,14 +168,18 @@ def test_row_parallel_bad_precision_is_refused_while_tracing():
 def test_row_parallel_residual_none_is_zeros(axis_type, k_sharded):
     """As allreduce_fusion takes it: residual_out = h @ w."""
     mesh = mesh_2x4(axis_type)
-    ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=TOKENS, hidden_dim=N,
-                                              dtype=jnp.bfloat16)
+    ws = jf.create_allreduce_fusion_workspace(
+        mesh, "tp", max_token_num=TOKENS, hidden_dim=N, dtype=jnp.bfloat16
+    )
     h, w, r, g = row_parallel_args(mesh, k_sharded=k_sharded)
     zeros = jax.device_put(jnp.zeros(r.shape, r.dtype), r.sharding)
     want = call_row_parallel(mesh, (h, w, zeros, g), workspace=ws)
     with jax.set_mesh(mesh):
-        out = jax.jit(lambda h, w, g: jf.row_parallel_allreduce_fusion(
-            h, w, residual=None, rms_gamma=g, workspace=ws))(h, w, g)
+        out = jax.jit(
+            lambda h, w, g: jf.row_parallel_allreduce_fusion(
+                h, w, residual=None, rms_gamma=g, workspace=ws
+            )
+        )(h, w, g)
     for got, expected in zip((out.residual_out, out.norm_out), want):
         np.testing.assert_array_equal(bits(got), bits(expected))
 
@@ -167,21 +195,42 @@ def test_row_parallel_good_options_still_give_allreduce_fusions_bits():
     """The validated options reach the per-shard program unchanged: fp32_acc=False differs
     from True, and each equals shard_map + allreduce_fusion with the same options."""
     mesh = mesh_2x4(AxisType.Auto)
-    ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=TOKENS, hidden_dim=N,
-                                              dtype=jnp.bfloat16)
+    ws = jf.create_allreduce_fusion_workspace(
+        mesh, "tp", max_token_num=TOKENS, hidden_dim=N, dtype=jnp.bfloat16
+    )
     args = row_parallel_args(mesh)
     outs = {}
     for acc in (True, False):
-        got = call_row_parallel(mesh, args, workspace=ws, fp32_acc=np.bool_(acc),
-                                rms_eps=np.float32(1e-5), weight_bias=1)
+        got = call_row_parallel(
+            mesh,
+            args,
+            workspace=ws,
+            fp32_acc=np.bool_(acc),
+            rms_eps=np.float32(1e-5),
+            weight_bias=1,
+        )
 
         def body(h, w, r, g, acc=acc):
-            out = jf.allreduce_fusion(jnp.dot(h, w), axis_name="tp", workspace=ws, residual=r,
-                                      rms_gamma=g, fp32_acc=acc, rms_eps=1e-5, weight_bias=1.0)
+            out = jf.allreduce_fusion(
+                jnp.dot(h, w),
+                axis_name="tp",
+                workspace=ws,
+                residual=r,
+                rms_gamma=g,
+                fp32_acc=acc,
+                rms_eps=1e-5,
+                weight_bias=1.0,
+            )
             return out.residual_out, out.norm_out
-        want = jax.jit(jax.shard_map(body, mesh=mesh,
-                                     in_specs=(P("dp", "tp"), P("tp", None), P("dp"), P()),
-                                     out_specs=(P("dp"), P("dp"))))(*args)
+
+        want = jax.jit(
+            jax.shard_map(
+                body,
+                mesh=mesh,
+                in_specs=(P("dp", "tp"), P("tp", None), P("dp"), P()),
+                out_specs=(P("dp"), P("dp")),
+            )
+        )(*args)
         for a, b in zip(got, want):
             np.testing.assert_array_equal(bits(a), bits(b))
         outs[acc] = got
@@ -190,13 +239,15 @@ def test_row_parallel_good_options_still_give_allreduce_fusions_bits():
 
 # --- allreduce_fusion in a nested shard_map ------------------------------------------------------
 
+
 def test_allreduce_fusion_in_an_inner_shard_map_over_tp_within_an_outer_over_dp():
     """The inner shard_map's lowering sees an abstract mesh (no devices); that has nothing
     to compare (call_checks.check_call_groups) and must not fail. Equal bits to the same
     program written as one shard_map over both axes, and to psum + the reference epilogue."""
     mesh = make_mesh((2, 4), ("dp", "tp"))
-    ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=4, hidden_dim=256,
-                                              dtype=jnp.bfloat16)
+    ws = jf.create_allreduce_fusion_workspace(
+        mesh, "tp", max_token_num=4, hidden_dim=256, dtype=jnp.bfloat16
+    )
     rng = new_rng()
     x = jnp.asarray(random_partials(rng, (8 * 4, 256), "bfloat16"))
     r = jnp.asarray(random_values(rng, (2 * 4, 256), "bfloat16"))
@@ -208,18 +259,32 @@ def test_allreduce_fusion_in_an_inner_shard_map_over_tp_within_an_outer_over_dp(
 
     def plain(x, r, g):
         _, res, norm = reference.allreduce_fusion_reference(
-            x, r, g, axis_name="tp", pattern=1, rms_eps=1e-6, weight_bias=0.0, fp32_acc=True)
+            x, r, g, axis_name="tp", pattern=1, rms_eps=1e-6, weight_bias=0.0, fp32_acc=True
+        )
         return res, norm
 
     def nested(body):
-        inner = jax.shard_map(body, axis_names={"tp"},  # the mesh of the outer one
-                              in_specs=(P("tp"), P(), P()), out_specs=(P(), P()))
-        return jax.jit(jax.shard_map(inner, mesh=mesh, axis_names={"dp"},
-                                     in_specs=(P("dp"), P("dp"), P()),
-                                     out_specs=(P("dp"), P("dp"))))
+        inner = jax.shard_map(
+            body,
+            axis_names={"tp"},  # the mesh of the outer one
+            in_specs=(P("tp"), P(), P()),
+            out_specs=(P(), P()),
+        )
+        return jax.jit(
+            jax.shard_map(
+                inner,
+                mesh=mesh,
+                axis_names={"dp"},
+                in_specs=(P("dp"), P("dp"), P()),
+                out_specs=(P("dp"), P("dp")),
+            )
+        )
 
-    flat = jax.jit(jax.shard_map(fused, mesh=mesh, in_specs=(P(("dp", "tp")), P("dp"), P()),
-                                 out_specs=(P("dp"), P("dp"))))
+    flat = jax.jit(
+        jax.shard_map(
+            fused, mesh=mesh, in_specs=(P(("dp", "tp")), P("dp"), P()), out_specs=(P("dp"), P("dp"))
+        )
+    )
     got = nested(fused)(x, r, g)
     for a, b in zip(got, flat(x, r, g)):
         np.testing.assert_array_equal(bits(a), bits(b))
@@ -229,18 +294,22 @@ def test_allreduce_fusion_in_an_inner_shard_map_over_tp_within_an_outer_over_dp(
 
 # --- float32 overflow of the kernel's float options ----------------------------------------------
 
+
 @pytest.mark.parametrize("option", ["rms_eps", "weight_bias"])
 def test_allreduce_fusion_refuses_options_that_overflow_float32(option):
     mesh = make_mesh((8,), ("tp",))
-    ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=4, hidden_dim=256,
-                                              dtype=jnp.bfloat16)
+    ws = jf.create_allreduce_fusion_workspace(
+        mesh, "tp", max_token_num=4, hidden_dim=256, dtype=jnp.bfloat16
+    )
     x = jnp.ones((8 * 4, 256), jnp.bfloat16)
     g = jnp.ones((256,), jnp.bfloat16)
 
     def run(value):
         def body(x):
-            return jf.allreduce_fusion(x, axis_name="tp", workspace=ws, rms_gamma=g,
-                                       **{option: value}).norm_out
+            return jf.allreduce_fusion(
+                x, axis_name="tp", workspace=ws, rms_gamma=g, **{option: value}
+            ).norm_out
+
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P()))(x)
 
     with pytest.raises(ValueError, match=f"{option}=1e[+]?39 overflows float32"):
@@ -250,21 +319,27 @@ def test_allreduce_fusion_refuses_options_that_overflow_float32(option):
 
 def test_moe_refuses_options_that_overflow_float32():
     mesh = make_mesh((8,), ("tp",))
-    ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=4, hidden_dim=256,
-                                              dtype=jnp.bfloat16)
+    ws = jf.create_allreduce_fusion_workspace(
+        mesh, "tp", max_token_num=4, hidden_dim=256, dtype=jnp.bfloat16
+    )
     rows = jnp.ones((8 * 4, 256), jnp.bfloat16)
     idx = jnp.zeros((8 * 4, 1), jnp.int32)
     g = jnp.ones((256,), jnp.bfloat16)
     for option in ("rms_eps", "weight_bias", "routed_scaling_factor"):
+
         def body(rows, idx):
-            return jf.moe_finalize_allreduce_fusion(rows, idx, axis_name="tp", workspace=ws,
-                                                    rms_gamma=g, **{option: 1e39}).norm_out
+            return jf.moe_finalize_allreduce_fusion(
+                rows, idx, axis_name="tp", workspace=ws, rms_gamma=g, **{option: 1e39}
+            ).norm_out
+
         with pytest.raises(ValueError, match=f"{option}=1e[+]?39 overflows float32"):
-            jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P("tp")),
-                                  out_specs=P()))(rows, idx)
+            jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P("tp")), out_specs=P()))(
+                rows, idx
+            )
 
 
 # --- exporting an XLA workspace for cuda ---------------------------------------------------------
+
 
 def test_abstract_xla_workspace_exports_psum_and_rmsnorm_for_cuda():
     """abstract_workspace(backend="xla") describes GPU processes that asked for XLA's
@@ -273,14 +348,26 @@ def test_abstract_xla_workspace_exports_psum_and_rmsnorm_for_cuda():
     pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers")
     mesh = make_mesh((8,), ("tp",))
     spec = jax.ShapeDtypeStruct((8 * 4, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P("tp")))
-    for ws in (jf.abstract_workspace(mesh, "tp", max_token_num=4, hidden_dim=256,
-                                     dtype=jnp.bfloat16, backend="xla"),
-               jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=4,
-                                                    hidden_dim=256, dtype=jnp.bfloat16,
-                                                    backend="xla", name="explicit")):
+    for ws in (
+        jf.abstract_workspace(
+            mesh, "tp", max_token_num=4, hidden_dim=256, dtype=jnp.bfloat16, backend="xla"
+        ),
+        jf.create_allreduce_fusion_workspace(
+            mesh,
+            "tp",
+            max_token_num=4,
+            hidden_dim=256,
+            dtype=jnp.bfloat16,
+            backend="xla",
+            name="explicit",
+        ),
+    ):
+
         def body(x, ws=ws):
-            return jf.allreduce_fusion(x, axis_name="tp", workspace=ws,
-                                       rms_gamma=jnp.ones(256, jnp.bfloat16)).norm_out
+            return jf.allreduce_fusion(
+                x, axis_name="tp", workspace=ws, rms_gamma=jnp.ones(256, jnp.bfloat16)
+            ).norm_out
+
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P()))
         exported = jf.export.export(f, platforms=("cuda",))(spec)
         text = exported.mlir_module()
@@ -292,13 +379,16 @@ def test_auto_chosen_xla_workspace_advice_names_both_ways():
     silently lose the kernel), with advice for either intent."""
     pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers")
     mesh = make_mesh((8,), ("tp",))
-    ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=4, hidden_dim=256,
-                                              dtype=jnp.bfloat16)
+    ws = jf.create_allreduce_fusion_workspace(
+        mesh, "tp", max_token_num=4, hidden_dim=256, dtype=jnp.bfloat16
+    )
     spec = jax.ShapeDtypeStruct((8 * 4, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P("tp")))
 
     def body(x):
-        return jf.allreduce_fusion(x, axis_name="tp", workspace=ws,
-                                   rms_gamma=jnp.ones(256, jnp.bfloat16)).norm_out
+        return jf.allreduce_fusion(
+            x, axis_name="tp", workspace=ws, rms_gamma=jnp.ones(256, jnp.bfloat16)
+        ).norm_out
+
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P()))
     with pytest.raises(ValueError, match="backend='trtllm'.*on purpose.*backend='xla'"):
         jf.export.export(f, platforms=("cuda",))(spec)
@@ -306,34 +396,46 @@ def test_auto_chosen_xla_workspace_advice_names_both_ways():
 
 # --- residual=None is zeros that do not vary over the axis ---------------------------------------
 
+
 def test_residual_none_keeps_the_outputs_invariant_over_the_axis():
     """The zeros must not take x's variance over the axis (jnp.zeros_like would): the outputs
     are sums over the axis, so out_specs=P() holds under shard_map's default check_vma, and
     they equal an explicit zero residual's."""
     mesh = make_mesh((8,), ("tp",))
-    ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=4, hidden_dim=256,
-                                              dtype=jnp.bfloat16)
+    ws = jf.create_allreduce_fusion_workspace(
+        mesh, "tp", max_token_num=4, hidden_dim=256, dtype=jnp.bfloat16
+    )
     rng = new_rng()
     x = jnp.asarray(random_partials(rng, (8 * 4, 256), "bfloat16"))
     g = jnp.asarray(random_gamma(rng, 256, "bfloat16"))
 
     def run(residual):
         def body(x, g):
-            out = jf.allreduce_fusion(x, axis_name="tp", workspace=ws, rms_gamma=g,
-                                      residual=residual)
+            out = jf.allreduce_fusion(
+                x, axis_name="tp", workspace=ws, rms_gamma=g, residual=residual
+            )
             return out.residual_out, out.norm_out
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P()),
-                                     out_specs=(P(), P())))(x, g)
+
+        return jax.jit(
+            jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P()), out_specs=(P(), P()))
+        )(x, g)
 
     for a, b in zip(run(None), run(jnp.zeros((4, 256), jnp.bfloat16))):
         np.testing.assert_array_equal(bits(a), bits(b))
 
     def moe_body(outputs, scales, tokens, g):
-        return jf.moe_reduction_allreduce_fusion(outputs, scales, tokens, axis_name="tp",
-                                                 workspace=ws, rms_gamma=g).norm_out
+        return jf.moe_reduction_allreduce_fusion(
+            outputs, scales, tokens, axis_name="tp", workspace=ws, rms_gamma=g
+        ).norm_out
+
     outputs = jnp.asarray(random_partials(rng, (2, 8 * 4, 256), "bfloat16"))
     scales = jnp.ones((2, 8 * 4), jnp.float32)
-    norm = jax.jit(jax.shard_map(moe_body, mesh=mesh, in_specs=(P(None, "tp"), P(None, "tp"),
-                                                                 P("tp"), P()),
-                                 out_specs=P()))(outputs, scales, x, g)
+    norm = jax.jit(
+        jax.shard_map(
+            moe_body,
+            mesh=mesh,
+            in_specs=(P(None, "tp"), P(None, "tp"), P("tp"), P()),
+            out_specs=P(),
+        )
+    )(outputs, scales, x, g)
     assert norm.shape == (4, 256)

@@ -4,6 +4,7 @@ the vocabulary-parallel one; weights drawn on the devices are the same values fo
 and ``repack_columns`` reads them as the same model for another TP size (what makes the
 unsharded reference the same model on GPUs); and the fused TP model stays within
 ``reference_tolerance`` of that reference at 2, 4 and 8 ranks."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,8 +27,10 @@ def _logits(cfg, mesh, params, prompt, *, vocab_parallel=True, fused=False, scan
     fwd = llama.make_forward(cfg, mesh, AXIS, scan=scan, vocab_parallel=vocab_parallel)
     if fused:
         import jax_fusedar as jf
-        ws = jf.create_allreduce_fusion_workspace(mesh, AXIS, max_token_num=prompt.size,
-                                                  hidden_dim=cfg.hidden, dtype=jnp.bfloat16)
+
+        ws = jf.create_allreduce_fusion_workspace(
+            mesh, AXIS, max_token_num=prompt.size, hidden_dim=cfg.hidden, dtype=jnp.bfloat16
+        )
         fwd = fuse(fwd, workspace=ws)
     cache = llama.init_cache(cfg, mesh, AXIS, jnp.bfloat16, *prompt.shape)
     return np.asarray(jax.jit(fwd)(params, prompt, *cache, jnp.int32(0))[0])

@@ -8,6 +8,7 @@ all-reduce, attention and softmax kernels), so the logits agree to a few float32
 accumulated magnitudes: 2e-5 of max|logits| (measured: about 1e-6). Greedy tokens must agree
 for every step.
 """
+
 import numpy as np
 import pytest
 
@@ -31,20 +32,37 @@ REL_TOL = 2e-5
 
 def hf_model(cfg, weights):
     conf = transformers.LlamaConfig(
-        vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
-        num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
-        num_key_value_heads=cfg.kv_heads, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_eps,
-        max_position_embeddings=256, tie_word_embeddings=False, attention_bias=False,
-        mlp_bias=False, hidden_act="silu")
+        vocab_size=cfg.vocab,
+        hidden_size=cfg.hidden,
+        intermediate_size=cfg.ffn,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.rms_eps,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        hidden_act="silu",
+    )
     conf._attn_implementation = "eager"
     model = transformers.LlamaForCausalLM(conf).eval()
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
-    sd = {"model.embed_tokens.weight": t(weights["embed"]),
-          "model.norm.weight": t(weights["final_norm"]),
-          "lm_head.weight": t(weights["lm_head"].T)}
-    names = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
-             "wo": "self_attn.o_proj", "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj",
-             "w_down": "mlp.down_proj"}
+    sd = {
+        "model.embed_tokens.weight": t(weights["embed"]),
+        "model.norm.weight": t(weights["final_norm"]),
+        "lm_head.weight": t(weights["lm_head"].T),
+    }
+    names = {
+        "wq": "self_attn.q_proj",
+        "wk": "self_attn.k_proj",
+        "wv": "self_attn.v_proj",
+        "wo": "self_attn.o_proj",
+        "w_gate": "mlp.gate_proj",
+        "w_up": "mlp.up_proj",
+        "w_down": "mlp.down_proj",
+    }
     for i in range(cfg.layers):
         p = f"model.layers.{i}."
         sd[p + "input_layernorm.weight"] = t(weights["attn_norm"][i])
@@ -73,9 +91,14 @@ def setup():
             ids = torch.cat([ids, nxt[:, None]], 1)
     mesh = jax.make_mesh((8,), ("tp",))
     params = llama.init_params(CFG, mesh, "tp", jnp.float32, SEED)
-    return dict(mesh=mesh, params=params, prompt=jnp.asarray(prompt, jnp.int32),
-                ref_prompt_logits=ref_prompt_logits, ref_tokens=np.stack(toks, 1),
-                ref_step_logits=np.stack(step_logits))
+    return dict(
+        mesh=mesh,
+        params=params,
+        prompt=jnp.asarray(prompt, jnp.int32),
+        ref_prompt_logits=ref_prompt_logits,
+        ref_tokens=np.stack(toks, 1),
+        ref_step_logits=np.stack(step_logits),
+    )
 
 
 @pytest.mark.slow
@@ -91,8 +114,7 @@ def test_llama_matches_transformers_unfused_and_fused(setup, scan):
         ref = setup["ref_prompt_logits"]
         err = np.max(np.abs(np.asarray(logits) - ref)) / np.max(np.abs(ref))
         assert err <= REL_TOL, (name, err)
-        toks, step_logits = llama.greedy_decode(prog, prog, params, setup["prompt"], *cache,
-                                                STEPS)
+        toks, step_logits = llama.greedy_decode(prog, prog, params, setup["prompt"], *cache, STEPS)
         np.testing.assert_array_equal(toks, setup["ref_tokens"], err_msg=name)
         ref = setup["ref_step_logits"]
         err = np.max(np.abs(step_logits - ref)) / np.max(np.abs(ref))

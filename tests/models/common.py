@@ -1,5 +1,6 @@
 """What the style models share: their size, initial weights, rotary embeddings and the
 attention core (causal softmax attention on [batch, time, heads, head_dim])."""
+
 from __future__ import annotations
 
 import dataclasses

@@ -3,6 +3,7 @@
 *before* it is added to the residual stream (``sandwich=True``). The fused op normalizes
 after the add, so the sandwich form must stay unfused; Gemma 1's pre-norm-only layout
 (``sandwich=False``) fuses, the ``(1 + w)`` as the op's ``weight_bias``."""
+
 from __future__ import annotations
 
 import jax
@@ -34,24 +35,42 @@ def init_params(cfg: Config, seed: int, dtype):
     layers = []
     for _ in range(cfg.layers):
         p = {n: gamma(rng, d, dtype, around=0.0) for n in names}
-        p.update(wq=normal(rng, (d, qd), d, dtype), wk=normal(rng, (d, qd), d, dtype),
-                 wv=normal(rng, (d, qd), d, dtype), wo=normal(rng, (qd, d), qd, dtype),
-                 w_gate=normal(rng, (d, f), d, dtype), w_up=normal(rng, (d, f), d, dtype),
-                 w_down=normal(rng, (f, d), f, dtype))
+        p.update(
+            wq=normal(rng, (d, qd), d, dtype),
+            wk=normal(rng, (d, qd), d, dtype),
+            wv=normal(rng, (d, qd), d, dtype),
+            wo=normal(rng, (qd, d), qd, dtype),
+            w_gate=normal(rng, (d, f), d, dtype),
+            w_up=normal(rng, (d, f), d, dtype),
+            w_down=normal(rng, (f, d), f, dtype),
+        )
         layers.append(p)
     return dict(layers=layers, final_norm=gamma(rng, d, dtype, around=0.0))
 
 
-SPECS = dict(pre_attention_norm=P(), post_attention_norm=P(), pre_ffw_norm=P(),
-             post_ffw_norm=P(), wq=P(None, TP), wk=P(None, TP), wv=P(None, TP),
-             wo=P(TP, None), w_gate=P(None, TP), w_up=P(None, TP), w_down=P(TP, None))
+SPECS = dict(
+    pre_attention_norm=P(),
+    post_attention_norm=P(),
+    pre_ffw_norm=P(),
+    post_ffw_norm=P(),
+    wq=P(None, TP),
+    wk=P(None, TP),
+    wv=P(None, TP),
+    wo=P(TP, None),
+    w_gate=P(None, TP),
+    w_up=P(None, TP),
+    w_down=P(TP, None),
+)
 
 
 def place(params, mesh):
-    layers = [{k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in p.items()}
-              for p in params["layers"]]
-    return dict(layers=layers, final_norm=jax.device_put(params["final_norm"],
-                                                         NamedSharding(mesh, P())))
+    layers = [
+        {k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in p.items()}
+        for p in params["layers"]
+    ]
+    return dict(
+        layers=layers, final_norm=jax.device_put(params["final_norm"], NamedSharding(mesh, P()))
+    )
 
 
 def input_sharding(mesh):

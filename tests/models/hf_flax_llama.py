@@ -6,6 +6,7 @@ projections), the decoder layer written as Hugging Face writes it (``residual = 
 ``hidden = residual + hidden``). ``weight_dtype`` is the norm weight's dtype: the model's
 (weights loaded in bfloat16) or float32 (Flax's default param_dtype, which makes the norm's
 output float32)."""
+
 from __future__ import annotations
 
 import jax
@@ -35,23 +36,41 @@ def init_params(cfg: Config, seed: int, dtype, weight_dtype=None):
     rng = np.random.default_rng(seed)
     d, f, qd = cfg.hidden, cfg.ffn, cfg.heads * cfg.head_dim
     wd = weight_dtype or dtype
-    layers = [dict(input_layernorm=gamma(rng, d, wd), q_proj=normal(rng, (d, qd), d, dtype),
-                   k_proj=normal(rng, (d, qd), d, dtype), v_proj=normal(rng, (d, qd), d, dtype),
-                   o_proj=normal(rng, (qd, d), qd, dtype),
-                   post_attention_layernorm=gamma(rng, d, wd),
-                   gate_proj=normal(rng, (d, f), d, dtype), up_proj=normal(rng, (d, f), d, dtype),
-                   down_proj=normal(rng, (f, d), f, dtype)) for _ in range(cfg.layers)]
+    layers = [
+        dict(
+            input_layernorm=gamma(rng, d, wd),
+            q_proj=normal(rng, (d, qd), d, dtype),
+            k_proj=normal(rng, (d, qd), d, dtype),
+            v_proj=normal(rng, (d, qd), d, dtype),
+            o_proj=normal(rng, (qd, d), qd, dtype),
+            post_attention_layernorm=gamma(rng, d, wd),
+            gate_proj=normal(rng, (d, f), d, dtype),
+            up_proj=normal(rng, (d, f), d, dtype),
+            down_proj=normal(rng, (f, d), f, dtype),
+        )
+        for _ in range(cfg.layers)
+    ]
     return dict(layers=layers, norm=gamma(rng, d, wd))
 
 
-SPECS = dict(input_layernorm=P(), q_proj=P(None, TP), k_proj=P(None, TP), v_proj=P(None, TP),
-             o_proj=P(TP, None), post_attention_layernorm=P(), gate_proj=P(None, TP),
-             up_proj=P(None, TP), down_proj=P(TP, None))
+SPECS = dict(
+    input_layernorm=P(),
+    q_proj=P(None, TP),
+    k_proj=P(None, TP),
+    v_proj=P(None, TP),
+    o_proj=P(TP, None),
+    post_attention_layernorm=P(),
+    gate_proj=P(None, TP),
+    up_proj=P(None, TP),
+    down_proj=P(TP, None),
+)
 
 
 def place(params, mesh):
-    layers = [{k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in p.items()}
-              for p in params["layers"]]
+    layers = [
+        {k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in p.items()}
+        for p in params["layers"]
+    ]
     return dict(layers=layers, norm=jax.device_put(params["norm"], NamedSharding(mesh, P())))
 
 

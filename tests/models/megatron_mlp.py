@@ -3,6 +3,7 @@ communication is two ``custom_vjp`` operators, ``f`` (identity forward, all-redu
 before the column-parallel matmul) and ``g`` (all-reduce forward, identity backward, after
 the row-parallel one), inside a ``shard_map`` written without the varying-axes check (as
 such ports were, before it existed)."""
+
 from __future__ import annotations
 
 import jax
@@ -16,7 +17,7 @@ DP, TP = "dp", "tp"
 
 
 @jax.custom_vjp
-def copy_to_tensor_parallel(x):       # Megatron's f
+def copy_to_tensor_parallel(x):  # Megatron's f
     return x
 
 
@@ -32,7 +33,7 @@ copy_to_tensor_parallel.defvjp(_f_fwd, _f_bwd)
 
 
 @jax.custom_vjp
-def reduce_from_tensor_parallel(x):   # Megatron's g
+def reduce_from_tensor_parallel(x):  # Megatron's g
     return jax.lax.psum(x, TP)
 
 
@@ -58,8 +59,14 @@ def rms_norm(x, weight, eps):
 def init_params(cfg: Config, seed: int, dtype):
     rng = np.random.default_rng(seed)
     d, f = cfg.hidden, cfg.ffn
-    blocks = [dict(norm=gamma(rng, d, dtype), w1=normal(rng, (d, f), d, dtype),
-                   w2=normal(rng, (f, d), f, dtype)) for _ in range(cfg.layers)]
+    blocks = [
+        dict(
+            norm=gamma(rng, d, dtype),
+            w1=normal(rng, (d, f), d, dtype),
+            w2=normal(rng, (f, d), f, dtype),
+        )
+        for _ in range(cfg.layers)
+    ]
     return dict(blocks=blocks, final_norm=gamma(rng, d, dtype))
 
 
@@ -67,10 +74,13 @@ SPECS = dict(norm=P(), w1=P(None, TP), w2=P(TP, None))
 
 
 def place(params, mesh):
-    blocks = [{k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in p.items()}
-              for p in params["blocks"]]
-    return dict(blocks=blocks, final_norm=jax.device_put(params["final_norm"],
-                                                         NamedSharding(mesh, P())))
+    blocks = [
+        {k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in p.items()}
+        for p in params["blocks"]
+    ]
+    return dict(
+        blocks=blocks, final_norm=jax.device_put(params["final_norm"], NamedSharding(mesh, P()))
+    )
 
 
 def input_sharding(mesh):
@@ -89,5 +99,4 @@ def make_forward(cfg: Config, mesh):
         return rms_norm(x, params["final_norm"], cfg.eps)
 
     specs = dict(blocks=[SPECS] * cfg.layers, final_norm=P())
-    return jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DP)), out_specs=P(DP),
-                         check_vma=False)
+    return jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DP)), out_specs=P(DP), check_vma=False)

@@ -4,6 +4,7 @@ their matmul in a ``shard_map`` (the row-parallel one ends with ``lax.psum``), a
 else (RMSNorm, rotary embeddings, attention, the residual adds) is plain ``jnp`` under jit,
 which the partitioner lays out. The all-reduce is inside a shard_map; the residual add and
 the norm after it are outside."""
+
 from __future__ import annotations
 
 import jax
@@ -23,8 +24,12 @@ class ColumnParallelLinear:
         self.mesh = mesh
 
     def __call__(self, x, w):
-        return jax.shard_map(lambda x, w: jnp.einsum("btd,df->btf", x, w), mesh=self.mesh,
-                             in_specs=(P(DP), P(None, TP)), out_specs=P(DP, None, TP))(x, w)
+        return jax.shard_map(
+            lambda x, w: jnp.einsum("btd,df->btf", x, w),
+            mesh=self.mesh,
+            in_specs=(P(DP), P(None, TP)),
+            out_specs=P(DP, None, TP),
+        )(x, w)
 
 
 class RowParallelLinear:
@@ -36,8 +41,10 @@ class RowParallelLinear:
     def __call__(self, x, w):
         def local(x, w):
             return jax.lax.psum(jnp.einsum("btf,fd->btd", x, w), TP)
-        return jax.shard_map(local, mesh=self.mesh, in_specs=(P(DP, None, TP), P(TP, None)),
-                             out_specs=P(DP))(x, w)
+
+        return jax.shard_map(
+            local, mesh=self.mesh, in_specs=(P(DP, None, TP), P(TP, None)), out_specs=P(DP)
+        )(x, w)
 
 
 class RMSNorm:
@@ -47,30 +54,51 @@ class RMSNorm:
     def __call__(self, x, weight):
         dtype = x.dtype
         x = x.astype(jnp.float32)
-        x = x * jax.lax.rsqrt(jnp.mean(x ** 2, axis=-1, keepdims=True) + self.eps)
+        x = x * jax.lax.rsqrt(jnp.mean(x**2, axis=-1, keepdims=True) + self.eps)
         return (weight.astype(jnp.float32) * x).astype(dtype)
 
 
 def init_params(cfg: Config, seed: int, dtype):
     rng = np.random.default_rng(seed)
     d, f, qd = cfg.hidden, cfg.ffn, cfg.heads * cfg.head_dim
-    layers = [dict(attn_norm=gamma(rng, d, dtype), wq=normal(rng, (d, qd), d, dtype),
-                   wk=normal(rng, (d, qd), d, dtype), wv=normal(rng, (d, qd), d, dtype),
-                   wo=normal(rng, (qd, d), qd, dtype), mlp_norm=gamma(rng, d, dtype),
-                   w_gate=normal(rng, (d, f), d, dtype), w_up=normal(rng, (d, f), d, dtype),
-                   w_down=normal(rng, (f, d), f, dtype)) for _ in range(cfg.layers)]
+    layers = [
+        dict(
+            attn_norm=gamma(rng, d, dtype),
+            wq=normal(rng, (d, qd), d, dtype),
+            wk=normal(rng, (d, qd), d, dtype),
+            wv=normal(rng, (d, qd), d, dtype),
+            wo=normal(rng, (qd, d), qd, dtype),
+            mlp_norm=gamma(rng, d, dtype),
+            w_gate=normal(rng, (d, f), d, dtype),
+            w_up=normal(rng, (d, f), d, dtype),
+            w_down=normal(rng, (f, d), f, dtype),
+        )
+        for _ in range(cfg.layers)
+    ]
     return dict(layers=layers, final_norm=gamma(rng, d, dtype))
 
 
-SPECS = dict(attn_norm=P(), wq=P(None, TP), wk=P(None, TP), wv=P(None, TP), wo=P(TP, None),
-             mlp_norm=P(), w_gate=P(None, TP), w_up=P(None, TP), w_down=P(TP, None))
+SPECS = dict(
+    attn_norm=P(),
+    wq=P(None, TP),
+    wk=P(None, TP),
+    wv=P(None, TP),
+    wo=P(TP, None),
+    mlp_norm=P(),
+    w_gate=P(None, TP),
+    w_up=P(None, TP),
+    w_down=P(TP, None),
+)
 
 
 def place(params, mesh):
-    layers = [{k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in p.items()}
-              for p in params["layers"]]
-    return dict(layers=layers, final_norm=jax.device_put(params["final_norm"],
-                                                         NamedSharding(mesh, P())))
+    layers = [
+        {k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in p.items()}
+        for p in params["layers"]
+    ]
+    return dict(
+        layers=layers, final_norm=jax.device_put(params["final_norm"], NamedSharding(mesh, P()))
+    )
 
 
 def input_sharding(mesh):

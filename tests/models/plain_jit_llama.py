@@ -5,6 +5,7 @@ jax-llm-examples' way. Projections are einsums; the attention output stays [batc
 time, head_dim] and the o-projection contracts two dimensions (``bhtq,hqd->btd``). With
 ``AxisType.Explicit`` axes the shardings are part of the types, and the einsums that
 contract a sharded dimension name their output sharding."""
+
 from __future__ import annotations
 
 import jax
@@ -20,24 +21,44 @@ DP, TP = "dp", "tp"
 def init_params(cfg: Config, seed: int, dtype):
     rng = np.random.default_rng(seed)
     d, f, h, q = cfg.hidden, cfg.ffn, cfg.heads, cfg.head_dim
-    layers = [dict(attn_norm=gamma(rng, d, dtype), wq=normal(rng, (d, h, q), d, dtype),
-                   wk=normal(rng, (d, h, q), d, dtype), wv=normal(rng, (d, h, q), d, dtype),
-                   wo=normal(rng, (h, q, d), h * q, dtype), mlp_norm=gamma(rng, d, dtype),
-                   w_gate=normal(rng, (d, f), d, dtype), w_up=normal(rng, (d, f), d, dtype),
-                   w_down=normal(rng, (f, d), f, dtype)) for _ in range(cfg.layers)]
+    layers = [
+        dict(
+            attn_norm=gamma(rng, d, dtype),
+            wq=normal(rng, (d, h, q), d, dtype),
+            wk=normal(rng, (d, h, q), d, dtype),
+            wv=normal(rng, (d, h, q), d, dtype),
+            wo=normal(rng, (h, q, d), h * q, dtype),
+            mlp_norm=gamma(rng, d, dtype),
+            w_gate=normal(rng, (d, f), d, dtype),
+            w_up=normal(rng, (d, f), d, dtype),
+            w_down=normal(rng, (f, d), f, dtype),
+        )
+        for _ in range(cfg.layers)
+    ]
     return dict(layers=layers, final_norm=gamma(rng, d, dtype))
 
 
-SPECS = dict(attn_norm=P(), wq=P(None, TP, None), wk=P(None, TP, None), wv=P(None, TP, None),
-             wo=P(TP, None, None), mlp_norm=P(), w_gate=P(None, TP), w_up=P(None, TP),
-             w_down=P(TP, None))
+SPECS = dict(
+    attn_norm=P(),
+    wq=P(None, TP, None),
+    wk=P(None, TP, None),
+    wv=P(None, TP, None),
+    wo=P(TP, None, None),
+    mlp_norm=P(),
+    w_gate=P(None, TP),
+    w_up=P(None, TP),
+    w_down=P(TP, None),
+)
 
 
 def place(params, mesh):
-    layers = [{k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in p.items()}
-              for p in params["layers"]]
-    return dict(layers=layers, final_norm=jax.device_put(params["final_norm"],
-                                                         NamedSharding(mesh, P())))
+    layers = [
+        {k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in p.items()}
+        for p in params["layers"]
+    ]
+    return dict(
+        layers=layers, final_norm=jax.device_put(params["final_norm"], NamedSharding(mesh, P()))
+    )
 
 
 def input_sharding(mesh):
@@ -68,12 +89,13 @@ def make_forward(cfg: Config, mesh):
         scores = scores / np.sqrt(cfg.head_dim)
         scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -1e30)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = einsum("bhts,bshq->bhtq", probs, v)                   # [b, h, t, q]
-        return einsum("bhtq,hqd->btd", out, p["wo"], P(DP))          # two contracted dims
+        out = einsum("bhts,bshq->bhtq", probs, v)  # [b, h, t, q]
+        return einsum("bhtq,hqd->btd", out, p["wo"], P(DP))  # two contracted dims
 
     def mlp(p, h):
         act = jax.nn.silu(einsum("btd,df->btf", h, p["w_gate"])) * einsum(
-            "btd,df->btf", h, p["w_up"])
+            "btd,df->btf", h, p["w_up"]
+        )
         return einsum("btf,fd->btd", act, p["w_down"], P(DP))
 
     def forward(params, x):

@@ -4,6 +4,7 @@ projection ends with ``lax.psum_scatter`` over the sequence, the residual is add
 token shard, and the shard's RMSNorm output is gathered (``lax.all_gather``) for the next
 column-parallel projection. ``norm_after_gather=True`` gathers the residual stream first and
 normalizes every token (the other order the same algebra allows)."""
+
 from __future__ import annotations
 
 import jax
@@ -17,7 +18,7 @@ DP, TP = "dp", "tp"
 init_params = per_linear_llama.init_params
 SPECS = per_linear_llama.SPECS
 place = per_linear_llama.place
-ACT = P(DP, TP)     # [batch, seq, hidden]: the sequence split over TP
+ACT = P(DP, TP)  # [batch, seq, hidden]: the sequence split over TP
 
 
 def input_sharding(mesh):
@@ -63,5 +64,4 @@ def make_forward(cfg: Config, mesh, norm_after_gather: bool = False):
         return normed(x, params["final_norm"])
 
     specs = dict(layers=[SPECS] * cfg.layers, final_norm=P())
-    return jax.shard_map(body, mesh=mesh, in_specs=(specs, ACT), out_specs=P(DP),
-                         check_vma=False)
+    return jax.shard_map(body, mesh=mesh, in_specs=(specs, ACT), out_specs=P(DP), check_vma=False)

@@ -2,6 +2,7 @@
 many it fuses, the reason for the others, and how the model is laid out on a mesh of
 ("dp", "tp") axes. Used by the CPU tests (tests/jax/test_fuse_styles.py) and the GPU test
 (tests/gpu/fuse_styles.py); sets no environment, so it imports under any platform."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,8 +12,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType
 
-from . import (gemma, hf_flax_llama, megatron_mlp, per_linear_llama, plain_jit_llama,
-               sequence_parallel_llama)
+from . import (
+    gemma,
+    hf_flax_llama,
+    megatron_mlp,
+    per_linear_llama,
+    plain_jit_llama,
+    sequence_parallel_llama,
+)
 from .common import Config, activations
 
 PSUM_IN_SHARD_MAP = "shard_map psum"
@@ -26,17 +33,17 @@ PSUM = "psum"
 class Style:
     name: str
     module: object
-    sites_per_layer: int          # sites fuse finds per layer
-    fused: bool                   # whether they are fused (all of them) or all refused
+    sites_per_layer: int  # sites fuse finds per layer
+    fused: bool  # whether they are fused (all of them) or all refused
     kind: str
     reason: Optional[str] = None  # the refusal's start, when not fused
-    forward_kwargs: tuple = ()    # make_forward's keyword arguments
+    forward_kwargs: tuple = ()  # make_forward's keyword arguments
     dtype: str = "bfloat16"
-    weight_dtype: Optional[str] = None   # norm weights' dtype, when not the model's
+    weight_dtype: Optional[str] = None  # norm weights' dtype, when not the model's
     axis_type: AxisType = AxisType.Auto
     allow_rounding_change: bool = False
     weight_bias: float = 0.0
-    grad_check: bool = True       # the CPU test also compares gradients (one style per
+    grad_check: bool = True  # the CPU test also compares gradients (one style per
     #                               machinery suffices: each costs two more compilations)
 
     def sites(self, cfg: Config) -> int:
@@ -61,32 +68,69 @@ class Style:
         """(placed params, placed activations)."""
         dtype = dtype or self.dtype
         params = self.module.place(self.params(cfg, seed, dtype), mesh)
-        x = jax.device_put(activations(cfg, seed + 1, jnp.dtype(dtype)),
-                           self.module.input_sharding(mesh))
+        x = jax.device_put(
+            activations(cfg, seed + 1, jnp.dtype(dtype)), self.module.input_sharding(mesh)
+        )
         return params, x
 
 
 STYLES = [
     Style("per_linear_llama", per_linear_llama, 2, True, PSUM_IN_SHARD_MAP),
     Style("sequence_parallel_llama", sequence_parallel_llama, 2, True, REDUCE_SCATTER),
-    Style("sequence_parallel_llama_norm_after_gather", sequence_parallel_llama, 2, True,
-          REDUCE_SCATTER, forward_kwargs=(("norm_after_gather", True),), grad_check=False),
+    Style(
+        "sequence_parallel_llama_norm_after_gather",
+        sequence_parallel_llama,
+        2,
+        True,
+        REDUCE_SCATTER,
+        forward_kwargs=(("norm_after_gather", True),),
+        grad_check=False,
+    ),
     Style("megatron_mlp", megatron_mlp, 1, True, CUSTOM_RULE_PSUM),
     Style("plain_jit_llama_auto", plain_jit_llama, 2, True, PLAIN_JIT),
-    Style("plain_jit_llama_explicit", plain_jit_llama, 2, True, PLAIN_JIT,
-          axis_type=AxisType.Explicit),
+    Style(
+        "plain_jit_llama_explicit", plain_jit_llama, 2, True, PLAIN_JIT, axis_type=AxisType.Explicit
+    ),
     Style("gemma_sandwich", gemma, 2, False, PSUM, reason="sandwich norm"),
-    Style("gemma_pre_norm", gemma, 2, True, PSUM, forward_kwargs=(("sandwich", False),),
-          weight_bias=1.0, grad_check=False),
-    Style("hf_flax_llama", hf_flax_llama, 2, False, PSUM,
-          reason="gamma multiplied in bfloat16 after the norm is rounded"),
+    Style(
+        "gemma_pre_norm",
+        gemma,
+        2,
+        True,
+        PSUM,
+        forward_kwargs=(("sandwich", False),),
+        weight_bias=1.0,
+        grad_check=False,
+    ),
+    Style(
+        "hf_flax_llama",
+        hf_flax_llama,
+        2,
+        False,
+        PSUM,
+        reason="gamma multiplied in bfloat16 after the norm is rounded",
+    ),
     Style("hf_flax_llama_allow", hf_flax_llama, 2, True, PSUM, allow_rounding_change=True),
-    Style("hf_flax_llama_f32_weights", hf_flax_llama, 2, False, PSUM, weight_dtype="float32",
-          reason="gamma multiplied in float32 after the norm is rounded"),
-    Style("hf_flax_llama_f32_weights_allow", hf_flax_llama, 2, True, PSUM,
-          weight_dtype="float32", allow_rounding_change=True, grad_check=False),
-    Style("hf_flax_llama_float32", hf_flax_llama, 2, True, PSUM, dtype="float32",
-          grad_check=False),
+    Style(
+        "hf_flax_llama_f32_weights",
+        hf_flax_llama,
+        2,
+        False,
+        PSUM,
+        weight_dtype="float32",
+        reason="gamma multiplied in float32 after the norm is rounded",
+    ),
+    Style(
+        "hf_flax_llama_f32_weights_allow",
+        hf_flax_llama,
+        2,
+        True,
+        PSUM,
+        weight_dtype="float32",
+        allow_rounding_change=True,
+        grad_check=False,
+    ),
+    Style("hf_flax_llama_float32", hf_flax_llama, 2, True, PSUM, dtype="float32", grad_check=False),
 ]
 
 BY_NAME = {s.name: s for s in STYLES}

@@ -1,5 +1,6 @@
 """The native module's CPU tests: 8 virtual CPU devices for JAX, set before any test module
 here imports it (tests/cpu_devices.py)."""
+
 from tests.cpu_devices import use_host_devices
 
 use_host_devices()

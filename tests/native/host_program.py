@@ -1,6 +1,7 @@
 """Compiles a small host C++ program against the core's call-check and status sources with
 nvcc and runs it: how the native tests read the core's failure texts without a GPU. The
 program prints ``name=[text]`` lines; returns them as a dict. Skips without nvcc."""
+
 import os
 import shutil
 import subprocess
@@ -11,8 +12,9 @@ from tests.repo import REPO
 
 
 def nvcc():
-    return shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc"
-                                    if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+    return shutil.which("nvcc") or (
+        "/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None
+    )
 
 
 def run_host_program(tmp_path, name: str, source: str) -> dict:
@@ -23,8 +25,18 @@ def run_host_program(tmp_path, name: str, source: str) -> dict:
     src.write_text(source)
     exe = tmp_path / name
     core = REPO / "ffi" / "core"
-    cmd = [compiler, "-std=c++17", "-arch=sm_90a", f"-I{core}", f"-I{core / 'include'}",
-           str(src), str(core / "call_check.cu"), str(core / "status.cpp"), "-o", str(exe)]
+    cmd = [
+        compiler,
+        "-std=c++17",
+        "-arch=sm_90a",
+        f"-I{core}",
+        f"-I{core / 'include'}",
+        str(src),
+        str(core / "call_check.cu"),
+        str(core / "status.cpp"),
+        "-o",
+        str(exe),
+    ]
     build = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stderr[-3000:]
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)

@@ -3,6 +3,7 @@ process exchange and torch's member exchange, with fakes), the plumbing down to 
 Rank, and the native core's host-side pieces (signature packing, the failure message)
 compiled with nvcc into a small host program. The handshake kernel itself runs only in
 tests/gpu/test_topology.py."""
+
 import json
 import threading
 
@@ -55,20 +56,32 @@ def test_timeout_default_env_and_argument(monkeypatch):
     assert call_check.resolve_check_timeout_s(np.float32(0.5)) == 0.5
 
 
-@pytest.mark.parametrize("raw, match", [("abc", "is not a number of seconds"),
-                                        ("0", r"must be in \(0, 3600\]"),
-                                        ("-1", r"must be in \(0, 3600\]"),
-                                        ("nan", r"must be in \(0, 3600\]"),
-                                        ("4000", r"must be in \(0, 3600\]")])
+@pytest.mark.parametrize(
+    "raw, match",
+    [
+        ("abc", "is not a number of seconds"),
+        ("0", r"must be in \(0, 3600\]"),
+        ("-1", r"must be in \(0, 3600\]"),
+        ("nan", r"must be in \(0, 3600\]"),
+        ("4000", r"must be in \(0, 3600\]"),
+    ],
+)
 def test_bad_timeouts_from_the_environment(monkeypatch, raw, match):
     monkeypatch.setenv(call_check.CHECK_TIMEOUT_ENV_VAR, raw)
     with pytest.raises(ValueError, match=r"\$JAX_FUSEDAR_CHECK_TIMEOUT_S.*" + match):
         call_check.resolve_check_timeout_s(None)
 
 
-@pytest.mark.parametrize("value, error", [(0, ValueError), (-3.0, ValueError),
-                                          (float("inf"), ValueError), (True, TypeError),
-                                          ("10", TypeError)])
+@pytest.mark.parametrize(
+    "value, error",
+    [
+        (0, ValueError),
+        (-3.0, ValueError),
+        (float("inf"), ValueError),
+        (True, TypeError),
+        ("10", TypeError),
+    ],
+)
 def test_bad_timeout_arguments(value, error):
     with pytest.raises(error, match="check_timeout_s"):
         call_check.resolve_check_timeout_s(value)
@@ -78,8 +91,7 @@ def test_options_must_agree():
     join.check_options_agree({"a": {"check_calls": True}, "b": {"check_calls": True}})
     join.check_options_agree({"a": {"check_calls": False}, "b": {}})  # absent = off
     with pytest.raises(ValueError, match=r"disagree on check_calls: on for b; off for a, c"):
-        join.check_options_agree({"a": {"check_calls": False}, "b": {"check_calls": True},
-                                  "c": {}})
+        join.check_options_agree({"a": {"check_calls": False}, "b": {"check_calls": True}, "c": {}})
 
 
 def test_every_agreed_option_is_compared(monkeypatch):
@@ -120,20 +132,27 @@ def _jax_agree(flags, groups_members, timeout_s=5.0):
     from jax_fusedar import workspace as jws
 
     store = _Store()
-    groups = [tp_groups.TPGroup(tuple(range(10 * i, 10 * i + len(ms))), i)
-              for i, ms in enumerate(groups_members)]
+    groups = [
+        tp_groups.TPGroup(tuple(range(10 * i, 10 * i + len(ms))), i)
+        for i, ms in enumerate(groups_members)
+    ]
     members = {g.index: ms for g, ms in zip(groups, groups_members)}
     out, errors = {}, {}
 
     def proc(me):
         try:
-            joins = [join.GroupJoin(g, tuple(m.process for m in members[g.index]),
-                                    {r: m.device for r, m in enumerate(members[g.index])
-                                     if m.process == me})
-                     for g in groups]
+            joins = [
+                join.GroupJoin(
+                    g,
+                    tuple(m.process for m in members[g.index]),
+                    {r: m.device for r, m in enumerate(members[g.index]) if m.process == me},
+                )
+                for g in groups
+            ]
             joins = [j for j in joins if j.my_devices]
-            out[me] = jws.join_processes(joins, me, store.channel(timeout_s), serial=3,
-                                         check_calls=flags[me])
+            out[me] = jws.join_processes(
+                joins, me, store.channel(timeout_s), serial=3, check_calls=flags[me]
+            )
         except Exception as e:  # noqa: BLE001 - recorded for the assertions
             errors[me] = e
 
@@ -158,7 +177,11 @@ def test_jax_processes_that_agree_pass():
     assert all(p["options"] == {"check_calls": True} for p in published)
     # Each process publishes the devices of its own members of the group ...
     assert sorted(tuple(p["devices"].items()) for p in published) == [
-        (("0", 0),), (("0", 1),), (("1", 0),), (("1", 1),)]
+        (("0", 0),),
+        (("0", 1),),
+        (("1", 0),),
+        (("1", 1),),
+    ]
     # ... and every process ends with the same members, in TP-rank order.
     for agreed in out.values():
         assert [list(a.members) for a in agreed] == gm
@@ -219,12 +242,23 @@ def test_jax_build_passes_the_option_to_every_native_rank(monkeypatch):
     monkeypatch.setattr(native, "require", lambda: FakeExt)
     sizes = sizing.workspace_sizes(2, 16, 1024, "float32")
     ws = jws.AllReduceFusionWorkspace(
-        mesh=Mesh(), axis_name="tp", max_token_num=16, hidden_dim=1024, dtype="float32",
-        backend="trtllm", workspace_id=99, groups=[tp_groups.TPGroup((0, 1), 0)], sizes=sizes,
-        check_calls=True, check_timeout_s=7.0)
+        mesh=Mesh(),
+        axis_name="tp",
+        max_token_num=16,
+        hidden_dim=1024,
+        dtype="float32",
+        backend="trtllm",
+        workspace_id=99,
+        groups=[tp_groups.TPGroup((0, 1), 0)],
+        sizes=sizes,
+        check_calls=True,
+        check_timeout_s=7.0,
+    )
     jws._build_native(ws, 5.0)
-    assert made == [dict(device=0, rank=0, check_calls=True, check_timeout_s=7.0, timeout_s=30.0),
-                    dict(device=1, rank=1, check_calls=True, check_timeout_s=7.0, timeout_s=30.0)]
+    assert made == [
+        dict(device=0, rank=0, check_calls=True, check_timeout_s=7.0, timeout_s=30.0),
+        dict(device=1, rank=1, check_calls=True, check_timeout_s=7.0, timeout_s=30.0),
+    ]
     assert "check_calls" in repr(ws)
     assert ws.call_check_failures() == ["rank failed", "rank failed"]
 
@@ -238,13 +272,20 @@ def test_jax_create_resolves_the_option_before_anything(monkeypatch):
     mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
     monkeypatch.setenv(call_check.CHECK_CALLS_ENV_VAR, "sometimes")
     with pytest.raises(ValueError, match="JAX_FUSEDAR_CHECK_CALLS"):
-        jws.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=8, hidden_dim=1024,
-                                              dtype="bfloat16", backend="xla")
+        jws.create_allreduce_fusion_workspace(
+            mesh, "tp", max_token_num=8, hidden_dim=1024, dtype="bfloat16", backend="xla"
+        )
     monkeypatch.setenv(call_check.CHECK_CALLS_ENV_VAR, "1")
     with pytest.raises(ValueError, match="check_timeout_s"):
-        jws.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=8, hidden_dim=1024,
-                                              dtype="bfloat16", backend="xla",
-                                              check_timeout_s=-1)
+        jws.create_allreduce_fusion_workspace(
+            mesh,
+            "tp",
+            max_token_num=8,
+            hidden_dim=1024,
+            dtype="bfloat16",
+            backend="xla",
+            check_timeout_s=-1,
+        )
 
 
 # --- torch: agreement among the members ---------------------------------------------------------
@@ -276,10 +317,16 @@ def _torch_join(flags, timeout_s=10.0):
     def run(me):
         try:
             out[me] = tws._join_group(
-                global_ranks=[0, 1], me=me, device=me, host="node0",
-                channel=StoreChannel(store, timeout_s=timeout_s, process=me), serial=1,
-                backend="trtllm", make_rank=lambda dev, tp, me=me: FakeRank(me, dev, tp),
-                check_calls=flags[me])
+                global_ranks=[0, 1],
+                me=me,
+                device=me,
+                host="node0",
+                channel=StoreChannel(store, timeout_s=timeout_s, process=me),
+                serial=1,
+                backend="trtllm",
+                make_rank=lambda dev, tp, me=me: FakeRank(me, dev, tp),
+                check_calls=flags[me],
+            )
         except Exception as e:  # noqa: BLE001
             errors[me] = e
 
@@ -302,8 +349,10 @@ def test_torch_members_that_disagree_all_refuse_before_allocating():
     assert not out and set(errors) == {0, 1} and not made
     for e in errors.values():
         assert isinstance(e, ValueError)
-        assert ("disagree on check_calls: on for TP rank 1 (global rank 1); off for TP rank 0 "
-                "(global rank 0)") in str(e)
+        assert (
+            "disagree on check_calls: on for TP rank 1 (global rank 1); off for TP rank 0 "
+            "(global rank 0)"
+        ) in str(e)
 
 
 def test_torch_create_takes_the_option_keyword_only():
@@ -323,8 +372,9 @@ def test_torch_create_refuses_a_bad_environment_first(monkeypatch):
 
     monkeypatch.setenv(call_check.CHECK_CALLS_ENV_VAR, "2")
     with pytest.raises(ValueError, match="JAX_FUSEDAR_CHECK_CALLS"):
-        torch_compat.create_allreduce_fusion_workspace("trtllm", max_token_num=16,
-                                                       hidden_dim=1024, dtype=torch.bfloat16)
+        torch_compat.create_allreduce_fusion_workspace(
+            "trtllm", max_token_num=16, hidden_dim=1024, dtype=torch.bfloat16
+        )
 
 
 # --- the native extension and core ---------------------------------------------------------------
@@ -409,19 +459,25 @@ def test_core_signature_and_failure_messages(tmp_path):
     assert lines["offset"] == "4096 bytes=256 alloc=4352"
     assert lines["unchecked"] == "[]" and lines["clean"] == "[]"
     mismatch = lines["mismatch"]
-    assert mismatch.startswith("[jax_fusedar call check failed on rank 1 of 4 (device 0), "
-                               "call #7: rank 3 called {pattern=1 dtype=bfloat16 "
-                               "num_tokens=17 hidden_dim=4096 two-shot fp32_acc=1 layout=0 "
-                               "block_quant_group_size=0} but rank 1 called {pattern=1 "
-                               "dtype=bfloat16 num_tokens=16 hidden_dim=4096 one-shot"), mismatch
+    assert mismatch.startswith(
+        "[jax_fusedar call check failed on rank 1 of 4 (device 0), "
+        "call #7: rank 3 called {pattern=1 dtype=bfloat16 "
+        "num_tokens=17 hidden_dim=4096 two-shot fp32_acc=1 layout=0 "
+        "block_quant_group_size=0} but rank 1 called {pattern=1 "
+        "dtype=bfloat16 num_tokens=16 hidden_dim=4096 one-shot"
+    ), mismatch
     assert "(2 ranks failed the check" in mismatch and "restart the process" in mismatch
     # The large-message algorithm is its own bit (18): a rank running it against one running
     # FlashInfer's one-shot or two-shot kernel fails the check.
     assert lines["large_word"] == f"{1 | 2 << 8 | 1 << 17 | 1 << 18:x}"
-    assert ("rank 3 called {pattern=1 dtype=bfloat16 num_tokens=16 hidden_dim=4096 "
-            "large-message fp32_acc=1") in lines["mismatch_large"], lines["mismatch_large"]
+    assert (
+        "rank 3 called {pattern=1 dtype=bfloat16 num_tokens=16 hidden_dim=4096 "
+        "large-message fp32_acc=1"
+    ) in lines["mismatch_large"], lines["mismatch_large"]
     timeout = lines["timeout"]
-    assert ("rank 3 did not make its call #7 {pattern=1 dtype=bfloat16 num_tokens=16 "
-            "hidden_dim=4096 one-shot fp32_acc=1 layout=0 block_quant_group_size=0} within "
-            "2.5 s (the last call seen from it is #6)") in timeout, timeout
+    assert (
+        "rank 3 did not make its call #7 {pattern=1 dtype=bfloat16 num_tokens=16 "
+        "hidden_dim=4096 one-shot fp32_acc=1 layout=0 block_quant_group_size=0} within "
+        "2.5 s (the last call seen from it is #6)"
+    ) in timeout, timeout
     assert lines["truncated"] == "[jax_fusedar cal]"

@@ -2,6 +2,7 @@
 result lists, the workspace sizes, the limits and the FFI target names the Python side
 uses must equal what the native module (fusedar/patterns.h, fusedar_workspace_sizes,
 ffi/xla/handlers.h) reports. Runs on CPU: nothing here touches a GPU."""
+
 import itertools
 
 import numpy as np
@@ -13,8 +14,15 @@ from tests.skips import needs_native
 
 pytestmark = needs_native
 
-TRAIT_FIELDS = ("has_allreduce_out", "has_residual", "has_norm_out", "quant",
-                "uses_scale_factor", "writes_scale_out", "needs_sm100")
+TRAIT_FIELDS = (
+    "has_allreduce_out",
+    "has_residual",
+    "has_norm_out",
+    "quant",
+    "uses_scale_factor",
+    "writes_scale_out",
+    "needs_sm100",
+)
 
 
 def _python_traits(traits):
@@ -74,39 +82,61 @@ def test_result_specs_shapes():
     P = AllReduceFusionPattern
     m, h = 5, 4096
     assert results.result_specs(P.kAllReduce, m, h, "float32") == (
-        results.ResultSpec("allreduce_out", (m, h), "float32"),)
-    fp4 = {s.name: s for s in results.result_specs(P.kARResidualRMSNormOutFP4Quant, m, h,
-                                                   "bfloat16", layout=0)}
+        results.ResultSpec("allreduce_out", (m, h), "float32"),
+    )
+    fp4 = {
+        s.name: s
+        for s in results.result_specs(P.kARResidualRMSNormOutFP4Quant, m, h, "bfloat16", layout=0)
+    }
     assert fp4["quant_out"] == results.ResultSpec("quant_out", (m, h // 2), "uint8")
     assert fp4["scale_out"] == results.ResultSpec("scale_out", (128, h // 16), "float8_e4m3fn")
-    linear = results.result_spec(P.kARResidualRMSNormFP4Quant, "scale_out", m, h, "float16",
-                                 layout=2)
+    linear = results.result_spec(
+        P.kARResidualRMSNormFP4Quant, "scale_out", m, h, "float16", layout=2
+    )
     assert linear.shape == (m, h // 16)
     dyn = results.result_spec(P.kARResidualRMSNormDynamicFP8Quant, "scale_out", m, h, "float16")
     assert (dyn.shape, dyn.dtype) == ((m, 1), "float32")
-    group = results.result_spec(P.kARResidualRMSNormPerTokenGroupFP8PackedQuant, "scale_out",
-                                m, h, "bfloat16", group_size=128)
+    group = results.result_spec(
+        P.kARResidualRMSNormPerTokenGroupFP8PackedQuant,
+        "scale_out",
+        m,
+        h,
+        "bfloat16",
+        group_size=128,
+    )
     assert (group.shape, group.strides, group.storage_shape) == ((m, 8), (1, 8), (8, 8))
-    assert results.result_spec(P.kARResidualRMSNormFP8Quant, "scale_out", m, h,
-                               "bfloat16") is None
+    assert results.result_spec(P.kARResidualRMSNormFP8Quant, "scale_out", m, h, "bfloat16") is None
 
 
 def test_dtype_codes_are_the_native_ones():
-    assert native.DTYPE_CODES == {"float32": native.ext.FLOAT32,
-                                  "float16": native.ext.FLOAT16,
-                                  "bfloat16": native.ext.BFLOAT16}
+    assert native.DTYPE_CODES == {
+        "float32": native.ext.FLOAT32,
+        "float16": native.ext.FLOAT16,
+        "bfloat16": native.ext.BFLOAT16,
+    }
 
 
-@pytest.mark.parametrize("world_size,tokens,hidden,dtype", [
-    *itertools.product((2, 8), (1, 7, 4096), (128, 7168), ("bfloat16", "float32")),
-    # Past the Lamport cap (MAX_COMM_SIZE): the stride is capped, the two-shot buffer is not.
-    (16, 8192, 16384, "float32"), (8, 65536, 8192, "bfloat16"),
-])
+@pytest.mark.parametrize(
+    "world_size,tokens,hidden,dtype",
+    [
+        *itertools.product((2, 8), (1, 7, 4096), (128, 7168), ("bfloat16", "float32")),
+        # Past the Lamport cap (MAX_COMM_SIZE): the stride is capped, the two-shot buffer is not.
+        (16, 8192, 16384, "float32"),
+        (8, 65536, 8192, "bfloat16"),
+    ],
+)
 def test_workspace_sizes_are_the_cores(world_size, tokens, hidden, dtype):
     mine = sizing.workspace_sizes(world_size, tokens, hidden, dtype)
     theirs = native.ext.workspace_sizes(world_size, tokens, hidden, native.DTYPE_CODES[dtype])
-    for field in ("world_size", "max_token_num", "hidden_dim", "two_shot_buffer_bytes",
-                  "flag_bytes", "lamport_comm_bytes", "lamport_buffer_bytes"):
+    for field in (
+        "world_size",
+        "max_token_num",
+        "hidden_dim",
+        "two_shot_buffer_bytes",
+        "flag_bytes",
+        "lamport_comm_bytes",
+        "lamport_buffer_bytes",
+    ):
         assert getattr(mine, field) == theirs[field], field
     assert theirs["dtype"] == native.DTYPE_CODES[dtype]
 
@@ -128,14 +158,18 @@ def test_limits_are_the_cores():
     assert small["flag_bytes"] == 4 * sizing.BARRIER_FLAG_COUNT * 4
     for name, size in (("float32", 4), ("float16", 2), ("bfloat16", 2)):
         info = native.ext.workspace_sizes(2, 3, 128, native.DTYPE_CODES[name])
-        assert info["two_shot_buffer_bytes"] == 2 * 3 * 128 * size == \
-            2 * 3 * 128 * limits.element_size(name)
+        assert (
+            info["two_shot_buffer_bytes"]
+            == 2 * 3 * 128 * size
+            == 2 * 3 * 128 * limits.element_size(name)
+        )
 
 
 def test_ffi_target_names_are_the_handlers():
     assert native.ext.ffi_target_names() == native.FFI_TARGETS
     assert set(native.ext.registrations()) == set(native.FFI_TARGETS.values())
     from jax_fusedar import moe, primitive, timing
+
     assert primitive.FFI_TARGET == native.FFI_TARGETS["allreduce_fusion"]
     assert timing.TARGET == native.FFI_TARGETS["device_timestamp"]
     assert moe.FFI_TARGET == native.FFI_TARGETS["moe_allreduce_fusion"]
@@ -151,10 +185,12 @@ def test_sm100_refusal_is_one_rule():
         assert (problem is not None) == table[int(pattern)]["needs_sm100"]
         assert patterns.device_problem(pattern, "cuda:0", 10, 0) is None
     assert patterns.device_problem(3, "cuda:1", 9, 0) == (
-        "NVFP4 patterns (3, 5) need an sm100+ GPU (Blackwell); cuda:1 is sm90")
+        "NVFP4 patterns (3, 5) need an sm100+ GPU (Blackwell); cuda:1 is sm90"
+    )
 
 
 # --- the XLA handler's result rule (ffi/xla/result_check.h) --------------------------------------
+
 
 def _quant_params(pattern):
     """(layout, group size) variations that matter to ``pattern``."""
@@ -170,16 +206,17 @@ def _quant_params(pattern):
 def test_the_handlers_result_list_is_result_specs(pattern):
     """What the handler checks each result against (element type and count of its dense
     storage) is results.result_specs, the list the JAX primitive builds."""
-    for tokens, hidden, dtype in itertools.product((1, 5, 130), (256, 1024),
-                                                   ("bfloat16", "float16", "float32")):
+    for tokens, hidden, dtype in itertools.product(
+        (1, 5, 130), (256, 1024), ("bfloat16", "float16", "float32")
+    ):
         if TRAITS[pattern].quant == "fp4" and dtype == "float32":
             continue
         for layout, group in _quant_params(pattern):
-            specs = results.result_specs(pattern, tokens, hidden, dtype, layout,
-                                         group or None)
+            specs = results.result_specs(pattern, tokens, hidden, dtype, layout, group or None)
             want = [(s.name, s.dtype, int(np.prod(s.storage_shape))) for s in specs]
-            got = native.ext.expected_results(int(pattern), native.DTYPE_CODES[dtype], tokens,
-                                              hidden, layout, group)
+            got = native.ext.expected_results(
+                int(pattern), native.DTYPE_CODES[dtype], tokens, hidden, layout, group
+            )
             assert [tuple(r) for r in got] == want, (pattern, tokens, hidden, dtype, layout)
 
 
@@ -190,21 +227,34 @@ def test_the_handler_checks_every_result(pattern):
     tokens, hidden, dtype = 5, 1024, "bfloat16"
     layout, group = _quant_params(pattern)[-1]
     code = native.DTYPE_CODES[dtype]
-    right = [(d, n) for _, d, n in native.ext.expected_results(int(pattern), code, tokens,
-                                                               hidden, layout, group)]
+    right = [
+        (d, n)
+        for _, d, n in native.ext.expected_results(
+            int(pattern), code, tokens, hidden, layout, group
+        )
+    ]
     problem = native.ext.results_problem
     assert problem(int(pattern), code, tokens, hidden, layout, group, right) == ""
-    names = [name for name, _, _ in native.ext.expected_results(int(pattern), code, tokens,
-                                                                hidden, layout, group)]
+    names = [
+        name
+        for name, _, _ in native.ext.expected_results(
+            int(pattern), code, tokens, hidden, layout, group
+        )
+    ]
     for i, (d, n) in enumerate(right):
-        for wrong in ((d, n + 1), (d, n - 1), ("float32" if d != "float32" else "int32", n),
-                      ("float64", n)):
-            given = right[:i] + [wrong] + right[i + 1:]
+        for wrong in (
+            (d, n + 1),
+            (d, n - 1),
+            ("float32" if d != "float32" else "int32", n),
+            ("float64", n),
+        ):
+            given = right[:i] + [wrong] + right[i + 1 :]
             text = problem(int(pattern), code, tokens, hidden, layout, group, given)
             assert f"result {i} ({names[i]})" in text, (i, wrong, text)
     assert "writes" in problem(int(pattern), code, tokens, hidden, layout, group, right[:-1])
-    assert "writes" in problem(int(pattern), code, tokens, hidden, layout, group,
-                               right + [right[0]])
+    assert "writes" in problem(
+        int(pattern), code, tokens, hidden, layout, group, right + [right[0]]
+    )
 
 
 def test_the_handlers_quantization_parameters_are_checked():
@@ -227,10 +277,12 @@ def test_the_handlers_quantization_parameters_are_checked():
 # --- error statuses (ffi/xla/errors.h) -----------------------------------------------------------
 
 # (XLA FFI error code of a handler, Python exception of the module) per core status.
-STATUS_RULE = {"INVALID_ARGUMENT": ("INVALID_ARGUMENT", ValueError),
-               "UNSUPPORTED": ("UNIMPLEMENTED", ValueError),
-               "CUDA_ERROR": ("INTERNAL", RuntimeError),
-               "INTERNAL": ("INTERNAL", RuntimeError)}
+STATUS_RULE = {
+    "INVALID_ARGUMENT": ("INVALID_ARGUMENT", ValueError),
+    "UNSUPPORTED": ("UNIMPLEMENTED", ValueError),
+    "CUDA_ERROR": ("INTERNAL", RuntimeError),
+    "INTERNAL": ("INTERNAL", RuntimeError),
+}
 
 
 def test_every_status_maps_to_its_ffi_code_and_exception():
@@ -262,26 +314,58 @@ def test_a_core_status_reaches_python_as_its_exception():
 # the native launch (fusedar_moe_shape_check, which fusedar_moe_launch runs): the Python side is
 # common.moe_limits.kernel_problem. Every call one side accepts, the other accepts.
 
-MOE_HIDDENS = (128, 256, 2880, 4096, 7168, 8192, 8448, 12288, 16384, 24576, 32768, 33024,
-               65536, 65792)
+MOE_HIDDENS = (
+    128,
+    256,
+    2880,
+    4096,
+    7168,
+    8192,
+    8448,
+    12288,
+    16384,
+    24576,
+    32768,
+    33024,
+    65536,
+    65792,
+)
 
 
 @pytest.mark.parametrize("world_size", limits.SUPPORTED_WORLD_SIZES)
 def test_moe_kernel_rule_is_the_cores(world_size):
     from jax_fusedar.common import moe_limits
+
     checked = 0
     for ws_dtype, dtype, hidden, tokens in itertools.product(
-            ("bfloat16", "float16", "float32"), ("bfloat16", "float16", "float32"),
-            MOE_HIDDENS, (1, 3, 64, 1024, 65536)):
+        ("bfloat16", "float16", "float32"),
+        ("bfloat16", "float16", "float32"),
+        MOE_HIDDENS,
+        (1, 3, 64, 1024, 65536),
+    ):
         ws_hidden = 7168
         sizes = sizing.workspace_sizes(world_size, 1024, ws_hidden, ws_dtype)
         ours = moe_limits.kernel_problem(tokens, hidden, dtype, sizes)
         for pattern in patterns.MOE_PATTERNS:
             theirs = native.ext.moe_shape_problem(
-                world_size, 1024, ws_hidden, native.DTYPE_CODES[ws_dtype], int(pattern),
-                native.DTYPE_CODES[dtype], tokens, hidden)
-            assert (ours is None) == (theirs is None), (pattern, ws_dtype, dtype, hidden,
-                                                        tokens, ours, theirs)
+                world_size,
+                1024,
+                ws_hidden,
+                native.DTYPE_CODES[ws_dtype],
+                int(pattern),
+                native.DTYPE_CODES[dtype],
+                tokens,
+                hidden,
+            )
+            assert (ours is None) == (theirs is None), (
+                pattern,
+                ws_dtype,
+                dtype,
+                hidden,
+                tokens,
+                ours,
+                theirs,
+            )
             checked += 1
     assert checked == 2 * 9 * len(MOE_HIDDENS) * 5
 
@@ -290,9 +374,11 @@ def test_moe_kernel_rule_refuses_what_flashinfers_launcher_cannot_place():
     """hidden 8448 = 33 warps: no cluster of 2, 4 or 8 divides them, so one CTA would need
     1056 threads (FlashInfer's launcher refuses above 1024); 8192 = 32 warps fits."""
     from jax_fusedar.common import moe_limits
+
     sizes = sizing.workspace_sizes(2, 16, 8448, "bfloat16")
     kind, why = moe_limits.kernel_problem(4, 8448, "bfloat16", sizes)
     assert kind == "unsupported shape" and "1056 threads per block" in why
     assert moe_limits.kernel_problem(4, 8192, "bfloat16", sizes) is None
     assert "1056 threads per block" in native.ext.moe_shape_problem(
-        2, 16, 8448, native.DTYPE_CODES["bfloat16"], 7, native.DTYPE_CODES["bfloat16"], 4, 8448)
+        2, 16, 8448, native.DTYPE_CODES["bfloat16"], 7, native.DTYPE_CODES["bfloat16"], 4, 8448
+    )

@@ -3,6 +3,7 @@ parsing, the plumbing down to the native Rank (JAX and torch, with fakes), the b
 on/off comparison, the build's patching of FlashInfer's wait loops, and the failure message
 of a timed-out wait (call_check.cu compiled with nvcc into a small host program). The
 kernel side runs in tests/gpu/test_timeout.py."""
+
 import difflib
 import math
 import os
@@ -39,20 +40,33 @@ def test_default_env_zero_and_argument(monkeypatch):
     assert call_check.resolve_timeout_s(3600) == 3600.0
 
 
-@pytest.mark.parametrize("raw, match", [("abc", "is not a number of seconds"),
-                                        ("-1", r"must be in \[0, 3600\] seconds \(0: wait"),
-                                        ("nan", r"must be in \[0, 3600\]"),
-                                        ("inf", r"must be in \[0, 3600\]"),
-                                        ("4000", r"must be in \[0, 3600\]")])
+@pytest.mark.parametrize(
+    "raw, match",
+    [
+        ("abc", "is not a number of seconds"),
+        ("-1", r"must be in \[0, 3600\] seconds \(0: wait"),
+        ("nan", r"must be in \[0, 3600\]"),
+        ("inf", r"must be in \[0, 3600\]"),
+        ("4000", r"must be in \[0, 3600\]"),
+    ],
+)
 def test_bad_timeouts_from_the_environment(monkeypatch, raw, match):
     monkeypatch.setenv(call_check.TIMEOUT_ENV_VAR, raw)
     with pytest.raises(ValueError, match=r"\$JAX_FUSEDAR_TIMEOUT_S.*" + match):
         call_check.resolve_timeout_s(None)
 
 
-@pytest.mark.parametrize("value, error", [(-0.5, ValueError), (float("nan"), ValueError),
-                                          (3600.5, ValueError), (True, TypeError),
-                                          ("10", TypeError), ([1], TypeError)])
+@pytest.mark.parametrize(
+    "value, error",
+    [
+        (-0.5, ValueError),
+        (float("nan"), ValueError),
+        (3600.5, ValueError),
+        (True, TypeError),
+        ("10", TypeError),
+        ([1], TypeError),
+    ],
+)
 def test_bad_timeout_arguments(value, error):
     with pytest.raises(error, match="timeout_s"):
         call_check.resolve_timeout_s(value)
@@ -71,6 +85,7 @@ def test_the_call_check_timeout_still_refuses_zero():
 
 class FakeRank:
     """Stands in for native.ext.Rank: records what it was given."""
+
     made = []
 
     def __init__(self, device, world, rank, max_tokens, hidden, code, **kw):
@@ -120,9 +135,17 @@ def _fake_jax_workspace(monkeypatch, **kw):
     monkeypatch.setattr(native, "require", lambda: FakeExt)
     sizes = sizing.workspace_sizes(2, 16, 1024, "float32")
     ws = jws.AllReduceFusionWorkspace(
-        mesh=Mesh(), axis_name="tp", max_token_num=16, hidden_dim=1024, dtype="float32",
-        backend="trtllm", workspace_id=98, groups=[tp_groups.TPGroup((0, 1), 0)], sizes=sizes,
-        **kw)
+        mesh=Mesh(),
+        axis_name="tp",
+        max_token_num=16,
+        hidden_dim=1024,
+        dtype="float32",
+        backend="trtllm",
+        workspace_id=98,
+        groups=[tp_groups.TPGroup((0, 1), 0)],
+        sizes=sizes,
+        **kw,
+    )
     jws._build_native(ws, 5.0)
     return ws
 
@@ -220,16 +243,22 @@ def test_torch_workspace_reports_the_record():
 
     rank = FakeRank(0, 2, 0, 16, 1024, 2, timeout_s=3.0)
     ws = TorchAllReduceFusionWorkspace(
-        native_rank=rank, global_ranks=[0, 1], rank=0, device=0, max_token_num=16,
-        hidden_dim=1024, dtype=torch.bfloat16,
-        sizes=sizing.workspace_sizes(2, 16, 1024, "bfloat16"), timeout_s=3.0)
+        native_rank=rank,
+        global_ranks=[0, 1],
+        rank=0,
+        device=0,
+        max_token_num=16,
+        hidden_dim=1024,
+        dtype=torch.bfloat16,
+        sizes=sizing.workspace_sizes(2, 16, 1024, "bfloat16"),
+        timeout_s=3.0,
+    )
     assert ws.timeout_s == 3.0 and ws.failure() == ""
     rank.record = "Rank 1 did not arrive"
     assert ws.failure() == ws.call_check_failure() == "Rank 1 did not arrive"
 
 
-def test_torch_moe_finalize_after_a_trap_raises_the_record_before_touching_the_device(
-        monkeypatch):
+def test_torch_moe_finalize_after_a_trap_raises_the_record_before_touching_the_device(monkeypatch):
     """Pattern 7's index check copies to the host, which a trapped context would answer with
     CUDA's generic error: torch_compat raises the record first, and launches nothing."""
     pytest.importorskip("torch")
@@ -289,10 +318,15 @@ def test_bench_options():
     parser, _ = build_parser()
     assert parser.parse_args(["bench", "--timeout-compare"]).timeout_compare is True
     assert parser.parse_args(["bench"]).timeout_compare is False
-    a = bt.parse_args(["--timeout-compare", "--no-anchor", "--no-nccl", "--no-symm-mem",
-                       "--no-fp8"])
-    assert bt.variant_keys(a) == ["ours:eager", "ours:graph", "ours_no_timeout:eager",
-                                  "ours_no_timeout:graph"]
+    a = bt.parse_args(
+        ["--timeout-compare", "--no-anchor", "--no-nccl", "--no-symm-mem", "--no-fp8"]
+    )
+    assert bt.variant_keys(a) == [
+        "ours:eager",
+        "ours:graph",
+        "ours_no_timeout:eager",
+        "ours_no_timeout:graph",
+    ]
     assert ("ours", "ours_no_timeout") in bt.RATIOS
     assert "ours_no_timeout" not in " ".join(bt.variant_keys(bt.parse_args([])))
 
@@ -301,12 +335,36 @@ def test_bench_options():
 def test_torch_bench_table_shows_the_on_off_ratio():
     from torch_compat import bench as bt
 
-    a = bt.parse_args(["--timeout-compare", "--no-anchor", "--no-nccl", "--no-symm-mem",
-                       "--no-fp8", "--tokens", "16", "--hidden", "4096"])
-    rank = {"cases": [{"tokens": 16, "hidden": 4096, "mode": "oneshot", "policy": "auto",
-                       "us_repeats": {"ours:eager": [10.0, 10.2], "ours:graph": [6.0],
-                                      "ours_no_timeout:eager": [10.0], "ours_no_timeout:graph":
-                                      [6.0]}, "skipped": {}}]}
+    a = bt.parse_args(
+        [
+            "--timeout-compare",
+            "--no-anchor",
+            "--no-nccl",
+            "--no-symm-mem",
+            "--no-fp8",
+            "--tokens",
+            "16",
+            "--hidden",
+            "4096",
+        ]
+    )
+    rank = {
+        "cases": [
+            {
+                "tokens": 16,
+                "hidden": 4096,
+                "mode": "oneshot",
+                "policy": "auto",
+                "us_repeats": {
+                    "ours:eager": [10.0, 10.2],
+                    "ours:graph": [6.0],
+                    "ours_no_timeout:eager": [10.0],
+                    "ours_no_timeout:graph": [6.0],
+                },
+                "skipped": {},
+            }
+        ]
+    }
     report = bt.build_report([rank, rank], a, {}, {})
     case = report["cases"][0]
     assert case["ratios"]["ours/ours_no_timeout:eager"] == pytest.approx(10.1 / 10.0)
@@ -340,9 +398,9 @@ def _run_patching(build_dir, include):
         f'set(PROJECT_SOURCE_DIR "{REPO}")\n'
         f'set(FLASHINFER_INCLUDE_DIR "{include}")\n'
         f'include("{REPO}/ffi/cmake/FlashInferHeaders.cmake")\n'
-        'fusedar_prepare_flashinfer_headers(out out_unhooked)\n')
-    return subprocess.run(["cmake", "-P", str(script)], capture_output=True, text=True,
-                          timeout=120)
+        'fusedar_prepare_flashinfer_headers(out out_unhooked)\n'
+    )
+    return subprocess.run(["cmake", "-P", str(script)], capture_output=True, text=True, timeout=120)
 
 
 def _patched_trees(tmp_path, name):
@@ -358,9 +416,8 @@ def test_the_build_hooks_every_wait_loop(tmp_path):
     """Runs FlashInferHeaders.cmake's patching (cmake -P) on the fetched header: every
     spin loop of the kernel is replaced by a bounded one, and no `while` spin is left."""
     include = _patched_trees(tmp_path, "flashinfer/comm/trtllm_allreduce_fusion.cuh")
-    text = (tmp_path / "flashinfer_patched/flashinfer/comm/trtllm_allreduce_fusion.cuh"
-            ).read_text()
-    device = text[:text.index("inline int get_sm_count()")]  # the kernels' part
+    text = (tmp_path / "flashinfer_patched/flashinfer/comm/trtllm_allreduce_fusion.cuh").read_text()
+    device = text[: text.index("inline int get_sm_count()")]  # the kernels' part
     assert not re.search(r"while \([^)]*\)\s*\{\s*\}", device), "an unbounded spin is left"
     assert device.count("::fusedar_wait::spin(") == 3  # 2 grid counters + the barrier
     assert device.count("FUSEDAR_WAIT_LAMPORT_TICK") == 1
@@ -375,8 +432,9 @@ def test_the_build_hooks_every_wait_loop(tmp_path):
     assert text.count("return ::fusedar_geometry::registers_for_geometry<") == 2
     assert "cudaFuncGetAttributes" not in text
     # The probe copy is FlashInfer's header with only the six `inline`s: no hook at all.
-    unhooked = (tmp_path / "flashinfer_unhooked/flashinfer/comm/trtllm_allreduce_fusion.cuh"
-                ).read_text()
+    unhooked = (
+        tmp_path / "flashinfer_unhooked/flashinfer/comm/trtllm_allreduce_fusion.cuh"
+    ).read_text()
     assert "fusedar" not in unhooked
     original = (pathlib.Path(include) / "flashinfer/comm/trtllm_allreduce_fusion.cuh").read_text()
     assert unhooked.replace("inline ", "") == original.replace("inline ", "")
@@ -395,8 +453,10 @@ def test_the_large_message_waits_are_bounded():
     through the bounded wait (fusedar_wait::spin) with a site of their own: no other spin loop
     is left in its sources."""
     kernels = REPO / "ffi" / "kernels"
-    files = {name: _code(kernels / name)
-             for name in ("large_sync.cuh", "large_message.cuh", "large_resources.cu")}
+    files = {
+        name: _code(kernels / name)
+        for name in ("large_sync.cuh", "large_message.cuh", "large_resources.cu")
+    }
     for name, code in files.items():  # no spin of its own (the host code has loops with bodies)
         assert not re.search(r"\bwhile\s*\([^;{]*\)\s*(\{\s*\}|;)", code), f"{name} spins"
         assert not re.search(r"\bfor\s*\([^;]*;\s*;", code), f"{name} has an endless for loop"
@@ -404,11 +464,17 @@ def test_the_large_message_waits_are_bounded():
     everywhere = "".join(files.values())
     assert everywhere.count("load_acquire_sys(") == 2, "a flag read outside wait_for"
     # The one wait helper is the bounded spin, and every call of it names its site.
-    assert re.search(r"void wait_for\(const Watch& watch, int site, int peer, int detail,"
-                     r"\s*const unsigned int\* flag, unsigned int target\)\s*\{\s*"
-                     r"fusedar_wait::spin\(", files["large_sync.cuh"]), files["large_sync.cuh"]
-    calls = [m.group(1) for code in files.values()
-             for m in re.finditer(r"\bwait_for\(\s*[\w.]+,\s*watchdog::(k\w+),", code)]
+    assert re.search(
+        r"void wait_for\(const Watch& watch, int site, int peer, int detail,"
+        r"\s*const unsigned int\* flag, unsigned int target\)\s*\{\s*"
+        r"fusedar_wait::spin\(",
+        files["large_sync.cuh"],
+    ), files["large_sync.cuh"]
+    calls = [
+        m.group(1)
+        for code in files.values()
+        for m in re.finditer(r"\bwait_for\(\s*[\w.]+,\s*watchdog::(k\w+),", code)
+    ]
     assert sorted(calls) == ["kLargeEnter", "kLargeGather", "kLargeScatter"], calls
     assert sum(code.count("wait_for(") for code in files.values()) == 4  # 3 calls + definition
     assert set(calls) <= set(wait_sites())
@@ -431,13 +497,13 @@ def test_the_build_hooks_every_wait_loop_of_the_moe_kernels(tmp_path):
     name = "flashinfer/comm/trtllm_moe_allreduce_fusion.cuh"
     include = _patched_trees(tmp_path, name)
     text = (tmp_path / "flashinfer_patched" / name).read_text()
-    device = text[:text.index("inline int get_sm_count()")]  # up to the launchers
-    assert "__global__" not in device[:device.index("struct LamportComm")]
+    device = text[: text.index("inline int get_sm_count()")]  # up to the launchers
+    assert "__global__" not in device[: device.index("struct LamportComm")]
     assert not re.search(r"while \([^)]*\)\s*\{\s*\}", text), "an unbounded spin is left"
     assert text.count("while (") == 4  # the two polls (bounded inside) and two launcher loops
     assert device.count("::fusedar_wait::spin(fusedar_ctx, ::fusedar::watchdog::kGrid") == 1
     assert device.count("::fusedar_wait::count_call(counter_ptr)") == 1
-    kernels = text[text.index("inline bool use_oneshot"):]
+    kernels = text[text.index("inline bool use_oneshot") :]
     assert kernels.count("comm.update(params.size * NRanks, FUSEDAR_MOE_WAIT_CTX);") == 2
     assert kernels.count("FUSEDAR_WAIT_STATE") == 2
     assert kernels.count("FUSEDAR_MOE_WAIT_LAMPORT_TICK") == 2
@@ -447,8 +513,11 @@ def test_the_build_hooks_every_wait_loop_of_the_moe_kernels(tmp_path):
     for start, end in ((reduce_at, finalize_at), (finalize_at, len(kernels))):
         body = kernels[start:end]
         assert body.count("FUSEDAR_MOE_WAIT_LAMPORT_TICK") == 1
-        assert body.index("while (!done)") < body.index("FUSEDAR_MOE_WAIT_LAMPORT_TICK") \
+        assert (
+            body.index("while (!done)")
+            < body.index("FUSEDAR_MOE_WAIT_LAMPORT_TICK")
             < body.index("vec_t<T, VEC_SIZE> sum_val")
+        )
     # The data the loops read is untouched: the same loads, the same conditions.
     assert text.count("done &= !has_neg_zero<T, VEC_SIZE>(vals[r]);") == 2
     assert "return *reinterpret_cast<int volatile*>(counter_ptr) != gridDim.x;" in device
@@ -457,12 +526,16 @@ def test_the_build_hooks_every_wait_loop_of_the_moe_kernels(tmp_path):
     # FlashInfer's build launches fits.
     assert "cudaFuncGetAttributes" not in text
     assert text.count("__global__ void __maxnreg__((::fusedar_geometry::moe_register_cap<") == 2
-    assert ("moe_register_cap<::fusedar_geometry::kMoeReduction, T, NRanks, (AllReduceOut ? 8 "
-            ": 0) | (ResidualOut ? 4 : 0) | (NormOut ? 2 : 0) | (QuantOut ? 1 : 0)>())) "
-            "moereduce_allreduce_fusion_kernel_oneshot_lamport(") in text
-    assert ("moe_register_cap<::fusedar_geometry::kMoeFinalize, T, NRanks, (ResidualOut ? 4 : 0) "
-            "| (NormOut ? 2 : 0) | (QuantOut ? 1 : 0)>())) "
-            "moefinalize_allreduce_fusion_kernel_oneshot_lamport(") in text
+    assert (
+        "moe_register_cap<::fusedar_geometry::kMoeReduction, T, NRanks, (AllReduceOut ? 8 "
+        ": 0) | (ResidualOut ? 4 : 0) | (NormOut ? 2 : 0) | (QuantOut ? 1 : 0)>())) "
+        "moereduce_allreduce_fusion_kernel_oneshot_lamport("
+    ) in text
+    assert (
+        "moe_register_cap<::fusedar_geometry::kMoeFinalize, T, NRanks, (ResidualOut ? 4 : 0) "
+        "| (NormOut ? 2 : 0) | (QuantOut ? 1 : 0)>())) "
+        "moefinalize_allreduce_fusion_kernel_oneshot_lamport("
+    ) in text
     unhooked = (tmp_path / "flashinfer_unhooked" / name).read_text()
     assert "fusedar" not in unhooked
     original = (pathlib.Path(include) / name).read_text()
@@ -490,10 +563,12 @@ def test_the_build_hooks_every_wait_loop_of_the_moe_kernels(tmp_path):
         "__global__ void moereduce_allreduce_fusion_kernel_oneshot_lamport(",
         "  comm.update(params.size * NRanks);",
         "__global__ void moefinalize_allreduce_fusion_kernel_oneshot_lamport(",
-        "  comm.update(params.size * NRanks);"], removed
+        "  comm.update(params.size * NRanks);",
+    ], removed
     assert [line for line in added if "fusedar" not in line.lower()] == [
         "        return *reinterpret_cast<int volatile*>(counter_ptr) != gridDim.x;",
-        "      });"], added
+        "      });",
+    ], added
 
 
 def test_a_changed_moe_header_fails_the_build_loudly(tmp_path):
@@ -509,8 +584,10 @@ def test_a_changed_moe_header_fails_the_build_loudly(tmp_path):
     run = _run_patching(tmp_path / "out", str(src))
     assert run.returncode != 0
     said = " ".join((run.stdout + run.stderr).split())  # CMake wraps its messages
-    assert ("expected 2 definition(s) of the Lamport polls' state in "
-            "trtllm_moe_allreduce_fusion.cuh, found 1") in said, said
+    assert (
+        "expected 2 definition(s) of the Lamport polls' state in "
+        "trtllm_moe_allreduce_fusion.cuh, found 1"
+    ) in said, said
 
 
 # --- the failure message (host-only) ------------------------------------------------------------
@@ -592,8 +669,8 @@ WATCHDOG_H = REPO / "ffi" / "core" / "watchdog.h"
 def wait_sites():
     """Site enumerators of ffi/core/watchdog.h: {name: value}."""
     text = WATCHDOG_H.read_text()
-    body = text[text.index("enum Site : int {"):]
-    body = body[:body.index("};")]
+    body = text[text.index("enum Site : int {") :]
+    body = body[: body.index("};")]
     return {m.group(1): int(m.group(2)) for m in re.finditer(r"\b(k\w+) = (\d+),", body)}
 
 
@@ -601,46 +678,57 @@ def wait_sites():
 def test_failure_messages_name_the_peer(tmp_path):
     sites = wait_sites()
     kernel_sites = [v for k, v in sites.items() if k != "kHandshake"]  # the handshake's own text
-    lines = run_host_program(tmp_path, "host_timeout",
-                             HOST_PROGRAM.replace("{SITES}",
-                                                  "{" + ", ".join(map(str, kernel_sites)) + "}"))
+    lines = run_host_program(
+        tmp_path,
+        "host_timeout",
+        HOST_PROGRAM.replace("{SITES}", "{" + ", ".join(map(str, kernel_sites)) + "}"),
+    )
     assert lines["clean"] == "[]"
     lamport = lines["lamport"]
     assert lamport.startswith(
         "[jax_fusedar kernel wait timed out on rank 0 of 2 (device 1), call #4 "
         "{pattern=1 dtype=bfloat16 num_tokens=16 hidden_dim=4096 one-shot fp32_acc=1 layout=0 "
         "block_quant_group_size=0}: waited 3.0 s (timeout 3.0 s) for rank 1 to deliver its "
-        "one-shot data in this rank's Lamport buffer (token 5). Rank 1 did not arrive"), lamport
+        "one-shot data in this rank's Lamport buffer (token 5). Rank 1 did not arrive"
+    ), lamport
     assert "restart the process" in lamport and "JAX_FUSEDAR_TIMEOUT_S" in lamport
     assert lines["alias"] == lamport
     assert "for rank 1 to deliver its two-shot barrier flag (thread block 7)" in lines["barrier"]
-    assert ("for no peer to deliver this rank's own thread blocks (grid counter). A rank "
-            "skipped") in lines["grid"]
-    large = ("[jax_fusedar kernel wait timed out on rank 0 of 2 (device 1), call #9 {pattern=1 "
-             "dtype=bfloat16 num_tokens=8192 hidden_dim=4096 large-message fp32_acc=1 layout=0 "
-             "block_quant_group_size=0}: waited 3.0 s (timeout 3.0 s) for rank 1 to deliver ")
+    assert (
+        "for no peer to deliver this rank's own thread blocks (grid counter). A rank skipped"
+    ) in lines["grid"]
+    large = (
+        "[jax_fusedar kernel wait timed out on rank 0 of 2 (device 1), call #9 {pattern=1 "
+        "dtype=bfloat16 num_tokens=8192 hidden_dim=4096 large-message fp32_acc=1 layout=0 "
+        "block_quant_group_size=0}: waited 3.0 s (timeout 3.0 s) for rank 1 to deliver "
+    )
     assert lines["large_enter"].startswith(
         large + "its large-message entry flag (large-message call 3 of this rank). Rank 1 did "
-        "not arrive"), lines["large_enter"]
+        "not arrive"
+    ), lines["large_enter"]
     assert lines["large_scatter"].startswith(
         large + "its large-message chunk 2 scatter flag (its input rows of this rank's slice). "
-        "Rank 1 did not arrive"), lines["large_scatter"]
+        "Rank 1 did not arrive"
+    ), lines["large_scatter"]
     assert lines["large_gather"].startswith(
-        large + "its large-message chunk 1 gather flag (its reduced rows). Rank 1 did not "
-        "arrive"), lines["large_gather"]
+        large + "its large-message chunk 1 gather flag (its reduced rows). Rank 1 did not arrive"
+    ), lines["large_gather"]
     for key in ("large_enter", "large_scatter", "large_gather"):
         assert "restart the process" in lines[key] and "JAX_FUSEDAR_TIMEOUT_S" in lines[key]
     # Site coverage: every wait site of the kernels has a text of its own.
-    assert {"kLamport", "kBarrier", "kGrid", "kLargeEnter", "kLargeScatter",
-            "kLargeGather"} <= set(sites), sites
+    assert {"kLamport", "kBarrier", "kGrid", "kLargeEnter", "kLargeScatter", "kLargeGather"} <= set(
+        sites
+    ), sites
     texts = [lines[f"site{v}"] for v in kernel_sites]
     assert not [t for t in texts if "an unknown wait" in t], texts
-    wheres = [t[t.index(" to deliver "):t.index(". ", t.index(" to deliver "))] for t in texts]
+    wheres = [t[t.index(" to deliver ") : t.index(". ", t.index(" to deliver "))] for t in texts]
     assert len(set(wheres)) == len(kernel_sites), wheres
-    assert ("call #4 {pattern=7 dtype=bfloat16 num_tokens=16 hidden_dim=7168 one-shot "
-            "fp32_acc=0 layout=0 block_quant_group_size=0}: waited 3.0 s (timeout 3.0 s) for "
-            "rank 1 to deliver its one-shot data in this rank's Lamport buffer (token 9). Rank 1 "
-            "did not arrive") in lines["moe"], lines["moe"]
+    assert (
+        "call #4 {pattern=7 dtype=bfloat16 num_tokens=16 hidden_dim=7168 one-shot "
+        "fp32_acc=0 layout=0 block_quant_group_size=0}: waited 3.0 s (timeout 3.0 s) for "
+        "rank 1 to deliver its one-shot data in this rank's Lamport buffer (token 9). Rank 1 "
+        "did not arrive"
+    ) in lines["moe"], lines["moe"]
 
 
 @pytest.mark.slow
@@ -653,8 +741,22 @@ def test_bench_cli_times_both_settings_in_one_run(tmp_path):
     from tests.cli.test_cli import run_cli
 
     out = tmp_path / "bench"
-    r = run_cli("bench", "--tokens", "1,16", "--hidden", 256, "--chain", 2, "--repeats", 1,
-                "--patterns", 1, "--timeout-compare", "--out", out)
+    r = run_cli(
+        "bench",
+        "--tokens",
+        "1,16",
+        "--hidden",
+        256,
+        "--chain",
+        2,
+        "--repeats",
+        1,
+        "--patterns",
+        1,
+        "--timeout-compare",
+        "--out",
+        out,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     report = json.loads((out / "bench.json").read_text())
     assert report["config"]["timeout_compare"] is True
@@ -665,5 +767,14 @@ def test_bench_cli_times_both_settings_in_one_run(tmp_path):
         assert m["timeout_ratio"] == pytest.approx(m["timeout_on_us"] / m["no_timeout_us"])
         assert isinstance(m["timeout_within_budget"], bool)
     assert "wait timeout on vs off" in r.stdout
-    assert len(re.findall(r"^\s+1\s+(1|16)\s+256\s+auto \(\w+\)\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+"
-                          r"(yes|NO)$", r.stdout, re.MULTILINE)) == 2, r.stdout
+    assert (
+        len(
+            re.findall(
+                r"^\s+1\s+(1|16)\s+256\s+auto \(\w+\)\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+"
+                r"(yes|NO)$",
+                r.stdout,
+                re.MULTILINE,
+            )
+        )
+        == 2
+    ), r.stdout

@@ -15,6 +15,7 @@ rounding:
 
     |norm_out - y64| <= 2 * budget_abs * inv64 * |wb + g| + ulp_T(|y64|)
 """
+
 from __future__ import annotations
 
 import ml_dtypes
@@ -35,6 +36,7 @@ def f32(x):
 
 
 # --- exact float64 math ---------------------------------------------------------------------------
+
 
 def reduction_local64(expert_outputs, expert_scales, token_input):
     """Pattern 6, one rank: sum_e scale[e, t] * x[e, t] + token_input, and its magnitude."""
@@ -70,15 +72,15 @@ def epilogue64(locals_, residual, gamma, *, rms_eps, weight_bias):
     return s, r, y, inv
 
 
-def errors(outs, *, s64, r64, y64, inv64, magnitude, roundings, gamma, weight_bias,
-           dtype_name):
+def errors(outs, *, s64, r64, y64, inv64, magnitude, roundings, gamma, weight_bias, dtype_name):
     """(residual_out error, norm_out error[, allreduce_out error]) as fractions of their
     bounds (<= 1 passes). ``outs``: (residual_out, norm_out[, allreduce_out])."""
     budget = roundings / 2 * ulp(magnitude, dtype_name)
     res = np.abs(np.asarray(outs[0], np.float64) - r64) / budget
     g = np.abs(weight_bias + np.asarray(gamma, np.float64))
     norm = np.abs(np.asarray(outs[1], np.float64) - y64) / (
-        2 * budget * inv64 * g + ulp(y64, dtype_name))
+        2 * budget * inv64 * g + ulp(y64, dtype_name)
+    )
     result = [float(res.max()), float(norm.max())]
     if len(outs) > 2:
         result.append(float((np.abs(np.asarray(outs[2], np.float64) - s64) / budget).max()))
@@ -86,6 +88,7 @@ def errors(outs, *, s64, r64, y64, inv64, magnitude, roundings, gamma, weight_bi
 
 
 # --- the kernels' rounding points, emulated (bitwise for the rows before the norm) ------------
+
 
 def _add(a, b, dtype_name):
     return to_t(f32(a) + f32(b), dtype_name)
@@ -125,8 +128,10 @@ def epilogue_rounded(locals_, residual, dtype_name):
 
 # --- random inputs ----------------------------------------------------------------------------
 
-def random_finalize_case(rng, *, tokens, top_k, experts, world, dtype_name, drop=0.1,
-                         pad=0, hidden):
+
+def random_finalize_case(
+    rng, *, tokens, top_k, experts, world, dtype_name, drop=0.1, pad=0, hidden
+):
     """Per-rank pattern 7 inputs for an expert-parallel layer: ``experts`` experts spread over
     ``world`` ranks, each token routed to ``top_k`` distinct experts; a rank's index map points
     at its own experts' rows (expert-sorted, each expert padded by ``pad`` rows) and has -1 for
@@ -155,11 +160,16 @@ def random_finalize_case(rng, *, tokens, top_k, experts, world, dtype_name, drop
     weights = rng.random((tokens, top_k)).astype(np.float32)
     weights /= weights.sum(1, keepdims=True)
     return dict(
-        permuted=permuted, idx=idx, scale=weights.astype(t_),
-        shared=[rng.standard_normal((tokens, hidden)).astype(np.float32).astype(t_)
-                for _ in range(world)],
+        permuted=permuted,
+        idx=idx,
+        scale=weights.astype(t_),
+        shared=[
+            rng.standard_normal((tokens, hidden)).astype(np.float32).astype(t_)
+            for _ in range(world)
+        ],
         residual=rng.standard_normal((tokens, hidden)).astype(np.float32).astype(t_),
-        gamma=(1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32).astype(t_))
+        gamma=(1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32).astype(t_),
+    )
 
 
 def random_reduction_case(rng, *, tokens, experts, world, dtype_name, hidden):
@@ -167,10 +177,15 @@ def random_reduction_case(rng, *, tokens, experts, world, dtype_name, hidden):
     token input; residual and gamma shared by the ranks."""
     t_ = DTYPES[dtype_name]
     return dict(
-        expert_outputs=[rng.standard_normal((experts, tokens, hidden)).astype(np.float32)
-                        .astype(t_) for _ in range(world)],
+        expert_outputs=[
+            rng.standard_normal((experts, tokens, hidden)).astype(np.float32).astype(t_)
+            for _ in range(world)
+        ],
         expert_scales=[rng.random((experts, tokens)).astype(np.float32) for _ in range(world)],
-        token_input=[rng.standard_normal((tokens, hidden)).astype(np.float32).astype(t_)
-                     for _ in range(world)],
+        token_input=[
+            rng.standard_normal((tokens, hidden)).astype(np.float32).astype(t_)
+            for _ in range(world)
+        ],
         residual=rng.standard_normal((tokens, hidden)).astype(np.float32).astype(t_),
-        gamma=(1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32).astype(t_))
+        gamma=(1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32).astype(t_),
+    )

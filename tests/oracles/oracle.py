@@ -16,6 +16,7 @@ accumulations (docs/numerics.md derives them); ``norm_error_given_residual_ulps`
 norm_out against the exact RMSNorm of the kernel's own residual_out, which separates the
 norm's own rounding from the error it inherits.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -43,7 +44,7 @@ def rounding_floor(dtype_name: str) -> float:
     the subnormal spacing for the 16-bit types, the whole normal threshold for float32 (the
     kernels are built with flush-to-zero, which may turn a tiny float32 result into 0)."""
     mant, emin = _FORMATS[dtype_name]
-    return 2.0 ** emin if dtype_name == "float32" else 2.0 ** (emin - mant - 1)
+    return 2.0**emin if dtype_name == "float32" else 2.0 ** (emin - mant - 1)
 
 
 def rounding_step(dtype_name: str):
@@ -84,8 +85,9 @@ def sum_error_bound(xs, dtype_name: str, *, fp32_acc: bool) -> np.ndarray:
         gamma = (n - 1) * u32 / (1.0 - (n - 1) * u32)
         bound = gamma * np.sum(np.abs(parts), axis=0) + (n - 1) * h32
         if dtype_name != "float32":
-            bound = bound + unit_roundoff(dtype_name) * (np.abs(s) + bound) \
-                + rounding_floor(dtype_name)
+            bound = (
+                bound + unit_roundoff(dtype_name) * (np.abs(s) + bound) + rounding_floor(dtype_name)
+            )
         return bound
     d, h = rounding_step(dtype_name)
     partial = parts[0].copy()
@@ -101,8 +103,7 @@ def residual_error_bound(xs, residual, dtype_name: str, *, fp32_acc: bool) -> np
     bound E (``sum_error_bound``) carried through one more rounded addition,
         E * (1 + d) + d * |sum_r x_r + residual| + h   ((d, h) = ``rounding_step``)."""
     e = sum_error_bound(xs, dtype_name, fp32_acc=fp32_acc)
-    r = np.sum([np.asarray(x, np.float64) for x in xs], axis=0) \
-        + np.asarray(residual, np.float64)
+    r = np.sum([np.asarray(x, np.float64) for x in xs], axis=0) + np.asarray(residual, np.float64)
     d, h = rounding_step(dtype_name)
     return e * (1.0 + d) + d * np.abs(r) + h
 
@@ -120,8 +121,9 @@ def bound_ratio(out, exact, bound) -> float:
 NORM_GIVEN_RESIDUAL_ULPS = {"bfloat16": 1.0, "float16": 1.0, "float32": 16.0}
 
 
-def norm_error_given_residual_ulps(norm_out, residual_out, gamma, *, rms_eps: float,
-                                   weight_bias: float, dtype_name: str) -> float:
+def norm_error_given_residual_ulps(
+    norm_out, residual_out, gamma, *, rms_eps: float, weight_bias: float, dtype_name: str
+) -> float:
     """max |norm_out - N(residual_out)| / ulp_T(|N(residual_out)|), N the exact RMSNorm in
     float64 of the kernel's own (rounded) residual_out: the norm's own error, independent of
     the accumulation (bounds: NORM_GIVEN_RESIDUAL_ULPS)."""
@@ -131,10 +133,19 @@ def norm_error_given_residual_ulps(norm_out, residual_out, gamma, *, rms_eps: fl
     return float(np.max(np.abs(np.asarray(norm_out, np.float64) - y) / ulp(y, dtype_name)))
 
 
-def accumulation_errors(xs, residual=None, gamma=None, *, allreduce_out=None,
-                        residual_out=None, norm_out=None, fp32_acc: bool = True,
-                        rms_eps: float = 1e-6, weight_bias: float = 0.0,
-                        dtype_name: str) -> dict:
+def accumulation_errors(
+    xs,
+    residual=None,
+    gamma=None,
+    *,
+    allreduce_out=None,
+    residual_out=None,
+    norm_out=None,
+    fp32_acc: bool = True,
+    rms_eps: float = 1e-6,
+    weight_bias: float = 0.0,
+    dtype_name: str,
+) -> dict:
     """The errors that hold at every world size, for whichever outputs are given:
     ``allreduce_bound`` and ``residual_bound`` (max error / the bound: at most 1) and
     ``norm_own`` (norm_out against the RMSNorm of residual_out, in ulps: at most
@@ -143,16 +154,23 @@ def accumulation_errors(xs, residual=None, gamma=None, *, allreduce_out=None,
     s64 = np.sum(xs, axis=0)
     out = {}
     if allreduce_out is not None:
-        out["allreduce_bound"] = bound_ratio(allreduce_out, s64, sum_error_bound(
-            xs, dtype_name, fp32_acc=fp32_acc))
+        out["allreduce_bound"] = bound_ratio(
+            allreduce_out, s64, sum_error_bound(xs, dtype_name, fp32_acc=fp32_acc)
+        )
     if residual_out is not None:
         res = np.asarray(residual, np.float64)
-        out["residual_bound"] = bound_ratio(residual_out, s64 + res, residual_error_bound(
-            xs, res, dtype_name, fp32_acc=fp32_acc))
+        out["residual_bound"] = bound_ratio(
+            residual_out, s64 + res, residual_error_bound(xs, res, dtype_name, fp32_acc=fp32_acc)
+        )
         if norm_out is not None:
             out["norm_own"] = norm_error_given_residual_ulps(
-                norm_out, residual_out, gamma, rms_eps=rms_eps, weight_bias=weight_bias,
-                dtype_name=dtype_name)
+                norm_out,
+                residual_out,
+                gamma,
+                rms_eps=rms_eps,
+                weight_bias=weight_bias,
+                dtype_name=dtype_name,
+            )
     return out
 
 
@@ -175,9 +193,13 @@ def residual_error_ulps(out, s64, r64, residual, dtype_name: str) -> float:
     return float(np.max(np.abs(np.asarray(out, np.float64) - r64) / scale))
 
 
-def norm_error_ulps(out, s64, y64, inv64, residual, gamma, *, weight_bias: float,
-                    dtype_name: str) -> float:
-    carried = (ulp(np.abs(s64) + np.abs(np.asarray(residual, np.float64)), dtype_name) * inv64
-               * np.abs(weight_bias + np.asarray(gamma, np.float64)))
+def norm_error_ulps(
+    out, s64, y64, inv64, residual, gamma, *, weight_bias: float, dtype_name: str
+) -> float:
+    carried = (
+        ulp(np.abs(s64) + np.abs(np.asarray(residual, np.float64)), dtype_name)
+        * inv64
+        * np.abs(weight_bias + np.asarray(gamma, np.float64))
+    )
     scale = carried + ulp(y64, dtype_name)
     return float(np.max(np.abs(np.asarray(out, np.float64) - y64) / scale))

@@ -12,6 +12,7 @@ jax_fusedar/quant_reference.py, with different machinery:
 * UE8M0: frexp instead of the kernel's bit trick.
 * Layouts: explicit Python loops writing each byte at the offset the formula gives.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,7 +21,7 @@ import ml_dtypes
 import numpy as np
 
 E4M3 = ml_dtypes.float8_e4m3fn
-TINY = 2.0 ** -126
+TINY = 2.0**-126
 E2M1_TABLE = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
 
@@ -53,10 +54,12 @@ def e4m3_value(b):
 
 def code_steps(a_bytes, b_bytes):
     """Distance in e4m3 codes between two arrays of e4m3 bytes (codes ordered by value)."""
+
     def ordinal(b):
         b = np.asarray(b).astype(np.int32)
         mag = b & 0x7F
         return np.where(b & 0x80, -mag, mag)
+
     return np.abs(ordinal(a_bytes) - ordinal(b_bytes))
 
 
@@ -84,6 +87,7 @@ def _nan_ignoring_max(a, axis):
 
 
 # ----------------------------------------------------------------------------- FP8
+
 
 def fp8_static(y, scale_factor: float):
     """-> e4m3 bytes [M, H]."""
@@ -138,15 +142,15 @@ def fp8_group(y, group_size: int):
     G = H // g
     x = f64(y).reshape(M, G, g)
     a = np.abs(x)
-    amax = _nan_ignoring_max(a, axis=-1)                       # [M, G, 1]
-    if not group_warp_shuffle(g, y.dtype.itemsize):            # atomicMax on bits: NaN wins
+    amax = _nan_ignoring_max(a, axis=-1)  # [M, G, 1]
+    if not group_warp_shuffle(g, y.dtype.itemsize):  # atomicMax on bits: NaN wins
         amax = np.where(np.isnan(a).any(axis=-1, keepdims=True), np.nan, amax)
     lo = float(fl(1e-10))
     s = np.zeros_like(amax)
     exps = np.zeros((M, G), dtype=np.uint8)
     for idx in np.ndindex(M, G):
         am = float(amax[idx][0])
-        s0 = lo if math.isnan(am) else max(float(fl(am / 448.0)), lo)   # fmaxf(NaN, lo) = lo
+        s0 = lo if math.isnan(am) else max(float(fl(am / 448.0)), lo)  # fmaxf(NaN, lo) = lo
         s[idx][0], exps[idx] = ue8m0_pow2_ceil(s0)
     with np.errstate(invalid="ignore"):
         qq = np.fmin(np.fmax(fl(x / s), -448.0), 448.0)
@@ -162,6 +166,7 @@ def fp8_group(y, group_size: int):
 
 
 # ----------------------------------------------------------------------------- NVFP4
+
 
 def swizzle_offset(m: int, k: int, H: int) -> int:
     k_tiles = -(-H // 64)
@@ -181,7 +186,7 @@ def nvfp4(y, global_scale: float, division: str = "ieee"):
     vmax = np.where(allnan, np.nan, np.max(np.where(np.isnan(a), -np.inf, a), axis=-1))
     with np.errstate(invalid="ignore", over="ignore"):
         sf_in = fl(gs * fl(vmax * recip6))
-    sf_b = e4m3_bytes_sat(sf_in)                     # [M, nb]
+    sf_b = e4m3_bytes_sat(sf_in)  # [M, nb]
     qsf = e4m3_value(sf_b)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         osc = np.where(qsf != 0, divide(gs, np.where(qsf != 0, qsf, 1.0), division), 0.0)

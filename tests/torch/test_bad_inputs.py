@@ -2,6 +2,7 @@
 buffer check agreeing with the op, argument names, unwritten out-parameters, torch's own
 backend list, and fake (meta) implementations that refuse what the eager op refuses, so
 ``torch.compile`` fails while tracing instead of at run time. Ranks are FakeRanks (no GPU)."""
+
 import pytest
 import torch
 
@@ -31,24 +32,36 @@ def _call(ws, pattern=1, **over):
 
 # --- 4 and 7: options are never coerced, messages name the argument ----------------------------
 
-@pytest.mark.parametrize("over,error,match", [
-    (dict(pattern=1.5), ValueError, r"unknown fusion pattern 1\.5: pattern must be an "
-                                    r"AllReduceFusionPattern or its int code, not a float"),
-    (dict(pattern="1"), ValueError, "unknown fusion pattern '1': pattern must be"),
-    (dict(pattern=True), ValueError, "unknown fusion pattern True: pattern must be"),
-    (dict(use_oneshot="false"), TypeError, "use_oneshot must be True, False or None, got 'false'"),
-    (dict(use_oneshot=1), TypeError, "use_oneshot must be True, False or None, got 1"),
-    (dict(fp32_acc="no"), TypeError, "fp32_acc must be True or False, got 'no'"),
-    (dict(fp32_acc=None), TypeError, "fp32_acc must be True or False, got None"),
-    (dict(launch_with_pdl="yes"), TypeError, "launch_with_pdl must be True or False"),
-    (dict(trigger_completion_at_end=0), TypeError, "trigger_completion_at_end must be True or"),
-    (dict(rms_eps="abc"), TypeError, "rms_eps must be a real number, got 'abc'"),
-    (dict(rms_eps=None), TypeError, "rms_eps must be a real number, got None"),
-    (dict(rms_eps=-1.0), ValueError, "rms_eps must be >= 0.0"),
-    (dict(rms_eps=float("nan")), ValueError, "rms_eps must be finite"),
-    (dict(weight_bias=1j), TypeError, "weight_bias must be a real number, got 1j"),
-    (dict(weight_bias=None), TypeError, "weight_bias must be a real number, got None"),
-])
+
+@pytest.mark.parametrize(
+    "over,error,match",
+    [
+        (
+            dict(pattern=1.5),
+            ValueError,
+            r"unknown fusion pattern 1\.5: pattern must be an "
+            r"AllReduceFusionPattern or its int code, not a float",
+        ),
+        (dict(pattern="1"), ValueError, "unknown fusion pattern '1': pattern must be"),
+        (dict(pattern=True), ValueError, "unknown fusion pattern True: pattern must be"),
+        (
+            dict(use_oneshot="false"),
+            TypeError,
+            "use_oneshot must be True, False or None, got 'false'",
+        ),
+        (dict(use_oneshot=1), TypeError, "use_oneshot must be True, False or None, got 1"),
+        (dict(fp32_acc="no"), TypeError, "fp32_acc must be True or False, got 'no'"),
+        (dict(fp32_acc=None), TypeError, "fp32_acc must be True or False, got None"),
+        (dict(launch_with_pdl="yes"), TypeError, "launch_with_pdl must be True or False"),
+        (dict(trigger_completion_at_end=0), TypeError, "trigger_completion_at_end must be True or"),
+        (dict(rms_eps="abc"), TypeError, "rms_eps must be a real number, got 'abc'"),
+        (dict(rms_eps=None), TypeError, "rms_eps must be a real number, got None"),
+        (dict(rms_eps=-1.0), ValueError, "rms_eps must be >= 0.0"),
+        (dict(rms_eps=float("nan")), ValueError, "rms_eps must be finite"),
+        (dict(weight_bias=1j), TypeError, "weight_bias must be a real number, got 1j"),
+        (dict(weight_bias=None), TypeError, "weight_bias must be a real number, got None"),
+    ],
+)
 def test_options_are_never_coerced(cpu_stream, over, error, match):
     ws = fake_workspace()
     with pytest.raises(error, match=match):
@@ -63,29 +76,47 @@ def test_layout_code_is_not_truncated(cpu_stream, monkeypatch):
     for layout in (2.7, "2", True):
         with pytest.raises(ValueError, match=r"layout \(layout_code\)"):
             torch_compat.allreduce_fusion(
-                workspace=ws, pattern=5, layout_code=layout, scale_factor=1.0,
+                workspace=ws,
+                pattern=5,
+                layout_code=layout,
+                scale_factor=1.0,
                 quant_out=torch.empty(16, 512, dtype=torch.uint8),
-                scale_out=torch.empty(16 * 64, dtype=torch.uint8), **t)
+                scale_out=torch.empty(16 * 64, dtype=torch.uint8),
+                **t,
+            )
     assert not ws._rank_obj.launches
 
 
 def test_real_bools_and_numbers_still_work(cpu_stream):
     import numpy as np
+
     ws = fake_workspace()
-    _call(ws, pattern=np.int64(1), use_oneshot=np.bool_(True), fp32_acc=np.bool_(True),
-          rms_eps=np.float32(1e-5), weight_bias=1)
-    (_, kw), = ws._rank_obj.launches
+    _call(
+        ws,
+        pattern=np.int64(1),
+        use_oneshot=np.bool_(True),
+        fp32_acc=np.bool_(True),
+        rms_eps=np.float32(1e-5),
+        weight_bias=1,
+    )
+    ((_, kw),) = ws._rank_obj.launches
     assert kw["algorithm"] == 1 and kw["fp32_acc"] is True and kw["weight_bias"] == 1.0
     assert type(kw["rms_eps"]) is float and type(kw["weight_bias"]) is float
 
 
 # --- 6. is_buffer_size_sufficient agrees with the op ---------------------------------------------
 
+
 def test_is_buffer_size_sufficient_agrees_with_the_op(cpu_stream):
     ws = fake_workspace(max_tokens=128, hidden=1024)
-    for m, h, dtype in [(16, 1024, torch.bfloat16), (0, 1024, torch.bfloat16),
-                        (129, 1024, torch.bfloat16), (16, 1024, torch.float32),
-                        (16, 1024, torch.float16), (256, 512, torch.bfloat16)]:
+    for m, h, dtype in [
+        (16, 1024, torch.bfloat16),
+        (0, 1024, torch.bfloat16),
+        (129, 1024, torch.bfloat16),
+        (16, 1024, torch.float32),
+        (16, 1024, torch.float16),
+        (256, 512, torch.bfloat16),
+    ]:
         answer = ws.is_buffer_size_sufficient(2, m, h, dtype)
         x = torch.zeros(m, h, dtype=dtype)
         try:
@@ -96,17 +127,24 @@ def test_is_buffer_size_sufficient_agrees_with_the_op(cpu_stream):
         assert answer == accepted, (m, h, dtype)
 
 
-@pytest.mark.parametrize("dtype,m,h", [
-    # Not whole 16-byte vectors, and past the launch limit (a token's vectors over a cluster
-    # of at most 8 CTAs of at most 1024 threads), though all within the element count.
-    (torch.bfloat16, 1, 1020), (torch.bfloat16, 1, 131072), (torch.bfloat16, 1, 65544),
-    (torch.float32, 1, 6), (torch.float32, 1, 40000),
-    # ... and their neighbours the kernel takes.
-    (torch.bfloat16, 1, 1024), (torch.bfloat16, 1, 65536), (torch.float32, 1, 8),
-    (torch.float32, 1, 32768),
-])
-def test_is_buffer_size_sufficient_applies_the_kernels_hidden_size_rule(cpu_stream, dtype, m,
-                                                                        h):
+@pytest.mark.parametrize(
+    "dtype,m,h",
+    [
+        # Not whole 16-byte vectors, and past the launch limit (a token's vectors over a cluster
+        # of at most 8 CTAs of at most 1024 threads), though all within the element count.
+        (torch.bfloat16, 1, 1020),
+        (torch.bfloat16, 1, 131072),
+        (torch.bfloat16, 1, 65544),
+        (torch.float32, 1, 6),
+        (torch.float32, 1, 40000),
+        # ... and their neighbours the kernel takes.
+        (torch.bfloat16, 1, 1024),
+        (torch.bfloat16, 1, 65536),
+        (torch.float32, 1, 8),
+        (torch.float32, 1, 32768),
+    ],
+)
+def test_is_buffer_size_sufficient_applies_the_kernels_hidden_size_rule(cpu_stream, dtype, m, h):
     ws = fake_workspace(max_tokens=1, hidden=131072, dtype=dtype)
     answer = ws.is_buffer_size_sufficient(2, m, h, dtype)
     try:
@@ -117,19 +155,27 @@ def test_is_buffer_size_sufficient_applies_the_kernels_hidden_size_rule(cpu_stre
     assert answer == accepted, (m, h, dtype)
 
 
-@pytest.mark.parametrize("args,error,match", [
-    ((2, -1, 1024, torch.bfloat16), ValueError, "num_tokens must be >= 0, got -1"),
-    ((2, 1.5, 1024, torch.bfloat16), TypeError, "num_tokens must be an int"),
-    ((2, 16, 0, torch.bfloat16), ValueError, "hidden_dim must be >= 1"),
-    ((2, 16, 1024, torch.bfloat16, "false"), TypeError, "use_oneshot must be True, False or None"),
-    ((True, 16, 1024, torch.bfloat16), TypeError, "tp_size must be an int"),
-])
+@pytest.mark.parametrize(
+    "args,error,match",
+    [
+        ((2, -1, 1024, torch.bfloat16), ValueError, "num_tokens must be >= 0, got -1"),
+        ((2, 1.5, 1024, torch.bfloat16), TypeError, "num_tokens must be an int"),
+        ((2, 16, 0, torch.bfloat16), ValueError, "hidden_dim must be >= 1"),
+        (
+            (2, 16, 1024, torch.bfloat16, "false"),
+            TypeError,
+            "use_oneshot must be True, False or None",
+        ),
+        ((True, 16, 1024, torch.bfloat16), TypeError, "tp_size must be an int"),
+    ],
+)
 def test_is_buffer_size_sufficient_refuses_nonsense(args, error, match):
     with pytest.raises(error, match=match):
         fake_workspace().is_buffer_size_sufficient(*args)
 
 
 # --- 8. out-parameters the pattern does not write ------------------------------------------------
+
 
 @pytest.mark.parametrize("pattern", [1, 2, 11])
 def test_output_is_refused_where_the_pattern_does_not_write_it(cpu_stream, monkeypatch, pattern):
@@ -143,10 +189,14 @@ def test_output_is_refused_where_the_pattern_does_not_write_it(cpu_stream, monke
         else:
             extra["scale_out"] = torch.empty(16, 1)
     t.update(extra)
-    with pytest.raises(ValueError, match=rf"pattern {pattern} \(\w+\) does not write output; "
-                                         r"pass None"):
-        torch_compat.allreduce_fusion(workspace=ws, pattern=pattern, output=torch.empty_like(
-            t["input"]), **t)
+    with pytest.raises(
+        ValueError,
+        match=rf"pattern {pattern} \(\w+\) does not write output; "
+        r"pass None",
+    ):
+        torch_compat.allreduce_fusion(
+            workspace=ws, pattern=pattern, output=torch.empty_like(t["input"]), **t
+        )
     assert not ws._rank_obj.launches
     torch_compat.allreduce_fusion(workspace=ws, pattern=pattern, **t)  # without it: fine
     assert len(ws._rank_obj.launches) == 1
@@ -154,13 +204,23 @@ def test_output_is_refused_where_the_pattern_does_not_write_it(cpu_stream, monke
 
 # --- 9. torch's own backend list -----------------------------------------------------------------
 
-@pytest.mark.parametrize("backend,match", [
-    ("mnnvl", "needs NVLink multicast .* use 'trtllm' \\(or 'auto'\\) within one node, "
-              "torch.distributed.all_reduce"),
-    ("nccl", "unknown all-reduce backend 'nccl' \\(from the backend argument\\); "
-             "torch_compat's backends: 'auto', 'trtllm'$"),
-    ("xla", "does not exist under torch; torch_compat's backends: 'auto', 'trtllm'"),
-])
+
+@pytest.mark.parametrize(
+    "backend,match",
+    [
+        (
+            "mnnvl",
+            "needs NVLink multicast .* use 'trtllm' \\(or 'auto'\\) within one node, "
+            "torch.distributed.all_reduce",
+        ),
+        (
+            "nccl",
+            "unknown all-reduce backend 'nccl' \\(from the backend argument\\); "
+            "torch_compat's backends: 'auto', 'trtllm'$",
+        ),
+        ("xla", "does not exist under torch; torch_compat's backends: 'auto', 'trtllm'"),
+    ],
+)
 def test_backend_errors_list_torch_backends_only(gloo_world1, monkeypatch, backend, match):
     monkeypatch.delenv(backend_choice.BACKEND_ENV_VAR, raising=False)
     with pytest.raises(ValueError, match=match) as info:
@@ -182,11 +242,13 @@ def test_multi_node_advice_is_torchs():
 
 def test_create_timeout_is_named(gloo_world1):
     with pytest.raises(TypeError, match="timeout_s must be a real number, got 'soon'"):
-        torch_compat.create_allreduce_fusion_workspace(world_size=1, rank=0, timeout_s="soon",
-                                                       **CREATE)
+        torch_compat.create_allreduce_fusion_workspace(
+            world_size=1, rank=0, timeout_s="soon", **CREATE
+        )
 
 
 # --- 10. the fake implementations run the eager op's checks --------------------------------------
+
 
 @pytest.fixture
 def handle():
@@ -201,6 +263,7 @@ def _fake(shape, dtype=torch.bfloat16):
     op's workspace here lives on the CPU)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import _get_current_dispatch_mode
+
     fake = isinstance(_get_current_dispatch_mode(), FakeTensorMode)
     return torch.zeros(*shape, dtype=dtype, device="cuda" if fake else "cpu")
 
@@ -211,39 +274,119 @@ BF = torch.bfloat16
 # (op, args builder (handle -> args), eager call (ws, tensors) -> None, message)
 FAKE_CASES = {
     "residual_float32": (
-        lambda h: (FUSED, (_fake((8, 256)), _fake((8, 256), torch.float32), _fake((256,)), 1e-6,
-                           0.0, None, False, h)),
-        "residual_in must have the input's dtype torch.bfloat16, got torch.float32"),
+        lambda h: (
+            FUSED,
+            (
+                _fake((8, 256)),
+                _fake((8, 256), torch.float32),
+                _fake((256,)),
+                1e-6,
+                0.0,
+                None,
+                False,
+                h,
+            ),
+        ),
+        "residual_in must have the input's dtype torch.bfloat16, got torch.float32",
+    ),
     "allreduce_3d": (
         lambda h: (AR, (_fake((2, 4, 256)), None, False, h)),
-        r"input must be 2-D \[token_num, hidden_dim\], got shape \[2, 4, 256\]"),
+        r"input must be 2-D \[token_num, hidden_dim\], got shape \[2, 4, 256\]",
+    ),
     "quant_11_3d": (
-        lambda h: (QUANT, (_fake((2, 4, 256)), _fake((2, 4, 256)), _fake((256,)), 1e-6, 0.0, 11,
-                           None, None, None, None, False, h)),
-        r"input must be 2-D \[token_num, hidden_dim\], got shape \[2, 4, 256\]"),
+        lambda h: (
+            QUANT,
+            (
+                _fake((2, 4, 256)),
+                _fake((2, 4, 256)),
+                _fake((256,)),
+                1e-6,
+                0.0,
+                11,
+                None,
+                None,
+                None,
+                None,
+                False,
+                h,
+            ),
+        ),
+        r"input must be 2-D \[token_num, hidden_dim\], got shape \[2, 4, 256\]",
+    ),
     "too_many_tokens": (
-        lambda h: (FUSED, (_fake((65, 256)), _fake((65, 256)), _fake((256,)), 1e-6, 0.0, None,
-                           False, h)),
-        "does not fit the workspace"),
+        lambda h: (
+            FUSED,
+            (_fake((65, 256)), _fake((65, 256)), _fake((256,)), 1e-6, 0.0, None, False, h),
+        ),
+        "does not fit the workspace",
+    ),
     "gamma_dtype": (
-        lambda h: (FUSED, (_fake((8, 256)), _fake((8, 256)), _fake((256,), torch.float16), 1e-6,
-                           0.0, None, False, h)),
-        "rms_gamma must have the input's dtype"),
+        lambda h: (
+            FUSED,
+            (
+                _fake((8, 256)),
+                _fake((8, 256)),
+                _fake((256,), torch.float16),
+                1e-6,
+                0.0,
+                None,
+                False,
+                h,
+            ),
+        ),
+        "rms_gamma must have the input's dtype",
+    ),
     "two_shot_impossible": (
         lambda h: (AR, (_fake((2, 256)), False, False, h)),
-        "use_oneshot=False is not possible: two-shot needs more tokens than ranks"),
+        "use_oneshot=False is not possible: two-shot needs more tokens than ranks",
+    ),
     "group_size": (
-        lambda h: (QUANT, (_fake((8, 256)), _fake((8, 256)), _fake((256,)), 1e-6, 0.0, 9, None,
-                           96, None, None, False, h)),
-        "hidden_dim must be divisible by group_size"),
+        lambda h: (
+            QUANT,
+            (
+                _fake((8, 256)),
+                _fake((8, 256)),
+                _fake((256,)),
+                1e-6,
+                0.0,
+                9,
+                None,
+                96,
+                None,
+                None,
+                False,
+                h,
+            ),
+        ),
+        "hidden_dim must be divisible by group_size",
+    ),
     "static_fp8_scale_dtype": (
-        lambda h: (QUANT, (_fake((8, 256)), _fake((8, 256)), _fake((256,)), 1e-6, 0.0, 4,
-                           _fake((1,), torch.float16), None, None, None, False, h)),
-        "scale_factor must be a float32 tensor"),
+        lambda h: (
+            QUANT,
+            (
+                _fake((8, 256)),
+                _fake((8, 256)),
+                _fake((256,)),
+                1e-6,
+                0.0,
+                4,
+                _fake((1,), torch.float16),
+                None,
+                None,
+                None,
+                False,
+                h,
+            ),
+        ),
+        "scale_factor must be a float32 tensor",
+    ),
     "negative_eps": (
-        lambda h: (FUSED, (_fake((8, 256)), _fake((8, 256)), _fake((256,)), -1.0, 0.0, None,
-                           False, h)),
-        "rms_eps must be >= 0.0"),
+        lambda h: (
+            FUSED,
+            (_fake((8, 256)), _fake((8, 256)), _fake((256,)), -1.0, 0.0, None, False, h),
+        ),
+        "rms_eps must be >= 0.0",
+    ),
 }
 
 
@@ -253,6 +396,7 @@ def test_fake_refuses_what_eager_refuses(handle, cpu_stream, case):
     ValueError; the same inputs, as real CPU tensors, through the eager op give the same
     message."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+
     build, match = FAKE_CASES[case]
     with FakeTensorMode():
         op, args = build(handle)
@@ -261,8 +405,11 @@ def test_fake_refuses_what_eager_refuses(handle, cpu_stream, case):
     # The eager op, on real tensors of the same metadata (the workspace is on "cpu").
     op, real = build(handle)
     ws = library.lookup_workspace(handle)
-    eager = {AR: library.allreduce._init_fn, FUSED: library.allreduce_residual_rmsnorm._init_fn,
-             QUANT: library.allreduce_residual_rmsnorm_quant._init_fn}[op]
+    eager = {
+        AR: library.allreduce._init_fn,
+        FUSED: library.allreduce_residual_rmsnorm._init_fn,
+        QUANT: library.allreduce_residual_rmsnorm_quant._init_fn,
+    }[op]
     with pytest.raises(ValueError, match=match):
         eager(*real)
     assert not ws.native_rank().launches
@@ -296,8 +443,11 @@ def test_fake_checks_wait_for_real_sizes_when_symbolic(handle):
     def f(x, res, g):
         return FUSED(x, res, g, 1e-6, 0.0, None, False, handle)
 
-    args = (torch.zeros(8, 256, dtype=BF), torch.zeros(8, 256, dtype=BF),
-            torch.zeros(256, dtype=BF))
+    args = (
+        torch.zeros(8, 256, dtype=BF),
+        torch.zeros(8, 256, dtype=BF),
+        torch.zeros(256, dtype=BF),
+    )
     gm = make_fx(f, tracing_mode="symbolic")(*args)
     assert any(n.target is FUSED for n in gm.graph.nodes)
     bad = (args[0], args[1].float(), args[2])

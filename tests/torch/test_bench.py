@@ -6,6 +6,7 @@ No GPU: the CUDA parts are replaced by stand-ins (a fake runtime for the timing 
 ``allreduce_fusion``s computing the kernel's math in numpy for the comparison, a fake anchor
 folder for the loader); process spawning and the gloo agreement run for real.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -32,29 +33,48 @@ from tests.repo import REPO
 
 # --- arguments and the CLI hook --------------------------------------------------------------
 
+
 def test_defaults_are_the_requested_sweep():
     a = bt.parse_args([])
     assert a.tokens == [1, 16, 128, 1024, 4096] and a.hidden == [4096, 8192]
     assert a.dtype == "bfloat16" and a.world == 2 and a.framework == "torch"
     assert a.iters >= 1 and a.repeats >= 1 and not a.no_anchor
-    assert bt.variant_keys(a) == [f"{i}:{h}" for i in bt.IMPLS if i != "ours_no_timeout"
-                                  for h in ("eager", "graph")]  # that one: --timeout-compare
+    assert bt.variant_keys(a) == [
+        f"{i}:{h}" for i in bt.IMPLS if i != "ours_no_timeout" for h in ("eager", "graph")
+    ]  # that one: --timeout-compare
 
 
 def test_options_parse_and_prune_variants():
-    a = bt.parse_args(["--tokens", "16,1,16", "--hidden", "1024", "--dtype", "float16",
-                       "--world", "4", "--no-graph", "--no-fp8", "--no-nccl", "--no-anchor"])
+    a = bt.parse_args(
+        [
+            "--tokens",
+            "16,1,16",
+            "--hidden",
+            "1024",
+            "--dtype",
+            "float16",
+            "--world",
+            "4",
+            "--no-graph",
+            "--no-fp8",
+            "--no-nccl",
+            "--no-anchor",
+        ]
+    )
     assert a.tokens == [1, 16] and a.hidden == [1024] and a.world == 4
     assert bt.variant_keys(a) == ["ours:eager", "symm_mem:eager"]
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--world", "3"], "world size 3"),
-    (["--hidden", "4100"], "multiple of 8"),
-    (["--hidden", "4100", "--dtype", "float32"], "--hidden 4100: hidden_dim=4100 cannot"),
-    (["--tokens", "0"], "not positive"),
-    (["--framework", "jax"], "invalid choice"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--world", "3"], "world size 3"),
+        (["--hidden", "4100"], "multiple of 8"),
+        (["--hidden", "4100", "--dtype", "float32"], "--hidden 4100: hidden_dim=4100 cannot"),
+        (["--tokens", "0"], "not positive"),
+        (["--framework", "jax"], "invalid choice"),
+    ],
+)
 def test_bad_arguments_are_refused(argv, needle, capsys):
     with pytest.raises(SystemExit) as e:
         bt.parse_args(argv)
@@ -68,8 +88,10 @@ def test_cli_routes_bench_framework_torch_here(monkeypatch):
     assert cli.main(["bench", "--framework", "torch", "--tokens", "1"]) == 7
     assert cli.main(["bench", "--tokens", "1", "--framework=torch"]) == 7
     prog = "python -m jax_fusedar bench --framework torch"  # messages name what was typed
-    assert seen == [(["--framework", "torch", "--tokens", "1"], prog),
-                    (["--tokens", "1", "--framework=torch"], prog)]
+    assert seen == [
+        (["--framework", "torch", "--tokens", "1"], prog),
+        (["--tokens", "1", "--framework=torch"], prog),
+    ]
     assert cli._torch_bench_argv(["bench", "--tokens", "1"]) is None
     assert cli._torch_bench_argv(["bench", "--framework", "jax"]) is None
     assert cli._torch_bench_argv(["demo", "--framework", "torch"]) is None
@@ -81,9 +103,25 @@ def test_cli_routes_bench_framework_torch_here(monkeypatch):
 @pytest.mark.slow
 def test_command_without_gpu_says_so():
     env = dict(os.environ, PYTHONPATH=str(REPO), JAX_FUSEDAR_ANCHOR=str(REPO / "no-such"))
-    r = subprocess.run([sys.executable, "-m", "jax_fusedar", "bench", "--framework", "torch",
-                        "--tokens", "1", "--hidden", "1024"], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jax_fusedar",
+            "bench",
+            "--framework",
+            "torch",
+            "--tokens",
+            "1",
+            "--hidden",
+            "1024",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     assert r.returncode == 2, r.stdout + r.stderr
@@ -104,33 +142,64 @@ def test_command_runs_from_the_installed_packages_without_the_checkout(tmp_path)
     for package in ("jax_fusedar", "torch_compat"):
         (site / package).symlink_to(REPO / package, target_is_directory=True)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "JAX_FUSEDAR_ANCHOR")}
-    r = subprocess.run([sys.executable, "-m", "jax_fusedar", "bench", "--framework", "torch",
-                        "--tokens", "1", "--hidden", "1024", "--out", str(tmp_path / "out")],
-                       cwd=run, env=dict(env, PYTHONPATH=str(site)), capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jax_fusedar",
+            "bench",
+            "--framework",
+            "torch",
+            "--tokens",
+            "1",
+            "--hidden",
+            "1024",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        cwd=run,
+        env=dict(env, PYTHONPATH=str(site)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 2, r.stdout + r.stderr
-    assert "FlashInfer anchor unavailable: its loader (tools/flashinfer_anchor.py) is part of " \
-        "the source checkout" in r.stderr and "Its rows are skipped" in r.stderr
+    assert (
+        "FlashInfer anchor unavailable: its loader (tools/flashinfer_anchor.py) is part of "
+        "the source checkout"
+        in r.stderr
+        and "Its rows are skipped" in r.stderr
+    )
     assert "needs CUDA GPUs" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.slow
 def test_torch_bench_path_imports_no_jax():
-    code = ("import sys; from jax_fusedar import __main__; from torch_compat import bench; "
-            "bench.parse_args([]); print('jax' in sys.modules)")
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                       env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=120)
+    code = (
+        "import sys; from jax_fusedar import __main__; from torch_compat import bench; "
+        "bench.parse_args([]); print('jax' in sys.modules)"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"
 
 
 # --- plan, report, table, plot ---------------------------------------------------------------
 
+
 def test_plan_uses_the_ops_own_policy_and_one_workspace():
     sizes, cases = bt.plan_cases([1, 16, 128, 1024, 4096], [4096, 8192], "bfloat16", 2)
     assert (sizes.max_token_num, sizes.hidden_dim) == (4096, 8192)
     assert [(c.tokens, c.hidden) for c in cases] == [
-        (m, h) for h in (4096, 8192) for m in (1, 16, 128, 1024, 4096)]
+        (m, h) for h in (4096, 8192) for m in (1, 16, 128, 1024, 4096)
+    ]
     for c in cases:
         assert c.oneshot == launch_mode.choose_oneshot(c.tokens, c.hidden, sizes, None)
         assert c.mode == ("oneshot" if c.oneshot else "twoshot") and not c.skipped
@@ -140,15 +209,23 @@ def test_plan_uses_the_ops_own_policy_and_one_workspace():
 def _rank_result(rank, scale):
     cases = []
     for tokens, mode in ((1, "oneshot"), (1024, "twoshot")):
-        us = {"ours:eager": [10.0 * scale, 11.0 * scale, 12.0 * scale],
-              "anchor:eager": [20.0, 21.0, 22.0], "nccl:eager": [40.0, 40.0, 40.0],
-              "ours:graph": [5.0, 5.0, 5.0], "anchor:graph": [5.0, 6.0, 7.0]}
-        skipped = {"symm_mem:eager": "symm reason", "symm_mem:graph": "symm reason",
-                   "nccl:graph": "capture failed: X"}
+        us = {
+            "ours:eager": [10.0 * scale, 11.0 * scale, 12.0 * scale],
+            "anchor:eager": [20.0, 21.0, 22.0],
+            "nccl:eager": [40.0, 40.0, 40.0],
+            "ours:graph": [5.0, 5.0, 5.0],
+            "anchor:graph": [5.0, 6.0, 7.0],
+        }
+        skipped = {
+            "symm_mem:eager": "symm reason",
+            "symm_mem:graph": "symm reason",
+            "nccl:graph": "capture failed: X",
+        }
         if rank == 1 and tokens == 1024:
             del us["anchor:graph"]  # timed on one rank only
-        cases.append({"tokens": tokens, "hidden": 4096, "mode": mode, "us_repeats": us,
-                      "skipped": skipped})
+        cases.append(
+            {"tokens": tokens, "hidden": 4096, "mode": mode, "us_repeats": us, "skipped": skipped}
+        )
     return {"rank": rank, "cases": cases, "notes": {"ours_workspace": "ws"}}
 
 
@@ -161,8 +238,12 @@ def _args(**kw):
 
 def test_report_takes_the_slowest_ranks_median_and_ratios():
     ranks = [_rank_result(0, 1.0), _rank_result(1, 2.0)]
-    rep = bt.build_report(ranks, _args(), {"device_name": "fake", "torch": "x"},
-                          {"requested": True, "path": "/a", "problem": None})
+    rep = bt.build_report(
+        ranks,
+        _args(),
+        {"device_name": "fake", "torch": "x"},
+        {"requested": True, "path": "/a", "problem": None},
+    )
     json.dumps(rep)  # serializable
     c0, c1 = rep["cases"]
     assert c0["us"]["ours:eager"] == 22.0  # rank 1's median 22 > rank 0's 11
@@ -195,14 +276,19 @@ def test_table_lists_times_ratios_and_skip_reasons():
 
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
-    rep = bt.build_report([_rank_result(0, 1.0), _rank_result(1, 1.0)], _args(),
-                          {"device_name": "fake", "torch": "x"}, {})
+    rep = bt.build_report(
+        [_rank_result(0, 1.0), _rank_result(1, 1.0)],
+        _args(),
+        {"device_name": "fake", "torch": "x"},
+        {},
+    )
     path = tmp_path / "b.png"
     assert bt.plot(rep, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # --- the per-rank driver with a fake runtime --------------------------------------------------
+
 
 class FakeRuntime:
     def __init__(self, capture_fails=()):
@@ -243,8 +329,11 @@ class Counter:
 
 
 def test_run_cases_times_skips_and_agrees():
-    cases = [bt.Case(1, 256, True), bt.Case(16, 256, False),
-             bt.Case(8, 256, None, {"ours": "does not fit"})]
+    cases = [
+        bt.Case(1, 256, True),
+        bt.Case(16, 256, False),
+        bt.Case(8, 256, None, {"ours": "does not fit"}),
+    ]
     made = {}
 
     def factory(name, fail=None, fail_after=None):
@@ -253,18 +342,33 @@ def test_run_cases_times_skips_and_agrees():
                 raise bt.Skip(fail)
             made[(name, case.tokens)] = Counter(name, fail_after)
             return made[(name, case.tokens)]
+
         return make
 
-    factories = {"ours": factory("ours"), "anchor": factory("anchor", fail="no anchor"),
-                 "nccl": factory("nccl"), "symm_mem": factory("symm_mem", fail_after=0)}
-    keys = ["ours:eager", "ours:graph", "anchor:eager", "anchor:graph", "nccl:eager",
-            "nccl:graph", "symm_mem:eager"]
+    factories = {
+        "ours": factory("ours"),
+        "anchor": factory("anchor", fail="no anchor"),
+        "nccl": factory("nccl"),
+        "symm_mem": factory("symm_mem", fail_after=0),
+    }
+    keys = [
+        "ours:eager",
+        "ours:graph",
+        "anchor:eager",
+        "anchor:graph",
+        "nccl:eager",
+        "nccl:graph",
+        "symm_mem:eager",
+    ]
     rt = FakeRuntime(capture_fails={"nccl"})
     out = bt.run_cases(rt, cases, factories, keys, iters=3, repeats=2, warmup=2)
     assert [e["mode"] for e in out] == ["oneshot", "twoshot", None]
     e = out[0]
-    assert e["us_repeats"] == {"ours:eager": [1.0, 1.0], "ours:graph": [0.5, 0.5],
-                               "nccl:eager": [1.0, 1.0]}
+    assert e["us_repeats"] == {
+        "ours:eager": [1.0, 1.0],
+        "ours:graph": [0.5, 0.5],
+        "nccl:eager": [1.0, 1.0],
+    }
     assert e["skipped"]["anchor:eager"] == e["skipped"]["anchor:graph"] == "Skip: no anchor"
     assert e["skipped"]["nccl:graph"].startswith("capture failed: RuntimeError: operation")
     assert e["skipped"]["symm_mem:eager"] == "ValueError: not implemented for Half"
@@ -276,10 +380,11 @@ def test_run_cases_times_skips_and_agrees():
 
 # --- process launch and the gloo agreement, for real on CPU ----------------------------------
 
+
 def _agree_worker(rank, port, out_dir):
     import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         rt = bt.CudaRuntime(torch, dist, device=0)
         got = [rt.agree(None), rt.agree("bad thing" if rank == 1 else None)]
@@ -322,12 +427,15 @@ def test_launch_kills_ranks_past_the_timeout():
 
 # --- the anchor loader ------------------------------------------------------------------------
 
+
 def test_anchor_path_precedence(monkeypatch, tmp_path):
     assert fa.resolve_anchor_path(None, env={}) == fa.DEFAULT_ANCHOR
     assert fa.DEFAULT_ANCHOR == REPO / ".anchor" / "anchor-flashinfer"
     assert fa.resolve_anchor_path(None, env={fa.ANCHOR_ENV_VAR: str(tmp_path)}) == tmp_path
-    assert fa.resolve_anchor_path(str(tmp_path / "x"),
-                                  env={fa.ANCHOR_ENV_VAR: str(tmp_path)}) == tmp_path / "x"
+    assert (
+        fa.resolve_anchor_path(str(tmp_path / "x"), env={fa.ANCHOR_ENV_VAR: str(tmp_path)})
+        == tmp_path / "x"
+    )
 
 
 def test_missing_anchor_fails_with_a_clear_message(tmp_path):
@@ -342,6 +450,7 @@ def test_missing_anchor_fails_with_a_clear_message(tmp_path):
     with pytest.raises(fa.AnchorUnavailable, match="missing flashinfer/comm/allreduce.py"):
         fa.load_anchor(tmp_path / "half")
     from tests.gpu import anchor
+
     assert anchor.problem(where) == f"no anchor folder at {where}"
 
 
@@ -358,8 +467,12 @@ def test_anchor_environment_adds_the_cuda_libs_once(tmp_path):
 
 def _fake_anchor(root: Path, broken=False) -> Path:
     a = root / "anchor-flashinfer"
-    for d in ("flashinfer/jit", "flashinfer/comm", "site/tvm_ffi",
-              "ws/.cache/flashinfer/0.7.2.post1/90a/cached_ops/trtllm_comm"):
+    for d in (
+        "flashinfer/jit",
+        "flashinfer/comm",
+        "site/tvm_ffi",
+        "ws/.cache/flashinfer/0.7.2.post1/90a/cached_ops/trtllm_comm",
+    ):
         (a / d).mkdir(parents=True)
     so = a / "ws/.cache/flashinfer/0.7.2.post1/90a/cached_ops/trtllm_comm/trtllm_comm.so"
     so.write_bytes(b"")
@@ -368,12 +481,15 @@ def _fake_anchor(root: Path, broken=False) -> Path:
     (a / "flashinfer/comm/__init__.py").write_text("raise ImportError('heavy __init__ ran')\n")
     (a / "flashinfer/jit/__init__.py").write_text("")
     (a / "site/tvm_ffi/__init__.py").write_text("")
-    (a / "flashinfer/jit/core.py").write_text(textwrap.dedent("""
+    (a / "flashinfer/jit/core.py").write_text(
+        textwrap.dedent("""
         class JitSpecNvcc:
             def build(self):
                 raise RuntimeError("nvcc must never run")
-    """))
-    (a / "flashinfer/comm/allreduce.py").write_text(textwrap.dedent(f"""
+    """)
+    )
+    (a / "flashinfer/comm/allreduce.py").write_text(
+        textwrap.dedent(f"""
         import os
         import tvm_ffi  # from the anchor's site/
         from flashinfer.jit import core
@@ -385,7 +501,8 @@ def _fake_anchor(root: Path, broken=False) -> Path:
         def allreduce_fusion(**kw):
             return kw
         BUILD = core.JitSpecNvcc().build()
-    """))
+    """)
+    )
     return a
 
 
@@ -401,13 +518,23 @@ def test_anchor_loader_stubs_packages_and_never_builds(tmp_path):
         print(json.dumps({{"same": fi is again, "seen": fi.SEEN, "build": fi.BUILD,
                           "backend": ws["backend"], "site": sys.path[0]}}))
     """)
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                       env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
-    assert got == {"same": True, "seen": {"FLASHINFER_WORKSPACE_BASE": str(a / "ws"),
-                                          "FLASHINFER_CUDA_ARCH_LIST": "9.0a"},
-                   "build": None, "backend": "trtllm", "site": str(a / "site")}
+    assert got == {
+        "same": True,
+        "seen": {"FLASHINFER_WORKSPACE_BASE": str(a / "ws"), "FLASHINFER_CUDA_ARCH_LIST": "9.0a"},
+        "build": None,
+        "backend": "trtllm",
+        "site": str(a / "site"),
+    }
 
 
 def test_anchor_loader_reports_import_failures_and_foreign_flashinfer(tmp_path):
@@ -429,18 +556,27 @@ def test_anchor_loader_reports_import_failures_and_foreign_flashinfer(tmp_path):
         except fa.AnchorUnavailable as e:
             print("3", e)
     """)
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                       env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert lines[0].startswith("1 FlashInfer anchor unavailable: importing it failed: OSError: "
-                               "libcudart.so.13"), lines
+    assert lines[0].startswith(
+        "1 FlashInfer anchor unavailable: importing it failed: OSError: libcudart.so.13"
+    ), lines
     assert lines[1] == "2 []"  # the stubs are rolled back
-    assert lines[2].startswith("3 FlashInfer anchor unavailable: another 'flashinfer' is "
-                               "already imported"), lines
+    assert lines[2].startswith(
+        "3 FlashInfer anchor unavailable: another 'flashinfer' is already imported"
+    ), lines
 
 
 # --- the anchor comparison's plumbing with fake allreduce_fusions ----------------------------
+
 
 def _round(a, npdt):
     return np.asarray(a, np.float32).astype(npdt).astype(np.float32)
@@ -451,9 +587,25 @@ def fake_allreduce_fusion(xs, rank, npdt, corrupt=None, refuse=()):
     quant_oracle's quantizers on the rounded norm), writing into the torch outputs."""
     from tests.oracles import quant_oracle
 
-    def fn(*, input, workspace, pattern, launch_with_pdl, rms_eps, use_oneshot, fp32_acc,
-           output=None, residual_out=None, norm_out=None, quant_out=None, scale_out=None,
-           residual_in=None, rms_gamma=None, scale_factor=None, block_quant_group_size=None):
+    def fn(
+        *,
+        input,
+        workspace,
+        pattern,
+        launch_with_pdl,
+        rms_eps,
+        use_oneshot,
+        fp32_acc,
+        output=None,
+        residual_out=None,
+        norm_out=None,
+        quant_out=None,
+        scale_out=None,
+        residual_in=None,
+        rms_gamma=None,
+        scale_factor=None,
+        block_quant_group_size=None,
+    ):
         if pattern in refuse:
             raise ValueError(f"pattern {pattern} is not supported")
         assert launch_with_pdl and use_oneshot is not None and workspace == "ws"
@@ -488,6 +640,7 @@ def fake_allreduce_fusion(xs, rank, npdt, corrupt=None, refuse=()):
         if corrupt == pattern:
             quant_out.view(torch.uint8)[0, 0] ^= 1
         return norm_out if norm_out is not None else quant_out
+
     return fn
 
 
@@ -502,11 +655,26 @@ def test_anchor_compare_case_counts_bytes_and_oracle_errors(dtype_name):
     xs = [x.astype(npdt) for x in xs]
     res, gam = res.astype(npdt), gam.astype(npdt)
     result, stats = ac.new_result(0, "cpu", "x", "fake"), ac.new_stats()
-    calls = {"ours": (fake_allreduce_fusion(xs, 0, npdt, refuse=(8,)), "ws"),
-             "anchor": (fake_allreduce_fusion(xs, 0, npdt, corrupt=11), "ws")}
-    ac.run_case(torch, calls, rank=0, device="cpu", dtype_name=dtype_name, xs=xs, res=res,
-                gam=gam, m=m, hidden=hidden, oneshot=True, patterns=ac.PATTERNS,
-                result=result, stats=stats)
+    calls = {
+        "ours": (fake_allreduce_fusion(xs, 0, npdt, refuse=(8,)), "ws"),
+        "anchor": (fake_allreduce_fusion(xs, 0, npdt, corrupt=11), "ws"),
+    }
+    ac.run_case(
+        torch,
+        calls,
+        rank=0,
+        device="cpu",
+        dtype_name=dtype_name,
+        xs=xs,
+        res=res,
+        gam=gam,
+        m=m,
+        hidden=hidden,
+        oneshot=True,
+        patterns=ac.PATTERNS,
+        result=result,
+        stats=stats,
+    )
     json.dumps(result)
     assert result["cases"] == 1 and result["calls"] == 2 * 2 * 8 - 2
     assert list(result["refused"]) == ["ours p8"]
@@ -520,6 +688,7 @@ def test_anchor_compare_case_counts_bytes_and_oracle_errors(dtype_name):
     assert ours["allreduce"] <= 1.0 and ours["residual"] <= 1.0 and ours["norm"] <= 3.0
     # The accumulation bounds, both fp32_acc settings (the fake sums in float32 either way).
     from tests.gpu.harness import bound_problems
+
     assert not bound_problems(ours, dtype_name, 4) and ours["norm_own"] > 0, ours
     assert ours["worse"] == 0 and sum(ours["steps1"].values()) == 0
     assert ours["dyn_scale_ulps"] == 0.0 and ours["group_scale_mismatch"] == 0
@@ -550,12 +719,23 @@ def test_modes_force_both_builds_alike_or_say_why():
     assert a.modes == ["auto", "twoshot"]
     sizes, cases = bt.plan_cases(a.tokens, a.hidden, a.dtype, a.world, a.modes)
     got = [(c.tokens, c.policy, c.mode) for c in cases]
-    assert got == [(1, "auto", "oneshot"), (1, "twoshot", None),
-                   (4096, "auto", "oneshot"), (4096, "twoshot", "twoshot")]
+    assert got == [
+        (1, "auto", "oneshot"),
+        (1, "twoshot", None),
+        (4096, "auto", "oneshot"),
+        (4096, "twoshot", "twoshot"),
+    ]
     assert "more tokens than ranks" in cases[1].skipped["ours"]
     rt = FakeRuntime()
-    out = bt.run_cases(rt, cases, {"ours": lambda case: Counter("ours")}, ["ours:eager"],
-                       iters=1, repeats=1, warmup=0)
+    out = bt.run_cases(
+        rt,
+        cases,
+        {"ours": lambda case: Counter("ours")},
+        ["ours:eager"],
+        iters=1,
+        repeats=1,
+        warmup=0,
+    )
     rep = bt.build_report([{"cases": out}, {"cases": out}], a, {}, {})
     assert [c["policy"] for c in rep["cases"]] == ["auto", "twoshot", "auto", "twoshot"]
     text = bt.format_table(rep)
@@ -575,12 +755,13 @@ def _anchor_params(func_name):
     """Parameter names of a function in FlashInfer's allreduce.py, read with ast (the module
     itself needs CUDA and Python 3.12 to import)."""
     import ast
+
     if not ANCHOR_SRC.exists():
         pytest.skip(f"no FlashInfer source at {ANCHOR_SRC}")
     tree = ast.parse(ANCHOR_SRC.read_text())
     fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == func_name)
     a = fn.args
-    required = [x.arg for x in a.args[:len(a.args) - len(a.defaults)]]
+    required = [x.arg for x in a.args[: len(a.args) - len(a.defaults)]]
     return {x.arg for x in a.args + a.kwonlyargs}, required
 
 
@@ -596,6 +777,7 @@ def test_variant_calls_bind_to_torch_compat_and_flashinfer():
     import inspect
 
     import torch_compat
+
     ours_sig = inspect.signature(torch_compat.allreduce_fusion)
     fi_names, fi_required = _anchor_params("allreduce_fusion")
     calls = []
@@ -619,8 +801,12 @@ def test_variant_calls_bind_to_torch_compat_and_flashinfer():
     v.dev = torch.device("cpu")
     v.tc, v.fi = SimpleNamespace(allreduce_fusion=ours), SimpleNamespace(allreduce_fusion=anchor)
     v.ours_ws, v.anchor_ws, v.nccl_group = "ws", "fi_ws", "nccl"
-    v.symm_buf, v.symm_op, v.symm_copy, v.symm_group_name = \
-        torch.empty(4 * 256, dtype=torch.bfloat16), symm_op, True, "0"
+    v.symm_buf, v.symm_op, v.symm_copy, v.symm_group_name = (
+        torch.empty(4 * 256, dtype=torch.bfloat16),
+        symm_op,
+        True,
+        "0",
+    )
     case = bt.Case(4, 256, False)
     norms = {}
     for impl, factory in v.factories().items():
@@ -658,11 +844,19 @@ def test_anchor_workspace_is_always_trtllm():
     names, required = _anchor_params("create_allreduce_fusion_workspace")
     seen = {}
     fi = SimpleNamespace(create_allreduce_fusion_workspace=lambda **kw: seen.update(kw))
-    fa.create_anchor_workspace(fi, world_size=2, rank=1, max_token_num=8, hidden_dim=64,
-                               dtype=torch.bfloat16, group="g")
+    fa.create_anchor_workspace(
+        fi, world_size=2, rank=1, max_token_num=8, hidden_dim=64, dtype=torch.bfloat16, group="g"
+    )
     assert seen["backend"] == "trtllm" and set(seen) <= names
-    assert seen == {"backend": "trtllm", "world_size": 2, "rank": 1, "max_token_num": 8,
-                    "hidden_dim": 64, "dtype": torch.bfloat16, "group": "g"}
+    assert seen == {
+        "backend": "trtllm",
+        "world_size": 2,
+        "rank": 1,
+        "max_token_num": 8,
+        "hidden_dim": 64,
+        "dtype": torch.bfloat16,
+        "group": "g",
+    }
 
 
 def _fake_worker(rank, args, port, result_dir):
@@ -670,10 +864,22 @@ def _fake_worker(rank, args, port, result_dir):
     fake runtime and fake variants."""
     _, cases = bt.plan_cases(args.tokens, args.hidden, args.dtype, args.world, args.modes)
     factories = {i: (lambda case, i=i: Counter(i)) for i in bt.IMPLS}
-    out = bt.run_cases(FakeRuntime(capture_fails={"symm_mem"}), cases, factories,
-                       bt.variant_keys(args), iters=2, repeats=3, warmup=1)
-    payload = {"rank": rank, "device": rank, "cases": out, "notes": {"port": port},
-               "machine": {"torch": "fake", "device_name": "Fake GPU"}}
+    out = bt.run_cases(
+        FakeRuntime(capture_fails={"symm_mem"}),
+        cases,
+        factories,
+        bt.variant_keys(args),
+        iters=2,
+        repeats=3,
+        warmup=1,
+    )
+    payload = {
+        "rank": rank,
+        "device": rank,
+        "cases": out,
+        "notes": {"port": port},
+        "machine": {"torch": "fake", "device_name": "Fake GPU"},
+    }
     Path(result_dir, f"rank{rank}.json").write_text(json.dumps(payload))
 
 
@@ -683,8 +889,20 @@ def test_main_end_to_end_with_a_fake_worker(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     out = tmp_path / "out"
-    rc = bt.main(["--tokens", "1,16", "--hidden", "1024", "--modes", "auto,twoshot",
-                  "--out", str(out), "--anchor", str(tmp_path / "no-anchor")])
+    rc = bt.main(
+        [
+            "--tokens",
+            "1,16",
+            "--hidden",
+            "1024",
+            "--modes",
+            "auto,twoshot",
+            "--out",
+            str(out),
+            "--anchor",
+            str(tmp_path / "no-anchor"),
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr()
     assert "[eager]" in text.out and "[graph]" in text.out and "wrote" in text.out
@@ -692,8 +910,11 @@ def test_main_end_to_end_with_a_fake_worker(monkeypatch, tmp_path, capsys):
     rep = json.loads((out / "bench_torch.json").read_text())
     assert rep["anchor"]["problem"].startswith("no anchor folder")
     assert [(c["tokens"], c["policy"], c["mode"]) for c in rep["cases"]] == [
-        (1, "auto", "oneshot"), (1, "twoshot", None), (16, "auto", "oneshot"),
-        (16, "twoshot", "twoshot")]
+        (1, "auto", "oneshot"),
+        (1, "twoshot", None),
+        (16, "auto", "oneshot"),
+        (16, "twoshot", "twoshot"),
+    ]
     c = rep["cases"][2]
     assert c["us"]["ours:eager"] == 1.0 and c["ratios"]["ours/anchor:graph"] == 1.0
     assert c["skipped"]["symm_mem:graph"].startswith("capture failed")

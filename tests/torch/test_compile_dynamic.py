@@ -3,15 +3,22 @@ compiles) and with ``dynamic=True`` and the pattern and group size passed as arg
 CPU: the fake implementations keep symbolic sizes symbolic (their checks wait for the eager
 op) and fix only what decides the outputs' structure (the pattern, the NVFP4 layout), with a
 guard. The graphs run the world-size-1 CPU stand-ins of tests/torch/test_library.py."""
+
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from torch_compat import library
+
 # cpu_kernels and cpu_quant_kernel are fixtures (used by name).
-from tests.torch.test_library import (EPS, QUANT_CASES, _expected_quant_meta,  # noqa: F401
-                                      _inputs, _quant_args, cpu_kernels, cpu_quant_kernel,
-                                      fake_workspace)
+from tests.torch.test_library import (
+    EPS,
+    QUANT_CASES,
+    _expected_quant_meta,  # noqa: F401
+    _inputs,
+    _quant_args,
+    fake_workspace,
+)
 
 QUANT = torch.ops.torch_compat.allreduce_residual_rmsnorm_quant.default
 FUSED = torch.ops.torch_compat.allreduce_residual_rmsnorm.default
@@ -56,8 +63,9 @@ def test_dynamic_token_count(cpu_quant_kernel, handle, backend, pattern, extra):
         torch._dynamo.mark_dynamic(x, 0)
         torch._dynamo.mark_dynamic(res, 0)
         got = compiled(x, res, g, base[6])
-        for a, b, (shape, dtype, stride) in zip(got, f(x, res, g, base[6]),
-                                                _expected_quant_meta(pattern, extra, m=m)):
+        for a, b, (shape, dtype, stride) in zip(
+            got, f(x, res, g, base[6]), _expected_quant_meta(pattern, extra, m=m)
+        ):
             _same(a, b)
             assert (tuple(a.shape), a.dtype, a.stride()) == (tuple(shape), dtype, tuple(stride))
     assert counter.frame_count == 1
@@ -83,8 +91,7 @@ def test_dynamic_token_count_plain_ops(cpu_kernels, handle, backend):
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-def test_dynamic_true_with_pattern_and_group_size_as_arguments(cpu_quant_kernel, handle,
-                                                               backend):
+def test_dynamic_true_with_pattern_and_group_size_as_arguments(cpu_quant_kernel, handle, backend):
     """dynamic=True traces int arguments as SymInts: the pattern (and layout) are fixed by a
     guard, so another pattern compiles again instead of reusing a graph with the wrong
     outputs; the group size stays symbolic. Used to fail with "unknown fusion pattern ...
@@ -102,8 +109,8 @@ def test_dynamic_true_with_pattern_and_group_size_as_arguments(cpu_quant_kernel,
         x, res, g = _inputs(m=m)
         got = compiled(x, res, g, pattern, group)
         for a, b, (shape, dtype, stride) in zip(
-                got, f(x, res, g, pattern, group),
-                _expected_quant_meta(pattern, group, m=m)):
+            got, f(x, res, g, pattern, group), _expected_quant_meta(pattern, group, m=m)
+        ):
             _same(a, b)
             assert (tuple(a.shape), a.dtype, a.stride()) == (tuple(shape), dtype, tuple(stride))
         compiles.append(counter.frame_count)

@@ -7,6 +7,7 @@ world-size-1 semantics (the all-reduce sum of one rank is the input). That stand
 the plumbing (schemas, fake impls, tracing, graph rewiring), not the kernel: the kernel's
 numerics are tested on GPUs (tests/gpu/test_torch.py).
 """
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -32,9 +33,15 @@ def fake_workspace(global_ranks=(0,), max_tokens=64, hidden=256, dtype=torch.bfl
     workspace (the kernel has no 1-rank build; only the buffer rule matters here)."""
     name = wsmod.dtype_name(dtype)
     ws = wsmod.TorchAllReduceFusionWorkspace(
-        native_rank=FakeRank(), global_ranks=list(global_ranks), rank=0, device=0,
-        max_token_num=max_tokens, hidden_dim=hidden, dtype=dtype,
-        sizes=sizing.workspace_sizes(max(2, len(global_ranks)), max_tokens, hidden, name))
+        native_rank=FakeRank(),
+        global_ranks=list(global_ranks),
+        rank=0,
+        device=0,
+        max_token_num=max_tokens,
+        hidden_dim=hidden,
+        dtype=dtype,
+        sizes=sizing.workspace_sizes(max(2, len(global_ranks)), max_tokens, hidden, name),
+    )
     ws.torch_device = torch.device("cpu")
     return ws
 
@@ -71,8 +78,11 @@ def handle():
 
 def _inputs(m=8, h=256, dtype=torch.bfloat16, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(m, h, generator=g).to(dtype), torch.randn(m, h, generator=g).to(dtype),
-            torch.randn(h, generator=g).to(dtype))
+    return (
+        torch.randn(m, h, generator=g).to(dtype),
+        torch.randn(m, h, generator=g).to(dtype),
+        torch.randn(h, generator=g).to(dtype),
+    )
 
 
 # --- registry -----------------------------------------------------------------------------------
@@ -110,9 +120,12 @@ def test_schemas():
     assert str(FUSED._schema) == (
         "torch_compat::allreduce_residual_rmsnorm(Tensor input, Tensor residual, Tensor gamma, "
         "float eps, float weight_bias, bool? use_oneshot, bool fp32_acc, SymInt workspace_handle)"
-        " -> (Tensor, Tensor)")
-    assert str(AR._schema) == ("torch_compat::allreduce(Tensor input, bool? use_oneshot, "
-                               "bool fp32_acc, SymInt workspace_handle) -> Tensor")
+        " -> (Tensor, Tensor)"
+    )
+    assert str(AR._schema) == (
+        "torch_compat::allreduce(Tensor input, bool? use_oneshot, "
+        "bool fp32_acc, SymInt workspace_handle) -> Tensor"
+    )
     assert not FUSED._schema.is_mutable and not AR._schema.is_mutable
 
 
@@ -127,7 +140,7 @@ def test_real_impl_launches_pattern1_through_the_workspace(monkeypatch):
         x, res, g = _inputs()
         r, n = library.allreduce_residual_rmsnorm._init_fn(x, res, g, 1e-5, 1.0, None, True, h)
         assert r.shape == n.shape == x.shape and r.dtype == n.dtype == x.dtype
-        (args, kw), = ws.native_rank().launches
+        ((args, kw),) = ws.native_rank().launches
         assert args[0] == 1 and args[2:4] == (8, 256) and args[4] == x.data_ptr()
         assert kw["residual_in"] == res.data_ptr() and kw["rms_gamma"] == g.data_ptr()
         assert kw["residual_out"] == r.data_ptr() and kw["norm_out"] == n.data_ptr()
@@ -154,6 +167,7 @@ def test_op_on_cpu_tensors_has_no_kernel(handle):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_fake_tensor_mode_shapes_and_dtypes(dtype):
     from torch._subclasses.fake_tensor import FakeTensorMode
+
     # A workspace of the inputs' element width: the fake impls check it as the eager op does.
     handle = library.register_workspace(fake_workspace(dtype=dtype))
     with FakeTensorMode() as mode:
@@ -171,24 +185,45 @@ def test_fake_tensor_mode_shapes_and_dtypes(dtype):
 
 def test_fake_impl_checks_shapes(handle):
     from torch._subclasses.fake_tensor import FakeTensorMode
+
     with FakeTensorMode():
         bf16 = dict(dtype=torch.bfloat16)  # the handle's workspace is a bf16 one
         x = torch.empty(5, 256, **bf16)
         # The eager op's own checks and messages (ops.check_call).
         with pytest.raises(ValueError, match=r"rms_gamma must have shape \[hidden_dim\]"):
-            FUSED(x, torch.empty(5, 256, **bf16), torch.empty(128, **bf16), EPS, 0.0, None,
-                  False, handle)
+            FUSED(
+                x,
+                torch.empty(5, 256, **bf16),
+                torch.empty(128, **bf16),
+                EPS,
+                0.0,
+                None,
+                False,
+                handle,
+            )
         with pytest.raises(ValueError, match="residual_in must have the input's shape"):
-            FUSED(x, torch.empty(4, 256, **bf16), torch.empty(256, **bf16), EPS, 0.0, None,
-                  False, handle)
+            FUSED(
+                x,
+                torch.empty(4, 256, **bf16),
+                torch.empty(256, **bf16),
+                EPS,
+                0.0,
+                None,
+                False,
+                handle,
+            )
 
 
 def test_opcheck(cpu_kernels, handle):
     x, res, g = _inputs()
     # Every opcheck test but autograd (the ops are forward-only collectives, with no
     # derivative registered; they run in inference graphs).
-    utils = ("test_schema", "test_faketensor", "test_aot_dispatch_static",
-             "test_aot_dispatch_dynamic")
+    utils = (
+        "test_schema",
+        "test_faketensor",
+        "test_aot_dispatch_static",
+        "test_aot_dispatch_dynamic",
+    )
     torch.library.opcheck(FUSED, (x, res, g, EPS, 0.0, None, False, handle), test_utils=utils)
     torch.library.opcheck(AR, (x, None, False, handle), test_utils=utils)
 
@@ -229,8 +264,13 @@ def test_torch_compile_fake_only_trace_with_dynamo_explain(handle):
     with pytest.raises(Exception):
         compiled(x, res, g)  # the graph runs the op on CPU, which has no kernel
     assert len(gms) == 1
-    assert sum(n.target is FUSED or n.target is torch.ops.torch_compat.allreduce_residual_rmsnorm
-               for n in gms[0].graph.nodes) == 1
+    assert (
+        sum(
+            n.target is FUSED or n.target is torch.ops.torch_compat.allreduce_residual_rmsnorm
+            for n in gms[0].graph.nodes
+        )
+        == 1
+    )
     torch._dynamo.reset()
 
 
@@ -310,8 +350,9 @@ def test_pass_only_fuses_the_workspaces_group(gloo_world1):
     before = gm.code
     other = fake_workspace(global_ranks=(0, 1))  # another group than WORLD = [0]
     assert fusion_pass.fuse_allreduce_rmsnorm(gm, other) == 0
-    assert fusion_pass.fuse_allreduce_rmsnorm(gm, fake_workspace(),
-                                              group_name="not-this-group") == 0
+    assert (
+        fusion_pass.fuse_allreduce_rmsnorm(gm, fake_workspace(), group_name="not-this-group") == 0
+    )
     assert gm.code == before
     name = gloo_world1.group_name
     assert fusion_pass.fuse_allreduce_rmsnorm(gm, other, group_name=name) == 4
@@ -353,10 +394,12 @@ def _hand_built_block(group, norm):
     a pre-decomposition graph holds it, with fake values on every node; ``norm`` adds the
     norm's nodes and returns (output nodes, norm output node). Returns (gm, inputs)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+
     g = torch.fx.Graph()
     x, res, gamma = g.placeholder("x"), g.placeholder("res"), g.placeholder("gamma")
-    ar = g.call_function(torch.ops._c10d_functional.all_reduce.default,
-                         (x, "sum", group.group_name))
+    ar = g.call_function(
+        torch.ops._c10d_functional.all_reduce.default, (x, "sum", group.group_name)
+    )
     w = g.call_function(torch.ops._c10d_functional.wait_tensor.default, (ar,))
     r = g.call_function(torch.ops.aten.add.Tensor, (res, w))
     outputs, n = norm(g, r, gamma)
@@ -387,6 +430,7 @@ def test_pass_on_undecomposed_aten_rms_norm(gloo_world1, cpu_kernels):
     def norm(g, r, gamma):
         n = g.call_function(torch.ops.aten.rms_norm.default, (r, [256], gamma, EPS))
         return [n, r], n
+
     gm, args = _hand_built_block(gloo_world1, norm)
     _fuse_and_compare(gm, args, 1)
 
@@ -402,10 +446,13 @@ def test_pass_on_fused_rms_norm(gloo_world1, cpu_kernels, rstd_used):
         n = g.call_function(operator.getitem, (fused, 0))
         extra = [g.call_function(operator.getitem, (fused, 1))] if rstd_used else []
         return [n, r] + extra, n
+
     gm, args = _hand_built_block(gloo_world1, norm)
     _fuse_and_compare(gm, args, 0 if rstd_used else 1)
-    assert any(node.target is torch.ops.aten._fused_rms_norm.default
-               for node in gm.graph.nodes) == rstd_used
+    assert (
+        any(node.target is torch.ops.aten._fused_rms_norm.default for node in gm.graph.nodes)
+        == rstd_used
+    )
 
 
 def test_inductor_custom_pass_object(gloo_world1):
@@ -421,6 +468,7 @@ def test_inductor_end_to_end_with_post_grad_pass(gloo_world1, cpu_kernels):
     # torch.compile(fullgraph=True) with inductor: dynamo traces the funcol all-reduce, the
     # pass rewrites the post-grad graph, inductor compiles around the custom op.
     from torch.distributed import _functional_collectives as funcol
+
     torch._dynamo.reset()
     p = fusion_pass.AllReduceFusionPass(fake_workspace(dtype=torch.float32))
 
@@ -432,8 +480,9 @@ def test_inductor_end_to_end_with_post_grad_pass(gloo_world1, cpu_kernels):
     x, res, g = _inputs(dtype=torch.float32)
     try:
         # No cache: a hit (e.g. from an earlier run of this test) would skip the pass.
-        with torch._inductor.config.patch(post_grad_custom_pre_pass=p, fx_graph_cache=False,
-                                          force_disable_caches=True):
+        with torch._inductor.config.patch(
+            post_grad_custom_pre_pass=p, fx_graph_cache=False, force_disable_caches=True
+        ):
             got = torch.compile(f, fullgraph=True, backend="inductor")(x, res, g)
     finally:
         torch._dynamo.reset()
@@ -449,8 +498,20 @@ QUANT = torch.ops.torch_compat.allreduce_residual_rmsnorm_quant.default
 E4M3 = torch.float8_e4m3fn
 
 
-def _ref_quant(input, residual, gamma, eps, weight_bias, pattern, scale_factor, group, layout,
-               use_oneshot, fp32_acc, handle):
+def _ref_quant(
+    input,
+    residual,
+    gamma,
+    eps,
+    weight_bias,
+    pattern,
+    scale_factor,
+    group,
+    layout,
+    use_oneshot,
+    fp32_acc,
+    handle,
+):
     """World-size-1 CPU stand-in for the quantized op, quantizing with the independent numpy
     oracle (tests/oracles/quant_oracle.py); NVFP4 outputs are left zero (not an oracle check)."""
     from tests.oracles import quant_oracle
@@ -461,8 +522,9 @@ def _ref_quant(input, residual, gamma, eps, weight_bias, pattern, scale_factor, 
     r_out, n_out, q_out, s_out = library._quant_outputs(input, pattern, group, layout)
     r = input + residual
     rf = r.float()
-    n = (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)
-         * (weight_bias + gamma.float())).to(input.dtype)
+    n = (
+        rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps) * (weight_bias + gamma.float())
+    ).to(input.dtype)
     r_out.copy_(r)
     if traits.has_norm_out:
         n_out.copy_(n)
@@ -474,7 +536,7 @@ def _ref_quant(input, residual, gamma, eps, weight_bias, pattern, scale_factor, 
         s_out.copy_(torch.from_numpy(s))
     elif traits.quant == "group_fp8":
         q, buf = quant_oracle.fp8_group(y, group)
-        s_out.copy_(torch.from_numpy(buf)[:, :input.shape[0]].t())
+        s_out.copy_(torch.from_numpy(buf)[:, : input.shape[0]].t())
     else:
         q_out.zero_()
         s_out.view(torch.uint8).zero_()
@@ -491,8 +553,16 @@ def cpu_quant_kernel():
 
 
 # (pattern, extra args (scale_factor, group, layout)); NVFP4 uses layout LINEAR/swizzled
-QUANT_CASES = [(2, "sf"), (4, "sf"), (10, None), (11, None), (8, 64), (9, 128),
-               (3, "fp4:0"), (5, "fp4:2")]
+QUANT_CASES = [
+    (2, "sf"),
+    (4, "sf"),
+    (10, None),
+    (11, None),
+    (8, 64),
+    (9, 128),
+    (3, "fp4:0"),
+    (5, "fp4:2"),
+]
 
 
 def _quant_args(pattern, extra, m=8, h=256, dtype=torch.bfloat16, device=None, handle=0):
@@ -514,14 +584,14 @@ def _quant_args(pattern, extra, m=8, h=256, dtype=torch.bfloat16, device=None, h
 def _expected_quant_meta(pattern, extra, m=8, h=256, dtype=torch.bfloat16):
     """(shape, dtype, stride) of the four outputs, from the formats helpers."""
     from jax_fusedar.common import quant_layouts
+
     full = ((m, h), dtype, (h, 1))
     empty_t = ((0,), dtype, (1,))
     norm = full if pattern in (4, 5, 9, 11) else empty_t
     if pattern in (3, 5):
         lay = int(extra.split(":")[1])
         sshape = quant_layouts.nvfp4_scale_shape(m, h, lay)
-        return [full, norm, ((m, h // 2), torch.uint8, (h // 2, 1)),
-                (sshape, E4M3, (sshape[1], 1))]
+        return [full, norm, ((m, h // 2), torch.uint8, (h // 2, 1)), (sshape, E4M3, (sshape[1], 1))]
     q = ((m, h), E4M3, (h, 1))
     if pattern in (2, 4):
         s = ((0,), torch.float32, (1,))
@@ -538,7 +608,8 @@ def test_quant_schema():
         "torch_compat::allreduce_residual_rmsnorm_quant(Tensor input, Tensor residual, "
         "Tensor gamma, float eps, float weight_bias, SymInt pattern, Tensor? scale_factor, "
         "SymInt? block_quant_group_size, SymInt? layout_code, bool? use_oneshot, "
-        "bool fp32_acc, SymInt workspace_handle) -> (Tensor, Tensor, Tensor, Tensor)")
+        "bool fp32_acc, SymInt workspace_handle) -> (Tensor, Tensor, Tensor, Tensor)"
+    )
     assert not QUANT._schema.is_mutable
     assert library.QUANT_PATTERNS == (2, 3, 4, 5, 8, 9, 10, 11)
 
@@ -546,16 +617,22 @@ def test_quant_schema():
 @pytest.mark.parametrize("pattern, extra", QUANT_CASES)
 def test_quant_fake_tensor_shapes(pattern, extra, handle):
     from torch._subclasses.fake_tensor import FakeTensorMode
+
     with FakeTensorMode():
         args = _quant_args(pattern, extra, device="cuda", handle=handle)
         outs = QUANT(*args)
     for t, (shape, dtype, stride) in zip(outs, _expected_quant_meta(pattern, extra)):
-        assert (tuple(t.shape), t.dtype, t.stride(), t.device.type) == \
-            (tuple(shape), dtype, tuple(stride), "cuda")
+        assert (tuple(t.shape), t.dtype, t.stride(), t.device.type) == (
+            tuple(shape),
+            dtype,
+            tuple(stride),
+            "cuda",
+        )
 
 
 def test_quant_fake_refuses_plain_patterns_and_bad_shapes(handle):
     from torch._subclasses.fake_tensor import FakeTensorMode
+
     with FakeTensorMode():
         for p in (0, 1):
             with pytest.raises(RuntimeError, match="quantized patterns"):
@@ -577,7 +654,7 @@ def test_quant_real_impl_wiring(monkeypatch, pattern, extra):
         outs = library.allreduce_residual_rmsnorm_quant._init_fn(*args)
         for t, (shape, dtype, stride) in zip(outs, _expected_quant_meta(pattern, extra)):
             assert (tuple(t.shape), t.dtype, t.stride()) == (tuple(shape), dtype, tuple(stride))
-        (a, kw), = ws.native_rank().launches
+        ((a, kw),) = ws.native_rank().launches
         r, n, q, s = outs
         assert a[0] == pattern and a[4] == args[0].data_ptr()
         assert kw["residual_out"] == r.data_ptr() and kw["quant_out"] == q.data_ptr()
@@ -604,8 +681,12 @@ def test_quant_real_impl_refuses_nvfp4_on_sm90(monkeypatch):
 
 @pytest.mark.parametrize("pattern, extra", [c for c in QUANT_CASES if c[0] not in (3, 5)])
 def test_quant_opcheck(cpu_quant_kernel, handle, pattern, extra):
-    utils = ("test_schema", "test_faketensor", "test_aot_dispatch_static",
-             "test_aot_dispatch_dynamic")
+    utils = (
+        "test_schema",
+        "test_faketensor",
+        "test_aot_dispatch_static",
+        "test_aot_dispatch_dynamic",
+    )
     torch.library.opcheck(QUANT, _quant_args(pattern, extra, handle=handle), test_utils=utils)
 
 
@@ -625,8 +706,10 @@ def test_quant_torch_compile_fullgraph(cpu_quant_kernel, handle, backend):
     want = f(x, res, g, sf)
     for a, b in zip(got, want):
         assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
-        assert torch.equal(a.view(torch.uint8) if a.dtype == E4M3 else a,
-                           b.view(torch.uint8) if b.dtype == E4M3 else b)
+        assert torch.equal(
+            a.view(torch.uint8) if a.dtype == E4M3 else a,
+            b.view(torch.uint8) if b.dtype == E4M3 else b,
+        )
     torch._dynamo.reset()
 
 
@@ -637,5 +720,7 @@ def test_quant_stand_in_matches_the_oracle_dequantization(cpu_quant_kernel, hand
     r, n, q, s = QUANT(x, res, g, EPS, 0.0, 11, None, None, None, None, False, handle)
     y = n.float()
     deq = q.float() * s
-    assert torch.all((deq - y).abs() <= 2.0 ** -4 * y.abs() + 2.0 ** -10 * s)
-    assert torch.all(s > 0) and not torch.equal(q.view(torch.uint8), torch.zeros_like(q.view(torch.uint8)))
+    assert torch.all((deq - y).abs() <= 2.0**-4 * y.abs() + 2.0**-10 * s)
+    assert torch.all(s > 0) and not torch.equal(
+        q.view(torch.uint8), torch.zeros_like(q.view(torch.uint8))
+    )

@@ -1,6 +1,7 @@
 """torch_compat's MoE patterns (6, 7) on CPU: FlashInfer's argument names, defaults and return
 rules, what reaches the native launch, every refused input, and the custom ops' fake
 implementations (the kernels themselves run in tests/gpu/workers/moe_gpu.py)."""
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -29,9 +30,15 @@ class MoeFakeRank(FakeRank):
 def fake_workspace(world=2, max_tokens=64, hidden=7168, dtype=BF):
     name = wsmod.dtype_name(dtype)
     ws = wsmod.TorchAllReduceFusionWorkspace(
-        native_rank=MoeFakeRank(), global_ranks=list(range(world)), rank=0, device=0,
-        max_token_num=max_tokens, hidden_dim=hidden, dtype=dtype,
-        sizes=sizing.workspace_sizes(world, max_tokens, hidden, name))
+        native_rank=MoeFakeRank(),
+        global_ranks=list(range(world)),
+        rank=0,
+        device=0,
+        max_token_num=max_tokens,
+        hidden_dim=hidden,
+        dtype=dtype,
+        sizes=sizing.workspace_sizes(world, max_tokens, hidden, name),
+    )
     ws.torch_device = torch.device("cpu")
     return ws
 
@@ -43,25 +50,33 @@ def cpu_stream(monkeypatch):
 
 def finalize_args(t=4, k=8, rows=40, h=7168, dtype=BF):
     idx = torch.randint(-1, rows, (t, k), dtype=torch.int32)
-    return dict(input=torch.randn(rows, h).to(dtype), expanded_idx_to_permuted_idx=idx,
-                expert_scale_factor=torch.rand(t, k).to(dtype),
-                shared_expert_output=torch.randn(t, h).to(dtype),
-                residual_in=torch.randn(t, h).to(dtype), rms_gamma=torch.ones(h, dtype=dtype))
+    return dict(
+        input=torch.randn(rows, h).to(dtype),
+        expanded_idx_to_permuted_idx=idx,
+        expert_scale_factor=torch.rand(t, k).to(dtype),
+        shared_expert_output=torch.randn(t, h).to(dtype),
+        residual_in=torch.randn(t, h).to(dtype),
+        rms_gamma=torch.ones(h, dtype=dtype),
+    )
 
 
 def reduction_args(e=3, t=4, h=7168, dtype=BF):
-    return dict(input=torch.empty(0), moe_reduction_device_num_experts=e,
-                moe_reduction_scale_input=torch.rand(e, t),
-                moe_reduction_active_experts_token_input=torch.randn(e * t, h).to(dtype),
-                moe_reduction_token_input=torch.randn(t, h).to(dtype),
-                residual_in=torch.randn(t, h).to(dtype), rms_gamma=torch.ones(h, dtype=dtype))
+    return dict(
+        input=torch.empty(0),
+        moe_reduction_device_num_experts=e,
+        moe_reduction_scale_input=torch.rand(e, t),
+        moe_reduction_active_experts_token_input=torch.randn(e * t, h).to(dtype),
+        moe_reduction_token_input=torch.randn(t, h).to(dtype),
+        residual_in=torch.randn(t, h).to(dtype),
+        rms_gamma=torch.ones(h, dtype=dtype),
+    )
 
 
 def test_finalize_allocates_outputs_returns_norm_out_and_launches_pattern_7():
     ws = fake_workspace()
     a = finalize_args()
     out = torch_compat.allreduce_fusion(workspace=ws, pattern=P7, launch_with_pdl=True, **a)
-    (args, kw), = ws.native_rank().moe_launches
+    ((args, kw),) = ws.native_rank().moe_launches
     assert args[:4] == (7, 2, 4, 7168)
     assert kw["permuted_input"] == a["input"].data_ptr() and kw["num_permuted_rows"] == 40
     assert kw["top_k"] == 8 and kw["routed_scaling_factor"] == 1.0
@@ -76,9 +91,13 @@ def test_finalize_optional_inputs_and_routed_scaling():
     a = finalize_args()
     del a["expert_scale_factor"], a["shared_expert_output"]
     norm = torch.empty_like(a["residual_in"])
-    assert torch_compat.allreduce_fusion(workspace=ws, pattern=7, norm_out=norm,
-                                         routed_scaling_factor=2.5, **a) is norm
-    (_, kw), = ws.native_rank().moe_launches
+    assert (
+        torch_compat.allreduce_fusion(
+            workspace=ws, pattern=7, norm_out=norm, routed_scaling_factor=2.5, **a
+        )
+        is norm
+    )
+    ((_, kw),) = ws.native_rank().moe_launches
     assert kw["expert_scale_factor"] == 0 and kw["shared_expert_output"] == 0
     assert kw["routed_scaling_factor"] == 2.5
 
@@ -87,13 +106,17 @@ def test_reduction_needs_norm_out_writes_output_and_residual_out_when_given():
     ws = fake_workspace()
     a = reduction_args()
     norm, res, out = (torch.empty_like(a["residual_in"]) for _ in range(3))
-    got = torch_compat.allreduce_fusion(workspace=ws, pattern=P6, norm_out=norm,
-                                        residual_out=res, output=out, **a)
+    got = torch_compat.allreduce_fusion(
+        workspace=ws, pattern=P6, norm_out=norm, residual_out=res, output=out, **a
+    )
     assert got is norm
-    (args, kw), = ws.native_rank().moe_launches
+    ((args, kw),) = ws.native_rank().moe_launches
     assert args[:4] == (6, 2, 4, 7168) and kw["num_experts"] == 3
     assert (kw["allreduce_out"], kw["residual_out"], kw["norm_out"]) == (
-        out.data_ptr(), res.data_ptr(), norm.data_ptr())
+        out.data_ptr(),
+        res.data_ptr(),
+        norm.data_ptr(),
+    )
     # Without residual_out / output: null pointers (the kernel's template flags).
     torch_compat.allreduce_fusion(workspace=ws, pattern=P6, norm_out=norm, **a)
     kw = ws.native_rank().moe_launches[-1][1]
@@ -115,27 +138,38 @@ def _with(base, **changes):
 F = finalize_args(t=2, k=2, rows=4)
 
 
-@pytest.mark.parametrize("kw,match", [
-    (_with(F, expanded_idx_to_permuted_idx=torch.tensor([[0, 4], [1, -1]], dtype=torch.int32)),
-     "holds 4.*4 rows"),
-    (_with(F, expanded_idx_to_permuted_idx=torch.tensor([[0, -3], [1, -1]], dtype=torch.int32)),
-     "holds -3"),
-    (_with(F, expanded_idx_to_permuted_idx=torch.zeros(2, 2, dtype=torch.int64)), "int32"),
-    (_with(F, expanded_idx_to_permuted_idx=torch.zeros(3, 2, dtype=torch.int32)), "token_num"),
-    (_with(F, expert_scale_factor=torch.rand(2, 2)), "expert_scale_factor"),
-    (_with(F, shared_expert_output=torch.randn(2, 7168)), "shared_expert_output"),
-    (_with(F, expanded_idx_to_permuted_idx=None), "needs expanded_idx_to_permuted_idx"),
-    (_with(F, rms_gamma=None), "needs rms_gamma"),
-    (_with(F, fp32_acc=True), "fp32_acc"),
-    (_with(F, use_oneshot=False), "one-shot only"),
-    (_with(F, use_oneshot="false"), "use_oneshot"),
-    (_with(F, trigger_completion_at_end=False), "trigger_completion_at_end"),
-    (_with(F, output=torch.empty(2, 7168, dtype=BF)), "does not write output"),
-    (_with(F, quant_out=torch.empty(2, 3584, dtype=torch.uint8)), "FP4"),
-    (_with(F, moe_finalize_backend="cake"), "moe_finalize_backend"),
-    (_with(F, moe_reduction_device_num_experts=2), "does not take"),
-    (_with(F, routed_scaling_factor=float("inf")), "routed_scaling_factor"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (
+            _with(
+                F, expanded_idx_to_permuted_idx=torch.tensor([[0, 4], [1, -1]], dtype=torch.int32)
+            ),
+            "holds 4.*4 rows",
+        ),
+        (
+            _with(
+                F, expanded_idx_to_permuted_idx=torch.tensor([[0, -3], [1, -1]], dtype=torch.int32)
+            ),
+            "holds -3",
+        ),
+        (_with(F, expanded_idx_to_permuted_idx=torch.zeros(2, 2, dtype=torch.int64)), "int32"),
+        (_with(F, expanded_idx_to_permuted_idx=torch.zeros(3, 2, dtype=torch.int32)), "token_num"),
+        (_with(F, expert_scale_factor=torch.rand(2, 2)), "expert_scale_factor"),
+        (_with(F, shared_expert_output=torch.randn(2, 7168)), "shared_expert_output"),
+        (_with(F, expanded_idx_to_permuted_idx=None), "needs expanded_idx_to_permuted_idx"),
+        (_with(F, rms_gamma=None), "needs rms_gamma"),
+        (_with(F, fp32_acc=True), "fp32_acc"),
+        (_with(F, use_oneshot=False), "one-shot only"),
+        (_with(F, use_oneshot="false"), "use_oneshot"),
+        (_with(F, trigger_completion_at_end=False), "trigger_completion_at_end"),
+        (_with(F, output=torch.empty(2, 7168, dtype=BF)), "does not write output"),
+        (_with(F, quant_out=torch.empty(2, 3584, dtype=torch.uint8)), "FP4"),
+        (_with(F, moe_finalize_backend="cake"), "moe_finalize_backend"),
+        (_with(F, moe_reduction_device_num_experts=2), "does not take"),
+        (_with(F, routed_scaling_factor=float("inf")), "routed_scaling_factor"),
+    ],
+)
 def test_finalize_refuses(kw, match):
     with pytest.raises((ValueError, TypeError), match=match):
         torch_compat.allreduce_fusion(workspace=fake_workspace(), pattern=P7, **kw)
@@ -143,43 +177,54 @@ def test_finalize_refuses(kw, match):
 
 def test_finalize_refuses_hidden_sizes_with_a_partial_warp_float32_and_big_calls():
     with pytest.raises(ValueError, match="multiple of 256"):
-        torch_compat.allreduce_fusion(workspace=fake_workspace(hidden=2880), pattern=7,
-                                      **finalize_args(h=2880))
+        torch_compat.allreduce_fusion(
+            workspace=fake_workspace(hidden=2880), pattern=7, **finalize_args(h=2880)
+        )
     a = finalize_args(h=256)
     a = {k: (v.float() if torch.is_tensor(v) and v.dtype == BF else v) for k, v in a.items()}
     with pytest.raises(ValueError, match="bfloat16 or float16"):
         torch_compat.allreduce_fusion(workspace=fake_workspace(hidden=256), pattern=7, **a)
     with pytest.raises(ValueError, match="does not fit the workspace"):
-        torch_compat.allreduce_fusion(workspace=fake_workspace(max_tokens=2), pattern=7,
-                                      **finalize_args(t=4))
+        torch_compat.allreduce_fusion(
+            workspace=fake_workspace(max_tokens=2), pattern=7, **finalize_args(t=4)
+        )
 
 
 R = reduction_args(e=3, t=4)
 
 
-@pytest.mark.parametrize("kw,match", [
-    (_with(R, moe_reduction_scale_input=torch.rand(4, 3)), r"\[num_experts, token_num\]"),
-    (_with(R, moe_reduction_scale_input=torch.rand(3, 4).to(BF)), "float32"),
-    (_with(R, moe_reduction_device_num_experts=0), ">= 1"),
-    (_with(R, moe_reduction_device_num_experts=2.0), "moe_reduction_device_num_experts"),
-    (_with(R, moe_reduction_active_experts_token_input=torch.randn(11, 7168).to(BF)),
-     "active_experts"),
-    (_with(R, moe_reduction_token_input=torch.randn(4, 7168)), "moe_reduction_token_input"),
-    (_with(R, moe_reduction_token_input=None), "needs moe_reduction_token_input"),
-    (_with(R, expanded_idx_to_permuted_idx=torch.zeros(4, 1, dtype=torch.int32)),
-     "does not take"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (_with(R, moe_reduction_scale_input=torch.rand(4, 3)), r"\[num_experts, token_num\]"),
+        (_with(R, moe_reduction_scale_input=torch.rand(3, 4).to(BF)), "float32"),
+        (_with(R, moe_reduction_device_num_experts=0), ">= 1"),
+        (_with(R, moe_reduction_device_num_experts=2.0), "moe_reduction_device_num_experts"),
+        (
+            _with(R, moe_reduction_active_experts_token_input=torch.randn(11, 7168).to(BF)),
+            "active_experts",
+        ),
+        (_with(R, moe_reduction_token_input=torch.randn(4, 7168)), "moe_reduction_token_input"),
+        (_with(R, moe_reduction_token_input=None), "needs moe_reduction_token_input"),
+        (
+            _with(R, expanded_idx_to_permuted_idx=torch.zeros(4, 1, dtype=torch.int32)),
+            "does not take",
+        ),
+    ],
+)
 def test_reduction_refuses(kw, match):
     with pytest.raises((ValueError, TypeError), match=match):
-        torch_compat.allreduce_fusion(workspace=fake_workspace(), pattern=P6,
-                                      norm_out=torch.empty(4, 7168, dtype=BF), **kw)
+        torch_compat.allreduce_fusion(
+            workspace=fake_workspace(), pattern=P6, norm_out=torch.empty(4, 7168, dtype=BF), **kw
+        )
 
 
 def test_dense_patterns_refuse_moe_arguments():
     x = torch.randn(4, 7168).to(BF)
     with pytest.raises(ValueError, match="apply to the MoE patterns"):
-        torch_compat.allreduce_fusion(x, fake_workspace(), 0,
-                                      expanded_idx_to_permuted_idx=torch.zeros(4, 1))
+        torch_compat.allreduce_fusion(
+            x, fake_workspace(), 0, expanded_idx_to_permuted_idx=torch.zeros(4, 1)
+        )
 
 
 def test_custom_ops_fake_implementations_trace_and_refuse():
@@ -189,20 +234,43 @@ def test_custom_ops_fake_implementations_trace_and_refuse():
         with FakeTensorMode():
             a = finalize_args()
             r, n = torch.ops.torch_compat.moe_finalize_allreduce_residual_rmsnorm(
-                a["input"], a["expanded_idx_to_permuted_idx"], a["residual_in"], a["rms_gamma"],
-                a["expert_scale_factor"], None, 1.0, 1e-6, 0.0, handle)
+                a["input"],
+                a["expanded_idx_to_permuted_idx"],
+                a["residual_in"],
+                a["rms_gamma"],
+                a["expert_scale_factor"],
+                None,
+                1.0,
+                1e-6,
+                0.0,
+                handle,
+            )
             assert r.shape == n.shape == a["residual_in"].shape and n.dtype == BF
             b = reduction_args()
             outs = torch.ops.torch_compat.moe_reduction_allreduce_residual_rmsnorm(
                 b["moe_reduction_active_experts_token_input"].view(3, 4, 7168),
-                b["moe_reduction_scale_input"], b["moe_reduction_token_input"],
-                b["residual_in"], b["rms_gamma"], 1e-6, 0.0, handle)
+                b["moe_reduction_scale_input"],
+                b["moe_reduction_token_input"],
+                b["residual_in"],
+                b["rms_gamma"],
+                1e-6,
+                0.0,
+                handle,
+            )
             assert len(outs) == 3 and all(o.shape == (4, 7168) for o in outs)
             with pytest.raises(ValueError, match="expert_scale_factor"):
                 torch.ops.torch_compat.moe_finalize_allreduce_residual_rmsnorm(
-                    a["input"], a["expanded_idx_to_permuted_idx"], a["residual_in"],
-                    a["rms_gamma"], a["expert_scale_factor"].float(), None, 1.0, 1e-6, 0.0,
-                    handle)
+                    a["input"],
+                    a["expanded_idx_to_permuted_idx"],
+                    a["residual_in"],
+                    a["rms_gamma"],
+                    a["expert_scale_factor"].float(),
+                    None,
+                    1.0,
+                    1e-6,
+                    0.0,
+                    handle,
+                )
     finally:
         library.unregister_workspace(handle)
 
@@ -216,9 +284,12 @@ def test_one_moe_rule_refuses_what_flashinfers_launcher_cannot_place():
     with pytest.raises(ValueError, match="1056 threads per block"):
         torch_compat.allreduce_fusion(workspace=ws, pattern=P7, **finalize_args(h=8448))
     with pytest.raises(ValueError, match="1056 threads per block"):
-        torch_compat.allreduce_fusion(workspace=ws, pattern=P6,
-                                      norm_out=torch.empty(4, 8448, dtype=BF),
-                                      **reduction_args(h=8448))
+        torch_compat.allreduce_fusion(
+            workspace=ws,
+            pattern=P6,
+            norm_out=torch.empty(4, 8448, dtype=BF),
+            **reduction_args(h=8448),
+        )
     assert not ws.native_rank().moe_launches
     handle = library.register_workspace(ws)
     try:
@@ -226,7 +297,16 @@ def test_one_moe_rule_refuses_what_flashinfers_launcher_cannot_place():
             a = finalize_args(h=8448)
             with pytest.raises(ValueError, match="1056 threads per block"):
                 torch.ops.torch_compat.moe_finalize_allreduce_residual_rmsnorm(
-                    a["input"], a["expanded_idx_to_permuted_idx"], a["residual_in"],
-                    a["rms_gamma"], a["expert_scale_factor"], None, 1.0, 1e-6, 0.0, handle)
+                    a["input"],
+                    a["expanded_idx_to_permuted_idx"],
+                    a["residual_in"],
+                    a["rms_gamma"],
+                    a["expert_scale_factor"],
+                    None,
+                    1.0,
+                    1e-6,
+                    0.0,
+                    handle,
+                )
     finally:
         library.unregister_workspace(handle)

@@ -5,6 +5,7 @@ with the DP+TP layout that broke vLLM, and that torch_compat never imports JAX.
 Ranks are fakes that record what they were given; the kernel itself runs in
 tests/gpu/test_torch.py.
 """
+
 import ast
 import datetime
 import inspect
@@ -20,8 +21,7 @@ import torch
 import torch.distributed as dist
 
 import torch_compat
-from jax_fusedar.common import (backend_choice, exchange, launch_mode, native, sizing,
-                                tp_groups)
+from jax_fusedar.common import backend_choice, exchange, launch_mode, native, sizing, tp_groups
 from torch_compat import cuda_state, ops
 from torch_compat import workspace as wsmod
 from torch_compat.channel import StoreChannel
@@ -42,37 +42,71 @@ POS, KW = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONL
 
 # flashinfer/comm/allreduce.py (0.7.2.post1 era): (name, default, kind) in order.
 FI_CREATE = [
-    ("backend", "auto", POS), ("world_size", None, POS), ("rank", None, POS),
-    ("max_token_num", None, POS), ("hidden_dim", None, POS), ("dtype", None, POS),
-    ("gpus_per_node", None, POS), ("comm_backend", None, POS),
-    ("force_oneshot_support", False, POS), ("group", None, POS),
+    ("backend", "auto", POS),
+    ("world_size", None, POS),
+    ("rank", None, POS),
+    ("max_token_num", None, POS),
+    ("hidden_dim", None, POS),
+    ("dtype", None, POS),
+    ("gpus_per_node", None, POS),
+    ("comm_backend", None, POS),
+    ("force_oneshot_support", False, POS),
+    ("group", None, POS),
     # keyword-only options of the MNNVL CuTe DSL backend
-    ("top_k", None, KW), ("rms_eps", None, KW), ("weight_bias", None, KW),
-    ("routed_scaling_factor", None, KW), ("include_shared_expert", None, KW),
-    ("add_residual", None, KW), ("write_residual_output", None, KW),
-    ("apply_rms_norm", None, KW), ("output_dtype", None, KW), ("dynamic_fp8", None, KW),
-    ("write_norm_output", None, KW), ("config", None, KW),
+    ("top_k", None, KW),
+    ("rms_eps", None, KW),
+    ("weight_bias", None, KW),
+    ("routed_scaling_factor", None, KW),
+    ("include_shared_expert", None, KW),
+    ("add_residual", None, KW),
+    ("write_residual_output", None, KW),
+    ("apply_rms_norm", None, KW),
+    ("output_dtype", None, KW),
+    ("dynamic_fp8", None, KW),
+    ("write_norm_output", None, KW),
+    ("config", None, KW),
 ]
 FI_CREATE_ONLY = {n for n, _d, k in FI_CREATE if k == KW}  # CuTe DSL only
 
 FI_FUSION = [
-    ("input", _, POS), ("workspace", _, POS), ("pattern", _, POS),
-    ("launch_with_pdl", False, POS), ("trigger_completion_at_end", True, POS),
-    ("output", None, POS), ("residual_out", None, POS), ("norm_out", None, POS),
-    ("quant_out", None, POS), ("scale_out", None, POS), ("residual_in", None, POS),
-    ("rms_gamma", None, POS), ("rms_eps", 1e-6, POS), ("scale_factor", None, POS),
-    ("layout_code", None, POS), ("use_oneshot", None, POS), ("fp32_acc", False, POS),
-    ("moe_reduction_device_num_experts", None, POS), ("moe_reduction_scale_input", None, POS),
+    ("input", _, POS),
+    ("workspace", _, POS),
+    ("pattern", _, POS),
+    ("launch_with_pdl", False, POS),
+    ("trigger_completion_at_end", True, POS),
+    ("output", None, POS),
+    ("residual_out", None, POS),
+    ("norm_out", None, POS),
+    ("quant_out", None, POS),
+    ("scale_out", None, POS),
+    ("residual_in", None, POS),
+    ("rms_gamma", None, POS),
+    ("rms_eps", 1e-6, POS),
+    ("scale_factor", None, POS),
+    ("layout_code", None, POS),
+    ("use_oneshot", None, POS),
+    ("fp32_acc", False, POS),
+    ("moe_reduction_device_num_experts", None, POS),
+    ("moe_reduction_scale_input", None, POS),
     ("moe_reduction_active_experts_token_input", None, POS),
-    ("moe_reduction_token_input", None, POS), ("expanded_idx_to_permuted_idx", None, POS),
-    ("expert_scale_factor", None, POS), ("shared_expert_output", None, POS),
-    ("block_quant_group_size", None, POS), ("weight_bias", 0.0, POS),
+    ("moe_reduction_token_input", None, POS),
+    ("expanded_idx_to_permuted_idx", None, POS),
+    ("expert_scale_factor", None, POS),
+    ("shared_expert_output", None, POS),
+    ("block_quant_group_size", None, POS),
+    ("weight_bias", 0.0, POS),
     ("moe_finalize_backend", "trtllm", KW),
 ]
 FI_FUSION_ONLY = set()  # every FlashInfer parameter, the MoE ones (6, 7) included
 
-FI_SUFFICIENT = [("self", _, POS), ("tp_size", _, POS), ("num_tokens", _, POS),
-                 ("hidden_dim", _, POS), ("dtype", _, POS), ("use_oneshot", None, POS)]
+FI_SUFFICIENT = [
+    ("self", _, POS),
+    ("tp_size", _, POS),
+    ("num_tokens", _, POS),
+    ("hidden_dim", _, POS),
+    ("dtype", _, POS),
+    ("use_oneshot", None, POS),
+]
 
 
 def _params(fn):
@@ -82,22 +116,28 @@ def _params(fn):
 def test_create_signature_matches_flashinfer():
     ours = _params(torch_compat.create_allreduce_fusion_workspace)
     assert ours[:-4] == [p for p in FI_CREATE if p[0] not in FI_CREATE_ONLY]
-    assert ours[-4:] == [("timeout_s", 120.0, KW), ("check_calls", None, KW),
-                         ("check_timeout_s", None, KW),
-                         ("kernel_timeout_s", None, KW)]  # our additions, keyword-only
+    assert ours[-4:] == [
+        ("timeout_s", 120.0, KW),
+        ("check_calls", None, KW),
+        ("check_timeout_s", None, KW),
+        ("kernel_timeout_s", None, KW),
+    ]  # our additions, keyword-only
 
 
 def test_allreduce_fusion_signature_matches_flashinfer():
     assert _params(torch_compat.allreduce_fusion)[:-1] == [
-        p for p in FI_FUSION if p[0] not in FI_FUSION_ONLY]
+        p for p in FI_FUSION if p[0] not in FI_FUSION_ONLY
+    ]
     # Our addition, keyword-only: pattern 7's routed scaling (FlashInfer's unified API passes
     # None, i.e. 1.0, to its kernel).
     assert _params(torch_compat.allreduce_fusion)[-1] == ("routed_scaling_factor", None, KW)
 
 
 def test_is_buffer_size_sufficient_signature_matches_flashinfer():
-    assert _params(torch_compat.TorchAllReduceFusionWorkspace.is_buffer_size_sufficient) == \
-        FI_SUFFICIENT
+    assert (
+        _params(torch_compat.TorchAllReduceFusionWorkspace.is_buffer_size_sufficient)
+        == FI_SUFFICIENT
+    )
 
 
 def _anchor_signature(tree, name):
@@ -120,17 +160,24 @@ def test_hard_coded_lists_are_flashinfers():
 def test_exports():
     assert torch_compat.AllReduceFusionPattern.kARResidualRMSNorm == 1
     assert torch_compat.QuantizationSFLayout.LINEAR == 2
-    assert set(torch_compat.__all__) >= {"create_allreduce_fusion_workspace", "allreduce_fusion",
-                                         "AllReduceFusionPattern", "QuantizationSFLayout"}
+    assert set(torch_compat.__all__) >= {
+        "create_allreduce_fusion_workspace",
+        "allreduce_fusion",
+        "AllReduceFusionPattern",
+        "QuantizationSFLayout",
+    }
 
 
 @pytest.mark.slow
 def test_importing_torch_compat_does_not_import_jax():
-    code = ("import sys, torch_compat; "
-            "bad = [m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'jaxlib'))]; "
-            "print(bad); sys.exit(1 if bad else 0)")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+    code = (
+        "import sys, torch_compat; "
+        "bad = [m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'jaxlib'))]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -172,9 +219,15 @@ class FakeRank:
 def fake_workspace(world=2, max_tokens=128, hidden=1024, dtype=torch.bfloat16):
     name = wsmod.dtype_name(dtype)
     ws = wsmod.TorchAllReduceFusionWorkspace(
-        native_rank=FakeRank(), global_ranks=list(range(world)), rank=0, device=0,
-        max_token_num=max_tokens, hidden_dim=hidden, dtype=dtype,
-        sizes=sizing.workspace_sizes(world, max_tokens, hidden, name))
+        native_rank=FakeRank(),
+        global_ranks=list(range(world)),
+        rank=0,
+        device=0,
+        max_token_num=max_tokens,
+        hidden_dim=hidden,
+        dtype=dtype,
+        sizes=sizing.workspace_sizes(world, max_tokens, hidden, name),
+    )
     ws.torch_device = torch.device("cpu")  # so CPU tensors pass the device check
     return ws
 
@@ -186,9 +239,13 @@ def cpu_stream(monkeypatch):
 
 def _tensors(m=16, h=1024, dtype=torch.bfloat16):
     x = torch.randn(m, h).to(dtype)
-    return dict(input=x, residual_in=torch.randn(m, h).to(dtype),
-                rms_gamma=torch.randn(h).to(dtype), residual_out=torch.empty_like(x),
-                norm_out=torch.empty_like(x))
+    return dict(
+        input=x,
+        residual_in=torch.randn(m, h).to(dtype),
+        rms_gamma=torch.randn(h).to(dtype),
+        residual_out=torch.empty_like(x),
+        norm_out=torch.empty_like(x),
+    )
 
 
 # --- the workspace object -------------------------------------------------------------------------
@@ -197,10 +254,15 @@ def _tensors(m=16, h=1024, dtype=torch.bfloat16):
 def test_workspace_metadata_and_buffer_rule():
     ws = fake_workspace(world=2, max_tokens=128, hidden=1024)
     md = ws.metadata
-    assert {k: md[k] for k in ("tp_rank", "tp_size", "max_token_num", "hidden_dim",
-                               "use_fp32_lamport")} == {
-        "tp_rank": 0, "tp_size": 2, "max_token_num": 128, "hidden_dim": 1024,
-        "use_fp32_lamport": False}
+    assert {
+        k: md[k] for k in ("tp_rank", "tp_size", "max_token_num", "hidden_dim", "use_fp32_lamport")
+    } == {
+        "tp_rank": 0,
+        "tp_size": 2,
+        "max_token_num": 128,
+        "hidden_dim": 1024,
+        "use_fp32_lamport": False,
+    }
     assert md["lamport_comm_size"] == ws.sizes.lamport_comm_bytes
     assert ws.backend == "trtllm"
     ok = ws.is_buffer_size_sufficient
@@ -223,9 +285,11 @@ def test_destroy_is_idempotent_and_final(cpu_stream):
     assert ws.destroyed and rank.destroyed == 1
     ws.destroy()
     assert rank.destroyed == 1
-    for call in (lambda: ws.metadata,
-                 lambda: ws.is_buffer_size_sufficient(2, 1, 1024, torch.bfloat16),
-                 lambda: torch_compat.allreduce_fusion(workspace=ws, pattern=1, **_tensors())):
+    for call in (
+        lambda: ws.metadata,
+        lambda: ws.is_buffer_size_sufficient(2, 1, 1024, torch.bfloat16),
+        lambda: torch_compat.allreduce_fusion(workspace=ws, pattern=1, **_tensors()),
+    ):
         with pytest.raises(RuntimeError, match="destroyed"):
             call()
     assert "destroyed" in repr(ws)
@@ -237,10 +301,17 @@ def test_destroy_is_idempotent_and_final(cpu_stream):
 def test_pattern1_launch_arguments_and_return_value(cpu_stream):
     ws = fake_workspace()
     t = _tensors(m=16)
-    out = torch_compat.allreduce_fusion(workspace=ws, pattern=1, launch_with_pdl=True,
-                                        fp32_acc=True, rms_eps=1e-5, weight_bias=1.0, **t)
+    out = torch_compat.allreduce_fusion(
+        workspace=ws,
+        pattern=1,
+        launch_with_pdl=True,
+        fp32_acc=True,
+        rms_eps=1e-5,
+        weight_bias=1.0,
+        **t,
+    )
     assert out is t["norm_out"]  # FlashInfer returns norm_out for the norm patterns
-    (args, kw), = ws._rank_obj.launches
+    ((args, kw),) = ws._rank_obj.launches
     assert args == (1, native.DTYPE_CODES["bfloat16"], 16, 1024, t["input"].data_ptr())
     assert kw["residual_in"] == t["residual_in"].data_ptr()
     assert kw["residual_out"] == t["residual_out"].data_ptr()
@@ -257,15 +328,22 @@ def test_pattern0_allocates_output_like_flashinfer(cpu_stream):
     x = torch.randn(8, 1024).to(torch.float16)  # fp16 on a bf16 workspace: same width
     out = torch_compat.allreduce_fusion(x, ws, torch_compat.AllReduceFusionPattern.kAllReduce)
     assert out.shape == x.shape and out.dtype == x.dtype and out is not x
-    (args, kw), = ws._rank_obj.launches
+    ((args, kw),) = ws._rank_obj.launches
     assert args[:2] == (0, native.DTYPE_CODES["float16"])
     assert kw["allreduce_out"] == out.data_ptr() and kw["residual_in"] == 0
     given = torch.empty_like(x)
     assert torch_compat.allreduce_fusion(x, ws, 0, output=given) is given
     # Inputs pattern 0 does not read are ignored, as in FlashInfer.
-    torch_compat.allreduce_fusion(x, ws, 0, residual_in=torch.empty_like(x),
-                                  rms_gamma=torch.empty(1024, dtype=x.dtype), scale_factor=2.0,
-                                  layout_code=2, block_quant_group_size=128)
+    torch_compat.allreduce_fusion(
+        x,
+        ws,
+        0,
+        residual_in=torch.empty_like(x),
+        rms_gamma=torch.empty(1024, dtype=x.dtype),
+        scale_factor=2.0,
+        layout_code=2,
+        block_quant_group_size=128,
+    )
     assert ws._rank_obj.launches[-1][1]["residual_in"] == 0
 
 
@@ -278,8 +356,9 @@ def test_oneshot_choice_is_the_topology_policy_and_forcible(cpu_stream):
         assert expected == int(launch_mode.choose_oneshot(m, 4096, ws.sizes, use))  # < 48 MiB
         assert ws._rank_obj.launches[-1][1]["algorithm"] == expected
     with pytest.raises(ValueError, match="two-shot needs more tokens"):
-        torch_compat.allreduce_fusion(workspace=ws, pattern=1, use_oneshot=False,
-                                      **_tensors(m=2, h=4096))
+        torch_compat.allreduce_fusion(
+            workspace=ws, pattern=1, use_oneshot=False, **_tensors(m=2, h=4096)
+        )
 
 
 def test_aliasing_in_place_outputs_is_allowed(cpu_stream):
@@ -298,43 +377,56 @@ def _call(ws, pattern=1, **over):
     return torch_compat.allreduce_fusion(workspace=ws, pattern=pattern, **t)
 
 
-@pytest.mark.parametrize("over, match", [
-    (dict(input=torch.randn(4, 8, 128).bfloat16()), "2-D"),
-    (dict(input=torch.randn(1024).bfloat16()), "2-D"),
-    (dict(input=torch.randn(16, 1024, dtype=torch.float64)), "not supported"),
-    (dict(input=torch.ones(16, 1024, dtype=torch.int32)), "not supported"),
-    (dict(input=torch.randn(1024, 16).bfloat16().t()), "contiguous"),
-    (dict(input=torch.randn(0, 1024).bfloat16()), "empty"),
-    (dict(input=torch.randn(16, 1024)), "element width"),  # fp32 on a bf16 workspace
-    (dict(input=torch.randn(129, 1024).bfloat16()), "exceeds"),
-    (dict(input=torch.randn(16, 1020).bfloat16()), "multiple of 8"),
-    (dict(residual_in=torch.randn(16, 512).bfloat16()), "residual_in must have"),
-    (dict(residual_in=torch.randn(16, 1024).half()), "residual_in must have the input's dtype"),
-    (dict(residual_out=torch.empty(8, 1024).bfloat16()), "residual_out must have"),
-    (dict(norm_out=torch.empty(16, 1024)), "norm_out must have the input's dtype"),
-    (dict(norm_out=torch.empty(1024, 16).bfloat16().t()), "norm_out must be contiguous"),
-    (dict(pattern=0, residual_out=None, norm_out=None, output=torch.empty(16, 1023).bfloat16()),
-     "output must have"),
-    (dict(output=torch.empty(16, 1024).bfloat16()), r"pattern 1 \(kARResidualRMSNorm\) does "
-                                                    "not write output"),
-    (dict(rms_gamma=torch.randn(16, 1024).bfloat16()), r"rms_gamma must have shape \[hidden_dim\]"),
-    (dict(rms_gamma=torch.randn(1024)), "rms_gamma must have the input's dtype"),
-    (dict(rms_gamma=[1.0] * 1024), "rms_gamma must be a torch.Tensor"),
-    (dict(rms_gamma=torch.randn(1025).bfloat16()[1:]), "16-byte boundary"),
-    (dict(residual_in=None), "needs residual_in"),
-    (dict(rms_gamma=None), "needs rms_gamma"),
-    (dict(residual_out=None), "needs residual_out"),
-    (dict(norm_out=None), "needs norm_out"),
-    (dict(quant_out=torch.empty(16, 1024, dtype=torch.uint8)), "does not write quant_out"),
-    (dict(scale_out=torch.empty(16, 1)), "does not write scale_out"),
-    (dict(pattern=0, norm_out=torch.empty(16, 1024).bfloat16()), "does not write"),
-    # FlashInfer's MoE codes: their own inputs (tests/torch/test_moe.py)
-    (dict(pattern=6), "kMoEReductionARResidualRMSNorm needs moe_reduction_device_num_experts"),
-    (dict(pattern=7), "kMoEFinalizeARResidualRMSNorm needs expanded_idx_to_permuted_idx"),
-    (dict(pattern=12), "unknown fusion pattern"),
-    (dict(pattern=99), "unknown fusion pattern"),
-    (dict(input="x"), "must be a torch.Tensor"),
-])
+@pytest.mark.parametrize(
+    "over, match",
+    [
+        (dict(input=torch.randn(4, 8, 128).bfloat16()), "2-D"),
+        (dict(input=torch.randn(1024).bfloat16()), "2-D"),
+        (dict(input=torch.randn(16, 1024, dtype=torch.float64)), "not supported"),
+        (dict(input=torch.ones(16, 1024, dtype=torch.int32)), "not supported"),
+        (dict(input=torch.randn(1024, 16).bfloat16().t()), "contiguous"),
+        (dict(input=torch.randn(0, 1024).bfloat16()), "empty"),
+        (dict(input=torch.randn(16, 1024)), "element width"),  # fp32 on a bf16 workspace
+        (dict(input=torch.randn(129, 1024).bfloat16()), "exceeds"),
+        (dict(input=torch.randn(16, 1020).bfloat16()), "multiple of 8"),
+        (dict(residual_in=torch.randn(16, 512).bfloat16()), "residual_in must have"),
+        (dict(residual_in=torch.randn(16, 1024).half()), "residual_in must have the input's dtype"),
+        (dict(residual_out=torch.empty(8, 1024).bfloat16()), "residual_out must have"),
+        (dict(norm_out=torch.empty(16, 1024)), "norm_out must have the input's dtype"),
+        (dict(norm_out=torch.empty(1024, 16).bfloat16().t()), "norm_out must be contiguous"),
+        (
+            dict(
+                pattern=0, residual_out=None, norm_out=None, output=torch.empty(16, 1023).bfloat16()
+            ),
+            "output must have",
+        ),
+        (
+            dict(output=torch.empty(16, 1024).bfloat16()),
+            r"pattern 1 \(kARResidualRMSNorm\) does "
+            "not write output",
+        ),
+        (
+            dict(rms_gamma=torch.randn(16, 1024).bfloat16()),
+            r"rms_gamma must have shape \[hidden_dim\]",
+        ),
+        (dict(rms_gamma=torch.randn(1024)), "rms_gamma must have the input's dtype"),
+        (dict(rms_gamma=[1.0] * 1024), "rms_gamma must be a torch.Tensor"),
+        (dict(rms_gamma=torch.randn(1025).bfloat16()[1:]), "16-byte boundary"),
+        (dict(residual_in=None), "needs residual_in"),
+        (dict(rms_gamma=None), "needs rms_gamma"),
+        (dict(residual_out=None), "needs residual_out"),
+        (dict(norm_out=None), "needs norm_out"),
+        (dict(quant_out=torch.empty(16, 1024, dtype=torch.uint8)), "does not write quant_out"),
+        (dict(scale_out=torch.empty(16, 1)), "does not write scale_out"),
+        (dict(pattern=0, norm_out=torch.empty(16, 1024).bfloat16()), "does not write"),
+        # FlashInfer's MoE codes: their own inputs (tests/torch/test_moe.py)
+        (dict(pattern=6), "kMoEReductionARResidualRMSNorm needs moe_reduction_device_num_experts"),
+        (dict(pattern=7), "kMoEFinalizeARResidualRMSNorm needs expanded_idx_to_permuted_idx"),
+        (dict(pattern=12), "unknown fusion pattern"),
+        (dict(pattern=99), "unknown fusion pattern"),
+        (dict(input="x"), "must be a torch.Tensor"),
+    ],
+)
 def test_refused_with_a_clear_value_error(cpu_stream, over, match):
     with pytest.raises(ValueError, match=match):
         _call(fake_workspace(), **over)
@@ -392,16 +484,20 @@ def test_create_world_size_one_is_refused_clearly(gloo_world1, sub):
     group = dist.new_group([0]) if sub else None
     for ws, r in ((1, 0), (None, None)):
         with pytest.raises(ValueError, match="world size 1 is not supported.*2, 4, 8, 16"):
-            torch_compat.create_allreduce_fusion_workspace(world_size=ws, rank=r, group=group,
-                                                           **CREATE)
+            torch_compat.create_allreduce_fusion_workspace(
+                world_size=ws, rank=r, group=group, **CREATE
+            )
 
 
-@pytest.mark.parametrize("backend, match", [
-    ("xla", "does not exist under torch"),
-    ("mnnvl", "multicast"),
-    ("mnnvl-cutedsl", "unknown all-reduce backend"),
-    ("nccl", "unknown all-reduce backend"),
-])
+@pytest.mark.parametrize(
+    "backend, match",
+    [
+        ("xla", "does not exist under torch"),
+        ("mnnvl", "multicast"),
+        ("mnnvl-cutedsl", "unknown all-reduce backend"),
+        ("nccl", "unknown all-reduce backend"),
+    ],
+)
 def test_create_refuses_backends_torch_cannot_run(gloo_world1, backend, match):
     with pytest.raises(ValueError, match=match):
         torch_compat.create_allreduce_fusion_workspace(backend, 2, 0, **CREATE)
@@ -417,7 +513,8 @@ def test_create_refuses_xla_from_the_environment(gloo_world1, monkeypatch):
 def test_create_refuses_other_dtypes(gloo_world1, dtype):
     with pytest.raises(ValueError, match="dtype must be torch.bfloat16"):
         torch_compat.create_allreduce_fusion_workspace(
-            world_size=1, rank=0, max_token_num=16, hidden_dim=1024, dtype=dtype)
+            world_size=1, rank=0, max_token_num=16, hidden_dim=1024, dtype=dtype
+        )
 
 
 def test_create_comm_backend_must_describe_the_same_group(gloo_world1):
@@ -429,8 +526,9 @@ def test_create_comm_backend_must_describe_the_same_group(gloo_world1):
             return 1
 
     with pytest.raises(ValueError, match="comm_backend.Get_rank"):
-        torch_compat.create_allreduce_fusion_workspace(world_size=1, rank=0,
-                                                       comm_backend=Backend(), **CREATE)
+        torch_compat.create_allreduce_fusion_workspace(
+            world_size=1, rank=0, comm_backend=Backend(), **CREATE
+        )
 
 
 # --- the store channel ----------------------------------------------------------------------------
@@ -445,8 +543,9 @@ def stores(request):
         yield lambda: store
     else:
         server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30))
-        yield lambda: dist.TCPStore("127.0.0.1", server.port, 1, False,
-                                    timeout=datetime.timedelta(seconds=30))
+        yield lambda: dist.TCPStore(
+            "127.0.0.1", server.port, 1, False, timeout=datetime.timedelta(seconds=30)
+        )
         del server
 
 
@@ -464,8 +563,13 @@ def test_channel_fetch_names_who_is_missing_within_the_timeout(stores):
     chan.publish("present", b"1")
     t0 = time.monotonic()
     with pytest.raises(TimeoutError) as e:
-        chan.fetch_many({"present": "TP rank 0", "absent/1": "TP rank 1 (global rank 5)",
-                         "absent/2": "TP rank 2 (global rank 6)"})
+        chan.fetch_many(
+            {
+                "present": "TP rank 0",
+                "absent/1": "TP rank 1 (global rank 5)",
+                "absent/2": "TP rank 2 (global rank 6)",
+            }
+        )
     assert time.monotonic() - t0 < 3
     msg = str(e.value)
     assert "TP rank 1 (global rank 5)" in msg and "TP rank 2 (global rank 6)" in msg
@@ -529,8 +633,9 @@ def fresh_serials(monkeypatch):
 
 
 def _key(ranks, serial, purpose="member/rank0"):
-    return exchange.exchange_key(wsmod.NAMESPACE, tp_groups.TPGroup(tuple(ranks), 0), serial,
-                                 purpose)
+    return exchange.exchange_key(
+        wsmod.NAMESPACE, tp_groups.TPGroup(tuple(ranks), 0), serial, purpose
+    )
 
 
 def test_keys_unique_across_groups_with_identical_seeds(fresh_serials):
@@ -566,11 +671,15 @@ def _join_threads(layout, timeout_s=10.0, hosts=None, skip=(), backend="trtllm")
         ranks, device = layout[me]
         try:
             out[me] = wsmod._join_group(
-                global_ranks=ranks, me=me, device=device,
+                global_ranks=ranks,
+                me=me,
+                device=device,
                 host=(hosts or {}).get(me, "node0"),
-                channel=StoreChannel(store, timeout_s=timeout_s, process=me), serial=1,
+                channel=StoreChannel(store, timeout_s=timeout_s, process=me),
+                serial=1,
                 backend=backend,
-                make_rank=lambda dev, tp, me=me: FakeRank(me, dev, tp))
+                make_rank=lambda dev, tp, me=me: FakeRank(me, dev, tp),
+            )
         except Exception as e:
             errors[me] = e
 
@@ -613,8 +722,9 @@ def test_member_that_never_joins_is_named():
 
 
 def test_group_across_hosts_is_refused_by_every_member():
-    out, errors = _join_threads({0: ([0, 1], 0), 1: ([0, 1], 0)}, hosts={1: "node1"},
-                                backend="auto")
+    out, errors = _join_threads(
+        {0: ([0, 1], 0), 1: ([0, 1], 0)}, hosts={1: "node1"}, backend="auto"
+    )
     assert not out and set(errors) == {0, 1}
     for e in errors.values():
         assert isinstance(e, ValueError) and "spans 2 nodes" in str(e)
@@ -649,8 +759,9 @@ def gloo_worker(rank, world, chan, *, port):
     from torch_compat import workspace as wsmod
     from torch_compat.channel import StoreChannel
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     try:
         groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every process, same order
         group = groups[rank // 2]
@@ -659,8 +770,14 @@ def gloo_worker(rank, world, chan, *, port):
         def _error_of(**kw):
             try:
                 torch_compat.create_allreduce_fusion_workspace(
-                    "trtllm", group=group, max_token_num=16, hidden_dim=1024,
-                    dtype=torch.bfloat16, timeout_s=5, **kw)
+                    "trtllm",
+                    group=group,
+                    max_token_num=16,
+                    hidden_dim=1024,
+                    dtype=torch.bfloat16,
+                    timeout_s=5,
+                    **kw,
+                )
             except Exception as e:
                 return f"{type(e).__name__}: {e}"
             return "created"
@@ -672,13 +789,22 @@ def gloo_worker(rank, world, chan, *, port):
             seen["correct"] = _error_of(world_size=2, rank=rank)
         ranks = dist.get_process_group_ranks(group)
         native, members = wsmod._join_group(
-            global_ranks=ranks, me=rank, device=[0, 1, 1, 0][rank], host=socket.gethostname(),
+            global_ranks=ranks,
+            me=rank,
+            device=[0, 1, 1, 0][rank],
+            host=socket.gethostname(),
             channel=StoreChannel(timeout_s=30, process=rank),
-            serial=wsmod._next_serial(ranks), backend="auto",
-            make_rank=lambda dev, tp: FakeRank(rank, dev, tp))
-        return {"seen": seen, "tp_rank": native.tp_rank, "device": native.device,
-                "peers": {str(k): v for k, v in native.peers.items()},
-                "members": [(m.process, m.device) for m in members]}
+            serial=wsmod._next_serial(ranks),
+            backend="auto",
+            make_rank=lambda dev, tp: FakeRank(rank, dev, tp),
+        )
+        return {
+            "seen": seen,
+            "tp_rank": native.tp_rank,
+            "device": native.device,
+            "peers": {str(k): v for k, v in native.peers.items()},
+            "members": [(m.process, m.device) for m in members],
+        }
     finally:
         dist.destroy_process_group()
 
@@ -706,8 +832,10 @@ def test_dp_tp_over_gloo_four_processes():
 QP = torch_compat.AllReduceFusionPattern
 FP8_STATIC = (QP.kARResidualRMSNormFP8Quant, QP.kARResidualRMSNormOutFP8Quant)
 FP8_DYNAMIC = (QP.kARResidualRMSNormDynamicFP8Quant, QP.kARResidualRMSNormOutDynamicFP8Quant)
-FP8_GROUP = (QP.kARResidualRMSNormPerTokenGroupFP8PackedQuant,
-             QP.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant)
+FP8_GROUP = (
+    QP.kARResidualRMSNormPerTokenGroupFP8PackedQuant,
+    QP.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant,
+)
 NVFP4 = (QP.kARResidualRMSNormFP4Quant, QP.kARResidualRMSNormOutFP4Quant)
 QUANT = FP8_STATIC + FP8_DYNAMIC + FP8_GROUP + NVFP4
 
@@ -725,6 +853,7 @@ def sm90(monkeypatch):
 def group_scale_out(m, h, g):
     """FlashInfer's per-token-group scale tensor: (M, K) int32 with strides (1, T)."""
     from jax_fusedar.common import quant_layouts
+
     k, t = quant_layouts.group_scale_buffer_shape(m, h, g)
     return torch.empty(k, t, dtype=torch.int32)[:, :m].t()
 
@@ -732,8 +861,10 @@ def group_scale_out(m, h, g):
 def _qtensors(pattern, m=16, h=1024, dtype=torch.bfloat16, group=128, layout=None):
     """A valid full argument set for quantized ``pattern`` (CPU tensors)."""
     from jax_fusedar.common import quant_layouts
+
     p = QP(pattern)
     from jax_fusedar.common.patterns import TRAITS
+
     traits = TRAITS[p]
     t = _tensors(m, h, dtype)
     if not traits.has_norm_out:
@@ -741,8 +872,9 @@ def _qtensors(pattern, m=16, h=1024, dtype=torch.bfloat16, group=128, layout=Non
     if traits.quant == "fp4":
         lay = 0 if layout is None else layout
         t["quant_out"] = torch.empty(m, h // 2, dtype=torch.uint8)
-        t["scale_out"] = torch.empty(quant_layouts.nvfp4_scale_shape(m, h, lay),
-                                     dtype=torch.float8_e4m3fn)
+        t["scale_out"] = torch.empty(
+            quant_layouts.nvfp4_scale_shape(m, h, lay), dtype=torch.float8_e4m3fn
+        )
         t["scale_factor"] = torch.tensor([448.0 * 6.0], dtype=torch.float32)
         if layout is not None:
             t["layout_code"] = layout
@@ -761,15 +893,15 @@ def _qtensors(pattern, m=16, h=1024, dtype=torch.bfloat16, group=128, layout=Non
 @pytest.mark.parametrize("pattern", QUANT, ids=lambda p: p.name)
 def test_quantized_pattern_launch_arguments_and_return_value(cpu_stream, sm100, pattern):
     from jax_fusedar.common.patterns import TRAITS
+
     traits = TRAITS[pattern]
     ws = fake_workspace()
     t = _qtensors(pattern)
     out = torch_compat.allreduce_fusion(workspace=ws, pattern=pattern, fp32_acc=True, **t)
     # FlashInfer: norm_out when the pattern writes it, else quant_out.
     assert out is (t["norm_out"] if traits.has_norm_out else t["quant_out"])
-    (args, kw), = ws._rank_obj.launches
-    assert args == (int(pattern), native.DTYPE_CODES["bfloat16"], 16, 1024,
-                    t["input"].data_ptr())
+    ((args, kw),) = ws._rank_obj.launches
+    assert args == (int(pattern), native.DTYPE_CODES["bfloat16"], 16, 1024, t["input"].data_ptr())
     assert kw["quant_out"] == t["quant_out"].data_ptr()
     assert kw["scale_out"] == (t["scale_out"].data_ptr() if "scale_out" in t else 0)
     assert kw["norm_out"] == (t["norm_out"].data_ptr() if traits.has_norm_out else 0)
@@ -781,6 +913,7 @@ def test_quantized_pattern_launch_arguments_and_return_value(cpu_stream, sm100, 
 
 def test_group_scale_view_is_flashinfers_and_covers_what_the_kernel_writes():
     from jax_fusedar.common import quant_layouts, results
+
     for m, h, g in ((1, 1024, 128), (5, 4096, 128), (16, 7168, 64), (17, 1024, 512)):
         spec = results.result_spec(9, "scale_out", m, h, "bfloat16", group_size=g)
         shape, strides = spec.shape, spec.strides
@@ -798,6 +931,7 @@ def test_group_scale_view_is_flashinfers_and_covers_what_the_kernel_writes():
 
 def test_nvfp4_layouts_and_sizes(cpu_stream, sm100):
     from jax_fusedar.common import quant_layouts
+
     ws = fake_workspace(max_tokens=200, hidden=1024)
     for layout in (0, 2):
         t = _qtensors(QP.kARResidualRMSNormOutFP4Quant, m=130, layout=layout)
@@ -830,9 +964,14 @@ def test_scale_factor_as_python_float_like_flashinfer(cpu_stream, monkeypatch):
     t["scale_factor"] = 0.25
     torch_compat.allreduce_fusion(workspace=ws, pattern=2, **t)
     assert ws._rank_obj.launches[-1][1]["scale_factor"] != 0
-    for bad, match in ((0.0, "positive and finite"), (-1.0, "positive"),
-                       (float("inf"), "finite"), (float("nan"), "positive"),
-                       (True, "float32 tensor or a float"), ("2", "float32 tensor or a float")):
+    for bad, match in (
+        (0.0, "positive and finite"),
+        (-1.0, "positive"),
+        (float("inf"), "finite"),
+        (float("nan"), "positive"),
+        (True, "float32 tensor or a float"),
+        ("2", "float32 tensor or a float"),
+    ):
         t["scale_factor"] = bad
         with pytest.raises(ValueError, match=match):
             torch_compat.allreduce_fusion(workspace=ws, pattern=2, **t)
@@ -848,8 +987,9 @@ def test_scale_factor_as_python_float_like_flashinfer(cpu_stream, monkeypatch):
 def test_quantized_inputs_a_pattern_does_not_read_are_ignored(cpu_stream):
     ws = fake_workspace()
     t = _qtensors(QP.kARResidualRMSNormOutDynamicFP8Quant)
-    torch_compat.allreduce_fusion(workspace=ws, pattern=11, scale_factor=2.0, layout_code=1,
-                                  block_quant_group_size=3, **t)
+    torch_compat.allreduce_fusion(
+        workspace=ws, pattern=11, scale_factor=2.0, layout_code=1, block_quant_group_size=3, **t
+    )
     kw = ws._rank_obj.launches[-1][1]
     assert kw["scale_factor"] == 0 and kw["layout"] == 0 and kw["block_quant_group_size"] == 0
 
@@ -863,50 +1003,67 @@ def _bad(pattern, **over):
 E4M3 = torch.float8_e4m3fn
 
 
-@pytest.mark.parametrize("pattern, t, match", [
-    # every quantized pattern needs quant_out (and the pattern's scale_out)
-    (*_bad(2, quant_out=None), r"needs quant_out"),
-    (*_bad(11, scale_out=None), r"needs scale_out"),
-    (*_bad(10, quant_out=None, scale_out=None), r"needs quant_out, scale_out"),
-    (*_bad(8, scale_out=None), r"needs scale_out"),
-    (*_bad(4, norm_out=None), r"needs norm_out"),
-    (*_bad(9, residual_in=None), r"needs residual_in"),
-    # outputs the pattern does not write
-    (*_bad(2, norm_out=torch.empty(16, 1024).bfloat16()), "does not write norm_out"),
-    (*_bad(4, scale_out=torch.empty(16, 1)), "does not write scale_out"),
-    (*_bad(10, output=torch.empty(16, 1024).bfloat16()), "does not write output"),
-    # quant_out
-    (*_bad(2, quant_out=torch.empty(16, 1024, dtype=torch.uint8)), "quant_out must have dtype"),
-    (*_bad(4, quant_out=torch.empty(16, 512, dtype=E4M3)), r"quant_out must have shape \[16, 1024\]"),
-    (*_bad(11, quant_out=torch.empty(1024, 16, dtype=E4M3).t()), "quant_out must be contiguous"),
-    (*_bad(10, quant_out=torch.empty(16 * 1024 + 1, dtype=E4M3)[1:].view(16, 1024)), "16-byte boundary"),
-    (*_bad(9, quant_out=[0] * 4), "quant_out must be a torch.Tensor"),
-    # static scale_factor
-    (*_bad(2, scale_factor=None), r"needs scale_factor \(the dequantization scale"),
-    (*_bad(4, scale_factor=torch.tensor([1.0], dtype=torch.float64)), "float32 tensor, got"),
-    (*_bad(4, scale_factor=torch.ones(2)), r"shape \[1\]"),
-    # dynamic scale_out
-    (*_bad(10, scale_out=torch.empty(16)), r"scale_out must have shape \[token_num, 1\]"),
-    (*_bad(11, scale_out=torch.empty(16, 1, dtype=torch.float16)), "torch.float32"),
-    # [M, 1] with any stride on the size-1 dim is contiguous: accepted
-    (*_bad(11, scale_out=torch.empty(1, 16).t()), None),
-    (*_bad(11, scale_out=torch.empty(16, 2)[:, :1]), "scale_out must be contiguous"),
-    # per-token-group
-    (*_bad(8, block_quant_group_size=None), "block_quant_group_size is required"),
-    (*_bad(8, block_quant_group_size=0), "group_size must be > 0"),
-    (*_bad(8, block_quant_group_size=-128), "group_size must be > 0"),
-    (*_bad(8, block_quant_group_size=48), "must be divisible by group_size"),
-    (*_bad(8, block_quant_group_size=4), "power of two from 8 to 256"),
-    (*_bad(9, block_quant_group_size=512), "power of two from 8 to 256"),
-    (*_bad(9, block_quant_group_size=128.0), "must be an int"),
-    (*_bad(9, block_quant_group_size=True), "must be an int"),
-    (*_bad(8, scale_out=torch.empty(2, 17, dtype=torch.int32)[:, :16].t()),
-     r"stride must be \(1, 16\).*round_up\(token_num, 4\) = 16"),
-    (*_bad(8, scale_out=torch.empty(16, 2, dtype=torch.int32)), r"scale_out stride must be \(1, 16\)"),
-    (*_bad(8, scale_out=group_scale_out(16, 1024, 64)), r"scale_out shape must be \(16, 2\)"),
-    (*_bad(9, scale_out=torch.empty(2, 16).t()), "torch.int32"),
-    (*_bad(9, scale_out=torch.empty(2, 16, dtype=torch.int64).t()), "torch.int32"),
-])
+@pytest.mark.parametrize(
+    "pattern, t, match",
+    [
+        # every quantized pattern needs quant_out (and the pattern's scale_out)
+        (*_bad(2, quant_out=None), r"needs quant_out"),
+        (*_bad(11, scale_out=None), r"needs scale_out"),
+        (*_bad(10, quant_out=None, scale_out=None), r"needs quant_out, scale_out"),
+        (*_bad(8, scale_out=None), r"needs scale_out"),
+        (*_bad(4, norm_out=None), r"needs norm_out"),
+        (*_bad(9, residual_in=None), r"needs residual_in"),
+        # outputs the pattern does not write
+        (*_bad(2, norm_out=torch.empty(16, 1024).bfloat16()), "does not write norm_out"),
+        (*_bad(4, scale_out=torch.empty(16, 1)), "does not write scale_out"),
+        (*_bad(10, output=torch.empty(16, 1024).bfloat16()), "does not write output"),
+        # quant_out
+        (*_bad(2, quant_out=torch.empty(16, 1024, dtype=torch.uint8)), "quant_out must have dtype"),
+        (
+            *_bad(4, quant_out=torch.empty(16, 512, dtype=E4M3)),
+            r"quant_out must have shape \[16, 1024\]",
+        ),
+        (
+            *_bad(11, quant_out=torch.empty(1024, 16, dtype=E4M3).t()),
+            "quant_out must be contiguous",
+        ),
+        (
+            *_bad(10, quant_out=torch.empty(16 * 1024 + 1, dtype=E4M3)[1:].view(16, 1024)),
+            "16-byte boundary",
+        ),
+        (*_bad(9, quant_out=[0] * 4), "quant_out must be a torch.Tensor"),
+        # static scale_factor
+        (*_bad(2, scale_factor=None), r"needs scale_factor \(the dequantization scale"),
+        (*_bad(4, scale_factor=torch.tensor([1.0], dtype=torch.float64)), "float32 tensor, got"),
+        (*_bad(4, scale_factor=torch.ones(2)), r"shape \[1\]"),
+        # dynamic scale_out
+        (*_bad(10, scale_out=torch.empty(16)), r"scale_out must have shape \[token_num, 1\]"),
+        (*_bad(11, scale_out=torch.empty(16, 1, dtype=torch.float16)), "torch.float32"),
+        # [M, 1] with any stride on the size-1 dim is contiguous: accepted
+        (*_bad(11, scale_out=torch.empty(1, 16).t()), None),
+        (*_bad(11, scale_out=torch.empty(16, 2)[:, :1]), "scale_out must be contiguous"),
+        # per-token-group
+        (*_bad(8, block_quant_group_size=None), "block_quant_group_size is required"),
+        (*_bad(8, block_quant_group_size=0), "group_size must be > 0"),
+        (*_bad(8, block_quant_group_size=-128), "group_size must be > 0"),
+        (*_bad(8, block_quant_group_size=48), "must be divisible by group_size"),
+        (*_bad(8, block_quant_group_size=4), "power of two from 8 to 256"),
+        (*_bad(9, block_quant_group_size=512), "power of two from 8 to 256"),
+        (*_bad(9, block_quant_group_size=128.0), "must be an int"),
+        (*_bad(9, block_quant_group_size=True), "must be an int"),
+        (
+            *_bad(8, scale_out=torch.empty(2, 17, dtype=torch.int32)[:, :16].t()),
+            r"stride must be \(1, 16\).*round_up\(token_num, 4\) = 16",
+        ),
+        (
+            *_bad(8, scale_out=torch.empty(16, 2, dtype=torch.int32)),
+            r"scale_out stride must be \(1, 16\)",
+        ),
+        (*_bad(8, scale_out=group_scale_out(16, 1024, 64)), r"scale_out shape must be \(16, 2\)"),
+        (*_bad(9, scale_out=torch.empty(2, 16).t()), "torch.int32"),
+        (*_bad(9, scale_out=torch.empty(2, 16, dtype=torch.int64).t()), "torch.int32"),
+    ],
+)
 def test_quantized_refusals_are_clear_value_errors(cpu_stream, sm100, pattern, t, match):
     ws = fake_workspace()
     if match is None:  # accepted variants next to the refusals
@@ -926,27 +1083,44 @@ def test_group_size_rule_follows_dtype_width(cpu_stream):
     with pytest.raises(ValueError, match="power of two from 4 to 128 for float32"):
         torch_compat.allreduce_fusion(workspace=ws, pattern=8, **t)
     with pytest.raises(ValueError, match="must be divisible by group_size"):
-        torch_compat.allreduce_fusion(workspace=fake_workspace(), pattern=8,
-                                      **_qtensors(8, h=1024 + 64, group=128))
+        torch_compat.allreduce_fusion(
+            workspace=fake_workspace(), pattern=8, **_qtensors(8, h=1024 + 64, group=128)
+        )
     # 96 divides 1536 but is no power of two: the kernel's shared-memory path, not offered.
     with pytest.raises(ValueError, match="power of two from 8 to 256 for bfloat16, got 96"):
-        torch_compat.allreduce_fusion(workspace=fake_workspace(), pattern=9,
-                                      **_qtensors(9, h=1536, group=96))
+        torch_compat.allreduce_fusion(
+            workspace=fake_workspace(), pattern=9, **_qtensors(9, h=1536, group=96)
+        )
 
 
-@pytest.mark.parametrize("pattern, over, match", [
-    (3, dict(quant_out=torch.empty(16, 1024, dtype=torch.uint8)), r"quant_out must have shape \[16, 512\]"),
-    (5, dict(quant_out=torch.empty(16, 512, dtype=E4M3)), "quant_out must have dtype torch.uint8"),
-    (3, dict(scale_out=torch.empty(128, 60, dtype=E4M3)), "exactly 8192 bytes"),
-    (5, dict(scale_out=torch.empty(16, 64, dtype=E4M3)), r"SWIZZLED_128x4.*\(128, 64\)"),
-    (5, dict(scale_out=torch.empty(128, 64, dtype=torch.float16)), "scale_out must have dtype"),
-    (5, dict(scale_out=torch.empty(64, 128, dtype=E4M3).t()), "scale_out must be contiguous"),
-    (5, dict(layout_code=1), "SWIZZLED_8x4"),
-    (5, dict(layout_code=7), "unknown NVFP4 scale layout"),
-    (5, dict(layout_code=2), r"exactly 1024 bytes.*LINEAR"),  # swizzled-size buffer, linear layout
-    (3, dict(scale_factor=None), r"needs scale_factor \(the NVFP4 global scale"),
-    (5, dict(scale_out=None), "needs scale_out"),
-])
+@pytest.mark.parametrize(
+    "pattern, over, match",
+    [
+        (
+            3,
+            dict(quant_out=torch.empty(16, 1024, dtype=torch.uint8)),
+            r"quant_out must have shape \[16, 512\]",
+        ),
+        (
+            5,
+            dict(quant_out=torch.empty(16, 512, dtype=E4M3)),
+            "quant_out must have dtype torch.uint8",
+        ),
+        (3, dict(scale_out=torch.empty(128, 60, dtype=E4M3)), "exactly 8192 bytes"),
+        (5, dict(scale_out=torch.empty(16, 64, dtype=E4M3)), r"SWIZZLED_128x4.*\(128, 64\)"),
+        (5, dict(scale_out=torch.empty(128, 64, dtype=torch.float16)), "scale_out must have dtype"),
+        (5, dict(scale_out=torch.empty(64, 128, dtype=E4M3).t()), "scale_out must be contiguous"),
+        (5, dict(layout_code=1), "SWIZZLED_8x4"),
+        (5, dict(layout_code=7), "unknown NVFP4 scale layout"),
+        (
+            5,
+            dict(layout_code=2),
+            r"exactly 1024 bytes.*LINEAR",
+        ),  # swizzled-size buffer, linear layout
+        (3, dict(scale_factor=None), r"needs scale_factor \(the NVFP4 global scale"),
+        (5, dict(scale_out=None), "needs scale_out"),
+    ],
+)
 def test_nvfp4_refusals(cpu_stream, sm100, pattern, over, match):
     t = _qtensors(pattern)
     t.update(over)
@@ -956,8 +1130,11 @@ def test_nvfp4_refusals(cpu_stream, sm100, pattern, over, match):
 
 def test_nvfp4_needs_16bit_input_and_hidden_multiple_of_16(cpu_stream, sm100):
     with pytest.raises(ValueError, match="bfloat16 or float16 input, got float32"):
-        torch_compat.allreduce_fusion(workspace=fake_workspace(dtype=torch.float32), pattern=5,
-                                      **_qtensors(5, dtype=torch.float32))
+        torch_compat.allreduce_fusion(
+            workspace=fake_workspace(dtype=torch.float32),
+            pattern=5,
+            **_qtensors(5, dtype=torch.float32),
+        )
     # 1032 = 129 vectors of 8: launchable, but not whole 16-element NVFP4 blocks.
     ws = fake_workspace(max_tokens=16, hidden=2048)
     with pytest.raises(ValueError, match="divisible by 16"):

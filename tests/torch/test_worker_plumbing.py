@@ -7,6 +7,7 @@ The simulated kernel goes through the real torch_compat.allreduce_fusion argumen
 (on a FakeRank workspace) and then writes outputs computed like the kernel (sum rounded to
 T, + residual rounded to T, fp32 norm rounded to T, quantized with tests/oracles/quant_oracle.py).
 """
+
 import numpy as np
 import pytest
 import torch
@@ -29,6 +30,7 @@ class SimTC:
 
     def allreduce_fusion(self, input, workspace, pattern, **kw):
         from tests.oracles import quant_oracle
+
         ret = torch_compat.allreduce_fusion(input, workspace, pattern, **kw)
         self.calls.append((pattern, kw.get("use_oneshot"), kw.get("fp32_acc")))
         dt = input.dtype
@@ -38,8 +40,11 @@ class SimTC:
             return ret
         r = (s.float() + kw["residual_in"].float()).to(dt)
         rf = r.float()
-        y = (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + kw["rms_eps"])
-             * (kw["weight_bias"] + kw["rms_gamma"].float())).to(dt)
+        y = (
+            rf
+            * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + kw["rms_eps"])
+            * (kw["weight_bias"] + kw["rms_gamma"].float())
+        ).to(dt)
         kw["residual_out"].copy_(r)
         if kw.get("norm_out") is not None:
             kw["norm_out"].copy_(y)
@@ -51,7 +56,7 @@ class SimTC:
             kw["scale_out"].copy_(torch.from_numpy(sc))
         elif pattern in (8, 9):
             q, buf = quant_oracle.fp8_group(yn, kw["block_quant_group_size"])
-            kw["scale_out"].copy_(torch.from_numpy(buf)[:, :input.shape[0]].t())
+            kw["scale_out"].copy_(torch.from_numpy(buf)[:, : input.shape[0]].t())
         if pattern != 1:
             kw["quant_out"].view(torch.uint8).copy_(torch.from_numpy(np.asarray(q)))
         return ret
@@ -64,10 +69,14 @@ def cpu_launch(monkeypatch):
 
 def _case(seed, m, hidden, dtype, world=2):
     from tests.gpu.harness import draw_case
+
     xs, res, gam = draw_case(seed, world, m, hidden)
     dt = tw._torch_dtype(torch, dtype)
-    return ([tw.to_torch(torch, a, dt, "cpu") for a in xs], tw.to_torch(torch, res, dt, "cpu"),
-            tw.to_torch(torch, gam, dt, "cpu"))
+    return (
+        [tw.to_torch(torch, a, dt, "cpu") for a in xs],
+        tw.to_torch(torch, res, dt, "cpu"),
+        tw.to_torch(torch, gam, dt, "cpu"),
+    )
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -94,20 +103,19 @@ def test_workers_plumbing_and_checks_with_a_simulated_kernel(cpu_launch, dtype, 
     e = tw.plain_errors({**got[0], **got[1]}, ref, res64, gam64, dtype, 0.0)
     assert e["nans"] == 0 and e["allreduce"] <= 0.5 and e["residual"] <= 1.0
     assert e["norm"] <= 3.0, e
-    stats = tw.quant_stats(tw.new_quant_stats(), got, ref, res64, gam64, dtype, sf, tw.GROUP,
-                           "sim")
+    stats = tw.quant_stats(tw.new_quant_stats(), got, ref, res64, gam64, dtype, sf, tw.GROUP, "sim")
     assert stats["worse"] == 0 and stats["poisoned"] == 0 and stats["twin_diffs"] == [], stats
     assert sum(stats["steps1"].values()) == 0 and stats["dyn_scale_ulps"] == 0.0, stats
     assert stats["group_scale_mismatch"] == 0 and stats["residual"] <= 1.0, stats
     # The checks fail when they should: a code two steps off, an unwritten scale, a twin.
     bad = {p: dict(v) for p, v in got.items()}
     bad[4]["quant_out"] = got[4]["quant_out"].copy()
-    bad[4]["quant_out"][0, 0] = (int(bad[4]["quant_out"][0, 0]) & 0x80) | \
-        ((int(bad[4]["quant_out"][0, 0]) & 0x7F) ^ 0x02)
+    bad[4]["quant_out"][0, 0] = (int(bad[4]["quant_out"][0, 0]) & 0x80) | (
+        (int(bad[4]["quant_out"][0, 0]) & 0x7F) ^ 0x02
+    )
     bad[11]["scale_out"] = got[11]["scale_out"].copy()
     bad[11]["scale_out"][0, 0] = np.nan
-    stats = tw.quant_stats(tw.new_quant_stats(), bad, ref, res64, gam64, dtype, sf, tw.GROUP,
-                           "bad")
+    stats = tw.quant_stats(tw.new_quant_stats(), bad, ref, res64, gam64, dtype, sf, tw.GROUP, "bad")
     assert stats["worse"] + stats["steps1"]["static"] >= 1 and stats["poisoned"] >= 1
     assert any(d[0] == "static q" for d in stats["twin_diffs"]), stats
     unwritten = dict(got[1])
@@ -120,19 +128,31 @@ def test_workers_plumbing_and_checks_with_a_simulated_kernel(cpu_launch, dtype, 
 def test_parity_phase1_on_cpu_and_phase2_logic_with_a_simulated_kernel(tmp_path, cpu_launch):
     pytest.importorskip("jax")
     from tests.gpu.harness import run_ranks
-    (jres,) = run_ranks(par.jax_phase, 1, timeout_s=600, out_dir=str(tmp_path), seed=3,
-                        tokens=(1, 17), hiddens=(256,), dtypes=("bfloat16", "float16"),
-                        platform="cpu")
+
+    (jres,) = run_ranks(
+        par.jax_phase,
+        1,
+        timeout_s=600,
+        out_dir=str(tmp_path),
+        seed=3,
+        tokens=(1, 17),
+        hiddens=(256,),
+        dtypes=("bfloat16", "float16"),
+        platform="cpu",
+    )
     assert jres["cases"] == 6 and set(jres["backends"].values()) == {"xla"}, jres
     meta, data = par.load(str(tmp_path))
     assert meta["world"] == 2
     assert meta["outputs"] == {
-        "0": ["allreduce_out"], "1": ["norm_out", "residual_out"],
-        "2": ["quant_out", "residual_out"], "4": ["norm_out", "quant_out", "residual_out"],
+        "0": ["allreduce_out"],
+        "1": ["norm_out", "residual_out"],
+        "2": ["quant_out", "residual_out"],
+        "4": ["norm_out", "quant_out", "residual_out"],
         "8": ["quant_out", "residual_out", "scale_out"],
         "9": ["norm_out", "quant_out", "residual_out", "scale_out"],
         "10": ["quant_out", "residual_out", "scale_out"],
-        "11": ["norm_out", "quant_out", "residual_out", "scale_out"]}
+        "11": ["norm_out", "quant_out", "residual_out", "scale_out"],
+    }
     ws = fake_workspace(max_tokens=32, hidden=256)
     total = {}
     for c in meta["cases"]:
@@ -167,9 +187,19 @@ def test_parity_phase1_as_four_rank_processes_on_cpu(tmp_path, cpu_launch):
     kernel: every output compared, both sides within the accumulation bounds."""
     pytest.importorskip("jax")
     from tests.gpu.harness import bound_problems, free_port, run_ranks
-    res = run_ranks(par.jax_rank_phase, 4, timeout_s=600, port=free_port(),
-                    out_dir=str(tmp_path), seed=5, tokens=(1, 9), hiddens=(256,),
-                    dtypes=("bfloat16",), platform="cpu")
+
+    res = run_ranks(
+        par.jax_rank_phase,
+        4,
+        timeout_s=600,
+        port=free_port(),
+        out_dir=str(tmp_path),
+        seed=5,
+        tokens=(1, 9),
+        hiddens=(256,),
+        dtypes=("bfloat16",),
+        platform="cpu",
+    )
     assert [r["world"] for r in res] == [4] * 4 and res[0]["cases"] == 3, res
     meta, data = par.load(str(tmp_path))
     assert meta["world"] == 4 and len(meta["cases"]) == 3
@@ -180,10 +210,10 @@ def test_parity_phase1_as_four_rank_processes_on_cpu(tmp_path, cpu_launch):
         dt = tw._torch_dtype(torch, c["dtype"])
         xs = [tw.to_torch(torch, data[f"{k}/x{r}"], dt, "cpu") for r in range(4)]
         for rank in range(4):
-            out = par.compare_case(torch, SimTC(xs), ws, "cpu", data, c, rank, lambda: None,
-                                   world=4)
-            compared += sum(isinstance(n, int) for d in out["diffs"].values()
-                            for n in d.values())
+            out = par.compare_case(
+                torch, SimTC(xs), ws, "cpu", data, c, rank, lambda: None, world=4
+            )
+            compared += sum(isinstance(n, int) for d in out["diffs"].values() for n in d.values())
             for side in ("torch", "jax"):
                 w = out[side]
                 assert w["nans"] == 0 and not bound_problems(w, "bfloat16", 4), (side, w)
@@ -197,8 +227,10 @@ def test_fusion_pass_model_on_cpu(gloo_world1, norm):
     from tests.torch.test_library import _ref_fused
     from tests.torch.test_library import fake_workspace as fake_workspace_world1
     from torch_compat import library
-    model, args, ref64 = tw.build_tp_model(torch, gloo_world1, 0, 1, m=8, hidden=256,
-                                           layers=4, seed=5, device="cpu", norm=norm)
+
+    model, args, ref64 = tw.build_tp_model(
+        torch, gloo_world1, 0, 1, m=8, hidden=256, layers=4, seed=5, device="cpu", norm=norm
+    )
     gm = tw.trace_tp_model(torch, model, args)
     ar = torch.ops._c10d_functional.all_reduce.default
     assert tw.count_targets(gm, ar) == 4
@@ -211,5 +243,5 @@ def test_fusion_pass_model_on_cpu(gloo_world1, norm):
         assert tw.count_targets(gm, ar) == 0
         fused = gm(*args)
     c = tw.compare_models(torch, fused, unfused, ref64)
-    assert c["finite"] and c["fused_vs_f64"] <= 1.25 * c["unfused_vs_f64"] + 2.0 ** -8, c
+    assert c["finite"] and c["fused_vs_f64"] <= 1.25 * c["unfused_vs_f64"] + 2.0**-8, c
     assert c["fused_vs_unfused"] <= 2e-2, c

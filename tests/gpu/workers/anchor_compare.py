@@ -21,6 +21,7 @@ FlashInfer's quirks met here: patterns other than 0 and the dynamic FP8 ones all
 unused ``output`` when none is passed (we pass none, so they do); it returns the "most
 downstream" output (norm_out, else quant_out, else output), which torch_compat mirrors.
 """
+
 from __future__ import annotations
 
 import time
@@ -42,6 +43,7 @@ _KEEP = 4  # cases listed per differing output
 
 def _np_dtype(name):
     import ml_dtypes
+
     return {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[name]
 
 
@@ -53,6 +55,7 @@ def _outputs(torch, p, m, h, dtype, device):
 
     def like():
         return torch.empty((m, h), dtype=dtype, device=device)
+
     if t.has_allreduce_out:
         outs["output"] = like()
     if t.has_residual:
@@ -82,8 +85,16 @@ def _outputs(torch, p, m, h, dtype, device):
 
 def _call(fn, ws, p, x, residual, gamma, sf, outs, oneshot, fp32_acc):
     t = TRAITS[AllReduceFusionPattern(p)]
-    kw = dict(input=x, workspace=ws, pattern=p, launch_with_pdl=True, rms_eps=RMS_EPS,
-              use_oneshot=oneshot, fp32_acc=fp32_acc, **outs)
+    kw = dict(
+        input=x,
+        workspace=ws,
+        pattern=p,
+        launch_with_pdl=True,
+        rms_eps=RMS_EPS,
+        use_oneshot=oneshot,
+        fp32_acc=fp32_acc,
+        **outs,
+    )
     if t.has_residual:
         kw.update(residual_in=residual, rms_gamma=gamma)
     if t.uses_scale_factor:
@@ -128,19 +139,43 @@ def _oracle_stats(host, dtype_name, ref, sf, m):
     from tests.oracles import oracle, quant_oracle
 
     s64, r64, y64, inv64, res64, gam64 = ref
-    st = {"allreduce": 0.0, "residual": 0.0, "norm": 0.0, "steps1": {}, "worse": 0,
-          "dyn_scale_ulps": 0.0, "group_scale_mismatch": 0, "elements": 0}
+    st = {
+        "allreduce": 0.0,
+        "residual": 0.0,
+        "norm": 0.0,
+        "steps1": {},
+        "worse": 0,
+        "dyn_scale_ulps": 0.0,
+        "group_scale_mismatch": 0,
+        "elements": 0,
+    }
     for p, outs in host.items():
         if "output" in outs:
-            st["allreduce"] = max(st["allreduce"], oracle.allreduce_error_ulps(
-                outs["output"].astype(np.float64), s64, dtype_name))
+            st["allreduce"] = max(
+                st["allreduce"],
+                oracle.allreduce_error_ulps(outs["output"].astype(np.float64), s64, dtype_name),
+            )
         if "residual_out" in outs:
-            st["residual"] = max(st["residual"], oracle.residual_error_ulps(
-                outs["residual_out"].astype(np.float64), s64, r64, res64, dtype_name))
+            st["residual"] = max(
+                st["residual"],
+                oracle.residual_error_ulps(
+                    outs["residual_out"].astype(np.float64), s64, r64, res64, dtype_name
+                ),
+            )
         if "norm_out" in outs:
-            st["norm"] = max(st["norm"], oracle.norm_error_ulps(
-                outs["norm_out"].astype(np.float64), s64, y64, inv64, res64, gam64,
-                weight_bias=0.0, dtype_name=dtype_name))
+            st["norm"] = max(
+                st["norm"],
+                oracle.norm_error_ulps(
+                    outs["norm_out"].astype(np.float64),
+                    s64,
+                    y64,
+                    inv64,
+                    res64,
+                    gam64,
+                    weight_bias=0.0,
+                    dtype_name=dtype_name,
+                ),
+            )
     wants = {}
     for p in (4, 11, 9):
         if p not in host:
@@ -159,16 +194,18 @@ def _oracle_stats(host, dtype_name, ref, sf, m):
         if base not in wants or "quant_out" not in outs:
             continue
         kind, q_want, s_want = wants[base]
-        d = quant_oracle.code_steps(outs["quant_out"].reshape(m, -1),
-                        np.asarray(q_want).view(np.uint8).reshape(m, -1))
+        d = quant_oracle.code_steps(
+            outs["quant_out"].reshape(m, -1), np.asarray(q_want).view(np.uint8).reshape(m, -1)
+        )
         st["steps1"][kind] = st["steps1"].get(kind, 0) + int((d == 1).sum())
         st["worse"] += int((d > 1).sum())
         st["elements"] += int(d.size)
         if kind == "dynamic":
             got = outs["scale_out"].astype(np.float64)
             ulp32 = np.spacing(np.abs(s_want).astype(np.float32)).astype(np.float64)
-            st["dyn_scale_ulps"] = max(st["dyn_scale_ulps"],
-                                       float(np.max(np.abs(got - s_want) / ulp32)))
+            st["dyn_scale_ulps"] = max(
+                st["dyn_scale_ulps"], float(np.max(np.abs(got - s_want) / ulp32))
+            )
         elif kind == "group":
             st["group_scale_mismatch"] += int(np.sum(outs["scale_out"][:, :m] != s_want[:, :m]))
     return st
@@ -176,6 +213,7 @@ def _oracle_stats(host, dtype_name, ref, sf, m):
 
 def _merge_stats(into, st):
     from tests.gpu.harness import worst_of
+
     for k, v in st.items():
         if k == "steps1":
             for kind, n in v.items():
@@ -187,17 +225,38 @@ def _merge_stats(into, st):
 
 
 def new_result(rank, device, torch_version, anchor_module):
-    return {"rank": rank, "device": device, "torch": torch_version,
-            "anchor_module": anchor_module, "cases": 0, "calls": 0, "diffs": {},
-            "return_mismatch": [], "unwritten": {i: 0 for i in IMPLS}, "refused": {},
-            "oracle": {}}
+    return {
+        "rank": rank,
+        "device": device,
+        "torch": torch_version,
+        "anchor_module": anchor_module,
+        "cases": 0,
+        "calls": 0,
+        "diffs": {},
+        "return_mismatch": [],
+        "unwritten": {i: 0 for i in IMPLS},
+        "refused": {},
+        "oracle": {},
+    }
 
 
 def new_stats():
-    return {i: {"allreduce": 0.0, "residual": 0.0, "norm": 0.0, "allreduce_bound": 0.0,
-                "residual_bound": 0.0, "norm_own": 0.0, "steps1": {}, "worse": 0,
-                "dyn_scale_ulps": 0.0, "group_scale_mismatch": 0, "elements": 0}
-            for i in IMPLS}
+    return {
+        i: {
+            "allreduce": 0.0,
+            "residual": 0.0,
+            "norm": 0.0,
+            "allreduce_bound": 0.0,
+            "residual_bound": 0.0,
+            "norm_own": 0.0,
+            "steps1": {},
+            "worse": 0,
+            "dyn_scale_ulps": 0.0,
+            "group_scale_mismatch": 0,
+            "elements": 0,
+        }
+        for i in IMPLS
+    }
 
 
 def _accumulation_stats(by_acc, xs, res64, gam64, dtype_name):
@@ -205,18 +264,44 @@ def _accumulation_stats(by_acc, xs, res64, gam64, dtype_name):
     fp32_acc settings: ``by_acc[fp32_acc][pattern]`` are one build's host outputs."""
     from tests.gpu.harness import worst_of
     from tests.oracles import oracle
+
     st = {}
     for fp32_acc, host in by_acc.items():
         p0, p1 = host.get(0, {}), host.get(1, {})
-        worst_of(st, oracle.accumulation_errors(
-            xs, res64, gam64, allreduce_out=p0.get("output"),
-            residual_out=p1.get("residual_out"), norm_out=p1.get("norm_out"),
-            fp32_acc=fp32_acc, rms_eps=RMS_EPS, dtype_name=dtype_name))
+        worst_of(
+            st,
+            oracle.accumulation_errors(
+                xs,
+                res64,
+                gam64,
+                allreduce_out=p0.get("output"),
+                residual_out=p1.get("residual_out"),
+                norm_out=p1.get("norm_out"),
+                fp32_acc=fp32_acc,
+                rms_eps=RMS_EPS,
+                dtype_name=dtype_name,
+            ),
+        )
     return st
 
 
-def run_case(torch, calls, *, rank, device, dtype_name, xs, res, gam, m, hidden, oneshot,
-             patterns, result, stats):
+def run_case(
+    torch,
+    calls,
+    *,
+    rank,
+    device,
+    dtype_name,
+    xs,
+    res,
+    gam,
+    m,
+    hidden,
+    oneshot,
+    patterns,
+    result,
+    stats,
+):
     """One shape case: every pattern through both builds, fp32_acc True then False, outputs
     compared byte for byte; the fp32_acc=True outputs against the oracles. ``calls`` maps
     "ours"/"anchor" to (allreduce_fusion, workspace); ``xs`` (every rank's partial sums),
@@ -230,8 +315,9 @@ def run_case(torch, calls, *, rank, device, dtype_name, xs, res, gam, m, hidden,
 
     x, residual, gamma = to_dev(xs[rank]), to_dev(res), to_dev(gam)
     res64, gam64 = res.astype(np.float64), gam.astype(np.float64)
-    s64, r64, y64, inv64 = oracle.fused_reference([a.astype(np.float64) for a in xs], res64,
-                                                  gam64, rms_eps=RMS_EPS, weight_bias=0.0)
+    s64, r64, y64, inv64 = oracle.fused_reference(
+        [a.astype(np.float64) for a in xs], res64, gam64, rms_eps=RMS_EPS, weight_bias=0.0
+    )
     # A static scale that never saturates: the largest |y| maps to ~224.
     sf_val = np.float32(np.abs(y64).max() / 224.0)
     sf = torch.tensor([sf_val], dtype=torch.float32, device=device)
@@ -267,8 +353,9 @@ def run_case(torch, calls, *, rank, device, dtype_name, xs, res, gam, m, hidden,
                 for name in bufs["ours"]:
                     a = _bytes(torch, bufs["ours"][name])
                     b = _bytes(torch, bufs["anchor"][name])
-                    d = result["diffs"].setdefault(f"p{p}:{name}",
-                                                   {"bytes": 0, "differing": 0, "cases": []})
+                    d = result["diffs"].setdefault(
+                        f"p{p}:{name}", {"bytes": 0, "differing": 0, "cases": []}
+                    )
                     n = int(np.sum(a != b))
                     d["bytes"] += int(a.size)
                     d["differing"] += n
@@ -278,18 +365,22 @@ def run_case(torch, calls, *, rank, device, dtype_name, xs, res, gam, m, hidden,
     ours_st = _oracle_stats(host["ours"], dtype_name, ref, sf_val, m)
     same = set(host["ours"]) == set(host["anchor"]) and all(
         host["ours"][p][n].tobytes() == host["anchor"][p][n].tobytes()
-        for p in host["ours"] for n in host["ours"][p])
+        for p in host["ours"]
+        for n in host["ours"][p]
+    )
     # Identical bytes have identical errors: the oracle runs again only when they differ.
     anc_st = ours_st if same else _oracle_stats(host["anchor"], dtype_name, ref, sf_val, m)
     xs64 = [np.asarray(x, np.float64) for x in xs]
     for impl, st in (("ours", ours_st), ("anchor", anc_st)):
-        _merge_stats(stats[impl], {**st, **_accumulation_stats(plain[impl], xs64, res64,
-                                                                 gam64, dtype_name)})
+        _merge_stats(
+            stats[impl], {**st, **_accumulation_stats(plain[impl], xs64, res64, gam64, dtype_name)}
+        )
     result["cases"] += 1
 
 
-def worker(rank, world, chan, *, port, seed, anchor_path, tokens, hiddens, dtypes=DTYPES,
-           patterns=PATTERNS):
+def worker(
+    rank, world, chan, *, port, seed, anchor_path, tokens, hiddens, dtypes=DTYPES, patterns=PATTERNS
+):
     from tests.gpu import anchor
     from tests.gpu.harness import draw_case, shape_cases
     from tests.gpu.workers.torch_workers import _init
@@ -305,21 +396,45 @@ def worker(rank, world, chan, *, port, seed, anchor_path, tokens, hiddens, dtype
         for dtype_name in dtypes:
             dtype = getattr(torch, dtype_name)
             ours_ws = tc.create_allreduce_fusion_workspace(
-                "trtllm", world_size=world, rank=rank, max_token_num=max(tokens),
-                hidden_dim=max(hiddens), dtype=dtype, timeout_s=120)
+                "trtllm",
+                world_size=world,
+                rank=rank,
+                max_token_num=max(tokens),
+                hidden_dim=max(hiddens),
+                dtype=dtype,
+                timeout_s=120,
+            )
             fi_ws = anchor.create_workspace(
-                fi, world_size=world, rank=rank, max_token_num=max(tokens),
-                hidden_dim=max(hiddens), dtype=dtype, group=dist.group.WORLD)
-            calls = {"ours": (tc.allreduce_fusion, ours_ws),
-                     "anchor": (fi.allreduce_fusion, fi_ws)}
+                fi,
+                world_size=world,
+                rank=rank,
+                max_token_num=max(tokens),
+                hidden_dim=max(hiddens),
+                dtype=dtype,
+                group=dist.group.WORLD,
+            )
+            calls = {"ours": (tc.allreduce_fusion, ours_ws), "anchor": (fi.allreduce_fusion, fi_ws)}
             stats = new_stats()
             npdt = _np_dtype(dtype_name)
             for hidden, m, oneshot in shape_cases(tokens, hiddens, world):
                 case_no += 1
                 xs, res, gam = draw_case(seed + case_no, world, m, hidden, npdt)
-                run_case(torch, calls, rank=rank, device=device, dtype_name=dtype_name,
-                         xs=xs, res=res, gam=gam, m=m, hidden=hidden, oneshot=oneshot,
-                         patterns=patterns, result=result, stats=stats)
+                run_case(
+                    torch,
+                    calls,
+                    rank=rank,
+                    device=device,
+                    dtype_name=dtype_name,
+                    xs=xs,
+                    res=res,
+                    gam=gam,
+                    m=m,
+                    hidden=hidden,
+                    oneshot=oneshot,
+                    patterns=patterns,
+                    result=result,
+                    stats=stats,
+                )
             result["oracle"][dtype_name] = stats
             dist.barrier()  # no rank frees while a peer may still read its buffers
             fi_ws.destroy()

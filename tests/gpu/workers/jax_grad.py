@@ -13,6 +13,7 @@ random ct, so the gradient is one VJP. Errors are measured per gradient tensor, 
 the dtype at the tensor's largest float64 magnitude ("ulps of scale": gradients of matmuls
 have no meaningful per-element ulp where they cancel), and as a normwise relative error.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -25,6 +26,7 @@ NAMES = ("w1", "w2", "gamma", "x")
 def draw(seed, dtype, layers, tokens, hidden, ffn):
     """(w1 [L,H,F], w2 [L,F,H], gamma [L,H], x [T,H], ct [T,H]) rounded to dtype."""
     import ml_dtypes  # noqa: F401 (jax's dependency: numpy knows bfloat16)
+
     rng = np.random.default_rng(seed)
     t = np.dtype(dtype)
     w1 = (rng.standard_normal((layers, hidden, ffn)) / np.sqrt(hidden)).astype(np.float32)
@@ -72,8 +74,20 @@ def errors(got, want, dtype):
     return float(np.max(np.abs(got - want)) / ulp), rel
 
 
-def run(jax, jnp, jf, mesh, P, seed, *, dtypes=("bfloat16", "float32"), layers=2, tokens=16,
-        hidden=1024, ffn=2048):
+def run(
+    jax,
+    jnp,
+    jf,
+    mesh,
+    P,
+    seed,
+    *,
+    dtypes=("bfloat16", "float32"),
+    layers=2,
+    tokens=16,
+    hidden=1024,
+    ffn=2048,
+):
     from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding
 
@@ -90,17 +104,20 @@ def run(jax, jnp, jf, mesh, P, seed, *, dtypes=("bfloat16", "float32"), layers=2
     stats = {}
     for dtype in dtypes:
         w1, w2, gamma, x, ct = draw(seed, dtype, layers, tokens, hidden, ffn)
-        ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=tokens,
-                                                  hidden_dim=hidden, dtype=jnp.dtype(dtype))
+        ws = jf.create_allreduce_fusion_workspace(
+            mesh, "tp", max_token_num=tokens, hidden_dim=hidden, dtype=jnp.dtype(dtype)
+        )
 
         def fused(p, r, g):
-            o = jf.allreduce_fusion(p, axis_name="tp", workspace=ws, residual=r, rms_gamma=g,
-                                    rms_eps=EPS, strict=True)
+            o = jf.allreduce_fusion(
+                p, axis_name="tp", workspace=ws, residual=r, rms_gamma=g, rms_eps=EPS, strict=True
+            )
             return o.residual_out, o.norm_out
 
         def unfused(p, r, g):
-            _, r, y = reference.allreduce_fusion_reference(p, r, g, axis_name="tp", pattern=1,
-                                                           rms_eps=EPS, weight_bias=0.0)
+            _, r, y = reference.allreduce_fusion_reference(
+                p, r, g, axis_name="tp", pattern=1, rms_eps=EPS, weight_bias=0.0
+            )
             return r, y
 
         def model(combine):
@@ -109,10 +126,12 @@ def run(jax, jnp, jf, mesh, P, seed, *, dtypes=("bfloat16", "float32"), layers=2
                 for l in range(layers):
                     r, y = combine(jnp.tanh(y @ w1[l]) @ w2[l], r, gamma[l])
                 return y
+
             f = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P())
 
             def loss(params, ct):
                 return jnp.sum(f(*params).astype(jnp.float32) * ct.astype(jnp.float32))
+
             return jax.jit(jax.grad(loss))
 
         params = tuple(place(s, a) for s, a in zip(specs, (w1, w2, gamma, x)))
@@ -127,11 +146,21 @@ def run(jax, jnp, jf, mesh, P, seed, *, dtypes=("bfloat16", "float32"), layers=2
         for name, a, b in zip(NAMES, got, ref):
             fe, fr = errors(a, want[name], dtype)
             ue, ur = errors(b, want[name], dtype)
-            per[name] = {"fused_ulps": fe, "unfused_ulps": ue, "fused_rel": fr,
-                         "unfused_rel": ur, "finite": bool(np.isfinite(a).all()),
-                         "fused_vs_unfused_diffs": int(np.count_nonzero(
-                             np.asarray(a).view(f"u{a.itemsize}")
-                             != np.asarray(b).view(f"u{b.itemsize}")))}
-        stats[dtype] = {"grads": per, "backend": ws.backend,
-                        "custom_calls": compiled.count("jax_fusedar_allreduce_fusion_v2")}
+            per[name] = {
+                "fused_ulps": fe,
+                "unfused_ulps": ue,
+                "fused_rel": fr,
+                "unfused_rel": ur,
+                "finite": bool(np.isfinite(a).all()),
+                "fused_vs_unfused_diffs": int(
+                    np.count_nonzero(
+                        np.asarray(a).view(f"u{a.itemsize}") != np.asarray(b).view(f"u{b.itemsize}")
+                    )
+                ),
+            }
+        stats[dtype] = {
+            "grads": per,
+            "backend": ws.backend,
+            "custom_calls": compiled.count("jax_fusedar_allreduce_fusion_v2"),
+        }
     return stats

@@ -12,6 +12,7 @@ keep ``allreduce_fusion``'s calls well formed) and returns what each call raised
 
 Every refusal happens on both ranks alike before any kernel launch, so nothing waits.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -25,8 +26,9 @@ def run(jax, jnp, jf, mesh, P, rank, world, seed, glob, local):
 
     assert register_ffi_targets()
     bf16 = jnp.bfloat16
-    ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=TOKENS,
-                                              hidden_dim=HIDDEN, dtype=bf16)
+    ws = jf.create_allreduce_fusion_workspace(
+        mesh, "tp", max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=bf16
+    )
     assert ws.backend == "trtllm", ws
     rng = np.random.default_rng(seed + rank)
     x = glob(P("tp"), rng.standard_normal((TOKENS, HIDDEN)).astype(bf16))
@@ -37,13 +39,29 @@ def run(jax, jnp, jf, mesh, P, rank, world, seed, glob, local):
     def call(pattern, results, algorithm=1):
         def body(x, r, g):
             outs = jax.ffi.ffi_call(FFI_TARGET, results)(
-                x, r, g, workspace_id=np.int64(ws.id), pattern=np.int32(pattern),
-                algorithm=np.int32(algorithm), fp32_acc=True, rms_eps=np.float32(1e-6),
-                weight_bias=np.float32(0.0), layout=np.int32(0),
-                block_quant_group_size=np.int32(0))
+                x,
+                r,
+                g,
+                workspace_id=np.int64(ws.id),
+                pattern=np.int32(pattern),
+                algorithm=np.int32(algorithm),
+                fp32_acc=True,
+                rms_eps=np.float32(1e-6),
+                weight_bias=np.float32(0.0),
+                layout=np.int32(0),
+                block_quant_group_size=np.int32(0),
+            )
             return outs[0]
-        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P("tp"), P()),
-                                  out_specs=P("tp"), check_vma=False))
+
+        f = jax.jit(
+            jax.shard_map(
+                body,
+                mesh=mesh,
+                in_specs=(P("tp"), P("tp"), P()),
+                out_specs=P("tp"),
+                check_vma=False,
+            )
+        )
         try:
             jax.block_until_ready(f(x, r, g))
             return "no error"
@@ -53,8 +71,9 @@ def run(jax, jnp, jf, mesh, P, rank, world, seed, glob, local):
     rows = sds((TOKENS, HIDDEN), bf16)
     return {
         "wrong_norm_out": call(1, [rows, sds((TOKENS, HIDDEN // 2), bf16)]),
-        "wrong_scale_out": call(11, [rows, rows, sds((TOKENS, HIDDEN), jnp.float8_e4m3fn),
-                                     sds((TOKENS, 1), jnp.int32)]),
+        "wrong_scale_out": call(
+            11, [rows, rows, sds((TOKENS, HIDDEN), jnp.float8_e4m3fn), sds((TOKENS, 1), jnp.int32)]
+        ),
         "unknown_algorithm": call(1, [rows, rows], algorithm=7),
         "good": call(1, [rows, rows]),
     }

@@ -5,6 +5,7 @@ against FlashInfer's two-shot kernel forced on the same inputs. Prints ``RESULT 
 The custom call's algorithm attribute is read from the lowered program, and the programs run
 three times on fresh inputs (command-buffer replays): every output must equal the two-shot
 kernel's bit for bit."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,10 @@ import os
 
 import numpy as np
 
-CMDBUF_ON = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,"
-             "DYNAMIC_SLICE_FUSION --xla_gpu_graph_min_graph_size=1")
+CMDBUF_ON = (
+    "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,"
+    "DYNAMIC_SLICE_FUSION --xla_gpu_graph_min_graph_size=1"
+)
 
 
 def main() -> dict:
@@ -30,21 +33,36 @@ def main() -> dict:
 
     m, hidden = 4096, 8192
     mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
-    ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=m, hidden_dim=hidden,
-                                              dtype=jnp.bfloat16)
+    ws = jf.create_allreduce_fusion_workspace(
+        mesh, "tp", max_token_num=m, hidden_dim=hidden, dtype=jnp.bfloat16
+    )
 
     def program(use_oneshot):
         def body(x, r, g):
-            o = jf.allreduce_fusion(x[0], axis_name="tp", workspace=ws, residual=r,
-                                    rms_gamma=g, use_oneshot=use_oneshot, strict=True)
+            o = jf.allreduce_fusion(
+                x[0],
+                axis_name="tp",
+                workspace=ws,
+                residual=r,
+                rms_gamma=g,
+                use_oneshot=use_oneshot,
+                strict=True,
+            )
             return o.residual_out, o.norm_out
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P()),
-                                     out_specs=(P(), P())))
+
+        return jax.jit(
+            jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=(P(), P()))
+        )
 
     auto, twoshot = program(None), program(False)
     split, replicated = NamedSharding(mesh, P("tp")), NamedSharding(mesh, P())
-    out = {"backend": ws.backend, "chosen": launch_mode.ALGORITHM_NAMES[
-        launch_mode.choose_algorithm(m, hidden, ws.sizes, None)], "replays": []}
+    out = {
+        "backend": ws.backend,
+        "chosen": launch_mode.ALGORITHM_NAMES[
+            launch_mode.choose_algorithm(m, hidden, ws.sizes, None)
+        ],
+        "replays": [],
+    }
     for rep in range(3):
         xs, residual, gamma = draw_case(1000 + rep, 2, m, hidden)
         x = jax.device_put(jnp.asarray(np.stack(xs), jnp.bfloat16), split)
@@ -58,8 +76,10 @@ def main() -> dict:
         got = jax.block_until_ready(auto(x, r, g))
         out.setdefault("host_launches", []).append(native.ext.launch_count() - launches)
         want = jax.block_until_ready(twoshot(x, r, g))
-        same = [bool(np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16)))
-                for a, b in zip(got, want)]
+        same = [
+            bool(np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16)))
+            for a, b in zip(got, want)
+        ]
         nans = int(sum(np.isnan(np.asarray(a, np.float32)).sum() for a in got))
         out["replays"].append({"same_bits": same, "nans": nans})
     ws.destroy()

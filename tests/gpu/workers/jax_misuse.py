@@ -16,6 +16,7 @@ two virtual devices, the reference path, so the plumbing runs in CI) prints one 
   norm_out is +-0 with the sign of r * gamma (README, Numerics), next to an ordinary row
   within bounds.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,27 +45,37 @@ def main(platform: str) -> dict:
     d = jax.devices()[:2]
     mesh, flipped = Mesh(np.array(d), ("tp",)), Mesh(np.array(d[::-1]), ("tp",))
     seed = int.from_bytes(os.urandom(4), "little")
-    ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=32, hidden_dim=1024,
-                                              dtype=jnp.bfloat16)
-    out = {"platform": platform, "backend": ws.backend, "devices": [str(x) for x in d],
-           "seed": seed, "jax": jax.__version__}
+    ws = jf.create_allreduce_fusion_workspace(
+        mesh, "tp", max_token_num=32, hidden_dim=1024, dtype=jnp.bfloat16
+    )
+    out = {
+        "platform": platform,
+        "backend": ws.backend,
+        "devices": [str(x) for x in d],
+        "seed": seed,
+        "jax": jax.__version__,
+    }
 
     def body(x, r, g):
-        o = jf.allreduce_fusion(x, axis_name="tp", workspace=ws, residual=r, rms_gamma=g,
-                                strict=True)
+        o = jf.allreduce_fusion(
+            x, axis_name="tp", workspace=ws, residual=r, rms_gamma=g, strict=True
+        )
         return o.residual_out, o.norm_out
 
     def sharded(m):
-        return jax.jit(jax.shard_map(body, mesh=m, in_specs=(P("tp"), P(), P()),
-                                     out_specs=(P(), P())))
+        return jax.jit(
+            jax.shard_map(body, mesh=m, in_specs=(P("tp"), P(), P()), out_specs=(P(), P()))
+        )
 
     def pmapped(devices):
         return jax.pmap(body, axis_name="tp", in_axes=(0, None, None), devices=devices)
 
     def place(m, xs, res, gam):
-        return (jax.device_put(np.concatenate(xs), NamedSharding(m, P("tp"))),
-                jax.device_put(res, NamedSharding(m, P())),
-                jax.device_put(gam, NamedSharding(m, P())))
+        return (
+            jax.device_put(np.concatenate(xs), NamedSharding(m, P("tp"))),
+            jax.device_put(res, NamedSharding(m, P())),
+            jax.device_put(gam, NamedSharding(m, P())),
+        )
 
     # --- the workspace's own mesh and its pmap twin --------------------------------------------
     tokens, hidden = 17, 1024
@@ -72,22 +83,38 @@ def main(platform: str) -> dict:
     args = place(mesh, xs, res, gam)
     r_out, n_out = sharded(mesh)(*args)
     r_p, n_p = pmapped(d)(np.stack(xs), res, gam)
-    x64, r64, g64 = [x.astype(np.float64) for x in xs], res.astype(np.float64), \
-        gam.astype(np.float64)
+    x64, r64, g64 = (
+        [x.astype(np.float64) for x in xs],
+        res.astype(np.float64),
+        gam.astype(np.float64),
+    )
     s, r, y, inv = oracle.fused_reference(x64, r64, g64, rms_eps=1e-6, weight_bias=0.0)
-    good = {"residual_ulps": oracle.residual_error_ulps(np.asarray(r_out, np.float64), s, r,
-                                                        r64, "bfloat16"),
-            "norm_ulps": oracle.norm_error_ulps(np.asarray(n_out, np.float64), s, y, inv, r64,
-                                                g64, weight_bias=0.0, dtype_name="bfloat16"),
-            # Bits (the kernel is deterministic), and values: XLA's CPU reference may give
-            # a zero's sign differently in two differently fused programs.
-            "pmap_equals_shard_map_bits": all(
-                np.array_equal(np.asarray(a[0]).view(np.uint16), np.asarray(b).view(np.uint16))
-                for a, b in ((r_p, r_out), (n_p, n_out))),
-            "pmap_equals_shard_map_values": all(
-                np.array_equal(np.asarray(a[0], np.float32), np.asarray(b, np.float32))
-                for a, b in ((r_p, r_out), (n_p, n_out))),
-            "custom_call": FFI_TARGET in sharded(mesh).lower(*args).as_text()}
+    good = {
+        "residual_ulps": oracle.residual_error_ulps(
+            np.asarray(r_out, np.float64), s, r, r64, "bfloat16"
+        ),
+        "norm_ulps": oracle.norm_error_ulps(
+            np.asarray(n_out, np.float64),
+            s,
+            y,
+            inv,
+            r64,
+            g64,
+            weight_bias=0.0,
+            dtype_name="bfloat16",
+        ),
+        # Bits (the kernel is deterministic), and values: XLA's CPU reference may give
+        # a zero's sign differently in two differently fused programs.
+        "pmap_equals_shard_map_bits": all(
+            np.array_equal(np.asarray(a[0]).view(np.uint16), np.asarray(b).view(np.uint16))
+            for a, b in ((r_p, r_out), (n_p, n_out))
+        ),
+        "pmap_equals_shard_map_values": all(
+            np.array_equal(np.asarray(a[0], np.float32), np.asarray(b, np.float32))
+            for a, b in ((r_p, r_out), (n_p, n_out))
+        ),
+        "custom_call": FFI_TARGET in sharded(mesh).lower(*args).as_text(),
+    }
     out["good"] = good
 
     # --- the same devices in the other order -----------------------------------------------
@@ -102,7 +129,8 @@ def main(platform: str) -> dict:
     out["flipped_shard_map"] = error_of(lambda: jax.block_until_ready(sharded(flipped)(*fargs)))
     out["flipped_shard_map_lower"] = error_of(lambda: sharded(flipped).lower(*fargs))
     out["flipped_pmap"] = error_of(
-        lambda: jax.block_until_ready(pmapped(d[::-1])(np.stack(xs), res, gam)))
+        lambda: jax.block_until_ready(pmapped(d[::-1])(np.stack(xs), res, gam))
+    )
 
     # --- rows whose fp32 sum of squares overflows ------------------------------------------
     rng = np.random.default_rng(seed)
@@ -112,17 +140,25 @@ def main(platform: str) -> dict:
     r_o, n_o = sharded(mesh)(*place(mesh, [rows, zeros], zeros, gam))
     n_o = np.asarray(n_o).astype(np.float32)
     want_sign = np.signbit(rows[:3].astype(np.float32)) ^ np.signbit(gam.astype(np.float32))
-    rs, rr, ry, rinv = oracle.fused_reference([rows[3:].astype(np.float64)],
-                                              np.zeros((1, hidden)), g64, rms_eps=1e-6,
-                                              weight_bias=0.0)
+    rs, rr, ry, rinv = oracle.fused_reference(
+        [rows[3:].astype(np.float64)], np.zeros((1, hidden)), g64, rms_eps=1e-6, weight_bias=0.0
+    )
     out["overflow"] = {
-        "residual_exact": bool(np.array_equal(np.asarray(r_o).view(np.uint16),
-                                              rows.view(np.uint16))),
+        "residual_exact": bool(
+            np.array_equal(np.asarray(r_o).view(np.uint16), rows.view(np.uint16))
+        ),
         "zero_rows": bool(np.all(n_o[:3] == 0.0)),
         "signs_of_r_times_gamma": bool(np.array_equal(np.signbit(n_o[:3]), want_sign)),
         "ordinary_row_norm_ulps": oracle.norm_error_ulps(
-            n_o[3:].astype(np.float64), rs, ry, rinv, np.zeros((1, hidden)), g64,
-            weight_bias=0.0, dtype_name="bfloat16"),
+            n_o[3:].astype(np.float64),
+            rs,
+            ry,
+            rinv,
+            np.zeros((1, hidden)),
+            g64,
+            weight_bias=0.0,
+            dtype_name="bfloat16",
+        ),
     }
     ws.destroy()
     return out

@@ -22,6 +22,7 @@ Layouts (P processes = hosts, L devices each; a layout needing more devices is s
                      across; one program with a fused call over "tp" and one over "pp", each
                      with its own workspace.
 """
+
 from __future__ import annotations
 
 import logging
@@ -35,8 +36,7 @@ LAYOUTS = {
     # name: (axis names, shape from (P, L), device order from (P, L), workspace axes)
     "dp_across_hosts": (("dp", "tp"), lambda p, l: (p, l), None, ("tp",)),
     "tp_across_hosts": (("dp", "tp"), lambda p, l: (l, p), "transpose", ("tp",)),
-    "mixed_groups": (("pp", "dp", "tp"), lambda p, l: (2, 2, 2), [0, 1, 2, 4, 3, 5, 6, 7],
-                     ("tp",)),
+    "mixed_groups": (("pp", "dp", "tp"), lambda p, l: (2, 2, 2), [0, 1, 2, 4, 3, 5, 6, 7], ("tp",)),
     "tp_and_pp": (("pp", "dp", "tp"), lambda p, l: (2, 2, 2), None, ("tp", "pp")),
 }
 
@@ -60,16 +60,22 @@ def _setup(rank, world, port, platform, local_devices, device_ids):
     else:
         os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     import jax
+
     if platform == "cpu":  # cross-process CPU collectives (the reference path's psum)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=world,
-                               process_id=rank, initialization_timeout=60,
-                               local_device_ids=None if platform == "cpu" else device_ids)
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}",
+        num_processes=world,
+        process_id=rank,
+        initialization_timeout=60,
+        local_device_ids=None if platform == "cpu" else device_ids,
+    )
     return jax
 
 
 def _mesh(jax, name, world, local):
     from jax.sharding import Mesh
+
     axes, shape_of, order, ws_axes = LAYOUTS[name]
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     shape = shape_of(world, local)
@@ -78,8 +84,9 @@ def _mesh(jax, name, world, local):
     if order == "transpose":
         grid = np.array(devices, dtype=object).reshape(world, local).T
     else:
-        grid = np.array([devices[i] for i in (order or range(len(devices)))],
-                        dtype=object).reshape(shape)
+        grid = np.array([devices[i] for i in (order or range(len(devices)))], dtype=object).reshape(
+            shape
+        )
     return Mesh(grid, axes), ws_axes
 
 
@@ -89,31 +96,47 @@ def _program(jax, jf, mesh, workspaces):
     workspace's axis (several workspaces: several independent calls in one program).
     Returns (residual_out, norm_out) per workspace, one row per group (its axis kept, size 1)."""
     from jax.sharding import PartitionSpec as P
+
     axes = tuple(mesh.axis_names)
     keep = (1,) * len(axes)
 
     def body(x, residual, gamma):
         outs = []
         for ws in workspaces:
-            o = jf.allreduce_fusion(x.reshape(TOKENS, HIDDEN), axis_name=ws.axis_name,
-                                    workspace=ws, residual=residual, rms_gamma=gamma)
-            outs += [o.residual_out.reshape(keep + (TOKENS, HIDDEN)),
-                     o.norm_out.reshape(keep + (TOKENS, HIDDEN))]
+            o = jf.allreduce_fusion(
+                x.reshape(TOKENS, HIDDEN),
+                axis_name=ws.axis_name,
+                workspace=ws,
+                residual=residual,
+                rms_gamma=gamma,
+            )
+            outs += [
+                o.residual_out.reshape(keep + (TOKENS, HIDDEN)),
+                o.norm_out.reshape(keep + (TOKENS, HIDDEN)),
+            ]
         return tuple(outs)
 
-    out_specs = tuple(P(*[None if a == ws.axis_name else a for a in axes])
-                      for ws in workspaces for _ in range(2))
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(*axes), P(), P()),
-                                 out_specs=out_specs))
+    out_specs = tuple(
+        P(*[None if a == ws.axis_name else a for a in axes]) for ws in workspaces for _ in range(2)
+    )
+    return jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P(*axes), P(), P()), out_specs=out_specs)
+    )
 
 
 def _avals(jax, mesh, dtype):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
-    shapes = ((mesh.devices.shape + (TOKENS, HIDDEN), P(*mesh.axis_names)),
-              ((TOKENS, HIDDEN), P()), ((HIDDEN,), P()))
-    return [jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
-            for shape, spec in shapes]
+
+    shapes = (
+        (mesh.devices.shape + (TOKENS, HIDDEN), P(*mesh.axis_names)),
+        ((TOKENS, HIDDEN), P()),
+        ((HIDDEN,), P()),
+    )
+    return [
+        jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+        for shape, spec in shapes
+    ]
 
 
 def _check_outputs(jax, mesh, workspaces, fn, dtype, seed):
@@ -124,48 +147,81 @@ def _check_outputs(jax, mesh, workspaces, fn, dtype, seed):
     from jax.sharding import PartitionSpec as P
 
     from tests.oracles import oracle
+
     rng = np.random.default_rng(seed)
-    partials = rng.standard_normal(mesh.devices.shape + (TOKENS, HIDDEN),
-                                   dtype=np.float32).astype(dtype)
+    partials = rng.standard_normal(mesh.devices.shape + (TOKENS, HIDDEN), dtype=np.float32).astype(
+        dtype
+    )
     residual = rng.standard_normal((TOKENS, HIDDEN), dtype=np.float32).astype(dtype)
     gamma = rng.uniform(-2, 2, HIDDEN).astype(np.float32).astype(dtype)
 
     def put(value, spec):
-        return jax.make_array_from_callback(value.shape, NamedSharding(mesh, spec),
-                                            lambda idx: value[idx])
+        return jax.make_array_from_callback(
+            value.shape, NamedSharding(mesh, spec), lambda idx: value[idx]
+        )
 
     outs = fn(put(partials, P(*mesh.axis_names)), put(residual, P()), put(gamma, P()))
     worst = {"residual": 0.0, "norm": 0.0, "shards": 0}
     for i, ws in enumerate(workspaces):
         # Every group's sum over its members: the workspace's axis summed, kept with size 1.
-        group_sum = partials.astype(np.float64).sum(axis=mesh.axis_names.index(ws.axis_name),
-                                                    keepdims=True)
-        s, r64, y64, inv = oracle.fused_reference([group_sum], residual, gamma, rms_eps=1e-6,
-                                                  weight_bias=0.0)
-        for got_r, got_n in zip(outs[2 * i].addressable_shards,
-                                outs[2 * i + 1].addressable_shards):
+        group_sum = partials.astype(np.float64).sum(
+            axis=mesh.axis_names.index(ws.axis_name), keepdims=True
+        )
+        s, r64, y64, inv = oracle.fused_reference(
+            [group_sum], residual, gamma, rms_eps=1e-6, weight_bias=0.0
+        )
+        for got_r, got_n in zip(outs[2 * i].addressable_shards, outs[2 * i + 1].addressable_shards):
             idx = got_r.index
             assert got_n.index == idx
-            worst["residual"] = max(worst["residual"], oracle.residual_error_ulps(
-                np.asarray(got_r.data), s[idx], r64[idx], residual, DTYPE))
-            worst["norm"] = max(worst["norm"], oracle.norm_error_ulps(
-                np.asarray(got_n.data), s[idx], y64[idx], inv[idx], residual, gamma,
-                weight_bias=0.0, dtype_name=DTYPE))
+            worst["residual"] = max(
+                worst["residual"],
+                oracle.residual_error_ulps(
+                    np.asarray(got_r.data), s[idx], r64[idx], residual, DTYPE
+                ),
+            )
+            worst["norm"] = max(
+                worst["norm"],
+                oracle.norm_error_ulps(
+                    np.asarray(got_n.data),
+                    s[idx],
+                    y64[idx],
+                    inv[idx],
+                    residual,
+                    gamma,
+                    weight_bias=0.0,
+                    dtype_name=DTYPE,
+                ),
+            )
             worst["shards"] += 1
     return worst
 
 
-def worker(rank, world, chan, *, port, platform, local_devices, hosts, layouts, backends,
-           seed, device_ids=None, run_xla_all_reduces=True):
+def worker(
+    rank,
+    world,
+    chan,
+    *,
+    port,
+    platform,
+    local_devices,
+    hosts,
+    layouts,
+    backends,
+    seed,
+    device_ids=None,
+    run_xla_all_reduces=True,
+):
     """One process: pretends to run on host ``hosts[rank]``, then, for every layout and
     backend, records {"backend" | "error", "custom_calls", "all_reduces", "worst", ...}.
     ``run_xla_all_reduces=False``: a program that holds XLA all-reduces is decided and
     lowered but not run ("not_run" says why): the processes share a GPU, and XLA's NCCL
     refuses two ranks on one GPU."""
     from tests.gpu.harness import simulate_host
+
     simulate_host(hosts[rank])
-    jax = _setup(rank, world, port, platform, local_devices,
-                 device_ids[rank] if device_ids else None)
+    jax = _setup(
+        rank, world, port, platform, local_devices, device_ids[rank] if device_ids else None
+    )
     import jax.numpy as jnp
 
     import jax_fusedar as jf
@@ -175,8 +231,13 @@ def worker(rank, world, chan, *, port, platform, local_devices, hosts, layouts, 
     reasons = _Reasons()
     logging.getLogger("jax_fusedar").addHandler(reasons)
     import socket
-    out = {"rank": rank, "host": socket.gethostname(), "layouts": {},
-           "devices": [f"{d.id}@{d.process_index}" for d in jax.devices()]}
+
+    out = {
+        "rank": rank,
+        "host": socket.gethostname(),
+        "layouts": {},
+        "devices": [f"{d.id}@{d.process_index}" for d in jax.devices()],
+    }
     dtype = jnp.dtype(DTYPE)
     for name in layouts:
         mesh, ws_axes = _mesh(jax, name, world, local_devices)
@@ -189,10 +250,12 @@ def worker(rank, world, chan, *, port, platform, local_devices, hosts, layouts, 
             workspaces = []
             try:
                 for axis in ws_axes:
-                    kw = dict(max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=dtype,
-                              backend=backend)
-                    make = jf.abstract_workspace if platform == "cpu" else \
-                        jf.create_allreduce_fusion_workspace
+                    kw = dict(max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=dtype, backend=backend)
+                    make = (
+                        jf.abstract_workspace
+                        if platform == "cpu"
+                        else jf.create_allreduce_fusion_workspace
+                    )
                     workspaces.append(make(mesh, axis, **kw))
                     if backend == "auto":  # a second one: its reason is not logged again
                         # (another name: two live kernel workspaces may not share a key)
@@ -203,8 +266,9 @@ def worker(rank, world, chan, *, port, platform, local_devices, hosts, layouts, 
                     ws.destroy()
                 continue
             rec["backend"] = {ws.axis_name: ws.backend for ws in workspaces}
-            rec["groups"] = {ws.axis_name: [list(g.members) for g in ws.groups]
-                             for ws in workspaces}
+            rec["groups"] = {
+                ws.axis_name: [list(g.members) for g in ws.groups] for ws in workspaces
+            }
             if any(ws.backend == "trtllm" for ws in workspaces) and not native.available():
                 rec["not_lowered"] = "the kernel's custom call needs the native extension"
                 continue  # the decision above is still recorded
@@ -214,14 +278,17 @@ def worker(rank, world, chan, *, port, platform, local_devices, hosts, layouts, 
             rec["custom_calls"] = text.count(f"custom_call @{FFI_TARGET}")
             rec["all_reduces"] = text.count("stablehlo.all_reduce")
             if rec["all_reduces"] and not run_xla_all_reduces:
-                rec["not_run"] = ("XLA's all-reduce between processes sharing a GPU: NCCL "
-                                  "refuses two ranks on one GPU")
+                rec["not_run"] = (
+                    "XLA's all-reduce between processes sharing a GPU: NCCL "
+                    "refuses two ranks on one GPU"
+                )
                 for ws in workspaces:
                     ws.destroy()
                 continue
             chan.barrier(f"{name}/{backend}/run")
-            rec["worst"] = _check_outputs(jax, mesh, workspaces, fn, dtype,
-                                          seed + len(out["layouts"]))
+            rec["worst"] = _check_outputs(
+                jax, mesh, workspaces, fn, dtype, seed + len(out["layouts"])
+            )
             for ws in workspaces:
                 ws.destroy()
             chan.barrier(f"{name}/{backend}/done")

@@ -14,6 +14,7 @@ One jitted program per (dtype, layout, hidden, tokens, one/two-shot) runs patter
 Written for Blackwell (sm100): tests/gpu/test_jax.py skips it on older GPUs, where the
 API refuses NVFP4 (checked there instead).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -22,11 +23,13 @@ import numpy as np
 def _e2m1_steps(a_packed, b_packed):
     """Per-element distance in e2m1 codes between two packed uint8 arrays (low nibble
     first; bit 3 is the sign, bits 0-2 the magnitude code, ordered by value)."""
+
     def ordinals(p):
         p = np.asarray(p).astype(np.int32)
         nib = np.stack([p & 0xF, p >> 4], axis=-1)
         mag = nib & 0x7
         return np.where(nib & 0x8, -mag, mag)
+
     return np.abs(ordinals(a_packed) - ordinals(b_packed))
 
 
@@ -36,49 +39,86 @@ def run(jax, jnp, jf, mesh, P, rank, world, seed, tokens, hiddens, glob, local):
 
     Pn = jf.AllReduceFusionPattern
     Lay = jf.QuantizationSFLayout
-    stats = {"cases": 0, "codes": 0, "steps1": 0, "worse": 0, "division": {},
-             "scale_bytes": 0, "scale_mismatch": 0, "twin_residual_diffs": 0,
-             "twin_code_diffs": 0, "twin_scale_diffs": 0, "residual": 0.0, "norm": 0.0,
-             "nan_outputs": 0}
+    stats = {
+        "cases": 0,
+        "codes": 0,
+        "steps1": 0,
+        "worse": 0,
+        "division": {},
+        "scale_bytes": 0,
+        "scale_mismatch": 0,
+        "twin_residual_diffs": 0,
+        "twin_code_diffs": 0,
+        "twin_scale_diffs": 0,
+        "residual": 0.0,
+        "norm": 0.0,
+        "nan_outputs": 0,
+    }
     case = 0
     for dtype in ("bfloat16", "float16"):
         jdt = jnp.dtype(dtype)
-        ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=max(tokens),
-                                                  hidden_dim=max(hiddens), dtype=jdt)
+        ws = jf.create_allreduce_fusion_workspace(
+            mesh, "tp", max_token_num=max(tokens), hidden_dim=max(hiddens), dtype=jdt
+        )
         for layout in (Lay.SWIZZLED_128x4, Lay.LINEAR):
             for hidden, m, oneshot in shape_cases(tokens, hiddens, world):
                 case += 1
                 xs, res, gam = draw_case(seed + case, world, m, hidden, jdt)
-                s64, r64, y64, inv64 = oracle.fused_reference(xs, res, gam, rms_eps=1e-6,
-                                                              weight_bias=0.0)
+                s64, r64, y64, inv64 = oracle.fused_reference(
+                    xs, res, gam, rms_eps=1e-6, weight_bias=0.0
+                )
                 gs = np.asarray([448.0 * 6.0 / np.abs(y64).max()], np.float32)
 
                 def f(x, r, g, s, oneshot=oneshot, layout=layout):
-                    kw = dict(axis_name="tp", workspace=ws, residual=r, rms_gamma=g,
-                              use_oneshot=oneshot, strict=True, scale_factor=s,
-                              layout_code=layout)
+                    kw = dict(
+                        axis_name="tp",
+                        workspace=ws,
+                        residual=r,
+                        rms_gamma=g,
+                        use_oneshot=oneshot,
+                        strict=True,
+                        scale_factor=s,
+                        layout_code=layout,
+                    )
                     o3 = jf.allreduce_fusion(x, pattern=Pn.kARResidualRMSNormFP4Quant, **kw)
-                    o5 = jf.allreduce_fusion(x, pattern=Pn.kARResidualRMSNormOutFP4Quant,
-                                             **kw)
-                    return ((o3.residual_out, o3.quant_out, o3.scale_out),
-                            (o5.residual_out, o5.norm_out, o5.quant_out, o5.scale_out))
+                    o5 = jf.allreduce_fusion(x, pattern=Pn.kARResidualRMSNormOutFP4Quant, **kw)
+                    return (
+                        (o3.residual_out, o3.quant_out, o3.scale_out),
+                        (o5.residual_out, o5.norm_out, o5.quant_out, o5.scale_out),
+                    )
 
-                fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("tp"), P(), P(), P()),
-                                           out_specs=P()))
-                outs = fn(glob(P("tp"), xs[rank]), glob(P(), res), glob(P(), gam),
-                          glob(P(), gs))
+                fn = jax.jit(
+                    jax.shard_map(f, mesh=mesh, in_specs=(P("tp"), P(), P(), P()), out_specs=P())
+                )
+                outs = fn(glob(P("tp"), xs[rank]), glob(P(), res), glob(P(), gam), glob(P(), gs))
                 (r3, q3, s3), (r5, n5, q5, s5) = [
-                    [np.asarray(a.addressable_data(0)) for a in o] for o in outs]
+                    [np.asarray(a.addressable_data(0)) for a in o] for o in outs
+                ]
                 s3b = np.ascontiguousarray(s3).view(np.uint8).reshape(-1)
                 s5b = np.ascontiguousarray(s5).view(np.uint8).reshape(-1)
 
-                stats["nan_outputs"] += int(np.isnan(r5.astype(np.float32)).sum() +
-                                            np.isnan(n5.astype(np.float32)).sum())
-                stats["residual"] = max(stats["residual"], oracle.residual_error_ulps(
-                    r5.astype(np.float64), s64, r64, res.astype(np.float64), dtype))
-                stats["norm"] = max(stats["norm"], oracle.norm_error_ulps(
-                    n5.astype(np.float64), s64, y64, inv64, res.astype(np.float64),
-                    gam.astype(np.float64), weight_bias=0.0, dtype_name=dtype))
+                stats["nan_outputs"] += int(
+                    np.isnan(r5.astype(np.float32)).sum() + np.isnan(n5.astype(np.float32)).sum()
+                )
+                stats["residual"] = max(
+                    stats["residual"],
+                    oracle.residual_error_ulps(
+                        r5.astype(np.float64), s64, r64, res.astype(np.float64), dtype
+                    ),
+                )
+                stats["norm"] = max(
+                    stats["norm"],
+                    oracle.norm_error_ulps(
+                        n5.astype(np.float64),
+                        s64,
+                        y64,
+                        inv64,
+                        res.astype(np.float64),
+                        gam.astype(np.float64),
+                        weight_bias=0.0,
+                        dtype_name=dtype,
+                    ),
+                )
 
                 # The oracle on the kernel's own norm output, both division roundings.
                 best = None
@@ -98,8 +138,9 @@ def run(jax, jnp, jf, mesh, P, rank, world, seed, tokens, hiddens, glob, local):
                 stats["scale_bytes"] += int(written.sum())
                 stats["scale_mismatch"] += int(np.sum(s5b[written] != buf[written]))
 
-                stats["twin_residual_diffs"] += int(np.sum(
-                    r3.view(np.uint16) != r5.view(np.uint16)))
+                stats["twin_residual_diffs"] += int(
+                    np.sum(r3.view(np.uint16) != r5.view(np.uint16))
+                )
                 stats["twin_code_diffs"] += int(np.sum(q3 != q5))
                 stats["twin_scale_diffs"] += int(np.sum(s3b[written] != s5b[written]))
                 stats["cases"] += 1

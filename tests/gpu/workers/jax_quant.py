@@ -14,6 +14,7 @@ Checks, per pattern pair:
   accumulation bounds at every world size, the ulp bounds at 2 ranks).
 NVFP4 (3, 5) must be refused at trace time on this sm90 GPU.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -36,41 +37,67 @@ def run(jax, jnp, jf, mesh, P, rank, world, seed, tokens, hiddens, glob, local):
     from tests.gpu.harness import draw_case, shape_cases, worst_of
 
     Pn = jf.AllReduceFusionPattern
-    stats = {"cases": 0, "elements": 0, "steps1": {}, "worse": 0, "twins_equal": True,
-             "dyn_scale_ulps": 0.0, "group_scale_mismatch": 0, "dequant_violations": 0,
-             "residual": 0.0, "norm": 0.0, "rerun_diffs": 0,
-             "twin_code_steps1": 0, "twin_other_diffs": 0}
+    stats = {
+        "cases": 0,
+        "elements": 0,
+        "steps1": {},
+        "worse": 0,
+        "twins_equal": True,
+        "dyn_scale_ulps": 0.0,
+        "group_scale_mismatch": 0,
+        "dequant_violations": 0,
+        "residual": 0.0,
+        "norm": 0.0,
+        "rerun_diffs": 0,
+        "twin_code_steps1": 0,
+        "twin_other_diffs": 0,
+    }
     case = 0
     for dtype in ("bfloat16", "float16"):
         jdt = jnp.dtype(dtype)
-        ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=max(tokens),
-                                                  hidden_dim=max(hiddens), dtype=jdt)
+        ws = jf.create_allreduce_fusion_workspace(
+            mesh, "tp", max_token_num=max(tokens), hidden_dim=max(hiddens), dtype=jdt
+        )
         for hidden, m, oneshot in shape_cases(tokens, hiddens, world):
             case += 1
             xs, res, gam = draw_case(seed + case, world, m, hidden, jdt)
-            s64, r64, y64, inv64 = oracle.fused_reference(xs, res, gam, rms_eps=1e-6,
-                                                          weight_bias=0.0)
+            s64, r64, y64, inv64 = oracle.fused_reference(
+                xs, res, gam, rms_eps=1e-6, weight_bias=0.0
+            )
             # A static scale that never saturates: the largest |y| maps to ~224.
             sf = np.asarray([np.abs(y64).max() / 224.0], np.float32)
 
             def f(x, r, g, s, oneshot=oneshot):
-                kw = dict(axis_name="tp", workspace=ws, residual=r, rms_gamma=g,
-                          use_oneshot=oneshot, strict=True)
+                kw = dict(
+                    axis_name="tp",
+                    workspace=ws,
+                    residual=r,
+                    rms_gamma=g,
+                    use_oneshot=oneshot,
+                    strict=True,
+                )
                 out = []
-                for pat, extra in ((Pn.kARResidualRMSNormFP8Quant, {"scale_factor": s}),
-                                   (Pn.kARResidualRMSNormOutFP8Quant, {"scale_factor": s}),
-                                   (Pn.kARResidualRMSNormDynamicFP8Quant, {}),
-                                   (Pn.kARResidualRMSNormOutDynamicFP8Quant, {}),
-                                   (Pn.kARResidualRMSNormPerTokenGroupFP8PackedQuant,
-                                    {"block_quant_group_size": GROUP}),
-                                   (Pn.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant,
-                                    {"block_quant_group_size": GROUP})):
+                for pat, extra in (
+                    (Pn.kARResidualRMSNormFP8Quant, {"scale_factor": s}),
+                    (Pn.kARResidualRMSNormOutFP8Quant, {"scale_factor": s}),
+                    (Pn.kARResidualRMSNormDynamicFP8Quant, {}),
+                    (Pn.kARResidualRMSNormOutDynamicFP8Quant, {}),
+                    (
+                        Pn.kARResidualRMSNormPerTokenGroupFP8PackedQuant,
+                        {"block_quant_group_size": GROUP},
+                    ),
+                    (
+                        Pn.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant,
+                        {"block_quant_group_size": GROUP},
+                    ),
+                ):
                     o = jf.allreduce_fusion(x, pattern=pat, **kw, **extra)
                     out.append(tuple(v for v in o if v is not None))
                 return out
 
-            fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("tp"), P(), P(), P()),
-                                       out_specs=P()))
+            fn = jax.jit(
+                jax.shard_map(f, mesh=mesh, in_specs=(P("tp"), P(), P(), P()), out_specs=P())
+            )
             args = (glob(P("tp"), xs[rank]), glob(P(), res), glob(P(), gam), glob(P(), sf))
             outs = _host(fn(*args))
             if m >= 1024:
@@ -79,16 +106,28 @@ def run(jax, jnp, jf, mesh, P, rank, world, seed, tokens, hiddens, glob, local):
                 again = _host(fn(*args))
                 stats["rerun_diffs"] += sum(
                     int(np.sum(_bytes(a) != _bytes(b)))
-                    for o1, o2 in zip(outs, again) for a, b in zip(o1, o2))
-            (r2, q2), (r4, n4, q4), (r10, q10, s10), (r11, n11, q11, s11), \
-                (r8, q8, s8), (r9, n9, q9, s9) = outs
+                    for o1, o2 in zip(outs, again)
+                    for a, b in zip(o1, o2)
+                )
+            (
+                (r2, q2),
+                (r4, n4, q4),
+                (r10, q10, s10),
+                (r11, n11, q11, s11),
+                (r8, q8, s8),
+                (r9, n9, q9, s9),
+            ) = outs
             byte = _bytes
-            for name, a, b in (("static r", r2, r4), ("dynamic r", r10, r11),
-                               ("group r", r8, r9), ("static q", byte(q2), byte(q4)),
-                               ("dynamic q", byte(q10), byte(q11)),
-                               ("dynamic scale", s10, s11),
-                               ("group q", byte(q8), byte(q9)),
-                               ("group scale", s8[:, :m], s9[:, :m])):
+            for name, a, b in (
+                ("static r", r2, r4),
+                ("dynamic r", r10, r11),
+                ("group r", r8, r9),
+                ("static q", byte(q2), byte(q4)),
+                ("dynamic q", byte(q10), byte(q11)),
+                ("dynamic scale", s10, s11),
+                ("group q", byte(q8), byte(q9)),
+                ("group scale", s8[:, :m], s9[:, :m]),
+            ):
                 diff = int(np.sum(_bytes(a) != _bytes(b)))
                 if diff:
                     stats["twins_equal"] = False
@@ -96,64 +135,114 @@ def run(jax, jnp, jf, mesh, P, rank, world, seed, tokens, hiddens, glob, local):
                     # (FlashInfer sizes blocks and clusters from it), so RMSNorm's sum of
                     # squares may run in another order and the fp32 rsqrt move by an ulp:
                     # a code one e4m3 step away is that, anything else is a bug.
-                    one_step = (name.endswith(" q") and
-                                int(np.max(quant_oracle.code_steps(a, b))) == 1)
+                    one_step = (
+                        name.endswith(" q") and int(np.max(quant_oracle.code_steps(a, b))) == 1
+                    )
                     key = "twin_code_steps1" if one_step else "twin_other_diffs"
                     stats[key] += diff
                     where = np.argwhere(_bytes(a) != _bytes(b))[:12]
                     stats.setdefault("twin_diffs", []).append(
-                        {"what": name, "dtype": dtype, "hidden": hidden, "tokens": m,
-                         "oneshot": oneshot, "count": diff,
-                         "first": [[int(i) for i in w] + [int(_bytes(a)[tuple(w)]),
-                                                          int(_bytes(b)[tuple(w)])]
-                                   for w in where]})
+                        {
+                            "what": name,
+                            "dtype": dtype,
+                            "hidden": hidden,
+                            "tokens": m,
+                            "oneshot": oneshot,
+                            "count": diff,
+                            "first": [
+                                [int(i) for i in w]
+                                + [int(_bytes(a)[tuple(w)]), int(_bytes(b)[tuple(w)])]
+                                for w in where
+                            ],
+                        }
+                    )
             for r_out, n_out in ((r4, n4), (r11, n11), (r9, n9)):
-                worst_of(stats, {
-                    "residual": oracle.residual_error_ulps(
-                        r_out.astype(np.float64), s64, r64, res.astype(np.float64), dtype),
-                    "norm": oracle.norm_error_ulps(
-                        n_out.astype(np.float64), s64, y64, inv64, res.astype(np.float64),
-                        gam.astype(np.float64), weight_bias=0.0, dtype_name=dtype),
-                    **oracle.accumulation_errors(
-                        xs, res, gam, residual_out=r_out.astype(np.float64),
-                        norm_out=n_out.astype(np.float64), rms_eps=1e-6,
-                        dtype_name=dtype)})
+                worst_of(
+                    stats,
+                    {
+                        "residual": oracle.residual_error_ulps(
+                            r_out.astype(np.float64), s64, r64, res.astype(np.float64), dtype
+                        ),
+                        "norm": oracle.norm_error_ulps(
+                            n_out.astype(np.float64),
+                            s64,
+                            y64,
+                            inv64,
+                            res.astype(np.float64),
+                            gam.astype(np.float64),
+                            weight_bias=0.0,
+                            dtype_name=dtype,
+                        ),
+                        **oracle.accumulation_errors(
+                            xs,
+                            res,
+                            gam,
+                            residual_out=r_out.astype(np.float64),
+                            norm_out=n_out.astype(np.float64),
+                            rms_eps=1e-6,
+                            dtype_name=dtype,
+                        ),
+                    },
+                )
             # Quantize the kernel's own norm output with the oracle.
             want4 = quant_oracle.fp8_static(n4, float(sf[0]))
             want11, ws11 = quant_oracle.fp8_dynamic(n11, "ieee")
             want9, wb9 = quant_oracle.fp8_group(n9, GROUP)
-            for name, got, want in (("static", q4, want4), ("dynamic", q11, want11),
-                                    ("group", q9, want9)):
+            for name, got, want in (
+                ("static", q4, want4),
+                ("dynamic", q11, want11),
+                ("group", q9, want9),
+            ):
                 d = quant_oracle.code_steps(byte(got), np.asarray(want).view(np.uint8))
                 stats["steps1"][name] = stats["steps1"].get(name, 0) + int((d == 1).sum())
                 stats["worse"] += int((d > 1).sum())
             stats["elements"] += n4.size
             ulp32 = np.spacing(np.abs(ws11).astype(np.float32))
-            stats["dyn_scale_ulps"] = max(stats["dyn_scale_ulps"], float(
-                np.max(np.abs(s11.astype(np.float64) - ws11) / ulp32)))
+            stats["dyn_scale_ulps"] = max(
+                stats["dyn_scale_ulps"],
+                float(np.max(np.abs(s11.astype(np.float64) - ws11) / ulp32)),
+            )
             stats["group_scale_mismatch"] += int(np.sum(s9[:, :m] != wb9[:, :m]))
             # Dequantization bound, on the kernel's own norm output.
             from jax_fusedar import quant_arrays
+
             y = n11.astype(np.float64)
-            for deq, scale in ((q4.astype(np.float64) * sf[0], sf[0]),
-                               (q11.astype(np.float64) * s11, s11),
-                               (np.asarray(quant_arrays.dequantize_fp8(q9, s9, group_size=GROUP),
-                                           np.float64), None)):
+            for deq, scale in (
+                (q4.astype(np.float64) * sf[0], sf[0]),
+                (q11.astype(np.float64) * s11, s11),
+                (
+                    np.asarray(quant_arrays.dequantize_fp8(q9, s9, group_size=GROUP), np.float64),
+                    None,
+                ),
+            ):
                 if scale is None:
-                    scale = np.asarray(quant_arrays.unpack_ue8m0_scales(s9, m, hidden, GROUP),
-                                       np.float64).repeat(GROUP, axis=1)
+                    scale = np.asarray(
+                        quant_arrays.unpack_ue8m0_scales(s9, m, hidden, GROUP), np.float64
+                    ).repeat(GROUP, axis=1)
                     y = n9.astype(np.float64)
-                bound = 2.0 ** -4 * np.abs(y) + 2.0 ** -10 * scale
+                bound = 2.0**-4 * np.abs(y) + 2.0**-10 * scale
                 stats["dequant_violations"] += int(np.sum(np.abs(deq - y) > bound))
             stats["cases"] += 1
         # NVFP4 on sm90 writes zeros: the API refuses it before tracing the kernel.
         try:
-            jax.jit(jax.shard_map(
-                lambda x, r, g, s: jf.allreduce_fusion(
-                    x, axis_name="tp", workspace=ws, residual=r, rms_gamma=g, scale_factor=s,
-                    pattern=Pn.kARResidualRMSNormFP4Quant).quant_out,
-                mesh=mesh, in_specs=(P("tp"), P(), P(), P()), out_specs=P())).trace(
-                glob(P("tp"), xs[rank]), glob(P(), res), glob(P(), gam), glob(P(), sf))
+            jax.jit(
+                jax.shard_map(
+                    lambda x, r, g, s: (
+                        jf.allreduce_fusion(
+                            x,
+                            axis_name="tp",
+                            workspace=ws,
+                            residual=r,
+                            rms_gamma=g,
+                            scale_factor=s,
+                            pattern=Pn.kARResidualRMSNormFP4Quant,
+                        ).quant_out
+                    ),
+                    mesh=mesh,
+                    in_specs=(P("tp"), P(), P(), P()),
+                    out_specs=P(),
+                )
+            ).trace(glob(P("tp"), xs[rank]), glob(P(), res), glob(P(), gam), glob(P(), sf))
             stats["nvfp4_refused"] = "no error"
         except ValueError as e:
             stats["nvfp4_refused"] = str(e)[:200]

@@ -12,6 +12,7 @@
               to the same layer jitted here?; the kernel's host launches during the call;
               the fused calls in the compiled artifact (on CPU: the dead cuda branch's).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,14 +37,17 @@ def _setup(platform: str):
         # GEMM autotuner times candidate kernels at each compilation, so the same dot can
         # get a different tiling (a different summation order) in each program; without
         # it, equal shapes get equal kernels and what is compared is jax_fusedar's part.
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                                   + " --xla_gpu_autotune_level=0").strip()
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0"
+        ).strip()
     import jax
+
     return jax
 
 
 def _fused_calls(hlo: str) -> int:
     from jax_fusedar.primitive import FFI_TARGET
+
     return hlo.count(f'custom_call_target="{FFI_TARGET}"')
 
 
@@ -57,18 +61,30 @@ def task_jit(jax, seed: int) -> dict:
     from jax.sharding import AxisType
 
     import jax_fusedar as jf
-    from tests.jax.sharded_model import (BATCH, HIDDEN as H, SEQ, jit_model, model_params, place,
-                                         shard_map_model)
+    from tests.jax.sharded_model import (
+        BATCH,
+        HIDDEN as H,
+        SEQ,
+        jit_model,
+        model_params,
+        place,
+        shard_map_model,
+    )
+
     n = len(jax.devices())
     dp = 2 if n >= 4 else 1
     out = {"devices": [str(d) for d in jax.devices()], "seed": seed}
     for axis_type in (AxisType.Auto, AxisType.Explicit):
         rng = np.random.default_rng(seed)
         mesh = jax.make_mesh((dp, n // dp), ("dp", "tp"), axis_types=(axis_type,) * 2)
-        with jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=BATCH * SEQ,
-                                                  hidden_dim=H, dtype=jnp.bfloat16) as ws:
-            params, x = place(mesh, model_params(rng), rng.standard_normal(
-                (BATCH, SEQ, H)).astype(np.float32).astype(jnp.bfloat16))
+        with jf.create_allreduce_fusion_workspace(
+            mesh, "tp", max_token_num=BATCH * SEQ, hidden_dim=H, dtype=jnp.bfloat16
+        ) as ws:
+            params, x = place(
+                mesh,
+                model_params(rng),
+                rng.standard_normal((BATCH, SEQ, H)).astype(np.float32).astype(jnp.bfloat16),
+            )
             want = [np.asarray(a) for a in shard_map_model(mesh, ws)(params, x)]
             fn = jax.jit(lambda p, x: jit_model(p, x, workspace=ws))
             if axis_type == AxisType.Explicit:
@@ -79,14 +95,15 @@ def task_jit(jax, seed: int) -> dict:
             got = [np.asarray(a) for a in got]
             out[axis_type.name] = {
                 "backend": ws.backend,
-                "bitwise_equal": all(np.array_equal(_bits(g), _bits(w))
-                                     for g, w in zip(got, want)),
+                "bitwise_equal": all(np.array_equal(_bits(g), _bits(w)) for g, w in zip(got, want)),
                 # Where they differ: how many elements, and by how much.
-                "differing_elements": [int((_bits(g) != _bits(w)).sum())
-                                       for g, w in zip(got, want)],
-                "max_abs_difference": [float(np.abs(g.astype(np.float64)
-                                                    - w.astype(np.float64)).max())
-                                       for g, w in zip(got, want)],
+                "differing_elements": [
+                    int((_bits(g) != _bits(w)).sum()) for g, w in zip(got, want)
+                ],
+                "max_abs_difference": [
+                    float(np.abs(g.astype(np.float64) - w.astype(np.float64)).max())
+                    for g, w in zip(got, want)
+                ],
                 "finite": bool(all(np.isfinite(g.astype(np.float32)).all() for g in got)),
                 "fused_calls_in_hlo": _fused_calls(hlo),
                 "all_reduces_in_hlo": hlo.count("all-reduce("),
@@ -98,11 +115,14 @@ def _layer(jax, jf, mesh, ws):
     from jax.sharding import PartitionSpec as P
 
     def body(partial, residual, gamma):
-        out = jf.allreduce_fusion(partial, axis_name="tp", workspace=ws, residual=residual,
-                                  rms_gamma=gamma)
+        out = jf.allreduce_fusion(
+            partial, axis_name="tp", workspace=ws, residual=residual, rms_gamma=gamma
+        )
         return out.residual_out, out.norm_out
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P()),
-                                 out_specs=(P(), P())))
+
+    return jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=(P(), P()))
+    )
 
 
 def task_export(jax, path: str, seed: int) -> dict:
@@ -111,20 +131,26 @@ def task_export(jax, path: str, seed: int) -> dict:
     from jax.sharding import PartitionSpec as P
 
     import jax_fusedar as jf
+
     mesh = jax.make_mesh((len(jax.devices()),), ("tp",))
     n = mesh.shape["tp"]
-    ws = jf.abstract_workspace(mesh, "tp", max_token_num=TOKENS, hidden_dim=HIDDEN,
-                               dtype=jnp.bfloat16, name=NAME)
-    specs = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, sp))
-             for s, sp in (((n * TOKENS, HIDDEN), P("tp")), ((TOKENS, HIDDEN), P()),
-                           ((HIDDEN,), P()))]
+    ws = jf.abstract_workspace(
+        mesh, "tp", max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=jnp.bfloat16, name=NAME
+    )
+    specs = [
+        jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, sp))
+        for s, sp in (((n * TOKENS, HIDDEN), P("tp")), ((TOKENS, HIDDEN), P()), ((HIDDEN,), P()))
+    ]
     exported = jf.export.export(_layer(jax, jf, mesh, ws), platforms=("cpu", "cuda"))(*specs)
     with open(path + ".bin", "wb") as f:
         f.write(exported.serialize())
     rng = np.random.default_rng(seed)
-    np.savez(path + ".npz", partial=rng.standard_normal((n * TOKENS, HIDDEN)).astype(np.float32),
-             residual=rng.standard_normal((TOKENS, HIDDEN)).astype(np.float32),
-             gamma=rng.uniform(-2, 2, HIDDEN).astype(np.float32))
+    np.savez(
+        path + ".npz",
+        partial=rng.standard_normal((n * TOKENS, HIDDEN)).astype(np.float32),
+        residual=rng.standard_normal((TOKENS, HIDDEN)).astype(np.float32),
+        gamma=rng.uniform(-2, 2, HIDDEN).astype(np.float32),
+    )
     return {"workspace_id": ws.id, "ids_in_artifact": jf.export.workspace_ids(exported)}
 
 
@@ -134,12 +160,15 @@ def task_serve(jax, path: str) -> dict:
     from jax.sharding import PartitionSpec as P
 
     import jax_fusedar as jf
+
     mesh = jax.make_mesh((len(jax.devices()),), ("tp",))
     with open(path + ".bin", "rb") as f:
         exported = jf.export.deserialize(f.read())
     data = np.load(path + ".npz")
-    args = [jax.device_put(data[k].astype(jnp.bfloat16), NamedSharding(mesh, s))
-            for k, s in (("partial", P("tp")), ("residual", P()), ("gamma", P()))]
+    args = [
+        jax.device_put(data[k].astype(jnp.bfloat16), NamedSharding(mesh, s))
+        for k, s in (("partial", P("tp")), ("residual", P()), ("gamma", P()))
+    ]
     out = {"devices": [str(d) for d in jax.devices()]}
     kw = dict(max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=jnp.bfloat16)
     # A workspace under another name does not match the artifact's key.
@@ -153,14 +182,18 @@ def task_serve(jax, path: str) -> dict:
     with jf.create_allreduce_fusion_workspace(mesh, "tp", name=NAME, **kw) as ws:
         out.update(backend=ws.backend, workspace_id=ws.id)
         from jax_fusedar.common import native
+
         launches = native.ext.launch_count() if native.available() else 0
         got = [np.asarray(a) for a in exported.call(*args)]
         out["kernel_launches"] = (native.ext.launch_count() if native.available() else 0) - launches
         want = [np.asarray(a) for a in _layer(jax, jf, mesh, ws)(*args)]
         hlo = jax.jit(exported.call).lower(*args).compile().as_text()
-    out.update(bitwise_equal=all(np.array_equal(_bits(g), _bits(w)) for g, w in zip(got, want)),
-               finite=bool(all(np.isfinite(g.astype(np.float32)).all() for g in got)),
-               fused_calls_in_hlo=_fused_calls(hlo), shapes=[list(g.shape) for g in got])
+    out.update(
+        bitwise_equal=all(np.array_equal(_bits(g), _bits(w)) for g, w in zip(got, want)),
+        finite=bool(all(np.isfinite(g.astype(np.float32)).all() for g in got)),
+        fused_calls_in_hlo=_fused_calls(hlo),
+        shapes=[list(g.shape) for g in got],
+    )
     return out
 
 

@@ -20,6 +20,7 @@ process 0) down with it.
 Run by hand:  python -m tests.gpu.workers.jax_timeout
 The last stdout line is "RESULT <json>".
 """
+
 from __future__ import annotations
 
 import json
@@ -42,6 +43,7 @@ VERDICT_WAIT_S = 30.0
 
 def worker(rank, world, chan, *, port, seed):
     from tests.gpu.workers.jax_multiprocess import _global, _local, _setup
+
     jax = _setup(rank, world, port, "")
     import jax.numpy as jnp
     from jax.sharding import Mesh
@@ -52,33 +54,43 @@ def worker(rank, world, chan, *, port, seed):
     from tests.gpu.harness import draw_case
 
     mesh = Mesh(np.array(jax.devices()), ("tp",))
-    ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=64, hidden_dim=HIDDEN,
-                                              dtype=jnp.bfloat16, timeout_s=TIMEOUT_S)
+    ws = jf.create_allreduce_fusion_workspace(
+        mesh, "tp", max_token_num=64, hidden_dim=HIDDEN, dtype=jnp.bfloat16, timeout_s=TIMEOUT_S
+    )
     out = {"rank": rank, "backend": ws.backend, "timeout_s": ws.timeout_s}
 
     def f(x, r, g):
-        o = jf.allreduce_fusion(x, axis_name="tp", workspace=ws, residual=r, rms_gamma=g,
-                                use_oneshot=True)
+        o = jf.allreduce_fusion(
+            x, axis_name="tp", workspace=ws, residual=r, rms_gamma=g, use_oneshot=True
+        )
         return o.residual_out, o.norm_out
 
-    fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("tp"), P(), P()),
-                               out_specs=(P(), P())))
+    fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=(P(), P())))
     xs, res, gam = draw_case(seed, world, TOKENS, HIDDEN, jnp.bfloat16)
-    args = (_global(jax, mesh, P("tp"), xs[rank]), _global(jax, mesh, P(), res),
-            _global(jax, mesh, P(), gam))
+    args = (
+        _global(jax, mesh, P("tp"), xs[rank]),
+        _global(jax, mesh, P(), res),
+        _global(jax, mesh, P(), gam),
+    )
     r_out, n_out = jax.block_until_ready(fn(*args))
     x64 = [x.astype(np.float64) for x in xs]
     r64, g64 = res.astype(np.float64), gam.astype(np.float64)
     s, r, y, inv = oracle.fused_reference(x64, r64, g64, rms_eps=1e-6, weight_bias=0.0)
     out["good"] = {
         "residual": oracle.residual_error_ulps(_local(r_out), s, r, r64, "bfloat16"),
-        "norm": oracle.norm_error_ulps(_local(n_out), s, y, inv, r64, g64, weight_bias=0.0,
-                                       dtype_name="bfloat16")}
+        "norm": oracle.norm_error_ulps(
+            _local(n_out), s, y, inv, r64, g64, weight_bias=0.0, dtype_name="bfloat16"
+        ),
+    }
     chan.barrier("good")
     if rank == 0:
         # Kept by the harness if this process ends without a result (a lost trap).
-        chan.note(backend=out["backend"], timeout_s=out["timeout_s"], good=out["good"],
-                  failing_call_at=time.monotonic())
+        chan.note(
+            backend=out["backend"],
+            timeout_s=out["timeout_s"],
+            good=out["good"],
+            failing_call_at=time.monotonic(),
+        )
         failing = {}
         # Where the time goes: when the call was handed to XLA, when the kernel's record
         # appeared in host memory (polled), when XLA raised.
@@ -121,8 +133,7 @@ def worker(rank, world, chan, *, port, seed):
         out["failing"] = failing
     else:
         try:
-            out["rank0_partial"] = chan.all_gather("partial", None,
-                                                   timeout_s=PARTIAL_WAIT_S)[0]
+            out["rank0_partial"] = chan.all_gather("partial", None, timeout_s=PARTIAL_WAIT_S)[0]
         except TimeoutError as e:  # rank 0's synchronization did not return
             out["rank0_partial"] = None
             out["rank0_silent"] = str(e)
@@ -139,12 +150,17 @@ def worker(rank, world, chan, *, port, seed):
 def main(argv):
     from tests.gpu.harness import free_port
     from tests.gpu.workers.native_timeout import run_ranks_allowing_death
+
     seed = int.from_bytes(os.urandom(4), "little")
     t0 = time.monotonic()
     try:
-        out = {"seed": seed, "timeout_s": TIMEOUT_S,
-               "ranks": run_ranks_allowing_death(worker, 2, timeout_s=150, port=free_port(),
-                                                 seed=seed)}
+        out = {
+            "seed": seed,
+            "timeout_s": TIMEOUT_S,
+            "ranks": run_ranks_allowing_death(
+                worker, 2, timeout_s=150, port=free_port(), seed=seed
+            ),
+        }
     except Exception as e:  # noqa: BLE001 - reported as JSON for the test to show
         out = {"seed": seed, "error": str(e)[-6000:]}
     out["wall_s"] = time.monotonic() - t0

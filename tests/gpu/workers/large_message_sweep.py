@@ -12,6 +12,7 @@ large-message algorithm and again with FlashInfer's two-shot kernel, and reports
 * a CUDA-graph check: the call captured once and replayed on fresh inputs matches an eager call,
 * a loop mixing the four algorithms (one-shot, two-shot, large-message) without host syncs.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -26,10 +27,12 @@ GROUP = 128
 
 def _outputs(torch, pattern, m, hidden, dtype, device):
     """Output tensors of one call, poisoned (0xff bytes)."""
+
     def poisoned(shape, dt):
         t = torch.empty(shape, dtype=dt, device=device)
         t.view(torch.uint8).fill_(0xFF)
         return t
+
     outs = {"residual_out": poisoned((m, hidden), dtype), "norm_out": poisoned((m, hidden), dtype)}
     if pattern in (4, 9, 11):
         outs["quant_out"] = poisoned((m, hidden), torch.uint8)
@@ -42,15 +45,30 @@ def _outputs(torch, pattern, m, hidden, dtype, device):
     return outs
 
 
-def _launch(ws, native, pattern, dtype, m, hidden, x, res, gamma, scale, outs, algorithm,
-            fp32_acc, stream):
+def _launch(
+    ws, native, pattern, dtype, m, hidden, x, res, gamma, scale, outs, algorithm, fp32_acc, stream
+):
     ptr = lambda name: outs[name].data_ptr() if name in outs else 0  # noqa: E731
-    ws.launch(pattern, native.DTYPE_CODES[dtype], m, hidden, x.data_ptr(),
-              residual_in=res.data_ptr(), residual_out=ptr("residual_out"),
-              norm_out=ptr("norm_out"), quant_out=ptr("quant_out"), scale_out=ptr("scale_out"),
-              rms_gamma=gamma.data_ptr(), scale_factor=scale.data_ptr() if pattern == 4 else 0,
-              rms_eps=1e-6, weight_bias=0.0, algorithm=algorithm, fp32_acc=fp32_acc,
-              block_quant_group_size=GROUP if pattern == 9 else 0, stream=stream)
+    ws.launch(
+        pattern,
+        native.DTYPE_CODES[dtype],
+        m,
+        hidden,
+        x.data_ptr(),
+        residual_in=res.data_ptr(),
+        residual_out=ptr("residual_out"),
+        norm_out=ptr("norm_out"),
+        quant_out=ptr("quant_out"),
+        scale_out=ptr("scale_out"),
+        rms_gamma=gamma.data_ptr(),
+        scale_factor=scale.data_ptr() if pattern == 4 else 0,
+        rms_eps=1e-6,
+        weight_bias=0.0,
+        algorithm=algorithm,
+        fp32_acc=fp32_acc,
+        block_quant_group_size=GROUP if pattern == 9 else 0,
+        stream=stream,
+    )
 
 
 def worker(rank, world, chan, *, cases, max_tokens, hidden_max, loop_calls, seed):
@@ -88,8 +106,22 @@ def worker(rank, world, chan, *, cases, max_tokens, hidden_max, loop_calls, seed
         got = {}
         for algorithm in (LARGE, TWOSHOT):
             outs = _outputs(torch, pattern, m, hidden, tdt[dtype], device)
-            _launch(ws, native, pattern, dtype, m, hidden, x, res, gam, scale, outs, algorithm,
-                    fp32_acc, s)
+            _launch(
+                ws,
+                native,
+                pattern,
+                dtype,
+                m,
+                hidden,
+                x,
+                res,
+                gam,
+                scale,
+                outs,
+                algorithm,
+                fp32_acc,
+                s,
+            )
             got[algorithm] = outs
         stream.synchronize()
         for name in got[LARGE]:
@@ -103,14 +135,20 @@ def worker(rank, world, chan, *, cases, max_tokens, hidden_max, loop_calls, seed
             nan_outputs += int(torch.isnan(got[LARGE][name].float()).sum())
         if pattern == 1:
             r_np, g_np = residual.float().numpy(), gamma.float().numpy()
-            s64, r64, y64, inv64 = oracle.fused_reference([t.float().numpy() for t in xs], r_np,
-                                                          g_np, rms_eps=1e-6, weight_bias=0.0)
+            s64, r64, y64, inv64 = oracle.fused_reference(
+                [t.float().numpy() for t in xs], r_np, g_np, rms_eps=1e-6, weight_bias=0.0
+            )
             res_out = got[LARGE]["residual_out"].float().cpu().numpy()
             norm_out = got[LARGE]["norm_out"].float().cpu().numpy()
-            worst["residual"] = max(worst["residual"], oracle.residual_error_ulps(
-                res_out, s64, r64, r_np, dtype))
-            worst["norm"] = max(worst["norm"], oracle.norm_error_ulps(
-                norm_out, s64, y64, inv64, r_np, g_np, weight_bias=0.0, dtype_name=dtype))
+            worst["residual"] = max(
+                worst["residual"], oracle.residual_error_ulps(res_out, s64, r64, r_np, dtype)
+            )
+            worst["norm"] = max(
+                worst["norm"],
+                oracle.norm_error_ulps(
+                    norm_out, s64, y64, inv64, r_np, g_np, weight_bias=0.0, dtype_name=dtype
+                ),
+            )
             worst["cases"] += 1
 
     # CUDA graph: capture one large-message call, replay it on fresh inputs copied into the
@@ -126,8 +164,22 @@ def worker(rank, world, chan, *, cases, max_tokens, hidden_max, loop_calls, seed
     side = torch.cuda.Stream(device)
     side.wait_stream(stream)
     with torch.cuda.graph(graph, stream=side):
-        _launch(ws, native, 1, dtype, m, hidden, x, res, gam, scale, graph_outs, LARGE, True,
-                side.cuda_stream)
+        _launch(
+            ws,
+            native,
+            1,
+            dtype,
+            m,
+            hidden,
+            x,
+            res,
+            gam,
+            scale,
+            graph_outs,
+            LARGE,
+            True,
+            side.cuda_stream,
+        )
     stream.wait_stream(side)
     graph_diffs = 0
     for replay in range(3):
@@ -139,8 +191,10 @@ def worker(rank, world, chan, *, cases, max_tokens, hidden_max, loop_calls, seed
         eager = _outputs(torch, 1, m, hidden, torch.bfloat16, device)
         _launch(ws, native, 1, dtype, m, hidden, x, res, gam, scale, eager, TWOSHOT, True, s)
         stream.synchronize()
-        graph_diffs += sum(int((graph_outs[k].view(torch.uint8) != eager[k].view(torch.uint8))
-                               .sum()) for k in eager)
+        graph_diffs += sum(
+            int((graph_outs[k].view(torch.uint8) != eager[k].view(torch.uint8)).sum())
+            for k in eager
+        )
 
     # Many launches without a host sync, the algorithms interleaved: each one's buffers and
     # flags must survive the others'. The last result is checked against the two-shot kernel.
@@ -152,14 +206,36 @@ def worker(rank, world, chan, *, cases, max_tokens, hidden_max, loop_calls, seed
     loop_outs = _outputs(torch, 1, m, hidden, torch.bfloat16, device)
     order = (LARGE, ONESHOT, LARGE, TWOSHOT, LARGE)
     for k in range(loop_calls):
-        _launch(ws, native, 1, "bfloat16", m, hidden, x, res, gam, scale, loop_outs,
-                order[k % len(order)], True, s)
+        _launch(
+            ws,
+            native,
+            1,
+            "bfloat16",
+            m,
+            hidden,
+            x,
+            res,
+            gam,
+            scale,
+            loop_outs,
+            order[k % len(order)],
+            True,
+            s,
+        )
     last = _outputs(torch, 1, m, hidden, torch.bfloat16, device)
     _launch(ws, native, 1, "bfloat16", m, hidden, x, res, gam, scale, last, TWOSHOT, True, s)
     stream.synchronize()
-    loop_diffs = sum(int((loop_outs[k].view(torch.uint8) != last[k].view(torch.uint8)).sum())
-                     for k in last)
+    loop_diffs = sum(
+        int((loop_outs[k].view(torch.uint8) != last[k].view(torch.uint8)).sum()) for k in last
+    )
     ws.destroy() if hasattr(ws, "destroy") else None
-    return {"device": device, "digest": digest.hexdigest(), "mismatches": mismatches,
-            "nan_outputs": nan_outputs, "worst": worst, "graph_diffs": graph_diffs,
-            "loop_diffs": loop_diffs, "cases": len(cases)}
+    return {
+        "device": device,
+        "digest": digest.hexdigest(),
+        "mismatches": mismatches,
+        "nan_outputs": nan_outputs,
+        "worst": worst,
+        "graph_diffs": graph_diffs,
+        "loop_diffs": loop_diffs,
+        "cases": len(cases),
+    }

@@ -25,6 +25,7 @@ after it); MOE_GPU_BENCH_TOKENS narrows the benches; MOE_GPU_BENCH_ON_SHARED_GPU
 fused and anchor loops on a shared GPU (to see that they finish); MOE_GPU_CASES_ONLY=1
 skips the CUDA-graph check and the bench of stage 1.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,11 @@ from pathlib import Path
 
 import numpy as np
 
-for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-               ("NVSHMEM_DISABLE_NVLS", "1")):
+for _k, _v in (
+    ("NCCL_NVLS_ENABLE", "0"),
+    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+    ("NVSHMEM_DISABLE_NVLS", "1"),
+):
     os.environ.setdefault(_k, _v)
 
 EPS = 1e-6
@@ -64,8 +68,9 @@ CASES = [
     (6, "bfloat16", 1, 7168, 1, 1, None, None, None),
 ]
 # MOE_GPU_BENCH_TOKENS=1024 (comma-separated) narrows the bench, e.g. to look at one size.
-BENCH_TOKENS = tuple(int(t) for t in
-                     os.environ.get("MOE_GPU_BENCH_TOKENS", "1,16,128,1024").split(","))
+BENCH_TOKENS = tuple(
+    int(t) for t in os.environ.get("MOE_GPU_BENCH_TOKENS", "1,16,128,1024").split(",")
+)
 # The cases JAX repeats (every compile costs seconds): both patterns, both dtypes, routed
 # scaling, one call above the one-shot threshold of 128 tokens.
 JAX_CASES = [CASES[1], CASES[3], CASES[4], CASES[5], CASES[7], CASES[8]]
@@ -73,20 +78,38 @@ JAX_CASES = [CASES[1], CASES[3], CASES[4], CASES[5], CASES[7], CASES[8]]
 
 def case_name(c):
     return "p{}-{}-t{}-h{}-k{}-e{}{}{}{}".format(
-        c[0], c[1], c[2], c[3], c[4], c[5], "-scale" if c[6] else "",
-        "-shared" if c[7] else "", f"-routed{c[8]}" if c[8] not in (None, 1.0) else "")
+        c[0],
+        c[1],
+        c[2],
+        c[3],
+        c[4],
+        c[5],
+        "-scale" if c[6] else "",
+        "-shared" if c[7] else "",
+        f"-routed{c[8]}" if c[8] not in (None, 1.0) else "",
+    )
 
 
 def case_inputs(c):
     """Every rank's numpy inputs of case ``c`` (the same in every process)."""
     import tests.oracles.moe_oracle as mo
+
     pattern, dtype, tokens, hidden, k, experts = c[:6]
     rng = np.random.default_rng([pattern, tokens, hidden, k, experts])
     if pattern == 7:
-        return mo.random_finalize_case(rng, tokens=tokens, top_k=k, experts=experts, world=WORLD,
-                                       dtype_name=dtype, hidden=hidden, pad=2)
-    return mo.random_reduction_case(rng, tokens=tokens, experts=experts, world=WORLD,
-                                    dtype_name=dtype, hidden=hidden)
+        return mo.random_finalize_case(
+            rng,
+            tokens=tokens,
+            top_k=k,
+            experts=experts,
+            world=WORLD,
+            dtype_name=dtype,
+            hidden=hidden,
+            pad=2,
+        )
+    return mo.random_reduction_case(
+        rng, tokens=tokens, experts=experts, world=WORLD, dtype_name=dtype, hidden=hidden
+    )
 
 
 JAX_CASE_NAMES = {case_name(c) for c in JAX_CASES}
@@ -95,21 +118,42 @@ JAX_CASE_NAMES = {case_name(c) for c in JAX_CASES}
 def oracle_errors(c, inputs, outs):
     """(residual_out, norm_out[, allreduce_out]) errors as fractions of their bounds."""
     import tests.oracles.moe_oracle as mo
+
     pattern, dtype = c[0], c[1]
     if pattern == 7:
-        exact = [mo.finalize_local64(inputs["permuted"][r], inputs["idx"][r],
-                                     inputs["scale"] if c[6] else None,
-                                     inputs["shared"][r] if c[7] else None, c[8])
-                 for r in range(WORLD)]
+        exact = [
+            mo.finalize_local64(
+                inputs["permuted"][r],
+                inputs["idx"][r],
+                inputs["scale"] if c[6] else None,
+                inputs["shared"][r] if c[7] else None,
+                c[8],
+            )
+            for r in range(WORLD)
+        ]
     else:
-        exact = [mo.reduction_local64(inputs["expert_outputs"][r], inputs["expert_scales"][r],
-                                      inputs["token_input"][r]) for r in range(WORLD)]
-    s64, r64, y64, inv = mo.epilogue64([e[0] for e in exact], inputs["residual"],
-                                       inputs["gamma"], rms_eps=EPS, weight_bias=0.0)
+        exact = [
+            mo.reduction_local64(
+                inputs["expert_outputs"][r], inputs["expert_scales"][r], inputs["token_input"][r]
+            )
+            for r in range(WORLD)
+        ]
+    s64, r64, y64, inv = mo.epilogue64(
+        [e[0] for e in exact], inputs["residual"], inputs["gamma"], rms_eps=EPS, weight_bias=0.0
+    )
     magnitude = sum(e[1] for e in exact) + np.abs(np.asarray(inputs["residual"], np.float64))
-    return mo.errors(outs, s64=s64, r64=r64, y64=y64, inv64=inv, magnitude=magnitude,
-                     roundings=WORLD * (2 * exact[0][2] + 1) + WORLD, gamma=inputs["gamma"],
-                     weight_bias=0.0, dtype_name=dtype)
+    return mo.errors(
+        outs,
+        s64=s64,
+        r64=r64,
+        y64=y64,
+        inv64=inv,
+        magnitude=magnitude,
+        roundings=WORLD * (2 * exact[0][2] + 1) + WORLD,
+        gamma=inputs["gamma"],
+        weight_bias=0.0,
+        dtype_name=dtype,
+    )
 
 
 def _bits(a):
@@ -120,35 +164,48 @@ def _ranks_share_a_gpu():
     """True with fewer GPUs than ranks: correctness still runs (the kernels time-slice the GPU),
     the benches do not (their figures would mean nothing, and NCCL refuses shared GPUs)."""
     from jax_fusedar.common import native
+
     return native.gpu_count() < WORLD
 
 
 # --- stage 1: torch ---------------------------------------------------------------------------
+
 
 def _torch_rank(rank, world, channel, *, port, anchor_path, out_dir):
     import torch
     import torch.distributed as dist
 
     from tests.gpu.harness import device_for
+
     dev = torch.device("cuda", device_for(rank))
     torch.cuda.set_device(dev)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     # NCCL (the unfused baseline of the bench) needs one GPU per rank.
     nccl = None if _ranks_share_a_gpu() else dist.new_group(backend="nccl")
     import torch_compat as tc
     from torch_compat import library
+
     T = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-    ws = tc.create_allreduce_fusion_workspace("trtllm", world, rank, MAX_TOKENS, HIDDEN_WS,
-                                              torch.bfloat16, group=dist.group.WORLD)
+    ws = tc.create_allreduce_fusion_workspace(
+        "trtllm", world, rank, MAX_TOKENS, HIDDEN_WS, torch.bfloat16, group=dist.group.WORLD
+    )
     fi = fws = None
     anchor_error = None
     try:
         from tests.gpu import anchor
+
         fi = anchor.load(anchor_path)
-        fws = anchor.create_workspace(fi, world_size=world, rank=rank, max_token_num=MAX_TOKENS,
-                                      hidden_dim=HIDDEN_WS, dtype=torch.bfloat16,
-                                      group=dist.group.WORLD)
+        fws = anchor.create_workspace(
+            fi,
+            world_size=world,
+            rank=rank,
+            max_token_num=MAX_TOKENS,
+            hidden_dim=HIDDEN_WS,
+            dtype=torch.bfloat16,
+            group=dist.group.WORLD,
+        )
     except Exception as e:  # reported, and the anchor comparisons are marked missing
         anchor_error = f"{type(e).__name__}: {e}"
 
@@ -163,36 +220,64 @@ def _torch_rank(rank, world, channel, *, port, anchor_path, out_dir):
         norm = torch.full_like(res_in, float("nan"))
         res_out = torch.full_like(res_in, float("nan"))
         if c[0] == 7:
-            args = dict(input=to_t(inputs["permuted"][rank], dtype),
-                        expanded_idx_to_permuted_idx=torch.from_numpy(inputs["idx"][rank]).to(dev),
-                        expert_scale_factor=to_t(inputs["scale"], dtype) if c[6] else None,
-                        shared_expert_output=to_t(inputs["shared"][rank], dtype) if c[7] else None)
+            args = dict(
+                input=to_t(inputs["permuted"][rank], dtype),
+                expanded_idx_to_permuted_idx=torch.from_numpy(inputs["idx"][rank]).to(dev),
+                expert_scale_factor=to_t(inputs["scale"], dtype) if c[6] else None,
+                shared_expert_output=to_t(inputs["shared"][rank], dtype) if c[7] else None,
+            )
             if impl == "ours":
-                tc.allreduce_fusion(workspace=ws, pattern=7, residual_in=res_in, rms_gamma=gamma,
-                                    residual_out=res_out, norm_out=norm, rms_eps=EPS,
-                                    launch_with_pdl=True, routed_scaling_factor=c[8], **args)
+                tc.allreduce_fusion(
+                    workspace=ws,
+                    pattern=7,
+                    residual_in=res_in,
+                    rms_gamma=gamma,
+                    residual_out=res_out,
+                    norm_out=norm,
+                    rms_eps=EPS,
+                    launch_with_pdl=True,
+                    routed_scaling_factor=c[8],
+                    **args,
+                )
             else:
                 fi.trtllm_moe_finalize_allreduce_fusion(
-                    allreduce_in=args["input"], residual_in=res_in, norm_weight=gamma,
+                    allreduce_in=args["input"],
+                    residual_in=res_in,
+                    norm_weight=gamma,
                     expanded_idx_to_permuted_idx=args["expanded_idx_to_permuted_idx"],
-                    norm_out=norm, residual_out=res_out, quant_out=None, scale_out=None,
-                    workspace_ptrs=fws.workspace_tensor, launch_with_pdl=True,
-                    world_rank=rank, world_size=world, eps=EPS,
+                    norm_out=norm,
+                    residual_out=res_out,
+                    quant_out=None,
+                    scale_out=None,
+                    workspace_ptrs=fws.workspace_tensor,
+                    launch_with_pdl=True,
+                    world_rank=rank,
+                    world_size=world,
+                    eps=EPS,
                     shared_expert_output=args["shared_expert_output"],
                     expert_scale_factor=args["expert_scale_factor"],
-                    routed_scaling_factor=None if c[8] == 1.0 else c[8], weight_bias=0.0)
+                    routed_scaling_factor=None if c[8] == 1.0 else c[8],
+                    weight_bias=0.0,
+                )
             outs = [res_out, norm]
         else:
             e = c[5]
             ar = torch.full_like(res_in, float("nan"))
-            kw = dict(moe_reduction_device_num_experts=e,
-                      moe_reduction_scale_input=torch.from_numpy(
-                          inputs["expert_scales"][rank]).to(dev),
-                      moe_reduction_active_experts_token_input=to_t(
-                          inputs["expert_outputs"][rank], dtype).reshape(e * c[2], c[3]),
-                      moe_reduction_token_input=to_t(inputs["token_input"][rank], dtype),
-                      residual_in=res_in, rms_gamma=gamma, residual_out=res_out, norm_out=norm,
-                      output=ar, rms_eps=EPS, launch_with_pdl=True)
+            kw = dict(
+                moe_reduction_device_num_experts=e,
+                moe_reduction_scale_input=torch.from_numpy(inputs["expert_scales"][rank]).to(dev),
+                moe_reduction_active_experts_token_input=to_t(
+                    inputs["expert_outputs"][rank], dtype
+                ).reshape(e * c[2], c[3]),
+                moe_reduction_token_input=to_t(inputs["token_input"][rank], dtype),
+                residual_in=res_in,
+                rms_gamma=gamma,
+                residual_out=res_out,
+                norm_out=norm,
+                output=ar,
+                rms_eps=EPS,
+                launch_with_pdl=True,
+            )
             mod = tc if impl == "ours" else fi
             wsx = ws if impl == "ours" else fws
             mod.allreduce_fusion(res_in, wsx, 6, **kw)
@@ -219,15 +304,18 @@ def _torch_rank(rank, world, channel, *, port, anchor_path, out_dir):
         if fi is not None:
             theirs = run_case(c, inputs, "anchor")
             entry["bytes_differing_vs_anchor"] = [
-                int((_bits(a) != _bits(b)).sum()) * 2 for a, b in zip(ours, theirs)]
+                int((_bits(a) != _bits(b)).sum()) * 2 for a, b in zip(ours, theirs)
+            ]
         # Every rank holds the same (all-reduced) rows.
         peers = channel.all_gather(f"bits/{name}", [o.tobytes() for o in ours])
         entry["ranks_identical"] = all(p == peers[0] for p in peers)
         report["cases"][name] = entry
         say(name, entry)
     if rank == 0:
-        np.savez(Path(out_dir) / "moe_torch_outputs.npz",
-                 **{k: v for k, v in saved.items() if k.split("/")[0] in JAX_CASE_NAMES})
+        np.savez(
+            Path(out_dir) / "moe_torch_outputs.npz",
+            **{k: v for k, v in saved.items() if k.split("/")[0] in JAX_CASE_NAMES},
+        )
 
     if os.environ.get("MOE_GPU_CASES_ONLY") == "1":  # a short run: correctness only
         ws.destroy()
@@ -238,16 +326,29 @@ def _torch_rank(rank, world, channel, *, port, anchor_path, out_dir):
     c = (7, "bfloat16", 16, 7168, 8, 256, True, True, 1.0)
     inputs = case_inputs(c)
     handle = library.register_workspace(ws)
-    static = dict(p=to_t(inputs["permuted"][rank], "bfloat16"),
-                  idx=torch.from_numpy(inputs["idx"][rank]).to(dev),
-                  res=to_t(inputs["residual"], "bfloat16"), g=to_t(inputs["gamma"], "bfloat16"),
-                  s=to_t(inputs["scale"], "bfloat16"),
-                  sh=to_t(inputs["shared"][rank], "bfloat16"))
+    static = dict(
+        p=to_t(inputs["permuted"][rank], "bfloat16"),
+        idx=torch.from_numpy(inputs["idx"][rank]).to(dev),
+        res=to_t(inputs["residual"], "bfloat16"),
+        g=to_t(inputs["gamma"], "bfloat16"),
+        s=to_t(inputs["scale"], "bfloat16"),
+        sh=to_t(inputs["shared"][rank], "bfloat16"),
+    )
     op = torch.ops.torch_compat.moe_finalize_allreduce_residual_rmsnorm
 
     def call():
-        return op(static["p"], static["idx"], static["res"], static["g"], static["s"],
-                  static["sh"], 1.0, EPS, 0.0, handle)
+        return op(
+            static["p"],
+            static["idx"],
+            static["res"],
+            static["g"],
+            static["s"],
+            static["sh"],
+            1.0,
+            EPS,
+            0.0,
+            handle,
+        )
 
     for _ in range(3):
         call()
@@ -272,14 +373,19 @@ def _torch_rank(rank, world, channel, *, port, anchor_path, out_dir):
     # its next call clears (docs/moe.md); this hung (or, with bounded waits, trapped).
     c = (7, "bfloat16", MAX_TOKENS, 7168, 8, 256, True, True, 1.0)
     inputs = case_inputs(c)
-    big = dict(p=to_t(inputs["permuted"][rank], "bfloat16"),
-               idx=torch.from_numpy(inputs["idx"][rank]).to(dev),
-               res=to_t(inputs["residual"], "bfloat16"), g=to_t(inputs["gamma"], "bfloat16"),
-               s=to_t(inputs["scale"], "bfloat16"), sh=to_t(inputs["shared"][rank], "bfloat16"))
+    big = dict(
+        p=to_t(inputs["permuted"][rank], "bfloat16"),
+        idx=torch.from_numpy(inputs["idx"][rank]).to(dev),
+        res=to_t(inputs["residual"], "bfloat16"),
+        g=to_t(inputs["gamma"], "bfloat16"),
+        s=to_t(inputs["scale"], "bfloat16"),
+        sh=to_t(inputs["shared"][rank], "bfloat16"),
+    )
 
     def big_call():
-        return op(big["p"], big["idx"], big["res"], big["g"], big["s"], big["sh"], 1.0, EPS, 0.0,
-                  handle)
+        return op(
+            big["p"], big["idx"], big["res"], big["g"], big["s"], big["sh"], 1.0, EPS, 0.0, handle
+        )
 
     say("back-to-back calls at", MAX_TOKENS, "tokens")
     t0 = time.perf_counter()
@@ -287,10 +393,13 @@ def _torch_rank(rank, world, channel, *, port, anchor_path, out_dir):
     torch.cuda.synchronize()
     first = outs[0][1].view(torch.int16)
     report["back_to_back"] = {
-        "calls": BACK_TO_BACK_CALLS, "tokens": MAX_TOKENS,
+        "calls": BACK_TO_BACK_CALLS,
+        "tokens": MAX_TOKENS,
         "seconds": round(time.perf_counter() - t0, 3),
         "calls_differing_from_the_first": sum(
-            int(not torch.equal(o[1].view(torch.int16), first)) for o in outs[1:])}
+            int(not torch.equal(o[1].view(torch.int16), first)) for o in outs[1:]
+        ),
+    }
     say("back-to-back:", report["back_to_back"])
     del outs
 
@@ -351,25 +460,45 @@ def _torch_rank(rank, world, channel, *, port, anchor_path, out_dir):
         ro, no = torch.empty_like(res), torch.empty_like(res)
 
         def fused():
-            tc.allreduce_fusion(p_, ws, 7, residual_in=res, rms_gamma=g_, residual_out=ro,
-                                norm_out=no, expanded_idx_to_permuted_idx=idx,
-                                expert_scale_factor=s_, shared_expert_output=sh, rms_eps=EPS,
-                                launch_with_pdl=True)
+            tc.allreduce_fusion(
+                p_,
+                ws,
+                7,
+                residual_in=res,
+                rms_gamma=g_,
+                residual_out=ro,
+                norm_out=no,
+                expanded_idx_to_permuted_idx=idx,
+                expert_scale_factor=s_,
+                shared_expert_output=sh,
+                rms_eps=EPS,
+                launch_with_pdl=True,
+            )
 
         def anchor_call():
-            fi.allreduce_fusion(p_, fws, 7, residual_in=res, rms_gamma=g_, residual_out=ro,
-                                norm_out=no, expanded_idx_to_permuted_idx=idx,
-                                expert_scale_factor=s_, shared_expert_output=sh, rms_eps=EPS,
-                                launch_with_pdl=True)
+            fi.allreduce_fusion(
+                p_,
+                fws,
+                7,
+                residual_in=res,
+                rms_gamma=g_,
+                residual_out=ro,
+                norm_out=no,
+                expanded_idx_to_permuted_idx=idx,
+                expert_scale_factor=s_,
+                shared_expert_output=sh,
+                rms_eps=EPS,
+                launch_with_pdl=True,
+            )
 
-        valid = (idx >= 0)
+        valid = idx >= 0
         w = (s_.float() * valid)[..., None]
         safe = idx.clamp(min=0).long()
 
         def unfused():
-            rows = p_[safe].float() * w                    # gather + weight
+            rows = p_[safe].float() * w  # gather + weight
             y = (rows.sum(1).bfloat16().float() + sh.float()).bfloat16()
-            dist.all_reduce(y, group=nccl)                  # NCCL
+            dist.all_reduce(y, group=nccl)  # NCCL
             r = (y.float() + res.float()).bfloat16()
             rf = r.float()
             n = rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + EPS) * g_.float()
@@ -395,7 +524,8 @@ def _torch_rank(rank, world, channel, *, port, anchor_path, out_dir):
         elif fi is not None:
             row["anchor_flashinfer_graph_us"] = (
                 "not timed: FlashInfer's finalize kernel has the back-to-back race that hung "
-                "our build here before its fix (docs/moe.md)")
+                "our build here before its fix (docs/moe.md)"
+            )
         bench[tokens] = row
         say("bench", tokens, row)
     report["bench_us_per_call"] = bench
@@ -408,40 +538,61 @@ def _torch_rank(rank, world, channel, *, port, anchor_path, out_dir):
 def stage_torch(out_dir, anchor_path):
     from tests.gpu.harness import run_ranks
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     if anchor_path:
         from tests.gpu import anchor
+
         anchor.prepare_parent(anchor.path(anchor_path))
     # The harness kills the ranks itself on timeout (a shell timeout would orphan them, still
     # spinning on the GPUs).
-    reports = run_ranks(_torch_rank, WORLD, timeout_s=float(os.environ.get(
-        "MOE_GPU_TORCH_TIMEOUT_S", "240")), port=port, anchor_path=anchor_path,
-        out_dir=str(out_dir))
+    reports = run_ranks(
+        _torch_rank,
+        WORLD,
+        timeout_s=float(os.environ.get("MOE_GPU_TORCH_TIMEOUT_S", "240")),
+        port=port,
+        anchor_path=anchor_path,
+        out_dir=str(out_dir),
+    )
     return reports
 
 
 # --- stage 2: JAX -----------------------------------------------------------------------------
 
+
 def _jax_rank(rank, world, channel, *, port, out_dir):
     """One `jax.distributed` process per rank (one GPU each, or all sharing one GPU: the
     kernels time-slice it and the protocol still completes), as the JAX users' TP runs."""
     from tests.gpu.workers.jax_multiprocess import _global, _setup
+
     jax = _setup(rank, world, port, "")
     import jax.numpy as jnp
     from jax.sharding import Mesh, PartitionSpec as P
 
     import jax_fusedar as jf
-    mesh = Mesh(np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id))),
-                ("tp",))  # TP rank = process index: this process holds row `rank` below
-    workspaces = {d: jf.create_allreduce_fusion_workspace(
-        mesh, "tp", max_token_num=MAX_TOKENS, hidden_dim=HIDDEN_WS, dtype=jnp.dtype(d),
-        backend="trtllm") for d in ("bfloat16", "float16")}
+
+    mesh = Mesh(
+        np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id))), ("tp",)
+    )  # TP rank = process index: this process holds row `rank` below
+    workspaces = {
+        d: jf.create_allreduce_fusion_workspace(
+            mesh,
+            "tp",
+            max_token_num=MAX_TOKENS,
+            hidden_dim=HIDDEN_WS,
+            dtype=jnp.dtype(d),
+            backend="trtllm",
+        )
+        for d in ("bfloat16", "float16")
+    }
     torch_out = np.load(Path(out_dir) / "moe_torch_outputs.npz")
+
     # P("tp") inputs are stacked [world, ...]: this process holds row `rank`.
     def put(a, spec):
-        return _global(jax, mesh, spec, a[rank:rank + 1] if spec == P("tp") else a)
+        return _global(jax, mesh, spec, a[rank : rank + 1] if spec == P("tp") else a)
+
     mine = lambda o: np.asarray(o.addressable_data(0))  # noqa: E731
     report = {"rank": rank, "devices": [str(d) for d in jax.devices()], "cases": {}}
 
@@ -452,19 +603,35 @@ def _jax_rank(rank, world, channel, *, port, out_dir):
     def finalize_fn(ws, c):
         def body(p, i, sh, res, g, s):
             out = jf.moe_finalize_allreduce_fusion(
-                p[0], i[0], axis_name="tp", workspace=ws, residual=res, rms_gamma=g,
+                p[0],
+                i[0],
+                axis_name="tp",
+                workspace=ws,
+                residual=res,
+                rms_gamma=g,
                 expert_scale_factor=s if c[6] else None,
-                shared_expert_output=sh[0] if c[7] else None, routed_scaling_factor=c[8],
-                rms_eps=EPS, strict=True)
+                shared_expert_output=sh[0] if c[7] else None,
+                routed_scaling_factor=c[8],
+                rms_eps=EPS,
+                strict=True,
+            )
             return out.residual_out, out.norm_out
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"),) * 3 + (P(),) * 3,
-                                     out_specs=(P(), P())))
+
+        return jax.jit(
+            jax.shard_map(
+                body, mesh=mesh, in_specs=(P("tp"),) * 3 + (P(),) * 3, out_specs=(P(), P())
+            )
+        )
 
     def stacked_finalize(inputs):
         rows = max(p.shape[0] for p in inputs["permuted"])
         h = inputs["residual"].shape[1]
-        perm = np.stack([np.concatenate([p, np.zeros((rows - p.shape[0], h), p.dtype)])
-                         for p in inputs["permuted"]])
+        perm = np.stack(
+            [
+                np.concatenate([p, np.zeros((rows - p.shape[0], h), p.dtype)])
+                for p in inputs["permuted"]
+            ]
+        )
         return perm, np.stack(inputs["idx"]), np.stack(inputs["shared"])
 
     for c in JAX_CASES:
@@ -474,19 +641,40 @@ def _jax_rank(rank, world, channel, *, port, out_dir):
         if c[0] == 7:
             perm, idx, shared = stacked_finalize(inputs)
             f = finalize_fn(ws, c)
-            args = [put(perm, P("tp")), put(idx, P("tp")), put(shared, P("tp")),
-                    put(inputs["residual"], P()), put(inputs["gamma"], P()),
-                    put(inputs["scale"], P())]
+            args = [
+                put(perm, P("tp")),
+                put(idx, P("tp")),
+                put(shared, P("tp")),
+                put(inputs["residual"], P()),
+                put(inputs["gamma"], P()),
+                put(inputs["scale"], P()),
+            ]
         else:
+
             def body(x, s, t, res, g):
                 out = jf.moe_reduction_allreduce_fusion(
-                    x[0], s[0], t[0], axis_name="tp", workspace=ws, residual=res, rms_gamma=g,
-                    rms_eps=EPS, return_allreduce_out=True, strict=True)
+                    x[0],
+                    s[0],
+                    t[0],
+                    axis_name="tp",
+                    workspace=ws,
+                    residual=res,
+                    rms_gamma=g,
+                    rms_eps=EPS,
+                    return_allreduce_out=True,
+                    strict=True,
+                )
                 return out.residual_out, out.norm_out, out.allreduce_out
-            f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"),) * 3 + (P(),) * 2,
-                                      out_specs=(P(), P(), P())))
-            args = [put(np.stack(inputs[k]), P("tp")) for k in
-                    ("expert_outputs", "expert_scales", "token_input")]
+
+            f = jax.jit(
+                jax.shard_map(
+                    body, mesh=mesh, in_specs=(P("tp"),) * 3 + (P(),) * 2, out_specs=(P(), P(), P())
+                )
+            )
+            args = [
+                put(np.stack(inputs[k]), P("tp"))
+                for k in ("expert_outputs", "expert_scales", "token_input")
+            ]
             args += [put(inputs["residual"], P()), put(inputs["gamma"], P())]
         lowered = f.lower(*args)
         text = lowered.as_text()
@@ -494,14 +682,17 @@ def _jax_rank(rank, world, channel, *, port, out_dir):
         ref = [torch_out[f"{name}/{i}"] for i in range(len(outs))]
         report["cases"][name] = {
             "custom_call_in_hlo": "jax_fusedar_moe_allreduce_fusion_v1" in text,
-            "elements_differing_vs_torch": [int((_bits(a) != _bits(b)).sum())
-                                            for a, b in zip(outs, ref)],
-            "oracle_error_fraction_of_bound": oracle_errors(c, inputs, outs)}
+            "elements_differing_vs_torch": [
+                int((_bits(a) != _bits(b)).sum()) for a, b in zip(outs, ref)
+            ],
+            "oracle_error_fraction_of_bound": oracle_errors(c, inputs, outs),
+        }
         say(name, report["cases"][name])
 
     if _ranks_share_a_gpu():
         report["bench_us_per_call_wall_clock_chain20"] = (
-            "not run: ranks share a GPU (time-sliced kernels; XLA's psum needs one GPU per rank)")
+            "not run: ranks share a GPU (time-sliced kernels; XLA's psum needs one GPU per rank)"
+        )
         return report
     # Bench: chains of dependent calls in one jit (the residual stream threads through).
     chain = 20
@@ -515,9 +706,19 @@ def _jax_rank(rank, world, channel, *, port, out_dir):
         def fused_chain(p, i, sh, res, g, s):
             def step(_, r):
                 out = jf.moe_finalize_allreduce_fusion(
-                    p[0], i[0], axis_name="tp", workspace=ws, residual=r, rms_gamma=g,
-                    expert_scale_factor=s, shared_expert_output=sh[0], rms_eps=EPS, strict=True)
+                    p[0],
+                    i[0],
+                    axis_name="tp",
+                    workspace=ws,
+                    residual=r,
+                    rms_gamma=g,
+                    expert_scale_factor=s,
+                    shared_expert_output=sh[0],
+                    rms_eps=EPS,
+                    strict=True,
+                )
                 return out.norm_out
+
             return jax.lax.fori_loop(0, chain, step, res)
 
         def unfused_chain(p, i, sh, res, g, s):
@@ -526,23 +727,35 @@ def _jax_rank(rank, world, channel, *, port, out_dir):
                 valid = ii >= 0
                 rows = jnp.take(p[0], jnp.where(valid, ii, 0), axis=0).astype(jnp.float32)
                 w = jnp.where(valid, s.astype(jnp.float32), 0.0)[..., None]
-                y = ((rows * w).sum(1).astype(jnp.bfloat16).astype(jnp.float32)
-                     + sh[0].astype(jnp.float32)).astype(jnp.bfloat16)
+                y = (
+                    (rows * w).sum(1).astype(jnp.bfloat16).astype(jnp.float32)
+                    + sh[0].astype(jnp.float32)
+                ).astype(jnp.bfloat16)
                 y = jax.lax.psum(y, "tp")
                 rr = (y.astype(jnp.float32) + r.astype(jnp.float32)).astype(jnp.bfloat16)
                 rf = rr.astype(jnp.float32)
-                n = rf * jax.lax.rsqrt(jnp.mean(rf * rf, -1, keepdims=True) + EPS) * g.astype(
-                    jnp.float32)
+                n = (
+                    rf
+                    * jax.lax.rsqrt(jnp.mean(rf * rf, -1, keepdims=True) + EPS)
+                    * g.astype(jnp.float32)
+                )
                 return n.astype(jnp.bfloat16)
+
             return jax.lax.fori_loop(0, chain, step, res)
 
-        args = [put(perm, P("tp")), put(idx, P("tp")), put(shared, P("tp")),
-                put(inputs["residual"], P()), put(inputs["gamma"], P()),
-                put(inputs["scale"], P())]
+        args = [
+            put(perm, P("tp")),
+            put(idx, P("tp")),
+            put(shared, P("tp")),
+            put(inputs["residual"], P()),
+            put(inputs["gamma"], P()),
+            put(inputs["scale"], P()),
+        ]
         row = {}
         for label, fn in (("fused_jax_us", fused_chain), ("unfused_xla_us", unfused_chain)):
-            f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P("tp"),) * 3 + (P(),) * 3,
-                                      out_specs=P()))
+            f = jax.jit(
+                jax.shard_map(fn, mesh=mesh, in_specs=(P("tp"),) * 3 + (P(),) * 3, out_specs=P())
+            )
             f(*args).block_until_ready()
             times = []
             for _ in range(7):
@@ -559,35 +772,65 @@ def _jax_rank(rank, world, channel, *, port, out_dir):
 
 def stage_jax(out_dir):
     from tests.gpu.harness import free_port, run_ranks
-    return run_ranks(_jax_rank, WORLD, timeout_s=float(os.environ.get(
-        "MOE_GPU_JAX_TIMEOUT_S", "300")), port=free_port(), out_dir=str(out_dir))
+
+    return run_ranks(
+        _jax_rank,
+        WORLD,
+        timeout_s=float(os.environ.get("MOE_GPU_JAX_TIMEOUT_S", "300")),
+        port=free_port(),
+        out_dir=str(out_dir),
+    )
 
 
 # --- stage 3: the anchor at hidden 2880 ----------------------------------------------------
+
 
 def _anchor_2880_rank(rank, world, channel, *, port, anchor_path):
     import torch
     import torch.distributed as dist
     from tests.gpu.harness import device_for
+
     dev = torch.device("cuda", device_for(rank))
     torch.cuda.set_device(dev)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     from tests.gpu import anchor
+
     fi = anchor.load(anchor_path)
-    fws = anchor.create_workspace(fi, world_size=world, rank=rank, max_token_num=64,
-                                  hidden_dim=2880, dtype=torch.bfloat16, group=dist.group.WORLD)
+    fws = anchor.create_workspace(
+        fi,
+        world_size=world,
+        rank=rank,
+        max_token_num=64,
+        hidden_dim=2880,
+        dtype=torch.bfloat16,
+        group=dist.group.WORLD,
+    )
     c = (7, "bfloat16", 16, 2880, 4, 32, True, True, 1.0)
     inputs = case_inputs(c)
-    t = lambda a: torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).to(dev).view(  # noqa
-        torch.bfloat16)
+    t = lambda a: (
+        torch.from_numpy(np.ascontiguousarray(a).view(np.int16))
+        .to(dev)
+        .view(  # noqa
+            torch.bfloat16
+        )
+    )
     res = t(inputs["residual"])
     norm, ro = torch.full_like(res, float("nan")), torch.full_like(res, float("nan"))
-    fi.allreduce_fusion(t(inputs["permuted"][rank]), fws, 7, residual_in=res,
-                        rms_gamma=t(inputs["gamma"]), residual_out=ro, norm_out=norm,
-                        expanded_idx_to_permuted_idx=torch.from_numpy(inputs["idx"][rank]).to(dev),
-                        expert_scale_factor=t(inputs["scale"]),
-                        shared_expert_output=t(inputs["shared"][rank]), rms_eps=EPS)
+    fi.allreduce_fusion(
+        t(inputs["permuted"][rank]),
+        fws,
+        7,
+        residual_in=res,
+        rms_gamma=t(inputs["gamma"]),
+        residual_out=ro,
+        norm_out=norm,
+        expanded_idx_to_permuted_idx=torch.from_numpy(inputs["idx"][rank]).to(dev),
+        expert_scale_factor=t(inputs["scale"]),
+        shared_expert_output=t(inputs["shared"][rank]),
+        rms_eps=EPS,
+    )
     torch.cuda.synchronize()
     outs = [o.cpu().view(torch.int16).numpy().view(inputs["residual"].dtype) for o in (ro, norm)]
     errs = oracle_errors(c, inputs, outs) if rank == 0 else None
@@ -599,6 +842,7 @@ def stage_anchor_2880(anchor_path):
     from tests.gpu.harness import run_ranks
     from tests.gpu import anchor
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -631,6 +875,7 @@ def main(argv=None):
                 raise ValueError(f"unknown stage {stage}")
         except Exception as e:
             import traceback
+
             result = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
         result = {"stage": stage, "seconds": round(time.time() - t0, 1), "result": result}
         (out / f"moe_{stage}.json").write_text(json.dumps(result, indent=1, default=str))

@@ -18,6 +18,7 @@ first (``chan.note``), and rank 1 waits for its verdict AFTER_FAILURE_WAIT_S at 
 Run one case by hand:  python -m tests.gpu.workers.moe_timeout never_finalize
 The last stdout line is "RESULT <json>".
 """
+
 from __future__ import annotations
 
 import json
@@ -48,13 +49,23 @@ def _inputs(c, seed):
     """Fresh random inputs of case ``c`` for every rank (the same in every process)."""
     import tests.oracles.moe_oracle as mo
     from tests.gpu.workers.moe_gpu import WORLD
+
     pattern, dtype, tokens, hidden, k, experts = c[:6]
     rng = np.random.default_rng(seed)
     if pattern == 7:
-        return mo.random_finalize_case(rng, tokens=tokens, top_k=k, experts=experts,
-                                       world=WORLD, dtype_name=dtype, hidden=hidden, pad=2)
-    return mo.random_reduction_case(rng, tokens=tokens, experts=experts, world=WORLD,
-                                    dtype_name=dtype, hidden=hidden)
+        return mo.random_finalize_case(
+            rng,
+            tokens=tokens,
+            top_k=k,
+            experts=experts,
+            world=WORLD,
+            dtype_name=dtype,
+            hidden=hidden,
+            pad=2,
+        )
+    return mo.random_reduction_case(
+        rng, tokens=tokens, experts=experts, world=WORLD, dtype_name=dtype, hidden=hidden
+    )
 
 
 class _Call:
@@ -63,11 +74,15 @@ class _Call:
 
     def __init__(self, c, inputs, rank, dev, torch):
         from tests.gpu.workers.moe_gpu import EPS
+
         self.c, self.inputs, self.torch, self.eps = c, inputs, torch, EPS
 
         def to_t(a):
-            return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).to(dev).view(
-                torch.bfloat16)
+            return (
+                torch.from_numpy(np.ascontiguousarray(a).view(np.int16))
+                .to(dev)
+                .view(torch.bfloat16)
+            )
 
         self.res_in, self.gamma = to_t(inputs["residual"]), to_t(inputs["gamma"])
         self.norm = torch.full_like(self.res_in, float("nan"))
@@ -86,50 +101,89 @@ class _Call:
 
     def torch_compat(self, ws):
         import torch_compat as tc
+
         if self.c[0] == 7:
             tc.allreduce_fusion(
-                workspace=ws, pattern=7, input=self.permuted,
-                expanded_idx_to_permuted_idx=self.idx, expert_scale_factor=self.scale,
-                shared_expert_output=self.shared, residual_in=self.res_in,
-                rms_gamma=self.gamma, residual_out=self.res_out, norm_out=self.norm,
-                rms_eps=self.eps, launch_with_pdl=True)
+                workspace=ws,
+                pattern=7,
+                input=self.permuted,
+                expanded_idx_to_permuted_idx=self.idx,
+                expert_scale_factor=self.scale,
+                shared_expert_output=self.shared,
+                residual_in=self.res_in,
+                rms_gamma=self.gamma,
+                residual_out=self.res_out,
+                norm_out=self.norm,
+                rms_eps=self.eps,
+                launch_with_pdl=True,
+            )
         else:
             tc.allreduce_fusion(
-                self.res_in, ws, 6, moe_reduction_device_num_experts=self.c[5],
+                self.res_in,
+                ws,
+                6,
+                moe_reduction_device_num_experts=self.c[5],
                 moe_reduction_scale_input=self.expert_scales,
                 moe_reduction_active_experts_token_input=self.expert_outputs,
-                moe_reduction_token_input=self.token_input, residual_in=self.res_in,
-                rms_gamma=self.gamma, residual_out=self.res_out, norm_out=self.norm,
-                output=self.ar, rms_eps=self.eps, launch_with_pdl=True)
+                moe_reduction_token_input=self.token_input,
+                residual_in=self.res_in,
+                rms_gamma=self.gamma,
+                residual_out=self.res_out,
+                norm_out=self.norm,
+                output=self.ar,
+                rms_eps=self.eps,
+                launch_with_pdl=True,
+            )
 
     def native(self, ws, stream):
         """The same launch through the native Rank (fusedar_moe_launch), no Python checks."""
         from jax_fusedar.common import native
-        common = dict(residual_in=self.res_in.data_ptr(), residual_out=self.res_out.data_ptr(),
-                      norm_out=self.norm.data_ptr(), rms_gamma=self.gamma.data_ptr(),
-                      rms_eps=self.eps, weight_bias=0.0, launch_with_pdl=True,
-                      stream=stream.cuda_stream)
+
+        common = dict(
+            residual_in=self.res_in.data_ptr(),
+            residual_out=self.res_out.data_ptr(),
+            norm_out=self.norm.data_ptr(),
+            rms_gamma=self.gamma.data_ptr(),
+            rms_eps=self.eps,
+            weight_bias=0.0,
+            launch_with_pdl=True,
+            stream=stream.cuda_stream,
+        )
         code = native.DTYPE_CODES["bfloat16"]
         t, h = self.c[2], self.c[3]
         if self.c[0] == 7:
             ws.native_rank().moe_launch(
-                7, code, t, h, permuted_input=self.permuted.data_ptr(),
+                7,
+                code,
+                t,
+                h,
+                permuted_input=self.permuted.data_ptr(),
                 num_permuted_rows=self.permuted.shape[0],
-                expanded_idx_to_permuted_idx=self.idx.data_ptr(), top_k=self.idx.shape[1],
+                expanded_idx_to_permuted_idx=self.idx.data_ptr(),
+                top_k=self.idx.shape[1],
                 expert_scale_factor=self.scale.data_ptr(),
-                shared_expert_output=self.shared.data_ptr(), routed_scaling_factor=1.0,
-                **common)
+                shared_expert_output=self.shared.data_ptr(),
+                routed_scaling_factor=1.0,
+                **common,
+            )
         else:
             ws.native_rank().moe_launch(
-                6, code, t, h, num_experts=self.c[5],
+                6,
+                code,
+                t,
+                h,
+                num_experts=self.c[5],
                 expert_scales=self.expert_scales.data_ptr(),
                 expert_outputs=self.expert_outputs.data_ptr(),
-                token_input=self.token_input.data_ptr(), allreduce_out=self.ar.data_ptr(),
-                **common)
+                token_input=self.token_input.data_ptr(),
+                allreduce_out=self.ar.data_ptr(),
+                **common,
+            )
 
     def oracle_errors(self):
         """Fractions of the float64 oracle's bounds (<= 1 passes; NaN: an unwritten output)."""
         from tests.gpu.workers.moe_gpu import oracle_errors
+
         dtype = self.inputs["residual"].dtype
         outs = [self.res_out, self.norm] + ([self.ar] if self.c[0] == 6 else [])
         arrays = [o.cpu().view(self.torch.int16).numpy().view(dtype) for o in outs]
@@ -146,15 +200,29 @@ def worker(rank, world, chan, *, case, seed, port):
 
     device = device_for(rank)
     torch.cuda.set_device(device)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     pattern = CASES[case]
     c = moe_case(pattern)
-    result = {"rank": rank, "device": device, "case": case, "pattern": pattern,
-              "gpu": torch.cuda.get_device_name(device)}
-    ws = tc.create_allreduce_fusion_workspace("trtllm", world, rank, MAX_TOKENS, HIDDEN,
-                                              torch.bfloat16, group=dist.group.WORLD,
-                                              check_calls=False, kernel_timeout_s=TIMEOUT_S)
+    result = {
+        "rank": rank,
+        "device": device,
+        "case": case,
+        "pattern": pattern,
+        "gpu": torch.cuda.get_device_name(device),
+    }
+    ws = tc.create_allreduce_fusion_workspace(
+        "trtllm",
+        world,
+        rank,
+        MAX_TOKENS,
+        HIDDEN,
+        torch.bfloat16,
+        group=dist.group.WORLD,
+        check_calls=False,
+        kernel_timeout_s=TIMEOUT_S,
+    )
     result["timeout_s"] = ws.timeout_s
     stream = torch.cuda.current_stream(device)
     good = []
@@ -182,8 +250,10 @@ def worker(rank, world, chan, *, case, seed, port):
         f["failure_record"] = ws.failure()
         # The next launch must be refused with the recorded text: by the core (the raw
         # entry, no Python check before it) and through torch_compat.
-        for name, launch in (("relaunch_error", lambda: call.native(ws, stream)),
-                             ("torch_compat_error", lambda: call.torch_compat(ws))):
+        for name, launch in (
+            ("relaunch_error", lambda: call.native(ws, stream)),
+            ("torch_compat_error", lambda: call.torch_compat(ws)),
+        ):
             try:
                 launch()
                 f[name] = None
@@ -208,15 +278,21 @@ def worker(rank, world, chan, *, case, seed, port):
 def main(argv):
     from tests.gpu.harness import free_port
     from tests.gpu.workers.native_timeout import run_ranks_allowing_death
+
     case = argv[1] if len(argv) > 1 else "never_finalize"
     if case not in CASES:
         raise SystemExit(f"unknown case {case!r}; one of {tuple(CASES)}")
     seed = int.from_bytes(os.urandom(4), "little")
     t0 = time.monotonic()
     try:
-        out = {"case": case, "seed": seed, "timeout_s": TIMEOUT_S,
-               "ranks": run_ranks_allowing_death(worker, 2, timeout_s=120, case=case,
-                                                 seed=seed, port=free_port())}
+        out = {
+            "case": case,
+            "seed": seed,
+            "timeout_s": TIMEOUT_S,
+            "ranks": run_ranks_allowing_death(
+                worker, 2, timeout_s=120, case=case, seed=seed, port=free_port()
+            ),
+        }
     except Exception as e:  # noqa: BLE001 - reported as JSON for the test to show
         out = {"case": case, "seed": seed, "error": str(e)[-6000:]}
     out["wall_s"] = time.monotonic() - t0

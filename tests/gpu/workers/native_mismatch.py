@@ -31,6 +31,7 @@ makes no call, every other one must time out naming it); the mismatches are for 
 Run one case by hand:  python -m tests.gpu.workers.native_mismatch tokens [world]
 The last stdout line is "RESULT <json>".
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -46,8 +47,15 @@ HIDDEN = 4096
 MAX_TOKENS = 64
 DTYPE = "bfloat16"
 # (pattern, tokens, one-shot) of the matching calls every case makes first
-MATCHING = [(1, 16, True), (1, 17, False), (0, 16, True), (1, 1, True), (1, 33, False),
-            (0, 40, False), (1, 64, True)]
+MATCHING = [
+    (1, 16, True),
+    (1, 17, False),
+    (0, 16, True),
+    (1, 1, True),
+    (1, 33, False),
+    (0, 40, False),
+    (1, 64, True),
+]
 MISMATCH_TIMEOUT_S = 20.0  # a mismatch must be reported long before this
 TIMEOUT_CASE_S = 3.0
 CASES = ("ok", "tokens", "pattern", "oneshot", "timeout")
@@ -68,9 +76,13 @@ def flush_c_stdio():
 def draw_inputs(seed, world, m, hidden, torch):
     """bf16 torch tensors (CPU): every rank's input, the residual and gamma."""
     from tests.gpu.harness import draw_case
+
     xs, residual, gamma = draw_case(seed, world, m, hidden)
-    return ([torch.from_numpy(x).bfloat16() for x in xs], torch.from_numpy(residual).bfloat16(),
-            torch.from_numpy(gamma).bfloat16())
+    return (
+        [torch.from_numpy(x).bfloat16() for x in xs],
+        torch.from_numpy(residual).bfloat16(),
+        torch.from_numpy(gamma).bfloat16(),
+    )
 
 
 def oracle_errors(xs, residual, gamma, outs, pattern, *, weight_bias=0.0, dtype="bfloat16"):
@@ -78,23 +90,31 @@ def oracle_errors(xs, residual, gamma, outs, pattern, *, weight_bias=0.0, dtype=
     the fp32 accumulation's own error added to the scale: (N-1) * 2^-24 * sum_r |x_r|
     (exact for 2 ranks of 16-bit values in practice, not for 4). xs: CPU tensors."""
     from tests.oracles import oracle
+
     x64 = [t.double().numpy() for t in xs]
     r_np, g_np = residual.double().numpy(), gamma.double().numpy()
-    s64, r64, y64, inv64 = oracle.fused_reference(x64, r_np, g_np, rms_eps=1e-6,
-                                                  weight_bias=weight_bias)
+    s64, r64, y64, inv64 = oracle.fused_reference(
+        x64, r_np, g_np, rms_eps=1e-6, weight_bias=weight_bias
+    )
     acc = (len(xs) - 1) * 2.0**-24 * np.sum([np.abs(x) for x in x64], axis=0)
     if pattern == 0:
         out = outs["allreduce"].double().cpu().numpy()
-        return {"allreduce": float(np.max(np.abs(out - s64) /
-                                          (oracle.ulp(np.abs(s64) + acc, dtype) + acc)))}
+        return {
+            "allreduce": float(
+                np.max(np.abs(out - s64) / (oracle.ulp(np.abs(s64) + acc, dtype) + acc))
+            )
+        }
     carried = oracle.ulp(np.abs(s64) + np.abs(r_np) + acc, dtype) + acc
     res = outs["residual"].double().cpu().numpy()
     norm = outs["norm"].double().cpu().numpy()
     return {
         "residual": float(np.max(np.abs(res - r64) / carried)),
-        "norm": float(np.max(np.abs(norm - y64) /
-                             (carried * inv64 * np.abs(weight_bias + g_np)
-                              + oracle.ulp(y64, dtype)))),
+        "norm": float(
+            np.max(
+                np.abs(norm - y64)
+                / (carried * inv64 * np.abs(weight_bias + g_np) + oracle.ulp(y64, dtype))
+            )
+        ),
     }
 
 
@@ -103,16 +123,35 @@ def fused_call(ws, pattern, m, x, res, gamma, outs, *, oneshot, stream, algorith
     outs['norm']) on `stream` (a torch stream). ``algorithm`` (launch_mode.ALGORITHM_*), when
     given, overrides the one-shot/two-shot choice ``oneshot``."""
     from jax_fusedar.common import native
+
     code = native.DTYPE_CODES[DTYPE]
     algorithm = int(oneshot) if algorithm is None else algorithm
     if pattern == 0:
-        ws.launch(0, code, m, x.shape[1], x.data_ptr(), allreduce_out=outs["allreduce"].data_ptr(),
-                  algorithm=algorithm, stream=stream.cuda_stream)
+        ws.launch(
+            0,
+            code,
+            m,
+            x.shape[1],
+            x.data_ptr(),
+            allreduce_out=outs["allreduce"].data_ptr(),
+            algorithm=algorithm,
+            stream=stream.cuda_stream,
+        )
     else:
-        ws.launch(1, code, m, x.shape[1], x.data_ptr(), residual_in=res.data_ptr(),
-                  residual_out=outs["residual"].data_ptr(), norm_out=outs["norm"].data_ptr(),
-                  rms_gamma=gamma.data_ptr(), rms_eps=1e-6, algorithm=algorithm,
-                  stream=stream.cuda_stream)
+        ws.launch(
+            1,
+            code,
+            m,
+            x.shape[1],
+            x.data_ptr(),
+            residual_in=res.data_ptr(),
+            residual_out=outs["residual"].data_ptr(),
+            norm_out=outs["norm"].data_ptr(),
+            rms_gamma=gamma.data_ptr(),
+            rms_eps=1e-6,
+            algorithm=algorithm,
+            stream=stream.cuda_stream,
+        )
 
 
 def new_outputs(x, torch):
@@ -141,19 +180,40 @@ def matching_calls(ws, rank, world, device, stream, seed, torch):
         e = oracle_errors(xs, residual, gamma, outs, pattern)
         e["call"] = [pattern, m, oneshot]
         errs.append(e)
-        for k in (("allreduce",) if pattern == 0 else ("residual", "norm")):
+        for k in ("allreduce",) if pattern == 0 else ("residual", "norm"):
             digest.update(outs[k].cpu().view(torch.uint8).numpy().tobytes())
     return errs, digest.hexdigest()
 
 
-def make_workspace(ext, chan, tag, device, world, rank, *, check_calls, timeout_s,
-                   kernel_timeout_s=None, max_tokens=MAX_TOKENS):
+def make_workspace(
+    ext,
+    chan,
+    tag,
+    device,
+    world,
+    rank,
+    *,
+    check_calls,
+    timeout_s,
+    kernel_timeout_s=None,
+    max_tokens=MAX_TOKENS,
+):
     """A workspace over CUDA IPC; ``timeout_s`` is the call check's, ``kernel_timeout_s``
     the kernel's bounded waits' (None: the default)."""
     from jax_fusedar.common import native
+
     kw = {} if kernel_timeout_s is None else {"timeout_s": kernel_timeout_s}
-    ws = ext.Rank(device, world, rank, max_tokens, HIDDEN, native.DTYPE_CODES[DTYPE],
-                  check_calls=check_calls, check_timeout_s=timeout_s, **kw)
+    ws = ext.Rank(
+        device,
+        world,
+        rank,
+        max_tokens,
+        HIDDEN,
+        native.DTYPE_CODES[DTYPE],
+        check_calls=check_calls,
+        check_timeout_s=timeout_s,
+        **kw,
+    )
     handles = chan.all_gather(f"ipc-{tag}", ws.export_ipc())
     for peer, h in enumerate(handles):
         if peer != rank:
@@ -161,6 +221,7 @@ def make_workspace(ext, chan, tag, device, world, rank, *, check_calls, timeout_
     ws.finalize()
     chan.barrier(f"ready-{tag}")
     from jax_fusedar.common import lost_traps
+
     lost_traps.watch(ws, device)  # as the JAX and torch workspaces do
     return ws
 
@@ -218,8 +279,11 @@ def timing(ws, rank, world, device, seed, torch, *, calls=100, reps=5):
         end.record(stream)
         stream.synchronize()
         per_call.append(start.elapsed_time(end) / calls)
-    return {"ms_per_call_median": float(np.median(per_call)), "ms_per_call": per_call,
-            "last_call": oracle_errors(xs, residual, gamma, outs, 1)}
+    return {
+        "ms_per_call_median": float(np.median(per_call)),
+        "ms_per_call": per_call,
+        "last_call": oracle_errors(xs, residual, gamma, outs, 1),
+    }
 
 
 def failing_call_of(case, rank, world=2):
@@ -275,22 +339,30 @@ def worker(rank, world, chan, *, case, seed):
     torch.cuda.set_device(device)
     stream = torch.cuda.current_stream(device)
     timeout_s = TIMEOUT_CASE_S if case == "timeout" else MISMATCH_TIMEOUT_S
-    result = {"rank": rank, "device": device, "case": case,
-              "gpu": torch.cuda.get_device_name(device)}
-    ws = make_workspace(ext, chan, "checked", device, world, rank, check_calls=True,
-                        timeout_s=timeout_s)
+    result = {
+        "rank": rank,
+        "device": device,
+        "case": case,
+        "gpu": torch.cuda.get_device_name(device),
+    }
+    ws = make_workspace(
+        ext, chan, "checked", device, world, rank, check_calls=True, timeout_s=timeout_s
+    )
     result["check_calls"], result["check_timeout_s"] = ws.check_calls, ws.check_timeout_s
     errs, result["digest"] = matching_calls(ws, rank, world, device, stream, seed, torch)
     result["matching"] = errs
     result["worst"] = worst_of([{k: v for k, v in e.items() if k != "call"} for e in errs])
     if case == "ok":
-        off = make_workspace(ext, chan, "unchecked", device, world, rank, check_calls=False,
-                             timeout_s=30.0)
+        off = make_workspace(
+            ext, chan, "unchecked", device, world, rank, check_calls=False, timeout_s=30.0
+        )
         result["off_check_calls"] = off.check_calls
-        errs_off, result["off_digest"] = matching_calls(off, rank, world, device, stream, seed,
-                                                        torch)
-        result["off_worst"] = worst_of([{k: v for k, v in e.items() if k != "call"}
-                                        for e in errs_off])
+        errs_off, result["off_digest"] = matching_calls(
+            off, rank, world, device, stream, seed, torch
+        )
+        result["off_worst"] = worst_of(
+            [{k: v for k, v in e.items() if k != "call"} for e in errs_off]
+        )
         result["graph"] = graph_replays(ws, rank, world, device, seed + 100, torch, chan)
         chan.barrier("timing")
         result["timing_on"] = timing(ws, rank, world, device, seed + 200, torch)
@@ -331,9 +403,18 @@ def main(argv):
     seed = int.from_bytes(os.urandom(4), "little")
     t0 = time.monotonic()
     try:
-        out = {"case": case, "seed": seed,
-               "ranks": run_ranks(worker, world, timeout_s=120, case=case, seed=seed,
-                                  allow_exit=(lost_traps.EXIT_CODE,))}
+        out = {
+            "case": case,
+            "seed": seed,
+            "ranks": run_ranks(
+                worker,
+                world,
+                timeout_s=120,
+                case=case,
+                seed=seed,
+                allow_exit=(lost_traps.EXIT_CODE,),
+            ),
+        }
     except Exception as e:  # noqa: BLE001 - reported as JSON for the test to show
         out = {"case": case, "seed": seed, "error": str(e)[-6000:]}
     out["wall_s"] = time.monotonic() - t0

@@ -16,6 +16,7 @@ bitwise). Then both are destroyed and each GPU's free memory must come back.
 
 Run by hand:  python -m tests.gpu.workers.native_mixed      (last stdout line: "RESULT <json>")
 """
+
 from __future__ import annotations
 
 import datetime
@@ -41,8 +42,14 @@ def worker(proc, nprocs, chan, *, port, seed):
     import torch.distributed as dist
 
     from jax_fusedar.common import exchange, native, tp_groups
-    from tests.gpu.workers.native_mismatch import (draw_inputs, flush_c_stdio, fused_call,
-                                                   new_outputs, oracle_errors, worst_of)
+    from tests.gpu.workers.native_mismatch import (
+        draw_inputs,
+        flush_c_stdio,
+        fused_call,
+        new_outputs,
+        oracle_errors,
+        worst_of,
+    )
     from torch_compat.channel import StoreChannel
 
     ext = native.require()
@@ -50,11 +57,16 @@ def worker(proc, nprocs, chan, *, port, seed):
     for d in (0, 1):  # contexts on both GPUs before the first memory reading
         torch.zeros(1, device=d)
         torch.cuda.synchronize(d)
-    store = dist.TCPStore("127.0.0.1", port, nprocs, proc == 0,
-                          timeout=datetime.timedelta(seconds=60))
+    store = dist.TCPStore(
+        "127.0.0.1", port, nprocs, proc == 0, timeout=datetime.timedelta(seconds=60)
+    )
     kv = StoreChannel(store, timeout_s=60.0, process=proc)
-    members = [exchange.Member(0, 0), exchange.Member(0, 1), exchange.Member(1, 0),
-               exchange.Member(1, 1)]
+    members = [
+        exchange.Member(0, 0),
+        exchange.Member(0, 1),
+        exchange.Member(1, 0),
+        exchange.Member(1, 1),
+    ]
     group = tp_groups.TPGroup((0, 1, 2, 3), 0)
     code = native.DTYPE_CODES["bfloat16"]
     result = {"process": proc, "gpus": [torch.cuda.get_device_name(d) for d in (0, 1)]}
@@ -69,17 +81,33 @@ def worker(proc, nprocs, chan, *, port, seed):
 
     workspaces = {}
     for serial, check in ((1, False), (2, True)):
+
         def make_rank(device, tp_rank, check=check):
-            return ext.Rank(device, WORLD, tp_rank, MAX_TOKENS, HIDDEN, code, check_calls=check,
-                            check_timeout_s=60.0)
-        plan = exchange.create_and_publish(group, members, proc, make_rank, kv,
-                                           namespace="mixed_test", serial=serial)
+            return ext.Rank(
+                device,
+                WORLD,
+                tp_rank,
+                MAX_TOKENS,
+                HIDDEN,
+                code,
+                check_calls=check,
+                check_timeout_s=60.0,
+            )
+
+        plan = exchange.create_and_publish(
+            group, members, proc, make_rank, kv, namespace="mixed_test", serial=serial
+        )
         exchange.connect_and_finalize(plan, proc, kv, namespace="mixed_test", serial=serial)
         workspaces[check] = plan.local  # {tp_rank: Rank}
     result["local_tp_ranks"] = sorted(workspaces[False])
-    result["paths"] = {str(tp): {str(p): ("pointers" if m.process == proc else "ipc")
-                                 for p, m in enumerate(members) if p != tp}
-                       for tp in workspaces[False]}
+    result["paths"] = {
+        str(tp): {
+            str(p): ("pointers" if m.process == proc else "ipc")
+            for p, m in enumerate(members)
+            if p != tp
+        }
+        for tp in workspaces[False]
+    }
     chan.barrier("created")
     free_mid = _mem(ext)
     chan.barrier("measured-mid")  # the calls below allocate inputs through torch
@@ -119,7 +147,9 @@ def worker(proc, nprocs, chan, *, port, seed):
             del launched, x, res, gam, outs
         calls["on" if check else "off"] = {
             "worst": worst_of([{k: e[k] for k in ("residual", "norm")} for e in errs]),
-            "per_call": errs, "digests": digests}
+            "per_call": errs,
+            "digests": digests,
+        }
     result["calls"] = calls
     result["failure_records"] = [ws.call_check_failure() for ws in workspaces[True].values()]
     flush_c_stdio()
@@ -147,8 +177,10 @@ def main():
     seed = int.from_bytes(os.urandom(4), "little")
     t0 = time.monotonic()
     try:
-        out = {"seed": seed, "processes": run_ranks(worker, 2, timeout_s=150,
-                                                    port=free_port(), seed=seed)}
+        out = {
+            "seed": seed,
+            "processes": run_ranks(worker, 2, timeout_s=150, port=free_port(), seed=seed),
+        }
     except Exception as e:  # noqa: BLE001 - reported as JSON for the test to show
         out = {"seed": seed, "error": str(e)[-6000:]}
     out["wall_s"] = time.monotonic() - t0

@@ -5,6 +5,7 @@ With two GPUs the ranks sit on devices 0 and 1 (peer access over NVLink). With o
 both sit on device 0 and their kernels run on two streams at once; the sizes are kept
 small so both grids are resident together (a spin-wait needs its peer running).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -31,8 +32,10 @@ def run(*, tokens, hidden, seed):
     worst = {"residual": 0.0, "norm": 0.0, "cases": 0}
     rng = np.random.default_rng(seed)
     for m in tokens:
-        xs = [torch.from_numpy(rng.standard_normal((m, hidden), dtype=np.float32)).bfloat16()
-              for _ in range(world)]
+        xs = [
+            torch.from_numpy(rng.standard_normal((m, hidden), dtype=np.float32)).bfloat16()
+            for _ in range(world)
+        ]
         res = torch.from_numpy(rng.standard_normal((m, hidden), dtype=np.float32)).bfloat16()
         gam = torch.from_numpy(rng.uniform(-2, 2, hidden).astype(np.float32)).bfloat16()
         outs = []
@@ -44,22 +47,47 @@ def run(*, tokens, hidden, seed):
                 outs.append((x, rd, gd, ro, no))
         for r in range(world):  # launched back to back, before either is waited for
             x, rd, gd, ro, no = outs[r]
-            ranks[r].launch(1, code, m, hidden, x.data_ptr(), residual_in=rd.data_ptr(),
-                            residual_out=ro.data_ptr(), norm_out=no.data_ptr(),
-                            rms_gamma=gd.data_ptr(), algorithm=1,
-                            stream=streams[r].cuda_stream)
+            ranks[r].launch(
+                1,
+                code,
+                m,
+                hidden,
+                x.data_ptr(),
+                residual_in=rd.data_ptr(),
+                residual_out=ro.data_ptr(),
+                norm_out=no.data_ptr(),
+                rms_gamma=gd.data_ptr(),
+                algorithm=1,
+                stream=streams[r].cuda_stream,
+            )
         for s in streams:
             s.synchronize()
-        s64, r64, y64, inv64 = oracle.fused_reference([t.float().numpy() for t in xs],
-                                                      res.float().numpy(), gam.float().numpy(),
-                                                      rms_eps=1e-6, weight_bias=0.0)
+        s64, r64, y64, inv64 = oracle.fused_reference(
+            [t.float().numpy() for t in xs],
+            res.float().numpy(),
+            gam.float().numpy(),
+            rms_eps=1e-6,
+            weight_bias=0.0,
+        )
         for r in range(world):
             ro, no = outs[r][3].float().cpu().numpy(), outs[r][4].float().cpu().numpy()
-            worst["residual"] = max(worst["residual"], oracle.residual_error_ulps(
-                ro, s64, r64, res.float().numpy(), "bfloat16"))
-            worst["norm"] = max(worst["norm"], oracle.norm_error_ulps(
-                no, s64, y64, inv64, res.float().numpy(), gam.float().numpy(),
-                weight_bias=0.0, dtype_name="bfloat16"))
+            worst["residual"] = max(
+                worst["residual"],
+                oracle.residual_error_ulps(ro, s64, r64, res.float().numpy(), "bfloat16"),
+            )
+            worst["norm"] = max(
+                worst["norm"],
+                oracle.norm_error_ulps(
+                    no,
+                    s64,
+                    y64,
+                    inv64,
+                    res.float().numpy(),
+                    gam.float().numpy(),
+                    weight_bias=0.0,
+                    dtype_name="bfloat16",
+                ),
+            )
         worst["cases"] += 1
     for rank in ranks:
         rank.destroy()
@@ -70,5 +98,13 @@ if __name__ == "__main__":
     import json
     import os
     import sys
-    print(json.dumps(run(tokens=(1, 16, 64), hidden=int(sys.argv[1]) if len(sys.argv) > 1 else 4096,
-                         seed=int.from_bytes(os.urandom(4), "little"))))
+
+    print(
+        json.dumps(
+            run(
+                tokens=(1, 16, 64),
+                hidden=int(sys.argv[1]) if len(sys.argv) > 1 else 4096,
+                seed=int.from_bytes(os.urandom(4), "little"),
+            )
+        )
+    )

@@ -6,6 +6,7 @@ oracle, poisons its outputs with NaN before each launch, and reports per-dtype m
 the ulp-scaled errors (tests/oracles/oracle.py) plus a digest of its outputs so the test can check
 all ranks produced identical bits.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -17,14 +18,19 @@ DTYPES = ("bfloat16", "float16", "float32")
 
 def cases(tokens, hiddens, world):
     from tests.gpu.harness import shape_cases
+
     return [(dtype, *case) for dtype in DTYPES for case in shape_cases(tokens, hiddens, world)]
 
 
 def _inputs(seed, world, m, hidden, tdtype, torch):
     from tests.gpu.harness import draw_case
+
     xs, residual, gamma = draw_case(seed, world, m, hidden)
-    return ([torch.from_numpy(x).to(tdtype) for x in xs], torch.from_numpy(residual).to(tdtype),
-            torch.from_numpy(gamma).to(tdtype))
+    return (
+        [torch.from_numpy(x).to(tdtype) for x in xs],
+        torch.from_numpy(residual).to(tdtype),
+        torch.from_numpy(gamma).to(tdtype),
+    )
 
 
 def worker(rank, world, chan, *, tokens, hiddens, max_tokens, loop_calls, seed):
@@ -51,8 +57,11 @@ def worker(rank, world, chan, *, tokens, hiddens, max_tokens, loop_calls, seed):
         ws.finalize()
         workspaces[dtype] = ws
     chan.barrier("ready")
-    ws_for = {"bfloat16": workspaces["bfloat16"], "float16": workspaces["bfloat16"],
-              "float32": workspaces["float32"]}
+    ws_for = {
+        "bfloat16": workspaces["bfloat16"],
+        "float16": workspaces["bfloat16"],
+        "float32": workspaces["float32"],
+    }
 
     stream = torch.cuda.current_stream(device)
     worst = {d: {"allreduce": 0.0, "residual": 0.0, "norm": 0.0, "cases": 0} for d in DTYPES}
@@ -69,25 +78,52 @@ def worker(rank, world, chan, *, tokens, hiddens, max_tokens, loop_calls, seed):
         norm_out = torch.full_like(x, float("nan"))
         ws = ws_for[dtype]
         code = native.DTYPE_CODES[dtype]
-        ws.launch(0, code, m, hidden, x.data_ptr(), allreduce_out=ar_out.data_ptr(),
-                  algorithm=int(oneshot), fp32_acc=fp32_acc, stream=stream.cuda_stream)
-        ws.launch(1, code, m, hidden, x.data_ptr(), residual_in=res_d.data_ptr(),
-                  residual_out=res_out.data_ptr(), norm_out=norm_out.data_ptr(),
-                  rms_gamma=gamma_d.data_ptr(), rms_eps=1e-6, weight_bias=wb,
-                  algorithm=int(oneshot), fp32_acc=fp32_acc, stream=stream.cuda_stream)
+        ws.launch(
+            0,
+            code,
+            m,
+            hidden,
+            x.data_ptr(),
+            allreduce_out=ar_out.data_ptr(),
+            algorithm=int(oneshot),
+            fp32_acc=fp32_acc,
+            stream=stream.cuda_stream,
+        )
+        ws.launch(
+            1,
+            code,
+            m,
+            hidden,
+            x.data_ptr(),
+            residual_in=res_d.data_ptr(),
+            residual_out=res_out.data_ptr(),
+            norm_out=norm_out.data_ptr(),
+            rms_gamma=gamma_d.data_ptr(),
+            rms_eps=1e-6,
+            weight_bias=wb,
+            algorithm=int(oneshot),
+            fp32_acc=fp32_acc,
+            stream=stream.cuda_stream,
+        )
         stream.synchronize()
         outs = [t.float().cpu().numpy() for t in (ar_out, res_out, norm_out)]
         nan_outputs += sum(int(np.isnan(o).sum()) for o in outs)
         xs64 = [t.float().numpy() for t in xs]
         r_np, g_np = residual.float().numpy(), gamma.float().numpy()
-        s64, r64, y64, inv64 = oracle.fused_reference(xs64, r_np, g_np, rms_eps=1e-6,
-                                                      weight_bias=wb)
+        s64, r64, y64, inv64 = oracle.fused_reference(
+            xs64, r_np, g_np, rms_eps=1e-6, weight_bias=wb
+        )
         w = worst[dtype]
         w["allreduce"] = max(w["allreduce"], oracle.allreduce_error_ulps(outs[0], s64, dtype))
-        w["residual"] = max(w["residual"],
-                            oracle.residual_error_ulps(outs[1], s64, r64, r_np, dtype))
-        w["norm"] = max(w["norm"], oracle.norm_error_ulps(outs[2], s64, y64, inv64, r_np, g_np,
-                                                          weight_bias=wb, dtype_name=dtype))
+        w["residual"] = max(
+            w["residual"], oracle.residual_error_ulps(outs[1], s64, r64, r_np, dtype)
+        )
+        w["norm"] = max(
+            w["norm"],
+            oracle.norm_error_ulps(
+                outs[2], s64, y64, inv64, r_np, g_np, weight_bias=wb, dtype_name=dtype
+            ),
+        )
         w["cases"] += 1
         for t in (ar_out, res_out, norm_out):
             digest.update(t.cpu().view(torch.uint8).numpy().tobytes())
@@ -103,27 +139,52 @@ def worker(rank, world, chan, *, tokens, hiddens, max_tokens, loop_calls, seed):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(stream)
         for k in range(loop_calls):
-            ws_for[dtype].launch(1, native.DTYPE_CODES[dtype], m, hidden, x.data_ptr(),
-                                 residual_in=res_d.data_ptr(), residual_out=res_out.data_ptr(),
-                                 norm_out=norm_out.data_ptr(), rms_gamma=gamma_d.data_ptr(),
-                                 algorithm=int(k % 5 != 0), stream=stream.cuda_stream)
+            ws_for[dtype].launch(
+                1,
+                native.DTYPE_CODES[dtype],
+                m,
+                hidden,
+                x.data_ptr(),
+                residual_in=res_d.data_ptr(),
+                residual_out=res_out.data_ptr(),
+                norm_out=norm_out.data_ptr(),
+                rms_gamma=gamma_d.data_ptr(),
+                algorithm=int(k % 5 != 0),
+                stream=stream.cuda_stream,
+            )
         end.record(stream)
         stream.synchronize()
-        s64, r64, y64, inv64 = oracle.fused_reference([t.float().numpy() for t in xs],
-                                                      residual.float().numpy(),
-                                                      gamma.float().numpy(), rms_eps=1e-6,
-                                                      weight_bias=0.0)
+        s64, r64, y64, inv64 = oracle.fused_reference(
+            [t.float().numpy() for t in xs],
+            residual.float().numpy(),
+            gamma.float().numpy(),
+            rms_eps=1e-6,
+            weight_bias=0.0,
+        )
         loop = {
             "calls": loop_calls,
             "ms_per_call": start.elapsed_time(end) / loop_calls,
-            "residual": oracle.residual_error_ulps(res_out.float().cpu().numpy(), s64, r64,
-                                                   residual.float().numpy(), dtype),
-            "norm": oracle.norm_error_ulps(norm_out.float().cpu().numpy(), s64, y64, inv64,
-                                           residual.float().numpy(), gamma.float().numpy(),
-                                           weight_bias=0.0, dtype_name=dtype),
+            "residual": oracle.residual_error_ulps(
+                res_out.float().cpu().numpy(), s64, r64, residual.float().numpy(), dtype
+            ),
+            "norm": oracle.norm_error_ulps(
+                norm_out.float().cpu().numpy(),
+                s64,
+                y64,
+                inv64,
+                residual.float().numpy(),
+                gamma.float().numpy(),
+                weight_bias=0.0,
+                dtype_name=dtype,
+            ),
         }
     for ws in workspaces.values():
         ws.destroy()
-    return {"device": device, "worst": worst, "digest": digest.hexdigest(),
-            "nan_outputs": nan_outputs, "loop": loop,
-            "gpu": torch.cuda.get_device_name(device)}
+    return {
+        "device": device,
+        "worst": worst,
+        "digest": digest.hexdigest(),
+        "nan_outputs": nan_outputs,
+        "loop": loop,
+        "gpu": torch.cuda.get_device_name(device),
+    }

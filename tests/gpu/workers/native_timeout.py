@@ -34,6 +34,7 @@ began. The other ranks wait for it AFTER_FAILURE_WAIT_S at most.
 Run one case by hand:  python -m tests.gpu.workers.native_timeout never_oneshot [world]
 The last stdout line is "RESULT <json>".
 """
+
 from __future__ import annotations
 
 import json
@@ -42,10 +43,20 @@ import signal
 import sys
 import time
 
-from tests.gpu.workers.native_mismatch import (AFTER_FAILURE_WAIT_S, DTYPE, HIDDEN,
-                                               draw_inputs, flush_c_stdio, fused_call,
-                                               graph_replays, make_workspace, new_outputs,
-                                               oracle_errors, timing, worst_of)
+from tests.gpu.workers.native_mismatch import (
+    AFTER_FAILURE_WAIT_S,
+    DTYPE,
+    HIDDEN,
+    draw_inputs,
+    flush_c_stdio,
+    fused_call,
+    graph_replays,
+    make_workspace,
+    new_outputs,
+    oracle_errors,
+    timing,
+    worst_of,
+)
 from tests.gpu.workers.native_mismatch import BOUNDS  # noqa: F401 - the tests read it here
 
 TIMEOUT_S = 3.0
@@ -57,12 +68,22 @@ def same_bits_calls(world: int = 2) -> int:
     turns on a GPU (about 3 ms a call on one H200) and never run at the same time, so a
     longer loop gives no more chance to catch a race."""
     from jax_fusedar.common import native
+
     default = 10000 if native.gpu_count() >= world else 1000
     return int(os.environ.get("JAX_FUSEDAR_TIMEOUT_CALLS", default))
 
+
 # (pattern, tokens, one-shot) cycled through by the good calls
-CYCLE = [(1, 16, True), (1, 17, False), (0, 16, True), (1, 1, True), (1, 33, False),
-         (0, 40, False), (1, 64, True), (0, 3, True)]
+CYCLE = [
+    (1, 16, True),
+    (1, 17, False),
+    (0, 16, True),
+    (1, 1, True),
+    (1, 33, False),
+    (0, 40, False),
+    (1, 64, True),
+    (0, 3, True),
+]
 GOOD_FIRST = 3  # good calls every failure case makes first
 CASES = ("ok", "never_oneshot", "never_twoshot", "killed", "tokens", "never_large")
 # Above the auto crossover at 2 ranks (launch_mode.LARGE_MESSAGE_MIN_MIB: 48 MiB per rank):
@@ -94,8 +115,21 @@ def _same_bits(on, off, rank, world, device, seed, torch):
     for i, (pattern, m, oneshot) in enumerate(CYCLE):
         xs, residual, gamma = draw_inputs(seed + i, world, m, HIDDEN, torch)
         x, res, gam = (t.cuda(device) for t in (xs[rank], residual, gamma))
-        cases.append((pattern, m, oneshot, xs, residual, gamma, x, res, gam,
-                      new_outputs(x, torch), new_outputs(x, torch)))
+        cases.append(
+            (
+                pattern,
+                m,
+                oneshot,
+                xs,
+                residual,
+                gamma,
+                x,
+                res,
+                gam,
+                new_outputs(x, torch),
+                new_outputs(x, torch),
+            )
+        )
     differing = torch.zeros((), dtype=torch.int64, device=device)
     t0 = time.monotonic()
     calls = same_bits_calls(world)
@@ -113,14 +147,19 @@ def _same_bits(on, off, rank, world, device, seed, torch):
     for pattern, m, oneshot, xs, residual, gamma, *_, out_on, out_off in cases:
         errs.append(oracle_errors(xs, residual, gamma, out_on, pattern))
         errs.append(oracle_errors(xs, residual, gamma, out_off, pattern))
-    return {"calls": calls, "differing_bytes": int(differing.item()), "worst": worst_of(errs),
-            "seconds": time.monotonic() - t0}
+    return {
+        "calls": calls,
+        "differing_bytes": int(differing.item()),
+        "worst": worst_of(errs),
+        "seconds": time.monotonic() - t0,
+    }
 
 
 def large_algorithm(world):
     """The algorithm auto picks for LARGE_TOKENS x HIDDEN on a workspace of that size (the
     pure policy, as every front end calls it)."""
     from jax_fusedar.common import launch_mode, sizing
+
     sizes = sizing.workspace_sizes(world, LARGE_TOKENS, HIDDEN, DTYPE)
     return launch_mode.choose_algorithm(LARGE_TOKENS, HIDDEN, sizes, None)
 
@@ -131,8 +170,9 @@ def _good_large_call(ws, rank, world, device, seed, torch, algorithm):
     x, res, gam = (t.cuda(device) for t in (xs[rank], residual, gamma))
     outs = new_outputs(x, torch)
     stream = torch.cuda.current_stream(device)
-    fused_call(ws, 1, LARGE_TOKENS, x, res, gam, outs, oneshot=False, stream=stream,
-               algorithm=algorithm)
+    fused_call(
+        ws, 1, LARGE_TOKENS, x, res, gam, outs, oneshot=False, stream=stream, algorithm=algorithm
+    )
     stream.synchronize()
     return oracle_errors(xs, residual, gamma, outs, 1)
 
@@ -144,8 +184,9 @@ def _failing_call(ws, pattern, m, oneshot, rank, device, seed, world, torch, alg
     stream = torch.cuda.current_stream(device)
     out = {"call": [pattern, m, oneshot], "algorithm": algorithm}
     t0 = time.monotonic()
-    fused_call(ws, pattern, m, x, res, gam, outs, oneshot=oneshot, stream=stream,
-               algorithm=algorithm)
+    fused_call(
+        ws, pattern, m, x, res, gam, outs, oneshot=oneshot, stream=stream, algorithm=algorithm
+    )
     try:
         stream.synchronize()
         out["sync_error"] = None
@@ -155,8 +196,9 @@ def _failing_call(ws, pattern, m, oneshot, rank, device, seed, world, torch, alg
     flush_c_stdio()
     out["failure_record"] = ws.failure()
     try:  # the next launch must be refused with the recorded text
-        fused_call(ws, pattern, m, x, res, gam, outs, oneshot=oneshot, stream=stream,
-                   algorithm=algorithm)
+        fused_call(
+            ws, pattern, m, x, res, gam, outs, oneshot=oneshot, stream=stream, algorithm=algorithm
+        )
         out["relaunch_error"] = None
     except Exception as e:  # noqa: BLE001
         out["relaunch_error"] = f"{type(e).__name__}: {e}"[:1500]
@@ -173,15 +215,38 @@ def worker(rank, world, chan, *, case, seed):
     ext = native.require()
     device = device_for(rank)  # ranks share the GPU when there is one
     torch.cuda.set_device(device)
-    result = {"rank": rank, "device": device, "case": case,
-              "gpu": torch.cuda.get_device_name(device)}
+    result = {
+        "rank": rank,
+        "device": device,
+        "case": case,
+        "gpu": torch.cuda.get_device_name(device),
+    }
     size = {"max_tokens": LARGE_TOKENS} if case == "never_large" else {}
-    ws = make_workspace(ext, chan, "on", device, world, rank, check_calls=False, timeout_s=30.0,
-                        kernel_timeout_s=TIMEOUT_S, **size)
+    ws = make_workspace(
+        ext,
+        chan,
+        "on",
+        device,
+        world,
+        rank,
+        check_calls=False,
+        timeout_s=30.0,
+        kernel_timeout_s=TIMEOUT_S,
+        **size,
+    )
     result["timeout_s"] = ws.timeout_s
     if case == "ok":
-        off = make_workspace(ext, chan, "off", device, world, rank, check_calls=False,
-                             timeout_s=30.0, kernel_timeout_s=0.0)
+        off = make_workspace(
+            ext,
+            chan,
+            "off",
+            device,
+            world,
+            rank,
+            check_calls=False,
+            timeout_s=30.0,
+            kernel_timeout_s=0.0,
+        )
         result["off_timeout_s"] = off.timeout_s
         result["bits"] = _same_bits(ws, off, rank, world, device, seed, torch)
         result["graph"] = graph_replays(ws, rank, world, device, seed + 100, torch, chan)
@@ -198,29 +263,43 @@ def worker(rank, world, chan, *, case, seed):
     missing = world - 1  # the rank that makes no call (never_*), or is killed
     if case == "never_large":
         result["algorithm"] = algorithm = large_algorithm(world)
-        result["good_large"] = _good_large_call(ws, rank, world, device, seed + 500, torch,
-                                                algorithm)
+        result["good_large"] = _good_large_call(
+            ws, rank, world, device, seed + 500, torch, algorithm
+        )
         seq += 1
     chan.barrier("good")
 
     def note_before_failing():  # kept by the harness if the process ends without a result
         chan.note(**result, failing_call_at=time.monotonic())
+
     if case == "tokens":
         note_before_failing()
-        result["failing"] = _failing_call(ws, 1, 16 + rank, True, rank, device, seed + 999,
-                                          world, torch)
+        result["failing"] = _failing_call(
+            ws, 1, 16 + rank, True, rank, device, seed + 999, world, torch
+        )
     elif rank != missing:
         if case == "killed":
             chan.all_gather("dying", None)  # rank 1 kills itself right after this
             time.sleep(1.0)
         note_before_failing()
         if case == "never_large":
-            result["failing"] = _failing_call(ws, 1, LARGE_TOKENS, False, rank, device,
-                                              seed + 999, world, torch, algorithm=algorithm)
+            result["failing"] = _failing_call(
+                ws,
+                1,
+                LARGE_TOKENS,
+                False,
+                rank,
+                device,
+                seed + 999,
+                world,
+                torch,
+                algorithm=algorithm,
+            )
         else:
             pattern, m, oneshot = (1, 32, False) if case == "never_twoshot" else (1, 16, True)
-            result["failing"] = _failing_call(ws, pattern, m, oneshot, rank, device,
-                                              seed + 999, world, torch)
+            result["failing"] = _failing_call(
+                ws, pattern, m, oneshot, rank, device, seed + 999, world, torch
+            )
     elif case == "killed":
         chan.all_gather("dying", None)
         chan.close()  # rank 0 must get "dying" whole before this process disappears
@@ -248,8 +327,8 @@ def run_ranks_allowing_death(fn, world, *, timeout_s, killed=(), **kwargs):
     {"rank": r, "exitcode": code}."""
     from jax_fusedar.common import lost_traps
     from tests.gpu.harness import run_ranks
-    res = run_ranks(fn, world, timeout_s=timeout_s, allow_exit=(-9, lost_traps.EXIT_CODE),
-                    **kwargs)
+
+    res = run_ranks(fn, world, timeout_s=timeout_s, allow_exit=(-9, lost_traps.EXIT_CODE), **kwargs)
     unexpected = [r for r in res if r.get("exitcode") == -9 and r["rank"] not in killed]
     if unexpected:
         raise RuntimeError(f"ranks killed unexpectedly: {unexpected}")
@@ -266,10 +345,19 @@ def main(argv):
     seed = int.from_bytes(os.urandom(4), "little")
     t0 = time.monotonic()
     try:
-        out = {"case": case, "seed": seed, "timeout_s": TIMEOUT_S,
-               "ranks": run_ranks_allowing_death(worker, world, timeout_s=120,
-                                                 killed=(1,) if case == "killed" else (),
-                                                 case=case, seed=seed)}
+        out = {
+            "case": case,
+            "seed": seed,
+            "timeout_s": TIMEOUT_S,
+            "ranks": run_ranks_allowing_death(
+                worker,
+                world,
+                timeout_s=120,
+                killed=(1,) if case == "killed" else (),
+                case=case,
+                seed=seed,
+            ),
+        }
     except Exception as e:  # noqa: BLE001 - reported as JSON for the test to show
         out = {"case": case, "seed": seed, "error": str(e)[-6000:]}
     out["wall_s"] = time.monotonic() - t0

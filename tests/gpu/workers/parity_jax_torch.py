@@ -18,6 +18,7 @@ tests/oracles/quant_oracle.py).
 The phase-1 body also runs on CPU (JAX's reference path, 2 virtual devices) and the
 phase-2 per-case logic with a simulated kernel, in tests/torch/test_worker_plumbing.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,17 +31,31 @@ from tests.gpu.workers import torch_workers as tw
 PATTERNS = (0, 1, 2, 4, 8, 9, 10, 11)
 GROUP = tw.GROUP
 # JAX's AllReduceFusionOutputs fields -> torch_compat's argument names
-JAX_TO_TORCH = {"allreduce_out": "output", "residual_out": "residual_out",
-                "norm_out": "norm_out", "quant_out": "quant_out", "scale_out": "scale_out"}
+JAX_TO_TORCH = {
+    "allreduce_out": "output",
+    "residual_out": "residual_out",
+    "norm_out": "norm_out",
+    "quant_out": "quant_out",
+    "scale_out": "scale_out",
+}
 
 
 def case_list(seed, tokens, hiddens, dtypes, world=2):
     from tests.gpu.harness import shape_cases
+
     out = []
     for dtype in dtypes:
         for hidden, m, oneshot in shape_cases(tokens, hiddens, world):
-            out.append({"case": len(out), "seed": seed * 1000 + len(out), "dtype": dtype,
-                        "hidden": hidden, "m": m, "oneshot": oneshot})
+            out.append(
+                {
+                    "case": len(out),
+                    "seed": seed * 1000 + len(out),
+                    "dtype": dtype,
+                    "hidden": hidden,
+                    "m": m,
+                    "oneshot": oneshot,
+                }
+            )
     return out
 
 
@@ -53,21 +68,22 @@ def _as_bytes(a):
     return a.view(np.uint8)
 
 
-def jax_phase(rank, world, chan, *, out_dir, seed, tokens, hiddens, dtypes, platform="cuda",
-              tp=2):
+def jax_phase(rank, world, chan, *, out_dir, seed, tokens, hiddens, dtypes, platform="cuda", tp=2):
     """Phase 1 in this one process, driving ``tp`` devices."""
     os.environ["JAX_PLATFORMS"] = platform
     os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     if platform == "cpu":
         os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={tp}"
     import jax
+
     devices = jax.devices()[:tp]
     assert len(devices) == tp, f"need {tp} devices, got {jax.devices()}"
     return _run_jax(jax, devices, list(range(tp)), out_dir, seed, tokens, hiddens, dtypes)
 
 
-def jax_rank_phase(rank, world, chan, *, port, out_dir, seed, tokens, hiddens, dtypes,
-                   platform="cuda"):
+def jax_rank_phase(
+    rank, world, chan, *, port, out_dir, seed, tokens, hiddens, dtypes, platform="cuda"
+):
     """Phase 1 as this rank's `jax.distributed` process (rank r on GPU r % G; on CPUs one
     device per process over gloo)."""
     os.environ["JAX_PLATFORMS"] = platform
@@ -75,13 +91,17 @@ def jax_rank_phase(rank, world, chan, *, port, out_dir, seed, tokens, hiddens, d
     if platform == "cpu":
         os.environ["JAX_NUM_CPU_DEVICES"] = "1"
     import jax
+
     if platform == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     from tests.gpu.harness import device_for
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=world,
-                               process_id=rank,
-                               local_device_ids=None if platform == "cpu" else
-                               [device_for(rank)])
+
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}",
+        num_processes=world,
+        process_id=rank,
+        local_device_ids=None if platform == "cpu" else [device_for(rank)],
+    )
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     out = _run_jax(jax, devices, [rank], out_dir, seed, tokens, hiddens, dtypes)
     jax.distributed.shutdown()
@@ -101,23 +121,33 @@ def _run_jax(jax, devices, local_ranks, out_dir, seed, tokens, hiddens, dtypes):
 
     world = len(devices)
     mesh = Mesh(np.array(devices), ("tp",))
-    arrays, meta = {}, {"cases": [], "jax": jax.__version__, "devices": [str(d) for d in devices],
-                        "outputs": {}, "world": world}
+    arrays, meta = (
+        {},
+        {
+            "cases": [],
+            "jax": jax.__version__,
+            "devices": [str(d) for d in devices],
+            "outputs": {},
+            "world": world,
+        },
+    )
     outputs = {r: {} for r in local_ranks}
     cases = case_list(seed, tokens, hiddens, dtypes, world)
     backends = {}
     for dtype in dtypes:
         jdt = jnp.dtype(dtype)
-        ws = jf.create_allreduce_fusion_workspace(mesh, "tp", max_token_num=max(tokens),
-                                                  hidden_dim=max(hiddens), dtype=jdt)
+        ws = jf.create_allreduce_fusion_workspace(
+            mesh, "tp", max_token_num=max(tokens), hidden_dim=max(hiddens), dtype=jdt
+        )
         backends[dtype] = ws.backend
         for c in (c for c in cases if c["dtype"] == dtype):
             m, hidden, oneshot = c["m"], c["hidden"], c["oneshot"]
             xs, res, gam = draw_case(c["seed"], world, m, hidden)
             xs = [x.astype(jdt) for x in xs]
             res, gam = res.astype(jdt), gam.astype(jdt)
-            ref = tw.group_oracle([x.astype(np.float64) for x in xs], res.astype(np.float64),
-                                  gam.astype(np.float64))
+            ref = tw.group_oracle(
+                [x.astype(np.float64) for x in xs], res.astype(np.float64), gam.astype(np.float64)
+            )
             sf = np.asarray([tw.static_scale(ref)], np.float32)
             k = f"c{c['case']}"
             for r, x in enumerate(xs):
@@ -128,8 +158,14 @@ def _run_jax(jax, devices, local_ranks, out_dir, seed, tokens, hiddens, dtypes):
             def f(x, r, g, s, oneshot=oneshot):
                 outs = []
                 for p in PATTERNS:
-                    kw = dict(axis_name="tp", workspace=ws, pattern=p, use_oneshot=oneshot,
-                              fp32_acc=True, strict=True)
+                    kw = dict(
+                        axis_name="tp",
+                        workspace=ws,
+                        pattern=p,
+                        use_oneshot=oneshot,
+                        fp32_acc=True,
+                        strict=True,
+                    )
                     if p != 0:
                         kw.update(residual=r, rms_gamma=g, rms_eps=tw.RMS_EPS, weight_bias=0.0)
                     if p in (2, 4):
@@ -140,19 +176,24 @@ def _run_jax(jax, devices, local_ranks, out_dir, seed, tokens, hiddens, dtypes):
                     outs.append({n: v for n, v in o._asdict().items() if v is not None})
                 return outs
 
-            fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("tp"), P(), P(), P()),
-                                       out_specs=P()))
+            fn = jax.jit(
+                jax.shard_map(f, mesh=mesh, in_specs=(P("tp"), P(), P(), P()), out_specs=P())
+            )
 
             def put(a, spec):  # this process's part of the global array
                 return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), a)
-            outs = fn(put(np.concatenate([xs[r] for r in local_ranks]), P("tp")),
-                      put(res, P()), put(gam, P()), put(sf, P()))
+
+            outs = fn(
+                put(np.concatenate([xs[r] for r in local_ranks]), P("tp")),
+                put(res, P()),
+                put(gam, P()),
+                put(sf, P()),
+            )
             for p, o in zip(PATTERNS, outs):
                 meta["outputs"][str(p)] = sorted(o)
                 for name, arr in o.items():
                     for r in local_ranks:
-                        shard = next(s for s in arr.addressable_shards
-                                     if s.device == devices[r])
+                        shard = next(s for s in arr.addressable_shards if s.device == devices[r])
                         outputs[r][f"{k}/p{p}/{name}/r{r}"] = _as_bytes(np.asarray(shard.data))
             meta["cases"].append(c)
         ws.destroy()
@@ -163,8 +204,13 @@ def _run_jax(jax, devices, local_ranks, out_dir, seed, tokens, hiddens, dtypes):
         np.savez(os.path.join(out_dir, "parity.npz"), **arrays)
         with open(os.path.join(out_dir, "parity.json"), "w") as fh:
             json.dump(meta, fh)
-    return {"cases": len(meta["cases"]), "backends": backends, "jax": jax.__version__,
-            "devices": meta["devices"], "world": world}
+    return {
+        "cases": len(meta["cases"]),
+        "backends": backends,
+        "jax": jax.__version__,
+        "devices": meta["devices"],
+        "world": world,
+    }
 
 
 def load(out_dir):
@@ -180,6 +226,7 @@ def load(out_dir):
 def _values(raw, dtype):
     """JAX's stored bytes of a float output -> float64 values."""
     import ml_dtypes
+
     dt = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
     return raw.view(dt).astype(np.float64)
 
@@ -189,26 +236,47 @@ def compare_case(torch, tc, ws, device, data, c, rank, sync, world=2):
     the same TP rank. Returns {"diffs": {pattern: {output: differing elements}},
     "torch": oracle errors, "jax": oracle errors, "quant_torch"/"quant_jax": quant_stats}."""
     from tests.gpu.harness import worst_of
+
     k = f"c{c['case']}"
     dtype, m, hidden = c["dtype"], c["m"], c["hidden"]
     dt = tw._torch_dtype(torch, dtype)
     xs = [data[f"{k}/x{r}"] for r in range(world)]
     xs64 = [x.astype(np.float64) for x in xs]
     res, gam, sf = data[f"{k}/res"], data[f"{k}/gam"], data[f"{k}/sf"]
-    ref = tw.group_oracle([x.astype(np.float64) for x in xs], res.astype(np.float64),
-                          gam.astype(np.float64))
+    ref = tw.group_oracle(
+        [x.astype(np.float64) for x in xs], res.astype(np.float64), gam.astype(np.float64)
+    )
     res64, gam64 = res.astype(np.float64), gam.astype(np.float64)
     x = tw.to_torch(torch, xs[rank], dt, device)
     r_d, g_d = tw.to_torch(torch, res, dt, device), tw.to_torch(torch, gam, dt, device)
     sf_d = torch.from_numpy(sf).to(device)
     diffs, by_torch, by_jax = {}, {}, {}
-    err_t = {"allreduce": 0.0, "residual": 0.0, "norm": 0.0, "allreduce_bound": 0.0,
-             "residual_bound": 0.0, "norm_own": 0.0, "nans": 0}
+    err_t = {
+        "allreduce": 0.0,
+        "residual": 0.0,
+        "norm": 0.0,
+        "allreduce_bound": 0.0,
+        "residual_bound": 0.0,
+        "norm_own": 0.0,
+        "nans": 0,
+    }
     err_j = dict(err_t)
     for p in PATTERNS:
         outs = tw.new_outputs(torch, p, m, hidden, dt, device, GROUP)
-        tw.call_pattern(tc, ws, p, x, r_d, g_d, outs, sf=sf_d, group=GROUP,
-                        oneshot=c["oneshot"], fp32_acc=True, wb=0.0)
+        tw.call_pattern(
+            tc,
+            ws,
+            p,
+            x,
+            r_d,
+            g_d,
+            outs,
+            sf=sf_d,
+            group=GROUP,
+            oneshot=c["oneshot"],
+            fp32_acc=True,
+            wb=0.0,
+        )
         sync()
         got = tw.outputs_to_numpy(torch, outs)
         jx, d = {}, {}
@@ -237,28 +305,43 @@ def compare_case(torch, tc, ws, device, data, c, rank, sync, world=2):
                 d[tname] = int(np.sum(mine != theirs))
         diffs[p] = d
         for src, errs in ((got, err_t), (jx, err_j)):
-            e = tw.plain_errors({n: v for n, v in src.items()
-                                 if n in ("output", "residual_out", "norm_out")},
-                                ref, res64, gam64, dtype, 0.0, xs=xs64)
+            e = tw.plain_errors(
+                {n: v for n, v in src.items() if n in ("output", "residual_out", "norm_out")},
+                ref,
+                res64,
+                gam64,
+                dtype,
+                0.0,
+                xs=xs64,
+            )
             worst_of(errs, {n: v for n, v in e.items() if n != "nans"})
             errs["nans"] += e["nans"]
         by_torch[p], by_jax[p] = got, jx
     label = f"{dtype} {m}x{hidden} {'one' if c['oneshot'] else 'two'}-shot"
-    q_t = tw.quant_stats(tw.new_quant_stats(), by_torch, ref, res64, gam64, dtype, sf[0],
-                         GROUP, label, xs=xs64)
-    q_j = tw.quant_stats(tw.new_quant_stats(), by_jax, ref, res64, gam64, dtype, sf[0],
-                         GROUP, label, xs=xs64)
+    q_t = tw.quant_stats(
+        tw.new_quant_stats(), by_torch, ref, res64, gam64, dtype, sf[0], GROUP, label, xs=xs64
+    )
+    q_j = tw.quant_stats(
+        tw.new_quant_stats(), by_jax, ref, res64, gam64, dtype, sf[0], GROUP, label, xs=xs64
+    )
     return {"diffs": diffs, "torch": err_t, "jax": err_j, "quant_torch": q_t, "quant_jax": q_j}
 
 
 def merge_quant(total, q):
     from tests.gpu.harness import worst_of
+
     for k in ("cases", "elements", "worse", "group_scale_mismatch", "poisoned"):
         total[k] += q[k]
     for k in total["steps1"]:
         total["steps1"][k] += q["steps1"][k]
-    worst_of(total, {k: q[k] for k in ("dyn_scale_ulps", "residual", "norm",
-                                       "residual_bound", "norm_own") if k in q})
+    worst_of(
+        total,
+        {
+            k: q[k]
+            for k in ("dyn_scale_ulps", "residual", "norm", "residual_bound", "norm_own")
+            if k in q
+        },
+    )
     total["twin_diffs"] += q["twin_diffs"]
     return total
 
@@ -268,20 +351,27 @@ def torch_phase(rank, world, chan, *, port, out_dir):
     import torch_compat as tc
 
     from tests.gpu.harness import worst_of
+
     try:
         meta, data = load(out_dir)
         assert meta["world"] == world, (meta["world"], world)
         cases = meta["cases"]
         ws = tc.create_allreduce_fusion_workspace(
-            "trtllm", world, rank, max(c["m"] for c in cases), max(c["hidden"] for c in cases),
-            torch.bfloat16, timeout_s=120)
+            "trtllm",
+            world,
+            rank,
+            max(c["m"] for c in cases),
+            max(c["hidden"] for c in cases),
+            torch.bfloat16,
+            timeout_s=120,
+        )
         per_case, differing = [], {}
-        worst = {s: {"allreduce": 0.0, "residual": 0.0, "norm": 0.0, "nans": 0}
-                 for s in ("torch", "jax")}
+        worst = {
+            s: {"allreduce": 0.0, "residual": 0.0, "norm": 0.0, "nans": 0} for s in ("torch", "jax")
+        }
         quant = {s: tw.new_quant_stats() for s in ("torch", "jax")}
         for c in cases:
-            out = compare_case(torch, tc, ws, device, data, c, rank, torch.cuda.synchronize,
-                               world)
+            out = compare_case(torch, tc, ws, device, data, c, rank, torch.cuda.synchronize, world)
             nz = {p: {n: v for n, v in d.items() if v != 0} for p, d in out["diffs"].items()}
             nz = {p: d for p, d in nz.items() if d}
             per_case.append({**c, "differing": nz})
@@ -295,7 +385,13 @@ def torch_phase(rank, world, chan, *, port, out_dir):
                 merge_quant(quant[s], out[f"quant_{s}"])
         dist.barrier()
         ws.destroy()
-        return {"rank": rank, "cases": len(cases), "differing_elements": differing,
-                "per_case": per_case, "worst": worst, "quant": quant}
+        return {
+            "rank": rank,
+            "cases": len(cases),
+            "differing_elements": differing,
+            "per_case": per_case,
+            "worst": worst,
+            "quant": quant,
+        }
     finally:
         dist.destroy_process_group()

@@ -8,6 +8,7 @@ ranks share a GPU (their kernels time-slice; the protocol still completes).
 Inputs are drawn from seeds derived from (seed, group, case, member), so every member can
 rebuild its whole group's inputs and the float64 oracle (tests/oracles/oracle.py).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -24,22 +25,27 @@ RMS_EPS = 1e-6
 
 def _init(rank, world, port, wanted_device):
     # Inherited from tests/conftest.py under pytest; set here too for direct runs.
-    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                 ("NVSHMEM_DISABLE_NVLS", "1")):
+    for k, v in (
+        ("NCCL_NVLS_ENABLE", "0"),
+        ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+        ("NVSHMEM_DISABLE_NVLS", "1"),
+    ):
         os.environ.setdefault(k, v)
     import torch
     import torch.distributed as dist
 
     device = wanted_device % torch.cuda.device_count()
     torch.cuda.set_device(device)  # the workspace takes torch.cuda.current_device()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     return torch, dist, device
 
 
 def _group_inputs(seed, group, case, m, hidden, world, torch):
     """bf16 inputs of every member of ``group`` for one case, plus the group's residual and
     gamma (the same on every member, as a replicated residual stream is in TP)."""
+
     def draw(*shape, member):
         rng = np.random.default_rng([seed, group, case, member])
         return torch.from_numpy(rng.standard_normal(shape, dtype=np.float32)).bfloat16()
@@ -62,9 +68,13 @@ class _Pattern1Case:
         self.res_in, self.gamma_d = residual.to(device), gamma.to(device)
         self.res_out = torch.empty_like(self.x)
         self.norm_out = torch.empty_like(self.x)
-        self.oracle = oracle.fused_reference([t.float().numpy() for t in xs],
-                                             residual.float().numpy(), gamma.float().numpy(),
-                                             rms_eps=RMS_EPS, weight_bias=0.0)
+        self.oracle = oracle.fused_reference(
+            [t.float().numpy() for t in xs],
+            residual.float().numpy(),
+            gamma.float().numpy(),
+            rms_eps=RMS_EPS,
+            weight_bias=0.0,
+        )
 
     def run(self, ws, **kw):
         """Poisons the outputs, calls, waits; returns (residual ulps, norm ulps, NaN count,
@@ -75,10 +85,17 @@ class _Pattern1Case:
         torch = self.torch
         self.res_out.fill_(float("nan"))
         self.norm_out.fill_(float("nan"))
-        ret = tc.allreduce_fusion(self.x, ws, tc.AllReduceFusionPattern.kARResidualRMSNorm,
-                                  residual_out=self.res_out, norm_out=self.norm_out,
-                                  residual_in=self.res_in, rms_gamma=self.gamma_d,
-                                  rms_eps=RMS_EPS, **kw)
+        ret = tc.allreduce_fusion(
+            self.x,
+            ws,
+            tc.AllReduceFusionPattern.kARResidualRMSNorm,
+            residual_out=self.res_out,
+            norm_out=self.norm_out,
+            residual_in=self.res_in,
+            rms_gamma=self.gamma_d,
+            rms_eps=RMS_EPS,
+            **kw,
+        )
         assert ret is self.norm_out, "pattern 1 must return norm_out (FlashInfer's rule)"
         torch.cuda.synchronize()
         r, y = (t.float().cpu().numpy() for t in (self.res_out, self.norm_out))
@@ -87,10 +104,14 @@ class _Pattern1Case:
         digest = hashlib.sha256()
         for t in (self.res_out, self.norm_out):
             digest.update(t.cpu().view(torch.uint8).numpy().tobytes())
-        return (oracle.residual_error_ulps(r, s64, r64, res_np, "bfloat16"),
-                oracle.norm_error_ulps(y, s64, y64, inv64, res_np, g_np, weight_bias=0.0,
-                                       dtype_name="bfloat16"),
-                int(np.isnan(r).sum() + np.isnan(y).sum()), digest.hexdigest())
+        return (
+            oracle.residual_error_ulps(r, s64, r64, res_np, "bfloat16"),
+            oracle.norm_error_ulps(
+                y, s64, y64, inv64, res_np, g_np, weight_bias=0.0, dtype_name="bfloat16"
+            ),
+            int(np.isnan(r).sum() + np.isnan(y).sum()),
+            digest.hexdigest(),
+        )
 
 
 # DP=2 x TP=2 on two GPUs with group B crossed, as in vLLM's DP+TP bug reports: group A =
@@ -111,12 +132,24 @@ def dp_tp_worker(rank, world, chan, *, port, seed, tokens, hidden):
         np.random.seed(SHARED_SEED)
         torch.manual_seed(SHARED_SEED)
         ws = tc.create_allreduce_fusion_workspace(
-            "trtllm", world_size=2, rank=tp_rank, max_token_num=max(tokens), hidden_dim=hidden,
-            dtype=torch.bfloat16, group=groups[g], timeout_s=120)
-        placement = {"rank": rank, "group": g, "tp_rank": ws.rank, "device": ws.device,
-                     "global_ranks": list(ws.global_ranks),
-                     "member_devices": [m.device for m in ws.members],
-                     "gpus": torch.cuda.device_count()}
+            "trtllm",
+            world_size=2,
+            rank=tp_rank,
+            max_token_num=max(tokens),
+            hidden_dim=hidden,
+            dtype=torch.bfloat16,
+            group=groups[g],
+            timeout_s=120,
+        )
+        placement = {
+            "rank": rank,
+            "group": g,
+            "tp_rank": ws.rank,
+            "device": ws.device,
+            "global_ranks": list(ws.global_ranks),
+            "member_devices": [m.device for m in ws.members],
+            "gpus": torch.cuda.device_count(),
+        }
         dist.barrier()  # both groups start together, so their calls overlap
         worst = {"residual": 0.0, "norm": 0.0}
         nan_outputs, digests, cases = 0, [], []
@@ -125,8 +158,9 @@ def dp_tp_worker(rank, world, chan, *, port, seed, tokens, hidden):
             case = _Pattern1Case(torch, device, tp_rank, xs, residual, gamma)
             # The heuristic's choice, and two-shot wherever it can run (more tokens than ranks).
             for use_oneshot in (None, False) if m > 2 else (None,):
-                r_ulps, n_ulps, nans, digest = case.run(ws, use_oneshot=use_oneshot,
-                                                        launch_with_pdl=True, fp32_acc=True)
+                r_ulps, n_ulps, nans, digest = case.run(
+                    ws, use_oneshot=use_oneshot, launch_with_pdl=True, fp32_acc=True
+                )
                 worst["residual"] = max(worst["residual"], r_ulps)
                 worst["norm"] = max(worst["norm"], n_ulps)
                 nan_outputs += nans
@@ -134,8 +168,13 @@ def dp_tp_worker(rank, world, chan, *, port, seed, tokens, hidden):
                 cases.append((m, use_oneshot))
         dist.barrier(group=groups[g])  # no member frees while its peer may still launch
         ws.destroy()
-        return {**placement, "worst": worst, "nan_outputs": nan_outputs, "digests": digests,
-                "cases": cases}
+        return {
+            **placement,
+            "worst": worst,
+            "nan_outputs": nan_outputs,
+            "digests": digests,
+            "cases": cases,
+        }
     finally:
         dist.destroy_process_group()
 
@@ -156,7 +195,8 @@ def cycles_worker(rank, world, chan, *, port, seed, cycles, tokens, hidden):
         def cycle():
             nonlocal nan_outputs
             ws = tc.create_allreduce_fusion_workspace(
-                "trtllm", world, rank, tokens, hidden, torch.bfloat16, timeout_s=120)
+                "trtllm", world, rank, tokens, hidden, torch.bfloat16, timeout_s=120
+            )
             r_ulps, n_ulps, nans, _ = case.run(ws)
             worst["residual"] = max(worst["residual"], r_ulps)
             worst["norm"] = max(worst["norm"], n_ulps)
@@ -180,9 +220,16 @@ def cycles_worker(rank, world, chan, *, port, seed, cycles, tokens, hidden):
             cycle()
         seconds = time.monotonic() - t0
         after = free_bytes()
-        return {"rank": rank, "device": device, "cycles": cycles, "seconds": seconds,
-                "free_before": before, "free_after": after, "worst": worst,
-                "nan_outputs": nan_outputs}
+        return {
+            "rank": rank,
+            "device": device,
+            "cycles": cycles,
+            "seconds": seconds,
+            "free_before": before,
+            "free_after": after,
+            "worst": worst,
+            "nan_outputs": nan_outputs,
+        }
     finally:
         dist.destroy_process_group()
 
@@ -198,8 +245,9 @@ def never_join_worker(rank, world, chan, *, port, create_timeout_s):
             return {"rank": 1}
         t0 = time.monotonic()
         try:
-            tc.create_allreduce_fusion_workspace("trtllm", 2, 0, 16, 4096, torch.bfloat16,
-                                                 timeout_s=create_timeout_s)
+            tc.create_allreduce_fusion_workspace(
+                "trtllm", 2, 0, 16, 4096, torch.bfloat16, timeout_s=create_timeout_s
+            )
             error_type, message = None, "created"
         except Exception as e:
             error_type, message = type(e).__name__, str(e)
@@ -223,6 +271,7 @@ GROUP = 128
 
 def _traits(pattern):
     from jax_fusedar.common.patterns import TRAITS, AllReduceFusionPattern
+
     return TRAITS[AllReduceFusionPattern(pattern)]
 
 
@@ -236,6 +285,7 @@ def new_outputs(torch, pattern, m, hidden, dtype, device, group=GROUP):
     255) in quant_out and the group scales. ``_scale_buf`` is the dense (K, T) buffer behind
     the per-token-group scale view."""
     from jax_fusedar.common import quant_layouts
+
     t = _traits(pattern)
     out = {}
     nan = float("nan")
@@ -260,8 +310,22 @@ def new_outputs(torch, pattern, m, hidden, dtype, device, group=GROUP):
     return out
 
 
-def call_pattern(tc, ws, pattern, x, res, gam, outs, *, sf=None, group=GROUP, oneshot=None,
-                 fp32_acc=True, wb=0.0, pdl=True):
+def call_pattern(
+    tc,
+    ws,
+    pattern,
+    x,
+    res,
+    gam,
+    outs,
+    *,
+    sf=None,
+    group=GROUP,
+    oneshot=None,
+    fp32_acc=True,
+    wb=0.0,
+    pdl=True,
+):
     """One torch_compat.allreduce_fusion call of ``pattern`` into ``outs``; checks the
     returned tensor is FlashInfer's (norm_out, else quant_out, else output)."""
     t = _traits(pattern)
@@ -272,8 +336,9 @@ def call_pattern(tc, ws, pattern, x, res, gam, outs, *, sf=None, group=GROUP, on
         kw["scale_factor"] = sf
     if t.quant == "group_fp8":
         kw["block_quant_group_size"] = group
-    ret = tc.allreduce_fusion(x, ws, pattern, launch_with_pdl=pdl, use_oneshot=oneshot,
-                              fp32_acc=fp32_acc, **kw)
+    ret = tc.allreduce_fusion(
+        x, ws, pattern, launch_with_pdl=pdl, use_oneshot=oneshot, fp32_acc=fp32_acc, **kw
+    )
     want = outs.get("norm_out", outs.get("quant_out", outs.get("output")))
     assert ret is want, f"pattern {pattern} returned the wrong tensor"
     return ret
@@ -302,9 +367,14 @@ def outputs_to_numpy(torch, outs):
 def group_oracle(xs, res, gam, *, wb=0.0):
     """float64 oracle tuple (s, r, y, inv) of the group's inputs (numpy, any float dtype)."""
     from tests.oracles import oracle
-    return oracle.fused_reference([np.asarray(x, np.float64) for x in xs],
-                                  np.asarray(res, np.float64), np.asarray(gam, np.float64),
-                                  rms_eps=RMS_EPS, weight_bias=wb)
+
+    return oracle.fused_reference(
+        [np.asarray(x, np.float64) for x in xs],
+        np.asarray(res, np.float64),
+        np.asarray(gam, np.float64),
+        rms_eps=RMS_EPS,
+        weight_bias=wb,
+    )
 
 
 def plain_errors(got, ref, res, gam, dtype, wb, *, xs=None, fp32_acc=True):
@@ -312,13 +382,24 @@ def plain_errors(got, ref, res, gam, dtype, wb, *, xs=None, fp32_acc=True):
     count; given every rank's inputs ``xs``, also the accumulation measures that hold at
     every world size (oracle.accumulation_errors, for this ``fp32_acc``)."""
     from tests.oracles import oracle
+
     s64, r64, y64, inv64 = ref
     e = {"nans": 0}
     if xs is not None:
-        e.update(oracle.accumulation_errors(
-            xs, res, gam, allreduce_out=got.get("output"), residual_out=got.get("residual_out"),
-            norm_out=got.get("norm_out"), fp32_acc=fp32_acc, rms_eps=RMS_EPS, weight_bias=wb,
-            dtype_name=dtype))
+        e.update(
+            oracle.accumulation_errors(
+                xs,
+                res,
+                gam,
+                allreduce_out=got.get("output"),
+                residual_out=got.get("residual_out"),
+                norm_out=got.get("norm_out"),
+                fp32_acc=fp32_acc,
+                rms_eps=RMS_EPS,
+                weight_bias=wb,
+                dtype_name=dtype,
+            )
+        )
     if "output" in got:
         e["allreduce"] = oracle.allreduce_error_ulps(got["output"], s64, dtype)
         e["nans"] += int(np.isnan(got["output"]).sum())
@@ -326,16 +407,26 @@ def plain_errors(got, ref, res, gam, dtype, wb, *, xs=None, fp32_acc=True):
         e["residual"] = oracle.residual_error_ulps(got["residual_out"], s64, r64, res, dtype)
         e["nans"] += int(np.isnan(got["residual_out"]).sum())
     if "norm_out" in got:
-        e["norm"] = oracle.norm_error_ulps(got["norm_out"], s64, y64, inv64, res, gam,
-                                           weight_bias=wb, dtype_name=dtype)
+        e["norm"] = oracle.norm_error_ulps(
+            got["norm_out"], s64, y64, inv64, res, gam, weight_bias=wb, dtype_name=dtype
+        )
         e["nans"] += int(np.isnan(got["norm_out"]).sum())
     return e
 
 
 def new_quant_stats():
-    return {"cases": 0, "elements": 0, "steps1": {"static": 0, "dynamic": 0, "group": 0},
-            "worse": 0, "twin_diffs": [], "dyn_scale_ulps": 0.0, "group_scale_mismatch": 0,
-            "poisoned": 0, "residual": 0.0, "norm": 0.0}
+    return {
+        "cases": 0,
+        "elements": 0,
+        "steps1": {"static": 0, "dynamic": 0, "group": 0},
+        "worse": 0,
+        "twin_diffs": [],
+        "dyn_scale_ulps": 0.0,
+        "group_scale_mismatch": 0,
+        "poisoned": 0,
+        "residual": 0.0,
+        "norm": 0.0,
+    }
 
 
 def quant_stats(stats, by_pattern, ref, res, gam, dtype, sf, group, label, xs=None):
@@ -346,6 +437,7 @@ def quant_stats(stats, by_pattern, ref, res, gam, dtype, sf, group, label, xs=No
     given every rank's inputs ``xs``, the accumulation bounds)."""
     from tests.gpu.harness import worst_of
     from tests.oracles import quant_oracle
+
     o = by_pattern
     m = o[4]["norm_out"].shape[0]
     for p in FP8_PATTERNS:
@@ -353,30 +445,37 @@ def quant_stats(stats, by_pattern, ref, res, gam, dtype, sf, group, label, xs=No
         worst_of(stats, {k: v for k, v in e.items() if k != "nans"})
         q = o[p]["quant_out"]
         stats["poisoned"] += e["nans"] + int(np.sum((q & 0x7F) == 0x7F))
-    stats["poisoned"] += int(np.isnan(o[10]["scale_out"]).sum()
-                             + np.isnan(o[11]["scale_out"]).sum())
+    stats["poisoned"] += int(
+        np.isnan(o[10]["scale_out"]).sum() + np.isnan(o[11]["scale_out"]).sum()
+    )
     for p in (8, 9):
         stats["poisoned"] += int(np.sum(o[p]["scale_out"][:, :m].view(np.uint8) == 0xFF))
-    for name, a, b in (("static q", o[2]["quant_out"], o[4]["quant_out"]),
-                       ("dynamic q", o[10]["quant_out"], o[11]["quant_out"]),
-                       ("dynamic scale", o[10]["scale_out"], o[11]["scale_out"]),
-                       ("group q", o[8]["quant_out"], o[9]["quant_out"]),
-                       ("group scale", o[8]["scale_out"][:, :m], o[9]["scale_out"][:, :m])):
+    for name, a, b in (
+        ("static q", o[2]["quant_out"], o[4]["quant_out"]),
+        ("dynamic q", o[10]["quant_out"], o[11]["quant_out"]),
+        ("dynamic scale", o[10]["scale_out"], o[11]["scale_out"]),
+        ("group q", o[8]["quant_out"], o[9]["quant_out"]),
+        ("group scale", o[8]["scale_out"][:, :m], o[9]["scale_out"][:, :m]),
+    ):
         diff = int(np.sum(a.view(np.uint8) != b.view(np.uint8)))
         if diff:
             stats["twin_diffs"].append([name, label, diff])
     want4 = quant_oracle.fp8_static(o[4]["norm_out"], float(sf))
     want11, ws11 = quant_oracle.fp8_dynamic(o[11]["norm_out"], "ieee")
     want9, wb9 = quant_oracle.fp8_group(o[9]["norm_out"], group)
-    for kind, got, want in (("static", o[4]["quant_out"], want4),
-                            ("dynamic", o[11]["quant_out"], want11),
-                            ("group", o[9]["quant_out"], want9)):
+    for kind, got, want in (
+        ("static", o[4]["quant_out"], want4),
+        ("dynamic", o[11]["quant_out"], want11),
+        ("group", o[9]["quant_out"], want9),
+    ):
         d = quant_oracle.code_steps(got, np.asarray(want).view(np.uint8))
         stats["steps1"][kind] += int((d == 1).sum())
         stats["worse"] += int((d > 1).sum())
     ulp32 = np.spacing(np.abs(ws11).astype(np.float32)).astype(np.float64)
-    stats["dyn_scale_ulps"] = max(stats["dyn_scale_ulps"], float(
-        np.max(np.abs(o[11]["scale_out"].astype(np.float64) - ws11) / ulp32)))
+    stats["dyn_scale_ulps"] = max(
+        stats["dyn_scale_ulps"],
+        float(np.max(np.abs(o[11]["scale_out"].astype(np.float64) - ws11) / ulp32)),
+    )
     stats["group_scale_mismatch"] += int(np.sum(o[9]["scale_out"][:, :m] != wb9[:, :m]))
     stats["elements"] += o[4]["quant_out"].size
     stats["cases"] += 1
@@ -389,12 +488,12 @@ def static_scale(ref):
 
 
 def _torch_dtype(torch, name):
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16,
-            "float32": torch.float32}[name]
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
 
 
 def _cases_with_seeds(seed, tokens, hiddens, world, dtypes):
     from tests.gpu.harness import shape_cases
+
     out = []
     for dtype in dtypes:
         for hidden, m, oneshot in shape_cases(tokens, hiddens, world):
@@ -411,12 +510,13 @@ def parity_worker(rank, world, chan, *, port, seed, tokens, hiddens, dtypes):
 
     try:
         ws = tc.create_allreduce_fusion_workspace(
-            "trtllm", world, rank, max(tokens), max(hiddens), torch.bfloat16, timeout_s=120)
-        worst = {d: {"allreduce": 0.0, "residual": 0.0, "norm": 0.0, "cases": 0}
-                 for d in dtypes}
+            "trtllm", world, rank, max(tokens), max(hiddens), torch.bfloat16, timeout_s=120
+        )
+        worst = {d: {"allreduce": 0.0, "residual": 0.0, "norm": 0.0, "cases": 0} for d in dtypes}
         nans, digest, cases = 0, hashlib.sha256(), []
         for i, (cseed, dtype, hidden, m, oneshot) in enumerate(
-                _cases_with_seeds(seed, tokens, hiddens, world, dtypes)):
+            _cases_with_seeds(seed, tokens, hiddens, world, dtypes)
+        ):
             dt = _torch_dtype(torch, dtype)
             xs, res, gam = draw_case(cseed, world, m, hidden)
             xs_t = [to_torch(torch, a, dt, "cpu") for a in xs]
@@ -428,12 +528,31 @@ def parity_worker(rank, world, chan, *, port, seed, tokens, hiddens, dtypes):
             got = {}
             for p in (0, 1):
                 outs = new_outputs(torch, p, m, hidden, dt, device)
-                call_pattern(tc, ws, p, x, r_d, g_d, outs, oneshot=oneshot, fp32_acc=acc,
-                             wb=wb, pdl=bool(i % 2))
+                call_pattern(
+                    tc,
+                    ws,
+                    p,
+                    x,
+                    r_d,
+                    g_d,
+                    outs,
+                    oneshot=oneshot,
+                    fp32_acc=acc,
+                    wb=wb,
+                    pdl=bool(i % 2),
+                )
                 torch.cuda.synchronize()
                 got.update(outputs_to_numpy(torch, outs))
-            e = plain_errors(got, ref, res_np, gam_np, dtype, wb,
-                             xs=[t.double().numpy() for t in xs_t], fp32_acc=acc)
+            e = plain_errors(
+                got,
+                ref,
+                res_np,
+                gam_np,
+                dtype,
+                wb,
+                xs=[t.double().numpy() for t in xs_t],
+                fp32_acc=acc,
+            )
             w = worst[dtype]
             worst_of(w, {k: v for k, v in e.items() if k != "nans"})
             w["cases"] += 1
@@ -443,8 +562,13 @@ def parity_worker(rank, world, chan, *, port, seed, tokens, hiddens, dtypes):
             cases.append((dtype, hidden, m, oneshot))
         dist.barrier()
         ws.destroy()
-        return {"rank": rank, "worst": worst, "nans": nans, "digest": digest.hexdigest(),
-                "cases": cases}
+        return {
+            "rank": rank,
+            "worst": worst,
+            "nans": nans,
+            "digest": digest.hexdigest(),
+            "cases": cases,
+        }
     finally:
         dist.destroy_process_group()
 
@@ -460,7 +584,8 @@ def fp8_worker(rank, world, chan, *, port, seed, shapes, dtypes):
         max_elems = max(h * m for h, m, _ in shapes)
         hmax = max(h for h, _, _ in shapes)
         ws = tc.create_allreduce_fusion_workspace(
-            "trtllm", world, rank, -(-max_elems // hmax), hmax, torch.bfloat16, timeout_s=120)
+            "trtllm", world, rank, -(-max_elems // hmax), hmax, torch.bfloat16, timeout_s=120
+        )
         stats = new_quant_stats()
         # NVFP4 on this GPU: refused before any launch (sm90), or run (sm100+).
         cc = torch.cuda.get_device_capability(device)
@@ -484,19 +609,38 @@ def fp8_worker(rank, world, chan, *, port, seed, shapes, dtypes):
                     call_pattern(tc, ws, p, x, r_d, g_d, outs, sf=sf_d, oneshot=oneshot)
                     torch.cuda.synchronize()
                     by_p[p] = outputs_to_numpy(torch, outs)
-                quant_stats(stats, by_p, ref, res_np, gam_np, dtype, sf, GROUP,
-                            f"{dtype} {m}x{hidden} {'one' if oneshot else 'two'}-shot",
-                            xs=[t.double().numpy() for t in xs_t])
+                quant_stats(
+                    stats,
+                    by_p,
+                    ref,
+                    res_np,
+                    gam_np,
+                    dtype,
+                    sf,
+                    GROUP,
+                    f"{dtype} {m}x{hidden} {'one' if oneshot else 'two'}-shot",
+                    xs=[t.double().numpy() for t in xs_t],
+                )
         try:
             x = torch.randn(16, 1024, device=device).bfloat16()
-            outs = {"residual_out": torch.empty_like(x), "norm_out": torch.empty_like(x),
-                    "quant_out": torch.empty(16, 512, dtype=torch.uint8, device=device),
-                    "scale_out": torch.empty(128, 64, dtype=torch.uint8, device=device)}
+            outs = {
+                "residual_out": torch.empty_like(x),
+                "norm_out": torch.empty_like(x),
+                "quant_out": torch.empty(16, 512, dtype=torch.uint8, device=device),
+                "scale_out": torch.empty(128, 64, dtype=torch.uint8, device=device),
+            }
             if cc[0] >= 10:
                 stats["nvfp4_refused"] = "sm100+: not refused (not run here)"
             else:
-                tc.allreduce_fusion(x, ws, 5, residual_in=x, rms_gamma=x[0].clone(),
-                                    scale_factor=torch.ones(1, device=device), **outs)
+                tc.allreduce_fusion(
+                    x,
+                    ws,
+                    5,
+                    residual_in=x,
+                    rms_gamma=x[0].clone(),
+                    scale_factor=torch.ones(1, device=device),
+                    **outs,
+                )
                 stats["nvfp4_refused"] = "no error"
         except ValueError as e:
             stats["nvfp4_refused"] = str(e)[:200]
@@ -517,17 +661,20 @@ def compile_worker(rank, world, chan, *, port, seed, m, hidden, backend):
     from tests.gpu.harness import draw_case
 
     try:
-        ws = tc.create_allreduce_fusion_workspace("trtllm", world, rank, m, hidden,
-                                                  torch.bfloat16, timeout_s=120)
+        ws = tc.create_allreduce_fusion_workspace(
+            "trtllm", world, rank, m, hidden, torch.bfloat16, timeout_s=120
+        )
         h = library.register_workspace(ws)
-        AR, FUSED, QUANT = (library.ALLREDUCE, library.ALLREDUCE_RESIDUAL_RMSNORM,
-                            library.ALLREDUCE_RESIDUAL_RMSNORM_QUANT)
+        AR, FUSED, QUANT = (
+            library.ALLREDUCE,
+            library.ALLREDUCE_RESIDUAL_RMSNORM,
+            library.ALLREDUCE_RESIDUAL_RMSNORM_QUANT,
+        )
 
         def f(x, res, g):
             a = AR(x, None, True, h)
             r, n = FUSED(x, res, g, RMS_EPS, 0.0, None, True, h)
-            r11, n11, q11, s11 = QUANT(x, res, g, RMS_EPS, 0.0, 11, None, None, None, None,
-                                       True, h)
+            r11, n11, q11, s11 = QUANT(x, res, g, RMS_EPS, 0.0, 11, None, None, None, None, True, h)
             r9, n9, q9, s9 = QUANT(x, res, g, RMS_EPS, 0.0, 9, None, GROUP, None, None, True, h)
             return a, r, n, r11, n11, q11, s11, r9, n9, q9, s9
 
@@ -541,14 +688,27 @@ def compile_worker(rank, world, chan, *, port, seed, m, hidden, backend):
         compiled = torch.compile(f, fullgraph=True, backend=backend)
         got = compiled(*args)
         torch.cuda.synchronize()
-        names = ("allreduce", "residual_out", "norm_out", "r11", "n11", "q11", "s11", "r9",
-                 "n9", "q9", "s9")
+        names = (
+            "allreduce",
+            "residual_out",
+            "norm_out",
+            "r11",
+            "n11",
+            "q11",
+            "s11",
+            "r9",
+            "n9",
+            "q9",
+            "s9",
+        )
         differing = {}
         for name, a, b in zip(names, eager, got):
             same_meta = (a.shape, a.dtype, a.stride()) == (b.shape, b.dtype, b.stride())
             if not same_meta:
-                differing[name] = f"metadata {tuple(a.shape)} {a.dtype} {a.stride()} vs " \
-                                  f"{tuple(b.shape)} {b.dtype} {b.stride()}"
+                differing[name] = (
+                    f"metadata {tuple(a.shape)} {a.dtype} {a.stride()} vs "
+                    f"{tuple(b.shape)} {b.dtype} {b.stride()}"
+                )
                 continue
             if name == "s9":  # only the written (M, K) view
                 a, b = a.contiguous(), b.contiguous()
@@ -557,18 +717,32 @@ def compile_worker(rank, world, chan, *, port, seed, m, hidden, backend):
             n = int((ab != bb).sum())
             if n:
                 differing[name] = n
-        ref = group_oracle([t.double().numpy() for t in xs_t], res_t.double().numpy(),
-                           gam_t.double().numpy())
-        e = plain_errors({"output": got[0].float().cpu().double().numpy(),
-                          "residual_out": got[1].float().cpu().double().numpy(),
-                          "norm_out": got[2].float().cpu().double().numpy()},
-                         ref, res_t.double().numpy(), gam_t.double().numpy(), "bfloat16", 0.0,
-                         xs=[t.double().numpy() for t in xs_t])
+        ref = group_oracle(
+            [t.double().numpy() for t in xs_t], res_t.double().numpy(), gam_t.double().numpy()
+        )
+        e = plain_errors(
+            {
+                "output": got[0].float().cpu().double().numpy(),
+                "residual_out": got[1].float().cpu().double().numpy(),
+                "norm_out": got[2].float().cpu().double().numpy(),
+            },
+            ref,
+            res_t.double().numpy(),
+            gam_t.double().numpy(),
+            "bfloat16",
+            0.0,
+            xs=[t.double().numpy() for t in xs_t],
+        )
         dist.barrier()
         library.unregister_workspace(h)
         ws.destroy()
-        return {"rank": rank, "backend": backend, "differing": differing, "errors": e,
-                "torch": torch.__version__}
+        return {
+            "rank": rank,
+            "backend": backend,
+            "differing": differing,
+            "errors": e,
+            "torch": torch.__version__,
+        }
     finally:
         dist.destroy_process_group()
 
@@ -583,8 +757,9 @@ def cuda_graph_worker(rank, world, chan, *, port, seed, m, hidden, replays):
     from tests.gpu.harness import draw_case, worst_of
 
     try:
-        ws = tc.create_allreduce_fusion_workspace("trtllm", world, rank, m, hidden,
-                                                  torch.bfloat16, timeout_s=120)
+        ws = tc.create_allreduce_fusion_workspace(
+            "trtllm", world, rank, m, hidden, torch.bfloat16, timeout_s=120
+        )
         dt = torch.bfloat16
         x = torch.zeros(m, hidden, dtype=dt, device=device)
         res = torch.zeros_like(x)
@@ -607,8 +782,16 @@ def cuda_graph_worker(rank, world, chan, *, port, seed, m, hidden, replays):
             captured_launches = _native_launches() - launches0
             torch.cuda.synchronize()
             dist.barrier()
-            worst = {"residual": 0.0, "norm": 0.0, "nans": 0, "replays": 0,
-                     "code_steps1": 0, "code_worse": 0, "scale_ulps": 0.0, "poisoned": 0}
+            worst = {
+                "residual": 0.0,
+                "norm": 0.0,
+                "nans": 0,
+                "replays": 0,
+                "code_steps1": 0,
+                "code_worse": 0,
+                "scale_ulps": 0.0,
+                "poisoned": 0,
+            }
             launches1 = _native_launches()
             for i in range(replays):
                 xs, r_np, g_np = draw_case(seed * 1000 + 100 + i + 1000 * p, world, m, hidden)
@@ -625,10 +808,18 @@ def cuda_graph_worker(rank, world, chan, *, port, seed, m, hidden, replays):
                 graph.replay()
                 torch.cuda.synchronize()
                 got = outputs_to_numpy(torch, outs)
-                ref = group_oracle([t.double().numpy() for t in xs_t], r_t.double().numpy(),
-                                   g_t.double().numpy())
-                e = plain_errors(got, ref, r_t.double().numpy(), g_t.double().numpy(),
-                                 "bfloat16", 0.0, xs=[t.double().numpy() for t in xs_t])
+                ref = group_oracle(
+                    [t.double().numpy() for t in xs_t], r_t.double().numpy(), g_t.double().numpy()
+                )
+                e = plain_errors(
+                    got,
+                    ref,
+                    r_t.double().numpy(),
+                    g_t.double().numpy(),
+                    "bfloat16",
+                    0.0,
+                    xs=[t.double().numpy() for t in xs_t],
+                )
                 worst_of(worst, {k: v for k, v in e.items() if k != "nans"})
                 worst["nans"] += e["nans"]
                 if p == 11:
@@ -637,8 +828,10 @@ def cuda_graph_worker(rank, world, chan, *, port, seed, m, hidden, replays):
                     worst["code_steps1"] += int((d == 1).sum())
                     worst["code_worse"] += int((d > 1).sum())
                     ulp32 = np.spacing(np.abs(wsc).astype(np.float32)).astype(np.float64)
-                    worst["scale_ulps"] = max(worst["scale_ulps"], float(np.max(
-                        np.abs(got["scale_out"].astype(np.float64) - wsc) / ulp32)))
+                    worst["scale_ulps"] = max(
+                        worst["scale_ulps"],
+                        float(np.max(np.abs(got["scale_out"].astype(np.float64) - wsc) / ulp32)),
+                    )
                     worst["poisoned"] += int(np.sum((got["quant_out"] & 0x7F) == 0x7F))
                 worst["replays"] += 1
             worst["host_launches_during_replays"] = _native_launches() - launches1
@@ -655,12 +848,14 @@ def cuda_graph_worker(rank, world, chan, *, port, seed, m, hidden, replays):
 
 def _native_launches():
     from jax_fusedar.common import native
+
     return native.require().launch_count()
 
 
 def rms_manual(x, g, eps=RMS_EPS):
     """vLLM's RMSNorm.forward_native (the form the fusion pass matches anywhere)."""
     import torch
+
     xf = x.to(torch.float32)
     v = xf.pow(2).mean(-1, keepdim=True)
     return (xf * torch.rsqrt(v + eps)).to(x.dtype) * g
@@ -679,34 +874,36 @@ def build_tp_model(torch, group, rank, world, *, m, hidden, layers, seed, device
     shard = hidden // world
     x_full = rng.standard_normal((m, hidden), dtype=np.float32)
     res0 = rng.standard_normal((m, hidden), dtype=np.float32)
-    w_full = [rng.standard_normal((hidden, hidden), dtype=np.float32) / np.sqrt(hidden)
-              for _ in range(layers)]
+    w_full = [
+        rng.standard_normal((hidden, hidden), dtype=np.float32) / np.sqrt(hidden)
+        for _ in range(layers)
+    ]
     gammas = [rng.uniform(0.5, 1.5, hidden).astype(np.float32) for _ in range(layers)]
     lo, hi = rank * shard, (rank + 1) * shard
     t = lambda a: to_torch(torch, a, dt, device)  # noqa: E731
-    args = (t(x_full[:, lo:hi]), t(res0), *[t(w[lo:hi]) for w in w_full],
-            *[t(g) for g in gammas])
-    norm_fn = rms_manual if norm == "manual" else \
-        (lambda r, g: F.rms_norm(r, (hidden,), g, RMS_EPS))
+    args = (t(x_full[:, lo:hi]), t(res0), *[t(w[lo:hi]) for w in w_full], *[t(g) for g in gammas])
+    norm_fn = (
+        rms_manual if norm == "manual" else (lambda r, g: F.rms_norm(r, (hidden,), g, RMS_EPS))
+    )
 
     def model(x_shard, residual, *wg):
         w_sh, gs = wg[:layers], wg[layers:]
         h = x_shard
         for i in range(layers):
-            partial = h @ w_sh[i]                  # row-parallel: [m, H/tp] @ [H/tp, H]
+            partial = h @ w_sh[i]  # row-parallel: [m, H/tp] @ [H/tp, H]
             s = funcol.all_reduce(partial, "sum", group)
             residual = s + residual
             normed = norm_fn(residual, gs[i])
-            h = normed[:, lo:hi]                   # this rank's input shard of the next layer
+            h = normed[:, lo:hi]  # this rank's input shard of the next layer
         return normed, residual
 
     def f64(a):
         return to_torch(torch, a, dt, "cpu").double().numpy()
+
     h64, r64 = f64(x_full), f64(res0)
     for i in range(layers):
         r64 = h64 @ f64(w_full[i]) + r64
-        h64 = r64 / np.sqrt(np.mean(r64 * r64, axis=-1, keepdims=True) + RMS_EPS) * \
-            f64(gammas[i])
+        h64 = r64 / np.sqrt(np.mean(r64 * r64, axis=-1, keepdims=True) + RMS_EPS) * f64(gammas[i])
     return model, args, (h64, r64)
 
 
@@ -714,21 +911,25 @@ def trace_tp_model(torch, model, args):
     """make_fx with fake tensors; F.rms_norm's CUDA path (aten._fused_rms_norm) decomposed
     into the primitive form the pass matches."""
     from torch.fx.experimental.proxy_tensor import make_fx
+
     decomp = {}
     if hasattr(torch.ops.aten, "_fused_rms_norm"):
         from torch._decomp import get_decompositions
+
         decomp = get_decompositions([torch.ops.aten._fused_rms_norm])
     return make_fx(model, decomposition_table=decomp, tracing_mode="fake")(*args)
 
 
 def compare_models(torch, fused, unfused, ref64):
     def rel(out, ref):
-        return float(np.max(np.abs(out.float().cpu().double().numpy() - ref)) /
-                     np.max(np.abs(ref)))
+        return float(np.max(np.abs(out.float().cpu().double().numpy() - ref)) / np.max(np.abs(ref)))
+
     return {
         "finite": bool(all(bool(torch.isfinite(a).all()) for a in (*fused, *unfused))),
-        "fused_vs_unfused": max(float((a.float() - b.float()).abs().max() /
-                                      b.float().abs().max()) for a, b in zip(fused, unfused)),
+        "fused_vs_unfused": max(
+            float((a.float() - b.float()).abs().max() / b.float().abs().max())
+            for a, b in zip(fused, unfused)
+        ),
         "fused_vs_f64": max(rel(fused[0], ref64[0]), rel(fused[1], ref64[1])),
         "unfused_vs_f64": max(rel(unfused[0], ref64[0]), rel(unfused[1], ref64[1])),
     }
@@ -749,14 +950,24 @@ def fusion_pass_worker(rank, world, chan, *, port, seed, m, hidden, layers, mode
 
     try:
         nccl = dist.new_group(list(range(world)), backend="nccl")
-        ws = tc.create_allreduce_fusion_workspace("trtllm", world, rank, m, hidden,
-                                                  torch.bfloat16, timeout_s=120)
+        ws = tc.create_allreduce_fusion_workspace(
+            "trtllm", world, rank, m, hidden, torch.bfloat16, timeout_s=120
+        )
         ar = torch.ops._c10d_functional.all_reduce.default
         out = {"rank": rank, "mode": mode, "forms": {}}
-        for norm in (("manual", "F.rms_norm") if mode == "make_fx" else ("F.rms_norm",)):
-            model, args, ref64 = build_tp_model(torch, nccl, rank, world, m=m, hidden=hidden,
-                                                layers=layers, seed=seed, device=device,
-                                                norm=norm)
+        for norm in ("manual", "F.rms_norm") if mode == "make_fx" else ("F.rms_norm",):
+            model, args, ref64 = build_tp_model(
+                torch,
+                nccl,
+                rank,
+                world,
+                m=m,
+                hidden=hidden,
+                layers=layers,
+                seed=seed,
+                device=device,
+                norm=norm,
+            )
             r = {}
             if mode == "make_fx":
                 gm = trace_tp_model(torch, model, args)
@@ -776,9 +987,9 @@ def fusion_pass_worker(rank, world, chan, *, port, seed, m, hidden, layers, mode
                 torch.cuda.synchronize()
                 torch._dynamo.reset()
                 p = fusion_pass.AllReduceFusionPass(ws)
-                with torch._inductor.config.patch(post_grad_custom_pre_pass=p,
-                                                  fx_graph_cache=False,
-                                                  force_disable_caches=True):
+                with torch._inductor.config.patch(
+                    post_grad_custom_pre_pass=p, fx_graph_cache=False, force_disable_caches=True
+                ):
                     fused = torch.compile(model, fullgraph=True)(*args)
                 torch.cuda.synchronize()
                 torch._dynamo.reset()
