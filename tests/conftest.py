@@ -34,15 +34,17 @@ def pytest_collection_modifyitems(config, items):
     if "sweep" not in (config.option.markexpr or ""):
         skip_sweep = pytest.mark.skip(reason="an exhaustive sweep: run it with pytest -m sweep")
         for item in items:
-            if "sweep" in item.keywords:
+            if item.get_closest_marker("sweep") is not None:
                 item.add_marker(skip_sweep)
     if gpu_count() > 0:
         return
     skip = pytest.mark.skip(
         reason="no CUDA GPU visible (tools/gpu_check.sh runs the GPU tests on a machine with GPUs)"
     )
+    # The marker, not item.keywords: keywords also hold the folder names, so every test
+    # under tests/gpu/ would match "gpu", CPU dry runs of the GPU workers included.
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
 
 
