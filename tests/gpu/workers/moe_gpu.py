@@ -542,10 +542,14 @@ def stage_torch(out_dir, anchor_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    if anchor_path:
-        from tests.gpu import anchor
+    from tests.gpu import anchor
 
-        anchor.prepare_parent(anchor.path(anchor_path))
+    # --anchor, else $JAX_FUSEDAR_ANCHOR, else the repository's .anchor folder: where that
+    # folder looks complete, the ranks must inherit its environment to load it.
+    where = anchor.path(anchor_path)
+    if anchor.problem(where) is None:
+        anchor.prepare_parent(where)
+    anchor_path = str(where)
     # The harness kills the ranks itself on timeout (a shell timeout would orphan them, still
     # spinning on the GPUs).
     reports = run_ranks(
