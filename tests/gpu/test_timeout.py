@@ -17,7 +17,7 @@ import re
 
 import pytest
 
-from tests.gpu.case_runs import lost_trap_record, report, run_case
+from tests.gpu.case_runs import host_slack_s, lost_trap_record, report, run_case
 from tests.gpu.harness import world_params
 
 pytestmark = pytest.mark.gpu
@@ -58,7 +58,8 @@ def _check_failed_record(f, me, peer, seq, sig, timeout_s, where, world=2):
     """Rank `me`'s call failed within timeout + 1 s with a record of call #seq (`sig`)
     naming `peer` and the wait (`where`), and the next launch was refused with it."""
     assert f["sync_error"], f"rank {me}: the call did not fail: {f}"
-    assert f["elapsed_s"] <= timeout_s + 1.0, f  # within timeout + 1 s
+    # within timeout + 1 s (later on a GPU time-sliced with other work: case_runs.host_slack_s)
+    assert f["elapsed_s"] <= timeout_s + 1.0 + host_slack_s(world), f
     assert f["elapsed_s"] >= timeout_s * 0.9, f  # and not for another reason
     _check_record(f["failure_record"], me, peer, seq, sig, timeout_s, where, world)
     assert f["relaunch_error"] and f["failure_record"] in f["relaunch_error"], f
@@ -255,7 +256,7 @@ def test_jax_surfaces_the_timeout_with_the_record():
     # 2 x H200; torch raises at 3.4-3.6 s.
     t = f["timeline_s"]
     assert t["dispatched"] < 1.0 and t["record"] <= jax_timeout.TIMEOUT_S + 1.0, f
-    assert f["elapsed_s"] <= jax_timeout.TIMEOUT_S + 2.0, f
+    assert f["elapsed_s"] <= jax_timeout.TIMEOUT_S + 2.0 + host_slack_s(2), f
     assert f["raise_if_failed"] == f["failures"][0], f
     assert f["next_call_error"], f  # XLA refuses the dead context before our handler runs
 
