@@ -14,11 +14,14 @@ from torch_compat import library
 from tests.torch.test_library import (
     EPS,
     QUANT_CASES,
-    _expected_quant_meta,  # noqa: F401
+    _expected_quant_meta,
     _inputs,
     _quant_args,
     fake_workspace,
 )
+
+# Fixtures of test_library.py, used here by name: pytest finds them through this import.
+from tests.torch.test_library import cpu_kernels, cpu_quant_kernel  # noqa: F401
 
 QUANT = torch.ops.torch_compat.allreduce_residual_rmsnorm_quant.default
 FUSED = torch.ops.torch_compat.allreduce_residual_rmsnorm.default
