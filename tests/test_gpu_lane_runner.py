@@ -77,3 +77,42 @@ def test_quick_lane_runs_on_cpu(tmp_path):
         assert ran.count(node + " ") >= 1, node  # each test ran in some job
     summary = (tmp_path / "summary.txt").read_text()
     assert "job0: exit 0" in summary and "not passed:\n(none)" in summary, summary
+
+
+def test_a_job_cut_short_still_shows_why_its_tests_failed(tmp_path):
+    """tests/gpu/conftest.py writes a failure when it happens, and summarize lists it with its
+    report, though the job was killed before pytest's own summary (a real pytest run with
+    that conftest as its plugin, killed while its second test sleeps)."""
+    import os
+    import time
+    from pathlib import Path
+
+    module = tmp_path / "test_cut_short.py"
+    module.write_text(
+        "import time\n\n"
+        "def test_fails_first():\n"
+        "    assert 6 * 7 == 41, 'the answer moved'\n\n"
+        "def test_then_hangs():\n"
+        "    time.sleep(60)\n"
+    )
+    log = tmp_path / "job0.log"
+    cmd = [sys.executable, "-m", "pytest", "-v", "-rA", "-p", "no:cacheprovider"]
+    cmd += ["-p", "tests.gpu.conftest", "test_cut_short.py"]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            cmd,
+            cwd=tmp_path,
+            env=dict(os.environ, PYTHONPATH=str(REPO)),
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 60
+        while "test_then_hangs" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        proc.kill()
+        proc.wait()
+    text = run_lane.summarize({"job0": Path(log)}, {"job0": -9}, {"job0": 1.0})
+    node = "test_cut_short.py::test_fails_first"
+    assert f"FAILED {node} (call; job0 was cut short)" in text, text
+    assert "the answer moved" in text.split("failures:")[1], text
+    assert "test_then_hangs" not in text.split("not passed:")[1].split("failures:")[0], text
