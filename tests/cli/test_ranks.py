@@ -244,6 +244,7 @@ def test_demo_one_process_per_rank_against_the_unsharded_reference(tp, extra):
         assert f"PASS ({mode})" in out
 
 
+@pytest.mark.slow
 def test_demo_run_as_ranks_reports_a_setup_error_from_the_ranks():
     """A configuration the ranks cannot run (here a preset --moe does not have) fails in
     every rank process with the demo's own message, and the launcher exits 2."""

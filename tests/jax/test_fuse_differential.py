@@ -534,6 +534,8 @@ def quick_programs():
 QUICK = quick_programs()
 
 
+# About 60 s of CPU for the 37 programs: in the full suite (and CI), not the quick lane.
+@pytest.mark.slow
 @pytest.mark.parametrize("prog", QUICK, ids=[p.id for p in QUICK])
 def test_generated_program(prog):
     check(prog)

@@ -184,6 +184,7 @@ def test_sequence_parallel_norm_left_on_the_shard_is_reported():
 # --- a psum with a custom derivative (Megatron's g) -----------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_psum_in_a_custom_vjp_is_fused_and_its_backward_kept(check_vma):
     mesh = mesh_2x4()
@@ -490,6 +491,7 @@ def test_plain_jit_program_without_sites_says_what_to_do():
     assert "under plain jax.jit with shardings, dot_general + add + RMSNorm" in rep.line()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
 def test_plain_jit_size_one_axes_and_float32_gamma(axis_type):
     """A contraction sharded over ('tp', 'z') with z of size 1, and a float32 gamma (a

@@ -26,7 +26,8 @@ from tests.jax.cpu_helpers import make_mesh, require_host_devices  # noqa: E402
 
 require_host_devices()
 
-pytestmark = pytest.mark.usefixtures("hermetic")
+# 6-10 s a test on 2 CPU cores: the full suite runs them, the quick lane does not.
+pytestmark = [pytest.mark.usefixtures("hermetic"), pytest.mark.slow]
 
 CFG = moe_llama.TINY
 AXIS = "tp"

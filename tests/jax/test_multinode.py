@@ -31,10 +31,15 @@ from tests.repo import REPO
 
 
 _PROBLEM = simulated_hosts_problem()
-pytestmark = pytest.mark.skipif(
-    _PROBLEM is not None,
-    reason=f"simulated hosts need private UTS and mount namespaces (root): {_PROBLEM}",
-)
+# Its fixtures start simulated hosts (about 12 s of CPU): the full suite runs the module, the
+# quick lane does not.
+pytestmark = [
+    pytest.mark.skipif(
+        _PROBLEM is not None,
+        reason=f"simulated hosts need private UTS and mount namespaces (root): {_PROBLEM}",
+    ),
+    pytest.mark.slow,
+]
 
 
 def _run(hosts, layouts, backends):
@@ -85,7 +90,6 @@ def _numerics_ok(rec):
     assert w["shards"] > 0 and w["residual"] <= 1.0 and w["norm"] <= 3.0, rec
 
 
-@pytest.mark.slow
 def test_processes_look_like_two_hosts(two_hosts, one_host):
     assert [r["host"] for r in two_hosts] == ["node0", "node1"]
     assert [r["host"] for r in one_host] == ["node0", "node0"]
@@ -193,7 +197,6 @@ def _docs_script() -> str:
     return text[start : text.index("```", start)]
 
 
-@pytest.mark.slow
 def test_docs_two_node_script_runs(tmp_path):
     script = tmp_path / "two_node.py"
     script.write_text(_docs_script())

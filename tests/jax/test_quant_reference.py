@@ -554,6 +554,7 @@ def test_nvfp4_scale_views_roundtrip():
 # ----------------------------------------------------------------------------- dequant bounds
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,M,H", [("bfloat16", 17, 1024), ("float16", 130, 1024)])
 def test_dequantized_error_bounds(dtype, M, H):
     seed = fresh_seed()

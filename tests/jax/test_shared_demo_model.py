@@ -17,7 +17,8 @@ from tests.jax.cpu_helpers import make_mesh, require_host_devices
 
 require_host_devices()
 
-pytestmark = pytest.mark.usefixtures("hermetic")
+# 4-5 s a test on 2 CPU cores: the full suite runs them, the quick lane does not.
+pytestmark = [pytest.mark.usefixtures("hermetic"), pytest.mark.slow]
 
 CFG = llama.TINY
 AXIS = "tp"

@@ -130,6 +130,7 @@ def test_command_without_gpu_says_so():
     assert "JAX_FUSEDAR_ANCHOR" in r.stderr
 
 
+@pytest.mark.slow
 def test_command_runs_from_the_installed_packages_without_the_checkout(tmp_path):
     """An installed wheel holds jax_fusedar and torch_compat but not the checkout's tools/ (the
     anchor's loader): the bench says its rows are skipped and why, then runs (here: stops at
