@@ -386,11 +386,14 @@ def _model(jax, jnp, jf, mesh, P, rank, world, seed, layers, m, hidden, ffn):
     # once captured) when XLA replays a CUDA graph, where the handler's host code never runs.
     from jax_fusedar.common import native
 
+    def launch_count():  # without the native module (a CPU-only install) nothing launches
+        return 0 if native.ext is None else native.ext.launch_count()
+
     launches = []
     for _ in range(3):
-        before = native.ext.launch_count()
+        before = launch_count()
         fn(*args).block_until_ready()
-        launches.append(native.ext.launch_count() - before)
+        launches.append(launch_count() - before)
     local_dev = jax.local_devices()[0]
     unf = np.asarray(
         jax.jit(unfused)(*[jax.device_put(a, local_dev) for a in (w_in, w_out, gam, emb)])
