@@ -32,9 +32,9 @@ LOST_TRAP_SLACK_S = 3.0
 # a trapped kernel's host call returns later than the kernel's own record says it gave up:
 # each context waits its turn on the time-sliced GPU before the driver reports its trap. The
 # kernel's measured wait stays within its bound; the host's return came up to about 1 s per
-# rank sharing the GPU later (one H200, 4 lane jobs, 2026-12-02, timeout_s=3: 2 ranks 4.6-6.1
-# s, 8 ranks 9.7 s and, for the call check's timeout, 15.9 s). The slack doubles that: 2 s
-# per rank on the busiest GPU; with one GPU per rank it is 0.
+# rank sharing the GPU later (one H200, 4 lane jobs, 2026-12-02, timeout_s=3: at 2 ranks
+# 4.6-6.1 s, at 8 ranks 9.7 s and, for the call check's timeout, 15.9 s). The slack doubles
+# that: 2 s per rank on the busiest GPU; with one GPU per rank it is 0.
 SHARED_GPU_HOST_SLACK_PER_RANK_S = 2.0
 
 
