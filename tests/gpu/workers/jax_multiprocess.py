@@ -89,26 +89,12 @@ def worker(rank, world, chan, *, port, xla_flags, task, seed, platform="cuda", *
         out["loop"] = _loop(jax, jnp, jf, oracle, mesh, P, rank, world, seed, **kw)
     elif task == "model":
         out["model"] = _model(jax, jnp, jf, mesh, P, rank, world, seed, **kw)
-    elif task == "quant":
-        from tests.gpu.workers import jax_quant
+    elif task in ("quant", "nvfp4"):
+        # tests/gpu/workers/jax_quant.py and jax_nvfp4.py take the same arguments.
+        import importlib
 
-        out["quant"] = jax_quant.run(
-            jax,
-            jnp,
-            jf,
-            mesh,
-            P,
-            rank,
-            world,
-            seed,
-            glob=lambda spec, a: _global(jax, mesh, spec, a),
-            local=_local,
-            **kw,
-        )
-    elif task == "nvfp4":
-        from tests.gpu.workers import jax_nvfp4
-
-        out["nvfp4"] = jax_nvfp4.run(
+        worker = importlib.import_module(f"tests.gpu.workers.jax_{task}")
+        out[task] = worker.run(
             jax,
             jnp,
             jf,
