@@ -159,11 +159,14 @@ def single_process_env(p: Plan, tp_given: bool, env) -> dict:
 
 def rank_env(p: Plan, env) -> dict:
     """A rank process's environment: JAX on the plan's platform with one device, GPU memory
-    taken on demand (ranks sharing a GPU must fit together), no NVLink multicast."""
+    taken on demand (ranks sharing a GPU must fit together), no NVLink multicast. A GPU rank
+    keeps the CPU platform too, second (the default backend is the first listed): host
+    callbacks (jax.debug.callback, which the MoE demo's tolerance uses) run on a CPU device."""
     out = {k: v for k, v in env.items() if k not in ("JAX_CUDA_VISIBLE_DEVICES",)}
     out.update(NO_MULTICAST)
+    platforms = p.platform if p.platform == "cpu" else f"{p.platform},cpu"
     out.update(
-        JAX_PLATFORMS=p.platform, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1"
+        JAX_PLATFORMS=platforms, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1"
     )
     if not p.gpus:
         out["JAX_NUM_CPU_DEVICES"] = "1"

@@ -76,7 +76,8 @@ def test_rank_environment(gpus):
     assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
     assert env["NCCL_NVLS_ENABLE"] == "0" and env["NVSHMEM_DISABLE_NVLS"] == "1"
     assert env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
-    assert env["JAX_PLATFORMS"] == ("cuda" if gpus else "cpu")
+    # The GPU first (the default backend), the CPU for host callbacks.
+    assert env["JAX_PLATFORMS"] == ("cuda,cpu" if gpus else "cpu")
     assert "JAX_CUDA_VISIBLE_DEVICES" not in env  # a rank picks its GPU itself
     assert env.get("JAX_NUM_CPU_DEVICES") == (None if gpus else "1")
 
