@@ -165,9 +165,7 @@ def rank_env(p: Plan, env) -> dict:
     out = {k: v for k, v in env.items() if k not in ("JAX_CUDA_VISIBLE_DEVICES",)}
     out.update(NO_MULTICAST)
     platforms = p.platform if p.platform == "cpu" else f"{p.platform},cpu"
-    out.update(
-        JAX_PLATFORMS=platforms, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1"
-    )
+    out.update(JAX_PLATFORMS=platforms, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
     if not p.gpus:
         out["JAX_NUM_CPU_DEVICES"] = "1"
     return out
