@@ -1,17 +1,36 @@
-#!/usr/bin/env python3
 """Register counts of FlashInfer's fused all-reduce kernels (dense and MoE), hooked and unhooked.
 
 FlashInfer's launcher sizes blocks and clusters from the kernel's register count, and the
 block/cluster split decides RMSNorm's reduction order, so the kernels with bounded waits
 must launch exactly as the unhooked ones would (ffi/kernels/launch_registers.cuh). The build
-compiles every kernel once more without the hooks ("probe" cubins) and this tool
+needs, per kernel translation unit, the register counts of its kernels compiled without the
+hooks ("probe" cubins), and this tool
 
-  generate  writes the per-translation-unit header of the unhooked counts the launcher uses:
+  probe     writes the per-translation-unit header of the unhooked counts the launcher uses
+            (the build runs it for every translation unit):
+              launch_registers.py probe --dtype 2 --nranks 2 --out H --cache C --record R
+                  --arch 90a --arch 100a --project-root SRC --project-root BUILD
+                  -- NVCC FLAGS... SOURCE
+            For each architecture it takes the counts from the cache C
+            (ffi/core/unhooked_registers.json) when the cache holds them for exactly this
+            input, else compiles the probe cubin (nvcc -cubin, device code only) and reads
+            them from it. The input is named by two SHA-256 keys: "source" (the probe's
+            flags but include and output paths, and the content of every file the
+            preprocessor reads from the project's trees, FlashInfer's headers included) and
+            "toolchain" (nvcc's and the host compiler's versions, NVCC_* environment
+            variables, the content of every other file it reads: the CUDA and system
+            headers). nvcc is deterministic, so equal keys give equal counts; with --verify
+            the counts are compiled anyway and a cache that disagrees fails the build. The
+            record R says, per architecture, the keys, the counts and where they came from.
+  store     copies the counts that the build compiled (the records under --build-dir whose
+            counts came from a probe) into the cache, so that the next build reads them:
+              launch_registers.py store --build-dir build/dev
+  generate  writes the header from probe cubins already compiled:
               launch_registers.py generate --dtype 2 --nranks 2 --out H 90a=A.cubin 100a=B.cubin
-  check     verifies a built libfusedar_core.so against the probe cubins of its build tree:
+  check     verifies a built libfusedar_core.so against the records of its build tree:
               launch_registers.py check --core jax_fusedar/libfusedar_core.so --build-dir build/dev
             every kernel of every pattern, dtype, world size, accumulation mode, one-shot and
-            two-shot, on every architecture: the generated headers hold exactly the probe
+            two-shot, on every architecture: the generated headers hold exactly the unhooked
             counts (so the launch geometry is FlashInfer's), and each hooked kernel's register
             allocation is at most the unhooked one's (so every block size FlashInfer picks
             fits). It prints the counts and the (threads per block, cluster size) that
@@ -19,8 +38,9 @@ compiles every kernel once more without the hooks ("probe" cubins) and this tool
             and with the hooked kernels' own counts, to show what the pin prevents.
 
 The MoE kernels (patterns 6, 7; ffi/kernels/moe_launch_registers.cuh) get the same pin
-without the geometry part (their launchers read no register count): `generate --moe` writes
-their unhooked counts, which cap the hooked kernels' registers, and `check` covers them too.
+without the geometry part (their launchers read no register count): `probe --moe` and
+`generate --moe` write their unhooked counts, which cap the hooked kernels' registers, and
+`check` covers them too.
 
 Reading cubins needs no CUDA tool (the counts are EIATTR_REGCOUNT entries of the ELF's
 .nv.info section); reading the library's compressed fatbin needs cuobjdump (CUDA toolkit,
@@ -30,7 +50,10 @@ or pip install nvidia-cuda-cuobjdump).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import glob
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -375,35 +398,297 @@ def generate(args: argparse.Namespace) -> int:
         if not by_arch[number]:
             raise SystemExit(f"{path}: no fused all-reduce kernel found")
     text = (moe_header_text if args.moe else header_text)(args.dtype, args.nranks, by_arch)
-    # Rewrite only on change, so an unchanged table does not recompile the kernels.
-    try:
-        with open(args.out) as f:
-            if f.read() == text:
-                return 0
-    except FileNotFoundError:
-        pass
-    with open(args.out, "w") as f:
-        f.write(text)
+    write_if_changed(args.out, text)
     return 0
 
 
-_PROBE = re.compile(r"unhooked_(f32|f16|bf16)_n(\d+)\.sm_(\w+)\.cubin$")
+def write_if_changed(path: str, text: str) -> None:
+    """Rewrites only on change, so an unchanged table does not recompile the kernels."""
+    try:
+        with open(path) as f:
+            if f.read() == text:
+                return
+    except FileNotFoundError:
+        pass
+    with open(path, "w") as f:
+        f.write(text)
 
 
-def read_probe_cubins(build_dir: str, pattern: str, probe: re.Pattern, parse):
-    """The register tables of the build's probe cubins (files `pattern`, their names matched
-    by `probe`: dtype, ranks, architecture; kernels recognised by `parse`), per translation
-    unit {(dtype, nranks): {arch: table}} and per architecture {arch: table}."""
+# ---- probe: the unhooked counts of one translation unit, from the cache or from nvcc ----
+
+CACHE_ABOUT = (
+    "Unhooked register counts of the kernel translation units, per architecture, keyed by "
+    "everything the probe compile reads (tools/launch_registers.py probe; refresh with "
+    "tools/launch_registers.py store --build-dir BUILD after a build that compiled probes)."
+)
+
+
+def tu_name(moe: bool, dtype: int, nranks: int) -> str:
+    """'unhooked_bf16_n2' / 'moe_unhooked_bf16_n2': the probe's and its header's stem."""
+    return f"{'moe_' if moe else ''}unhooked_{DTYPE_NAMES[dtype]}_n{nranks}"
+
+
+def table_rows(table: dict) -> list[list[int]]:
+    """A register table as JSON rows: dense [kind, pattern, fp32_acc, registers], MoE
+    [kind, flags, registers], sorted."""
+    rows = []
+    for kernel, registers in sorted(table.items()):
+        if isinstance(kernel, MoeKernel):
+            rows.append([kernel.kind, kernel.flags, registers])
+        else:
+            rows.append([kernel.kind, kernel.pattern, int(kernel.fp32_acc), registers])
+    return rows
+
+
+def table_from_rows(rows: list, moe: bool, dtype: int, nranks: int) -> dict:
+    if moe:
+        return {MoeKernel(kind, dtype, nranks, flags): r for kind, flags, r in rows}
+    return {Kernel(kind, pattern, dtype, nranks, bool(acc)): r for kind, pattern, acc, r in rows}
+
+
+def make_dependencies(text: str) -> list[str]:
+    """The prerequisites of a make rule (nvcc -M's output), in order."""
+    body = text.replace("\\\n", " ")
+    _, _, deps = body.partition(": ")
+    out = []
+    for token in re.split(r"(?<!\\)\s+", deps.strip()):
+        dep = token.replace("\\ ", " ")
+        if dep:
+            out.append(dep)
+    return out
+
+
+def _digest(parts) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.encode() if isinstance(part, str) else part)
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def _file_digest(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _host_compiler(flags: list[str]) -> str:
+    for i, flag in enumerate(flags):
+        if flag in ("-ccbin", "--compiler-bindir") and i + 1 < len(flags):
+            return flags[i + 1]
+        for prefix in ("-ccbin=", "--compiler-bindir="):
+            if flag.startswith(prefix):
+                return flag[len(prefix) :]
+    return os.environ.get("NVCC_CCBIN") or "gcc"
+
+
+def _stdout(command: list[str]) -> str:
+    run = subprocess.run(command, capture_output=True, text=True)
+    if run.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed: {run.stderr.strip()}")
+    return run.stdout
+
+
+def toolchain_versions(nvcc: str, flags: list[str]) -> str:
+    """nvcc's full version text and the host compiler's version line."""
+    host = _host_compiler(flags)
+    return (
+        _stdout([nvcc, "--version"]).strip()
+        + "\n"
+        + _stdout([host, "--version"]).splitlines()[0].strip()
+    )
+
+
+def portable_flags(flags: list[str], source: str) -> list[str]:
+    """The compile flags without include directories and the source path: where the files
+    are differs between machines; what they hold is in the keys."""
+    out, skip = [], False
+    for flag in flags:
+        if skip:
+            skip = False
+            continue
+        if flag in ("-I", "-isystem", "--include-path", "--system-include"):
+            skip = True
+            continue
+        if flag.startswith(("-I", "-isystem", "--include-path=", "--system-include=")):
+            continue
+        if flag == source:
+            continue
+        out.append(flag)
+    return out
+
+
+def probe_keys(nvcc, flags, source, arch, roots, versions) -> tuple[str, str]:
+    """(source key, toolchain key) of the probe of `source` for `arch` (see the docstring)."""
+    arch_flags = ["-cubin", f"-arch=sm_{arch}"]
+    run = subprocess.run([nvcc, "-M", *arch_flags, *flags, source], capture_output=True, text=True)
+    if run.returncode != 0:
+        raise SystemExit(f"nvcc -M {source} (sm_{arch}) failed:\n{run.stderr}")
+    deps = make_dependencies(run.stdout)
+    if not deps or os.path.realpath(deps[0]) != os.path.realpath(source):
+        raise SystemExit(f"nvcc -M {source}: unexpected output {run.stdout[:200]!r}")
+    real_roots = [os.path.realpath(r) + os.sep for r in roots]
+    project, toolchain = [], []
+    for dep in deps:
+        real = os.path.realpath(dep)
+        (project if real.startswith(tuple(real_roots)) else toolchain).append(_file_digest(real))
+    env = [f"{k}={os.environ.get(k, '')}" for k in ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS")]
+    source_key = _digest(["probe-source-1", *arch_flags, *portable_flags(flags, source), *project])
+    toolchain_key = _digest(["probe-toolchain-1", versions, *env, *toolchain])
+    return source_key, toolchain_key
+
+
+def compile_probe(nvcc, flags, source, arch, cubin, parse) -> dict:
+    run = subprocess.run(
+        [nvcc, "-cubin", f"-arch=sm_{arch}", *flags, "-o", cubin, source],
+        capture_output=True,
+        text=True,
+    )
+    if run.returncode != 0:
+        raise SystemExit(f"probe compile of {source} for sm_{arch} failed:\n{run.stderr}")
+    with open(cubin, "rb") as f:
+        table = kernel_registers(cubin_registers(f.read()), parse)
+    if not table:
+        raise SystemExit(f"{cubin}: no fused all-reduce kernel found")
+    return table
+
+
+def read_cache(path: str) -> dict:
+    """{name.sm_arch: [entry, ...]}: one entry per toolchain (see `store`)."""
+    try:
+        with open(path) as f:
+            return json.load(f)["entries"]
+    except FileNotFoundError:
+        return {}
+
+
+def write_cache(path: str, entries: dict) -> None:
+    """One entry per line, so that a change reads as a change of its lines."""
+    lines = ["{", f'"about": {json.dumps(CACHE_ABOUT)},', '"entries": {']
+    names = sorted(entries)
+    for i, name in enumerate(names):
+        lines.append(f"{json.dumps(name)}: [")
+        for j, entry in enumerate(entries[name]):
+            comma = "," if j + 1 < len(entries[name]) else ""
+            lines.append(json.dumps(entry, sort_keys=True, separators=(",", ":")) + comma)
+        lines.append("]" + ("," if i + 1 < len(names) else ""))
+    lines += ["}", "}", ""]
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+
+
+def probe(args: argparse.Namespace) -> int:
+    if len(args.compile) < 2:
+        raise SystemExit("probe: give the compile command after --: NVCC FLAGS... SOURCE")
+    nvcc, *flags, source = args.compile
+    parse = parse_moe_kernel if args.moe else parse_kernel
+    stem = tu_name(args.moe, args.dtype, args.nranks)
+    cache = read_cache(args.cache)
+    versions = toolchain_versions(nvcc, flags)
+    work_dir = args.work_dir or os.path.dirname(os.path.abspath(args.out))
+
+    def one(arch: str) -> dict:
+        name = f"{stem}.sm_{arch}"
+        source_key, toolchain_key = probe_keys(
+            nvcc, flags, source, arch, args.project_root, versions
+        )
+        cached = next(
+            (
+                e
+                for e in cache.get(name, [])
+                if e["source"] == source_key and e["toolchain"] == toolchain_key
+            ),
+            None,
+        )
+        entry = {
+            "source": source_key,
+            "toolchain": toolchain_key,
+            "toolchain_versions": versions,
+        }
+        if cached is not None and not args.verify:
+            return {**entry, "kernels": cached["kernels"], "from": "cache"}
+        cubin = os.path.join(work_dir, f"{name}.cubin")
+        rows = table_rows(compile_probe(nvcc, flags, source, arch, cubin, parse))
+        if cached is not None and cached["kernels"] != rows:
+            raise SystemExit(
+                f"{name}: the register cache {args.cache} disagrees with the probe compiled "
+                "from the same input: the cache key misses an input"
+            )
+        verified = " (verified: the cache holds the same counts)" if cached else ""
+        return {**entry, "kernels": rows, "from": "probe" + verified}
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(args.arch)) as pool:
+        results = dict(zip(args.arch, pool.map(one, args.arch)))
+    by_arch = {
+        arch_number(arch): table_from_rows(r["kernels"], args.moe, args.dtype, args.nranks)
+        for arch, r in results.items()
+    }
+    if len(by_arch) != len(results):
+        raise SystemExit(f"an architecture is given twice: {args.arch}")
+    text = (moe_header_text if args.moe else header_text)(args.dtype, args.nranks, by_arch)
+    record = {f"{stem}.sm_{arch}": r for arch, r in results.items()}
+    with open(args.record, "w") as f:
+        json.dump({"entries": record}, f, sort_keys=True)
+    for name, r in sorted(record.items()):
+        if r["from"] == "probe":
+            print(
+                f"{name}: compiled the probe (not in {os.path.basename(args.cache)} for this "
+                "input; tools/launch_registers.py store --build-dir BUILD stores it)"
+            )
+    write_if_changed(args.out, text)
+    return 0
+
+
+def read_records(build_dir: str, moe: bool) -> dict:
+    """{name.sm_arch: entry} of the probe records in a build tree."""
+    pattern = ("moe_" if moe else "") + "unhooked_*.registers.json"
+    out = {}
+    for path in sorted(glob.glob(os.path.join(build_dir, "**", pattern), recursive=True)):
+        with open(path) as f:
+            out.update(json.load(f)["entries"])
+    return out
+
+
+def store(args: argparse.Namespace) -> int:
+    """Adds the build's compiled counts to the cache: per name, the entry of the same
+    toolchain is replaced, and entries of other sources (older kernels) are dropped."""
+    records = {**read_records(args.build_dir, False), **read_records(args.build_dir, True)}
+    if not records:
+        raise SystemExit(f"no probe records (*unhooked_*.registers.json) under {args.build_dir}")
+    cache = read_cache(args.cache)
+    stored = 0
+    for name, record in sorted(records.items()):
+        if not record["from"].startswith("probe"):
+            continue
+        entry = {k: record[k] for k in ("source", "toolchain", "toolchain_versions", "kernels")}
+        kept = [
+            e
+            for e in cache.get(name, [])
+            if e["source"] == entry["source"] and e["toolchain"] != entry["toolchain"]
+        ]
+        if entry not in cache.get(name, []):
+            stored += 1
+        cache[name] = [*kept, entry]
+    write_cache(args.cache, cache)
+    print(f"{args.cache}: {stored} new entries of {len(records)} probe records")
+    return 0
+
+
+_RECORD_NAME = re.compile(r"unhooked_(f32|f16|bf16)_n(\d+)\.sm_(\w+)$")
+
+
+def read_probe_tables(build_dir: str, moe: bool):
+    """The unhooked register tables of a build (its probe records: from the cache or from
+    compiled probes), per translation unit {(dtype, nranks): {arch: table}} and per
+    architecture {arch: table}."""
     per_tu: dict = {}
     probes: dict = {}
-    for path in sorted(glob.glob(os.path.join(build_dir, "**", pattern), recursive=True)):
-        m = probe.search(path)
+    for name, record in read_records(build_dir, moe).items():
+        m = _RECORD_NAME.search(name)
         if not m:
-            continue
+            raise SystemExit(f"{build_dir}: unexpected probe record {name!r}")
         dtype, nranks = DTYPE_NAMES.index(m.group(1)), int(m.group(2))
         arch = arch_number(m.group(3))
-        with open(path, "rb") as f:
-            table = kernel_registers(cubin_registers(f.read()), parse)
+        table = table_from_rows(record["kernels"], moe, dtype, nranks)
         per_tu.setdefault((dtype, nranks), {})[arch] = table
         probes.setdefault(arch, {}).update(table)
     return per_tu, probes
@@ -411,8 +696,8 @@ def read_probe_cubins(build_dir: str, pattern: str, probe: re.Pattern, parse):
 
 def stale_headers(build_dir: str, per_tu: dict, prefix: str, text) -> list[str]:
     """Where a generated header in the build tree (`prefix`_<dtype>_n<ranks>.h) is not what
-    `text`(dtype, nranks, by_arch) makes of its probe cubins: the library was compiled with
-    other counts than the probes give."""
+    `text`(dtype, nranks, by_arch) makes of its probe records: the library was compiled with
+    other counts than the records give."""
     problems = []
     for (dtype, nranks), by_arch in sorted(per_tu.items()):
         name = f"{prefix}_{DTYPE_NAMES[dtype]}_n{nranks}.h"
@@ -422,14 +707,14 @@ def stale_headers(build_dir: str, per_tu: dict, prefix: str, text) -> list[str]:
             continue
         with open(found[0]) as f:
             if f.read() != text(dtype, nranks, by_arch):
-                problems.append(f"{found[0]} is not what the probe cubins give (stale build?)")
+                problems.append(f"{found[0]} is not what the probe records give (stale build?)")
     return problems
 
 
 def check(args: argparse.Namespace) -> int:
-    per_tu, probes = read_probe_cubins(args.build_dir, "unhooked_*.cubin", _PROBE, parse_kernel)
+    per_tu, probes = read_probe_tables(args.build_dir, moe=False)
     if not per_tu:
-        raise SystemExit(f"no unhooked probe cubins under {args.build_dir}")
+        raise SystemExit(f"no probe records (unhooked_*.registers.json) under {args.build_dir}")
     # 1. The headers the library was compiled with hold exactly the probe counts.
     problems = stale_headers(args.build_dir, per_tu, "unhooked_registers", header_text)
     # 2. The library's hooked kernels: the same set, and none allocates more registers.
@@ -498,17 +783,12 @@ def check(args: argparse.Namespace) -> int:
     return 0
 
 
-_MOE_PROBE = re.compile(r"moe_unhooked_(f16|bf16)_n(\d+)\.sm_(\w+)\.cubin$")
-
-
 def check_moe(build_dir: str, core: str, cuobjdump: str, verbose: bool):
-    """The MoE kernels: the generated headers hold exactly the probe counts, the library has
+    """The MoE kernels: the generated headers hold exactly the unhooked counts, the library has
     the same kernels, and no hooked one allocates more registers than its unhooked twin."""
-    per_tu, probes = read_probe_cubins(
-        build_dir, "moe_unhooked_*.cubin", _MOE_PROBE, parse_moe_kernel
-    )
+    per_tu, probes = read_probe_tables(build_dir, moe=True)
     if not probes:
-        return [f"no MoE probe cubins (moe_unhooked_*.cubin) under {build_dir}"], {}
+        return [f"no MoE probe records (moe_unhooked_*.registers.json) under {build_dir}"], {}
     problems = stale_headers(build_dir, per_tu, "moe_unhooked_registers", moe_header_text)
     hooked = library_registers(core, cuobjdump, parse_moe_kernel)
     for arch in sorted(probes):
@@ -543,13 +823,42 @@ def main(argv: list[str] | None = None) -> int:
         "--moe", action="store_true", help="the MoE kernels' table (moe_launch_registers.cuh)"
     )
     g.add_argument("cubins", nargs="+", metavar="ARCH=CUBIN")
+    pr = sub.add_parser("probe")
+    pr.add_argument("--dtype", type=int, required=True, choices=(0, 1, 2))
+    pr.add_argument("--nranks", type=int, required=True)
+    pr.add_argument("--moe", action="store_true")
+    pr.add_argument("--out", required=True, help="the header to write")
+    pr.add_argument("--cache", required=True, help="ffi/core/unhooked_registers.json")
+    pr.add_argument("--record", required=True, help="where to write what was used (JSON)")
+    pr.add_argument("--arch", action="append", required=True, help="90a, 100a, ...")
+    pr.add_argument(
+        "--project-root",
+        action="append",
+        default=[],
+        help="a tree whose files count as the project's (the source and build trees)",
+    )
+    pr.add_argument("--work-dir", help="where probe cubins go (default: the header's folder)")
+    pr.add_argument(
+        "--verify", action="store_true", help="compile even on a cache hit, and compare"
+    )
+    pr.add_argument("compile", nargs="+", metavar="NVCC FLAGS... SOURCE")
+    st = sub.add_parser("store")
+    st.add_argument("--build-dir", required=True)
+    st.add_argument(
+        "--cache",
+        default=os.path.normpath(
+            os.path.join(os.path.dirname(__file__), "..", "ffi", "core", "unhooked_registers.json")
+        ),
+        help="the cache to add to (default: the repository's)",
+    )
     c = sub.add_parser("check")
     c.add_argument("--core", required=True)
     c.add_argument("--build-dir", required=True)
     c.add_argument("--cuobjdump")
     c.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
-    return generate(args) if args.command == "generate" else check(args)
+    commands = {"probe": probe, "store": store, "generate": generate, "check": check}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":

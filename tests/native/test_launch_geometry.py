@@ -9,8 +9,10 @@ one-shot and two-shot, every architecture) is launched as its unhooked twin and 
 
 from __future__ import annotations
 
+import argparse
 import filecmp
 import importlib.util
+import json
 import os
 import pathlib
 import subprocess
@@ -117,36 +119,36 @@ def test_moe_kernel_names_and_their_table():
         )
 
 
-def test_moe_probe_cubins_give_the_table(tmp_path):
-    """The build's MoE probe cubins, if this checkout has a build: `generate --moe` reads
-    every instantiated MoE kernel and writes the header the build compiled with."""
-    cubins = sorted((REPO / "build").glob("*/ffi/core/kernels/moe_unhooked_bf16_n2.sm_90a.cubin"))
-    if not cubins:
-        pytest.skip("no MoE probe cubin built here (cmake --build build/<dir>)")
-    out = tmp_path / "moe.h"
-    # Every architecture the build compiled (CI: sm_90a and sm_100a), as the build passes them.
-    probes = sorted(cubins[0].parent.glob("moe_unhooked_bf16_n2.sm_*.cubin"))
-    arch_args = [f"{c.name.split('.sm_')[1].removesuffix('.cubin')}={c}" for c in probes]
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(TOOL),
-            "generate",
-            "--moe",
-            "--dtype",
-            "2",
-            "--nranks",
-            "2",
-            "--out",
-            str(out),
-            *arch_args,
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
-    text = out.read_text()
-    assert text == (cubins[0].parent / "moe_unhooked_registers_bf16_n2.h").read_text()
+CACHE = REPO / "ffi" / "core" / "unhooked_registers.json"
+DEFAULT_ARCHS = ("90a", "100a")  # ffi/core/CMakeLists.txt's default, what CI builds
+TRANSLATION_UNITS = [
+    launch_registers.tu_name(False, dtype, n) for dtype in (0, 1, 2) for n in (2, 4, 8, 16)
+] + [launch_registers.tu_name(True, dtype, n) for dtype in (1, 2) for n in (2, 4, 8, 16)]
+
+
+def test_the_register_cache_covers_every_translation_unit_for_one_toolchain():
+    """Every kernel translation unit of the default architectures has its counts in the
+    cache for one same toolchain (nvcc and host compiler versions), so a build with that
+    toolchain compiles no probe."""
+    entries = launch_registers.read_cache(str(CACHE))
+    wanted = {f"{tu}.sm_{arch}" for tu in TRANSLATION_UNITS for arch in DEFAULT_ARCHS}
+    assert set(entries) == wanted, "the cache's translation units are not the build's"
+    versions = {e["toolchain_versions"] for name in wanted for e in entries[name]}
+    covered = [
+        v
+        for v in versions
+        if all(any(e["toolchain_versions"] == v for e in entries[name]) for name in wanted)
+    ]
+    assert covered, f"no toolchain has all {len(wanted)} entries"
+    assert any("release 13.0" in v for v in covered), covered  # the CUDA this project pins
+
+
+def test_the_register_cache_gives_the_moe_table():
+    """The cached MoE counts of one translation unit make the header the launcher reads:
+    exactly the kernels FlashInfer's instantiation compiles."""
+    entry = launch_registers.read_cache(str(CACHE))["moe_unhooked_bf16_n2.sm_90a"][0]
+    table = launch_registers.table_from_rows(entry["kernels"], True, 2, 2)
+    text = launch_registers.moe_header_text(2, 2, {90: table})
     rows = [
         line
         for line in text.splitlines()
@@ -156,14 +158,200 @@ def test_moe_probe_cubins_give_the_table(tmp_path):
     # pattern 6: all-reduce-out and residual-out on/off, norm on, no FP4; pattern 7: one.
     assert [i for i, v in enumerate(counts[0]) if v] == [0b0010, 0b0110, 0b1010, 0b1110]
     assert [i for i, v in enumerate(counts[1]) if v] == [0b110]
+    assert all(24 <= v <= 255 for row in counts for v in row if v)
+
+
+def test_dense_cache_rows_round_trip_through_the_table():
+    entry = launch_registers.read_cache(str(CACHE))["unhooked_bf16_n8.sm_100a"][0]
+    table = launch_registers.table_from_rows(entry["kernels"], False, 2, 8)
+    assert {k.kind for k in table} == {0, 1, 2} and {k.fp32_acc for k in table} == {False, True}
+    assert launch_registers.table_rows(table) == entry["kernels"]
+
+
+def test_make_dependencies_reads_nvcc_m_output():
+    text = "x.o : /a/x.cu \\\n    /usr/include/stdc-predef.h /b/with\\ space.h \\\n    /c/last.h\n"
+    assert launch_registers.make_dependencies(text) == [
+        "/a/x.cu",
+        "/usr/include/stdc-predef.h",
+        "/b/with space.h",
+        "/c/last.h",
+    ]
+
+
+def test_portable_flags_drop_only_paths():
+    flags = ["-O3", "-I/src/include", "-I", "/x", "-isystem", "/y", "-DA=1", "/b/k.cu"]
+    assert launch_registers.portable_flags(flags, "/b/k.cu") == ["-O3", "-DA=1"]
+
+
+def _fake_nvcc(tmp_path, deps):
+    """An nvcc that answers --version and -M (with `deps`), for the keys alone."""
+    script = tmp_path / "nvcc"
+    listing = " \\\n ".join(str(d) for d in deps)
+    script.write_text(
+        "#!/bin/sh\n"
+        'case "$*" in\n'
+        '  *--version*) echo "Cuda compilation tools, release 99.0, V99.0.1" ;;\n'
+        f'  *-M*) printf "%s\\n" "k.o : {listing}" ;;\n'
+        "  *) exit 3 ;;\n"
+        "esac\n"
+    )
+    script.chmod(0o755)
+    return str(script)
+
+
+def test_probe_keys_split_project_and_toolchain_inputs(tmp_path):
+    """A project file's content moves the source key only, a system header's the toolchain
+    key only; moving the trees elsewhere (same content) moves neither."""
+    project, system = tmp_path / "src", tmp_path / "sys"
+    for d in (project, system):
+        d.mkdir()
+    source, header, libc = project / "k.cu", project / "k.cuh", system / "stdio.h"
+    for f, text in ((source, "kernel"), (header, "v1"), (libc, "c1")):
+        f.write_text(text)
+    nvcc = _fake_nvcc(tmp_path, [source, header, libc])
+
+    def keys(src=source, roots=(project,), flags=("-O3",)):
+        return launch_registers.probe_keys(
+            nvcc, [*flags, f"-I{roots[0]}"], str(src), "90a", [str(r) for r in roots], "v"
+        )
+
+    base = keys()
+    header.write_text("v2")
+    assert keys()[0] != base[0] and keys()[1] == base[1]
+    header.write_text("v1")
+    libc.write_text("c2")
+    assert keys()[0] == base[0] and keys()[1] != base[1]
+    libc.write_text("c1")
+    assert keys(flags=("-O2",))[0] != base[0]
+    moved = tmp_path / "elsewhere"
+    project.rename(moved)
+    nvcc = _fake_nvcc(tmp_path, [moved / "k.cu", moved / "k.cuh", libc])
+    assert keys(src=moved / "k.cu", roots=(moved,)) == base
+
+
+def _probe_args(tmp_path, cache, verify=False):
+    return argparse.Namespace(
+        compile=["nvcc", "-O3", str(tmp_path / "k.cu")],
+        moe=False,
+        dtype=2,
+        nranks=2,
+        cache=str(cache),
+        record=str(tmp_path / "rec.json"),
+        out=str(tmp_path / "h.h"),
+        arch=["90a"],
+        project_root=[str(tmp_path)],
+        work_dir=str(tmp_path),
+        verify=verify,
+    )
+
+
+def test_probe_takes_the_cache_compiles_on_a_miss_and_verify_catches_a_wrong_cache(
+    tmp_path, monkeypatch
+):
+    K = launch_registers.Kernel
+    compiled = {K(0, 1, 2, 2, False): 40, K(2, 1, 2, 2, True): 48}
+    calls = []
+    monkeypatch.setattr(launch_registers, "toolchain_versions", lambda nvcc, flags: "v")
+    monkeypatch.setattr(launch_registers, "probe_keys", lambda *a: ("S", "T"))
+
+    def compile_probe(*args):
+        calls.append(args)
+        return compiled
+
+    monkeypatch.setattr(launch_registers, "compile_probe", compile_probe)
+    cache = tmp_path / "cache.json"
+    launch_registers.write_cache(str(cache), {})
+    # A miss compiles, and the record says so; store puts it into the cache.
+    assert launch_registers.probe(_probe_args(tmp_path, cache)) == 0
+    record = json.loads((tmp_path / "rec.json").read_text())["entries"]["unhooked_bf16_n2.sm_90a"]
+    assert record["from"] == "probe" and len(calls) == 1
+    header = (tmp_path / "h.h").read_text()
+    (tmp_path / "build").mkdir()
+    (tmp_path / "rec.json").rename(tmp_path / "build" / "unhooked_bf16_n2.registers.json")
+    launch_registers.store(argparse.Namespace(build_dir=str(tmp_path / "build"), cache=str(cache)))
+    # A hit compiles nothing and writes the same header.
+    (tmp_path / "h.h").unlink()
+    assert launch_registers.probe(_probe_args(tmp_path, cache)) == 0
+    assert len(calls) == 1 and (tmp_path / "h.h").read_text() == header
+    record = json.loads((tmp_path / "rec.json").read_text())["entries"]["unhooked_bf16_n2.sm_90a"]
+    assert record["from"] == "cache"
+    # --verify compiles anyway; a cache that disagrees with the compile fails the build.
+    assert launch_registers.probe(_probe_args(tmp_path, cache, verify=True)) == 0
+    assert len(calls) == 2
+    compiled = {**compiled, K(0, 1, 2, 2, False): 56}
+    with pytest.raises(SystemExit, match="disagrees with the probe"):
+        launch_registers.probe(_probe_args(tmp_path, cache, verify=True))
+
+
+def test_store_keeps_one_entry_per_toolchain_for_the_current_source(tmp_path):
+    def record(source, toolchain, regs):
+        return {
+            "source": source,
+            "toolchain": toolchain,
+            "toolchain_versions": toolchain,
+            "kernels": [[0, 1, 0, regs]],
+            "from": "probe",
+        }
+
+    cache = tmp_path / "cache.json"
+    name = "unhooked_f16_n4.sm_90a"
+    launch_registers.write_cache(
+        str(cache),
+        {
+            name: [
+                {k: v for k, v in record("S1", "T1", 40).items() if k != "from"},
+                {k: v for k, v in record("S2", "T2", 42).items() if k != "from"},
+            ]
+        },
+    )
+    (tmp_path / "build").mkdir()
+    (tmp_path / "build" / "unhooked_f16_n4.registers.json").write_text(
+        json.dumps({"entries": {name: record("S2", "T1", 44)}})
+    )
+    launch_registers.store(argparse.Namespace(build_dir=str(tmp_path / "build"), cache=str(cache)))
+    kept = launch_registers.read_cache(str(cache))[name]
+    # The older source's entry is gone, the other toolchain's entry for this source stays.
+    assert [(e["source"], e["toolchain"]) for e in kept] == [("S2", "T2"), ("S2", "T1")]
 
 
 def _build_dir() -> pathlib.Path | None:
     candidates = [os.environ.get("JAX_FUSEDAR_BUILD_DIR"), REPO / "build" / "dev"]
     for c in candidates:
-        if c and list(pathlib.Path(c).glob("ffi/core/kernels/unhooked_*.cubin")):
+        if c and list(pathlib.Path(c).glob("ffi/core/kernels/unhooked_*.registers.json")):
             return pathlib.Path(c)
     return None
+
+
+def test_the_register_cache_is_current_for_the_toolchain_it_holds():
+    """The cache holds the keys of every probe of this checkout's build, for a toolchain
+    the cache knows: else the kernel sources changed since the cache was written, and
+    every clean build (CI's too) compiles the probes again, about 40% of the kernels'
+    build time."""
+    build = _build_dir()
+    if build is None:
+        pytest.skip(f"needs a build tree with the kernels ({BUILD_NATIVE})")
+    records = {
+        **launch_registers.read_records(str(build), False),
+        **launch_registers.read_records(str(build), True),
+    }
+    cached = launch_registers.read_cache(str(CACHE))
+    missing = {
+        name: r
+        for name, r in records.items()
+        if not any(
+            e["source"] == r["source"] and e["toolchain"] == r["toolchain"]
+            for e in cached.get(name, [])
+        )
+    }
+    known = {e["toolchain_versions"] for entries in cached.values() for e in entries}
+    stale = sorted(n for n, r in missing.items() if r["toolchain_versions"] in known)
+    if missing and not stale:
+        version = next(iter(missing.values()))["toolchain_versions"].splitlines()
+        pytest.skip(f"the cache holds no counts for this toolchain ({'; '.join(version)})")
+    assert not stale, (
+        f"the cache lacks {len(stale)} probes of this build ({', '.join(stale)}): run python"
+        f" tools/launch_registers.py store --build-dir {build} and commit {CACHE.name}"
+    )
 
 
 def test_built_library_keeps_flashinfer_launch_geometry():
