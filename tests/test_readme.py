@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.cpu_devices import xla_flags
 from tests.repo import REPO
 from tests.skips import needs_native
 
@@ -68,7 +69,7 @@ def run_blocks(page, blocks):
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        XLA_FLAGS=xla_flags(8),
         PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     )
     for var in ("JAX_FUSEDAR_STRICT", "JAX_FUSEDAR_ALLREDUCE_BACKEND"):

@@ -17,11 +17,12 @@ import pytest
 
 from jax_fusedar.common import native
 
+from tests.cpu_devices import xla_flags
 from tests.repo import REPO
 from tests.skips import NO_NATIVE
 
 
-HOST_8 = "--xla_force_host_platform_device_count=8"
+HOST_8 = xla_flags(8)
 
 
 def run_cli(*argv, xla_flags=HOST_8, pythonpath=(), timeout=600):
@@ -161,13 +162,13 @@ def test_demo_bench_writes_json(tmp_path):
     [
         (
             ["demo"],
-            "--xla_force_host_platform_device_count=3",
+            xla_flags(3),
             "preset tiny: kv_heads 8 does not split over 3 tensor-parallel ranks",
         ),
-        (["bench", "--hidden", 64], HOST_8.replace("8", "1"), "world size 1 is not supported"),
+        (["bench", "--hidden", 64], xla_flags(1), "world size 1 is not supported"),
         (
             ["demo"],
-            HOST_8.replace("8", "16"),
+            xla_flags(16),
             "preset tiny: kv_heads 8 does not split over 16 tensor-parallel ranks",
         ),
         (

@@ -8,12 +8,12 @@ import sys
 
 import pytest
 
+from tests.cpu_devices import xla_flags
+
 
 @pytest.mark.slow
 def test_moe_demo_passes_on_cpu():
-    env = dict(
-        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8"
-    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(8))
     run = subprocess.run(
         [
             sys.executable,

@@ -5,24 +5,19 @@ CPU devices, where the MoE op runs its reference lowering with the kernel's roun
 demo stays within the tolerance of the unsharded reference at 2, 4 and 8 ranks, and a model
 that differs by more than rounding does not."""
 
-import os
+import math
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
 
-import math  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-import jax_fusedar as jf  # noqa: E402
-from jax_fusedar import fuse  # noqa: E402
-from jax_fusedar.cli.compare import moe_kernel_roundings, moe_tolerance  # noqa: E402
-from jax_fusedar.cli.shared_demo import reference_tolerance  # noqa: E402
-from jax_fusedar.models import llama, moe_llama  # noqa: E402
-from tests.jax.cpu_helpers import make_mesh, require_host_devices  # noqa: E402
+import jax_fusedar as jf
+from jax_fusedar import fuse
+from jax_fusedar.cli.compare import moe_kernel_roundings, moe_tolerance
+from jax_fusedar.cli.shared_demo import reference_tolerance
+from jax_fusedar.models import llama, moe_llama
+from tests.jax.cpu_helpers import make_mesh, require_host_devices
 
 require_host_devices()
 

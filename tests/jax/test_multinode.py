@@ -24,6 +24,7 @@ import sys
 
 import pytest
 
+from tests.cpu_devices import xla_flags
 from tests.gpu.workers import jax_multinode as mn
 from tests.gpu.harness import free_port, run_ranks, simulated_hosts_problem
 
@@ -204,7 +205,7 @@ def test_docs_two_node_script_runs(tmp_path):
         os.environ,
         JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}",
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        XLA_FLAGS=xla_flags(4),
         PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     )
     procs = [

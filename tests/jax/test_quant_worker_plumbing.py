@@ -15,6 +15,7 @@ import textwrap
 
 import pytest
 
+from tests.cpu_devices import xla_flags
 from tests.repo import REPO
 
 
@@ -51,7 +52,7 @@ def _run(module: str, hiddens) -> dict:
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        XLA_FLAGS=xla_flags(2),
         PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     )
     r = subprocess.run(
@@ -112,7 +113,7 @@ def test_grad_worker_on_the_reference_path():
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        XLA_FLAGS=xla_flags(2),
         PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     )
     r = subprocess.run(
