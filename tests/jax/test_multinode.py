@@ -214,21 +214,24 @@ def test_docs_two_node_script_runs(tmp_path):
             cwd=REPO,
             env=env,
             text=True,
+            # Apart: gloo writes to stderr from its own threads, and merged into stdout its
+            # words could split the script's lines.
             stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+            stderr=subprocess.PIPE,
         )
         for rank in range(2)
     ]
     try:
-        outs = [p.communicate(timeout=120)[0] for p in procs]
+        results = [p.communicate(timeout=120) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    for rank, (p, out) in enumerate(zip(procs, outs)):
+    for rank, (p, (stdout, stderr)) in enumerate(zip(procs, results)):
+        out = stdout + stderr
         assert p.returncode == 0, out[-3000:]
-        lines = [line for line in out.splitlines() if line.startswith(f"{rank} ")]
+        lines = [line for line in stdout.splitlines() if line.startswith(f"{rank} ")]
         # On CPU the workspace is the reference path; 4 TP ranks per process, 2 groups.
         assert "backend='xla', axis='tp', world_size=4, groups=2" in lines[0], out[-3000:]
         assert len(lines) == 2, out[-3000:]
