@@ -12,6 +12,7 @@ import pytest
 
 from jax_fusedar.cli import ranks
 from tests.cli.test_cli import run_cli
+from tests.cpu_devices import xla_flags
 
 
 # --- the plan ----------------------------------------------------------------------------------
@@ -223,7 +224,8 @@ def test_demo_one_process_per_rank_against_the_unsharded_reference(tp, extra):
         "--prompt",
         8,
         *extra,
-        xla_flags=None,
+        # The flags the CLI would set itself (8 host devices), with the CPU tests' fast compile.
+        xla_flags=xla_flags(8),
     )
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
     out = r.stdout
