@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Register counts of FlashInfer's fused all-reduce kernels (dense and MoE), hooked and unhooked.
 
 FlashInfer's launcher sizes blocks and clusters from the kernel's register count, and the

@@ -13,8 +13,9 @@
 //   - each hooked kernel is compiled with __maxnreg__(register_cap), the unhooked count
 //     rounded up to the hardware's allocation unit, so it occupies no more registers per
 //     thread than the unhooked kernel and every block size the launcher picks still fits.
-// The unhooked counts come from the build itself: it compiles every kernel once more from
-// FlashInfer's header without the hooks and tools/launch_registers.py writes the counts
+// The unhooked counts come from the build: tools/launch_registers.py probe takes them from
+// ffi/core/unhooked_registers.json when it holds them for exactly this input, else compiles
+// every kernel once more from FlashInfer's header without the hooks, and writes the counts
 // into a header per translation unit (unhooked_registers_<dtype>_n<ranks>.h), included
 // before this one. tools/launch_registers.py check verifies a built library against them.
 #pragma once

@@ -9,10 +9,11 @@
 // at hidden 24576: 384 threads per block, which 174 registers cannot launch). So each hooked
 // MoE kernel is compiled with __maxnreg__(moe_register_cap), the unhooked kernel's count
 // rounded up to the allocation unit (ffi/cmake/FlashInferHeaders.cmake patches it in): it
-// launches wherever FlashInfer's build does. The unhooked counts come from the build: it
-// compiles each MoE translation unit once more from FlashInfer's header without the hooks,
-// and tools/launch_registers.py generate --moe writes them into
-// moe_unhooked_registers_<dtype>_n<ranks>.h, included before this header.
+// launches wherever FlashInfer's build does. The unhooked counts come from the build:
+// tools/launch_registers.py probe --moe takes them from ffi/core/unhooked_registers.json, or
+// compiles the MoE translation unit once more from FlashInfer's header without the hooks,
+// and writes them into moe_unhooked_registers_<dtype>_n<ranks>.h, included before this
+// header.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -17,12 +17,12 @@ import pytest
 
 from jax_fusedar.common import native
 
-from tests.cpu_devices import xla_flags
+from tests import cpu_devices
 from tests.repo import REPO
 from tests.skips import NO_NATIVE
 
 
-HOST_8 = xla_flags(8)
+HOST_8 = cpu_devices.xla_flags(8)
 
 
 def run_cli(*argv, xla_flags=HOST_8, pythonpath=(), timeout=600):
@@ -162,13 +162,13 @@ def test_demo_bench_writes_json(tmp_path):
     [
         (
             ["demo"],
-            xla_flags(3),
+            cpu_devices.xla_flags(3),
             "preset tiny: kv_heads 8 does not split over 3 tensor-parallel ranks",
         ),
-        (["bench", "--hidden", 64], xla_flags(1), "world size 1 is not supported"),
+        (["bench", "--hidden", 64], cpu_devices.xla_flags(1), "world size 1 is not supported"),
         (
             ["demo"],
-            xla_flags(16),
+            cpu_devices.xla_flags(16),
             "preset tiny: kv_heads 8 does not split over 16 tensor-parallel ranks",
         ),
         (
