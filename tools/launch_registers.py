@@ -26,8 +26,6 @@ hooks ("probe" cubins), and this tool
   store     copies the counts that the build compiled (the records under --build-dir whose
             counts came from a probe) into the cache, so that the next build reads them:
               launch_registers.py store --build-dir build/dev
-  generate  writes the header from probe cubins already compiled:
-              launch_registers.py generate --dtype 2 --nranks 2 --out H 90a=A.cubin 100a=B.cubin
   check     verifies a built libfusedar_core.so against the records of its build tree:
               launch_registers.py check --core jax_fusedar/libfusedar_core.so --build-dir build/dev
             every kernel of every pattern, dtype, world size, accumulation mode, one-shot and
@@ -39,9 +37,8 @@ hooks ("probe" cubins), and this tool
             and with the hooked kernels' own counts, to show what the pin prevents.
 
 The MoE kernels (patterns 6, 7; ffi/kernels/moe_launch_registers.cuh) get the same pin
-without the geometry part (their launchers read no register count): `probe --moe` and
-`generate --moe` write their unhooked counts, which cap the hooked kernels' registers, and
-`check` covers them too.
+without the geometry part (their launchers read no register count): `probe --moe` writes
+their unhooked counts, which cap the hooked kernels' registers, and `check` covers them too.
 
 Reading cubins needs no CUDA tool (the counts are EIATTR_REGCOUNT entries of the ELF's
 .nv.info section); reading the library's compressed fatbin needs cuobjdump (CUDA toolkit,
@@ -385,24 +382,6 @@ GEOMETRY_SHAPES = ((128, 4096), (128, 7168), (128, 8192), (1024, 7168), (1024, 8
 ONESHOT_MAX_TOKENS = 128
 
 
-def generate(args: argparse.Namespace) -> int:
-    by_arch: dict[int, dict[Kernel, int]] = {}
-    for spec in args.cubins:
-        arch, _, path = spec.partition("=")
-        number = arch_number(arch)
-        if number in by_arch:
-            raise SystemExit(f"architecture {number} given twice")
-        with open(path, "rb") as f:
-            by_arch[number] = kernel_registers(
-                cubin_registers(f.read()), parse_moe_kernel if args.moe else parse_kernel
-            )
-        if not by_arch[number]:
-            raise SystemExit(f"{path}: no fused all-reduce kernel found")
-    text = (moe_header_text if args.moe else header_text)(args.dtype, args.nranks, by_arch)
-    write_if_changed(args.out, text)
-    return 0
-
-
 def write_if_changed(path: str, text: str) -> None:
     """Rewrites only on change, so an unchanged table does not recompile the kernels."""
     try:
@@ -581,6 +560,8 @@ def probe(args: argparse.Namespace) -> int:
     if len(args.compile) < 2:
         raise SystemExit("probe: give the compile command after --: NVCC FLAGS... SOURCE")
     nvcc, *flags, source = args.compile
+    if len({arch_number(a) for a in args.arch}) != len(args.arch):
+        raise SystemExit(f"an architecture is given twice: {args.arch}")
     parse = parse_moe_kernel if args.moe else parse_kernel
     stem = tu_name(args.moe, args.dtype, args.nranks)
     cache = read_cache(args.cache)
@@ -623,8 +604,6 @@ def probe(args: argparse.Namespace) -> int:
         arch_number(arch): table_from_rows(r["kernels"], args.moe, args.dtype, args.nranks)
         for arch, r in results.items()
     }
-    if len(by_arch) != len(results):
-        raise SystemExit(f"an architecture is given twice: {args.arch}")
     text = (moe_header_text if args.moe else header_text)(args.dtype, args.nranks, by_arch)
     record = {f"{stem}.sm_{arch}": r for arch, r in results.items()}
     with open(args.record, "w") as f:
@@ -816,14 +795,6 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate")
-    g.add_argument("--dtype", type=int, required=True, choices=(0, 1, 2))
-    g.add_argument("--nranks", type=int, required=True)
-    g.add_argument("--out", required=True)
-    g.add_argument(
-        "--moe", action="store_true", help="the MoE kernels' table (moe_launch_registers.cuh)"
-    )
-    g.add_argument("cubins", nargs="+", metavar="ARCH=CUBIN")
     pr = sub.add_parser("probe")
     pr.add_argument("--dtype", type=int, required=True, choices=(0, 1, 2))
     pr.add_argument("--nranks", type=int, required=True)
@@ -858,7 +829,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--cuobjdump")
     c.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
-    commands = {"probe": probe, "store": store, "generate": generate, "check": check}
+    commands = {"probe": probe, "store": store, "check": check}
     return commands[args.command](args)
 
 

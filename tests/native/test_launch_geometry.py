@@ -283,6 +283,20 @@ def test_probe_takes_the_cache_compiles_on_a_miss_and_verify_catches_a_wrong_cac
         launch_registers.probe(_probe_args(tmp_path, cache, verify=True))
 
 
+def test_probe_refuses_a_repeated_architecture_and_a_missing_compile_command(tmp_path):
+    cache = tmp_path / "cache.json"
+    launch_registers.write_cache(str(cache), {})
+    args = _probe_args(tmp_path, cache)
+    args.arch = ["90a", "sm_90a"]
+    with pytest.raises(SystemExit, match="an architecture is given twice"):
+        launch_registers.probe(args)
+    args = _probe_args(tmp_path, cache)
+    args.compile = ["nvcc"]
+    with pytest.raises(SystemExit, match="give the compile command after --"):
+        launch_registers.probe(args)
+    assert not (tmp_path / "h.h").exists() and not (tmp_path / "rec.json").exists()
+
+
 def test_store_keeps_one_entry_per_toolchain_for_the_current_source(tmp_path):
     def record(source, toolchain, regs):
         return {

@@ -93,8 +93,8 @@ def worker(rank, world, chan, *, port, xla_flags, task, seed, platform="cuda", *
         # tests/gpu/workers/jax_quant.py and jax_nvfp4.py take the same arguments.
         import importlib
 
-        worker = importlib.import_module(f"tests.gpu.workers.jax_{task}")
-        out[task] = worker.run(
+        task_module = importlib.import_module(f"tests.gpu.workers.jax_{task}")
+        out[task] = task_module.run(
             jax,
             jnp,
             jf,
