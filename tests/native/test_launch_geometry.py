@@ -295,6 +295,11 @@ def test_probe_refuses_a_repeated_architecture_and_a_missing_compile_command(tmp
     with pytest.raises(SystemExit, match="give the compile command after --"):
         launch_registers.probe(args)
     assert not (tmp_path / "h.h").exists() and not (tmp_path / "rec.json").exists()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="no probe records"):
+        launch_registers.store(
+            argparse.Namespace(build_dir=str(tmp_path / "empty"), cache=str(cache))
+        )
 
 
 def test_store_keeps_one_entry_per_toolchain_for_the_current_source(tmp_path):
