@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -56,8 +57,8 @@ def markdown(rows) -> str:
 
     head = (
         f"{datetime.date.today().isoformat()}, commit {_commit()}, JAX {jax.__version__}, "
-        f"Python {platform.python_version()}, 8 CPU devices (XLA_FLAGS "
-        f"`--xla_allow_excess_precision=false`), {platform.machine()}"
+        f"Python {platform.python_version()}, 8 CPU devices, {platform.machine()}, "
+        f"XLA_FLAGS `{os.environ.get('XLA_FLAGS', '')}`"
     )
     lines = [
         head,

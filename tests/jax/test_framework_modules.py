@@ -214,6 +214,9 @@ def test_module_matches_the_oracle_and_the_op_bit_for_bit(fw, mesh, ws, gamma_dt
     oracle_check(host_p, host_r, gamma, *got, f"{fw.name}, gamma {gamma_dtype}")
 
 
+# The gradient and scan + remat tests compile several programs each (2-4 s of CPU on 2
+# cores): the full suite runs them, the quick lane leaves them out.
+@pytest.mark.slow
 def test_module_gradients_are_the_ops(fw, mesh, ws):
     """jax.grad through the module (gamma, the partial sum and the residual) equals, bit for
     bit, jax.grad through allreduce_fusion, whose gradient is that of the plain math."""
@@ -284,6 +287,7 @@ def test_module_under_vmap(fw, mesh, ws):
         )
 
 
+@pytest.mark.slow
 def test_module_under_scan_and_remat(fw, mesh, ws):
     """Two layers of the module in a lax.scan over stacked parameters, each layer under
     jax.checkpoint: forward and gradients equal the two layers unrolled without remat."""
