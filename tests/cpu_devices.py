@@ -13,9 +13,8 @@ HOST_DEVICES_FLAG = f"--xla_force_host_platform_device_count={HOST_DEVICES}"
 # results, so what the tests compare is the same.
 FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
 # XLA may otherwise keep a bfloat16 / float16 intermediate in float32 where the program
-# rounds it (excess precision), and whether it does depends on how it fuses the program:
-# the same rows then round differently in a vmapped (folded) call than in an unbatched one.
-# The tests compare roundings bit for bit, so every rounding the program writes is kept.
+# rounds it (excess precision), depending on how it fuses the program. The tests compare
+# roundings bit for bit, so every rounding the program writes is kept.
 EXACT_ROUNDING_FLAG = "--xla_allow_excess_precision=false"
 
 
