@@ -1,22 +1,22 @@
 """``python -m jax_fusedar {demo,bench}``: see ``--help``.
 
-This module imports no JAX: without GPUs it first splits the host into 8 virtual CPU devices
-(the fused op needs 2, 4, 8 or 16 ranks), which XLA reads only when JAX starts.
+This module imports no JAX before it has settled the devices: without GPUs it splits the
+host into as many virtual CPU devices as the TP group has ranks (the fused op needs 2, 4, 8
+or 16; the demo's ``--tp``, default 8), which JAX reads only when it creates its backends.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-from ..common import limits, native
+from ..common import limits
 from . import argtypes
 from .argtypes import DTYPES, check_out_dir
+from .ranks import HOST_DEVICE_COUNT_FLAG
 
 BACKENDS = ("auto", "trtllm", "xla")
 FRAMEWORKS = ("jax", "torch")
-HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
 
 DESCRIPTION = (
     """\
@@ -29,11 +29,11 @@ FlashInfer's fused all-reduce + residual add + RMSNorm for JAX: demo and benchma
   bench  time the fused op against psum + residual add + RMSNorm for every tokens x hidden
          size (and one-shot/two-shot modes); print a table, write bench.json and bench.png.
 
-Without GPUs both run on 8 virtual CPU devices through the XLA reference path, not the
-kernel (XLA_FLAGS=%s is set automatically
-when XLA_FLAGS is unset).
+Without GPUs both run on virtual CPU devices through the XLA reference path, not the
+kernel: as many as the demo's --tp (default 8; bench: 8), made by the CLI itself, whatever
+XLA_FLAGS says (a count set there with %s=N is the default).
 """
-    % HOST_DEVICES_FLAG
+    % HOST_DEVICE_COUNT_FLAG
 )
 
 
@@ -93,7 +93,7 @@ def build_parser():
         "and decode tokens/s, greedy tokens and the logits error. --bench "
         "times decode steps and prefills instead.",
     )
-    from .demo import add_arguments  # the demo owns its flags
+    from .demo_args import add_arguments  # the demo's flags (no JAX: parsed before it starts)
 
     add_arguments(
         demo,
@@ -215,10 +215,18 @@ def _check_hidden(parser, args) -> None:
             )
 
 
-def _ensure_host_devices() -> None:
-    # Only when XLA_FLAGS is unset: the user's own flags win. gpu_count() imports no JAX.
-    if native.gpu_count() == 0 and "XLA_FLAGS" not in os.environ:
-        os.environ["XLA_FLAGS"] = HOST_DEVICES_FLAG
+def settle_devices(plan) -> None:
+    """Makes this process see exactly the devices of ``plan`` (ranks.single_process_config:
+    on CPUs that many virtual devices, with whatever else the user's XLA_FLAGS set). Called
+    before any JAX computation: JAX reads these when it creates its backends."""
+    from . import ranks
+
+    updates = ranks.single_process_config(plan)
+    if updates:
+        import jax
+
+        for name, value in updates.items():
+            jax.config.update(name, value)
 
 
 def _environment_problem(argv) -> "str | None":
@@ -283,8 +291,8 @@ def main(argv=None) -> int:
     code = ranks.dispatch(args, argv, commands[args.command])
     if code is not None:
         return code
-    _ensure_host_devices()
-    # Imported here, after XLA_FLAGS is settled, because they import JAX.
+    settle_devices(args.plan)
+    # Imported here, after the devices are settled, because they import JAX.
     from .setup import SetupError
 
     if args.command == "demo" and args.moe:

@@ -25,7 +25,7 @@ from .setup import AXIS, SetupError, describe_devices, moe_preset, open_workspac
 def main(args) -> int:
     from ..models import llama, moe_llama
 
-    mesh = tp_mesh()
+    mesh = tp_mesh(args.tp)
     world = mesh.shape[AXIS]
     on_gpu = jax.devices()[0].platform == "gpu"
     if args.bench:

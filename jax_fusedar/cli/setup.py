@@ -31,10 +31,20 @@ def require_fuse_jax() -> None:
         raise SetupError(str(e)) from None
 
 
-def tp_mesh():
-    """A 1-D mesh over every local device, axis "tp"."""
+def tp_mesh(world=None):
+    """A 1-D mesh, axis "tp", over the first ``world`` devices (default: every device). Fewer
+    devices than ``world`` is a SetupError: a TP group never runs at another size than asked
+    (the CLI makes the devices first, main.settle_devices; this says why where it could not,
+    e.g. JAX already started in this process)."""
     devices = jax.devices()
-    return jax.make_mesh((len(devices),), (AXIS,), devices=devices)
+    world = len(devices) if world is None else world
+    if len(devices) < world:
+        d = devices[0]
+        raise SetupError(
+            f"--tp {world} needs {world} devices and this process has {len(devices)} "
+            f"({d.device_kind}, platform {d.platform}): {world} > {len(devices)}"
+        )
+    return jax.make_mesh((world,), (AXIS,), devices=devices[:world])
 
 
 def check_supported(world: int, hiddens, dtype: str) -> None:

@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .compare import MOE_SITE_FORMULA, compare_greedy, moe_kernel_roundings, moe_tolerance, near_tie
-from .demo import LAYER_MODES
+from .demo_args import LAYER_MODES
 from .ranks import Plan, shared_gpu_timing
 from .setup import AXIS, SetupError, llama_preset, moe_preset, open_workspace, require_fuse_jax
 

@@ -103,6 +103,42 @@ def test_demo_llama_fused_by_fuse_matches_unfused():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "argv, xla_flags, world",
+    [
+        # --tp in one process, with the user's own XLA_FLAGS asking for 8 host devices: the
+        # TP group is --tp ranks, not every device (before, 8 of 8 and PASS).
+        (["--tp", 2], HOST_8, 2),
+        (["--tp", 4], HOST_8, 4),
+        # The user's XLA_FLAGS without a device count: the CLI adds the count (before,
+        # "world size 1 is not supported").
+        ([], cpu_devices.FAST_COMPILE_FLAG, 8),
+        # A count in the user's XLA_FLAGS is the default TP size.
+        ([], cpu_devices.xla_flags(4), 4),
+    ],
+    ids=["tp2", "tp4", "flags-without-count", "flags-count-4"],
+)
+def test_demo_runs_at_the_tp_size_asked_for(argv, xla_flags, world):
+    r = run_cli(
+        "demo",
+        *argv,
+        "--layer-mode",
+        "scan",
+        "--steps",
+        2,
+        "--prompt",
+        4,
+        "--iters",
+        1,
+        xla_flags=xla_flags,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"tensor parallel over {world} devices" in r.stdout, r.stdout
+    assert f"devices: {world} x cpu (platform cpu), world size {world}," in r.stdout, r.stdout
+    assert "PASS (scan)" in r.stdout
+
+
+@pytest.mark.slow
 def test_demo_hf_norm_is_reported_unfused():
     # (allow_rounding_change on this form: tests/jax/test_fuse.py)
     r = run_cli(
@@ -163,7 +199,13 @@ def test_demo_bench_writes_json(tmp_path):
         (
             ["demo"],
             cpu_devices.xla_flags(3),
-            "preset tiny: kv_heads 8 does not split over 3 tensor-parallel ranks",
+            "XLA_FLAGS sets --xla_force_host_platform_device_count=3, which the demo takes "
+            "as its TP size on CPUs: world size 3 is not supported",
+        ),
+        (
+            ["demo", "--tp", 16],
+            HOST_8,
+            "preset tiny: kv_heads 8 does not split over 16 tensor-parallel ranks",
         ),
         (["bench", "--hidden", 64], cpu_devices.xla_flags(1), "world size 1 is not supported"),
         (

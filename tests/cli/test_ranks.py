@@ -54,16 +54,51 @@ def test_rank_r_drives_gpu_r_mod_gpus(gpus, devices):
 
 
 def test_one_process_sees_exactly_the_tp_group():
-    env = {}
-    assert ranks.single_process_env(ranks.plan(4, "auto", 8), True, env) == {
-        "JAX_CUDA_VISIBLE_DEVICES": "0,1,2,3"
+    assert ranks.single_process_config(ranks.plan(4, "auto", 8)) == {
+        "jax_cuda_visible_devices": "0,1,2,3"
     }
-    assert ranks.single_process_env(ranks.plan(4, "auto", 0), True, env) == {
-        "JAX_NUM_CPU_DEVICES": "4"
-    }
-    # Without --tp, or with every GPU: nothing changes.
-    assert ranks.single_process_env(ranks.plan(None, "auto", 8), False, env) == {}
-    assert ranks.single_process_env(ranks.plan(8, "auto", 8), True, env) == {}
+    # On CPUs the process makes exactly the TP group's devices, --tp given or not.
+    assert ranks.single_process_config(ranks.plan(4, "auto", 0)) == {"jax_num_cpu_devices": 4}
+    assert ranks.single_process_config(ranks.plan(None, "auto", 0)) == {"jax_num_cpu_devices": 8}
+    # Every GPU: nothing changes; ranks in processes of their own set their own.
+    assert ranks.single_process_config(ranks.plan(None, "auto", 8)) == {}
+    assert ranks.single_process_config(ranks.plan(8, "auto", 8)) == {}
+    assert ranks.single_process_config(ranks.plan(2, "per-rank", 0)) == {}
+
+
+@pytest.mark.parametrize(
+    "xla_flags, count",
+    [
+        ("", None),
+        ("--xla_backend_optimization_level=0", None),
+        ("--xla_force_host_platform_device_count=4", 4),
+        ("--xla_force_host_platform_device_count=4 --xla_force_host_platform_device_count=2", 2),
+        ("--xla_force_host_platform_device_count=4x", None),
+    ],
+)
+def test_the_users_xla_flags_count_is_read(xla_flags, count):
+    assert ranks.host_devices({"XLA_FLAGS": xla_flags}) == count
+    assert ranks.host_devices({}) is None
+
+
+def test_on_cpus_the_default_tp_is_the_users_count_else_8():
+    assert ranks.plan(None, "auto", 0, host_devices=4).world == 4
+    assert ranks.plan(None, "auto", 0, host_devices=None).world == 8
+    assert ranks.plan(2, "auto", 0, host_devices=4).world == 2  # --tp wins
+    with pytest.raises(
+        ValueError,
+        match=r"XLA_FLAGS sets --xla_force_host_platform_device_count=3, which the demo takes "
+        r"as its TP size on CPUs: world size 3 is not supported.*; pass --tp 2, 4, 8 or 16",
+    ):
+        ranks.plan(None, "auto", 0, host_devices=3)
+
+
+@pytest.mark.parametrize(
+    "platforms, sees", [(None, True), ("cpu", False), ("cuda,cpu", True), ("gpu", True)]
+)
+def test_jax_platforms_cpu_means_no_gpus(platforms, sees):
+    env = {} if platforms is None else {"JAX_PLATFORMS": platforms}
+    assert ranks.jax_sees_gpus(env) is sees
 
 
 @pytest.mark.parametrize("gpus", [0, 1])
