@@ -9,7 +9,12 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from .common import environment as _environment
 from .common.patterns import AllReduceFusionPattern, QuantizationSFLayout  # noqa: F401 (no jax)
+
+# A misspelled JAX_FUSEDAR_* variable would be ignored silently: named here, once per process
+# (torch_compat and the CLI import this package too).
+_environment.warn_unknown(stacklevel=2)
 
 _LAZY = {
     "allreduce_fusion": ("api", "allreduce_fusion"),
