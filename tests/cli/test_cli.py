@@ -91,6 +91,18 @@ def test_demo_llama_fused_by_fuse_matches_unfused():
     assert len(verdicts) == 2, out
     rows = re.findall(r"^(unfused|fused)\s+(\d+\.\d)\s+(\d+\.\d)$", out, re.MULTILINE)
     assert len(rows) == 4 and all(float(p) > 0 and float(d) > 0 for _, p, d in rows)
+    # Virtual CPU devices time XLA on this CPU: labelled so, and no speedup row.
+    assert out.count("timings (CPU): virtual devices sharing this host's cores") == 2, out
+    assert not re.search(r"^speedup|\(speedup", out, re.M), out
+    # A line of progress on stderr for each compile phase: 2 programs x 2 layer modes.
+    for mode in ("unrolled", "scan"):
+        for name in ("unfused", "fused"):
+            assert re.search(
+                rf"^jax_fusedar demo: compiling the {name} prefill and decode programs "
+                rf"\(layers {mode}\) \.\.\. \d+\.\d s$",
+                r.stderr,
+                re.MULTILINE,
+            ), r.stderr
     errs = re.findall(
         r"max logits error (\S+) \(relative to max \|logits\| (\S+): (\S+); "
         r"tolerance (\S+) ",

@@ -98,6 +98,33 @@ def test_on_cpus_the_default_tp_is_the_users_count_else_8():
 
 
 @pytest.mark.parametrize(
+    "plan, line",
+    [
+        (None, "devices: 2 x cpu (platform cpu), world size 2"),
+        (ranks.Plan(world=2, gpus=0, per_rank=True), "devices: 2 x cpu (platform cpu), world"),
+        (
+            ranks.Plan(world=2, gpus=1, per_rank=True),
+            "devices: 2 ranks on 1 x cpu (platform cpu; the ranks share it), world size 2",
+        ),
+        (
+            ranks.Plan(world=8, gpus=2, per_rank=True),
+            "devices: 8 ranks on 2 x cpu (platform cpu; the ranks share them, rank r on GPU "
+            "r % 2), world size 8",
+        ),
+    ],
+)
+def test_the_devices_line_says_when_ranks_share_gpus(plan, line):
+    # (Here the devices are this test process's 8 CPU devices; the GPU test reads "2 ranks
+    # on 1 x NVIDIA H200".)
+    from jax_fusedar.cli import setup
+
+    world = plan.world if plan else 2
+    text = setup.describe_devices(world, "trtllm", plan)
+    assert text.startswith(line.replace("world size 2", f"world size {world}")), text
+    assert text.endswith(", backend trtllm: FlashInfer kernel")
+
+
+@pytest.mark.parametrize(
     "platforms, sees", [(None, True), ("cpu", False), ("cuda,cpu", True), ("gpu", True)]
 )
 def test_jax_platforms_cpu_means_no_gpus(platforms, sees):

@@ -58,6 +58,14 @@ def _check_demo(r, tp, name, modes):
     if gpus < tp:
         assert f"over {tp} ranks, one process per rank sharing {gpus} GPU" in out, out
         assert "timings: none; " in out and "tok/s" not in out, out
+        # The header counts ranks and GPUs apart ("2 ranks on 1 x NVIDIA H200").
+        assert re.search(
+            rf"^devices: {tp} ranks on {gpus} x \S.*\(platform gpu; the ranks share", out, re.M
+        ), out
+        assert not re.search(r"^speedup", out, re.M), out
+    # A successful run ends clean: no trace of JAX's distributed client at shutdown.
+    assert "WatchTasksAsync" not in out + r.stderr, r.stderr[-4000:]
+    assert "compiling the fused prefill and decode programs" in r.stderr, r.stderr[-4000:]
     rels = re.findall(r"\(relative to max \|logits\| \S+: (\S+); tolerance (\S+) ", out)
     assert len(rels) == len(modes), out
     assert all(float(rel) <= float(tol) for rel, tol in rels), rels
