@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 
 from .common import environment as _environment
 from .common.patterns import AllReduceFusionPattern, QuantizationSFLayout  # noqa: F401 (no jax)
+from .common.sizing import workspace_bytes  # noqa: F401 (no jax)
 
 # A misspelled JAX_FUSEDAR_* variable would be ignored silently: named here, once per process
 # (torch_compat and the CLI import this package too).
@@ -31,7 +32,7 @@ _LAZY = {
     "MoeAllReduceFusionOutputs": ("moe", "MoeAllReduceFusionOutputs"),
 }
 
-__all__ = ["AllReduceFusionPattern", "QuantizationSFLayout", *_LAZY]
+__all__ = ["AllReduceFusionPattern", "QuantizationSFLayout", "workspace_bytes", *_LAZY]
 
 
 # JAX is an extra (numpy is the only hard dependency), so the package itself imports
