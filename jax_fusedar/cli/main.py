@@ -1,4 +1,4 @@
-"""``python -m jax_fusedar {demo,bench}``: see ``--help``.
+"""``python -m jax_fusedar {demo,bench,doctor}``: see ``--help``.
 
 This module imports no JAX before it has settled the devices: without GPUs it splits the
 host into as many virtual CPU devices as the TP group has ranks (the fused op needs 2, 4, 8
@@ -28,6 +28,8 @@ FlashInfer's fused all-reduce + residual add + RMSNorm for JAX: demo and benchma
          logits error; exit 1 if they disagree beyond a stated tolerance.
   bench  time the fused op against psum + residual add + RMSNorm for every tokens x hidden
          size (and one-shot/two-shot modes); print a table, write bench.json and bench.png.
+  doctor print versions, the native build, GPUs and their links, the backend 'auto' would
+         pick and the JAX_FUSEDAR_* variables set: one screen for a bug report.
 
 Without GPUs both run on virtual CPU devices through the XLA reference path, not the
 kernel: as many as the demo's --tp (default 8; bench: 8), made by the CLI itself, whatever
@@ -79,7 +81,7 @@ def build_parser():
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,doctor}")
     fmt = argparse.ArgumentDefaultsHelpFormatter
 
     demo = sub.add_parser(
@@ -189,7 +191,17 @@ def build_parser():
         "memory in spawned processes (its own options: bench --framework torch "
         "--help)",
     )
-    return parser, {"demo": demo, "bench": bench}
+    doctor = sub.add_parser(
+        "doctor",
+        help="versions, the native build, GPUs and their links, the backend 'auto' would "
+        "pick, the JAX_FUSEDAR_* variables: one screen for a bug report",
+        description="Print one screen about this machine for a bug report: the versions "
+        "of jax, jaxlib, torch, CUDA and the FlashInfer headers, the native build and its "
+        "CUDA architectures, the GPUs with their peer access and NVLink / PCIe links, the "
+        "backend 'auto' would pick for TP 2, 4 and 8, and the JAX_FUSEDAR_* variables set. "
+        "Needs no GPU, no torch, no JAX and no native build.",
+    )
+    return parser, {"demo": demo, "bench": bench, "doctor": doctor}
 
 
 def _torch_bench_argv(argv):
@@ -242,6 +254,11 @@ def _environment_problem(argv) -> "str | None":
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["doctor"]:  # reports bad variables itself, and needs no JAX
+        build_parser()[0].parse_args(argv)  # --help, or an unknown flag
+        from .doctor import main as doctor
+
+        return doctor(argv[1:])
     problem = _environment_problem(argv)
     if problem:
         print(f"python -m jax_fusedar: error: {problem}", file=sys.stderr)

@@ -495,7 +495,7 @@ def test_bench_device_method_brackets_the_chain_with_device_stamps():
         (["bench", "--tokens", "1,x"], "'x' is not an integer"),
         (["bench", "--modes", "auto,fast"], "subset of auto,oneshot,twoshot"),
         (["bench", "--method", "fast"], "invalid choice: 'fast'"),
-        ([], "required: {demo,bench}"),
+        ([], "required: {demo,bench,doctor}"),
     ],
 )
 def test_bad_flags_exit_with_a_message(argv, message):

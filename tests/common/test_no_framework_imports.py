@@ -31,6 +31,7 @@ JAX_FREE_CLI = [
     "jax_fusedar.cli.main",
     "jax_fusedar.cli.demo_args",
     "jax_fusedar.cli.ranks",
+    "jax_fusedar.cli.doctor",
 ]
 
 

@@ -97,3 +97,21 @@ def test_bench_refuses_one_gpu():
     assert r.returncode == 2, r.stdout + r.stderr
     assert "bench needs one GPU per rank and this machine has 1 GPU" in r.stderr, r.stderr
     assert "not the kernel" in r.stderr, r.stderr
+
+
+def test_doctor_on_gpus():
+    """``python -m jax_fusedar doctor`` on a GPU machine: the GPUs, their peer access and
+    links, the native build with its architectures (the build record), the kernel for TP 2."""
+    r = _cli("doctor", timeout=120)
+    report("gpu_doctor", {"returncode": r.returncode, "stdout": r.stdout, "stderr": r.stderr})
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    gpus = _gpus()
+    assert f"GPUs: {gpus}\n  GPU0: NVIDIA " in out, out
+    assert re.search(r"^CUDA driver: \S+ \(CUDA \d+\.\d+\)$", out, re.M), out
+    assert re.search(r"^native build: loaded from .*; CUDA architectures sm_\d+a?", out, re.M), out
+    assert "FlashInfer headers 0.7.2.post1" in out, out
+    if gpus >= 2:
+        assert "peer access (the kernel needs it" in out and "links (nvidia-smi topo -m" in out
+    assert "  2 ranks: trtllm (the kernel)" in out, out
+    assert len(out.splitlines()) <= 40, out
