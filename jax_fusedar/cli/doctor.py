@@ -80,7 +80,7 @@ def build_record(package_dir: Optional[Path] = None) -> Optional[dict]:
 
 def _native_lines(record: Optional[dict]) -> List[str]:
     if native.ext is None:
-        why = str(native._IMPORT_ERROR).splitlines()[0] if native._IMPORT_ERROR else "not built"
+        why = native.unavailable_reason()
         return [
             f"native build: not loaded ({why}): the reference path runs everywhere; build it "
             f"with nvcc on PATH (JAX_FUSEDAR_BUILD_KERNELS=1 ./dev setup, docs/install.md)"
@@ -182,15 +182,14 @@ def _variables(env) -> List[str]:
 def report(env=None, smi: Callable = _run) -> List[str]:
     """The doctor's lines; ``smi`` runs nvidia-smi (a test stands in for it)."""
     env = os.environ if env is None else env
-    from .. import __version__
-
     record = build_record()
     smi_head = smi(["nvidia-smi"]) or ""
     driver = re.search(r"Driver Version:\s*(\S+)", smi_head)
     cuda = re.search(r"CUDA Version:\s*(\S+)", smi_head)
     plugins = _cuda_plugins()
     lines = [
-        f"jax_fusedar {__version__} ({Path(__file__).resolve().parent.parent})",
+        f"jax_fusedar {_version('jax_fusedar') or 'from a source checkout (not installed)'} "
+        f"({Path(__file__).resolve().parent.parent})",
         f"python {platform.python_version()} ({sys.executable}); {platform.platform()}",
         f"jax: {_installed(['jax', 'jaxlib'])}; CUDA plugins: "
         + (_installed(plugins) if plugins else "none"),

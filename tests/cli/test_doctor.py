@@ -41,7 +41,7 @@ def test_doctor_prints_one_screen_and_imports_no_framework():
     assert imported.strip() == "[]"  # versions from the distributions: no jax, no torch
     lines = out.splitlines()
     assert len(lines) <= SCREEN, out
-    assert lines[0].startswith("jax_fusedar 0.1.0 (")
+    assert lines[0].startswith(("jax_fusedar 0.1.0 (", "jax_fusedar from a source checkout"))
     for head in ("python 3.", "jax: ", "torch: ", "CUDA driver: ", "native build: "):
         assert any(line.startswith(head) for line in lines), (head, out)
     assert "backend 'auto' for a TP group of:" in out
