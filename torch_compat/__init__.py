@@ -9,6 +9,7 @@ logic. It never imports JAX.
 from __future__ import annotations
 
 from jax_fusedar.common.patterns import AllReduceFusionPattern, QuantizationSFLayout
+from jax_fusedar.common.sizing import workspace_bytes
 
 from . import library, moe
 from .channel import StoreChannel
@@ -31,4 +32,5 @@ __all__ = [
     "moe",
     "register_workspace",
     "unregister_workspace",
+    "workspace_bytes",
 ]

@@ -1,22 +1,22 @@
-"""``python -m jax_fusedar {demo,bench}``: see ``--help``.
+"""``python -m jax_fusedar {demo,bench,doctor}``: see ``--help``.
 
-This module imports no JAX: without GPUs it first splits the host into 8 virtual CPU devices
-(the fused op needs 2, 4, 8 or 16 ranks), which XLA reads only when JAX starts.
+This module imports no JAX before it has settled the devices: without GPUs it splits the
+host into as many virtual CPU devices as the TP group has ranks (the fused op needs 2, 4, 8
+or 16; the demo's ``--tp``, default 8), which JAX reads only when it creates its backends.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-from ..common import limits, native
+from ..common import limits
 from . import argtypes
 from .argtypes import DTYPES, check_out_dir
+from .ranks import HOST_DEVICE_COUNT_FLAG
 
 BACKENDS = ("auto", "trtllm", "xla")
 FRAMEWORKS = ("jax", "torch")
-HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
 
 DESCRIPTION = (
     """\
@@ -28,12 +28,14 @@ FlashInfer's fused all-reduce + residual add + RMSNorm for JAX: demo and benchma
          logits error; exit 1 if they disagree beyond a stated tolerance.
   bench  time the fused op against psum + residual add + RMSNorm for every tokens x hidden
          size (and one-shot/two-shot modes); print a table, write bench.json and bench.png.
+  doctor print versions, the native build, GPUs and their links, the backend 'auto' would
+         pick and the JAX_FUSEDAR_* variables set: one screen for a bug report.
 
-Without GPUs both run on 8 virtual CPU devices through the XLA reference path, not the
-kernel (XLA_FLAGS=%s is set automatically
-when XLA_FLAGS is unset).
+Without GPUs both run on virtual CPU devices through the XLA reference path, not the
+kernel: as many as the demo's --tp (default 8; bench: 8), made by the CLI itself, whatever
+XLA_FLAGS says (a count set there with %s=N is the default).
 """
-    % HOST_DEVICES_FLAG
+    % HOST_DEVICE_COUNT_FLAG
 )
 
 
@@ -79,7 +81,7 @@ def build_parser():
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,doctor}")
     fmt = argparse.ArgumentDefaultsHelpFormatter
 
     demo = sub.add_parser(
@@ -93,7 +95,7 @@ def build_parser():
         "and decode tokens/s, greedy tokens and the logits error. --bench "
         "times decode steps and prefills instead.",
     )
-    from .demo import add_arguments  # the demo owns its flags
+    from .demo_args import add_arguments  # the demo's flags (no JAX: parsed before it starts)
 
     add_arguments(
         demo,
@@ -189,7 +191,17 @@ def build_parser():
         "memory in spawned processes (its own options: bench --framework torch "
         "--help)",
     )
-    return parser, {"demo": demo, "bench": bench}
+    doctor = sub.add_parser(
+        "doctor",
+        help="versions, the native build, GPUs and their links, the backend 'auto' would "
+        "pick, the JAX_FUSEDAR_* variables: one screen for a bug report",
+        description="Print one screen about this machine for a bug report: the versions "
+        "of jax, jaxlib, torch, CUDA and the FlashInfer headers, the native build and its "
+        "CUDA architectures, the GPUs with their peer access and NVLink / PCIe links, the "
+        "backend 'auto' would pick for TP 2, 4 and 8, and the JAX_FUSEDAR_* variables set. "
+        "Needs no GPU, no torch, no JAX and no native build.",
+    )
+    return parser, {"demo": demo, "bench": bench, "doctor": doctor}
 
 
 def _torch_bench_argv(argv):
@@ -215,10 +227,18 @@ def _check_hidden(parser, args) -> None:
             )
 
 
-def _ensure_host_devices() -> None:
-    # Only when XLA_FLAGS is unset: the user's own flags win. gpu_count() imports no JAX.
-    if native.gpu_count() == 0 and "XLA_FLAGS" not in os.environ:
-        os.environ["XLA_FLAGS"] = HOST_DEVICES_FLAG
+def settle_devices(plan) -> None:
+    """Makes this process see exactly the devices of ``plan`` (ranks.single_process_config:
+    on CPUs that many virtual devices, with whatever else the user's XLA_FLAGS set). Called
+    before any JAX computation: JAX reads these when it creates its backends."""
+    from . import ranks
+
+    updates = ranks.single_process_config(plan)
+    if updates:
+        import jax
+
+        for name, value in updates.items():
+            jax.config.update(name, value)
 
 
 def _environment_problem(argv) -> "str | None":
@@ -234,6 +254,11 @@ def _environment_problem(argv) -> "str | None":
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["doctor"]:  # reports bad variables itself, and needs no JAX
+        build_parser()[0].parse_args(argv)  # --help, or an unknown flag
+        from .doctor import main as doctor
+
+        return doctor(argv[1:])
     problem = _environment_problem(argv)
     if problem:
         print(f"python -m jax_fusedar: error: {problem}", file=sys.stderr)
@@ -283,8 +308,8 @@ def main(argv=None) -> int:
     code = ranks.dispatch(args, argv, commands[args.command])
     if code is not None:
         return code
-    _ensure_host_devices()
-    # Imported here, after XLA_FLAGS is settled, because they import JAX.
+    settle_devices(args.plan)
+    # Imported here, after the devices are settled, because they import JAX.
     from .setup import SetupError
 
     if args.command == "demo" and args.moe:

@@ -799,6 +799,12 @@ def test_context_manager_and_destroy():
     assert ws2.destroyed
     abstract = trtllm_workspace()
     assert "backend='trtllm'" in repr(abstract) and "world_size=8" in repr(abstract)
+    # Each rank's device memory (what a kernel workspace allocates on every GPU), by the
+    # sizing rule torch_compat's workspace shows too; XLA's collectives allocate none.
+    want = jf.workspace_bytes(8, abstract.max_token_num, abstract.hidden_dim, abstract.dtype)
+    assert abstract.bytes_per_rank == want > 0
+    assert f"bytes_per_rank={want} (" in repr(abstract)
+    assert "bytes_per_rank=0" in repr(xla_workspace(mesh))
 
 
 def test_workspace_metadata_and_groups():

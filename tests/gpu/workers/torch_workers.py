@@ -191,12 +191,15 @@ def cycles_worker(rank, world, chan, *, port, seed, cycles, tokens, hidden):
         case = _Pattern1Case(torch, device, rank, xs, residual, gamma)
         worst = {"residual": 0.0, "norm": 0.0}
         nan_outputs = 0
+        reprs = []
 
         def cycle():
             nonlocal nan_outputs
             ws = tc.create_allreduce_fusion_workspace(
                 "trtllm", world, rank, tokens, hidden, torch.bfloat16, timeout_s=120
             )
+            if not reprs:
+                reprs.append(repr(ws))
             r_ulps, n_ulps, nans, _ = case.run(ws)
             worst["residual"] = max(worst["residual"], r_ulps)
             worst["norm"] = max(worst["norm"], n_ulps)
@@ -229,6 +232,7 @@ def cycles_worker(rank, world, chan, *, port, seed, cycles, tokens, hidden):
             "free_after": after,
             "worst": worst,
             "nan_outputs": nan_outputs,
+            "repr": reprs[0],
         }
     finally:
         dist.destroy_process_group()
