@@ -227,7 +227,7 @@ def _gamma_root(g: Any, T) -> Any:
     return g
 
 
-def _match_tail(mul_n: fx.Node, T, allow: bool):
+def _match_tail(mul_n: fx.Node, T):
     """From the float32 normalized value to the norm's output: casts and one multiplication
     by gamma, in either order. Returns (gamma, out, nodes before out, rounding change) or
     raises _Skip. Exact: gamma multiplied in float32, then one rounding to T (the fused op's
@@ -263,12 +263,10 @@ def _match_tail(mul_n: fx.Node, T, allow: bool):
         raise _Skip(f"the norm output is not cast back to {_dname(T)}")
     if _dtype(gamma) != T:
         raise _Skip(f"gamma is {_dname(_dtype(gamma))} (the kernel reads gamma in {_dname(T)})")
-    if change is not None and not allow:
-        raise _Skip(change + " (the fused op rounds once, after it): allow_rounding_change=True")
     return gamma, cur, nodes, change
 
 
-def _match_norm(r: fx.Node, rf_given: Optional[fx.Node], T, allow: bool):
+def _match_norm(r: fx.Node, rf_given: Optional[fx.Node], T):
     """Matches an RMSNorm of ``r``; returns (gamma, eps, out node, internal nodes, rounding
     change) or raises _Skip. Internal nodes are every node of the norm but ``out`` (and
     ``r``). ``rf_given``: the float32 value the norm reads, when it is not a cast of ``r``
@@ -317,7 +315,7 @@ def _match_norm(r: fx.Node, rf_given: Optional[fx.Node], T, allow: bool):
     sq, mean, add_eps, rsqrt, mul_n, eps = found
     internals = [] if rf is r or rf is rf_given else [rf]
     internals += [sq, mean, add_eps, rsqrt]
-    gamma, out, tail, change = _match_tail(mul_n, T, allow)
+    gamma, out, tail, change = _match_tail(mul_n, T)
     internals = list(dict.fromkeys(n for n in internals + tail if n is not out))
     return gamma, eps, out, internals, change
 
@@ -338,7 +336,7 @@ def _group_matches(
         return False
 
 
-def _residual_add(wait: fx.Node, T, allow: bool):
+def _residual_add(wait: fx.Node, T):
     """(add, residual, the float32 sum the norm reads or None, nodes it replaces): the
     residual add after the all-reduce, in T (``t + residual``), or in float32
     (``t.float() + residual.float()``, rounded to T for the residual stream: vLLM's
@@ -387,7 +385,7 @@ def _match(ar: fx.Node, workspace, group_name: Optional[str], allow: bool) -> _M
     if shape is None or len(shape) != 2 or not _is_static(x):
         raise _Skip("the all-reduce's input is not a static 2-D [tokens, hidden] tensor")
     dtype = _dtype(x)
-    add, residual, rf, gone = _residual_add(wait, dtype, allow)
+    add, residual, rf, gone = _residual_add(wait, dtype)
     if (
         _static_shape(residual) != shape
         or _dtype(residual) != dtype
@@ -395,17 +393,21 @@ def _match(ar: fx.Node, workspace, group_name: Optional[str], allow: bool) -> _M
         or _dtype(add) != dtype
     ):
         raise _Skip("the residual's or the sum's shape or dtype is not the all-reduce's")
-    gamma, eps, out, internals, change = _match_norm(add, rf, dtype, allow)
+    gamma, eps, out, internals, change = _match_norm(add, rf, dtype)
+    changes, why = [], []
     if rf is not None:
-        if not allow:
-            raise _Skip(
-                f"the residual added in float32 and the norm computed on the unrounded sum "
-                f"(the fused op normalizes the {_dname(dtype)} sum): allow_rounding_change=True"
-            )
-        change = "; ".join(
-            c for c in ("the norm reads the residual sum rounded to " + _dname(dtype), change) if c
+        changes.append("the norm reads the residual sum rounded to " + _dname(dtype))
+        why.append(
+            "the residual added in float32 and the norm computed on the unrounded sum (the "
+            f"fused op normalizes the {_dname(dtype)} sum)"
         )
         internals = [n for n in internals if n not in gone]
+    if change is not None:
+        changes.append(change)
+        why.append(change + " (the fused op rounds once, after it)")
+    if changes and not allow:
+        raise _Skip("; ".join(why) + ": allow_rounding_change=True fuses it")
+    change = "; ".join(changes) or None
     if _static_shape(gamma) != (shape[1],) or _static_shape(out) != shape or _dtype(out) != dtype:
         raise _Skip("gamma is not [hidden] or the norm's output is not the sum's shape")
     block = {ar, wait, add, out, *internals, *gone}

@@ -88,3 +88,30 @@ def test_exact_forms_next_to_hf_forms_are_bit_exact(gloo_world1):
         assert [(b.fused, b.rounding_change) for b in blocks] == [(True, None)]
         for a, b in zip(unfused, fused):
             assert torch.equal(a, b)
+
+
+def _fused_add_form(t, residual, gamma):  # the form of vLLM's fused_add_rms_norm, by hand
+    x = t.to(torch.float32) + residual.to(torch.float32)
+    residual_out = x.to(t.dtype)
+    x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + EPS)
+    return (x.to(gamma.dtype) * gamma).to(t.dtype), residual_out
+
+
+def test_float32_residual_add_is_two_changes(gloo_world1):
+    dtype = torch.bfloat16
+    fn = rc.block_fn(gloo_world1, _fused_add_form, residual_arg=True)
+    ws = fake_workspace(max_tokens=M, hidden=H, dtype=dtype)
+    args = rc.inputs(M, H, dtype, seed=7)
+    blocks, unfused, after = rc.run_block(fn, ws, args, allow=False)
+    assert not blocks[0].fused and "residual added in float32" in blocks[0].reason
+    assert "gamma multiplied in bfloat16" in blocks[0].reason
+    assert all(torch.equal(a, b) for a, b in zip(unfused, after))
+    blocks, unfused, fused = rc.run_block(fn, ws, args, allow=True)
+    assert blocks[0].fused
+    assert blocks[0].rounding_change == (
+        "the norm reads the residual sum rounded to bfloat16; gamma multiplied in bfloat16 "
+        "after the norm is rounded to bfloat16"
+    )
+    m = rc.measure(unfused, fused, args, EPS, dtype)
+    assert m["residual_equal"] and m["fused_vs_unfused_units"] <= 2.0, m
+    assert m["fused_vs_f64_half_ulps"] <= 1.0 + 2.0**-6, m
