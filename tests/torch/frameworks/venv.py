@@ -6,6 +6,7 @@ torch is not downloaded again. Made once and kept (``build/framework-venv``, or
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import pathlib
@@ -24,10 +25,18 @@ def _digest() -> str:
 
 
 def framework_python() -> pathlib.Path:
-    """The venv's interpreter, made (or remade) as needed."""
+    """The venv's interpreter, made (or remade) as needed; test processes running at once
+    (pytest-xdist) wait for the one that makes it."""
     root = pathlib.Path(
         os.environ.get("JAX_FUSEDAR_FRAMEWORK_VENV", REPO / "build" / "framework-venv")
     )
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{root}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _make(root)
+
+
+def _make(root: pathlib.Path) -> pathlib.Path:
     python = root / "bin" / "python"
     stamp = root / "requirements.sha256"
     if python.exists() and stamp.exists() and stamp.read_text() == _digest():
