@@ -1,10 +1,11 @@
 """Per-process body of tests/gpu/test_flashinfer_shim.py: FlashInfer's legacy TRT-LLM API
-as torch_compat serves it (``torch_compat.install_as_flashinfer()``, then
-``flashinfer.comm.trtllm_create_ipc_workspace_for_all_reduce_fusion`` and
-``trtllm_allreduce_fusion``), against a reference on the same inputs: FlashInfer's own build
-(the anchor's unified ``allreduce_fusion``; same kernel) where the anchor is there, else
-torch_compat's unified ``allreduce_fusion``. Every output poisoned first, fresh inputs per
-case, bytes compared and both held to the float64 oracle's bounds (anchor_compare.run_case).
+as torch_compat serves it (``torch_compat.as_flashinfer.comm``, what
+``install_as_flashinfer()`` installs as ``flashinfer.comm``:
+``trtllm_create_ipc_workspace_for_all_reduce_fusion`` and ``trtllm_allreduce_fusion``),
+against a reference on the same inputs: FlashInfer's own build (the anchor's unified
+``allreduce_fusion``; same kernel) where the anchor is there, else torch_compat's unified
+``allreduce_fusion``. Every output poisoned first, fresh inputs per case, bytes compared and
+both held to the float64 oracle's bounds (anchor_compare.run_case).
 """
 
 from __future__ import annotations
@@ -80,7 +81,10 @@ def worker(rank, world, chan, *, port, seed, anchor_path, tokens, hiddens):
 
     t0 = time.monotonic()
     try:
-        comm = tc.install_as_flashinfer()
+        # The shim's modules themselves, not installed under flashinfer's name: the anchor
+        # loader puts FlashInfer's own there (the name's install is tested on CPU).
+        from torch_compat.as_flashinfer import comm
+
         fi = anchor.load(anchor_path) if anchor_path else None
         against = getattr(fi, "__file__", "FlashInfer") if fi else "torch_compat unified"
         result = new_result(rank, device, torch.__version__, against)
