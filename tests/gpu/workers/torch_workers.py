@@ -857,7 +857,8 @@ def _native_launches():
 
 
 def rms_manual(x, g, eps=RMS_EPS):
-    """vLLM's RMSNorm.forward_native (the form the fusion pass matches anywhere)."""
+    """vLLM's RMSNorm.forward_native: rounds before the gamma multiply, so the fusion pass
+    fuses it only with allow_rounding_change=True."""
     import torch
 
     xf = x.to(torch.float32)
@@ -978,7 +979,9 @@ def fusion_pass_worker(rank, world, chan, *, port, seed, m, hidden, layers, mode
                 r["all_reduces_before"] = count_targets(gm, ar)
                 unfused = gm(*args)
                 torch.cuda.synchronize()
-                r["replaced"] = tc.fuse_allreduce_rmsnorm(gm, ws)
+                r["replaced"] = tc.fuse_allreduce_rmsnorm(
+                    gm, ws, allow_rounding_change=norm == "manual"
+                )
                 r["fused_ops"] = count_targets(gm, library.ALLREDUCE_RESIDUAL_RMSNORM)
                 r["all_reduces_after"] = count_targets(gm, ar)
                 if r["replaced"] == 0:
