@@ -23,7 +23,9 @@ Every op binds the same machinery parameters besides its own: ``axis_name`` (a 1
 groups, which every lowering checks against the mesh being lowered) and ``plan`` (what the
 batching rule needs to decide again). The lowerings do the rest alike for every op: the mesh
 check, the reference for calls not cleared for the kernel (with the export policy below),
-and the custom call.
+and the custom call. The custom call needs only its target's name and attributes: a program
+is lowered (and exported) for cuda without the native module, which only a process that
+compiles the program needs.
 """
 
 from __future__ import annotations
@@ -150,6 +152,27 @@ def register_ffi_targets() -> bool:
     return True
 
 
+def check_handlers_for_compiling(ctx, target: str) -> None:
+    """The cuda lowering of the kernel's call: raises when this process would compile the
+    program for its own GPUs without the handler (no native module), saying what to install
+    (``native.require``'s words). Lowering for export, or for cuda on a machine without a
+    cuda backend (to inspect or serialize the program), needs only the target's name and
+    attributes: no module."""
+    if native.available() or ctx.module_context.lowering_parameters.for_export:
+        return
+    try:
+        jax.devices("cuda")
+    except RuntimeError:
+        return  # no cuda backend here: nothing in this process can compile it
+    try:
+        native.require()
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"jax_fusedar: this program calls the fused kernel ({target}) and would be "
+            f"compiled here for this process's GPUs, but {e}"
+        ) from e
+
+
 # --- the ops -----------------------------------------------------------------------------------
 
 MACHINERY_PARAMS = ("use_kernel", "workspace_id", "workspace_groups", "plan")
@@ -232,12 +255,11 @@ class FfiOp:
 
     def bind(self, *operands, workspace, axis_name: str, use_kernel: bool, plan, **params):
         """Binds the primitive for a call on ``workspace`` over ``axis_name``, decided at
-        trace time (``use_kernel``, ``plan``: ``call_plan``)."""
-        if use_kernel and not register_ffi_targets():
-            raise RuntimeError(
-                "the workspace uses the trtllm kernel but jax_fusedar's native "
-                "extension is not available"
-            )
+        trace time (``use_kernel``, ``plan``: ``call_plan``). Tracing needs no native module
+        (an abstract workspace exports from any machine); compiling the kernel's call does
+        (``_lower``)."""
+        if use_kernel:
+            register_ffi_targets()  # where the native module is present
         return self.primitive.bind(
             *operands,
             axis_name=(axis_name,),
@@ -265,6 +287,7 @@ class FfiOp:
     ):
         check_lowering_mesh(ctx, axis_name, workspace_groups)
         if kernel_platform and use_kernel:
+            check_handlers_for_compiling(ctx, self.target)
             rule = jax.ffi.ffi_lowering(self.target, operand_output_aliases=self.aliases(**params))
             return rule(
                 ctx, *args, workspace_id=np.int64(workspace_id), **self.attributes(**params)

@@ -24,10 +24,8 @@ from tests.jax.cpu_helpers import (
     random_values,
     require_host_devices,
 )
-from jax_fusedar.common import native
 from jax_fusedar import reference
 from jax_fusedar.common.patterns import TRAITS
-from tests.skips import native_skip_reason
 
 require_host_devices()
 
@@ -476,9 +474,6 @@ def test_reference_round_to_derivative_is_the_rounding():
     assert ct.dtype == np.float32 and np.all(np.asarray(ct) == 1)
 
 
-@pytest.mark.skipif(
-    not native.available(), reason=native_skip_reason("the cuda lowering of a trtllm workspace")
-)
 @pytest.mark.parametrize("variant", ["plain", "checkpoint"])
 def test_cuda_gradient_keeps_the_kernel_and_adds_no_all_reduce(variant):
     """Lowered for cuda: the forward runs the kernel (one custom call per layer, again per

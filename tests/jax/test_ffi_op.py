@@ -14,7 +14,7 @@ import jax_fusedar as jf
 from jax_fusedar import ffi_op
 from jax_fusedar.call_plan import CallPlan
 from jax_fusedar.common import native
-from tests.jax.cpu_helpers import make_mesh, needs_native, require_host_devices
+from tests.jax.cpu_helpers import make_mesh, require_host_devices
 
 require_host_devices()
 
@@ -143,7 +143,6 @@ def test_a_declared_op_refuses_to_run_outside_shard_map():
         scaled_sum(np.ones((4, 128), np.float32), ws)
 
 
-@needs_native
 def test_a_declared_op_lowers_to_its_custom_call_on_cuda():
     mesh = make_mesh((8,), ("tp",))
     ws = jf.abstract_workspace(mesh, "tp", max_token_num=4, hidden_dim=128, dtype=jnp.float32)

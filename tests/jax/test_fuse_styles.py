@@ -11,7 +11,6 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from tests.jax import cpu_helpers
-from tests.jax.cpu_helpers import needs_native
 from tests.models.common import Config
 from tests.models.styles import PLAIN_JIT, STYLES
 import jax_fusedar as jf
@@ -132,7 +131,6 @@ def _partitioned_shard_for_cuda(jaxpr, mesh):
     return jax.jit(f).trace(*placed).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@needs_native
 @pytest.mark.parametrize(
     "style", [s for s in STYLES if s.fused], ids=[s.name for s in STYLES if s.fused]
 )
