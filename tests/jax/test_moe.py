@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_fusedar as jf
 import tests.oracles.moe_oracle as mo
-from tests.jax.cpu_helpers import make_mesh, needs_native, put, require_host_devices
+from tests.jax.cpu_helpers import make_mesh, put, require_host_devices
 from jax_fusedar import moe, moe_reference
 from jax_fusedar.call_plan import CallPlan, choose_moe_kernel
 
@@ -425,7 +425,6 @@ def test_grad_equals_grad_of_the_reference():
 # --- the cuda lowering (kernel decision, custom call) on this GPU-less machine -----------------
 
 
-@needs_native
 @pytest.mark.parametrize("hidden,kernel", [(7168, True), (4096, True), (2880, False)])
 def test_cuda_lowering_uses_the_moe_custom_call(hidden, kernel):
     ws = workspace(2, "bfloat16", tokens=16, hidden=hidden, backend="trtllm")
