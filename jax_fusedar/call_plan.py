@@ -1,7 +1,21 @@
 """The trace-time kernel decision every op on a workspace makes: the plan it carries as a
 primitive parameter, whether the kernel can serve a call (or why not), one-shot, two-shot or
-the large-message algorithm, and the fallback to the reference (logged once per kind of
-reason, or raised in strict mode).
+the large-message algorithm, and the fallback (logged once per kind of reason, or raised in
+strict mode) with what it computes (``FALLBACKS``).
+
+A call the kernel does not serve (every call on CPU, the xla backend, a call beyond the
+workspace or the kernel's limits) runs its fallback, one rule for the dense op, the MoE ops
+and the plain-jit entry alike:
+
+* ``"xla"`` (the default, on every platform): what the user would have written, one
+  ``psum`` of the input in its own dtype, then the residual add and RMSNorm at the kernel's
+  rounding points (``reference.fallback_allreduce``). It moves exactly the bytes of the
+  user's psum, and its sum is XLA's all-reduce (docs/numerics.md states its bound), so a
+  site ``fuse`` rewrote runs the original program's own collective where no kernel serves it.
+* ``"kernel_exact"``: the kernel's additions emulated (``reference.allreduce_sum``): with
+  ``fp32_acc`` a float32 psum (twice the bytes of a 16-bit psum), without it one float32
+  psum per rank (2 x world size times the bytes). For kernel-identical numbers on a fallback
+  (the CPU parity and oracle tests), asked for per call.
 
 Every decision is a pure function of the plan and the call's shape, so every rank of a group
 decides alike and the kernel's spin-wait always finds its peers. The batching rules call the
@@ -32,6 +46,22 @@ class CallPlan:
     sizes: sizing.WorkspaceSizes
     strict: bool
     use_oneshot: Optional[bool]  # as requested: None picks by size
+    fallback: str = "xla"  # what a call the kernel does not serve computes (FALLBACKS)
+
+
+# What a call the kernel does not serve computes (module docstring); the first is the default.
+FALLBACKS = ("xla", "kernel_exact")
+
+
+def as_fallback(value) -> str:
+    """The ``fallback=`` option, checked (never coerced): one of ``FALLBACKS``."""
+    if isinstance(value, str) and value in FALLBACKS:
+        return value
+    raise ValueError(
+        f"fallback must be one of {FALLBACKS} ('xla': XLA's all-reduce in the input's dtype, "
+        f"as unfused code does; 'kernel_exact': the kernel's additions emulated, at up to "
+        f"2 x world size times the bytes), got {value!r}"
+    )
 
 
 def fallback(kind: str, reason: str, strict: bool, backend: str) -> None:

@@ -151,7 +151,10 @@ def run_and_check_groups(ws, tokens, hidden, what, **kwargs):
     TP group, and checks each group's outputs against its own members' data: allreduce_out
     and residual_out bit for bit where the kernel rounds (kernel_rounding), and all three
     against the float64 oracle (with fp32_acc; without it the sum's error grows per rank).
-    Returns every group's allreduce_out and which NamedTuple fields each pattern left None."""
+    Returns every group's allreduce_out and which NamedTuple fields each pattern left None.
+    The calls emulate the kernel's additions (``fallback="kernel_exact"``) unless ``kwargs``
+    say otherwise: the rounding checked here is the kernel's."""
+    kwargs.setdefault("fallback", "kernel_exact")
     mesh, dtype = ws.mesh, ws.dtype.name
     fp32_acc = kwargs.get("fp32_acc", True)
     # fp32 sums in fp32 either way, in an unspecified order: only exact sums compare.

@@ -53,9 +53,10 @@ def fused_combine(ws, pattern=Q.kARResidualRMSNorm, **kw):
     return combine
 
 
-def unfused_combine(*, weight_bias=0.0, fp32_acc=True, **_):
-    """The same with psum + residual add + RMSNorm in plain JAX (the reference math; gamma
-    rounded to the stream's dtype as the fused op does with a float32 gamma)."""
+def unfused_combine(*, weight_bias=0.0, fp32_acc=True, fallback="xla", **_):
+    """The same with psum + residual add + RMSNorm in plain JAX (the reference math, with the
+    fused call's fallback all-reduce; gamma rounded to the stream's dtype as the fused op
+    does with a float32 gamma)."""
 
     def combine(p, r, g):
         _, r_out, y = reference.allreduce_fusion_reference(
@@ -67,6 +68,7 @@ def unfused_combine(*, weight_bias=0.0, fp32_acc=True, **_):
             rms_eps=EPS,
             weight_bias=weight_bias,
             fp32_acc=fp32_acc,
+            fallback=fallback,
         )
         return r_out, y
 
@@ -266,7 +268,9 @@ def test_jvp_and_vjp(variant, check_vma):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "kw", [{"weight_bias": 1.0}, {"fp32_acc": False}], ids=["weight_bias", "no_fp32_acc"]
+    "kw",
+    [{"weight_bias": 1.0}, {"fp32_acc": False, "fallback": "kernel_exact"}],
+    ids=["weight_bias", "no_fp32_acc"],
 )
 def test_gradients_with_weight_bias_and_without_fp32_acc(kw):
     mesh = make_mesh((8,), ("tp",))
