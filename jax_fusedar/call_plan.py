@@ -64,6 +64,45 @@ def as_fallback(value) -> str:
     )
 
 
+def served_by_kernel(plan: CallPlan, tokens: int, hidden: int, dtype_name: str) -> bool:
+    """Whether the dense kernel serves a call of ``tokens`` rows on this plan (never logs
+    or raises: the caller decides what a fallback means for it)."""
+    return (
+        plan.backend == "trtllm"
+        and tokens > 0
+        and kernel_problem(tokens, hidden, dtype_name, plan.sizes) is None
+    )
+
+
+NO_KERNEL_HERE = "left as is: no kernel here"
+
+
+def fused_site_problem(
+    workspace, tokens: int, hidden: int, dtype_name: str, *, adds_collectives: bool
+) -> Optional[str]:
+    """For ``jax_fusedar.fuse``: why a site must stay as written although its fused call
+    would be exact, or None. Where the kernel does not serve the fused call (an xla-backend
+    workspace, e.g. CPU or TP across hosts), the call runs the "xla" fallback, which is the
+    original's own collective (one psum in the site's dtype): as costly as the original, and
+    the same all-reduce. A rewrite that ``adds_collectives`` around the fused call (sequence
+    parallelism gathers the residual and all-reduces every token instead of a reduce-scatter
+    and an all-gather) would cost more there than the program it replaces."""
+    plan = CallPlan(workspace.backend, workspace.sizes, False, None)
+    if not adds_collectives or served_by_kernel(plan, tokens, hidden, dtype_name):
+        return None
+    problem = kernel_problem(tokens, hidden, dtype_name, workspace.sizes)
+    why = (
+        f"the workspace is on the {workspace.backend} backend"
+        if workspace.backend != "trtllm"
+        else problem[1]
+    )
+    return (
+        f"{NO_KERNEL_HERE} ({why}): without the kernel the fused form would gather the "
+        "residual and all-reduce every token, more than the reduce-scatter and all-gather "
+        "it replaces"
+    )
+
+
 def fallback(kind: str, reason: str, strict: bool, backend: str) -> None:
     """The kernel cannot serve a call: raise in strict mode, else log ``reason`` (once per
     ``kind`` and process) and let the caller run the reference."""
