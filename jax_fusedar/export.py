@@ -25,8 +25,7 @@ for cuda from a workspace on the XLA backend of a GPU-less process would silentl
 reference instead of the kernel: ``export`` refuses it (plain lowering warns). Exporting
 needs no native module (a custom call is its target's name and attributes), so it works on
 any machine; running an artifact that calls the kernel needs it (``deserialize`` says so).
-Symbolic
-token counts are refused with a clear error: export one artifact per token count.
+Symbolic token counts are refused with a clear error: export one artifact per token count.
 ``row_parallel_allreduce_fusion`` exports on Explicit mesh axes (on Auto axes its
 partitioning is a Python callback, which ``export`` refuses with an explanation).
 Serializing needs the ``flatbuffers`` package (``jax.export``'s requirement).

@@ -64,7 +64,7 @@ def jvp(op, primals, tangents, **params):
     dtype = outs[0].dtype
     dx = tangents[0]
     # The tangents' all-reduce is the call's fallback: a psum in T moves no more than the
-    # user's own (forward mode; under grad JAX transposes it away, no collective at all).
+    # user's own tangent psum in forward mode (under grad its transpose is JAX's own).
     ds = (
         None
         if _is_zero(dx)
