@@ -261,12 +261,12 @@ def test_a_site_fused_on_the_fallback_is_the_original_program(dtype):
     """fuse on CPU (the xla backend): the fused site's call runs the original's psum, and
     with a norm written at the fused op's rounding points the fused program gives the
     original's bits (float16: XLA's CPU psum rounds after every addition, which the
-    kernel's fp32 accumulation would not). In a fresh process with XLA's excess precision
-    off, so that XLA keeps every rounding the programs write."""
+    kernel's fp32 accumulation would not). In a fresh process with the CPU tests' XLA flags
+    (excess precision off, so that XLA keeps every rounding the programs write)."""
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS=xla_flags(8) + " --xla_allow_excess_precision=false",
+        XLA_FLAGS=xla_flags(8),  # with XLA's excess precision off (tests/cpu_devices.py)
         PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     )
     for var in ("JAX_FUSEDAR_STRICT", "JAX_FUSEDAR_ALLREDUCE_BACKEND"):
