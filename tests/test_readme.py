@@ -125,7 +125,9 @@ def test_readme_python_blocks_run_in_a_fresh_shell():
     assert facts["moe_norm"] == {"shape": [4, 512], "finite": True}
 
 
-# jax_api.md's export example lowers a kernel workspace for cuda: that needs the native module.
+# jax_api.md's export example serves its artifact on CPU, which compiles the cuda branch's
+# kernel call against its host twin: that needs the native module (exporting does not:
+# tests/jax/test_export.py runs the exporting side without it).
 @pytest.mark.parametrize(
     "page", [pytest.param("docs/jax_api.md", marks=needs_native), "docs/multinode.md"]
 )

@@ -20,8 +20,8 @@ class ResidualRMSNorm(eqx.Module):
     ``weight`` (ones of ``dtype``, float32 by default: then rounded to the activations' dtype
     where the kernel reads it, its gradient flowing back through that cast). ``workspace``
     comes from ``jax_fusedar.create_allreduce_fusion_workspace``; ``axis_name`` defaults to
-    its axis; ``weight_bias=1.0`` is Gemma's ``(1 + weight)``; ``use_oneshot``, ``fp32_acc``
-    and ``strict`` are passed to ``allreduce_fusion``.
+    its axis; ``weight_bias=1.0`` is Gemma's ``(1 + weight)``; ``use_oneshot``, ``fp32_acc``,
+    ``strict`` and ``fallback`` are passed to ``allreduce_fusion``.
     """
 
     weight: jax.Array
@@ -33,6 +33,7 @@ class ResidualRMSNorm(eqx.Module):
     use_oneshot: Optional[bool] = eqx.field(static=True)
     fp32_acc: bool = eqx.field(static=True)
     strict: Optional[bool] = eqx.field(static=True)
+    fallback: str = eqx.field(static=True)
 
     def __init__(
         self,
@@ -46,6 +47,7 @@ class ResidualRMSNorm(eqx.Module):
         use_oneshot: Optional[bool] = None,
         fp32_acc: bool = True,
         strict: Optional[bool] = None,
+        fallback: str = "xla",
     ):
         self.shape = int(shape)
         self.weight = jnp.ones((self.shape,), jnp.float32 if dtype is None else dtype)
@@ -56,6 +58,7 @@ class ResidualRMSNorm(eqx.Module):
         self.use_oneshot = use_oneshot
         self.fp32_acc = fp32_acc
         self.strict = strict
+        self.fallback = fallback
 
     def __call__(self, partial, residual, *, key=None):
         """``key`` is ignored (Equinox's layer convention)."""
@@ -71,5 +74,6 @@ class ResidualRMSNorm(eqx.Module):
             use_oneshot=self.use_oneshot,
             fp32_acc=self.fp32_acc,
             strict=self.strict,
+            fallback=self.fallback,
         )
         return out.residual_out, out.norm_out

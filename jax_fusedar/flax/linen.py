@@ -26,7 +26,7 @@ class ResidualRMSNorm(nn.Module):
       scale_init: gamma's initializer.
       kernel_axes: gamma's logical axis names (``nn.with_logical_partitioning``; MaxText
         names it ``"norm"``), mapped to mesh axes by the caller's logical axis rules.
-      use_oneshot, fp32_acc, strict: passed to ``allreduce_fusion``.
+      use_oneshot, fp32_acc, strict, fallback: passed to ``allreduce_fusion``.
     """
 
     workspace: Any
@@ -39,6 +39,7 @@ class ResidualRMSNorm(nn.Module):
     use_oneshot: Optional[bool] = None
     fp32_acc: bool = True
     strict: Optional[bool] = None
+    fallback: str = "xla"
 
     @nn.compact
     def __call__(self, partial, residual):
@@ -59,5 +60,6 @@ class ResidualRMSNorm(nn.Module):
             use_oneshot=self.use_oneshot,
             fp32_acc=self.fp32_acc,
             strict=self.strict,
+            fallback=self.fallback,
         )
         return out.residual_out, out.norm_out

@@ -35,6 +35,7 @@ class ResidualRMSNorm(nnx.Module):
         use_oneshot: Optional[bool] = None,
         fp32_acc: bool = True,
         strict: Optional[bool] = None,
+        fallback: str = "xla",
         rngs: nnx.Rngs,
     ):
         metadata = {} if kernel_axes is None else {"out_sharding": tuple(kernel_axes)}
@@ -47,6 +48,7 @@ class ResidualRMSNorm(nnx.Module):
         self.use_oneshot = use_oneshot
         self.fp32_acc = fp32_acc
         self.strict = strict
+        self.fallback = fallback
 
     def __call__(self, partial, residual):
         out = allreduce_fusion(
@@ -60,5 +62,6 @@ class ResidualRMSNorm(nnx.Module):
             use_oneshot=self.use_oneshot,
             fp32_acc=self.fp32_acc,
             strict=self.strict,
+            fallback=self.fallback,
         )
         return out.residual_out, out.norm_out

@@ -453,6 +453,15 @@ class Analyzer:
             raise Reject("overlaps another fused site")
         m.world = world
         m.workspace = self.fuser.workspace_for(m, world)  # raises Reject when it cannot
+        # Never costlier than the original: where no kernel serves the site, a rewrite that
+        # adds collectives stays as written (call_plan.fused_site_problem).
+        from ..call_plan import fused_site_problem
+
+        costlier = fused_site_problem(
+            m.workspace, m.tokens, m.hidden, m.dtype, adds_collectives=m.kind == R.REDUCE_SCATTER
+        )
+        if costlier:
+            raise Reject(costlier)
 
     # --- reporting ---------------------------------------------------------------------------
     def _report_unfused(self, g, i, scope, reason, kind):

@@ -256,8 +256,9 @@ def test_module_gradients_are_the_ops(fw, mesh, ws):
 
 
 def plain_math(p, r, g):
-    """psum + residual add + RMSNorm in plain JAX at the op's rounding points."""
-    s = reference.allreduce_sum(p, "tp", fp32_acc=True)
+    """psum + residual add + RMSNorm in plain JAX at the op's rounding points (its default
+    fallback's all-reduce: the psum in the activations' dtype)."""
+    s = reference.fallback_allreduce(p, "tp", fallback="xla", fp32_acc=True)
     out = reference.residual_add(s, r)
     return out, reference.rms_norm(
         out, g.astype(p.dtype), rms_eps=EPS, weight_bias=0.0, out_dtype=p.dtype
@@ -338,7 +339,8 @@ def test_module_under_scan_and_remat(fw, mesh, ws):
 
 def test_module_falls_back_and_refuses_as_the_op(fw, mesh):
     """A workspace too small for the call: the module falls back to psum + RMSNorm as
-    allreduce_fusion does (the same bits), and with strict=True raises its error."""
+    allreduce_fusion does (the same bits, with either fallback), and with strict=True raises
+    its error."""
     small = jf.create_allreduce_fusion_workspace(
         mesh, "tp", max_token_num=TOKENS // 2, hidden_dim=HIDDEN, dtype=jnp.bfloat16
     )
@@ -353,6 +355,16 @@ def test_module_falls_back_and_refuses_as_the_op(fw, mesh):
             partial, residual, jnp.asarray(gamma)
         )
         assert_same_bits(got, want, f"{fw.name}: the fallback")
+        # The fallback option reaches the op: the kernel's rank-order additions, asked for.
+        exact = dict(fallback="kernel_exact", fp32_acc=False)
+        params, call = fw.make(small, **exact, **fw.rows)
+        params = fw.with_gamma(params, gamma)
+        got = sharded(mesh, call, (P(), *SPECS))(params, partial, residual)
+        want_exact = sharded(mesh, functools.partial(direct, small, **exact), (*SPECS, P()))(
+            partial, residual, jnp.asarray(gamma)
+        )
+        assert_same_bits(got, want_exact, f"{fw.name}: the kernel-exact fallback")
+        assert not np.array_equal(np.asarray(want_exact[0]), np.asarray(want[0]))
         # (Linen's init traces the call, so there the refusal comes at init.)
         with pytest.raises(ValueError, match="cannot use the fused kernel.*exceed the workspace"):
             strict_params, strict_call = fw.make(small, strict=True, **fw.rows)
