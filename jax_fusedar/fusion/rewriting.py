@@ -32,11 +32,21 @@ def _write(write, var, val):
 
 
 def _gamma(m, value):
-    """gamma as the fused op takes it: [H] in T (a float32 gamma is rounded to T where the
-    kernel reads it; the proof allowed that only as a rounding change)."""
+    """gamma as the fused op takes it: [H] in T, computed from gamma's array by the
+    program's own steps (its casts, a constant added: norm_proof.GammaFeed), so the kernel's
+    ``weight_bias + float32(gamma)`` is the value the program multiplies; the cast to T
+    rounds only where the proof declared it (a rounding change)."""
     if value is None:
         return jnp.ones((m.hidden,), m.dtype)
-    return jnp.asarray(value).reshape(m.hidden).astype(m.dtype)
+    g = jnp.asarray(value).reshape(m.hidden)
+    for op in m.norm.gamma_ops:
+        if op[0] == "cast":
+            g = g.astype(op[1])
+        elif op[0] == "add":  # ("add", c, dtype): the program's addition, in its dtype
+            g = jnp.add(g.astype(op[2]), jnp.asarray(op[1], op[2]))
+        else:
+            g = jax.lax.stop_gradient(g)
+    return g.astype(m.dtype)
 
 
 def _call(m, fuser, x, residual, gamma, scale, axis):
@@ -221,10 +231,31 @@ class InScopeEmit:
         _write(write, m.norm.scale_out_var, out.scale_out)
 
 
+def _extra_outputs(m) -> tuple:
+    """The norm's outputs a shard_map body returns for a site fused across its boundary:
+    norm_out (unless the pattern has none: an FP8 tail whose norm output is unused), the
+    FP8 codes, the dynamic scale."""
+    from ..common.patterns import TRAITS, AllReduceFusionPattern
+
+    names = ["norm"] if TRAITS[AllReduceFusionPattern(m.norm.pattern)].has_norm_out else []
+    if m.norm.quant_var is not None:
+        names.append("quant")
+    if m.norm.scale_out_var is not None:
+        names.append("scale_out")
+    return tuple(names)
+
+
+def _extra_vars(m) -> list:
+    """The outer vars the extra outputs of ``_extra_outputs`` are written to."""
+    var = {"norm": m.norm.out_var, "quant": m.norm.quant_var, "scale_out": m.norm.scale_out_var}
+    return [var[n] for n in _extra_outputs(m)]
+
+
 class BodyEmit(InScopeEmit):
-    """The psum of a shard_map body whose add and norm were outside it: the residual, gamma
-    (and scale) come in as extra inputs of the body, the psum's value becomes residual_out
-    and the norm's outputs leave as extra outputs (BoundaryEmit lays them out)."""
+    """The psum of a shard_map body whose add and norm were outside it: the residual (unless
+    the body computes it: ``m.residual_body``), gamma (and scale) come in as extra inputs of
+    the body, the body's output that carried the sum becomes residual_out and the norm's
+    outputs leave as extra outputs (BoundaryEmit lays them out)."""
 
     def __init__(self, m, slot):
         super().__init__(m)
@@ -233,24 +264,28 @@ class BodyEmit(InScopeEmit):
     def __call__(self, read, write, fuser, extra_in, extra_out):
         m = self.m
         residual, gamma, scale = extra_in[self.slot]
+        if m.residual_body is not None:
+            residual = read(m.residual_body)
         out = self.fused(read, fuser, residual, gamma, scale)
-        _write(write, m.source.out, out.residual_out)
-        outs = [out.norm_out.reshape(residual.shape)]
-        if m.norm.quant_var is not None:
-            outs.append(out.quant_out.reshape(residual.shape))
-        if m.norm.scale_out_var is not None:
-            outs.append(out.scale_out.reshape(residual.shape[:-1] + (1,)))
-        extra_out[self.slot] = outs
+        _write(write, m.body_out, out.residual_out)
+        field = {"norm": out.norm_out, "quant": out.quant_out, "scale_out": out.scale_out}
+        shape = {
+            "norm": residual.shape,
+            "quant": residual.shape,
+            "scale_out": residual.shape[:-1] + (1,),
+        }
+        extra_out[self.slot] = [field[n].reshape(shape[n]) for n in _extra_outputs(m)]
 
 
 def _reshard(val, spec):
     """``val`` laid out as ``spec`` when its mesh has Explicit axes (shard_map then requires
-    it); on Auto axes shard_map's in_specs place it."""
+    it); on Auto axes shard_map's in_specs place it. The sharding names the value's own mesh,
+    so no mesh need be set (a program called without ``jax.set_mesh`` runs as written)."""
     sharding = getattr(jax.typeof(val), "sharding", None)
     mesh = getattr(sharding, "mesh", None)
     types = set(getattr(mesh, "axis_types", ()) or ())
     if jax.sharding.AxisType.Explicit in types and tuple(sharding.spec) != tuple(spec):
-        return jax.sharding.reshard(val, spec)
+        return jax.sharding.reshard(val, jax.sharding.NamedSharding(mesh, spec))
     return val
 
 
@@ -274,19 +309,17 @@ class BoundaryEmit:
         for m in self.matches:
             k = m.boundary[1]
             spec = out_specs[k]
-            ins = [_reshard(read(m.residual), spec)]
-            specs = [spec]
+            ins, specs = [], []
+            if m.residual_body is None:
+                ins.append(_reshard(read(m.residual), spec))
+                specs.append(spec)
             for atom in (m.norm.gamma, m.norm.scale):
                 if atom is not None:
                     ins.append(_reshard(read(atom), P()))
                     specs.append(P())
             extra_args += ins
             extra_specs += specs
-            outs = [spec]
-            if m.norm.quant_var is not None:
-                outs.append(spec)
-            if m.norm.scale_out_var is not None:
-                outs.append(spec)
+            outs = [spec] * len(_extra_outputs(m))
             extra_out_specs += outs
             layout.append((len(ins), len(outs)))
         consts = getattr(p["jaxpr"], "consts", ())
@@ -299,7 +332,7 @@ class BoundaryEmit:
             for m, (n_extra, _) in zip(self.matches, layout):
                 vals = list(args[pos : pos + n_extra])
                 pos += n_extra
-                residual = vals.pop(0)
+                residual = None if m.residual_body is not None else vals.pop(0)
                 gamma = vals.pop(0) if m.norm.gamma is not None else None
                 scale = vals.pop(0) if m.norm.scale is not None else None
                 xin.append((residual, gamma, scale))
@@ -320,14 +353,11 @@ class BoundaryEmit:
                 write(v, outs[k])
         pos = n_out
         for m, (_, n_extra_out) in zip(self.matches, layout):
-            vals = list(outs[pos : pos + n_extra_out])
+            vals = outs[pos : pos + n_extra_out]
             pos += n_extra_out
             _write(write, m.r, outs[m.boundary[1]])
-            _write(write, m.norm.out_var, vals.pop(0))
-            if m.norm.quant_var is not None:
-                _write(write, m.norm.quant_var, vals.pop(0))
-            if m.norm.scale_out_var is not None:
-                _write(write, m.norm.scale_out_var, vals.pop(0))
+            for var, val in zip(_extra_vars(m), vals):
+                _write(write, var, val)
 
 
 class SequenceParallelEmit:
@@ -381,14 +411,7 @@ class PlainJitEmit:
         m = self.m
         e = m.dot
         (hc, wc), _ = e.params["dimension_numbers"]
-        gamma = None if m.norm.gamma is None else read(m.norm.gamma)
-        gamma = (
-            jnp.ones((m.hidden,), m.dtype)
-            if gamma is None
-            else jnp.asarray(gamma).reshape(m.hidden)
-        )
-        if gamma.dtype not in (jnp.dtype(m.dtype), jnp.dtype(jnp.float32)):
-            gamma = gamma.astype(m.dtype)
+        gamma = _gamma(m, None if m.norm.gamma is None else read(m.norm.gamma))
         out = row_parallel_allreduce_fusion(
             read(e.invars[0]),
             read(e.invars[1]),
