@@ -585,11 +585,24 @@ def _spec_axes(entry):
 def match_boundary(
     g: G.Graph, j: int, k: int, scope: Scope, axis: str, allow: bool, inner: Scope
 ) -> Match:
-    """shard_map output k (a psum over ``axis`` inside) -> residual add -> RMSNorm outside."""
+    """shard_map output k (a psum over ``axis`` inside) -> residual add -> RMSNorm outside.
+    Once the add is found, every refusal is ``late``: it is the reason of the body's psum."""
     sm = g.eqns[j]
     found = body_psum(sm, k)
     if found is None:
         raise Reject("the shard_map output is not an all-reduce")
+    d = sm.outvars[k]
+    cast = _f32_cast_user(g, d)  # a float32 sum cast down after the shard_map
+    add_i, residual, via = _residual_add(g, d if cast is None else g.eqns[cast].outvars[0])
+    try:
+        return _boundary_site(g, j, k, scope, axis, allow, inner, found, cast, add_i, residual, via)
+    except Reject as why:
+        raise Reject(str(why), late=True) from None
+
+
+def _boundary_site(g, j, k, scope, axis, allow, inner, found, cast, add_i, residual, via):
+    """match_boundary once the residual add is found."""
+    sm = g.eqns[j]
     body, bg, pi, chain = found
     src = reduction_source(bg, pi, inner, axis)
     out_specs = sm.params["out_specs"]
@@ -600,36 +613,21 @@ def match_boundary(
     d = sm.outvars[k]
     if len(spec) >= len(G.shape(d)) and spec[len(G.shape(d)) - 1] is not None:
         raise Reject("the shard_map returns its all-reduce sharded along the hidden axis")
-    skip = {j}
+    skip = {j, add_i} | via
     # A float32 sum cast down, inside the body or after the shard_map.
     if any(G.name(bg.eqns[c]) == G.CAST for c in chain):
         _sum_cast_down(src, G.dtype(d), allow)
-    elif _f32_cast_user(g, d) is not None:
-        u = _f32_cast_user(g, d)
-        _sum_cast_down(src, G.dtype(g.eqns[u].outvars[0]), allow)
-        skip.add(u)
-        d = g.eqns[u].outvars[0]
+    elif cast is not None:
+        d = g.eqns[cast].outvars[0]
+        _sum_cast_down(src, G.dtype(d), allow)
+        skip.add(cast)
     T = G.dtype(d)
     if T not in G.FLOATS:
         raise Reject(f"all-reduce of {T}")
     _require_concrete(d)
-    add_i, residual, via = _residual_add(g, d)
-    try:
-        return _boundary_site(
-            g, j, k, allow, sm, body, pi, chain, src, d, residual, add_i, skip | via
-        )
-    except Reject as why:
-        raise Reject(str(why), late=True) from None
-
-
-def _boundary_site(g, j, k, allow, sm, body, pi, chain, src, d, residual, add_i, skip):
-    """match_boundary once the residual add is found."""
-    _, bg = _body_graph(sm)
     problem = _other_uses_in_body(body, bg, pi, chain, k)
     if problem:
         raise Reject(problem)
-    out_specs = sm.params["out_specs"]
-    spec = tuple(out_specs[k])
     residual_body = None
     if g.defs.get(residual) == j:  # the same shard_map returns the residual
         jj = next(n for n, v in enumerate(sm.outvars) if v is residual)
@@ -660,7 +658,7 @@ def _boundary_site(g, j, k, allow, sm, body, pi, chain, src, d, residual, add_i,
         dtype=G.dtype(d),
         hidden=shape[-1],
         tokens=local_tokens,
-        skip=skip | {add_i},
+        skip=skip,
         boundary=(j, k, pi),
         rounding_change=src.rounding_change,
         body_out=body.outvars[k],

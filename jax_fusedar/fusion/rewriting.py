@@ -90,46 +90,39 @@ def _bind_all(eqns, env):
             env[v] = val
 
 
-def _site_call(m, fuser, x, residual, gamma, scale, axis):
-    """The fused call of a site. With an FP8 tail, its quantized outputs keep the derivative
-    of the program's own tail (a cast to float8 passes tangents through, which the fused
-    op's quant_out, like jnp.round, does not): a custom_jvp whose primal is the fused call
-    alone, and whose tangents are the fused op's for residual_out and norm_out, then the
-    tail's equations differentiated at the norm's value."""
-    if m.norm.quant_var is None:
-        return _call(m, fuser, x, residual, gamma, scale, axis)
+def _with_tail_derivative(m, r, gamma, scale, quant, scale_out):
+    """The fused FP8 outputs (``quant``, ``scale_out``) given the derivative of the program's
+    own tail: a cast to float8 passes tangents through, which the fused op's quant_out (like
+    jnp.round) does not. Primal: the fused op's outputs; tangent: the tail's equations
+    differentiated at the norm's value, the norm's tangent taken at residual_out ``r`` as
+    the fused op takes it. Called where the tail's equations were (their scope's shapes and
+    mesh: outside the shard_map for a per-linear site)."""
     from .. import reference
 
     norm = m.norm
     T = jnp.dtype(m.dtype)
-    static = scale is not None
+    static = norm.scale is not None
     tail_outs = [norm.quant_var] + ([norm.scale_out_var] if norm.scale_out_var is not None else [])
-
-    def fields(out):
-        vals = [out.residual_out, out.norm_out, out.quant_out, out.scale_out]
-        return tuple(v for v in vals if v is not None)
+    fp8 = [quant.reshape(G.shape(norm.quant_var))]
+    if norm.scale_out_var is not None:
+        fp8.append(scale_out.reshape(G.shape(norm.scale_out_var)))
+    y_shape = G.shape(norm.out_var)
 
     def tail(y, s):
-        env = {norm.out_var: y.reshape(G.shape(norm.out_var))}
+        env = {norm.out_var: y.reshape(y_shape)}
         if static and G.is_var(norm.scale):
             env[norm.scale] = s.reshape(G.shape(norm.scale)).astype(norm.scale.aval.dtype)
         _bind_all(norm.tail_eqns, env)
         return tuple(env[v] for v in tail_outs)
 
     @jax.custom_jvp
-    def site(x, residual, gamma, s):
-        return fields(_call(m, fuser, x, residual, gamma, s if static else None, axis))
+    def outputs(r, gamma, s, *fp8):
+        return tuple(fp8)
 
-    @site.defjvp
-    def site_jvp(primals, tangents):
-        x, residual, gamma, s = primals
-        dx, dres, dgamma, ds = tangents
-        outs = site(x, residual, gamma, s)
-        r = outs[0]
-        dsum = reference.allreduce_sum(dx, axis, fp32_acc=True, rounding=reference.round_tangent)
-        dr = reference.residual_add(
-            dsum.reshape(r.shape), dres.reshape(r.shape), rounding=reference.round_tangent
-        )
+    @outputs.defjvp
+    def outputs_jvp(primals, tangents):
+        r, gamma, s, *fp8 = primals
+        dr, dgamma, ds = tangents[:3]
         y, dy = jax.jvp(
             lambda r_, g_: reference.rms_norm(
                 r_, g_, rms_eps=norm.eps, weight_bias=norm.weight_bias, out_dtype=T
@@ -138,17 +131,13 @@ def _site_call(m, fuser, x, residual, gamma, scale, axis):
             (dr, dgamma),
         )
         _, dtail = jax.jvp(tail, (y, s), (dy, ds))
-        douts = [dr] + ([dy] if len(outs) - len(tail_outs) == 2 else []) + list(dtail)
-        return outs, tuple(
-            _fix_vma(t.reshape(o.shape).astype(o.dtype), jax.typeof(o)) for t, o in zip(douts, outs)
+        return tuple(fp8), tuple(
+            _fix_vma(t.reshape(o.shape).astype(o.dtype), jax.typeof(o)) for t, o in zip(dtail, fp8)
         )
 
-    s_arg = jnp.asarray(scale, jnp.float32).reshape(()) if static else jnp.zeros((), jnp.float32)
-    outs = list(site(x, residual, gamma, s_arg))
-    r = outs.pop(0)
-    y = outs.pop(0) if len(outs) > len(tail_outs) else None
-    q = outs.pop(0)
-    return _Outputs(r, y, q, outs.pop(0) if outs else None)
+    s = jnp.asarray(scale, jnp.float32).reshape(()) if static else jnp.zeros((), jnp.float32)
+    outs = outputs(r.reshape(y_shape), gamma, s, *fp8)
+    return outs[0], (outs[1] if len(outs) > 1 else None)
 
 
 def _partial_input(m, x):
@@ -201,6 +190,15 @@ def _fused_keeping_vjp(m, fuser, x, residual, gamma):
     return _Outputs(*site(x, residual, gamma))
 
 
+def _write_fp8(write, m, r, gamma, scale, out):
+    """Writes the fused FP8 outputs, with the program's derivative (_with_tail_derivative)."""
+    if m.norm.quant_var is None:
+        return
+    q, s = _with_tail_derivative(m, r, gamma, scale, out.quant_out, out.scale_out)
+    _write(write, m.norm.quant_var, q)
+    _write(write, m.norm.scale_out_var, s)
+
+
 class InScopeEmit:
     """psum (or a custom-rule psum) + add + norm in one scope."""
 
@@ -219,7 +217,7 @@ class InScopeEmit:
         g = _gamma(m, gamma)
         if m.source.custom_vjp is not None:
             return _fused_keeping_vjp(m, fuser, x, residual.reshape(x.shape), g)
-        return _site_call(m, fuser, x, residual, g, scale, m.source.axis)
+        return _call(m, fuser, x, residual, g, scale, m.source.axis)
 
     def __call__(self, read, write, fuser, extra_in, extra_out):
         m = self.m
@@ -227,8 +225,7 @@ class InScopeEmit:
         out = self.fused(read, fuser, residual, gamma, scale)
         _write(write, m.r, out.residual_out)
         _write(write, m.norm.out_var, out.norm_out)
-        _write(write, m.norm.quant_var, out.quant_out)
-        _write(write, m.norm.scale_out_var, out.scale_out)
+        _write_fp8(write, m, out.residual_out, _gamma(m, gamma), scale, out)
 
 
 def _extra_outputs(m) -> tuple:
@@ -243,12 +240,6 @@ def _extra_outputs(m) -> tuple:
     if m.norm.scale_out_var is not None:
         names.append("scale_out")
     return tuple(names)
-
-
-def _extra_vars(m) -> list:
-    """The outer vars the extra outputs of ``_extra_outputs`` are written to."""
-    var = {"norm": m.norm.out_var, "quant": m.norm.quant_var, "scale_out": m.norm.scale_out_var}
-    return [var[n] for n in _extra_outputs(m)]
 
 
 class BodyEmit(InScopeEmit):
@@ -356,8 +347,13 @@ class BoundaryEmit:
             vals = outs[pos : pos + n_extra_out]
             pos += n_extra_out
             _write(write, m.r, outs[m.boundary[1]])
-            for var, val in zip(_extra_vars(m), vals):
-                _write(write, var, val)
+            got = dict(zip(_extra_outputs(m), vals))
+            _write(write, m.norm.out_var, got.get("norm"))
+            if m.norm.quant_var is not None:  # the tail's derivative, where the tail was
+                scale = None if m.norm.scale is None else read(m.norm.scale)
+                gamma = _gamma(m, None if m.norm.gamma is None else read(m.norm.gamma))
+                fp8 = _Outputs(None, None, got["quant"], got.get("scale_out"))
+                _write_fp8(write, m, read(m.r), gamma, scale, fp8)
 
 
 class SequenceParallelEmit:
@@ -376,7 +372,7 @@ class SequenceParallelEmit:
         x = _partial_input(m, read(src.x))
         gamma = None if m.norm.gamma is None else read(m.norm.gamma)
         scale = None if m.norm.scale is None else read(m.norm.scale)
-        out = _site_call(m, fuser, x, res_full, _gamma(m, gamma), scale, src.axis)
+        out = _call(m, fuser, x, res_full, _gamma(m, gamma), scale, src.axis)
         full_shape = res_full.shape
         r_full = out.residual_out.reshape(full_shape)
         n = res_shard.shape[dim]
@@ -394,8 +390,7 @@ class SequenceParallelEmit:
             _write(write, m.norm.out_var, shard(y_full))
         else:
             _write(write, m.norm.out_var, y_full)
-            _write(write, m.norm.quant_var, out.quant_out)
-            _write(write, m.norm.scale_out_var, out.scale_out)
+            _write_fp8(write, m, r_full, _gamma(m, gamma), scale, out)
 
 
 class PlainJitEmit:

@@ -430,6 +430,7 @@ class Analyzer:
                 )
 
     def _try(self, g, i, scope, taken, dry, stable, match, boundary=False):
+        m = None
         try:
             m = match()
             if stable in self.custom_rule_reasons:
@@ -439,8 +440,10 @@ class Analyzer:
         except Reject as why:
             reason = self.custom_rule_reasons.get(stable, str(why))
             if boundary:
-                # Reported by the body's analysis, with this reason (_roles_for).
-                self.boundary_failures[stable] = (reason, getattr(why, "late", False))
+                # Reported by the body's analysis, with this reason (_roles_for), when it
+                # came once the site was found (in the matcher after the add, or here).
+                late = m is not None or getattr(why, "late", False)
+                self.boundary_failures[stable] = (reason, late)
                 return
             if not dry:
                 kind = self._kind_of(g.eqns[i], scope)
@@ -463,20 +466,18 @@ class Analyzer:
         return R.PSUM
 
     def _roles_for(self, sm_eqn, key, scope):
-        """Roles of the body psums whose sites the outer scope refused: one reason per psum,
-        the one of an output followed by a residual add when several outputs carry it."""
-        best = {}
+        """Roles of the body psums whose sites the outer scope refused once it had found
+        their residual add (a refusal before it says only that the output is not a site:
+        the body's own analysis of the psum then gives the reason)."""
+        roles = {}
         for k in range(len(sm_eqn.outvars)):
             got = self.boundary_failures.pop((key, k), None)
             found = matching.body_psum(sm_eqn, k)
-            if got is None or found is None:
+            if got is None or found is None or not got[1]:
                 continue
             body, _, pi, _ = found
-            reason, late = got
-            psum_key = id(body.eqns[pi])
-            if psum_key not in best or (late and not best[psum_key][0]):
-                best[psum_key] = (late, reason)
-        return {pk: BodyRole(reason=reason) for pk, (_, reason) in best.items()}
+            roles.setdefault(id(body.eqns[pi]), BodyRole(reason=got[0]))
+        return roles
 
     # --- admission: kernel limits, overlaps, workspaces --------------------------------------
     def _world(self, m, scope: Scope, g):
