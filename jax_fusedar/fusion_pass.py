@@ -15,13 +15,16 @@ plain ``jax.jit`` with shardings, the partitioner's own all-reduce after a ``dot
 (rewritten into ``row_parallel_allreduce_fusion``, which partitions itself).
 
 Exactness. A site is fused only when its equations are proven to compute RMSNorm with every
-constant and broadcast accounted for (``fusion/norm_proof.py``), the proof is confirmed in
-float64 on probe inputs of the real shapes (``fusion/validation.py``), and the fused op
-rounds where the program does: then the outputs differ only by the documented bound
-(``docs/fusion_pass.md``). Forms that round elsewhere (gamma multiplied after the rounding,
-a float32 gamma, a float32 all-reduce cast down before the add) are fused only with
-``allow_rounding_change=True``, and reported per site. Everything else is left as it is,
-with its reason.
+constant, broadcast and rounding accounted for (``fusion/norm_proof.py``), the proof is
+confirmed in float64 on probe inputs of the real shapes (``fusion/validation.py``), and the
+fused op rounds where the program does (gamma's own cast chain is replayed before the call):
+then the outputs differ only by the documented bound (``docs/fusion_pass.md``). Forms that
+round elsewhere (gamma multiplied after the rounding, a gamma that is not a value of the
+activation dtype, a float32 all-reduce cast down before the add) are fused only with
+``allow_rounding_change=True``, and reported per site. Only what the proof covers is
+rewritten: a value the rewrite replaces that is used otherwise (returned twice, copied)
+leaves the site unfused. Everything else is left as it is, with its reason; ``fuse`` does
+not raise on a program that runs.
 
 The sections of the pass live in ``jax_fusedar/fusion/`` (matching, scope walking,
 rewriting, the report, the JAX internals it uses); this module is the transform itself:
@@ -228,17 +231,17 @@ def fuse(
     Args:
       fn: the function (its arguments: arrays or pytrees of arrays; bind static ones with
         ``functools.partial``). May itself be jitted, contain ``shard_map`` and loops, or be
-        a plain-jit model whose arguments carry shardings (run it under ``jax.set_mesh``
-        on Explicit axes).
+        a plain-jit model whose arguments carry shardings (Auto or Explicit axes).
       mesh, axis_name: where workspaces are created (the mesh ``fn`` runs on, and its
         tensor-parallel axis; ``axis_name`` may be left out for a 1-D mesh).
-      workspace: use this workspace instead (its mesh and axis); sites it cannot serve stay
-        unfused.
+      workspace: use this workspace instead (its mesh and axis); sites it cannot serve
+        (another dtype, world size or mesh grouping, too large) stay unfused.
       max_tokens: the largest site (tokens) to fuse with created workspaces.
       backend: passed to ``create_allreduce_fusion_workspace`` ("auto": the kernel on GPUs).
       allow_rounding_change: also fuse forms whose rounding differs from the fused op's
-        (gamma multiplied after the norm's rounding, a float32 gamma, a float32 all-reduce
-        cast down before the add); reported per site as ``rounding_change``.
+        (gamma multiplied after the norm's rounding, a float32 gamma or a float16 one in a
+        bfloat16 model, a float32 all-reduce cast down before the add); reported per site
+        as ``rounding_change``.
       use_oneshot, strict: passed to every ``allreduce_fusion`` call.
       log_level: level of the one-line report logged at each trace.
     Can be used as a decorator: ``@functools.partial(fuse, mesh=mesh)``.

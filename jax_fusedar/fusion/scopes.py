@@ -3,12 +3,14 @@ the plans of its sub-jaxprs (jit, shard_map, scan, while, cond, checkpoint, cust
 
 Calls in a site's way. A norm written in a call of its own (a jitted, checkpointed or
 custom-rule norm function) is seen together with its all-reduce by splicing the call into
-the scope. The scope is matched twice: once with every call near a reduction spliced, to
-learn which calls a fusable site needs opened, then with only those spliced. A ``jit`` or
-``checkpoint`` call is opened when the site needs it (values unchanged; the norm's remat
-policy no longer applies to it); a ``custom_jvp`` / ``custom_vjp`` call is never opened (its
-derivative rule would be lost): that site is reported instead. Every other call keeps its
-boundary and rule, and is rewritten inside when it holds sites of its own.
+the scope, and so is a plain ``jax.jit`` call holding the all-reduce (a jitted per-linear
+``shard_map``, a jitted psum helper). The scope is matched twice: once with every call near
+a reduction spliced, to learn which calls a fusable site needs opened, then with only those
+spliced. A ``jit`` or ``checkpoint`` call is opened when the site needs it (values
+unchanged; the norm's remat policy no longer applies to it); a ``custom_jvp`` /
+``custom_vjp`` call is never opened (its derivative rule would be lost): that site is
+reported instead. Every other call keeps its boundary and rule, and is rewritten inside when
+it holds sites of its own.
 """
 
 from __future__ import annotations

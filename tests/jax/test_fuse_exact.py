@@ -579,3 +579,16 @@ def test_two_transforms_alive_with_one_site_shape_get_distinct_workspaces(monkey
     finally:
         first.close()
         second.close()
+
+
+@pytest.mark.slow
+def test_the_gpu_worker_on_cpu_processes():
+    """tests/gpu/fuse_exact.py's worker as two CPU processes (gloo, the reference lowering):
+    every step but the kernel, held to the same checks."""
+    from tests.gpu import fuse_exact, harness
+
+    res = harness.run_ranks(
+        fuse_exact.worker, 2, timeout_s=600, port=harness.free_port(), seed=0, platform="cpu"
+    )
+    problems = fuse_exact.check(res, platform="cpu")
+    assert not problems, "\n".join(problems)
