@@ -199,9 +199,11 @@ def _one(jax, jf, name, spec, mesh, world, seed, platform):
         r64 = s64 + res64
         y64 = r64 / np.sqrt(np.mean(r64 * r64, -1, keepdims=True) + EPS) * col
         q64 = y64 / np.maximum(np.max(np.abs(y64), -1, keepdims=True) / 448, 1 / (512 * 448))
-        # One e4m3 step at the code's magnitude (3 mantissa bits), plus the norm's rounding.
+        # One e4m3 step at the code's magnitude (3 mantissa bits), plus the norm's rounding;
+        # and a quarter of a unit absolute: XLA's CPU conversion to float8_e4m3fn (the dry
+        # run's) gives 0 for some codes up to 0.2, the unfused program's too.
         step = np.exp2(np.floor(np.log2(np.maximum(np.abs(q64), 2.0**-6))) - 3)
-        out["fp8_steps"] = float(np.max(np.abs(got[1] - q64) / step))
+        out["fp8_steps"] = float(np.max(np.abs(got[1] - q64) / (step + 0.25)))
     out["finite"] = bool(all(np.isfinite(o).all() for o in got))
     return out
 
