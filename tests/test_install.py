@@ -190,6 +190,8 @@ def test_dev_test_installs_every_extra():
         "flatbuffers",
         "matplotlib",
         "tqdm",
+        "flax",
+        "equinox",
     } <= everything
 
 
