@@ -5,7 +5,8 @@ Exactness is compared with XLA computing every rounding the programs write: both
 original and the fused program are compiled with ``xla_allow_excess_precision`` off
 (``compiled``). With it on (XLA's default) XLA may keep a bfloat16 value in float32 inside a
 fusion, so the original program itself does not round where it says, and no comparison of
-roundings means anything.
+roundings means anything. The CPU suite's XLA_FLAGS turn it off too (tests/cpu_devices.py);
+the per-compilation option keeps these comparisons meaningful under other flags.
 """
 
 from __future__ import annotations
