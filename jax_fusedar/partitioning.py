@@ -566,7 +566,12 @@ _partitioned.def_partition(
 
 def _explicit(cfg, mesh, h, w, residual, gamma):
     plan = _plan(cfg.dims, jax.typeof(h).sharding.spec, jax.typeof(w).sharding.spec)
-    args = [jax.sharding.reshard(a, s) for a, s in zip((h, w, residual, gamma), plan.in_specs)]
+    # Shardings on the operands' own mesh: a PartitionSpec alone needs a mesh set
+    # (jax.set_mesh), which a program given NamedSharding operands does not.
+    args = [
+        jax.sharding.reshard(a, NamedSharding(mesh, s))
+        for a, s in zip((h, w, residual, gamma), plan.in_specs)
+    ]
     res, norm = jax.shard_map(
         _local_program(cfg, mesh, plan.k_axes),
         mesh=mesh,
