@@ -197,7 +197,7 @@ class FusedFunction:
         flat, _ = jax.tree.flatten((args, kwargs))
         analyzer = Analyzer(self, self.axis_name)
         plan = analyzer.plan(closed.jaxpr, Scope("", None, None, 1))
-        self.report = FusionReport(analyzer.sites)
+        self.report = FusionReport(analyzer.sites, analyzer.near_misses())
         log.log(self.log_level, "%s", self.report.line())
         outs = rewriting.evaluate(plan.jaxpr, closed.consts, flat, plan, self)
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)

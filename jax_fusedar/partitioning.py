@@ -70,6 +70,7 @@ class _Contraction(NamedTuple):
     w_dims: tuple
     h_ndim: int
     w_ndim: int
+    w_first: bool = False  # computed as dot_general(w, h), then n moved last
 
     @classmethod
     def matmul(cls, h_ndim: int) -> "_Contraction":
@@ -86,6 +87,16 @@ class _Contraction(NamedTuple):
 
     def dimension_numbers(self):
         return ((self.h_dims, self.w_dims), ((), ()))
+
+    def contract(self, h, w, precision):
+        """The contraction as the caller's program computes it: ``dot_general(h, w)``, or
+        with ``w_first`` ``dot_general(w, h)`` and its n dim moved last (a per-token
+        ``Linear`` of an (out, in) weight under ``vmap``, Equinox's way), so the products
+        are summed in the program's own order."""
+        if not self.w_first:
+            return jax.lax.dot_general(h, w, self.dimension_numbers(), precision=precision)
+        out = jax.lax.dot_general(w, h, ((self.w_dims, self.h_dims), ((), ())), precision=precision)
+        return jnp.moveaxis(out, 0, -1)
 
 
 class _Config(NamedTuple):
@@ -117,6 +128,7 @@ def row_parallel_allreduce_fusion(
     precision=None,
     contracting_dims=None,
     fallback: str = "xla",
+    weight_first: bool = False,
 ) -> AllReduceFusionOutputs:
     """Row-parallel ``h @ w`` fused with the all-reduce, residual add and RMSNorm.
 
@@ -133,11 +145,17 @@ def row_parallel_allreduce_fusion(
     ``((1, 3), (0, 1))``); h's other dims are token dims (in order) and w keeps exactly one
     free dim, ``n``. None: ``h [..., k] @ w [k, n]``. The other arguments are
     ``allreduce_fusion``'s; ``fallback`` also applies where no workspace serves the axis.
+    ``weight_first``: contract as ``dot_general(w, h)`` with n then moved last (the same
+    values, summed in that program's order; ``jax_fusedar.fuse`` passes it for per-token
+    linears under ``vmap``).
 
     Returns ``AllReduceFusionOutputs`` with ``residual_out = h @ w + residual`` and
     ``norm_out = RMSNorm(residual_out) * (weight_bias + rms_gamma)`` (other fields None).
     """
     h, w, residual, rms_gamma, dims = _checked_operands(h, w, residual, rms_gamma, contracting_dims)
+    if not isinstance(weight_first, (bool, np.bool_)):
+        raise TypeError(f"weight_first must be True or False, got {weight_first!r}")
+    dims = dims._replace(w_first=bool(weight_first))
     cfg = _checked_config(
         dims, workspace, rms_eps, weight_bias, fp32_acc, use_oneshot, strict, precision, fallback
     )
@@ -403,9 +421,7 @@ def _local_program(cfg: _Config, mesh, k_axes: tuple):
     """The per-shard program: the local contraction, then the fused op over the k axis."""
 
     def local(h, w, residual, gamma):
-        partial_sum = jax.lax.dot_general(
-            h, w, cfg.dims.dimension_numbers(), precision=cfg.precision
-        )
+        partial_sum = cfg.dims.contract(h, w, cfg.precision)
         partial_sum = _reduce_size_one_axes(partial_sum, k_axes, mesh)
         axes = _reduced_axes(k_axes, mesh)
         if not axes:  # nothing to reduce: the plain math
@@ -475,7 +491,7 @@ def _reduce_size_one_axes(x, axes, mesh):
 
 def _plain(h, w, residual, gamma, cfg):
     """The op's meaning on one device: the contraction, the residual add and the norm."""
-    summed = jax.lax.dot_general(h, w, cfg.dims.dimension_numbers(), precision=cfg.precision)
+    summed = cfg.dims.contract(h, w, cfg.precision)
     _, res, norm = reference.epilogue(
         summed, residual, gamma, pattern=_PATTERN, rms_eps=cfg.rms_eps, weight_bias=cfg.weight_bias
     )

@@ -10,8 +10,21 @@ from jax.extend import core as jcore
 
 FLOATS = ("bfloat16", "float16", "float32")
 CAST = "convert_element_type"
-# Value-preserving under check_vma (they change only the varying-axes type).
-NO_OPS = ("pvary", "pcast", "copy", "copy_p")
+# Value-preserving: they change only the varying-axes type (check_vma), the placement
+# (sharding constraints, Flax's logical constraints, reshard), or name the value for remat
+# policies (checkpoint_name). The pass looks through them; those on values the rewrite keeps
+# stay in the program around the fused call.
+NO_OPS = (
+    "pvary",
+    "pcast",
+    "copy",
+    "copy_p",
+    "sharding_constraint",
+    "reshard",
+    "mesh_cast",
+    "name",
+)
+CHECKPOINT_NAME = "name"
 PSUMS = ("psum", "psum_invariant")
 # Call-like primitives and the parameter holding their jaxpr.
 CALLS = {
@@ -41,6 +54,15 @@ def shape(atom) -> tuple:
 
 def is_var(atom) -> bool:
     return isinstance(atom, jcore.Var) and not isinstance(atom, jcore.DropVar)
+
+
+def has_subjaxpr(eqn) -> bool:
+    """Whether one of the eqn's params is a jaxpr (or a sequence of them)."""
+    for v in eqn.params.values():
+        items = v if isinstance(v, (tuple, list)) else (v,)
+        if any(isinstance(b, (jcore.Jaxpr, jcore.ClosedJaxpr)) for b in items):
+            return True
+    return False
 
 
 def open_jaxpr(j):

@@ -22,13 +22,16 @@ from .report import Reject
 @dataclasses.dataclass
 class Scope:
     """Where a jaxpr sits: its path of wrappers, the mesh axes it is manual over (None
-    outside shard_map), the enclosing shard_map's (mesh, manual axes, check_vma), and how
-    many times it runs per call (None inside a while loop)."""
+    outside shard_map), the enclosing shard_map's (mesh, manual axes, check_vma), how
+    many times it runs per call (None inside a while loop), and the policy of the innermost
+    ``checkpoint`` around it when that policy may save values (None: no checkpoint, or one
+    that saves nothing but its inputs, ``jax.checkpoint``'s default)."""
 
     where: str
     mesh_shape: Optional[dict]
     ctx: Any
     runs: Optional[int]
+    saving_policy: Optional[str] = None
 
     @property
     def manual(self) -> bool:
@@ -68,8 +71,9 @@ class Match:
     # sequence parallelism: the residual's shard var and the gathered sum's var
     r_full: Any = None
     gather_norm: Any = None  # SP with the norm on the shard: the gathered norm var
-    # plain jit: the matmul
+    # plain jit: the matmul (``weight_first``: written ``w @ x``, then transposed)
     dot: Any = None
+    weight_first: bool = False
     # shard_map boundary: (shard_map eqn index, output index, reduction's index in the body),
     # the body's output that carried the sum (it becomes residual_out), and the body's own
     # var of the residual when the same shard_map returns it
@@ -400,6 +404,7 @@ def match_reduction(g: G.Graph, i: int, scope: Scope, axis: str, allow: bool) ->
     norm = norm_proof.prove_rms_norm(g, r, allow)
     if src.custom_vjp is not None:
         norm_proof.drop_tail(norm, "FP8 tail not fused: the all-reduce keeps a custom_vjp rule")
+        _no_bias(norm, "a psum with a custom_vjp rule")
     shape = G.shape(r)
     m = Match(
         kind=src.kind,
@@ -413,7 +418,12 @@ def match_reduction(g: G.Graph, i: int, scope: Scope, axis: str, allow: bool) ->
         skip=skip,
         rounding_change=src.rounding_change,
     )
-    return _finish(g, m, [src.x, residual, norm.gamma, norm.scale])
+    return _finish(g, m, [src.x, residual, norm.gamma, norm.scale, norm.bias])
+
+
+def _no_bias(norm, where: str) -> None:
+    if norm.bias is not None:
+        raise Reject(f"an RMSNorm with a bias after {where} (fused only in one scope)")
 
 
 def _require_concrete(v) -> None:
@@ -492,6 +502,7 @@ def _match_sequence_parallel(g, src, add_i, residual, r_shard, skip, allow):
         )
     if m.norm.quant_var is not None and m.r_full is None:
         raise Reject("psum_scatter with an FP8 tail on the shard")
+    _no_bias(m.norm, "a psum_scatter")
     return _finish(g, m, [src.x, residual, m.norm.gamma, m.norm.scale])
 
 
@@ -640,6 +651,7 @@ def _boundary_site(g, j, k, scope, axis, allow, inner, found, cast, add_i, resid
         residual_body = body.outvars[jj]
     r = g.eqns[add_i].outvars[0]
     norm = norm_proof.prove_rms_norm(g, r, allow)
+    _no_bias(norm, "a per-linear shard_map")
     if src.custom_vjp is not None:
         norm_proof.drop_tail(norm, "FP8 tail not fused: the all-reduce keeps a custom_vjp rule")
     shape = G.shape(r)
@@ -679,10 +691,13 @@ def _boundary_site(g, j, k, scope, axis, allow, inner, found, cast, add_i, resid
 def dot_candidate(g: G.Graph, i: int) -> bool:
     """Whether the dot_general at eqn i is worth reporting: its output (possibly cast) is
     added to something a norm then reads, or is itself normalized (a sandwich norm)."""
-    d = g.eqns[i].outvars[0]
+    d, _ = _through_no_ops(g, g.eqns[i].outvars[0])
+    t = _weight_first_transpose(g, i)
+    if t is not None:
+        d, _ = _through_no_ops(g, g.eqns[t].outvars[0])
     u = g.only_user(d)
     if u is not None and G.name(g.eqns[u]) == G.CAST:
-        d = g.eqns[u].outvars[0]
+        d, _ = _through_no_ops(g, g.eqns[u].outvars[0])
         u = g.only_user(d)
     if u is None:
         return False
@@ -691,18 +706,48 @@ def dot_candidate(g: G.Graph, i: int) -> bool:
     return norm_proof.norm_like(g, d)
 
 
+def _weight_first_transpose(g: G.Graph, i: int) -> Optional[int]:
+    """The transpose eqn index when the dot_general at eqn i is ``w @ x`` (the weight's one
+    free dim first: an (out, in) weight applied per token under ``vmap``, Equinox's way)
+    and its only use (through value-preserving eqns) moves that dim last, else None."""
+    e = g.eqns[i]
+    (lc, rc), (lb, rb) = e.params["dimension_numbers"]
+    lhs, rhs = e.invars
+    if lb or rb or len(G.shape(lhs)) - len(lc) != 1 or len(G.shape(rhs)) - len(rc) < 1:
+        return None
+    d, _ = _through_no_ops(g, e.outvars[0])
+    u = g.only_user(d)
+    nd = len(G.shape(d))
+    if (
+        u is None
+        or G.name(g.eqns[u]) != "transpose"
+        or tuple(g.eqns[u].params["permutation"]) != tuple(range(1, nd)) + (0,)
+    ):
+        return None
+    return u
+
+
 def match_plain_dot(g: G.Graph, i: int, scope: Scope, allow: bool) -> Match:
     """dot_general (no batch dims, one free dim of w) -> add residual -> RMSNorm, outside
-    shard_map: the partitioner inserts the all-reduce when the contraction is sharded."""
+    shard_map: the partitioner inserts the all-reduce when the contraction is sharded. The
+    weight may come first (``w @ x`` then a transpose bringing its free dim last)."""
     e = g.eqns[i]
     (hc, wc), (hb, wb) = e.params["dimension_numbers"]
     h, w = e.invars
     if hb or wb:
         raise Reject("a batched dot_general (the fused entry takes h [..., k] and w [k, n])")
-    if len(G.shape(w)) - len(wc) != 1:
-        raise Reject("the matmul's weight has several free dimensions")
     d = e.outvars[0]
     skip = {i}
+    weight_first = False
+    t = _weight_first_transpose(g, i)
+    if t is None and len(G.shape(w)) - len(wc) != 1:
+        raise Reject("the matmul's weight has several free dimensions")
+    if t is not None:
+        h, w, hc, wc = w, h, wc, hc
+        weight_first = True
+        d, via = _through_no_ops(g, d)
+        skip |= set(via) | {t}
+        d = g.eqns[t].outvars[0]
     change = None
     T = G.dtype(d)
     if G.dtype(h) != G.dtype(w):
@@ -748,5 +793,6 @@ def match_plain_dot(g: G.Graph, i: int, scope: Scope, allow: bool) -> Match:
         skip=skip | {add_i},
         dot=e,
         rounding_change=change,
+        weight_first=weight_first,
     )
-    return _finish(g, m, [h, w, residual, norm.gamma])
+    return _finish(g, m, [h, w, residual, norm.gamma, norm.bias])

@@ -110,8 +110,11 @@ class Elem:
     path: tuple = ()
     nk: int = 0
     stopped: bool = False
+    bias: Optional[Col] = None  # a [H] vector added (Equinox's RMSNorm(use_bias=True))
 
     def applied(self, what: str) -> "Elem":
+        if self.bias is not None and what != "bias":
+            raise Reject("the normalized value is scaled after a bias is added to it")
         return dataclasses.replace(self, path=self.path + (("op", what, self.dtype),))
 
 
@@ -144,6 +147,11 @@ class NormProof:
     tail_eqns: tuple = ()  # the FP8 tail's eqns (from out_var and scale), in order
     gamma_ops: tuple = ()  # gamma's steps (Col.ops) the rewrite replays before the call
     overall: float = 1.0  # the program's constant factor over the fused op's formula
+    # A bias added to the normalized value (declared: added after the fused norm's
+    # rounding, in ``bias_dtype``): its root atom and the casts on the way.
+    bias: Any = None
+    bias_ops: tuple = ()
+    bias_dtype: Optional[str] = None
 
 
 def _cast_dtype(eqn) -> str:
@@ -458,6 +466,20 @@ class _Prover:
             raise Reject("two gamma vectors multiply the normalized value")
         return dataclasses.replace(x, col=col).applied("col")
 
+    def bias_of(self, x: Elem, free) -> Optional[Col]:
+        """The [H] vector added to the normalized value ``x`` (a bias), or None."""
+        if x.e != 1 or x.row is None or x.bias is not None:
+            return None
+        if not G.is_var(free) or len(G.shape(free)) != self.m + 1:
+            return None
+        try:
+            col = self.free_col(free)
+        except Reject:
+            return None
+        if col is None or any(op[0] != "cast" for op in col.ops):
+            return None
+        return col
+
     def over_free(self, x, free):
         """A symbolic value divided by a value not computed from r."""
         c = G.scalar_constant(self.g, free)
@@ -514,6 +536,9 @@ class _Prover:
         if isinstance(va, Elem):
             if n == "sub" and c == 0.0 and va.e == 1 and va.row is None and va.col is None:
                 return va  # flax.linen's (x - 0)
+            bias = self.bias_of(va, vb) if n == "add" and c is None else None
+            if bias is not None:
+                return dataclasses.replace(va, bias=bias).applied("bias")
             if n == "sub":
                 raise Reject(
                     "a value is subtracted from the residual sum inside the norm "
@@ -644,7 +669,39 @@ def _pick_output(prover: _Prover):
         raise Reject("two RMSNorms of the residual sum (different gammas)")
     in_t = [c for c in pool if c[2].dtype == prover.T]
     _, var, val = min(in_t or pool, key=lambda c: c[0])
+    if val.col is not None:
+        exact = _rounded_before_gamma(prover, val, cands)
+        if exact is not None:
+            return exact
     return var, val
+
+
+def _rounded_before_gamma(prover: _Prover, val: Elem, cands):
+    """(var, value) of the normalized value as the program rounds it to T, when gamma is
+    multiplied only after that rounding (Hugging Face's ``weight * x.astype(dtype)``,
+    MaxText's einsum with gamma in T): the fused op with a gamma of ones computes exactly
+    that value, and the program's own multiplication by gamma stays after it. None when
+    gamma is applied before the rounding, or no such value exists."""
+    rounds = [k for k, ev in enumerate(val.path) if ev[0] == "round"]
+    if prover.T == "float32" or not rounds:
+        return None
+    _, row_applied, col_applied = val.path[rounds[0]]
+    after = [ev for ev in val.path[rounds[0] + 1 :] if ev[0] == "op"]
+    if col_applied or not row_applied or not after or any(ev[1] != "col" for ev in after):
+        return None
+    plain = [
+        c
+        for c in cands
+        if c[2].col is None
+        and c[2].dtype == prover.T
+        and c[2].path
+        and c[2].path[-1][0] == "round"
+        and c[2].path == val.path[: rounds[0] + 1]
+    ]
+    if not plain:
+        return None
+    _, var, v = min(plain, key=lambda c: c[0])
+    return var, v
 
 
 # --- roundings --------------------------------------------------------------------------------
@@ -802,6 +859,8 @@ def prove_rms_norm(g: G.Graph, r, allow: bool) -> NormProof:
         changes += _path_roundings(prover, x, out_dtype, allow)
         col = x.col
         feed = None if col is None else _gamma_feed(col, prover.T, allow, changes)
+        if x.bias is not None:
+            _declare_bias(prover, x, allow, changes)
     except Reject:
         if prover.failure_on_path:
             raise Reject(prover.first_failure) from None
@@ -817,9 +876,31 @@ def prove_rms_norm(g: G.Graph, r, allow: bool) -> NormProof:
         gamma_ops=() if feed is None else feed.ops,
         overall=overall,
     )
-    proof.eqns = backward_slice(g, [out], stop={r} | ({col.root} if col else set()))
-    _match_fp8_tail(prover, proof)
+    stop = {r} | ({col.root} if col else set())
+    if x.bias is not None:
+        proof.bias, proof.bias_ops = x.bias.root, x.bias.ops
+        proof.bias_dtype = next(ev[2] for ev in x.path if ev[:2] == ("op", "bias"))
+        stop.add(x.bias.root)
+    proof.eqns = backward_slice(g, [out], stop=stop)
+    if proof.bias is None:  # (an FP8 tail of a biased value stays as written)
+        _match_fp8_tail(prover, proof)
     return proof
+
+
+def _declare_bias(prover: _Prover, x: Elem, allow: bool, changes: list) -> None:
+    """A bias added to the normalized value: the fused op has none, so it is added to its
+    output, after the rounding to T: a rounding change unless nothing rounds in between
+    (a float32 model)."""
+    T = prover.T
+    rounds = [k for k, ev in enumerate(x.path) if ev[0] == "round"]
+    at = next(k for k, ev in enumerate(x.path) if ev[:2] == ("op", "bias"))
+    if T == "float32" or (rounds and rounds[0] < at):
+        return  # no rounding between the norm and the bias
+    RoundingChange(
+        f"a bias added to the normalized value before its rounding to {T} (the fused op "
+        "has no bias)",
+        f"bias added after the fused norm's rounding to {T}",
+    ).declare(allow, changes)
 
 
 def norm_like(g: G.Graph, r) -> bool:

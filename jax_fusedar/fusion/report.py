@@ -57,9 +57,31 @@ NO_SITES_ADVICE = (
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class NearMiss:
+    """A reduction or matmul that no site was found for, listed when nothing fused: where it
+    is, the op (``psum``, ``reduce_scatter``, ``dot_general``) and its output shape, the ops
+    that read its result (value-preserving ones looked through), and what stopped the
+    match."""
+
+    where: str
+    op: str
+    shape: tuple
+    followed_by: tuple
+    reason: str
+
+    def line(self) -> str:
+        after = ", ".join(self.followed_by) or "nothing"
+        return f"{self.op} {list(self.shape)} at {self.where}, then {after}: {self.reason}"
+
+
+NEAR_MISSES_SHOWN = 4  # in report.line(); report.near_misses has them all
+
+
 @dataclasses.dataclass
 class FusionReport:
     sites: list
+    near_misses: list = dataclasses.field(default_factory=list)
 
     @property
     def fused(self) -> list:
@@ -86,13 +108,27 @@ class FusionReport:
             f"residual + RMSNorm site(s)"
         )
         if not self.sites:
-            return f"{text}: {NO_SITES_ADVICE}"
+            return f"{text}: {NO_SITES_ADVICE}{self._near_misses_text()}"
         runs = self.fused_runs()
         if runs is not None and runs != len(self.fused):
             text += f" ({runs} fused calls per run, loops counted)"
         if self.not_fused:
             text += "; not fused: " + "; ".join(f"{n} x {r}" for r, n in self.reasons().items())
+        if not self.fused:
+            text += self._near_misses_text()
         return text
 
+    def _near_misses_text(self) -> str:
+        if not self.near_misses:
+            return ""
+        shown = self.near_misses[:NEAR_MISSES_SHOWN]
+        more = len(self.near_misses) - len(shown)
+        text = "; near misses: " + "; ".join(n.line() for n in shown)
+        return text + (f"; and {more} more (report.near_misses)" if more else "")
+
     def as_dict(self) -> dict:
-        return {"fused": len(self.fused), "sites": [dataclasses.asdict(s) for s in self.sites]}
+        return {
+            "fused": len(self.fused),
+            "sites": [dataclasses.asdict(s) for s in self.sites],
+            "near_misses": [dataclasses.asdict(n) for n in self.near_misses],
+        }

@@ -31,6 +31,20 @@ def _write(write, var, val):
     write(var, _fix_vma(val.reshape(G.shape(var)), var.aval))
 
 
+def _norm_out(m, read, y):
+    """The site's norm output from the fused op's: with the program's bias added to it
+    (``m.norm.bias``, in the program's dtype of that addition: a declared rounding change
+    when the program adds it before its rounding to T)."""
+    norm = m.norm
+    if norm.bias is None or y is None:
+        return y
+    b = jnp.asarray(read(norm.bias)).reshape(m.hidden)
+    for op in norm.bias_ops:
+        b = b.astype(op[1])
+    dt = norm.bias_dtype
+    return (y.astype(dt) + b.astype(dt)).astype(norm.out_var.aval.dtype)
+
+
 def _gamma(m, value):
     """gamma as the fused op takes it: [H] in T, computed from gamma's array by the
     program's own steps (its casts, a constant added: norm_proof.GammaFeed), so the kernel's
@@ -224,7 +238,7 @@ class InScopeEmit:
         residual, gamma, scale = self.inputs(read, extra_in)
         out = self.fused(read, fuser, residual, gamma, scale)
         _write(write, m.r, out.residual_out)
-        _write(write, m.norm.out_var, out.norm_out)
+        _write(write, m.norm.out_var, _norm_out(m, read, out.norm_out))
         _write_fp8(write, m, out.residual_out, _gamma(m, gamma), scale, out)
 
 
@@ -406,10 +420,13 @@ class PlainJitEmit:
         m = self.m
         e = m.dot
         (hc, wc), _ = e.params["dimension_numbers"]
+        h, w = e.invars
+        if m.weight_first:
+            h, w, hc, wc = w, h, wc, hc
         gamma = _gamma(m, None if m.norm.gamma is None else read(m.norm.gamma))
         out = row_parallel_allreduce_fusion(
-            read(e.invars[0]),
-            read(e.invars[1]),
+            read(h),
+            read(w),
             residual=read(m.residual),
             rms_gamma=gamma,
             workspace=[m.workspace],
@@ -419,9 +436,10 @@ class PlainJitEmit:
             strict=fuser.strict,
             precision=e.params.get("precision"),
             contracting_dims=(tuple(hc), tuple(wc)),
+            weight_first=m.weight_first,
         )
         _write(write, m.r, out.residual_out)
-        _write(write, m.norm.out_var, out.norm_out)
+        _write(write, m.norm.out_var, _norm_out(m, read, out.norm_out))
 
 
 # --- evaluation -----------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from jax.extend import core as jcore
 from ..call_plan import fused_site_problem
 from ..common import limits
 from . import graph as G
-from . import matching
+from . import matching, rotation
 from . import report as R
 from .matching import Scope
 from .report import Reject
@@ -242,6 +242,40 @@ def inline_view(jaxpr, manual: bool, wanted=None):
 # --- the analyzer ----------------------------------------------------------------------------
 
 
+_MISSES_KEPT = 64  # near misses kept per analysis
+
+
+def _followers(g: G.Graph, v, depth: int = 4) -> tuple:
+    """The ops reading ``v`` and, while each value has one use, what reads theirs (at most
+    ``depth``): e.g. ``("name", "sharding_constraint", "add", "convert_element_type")``."""
+    out = []
+    for _ in range(depth):
+        us = g.users(v)
+        if v in g.outs:
+            out.append("(output)")
+        if len(us) != 1:
+            out.extend(G.name(g.eqns[u]) for u in us[:3])
+            if len(us) > 3:
+                out.append(f"+{len(us) - 3} more")
+            break
+        e = g.eqns[us[0]]
+        out.append(G.name(e))
+        if len(e.outvars) != 1:
+            break
+        v = e.outvars[0]
+    return tuple(out)
+
+
+def _emitter_inputs(m) -> set:
+    """The vars of the scope the emitted call for ``m`` reads."""
+    atoms = [m.residual, m.norm.gamma, m.norm.scale, m.norm.bias]
+    if m.source is not None:
+        atoms.append(m.source.x)
+    if m.dot is not None:
+        atoms.extend(m.dot.invars)
+    return {a for a in atoms if G.is_var(a)}
+
+
 @dataclasses.dataclass
 class BodyRole:
     """A psum in a shard_map body whose add and norm are outside: fused by the outer scope
@@ -265,6 +299,10 @@ class Analyzer:
         # the shard_map may be seen spliced in one and inside its call in the other
         self.boundary_failures = {}
         self.boundary_sites = {}  # (id of a scope's graph, shard_map eqn index) -> [Match]
+        # (graph, eqn index, scope, reason or None): reductions and matmuls no site was
+        # fused for, for the near misses of a report where nothing fused.
+        self._missed = []
+        self._site_norms = {}  # index in sites -> the fused site's norm output var
 
     # --- one scope ---------------------------------------------------------------------------
     def plan(self, jaxpr, scope: Scope, roles: Optional[dict] = None) -> Plan:
@@ -305,20 +343,24 @@ class Analyzer:
                 at = max(i, g.defs[rb] + 1) if G.is_var(rb) and rb in g.defs else i
                 plan.emit[at].append(rewriting.BodyEmit(role.match, role.slot))
         removable = set()
+        read = set()  # vars the emitted calls read: never dropped
         boundary = defaultdict(list)  # shard_map eqn index -> [(k, match)]
         for i, m in self._matches(g, scope, roles, keys, dry=False):
             if isinstance(m, Reject):
                 continue
             plan.skip |= m.skip
             removable |= m.norm.eqns
+            read |= _emitter_inputs(m)
             if m.boundary is not None:
                 boundary[m.boundary[0]].append(m)
             else:
                 plan.emit[m.emit_at].append(self._emitter(m))
-        self._drop_dead(g, plan, removable)
+        self._drop_dead(g, plan, removable, read)
         # Sub-jaxprs.
         for j, e in enumerate(g.eqns):
             if j in plan.skip and j not in boundary:
+                continue
+            if G.name(e) == "scan" and self._plan_scan(e, j, g, scope, plan, read):
                 continue
             # A custom-rule psum is a site itself (reported above): its body is that psum.
             if scope.manual and matching.custom_psum(e):
@@ -346,6 +388,60 @@ class Analyzer:
                 plan.children[j] = sub_plans
         return plan
 
+    def _plan_scan(self, e, j, g, scope, plan, read) -> bool:
+        """A scan whose body normalizes a carry that it adds to at its end: planned as
+        written and rotated (fusion/rotation.py), keeping the rotation when more sites fuse
+        in it. True when the scan was planned here."""
+        rot = rotation.rotation_candidate(e, self.fuser.allow_rounding_change)
+        if rot is None:
+            return False
+        child, _ = self._child_scope(e, scope)
+        n0 = len(self.sites)
+        plain = self.plan(G.open_jaxpr(e.params["jaxpr"]), child)
+        as_written = self.sites[n0:]
+        del self.sites[n0:]
+        rotated = self.plan(rot.view, child)
+        fused = sum(s.fused for s in self.sites[n0:])
+        if fused <= sum(s.fused for s in as_written):
+            del self.sites[n0:]
+            self.sites.extend(as_written)
+            if not plain.empty():
+                plan.children[j] = {("jaxpr", None): plain}
+            return True
+        rot.final = rotation.final_norm(g, j, rot, self.fuser.allow_rounding_change)
+        self._note_rotated(n0, rot, e, child)
+        plan.skip.add(j)
+        plan.emit[j].append(rotation.RotatedScanEmit(e, rot, rotated))
+        if rot.final is not None:
+            plan.skip.add(g.defs[rot.final.out_var])
+            self._drop_dead(g, plan, rot.final.eqns, read)
+        return True
+
+    def _note_rotated(self, n0, rot, e, child):
+        """The rotated site (its norm is the view's new carry out) says so; without a final
+        norm after the loop its last iteration's norm is unused: it counts one run less."""
+        h_out = rot.view.outvars[int(e.params["num_carry"])]
+        for k in range(n0, len(self.sites)):
+            site = self.sites[k]
+            if not site.fused or self._site_norms.get(k) is not h_out:
+                continue
+            if rot.final is not None:
+                note = (
+                    "across scan iterations: the loop rotated, the last iteration's norm "
+                    "is the final norm after the loop"
+                )
+                runs = site.runs
+            else:
+                note = (
+                    "across scan iterations: the loop rotated; the last iteration's sum "
+                    "has no norm after the loop, its fused norm is unused"
+                )
+                length = int(e.params.get("length", 1))
+                runs = None if site.runs is None else site.runs // length * (length - 1)
+            self.sites[k] = dataclasses.replace(
+                site, runs=runs, note="; ".join(n for n in (site.note, note) if n)
+            )
+
     @staticmethod
     def _call_by_key(jaxpr, key):
         for e in jaxpr.eqns:
@@ -366,8 +462,12 @@ class Analyzer:
                 "newly_manual_axes", e.params.get("manual_axes", frozenset(mesh.axis_names))
             )
             ctx = (mesh, frozenset(manual), e.params.get("check_vma", True))
-            return Scope(where, dict(mesh.shape), ctx, runs), ctx
-        return Scope(where, scope.mesh_shape, scope.ctx, runs), None
+            return Scope(where, dict(mesh.shape), ctx, runs, scope.saving_policy), ctx
+        policy = scope.saving_policy
+        if G.name(e) in ("remat2", "checkpoint"):
+            p = e.params.get("policy")
+            policy = None if p is None else getattr(p, "__name__", None) or repr(p)
+        return Scope(where, scope.mesh_shape, scope.ctx, runs, policy), None
 
     # --- candidates ------------------------------------------------------------------------
     def _matches(self, g, scope: Scope, roles, keys, dry: bool):
@@ -421,7 +521,11 @@ class Analyzer:
                         "all-reduce outside shard_map (the fused op runs inside jax.shard_map)",
                         self._kind_of(e, scope),
                     )
-            elif not scope.manual and n == "dot_general" and matching.dot_candidate(g, i):
+            elif not scope.manual and n == "dot_general":
+                if not matching.dot_candidate(g, i):
+                    if not dry and len(self._missed) < _MISSES_KEPT:
+                        self._missed.append((g, i, scope, None))
+                    continue
                 yield from self._try(
                     g,
                     i,
@@ -503,6 +607,7 @@ class Analyzer:
             self._share_boundary(m, g)
         if overlap:
             raise Reject("overlaps another fused site")
+        self._check_names(m, scope, g)
         m.world = world
         if m.boundary is not None:
             mesh = g.eqns[m.boundary[0]].params["mesh"]
@@ -516,6 +621,24 @@ class Analyzer:
         )
         if costlier:
             raise Reject(costlier)
+
+    @staticmethod
+    def _check_names(m, scope, g):
+        """A ``checkpoint_name`` on a value the fused call does not compute (the all-reduce's
+        sum before the residual add) names nothing any more: inside a checkpoint whose policy
+        may save named values, the site stays as written (what was saved stays saved)."""
+        if scope.saving_policy is None:
+            return
+        written = matching.written_vars(m)
+        for i in sorted(m.skip):
+            e = g.eqns[i]
+            if G.name(e) == G.CHECKPOINT_NAME and not set(e.outvars) & written:
+                raise Reject(
+                    f"checkpoint_name {e.params.get('name')!r} on the all-reduce's sum, which "
+                    f"the fused op does not compute, inside a checkpoint whose policy "
+                    f"({scope.saving_policy}) may save it: name the residual sum instead, or "
+                    "use a policy that saves nothing inside the layer"
+                )
 
     def _share_boundary(self, m, g):
         """A second site on the same shard_map: one rewritten shard_map serves both, at the
@@ -541,7 +664,36 @@ class Analyzer:
             self.boundary_sites.setdefault((id(g), m.boundary[0]), []).append(m)
 
     # --- reporting ---------------------------------------------------------------------------
+    def near_misses(self) -> list:
+        """What stopped each reduction and matmul met from being a site, when no site fused
+        (report.NearMiss); [] otherwise. Matmuls that are no candidate are matched once
+        more here, for their reason."""
+        if any(s.fused for s in self.sites):
+            return []
+        out = []
+        for g, i, scope, reason in self._missed:
+            e = g.eqns[i]
+            if reason is None:
+                try:
+                    matching.match_plain_dot(g, i, scope, self.fuser.allow_rounding_change)
+                    reason = "its result is added to a residual, but no RMSNorm reads the sum"
+                except Reject as why:
+                    reason = str(why)
+            out.append(
+                R.NearMiss(
+                    where=scope.where or "top level",
+                    op=G.name(e),
+                    shape=G.shape(e.outvars[0]) if e.outvars else (),
+                    followed_by=_followers(g, e.outvars[0]) if e.outvars else (),
+                    reason=reason,
+                )
+            )
+        # Those followed by an add first: the likeliest sites.
+        return sorted(out, key=lambda n: "add" not in n.followed_by)
+
     def _report_unfused(self, g, i, scope, reason, kind):
+        if len(self._missed) < _MISSES_KEPT:
+            self._missed.append((g, i, scope, reason))
         e = g.eqns[i]
         out = e.outvars[0] if e.outvars else None
         shp = G.shape(out) if out is not None else ()
@@ -562,6 +714,7 @@ class Analyzer:
         where = scope.where or "top level"
         if m.boundary is not None:
             where = f"{where}/shard_map"
+        self._site_norms[len(self.sites)] = m.norm.out_var
         self.sites.append(
             R.Site(
                 where=where,
@@ -582,13 +735,16 @@ class Analyzer:
 
     # --- what is dropped -----------------------------------------------------------------------
     @staticmethod
-    def _drop_dead(g, plan: Plan, removable: set):
+    def _drop_dead(g, plan: Plan, removable: set, read: set):
         """Drops the proof's eqns whose results nothing live reads any more (the fused call
-        computes them); the others stay and read the fused call's residual_out."""
+        computes them); the others stay and read the fused call's residual_out. A value a
+        fused call reads (the next site's residual, through a sharding constraint, say) is
+        live."""
         for i in sorted(removable - plan.skip, reverse=True):
             e = g.eqns[i]
             live = any(
-                v in g.outs or any(u not in plan.skip for u in g.users(v)) for v in e.outvars
+                v in g.outs or v in read or any(u not in plan.skip for u in g.users(v))
+                for v in e.outvars
             )
             if not live:
                 plan.skip.add(i)

@@ -164,6 +164,12 @@ def _signature(g, eqns, roles):
     return tuple(out), tuple(role for role, _ in roles)
 
 
+def signature(g, eqns, roles):
+    """The structure of ``eqns`` with the vars of ``roles`` ((name, var)) named by role:
+    equal for two sets of equations that compute the same thing of their role vars."""
+    return _signature(g, eqns, roles)
+
+
 def _probe_rows(shape, rng):
     tokens = math.prod(shape[:-1])
     rows = np.arange(tokens)
@@ -180,7 +186,7 @@ def _col(gamma, ops):
     return gamma
 
 
-def _reference(r, gamma, eps, weight_bias, proof, scale):
+def _reference(r, gamma, eps, weight_bias, proof, scale, bias=None):
     f = r
     inv = 1.0 / np.sqrt(np.mean(f * f, axis=-1, keepdims=True) + eps)
     g = (
@@ -189,6 +195,8 @@ def _reference(r, gamma, eps, weight_bias, proof, scale):
         else weight_bias + _col(gamma.reshape(-1), proof.gamma_ops)
     )
     y = proof.overall * f * inv * g
+    if proof.bias is not None:
+        y = y + bias.reshape(-1)
     out = {"norm": y}
     if proof.scale_out_var is not None:
         s = np.maximum(np.max(np.abs(y), axis=-1, keepdims=True) / 448.0, 1.0 / (512 * 448))
@@ -225,6 +233,12 @@ def _check_once(g, proof, r_var, restricted_dim, restricted_size):
     if proof.gamma is not None:
         gamma = rng.uniform(0.5, 1.5, G.shape(proof.gamma))
         inputs[proof.gamma] = gamma
+    bias = None
+    if proof.bias is not None and proof.bias is proof.gamma:
+        bias = gamma  # one array, both gamma and the bias
+    elif proof.bias is not None:
+        bias = rng.uniform(-0.5, 0.5, G.shape(proof.bias))
+        inputs[proof.bias] = bias
     scale = 0.037
     if isinstance(proof.scale, jcore.Literal):  # the program's own scale
         scale = float(np.asarray(proof.scale.val, np.float64).reshape(-1)[0])
@@ -240,7 +254,7 @@ def _check_once(g, proof, r_var, restricted_dim, restricted_size):
         outs.append(proof.scale_out_var)
     with np.errstate(all="ignore"):
         got = _run(g, proof.eqns, inputs, outs, fix)
-    want = _reference(r, gamma, proof.eps, proof.weight_bias, proof, scale)
+    want = _reference(r, gamma, proof.eps, proof.weight_bias, proof, scale, bias)
     worst = 0.0
     for name, value in zip(names, got):
         ref = want[name]
@@ -257,13 +271,14 @@ def _check_once(g, proof, r_var, restricted_dim, restricted_size):
 
 def check(g: G.Graph, proof, r_var) -> None:
     """Raises Reject when the proven site's equations do not compute the fused op's math."""
-    roles = [("r", r_var), ("gamma", proof.gamma), ("scale", proof.scale)]
+    roles = [("r", r_var), ("gamma", proof.gamma), ("scale", proof.scale), ("bias", proof.bias)]
     # The outcome depends on the equations and on the formula the proof claims for them.
     key = (
         _signature(g, proof.eqns, roles),
         proof.eps,
         proof.weight_bias,
         proof.gamma_ops,
+        proof.bias_ops,
         proof.overall,
         proof.pattern,
         proof.out_var is not None,

@@ -443,3 +443,39 @@ def test_a_fused_plain_jit_site_on_the_xla_backend_keeps_the_partitioners_psum(w
     # The model's all-reduce is inserted when XLA compiles it, after export: the fused
     # program holds that all-reduce, the psum of the product in its dtype.
     assert got == psum_program(make_mesh((world,), ("tp",))), got
+
+
+def _fp8_tail_in_one_shard_map(mesh):
+    def body(x, w, r, g):
+        r = jax.lax.psum(x @ w, "tp") + r
+        y = _norm(r, g)
+        q = jnp.clip(y.astype(jnp.float32) / 0.05, -448.0, 448.0).astype(jnp.float8_e4m3fn)
+        return r, y, q
+
+    return jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(P(None, "tp"), P("tp"), P(), P()), out_specs=(P(),) * 3
+        )
+    )
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=[f"world{w}" for w in WORLDS])
+def test_forward_mode_of_a_fused_fp8_tail_moves_what_the_original_does(world):
+    """The fused FP8 tail keeps the program's derivative (its equations differentiated at
+    the norm's value); its tangents come from the fused op's own, whose all-reduce on the xla
+    backend is the program's psum in T: jax.jvp of the fused program moves what jax.jvp of
+    the original does."""
+    mesh = make_mesh((world,), ("tp",))
+    model = _fp8_tail_in_one_shard_map(mesh)
+    args = row_parallel_args(mesh)
+    fused = jf.fuse(model, mesh=mesh, axis_name="tp", backend="xla")
+
+    def forward_mode(fn):
+        return jax.jit(lambda *a: jax.jvp(fn, a, a))
+
+    with jax.set_mesh(mesh):
+        fused.analyze(*args)
+        assert [s.pattern for s in fused.report.fused] == [4], fused.report.line()
+        got = cuda_collectives(forward_mode(fused), *args)
+        base = cuda_collectives(forward_mode(model), *args)
+    assert got == base, (got, base)

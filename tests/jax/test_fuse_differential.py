@@ -40,6 +40,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tests.jax import cpu_helpers
 from tests.jax.fuse_checks import (
+    BORDERLINE,
     assert_bit_equal,
     assert_rounds_like_the_program,
     compiled,
@@ -161,6 +162,11 @@ def hf_flax_float32_output(r, g):  # FlaxLlamaRMSNorm with a float32 weight
     return g.astype(f32) * jnp.asarray(y, dtype=r.dtype)
 
 
+def bias_before_rounding(r, g):  # Equinox's RMSNorm(use_bias=True), gamma as the bias
+    x = _f(r)
+    return (x * jax.lax.rsqrt(_ms(x) + EPS) * g.astype(f32) + g.astype(f32)).astype(r.dtype)
+
+
 def sqrt_h_outside(r, g):  # x * rsqrt(sum + H eps) * sqrt(H): float32 constants H eps, sqrt(H)
     x = _f(r)
     h = x.shape[-1]
@@ -264,10 +270,12 @@ class Spelling:
     only_square: bool = False  # needs T == H (a [T] vector passes for a [H] one)
     exact_in_f32: bool = False  # in float32 the site is fused (the refusal is about T)
     after: Optional[Callable] = None  # what the program does to the norm's output after it
+    # gamma multiplied after the rounding (``after``): the fused op's norm output is the
+    # program's value before it.
+    gamma_after: bool = False
+    bias: bool = False  # ``after`` adds a bias (the fused op's output, then the addition)
 
 
-HF_T = "gamma multiplied in {T} after the norm is rounded"
-HF_F32 = "gamma multiplied in float32 after the norm is rounded"
 SPELLINGS = {
     "rsqrt_mul": Spelling(rsqrt_mul, "fused"),
     "sqrt_div": Spelling(sqrt_div, "fused"),
@@ -285,18 +293,30 @@ SPELLINGS = {
     "constant_in_sum": Spelling(constant_in_sum, "fused"),
     "eps_through_bfloat16": Spelling(eps_through_bfloat16, "fused"),
     "stop_gradient_gamma": Spelling(stop_gradient_gamma, "fused"),
+    # gamma multiplied after the rounding: the fused op's norm (gamma of ones) is the
+    # program's rounded value, and the program's multiplication by gamma stays after it.
     "hf_gamma_after_cast": Spelling(
         hf_gamma_after_cast,
-        "changed",
-        HF_T,
-        "gamma multiplied in float32 before one rounding to {T}",
-        col="in_t",
+        "fused",
+        col=None,
+        after=lambda y, g: y * g,
+        gamma_after=True,
     ),
     "hf_flax_float32_output": Spelling(
         hf_flax_float32_output,
+        "fused",
+        col=None,
+        after=lambda y, g: y * g,
+        gamma_after=True,
+    ),
+    # A bias: added after the fused norm's rounding (in float32 nothing rounds between).
+    "bias_before_rounding": Spelling(
+        bias_before_rounding,
         "changed",
-        HF_F32,
-        "gamma multiplied before one rounding to {T} (the float32 output is the {T} one)",
+        "a bias added to the normalized value before its rounding to {T}",
+        "bias added after the fused norm's rounding to {T}",
+        after=lambda y, g: y + g,
+        bias=True,
     ),
     "times_two_in_mean": Spelling(times_two_in_mean, "refused", "the mean divides by 32"),
     "eps_outside_sqrt": Spelling(eps_outside_sqrt, "refused", "eps added after the square root"),
@@ -686,10 +706,24 @@ def check(prog: Program):
         y_f = out_f[1]
         exact, inv, col = exact_norm(prog, site, r_f, args[2])
         units = norm_units(y_f, r_f, col, inv, T)
-        if SPELLINGS[prog.spelling].after is not None:  # a factor after the fused norm
+        if SPELLINGS[prog.spelling].bias:  # added to the fused norm: an ulp of the norm more
+            normed = np.asarray(r_f, np.float64) * inv * col  # of the norm before the bias
+            unit = ulp(normed, T) + ulp(exact, T)
+            units = np.abs(np.asarray(y_f, np.float64) - exact) / unit
+        elif SPELLINGS[prog.spelling].after is not None:  # a factor after the fused norm
             units = np.abs(np.asarray(y_f, np.float64) - exact) / ulp(exact, T)
         e_norm = float(units.max())
-        if want == "fused" and T != "float32":
+        sp = SPELLINGS[prog.spelling]
+        if want == "fused" and T != "float32" and sp.gamma_after:
+            # The fused norm output is the program's value before its own factor after it:
+            # the outputs are the program's bit for bit but where that value's exact result
+            # lies at a rounding midpoint of T (float32 arithmetic may tip it either way).
+            near = np.asarray(r_f, np.float64) * statistic(r_f, site.rms_eps)
+            differ = np.asarray(y_f, np.float64) != np.asarray(out_o[1], np.float64)
+            step = ulp(np.abs(near), T)
+            off = np.abs(np.abs(near - np.asarray(jnp.asarray(near, T), np.float64)) - step / 2)
+            assert np.all(off[differ] <= BORDERLINE * np.abs(near[differ])), prog.id
+        elif want == "fused" and T != "float32":
             program = compiled(prog.norm())(r_f, args[2])
             near = np.asarray(r_f, np.float64) * statistic(r_f, site.rms_eps) * col
             assert_rounds_like_the_program(y_f, program, near, T, prog.id)
@@ -811,6 +845,9 @@ def quick_programs():
     ]
     out += [
         Program("hf_gamma_after_cast", allow=True),
+        Program("bias_before_rounding", allow=True),
+        Program("bias_before_rounding", "float16", shape=(2, 3, 64), allow=True),
+        Program("bias_before_rounding", "float32"),
         Program("hf_flax_float32_output", gamma_dtype="float32", allow=True),
         Program("sqrt_div", "float16", shape=(2, 3, 64)),
         Program("gamma_over_rms", "float32", shape=(64, 64)),

@@ -13,11 +13,13 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 
 from . import (
+    annotated_llama,
     gemma,
     hf_flax_llama,
     megatron_mlp,
     per_linear_llama,
     plain_jit_llama,
+    scanned_llama,
     sequence_parallel_llama,
 )
 from .common import Config, activations
@@ -42,6 +44,7 @@ class Style:
     weight_dtype: Optional[str] = None  # norm weights' dtype, when not the model's
     axis_type: AxisType = AxisType.Auto
     allow_rounding_change: bool = False
+    rounding_change: bool = False  # fused sites report a rounding change
     weight_bias: float = 0.0
     grad_check: bool = True  # the CPU test also compares gradients (one style per
     #                               machinery suffices: each costs two more compilations)
@@ -102,33 +105,71 @@ STYLES = [
         weight_bias=1.0,
         grad_check=False,
     ),
-    Style(
-        "hf_flax_llama",
-        hf_flax_llama,
-        2,
-        False,
-        PSUM,
-        reason="gamma multiplied in bfloat16 after the norm is rounded",
-    ),
+    # gamma multiplied after the normalized value's rounding: the fused op computes that
+    # rounded value (a gamma of ones) and the program's own multiplication stays after it.
+    Style("hf_flax_llama", hf_flax_llama, 2, True, PSUM),
     Style("hf_flax_llama_allow", hf_flax_llama, 2, True, PSUM, allow_rounding_change=True),
+    Style("hf_flax_llama_f32_weights", hf_flax_llama, 2, True, PSUM, weight_dtype="float32"),
+    # Sharding constraints and checkpoint names between the matmul, the add and the norm.
     Style(
-        "hf_flax_llama_f32_weights",
-        hf_flax_llama,
-        2,
-        False,
-        PSUM,
-        weight_dtype="float32",
-        reason="gamma multiplied in float32 after the norm is rounded",
-    ),
-    Style(
-        "hf_flax_llama_f32_weights_allow",
-        hf_flax_llama,
+        "annotated_llama",
+        annotated_llama,
         2,
         True,
-        PSUM,
-        weight_dtype="float32",
-        allow_rounding_change=True,
+        PLAIN_JIT,
+        forward_kwargs=(("remat", False),),
+    ),
+    # Equinox's per-token Linear under vmap: w @ x, then a transpose.
+    Style(
+        "annotated_llama_per_token",
+        annotated_llama,
+        2,
+        True,
+        PLAIN_JIT,
+        forward_kwargs=(("remat", False), ("per_token", True)),
         grad_check=False,
+    ),
+    # Equinox's RMSNorm with its bias: refused by default, fused with the flag.
+    Style(
+        "annotated_llama_bias",
+        annotated_llama,
+        2,
+        False,
+        PLAIN_JIT,
+        reason="a bias added to the normalized value before its rounding to bfloat16",
+        forward_kwargs=(("remat", False), ("per_token", True), ("bias", True)),
+    ),
+    Style(
+        "annotated_llama_bias_allow",
+        annotated_llama,
+        2,
+        True,
+        PLAIN_JIT,
+        forward_kwargs=(("remat", False), ("per_token", True), ("bias", True)),
+        allow_rounding_change=True,
+        rounding_change=True,
+    ),
+    # MaxText's RMSNorm: gamma in T by an einsum after the rounding (left after the fused norm).
+    Style(
+        "annotated_llama_gamma_einsum",
+        annotated_llama,
+        2,
+        True,
+        PLAIN_JIT,
+        forward_kwargs=(("remat", False), ("gamma_einsum", True)),
+        grad_check=False,
+    ),
+    # Scanned over the layers: the add of layer i and the norm of layer i + 1 in two
+    # iterations (the loop is rotated). The body's 2 sites are the program's sites, each
+    # running once per layer (sites_per_layer * layers = 2 with 2 layers).
+    Style("scanned_llama_plain_jit", scanned_llama, 1, True, PLAIN_JIT),
+    Style(
+        "scanned_llama_shard_map",
+        scanned_llama,
+        1,
+        True,
+        PSUM,
+        forward_kwargs=(("layout", "shard_map"),),
     ),
     Style("hf_flax_llama_float32", hf_flax_llama, 2, True, PSUM, dtype="float32", grad_check=False),
 ]

@@ -1,0 +1,217 @@
+"""What ``jax_fusedar.fuse`` costs: its analysis time per layer, and the fused program's
+lower + compile time against the original's, measured in one run (a script, not a timed
+test).
+
+    python -m benchmarks.fuse_cost                     # 8/48/80-layer decoders, both modes
+    python -m benchmarks.fuse_cost --layers 8 --reps 7 --json out.json
+    python -m benchmarks.fuse_cost --integration       # also the integration lane's models
+                                                       # (run with the lane's venv)
+
+The decoders are pre-norm Llama layers (attention reduced to one value projection and the
+out-projection, a SiLU MLP) in one ``shard_map`` over ``tp``, ``psum`` after each row-parallel
+matmul, unrolled (a Python loop) or scanned over stacked weights (``lax.scan``: fuse rotates
+the loop). Hidden 256 over 8 CPU devices: the pass's cost depends on the program's size, not
+on the arrays'. For each model and repetition, from empty caches:
+
+* trace: ``jax.make_jaxpr`` of the original (what any jit pays);
+* analysis: ``fused.analyze(...)`` (trace + the pass) minus the trace: the pass itself;
+* lower + compile of ``jax.jit(original)`` and of ``jax.jit(fused)`` (its trace includes the
+  pass).
+
+Printed: medians with the spread (min-max) over the repetitions, analysis per layer, and the
+ratio of the fused program's lower + compile to the original's. Targets: analysis <= 10 ms per
+layer, lower + compile <= 1.1x the original's. Only the public API is used
+(``jax_fusedar.fuse``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_FLAGS = "--xla_force_host_platform_device_count=8"
+if _FLAGS not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAGS}".strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jax_fusedar as jf  # noqa: E402
+
+HIDDEN, FFN, TOKENS, EPS = 256, 512, 16, 1e-5
+TARGET_MS_PER_LAYER, TARGET_COMPILE_RATIO = 10.0, 1.1
+
+
+def _rms_norm(x, g):
+    f = x.astype(jnp.float32)
+    y = f * jax.lax.rsqrt(jnp.mean(f * f, -1, keepdims=True) + EPS)
+    return (y * g.astype(jnp.float32)).astype(x.dtype)
+
+
+def _layer(x, p):
+    h = _rms_norm(x, p["attn_norm"])
+    x = x + jax.lax.psum(jnp.tanh(h @ p["wv"]) @ p["wo"], "tp")
+    h = _rms_norm(x, p["mlp_norm"])
+    return x + jax.lax.psum(jax.nn.silu(h @ p["w_up"]) @ p["w_down"], "tp")
+
+
+def decoder(layers: int, scan: bool):
+    """(fn, args, mesh) of a pre-norm decoder of ``layers`` layers."""
+    mesh = jax.make_mesh((8,), ("tp",))
+    rng = np.random.default_rng(0)
+    dt = jnp.bfloat16
+
+    def w(*shape):
+        return jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[-2]), dt)
+
+    def layer_params():
+        return dict(
+            attn_norm=jnp.ones((HIDDEN,), dt),
+            wv=w(HIDDEN, HIDDEN),
+            wo=w(HIDDEN, HIDDEN),
+            mlp_norm=jnp.ones((HIDDEN,), dt),
+            w_up=w(HIDDEN, FFN),
+            w_down=w(FFN, HIDDEN),
+        )
+
+    specs = dict(
+        attn_norm=P(), wv=P(None, "tp"), wo=P("tp"), mlp_norm=P(), w_up=P(None, "tp"),
+        w_down=P("tp"),
+    )  # fmt: skip
+    per_layer = [layer_params() for _ in range(layers)]
+    if scan:
+        params = {k: jnp.stack([p[k] for p in per_layer]) for k in specs}
+        pspecs = {k: P(None, *s) for k, s in specs.items()}
+    else:
+        params, pspecs = per_layer, [specs] * layers
+    params = dict(layers=params, final_norm=jnp.ones((HIDDEN,), dt))
+    pspecs = dict(layers=pspecs, final_norm=P())
+
+    def body(params, x):
+        if scan:
+            x, _ = jax.lax.scan(lambda x, p: (_layer(x, p), None), x, params["layers"])
+        else:
+            for p in params["layers"]:
+                x = _layer(x, p)
+        return _rms_norm(x, params["final_norm"])
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(pspecs, P()), out_specs=P(), check_vma=False)
+    x = jnp.asarray(rng.standard_normal((TOKENS, HIDDEN)), dt)
+    args = jax.device_put((params, x), NamedSharding(mesh, P()))
+    return fn, args, mesh, "tp", layers
+
+
+def _timed(f):
+    t = time.perf_counter()
+    f()
+    return time.perf_counter() - t
+
+
+def measure(name, fn, args, mesh, axis, layers, reps, context=None):
+    import contextlib
+
+    ctx = context or contextlib.nullcontext
+    trace, analysis, orig, fused_c, sites = [], [], [], [], None
+    with ctx():
+        for _ in range(reps):
+            jax.clear_caches()
+            trace.append(_timed(lambda: jax.make_jaxpr(fn)(*args)))
+            fused = jf.fuse(fn, mesh=mesh, axis_name=axis, backend="xla")
+            jax.clear_caches()
+            total = _timed(lambda: fused.analyze(*args))
+            analysis.append(max(total - trace[-1], 0.0))
+            rep = fused.report
+            sites = (len(rep.fused), len(rep.sites), rep.fused_runs())
+            jax.clear_caches()
+            orig.append(_timed(lambda: jax.jit(fn).lower(*args).compile()))
+            jax.clear_caches()
+            fused_c.append(_timed(lambda: jax.jit(fused).lower(*args).compile()))
+            fused.close()
+
+    def stat(xs):
+        return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+    row = {
+        "model": name,
+        "layers": layers,
+        "fused_sites": sites[0],
+        "sites": sites[1],
+        "fused_calls_per_run": sites[2],
+        "trace_s": stat(trace),
+        "analysis_s": stat(analysis),
+        "analysis_ms_per_layer": 1e3 * statistics.median(analysis) / layers,
+        "original_lower_compile_s": stat(orig),
+        "fused_lower_compile_s": stat(fused_c),
+        # The ratio of each repetition's pair, then their median (same caches, same load).
+        "compile_ratio": stat([f / o for f, o in zip(fused_c, orig)]),
+    }
+    return row
+
+
+def _fmt(s):
+    return f"{s['median']:.3f} [{s['min']:.3f}-{s['max']:.3f}]"
+
+
+def print_row(r):
+    ok_a = r["analysis_ms_per_layer"] <= TARGET_MS_PER_LAYER
+    ok_c = r["compile_ratio"]["median"] <= TARGET_COMPILE_RATIO
+    print(
+        f"{r['model']:<44} fused {r['fused_sites']}/{r['sites']} "
+        f"({r['fused_calls_per_run']} calls/run) | trace {_fmt(r['trace_s'])} s | "
+        f"analysis {_fmt(r['analysis_s'])} s = {r['analysis_ms_per_layer']:.2f} ms/layer "
+        f"[{'ok' if ok_a else 'OVER'}] | lower+compile orig {_fmt(r['original_lower_compile_s'])}"
+        f" s, fused {_fmt(r['fused_lower_compile_s'])} s, ratio {_fmt(r['compile_ratio'])} "
+        f"[{'ok' if ok_c else 'OVER'}]",
+        flush=True,
+    )
+
+
+def integration_models():
+    """The integration lane's models (tests/integration: their packages must be installed,
+    tools/integration.sh's venv)."""
+    sys.path.insert(0, os.getcwd())
+    from tests.integration.models import MODELS
+
+    for m in MODELS:
+        b = m.build()
+        yield m.name, b.fn, (b.params, *b.inputs), b.mesh, b.axis_name, b.layers, b.context
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, nargs="+", default=[8, 48, 80])
+    ap.add_argument("--modes", nargs="+", default=["unrolled", "scanned"])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--integration", action="store_true")
+    ap.add_argument("--only-integration", action="store_true")
+    ap.add_argument("--json", help="write the rows here")
+    a = ap.parse_args(argv)
+    print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices")
+    rows = []
+    if not a.only_integration:
+        for layers in a.layers:
+            for mode in a.modes:
+                fn, args, mesh, axis, n = decoder(layers, mode == "scanned")
+                rows.append(
+                    measure(f"decoder {mode} {layers} layers", fn, args, mesh, axis, n, a.reps)
+                )
+                print_row(rows[-1])
+    if a.integration or a.only_integration:
+        for name, fn, args, mesh, axis, n, ctx in integration_models():
+            rows.append(measure(name, fn, args, mesh, axis, n, a.reps, ctx))
+            print_row(rows[-1])
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

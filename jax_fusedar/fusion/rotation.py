@@ -1,0 +1,252 @@
+"""Loop rotation: the residual add at the end of one ``scan`` iteration and the norm at the
+start of the next one become one site.
+
+A pre-norm decoder scanned over its layers computes, in each iteration, ``h = norm(x)`` of
+the carry first and ``x + f(...)`` last: the add of layer i and the norm of layer i + 1
+are in different iterations, so no scope holds both. Rotating the loop moves the norm: the
+body takes ``h`` as one more carry and computes the next layer's norm of its carry out at
+its end (the norm's equations copied, gamma read from the next iteration's slice of the
+stacked weights); the first ``h`` is computed before the loop (the norm peeled). The site
+is then in one scope and is matched like any other. When the program normalizes the loop's
+result after it with the same equations (the final norm of a decoder, its own gamma),
+that norm is the last iteration's: gamma's stack is shifted by one with the final gamma
+last. Otherwise the last iteration's norm is computed for nothing (the program's own norm
+after the loop, if any, stays). Values are unchanged: the same equations on the same
+values, in another iteration.
+
+``rotation_candidate`` finds the carry to rotate and builds the rotated body
+(``Rotation.view``); the analyzer plans it, keeps it only when more sites fuse than in the
+body as written, and emits ``RotatedScanEmit`` for the scan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+
+from . import graph as G
+from . import norm_proof, validation
+from .report import Reject
+
+
+@dataclasses.dataclass
+class Rotation:
+    """A scan whose carry ``carry`` is normalized at the start of the body (``proof``, in
+    the body's graph) and produced by a residual add at its end."""
+
+    carry: int
+    proof: Any  # norm_proof.NormProof of the carry in, in the body
+    x_in: Any
+    gamma_xs: Optional[int]  # index among the scan's xs of gamma's stack (None: a const)
+    view: Any  # the rotated body (Jaxpr): consts, carry + [h], xs + [next gamma]
+    bg: Any  # the body's graph (the proof's eqn indices)
+    final: Any = None  # (NormProof in the outer graph) the loop result's norm it replaces
+
+
+def _add_at_end(bg: G.Graph, v) -> bool:
+    """Whether ``v`` is computed by an ``add`` (through value-preserving eqns)."""
+    while True:
+        _, e = bg.eqn(v)
+        if e is None:
+            return False
+        if G.name(e) in G.NO_OPS and len(e.invars) == 1:
+            v = e.invars[0]
+            continue
+        return G.name(e) == "add"
+
+
+def _self_contained(bg: G.Graph, proof, x_in) -> bool:
+    """The norm's equations read only the carry, gamma's root, literals and each other."""
+    defined = {v for i in proof.eqns for v in bg.eqns[i].outvars}
+    for i in proof.eqns:
+        e = bg.eqns[i]
+        if G.has_subjaxpr(e):
+            return False
+        for a in e.invars:
+            if G.is_var(a) and a not in defined and a is not x_in and a is not proof.gamma:
+                return False
+    return True
+
+
+def rotation_candidate(scan_eqn, allow: bool) -> Optional[Rotation]:
+    """The rotation of a forward scan, or None when no carry is normalized at the start of
+    the body and added to at its end (or the norm reads anything but the carry, gamma's
+    root (a loop constant or a slice of the stacked weights) and literals)."""
+    p = scan_eqn.params
+    if p.get("reverse") or p.get("length", 0) < 1:
+        return None
+    closed = p["jaxpr"]
+    body = G.open_jaxpr(closed)
+    nc, nk = int(p["num_consts"]), int(p["num_carry"])
+    bg = G.Graph(body)
+    for c in range(nk):
+        x_in, x_out = body.invars[nc + c], body.outvars[c]
+        if G.dtype(x_in) not in G.FLOATS or not G.shape(x_in) or not G.shape(x_in)[-1]:
+            continue
+        if not G.is_var(x_out) or not _add_at_end(bg, x_out):
+            continue
+        if not any(True for _ in bg.users(x_in)):
+            continue
+        try:
+            proof = norm_proof.prove_rms_norm(bg, x_in, allow)
+        except Reject:
+            continue
+        if proof.quant_var is not None or proof.out_var in body.outvars:
+            continue
+        gamma_xs = None
+        if proof.gamma is not None:
+            if not G.is_var(proof.gamma) or proof.gamma not in body.invars:
+                continue
+            k = body.invars.index(proof.gamma)
+            if nc <= k < nc + nk:
+                continue  # gamma carried: not a weight
+            gamma_xs = k - nc - nk if k >= nc + nk else None
+        if not _self_contained(bg, proof, x_in):
+            continue
+        view = _rotated(body, bg, nc, nk, proof, x_in, x_out)
+        return Rotation(c, proof, x_in, gamma_xs, view, bg)
+    return None
+
+
+def _rotated(body, bg, nc, nk, proof, x_in, x_out):
+    """The body with the norm of its carry in taken as one more carry (``h``), and the same
+    norm of its carry out computed at the end (gamma: the next iteration's, one more xs)."""
+    y = proof.out_var
+    h_in = jcore.Var(y.aval)
+    g_next = None
+    if proof.gamma is not None and body.invars.index(proof.gamma) >= nc + nk:
+        g_next = jcore.Var(proof.gamma.aval)
+
+    def sub(a):
+        return h_in if a is y else a
+
+    kept = [
+        e.replace(invars=[sub(a) if G.is_var(a) else a for a in e.invars])
+        for i, e in enumerate(bg.eqns)
+        if i not in proof.eqns or y not in bg.eqns[i].outvars
+    ]
+    outvars = [sub(a) if G.is_var(a) else a for a in body.outvars]
+    kept = _dce(kept, outvars)
+    # The norm once more, of the carry out, with the next iteration's gamma.
+    names = {x_in: x_out}
+    if g_next is not None:
+        names[proof.gamma] = g_next
+    copies = []
+    for i in sorted(proof.eqns):
+        e = bg.eqns[i]
+        for v in e.outvars:
+            names[v] = jcore.Var(v.aval)
+        copies.append(
+            e.replace(
+                invars=[names.get(a, a) if G.is_var(a) else a for a in e.invars],
+                outvars=[names[v] for v in e.outvars],
+            )
+        )
+    h_out = names[y]
+    invars = list(body.invars)
+    invars.insert(nc + nk, h_in)
+    if g_next is not None:
+        invars.append(g_next)
+    outs = outvars[:nk] + [h_out] + outvars[nk:]
+    return body.replace(invars=invars, outvars=outs, eqns=kept + copies)
+
+
+def _dce(eqns, outvars):
+    """``eqns`` without those whose results nothing reads (effect-free ones only)."""
+    live = {a for a in outvars if G.is_var(a)}
+    out = []
+    for e in reversed(eqns):
+        if e.effects or any(G.is_var(v) and v in live for v in e.outvars):
+            out.append(e)
+            live.update(a for a in e.invars if G.is_var(a))
+    return out[::-1]
+
+
+def final_norm(g: G.Graph, scan_i: int, rot: Rotation, allow: bool):
+    """The outer norm of the loop's result that is the rotated norm with its own gamma
+    (the same equations, gamma of the stack's slice type), or None."""
+    if rot.gamma_xs is None:
+        return None
+    y = g.eqns[scan_i].outvars[rot.carry]
+    try:
+        outer = norm_proof.prove_rms_norm(g, y, allow)
+    except Reject:
+        return None
+    if (
+        outer.quant_var is not None
+        or outer.gamma is None
+        or not G.is_var(outer.gamma)
+        or outer.gamma.aval.shape != rot.proof.gamma.aval.shape
+        or outer.gamma.aval.dtype != rot.proof.gamma.aval.dtype
+    ):
+        return None
+    same = validation.signature(
+        g, outer.eqns, [("r", y), ("gamma", outer.gamma)]
+    ) == validation.signature(rot.bg, rot.proof.eqns, [("r", rot.x_in), ("gamma", rot.proof.gamma)])
+    if not same or g.defs.get(outer.gamma, -1) > scan_i:
+        return None
+    return outer
+
+
+def _bind(eqns, env):
+    from .rewriting import _bind_all
+
+    _bind_all(eqns, env)
+
+
+class RotatedScanEmit:
+    """The scan again, rotated: the first norm computed before it, the body evaluated as
+    its rotated view (with its plan: the sites it now holds fused), gamma's stack shifted
+    by one; the loop's outputs written, and the outer final norm's output when it is the
+    last iteration's."""
+
+    def __init__(self, eqn, rot: Rotation, plan):
+        self.eqn, self.bg, self.rot, self.plan = eqn, rot.bg, rot, plan
+
+    def __call__(self, read, write, fuser, extra_in, extra_out):
+        from .rewriting import evaluate
+
+        e, rot = self.eqn, self.rot
+        p = e.params
+        nc, nk = int(p["num_consts"]), int(p["num_carry"])
+        ins = [read(a) for a in e.invars]
+        consts, init, xs = ins[:nc], ins[nc : nc + nk], ins[nc + nk :]
+        proof = rot.proof
+        body = G.open_jaxpr(p["jaxpr"])
+        env = {rot.x_in: init[rot.carry]}
+        next_gamma = []
+        if proof.gamma is not None:
+            k = body.invars.index(proof.gamma)
+            if rot.gamma_xs is None:
+                env[proof.gamma] = ins[k]
+            else:
+                stack = xs[rot.gamma_xs]
+                env[proof.gamma] = stack[0]
+                last = read(rot.final.gamma) if rot.final is not None else stack[0]
+                next_gamma = [jnp.concatenate([stack[1:], last[None].astype(stack.dtype)])]
+        _bind([self.bg.eqns[i] for i in sorted(proof.eqns)], env)
+        h0 = env[proof.out_var]
+        view_consts = getattr(p["jaxpr"], "consts", ())
+        view = self.rot.view
+
+        def step(carry, x):
+            outs = evaluate(view, view_consts, [*consts, *carry, *x], self.plan, fuser)
+            return tuple(outs[: nk + 1]), tuple(outs[nk + 1 :])
+
+        carry, ys = jax.lax.scan(
+            step,
+            (*init, h0),
+            (*xs, *next_gamma),
+            length=p["length"],
+            unroll=p.get("unroll", 1),
+        )
+        outs = list(carry[:nk]) + list(ys)
+        for v, val in zip(e.outvars, outs):
+            if not isinstance(v, jcore.DropVar):
+                write(v, val)
+        if rot.final is not None:
+            write(rot.final.out_var, carry[nk])

@@ -1,0 +1,211 @@
+"""jax_fusedar.fuse sees through what framework code puts between the matmul (or psum), the
+residual add and the norm, on 8 virtual CPU devices: sharding constraints, reshard,
+``checkpoint_name`` (kept in the program around the fused call), a per-token linear under
+``vmap`` (``w @ x`` then a transpose), gamma multiplied after the norm's rounding (left after
+the fused norm), and the near misses a report lists when nothing fuses. Each form is fused
+bit for bit on the xla backend (XLA rounding as written: tests/cpu_devices.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from tests.jax import cpu_helpers
+from tests.jax.fuse_checks import assert_bit_equal, compiled
+import jax_fusedar as jf
+
+cpu_helpers.require_host_devices()
+
+f32 = jnp.float32
+EPS = 1e-6
+T, H, F = 8, 64, 128
+
+
+def norm(r, g):
+    x = r.astype(f32)
+    return (x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + EPS) * g.astype(f32)).astype(
+        r.dtype
+    )
+
+
+def mesh_2x4(axis_type=AxisType.Auto):
+    return jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(axis_type,) * 2)
+
+
+def operands(mesh, seed=0, w_shape=(F, H), w_spec=P("tp")):
+    rng = np.random.default_rng(seed)
+    x = jax.device_put(
+        jnp.asarray(rng.standard_normal((T, F)), jnp.bfloat16),
+        NamedSharding(mesh, P("dp", "tp")),
+    )
+    w = jax.device_put(
+        jnp.asarray(rng.standard_normal(w_shape) / 8, jnp.bfloat16), NamedSharding(mesh, w_spec)
+    )
+    res = jax.device_put(
+        jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16), NamedSharding(mesh, P("dp"))
+    )
+    g = jnp.asarray(1 + 0.1 * rng.standard_normal(H), jnp.bfloat16)
+    return x, w, res, g
+
+
+def fuse_and_compare(fn, args, mesh, grads=True, **kw):
+    """The report, after checking that the fused program's outputs (and gradients) are the
+    original's bit for bit."""
+    fused = jf.fuse(fn, mesh=mesh, axis_name="tp", backend="xla", **kw)
+    with jax.set_mesh(mesh):
+        out, want = compiled(fused)(*args), compiled(fn)(*args)
+        assert_bit_equal(out, want)
+        if grads:
+            shapes = jax.eval_shape(fn, *args)
+            rng = np.random.default_rng(9)
+            ct = [jnp.asarray(rng.standard_normal(o.shape), f32) for o in shapes]
+
+            def loss(f):
+                return lambda *a: sum(jnp.sum(o.astype(f32) * c) for o, c in zip(f(*a), ct))
+
+            argnums = tuple(range(len(args)))
+            g_f = compiled(jax.grad(loss(fused), argnums=argnums))(*args)
+            g_o = compiled(jax.grad(loss(fn), argnums=argnums))(*args)
+            for a, b in zip(g_f, g_o):
+                a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+                eps = float(jnp.finfo(jnp.bfloat16).eps)
+                assert np.max(np.abs(a - b)) <= 4 * eps * max(np.max(np.abs(b)), 1e-30)
+        text = str(jax.make_jaxpr(fused)(*args))
+    return fused.report, text
+
+
+def constrained(mesh, spec):
+    return lambda v: jax.lax.with_sharding_constraint(v, NamedSharding(mesh, spec))
+
+
+@pytest.mark.parametrize("where", ["sum", "residual_sum", "both"])
+def test_sharding_constraints_and_names_are_looked_through_and_kept(where):
+    """MaxText's order: checkpoint_name and a sharding constraint on the projection, the
+    residual sum constrained before the norm reads it. The fused call replaces the matmul,
+    the add and the norm; the constraint on the residual sum stays around the fused call's
+    residual_out."""
+    mesh = mesh_2x4()
+    sc = constrained(mesh, P("dp"))
+
+    def fn(x, w, res, g):
+        s = x @ w
+        if where in ("sum", "both"):
+            s = sc(checkpoint_name(s, "out_proj"))
+        r = res + s
+        if where in ("residual_sum", "both"):
+            r = checkpoint_name(sc(r), "decoder_layer_input")
+        return r, norm(r, g)
+
+    with jax.set_mesh(mesh):
+        rep, text = fuse_and_compare(fn, operands(mesh), mesh)
+    assert len(rep.fused) == 1, rep.line()
+    assert "custom_partitioning" in text  # the fused entry, partitioned when compiled
+    if where in ("residual_sum", "both"):
+        # kept: the constraint and the name read the fused call's residual_out
+        assert "sharding_constraint" in text and "name[name=decoder_layer_input]" in text
+    else:
+        assert "name[name=out_proj]" not in text  # the sum is gone with the matmul
+
+
+def test_reshard_and_explicit_axes_are_looked_through():
+    mesh = mesh_2x4(AxisType.Explicit)
+
+    def fn(x, w, res, g):
+        s = jnp.einsum("tf,fh->th", x, w, out_sharding=P("dp"))
+        r = jax.sharding.reshard(res + s, P("dp"))
+        return r, norm(r, g)
+
+    with jax.set_mesh(mesh):
+        rep, _ = fuse_and_compare(fn, operands(mesh), mesh)
+    assert len(rep.fused) == 1, rep.line()
+
+
+def test_a_name_on_the_sum_under_a_saving_policy_stays_as_written():
+    """Inside a checkpoint whose policy saves named values, the fused op would leave the
+    named sum uncomputed (what was saved would no longer be): refused with that reason. With
+    the default policy (nothing saved but the inputs) the same site fuses."""
+    mesh = mesh_2x4()
+
+    def make(policy):
+        def layer(x, w, res, g):
+            r = res + checkpoint_name(x @ w, "out_proj")
+            return r, norm(r, g)
+
+        return jax.checkpoint(layer, policy=policy)
+
+    saving = jax.checkpoint_policies.save_only_these_names("out_proj")
+    with jax.set_mesh(mesh):
+        rep, _ = fuse_and_compare(make(saving), operands(mesh), mesh)
+        assert not rep.fused and rep.sites[0].reason.startswith(
+            "checkpoint_name 'out_proj' on the all-reduce's sum"
+        ), rep.line()
+        rep, _ = fuse_and_compare(make(None), operands(mesh), mesh)
+        assert len(rep.fused) == 1, rep.line()
+
+
+def test_a_per_token_linear_under_vmap_is_fused_in_its_own_order():
+    """Equinox's Linear: an (out, in) weight applied to one token, mapped with vmap: the
+    program computes dot_general(w, x) then transposes the hidden axis last. The fused call
+    contracts in that order (weight_first), so the sums are the program's."""
+    mesh = mesh_2x4()
+
+    def fn(x, w, res, g):
+        s = jax.vmap(lambda t: w @ t)(x)  # w: [H, F], split along F
+        r = res + s
+        return r, norm(r, g)
+
+    args = operands(mesh, w_shape=(H, F), w_spec=P(None, "tp"))
+    with jax.set_mesh(mesh):
+        assert "transpose" in str(jax.make_jaxpr(fn)(*args))
+        rep, text = fuse_and_compare(fn, args, mesh)
+    assert len(rep.fused) == 1 and rep.sites[0].kind == "dot_general", rep.line()
+
+
+def test_gamma_after_the_rounding_leaves_its_multiplication_in_the_program():
+    """MaxText's RMSNorm: the normalized value rounded to T, then gamma multiplied in T by
+    an einsum (a dot_general with a batch dim and a transpose). The fused norm is the
+    rounded value; the einsum stays after it: fused with default options, bit for bit."""
+    mesh = mesh_2x4()
+
+    def fn(x, w, res, g):
+        r = res + x @ w
+        f = r.astype(f32)
+        y = (f * jax.lax.rsqrt(jnp.mean(f * f, -1, keepdims=True) + EPS)).astype(r.dtype)
+        return r, jnp.einsum("k,...k->...k", g, y)
+
+    with jax.set_mesh(mesh):
+        rep, text = fuse_and_compare(fn, operands(mesh), mesh)
+    assert len(rep.fused) == 1 and rep.sites[0].rounding_change is None, rep.line()
+
+
+def test_nothing_fused_lists_the_near_misses():
+    """A matmul whose sum goes through an op fuse cannot see through before the add: the
+    report says nothing fused, and names the matmul, what follows it and why."""
+    mesh = mesh_2x4()
+
+    def fn(x, w, res, g):
+        r = res + jnp.tanh(x @ w)
+        return r, norm(r, g)
+
+    with jax.set_mesh(mesh):
+        rep = jf.fuse(fn, mesh=mesh, axis_name="tp", backend="xla").analyze(*operands(mesh))
+    assert not rep.sites and len(rep.near_misses) == 1, rep.line()
+    miss = rep.near_misses[0]
+    assert (miss.op, miss.shape, miss.followed_by[:2]) == ("dot_general", (T, H), ("tanh", "add"))
+    assert miss.reason == "the all-reduce is not followed by a residual add", miss
+    assert "near misses: dot_general [8, 64] at top level, then tanh, add" in rep.line()
+    assert rep.as_dict()["near_misses"][0]["reason"] == miss.reason
+
+
+def test_a_fused_site_lists_no_near_misses():
+    mesh = mesh_2x4()
+
+    def fn(x, w, res, g):
+        r = res + x @ w
+        return r, norm(r, g) @ jnp.ones((H, H), jnp.bfloat16)
+
+    with jax.set_mesh(mesh):
+        rep = jf.fuse(fn, mesh=mesh, axis_name="tp", backend="xla").analyze(*operands(mesh))
+    assert len(rep.fused) == 1 and rep.near_misses == [], rep

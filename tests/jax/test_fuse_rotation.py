@@ -1,0 +1,93 @@
+"""jax_fusedar.fuse across layer boundaries, on 8 virtual CPU devices: a pre-norm decoder
+scanned over its layers has the add of layer i and the norm of layer i + 1 in two
+iterations; the loop is rotated (fusion/rotation.py) so that each add and the next norm are
+one site, the last one with the final norm after the loop. Forward and ``jax.grad`` equal the
+original bit for bit on the xla backend; a site inside a ``jax.checkpoint`` keeps the
+checkpoint: the fused program saves for the backward pass what the original saves."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.ad_checkpoint import print_saved_residuals
+from jax.sharding import AxisType
+
+from tests.jax import cpu_helpers
+from tests.jax.fuse_checks import assert_bit_equal, compiled
+from tests.models import annotated_llama, scanned_llama
+from tests.models.common import Config, activations
+import jax_fusedar as jf
+
+cpu_helpers.require_host_devices()
+
+CFG = Config(layers=3)
+
+
+def setup(module, **kw):
+    mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
+    params = module.place(module.init_params(CFG, 0, jnp.bfloat16), mesh)
+    x = jax.device_put(activations(CFG, 1, jnp.bfloat16), module.input_sharding(mesh))
+    return mesh, params, x, module.make_forward(CFG, mesh, **kw)
+
+
+def loss(fn):
+    ct = np.random.default_rng(3).standard_normal((CFG.batch, CFG.seq, CFG.hidden))
+    return lambda p, x: jnp.sum(fn(p, x).astype(jnp.float32) * ct)
+
+
+def fused_and_checked(module, **kw):
+    """The fused function, after checking forward and gradients bit for bit."""
+    mesh, params, x, fwd = setup(module, **kw)
+    fused = jf.fuse(fwd, mesh=mesh, axis_name="tp", backend="xla")
+    with jax.set_mesh(mesh):
+        assert_bit_equal(compiled(fused)(params, x), compiled(fwd)(params, x))
+        g_f = compiled(jax.grad(loss(fused), argnums=(0, 1)))(params, x)
+        g_o = compiled(jax.grad(loss(fwd), argnums=(0, 1)))(params, x)
+        assert_bit_equal(g_f, g_o)
+    return fused, (mesh, params, x, fwd)
+
+
+@pytest.mark.parametrize("layout", ["plain_jit", "shard_map"])
+def test_the_scanned_decoder_is_rotated_and_every_add_fused(layout):
+    fused, _ = fused_and_checked(scanned_llama, layout=layout)
+    rep = fused.report
+    assert len(rep.fused) == 2 == len(rep.sites), rep.line()
+    # Each layer's two adds, the last with the final norm: 2 * layers fused calls per run.
+    assert rep.fused_runs() == 2 * CFG.layers, rep.line()
+    rotated = [s for s in rep.fused if s.note and "across scan iterations" in s.note]
+    assert len(rotated) == 1 and "the final norm after the loop" in rotated[0].note
+
+
+def test_without_a_final_norm_the_last_add_has_no_site():
+    fused, _ = fused_and_checked(scanned_llama, final_norm=False)
+    rep = fused.report
+    assert rep.fused_runs() == 2 * CFG.layers - 1, rep.line()
+    (rotated,) = [s for s in rep.fused if s.note and "across scan iterations" in s.note]
+    assert rotated.runs == CFG.layers - 1 and "its fused norm is unused" in rotated.note
+
+
+def test_the_rotated_program_has_one_norm_before_the_loop():
+    """The first layer's norm is peeled before the loop; inside it every residual add is the
+    fused op's (no psum left in the plain-math form: the plain-jit entry's own)."""
+    fused, (mesh, params, x, fwd) = fused_and_checked(scanned_llama, layout="shard_map")
+    with jax.set_mesh(mesh):
+        text = str(jax.make_jaxpr(fused)(params, x))
+    body = text[text.index("scan[") :]
+    assert body.count("jax_fusedar_allreduce_fusion") == 2, body
+    assert "psum" not in body.split("jax_fusedar_allreduce_fusion")[0].split("scan[")[-1]
+
+
+def test_a_checkpointed_layer_keeps_what_it_saves(capsys):
+    """Sites inside each jax.checkpoint (its default policy) are fused inside it: the fused
+    program saves for the backward pass what the original saves (the checkpoints' inputs and
+    what is outside them), and the gradients are the original's."""
+    fused, (mesh, params, x, fwd) = fused_and_checked(annotated_llama, remat=True)
+    assert fused.report.fused, fused.report.line()
+    with jax.set_mesh(mesh):
+
+        def saved(fn):  # the saved values' types (JAX prints one per line)
+            capsys.readouterr()
+            print_saved_residuals(fn, params, x)
+            return sorted(line.split()[0] for line in capsys.readouterr().out.splitlines())
+
+        assert saved(jax.jit(fused)) == saved(jax.jit(fwd))

@@ -1,0 +1,118 @@
+"""Llama under plain ``jax.jit`` with the value-preserving annotations framework code puts
+between the matmul, the residual add and the norm (MaxText's way): sharding constraints on
+the projections' outputs and on the residual stream, ``checkpoint_name`` on each
+projection and on the layer input, each layer under ``jax.checkpoint`` (its default
+policy: nothing saved but the inputs). ``per_token=True`` writes the projections as
+Equinox does: a per-token ``Linear`` with an (out, in) weight, mapped over the tokens with
+``jax.vmap`` (the matmul then computes ``w @ x`` and a transpose brings the hidden axis
+last). ``gamma_einsum=True`` multiplies gamma as MaxText's RMSNorm does: the normalized
+value rounded to the activation dtype, then ``einsum("k,...k->...k")`` with gamma in that
+dtype (the fused norm is the rounded value; the einsum stays after it). ``bias=True`` adds
+a bias to the normalized value before its rounding, as Equinox's ``RMSNorm`` does by
+default (fused only with ``allow_rounding_change``: added after the fused norm's
+rounding)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from .common import Config, gamma, normal
+
+DP, TP = "dp", "tp"
+
+
+def init_params(cfg: Config, seed: int, dtype):
+    rng = np.random.default_rng(seed)
+    d, f = cfg.hidden, cfg.ffn
+    layers = [
+        dict(
+            attn_norm=gamma(rng, d, dtype),
+            wv=normal(rng, (d, d), d, dtype),
+            wo=normal(rng, (d, d), d, dtype),
+            mlp_norm=gamma(rng, d, dtype),
+            w_up=normal(rng, (d, f), d, dtype),
+            w_down=normal(rng, (f, d), f, dtype),
+            attn_bias=gamma(rng, d, dtype, around=0.0),
+            mlp_bias=gamma(rng, d, dtype, around=0.0),
+        )
+        for _ in range(cfg.layers)
+    ]
+    return dict(
+        layers=layers,
+        final_norm=gamma(rng, d, dtype),
+        final_bias=gamma(rng, d, dtype, around=0.0),
+    )
+
+
+SPECS = dict(
+    attn_norm=P(),
+    wv=P(None, TP),
+    wo=P(TP, None),
+    mlp_norm=P(),
+    w_up=P(None, TP),
+    w_down=P(TP, None),
+    attn_bias=P(),
+    mlp_bias=P(),
+)
+
+
+def place(params, mesh):
+    layers = [
+        {k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in p.items()}
+        for p in params["layers"]
+    ]
+    rep = NamedSharding(mesh, P())
+    return dict(
+        layers=layers,
+        final_norm=jax.device_put(params["final_norm"], rep),
+        final_bias=jax.device_put(params["final_bias"], rep),
+    )
+
+
+def input_sharding(mesh):
+    return NamedSharding(mesh, P(DP))
+
+
+def make_forward(cfg: Config, mesh, per_token=False, gamma_einsum=False, remat=True, bias=False):
+    def constrain(x, spec):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    def rms_norm(x, g, b):
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), -1, keepdims=True) + cfg.eps)
+        if gamma_einsum:  # MaxText: rounded, then gamma in the activation dtype
+            return jnp.einsum("k,...k->...k", g.astype(x.dtype), y.astype(x.dtype))
+        y = y * g.astype(jnp.float32)
+        if bias:  # Equinox's RMSNorm(use_bias=True): added in float32 before the rounding
+            y = y + b.astype(jnp.float32)
+        return y.astype(x.dtype)
+
+    def linear(x, w):
+        if per_token:  # Equinox: an (out, in) weight, one token at a time under vmap
+            one = lambda t: w.T @ t  # noqa: E731
+            return jax.vmap(jax.vmap(one))(x)
+        return x @ w
+
+    def layer(p, x):
+        x = checkpoint_name(constrain(x, P(DP)), "decoder_layer_input")
+        h = constrain(rms_norm(x, p["attn_norm"], p["attn_bias"]), P(DP))
+        v = checkpoint_name(linear(h, p["wv"]), "value_proj")
+        o = constrain(checkpoint_name(linear(v, p["wo"]), "out_proj"), P(DP))
+        x = x + o
+        h = rms_norm(x, p["mlp_norm"], p["mlp_bias"])
+        u = jax.nn.silu(checkpoint_name(linear(h, p["w_up"]), "mlpwi"))
+        d = constrain(checkpoint_name(linear(u, p["w_down"]), "mlpwo"), P(DP))
+        return constrain(x + d, P(DP))
+
+    step = jax.checkpoint(layer) if remat else layer
+
+    def forward(params, x):
+        for p in params["layers"]:
+            x = step(p, x)
+        return rms_norm(x, params["final_norm"], params["final_bias"])
+
+    return forward
