@@ -5,7 +5,6 @@ over gloo, the reference path) against the unsharded reference."""
 
 import argparse
 import json
-import os
 import re
 import subprocess
 import sys
@@ -17,7 +16,6 @@ import pytest
 from jax_fusedar.cli import ranks
 from tests.cli.test_cli import run_cli
 from tests.cpu_devices import xla_flags
-from tests.repo import REPO
 
 
 # --- the plan ----------------------------------------------------------------------------------
