@@ -15,7 +15,8 @@ bugs vLLM hit with it (docs/decisions.md):
 
 The handles travel through the c10d store (``channel.StoreChannel``), with a timeout, so a
 member that never joins is a ``TimeoutError`` naming it. Memory and kernels are the shared
-native core (``jax_fusedar._fusedar.Rank``); no JAX is imported.
+native core (``Rank`` of the extension ``jax_fusedar.common.native`` loads); no JAX is
+imported.
 """
 
 from __future__ import annotations

@@ -2,15 +2,19 @@
 module, and the jax-free command-line helpers, imports in a fresh interpreter without
 importing jax or torch, and ``import torch_compat`` brings in torch but never jax; checked in
 subprocesses, because a test process has usually imported both already), and the import
-graph of ``jax_fusedar`` and ``torch_compat`` has no cycles and no module uses another
-module's private names (read statically)."""
+graph of ``jax_fusedar`` and ``torch_compat`` (read statically) has no cycles, no import
+from a layer up to one above it (``LAYERS``), no import of the native extension but
+``common.native``'s own loading of it, and no module using another module's private
+names."""
 
 import ast
 import json
 import os
 import pkgutil
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -91,8 +95,12 @@ def test_torch_compat_imports_no_jax():
 # package's modules (those go downwards), so the edges are exactly the import statements.
 
 PACKAGES = ("jax_fusedar", "torch_compat")
-# Compiled modules (ffi/python builds jax_fusedar/_fusedar*.so; common/native.py loads it).
-NATIVE_MODULES = {"jax_fusedar._fusedar": REPO / "ffi" / "python" / "module.cc"}
+# The compiled module: ffi/python builds jax_fusedar/_fusedar*.so, which common/native.py
+# loads by path under this name (the layer that wraps it owns it).
+NATIVE_MODULE = "jax_fusedar.common._fusedar"
+NATIVE_MODULES = {NATIVE_MODULE: REPO / "ffi" / "python" / "module.cc"}
+# Where the build installs it, the name an import statement would reach it by.
+NATIVE_INSTALLED_AS = "jax_fusedar._fusedar"
 
 
 def _module_files():
@@ -217,6 +225,108 @@ def test_no_import_cycles():
     assert not cycles, "modules that import each other (directly or around a loop):\n" + "\n".join(
         " <-> ".join(c) for c in cycles
     )
+
+
+# --- the layers -----------------------------------------------------------------------------
+# Bottom up: the native extension; the framework-free rules (common); the two front ends, the
+# JAX API (the package root, with its fuse pass in fusion/) and torch_compat, which never
+# import each other; the models written on the JAX API; the command-line tools. A module
+# imports modules of its own layer and of the layers its entry lists, never one above.
+# common lists nothing: it reaches the extension by path (common/native.py), not by import.
+LAYERS = {
+    "native": (),
+    "common": (),
+    "jax": ("common",),
+    "torch": ("common",),
+    "models": ("jax", "common"),
+    "cli": ("models", "jax", "torch", "common"),
+}
+# Imports that still run up, each with where it goes: the torch benchmark is a module of
+# torch_compat that uses the command-line helpers until it leaves the package.
+KNOWN_UPWARD = {
+    ("torch_compat.bench", "jax_fusedar.cli.argtypes"),
+    ("torch_compat.bench", "jax_fusedar.cli.ranks"),
+    ("torch_compat.bench", "jax_fusedar.cli.report"),
+}
+
+
+def layer_of(module: str) -> str:
+    if module == NATIVE_MODULE:
+        return "native"
+    if module == "jax_fusedar.__main__" or module.startswith("jax_fusedar.cli"):
+        return "cli"
+    for prefix, layer in (
+        ("jax_fusedar.common", "common"),
+        ("jax_fusedar.models", "models"),
+        ("torch_compat", "torch"),
+        ("jax_fusedar", "jax"),
+    ):
+        if module == prefix or module.startswith(prefix + "."):
+            return layer
+    raise AssertionError(f"{module} is in no layer")
+
+
+def _upward(edges) -> list:
+    """Every import of a module from a layer its importer's layer does not list."""
+    return sorted(
+        (a, b)
+        for a, targets in edges.items()
+        for b in targets
+        if layer_of(b) != layer_of(a) and layer_of(b) not in LAYERS[layer_of(a)]
+    )
+
+
+def test_the_layer_rule_is_read_whole():
+    # Guards the rule: every module has a layer, and an import up is found.
+    files = _module_files()
+    assert {layer_of(m) for m in files} == set(LAYERS)
+    assert layer_of("jax_fusedar.fusion.matching") == layer_of("jax_fusedar.api") == "jax"
+    assert _upward({"jax_fusedar.common.limits": {"jax_fusedar.api"}}) == [
+        ("jax_fusedar.common.limits", "jax_fusedar.api")
+    ]
+    assert _upward({"torch_compat.ops": {"jax_fusedar.api"}})  # the fronts stay apart
+    assert _upward({"jax_fusedar.api": {"jax_fusedar.models.llama"}})
+    assert not _upward({"jax_fusedar.cli.demo": {"jax_fusedar.models.llama"}})
+
+
+def test_no_import_runs_up_a_layer():
+    upward = set(_upward(_imports(_module_files())[0]))
+    assert upward <= KNOWN_UPWARD, "imports from a layer up to one above it:\n" + "\n".join(
+        f"{a} ({layer_of(a)}) imports {b} ({layer_of(b)})" for a, b in sorted(upward - KNOWN_UPWARD)
+    )
+    assert not KNOWN_UPWARD - upward, (
+        f"no longer imported, drop from KNOWN_UPWARD: {KNOWN_UPWARD - upward}"
+    )
+
+
+# An import statement of the extension (by its installed name or its loaded one), in any
+# Python source or shell script of the checkout.
+_NATIVE_IMPORT = re.compile(
+    r"\bimport\s+[^\n]*\bjax_fusedar(\.common)?\._fusedar\b"
+    r"|\bfrom\s+jax_fusedar(\.common)?\s+import\s+(\([^)]*|[^\n]*?)\b_fusedar\b"
+    r"|import_module\(\s*[\"']jax_fusedar(\.common)?\._fusedar\b"
+)
+
+
+def test_only_common_native_loads_the_extension():
+    # Loaded twice (once as jax_fusedar._fusedar by an import statement, once here), the
+    # module would initialise twice; everyone takes common.native's ext instead.
+    tracked = subprocess.run(
+        ["git", "ls-files", "*.py", "*.sh"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
+    bad = [
+        f"{name}:{text[: m.start()].count(chr(10)) + 1}: {m.group(0)}"
+        for name in tracked
+        if (REPO / name).is_file() and REPO / name != Path(__file__).resolve()
+        for text in [(REPO / name).read_text()]
+        for m in _NATIVE_IMPORT.finditer(text)
+    ]
+    assert not bad, "import the extension through jax_fusedar.common.native:\n" + "\n".join(bad)
+    assert _NATIVE_IMPORT.search("import jax_fusedar._fusedar as ext")  # the pattern finds them
+    assert _NATIVE_IMPORT.search("from jax_fusedar import _fusedar")
+    assert _NATIVE_IMPORT.search("import jax_fusedar, jax_fusedar._fusedar as ext")
+    assert _NATIVE_IMPORT.search('importlib.import_module("jax_fusedar._fusedar")')
+    assert not _NATIVE_IMPORT.search("from jax_fusedar.common import native")
 
 
 def test_the_packages_import_nothing_of_the_checkout():
