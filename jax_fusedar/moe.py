@@ -54,7 +54,7 @@ from .call_checks import (
     check_operand,
     check_workspace,
 )
-from .call_plan import CallPlan, choose_moe_kernel
+from .call_plan import plan_moe
 from .common import arguments, backend_choice, moe_limits
 from .common.patterns import AllReduceFusionPattern
 from .moe_primitive import FFI_TARGET, moe_finalize_op, moe_reduction_op  # noqa: F401
@@ -90,19 +90,26 @@ def _options(rms_eps, weight_bias, strict):
     )
 
 
-def _bind(op, operands, *, lead, hidden, workspace, axis_name, strict, **params):
-    plan = CallPlan(workspace.backend, workspace.sizes, strict, True)
-    use_kernel = choose_moe_kernel(plan, math.prod(lead), hidden, workspace.dtype.name)
+def _bind(op, operands, *, pattern, lead, hidden, workspace, axis_name, strict, **params):
+    plan, decided = plan_moe(
+        workspace,
+        pattern,
+        (*lead, hidden),
+        strict=strict,
+        allreduce_out=params.get("allreduce_out", False),
+    )
     outs = op.bind(
         *operands,
         workspace=workspace,
         axis_name=axis_name,
-        use_kernel=use_kernel,
+        use_kernel=decided.kernel,
         plan=plan,
         **params,
     )
-    outs = [o.reshape(*lead, hidden) for o in outs]
-    return MoeAllReduceFusionOutputs(outs[2] if len(outs) > 2 else None, outs[0], outs[1])
+    named = {
+        spec.name: o.reshape(*lead, hidden) for spec, o in zip(decided.outputs, outs, strict=True)
+    }
+    return MoeAllReduceFusionOutputs(**{f: named.get(f) for f in MoeAllReduceFusionOutputs._fields})
 
 
 def moe_reduction_allreduce_fusion(
@@ -170,6 +177,7 @@ def moe_reduction_allreduce_fusion(
     return _bind(
         moe_reduction_op,
         operands,
+        pattern=AllReduceFusionPattern.kMoEReductionARResidualRMSNorm,
         lead=lead,
         hidden=hidden,
         workspace=workspace,
@@ -261,6 +269,7 @@ def moe_finalize_allreduce_fusion(
     return _bind(
         moe_finalize_op,
         operands,
+        pattern=AllReduceFusionPattern.kMoEFinalizeARResidualRMSNorm,
         lead=lead,
         hidden=hidden,
         workspace=workspace,

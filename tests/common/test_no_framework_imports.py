@@ -65,6 +65,7 @@ def test_the_common_layer_is_all_there():
         "moe_limits",
         "native",
         "patterns",
+        "plan",
         "quant_layouts",
         "results",
         "sizing",
