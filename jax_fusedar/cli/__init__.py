@@ -1,3 +1,3 @@
-"""The command-line tools: ``python -m jax_fusedar {demo,bench}`` (``main``), their shared
-argument types (``argtypes``) and result reporting (``report``: progress, table, plot, JSON).
-``main``, ``argtypes`` and ``report`` import no JAX; ``demo`` and ``bench`` do."""
+"""The command-line tool ``python -m jax_fusedar demo`` (``main``) and its argument types
+(``argtypes``); ``main`` and ``argtypes`` import no JAX, ``demo`` and ``moe_demo`` do. The
+benchmarks are not here: ``benchmarks/`` of the source checkout."""

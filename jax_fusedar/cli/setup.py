@@ -1,7 +1,7 @@
-"""What the demos (dense and MoE, in one process or one process per rank) and the bench set up
-alike: the 1-D mesh over every local device, the model preset the flags pick, the check that
-the fused op supports the configuration, the workspace, the line that describes the devices
-and the backend, and ``SetupError``, which the CLI prints without a traceback."""
+"""What the demos (dense and MoE, in one process or one process per rank) set up alike: the
+1-D mesh over every local device, the model preset the flags pick, the check that the fused
+op supports the configuration, the workspace, the line that describes the devices and the
+backend, and ``SetupError``, which the CLI prints without a traceback."""
 
 from __future__ import annotations
 

@@ -139,6 +139,17 @@ def _algorithm(call: Call) -> str:
     return launch_mode.ALGORITHM_NAMES[code]
 
 
+def kernel_choice(call: Call) -> str:
+    """ "oneshot" or "twoshot": the choice between FlashInfer's own two kernels for a dense
+    call the kernel can run (FlashInfer's size heuristic, or the forced ``use_oneshot``),
+    which is what ``plan_call`` runs wherever it does not take the large-message path.
+    Passed explicitly to two builds of the kernel, it makes them run the same one (the torch
+    benchmark against FlashInfer's own build). Raises ValueError where that mode cannot run
+    the call."""
+    oneshot = launch_mode.choose_oneshot(call.tokens, call.hidden, call.sizes, call.use_oneshot)
+    return "oneshot" if oneshot else "twoshot"
+
+
 def outputs(call: Call) -> Tuple[ResultSpec, ...]:
     """The results of ``call`` in order (``results.result_specs``, ``moe_result_specs``)."""
     if is_moe(call.pattern):

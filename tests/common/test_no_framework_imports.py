@@ -26,9 +26,9 @@ from tests.repo import REPO
 COMMON_MODULES = sorted(
     f"jax_fusedar.common.{m.name}" for m in pkgutil.iter_modules(jax_fusedar.common.__path__)
 )
-# The command-line pieces the torch benchmark shares (python -m jax_fusedar's own entry point
-# must not start JAX either: it sets XLA_FLAGS before JAX reads them).
-JAX_FREE_CLI = ["jax_fusedar.cli.argtypes", "jax_fusedar.cli.report", "jax_fusedar.cli.main"]
+# python -m jax_fusedar's own entry point must not start JAX: it sets XLA_FLAGS before JAX
+# reads them. The benchmarks' shared module neither (the torch benchmark uses it).
+JAX_FREE_CLI = ["jax_fusedar.cli.argtypes", "jax_fusedar.cli.main", "benchmarks.report"]
 
 
 def _imported_after(modules):
@@ -84,7 +84,7 @@ def test_module_imports_neither_jax_nor_torch(module):
 @pytest.mark.slow
 def test_torch_compat_imports_no_jax():
     pytest.importorskip("torch")
-    roots = _imported_after(["torch_compat", "torch_compat.bench"])
+    roots = _imported_after(["torch_compat", "benchmarks.torch_bench"])
     assert "torch" in roots
     assert not roots & {"jax", "jaxlib"}
 
@@ -242,13 +242,6 @@ LAYERS = {
     "models": ("jax", "common"),
     "cli": ("models", "jax", "torch", "common"),
 }
-# Imports that still run up, each with where it goes: the torch benchmark is a module of
-# torch_compat that uses the command-line helpers until it leaves the package.
-KNOWN_UPWARD = {
-    ("torch_compat.bench", "jax_fusedar.cli.argtypes"),
-    ("torch_compat.bench", "jax_fusedar.cli.ranks"),
-    ("torch_compat.bench", "jax_fusedar.cli.report"),
-}
 
 
 def layer_of(module: str) -> str:
@@ -291,12 +284,9 @@ def test_the_layer_rule_is_read_whole():
 
 
 def test_no_import_runs_up_a_layer():
-    upward = set(_upward(_imports(_module_files())[0]))
-    assert upward <= KNOWN_UPWARD, "imports from a layer up to one above it:\n" + "\n".join(
-        f"{a} ({layer_of(a)}) imports {b} ({layer_of(b)})" for a, b in sorted(upward - KNOWN_UPWARD)
-    )
-    assert not KNOWN_UPWARD - upward, (
-        f"no longer imported, drop from KNOWN_UPWARD: {KNOWN_UPWARD - upward}"
+    upward = _upward(_imports(_module_files())[0])
+    assert not upward, "imports from a layer up to one above it:\n" + "\n".join(
+        f"{a} ({layer_of(a)}) imports {b} ({layer_of(b)})" for a, b in upward
     )
 
 
@@ -330,9 +320,63 @@ def test_only_common_native_loads_the_extension():
     assert not _NATIVE_IMPORT.search("from jax_fusedar.common import native")
 
 
+def _absolute_imports(path):
+    """(line, module) of every absolute import in ``path``, at the top or in a function."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from ((node.lineno, a.name) for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            yield from ((node.lineno, f"{node.module}.{a.name}") for a in node.names)
+
+
+# What the benchmarks may use of the product: its public API, as any user's script would.
+PUBLIC_API = {
+    "jax_fusedar",  # the names it exports (__all__); the JAX API itself is loaded lazily
+    "jax_fusedar.timing",  # device clocks (public: jax_fusedar.timing)
+    "jax_fusedar.common.plan",  # what a call runs, the one decision of both fronts
+    "jax_fusedar.common.sizing",  # workspace sizes, as FlashInfer computes them
+    "torch_compat",
+}
+
+
+def _public_use(module: str) -> bool:
+    """Whether ``module`` (``package.name`` of an import) is the public API or a name it
+    exports: ``from jax_fusedar import allreduce_fusion`` is, ``jax_fusedar.api`` is not."""
+    import jax_fusedar
+    import torch_compat  # noqa: F401 (only its __all__ is read)
+
+    if module in PUBLIC_API:
+        return True
+    package, _, name = module.rpartition(".")
+    if package == "jax_fusedar":
+        return name in jax_fusedar.__all__
+    if package == "torch_compat":
+        return name in sys.modules["torch_compat"].__all__
+    return package in PUBLIC_API and package != "jax_fusedar"
+
+
+def test_the_benchmarks_use_only_the_public_api():
+    pytest.importorskip("torch")
+    bad = [
+        f"{path.relative_to(REPO)}:{line}: {module}"
+        for path in sorted((REPO / "benchmarks").rglob("*.py"))
+        for line, module in _absolute_imports(path)
+        if module.split(".")[0] in PACKAGES
+        and not _public_use(module)
+        or module.split(".")[0] == "tools"
+        and not module.startswith("tools.flashinfer_anchor")  # the anchor they are given
+    ]
+    assert not bad, "the benchmarks use the product's internals:\n" + "\n".join(bad)
+    # The rule finds internals, and lets the public names through.
+    assert not _public_use("jax_fusedar.api") and not _public_use("jax_fusedar.cli.report")
+    assert not _public_use("torch_compat.ops") and not _public_use("jax_fusedar.common.limits")
+    assert _public_use("jax_fusedar.allreduce_fusion") and _public_use("jax_fusedar.timing")
+    assert _public_use("jax_fusedar.common.plan") and _public_use("torch_compat.moe")
+
+
 def test_the_packages_import_nothing_of_the_checkout():
-    # tools/ and tests/ are not installed: a wheel's modules must not import them (the torch
-    # bench loads the checkout's anchor loader only when present, and runs without it).
+    # tools/, tests/ and benchmarks/ are not installed: a wheel's modules must not import
+    # them (tools/wheel_check.sh checks the wheel holds none of them).
     files = _module_files()
     bad = []
     for name, path in files.items():
@@ -349,7 +393,7 @@ def test_the_packages_import_nothing_of_the_checkout():
             bad += [
                 f"{path.relative_to(REPO)}:{node.lineno}: {m}"
                 for m in modules
-                if m.split(".")[0] in ("tools", "tests")
+                if m.split(".")[0] in ("tools", "tests", "benchmarks")
             ]
     assert not bad, "\n".join(bad)
 
