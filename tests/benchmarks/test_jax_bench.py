@@ -28,26 +28,9 @@ from tests.skips import NO_NATIVE
 HOST_8 = cpu_devices.xla_flags(8)
 
 
-def run_bench(*argv, xla_flags=HOST_8, pythonpath=(), timeout=600):
+def run_bench(*argv, xla_flags=HOST_8, **kw):
     """Runs the JAX benchmark on CPU; xla_flags=None leaves XLA_FLAGS unset for the bench."""
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=os.pathsep.join(
-            [*map(str, pythonpath), str(REPO), os.environ.get("PYTHONPATH", "")]
-        ),
-    )
-    env.pop("XLA_FLAGS", None)
-    if xla_flags is not None:
-        env["XLA_FLAGS"] = xla_flags
-    return subprocess.run(
-        [sys.executable, "-m", "benchmarks.jax_bench", *map(str, argv)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return cpu_devices.run_module("benchmarks.jax_bench", *argv, xla_flags=xla_flags, **kw)
 
 
 def _refused(r, message):

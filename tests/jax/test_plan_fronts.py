@@ -24,12 +24,13 @@ import jax.numpy as jnp  # noqa: E402
 import jax_fusedar as jf  # noqa: E402
 import torch_compat  # noqa: E402
 from jax_fusedar import call_plan  # noqa: E402
-from jax_fusedar.common import native, plan as rules, sizing  # noqa: E402
+from jax_fusedar.common import native, plan as rules  # noqa: E402
 from jax_fusedar.common.patterns import MOE_PATTERNS, TRAITS  # noqa: E402
 from jax_fusedar.common.patterns import AllReduceFusionPattern as Pattern  # noqa: E402
 from torch_compat import cuda_state, moe, ops  # noqa: E402
-from torch_compat import workspace as torch_ws  # noqa: E402
 from torch_compat.tensors import refusal  # noqa: E402
+
+from tests.torch.test_torch_compat import fake_workspace  # noqa: E402
 
 from tests.jax.test_api import trace_fused  # noqa: E402
 
@@ -43,33 +44,9 @@ GROUP = 8  # a per-token-group size every hidden size above divides, valid for b
 MODES = (None, True, False)
 
 
-class _Rank:
-    """The native Rank stands-in: planning needs no device; the launch is recorded."""
-
-    def __init__(self):
-        self.launches = []
-
-    def launch(self, *args, **kw):
-        self.launches.append((args, kw))
-
-    def destroy(self):
-        pass
-
-
 def torch_workspace(world, dtype_name):
-    dtype = getattr(torch, dtype_name)
-    ws = torch_ws.TorchAllReduceFusionWorkspace(
-        native_rank=_Rank(),
-        global_ranks=list(range(world)),
-        rank=0,
-        device=0,
-        max_token_num=MAX_TOKENS,
-        hidden_dim=WS_HIDDEN,
-        dtype=dtype,
-        sizes=sizing.workspace_sizes(world, MAX_TOKENS, WS_HIDDEN, dtype_name),
-    )
-    ws.torch_device = torch.device("cpu")
-    return ws
+    """torch_compat's workspace on CPU, its native rank a fake that records the launches."""
+    return fake_workspace(world, MAX_TOKENS, WS_HIDDEN, getattr(torch, dtype_name))
 
 
 _JAX_WS = {}
