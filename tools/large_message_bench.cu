@@ -116,6 +116,26 @@ __global__ void ping_pong(unsigned int* mine, unsigned int* peer, int rounds, in
   *elapsed_ns = t1 - t0;
 }
 
+// lg::launch_rows for the variants' own argument structs: `clusters` clusters of the launch
+// shape, on `stream`.
+template <typename Kernel, typename Params, typename Args>
+cudaError_t launch_in_clusters(Kernel kernel, const lg::Shape& shape, int clusters,
+                               cudaStream_t stream, const Params& params, const Args& args) {
+  cudaLaunchConfig_t cfg{};
+  cudaLaunchAttribute attr[1];
+  cfg.gridDim = dim3(clusters * shape.cluster);
+  cfg.blockDim = dim3(shape.block);
+  cfg.dynamicSmemBytes = shape.smem;
+  cfg.stream = stream;
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = shape.cluster;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, params, args);
+}
+
 // --- Variant under study (not in the core): the reduce kernel stores its sums straight into
 // the peers' gather slots over NVLink and its last CTA raises their flags, replacing the
 // gather copy, its event hop and the signal kernel of each chunk.
@@ -223,19 +243,7 @@ cudaError_t launch_sm_gather(const fi::AllReduceFusionParams<T>& params, const l
     const int64_t rows =
         lg::chunk_row(ob, orows, sched, k + 1) - lg::chunk_row(ob, orows, sched, k);
     int clusters = int(std::max<int64_t>(1, std::min<int64_t>(rows, shape.grid_limit)));
-    cudaLaunchConfig_t cfg{};
-    cudaLaunchAttribute attr[1];
-    cfg.gridDim = dim3(clusters * shape.cluster);
-    cfg.blockDim = dim3(shape.block);
-    cfg.dynamicSmemBytes = shape.smem;
-    cfg.stream = s;
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = shape.cluster;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    err = cudaLaunchKernelEx(&cfg, sm_gather_reduce<NRanks>, params, g);
+    err = launch_in_clusters(sm_gather_reduce<NRanks>, shape, clusters, s, params, g);
     if (err != cudaSuccess) return err;
   }
   int64_t peer_rows = 0;
@@ -452,19 +460,8 @@ cudaError_t launch_ce_oneshot(const fi::AllReduceFusionParams<Tv>& params, const
     a.chunk_begin = k0;
     a.chunk_end = k1;
     const int clusters = int(std::max<int64_t>(1, std::min<int64_t>(rows, shape.grid_limit)));
-    cudaLaunchConfig_t cfg{};
-    cudaLaunchAttribute attr[1];
-    cfg.gridDim = dim3(clusters * shape.cluster);
-    cfg.blockDim = dim3(shape.block);
-    cfg.dynamicSmemBytes = shape.smem;
-    cfg.stream = s;
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = shape.cluster;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    return cudaLaunchKernelEx(&cfg, ce_oneshot_kernel<Pattern, Tv, NRanks, Fp32Acc>, params, a);
+    return launch_in_clusters(ce_oneshot_kernel<Pattern, Tv, NRanks, Fp32Acc>, shape, clusters, s,
+                              params, a);
   };
   if (persistent) {
     if ((err = launch_chunks(0, sched.chunks, max_chunk_rows)) != cudaSuccess) return err;
