@@ -9,7 +9,13 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from .common import environment as _environment
 from .common.patterns import AllReduceFusionPattern, QuantizationSFLayout  # noqa: F401 (no jax)
+from .common.sizing import workspace_bytes  # noqa: F401 (no jax)
+
+# A misspelled JAX_FUSEDAR_* variable would be ignored silently: named here, once per process
+# (torch_compat and the CLI import this package too).
+_environment.warn_unknown(stacklevel=2)
 
 _LAZY = {
     "allreduce_fusion": ("api", "allreduce_fusion"),
@@ -27,7 +33,7 @@ _LAZY = {
     "MoeAllReduceFusionOutputs": ("moe", "MoeAllReduceFusionOutputs"),
 }
 
-__all__ = ["AllReduceFusionPattern", "QuantizationSFLayout", *_LAZY]
+__all__ = ["AllReduceFusionPattern", "QuantizationSFLayout", "workspace_bytes", *_LAZY]
 
 
 # JAX is an extra (numpy is the only hard dependency), so the package itself imports

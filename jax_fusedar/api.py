@@ -24,7 +24,7 @@ from .call_checks import (
     check_concrete_shape,
     check_workspace,
 )
-from .call_plan import plan_dense
+from .call_plan import as_fallback, plan_dense
 from .common import arguments, backend_choice, limits, patterns, quant_layouts
 from .common.patterns import (
     MOE_PATTERNS,
@@ -117,6 +117,7 @@ def allreduce_fusion(
     fp32_acc: bool = True,
     block_quant_group_size: Optional[int] = None,
     strict: Optional[bool] = None,
+    fallback: str = "xla",
 ) -> AllReduceFusionOutputs:
     """All-reduce ``x`` over ``axis_name`` fused with residual add + RMSNorm.
 
@@ -135,7 +136,13 @@ def allreduce_fusion(
     ``fp32_acc``: sum the ranks in fp32 and round once (default, vLLM's choice) or round
     after every addition (FlashInfer's default). ``strict`` (default: the
     ``JAX_FUSEDAR_STRICT`` environment variable): raise instead of falling back to psum +
-    RMSNorm when the kernel cannot serve the call.
+    RMSNorm when the kernel cannot serve the call. ``fallback``: what a call the kernel does
+    not serve (CPU, the xla backend, beyond the workspace) computes: ``"xla"`` (default)
+    all-reduces x in its own dtype, as unfused code does (XLA's all-reduce, the bytes of the
+    user's psum; ``fp32_acc`` then does not apply), then the residual add and RMSNorm;
+    ``"kernel_exact"`` emulates the kernel's additions (``fp32_acc`` included) for
+    kernel-identical numbers, at 2x the bytes (``fp32_acc=True``) or 2 x world size times
+    (``False``); docs/numerics.md gives both bounds.
 
     Returns ``AllReduceFusionOutputs(allreduce_out, residual_out, norm_out, quant_out,
     scale_out)`` with None for what the pattern does not produce; x's leading dims are kept
@@ -158,6 +165,7 @@ def allreduce_fusion(
     rms_eps, weight_bias, fp32_acc, use_oneshot = arguments.fusion_options(
         rms_eps=rms_eps, weight_bias=weight_bias, fp32_acc=fp32_acc, use_oneshot=use_oneshot
     )
+    fallback = as_fallback(fallback)
     if block_quant_group_size is not None:
         block_quant_group_size = arguments.as_int("block_quant_group_size", block_quant_group_size)
     check_workspace(workspace, axis_name)
@@ -197,7 +205,7 @@ def allreduce_fusion(
     if traits.uses_scale_factor:
         operands.append(quant_arrays.check_scalar_scale(scale_factor, "scale_factor").reshape(1))
 
-    # Trace-time decision (common.plan): the kernel, or the reference with a logged reason.
+    # Trace-time decision (common.plan): the kernel, or the fallback with a logged reason.
     plan, decided = plan_dense(
         workspace,
         pattern,
@@ -207,6 +215,7 @@ def allreduce_fusion(
         strict=strict,
         layout=layout,
         group_size=group_size,
+        fallback=fallback,
     )
     outs = allreduce_fusion_op.bind(
         *operands,

@@ -1,8 +1,22 @@
 """The JAX front's side of a call's plan: it describes the call to the rules layer
 (``common.plan``, the one decision both fronts share), carries what the decision reads as a
 primitive parameter (``CallPlan``), and applies its policy to a call the kernel does not
-serve: the reference (psum + RMSNorm), logged once per kind of reason, or raised in strict
+serve: its fallback (``FALLBACKS``), logged once per kind of reason, or raised in strict
 mode.
+
+A call the kernel does not serve (every call on CPU, the xla backend, a call beyond the
+workspace or the kernel's limits, an empty call) runs its fallback, one rule for the dense
+op, the MoE ops and the plain-jit entry alike:
+
+* ``"xla"`` (the default, on every platform): what the user would have written, one
+  ``psum`` of the input in its own dtype, then the residual add and RMSNorm at the kernel's
+  rounding points (``reference.fallback_allreduce``). It moves exactly the bytes of the
+  user's psum, and its sum is XLA's all-reduce (docs/numerics.md states its bound), so a
+  site ``fuse`` rewrote runs the original program's own collective where no kernel serves it.
+* ``"kernel_exact"``: the kernel's additions emulated (``reference.allreduce_sum``): with
+  ``fp32_acc`` a float32 psum (twice the bytes of a 16-bit psum), without it one float32
+  psum per rank (2 x world size times the bytes). For kernel-identical numbers on a fallback
+  (the CPU parity and oracle tests), asked for per call.
 
 Every decision is a pure function of the plan and the call's shape, so every rank of a group
 decides alike and the kernel's spin-wait always finds its peers. The batching rules call the
@@ -37,6 +51,59 @@ class CallPlan:
     sizes: sizing.WorkspaceSizes
     strict: bool
     use_oneshot: Optional[bool]  # as requested: None picks by size
+    fallback: str = "xla"  # what a call the kernel does not serve computes (FALLBACKS)
+
+
+# What a call the kernel does not serve computes (module docstring); the first is the default.
+FALLBACKS = ("xla", "kernel_exact")
+
+
+def as_fallback(value) -> str:
+    """The ``fallback=`` option, checked (never coerced): one of ``FALLBACKS``."""
+    if isinstance(value, str) and value in FALLBACKS:
+        return value
+    raise ValueError(
+        f"fallback must be one of {FALLBACKS} ('xla': XLA's all-reduce in the input's dtype, "
+        f"as unfused code does; 'kernel_exact': the kernel's additions emulated, at up to "
+        f"2 x world size times the bytes), got {value!r}"
+    )
+
+
+def served_by_kernel(plan: CallPlan, tokens: int, hidden: int, dtype_name: str) -> bool:
+    """Whether the dense kernel serves a call of ``tokens`` rows on this plan (``common.plan``'s
+    rule; never logs or raises: the caller decides what a fallback means for it)."""
+    return (
+        plan.backend == "trtllm" and kernel_problem(tokens, hidden, dtype_name, plan.sizes) is None
+    )
+
+
+NO_KERNEL_HERE = "left as is: no kernel here"
+
+
+def fused_site_problem(
+    workspace, tokens: int, hidden: int, dtype_name: str, *, adds_collectives: bool
+) -> Optional[str]:
+    """For ``jax_fusedar.fuse``: why a site must stay as written although its fused call
+    would be exact, or None. Where the kernel does not serve the fused call (an xla-backend
+    workspace, e.g. CPU or TP across hosts), the call runs the "xla" fallback, which is the
+    original's own collective (one psum in the site's dtype): as costly as the original, and
+    the same all-reduce. A rewrite that ``adds_collectives`` around the fused call (sequence
+    parallelism gathers the residual and all-reduces every token instead of a reduce-scatter
+    and an all-gather) would cost more there than the program it replaces."""
+    plan = CallPlan(workspace.backend, workspace.sizes, False, None)
+    if not adds_collectives or served_by_kernel(plan, tokens, hidden, dtype_name):
+        return None
+    problem = kernel_problem(tokens, hidden, dtype_name, workspace.sizes)
+    why = (
+        f"the workspace is on the {workspace.backend} backend"
+        if workspace.backend != "trtllm"
+        else problem[1]
+    )
+    return (
+        f"{NO_KERNEL_HERE} ({why}): without the kernel the fused form would gather the "
+        "residual and all-reduce every token, more than the reduce-scatter and all-gather "
+        "it replaces"
+    )
 
 
 def fallback(kind: str, reason: str, strict: bool, backend: str) -> None:
@@ -99,7 +166,16 @@ def decide(plan: CallPlan, call: rules.Call) -> rules.Plan:
 
 
 def plan_dense(
-    workspace, pattern, x_shape, dtype_name: str, *, use_oneshot, strict: bool, layout, group_size
+    workspace,
+    pattern,
+    x_shape,
+    dtype_name: str,
+    *,
+    use_oneshot,
+    strict: bool,
+    layout,
+    group_size,
+    fallback: str = "xla",
 ):
     """(CallPlan, Plan) of a dense call on ``workspace`` for x of ``x_shape`` (``[...,
     hidden]``: every leading dim is a token dim), its options as ``allreduce_fusion``
@@ -109,17 +185,26 @@ def plan_dense(
         workspace.sizes,
         strict,
         None if use_oneshot is None else bool(use_oneshot),
+        fallback,
     )
     tokens, hidden = math.prod(x_shape[:-1]), x_shape[-1]
     call = describe(plan, tokens, hidden, dtype_name, pattern, layout=layout, group_size=group_size)
     return plan, decide(plan, call)
 
 
-def plan_moe(workspace, pattern, rows_shape, *, strict: bool, allreduce_out: bool = False):
+def plan_moe(
+    workspace,
+    pattern,
+    rows_shape,
+    *,
+    strict: bool,
+    allreduce_out: bool = False,
+    fallback: str = "xla",
+):
     """(CallPlan, Plan) of an MoE call on ``workspace`` whose residual rows have
     ``rows_shape`` (``[..., hidden]``); logs or raises per ``strict`` where the kernel does
     not serve it. The MoE kernels are one-shot only (use_oneshot True)."""
-    plan = CallPlan(workspace.backend, workspace.sizes, strict, True)
+    plan = CallPlan(workspace.backend, workspace.sizes, strict, True, fallback)
     tokens, hidden = math.prod(rows_shape[:-1]), rows_shape[-1]
     call = describe(
         plan, tokens, hidden, workspace.dtype.name, pattern, moe_allreduce_out=allreduce_out

@@ -22,8 +22,10 @@ with the same arguments (``abstract_workspace`` on the exporting side, which all
 nothing, describes the same key); a missing one is an FFI error naming the id and the key's
 fields. Multi-platform exports run the reference (psum + RMSNorm) on CPU. A program lowered
 for cuda from a workspace on the XLA backend of a GPU-less process would silently hold the
-reference instead of the kernel: ``export`` refuses it (plain lowering warns). Symbolic
-token counts are refused with a clear error: export one artifact per token count.
+reference instead of the kernel: ``export`` refuses it (plain lowering warns). Exporting
+needs no native module (a custom call is its target's name and attributes), so it works on
+any machine; running an artifact that calls the kernel needs it (``deserialize`` says so).
+Symbolic token counts are refused with a clear error: export one artifact per token count.
 ``row_parallel_allreduce_fusion`` exports on Explicit mesh axes (on Auto axes its
 partitioning is a Python callback, which ``export`` refuses with an explanation).
 Serializing needs the ``flatbuffers`` package (``jax.export``'s requirement).
@@ -36,6 +38,7 @@ import re
 import jax
 
 from . import moe_primitive, primitive  # noqa: F401 (their ops fill the registry)
+from .common import native
 from .ffi_op import (
     allowing_reference_for_cuda,
     export_safe_targets,
@@ -81,9 +84,23 @@ def export(fun, *, platforms=None, disabled_checks=(), **kwargs):
 def deserialize(blob) -> jax.export.Exported:
     """``jax.export.deserialize`` after registering jax_fusedar's FFI targets with XLA (the
     cuda handlers and their host twins), which a fresh process needs before it can compile
-    the artifact."""
-    register_ffi_targets()
-    return jax.export.deserialize(blob)
+    the artifact. An artifact that calls them, in a process without the native module
+    (where the handlers are compiled), raises RuntimeError saying what to install: it could
+    not be compiled there, not even on CPU, where a ``("cpu", "cuda")`` artifact's cuda
+    branch needs the handler's host twin."""
+    registered = register_ffi_targets()
+    exported = jax.export.deserialize(blob)
+    if not registered:
+        called = [t for t in export_safe_targets() if f"@{t}" in exported.mlir_module()]
+        if called:
+            try:
+                native.require()
+            except RuntimeError as e:
+                raise RuntimeError(
+                    f"jax_fusedar.export.deserialize: the artifact calls {', '.join(called)}, "
+                    f"whose handlers this process needs to compile it, but {e}"
+                ) from e
+    return exported
 
 
 def workspace_ids(exported) -> list:

@@ -4,7 +4,8 @@
 * its abstract evaluation (shapes, dtypes and the varying-manual-axes rule, ``varying`` /
   ``with_varying``),
 * its reference math (every platform, and the cuda platform when a call was not cleared for
-  the kernel at trace time),
+  the kernel at trace time), whose all-reduce is the call's fallback (``plan.fallback``:
+  ``call_plan.FALLBACKS``, ``reference.fallback_allreduce``),
 * the attributes and the in-place aliases of its custom call to the XLA FFI handler (cuda,
   when cleared for the kernel),
 * its JVP rule (by default the tangent map of the reference math) and its batching rule,
@@ -21,9 +22,11 @@ Every op binds the same machinery parameters besides its own: ``axis_name`` (a 1
 ``use_kernel`` (the trace-time decision, ``call_plan``), ``workspace_id`` and
 ``workspace_groups`` (the workspace's stable id, which the custom call carries, and its TP
 groups, which every lowering checks against the mesh being lowered) and ``plan`` (what the
-batching rule needs to decide again). The lowerings do the rest alike for every op: the mesh
-check, the reference for calls not cleared for the kernel (with the export policy below),
-and the custom call.
+batching rule needs to decide again, and the fallback the reference computes). The
+lowerings do the rest alike for every op: the mesh check, the reference for calls not cleared
+for the kernel (with the export policy below), and the custom call. The custom call needs
+only its target's name and attributes: a program is lowered (and exported) for cuda without
+the native module, which only a process that compiles the program needs.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from .call_checks import check_call_groups
+from .call_plan import FALLBACKS
 from .common import native
 
 # --- varying-manual-axes (VMA) -----------------------------------------------------------------
@@ -150,6 +154,33 @@ def register_ffi_targets() -> bool:
     return True
 
 
+def check_handlers_for_compiling(ctx, target: str) -> None:
+    """The cuda lowering of the kernel's call: raises when this process would compile the
+    program for its own GPUs without the handler (no native module), saying what to install
+    (``native.require``'s words). Lowering for export, or for cuda on a machine without a
+    cuda backend (to inspect or serialize the program), needs only the target's name and
+    attributes: no module."""
+    if native.available() or ctx.module_context.lowering_parameters.for_export:
+        return
+    try:
+        jax.devices("cuda")
+    except RuntimeError:
+        return  # no cuda backend here: nothing in this process can compile it
+    try:
+        native.require()
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"jax_fusedar: this program calls the fused kernel ({target}) and would be "
+            f"compiled here for this process's GPUs, but {e}"
+        ) from e
+
+
+def fallback_of(plan) -> str:
+    """The fallback a call computes where the kernel does not serve it (``plan.fallback``;
+    an op bound without a plan gets the default)."""
+    return getattr(plan, "fallback", FALLBACKS[0])
+
+
 # --- the ops -----------------------------------------------------------------------------------
 
 MACHINERY_PARAMS = ("use_kernel", "workspace_id", "workspace_groups", "plan")
@@ -183,7 +214,8 @@ class FfiOp:
     ``name``: the primitive's name. ``target``: the role of its handler in
     ``common.native.FFI_TARGETS``. ``public_name``: how errors name the op.
     ``abstract_eval(*avals, axis_name, **params)``: the result avals (``with_varying``).
-    ``reference(*args, axis_name, **params)``: the results in plain JAX (a list).
+    ``reference(*args, axis_name, fallback, **params)``: the results in plain JAX (a list),
+    its all-reduce ``reference.fallback_allreduce(..., fallback=fallback)``.
     ``attributes(**params)``: the custom call's attributes besides ``workspace_id`` (typed:
     np.int32, np.float32, bool). ``aliases(**params)``: {operand index: result index} updated
     in place. ``jvp(op, primals, tangents, **params)``: None for the tangent map of the
@@ -232,12 +264,11 @@ class FfiOp:
 
     def bind(self, *operands, workspace, axis_name: str, use_kernel: bool, plan, **params):
         """Binds the primitive for a call on ``workspace`` over ``axis_name``, decided at
-        trace time (``use_kernel``, ``plan``: ``call_plan``)."""
-        if use_kernel and not register_ffi_targets():
-            raise RuntimeError(
-                "the workspace uses the trtllm kernel but jax_fusedar's native "
-                "extension is not available"
-            )
+        trace time (``use_kernel``, ``plan``: ``call_plan``). Tracing needs no native module
+        (an abstract workspace exports from any machine); compiling the kernel's call does
+        (``_lower``)."""
+        if use_kernel:
+            register_ffi_targets()  # where the native module is present
         return self.primitive.bind(
             *operands,
             axis_name=(axis_name,),
@@ -265,13 +296,16 @@ class FfiOp:
     ):
         check_lowering_mesh(ctx, axis_name, workspace_groups)
         if kernel_platform and use_kernel:
+            check_handlers_for_compiling(ctx, self.target)
             rule = jax.ffi.ffi_lowering(self.target, operand_output_aliases=self.aliases(**params))
             return rule(
                 ctx, *args, workspace_id=np.int64(workspace_id), **self.attributes(**params)
             )
         if kernel_platform:
             check_reference_lowered_for_cuda(workspace_id)
-        return self._reference_lowering(ctx, *args, axis_name=axis_name, **params)
+        return self._reference_lowering(
+            ctx, *args, axis_name=axis_name, fallback=fallback_of(plan), **params
+        )
 
 
 def reference_jvp(op: FfiOp, primals, tangents, **params):
@@ -280,7 +314,7 @@ def reference_jvp(op: FfiOp, primals, tangents, **params):
     index map gets none)."""
     outs = op.primitive.bind(*primals, **params)
     floating = [i for i, x in enumerate(primals) if jnp.issubdtype(x.dtype, jnp.floating)]
-    own = op_params(params)
+    own = dict(op_params(params), fallback=fallback_of(params.get("plan")))
 
     def reference_of_floats(*values):
         args = list(primals)

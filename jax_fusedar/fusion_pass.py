@@ -15,13 +15,16 @@ plain ``jax.jit`` with shardings, the partitioner's own all-reduce after a ``dot
 (rewritten into ``row_parallel_allreduce_fusion``, which partitions itself).
 
 Exactness. A site is fused only when its equations are proven to compute RMSNorm with every
-constant and broadcast accounted for (``fusion/norm_proof.py``), the proof is confirmed in
-float64 on probe inputs of the real shapes (``fusion/validation.py``), and the fused op
-rounds where the program does: then the outputs differ only by the documented bound
-(``docs/fusion_pass.md``). Forms that round elsewhere (gamma multiplied after the rounding,
-a float32 gamma, a float32 all-reduce cast down before the add) are fused only with
-``allow_rounding_change=True``, and reported per site. Everything else is left as it is,
-with its reason.
+constant, broadcast and rounding accounted for (``fusion/norm_proof.py``), the proof is
+confirmed in float64 on probe inputs of the real shapes (``fusion/validation.py``), and the
+fused op rounds where the program does (gamma's own cast chain is replayed before the call):
+then the outputs differ only by the documented bound (``docs/fusion_pass.md``). Forms that
+round elsewhere (gamma multiplied after the rounding, a gamma that is not a value of the
+activation dtype, a float32 all-reduce cast down before the add) are fused only with
+``allow_rounding_change=True``, and reported per site. Only what the proof covers is
+rewritten: a value the rewrite replaces that is used otherwise (returned twice, copied)
+leaves the site unfused. Everything else is left as it is, with its reason; ``fuse`` does
+not raise on a program that runs.
 
 The sections of the pass live in ``jax_fusedar/fusion/`` (matching, scope walking,
 rewriting, the report, the JAX internals it uses); this module is the transform itself:
@@ -46,6 +49,34 @@ log = logging.getLogger("jax_fusedar")
 
 
 # --- the transform -------------------------------------------------------------------------------
+
+_MAX_SAME_KEY = 64  # live transforms with workspaces of one key, at most
+
+
+def _serving_problem(ws, m, world: int, mesh) -> Optional[str]:
+    """Why ``ws`` cannot serve the matched site ``m``, or None: its dtype, world size, size,
+    and (where the site's shard_map mesh is known) the devices grouped along its axis, the
+    fused op's own check (call_checks.check_call_groups)."""
+    from .call_checks import check_call_groups
+
+    if ws.dtype.name != m.dtype:
+        return f"the workspace is for {ws.dtype.name}, the site is {m.dtype}"
+    if ws.world_size != world:
+        return (
+            f"the workspace is for {ws.world_size} ranks over {ws.axis_name!r}, the site's "
+            f"all-reduce over it has {world}"
+        )
+    if not ws.is_buffer_size_sufficient(m.tokens, m.hidden):
+        return (
+            f"tokens {m.tokens} x hidden {m.hidden} > workspace max "
+            f"{ws.max_token_num} x {ws.hidden_dim}"
+        )
+    if mesh is not None:
+        try:
+            check_call_groups(mesh, ws.axis_name, [g.members for g in ws.groups])
+        except ValueError as e:
+            return str(e)
+    return None
 
 
 class FusedFunction:
@@ -81,56 +112,72 @@ class FusedFunction:
         functools.update_wrapper(self, fn, updated=())
 
     # workspaces -----------------------------------------------------------------------------
-    def workspace_for(self, m, world: int):
+    def workspace_for(self, m, world: int, mesh=None):
         """The workspace serving a matched site (created or grown as needed), or raises
-        Reject with why none can."""
+        Reject with why none can. ``world``: the size of the site's reduction axis;
+        ``mesh``: the mesh of its shard_map (None under plain jit, where the partitioned
+        entry picks the workspace of the mesh it runs on)."""
         ws = self.given_workspace
         if ws is not None:
-            if ws.dtype.name != m.dtype:
-                raise Reject(f"the workspace is for {ws.dtype.name}, the site is {m.dtype}")
-            if not ws.is_buffer_size_sufficient(m.tokens, m.hidden):
-                raise Reject(
-                    f"tokens {m.tokens} x hidden {m.hidden} > workspace max "
-                    f"{ws.max_token_num} x {ws.hidden_dim}"
-                )
+            problem = _serving_problem(ws, m, world, mesh)
+            if problem:
+                raise Reject(problem)
             return ws
         if self.max_tokens is not None and m.tokens > self.max_tokens:
             raise Reject(f"tokens {m.tokens} > max_tokens {self.max_tokens}")
         for ws in reversed(self.workspaces):
-            if (
-                not ws.destroyed
-                and ws.dtype.name == m.dtype
-                and ws.is_buffer_size_sufficient(m.tokens, m.hidden)
-            ):
+            if not ws.destroyed and _serving_problem(ws, m, world, mesh) is None:
                 return ws
-        from .workspace import create_allreduce_fusion_workspace
-
         if self.mesh.shape[self.axis_name] != world:
             raise Reject(
                 f"the shard_map's axis {self.axis_name!r} has size {world}, the "
                 f"mesh given to fuse has {self.mesh.shape[self.axis_name]}"
             )
+        # At least one token: a 0-token site is served (the op returns empty outputs), but
+        # a workspace holds one.
         want = max(
-            [m.tokens]
+            [1, m.tokens]
             + [
                 ws.max_token_num * ws.hidden_dim // m.hidden
                 for ws in self.workspaces
                 if ws.dtype.name == m.dtype
             ]
         )
-        try:
-            ws = create_allreduce_fusion_workspace(
-                self.mesh,
-                self.axis_name,
-                max_token_num=want,
-                hidden_dim=m.hidden,
-                dtype=m.dtype,
-                backend=self.backend,
-            )
-        except (ValueError, RuntimeError, MemoryError) as e:
-            raise Reject(f"cannot create a workspace: {e}") from None
+        ws = self._create(want, m)
+        problem = _serving_problem(ws, m, world, mesh)
+        if problem:  # e.g. the site's mesh groups the axis otherwise than fuse's mesh
+            ws.destroy()
+            raise Reject(problem)
         self.workspaces.append(ws)
         return ws
+
+    def _create(self, max_token_num: int, m):
+        """A new workspace. Its stable key (what compiled programs find it by) has no name
+        unless another transform's live kernel workspace holds that key: then the first
+        free of the names ``jax_fusedar.fuse.2``, ``.3``, ... (the same in every process
+        that creates them in the same order)."""
+        from .workspace import WorkspaceKeyTaken, create_allreduce_fusion_workspace
+
+        for n in range(1, _MAX_SAME_KEY + 1):
+            try:
+                return create_allreduce_fusion_workspace(
+                    self.mesh,
+                    self.axis_name,
+                    max_token_num=max_token_num,
+                    hidden_dim=m.hidden,
+                    dtype=m.dtype,
+                    backend=self.backend,
+                    name=None if n == 1 else f"jax_fusedar.fuse.{n}",
+                )
+            except WorkspaceKeyTaken:
+                continue
+            except (ValueError, RuntimeError, MemoryError) as e:
+                raise Reject(f"cannot create a workspace: {e}") from None
+        raise Reject(
+            f"cannot create a workspace: {_MAX_SAME_KEY} live kernel workspaces of this "
+            "site's shape exist in this process (close the transforms no longer used: "
+            "fused.close())"
+        )
 
     def close(self) -> None:
         """Destroys the workspaces this transform created (programs using them must not
@@ -184,17 +231,17 @@ def fuse(
     Args:
       fn: the function (its arguments: arrays or pytrees of arrays; bind static ones with
         ``functools.partial``). May itself be jitted, contain ``shard_map`` and loops, or be
-        a plain-jit model whose arguments carry shardings (run it under ``jax.set_mesh``
-        on Explicit axes).
+        a plain-jit model whose arguments carry shardings (Auto or Explicit axes).
       mesh, axis_name: where workspaces are created (the mesh ``fn`` runs on, and its
         tensor-parallel axis; ``axis_name`` may be left out for a 1-D mesh).
-      workspace: use this workspace instead (its mesh and axis); sites it cannot serve stay
-        unfused.
+      workspace: use this workspace instead (its mesh and axis); sites it cannot serve
+        (another dtype, world size or mesh grouping, too large) stay unfused.
       max_tokens: the largest site (tokens) to fuse with created workspaces.
       backend: passed to ``create_allreduce_fusion_workspace`` ("auto": the kernel on GPUs).
       allow_rounding_change: also fuse forms whose rounding differs from the fused op's
-        (gamma multiplied after the norm's rounding, a float32 gamma, a float32 all-reduce
-        cast down before the add); reported per site as ``rounding_change``.
+        (gamma multiplied after the norm's rounding, a float32 gamma or a float16 one in a
+        bfloat16 model, a float32 all-reduce cast down before the add); reported per site
+        as ``rounding_change``.
       use_oneshot, strict: passed to every ``allreduce_fusion`` call.
       log_level: level of the one-line report logged at each trace.
     Can be used as a decorator: ``@functools.partial(fuse, mesh=mesh)``.

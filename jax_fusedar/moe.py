@@ -24,7 +24,8 @@ the two ops (``ffi_op.FfiOp``) in ``moe_primitive.py``.
 Kernel or reference is decided at trace time from shapes, dtype and the workspace (as for
 ``allreduce_fusion``): the kernels run on 16-bit inputs, one-shot only (every token's row of
 every rank must fit one Lamport buffer), hidden a multiple of 256; other calls, and every
-call on CPU, run the reference lowering (logged once per kind of reason; ``strict`` raises).
+call on CPU, run the reference lowering (logged once per kind of reason; ``strict`` raises),
+whose all-reduce is the psum in the rows' dtype unless ``fallback="kernel_exact"``.
 
 Index values: concrete ``expanded_idx_to_permuted_idx`` outside ``[-1, P)`` raise. Traced
 ones cannot be checked at trace time; the op maps any such slot to -1 (dropped) before the
@@ -54,7 +55,7 @@ from .call_checks import (
     check_operand,
     check_workspace,
 )
-from .call_plan import plan_moe
+from .call_plan import as_fallback, plan_moe
 from .common import arguments, backend_choice, moe_limits
 from .common.patterns import AllReduceFusionPattern
 from .moe_primitive import FFI_TARGET, moe_finalize_op, moe_reduction_op  # noqa: F401
@@ -82,21 +83,23 @@ def _check_call_context(workspace, axis_name, dtype_name):
     )
 
 
-def _options(rms_eps, weight_bias, strict):
+def _options(rms_eps, weight_bias, strict, fallback):
     return (
         arguments.as_float32("rms_eps", rms_eps, minimum=0.0),
         arguments.as_float32("weight_bias", weight_bias),
         backend_choice.strict_mode(strict),
+        as_fallback(fallback),
     )
 
 
-def _bind(op, operands, *, pattern, lead, hidden, workspace, axis_name, strict, **params):
+def _bind(op, operands, *, pattern, lead, hidden, workspace, axis_name, strict, fallback, **params):
     plan, decided = plan_moe(
         workspace,
         pattern,
         (*lead, hidden),
         strict=strict,
         allreduce_out=params.get("allreduce_out", False),
+        fallback=fallback,
     )
     outs = op.bind(
         *operands,
@@ -125,6 +128,7 @@ def moe_reduction_allreduce_fusion(
     weight_bias: float = 0.0,
     return_allreduce_out: bool = False,
     strict: Optional[bool] = None,
+    fallback: str = "xla",
 ) -> MoeAllReduceFusionOutputs:
     """Pattern 6 (``kMoEReductionARResidualRMSNorm``) on this rank's shard, inside shard_map.
 
@@ -134,8 +138,10 @@ def moe_reduction_allreduce_fusion(
     ``rms_gamma`` [H] (x's dtype or float32, rounded to it). Returns
     ``MoeAllReduceFusionOutputs(allreduce_out, residual_out, norm_out)``, ``allreduce_out``
     (the all-reduced combine, FlashInfer's ``output=``) only with
-    ``return_allreduce_out=True``."""
-    rms_eps, weight_bias, strict = _options(rms_eps, weight_bias, strict)
+    ``return_allreduce_out=True``. ``fallback``: what a call the kernel does not serve
+    computes, as for ``allreduce_fusion`` (``"xla"``: the combine all-reduced in its dtype;
+    ``"kernel_exact"``: the kernel's rank-order additions, one float32 psum per rank)."""
+    rms_eps, weight_bias, strict, fallback = _options(rms_eps, weight_bias, strict, fallback)
     return_allreduce_out = arguments.as_bool("return_allreduce_out", return_allreduce_out)
     token_input = jnp.asarray(token_input)
     expert_outputs, expert_scales = jnp.asarray(expert_outputs), jnp.asarray(expert_scales)
@@ -183,6 +189,7 @@ def moe_reduction_allreduce_fusion(
         workspace=workspace,
         axis_name=axis_name,
         strict=strict,
+        fallback=fallback,
         rms_eps=rms_eps,
         weight_bias=weight_bias,
         allreduce_out=return_allreduce_out,
@@ -219,6 +226,7 @@ def moe_finalize_allreduce_fusion(
     rms_eps: float = 1e-6,
     weight_bias: float = 0.0,
     strict: Optional[bool] = None,
+    fallback: str = "xla",
 ) -> MoeAllReduceFusionOutputs:
     """Pattern 7 (``kMoEFinalizeARResidualRMSNorm``) on this rank's shard, inside shard_map.
 
@@ -229,8 +237,9 @@ def moe_finalize_allreduce_fusion(
     (unweighted); ``shared_expert_output`` [..., H] or None; ``routed_scaling_factor``
     multiplies the routed sum (DeepSeek-V3's 2.5); ``residual`` [..., H] (zeros when None),
     ``rms_gamma`` [H]. Returns ``MoeAllReduceFusionOutputs(None, residual_out, norm_out)``
-    with the index map's leading dims."""
-    rms_eps, weight_bias, strict = _options(rms_eps, weight_bias, strict)
+    with the index map's leading dims. ``fallback``: as for
+    ``moe_reduction_allreduce_fusion``."""
+    rms_eps, weight_bias, strict, fallback = _options(rms_eps, weight_bias, strict, fallback)
     routed_scaling_factor = arguments.as_float32("routed_scaling_factor", routed_scaling_factor)
     permuted_input = jnp.asarray(permuted_input)
     idx = jnp.asarray(expanded_idx_to_permuted_idx)
@@ -275,6 +284,7 @@ def moe_finalize_allreduce_fusion(
         workspace=workspace,
         axis_name=axis_name,
         strict=strict,
+        fallback=fallback,
         rms_eps=rms_eps,
         weight_bias=weight_bias,
         routed_scaling_factor=routed_scaling_factor,

@@ -12,9 +12,11 @@ which checks the operand lists below, in this order:
 Results: residual_out, norm_out [M, H] (+ allreduce_out for the reduction when asked). The
 residual is updated in place into residual_out, as for the dense op (each element is read
 and written by the same thread). The math and its rounding points are in
-``moe_reference.py``; the JVP is the tangent map of that math (``ffi_op.reference_jvp``);
-``jax.vmap`` folds the batch into tokens (the finalize offsets each element's indices into
-the stacked permuted rows), and a batched ``rms_gamma`` runs one call per element.
+``moe_reference.py`` (its all-reduce, where the kernel does not serve a call, is the call's
+fallback: the psum in the rows' dtype unless ``fallback="kernel_exact"``); the JVP is the
+tangent map of that math (``ffi_op.reference_jvp``); ``jax.vmap`` folds the batch into
+tokens (the finalize offsets each element's indices into the stacked permuted rows), and a
+batched ``rms_gamma`` runs one call per element.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def _abstract_eval(ops: dict, axis_name, allreduce_out: bool):
     return outs
 
 
-def _epilogue(local, ops, axis_name, rms_eps, weight_bias, allreduce_out: bool):
+def _epilogue(local, ops, axis_name, rms_eps, weight_bias, allreduce_out: bool, fallback):
     summed, residual_out, norm_out = moe_reference.moe_epilogue(
         local,
         ops["residual"],
@@ -65,6 +67,7 @@ def _epilogue(local, ops, axis_name, rms_eps, weight_bias, allreduce_out: bool):
         axis_name=axis_name[0],
         rms_eps=rms_eps,
         weight_bias=weight_bias,
+        fallback=fallback,
     )
     return [residual_out, norm_out] + ([summed] if allreduce_out else [])
 
@@ -136,12 +139,12 @@ def _reduction_abstract_eval(*avals, axis_name, allreduce_out, **_):
     return _abstract_eval(dict(zip(REDUCTION_OPERANDS, avals)), axis_name, allreduce_out)
 
 
-def _reduction_reference(*args, axis_name, rms_eps, weight_bias, allreduce_out):
+def _reduction_reference(*args, axis_name, rms_eps, weight_bias, allreduce_out, fallback):
     ops = dict(zip(REDUCTION_OPERANDS, args))
     local = moe_reference.moe_reduction_local(
         ops["expert_outputs"], ops["expert_scales"], ops["token_input"]
     )
-    return _epilogue(local, ops, axis_name, rms_eps, weight_bias, allreduce_out)
+    return _epilogue(local, ops, axis_name, rms_eps, weight_bias, allreduce_out, fallback)
 
 
 def _reduction_batch(op, args, dims, **params):
@@ -188,6 +191,7 @@ def _finalize_reference(
     routed_scaling_factor,
     has_expert_scale,
     has_shared_expert,
+    fallback,
 ):
     ops = dict(zip(finalize_operands(has_expert_scale, has_shared_expert), args))
     local = moe_reference.moe_finalize_local(
@@ -197,7 +201,7 @@ def _finalize_reference(
         shared_expert_output=ops.get("shared_expert_output"),
         routed_scaling_factor=routed_scaling_factor,
     )
-    return _epilogue(local, ops, axis_name, rms_eps, weight_bias, False)
+    return _epilogue(local, ops, axis_name, rms_eps, weight_bias, False, fallback)
 
 
 def _finalize_batch(op, args, dims, **params):

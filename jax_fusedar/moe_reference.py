@@ -21,7 +21,10 @@ pattern 7, ``kMoEFinalizeARResidualRMSNorm`` (slots k = 0..top_k-1 in order)::
 
 then, for both, -0.0 becomes +0.0 (the Lamport protocol's empty marker), the all-reduce adds
 the ranks' rows in rank order 0..N-1 rounding to T after every addition (no fp32
-accumulation), and the dense epilogue follows: ``residual_out = T(sum + residual)``,
+accumulation; emulated by ``fallback="kernel_exact"``, at 2 x world size times the bytes of
+a psum: the default fallback is the psum in T, XLA's all-reduce, as unfused code writes it,
+``reference.fallback_allreduce``), and the dense epilogue follows:
+``residual_out = T(sum + residual)``,
 ``norm_out = T(residual_out * rsqrt(mean(residual_out^2) + eps) * (weight_bias + gamma))``
 (``reference.residual_add`` and ``reference.rms_norm``). Pattern 6 can also return the
 all-reduced sum (``allreduce_out``).
@@ -114,10 +117,22 @@ def moe_finalize_local(
     return acc
 
 
-def moe_epilogue(local, residual, rms_gamma, *, axis_name, rms_eps: float, weight_bias: float):
-    """The all-reduce of the per-rank rows (rank order, rounded after every addition) and
-    the dense epilogue: returns (allreduce_out, residual_out, norm_out)."""
-    summed = reference.allreduce_sum(positive_zero(local), axis_name, fp32_acc=False)
+def moe_epilogue(
+    local,
+    residual,
+    rms_gamma,
+    *,
+    axis_name,
+    rms_eps: float,
+    weight_bias: float,
+    fallback: str = "kernel_exact",
+):
+    """The all-reduce of the per-rank rows (``reference.fallback_allreduce``; by default the
+    kernel's: rank order, rounded after every addition) and the dense epilogue: returns
+    (allreduce_out, residual_out, norm_out)."""
+    summed = reference.fallback_allreduce(
+        positive_zero(local), axis_name, fallback=fallback, fp32_acc=False
+    )
     residual_out = reference.residual_add(summed, residual)
     norm_out = reference.rms_norm(
         residual_out, rms_gamma, rms_eps=rms_eps, weight_bias=weight_bias, out_dtype=summed.dtype

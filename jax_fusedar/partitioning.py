@@ -17,8 +17,8 @@ contracts h's last dim with w's first. The op partitions itself:
   Shardy sharding rule (as TransformerEngine-JAX's ``cpp_extensions`` do). Its partition
   rule, which runs when XLA compiles the program, reads where the partitioner put ``w``'s
   contracted dimensions; each shard then runs its local contraction followed by
-  ``allreduce_fusion`` over that mesh axis (the kernel when a workspace fits, else the same
-  math in XLA: ``psum`` + residual add + RMSNorm, with the kernel's rounding points).
+  ``allreduce_fusion`` over that mesh axis (the kernel when a workspace fits, else its
+  fallback in XLA: ``psum`` in the matmul's dtype + residual add + RMSNorm).
 * **Explicit axes** (``jax.make_mesh``'s default): the shardings are part of the types, so the
   same per-shard program is placed with ``jax.shard_map`` at trace time.
 
@@ -26,9 +26,12 @@ Either way the per-shard program is exactly what a user would write inside ``sha
 (``allreduce_fusion(h_local @ w_local, ...)``), so both give the same bits as that version.
 When the contraction is not sharded, the plain math runs (one matmul, the residual add and
 the norm, no reduction); when it is sharded over several mesh axes (size-1 axes do not
-count), or no workspace serves the axis, the reference all-reduce runs (logged once;
-``strict`` raises). Outputs are sharded like ``h``'s free (token) dimensions, with the
-hidden dimension replicated (RMSNorm needs whole rows). On Auto axes the op is a
+count), or no workspace serves the axis, the fallback runs (logged once; ``strict``
+raises): by default the psum over those axes in the matmul's dtype, which is the
+all-reduce the partitioner inserts for the plain matmul, then the residual add and RMSNorm
+(``fallback="kernel_exact"``: the kernel's additions, as for ``allreduce_fusion``).
+Outputs are sharded like ``h``'s free (token) dimensions, with the hidden dimension
+replicated (RMSNorm needs whole rows). On Auto axes the op is a
 ``custom_vjp`` (custom_partitioning has no autodiff) whose backward is the plain math's
 gradient; on Explicit axes ``allreduce_fusion``'s rules apply. ``jax.export`` works on
 Explicit axes only (the Auto-axes partition rule is a Python callback, which artifacts
@@ -51,7 +54,7 @@ from jax.sharding import PartitionSpec as P
 from .common import arguments, backend_choice, limits
 from . import reference
 from .api import AllReduceFusionOutputs, allreduce_fusion
-from .call_plan import fallback
+from .call_plan import as_fallback, fallback
 from .common.patterns import AllReduceFusionPattern
 from .workspace import AllReduceFusionWorkspace
 
@@ -96,6 +99,7 @@ class _Config(NamedTuple):
     strict: Optional[bool]  # resolved by _checked_config (None: $JAX_FUSEDAR_STRICT)
     precision: object
     dims: _Contraction
+    fallback: str = "xla"  # call_plan.FALLBACKS
 
 
 def row_parallel_allreduce_fusion(
@@ -112,6 +116,7 @@ def row_parallel_allreduce_fusion(
     strict: Optional[bool] = None,
     precision=None,
     contracting_dims=None,
+    fallback: str = "xla",
 ) -> AllReduceFusionOutputs:
     """Row-parallel ``h @ w`` fused with the all-reduce, residual add and RMSNorm.
 
@@ -127,14 +132,14 @@ def row_parallel_allreduce_fusion(
     pairwise, as ``jax.lax.dot_general``'s, for any contraction (e.g. ``bhtq,hqd->btd``:
     ``((1, 3), (0, 1))``); h's other dims are token dims (in order) and w keeps exactly one
     free dim, ``n``. None: ``h [..., k] @ w [k, n]``. The other arguments are
-    ``allreduce_fusion``'s.
+    ``allreduce_fusion``'s; ``fallback`` also applies where no workspace serves the axis.
 
     Returns ``AllReduceFusionOutputs`` with ``residual_out = h @ w + residual`` and
     ``norm_out = RMSNorm(residual_out) * (weight_bias + rms_gamma)`` (other fields None).
     """
     h, w, residual, rms_gamma, dims = _checked_operands(h, w, residual, rms_gamma, contracting_dims)
     cfg = _checked_config(
-        dims, workspace, rms_eps, weight_bias, fp32_acc, use_oneshot, strict, precision
+        dims, workspace, rms_eps, weight_bias, fp32_acc, use_oneshot, strict, precision, fallback
     )
     _check_up_front(cfg, h, w, residual, rms_gamma)
     mesh = jax.typeof(h).sharding.mesh
@@ -156,7 +161,7 @@ def row_parallel_allreduce_fusion(
 
 
 def _checked_config(
-    dims, workspace, rms_eps, weight_bias, fp32_acc, use_oneshot, strict, precision
+    dims, workspace, rms_eps, weight_bias, fp32_acc, use_oneshot, strict, precision, fallback
 ) -> _Config:
     """The options, validated once, here, with ``allreduce_fusion``'s validators (never
     coerced: ``bool("false")`` is True). On Auto axes the per-shard program runs only when
@@ -176,6 +181,7 @@ def _checked_config(
         backend_choice.strict_mode(strict),
         precision,
         dims,
+        as_fallback(fallback),
     )
 
 
@@ -428,6 +434,7 @@ def _local_program(cfg: _Config, mesh, k_axes: tuple):
                 use_oneshot=cfg.use_oneshot,
                 fp32_acc=cfg.fp32_acc,
                 strict=cfg.strict,
+                fallback=cfg.fallback,
             )
             res, norm = out.residual_out, out.norm_out
         else:
@@ -444,6 +451,7 @@ def _local_program(cfg: _Config, mesh, k_axes: tuple):
                 rms_eps=cfg.rms_eps,
                 weight_bias=cfg.weight_bias,
                 fp32_acc=cfg.fp32_acc,
+                fallback=cfg.fallback,
             )
         return res.reshape(partial_sum.shape), norm.reshape(partial_sum.shape)
 
@@ -558,7 +566,12 @@ _partitioned.def_partition(
 
 def _explicit(cfg, mesh, h, w, residual, gamma):
     plan = _plan(cfg.dims, jax.typeof(h).sharding.spec, jax.typeof(w).sharding.spec)
-    args = [jax.sharding.reshard(a, s) for a, s in zip((h, w, residual, gamma), plan.in_specs)]
+    # Shardings on the operands' own mesh: a PartitionSpec alone needs a mesh set
+    # (jax.set_mesh), which a program given NamedSharding operands does not.
+    args = [
+        jax.sharding.reshard(a, NamedSharding(mesh, s))
+        for a, s in zip((h, w, residual, gamma), plan.in_specs)
+    ]
     res, norm = jax.shard_map(
         _local_program(cfg, mesh, plan.k_axes),
         mesh=mesh,

@@ -6,6 +6,9 @@ rules in ``transforms.py``.
   the call was cleared for the kernel at trace time, else the reference.
 * every other platform: the reference math (``reference.py``, ``quant_reference.py``).
 
+The reference's all-reduce is the call's fallback (``reference.fallback_allreduce``): the
+psum in x's dtype by default, the kernel's additions (``fp32_acc``) on request.
+
 Operands: x, then residual_in and rms_gamma for residual patterns, then scale_factor (float32
 [1], a runtime operand) for static FP8 / NVFP4. Results: allreduce_out, or residual_out
 [+ norm_out] [+ quant_out [+ scale_out]] (common/results.py gives their shapes;
@@ -65,6 +68,7 @@ def _reference_outputs(
     layout,
     block_quant_group_size,
     algorithm,
+    fallback,
 ):
     del algorithm  # the kernel's choice; the reference computes the same sum either way
     traits = TRAITS[AllReduceFusionPattern(pattern)]
@@ -79,6 +83,7 @@ def _reference_outputs(
         rms_eps=rms_eps,
         weight_bias=weight_bias,
         fp32_acc=fp32_acc,
+        fallback=fallback,
     )
     if traits.has_allreduce_out:
         return [ar]

@@ -1,7 +1,11 @@
 """The fused op's math in plain JAX, with the kernel's rounding points.
 
-This is the lowering on every platform without the kernel (CPU, or a call the kernel
-cannot serve) and the yardstick the GPU tests compare against. The kernel (FlashInfer's
+This is the lowering of every call the kernel does not serve (CPU, the xla backend, a call
+the kernel cannot serve) and the yardstick the GPU tests compare against. Its all-reduce is
+the call's fallback (``fallback_allreduce``, ``call_plan.FALLBACKS``): by default the psum
+the user would have written, in the input's dtype (XLA's all-reduce, no more bytes than the
+user's own); on request (``fallback="kernel_exact"``) the kernel's additions emulated
+(``allreduce_sum``). Everything after the sum is the kernel's. The kernel (FlashInfer's
 FusedOp, fp32 accumulation) computes, per token row:
 
     s   = T(sum over ranks of float(x_r))          all-reduce, rounded once to T (fp32_acc;
@@ -115,6 +119,23 @@ def allreduce_sum(x, axis_name, *, fp32_acc: bool, rounding=None):
     return acc.astype(x.dtype)
 
 
+def fallback_allreduce(x, axis_name, *, fallback: str, fp32_acc: bool, rounding=None):
+    """The all-reduce of a call the kernel does not serve (``call_plan.FALLBACKS``), the one
+    rule of the dense op, the MoE ops, their tangents and the plain-jit entry:
+
+    * ``"xla"``: ``jax.lax.psum(x)`` in x's dtype, what unfused code writes: XLA's
+      all-reduce, its bytes exactly those of the user's psum (docs/numerics.md bounds it);
+      linear, so it is its own tangent map (``rounding`` does not apply);
+    * ``"kernel_exact"``: ``allreduce_sum``, the kernel's additions (``fp32_acc``), at up to
+      2 x world size times the bytes.
+    """
+    if fallback == "xla":
+        return jax.lax.psum(x, axis_name)
+    if fallback != "kernel_exact":
+        raise ValueError(f"unknown fallback {fallback!r}")  # call_plan.as_fallback checks it
+    return allreduce_sum(x, axis_name, fp32_acc=fp32_acc, rounding=rounding)
+
+
 def allreduce_fusion_reference(
     x,
     residual,
@@ -125,9 +146,12 @@ def allreduce_fusion_reference(
     rms_eps: float,
     weight_bias: float,
     fp32_acc: bool = True,
+    fallback: str = "kernel_exact",
 ):
-    """The whole op on one shard inside shard_map: the all-reduce, then the epilogue."""
-    summed = allreduce_sum(x, axis_name, fp32_acc=fp32_acc)
+    """The whole op on one shard inside shard_map: the all-reduce (``fallback_allreduce``;
+    by default the kernel's additions, this module being the kernel's math), then the
+    epilogue."""
+    summed = fallback_allreduce(x, axis_name, fallback=fallback, fp32_acc=fp32_acc)
     return epilogue(
         summed, residual, rms_gamma, pattern=pattern, rms_eps=rms_eps, weight_bias=weight_bias
     )

@@ -6,7 +6,8 @@ from the primitive itself (the kernel on GPUs); the tangents are the tangent map
 reference math (``reference.py``), written in plain JAX and applied to the tangents only,
 so nothing of the forward is recomputed but the local RMSNorm statistics of residual_out:
 
-    ds = allreduce_sum(dx)                  psum of the fp32 tangents, rounded to T
+    ds = fallback_allreduce(dx)             psum of the tangents in T (kernel_exact: the
+                                            kernel's additions of the fp32 tangents)
     dr = T(float(ds) + float(dresidual))    the residual add's tangent
     dy = jvp of rms_norm at (residual_out, gamma) along (dr, dgamma)
 
@@ -39,7 +40,7 @@ from jax.interpreters import ad
 from . import reference
 from .call_plan import choose_path, kernel_problem
 from .common.patterns import TRAITS, AllReduceFusionPattern, QuantizationSFLayout
-from .ffi_op import varying
+from .ffi_op import fallback_of, varying
 
 
 def _is_zero(t) -> bool:
@@ -62,11 +63,17 @@ def jvp(op, primals, tangents, **params):
     out_tangents = [ad.Zero(jax.typeof(o).to_tangent_aval()) for o in outs]
     dtype = outs[0].dtype
     dx = tangents[0]
+    # The tangents' all-reduce is the call's fallback: a psum in T moves no more than the
+    # user's own tangent psum in forward mode (under grad its transpose is JAX's own).
     ds = (
         None
         if _is_zero(dx)
-        else reference.allreduce_sum(
-            dx, params["axis_name"], fp32_acc=params["fp32_acc"], rounding=reference.round_tangent
+        else reference.fallback_allreduce(
+            dx,
+            params["axis_name"],
+            fallback=fallback_of(params.get("plan")),
+            fp32_acc=params["fp32_acc"],
+            rounding=reference.round_tangent,
         )
     )
     if traits.has_allreduce_out:

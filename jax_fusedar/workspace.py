@@ -358,13 +358,18 @@ def _set_backend(ws: AllReduceFusionWorkspace, backend: str) -> None:
     ws.id = workspace_key_id(ws.key)
 
 
+class WorkspaceKeyTaken(ValueError):
+    """A live kernel workspace with the same stable key exists in this process (give the
+    second one another ``name``)."""
+
+
 def _claim_id(ws: AllReduceFusionWorkspace, allocates: bool) -> None:
     """Records ``ws`` under its id; a second live kernel workspace with the same key would
     take over the first one's registration in the XLA handler, so it is refused."""
     with _serial_lock:
         old = _by_id.get(ws.id)
         if allocates and old is not None and old._ranks and not old.destroyed:
-            raise ValueError(
+            raise WorkspaceKeyTaken(
                 f"a live workspace with the same key already exists in this process ({old!r}); "
                 "programs find their workspace by (backend, mesh axis members, max_token_num, "
                 "hidden_dim, dtype, name): pass a distinct name= to each, or destroy the "

@@ -22,6 +22,11 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "oldest: also runs on the oldest JAX and torch supported (./dev oldest)"
     )
+    config.addinivalue_line(
+        "markers",
+        "integration: jax_fusedar.fuse on models of MaxText, transformers, Flax and Equinox, "
+        "in the lane's own venv; left out unless asked for (tools/integration.sh)",
+    )
 
 
 def gpu_count() -> int:
@@ -36,6 +41,13 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if item.get_closest_marker("sweep") is not None:
                 item.add_marker(skip_sweep)
+    if "integration" not in (config.option.markexpr or ""):
+        skip_lane = pytest.mark.skip(
+            reason="the integration lane needs its own venv: run it with tools/integration.sh"
+        )
+        for item in items:
+            if item.get_closest_marker("integration") is not None:
+                item.add_marker(skip_lane)
     if gpu_count() > 0:
         return
     skip = pytest.mark.skip(

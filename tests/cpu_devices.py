@@ -12,11 +12,18 @@ HOST_DEVICES_FLAG = f"--xla_force_host_platform_device_count={HOST_DEVICES}"
 # instead of 670 s. Without fast-math (XLA's default) LLVM's optimizations keep IEEE
 # results, so what the tests compare is the same.
 FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
+# XLA may otherwise keep a bfloat16 / float16 intermediate in float32 where the program
+# rounds it (excess precision), depending on how it fuses the program. The tests compare
+# roundings bit for bit, so every rounding the program writes is kept.
+EXACT_ROUNDING_FLAG = "--xla_allow_excess_precision=false"
 
 
 def xla_flags(devices: int = HOST_DEVICES) -> str:
     """XLA_FLAGS for a CPU test process with `devices` host devices."""
-    return f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE_FLAG}"
+    return (
+        f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE_FLAG} "
+        f"{EXACT_ROUNDING_FLAG}"
+    )
 
 
 def use_host_devices() -> None:

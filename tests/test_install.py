@@ -190,6 +190,8 @@ def test_dev_test_installs_every_extra():
         "flatbuffers",
         "matplotlib",
         "tqdm",
+        "flax",
+        "equinox",
     } <= everything
 
 
@@ -225,7 +227,8 @@ def build_plan(tmp_path, gpus=None, **env_vars) -> str:
     work = tmp_path / "checkout"
     if not work.exists():
         work.mkdir()
-        for name in ("dev", "pyproject.toml"):
+        (work / "ffi" / "cmake").mkdir(parents=True)
+        for name in ("dev", "pyproject.toml", "ffi/cmake/build_plan.py"):
             (work / name).write_bytes((ROOT / name).read_bytes())
         (work / "dev").chmod(0o755)
     result = subprocess.run(
@@ -263,18 +266,18 @@ def test_dev_builds_for_the_visible_gpus_only(tmp_path):
 
 def test_dev_keeps_an_earlier_native_build_in_step(tmp_path):
     build_plan(tmp_path)  # makes the checkout
-    (tmp_path / "checkout" / "build" / "dev").mkdir(parents=True)
-    (tmp_path / "checkout" / "build" / "dev" / "build.ninja").write_text("")
-    (tmp_path / "checkout" / "jax_fusedar").mkdir()
-    (tmp_path / "checkout" / "jax_fusedar" / "_fusedar.cpython-311-x86_64-linux-gnu.so").touch()
+    (tmp_path / "checkout" / "build" / "dev" / "ffi" / "core").mkdir(parents=True)
+    (tmp_path / "checkout" / "build" / "dev" / "ffi" / "core" / "libfusedar_core.so").touch()
     plan = build_plan(tmp_path)
-    assert plan.startswith("build=1 archs_arg= why=built here before"), plan  # its archs
+    assert plan.startswith("build=1 archs_arg= why=built in this build tree before"), plan
 
 
 def test_dev_builds_the_kernels_when_asked(tmp_path):
     # CI: no GPU, every default architecture (CMake's default, or JAX_FUSEDAR_CUDA_ARCHS).
     plan = build_plan(tmp_path, JAX_FUSEDAR_BUILD_KERNELS="1")
-    assert plan.startswith("build=1 archs_arg=-UJAX_FUSEDAR_CUDA_ARCHS "), plan
+    assert plan.startswith("build=1 archs_arg=-DJAX_FUSEDAR_CUDA_ARCHS=90a;100a "), plan
+    plan = build_plan(tmp_path, JAX_FUSEDAR_BUILD_KERNELS="1", JAX_FUSEDAR_CUDA_ARCHS="100a")
+    assert plan.startswith("build=1 archs_arg=-DJAX_FUSEDAR_CUDA_ARCHS=100a "), plan
     assert build_plan(tmp_path, gpus=["9.0"], JAX_FUSEDAR_BUILD_KERNELS="off").startswith(
         "build=0 "
     )

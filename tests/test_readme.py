@@ -1,6 +1,7 @@
 """Every ```python block of README.md runs, verbatim, in order and in one namespace, in a
-fresh process with 8 CPU devices (as a reader would paste them into one interpreter); so do
-the blocks of the docs pages in ``RUN_PAGES``, each page in its own process.
+fresh process with no device count set (as a reader would paste them into one interpreter
+of a new shell: the README makes its 8 CPU devices itself); so do the blocks of the docs
+pages in ``RUN_PAGES``, each page in its own process, on 8 CPU devices.
 
 A README block whose first line starts with ``# Needs 2 GPUs`` (the README states the
 convention where it first matters) cannot run here; it still must compile, and every
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cpu_devices import xla_flags
+from tests.cpu_devices import FAST_COMPILE_FLAG, xla_flags
 from tests.repo import REPO
 from tests.skips import needs_native
 
@@ -64,14 +65,18 @@ def gpu_blocks(page=README):
     return [(n, code) for n, code in python_blocks(page) if code.startswith(GPU_MARKER)]
 
 
-def run_blocks(page, blocks):
-    """Runs the blocks in one fresh process on 8 CPU devices; returns its stdout."""
+def run_blocks(page, blocks, *, fresh_shell=False):
+    """Runs the blocks in one fresh process on CPU devices; returns its stdout. With
+    ``fresh_shell`` the process has no device count set (as in a new shell: the blocks must
+    make their devices themselves), only the CPU tests' fast-compile flag; else 8 CPU
+    devices."""
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS=xla_flags(8),
+        XLA_FLAGS=FAST_COMPILE_FLAG if fresh_shell else xla_flags(8),
         PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     )
+    env.pop("JAX_NUM_CPU_DEVICES", None)
     for var in ("JAX_FUSEDAR_STRICT", "JAX_FUSEDAR_ALLREDUCE_BACKEND"):
         env.pop(var, None)
     r = subprocess.run(
@@ -109,10 +114,10 @@ print("FACTS " + json.dumps(facts))
 
 
 @pytest.mark.slow
-def test_readme_python_blocks_run_on_8_cpu_devices():
+def test_readme_python_blocks_run_in_a_fresh_shell():
     blocks = cpu_blocks()
     assert len(blocks) >= 4, "the README lost its allreduce_fusion / fuse / jit / MoE examples"
-    out = run_blocks("README.md", blocks)
+    out = run_blocks("README.md", blocks, fresh_shell=True)
     facts = json.loads(out.split("FACTS ", 1)[1])
     # The last assignment wins: the fuse block's call (x [4, 512]), and the jit block's outputs.
     assert facts["residual_out"] == facts["norm_out"] == {"shape": [4, 512], "finite": True}
@@ -120,7 +125,9 @@ def test_readme_python_blocks_run_on_8_cpu_devices():
     assert facts["moe_norm"] == {"shape": [4, 512], "finite": True}
 
 
-# jax_api.md's export example lowers a kernel workspace for cuda: that needs the native module.
+# jax_api.md's export example serves its artifact on CPU, which compiles the cuda branch's
+# kernel call against its host twin: that needs the native module (exporting does not:
+# tests/jax/test_export.py runs the exporting side without it).
 @pytest.mark.parametrize(
     "page", [pytest.param("docs/jax_api.md", marks=needs_native), "docs/multinode.md"]
 )

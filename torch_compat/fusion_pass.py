@@ -21,18 +21,37 @@ where ``RMSNorm`` is one of
 * ``aten.rms_norm.default(r, [H], gamma, eps)`` (``F.rms_norm`` kept whole), or
 * ``aten._fused_rms_norm.default(r, [H], gamma, eps)[0]`` (what ``F.rms_norm`` becomes on
   CUDA undecomposed; its second output, rstd, must be unused), or
-* its decomposition, which is also the hand-written form (vLLM's ``forward_native``)::
+* its decomposition, which is also the hand-written form::
 
-      rf = r            or  a cast of r to float32 (aten._to_copy / prims.convert_element_type
-                                                    / aten.to)
+      rf = a cast of r to float32 (aten._to_copy / prims.convert_element_type / aten.to),
+           or r itself in a float32 graph
       v  = mean(rf ** 2 (pow 2 or rf*rf), dim=[-1], keepdim=True)
       n  = rf * rsqrt(v + eps)              (add/add_, Tensor or Scalar; mul in either order)
-      out = cast(n * gamma)  or  cast(n) * gamma  or  n * gamma   (the casts optional)
+      out = cast_T(n * gamma)               (gamma in T, or its float32 cast)
 
   The eps must be a Python number, gamma a tensor node of shape [H] with x's dtype, and the
   final ``out`` must have x's dtype.
 
-A block is rewritten only when all of these hold, otherwise it is left untouched:
+Exact or absent. By default a block is rewritten only where the fused op rounds exactly
+where the graph does: the residual add in T, the norm in float32 from that T sum, gamma
+multiplied in float32, one rounding to T at the end. On the same inputs the rewritten graph
+then gives the bits of the original wherever the fused op's float32 arithmetic is the
+graph's (the CPU stand-in of the tests; on GPUs within the kernel's own error,
+docs/numerics.md). Forms that round elsewhere are rewritten only with
+``allow_rounding_change=True``, and each such block names its change in
+``Block.rounding_change``:
+
+* ``out = cast_T(n) * gamma`` (Hugging Face's ``LlamaRMSNorm`` / ``Qwen2RMSNorm``, vLLM's
+  ``rms_norm`` native form): gamma multiplied after the norm is rounded to T;
+* ``t.float() + residual.float()`` rounded to T for the residual stream with the norm
+  computed from the unrounded float32 sum (vLLM's ``fused_add_rms_norm``): the fused op
+  normalizes the T sum (its ``residual_out`` is the graph's rounded sum, bit for bit).
+
+The bound an opted-in block keeps is in docs/torch.md. Never fused: a norm computed in T
+(the statistics not in float32), a float32 gamma, a norm without gamma.
+
+A block is rewritten only when all of these hold, otherwise it is left untouched (each
+all-reduce gets a :class:`Block` in ``report`` with the reason):
 
 * the all-reduce is a ``"sum"`` over the workspace's group (``group_name`` given to the
   pass, or, when none is, the group the name resolves to has the workspace's global ranks);
@@ -40,17 +59,15 @@ A block is rewritten only when all of these hold, otherwise it is left untouched
   result sharing dtype, and ``workspace.is_buffer_size_sufficient(world_size, M, H, dtype)``;
 * every intermediate node (the all-reduce, the wait, the norm's internals) has no user
   outside the block (``r`` itself may have any users: they get ``residual_out``).
-
-Numerics: the kernel adds in the input dtype and normalizes in float32, like the decomposed
-``F.rms_norm``; the float32-add variants (``x.float() + residual.float()``) are not matched.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import numbers
 import operator
-from typing import Any, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
@@ -135,10 +152,38 @@ def _cast_dtype(n: fx.Node):
     return None
 
 
+class _Skip(Exception):
+    """Why a block is left as written (``Block.reason``)."""
+
+
 class _Match:
-    def __init__(self, ar, wait, add, residual, gamma, eps, out, internals):
+    def __init__(self, ar, wait, add, residual, gamma, eps, out, internals, change, gone=()):
         self.ar, self.wait, self.add, self.residual = ar, wait, add, residual
         self.gamma, self.eps, self.out, self.internals = gamma, eps, out, internals
+        self.rounding_change = change
+        self.gone = list(gone)  # nodes between the all-reduce and the add (float32 form)
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """One all-reduce the pass looked at: ``where`` names its node, ``fused`` says whether
+    it was rewritten, ``reason`` why not, ``rounding_change`` what the rewrite rounds
+    differently from the graph (only with ``allow_rounding_change``; None: bit-exact)."""
+
+    where: str
+    fused: bool
+    reason: Optional[str] = None
+    rounding_change: Optional[str] = None
+
+    def line(self) -> str:
+        if not self.fused:
+            return f"{self.where}: not fused: {self.reason}"
+        change = f" (rounding change: {self.rounding_change})" if self.rounding_change else ""
+        return f"{self.where}: fused{change}"
+
+
+def _dname(dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def _match_normalize(r: fx.Node, rf: fx.Node):
@@ -175,62 +220,104 @@ def _match_normalize(r: fx.Node, rf: fx.Node):
     return None
 
 
-def _match_norm(r: fx.Node):
-    """Matches an RMSNorm of ``r``; returns (gamma, eps, out node, internal nodes) or None.
-    Internal nodes are every node of the norm but ``out`` (and ``r``)."""
-    for u in r.users:
-        if _is(u, _RMS_NORM + _FUSED_RMS_NORM):
-            args = list(u.args) + [None] * 4
-            shape, gamma, eps = (
-                args[1],
-                args[2],
-                args[3] if len(u.args) > 3 else u.kwargs.get("eps"),
-            )
-            gamma = gamma if gamma is not None else u.kwargs.get("weight")
-            if not (
-                isinstance(gamma, fx.Node)
-                and isinstance(eps, numbers.Real)
-                and list(shape or ()) == [_static_shape(r)[-1]]
-            ):
-                return None
-            if _is(u, _RMS_NORM):
-                return gamma, float(eps), u, []
-            # _fused_rms_norm: the output is its only user, getitem 0 (rstd unused).
-            users = list(u.users)
-            if len(users) == 1 and users[0].target is operator.getitem and users[0].args[1] == 0:
-                return gamma, float(eps), users[0], [u]
-            return None
-    # Decomposed form. rf: r or a float32 cast of r.
-    cands = [r] + [u for u in r.users if _is(u, _CASTS) and _cast_dtype(u) == torch.float32]
+def _gamma_root(g: Any, T) -> Any:
+    """gamma's node in T behind ``g`` (a widening cast of a T tensor keeps its value)."""
+    if _is(g, _CASTS) and _cast_dtype(g) == torch.float32 and _dtype(g.args[0]) == T:
+        return g.args[0]
+    return g
+
+
+def _match_tail(mul_n: fx.Node, T):
+    """From the float32 normalized value to the norm's output: casts and one multiplication
+    by gamma, in either order. Returns (gamma, out, nodes before out, rounding change) or
+    raises _Skip. Exact: gamma multiplied in float32, then one rounding to T (the fused op's
+    order); multiplying after a rounding to T is a rounding change."""
+    cur, nodes, gamma, rounded, change = mul_n, [], None, False, None
+    while True:
+        nxt = _only_user(cur)
+        if nxt is None:
+            break
+        if _is(nxt, _CASTS) and _cast_dtype(nxt) is not None:
+            to = _cast_dtype(nxt)
+            if to not in (T, torch.float32):
+                break
+            if to == T and _dtype(cur) == torch.float32 and T != torch.float32:
+                rounded = True
+        elif gamma is None and _is(nxt, _MUL) and isinstance(_other(nxt, cur), fx.Node):
+            g = _other(nxt, cur)
+            if _static_shape(g) is None or len(_static_shape(g)) != 1:
+                break
+            gamma = _gamma_root(g, T)
+            if rounded:
+                where = _dname(_dtype(nxt))
+                change = f"gamma multiplied in {where} after the norm is rounded to {_dname(T)}"
+        else:
+            break
+        nodes.append(cur)
+        cur = nxt
+        if gamma is not None and _dtype(cur) == T and (rounded or T == torch.float32):
+            break
+    if gamma is None:
+        raise _Skip("no gamma multiplies the normalized value (the kernel needs gamma)")
+    if _dtype(cur) != T:
+        raise _Skip(f"the norm output is not cast back to {_dname(T)}")
+    if _dtype(gamma) != T:
+        raise _Skip(f"gamma is {_dname(_dtype(gamma))} (the kernel reads gamma in {_dname(T)})")
+    return gamma, cur, nodes, change
+
+
+def _match_norm(r: fx.Node, rf_given: Optional[fx.Node], T):
+    """Matches an RMSNorm of ``r``; returns (gamma, eps, out node, internal nodes, rounding
+    change) or raises _Skip. Internal nodes are every node of the norm but ``out`` (and
+    ``r``). ``rf_given``: the float32 value the norm reads, when it is not a cast of ``r``
+    (the float32 residual add)."""
+    if rf_given is None:
+        for u in r.users:
+            if _is(u, _RMS_NORM + _FUSED_RMS_NORM):
+                args = list(u.args) + [None] * 4
+                shape, gamma = args[1], args[2]
+                eps = args[3] if len(u.args) > 3 else u.kwargs.get("eps")
+                gamma = gamma if gamma is not None else u.kwargs.get("weight")
+                if not isinstance(gamma, fx.Node):
+                    raise _Skip("the RMSNorm has no weight (the kernel needs gamma)")
+                if not isinstance(eps, numbers.Real):
+                    raise _Skip("the RMSNorm's eps is not a Python number")
+                if list(shape or ()) != [_static_shape(r)[-1]]:
+                    raise _Skip("the RMSNorm does not normalize the last axis alone")
+                if _dtype(gamma) != T:
+                    raise _Skip(
+                        f"gamma is {_dname(_dtype(gamma))} (the kernel reads gamma in {_dname(T)})"
+                    )
+                # aten.rms_norm / _fused_rms_norm: float32 math, gamma in float32, one
+                # rounding (torch's decomposition), as the fused op.
+                if _is(u, _RMS_NORM):
+                    return gamma, float(eps), u, [], None
+                # _fused_rms_norm: the output is its only user, getitem 0 (rstd unused).
+                users = list(u.users)
+                if (
+                    len(users) == 1
+                    and users[0].target is operator.getitem
+                    and users[0].args[1] == 0
+                ):
+                    return gamma, float(eps), users[0], [u], None
+                raise _Skip("the RMSNorm's rstd is used (the fused op does not return it)")
+        cands = [r] + [u for u in r.users if _is(u, _CASTS) and _cast_dtype(u) == torch.float32]
+    else:
+        cands = [rf_given]
     for rf in cands:
         found = _match_normalize(r, rf)
         if found is not None:
             break
     else:
-        return None
+        raise _Skip("no RMSNorm of the residual sum")
+    if _dtype(rf) != torch.float32:
+        raise _Skip(f"RMSNorm computed in {_dname(T)}, not float32")
     sq, mean, add_eps, rsqrt, mul_n, eps = found
-    internals = [] if rf is r else [rf]
-    internals += [sq, mean, add_eps, rsqrt, mul_n]
-    # Then: [cast] -> mul gamma -> [cast].
-    cur = mul_n
-    nxt = _only_user(cur)
-    if _is(nxt, _CASTS) and _cast_dtype(nxt) is not None:
-        internals.append(cur)
-        cur = nxt
-        nxt = _only_user(cur)
-    if not _is(nxt, _MUL):
-        return None
-    gamma = _other(nxt, cur)
-    if not isinstance(gamma, fx.Node):
-        return None
-    internals.append(cur)
-    cur = nxt
-    nxt = _only_user(cur)
-    if _is(nxt, _CASTS) and _cast_dtype(nxt) is not None:
-        internals.append(cur)
-        cur = nxt
-    internals = list(dict.fromkeys(n for n in internals if n is not cur))
-    return gamma, eps, cur, internals
+    internals = [] if rf is r or rf is rf_given else [rf]
+    internals += [sq, mean, add_eps, rsqrt]
+    gamma, out, tail, change = _match_tail(mul_n, T)
+    internals = list(dict.fromkeys(n for n in internals + tail if n is not out))
+    return gamma, eps, out, internals, change
 
 
 def _group_matches(
@@ -249,50 +336,87 @@ def _group_matches(
         return False
 
 
-def _match(ar: fx.Node, workspace, group_name: Optional[str]) -> Optional[_Match]:
+def _residual_add(wait: fx.Node, T):
+    """(add, residual, the float32 sum the norm reads or None, nodes it replaces): the
+    residual add after the all-reduce, in T (``t + residual``), or in float32
+    (``t.float() + residual.float()``, rounded to T for the residual stream: vLLM's
+    ``fused_add_rms_norm``), which the fused op's residual_out equals (a float32 sum of two T
+    values rounds to T as the T add does) but whose norm reads the unrounded sum."""
+    nxt = _only_user(wait)
+    if _is(nxt, (aten.add.Tensor,)) and nxt.kwargs.get("alpha", 1) == 1:
+        residual = _other(nxt, wait)
+        if isinstance(residual, fx.Node):
+            return nxt, residual, None, []
+    if (
+        T != torch.float32
+        and _is(nxt, _CASTS)
+        and _cast_dtype(nxt) == torch.float32
+        and _is(_only_user(nxt), (aten.add.Tensor,))
+        and _only_user(nxt).kwargs.get("alpha", 1) == 1
+    ):
+        add32 = _only_user(nxt)
+        other = _other(add32, nxt)
+        if (
+            _is(other, _CASTS)
+            and _cast_dtype(other) == torch.float32
+            and _dtype(other.args[0]) == T
+        ):
+            rounds = [u for u in add32.users if _is(u, _CASTS) and _cast_dtype(u) == T]
+            if len(rounds) == 1:
+                # In order of definition: erased in reverse, users first.
+                gone = [nxt] + ([other] if len(other.users) == 1 else []) + [add32]
+                return rounds[0], other.args[0], add32, gone
+    raise _Skip("the all-reduce is not followed by a residual add (its only use)")
+
+
+def _match(ar: fx.Node, workspace, group_name: Optional[str], allow: bool) -> _Match:
+    """The block of the all-reduce ``ar``, or raises _Skip with the reason."""
     if len(ar.args) < 3 or ar.args[1] != "sum":
-        return None
+        raise _Skip("not a sum")
     x = ar.args[0]
-    if not isinstance(x, fx.Node) or not _group_matches(ar.args[2], workspace, group_name):
-        return None
+    if not isinstance(x, fx.Node):
+        raise _Skip("the all-reduce's input is not a graph value")
+    if not _group_matches(ar.args[2], workspace, group_name):
+        raise _Skip(f"the all-reduce's group {ar.args[2]!r} is not the workspace's")
     wait = _only_user(ar)
     if not _is(wait, _WAIT) or wait.args[0] is not ar:
-        return None
-    add = _only_user(wait)
-    if not _is(add, (aten.add.Tensor,)) or add.kwargs.get("alpha", 1) != 1:
-        return None
-    residual = _other(add, wait)
-    if not isinstance(residual, fx.Node):
-        return None
+        raise _Skip("the all-reduce has other uses than its wait")
     shape = _static_shape(x)
     if shape is None or len(shape) != 2 or not _is_static(x):
-        return None
+        raise _Skip("the all-reduce's input is not a static 2-D [tokens, hidden] tensor")
     dtype = _dtype(x)
+    add, residual, rf, gone = _residual_add(wait, dtype)
     if (
         _static_shape(residual) != shape
         or _dtype(residual) != dtype
         or _static_shape(add) != shape
         or _dtype(add) != dtype
     ):
-        return None
-    norm = _match_norm(add)
-    if norm is None:
-        return None
-    gamma, eps, out, internals = norm
-    if (
-        _static_shape(gamma) != (shape[1],)
-        or _dtype(gamma) != dtype
-        or _static_shape(out) != shape
-        or _dtype(out) != dtype
-    ):
-        return None
-    block = {ar, wait, add, out, *internals}
-    for n in internals:
+        raise _Skip("the residual's or the sum's shape or dtype is not the all-reduce's")
+    gamma, eps, out, internals, change = _match_norm(add, rf, dtype)
+    changes, why = [], []
+    if rf is not None:
+        changes.append("the norm reads the residual sum rounded to " + _dname(dtype))
+        why.append(
+            "the residual added in float32 and the norm computed on the unrounded sum (the "
+            f"fused op normalizes the {_dname(dtype)} sum)"
+        )
+        internals = [n for n in internals if n not in gone]
+    if change is not None:
+        changes.append(change)
+        why.append(change + " (the fused op rounds once, after it)")
+    if changes and not allow:
+        raise _Skip("; ".join(why) + ": allow_rounding_change=True fuses it")
+    change = "; ".join(changes) or None
+    if _static_shape(gamma) != (shape[1],) or _static_shape(out) != shape or _dtype(out) != dtype:
+        raise _Skip("gamma is not [hidden] or the norm's output is not the sum's shape")
+    block = {ar, wait, add, out, *internals, *gone}
+    for n in internals + [n for n in gone if n is not add]:
         if any(u not in block for u in n.users):
-            return None
+            raise _Skip(f"{n.name}, inside the block, has a use outside it")
     if not workspace.is_buffer_size_sufficient(workspace.world_size, shape[0], shape[1], dtype):
-        return None
-    return _Match(ar, wait, add, residual, gamma, eps, out, internals)
+        raise _Skip(f"{shape[0]} x {shape[1]} {_dname(dtype)} does not fit the workspace")
+    return _Match(ar, wait, add, residual, gamma, eps, out, internals, change, gone)
 
 
 def fuse_allreduce_rmsnorm_graph(
@@ -301,28 +425,40 @@ def fuse_allreduce_rmsnorm_graph(
     *,
     group_name: Optional[str] = None,
     workspace_handle: Optional[int] = None,
+    allow_rounding_change: bool = False,
+    report: Optional[List[Block]] = None,
 ) -> int:
     """Rewrites ``graph`` in place (see the module docstring); returns the replacement
-    count. ``workspace_handle`` defaults to ``library.register_workspace(workspace)``."""
+    count. ``workspace_handle`` defaults to ``library.register_workspace(workspace)``.
+    ``allow_rounding_change``: also fuse the blocks whose rounding differs from the fused
+    op's (named in each block's ``rounding_change``; the bound is in docs/torch.md).
+    ``report``: a list that gets one :class:`Block` per all-reduce looked at."""
+    if not isinstance(allow_rounding_change, bool):
+        raise TypeError(
+            f"allow_rounding_change must be True or False, got {allow_rounding_change!r}"
+        )
     handle = (
         None if workspace_handle is None else arguments.as_int("workspace_handle", workspace_handle)
     )
     count = 0
+    blocks = []
     # Match and rewrite one block at a time: block k+1's residual is block k's r, which the
     # rewrite of block k replaces, so matches are taken on the graph as it is now.
     for ar in [n for n in graph.nodes if _is(n, _ALL_REDUCE)]:
-        m = _match(ar, workspace, group_name)
-        if m is None:
+        try:
+            m = _match(ar, workspace, group_name, allow_rounding_change)
+        except _Skip as e:
+            blocks.append(Block(ar.name, False, str(e)))
             continue
-        if handle is None:
-            handle = library.register_workspace(workspace)
         order = {n: i for i, n in enumerate(graph.nodes)}
         # The fused call goes right after the last of its inputs and the add it replaces,
         # so every user of r (residual_out) and of the norm's output comes after it.
         anchor = max((m.add, m.gamma, m.residual, m.ar.args[0]), key=order.__getitem__)
         if any(order[u] <= order[anchor] for u in m.add.users):
-            log.debug("not fusing %s: r is used before gamma is computed", m.ar)
+            blocks.append(Block(ar.name, False, "the residual sum is used before gamma exists"))
             continue
+        if handle is None:
+            handle = library.register_workspace(workspace)
         with graph.inserting_after(anchor):
             fused = graph.call_function(
                 library.ALLREDUCE_RESIDUAL_RMSNORM,
@@ -338,12 +474,23 @@ def fuse_allreduce_rmsnorm_graph(
             res_out.meta["val"], norm_out.meta["val"] = rv, nv
         m.add.replace_all_uses_with(res_out)
         m.out.replace_all_uses_with(norm_out)
-        for n in [m.out, *reversed(m.internals), m.add, m.wait, m.ar]:
+        for n in [m.out, *reversed(m.internals), m.add, *reversed(m.gone), m.wait, m.ar]:
             if not n.users:
                 graph.erase_node(n)
         count += 1
+        blocks.append(Block(ar.name, True, rounding_change=m.rounding_change))
     graph.lint()
-    log.info("fused %d all-reduce + residual + RMSNorm block(s)", count)
+    changed = sum(b.rounding_change is not None for b in blocks)
+    log.info(
+        "fused %d of %d all-reduce + residual + RMSNorm block(s)%s",
+        count,
+        len(blocks),
+        f", {changed} with a rounding change" if changed else "",
+    )
+    for b in blocks:
+        log.debug("%s", b.line())
+    if report is not None:
+        report.extend(blocks)
     return count
 
 
@@ -353,51 +500,80 @@ def fuse_allreduce_rmsnorm(
     *,
     group_name: Optional[str] = None,
     workspace_handle: Optional[int] = None,
+    allow_rounding_change: bool = False,
+    report: Optional[List[Block]] = None,
 ) -> int:
     """:func:`fuse_allreduce_rmsnorm_graph` on a GraphModule, recompiling it when changed."""
     count = fuse_allreduce_rmsnorm_graph(
-        gm.graph, workspace, group_name=group_name, workspace_handle=workspace_handle
+        gm.graph,
+        workspace,
+        group_name=group_name,
+        workspace_handle=workspace_handle,
+        allow_rounding_change=allow_rounding_change,
+        report=report,
     )
     if count:
         gm.recompile()
     return count
 
 
-try:
-    from torch._inductor.custom_graph_pass import CustomGraphPass as _Base
-except Exception:  # noqa: BLE001 - older torch
-    _Base = object
+def _register_as_inductor_pass(cls):
+    """Makes ``cls`` a virtual subclass of inductor's CustomGraphPass (an ABC), which
+    inductor needs to cache a graph compiled with it. Done on first use, not at import:
+    ``torch._inductor`` takes longer to import than torch itself, and eager users of
+    torch_compat never need it."""
+    try:
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+    except ImportError:  # a torch without it: inductor calls the pass all the same
+        return
+    if not issubclass(cls, CustomGraphPass):
+        CustomGraphPass.register(cls)
 
 
-class AllReduceFusionPass(_Base):
+class AllReduceFusionPass:
     """The pass as an inductor custom post-grad pass (``torch._inductor.config.
-    post_grad_custom_pre_pass``); see :func:`install`. ``count`` sums the replacements."""
+    post_grad_custom_pre_pass``); see :func:`install`. ``count`` sums the replacements,
+    ``blocks`` lists every block looked at (:class:`Block`)."""
 
     def __init__(
-        self, workspace: TorchAllReduceFusionWorkspace, *, group_name: Optional[str] = None
+        self,
+        workspace: TorchAllReduceFusionWorkspace,
+        *,
+        group_name: Optional[str] = None,
+        allow_rounding_change: bool = False,
     ):
+        if not isinstance(allow_rounding_change, bool):
+            raise TypeError(
+                f"allow_rounding_change must be True or False, got {allow_rounding_change!r}"
+            )
+        _register_as_inductor_pass(type(self))
         self.workspace = workspace
         self.group_name = group_name
+        self.allow_rounding_change = allow_rounding_change
         self.handle = library.register_workspace(workspace)
         self.count = 0
+        self.blocks: List[Block] = []
 
     def __call__(self, graph: Union[fx.Graph, fx.GraphModule]) -> None:
+        kw = dict(
+            group_name=self.group_name,
+            workspace_handle=self.handle,
+            allow_rounding_change=self.allow_rounding_change,
+            report=self.blocks,
+        )
         if isinstance(graph, fx.GraphModule):
-            self.count += fuse_allreduce_rmsnorm(
-                graph, self.workspace, group_name=self.group_name, workspace_handle=self.handle
-            )
+            self.count += fuse_allreduce_rmsnorm(graph, self.workspace, **kw)
         else:
-            self.count += fuse_allreduce_rmsnorm_graph(
-                graph, self.workspace, group_name=self.group_name, workspace_handle=self.handle
-            )
+            self.count += fuse_allreduce_rmsnorm_graph(graph, self.workspace, **kw)
 
     def uuid(self) -> Any:
         # Part of inductor's cache key: the pass's code version and what it bakes in.
         ws = self.workspace
         return (
-            "torch_compat.AllReduceFusionPass/1",
+            "torch_compat.AllReduceFusionPass/2",
             self.handle,
             self.group_name,
+            self.allow_rounding_change,
             ws.world_size,
             tuple(ws.global_ranks),
             ws.max_token_num,
@@ -407,7 +583,10 @@ class AllReduceFusionPass(_Base):
 
 
 def install(
-    workspace: TorchAllReduceFusionWorkspace, *, group_name: Optional[str] = None
+    workspace: TorchAllReduceFusionWorkspace,
+    *,
+    group_name: Optional[str] = None,
+    allow_rounding_change: bool = False,
 ) -> AllReduceFusionPass:
     """Sets ``torch._inductor.config.post_grad_custom_pre_pass`` to the fusion pass for
     ``workspace`` (replacing any pass there) and returns it. Use
@@ -415,6 +594,8 @@ def install(
     a scoped install instead."""
     import torch._inductor.config as cfg
 
-    p = AllReduceFusionPass(workspace, group_name=group_name)
+    p = AllReduceFusionPass(
+        workspace, group_name=group_name, allow_rounding_change=allow_rounding_change
+    )
     cfg.post_grad_custom_pre_pass = p
     return p

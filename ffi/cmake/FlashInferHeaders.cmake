@@ -58,6 +58,7 @@ function(_fusedar_find_flashinfer_include out_var)
                           "found ${version}")
         endif()
         set(${out_var} "${dir}" PARENT_SCOPE)
+        set(${out_var}_VERSION "${version}" PARENT_SCOPE)
         return()
       endif()
     endif()
@@ -199,6 +200,14 @@ function(fusedar_prepare_flashinfer_headers out_include_dir out_unhooked_include
   set(name trtllm_allreduce_fusion)  # named in _fusedar_patch's errors
   _fusedar_find_flashinfer_include(src)
   message(STATUS "jax_fusedar: FlashInfer headers from ${src}")
+  # Their version, for the build record (ffi/core/CMakeLists.txt): the installed
+  # distribution's, or the VERSION marker tools/fetch_flashinfer_headers.py leaves next to
+  # the include folder it fills (vendored or fetched); else unknown (FLASHINFER_INCLUDE_DIR).
+  if(NOT src_VERSION AND EXISTS "${src}/../VERSION")
+    file(STRINGS "${src}/../VERSION" src_VERSION LIMIT_COUNT 1)
+  endif()
+  set(FUSEDAR_FLASHINFER_HEADERS_DIR "${src}" PARENT_SCOPE)
+  set(FUSEDAR_FLASHINFER_HEADERS_VERSION "${src_VERSION}" PARENT_SCOPE)
   set(dst "${CMAKE_BINARY_DIR}/flashinfer_patched")
   set(dst_unhooked "${CMAKE_BINARY_DIR}/flashinfer_unhooked")
   set(header "${src}/flashinfer/comm/trtllm_allreduce_fusion.cuh")

@@ -144,10 +144,21 @@ class Rank {
   void finalize() { check(fusedar_rank_finalize(get())); }
   void destroy() {
     if (r_ == nullptr) return;
+    // The failure record lives in memory fusedar_rank_destroy frees: its text is kept, so
+    // that failure() still reads it (jax_fusedar/common/lost_traps.py watches it) while the
+    // destroy below waits on a stream that a lost trap never lets finish.
+    failure_at_destroy_ = failure();
     fusedar::xla::unregister_rank(r_);
     fusedar_rank* r = r_;
     r_ = nullptr;
-    check(fusedar_rank_destroy(r));
+    int rc = FUSEDAR_OK;
+    {
+      // cudaDeviceSynchronize waits for the kernels in flight: without the GIL, as the
+      // launches, so that other threads (the lost-trap watcher among them) run meanwhile.
+      nb::gil_scoped_release release;
+      rc = fusedar_rank_destroy(r);
+    }
+    check(rc);  // the core's last error is per thread: this thread's
   }
   bool alive() const { return r_ != nullptr; }
   int device() const { return fusedar_rank_device(get()); }
@@ -172,8 +183,9 @@ class Rank {
   }
   void set_timeout(double timeout_s) { check(fusedar_rank_set_timeout(get(), timeout_s)); }
   // "" unless a wait of this rank timed out or a call-check handshake failed; readable
-  // after the trap.
+  // after the trap, and after destroy() (the text it had then).
   std::string failure() const {
+    if (r_ == nullptr) return failure_at_destroy_;
     std::vector<char> buf(2048);
     check(fusedar_rank_failure(get(), buf.data(), buf.size()));
     return std::string(buf.data());
@@ -276,6 +288,7 @@ class Rank {
     }
   }
   fusedar_rank* r_ = nullptr;
+  std::string failure_at_destroy_;
 };
 
 template <typename T>

@@ -1,3 +1,5 @@
-"""The command-line tool ``python -m jax_fusedar demo`` (``main``) and its argument types
-(``argtypes``); ``main`` and ``argtypes`` import no JAX, ``demo`` and ``moe_demo`` do. The
-benchmarks are not here: ``benchmarks/`` of the source checkout."""
+"""The command-line tools: ``python -m jax_fusedar {demo,doctor}`` (``main``) and their
+argument types (``argtypes``). ``main``, ``argtypes``, ``demo_args`` (the demo's flags),
+``ranks`` (the TP plan) and ``doctor`` (the environment report) import no JAX, so that the
+device count is settled before JAX starts; ``demo`` and ``moe_demo`` do. The benchmarks are
+not here: ``benchmarks/`` of the source checkout."""

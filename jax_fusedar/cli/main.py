@@ -1,36 +1,38 @@
-"""``python -m jax_fusedar demo``: see ``--help``. (``bench`` says where the benchmarks are:
-``benchmarks/`` of the source checkout, not part of the package.)
+"""``python -m jax_fusedar {demo,doctor}``: see ``--help``. (``bench`` says where the
+benchmarks are: ``benchmarks/`` of the source checkout, not part of the package.)
 
-This module imports no JAX: without GPUs it first splits the host into 8 virtual CPU devices
-(the fused op needs 2, 4, 8 or 16 ranks), which XLA reads only when JAX starts.
+This module imports no JAX before it has settled the devices: without GPUs it splits the
+host into as many virtual CPU devices as the TP group has ranks (the fused op needs 2, 4, 8
+or 16; the demo's ``--tp``, default 8), which JAX reads only when it creates its backends.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-from ..common import native
 from . import argtypes
 from .argtypes import DTYPES, check_out_dir
+from .ranks import HOST_DEVICE_COUNT_FLAG
 
 BACKENDS = ("auto", "trtllm", "xla")
-HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
 
 DESCRIPTION = """\
-FlashInfer's fused all-reduce + residual add + RMSNorm for JAX: the demo.
+FlashInfer's fused all-reduce + residual add + RMSNorm for JAX: the demo, and a report
+of this machine.
 
   demo   run a tensor-parallel Llama decoder written in plain JAX (no jax_fusedar call)
          as written and through jax_fusedar.fuse (which replaces its psum + residual add +
          RMSNorm with the fused op); print the sites fused, tokens/s, greedy tokens and the
          logits error; exit 1 if they disagree beyond a stated tolerance.
+  doctor print versions, the native build, GPUs and their links, the backend 'auto' would
+         pick and the JAX_FUSEDAR_* variables set: one screen for a bug report.
 
-Without GPUs it runs on 8 virtual CPU devices through the XLA reference path, not the
-kernel (XLA_FLAGS=%s is set automatically
-when XLA_FLAGS is unset). The benchmarks of the fused op are in the source checkout:
-%s.
-""" % (HOST_DEVICES_FLAG, "python -m benchmarks.jax_bench, python -m benchmarks.torch_bench")
+Without GPUs the demo runs on virtual CPU devices through the XLA reference path, not the
+kernel: as many as its --tp (default 8), made by the CLI itself, whatever XLA_FLAGS says (a
+count set there with %s=N is the default). The benchmarks of the fused op are in the source
+checkout: %s.
+""" % (HOST_DEVICE_COUNT_FLAG, "python -m benchmarks.jax_bench, python -m benchmarks.torch_bench")
 
 # What `python -m jax_fusedar bench` answers: the benchmarks are the checkout's, not
 # the package's.
@@ -49,7 +51,7 @@ def build_parser():
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,doctor}")
     fmt = argparse.ArgumentDefaultsHelpFormatter
 
     demo = sub.add_parser(
@@ -63,7 +65,7 @@ def build_parser():
         "and decode tokens/s, greedy tokens and the logits error. --bench "
         "times decode steps and prefills instead.",
     )
-    from .demo import add_arguments  # the demo owns its flags
+    from .demo_args import add_arguments  # the demo's flags (no JAX: parsed before it starts)
 
     add_arguments(
         demo,
@@ -77,13 +79,31 @@ def build_parser():
 
     ranks.add_arguments(demo)
 
-    return parser, {"demo": demo}
+    doctor = sub.add_parser(
+        "doctor",
+        help="versions, the native build, GPUs and their links, the backend 'auto' would "
+        "pick, the JAX_FUSEDAR_* variables: one screen for a bug report",
+        description="Print one screen about this machine for a bug report: the versions "
+        "of jax, jaxlib, torch, CUDA and the FlashInfer headers, the native build and its "
+        "CUDA architectures, the GPUs with their peer access and NVLink / PCIe links, the "
+        "backend 'auto' would pick for TP 2, 4 and 8, and the JAX_FUSEDAR_* variables set. "
+        "Needs no GPU, no torch, no JAX and no native build.",
+    )
+    return parser, {"demo": demo, "doctor": doctor}
 
 
-def _ensure_host_devices() -> None:
-    # Only when XLA_FLAGS is unset: the user's own flags win. gpu_count() imports no JAX.
-    if native.gpu_count() == 0 and "XLA_FLAGS" not in os.environ:
-        os.environ["XLA_FLAGS"] = HOST_DEVICES_FLAG
+def settle_devices(plan) -> None:
+    """Makes this process see exactly the devices of ``plan`` (ranks.single_process_config:
+    on CPUs that many virtual devices, with whatever else the user's XLA_FLAGS set). Called
+    before any JAX computation: JAX reads these when it creates its backends."""
+    from . import ranks
+
+    updates = ranks.single_process_config(plan)
+    if updates:
+        import jax
+
+        for name, value in updates.items():
+            jax.config.update(name, value)
 
 
 def _environment_problem(argv) -> "str | None":
@@ -99,11 +119,16 @@ def _environment_problem(argv) -> "str | None":
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["doctor"]:  # reports bad variables itself, and needs no JAX
+        build_parser()[0].parse_args(argv)  # --help, or an unknown flag
+        from .doctor import main as doctor
+
+        return doctor(argv[1:])
     problem = _environment_problem(argv)
     if problem:
         print(f"python -m jax_fusedar: error: {problem}", file=sys.stderr)
         return 2
-    if argv and argv[0] == "bench":
+    if argv[:1] == ["bench"]:
         print(f"python -m jax_fusedar bench: {BENCH_MOVED}", file=sys.stderr)
         return 2
     # Every other command (and its parser: the demo's flags live with the demo) needs JAX,
@@ -133,8 +158,8 @@ def main(argv=None) -> int:
     code = ranks.dispatch(args, argv, commands[args.command])
     if code is not None:
         return code
-    _ensure_host_devices()
-    # Imported here, after XLA_FLAGS is settled, because they import JAX.
+    settle_devices(args.plan)
+    # Imported here, after the devices are settled, because they import JAX.
     from .setup import SetupError
 
     if args.moe:

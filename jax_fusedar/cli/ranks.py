@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -50,6 +51,10 @@ NO_MULTICAST = {
 GRACE_S = 45.0
 STOP_WAIT_S = 10.0  # SIGTERM, then SIGKILL after this; then give up on the process
 RESULT_FILE = "rank{}.json"
+# The XLA flag that splits the host into virtual CPU devices. A count set there is the demo's
+# default TP size on CPUs; without one the demo runs DEFAULT_CPU_WORLD ranks.
+HOST_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+DEFAULT_CPU_WORLD = 8
 
 
 def shared_gpu_timing(gpus: int, world: int) -> str:
@@ -81,8 +86,9 @@ def add_arguments(parser) -> None:
         type=_tp,
         default=None,
         help="tensor-parallel size: 2, 4, 8 or 16 (default: every GPU; 2 on "
-        "a one-GPU machine; the 8 virtual devices on CPUs). With fewer GPUs "
-        "than ranks, one process per rank shares the GPUs",
+        "a one-GPU machine; on CPUs the device count in XLA_FLAGS, else 8: the "
+        "CLI makes that many virtual CPU devices). With fewer GPUs than ranks, "
+        "one process per rank shares the GPUs",
     )
     parser.add_argument(
         "--processes",
@@ -116,12 +122,25 @@ class Plan:
         return rank % self.gpus if self.gpus else 0
 
 
-def plan(tp: Optional[int], processes: str, gpus: int) -> Plan:
+def plan(tp: Optional[int], processes: str, gpus: int, host_devices: Optional[int] = None) -> Plan:
     """The TP size and process layout for ``--tp``/``--processes`` on a machine with ``gpus``
-    GPUs: every GPU by default (2 ranks on one GPU, 8 virtual devices on CPUs); one process
-    per rank when the GPUs are fewer than the ranks (or when asked). ValueError names the
-    flag when a layout cannot run."""
-    world = tp if tp is not None else (gpus if gpus >= 2 else 2 if gpus == 1 else 8)
+    GPUs: every GPU by default (2 ranks on one GPU); on CPUs the count the user's XLA_FLAGS
+    sets (``host_devices``), else ``DEFAULT_CPU_WORLD`` virtual devices; one process per
+    rank when the GPUs are fewer than the ranks (or when asked). ValueError names the flag
+    when a layout cannot run."""
+    if tp is not None:
+        world = tp
+    elif gpus:
+        world = gpus if gpus >= 2 else 2
+    else:
+        world = DEFAULT_CPU_WORLD if host_devices is None else host_devices
+        problem = limits.kernel_support_problem(world, 16, "bfloat16")
+        if problem:
+            raise ValueError(
+                f"XLA_FLAGS sets {HOST_DEVICE_COUNT_FLAG}={world}, which the demo takes as "
+                f"its TP size on CPUs: {problem}; pass --tp 2, 4, 8 or 16 (the demo then "
+                f"makes that many CPU devices itself, whatever XLA_FLAGS says)"
+            )
     fewer = 0 < gpus < world
     if processes == "one" and fewer:
         raise ValueError(
@@ -132,18 +151,35 @@ def plan(tp: Optional[int], processes: str, gpus: int) -> Plan:
     return Plan(world=world, gpus=gpus, per_rank=processes == "per-rank" or fewer)
 
 
-def single_process_env(p: Plan, tp_given: bool, env) -> dict:
-    """Environment updates that make one process see exactly the TP group's devices when
-    ``--tp`` asked for fewer than the machine has (JAX reads them when it starts)."""
-    if not tp_given or p.per_rank:
+def host_devices(env) -> Optional[int]:
+    """The CPU device count that ``XLA_FLAGS`` in ``env`` sets, or None (the last occurrence
+    counts, as when XLA parses the flags)."""
+    found = re.findall(rf"{HOST_DEVICE_COUNT_FLAG}=(\d+)(?!\S)", env.get("XLA_FLAGS", ""))
+    return int(found[-1]) if found else None
+
+
+def jax_sees_gpus(env) -> bool:
+    """Whether JAX may start a GPU backend: not when ``JAX_PLATFORMS`` lists no GPU platform
+    (``JAX_PLATFORMS=cpu`` on a GPU machine runs the demo on CPU devices)."""
+    platforms = [p.strip() for p in env.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    return not platforms or any(p in ("cuda", "gpu", "rocm") for p in platforms)
+
+
+def single_process_config(p: Plan) -> dict:
+    """The JAX configuration (``jax.config.update`` names and values) that makes one process
+    see exactly the TP group's devices: on CPUs ``p.world`` virtual devices, whatever the
+    user's XLA_FLAGS say (``jax_num_cpu_devices`` takes precedence over
+    ``--xla_force_host_platform_device_count``); on a machine with more GPUs than ranks the
+    first ``p.world``. JAX reads both only when it creates its backends, so set through
+    ``jax.config`` before anything runs they hold even where JAX was imported earlier (its
+    environment variables, ``JAX_NUM_CPU_DEVICES`` included, are read at import)."""
+    if p.per_rank:
         return {}
-    if p.gpus:
-        return (
-            {}
-            if p.gpus == p.world
-            else {"JAX_CUDA_VISIBLE_DEVICES": ",".join(map(str, range(p.world)))}
-        )
-    return {"JAX_NUM_CPU_DEVICES": str(p.world)}
+    if not p.gpus:
+        return {"jax_num_cpu_devices": p.world}
+    if p.gpus > p.world:
+        return {"jax_cuda_visible_devices": ",".join(map(str, range(p.world)))}
+    return {}
 
 
 def rank_env(p: Plan, env) -> dict:
@@ -283,18 +319,19 @@ def launch(
 
 def dispatch(args, argv, parser, gpus: Optional[int] = None) -> Optional[int]:
     """The CLI's step before JAX starts: a demo whose ranks need processes of their own is
-    run here (its exit code is returned); else the environment is set so that the one
-    process sees the TP group's devices, and None says: go on in this process."""
+    run here (its exit code is returned); else ``args.plan`` says which devices the one
+    process sets up (``single_process_config``; ``args.tp`` becomes its TP size), and None
+    says: go on in this process."""
     if gpus is None:
         from ..common import native
 
-        gpus = native.gpu_count()
+        gpus = native.gpu_count() if jax_sees_gpus(os.environ) else 0
     try:
-        p = plan(args.tp, args.processes, gpus)
+        p = plan(args.tp, args.processes, gpus, host_devices(os.environ))
     except ValueError as e:
         parser.error(str(e))
     if not p.per_rank:
-        os.environ.update(single_process_env(p, args.tp is not None, os.environ))
+        args.tp, args.plan = p.world, p
         return None
     if args.bench:
         why = (

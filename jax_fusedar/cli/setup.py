@@ -31,10 +31,20 @@ def require_fuse_jax() -> None:
         raise SetupError(str(e)) from None
 
 
-def tp_mesh():
-    """A 1-D mesh over every local device, axis "tp"."""
+def tp_mesh(world=None):
+    """A 1-D mesh, axis "tp", over the first ``world`` devices (default: every device). Fewer
+    devices than ``world`` is a SetupError: a TP group never runs at another size than asked
+    (the CLI makes the devices first, main.settle_devices; this says why where it could not,
+    e.g. JAX already started in this process)."""
     devices = jax.devices()
-    return jax.make_mesh((len(devices),), (AXIS,), devices=devices)
+    world = len(devices) if world is None else world
+    if len(devices) < world:
+        d = devices[0]
+        raise SetupError(
+            f"--tp {world} needs {world} devices and this process has {len(devices)} "
+            f"({d.device_kind}, platform {d.platform}): {world} > {len(devices)}"
+        )
+    return jax.make_mesh((world,), (AXIS,), devices=devices[:world])
 
 
 def check_supported(world: int, hiddens, dtype: str) -> None:
@@ -106,14 +116,22 @@ def open_workspace(mesh, *, max_token_num: int, hidden_dim: int, dtype, backend:
         raise SetupError(str(e)) from None
 
 
-def describe_devices(world: int, backend: str) -> str:
+def describe_devices(world: int, backend: str, plan=None) -> str:
+    """The devices line of every demo. ``plan`` (cli/ranks.py's Plan) for a
+    demo run as one process per rank: where its ranks share GPUs the line says so ("2 ranks
+    on 1 x NVIDIA H200"), since ``jax.devices()`` there lists one device per rank."""
     d = jax.devices()[0]
     path = (
         "FlashInfer kernel"
         if backend == "trtllm"
         else "XLA reference path (psum + RMSNorm), not the kernel"
     )
-    return (
-        f"devices: {world} x {d.device_kind} (platform {d.platform}), world size {world}, "
-        f"backend {backend}: {path}"
-    )
+    if plan is not None and plan.shared_gpus:
+        gpus = plan.gpus
+        where = (
+            f"{world} ranks on {gpus} x {d.device_kind} (platform {d.platform}; the ranks "
+            f"share {'it' if gpus == 1 else f'them, rank r on GPU r % {gpus}'})"
+        )
+    else:
+        where = f"{world} x {d.device_kind} (platform {d.platform})"
+    return f"devices: {where}, world size {world}, backend {backend}: {path}"

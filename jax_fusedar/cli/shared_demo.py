@@ -19,6 +19,7 @@ Rank 0 prints the report; every rank returns its greedy tokens, which the launch
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import jax
@@ -27,9 +28,18 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .compare import MOE_SITE_FORMULA, compare_greedy, moe_kernel_roundings, moe_tolerance, near_tie
-from .demo import LAYER_MODES
+from .demo import progress
+from .demo_args import LAYER_MODES
 from .ranks import Plan, shared_gpu_timing
-from .setup import AXIS, SetupError, llama_preset, moe_preset, open_workspace, require_fuse_jax
+from .setup import (
+    AXIS,
+    SetupError,
+    describe_devices,
+    llama_preset,
+    moe_preset,
+    open_workspace,
+    require_fuse_jax,
+)
 
 # Ranks sharing a GPU take turns on it, so a deep model only makes the check slower: the
 # preset's layers are cut to this many there unless --layers says otherwise.
@@ -53,6 +63,12 @@ def reference_tolerance(dtype: str, world: int, sites: int) -> float:
     logits, plus one rounding of the norm output."""
     eps = float(jnp.finfo(dtype).eps)
     return eps + sites * (eps + math.sqrt(world) * eps / 2)
+
+
+def _phase(rank: int, what: str):
+    """Rank 0's line of progress for a phase (cli/demo.py's ``progress``); the other ranks
+    keep their logs to errors."""
+    return progress(what) if rank == 0 else contextlib.nullcontext()
 
 
 def _barrier(name: str) -> None:
@@ -198,15 +214,7 @@ def _run_dense(args, p, rank, mesh, world, say, where, layers_note):
         dtype=dtype,
         backend=args.backend,
     ) as ws:
-        kernel = (
-            "FlashInfer kernel"
-            if ws.backend == "trtllm"
-            else "XLA reference path (psum + RMSNorm), not the kernel"
-        )
-        say(
-            f"devices: {world} x {jax.devices()[0].device_kind} (platform "
-            f"{jax.devices()[0].platform}), world size {world}, backend {ws.backend}: {kernel}"
-        )
+        say(describe_devices(world, ws.backend, p))
         for mode in _modes(args):
             fwd = llama.make_forward(
                 cfg, mesh, AXIS, scan=mode == "scan", norm=norm, vocab_parallel=False
@@ -221,9 +229,11 @@ def _run_dense(args, p, rank, mesh, world, say, where, layers_note):
             for what, rep in reports.items():
                 _require_fused(rep, p, f"{what} ({mode})")
             prog = jax.jit(fused)
-            *_, decode = _greedy(prog, prog, params, prompt, cache, args.steps)
-            _barrier(f"compiled_{mode}")
-            fused_out[mode] = (decode(), reports)
+            with _phase(rank, f"compiling the fused prefill and decode programs (layers {mode})"):
+                *_, decode = _greedy(prog, prog, params, prompt, cache, args.steps)
+                _barrier(f"compiled_{mode}")
+            with _phase(rank, f"running the fused programs on every rank (layers {mode})"):
+                fused_out[mode] = (decode(), reports)
             del params, cache
     tokens = {mode: out[0][0].tolist() for mode, out in fused_out.items()}
     if rank != 0:
@@ -241,7 +251,10 @@ def _run_dense(args, p, rank, mesh, world, say, where, layers_note):
         params1 = llama.arrange(ref, mesh1, AXIS, scan=mode == "scan")
         cache1 = llama.init_cache(cfg, mesh1, AXIS, dtype, args.batch, length)
         prog1 = jax.jit(fwd1)
-        toks_r, logs_r = llama.greedy_decode(prog1, prog1, params1, prompt1, *cache1, args.steps)
+        with _phase(rank, f"compiling and running the reference on rank 0 (layers {mode})"):
+            toks_r, logs_r = llama.greedy_decode(
+                prog1, prog1, params1, prompt1, *cache1, args.steps
+            )
         sites = reports["decode"]
         n_sites = sum(s.runs for s in sites.sites)
         say()
@@ -305,10 +318,7 @@ def _run_moe(args, p, rank, mesh, world, say, where, layers_note):
         dtype=dtype,
         backend=args.backend,
     ) as ws:
-        say(
-            f"devices: {world} x {jax.devices()[0].device_kind} (platform "
-            f"{jax.devices()[0].platform}), world size {world}, backend {ws.backend}"
-        )
+        say(describe_devices(world, ws.backend, p))
         fwd = moe_llama.make_forward(
             cfg, mesh, AXIS, mlp=moe_llama.fused_moe_mlp(cfg, ws), vocab_parallel=False
         )
@@ -317,10 +327,12 @@ def _run_moe(args, p, rank, mesh, world, say, where, layers_note):
         report = fused.analyze(params, prompt[:, :1], *cache, jnp.int32(args.prompt))
         _require_fused(report, p, "decode")
         prog = jax.jit(fused)
-        pre, _, decode = _greedy(prog, prog, params, prompt, cache, args.steps)
-        kernel_calls = pre.as_text().count("jax_fusedar_moe_allreduce_fusion_v1")
-        _barrier("compiled_moe")
-        toks_f, logs_f = decode()
+        with _phase(rank, "compiling the fused prefill and decode programs"):
+            pre, _, decode = _greedy(prog, prog, params, prompt, cache, args.steps)
+            kernel_calls = pre.as_text().count("jax_fusedar_moe_allreduce_fusion_v1")
+            _barrier("compiled_moe")
+        with _phase(rank, "running the fused programs on every rank"):
+            toks_f, logs_f = decode()
     tokens = {"moe": toks_f[0].tolist()}
     if rank != 0:
         return tokens, True
@@ -330,7 +342,8 @@ def _run_moe(args, p, rank, mesh, world, say, where, layers_note):
     prog1 = jax.jit(moe_llama.make_forward(cfg, mesh1, AXIS, mlp=moe_llama.plain_moe_mlp(cfg)))
     cache1 = llama.init_cache(base, mesh1, AXIS, dtype, args.batch, length)
     prompt1 = jax.device_put(prompt_np, dev)
-    toks_r, logs_r = llama.greedy_decode(prog1, prog1, params1, prompt1, *cache1, args.steps)
+    with _phase(rank, "compiling and running the reference on rank 0"):
+        toks_r, logs_r = llama.greedy_decode(prog1, prog1, params1, prompt1, *cache1, args.steps)
     say(f"decode: {report.line()}")
     say(
         f"MoE combine sites through the fused op: {base.layers} per step (kernel custom calls "

@@ -1,7 +1,8 @@
 """What every workspace does alike, JAX's (``jax_fusedar.workspace``) or torch's
 (``torch_compat.workspace``): it is destroyed once (idempotently), works as a context manager,
-names itself in one repr format and answers the size question by FlashInfer's element-count
-rule. Framework-neutral (never imports jax or torch).
+names itself in one repr format, which shows its device memory per rank
+(``bytes_per_rank``, ``sizing.workspace_bytes``), and answers the size question by
+FlashInfer's element-count rule. Framework-neutral (never imports jax or torch).
 """
 
 from __future__ import annotations
@@ -18,7 +19,14 @@ class WorkspaceLifecycle:
 
     sizes: sizing.WorkspaceSizes
     check_calls: bool = False
+    backend: str = "trtllm"  # the JAX workspace's may be "xla" (XLA's collectives)
     _destroyed: bool = False
+
+    @property
+    def bytes_per_rank(self) -> int:
+        """Device memory each rank of this workspace holds (``sizing.workspace_bytes``); 0 on
+        the "xla" backend, which runs XLA's collectives and allocates nothing."""
+        return self.sizes.per_rank_bytes if self.backend == "trtllm" else 0
 
     @property
     def destroyed(self) -> bool:
@@ -53,7 +61,9 @@ class WorkspaceLifecycle:
         flags = (["check_calls"] if self.check_calls else []) + (
             ["destroyed"] if self._destroyed else []
         )
-        return f"{type(self).__name__}({', '.join(self._repr_fields() + flags)})"
+        n = self.bytes_per_rank
+        size = [f"bytes_per_rank={n}" + (f" ({sizing.format_bytes(n)})" if n else "")]
+        return f"{type(self).__name__}({', '.join(self._repr_fields() + size + flags)})"
 
     def buffer_problem(self, num_tokens: int, hidden_dim: int) -> Optional[str]:
         """Why ``num_tokens x hidden_dim`` elements do not fit the workspace, or None:

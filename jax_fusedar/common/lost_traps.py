@@ -17,7 +17,10 @@ record is set, the process has ``GRACE_S`` seconds for the trap to reach its CUD
 still healthy after that, the trap was lost: the record is printed to stderr and the process
 ends with ``EXIT_CODE``, a detected failure ending in bounded time instead of a hang. A
 process that got its error carries on as before (its context is already unusable: restart
-it).
+it). The record's text is kept from the pass that first saw it: a rank destroyed after that
+(its destroy then waits on the same stream) is still ended with it. The end happens whatever
+stderr is (closed, None in a detached process, a broken pipe): writing the record is best
+effort, the exit is not.
 
 Framework-neutral: the JAX and torch workspaces register their ranks here.
 """
@@ -35,7 +38,8 @@ POLL_S = 0.5
 EXIT_CODE = 70  # EX_SOFTWARE
 
 _lock = threading.Lock()
-_watched: list = []  # [weakref to rank, device, first time its record was seen or None]
+# [weakref to rank, device, first time its record was seen or None, the record's text then]
+_watched: list = []
 _thread = None
 
 
@@ -46,17 +50,23 @@ def watch(rank, device: int) -> None:
     global _thread
     ref = weakref.ref(rank)
     with _lock:
-        _watched.append([ref, int(device), None])
+        _watched.append([ref, int(device), None, ""])
         if _thread is None:
             _thread = threading.Thread(target=_loop, name="jax_fusedar-lost-traps", daemon=True)
             _thread.start()
 
 
 def _record(rank) -> str:
+    if rank is None:
+        return ""
     try:
         return rank.failure()
-    except Exception:  # noqa: BLE001 - destroyed: nothing left to watch
+    except Exception:  # noqa: BLE001 - destroyed: nothing left to read
         return ""
+
+
+def _alive(rank) -> bool:
+    return rank is not None and bool(getattr(rank, "alive", True))
 
 
 def context_failed(device: int, native_module=None) -> bool:
@@ -81,15 +91,16 @@ def check_once(now: float, *, probe=context_failed, end=None) -> None:
     with _lock:
         entries = list(_watched)
     for entry in entries:
-        ref, device, seen = entry
+        ref, device, seen, kept = entry
         rank = ref()
-        text = _record(rank) if rank is not None else ""
-        if rank is None or (not text and seen is None):
-            if rank is None:
-                _forget(entry)
+        # A record seen before outlives its rank: destroyed, it reads "" (or raises).
+        text = _record(rank) or kept
+        if not text:
+            if not _alive(rank):
+                _forget(entry)  # gone before any record: nothing to watch
             continue
         if seen is None:
-            entry[2] = now
+            entry[2], entry[3] = now, text
             continue
         if now - seen < GRACE_S:
             continue
@@ -106,27 +117,50 @@ def _forget(entry) -> None:
 
 
 def _end(text: str, device: int) -> None:
+    """Prints the record and the reason, then ends the process with EXIT_CODE: the exit
+    happens whatever the writing does (a closed or missing stderr, a broken pipe), so that
+    the watcher's loop never retries an end forever."""
     try:
-        import ctypes
+        try:
+            import ctypes
 
-        ctypes.CDLL(None).fflush(None)  # device printf output still buffered in C stdio
-    except Exception:  # noqa: BLE001 - best effort
+            ctypes.CDLL(None).fflush(None)  # device printf output still buffered in C stdio
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+        _write_stderr(
+            f"{text}\njax_fusedar: the kernel trapped on this failure {GRACE_S:.0f} s ago, but "
+            f"the GPU driver has not reported the trap to this process (CUDA device {device} "
+            f"still looks healthy, so its synchronization would wait forever; seen when ranks "
+            f"sharing a GPU trap at the same moment). Ending the process with exit code "
+            f"{EXIT_CODE}.\n"
+        )
+    finally:
+        os._exit(EXIT_CODE)
+
+
+def _write_stderr(message: str) -> None:
+    """Best effort: sys.stderr, else (None, closed, a broken pipe) file descriptor 2, else
+    nothing."""
+    try:
+        sys.stderr.write(message)
+        sys.stderr.flush()
+        return
+    except Exception:  # noqa: BLE001 - None, closed, BrokenPipeError, ...
         pass
-    sys.stderr.write(
-        f"{text}\njax_fusedar: the kernel trapped on this failure {GRACE_S:.0f} s ago, but "
-        f"the GPU driver has not reported the trap to this process (CUDA device {device} "
-        f"still looks healthy, so its synchronization would wait forever; seen when ranks "
-        f"sharing a GPU trap at the same moment). Ending the process with exit code "
-        f"{EXIT_CODE}.\n"
-    )
-    sys.stderr.flush()
-    os._exit(EXIT_CODE)
+    try:
+        data = message.encode("utf-8", "replace")
+        while data:
+            data = data[os.write(2, data) :]
+    except Exception:  # noqa: BLE001 - descriptor 2 closed or its pipe broken too
+        pass
 
 
 def _loop() -> None:
     while True:
         time.sleep(POLL_S)
         try:
-            check_once(time.monotonic())
+            # Looked up at each pass (not bound as defaults) so that a test process can
+            # stand in for the CUDA probe.
+            check_once(time.monotonic(), probe=context_failed, end=_end)
         except Exception:  # noqa: BLE001 - the watcher must never take the process down
             pass

@@ -83,6 +83,13 @@ def available() -> bool:
     return ext is not None
 
 
+def unavailable_reason() -> Optional[str]:
+    """Why the extension did not load (the import error's first line), or None."""
+    if ext is not None:
+        return None
+    return str(_IMPORT_ERROR).splitlines()[0] if _IMPORT_ERROR else "not built"
+
+
 def require():
     """Returns the extension module or raises a RuntimeError explaining how to get it."""
     if ext is None:

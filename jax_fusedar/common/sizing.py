@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from .limits import check_world_size, element_size, positive_int
 
 # The Lamport stride is stored in an int32 word of the control block (word [3]), so one
@@ -99,3 +101,37 @@ def buffer_fits(num_tokens: int, hidden_dim: int, sizes: WorkspaceSizes) -> bool
     serves any (tokens, hidden) with no more elements (AR.py L755-760). The kernel itself knows
     nothing of the workspace size: a call that does not fit writes past the peers' buffers."""
     return num_tokens * hidden_dim <= sizes.max_token_num * sizes.hidden_dim
+
+
+def dtype_name(dtype) -> str:
+    """The name of ``dtype`` as this layer reads dtypes ("bfloat16"): a name, a numpy or JAX
+    dtype (``jnp.bfloat16``), or a torch dtype (``torch.bfloat16``, told apart by its type's
+    package, since this layer imports no framework)."""
+    if isinstance(dtype, str):
+        return dtype
+    if type(dtype).__module__.partition(".")[0] == "torch":
+        return str(dtype).rpartition(".")[2]  # "torch.bfloat16"
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return repr(dtype)  # element_size names it as unsupported
+
+
+def workspace_bytes(world_size: int, max_token_num: int, hidden_dim: int, dtype) -> int:
+    """Device memory one rank's workspace takes, in bytes, for a TP group of ``world_size``
+    serving calls of up to ``max_token_num`` x ``hidden_dim`` elements of ``dtype`` (a name,
+    a numpy/JAX dtype or a torch dtype): the three peer-mapped buffers (two-shot, barrier
+    flags, Lamport) and the control block, as FlashInfer sizes them. The same for the JAX
+    workspace (``jax_fusedar.workspace_bytes``) and torch's (``torch_compat.workspace_bytes``);
+    their repr shows it (``bytes_per_rank``). It grows with world_size x max_token_num x
+    hidden_dim: 8192 x 8192 bf16 at TP 8 is 4 GiB per rank."""
+    return workspace_sizes(world_size, max_token_num, hidden_dim, dtype_name(dtype)).per_rank_bytes
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes for people: "4.00 GiB", "12.0 MiB", "512 B"."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            value = n / size
+            return f"{value:.2f} {unit}" if value < 10 else f"{value:.1f} {unit}"
+    return f"{n} B"

@@ -10,6 +10,7 @@ import math
 from typing import Any, Optional
 
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from . import graph as G
 from . import norm_proof, validation
@@ -69,8 +70,12 @@ class Match:
     gather_norm: Any = None  # SP with the norm on the shard: the gathered norm var
     # plain jit: the matmul
     dot: Any = None
-    # shard_map boundary: (shard_map eqn index, output index)
+    # shard_map boundary: (shard_map eqn index, output index, reduction's index in the body),
+    # the body's output that carried the sum (it becomes residual_out), and the body's own
+    # var of the residual when the same shard_map returns it
     boundary: Optional[tuple] = None
+    body_out: Any = None
+    residual_body: Any = None
     workspace: Any = None
     world: Optional[int] = None
 
@@ -222,6 +227,34 @@ def reduction_source(g: G.Graph, i: int, scope: Scope, axis: str) -> Source:
     return src
 
 
+def _sum_cast_down(src: Source, to: str, allow: bool) -> None:
+    """An all-reduce in float32 cast to ``to`` before the residual add: the fused op sums
+    ``to`` partials (each rank's float32 partial rounded first), a declared rounding change
+    wherever the cast sits (in the scope, or on either side of a shard_map's boundary)."""
+    if src.kind == R.REDUCE_SCATTER:
+        raise Reject(f"psum_scatter in float32, cast to {to} before the add")
+    changes = []
+    norm_proof.RoundingChange(
+        f"all-reduce in float32, cast to {to} before the residual add: the fused op sums "
+        f"{to} partials (pass allow_rounding_change=True to fuse it)",
+        f"each rank's float32 partial sum rounded to {to} before the sum",
+    ).declare(allow, changes)
+    src.rounding_change = changes[0]
+
+
+def _f32_cast_user(g: G.Graph, d):
+    """The eqn index casting the float32 sum ``d`` (its only use) to a 16-bit dtype, or
+    None."""
+    if G.dtype(d) != "float32":
+        return None
+    u = g.only_user(d)
+    if u is None or G.name(g.eqns[u]) != G.CAST:
+        return None
+    if np.dtype(g.eqns[u].params["new_dtype"]).name not in ("bfloat16", "float16"):
+        return None
+    return u
+
+
 def _after_cast(g: G.Graph, src: Source, allow: bool) -> None:
     """(e): an all-reduce in float32 cast to a 16-bit dtype before the add; the fused op
     sums the partials in that dtype (each rank's partial rounded first)."""
@@ -242,23 +275,28 @@ def _after_cast(g: G.Graph, src: Source, allow: bool) -> None:
                 f"{t} before the residual add)"
             )
         return
-    to = np.dtype(g.eqns[u].params["new_dtype"]).name
-    if to not in ("bfloat16", "float16"):
+    if _f32_cast_user(g, d) is None:
         return
-    if src.kind == R.REDUCE_SCATTER:
-        raise Reject(f"psum_scatter in float32, cast to {to} before the add")
-    if not allow:
-        raise Reject(
-            f"all-reduce in float32, cast to {to} before the residual add: the fused "
-            f"op sums {to} partials (pass allow_rounding_change=True to fuse it)"
-        )
+    _sum_cast_down(src, G.dtype(g.eqns[u].outvars[0]), allow)
     src.eqns.add(u)
     src.out = g.eqns[u].outvars[0]
-    src.rounding_change = f"each rank's float32 partial sum rounded to {to} before the sum"
+
+
+def _through_no_ops(g: G.Graph, d):
+    """(var, eqn indices): ``d`` followed through value-preserving eqns that are its only
+    use (the ``pvary`` JAX puts before adding a varying residual under check_vma, a copy)."""
+    via = []
+    while True:
+        u = g.only_user(d)
+        if u is None or G.name(g.eqns[u]) not in G.NO_OPS or len(g.eqns[u].invars) != 1:
+            return d, via
+        via.append(u)
+        d = g.eqns[u].outvars[0]
 
 
 def _not_followed_by_add(g: G.Graph, d) -> str:
     """The reason for an all-reduce whose sum is not (only) added to a residual."""
+    d, _ = _through_no_ops(g, d)
     us = g.users(d)
     if not us and d not in g.outs:
         return "the all-reduce's result is unused"
@@ -281,10 +319,13 @@ def _not_followed_by_add(g: G.Graph, d) -> str:
 
 
 def _residual_add(g: G.Graph, d):
-    """(add eqn index, residual atom) of the add consuming the sum ``d``, or raises."""
+    """(add eqn index, residual atom, value-preserving eqns on the way) of the add consuming
+    the sum ``d``, or raises."""
+    d0 = d
+    d, via = _through_no_ops(g, d)
     u = g.only_user(d)
     if u is None or G.name(g.eqns[u]) != "add":
-        raise Reject(_not_followed_by_add(g, d))
+        raise Reject(_not_followed_by_add(g, d0))
     add = g.eqns[u]
     residual = G.other_operand(add, d)
     if residual is None:
@@ -298,19 +339,22 @@ def _residual_add(g: G.Graph, d):
         raise Reject(
             f"the residual's shape {G.shape(residual)} differs from the sum's {G.shape(d)}"
         )
-    return u, residual
+    return u, residual, set(via)
 
 
-def _finish(g: G.Graph, m: Match, inputs) -> Match:
-    """Emission point, what is skipped, and the checks every kind shares."""
+def written_vars(m: Match) -> set:
+    """The vars of the scope the emitted call writes."""
+    norm = m.norm
+    out = {norm.out_var, norm.quant_var, norm.scale_out_var, m.r, m.r_full, m.gather_norm}
+    return out - {None}
+
+
+def _finish(g: G.Graph, m: Match, inputs, exempt=()) -> Match:
+    """Emission point, what is skipped, and the checks every kind shares (``exempt``: eqns
+    whose other outputs the emitter writes itself: a shard_map rewritten whole)."""
     norm = m.norm
     validation.check(g, norm, m.r if m.r_full is None else m.r_full)
-    outs = {norm.out_var, norm.quant_var, norm.scale_out_var} - {None}
-    written = outs | {m.r}
-    if m.r_full is not None:
-        written.add(m.r_full)
-    if m.gather_norm is not None:
-        written.add(m.gather_norm)
+    written = written_vars(m)
     skip = set(m.skip)
     for v in written:
         i = g.defs.get(v)
@@ -324,6 +368,8 @@ def _finish(g: G.Graph, m: Match, inputs) -> Match:
             raise Reject("a result of the site is used before gamma is computed")
     for i in skip:
         if i >= at:
+            continue
+        if i in exempt:
             continue
         for v in g.eqns[i].outvars:
             if v in written:
@@ -345,9 +391,10 @@ def match_reduction(g: G.Graph, i: int, scope: Scope, axis: str, allow: bool) ->
         raise Reject(f"all-reduce of {T}")
     if len(G.shape(d)) < 1 or G.shape(d)[-1] == 0:
         raise Reject(f"all-reduce of shape {G.shape(d)}")
-    add_i, residual = _residual_add(g, d)
+    _require_concrete(d)
+    add_i, residual, via = _residual_add(g, d)
     r = g.eqns[add_i].outvars[0]
-    skip = set(src.eqns) | {add_i}
+    skip = set(src.eqns) | {add_i} | via
     if src.kind == R.REDUCE_SCATTER:
         return _match_sequence_parallel(g, src, add_i, residual, r, skip, allow)
     norm = norm_proof.prove_rms_norm(g, r, allow)
@@ -367,6 +414,12 @@ def match_reduction(g: G.Graph, i: int, scope: Scope, axis: str, allow: bool) ->
         rounding_change=src.rounding_change,
     )
     return _finish(g, m, [src.x, residual, norm.gamma, norm.scale])
+
+
+def _require_concrete(v) -> None:
+    problem = norm_proof.concrete_problem(G.shape(v))
+    if problem:
+        raise Reject(problem)
 
 
 def _gather_of(g: G.Graph, v, axis: str, dim: int):
@@ -445,30 +498,82 @@ def _match_sequence_parallel(g, src, add_i, residual, r_shard, skip, allow):
 # --- across a shard_map boundary (per-linear shard_map) --------------------------------------
 
 
-def body_source(sm_eqn, k: int, scope_inner: Scope, axis: str):
-    """(body graph, source eqn index, Source) when the shard_map's output k is a psum (or a
-    custom-rule psum) over ``axis`` inside its body, else raises."""
+_BODY_GRAPHS: dict = {}  # id(body jaxpr) -> (body, its Graph): one Graph per body per pass
+
+
+def _body_graph(sm_eqn):
     body = G.open_jaxpr(sm_eqn.params["jaxpr"])
-    bg = G.Graph(body)
+    hit = _BODY_GRAPHS.get(id(body))
+    if hit is None or hit[0] is not body:
+        if len(_BODY_GRAPHS) > 256:
+            _BODY_GRAPHS.clear()
+        hit = _BODY_GRAPHS[id(body)] = (body, G.Graph(body))
+    return hit
+
+
+def body_psum(sm_eqn, k: int):
+    """(body, body graph, reduction eqn index, chain) when the shard_map's output k is an
+    all-reduce (a psum, or a custom-rule psum) inside its body, through value-preserving
+    eqns and at most one cast of a float32 sum to 16 bits; ``chain``: the body eqns from the
+    reduction's output to output k, in order. None when output k is something else."""
+    body, bg = _body_graph(sm_eqn)
     v = body.outvars[k]
+    chain = []
+    cast = False
     while True:
         i, e = bg.eqn(v)
         if e is None:
-            raise Reject("the shard_map output is not an all-reduce")
-        if G.name(e) in G.NO_OPS:
+            return None
+        n = G.name(e)
+        if n in G.NO_OPS and len(e.invars) == 1:
+            chain.append(i)
+            v = e.invars[0]
+            continue
+        if (
+            n == G.CAST
+            and not cast
+            and G.dtype(e.invars[0]) == "float32"
+            and G.dtype(v) in ("bfloat16", "float16")
+        ):
+            cast = True
+            chain.append(i)
             v = e.invars[0]
             continue
         break
     if G.name(e) not in G.PSUMS and not custom_psum(e):
+        return None
+    return body, bg, i, chain[::-1]
+
+
+def body_source(sm_eqn, k: int, scope_inner: Scope, axis: str):
+    """(body graph, source eqn index, Source) when the shard_map's output k is an all-reduce
+    over ``axis`` inside its body, else raises."""
+    found = body_psum(sm_eqn, k)
+    if found is None:
         raise Reject("the shard_map output is not an all-reduce")
-    src = reduction_source(bg, i, scope_inner, axis)
-    if G.dtype(src.out) != G.dtype(sm_eqn.outvars[k]):
-        raise Reject("an all-reduce in float32 returned by the shard_map")
-    # The sum must have no other use inside the body.
-    uses = bg.users(src.out)
-    if len(uses) > 0 and not all(G.name(bg.eqns[u]) in G.NO_OPS for u in uses):
-        raise Reject("the shard_map's all-reduce has other uses inside it")
-    return bg, i, src
+    _, bg, i, _ = found
+    return bg, i, reduction_source(bg, i, scope_inner, axis)
+
+
+def _other_uses_in_body(body, bg, i, chain, k) -> Optional[str]:
+    """Why the all-reduce's value has other uses than leaving as output k (returned twice,
+    copied, read inside the body), or None: the rewrite turns output k into residual_out,
+    so any other use would read residual_out instead of the sum."""
+    values = [bg.eqns[i].outvars[0]] + [bg.eqns[c].outvars[0] for c in chain]
+    others = sorted({kk for kk, v in enumerate(body.outvars) if any(v is w for w in values)} - {k})
+    if others or sum(v is values[-1] for v in body.outvars) > 1:
+        outs = ", ".join(str(x) for x in sorted(set(others) | {k}))
+        return (
+            "the all-reduce's result has other uses besides the residual add (the "
+            f"shard_map returns it as outputs {outs})"
+        )
+    inner = [u for v in values for u in bg.users(v) if u not in chain]
+    if inner:
+        return (
+            "the all-reduce's result has other uses besides the residual add (inside the "
+            f"shard_map: {G.name(bg.eqns[inner[0]])})"
+        )
+    return None
 
 
 def _spec_axes(entry):
@@ -480,20 +585,59 @@ def _spec_axes(entry):
 def match_boundary(
     g: G.Graph, j: int, k: int, scope: Scope, axis: str, allow: bool, inner: Scope
 ) -> Match:
-    """shard_map output k (a psum over ``axis`` inside) -> residual add -> RMSNorm outside."""
+    """shard_map output k (a psum over ``axis`` inside) -> residual add -> RMSNorm outside.
+    Once the add is found, every refusal is ``late``: it is the reason of the body's psum."""
     sm = g.eqns[j]
+    found = body_psum(sm, k)
+    if found is None:
+        raise Reject("the shard_map output is not an all-reduce")
     d = sm.outvars[k]
-    bg, pi, src = body_source(sm, k, inner, axis)
-    spec = tuple(sm.params["out_specs"][k])
+    cast = _f32_cast_user(g, d)  # a float32 sum cast down after the shard_map
+    add_i, residual, via = _residual_add(g, d if cast is None else g.eqns[cast].outvars[0])
+    try:
+        return _boundary_site(g, j, k, scope, axis, allow, inner, found, cast, add_i, residual, via)
+    except Reject as why:
+        raise Reject(str(why), late=True) from None
+
+
+def _boundary_site(g, j, k, scope, axis, allow, inner, found, cast, add_i, residual, via):
+    """match_boundary once the residual add is found."""
+    sm = g.eqns[j]
+    body, bg, pi, chain = found
+    src = reduction_source(bg, pi, inner, axis)
+    out_specs = sm.params["out_specs"]
+    spec = tuple(out_specs[k])
     named = [a for entry in spec for a in _spec_axes(entry)]
     if axis in named:
         raise Reject(f"the shard_map returns its all-reduce sharded over {axis!r}")
+    d = sm.outvars[k]
     if len(spec) >= len(G.shape(d)) and spec[len(G.shape(d)) - 1] is not None:
         raise Reject("the shard_map returns its all-reduce sharded along the hidden axis")
+    skip = {j, add_i} | via
+    # A float32 sum cast down, inside the body or after the shard_map.
+    if any(G.name(bg.eqns[c]) == G.CAST for c in chain):
+        _sum_cast_down(src, G.dtype(d), allow)
+    elif cast is not None:
+        d = g.eqns[cast].outvars[0]
+        _sum_cast_down(src, G.dtype(d), allow)
+        skip.add(cast)
     T = G.dtype(d)
     if T not in G.FLOATS:
         raise Reject(f"all-reduce of {T}")
-    add_i, residual = _residual_add(g, d)
+    _require_concrete(d)
+    problem = _other_uses_in_body(body, bg, pi, chain, k)
+    if problem:
+        raise Reject(problem)
+    residual_body = None
+    if g.defs.get(residual) == j:  # the same shard_map returns the residual
+        jj = next(n for n, v in enumerate(sm.outvars) if v is residual)
+        if tuple(out_specs[jj]) != spec:
+            raise Reject(
+                f"the residual is output {jj} of the shard_map that returns the all-reduce, "
+                f"laid out as {P(*out_specs[jj])}, the sum as {P(*spec)}: return both "
+                "alike (or compute the residual outside the shard_map)"
+            )
+        residual_body = body.outvars[jj]
     r = g.eqns[add_i].outvars[0]
     norm = norm_proof.prove_rms_norm(g, r, allow)
     if src.custom_vjp is not None:
@@ -511,15 +655,18 @@ def match_boundary(
         residual=residual,
         r=r,
         norm=norm,
-        dtype=T,
+        dtype=G.dtype(d),
         hidden=shape[-1],
         tokens=local_tokens,
-        skip={j, add_i},
+        skip=skip,
         boundary=(j, k, pi),
         rounding_change=src.rounding_change,
+        body_out=body.outvars[k],
+        residual_body=residual_body,
     )
-    # Everything the new shard_map replaces must be used only after it runs.
-    m = _finish(g, m, [residual, norm.gamma, norm.scale] + list(sm.invars))
+    # Everything the new shard_map replaces must be used only after it runs (BoundaryEmit
+    # writes every output of the shard_map at the emission point).
+    m = _finish(g, m, [residual, norm.gamma, norm.scale] + list(sm.invars), exempt={j})
     for v in sm.outvars:
         if any(u < m.emit_at and u not in m.skip for u in g.users(v)):
             raise Reject("an output of the shard_map is used before gamma is computed")
@@ -582,7 +729,9 @@ def match_plain_dot(g: G.Graph, i: int, scope: Scope, allow: bool) -> Match:
             raise Reject(f"the matmul outputs {T}, its operands are {G.dtype(h)}")
     if T not in G.FLOATS:
         raise Reject(f"a matmul of {T}")
-    add_i, residual = _residual_add(g, d)
+    _require_concrete(d)
+    add_i, residual, via = _residual_add(g, d)
+    skip |= via
     r = g.eqns[add_i].outvars[0]
     norm = norm_proof.prove_rms_norm(g, r, allow)
     norm_proof.drop_tail(norm, "FP8 tail not fused: the plain-jit entry computes the norm only")

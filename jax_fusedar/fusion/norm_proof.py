@@ -1,5 +1,5 @@
 """Proof that the equations after a residual sum compute RMSNorm (and an FP8 tail), in the
-fused op's canonical form, or the precise reason they do not.
+fused op's canonical form, with every rounding accounted for, or the precise reason they do not.
 
 Starting from the residual sum ``r`` (``[..., H]`` in the activation dtype T), every value
 computed from it is given a symbolic meaning, equation by equation:
@@ -7,21 +7,34 @@ computed from it is given a symbolic meaning, equation by equation:
 * ``Sq``: ``f^2`` elementwise, ``f`` the float32 view of ``r``;
 * ``Row``: a per-token value ``c * (a * Q + b) ** p`` with ``Q = sum_j f_j^2`` over the last
   axis (or LayerNorm's ``sum_j f_j``);
-* ``Elem``: ``k * f * row * col`` elementwise, ``col`` a free ``[H]`` vector (gamma, possibly
-  Gemma's ``bias + gamma``) placed on the hidden axis.
+* ``Elem``: ``k * f * row * col`` elementwise, ``col`` a free ``[H]`` vector (gamma, with the
+  steps that made it from its array: casts, Gemma's ``1 + w``) placed on the hidden axis.
 
 Values not computed from ``r`` are free: a scalar constant, or a gamma whose broadcasts are
 followed back to its root to check that its one non-unit dimension lands on the hidden
-axis. Every constant is folded into ``a``, ``b``, ``c``, ``k`` or the bias, so nothing is
-dropped: the output is RMSNorm exactly when it reduces to
-``f * (Q / H + eps) ** -1/2 * (bias + gamma)`` with ``eps = b / (a H) >= 0`` and the overall
-constant 1. Dimensions have roles by position (the last is the hidden axis, the others are
-token axes), never by size, so a per-token value is not taken for gamma when T == H.
+axis. Every constant is folded into ``a``, ``b``, ``c`` or ``k``, so nothing is dropped: the
+output is RMSNorm exactly when it reduces to ``overall * f * (Q / H + eps) ** -1/2 * col``
+with ``eps = b / (a H) >= 0`` and ``overall = 1`` up to the float32 rounding of the constants
+it is made of (``1/H`` or ``sqrt(H)`` written as float32 literals). Dimensions have roles by
+position (the last is the hidden axis, the others are token axes), never by size, so a
+per-token value is not taken for gamma when T == H.
 
-Roundings are followed separately: each narrowing cast of the normalized value is recorded
-with the factors applied before it, and the result classifies the site as exact (the fused
-op rounds at the same points: the norm in float32, one rounding at the end), a rounding
-change (fused only with ``allow_rounding_change``), or not fusable.
+Roundings. Between the site's inputs and ``norm_out`` a value is rounded wherever the
+program casts it to a narrower dtype or computes in one. The fused op rounds at fixed points
+(the all-reduce's sum and the residual add in T, the norm in float32, one rounding of the
+normalized value times ``weight_bias + float32(gamma)`` to T, gamma read in T). Each rounding
+of the program is either one of those, or is reproduced outside the kernel (gamma's own cast
+chain is replayed on gamma before the call), or is a declared :class:`RoundingChange`
+(fused only with ``allow_rounding_change``, reported per site), or the site is refused with
+it as the reason:
+
+* the normalized value's path (``_path_roundings``): every factor applied in float32 before
+  one rounding to T; gamma multiplied after that rounding is a declared change;
+* gamma's cast chain (``_gamma_feed``): the value the program multiplies must be the
+  kernel's ``weight_bias + float32(g)`` for a ``g`` in T computed from gamma's array by the
+  program's own steps; a gamma whose values are not T's (a float32 gamma, a float16 gamma in
+  a bfloat16 model) is a declared change where T's range holds them, refused otherwise;
+* the all-reduce's input in float32, cast down before the add (``matching.py``): declared.
 """
 
 from __future__ import annotations
@@ -35,14 +48,24 @@ from jax.extend import core as jcore
 from . import graph as G
 from .report import Reject
 
-MEAN_TOLERANCE = 1e-6  # relative, on constants that are float32 literals
+# One float32 constant (1/H, sqrt(H), 1/sqrt(H)) is within 2^-24 (relative) of the exact
+# value it stands for: the proof accepts an overall constant that far from 1 per constant
+# folded into it, a difference of the kind float32 arithmetic itself makes (an order of
+# operations). Anything farther is another formula.
+FLOAT32_CONSTANT = 2.0**-24
 FP8_MAX = 448.0
 FP8_MIN_SCALE = 1.0 / (512.0 * 448.0)
+SHAPE_OPS = ("broadcast_in_dim", "reshape", "squeeze", "expand_dims")
+STOP_GRADIENT = (
+    "lax.stop_gradient inside the norm (the fused op differentiates through the whole norm, "
+    "so fusing would change the gradient)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """``c * (a * Q + b) ** p`` per token (``mean``: ``c * sum_j f_j`` instead)."""
+    """``c * (a * Q + b) ** p`` per token (``mean``: ``c * sum_j f_j`` instead). ``nk``: how
+    many constants were folded into it; ``stopped``: it passed a ``stop_gradient``."""
 
     a: float
     b: float
@@ -50,11 +73,13 @@ class Row:
     c: float
     dtype: str
     mean: bool = False
+    nk: int = 0
+    stopped: bool = False
 
     def scaled(self, k: float) -> "Row":
         if self.p == 1 and self.c == 1 and not self.mean:
-            return dataclasses.replace(self, a=self.a * k, b=self.b * k)
-        return dataclasses.replace(self, c=self.c * k)
+            return dataclasses.replace(self, a=self.a * k, b=self.b * k, nk=self.nk + 1)
+        return dataclasses.replace(self, c=self.c * k, nk=self.nk + 1)
 
     def inverse(self) -> "Row":
         return dataclasses.replace(self, p=-self.p, c=1.0 / self.c)
@@ -62,19 +87,20 @@ class Row:
 
 @dataclasses.dataclass(frozen=True)
 class Col:
-    """``bias + gamma`` along the hidden axis; ``root`` is gamma's array, ``dtypes`` the
-    dtypes it passed through on the way (to tell whether its value is T's)."""
+    """gamma along the hidden axis: ``root`` its array, ``ops`` the steps that change its
+    values (or its derivative) on the way to the norm, in order: ``("cast", dtype)``,
+    ``("add", c, dtype)`` (Gemma's ``1 + w``, computed in dtype), ``("stop_gradient",)``."""
 
     root: Any
-    bias: float
-    dtypes: tuple
+    ops: tuple
 
 
 @dataclasses.dataclass(frozen=True)
 class Elem:
     """``k * f**e * row * col`` elementwise. ``path``: what happened to the value, in order:
     ("op", factor, dtype) for each factor applied ("row", "col", "k") and ("round", row
-    applied, col applied) for each narrowing cast to T."""
+    applied, col applied) for each narrowing cast to T. ``nk``: constants folded into ``k``;
+    ``stopped``: the value passed a ``stop_gradient``."""
 
     e: int
     row: Optional[Row]
@@ -82,6 +108,8 @@ class Elem:
     k: float
     dtype: str
     path: tuple = ()
+    nk: int = 0
+    stopped: bool = False
 
     def applied(self, what: str) -> "Elem":
         return dataclasses.replace(self, path=self.path + (("op", what, self.dtype),))
@@ -93,6 +121,8 @@ class Sq:
 
     dtype: str
     k2: float = 1.0
+    nk: int = 0
+    stopped: bool = False
 
 
 @dataclasses.dataclass
@@ -112,12 +142,37 @@ class NormProof:
     scale_out_var: Any = None  # dynamic FP8 per-token scale
     tail_note: Optional[str] = None
     tail_eqns: tuple = ()  # the FP8 tail's eqns (from out_var and scale), in order
+    gamma_ops: tuple = ()  # gamma's steps (Col.ops) the rewrite replays before the call
+    overall: float = 1.0  # the program's constant factor over the fused op's formula
 
 
 def _cast_dtype(eqn) -> str:
     import numpy as np
 
     return np.dtype(eqn.params["new_dtype"]).name
+
+
+def concrete_problem(shape) -> Optional[str]:
+    """Why a site of this shape cannot be fused (a symbolic dimension: jax.export with shape
+    polymorphism), or None; the fused op's own rule (call_checks.check_concrete_shape)."""
+    from ..call_checks import check_concrete_shape
+
+    try:
+        check_concrete_shape("the residual sum", tuple(shape), "the fused op")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _constant_add(g: G.Graph, e, out):
+    """(index of the array operand, constant) of an ``add`` of a scalar constant to an array
+    shaped like ``out``, or None."""
+    for c_side, v_side in ((0, 1), (1, 0)):
+        c = G.scalar_constant(g, e.invars[c_side])
+        v = e.invars[v_side]
+        if c is not None and G.is_var(v) and G.shape(v) == G.shape(out):
+            return v_side, c
+    return None
 
 
 class _Prover:
@@ -136,52 +191,43 @@ class _Prover:
 
     # --- free values ------------------------------------------------------------------------
     def free_col(self, atom):
-        """The [H] gamma behind a free operand of rank m + 1: its root, Gemma's bias (one
-        float32 addition of a constant) and the dtypes it passed through, its dims followed
-        from the root to the operand's positions. None when the operand is constant-shaped."""
+        """The [H] gamma behind a free operand of rank m + 1: its root and the steps from it
+        (casts, additions of a constant), its dims followed from the root to the operand's
+        positions. None when the operand is constant-shaped."""
         g = self.g
-        chain = []
-        bias = 0.0
+        chain = []  # eqn indices, from the operand back to the root
         cur = atom
         while G.is_var(cur):
             j, e = g.eqn(cur)
             if e is None:
                 break
             n = G.name(e)
-            if n == "add" and bias == 0.0 and G.dtype(cur) == "float32":
-                opened = False
-                for c_side, v_side in ((0, 1), (1, 0)):
-                    c = G.scalar_constant(g, e.invars[c_side])
-                    if (
-                        c is not None
-                        and G.is_var(e.invars[v_side])
-                        and G.shape(e.invars[v_side]) == G.shape(cur)
-                    ):
-                        bias, cur, opened = c, e.invars[v_side], True
-                        chain.append(j)
-                        break
-                if not opened:
+            if n == "add":
+                found = _constant_add(g, e, cur)
+                if found is None:
                     break
+                chain.append(j)
+                cur = e.invars[found[0]]
                 continue
-            if len(e.invars) != 1 or n not in G.NO_OPS + (
-                G.CAST,
-                "broadcast_in_dim",
-                "reshape",
-                "squeeze",
-                "expand_dims",
-            ):
+            if len(e.invars) != 1 or n not in G.NO_OPS + (G.CAST, "stop_gradient") + SHAPE_OPS:
                 break
             chain.append(j)
             cur = e.invars[0]
         root = cur
         root_shape = G.shape(root)
         labels = [d if s != 1 else None for d, s in enumerate(root_shape)]
-        dtypes = [G.dtype(root)]
+        ops = []
         for j in reversed(chain):
             e = g.eqns[j]
             out_shape = G.shape(e.outvars[0])
             n = G.name(e)
-            if n == "broadcast_in_dim":
+            if n == G.CAST:
+                ops.append(("cast", _cast_dtype(e)))
+            elif n == "stop_gradient":  # replayed: gamma's gradient stays stopped
+                ops.append(("stop_gradient",))
+            elif n == "add":
+                ops.append(("add", _constant_add(g, e, e.outvars[0])[1], G.dtype(e.outvars[0])))
+            elif n == "broadcast_in_dim":
                 new = [None] * len(out_shape)
                 for src, dst in enumerate(e.params["broadcast_dimensions"]):
                     new[dst] = labels[src]
@@ -192,7 +238,6 @@ class _Prover:
                     raise Reject(f"gamma {root_shape} is reshaped to {out_shape} inside the norm")
                 it = iter(kept)
                 labels = [next(it) if s != 1 else None for s in out_shape]
-            dtypes.append(G.dtype(e.outvars[0]))
         placed = [pos for pos, lab in enumerate(labels) if lab is not None]
         if not placed:
             return None
@@ -208,7 +253,7 @@ class _Prover:
             )
         if math.prod(root_shape) != self.H:
             raise Reject(f"gamma of shape {root_shape} is not a [{self.H}] vector")
-        return Col(root, bias, tuple(dtypes))
+        return Col(root, tuple(ops))
 
     # --- the walk ---------------------------------------------------------------------------
     def run(self):
@@ -263,6 +308,10 @@ class _Prover:
         x = self.sym.get(e.invars[0]) if e.invars and G.is_var(e.invars[0]) else None
         if n in G.NO_OPS:
             return x if len(e.invars) == 1 else None
+        if n == "stop_gradient":
+            # Forward, the value itself; what it changes is the derivative, which the fused
+            # op would take through it: recorded, and refused if it reaches the output.
+            return None if x is None else dataclasses.replace(x, stopped=True)
         if n == G.CAST:
             return None if x is None else self.cast(x, _cast_dtype(e))
         if n in ("mul", "div"):
@@ -340,7 +389,7 @@ class _Prover:
             raise Reject("a square of the normalized value inside the norm")
         if x.dtype != "float32":
             raise Reject(f"RMSNorm computed in {x.dtype}, not float32")
-        return Sq(x.dtype, x.k * x.k)
+        return Sq(x.dtype, x.k * x.k, 2 * x.nk, x.stopped)
 
     def combine(self, n, x, y):
         """Both operands computed from r and understood."""
@@ -353,7 +402,14 @@ class _Prover:
                 f, fac = (x, y) if x.e == 1 else (y, x)  # f: the value, fac: row * col
                 if f.row is not None or (f.col is not None and fac.col is not None):
                     raise Reject("two per-token factors multiply the normalized value")
-                out = dataclasses.replace(f, row=fac.row, col=f.col or fac.col, k=f.k * fac.k)
+                out = dataclasses.replace(
+                    f,
+                    row=fac.row,
+                    col=f.col or fac.col,
+                    k=f.k * fac.k,
+                    nk=f.nk + fac.nk,
+                    stopped=f.stopped or fac.stopped,
+                )
                 out = out.applied("row")
                 return out.applied("col") if fac.col is not None else out
             raise Reject("two values computed from the residual sum multiplied inside the norm")
@@ -380,9 +436,7 @@ class _Prover:
         if c is not None:
             if isinstance(x, Row):
                 return x.scaled(c)
-            if isinstance(x, Elem):
-                return dataclasses.replace(x, k=x.k * c).applied("k")
-            return dataclasses.replace(x, k2=x.k2 * c)
+            return self.times_free_const(x, c)
         if math.prod(G.shape(free)) == 1:
             if isinstance(x, Row):
                 raise Reject("the mean's factor traced (not a constant)")
@@ -399,7 +453,7 @@ class _Prover:
                 raise Reject("LayerNorm (mean subtracted), not RMSNorm")
             if self.T != "float32":
                 self.row_in_f32(x)
-            return Elem(0, x, col, 1.0, x.dtype)
+            return Elem(0, x, col, 1.0, x.dtype, stopped=x.stopped)
         if x.col is not None:
             raise Reject("two gamma vectors multiply the normalized value")
         return dataclasses.replace(x, col=col).applied("col")
@@ -419,8 +473,8 @@ class _Prover:
         if isinstance(x, Row):
             return x.scaled(k)
         if isinstance(x, Elem):
-            return dataclasses.replace(x, k=x.k * k).applied("k")
-        return dataclasses.replace(x, k2=x.k2 * k)
+            return dataclasses.replace(x, k=x.k * k, nk=x.nk + 1).applied("k")
+        return dataclasses.replace(x, k2=x.k2 * k, nk=x.nk + 1)
 
     def addsub(self, e, n):
         a, b = e.invars
@@ -496,9 +550,9 @@ class _Prover:
             what = axes[0] if len(axes) == 1 else axes
             raise Reject(f"norm over axis {what}, not the last")
         if isinstance(x, Sq):
-            return Row(x.k2, 0.0, 1.0, 1.0, x.dtype)
+            return Row(x.k2, 0.0, 1.0, 1.0, x.dtype, nk=x.nk, stopped=x.stopped)
         if isinstance(x, Elem) and x.e == 1 and x.row is None and x.col is None:
-            return Row(1.0, 0.0, 1.0, x.k, x.dtype, mean=True)
+            return Row(1.0, 0.0, 1.0, x.k, x.dtype, mean=True, nk=x.nk, stopped=x.stopped)
         raise Reject("a sum over the hidden axis of something other than the squares")
 
     def reshape(self, e, n, x):
@@ -539,10 +593,11 @@ class _Prover:
 # --- choosing the output and checking it -----------------------------------------------------
 
 
-def _canonical(prover: _Prover, x: Elem) -> float:
-    """The norm's eps, or raises why ``x`` is not RMSNorm: ``x = k * f * c * (a Q + b) **
-    -1/2 * col`` is ``f * (Q / H + eps) ** -1/2 * col`` with ``eps = b / (a H)`` exactly when
-    ``k * c / sqrt(a H) == 1``."""
+def _canonical(prover: _Prover, x: Elem) -> tuple:
+    """(eps, overall) of the norm, or raises why ``x`` is not RMSNorm: ``x = k * f * c *
+    (a Q + b) ** -1/2 * col`` is ``overall * f * (Q / H + eps) ** -1/2 * col`` with
+    ``eps = b / (a H)`` and ``overall = k * c / sqrt(a H)``, which must be 1 but for the
+    float32 rounding of the constants folded into it (FLOAT32_CONSTANT each)."""
     row = x.row
     if row.p != -0.5:
         raise Reject(
@@ -554,16 +609,17 @@ def _canonical(prover: _Prover, x: Elem) -> float:
     H = prover.H
     eps = row.b / (row.a * H)
     overall = x.k * row.c / math.sqrt(row.a * H)
-    if not math.isclose(overall, 1.0, rel_tol=MEAN_TOLERANCE):
+    tolerance = max(1, x.nk + row.nk) * FLOAT32_CONSTANT
+    if abs(overall - 1.0) > tolerance * (1.0 + 1e-9):
         if row.c == 1 and x.k == 1:
-            raise Reject(f"the mean divides by {1.0 / row.a:g}, not the hidden size {H}")
+            raise Reject(f"the mean divides by {1.0 / row.a:.9g}, not the hidden size {H}")
         raise Reject(
-            f"the normalized value is scaled by {overall:g} (a constant the fused "
+            f"the normalized value is scaled by {overall:.9g} (a constant the fused "
             "op does not apply)"
         )
     if eps < 0:
         raise Reject(f"negative eps ({eps:g}) inside the norm")
-    return eps
+    return eps, overall
 
 
 def _pick_output(prover: _Prover):
@@ -591,17 +647,36 @@ def _pick_output(prover: _Prover):
     return var, val
 
 
-def _roundings(prover: _Prover, x: Elem, out_dtype: str, allow: bool):
-    """The site's rounding change (None: exact), or raises why it is not fused.
+# --- roundings --------------------------------------------------------------------------------
 
-    Exact: every factor applied in float32, then one rounding to T. Rounding changes (fused
-    with ``allow_rounding_change``): gamma multiplied after the normalized value was rounded
-    to T, in T (Hugging Face, MaxText) or in float32 (Hugging Face Flax, whose output is then
-    float32, or rounded to T once more); a float32 gamma (the kernel reads it in T)."""
+
+@dataclasses.dataclass(frozen=True)
+class RoundingChange:
+    """A rounding the program makes elsewhere than the fused op (docs/fusion_pass.md,
+    "Rounding changes"): without ``allow_rounding_change`` the site is refused with
+    ``refused``; with it, the site is fused and reports ``reported``."""
+
+    refused: str
+    reported: str
+
+    def declare(self, allow: bool, changes: list) -> None:
+        if not allow:
+            raise Reject(self.refused)
+        changes.append(self.reported)
+
+
+def _path_roundings(prover: _Prover, x: Elem, out_dtype: str, allow: bool) -> list:
+    """The declared changes of the normalized value's path, or raises why it is not fused.
+
+    Exact: every factor applied in float32, then one rounding to T. Declared: gamma
+    multiplied after the normalized value was rounded to T, in T (Hugging Face, MaxText) or
+    in float32 (Hugging Face Flax, whose output is then float32, or rounded to T once
+    more). In a float32 model nothing on the path is narrower (``cast`` refuses a cast to
+    another dtype)."""
     T = prover.T
-    if T == "float32":
-        return None
     changes = []
+    if T == "float32":
+        return changes
     rounds = [k for k, ev in enumerate(x.path) if ev[0] == "round"]
     for ev in x.path[: rounds[0] if rounds else len(x.path)]:
         if ev[2] != "float32":
@@ -616,33 +691,100 @@ def _roundings(prover: _Prover, x: Elem, out_dtype: str, allow: bool):
     ops_after = [ev for ev in x.path[rounds[0] + 1 :] if ev[0] == "op"]
     if any(ev[1] != "col" for ev in ops_after):
         raise Reject(f"the normalized value is scaled after its rounding to {T}")
-    if ops_after:  # gamma multiplied after the rounding
-        if ops_after[0][2] == T:  # in T (Hugging Face, MaxText)
-            if not allow:
-                raise Reject(f"gamma multiplied in {T} after the norm is rounded")
-            changes.append(f"gamma multiplied in float32 before one rounding to {T}")
-        else:  # in float32 (Hugging Face Flax)
-            if not allow:
-                raise Reject(
-                    f"gamma multiplied in float32 after the norm is rounded to {T} "
-                    f"(the fused op rounds once, after it)"
-                )
-            changes.append(
-                f"gamma multiplied before one rounding to {T}"
-                + ("" if out_dtype == T else f" (the float32 output is the {T} one)")
-            )
+    if ops_after and ops_after[0][2] == T:  # in T (Hugging Face, MaxText)
+        RoundingChange(
+            f"gamma multiplied in {T} after the norm is rounded",
+            f"gamma multiplied in float32 before one rounding to {T}",
+        ).declare(allow, changes)
+    elif ops_after:  # in float32 (Hugging Face Flax)
+        RoundingChange(
+            f"gamma multiplied in float32 after the norm is rounded to {T} (the fused op "
+            "rounds once, after it)",
+            f"gamma multiplied before one rounding to {T}"
+            + ("" if out_dtype == T else f" (the float32 output is the {T} one)"),
+        ).declare(allow, changes)
     elif out_dtype != T:
         raise Reject(f"the norm output is not cast back to {T}")
-    if x.col is not None and T not in x.col.dtypes and x.col.dtypes[0] == "float32":
-        if not allow:
-            raise Reject(f"float32 gamma (the kernel reads gamma in {T})")
-        changes.append(f"gamma rounded to {T}")
-    return "; ".join(changes) or None
+    return changes
+
+
+# The formats holding every value of a dtype: every bfloat16 and every float16 value is a
+# float32, and neither 16-bit format holds all of the other's (bfloat16 has 8 significant
+# bits and float32's range, float16 has 11 and a range ending at 65504).
+_HOLDERS = {
+    "bfloat16": ("bfloat16", "float32"),
+    "float16": ("float16", "float32"),
+    "float32": ("float32",),
+}
+
+
+def holders(dtype: str) -> frozenset:
+    return frozenset(_HOLDERS.get(dtype, (dtype,)))
+
+
+def formats_after(dtype: str, ops) -> frozenset:
+    """The formats holding every value gamma can have after ``ops`` (Col.ops) from an array
+    of ``dtype``: a cast to a format that does not hold the value rounds it, an addition
+    rounds to its dtype."""
+    held = holders(dtype)
+    for op in ops:
+        if op[0] == "cast":
+            if op[1] not in held:
+                held = holders(op[1])
+        elif op[0] == "add":
+            held = holders(op[2])
+    return held
+
+
+@dataclasses.dataclass(frozen=True)
+class GammaFeed:
+    """What the fused call takes for gamma: ``ops`` replayed on gamma's array, then cast to
+    T (exact unless a change was declared), and ``weight_bias``."""
+
+    ops: tuple
+    weight_bias: float
+
+
+def _gamma_feed(col: Col, T: str, allow: bool, changes: list) -> GammaFeed:
+    """The kernel computes ``weight_bias + float32(g)`` with ``g`` in T. That is the value
+    the program multiplies when the program's gamma is a value of T (the chain ends with a
+    rounding to T, or never leaves T's values: Gemma's ``(1 + w)`` rounded by the program
+    included), or when it is ``c + float32(v)`` in float32 with ``v`` a value of T (Gemma's
+    ``1 + w``: ``weight_bias = c``). Otherwise the kernel would round gamma: declared where
+    T's range holds the values (bfloat16), refused in float16 (whose range ends at 65504)."""
+    root = G.dtype(col.root)
+    ops = col.ops
+    held = formats_after(root, ops)
+    if T in held:
+        return GammaFeed(ops, 0.0)
+    # The last step that changes values (a stop_gradient after it commutes with it).
+    last = max((n for n, op in enumerate(ops) if op[0] != "stop_gradient"), default=None)
+    if (
+        last is not None
+        and ops[last][0] == "add"
+        and ops[last][2] == "float32"
+        and T in formats_after(root, ops[:last])
+    ):
+        return GammaFeed(ops[:last] + ops[last + 1 :], float(ops[last][1]))
+    kind = min(held, key=lambda d: (d == "float32", d))  # its narrowest format
+    if T == "float16":
+        raise Reject(
+            f"{kind} gamma in a float16 model: the kernel reads gamma in float16, whose "
+            "range ends at 65504 (larger values would become inf); round gamma to float16 "
+            "in the model (e.g. gamma.astype(jnp.float16)) to fuse exactly"
+        )
+    RoundingChange(
+        f"{kind} gamma (the kernel reads gamma in {T})", f"gamma rounded to {T}"
+    ).declare(allow, changes)
+    return GammaFeed(ops, 0.0)
 
 
 def prove_rms_norm(g: G.Graph, r, allow: bool) -> NormProof:
     """The proof for the residual sum ``r`` (a Var of shape [..., H], dtype T), or raises
     Reject with the reason."""
+    problem = concrete_problem(G.shape(r))
+    if problem:
+        raise Reject(problem)
     prover = _Prover(g, r, allow)
     prover.run()
     picked = _pick_output(prover)
@@ -652,22 +794,28 @@ def prove_rms_norm(g: G.Graph, r, allow: bool) -> NormProof:
         raise Reject("no RMSNorm of the residual sum in the same scope")
     out, x = picked
     out_dtype = G.dtype(out)
+    changes = []
     try:
-        eps = _canonical(prover, x)
-        change = _roundings(prover, x, out_dtype, allow)
+        if x.stopped or x.row.stopped:
+            raise Reject(STOP_GRADIENT)
+        eps, overall = _canonical(prover, x)
+        changes += _path_roundings(prover, x, out_dtype, allow)
+        col = x.col
+        feed = None if col is None else _gamma_feed(col, prover.T, allow, changes)
     except Reject:
         if prover.failure_on_path:
             raise Reject(prover.first_failure) from None
         raise
-    col = x.col
     proof = NormProof(
         out_var=out,
         gamma=None if col is None else col.root,
-        weight_bias=0.0 if col is None else col.bias,
+        weight_bias=0.0 if feed is None else feed.weight_bias,
         eps=eps,
-        rounding_change=change,
+        rounding_change="; ".join(changes) or None,
         out_dtype=out_dtype,
         eqns=set(),
+        gamma_ops=() if feed is None else feed.ops,
+        overall=overall,
     )
     proof.eqns = backward_slice(g, [out], stop={r} | ({col.root} if col else set()))
     _match_fp8_tail(prover, proof)
@@ -677,6 +825,8 @@ def prove_rms_norm(g: G.Graph, r, allow: bool) -> NormProof:
 def norm_like(g: G.Graph, r) -> bool:
     """Whether something reduces the squares (or the values: LayerNorm) of ``r`` over its
     last axis: a norm, proven or not, reads it."""
+    if concrete_problem(G.shape(r)):
+        return False
     prover = _Prover(g, r, True)
     prover.run()
     return any(isinstance(v, (Row, Sq)) for v in prover.sym.values()) or (

@@ -16,7 +16,13 @@ PLAIN_JIT_MATMUL = "dot_general"  # plain jit: the partitioner's all-reduce
 
 
 class Reject(Exception):
-    """A candidate site that is not fused; the message is the reported reason."""
+    """A candidate site that is not fused; the message is the reported reason. ``late``:
+    raised once the residual add after the all-reduce was found (the reason then describes
+    a site, and wins over another candidate's "not followed by a residual add")."""
+
+    def __init__(self, reason: str, late: bool = False):
+        super().__init__(reason)
+        self.late = late
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,11 +32,21 @@ def _write(write, var, val):
 
 
 def _gamma(m, value):
-    """gamma as the fused op takes it: [H] in T (a float32 gamma is rounded to T where the
-    kernel reads it; the proof allowed that only as a rounding change)."""
+    """gamma as the fused op takes it: [H] in T, computed from gamma's array by the
+    program's own steps (its casts, a constant added: norm_proof.GammaFeed), so the kernel's
+    ``weight_bias + float32(gamma)`` is the value the program multiplies; the cast to T
+    rounds only where the proof declared it (a rounding change)."""
     if value is None:
         return jnp.ones((m.hidden,), m.dtype)
-    return jnp.asarray(value).reshape(m.hidden).astype(m.dtype)
+    g = jnp.asarray(value).reshape(m.hidden)
+    for op in m.norm.gamma_ops:
+        if op[0] == "cast":
+            g = g.astype(op[1])
+        elif op[0] == "add":  # ("add", c, dtype): the program's addition, in its dtype
+            g = jnp.add(g.astype(op[2]), jnp.asarray(op[1], op[2]))
+        else:
+            g = jax.lax.stop_gradient(g)
+    return g.astype(m.dtype)
 
 
 def _call(m, fuser, x, residual, gamma, scale, axis):
@@ -80,46 +90,39 @@ def _bind_all(eqns, env):
             env[v] = val
 
 
-def _site_call(m, fuser, x, residual, gamma, scale, axis):
-    """The fused call of a site. With an FP8 tail, its quantized outputs keep the derivative
-    of the program's own tail (a cast to float8 passes tangents through, which the fused
-    op's quant_out, like jnp.round, does not): a custom_jvp whose primal is the fused call
-    alone, and whose tangents are the fused op's for residual_out and norm_out, then the
-    tail's equations differentiated at the norm's value."""
-    if m.norm.quant_var is None:
-        return _call(m, fuser, x, residual, gamma, scale, axis)
+def _with_tail_derivative(m, r, gamma, scale, quant, scale_out):
+    """The fused FP8 outputs (``quant``, ``scale_out``) given the derivative of the program's
+    own tail: a cast to float8 passes tangents through, which the fused op's quant_out (like
+    jnp.round) does not. Primal: the fused op's outputs; tangent: the tail's equations
+    differentiated at the norm's value, the norm's tangent taken at residual_out ``r`` as
+    the fused op takes it. Called where the tail's equations were (their scope's shapes and
+    mesh: outside the shard_map for a per-linear site)."""
     from .. import reference
 
     norm = m.norm
     T = jnp.dtype(m.dtype)
-    static = scale is not None
+    static = norm.scale is not None
     tail_outs = [norm.quant_var] + ([norm.scale_out_var] if norm.scale_out_var is not None else [])
-
-    def fields(out):
-        vals = [out.residual_out, out.norm_out, out.quant_out, out.scale_out]
-        return tuple(v for v in vals if v is not None)
+    fp8 = [quant.reshape(G.shape(norm.quant_var))]
+    if norm.scale_out_var is not None:
+        fp8.append(scale_out.reshape(G.shape(norm.scale_out_var)))
+    y_shape = G.shape(norm.out_var)
 
     def tail(y, s):
-        env = {norm.out_var: y.reshape(G.shape(norm.out_var))}
+        env = {norm.out_var: y.reshape(y_shape)}
         if static and G.is_var(norm.scale):
             env[norm.scale] = s.reshape(G.shape(norm.scale)).astype(norm.scale.aval.dtype)
         _bind_all(norm.tail_eqns, env)
         return tuple(env[v] for v in tail_outs)
 
     @jax.custom_jvp
-    def site(x, residual, gamma, s):
-        return fields(_call(m, fuser, x, residual, gamma, s if static else None, axis))
+    def outputs(r, gamma, s, *fp8):
+        return tuple(fp8)
 
-    @site.defjvp
-    def site_jvp(primals, tangents):
-        x, residual, gamma, s = primals
-        dx, dres, dgamma, ds = tangents
-        outs = site(x, residual, gamma, s)
-        r = outs[0]
-        dsum = reference.allreduce_sum(dx, axis, fp32_acc=True, rounding=reference.round_tangent)
-        dr = reference.residual_add(
-            dsum.reshape(r.shape), dres.reshape(r.shape), rounding=reference.round_tangent
-        )
+    @outputs.defjvp
+    def outputs_jvp(primals, tangents):
+        r, gamma, s, *fp8 = primals
+        dr, dgamma, ds = tangents[:3]
         y, dy = jax.jvp(
             lambda r_, g_: reference.rms_norm(
                 r_, g_, rms_eps=norm.eps, weight_bias=norm.weight_bias, out_dtype=T
@@ -128,17 +131,13 @@ def _site_call(m, fuser, x, residual, gamma, scale, axis):
             (dr, dgamma),
         )
         _, dtail = jax.jvp(tail, (y, s), (dy, ds))
-        douts = [dr] + ([dy] if len(outs) - len(tail_outs) == 2 else []) + list(dtail)
-        return outs, tuple(
-            _fix_vma(t.reshape(o.shape).astype(o.dtype), jax.typeof(o)) for t, o in zip(douts, outs)
+        return tuple(fp8), tuple(
+            _fix_vma(t.reshape(o.shape).astype(o.dtype), jax.typeof(o)) for t, o in zip(dtail, fp8)
         )
 
-    s_arg = jnp.asarray(scale, jnp.float32).reshape(()) if static else jnp.zeros((), jnp.float32)
-    outs = list(site(x, residual, gamma, s_arg))
-    r = outs.pop(0)
-    y = outs.pop(0) if len(outs) > len(tail_outs) else None
-    q = outs.pop(0)
-    return _Outputs(r, y, q, outs.pop(0) if outs else None)
+    s = jnp.asarray(scale, jnp.float32).reshape(()) if static else jnp.zeros((), jnp.float32)
+    outs = outputs(r.reshape(y_shape), gamma, s, *fp8)
+    return outs[0], (outs[1] if len(outs) > 1 else None)
 
 
 def _partial_input(m, x):
@@ -191,6 +190,15 @@ def _fused_keeping_vjp(m, fuser, x, residual, gamma):
     return _Outputs(*site(x, residual, gamma))
 
 
+def _write_fp8(write, m, r, gamma, scale, out):
+    """Writes the fused FP8 outputs, with the program's derivative (_with_tail_derivative)."""
+    if m.norm.quant_var is None:
+        return
+    q, s = _with_tail_derivative(m, r, gamma, scale, out.quant_out, out.scale_out)
+    _write(write, m.norm.quant_var, q)
+    _write(write, m.norm.scale_out_var, s)
+
+
 class InScopeEmit:
     """psum (or a custom-rule psum) + add + norm in one scope."""
 
@@ -209,7 +217,7 @@ class InScopeEmit:
         g = _gamma(m, gamma)
         if m.source.custom_vjp is not None:
             return _fused_keeping_vjp(m, fuser, x, residual.reshape(x.shape), g)
-        return _site_call(m, fuser, x, residual, g, scale, m.source.axis)
+        return _call(m, fuser, x, residual, g, scale, m.source.axis)
 
     def __call__(self, read, write, fuser, extra_in, extra_out):
         m = self.m
@@ -217,14 +225,28 @@ class InScopeEmit:
         out = self.fused(read, fuser, residual, gamma, scale)
         _write(write, m.r, out.residual_out)
         _write(write, m.norm.out_var, out.norm_out)
-        _write(write, m.norm.quant_var, out.quant_out)
-        _write(write, m.norm.scale_out_var, out.scale_out)
+        _write_fp8(write, m, out.residual_out, _gamma(m, gamma), scale, out)
+
+
+def _extra_outputs(m) -> tuple:
+    """The norm's outputs a shard_map body returns for a site fused across its boundary:
+    norm_out (unless the pattern has none: an FP8 tail whose norm output is unused), the
+    FP8 codes, the dynamic scale."""
+    from ..common.patterns import TRAITS, AllReduceFusionPattern
+
+    names = ["norm"] if TRAITS[AllReduceFusionPattern(m.norm.pattern)].has_norm_out else []
+    if m.norm.quant_var is not None:
+        names.append("quant")
+    if m.norm.scale_out_var is not None:
+        names.append("scale_out")
+    return tuple(names)
 
 
 class BodyEmit(InScopeEmit):
-    """The psum of a shard_map body whose add and norm were outside it: the residual, gamma
-    (and scale) come in as extra inputs of the body, the psum's value becomes residual_out
-    and the norm's outputs leave as extra outputs (BoundaryEmit lays them out)."""
+    """The psum of a shard_map body whose add and norm were outside it: the residual (unless
+    the body computes it: ``m.residual_body``), gamma (and scale) come in as extra inputs of
+    the body, the body's output that carried the sum becomes residual_out and the norm's
+    outputs leave as extra outputs (BoundaryEmit lays them out)."""
 
     def __init__(self, m, slot):
         super().__init__(m)
@@ -233,24 +255,28 @@ class BodyEmit(InScopeEmit):
     def __call__(self, read, write, fuser, extra_in, extra_out):
         m = self.m
         residual, gamma, scale = extra_in[self.slot]
+        if m.residual_body is not None:
+            residual = read(m.residual_body)
         out = self.fused(read, fuser, residual, gamma, scale)
-        _write(write, m.source.out, out.residual_out)
-        outs = [out.norm_out.reshape(residual.shape)]
-        if m.norm.quant_var is not None:
-            outs.append(out.quant_out.reshape(residual.shape))
-        if m.norm.scale_out_var is not None:
-            outs.append(out.scale_out.reshape(residual.shape[:-1] + (1,)))
-        extra_out[self.slot] = outs
+        _write(write, m.body_out, out.residual_out)
+        field = {"norm": out.norm_out, "quant": out.quant_out, "scale_out": out.scale_out}
+        shape = {
+            "norm": residual.shape,
+            "quant": residual.shape,
+            "scale_out": residual.shape[:-1] + (1,),
+        }
+        extra_out[self.slot] = [field[n].reshape(shape[n]) for n in _extra_outputs(m)]
 
 
 def _reshard(val, spec):
     """``val`` laid out as ``spec`` when its mesh has Explicit axes (shard_map then requires
-    it); on Auto axes shard_map's in_specs place it."""
+    it); on Auto axes shard_map's in_specs place it. The sharding names the value's own mesh,
+    so no mesh need be set (a program called without ``jax.set_mesh`` runs as written)."""
     sharding = getattr(jax.typeof(val), "sharding", None)
     mesh = getattr(sharding, "mesh", None)
     types = set(getattr(mesh, "axis_types", ()) or ())
     if jax.sharding.AxisType.Explicit in types and tuple(sharding.spec) != tuple(spec):
-        return jax.sharding.reshard(val, spec)
+        return jax.sharding.reshard(val, jax.sharding.NamedSharding(mesh, spec))
     return val
 
 
@@ -274,19 +300,17 @@ class BoundaryEmit:
         for m in self.matches:
             k = m.boundary[1]
             spec = out_specs[k]
-            ins = [_reshard(read(m.residual), spec)]
-            specs = [spec]
+            ins, specs = [], []
+            if m.residual_body is None:
+                ins.append(_reshard(read(m.residual), spec))
+                specs.append(spec)
             for atom in (m.norm.gamma, m.norm.scale):
                 if atom is not None:
                     ins.append(_reshard(read(atom), P()))
                     specs.append(P())
             extra_args += ins
             extra_specs += specs
-            outs = [spec]
-            if m.norm.quant_var is not None:
-                outs.append(spec)
-            if m.norm.scale_out_var is not None:
-                outs.append(spec)
+            outs = [spec] * len(_extra_outputs(m))
             extra_out_specs += outs
             layout.append((len(ins), len(outs)))
         consts = getattr(p["jaxpr"], "consts", ())
@@ -299,7 +323,7 @@ class BoundaryEmit:
             for m, (n_extra, _) in zip(self.matches, layout):
                 vals = list(args[pos : pos + n_extra])
                 pos += n_extra
-                residual = vals.pop(0)
+                residual = None if m.residual_body is not None else vals.pop(0)
                 gamma = vals.pop(0) if m.norm.gamma is not None else None
                 scale = vals.pop(0) if m.norm.scale is not None else None
                 xin.append((residual, gamma, scale))
@@ -320,14 +344,16 @@ class BoundaryEmit:
                 write(v, outs[k])
         pos = n_out
         for m, (_, n_extra_out) in zip(self.matches, layout):
-            vals = list(outs[pos : pos + n_extra_out])
+            vals = outs[pos : pos + n_extra_out]
             pos += n_extra_out
             _write(write, m.r, outs[m.boundary[1]])
-            _write(write, m.norm.out_var, vals.pop(0))
-            if m.norm.quant_var is not None:
-                _write(write, m.norm.quant_var, vals.pop(0))
-            if m.norm.scale_out_var is not None:
-                _write(write, m.norm.scale_out_var, vals.pop(0))
+            got = dict(zip(_extra_outputs(m), vals))
+            _write(write, m.norm.out_var, got.get("norm"))
+            if m.norm.quant_var is not None:  # the tail's derivative, where the tail was
+                scale = None if m.norm.scale is None else read(m.norm.scale)
+                gamma = _gamma(m, None if m.norm.gamma is None else read(m.norm.gamma))
+                fp8 = _Outputs(None, None, got["quant"], got.get("scale_out"))
+                _write_fp8(write, m, read(m.r), gamma, scale, fp8)
 
 
 class SequenceParallelEmit:
@@ -346,7 +372,7 @@ class SequenceParallelEmit:
         x = _partial_input(m, read(src.x))
         gamma = None if m.norm.gamma is None else read(m.norm.gamma)
         scale = None if m.norm.scale is None else read(m.norm.scale)
-        out = _site_call(m, fuser, x, res_full, _gamma(m, gamma), scale, src.axis)
+        out = _call(m, fuser, x, res_full, _gamma(m, gamma), scale, src.axis)
         full_shape = res_full.shape
         r_full = out.residual_out.reshape(full_shape)
         n = res_shard.shape[dim]
@@ -364,8 +390,7 @@ class SequenceParallelEmit:
             _write(write, m.norm.out_var, shard(y_full))
         else:
             _write(write, m.norm.out_var, y_full)
-            _write(write, m.norm.quant_var, out.quant_out)
-            _write(write, m.norm.scale_out_var, out.scale_out)
+            _write_fp8(write, m, r_full, _gamma(m, gamma), scale, out)
 
 
 class PlainJitEmit:
@@ -381,14 +406,7 @@ class PlainJitEmit:
         m = self.m
         e = m.dot
         (hc, wc), _ = e.params["dimension_numbers"]
-        gamma = None if m.norm.gamma is None else read(m.norm.gamma)
-        gamma = (
-            jnp.ones((m.hidden,), m.dtype)
-            if gamma is None
-            else jnp.asarray(gamma).reshape(m.hidden)
-        )
-        if gamma.dtype not in (jnp.dtype(m.dtype), jnp.dtype(jnp.float32)):
-            gamma = gamma.astype(m.dtype)
+        gamma = _gamma(m, None if m.norm.gamma is None else read(m.norm.gamma))
         out = row_parallel_allreduce_fusion(
             read(e.invars[0]),
             read(e.invars[1]),

@@ -3,12 +3,14 @@ the plans of its sub-jaxprs (jit, shard_map, scan, while, cond, checkpoint, cust
 
 Calls in a site's way. A norm written in a call of its own (a jitted, checkpointed or
 custom-rule norm function) is seen together with its all-reduce by splicing the call into
-the scope. The scope is matched twice: once with every call near a reduction spliced, to
-learn which calls a fusable site needs opened, then with only those spliced. A ``jit`` or
-``checkpoint`` call is opened when the site needs it (values unchanged; the norm's remat
-policy no longer applies to it); a ``custom_jvp`` / ``custom_vjp`` call is never opened (its
-derivative rule would be lost): that site is reported instead. Every other call keeps its
-boundary and rule, and is rewritten inside when it holds sites of its own.
+the scope, and so is a plain ``jax.jit`` call holding the all-reduce (a jitted per-linear
+``shard_map``, a jitted psum helper). The scope is matched twice: once with every call near
+a reduction spliced, to learn which calls a fusable site needs opened, then with only those
+spliced. A ``jit`` or ``checkpoint`` call is opened when the site needs it (values
+unchanged; the norm's remat policy no longer applies to it); a ``custom_jvp`` /
+``custom_vjp`` call is never opened (its derivative rule would be lost): that site is
+reported instead. Every other call keeps its boundary and rule, and is rewritten inside when
+it holds sites of its own.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any, Optional
 
 from jax.extend import core as jcore
 
+from ..call_plan import fused_site_problem
 from ..common import limits
 from . import graph as G
 from . import matching
@@ -148,12 +151,40 @@ def _starts(g: G.Graph, manual: bool):
     shard_map / matmul outputs (outside shard_map)."""
     out = []
     for e in g.eqns:
-        n = G.name(e)
-        if (manual and (n in _REDUCTIONS or matching.custom_psum(e))) or (
-            not manual and n in ("shard_map", "dot_general")
-        ):
+        if _is_start(e, manual):
             out.extend(e.outvars)
     return out
+
+
+# Calls opened to reach a start inside them (a per-linear shard_map under its own jax.jit, a
+# psum in a jitted helper): plain calls only, whose boundary carries no rule or policy.
+_OPENED_FOR_STARTS = ("jit", "pjit", "closed_call", "core_call")
+_HOLDS_START: dict = {}  # id(jaxpr) -> (jaxpr, manual, whether it holds a start)
+
+
+def _is_start(e, manual: bool) -> bool:
+    n = G.name(e)
+    if manual:
+        return n in _REDUCTIONS or matching.custom_psum(e)
+    return n in ("shard_map", "dot_general")
+
+
+def _holds_start(eqn, manual: bool) -> bool:
+    """Whether a plain call's jaxpr holds (in it, or in plain calls inside it) an eqn a site
+    starts from; each jaxpr is read once per pass."""
+    if G.name(eqn) not in _OPENED_FOR_STARTS:
+        return False
+    sub = G.open_jaxpr(eqn.params.get(G.CALLS[G.name(eqn)]))
+    if sub is None:
+        return False
+    hit = _HOLDS_START.get(id(sub))
+    if hit is not None and hit[0] is sub and hit[1] == manual:
+        return hit[2]
+    found = any(_is_start(e, manual) or _holds_start(e, manual) for e in sub.eqns)
+    if len(_HOLDS_START) > 4096:
+        _HOLDS_START.clear()
+    _HOLDS_START[id(sub)] = (sub, manual, found)
+    return found
 
 
 def _near(g: G.Graph, starts) -> set:
@@ -173,7 +204,8 @@ def _near(g: G.Graph, starts) -> set:
 
 def inline_view(jaxpr, manual: bool, wanted=None):
     """(jaxpr with calls spliced, stable keys, origins). Calls receiving a value near a
-    reduction are spliced: all of them when ``wanted`` is None, else those coming from a
+    reduction, and plain calls holding a reduction (or, outside shard_map, a shard_map or a
+    matmul), are spliced: all of them when ``wanted`` is None, else those coming from a
     top-level call whose id is in ``wanted``; custom-psum calls (reductions themselves) never
     are. ``stable[id(eqn)]``: the id of the original eqn a spliced eqn copies (the same in
     every view); ``origin[id(eqn)]``: the id of the scope's own call it was spliced from."""
@@ -188,7 +220,7 @@ def inline_view(jaxpr, manual: bool, wanted=None):
             if (
                 G.name(e) in G.CALLS
                 and not matching.custom_psum(e)
-                and any(G.is_var(a) and a in near for a in e.invars)
+                and (any(G.is_var(a) and a in near for a in e.invars) or _holds_start(e, manual))
                 and (wanted is None or o in wanted)
             ):
                 spliced = _splice(e)
@@ -214,12 +246,13 @@ def inline_view(jaxpr, manual: bool, wanted=None):
 class BodyRole:
     """A psum in a shard_map body whose add and norm are outside: fused by the outer scope
     (``match`` set, its extra inputs and outputs numbered by ``slot``) or reported with the
-    outer scope's reason."""
+    outer scope's reason; or (``skip``) an eqn between that psum and the body's output, which
+    the fused call replaces."""
 
     match: Any = None
     slot: int = 0
     reason: Optional[str] = None
-    where: Optional[str] = None
+    skip: bool = False
 
 
 class Analyzer:
@@ -228,7 +261,10 @@ class Analyzer:
         self.axis = axis_name
         self.sites = []
         self.custom_rule_reasons = {}  # stable key of a source eqn -> reason
-        self.boundary_failures = {}  # (id of a shard_map eqn, output) -> reason
+        # (stable key of a shard_map eqn, output) -> (reason, late): from either pass, as
+        # the shard_map may be seen spliced in one and inside its call in the other
+        self.boundary_failures = {}
+        self.boundary_sites = {}  # (id of a scope's graph, shard_map eqn index) -> [Match]
 
     # --- one scope ---------------------------------------------------------------------------
     def plan(self, jaxpr, scope: Scope, roles: Optional[dict] = None) -> Plan:
@@ -259,9 +295,15 @@ class Analyzer:
 
         for i, e in enumerate(g.eqns):  # psums whose add and norm the outer scope fused
             role = roles.get(keys.get(id(e), id(e)))
-            if role is not None and role.match is not None:
-                plan.skip.add(i)
-                plan.emit[i].append(rewriting.BodyEmit(role.match, role.slot))
+            if role is None or (role.match is None and not role.skip):
+                continue
+            plan.skip.add(i)
+            if role.match is not None:
+                # After the residual when the body computes it (the chain to the output,
+                # skipped, has no other use: the sum may be written later).
+                rb = role.match.residual_body
+                at = max(i, g.defs[rb] + 1) if G.is_var(rb) and rb in g.defs else i
+                plan.emit[at].append(rewriting.BodyEmit(role.match, role.slot))
         removable = set()
         boundary = defaultdict(list)  # shard_map eqn index -> [(k, match)]
         for i, m in self._matches(g, scope, roles, keys, dry=False):
@@ -278,16 +320,22 @@ class Analyzer:
         for j, e in enumerate(g.eqns):
             if j in plan.skip and j not in boundary:
                 continue
+            # A custom-rule psum is a site itself (reported above): its body is that psum.
+            if scope.manual and matching.custom_psum(e):
+                continue
             subs = subjaxprs(e)
             if not subs:
                 continue
             if j in boundary:
-                plan.emit[boundary[j][0].emit_at].append(
-                    self._boundary_emitter(e, boundary[j], scope, g)
-                )
+                at = max(m.emit_at for m in boundary[j])
+                plan.emit[at].append(self._boundary_emitter(e, boundary[j], scope, g))
                 continue
             child_scope, ctx = self._child_scope(e, scope)
-            sub_roles = self._roles_for(e, g, j, scope) if G.name(e) == "shard_map" else {}
+            sub_roles = (
+                self._roles_for(e, keys.get(id(e), id(e)), scope)
+                if G.name(e) == "shard_map"
+                else {}
+            )
             sub_plans = {}
             for k, idx, sj in subs:
                 p = self.plan(G.open_jaxpr(sj), child_scope, sub_roles)
@@ -326,6 +374,7 @@ class Analyzer:
         """(eqn index, Match) of every fused site of the scope, in eqn order; sites left
         unfused are reported (when not ``dry``) and yield nothing."""
         taken = set()
+        self.boundary_sites = {}
         for i, e in enumerate(g.eqns):
             n = G.name(e)
             stable = keys.get(id(e), id(e))
@@ -349,9 +398,7 @@ class Analyzer:
             elif not scope.manual and n == "shard_map":
                 inner, _ = self._child_scope(e, scope)
                 for k in range(len(e.outvars)):
-                    try:
-                        matching.body_source(e, k, inner, self.axis)
-                    except (Reject, KeyError, TypeError):
+                    if matching.body_psum(e, k) is None:
                         continue
                     yield from self._try(
                         g,
@@ -386,6 +433,7 @@ class Analyzer:
                 )
 
     def _try(self, g, i, scope, taken, dry, stable, match, boundary=False):
+        m = None
         try:
             m = match()
             if stable in self.custom_rule_reasons:
@@ -395,9 +443,10 @@ class Analyzer:
         except Reject as why:
             reason = self.custom_rule_reasons.get(stable, str(why))
             if boundary:
-                # Reported by the body's analysis, with this reason, when it is a psum.
-                if not dry:
-                    self.boundary_failures[(id(g.eqns[i]), stable[1])] = reason
+                # Reported by the body's analysis, with this reason (_roles_for), when it
+                # came once the site was found (in the matcher after the add, or here).
+                late = m is not None or getattr(why, "late", False)
+                self.boundary_failures[stable] = (reason, late)
                 return
             if not dry:
                 kind = self._kind_of(g.eqns[i], scope)
@@ -405,6 +454,7 @@ class Analyzer:
             return
         if not dry:
             taken |= m.skip
+            self._admitted(m, g)
             self._report_fused(m, scope)
         yield i, m
 
@@ -418,20 +468,18 @@ class Analyzer:
             return R.PLAIN_JIT_MATMUL
         return R.PSUM
 
-    def _roles_for(self, sm_eqn, g, j, scope):
-        """Roles of the body psums whose sites the outer scope matched or refused."""
+    def _roles_for(self, sm_eqn, key, scope):
+        """Roles of the body psums whose sites the outer scope refused once it had found
+        their residual add (a refusal before it says only that the output is not a site:
+        the body's own analysis of the psum then gives the reason)."""
         roles = {}
-        inner, _ = self._child_scope(sm_eqn, scope)
-        body = G.open_jaxpr(sm_eqn.params["jaxpr"])
         for k in range(len(sm_eqn.outvars)):
-            reason = self.boundary_failures.pop((id(sm_eqn), k), None)
-            if reason is None:
+            got = self.boundary_failures.pop((key, k), None)
+            found = matching.body_psum(sm_eqn, k)
+            if got is None or found is None or not got[1]:
                 continue
-            try:
-                _, pi, _ = matching.body_source(sm_eqn, k, inner, self.axis)
-            except (Reject, KeyError, TypeError):
-                continue
-            roles[id(body.eqns[pi])] = BodyRole(reason=reason)
+            body, _, pi, _ = found
+            roles.setdefault(id(body.eqns[pi]), BodyRole(reason=got[0]))
         return roles
 
     # --- admission: kernel limits, overlaps, workspaces --------------------------------------
@@ -449,10 +497,48 @@ class Analyzer:
             problem = f"hidden size {m.hidden} is not a multiple of 16 bytes"
         if problem:
             raise Reject(problem)
-        if m.skip & taken:
+        overlap = m.skip & taken
+        if m.boundary is not None:  # several outputs of one shard_map may each be a site
+            overlap.discard(m.boundary[0])
+            self._share_boundary(m, g)
+        if overlap:
             raise Reject("overlaps another fused site")
         m.world = world
-        m.workspace = self.fuser.workspace_for(m, world)  # raises Reject when it cannot
+        if m.boundary is not None:
+            mesh = g.eqns[m.boundary[0]].params["mesh"]
+        else:
+            mesh = scope.ctx[0] if scope.manual else None
+        m.workspace = self.fuser.workspace_for(m, world, mesh)  # raises Reject when it cannot
+        # Never costlier than the original: where no kernel serves the site, a rewrite that
+        # adds collectives stays as written (call_plan.fused_site_problem).
+        costlier = fused_site_problem(
+            m.workspace, m.tokens, m.hidden, m.dtype, adds_collectives=m.kind == R.REDUCE_SCATTER
+        )
+        if costlier:
+            raise Reject(costlier)
+
+    def _share_boundary(self, m, g):
+        """A second site on the same shard_map: one rewritten shard_map serves both, at the
+        later emission point, where nothing may read their results or the shard_map's
+        outputs before it."""
+        others = self.boundary_sites.get((id(g), m.boundary[0]), [])
+        if others:
+            sites = others + [m]
+            at = max(s.emit_at for s in sites)
+            skip = set().union(*(s.skip for s in sites))
+            written = set(g.eqns[m.boundary[0]].outvars)
+            for s in sites:
+                written |= matching.written_vars(s)
+            for v in written:
+                if any(u < at and u not in skip for u in g.users(v)):
+                    raise Reject(
+                        "an output of the shard_map is used before the gamma of its other "
+                        "fused all-reduce is computed"
+                    )
+
+    def _admitted(self, m, g):
+        if m.boundary is not None:
+            self.boundary_sites.setdefault((id(g), m.boundary[0]), []).append(m)
 
     # --- reporting ---------------------------------------------------------------------------
     def _report_unfused(self, g, i, scope, reason, kind):
@@ -525,7 +611,10 @@ class Analyzer:
         body = G.open_jaxpr(sm_eqn.params["jaxpr"])
         roles = {}
         for slot, m in enumerate(matches):
-            roles[id(body.eqns[m.boundary[2]])] = BodyRole(match=m, slot=slot)
+            _, _, pi, chain = matching.body_psum(sm_eqn, m.boundary[1])
+            roles[id(body.eqns[pi])] = BodyRole(match=m, slot=slot)
+            for c in chain:
+                roles[id(body.eqns[c])] = BodyRole(skip=True)
         body_plan = self.plan(body, inner, roles)
         body_plan.context = ctx
         return rewriting.BoundaryEmit(sm_eqn, matches, body_plan)

@@ -6,9 +6,12 @@ matched equations (the norm, its gamma's broadcasts, the FP8 tail) are interpret
 float64 with every cast ignored (it checks the mathematics; where the roundings fall is the
 proof's job), on a residual sum whose rows have very different scales (so eps and every
 constant matter) and a gamma whose columns all differ (so a per-token factor cannot pass for
-gamma, whatever the shape, T == H included). The result must equal
-``r / sqrt(mean(r^2) + eps) * (weight_bias + gamma)`` (and the FP8 tail's scale and
-quotient) to 1e-9. A site that fails is left unfused with the difference as its reason.
+gamma, whatever the shape, T == H included). The result must equal what the proof claims,
+``overall * r / sqrt(mean(r^2) + eps) * (weight_bias + col(gamma))`` (``col``: the steps of
+gamma the rewrite replays, ``overall``: the float32 rounding of the program's constants, which
+the proof bounds), and the FP8 tail's scale and quotient (with the program's own scale), to
+1e-9: float64 evaluation noise. A site that fails is left unfused with the difference as its
+reason.
 
 Large sites are checked on a few rows (the norm is row-wise): the token dimension's size is
 replaced in the equations' shape parameters, and where that is ambiguous (a shape the
@@ -49,7 +52,7 @@ def _broadcast(x, shape, dims):
 def _eval_eqn(e, args, fix):
     n = G.name(e)
     p = e.params
-    if n in G.NO_OPS or n == G.CAST:
+    if n in G.NO_OPS or n in (G.CAST, "stop_gradient"):
         return [args[0]]
     if n in ("mul", "div", "add", "sub", "max", "min"):
         a, b = args
@@ -169,11 +172,23 @@ def _probe_rows(shape, rng):
     return r.reshape(shape)
 
 
+def _col(gamma, ops):
+    """gamma after the proof's replayed steps, in float64 (casts ignored, additions kept)."""
+    for op in ops:
+        if op[0] == "add":
+            gamma = gamma + op[1]
+    return gamma
+
+
 def _reference(r, gamma, eps, weight_bias, proof, scale):
     f = r
     inv = 1.0 / np.sqrt(np.mean(f * f, axis=-1, keepdims=True) + eps)
-    g = np.ones(f.shape[-1]) if gamma is None else weight_bias + gamma.reshape(-1)
-    y = f * inv * g
+    g = (
+        np.ones(f.shape[-1])
+        if gamma is None
+        else weight_bias + _col(gamma.reshape(-1), proof.gamma_ops)
+    )
+    y = proof.overall * f * inv * g
     out = {"norm": y}
     if proof.scale_out_var is not None:
         s = np.maximum(np.max(np.abs(y), axis=-1, keepdims=True) / 448.0, 1.0 / (512 * 448))
@@ -211,7 +226,9 @@ def _check_once(g, proof, r_var, restricted_dim, restricted_size):
         gamma = rng.uniform(0.5, 1.5, G.shape(proof.gamma))
         inputs[proof.gamma] = gamma
     scale = 0.037
-    if proof.scale is not None and G.is_var(proof.scale):
+    if isinstance(proof.scale, jcore.Literal):  # the program's own scale
+        scale = float(np.asarray(proof.scale.val, np.float64).reshape(-1)[0])
+    elif proof.scale is not None:
         inputs[proof.scale] = np.full(G.shape(proof.scale), scale)
     names = ["norm"]
     outs = [proof.out_var]
@@ -246,6 +263,8 @@ def check(g: G.Graph, proof, r_var) -> None:
         _signature(g, proof.eqns, roles),
         proof.eps,
         proof.weight_bias,
+        proof.gamma_ops,
+        proof.overall,
         proof.pattern,
         proof.out_var is not None,
         proof.quant_var is not None,

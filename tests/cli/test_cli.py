@@ -87,6 +87,18 @@ def test_demo_llama_fused_by_fuse_matches_unfused():
     assert len(verdicts) == 2, out
     rows = re.findall(r"^(unfused|fused)\s+(\d+\.\d)\s+(\d+\.\d)$", out, re.MULTILINE)
     assert len(rows) == 4 and all(float(p) > 0 and float(d) > 0 for _, p, d in rows)
+    # Virtual CPU devices time XLA on this CPU: labelled so, and no speedup row.
+    assert out.count("timings (CPU): virtual devices sharing this host's cores") == 2, out
+    assert not re.search(r"^speedup|\(speedup", out, re.M), out
+    # A line of progress on stderr for each compile phase: 2 programs x 2 layer modes.
+    for mode in ("unrolled", "scan"):
+        for name in ("unfused", "fused"):
+            assert re.search(
+                rf"^jax_fusedar demo: compiling the {name} prefill and decode programs "
+                rf"\(layers {mode}\) \.\.\. \d+\.\d s$",
+                r.stderr,
+                re.MULTILINE,
+            ), r.stderr
     errs = re.findall(
         r"max logits error (\S+) \(relative to max \|logits\| (\S+): (\S+); "
         r"tolerance (\S+) ",
@@ -96,6 +108,42 @@ def test_demo_llama_fused_by_fuse_matches_unfused():
     for abs_err, scale, rel, tol in errs:
         assert 0 <= float(rel) <= float(tol) and float(scale) > 0
     assert "PASS (unrolled)" in out and "PASS (scan)" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "argv, xla_flags, world",
+    [
+        # --tp in one process, with the user's own XLA_FLAGS asking for 8 host devices: the
+        # TP group is --tp ranks, not every device (before, 8 of 8 and PASS).
+        (["--tp", 2], HOST_8, 2),
+        (["--tp", 4], HOST_8, 4),
+        # The user's XLA_FLAGS without a device count: the CLI adds the count (before,
+        # "world size 1 is not supported").
+        ([], cpu_devices.FAST_COMPILE_FLAG, 8),
+        # A count in the user's XLA_FLAGS is the default TP size.
+        ([], cpu_devices.xla_flags(4), 4),
+    ],
+    ids=["tp2", "tp4", "flags-without-count", "flags-count-4"],
+)
+def test_demo_runs_at_the_tp_size_asked_for(argv, xla_flags, world):
+    r = run_cli(
+        "demo",
+        *argv,
+        "--layer-mode",
+        "scan",
+        "--steps",
+        2,
+        "--prompt",
+        4,
+        "--iters",
+        1,
+        xla_flags=xla_flags,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"tensor parallel over {world} devices" in r.stdout, r.stdout
+    assert f"devices: {world} x cpu (platform cpu), world size {world}," in r.stdout, r.stdout
+    assert "PASS (scan)" in r.stdout
 
 
 @pytest.mark.slow
@@ -159,7 +207,13 @@ def test_demo_bench_writes_json(tmp_path):
         (
             ["demo"],
             cpu_devices.xla_flags(3),
-            "preset tiny: kv_heads 8 does not split over 3 tensor-parallel ranks",
+            "XLA_FLAGS sets --xla_force_host_platform_device_count=3, which the demo takes "
+            "as its TP size on CPUs: world size 3 is not supported",
+        ),
+        (
+            ["demo", "--tp", 16],
+            HOST_8,
+            "preset tiny: kv_heads 8 does not split over 16 tensor-parallel ranks",
         ),
         (
             ["demo"],
@@ -194,7 +248,7 @@ def test_unrunnable_setups_exit_with_a_message(argv, xla_flags, message):
         (["demo", "--norm", "layer"], "invalid choice: 'layer'"),
         (["demo", "--bench-prefill-layers", "all"], "invalid choice: 'all'"),
         (["demo", "--steps", "-1"], "-1 is not positive"),
-        ([], "required: {demo}"),
+        ([], "required: {demo,doctor}"),
     ],
 )
 def test_bad_flags_exit_with_a_message(argv, message):

@@ -40,3 +40,10 @@ def test_moe_demo_passes_on_cpu():
     # rounding differs between CPUs, so a near tie may break either way.
     assert re.search(r"^greedy tokens: (identical|first divergence)", run.stdout, re.MULTILINE)
     assert run.stdout.rstrip().endswith("PASS")
+    # CPU timings are labelled, with no speedup; each compile phase has its line on stderr.
+    assert "timings (CPU): virtual devices sharing this host's cores" in run.stdout
+    assert not re.search(r"^speedup|\(speedup", run.stdout, re.M)
+    for label in ("plain", "fused"):
+        assert f"jax_fusedar demo: compiling the {label} prefill and decode programs ..." in (
+            run.stderr
+        ), run.stderr

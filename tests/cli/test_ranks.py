@@ -4,7 +4,10 @@ every GPU count, what each rank process is started with, how a failing rank is h
 over gloo, the reference path) against the unsharded reference."""
 
 import argparse
+import json
+import os
 import re
+import subprocess
 import sys
 import textwrap
 
@@ -13,6 +16,7 @@ import pytest
 from jax_fusedar.cli import ranks
 from tests.cli.test_cli import run_cli
 from tests.cpu_devices import xla_flags
+from tests.repo import REPO
 
 
 # --- the plan ----------------------------------------------------------------------------------
@@ -54,16 +58,78 @@ def test_rank_r_drives_gpu_r_mod_gpus(gpus, devices):
 
 
 def test_one_process_sees_exactly_the_tp_group():
-    env = {}
-    assert ranks.single_process_env(ranks.plan(4, "auto", 8), True, env) == {
-        "JAX_CUDA_VISIBLE_DEVICES": "0,1,2,3"
+    assert ranks.single_process_config(ranks.plan(4, "auto", 8)) == {
+        "jax_cuda_visible_devices": "0,1,2,3"
     }
-    assert ranks.single_process_env(ranks.plan(4, "auto", 0), True, env) == {
-        "JAX_NUM_CPU_DEVICES": "4"
-    }
-    # Without --tp, or with every GPU: nothing changes.
-    assert ranks.single_process_env(ranks.plan(None, "auto", 8), False, env) == {}
-    assert ranks.single_process_env(ranks.plan(8, "auto", 8), True, env) == {}
+    # On CPUs the process makes exactly the TP group's devices, --tp given or not.
+    assert ranks.single_process_config(ranks.plan(4, "auto", 0)) == {"jax_num_cpu_devices": 4}
+    assert ranks.single_process_config(ranks.plan(None, "auto", 0)) == {"jax_num_cpu_devices": 8}
+    # Every GPU: nothing changes; ranks in processes of their own set their own.
+    assert ranks.single_process_config(ranks.plan(None, "auto", 8)) == {}
+    assert ranks.single_process_config(ranks.plan(8, "auto", 8)) == {}
+    assert ranks.single_process_config(ranks.plan(2, "per-rank", 0)) == {}
+
+
+@pytest.mark.parametrize(
+    "xla_flags, count",
+    [
+        ("", None),
+        ("--xla_backend_optimization_level=0", None),
+        ("--xla_force_host_platform_device_count=4", 4),
+        ("--xla_force_host_platform_device_count=4 --xla_force_host_platform_device_count=2", 2),
+        ("--xla_force_host_platform_device_count=4x", None),
+    ],
+)
+def test_the_users_xla_flags_count_is_read(xla_flags, count):
+    assert ranks.host_devices({"XLA_FLAGS": xla_flags}) == count
+    assert ranks.host_devices({}) is None
+
+
+def test_on_cpus_the_default_tp_is_the_users_count_else_8():
+    assert ranks.plan(None, "auto", 0, host_devices=4).world == 4
+    assert ranks.plan(None, "auto", 0, host_devices=None).world == 8
+    assert ranks.plan(2, "auto", 0, host_devices=4).world == 2  # --tp wins
+    with pytest.raises(
+        ValueError,
+        match=r"XLA_FLAGS sets --xla_force_host_platform_device_count=3, which the demo takes "
+        r"as its TP size on CPUs: world size 3 is not supported.*; pass --tp 2, 4, 8 or 16",
+    ):
+        ranks.plan(None, "auto", 0, host_devices=3)
+
+
+@pytest.mark.parametrize(
+    "plan, line",
+    [
+        (None, "devices: 2 x cpu (platform cpu), world size 2"),
+        (ranks.Plan(world=2, gpus=0, per_rank=True), "devices: 2 x cpu (platform cpu), world"),
+        (
+            ranks.Plan(world=2, gpus=1, per_rank=True),
+            "devices: 2 ranks on 1 x cpu (platform cpu; the ranks share it), world size 2",
+        ),
+        (
+            ranks.Plan(world=8, gpus=2, per_rank=True),
+            "devices: 8 ranks on 2 x cpu (platform cpu; the ranks share them, rank r on GPU "
+            "r % 2), world size 8",
+        ),
+    ],
+)
+def test_the_devices_line_says_when_ranks_share_gpus(plan, line):
+    # (Here the devices are this test process's 8 CPU devices; the GPU test reads "2 ranks
+    # on 1 x NVIDIA H200".)
+    from jax_fusedar.cli import setup
+
+    world = plan.world if plan else 2
+    text = setup.describe_devices(world, "trtllm", plan)
+    assert text.startswith(line.replace("world size 2", f"world size {world}")), text
+    assert text.endswith(", backend trtllm: FlashInfer kernel")
+
+
+@pytest.mark.parametrize(
+    "platforms, sees", [(None, True), ("cpu", False), ("cuda,cpu", True), ("gpu", True)]
+)
+def test_jax_platforms_cpu_means_no_gpus(platforms, sees):
+    env = {} if platforms is None else {"JAX_PLATFORMS": platforms}
+    assert ranks.jax_sees_gpus(env) is sees
 
 
 @pytest.mark.parametrize("gpus", [0, 1])
@@ -257,3 +323,96 @@ def test_demo_run_as_ranks_reports_a_setup_error_from_the_ranks():
         "error (rank 0): --moe has the presets tiny (CPUs) and small (GPUs, picked by "
         "--preset auto), not llama3-8b" in r.stderr
     )
+
+
+# --- the end of a rank process ------------------------------------------------------------------
+
+# Put on the rank processes' PYTHONPATH: records, when jax.distributed.shutdown() is called,
+# which JAX backends are still registered, in $SHUTDOWN_RECORD_DIR/<pid>.json.
+RECORD_SHUTDOWN = textwrap.dedent("""
+    import json, os
+    import jax
+    from jax._src import xla_bridge
+
+    _shutdown = jax.distributed.shutdown
+
+    def shutdown():
+        path = os.path.join(os.environ["SHUTDOWN_RECORD_DIR"], f"{os.getpid()}.json")
+        with open(path, "w") as f:
+            json.dump({"backends": sorted(xla_bridge._backends)}, f)
+        _shutdown()
+
+    jax.distributed.shutdown = shutdown
+""")
+
+
+@pytest.mark.slow
+def test_a_rank_shuts_its_backends_down_before_the_distributed_client(tmp_path, monkeypatch):
+    """JAX's backends watch the other tasks through the distributed client (on GPUs): shut
+    down after it, their pending watch fails and JAX prints a WatchTasksAsync trace after
+    PASS. Every rank must have no backend left when jax.distributed.shutdown() runs."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(RECORD_SHUTDOWN)
+    records = tmp_path / "records"
+    records.mkdir()
+    monkeypatch.setenv("SHUTDOWN_RECORD_DIR", str(records))
+    r = run_cli(
+        "demo",
+        "--processes",
+        "per-rank",
+        "--tp",
+        2,
+        "--layer-mode",
+        "scan",
+        "--steps",
+        1,
+        "--prompt",
+        4,
+        pythonpath=[site],
+        xla_flags=xla_flags(8),
+    )
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    assert "PASS (scan)" in r.stdout
+    found = [json.loads(p.read_text()) for p in sorted(records.iterdir())]
+    assert found == [{"backends": []}] * 2, found
+    assert "WatchTasksAsync" not in r.stdout + r.stderr
+
+
+@pytest.mark.slow
+def test_shutdown_in_order_frees_the_backends_first(tmp_path):
+    """The backend clients are gone (not only unregistered) when the distributed client shuts
+    down, after a cross-process psum like the demo's."""
+    script = textwrap.dedent("""
+        import json, sys
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        rank, port = int(sys.argv[1]), sys.argv[2]
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=rank)
+        mesh = Mesh(np.array(jax.devices()), ("tp",))
+        x = jax.make_array_from_callback(
+            (2, 4), NamedSharding(mesh, P("tp")), lambda i: np.ones((1, 4), np.float32))
+        total = jax.jit(lambda a: a.sum(0), out_shardings=NamedSharding(mesh, P()))(x)
+        value = float(np.asarray(total.addressable_data(0)).sum())
+        del x, total, mesh  # nothing of JAX's left in this process but its caches
+        from jax_fusedar.cli import rank_process
+        print(json.dumps({"sum": value, "alive": rank_process.shutdown_in_order()}))
+    """)
+    port = str(ranks.free_port())
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1", PYTHONPATH=str(REPO))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(r), port],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+        assert json.loads(out.strip().splitlines()[-1]) == {"sum": 8.0, "alive": []}, out

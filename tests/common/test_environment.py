@@ -26,6 +26,8 @@ def test_every_variable_the_package_reads_is_checked():
     read = set()
     for folder in ("jax_fusedar", "torch_compat"):
         for path in (REPO / folder).rglob("*.py"):
+            if path.name == "environment.py":  # the list of every name, read or not
+                continue
             read |= set(re.findall(r'"(JAX_FUSEDAR_[A-Z0-9_]+)"', path.read_text()))
     assert read - NOT_PARSED == {var for var, _ in environment.READERS}
 
@@ -72,3 +74,73 @@ def test_all_bad_values_are_reported_together(clean_env):
     for var, value, _ in BAD[:3] + BAD[4:]:
         clean_env.setenv(var, value)
     assert len(environment.problems()) == 5
+
+
+# --- unknown variables ---------------------------------------------------------------------------
+
+# A CMake variable of ffi/CMakeLists.txt, never read from the environment; the misspelling
+# the docs show as an example.
+NOT_VARIABLES = {"JAX_FUSEDAR_HAVE_CORE", "JAX_FUSEDAR_STICT"}
+
+
+def test_every_variable_named_in_the_repository_is_known():
+    import subprocess
+
+    files = subprocess.run(
+        ["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
+    named = set()
+    for name in files:
+        path = REPO / name
+        if path.is_file() and name != "tests/common/test_environment.py":  # its misspellings
+            try:
+                named |= set(re.findall(r"JAX_FUSEDAR_[A-Z0-9_]*[A-Z0-9]", path.read_text()))
+            except UnicodeDecodeError:
+                continue
+    assert named - NOT_VARIABLES == set(environment.KNOWN)
+
+
+def test_an_unknown_variable_is_named_with_the_nearest_known_one():
+    env = {
+        "JAX_FUSEDAR_STICT": "1",
+        "JAX_FUSEDAR_TIMEOUT": "5",
+        "JAX_FUSEDAR_STRICT": "1",  # known: not named
+        "JAX_FUSEDAR_XYZZY": "1",
+        "PATH": "/bin",
+    }
+    found = environment.unknown(env)
+    assert found[0] == (
+        "$JAX_FUSEDAR_STICT is set but jax_fusedar reads no such variable: did you mean "
+        "$JAX_FUSEDAR_STRICT?"
+    )
+    assert found[1].startswith("$JAX_FUSEDAR_TIMEOUT is set") and found[1].endswith(
+        "did you mean $JAX_FUSEDAR_TIMEOUT_S?"
+    )
+    # Nothing close: the known names are listed.
+    assert found[2].startswith("$JAX_FUSEDAR_XYZZY is set") and "JAX_FUSEDAR_STRICT" in found[2]
+    assert "did you mean" not in found[2]
+    assert len(found) == 3
+    assert environment.unknown({v: "1" for v in environment.KNOWN}) == []
+
+
+def test_importing_the_package_warns_about_an_unknown_variable():
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, JAX_FUSEDAR_STICT="1", PYTHONPATH=str(REPO))
+    for module in ("jax_fusedar", "jax_fusedar.common.patterns"):
+        r = subprocess.run(
+            [sys.executable, "-c", f"import {module}"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 0, r.stderr
+        assert (
+            "UnknownVariableWarning: $JAX_FUSEDAR_STICT is set but jax_fusedar reads no such "
+            "variable: did you mean $JAX_FUSEDAR_STRICT?"
+        ) in r.stderr, r.stderr
+        assert r.stderr.count("UnknownVariableWarning") == 1

@@ -85,3 +85,95 @@ def test_native_ranks_can_be_watched():
     if native.ext is None:
         pytest.skip("the native extension is not built (./dev setup)")
     assert native.ext.Rank.__weakrefoffset__ > 0
+
+
+class DestroyableRank(FakeRank):
+    """A native Rank as it behaves once destroyed: ``alive`` False and its record no longer
+    readable (a native rank's record lives in memory its destroy frees)."""
+
+    def __init__(self):
+        super().__init__()
+        self.alive = True
+
+    def destroy(self):
+        self.alive = False
+
+    def failure(self):
+        if not self.alive:
+            raise ValueError("this workspace rank was destroyed")
+        return self.record
+
+
+def test_a_rank_destroyed_after_its_record_was_seen_is_ended_with_that_record(watched):
+    rank = DestroyableRank()
+    lost_traps.watch(rank, 1)
+    rank.record = "jax_fusedar kernel wait timed out on rank 1 of 2: rank 0 did not arrive"
+    assert _pass(0.0) == []  # seen
+    rank.destroy()  # e.g. the workspace's destroy, which then waits on the stream
+    assert _pass(lost_traps.GRACE_S - 0.1) == []
+    assert _pass(lost_traps.GRACE_S + 0.1) == [(rank.record, 1)]
+
+
+def test_a_rank_destroyed_before_any_record_is_forgotten(watched):
+    rank = DestroyableRank()
+    lost_traps.watch(rank, 0)
+    assert _pass(0.0) == []
+    rank.destroy()
+    assert _pass(1.0) == [] and watched == []
+
+
+# The watcher in a process of its own: a record on a healthy context (the probe stands in for
+# CUDA), stderr made unusable in one of three ways before the watcher ends the process.
+UNUSABLE_STDERR = """
+import os, sys, time
+from jax_fusedar.common import lost_traps, native
+
+
+class HealthyContext:  # the probe's CUDA call succeeds: the trap was never reported
+    @staticmethod
+    def mem_info(device):
+        return (1 << 30, 1 << 30)
+
+
+native.ext = HealthyContext
+lost_traps.GRACE_S, lost_traps.POLL_S = 0.5, 0.1
+
+
+class Rank:
+    def failure(self):
+        return "jax_fusedar call check failed on rank 1 of 2: X"
+
+
+mode = sys.argv[1]
+if mode == "closed":
+    sys.stderr.close()
+    os.close(2)
+elif mode == "none":  # as in a process started without a console
+    sys.stderr = None
+rank = Rank()
+lost_traps.watch(rank, 0)
+time.sleep(120)
+sys.exit(0)
+"""
+
+
+@pytest.mark.parametrize("mode", ["usable", "closed", "none", "broken-pipe"])
+def test_the_watcher_ends_the_process_whatever_stderr_is(mode):
+    p = subprocess.Popen(
+        [sys.executable, "-c", UNUSABLE_STDERR, mode],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    if mode == "broken-pipe":
+        p.stderr.close()  # the reader is gone: the watcher's write raises BrokenPipeError
+    try:
+        code = p.wait(timeout=30)  # the end comes GRACE_S (0.5 s) after the record
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        pytest.fail(f"stderr {mode}: the watcher never ended the process")
+    finally:
+        if p.stderr and not p.stderr.closed:
+            p.stderr.close()
+    assert code == lost_traps.EXIT_CODE

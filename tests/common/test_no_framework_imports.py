@@ -26,9 +26,17 @@ from tests.repo import REPO
 COMMON_MODULES = sorted(
     f"jax_fusedar.common.{m.name}" for m in pkgutil.iter_modules(jax_fusedar.common.__path__)
 )
-# python -m jax_fusedar's own entry point must not start JAX: it sets XLA_FLAGS before JAX
-# reads them. The benchmarks' shared module neither (the torch benchmark uses it).
-JAX_FREE_CLI = ["jax_fusedar.cli.argtypes", "jax_fusedar.cli.main", "benchmarks.report"]
+# What python -m jax_fusedar runs before it settles the devices (the entry point, the demo's
+# flags, the TP plan): JAX reads the device count when it starts its backends; and the
+# benchmarks' shared module, which the torch benchmark uses.
+JAX_FREE_CLI = [
+    "jax_fusedar.cli.argtypes",
+    "jax_fusedar.cli.main",
+    "jax_fusedar.cli.demo_args",
+    "jax_fusedar.cli.ranks",
+    "jax_fusedar.cli.doctor",
+    "benchmarks.report",
+]
 
 
 def _imported_after(modules):
@@ -78,6 +86,29 @@ def test_the_common_layer_is_all_there():
 def test_module_imports_neither_jax_nor_torch(module):
     roots = _imported_after([module])
     assert module.split(".")[0] in roots  # it did import
+    assert not roots & {"jax", "jaxlib", "torch"}, sorted(roots & {"jax", "jaxlib", "torch"})
+
+
+@pytest.mark.slow
+def test_parsing_the_cli_flags_imports_no_jax():
+    code = (
+        "import json, sys\n"
+        "from jax_fusedar.cli.main import build_parser\n"
+        "parser, _ = build_parser()\n"
+        "parser.parse_args(['demo', '--tp', '2', '--moe'])\n"
+        "parser.parse_args(['bench', '--tokens', '1'])\n"
+        "print(json.dumps(sorted({n.split('.')[0] for n in sys.modules})))\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    roots = set(json.loads(r.stdout.strip().splitlines()[-1]))
     assert not roots & {"jax", "jaxlib", "torch"}, sorted(roots & {"jax", "jaxlib", "torch"})
 
 

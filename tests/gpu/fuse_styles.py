@@ -12,7 +12,8 @@ fused program still holds XLA collectives (the sequence-parallel models gather t
 shard) needs one GPU per rank and is skipped, with that reason, when ranks share a GPU.
 
 ``platform="cpu"`` runs the same steps on CPU processes (gloo collectives, the reference
-lowering instead of the kernel) as a dry run of everything but the kernel.
+lowering instead of the kernel, fused on an abstract kernel workspace so that fuse rewrites
+as on GPUs) as a dry run of everything but the kernel.
 """
 
 from __future__ import annotations
@@ -81,11 +82,25 @@ def _one_style(jax, jf, style, cfg, mesh, seed, gpus, world, platform):
     )
     x = _global(jax, host_x, mod.input_sharding(mesh))
     forward = style.forward(cfg, mesh)
+    if platform == "cuda":
+        target = dict(mesh=mesh, axis_name="tp", backend="auto")
+    else:
+        # The kernel's backend, described (nothing allocated): fuse rewrites as on GPUs (on
+        # the xla backend a sequence-parallel site stays as written), and the fused calls
+        # run the reference on CPU.
+        target = dict(
+            workspace=jf.abstract_workspace(
+                mesh,
+                "tp",
+                max_token_num=cfg.tokens,
+                hidden_dim=cfg.hidden,
+                dtype=dtype,
+                backend="trtllm",
+            )
+        )
     fused = jf.fuse(
         forward,
-        mesh=mesh,
-        axis_name="tp",
-        backend="auto" if platform == "cuda" else "xla",
+        **target,
         allow_rounding_change=style.allow_rounding_change,
         strict=True,
     )

@@ -56,9 +56,11 @@ LANES = {
 EXPECTED_S = {
     "quick": {
         "test_anchor.py": 500,
+        "test_flashinfer_shim.py": 150,  # an estimate: not yet run there
         "test_torch.py": 390,
         "test_fuse_styles.py": 270,
         "test_parity.py": 200,
+        "test_fuse_exact.py": 90,  # an estimate (not yet run on a GPU): 6 small programs
         "test_jax.py": 140,
         "test_timeout.py": 135,
         "test_demo.py": 135,
@@ -73,6 +75,7 @@ EXPECTED_S = {
         "test_jax_misuse.py": 5,
         "test_readme.py": 5,
         "test_benchmarks.py": 10,
+        "test_fallback.py": 90,  # estimate: not yet run on a GPU (27 compiles per rank)
     },
     "slow": {
         "test_torch.py": 400,
@@ -84,6 +87,7 @@ EXPECTED_S = {
         "test_native.py": 110,
         "test_large_message.py": 65,
         "test_demo.py": 110,
+        "test_fallback.py": 150,  # estimate: not yet run on a GPU (4 ranks over NCCL sockets)
     },
     "worlds": {
         "test_torch.py": 350,
@@ -93,6 +97,7 @@ EXPECTED_S = {
         "test_jax.py": 125,
         "test_demo.py": 110,
         "test_timeout.py": 80,
+        "test_fallback.py": 150,  # estimate, as in "slow"
     },
 }
 # Tests that measure the whole GPU (free memory is device-wide): run first, alone.

@@ -58,6 +58,14 @@ def _check_demo(r, tp, name, modes):
     if gpus < tp:
         assert f"over {tp} ranks, one process per rank sharing {gpus} GPU" in out, out
         assert "timings: none; " in out and "tok/s" not in out, out
+        # The header counts ranks and GPUs apart ("2 ranks on 1 x NVIDIA H200").
+        assert re.search(
+            rf"^devices: {tp} ranks on {gpus} x \S.*\(platform gpu; the ranks share", out, re.M
+        ), out
+        assert not re.search(r"^speedup", out, re.M), out
+    # A successful run ends clean: no trace of JAX's distributed client at shutdown.
+    assert "WatchTasksAsync" not in out + r.stderr, r.stderr[-4000:]
+    assert "compiling the fused prefill and decode programs" in r.stderr, r.stderr[-4000:]
     rels = re.findall(r"\(relative to max \|logits\| \S+: (\S+); tolerance (\S+) ", out)
     assert len(rels) == len(modes), out
     assert all(float(rel) <= float(tol) for rel, tol in rels), rels
@@ -81,3 +89,21 @@ def test_demo_moe():
     r = _cli("demo", "--moe")
     _check_demo(r, world, "gpu_demo_moe", ["moe"] if _gpus() < world else [])
     assert "PASS" in r.stdout
+
+
+def test_doctor_on_gpus():
+    """``python -m jax_fusedar doctor`` on a GPU machine: the GPUs, their peer access and
+    links, the native build with its architectures (the build record), the kernel for TP 2."""
+    r = _cli("doctor", timeout=120)
+    report("gpu_doctor", {"returncode": r.returncode, "stdout": r.stdout, "stderr": r.stderr})
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    gpus = _gpus()
+    assert f"GPUs: {gpus}\n  GPU0: NVIDIA " in out, out
+    assert re.search(r"^CUDA driver: \S+ \(CUDA \d+\.\d+\)$", out, re.M), out
+    assert re.search(r"^native build: loaded from .*; CUDA architectures sm_\d+a?", out, re.M), out
+    assert "FlashInfer headers 0.7.2.post1" in out, out
+    if gpus >= 2:
+        assert "peer access (the kernel needs it" in out and "links (nvidia-smi topo -m" in out
+    assert "  2 ranks: trtllm (the kernel)" in out, out
+    assert len(out.splitlines()) <= 40, out

@@ -302,3 +302,33 @@ def test_a_rank_that_skips_an_moe_call_makes_the_other_fail_with_the_record(case
         assert f["torch_compat_error"] and f["failure_record"] in f["torch_compat_error"], f
     assert "exitcode" not in r1, f"the rank that made no call ended: {r1}"
     assert r1["healthy_after"] is True and r1["failure_record"] == "", r1
+
+
+def test_destroy_waits_without_the_gil_and_keeps_the_record():
+    """Rank 0 destroys its workspace while a call that rank 1 never joins is in flight: the
+    destroy's cudaDeviceSynchronize waits for the call's timeout, with the GIL released (a
+    Python thread keeps ticking: with the GIL held it could not, and neither could the
+    lost-trap watcher), and after the destroy the rank's record is still readable. Where the
+    driver never reports the trap, the destroy never returns and the watcher, which can run
+    only because the GIL is free, ends the process with the record on stderr."""
+    from tests.gpu.workers.native_timeout import BOUNDS, GOOD_FIRST, TICK_S, TIMEOUT_S
+
+    res = run_case("tests.gpu.workers.native_timeout", "destroy_waits", timeout_s=200)
+    report("timeout_destroy_waits", res)
+    assert "error" not in res, res["error"] + "\n" + res["output_tail"]
+    r0, r1 = res["ranks"]
+    assert "exitcode" not in r1, f"the rank that made no call ended: {r1}"
+    assert r1["healthy_after"] is True and r1["failure_record"] == ""
+    sig = SIG.format(16, "one-shot")
+    if "exitcode" in r0:  # the trap was never reported: the watcher ended the destroy's wait
+        _check_good(r0["notes"]["good"], BOUNDS, 0)
+        _check_lost(res, r0, 1, GOOD_FIRST + 1, sig, TIMEOUT_S, LAMPORT_WAIT)
+        return
+    _check_good(r0["good"], BOUNDS, 0)
+    d = r0["destroy"]
+    # The destroy waited for the timeout, and the thread ran through at least half of it.
+    assert TIMEOUT_S * 0.9 <= d["destroy_s"] <= TIMEOUT_S + 1.0 + host_slack_s(2), d
+    assert d["ticks"] >= 0.5 * d["destroy_s"] / TICK_S, d
+    assert d["destroy_error"], d  # the trapped call's CUDA error, reported by destroy
+    assert d["alive_after"] is False
+    _check_record(d["failure_after_destroy"], 0, 1, GOOD_FIRST + 1, sig, TIMEOUT_S, LAMPORT_WAIT)

@@ -75,6 +75,10 @@ def test_torch_create_destroy_cycles_return_all_memory():
         )
         assert r["nan_outputs"] == 0, r
         assert r["worst"]["residual"] <= RESIDUAL_ULPS and r["worst"]["norm"] <= NORM_ULPS, r
+        # The repr shows each rank's device memory, by the sizing rule JAX's workspace uses.
+        from jax_fusedar.common.sizing import workspace_bytes
+
+        assert f"bytes_per_rank={workspace_bytes(2, 16, 4096, 'bfloat16')} (" in r["repr"], r
         assert r["free_after"] >= r["free_before"], (
             f"rank {r['rank']}: {r['free_before'] - r['free_after']} bytes of GPU memory not "
             f"returned after {r['cycles']} create/destroy cycles"

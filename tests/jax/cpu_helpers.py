@@ -35,9 +35,12 @@ RESIDUAL_ULPS = 1.0
 NORM_ULPS = {"bfloat16": 3.0, "float16": 3.0, "float32": 8.0}
 
 
-# Lowering a trtllm workspace for cuda needs the native module's FFI targets.
+# Lowering (and exporting) a trtllm workspace for cuda needs no native module; compiling a
+# program that holds the kernel's call does, on CPU too (a ("cpu", "cuda") artifact's cuda
+# branch compiles against the handler's host twin).
 needs_native = pytest.mark.skipif(
-    not native.available(), reason=native_skip_reason("the cuda lowering of a trtllm workspace")
+    not native.available(),
+    reason=native_skip_reason("compiling a program that calls the kernel (its host twin)"),
 )
 
 

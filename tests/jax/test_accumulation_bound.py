@@ -149,6 +149,7 @@ def _fused_on_cpu(world, dtype, fp32_acc, xs, residual, gamma, weight_bias):
             weight_bias=weight_bias,
             fp32_acc=fp32_acc,
             rms_eps=RMS_EPS,
+            fallback="kernel_exact",
         )
         a = jf.allreduce_fusion(
             x,
@@ -156,6 +157,7 @@ def _fused_on_cpu(world, dtype, fp32_acc, xs, residual, gamma, weight_bias):
             workspace=ws,
             fp32_acc=fp32_acc,
             pattern=jf.AllReduceFusionPattern.kAllReduce,
+            fallback="kernel_exact",
         )
         return a.allreduce_out, o.residual_out, o.norm_out
 

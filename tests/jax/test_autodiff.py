@@ -24,10 +24,8 @@ from tests.jax.cpu_helpers import (
     random_values,
     require_host_devices,
 )
-from jax_fusedar.common import native
 from jax_fusedar import reference
 from jax_fusedar.common.patterns import TRAITS
-from tests.skips import native_skip_reason
 
 require_host_devices()
 
@@ -55,9 +53,10 @@ def fused_combine(ws, pattern=Q.kARResidualRMSNorm, **kw):
     return combine
 
 
-def unfused_combine(*, weight_bias=0.0, fp32_acc=True, **_):
-    """The same with psum + residual add + RMSNorm in plain JAX (the reference math; gamma
-    rounded to the stream's dtype as the fused op does with a float32 gamma)."""
+def unfused_combine(*, weight_bias=0.0, fp32_acc=True, fallback="xla", **_):
+    """The same with psum + residual add + RMSNorm in plain JAX (the reference math, with the
+    fused call's fallback all-reduce; gamma rounded to the stream's dtype as the fused op
+    does with a float32 gamma)."""
 
     def combine(p, r, g):
         _, r_out, y = reference.allreduce_fusion_reference(
@@ -69,6 +68,7 @@ def unfused_combine(*, weight_bias=0.0, fp32_acc=True, **_):
             rms_eps=EPS,
             weight_bias=weight_bias,
             fp32_acc=fp32_acc,
+            fallback=fallback,
         )
         return r_out, y
 
@@ -268,7 +268,9 @@ def test_jvp_and_vjp(variant, check_vma):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "kw", [{"weight_bias": 1.0}, {"fp32_acc": False}], ids=["weight_bias", "no_fp32_acc"]
+    "kw",
+    [{"weight_bias": 1.0}, {"fp32_acc": False, "fallback": "kernel_exact"}],
+    ids=["weight_bias", "no_fp32_acc"],
 )
 def test_gradients_with_weight_bias_and_without_fp32_acc(kw):
     mesh = make_mesh((8,), ("tp",))
@@ -476,9 +478,6 @@ def test_reference_round_to_derivative_is_the_rounding():
     assert ct.dtype == np.float32 and np.all(np.asarray(ct) == 1)
 
 
-@pytest.mark.skipif(
-    not native.available(), reason=native_skip_reason("the cuda lowering of a trtllm workspace")
-)
 @pytest.mark.parametrize("variant", ["plain", "checkpoint"])
 def test_cuda_gradient_keeps_the_kernel_and_adds_no_all_reduce(variant):
     """Lowered for cuda: the forward runs the kernel (one custom call per layer, again per

@@ -11,7 +11,6 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_fusedar as jf
-from tests.jax.cpu_helpers import needs_native
 from tests.jax.cpu_helpers import (
     jdtype,
     make_mesh,
@@ -21,7 +20,7 @@ from tests.jax.cpu_helpers import (
     require_host_devices,
     run_sharded,
 )
-from jax_fusedar.common import arguments, backend_choice, call_check, native
+from jax_fusedar.common import arguments, backend_choice, call_check
 from jax_fusedar import reference
 from jax_fusedar.primitive import FFI_TARGET
 from tests.jax.test_api import (
@@ -107,7 +106,6 @@ def test_regrouped_mesh_is_refused_at_trace_time_under_set_mesh():
             regrouped_trace(ws, tp_dp())
 
 
-@needs_native
 def test_regrouped_mesh_has_no_custom_call_for_cuda():
     ws = jf.abstract_workspace(dp_tp(), "tp", backend="trtllm", **KW)
     with pytest.raises(ValueError, match=REGROUPED):
@@ -159,7 +157,6 @@ def test_pmap_is_checked_like_shard_map():
     _pmapped(ws, d[4:8])(x)
 
 
-@needs_native
 def test_pmap_cuda_lowering_is_checked():
     d = jax.devices()
     ws = jf.abstract_workspace(dp_tp(), "tp", backend="trtllm", **KW)
@@ -234,21 +231,20 @@ def test_zero_tokens_give_empty_outputs_for_quantized_patterns(pattern, kwargs, 
     outs = run_sharded(body, mesh, in_specs, (P(),) * len(shapes), *args)
     assert [(o.shape, jnp.dtype(o.dtype).name) for o in outs] == shapes
     # No custom call for 0 tokens on a kernel workspace either (nothing to exchange).
-    if native.available():
-        kws = jf.abstract_workspace(mesh, "tp", backend="trtllm", **KW)
-        with_sf = dict(kwargs, scale_factor=sf) if sf is not None else kwargs
-        # scale_factor as a closed-over constant: lowering only, nothing runs.
-        body = fused_body(
-            kws,
-            pattern,
-            **{k: (jnp.asarray(v) if k == "scale_factor" else v) for k, v in with_sf.items()},
-        )
-        text = (
-            trace_sharded(body, mesh, 0, 256, n_outputs=len(shapes))
-            .lower(lowering_platforms=("cuda",))
-            .as_text()
-        )
-        assert FFI_TARGET not in text
+    kws = jf.abstract_workspace(mesh, "tp", backend="trtllm", **KW)
+    with_sf = dict(kwargs, scale_factor=sf) if sf is not None else kwargs
+    # scale_factor as a closed-over constant: lowering only, nothing runs.
+    body = fused_body(
+        kws,
+        pattern,
+        **{k: (jnp.asarray(v) if k == "scale_factor" else v) for k, v in with_sf.items()},
+    )
+    text = (
+        trace_sharded(body, mesh, 0, 256, n_outputs=len(shapes))
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
+    assert FFI_TARGET not in text
 
 
 # --- 3. the fp32 sum of squares overflows like the kernel's ------------------------------------

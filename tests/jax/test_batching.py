@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_fusedar as jf
-from tests.jax.cpu_helpers import needs_native, assert_same_bits
+from tests.jax.cpu_helpers import assert_same_bits
 from tests.jax.cpu_helpers import (
     bits,
     check_outputs,
@@ -393,7 +393,6 @@ def test_vmapped_batch_beyond_the_workspace_runs_per_element():
         sharded(mesh, body, 2)(x, r, g)
 
 
-@needs_native
 def test_cuda_lowering_of_vmapped_and_nd_calls():
     """The kernel serves the folded rows: one custom call on [B*T, H]."""
     mesh = tp8()

@@ -157,7 +157,6 @@ def test_disabled_checks_exempt_exactly_the_fused_targets():
     )
 
 
-@needs_native
 def test_cuda_export_carries_the_stable_key_and_needs_the_helper():
     mesh = mesh_2x4()
     ws = jf.abstract_workspace(
@@ -172,7 +171,8 @@ def test_cuda_export_carries_the_stable_key_and_needs_the_helper():
         mesh, "tp", max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=jnp.bfloat16, name="serve"
     )
     assert jf.export.workspace_ids(exported) == [same.id]
-    assert jf.export.workspace_ids(round_trip(exported)) == [same.id]
+    # Read back with JAX's own deserialize (inspection registers and compiles nothing).
+    assert jf.export.workspace_ids(jax.export.deserialize(exported.serialize())) == [same.id]
 
 
 @needs_native
@@ -190,6 +190,31 @@ def test_multi_platform_artifact_runs_the_reference_on_cpu():
     assert_same_bits(
         round_trip(exported).call(*args), layer(xla_ws)(*args), "(cpu, cuda) artifact on cpu"
     )
+
+
+def test_compiling_the_kernel_call_without_the_native_module_says_what_to_install(monkeypatch):
+    """A process with a cuda backend but no native module: lowering the kernel's call to
+    compile it there raises, naming what to install; exporting the same program does not
+    (the artifact needs only the target and its attributes)."""
+    from jax_fusedar.common import native
+
+    monkeypatch.setattr(native, "ext", None)
+    real = jax.devices
+    monkeypatch.setattr(
+        jax, "devices", lambda backend=None: [object()] if backend == "cuda" else real(backend)
+    )
+    mesh = mesh_2x4()
+    ws = jf.abstract_workspace(
+        mesh, "tp", max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=jnp.bfloat16
+    )
+    with pytest.raises(
+        RuntimeError,
+        match=rf"calls the fused kernel \({FFI_TARGET}\) and would be compiled here for this "
+        r"process's GPUs, but jax_fusedar's native extension is not available .*nvcc",
+    ):
+        layer(ws).trace(*specs(mesh)).lower(lowering_platforms=("cuda",))
+    text = jf.export.export(layer(ws), platforms=("cuda",))(*specs(mesh)).mlir_module()
+    assert text.count(f"@{FFI_TARGET}") == 1
 
 
 def test_exporting_an_xla_workspace_for_cuda_is_refused_and_plain_lowering_warns():
@@ -376,3 +401,89 @@ def test_moe_export_round_trip(pattern):
         moe_layer(xla_ws, pattern)(*args),
         f"pattern {pattern}: (cpu, cuda) artifact on cpu",
     )
+
+
+# --- without the native module ------------------------------------------------------------------
+# Exporting needs only the custom call's target and attributes; a CPU-only install (no nvcc,
+# so no native module) must export as any other machine does.
+
+WITHOUT_NATIVE = r"""
+import json, sys
+sys.modules["jax_fusedar._fusedar"] = None  # the import fails, as on a CPU-only install
+import jax
+from jax_fusedar.common import native
+assert not native.available()
+exporting, serving = json.loads(sys.stdin.read())
+ns = {"__name__": "__docs__"}
+exec(exporting, ns)
+exported = jax.export.deserialize(ns["blob"])  # plain JAX: nothing of ours registered
+text = exported.mlir_module()
+call = [line for line in text.splitlines() if "@TARGET" in line]
+facts = {
+    "platforms": list(exported.platforms),
+    "custom_calls": len(call),
+    "call": call[0] if call else "",
+    "ids": ns["jf"].export.workspace_ids(exported),
+    "serving_id": ns["serving_ws"].id,
+    "backend": ns["serving_ws"].backend,
+}
+# Lowering for cuda to inspect the program needs no module either.
+lowered = ns["g"].trace(ns["partial"], ns["residual"], ns["gamma"]).lower(
+    lowering_platforms=("cuda",)
+)
+facts["lowered_calls"] = lowered.as_text().count("@TARGET")
+try:
+    exec(serving, ns)
+    facts["serving"] = "ran"
+except RuntimeError as e:
+    facts["serving"] = str(e)
+print("FACTS " + json.dumps(facts))
+"""
+
+
+def test_the_docs_export_example_exports_without_the_native_module():
+    """docs/jax_api.md's exporting side ("any machine") in a fresh process where
+    jax_fusedar._fusedar cannot import: the artifact serializes with the kernel's custom call,
+    its attributes and the serving workspace's stable id; its serving side, which compiles
+    the artifact, refuses there, naming what to install."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.cpu_devices import xla_flags
+    from tests.repo import REPO
+    from tests.test_readme import python_blocks
+
+    (block,) = [c for _, c in python_blocks(REPO / "docs/jax_api.md") if "# Exporting side" in c]
+    exporting, marker, serving = block.partition("# Serving side")
+    assert marker, "docs/jax_api.md's export example lost its serving side"
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=xla_flags(8),
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    )
+    for var in ("JAX_FUSEDAR_STRICT", "JAX_FUSEDAR_ALLREDUCE_BACKEND"):
+        env.pop(var, None)
+    r = subprocess.run(
+        [sys.executable, "-c", WITHOUT_NATIVE.replace("TARGET", FFI_TARGET)],
+        input=json.dumps([exporting, marker + serving]),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
+    assert r.returncode == 0, r.stderr[-6000:]
+    facts = json.loads(r.stdout.split("FACTS ", 1)[1])
+    assert facts["platforms"] == ["cpu", "cuda"] and facts["backend"] == "trtllm", facts
+    assert facts["custom_calls"] == 1 and facts["lowered_calls"] == 1, facts
+    assert facts["ids"] == [facts["serving_id"]], facts
+    for attr in ("pattern = 1 : i32", "fp32_acc = true", f"workspace_id = {facts['serving_id']}"):
+        assert attr in facts["call"], (attr, facts["call"])
+    assert facts["serving"].startswith(
+        f"jax_fusedar.export.deserialize: the artifact calls {FFI_TARGET}, whose handlers "
+        "this process needs to compile it, but jax_fusedar's native extension is not available"
+    ), facts["serving"]
+    assert "build the package with a CUDA compiler (nvcc)" in facts["serving"], facts["serving"]

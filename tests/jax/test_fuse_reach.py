@@ -48,9 +48,13 @@ def operands(mesh, dtype=jnp.bfloat16, seed=0, res_spec=P("dp")):
     return x, w, res, g
 
 
-def run(fn, args, mesh, **kw):
-    """(report, fused outputs, original outputs, fused grads, original grads)."""
-    fused = jf.fuse(fn, mesh=mesh, axis_name="tp", backend="xla", **kw)
+def run(fn, args, mesh, workspace=None, **kw):
+    """(report, fused outputs, original outputs, fused grads, original grads), fused on the
+    xla backend, or on ``workspace``."""
+    if workspace is None:
+        fused = jf.fuse(fn, mesh=mesh, axis_name="tp", backend="xla", **kw)
+    else:
+        fused = jf.fuse(fn, workspace=workspace, **kw)
     with jax.set_mesh(mesh):
         shapes = jax.eval_shape(fn, *args)
     ct = [jnp.asarray(np.random.default_rng(9).standard_normal(o.shape), f32) for o in shapes]
@@ -156,17 +160,46 @@ def _sp(norm_on_shard_gathered=True, gather=True):
     return f, (x, w, res, g), mesh
 
 
+def _kernel_workspace(mesh, tokens=T // 2):
+    """A workspace of the kernel's backend, allocating nothing: what fuse meets on GPUs. On
+    CPU its calls run the reference, so the rewrite the GPUs would run is checked here."""
+    return jf.abstract_workspace(
+        mesh, "tp", max_token_num=tokens, hidden_dim=H, dtype=jnp.bfloat16, backend="trtllm"
+    )
+
+
 @pytest.mark.parametrize("on_shard", [True, False], ids=["norm_on_shard", "norm_after_gather"])
 def test_sequence_parallel_site_is_one_fused_all_reduce(on_shard):
     f, args, mesh = _sp(norm_on_shard_gathered=on_shard)
-    rep, out, want, g_f, g_o = run(f, args, mesh)
+    ws = _kernel_workspace(mesh)
+    rep, out, want, g_f, g_o = run(f, args, mesh, workspace=ws)
     assert len(rep.fused) == 1 and rep.sites[0].kind == "reduce_scatter", rep.line()
     assert rep.sites[0].tokens == T // 2  # every token of the dp shard
     close(out, want)
     close(g_f, g_o, ulps=8)
     with jax.set_mesh(mesh):
-        text = str(jax.make_jaxpr(jf.fuse(f, mesh=mesh, backend="xla", axis_name="tp"))(*args))
+        text = str(jax.make_jaxpr(jf.fuse(f, workspace=ws))(*args))
     assert "reduce_scatter" not in text and "jax_fusedar_allreduce_fusion" in text
+
+
+@pytest.mark.parametrize("on_shard", [True, False], ids=["norm_on_shard", "norm_after_gather"])
+def test_sequence_parallel_site_without_a_kernel_is_left_as_is(on_shard):
+    """On the xla backend the fused call would be the fallback's psum of every token plus a
+    gather of the residual: more than the reduce-scatter and all-gather of the original. The
+    site stays as written, so the program is the original."""
+    f, args, mesh = _sp(norm_on_shard_gathered=on_shard)
+    rep, out, want, g_f, g_o = run(f, args, mesh)
+    (site,) = rep.sites
+    assert site.kind == "reduce_scatter" and not site.fused, rep.line()
+    assert site.reason.startswith(
+        "left as is: no kernel here (the workspace is on the xla backend): without the "
+        "kernel the fused form would gather the residual"
+    ), site.reason
+    for a, b in zip(jax.tree.leaves((out, g_f)), jax.tree.leaves((want, g_o))):
+        np.testing.assert_array_equal(cpu_helpers.bits(a), cpu_helpers.bits(b))
+    with jax.set_mesh(mesh):
+        text = str(jax.make_jaxpr(jf.fuse(f, mesh=mesh, backend="xla", axis_name="tp"))(*args))
+    assert "reduce_scatter" in text and "jax_fusedar_allreduce_fusion" not in text
 
 
 def test_sequence_parallel_norm_left_on_the_shard_is_reported():

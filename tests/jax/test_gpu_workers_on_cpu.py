@@ -105,3 +105,18 @@ def test_fuse_styles_worker_at_two_ranks():
     assert not fuse_styles.check(res, styles, platform="cpu")
     for r in res:
         assert all(v["xla_collectives"] and "skipped" not in v for v in r["styles"].values())
+
+
+@pytest.mark.slow
+def test_fallback_worker_at_two_ranks():
+    """tests/gpu/workers/jax_fallback.py as two CPU processes over gloo: the fused call on an
+    xla workspace and the user's psum + add + RMSNorm, both within the fallback's bound of
+    the float64 oracle, and the compiled modules' collectives compared (the CPU's own)."""
+    from tests.gpu.test_fallback import _run
+    from tests.gpu.workers import jax_fallback
+
+    res = _run(2, platform="cpu", cases=((1, 256), (9, 512)))
+    assert not jax_fallback.check(res), jax_fallback.check(res)
+    for r in res:
+        assert not r["shared_gpu"] and set(r["results"]) == {"bfloat16", "float16", "float32"}
+        assert all(w["cases"] == 2 for w in r["results"].values()), r

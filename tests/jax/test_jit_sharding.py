@@ -15,11 +15,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_fusedar as jf
-from tests.jax.cpu_helpers import needs_native
 from tests.jax.cpu_helpers import bits, jdtype, new_rng, random_gamma, random_values
 from tests.jax.cpu_helpers import require_host_devices
-from tests.skips import native_skip_reason
-from jax_fusedar.common import native
 from jax_fusedar import partitioning
 from jax_fusedar.primitive import FFI_TARGET
 
@@ -54,15 +51,7 @@ def mesh_2x4(axis_type):
 )
 @pytest.mark.parametrize(
     "backend",
-    [
-        "xla",
-        pytest.param(
-            "trtllm",
-            marks=pytest.mark.skipif(
-                not native.available(), reason=native_skip_reason("a trtllm workspace's call")
-            ),
-        ),
-    ],
+    ["xla", "trtllm"],
 )
 def test_four_layer_jit_model_equals_the_shard_map_model_bitwise(axis_type, mesh_context, backend):
     """On CPU both run the reference lowering (a trtllm workspace also lowers to it here), so
@@ -207,7 +196,6 @@ def lower_partitioned_shard_for_cuda(
     return jax.jit(f).trace(*placed).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@needs_native
 def test_partitioned_shard_lowers_to_the_fused_custom_call_for_cuda():
     mesh = mesh_2x4(AxisType.Auto)
     ws = jf.abstract_workspace(mesh, "tp", max_token_num=64, hidden_dim=HIDDEN, dtype=jnp.bfloat16)
@@ -215,7 +203,6 @@ def test_partitioned_shard_lowers_to_the_fused_custom_call_for_cuda():
     assert text.count(f"@{FFI_TARGET}") == 1 and "all_reduce" not in text
 
 
-@needs_native
 def test_explicit_axes_lower_to_the_fused_custom_call_for_cuda():
     mesh = mesh_2x4(AxisType.Explicit)
     ws = jf.abstract_workspace(mesh, "tp", max_token_num=64, hidden_dim=HIDDEN, dtype=jnp.bfloat16)

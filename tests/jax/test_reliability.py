@@ -193,7 +193,8 @@ def test_row_parallel_missing_gamma_is_named():
 
 def test_row_parallel_good_options_still_give_allreduce_fusions_bits():
     """The validated options reach the per-shard program unchanged: fp32_acc=False differs
-    from True, and each equals shard_map + allreduce_fusion with the same options."""
+    from True (on the kernel-exact fallback, where fp32_acc applies), and each equals
+    shard_map + allreduce_fusion with the same options."""
     mesh = mesh_2x4(AxisType.Auto)
     ws = jf.create_allreduce_fusion_workspace(
         mesh, "tp", max_token_num=TOKENS, hidden_dim=N, dtype=jnp.bfloat16
@@ -208,6 +209,7 @@ def test_row_parallel_good_options_still_give_allreduce_fusions_bits():
             fp32_acc=np.bool_(acc),
             rms_eps=np.float32(1e-5),
             weight_bias=1,
+            fallback="kernel_exact",
         )
 
         def body(h, w, r, g, acc=acc):
@@ -220,6 +222,7 @@ def test_row_parallel_good_options_still_give_allreduce_fusions_bits():
                 fp32_acc=acc,
                 rms_eps=1e-5,
                 weight_bias=1.0,
+                fallback="kernel_exact",
             )
             return out.residual_out, out.norm_out
 

@@ -12,7 +12,8 @@ The 1-ulp bounds assume the fp32 accumulation itself is exact, as it is for 2 ra
 16-bit values; N ranks add up to (N - 1) * 2^-24 * sum(|x_r|), and with fp32_acc=False every
 one of the N - 1 additions rounds to the call dtype. ``sum_error_bound`` and
 ``residual_error_bound`` give the bounds that hold at every world size and for both
-accumulations (docs/numerics.md derives them); ``norm_error_given_residual_ulps`` measures
+accumulations, ``psum_error_bound`` that of XLA's all-reduce in the input's dtype (the
+fallback's; docs/numerics.md derives them); ``norm_error_given_residual_ulps`` measures
 norm_out against the exact RMSNorm of the kernel's own residual_out, which separates the
 norm's own rounding from the error it inherits.
 """
@@ -98,11 +99,43 @@ def sum_error_bound(xs, dtype_name: str, *, fp32_acc: bool) -> np.ndarray:
     return bound
 
 
-def residual_error_bound(xs, residual, dtype_name: str, *, fp32_acc: bool) -> np.ndarray:
+def psum_error_bound(xs, dtype_name: str) -> np.ndarray:
+    """Per element, a bound on |allreduce_out - sum_r x_r| for XLA's all-reduce of the rank
+    inputs ``xs`` in their own dtype (the "xla" fallback), which fixes neither the order nor
+    the tree of the additions (NCCL's rings and trees, rank order on CPU) nor whether they
+    round to dtype_name (CPU's bfloat16 sums in float32 and rounds once).
+
+    Additions rounded to dtype_name, over any binary tree of the N - 1 additions: a node
+    adding two computed subtotals errs by at most (E_a + E_b)(1 + d) + d |a + b| + h, and
+    every subtotal is at most S = sum_r |x_r| in size, so a subtree of k leaves errs by at
+    most B_k = ((1 + d)^(k-1) - 1)(S + h / d) (by induction: (B_a + B_b)(1 + d) + d S + h
+    falls short of B_(a+b) by (1 + d)(S + h / d)((1 + d)^(a-1) - 1)((1 + d)^(b-1) - 1)
+    >= 0), and the root, whose operands sum to s, by at most (B_a + B_b)(1 + d) + d |s| + h,
+    largest for a = 1, b = N - 1:
+        E = ((1 + d)^(N-1) - (1 + d)) (S + h / d) + d |s| + h
+    (to first order (N - 2) d S + d |s|: the fp32_acc=False bound with every partial sum
+    replaced by S, the worst order). A float32 sum rounded once is within
+    ``sum_error_bound(fp32_acc=True)``; the bound is the larger of the two."""
+    parts = [np.asarray(x, np.float64) for x in xs]
+    s = np.sum(parts, axis=0)
+    n = len(parts)
+    once = sum_error_bound(xs, dtype_name, fp32_acc=True)
+    if dtype_name == "float32":
+        return once
+    d, h = rounding_step(dtype_name)
+    total = np.sum(np.abs(parts), axis=0)
+    tree = ((1.0 + d) ** (n - 1) - (1.0 + d)) * (total + h / d) + d * np.abs(s) + h
+    return np.maximum(tree, once)
+
+
+def residual_error_bound(
+    xs, residual, dtype_name: str, *, fp32_acc: bool = True, sum_bound=None
+) -> np.ndarray:
     """Per element, a bound on |residual_out - (sum_r x_r + residual)|: the all-reduce's
-    bound E (``sum_error_bound``) carried through one more rounded addition,
+    bound E (``sum_error_bound``, or ``sum_bound`` when given, e.g. ``psum_error_bound``)
+    carried through one more rounded addition,
         E * (1 + d) + d * |sum_r x_r + residual| + h   ((d, h) = ``rounding_step``)."""
-    e = sum_error_bound(xs, dtype_name, fp32_acc=fp32_acc)
+    e = sum_error_bound(xs, dtype_name, fp32_acc=fp32_acc) if sum_bound is None else sum_bound
     r = np.sum([np.asarray(x, np.float64) for x in xs], axis=0) + np.asarray(residual, np.float64)
     d, h = rounding_step(dtype_name)
     return e * (1.0 + d) + d * np.abs(r) + h

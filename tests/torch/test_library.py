@@ -281,10 +281,16 @@ def _rms_fn(x, g):
     return F.rms_norm(x, (x.shape[-1],), g, EPS)
 
 
-def _rms_manual(x, g):  # vLLM's RMSNorm.forward_native
+def _rms_manual(x, g):  # rounds before gamma, as vLLM's and Hugging Face's norms do
     xf = x.to(torch.float32)
     v = xf.pow(2).mean(-1, keepdim=True)
     return (xf * torch.rsqrt(v + EPS)).to(x.dtype) * g
+
+
+def _rms_one_rounding(x, g):  # gamma in float32, one rounding: the fused op's order
+    xf = x.to(torch.float32)
+    v = xf.pow(2).mean(-1, keepdim=True)
+    return (xf * torch.rsqrt(v + EPS) * g).to(x.dtype)
 
 
 def _model(group, norm, blocks=4):
@@ -312,29 +318,80 @@ def _count(gm, target):
     return sum(n.op == "call_function" and n.target is target for n in gm.graph.nodes)
 
 
-@pytest.mark.parametrize("norm", [_rms_fn, _rms_manual], ids=["F.rms_norm", "manual"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_pass_fuses_every_block_and_keeps_numerics(gloo_world1, cpu_kernels, norm, dtype):
+EXACT_FORMS = [_rms_fn, _rms_one_rounding]
+
+
+@pytest.mark.parametrize("norm", EXACT_FORMS, ids=["F.rms_norm", "one rounding"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_pass_fuses_every_block_bit_exactly(gloo_world1, cpu_kernels, norm, dtype):
+    # Forms that round where the fused op does: fused by default, and the rewritten graph
+    # gives the original's bits (the CPU stand-in computes the kernel's formula with torch's
+    # own float32 ops, in the same order as the graph's norm).
     ws = fake_workspace(dtype=dtype)
     gm, args = _trace(gloo_world1, norm, dtype=dtype)
     want = gm(*args)
     ar = torch.ops._c10d_functional.all_reduce.default
     assert _count(gm, ar) == 4
-    n = torch_compat.fuse_allreduce_rmsnorm(gm, ws)
-    assert n == 4
+    blocks = []
+    n = torch_compat.fuse_allreduce_rmsnorm(gm, ws, report=blocks)
+    assert n == 4, [b.line() for b in blocks]
+    assert [(b.fused, b.rounding_change) for b in blocks] == [(True, None)] * 4
     assert _count(gm, FUSED) == 4 and _count(gm, ar) == 0
     assert _count(gm, torch.ops.aten.rsqrt.default) == 0
     got = gm(*args)
     for g_, w_ in zip(got, want):
         assert g_.dtype == w_.dtype and g_.shape == w_.shape
-        g_, w_ = g_.float(), w_.float()
-        if dtype == torch.bfloat16:
-            # The stand-in normalizes in float32 like the kernel; the traced norm rounds to
-            # bf16 (manual form: before the gamma multiply), and 4 chained blocks compound it.
-            torch.testing.assert_close(g_, w_, atol=0.02 * w_.abs().max().item(), rtol=0.02)
-        else:
-            torch.testing.assert_close(g_, w_, atol=1e-4, rtol=1e-4)
+        assert torch.equal(g_, w_)
     library.unregister_workspace(library.register_workspace(ws))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_pass_leaves_a_rounding_change_alone_unless_asked(gloo_world1, cpu_kernels, dtype):
+    # Rounding before gamma (16-bit): not the fused op's rounding, so left as written by
+    # default, with the reason; fused with allow_rounding_change=True, each block naming it.
+    gm, args = _trace(gloo_world1, _rms_manual, dtype=dtype)
+    before = gm.code
+    blocks = []
+    assert torch_compat.fuse_allreduce_rmsnorm(gm, fake_workspace(dtype=dtype), report=blocks) == 0
+    assert gm.code == before
+    name = str(dtype).replace("torch.", "")
+    assert [b.fused for b in blocks] == [False] * 4
+    for b in blocks:
+        assert f"gamma multiplied in {name} after the norm is rounded to {name}" in b.reason
+        assert "allow_rounding_change=True" in b.reason
+    blocks = []
+    n = torch_compat.fuse_allreduce_rmsnorm(
+        gm, fake_workspace(dtype=dtype), allow_rounding_change=True, report=blocks
+    )
+    assert n == 4
+    assert all(
+        b.fused
+        and b.rounding_change == f"gamma multiplied in {name} after the norm is rounded to {name}"
+        for b in blocks
+    )
+    assert "rounding change: gamma multiplied" in blocks[0].line()
+
+
+def test_pass_allow_rounding_change_is_a_bool(gloo_world1):
+    gm, _ = _trace(gloo_world1, _rms_fn)
+    with pytest.raises(TypeError, match="allow_rounding_change must be True or False"):
+        fusion_pass.fuse_allreduce_rmsnorm(gm, fake_workspace(), allow_rounding_change="yes")
+
+
+def test_pass_never_fuses_a_norm_computed_in_the_activation_dtype(gloo_world1):
+    # Statistics in bf16: no rounding the fused op could reproduce, opt-in or not.
+    def norm(x, g):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * g
+
+    for allow in (False, True):
+        gm, _ = _trace(gloo_world1, norm)
+        blocks = []
+        ws = fake_workspace()
+        assert (
+            fusion_pass.fuse_allreduce_rmsnorm(gm, ws, allow_rounding_change=allow, report=blocks)
+            == 0
+        )
+        assert all("RMSNorm computed in bfloat16, not float32" in b.reason for b in blocks)
 
 
 def test_pass_leaves_graph_untouched_when_workspace_too_small(gloo_world1):
@@ -456,10 +513,16 @@ def test_pass_on_fused_rms_norm(gloo_world1, cpu_kernels, rstd_used):
 
 
 def test_inductor_custom_pass_object(gloo_world1):
-    gm, _ = _trace(gloo_world1, _rms_manual)
+    gm, _ = _trace(gloo_world1, _rms_one_rounding)
     p = fusion_pass.AllReduceFusionPass(fake_workspace())
+    # Inductor caches a graph compiled with a custom pass only when the pass is one of its
+    # CustomGraphPass (registered on first use: torch_compat does not import inductor).
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    assert isinstance(p, CustomGraphPass)
     p(gm.graph)
     assert p.count == 4 and _count(gm, FUSED) == 4
+    assert [b.fused for b in p.blocks] == [True] * 4
     assert p.uuid() == fusion_pass.AllReduceFusionPass(p.workspace).uuid()
     library.unregister_workspace(p.handle)
 

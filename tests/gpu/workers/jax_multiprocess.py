@@ -171,6 +171,8 @@ def _parity(jax, jnp, jf, oracle, mesh, P, rank, world, seed, tokens, hiddens, k
                     use_oneshot=oneshot,
                     fp32_acc=acc,
                     strict=True,
+                    # the CPU dry run: the kernel's additions, whose bounds are checked
+                    fallback="kernel_exact",
                 )
                 a = jf.allreduce_fusion(
                     x,
@@ -180,6 +182,8 @@ def _parity(jax, jnp, jf, oracle, mesh, P, rank, world, seed, tokens, hiddens, k
                     use_oneshot=oneshot,
                     fp32_acc=acc,
                     strict=True,
+                    # the CPU dry run: the kernel's additions, whose bounds are checked
+                    fallback="kernel_exact",
                 )
                 return o.residual_out, o.norm_out, a.allreduce_out
 
@@ -269,7 +273,14 @@ def _loop(jax, jnp, jf, oracle, mesh, P, rank, world, seed, calls, m, hidden, pe
             bad, last = carry
             k = i % period
             o = jf.allreduce_fusion(
-                xs_l[k], axis_name="tp", workspace=ws, residual=res[k], rms_gamma=gam, strict=True
+                xs_l[k],
+                axis_name="tp",
+                workspace=ws,
+                residual=res[k],
+                rms_gamma=gam,
+                strict=True,
+                # the CPU dry run: the kernel's additions, whose bounds are checked
+                fallback="kernel_exact",
             )
             e_r = jnp.abs(o.residual_out.astype(jnp.float32) - ref_r[k]) > tol_r[k]
             e_y = jnp.abs(o.norm_out.astype(jnp.float32) - ref_y[k]) > tol_y[k]

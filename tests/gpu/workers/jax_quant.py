@@ -75,6 +75,8 @@ def run(jax, jnp, jf, mesh, P, rank, world, seed, tokens, hiddens, glob, local):
                     rms_gamma=g,
                     use_oneshot=oneshot,
                     strict=True,
+                    # the CPU dry run: the kernel's additions, whose bounds are checked
+                    fallback="kernel_exact",
                 )
                 out = []
                 for pat, extra in (

@@ -19,6 +19,11 @@ the CUDA context of its process.
                  call of LARGE_TOKENS (auto picks the large-message algorithm there) rank 1
                  makes no call; rank 0's large-message call (its entry flag wait) must fail
                  within TIMEOUT_S + 1 s, its record naming rank 1, the next launch refused.
+  destroy_waits  after the good calls rank 1 makes no call; rank 0 launches a one-shot call
+                 and, without synchronizing, destroys the workspace, whose
+                 cudaDeviceSynchronize then waits for that call to time out: a Python thread
+                 must keep running meanwhile (destroy releases the GIL), and after destroy
+                 the rank's failure() must still read the record (kept at destroy).
 
 The "never_*" cases also run with more ranks (``python -m ... never_oneshot 8``): then the
 last rank makes no call and every other rank must fail naming it; the other cases are for
@@ -85,7 +90,8 @@ CYCLE = [
     (0, 3, True),
 ]
 GOOD_FIRST = 3  # good calls every failure case makes first
-CASES = ("ok", "never_oneshot", "never_twoshot", "killed", "tokens", "never_large")
+CASES = ("ok", "never_oneshot", "never_twoshot", "killed", "tokens", "never_large", "destroy_waits")
+TICK_S = 0.01  # the destroy_waits case's Python thread counts these while destroy waits
 # Above the auto crossover at 2 ranks (launch_mode.LARGE_MESSAGE_MIN_MIB: 48 MiB per rank):
 # 8192 x 4096 bf16 is 64 MiB.
 LARGE_TOKENS = 8192
@@ -205,6 +211,42 @@ def _failing_call(ws, pattern, m, oneshot, rank, device, seed, world, torch, alg
     return out
 
 
+def _destroy_during_a_failing_call(ws, rank, device, seed, world, torch, note):
+    """Launches a one-shot call that no peer joins and destroys ``ws`` at once: the destroy
+    waits for the call's timeout (TIMEOUT_S) in cudaDeviceSynchronize. A thread ticks every
+    TICK_S meanwhile; the ticks show whether the GIL was free during the wait."""
+    import threading
+
+    xs, residual, gamma = draw_inputs(seed, world, 16, HIDDEN, torch)
+    x, res, gam = (t.cuda(device) for t in (xs[rank], residual, gamma))
+    outs = new_outputs(x, torch)
+    stream = torch.cuda.current_stream(device)
+    ticks, stop = [0], threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(TICK_S)
+
+    thread = threading.Thread(target=tick, daemon=True)
+    fused_call(ws, 1, 16, x, res, gam, outs, oneshot=True, stream=stream)
+    note()
+    thread.start()
+    t0 = time.monotonic()
+    try:
+        ws.destroy()
+        error = None
+    except Exception as e:  # noqa: BLE001 - the trapped call's CUDA error
+        error = f"{type(e).__name__}: {e}"[:600]
+    out = {"destroy_s": time.monotonic() - t0, "ticks": ticks[0], "destroy_error": error}
+    stop.set()
+    thread.join()
+    flush_c_stdio()
+    out["alive_after"] = ws.alive
+    out["failure_after_destroy"] = ws.failure()
+    return out
+
+
 def worker(rank, world, chan, *, case, seed):
     import torch
 
@@ -277,6 +319,10 @@ def worker(rank, world, chan, *, case, seed):
         result["failing"] = _failing_call(
             ws, 1, 16 + rank, True, rank, device, seed + 999, world, torch
         )
+    elif case == "destroy_waits" and rank != missing:
+        result["destroy"] = _destroy_during_a_failing_call(
+            ws, rank, device, seed + 999, world, torch, note_before_failing
+        )
     elif rank != missing:
         if case == "killed":
             chan.all_gather("dying", None)  # rank 1 kills itself right after this
@@ -311,7 +357,7 @@ def worker(rank, world, chan, *, case, seed):
             chan.barrier("verdict", timeout_s=AFTER_FAILURE_WAIT_S)
         except TimeoutError as e:  # a rank whose lost trap ended its process
             result["peer_gone"] = str(e)
-    if rank == missing and case.startswith("never"):
+    if rank == missing and (case.startswith("never") or case == "destroy_waits"):
         t = torch.arange(1000, device=device, dtype=torch.float32)
         result["healthy_after"] = float(t.sum().item()) == 499500.0
         result["failure_record"] = ws.failure()

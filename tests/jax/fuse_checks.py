@@ -1,0 +1,86 @@
+"""What the tests of jax_fusedar.fuse hold a fused program to (docs/fusion_pass.md, "The
+bound"), shared by tests/jax/test_fuse_exact.py and tests/jax/test_fuse_differential.py.
+
+Exactness is compared with XLA computing every rounding the programs write: both the
+original and the fused program are compiled with ``xla_allow_excess_precision`` off
+(``compiled``). With it on (XLA's default) XLA may keep a bfloat16 value in float32 inside a
+fusion, so the original program itself does not round where it says, and no comparison of
+roundings means anything. The CPU suite's XLA_FLAGS turn it off too (tests/cpu_devices.py);
+the per-compilation option keeps these comparisons meaningful under other flags.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tests.oracles.oracle import ulp
+
+# XLA rounds where the program says (a per-compilation option: the rest of the suite keeps
+# its flags).
+EXACT_ROUNDING = {"xla_allow_excess_precision": False}
+
+# A difference between the fused op and the program that float32 arithmetic alone explains
+# (another order of operations, a float32 constant for 1/H) moves the value before its last
+# rounding by a few float32 ulps: it can tip that rounding only where the exact value lies
+# this close (relative) to the midpoint of two neighbours in T.
+BORDERLINE = 2.0**-18
+
+
+def compiled(fn):
+    """``fn`` jitted with XLA computing the roundings as written."""
+    return jax.jit(fn, compiler_options=EXACT_ROUNDING)
+
+
+def bits(a):
+    a = np.asarray(a)
+    return a.view(np.uint8) if a.dtype.itemsize else a
+
+
+def assert_bit_equal(a, b, what=""):
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(bits(u), bits(v), err_msg=what)
+
+
+def statistic(r, eps):
+    """``rsqrt(mean(f^2) + eps)`` per row, in float32 by XLA (the op the program and the
+    fused op share), as float64."""
+    r32 = jnp.asarray(r).astype(jnp.float32)
+    inv = compiled(lambda x: jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps))(r32)
+    return np.asarray(inv, np.float64)
+
+
+def assert_rounds_like_the_program(fused, program, exact, dtype, what=""):
+    """The fused norm output equals the program's, bit for bit, except at elements where
+    both are the two neighbours in ``dtype`` of ``exact`` (the float64 value of the formula
+    with the program's roundings, before the last one) and ``exact`` is within BORDERLINE of
+    their midpoint: there the two float32 computations may round either way. A rounding
+    that the fused op drops, adds or moves shows as differences away from midpoints."""
+    f = np.asarray(fused, np.float64)
+    p = np.asarray(program, np.float64)
+    exact = np.broadcast_to(np.asarray(exact, np.float64), f.shape)
+    differ = ~((f == p) | (np.isnan(f) & np.isnan(p)))
+    if not differ.any():
+        return
+    lo, hi = np.minimum(f, p)[differ], np.maximum(f, p)[differ]
+    x = exact[differ]
+    step = ulp(np.maximum(np.abs(lo), np.abs(hi)), dtype)
+    neighbours = (hi - lo) <= step * (1 + 1e-12)
+    mid = (lo + hi) / 2
+    near = np.abs(x - mid) <= BORDERLINE * np.maximum(np.abs(x), 1e-300)
+    bad = ~(neighbours & near)
+    assert not bad.any(), (
+        f"{what}: {int(bad.sum())} of {f.size} elements differ from the program away from a "
+        f"rounding midpoint, e.g. fused {lo[bad][:3]} / program {hi[bad][:3]} at exact "
+        f"{x[bad][:3]}"
+    )
+
+
+def norm_units(y, r, col, inv, dtype):
+    """|y - exact| in the documented unit of norm_out, per element: ``ulp_T(|r|) * inv *
+    |col| + ulp_T(|exact|)`` (docs/fusion_pass.md), ``exact = r * inv * col`` in float64."""
+    r = np.asarray(r, np.float64)
+    exact = r * inv * col
+    unit = ulp(np.abs(r), dtype) * inv * np.abs(col) + ulp(exact, dtype)
+    return np.abs(np.asarray(y, np.float64) - exact) / unit

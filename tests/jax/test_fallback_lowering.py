@@ -1,0 +1,445 @@
+"""Where the kernel does not serve a call, the program lowered for GPUs moves no more than
+the user's own ``psum(x)`` in x's dtype: on 8 CPU devices, every program is exported for
+cuda (``jax.export(..., platforms=("cuda",))`` lowers for GPUs on a CPU machine) at world
+2, 4 and 8, and its collectives (count, element types, bytes: tests/collectives.py) are
+held to those of the same-shaped ``psum(x)`` program, exported the same way.
+
+Covered: every dense pattern with both ``fp32_acc`` values, both MoE patterns, a call
+beyond a kernel workspace (the kernel's own fallback on cuda), forward-mode tangents, vmap,
+``row_parallel_allreduce_fusion`` (Explicit axes, no workspace, and the Auto-axes partition
+rule's per-shard program), and sites ``fuse`` rewrote on the xla backend against the program
+as written. The kernel-exact fallback, asked for, moves what it is documented to: 2x the
+bytes with ``fp32_acc=True``, one float32 psum per rank without."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_fusedar as jf
+from jax_fusedar import partitioning
+from jax_fusedar.common.patterns import MOE_PATTERNS, TRAITS, AllReduceFusionPattern
+from jax_fusedar.primitive import FFI_TARGET
+from tests import collectives
+from tests.jax.cpu_helpers import make_mesh, require_host_devices
+
+require_host_devices()
+pytest.importorskip("flatbuffers", reason="jax.export needs flatbuffers (./dev installs it)")
+
+WORLDS = (2, 4, 8)
+TOKENS, HIDDEN = 16, 512
+DENSE = [p for p in AllReduceFusionPattern if p not in MOE_PATTERNS]
+BF16 = jnp.bfloat16
+
+
+def shaped(mesh, shape, spec, dtype=BF16):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+
+def cuda_collectives(fn, *args, exporter=jf.export.export):
+    """The collectives' summary of ``fn`` exported for cuda at ``args``."""
+    exported = exporter(fn, platforms=("cuda",))(*args)
+    return collectives.summary(collectives.stablehlo_collectives(exported.mlir_module()))
+
+
+def psum_program(mesh, shape=(TOKENS, HIDDEN), dtype=BF16):
+    """The user's own all-reduce of a per-rank [tokens, hidden] partial sum."""
+    f = jax.jit(
+        jax.shard_map(lambda x: jax.lax.psum(x, "tp"), mesh=mesh, in_specs=P("tp"), out_specs=P())
+    )
+    world = mesh.shape["tp"]
+    return cuda_collectives(f, shaped(mesh, (world * shape[0], *shape[1:]), P("tp"), dtype))
+
+
+def xla_workspace(mesh, dtype=BF16, tokens=TOKENS, backend="xla"):
+    return jf.abstract_workspace(
+        mesh, "tp", max_token_num=tokens, hidden_dim=HIDDEN, dtype=dtype, backend=backend
+    )
+
+
+def dense_program(mesh, ws, pattern, **kwargs):
+    """shard_map over tp of one allreduce_fusion call of ``pattern`` on a per-rank partial
+    sum [TOKENS, HIDDEN], with what the pattern reads; returns (jitted fn, arg specs)."""
+    traits = TRAITS[pattern]
+    extra = {}
+    if traits.quant == "group_fp8":
+        extra["block_quant_group_size"] = 128
+
+    def body(x, residual, gamma, scale):
+        out = jf.allreduce_fusion(
+            x,
+            axis_name="tp",
+            workspace=ws,
+            pattern=pattern,
+            residual=residual if traits.has_residual else None,
+            rms_gamma=gamma if traits.has_residual else None,
+            scale_factor=scale if traits.uses_scale_factor else None,
+            **extra,
+            **kwargs,
+        )
+        return tuple(v for v in out if v is not None)
+
+    world = mesh.shape["tp"]
+    args = (
+        shaped(mesh, (world * TOKENS, HIDDEN), P("tp")),
+        shaped(mesh, (TOKENS, HIDDEN), P()),
+        shaped(mesh, (HIDDEN,), P()),
+        shaped(mesh, (), P(), jnp.float32),
+    )
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P(), P()), out_specs=P()))
+    return f, args
+
+
+def check_not_costlier(program, baseline, what):
+    problems = collectives.costlier(program, baseline)
+    assert not problems, f"{what}: {problems}\n program {program}\n psum(x) {baseline}"
+    assert program.get("all_reduce", {}).get("count", 0) >= 1, f"{what}: no all-reduce {program}"
+
+
+# --- the dense op ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fp32_acc", [True, False], ids=["fp32_acc", "no_fp32_acc"])
+@pytest.mark.parametrize("pattern", DENSE, ids=[p.name for p in DENSE])
+@pytest.mark.parametrize("world", WORLDS, ids=[f"world{w}" for w in WORLDS])
+def test_dense_fallback_moves_no_more_than_psum(world, pattern, fp32_acc):
+    mesh = make_mesh((world,), ("tp",))
+    f, args = dense_program(mesh, xla_workspace(mesh), pattern, fp32_acc=fp32_acc)
+    got = cuda_collectives(f, *args)
+    base = psum_program(mesh)
+    check_not_costlier(got, base, f"{pattern.name} world {world} fp32_acc={fp32_acc}")
+    # Exactly the user's collective: one all-reduce of x, in x's dtype.
+    assert got == base, (got, base)
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=[f"world{w}" for w in WORLDS])
+def test_the_kernel_exact_fallback_moves_what_it_is_documented_to(world):
+    """The emulation, asked for: a float32 psum (2x the bytes of the bf16 psum) with
+    fp32_acc, one float32 psum per rank (2 x world x the bytes) without."""
+    mesh = make_mesh((world,), ("tp",))
+    base = psum_program(mesh)["all_reduce"]
+    for fp32_acc, calls in ((True, 1), (False, world)):
+        f, args = dense_program(
+            mesh,
+            xla_workspace(mesh),
+            AllReduceFusionPattern.kARResidualRMSNorm,
+            fp32_acc=fp32_acc,
+            fallback="kernel_exact",
+        )
+        got = cuda_collectives(f, *args)["all_reduce"]
+        assert got["count"] == calls and got["element_types"] == ["f32"], got
+        assert got["bytes"] == 2 * calls * base["bytes"], (got, base)
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=[f"world{w}" for w in WORLDS])
+def test_a_call_beyond_a_kernel_workspace_falls_back_to_psum_on_cuda(world):
+    """On a kernel workspace too small for the call, the cuda lowering holds no custom call
+    and the fallback's psum, like the xla backend's."""
+    mesh = make_mesh((world,), ("tp",))
+    ws = xla_workspace(mesh, tokens=TOKENS // 2, backend="trtllm")
+    f, args = dense_program(mesh, ws, AllReduceFusionPattern.kARResidualRMSNorm, strict=False)
+    text = jf.export.export(f, platforms=("cuda",))(*args).mlir_module()
+    assert f"@{FFI_TARGET}" not in text
+    got = collectives.summary(collectives.stablehlo_collectives(text))
+    assert got == psum_program(mesh), got
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=[f"world{w}" for w in WORLDS])
+def test_forward_mode_tangents_and_vmap_move_no_more_than_psum(world):
+    mesh = make_mesh((world,), ("tp",))
+    ws = xla_workspace(mesh, tokens=2 * TOKENS)
+    f, args = dense_program(mesh, ws, AllReduceFusionPattern.kARResidualRMSNorm)
+
+    def user(x, residual, gamma):
+        s = jax.lax.psum(x, "tp")
+        return s + residual
+
+    def jvp_of(fn, n):
+        def run(*a):
+            return jax.jvp(fn, a[:n], tuple(jnp.ones_like(v) for v in a[:n]))
+
+        return run
+
+    fused = jax.jit(
+        jax.shard_map(
+            jvp_of(
+                lambda x, r, g: jf.allreduce_fusion(
+                    x, axis_name="tp", workspace=ws, residual=r, rms_gamma=g
+                )[1:3],
+                3,
+            ),
+            mesh=mesh,
+            in_specs=(P("tp"), P(), P()),
+            out_specs=P(),
+        )
+    )
+    plain = jax.jit(
+        jax.shard_map(jvp_of(user, 3), mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=P())
+    )
+    got, base = cuda_collectives(fused, *args[:3]), cuda_collectives(plain, *args[:3])
+    assert base["all_reduce"]["count"] == 2  # the primal's and the tangent's
+    check_not_costlier(got, base, f"jvp world {world}")
+
+    def batched(x, r, g):
+        return jax.vmap(
+            lambda x, r: (
+                jf.allreduce_fusion(
+                    x, axis_name="tp", workspace=ws, residual=r, rms_gamma=g
+                ).norm_out
+            )
+        )(x, r)
+
+    vm = jax.jit(
+        jax.shard_map(batched, mesh=mesh, in_specs=(P(None, "tp"), P(), P()), out_specs=P())
+    )
+    vargs = (
+        shaped(mesh, (2, world * TOKENS, HIDDEN), P(None, "tp")),
+        shaped(mesh, (2, TOKENS, HIDDEN), P()),
+        args[2],
+    )
+    check_not_costlier(
+        cuda_collectives(vm, *vargs), psum_program(mesh, (2 * TOKENS, HIDDEN)), "vmap"
+    )
+
+
+# --- the MoE ops ------------------------------------------------------------------------------
+
+EXPERTS, ROWS, TOP_K = 3, 24, 2
+
+
+def moe_program(mesh, ws, pattern, **kwargs):
+    world = mesh.shape["tp"]
+
+    def reduction(outputs, scales, token_input, residual, gamma):
+        out = jf.moe_reduction_allreduce_fusion(
+            outputs[0],
+            scales[0],
+            token_input[0],
+            axis_name="tp",
+            workspace=ws,
+            residual=residual,
+            rms_gamma=gamma,
+            return_allreduce_out=True,
+            **kwargs,
+        )
+        return out.residual_out, out.norm_out, out.allreduce_out
+
+    def finalize(permuted, idx, scale, residual, gamma):
+        out = jf.moe_finalize_allreduce_fusion(
+            permuted[0],
+            idx[0],
+            axis_name="tp",
+            workspace=ws,
+            residual=residual,
+            rms_gamma=gamma,
+            expert_scale_factor=scale[0],
+            **kwargs,
+        )
+        return out.residual_out, out.norm_out
+
+    if pattern == AllReduceFusionPattern.kMoEReductionARResidualRMSNorm:
+        body, shapes = (
+            reduction,
+            [
+                ((world, EXPERTS, TOKENS, HIDDEN), BF16),
+                ((world, EXPERTS, TOKENS), jnp.float32),
+                ((world, TOKENS, HIDDEN), BF16),
+            ],
+        )
+    else:
+        body, shapes = (
+            finalize,
+            [
+                ((world, ROWS, HIDDEN), BF16),
+                ((world, TOKENS, TOP_K), jnp.int32),
+                ((world, TOKENS, TOP_K), BF16),
+            ],
+        )
+    shapes += [((TOKENS, HIDDEN), BF16), ((HIDDEN,), BF16)]
+    specs = [P("tp")] * 3 + [P()] * 2
+    args = [shaped(mesh, s, sp, d) for (s, d), sp in zip(shapes, specs)]
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=P())), args
+
+
+@pytest.mark.parametrize("pattern", MOE_PATTERNS, ids=[p.name for p in MOE_PATTERNS])
+@pytest.mark.parametrize("world", WORLDS, ids=[f"world{w}" for w in WORLDS])
+def test_moe_fallback_moves_no_more_than_psum(world, pattern):
+    mesh = make_mesh((world,), ("tp",))
+    f, args = moe_program(mesh, xla_workspace(mesh), pattern)
+    got = cuda_collectives(f, *args)
+    base = psum_program(mesh)
+    check_not_costlier(got, base, f"{pattern.name} world {world}")
+    assert got == base, (got, base)
+    # The emulation of the kernel's rank-order sum, asked for: one float32 psum per rank.
+    f, args = moe_program(mesh, xla_workspace(mesh), pattern, fallback="kernel_exact")
+    exact = cuda_collectives(f, *args)["all_reduce"]
+    assert exact["count"] == world and exact["bytes"] == 2 * world * base["all_reduce"]["bytes"]
+
+
+# --- plain jit --------------------------------------------------------------------------------
+
+K = 256
+
+
+def row_parallel_args(mesh):
+    return (
+        shaped(mesh, (TOKENS, K), P(None, "tp")),
+        shaped(mesh, (K, HIDDEN), P("tp", None)),
+        shaped(mesh, (TOKENS, HIDDEN), P()),
+        shaped(mesh, (HIDDEN,), P()),
+    )
+
+
+@pytest.mark.parametrize("with_workspace", [True, False], ids=["xla_workspace", "no_workspace"])
+@pytest.mark.parametrize("world", WORLDS, ids=[f"world{w}" for w in WORLDS])
+def test_row_parallel_on_explicit_axes_moves_no_more_than_the_partitioners_psum(
+    world, with_workspace
+):
+    mesh = jax.make_mesh(
+        (world,), ("tp",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:world]
+    )
+    ws = xla_workspace(mesh) if with_workspace else None
+
+    def fused(h, w, r, g):
+        out = jf.row_parallel_allreduce_fusion(h, w, residual=r, rms_gamma=g, workspace=ws)
+        return out.residual_out, out.norm_out
+
+    def plain(h, w, r, g):
+        partial = jax.shard_map(
+            lambda h, w: jax.lax.psum(h @ w, "tp"),
+            mesh=mesh,
+            in_specs=(P(None, "tp"), P("tp", None)),
+            out_specs=P(),
+        )(h, w)
+        return partial + r
+
+    args = row_parallel_args(mesh)
+    with jax.set_mesh(mesh):
+        got = cuda_collectives(fused, *args)
+        base = cuda_collectives(jax.jit(plain), *args)
+    check_not_costlier(got, base, f"row_parallel world {world}")
+    assert (
+        got["all_reduce"]
+        == base["all_reduce"]
+        == psum_program(make_mesh((world,), ("tp",)))["all_reduce"]
+    )
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=[f"world{w}" for w in WORLDS])
+def test_row_parallel_partition_rule_on_auto_axes_moves_no_more_than_psum(world):
+    """Auto axes: the partition rule runs when XLA compiles (jax.export cannot carry it),
+    so its per-shard program, what every GPU runs, is lowered for cuda here."""
+    mesh = make_mesh((world,), ("tp",))
+    for ws in (xla_workspace(mesh), None):
+        cfg = partitioning._checked_config(
+            partitioning._Contraction.matmul(2), ws, 1e-6, 0.0, True, None, None, None, "xla"
+        )
+        args = row_parallel_args(mesh)
+        _, local, outs, ins = partitioning.partition(cfg, mesh, args, None)
+        f = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=tuple(s.spec for s in ins),
+            out_specs=tuple(s.spec for s in outs),
+        )
+        placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(args, ins)]
+        text = jax.jit(f).trace(*placed).lower(lowering_platforms=("cuda",)).as_text()
+        got = collectives.summary(collectives.stablehlo_collectives(text))
+        assert got == psum_program(mesh), (ws, got)
+
+
+# --- fuse -------------------------------------------------------------------------------------
+
+EPS = 1e-6
+
+
+def _norm(r, g):
+    x = r.astype(jnp.float32)
+    y = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + EPS) * g.astype(jnp.float32)
+    return y.astype(r.dtype)
+
+
+def _layer_in_one_shard_map(mesh):
+    def body(x, w, r, g):
+        s = jax.lax.psum(x @ w, "tp")
+        r = s + r
+        return r, _norm(r, g)
+
+    return jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P("tp"), P(), P()), out_specs=P())
+    )
+
+
+def _megatron_g(mesh):
+    @jax.custom_vjp
+    def g_op(x):
+        return jax.lax.psum(x, "tp")
+
+    g_op.defvjp(lambda x: (g_op(x), None), lambda _, ct: (ct,))
+
+    def body(x, w, r, g):
+        r = g_op(x @ w) + r
+        return r, _norm(r, g)
+
+    return jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P(None, "tp"), P("tp"), P(), P()),
+            out_specs=P(),
+            check_vma=False,
+        )
+    )
+
+
+def _per_linear(mesh):
+    def model(x, w, r, g):
+        s = jax.shard_map(
+            lambda x, w: jax.lax.psum(x @ w, "tp"),
+            mesh=mesh,
+            in_specs=(P(None, "tp"), P("tp")),
+            out_specs=P(),
+        )(x, w)
+        r = s + r
+        return r, _norm(r, g)
+
+    return model
+
+
+@pytest.mark.parametrize(
+    "form", [_layer_in_one_shard_map, _megatron_g, _per_linear], ids=lambda f: f.__name__[1:]
+)
+@pytest.mark.parametrize("world", WORLDS, ids=[f"world{w}" for w in WORLDS])
+def test_fused_sites_on_the_xla_backend_keep_the_originals_collectives(world, form):
+    mesh = make_mesh((world,), ("tp",))
+    model = form(mesh)
+    args = row_parallel_args(mesh)
+    fused = jf.fuse(model, mesh=mesh, axis_name="tp", backend="xla")
+    with jax.set_mesh(mesh):
+        fused.analyze(*args)
+        assert len(fused.report.fused) == 1, fused.report.line()
+        got = cuda_collectives(fused, *args)
+        base = cuda_collectives(jax.jit(model), *args)
+    assert got == base, (got, base)
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=[f"world{w}" for w in WORLDS])
+def test_a_fused_plain_jit_site_on_the_xla_backend_keeps_the_partitioners_psum(world):
+    mesh = jax.make_mesh(
+        (world,), ("tp",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:world]
+    )
+
+    def model(h, w, r, g):
+        r = jnp.matmul(h, w, out_sharding=P()) + r  # the partitioner all-reduces when compiling
+        return r, _norm(r, g)
+
+    args = row_parallel_args(mesh)
+    fused = jf.fuse(model, mesh=mesh, axis_name="tp", backend="xla")
+    with jax.set_mesh(mesh):
+        fused.analyze(*args)
+        assert len(fused.report.fused) == 1, fused.report.line()
+        got = cuda_collectives(fused, *args)
+    # The model's all-reduce is inserted when XLA compiles it, after export: the fused
+    # program holds that all-reduce, the psum of the product in its dtype.
+    assert got == psum_program(make_mesh((world,), ("tp",))), got

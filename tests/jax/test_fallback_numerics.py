@@ -1,0 +1,317 @@
+"""The numerics of the "xla" fallback (docs/numerics.md, "Where the kernel does not
+serve"): its sum is XLA's all-reduce in the input's dtype, whose order and tree of additions
+XLA does not fix, held to ``oracle.psum_error_bound``, tested where it can be on CPU:
+
+* on exact numpy emulations of the orders XLA's all-reduces use (rank order, the chains of
+  a ring's reduce-scatter starting at every rank, a pairwise tree, a float32 sum rounded
+  once), over ordinary inputs and inputs chosen to reach the bound (every addition absorbing
+  almost half an ulp): never exceeded, reached within a factor 1.25, and exceeded by the same
+  bound counted one rounding short;
+* on the op itself (8 virtual CPU devices, world 4 and 8): within the bound, and its
+  allreduce_out and residual_out bit for bit the user's own ``psum`` + add in the same
+  program (the same XLA all-reduce), so a site ``jax_fusedar.fuse`` rewrote runs the
+  original's collective where no kernel serves it.
+
+The GPU test (tests/gpu/test_fallback.py) holds XLA's NCCL all-reduce to the same bound."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_fusedar as jf
+from tests.cpu_devices import xla_flags
+from tests.jax.cpu_helpers import (
+    RMS_EPS,
+    bits,
+    jdtype,
+    make_mesh,
+    new_rng,
+    random_gamma,
+    random_values,
+    require_host_devices,
+    run_sharded,
+)
+from tests.oracles import oracle
+from tests.repo import REPO
+
+require_host_devices()
+
+pytestmark = pytest.mark.usefixtures("hermetic")
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _add(a, b, dtype_name):
+    """One addition of an all-reduce in dtype_name: float32 add, rounded to dtype_name."""
+    return (a.astype(np.float32) + b.astype(np.float32)).astype(jdtype(dtype_name))
+
+
+def chain(xs, dtype_name, start=0):
+    """The ranks added one after another from rank ``start`` on (rank order for 0; a ring's
+    reduce-scatter adds each chunk in this order, starting after the rank that owns it)."""
+    n = len(xs)
+    acc = xs[start]
+    for k in range(1, n):
+        acc = _add(acc, xs[(start + k) % n], dtype_name)
+    return acc
+
+
+def pairwise(xs, dtype_name):
+    """A balanced tree: neighbours first, then their sums (a tree all-reduce's shape)."""
+    level = list(xs)
+    while len(level) > 1:
+        nxt = [_add(a, b, dtype_name) for a, b in zip(level[::2], level[1::2])]
+        level = nxt + ([level[-1]] if len(level) % 2 else [])
+    return level[0]
+
+
+def once(xs, dtype_name):
+    """A float32 sum rounded once (XLA's bfloat16 all-reduce on CPU)."""
+    return np.sum(np.asarray(xs).astype(np.float32), axis=0).astype(jdtype(dtype_name))
+
+
+def orders(xs, dtype_name):
+    out = {f"chain from {s}": chain(xs, dtype_name, s) for s in range(len(xs))}
+    out["pairwise"] = pairwise(xs, dtype_name)
+    out["float32 once"] = once(xs, dtype_name)
+    return out
+
+
+def inputs(kind, rng, world, shape, dtype_name):
+    """Per-rank partial sums [world, *shape] in the call dtype.
+
+    normal, cancelling, growing, tiny: as in test_accumulation_bound.py;
+    absorbed: rank 0 holds A (|A| in [1, 1.5)), every other rank just under half an ulp
+    of A with A's sign, so that each addition after rank 0's rounds back to A: in rank
+    order every one of the N - 1 roundings errs by almost the whole bound's share."""
+    t = jdtype(dtype_name)
+    if kind == "absorbed":
+        a = rng.uniform(1.0, 1.5, shape) * np.where(rng.random(shape) < 0.5, -1.0, 1.0)
+        a = a.astype(np.float32).astype(t).astype(np.float64)
+        small = 0.484375 * oracle.ulp(a, dtype_name) * np.sign(a)  # 31/64 of an ulp: exact
+        x = np.stack([a] + [small] * (world - 1))
+    elif kind == "normal":
+        x = rng.standard_normal((world, *shape))
+    elif kind == "cancelling":
+        big = rng.uniform(50.0, 200.0, (world, *shape))
+        big *= np.where(np.arange(world) % 2 == 0, 1.0, -1.0).reshape(-1, *[1] * len(shape))
+        x = big + 1e-2 * rng.standard_normal((world, *shape))
+    elif kind == "growing":
+        x = rng.uniform(0.5, 1.5, (world, *shape))
+    else:
+        tiny = float(np.finfo(t).smallest_normal)
+        x = rng.standard_normal((world, *shape)) * 4 * tiny
+    return x.astype(np.float32).astype(t)
+
+
+KINDS = ("normal", "cancelling", "growing", "tiny", "absorbed")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("world", [2, 4, 8, 16])
+def test_bound_holds_for_every_order(world, dtype):
+    rng = new_rng()
+    for kind in KINDS:
+        xs = inputs(kind, rng, world, (32, 256), dtype)
+        residual = random_values(rng, (32, 256), dtype)
+        s64 = np.sum(xs.astype(np.float64), axis=0)
+        bound = oracle.psum_error_bound(xs, dtype)
+        r_bound = oracle.residual_error_bound(xs, residual, dtype, sum_bound=bound)
+        for name, s in orders(list(xs), dtype).items():
+            r = _add(s, residual, dtype)
+            ratio_s = oracle.bound_ratio(s, s64, bound)
+            ratio_r = oracle.bound_ratio(r, s64 + residual.astype(np.float64), r_bound)
+            assert ratio_s <= 1.0 and ratio_r <= 1.0, (kind, name, ratio_s, ratio_r)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("world", [4, 8, 16])
+def test_bound_is_reached_in_rank_order(world, dtype):
+    """Absorbing additions in rank order (CPU's float16 all-reduce, one chain of a ring)
+    err by almost the bound; the kernel's fp32_acc=True bound, half an ulp of |s| plus
+    float32 terms, is far exceeded."""
+    xs = inputs("absorbed", new_rng(), world, (64, 256), dtype)
+    s64 = np.sum(xs.astype(np.float64), axis=0)
+    s = chain(list(xs), dtype)
+    ratio = oracle.bound_ratio(s, s64, oracle.psum_error_bound(xs, dtype))
+    assert 0.8 <= ratio <= 1.0, ratio
+    kernel = oracle.bound_ratio(s, s64, oracle.sum_error_bound(xs, dtype, fp32_acc=True))
+    assert kernel > world / 2, kernel
+
+
+def test_a_bound_one_rounding_short_is_exceeded():
+    xs = inputs("absorbed", new_rng(), 4, (64, 256), "bfloat16")
+    s = chain(list(xs), "bfloat16")
+    s64 = np.sum(xs.astype(np.float64), axis=0)
+    assert oracle.bound_ratio(s, s64, oracle.psum_error_bound(xs[:-1], "bfloat16")) > 1.0
+
+
+def test_at_two_ranks_the_bound_is_the_kernels():
+    """One addition, whatever the order: the same half ulp of |s| as the kernel's."""
+    rng = new_rng()
+    for dtype in DTYPES:
+        xs = inputs("normal", rng, 2, (16, 256), dtype)
+        np.testing.assert_allclose(
+            oracle.psum_error_bound(xs, dtype),
+            np.maximum(
+                oracle.sum_error_bound(xs, dtype, fp32_acc=False),
+                oracle.sum_error_bound(xs, dtype, fp32_acc=True),
+            ),
+            rtol=1e-12,
+        )
+
+
+# --- the op on CPU ----------------------------------------------------------------------------
+
+
+def _op_and_users_program(world, dtype, xs, residual, gamma):
+    """allreduce_fusion with the default fallback, and what the user would have written (a
+    psum in x's dtype and the residual add), in one program on the same mesh."""
+    mesh = make_mesh((world,), ("tp",))
+    tokens, hidden = residual.shape
+    ws = jf.create_allreduce_fusion_workspace(
+        mesh, "tp", max_token_num=tokens, hidden_dim=hidden, dtype=jdtype(dtype)
+    )
+    assert ws.backend == "xla", ws
+
+    def body(x, r, g):
+        o = jf.allreduce_fusion(
+            x, axis_name="tp", workspace=ws, residual=r, rms_gamma=g, rms_eps=RMS_EPS
+        )
+        a = jf.allreduce_fusion(
+            x, axis_name="tp", workspace=ws, pattern=jf.AllReduceFusionPattern.kAllReduce
+        )
+        s = jax.lax.psum(x, "tp")
+        return a.allreduce_out, o.residual_out, o.norm_out, s, s + r
+
+    outs = run_sharded(
+        body, mesh, (P("tp"), P(), P()), (P(),) * 5, xs.reshape(-1, hidden), residual, gamma
+    )
+    return [np.asarray(o) for o in outs]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("world", [4, 8])
+def test_the_op_falls_back_to_the_users_psum_within_the_bound(world, dtype):
+    rng = new_rng()
+    for kind in ("normal", "cancelling", "absorbed"):
+        xs = inputs(kind, rng, world, (16, 256), dtype)
+        residual = random_values(rng, (16, 256), dtype)
+        gamma = random_gamma(rng, 256, dtype)
+        ar, res, norm, user_s, user_r = _op_and_users_program(world, dtype, xs, residual, gamma)
+        where = (kind, world, dtype)
+        # The user's collective, in the same program: the same bits.
+        assert np.array_equal(bits(ar), bits(user_s)), where
+        assert np.array_equal(bits(res), bits(user_r)), where
+        s64 = np.sum(xs.astype(np.float64), axis=0)
+        bound = oracle.psum_error_bound(xs, dtype)
+        assert oracle.bound_ratio(ar, s64, bound) <= 1.0, where
+        r_bound = oracle.residual_error_bound(xs, residual, dtype, sum_bound=bound)
+        assert oracle.bound_ratio(res, s64 + residual.astype(np.float64), r_bound) <= 1.0, where
+        assert (
+            oracle.norm_error_given_residual_ulps(
+                norm, res, gamma, rms_eps=RMS_EPS, weight_bias=0.0, dtype_name=dtype
+            )
+            <= oracle.NORM_GIVEN_RESIDUAL_ULPS[dtype]
+        ), where
+
+
+# --- fuse on the fallback: the original program, bit for bit ----------------------------------
+
+FUSED_EQUALS_ORIGINAL = r"""
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+import jax_fusedar as jf
+
+dtype = jnp.dtype(sys.argv[1])
+world, tokens, hidden = 4, 16, 256
+mesh = Mesh(np.array(jax.devices()[:world]), ("tp",))
+
+def norm(r, g):
+    x = r.astype(jnp.float32)
+    inv = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + jnp.float32(1e-6))
+    return ((x * inv) * g.astype(jnp.float32)).astype(r.dtype)
+
+def layer(x, r, g):
+    r = jax.lax.psum(x, "tp") + r
+    return r, norm(r, g)
+
+model = jax.jit(jax.shard_map(layer, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=P()))
+rng = np.random.default_rng(int(sys.argv[2]))
+x = (rng.standard_normal((world * tokens, hidden)) * rng.uniform(1, 100, (world * tokens, 1)))
+args = [jnp.asarray(v, dtype) for v in (x, rng.standard_normal((tokens, hidden)),
+                                        1 + 0.1 * rng.standard_normal(hidden))]
+fused = jf.fuse(model, mesh=mesh, axis_name="tp")  # backend "auto": xla on CPU
+got, want = fused(*args), model(*args)
+same = [bool(np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8)))
+        for a, b in zip(got, want)]
+print("FACTS " + json.dumps({"report": fused.report.line(), "same": same}))
+"""
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_site_fused_on_the_fallback_is_the_original_program(dtype):
+    """fuse on CPU (the xla backend): the fused site's call runs the original's psum, and
+    with a norm written at the fused op's rounding points the fused program gives the
+    original's bits (float16: XLA's CPU psum rounds after every addition, which the
+    kernel's fp32 accumulation would not). In a fresh process with the CPU tests' XLA flags
+    (excess precision off, so that XLA keeps every rounding the programs write)."""
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=xla_flags(8),  # with XLA's excess precision off (tests/cpu_devices.py)
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    )
+    for var in ("JAX_FUSEDAR_STRICT", "JAX_FUSEDAR_ALLREDUCE_BACKEND"):
+        env.pop(var, None)
+    seed = int(new_rng().integers(1 << 30))
+    r = subprocess.run(
+        [sys.executable, "-c", FUSED_EQUALS_ORIGINAL, dtype, str(seed)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    facts = json.loads(r.stdout.split("FACTS ", 1)[1])
+    assert facts["report"].startswith("jax_fusedar.fuse: fused 1 of 1"), facts
+    assert facts["same"] == [True, True], (seed, facts)
+
+
+@pytest.mark.parametrize("bad", ["psum", "XLA", None, True, 1])
+def test_fallback_takes_one_of_its_names_never_a_coerced_value(bad):
+    mesh = make_mesh((2,), ("tp",))
+    ws = jf.create_allreduce_fusion_workspace(
+        mesh, "tp", max_token_num=4, hidden_dim=256, dtype=jdtype("bfloat16")
+    )
+    x = jax.ShapeDtypeStruct((8, 256), jdtype("bfloat16"))
+    calls = {
+        "allreduce_fusion": lambda x: (
+            jf.allreduce_fusion(x, axis_name="tp", workspace=ws, fallback=bad).residual_out
+        ),
+        "moe_finalize_allreduce_fusion": lambda x: (
+            jf.moe_finalize_allreduce_fusion(
+                x, jax.numpy.zeros((4, 1), "int32"), axis_name="tp", workspace=ws, fallback=bad
+            ).residual_out
+        ),
+    }
+    for name, call in calls.items():
+        f = jax.shard_map(call, mesh=mesh, in_specs=P("tp"), out_specs=P())
+        with pytest.raises(ValueError, match=r"fallback must be one of \('xla', 'kernel_exact'\)"):
+            jax.jit(f).trace(x)
+    with pytest.raises(ValueError, match=r"fallback must be one of"):
+        jf.row_parallel_allreduce_fusion(
+            jax.numpy.zeros((4, 8), "bfloat16"),
+            jax.numpy.zeros((8, 256), "bfloat16"),
+            residual=None,
+            rms_gamma=jax.numpy.ones(256, "bfloat16"),
+            fallback=bad,
+        )

@@ -1,0 +1,594 @@
+"""jax_fusedar.fuse is exact or absent, on 8 virtual CPU devices: programs that once changed
+results silently, crashed inside fuse, or were refused with the wrong reason.
+
+Each program runs as written and through fuse, both compiled with XLA rounding where the
+program says (tests/jax/fuse_checks.py). A fused site must round like the program (the
+norm's output bit for bit but where float32 arithmetic may tip a rounding), or, with
+allow_rounding_change, stay within the documented bound with the change named; a site left
+alone must give the very same outputs, with the reason that names its cause.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from tests.jax import cpu_helpers
+from tests.jax.fuse_checks import (
+    assert_bit_equal,
+    assert_rounds_like_the_program,
+    compiled,
+    norm_units,
+    statistic,
+)
+import jax_fusedar as jf
+from jax_fusedar import workspace as wsmod
+
+cpu_helpers.require_host_devices()
+
+f32, bf16, f16 = jnp.float32, jnp.bfloat16, jnp.float16
+EPS = 1e-6
+MESH = jax.make_mesh((8,), ("tp",))
+T, H, F = 8, 64, 128
+
+
+def norm(r, g):  # the fused op's own order of operations
+    x = r.astype(f32)
+    n = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + EPS)
+    return (n * g.astype(f32)).astype(r.dtype)
+
+
+def gemma_rounded_scale(r, w):  # Gemma with the program rounding (1 + w) to T
+    x = r.astype(f32)
+    n = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + EPS)
+    scale = (1.0 + w.astype(f32)).astype(r.dtype)
+    return (n * scale.astype(f32)).astype(r.dtype)
+
+
+def one_scope_inputs(dtype, gamma_dtype=None, shape=(6, H), seed=0, gamma=None):
+    rng = np.random.default_rng(seed)
+    x = jax.device_put(
+        jnp.asarray(rng.standard_normal((8,) + shape), dtype), NamedSharding(MESH, P("tp"))
+    )
+    res = jnp.asarray(rng.standard_normal(shape), dtype)
+    if gamma is None:
+        gamma = 1 + 0.1 * rng.standard_normal(shape[-1])
+    return x, res, jnp.asarray(gamma, gamma_dtype or dtype)
+
+
+def one_scope(norm_fn, n_extra=0, extra_outs=None):
+    """psum + residual add + norm in one shard_map; returns (r, norm)."""
+
+    def body(x, res, g, *extra):
+        r = jax.lax.psum(x[0], "tp") + res
+        y = norm_fn(r, g)
+        return (r, y) if extra_outs is None else extra_outs(r, y, *extra)
+
+    return body
+
+
+def smap(body, n_in=3, n_out=2, check_vma=True, mesh=MESH):
+    return jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(P("tp"),) + (P(),) * (n_in - 1),
+        out_specs=(P(),) * n_out,
+        check_vma=check_vma,
+    )
+
+
+def run(fn, args, mesh=MESH, **kw):
+    """(report, fused outputs, original outputs), both compiled rounding as written."""
+    fused = jf.fuse(fn, mesh=mesh, axis_name="tp", backend="xla", **kw)
+    with jax.set_mesh(mesh):
+        out = compiled(fused)(*args)
+        want = compiled(fn)(*args)
+    return fused.report, out, want
+
+
+def assert_norm_exact(norm_fn, out, g, eps=EPS, col=None):
+    """The fused norm output against the program's own norm of the fused residual_out."""
+    r, y = out[0], out[1]
+    program = compiled(norm_fn)(r, g)
+    c = np.asarray(g, np.float64) if col is None else col
+    exact = np.asarray(r, np.float64) * statistic(r, eps) * c
+    assert_rounds_like_the_program(y, program, exact, np.dtype(r.dtype).name)
+
+
+def assert_unchanged(rep, out, want, reason):
+    assert len(rep.sites) == 1 and not rep.fused, rep.line()
+    assert rep.sites[0].reason.startswith(reason), rep.sites[0].reason
+    assert_bit_equal(out, want)
+
+
+# --- gamma's roundings ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_scale_one_plus_w_rounded_by_the_program_is_fused_with_that_rounding(dtype):
+    """Gemma written with ``(1 + w).astype(T)``: the fused op takes that rounded scale as
+    gamma (weight_bias 0), instead of adding 1 to w in float32 unrounded."""
+    args = one_scope_inputs(dtype, gamma=0.1 * np.random.default_rng(3).standard_normal(H))
+    rep, out, want = run(smap(one_scope(gemma_rounded_scale)), args)
+    site = rep.sites[0]
+    assert site.fused and site.rounding_change is None and site.weight_bias == 0.0, site
+    col = np.asarray((1.0 + np.asarray(args[2], np.float64)).astype(dtype), np.float64)
+    assert_norm_exact(gemma_rounded_scale, out, args[2], col=col)
+    if dtype == "bfloat16":  # XLA's bfloat16 psum on CPU rounds once, as the fused op does
+        assert_bit_equal(out, want)
+
+
+def test_gemma_one_plus_w_in_float32_keeps_its_weight_bias():
+    def gemma(r, w):
+        x = r.astype(f32)
+        n = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + EPS)
+        return (n * (1.0 + w.astype(f32))).astype(r.dtype)
+
+    args = one_scope_inputs("bfloat16", gamma=0.1 * np.random.default_rng(3).standard_normal(H))
+    rep, out, want = run(smap(one_scope(gemma)), args)
+    assert rep.sites[0].fused and rep.sites[0].weight_bias == 1.0, rep.sites[0]
+    assert_norm_exact(gemma, out, args[2], col=1.0 + np.asarray(args[2], np.float64))
+    assert_bit_equal(out, want)
+
+
+def test_a_float16_gamma_in_a_bfloat16_model_is_a_declared_rounding():
+    args = one_scope_inputs("bfloat16", gamma_dtype="float16")
+    rep, out, want = run(smap(one_scope(norm)), args)
+    assert_unchanged(rep, out, want, "float16 gamma (the kernel reads gamma in bfloat16)")
+    rep, out, _ = run(smap(one_scope(norm)), args, allow_rounding_change=True)
+    assert rep.sites[0].fused and rep.sites[0].rounding_change == "gamma rounded to bfloat16"
+    r = np.asarray(out[0], np.float64)
+    units = norm_units(
+        out[1], r, np.asarray(args[2], np.float64), statistic(out[0], EPS), "bfloat16"
+    )
+    assert units.max() <= 4.0, units.max()  # the bound, one more unit for the change
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_a_bfloat16_gamma_beyond_float16_range_in_a_float16_model_stays_unfused(allow):
+    gamma = np.full(H, 1.0)
+    gamma[::4] = 1e5  # beyond 65504: the kernel, reading gamma in float16, would see inf
+    small = np.where(np.arange(H) % 4 == 0, 1e-6, 1.0)  # where the program's output is finite
+    x, res, _ = one_scope_inputs("float16")
+    args = (x * jnp.asarray(small, f16), res * jnp.asarray(small, f16), jnp.asarray(gamma, bf16))
+    rep, out, want = run(smap(one_scope(norm)), args, allow_rounding_change=allow)
+    assert_unchanged(rep, out, want, "bfloat16 gamma in a float16 model: the kernel reads gamma")
+    assert np.all(np.isfinite(np.asarray(out[1], np.float32)))
+
+
+@pytest.mark.parametrize("through", ["bfloat16", "float16"])
+def test_a_float32_model_rounding_gamma_through_16_bits_keeps_that_rounding(through):
+    def norm_rounding_gamma(r, g):
+        return norm(r, g.astype(through).astype(f32))
+
+    args = one_scope_inputs("float32", gamma=1 + 0.3 * np.random.default_rng(1).standard_normal(H))
+    rep, out, want = run(smap(one_scope(norm_rounding_gamma)), args)
+    assert rep.sites[0].fused and rep.sites[0].rounding_change is None, rep.sites[0]
+    col = np.asarray(np.asarray(args[2]).astype(through), np.float64)
+    units = norm_units(out[1], out[0], col, statistic(out[0], EPS), "float32")
+    assert units.max() <= 8.0, units.max()  # float32's bound (docs/fusion_pass.md)
+    np.testing.assert_allclose(np.asarray(out[1]), np.asarray(want[1]), rtol=2e-6, atol=0)
+
+
+# --- what the rewrite replaces, and nothing else --------------------------------------------------
+
+
+def mesh_2x4(axis_type=AxisType.Auto):
+    return jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(axis_type,) * 2)
+
+
+def linear_operands(mesh, dtype=bf16, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jax.device_put(
+        jnp.asarray(rng.standard_normal((T, F)), dtype), NamedSharding(mesh, P("dp", "tp"))
+    )
+    w = jax.device_put(
+        jnp.asarray(rng.standard_normal((F, H)) / 8, dtype), NamedSharding(mesh, P("tp"))
+    )
+    res = jax.device_put(
+        jnp.asarray(rng.standard_normal((T, H)), dtype), NamedSharding(mesh, P("dp"))
+    )
+    g = jax.device_put(
+        jnp.asarray(1 + 0.1 * rng.standard_normal(H), dtype), NamedSharding(mesh, P())
+    )
+    return x, w, res, g
+
+
+def row_parallel(mesh, body=None, n_out=1):
+    return jax.shard_map(
+        body or (lambda x, w: jax.lax.psum(x @ w, "tp")),
+        mesh=mesh,
+        in_specs=(P("dp", "tp"), P("tp")),
+        out_specs=P("dp") if n_out == 1 else (P("dp"),) * n_out,
+    )
+
+
+@pytest.mark.parametrize("second", ["the sum again", "a copy"])
+def test_a_shard_map_returning_its_sum_twice_stays_unfused(second):
+    mesh = mesh_2x4()
+
+    def body(x, w):
+        s = jax.lax.psum(x @ w, "tp")
+        return s, (s if second == "the sum again" else jnp.copy(s))
+
+    def model(x, w, res, g):
+        s, s2 = row_parallel(mesh, body, 2)(x, w)
+        r = s + res
+        return r, norm(r, g), s2
+
+    rep, out, want = run(model, linear_operands(mesh), mesh)
+    assert_unchanged(rep, out, want, "the all-reduce's result has other uses besides the residual")
+
+
+def test_a_residual_returned_by_the_same_shard_map_is_read_inside_it():
+    mesh = mesh_2x4()
+
+    def model(x, w, res, g):
+        s, res2 = jax.shard_map(
+            lambda x, w, res: (jax.lax.psum(x @ w, "tp"), res * 2),
+            mesh=mesh,
+            in_specs=(P("dp", "tp"), P("tp"), P("dp")),
+            out_specs=(P("dp"), P("dp")),
+        )(x, w, res)
+        r = s + res2
+        return r, norm(r, g), res2
+
+    args = linear_operands(mesh)
+    rep, out, want = run(model, args, mesh)
+    assert rep.sites[0].fused and rep.sites[0].kind == "shard_map psum", rep.line()
+    assert_bit_equal(out, want)  # bfloat16: the psum rounds once, as the fused op does
+
+    def other_layout(x, w, res, g):
+        s, res2 = jax.shard_map(
+            lambda x, w, res: (jax.lax.psum(x @ w, "tp"), res * 2),
+            mesh=mesh,
+            in_specs=(P("dp", "tp"), P("tp"), P()),
+            out_specs=(P("dp"), P()),
+        )(x, w, jax.device_put(res, NamedSharding(mesh, P())))
+        r = s + res2
+        return r, norm(r, g)
+
+    rep, out, want = run(other_layout, args, mesh)
+    assert_unchanged(rep, out, want, "the residual is output 1 of the shard_map")
+
+
+@pytest.mark.parametrize("tail", ["static", "dynamic"])
+def test_a_per_linear_fp8_tail_without_the_norm_output(tail):
+    mesh = mesh_2x4()
+
+    def model(x, w, res, g, scale):
+        r = row_parallel(mesh)(x, w) + res
+        y32 = norm(r, g).astype(f32)
+        if tail == "dynamic":
+            scale = jnp.maximum(jnp.max(jnp.abs(y32), -1, keepdims=True) / 448, 1 / (512 * 448))
+        return r, jnp.clip(y32 / scale, -448, 448).astype(jnp.float8_e4m3fn).astype(f32)
+
+    args = linear_operands(mesh) + (jnp.float32(0.02),)
+    rep, out, want = run(model, args, mesh)
+    assert rep.sites[0].fused and rep.sites[0].pattern == (2 if tail == "static" else 10)
+    assert_bit_equal(out[0], want[0])
+    q_f, q_o = np.asarray(out[1], np.float64), np.asarray(want[1], np.float64)
+    assert np.max(np.abs(q_f - q_o)) <= np.max(np.abs(q_o)) / 8  # one e4m3 step
+
+
+@pytest.mark.parametrize("layout", ["one shard_map", "per-linear shard_map"])
+def test_a_workspace_of_another_world_size_leaves_the_site_alone(layout):
+    ws = jf.create_allreduce_fusion_workspace(
+        jax.make_mesh((4, 2), ("dp", "tp")),
+        "tp",
+        max_token_num=64,
+        hidden_dim=H,
+        dtype=bf16,
+        backend="xla",
+    )
+    if layout == "one shard_map":
+        fn, args, mesh, world = smap(one_scope(norm)), one_scope_inputs("bfloat16"), MESH, 8
+    else:
+        mesh, world = mesh_2x4(), 4
+
+        def fn(x, w, res, g):
+            r = row_parallel(mesh)(x, w) + res
+            return r, norm(r, g)
+
+        args = linear_operands(mesh)
+    fused = jf.fuse(fn, workspace=ws)
+    with jax.set_mesh(mesh):
+        out, want = compiled(fused)(*args), compiled(fn)(*args)
+    assert_unchanged(
+        fused.report,
+        out,
+        want,
+        f"the workspace is for 2 ranks over 'tp', the site's all-reduce over it has {world}",
+    )
+    ws.destroy()
+
+
+def test_export_with_a_symbolic_token_count_leaves_the_site_alone():
+    (t,) = jax.export.symbolic_shape("t")
+    fn = smap(one_scope(norm))
+    specs = [
+        jax.ShapeDtypeStruct(s, bf16, sharding=NamedSharding(MESH, p))
+        for s, p in (((8, 8 * t, H), P("tp")), ((8 * t, H), P()), ((H,), P()))
+    ]
+    fused = jf.fuse(fn, mesh=MESH, backend="xla")
+    exported = jax.export.export(jax.jit(fused))(*specs)
+    site = fused.report.sites[0]
+    assert not site.fused and site.reason.startswith(
+        "the residual sum has a symbolic shape (8*t, 64): the fused op needs concrete token"
+    ), site.reason
+    # The program exported is the original: its all-reduce, no fused op. (Calling a
+    # shape-polymorphic shard_map export on CPU crashes XLA in JAX 0.10.2, unfused or not.)
+    with jax.set_mesh(MESH):
+        text = str(jax.make_jaxpr(fused)(*specs))
+    assert "psum" in text and "jax_fusedar_allreduce_fusion" not in text
+    assert exported.out_avals == jax.export.export(jax.jit(fn))(*specs).out_avals
+
+
+@pytest.mark.parametrize("layout", ["plain jit", "per-linear shard_map"])
+def test_explicit_axes_called_without_a_mesh_set(layout):
+    mesh = mesh_2x4(AxisType.Explicit)
+
+    def model(x, w, res, g):
+        if layout == "plain jit":
+            s = jnp.einsum("tf,fd->td", x, w, out_sharding=NamedSharding(mesh, P("dp")))
+        else:
+            s = row_parallel(mesh)(x, w)
+        r = s + res
+        return r, norm(r, g)
+
+    args = linear_operands(mesh)
+    fused = jf.fuse(model, mesh=mesh, axis_name="tp", backend="xla")
+    out, want = compiled(fused)(*args), compiled(model)(*args)  # no jax.set_mesh
+    assert fused.report.sites[0].fused, fused.report.line()
+    assert_bit_equal(out[0], want[0])
+    assert_norm_exact(norm, out, args[3])
+
+
+# --- reasons --------------------------------------------------------------------------------------
+
+
+SPELLED_WITH_FLOAT32_CONSTANTS = {
+    "sum times 1/H": lambda x, h: jax.lax.rsqrt(
+        jnp.sum(x * x, -1, keepdims=True) * (1.0 / h) + EPS
+    ),
+    "sqrt(H) outside": lambda x, h: (
+        jax.lax.rsqrt(jnp.sum(x * x, -1, keepdims=True) + h * EPS) * np.sqrt(h)
+    ),
+    "divided by rms over sqrt(H)": lambda x, h: (
+        1.0 / (jnp.sqrt(jnp.sum(x * x, -1, keepdims=True) + h * EPS) / np.sqrt(h))
+    ),
+}
+
+
+@pytest.mark.parametrize("h", [80, 96, 128, 3072])
+@pytest.mark.parametrize("spelling", list(SPELLED_WITH_FLOAT32_CONSTANTS))
+def test_constants_written_in_float32_are_within_their_rounding(spelling, h):
+    inv = SPELLED_WITH_FLOAT32_CONSTANTS[spelling]
+
+    def spelled(r, g):
+        x = r.astype(f32)
+        return (x * inv(x, x.shape[-1]) * g.astype(f32)).astype(r.dtype)
+
+    fused = jf.fuse(smap(one_scope(spelled)), mesh=MESH, backend="xla")
+    rep = fused.analyze(*one_scope_inputs("bfloat16", shape=(2, h)))
+    site = rep.sites[0]
+    assert site.fused, site.reason
+    assert site.rms_eps == pytest.approx(EPS, rel=1e-6)
+
+
+def test_a_constant_rounded_to_bfloat16_is_another_mean():
+    def spelled(r, g):
+        x = r.astype(f32)
+        inv = jax.lax.rsqrt(jnp.sum(x * x, -1, keepdims=True) * jnp.bfloat16(1 / 80) + EPS)
+        return (x * inv * g.astype(f32)).astype(r.dtype)
+
+    fused = jf.fuse(smap(one_scope(spelled)), mesh=MESH, backend="xla")
+    site = fused.analyze(*one_scope_inputs("bfloat16", shape=(2, 80))).sites[0]
+    divisor = 1 / float(jnp.bfloat16(1 / 80))  # 79.92...: another mean than over 80
+    assert site.reason == f"the mean divides by {divisor:.9g}, not the hidden size 80"
+
+
+@pytest.mark.parametrize("where", ["statistic", "output", "gamma"])
+def test_stop_gradient(where):
+    def spelled(r, g):
+        x = r.astype(f32)
+        inv = jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + EPS)
+        if where == "statistic":
+            inv = jax.lax.stop_gradient(inv)
+        if where == "gamma":
+            g = jax.lax.stop_gradient(g)
+        y = (x * inv * g.astype(f32)).astype(r.dtype)
+        return jax.lax.stop_gradient(y) if where == "output" else y
+
+    args = one_scope_inputs("bfloat16")
+    rep, out, want = run(smap(one_scope(spelled)), args)
+    if where == "statistic":
+        assert_unchanged(rep, out, want, "lax.stop_gradient inside the norm (the fused op")
+        return
+    assert rep.sites[0].fused, rep.sites[0].reason
+    assert_bit_equal(out, want)
+    if where == "gamma":  # the gradient to gamma stays stopped
+
+        def loss(fn):
+            return lambda *a: jnp.sum(fn(*a)[1].astype(f32))
+
+        fused = jf.fuse(smap(one_scope(spelled)), mesh=MESH, backend="xla")
+        with jax.set_mesh(MESH):
+            dg = compiled(jax.grad(loss(fused), argnums=2))(*args)
+        assert not np.any(np.asarray(dg, np.float32))
+
+
+def test_a_jitted_per_linear_shard_map():
+    mesh = mesh_2x4()
+
+    def model(x, w, res, g):
+        r = jax.jit(row_parallel(mesh))(x, w) + res
+        return r, norm(r, g)
+
+    rep, out, want = run(model, linear_operands(mesh), mesh)
+    assert rep.sites[0].fused and rep.sites[0].kind == "shard_map psum", rep.line()
+    assert_bit_equal(out, want)
+
+
+def test_two_sites_on_the_outputs_of_one_shard_map():
+    mesh = mesh_2x4()
+
+    def model(x, w, res, g):
+        s1, s2 = row_parallel(
+            mesh, lambda x, w: (jax.lax.psum(x @ w, "tp"), jax.lax.psum(x @ (w * 2), "tp")), 2
+        )(x, w)
+        r1 = s1 + res
+        r2 = s2 + res
+        return r1, norm(r1, g), r2, norm(r2, g)
+
+    rep, out, want = run(model, linear_operands(mesh), mesh)
+    assert len(rep.sites) == 2 and len(rep.fused) == 2, rep.line()
+    assert_bit_equal(out, want)
+
+
+def _f32_sum(mesh, cast_inside):
+    def body(x, w):
+        s = jax.lax.psum(jnp.dot(x, w, preferred_element_type=f32), "tp")
+        return s.astype(bf16) if cast_inside else s
+
+    def model(x, w, res, g):
+        r = row_parallel(mesh, body)(x, w).astype(bf16) + res
+        return r, norm(r, g)
+
+    return model
+
+
+@pytest.mark.parametrize("cast_inside", [False, True], ids=["cast outside", "cast inside"])
+def test_a_float32_sum_of_a_per_linear_shard_map_cast_down(cast_inside):
+    mesh = mesh_2x4()
+    model = _f32_sum(mesh, cast_inside)
+    args = linear_operands(mesh)
+    rep, out, want = run(model, args, mesh)
+    assert_unchanged(
+        rep,
+        out,
+        want,
+        "all-reduce in float32, cast to bfloat16 before the residual add: the fused op sums "
+        "bfloat16 partials (pass allow_rounding_change=True to fuse it)",
+    )
+    rep, out, want = run(model, args, mesh, allow_rounding_change=True)  # the advice works
+    site = rep.sites[0]
+    assert site.fused, site.reason
+    assert (
+        site.rounding_change == "each rank's float32 partial sum rounded to bfloat16 before the sum"
+    )
+    assert_norm_exact(norm, out, args[3])
+
+
+@pytest.mark.parametrize("rule", ["custom_vjp", "custom_jvp"])
+def test_a_psum_with_its_own_rule_is_one_site(rule):
+    if rule == "custom_vjp":
+
+        @jax.custom_vjp
+        def g_op(v):
+            return jax.lax.psum(v, "tp")
+
+        g_op.defvjp(
+            lambda v: (g_op(v), None), lambda _, ct: (jax.lax.pcast(ct, "tp", to="varying"),)
+        )
+    else:
+
+        @jax.custom_jvp
+        def g_op(v):
+            return jax.lax.psum(v, "tp")
+
+        g_op.defjvp(lambda p, t: (g_op(*p), jax.lax.psum(t[0], "tp")))
+
+    fused = jf.fuse(smap(lambda x, res, g: (g_op(x[0]) * 2, res)), mesh=MESH, backend="xla")
+    rep = fused.analyze(*one_scope_inputs("bfloat16"))
+    assert [s.reason for s in rep.sites] == ["the all-reduce is not followed by a residual add"]
+
+
+@pytest.mark.parametrize("literal", [True, False], ids=["literal scale", "scale argument"])
+def test_a_static_fp8_tail_with_a_literal_scale(literal):
+    def extra_outs(r, y, scale):
+        q = jnp.clip(y.astype(f32) / (0.05 if literal else scale), -448, 448)
+        return r, y, q.astype(jnp.float8_e4m3fn).astype(f32)
+
+    args = one_scope_inputs("bfloat16") + (jnp.float32(0.05),)
+    rep, out, want = run(smap(one_scope(norm, extra_outs=extra_outs), n_in=4, n_out=3), args)
+    site = rep.sites[0]
+    assert site.fused and site.pattern == 4 and site.note is None, site
+    assert_bit_equal(out[:2], want[:2])
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_a_psum_added_to_a_varying_residual(check_vma):
+    def body(x, res, g):
+        r = jax.lax.psum(x[0], "tp") + x[1]  # under check_vma JAX puts a pvary between
+        return r, norm(r, g)
+
+    fn = jax.shard_map(
+        body,
+        mesh=MESH,
+        in_specs=(P("tp"), P(), P()),
+        out_specs=(P("tp"), P("tp")),
+        check_vma=check_vma,
+    )
+    args = one_scope_inputs("bfloat16")
+    rep, out, want = run(fn, args)
+    assert rep.sites[0].fused, rep.sites[0].reason
+    assert_bit_equal(out, want)
+
+
+def test_a_site_of_no_tokens_is_served():
+    args = one_scope_inputs("bfloat16", shape=(0, H))
+    rep, out, want = run(smap(one_scope(norm)), args)
+    assert rep.sites[0].fused and rep.sites[0].tokens == 0, rep.line()
+    assert [o.shape for o in out] == [(0, H), (0, H)]
+
+
+class _NativeRankStandIn:
+    """What a kernel workspace's native rank looks like to the registry."""
+
+    alive = True
+
+    def failure(self):
+        return None
+
+    def destroy(self):
+        self.alive = False
+
+
+def test_two_transforms_alive_with_one_site_shape_get_distinct_workspaces(monkeypatch):
+    """Two live kernel workspaces of one key are refused (programs find their workspace by
+    it): the second transform's workspace gets a name of its own, and its site fuses. On
+    CPU the XLA workspaces stand in for kernel ones: registered as allocating, with a
+    native rank's stand-in."""
+    claim = wsmod._claim_id
+    monkeypatch.setattr(wsmod, "_claim_id", lambda ws, allocates: claim(ws, allocates=True))
+    fn = smap(one_scope(norm))
+    args = one_scope_inputs("bfloat16")
+    first = jf.fuse(fn, mesh=MESH, backend="xla")
+    second = jf.fuse(fn, mesh=MESH, backend="xla")
+    try:
+        assert first.analyze(*args).sites[0].fused
+        first.workspaces[0]._ranks.append(_NativeRankStandIn())
+        out = compiled(second)(*args)
+        site = second.report.sites[0]
+        assert site.fused, site.reason
+        assert [w.name for w in first.workspaces] == [None]
+        assert [w.name for w in second.workspaces] == ["jax_fusedar.fuse.2"]
+        assert_bit_equal(out, compiled(fn)(*args))
+    finally:
+        first.close()
+        second.close()
+
+
+@pytest.mark.slow
+def test_the_gpu_worker_on_cpu_processes():
+    """tests/gpu/fuse_exact.py's worker as two CPU processes (gloo, the reference lowering):
+    every step but the kernel, held to the same checks."""
+    from tests.gpu import fuse_exact, harness
+
+    res = harness.run_ranks(
+        fuse_exact.worker, 2, timeout_s=600, port=harness.free_port(), seed=0, platform="cpu"
+    )
+    problems = fuse_exact.check(res, platform="cpu")
+    assert not problems, "\n".join(problems)

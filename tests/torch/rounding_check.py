@@ -1,0 +1,95 @@
+"""The fusion pass's rounding rule, checked on a norm module: trace ``all_reduce -> + residual
+-> norm`` with make_fx, run it, apply the pass (by default, then with
+``allow_rounding_change``), run it again on the CPU stand-in of the fused op (world size 1:
+the group's sum is the input), and measure the outputs against float64.
+
+Used in-process for Hugging Face's norm classes (tests/torch/test_fusion_rounding.py) and in
+the framework venv for vLLM's (tests/torch/frameworks/check_vllm_norms.py). The bound is
+docs/torch.md's: per element, ``|fused - original| <= k * U`` with
+``U = ulp_T(|r|) * inv * |gamma| + ulp_T(|y|)`` (r the residual sum in T, inv and y the float64
+rsqrt and norm of r: the fused op's exact value), k the number of rounding changes the block
+names; and the fused output is within half an ulp of y (one rounding of float32 math).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from tests.oracles.oracle import ulp
+
+NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def ref_fused(input, residual, gamma, eps, weight_bias, use_oneshot, fp32_acc, handle):
+    """The fused op's formula in torch's own float32 ops on CPU, world size 1."""
+    from torch_compat import library
+
+    library.lookup_workspace(handle)  # the handle must be live, as in the real kernel
+    r = input + residual
+    rf = r.float()
+    n = rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps) * (weight_bias + gamma.float())
+    return r.clone(), n.to(input.dtype)
+
+
+def block_fn(group, norm, *, residual_arg: bool = False):
+    """``(x, residual, gamma) -> (norm_out, residual_out)``: the all-reduce over ``group``,
+    the residual add, then ``norm(r, gamma)``; with ``residual_arg`` the norm takes the
+    all-reduce's output and the residual and adds them itself (vLLM's fused_add form):
+    ``norm(t, residual, gamma) -> (norm_out, residual_out)``."""
+    from torch.distributed import _functional_collectives as funcol
+
+    def f(x, residual, gamma):
+        t = funcol.all_reduce(x, "sum", group)
+        if residual_arg:
+            return norm(t, residual, gamma)
+        r = t + residual
+        return norm(r, gamma), r
+
+    return f
+
+
+def inputs(m, hidden, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, hidden, generator=g).to(dtype)
+    res = torch.randn(m, hidden, generator=g).to(dtype)
+    gamma = (0.5 + torch.rand(hidden, generator=g)).to(dtype)
+    return x, res, gamma
+
+
+def run_block(fn, ws, args, *, allow: bool):
+    """(blocks, unfused outputs, outputs after the pass) for one fresh trace of ``fn``."""
+    import torch_compat
+
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    code = gm.code
+    unfused = gm(*args)
+    blocks = []
+    torch_compat.fuse_allreduce_rmsnorm(gm, ws, allow_rounding_change=allow, report=blocks)
+    if not any(b.fused for b in blocks):
+        assert gm.code == code  # left as written
+    with torch.library._scoped_library("torch_compat", "IMPL") as lib:
+        lib.impl("allreduce_residual_rmsnorm", ref_fused, "CPU")
+        fused = gm(*args)
+    return blocks, unfused, fused
+
+
+def measure(unfused, fused, args, eps: float, dtype) -> dict:
+    """The float64 measures of the bound (docs/torch.md) for one block's outputs."""
+    name = NAMES[dtype]
+    x, res, gamma = args
+    r = (x + res).double().numpy()  # world size 1: the sum is x; the add in T, as the graph's
+    g = gamma.double().numpy()
+    inv = 1.0 / np.sqrt(np.mean(r * r, axis=-1, keepdims=True) + eps)
+    y = r * inv * g
+    unit = ulp(r, name) * inv * np.abs(g) + ulp(y, name)
+    o, f = unfused[0].double().numpy(), fused[0].double().numpy()
+    half = 0.5 * ulp(np.maximum(np.abs(y), np.abs(f)), name)
+    return {
+        "differing": float(np.mean(o != f)),
+        "fused_vs_unfused_units": float(np.max(np.abs(f - o) / unit)),
+        "fused_vs_f64_half_ulps": float(np.max(np.abs(f - y) / half)),
+        "unfused_vs_f64_units": float(np.max(np.abs(o - y) / unit)),
+        "residual_equal": bool(torch.equal(unfused[1], fused[1])),
+    }

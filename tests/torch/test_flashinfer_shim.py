@@ -1,0 +1,288 @@
+"""torch_compat under FlashInfer's name (torch_compat.install_as_flashinfer): the installer,
+the names vLLM and SGLang import, and the legacy TRT-LLM API served by a torch_compat
+workspace. On CPU the workspace is backed by a stand-in of the native rank that records
+each launch (tests/torch/test_torch_compat.py's FakeRank), so what is checked is that the
+calls reach torch_compat's op with the right arguments, or are refused as it refuses them;
+the kernel behind them runs in tests/gpu/test_flashinfer_shim.py. vLLM's and SGLang's own
+modules run on it in tests/torch/frameworks/."""
+
+import importlib.util
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+import torch_compat
+from torch_compat import as_flashinfer, cuda_state
+from torch_compat.as_flashinfer.comm import trtllm_ar
+
+from tests.repo import REPO
+from tests.torch.test_torch_compat import fake_workspace
+
+
+@pytest.fixture
+def shim():
+    comm = torch_compat.install_as_flashinfer()
+    yield comm
+    as_flashinfer.uninstall()
+
+
+@pytest.fixture
+def cpu_stream(monkeypatch):
+    monkeypatch.setattr(cuda_state, "current_stream", lambda device: 0xC0FFEE)
+
+
+@pytest.fixture
+def fake_create(monkeypatch):
+    """The legacy create over a recording workspace of the group size asked for."""
+    made = []
+
+    def create(backend, *, world_size, rank, max_token_num, hidden_dim, dtype, **kw):
+        ws = fake_workspace(
+            world=world_size, max_tokens=max_token_num, hidden=hidden_dim, dtype=dtype
+        )
+        made.append((ws, kw))
+        return ws
+
+    monkeypatch.setattr(trtllm_ar, "create_allreduce_fusion_workspace", create)
+    yield made
+    trtllm_ar._by_args.clear()
+    trtllm_ar._by_tensor.clear()
+
+
+def test_install_makes_flashinfer_comm_importable(shim):
+    import flashinfer
+    import flashinfer.comm as comm
+    from flashinfer.comm.mnnvl import CommBackend, TorchDistBackend
+
+    assert comm is shim and flashinfer.comm is comm
+    assert importlib.util.find_spec("flashinfer") is not None
+    assert importlib.util.find_spec("flashinfer.comm") is not None
+    assert comm.allreduce_fusion is torch_compat.allreduce_fusion
+    assert comm.create_allreduce_fusion_workspace is torch_compat.create_allreduce_fusion_workspace
+    assert comm.AllReduceFusionPattern.kARResidualRMSNorm == 1
+    assert comm.QuantizationSFLayout.SWIZZLED_128x4 == 0
+    for name in (
+        "trtllm_allreduce_fusion",
+        "trtllm_create_ipc_workspace_for_all_reduce_fusion",
+        "trtllm_destroy_ipc_workspace_for_all_reduce_fusion",
+        "trtllm_destroy_ipc_workspace_for_all_reduce",
+        "TRTLLMAllReduceFusionWorkspace",
+        "AllReduceFusionWorkspace",
+    ):
+        assert hasattr(comm, name), name
+    assert isinstance(CommBackend, type) and TorchDistBackend.__module__.startswith("torch_compat")
+    assert torch_compat.install_as_flashinfer() is comm  # idempotent
+    with pytest.raises(ImportError):  # the rest of FlashInfer is absent, as uninstalled
+        import flashinfer.comm.trtllm_alltoall  # noqa: F401
+
+
+def test_install_refuses_when_another_flashinfer_was_imported(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
+    with pytest.raises(RuntimeError, match="call it before anything imports flashinfer"):
+        torch_compat.install_as_flashinfer()
+
+
+def test_install_in_a_fresh_process_before_vllm_style_probing():
+    # What vLLM and SGLang do at import: find_spec, then import and probe with hasattr.
+    code = (
+        "import importlib.util, torch_compat\n"
+        "assert importlib.util.find_spec('flashinfer') is None\n"
+        "torch_compat.install_as_flashinfer()\n"
+        "import flashinfer.comm as c\n"
+        "print(importlib.util.find_spec('flashinfer') is not None,"
+        " hasattr(c, 'allreduce_fusion') and hasattr(c, 'create_allreduce_fusion_workspace'))\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True", "True"]
+
+
+def test_torch_dist_backend_over_gloo(gloo_world1, shim):
+    from flashinfer.comm.mnnvl import CommBackend, TorchDistBackend
+
+    b = TorchDistBackend(group=gloo_world1)
+    assert isinstance(b, CommBackend)
+    assert (b.Get_rank(), b.Get_size()) == (0, 1)
+    assert b.allgather({"a": 1}) == ({"a": 1},)
+    assert b.bcast("x", 0) == "x"
+    b.barrier()
+    sub = b.Split(color=0, key=0)
+    assert sub.Get_size() == 1
+
+
+def test_legacy_create_and_call_reach_the_op(shim, fake_create, cpu_stream):
+    m, h = 16, 1024
+    handles, tensor, meta = shim.trtllm_create_ipc_workspace_for_all_reduce_fusion(
+        0, 2, 64, h, use_fp32_lamport=False, group=None, create_metadata=True
+    )
+    ws = handles.workspace
+    assert meta == ws.metadata and meta["tp_size"] == 2 and not meta["use_fp32_lamport"]
+    # FlashInfer caches the function: the same arguments give the same workspace.
+    assert shim.trtllm_create_ipc_workspace_for_all_reduce_fusion(0, 2, 64, h)[0] is handles
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16):  # a 16-bit workspace serves both
+        x = torch.randn(m, h, generator=g).to(dtype)
+        res, gamma = torch.randn(m, h).to(dtype), torch.randn(h).to(dtype)
+        r_out, n_out = torch.empty_like(x), torch.empty_like(x)
+        shim.trtllm_allreduce_fusion(
+            allreduce_in=x,
+            world_size=2,
+            world_rank=0,
+            token_num=m,
+            hidden_dim=h,
+            workspace_ptrs=tensor,
+            launch_with_pdl=True,
+            trigger_completion_at_end=False,
+            fp32_acc=True,
+            pattern_code=shim.AllReduceFusionPattern.kARResidualRMSNorm,
+            use_oneshot=None,
+            allreduce_out=None,
+            residual_in=res,
+            residual_out=r_out,
+            norm_out=n_out,
+            quant_out=None,
+            scale_out=None,
+            rms_gamma=gamma,
+            rms_eps=1e-5,
+            scale_factor=None,
+            layout_code=None,
+            metadata=meta,
+        )
+        args, kw = ws._rank_obj.launches[-1]
+        assert args[0] == 1 and args[2:5] == (m, h, x.data_ptr())
+        assert kw["residual_in"] == res.data_ptr() and kw["norm_out"] == n_out.data_ptr()
+        assert kw["residual_out"] == r_out.data_ptr() and kw["rms_gamma"] == gamma.data_ptr()
+        assert kw["rms_eps"] == pytest.approx(1e-5) and kw["fp32_acc"] is True
+        assert kw["trigger_completion_at_end"] is False and kw["launch_with_pdl"] is True
+    # Pattern 0 writes allreduce_out (rms_eps None, as the legacy callers pass it).
+    out = torch.empty_like(x)
+    shim.trtllm_allreduce_fusion(
+        x,
+        2,
+        0,
+        m,
+        h,
+        tensor,
+        False,
+        True,
+        False,
+        0,
+        None,
+        out,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+    )
+    assert ws._rank_obj.launches[-1][1]["allreduce_out"] == out.data_ptr()
+    shim.trtllm_destroy_ipc_workspace_for_all_reduce_fusion(handles)
+    assert ws.destroyed
+    with pytest.raises(ValueError, match="not a workspace tensor"):
+        shim.trtllm_allreduce_fusion(
+            x,
+            2,
+            0,
+            m,
+            h,
+            tensor,
+            False,
+            True,
+            False,
+            0,
+            None,
+            out,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def _legacy_call(shim, tensor, **over):
+    m, h = 16, 1024
+    x = torch.randn(m, h, dtype=torch.bfloat16)
+    kw = dict(
+        allreduce_in=x,
+        world_size=2,
+        world_rank=0,
+        token_num=m,
+        hidden_dim=h,
+        workspace_ptrs=tensor,
+        launch_with_pdl=False,
+        trigger_completion_at_end=True,
+        fp32_acc=False,
+        pattern_code=0,
+        use_oneshot=None,
+        allreduce_out=torch.empty_like(x),
+        residual_in=None,
+        residual_out=None,
+        norm_out=None,
+        quant_out=None,
+        scale_out=None,
+        rms_gamma=None,
+        rms_eps=None,
+        scale_factor=None,
+        layout_code=None,
+    )
+    kw.update(over)
+    return shim.trtllm_allreduce_fusion(**kw)
+
+
+@pytest.mark.parametrize(
+    "over, error, match",
+    [
+        ({"world_size": 4}, ValueError, "not the workspace's"),
+        ({"world_rank": 1}, ValueError, "not the workspace's"),
+        ({"token_num": 8}, ValueError, "token_num x hidden_dim"),
+        ({"metadata": {"tp_size": 2}}, ValueError, "missing required keys"),
+        ({"workspace_ptrs": torch.zeros(1, dtype=torch.int64)}, ValueError, "not a workspace"),
+        ({"workspace_ptrs": [1, 2]}, TypeError, "workspace tensor"),
+        ({"allreduce_in": torch.randn(16, 1024)}, ValueError, "element width"),  # float32
+        ({"use_oneshot": "yes"}, TypeError, "use_oneshot"),
+    ],
+)
+def test_legacy_call_refuses_what_flashinfer_would_misread(
+    shim, fake_create, cpu_stream, over, error, match
+):
+    handles, tensor = shim.trtllm_create_ipc_workspace_for_all_reduce_fusion(0, 2, 64, 1024)
+    with pytest.raises(error, match=match):
+        _legacy_call(shim, tensor, **over)
+    assert not handles.workspace._rank_obj.launches
+
+
+def test_legacy_create_refuses_symmetric_memory(shim, fake_create):
+    with pytest.raises(ValueError, match="use_symm_dev_mem"):
+        shim.trtllm_create_ipc_workspace_for_all_reduce_fusion(
+            0, 2, 64, 1024, create_metadata=True, use_symm_dev_mem=True
+        )
+
+
+def test_legacy_create_without_a_gpu_is_torch_compats_refusal(gloo_world1, shim):
+    # The real creation on CPU: torch_compat's own checks answer (here the world size the
+    # kernel has no build for), before any memory is touched.
+    with pytest.raises(Exception) as info:
+        shim.trtllm_create_ipc_workspace_for_all_reduce_fusion(0, 1, 64, 1024, group=gloo_world1)
+    with pytest.raises(type(info.value), match=str(info.value)[:30].replace("(", r"\(")):
+        torch_compat.create_allreduce_fusion_workspace(
+            "trtllm", 1, 0, 64, 1024, torch.bfloat16, group=gloo_world1
+        )
+
+
+def test_fp4_swizzled_size():
+    assert trtllm_ar.compute_fp4_swizzled_layout_sf_size(5, 16) == 128 * 16
+    assert trtllm_ar.compute_fp4_swizzled_layout_sf_size(129, 3) == 256 * 4

@@ -1,0 +1,117 @@
+"""The fusion pass on Hugging Face's own norm classes (transformers' ``LlamaRMSNorm``,
+``Qwen2RMSNorm``): they round the normalized value to the activation dtype before the
+gamma multiply, which the fused op does not. By default the pass leaves them as written
+(bit-identical outputs, the reason reported per block); with ``allow_rounding_change=True``
+it fuses them, names the change, and the outputs keep docs/torch.md's bound against
+float64. vLLM's classes get the same check in the framework venv
+(tests/torch/frameworks/)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+
+from tests.torch import rounding_check as rc
+from tests.torch.test_library import fake_workspace
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm  # noqa: E402
+
+M, H, EPS = 64, 1024, 1e-6
+CLASSES = {"LlamaRMSNorm": LlamaRMSNorm, "Qwen2RMSNorm": Qwen2RMSNorm}
+
+
+def _module_norm(cls, dtype):
+    mod = cls(H, eps=EPS).to(dtype)
+
+    def norm(r, gamma):  # the module's forward with gamma as a graph input (as dynamo has it)
+        return functional_call(mod, {"weight": gamma}, (r,))
+
+    return norm
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cls", list(CLASSES), ids=list(CLASSES))
+def test_hf_norm_is_left_alone_by_default(gloo_world1, cls, dtype):
+    fn = rc.block_fn(gloo_world1, _module_norm(CLASSES[cls], dtype))
+    args = rc.inputs(M, H, dtype, seed=1)
+    blocks, unfused, after = rc.run_block(
+        fn, fake_workspace(max_tokens=M, hidden=H, dtype=dtype), args, allow=False
+    )
+    name = rc.NAMES[dtype]
+    assert len(blocks) == 1 and not blocks[0].fused
+    assert f"gamma multiplied in {name} after the norm is rounded to {name}" in blocks[0].reason
+    for a, b in zip(unfused, after):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cls", list(CLASSES), ids=list(CLASSES))
+def test_hf_norm_opted_in_keeps_the_bound(gloo_world1, cls, dtype):
+    fn = rc.block_fn(gloo_world1, _module_norm(CLASSES[cls], dtype))
+    ws = fake_workspace(max_tokens=M, hidden=H, dtype=dtype)
+    worst = 0.0
+    for seed in range(3):  # fresh inputs each time
+        args = rc.inputs(M, H, dtype, seed=10 + seed)
+        blocks, unfused, fused = rc.run_block(fn, ws, args, allow=True)
+        name = rc.NAMES[dtype]
+        assert [b.fused for b in blocks] == [True]
+        assert blocks[0].rounding_change == (
+            f"gamma multiplied in {name} after the norm is rounded to {name}"
+        )
+        m = rc.measure(unfused, fused, args, EPS, dtype)
+        assert m["residual_equal"], m
+        assert m["fused_vs_f64_half_ulps"] <= 1.0 + 2.0**-6, m  # one rounding (+ float32 math)
+        assert m["fused_vs_unfused_units"] <= 1.0, m  # docs/torch.md: 1 unit per change
+        worst = max(worst, m["fused_vs_unfused_units"])
+        # The change is real: a tenth or more of the elements move (12-23% measured).
+        assert m["differing"] > 0.05, m
+    assert worst > 0.0
+
+
+def _f32_gamma_norm(r, gamma):  # gamma kept in float32: the kernel reads it in T
+    rf = r.float()
+    return (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + EPS) * gamma.float()).to(r.dtype)
+
+
+def test_exact_forms_next_to_hf_forms_are_bit_exact(gloo_world1):
+    # The one-rounding forms are fused by default and give the original's bits, including
+    # gamma's float32 cast of a bf16 gamma (the cast keeps its value).
+    dtype = torch.bfloat16
+    args = rc.inputs(M, H, dtype, seed=3)
+    for norm in (lambda r, g: F.rms_norm(r, (H,), g, EPS), _f32_gamma_norm):
+        fn = rc.block_fn(gloo_world1, norm)
+        blocks, unfused, fused = rc.run_block(
+            fn, fake_workspace(max_tokens=M, hidden=H, dtype=dtype), args, allow=False
+        )
+        assert [(b.fused, b.rounding_change) for b in blocks] == [(True, None)]
+        for a, b in zip(unfused, fused):
+            assert torch.equal(a, b)
+
+
+def _fused_add_form(t, residual, gamma):  # the form of vLLM's fused_add_rms_norm, by hand
+    x = t.to(torch.float32) + residual.to(torch.float32)
+    residual_out = x.to(t.dtype)
+    x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + EPS)
+    return (x.to(gamma.dtype) * gamma).to(t.dtype), residual_out
+
+
+def test_float32_residual_add_is_two_changes(gloo_world1):
+    dtype = torch.bfloat16
+    fn = rc.block_fn(gloo_world1, _fused_add_form, residual_arg=True)
+    ws = fake_workspace(max_tokens=M, hidden=H, dtype=dtype)
+    args = rc.inputs(M, H, dtype, seed=7)
+    blocks, unfused, after = rc.run_block(fn, ws, args, allow=False)
+    assert not blocks[0].fused and "residual added in float32" in blocks[0].reason
+    assert "gamma multiplied in bfloat16" in blocks[0].reason
+    assert all(torch.equal(a, b) for a, b in zip(unfused, after))
+    blocks, unfused, fused = rc.run_block(fn, ws, args, allow=True)
+    assert blocks[0].fused
+    assert blocks[0].rounding_change == (
+        "the norm reads the residual sum rounded to bfloat16; gamma multiplied in bfloat16 "
+        "after the norm is rounded to bfloat16"
+    )
+    m = rc.measure(unfused, fused, args, EPS, dtype)
+    assert m["residual_equal"] and m["fused_vs_unfused_units"] <= 2.0, m
+    assert m["fused_vs_f64_half_ulps"] <= 1.0 + 2.0**-6, m

@@ -1,0 +1,67 @@
+"""Importing torch_compat: without torch it says what to install; with torch it costs little
+more than torch itself (inductor, which takes about as long again, is imported only when
+the fusion pass is used with it)."""
+
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from tests.repo import REPO
+
+# A finder that refuses torch and its submodules, as an environment without torch would.
+NO_TORCH = """
+import importlib.abc, sys
+class NoTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, NoTorch())
+"""
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_without_torch_the_error_names_the_extra():
+    result = _python(
+        NO_TORCH
+        + "try:\n"
+        + "    import torch_compat\n"
+        + "except ImportError as e:\n"
+        + "    print(type(e).__name__, e)\n"
+        + "import jax_fusedar.common.patterns\n"  # the framework-neutral layer still imports
+        + "print('common ok')\n"
+    )
+    assert result.returncode == 0, result.stderr
+    first, second = result.stdout.splitlines()
+    assert first.startswith("ImportError torch_compat needs PyTorch: "), first
+    assert "pip install 'jax_fusedar[torch]'" in first
+    assert second == "common ok"
+
+
+TIMED = "import time; t = time.perf_counter(); import {mod}; print(time.perf_counter() - t)"
+
+
+@pytest.mark.slow
+def test_import_costs_under_1_3x_import_torch():
+    # Fresh interpreters, alternating, so both see the same load on a shared machine; the
+    # median of each is compared (one slow start does not decide).
+    times = {"torch": [], "torch_compat": []}
+    for _ in range(5):
+        for mod in times:
+            result = _python(TIMED.format(mod=mod))
+            assert result.returncode == 0, result.stderr
+            times[mod].append(float(result.stdout.split()[-1]))
+    t_torch, t_ours = (statistics.median(times[m]) for m in ("torch", "torch_compat"))
+    assert t_ours < 1.3 * t_torch, times
+    assert (
+        "torch._inductor"
+        not in _python(
+            "import sys, torch_compat; print(sorted(m for m in sys.modules if 'inductor' in m))"
+        ).stdout
+    )
