@@ -69,6 +69,7 @@ OTHER_VARIABLES = {
     "JAX_FUSEDAR_GPU_BUNDLE": "tools/wheel_gpu_check.sh",
     # the test suite
     "JAX_FUSEDAR_BUILD_DIR": "the tests",
+    "JAX_FUSEDAR_FRAMEWORK_VENV": "the tests",
     "JAX_FUSEDAR_REPORT_DIR": "the GPU tests",
     "JAX_FUSEDAR_LANE": "the GPU tests",
     "JAX_FUSEDAR_TEST_SEED": "the GPU tests",

@@ -40,8 +40,11 @@ def extension_path() -> Optional[Path]:
 
 
 def _load():
-    """The extension module, loaded once per process (``sys.modules`` keeps it)."""
+    """The extension module, loaded once per process (``sys.modules`` keeps it; a None there
+    blocks it, as for an import: a test's stand-in for a build without the extension)."""
     if MODULE_NAME in sys.modules:
+        if sys.modules[MODULE_NAME] is None:
+            raise ImportError(f"import of {MODULE_NAME} halted; None in sys.modules")
         return sys.modules[MODULE_NAME]
     path = extension_path()
     if path is None:

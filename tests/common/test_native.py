@@ -43,6 +43,13 @@ def test_a_broken_extension_is_an_import_error_and_leaves_nothing_behind(monkeyp
     assert native.MODULE_NAME not in sys.modules
 
 
+def test_none_in_sys_modules_blocks_the_extension(monkeypatch):
+    # As for an import: how a test stands in for a build without the extension.
+    monkeypatch.setitem(sys.modules, native.MODULE_NAME, None)
+    with pytest.raises(ImportError, match="halted; None in sys.modules"):
+        native._load()
+
+
 def test_require_says_why_without_the_extension(monkeypatch):
     monkeypatch.setattr(native, "ext", None)
     monkeypatch.setattr(native, "_IMPORT_ERROR", ImportError("no _fusedar extension in /x"))

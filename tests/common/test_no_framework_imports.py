@@ -327,6 +327,9 @@ _NATIVE_IMPORT = re.compile(
     r"\bimport\s+[^\n]*\bjax_fusedar(\.common)?\._fusedar\b"
     r"|\bfrom\s+jax_fusedar(\.common)?\s+import\s+(\([^)]*|[^\n]*?)\b_fusedar\b"
     r"|import_module\(\s*[\"']jax_fusedar(\.common)?\._fusedar\b"
+    # The extension by its installed name in sys.modules (a stand-in that blocks it there
+    # blocks nothing: common.native loads it as jax_fusedar.common._fusedar).
+    r"|sys\.modules\[\s*[\"']jax_fusedar\._fusedar\b"
 )
 
 
@@ -348,7 +351,9 @@ def test_only_common_native_loads_the_extension():
     assert _NATIVE_IMPORT.search("from jax_fusedar import _fusedar")
     assert _NATIVE_IMPORT.search("import jax_fusedar, jax_fusedar._fusedar as ext")
     assert _NATIVE_IMPORT.search('importlib.import_module("jax_fusedar._fusedar")')
+    assert _NATIVE_IMPORT.search("sys.modules['jax_fusedar._fusedar'] = None")
     assert not _NATIVE_IMPORT.search("from jax_fusedar.common import native")
+    assert not _NATIVE_IMPORT.search("sys.modules['jax_fusedar.common._fusedar'] = None")
 
 
 def _absolute_imports(path):
