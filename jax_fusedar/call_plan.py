@@ -153,11 +153,18 @@ def describe(
     )
 
 
+# Kinds of plan the fallback serves without a word, even in strict mode: a workspace of the
+# xla backend never uses the kernel; an empty call has nothing to reduce, so its empty
+# result is exact and costs nothing (strict mode guards the kernel's speed, and there is
+# none to lose). torch_compat refuses an empty call, as FlashInfer's launch fails there.
+SILENT = (rules.XLA_BACKEND, rules.EMPTY)
+
+
 def decide(plan: CallPlan, call: rules.Call) -> rules.Plan:
     """The call's plan, after this front's policy for a call the kernel does not serve
-    (``fallback``; a workspace of the xla backend never uses the kernel, nothing to say)."""
+    (``fallback``, but for the ``SILENT`` kinds)."""
     decided = rules.plan_call(call)
-    if not decided.kernel and decided.kind != rules.XLA_BACKEND:
+    if not decided.kernel and decided.kind not in SILENT:
         reason = decided.reason
         if decided.kind == rules.TOO_SMALL:
             reason += "; every row of an N-D or vmapped call counts"

@@ -32,7 +32,6 @@ import numpy as np
 if TYPE_CHECKING:  # annotations only: this module imports jax lazily
     from jax.typing import DTypeLike
 
-from .common import plan as rules
 from .common import (
     arguments,
     backend_choice,
@@ -137,12 +136,11 @@ class AllReduceFusionWorkspace(lifecycle.WorkspaceLifecycle):
         return self.sizes.world_size
 
     def is_buffer_size_sufficient(self, num_tokens: int, hidden_dim: int, dtype=None) -> bool:
-        """Whether the kernel serves a call of ``num_tokens x hidden_dim`` (of ``dtype``,
-        default the workspace's) with this workspace, as ``allreduce_fusion`` decides it
-        (``common.plan``, the rule of torch's workspace too): the workspace's own dtype (a
-        call of another dtype is refused), a hidden size the kernel launches, FlashInfer's
-        element-count rule, and at least one token (an empty call falls back). A negative
-        or non-int count is an error, not an answer."""
+        """Whether ``allreduce_fusion`` serves a call of ``num_tokens x hidden_dim`` (of
+        ``dtype``, default the workspace's) with this workspace: the workspace's own dtype
+        (a call of another dtype is refused), a hidden size of whole 16-byte vectors, and
+        FlashInfer's element-count rule. 0 tokens fit (such a call returns empty outputs);
+        a negative or non-int count is an error, not an answer."""
         num_tokens = arguments.as_int("num_tokens", num_tokens, minimum=0)
         hidden_dim = arguments.as_int("hidden_dim", hidden_dim, minimum=1)
         if dtype is not None:
@@ -152,8 +150,9 @@ class AllReduceFusionWorkspace(lifecycle.WorkspaceLifecycle):
                 return False
             if name != self.dtype.name:
                 return False
-        call = rules.Call(rules.DENSE_RULE, num_tokens, hidden_dim, self.dtype.name, self.sizes)
-        return rules.kernel_problem(call) is None
+        if hidden_dim % limits.vector_width(self.dtype.name):
+            return False
+        return self.buffer_problem(num_tokens, hidden_dim) is None
 
     def failures(self) -> list:
         """After a call failed (the stream reported a CUDA error): what each of this

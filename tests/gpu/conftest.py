@@ -6,12 +6,21 @@ grouped for its xdist workers."""
 import pytest
 
 
+# Under xdist the controller gets every worker's reports and writes them to the log; a worker
+# (its config has workerinput) writes none. Read from the config, not from
+# $PYTEST_XDIST_WORKER, which a pytest started inside a worker inherits.
+_IS_XDIST_WORKER = False
+
+
+def pytest_configure(config):
+    global _IS_XDIST_WORKER
+    _IS_XDIST_WORKER = hasattr(config, "workerinput")
+
+
 def pytest_runtest_logreport(report):
-    import os
     import sys
 
-    # Under xdist the controller gets every worker's reports and writes them to the log.
-    if not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):
+    if not report.failed or _IS_XDIST_WORKER:
         return
 
     sys.stdout.write(
