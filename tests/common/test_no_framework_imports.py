@@ -96,7 +96,7 @@ def test_parsing_the_cli_flags_imports_no_jax():
         "from jax_fusedar.cli.main import build_parser\n"
         "parser, _ = build_parser()\n"
         "parser.parse_args(['demo', '--tp', '2', '--moe'])\n"
-        "parser.parse_args(['bench', '--tokens', '1'])\n"
+        "parser.parse_args(['doctor'])\n"
         "print(json.dumps(sorted({n.split('.')[0] for n in sys.modules})))\n"
     )
     r = subprocess.run(
