@@ -1,6 +1,6 @@
 """The demo's process launching (jax_fusedar/cli/ranks.py, rank_process.py): the plan for
 every GPU count, what each rank process is started with, how a failing rank is handled,
-``bench``'s refusal of shared GPUs, and the demo run as one process per rank on CPUs (ranks
+``--bench``'s refusal of shared GPUs, and the demo run as one process per rank on CPUs (ranks
 over gloo, the reference path) against the unsharded reference."""
 
 import argparse
@@ -165,7 +165,7 @@ def test_rank_command_carries_the_demo_flags():
     assert opts.demo_argv == ["--", "--steps", "2", "--moe"]
 
 
-# --- bench and --bench on shared GPUs ----------------------------------------------------------
+# --- --bench on shared GPUs ----------------------------------------------------------------
 
 
 def _args(command, **kw):
@@ -176,16 +176,6 @@ def _args(command, **kw):
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
         raise SystemExit(f"error: {message}")
-
-
-def test_bench_refuses_one_gpu_saying_why(capsys):
-    assert ranks.dispatch(_args("bench"), ["bench"], _Parser(prog="bench"), gpus=1) == 2
-    err = capsys.readouterr().err
-    assert "bench needs one GPU per rank and this machine has 1 GPU" in err
-    assert "take turns on it" in err and "measures that scheduling, not the kernel" in err
-    # CPUs (the reference path) and one GPU per rank are timed.
-    for gpus in (0, 2, 8):
-        assert ranks.dispatch(_args("bench"), ["bench"], _Parser(prog="bench"), gpus=gpus) is None
 
 
 def test_demo_bench_refuses_shared_gpus():
