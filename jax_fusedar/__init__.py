@@ -24,6 +24,7 @@ _LAZY = {
     "abstract_workspace": ("workspace", "abstract_workspace"),
     "row_parallel_allreduce_fusion": ("partitioning", "row_parallel_allreduce_fusion"),
     "export": ("export", None),  # the module: export(), deserialize(), DISABLED_CHECKS
+    "timing": ("timing", None),  # the module: device_timestamp(), stamps_to_ns(), available()
     "AllReduceFusionWorkspace": ("workspace", "AllReduceFusionWorkspace"),
     "fuse": ("fusion_pass", "fuse"),
     "FusionReport": ("fusion_pass", "FusionReport"),

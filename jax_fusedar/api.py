@@ -24,7 +24,7 @@ from .call_checks import (
     check_concrete_shape,
     check_workspace,
 )
-from .call_plan import CallPlan, as_fallback, choose_path
+from .call_plan import as_fallback, plan_dense
 from .common import arguments, backend_choice, limits, patterns, quant_layouts
 from .common.patterns import (
     MOE_PATTERNS,
@@ -205,37 +205,33 @@ def allreduce_fusion(
     if traits.uses_scale_factor:
         operands.append(quant_arrays.check_scalar_scale(scale_factor, "scale_factor").reshape(1))
 
-    # Trace-time decision: the kernel, or the reference with a logged reason.
-    plan = CallPlan(
-        workspace.backend,
-        workspace.sizes,
-        strict,
-        None if use_oneshot is None else bool(use_oneshot),
-        fallback,
+    # Trace-time decision (common.plan): the kernel, or the fallback with a logged reason.
+    plan, decided = plan_dense(
+        workspace,
+        pattern,
+        x.shape,
+        dtype_name,
+        use_oneshot=use_oneshot,
+        strict=strict,
+        layout=layout,
+        group_size=group_size,
+        fallback=fallback,
     )
-    use_kernel, algorithm = choose_path(plan, tokens, hidden, dtype_name)
     outs = allreduce_fusion_op.bind(
         *operands,
         workspace=workspace,
         axis_name=axis_name,
-        use_kernel=use_kernel,
+        use_kernel=decided.kernel,
         plan=plan,
         pattern=int(pattern),
-        algorithm=int(algorithm),
+        algorithm=decided.algorithm_code,
         fp32_acc=bool(fp32_acc),
         rms_eps=float(rms_eps),
         weight_bias=float(weight_bias),
         layout=layout,
         block_quant_group_size=group_size,
     )
-    if traits.has_allreduce_out:
-        named = {"allreduce_out": outs[0]}
-    else:
-        outs = list(outs)
-        named = {"residual_out": outs.pop(0)}
-        named["norm_out"] = outs.pop(0) if traits.has_norm_out else None
-        named["quant_out"] = outs.pop(0) if traits.quant else None
-        named["scale_out"] = outs.pop(0) if traits.writes_scale_out else None
+    named = dict(zip((spec.name for spec in decided.outputs), outs, strict=True))
     return AllReduceFusionOutputs(
         **{
             f: _restore_leading(named.get(f), lead, f, traits, layout)

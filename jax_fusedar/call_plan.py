@@ -1,11 +1,12 @@
-"""The trace-time kernel decision every op on a workspace makes: the plan it carries as a
-primitive parameter, whether the kernel can serve a call (or why not), one-shot, two-shot or
-the large-message algorithm, and the fallback (logged once per kind of reason, or raised in
-strict mode) with what it computes (``FALLBACKS``).
+"""The JAX front's side of a call's plan: it describes the call to the rules layer
+(``common.plan``, the one decision both fronts share), carries what the decision reads as a
+primitive parameter (``CallPlan``), and applies its policy to a call the kernel does not
+serve: its fallback (``FALLBACKS``), logged once per kind of reason, or raised in strict
+mode.
 
 A call the kernel does not serve (every call on CPU, the xla backend, a call beyond the
-workspace or the kernel's limits) runs its fallback, one rule for the dense op, the MoE ops
-and the plain-jit entry alike:
+workspace or the kernel's limits, an empty call) runs its fallback, one rule for the dense
+op, the MoE ops and the plain-jit entry alike:
 
 * ``"xla"`` (the default, on every platform): what the user would have written, one
   ``psum`` of the input in its own dtype, then the residual add and RMSNorm at the kernel's
@@ -26,14 +27,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from typing import Optional
 
-from .common import backend_choice, launch_mode, limits, moe_limits, sizing
+from .common import backend_choice, plan as rules, sizing
+from .common.patterns import AllReduceFusionPattern
 
 log = logging.getLogger("jax_fusedar")
 # Kinds of fallback reason already logged: one warning per kind and process, not per shape
 # (a model with many sequence lengths would otherwise log every one).
 _fallback_reasons_logged: set = set()
+
+DENSE = AllReduceFusionPattern.kARResidualRMSNorm  # the dense patterns share one rule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,12 +70,10 @@ def as_fallback(value) -> str:
 
 
 def served_by_kernel(plan: CallPlan, tokens: int, hidden: int, dtype_name: str) -> bool:
-    """Whether the dense kernel serves a call of ``tokens`` rows on this plan (never logs
-    or raises: the caller decides what a fallback means for it)."""
+    """Whether the dense kernel serves a call of ``tokens`` rows on this plan (``common.plan``'s
+    rule; never logs or raises: the caller decides what a fallback means for it)."""
     return (
-        plan.backend == "trtllm"
-        and tokens > 0
-        and kernel_problem(tokens, hidden, dtype_name, plan.sizes) is None
+        plan.backend == "trtllm" and kernel_problem(tokens, hidden, dtype_name, plan.sizes) is None
     )
 
 
@@ -123,46 +126,120 @@ def fallback(kind: str, reason: str, strict: bool, backend: str) -> None:
         )
 
 
+def describe(
+    plan: CallPlan,
+    tokens: int,
+    hidden: int,
+    dtype_name: str,
+    pattern=DENSE,
+    *,
+    layout: int = 0,
+    group_size: int = 0,
+    moe_allreduce_out: bool = False,
+) -> rules.Call:
+    """The call as the rules layer takes it; ``tokens``: every row of the call (the
+    product of x's leading dims, or of the folded batch)."""
+    return rules.Call(
+        pattern=AllReduceFusionPattern(pattern),
+        tokens=int(tokens),
+        hidden=int(hidden),
+        dtype=dtype_name,
+        sizes=plan.sizes,
+        backend=plan.backend,
+        use_oneshot=plan.use_oneshot,
+        layout=int(layout),
+        group_size=int(group_size),
+        moe_allreduce_out=bool(moe_allreduce_out),
+    )
+
+
+# Kinds of plan the fallback serves without a word, even in strict mode: a workspace of the
+# xla backend never uses the kernel; an empty call has nothing to reduce, so its empty
+# result is exact and costs nothing (strict mode guards the kernel's speed, and there is
+# none to lose). torch_compat refuses an empty call, as FlashInfer's launch fails there.
+SILENT = (rules.XLA_BACKEND, rules.EMPTY)
+
+
+def decide(plan: CallPlan, call: rules.Call) -> rules.Plan:
+    """The call's plan, after this front's policy for a call the kernel does not serve
+    (``fallback``, but for the ``SILENT`` kinds)."""
+    decided = rules.plan_call(call)
+    if not decided.kernel and decided.kind not in SILENT:
+        reason = decided.reason
+        if decided.kind == rules.TOO_SMALL:
+            reason += "; every row of an N-D or vmapped call counts"
+        fallback(decided.kind, reason, plan.strict, plan.backend)
+    return decided
+
+
+def plan_dense(
+    workspace,
+    pattern,
+    x_shape,
+    dtype_name: str,
+    *,
+    use_oneshot,
+    strict: bool,
+    layout,
+    group_size,
+    fallback: str = "xla",
+):
+    """(CallPlan, Plan) of a dense call on ``workspace`` for x of ``x_shape`` (``[...,
+    hidden]``: every leading dim is a token dim), its options as ``allreduce_fusion``
+    validated them; logs or raises per ``strict`` where the kernel does not serve it."""
+    plan = CallPlan(
+        workspace.backend,
+        workspace.sizes,
+        strict,
+        None if use_oneshot is None else bool(use_oneshot),
+        fallback,
+    )
+    tokens, hidden = math.prod(x_shape[:-1]), x_shape[-1]
+    call = describe(plan, tokens, hidden, dtype_name, pattern, layout=layout, group_size=group_size)
+    return plan, decide(plan, call)
+
+
+def plan_moe(
+    workspace,
+    pattern,
+    rows_shape,
+    *,
+    strict: bool,
+    allreduce_out: bool = False,
+    fallback: str = "xla",
+):
+    """(CallPlan, Plan) of an MoE call on ``workspace`` whose residual rows have
+    ``rows_shape`` (``[..., hidden]``); logs or raises per ``strict`` where the kernel does
+    not serve it. The MoE kernels are one-shot only (use_oneshot True)."""
+    plan = CallPlan(workspace.backend, workspace.sizes, strict, True, fallback)
+    tokens, hidden = math.prod(rows_shape[:-1]), rows_shape[-1]
+    call = describe(
+        plan, tokens, hidden, workspace.dtype.name, pattern, moe_allreduce_out=allreduce_out
+    )
+    return plan, decide(plan, call)
+
+
 def kernel_problem(
-    tokens: int, hidden: int, dtype_name: str, sizes: sizing.WorkspaceSizes
+    tokens: int, hidden: int, dtype_name: str, sizes: sizing.WorkspaceSizes, pattern=DENSE
 ) -> Optional[tuple]:
-    """(kind, why) the dense kernel cannot serve this call (then it falls back), or None."""
-    problem = limits.kernel_support_problem(sizes.world_size, hidden, dtype_name)
-    if problem is not None:
-        return "unsupported shape", problem
-    if not sizing.buffer_fits(tokens, hidden, sizes):
-        return "workspace too small", (
-            f"{tokens}x{hidden} tokens exceed the workspace (max_token_num="
-            f"{sizes.max_token_num} x hidden {sizes.hidden_dim}; every row of an N-D or "
-            "vmapped call counts)"
-        )
-    return None
+    """(kind, why) the kernel cannot serve a call of this shape (``common.plan``'s rule),
+    or None; nothing logged."""
+    call = rules.Call(AllReduceFusionPattern(pattern), int(tokens), int(hidden), dtype_name, sizes)
+    return rules.kernel_problem(call)
 
 
-def choose_path(plan: CallPlan, tokens: int, hidden: int, dtype_name: str):
-    """(use_kernel, algorithm) of the dense op for a call of ``tokens`` rows (algorithm: a
-    launch_mode.ALGORITHM_* code): a pure function of the plan and the shape, so every rank
-    decides alike (logs or raises per ``plan.strict``)."""
-    use_kernel = plan.backend == "trtllm"
-    if tokens == 0:
-        # Every rank has the same empty shape: nothing to exchange, the reference serves it.
-        return False, launch_mode.ALGORITHM_ONESHOT
-    problem = kernel_problem(tokens, hidden, dtype_name, plan.sizes)
-    if problem is not None:
-        fallback(*problem, plan.strict, plan.backend)
-        return False, launch_mode.ALGORITHM_ONESHOT
-    # Raises for an explicit use_oneshot the workspace cannot serve (never degrade).
-    algorithm = launch_mode.choose_algorithm(tokens, hidden, plan.sizes, plan.use_oneshot)
-    return use_kernel, algorithm
+def choose_path(plan: CallPlan, tokens: int, hidden: int, dtype_name: str, pattern=DENSE, **kw):
+    """(use_kernel, algorithm code) of the dense op for a call of ``tokens`` rows (logs or
+    raises per ``plan.strict`` where the kernel cannot serve it)."""
+    decided = decide(plan, describe(plan, tokens, hidden, dtype_name, pattern, **kw))
+    return decided.kernel, decided.algorithm_code
 
 
-def choose_moe_kernel(plan: CallPlan, tokens: int, hidden: int, dtype_name: str) -> bool:
-    """Whether an MoE call runs the kernel (logs or raises per ``plan.strict`` when it cannot;
-    the rule is ``common.moe_limits``, shared with torch and the native launch)."""
-    if tokens == 0:
-        return False
-    problem = moe_limits.kernel_problem(tokens, hidden, dtype_name, plan.sizes)
-    if problem is not None:
-        fallback(*problem, plan.strict, plan.backend)
-        return False
-    return plan.backend == "trtllm"
+def choose_moe_kernel(
+    plan: CallPlan, tokens: int, hidden: int, dtype_name: str, pattern=None, **kw
+) -> bool:
+    """Whether an MoE call runs the kernel (logs or raises per ``plan.strict`` when it
+    cannot; the rule is ``common.moe_limits``, through ``common.plan``, shared with torch and
+    the native launch)."""
+    pattern = AllReduceFusionPattern.kMoEReductionARResidualRMSNorm if pattern is None else pattern
+    return decide(plan, describe(plan, tokens, hidden, dtype_name, pattern, **kw)).kernel

@@ -55,7 +55,7 @@ from .call_checks import (
     check_operand,
     check_workspace,
 )
-from .call_plan import CallPlan, as_fallback, choose_moe_kernel
+from .call_plan import as_fallback, plan_moe
 from .common import arguments, backend_choice, moe_limits
 from .common.patterns import AllReduceFusionPattern
 from .moe_primitive import FFI_TARGET, moe_finalize_op, moe_reduction_op  # noqa: F401
@@ -92,19 +92,27 @@ def _options(rms_eps, weight_bias, strict, fallback):
     )
 
 
-def _bind(op, operands, *, lead, hidden, workspace, axis_name, strict, fallback, **params):
-    plan = CallPlan(workspace.backend, workspace.sizes, strict, True, fallback)
-    use_kernel = choose_moe_kernel(plan, math.prod(lead), hidden, workspace.dtype.name)
+def _bind(op, operands, *, pattern, lead, hidden, workspace, axis_name, strict, fallback, **params):
+    plan, decided = plan_moe(
+        workspace,
+        pattern,
+        (*lead, hidden),
+        strict=strict,
+        allreduce_out=params.get("allreduce_out", False),
+        fallback=fallback,
+    )
     outs = op.bind(
         *operands,
         workspace=workspace,
         axis_name=axis_name,
-        use_kernel=use_kernel,
+        use_kernel=decided.kernel,
         plan=plan,
         **params,
     )
-    outs = [o.reshape(*lead, hidden) for o in outs]
-    return MoeAllReduceFusionOutputs(outs[2] if len(outs) > 2 else None, outs[0], outs[1])
+    named = {
+        spec.name: o.reshape(*lead, hidden) for spec, o in zip(decided.outputs, outs, strict=True)
+    }
+    return MoeAllReduceFusionOutputs(**{f: named.get(f) for f in MoeAllReduceFusionOutputs._fields})
 
 
 def moe_reduction_allreduce_fusion(
@@ -175,6 +183,7 @@ def moe_reduction_allreduce_fusion(
     return _bind(
         moe_reduction_op,
         operands,
+        pattern=AllReduceFusionPattern.kMoEReductionARResidualRMSNorm,
         lead=lead,
         hidden=hidden,
         workspace=workspace,
@@ -269,6 +278,7 @@ def moe_finalize_allreduce_fusion(
     return _bind(
         moe_finalize_op,
         operands,
+        pattern=AllReduceFusionPattern.kMoEFinalizeARResidualRMSNorm,
         lead=lead,
         hidden=hidden,
         workspace=workspace,

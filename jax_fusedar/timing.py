@@ -1,4 +1,5 @@
-"""Device-clock timing of JAX programs on GPUs (used by ``python -m jax_fusedar bench``).
+"""Device-clock timing of JAX programs on GPUs (``jax_fusedar.timing``; the JAX benchmark,
+``benchmarks/jax_bench.py``, times with it).
 
 Wall-clock time around a jitted program measures the host as much as the GPU: dispatching
 a program that drives two GPUs from one process costs hundreds of microseconds and varies

@@ -29,3 +29,32 @@ def xla_flags(devices: int = HOST_DEVICES) -> str:
 def use_host_devices() -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("XLA_FLAGS", xla_flags())
+
+
+def run_module(module: str, *argv, xla_flags=None, pythonpath=(), timeout=600):
+    """``python -m module argv...`` from the repository root on CPU, as a user runs it, with
+    ``xla_flags`` as XLA_FLAGS (None: unset, for the command to decide) and ``pythonpath``
+    first on PYTHONPATH; the completed process (text output captured)."""
+    import subprocess
+    import sys
+
+    from tests.repo import REPO
+
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join(
+            [*map(str, pythonpath), str(REPO), os.environ.get("PYTHONPATH", "")]
+        ),
+    )
+    env.pop("XLA_FLAGS", None)
+    if xla_flags is not None:
+        env["XLA_FLAGS"] = xla_flags
+    return subprocess.run(
+        [sys.executable, "-m", module, *map(str, argv)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

@@ -1,5 +1,6 @@
-"""tests/gpu/run_lane.py, the GPU suite's lane runner: how it deals the test files to its
-jobs, and a CPU run of the quick lane (every GPU test skips here, every job passes)."""
+"""tests/gpu/run_lane.py, the GPU suite's lane runner: how it orders and groups the tests for
+its pytest-xdist workers, and a CPU run of the quick lane (every GPU test skips here, both
+runs pass)."""
 
 import subprocess
 import sys
@@ -8,13 +9,26 @@ from tests.gpu import run_lane
 from tests.repo import REPO
 
 
-def test_files_are_dealt_longest_first_to_the_least_loaded_job():
-    expected = {"a.py": 100, "b.py": 60, "c.py": 50, "d.py": 40}
-    groups = run_lane.deal(
-        ["tests/gpu/d.py", "tests/gpu/a.py", "tests/gpu/c.py", "tests/gpu/b.py"], 2, expected
+def test_tests_are_ordered_longest_first_and_a_module_fixtures_tests_grouped():
+    ids = [
+        "tests/gpu/test_moe.py::test_a[world2]",
+        "tests/gpu/test_moe.py::test_b[world2]",
+        "tests/gpu/test_moe.py::test_a[world4]",
+        "tests/gpu/test_jax.py::test_x[world4]",
+        "tests/gpu/test_jax.py::test_y",
+        "tests/gpu/test_new.py::test_z",
+    ]
+    order, groups = run_lane.schedule(ids, {"test_moe.py": 300, "test_jax.py": 40})
+    # test_moe: 100 s each; a file without an estimate: 60 s; test_jax: 20 s each.
+    assert order == [ids[0], ids[2], ids[1], ids[5], ids[3], ids[4]]  # ties by node id
+    assert groups == {
+        ids[0]: "test_moe.py[world2]",
+        ids[1]: "test_moe.py[world2]",
+        ids[2]: "test_moe.py[world4]",
+    }
+    assert run_lane.expected_times("all")["test_torch.py"] == (
+        run_lane.EXPECTED_S["quick"]["test_torch.py"] + run_lane.EXPECTED_S["slow"]["test_torch.py"]
     )
-    assert groups == [["tests/gpu/a.py", "tests/gpu/d.py"], ["tests/gpu/b.py", "tests/gpu/c.py"]]
-    assert run_lane.deal(["tests/gpu/a.py"], 3, expected) == [["tests/gpu/a.py"]]
 
 
 def test_every_gpu_test_file_has_an_expected_time():
@@ -22,22 +36,6 @@ def test_every_gpu_test_file_has_an_expected_time():
     assert files <= set(run_lane.EXPECTED_S["quick"]), files - set(run_lane.EXPECTED_S["quick"])
     for lane in ("slow", "worlds"):
         assert set(run_lane.EXPECTED_S[lane]) <= files, lane
-
-
-def test_tests_are_dealt_one_by_one_except_those_of_one_module_fixture():
-    ids = [
-        "tests/gpu/test_moe.py::test_a[world2]",
-        "tests/gpu/test_moe.py::test_b[world2]",
-        "tests/gpu/test_moe.py::test_a[world4]",
-        "tests/gpu/test_moe.py::test_b[world4]",
-        "tests/gpu/test_jax.py::test_x[world4]",
-        "tests/gpu/test_jax.py::test_y",
-    ]
-    got = run_lane.units(ids, {"test_moe.py": 200, "test_jax.py": 100})
-    assert got == {tuple(ids[0:2]): 100, tuple(ids[2:4]): 100, (ids[4],): 50, (ids[5],): 50}
-    groups = run_lane.deal_weighted(got, 2)
-    assert sorted(map(len, groups)) == [2, 2]
-    assert {u for g in groups for u in g} == set(got)
 
 
 def test_quick_lane_runs_on_cpu(tmp_path):
@@ -58,14 +56,16 @@ def test_quick_lane_runs_on_cpu(tmp_path):
         timeout=600,
     )
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "alone first, then 2 jobs" in r.stdout, r.stdout
+    assert "alone first, then 2 workers" in r.stdout, r.stdout
     # Every file it writes: a few, whatever the number of tests.
     written = sorted(p.name for p in tmp_path.iterdir())
-    assert written == ["job0.log", "job1.log", "reports.tgz", "solo.log", "summary.txt"]
-    logs = [tmp_path / n for n in ("solo.log", "job0.log", "job1.log")]
-    assert all("SKIPPED" in p.read_text() for p in logs)
-    assert "test_torch_create_destroy_cycles_return_all_memory" in logs[0].read_text()
-    ran = " ".join(p.read_text() for p in logs)
+    assert written == ["jobs.log", "reports.tgz", "solo.log", "summary.txt"]
+    solo, jobs = (tmp_path / n for n in ("solo.log", "jobs.log"))
+    assert "SKIPPED" in solo.read_text() and "SKIPPED" in jobs.read_text()
+    assert "test_torch_create_destroy_cycles_return_all_memory" in solo.read_text()
+    ran = jobs.read_text()
+    assert "[gw0]" in ran and "[gw1]" in ran, ran  # two xdist workers took the tests
+    assert "test_torch_create_destroy_cycles_return_all_memory" not in ran
     quick = subprocess.run(
         [sys.executable, "-m", "pytest", "--co", "-q", "-m", "gpu and not slow", "tests/gpu"],
         cwd=REPO,
@@ -73,10 +73,17 @@ def test_quick_lane_runs_on_cpu(tmp_path):
         text=True,
         timeout=600,
     ).stdout
-    for node in (line for line in quick.splitlines() if "::" in line):
-        assert ran.count(node + " ") >= 1, node  # each test ran in some job
+    nodes = [line for line in quick.splitlines() if "::" in line]
+    for node in nodes:
+        if node not in run_lane.SOLO:
+            assert node in ran, node  # each test ran in some worker
+    # ... the longest first: the first result is one of the first test of each worker.
+    order, _ = run_lane.schedule([n for n in nodes if n not in run_lane.SOLO],
+                                 run_lane.expected_times("quick"))  # fmt: skip
+    first = next(line for line in ran.splitlines() if " SKIPPED " in line or " PASSED " in line)
+    assert first.split()[-1] in order[:2], (first, order[:2])
     summary = (tmp_path / "summary.txt").read_text()
-    assert "job0: exit 0" in summary and "not passed:\n(none)" in summary, summary
+    assert "jobs: exit 0" in summary and "not passed:\n(none)" in summary, summary
 
 
 def test_a_job_cut_short_still_shows_why_its_tests_failed(tmp_path):

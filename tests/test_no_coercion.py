@@ -414,18 +414,6 @@ def test_torch_fusion_pass_handle(torch_ws, value):
 @pytest.mark.parametrize(
     "argv,flag",
     [
-        (["bench", "--tokens", "1.5"], "--tokens"),
-        (["bench", "--tokens", "many"], "--tokens"),
-        (["bench", "--hidden", "4k"], "--hidden"),
-        (["bench", "--chain", "2.0"], "--chain"),
-        (["bench", "--iters", "true"], "--iters"),
-        (["bench", "--repeats", "-1"], "--repeats"),
-        (["bench", "--modes", "fast"], "--modes"),
-        (["bench", "--dtype", "fp8"], "--dtype"),
-        (["bench", "--method", "1"], "--method"),
-        (["bench", "--backend", "nccl"], "--backend"),
-        (["bench", "--patterns", "1.0"], "--patterns"),
-        (["bench", "--framework", "tf"], "--framework"),
         (["demo", "--seed", "1e3"], "--seed"),
         (["demo", "--steps", "two"], "--steps"),
         (["demo", "--dtype", "half"], "--dtype"),
@@ -455,10 +443,10 @@ def test_cli_flags(capsys, argv, flag):
 )
 def test_cli_environment(monkeypatch, capsys, var, value):
     """In process (tests/cli/test_environment.py runs the commands). The --out folder cannot
-    be created, so a run that missed the variable stops there, without running the bench."""
+    be created, so a run that missed the variable stops there, without running the demo."""
     from jax_fusedar.cli.main import main
 
     monkeypatch.setenv(var, value)
-    assert main(["bench", "--hidden", "64", "--out", "/proc/forbidden"]) == 2
+    assert main(["demo", "--bench", "--out", "/proc/forbidden"]) == 2
     err = capsys.readouterr().err
     assert f"${var}" in err and "error:" in err, err

@@ -1,6 +1,6 @@
 """FlashInfer's own build of the kernel (the "anchor", FlashInfer 0.7.2.post1): where it is,
 why it cannot be used, the environment it needs, and its loader. A measuring instrument of
-this repository (``python -m torch_compat.bench`` and the GPU tests compare against it), not
+this repository (``python -m benchmarks.torch_bench`` and the GPU tests compare against it), not
 part of the package: it is imported as ``tools.flashinfer_anchor`` from the checkout.
 
 The anchor folder: ``--anchor``, else ``$JAX_FUSEDAR_ANCHOR``, else

@@ -1,20 +1,26 @@
-// Standalone check and timing of the large-message algorithm against FlashInfer's one-shot and
-// two-shot kernels, two GPUs driven from one process (no Python, no core library): the quick
-// loop for kernel work. Build here, run on a 2-GPU machine:
+// Check and timing of the large-message algorithm against FlashInfer's one-shot and two-shot
+// kernels, two GPUs driven from one process (no Python): the quick loop for kernel work.
 //
-//   nvcc -std=c++17 -O3 --use_fast_math --expt-relaxed-constexpr \
-//     -gencode=arch=compute_90a,code=sm_90a -DFLASHINFER_ENABLE_BF16 -DFLASHINFER_ENABLE_F16 \
-//     -DFLASHINFER_ENABLE_FP8_E4M3 -DFLASHINFER_ENABLE_FP8_E5M2 -DFLASHINFER_ENABLE_FP4_E2M1 \
-//     -Ithird_party/flashinfer/include -Iffi/kernels -Iffi/core/include \
-//     tools/large_message_bench.cu ffi/kernels/large_resources.cu -o build/large_message_bench
-//   build/large_message_bench [sweep|decode|ce]
+// Built by the product's CMake from the product's sources, as the core is: this translation
+// unit includes the kernels' headers (ffi/kernels/large_message.cuh) with the build's patched
+// FlashInfer header, the kernels' flags and architectures and the generated register counts
+// of the bfloat16 x 2-rank kernels, and links libfusedar_core.so, whose C API creates the
+// workspaces and launches the product's calls (FlashInfer's one-shot and two-shot kernels, the
+// large-message algorithm). Build after ./dev setup with the kernels (JAX_FUSEDAR_CUDA_ARCHS
+// picks the architectures), run on a 2-GPU machine:
 //
-// sweep prints, per size: bit mismatches of the new path against FlashInfer's two-shot
-// (residual_out, norm_out), whether both ranks agree bit for bit, and the median time per call
-// (CUDA-graph replay of 20 calls, device events) of: the new path at several chunk counts,
-// FlashInfer one-shot, two-shot, and the copy-engine floor (the same bytes as memcpys only).
-// ce does the same for the copy-engine one-shot variant (launch_ce_oneshot below), checked
-// bit for bit against FlashInfer's one-shot kernel; it exits 1 if any check fails.
+//   cmake --build build/dev --target large_message_bench
+//   build/dev/ffi/core/large_message_bench [sweep|decode|ce]
+//
+// sweep prints, per size: bit mismatches of the large-message path against FlashInfer's
+// two-shot (residual_out, norm_out), whether both ranks agree bit for bit, whether this
+// file's build of the path (its chunk schedules are chosen here) matches the core's, and the
+// median time per call (CUDA-graph replay of 20 calls, device events) of: the path at several
+// chunk counts, FlashInfer one-shot, two-shot, and the copy-engine floor (the same bytes as
+// memcpys only). ce does the same for the copy-engine one-shot variant (launch_ce_oneshot
+// below), checked bit for bit against FlashInfer's one-shot kernel; it exits 1 if any check
+// fails. The variants under study here reuse the product's pieces (its enter kernel, flag
+// signals, bounded waits, launch shapes); only what they change is their own.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -25,10 +31,13 @@
 #include <string>
 #include <vector>
 
-// FlashInfer's header as shipped, without the core build's generated headers:
-// flashinfer_kernel.cuh includes the bounded-wait hooks and the generated register table
-// unless this is defined. The harness compares against FlashInfer's own kernels.
-#define FUSEDAR_UNHOOKED_PROBE
+// The generated register counts before the kernels (ffi/kernels/launch_registers.cuh), as the
+// kernels' translation units include them (ffi/kernels/instance.cu.in).
+#ifndef FUSEDAR_UNHOOKED_REGISTERS_INCLUDED
+#include "unhooked_registers_bf16_n2.h"
+#endif
+#include "flag_layout.h"
+#include "fusedar/core.h"
 #include "large_message.cuh"
 
 namespace fi = flashinfer::trtllm_allreduce_fusion;
@@ -36,6 +45,15 @@ namespace lg = fusedar::kernels::large;
 using T = __nv_bfloat16;
 constexpr int N = 2;
 constexpr auto kPattern = fi::AllReduceFusionPattern::kARResidualRMSNorm;
+
+// A C API call of the core: on failure its message (fusedar_last_error) and exit.
+#define FC(x)                                                                          \
+  do {                                                                                 \
+    if ((x) != 0) {                                                                    \
+      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, fusedar_last_error()); \
+      exit(1);                                                                         \
+    }                                                                                  \
+  } while (0)
 
 #define CK(x)                                                                            \
   do {                                                                                   \
@@ -57,11 +75,6 @@ __global__ void fill_random(T* p, int64_t n, uint32_t seed) {
     x ^= x >> 16;
     p[i] = __float2bfloat16((x & 0xffffff) / float(0x800000) - 1.0f);
   }
-}
-__global__ void fill_word(uint32_t* p, int64_t n, uint32_t w) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x)
-    p[i] = w;
 }
 __global__ void count_diff(const uint16_t* a, const uint16_t* b, int64_t n,
                            unsigned long long* out) {
@@ -103,34 +116,34 @@ __global__ void ping_pong(unsigned int* mine, unsigned int* peer, int rounds, in
   *elapsed_ns = t1 - t0;
 }
 
+// lg::launch_rows for the variants' own argument structs: `clusters` clusters of the launch
+// shape, on `stream`.
+template <typename Kernel, typename Params, typename Args>
+cudaError_t launch_in_clusters(Kernel kernel, const lg::Shape& shape, int clusters,
+                               cudaStream_t stream, const Params& params, const Args& args) {
+  cudaLaunchConfig_t cfg{};
+  cudaLaunchAttribute attr[1];
+  cfg.gridDim = dim3(clusters * shape.cluster);
+  cfg.blockDim = dim3(shape.block);
+  cfg.dynamicSmemBytes = shape.smem;
+  cfg.stream = stream;
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = shape.cluster;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, params, args);
+}
+
 // --- Variant under study (not in the core): the reduce kernel stores its sums straight into
 // the peers' gather slots over NVLink and its last CTA raises their flags, replacing the
 // gather copy, its event hop and the signal kernel of each chunk.
 struct SmGatherArgs {
   lg::RowArgs<T> rows;
   T* peer_sum[lg::kMaxRanks];         // our slice's gather slot in each peer's buffer
-  unsigned int* ctas_done;            // [kMaxChunks] counters, cleared by sm_gather_enter
+  unsigned int* ctas_done;            // [kMaxChunks] counters, cleared before the enter kernel
 };
-
-__global__ void sm_gather_enter(lg::FlagsTable t, int rank, int nranks, unsigned int* ctas_done) {
-  if (threadIdx.x < lg::kMaxChunks) ctas_done[threadIdx.x] = 0;
-  __syncthreads();
-  // The same as enter_kernel afterwards (it clears our flags and meets the peers).
-  __shared__ unsigned int seq;
-  lg::Flags* own = t.rank[rank];
-  if (threadIdx.x == 0) seq = ++own->seq;
-  for (int i = threadIdx.x; i < lg::kMaxRanks * lg::kMaxChunks; i += blockDim.x) {
-    (&own->scattered[0][0])[i] = 0;
-    (&own->gathered[0][0])[i] = 0;
-  }
-  __threadfence_system();
-  __syncthreads();
-  int p = threadIdx.x;
-  if (p < nranks && p != rank) {
-    lg::store_release_sys(&t.rank[p]->entered[rank], seq);
-    lg::wait_for(&t.rank[rank]->entered[p], seq);
-  }
-}
 
 template <int NRanks>
 __global__ void __launch_bounds__(1024)
@@ -140,7 +153,9 @@ __global__ void __launch_bounds__(1024)
   const int rank = a.rank;
   if (threadIdx.x == 0) {
     for (int q = 0; q < NRanks; ++q)
-      if (q != rank) lg::wait_for(&a.flags.rank[rank]->scattered[q][a.chunk], 1u);
+      if (q != rank)
+        lg::wait_for(a.watch, fusedar::watchdog::kLargeScatter, q, a.chunk,
+                     &a.flags.rank[rank]->scattered[q][a.chunk], 1u);
   }
   __syncthreads();
   const lg::RowIndex ix = lg::row_index();
@@ -190,6 +205,7 @@ cudaError_t launch_sm_gather(const fi::AllReduceFusionParams<T>& params, const l
   SmGatherArgs g{};
   lg::RowArgs<T>& a = g.rows;
   a.flags = res.flags;
+  a.watch = {res.control, fusedar_wait::call_info<T>(params, false, true, true)};
   a.rank = rank;
   a.nranks = NRanks;
   a.schedule = sched;
@@ -201,7 +217,9 @@ cudaError_t launch_sm_gather(const fi::AllReduceFusionParams<T>& params, const l
   }
   g.ctas_done = ctas_done;
   const lg::Shape shape = lg::twoshot_shape<kPattern, T, NRanks, true>(params, res.sm_count);
-  sm_gather_enter<<<1, 32, 0, s>>>(res.flags, rank, NRanks, ctas_done);
+  cudaError_t err = cudaMemsetAsync(ctas_done, 0, lg::kMaxChunks * sizeof(unsigned int), s);
+  if (err != cudaSuccess) return err;
+  if ((err = lg::launch_enter(res, s, rank, NRanks, a.watch)) != cudaSuccess) return err;
   cudaEventRecord(res.fork, s);
   cudaStreamWaitEvent(res.copy, res.fork, 0);
   cudaStreamWaitEvent(res.signal, res.fork, 0);
@@ -225,19 +243,7 @@ cudaError_t launch_sm_gather(const fi::AllReduceFusionParams<T>& params, const l
     const int64_t rows =
         lg::chunk_row(ob, orows, sched, k + 1) - lg::chunk_row(ob, orows, sched, k);
     int clusters = int(std::max<int64_t>(1, std::min<int64_t>(rows, shape.grid_limit)));
-    cudaLaunchConfig_t cfg{};
-    cudaLaunchAttribute attr[1];
-    cfg.gridDim = dim3(clusters * shape.cluster);
-    cfg.blockDim = dim3(shape.block);
-    cfg.dynamicSmemBytes = shape.smem;
-    cfg.stream = s;
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = shape.cluster;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    cudaError_t err = cudaLaunchKernelEx(&cfg, sm_gather_reduce<NRanks>, params, g);
+    err = launch_in_clusters(sm_gather_reduce<NRanks>, shape, clusters, s, params, g);
     if (err != cudaSuccess) return err;
   }
   int64_t peer_rows = 0;
@@ -248,9 +254,9 @@ cudaError_t launch_sm_gather(const fi::AllReduceFusionParams<T>& params, const l
         peer_rows = std::max(peer_rows,
                              lg::chunk_row(sb, sr, sched, k + 1) - lg::chunk_row(sb, sr, sched, k));
     }
-  cudaError_t err = lg::launch_rows(
-      lg::finish_kernel<kPattern, T, NRanks, true>, shape,
-      int(std::max<int64_t>(1, std::min<int64_t>(peer_rows, shape.grid_limit))), s, params, a);
+  err = lg::launch_rows(lg::finish_kernel<kPattern, T, NRanks, true>, shape,
+                        int(std::max<int64_t>(1, std::min<int64_t>(peer_rows, shape.grid_limit))),
+                        s, params, a);
   if (err != cudaSuccess) return err;
   cudaEventRecord(res.copy_done, res.copy);
   cudaEventRecord(res.signal_done, res.signal);
@@ -288,6 +294,7 @@ cudaError_t launch_sm_gather(const fi::AllReduceFusionParams<T>& params, const l
 // params.allreduce_in for q == rank.
 struct CeArgs {
   lg::FlagsTable flags;
+  lg::Watch watch;  // bounds the flag waits (the workspace's control block, the call)
   int rank;
   lg::Schedule schedule;  // chunks over all M rows
   int chunk_begin, chunk_end;
@@ -308,7 +315,9 @@ __global__ void __launch_bounds__(1024)
     if (threadIdx.x == 0) {
 #pragma unroll
       for (int q = 0; q < NRanks; ++q)
-        if (q != rank) lg::wait_for(&a.flags.rank[rank]->scattered[q][k], 1u);
+        if (q != rank)
+          lg::wait_for(a.watch, fusedar::watchdog::kLargeScatter, q, k,
+                       &a.flags.rank[rank]->scattered[q][k], 1u);
     }
     __syncthreads();
     const int64_t begin = lg::chunk_row(0, a.rows, a.schedule, k);
@@ -409,6 +418,7 @@ cudaError_t launch_ce_oneshot(const fi::AllReduceFusionParams<Tv>& params, const
   cudaStream_t s = params.stream;
   CeArgs a{};
   a.flags = res.flags;
+  a.watch = {res.control, fusedar_wait::call_info<Tv>(params, true, Fp32Acc, true)};
   a.rank = rank;
   a.schedule = sched;
   a.rows = M;
@@ -417,7 +427,7 @@ cudaError_t launch_ce_oneshot(const fi::AllReduceFusionParams<Tv>& params, const
                          : reinterpret_cast<const Tv*>(recv_slot(rank, q));
   const lg::Shape shape = oneshot_shape<Pattern, Tv, NRanks, Fp32Acc>(params, res.sm_count);
 
-  cudaError_t err = lg::launch_enter(res, s, rank, NRanks);
+  cudaError_t err = lg::launch_enter(res, s, rank, NRanks, a.watch);
   if (err != cudaSuccess) return err;
   cudaEventRecord(res.fork, s);
   cudaStreamWaitEvent(res.copy, res.fork, 0);
@@ -450,19 +460,8 @@ cudaError_t launch_ce_oneshot(const fi::AllReduceFusionParams<Tv>& params, const
     a.chunk_begin = k0;
     a.chunk_end = k1;
     const int clusters = int(std::max<int64_t>(1, std::min<int64_t>(rows, shape.grid_limit)));
-    cudaLaunchConfig_t cfg{};
-    cudaLaunchAttribute attr[1];
-    cfg.gridDim = dim3(clusters * shape.cluster);
-    cfg.blockDim = dim3(shape.block);
-    cfg.dynamicSmemBytes = shape.smem;
-    cfg.stream = s;
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = shape.cluster;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    return cudaLaunchKernelEx(&cfg, ce_oneshot_kernel<Pattern, Tv, NRanks, Fp32Acc>, params, a);
+    return launch_in_clusters(ce_oneshot_kernel<Pattern, Tv, NRanks, Fp32Acc>, shape, clusters, s,
+                              params, a);
   };
   if (persistent) {
     if ((err = launch_chunks(0, sched.chunks, max_chunk_rows)) != cudaSuccess) return err;
@@ -491,70 +490,83 @@ struct Rank {
   int dev;
   cudaStream_t s;
   T *in, *res, *gamma;
-  T* out[5][2];  // slot x {residual_out, norm_out}: 0 large, 1 one-shot, 2 two-shot, 3 spare, 4 CE
-                 // one-shot
-  char* twoshot;
-  int* flags_fi;
-  lg::Flags* flags_large;
-  char* lamport;
-  int* control;
-  void** table;
-  lg::Resources res_large;
+  // slot x {residual_out, norm_out}: 0 large-message (this file's build), 1 one-shot,
+  // 2 two-shot, 3 spare, 4 CE one-shot, 5 large-message (the core's call)
+  T* out[6][2];
+  fusedar_rank* ws;        // the product's workspace (the core's C API)
+  void** table;            // its 3N+1 pointer table (device), FlashInfer's params.workspace
+  char* twoshot;           // its two-shot data buffer (slot [rank])
+  lg::Resources res_large; // streams and events of this file's large-message launches
   unsigned long long* diff;
   unsigned int* ctas_done;
 };
 Rank R[N];
-int64_t lamport_comm_bytes;
 
+// The workspaces as the product makes them (fusedar_rank_create, peer pointers, finalize),
+// and the large-message resources of this file's launches wired to them as the core wires
+// its own (ffi/core/workspace.cu): every rank's two-shot buffer, its flags in the barrier-flags
+// allocation (flag_layout.h), this rank's control block (the bounded waits' timeout).
 void setup() {
   const int64_t maxe = int64_t(kMaxTok) * kMaxHidden;
-  lamport_comm_bytes = N * maxe * 2;
+  uint64_t ptrs[N][FUSEDAR_SHARED_BUFFERS];
   for (int r = 0; r < N; ++r) {
     Rank& k = R[r];
     k.dev = r;
     CK(cudaSetDevice(r));
-    for (int p = 0; p < N; ++p)
-      if (p != r) {
-        cudaError_t e = cudaDeviceEnablePeerAccess(p, 0);
-        if (e != cudaErrorPeerAccessAlreadyEnabled) CK(e);
-        (void)cudaGetLastError();
-      }
     CK(cudaStreamCreateWithFlags(&k.s, cudaStreamNonBlocking));
     CK(cudaMalloc(&k.in, maxe * 2));
     CK(cudaMalloc(&k.res, maxe * 2));
     CK(cudaMalloc(&k.gamma, kMaxHidden * 2));
     for (auto& o : k.out)
       for (auto& x : o) CK(cudaMalloc(&x, maxe * 2));
-    CK(cudaMalloc(&k.twoshot, N * maxe * 2));
-    CK(cudaMalloc(&k.flags_fi, 256 * N * 4));
-    CK(cudaMemset(k.flags_fi, 0, 256 * N * 4));
-    CK(cudaMalloc(&k.flags_large, sizeof(lg::Flags)));
-    CK(cudaMemset(k.flags_large, 0, sizeof(lg::Flags)));
-    CK(cudaMalloc(&k.lamport, 3 * lamport_comm_bytes));
-    fill_word<<<1024, 256>>>((uint32_t*)k.lamport, 3 * lamport_comm_bytes / 4, 0x80008000u);
-    CK(cudaMalloc(&k.control, 5 * 4));
-    int ctl[5] = {0, 0, 0, int(lamport_comm_bytes), 0};
-    CK(cudaMemcpy(k.control, ctl, sizeof(ctl), cudaMemcpyHostToDevice));
-    CK(cudaMalloc(&k.table, (3 * N + 1) * sizeof(void*)));
     CK(cudaMalloc(&k.diff, 8));
     CK(cudaMalloc(&k.ctas_done, lg::kMaxChunks * 4));
-    CK(cudaMemset(k.ctas_done, 0, lg::kMaxChunks * 4));
-    CK(lg::create_resources(&k.res_large, r));
+    FC(fusedar_rank_create(r, N, r, kMaxTok, kMaxHidden, FUSEDAR_BFLOAT16, &k.ws));
+    FC(fusedar_rank_local_pointers(k.ws, ptrs[r]));
   }
+  for (int r = 0; r < N; ++r)
+    for (int p = 0; p < N; ++p)
+      if (p != r) FC(fusedar_rank_set_peer_pointers(R[r].ws, p, p, ptrs[p]));
+  for (int r = 0; r < N; ++r) FC(fusedar_rank_finalize(R[r].ws));
   for (int r = 0; r < N; ++r) {
+    Rank& k = R[r];
     CK(cudaSetDevice(r));
-    std::vector<void*> t(3 * N + 1);
+    fusedar_workspace_info info;
+    FC(fusedar_rank_info(k.ws, &info));
+    k.table = reinterpret_cast<void**>(fusedar_rank_workspace_table(k.ws));
+    std::vector<void*> table(3 * N + 1);
+    CK(cudaMemcpy(table.data(), k.table, table.size() * sizeof(void*), cudaMemcpyDeviceToHost));
+    k.twoshot = static_cast<char*>(table[r]);
+    CK(lg::create_resources(&k.res_large, r));
     for (int p = 0; p < N; ++p) {
-      t[p] = R[p].twoshot;
-      t[N + p] = R[p].flags_fi;
-      t[2 * N + p] = R[p].lamport;
-      R[r].res_large.flags.rank[p] = R[p].flags_large;
-      R[r].res_large.buffers[p] = R[p].twoshot;
+      k.res_large.buffers[p] = reinterpret_cast<char*>(ptrs[p][0]);
+      k.res_large.flags.rank[p] = reinterpret_cast<lg::Flags*>(reinterpret_cast<char*>(ptrs[p][1]) +
+                                                               fusedar::large_flags_offset(info));
     }
-    t[3 * N] = R[r].control;
-    CK(cudaMemcpy(R[r].table, t.data(), t.size() * sizeof(void*), cudaMemcpyHostToDevice));
+    k.res_large.control = static_cast<fusedar::watchdog::Control*>(table[3 * N]);
     CK(cudaDeviceSynchronize());
   }
+}
+
+// One call through the core's C API (what jax_fusedar and torch_compat launch).
+void launch_core(int r, int64_t M, int64_t H, int out, int algorithm, bool pdl) {
+  Rank& k = R[r];
+  fusedar_launch_args a{};
+  a.pattern = static_cast<int32_t>(kPattern);
+  a.dtype = FUSEDAR_BFLOAT16;
+  a.num_tokens = M;
+  a.hidden_dim = H;
+  a.input = k.in;
+  a.residual_in = k.res;
+  a.residual_out = k.out[out][0];
+  a.norm_out = k.out[out][1];
+  a.rms_gamma = k.gamma;
+  a.rms_eps = 1e-6f;
+  a.algorithm = algorithm;
+  a.fp32_acc = 1;
+  a.launch_with_pdl = pdl ? 1 : 0;
+  a.trigger_completion_at_end = 1;
+  FC(fusedar_launch(k.ws, &a, k.s));
 }
 
 std::vector<int> g_weights = {1, 1, 1, 1};
@@ -563,11 +575,15 @@ std::vector<int> g_weights = {1, 1, 1, 1};
 int g_ce_streams = 2;
 bool g_ce_persistent = true;
 
-// algo: 0 large-message, 1 FI one-shot, 2 FI two-shot,
-// 3 copy-engine floor (memcpys only, two streams), 4 empty kernel, 8 FI one-shot without PDL,
-// 9 SM-gather variant, 10 copy-engine one-shot, 11 copy-engine floor on one stream
+// algo: 0 large-message (this file's build, its chunk schedule), 1 FI one-shot, 2 FI two-shot,
+// 3 copy-engine floor (memcpys only, two streams), 4 empty kernel, 5 large-message (the core's
+// call, its default schedule), 8 FI one-shot without PDL, 9 SM-gather variant, 10 copy-engine
+// one-shot, 11 copy-engine floor on one stream. 1, 2, 5 and 8 are the core's launches.
 void launch(int algo, int r, int64_t M, int64_t H, int chunks) {
   Rank& k = R[r];
+  if (algo == 1 || algo == 8) return launch_core(r, M, H, 1, FUSEDAR_ALGORITHM_ONESHOT, algo == 1);
+  if (algo == 2) return launch_core(r, M, H, 2, FUSEDAR_ALGORITHM_TWOSHOT, true);
+  if (algo == 5) return launch_core(r, M, H, 5, FUSEDAR_ALGORITHM_LARGE_MESSAGE, true);
   fi::AllReduceFusionParams<T> p{};
   p.nranks = N;
   p.rank = r;
@@ -576,14 +592,12 @@ void launch(int algo, int r, int64_t M, int64_t H, int chunks) {
   p.workspace = k.table;
   p.allreduce_in = k.in;
   p.residual_in = k.res;
-  int o =
-      (algo == 0 || algo == 9) ? 0 : (algo == 8 ? 1 : (algo <= 2 ? algo : (algo == 10 ? 4 : 3)));
+  const int o = (algo == 0 || algo == 9) ? 0 : (algo == 10 ? 4 : 3);
   p.residual_out = k.out[o][0];
   p.norm_out = k.out[o][1];
   p.rms_gamma = k.gamma;
   p.rms_eps = 1e-6f;
   p.weight_bias = 0.f;
-  p.use_oneshot = algo == 1 || algo == 8;
   p.stream = k.s;
   p.pattern = kPattern;
   p.trigger_completion_at_end = true;
@@ -635,13 +649,8 @@ void launch(int algo, int r, int64_t M, int64_t H, int chunks) {
     CK(cudaEventRecord(res.gather_done, res.gather));
     CK(cudaStreamWaitEvent(k.s, res.copy_done, 0));
     CK(cudaStreamWaitEvent(k.s, res.gather_done, 0));
-  } else if (algo == 4) {
-    empty_kernel<<<1, 32, 0, k.s>>>();
-  } else if (algo == 8) {
-    // One-shot without PDL (the default launches with it, as the JAX path does).
-    CK((fi::allreduce_fusion_kernel_launcher<kPattern, T, N, true>(p, false)));
   } else {
-    CK((fi::allreduce_fusion_kernel_launcher<kPattern, T, N, true>(p, true)));
+    empty_kernel<<<1, 32, 0, k.s>>>();
   }
 }
 
@@ -734,11 +743,11 @@ void check(int64_t M, int64_t H, int chunks, uint32_t seed) {
     fill_random<<<1024, 256>>>(R[r].in, M * H, seed + 17 * r);
     fill_random<<<1024, 256>>>(R[r].res, M * H, seed + 1000);  // replicated residual
     fill_random<<<64, 256>>>(R[r].gamma, H, seed + 2000);
-    for (int a = 0; a < 3; ++a)
+    for (int a : {0, 1, 2, 5})
       for (int x = 0; x < 2; ++x) CK(cudaMemset(R[r].out[a][x], 0xff, M * H * 2));  // NaN poison
     CK(cudaDeviceSynchronize());
   }
-  for (int algo : {9, 0, 2, 1}) {
+  for (int algo : {9, 0, 5, 2, 1}) {
     if (algo == 0) {  // keep the SM-gather variant's outputs in slot 3 for the comparison
       for (int r = 0; r < N; ++r) {
         CK(cudaSetDevice(r));
@@ -766,6 +775,12 @@ void check(int64_t M, int64_t H, int chunks, uint32_t seed) {
   unsigned long long ranks =
       diff(0, tmp, R[0].out[0][0], M * H) + diff(0, tmp + M * H, R[0].out[0][1], M * H);
   CK(cudaFree(tmp));
+  // The core's own large-message call (its default schedule): the two-shot bits too.
+  printf("core's large-message call vs two-shot: %llu\n",
+         diff(0, R[0].out[5][0], R[0].out[2][0], M * H) +
+             diff(0, R[0].out[5][1], R[0].out[2][1], M * H) +
+             diff(1, R[1].out[5][0], R[1].out[2][0], M * H) +
+             diff(1, R[1].out[5][1], R[1].out[2][1], M * H));
   printf("SM-gather variant vs two-shot: %llu\n",
          diff(0, R[0].out[3][0], R[0].out[2][0], M * H) +
              diff(0, R[0].out[3][1], R[0].out[2][1], M * H) +

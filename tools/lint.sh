@@ -1,34 +1,28 @@
 #!/usr/bin/env bash
-# The linters, pinned, over the tracked sources: ruff (check and format; configuration in
-# pyproject.toml) for Python, clang-format (.clang-format) for C++ and CUDA. CI runs this
-# first, before the build:
+# The linters: pre-commit runs the hooks of .pre-commit-config.yaml (ruff format, ruff check,
+# clang-format; pinned there) over every tracked file. CI runs this first, before the build:
 #
-#   tools/lint.sh          check only: exit 1 on any finding or any file the formatters
-#                          would change
-#   tools/lint.sh --fix    apply ruff's safe fixes and both formatters in place
+#   tools/lint.sh         format (ruff, clang-format) and report ruff's findings; exit 1 when
+#                         a formatter changed a file (the diff is shown) or a finding is left
+#   tools/lint.sh --fix   the same, with ruff's safe fixes applied
 #
-# The linters live in a venv of their own (not the project's), made once.
+# pre-commit itself, pinned, lives in a venv of its own (not the project's), made once; the
+# hooks' environments in pre-commit's cache ($PRE_COMMIT_HOME, else ~/.cache/pre-commit),
+# which outlives a clean clone as pip's cache does.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-RUFF=ruff==0.17.6
-CLANG_FORMAT=clang-format==23.1.5
+PRE_COMMIT=pre-commit==4.7.0
 venv=${JAX_FUSEDAR_LINT_VENV:-build/lint-venv}
-stamp="$venv/.pins"
-if [ "$(cat "$stamp" 2>/dev/null)" != "$RUFF $CLANG_FORMAT" ]; then
+if [ "$(cat "$venv/.pins" 2>/dev/null)" != "$PRE_COMMIT" ]; then
   "${PYTHON:-python3}" -m venv "$venv"
-  "$venv/bin/python" -m pip install -q --disable-pip-version-check "$RUFF" "$CLANG_FORMAT"
-  echo "$RUFF $CLANG_FORMAT" > "$stamp"
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check "$PRE_COMMIT"
+  echo "$PRE_COMMIT" > "$venv/.pins"
 fi
-mapfile -t cxx < <(git ls-files '*.cc' '*.cpp' '*.h' '*.cu' '*.cuh')
-status=0
-if [ "${1:-}" = "--fix" ]; then
-  # Formatters first, then the linter's fixes; what it cannot fix is listed (exit 1).
-  "$venv/bin/ruff" format .
-  "$venv/bin/clang-format" -i "${cxx[@]}"
-  "$venv/bin/ruff" check --fix . || status=1
-else
-  "$venv/bin/ruff" check . || status=1
-  "$venv/bin/ruff" format --check . || status=1
-  "$venv/bin/clang-format" --dry-run --Werror "${cxx[@]}" || status=1
-fi
-exit $status
+stage=pre-commit
+case "${1:-}" in
+  "") ;;
+  --fix) stage=manual ;;
+  *) echo "tools/lint.sh: unknown argument $1 (see the header)" >&2; exit 2 ;;
+esac
+exec "$venv/bin/pre-commit" run \
+  --all-files --hook-stage "$stage" --show-diff-on-failure --color never

@@ -4,8 +4,10 @@
 #
 #   tools/wheel_check.sh WHEEL
 #
-# 1. contents: the kernel library holds an sm_90a and an sm_100a ELF (cuobjdump
-#    --list-elf; from the CUDA toolkit, else the nvidia-cuda-cuobjdump package);
+# 1. contents: only the two packages (and the wheel's metadata, auditwheel's .libs), no
+#    benchmark, tools or tests code (tools/wheel_contents.py); the kernel library holds an
+#    sm_90a and an sm_100a ELF (cuobjdump --list-elf; from the CUDA toolkit, else the
+#    nvidia-cuda-cuobjdump package);
 # 2. a fresh venv with the wheel and its [jax] extra only (plus pytest), used with a PATH
 #    without nvcc and no CUDACXX/CUDA_HOME, from a folder outside the checkout:
 #    tools/wheel_smoke.py (imports from the venv, the native module loads, the op on 8
@@ -21,6 +23,7 @@ trap 'rm -rf "$work"' EXIT
 start=$SECONDS
 
 echo "== contents of $(basename "$wheel")"
+"$py" tools/wheel_contents.py "$wheel"
 cuobjdump=$(command -v cuobjdump || true)
 for dir in "${CUDA_HOME:-}" /usr/local/cuda; do
   if [ -z "$cuobjdump" ] && [ -n "$dir" ] && [ -x "$dir/bin/cuobjdump" ]; then

@@ -77,7 +77,9 @@ make_venv "$work/venv"
 cd "$work"  # outside the checkout: nothing can be imported from it
 "$work/venv/bin/python" - "$work/venv" <<'EOF' 2>&1 | tee -a "$logs/summary.txt"
 import pathlib, sys
-import jax_fusedar, jax_fusedar._fusedar as ext
+import jax_fusedar
+from jax_fusedar.common import native
+ext = native.require()
 venv = pathlib.Path(sys.argv[1]).resolve()
 for what in (jax_fusedar.__file__, ext.__file__):
     assert venv in pathlib.Path(what).resolve().parents, f"{what} is not from {venv}"

@@ -37,10 +37,12 @@ def check_installed_from_venv() -> None:
     assert package.parent == site, f"jax_fusedar imported from {package}, not {site}"
     libs = sorted(p.name for p in package.glob("*.so"))
     assert "libfusedar_core.so" in libs and any(n.startswith("_fusedar.") for n in libs), libs
-    # Imported directly, so a module that fails to load (a missing core, a wrong
-    # interpreter tag) raises here instead of quietly selecting the reference path.
-    import jax_fusedar._fusedar as ext
+    # Through its loader (common.native), which keeps why the module failed to load (a
+    # missing core, a wrong interpreter tag): require() raises it here instead of the
+    # package quietly selecting the reference path.
+    from jax_fusedar.common import native
 
+    ext = native.require()
     assert pathlib.Path(ext.__file__).resolve().parent == package, ext.__file__
     print(f"installed: {package} ({', '.join(libs)})")
 

@@ -38,6 +38,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from jax_fusedar.common import arguments, moe_limits, native, patterns
+from jax_fusedar.common import plan as rules
 
 from . import cuda_state
 from .tensors import (
@@ -46,6 +47,7 @@ from .tensors import (
     check_like,
     check_placement,
     check_shape,
+    refusal,
     static_shape,
 )
 from .workspace import TORCH_DTYPES, TorchAllReduceFusionWorkspace
@@ -65,6 +67,7 @@ class CheckedMoeCall(NamedTuple):
     weight_bias: float
     routed_scaling_factor: float
     launch_with_pdl: bool
+    plan: Optional[rules.Plan]  # common.plan's; None for a shape known only at run time
 
 
 def check_moe_call(
@@ -88,6 +91,7 @@ def check_moe_call(
     expert_scale_factor=None,
     shared_expert_output=None,
     routed_scaling_factor=None,
+    output=None,
 ) -> CheckedMoeCall:
     """Every check of an MoE call that needs no device memory (the eager op and the fake
     implementations of the custom ops both run it)."""
@@ -100,11 +104,8 @@ def check_moe_call(
     p = patterns.as_pattern(pattern)
     if p not in patterns.MOE_PATTERNS:
         raise ValueError(f"pattern {p.value} ({p.name}) is not an MoE pattern")
-    if arguments.as_bool("use_oneshot", use_oneshot, allow_none=True) is False:
-        raise ValueError(
-            f"{p.name} is one-shot only (FlashInfer's MoE kernels have no "
-            "two-shot variant); pass use_oneshot=None or True"
-        )
+    use_oneshot = arguments.as_bool("use_oneshot", use_oneshot, allow_none=True)
+    rules.check_moe_mode(p, use_oneshot)
     if arguments.as_bool("fp32_acc", fp32_acc):
         raise ValueError(
             f"fp32_acc does not apply to {p.name}: its kernel always rounds after "
@@ -225,17 +226,25 @@ def check_moe_call(
             check_shape("shared_expert_output", shared_expert_output, (t, h), dtype)
         if routed_scaling_factor is not None:
             routed = arguments.as_float32("routed_scaling_factor", routed_scaling_factor)
+    decided = None  # a shape known only at run time: the eager op plans it then
     if static_shape(residual_in):
-        if t == 0:
-            raise ValueError("residual_in is empty (no tokens)")
-        # The MoE kernels' rule, one for JAX, torch and the native launch.
-        problem = moe_limits.kernel_problem(t, h, name, workspace.sizes)
-        if problem is not None:
-            kind, why = problem
-            if kind == "workspace too small":
-                raise ValueError(f"{p.name}: the call does not fit the workspace: {why}")
-            raise ValueError(f"{p.name}: {why}")
-    return CheckedMoeCall(p, name, t, h, rms_eps, weight_bias, routed, launch_with_pdl)
+        # The call's plan (common.plan: the MoE kernels' rule, one for JAX, torch and the
+        # native launch); torch refuses what the kernel does not serve.
+        decided = rules.plan_call(
+            rules.Call(
+                p,
+                t,
+                h,
+                name,
+                workspace.sizes,
+                workspace.backend,
+                use_oneshot,
+                moe_allreduce_out=p == REDUCTION and output is not None,
+            )
+        )
+        if not decided.kernel:
+            raise ValueError(f"{p.name}: {refusal(decided)}")
+    return CheckedMoeCall(p, name, t, h, rms_eps, weight_bias, routed, launch_with_pdl, decided)
 
 
 def check_index_values(idx: torch.Tensor, rows: int) -> None:
@@ -305,6 +314,7 @@ def moe_allreduce_fusion(
         expert_scale_factor=expert_scale_factor,
         shared_expert_output=shared_expert_output,
         routed_scaling_factor=routed_scaling_factor,
+        output=output,
     )
     p = call.pattern
     if quant_out is not None or scale_out is not None:

@@ -42,9 +42,10 @@ Quantized outputs (shapes per rank, M tokens x H hidden; byte layouts in
 
 Every check is on host metadata only (shape, dtype, device, strides, 16-byte alignment of
 the vectorised tensors, the device's compute capability), so the call can be captured in a
-CUDA graph with its outputs passed in. The algorithm (one-shot, two-shot or, by size, the
-large-message path) comes from ``launch_mode.choose_algorithm``: a pure function of the shape,
-dtype width and workspace, so every rank picks the same one.
+CUDA graph with its outputs passed in. Whether the kernel serves the call and with which
+algorithm (one-shot, two-shot or, by size, the large-message path) is the call's plan
+(``jax_fusedar.common.plan``, the one decision of both front ends): a pure function of the
+shape, dtype and workspace, so every rank picks the same one.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
-from jax_fusedar.common import arguments, launch_mode, native, patterns, quant_layouts, results
+from jax_fusedar.common import arguments, native, patterns, quant_layouts, results
+from jax_fusedar.common import plan as rules
 
 from . import cuda_state
 from .tensors import (
@@ -64,6 +66,7 @@ from .tensors import (
     check_placement,
     check_tensor,
     concrete,
+    refusal,
     static_shape,
 )
 from .workspace import TORCH_DTYPES, TorchAllReduceFusionWorkspace
@@ -76,7 +79,16 @@ TORCH_PATTERNS = tuple(patterns.TRAITS) + patterns.MOE_PATTERNS
 _FP4_SCALE_DTYPES = (torch.uint8, torch.float8_e4m3fn, torch.int32)
 
 
-def _check_input(input, ws: TorchAllReduceFusionWorkspace) -> str:
+def _call(pattern, input, ws, use_oneshot=None, layout=0, group=0) -> rules.Call:
+    """The call as the rules layer takes it (``common.plan``)."""
+    token_num, hidden_dim = input.shape
+    name = TORCH_DTYPES[input.dtype]
+    return rules.Call(
+        pattern, token_num, hidden_dim, name, ws.sizes, ws.backend, use_oneshot, layout, group
+    )
+
+
+def _check_input(input, ws: TorchAllReduceFusionWorkspace, pattern) -> str:
     """Checks the input against the workspace; returns its dtype name."""
     check_tensor("input", input)
     if input.dim() != 2:
@@ -90,14 +102,11 @@ def _check_input(input, ws: TorchAllReduceFusionWorkspace) -> str:
     name = TORCH_DTYPES[input.dtype]
     if not static_shape(input):
         return name
-    token_num, hidden_dim = input.shape
-    if token_num == 0 or hidden_dim == 0:
-        raise ValueError(f"input is empty (shape {list(input.shape)})")
-    # One rule with is_buffer_size_sufficient: the element count, and the kernel's rule on
-    # this hidden size (the workspace may be reused with another one, which must launch too).
-    problem = ws.fit_problem(ws.world_size, token_num, hidden_dim, input.dtype)
-    if problem:
-        raise ValueError(f"the call does not fit the workspace: {problem}")
+    # Whether the kernel serves a call of this shape: common.plan's rule (the one of the JAX
+    # front and of is_buffer_size_sufficient); the full plan follows the other checks.
+    problem = rules.kernel_problem(_call(pattern, input, ws))
+    if problem is not None:
+        raise ValueError(refusal(rules.Plan(False, None, *problem, ())))
     return name
 
 
@@ -303,7 +312,7 @@ def _is_moe_pattern(pattern) -> bool:
 
 class CheckedCall(NamedTuple):
     """What ``check_call`` found: the call's pattern and traits, input dtype name, NVFP4
-    layout and group size for the launch, the mode (None while sizes are symbolic) and the
+    layout and group size for the launch, its plan (None while sizes are symbolic) and the
     options as strictly typed values."""
 
     pattern: patterns.AllReduceFusionPattern
@@ -311,7 +320,7 @@ class CheckedCall(NamedTuple):
     dtype_name: str
     layout: int
     group: int
-    algorithm: Optional[int]  # launch_mode.ALGORITHM_*; None for a shape known only at run time
+    plan: Optional[rules.Plan]  # common.plan's; None for a shape known only at run time
     rms_eps: float
     weight_bias: float
     fp32_acc: bool
@@ -372,7 +381,7 @@ def check_call(
         rms_eps=_option(arguments.as_float32, "rms_eps", rms_eps, minimum=0.0),
         weight_bias=_option(arguments.as_float32, "weight_bias", weight_bias),
     )
-    name = _check_input(input, workspace)
+    name = _check_input(input, workspace, p)
     if traits.has_residual:
         missing = [
             k for k, t in (("residual_in", residual_in), ("rms_gamma", rms_gamma)) if t is None
@@ -386,13 +395,12 @@ def check_call(
         layout, group = _check_quant_inputs(
             p, traits, name, input, scale_factor, layout_code, block_quant_group_size
         )
-    algorithm = None
+    decided = None  # a shape known only at run time: the eager op plans it then
     if static_shape(input):
-        token_num, hidden_dim = input.shape
-        algorithm = launch_mode.choose_algorithm(
-            token_num, hidden_dim, workspace.sizes, use_oneshot
-        )
-    return CheckedCall(p, traits, name, layout, group, algorithm, **options)
+        decided = rules.plan_call(_call(p, input, workspace, use_oneshot, layout, group))
+        if not decided.kernel:  # a workspace that never uses the kernel
+            raise ValueError(refusal(decided))
+    return CheckedCall(p, traits, name, layout, group, decided, **options)
 
 
 def allreduce_fusion(
@@ -532,13 +540,8 @@ def allreduce_fusion(
 
     # Every output the pattern does not write is refused, output= included (FlashInfer
     # would leave it unwritten and may even return it).
-    written = {
-        "output": traits.has_allreduce_out,
-        "residual_out": traits.has_residual,
-        "norm_out": traits.has_norm_out,
-        "quant_out": traits.quant is not None,
-        "scale_out": traits.writes_scale_out,
-    }
+    # What the plan says the call writes, by FlashInfer's names (its output= is allreduce_out).
+    written = {"output" if s.name == "allreduce_out" else s.name for s in call.plan.outputs}
     given = {
         "output": output,
         "residual_out": residual_out,
@@ -546,7 +549,7 @@ def allreduce_fusion(
         "quant_out": quant_out,
         "scale_out": scale_out,
     }
-    unwritten = [k for k, t in given.items() if t is not None and not written[k]]
+    unwritten = [k for k, t in given.items() if t is not None and k not in written]
     if unwritten:
         raise ValueError(
             f"pattern {p.value} ({p.name}) does not write {', '.join(unwritten)}; "
@@ -574,7 +577,7 @@ def allreduce_fusion(
         )
         if traits.uses_scale_factor:
             sf = _scale_factor_tensor(scale_factor, workspace)
-    layout, group, algorithm = call.layout, call.group, call.algorithm
+    layout, group, algorithm = call.layout, call.group, call.plan.algorithm_code
 
     if output is None and traits.has_allreduce_out:
         output = torch.empty_like(input)

@@ -2,13 +2,16 @@
 dtype and contiguity against a reference tensor, the RMSNorm weight, placement on the
 workspace's device with the alignment the kernels access, whether the sizes are plain ints
 (under ``torch.compile`` with dynamic shapes they are SymInts), and the value of an int
-argument traced as a SymInt. Host metadata only, so every check also runs on fake tensors
-and during CUDA-graph capture.
+argument traced as a SymInt; and the error for a call the kernel does not serve
+(``refusal``). Host metadata only, so every check also runs on fake tensors and during
+CUDA-graph capture.
 """
 
 from __future__ import annotations
 
 import torch
+
+from jax_fusedar.common import plan as rules
 
 # The kernels move 16-byte vectors: a tensor starting elsewhere (a view with an odd storage
 # offset) faults with a misaligned address.
@@ -94,3 +97,11 @@ def concrete(value):
     fixes it with a guard (another value compiles again); symbolic sizes and group sizes
     stay symbolic (their checks wait for the eager op)."""
     return int(value) if isinstance(value, torch.SymInt) else value
+
+
+def refusal(decided: rules.Plan) -> str:
+    """torch's error for a call whose plan (``common.plan``) the kernel does not serve:
+    torch has no fallback, it raises, as FlashInfer does."""
+    if decided.kind == rules.TOO_SMALL:
+        return f"the call does not fit the workspace: {decided.reason}"
+    return decided.reason

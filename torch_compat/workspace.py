@@ -15,7 +15,8 @@ bugs vLLM hit with it (docs/decisions.md):
 
 The handles travel through the c10d store (``channel.StoreChannel``), with a timeout, so a
 member that never joins is a ``TimeoutError`` naming it. Memory and kernels are the shared
-native core (``jax_fusedar._fusedar.Rank``); no JAX is imported.
+native core (``Rank`` of the extension ``jax_fusedar.common.native`` loads); no JAX is
+imported.
 """
 
 from __future__ import annotations
@@ -29,13 +30,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from jax_fusedar.common import plan as rules
 from jax_fusedar.common import (
     arguments,
     backend_choice,
     call_check,
     exchange,
     join,
-    launch_mode,
     lifecycle,
     limits,
     lost_traps,
@@ -154,34 +155,32 @@ class TorchAllReduceFusionWorkspace(lifecycle.WorkspaceLifecycle):
         of both ``is_buffer_size_sufficient`` and the op (``ops.check_call``)."""
         self._check_alive()
         problems = []
-        if num_tokens == 0:  # as the op refuses an empty input
-            problems.append("num_tokens is 0: the op refuses an empty input")
         if tp_size != self.world_size:
             problems.append(
                 f"tp_size {tp_size} does not match the workspace's TP size {self.world_size}"
             )
-        too_big = self.buffer_problem(num_tokens, hidden_dim)
-        if too_big:
-            problems.append(too_big)
         if dtype not in TORCH_DTYPES:
             problems.append(f"dtype {dtype} is not supported (bf16, fp16, fp32)")
-        elif (dtype == torch.float32) != self.sizes.use_fp32_lamport:
-            problems.append(
-                f"dtype {dtype} does not have the workspace's element width "
-                f"({self.dtype}): float32 needs a float32 workspace, bf16/fp16 a "
-                f"16-bit one"
+        else:
+            # The op's own rule (common.plan), the same for every dense pattern; with
+            # use_oneshot True/False also that this mode can run the call (FlashInfer's trtllm
+            # workspace ignores use_oneshot).
+            call = rules.Call(
+                rules.DENSE_RULE,
+                num_tokens,
+                hidden_dim,
+                TORCH_DTYPES[dtype],
+                self.sizes,
+                use_oneshot=use_oneshot,
             )
-        else:  # the kernel's own rule on the hidden size (whole 16-byte vectors, launch limit)
-            launch = limits.kernel_support_problem(
-                self.sizes.world_size, hidden_dim, TORCH_DTYPES[dtype]
-            )
-            if launch:
-                problems.append(launch)
-        if not problems and use_oneshot is not None:
-            try:  # FlashInfer's trtllm workspace ignores use_oneshot; we check it is possible
-                launch_mode.choose_oneshot(num_tokens, hidden_dim, self.sizes, use_oneshot)
-            except ValueError as e:
-                problems.append(str(e))
+            problem = rules.kernel_problem(call)
+            if problem is not None:
+                problems.append(problem[1])
+            elif use_oneshot is not None:
+                try:
+                    rules.plan_call(call)
+                except ValueError as e:
+                    problems.append(str(e))
         return "; ".join(problems) or None
 
     def is_buffer_size_sufficient(
@@ -195,8 +194,8 @@ class TorchAllReduceFusionWorkspace(lifecycle.WorkspaceLifecycle):
         """FlashInfer's check (``check_trtllm_allreduce_fusion_workspace_metadata``): same TP
         size, ``num_tokens * hidden_dim <= max_token_num * hidden_dim``, same element width;
         and what the kernel needs of the hidden size (whole 16-byte vectors, within the
-        launch limit: ``limits.kernel_support_problem``) and, when ``use_oneshot`` is
-        True/False, that this mode can run the call. It agrees with what ``allreduce_fusion``
+        launch limit) and, when ``use_oneshot`` is True/False, that this mode can run the
+        call: the op's own rule, ``common.plan``. It agrees with what ``allreduce_fusion``
         accepts: 0 tokens do not fit (the op refuses an empty input); a negative or non-int
         count, or a ``use_oneshot`` that is not a bool, is an error rather than an answer."""
         tp_size = arguments.as_int("tp_size", tp_size, minimum=1)

@@ -2,7 +2,8 @@
 //
 //   [0, N)    two-shot data buffer of each rank       (peer-mapped)
 //   [N, 2N)   barrier flags of each rank               (peer-mapped, zeroed), followed in
-//             the same allocation by the opt-in call-check area (call_check.h)
+//             the same allocation by the opt-in call-check area (call_check.h) and the
+//             large-message flags (flag_layout.h)
 //   [2N, 3N)  Lamport triple buffer of each rank       (peer-mapped, filled with -0.0)
 //   [3N]      this rank's control block {0,0,0,lamport_comm_bytes,0}, followed by the
 //             bounded-wait settings (watchdog.h)                      (local only)
@@ -18,6 +19,7 @@
 
 #include "call_check.h"
 #include "device_guard.h"
+#include "flag_layout.h"
 #include "fusedar/core.h"
 #include "rank_state.h"
 #include "status.h"
@@ -29,15 +31,6 @@ constexpr int64_t kMaxCommSize = 2147483647LL & ~((1LL << 21) - 1);  // FlashInf
 constexpr int64_t kBarrierFlagCount = 256;
 
 int64_t round_up16(int64_t v) { return (v + 15) / 16 * 16; }
-
-// The barrier-flags allocation: FlashInfer's flags, the call-check area, then the flags of the
-// large-message algorithm (a few KiB; cudaMalloc rounds every allocation up to 2 MiB anyway).
-int64_t large_flags_offset(const fusedar_workspace_info& info) {
-  return (call_check::flag_allocation_bytes(info) + 255) / 256 * 256;
-}
-int64_t flag_allocation_bytes(const fusedar_workspace_info& info) {
-  return large_flags_offset(info) + int64_t(sizeof(kernels::large::Flags));
-}
 
 int element_size(int dtype) { return dtype == FUSEDAR_FLOAT32 ? 4 : 2; }
 

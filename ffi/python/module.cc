@@ -144,17 +144,22 @@ class Rank {
   void finalize() { check(fusedar_rank_finalize(get())); }
   void destroy() {
     if (r_ == nullptr) return;
-    // The failure record lives in memory fusedar_rank_destroy frees: its text is kept, so
-    // that failure() still reads it (jax_fusedar/common/lost_traps.py watches it) while the
-    // destroy below waits on a stream that a lost trap never lets finish.
-    failure_at_destroy_ = failure();
     fusedar::xla::unregister_rank(r_);
+    {
+      // Wait for the kernels in flight first, without the GIL (as the launches), and with
+      // the rank still readable: a wait that times out writes its failure record only as
+      // it traps, and the lost-trap watcher (jax_fusedar/common/lost_traps.py) reads the
+      // record through failure() from another thread meanwhile. An error here is the
+      // device's sticky one, which fusedar_rank_destroy reports again below.
+      nb::gil_scoped_release release;
+      fusedar_device_synchronize(fusedar_rank_device(r_));
+    }
+    // The record lives in memory fusedar_rank_destroy frees: keep its text for failure().
+    failure_at_destroy_ = failure();
     fusedar_rank* r = r_;
     r_ = nullptr;
     int rc = FUSEDAR_OK;
     {
-      // cudaDeviceSynchronize waits for the kernels in flight: without the GIL, as the
-      // launches, so that other threads (the lost-trap watcher among them) run meanwhile.
       nb::gil_scoped_release release;
       rc = fusedar_rank_destroy(r);
     }

@@ -1,5 +1,5 @@
-"""Argument types and checks shared by the command-line tools (``python -m jax_fusedar``,
-``python -m torch_compat.bench``). Imports neither jax nor torch."""
+"""Argument types and checks of the command line (``python -m jax_fusedar``). Imports neither
+jax nor torch."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import tempfile
 from pathlib import Path
 
 DTYPES = ("bfloat16", "float16", "float32")
-MODES = ("auto", "oneshot", "twoshot")
 
 
 def positive_int(text: str) -> int:
@@ -58,13 +57,3 @@ def check_out_dir(path, files) -> "str | None":
     except OSError as e:
         return f"cannot write in the folder {out}: {e.strerror or e}"
     return None
-
-
-def mode_list(text: str) -> list:
-    modes = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in MODES]
-    if unknown or not modes:
-        raise argparse.ArgumentTypeError(
-            f"modes must be a comma-separated subset of {','.join(MODES)}, got {text!r}"
-        )
-    return [m for m in MODES if m in modes]

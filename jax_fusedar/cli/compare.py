@@ -1,6 +1,6 @@
-"""How the demos (dense and MoE) and the bench compare the fused op with the unfused math: the
-unfused combine as a model writes it, timed runs, the greedy tokens and logits of two decodes
-(first divergence, top-2 margins, the near-tie rule) and the rounding tolerance of the logits."""
+"""How the demos (dense and MoE) compare the fused op with the unfused math: timed runs, the
+greedy tokens and logits of two decodes (first divergence, top-2 margins, the near-tie rule)
+and the rounding tolerance of the logits."""
 
 from __future__ import annotations
 
@@ -12,18 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .setup import AXIS, RMS_EPS
-
 TOLERANCE_FORMULA = "eps + sites * (eps + sqrt(world - 1) * eps / 2)"
-
-
-def plain_add_rmsnorm(partial, residual, gamma, *, eps: float = RMS_EPS):
-    """The unfused combine as a model would write it: psum in the model dtype (what NCCL does),
-    residual add, RMSNorm in float32. Returns (residual_out, norm_out)."""
-    residual = jax.lax.psum(partial, AXIS) + residual
-    r = residual.astype(jnp.float32)
-    norm = r * jax.lax.rsqrt(jnp.mean(r * r, axis=-1, keepdims=True) + eps)
-    return residual, (norm * gamma.astype(jnp.float32)).astype(residual.dtype)
 
 
 def timed_runs(fn, args, runs: int) -> list:

@@ -15,7 +15,7 @@ and writes ``bench_llama.json`` (see ``bench_main``).
 
 The mesh, workspace and device description come from ``setup``, the comparison with the
 unfused program (greedy tokens, margins, tolerance, timing) from ``compare``, both shared with
-the MoE demo and the bench.
+the MoE demo.
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
 from .ranks import RESULT_FILE, Plan
@@ -60,34 +62,58 @@ def main(argv=None) -> int:
         )
         return 2
     Path(opts.result_dir, RESULT_FILE.format(opts.rank)).write_text(json.dumps(result))
-    shutdown_in_order()
-    return code
+    end_in_order(opts.rank, p.world, code)
 
 
-def shutdown_in_order() -> list:
-    """Ends this rank's part of ``jax.distributed`` in order: first JAX's backends (the PJRT
-    clients, which hold the distributed client and, on GPUs, watch the other tasks through
-    it with a long-polling WatchTasks call), then the distributed client (with the other
-    ranks, at its shutdown barrier), and on rank 0 the coordination service last. Shut down
-    the other way round, as ``jax.distributed.shutdown()`` alone does when the clients live
-    on until the process exits, the pending watch fails as its service goes away, and JAX
-    prints a "WatchTasksAsync failed ... CANCELLED / UNAVAILABLE" trace after PASS.
-    Returns the backends (by platform) whose client was still alive when the distributed
-    client shut down: unregistered, a client lives on only while something holds it (after
-    the CPU demo, JAX 0.10.2 still holds the CPU client through no Python reference the
-    collector sees; tests/cli/test_ranks.py checks a plain psum frees it)."""
-    import gc
-    import weakref
+# How long rank 0 waits for the other ranks to end after the last barrier (they exit at once).
+END_WAIT_S = 30.0
 
-    import jax
-    from jax.extend import backend
 
-    clients = {name: weakref.ref(c) for name, c in backend.backends().items()}
-    backend.clear_backends()  # also drops the compiled programs, which hold the clients
-    gc.collect()
-    alive = sorted(name for name, ref in clients.items() if ref() is not None)
-    jax.distributed.shutdown()
-    return alive
+def end_in_order(rank: int, world: int, code: int):
+    """Ends this rank's process once every rank has its result, without a word from JAX's
+    distributed runtime. The PJRT client keeps a long-polling WatchTasks call open to the
+    coordination service, which rank 0 hosts; JAX's own shutdown (its exit handler) ends the
+    distributed client while that call is pending, or rank 0's service while the other
+    ranks' calls are, and JAX prints a "WatchTasksAsync failed ... CANCELLED / UNAVAILABLE"
+    trace after PASS. So: every rank meets at a last barrier (its result is written), the
+    other ranks end, and rank 0 ends last, once their processes are gone, so no call ever
+    sees its service go away. The processes end with os._exit, past the exit handler:
+    nothing is left for it to do (the workspaces are destroyed, the results written)."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if rank:
+        client.key_value_set(f"jax_fusedar_demo_pid_{rank}", str(os.getpid()))
+    client.wait_at_barrier("jax_fusedar_demo_end", int(END_WAIT_S * 1000))
+    if rank == 0:
+        pids = [
+            int(client.blocking_key_value_get(f"jax_fusedar_demo_pid_{r}", 1000))
+            for r in range(1, world)
+        ]
+        wait_gone(pids, END_WAIT_S)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def wait_gone(pids, timeout_s: float) -> bool:
+    """Waits until each process of ``pids`` has ended (gone, or a zombie its parent has not
+    reaped yet: either way it runs no more); False if one still runs after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if not [pid for pid in pids if _runs(pid)]:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+
+
+def _runs(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"  # the state follows the command's name
 
 
 if __name__ == "__main__":

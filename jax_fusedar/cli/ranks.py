@@ -9,8 +9,9 @@ GPU). XLA's NCCL refuses two ranks on one GPU, so in that program every cross-pr
 collective is the fused kernel (``jax_fusedar/cli/shared_demo.py`` says how), and the
 reference it is checked against is the same model unsharded on one device of rank 0 (no
 collective). Ranks sharing a GPU take turns on it, so timings there measure the GPU's time
-slicing, not the kernel: the demo shows none and ``bench`` refuses to run
-(``SHARED_GPU_TIMING``). With one GPU per rank nothing changes: one process drives them all.
+slicing, not the kernel: the demo shows none and ``--bench`` refuses to run
+(``shared_gpu_timing``; so do the benchmarks of the checkout, ``benchmarks/``). With one
+GPU per rank nothing changes: one process drives them all.
 
 ``--processes per-rank`` forces one process per rank anywhere; on CPUs the ranks run the
 reference path (XLA's all-reduce over gloo), which is how the CPU tests exercise this.
@@ -57,7 +58,7 @@ DEFAULT_CPU_WORLD = 8
 
 
 def shared_gpu_timing(gpus: int, world: int) -> str:
-    """Why nothing is timed when ranks share GPUs (the demo prints it; bench refuses with
+    """Why nothing is timed when ranks share GPUs (the demo prints it; --bench refuses with
     it)."""
     return (
         f"{world} ranks would share {gpus} GPU{'s' if gpus != 1 else ''}: ranks sharing "
@@ -65,18 +66,6 @@ def shared_gpu_timing(gpus: int, world: int) -> str:
         f"waits for every rank's turn), so a timing measures that scheduling, not the "
         f"kernel"
     )
-
-
-def bench_refusal(gpus: int) -> Optional[str]:
-    """bench times the fused op with one GPU per rank; on a machine with one GPU it refuses
-    (a TP group of one is not an all-reduce, and ranks sharing the GPU time nothing)."""
-    if gpus == 1:
-        return (
-            f"bench needs one GPU per rank and this machine has 1 GPU: "
-            f"{shared_gpu_timing(1, 2)}. Run it where each of the 2, 4 or 8 ranks has its "
-            f"own GPU; 'python -m jax_fusedar demo' checks the kernel's results on one GPU"
-        )
-    return None
 
 
 def _tp(text: str) -> int:
@@ -329,24 +318,14 @@ def launch(
 
 
 def dispatch(args, argv, parser, gpus: Optional[int] = None) -> Optional[int]:
-    """The CLI's step before JAX starts: ``bench`` on one GPU is refused (exit 2, the reason
-    on stderr); a demo whose ranks need processes of their own is run here (its exit code is
-    returned); else ``args.plan`` says which devices the one process sets up
-    (``single_process_config``; for the demo ``args.tp`` becomes its TP size), and None
+    """The CLI's step before JAX starts: a demo whose ranks need processes of their own is
+    run here (its exit code is returned); else ``args.plan`` says which devices the one
+    process sets up (``single_process_config``; ``args.tp`` becomes its TP size), and None
     says: go on in this process."""
     if gpus is None:
         from ..common import native
 
         gpus = native.gpu_count() if jax_sees_gpus(os.environ) else 0
-    if args.command == "bench":
-        why = bench_refusal(gpus)
-        if why:
-            print(f"{parser.prog}: error: {why}", file=sys.stderr)
-            return 2
-        # Every GPU, or on CPUs the user's XLA_FLAGS count (default DEFAULT_CPU_WORLD).
-        world = gpus or host_devices(os.environ) or DEFAULT_CPU_WORLD
-        args.plan = Plan(world=world, gpus=gpus, per_rank=False)
-        return None
     try:
         p = plan(args.tp, args.processes, gpus, host_devices(os.environ))
     except ValueError as e:

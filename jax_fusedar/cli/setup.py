@@ -1,7 +1,7 @@
-"""What the demos (dense and MoE, in one process or one process per rank) and the bench set up
-alike: the 1-D mesh over every local device, the model preset the flags pick, the check that
-the fused op supports the configuration, the workspace, the line that describes the devices
-and the backend, and ``SetupError``, which the CLI prints without a traceback."""
+"""What the demos (dense and MoE, in one process or one process per rank) set up alike: the
+1-D mesh over every local device, the model preset the flags pick, the check that the fused
+op supports the configuration, the workspace, the line that describes the devices and the
+backend, and ``SetupError``, which the CLI prints without a traceback."""
 
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def open_workspace(mesh, *, max_token_num: int, hidden_dim: int, dtype, backend:
 
 
 def describe_devices(world: int, backend: str, plan=None) -> str:
-    """The devices line of every demo and the bench. ``plan`` (cli/ranks.py's Plan) for a
+    """The devices line of every demo. ``plan`` (cli/ranks.py's Plan) for a
     demo run as one process per rank: where its ranks share GPUs the line says so ("2 ranks
     on 1 x NVIDIA H200"), since ``jax.devices()`` there lists one device per rank."""
     d = jax.devices()[0]

@@ -2,6 +2,8 @@
 alike, so both make the *same* decisions from the same inputs. Pure Python (stdlib + numpy);
 never imports jax or torch (``tests/common/test_no_framework_imports.py`` checks it).
 
+* ``plan``: what one call does (whether the kernel serves it, with which algorithm, or
+  why not; its results in order), the one decision of both front ends;
 * ``limits``: what the FlashInfer kernel can run at all (world size, hidden size, dtype);
 * ``moe_limits``: what FlashInfer's MoE kernels (patterns 6 and 7) can run;
 * ``sizing``: how big one rank's workspace is, and whether a call fits it;

@@ -55,7 +55,7 @@ PREFIX = "JAX_FUSEDAR_"
 # (tests/common/test_environment.py holds this list equal to the names the repository uses).
 OTHER_VARIABLES = {
     # the torch benchmark: the folder of FlashInfer's own build to time against
-    "JAX_FUSEDAR_ANCHOR": "python -m jax_fusedar bench --framework torch",
+    "JAX_FUSEDAR_ANCHOR": "python -m benchmarks.torch_bench",
     # the build: pip install (CMake, pyproject.toml) and ./dev
     "JAX_FUSEDAR_BUILD_KERNELS": "the build",
     "JAX_FUSEDAR_CUDA_ARCHS": "the build",
@@ -69,7 +69,9 @@ OTHER_VARIABLES = {
     "JAX_FUSEDAR_GPU_BUNDLE": "tools/wheel_gpu_check.sh",
     # the test suite
     "JAX_FUSEDAR_BUILD_DIR": "the tests",
+    "JAX_FUSEDAR_FRAMEWORK_VENV": "the tests",
     "JAX_FUSEDAR_REPORT_DIR": "the GPU tests",
+    "JAX_FUSEDAR_LANE": "the GPU tests",
     "JAX_FUSEDAR_TEST_SEED": "the GPU tests",
     "JAX_FUSEDAR_LOOP_CALLS": "the GPU tests",
     "JAX_FUSEDAR_TIMEOUT_CALLS": "the GPU tests",

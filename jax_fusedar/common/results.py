@@ -1,12 +1,13 @@
 """What one fused call writes: the name, shape and dtype of every result of a pattern.
 
 The single source for JAX's abstract eval (``primitive.py``), the torch op's outputs and
-fake implementation (``torch_compat/library.py``) and the eager op's checks of the
-caller's outputs (``torch_compat/ops.py``). The order is the XLA handler's
-(ffi/xla/allreduce_fusion.cc, its counts in fusedar/patterns.h): allreduce_out, or
-residual_out [+ norm_out] [+ quant_out [+ scale_out]]. Framework-neutral (never imports
-jax or torch): dtypes are names both frameworks resolve (``jnp.dtype(name)``,
-``getattr(torch, name)``).
+fake implementation (``torch_compat/library.py``), the eager op's checks of the caller's
+outputs (``torch_compat/ops.py``) and a call's plan (``plan.Plan.outputs``). The order is
+the XLA handlers' (ffi/xla/allreduce_fusion.cc, its counts in fusedar/patterns.h):
+allreduce_out, or residual_out [+ norm_out] [+ quant_out [+ scale_out]]; for the MoE
+patterns (ffi/xla/moe_allreduce_fusion.cc) residual_out, norm_out [+ allreduce_out].
+Framework-neutral (never imports jax or torch): dtypes are names both frameworks resolve
+(``jnp.dtype(name)``, ``getattr(torch, name)``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,13 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from . import quant_layouts
-from .patterns import TRAITS, QuantizationSFLayout, as_pattern
+from .patterns import (
+    MOE_PATTERNS,
+    TRAITS,
+    AllReduceFusionPattern,
+    QuantizationSFLayout,
+    as_pattern,
+)
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,24 @@ def result_specs(
         elif traits.quant == "group_fp8":
             k, t = quant_layouts.group_scale_buffer_shape(tokens, hidden, group_size)
             specs.append(ResultSpec("scale_out", (rows[0], k), "int32", strides=(1, t)))
+    return tuple(specs)
+
+
+def moe_result_specs(
+    pattern, tokens: int, hidden: int, dtype_name: str, allreduce_out: bool = False
+) -> Tuple[ResultSpec, ...]:
+    """The results of the MoE pattern 6 or 7 for ``tokens`` rows of ``hidden``: the updated
+    residual and the norm, and for pattern 6 with ``allreduce_out`` the all-reduced combine
+    (FlashInfer's ``output=``; pattern 7 has none)."""
+    pattern = as_pattern(pattern)
+    if pattern not in MOE_PATTERNS:
+        raise ValueError(f"{pattern.name} is not an MoE pattern (its results: result_specs)")
+    rows = (tokens, hidden)
+    specs = [ResultSpec("residual_out", rows, dtype_name), ResultSpec("norm_out", rows, dtype_name)]
+    if allreduce_out:
+        if pattern != AllReduceFusionPattern.kMoEReductionARResidualRMSNorm:
+            raise ValueError(f"{pattern.name} writes no all-reduce output")
+        specs.append(ResultSpec("allreduce_out", rows, dtype_name))
     return tuple(specs)
 
 

@@ -1,6 +1,6 @@
 """``python -m jax_fusedar``: bad arguments give a one-line message (exit 2), before anything
-runs: an unusable --out folder (bench and bench --framework torch), --seed out of range,
---patterns naming a pattern the bench does not time."""
+runs: an unusable --out folder (demo --bench), --seed out of range; ``bench`` says where the
+benchmarks are (tests/benchmarks/ checks theirs)."""
 
 import os
 
@@ -8,11 +8,8 @@ import pytest
 
 from tests.cli.test_cli import run_cli
 from tests.repo import REPO
-from tests.skips import needs_torch
 
-# bench --framework torch runs torch_compat's bench, which needs torch (without it the
-# CLI says so and exits 2 before checking anything else).
-JAX_AND_TORCH = ["jax", pytest.param("torch", marks=needs_torch)]
+BENCH = ("demo", "--bench")  # the command that writes results (bench_llama.json)
 
 
 def _refused(r, message):
@@ -22,35 +19,26 @@ def _refused(r, message):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("framework", JAX_AND_TORCH)
-def test_out_that_is_a_file(tmp_path, framework):
+def test_out_that_is_a_file(tmp_path):
     f = tmp_path / "results"
     f.write_text("not a folder")
-    r = run_cli("bench", "--framework", framework, "--hidden", 64, "--out", f)
+    r = run_cli(*BENCH, "--out", f)
     _refused(r, f"--out {f}: {f} exists and is not a folder")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("framework", JAX_AND_TORCH)
-def test_out_that_cannot_be_created(framework):
-    r = run_cli("bench", "--framework", framework, "--hidden", 64, "--out", "/proc/forbidden")
+def test_out_that_cannot_be_created():
+    r = run_cli(*BENCH, "--out", "/proc/forbidden")
     _refused(r, "--out /proc/forbidden: cannot create the folder /proc/forbidden:")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "framework,name",
-    [
-        ("jax", "bench.json"),
-        ("jax", "bench.png"),
-        pytest.param("torch", "bench_torch.json", marks=needs_torch),
-    ],
-)
-def test_out_whose_result_file_is_a_folder(tmp_path, framework, name):
+def test_out_whose_result_file_is_a_folder(tmp_path):
     """Checked before the first case: the bench would otherwise time every case and then
     lose the results to IsADirectoryError."""
+    name = "bench_llama.json"
     (tmp_path / name).mkdir()
-    r = run_cli("bench", "--framework", framework, "--hidden", 64, "--out", tmp_path)
+    r = run_cli(*BENCH, "--out", tmp_path)
     _refused(r, f"{tmp_path / name} is a folder, so {name} cannot be written there")
 
 
@@ -58,7 +46,7 @@ def test_out_whose_result_file_is_a_folder(tmp_path, framework, name):
 def test_out_that_is_not_writable(tmp_path):
     tmp_path.chmod(0o500)
     try:
-        r = run_cli("bench", "--hidden", 64, "--out", tmp_path)
+        r = run_cli(*BENCH, "--out", tmp_path)
     finally:
         tmp_path.chmod(0o700)
     _refused(r, f"cannot write in the folder {tmp_path}")
@@ -71,33 +59,21 @@ def test_out_that_is_not_writable(tmp_path):
         (["demo", "--seed", "-1"], "argument --seed: -1 is not in [0, 2**32)"),
         (["demo", "--seed", str(2**32)], f"argument --seed: {2**32} is not in [0, 2**32)"),
         (["demo", "--seed", "x"], "argument --seed: 'x' is not an integer"),
-        pytest.param(
-            ["bench", "--framework", "torch", "--seed", "-5"],
-            "argument --seed: -5 is not in",
-            marks=needs_torch,
-        ),
-        (
-            ["bench", "--patterns", "0"],
-            "argument --patterns: the bench times patterns 1, 4, 9, 11: "
-            "0 (kAllReduce) is a fusion pattern the bench does not time",
-        ),
-        (
-            ["bench", "--patterns", "1,2,12"],
-            "2 (kARResidualRMSNormFP8Quant) is a fusion pattern the "
-            "bench does not time; 12 is not a fusion pattern",
-        ),
-        (["bench", "--patterns", "1,one"], "argument --patterns: 'one' is not an integer"),
     ],
 )
 def test_bad_values_name_the_flag(argv, message):
     _refused(run_cli(*argv), message)
 
 
-def test_bench_patterns_known_to_the_parser_are_the_benchs():
-    from jax_fusedar.cli import main as __main__
-    from jax_fusedar.cli import bench as bench
+def test_bench_says_where_the_benchmarks_are(capsys):
+    """The benchmarks are the checkout's (benchmarks/), not the package's: ``bench`` names
+    them and exits 2, whatever else is on the line and without JAX."""
+    from jax_fusedar.cli.main import main
 
-    assert __main__.BENCH_PATTERNS == tuple(sorted(bench.PATTERN_LABELS))
+    assert main(["bench", "--framework", "torch", "--tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "the benchmarks are not part of the package" in err
+    assert "python -m benchmarks.jax_bench" in err and "python -m benchmarks.torch_bench" in err
 
 
 def test_seed_zero_and_a_fresh_out_folder_are_fine(tmp_path):
@@ -105,13 +81,12 @@ def test_seed_zero_and_a_fresh_out_folder_are_fine(tmp_path):
 
     parser, _ = build_parser()
     assert parser.parse_args(["demo", "--seed", "0"]).seed == 0
-    assert parser.parse_args(["bench", "--patterns", "11,1"]).patterns == [1, 11]
     out = tmp_path / "a" / "b"
     assert check_out_dir(out, ("bench.json",)) is None and out.is_dir()
     assert list(out.iterdir()) == []  # the write probe leaves nothing behind
 
 
-@pytest.mark.parametrize("command", [["demo"], ["bench", "--hidden", "64"]])
+@pytest.mark.parametrize("command", [["demo"], ["demo", "--bench"]])
 def test_without_jax_the_cli_names_the_extra(tmp_path, command):
     """JAX is an extra: without it the JAX commands say how to install it (exit 2), not a
     traceback. A blocked import (None in sys.modules) stands in for a venv without jax."""

@@ -1,17 +1,14 @@
-"""Tests for ``python -m jax_fusedar {demo,bench}`` on 8 virtual CPU devices.
+"""Tests for ``python -m jax_fusedar demo`` on 8 virtual CPU devices.
 
 Every run is a subprocess: XLA reads the virtual device count only when JAX starts, and the
 CLI's own setup of XLA_FLAGS is part of what is tested.
 """
 
-import importlib.util
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
@@ -19,7 +16,6 @@ from jax_fusedar.common import native
 
 from tests import cpu_devices
 from tests.repo import REPO
-from tests.skips import NO_NATIVE
 
 
 HOST_8 = cpu_devices.xla_flags(8)
@@ -217,7 +213,6 @@ def test_demo_bench_writes_json(tmp_path):
             HOST_8,
             "preset tiny: kv_heads 8 does not split over 16 tensor-parallel ranks",
         ),
-        (["bench", "--hidden", 64], cpu_devices.xla_flags(1), "world size 1 is not supported"),
         (
             ["demo"],
             cpu_devices.xla_flags(16),
@@ -228,27 +223,6 @@ def test_demo_bench_writes_json(tmp_path):
             HOST_8,
             "the 'trtllm' all-reduce backend needs a CUDA GPU",
         ),
-        (
-            ["bench", "--hidden", 64, "--patterns", "1,7"],
-            HOST_8,
-            "argument --patterns: the bench times patterns 1, 4, 9, 11: 7 "
-            "(kMoEFinalizeARResidualRMSNorm) is a fusion pattern the bench does not time",
-        ),
-        (
-            ["bench", "--hidden", "128,64", "--patterns", "1,9"],
-            HOST_8,
-            "pattern 9 quantizes groups of 128: --hidden 64 is not a multiple of 128",
-        ),
-        (
-            ["bench", "--hidden", 128, "--method", "device"],
-            HOST_8,
-            "--method device needs GPUs and the native module",
-        ),
-        (
-            ["bench", "--hidden", 64, "--method", "loop", "--patterns", "1,4"],
-            HOST_8,
-            "--method loop times pattern 1 only",
-        ),
     ],
 )
 def test_unrunnable_setups_exit_with_a_message(argv, xla_flags, message):
@@ -256,223 +230,6 @@ def test_unrunnable_setups_exit_with_a_message(argv, xla_flags, message):
     assert r.returncode == 2
     assert f"error: {message}" in r.stderr
     assert "Traceback" not in r.stderr
-
-
-# --- bench ---------------------------------------------------------------------------------------
-
-
-@pytest.mark.slow
-def test_bench_writes_json_and_plot(tmp_path):
-    out = tmp_path / "bench"
-    r = run_cli(
-        "bench",
-        "--tokens",
-        "1,16",
-        "--hidden",
-        256,
-        "--chain",
-        3,
-        "--repeats",
-        2,
-        "--patterns",
-        "1,4",
-        "--modes",
-        "auto,oneshot,twoshot",
-        "--out",
-        out,
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "NOT the FlashInfer kernel" in r.stdout
-
-    report = json.loads((out / "bench.json").read_text())
-    machine = report["machine"]
-    assert machine["device_count"] == machine["world_size"] == 8
-    assert machine["backend"] == "xla" and machine["platform"] == "cpu"
-    assert {"jax_version", "jaxlib_version", "device_kind"} <= set(machine)
-    config = report["config"]
-    assert config["dtype"] == "bfloat16" and config["method"] == "chain"
-    assert (config["chain"], config["repeats"], config["patterns"]) == (3, 2, [1, 4])
-    assert config["modes"] == ["auto", "oneshot", "twoshot"]
-    assert (config["max_token_num"], config["hidden_dim"]) == (16, 256)
-    assert report["reference_path"] is True
-
-    cases = {(c["pattern"], c["tokens"], c["hidden"]): c for c in report["cases"]}
-    assert set(cases) == {(p, t, 256) for p in (1, 4) for t in (1, 16)}
-    for case in cases.values():
-        # Per-call time = median over 2 repeats of (wall time of a 3-call program) / 3.
-        for detail, us in [(case["baseline_detail"], case["baseline_us"])] + [
-            (m["detail"], m["us"]) for m in case["fused"].values()
-        ]:
-            assert len(detail["us_repeats"]) == 2 and min(detail["us_repeats"]) > 0
-            assert us == pytest.approx(statistics.median(detail["us_repeats"]))
-        assert set(case["fused"]) | set(case["skipped"]) == {"auto", "oneshot", "twoshot"}
-        for mode, m in case["fused"].items():
-            assert m["ratio"] == pytest.approx(m["us"] / case["baseline_us"])
-            assert m["chosen"] == mode if mode != "auto" else m["chosen"] in ("oneshot", "twoshot")
-    assert "static FP8" in cases[(4, 1, 256)]["baseline"]
-    # Two-shot needs more tokens than the 8 ranks: skipped with the reason for 1 token only.
-    for p in (1, 4):
-        assert set(cases[(p, 1, 256)]["skipped"]) == {"twoshot"}
-        assert "more tokens than ranks" in cases[(p, 1, 256)]["skipped"]["twoshot"]
-        assert cases[(p, 16, 256)]["skipped"] == {}
-        assert cases[(p, 1, 256)]["fused"]["auto"]["chosen"] == "oneshot"
-
-    # The table: one row per measured mode, the skipped ones as notes.
-    assert len(re.findall(r"^\s+[14]\s+(1|16)\s+256\s+", r.stdout, re.MULTILINE)) == 10
-    assert "skipped pattern 1 1 x 256 twoshot" in r.stdout
-
-    if importlib.util.find_spec("matplotlib") is not None:
-        assert (out / "bench.png").stat().st_size > 0
-
-
-@pytest.mark.slow
-def test_bench_loop_method(tmp_path):
-    out = tmp_path / "bench"
-    r = run_cli(
-        "bench",
-        "--tokens",
-        16,
-        "--hidden",
-        64,
-        "--method",
-        "loop",
-        "--iters",
-        3,
-        "--repeats",
-        1,
-        "--patterns",
-        1,
-        "--out",
-        out,
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
-    report = json.loads((out / "bench.json").read_text())
-    assert report["config"]["method"] == "loop" and "fori_loop" in report["method"]
-    assert report["cases"][0]["fused"]["auto"]["us"] > 0
-    assert len(report["cases"][0]["fused"]["auto"]["detail"]["us_repeats"]) == 1
-
-
-@pytest.mark.slow
-def test_bench_without_matplotlib_and_tqdm(tmp_path):
-    # Packages that fail to import shadow the real ones, if installed.
-    blocker = tmp_path / "blocked"
-    for name in ("matplotlib", "tqdm"):
-        (blocker / name).mkdir(parents=True)
-        (blocker / name / "__init__.py").write_text(f"raise ImportError('{name} blocked')\n")
-    out = tmp_path / "bench"
-    r = run_cli(
-        "bench",
-        "--tokens",
-        4,
-        "--hidden",
-        64,
-        "--chain",
-        2,
-        "--repeats",
-        1,
-        "--patterns",
-        1,
-        "--modes",
-        "auto",
-        "--out",
-        out,
-        pythonpath=[blocker],
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "matplotlib is not installed" in r.stdout
-    assert not (out / "bench.png").exists()
-    assert json.loads((out / "bench.json").read_text())["cases"][0]["fused"]["auto"]["us"] > 0
-    assert "2/2" in r.stderr  # the fallback progress bar: baseline + auto
-
-
-def _compiled_hlo(body_expr: str) -> str:
-    """Compiled CPU HLO of a bench program (8 virtual devices, bf16 16 x 128 inputs)."""
-    script = textwrap.dedent(f"""
-        import jax, jax.numpy as jnp
-        from jax.sharding import NamedSharding, PartitionSpec as P
-        from jax_fusedar.cli import bench as bench
-        from jax_fusedar.cli import setup
-        mesh = setup.tp_mesh()
-        prog = jax.jit(jax.shard_map({body_expr}, mesh=mesh,
-                                     in_specs=(P("tp"), P(), P(), P()), out_specs=P()))
-        x = jax.device_put(jnp.ones((8, 16, 128), jnp.bfloat16), NamedSharding(mesh, P("tp")))
-        print(prog.lower(x, jnp.ones((16, 128), jnp.bfloat16), jnp.ones((128,), jnp.bfloat16),
-                         jnp.ones((1,), jnp.float32)).compile().as_text())
-    """)
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS=HOST_8,
-        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    )
-    r = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert r.returncode == 0, r.stderr
-    return r.stdout
-
-
-@pytest.mark.slow
-def test_bench_loop_keeps_the_all_reduce_inside_the_loop():
-    # Without the optimization barrier XLA hoists the baseline's psum(x) out of the
-    # fori_loop and the baseline would time one all-reduce for all iterations.
-    hlo = _compiled_hlo("bench.looped(bench.baseline_combine(1), 4)")
-    assert "all-reduce" in hlo
-    assert "all-reduce" not in hlo[hlo.index("ENTRY") :]  # ENTRY is last: only in the body
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("pattern", [1, 4, 11, 9])
-def test_bench_chain_keeps_every_baseline_call(pattern):
-    # Each call's input is the previous norm output, so XLA can neither combine the baseline's
-    # all-reduces nor drop a call's quantization: 5 calls, 5 all-reduces, 5 FP8 conversions.
-    hlo = _compiled_hlo(f"bench.chained(bench.baseline_combine({pattern}), 5)")
-    assert len(re.findall(r"= \S+ all-reduce\(", hlo)) == 5, hlo
-    if pattern != 1:
-        root = hlo[hlo.index("ENTRY") :]
-        assert len(re.findall(r"f8e4m3fn\[16,128\]", root.split("ROOT", 1)[1])) == 5
-
-
-@pytest.mark.slow
-def test_bench_device_method_brackets_the_chain_with_device_stamps():
-    # Lowered for CUDA on this CPU machine: one stamp before the first call (its x aliased
-    # through), one after the last norm; the calls in between untouched.
-    script = textwrap.dedent("""
-        import jax, jax.numpy as jnp
-        from jax.sharding import NamedSharding, PartitionSpec as P
-        from jax_fusedar.cli import bench as bench
-        from jax_fusedar.cli import setup
-        mesh = setup.tp_mesh()
-        body = bench.stamped(bench.chained(bench.baseline_combine(4), 3))
-        prog = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P(), P()),
-                                     out_specs=(P("tp"), P("tp"), P(), P(), P())))
-        x = jax.ShapeDtypeStruct((8, 16, 128), jnp.bfloat16,
-                                 sharding=NamedSharding(mesh, P("tp")))
-        args = (x, jax.ShapeDtypeStruct((16, 128), jnp.bfloat16),
-                jax.ShapeDtypeStruct((128,), jnp.bfloat16),
-                jax.ShapeDtypeStruct((1,), jnp.float32))
-        print(prog.trace(*args).lower(lowering_platforms=("cuda",)).as_text())
-    """)
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS=HOST_8,
-        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    )
-    r = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
-    )
-    if r.returncode and "native" in r.stderr:
-        pytest.skip(NO_NATIVE)
-    assert r.returncode == 0, r.stderr
-    stamps = [
-        line
-        for line in r.stdout.splitlines()
-        if "custom_call @jax_fusedar_device_timestamp_v1" in line
-    ]
-    assert len(stamps) == 2, r.stdout
-    assert all("output_operand_aliases" in line for line in stamps)
-    assert len(re.findall(r"all_reduce", r.stdout)) >= 3
 
 
 # --- flags ---------------------------------------------------------------------------------------
@@ -489,11 +246,7 @@ def test_bench_device_method_brackets_the_chain_with_device_stamps():
         (["demo", "--norm", "layer"], "invalid choice: 'layer'"),
         (["demo", "--bench-prefill-layers", "all"], "invalid choice: 'all'"),
         (["demo", "--steps", "-1"], "-1 is not positive"),
-        (["bench", "--hidden", "256,100"], "--hidden 100 is not a multiple of 8"),
-        (["bench", "--tokens", "1,x"], "'x' is not an integer"),
-        (["bench", "--modes", "auto,fast"], "subset of auto,oneshot,twoshot"),
-        (["bench", "--method", "fast"], "invalid choice: 'fast'"),
-        ([], "required: {demo,bench,doctor}"),
+        ([], "required: {demo,doctor}"),
     ],
 )
 def test_bad_flags_exit_with_a_message(argv, message):
@@ -507,8 +260,7 @@ def test_bad_flags_exit_with_a_message(argv, message):
 def test_help_explains_the_subcommands():
     r = run_cli("--help")
     assert r.returncode == 0
-    assert "demo" in r.stdout and "bench" in r.stdout and "reference path" in r.stdout
-    r = run_cli("bench", "--help")
-    assert r.returncode == 0 and "--tokens" in r.stdout and "--hidden" in r.stdout
+    assert "demo" in r.stdout and "reference path" in r.stdout
+    assert "python -m benchmarks.jax_bench" in r.stdout  # where the benchmarks are
     r = run_cli("demo", "--help")
     assert r.returncode == 0 and "--preset" in r.stdout and "--bench-batches" in r.stdout

@@ -57,7 +57,7 @@ def test_doctor_prints_one_screen_and_imports_no_framework():
 
 def test_doctor_without_the_native_build():
     # The extension made unimportable, as in a build without nvcc.
-    r = _doctor_in_a_subprocess("import sys; sys.modules['jax_fusedar._fusedar'] = None\n")
+    r = _doctor_in_a_subprocess(f"import sys; sys.modules[{native.MODULE_NAME!r}] = None\n")
     assert r.returncode == 0, r.stderr
     assert "native build: not loaded (" in r.stdout
     assert "JAX_FUSEDAR_BUILD_KERNELS=1 ./dev setup" in r.stdout

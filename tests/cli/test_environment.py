@@ -25,21 +25,8 @@ BAD = [
 ]
 
 COMMANDS = {
-    "bench": [
-        "bench",
-        "--tokens",
-        "1",
-        "--hidden",
-        "64",
-        "--repeats",
-        "1",
-        "--chain",
-        "1",
-        "--patterns",
-        "1",
-    ],
     "demo": ["demo", "--steps", "1", "--prompt", "4", "--iters", "1"],
-    "bench-torch": ["bench", "--framework", "torch"],
+    "demo-bench": ["demo", "--bench", "--bench-batches", "1", "--bench-kv", "16"],
 }
 
 
@@ -60,5 +47,5 @@ def test_a_bad_variable_is_one_error_line_before_any_work(
 
 def test_help_is_still_shown(monkeypatch):
     monkeypatch.setenv("JAX_FUSEDAR_STRICT", "maybe")
-    r = run_cli("bench", "--help", timeout=300)
-    assert r.returncode == 0 and "--tokens" in r.stdout, r.stdout + r.stderr
+    r = run_cli("demo", "--help", timeout=300)
+    assert r.returncode == 0 and "--preset" in r.stdout, r.stdout + r.stderr

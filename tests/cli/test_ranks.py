@@ -1,22 +1,21 @@
 """The demo's process launching (jax_fusedar/cli/ranks.py, rank_process.py): the plan for
 every GPU count, what each rank process is started with, how a failing rank is handled,
-``bench``'s refusal of shared GPUs, and the demo run as one process per rank on CPUs (ranks
+``--bench``'s refusal of shared GPUs, and the demo run as one process per rank on CPUs (ranks
 over gloo, the reference path) against the unsharded reference."""
 
 import argparse
 import json
-import os
 import re
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
 from jax_fusedar.cli import ranks
 from tests.cli.test_cli import run_cli
 from tests.cpu_devices import xla_flags
-from tests.repo import REPO
 
 
 # --- the plan ----------------------------------------------------------------------------------
@@ -166,7 +165,7 @@ def test_rank_command_carries_the_demo_flags():
     assert opts.demo_argv == ["--", "--steps", "2", "--moe"]
 
 
-# --- bench and --bench on shared GPUs ----------------------------------------------------------
+# --- --bench on shared GPUs ----------------------------------------------------------------
 
 
 def _args(command, **kw):
@@ -177,16 +176,6 @@ def _args(command, **kw):
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
         raise SystemExit(f"error: {message}")
-
-
-def test_bench_refuses_one_gpu_saying_why(capsys):
-    assert ranks.dispatch(_args("bench"), ["bench"], _Parser(prog="bench"), gpus=1) == 2
-    err = capsys.readouterr().err
-    assert "bench needs one GPU per rank and this machine has 1 GPU" in err
-    assert "take turns on it" in err and "measures that scheduling, not the kernel" in err
-    # CPUs (the reference path) and one GPU per rank are timed.
-    for gpus in (0, 2, 8):
-        assert ranks.dispatch(_args("bench"), ["bench"], _Parser(prog="bench"), gpus=gpus) is None
 
 
 def test_demo_bench_refuses_shared_gpus():
@@ -337,36 +326,42 @@ def test_demo_run_as_ranks_reports_a_setup_error_from_the_ranks():
 
 # --- the end of a rank process ------------------------------------------------------------------
 
-# Put on the rank processes' PYTHONPATH: records, when jax.distributed.shutdown() is called,
-# which JAX backends are still registered, in $SHUTDOWN_RECORD_DIR/<pid>.json.
-RECORD_SHUTDOWN = textwrap.dedent("""
-    import json, os
+# Put on the rank processes' PYTHONPATH: records each rank's end (its --rank, when it
+# ended, whether jax.distributed.shutdown() ran) in $END_RECORD_DIR/<pid>.json.
+RECORD_END = textwrap.dedent("""
+    import json, os, sys, time
     import jax
-    from jax._src import xla_bridge
 
-    _shutdown = jax.distributed.shutdown
+    _exit, _shutdown = os._exit, jax.distributed.shutdown
+    state = {"shutdown": False}
 
     def shutdown():
-        path = os.path.join(os.environ["SHUTDOWN_RECORD_DIR"], f"{os.getpid()}.json")
-        with open(path, "w") as f:
-            json.dump({"backends": sorted(xla_bridge._backends)}, f)
+        state["shutdown"] = True
         _shutdown()
 
-    jax.distributed.shutdown = shutdown
+    def exit_(code):
+        rank = int(sys.argv[sys.argv.index("--rank") + 1]) if "--rank" in sys.argv else None
+        path = os.path.join(os.environ["END_RECORD_DIR"], f"{os.getpid()}.json")
+        with open(path, "w") as f:
+            json.dump({"rank": rank, "at": time.time(), "code": code, **state}, f)
+        _exit(code)
+
+    jax.distributed.shutdown, os._exit = shutdown, exit_
 """)
 
 
 @pytest.mark.slow
-def test_a_rank_shuts_its_backends_down_before_the_distributed_client(tmp_path, monkeypatch):
-    """JAX's backends watch the other tasks through the distributed client (on GPUs): shut
-    down after it, their pending watch fails and JAX prints a WatchTasksAsync trace after
-    PASS. Every rank must have no backend left when jax.distributed.shutdown() runs."""
+def test_the_ranks_end_in_order_and_clean(tmp_path, monkeypatch):
+    """JAX's PJRT client keeps a watch call open to the coordination service rank 0 hosts:
+    ended by JAX's exit handler, or with rank 0's service gone first, it prints a
+    WatchTasksAsync trace after PASS. Every rank ends after the last barrier, without JAX's
+    shutdown, and rank 0 last."""
     site = tmp_path / "site"
     site.mkdir()
-    (site / "sitecustomize.py").write_text(RECORD_SHUTDOWN)
+    (site / "sitecustomize.py").write_text(RECORD_END)
     records = tmp_path / "records"
     records.mkdir()
-    monkeypatch.setenv("SHUTDOWN_RECORD_DIR", str(records))
+    monkeypatch.setenv("END_RECORD_DIR", str(records))
     r = run_cli(
         "demo",
         "--processes",
@@ -384,45 +379,26 @@ def test_a_rank_shuts_its_backends_down_before_the_distributed_client(tmp_path, 
     )
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
     assert "PASS (scan)" in r.stdout
-    found = [json.loads(p.read_text()) for p in sorted(records.iterdir())]
-    assert found == [{"backends": []}] * 2, found
+    ends = sorted((json.loads(p.read_text()) for p in records.iterdir()), key=lambda e: e["rank"])
+    assert [(e["rank"], e["code"], e["shutdown"]) for e in ends] == [(0, 0, False), (1, 0, False)]
+    assert ends[0]["at"] >= ends[1]["at"], ends  # rank 0, the service's host, ends last
     assert "WatchTasksAsync" not in r.stdout + r.stderr
 
 
-@pytest.mark.slow
-def test_shutdown_in_order_frees_the_backends_first(tmp_path):
-    """The backend clients are gone (not only unregistered) when the distributed client shuts
-    down, after a cross-process psum like the demo's."""
-    script = textwrap.dedent("""
-        import json, sys
-        import jax, jax.numpy as jnp, numpy as np
-        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-        rank, port = int(sys.argv[1]), sys.argv[2]
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=rank)
-        mesh = Mesh(np.array(jax.devices()), ("tp",))
-        x = jax.make_array_from_callback(
-            (2, 4), NamedSharding(mesh, P("tp")), lambda i: np.ones((1, 4), np.float32))
-        total = jax.jit(lambda a: a.sum(0), out_shardings=NamedSharding(mesh, P()))(x)
-        value = float(np.asarray(total.addressable_data(0)).sum())
-        del x, total, mesh  # nothing of JAX's left in this process but its caches
-        from jax_fusedar.cli import rank_process
-        print(json.dumps({"sum": value, "alive": rank_process.shutdown_in_order()}))
-    """)
-    port = str(ranks.free_port())
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1", PYTHONPATH=str(REPO))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", script, str(r), port],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    outs = [p.communicate(timeout=300) for p in procs]
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-        assert json.loads(out.strip().splitlines()[-1]) == {"sum": 8.0, "alive": []}, out
+def test_rank_zero_waits_until_the_others_have_ended():
+    """wait_gone: a process that has ended counts as gone before its parent reaps it (a
+    zombie runs no more); one still running is waited for until the timeout."""
+    from jax_fusedar.cli.rank_process import wait_gone
+
+    quick = subprocess.Popen([sys.executable, "-c", "pass"])
+    slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert wait_gone([quick.pid], 20.0)  # ended, not yet reaped: a zombie
+        assert quick.poll() == 0
+        t0 = time.monotonic()
+        assert not wait_gone([quick.pid, slow.pid], 0.3)
+        assert time.monotonic() - t0 >= 0.3
+    finally:
+        slow.kill()
+        slow.wait()
+    assert wait_gone([slow.pid], 1.0)

@@ -2,15 +2,19 @@
 module, and the jax-free command-line helpers, imports in a fresh interpreter without
 importing jax or torch, and ``import torch_compat`` brings in torch but never jax; checked in
 subprocesses, because a test process has usually imported both already), and the import
-graph of ``jax_fusedar`` and ``torch_compat`` has no cycles and no module uses another
-module's private names (read statically)."""
+graph of ``jax_fusedar`` and ``torch_compat`` (read statically) has no cycles, no import
+from a layer up to one above it (``LAYERS``), no import of the native extension but
+``common.native``'s own loading of it, and no module using another module's private
+names."""
 
 import ast
 import json
 import os
 import pkgutil
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -22,16 +26,16 @@ from tests.repo import REPO
 COMMON_MODULES = sorted(
     f"jax_fusedar.common.{m.name}" for m in pkgutil.iter_modules(jax_fusedar.common.__path__)
 )
-# The command-line pieces the torch benchmark shares, and what python -m jax_fusedar runs
-# before it settles the devices (the entry point, the demo's flags, the TP plan): JAX reads
-# the device count when it starts its backends.
+# What python -m jax_fusedar runs before it settles the devices (the entry point, the demo's
+# flags, the TP plan): JAX reads the device count when it starts its backends; and the
+# benchmarks' shared module, which the torch benchmark uses.
 JAX_FREE_CLI = [
     "jax_fusedar.cli.argtypes",
-    "jax_fusedar.cli.report",
     "jax_fusedar.cli.main",
     "jax_fusedar.cli.demo_args",
     "jax_fusedar.cli.ranks",
     "jax_fusedar.cli.doctor",
+    "benchmarks.report",
 ]
 
 
@@ -69,6 +73,7 @@ def test_the_common_layer_is_all_there():
         "moe_limits",
         "native",
         "patterns",
+        "plan",
         "quant_layouts",
         "results",
         "sizing",
@@ -91,7 +96,7 @@ def test_parsing_the_cli_flags_imports_no_jax():
         "from jax_fusedar.cli.main import build_parser\n"
         "parser, _ = build_parser()\n"
         "parser.parse_args(['demo', '--tp', '2', '--moe'])\n"
-        "parser.parse_args(['bench', '--tokens', '1'])\n"
+        "parser.parse_args(['doctor'])\n"
         "print(json.dumps(sorted({n.split('.')[0] for n in sys.modules})))\n"
     )
     r = subprocess.run(
@@ -110,7 +115,7 @@ def test_parsing_the_cli_flags_imports_no_jax():
 @pytest.mark.slow
 def test_torch_compat_imports_no_jax():
     pytest.importorskip("torch")
-    roots = _imported_after(["torch_compat", "torch_compat.bench"])
+    roots = _imported_after(["torch_compat", "benchmarks.torch_bench"])
     assert "torch" in roots
     assert not roots & {"jax", "jaxlib"}
 
@@ -122,8 +127,12 @@ def test_torch_compat_imports_no_jax():
 # package's modules (those go downwards), so the edges are exactly the import statements.
 
 PACKAGES = ("jax_fusedar", "torch_compat")
-# Compiled modules (ffi/python builds jax_fusedar/_fusedar*.so; common/native.py loads it).
-NATIVE_MODULES = {"jax_fusedar._fusedar": REPO / "ffi" / "python" / "module.cc"}
+# The compiled module: ffi/python builds jax_fusedar/_fusedar*.so, which common/native.py
+# loads by path under this name (the layer that wraps it owns it).
+NATIVE_MODULE = "jax_fusedar.common._fusedar"
+NATIVE_MODULES = {NATIVE_MODULE: REPO / "ffi" / "python" / "module.cc"}
+# Where the build installs it, the name an import statement would reach it by.
+NATIVE_INSTALLED_AS = "jax_fusedar._fusedar"
 
 
 def _module_files():
@@ -250,9 +259,160 @@ def test_no_import_cycles():
     )
 
 
+# --- the layers -----------------------------------------------------------------------------
+# Bottom up: the native extension; the framework-free rules (common); the two front ends, the
+# JAX API (the package root, with its fuse pass in fusion/) and torch_compat, which never
+# import each other; the models written on the JAX API; the command-line tools. A module
+# imports modules of its own layer and of the layers its entry lists, never one above.
+# common lists nothing: it reaches the extension by path (common/native.py), not by import.
+LAYERS = {
+    "native": (),
+    "common": (),
+    "jax": ("common",),
+    "torch": ("common",),
+    "models": ("jax", "common"),
+    "cli": ("models", "jax", "torch", "common"),
+}
+
+
+def layer_of(module: str) -> str:
+    if module == NATIVE_MODULE:
+        return "native"
+    if module == "jax_fusedar.__main__" or module.startswith("jax_fusedar.cli"):
+        return "cli"
+    for prefix, layer in (
+        ("jax_fusedar.common", "common"),
+        ("jax_fusedar.models", "models"),
+        ("torch_compat", "torch"),
+        ("jax_fusedar", "jax"),
+    ):
+        if module == prefix or module.startswith(prefix + "."):
+            return layer
+    raise AssertionError(f"{module} is in no layer")
+
+
+def _upward(edges) -> list:
+    """Every import of a module from a layer its importer's layer does not list."""
+    return sorted(
+        (a, b)
+        for a, targets in edges.items()
+        for b in targets
+        if layer_of(b) != layer_of(a) and layer_of(b) not in LAYERS[layer_of(a)]
+    )
+
+
+def test_the_layer_rule_is_read_whole():
+    # Guards the rule: every module has a layer, and an import up is found.
+    files = _module_files()
+    assert {layer_of(m) for m in files} == set(LAYERS)
+    assert layer_of("jax_fusedar.fusion.matching") == layer_of("jax_fusedar.api") == "jax"
+    assert _upward({"jax_fusedar.common.limits": {"jax_fusedar.api"}}) == [
+        ("jax_fusedar.common.limits", "jax_fusedar.api")
+    ]
+    assert _upward({"torch_compat.ops": {"jax_fusedar.api"}})  # the fronts stay apart
+    assert _upward({"jax_fusedar.api": {"jax_fusedar.models.llama"}})
+    assert not _upward({"jax_fusedar.cli.demo": {"jax_fusedar.models.llama"}})
+
+
+def test_no_import_runs_up_a_layer():
+    upward = _upward(_imports(_module_files())[0])
+    assert not upward, "imports from a layer up to one above it:\n" + "\n".join(
+        f"{a} ({layer_of(a)}) imports {b} ({layer_of(b)})" for a, b in upward
+    )
+
+
+# An import statement of the extension (by its installed name or its loaded one), in any
+# Python source or shell script of the checkout.
+_NATIVE_IMPORT = re.compile(
+    r"\bimport\s+[^\n]*\bjax_fusedar(\.common)?\._fusedar\b"
+    r"|\bfrom\s+jax_fusedar(\.common)?\s+import\s+(\([^)]*|[^\n]*?)\b_fusedar\b"
+    r"|import_module\(\s*[\"']jax_fusedar(\.common)?\._fusedar\b"
+    # The extension by its installed name in sys.modules (a stand-in that blocks it there
+    # blocks nothing: common.native loads it as jax_fusedar.common._fusedar).
+    r"|sys\.modules\[\s*[\"']jax_fusedar\._fusedar\b"
+)
+
+
+def test_only_common_native_loads_the_extension():
+    # Loaded twice (once as jax_fusedar._fusedar by an import statement, once here), the
+    # module would initialise twice; everyone takes common.native's ext instead.
+    tracked = subprocess.run(
+        ["git", "ls-files", "*.py", "*.sh"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
+    bad = [
+        f"{name}:{text[: m.start()].count(chr(10)) + 1}: {m.group(0)}"
+        for name in tracked
+        if (REPO / name).is_file() and REPO / name != Path(__file__).resolve()
+        for text in [(REPO / name).read_text()]
+        for m in _NATIVE_IMPORT.finditer(text)
+    ]
+    assert not bad, "import the extension through jax_fusedar.common.native:\n" + "\n".join(bad)
+    assert _NATIVE_IMPORT.search("import jax_fusedar._fusedar as ext")  # the pattern finds them
+    assert _NATIVE_IMPORT.search("from jax_fusedar import _fusedar")
+    assert _NATIVE_IMPORT.search("import jax_fusedar, jax_fusedar._fusedar as ext")
+    assert _NATIVE_IMPORT.search('importlib.import_module("jax_fusedar._fusedar")')
+    assert _NATIVE_IMPORT.search("sys.modules['jax_fusedar._fusedar'] = None")
+    assert not _NATIVE_IMPORT.search("from jax_fusedar.common import native")
+    assert not _NATIVE_IMPORT.search("sys.modules['jax_fusedar.common._fusedar'] = None")
+
+
+def _absolute_imports(path):
+    """(line, module) of every absolute import in ``path``, at the top or in a function."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from ((node.lineno, a.name) for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            yield from ((node.lineno, f"{node.module}.{a.name}") for a in node.names)
+
+
+# What the benchmarks may use of the product: its public API, as any user's script would.
+PUBLIC_API = {
+    "jax_fusedar",  # the names it exports (__all__); the JAX API itself is loaded lazily
+    "jax_fusedar.timing",  # device clocks (public: jax_fusedar.timing)
+    "jax_fusedar.common.plan",  # what a call runs, the one decision of both fronts
+    "jax_fusedar.common.sizing",  # workspace sizes, as FlashInfer computes them
+    "torch_compat",
+}
+
+
+def _public_use(module: str) -> bool:
+    """Whether ``module`` (``package.name`` of an import) is the public API or a name it
+    exports: ``from jax_fusedar import allreduce_fusion`` is, ``jax_fusedar.api`` is not."""
+    import jax_fusedar
+    import torch_compat  # noqa: F401 (only its __all__ is read)
+
+    if module in PUBLIC_API:
+        return True
+    package, _, name = module.rpartition(".")
+    if package == "jax_fusedar":
+        return name in jax_fusedar.__all__
+    if package == "torch_compat":
+        return name in sys.modules["torch_compat"].__all__
+    return package in PUBLIC_API and package != "jax_fusedar"
+
+
+def test_the_benchmarks_use_only_the_public_api():
+    pytest.importorskip("torch")
+    bad = [
+        f"{path.relative_to(REPO)}:{line}: {module}"
+        for path in sorted((REPO / "benchmarks").rglob("*.py"))
+        for line, module in _absolute_imports(path)
+        if module.split(".")[0] in PACKAGES
+        and not _public_use(module)
+        or module.split(".")[0] == "tools"
+        and not module.startswith("tools.flashinfer_anchor")  # the anchor they are given
+    ]
+    assert not bad, "the benchmarks use the product's internals:\n" + "\n".join(bad)
+    # The rule finds internals, and lets the public names through.
+    assert not _public_use("jax_fusedar.api") and not _public_use("jax_fusedar.cli.report")
+    assert not _public_use("torch_compat.ops") and not _public_use("jax_fusedar.common.limits")
+    assert _public_use("jax_fusedar.allreduce_fusion") and _public_use("jax_fusedar.timing")
+    assert _public_use("jax_fusedar.common.plan") and _public_use("torch_compat.moe")
+
+
 def test_the_packages_import_nothing_of_the_checkout():
-    # tools/ and tests/ are not installed: a wheel's modules must not import them (the torch
-    # bench loads the checkout's anchor loader only when present, and runs without it).
+    # tools/, tests/ and benchmarks/ are not installed: a wheel's modules must not import
+    # them (tools/wheel_check.sh checks the wheel holds none of them).
     files = _module_files()
     bad = []
     for name, path in files.items():
@@ -269,7 +429,7 @@ def test_the_packages_import_nothing_of_the_checkout():
             bad += [
                 f"{path.relative_to(REPO)}:{node.lineno}: {m}"
                 for m in modules
-                if m.split(".")[0] in ("tools", "tests")
+                if m.split(".")[0] in ("tools", "tests", "benchmarks")
             ]
     assert not bad, "\n".join(bad)
 

@@ -203,7 +203,17 @@ def _one(jax, jf, name, spec, mesh, world, seed, platform):
         # and a quarter of a unit absolute: XLA's CPU conversion to float8_e4m3fn (the dry
         # run's) gives 0 for some codes up to 0.2, the unfused program's too.
         step = np.exp2(np.floor(np.log2(np.maximum(np.abs(q64), 2.0**-6))) - 3)
-        out["fp8_steps"] = float(np.max(np.abs(got[1] - q64) / (step + 0.25)))
+        steps = np.abs(got[1] - q64) / (step + 0.25)
+        out["fp8_steps"] = float(np.max(steps))
+        at = np.unravel_index(int(np.argmax(steps)), steps.shape)  # the worst code, to read
+        out["fp8_worst"] = {
+            "at": [int(i) for i in at],
+            "code": float(got[1][at]),
+            "exact": float(q64[at]),
+            "y64": float(y64[at]),
+            "scale": float(np.asarray(got[2]).reshape(-1)[at[0]]) if len(got) > 2 else None,
+            "exact_scale": float(np.max(np.abs(y64[at[0]])) / 448),
+        }
     out["finite"] = bool(all(np.isfinite(o).all() for o in got))
     return out
 

@@ -6,27 +6,32 @@ one 10-minute run on one GPU (docs/gpu_testing.md).
 
 Lanes (``LANES``): ``quick`` = ``-m "gpu and not slow"``, ``slow`` = ``-m "gpu and slow"``,
 ``worlds`` = the slow lane's tests at 4 and 8 ranks and the MoE demo, ``all`` = ``-m gpu``.
-The runner collects the lane's tests (one pytest --collect-only), runs the tests in ``SOLO``
-first, alone (they measure the whole GPU), then deals the others to ``--jobs`` pytest
-processes by their expected time (``EXPECTED_S``, longest first; the tests of a file share
-its estimate; the tests of one module-scoped fixture stay together). Every test starts its
-own rank processes, which share the GPUs; the pytest processes themselves stay off the GPU
-(JAX_PLATFORMS=cpu), as in tools/gpu_check.sh. ``--timeout-s`` bounds the whole lane: a job
-still running then is killed.
+The runner runs the tests in ``SOLO`` first, alone (they measure the whole GPU), then the
+others in ``--jobs`` pytest-xdist workers (``--dist loadgroup``): an idle worker takes the
+next test, the lane's tests ordered by their expected time (``EXPECTED_S``, longest first; the
+tests of a file share its estimate), the tests of one module-scoped fixture in one
+``xdist_group`` (tests/gpu/conftest.py does both when ``$JAX_FUSEDAR_LANE`` names the lane).
+Every test starts its own rank processes, which share the GPUs, and bounds them itself
+(tests/gpu/harness.py); the pytest processes stay off the GPU (JAX_PLATFORMS=cpu), as in
+tools/gpu_check.sh. ``--timeout-s`` bounds the whole lane: a run still going then is killed
+with its workers.
 
-``--out`` receives few files (9 with 6 jobs): ``solo.log`` and ``job<i>.log`` (pytest -v -rA
-with every test's duration), ``summary.txt`` (each job's exit code and time, every
-non-passing test, every test's duration, slowest first) and ``reports.tgz`` (the tests'
-JSON reports, $JAX_FUSEDAR_REPORT_DIR). The exit code is 0 only
-if every job passed. Needs the native module built (tools/gpu_check.sh builds it).
+``--out`` receives four files: ``solo.log`` and ``jobs.log`` (pytest -v -rA with every
+test's duration), ``summary.txt`` (each run's exit code and time, every non-passing test,
+with the report of each failure tests/gpu/conftest.py wrote when it happened, so a run cut
+short still says why its finished tests failed, and every test's duration, slowest first)
+and ``reports.tgz`` (the tests' JSON reports, $JAX_FUSEDAR_REPORT_DIR). The exit code is 0
+only if every run passed. Needs the native module built (tools/gpu_check.sh builds it).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -46,8 +51,8 @@ LANES = {
 # Seconds per test file and lane on one H200 with the ranks sharing it: the sums of the
 # tests' durations measured there (2026-12-02; the quick lane with 6 jobs at once, the
 # worlds lane with 4), estimates for the tests those runs did not finish
-# (docs/gpu_testing.md). Used only to deal the tests to the jobs; a file's tests share its
-# estimate equally.
+# (docs/gpu_testing.md; test_benchmarks.py's refusals: an estimate). Used only to order the
+# tests for the workers, longest first; a file's tests share its estimate equally.
 EXPECTED_S = {
     "quick": {
         "test_anchor.py": 500,
@@ -69,6 +74,7 @@ EXPECTED_S = {
         "test_multinode.py": 10,
         "test_jax_misuse.py": 5,
         "test_readme.py": 5,
+        "test_benchmarks.py": 10,
         "test_fallback.py": 90,  # estimate: not yet run on a GPU (27 compiles per rank)
     },
     "slow": {
@@ -106,69 +112,32 @@ NO_MULTICAST = {
 }
 
 
-def deal_weighted(weights: dict, jobs: int) -> list:
-    """The keys of ``weights`` (seconds) in ``jobs`` groups of about equal total, longest
-    first to the least loaded group; empty groups dropped."""
-    groups = [[] for _ in range(max(1, jobs))]
-    load = [0.0] * len(groups)
-    for key in sorted(weights, key=lambda k: (-weights[k], k)):
-        i = load.index(min(load))
-        groups[i].append(key)
-        load[i] += weights[key]
-    return [g for g in groups if g]
+def expected_times(lane: str) -> dict:
+    """Seconds per test file for ``lane`` (``all``: the quick and slow lanes' sums)."""
+    if lane in EXPECTED_S:
+        return EXPECTED_S[lane]
+    return {
+        f: EXPECTED_S["quick"].get(f, 0) + EXPECTED_S["slow"].get(f, 0)
+        for f in set(EXPECTED_S["quick"]) | set(EXPECTED_S["slow"])
+    }
 
 
-def deal(files, jobs: int, expected: dict) -> list:
-    """The files in ``jobs`` groups of about equal expected time (longest first); a file
-    missing from ``expected`` counts 60 s."""
-    return deal_weighted({f: expected.get(Path(f).name, 60) for f in files}, jobs)
-
-
-def units(node_ids, expected: dict) -> dict:
-    """{unit: seconds}: each test its own unit (its file's estimate shared among the file's
-    tests), except that the tests of a SHARED_FIXTURE_FILES file with one parameter id form
-    one unit. A unit is a tuple of node ids."""
+def schedule(node_ids, expected: dict):
+    """(the node ids longest first, {node id: xdist group}): each test's expected time is its
+    file's estimate (60 s when the file has none) shared among the file's tests; the tests of
+    a SHARED_FIXTURE_FILES file with one parameter id form one group, which xdist's
+    ``loadgroup`` runs in one worker (the module fixture is built once)."""
     per_file = {}
     for n in node_ids:
         per_file.setdefault(n.split("::")[0], []).append(n)
-    out = {}
+    each, groups = {}, {}
     for path, ids in per_file.items():
-        each = expected.get(Path(path).name, 60) / len(ids)
-        if Path(path).name in SHARED_FIXTURE_FILES:
-            by_param = {}
-            for n in ids:
-                by_param.setdefault(re.sub(r"^.*?(\[.*\])?$", r"\1", n), []).append(n)
-            for group in by_param.values():
-                out[tuple(group)] = each * len(group)
-        else:
-            out.update({(n,): each for n in ids})
-    return out
-
-
-def collect(marks: str, keyword, extra, env) -> list:
-    """The node ids of the lane's tests (pytest --collect-only)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "--collect-only",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-m",
-        marks,
-        *(["-k", keyword] if keyword else []),
-        *extra,
-        "tests/gpu",
-    ]
-    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    ids = [line for line in r.stdout.splitlines() if "::" in line]
-    if r.returncode != 0 or not ids:  # 5: nothing selected, a broken lane
-        raise SystemExit(
-            f"collecting the lane found no tests (pytest exit {r.returncode}):\n"
-            f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
-        )
-    return ids
+        name = Path(path).name
+        for n in ids:
+            each[n] = expected.get(name, 60) / len(ids)
+            if name in SHARED_FIXTURE_FILES:
+                groups[n] = name + re.sub(r"^.*?(\[.*\])?$", r"\1", n)
+    return sorted(node_ids, key=lambda n: (-each[n], n)), groups
 
 
 # Lines of each failure's report kept in the summary (the whole report is in the job's log).
@@ -220,66 +189,42 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     cut = argv.index("--") if "--" in argv else len(argv)
     a, extra = ap.parse_args(argv[:cut]), argv[cut + 1 :]
+    if importlib.util.find_spec("xdist") is None:
+        ap.error("the workers are pytest-xdist's: pip install 'pytest-xdist>=3' (the [test] extra)")
     t0 = time.monotonic()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     reports = Path(tempfile.mkdtemp(prefix="jax_fusedar_reports_"))
     marks, keyword = LANES[a.lane]
-    expected = EXPECTED_S.get(a.lane) or {
-        f: EXPECTED_S["quick"].get(f, 0) + EXPECTED_S["slow"].get(f, 0)
-        for f in set(EXPECTED_S["quick"]) | set(EXPECTED_S["slow"])
-    }
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
         PYTHONUNBUFFERED="1",
         JAX_FUSEDAR_REPORT_DIR=str(reports),
+        JAX_FUSEDAR_LANE=a.lane,  # tests/gpu/conftest.py orders and groups the lane's tests
         **NO_MULTICAST,
     )
-    node_ids = collect(marks, keyword, extra, env)
-    solo = [n for n in node_ids if n in SOLO]
-    groups = deal_weighted(units([n for n in node_ids if n not in SOLO], expected), a.jobs)
-    print(
-        f"lane {a.lane}: {len(node_ids)} tests, {len(solo)} alone first, then {len(groups)} jobs",
-        flush=True,
-    )
-    base = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-m",
-        marks,
-        "-v",
-        "-rA",
-        "-p",
-        "no:cacheprovider",
-        "--durations=0",
-        *extra,
-    ]
+    base = [sys.executable, "-m", "pytest", "-m", marks, *(["-k", keyword] if keyword else [])]
+    base += ["-v", "-rA", "-p", "no:cacheprovider", "--durations=0", *extra]
     logs, codes, seconds = {}, {}, {}
 
-    def start(name, ids):
+    def run(name, args):
+        """One pytest run (and its workers, one process group), killed when the lane's time
+        is up; pytest's 5 (nothing selected: no SOLO test in this lane) counts as a pass."""
         logs[name] = out / f"{name}.log"
-        log = open(logs[name], "w")
-        left = max(1, int(a.timeout_s - (time.monotonic() - t0)))
-        print(f"{name}: {len(ids)} tests: {' '.join(ids)}", flush=True)
-        return (
-            name,
-            subprocess.Popen(
-                ["timeout", "-s", "KILL", str(left), *base, *ids],
-                cwd=REPO,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            ),
-            log,
-            time.monotonic(),
-        )
-
-    def wait(run):
-        name, proc, log, began = run
-        codes[name] = proc.wait()
-        log.close()
+        left = max(1.0, a.timeout_s - (time.monotonic() - t0))
+        began = time.monotonic()
+        with open(logs[name], "w") as log:
+            proc = subprocess.Popen(
+                [*base, *args], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+            try:
+                code = proc.wait(timeout=left)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                code = proc.wait()
+        codes[name] = 0 if code == 5 and name == "solo" else code
         seconds[name] = time.monotonic() - began
         print(
             f"{name}: exit {codes[name]} after {seconds[name]:.0f} s (lane at "
@@ -287,12 +232,10 @@ def main(argv=None) -> int:
             flush=True,
         )
 
-    if solo:
-        wait(start("solo", solo))
-    for run in [
-        start(f"job{i}", [n for unit in group for n in unit]) for i, group in enumerate(groups)
-    ]:
-        wait(run)
+    print(f"lane {a.lane}: {len(SOLO)} test(s) alone first, then {a.jobs} workers", flush=True)
+    run("solo", list(SOLO))
+    deselect = [arg for s in SOLO for arg in ("--deselect", s)]
+    run("jobs", ["-n", str(a.jobs), "--dist", "loadgroup", *deselect, "tests/gpu"])
     (out / "summary.txt").write_text(summarize(logs, codes, seconds))
     with tarfile.open(out / "reports.tgz", "w:gz") as tar:
         tar.add(reports, arcname="reports")

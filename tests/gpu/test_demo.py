@@ -1,8 +1,8 @@
 """GPU: ``python -m jax_fusedar demo`` on whatever GPUs there are. With fewer GPUs than the TP
 size the TP group runs as one process per rank sharing them (jax_fusedar/cli/ranks.py), the
 fused model on the kernel checked against the same model unsharded on one device; with one
-GPU per rank, one process drives them all. On a one-GPU machine ``bench`` refuses,
-saying why."""
+GPU per rank, one process drives them all. (The benchmarks' GPU tests:
+tests/gpu/test_benchmarks.py.)"""
 
 import os
 import re
@@ -89,14 +89,6 @@ def test_demo_moe():
     r = _cli("demo", "--moe")
     _check_demo(r, world, "gpu_demo_moe", ["moe"] if _gpus() < world else [])
     assert "PASS" in r.stdout
-
-
-@pytest.mark.skipif(_gpus() != 1, reason="the refusal is for a one-GPU machine")
-def test_bench_refuses_one_gpu():
-    r = _cli("bench", timeout=300)
-    assert r.returncode == 2, r.stdout + r.stderr
-    assert "bench needs one GPU per rank and this machine has 1 GPU" in r.stderr, r.stderr
-    assert "not the kernel" in r.stderr, r.stderr
 
 
 def test_doctor_on_gpus():

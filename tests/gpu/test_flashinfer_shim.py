@@ -12,12 +12,22 @@ import os
 
 import pytest
 
+from jax_fusedar.common.patterns import TRAITS
 from tests.gpu.harness import bound_problems, free_port, report, run_ranks
+from tests.gpu.workers.anchor_compare import PATTERNS
 
 pytestmark = pytest.mark.gpu
 
 TOKENS = (1, 16, 128)
 HIDDENS = (4096, 8192)
+
+
+def _outputs(patterns) -> int:
+    """How many outputs the patterns write in all (the pattern table's count)."""
+    return sum(
+        t.has_allreduce_out + t.has_residual + t.has_norm_out + bool(t.quant) + t.writes_scale_out
+        for t in (TRAITS[p] for p in patterns)
+    )
 
 
 def test_legacy_api_runs_the_kernel():
@@ -54,7 +64,7 @@ def test_legacy_api_runs_the_kernel():
         assert r["cases"] > 0 and r["calls"] > 0 and not r["return_mismatch"], r
         differing = {k: d for k, d in r["diffs"].items() if d["differing"]}
         assert not differing, f"rank {r['rank']}: legacy outputs differ: {differing}"
-        assert len(r["diffs"]) == 19, sorted(r["diffs"])  # every output of the 8 patterns
+        assert len(r["diffs"]) == _outputs(PATTERNS), sorted(r["diffs"])  # every one compared
         assert r["unwritten"] == {"ours": 0, "anchor": 0}, r["unwritten"]
         assert r["destroyed"]
         for dtype, per_impl in r["oracle"].items():

@@ -743,7 +743,7 @@ def test_fallback_logs_once_per_kind_and_stays_correct(dtype, caplog):
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
     assert re.search(
         r"falling back to psum \+ RMSNorm: 6x256 tokens exceed the workspace "
-        r"\(max_token_num=4 x hidden 256; every row",
+        r"\(max_token_num=4 x hidden 256\); every row",
         warnings[0].getMessage(),
     )
     assert "logged once per kind of reason" in warnings[0].getMessage()

@@ -174,8 +174,8 @@ def test_nd_rows_all_count_against_the_workspace():
     with pytest.raises(
         ValueError,
         match=r"18x256 tokens exceed the workspace \(max_token_num="
-        r"16 x hidden 256; every row of an N-D or vmapped "
-        r"call counts\)",
+        r"16 x hidden 256\); every row of an N-D or vmapped "
+        r"call counts",
     ):
         sharded(mesh, body, 2)(x, r, g)
 

@@ -409,7 +409,7 @@ def test_moe_export_round_trip(pattern):
 
 WITHOUT_NATIVE = r"""
 import json, sys
-sys.modules["jax_fusedar._fusedar"] = None  # the import fails, as on a CPU-only install
+sys.modules["jax_fusedar.common._fusedar"] = None  # blocked, as on a CPU-only install
 import jax
 from jax_fusedar.common import native
 assert not native.available()
@@ -443,7 +443,7 @@ print("FACTS " + json.dumps(facts))
 
 def test_the_docs_export_example_exports_without_the_native_module():
     """docs/jax_api.md's exporting side ("any machine") in a fresh process where
-    jax_fusedar._fusedar cannot import: the artifact serializes with the kernel's custom call,
+    the native extension cannot load: the artifact serializes with the kernel's custom call,
     its attributes and the serving workspace's stable id; its serving side, which compiles
     the artifact, refuses there, naming what to install."""
     import json

@@ -1,11 +1,10 @@
 """The kernel's bounded waits (timeout_s, always on; ffi/core/watchdog.h) on CPU: option
-parsing, the plumbing down to the native Rank (JAX and torch, with fakes), the bench's
-on/off comparison, the build's patching of FlashInfer's wait loops, and the failure message
-of a timed-out wait (call_check.cu compiled with nvcc into a small host program). The
-kernel side runs in tests/gpu/test_timeout.py."""
+parsing, the plumbing down to the native Rank (JAX and torch, with fakes), the build's
+patching of FlashInfer's wait loops, and the failure message of a timed-out wait
+(call_check.cu compiled with nvcc into a small host program). The kernel side runs in
+tests/gpu/test_timeout.py; the benchmarks' on/off comparison in tests/benchmarks/."""
 
 import difflib
-import math
 import os
 import pathlib
 import re
@@ -19,7 +18,7 @@ from jax_fusedar.common import call_check, native, sizing, tp_groups
 
 from tests.native.host_program import run_host_program
 from tests.repo import REPO
-from tests.skips import NO_NATIVE, needs_torch
+from tests.skips import NO_NATIVE
 
 
 # --- option parsing -----------------------------------------------------------------------------
@@ -292,85 +291,6 @@ def test_extension_exposes_the_timeout():
     assert "timeout_s: float = 30.0" in doc, doc
     for attr in ("timeout_s", "set_timeout", "failure"):
         assert hasattr(native.ext.Rank, attr)
-
-
-# --- the bench's on/off comparison --------------------------------------------------------------
-
-
-def test_bench_timeout_budget():
-    from jax_fusedar.cli import bench
-
-    ok = bench.timeout_compare(10.05, 10.0, 30.0)  # 0.5%: within 1%
-    assert ok["timeout_within_budget"] and ok["timeout_ratio"] == pytest.approx(1.005)
-    assert ok["no_timeout_us"] == 10.0 and ok["timeout_on_us"] == 10.05
-    assert ok["timeout_s"] == 30.0
-    assert bench.timeout_compare(5.09, 5.0, 30.0)["timeout_within_budget"]  # 0.09 us < 0.1
-    assert not bench.timeout_compare(5.2, 5.0, 30.0)["timeout_within_budget"]  # 4%, 0.2 us
-    assert not bench.timeout_compare(102.0, 100.0, 30.0)["timeout_within_budget"]  # 2%
-    assert math.isnan(bench.timeout_compare(1.0, 0.0, 30.0)["timeout_ratio"])
-
-
-@needs_torch  # torch_compat.bench imports torch
-def test_bench_options():
-    from jax_fusedar.cli.main import build_parser
-    from torch_compat import bench as bt
-
-    parser, _ = build_parser()
-    assert parser.parse_args(["bench", "--timeout-compare"]).timeout_compare is True
-    assert parser.parse_args(["bench"]).timeout_compare is False
-    a = bt.parse_args(
-        ["--timeout-compare", "--no-anchor", "--no-nccl", "--no-symm-mem", "--no-fp8"]
-    )
-    assert bt.variant_keys(a) == [
-        "ours:eager",
-        "ours:graph",
-        "ours_no_timeout:eager",
-        "ours_no_timeout:graph",
-    ]
-    assert ("ours", "ours_no_timeout") in bt.RATIOS
-    assert "ours_no_timeout" not in " ".join(bt.variant_keys(bt.parse_args([])))
-
-
-@needs_torch
-def test_torch_bench_table_shows_the_on_off_ratio():
-    from torch_compat import bench as bt
-
-    a = bt.parse_args(
-        [
-            "--timeout-compare",
-            "--no-anchor",
-            "--no-nccl",
-            "--no-symm-mem",
-            "--no-fp8",
-            "--tokens",
-            "16",
-            "--hidden",
-            "4096",
-        ]
-    )
-    rank = {
-        "cases": [
-            {
-                "tokens": 16,
-                "hidden": 4096,
-                "mode": "oneshot",
-                "policy": "auto",
-                "us_repeats": {
-                    "ours:eager": [10.0, 10.2],
-                    "ours:graph": [6.0],
-                    "ours_no_timeout:eager": [10.0],
-                    "ours_no_timeout:graph": [6.0],
-                },
-                "skipped": {},
-            }
-        ]
-    }
-    report = bt.build_report([rank, rank], a, {}, {})
-    case = report["cases"][0]
-    assert case["ratios"]["ours/ours_no_timeout:eager"] == pytest.approx(10.1 / 10.0)
-    assert case["ratios"]["ours/ours_no_timeout:graph"] == pytest.approx(1.0)
-    table = bt.format_table(report)
-    assert "on/off" in table and "1.010" in table and "1.000" in table
 
 
 # --- the build: FlashInfer's wait loops are hooked ----------------------------------------------
@@ -729,52 +649,3 @@ def test_failure_messages_name_the_peer(tmp_path):
         "rank 1 to deliver its one-shot data in this rank's Lamport buffer (token 9). Rank 1 "
         "did not arrive"
     ) in lines["moe"], lines["moe"]
-
-
-@pytest.mark.slow
-def test_bench_cli_times_both_settings_in_one_run(tmp_path):
-    """--timeout-compare on CPU (the XLA reference backend, no kernel): the run completes
-    with both figures per fused case and the on/off table; the GPU figures come from the
-    same command on a machine with GPUs."""
-    import json
-
-    from tests.cli.test_cli import run_cli
-
-    out = tmp_path / "bench"
-    r = run_cli(
-        "bench",
-        "--tokens",
-        "1,16",
-        "--hidden",
-        256,
-        "--chain",
-        2,
-        "--repeats",
-        1,
-        "--patterns",
-        1,
-        "--timeout-compare",
-        "--out",
-        out,
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
-    report = json.loads((out / "bench.json").read_text())
-    assert report["config"]["timeout_compare"] is True
-    for case in report["cases"]:
-        m = case["fused"]["auto"]
-        assert m["timeout_s"] == 30.0 and m["no_timeout_us"] > 0
-        assert m["timeout_on_us"] > 0
-        assert m["timeout_ratio"] == pytest.approx(m["timeout_on_us"] / m["no_timeout_us"])
-        assert isinstance(m["timeout_within_budget"], bool)
-    assert "wait timeout on vs off" in r.stdout
-    assert (
-        len(
-            re.findall(
-                r"^\s+1\s+(1|16)\s+256\s+auto \(\w+\)\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+"
-                r"(yes|NO)$",
-                r.stdout,
-                re.MULTILINE,
-            )
-        )
-        == 2
-    ), r.stdout

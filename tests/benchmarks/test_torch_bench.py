@@ -1,6 +1,6 @@
-"""CPU tests of ``python -m torch_compat.bench`` (also ``python -m jax_fusedar bench --framework
-torch``), of the anchor loader (tools/flashinfer_anchor.py) and of the anchor comparison's
-plumbing (tests/gpu/anchor.py, tests/gpu/workers/anchor_compare.py).
+"""CPU tests of ``python -m benchmarks.torch_bench``, of the anchor loader
+(tools/flashinfer_anchor.py) and of the anchor comparison's plumbing (tests/gpu/anchor.py,
+tests/gpu/workers/anchor_compare.py).
 
 No GPU: the CUDA parts are replaced by stand-ins (a fake runtime for the timing driver, fake
 ``allreduce_fusion``s computing the kernel's math in numpy for the comparison, a fake anchor
@@ -21,14 +21,15 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch
 
-from jax_fusedar.cli import main as cli
-from jax_fusedar.common import launch_mode
-from tools import flashinfer_anchor as fa
-from torch_compat import bench as bt
+torch = pytest.importorskip("torch", reason="torch is not installed (pip install '.[torch]')")
 
-from tests.repo import REPO
+from benchmarks import report  # noqa: E402
+from benchmarks import torch_bench as bt  # noqa: E402
+from jax_fusedar.common import plan as rules  # noqa: E402
+from tools import flashinfer_anchor as fa  # noqa: E402
+
+from tests.repo import REPO  # noqa: E402
 
 
 # --- arguments and the CLI hook --------------------------------------------------------------
@@ -37,7 +38,7 @@ from tests.repo import REPO
 def test_defaults_are_the_requested_sweep():
     a = bt.parse_args([])
     assert a.tokens == [1, 16, 128, 1024, 4096] and a.hidden == [4096, 8192]
-    assert a.dtype == "bfloat16" and a.world == 2 and a.framework == "torch"
+    assert a.dtype == "bfloat16" and a.world == 2
     assert a.iters >= 1 and a.repeats >= 1 and not a.no_anchor
     assert bt.variant_keys(a) == [
         f"{i}:{h}" for i in bt.IMPLS if i != "ours_no_timeout" for h in ("eager", "graph")
@@ -72,7 +73,8 @@ def test_options_parse_and_prune_variants():
         (["--hidden", "4100"], "multiple of 8"),
         (["--hidden", "4100", "--dtype", "float32"], "--hidden 4100: hidden_dim=4100 cannot"),
         (["--tokens", "0"], "not positive"),
-        (["--framework", "jax"], "invalid choice"),
+        (["--framework", "jax"], "unrecognized arguments: --framework"),
+        (["--seed", "-5"], "argument --seed: -5 is not in"),
     ],
 )
 def test_bad_arguments_are_refused(argv, needle, capsys):
@@ -82,24 +84,6 @@ def test_bad_arguments_are_refused(argv, needle, capsys):
     assert needle in capsys.readouterr().err
 
 
-def test_cli_routes_bench_framework_torch_here(monkeypatch):
-    seen = []
-    monkeypatch.setattr(bt, "main", lambda argv, prog: seen.append((argv, prog)) or 7)
-    assert cli.main(["bench", "--framework", "torch", "--tokens", "1"]) == 7
-    assert cli.main(["bench", "--tokens", "1", "--framework=torch"]) == 7
-    prog = "python -m jax_fusedar bench --framework torch"  # messages name what was typed
-    assert seen == [
-        (["--framework", "torch", "--tokens", "1"], prog),
-        (["--tokens", "1", "--framework=torch"], prog),
-    ]
-    assert cli._torch_bench_argv(["bench", "--tokens", "1"]) is None
-    assert cli._torch_bench_argv(["bench", "--framework", "jax"]) is None
-    assert cli._torch_bench_argv(["demo", "--framework", "torch"]) is None
-    # The JAX bench still accepts (and documents) --framework jax.
-    parser, _ = cli.build_parser()
-    assert parser.parse_args(["bench", "--framework", "jax"]).framework == "jax"
-
-
 @pytest.mark.slow
 def test_command_without_gpu_says_so():
     env = dict(os.environ, PYTHONPATH=str(REPO), JAX_FUSEDAR_ANCHOR=str(REPO / "no-such"))
@@ -107,10 +91,7 @@ def test_command_without_gpu_says_so():
         [
             sys.executable,
             "-m",
-            "jax_fusedar",
-            "bench",
-            "--framework",
-            "torch",
+            "benchmarks.torch_bench",
             "--tokens",
             "1",
             "--hidden",
@@ -131,54 +112,10 @@ def test_command_without_gpu_says_so():
 
 
 @pytest.mark.slow
-def test_command_runs_from_the_installed_packages_without_the_checkout(tmp_path):
-    """An installed wheel holds jax_fusedar and torch_compat but not the checkout's tools/ (the
-    anchor's loader): the bench says its rows are skipped and why, then runs (here: stops at
-    the missing GPUs, exit 2), instead of failing on the import."""
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU (the command would run the benchmark)")
-    site, run = tmp_path / "site", tmp_path / "run"
-    site.mkdir()
-    run.mkdir()
-    for package in ("jax_fusedar", "torch_compat"):
-        (site / package).symlink_to(REPO / package, target_is_directory=True)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "JAX_FUSEDAR_ANCHOR")}
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jax_fusedar",
-            "bench",
-            "--framework",
-            "torch",
-            "--tokens",
-            "1",
-            "--hidden",
-            "1024",
-            "--out",
-            str(tmp_path / "out"),
-        ],
-        cwd=run,
-        env=dict(env, PYTHONPATH=str(site)),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 2, r.stdout + r.stderr
-    assert (
-        "FlashInfer anchor unavailable: its loader (tools/flashinfer_anchor.py) is part of "
-        "the source checkout"
-        in r.stderr
-        and "Its rows are skipped" in r.stderr
-    )
-    assert "needs CUDA GPUs" in r.stderr and "Traceback" not in r.stderr
-
-
-@pytest.mark.slow
 def test_torch_bench_path_imports_no_jax():
     code = (
-        "import sys; from jax_fusedar import __main__; from torch_compat import bench; "
-        "bench.parse_args([]); print('jax' in sys.modules)"
+        "import sys; from benchmarks import torch_bench; "
+        "torch_bench.parse_args([]); print('jax' in sys.modules)"
     )
     r = subprocess.run(
         [sys.executable, "-c", code],
@@ -202,7 +139,8 @@ def test_plan_uses_the_ops_own_policy_and_one_workspace():
         (m, h) for h in (4096, 8192) for m in (1, 16, 128, 1024, 4096)
     ]
     for c in cases:
-        assert c.oneshot == launch_mode.choose_oneshot(c.tokens, c.hidden, sizes, None)
+        call = rules.Call(rules.DENSE_RULE, c.tokens, c.hidden, "bfloat16", sizes)
+        assert c.oneshot == (rules.kernel_choice(call) == "oneshot")
         assert c.mode == ("oneshot" if c.oneshot else "twoshot") and not c.skipped
     assert cases[0].mode == "oneshot"  # 1 token: two-shot cannot run
 
@@ -249,6 +187,10 @@ def test_report_takes_the_slowest_ranks_median_and_ratios():
     c0, c1 = rep["cases"]
     assert c0["us"]["ours:eager"] == 22.0  # rank 1's median 22 > rank 0's 11
     assert c0["us_per_rank"]["ours:eager"] == [11.0, 22.0]
+    # The slowest rank's samples give the spread: [20, 22, 24] (rank 1).
+    assert c0["slowest_rank"]["ours:eager"] == 1
+    assert c0["stats"]["ours:eager"] == report.summary([20.0, 22.0, 24.0])
+    assert c0["stats"]["ours:eager"]["n"] == 3 and c0["stats"]["ours:eager"]["p90"] == 23.6
     assert c0["us"]["anchor:graph"] == 6.0
     assert c0["ratios"]["ours/anchor:eager"] == pytest.approx(22.0 / 21.0)
     assert c0["ratios"]["ours/nccl:eager"] == pytest.approx(22.0 / 40.0)
@@ -266,11 +208,21 @@ def test_table_lists_times_ratios_and_skip_reasons():
     text = bt.format_table(rep)
     lines = text.splitlines()
     assert lines[0].startswith("[eager]") and any(x.startswith("[graph]") for x in lines)
-    row = next(x for x in lines if x.split()[:3] == ["1", "4096", "oneshot"])
-    cells = row.split()
-    assert cells[3] == "11.00" and cells[4] == "21.00" and cells[5] == "40.00"
-    assert cells[6] == "-"  # symm_mem skipped
-    assert cells[7] == f"{11 / 21:.3f}" and cells[8] == f"{11 / 40:.3f}"
+    # A row per case and variant: median [p10, p90] of the slowest rank, its sample count.
+    eager = lines[: next(i for i, x in enumerate(lines) if x.startswith("[graph]"))]
+    rows = {tuple(x.split()[:4]): x.split()[4:] for x in eager if x.split()[:2] == ["1", "4096"]}
+    assert rows[("1", "4096", "oneshot", "ours")] == ["11.00", "[10.20,", "11.80]", "3"]
+    assert rows[("1", "4096", "oneshot", "anchor")] == ["21.00", "[20.20,", "21.80]", "3"]
+    assert rows[("1", "4096", "oneshot", "nccl")] == ["40.00", "[40.00,", "40.00]", "3"]
+    assert ("1", "4096", "oneshot", "symm_mem") not in rows  # skipped
+    # Then the ratios of the medians.
+    ratio_row = next(
+        x
+        for x in eager
+        if x.split()[:3] == ["1", "4096", "oneshot"] and x.split()[3] not in bt.IMPLS
+    )
+    cells = ratio_row.split()
+    assert cells[3] == f"{11 / 21:.3f}" and cells[4] == f"{11 / 40:.3f}" and cells[5] == "-"
     assert any("symm reason" in x and "symm_mem:eager" in x for x in lines)
     assert any("capture failed: X" in x for x in lines)
 
@@ -286,6 +238,66 @@ def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "b.png"
     assert bt.plot(rep, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_plot_pairs_ours_and_each_baseline_by_colour(monkeypatch, tmp_path):
+    pytest.importorskip("matplotlib")
+    figures = []
+    monkeypatch.setattr(report, "save_figure", lambda plt, fig, path: figures.append(fig))
+    ranks = [_rank_result(0, 1.0), _rank_result(1, 1.0)]
+    for r in ranks:  # a second hidden size, so that the sizes need colours of their own
+        r["cases"] += [dict(c, hidden=8192) for c in r["cases"]]
+    a = _args(hidden=[4096, 8192])
+    rep = bt.build_report(ranks, a, {"device_name": "fake", "torch": "x"}, {})
+    assert bt.plot(rep, tmp_path / "b.png")
+    (fig,) = figures
+    titles = [ax.get_title() for ax in fig.axes]
+    assert "eager: ours vs anchor" in titles and "eager: ours vs nccl" in titles
+    ax = fig.axes[titles.index("eager: ours vs anchor")]
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    colours = set()
+    for hidden in (4096, 8192):
+        ours, anchor = lines[f"ours, hidden {hidden}"], lines[f"anchor, hidden {hidden}"]
+        assert ours.get_color() == anchor.get_color()
+        assert (ours.get_linestyle(), anchor.get_linestyle()) == ("-", "--")
+        colours.add(ours.get_color())
+    assert len(colours) == 2
+
+
+def test_timeout_compare_options_and_variants():
+    a = bt.parse_args(
+        ["--timeout-compare", "--no-anchor", "--no-nccl", "--no-symm-mem", "--no-fp8"]
+    )
+    assert a.timeout_compare is True and bt.parse_args([]).timeout_compare is False
+    assert bt.variant_keys(a) == [
+        "ours:eager",
+        "ours:graph",
+        "ours_no_timeout:eager",
+        "ours_no_timeout:graph",
+    ]
+    assert ("ours", "ours_no_timeout") in bt.RATIOS
+    assert "ours_no_timeout" not in " ".join(bt.variant_keys(bt.parse_args([])))
+
+
+def test_the_table_shows_the_timeouts_on_off_ratio():
+    a = bt.parse_args(
+        ["--timeout-compare", "--no-anchor", "--no-nccl", "--no-symm-mem", "--no-fp8",
+         "--tokens", "16", "--hidden", "4096"]
+    )  # fmt: skip
+    us = {
+        "ours:eager": [10.0, 10.2],
+        "ours:graph": [6.0],
+        "ours_no_timeout:eager": [10.0],
+        "ours_no_timeout:graph": [6.0],
+    }
+    case = {"tokens": 16, "hidden": 4096, "mode": "oneshot", "policy": "auto"}
+    rank = {"cases": [dict(case, us_repeats=us, skipped={})]}
+    rep = bt.build_report([rank, rank], a, {}, {})
+    c = rep["cases"][0]
+    assert c["ratios"]["ours/ours_no_timeout:eager"] == pytest.approx(10.1 / 10.0)
+    assert c["ratios"]["ours/ours_no_timeout:graph"] == pytest.approx(1.0)
+    table = bt.format_table(rep)
+    assert "on/off" in table and "1.010" in table and "1.000" in table
 
 
 # --- the per-rank driver with a fake runtime --------------------------------------------------
@@ -861,7 +873,7 @@ def test_anchor_workspace_is_always_trtllm():
 
 
 def _fake_worker(rank, args, port, result_dir):
-    """Stands in for torch_compat.bench._worker in spawned processes: the real plan and driver, a
+    """Stands in for torch_bench._worker in spawned processes: the real plan and driver, a
     fake runtime and fake variants."""
     _, cases = bt.plan_cases(args.tokens, args.hidden, args.dtype, args.world, args.modes)
     factories = {i: (lambda case, i=i: Counter(i)) for i in bt.IMPLS}

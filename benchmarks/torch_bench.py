@@ -1,6 +1,7 @@
-"""``python -m torch_compat.bench`` (or ``python -m jax_fusedar bench --framework torch``):
-torch_compat's fused all-reduce against FlashInfer's own build of the same kernel (the
-"anchor"), NCCL and torch symmetric memory.
+"""``python -m benchmarks.torch_bench``: torch_compat's fused all-reduce against FlashInfer's own
+build of the same kernel (the "anchor"), NCCL and torch symmetric memory. A client of the
+public API (``torch_compat``, ``jax_fusedar.common.plan`` and ``sizing``) and of the anchor
+loader it is given (``tools/flashinfer_anchor.py``); run it from the repository root.
 
 The command spawns ``--world`` processes (one GPU each) itself. Every process joins a gloo
 group (torch_compat's workspace exchange goes over its c10d store; gloo also carries the
@@ -19,8 +20,9 @@ NCCL group for the NCCL baseline. For every tokens x hidden case it times, in on
 
 each eagerly (a loop of ``--iters`` calls between two CUDA events) and captured in a CUDA
 graph (``--iters`` calls per graph, one replay between two events), per call = elapsed /
-iters, median over ``--repeats``; a case's figure is the slowest rank's median. Ours and the
-anchor run the same one-shot/two-shot choice (``launch_mode.choose_oneshot``'s policy, passed
+iters, one sample per ``--repeats``; a case's figure is the slowest rank's: the rank whose
+median is the largest, with that rank's p10, p90 and sample count. Ours and the anchor run
+the same one-shot/two-shot choice (``common.plan.kernel_choice``: FlashInfer's policy, passed
 explicitly to both) with ``fp32_acc=True``. Results: a table on stdout, ``bench_torch.json``
 and ``bench_torch.png`` under ``--out``.
 
@@ -34,7 +36,6 @@ path checks) run anywhere.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import platform
@@ -47,13 +48,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
-from jax_fusedar.cli import report as report_files
-from jax_fusedar.cli.argtypes import DTYPES, check_out_dir, int_list, mode_list, positive_int, seed
-from jax_fusedar.common import launch_mode, limits, sizing
+from benchmarks import report as report_files
+from benchmarks.report import (
+    DTYPES,
+    USE_ONESHOT,
+    check_out_dir,
+    int_list,
+    mode_list,
+    positive_int,
+    seed,
+)
+from jax_fusedar.common import plan as rules, sizing
 
-# The command as invoked: run directly, or through ``python -m jax_fusedar bench --framework
-# torch`` (which passes its own name, so messages name what the user typed).
-PROG = "python -m torch_compat.bench"
+PROG = "python -m benchmarks.torch_bench"
 
 # NVLink multicast stays off in every process this command starts (docs/decisions.md): forced, not
 # defaulted, so a stray setting in the caller's environment cannot turn it on.
@@ -69,7 +76,6 @@ NORM_PATTERN = 1  # kARResidualRMSNorm
 FP8_MAX = 448.0
 
 IMPLS = ("ours", "anchor", "nccl", "symm_mem", "ours_fp8", "anchor_fp8", "ours_no_timeout")
-USE_ONESHOT = {"auto": None, "oneshot": True, "twoshot": False}
 HOWS = ("eager", "graph")
 # (numerator, denominator) of the reported ratios, for each of eager and graph.
 RATIOS = (
@@ -88,18 +94,12 @@ ANCHOR_ENV_VAR = "JAX_FUSEDAR_ANCHOR"
 
 
 def anchor_loader():
-    """The anchor loader, ``tools/flashinfer_anchor.py`` of the source checkout (imported as
-    ``tools.flashinfer_anchor``: run from the repository root). It is not part of the
-    package: the anchor is FlashInfer's own build, which only a checkout holds. Raises
-    ImportError with what to do when it cannot be imported."""
-    try:
-        return importlib.import_module("tools.flashinfer_anchor")
-    except ImportError as e:
-        raise ImportError(
-            "FlashInfer anchor unavailable: its loader (tools/flashinfer_anchor.py) is part of "
-            "the source checkout; run this from the repository root, or pass --no-anchor "
-            f"({e})"
-        ) from e
+    """The anchor loader, ``tools/flashinfer_anchor.py`` of the checkout (as the benchmarks
+    are: run from the repository root): FlashInfer's own build, which only a checkout
+    holds."""
+    from tools import flashinfer_anchor
+
+    return flashinfer_anchor
 
 
 # --------------------------------------------------------------------------------------------
@@ -109,10 +109,10 @@ def anchor_loader():
 
 def _world(text: str) -> int:
     value = positive_int(text)
-    if value not in limits.SUPPORTED_WORLD_SIZES:
-        raise argparse.ArgumentTypeError(
-            f"world size {value} is not one of {limits.SUPPORTED_WORLD_SIZES}"
-        )
+    try:  # the world sizes the kernel is built for (a workspace of any other is refused)
+        sizing.workspace_sizes(value, 1, 16, "bfloat16")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return value
 
 
@@ -124,12 +124,6 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "FlashInfer's own build (the anchor), NCCL all_reduce + add + RMSNorm and torch "
         "symmetric-memory one-shot all-reduce + add + RMSNorm, eager and in CUDA graphs, in "
         "--world spawned processes (one GPU each). Writes bench_torch.json and bench_torch.png.",
-    )
-    p.add_argument(
-        "--framework",
-        choices=("torch",),
-        default="torch",
-        help="this benchmark is the torch one (the JAX one is the default bench)",
     )
     p.add_argument(
         "--tokens", type=int_list, default="1,16,128,1024,4096", help="comma-separated token counts"
@@ -205,13 +199,13 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
 
 
 def check_args(parser: argparse.ArgumentParser, args) -> None:
-    vec = limits.vector_width(args.dtype)
+    """The hidden sizes the kernel launches (``common.plan``'s rule for a call of one
+    token on a workspace of that hidden size)."""
     for hidden in args.hidden:
-        problem = limits.kernel_support_problem(args.world, hidden, args.dtype)
+        sizes = sizing.workspace_sizes(args.world, 1, hidden, args.dtype)
+        problem = rules.kernel_problem(rules.Call(rules.DENSE_RULE, 1, hidden, args.dtype, sizes))
         if problem:
-            parser.error(f"--hidden {hidden}: {problem}")
-        if hidden % vec:  # pragma: no cover (kernel_support_problem says it first)
-            parser.error(f"--hidden {hidden} is not a multiple of {vec}")
+            parser.error(f"--hidden {hidden}: {problem[1]}")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, prog: str = PROG):
@@ -246,16 +240,19 @@ def plan_cases(
 ) -> tuple:
     """(workspace sizes, cases): one workspace of max(tokens) x max(hidden) serves every
     case (FlashInfer's element-count rule). A case's one-shot/two-shot choice is
-    ``launch_mode.choose_oneshot`` (the function our op calls itself): for mode "auto" its
-    policy (FlashInfer's size heuristic), for "oneshot"/"twoshot" that mode forced, or the
+    ``common.plan.kernel_choice`` (our op's choice between FlashInfer's two kernels): for
+    mode "auto" FlashInfer's size heuristic, for "oneshot"/"twoshot" that mode forced, or the
     reason it cannot run."""
     sizes = sizing.workspace_sizes(world, max(tokens), max(hiddens), dtype_name)
     cases = []
     for hidden in hiddens:
         for m in tokens:
             for mode in modes:
+                call = rules.Call(
+                    rules.DENSE_RULE, m, hidden, dtype_name, sizes, use_oneshot=USE_ONESHOT[mode]
+                )
                 try:
-                    oneshot = launch_mode.choose_oneshot(m, hidden, sizes, USE_ONESHOT[mode])
+                    oneshot = rules.kernel_choice(call) == "oneshot"
                     cases.append(Case(m, hidden, oneshot, policy=mode))
                 except ValueError as e:
                     cases.append(Case(m, hidden, None, {i: str(e) for i in IMPLS}, mode))
@@ -284,7 +281,8 @@ def variant_keys(args) -> List[str]:
 
 def merge_ranks(rank_results: Sequence[dict]) -> List[dict]:
     """One entry per case: per variant the slowest rank's median (a collective takes as long
-    as its slowest member), each rank's median and repeats, the skips of any rank."""
+    as its slowest member) and that rank's summary (median, p10, p90, n), each rank's median
+    and repeats, the skips of any rank."""
     cases = []
     for per_rank in zip(*(r["cases"] for r in rank_results)):
         first = per_rank[0]
@@ -299,6 +297,8 @@ def merge_ranks(rank_results: Sequence[dict]) -> List[dict]:
                     skipped.setdefault(k, "not timed on every rank")
         medians = {k: [statistics.median(c["us_repeats"][k]) for c in per_rank] for k in keys}
         us = {k: max(v) for k, v in medians.items()}
+        slowest = {k: max(range(len(v)), key=v.__getitem__) for k, v in medians.items()}
+        stats = {k: report_files.summary(per_rank[r]["us_repeats"][k]) for k, r in slowest.items()}
         ratios = {}
         for how in HOWS:
             for num, den in RATIOS:
@@ -312,6 +312,8 @@ def merge_ranks(rank_results: Sequence[dict]) -> List[dict]:
                 "mode": first["mode"],
                 "policy": first.get("policy", "auto"),
                 "us": us,
+                "stats": stats,
+                "slowest_rank": slowest,
                 "us_per_rank": medians,
                 "us_repeats": {k: [c["us_repeats"][k] for c in per_rank] for k in keys},
                 "ratios": ratios,
@@ -325,7 +327,6 @@ def build_report(rank_results: Sequence[dict], args, machine: dict, anchor: dict
     return {
         "machine": machine,
         "config": {
-            "framework": "torch",
             "dtype": args.dtype,
             "world_size": args.world,
             "tokens": list(args.tokens),
@@ -350,7 +351,7 @@ def build_report(rank_results: Sequence[dict], args, machine: dict, anchor: dict
             "captured in one CUDA graph, events around one replay; per call = elapsed "
             "/ iters; per rank the median over repeats, reported the slowest rank's. "
             "Ranks meet at a gloo barrier (GPU idle) before every timed loop. ours and "
-            "anchor get the same explicit use_oneshot (launch_mode.choose_oneshot policy); "
+            "anchor get the same explicit use_oneshot (common.plan.kernel_choice); "
             "the anchor gets a preallocated output= so that it does not allocate the "
             "unused [M,H] all-reduce output on every call; nccl all-reduces in place "
             "(its values grow, which does not change its timing)."
@@ -360,42 +361,48 @@ def build_report(rank_results: Sequence[dict], args, machine: dict, anchor: dict
     }
 
 
-_COLUMNS = (
-    ("ours", "ours"),
-    ("anchor", "anchor"),
-    ("nccl", "nccl"),
-    ("symm", "symm_mem"),
+# The ratio columns: (label, numerator/denominator).
+_RATIO_COLUMNS = (
     ("ours/anc", "ours/anchor"),
     ("ours/nccl", "ours/nccl"),
     ("ours/symm", "ours/symm_mem"),
-    ("fp8 ours", "ours_fp8"),
-    ("fp8 anc", "anchor_fp8"),
     ("fp8 o/a", "ours_fp8/anchor_fp8"),
-    ("ours t=0", "ours_no_timeout"),
     ("on/off", "ours/ours_no_timeout"),
 )
 
 
 def format_table(report: dict) -> str:
-    """Two tables (eager, graph) of us per call and ratios; '-' where a variant did not run,
-    then one line per skip reason."""
+    """Per eager/graph: one row per case and variant, its us per call as the slowest rank's
+    median [p10, p90] and sample count; then the ratios of the medians ('-' where a variant
+    did not run) and one line per skip reason."""
     lines = []
     hows = sorted({k.split(":")[1] for k in report["config"]["variants"]}, key=HOWS.index)
+    impls = [i for i in IMPLS if any(k.startswith(i + ":") for k in report["config"]["variants"])]
     for how in hows:
-        lines.append(f"[{how}] us per call (slowest rank's median); ratios < 1: ours faster")
-        head = f"{'tokens':>6} {'hidden':>6} {'mode':<16}" + "".join(
-            f" {label:>9}" for label, _ in _COLUMNS
+        lines.append(f"[{how}] us per call: the slowest rank's median [p10, p90], n samples")
+        lines.append(
+            f"{'tokens':>6} {'hidden':>6} {'mode':<16} {'variant':<16} "
+            f"{'us [p10, p90]':>25} {'n':>4}"
         )
-        lines.append(head)
+        for c in report["cases"]:
+            for impl in impls:
+                st = c.get("stats", {}).get(f"{impl}:{how}")
+                if st is not None:
+                    lines.append(
+                        f"{c['tokens']:>6} {c['hidden']:>6} {_mode_label(c):<16} {impl:<16} "
+                        f"{report_files.spread(st):>25} {st['n']:>4}"
+                    )
+        lines.append("")
+        lines.append(f"[{how}] ratios of the medians; < 1: ours faster")
+        lines.append(
+            f"{'tokens':>6} {'hidden':>6} {'mode':<16}"
+            + "".join(f" {label:>9}" for label, _ in _RATIO_COLUMNS)
+        )
         for c in report["cases"]:
             cells = []
-            for _, key in _COLUMNS:
-                if "/" in key:
-                    v = c["ratios"].get(f"{key}:{how}")
-                    cells.append(f" {v:>9.3f}" if v is not None else f" {'-':>9}")
-                else:
-                    v = c["us"].get(f"{key}:{how}")
-                    cells.append(f" {v:>9.2f}" if v is not None else f" {'-':>9}")
+            for _, key in _RATIO_COLUMNS:
+                v = c["ratios"].get(f"{key}:{how}")
+                cells.append(f" {v:>9.3f}" if v is not None else f" {'-':>9}")
             lines.append(f"{c['tokens']:>6} {c['hidden']:>6} {_mode_label(c):<16}" + "".join(cells))
         lines.append("")
     reasons: Dict[str, List[str]] = {}
@@ -415,60 +422,78 @@ def _mode_label(case: dict) -> str:
     return mode if policy == "auto" else f"{mode}(forced)"
 
 
+# The plot's panels: ours (solid) against each baseline (dashed), in the colour of the
+# hidden size.
+PAIRS = (
+    ("ours", "anchor"),
+    ("ours", "nccl"),
+    ("ours", "symm_mem"),
+    ("ours_fp8", "anchor_fp8"),
+    ("ours", "ours_no_timeout"),
+)
+
+
 def plot(report: dict, path: Path) -> bool:
-    """us per call vs tokens: one row per eager/graph, one column per hidden size; False
+    """us per call (the slowest rank's median) vs tokens: one row per eager/graph, one
+    column per comparison (ours against the anchor, NCCL, symmetric memory; FP8 ours against
+    FlashInfer's; the wait timeout on against off). One colour per hidden size: ours solid,
+    its baseline dashed in the same colour; a forced mode (--modes) by its marker. False
     without matplotlib."""
     plt = report_files.pyplot()
     if plt is None:
         return False
-    hows = sorted({k.split(":")[1] for k in report["config"]["variants"]}, key=HOWS.index)
-    impls = [i for i in IMPLS if any(k.startswith(i + ":") for k in report["config"]["variants"])]
+    variants = report["config"]["variants"]
+    hows = sorted({k.split(":")[1] for k in variants}, key=HOWS.index)
+    timed = {k.split(":")[0] for k in variants}
+    pairs = [(a, b) for a, b in PAIRS if a in timed and b in timed]
+    if not pairs:  # no baseline ran: a panel per variant
+        pairs = [(i, None) for i in IMPLS if i in timed]
     hiddens = report["config"]["hidden"]
+    colours = report_files.size_colours(plt, hiddens)
+    markers = {"auto": "o", "oneshot": "^", "twoshot": "s"}
     policies = list(report["config"].get("modes", ["auto"]))
     fig, axes = plt.subplots(
-        len(hows), len(hiddens), squeeze=False, figsize=(max(6, 5 * len(hiddens)), 4 * len(hows))
+        len(hows), len(pairs), squeeze=False, figsize=(max(6, 5 * len(pairs)), 4 * len(hows))
     )
-    styles = {
-        "ours": "C0-o",
-        "anchor": "C1--s",
-        "nccl": "k:^",
-        "symm_mem": "C2-.v",
-        "ours_fp8": "C3-o",
-        "anchor_fp8": "C4--s",
-        "ours_no_timeout": "C5:x",
-    }
     for row, how in enumerate(hows):
-        for col, hidden in enumerate(hiddens):
+        for col, (ours, base) in enumerate(pairs):
             ax = axes[row][col]
-            for policy in policies:
-                cases = [
-                    c
-                    for c in report["cases"]
-                    if c["hidden"] == hidden and c.get("policy", "auto") == policy
-                ]
-                for impl in impls:
-                    pts = [
-                        (c["tokens"], c["us"][f"{impl}:{how}"])
-                        for c in cases
-                        if f"{impl}:{how}" in c["us"]
+            for hidden in hiddens:
+                for policy in policies:
+                    cases = [
+                        c
+                        for c in report["cases"]
+                        if c["hidden"] == hidden and c.get("policy", "auto") == policy
                     ]
-                    if pts:
-                        label = impl if len(policies) == 1 else f"{impl} ({policy})"
-                        ax.plot(
-                            *zip(*pts),
-                            styles[impl],
-                            label=label,
-                            alpha=1.0 if policy == policies[0] else 0.5,
-                        )
+                    for impl, style in (
+                        (ours, report_files.FUSED_STYLE),
+                        (base, report_files.BASELINE_STYLE),
+                    ):
+                        if impl is None:
+                            continue
+                        pts = [
+                            (c["tokens"], c["us"][f"{impl}:{how}"])
+                            for c in cases
+                            if f"{impl}:{how}" in c["us"]
+                        ]
+                        if pts:
+                            mode = "" if len(policies) == 1 else f" ({policy})"
+                            ax.plot(
+                                *zip(*pts),
+                                style,
+                                color=colours[hidden],
+                                marker=markers[policy],
+                                label=f"{impl}{mode}, hidden {hidden}",
+                            )
             ax.set(
                 xscale="log",
                 yscale="log",
                 xlabel="tokens",
-                ylabel="us per call",
-                title=f"{how}, hidden {hidden}",
+                ylabel="us per call (median)",
+                title=f"{how}: {ours}" + (f" vs {base}" if base else ""),
             )
             ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize="small")
+            ax.legend(fontsize="x-small")
     m, cfg = report["machine"], report["config"]
     fig.suptitle(
         f"torch, {cfg['world_size']} x {m.get('device_name', '?')}, {cfg['dtype']}, "
@@ -712,16 +737,11 @@ class Variants:
             self.notes["ours_timeout_s"] = str(self.ours_ws.timeout_s)
 
         if not args.no_anchor:
-            reason, loader = None, None
+            reason, loader = None, anchor_loader()
             try:
-                loader = anchor_loader()
                 self.fi = loader.load_anchor(args.anchor)
                 self.notes["anchor_module"] = getattr(self.fi, "__file__", "?")
-            except ImportError as e:
-                reason = str(e)
-            except Exception as e:  # noqa: BLE001
-                if loader is None or not isinstance(e, loader.AnchorUnavailable):
-                    raise
+            except loader.AnchorUnavailable as e:
                 reason = str(e)
             reason = rt.agree(reason)
             if reason is None:
@@ -1128,24 +1148,19 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
     os.environ.update(SAFE_ENV)
     anchor = {"requested": not args.no_anchor, "path": None, "problem": None}
     if not args.no_anchor:
-        try:
-            loader = anchor_loader()
-        except ImportError as e:
-            anchor["problem"] = str(e)
-            print(f"note: {e} Its rows are skipped.", file=sys.stderr)
+        loader = anchor_loader()
+        path = loader.resolve_anchor_path(args.anchor)
+        anchor["path"] = str(path)
+        anchor["problem"] = loader.anchor_problem(path)
+        args.anchor = str(path)
+        if anchor["problem"]:
+            print(
+                f"note: {loader.unavailable(path, anchor['problem'])} Its rows are skipped.",
+                file=sys.stderr,
+            )
         else:
-            path = loader.resolve_anchor_path(args.anchor)
-            anchor["path"] = str(path)
-            anchor["problem"] = loader.anchor_problem(path)
-            args.anchor = str(path)
-            if anchor["problem"]:
-                print(
-                    f"note: {loader.unavailable(path, anchor['problem'])} Its rows are skipped.",
-                    file=sys.stderr,
-                )
-            else:
-                # Before spawning: the ranks inherit them (LD_LIBRARY_PATH only works that way).
-                os.environ.update(loader.anchor_environment(path))
+            # Before spawning: the ranks inherit them (LD_LIBRARY_PATH only works that way).
+            os.environ.update(loader.anchor_environment(path))
     try:
         import torch
     except ImportError:
@@ -1157,11 +1172,11 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
         )
         return 2
     if torch.cuda.device_count() < args.world:
-        from jax_fusedar.cli.ranks import shared_gpu_timing  # imports no JAX
-
+        gpus = torch.cuda.device_count()
         print(
-            f"{prog}: error: --world {args.world} needs one GPU per rank: "
-            f"{shared_gpu_timing(torch.cuda.device_count(), args.world)}",
+            f"{prog}: error: --world {args.world} needs one GPU per rank and this machine "
+            f"has {gpus}: ranks sharing a GPU take turns on it, so a timing measures that "
+            "scheduling, not the kernel",
             file=sys.stderr,
         )
         return 2

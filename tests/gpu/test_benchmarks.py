@@ -1,0 +1,81 @@
+"""GPU: the benchmarks of the checkout (``python -m benchmarks.jax_bench``,
+``python -m benchmarks.torch_bench``). On a one-GPU machine both refuse, saying why (ranks
+sharing a GPU time its scheduling, not the kernel); with a GPU per rank the JAX benchmark
+times the kernel and reports median, p10, p90 and the sample count of every figure."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.gpu.harness import report
+from tests.repo import REPO
+
+pytestmark = pytest.mark.gpu
+
+
+def _gpus() -> int:
+    from jax_fusedar.common import native
+
+    return native.gpu_count()
+
+
+def _bench(module, *argv, timeout=900):
+    env = dict(
+        os.environ,
+        NCCL_NVLS_ENABLE="0",
+        TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+        NVSHMEM_DISABLE_NVLS="1",
+        PYTHONUNBUFFERED="1",
+    )
+    for var in (
+        "JAX_PLATFORMS",
+        "XLA_FLAGS",
+        "JAX_FUSEDAR_STRICT",
+        "JAX_FUSEDAR_ALLREDUCE_BACKEND",
+    ):
+        env.pop(var, None)
+    return subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{module}", *map(str, argv)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.skipif(_gpus() != 1, reason="the refusal is for a one-GPU machine")
+def test_the_jax_bench_refuses_one_gpu(tmp_path):
+    r = _bench("jax_bench", "--out", tmp_path, timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "needs one GPU per rank and this machine has 1 GPU" in r.stderr, r.stderr
+    assert "not the kernel" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.skipif(_gpus() != 1, reason="the refusal is for a one-GPU machine")
+def test_the_torch_bench_refuses_one_gpu(tmp_path):
+    pytest.importorskip("torch")
+    r = _bench("torch_bench", "--no-anchor", "--out", tmp_path, timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "--world 2 needs one GPU per rank and this machine has 1" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.skipif(_gpus() < 2, reason="needs one GPU per rank")
+def test_the_jax_bench_times_the_kernel_with_its_spread(tmp_path):
+    r = _bench(
+        "jax_bench", "--tokens", "16,1024", "--hidden", 4096, "--patterns", "1,4",
+        "--repeats", 5, "--out", tmp_path,
+    )  # fmt: skip
+    report("gpu_jax_bench", {"returncode": r.returncode, "stdout": r.stdout})
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    rep = json.loads((tmp_path / "bench.json").read_text())
+    assert rep["machine"]["backend"] == "trtllm" and rep["config"]["method"] == "device"
+    for case in rep["cases"]:
+        for s in [case["baseline_us"]] + [m["us"] for m in case["fused"].values()]:
+            assert s["n"] == 5 and 0 < s["p10"] <= s["median"] <= s["p90"]
+    assert len(re.findall(r"\[\d+\.\d\d, \d+\.\d\d\]\s+\d+\.\d\d \[", r.stdout)) == 4, r.stdout
