@@ -2,7 +2,9 @@
 
 * ``python -m benchmarks.jax_bench``: the JAX op against its unfused XLA twin;
 * ``python -m benchmarks.torch_bench``: torch_compat against FlashInfer's own build (the
-  anchor, ``tools/flashinfer_anchor.py``), NCCL and torch symmetric memory.
+  anchor, ``tools/flashinfer_anchor.py``), NCCL and torch symmetric memory;
+* ``python -m benchmarks.fuse_cost``: ``jax_fusedar.fuse``'s analysis time and the fused
+  program's lower + compile time against the original's.
 
 They are clients of the product like any user's script: they use only its public API (the
 names ``jax_fusedar`` and ``torch_compat`` export, ``jax_fusedar.timing`` for device clocks,

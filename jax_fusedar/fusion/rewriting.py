@@ -92,7 +92,7 @@ class _Outputs:
         self.quant_out, self.scale_out = quant_out, scale_out
 
 
-def _bind_all(eqns, env):
+def bind_all(eqns, env):
     def read(a):
         return a.val if isinstance(a, jcore.Literal) else env[a]
 
@@ -126,7 +126,7 @@ def _with_tail_derivative(m, r, gamma, scale, quant, scale_out):
         env = {norm.out_var: y.reshape(y_shape)}
         if static and G.is_var(norm.scale):
             env[norm.scale] = s.reshape(G.shape(norm.scale)).astype(norm.scale.aval.dtype)
-        _bind_all(norm.tail_eqns, env)
+        bind_all(norm.tail_eqns, env)
         return tuple(env[v] for v in tail_outs)
 
     @jax.custom_jvp

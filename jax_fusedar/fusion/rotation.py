@@ -193,9 +193,9 @@ def final_norm(g: G.Graph, scan_i: int, rot: Rotation, allow: bool):
 
 
 def _bind(eqns, env):
-    from .rewriting import _bind_all
+    from .rewriting import bind_all
 
-    _bind_all(eqns, env)
+    bind_all(eqns, env)
 
 
 class RotatedScanEmit:
