@@ -19,7 +19,7 @@ constant, broadcast and rounding accounted for (``fusion/norm_proof.py``), the p
 confirmed in float64 on probe inputs of the real shapes (``fusion/validation.py``), and the
 fused op rounds where the program does (gamma's own cast chain is replayed before the call):
 then the outputs differ only by the documented bound (``docs/fusion_pass.md``). Forms that
-round elsewhere (gamma multiplied after the rounding, a gamma that is not a value of the
+round elsewhere (a bias added before the norm's rounding, a gamma that is not a value of the
 activation dtype, a float32 all-reduce cast down before the add) are fused only with
 ``allow_rounding_change=True``, and reported per site. Only what the proof covers is
 rewritten: a value the rewrite replaces that is used otherwise (returned twice, copied)
@@ -239,7 +239,7 @@ def fuse(
       max_tokens: the largest site (tokens) to fuse with created workspaces.
       backend: passed to ``create_allreduce_fusion_workspace`` ("auto": the kernel on GPUs).
       allow_rounding_change: also fuse forms whose rounding differs from the fused op's
-        (gamma multiplied after the norm's rounding, a float32 gamma or a float16 one in a
+        (a bias added before the norm's rounding, a float32 gamma or a float16 one in a
         bfloat16 model, a float32 all-reduce cast down before the add); reported per site
         as ``rounding_change``.
       use_oneshot, strict: passed to every ``allreduce_fusion`` call.

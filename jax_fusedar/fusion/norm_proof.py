@@ -29,7 +29,9 @@ chain is replayed on gamma before the call), or is a declared :class:`RoundingCh
 it as the reason:
 
 * the normalized value's path (``_path_roundings``): every factor applied in float32 before
-  one rounding to T; gamma multiplied after that rounding is a declared change;
+  one rounding to T; gamma multiplied only after that rounding leaves the multiplication in
+  the program (the fused norm is the rounded value: ``_rounded_before_gamma``), a bias added
+  before it is a declared change (``_declare_bias``);
 * gamma's cast chain (``_gamma_feed``): the value the program multiplies must be the
   kernel's ``weight_bias + float32(g)`` for a ``g`` in T computed from gamma's array by the
   program's own steps; a gamma whose values are not T's (a float32 gamma, a float16 gamma in

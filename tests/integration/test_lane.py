@@ -24,16 +24,22 @@ FORWARD_BOUND, GRAD_BOUND = 4.0, 16.0
 #          the reasons with default options); per run of the model (a scan body's sites
 #          count its length). Measured 2026-12-03 (docs/fusion_pass.md, the lane's table).
 EXPECTED = {
-    "maxtext llama2 scan_layers=true": ((0, 0), (0, 0), {}),
-    "maxtext llama2 scan_layers=false": ((0, 0), (0, 0), {}),
-    "transformers FlaxLlamaForCausalLM": (
+    # The add of each layer's MLP and the next layer's norm are in two checkpointed layer
+    # calls (and, scanned, in two iterations of the scan over the checkpointed layer): not
+    # sites yet (docs/fusion_pass.md, the lane's notes).
+    "maxtext llama2 scan_layers=true": ((2, 2), (2, 2), {}),
+    "maxtext llama2 scan_layers=false": ((2, 2), (2, 2), {}),
+    "transformers FlaxLlamaForCausalLM": ((4, 4), (4, 4), {}),
+    "flax nnx decoder, Explicit axes, lax.scan": ((4, 4), (4, 4), {}),
+    "flax nnx decoder, Explicit axes, unrolled": ((4, 4), (4, 4), {}),
+    "equinox decoder (per-token modules under vmap)": (
         (4, 0),
         (4, 4),
-        {"gamma multiplied in bfloat16 after the norm is rounded": 4},
+        {
+            "a bias added to the normalized value before its rounding to bfloat16 (the "
+            "fused op has no bias)": 4
+        },
     ),
-    "flax nnx decoder, Explicit axes, lax.scan": ((2, 2), (2, 2), {}),
-    "flax nnx decoder, Explicit axes, unrolled": ((4, 4), (4, 4), {}),
-    "equinox decoder (per-token modules under vmap)": ((0, 0), (0, 0), {}),
     "jax_fusedar.flax MaxText-style layer, plain twin (nn.scan + nn.remat)": ((4, 4), (4, 4), {}),
 }
 
