@@ -45,6 +45,9 @@ class Rotation:
     view: Any  # the rotated body (Jaxpr): consts, carry + [h], xs + [next gamma]
     bg: Any  # the body's graph (the proof's eqn indices)
     final: Any = None  # (NormProof in the outer graph) the loop result's norm it replaces
+    # The body is one checkpoint call (its default policy), opened for the view: the
+    # rotated body then keeps the original's derivative (RotatedScanEmit).
+    checkpointed: bool = False
 
 
 def _add_at_end(bg: G.Graph, v) -> bool:
@@ -72,16 +75,79 @@ def _self_contained(bg: G.Graph, proof, x_in) -> bool:
     return True
 
 
+def _inline_call(body, k):
+    """``body`` with its call eqn ``k`` (a checkpoint) replaced by the call's eqns (outputs
+    that pass an input through read that input), or None."""
+    e = body.eqns[k]
+    sub = e.params.get(G.CALLS[G.name(e)])
+    inner = G.open_jaxpr(sub)
+    if getattr(sub, "consts", ()) or inner.constvars or len(inner.invars) != len(e.invars):
+        return None
+    m = dict(zip(inner.invars, e.invars))
+    rename = {}
+    for iv, ov in zip(inner.outvars, e.outvars):
+        if isinstance(ov, jcore.DropVar):
+            continue
+        if not G.is_var(iv) or iv in m:
+            rename[ov] = m.get(iv, iv)
+        else:
+            m[iv] = ov
+    for iv in {v for ie in inner.eqns for v in ie.outvars} - set(m):
+        m[iv] = iv
+
+    def sub_in(a):
+        return m.get(a, a) if G.is_var(a) else a
+
+    def sub_out(a):
+        return rename.get(a, a) if G.is_var(a) else a
+
+    spliced = [
+        ie.replace(invars=[sub_in(a) for a in ie.invars], outvars=[m[v] for v in ie.outvars])
+        for ie in inner.eqns
+    ]
+    after = [oe.replace(invars=[sub_out(a) for a in oe.invars]) for oe in body.eqns[k + 1 :]]
+    return body.replace(
+        eqns=list(body.eqns[:k]) + spliced + after,
+        outvars=[sub_out(a) for a in body.outvars],
+    )
+
+
+def _checkpoint_body(body, nc, nk):
+    """The body opened, when it is one checkpoint call (``jax.checkpoint``'s default
+    policy, nothing saved but its inputs, as MaxText's and Flax's ``remat`` of a layer) that
+    reads the carries and computes them; else None."""
+    calls = [k for k, e in enumerate(body.eqns) if G.name(e) in ("remat2", "checkpoint")]
+    if len(calls) != 1 or body.eqns[calls[0]].params.get("policy") is not None:
+        return None
+    e = body.eqns[calls[0]]
+    carries_in = body.invars[nc : nc + nk]
+    if not any(v in e.invars for v in carries_in):
+        return None
+    if not any(G.is_var(v) and v in e.outvars for v in body.outvars[:nk]):
+        return None
+    return _inline_call(body, calls[0])
+
+
 def rotation_candidate(scan_eqn, allow: bool) -> Optional[Rotation]:
     """The rotation of a forward scan, or None when no carry is normalized at the start of
     the body and added to at its end (or the norm reads anything but the carry, gamma's
-    root (a loop constant or a slice of the stacked weights) and literals)."""
+    root (a loop constant or a slice of the stacked weights) and literals). A body that is
+    one checkpoint call is looked into."""
     p = scan_eqn.params
     if p.get("reverse") or p.get("length", 0) < 1:
         return None
-    closed = p["jaxpr"]
-    body = G.open_jaxpr(closed)
+    body = G.open_jaxpr(p["jaxpr"])
     nc, nk = int(p["num_consts"]), int(p["num_carry"])
+    rot = _candidate(body, nc, nk, allow)
+    if rot is None:
+        opened = _checkpoint_body(body, nc, nk)
+        rot = None if opened is None else _candidate(opened, nc, nk, allow)
+        if rot is not None:
+            rot.checkpointed = True
+    return rot
+
+
+def _candidate(body, nc, nk, allow) -> Optional[Rotation]:
     bg = G.Graph(body)
     for c in range(nk):
         x_in, x_out = body.invars[nc + c], body.outvars[c]
@@ -237,6 +303,8 @@ class RotatedScanEmit:
             outs = evaluate(view, view_consts, [*consts, *carry, *x], self.plan, fuser)
             return tuple(outs[: nk + 1]), tuple(outs[nk + 1 :])
 
+        if rot.checkpointed:
+            step = self._with_original_derivative(step, p, consts, nk, bool(next_gamma))
         carry, ys = jax.lax.scan(
             step,
             (*init, h0),
@@ -250,3 +318,62 @@ class RotatedScanEmit:
                 write(v, val)
         if rot.final is not None:
             write(rot.final.out_var, carry[nk])
+
+    def _with_original_derivative(self, step, p, consts, nk, shifted):
+        """``step`` (the rotated, fused iteration) with the derivative of the iteration as
+        written: the original body (its checkpoint call and policy) and the next layer's
+        norm of its carry out, under one checkpoint, linearized at the same inputs. Under
+        differentiation the iteration then saves what the original saves (its inputs) and
+        recomputes what it recomputes, and gradients are the original's; the rotated
+        carry ``h`` gets no cotangent (its value is the next iteration's own norm)."""
+        from jax.extend.core import jaxpr_as_fun
+
+        rot, bg = self.rot, self.bg
+        proof = rot.proof
+        original = jaxpr_as_fun(p["jaxpr"])
+        n_const = len(consts)
+        c = rot.carry
+
+        @jax.checkpoint
+        def written(args, g_next):
+            outs = original(*args)
+            env = {rot.x_in: outs[c]}
+            if proof.gamma is not None:
+                env[proof.gamma] = g_next if shifted else args[bg.jaxpr.invars.index(proof.gamma)]
+            _bind([bg.eqns[i] for i in sorted(proof.eqns)], env)
+            return outs, env[proof.out_var]
+
+        def split(flat):
+            consts_, carry, xs = (
+                flat[:n_const],
+                flat[n_const : n_const + nk + 1],
+                flat[n_const + nk + 1 :],
+            )
+            g_next = xs[-1] if shifted else None
+            xs = xs[:-1] if shifted else xs
+            return [*consts_, *carry[:nk], *xs], g_next
+
+        @jax.custom_jvp
+        def fused(*flat):
+            consts_, carry, xs = (
+                flat[:n_const],
+                flat[n_const : n_const + nk + 1],
+                flat[n_const + nk + 1 :],
+            )
+            new_carry, ys = step(carry, xs)
+            return (*new_carry, *ys)
+
+        @fused.defjvp
+        def fused_jvp(primals, tangents):
+            out = fused(*primals)
+            args, g = split(primals)
+            dargs, dg = split(tangents)
+            (outs, h), (douts, dh) = jax.jvp(written, (args, g), (dargs, dg))
+            dout = (*douts[:nk], dh, *douts[nk:])
+            return out, tuple(dout)
+
+        def wrapped(carry, xs):
+            out = fused(*consts, *carry, *xs)
+            return tuple(out[: nk + 1]), tuple(out[nk + 1 :])
+
+        return wrapped

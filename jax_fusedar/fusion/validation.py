@@ -166,8 +166,32 @@ def _signature(g, eqns, roles):
 
 def signature(g, eqns, roles):
     """The structure of ``eqns`` with the vars of ``roles`` ((name, var)) named by role:
-    equal for two sets of equations that compute the same thing of their role vars."""
-    return _signature(g, eqns, roles)
+    equal for two sets of equations that compute the same thing of their role vars.
+    Value-preserving eqns (graph.NO_OPS: a sharding constraint, a checkpoint name) are left
+    out, their results read as their operands."""
+    alias = {}
+    kept = set()
+    for i in sorted(eqns):
+        e = g.eqns[i]
+        if G.name(e) in G.NO_OPS and len(e.invars) == 1 and G.is_var(e.invars[0]):
+            alias[e.outvars[0]] = alias.get(e.invars[0], e.invars[0])
+        else:
+            kept.add(i)
+    if not alias:
+        return _signature(g, eqns, roles)
+
+    class _View:  # the graph with the aliases substituted
+        pass
+
+    view = _View()
+    view.eqns = {
+        i: g.eqns[i].replace(
+            invars=[alias.get(a, a) if G.is_var(a) else a for a in g.eqns[i].invars]
+        )
+        for i in kept
+    }
+    roles = [(role, alias.get(v, v) if G.is_var(v) else v) for role, v in roles]
+    return _signature(view, kept, roles)
 
 
 def _probe_rows(shape, rng):

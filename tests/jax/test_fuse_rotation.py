@@ -47,9 +47,10 @@ def fused_and_checked(module, **kw):
     return fused, (mesh, params, x, fwd)
 
 
+@pytest.mark.parametrize("remat", [False, True], ids=["plain", "checkpointed"])
 @pytest.mark.parametrize("layout", ["plain_jit", "shard_map"])
-def test_the_scanned_decoder_is_rotated_and_every_add_fused(layout):
-    fused, _ = fused_and_checked(scanned_llama, layout=layout)
+def test_the_scanned_decoder_is_rotated_and_every_add_fused(layout, remat):
+    fused, _ = fused_and_checked(scanned_llama, layout=layout, remat=remat)
     rep = fused.report
     assert len(rep.fused) == 2 == len(rep.sites), rep.line()
     # Each layer's two adds, the last with the final norm: 2 * layers fused calls per run.
@@ -75,6 +76,34 @@ def test_the_rotated_program_has_one_norm_before_the_loop():
     body = text[text.index("scan[") :]
     assert body.count("jax_fusedar_allreduce_fusion") == 2, body
     assert "psum" not in body.split("jax_fusedar_allreduce_fusion")[0].split("scan[")[-1]
+
+
+def saved_types(capsys, fn, *args):
+    """The types of the values ``jax.grad`` of ``fn`` saves for its backward pass."""
+    capsys.readouterr()
+    print_saved_residuals(fn, *args)
+    return sorted(line.split()[0] for line in capsys.readouterr().out.splitlines())
+
+
+@pytest.mark.parametrize("layout", ["plain_jit", "shard_map"])
+def test_a_rotated_checkpointed_layer_saves_and_recomputes_as_written(layout, capsys):
+    """A scan over a checkpointed layer (MaxText's scan_layers, nn.scan(nn.remat)): the
+    rotated iteration keeps the original's derivative (the layer's checkpoint and the next
+    norm, linearized at the same inputs), so it saves what the original saves, its inputs
+    (plus the next layer's gamma, a [hidden] slice, for the norm moved into it), and the
+    gradients are the original's bit for bit (fused_and_checked)."""
+    fused, (mesh, params, x, fwd) = fused_and_checked(scanned_llama, layout=layout, remat=True)
+    with jax.set_mesh(mesh):
+        got = saved_types(capsys, jax.jit(fused), params, x)
+        want = saved_types(capsys, jax.jit(fwd), params, x)
+    extra = list(got)
+    for t in want:
+        assert t in extra, (t, got, want)
+        extra.remove(t)
+    # The shifted gamma stack: [layers, hidden] (under shard_map, one per device: a
+    # residual of the shard_map is laid out over all of them, [devices * layers, hidden]).
+    stacks = (f"bf16[{CFG.layers},{CFG.hidden}]", f"bf16[{8 * CFG.layers},{CFG.hidden}]")
+    assert extra == [] or (len(extra) == 1 and extra[0] in stacks), (got, want)
 
 
 def test_a_checkpointed_layer_keeps_what_it_saves(capsys):

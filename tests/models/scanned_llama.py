@@ -4,7 +4,9 @@ iteration normalizes its carry first and adds the MLP's output to it last, so th
 layer i and the norm of layer i + 1 are in different iterations; the final norm follows
 the loop. ``layout="plain_jit"``: plain ``jax.jit`` with shardings (the partitioner's
 all-reduce); ``"shard_map"``: the loop inside one ``shard_map``, ``psum`` after each
-row-parallel matmul. ``final_norm=False`` returns the loop's result unnormalized."""
+row-parallel matmul. ``final_norm=False`` returns the loop's result unnormalized;
+``remat=True`` checkpoints each layer (``jax.checkpoint``'s default policy), as MaxText's
+``scan_layers`` and Flax's ``nn.scan(nn.remat(...))`` do."""
 
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ def input_sharding(mesh):
     return NamedSharding(mesh, P(DP))
 
 
-def make_forward(cfg: Config, mesh, layout="plain_jit", final_norm=True):
+def make_forward(cfg: Config, mesh, layout="plain_jit", final_norm=True, remat=False):
     def rms_norm(x, g):
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), -1, keepdims=True) + cfg.eps)
@@ -67,7 +69,7 @@ def make_forward(cfg: Config, mesh, layout="plain_jit", final_norm=True):
 
     def decoder(params, x):
         stacked = {k: v for k, v in params.items() if k != "final_norm"}
-        x, _ = jax.lax.scan(layer, x, stacked)
+        x, _ = jax.lax.scan(jax.checkpoint(layer) if remat else layer, x, stacked)
         return rms_norm(x, params["final_norm"]) if final_norm else x
 
     if layout == "plain_jit":
