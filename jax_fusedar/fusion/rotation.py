@@ -299,12 +299,15 @@ class RotatedScanEmit:
         view_consts = getattr(p["jaxpr"], "consts", ())
         view = self.rot.view
 
-        def step(carry, x):
-            outs = evaluate(view, view_consts, [*consts, *carry, *x], self.plan, fuser)
+        def run(consts_, carry, x):
+            outs = evaluate(view, view_consts, [*consts_, *carry, *x], self.plan, fuser)
             return tuple(outs[: nk + 1]), tuple(outs[nk + 1 :])
 
+        def step(carry, x):
+            return run(consts, carry, x)
+
         if rot.checkpointed:
-            step = self._with_original_derivative(step, p, consts, nk, bool(next_gamma))
+            step = self._with_original_derivative(run, p, consts, nk, bool(next_gamma))
         carry, ys = jax.lax.scan(
             step,
             (*init, h0),
@@ -319,8 +322,8 @@ class RotatedScanEmit:
         if rot.final is not None:
             write(rot.final.out_var, carry[nk])
 
-    def _with_original_derivative(self, step, p, consts, nk, shifted):
-        """``step`` (the rotated, fused iteration) with the derivative of the iteration as
+    def _with_original_derivative(self, run, p, consts, nk, shifted):
+        """``run`` (the rotated, fused iteration) with the derivative of the iteration as
         written: the original body (its checkpoint call and policy) and the next layer's
         norm of its carry out, under one checkpoint, linearized at the same inputs. Under
         differentiation the iteration then saves what the original saves (its inputs) and
@@ -355,12 +358,8 @@ class RotatedScanEmit:
 
         @jax.custom_jvp
         def fused(*flat):
-            consts_, carry, xs = (
-                flat[:n_const],
-                flat[n_const : n_const + nk + 1],
-                flat[n_const + nk + 1 :],
-            )
-            new_carry, ys = step(carry, xs)
+            carry, xs = flat[n_const : n_const + nk + 1], flat[n_const + nk + 1 :]
+            new_carry, ys = run(flat[:n_const], carry, xs)
             return (*new_carry, *ys)
 
         @fused.defjvp
