@@ -233,29 +233,30 @@ def _dce(eqns, outvars):
 
 
 def final_norm(g: G.Graph, scan_i: int, rot: Rotation, allow: bool):
-    """The outer norm of the loop's result that is the rotated norm with its own gamma
-    (the same equations, gamma of the stack's slice type), or None."""
-    if rot.gamma_xs is None:
+    """The outer norm of the loop's result that is the rotated norm: the same equations, with
+    its own gamma of the stack's slice type (or, like the rotated norm, none: MaxText's and
+    Hugging Face's gamma multiplied after the rounding stays after both), or None. A loop
+    constant gamma is not shifted: its final norm is not merged."""
+    if rot.proof.gamma is not None and rot.gamma_xs is None:
         return None
     y = g.eqns[scan_i].outvars[rot.carry]
     try:
         outer = norm_proof.prove_rms_norm(g, y, allow)
     except Reject:
         return None
-    if (
-        outer.quant_var is not None
-        or outer.gamma is None
-        or not G.is_var(outer.gamma)
+    if outer.quant_var is not None or (outer.gamma is None) != (rot.proof.gamma is None):
+        return None
+    if outer.gamma is not None and (
+        not G.is_var(outer.gamma)
         or outer.gamma.aval.shape != rot.proof.gamma.aval.shape
         or outer.gamma.aval.dtype != rot.proof.gamma.aval.dtype
+        or g.defs.get(outer.gamma, -1) > scan_i
     ):
         return None
     same = validation.signature(
         g, outer.eqns, [("r", y), ("gamma", outer.gamma)]
     ) == validation.signature(rot.bg, rot.proof.eqns, [("r", rot.x_in), ("gamma", rot.proof.gamma)])
-    if not same or g.defs.get(outer.gamma, -1) > scan_i:
-        return None
-    return outer
+    return outer if same else None
 
 
 def _bind(eqns, env):
