@@ -25,7 +25,7 @@ from jax.extend import core as jcore
 from ..call_plan import fused_site_problem
 from ..common import limits
 from . import graph as G
-from . import matching, rotation
+from . import chain, matching, rotation
 from . import report as R
 from .matching import Scope
 from .report import Reject
@@ -356,6 +356,8 @@ class Analyzer:
             else:
                 plan.emit[m.emit_at].append(self._emitter(m))
         self._drop_dead(g, plan, removable, read)
+        for links in chain.find_chains(g, self.fuser.allow_rounding_change):
+            self._plan_chain(links, g, scope, plan, read)
         # Sub-jaxprs.
         for j, e in enumerate(g.eqns):
             if j in plan.skip and j not in boundary:
@@ -416,6 +418,39 @@ class Analyzer:
             plan.skip.add(g.defs[rot.final.out_var])
             self._drop_dead(g, plan, rot.final.eqns, read)
         return True
+
+    def _plan_chain(self, links, g, scope, plan, read) -> None:
+        """Checkpoint calls one after another (fusion/chain.py): rotated when more sites fuse
+        than in the calls as written (then planned here), else left to the plain planning."""
+        if any(link.i in plan.skip for link in links):
+            return
+        n0 = len(self.sites)
+        for link in links:
+            child, _ = self._child_scope(g.eqns[link.i], scope)
+            self.plan(chain._body(g.eqns[link.i]), child)
+        as_written = sum(s.fused for s in self.sites[n0:])
+        del self.sites[n0:]
+        for link in links:
+            child, _ = self._child_scope(g.eqns[link.i], scope)
+            link.plan = self.plan(chain.build_view(g, link), child)
+        if sum(s.fused for s in self.sites[n0:]) <= as_written:
+            del self.sites[n0:]
+            return
+        for k in range(n0, len(self.sites)):
+            site = self.sites[k]
+            if site.fused and any(self._site_norms.get(k) is link.h_out for link in links):
+                note = "across checkpoint calls: the calls rotated, the original derivative kept"
+                self.sites[k] = dataclasses.replace(
+                    site, note="; ".join(n for n in (site.note, note) if n)
+                )
+        h_var = {}
+        for n, link in enumerate(links):
+            nxt = links[n + 1].i if n + 1 < len(links) else None
+            plan.skip.add(link.i)
+            plan.emit[link.i].append(chain.ChainCallEmit(g, link, h_var, nxt))
+            if link.final is not None:
+                plan.skip.add(g.defs[link.final.out_var])
+                self._drop_dead(g, plan, link.final.eqns, read)
 
     def _note_rotated(self, n0, rot, e, child):
         """The rotated site (its norm is the view's new carry out) says so; without a final

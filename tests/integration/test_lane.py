@@ -24,11 +24,10 @@ FORWARD_BOUND, GRAD_BOUND = 4.0, 16.0
 #          the reasons with default options); per run of the model (a scan body's sites
 #          count its length). Measured 2026-12-03 (docs/fusion_pass.md, the lane's table).
 EXPECTED = {
-    # Scanned, the loop over the checkpointed layer is rotated; unrolled, the add of each
-    # layer's MLP and the next layer's norm are in two checkpointed layer calls: not sites
-    # yet (docs/fusion_pass.md, the lane's notes).
+    # Scanned, the loop over the checkpointed layer is rotated; unrolled, the checkpointed
+    # layer calls are (fusion/rotation.py, fusion/chain.py).
     "maxtext llama2 scan_layers=true": ((4, 4), (4, 4), {}),
-    "maxtext llama2 scan_layers=false": ((2, 2), (2, 2), {}),
+    "maxtext llama2 scan_layers=false": ((4, 4), (4, 4), {}),
     "transformers FlaxLlamaForCausalLM": ((4, 4), (4, 4), {}),
     "flax nnx decoder, Explicit axes, lax.scan": ((4, 4), (4, 4), {}),
     "flax nnx decoder, Explicit axes, unrolled": ((4, 4), (4, 4), {}),
