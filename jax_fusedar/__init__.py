@@ -26,8 +26,8 @@ _LAZY = {
     "export": ("export", None),  # the module: export(), deserialize(), DISABLED_CHECKS
     "timing": ("timing", None),  # the module: device_timestamp(), stamps_to_ns(), available()
     "AllReduceFusionWorkspace": ("workspace", "AllReduceFusionWorkspace"),
-    "fuse": ("fusion_pass", "fuse"),
-    "FusionReport": ("fusion_pass", "FusionReport"),
+    "fuse": ("fusion.transform", "fuse"),
+    "FusionReport": ("fusion.report", "FusionReport"),
     "moe_reduction_allreduce_fusion": ("moe", "moe_reduction_allreduce_fusion"),
     "moe_finalize_allreduce_fusion": ("moe", "moe_finalize_allreduce_fusion"),
     "MoeAllReduceFusionOutputs": ("moe", "MoeAllReduceFusionOutputs"),

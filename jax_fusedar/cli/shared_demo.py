@@ -178,7 +178,7 @@ def _replicated(mesh, value):
 
 
 def _run_dense(args, p, rank, mesh, world, say, where, layers_note):
-    from ..fusion_pass import fuse
+    from ..fusion.transform import fuse
     from ..models import llama
 
     preset, cfg = llama_preset(args, world)
@@ -283,7 +283,7 @@ def _modes(args):
 
 
 def _run_moe(args, p, rank, mesh, world, say, where, layers_note):
-    from ..fusion_pass import fuse
+    from ..fusion.transform import fuse
     from ..models import llama, moe_llama
 
     name, cfg = moe_preset(args, world, on_gpu=p.gpus > 0)

@@ -24,7 +24,7 @@ from jax.extend import core as jcore
 from . import graph as G
 from . import norm_proof, validation
 from .report import Reject
-from .rotation import _add_at_end, _bind, _dce, _self_contained
+from .rotation import add_at_end, bind, dce, self_contained
 
 CHECKPOINTS = ("remat2", "checkpoint")
 
@@ -58,7 +58,7 @@ class Link:
     h_out: Any = None
 
 
-def _body(eqn):
+def call_body(eqn):
     return G.open_jaxpr(eqn.params["jaxpr"])
 
 
@@ -73,7 +73,7 @@ def _checkpoint(eqn) -> bool:
 def _head_norm(eqn, k_in: int, allow) -> Optional[Norm]:
     """The norm of the call's input ``k_in`` at the start of its body, reading only that
     input, gamma (another input) and literals, or None."""
-    body = _body(eqn)
+    body = call_body(eqn)
     bg = G.Graph(body)
     x = body.invars[k_in]
     if G.dtype(x) not in G.FLOATS or not G.shape(x) or not G.shape(x)[-1]:
@@ -89,7 +89,7 @@ def _head_norm(eqn, k_in: int, allow) -> Optional[Norm]:
         if not G.is_var(proof.gamma) or proof.gamma not in body.invars:
             return None
         outer_gamma = eqn.invars[body.invars.index(proof.gamma)]
-    if not _self_contained(bg, proof, x):
+    if not self_contained(bg, proof, x):
         return None
     return Norm(bg, proof, x, outer_gamma)
 
@@ -107,11 +107,11 @@ def find_chains(g: G.Graph, allow: bool) -> list:
         while True:
             cur = links[-1]
             ce = g.eqns[cur.i]
-            body = _body(ce)
+            body = call_body(ce)
             bg = G.Graph(body)
             nxt = None
             for o, y in enumerate(ce.outvars):
-                if isinstance(y, jcore.DropVar) or not _add_at_end(bg, body.outvars[o]):
+                if isinstance(y, jcore.DropVar) or not add_at_end(bg, body.outvars[o]):
                     continue
                 users = g.users(y)
                 if len(users) == 1 and _checkpoint(g.eqns[users[0]]) and y not in g.outs:
@@ -146,7 +146,7 @@ def _final_norm(g: G.Graph, y, allow):
         return None
     if proof.gamma is not None and not G.is_var(proof.gamma):
         return None
-    if not _self_contained(g, proof, y):
+    if not self_contained(g, proof, y):
         return None
     return proof
 
@@ -155,7 +155,7 @@ def build_view(g: G.Graph, link: Link):
     """The call's body rewritten: the head norm's output an extra input (h), the tail norm
     of output ``out`` computed at its end (gamma an extra input), h out an extra output."""
     e = g.eqns[link.i]
-    body = _body(e)
+    body = call_body(e)
     bg = G.Graph(body)
     invars, outvars, eqns = list(body.invars), list(body.outvars), list(body.eqns)
     if link.head is not None:
@@ -167,7 +167,7 @@ def build_view(g: G.Graph, link: Link):
             if y not in q.outvars
         ]
         outvars = [link.h_in if a is y else a for a in outvars]
-        eqns = _dce(eqns, outvars)
+        eqns = dce(eqns, outvars)
         invars.append(link.h_in)
     if link.tail is not None:
         t = link.tail
@@ -235,7 +235,7 @@ class ChainCallEmit:
             env = {tail.x: y}
             if tail.proof.gamma is not None:
                 env[tail.proof.gamma] = gn
-            _bind([tail.graph.eqns[k] for k in sorted(tail.proof.eqns)], env)
+            bind([tail.graph.eqns[k] for k in sorted(tail.proof.eqns)], env)
             return env[tail.proof.out_var]
 
         # The next call's norm was inside that call's checkpoint (recomputed); a final norm

@@ -50,7 +50,7 @@ class Rotation:
     checkpointed: bool = False
 
 
-def _add_at_end(bg: G.Graph, v) -> bool:
+def add_at_end(bg: G.Graph, v) -> bool:
     """Whether ``v`` is computed by an ``add`` (through value-preserving eqns)."""
     while True:
         _, e = bg.eqn(v)
@@ -62,7 +62,7 @@ def _add_at_end(bg: G.Graph, v) -> bool:
         return G.name(e) == "add"
 
 
-def _self_contained(bg: G.Graph, proof, x_in) -> bool:
+def self_contained(bg: G.Graph, proof, x_in) -> bool:
     """The norm's equations read only the carry, gamma's root, literals and each other."""
     defined = {v for i in proof.eqns for v in bg.eqns[i].outvars}
     for i in proof.eqns:
@@ -153,7 +153,7 @@ def _candidate(body, nc, nk, allow) -> Optional[Rotation]:
         x_in, x_out = body.invars[nc + c], body.outvars[c]
         if G.dtype(x_in) not in G.FLOATS or not G.shape(x_in) or not G.shape(x_in)[-1]:
             continue
-        if not G.is_var(x_out) or not _add_at_end(bg, x_out):
+        if not G.is_var(x_out) or not add_at_end(bg, x_out):
             continue
         if not any(True for _ in bg.users(x_in)):
             continue
@@ -171,7 +171,7 @@ def _candidate(body, nc, nk, allow) -> Optional[Rotation]:
             if nc <= k < nc + nk:
                 continue  # gamma carried: not a weight
             gamma_xs = k - nc - nk if k >= nc + nk else None
-        if not _self_contained(bg, proof, x_in):
+        if not self_contained(bg, proof, x_in):
             continue
         view = _rotated(body, bg, nc, nk, proof, x_in, x_out)
         return Rotation(c, proof, x_in, gamma_xs, view, bg)
@@ -196,7 +196,7 @@ def _rotated(body, bg, nc, nk, proof, x_in, x_out):
         if i not in proof.eqns or y not in bg.eqns[i].outvars
     ]
     outvars = [sub(a) if G.is_var(a) else a for a in body.outvars]
-    kept = _dce(kept, outvars)
+    kept = dce(kept, outvars)
     # The norm once more, of the carry out, with the next iteration's gamma.
     names = {x_in: x_out}
     if g_next is not None:
@@ -221,7 +221,7 @@ def _rotated(body, bg, nc, nk, proof, x_in, x_out):
     return body.replace(invars=invars, outvars=outs, eqns=kept + copies)
 
 
-def _dce(eqns, outvars):
+def dce(eqns, outvars):
     """``eqns`` without those whose results nothing reads (effect-free ones only)."""
     live = {a for a in outvars if G.is_var(a)}
     out = []
@@ -259,7 +259,7 @@ def final_norm(g: G.Graph, scan_i: int, rot: Rotation, allow: bool):
     return outer if same else None
 
 
-def _bind(eqns, env):
+def bind(eqns, env):
     from .rewriting import bind_all
 
     bind_all(eqns, env)
@@ -295,7 +295,7 @@ class RotatedScanEmit:
                 env[proof.gamma] = stack[0]
                 last = read(rot.final.gamma) if rot.final is not None else stack[0]
                 next_gamma = [jnp.concatenate([stack[1:], last[None].astype(stack.dtype)])]
-        _bind([self.bg.eqns[i] for i in sorted(proof.eqns)], env)
+        bind([self.bg.eqns[i] for i in sorted(proof.eqns)], env)
         h0 = env[proof.out_var]
         view_consts = getattr(p["jaxpr"], "consts", ())
         view = self.rot.view
@@ -344,7 +344,7 @@ class RotatedScanEmit:
             env = {rot.x_in: outs[c]}
             if proof.gamma is not None:
                 env[proof.gamma] = g_next if shifted else args[bg.jaxpr.invars.index(proof.gamma)]
-            _bind([bg.eqns[i] for i in sorted(proof.eqns)], env)
+            bind([bg.eqns[i] for i in sorted(proof.eqns)], env)
             return outs, env[proof.out_var]
 
         def split(flat):

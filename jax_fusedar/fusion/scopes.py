@@ -427,7 +427,7 @@ class Analyzer:
         n0 = len(self.sites)
         for link in links:
             child, _ = self._child_scope(g.eqns[link.i], scope)
-            self.plan(chain._body(g.eqns[link.i]), child)
+            self.plan(chain.call_body(g.eqns[link.i]), child)
         as_written = sum(s.fused for s in self.sites[n0:])
         del self.sites[n0:]
         for link in links:

@@ -26,9 +26,9 @@ rewritten: a value the rewrite replaces that is used otherwise (returned twice, 
 leaves the site unfused. Everything else is left as it is, with its reason; ``fuse`` does
 not raise on a program that runs.
 
-The sections of the pass live in ``jax_fusedar/fusion/`` (matching, scope walking,
-rewriting, the report, the JAX internals it uses); this module is the transform itself:
-workspaces, tracing, the report of each trace.
+The sections of the pass are this module's neighbours in ``jax_fusedar/fusion/`` (matching,
+scope walking, loop rotation, rewriting, the report, the JAX internals it uses); this module
+is the transform itself: workspaces, tracing, the report of each trace.
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ from typing import Optional
 import jax
 import numpy as np
 
-from .fusion import jax_internals, rewriting
-from .fusion.matching import Scope
-from .fusion.report import FusionReport, Reject, Site  # noqa: F401 (public names)
-from .fusion.scopes import Analyzer
+from . import jax_internals, rewriting
+from .matching import Scope
+from .report import FusionReport, Reject, Site  # noqa: F401 (public names)
+from .scopes import Analyzer
 
 log = logging.getLogger("jax_fusedar")
 
@@ -57,7 +57,7 @@ def _serving_problem(ws, m, world: int, mesh) -> Optional[str]:
     """Why ``ws`` cannot serve the matched site ``m``, or None: its dtype, world size, size,
     and (where the site's shard_map mesh is known) the devices grouped along its axis, the
     fused op's own check (call_checks.check_call_groups)."""
-    from .call_checks import check_call_groups
+    from ..call_checks import check_call_groups
 
     if ws.dtype.name != m.dtype:
         return f"the workspace is for {ws.dtype.name}, the site is {m.dtype}"
@@ -156,7 +156,7 @@ class FusedFunction:
         unless another transform's live kernel workspace holds that key: then the first
         free of the names ``jax_fusedar.fuse.2``, ``.3``, ... (the same in every process
         that creates them in the same order)."""
-        from .workspace import WorkspaceKeyTaken, create_allreduce_fusion_workspace
+        from ..workspace import WorkspaceKeyTaken, create_allreduce_fusion_workspace
 
         for n in range(1, _MAX_SAME_KEY + 1):
             try:
@@ -262,7 +262,7 @@ def fuse(
     if not callable(fn):
         raise TypeError(f"fuse: fn must be callable, got {fn!r}")
     if workspace is not None:
-        from .workspace import AllReduceFusionWorkspace
+        from ..workspace import AllReduceFusionWorkspace
 
         if not isinstance(workspace, AllReduceFusionWorkspace):
             raise TypeError(
