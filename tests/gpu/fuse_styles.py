@@ -165,8 +165,8 @@ def _specs(mod, host_params):
     for key, value in host_params.items():
         if isinstance(value, list):
             out[key] = [{k: mod.SPECS[k] for k in layer} for layer in value]
-        else:
-            out[key] = P()
+        else:  # a stacked weight (scanned models) or a final norm
+            out[key] = mod.SPECS.get(key, P())
     return out
 
 

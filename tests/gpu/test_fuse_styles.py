@@ -22,9 +22,15 @@ STYLES = [
     "plain_jit_llama_auto",
     "plain_jit_llama_explicit",
     "gemma_pre_norm",
-    "hf_flax_llama_allow",
-    "hf_flax_llama_f32_weights_allow",
+    "hf_flax_llama",
+    "hf_flax_llama_f32_weights",
     "hf_flax_llama_float32",
+    "annotated_llama",
+    "annotated_llama_per_token",
+    "annotated_llama_gamma_einsum",
+    "annotated_llama_bias_allow",
+    "scanned_llama_plain_jit",
+    "scanned_llama_shard_map",
 ]
 # Llama-like sizes a kernel call sees in decode-to-prefill ranges, small enough for a minute.
 CONFIG = dict(batch=2, seq=64, hidden=1024, heads=8, head_dim=128, ffn=2048, layers=2)

@@ -91,6 +91,8 @@ def test_fuse_styles_worker_at_two_ranks():
         "sequence_parallel_llama",
         "plain_jit_llama_explicit",
         "hf_flax_llama_float32",
+        "annotated_llama_per_token",
+        "scanned_llama_shard_map",
     ]
     res = harness.run_ranks(
         fuse_styles.worker,
