@@ -274,6 +274,7 @@ class Spelling:
     # program's value before it.
     gamma_after: bool = False
     bias: bool = False  # ``after`` adds a bias (the fused op's output, then the addition)
+    after_gamma: str = "f32"  # gamma as ``after`` reads it: "f32" or "in_t" (rounded to T)
 
 
 SPELLINGS = {
@@ -300,6 +301,7 @@ SPELLINGS = {
         "fused",
         col=None,
         after=lambda y, g: y * g,
+        after_gamma="in_t",
         gamma_after=True,
     ),
     "hf_flax_float32_output": Spelling(
@@ -463,18 +465,30 @@ class Program:
         if sp.expect == "refused" and not (T == "float32" and sp.exact_in_f32):
             return "refused", sp.reason.format(T=T)
         changes = []
-        if sp.expect == "changed" and T != "float32":
-            if not self.allow:
-                return "refused", sp.reason.format(T=T)
-            changes.append(sp.change.format(T=T))
-        gamma = self.gamma_outcome()
-        if gamma is not None:
-            kind, what = gamma
-            if what == "range":
-                return "refused", f"{kind} gamma in a float16 model: the kernel reads gamma"
-            if not self.allow:
-                return "refused", f"{kind} gamma (the kernel reads gamma in {T})"
-            changes.append(f"gamma rounded to {T}")
+
+        def spelling():  # the spelling's own rounding change
+            if sp.expect == "changed" and T != "float32":
+                if not self.allow:
+                    return "refused", sp.reason.format(T=T)
+                changes.append(sp.change.format(T=T))
+            return None
+
+        def gamma():  # gamma's values against T's
+            outcome = self.gamma_outcome()
+            if outcome is not None:
+                kind, what = outcome
+                if what == "range":
+                    return "refused", f"{kind} gamma in a float16 model: the kernel reads gamma"
+                if not self.allow:
+                    return "refused", f"{kind} gamma (the kernel reads gamma in {T})"
+                changes.append(f"gamma rounded to {T}")
+            return None
+
+        # The pass meets a bias after gamma's feed; other changes on the path before it.
+        for step in (gamma, spelling) if sp.bias else (spelling, gamma):
+            refused = step()
+            if refused is not None:
+                return refused
         return ("changed", "; ".join(changes)) if changes else ("fused", None)
 
     def pattern(self):
@@ -643,8 +657,13 @@ def exact_norm(prog, site, r, g):
         col = np.asarray(compiled(lambda g: col_value(sp, prog.norm_gamma(g), prog.dtype))(g))
         col = col.astype(np.float64)
     exact = r64 * inv * col
-    if sp.after is not None:
-        exact = sp.after(exact, np.asarray(g, np.float64))
+    if sp.after is not None:  # gamma as the program reads it there (its cast chain)
+        T = prog.dtype
+        in_t = sp.after_gamma == "in_t"
+        g_after = compiled(
+            lambda g: (prog.norm_gamma(g).astype(T) if in_t else prog.norm_gamma(g)).astype(f32)
+        )(g)
+        exact = sp.after(exact, np.asarray(g_after, np.float64))
     return exact, inv, col
 
 
