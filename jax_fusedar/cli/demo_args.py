@@ -44,7 +44,8 @@ def add_arguments(parser, *, positive_int, int_list, seed, dtypes, backends) -> 
         default="fused-friendly",
         help="RMSNorm as written in the model: gamma multiplied in float32 "
         "(fused-friendly) or in the activation dtype after a cast (Hugging "
-        "Face's form, left unfused unless --allow-rounding-change)",
+        "Face's form: the fused norm is the rounded value, gamma's multiplication "
+        "stays after it)",
     )
     parser.add_argument(
         "--allow-rounding-change",

@@ -4,7 +4,7 @@ dense Llama and ``--moe``.
 Each rank process holds one device of the TP group (on a one-GPU machine they share it). XLA's
 NCCL refuses two ranks on one GPU, so the program the ranks run has no collective but the fused
 kernel: every psum + residual add + RMSNorm is fused by ``jax_fusedar.fuse`` (the run stops
-with a SetupError where one is not, e.g. ``--norm hf``), the MoE combine is the MoE finalize
+with a SetupError where one is not), the MoE combine is the MoE finalize
 op, and the LM head is replicated (``vocab_parallel=False``) so that every rank computes all
 the logits from the replicated final norm instead of gathering them. The unfused TP program
 is not run (its psum is XLA's all-reduce): the reference is the same model unsharded, on one
@@ -166,8 +166,7 @@ def _require_fused(report, p: Plan, what: str) -> None:
         raise SetupError(
             f"{what}: jax_fusedar.fuse left {len(report.sites) - len(report.fused)} of "
             f"{len(report.sites)} all-reduce sites unfused ({dict(report.reasons())}); their "
-            f"psum would run on XLA's NCCL all-reduce, which refuses ranks sharing a GPU "
-            f"(with --norm hf, pass --allow-rounding-change)"
+            f"psum would run on XLA's NCCL all-reduce, which refuses ranks sharing a GPU"
         )
 
 
@@ -238,7 +237,7 @@ def _run_dense(args, p, rank, mesh, world, say, where, layers_note):
     tokens = {mode: out[0][0].tolist() for mode, out in fused_out.items()}
     if rank != 0:
         return tokens, True
-    expect_all = args.norm != "hf" or args.allow_rounding_change
+    expect_all = True  # both norms fuse (Hugging Face's gamma stays after the fused norm)
     ok = True
     dev = jax.local_devices()[0]
     mesh1 = Mesh(np.array([dev]), (AXIS,))
