@@ -84,7 +84,7 @@ def hermetic(monkeypatch):
     """No strict mode, backend choice or call check leaking in from the environment, and
     fallback warnings neither hidden by earlier tests nor hiding later ones (each kind logs
     once). Imported lazily: tests/jax/conftest.py sets XLA_FLAGS before JAX is first imported."""
-    from jax_fusedar import call_plan
+    from jax_fusedar.ops import plan as call_plan
     from jax_fusedar.common import backend_choice, call_check
 
     for var in (

@@ -329,7 +329,7 @@ NB_MODULE(_fusedar, m) {
     d[FUSEDAR_TARGET_DEVICE_TIMESTAMP] = encapsulate(FusedarDeviceTimestampHandler);
     return d;
   });
-  // Targets registered for the host platform (jax_fusedar/ffi_op.py, register_ffi_targets).
+  // Targets registered for the host platform (jax_fusedar/ops/family.py, register_ffi_targets).
   m.def("host_registrations", []() {
     nb::dict d;
     d[FUSEDAR_TARGET_ALLREDUCE_FUSION] = encapsulate(FusedarAllReduceFusionHostHandler);

@@ -5,7 +5,7 @@
 // Results, in order: allreduce_out (pattern 0) or residual_out, then norm_out if the
 // pattern writes it, then quant_out and scale_out for quantized patterns; which ones a
 // pattern has comes from the native table (fusedar/patterns.h). The Python primitive
-// (jax_fusedar/primitive.py) builds exactly this list from the Python table, which
+// (jax_fusedar/ops/dense.py) builds exactly this list from the Python table, which
 // tests/native/test_contract.py holds equal to the native one, and this handler re-checks
 // it: every operand, and every result's element type and count (result_check.h), so a
 // mismatch is an FFI error, never a wild write. A failed launch returns the error code of

@@ -8,7 +8,7 @@
 //   residual_in [T, H], rms_gamma [H], then expert_scale_factor [T, K] (x's dtype) when
 //   `has_expert_scale`, then shared_expert_output [T, H] when `has_shared_expert`;
 //   results: residual_out, norm_out.
-// The Python primitive (jax_fusedar/moe_primitive.py) builds exactly these lists; this
+// The Python primitive (jax_fusedar/ops/moe.py) builds exactly these lists; this
 // handler re-checks shapes and dtypes, so a mismatch is an FFI error, never a wild read.
 // Per-call state lives on the device (as for the dense handler): command-buffer compatible.
 #include <string>

@@ -26,7 +26,7 @@ class AllReduceFusionPattern(enum.IntEnum):
     kARResidualRMSNormOutFP4Quant = 5
     # FlashInfer's MoE epilogues (trtllm_moe_allreduce_fusion.cuh): their own inputs, served by
     # jax_fusedar.moe_reduction_allreduce_fusion / moe_finalize_allreduce_fusion and by
-    # torch_compat.allreduce_fusion (jax_fusedar/moe.py, torch_compat/moe.py); not in TRAITS.
+    # torch_compat.allreduce_fusion (jax_fusedar/ops/moe.py, torch_compat/moe.py); not in TRAITS.
     kMoEReductionARResidualRMSNorm = 6
     kMoEFinalizeARResidualRMSNorm = 7
     kARResidualRMSNormPerTokenGroupFP8PackedQuant = 8

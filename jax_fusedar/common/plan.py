@@ -4,12 +4,12 @@ of the call (``Call``: pattern, tokens x hidden, dtype, the workspace's facts) t
 large-message path), or why not; and the results it writes, in order. Framework-neutral
 (never imports jax or torch).
 
-The JAX API (``jax_fusedar/call_plan.py``) and ``torch_compat`` (``ops``, ``moe``) translate
+The JAX API (``jax_fusedar/ops/plan.py``) and ``torch_compat`` (``ops``, ``moe``) translate
 their arguments into a ``Call`` and act on the ``Plan``; neither decides anything itself.
 What each does with a call the kernel does not serve is its own documented policy: JAX falls
 back to psum + RMSNorm (logged once per kind of reason, or raised in strict mode; an empty
-call silently), torch raises ValueError, as FlashInfer does. ``tests/jax/test_plan_fronts.py`` runs both fronts
-over a grid of calls and asserts they reach identical plans.
+call silently), torch raises ValueError, as FlashInfer does. ``tests/jax/test_plan_fronts.py``
+runs both fronts over a grid of calls and asserts they reach identical plans.
 
 Every decision is a pure function of the ``Call``: every rank of a group computes the same
 plan for the same call, so the kernel's spin-waits always find their peers (never feed it

@@ -1,6 +1,6 @@
 """What one fused call writes: the name, shape and dtype of every result of a pattern.
 
-The single source for JAX's abstract eval (``primitive.py``), the torch op's outputs and
+The single source for JAX's abstract eval (``ops/dense.py``), the torch op's outputs and
 fake implementation (``torch_compat/library.py``), the eager op's checks of the caller's
 outputs (``torch_compat/ops.py``) and a call's plan (``plan.Plan.outputs``). The order is
 the XLA handlers' (ffi/xla/allreduce_fusion.cc, its counts in fusedar/patterns.h):

@@ -260,18 +260,22 @@ def test_no_import_cycles():
 
 
 # --- the layers -----------------------------------------------------------------------------
-# Bottom up: the native extension; the framework-free rules (common); the two front ends, the
-# JAX API (the package root, with its fuse pass in fusion/) and torch_compat, which never
-# import each other; the models written on the JAX API; the command-line tools. A module
-# imports modules of its own layer and of the layers its entry lists, never one above.
-# common lists nothing: it reaches the extension by path (common/native.py), not by import.
+# Bottom up: the native extension; the framework-free rules (common); the JAX workspace; the
+# op family (ops/: every FFI op, its plan, checks and reference math); the two front ends, the
+# JAX API's public face (the package root, with its fuse pass in fusion/) and torch_compat,
+# which never import each other; the models written on the JAX API; the command-line tools.
+# A module imports modules of its own layer and of the layers its entry lists, never one
+# above. common lists nothing: it reaches the extension by path (common/native.py), not by
+# import.
 LAYERS = {
     "native": (),
     "common": (),
-    "jax": ("common",),
+    "workspace": ("common",),
+    "ops": ("workspace", "common"),
+    "jax": ("ops", "workspace", "common"),
     "torch": ("common",),
-    "models": ("jax", "common"),
-    "cli": ("models", "jax", "torch", "common"),
+    "models": ("jax", "ops", "workspace", "common"),
+    "cli": ("models", "jax", "ops", "workspace", "torch", "common"),
 }
 
 
@@ -282,6 +286,8 @@ def layer_of(module: str) -> str:
         return "cli"
     for prefix, layer in (
         ("jax_fusedar.common", "common"),
+        ("jax_fusedar.workspace", "workspace"),
+        ("jax_fusedar.ops", "ops"),
         ("jax_fusedar.models", "models"),
         ("torch_compat", "torch"),
         ("jax_fusedar", "jax"),
@@ -311,6 +317,10 @@ def test_the_layer_rule_is_read_whole():
     ]
     assert _upward({"torch_compat.ops": {"jax_fusedar.api"}})  # the fronts stay apart
     assert _upward({"jax_fusedar.api": {"jax_fusedar.models.llama"}})
+    assert _upward({"jax_fusedar.ops.dense": {"jax_fusedar.api"}})  # the family sits below
+    assert _upward({"jax_fusedar.workspace": {"jax_fusedar.ops.plan"}})
+    assert not _upward({"jax_fusedar.api": {"jax_fusedar.ops.dense"}})
+    assert layer_of("jax_fusedar.ops.family") == "ops"
     assert not _upward({"jax_fusedar.cli.demo": {"jax_fusedar.models.llama"}})
 
 
@@ -368,7 +378,7 @@ def _absolute_imports(path):
 # What the benchmarks may use of the product: its public API, as any user's script would.
 PUBLIC_API = {
     "jax_fusedar",  # the names it exports (__all__); the JAX API itself is loaded lazily
-    "jax_fusedar.timing",  # device clocks (public: jax_fusedar.timing)
+    "jax_fusedar.timing",  # device clocks (public: jax_fusedar.timing, jax_fusedar/ops/timing.py)
     "jax_fusedar.common.plan",  # what a call runs, the one decision of both fronts
     "jax_fusedar.common.sizing",  # workspace sizes, as FlashInfer computes them
     "torch_compat",

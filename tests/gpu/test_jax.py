@@ -128,7 +128,7 @@ def test_jax_64_layer_model(cmdbuf):
 # Gradient bounds: per gradient tensor, the fused model's error against the float64 oracle
 # (tests/gpu/workers/jax_grad.py; in ulps of the tensor's largest magnitude) may exceed the unfused
 # model's by twice the forward norm bound (BOUNDS above: 3 bf16 / 8 fp32 ulps). Why: the
-# backward is the unfused model's own code (jax_fusedar/transforms.py) run on the kernel's
+# backward is the unfused model's own code (jax_fusedar/ops/transforms.py) run on the kernel's
 # residual_out, which for 2 ranks is the reference's bit for bit; the two models differ
 # only in the forward norm_out (the kernel's fast-math rsqrt, within those bounds), which
 # reaches the gradients through the next layer's matmul and the loss, once per layer.

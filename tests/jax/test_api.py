@@ -28,7 +28,7 @@ from tests.jax.cpu_helpers import (
     run_sharded,
 )
 from jax_fusedar.common import backend_choice
-from jax_fusedar.primitive import FFI_TARGET
+from jax_fusedar.ops.dense import FFI_TARGET
 from jax_fusedar.common.tp_groups import TPGroup
 
 require_host_devices()
@@ -860,7 +860,7 @@ def test_is_buffer_size_sufficient_refuses_unsupported_dtypes(dtype):
 def test_reference_without_fp32_acc_is_invariant_over_the_axis():
     """The rank-ordered sum (fp32_acc=False) called directly under check_vma=True: its
     outputs are invariant over "tp", so out_specs=P() is accepted."""
-    from jax_fusedar import reference
+    from jax_fusedar.ops import reference
 
     mesh = mesh_of("tp8")
     rng = new_rng()
@@ -957,7 +957,7 @@ def test_nvfp4_needs_16_bit_inputs():
 def test_quantized_outputs_are_the_quantized_norm(pattern, kwargs):
     """Through the public API on CPU: quant_out/scale_out equal the reference quantization of
     the op's own norm_out, bit for bit, with the documented shapes and dtypes."""
-    from jax_fusedar import quant_reference
+    from jax_fusedar.ops import quant_reference
 
     mesh = mesh_of("dp2_tp4")
     ws = xla_workspace(mesh)

@@ -21,8 +21,8 @@ from tests.jax.cpu_helpers import (
     run_sharded,
 )
 from jax_fusedar.common import arguments, backend_choice, call_check
-from jax_fusedar import reference
-from jax_fusedar.primitive import FFI_TARGET
+from jax_fusedar.ops import reference
+from jax_fusedar.ops.dense import FFI_TARGET
 from tests.jax.test_api import (
     abstract,
     custom_calls,

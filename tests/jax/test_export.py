@@ -24,7 +24,7 @@ from tests.jax.cpu_helpers import (
     require_host_devices,
 )
 from jax_fusedar import workspace as wsmod
-from jax_fusedar.primitive import FFI_TARGET
+from jax_fusedar.ops.dense import FFI_TARGET
 
 require_host_devices()
 pytest.importorskip(

@@ -18,9 +18,9 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_fusedar as jf
-from jax_fusedar import partitioning
+from jax_fusedar.ops import partitioning
 from jax_fusedar.common.patterns import MOE_PATTERNS, TRAITS, AllReduceFusionPattern
-from jax_fusedar.primitive import FFI_TARGET
+from jax_fusedar.ops.dense import FFI_TARGET
 from tests import collectives
 from tests.jax.cpu_helpers import make_mesh, require_host_devices
 

@@ -11,8 +11,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_fusedar as jf
-from jax_fusedar import ffi_op, reference
-from jax_fusedar.call_plan import CallPlan
+from jax_fusedar.ops import family as ffi_op, reference
+from jax_fusedar.ops.plan import CallPlan
 from jax_fusedar.common import native
 from tests.jax.cpu_helpers import make_mesh, require_host_devices
 
@@ -68,7 +68,7 @@ def xla_workspace(mesh):
 
 
 def test_every_op_of_the_package_is_declared_in_the_registry():
-    from jax_fusedar import moe_primitive, primitive
+    from jax_fusedar.ops import dense as primitive, moe as moe_primitive
 
     ops = {op.name: op for op in ffi_op.declared_ops()}
     assert ops["jax_fusedar_allreduce_fusion"] is primitive.allreduce_fusion_op

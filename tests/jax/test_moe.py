@@ -13,8 +13,8 @@ from jax.sharding import PartitionSpec as P
 import jax_fusedar as jf
 import tests.oracles.moe_oracle as mo
 from tests.jax.cpu_helpers import make_mesh, put, require_host_devices
-from jax_fusedar import moe, moe_reference
-from jax_fusedar.call_plan import CallPlan, choose_moe_kernel
+from jax_fusedar.ops import moe, moe_reference
+from jax_fusedar.ops.plan import CallPlan, choose_moe_kernel
 
 require_host_devices()
 # Also in the oldest-versions lane (./dev oldest).

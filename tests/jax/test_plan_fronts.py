@@ -23,7 +23,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import jax_fusedar as jf  # noqa: E402
 import torch_compat  # noqa: E402
-from jax_fusedar import call_plan  # noqa: E402
+from jax_fusedar.ops import plan as call_plan  # noqa: E402
 from jax_fusedar.common import native, plan as rules  # noqa: E402
 from jax_fusedar.common.patterns import MOE_PATTERNS, TRAITS  # noqa: E402
 from jax_fusedar.common.patterns import AllReduceFusionPattern as Pattern  # noqa: E402

@@ -22,9 +22,9 @@ from tests.jax.cpu_helpers import (
     random_values,
     require_host_devices,
 )
-from jax_fusedar import reference
+from jax_fusedar.ops import reference
 from jax_fusedar.common import backend_choice
-from jax_fusedar.primitive import FFI_TARGET
+from jax_fusedar.ops.dense import FFI_TARGET
 
 require_host_devices()
 

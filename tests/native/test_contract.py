@@ -168,7 +168,7 @@ def test_limits_are_the_cores():
 def test_ffi_target_names_are_the_handlers():
     assert native.ext.ffi_target_names() == native.FFI_TARGETS
     assert set(native.ext.registrations()) == set(native.FFI_TARGETS.values())
-    from jax_fusedar import moe, primitive, timing
+    from jax_fusedar.ops import dense as primitive, moe, timing
 
     assert primitive.FFI_TARGET == native.FFI_TARGETS["allreduce_fusion"]
     assert timing.TARGET == native.FFI_TARGETS["device_timestamp"]
@@ -310,7 +310,7 @@ def test_a_core_status_reaches_python_as_its_exception():
 
 
 # --- the MoE kernels' rule ------------------------------------------------------------------------
-# One rule for JAX (jax_fusedar.moe), torch (torch_compat.moe, its fake implementations too) and
+# One rule for JAX (jax_fusedar.ops.moe), torch (torch_compat.moe, its fake implementations too) and
 # the native launch (fusedar_moe_shape_check, which fusedar_moe_launch runs): the Python side is
 # common.moe_limits.kernel_problem. Every call one side accepts, the other accepts.
 

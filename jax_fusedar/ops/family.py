@@ -5,7 +5,7 @@
   ``with_varying``),
 * its reference math (every platform, and the cuda platform when a call was not cleared for
   the kernel at trace time), whose all-reduce is the call's fallback (``plan.fallback``:
-  ``call_plan.FALLBACKS``, ``reference.fallback_allreduce``),
+  ``plan.FALLBACKS``, ``reference.fallback_allreduce``),
 * the attributes and the in-place aliases of its custom call to the XLA FFI handler (cuda,
   when cleared for the kernel),
 * its JVP rule (by default the tangent map of the reference math) and its batching rule,
@@ -19,7 +19,7 @@ has a partition rule of its own (they run inside ``shard_map``);
 dense op.
 
 Every op binds the same machinery parameters besides its own: ``axis_name`` (a 1-tuple),
-``use_kernel`` (the trace-time decision, ``call_plan``), ``workspace_id`` and
+``use_kernel`` (the trace-time decision, ``plan``), ``workspace_id`` and
 ``workspace_groups`` (the workspace's stable id, which the custom call carries, and its TP
 groups, which every lowering checks against the mesh being lowered) and ``plan`` (what the
 batching rule needs to decide again, and the fallback the reference computes). The
@@ -43,9 +43,9 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from .call_checks import check_call_groups
-from .call_plan import FALLBACKS
-from .common import native
+from .checks import check_call_groups
+from .plan import FALLBACKS
+from ..common import native
 
 # --- varying-manual-axes (VMA) -----------------------------------------------------------------
 # Inside shard_map the all-reduced sum no longer varies over the TP axis (as for psum), so
@@ -110,7 +110,7 @@ def check_reference_lowered_for_cuda(workspace_id: int) -> None:
     program would silently lack the kernel. Raises inside ``export``, else warns."""
     if _allow_reference.get():
         return
-    from .workspace import lookup
+    from ..workspace import lookup
 
     ws = lookup(workspace_id)
     if ws is None or ws.backend != "xla" or getattr(ws, "xla_requested", False):
@@ -264,7 +264,7 @@ class FfiOp:
 
     def bind(self, *operands, workspace, axis_name: str, use_kernel: bool, plan, **params):
         """Binds the primitive for a call on ``workspace`` over ``axis_name``, decided at
-        trace time (``use_kernel``, ``plan``: ``call_plan``). Tracing needs no native module
+        trace time (``use_kernel``, ``plan``: ``plan``). Tracing needs no native module
         (an abstract workspace exports from any machine); compiling the kernel's call does
         (``_lower``)."""
         if use_kernel:

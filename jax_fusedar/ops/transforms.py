@@ -1,5 +1,5 @@
-"""Autodiff and batching rules of the dense op (``primitive.py`` declares them with the op;
-each rule receives the ``ffi_op.FfiOp`` whose primitive it binds).
+"""Autodiff and batching rules of the dense op (``ops/dense.py`` declares them with the op;
+each rule receives the ``family.FfiOp`` whose primitive it binds).
 
 **JVP (and so grad / vjp / linearize, by JAX's transposition).** The primal outputs come
 from the primitive itself (the kernel on GPUs); the tangents are the tangent map of the
@@ -38,9 +38,9 @@ import numpy as np
 from jax.interpreters import ad
 
 from . import reference
-from .call_plan import choose_path, kernel_problem
-from .common.patterns import TRAITS, AllReduceFusionPattern, QuantizationSFLayout
-from .ffi_op import fallback_of, varying
+from .plan import choose_path, kernel_problem
+from ..common.patterns import TRAITS, AllReduceFusionPattern, QuantizationSFLayout
+from .family import fallback_of, varying
 
 
 def _is_zero(t) -> bool:
