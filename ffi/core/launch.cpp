@@ -24,13 +24,13 @@ using fusedar::fail;
 
 namespace {
 
-// The trait table and the kernel instantiations name the same patterns.
+// The trait table's dense patterns and the kernel instantiations name the same patterns.
 constexpr bool table_matches_compiled_patterns() {
   for (const fusedar::PatternTraits& p : fusedar::kPatterns) {
-    if (!fusedar::kernels::is_compiled_pattern(p.code)) return false;
+    if (p.dense() != fusedar::kernels::is_compiled_pattern(p.code)) return false;
   }
   for (int code : fusedar::kernels::kCompiledPatterns) {
-    if (fusedar::find_pattern(code) == nullptr) return false;
+    if (fusedar::find_dense_pattern(code) == nullptr) return false;
   }
   return true;
 }
@@ -64,7 +64,7 @@ int check(const fusedar_rank* r, const fusedar_launch_args* a) {
                                               " (float32 needs a float32 workspace, 16-bit types a "
                                               "16-bit one)");
   }
-  const fusedar::PatternTraits* traits = fusedar::find_pattern(a->pattern);
+  const fusedar::PatternTraits* traits = fusedar::find_dense_pattern(a->pattern);
   if (traits == nullptr || !fusedar::kernels::is_compiled_pattern(a->pattern)) {
     return fail(FUSEDAR_UNSUPPORTED, "pattern " + std::to_string(a->pattern) +
                                          " is not compiled into this build of jax_fusedar");

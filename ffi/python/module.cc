@@ -56,7 +56,7 @@ fusedar::xla::Element element_named(const std::string& name) {
 }
 
 const fusedar::PatternTraits& dense_pattern(int pattern) {
-  const fusedar::PatternTraits* traits = fusedar::find_pattern(pattern);
+  const fusedar::PatternTraits* traits = fusedar::find_dense_pattern(pattern);
   if (traits == nullptr) {
     throw nb::value_error(("unknown fusion pattern " + std::to_string(pattern)).c_str());
   }
@@ -68,6 +68,7 @@ const fusedar::PatternTraits& dense_pattern(int pattern) {
 nb::dict traits_dict(const fusedar::PatternTraits& p) {
   nb::dict d;
   d["code"] = p.code;
+  d["family"] = fusedar::family_name(p.family);
   d["has_allreduce_out"] = p.allreduce_out();
   d["has_residual"] = p.residual;
   d["has_norm_out"] = p.norm_out;

@@ -62,7 +62,7 @@ ffi::Error AllReduceFusionImpl(void* stream, int32_t device_ordinal, ffi::Remain
   fusedar_rank* rank = find_rank(workspace_id, device_ordinal, &why);
   if (rank == nullptr) return invalid(why);
 
-  const PatternTraits* traits = find_pattern(pattern);
+  const PatternTraits* traits = find_dense_pattern(pattern);
   if (traits == nullptr) return invalid("unknown fusion pattern " + std::to_string(pattern));
   const size_t want_args = traits->operands();
   const size_t want_rets = traits->results();

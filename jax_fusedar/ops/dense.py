@@ -1,7 +1,7 @@
 """The dense entry of the op family (``family.FfiOp``): ``allreduce_fusion``, FlashInfer's
-unified ``allreduce_fusion`` in functional form, and the op behind it: its abstract
-evaluation, reference math, custom-call attributes and aliases here, its JVP and batching
-rules in ``transforms.py``.
+unified ``allreduce_fusion`` in functional form, and the op behind it: its reference math
+and custom-call attributes here, its JVP in ``transforms.py``; its operands, results,
+abstract evaluation, alias and batching rule follow from the pattern table.
 
 Call it on the local shard inside ``jax.shard_map``. Every decision (kernel or reference,
 one-shot or two-shot) is made at trace time from shapes, dtype, world size and the
@@ -50,42 +50,21 @@ from .checks import (
     check_concrete_shape,
     check_workspace,
 )
-from .family import FfiOp, varying, with_varying
+from .family import FfiOp
 from .plan import as_fallback, plan_dense
 
 
-# --- abstract evaluation ----------------------------------------------------------------------
-# The outputs drop `axis_name` from x's varying axes (family.varying); residual and gamma
-# still contribute theirs.
-
-
-def _result_avals(x, pattern: int, layout: int, group_size: int):
-    """(shape, dtype) of every result after the first (results.result_specs)."""
-    specs = results.result_specs(pattern, *x.shape, np.dtype(x.dtype).name, layout, group_size)
-    return [(spec.storage_shape, jnp.dtype(spec.dtype)) for spec in specs[1:]]
-
-
-def _abstract_eval(*avals, axis_name, pattern, layout, block_quant_group_size, **_):
-    traits = TRAITS[AllReduceFusionPattern(pattern)]
-    x = avals[0]
-    summed_vma = varying(x) - frozenset(axis_name)
-    if not traits.has_residual:
-        return [with_varying(x, summed_vma)]
-    residual, gamma = avals[1], avals[2]
-    res_vma = summed_vma | varying(residual)
-    norm_vma = res_vma | varying(gamma) | (varying(avals[3]) if len(avals) > 3 else frozenset())
-    # norm_out and the quantized outputs all derive from the normalized sum.
-    return [with_varying(x, res_vma)] + [
-        with_varying(x.update(shape=shape, dtype=dtype), norm_vma)
-        for shape, dtype in _result_avals(x, pattern, layout, block_quant_group_size)
-    ]
-
-
 # --- reference math, custom call ----------------------------------------------------------------
+# Its operands, results, abstract evaluation, alias and batching rule follow from the pattern
+# table (family.FfiOp); its JVP is transforms.jvp.
 
 
 def _reference_outputs(
-    *args,
+    *,
+    x,
+    residual=None,
+    rms_gamma=None,
+    scale_factor=None,
     axis_name,
     pattern,
     rms_eps,
@@ -98,12 +77,10 @@ def _reference_outputs(
 ):
     del algorithm  # the kernel's choice; the reference computes the same sum either way
     traits = TRAITS[AllReduceFusionPattern(pattern)]
-    x = args[0]
-    residual, gamma = (args[1], args[2]) if traits.has_residual else (None, None)
     ar, res, norm = reference.allreduce_fusion_reference(
         x,
         residual,
-        gamma,
+        rms_gamma,
         axis_name=axis_name,
         pattern=pattern,
         rms_eps=rms_eps,
@@ -124,11 +101,7 @@ def _reference_outputs(
             if spec.name in ("quant_out", "scale_out")
         ]
     quant, scale = quant_reference.quantize_for_pattern(
-        norm,
-        pattern,
-        scale_factor=args[3] if traits.uses_scale_factor else None,
-        layout=layout,
-        group_size=block_quant_group_size,
+        norm, pattern, scale_factor=scale_factor, layout=layout, group_size=block_quant_group_size
     )
     return outs + [o for o in (quant, scale) if o is not None]
 
@@ -148,20 +121,13 @@ def _attributes(
     )
 
 
-def _aliases(*, pattern, **_):
-    return {1: 0} if TRAITS[AllReduceFusionPattern(pattern)].has_residual else {}
-
-
 allreduce_fusion_op = FfiOp(
     "jax_fusedar_allreduce_fusion",
     target="allreduce_fusion",
     public_name="jax_fusedar.allreduce_fusion",
-    abstract_eval=_abstract_eval,
     reference=_reference_outputs,
     attributes=_attributes,
-    aliases=_aliases,
     jvp=transforms.jvp,
-    batch=transforms.batch,
 )
 allreduce_fusion_p = allreduce_fusion_op.primitive
 FFI_TARGET = allreduce_fusion_op.target
@@ -319,21 +285,23 @@ def allreduce_fusion(
             f"{dtype_name}), which the kernel requires"
         )
 
-    operands = [x]
+    # The op sees [tokens, hidden] rows (it is row-wise); its operands by name, ordered by
+    # the pattern table.
+    operands = {"x": x.reshape(tokens, hidden)}
     if traits.has_residual:
         # jnp.zeros, not zeros_like: x varies over axis_name and zeros_like would carry
         # that, making the outputs vary too (out_specs=P() refused) though the sum does not.
         residual = jnp.zeros(x.shape, x.dtype) if residual is None else as_residual(residual, x)
-        operands += [residual, as_gamma(rms_gamma, x, hidden, pattern)]
+        operands["residual"] = residual.reshape(tokens, hidden)
+        operands["rms_gamma"] = as_gamma(rms_gamma, x, hidden, pattern)
     elif residual is not None or rms_gamma is not None:
         raise ValueError(f"pattern {pattern.name} takes no residual or rms_gamma")
-    # The primitive sees [tokens, hidden] rows (the op is row-wise).
-    operands[:2] = [o.reshape(tokens, hidden) for o in operands[:2]]
     layout, group_size = _quant_params(
         pattern, traits, x, hidden, scale_factor, layout_code, block_quant_group_size, workspace
     )
     if traits.uses_scale_factor:
-        operands.append(quant_arrays.check_scalar_scale(scale_factor, "scale_factor").reshape(1))
+        scale = quant_arrays.check_scalar_scale(scale_factor, "scale_factor")
+        operands["scale_factor"] = scale.reshape(1)
 
     # Trace-time decision (common.plan): the kernel, or the fallback with a logged reason.
     plan, decided = plan_dense(
@@ -347,12 +315,12 @@ def allreduce_fusion(
         group_size=group_size,
         fallback=fallback,
     )
-    outs = allreduce_fusion_op.bind(
-        *operands,
+    named = allreduce_fusion_op.call(
+        operands,
         workspace=workspace,
         axis_name=axis_name,
-        use_kernel=decided.kernel,
         plan=plan,
+        decided=decided,
         pattern=int(pattern),
         algorithm=decided.algorithm_code,
         fp32_acc=bool(fp32_acc),
@@ -361,7 +329,6 @@ def allreduce_fusion(
         layout=layout,
         block_quant_group_size=group_size,
     )
-    named = dict(zip((spec.name for spec in decided.outputs), outs, strict=True))
     return AllReduceFusionOutputs(
         **{
             f: _restore_leading(named.get(f), lead, f, traits, layout)

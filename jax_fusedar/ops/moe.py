@@ -78,43 +78,20 @@ from .checks import (
     check_operand,
     check_workspace,
 )
-from .family import FfiOp, varying, with_varying
-from .plan import as_fallback, choose_moe_kernel, plan_moe
+from .family import FfiOp
+from .plan import as_fallback, plan_moe
 
 REDUCTION = int(AllReduceFusionPattern.kMoEReductionARResidualRMSNorm)
 FINALIZE = int(AllReduceFusionPattern.kMoEFinalizeARResidualRMSNorm)
 
-REDUCTION_OPERANDS = ("expert_scales", "expert_outputs", "token_input", "residual", "rms_gamma")
+# --- the two ops: their reference math and attributes (the rest from the pattern table) -------
 
 
-def finalize_operands(has_expert_scale: bool, has_shared_expert: bool) -> tuple:
-    """The finalize op's operand names, in the handler's order."""
-    return (
-        ("permuted_input", "expanded_idx_to_permuted_idx", "residual", "rms_gamma")
-        + ("expert_scale_factor",) * has_expert_scale
-        + ("shared_expert_output",) * has_shared_expert
-    )
-
-
-def _abstract_eval(ops: dict, axis_name, allreduce_out: bool):
-    """residual_out, norm_out [, allreduce_out]: the all-reduced rows no longer vary over the
-    TP axis; the residual and gamma still contribute their varying axes."""
-    local = [v for k, v in ops.items() if k not in ("residual", "rms_gamma")]
-    summed = frozenset().union(*(varying(a) for a in local)) - frozenset(axis_name)
-    res_vma = summed | varying(ops["residual"])
-    norm_vma = res_vma | varying(ops["rms_gamma"])
-    row = ops["residual"]
-    outs = [with_varying(row, res_vma), with_varying(row, norm_vma)]
-    if allreduce_out:
-        outs.append(with_varying(row, summed))
-    return outs
-
-
-def _epilogue(local, ops, axis_name, rms_eps, weight_bias, allreduce_out: bool, fallback):
+def _epilogue(local, residual, rms_gamma, axis_name, rms_eps, weight_bias, allreduce_out, fallback):
     summed, residual_out, norm_out = moe_reference.moe_epilogue(
         local,
-        ops["residual"],
-        ops["rms_gamma"],
+        residual,
+        rms_gamma,
         axis_name=axis_name[0],
         rms_eps=rms_eps,
         weight_bias=weight_bias,
@@ -143,99 +120,33 @@ def _attributes(
     )
 
 
-def _at_front(x, d, size):
-    if d is None:
-        return jnp.broadcast_to(x, (size, *x.shape))
-    return jnp.moveaxis(x, d, 0)
-
-
-def _flat(x):
-    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
-
-
-def _batch(op, names, fold, args, dims, params, n_out):
-    """The MoE ops' batching: one call per element when ``rms_gamma`` is batched, else the
-    batch folded into tokens (``fold(ops, size)`` returns the folded operands by name) and
-    the kernel decided again for the folded token count."""
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    ops = {n: _at_front(a, d, size) for n, a, d in zip(names, args, dims)}
-    if dims[names.index("rms_gamma")] is not None:
-
-        def one(xs):
-            return tuple(op.primitive.bind(*xs, **params))
-
-        outs = jax.lax.map(one, tuple(ops[n] for n in names))
-        return list(outs), [0] * n_out
-    tokens, hidden = ops["residual"].shape[1:]
-    folded = dict(
-        ops,
-        residual=_flat(ops["residual"]),
-        rms_gamma=args[names.index("rms_gamma")],
-        **fold(ops, size),
+def _reduction_reference(
+    *,
+    expert_scales,
+    expert_outputs,
+    token_input,
+    residual,
+    rms_gamma,
+    axis_name,
+    rms_eps,
+    weight_bias,
+    allreduce_out,
+    fallback,
+):
+    local = moe_reference.moe_reduction_local(expert_outputs, expert_scales, token_input)
+    return _epilogue(
+        local, residual, rms_gamma, axis_name, rms_eps, weight_bias, allreduce_out, fallback
     )
-    params = dict(
-        params,
-        use_kernel=choose_moe_kernel(
-            params["plan"], size * tokens, hidden, np.dtype(ops["residual"].dtype).name
-        ),
-    )
-    outs = op.primitive.bind(*(folded[n] for n in names), **params)
-    return [o.reshape(size, tokens, hidden) for o in outs], [0] * n_out
-
-
-# --- pattern 6: the expert reduction ------------------------------------------------------------
-
-
-def _reduction_abstract_eval(*avals, axis_name, allreduce_out, **_):
-    return _abstract_eval(dict(zip(REDUCTION_OPERANDS, avals)), axis_name, allreduce_out)
-
-
-def _reduction_reference(*args, axis_name, rms_eps, weight_bias, allreduce_out, fallback):
-    ops = dict(zip(REDUCTION_OPERANDS, args))
-    local = moe_reference.moe_reduction_local(
-        ops["expert_outputs"], ops["expert_scales"], ops["token_input"]
-    )
-    return _epilogue(local, ops, axis_name, rms_eps, weight_bias, allreduce_out, fallback)
-
-
-def _reduction_batch(op, args, dims, **params):
-    def fold(ops, size):
-        e, tokens, hidden = ops["expert_outputs"].shape[1:]
-        return {
-            "token_input": _flat(ops["token_input"]),
-            "expert_outputs": jnp.swapaxes(ops["expert_outputs"], 0, 1).reshape(
-                e, size * tokens, hidden
-            ),
-            "expert_scales": jnp.swapaxes(ops["expert_scales"], 0, 1).reshape(e, size * tokens),
-        }
-
-    return _batch(
-        op, REDUCTION_OPERANDS, fold, args, dims, params, 3 if params["allreduce_out"] else 2
-    )
-
-
-moe_reduction_op = FfiOp(
-    "jax_fusedar_moe_reduction_allreduce_fusion",
-    target="moe_allreduce_fusion",
-    public_name="jax_fusedar.moe_reduction_allreduce_fusion",
-    abstract_eval=_reduction_abstract_eval,
-    reference=_reduction_reference,
-    attributes=lambda **p: _attributes(REDUCTION, **p),
-    aliases=lambda **_: {REDUCTION_OPERANDS.index("residual"): 0},
-    batch=_reduction_batch,
-)
-
-
-# --- pattern 7: the finalize (gather of the permuted expert rows) --------------------------------
-
-
-def _finalize_abstract_eval(*avals, axis_name, has_expert_scale, has_shared_expert, **_):
-    names = finalize_operands(has_expert_scale, has_shared_expert)
-    return _abstract_eval(dict(zip(names, avals)), axis_name, False)
 
 
 def _finalize_reference(
-    *args,
+    *,
+    permuted_input,
+    expanded_idx_to_permuted_idx,
+    residual,
+    rms_gamma,
+    expert_scale_factor=None,
+    shared_expert_output=None,
     axis_name,
     rms_eps,
     weight_bias,
@@ -244,49 +155,33 @@ def _finalize_reference(
     has_shared_expert,
     fallback,
 ):
-    ops = dict(zip(finalize_operands(has_expert_scale, has_shared_expert), args))
+    del has_expert_scale, has_shared_expert  # which operands there are: given or None here
     local = moe_reference.moe_finalize_local(
-        ops["permuted_input"],
-        ops["expanded_idx_to_permuted_idx"],
-        expert_scale_factor=ops.get("expert_scale_factor"),
-        shared_expert_output=ops.get("shared_expert_output"),
+        permuted_input,
+        expanded_idx_to_permuted_idx,
+        expert_scale_factor=expert_scale_factor,
+        shared_expert_output=shared_expert_output,
         routed_scaling_factor=routed_scaling_factor,
     )
-    return _epilogue(local, ops, axis_name, rms_eps, weight_bias, False, fallback)
+    return _epilogue(local, residual, rms_gamma, axis_name, rms_eps, weight_bias, False, fallback)
 
 
-def _finalize_batch(op, args, dims, **params):
-    names = finalize_operands(params["has_expert_scale"], params["has_shared_expert"])
-
-    def fold(ops, size):
-        rows = ops["permuted_input"].shape[1]
-        idx = ops["expanded_idx_to_permuted_idx"]
-        offset = (jnp.arange(size, dtype=jnp.int32) * rows)[:, None, None]
-        folded = {
-            "expanded_idx_to_permuted_idx": _flat(
-                jnp.where((idx >= 0) & (idx < rows), idx + offset, -1)
-            ),
-            "permuted_input": _flat(ops["permuted_input"]),
-        }
-        for n in ("expert_scale_factor", "shared_expert_output"):
-            if n in ops:
-                folded[n] = _flat(ops[n])
-        return folded
-
-    return _batch(op, names, fold, args, dims, params, 2)
-
-
+moe_reduction_op = FfiOp(
+    "jax_fusedar_moe_reduction_allreduce_fusion",
+    target="moe_allreduce_fusion",
+    public_name="jax_fusedar.moe_reduction_allreduce_fusion",
+    pattern=REDUCTION,
+    reference=_reduction_reference,
+    attributes=lambda **p: _attributes(REDUCTION, **p),
+)
 moe_finalize_op = FfiOp(
     "jax_fusedar_moe_finalize_allreduce_fusion",
     target="moe_allreduce_fusion",
     public_name="jax_fusedar.moe_finalize_allreduce_fusion",
-    abstract_eval=_finalize_abstract_eval,
+    pattern=FINALIZE,
     reference=_finalize_reference,
     attributes=lambda **p: _attributes(FINALIZE, **p),
-    aliases=lambda **_: {finalize_operands(False, False).index("residual"): 0},
-    batch=_finalize_batch,
 )
-
 FFI_TARGET = moe_reduction_op.target
 
 # The MoE kernels' rule, one for JAX, torch and the native launch (common/moe_limits.py).
@@ -320,26 +215,21 @@ def _options(rms_eps, weight_bias, strict, fallback):
     )
 
 
-def _bind(op, operands, *, pattern, lead, hidden, workspace, axis_name, strict, fallback, **params):
+def _bind(op, operands, *, lead, hidden, workspace, axis_name, strict, fallback, **params):
+    """Plans the call (``plan_moe``), binds ``op`` with its ``operands`` by name and names
+    its results, back to the index map's leading dims."""
     plan, decided = plan_moe(
         workspace,
-        pattern,
+        op.pattern_of(params),
         (*lead, hidden),
         strict=strict,
         allreduce_out=params.get("allreduce_out", False),
         fallback=fallback,
     )
-    outs = op.bind(
-        *operands,
-        workspace=workspace,
-        axis_name=axis_name,
-        use_kernel=decided.kernel,
-        plan=plan,
-        **params,
+    outs = op.call(
+        operands, workspace=workspace, axis_name=axis_name, plan=plan, decided=decided, **params
     )
-    named = {
-        spec.name: o.reshape(*lead, hidden) for spec, o in zip(decided.outputs, outs, strict=True)
-    }
+    named = {name: o.reshape(*lead, hidden) for name, o in outs.items()}
     return MoeAllReduceFusionOutputs(**{f: named.get(f) for f in MoeAllReduceFusionOutputs._fields})
 
 
@@ -401,17 +291,16 @@ def moe_reduction_allreduce_fusion(
         rms_gamma, token_input, hidden, AllReduceFusionPattern.kMoEReductionARResidualRMSNorm
     )
     tokens = math.prod(lead)
-    operands = [
-        expert_scales.reshape(experts, tokens),
-        expert_outputs.reshape(experts, tokens, hidden),
-        token_input.reshape(tokens, hidden),
-        residual.reshape(tokens, hidden),
-        gamma,
-    ]
+    operands = dict(
+        expert_scales=expert_scales.reshape(experts, tokens),
+        expert_outputs=expert_outputs.reshape(experts, tokens, hidden),
+        token_input=token_input.reshape(tokens, hidden),
+        residual=residual.reshape(tokens, hidden),
+        rms_gamma=gamma,
+    )
     return _bind(
         moe_reduction_op,
         operands,
-        pattern=AllReduceFusionPattern.kMoEReductionARResidualRMSNorm,
         lead=lead,
         hidden=hidden,
         workspace=workspace,
@@ -494,19 +383,23 @@ def moe_finalize_allreduce_fusion(
     gamma = as_gamma(rms_gamma, like, hidden, AllReduceFusionPattern.kMoEFinalizeARResidualRMSNorm)
     # A bad traced index becomes "dropped" (the kernel would read outside permuted_input).
     idx = jnp.where((idx >= -1) & (idx < rows), idx, -1).reshape(tokens, top_k)
-    operands = [permuted_input, idx, residual.reshape(tokens, hidden), gamma]
+    operands = dict(
+        permuted_input=permuted_input,
+        expanded_idx_to_permuted_idx=idx,
+        residual=residual.reshape(tokens, hidden),
+        rms_gamma=gamma,
+    )
     if expert_scale_factor is not None:
         expert_scale_factor = jnp.asarray(expert_scale_factor)
         check_operand("expert_scale_factor", expert_scale_factor, (*lead, top_k), dtype)
-        operands.append(expert_scale_factor.reshape(tokens, top_k))
+        operands["expert_scale_factor"] = expert_scale_factor.reshape(tokens, top_k)
     if shared_expert_output is not None:
         shared_expert_output = jnp.asarray(shared_expert_output)
         check_operand("shared_expert_output", shared_expert_output, (*lead, hidden), dtype)
-        operands.append(shared_expert_output.reshape(tokens, hidden))
+        operands["shared_expert_output"] = shared_expert_output.reshape(tokens, hidden)
     return _bind(
         moe_finalize_op,
         operands,
-        pattern=AllReduceFusionPattern.kMoEFinalizeARResidualRMSNorm,
         lead=lead,
         hidden=hidden,
         workspace=workspace,

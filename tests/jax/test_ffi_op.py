@@ -43,6 +43,7 @@ SCALED_SUM = ffi_op.FfiOp(
     "tests_scaled_allreduce",
     target="allreduce_fusion",
     public_name="tests.scaled_allreduce",
+    operands=("x",),  # outside the pattern table: its own rules
     abstract_eval=_abstract_eval,
     reference=_reference,
     attributes=lambda *, scale: {"scale": np.float32(scale)},
@@ -90,6 +91,7 @@ def test_an_op_is_declared_once():
             "tests_scaled_allreduce",
             target="allreduce_fusion",
             public_name="x",
+            operands=("x",),
             abstract_eval=_abstract_eval,
             reference=_reference,
             attributes=lambda **_: {},
