@@ -15,6 +15,7 @@
 #include "launch_prelude.h"
 #include "rank_state.h"
 #include "status.h"
+#include "world_sizes.h"
 
 using fusedar::fail;
 
@@ -128,13 +129,10 @@ int check(const fusedar_rank* r, const fusedar_moe_launch_args* a) {
 
 template <int DType>
 std::string launch_for_world(const fusedar::kernels::MoeKernelCall& call) {
-  switch (call.nranks) {
-    case 2: return fusedar::kernels::launch_moe<DType, 2>(call);
-    case 4: return fusedar::kernels::launch_moe<DType, 4>(call);
-    case 8: return fusedar::kernels::launch_moe<DType, 8>(call);
-    case 16: return fusedar::kernels::launch_moe<DType, 16>(call);
-  }
-  return "unsupported world size " + std::to_string(call.nranks);
+  return fusedar::dispatch_world_size(
+      call.nranks,
+      [&](auto n) { return fusedar::kernels::launch_moe<DType, decltype(n)::value>(call); },
+      fusedar::WorldSizes{});
 }
 
 }  // namespace

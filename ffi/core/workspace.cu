@@ -23,6 +23,7 @@
 #include "fusedar/core.h"
 #include "rank_state.h"
 #include "status.h"
+#include "world_sizes.h"
 
 namespace fusedar {
 namespace {
@@ -59,9 +60,10 @@ extern "C" int fusedar_workspace_sizes(int32_t world_size, int32_t max_token_num
                                        int32_t hidden_dim, int32_t dtype,
                                        fusedar_workspace_info* info) {
   if (info == nullptr) return fail(FUSEDAR_INVALID_ARGUMENT, "info is null");
-  if (world_size != 2 && world_size != 4 && world_size != 8 && world_size != 16) {
+  if (!fusedar::supported_world_size(world_size)) {
     return fail(FUSEDAR_UNSUPPORTED, "world size " + std::to_string(world_size) +
-                                         " is not supported by the kernel (2, 4, 8 or 16)");
+                                         " is not supported by the kernel (" +
+                                         fusedar::world_sizes_text() + ")");
   }
   if (max_token_num <= 0 || hidden_dim <= 0) {
     return fail(FUSEDAR_INVALID_ARGUMENT, "max_token_num and hidden_dim must be positive");
