@@ -59,7 +59,7 @@ int shape_check(const fusedar_workspace_info& ws, int pattern, int dtype, int64_
   }
   // A token's warps are spread over a cluster of the largest of 8, 4, 2, 1 CTAs dividing
   // their count; FlashInfer's launcher refuses a CTA above 1024 threads (its own check
-  // would fail the launch after the call check had already run on every rank).
+  // would fail the launch after the handshake had already run on every rank).
   const int64_t warps = h / kHiddenMultiple;
   int64_t cluster = kMaxClusterSize;
   while (warps % cluster != 0) cluster /= 2;

@@ -2,7 +2,7 @@
 //
 //   [0, N)    two-shot data buffer of each rank       (peer-mapped)
 //   [N, 2N)   barrier flags of each rank               (peer-mapped, zeroed), followed in
-//             the same allocation by the opt-in call-check area (call_check.h) and the
+//             the same allocation by the opt-in handshake area (handshake.h) and the
 //             large-message flags (flag_layout.h)
 //   [2N, 3N)  Lamport triple buffer of each rank       (peer-mapped, filled with -0.0)
 //   [3N]      this rank's control block {0,0,0,lamport_comm_bytes,0}, followed by the
@@ -17,10 +17,10 @@
 #include <string>
 #include <vector>
 
-#include "call_check.h"
 #include "device_guard.h"
 #include "flag_layout.h"
 #include "fusedar/core.h"
+#include "handshake.h"
 #include "rank_state.h"
 #include "status.h"
 #include "world_sizes.h"
@@ -269,8 +269,8 @@ extern "C" int fusedar_rank_finalize(fusedar_rank* r) {
       cudaMemcpy(table, host.data(), host.size() * sizeof(void*), cudaMemcpyHostToDevice),
       "uploading the workspace pointer table", r->device);
   FUSEDAR_CUDA_TRY(cudaMemset(r->local[1], 0, fusedar::flag_allocation_bytes(r->info)),
-                   "zeroing the barrier flags and the call-check area", r->device);
-  FUSEDAR_CUDA_TRY(fusedar::call_check::reset(r), "resetting the call-check counter", r->device);
+                   "zeroing the barrier flags and the handshake area", r->device);
+  FUSEDAR_CUDA_TRY(fusedar::handshake::reset(r), "resetting the handshake counter", r->device);
   std::memset(r->record, 0, sizeof(fusedar::watchdog::Record));
   fusedar::watchdog::Control control{};
   control.flashinfer[3] = static_cast<int>(r->info.lamport_comm_bytes);
@@ -330,7 +330,7 @@ extern "C" int fusedar_rank_destroy(fusedar_rank* r) {
       r->large = nullptr;
     }
     if (r->record) note(cudaFreeHost(r->record), "freeing the failure record");
-    fusedar::call_check::release(r, &first_error);
+    fusedar::handshake::release(r, &first_error);
   } else {
     first_error = "cannot select device " + std::to_string(r->device);
   }

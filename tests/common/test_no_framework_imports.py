@@ -64,7 +64,7 @@ def test_the_common_layer_is_all_there():
     assert {
         "arguments",
         "backend_choice",
-        "call_check",
+        "handshake",
         "exchange",
         "join",
         "launch_mode",

@@ -116,12 +116,14 @@ def _params(fn):
 
 def test_create_signature_matches_flashinfer():
     ours = _params(torch_compat.create_allreduce_fusion_workspace)
-    assert ours[:-4] == [p for p in FI_CREATE if p[0] not in FI_CREATE_ONLY]
-    assert ours[-4:] == [
+    assert ours[:-6] == [p for p in FI_CREATE if p[0] not in FI_CREATE_ONLY]
+    assert ours[-6:] == [
         ("timeout_s", 120.0, KW),
-        ("check_calls", None, KW),
-        ("check_timeout_s", None, KW),
+        ("handshake", None, KW),
+        ("handshake_timeout_s", None, KW),
         ("kernel_timeout_s", None, KW),
+        ("check_calls", None, KW),  # the handshake's names until 0.1.0
+        ("check_timeout_s", None, KW),
     ]  # our additions, keyword-only
 
 
