@@ -16,7 +16,7 @@ only what is its own, the rest follows from the table:
 * its JVP rule (by default the tangent map of the reference math),
 
 and is registered in the one registry of the package's FFI targets, from which
-``jax_fusedar.export`` takes the targets it exempts from ``jax.export``'s custom-handshake
+``jax_fusedar.export`` takes the targets it exempts from ``jax.export``'s custom-call check
 (each op's target keeps its own compatibility guarantee: a versioned name whose operands,
 results and attributes never change, and a handler that re-checks them). None of the ops
 has a partition rule of its own (they run inside ``shard_map``);
