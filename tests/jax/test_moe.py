@@ -186,7 +186,9 @@ def test_finalize_all_slots_dropped_and_gemma_bias():
     )
 
 
-def run_reduction(ws, case, *, return_allreduce_out=True):
+def run_reduction(ws, case, *, return_allreduce_out=True, fallback="kernel_exact"):
+    """The call's outputs: residual_out, norm_out [, allreduce_out]. The default fallback is
+    the kernel's rank-order sum, checked bit for bit."""
     mesh = ws.mesh
 
     def body(x, s, tok, residual, gamma):
@@ -200,12 +202,14 @@ def run_reduction(ws, case, *, return_allreduce_out=True):
             rms_gamma=gamma,
             rms_eps=EPS,
             return_allreduce_out=return_allreduce_out,
-            fallback="kernel_exact",  # the kernel's rank-order sum, checked bit for bit
+            fallback=fallback,
         )
-        return out.residual_out, out.norm_out, out.allreduce_out
+        assert (out.allreduce_out is None) is not return_allreduce_out
+        return out[1:] + out[:1] if return_allreduce_out else out[1:]
 
     specs = (P("tp"), P("tp"), P("tp"), P(), P())
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(), P(), P())))
+    n_out = 3 if return_allreduce_out else 2
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(),) * n_out))
     args = (
         np.stack(case["expert_outputs"]),
         np.stack(case["expert_scales"]),
@@ -274,34 +278,11 @@ def test_reduction_without_allreduce_out():
     )
     ws = workspace(2, "bfloat16", tokens=2, hidden=256)
     with_ar = run_reduction(ws, case)
-    mesh = ws.mesh
-
-    def body(x, s, tok, residual, gamma):
-        out = jf.moe_reduction_allreduce_fusion(
-            x[0],
-            s[0],
-            tok[0],
-            axis_name="tp",
-            workspace=ws,
-            residual=residual,
-            rms_gamma=gamma,
-            rms_eps=EPS,
-        )
-        assert out.allreduce_out is None
-        return out.residual_out, out.norm_out
-
-    specs = (P("tp"), P("tp"), P("tp"), P(), P())
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(), P())))
-    args = (
-        np.stack(case["expert_outputs"]),
-        np.stack(case["expert_scales"]),
-        np.stack(case["token_input"]),
-        case["residual"],
-        case["gamma"],
-    )
-    outs = f(*(put(mesh, s, a) for s, a in zip(specs, args)))
+    # The default fallback (the psum in the rows' dtype) is exact for 2 ranks too.
+    outs = run_reduction(ws, case, return_allreduce_out=False, fallback="xla")
+    assert len(outs) == 2
     for a, b in zip(outs, with_ar[:2]):
-        np.testing.assert_array_equal(np.asarray(a).view(np.uint16), b.view(np.uint16))
+        np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
 
 
 # --- transformations ---------------------------------------------------------------------------

@@ -21,13 +21,14 @@ import torch
 import torch.distributed as dist
 
 import torch_compat
-from jax_fusedar.common import backend_choice, exchange, launch_mode, native, sizing, tp_groups
+from jax_fusedar.common import backend_choice, exchange, launch_mode, native, tp_groups
 from jax_fusedar.common.limits import SUPPORTED_WORLD_SIZES
 from torch_compat import cuda_state, ops
 from torch_compat import workspace as wsmod
 from torch_compat.channel import StoreChannel
 from tools.flashinfer_anchor import resolve_anchor_path
 
+from tests.torch.fakes import FakeRank, fake_workspace
 from tests.repo import REPO
 
 
@@ -184,60 +185,7 @@ def test_importing_torch_compat_does_not_import_jax():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-# --- fakes ----------------------------------------------------------------------------------------
-
-
-class FakeRank:
-    """Stands in for the native Rank: records exchange and launch calls."""
-
-    def __init__(self, process=0, device=0, tp_rank=0):
-        self.process, self.device, self.tp_rank = process, device, tp_rank
-        self.peers, self.finalized, self.launches, self.destroyed = {}, False, [], 0
-
-    def export_ipc(self):
-        return f"ipc:{self.process}:{self.device}:{self.tp_rank}".encode()
-
-    def local_pointers(self):
-        return [1, 2, 3]
-
-    def set_peer_pointers(self, peer, peer_device, ptrs):
-        self.peers[peer] = ("ptr", peer_device)
-
-    def open_peer_ipc(self, peer, handles):
-        self.peers[peer] = ("ipc", handles.decode())
-
-    def finalize(self):
-        self.finalized = True
-
-    def launch(self, *args, **kw):
-        self.launches.append((args, kw))
-
-    def failure(self):
-        return ""
-
-    def destroy(self):
-        self.destroyed += 1
-
-
-def fake_workspace(world=2, max_tokens=128, hidden=1024, dtype=torch.bfloat16):
-    name = wsmod.dtype_name(dtype)
-    ws = wsmod.TorchAllReduceFusionWorkspace(
-        native_rank=FakeRank(),
-        global_ranks=list(range(world)),
-        rank=0,
-        device=0,
-        max_token_num=max_tokens,
-        hidden_dim=hidden,
-        dtype=dtype,
-        sizes=sizing.workspace_sizes(world, max_tokens, hidden, name),
-    )
-    ws.torch_device = torch.device("cpu")  # so CPU tensors pass the device check
-    return ws
-
-
-@pytest.fixture
-def cpu_stream(monkeypatch):
-    monkeypatch.setattr(cuda_state, "current_stream", lambda device: 0xC0FFEE)
+# --- fakes: tests/torch/fakes.py; cpu_stream: tests/torch/conftest.py --------------------------
 
 
 def _tensors(m=16, h=1024, dtype=torch.bfloat16):
