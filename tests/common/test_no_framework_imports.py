@@ -9,7 +9,6 @@ names."""
 
 import ast
 import json
-import os
 import pkgutil
 import re
 import subprocess
@@ -20,7 +19,7 @@ import pytest
 
 import jax_fusedar.common
 
-from tests.repo import REPO
+from tests.repo import REPO, run_code
 
 
 COMMON_MODULES = sorted(
@@ -46,14 +45,7 @@ def _imported_after(modules):
         "    importlib.import_module(m)\n"
         "print(json.dumps(sorted({n.split('.')[0] for n in sys.modules})))\n"
     )
-    r = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
-        timeout=300,
-    )
+    r = run_code(code, timeout=300)
     assert r.returncode == 0, r.stderr
     return set(json.loads(r.stdout.strip().splitlines()[-1]))
 
@@ -99,14 +91,7 @@ def test_parsing_the_cli_flags_imports_no_jax():
         "parser.parse_args(['doctor'])\n"
         "print(json.dumps(sorted({n.split('.')[0] for n in sys.modules})))\n"
     )
-    r = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
-        timeout=300,
-    )
+    r = run_code(code, timeout=300)
     assert r.returncode == 0, r.stderr
     roots = set(json.loads(r.stdout.strip().splitlines()[-1]))
     assert not roots & {"jax", "jaxlib", "torch"}, sorted(roots & {"jax", "jaxlib", "torch"})
