@@ -65,6 +65,8 @@ def run_case(module, *args, timeout_s):
     )
     env.pop("JAX_FUSEDAR_HANDSHAKE", None)
     env.pop("JAX_FUSEDAR_HANDSHAKE_TIMEOUT_S", None)
+    env.pop("JAX_FUSEDAR_CHECK_CALLS", None)  # the names until 0.1.0, still read
+    env.pop("JAX_FUSEDAR_CHECK_TIMEOUT_S", None)
     env.pop("JAX_PLATFORMS", None)  # the lane runner keeps pytest itself on CPU
     try:
         proc = subprocess.run(
