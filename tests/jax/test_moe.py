@@ -447,6 +447,33 @@ def test_cuda_lowering_uses_the_moe_custom_call(hidden, kernel):
             ).trace(permuted, idx, row, gamma, scale)
 
 
+def test_vmap_beyond_the_workspace_maps_onto_the_kernel():
+    # The op family's one batching rule: a batch the workspace cannot hold folded, where one
+    # element fits, runs one kernel call per element (strict: a fallback would raise), as
+    # for the dense op; the fold would leave the kernel for psum + RMSNorm.
+    tokens, hidden, batch = 16, 256, 3
+    ws = workspace(2, "bfloat16", tokens=tokens, hidden=hidden, backend="trtllm")
+    idx = jax.ShapeDtypeStruct((2, batch, tokens, 8), jnp.int32)
+    permuted = jax.ShapeDtypeStruct((2, batch, 40, hidden), jnp.bfloat16)
+    rows = jax.ShapeDtypeStruct((batch, tokens, hidden), jnp.bfloat16)
+    gamma = jax.ShapeDtypeStruct((hidden,), jnp.bfloat16)
+    scale = jax.ShapeDtypeStruct((batch, tokens, 8), jnp.bfloat16)
+
+    def body(permuted, idx, residual, gamma, scale):
+        one = finalize_fn(ws, strict=True)
+        return jax.vmap(one, in_axes=(0, 0, 0, None, 0))(
+            permuted[0], idx[0], residual, gamma, scale
+        )
+
+    f = jax.jit(
+        jax.shard_map(
+            body, mesh=ws.mesh, in_specs=(P("tp"), P("tp"), P(), P(), P()), out_specs=(P(), P())
+        )
+    )
+    text = f.trace(permuted, idx, rows, gamma, scale).lower(lowering_platforms=("cuda",)).as_text()
+    assert moe.FFI_TARGET in text and "while" in text  # the kernel, in a loop over elements
+
+
 # --- bad inputs --------------------------------------------------------------------------------
 
 
