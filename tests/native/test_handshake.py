@@ -482,4 +482,4 @@ def test_core_signature_and_failure_messages(tmp_path):
         "hidden_dim=4096 one-shot fp32_acc=1 layout=0 block_quant_group_size=0} within "
         "2.5 s (the last call seen from it is #6)"
     ) in timeout, timeout
-    assert lines["truncated"] == "[jax_fusedar cal]"
+    assert lines["truncated"] == "[jax_fusedar han]"
