@@ -1045,7 +1045,7 @@ def _machine(torch, device: int) -> dict:
         "gpus_visible": torch.cuda.device_count(),
         "env": {
             k: os.environ.get(k)
-            for k in (*SAFE_ENV, "JAX_FUSEDAR_CHECK_CALLS", "CUDA_VISIBLE_DEVICES")
+            for k in (*SAFE_ENV, "JAX_FUSEDAR_HANDSHAKE", "CUDA_VISIBLE_DEVICES")
         },
     }
 

@@ -22,15 +22,15 @@ _LAZY = {
     "AllReduceFusionOutputs": ("api", "AllReduceFusionOutputs"),
     "create_allreduce_fusion_workspace": ("workspace", "create_allreduce_fusion_workspace"),
     "abstract_workspace": ("workspace", "abstract_workspace"),
-    "row_parallel_allreduce_fusion": ("partitioning", "row_parallel_allreduce_fusion"),
+    "row_parallel_allreduce_fusion": ("api", "row_parallel_allreduce_fusion"),
     "export": ("export", None),  # the module: export(), deserialize(), DISABLED_CHECKS
-    "timing": ("timing", None),  # the module: device_timestamp(), stamps_to_ns(), available()
+    "timing": ("ops.timing", None),  # the module: device_timestamp(), stamps_to_ns(), available()
     "AllReduceFusionWorkspace": ("workspace", "AllReduceFusionWorkspace"),
     "fuse": ("fusion.transform", "fuse"),
     "FusionReport": ("fusion.report", "FusionReport"),
-    "moe_reduction_allreduce_fusion": ("moe", "moe_reduction_allreduce_fusion"),
-    "moe_finalize_allreduce_fusion": ("moe", "moe_finalize_allreduce_fusion"),
-    "MoeAllReduceFusionOutputs": ("moe", "MoeAllReduceFusionOutputs"),
+    "moe_reduction_allreduce_fusion": ("api", "moe_reduction_allreduce_fusion"),
+    "moe_finalize_allreduce_fusion": ("api", "moe_finalize_allreduce_fusion"),
+    "MoeAllReduceFusionOutputs": ("api", "MoeAllReduceFusionOutputs"),
 }
 
 __all__ = ["AllReduceFusionPattern", "QuantizationSFLayout", "workspace_bytes", *_LAZY]

@@ -6,7 +6,7 @@ name is versioned (``jax_fusedar_allreduce_fusion_v2``, ``jax_fusedar_moe_allred
 its operands, results and attributes never change under that name (a new layout gets a new
 name), and the handler re-checks the operand and result lists, so an artifact never meets a
 handler it was not built for. The targets come from the one registry of the package's ops
-(``ffi_op.export_safe_targets``: every op declared through ``ffi_op.FfiOp``, the dense op and
+(``family.export_safe_targets``: every op declared through ``family.FfiOp``, the dense op and
 both MoE ops); ``DISABLED_CHECKS`` states exactly that exemption (for those targets only), and
 ``export`` applies it::
 
@@ -37,9 +37,9 @@ import re
 
 import jax
 
-from . import moe_primitive, primitive  # noqa: F401 (their ops fill the registry)
+from .ops import dense, moe  # noqa: F401 (their ops fill the registry)
 from .common import native
-from .ffi_op import (
+from .ops.family import (
     allowing_reference_for_cuda,
     export_safe_targets,
     refusing_reference_for_cuda,

@@ -35,7 +35,6 @@ if TYPE_CHECKING:  # annotations only: this module imports jax lazily
 from .common import (
     arguments,
     backend_choice,
-    call_check,
     join,
     lifecycle,
     limits,
@@ -43,6 +42,9 @@ from .common import (
     native,
     sizing,
     tp_groups,
+)
+from .common import (
+    handshake as handshake_options,
 )
 
 log = logging.getLogger("jax_fusedar")
@@ -83,10 +85,10 @@ class AllReduceFusionWorkspace(lifecycle.WorkspaceLifecycle):
 
     ``backend`` is ``"trtllm"`` (FlashInfer's kernel) or ``"xla"`` (the reference path: XLA's
     psum + RMSNorm, used on CPU and when asked for). Use as a context manager or call
-    ``destroy()``; calls traced after ``destroy()`` raise. ``check_calls``: whether the
-    kernel's calls are checked across ranks (``call_check.resolve_check_calls``; trtllm only).
-    ``timeout_s``: how long any wait inside the kernel may last (``call_check.resolve_timeout_s``;
-    0 waits forever).
+    ``destroy()``; calls traced after ``destroy()`` raise. ``handshake``: whether the
+    kernel's calls are checked across ranks (``common.handshake.resolve_handshake``; trtllm
+    only). ``timeout_s``: how long any wait inside the kernel may last
+    (``common.handshake.resolve_timeout_s``; 0 waits forever).
     """
 
     def __init__(
@@ -101,9 +103,9 @@ class AllReduceFusionWorkspace(lifecycle.WorkspaceLifecycle):
         workspace_id: int,
         groups,
         sizes: sizing.WorkspaceSizes,
-        check_calls: bool = False,
-        check_timeout_s: float = call_check.DEFAULT_CHECK_TIMEOUT_S,
-        timeout_s: float = call_check.DEFAULT_TIMEOUT_S,
+        handshake: bool = False,
+        handshake_timeout_s: float = handshake_options.DEFAULT_HANDSHAKE_TIMEOUT_S,
+        timeout_s: float = handshake_options.DEFAULT_TIMEOUT_S,
         name: Optional[str] = None,
         serial: Optional[int] = None,
         key: str = "",
@@ -120,8 +122,8 @@ class AllReduceFusionWorkspace(lifecycle.WorkspaceLifecycle):
         self.key = key
         self.groups = groups
         self.sizes = sizes
-        self.check_calls = bool(check_calls)
-        self.check_timeout_s = float(check_timeout_s)
+        self.handshake = bool(handshake)
+        self.handshake_timeout_s = float(handshake_timeout_s)
         self.timeout_s = float(timeout_s)
         # Whether an "xla" backend is what the user asked for (backend="xla" or
         # $JAX_FUSEDAR_ALLREDUCE_BACKEND=xla) or describes GPU processes (abstract_workspace),
@@ -157,19 +159,19 @@ class AllReduceFusionWorkspace(lifecycle.WorkspaceLifecycle):
     def failures(self) -> list:
         """After a call failed (the stream reported a CUDA error): what each of this
         process's ranks recorded, one message per failed rank, naming the peer that did not
-        arrive: a wait of the kernel that outlasted ``timeout_s``, or a failed call-check
+        arrive: a wait of the kernel that outlasted ``timeout_s``, or a failed handshake
         handshake. Readable after the trap killed the CUDA context; empty when nothing
         failed (and on the xla backend)."""
         return [m for m in (r.failure() for r in self._ranks if r.alive) if m]
 
-    # The call check and the bounded waits share one failure record.
-    call_check_failures = failures
+    # The handshake and the bounded waits share one failure record.
+    call_check_failures = failures  # its name in 0.1.0, kept
 
     def set_timeout(self, timeout_s) -> None:
         """Changes ``timeout_s`` (validated as at creation; 0 waits forever) on every rank of
         this process, effective for the next kernel (the device copy is updated between
         programs; the compiled programs are unchanged). Other processes keep theirs."""
-        value = call_check.resolve_timeout_s(timeout_s) if timeout_s is not None else None
+        value = handshake_options.resolve_timeout_s(timeout_s) if timeout_s is not None else None
         if value is None:
             raise TypeError("timeout_s must be a number of seconds, got None")
         for r in self._ranks:
@@ -197,7 +199,7 @@ class AllReduceFusionWorkspace(lifecycle.WorkspaceLifecycle):
 
     def raise_if_failed(self) -> None:
         """Raises RuntimeError with the recorded text if a call on this workspace timed out
-        or failed the call check. For use where the computation's own error only says that
+        or failed the handshake. For use where the computation's own error only says that
         the CUDA stream failed (a trap is reported by XLA as a generic CUDA error)."""
         failed = self.failures()
         if failed:
@@ -387,10 +389,12 @@ def create_allreduce_fusion_workspace(
     dtype: DTypeLike,
     backend: Optional[str] = "auto",
     exchange_timeout_s: float = 120.0,
-    check_calls: Optional[bool] = None,
-    check_timeout_s: Optional[float] = None,
+    handshake: Optional[bool] = None,
+    handshake_timeout_s: Optional[float] = None,
     name: Optional[str] = None,
     timeout_s: Optional[float] = None,
+    check_calls: Optional[bool] = None,
+    check_timeout_s: Optional[float] = None,
 ) -> AllReduceFusionWorkspace:
     """Creates the workspaces of every TP group along ``axis_name`` of ``mesh``.
 
@@ -403,12 +407,13 @@ def create_allreduce_fusion_workspace(
     ``backend`` is ``"auto"`` or ``None``. Hosts are told apart by ``socket.gethostname()``,
     exchanged through ``jax.distributed``'s key-value store (within ``exchange_timeout_s``).
 
-    ``check_calls`` (None: ``$JAX_FUSEDAR_CHECK_CALLS``, default off) makes every kernel call
+    ``handshake`` (None: ``$JAX_FUSEDAR_HANDSHAKE``, default off) makes every kernel call
     first check, on the device, that all ranks of the group make the same call (pattern,
-    dtype, shape, one-shot choice): a mismatch, or a rank missing for ``check_timeout_s``
-    (None: ``$JAX_FUSEDAR_CHECK_TIMEOUT_S``, default 30 s), fails the stream with a CUDA error
-    and a printed description instead of hanging (``call_check_failures()`` reads it back).
+    dtype, shape, one-shot choice): a mismatch, or a rank missing for ``handshake_timeout_s``
+    (None: ``$JAX_FUSEDAR_HANDSHAKE_TIMEOUT_S``, default 30 s), fails the stream with a CUDA error
+    and a printed description instead of hanging (``failures()`` reads it back).
     One extra tiny kernel per call; every process must pass the same setting.
+    ``check_calls`` and ``check_timeout_s`` are their names until 0.1.0, still taken.
 
     ``timeout_s`` (None: ``$JAX_FUSEDAR_TIMEOUT_S``, default 30 s; 0 waits forever) bounds
     every wait inside the kernel, always, checked or not: a rank that waits longer than this
@@ -424,12 +429,15 @@ def create_allreduce_fusion_workspace(
     (``abstract_workspace(..., name=)``) and when serving.
     """
     _check_mesh(mesh)
-    check_calls = call_check.resolve_check_calls(check_calls)
-    check_timeout_s = call_check.resolve_check_timeout_s(check_timeout_s)
+    earlier = handshake_options.earlier_name
+    handshake = handshake_options.resolve_handshake(earlier(handshake, check_calls, "handshake"))
+    handshake_timeout_s = handshake_options.resolve_handshake_timeout_s(
+        earlier(handshake_timeout_s, check_timeout_s, "handshake_timeout_s")
+    )
     exchange_timeout_s = arguments.as_float("exchange_timeout_s", exchange_timeout_s)
     if exchange_timeout_s <= 0:
         raise ValueError(f"exchange_timeout_s must be > 0 seconds, got {exchange_timeout_s}")
-    timeout_s = call_check.resolve_timeout_s(timeout_s)
+    timeout_s = handshake_options.resolve_timeout_s(timeout_s)
 
     ws = _describe(mesh, axis_name, max_token_num, hidden_dim, dtype, None, name)
     _set_backend(
@@ -438,8 +446,8 @@ def create_allreduce_fusion_workspace(
     resolved = ws.backend
     ws.xla_requested = backend_choice.requested_backend(backend)[0] == "xla"
     _claim_id(ws, allocates=resolved == "trtllm")
-    ws.check_calls = check_calls and resolved == "trtllm"
-    ws.check_timeout_s = check_timeout_s
+    ws.handshake = handshake and resolved == "trtllm"
+    ws.handshake_timeout_s = handshake_timeout_s
     ws.timeout_s = timeout_s
     if resolved == "trtllm":
         try:
@@ -563,8 +571,8 @@ def _build_native(ws: AllReduceFusionWorkspace, timeout_s: float) -> None:
             ws.max_token_num,
             ws.hidden_dim,
             code,
-            check_calls=ws.check_calls,
-            check_timeout_s=ws.check_timeout_s,
+            handshake=ws.handshake,
+            handshake_timeout_s=ws.handshake_timeout_s,
             timeout_s=ws.timeout_s,
         )
         ws._ranks.append(r)  # owned from birth, so a failure later still frees it
@@ -586,7 +594,7 @@ def _build_native(ws: AllReduceFusionWorkspace, timeout_s: float) -> None:
     ]
     joins = [j for j in joins if j.my_devices]
     chan = _KVChannel(timeout_s) if any(j.spans_processes for j in joins) else None
-    agreed = join_processes(joins, me, chan, serial=ws.serial, check_calls=ws.check_calls)
+    agreed = join_processes(joins, me, chan, serial=ws.serial, handshake=ws.handshake)
     plans = join.connect(
         agreed, me, chan, namespace=NAMESPACE, serial=ws.serial, make_rank=make_rank
     )
@@ -595,7 +603,7 @@ def _build_native(ws: AllReduceFusionWorkspace, timeout_s: float) -> None:
             ext.register_rank(ws.id, plan.members[tp_rank].device, rank)
 
 
-def join_processes(joins, me: int, chan, *, serial: int, check_calls: bool):
+def join_processes(joins, me: int, chan, *, serial: int, handshake: bool):
     """Steps 1-2 of the shared join protocol (common/join.py) for this process's groups:
     publish and agree, before anything is allocated (ValueError naming who differs, on
     every process alike)."""
@@ -606,7 +614,7 @@ def join_processes(joins, me: int, chan, *, serial: int, check_calls: bool):
         namespace=NAMESPACE,
         serial=serial,
         host=socket.gethostname(),
-        options={"check_calls": bool(check_calls)},
+        options={"handshake": bool(handshake)},
         name=lambda g, p: f"process {p}",
         name_waited=lambda g, p: f"process {p} (TP group {list(g.members)})",
         what="processes",

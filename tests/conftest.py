@@ -81,16 +81,17 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
 @pytest.fixture
 def hermetic(monkeypatch):
-    """No strict mode, backend choice or call check leaking in from the environment, and
+    """No strict mode, backend choice or handshake leaking in from the environment, and
     fallback warnings neither hidden by earlier tests nor hiding later ones (each kind logs
     once). Imported lazily: tests/jax/conftest.py sets XLA_FLAGS before JAX is first imported."""
-    from jax_fusedar import call_plan
-    from jax_fusedar.common import backend_choice, call_check
+    from jax_fusedar.ops import plan as ops_plan
+    from jax_fusedar.common import backend_choice, handshake
 
     for var in (
         backend_choice.STRICT_ENV_VAR,
         backend_choice.BACKEND_ENV_VAR,
-        call_check.CHECK_CALLS_ENV_VAR,
+        handshake.HANDSHAKE_ENV_VAR,
+        *handshake.EARLIER_ENV_VARS,  # still read where the new names are unset
     ):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(call_plan, "_fallback_reasons_logged", set())
+    monkeypatch.setattr(ops_plan, "_fallback_reasons_logged", set())

@@ -6,3 +6,20 @@ GPU tests, where no CPU run could notice); tests/test_repo_root.py keeps it the 
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def run_code(code: str, timeout: float = 300):
+    """``python -c code`` in the repository root with the checkout first on PYTHONPATH (a
+    fresh interpreter: what it imports is its own); the completed process, text captured."""
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        timeout=timeout,
+    )

@@ -1,9 +1,9 @@
 """On CPU: what the GPU suite does when a rank's trap is never reported (ranks sharing a GPU;
 jax_fusedar/common/lost_traps.py ends that process). tests/gpu/harness.py's run_ranks keeps
 what such a rank noted before it ended and when it ended; tests/gpu/case_runs.py finds its
-record and holds the end to the watcher's timing; and the GPU timeout and call-check tests
+record and holds the end to the watcher's timing; and the GPU timeout and handshake tests
 take either outcome, fed here with the results their workers give in each (the records in
-the format ffi/core/call_check.cu writes, checked on CPU by tests/native/test_timeout.py; the
+the format ffi/core/handshake.cu writes, checked on CPU by tests/native/test_timeout.py; the
 watcher's own lines from lost_traps itself). Those branches run on a GPU only when the
 driver loses a trap, so a mistake in them would otherwise show only there."""
 
@@ -258,30 +258,30 @@ def test_the_moe_timeout_test_takes_either_outcome(monkeypatch, capsys, lost):
 
 
 @pytest.mark.parametrize("lost", [False, True])
-def test_the_call_check_timeout_test_at_eight_ranks_takes_either_outcome(monkeypatch, capsys, lost):
+def test_the_handshake_timeout_test_at_eight_ranks_takes_either_outcome(monkeypatch, capsys, lost):
     from tests.gpu import test_topology as tp
     from tests.gpu.workers.native_mismatch import MATCHING, TIMEOUT_CASE_S
 
     seq = len(MATCHING) + 1
     matching = [{"residual": 0.9, "norm": 1.5} for _ in MATCHING]
     before = {
-        "check_calls": True,
-        "check_timeout_s": TIMEOUT_CASE_S,
+        "handshake": True,
+        "handshake_timeout_s": TIMEOUT_CASE_S,
         "matching": matching,
         "device": 0,
     }
     ranks, err, printf = [], "", []
     for me in range(7):
         record = (
-            f"jax_fusedar call check failed on rank {me} of 8 (device 0), call #{seq}: "
+            f"jax_fusedar handshake failed on rank {me} of 8 (device 0), call #{seq}: "
             f"rank 7 did not make its call #{seq} {tp.SIG.format(1, 16, 'one-shot')} "
             f"within {TIMEOUT_CASE_S:.1f} s (the last call seen from it is #{seq - 1}); "
             f"a rank skipped or added a call, stopped, or created the workspace without "
-            f"check_calls. The handshake trapped, so this device's CUDA context is "
+            f"handshake. The handshake trapped, so this device's CUDA context is "
             f"unusable: restart the process."
         )
         printf.append(
-            f"jax_fusedar call check FAILED on rank {me} of 8 (device 0), call "
+            f"jax_fusedar handshake FAILED on rank {me} of 8 (device 0), call "
             f"#{seq}: rank 7 did not make its call"
         )
         if lost and me % 3 == 0:

@@ -74,7 +74,7 @@ from .workspace import TORCH_DTYPES, TorchAllReduceFusionWorkspace
 # Every pattern allreduce_fusion serves: the dense ones checked and launched here, and the MoE
 # patterns 6 and 7 (torch_compat/moe.py). 12 is FlashInfer's MNNVL-only code, refused by
 # patterns.as_pattern.
-TORCH_PATTERNS = tuple(patterns.TRAITS) + patterns.MOE_PATTERNS
+TORCH_PATTERNS = tuple(patterns.TRAITS)  # the dense patterns and the MoE ones
 
 _FP4_SCALE_DTYPES = (torch.uint8, torch.float8_e4m3fn, torch.int32)
 

@@ -30,11 +30,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from jax_fusedar.common import plan as rules
 from jax_fusedar.common import (
     arguments,
     backend_choice,
-    call_check,
     exchange,
     join,
     lifecycle,
@@ -44,6 +42,10 @@ from jax_fusedar.common import (
     sizing,
     tp_groups,
 )
+from jax_fusedar.common import (
+    handshake as handshake_options,
+)
+from jax_fusedar.common import plan as rules
 
 from .channel import StoreChannel
 from .tensors import concrete
@@ -102,8 +104,8 @@ class TorchAllReduceFusionWorkspace(lifecycle.WorkspaceLifecycle):
         dtype: torch.dtype,
         sizes: sizing.WorkspaceSizes,
         members: Sequence[exchange.Member] = (),
-        check_calls: bool = False,
-        timeout_s: float = call_check.DEFAULT_TIMEOUT_S,
+        handshake: bool = False,
+        timeout_s: float = handshake_options.DEFAULT_TIMEOUT_S,
     ):
         self._rank_obj = native_rank
         self.global_ranks = tuple(int(g) for g in global_ranks)
@@ -117,7 +119,7 @@ class TorchAllReduceFusionWorkspace(lifecycle.WorkspaceLifecycle):
         self.dtype = dtype
         self.sizes = sizes
         self.members = tuple(members)
-        self.check_calls = bool(check_calls)  # calls checked across ranks on the device
+        self.handshake = bool(handshake)  # calls checked across ranks on the device
         self.timeout_s = float(timeout_s)  # bound on every wait inside the kernel (0: none)
         self._destroyed = False
 
@@ -210,12 +212,12 @@ class TorchAllReduceFusionWorkspace(lifecycle.WorkspaceLifecycle):
     def failure(self) -> str:
         """After a call failed with a CUDA error: what this rank recorded, naming the peer
         that did not arrive (a wait of the kernel that outlasted ``timeout_s``, or a failed
-        call-check handshake); readable after the trap killed the CUDA context; "" when
+        handshake); readable after the trap killed the CUDA context; "" when
         nothing failed. Later calls on the workspace raise RuntimeError with this text."""
         return self.native_rank().failure()
 
-    # The call check and the bounded waits share one failure record.
-    call_check_failure = failure
+    # The handshake and the bounded waits share one failure record.
+    call_check_failure = failure  # its name in 0.1.0, kept
 
     def _release(self) -> None:
         rank, self._rank_obj = self._rank_obj, None
@@ -369,7 +371,7 @@ def _join_group(
     serial: int,
     backend: Optional[str],
     make_rank: Callable[[int, int], Any],
-    check_calls: bool = False,
+    handshake: bool = False,
 ):
     """Joins this process's member to its group by the shared protocol (``common/join.py``:
     publish, agree, create, connect); returns (native rank, members). Pure values in, so tests
@@ -401,7 +403,7 @@ def _join_group(
         namespace=NAMESPACE,
         serial=serial,
         host=host,
-        options={"check_calls": bool(check_calls)},
+        options={"handshake": bool(handshake)},
         accept=accept,
         name=lambda g, p: f"TP rank {g.rank_of(p)} (global rank {p})",
         name_waited=lambda g, p: (
@@ -427,9 +429,11 @@ def create_allreduce_fusion_workspace(
     group=None,
     *,
     timeout_s: float = 120.0,
+    handshake: Optional[bool] = None,
+    handshake_timeout_s: Optional[float] = None,
+    kernel_timeout_s: Optional[float] = None,
     check_calls: Optional[bool] = None,
     check_timeout_s: Optional[float] = None,
-    kernel_timeout_s: Optional[float] = None,
 ) -> TorchAllReduceFusionWorkspace:
     """Creates this process's workspace of the TP group ``group``; collective over the group.
 
@@ -444,12 +448,13 @@ def create_allreduce_fusion_workspace(
     given, must agree with ``group``. ``timeout_s`` bounds each wait for the other members:
     a member that never joins raises ``TimeoutError`` naming it.
 
-    ``check_calls`` (None: ``$JAX_FUSEDAR_CHECK_CALLS``, default off; not in FlashInfer): every
+    ``handshake`` (None: ``$JAX_FUSEDAR_HANDSHAKE``, default off; not in FlashInfer): every
     call first checks on the device that all ranks make the same call (pattern, dtype, shape,
-    one-shot choice); a mismatch, or a rank missing for ``check_timeout_s`` (None:
-    ``$JAX_FUSEDAR_CHECK_TIMEOUT_S``, default 30 s), fails the stream with a CUDA error and a
-    printed description instead of hanging (``ws.call_check_failure()`` reads it back). One
-    extra tiny kernel per call; every member must pass the same setting.
+    one-shot choice); a mismatch, or a rank missing for ``handshake_timeout_s`` (None:
+    ``$JAX_FUSEDAR_HANDSHAKE_TIMEOUT_S``, default 30 s), fails the stream with a CUDA error and a
+    printed description instead of hanging (``ws.failure()`` reads it back). One
+    extra tiny kernel per call; every member must pass the same setting. ``check_calls`` and
+    ``check_timeout_s`` are their names until 0.1.0, still taken.
 
     ``kernel_timeout_s`` (None: ``$JAX_FUSEDAR_TIMEOUT_S``, default 30 s; 0 waits forever; not
     in FlashInfer, and named apart from ``timeout_s``, which FlashInfer's signature does not
@@ -464,9 +469,14 @@ def create_allreduce_fusion_workspace(
         world_size, rank, max_token_num, hidden_dim, gpus_per_node, force_oneshot_support
     )
     timeout_s = arguments.as_float("timeout_s", timeout_s)
-    check_calls = call_check.resolve_check_calls(check_calls)
-    check_timeout_s = call_check.resolve_check_timeout_s(check_timeout_s)
-    kernel_timeout_s = call_check.resolve_timeout_s(kernel_timeout_s, name="kernel_timeout_s")
+    earlier = handshake_options.earlier_name
+    handshake = handshake_options.resolve_handshake(earlier(handshake, check_calls, "handshake"))
+    handshake_timeout_s = handshake_options.resolve_handshake_timeout_s(
+        earlier(handshake_timeout_s, check_timeout_s, "handshake_timeout_s")
+    )
+    kernel_timeout_s = handshake_options.resolve_timeout_s(
+        kernel_timeout_s, name="kernel_timeout_s"
+    )
     name = dtype_name(dtype)
     global_ranks, tp_rank = _group_membership(group, world_size, rank)
     _check_comm_backend(comm_backend, len(global_ranks), tp_rank)
@@ -491,8 +501,8 @@ def create_allreduce_fusion_workspace(
                 sizes.max_token_num,
                 sizes.hidden_dim,
                 native.DTYPE_CODES[name],
-                check_calls=check_calls,
-                check_timeout_s=check_timeout_s,
+                handshake=handshake,
+                handshake_timeout_s=handshake_timeout_s,
                 timeout_s=kernel_timeout_s,
             )
         )
@@ -509,7 +519,7 @@ def create_allreduce_fusion_workspace(
             serial=serial,
             backend=backend,
             make_rank=make_rank,
-            check_calls=check_calls,
+            handshake=handshake,
         )
     except BaseException:
         for r in created:  # owned from birth: a failed exchange frees what it allocated
@@ -525,7 +535,7 @@ def create_allreduce_fusion_workspace(
         dtype=dtype,
         sizes=sizes,
         members=members,
-        check_calls=check_calls,
+        handshake=handshake,
         timeout_s=kernel_timeout_s,
     )
     log.info("created %r", ws)

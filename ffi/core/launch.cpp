@@ -19,18 +19,19 @@
 #include "launch_prelude.h"
 #include "rank_state.h"
 #include "status.h"
+#include "world_sizes.h"
 
 using fusedar::fail;
 
 namespace {
 
-// The trait table and the kernel instantiations name the same patterns.
+// The trait table's dense patterns and the kernel instantiations name the same patterns.
 constexpr bool table_matches_compiled_patterns() {
   for (const fusedar::PatternTraits& p : fusedar::kPatterns) {
-    if (!fusedar::kernels::is_compiled_pattern(p.code)) return false;
+    if (p.dense() != fusedar::kernels::is_compiled_pattern(p.code)) return false;
   }
   for (int code : fusedar::kernels::kCompiledPatterns) {
-    if (fusedar::find_pattern(code) == nullptr) return false;
+    if (fusedar::find_dense_pattern(code) == nullptr) return false;
   }
   return true;
 }
@@ -64,7 +65,7 @@ int check(const fusedar_rank* r, const fusedar_launch_args* a) {
                                               " (float32 needs a float32 workspace, 16-bit types a "
                                               "16-bit one)");
   }
-  const fusedar::PatternTraits* traits = fusedar::find_pattern(a->pattern);
+  const fusedar::PatternTraits* traits = fusedar::find_dense_pattern(a->pattern);
   if (traits == nullptr || !fusedar::kernels::is_compiled_pattern(a->pattern)) {
     return fail(FUSEDAR_UNSUPPORTED, "pattern " + std::to_string(a->pattern) +
                                          " is not compiled into this build of jax_fusedar");
@@ -161,16 +162,35 @@ int check(const fusedar_rank* r, const fusedar_launch_args* a) {
 
 template <int DType>
 std::string launch_for_world(const fusedar::kernels::KernelCall& call) {
-  switch (call.nranks) {
-    case 2: return fusedar::kernels::launch<DType, 2>(call);
-    case 4: return fusedar::kernels::launch<DType, 4>(call);
-    case 8: return fusedar::kernels::launch<DType, 8>(call);
-    case 16: return fusedar::kernels::launch<DType, 16>(call);
-  }
-  return "unsupported world size " + std::to_string(call.nranks);
+  return fusedar::dispatch_world_size(
+      call.nranks,
+      [&](auto n) { return fusedar::kernels::launch<DType, decltype(n)::value>(call); },
+      fusedar::WorldSizes{});
 }
 
 }  // namespace
+
+#ifndef FUSEDAR_WORLD_SIZE_LIST
+#error "FUSEDAR_WORLD_SIZE_LIST is set by ffi/core/CMakeLists.txt (from common/limits.py)"
+#endif
+
+bool fusedar::supported_world_size(int n) {
+  for (int w : {FUSEDAR_WORLD_SIZE_LIST}) {
+    if (w == n) return true;
+  }
+  return false;
+}
+
+std::string fusedar::world_sizes_text() {
+  constexpr int sizes[] = {FUSEDAR_WORLD_SIZE_LIST};
+  constexpr int count = sizeof(sizes) / sizeof(sizes[0]);
+  std::string out;
+  for (int i = 0; i < count; ++i) {
+    if (i > 0) out += i + 1 == count ? " or " : ", ";
+    out += std::to_string(sizes[i]);
+  }
+  return out;
+}
 
 extern "C" int fusedar_pattern_compiled(int32_t pattern) {
   return fusedar::kernels::is_compiled_pattern(pattern) ? 1 : 0;

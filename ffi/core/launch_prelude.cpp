@@ -3,7 +3,7 @@
 #include <atomic>
 #include <cstdint>
 
-#include "call_check.h"
+#include "handshake.h"
 #include "rank_state.h"
 #include "status.h"
 
@@ -15,14 +15,14 @@ namespace fusedar {
 
 int launch_prelude(const fusedar_rank* r, const fusedar_launch_args& signature, cudaStream_t stream,
                    std::optional<DeviceGuard>& guard) {
-  std::string failed = call_check::failure(r);
+  std::string failed = handshake::failure(r);
   if (!failed.empty()) return fail(FUSEDAR_CUDA_ERROR, failed);
   guard.emplace(r->device);
   FUSEDAR_CUDA_TRY(guard->status(), "selecting the device", r->device);
-  if (r->check_calls) {
-    cudaError_t err = call_check::launch(r, signature, stream);
+  if (r->handshake) {
+    cudaError_t err = handshake::launch(r, signature, stream);
     if (err != cudaSuccess) {
-      return fail_cuda(err, "launching the call-check handshake", r->device);
+      return fail_cuda(err, "launching the handshake", r->device);
     }
   }
   return FUSEDAR_OK;

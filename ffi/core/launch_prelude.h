@@ -19,7 +19,7 @@ namespace fusedar {
 //    dead context (one read of pinned host memory);
 // 2. make the rank's device current (`guard`, for the caller's scope): FlashInfer's
 //    launchers query the *current* device (SM count, cluster size);
-// 3. with the call check on, launch the handshake on `stream`, without PDL: it starts once
+// 3. with the handshake on, launch the handshake on `stream`, without PDL: it starts once
 //    the previous kernel has completed, and the fused kernel (PDL or not) starts only after
 //    it has exited. `signature` is what the ranks must agree on.
 int launch_prelude(const fusedar_rank* r, const fusedar_launch_args& signature, cudaStream_t stream,

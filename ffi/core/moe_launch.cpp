@@ -15,6 +15,7 @@
 #include "launch_prelude.h"
 #include "rank_state.h"
 #include "status.h"
+#include "world_sizes.h"
 
 using fusedar::fail;
 
@@ -58,7 +59,7 @@ int shape_check(const fusedar_workspace_info& ws, int pattern, int dtype, int64_
   }
   // A token's warps are spread over a cluster of the largest of 8, 4, 2, 1 CTAs dividing
   // their count; FlashInfer's launcher refuses a CTA above 1024 threads (its own check
-  // would fail the launch after the call check had already run on every rank).
+  // would fail the launch after the handshake had already run on every rank).
   const int64_t warps = h / kHiddenMultiple;
   int64_t cluster = kMaxClusterSize;
   while (warps % cluster != 0) cluster /= 2;
@@ -128,13 +129,10 @@ int check(const fusedar_rank* r, const fusedar_moe_launch_args* a) {
 
 template <int DType>
 std::string launch_for_world(const fusedar::kernels::MoeKernelCall& call) {
-  switch (call.nranks) {
-    case 2: return fusedar::kernels::launch_moe<DType, 2>(call);
-    case 4: return fusedar::kernels::launch_moe<DType, 4>(call);
-    case 8: return fusedar::kernels::launch_moe<DType, 8>(call);
-    case 16: return fusedar::kernels::launch_moe<DType, 16>(call);
-  }
-  return "unsupported world size " + std::to_string(call.nranks);
+  return fusedar::dispatch_world_size(
+      call.nranks,
+      [&](auto n) { return fusedar::kernels::launch_moe<DType, decltype(n)::value>(call); },
+      fusedar::WorldSizes{});
 }
 
 }  // namespace

@@ -24,12 +24,12 @@ struct fusedar_rank {
   fusedar::watchdog::Control* control = nullptr;
   void** table = nullptr;                    // device copy of the 3N+1 pointer table
   std::vector<fusedar_peer> peers;           // indexed by TP rank; peers[rank] is us
-  // Opt-in cross-rank call check (call_check.cu); set before finalize.
-  bool check_calls = false;
-  uint64_t check_timeout_ns = 0;
+  // Opt-in cross-rank handshake (handshake.cu); set before finalize.
+  bool handshake = false;
+  uint64_t handshake_timeout_ns = 0;
   unsigned long long* check_seq = nullptr;  // device: handshakes so far on this rank
   // Bounded waits (watchdog.h): the kernel's timeout (0: wait forever) and the one failure
-  // record, written by a timed-out wait of the kernel or a failed call-check handshake.
+  // record, written by a timed-out wait of the kernel or a failed handshake.
   uint64_t timeout_ns = fusedar::watchdog::kDefaultTimeoutNs;
   void* record = nullptr;         // pinned, device-mapped watchdog::Record (host address)
   void* record_device = nullptr;  // the same record's device address

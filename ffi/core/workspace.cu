@@ -2,7 +2,7 @@
 //
 //   [0, N)    two-shot data buffer of each rank       (peer-mapped)
 //   [N, 2N)   barrier flags of each rank               (peer-mapped, zeroed), followed in
-//             the same allocation by the opt-in call-check area (call_check.h) and the
+//             the same allocation by the opt-in handshake area (handshake.h) and the
 //             large-message flags (flag_layout.h)
 //   [2N, 3N)  Lamport triple buffer of each rank       (peer-mapped, filled with -0.0)
 //   [3N]      this rank's control block {0,0,0,lamport_comm_bytes,0}, followed by the
@@ -17,12 +17,13 @@
 #include <string>
 #include <vector>
 
-#include "call_check.h"
 #include "device_guard.h"
 #include "flag_layout.h"
 #include "fusedar/core.h"
+#include "handshake.h"
 #include "rank_state.h"
 #include "status.h"
+#include "world_sizes.h"
 
 namespace fusedar {
 namespace {
@@ -59,9 +60,10 @@ extern "C" int fusedar_workspace_sizes(int32_t world_size, int32_t max_token_num
                                        int32_t hidden_dim, int32_t dtype,
                                        fusedar_workspace_info* info) {
   if (info == nullptr) return fail(FUSEDAR_INVALID_ARGUMENT, "info is null");
-  if (world_size != 2 && world_size != 4 && world_size != 8 && world_size != 16) {
+  if (!fusedar::supported_world_size(world_size)) {
     return fail(FUSEDAR_UNSUPPORTED, "world size " + std::to_string(world_size) +
-                                         " is not supported by the kernel (2, 4, 8 or 16)");
+                                         " is not supported by the kernel (" +
+                                         fusedar::world_sizes_text() + ")");
   }
   if (max_token_num <= 0 || hidden_dim <= 0) {
     return fail(FUSEDAR_INVALID_ARGUMENT, "max_token_num and hidden_dim must be positive");
@@ -267,8 +269,8 @@ extern "C" int fusedar_rank_finalize(fusedar_rank* r) {
       cudaMemcpy(table, host.data(), host.size() * sizeof(void*), cudaMemcpyHostToDevice),
       "uploading the workspace pointer table", r->device);
   FUSEDAR_CUDA_TRY(cudaMemset(r->local[1], 0, fusedar::flag_allocation_bytes(r->info)),
-                   "zeroing the barrier flags and the call-check area", r->device);
-  FUSEDAR_CUDA_TRY(fusedar::call_check::reset(r), "resetting the call-check counter", r->device);
+                   "zeroing the barrier flags and the handshake area", r->device);
+  FUSEDAR_CUDA_TRY(fusedar::handshake::reset(r), "resetting the handshake counter", r->device);
   std::memset(r->record, 0, sizeof(fusedar::watchdog::Record));
   fusedar::watchdog::Control control{};
   control.flashinfer[3] = static_cast<int>(r->info.lamport_comm_bytes);
@@ -328,7 +330,7 @@ extern "C" int fusedar_rank_destroy(fusedar_rank* r) {
       r->large = nullptr;
     }
     if (r->record) note(cudaFreeHost(r->record), "freeing the failure record");
-    fusedar::call_check::release(r, &first_error);
+    fusedar::handshake::release(r, &first_error);
   } else {
     first_error = "cannot select device " + std::to_string(r->device);
   }

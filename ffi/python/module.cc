@@ -56,7 +56,7 @@ fusedar::xla::Element element_named(const std::string& name) {
 }
 
 const fusedar::PatternTraits& dense_pattern(int pattern) {
-  const fusedar::PatternTraits* traits = fusedar::find_pattern(pattern);
+  const fusedar::PatternTraits* traits = fusedar::find_dense_pattern(pattern);
   if (traits == nullptr) {
     throw nb::value_error(("unknown fusion pattern " + std::to_string(pattern)).c_str());
   }
@@ -68,6 +68,7 @@ const fusedar::PatternTraits& dense_pattern(int pattern) {
 nb::dict traits_dict(const fusedar::PatternTraits& p) {
   nb::dict d;
   d["code"] = p.code;
+  d["family"] = fusedar::family_name(p.family);
   d["has_allreduce_out"] = p.allreduce_out();
   d["has_residual"] = p.residual;
   d["has_norm_out"] = p.norm_out;
@@ -101,10 +102,10 @@ nb::dict info_dict(const fusedar_workspace_info& i) {
 class Rank {
  public:
   Rank(int device, int world_size, int rank, int max_token_num, int hidden_dim, int dtype,
-       bool check_calls, double check_timeout_s, double timeout_s) {
+       bool handshake, double handshake_timeout_s, double timeout_s) {
     check(fusedar_rank_create(device, world_size, rank, max_token_num, hidden_dim, dtype, &r_));
     int rc = fusedar_rank_set_timeout(r_, timeout_s);
-    if (rc == FUSEDAR_OK && check_calls) rc = fusedar_rank_set_call_check(r_, 1, check_timeout_s);
+    if (rc == FUSEDAR_OK && handshake) rc = fusedar_rank_set_call_check(r_, 1, handshake_timeout_s);
     if (rc != FUSEDAR_OK) {
       std::string msg = fusedar_last_error();
       release();
@@ -169,13 +170,13 @@ class Rank {
   int device() const { return fusedar_rank_device(get()); }
   int rank() const { return fusedar_rank_index(get()); }
   uint64_t table() const { return fusedar_rank_workspace_table(get()); }
-  bool check_calls() const {
+  bool handshake() const {
     int32_t on = 0;
     double t = 0;
     check(fusedar_rank_call_check(get(), &on, &t));
     return on != 0;
   }
-  double check_timeout_s() const {
+  double handshake_timeout_s() const {
     int32_t on = 0;
     double t = 0;
     check(fusedar_rank_call_check(get(), &on, &t));
@@ -187,7 +188,7 @@ class Rank {
     return t;
   }
   void set_timeout(double timeout_s) { check(fusedar_rank_set_timeout(get(), timeout_s)); }
-  // "" unless a wait of this rank timed out or a call-check handshake failed; readable
+  // "" unless a wait of this rank timed out or a handshake failed; readable
   // after the trap, and after destroy() (the text it had then).
   std::string failure() const {
     if (r_ == nullptr) return failure_at_destroy_;
@@ -329,7 +330,7 @@ NB_MODULE(_fusedar, m) {
     d[FUSEDAR_TARGET_DEVICE_TIMESTAMP] = encapsulate(FusedarDeviceTimestampHandler);
     return d;
   });
-  // Targets registered for the host platform (jax_fusedar/ffi_op.py, register_ffi_targets).
+  // Targets registered for the host platform (jax_fusedar/ops/family.py, register_ffi_targets).
   m.def("host_registrations", []() {
     nb::dict d;
     d[FUSEDAR_TARGET_ALLREDUCE_FUSION] = encapsulate(FusedarAllReduceFusionHostHandler);
@@ -455,7 +456,7 @@ NB_MODULE(_fusedar, m) {
   nb::class_<Rank>(m, "Rank", nb::is_weak_referenceable())  // watched by lost_traps
       .def(nb::init<int, int, int, int, int, int, bool, double, double>(), nb::arg("device"),
            nb::arg("world_size"), nb::arg("rank"), nb::arg("max_token_num"), nb::arg("hidden_dim"),
-           nb::arg("dtype"), nb::arg("check_calls") = false, nb::arg("check_timeout_s") = 30.0,
+           nb::arg("dtype"), nb::arg("handshake") = false, nb::arg("handshake_timeout_s") = 30.0,
            nb::arg("timeout_s") = FUSEDAR_DEFAULT_TIMEOUT_S)
       .def("local_pointers", &Rank::local_pointers)
       .def("export_ipc", &Rank::export_ipc)
@@ -469,12 +470,11 @@ NB_MODULE(_fusedar, m) {
       .def_prop_ro("rank", &Rank::rank)
       .def_prop_ro("table", &Rank::table)
       .def("info", &Rank::info)
-      .def_prop_ro("check_calls", &Rank::check_calls)
-      .def_prop_ro("check_timeout_s", &Rank::check_timeout_s)
+      .def_prop_ro("handshake", &Rank::handshake)
+      .def_prop_ro("handshake_timeout_s", &Rank::handshake_timeout_s)
       .def_prop_ro("timeout_s", &Rank::timeout_s)
       .def("set_timeout", &Rank::set_timeout, nb::arg("timeout_s"))
       .def("failure", &Rank::failure)
-      .def("call_check_failure", &Rank::failure)
       .def("launch", &Rank::launch, nb::arg("pattern"), nb::arg("dtype"), nb::arg("num_tokens"),
            nb::arg("hidden_dim"), nb::arg("input"), nb::arg("allreduce_out") = 0,
            nb::arg("residual_in") = 0, nb::arg("residual_out") = 0, nb::arg("norm_out") = 0,

@@ -5,7 +5,7 @@
 // Results, in order: allreduce_out (pattern 0) or residual_out, then norm_out if the
 // pattern writes it, then quant_out and scale_out for quantized patterns; which ones a
 // pattern has comes from the native table (fusedar/patterns.h). The Python primitive
-// (jax_fusedar/primitive.py) builds exactly this list from the Python table, which
+// (jax_fusedar/ops/dense.py) builds exactly this list from the Python table, which
 // tests/native/test_contract.py holds equal to the native one, and this handler re-checks
 // it: every operand, and every result's element type and count (result_check.h), so a
 // mismatch is an FFI error, never a wild write. A failed launch returns the error code of
@@ -62,7 +62,7 @@ ffi::Error AllReduceFusionImpl(void* stream, int32_t device_ordinal, ffi::Remain
   fusedar_rank* rank = find_rank(workspace_id, device_ordinal, &why);
   if (rank == nullptr) return invalid(why);
 
-  const PatternTraits* traits = find_pattern(pattern);
+  const PatternTraits* traits = find_dense_pattern(pattern);
   if (traits == nullptr) return invalid("unknown fusion pattern " + std::to_string(pattern));
   const size_t want_args = traits->operands();
   const size_t want_rets = traits->results();

@@ -18,5 +18,5 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(FusedarMoeAllReduceFusionHostHandler);
 // artifact exported with v1 fails to find its handler instead of being misread.
 #define FUSEDAR_TARGET_ALLREDUCE_FUSION "jax_fusedar_allreduce_fusion_v2"
 #define FUSEDAR_TARGET_MOE_ALLREDUCE_FUSION "jax_fusedar_moe_allreduce_fusion_v1"
-// Benchmark support: a device-clock stamp ordered by data dependencies (jax_fusedar/timing.py).
+// Benchmark support: a device-clock stamp ordered by data dependencies (jax_fusedar/ops/timing.py).
 #define FUSEDAR_TARGET_DEVICE_TIMESTAMP "jax_fusedar_device_timestamp_v1"

@@ -8,7 +8,7 @@
 //   residual_in [T, H], rms_gamma [H], then expert_scale_factor [T, K] (x's dtype) when
 //   `has_expert_scale`, then shared_expert_output [T, H] when `has_shared_expert`;
 //   results: residual_out, norm_out.
-// The Python primitive (jax_fusedar/moe_primitive.py) builds exactly these lists; this
+// The Python primitive (jax_fusedar/ops/moe.py) builds exactly these lists; this
 // handler re-checks shapes and dtypes, so a mismatch is an FFI error, never a wild read.
 // Per-call state lives on the device (as for the dense handler): command-buffer compatible.
 #include <string>
@@ -16,6 +16,7 @@
 
 #include "errors.h"
 #include "fusedar/core.h"
+#include "fusedar/patterns.h"
 #include "workspace_registry.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -54,10 +55,13 @@ ffi::Error MoeAllReduceFusionImpl(void* stream, int32_t device_ordinal, ffi::Rem
   std::string why;
   fusedar_rank* rank = find_rank(workspace_id, device_ordinal, &why);
   if (rank == nullptr) return invalid(why);
-  if (pattern != 6 && pattern != 7) return invalid("not an MoE pattern");
-  const size_t want_args =
-      pattern == 6 ? 5 : 4 + (has_expert_scale ? 1 : 0) + (has_shared_expert ? 1 : 0);
-  const size_t want_rets = 2 + (pattern == 6 && allreduce_out ? 1 : 0);
+  // The counts of the pattern table (fusedar/patterns.h), plus what this call adds.
+  const fusedar::PatternTraits* traits = fusedar::find_pattern(pattern);
+  if (traits == nullptr || traits->dense()) return invalid("not an MoE pattern");
+  const bool finalize = traits->family == fusedar::Family::kMoeFinalize;
+  const size_t want_args = traits->operands() + (finalize && has_expert_scale ? 1 : 0) +
+                           (finalize && has_shared_expert ? 1 : 0);
+  const size_t want_rets = traits->results() + (!finalize && allreduce_out ? 1 : 0);
   if (args.size() != want_args || rets.size() != want_rets) {
     return invalid("pattern " + std::to_string(pattern) + " expects " + std::to_string(want_args) +
                    " operands and " + std::to_string(want_rets) + " results, got " +

@@ -49,7 +49,7 @@ MOE_SITE_FORMULA = "eps + sqrt(n) * eps / 2 * m"
 
 def moe_kernel_roundings(top_k: int, world: int) -> int:
     """Roundings of the MoE finalize kernel before its residual add, per token element, over
-    a TP group (jax_fusedar/moe_reference.py lists them): a product and an addition for each
+    a TP group (jax_fusedar/ops/moe_reference.py lists them): a product and an addition for each
     of the token's top_k routed rows, each rank's addition of its shared-expert partial sum,
     and the all-reduce's world - 1 additions in the model dtype."""
     return 2 * top_k + world + (world - 1)

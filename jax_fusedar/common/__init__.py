@@ -16,7 +16,7 @@ never imports jax or torch (``tests/common/test_no_framework_imports.py`` checks
 * ``lifecycle``: the workspace base both front ends subclass (destroy, context manager,
   repr, the element-count rule);
 * ``backend_choice``: the kernel ("trtllm") or plain collectives ("xla"), and strict mode;
-* ``call_check``: the options of the opt-in cross-rank call check;
+* ``handshake``: the options of the opt-in cross-rank handshake;
 * ``patterns``: FlashInfer's fusion patterns and what each reads and writes (the native
   twin is ffi/core/include/fusedar/patterns.h);
 * ``results``: the name, shape and dtype of every result of a call (``result_specs``);

@@ -20,7 +20,7 @@ import os
 import warnings
 from typing import Callable, List, Mapping, Optional, Tuple
 
-from . import backend_choice, call_check
+from . import backend_choice, handshake
 
 
 def _backend() -> None:
@@ -31,9 +31,12 @@ def _backend() -> None:
 READERS: Tuple[Tuple[str, Callable[[], object]], ...] = (
     (backend_choice.BACKEND_ENV_VAR, _backend),
     (backend_choice.STRICT_ENV_VAR, lambda: backend_choice.strict_mode(None)),
-    (call_check.CHECK_CALLS_ENV_VAR, lambda: call_check.resolve_check_calls(None)),
-    (call_check.CHECK_TIMEOUT_ENV_VAR, lambda: call_check.resolve_check_timeout_s(None)),
-    (call_check.TIMEOUT_ENV_VAR, lambda: call_check.resolve_timeout_s(None)),
+    (handshake.HANDSHAKE_ENV_VAR, lambda: handshake.resolve_handshake(None)),
+    (handshake.HANDSHAKE_TIMEOUT_ENV_VAR, lambda: handshake.resolve_handshake_timeout_s(None)),
+    (handshake.TIMEOUT_ENV_VAR, lambda: handshake.resolve_timeout_s(None)),
+    # 0.1.0's names of the handshake's variables, read where the new name is unset.
+    ("JAX_FUSEDAR_CHECK_CALLS", lambda: handshake.resolve_handshake(None)),
+    ("JAX_FUSEDAR_CHECK_TIMEOUT_S", lambda: handshake.resolve_handshake_timeout_s(None)),
 )
 
 
@@ -45,7 +48,8 @@ def problems() -> List[str]:
         try:
             read()
         except (TypeError, ValueError) as e:
-            found.append(str(e))
+            if str(e) not in found:  # a variable and its earlier name share a parser
+                found.append(str(e))
     return found
 
 
@@ -77,6 +81,11 @@ OTHER_VARIABLES = {
     "JAX_FUSEDAR_TIMEOUT_CALLS": "the GPU tests",
     "JAX_FUSEDAR_TORCH_CYCLES": "the GPU tests",
 }
+
+# 0.1.0's names of the handshake's variables, still read (common/handshake.py).
+OTHER_VARIABLES.update(
+    {old: f"the handshake (now ${new})" for old, new in handshake.EARLIER_ENV_VARS.items()}
+)
 
 KNOWN = tuple(sorted({var for var, _ in READERS} | set(OTHER_VARIABLES)))
 

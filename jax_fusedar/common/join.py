@@ -28,7 +28,7 @@ import json
 import os
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from . import call_check, exchange
+from . import handshake, exchange
 from .tp_groups import TPGroup
 
 
@@ -43,7 +43,7 @@ class AgreedOption:
 
 # Adding an option the group must agree on is one line here.
 AGREED_OPTIONS: Dict[str, AgreedOption] = {
-    "check_calls": AgreedOption(False, call_check.CHECK_CALLS_ENV_VAR),
+    "handshake": AgreedOption(False, handshake.HANDSHAKE_ENV_VAR),
 }
 
 

@@ -14,13 +14,18 @@ from . import sizing
 
 class WorkspaceLifecycle:
     """Base of both workspaces. A subclass sets ``sizes`` (``sizing.WorkspaceSizes``) and
-    ``check_calls``, frees its native memory in ``_release`` and lists what its repr shows in
+    ``handshake``, frees its native memory in ``_release`` and lists what its repr shows in
     ``_repr_fields``."""
 
     sizes: sizing.WorkspaceSizes
-    check_calls: bool = False
+    handshake: bool = False
     backend: str = "trtllm"  # the JAX workspace's may be "xla" (XLA's collectives)
     _destroyed: bool = False
+
+    @property
+    def check_calls(self) -> bool:
+        """``handshake``, under its name until 0.1.0."""
+        return self.handshake
 
     @property
     def bytes_per_rank(self) -> int:
@@ -58,7 +63,7 @@ class WorkspaceLifecycle:
         raise NotImplementedError
 
     def __repr__(self):
-        flags = (["check_calls"] if self.check_calls else []) + (
+        flags = (["handshake"] if self.handshake else []) + (
             ["destroyed"] if self._destroyed else []
         )
         n = self.bytes_per_rank

@@ -1,12 +1,12 @@
 """Ends a process whose kernel recorded a failure but whose trap the GPU driver never
 reported, instead of leaving it waiting forever.
 
-A kernel that detects a failure (the call check's mismatch or timeout, a wait past
+A kernel that detects a failure (the handshake's mismatch or timeout, a wait past
 ``timeout_s``) writes the rank's failure record to pinned host memory, prints it and traps:
 the trap makes the stream fail, so that the process's synchronization raises. With ranks
 that share a GPU, two ranks detecting the same mismatch trap at the same moment, and the
 driver has been seen to report only one of them: on one H200 (driver 580.159.04), two ranks
-on one GPU called with 16 and 17 tokens under the call check, both printed the mismatch and
+on one GPU called with 16 and 17 tokens under the handshake, both printed the mismatch and
 trapped, the kernel log showed one Xid 43 (for the process whose synchronization raised),
 and the other process's cudaStreamSynchronize spun on, its CUDA context healthy, for as long
 as anyone waited.

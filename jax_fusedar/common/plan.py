@@ -4,7 +4,7 @@ of the call (``Call``: pattern, tokens x hidden, dtype, the workspace's facts) t
 large-message path), or why not; and the results it writes, in order. Framework-neutral
 (never imports jax or torch).
 
-The JAX API (``jax_fusedar/call_plan.py``) and ``torch_compat`` (``ops``, ``moe``) translate
+The JAX API (``jax_fusedar/ops/plan.py``) and ``torch_compat`` (``ops``, ``moe``) translate
 their arguments into a ``Call`` and act on the ``Plan``; neither decides anything itself.
 What each does with a call the kernel does not serve is its own documented policy: JAX falls
 back to psum + RMSNorm (logged once per kind of reason, or raised in strict mode; an empty
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from . import launch_mode, limits, moe_limits, sizing
-from .patterns import MOE_PATTERNS, TRAITS, AllReduceFusionPattern, as_pattern
-from .results import ResultSpec, moe_result_specs, result_specs
+from .patterns import TRAITS, AllReduceFusionPattern, as_pattern
+from .results import ResultSpec, result_specs
 
 # The kinds of reason the kernel does not serve a call (the JAX front logs one warning per
 # kind and process).
@@ -87,7 +87,7 @@ class Plan:
 
 
 def is_moe(pattern) -> bool:
-    return as_pattern(pattern) in MOE_PATTERNS
+    return TRAITS[as_pattern(pattern)].is_moe
 
 
 def kernel_problem(call: Call) -> Optional[Tuple[str, str]]:
@@ -151,13 +151,15 @@ def kernel_choice(call: Call) -> str:
 
 
 def outputs(call: Call) -> Tuple[ResultSpec, ...]:
-    """The results of ``call`` in order (``results.result_specs``, ``moe_result_specs``)."""
-    if is_moe(call.pattern):
-        return moe_result_specs(
-            call.pattern, call.tokens, call.hidden, call.dtype, call.moe_allreduce_out
-        )
+    """The results of ``call`` in order (``results.result_specs``)."""
     return result_specs(
-        call.pattern, call.tokens, call.hidden, call.dtype, call.layout, call.group_size
+        call.pattern,
+        call.tokens,
+        call.hidden,
+        call.dtype,
+        call.layout,
+        call.group_size,
+        call.moe_allreduce_out,
     )
 
 
@@ -165,9 +167,6 @@ def plan_call(call: Call) -> Plan:
     """The plan of ``call`` (module docstring). Raises ValueError where the call itself is
     wrong whatever serves it: a pattern this layer does not know, a forced ``use_oneshot``
     the kernel cannot run."""
-    pattern = as_pattern(call.pattern)
-    if pattern not in TRAITS and pattern not in MOE_PATTERNS:  # pragma: no cover (all known)
-        raise ValueError(f"pattern {pattern!r} has no plan")
     specs = outputs(call)
     problem = kernel_problem(call)
     if problem is not None:

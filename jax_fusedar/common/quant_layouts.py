@@ -31,7 +31,7 @@ Everything here describes FlashInfer's trtllm_allreduce_fusion.cuh (ARF) byte fo
 
 Framework-neutral (never imports jax or torch): the JAX primitive, the FFI handler's operand
 list and the torch layer share these shapes. The JAX array helpers that (de)quantize these
-layouts are in ``jax_fusedar.quant_arrays``.
+layouts are in ``jax_fusedar.ops.quant_arrays``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What one fused call writes: the name, shape and dtype of every result of a pattern.
 
-The single source for JAX's abstract eval (``primitive.py``), the torch op's outputs and
+The single source for JAX's abstract eval (``ops/dense.py``), the torch op's outputs and
 fake implementation (``torch_compat/library.py``), the eager op's checks of the caller's
 outputs (``torch_compat/ops.py``) and a call's plan (``plan.Plan.outputs``). The order is
 the XLA handlers' (ffi/xla/allreduce_fusion.cc, its counts in fusedar/patterns.h):
@@ -16,13 +16,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from . import quant_layouts
-from .patterns import (
-    MOE_PATTERNS,
-    TRAITS,
-    AllReduceFusionPattern,
-    QuantizationSFLayout,
-    as_pattern,
-)
+from .patterns import TRAITS, QuantizationSFLayout, as_pattern
 
 
 @dataclass(frozen=True)
@@ -52,13 +46,19 @@ def result_specs(
     dtype_name: str,
     layout=QuantizationSFLayout.SWIZZLED_128x4,
     group_size: Optional[int] = None,
+    allreduce_out: bool = False,
 ) -> Tuple[ResultSpec, ...]:
     """The results ``pattern`` writes for a ``[tokens, hidden]`` input of ``dtype_name``.
 
     ``layout`` (NVFP4 scale layout) and ``group_size`` (per-token-group FP8) matter only to
-    the patterns that use them; both are validated there (quant_layouts)."""
-    traits = TRAITS[as_pattern(pattern)]
+    the patterns that use them; both are validated there (quant_layouts). ``allreduce_out``:
+    the MoE reduction (pattern 6) also writes the all-reduced combine (FlashInfer's
+    ``output=``), after the norm; no other pattern takes it."""
+    pattern = as_pattern(pattern)
+    traits = TRAITS[pattern]
     rows = (tokens, hidden)  # as given: JAX may trace symbolic dimensions
+    if allreduce_out and not traits.optional_allreduce_out:
+        raise ValueError(f"{pattern.name} writes no optional all-reduce output")
     if traits.has_allreduce_out:
         return (ResultSpec("allreduce_out", rows, dtype_name),)
     specs = [ResultSpec("residual_out", rows, dtype_name)]
@@ -82,23 +82,7 @@ def result_specs(
         elif traits.quant == "group_fp8":
             k, t = quant_layouts.group_scale_buffer_shape(tokens, hidden, group_size)
             specs.append(ResultSpec("scale_out", (rows[0], k), "int32", strides=(1, t)))
-    return tuple(specs)
-
-
-def moe_result_specs(
-    pattern, tokens: int, hidden: int, dtype_name: str, allreduce_out: bool = False
-) -> Tuple[ResultSpec, ...]:
-    """The results of the MoE pattern 6 or 7 for ``tokens`` rows of ``hidden``: the updated
-    residual and the norm, and for pattern 6 with ``allreduce_out`` the all-reduced combine
-    (FlashInfer's ``output=``; pattern 7 has none)."""
-    pattern = as_pattern(pattern)
-    if pattern not in MOE_PATTERNS:
-        raise ValueError(f"{pattern.name} is not an MoE pattern (its results: result_specs)")
-    rows = (tokens, hidden)
-    specs = [ResultSpec("residual_out", rows, dtype_name), ResultSpec("norm_out", rows, dtype_name)]
     if allreduce_out:
-        if pattern != AllReduceFusionPattern.kMoEReductionARResidualRMSNorm:
-            raise ValueError(f"{pattern.name} writes no all-reduce output")
         specs.append(ResultSpec("allreduce_out", rows, dtype_name))
     return tuple(specs)
 

@@ -164,8 +164,8 @@ def _cast_dtype(eqn) -> str:
 
 def concrete_problem(shape) -> Optional[str]:
     """Why a site of this shape cannot be fused (a symbolic dimension: jax.export with shape
-    polymorphism), or None; the fused op's own rule (call_checks.check_concrete_shape)."""
-    from ..call_checks import check_concrete_shape
+    polymorphism), or None; the fused op's own rule (ops.checks.check_concrete_shape)."""
+    from ..ops.checks import check_concrete_shape
 
     try:
         check_concrete_shape("the residual sum", tuple(shape), "the fused op")

@@ -111,7 +111,7 @@ def _with_tail_derivative(m, r, gamma, scale, quant, scale_out):
     differentiated at the norm's value, the norm's tangent taken at residual_out ``r`` as
     the fused op takes it. Called where the tail's equations were (their scope's shapes and
     mesh: outside the shard_map for a per-linear site)."""
-    from .. import reference
+    from ..ops import reference
 
     norm = m.norm
     T = jnp.dtype(m.dtype)
@@ -169,7 +169,7 @@ def _partial_input(m, x):
 def _fused_keeping_vjp(m, fuser, x, residual, gamma):
     """The fused op for a psum that sat in a custom_vjp: its forward, with the custom rule
     as the all-reduce's backward (the rest of the backward is the fused op's own math)."""
-    from .. import reference
+    from ..ops import reference
 
     parts = m.source.custom_vjp
     shape = x.shape
@@ -415,7 +415,7 @@ class PlainJitEmit:
         self.m = m
 
     def __call__(self, read, write, fuser, extra_in, extra_out):
-        from ..partitioning import row_parallel_allreduce_fusion
+        from ..ops.partitioning import row_parallel_allreduce_fusion
 
         m = self.m
         e = m.dot

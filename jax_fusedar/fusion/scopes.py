@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 from jax.extend import core as jcore
 
-from ..call_plan import fused_site_problem
+from ..ops.plan import fused_site_problem
 from ..common import limits
 from . import graph as G
 from . import chain, matching, rotation
@@ -650,7 +650,7 @@ class Analyzer:
             mesh = scope.ctx[0] if scope.manual else None
         m.workspace = self.fuser.workspace_for(m, world, mesh)  # raises Reject when it cannot
         # Never costlier than the original: where no kernel serves the site, a rewrite that
-        # adds collectives stays as written (call_plan.fused_site_problem).
+        # adds collectives stays as written (ops.plan.fused_site_problem).
         costlier = fused_site_problem(
             m.workspace, m.tokens, m.hidden, m.dtype, adds_collectives=m.kind == R.REDUCE_SCATTER
         )

@@ -56,8 +56,8 @@ _MAX_SAME_KEY = 64  # live transforms with workspaces of one key, at most
 def _serving_problem(ws, m, world: int, mesh) -> Optional[str]:
     """Why ``ws`` cannot serve the matched site ``m``, or None: its dtype, world size, size,
     and (where the site's shard_map mesh is known) the devices grouped along its axis, the
-    fused op's own check (call_checks.check_call_groups)."""
-    from ..call_checks import check_call_groups
+    fused op's own check (ops.checks.check_call_groups)."""
+    from ..ops.checks import check_call_groups
 
     if ws.dtype.name != m.dtype:
         return f"the workspace is for {ws.dtype.name}, the site is {m.dtype}"

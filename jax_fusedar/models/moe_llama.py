@@ -154,7 +154,7 @@ def moe_block(cfg: MoeConfig, axis, h, lp):
 def term_magnitudes(cfg: MoeConfig, axis, h, lp, shared_blocks: int = 1):
     """Per token row [N, H] float32: this rank's sum of the magnitudes of the terms the MoE
     finalize kernel adds, ``sum_k |w_k * row_k|`` over its local experts plus ``|shared|``
-    (``jax_fusedar/moe_reference.py`` lists its rounding points). Summed over the ranks of a
+    (``jax_fusedar/ops/moe_reference.py`` lists its rounding points). Summed over the ranks of a
     TP group it bounds every value the kernel rounds before the residual add. With
     ``shared_blocks`` > 1 the shared expert's partial sum is split into that many column
     blocks, each counted on its own: what the ranks of a TP group ``shared_blocks`` times
@@ -225,7 +225,7 @@ def term_ratios(cfg: MoeConfig, mesh, axis, params, tokens, ck, cv, *, tp: int) 
 
 def fused_moe_mlp(cfg: MoeConfig, workspace):
     """The same block through ``jax_fusedar.moe_finalize_allreduce_fusion``."""
-    from jax_fusedar.moe import moe_finalize_allreduce_fusion
+    from jax_fusedar.ops.moe import moe_finalize_allreduce_fusion
 
     def mlp(_, axis, norm, x, h, lp):
         rows, idx, weights, shared = moe_block(cfg, axis, h, lp)

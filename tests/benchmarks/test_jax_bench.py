@@ -271,7 +271,7 @@ def test_the_baselines_quantization_writes_the_ops_outputs(pattern):
     within one e4m3 step."""
     import jax.numpy as jnp
 
-    from jax_fusedar import quant_reference
+    from jax_fusedar.ops import quant_reference
 
     rng = np.random.default_rng(7)
     y = jnp.asarray(rng.standard_normal((13, 512)).astype(np.float32) * 3, jnp.bfloat16)

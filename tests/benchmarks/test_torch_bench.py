@@ -29,7 +29,7 @@ from benchmarks import torch_bench as bt  # noqa: E402
 from jax_fusedar.common import plan as rules  # noqa: E402
 from tools import flashinfer_anchor as fa  # noqa: E402
 
-from tests.repo import REPO  # noqa: E402
+from tests.repo import REPO, run_code  # noqa: E402
 
 
 # --- arguments and the CLI hook --------------------------------------------------------------
@@ -117,14 +117,7 @@ def test_torch_bench_path_imports_no_jax():
         "import sys; from benchmarks import torch_bench; "
         "torch_bench.parse_args([]); print('jax' in sys.modules)"
     )
-    r = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
-        timeout=120,
-    )
+    r = run_code(code, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"
 
@@ -531,14 +524,7 @@ def test_anchor_loader_stubs_packages_and_never_builds(tmp_path):
         print(json.dumps({{"same": fi is again, "seen": fi.SEEN, "build": fi.BUILD,
                           "backend": ws["backend"], "site": sys.path[0]}}))
     """)
-    r = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
-        timeout=120,
-    )
+    r = run_code(code, timeout=120)
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
     assert got == {
@@ -569,14 +555,7 @@ def test_anchor_loader_reports_import_failures_and_foreign_flashinfer(tmp_path):
         except fa.AnchorUnavailable as e:
             print("3", e)
     """)
-    r = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
-        timeout=120,
-    )
+    r = run_code(code, timeout=120)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[0].startswith(

@@ -11,12 +11,16 @@ from tests.cli.test_cli import run_cli
 BAD = [
     ("JAX_FUSEDAR_STRICT", "maybe", "$JAX_FUSEDAR_STRICT='maybe' is not a boolean"),
     (
-        "JAX_FUSEDAR_CHECK_CALLS",
+        "JAX_FUSEDAR_HANDSHAKE",
         "sometimes",
-        "$JAX_FUSEDAR_CHECK_CALLS='sometimes' is not a boolean",
+        "$JAX_FUSEDAR_HANDSHAKE='sometimes' is not a boolean",
     ),
     ("JAX_FUSEDAR_TIMEOUT_S", "abc", "$JAX_FUSEDAR_TIMEOUT_S='abc' is not a number of seconds"),
-    ("JAX_FUSEDAR_CHECK_TIMEOUT_S", "-3", "$JAX_FUSEDAR_CHECK_TIMEOUT_S must be in (0, 3600]"),
+    (
+        "JAX_FUSEDAR_HANDSHAKE_TIMEOUT_S",
+        "-3",
+        "$JAX_FUSEDAR_HANDSHAKE_TIMEOUT_S must be in (0, 3600]",
+    ),
     (
         "JAX_FUSEDAR_ALLREDUCE_BACKEND",
         "fast",

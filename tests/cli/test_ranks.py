@@ -13,6 +13,8 @@ import time
 
 import pytest
 
+from jax_fusedar.common.limits import SUPPORTED_WORLD_SIZES
+
 from jax_fusedar.cli import ranks
 from tests.cli.test_cli import run_cli
 from tests.cpu_devices import xla_flags
@@ -193,7 +195,7 @@ def test_bad_tp_is_refused_before_anything_starts():
     assert "--tp: invalid _tp value" not in r.stderr
     assert re.search(
         r"argument --tp: world size 3 is not supported: the fused all-reduce "
-        r"kernel is built for TP groups of 2, 4, 8, 16 ranks",
+        rf"kernel is built for TP groups of {', '.join(map(str, SUPPORTED_WORLD_SIZES))} ranks",
         r.stderr,
     ), r.stderr
 

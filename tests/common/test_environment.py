@@ -36,9 +36,9 @@ def test_unset_and_good_values_have_no_problems(clean_env):
     assert environment.problems() == []
     for var, value in [
         ("JAX_FUSEDAR_STRICT", "on"),
-        ("JAX_FUSEDAR_CHECK_CALLS", "0"),
+        ("JAX_FUSEDAR_HANDSHAKE", "0"),
         ("JAX_FUSEDAR_TIMEOUT_S", "0"),
-        ("JAX_FUSEDAR_CHECK_TIMEOUT_S", "2.5"),
+        ("JAX_FUSEDAR_HANDSHAKE_TIMEOUT_S", "2.5"),
         ("JAX_FUSEDAR_ALLREDUCE_BACKEND", "xla"),
     ]:
         clean_env.setenv(var, value)
@@ -48,13 +48,17 @@ def test_unset_and_good_values_have_no_problems(clean_env):
 BAD = [
     ("JAX_FUSEDAR_STRICT", "maybe", r"$JAX_FUSEDAR_STRICT='maybe' is not a boolean"),
     (
-        "JAX_FUSEDAR_CHECK_CALLS",
+        "JAX_FUSEDAR_HANDSHAKE",
         "sometimes",
-        "$JAX_FUSEDAR_CHECK_CALLS='sometimes' is not a boolean",
+        "$JAX_FUSEDAR_HANDSHAKE='sometimes' is not a boolean",
     ),
     ("JAX_FUSEDAR_TIMEOUT_S", "abc", "$JAX_FUSEDAR_TIMEOUT_S='abc' is not a number of seconds"),
     ("JAX_FUSEDAR_TIMEOUT_S", "-1", "$JAX_FUSEDAR_TIMEOUT_S must be in [0, 3600] seconds"),
-    ("JAX_FUSEDAR_CHECK_TIMEOUT_S", "0", "$JAX_FUSEDAR_CHECK_TIMEOUT_S must be in (0, 3600]"),
+    (
+        "JAX_FUSEDAR_HANDSHAKE_TIMEOUT_S",
+        "0",
+        "$JAX_FUSEDAR_HANDSHAKE_TIMEOUT_S must be in (0, 3600]",
+    ),
     (
         "JAX_FUSEDAR_ALLREDUCE_BACKEND",
         "fast",
@@ -144,3 +148,25 @@ def test_importing_the_package_warns_about_an_unknown_variable():
             "variable: did you mean $JAX_FUSEDAR_STRICT?"
         ) in r.stderr, r.stderr
         assert r.stderr.count("UnknownVariableWarning") == 1
+
+
+def test_the_handshakes_earlier_names_are_still_read(clean_env):
+    # Until 0.1.0 the handshake was "check_calls": its variables and arguments still work,
+    # and a variable's new name wins over its earlier one.
+    from jax_fusedar.common import handshake
+
+    clean_env.setenv("JAX_FUSEDAR_CHECK_CALLS", "1")
+    clean_env.setenv("JAX_FUSEDAR_CHECK_TIMEOUT_S", "7")
+    assert handshake.resolve_handshake(None) is True
+    assert handshake.resolve_handshake_timeout_s(None) == 7.0
+    assert environment.unknown() == []
+    clean_env.setenv("JAX_FUSEDAR_HANDSHAKE", "0")
+    assert handshake.resolve_handshake(None) is False
+    clean_env.setenv("JAX_FUSEDAR_CHECK_TIMEOUT_S", "never")
+    assert environment.problems() == [
+        "$JAX_FUSEDAR_CHECK_TIMEOUT_S='never' is not a number of seconds"
+    ]
+    assert handshake.earlier_name(None, True, "handshake") is True
+    assert handshake.earlier_name(False, None, "handshake") is False
+    with pytest.raises(TypeError, match="pass handshake or its earlier name check_calls"):
+        handshake.earlier_name(True, True, "handshake")

@@ -39,7 +39,7 @@ def test_a_record_on_a_healthy_context_ends_the_process_after_the_grace(watched)
     rank = FakeRank()
     lost_traps.watch(rank, 3)
     assert _pass(0.0) == []  # no record: nothing
-    rank.record = "jax_fusedar call check failed on rank 1 of 2 ..."
+    rank.record = "jax_fusedar handshake failed on rank 1 of 2 ..."
     assert _pass(1.0) == []  # first seen
     assert _pass(1.0 + lost_traps.GRACE_S - 0.1) == []  # still within the grace
     assert _pass(1.0 + lost_traps.GRACE_S + 0.1) == [(rank.record, 3)]
@@ -66,13 +66,13 @@ def test_freed_ranks_are_forgotten(watched):
 def test_ending_prints_the_record_and_exits_with_the_code():
     code = (
         "from jax_fusedar.common import lost_traps; "
-        "lost_traps._end('jax_fusedar call check failed on rank 1 of 2: X', 0)"
+        "lost_traps._end('jax_fusedar handshake failed on rank 1 of 2: X', 0)"
     )
     r = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
     )
     assert r.returncode == lost_traps.EXIT_CODE, r
-    assert r.stderr.startswith("jax_fusedar call check failed on rank 1 of 2: X\n"), r.stderr
+    assert r.stderr.startswith("jax_fusedar handshake failed on rank 1 of 2: X\n"), r.stderr
     assert "has not reported the trap to this process (CUDA device 0" in r.stderr
     assert f"Ending the process with exit code {lost_traps.EXIT_CODE}." in r.stderr
 
@@ -141,7 +141,7 @@ lost_traps.GRACE_S, lost_traps.POLL_S = 0.5, 0.1
 
 class Rank:
     def failure(self):
-        return "jax_fusedar call check failed on rank 1 of 2: X"
+        return "jax_fusedar handshake failed on rank 1 of 2: X"
 
 
 mode = sys.argv[1]

@@ -65,7 +65,7 @@ def test_the_loaded_module_is_the_installed_file_under_the_layers_name():
     assert native.ext.__file__ == str(native.extension_path())
     # In a fresh interpreter: both fronts' imports load it once, by this name only.
     code = (
-        "import sys, torch_compat, jax_fusedar.ffi_op;"
+        "import sys, torch_compat, jax_fusedar.ops.family;"
         "from jax_fusedar.common import native;"
         "print(native.available(), 'jax_fusedar._fusedar' in sys.modules,"
         " sys.modules.get(native.MODULE_NAME) is native.ext)"

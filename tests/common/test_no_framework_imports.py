@@ -9,7 +9,6 @@ names."""
 
 import ast
 import json
-import os
 import pkgutil
 import re
 import subprocess
@@ -20,7 +19,7 @@ import pytest
 
 import jax_fusedar.common
 
-from tests.repo import REPO
+from tests.repo import REPO, run_code
 
 
 COMMON_MODULES = sorted(
@@ -46,14 +45,7 @@ def _imported_after(modules):
         "    importlib.import_module(m)\n"
         "print(json.dumps(sorted({n.split('.')[0] for n in sys.modules})))\n"
     )
-    r = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
-        timeout=300,
-    )
+    r = run_code(code, timeout=300)
     assert r.returncode == 0, r.stderr
     return set(json.loads(r.stdout.strip().splitlines()[-1]))
 
@@ -64,7 +56,7 @@ def test_the_common_layer_is_all_there():
     assert {
         "arguments",
         "backend_choice",
-        "call_check",
+        "handshake",
         "exchange",
         "join",
         "launch_mode",
@@ -99,14 +91,7 @@ def test_parsing_the_cli_flags_imports_no_jax():
         "parser.parse_args(['doctor'])\n"
         "print(json.dumps(sorted({n.split('.')[0] for n in sys.modules})))\n"
     )
-    r = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
-        timeout=300,
-    )
+    r = run_code(code, timeout=300)
     assert r.returncode == 0, r.stderr
     roots = set(json.loads(r.stdout.strip().splitlines()[-1]))
     assert not roots & {"jax", "jaxlib", "torch"}, sorted(roots & {"jax", "jaxlib", "torch"})
@@ -260,18 +245,22 @@ def test_no_import_cycles():
 
 
 # --- the layers -----------------------------------------------------------------------------
-# Bottom up: the native extension; the framework-free rules (common); the two front ends, the
-# JAX API (the package root, with its fuse pass in fusion/) and torch_compat, which never
-# import each other; the models written on the JAX API; the command-line tools. A module
-# imports modules of its own layer and of the layers its entry lists, never one above.
-# common lists nothing: it reaches the extension by path (common/native.py), not by import.
+# Bottom up: the native extension; the framework-free rules (common); the JAX workspace; the
+# op family (ops/: every FFI op, its plan, checks and reference math); the two front ends, the
+# JAX API's public face (the package root, with its fuse pass in fusion/) and torch_compat,
+# which never import each other; the models written on the JAX API; the command-line tools.
+# A module imports modules of its own layer and of the layers its entry lists, never one
+# above. common lists nothing: it reaches the extension by path (common/native.py), not by
+# import.
 LAYERS = {
     "native": (),
     "common": (),
-    "jax": ("common",),
+    "workspace": ("common",),
+    "ops": ("workspace", "common"),
+    "jax": ("ops", "workspace", "common"),
     "torch": ("common",),
-    "models": ("jax", "common"),
-    "cli": ("models", "jax", "torch", "common"),
+    "models": ("jax", "ops", "workspace", "common"),
+    "cli": ("models", "jax", "ops", "workspace", "torch", "common"),
 }
 
 
@@ -282,6 +271,8 @@ def layer_of(module: str) -> str:
         return "cli"
     for prefix, layer in (
         ("jax_fusedar.common", "common"),
+        ("jax_fusedar.workspace", "workspace"),
+        ("jax_fusedar.ops", "ops"),
         ("jax_fusedar.models", "models"),
         ("torch_compat", "torch"),
         ("jax_fusedar", "jax"),
@@ -311,6 +302,10 @@ def test_the_layer_rule_is_read_whole():
     ]
     assert _upward({"torch_compat.ops": {"jax_fusedar.api"}})  # the fronts stay apart
     assert _upward({"jax_fusedar.api": {"jax_fusedar.models.llama"}})
+    assert _upward({"jax_fusedar.ops.dense": {"jax_fusedar.api"}})  # the family sits below
+    assert _upward({"jax_fusedar.workspace": {"jax_fusedar.ops.plan"}})
+    assert not _upward({"jax_fusedar.api": {"jax_fusedar.ops.dense"}})
+    assert layer_of("jax_fusedar.ops.family") == "ops"
     assert not _upward({"jax_fusedar.cli.demo": {"jax_fusedar.models.llama"}})
 
 
@@ -368,7 +363,7 @@ def _absolute_imports(path):
 # What the benchmarks may use of the product: its public API, as any user's script would.
 PUBLIC_API = {
     "jax_fusedar",  # the names it exports (__all__); the JAX API itself is loaded lazily
-    "jax_fusedar.timing",  # device clocks (public: jax_fusedar.timing)
+    "jax_fusedar.timing",  # device clocks (public: jax_fusedar.timing, jax_fusedar/ops/timing.py)
     "jax_fusedar.common.plan",  # what a call runs, the one decision of both fronts
     "jax_fusedar.common.sizing",  # workspace sizes, as FlashInfer computes them
     "torch_compat",

@@ -17,10 +17,10 @@ import sys
 
 from tests.repo import REPO
 
-PRINTF_MARK = "jax_fusedar call check FAILED on rank"
-# The first words of every failure record (ffi/core/call_check.cu).
+PRINTF_MARK = "jax_fusedar handshake FAILED on rank"
+# The first words of every failure record (ffi/core/handshake.cu).
 RECORD_HEADS = (
-    "jax_fusedar call check failed on rank",
+    "jax_fusedar handshake failed on rank",
     "jax_fusedar kernel wait timed out on rank",
 )
 # From the moment a lost trap's record could appear to the moment harness.run_ranks sees the
@@ -33,7 +33,7 @@ LOST_TRAP_SLACK_S = 3.0
 # each context waits its turn on the time-sliced GPU before the driver reports its trap. The
 # kernel's measured wait stays within its bound; the host's return came up to about 1 s per
 # rank sharing the GPU later (one H200, 4 lane jobs, 2026-12-02, timeout_s=3: at 2 ranks
-# 4.6-6.1 s, at 8 ranks 9.7 s and, for the call check's timeout, 15.9 s). The slack doubles
+# 4.6-6.1 s, at 8 ranks 9.7 s and, for the handshake's timeout, 15.9 s). The slack doubles
 # that: 2 s per rank on the busiest GPU; with one GPU per rank it is 0.
 SHARED_GPU_HOST_SLACK_PER_RANK_S = 2.0
 
@@ -49,9 +49,9 @@ def host_slack_s(world: int) -> float:
 
 
 def run_case(module, *args, timeout_s):
-    """Runs ``python -m module *args`` (no-multicast environment, no call-check variables) and
+    """Runs ``python -m module *args`` (no-multicast environment, no handshake variables) and
     returns its ``RESULT <json>`` line's object, with ``rc``, ``output_tail``,
-    ``printf_lines`` (the call check's device printf) and ``lost_trap_lines`` (what a process
+    ``printf_lines`` (the handshake's device printf) and ``lost_trap_lines`` (what a process
     ended by lost_traps wrote on stderr: its record and why) added. Fails the test if the
     child does not finish within ``timeout_s`` or prints no result."""
     import pytest
@@ -63,7 +63,9 @@ def run_case(module, *args, timeout_s):
         NVSHMEM_DISABLE_NVLS="1",
         PYTHONUNBUFFERED="1",
     )
-    env.pop("JAX_FUSEDAR_CHECK_CALLS", None)
+    env.pop("JAX_FUSEDAR_HANDSHAKE", None)
+    env.pop("JAX_FUSEDAR_HANDSHAKE_TIMEOUT_S", None)
+    env.pop("JAX_FUSEDAR_CHECK_CALLS", None)  # the names until 0.1.0, still read
     env.pop("JAX_FUSEDAR_CHECK_TIMEOUT_S", None)
     env.pop("JAX_PLATFORMS", None)  # the lane runner keeps pytest itself on CPU
     try:

@@ -194,7 +194,7 @@ def _fp8_check(codes, s64, res64, col, dtype, platform):
 
 def _one(jax, jf, name, spec, mesh, world, seed, platform):
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from jax_fusedar.primitive import FFI_TARGET
+    from jax_fusedar.ops.dense import FFI_TARGET
 
     fn, dtype, gamma_dtype, col_of, want = spec
     rng = np.random.default_rng(seed)

@@ -73,7 +73,7 @@ def _one_style(jax, jf, style, cfg, mesh, seed, gpus, world, platform):
 
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
-    from jax_fusedar.primitive import FFI_TARGET
+    from jax_fusedar.ops.dense import FFI_TARGET
     from tests.models.common import activations
 
     mod = style.module

@@ -36,7 +36,7 @@ def _cli(*argv, timeout=900):
         "XLA_FLAGS",
         "JAX_FUSEDAR_STRICT",
         "JAX_FUSEDAR_ALLREDUCE_BACKEND",
-        "JAX_FUSEDAR_CHECK_CALLS",
+        "JAX_FUSEDAR_HANDSHAKE",
     ):
         env.pop(var, None)
     return subprocess.run(

@@ -128,7 +128,7 @@ def test_jax_64_layer_model(cmdbuf):
 # Gradient bounds: per gradient tensor, the fused model's error against the float64 oracle
 # (tests/gpu/workers/jax_grad.py; in ulps of the tensor's largest magnitude) may exceed the unfused
 # model's by twice the forward norm bound (BOUNDS above: 3 bf16 / 8 fp32 ulps). Why: the
-# backward is the unfused model's own code (jax_fusedar/transforms.py) run on the kernel's
+# backward is the unfused model's own code (jax_fusedar/ops/transforms.py) run on the kernel's
 # residual_out, which for 2 ranks is the reference's bit for bit; the two models differ
 # only in the forward norm_out (the kernel's fast-math rsqrt, within those bounds), which
 # reaches the gradients through the next layer's matmul and the loss, once per layer.
@@ -227,3 +227,29 @@ def test_jax_nvfp4_patterns_on_blackwell(sweep):
         # only where the launch geometry reorders the norm's reduction (see the FP8 test).
         assert q["twin_residual_diffs"] == 0, q
         assert q["twin_code_diffs"] + q["twin_scale_diffs"] <= 1e-5 * q["codes"], q
+
+
+def batching_problems(res, world):
+    """The batching task's results against the bounds: the dense calls (vmap, N-D, a batched
+    gamma) within harness.bound_problems over every element, the MoE vmap bit for bit."""
+    problems = []
+    for r in res:
+        b = r["batching"]
+        if b["dense"]["cases"] != 3 * 3:
+            problems.append(f"rank {r['rank']}: {b['dense']['cases']} dense cases, not 9")
+        problems += bound_problems(b["dense"], "bfloat16", world, f"rank {r['rank']}")
+        if b["moe_mismatches"]:
+            problems.append(f"rank {r['rank']}: {b['moe_mismatches']} MoE elements differ")
+    return problems
+
+
+@pytest.mark.parametrize("world", world_params())
+def test_jax_batched_calls_fold_into_the_kernel(world):
+    """The op family's batching rule on the kernel: jax.vmap and an N-D x fold the batch into
+    tokens and the kernel serves the folded call (strict=True: a fallback would raise); a
+    batched rms_gamma maps one call per element. Dense: against the float64 oracle's bounds;
+    MoE pattern 6: vmap bit for bit equal to one kernel call per element."""
+    res = _run("batching", CMDBUF_OFF, world)
+    report(f"jax_batching_world{world}", res)
+    problems = batching_problems(res, world)
+    assert not problems, "\n".join(problems)

@@ -34,7 +34,7 @@ def _run(platform: str) -> dict:
         "XLA_FLAGS",
         "JAX_FUSEDAR_STRICT",
         "JAX_FUSEDAR_ALLREDUCE_BACKEND",
-        "JAX_FUSEDAR_CHECK_CALLS",
+        "JAX_FUSEDAR_HANDSHAKE",
     ):
         env.pop(var, None)
     proc = subprocess.run(

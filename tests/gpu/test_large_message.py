@@ -86,7 +86,7 @@ def test_large_message_through_jax_with_command_buffers():
         "XLA_FLAGS",
         "JAX_FUSEDAR_STRICT",
         "JAX_FUSEDAR_ALLREDUCE_BACKEND",
-        "JAX_FUSEDAR_CHECK_CALLS",
+        "JAX_FUSEDAR_HANDSHAKE",
     ):
         env.pop(var, None)
     proc = subprocess.run(

@@ -70,7 +70,7 @@ def _record_head(me, world):
 
 
 def _check_record(record, me, peer, seq, sig, timeout_s, where, world=2):
-    """A wait-timeout record (ffi/core/call_check.cu) of rank `me`'s call #seq (`sig`; None:
+    """A wait-timeout record (ffi/core/handshake.cu) of rank `me`'s call #seq (`sig`; None:
     not checked) that waited about `timeout_s` for `peer` to deliver `where`."""
     assert record.startswith(_record_head(me, world)), record
     if sig is not None:
@@ -187,7 +187,7 @@ def test_a_rank_missing_from_a_large_message_call_makes_the_other_fail_with_the_
     assert r1["healthy_after"] is True and r1["failure_record"] == ""
 
 
-def test_mismatched_token_counts_without_the_call_check_fail_on_both_ranks():
+def test_mismatched_token_counts_without_the_handshake_fail_on_both_ranks():
     """Both ranks time out at the same moment, each naming the other; a rank whose trap the
     driver never reports is ended by the watcher with the same record on stderr."""
     from tests.gpu.workers.native_timeout import BOUNDS, GOOD_FIRST, TIMEOUT_S

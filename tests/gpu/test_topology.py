@@ -1,4 +1,4 @@
-"""GPU: the cross-rank call check (check_calls) and the "mixed" topology.
+"""GPU: the cross-rank handshake (handshake) and the "mixed" topology.
 
 Each case runs in a fresh child (``python -m tests.gpu.workers.native_mismatch CASE`` /
 ``python -m tests.gpu.workers.native_mixed``) with its output captured: a trapped handshake kills
@@ -31,7 +31,7 @@ def _check_matching(r):
     """The matching calls each case makes first (check on) stayed within the bounds."""
     from tests.gpu.workers.native_mismatch import BOUNDS, MATCHING
 
-    assert r["check_calls"] is True, r
+    assert r["handshake"] is True, r
     assert len(r["matching"]) == len(MATCHING)
     for e in r["matching"]:
         for k, bound in BOUNDS.items():
@@ -40,9 +40,9 @@ def _check_matching(r):
 
 
 @pytest.mark.parametrize("world", world_params())
-def test_call_check_matching_calls_graph_replay_and_cost(world):
+def test_handshake_matching_calls_graph_replay_and_cost(world):
     res = run_case("tests.gpu.workers.native_mismatch", "ok", str(world), timeout_s=170)
-    report(f"call_check_ok_world{world}", res)
+    report(f"handshake_ok_world{world}", res)
     assert "error" not in res, res["error"] + "\n" + res["output_tail"]
     ranks = res["ranks"]
     assert not res["printf_lines"], res["printf_lines"]
@@ -50,7 +50,7 @@ def test_call_check_matching_calls_graph_replay_and_cost(world):
 
     for r in ranks:
         _check_matching(r)
-        assert r["off_check_calls"] is False
+        assert r["off_handshake"] is False
         for k, v in r["off_worst"].items():
             assert v <= BOUNDS[k], ("check off", r["rank"], k, v)
         g = r["graph"]
@@ -86,7 +86,7 @@ def test_mismatched_calls_fail_instead_of_hanging(case):
     from tests.gpu.workers.native_mismatch import MATCHING, MISMATCH_TIMEOUT_S, failing_call_of
 
     res = run_case("tests.gpu.workers.native_mismatch", case, timeout_s=170)
-    report(f"call_check_{case}", res)
+    report(f"handshake_{case}", res)
     assert "error" not in res, res["error"] + "\n" + res["output_tail"]
     assert res["wall_s"] < 90, res["wall_s"]  # bounded: no rank waits for a timeout
     seq = len(MATCHING) + 1
@@ -98,7 +98,7 @@ def test_mismatched_calls_fail_instead_of_hanging(case):
         theirs = SIG.format(pp, mp, "one-shot" if op else "two-shot")
         device = (r["notes"] if lost else r)["device"]
         expected = (
-            f"jax_fusedar call check failed on rank {me} of 2 (device {device}), "
+            f"jax_fusedar handshake failed on rank {me} of 2 (device {device}), "
             f"call #{seq}: rank {peer} called {theirs} but rank {me} called {mine}"
         )
         _check_matching(r["notes"] if lost else r)
@@ -128,7 +128,7 @@ def test_a_rank_that_never_calls_times_out(world):
     from tests.gpu.workers.native_mismatch import MATCHING, TIMEOUT_CASE_S
 
     res = run_case("tests.gpu.workers.native_mismatch", "timeout", str(world), timeout_s=170)
-    report(f"call_check_timeout_world{world}", res)
+    report(f"handshake_timeout_world{world}", res)
     assert "error" not in res, res["error"] + "\n" + res["output_tail"]
     *callers, missing = res["ranks"]
     seq = len(MATCHING) + 1
@@ -140,11 +140,11 @@ def test_a_rank_that_never_calls_times_out(world):
     for r in callers:
         if "exitcode" in r:  # its trap was never reported: the watcher ended the process
             _check_matching(r["notes"])
-            assert r["notes"]["check_timeout_s"] == pytest.approx(TIMEOUT_CASE_S), r
+            assert r["notes"]["handshake_timeout_s"] == pytest.approx(TIMEOUT_CASE_S), r
             record = lost_trap_record(
                 res,
                 r,
-                f"jax_fusedar call check failed on rank {r['rank']} of {world} ",
+                f"jax_fusedar handshake failed on rank {r['rank']} of {world} ",
                 record_within_s=TIMEOUT_CASE_S + 12,
             )
             assert expected in record, (expected, record)
@@ -152,7 +152,7 @@ def test_a_rank_that_never_calls_times_out(world):
             _check_matching(r)
             f = r["failing"]
             assert f["sync_error"], f
-            assert r["check_timeout_s"] == pytest.approx(TIMEOUT_CASE_S)
+            assert r["handshake_timeout_s"] == pytest.approx(TIMEOUT_CASE_S)
             assert (
                 TIMEOUT_CASE_S * 0.9 <= f["elapsed_s"] <= TIMEOUT_CASE_S + 12 + host_slack_s(world)
             ), f

@@ -234,3 +234,41 @@ def assert_same_bits(a, b, what):
         )
         diff = np.count_nonzero(bits(u) != bits(v))
         assert diff == 0, f"{what}: leaf {i} differs in {diff} of {u.size} elements"
+
+
+def moe_body(ws, pattern, **kwargs):
+    """(body, output count) of one MoE call inside shard_map on inputs stacked per rank (a
+    leading dim of 1 per rank): pattern 6 takes (expert_outputs, expert_scales, token_input,
+    residual, gamma) and returns residual_out, norm_out, allreduce_out; pattern 7 takes
+    (permuted_input, index map, expert_scale_factor, residual, gamma) and returns
+    residual_out, norm_out. ``kwargs`` go to the call."""
+    import jax_fusedar as jf
+
+    def reduction(outputs, scales, token_input, residual, gamma):
+        out = jf.moe_reduction_allreduce_fusion(
+            outputs[0],
+            scales[0],
+            token_input[0],
+            axis_name=ws.axis_name,
+            workspace=ws,
+            residual=residual,
+            rms_gamma=gamma,
+            return_allreduce_out=True,
+            **kwargs,
+        )
+        return out.residual_out, out.norm_out, out.allreduce_out
+
+    def finalize(permuted, idx, scale, residual, gamma):
+        out = jf.moe_finalize_allreduce_fusion(
+            permuted[0],
+            idx[0],
+            axis_name=ws.axis_name,
+            workspace=ws,
+            residual=residual,
+            rms_gamma=gamma,
+            expert_scale_factor=scale[0],
+            **kwargs,
+        )
+        return out.residual_out, out.norm_out
+
+    return (reduction, 3) if int(pattern) == 6 else (finalize, 2)

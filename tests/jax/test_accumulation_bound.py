@@ -18,6 +18,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_fusedar as jf
+from jax_fusedar.common.limits import SUPPORTED_WORLD_SIZES
 from tests.jax.cpu_helpers import (
     RMS_EPS,
     bits,
@@ -85,7 +86,7 @@ KINDS = ("normal", "cancelling", "growing", "tiny")
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fp32_acc", [True, False], ids=["fp32_acc", "no_fp32_acc"])
-@pytest.mark.parametrize("world", [2, 4, 8, 16])
+@pytest.mark.parametrize("world", SUPPORTED_WORLD_SIZES)
 def test_bound_holds_on_the_kernels_additions(world, fp32_acc, dtype):
     rng = new_rng()
     for kind in KINDS:

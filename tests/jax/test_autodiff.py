@@ -1,6 +1,6 @@
 """Autodiff of allreduce_fusion on CPU (8 virtual devices): the fused op's gradients, JVPs and
 VJPs equal, bit for bit, those of the same math written unfused in plain JAX
-(jax_fusedar.reference: psum + residual add + RMSNorm), in a tensor-parallel MLP and under
+(jax_fusedar.ops.reference: psum + residual add + RMSNorm), in a tensor-parallel MLP and under
 scan, checkpoint (with and without policies), cond, stop_gradient and check_vma both ways;
 quantized outputs have zero derivative; a few SGD steps give the same losses."""
 
@@ -24,7 +24,7 @@ from tests.jax.cpu_helpers import (
     random_values,
     require_host_devices,
 )
-from jax_fusedar import reference
+from jax_fusedar.ops import reference
 from jax_fusedar.common.patterns import TRAITS
 
 require_host_devices()

@@ -20,9 +20,9 @@ from tests.jax.cpu_helpers import (
     require_host_devices,
     run_sharded,
 )
-from jax_fusedar.common import arguments, backend_choice, call_check
-from jax_fusedar import reference
-from jax_fusedar.primitive import FFI_TARGET
+from jax_fusedar.common import arguments, backend_choice, handshake
+from jax_fusedar.ops import reference
+from jax_fusedar.ops.dense import FFI_TARGET
 from tests.jax.test_api import (
     abstract,
     custom_calls,
@@ -390,7 +390,7 @@ def test_group_size_must_be_an_int(group):
 # --- 5. one parser for every boolean environment variable --------------------------------------
 
 
-@pytest.mark.parametrize("var", [backend_choice.STRICT_ENV_VAR, call_check.CHECK_CALLS_ENV_VAR])
+@pytest.mark.parametrize("var", [backend_choice.STRICT_ENV_VAR, handshake.HANDSHAKE_ENV_VAR])
 @pytest.mark.parametrize(
     "raw,value",
     [
@@ -410,10 +410,10 @@ def test_every_boolean_variable_reads_the_same_words(monkeypatch, var, raw, valu
     if var == backend_choice.STRICT_ENV_VAR:
         assert backend_choice.strict_mode(None) is value
     else:
-        assert call_check.resolve_check_calls(None) is value
+        assert handshake.resolve_handshake(None) is value
 
 
-@pytest.mark.parametrize("var", [backend_choice.STRICT_ENV_VAR, call_check.CHECK_CALLS_ENV_VAR])
+@pytest.mark.parametrize("var", [backend_choice.STRICT_ENV_VAR, handshake.HANDSHAKE_ENV_VAR])
 def test_garbage_in_a_boolean_variable_is_an_error_naming_it(monkeypatch, var):
     monkeypatch.setenv(var, "garbage")
     match = rf"\${var}='garbage' is not a boolean: use 1/true/yes/on or 0/false/no/off"
@@ -584,3 +584,15 @@ def test_a_traced_workspace_says_how_to_pass_it():
         jax.jit(body).trace(jnp.zeros((4, 256)), jnp.zeros(()))
     with pytest.raises(TypeError, match="workspace must come from .*got str"):
         trace_sharded(fused_body("ws", Q.kAllReduce), ws.mesh, 4, 256, n_inputs=1)
+
+
+def test_the_handshakes_earlier_argument_names_are_taken():
+    # check_calls / check_timeout_s (0.1.0's names) still reach the option; with both names
+    # given the call is refused. The xla backend never runs the handshake.
+    mesh = make_mesh((8,), ("tp",))
+    ws = jf.create_allreduce_fusion_workspace(mesh, "tp", **KW, check_calls=True, check_timeout_s=5)
+    assert (ws.handshake, ws.check_calls, ws.handshake_timeout_s) == (False, False, 5.0)
+    with pytest.raises(ValueError, match="handshake_timeout_s must be in"):
+        jf.create_allreduce_fusion_workspace(mesh, "tp", **KW, check_timeout_s=-1)
+    with pytest.raises(TypeError, match="pass handshake or its earlier name check_calls"):
+        jf.create_allreduce_fusion_workspace(mesh, "tp", **KW, handshake=True, check_calls=True)

@@ -27,7 +27,7 @@ from tests.jax.cpu_helpers import (
     require_host_devices,
 )
 from jax_fusedar.common.patterns import TRAITS
-from jax_fusedar.primitive import FFI_TARGET
+from jax_fusedar.ops.dense import FFI_TARGET
 
 require_host_devices()
 
@@ -341,7 +341,7 @@ def test_vmap_of_a_batched_scale_factor_runs_per_element():
 def test_vmap_outside_shard_map_and_grad():
     """vmap of a jit(shard_map) program (shard_map batches its body) and grad through the
     vmapped op equal the unfused math's."""
-    from jax_fusedar import reference
+    from jax_fusedar.ops import reference
 
     mesh = tp8()
     ws = xla_ws(mesh, "float32")

@@ -14,7 +14,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_fusedar as jf
-from tests.jax.cpu_helpers import assert_same_bits, needs_native
+from tests.jax.cpu_helpers import assert_same_bits, moe_body, needs_native
 from tests.jax.cpu_helpers import (
     bits,
     make_mesh,
@@ -24,7 +24,7 @@ from tests.jax.cpu_helpers import (
     require_host_devices,
 )
 from jax_fusedar import workspace as wsmod
-from jax_fusedar.primitive import FFI_TARGET
+from jax_fusedar.ops.dense import FFI_TARGET
 
 require_host_devices()
 pytest.importorskip(
@@ -304,32 +304,7 @@ def moe_layer(ws, pattern):
     """A tp=4 program (dp 2) of one MoE op: three per-rank inputs (expert rows and what
     weighs them), then the dp group's residual and gamma."""
 
-    def finalize(permuted, idx, scale, residual, gamma):
-        out = jf.moe_finalize_allreduce_fusion(
-            permuted[0],
-            idx[0],
-            axis_name="tp",
-            workspace=ws,
-            residual=residual,
-            rms_gamma=gamma,
-            expert_scale_factor=scale[0],
-        )
-        return out.residual_out, out.norm_out
-
-    def reduction(outputs, scales, token_input, residual, gamma):
-        out = jf.moe_reduction_allreduce_fusion(
-            outputs[0],
-            scales[0],
-            token_input[0],
-            axis_name="tp",
-            workspace=ws,
-            residual=residual,
-            rms_gamma=gamma,
-            return_allreduce_out=True,
-        )
-        return out.residual_out, out.norm_out, out.allreduce_out
-
-    body, n_out = (finalize, 2) if pattern == 7 else (reduction, 3)
+    body, n_out = moe_body(ws, pattern)
     split, group = P(("dp", "tp")), P("dp")
     return jax.jit(
         jax.shard_map(

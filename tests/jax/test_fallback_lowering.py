@@ -18,11 +18,11 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_fusedar as jf
-from jax_fusedar import partitioning
+from jax_fusedar.ops import partitioning
 from jax_fusedar.common.patterns import MOE_PATTERNS, TRAITS, AllReduceFusionPattern
-from jax_fusedar.primitive import FFI_TARGET
+from jax_fusedar.ops.dense import FFI_TARGET
 from tests import collectives
-from tests.jax.cpu_helpers import make_mesh, require_host_devices
+from tests.jax.cpu_helpers import make_mesh, moe_body, require_host_devices
 
 require_host_devices()
 pytest.importorskip("flatbuffers", reason="jax.export needs flatbuffers (./dev installs it)")
@@ -211,51 +211,19 @@ EXPERTS, ROWS, TOP_K = 3, 24, 2
 def moe_program(mesh, ws, pattern, **kwargs):
     world = mesh.shape["tp"]
 
-    def reduction(outputs, scales, token_input, residual, gamma):
-        out = jf.moe_reduction_allreduce_fusion(
-            outputs[0],
-            scales[0],
-            token_input[0],
-            axis_name="tp",
-            workspace=ws,
-            residual=residual,
-            rms_gamma=gamma,
-            return_allreduce_out=True,
-            **kwargs,
-        )
-        return out.residual_out, out.norm_out, out.allreduce_out
-
-    def finalize(permuted, idx, scale, residual, gamma):
-        out = jf.moe_finalize_allreduce_fusion(
-            permuted[0],
-            idx[0],
-            axis_name="tp",
-            workspace=ws,
-            residual=residual,
-            rms_gamma=gamma,
-            expert_scale_factor=scale[0],
-            **kwargs,
-        )
-        return out.residual_out, out.norm_out
-
+    body, _ = moe_body(ws, pattern, **kwargs)
     if pattern == AllReduceFusionPattern.kMoEReductionARResidualRMSNorm:
-        body, shapes = (
-            reduction,
-            [
-                ((world, EXPERTS, TOKENS, HIDDEN), BF16),
-                ((world, EXPERTS, TOKENS), jnp.float32),
-                ((world, TOKENS, HIDDEN), BF16),
-            ],
-        )
+        shapes = [
+            ((world, EXPERTS, TOKENS, HIDDEN), BF16),
+            ((world, EXPERTS, TOKENS), jnp.float32),
+            ((world, TOKENS, HIDDEN), BF16),
+        ]
     else:
-        body, shapes = (
-            finalize,
-            [
-                ((world, ROWS, HIDDEN), BF16),
-                ((world, TOKENS, TOP_K), jnp.int32),
-                ((world, TOKENS, TOP_K), BF16),
-            ],
-        )
+        shapes = [
+            ((world, ROWS, HIDDEN), BF16),
+            ((world, TOKENS, TOP_K), jnp.int32),
+            ((world, TOKENS, TOP_K), BF16),
+        ]
     shapes += [((TOKENS, HIDDEN), BF16), ((HIDDEN,), BF16)]
     specs = [P("tp")] * 3 + [P()] * 2
     args = [shaped(mesh, s, sp, d) for (s, d), sp in zip(shapes, specs)]

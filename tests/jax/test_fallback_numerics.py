@@ -25,6 +25,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_fusedar as jf
+from jax_fusedar.common.limits import SUPPORTED_WORLD_SIZES
 from tests.cpu_devices import xla_flags
 from tests.jax.cpu_helpers import (
     RMS_EPS,
@@ -114,7 +115,7 @@ KINDS = ("normal", "cancelling", "growing", "tiny", "absorbed")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("world", [2, 4, 8, 16])
+@pytest.mark.parametrize("world", SUPPORTED_WORLD_SIZES)
 def test_bound_holds_for_every_order(world, dtype):
     rng = new_rng()
     for kind in KINDS:

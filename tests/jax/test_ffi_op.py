@@ -11,8 +11,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_fusedar as jf
-from jax_fusedar import ffi_op, reference
-from jax_fusedar.call_plan import CallPlan
+from jax_fusedar.ops import family as ffi_op, reference
+from jax_fusedar.ops.plan import CallPlan
 from jax_fusedar.common import native
 from tests.jax.cpu_helpers import make_mesh, require_host_devices
 
@@ -43,6 +43,7 @@ SCALED_SUM = ffi_op.FfiOp(
     "tests_scaled_allreduce",
     target="allreduce_fusion",
     public_name="tests.scaled_allreduce",
+    operands=("x",),  # outside the pattern table: its own rules
     abstract_eval=_abstract_eval,
     reference=_reference,
     attributes=lambda *, scale: {"scale": np.float32(scale)},
@@ -68,7 +69,7 @@ def xla_workspace(mesh):
 
 
 def test_every_op_of_the_package_is_declared_in_the_registry():
-    from jax_fusedar import moe_primitive, primitive
+    from jax_fusedar.ops import dense as primitive, moe as moe_primitive
 
     ops = {op.name: op for op in ffi_op.declared_ops()}
     assert ops["jax_fusedar_allreduce_fusion"] is primitive.allreduce_fusion_op
@@ -90,6 +91,7 @@ def test_an_op_is_declared_once():
             "tests_scaled_allreduce",
             target="allreduce_fusion",
             public_name="x",
+            operands=("x",),
             abstract_eval=_abstract_eval,
             reference=_reference,
             attributes=lambda **_: {},
@@ -165,3 +167,46 @@ def test_a_declared_op_lowers_to_its_custom_call_on_cuda():
     assert len(call) == 1, text
     assert f"workspace_id = {ws.id} : i64" in call[0] and "scale = 5.000000e-01" in call[0]
     assert "all_reduce" not in text  # the handler reduces, not XLA
+
+
+def test_an_op_outside_the_pattern_table_declares_its_own_rules():
+    # Its operands alone are not enough: the table's rules read the pattern's results.
+    with pytest.raises(ValueError, match="outside the pattern table: declare its abstract_eval"):
+        ffi_op.FfiOp(
+            "tests_incomplete",
+            target="allreduce_fusion",
+            public_name="x",
+            operands=lambda **_: ("x",),
+            reference=_reference,
+            attributes=lambda **_: {},
+        )
+    assert SCALED_SUM.operand_names({"scale": 2.0}) == ("x",)
+    assert (
+        repr(SCALED_SUM)
+        == "FfiOp('tests_scaled_allreduce', target='jax_fusedar_allreduce_fusion_v2')"
+    )
+
+
+def test_the_tables_ops_take_their_operands_by_the_tables_names():
+    from jax_fusedar.common import results
+    from jax_fusedar.ops.moe import moe_finalize_op
+
+    params = {"has_expert_scale": True, "has_shared_expert": False}
+    assert moe_finalize_op.operand_names(params) == (
+        "permuted_input",
+        "expanded_idx_to_permuted_idx",
+        "residual",
+        "rms_gamma",
+        "expert_scale_factor",
+    )
+    with pytest.raises(AssertionError, match="the table's"):
+        moe_finalize_op.call(
+            {"permuted_input": None},
+            workspace=None,
+            axis_name="tp",
+            plan=None,
+            decided=None,
+            **params,
+        )
+    with pytest.raises(ValueError, match="writes no optional all-reduce output"):
+        results.result_specs(1, 4, 256, "bfloat16", allreduce_out=True)

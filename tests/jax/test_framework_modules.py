@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
 import jax_fusedar as jf
-from jax_fusedar import reference
+from jax_fusedar.ops import reference
 from tests.jax.cpu_helpers import (
     assert_same_bits,
     check_outputs,

@@ -15,8 +15,8 @@ from tests.models import scanned_llama
 from tests.models.common import Config
 from tests.models.styles import PLAIN_JIT, REDUCE_SCATTER, STYLES
 import jax_fusedar as jf
-from jax_fusedar import partitioning
-from jax_fusedar.primitive import FFI_TARGET
+from jax_fusedar.ops import partitioning
+from jax_fusedar.ops.dense import FFI_TARGET
 
 cpu_helpers.require_host_devices()
 

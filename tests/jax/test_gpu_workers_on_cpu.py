@@ -49,6 +49,18 @@ def test_parity_worker_at_four_ranks_within_the_bounds():
 
 
 @pytest.mark.slow
+def test_batching_worker_at_four_ranks():
+    """tests/gpu/workers/jax_batching.py on the reference path: the dense batch forms within
+    the oracle's bounds, the MoE vmap equal to one call per element, as the GPU test
+    (tests/gpu/test_jax.py::test_jax_batched_calls_fold_into_the_kernel) holds them."""
+    from tests.gpu.test_jax import batching_problems
+
+    res = _run("batching", 4)
+    assert not batching_problems(res, 4), batching_problems(res, 4)
+    assert all(r["batching"]["dense"]["residual_bound"] > 0 for r in res)
+
+
+@pytest.mark.slow
 def test_loop_worker_at_four_ranks():
     (r, *_) = _run("loop", 4, calls=20, m=4, hidden=256)
     assert r["loop"]["calls"] == 20 and r["loop"]["violations"] == 0, r

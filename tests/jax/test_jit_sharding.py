@@ -17,8 +17,8 @@ from jax.sharding import PartitionSpec as P
 import jax_fusedar as jf
 from tests.jax.cpu_helpers import bits, jdtype, new_rng, random_gamma, random_values
 from tests.jax.cpu_helpers import require_host_devices
-from jax_fusedar import partitioning
-from jax_fusedar.primitive import FFI_TARGET
+from jax_fusedar.ops import partitioning
+from jax_fusedar.ops.dense import FFI_TARGET
 
 require_host_devices()
 
@@ -118,7 +118,7 @@ def test_plain_math_when_the_contracting_dim_is_not_sharded(caplog):
         hlo = f.lower(hs, ws_, r, g).compile().as_text()
     assert "all-reduce" not in hlo
     assert not caplog.records
-    from jax_fusedar import reference
+    from jax_fusedar.ops import reference
 
     _, want_r, want_n = jax.jit(
         lambda h, w, r, g: reference.epilogue(

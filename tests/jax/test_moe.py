@@ -13,8 +13,8 @@ from jax.sharding import PartitionSpec as P
 import jax_fusedar as jf
 import tests.oracles.moe_oracle as mo
 from tests.jax.cpu_helpers import make_mesh, put, require_host_devices
-from jax_fusedar import moe, moe_reference
-from jax_fusedar.call_plan import CallPlan, choose_moe_kernel
+from jax_fusedar.ops import moe, moe_reference
+from jax_fusedar.ops.plan import CallPlan, choose_moe_kernel
 
 require_host_devices()
 # Also in the oldest-versions lane (./dev oldest).
@@ -186,7 +186,9 @@ def test_finalize_all_slots_dropped_and_gemma_bias():
     )
 
 
-def run_reduction(ws, case, *, return_allreduce_out=True):
+def run_reduction(ws, case, *, return_allreduce_out=True, fallback="kernel_exact"):
+    """The call's outputs: residual_out, norm_out [, allreduce_out]. The default fallback is
+    the kernel's rank-order sum, checked bit for bit."""
     mesh = ws.mesh
 
     def body(x, s, tok, residual, gamma):
@@ -200,12 +202,14 @@ def run_reduction(ws, case, *, return_allreduce_out=True):
             rms_gamma=gamma,
             rms_eps=EPS,
             return_allreduce_out=return_allreduce_out,
-            fallback="kernel_exact",  # the kernel's rank-order sum, checked bit for bit
+            fallback=fallback,
         )
-        return out.residual_out, out.norm_out, out.allreduce_out
+        assert (out.allreduce_out is None) is not return_allreduce_out
+        return out[1:] + out[:1] if return_allreduce_out else out[1:]
 
     specs = (P("tp"), P("tp"), P("tp"), P(), P())
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(), P(), P())))
+    n_out = 3 if return_allreduce_out else 2
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(),) * n_out))
     args = (
         np.stack(case["expert_outputs"]),
         np.stack(case["expert_scales"]),
@@ -274,34 +278,11 @@ def test_reduction_without_allreduce_out():
     )
     ws = workspace(2, "bfloat16", tokens=2, hidden=256)
     with_ar = run_reduction(ws, case)
-    mesh = ws.mesh
-
-    def body(x, s, tok, residual, gamma):
-        out = jf.moe_reduction_allreduce_fusion(
-            x[0],
-            s[0],
-            tok[0],
-            axis_name="tp",
-            workspace=ws,
-            residual=residual,
-            rms_gamma=gamma,
-            rms_eps=EPS,
-        )
-        assert out.allreduce_out is None
-        return out.residual_out, out.norm_out
-
-    specs = (P("tp"), P("tp"), P("tp"), P(), P())
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(), P())))
-    args = (
-        np.stack(case["expert_outputs"]),
-        np.stack(case["expert_scales"]),
-        np.stack(case["token_input"]),
-        case["residual"],
-        case["gamma"],
-    )
-    outs = f(*(put(mesh, s, a) for s, a in zip(specs, args)))
+    # The default fallback (the psum in the rows' dtype) is exact for 2 ranks too.
+    outs = run_reduction(ws, case, return_allreduce_out=False, fallback="xla")
+    assert len(outs) == 2
     for a, b in zip(outs, with_ar[:2]):
-        np.testing.assert_array_equal(np.asarray(a).view(np.uint16), b.view(np.uint16))
+        np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
 
 
 # --- transformations ---------------------------------------------------------------------------
@@ -464,6 +445,33 @@ def test_cuda_lowering_uses_the_moe_custom_call(hidden, kernel):
                     out_specs=(P(), P()),
                 )
             ).trace(permuted, idx, row, gamma, scale)
+
+
+def test_vmap_beyond_the_workspace_maps_onto_the_kernel():
+    # The op family's one batching rule: a batch the workspace cannot hold folded, where one
+    # element fits, runs one kernel call per element (strict: a fallback would raise), as
+    # for the dense op; the fold would leave the kernel for psum + RMSNorm.
+    tokens, hidden, batch = 16, 256, 3
+    ws = workspace(2, "bfloat16", tokens=tokens, hidden=hidden, backend="trtllm")
+    idx = jax.ShapeDtypeStruct((2, batch, tokens, 8), jnp.int32)
+    permuted = jax.ShapeDtypeStruct((2, batch, 40, hidden), jnp.bfloat16)
+    rows = jax.ShapeDtypeStruct((batch, tokens, hidden), jnp.bfloat16)
+    gamma = jax.ShapeDtypeStruct((hidden,), jnp.bfloat16)
+    scale = jax.ShapeDtypeStruct((batch, tokens, 8), jnp.bfloat16)
+
+    def body(permuted, idx, residual, gamma, scale):
+        one = finalize_fn(ws, strict=True)
+        return jax.vmap(one, in_axes=(0, 0, 0, None, 0))(
+            permuted[0], idx[0], residual, gamma, scale
+        )
+
+    f = jax.jit(
+        jax.shard_map(
+            body, mesh=ws.mesh, in_specs=(P("tp"), P("tp"), P(), P(), P()), out_specs=(P(), P())
+        )
+    )
+    text = f.trace(permuted, idx, rows, gamma, scale).lower(lowering_platforms=("cuda",)).as_text()
+    assert moe.FFI_TARGET in text and "while" in text  # the kernel, in a loop over elements
 
 
 # --- bad inputs --------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The tolerance of ``demo --moe`` (jax_fusedar/cli/compare.py ``moe_tolerance``), on 8 virtual
 CPU devices, where the MoE op runs its reference lowering with the kernel's rounding points
-(jax_fusedar/moe_reference.py): the MoE layers' magnitudes measured on the unsharded model
+(jax_fusedar/ops/moe_reference.py): the MoE layers' magnitudes measured on the unsharded model
 (``moe_llama.term_ratios``) are the TP group's, the fused TP model of the one-process-per-rank
 demo stays within the tolerance of the unsharded reference at 2, 4 and 8 ranks, and a model
 that differs by more than rounding does not."""

@@ -23,9 +23,9 @@ import jax.numpy as jnp  # noqa: E402
 
 import jax_fusedar as jf  # noqa: E402
 import torch_compat  # noqa: E402
-from jax_fusedar import call_plan  # noqa: E402
+from jax_fusedar.ops import plan as call_plan  # noqa: E402
 from jax_fusedar.common import native, plan as rules  # noqa: E402
-from jax_fusedar.common.patterns import MOE_PATTERNS, TRAITS  # noqa: E402
+from jax_fusedar.common.patterns import DENSE_PATTERNS, MOE_PATTERNS, TRAITS  # noqa: E402
 from jax_fusedar.common.patterns import AllReduceFusionPattern as Pattern  # noqa: E402
 from torch_compat import cuda_state, moe, ops  # noqa: E402
 from torch_compat.tensors import refusal  # noqa: E402
@@ -76,7 +76,7 @@ def _outcome(fn):
 
 
 def _dense_points():
-    for world, dtype, pattern in itertools.product((2, 4), ("bfloat16", "float32"), TRAITS):
+    for world, dtype, pattern in itertools.product((2, 4), ("bfloat16", "float32"), DENSE_PATTERNS):
         traits = TRAITS[pattern]
         layouts = (0, 2) if traits.quant == "fp4" else (0,)
         for tokens, hidden, mode, layout in itertools.product(

@@ -1,4 +1,4 @@
-"""The JAX quantized-epilogue reference (jax_fusedar.quant_reference) against the independent
+"""The JAX quantized-epilogue reference (jax_fusedar.ops.quant_reference) against the independent
 numpy oracle (tests/oracles/quant_oracle.py): bitwise equality, layouts, error bounds, bad inputs.
 
 Every random test draws a fresh seed from os.urandom and names it in its failure message;
@@ -27,8 +27,8 @@ import pytest
 
 from tests.oracles import quant_oracle as O
 from jax_fusedar.common import quant_layouts
-from jax_fusedar import quant_arrays
-from jax_fusedar import quant_reference as Q
+from jax_fusedar.ops import quant_arrays
+from jax_fusedar.ops import quant_reference as Q
 from jax_fusedar.common.patterns import AllReduceFusionPattern as P
 
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}

@@ -1,4 +1,4 @@
-"""The reference math (jax_fusedar/reference.py) against the float64 oracle
+"""The reference math (jax_fusedar/ops/reference.py) against the float64 oracle
 (tests/oracles/oracle.py), and its rounding points bit for bit. CPU only: 8 virtual host
 devices."""
 
@@ -23,7 +23,7 @@ from tests.jax.cpu_helpers import (
     require_host_devices,
     run_sharded,
 )
-from jax_fusedar import reference
+from jax_fusedar.ops import reference
 
 # Also in the oldest-versions lane (./dev oldest).
 pytestmark = pytest.mark.oldest

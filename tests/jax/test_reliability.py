@@ -22,9 +22,9 @@ from tests.jax.cpu_helpers import (
     random_values,
     require_host_devices,
 )
-from jax_fusedar import reference
+from jax_fusedar.ops import reference
 from jax_fusedar.common import backend_choice
-from jax_fusedar.primitive import FFI_TARGET
+from jax_fusedar.ops.dense import FFI_TARGET
 
 require_host_devices()
 
@@ -245,7 +245,7 @@ def test_row_parallel_good_options_still_give_allreduce_fusions_bits():
 
 def test_allreduce_fusion_in_an_inner_shard_map_over_tp_within_an_outer_over_dp():
     """The inner shard_map's lowering sees an abstract mesh (no devices); that has nothing
-    to compare (call_checks.check_call_groups) and must not fail. Equal bits to the same
+    to compare (ops.checks.check_call_groups) and must not fail. Equal bits to the same
     program written as one shard_map over both axes, and to psum + the reference epilogue."""
     mesh = make_mesh((2, 4), ("dp", "tp"))
     ws = jf.create_allreduce_fusion_workspace(

@@ -1,4 +1,4 @@
-"""Compiles a small host C++ program against the core's call-check and status sources with
+"""Compiles a small host C++ program against the core's handshake and status sources with
 nvcc and runs it: how the native tests read the core's failure texts without a GPU. The
 program prints ``name=[text]`` lines; returns them as a dict. Skips without nvcc."""
 
@@ -32,7 +32,7 @@ def run_host_program(tmp_path, name: str, source: str) -> dict:
         f"-I{core}",
         f"-I{core / 'include'}",
         str(src),
-        str(core / "call_check.cu"),
+        str(core / "handshake.cu"),
         str(core / "status.cpp"),
         "-o",
         str(exe),

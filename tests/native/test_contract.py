@@ -15,6 +15,7 @@ from tests.skips import needs_native
 pytestmark = needs_native
 
 TRAIT_FIELDS = (
+    "family",
     "has_allreduce_out",
     "has_residual",
     "has_norm_out",
@@ -30,33 +31,51 @@ def _python_traits(traits):
 
 
 def test_pattern_tables_are_equal():
+    # Every pattern, the dense kernel's and the MoE epilogues', with the family serving it.
     table = native.ext.pattern_table()
-    assert sorted(table) == sorted(int(p) for p in TRAITS)
+    assert sorted(table) == sorted(int(p) for p in TRAITS) == sorted(AllReduceFusionPattern)
     for pattern, traits in TRAITS.items():
         row = table[int(pattern)]
         assert row["code"] == int(pattern)
         assert {f: row[f] for f in TRAIT_FIELDS} == _python_traits(traits), pattern.name
-        assert row["compiled"] is True and native.ext.pattern_compiled(int(pattern))
+        # The dense kernel compiles its family's codes; the MoE codes have their own
+        # launcher (fusedar_moe_launch) and handler.
+        dense = traits.family == "dense"
+        assert row["compiled"] is dense and bool(native.ext.pattern_compiled(int(pattern))) is dense
 
 
-# The codes of the dense kernel's table; the MoE codes (6, 7) have their own launcher and
-# handler (tests/jax/test_moe.py, tests/torch/test_moe.py).
-DENSE_PATTERNS = [p for p in AllReduceFusionPattern if p not in patterns.MOE_PATTERNS]
+DENSE_PATTERNS = patterns.DENSE_PATTERNS
 
 
-def test_codes_outside_the_table_are_not_compiled():
-    served = {int(p) for p in TRAITS}
-    moe = {int(p) for p in patterns.MOE_PATTERNS}
+def test_codes_outside_the_table_are_not_patterns():
     for code in range(-1, 20):
-        if code not in served:
-            # The dense kernel compiles only the table's codes; the MoE codes are valid
-            # patterns served by their own launcher (fusedar_moe_launch), not by this one.
+        if code not in TRAITS:
             assert not native.ext.pattern_compiled(code), code
-            if code in moe:
-                assert int(patterns.as_pattern(code)) == code
-            else:
-                with pytest.raises(ValueError, match="unknown fusion pattern"):
-                    patterns.as_pattern(code)
+            with pytest.raises(ValueError, match="unknown fusion pattern"):
+                patterns.as_pattern(code)
+
+
+@pytest.mark.parametrize("pattern", patterns.MOE_PATTERNS)
+def test_moe_operands_and_results_match_the_handlers_counts(pattern):
+    """The MoE handler's counts come from the table: the operands every call has, then the
+    finalize's optional ones; the results, then the reduction's optional allreduce_out."""
+    row = native.ext.pattern_table()[int(pattern)]
+    assert len(patterns.operand_names(pattern)) == row["operands"]
+    assert len(results.result_specs(pattern, 5, 1024, "bfloat16")) == row["results"]
+    if TRAITS[pattern].family == "moe_finalize":
+        full = patterns.operand_names(pattern, expert_scale_factor=True, shared_expert_output=True)
+        assert full[row["operands"] :] == patterns.OPTIONAL_OPERANDS
+    else:
+        specs = results.result_specs(pattern, 5, 1024, "bfloat16", allreduce_out=True)
+        assert [s.name for s in specs[row["results"] :]] == ["allreduce_out"]
+
+
+@pytest.mark.parametrize("pattern", patterns.MOE_PATTERNS)
+def test_the_dense_handlers_rules_refuse_the_moe_codes(pattern):
+    # In the table, the MoE rows are no dense rows: the dense handler's result rule (and its
+    # launch, fusedar/patterns.h's find_dense_pattern) refuses them.
+    with pytest.raises(ValueError, match="unknown fusion pattern"):
+        native.ext.expected_results(int(pattern), native.ext.BFLOAT16, 5, 1024)
 
 
 @pytest.mark.parametrize("pattern", DENSE_PATTERNS)
@@ -74,7 +93,7 @@ def test_result_specs_match_the_handlers_counts(pattern):
     assert ("scale_out" in names) == row["writes_scale_out"]
     # x, [residual_in, rms_gamma], [scale_factor]
     operands = 1 + 2 * traits.has_residual + traits.uses_scale_factor
-    assert operands == row["operands"]
+    assert operands == row["operands"] == len(patterns.operand_names(pattern))
 
 
 def test_result_specs_shapes():
@@ -168,7 +187,7 @@ def test_limits_are_the_cores():
 def test_ffi_target_names_are_the_handlers():
     assert native.ext.ffi_target_names() == native.FFI_TARGETS
     assert set(native.ext.registrations()) == set(native.FFI_TARGETS.values())
-    from jax_fusedar import moe, primitive, timing
+    from jax_fusedar.ops import dense as primitive, moe, timing
 
     assert primitive.FFI_TARGET == native.FFI_TARGETS["allreduce_fusion"]
     assert timing.TARGET == native.FFI_TARGETS["device_timestamp"]
@@ -310,7 +329,7 @@ def test_a_core_status_reaches_python_as_its_exception():
 
 
 # --- the MoE kernels' rule ------------------------------------------------------------------------
-# One rule for JAX (jax_fusedar.moe), torch (torch_compat.moe, its fake implementations too) and
+# One rule for JAX (jax_fusedar.ops.moe), torch (torch_compat.moe, its fake implementations too) and
 # the native launch (fusedar_moe_shape_check, which fusedar_moe_launch runs): the Python side is
 # common.moe_limits.kernel_problem. Every call one side accepts, the other accepts.
 

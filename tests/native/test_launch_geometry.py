@@ -20,6 +20,7 @@ import sys
 
 import pytest
 
+from jax_fusedar.common.limits import SUPPORTED_WORLD_SIZES  # the build's, ffi/core/CMakeLists.txt
 from tests.repo import REPO
 from tests.skips import BUILD_NATIVE
 
@@ -122,8 +123,8 @@ def test_moe_kernel_names_and_their_table():
 CACHE = REPO / "ffi" / "core" / "unhooked_registers.json"
 DEFAULT_ARCHS = ("90a", "100a")  # ffi/core/CMakeLists.txt's default, what CI builds
 TRANSLATION_UNITS = [
-    launch_registers.tu_name(False, dtype, n) for dtype in (0, 1, 2) for n in (2, 4, 8, 16)
-] + [launch_registers.tu_name(True, dtype, n) for dtype in (1, 2) for n in (2, 4, 8, 16)]
+    launch_registers.tu_name(False, dtype, n) for dtype in (0, 1, 2) for n in SUPPORTED_WORLD_SIZES
+] + [launch_registers.tu_name(True, dtype, n) for dtype in (1, 2) for n in SUPPORTED_WORLD_SIZES]
 
 
 def test_the_register_cache_covers_every_translation_unit_for_one_toolchain():

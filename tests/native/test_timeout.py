@@ -1,7 +1,7 @@
 """The kernel's bounded waits (timeout_s, always on; ffi/core/watchdog.h) on CPU: option
 parsing, the plumbing down to the native Rank (JAX and torch, with fakes), the build's
 patching of FlashInfer's wait loops, and the failure message of a timed-out wait
-(call_check.cu compiled with nvcc into a small host program). The kernel side runs in
+(handshake.cu compiled with nvcc into a small host program). The kernel side runs in
 tests/gpu/test_timeout.py; the benchmarks' on/off comparison in tests/benchmarks/."""
 
 import difflib
@@ -14,7 +14,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from jax_fusedar.common import call_check, native, sizing, tp_groups
+from jax_fusedar.common import handshake, native, sizing, tp_groups
 
 from tests.native.host_program import run_host_program
 from tests.repo import REPO
@@ -25,18 +25,18 @@ from tests.skips import NO_NATIVE
 
 
 def test_default_env_zero_and_argument(monkeypatch):
-    monkeypatch.delenv(call_check.TIMEOUT_ENV_VAR, raising=False)
-    assert call_check.resolve_timeout_s(None) == call_check.DEFAULT_TIMEOUT_S == 30.0
-    monkeypatch.setenv(call_check.TIMEOUT_ENV_VAR, " 2.5 ")
-    assert call_check.resolve_timeout_s(None) == 2.5
-    monkeypatch.setenv(call_check.TIMEOUT_ENV_VAR, "0")  # 0: wait forever (FlashInfer's behaviour)
-    assert call_check.resolve_timeout_s(None) == 0.0
-    monkeypatch.setenv(call_check.TIMEOUT_ENV_VAR, "")
-    assert call_check.resolve_timeout_s(None) == 30.0
-    assert call_check.resolve_timeout_s(7) == 7.0  # an explicit argument wins
-    assert call_check.resolve_timeout_s(0) == 0.0
-    assert call_check.resolve_timeout_s(np.float32(0.5)) == 0.5
-    assert call_check.resolve_timeout_s(3600) == 3600.0
+    monkeypatch.delenv(handshake.TIMEOUT_ENV_VAR, raising=False)
+    assert handshake.resolve_timeout_s(None) == handshake.DEFAULT_TIMEOUT_S == 30.0
+    monkeypatch.setenv(handshake.TIMEOUT_ENV_VAR, " 2.5 ")
+    assert handshake.resolve_timeout_s(None) == 2.5
+    monkeypatch.setenv(handshake.TIMEOUT_ENV_VAR, "0")  # 0: wait forever (FlashInfer's behaviour)
+    assert handshake.resolve_timeout_s(None) == 0.0
+    monkeypatch.setenv(handshake.TIMEOUT_ENV_VAR, "")
+    assert handshake.resolve_timeout_s(None) == 30.0
+    assert handshake.resolve_timeout_s(7) == 7.0  # an explicit argument wins
+    assert handshake.resolve_timeout_s(0) == 0.0
+    assert handshake.resolve_timeout_s(np.float32(0.5)) == 0.5
+    assert handshake.resolve_timeout_s(3600) == 3600.0
 
 
 @pytest.mark.parametrize(
@@ -50,9 +50,9 @@ def test_default_env_zero_and_argument(monkeypatch):
     ],
 )
 def test_bad_timeouts_from_the_environment(monkeypatch, raw, match):
-    monkeypatch.setenv(call_check.TIMEOUT_ENV_VAR, raw)
+    monkeypatch.setenv(handshake.TIMEOUT_ENV_VAR, raw)
     with pytest.raises(ValueError, match=r"\$JAX_FUSEDAR_TIMEOUT_S.*" + match):
-        call_check.resolve_timeout_s(None)
+        handshake.resolve_timeout_s(None)
 
 
 @pytest.mark.parametrize(
@@ -68,15 +68,15 @@ def test_bad_timeouts_from_the_environment(monkeypatch, raw, match):
 )
 def test_bad_timeout_arguments(value, error):
     with pytest.raises(error, match="timeout_s"):
-        call_check.resolve_timeout_s(value)
+        handshake.resolve_timeout_s(value)
     with pytest.raises(error, match="kernel_timeout_s"):
-        call_check.resolve_timeout_s(value, name="kernel_timeout_s")
+        handshake.resolve_timeout_s(value, name="kernel_timeout_s")
 
 
-def test_the_call_check_timeout_still_refuses_zero():
-    # The call check's timeout has no "wait forever": 0 stays an error there.
-    with pytest.raises(ValueError, match=r"check_timeout_s must be in \(0, 3600\]"):
-        call_check.resolve_check_timeout_s(0)
+def test_the_handshake_timeout_still_refuses_zero():
+    # The handshake's timeout has no "wait forever": 0 stays an error there.
+    with pytest.raises(ValueError, match=r"handshake_timeout_s must be in \(0, 3600\]"):
+        handshake.resolve_handshake_timeout_s(0)
 
 
 # --- JAX plumbing -------------------------------------------------------------------------------
@@ -156,7 +156,7 @@ def test_jax_build_passes_the_timeout_to_every_native_rank(monkeypatch):
     ws.raise_if_failed()  # nothing failed: no error
     FakeRank.made[1].record = "rank 1 timed out waiting for rank 0"
     assert ws.failures() == ["rank 1 timed out waiting for rank 0"]
-    assert ws.call_check_failures() == ws.failures()  # one record for both mechanisms
+    assert ws.call_check_failures() == ws.failures()  # the earlier name; one record for both
     with pytest.raises(RuntimeError, match="rank 1 timed out waiting for rank 0"):
         ws.raise_if_failed()
     # explain_errors: an error in the block comes back with the record's text...
@@ -199,10 +199,10 @@ def test_jax_create_resolves_the_timeout_before_anything(monkeypatch):
         jws.create_allreduce_fusion_workspace(mesh, "tp", timeout_s=-1, **kw)
     with pytest.raises(TypeError, match="timeout_s"):
         jws.create_allreduce_fusion_workspace(mesh, "tp", timeout_s="30", **kw)
-    monkeypatch.setenv(call_check.TIMEOUT_ENV_VAR, "later")
+    monkeypatch.setenv(handshake.TIMEOUT_ENV_VAR, "later")
     with pytest.raises(ValueError, match="JAX_FUSEDAR_TIMEOUT_S"):
         jws.create_allreduce_fusion_workspace(mesh, "tp", **kw)
-    monkeypatch.setenv(call_check.TIMEOUT_ENV_VAR, "12")
+    monkeypatch.setenv(handshake.TIMEOUT_ENV_VAR, "12")
     with jws.create_allreduce_fusion_workspace(mesh, "tp", **kw) as ws:
         assert ws.timeout_s == 12.0 and ws.failures() == []
     with jws.create_allreduce_fusion_workspace(mesh, "tp", timeout_s=0, **kw) as ws:
@@ -231,7 +231,7 @@ def test_torch_create_refuses_a_bad_kernel_timeout_first(monkeypatch):
     kw = dict(max_token_num=16, hidden_dim=1024, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"kernel_timeout_s must be in \[0, 3600\]"):
         torch_compat.create_allreduce_fusion_workspace("trtllm", kernel_timeout_s=-2, **kw)
-    monkeypatch.setenv(call_check.TIMEOUT_ENV_VAR, "soon")
+    monkeypatch.setenv(handshake.TIMEOUT_ENV_VAR, "soon")
     with pytest.raises(ValueError, match="JAX_FUSEDAR_TIMEOUT_S"):
         torch_compat.create_allreduce_fusion_workspace("trtllm", **kw)
 
@@ -517,7 +517,7 @@ HOST_PROGRAM = r"""
 // Host-only exercise of the failure record's text: no CUDA call is made (no GPU here).
 #include <cstdio>
 #include <cstring>
-#include "call_check.h"
+#include "handshake.h"
 using namespace fusedar;
 
 int main() {
@@ -531,7 +531,7 @@ int main() {
   fusedar_launch_args a{};
   a.pattern = 1; a.dtype = FUSEDAR_BFLOAT16; a.num_tokens = 16; a.hidden_dim = 4096;
   a.algorithm = FUSEDAR_ALGORITHM_ONESHOT; a.fp32_acc = 1;
-  call_check::Signature s = call_check::signature_of(a);
+  handshake::Signature s = handshake::signature_of(a);
   std::memcpy(d.mine, &s, sizeof s);
   d.rank = 0; d.world = 2; d.device = 1; d.peer = 1; d.seq = 4;
   d.waited_ns = 3000400000ull; d.timeout_ns = 3000000000ull;
@@ -548,18 +548,18 @@ int main() {
   fusedar_rank_failure(&r, buf, sizeof buf);
   std::printf("grid=[%s]\n", buf);
   // An MoE finalize call (pattern 7), described as fusedar_moe_launch describes it to the
-  // call check; its kernel polls this rank's Lamport buffer like the dense one-shot.
+  // handshake; its kernel polls this rank's Lamport buffer like the dense one-shot.
   fusedar_launch_args m{};
   m.pattern = 7; m.dtype = FUSEDAR_BFLOAT16; m.num_tokens = 16; m.hidden_dim = 7168;
   m.algorithm = FUSEDAR_ALGORITHM_ONESHOT;
-  s = call_check::signature_of(m);
+  s = handshake::signature_of(m);
   std::memcpy(d.mine, &s, sizeof s);
   d.site = watchdog::kLamport; d.peer = 1; d.detail = 9;
   fusedar_rank_failure(&r, buf, sizeof buf);
   std::printf("moe=[%s]\n", buf);
   // The large-message algorithm's flags: a call of that algorithm, 8192 tokens.
   a.algorithm = FUSEDAR_ALGORITHM_LARGE_MESSAGE; a.num_tokens = 8192;
-  s = call_check::signature_of(a);
+  s = handshake::signature_of(a);
   std::memcpy(d.mine, &s, sizeof s);
   d.peer = 1; d.seq = 9;
   d.site = watchdog::kLargeEnter; d.detail = 3;

@@ -1,7 +1,7 @@
 """Independent numpy oracle for the quantized epilogues (no JAX, no jax_fusedar import).
 
 Written from the kernel (trtllm_allreduce_fusion.cuh) separately from
-jax_fusedar/quant_reference.py, with different machinery:
+jax_fusedar/ops/quant_reference.py, with different machinery:
 
 * fp32 arithmetic is done in float64 and rounded once to float32 (``fl``): exact for a
   product of two floats (48-bit significand) and correctly rounded for a quotient (53 >= 2*24+2,

@@ -5,3 +5,24 @@ import pytest
 
 pytest.importorskip("torch", reason="torch is not installed (pip install '.[torch]')")
 pytest.importorskip("torch.distributed", reason="this torch build has no torch.distributed")
+
+
+@pytest.fixture
+def cpu_stream(monkeypatch):
+    """The current CUDA stream, without CUDA: a fixed handle the launches record."""
+    from torch_compat import cuda_state
+
+    monkeypatch.setattr(cuda_state, "current_stream", lambda device: 0xC0FFEE)
+
+
+@pytest.fixture
+def handle():
+    """The handle of a registered one-member workspace (bfloat16, 64 tokens x 256) over a
+    FakeRank, unregistered afterwards."""
+    from torch_compat import library
+
+    from tests.torch.fakes import fake_workspace
+
+    h = library.register_workspace(fake_workspace(max_tokens=64, hidden=256, global_ranks=(0,)))
+    yield h
+    library.unregister_workspace(h)

@@ -11,17 +11,12 @@ from jax_fusedar.common import backend_choice, tp_groups
 from torch_compat import cuda_state, library
 from torch_compat import workspace as wsmod
 
-from tests.torch.test_torch_compat import CREATE, _tensors, fake_workspace
-from tests.torch.test_library import fake_workspace as one_rank_workspace
+from tests.torch.fakes import fake_workspace
+from tests.torch.test_torch_compat import CREATE, _tensors
 
 AR = torch.ops.torch_compat.allreduce.default
 FUSED = torch.ops.torch_compat.allreduce_residual_rmsnorm.default
 QUANT = torch.ops.torch_compat.allreduce_residual_rmsnorm_quant.default
-
-
-@pytest.fixture
-def cpu_stream(monkeypatch):
-    monkeypatch.setattr(cuda_state, "current_stream", lambda device: 0xC0FFEE)
 
 
 def _call(ws, pattern=1, **over):
@@ -250,14 +245,6 @@ def test_create_timeout_is_named(gloo_world1):
 # --- 10. the fake implementations run the eager op's checks --------------------------------------
 
 
-@pytest.fixture
-def handle():
-    ws = one_rank_workspace()  # bf16, max 64 tokens x 256
-    h = library.register_workspace(ws)
-    yield h
-    library.unregister_workspace(h)
-
-
 def _fake(shape, dtype=torch.bfloat16):
     """A tensor on "cuda" under FakeTensorMode (no GPU needed), else a CPU one (the eager
     op's workspace here lives on the CPU)."""
@@ -272,21 +259,28 @@ BF = torch.bfloat16
 
 
 # (op, args builder (handle -> args), eager call (ws, tensors) -> None, message)
+def _fused(h, rows=(8, 256), *, residual=None, gamma=None, eps=1e-6):
+    """The arguments of the residual + RMSNorm op, each overridable (bfloat16 rows)."""
+    x = _fake(rows)
+    residual = _fake(rows) if residual is None else residual
+    gamma = _fake((rows[-1],)) if gamma is None else gamma
+    return FUSED, (x, residual, gamma, eps, 0.0, None, False, h)
+
+
+def _quant(h, pattern, rows=(8, 256), *, scale_factor=None, group_size=None):
+    """The arguments of the quantized op (bfloat16 rows)."""
+    x, residual, gamma = _fake(rows), _fake(rows), _fake((rows[-1],))
+    return QUANT, (x, residual, gamma, 1e-6, 0.0, pattern, scale_factor, group_size) + (
+        None,
+        None,
+        False,
+        h,
+    )
+
+
 FAKE_CASES = {
     "residual_float32": (
-        lambda h: (
-            FUSED,
-            (
-                _fake((8, 256)),
-                _fake((8, 256), torch.float32),
-                _fake((256,)),
-                1e-6,
-                0.0,
-                None,
-                False,
-                h,
-            ),
-        ),
+        lambda h: _fused(h, residual=_fake((8, 256), torch.float32)),
         "residual_in must have the input's dtype torch.bfloat16, got torch.float32",
     ),
     "allreduce_3d": (
@@ -294,46 +288,12 @@ FAKE_CASES = {
         r"input must be 2-D \[token_num, hidden_dim\], got shape \[2, 4, 256\]",
     ),
     "quant_11_3d": (
-        lambda h: (
-            QUANT,
-            (
-                _fake((2, 4, 256)),
-                _fake((2, 4, 256)),
-                _fake((256,)),
-                1e-6,
-                0.0,
-                11,
-                None,
-                None,
-                None,
-                None,
-                False,
-                h,
-            ),
-        ),
+        lambda h: _quant(h, 11, (2, 4, 256)),
         r"input must be 2-D \[token_num, hidden_dim\], got shape \[2, 4, 256\]",
     ),
-    "too_many_tokens": (
-        lambda h: (
-            FUSED,
-            (_fake((65, 256)), _fake((65, 256)), _fake((256,)), 1e-6, 0.0, None, False, h),
-        ),
-        "does not fit the workspace",
-    ),
+    "too_many_tokens": (lambda h: _fused(h, (65, 256)), "does not fit the workspace"),
     "gamma_dtype": (
-        lambda h: (
-            FUSED,
-            (
-                _fake((8, 256)),
-                _fake((8, 256)),
-                _fake((256,), torch.float16),
-                1e-6,
-                0.0,
-                None,
-                False,
-                h,
-            ),
-        ),
+        lambda h: _fused(h, gamma=_fake((256,), torch.float16)),
         "rms_gamma must have the input's dtype",
     ),
     "two_shot_impossible": (
@@ -341,52 +301,14 @@ FAKE_CASES = {
         "use_oneshot=False is not possible: two-shot needs more tokens than ranks",
     ),
     "group_size": (
-        lambda h: (
-            QUANT,
-            (
-                _fake((8, 256)),
-                _fake((8, 256)),
-                _fake((256,)),
-                1e-6,
-                0.0,
-                9,
-                None,
-                96,
-                None,
-                None,
-                False,
-                h,
-            ),
-        ),
+        lambda h: _quant(h, 9, group_size=96),
         "hidden_dim must be divisible by group_size",
     ),
     "static_fp8_scale_dtype": (
-        lambda h: (
-            QUANT,
-            (
-                _fake((8, 256)),
-                _fake((8, 256)),
-                _fake((256,)),
-                1e-6,
-                0.0,
-                4,
-                _fake((1,), torch.float16),
-                None,
-                None,
-                None,
-                False,
-                h,
-            ),
-        ),
+        lambda h: _quant(h, 4, scale_factor=_fake((1,), torch.float16)),
         "scale_factor must be a float32 tensor",
     ),
-    "negative_eps": (
-        lambda h: (
-            FUSED,
-            (_fake((8, 256)), _fake((8, 256)), _fake((256,)), -1.0, 0.0, None, False, h),
-        ),
-        "rms_eps must be >= 0.0",
-    ),
+    "negative_eps": (lambda h: _fused(h, eps=-1.0), "rms_eps must be >= 0.0"),
 }
 
 

@@ -1,7 +1,7 @@
 """torch_compat under FlashInfer's name (torch_compat.install_as_flashinfer): the installer,
 the names vLLM and SGLang import, and the legacy TRT-LLM API served by a torch_compat
 workspace. On CPU the workspace is backed by a stand-in of the native rank that records
-each launch (tests/torch/test_torch_compat.py's FakeRank), so what is checked is that the
+each launch (tests/torch/fakes.py's FakeRank), so what is checked is that the
 calls reach torch_compat's op with the right arguments, or are refused as it refuses them;
 the kernel behind them runs in tests/gpu/test_flashinfer_shim.py. vLLM's and SGLang's own
 modules run on it in tests/torch/frameworks/."""
@@ -15,11 +15,11 @@ import pytest
 import torch
 
 import torch_compat
-from torch_compat import as_flashinfer, cuda_state
+from torch_compat import as_flashinfer
 from torch_compat.as_flashinfer.comm import trtllm_ar
 
 from tests.repo import REPO
-from tests.torch.test_torch_compat import fake_workspace
+from tests.torch.fakes import fake_workspace
 
 
 @pytest.fixture
@@ -27,11 +27,6 @@ def shim():
     comm = torch_compat.install_as_flashinfer()
     yield comm
     as_flashinfer.uninstall()
-
-
-@pytest.fixture
-def cpu_stream(monkeypatch):
-    monkeypatch.setattr(cuda_state, "current_stream", lambda device: 0xC0FFEE)
 
 
 @pytest.fixture
@@ -161,56 +156,15 @@ def test_legacy_create_and_call_reach_the_op(shim, fake_create, cpu_stream):
         assert kw["trigger_completion_at_end"] is False and kw["launch_with_pdl"] is True
     # Pattern 0 writes allreduce_out (rms_eps None, as the legacy callers pass it).
     out = torch.empty_like(x)
-    shim.trtllm_allreduce_fusion(
-        x,
-        2,
-        0,
-        m,
-        h,
-        tensor,
-        False,
-        True,
-        False,
-        0,
-        None,
-        out,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-    )
+    # FlashInfer's positional order: input, world, rank, tokens, hidden, workspace, pdl,
+    # trigger, fp32_acc, pattern, use_oneshot, allreduce_out, then nine optional tensors.
+    positional = (x, 2, 0, m, h, tensor, False, True, False, 0, None, out) + (None,) * 9
+    shim.trtllm_allreduce_fusion(*positional)
     assert ws._rank_obj.launches[-1][1]["allreduce_out"] == out.data_ptr()
     shim.trtllm_destroy_ipc_workspace_for_all_reduce_fusion(handles)
     assert ws.destroyed
     with pytest.raises(ValueError, match="not a workspace tensor"):
-        shim.trtllm_allreduce_fusion(
-            x,
-            2,
-            0,
-            m,
-            h,
-            tensor,
-            False,
-            True,
-            False,
-            0,
-            None,
-            out,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+        shim.trtllm_allreduce_fusion(*positional)
 
 
 def _legacy_call(shim, tensor, **over):

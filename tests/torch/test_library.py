@@ -8,17 +8,17 @@ the plumbing (schemas, fake impls, tracing, graph rewiring), not the kernel: the
 numerics are tested on GPUs (tests/gpu/test_torch.py).
 """
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import torch_compat
-from jax_fusedar.common import sizing
 from torch_compat import cuda_state, fusion_pass, library
-from torch_compat import workspace as wsmod
 
-from tests.torch.test_torch_compat import FakeRank
+from tests.torch import fakes
 
 # Also in the oldest-versions lane (./dev oldest).
 pytestmark = pytest.mark.oldest
@@ -28,22 +28,10 @@ FUSED = torch.ops.torch_compat.allreduce_residual_rmsnorm.default
 EPS = 1e-6
 
 
-def fake_workspace(global_ranks=(0,), max_tokens=64, hidden=256, dtype=torch.bfloat16):
-    """A workspace over ``global_ranks`` backed by a FakeRank. Sizes are those of a 2-rank
-    workspace (the kernel has no 1-rank build; only the buffer rule matters here)."""
-    name = wsmod.dtype_name(dtype)
-    ws = wsmod.TorchAllReduceFusionWorkspace(
-        native_rank=FakeRank(),
-        global_ranks=list(global_ranks),
-        rank=0,
-        device=0,
-        max_token_num=max_tokens,
-        hidden_dim=hidden,
-        dtype=dtype,
-        sizes=sizing.workspace_sizes(max(2, len(global_ranks)), max_tokens, hidden, name),
-    )
-    ws.torch_device = torch.device("cpu")
-    return ws
+# A one-member group of bfloat16, 64 tokens x 256 (tests/torch/fakes.py).
+fake_workspace = functools.partial(
+    fakes.fake_workspace, max_tokens=64, hidden=256, global_ranks=(0,)
+)
 
 
 def _ref_fused(input, residual, gamma, eps, weight_bias, use_oneshot, fp32_acc, handle):
@@ -66,14 +54,6 @@ def cpu_kernels():
         lib.impl("allreduce_residual_rmsnorm", _ref_fused, "CPU")
         lib.impl("allreduce", _ref_ar, "CPU")
         yield
-
-
-@pytest.fixture
-def handle():
-    ws = fake_workspace()
-    h = library.register_workspace(ws)
-    yield h
-    library.unregister_workspace(h)
 
 
 def _inputs(m=8, h=256, dtype=torch.bfloat16, seed=0):

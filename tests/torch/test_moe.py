@@ -2,50 +2,24 @@
 rules, what reaches the native launch, every refused input, and the custom ops' fake
 implementations (the kernels themselves run in tests/gpu/workers/moe_gpu.py)."""
 
+import functools
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import torch_compat
-from jax_fusedar.common import sizing
-from torch_compat import cuda_state, library
-from torch_compat import workspace as wsmod
+from torch_compat import library
 
-from tests.torch.test_torch_compat import FakeRank
+from tests.torch import fakes
 
 P6 = torch_compat.AllReduceFusionPattern.kMoEReductionARResidualRMSNorm
 P7 = torch_compat.AllReduceFusionPattern.kMoEFinalizeARResidualRMSNorm
 BF = torch.bfloat16
 
 
-class MoeFakeRank(FakeRank):
-    def __init__(self):
-        super().__init__()
-        self.moe_launches = []
-
-    def moe_launch(self, *args, **kw):
-        self.moe_launches.append((args, kw))
-
-
-def fake_workspace(world=2, max_tokens=64, hidden=7168, dtype=BF):
-    name = wsmod.dtype_name(dtype)
-    ws = wsmod.TorchAllReduceFusionWorkspace(
-        native_rank=MoeFakeRank(),
-        global_ranks=list(range(world)),
-        rank=0,
-        device=0,
-        max_token_num=max_tokens,
-        hidden_dim=hidden,
-        dtype=dtype,
-        sizes=sizing.workspace_sizes(world, max_tokens, hidden, name),
-    )
-    ws.torch_device = torch.device("cpu")
-    return ws
-
-
-@pytest.fixture(autouse=True)
-def cpu_stream(monkeypatch):
-    monkeypatch.setattr(cuda_state, "current_stream", lambda device: 0xC0FFEE)
+fake_workspace = functools.partial(fakes.fake_workspace, max_tokens=64, hidden=7168)
+pytestmark = pytest.mark.usefixtures("cpu_stream")
 
 
 def finalize_args(t=4, k=8, rows=40, h=7168, dtype=BF):

@@ -21,12 +21,14 @@ import torch
 import torch.distributed as dist
 
 import torch_compat
-from jax_fusedar.common import backend_choice, exchange, launch_mode, native, sizing, tp_groups
+from jax_fusedar.common import backend_choice, exchange, launch_mode, native, tp_groups
+from jax_fusedar.common.limits import SUPPORTED_WORLD_SIZES
 from torch_compat import cuda_state, ops
 from torch_compat import workspace as wsmod
 from torch_compat.channel import StoreChannel
 from tools.flashinfer_anchor import resolve_anchor_path
 
+from tests.torch.fakes import FakeRank, fake_workspace
 from tests.repo import REPO
 
 
@@ -115,12 +117,14 @@ def _params(fn):
 
 def test_create_signature_matches_flashinfer():
     ours = _params(torch_compat.create_allreduce_fusion_workspace)
-    assert ours[:-4] == [p for p in FI_CREATE if p[0] not in FI_CREATE_ONLY]
-    assert ours[-4:] == [
+    assert ours[:-6] == [p for p in FI_CREATE if p[0] not in FI_CREATE_ONLY]
+    assert ours[-6:] == [
         ("timeout_s", 120.0, KW),
-        ("check_calls", None, KW),
-        ("check_timeout_s", None, KW),
+        ("handshake", None, KW),
+        ("handshake_timeout_s", None, KW),
         ("kernel_timeout_s", None, KW),
+        ("check_calls", None, KW),  # the handshake's names until 0.1.0
+        ("check_timeout_s", None, KW),
     ]  # our additions, keyword-only
 
 
@@ -181,60 +185,7 @@ def test_importing_torch_compat_does_not_import_jax():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-# --- fakes ----------------------------------------------------------------------------------------
-
-
-class FakeRank:
-    """Stands in for the native Rank: records exchange and launch calls."""
-
-    def __init__(self, process=0, device=0, tp_rank=0):
-        self.process, self.device, self.tp_rank = process, device, tp_rank
-        self.peers, self.finalized, self.launches, self.destroyed = {}, False, [], 0
-
-    def export_ipc(self):
-        return f"ipc:{self.process}:{self.device}:{self.tp_rank}".encode()
-
-    def local_pointers(self):
-        return [1, 2, 3]
-
-    def set_peer_pointers(self, peer, peer_device, ptrs):
-        self.peers[peer] = ("ptr", peer_device)
-
-    def open_peer_ipc(self, peer, handles):
-        self.peers[peer] = ("ipc", handles.decode())
-
-    def finalize(self):
-        self.finalized = True
-
-    def launch(self, *args, **kw):
-        self.launches.append((args, kw))
-
-    def failure(self):
-        return ""
-
-    def destroy(self):
-        self.destroyed += 1
-
-
-def fake_workspace(world=2, max_tokens=128, hidden=1024, dtype=torch.bfloat16):
-    name = wsmod.dtype_name(dtype)
-    ws = wsmod.TorchAllReduceFusionWorkspace(
-        native_rank=FakeRank(),
-        global_ranks=list(range(world)),
-        rank=0,
-        device=0,
-        max_token_num=max_tokens,
-        hidden_dim=hidden,
-        dtype=dtype,
-        sizes=sizing.workspace_sizes(world, max_tokens, hidden, name),
-    )
-    ws.torch_device = torch.device("cpu")  # so CPU tensors pass the device check
-    return ws
-
-
-@pytest.fixture
-def cpu_stream(monkeypatch):
-    monkeypatch.setattr(cuda_state, "current_stream", lambda device: 0xC0FFEE)
+# --- fakes: tests/torch/fakes.py; cpu_stream: tests/torch/conftest.py --------------------------
 
 
 def _tensors(m=16, h=1024, dtype=torch.bfloat16):
@@ -483,7 +434,10 @@ def test_create_world_size_must_be_the_groups(gloo_world1):
 def test_create_world_size_one_is_refused_clearly(gloo_world1, sub):
     group = dist.new_group([0]) if sub else None
     for ws, r in ((1, 0), (None, None)):
-        with pytest.raises(ValueError, match="world size 1 is not supported.*2, 4, 8, 16"):
+        with pytest.raises(
+            ValueError,
+            match=f"world size 1 is not supported.*{', '.join(map(str, SUPPORTED_WORLD_SIZES))}",
+        ):
             torch_compat.create_allreduce_fusion_workspace(
                 world_size=ws, rank=r, group=group, **CREATE
             )

@@ -15,7 +15,7 @@ import torch
 import torch_compat
 from torch_compat import cuda_state
 
-from tests.torch.test_torch_compat import fake_workspace
+from tests.torch.fakes import fake_workspace
 from tests.gpu.workers import parity_jax_torch as par
 from tests.gpu.workers import torch_workers as tw
 

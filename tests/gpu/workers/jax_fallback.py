@@ -78,7 +78,7 @@ def worker(rank, world, chan, *, port, seed, cases, platform="cuda"):
     from jax.sharding import PartitionSpec as P
 
     import jax_fusedar as jf
-    from jax_fusedar.primitive import FFI_TARGET
+    from jax_fusedar.ops.dense import FFI_TARGET
     from tests import collectives
     from tests.gpu.harness import draw_case, worst_of
     from tests.oracles import oracle

@@ -1,5 +1,5 @@
 """Gradients of a TP MLP with the fused op (the kernel on GPUs) against the same model
-unfused (psum + residual add + RMSNorm, jax_fusedar.reference) and a float64 numpy oracle
+unfused (psum + residual add + RMSNorm, jax_fusedar.ops.reference) and a float64 numpy oracle
 with hand-written backpropagation (no JAX). Runs in any process layout: inputs are placed
 with make_array_from_callback from full arrays every process draws from one seed, and
 results are gathered with process_allgather, so the same code runs as two `jax.distributed`
@@ -91,7 +91,7 @@ def run(
     from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding
 
-    from jax_fusedar import reference
+    from jax_fusedar.ops import reference
 
     def place(spec, full):
         sharding = NamedSharding(mesh, spec)

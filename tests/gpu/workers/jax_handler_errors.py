@@ -21,8 +21,8 @@ TOKENS, HIDDEN = 16, 1024
 
 
 def run(jax, jnp, jf, mesh, P, rank, world, seed, glob, local):
-    from jax_fusedar.ffi_op import register_ffi_targets
-    from jax_fusedar.primitive import FFI_TARGET
+    from jax_fusedar.ops.family import register_ffi_targets
+    from jax_fusedar.ops.dense import FFI_TARGET
 
     assert register_ffi_targets()
     bf16 = jnp.bfloat16

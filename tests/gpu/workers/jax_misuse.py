@@ -38,7 +38,7 @@ def main(platform: str) -> dict:
     from jax.sharding import PartitionSpec as P
 
     import jax_fusedar as jf
-    from jax_fusedar.primitive import FFI_TARGET
+    from jax_fusedar.ops.dense import FFI_TARGET
     from tests.oracles import oracle
     from tests.gpu.harness import draw_case
 

@@ -226,7 +226,7 @@ def worker(
 
     import jax_fusedar as jf
     from jax_fusedar.common import native
-    from jax_fusedar.primitive import FFI_TARGET
+    from jax_fusedar.ops.dense import FFI_TARGET
 
     reasons = _Reasons()
     logging.getLogger("jax_fusedar").addHandler(reasons)

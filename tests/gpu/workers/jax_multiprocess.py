@@ -18,7 +18,10 @@ dry run of these workers). Tasks:
 * "nvfp4":   the NVFP4 patterns on sm100+ (tests/gpu/workers/jax_nvfp4.py);
 * "grad":    gradients of a TP MLP, fused vs unfused vs float64 (tests/gpu/workers/jax_grad.py);
 * "handler_errors": direct calls of the FFI target with wrong results or attributes
-             (tests/gpu/workers/jax_handler_errors.py).
+             (tests/gpu/workers/jax_handler_errors.py);
+* "batching": vmap and N-D calls folded into tokens on the kernel, dense against the
+             float64 oracle, MoE bit for bit against one call per element
+             (tests/gpu/workers/jax_batching.py).
 """
 
 from __future__ import annotations
@@ -111,6 +114,22 @@ def worker(rank, world, chan, *, port, xla_flags, task, seed, platform="cuda", *
         from tests.gpu.workers import jax_grad
 
         out["grad"] = jax_grad.run(jax, jnp, jf, mesh, P, seed, **kw)
+    elif task == "batching":
+        from tests.gpu.workers import jax_batching
+
+        out["batching"] = jax_batching.run(
+            jax,
+            jnp,
+            jf,
+            mesh,
+            P,
+            rank,
+            world,
+            seed,
+            glob=lambda spec, a: _global(jax, mesh, spec, a),
+            local=_local,
+            kernel=platform == "cuda",
+        )
     elif task == "handler_errors":
         from tests.gpu.workers import jax_handler_errors
 

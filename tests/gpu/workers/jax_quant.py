@@ -206,7 +206,7 @@ def run(jax, jnp, jf, mesh, P, rank, world, seed, tokens, hiddens, glob, local):
             )
             stats["group_scale_mismatch"] += int(np.sum(s9[:, :m] != wb9[:, :m]))
             # Dequantization bound, on the kernel's own norm output.
-            from jax_fusedar import quant_arrays
+            from jax_fusedar.ops import quant_arrays
 
             y = n11.astype(np.float64)
             for deq, scale in (

@@ -46,7 +46,7 @@ def _setup(platform: str):
 
 
 def _fused_calls(hlo: str) -> int:
-    from jax_fusedar.primitive import FFI_TARGET
+    from jax_fusedar.ops.dense import FFI_TARGET
 
     return hlo.count(f'custom_call_target="{FFI_TARGET}"')
 

@@ -1,5 +1,5 @@
 """GPU body of the MoE kernels' bounded waits (timeout_s; ffi/core/watchdog.h): two ranks in
-two processes, each with a torch_compat workspace (kernel_timeout_s=TIMEOUT_S, the call check
+two processes, each with a torch_compat workspace (kernel_timeout_s=TIMEOUT_S, the handshake
 off), one case per run, because a trapped kernel kills the CUDA context of its process.
 
   never_finalize   GOOD_FIRST good pattern-7 calls (MoE finalize), checked against the
@@ -220,7 +220,7 @@ def worker(rank, world, chan, *, case, seed, port):
         HIDDEN,
         torch.bfloat16,
         group=dist.group.WORLD,
-        check_calls=False,
+        handshake=False,
         kernel_timeout_s=TIMEOUT_S,
     )
     result["timeout_s"] = ws.timeout_s

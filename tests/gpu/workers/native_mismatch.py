@@ -1,4 +1,4 @@
-"""GPU body of the cross-rank call check (check_calls; ffi/core/call_check.h): two ranks in
+"""GPU body of the cross-rank handshake (handshake; ffi/core/handshake.h): two ranks in
 two processes (CUDA IPC), one case per run, because a trapped handshake kills the CUDA
 context of its process.
 
@@ -15,7 +15,7 @@ float64 oracle, NaN-poisoned before each call), then:
             rank 1's context stays healthy.
 
 "Fail" means: the stream synchronisation raises a CUDA error (the handshake's __trap)
-within the timeout instead of hanging, the rank's failure record (call_check_failure(),
+within the timeout instead of hanging, the rank's failure record (failure(),
 read from pinned host memory) describes the mismatch, and the next launch on that rank is
 refused with the same description; or, where the GPU driver never reports a rank's trap
 (ranks sharing a GPU that trap at the same moment), that rank's process ends with
@@ -193,12 +193,12 @@ def make_workspace(
     world,
     rank,
     *,
-    check_calls,
+    handshake,
     timeout_s,
     kernel_timeout_s=None,
     max_tokens=MAX_TOKENS,
 ):
-    """A workspace over CUDA IPC; ``timeout_s`` is the call check's, ``kernel_timeout_s``
+    """A workspace over CUDA IPC; ``timeout_s`` is the handshake's, ``kernel_timeout_s``
     the kernel's bounded waits' (None: the default)."""
     from jax_fusedar.common import native
 
@@ -210,8 +210,8 @@ def make_workspace(
         max_tokens,
         HIDDEN,
         native.DTYPE_CODES[DTYPE],
-        check_calls=check_calls,
-        check_timeout_s=timeout_s,
+        handshake=handshake,
+        handshake_timeout_s=timeout_s,
         **kw,
     )
     handles = chan.all_gather(f"ipc-{tag}", ws.export_ipc())
@@ -320,7 +320,7 @@ def _failing_call(ws, rank, case, device, seed, world, torch):
         out["sync_error"] = f"{type(e).__name__}: {e}"[:600]
     out["elapsed_s"] = time.monotonic() - t0
     flush_c_stdio()
-    out["failure_record"] = ws.call_check_failure()
+    out["failure_record"] = ws.failure()
     try:  # the next launch must be refused with the same description
         fused_call(ws, pattern, m, x, res, gam, outs, oneshot=oneshot, stream=stream)
         out["relaunch_error"] = None
@@ -346,17 +346,17 @@ def worker(rank, world, chan, *, case, seed):
         "gpu": torch.cuda.get_device_name(device),
     }
     ws = make_workspace(
-        ext, chan, "checked", device, world, rank, check_calls=True, timeout_s=timeout_s
+        ext, chan, "checked", device, world, rank, handshake=True, timeout_s=timeout_s
     )
-    result["check_calls"], result["check_timeout_s"] = ws.check_calls, ws.check_timeout_s
+    result["handshake"], result["handshake_timeout_s"] = ws.handshake, ws.handshake_timeout_s
     errs, result["digest"] = matching_calls(ws, rank, world, device, stream, seed, torch)
     result["matching"] = errs
     result["worst"] = worst_of([{k: v for k, v in e.items() if k != "call"} for e in errs])
     if case == "ok":
         off = make_workspace(
-            ext, chan, "unchecked", device, world, rank, check_calls=False, timeout_s=30.0
+            ext, chan, "unchecked", device, world, rank, handshake=False, timeout_s=30.0
         )
-        result["off_check_calls"] = off.check_calls
+        result["off_handshake"] = off.handshake
         errs_off, result["off_digest"] = matching_calls(
             off, rank, world, device, stream, seed, torch
         )
@@ -367,7 +367,7 @@ def worker(rank, world, chan, *, case, seed):
         chan.barrier("timing")
         result["timing_on"] = timing(ws, rank, world, device, seed + 200, torch)
         result["timing_off"] = timing(off, rank, world, device, seed + 200, torch)
-        result["failure_record"] = ws.call_check_failure()
+        result["failure_record"] = ws.failure()
         chan.barrier("done")
         for w in (ws, off):
             w.destroy()
@@ -384,7 +384,7 @@ def worker(rank, world, chan, *, case, seed):
     if result["failing"] is None:  # this rank made no call: its context must be healthy
         t = torch.arange(1000, device=device, dtype=torch.float32)
         result["healthy_after"] = float(t.sum().item()) == 499500.0
-        result["failure_record"] = ws.call_check_failure()
+        result["failure_record"] = ws.failure()
         ws.destroy()
     flush_c_stdio()
     return result

@@ -9,7 +9,7 @@ peers in the other process through CUDA IPC handles (open_peer_ipc), two of them
 same GPU in another process (their kernels time-slice). The handles travel over a
 torch TCPStore through torch_compat's StoreChannel (the exchange.Channel protocol).
 
-Two workspaces: one with the call check off, one with it on (the handshake over the same
+Two workspaces: one with the handshake off, one with it on (the handshake over the same
 mixed mapping). On each, pattern-1 calls in one-shot and two-shot against the float64
 oracle (NaN-poisoned outputs, fresh inputs per call; all four ranks must also agree
 bitwise). Then both are destroyed and each GPU's free memory must come back.
@@ -90,8 +90,8 @@ def worker(proc, nprocs, chan, *, port, seed):
                 MAX_TOKENS,
                 HIDDEN,
                 code,
-                check_calls=check,
-                check_timeout_s=60.0,
+                handshake=check,
+                handshake_timeout_s=60.0,
             )
 
         plan = exchange.create_and_publish(
@@ -151,7 +151,7 @@ def worker(proc, nprocs, chan, *, port, seed):
             "digests": digests,
         }
     result["calls"] = calls
-    result["failure_records"] = [ws.call_check_failure() for ws in workspaces[True].values()]
+    result["failure_records"] = [ws.failure() for ws in workspaces[True].values()]
     flush_c_stdio()
 
     chan.barrier("before-destroy")  # no rank may still be in a call when a peer frees

@@ -1,5 +1,5 @@
 """GPU body of the kernel's bounded waits (timeout_s; ffi/core/watchdog.h): two ranks in two
-processes (CUDA IPC, the call check off), one case per run, because a trapped kernel kills
+processes (CUDA IPC, the handshake off), one case per run, because a trapped kernel kills
 the CUDA context of its process.
 
   ok             same_bits_calls() good calls (a cycle of one-shot/two-shot, pattern 0/1
@@ -13,7 +13,7 @@ the CUDA context of its process.
                  TIMEOUT_S + 1 s, its record naming rank 1, the next launch refused with it.
   killed         after a few good calls rank 1 is SIGKILLed; rank 0's next call must fail
                  the same way.
-  tokens         rank 0 calls one-shot with 16 tokens, rank 1 with 17 (no call check): both
+  tokens         rank 0 calls one-shot with 16 tokens, rank 1 with 17 (no handshake): both
                  ranks must fail within TIMEOUT_S + 1 s, each naming the other.
   never_large    on a workspace for LARGE_TOKENS tokens, after the good calls and one good
                  call of LARGE_TOKENS (auto picks the large-message algorithm there) rank 1
@@ -271,7 +271,7 @@ def worker(rank, world, chan, *, case, seed):
         device,
         world,
         rank,
-        check_calls=False,
+        handshake=False,
         timeout_s=30.0,
         kernel_timeout_s=TIMEOUT_S,
         **size,
@@ -285,7 +285,7 @@ def worker(rank, world, chan, *, case, seed):
             device,
             world,
             rank,
-            check_calls=False,
+            handshake=False,
             timeout_s=30.0,
             kernel_timeout_s=0.0,
         )

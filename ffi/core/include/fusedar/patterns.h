@@ -1,11 +1,10 @@
 // The native side's one table of FlashInfer's fusion patterns: per pattern code, what a call
-// reads and writes. The core's launch check (ffi/core/launch.cpp) and the XLA handler's
-// operand/result lists (ffi/xla/allreduce_fusion.cc) both read it; the Python table
-// (jax_fusedar/common/patterns.py) must equal it, which tests/native/test_contract.py checks
-// through the bound module (ext.pattern_table()). C++ only and header-only: no ABI.
-//
-// Rows are keyed by code, so a pattern served by another entry point (FlashInfer's MoE
-// codes 6 and 7) adds its own rows without renumbering these.
+// reads and writes and which family serves it (the dense kernel, or one of the MoE
+// epilogues). The core's launch checks (ffi/core/launch.cpp) and the XLA handlers' operand
+// and result counts (ffi/xla/allreduce_fusion.cc, moe_allreduce_fusion.cc) read it; the
+// Python table (jax_fusedar/common/patterns.py, TRAITS) must equal it, which
+// tests/native/test_contract.py checks through the bound module (ext.pattern_table()).
+// C++ only and header-only: no ABI; no kernel translation unit includes it.
 #ifndef FUSEDAR_PATTERNS_H_
 #define FUSEDAR_PATTERNS_H_
 
@@ -34,6 +33,24 @@ constexpr const char* quant_kind_name(QuantKind q) {
   return "?";
 }
 
+// Which entry point serves a pattern (the names are jax_fusedar/common/patterns.py's
+// FAMILIES): the dense kernel (fusedar_launch, the dense XLA handler) or one of FlashInfer's
+// MoE epilogues (fusedar_moe_launch, the MoE handler).
+enum class Family : int32_t {
+  kDense = 0,
+  kMoeReduction = 1,  // pattern 6: the expert-weighted sum of the local experts' rows
+  kMoeFinalize = 2,   // pattern 7: the gather of the permuted expert rows
+};
+
+constexpr const char* family_name(Family f) {
+  switch (f) {
+    case Family::kDense: return "dense";
+    case Family::kMoeReduction: return "moe_reduction";
+    case Family::kMoeFinalize: return "moe_finalize";
+  }
+  return "?";
+}
+
 struct PatternTraits {
   int32_t code;  // FlashInfer's AllReduceFusionPattern
   // Reads residual_in and rms_gamma and writes residual_out; without it the pattern is the
@@ -41,7 +58,9 @@ struct PatternTraits {
   bool residual;
   bool norm_out;
   QuantKind quant;
+  Family family = Family::kDense;
 
+  constexpr bool dense() const { return family == Family::kDense; }
   constexpr bool allreduce_out() const { return !residual; }
   constexpr bool quant_out() const { return quant != QuantKind::kNone; }
   // Static FP8 and NVFP4 read a float32 scale_factor (a device scalar).
@@ -54,8 +73,18 @@ struct PatternTraits {
   }
   // On sm90 the NVFP4 epilogue compiles and runs but writes zeros and no scales.
   constexpr bool needs_sm100() const { return quant == QuantKind::kFp4; }
-  // XLA operand and result counts, in the order of ffi/xla/allreduce_fusion.cc.
-  constexpr int operands() const { return 1 + (residual ? 2 : 0) + (scale_factor() ? 1 : 0); }
+  // XLA operand and result counts, in the order of ffi/xla/allreduce_fusion.cc; for the
+  // MoE families the operands every call has (ffi/xla/moe_allreduce_fusion.cc: the finalize
+  // may add expert_scale_factor and shared_expert_output) and the results without the
+  // reduction's optional allreduce_out.
+  constexpr int operands() const {
+    switch (family) {
+      case Family::kMoeReduction: return 5;  // scales, expert rows, token input, residual, gamma
+      case Family::kMoeFinalize: return 4;   // permuted rows, index map, residual, gamma
+      case Family::kDense: break;
+    }
+    return 1 + (residual ? 2 : 0) + (scale_factor() ? 1 : 0);
+  }
   constexpr int results() const {
     return 1 + (norm_out ? 1 : 0) + (quant_out() ? 1 : 0) + (scale_out() ? 1 : 0);
   }
@@ -72,6 +101,8 @@ inline constexpr PatternTraits kPatterns[] = {
     {9, true, true, QuantKind::kGroupFp8},       // ...OutPerTokenGroupFP8PackedQuant
     {10, true, false, QuantKind::kDynamicFp8},   // kARResidualRMSNormDynamicFP8Quant
     {11, true, true, QuantKind::kDynamicFp8},    // kARResidualRMSNormOutDynamicFP8Quant
+    {6, true, true, QuantKind::kNone, Family::kMoeReduction},  // kMoEReductionARResidualRMSNorm
+    {7, true, true, QuantKind::kNone, Family::kMoeFinalize},   // kMoEFinalizeARResidualRMSNorm
 };
 
 inline constexpr size_t kPatternCount = sizeof(kPatterns) / sizeof(kPatterns[0]);
@@ -82,6 +113,13 @@ constexpr const PatternTraits* find_pattern(int32_t code) {
     if (p.code == code) return &p;
   }
   return nullptr;
+}
+
+// The row of `code` where the dense kernel serves it, else nullptr (the dense launch and
+// handler refuse the MoE codes: those have their own).
+constexpr const PatternTraits* find_dense_pattern(int32_t code) {
+  const PatternTraits* p = find_pattern(code);
+  return p != nullptr && p->dense() ? p : nullptr;
 }
 
 }  // namespace fusedar

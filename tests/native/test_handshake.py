@@ -1,4 +1,4 @@
-"""The opt-in cross-rank call check on CPU: option parsing, agreement at creation (JAX's
+"""The opt-in cross-rank handshake on CPU: option parsing, agreement at creation (JAX's
 process exchange and torch's member exchange, with fakes), the plumbing down to the native
 Rank, and the native core's host-side pieces (signature packing, the failure message)
 compiled with nvcc into a small host program. The handshake kernel itself runs only in
@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from jax_fusedar.common import call_check, exchange, join, native, sizing, tp_groups
+from jax_fusedar.common import handshake, exchange, join, native, sizing, tp_groups
 from tests.native.host_program import run_host_program
 from tests.skips import NO_NATIVE
 
@@ -20,40 +20,42 @@ from tests.skips import NO_NATIVE
 
 @pytest.mark.parametrize("raw", ["1", "true", "TRUE", " yes ", "On"])
 def test_env_turns_the_check_on(monkeypatch, raw):
-    monkeypatch.setenv(call_check.CHECK_CALLS_ENV_VAR, raw)
-    assert call_check.resolve_check_calls(None) is True
-    assert call_check.resolve_check_calls(False) is False  # an explicit argument wins
+    monkeypatch.setenv(handshake.HANDSHAKE_ENV_VAR, raw)
+    assert handshake.resolve_handshake(None) is True
+    assert handshake.resolve_handshake(False) is False  # an explicit argument wins
 
 
 @pytest.mark.parametrize("raw", [None, "", "0", "false", "No", "off"])
 def test_env_leaves_the_check_off(monkeypatch, raw):
     if raw is None:
-        monkeypatch.delenv(call_check.CHECK_CALLS_ENV_VAR, raising=False)
+        monkeypatch.delenv(handshake.HANDSHAKE_ENV_VAR, raising=False)
     else:
-        monkeypatch.setenv(call_check.CHECK_CALLS_ENV_VAR, raw)
-    assert call_check.resolve_check_calls(None) is False
-    assert call_check.resolve_check_calls(True) is True
+        monkeypatch.setenv(handshake.HANDSHAKE_ENV_VAR, raw)
+    assert handshake.resolve_handshake(None) is False
+    assert handshake.resolve_handshake(True) is True
 
 
 def test_env_garbage_is_a_clear_error(monkeypatch):
-    monkeypatch.setenv(call_check.CHECK_CALLS_ENV_VAR, "maybe")
-    with pytest.raises(ValueError, match=r"\$JAX_FUSEDAR_CHECK_CALLS='maybe' is not a boolean"):
-        call_check.resolve_check_calls(None)
+    monkeypatch.setenv(handshake.HANDSHAKE_ENV_VAR, "maybe")
+    with pytest.raises(ValueError, match=r"\$JAX_FUSEDAR_HANDSHAKE='maybe' is not a boolean"):
+        handshake.resolve_handshake(None)
 
 
 @pytest.mark.parametrize("value", [1, "yes", 0.0])
-def test_check_calls_argument_must_be_a_bool(value):
-    with pytest.raises(TypeError, match="check_calls must be True, False or None"):
-        call_check.resolve_check_calls(value)
+def test_handshake_argument_must_be_a_bool(value):
+    with pytest.raises(TypeError, match="handshake must be True, False or None"):
+        handshake.resolve_handshake(value)
 
 
 def test_timeout_default_env_and_argument(monkeypatch):
-    monkeypatch.delenv(call_check.CHECK_TIMEOUT_ENV_VAR, raising=False)
-    assert call_check.resolve_check_timeout_s(None) == call_check.DEFAULT_CHECK_TIMEOUT_S == 30.0
-    monkeypatch.setenv(call_check.CHECK_TIMEOUT_ENV_VAR, " 2.5 ")
-    assert call_check.resolve_check_timeout_s(None) == 2.5
-    assert call_check.resolve_check_timeout_s(7) == 7.0
-    assert call_check.resolve_check_timeout_s(np.float32(0.5)) == 0.5
+    monkeypatch.delenv(handshake.HANDSHAKE_TIMEOUT_ENV_VAR, raising=False)
+    assert (
+        handshake.resolve_handshake_timeout_s(None) == handshake.DEFAULT_HANDSHAKE_TIMEOUT_S == 30.0
+    )
+    monkeypatch.setenv(handshake.HANDSHAKE_TIMEOUT_ENV_VAR, " 2.5 ")
+    assert handshake.resolve_handshake_timeout_s(None) == 2.5
+    assert handshake.resolve_handshake_timeout_s(7) == 7.0
+    assert handshake.resolve_handshake_timeout_s(np.float32(0.5)) == 0.5
 
 
 @pytest.mark.parametrize(
@@ -67,9 +69,9 @@ def test_timeout_default_env_and_argument(monkeypatch):
     ],
 )
 def test_bad_timeouts_from_the_environment(monkeypatch, raw, match):
-    monkeypatch.setenv(call_check.CHECK_TIMEOUT_ENV_VAR, raw)
-    with pytest.raises(ValueError, match=r"\$JAX_FUSEDAR_CHECK_TIMEOUT_S.*" + match):
-        call_check.resolve_check_timeout_s(None)
+    monkeypatch.setenv(handshake.HANDSHAKE_TIMEOUT_ENV_VAR, raw)
+    with pytest.raises(ValueError, match=r"\$JAX_FUSEDAR_HANDSHAKE_TIMEOUT_S.*" + match):
+        handshake.resolve_handshake_timeout_s(None)
 
 
 @pytest.mark.parametrize(
@@ -83,15 +85,15 @@ def test_bad_timeouts_from_the_environment(monkeypatch, raw, match):
     ],
 )
 def test_bad_timeout_arguments(value, error):
-    with pytest.raises(error, match="check_timeout_s"):
-        call_check.resolve_check_timeout_s(value)
+    with pytest.raises(error, match="handshake_timeout_s"):
+        handshake.resolve_handshake_timeout_s(value)
 
 
 def test_options_must_agree():
-    join.check_options_agree({"a": {"check_calls": True}, "b": {"check_calls": True}})
-    join.check_options_agree({"a": {"check_calls": False}, "b": {}})  # absent = off
-    with pytest.raises(ValueError, match=r"disagree on check_calls: on for b; off for a, c"):
-        join.check_options_agree({"a": {"check_calls": False}, "b": {"check_calls": True}, "c": {}})
+    join.check_options_agree({"a": {"handshake": True}, "b": {"handshake": True}})
+    join.check_options_agree({"a": {"handshake": False}, "b": {}})  # absent = off
+    with pytest.raises(ValueError, match=r"disagree on handshake: on for b; off for a, c"):
+        join.check_options_agree({"a": {"handshake": False}, "b": {"handshake": True}, "c": {}})
 
 
 def test_every_agreed_option_is_compared(monkeypatch):
@@ -151,7 +153,7 @@ def _jax_agree(flags, groups_members, timeout_s=5.0):
             ]
             joins = [j for j in joins if j.my_devices]
             out[me] = jws.join_processes(
-                joins, me, store.channel(timeout_s), serial=3, check_calls=flags[me]
+                joins, me, store.channel(timeout_s), serial=3, handshake=flags[me]
             )
         except Exception as e:  # noqa: BLE001 - recorded for the assertions
             errors[me] = e
@@ -174,7 +176,7 @@ def test_jax_processes_that_agree_pass():
     assert not errors and set(out) == {0, 1}
     assert len(store.data) == 4  # one key per (group, process)
     published = [json.loads(v) for v in store.data.values()]
-    assert all(p["options"] == {"check_calls": True} for p in published)
+    assert all(p["options"] == {"handshake": True} for p in published)
     # Each process publishes the devices of its own members of the group ...
     assert sorted(tuple(p["devices"].items()) for p in published) == [
         (("0", 0),),
@@ -193,7 +195,7 @@ def test_jax_processes_that_disagree_all_refuse():
     assert not out and set(errors) == {0, 1}
     for e in errors.values():
         assert isinstance(e, ValueError)
-        assert "disagree on check_calls: on for process 0; off for process 1" in str(e)
+        assert "disagree on handshake: on for process 0; off for process 1" in str(e)
 
 
 def test_jax_groups_within_one_process_publish_nothing():
@@ -223,7 +225,7 @@ def test_jax_build_passes_the_option_to_every_native_rank(monkeypatch):
             pass
 
         def failure(self):
-            return "rank failed" if made[0]["check_calls"] else ""
+            return "rank failed" if made[0]["handshake"] else ""
 
     class FakeExt:
         Rank = FakeRank
@@ -251,16 +253,16 @@ def test_jax_build_passes_the_option_to_every_native_rank(monkeypatch):
         workspace_id=99,
         groups=[tp_groups.TPGroup((0, 1), 0)],
         sizes=sizes,
-        check_calls=True,
-        check_timeout_s=7.0,
+        handshake=True,
+        handshake_timeout_s=7.0,
     )
     jws._build_native(ws, 5.0)
     assert made == [
-        dict(device=0, rank=0, check_calls=True, check_timeout_s=7.0, timeout_s=30.0),
-        dict(device=1, rank=1, check_calls=True, check_timeout_s=7.0, timeout_s=30.0),
+        dict(device=0, rank=0, handshake=True, handshake_timeout_s=7.0, timeout_s=30.0),
+        dict(device=1, rank=1, handshake=True, handshake_timeout_s=7.0, timeout_s=30.0),
     ]
-    assert "check_calls" in repr(ws)
-    assert ws.call_check_failures() == ["rank failed", "rank failed"]
+    assert "handshake" in repr(ws)
+    assert ws.failures() == ["rank failed", "rank failed"]
 
 
 def test_jax_create_resolves_the_option_before_anything(monkeypatch):
@@ -270,13 +272,13 @@ def test_jax_create_resolves_the_option_before_anything(monkeypatch):
     from jax_fusedar import workspace as jws
 
     mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
-    monkeypatch.setenv(call_check.CHECK_CALLS_ENV_VAR, "sometimes")
-    with pytest.raises(ValueError, match="JAX_FUSEDAR_CHECK_CALLS"):
+    monkeypatch.setenv(handshake.HANDSHAKE_ENV_VAR, "sometimes")
+    with pytest.raises(ValueError, match="JAX_FUSEDAR_HANDSHAKE"):
         jws.create_allreduce_fusion_workspace(
             mesh, "tp", max_token_num=8, hidden_dim=1024, dtype="bfloat16", backend="xla"
         )
-    monkeypatch.setenv(call_check.CHECK_CALLS_ENV_VAR, "1")
-    with pytest.raises(ValueError, match="check_timeout_s"):
+    monkeypatch.setenv(handshake.HANDSHAKE_ENV_VAR, "1")
+    with pytest.raises(ValueError, match="handshake_timeout_s"):
         jws.create_allreduce_fusion_workspace(
             mesh,
             "tp",
@@ -284,7 +286,7 @@ def test_jax_create_resolves_the_option_before_anything(monkeypatch):
             hidden_dim=1024,
             dtype="bfloat16",
             backend="xla",
-            check_timeout_s=-1,
+            handshake_timeout_s=-1,
         )
 
 
@@ -325,7 +327,7 @@ def _torch_join(flags, timeout_s=10.0):
                 serial=1,
                 backend="trtllm",
                 make_rank=lambda dev, tp, me=me: FakeRank(me, dev, tp),
-                check_calls=flags[me],
+                handshake=flags[me],
             )
         except Exception as e:  # noqa: BLE001
             errors[me] = e
@@ -350,7 +352,7 @@ def test_torch_members_that_disagree_all_refuse_before_allocating():
     for e in errors.values():
         assert isinstance(e, ValueError)
         assert (
-            "disagree on check_calls: on for TP rank 1 (global rank 1); off for TP rank 0 "
+            "disagree on handshake: on for TP rank 1 (global rank 1); off for TP rank 0 "
             "(global rank 0)"
         ) in str(e)
 
@@ -362,7 +364,7 @@ def test_torch_create_takes_the_option_keyword_only():
     import torch_compat
 
     params = inspect.signature(torch_compat.create_allreduce_fusion_workspace).parameters
-    for name in ("check_calls", "check_timeout_s"):
+    for name in ("handshake", "handshake_timeout_s"):
         assert params[name].kind is inspect.Parameter.KEYWORD_ONLY and params[name].default is None
 
 
@@ -370,8 +372,8 @@ def test_torch_create_refuses_a_bad_environment_first(monkeypatch):
     torch = pytest.importorskip("torch")
     import torch_compat
 
-    monkeypatch.setenv(call_check.CHECK_CALLS_ENV_VAR, "2")
-    with pytest.raises(ValueError, match="JAX_FUSEDAR_CHECK_CALLS"):
+    monkeypatch.setenv(handshake.HANDSHAKE_ENV_VAR, "2")
+    with pytest.raises(ValueError, match="JAX_FUSEDAR_HANDSHAKE"):
         torch_compat.create_allreduce_fusion_workspace(
             "trtllm", max_token_num=16, hidden_dim=1024, dtype=torch.bfloat16
         )
@@ -384,17 +386,17 @@ def test_extension_exposes_the_option():
     if not native.available():
         pytest.skip(NO_NATIVE)
     doc = native.ext.Rank.__init__.__doc__
-    assert "check_calls: bool = False" in doc and "check_timeout_s: float = 30.0" in doc, doc
-    for attr in ("check_calls", "check_timeout_s", "call_check_failure", "failure"):
+    assert "handshake: bool = False" in doc and "handshake_timeout_s: float = 30.0" in doc, doc
+    for attr in ("handshake", "handshake_timeout_s", "failure"):
         assert hasattr(native.ext.Rank, attr)
 
 
 HOST_PROGRAM = r"""
-// Host-only exercise of call_check.cu: no CUDA call is made (no GPU here).
+// Host-only exercise of handshake.cu: no CUDA call is made (no GPU here).
 #include <cstdio>
 #include <cstring>
-#include "call_check.h"
-using namespace fusedar::call_check;
+#include "handshake.h"
+using namespace fusedar::handshake;
 
 static fusedar_launch_args args(int pattern, int dtype, long tokens, long hidden, int algorithm,
                                 int fp32, int layout, int group) {
@@ -460,7 +462,7 @@ def test_core_signature_and_failure_messages(tmp_path):
     assert lines["unchecked"] == "[]" and lines["clean"] == "[]"
     mismatch = lines["mismatch"]
     assert mismatch.startswith(
-        "[jax_fusedar call check failed on rank 1 of 4 (device 0), "
+        "[jax_fusedar handshake failed on rank 1 of 4 (device 0), "
         "call #7: rank 3 called {pattern=1 dtype=bfloat16 "
         "num_tokens=17 hidden_dim=4096 two-shot fp32_acc=1 layout=0 "
         "block_quant_group_size=0} but rank 1 called {pattern=1 "
@@ -480,4 +482,4 @@ def test_core_signature_and_failure_messages(tmp_path):
         "hidden_dim=4096 one-shot fp32_acc=1 layout=0 block_quant_group_size=0} within "
         "2.5 s (the last call seen from it is #6)"
     ) in timeout, timeout
-    assert lines["truncated"] == "[jax_fusedar cal]"
+    assert lines["truncated"] == "[jax_fusedar han]"

@@ -1,5 +1,6 @@
-"""Autodiff and batching rules of the dense op (``primitive.py`` declares them with the op;
-each rule receives the ``ffi_op.FfiOp`` whose primitive it binds).
+"""The dense op's JVP rule (``ops/dense.py`` declares it with the op; it receives the
+``family.FfiOp`` whose primitive it binds). Its batching rule is the family's
+(``family.table_batch``).
 
 **JVP (and so grad / vjp / linearize, by JAX's transposition).** The primal outputs come
 from the primitive itself (the kernel on GPUs); the tangents are the tangent map of the
@@ -20,27 +21,17 @@ outputs (``quant_out``, ``scale_out``) are piecewise constant in the inputs: the
 is zero (like ``jnp.round``); differentiate through ``norm_out`` (or a straight-through
 estimator of your own) to train through quantization. ``scale_factor`` only reaches those
 outputs, so it gets no gradient.
-
-**Batching (vmap).** The op is row-wise: a batched x / residual is folded into the token
-dimension (one call of batch x tokens rows; the kernel decision is made again for that
-count). A batch too large for the workspace, when one element fits, a batched
-``rms_gamma`` or ``scale_factor``, or a scale layout that is not one row per token for the
-per-element token count (swizzled NVFP4 needs tokens % 128 == 0, per-token-group FP8
-tokens % 4 == 0), is not folded: those run one call per batch element in a
-``jax.lax.map`` (correct, but a kernel launch per element).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.interpreters import ad
 
 from . import reference
-from .call_plan import choose_path, kernel_problem
-from .common.patterns import TRAITS, AllReduceFusionPattern, QuantizationSFLayout
-from .ffi_op import fallback_of, varying
+from ..common.patterns import TRAITS, AllReduceFusionPattern
+from .family import fallback_of, varying
 
 
 def _is_zero(t) -> bool:
@@ -114,65 +105,3 @@ def jvp(op, primals, tangents, **params):
         _, dy = jax.jvp(norm, nz_primals, nz_tangents)
         out_tangents[1] = _match_vma(dy, outs[1])
     return outs, out_tangents
-
-
-# --- batching ----------------------------------------------------------------------------------
-
-
-def _foldable(traits, layout: int, tokens: int) -> bool:
-    """Whether the folded call's outputs split back into per-element outputs by a reshape."""
-    if traits.quant == "group_fp8":
-        return tokens % 4 == 0  # (K, round_up(M, 4)) columns: no padding per element
-    if traits.quant == "fp4" and layout != int(QuantizationSFLayout.LINEAR):
-        return tokens % 128 == 0  # whole 128-row tiles, stored tile after tile
-    return True
-
-
-def batch(op, args, dims, **params):
-    """The batching rule (module docstring): fold the batch into tokens, or map."""
-    traits = TRAITS[AllReduceFusionPattern(params["pattern"])]
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    x, x_dim = args[0], dims[0]
-    tokens, hidden = x.shape if x_dim is None else tuple(np.delete(x.shape, x_dim))
-    plan = params.get("plan")
-    rows_only = all(d is None for d in dims[2:])  # gamma, scale_factor
-    fold = plan is not None and rows_only and _foldable(traits, params["layout"], tokens)
-    if fold:
-        # A batch the workspace cannot hold runs per element when one element fits (so the
-        # kernel still serves it), decided from the workspace's sizes alone, on every backend.
-        def fits(rows):
-            return kernel_problem(rows, hidden, np.dtype(x.dtype).name, plan.sizes) is None
-
-        fold = fits(size * tokens) or not fits(tokens)
-    if fold:
-        rows = [
-            jnp.moveaxis(a, d, 0) if d is not None else jnp.broadcast_to(a, (size, *a.shape))
-            for a, d in zip(args[:2], dims[:2])
-        ]
-        rows = [r.reshape(size * tokens, hidden) for r in rows]
-        use_kernel, algorithm = choose_path(plan, size * tokens, hidden, np.dtype(x.dtype).name)
-        outs = op.primitive.bind(
-            *rows, *args[2:], **dict(params, use_kernel=use_kernel, algorithm=algorithm)
-        )
-        out_dims = []
-        unfolded = []
-        for i, o in enumerate(outs):
-            if traits.quant == "group_fp8" and i == len(outs) - 1:  # (K, size * tokens)
-                unfolded.append(o.reshape(o.shape[0], size, tokens))
-                out_dims.append(1)
-            else:
-                unfolded.append(o.reshape(size, tokens, *o.shape[1:]))
-                out_dims.append(0)
-        return unfolded, out_dims
-
-    # One call per batch element: the per-element decision (already in params) stands.
-    batched = [i for i, d in enumerate(dims) if d is not None]
-
-    def one(elements):
-        call = list(args)
-        for i, e in zip(batched, elements):
-            call[i] = e
-        return tuple(op.primitive.bind(*call, **params))
-
-    outs = jax.lax.map(one, [jnp.moveaxis(args[i], dims[i], 0) for i in batched])
-    return list(outs), [0] * len(outs)

@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .common import native
-from .ffi_op import register_ffi_targets
+from ..common import native
+from .family import register_ffi_targets
 
 TARGET = native.FFI_TARGETS["device_timestamp"]
 

@@ -2,7 +2,7 @@
 
 This is the lowering of every call the kernel does not serve (CPU, the xla backend, a call
 the kernel cannot serve) and the yardstick the GPU tests compare against. Its all-reduce is
-the call's fallback (``fallback_allreduce``, ``call_plan.FALLBACKS``): by default the psum
+the call's fallback (``fallback_allreduce``, ``plan.FALLBACKS``): by default the psum
 the user would have written, in the input's dtype (XLA's all-reduce, no more bytes than the
 user's own); on request (``fallback="kernel_exact"``) the kernel's additions emulated
 (``allreduce_sum``). Everything after the sum is the kernel's. The kernel (FlashInfer's
@@ -28,7 +28,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .common.patterns import TRAITS, AllReduceFusionPattern
+from ..common.patterns import TRAITS, AllReduceFusionPattern
 
 
 def rms_norm(r, rms_gamma, *, rms_eps: float, weight_bias: float, out_dtype):
@@ -56,7 +56,7 @@ def epilogue(summed, residual, rms_gamma, *, pattern, rms_eps: float, weight_bia
 
 def residual_add(summed, residual, *, rounding=None):
     """T(float(summed) + float(residual)); ``rounding`` (default ``round_to``) is swapped for
-    ``round_tangent`` to apply the same (linear) map to tangents (jax_fusedar/transforms.py)."""
+    ``round_tangent`` to apply the same (linear) map to tangents (jax_fusedar/ops/transforms.py)."""
     rounding = round_to if rounding is None else rounding
     return rounding(summed.astype(jnp.float32) + residual.astype(jnp.float32), summed.dtype)
 
@@ -120,7 +120,7 @@ def allreduce_sum(x, axis_name, *, fp32_acc: bool, rounding=None):
 
 
 def fallback_allreduce(x, axis_name, *, fallback: str, fp32_acc: bool, rounding=None):
-    """The all-reduce of a call the kernel does not serve (``call_plan.FALLBACKS``), the one
+    """The all-reduce of a call the kernel does not serve (``plan.FALLBACKS``), the one
     rule of the dense op, the MoE ops, their tangents and the plain-jit entry:
 
     * ``"xla"``: ``jax.lax.psum(x)`` in x's dtype, what unfused code writes: XLA's
@@ -132,7 +132,7 @@ def fallback_allreduce(x, axis_name, *, fallback: str, fp32_acc: bool, rounding=
     if fallback == "xla":
         return jax.lax.psum(x, axis_name)
     if fallback != "kernel_exact":
-        raise ValueError(f"unknown fallback {fallback!r}")  # call_plan.as_fallback checks it
+        raise ValueError(f"unknown fallback {fallback!r}")  # plan.as_fallback checks it
     return allreduce_sum(x, axis_name, fp32_acc=fp32_acc, rounding=rounding)
 
 

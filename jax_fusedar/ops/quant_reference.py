@@ -1,7 +1,7 @@
 """Bit-faithful JAX references of the fused op's quantized epilogues.
 
 Each function is a pure function of ``y``, the RMSNorm output already rounded to the input
-dtype T (``jax_fusedar.reference.rms_norm`` gives exactly that), and of its parameters. Line
+dtype T (``jax_fusedar.ops.reference.rms_norm`` gives exactly that), and of its parameters. Line
 numbers are those of third_party/flashinfer/include/flashinfer/comm/trtllm_allreduce_fusion.cuh
 (ARF). All arithmetic is fp32, one IEEE rounding per operation, in the kernel's order.
 
@@ -93,10 +93,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .common import quant_layouts
+from ..common import quant_layouts
 from . import quant_arrays
-from .common.quant_layouts import FP8_E4M3_MAX, NVFP4_BLOCK, QuantizationSFLayout
-from .common.patterns import TRAITS, AllReduceFusionPattern
+from ..common.quant_layouts import FP8_E4M3_MAX, NVFP4_BLOCK, QuantizationSFLayout
+from ..common.patterns import TRAITS, AllReduceFusionPattern
 
 _TINY = float(np.finfo(np.float32).tiny)  # 2^-126
 _RECIP6 = np.float32(1.0) / np.float32(6.0)  # constexpr 1.0f / 6.0f (L731)

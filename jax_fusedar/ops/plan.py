@@ -30,8 +30,8 @@ import logging
 import math
 from typing import Optional
 
-from .common import backend_choice, plan as rules, sizing
-from .common.patterns import AllReduceFusionPattern
+from ..common import backend_choice, plan as rules, sizing
+from ..common.patterns import AllReduceFusionPattern
 
 log = logging.getLogger("jax_fusedar")
 # Kinds of fallback reason already logged: one warning per kind and process, not per shape

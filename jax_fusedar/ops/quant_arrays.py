@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .common.quant_layouts import (
+from ..common.quant_layouts import (
     E2M1_VALUES,
     NVFP4_BLOCK,
     QuantizationSFLayout,

@@ -1,5 +1,5 @@
-// The opt-in cross-rank call check: handshake kernel, its host launch and the C API.
-// Protocol and memory layout: call_check.h.
+// The opt-in cross-rank handshake: handshake kernel, its host launch and the C API.
+// Protocol and memory layout: handshake.h.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -7,11 +7,11 @@
 #include <cstring>
 #include <string>
 
-#include "call_check.h"
 #include "device_guard.h"
+#include "handshake.h"
 #include "status.h"
 
-namespace fusedar::call_check {
+namespace fusedar::handshake {
 namespace {
 
 using watchdog::kWaitTimeout;
@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(32)
     if (first < 0) first = q;
     if (s_kind[q] == kMismatch) {
       printf(
-          "jax_fusedar call check FAILED on rank %d of %d (device %d), call #%llu: rank %d "
+          "jax_fusedar handshake FAILED on rank %d of %d (device %d), call #%llu: rank %d "
           "called " FUSEDAR_SIG_FMT " but rank %d called " FUSEDAR_SIG_FMT
           ". Every rank must make the same sequence of fused all-reduce calls (same "
           "pattern, dtype, shape and one-shot choice). Trapping so that the stream fails "
@@ -148,14 +148,14 @@ __global__ void __launch_bounds__(32)
           rank, n, device, seq, q, FUSEDAR_SIG_ARGS(s_theirs[q]), rank, FUSEDAR_SIG_ARGS(my_sig));
     } else if (s_kind[q] == kTimeout) {
       printf(
-          "jax_fusedar call check FAILED on rank %d of %d (device %d), call #%llu " FUSEDAR_SIG_FMT
+          "jax_fusedar handshake FAILED on rank %d of %d (device %d), call #%llu " FUSEDAR_SIG_FMT
           ": rank %d did not make its call #%llu within %.1f s (the last call seen from it is "
           "#%llu). A rank skipped or added a call, stopped, or created the workspace without "
-          "check_calls. Trapping so that the stream fails instead of hanging.\n",
+          "handshake. Trapping so that the stream fails instead of hanging.\n",
           rank, n, device, seq, FUSEDAR_SIG_ARGS(my_sig), q, seq, timeout_ns * 1e-9, s_seen[q]);
     } else {
       printf(
-          "jax_fusedar call check FAILED on rank %d of %d (device %d): rank %d is at call "
+          "jax_fusedar handshake FAILED on rank %d of %d (device %d): rank %d is at call "
           "#%llu while this rank is at #%llu; the ranks' call counts diverged. Trapping.\n",
           rank, n, device, q, s_seen[q], seq);
     }
@@ -246,24 +246,23 @@ Signature signature_of(const fusedar_launch_args& a) {
 int enable(fusedar_rank* r, bool enabled, double timeout_s) {
   if (enabled) {
     if (!(timeout_s > 0.0 && timeout_s <= 3600.0)) {
-      return fail(
-          FUSEDAR_INVALID_ARGUMENT,
-          "call-check timeout must be in (0, 3600] seconds, got " + std::to_string(timeout_s));
+      return fail(FUSEDAR_INVALID_ARGUMENT, "handshake timeout must be in (0, 3600] seconds, got " +
+                                                std::to_string(timeout_s));
     }
     DeviceGuard guard(r->device);
     FUSEDAR_CUDA_TRY(guard.status(), "selecting the device", r->device);
     if (r->check_seq == nullptr) {
       FUSEDAR_CUDA_TRY(cudaMalloc(&r->check_seq, sizeof(unsigned long long)),
-                       "allocating the call-check counter", r->device);
+                       "allocating the handshake counter", r->device);
     }
-    r->check_timeout_ns = static_cast<uint64_t>(std::llround(timeout_s * 1e9));
+    r->handshake_timeout_ns = static_cast<uint64_t>(std::llround(timeout_s * 1e9));
   }
-  r->check_calls = enabled;
+  r->handshake = enabled;
   return FUSEDAR_OK;
 }
 
 cudaError_t reset(fusedar_rank* r) {
-  if (!r->check_calls) return cudaSuccess;
+  if (!r->handshake) return cudaSuccess;
   return cudaMemset(r->check_seq, 0, sizeof(unsigned long long));
 }
 
@@ -273,14 +272,14 @@ void release(fusedar_rank* r, std::string* first_error) {
       *first_error = std::string(what) + ": " + cudaGetErrorString(err);
     }
   };
-  if (r->check_seq) note(cudaFree(r->check_seq), "freeing the call-check counter");
+  if (r->check_seq) note(cudaFree(r->check_seq), "freeing the handshake counter");
   r->check_seq = nullptr;
 }
 
 cudaError_t launch(const fusedar_rank* r, const fusedar_launch_args& a, cudaStream_t stream) {
   handshake_kernel<<<1, 32, 0, stream>>>(
       r->table, r->info.world_size, r->rank, r->device, area_offset(r->info), r->check_seq,
-      signature_of(a), r->check_timeout_ns, static_cast<Record*>(r->record_device));
+      signature_of(a), r->handshake_timeout_ns, static_cast<Record*>(r->record_device));
   return cudaGetLastError();
 }
 
@@ -296,7 +295,7 @@ std::string failure(const fusedar_rank* r) {
     theirs[i] = d->theirs[i];
   }
   if (kind == kWaitTimeout) return wait_timeout_text(*const_cast<const Record*>(d), mine);
-  const std::string head = "jax_fusedar call check failed on rank " + std::to_string(d->rank) +
+  const std::string head = "jax_fusedar handshake failed on rank " + std::to_string(d->rank) +
                            " of " + std::to_string(d->world) + " (device " +
                            std::to_string(d->device) + "), call #" + std::to_string(d->seq) + ": ";
   std::string msg;
@@ -312,7 +311,7 @@ std::string failure(const fusedar_rank* r) {
           std::to_string(d->seq) + " " + describe_signature(mine) + " within " + secs +
           " s (the last call seen from it is #" + std::to_string(d->peer_seq) +
           "); a rank skipped or added a call, stopped, or created the workspace without "
-          "check_calls";
+          "handshake";
   } else {
     msg = head + "rank " + std::to_string(d->peer) + " is at call #" + std::to_string(d->peer_seq) +
           "; the ranks' call counts diverged";
@@ -327,7 +326,7 @@ std::string failure(const fusedar_rank* r) {
          "the process.";
 }
 
-}  // namespace fusedar::call_check
+}  // namespace fusedar::handshake
 
 using fusedar::fail;
 
@@ -335,17 +334,17 @@ extern "C" int fusedar_rank_set_call_check(fusedar_rank* r, int32_t enabled, dou
   if (r == nullptr) return fail(FUSEDAR_INVALID_ARGUMENT, "rank is null");
   if (r->table != nullptr) {
     return fail(FUSEDAR_INVALID_ARGUMENT,
-                "the call check must be set before the workspace is finalized");
+                "the handshake must be set before the workspace is finalized");
   }
-  return fusedar::call_check::enable(r, enabled != 0, timeout_s);
+  return fusedar::handshake::enable(r, enabled != 0, timeout_s);
 }
 
 extern "C" int fusedar_rank_call_check(const fusedar_rank* r, int32_t* enabled, double* timeout_s) {
   if (r == nullptr || enabled == nullptr || timeout_s == nullptr) {
     return fail(FUSEDAR_INVALID_ARGUMENT, "null argument");
   }
-  *enabled = r->check_calls ? 1 : 0;
-  *timeout_s = r->check_calls ? r->check_timeout_ns * 1e-9 : 0.0;
+  *enabled = r->handshake ? 1 : 0;
+  *timeout_s = r->handshake ? r->handshake_timeout_ns * 1e-9 : 0.0;
   return FUSEDAR_OK;
 }
 
@@ -357,7 +356,7 @@ extern "C" int fusedar_rank_failure(const fusedar_rank* r, char* buf, size_t len
   if (r == nullptr || buf == nullptr || len == 0) {
     return fail(FUSEDAR_INVALID_ARGUMENT, "null argument");
   }
-  const std::string msg = fusedar::call_check::failure(r);
+  const std::string msg = fusedar::handshake::failure(r);
   const size_t n = std::min(msg.size(), len - 1);
   std::memcpy(buf, msg.data(), n);
   buf[n] = '\0';

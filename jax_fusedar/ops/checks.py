@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .common import tp_groups
-from .workspace import AllReduceFusionWorkspace, mesh_groups
+from ..common import tp_groups
+from ..workspace import AllReduceFusionWorkspace, mesh_groups
 
 
 def check_workspace(workspace, axis_name: str) -> AllReduceFusionWorkspace:

@@ -19,7 +19,7 @@ add and RMSNorm (patterns 6 and 7), inside ``jax.shard_map``, on the workspace o
 Both return ``MoeAllReduceFusionOutputs(allreduce_out, residual_out, norm_out)``
 (``allreduce_out`` only for pattern 6 with ``return_allreduce_out=True``), invariant over
 ``axis_name`` like ``psum``. The math and its rounding points are in ``moe_reference.py``,
-the two ops (``ffi_op.FfiOp``) in ``moe_primitive.py``.
+the two ops (``family.FfiOp``) below.
 
 Kernel or reference is decided at trace time from shapes, dtype and the workspace (as for
 ``allreduce_fusion``): the kernels run on 16-bit inputs, one-shot only (every token's row of
@@ -36,6 +36,25 @@ Transformations: ``jax.grad``/``jvp``/``vjp`` (the tangent is that of the refere
 ``jax.jvp`` of ``moe_reference``; the index map gets none); ``jax.vmap`` folds the batch into
 tokens (pattern 7 offsets each element's indices into the stacked permuted rows); a batched
 ``rms_gamma`` runs one call per element.
+
+The two ops behind them, the MoE entries of the op family (``family.FfiOp``), call one XLA
+FFI handler (``jax_fusedar_moe_allreduce_fusion_v1``, ffi/xla/moe_allreduce_fusion.cc),
+which checks the operand lists below, in this order:
+
+* reduction: expert_scales float32 [E, M], expert_outputs [E, M, H], token_input [M, H],
+  residual [M, H], rms_gamma [H];
+* finalize: permuted_input [P, H], expanded_idx_to_permuted_idx int32 [M, top_k], residual
+  [M, H], rms_gamma [H], then expert_scale_factor [M, top_k] and shared_expert_output [M, H]
+  when given.
+
+Results: residual_out, norm_out [M, H] (+ allreduce_out for the reduction when asked). The
+residual is updated in place into residual_out, as for the dense op (each element is read
+and written by the same thread). The math and its rounding points are in
+``moe_reference.py`` (its all-reduce, where the kernel does not serve a call, is the call's
+fallback: the psum in the rows' dtype unless ``fallback="kernel_exact"``); the JVP is the
+tangent map of that math (``family.reference_jvp``); ``jax.vmap`` folds the batch into
+tokens (the finalize offsets each element's indices into the stacked permuted rows), and a
+batched ``rms_gamma`` runs one call per element.
 """
 
 from __future__ import annotations
@@ -47,7 +66,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .call_checks import (
+from ..common import arguments, backend_choice, moe_limits
+from ..common.patterns import AllReduceFusionPattern
+from ..workspace import AllReduceFusionWorkspace
+from . import moe_reference
+from .checks import (
     as_gamma,
     as_residual,
     check_call_on_workspace,
@@ -55,11 +78,111 @@ from .call_checks import (
     check_operand,
     check_workspace,
 )
-from .call_plan import as_fallback, plan_moe
-from .common import arguments, backend_choice, moe_limits
-from .common.patterns import AllReduceFusionPattern
-from .moe_primitive import FFI_TARGET, moe_finalize_op, moe_reduction_op  # noqa: F401
-from .workspace import AllReduceFusionWorkspace
+from .family import FfiOp
+from .plan import as_fallback, plan_moe
+
+REDUCTION = int(AllReduceFusionPattern.kMoEReductionARResidualRMSNorm)
+FINALIZE = int(AllReduceFusionPattern.kMoEFinalizeARResidualRMSNorm)
+
+# --- the two ops: their reference math and attributes (the rest from the pattern table) -------
+
+
+def _epilogue(local, residual, rms_gamma, axis_name, rms_eps, weight_bias, allreduce_out, fallback):
+    summed, residual_out, norm_out = moe_reference.moe_epilogue(
+        local,
+        residual,
+        rms_gamma,
+        axis_name=axis_name[0],
+        rms_eps=rms_eps,
+        weight_bias=weight_bias,
+        fallback=fallback,
+    )
+    return [residual_out, norm_out] + ([summed] if allreduce_out else [])
+
+
+def _attributes(
+    pattern,
+    rms_eps,
+    weight_bias,
+    routed_scaling_factor=1.0,
+    has_expert_scale=False,
+    has_shared_expert=False,
+    allreduce_out=False,
+):
+    return dict(
+        pattern=np.int32(pattern),
+        rms_eps=np.float32(rms_eps),
+        weight_bias=np.float32(weight_bias),
+        routed_scaling_factor=np.float32(routed_scaling_factor),
+        has_expert_scale=bool(has_expert_scale),
+        has_shared_expert=bool(has_shared_expert),
+        allreduce_out=bool(allreduce_out),
+    )
+
+
+def _reduction_reference(
+    *,
+    expert_scales,
+    expert_outputs,
+    token_input,
+    residual,
+    rms_gamma,
+    axis_name,
+    rms_eps,
+    weight_bias,
+    allreduce_out,
+    fallback,
+):
+    local = moe_reference.moe_reduction_local(expert_outputs, expert_scales, token_input)
+    return _epilogue(
+        local, residual, rms_gamma, axis_name, rms_eps, weight_bias, allreduce_out, fallback
+    )
+
+
+def _finalize_reference(
+    *,
+    permuted_input,
+    expanded_idx_to_permuted_idx,
+    residual,
+    rms_gamma,
+    expert_scale_factor=None,
+    shared_expert_output=None,
+    axis_name,
+    rms_eps,
+    weight_bias,
+    routed_scaling_factor,
+    has_expert_scale,
+    has_shared_expert,
+    fallback,
+):
+    del has_expert_scale, has_shared_expert  # which operands there are: given or None here
+    local = moe_reference.moe_finalize_local(
+        permuted_input,
+        expanded_idx_to_permuted_idx,
+        expert_scale_factor=expert_scale_factor,
+        shared_expert_output=shared_expert_output,
+        routed_scaling_factor=routed_scaling_factor,
+    )
+    return _epilogue(local, residual, rms_gamma, axis_name, rms_eps, weight_bias, False, fallback)
+
+
+moe_reduction_op = FfiOp(
+    "jax_fusedar_moe_reduction_allreduce_fusion",
+    target="moe_allreduce_fusion",
+    public_name="jax_fusedar.moe_reduction_allreduce_fusion",
+    pattern=REDUCTION,
+    reference=_reduction_reference,
+    attributes=lambda **p: _attributes(REDUCTION, **p),
+)
+moe_finalize_op = FfiOp(
+    "jax_fusedar_moe_finalize_allreduce_fusion",
+    target="moe_allreduce_fusion",
+    public_name="jax_fusedar.moe_finalize_allreduce_fusion",
+    pattern=FINALIZE,
+    reference=_finalize_reference,
+    attributes=lambda **p: _attributes(FINALIZE, **p),
+)
+FFI_TARGET = moe_reduction_op.target
 
 # The MoE kernels' rule, one for JAX, torch and the native launch (common/moe_limits.py).
 kernel_problem = moe_limits.kernel_problem
@@ -92,26 +215,21 @@ def _options(rms_eps, weight_bias, strict, fallback):
     )
 
 
-def _bind(op, operands, *, pattern, lead, hidden, workspace, axis_name, strict, fallback, **params):
+def _bind(op, operands, *, lead, hidden, workspace, axis_name, strict, fallback, **params):
+    """Plans the call (``plan_moe``), binds ``op`` with its ``operands`` by name and names
+    its results, back to the index map's leading dims."""
     plan, decided = plan_moe(
         workspace,
-        pattern,
+        op.pattern_of(params),
         (*lead, hidden),
         strict=strict,
         allreduce_out=params.get("allreduce_out", False),
         fallback=fallback,
     )
-    outs = op.bind(
-        *operands,
-        workspace=workspace,
-        axis_name=axis_name,
-        use_kernel=decided.kernel,
-        plan=plan,
-        **params,
+    outs = op.call(
+        operands, workspace=workspace, axis_name=axis_name, plan=plan, decided=decided, **params
     )
-    named = {
-        spec.name: o.reshape(*lead, hidden) for spec, o in zip(decided.outputs, outs, strict=True)
-    }
+    named = {name: o.reshape(*lead, hidden) for name, o in outs.items()}
     return MoeAllReduceFusionOutputs(**{f: named.get(f) for f in MoeAllReduceFusionOutputs._fields})
 
 
@@ -173,17 +291,16 @@ def moe_reduction_allreduce_fusion(
         rms_gamma, token_input, hidden, AllReduceFusionPattern.kMoEReductionARResidualRMSNorm
     )
     tokens = math.prod(lead)
-    operands = [
-        expert_scales.reshape(experts, tokens),
-        expert_outputs.reshape(experts, tokens, hidden),
-        token_input.reshape(tokens, hidden),
-        residual.reshape(tokens, hidden),
-        gamma,
-    ]
+    operands = dict(
+        expert_scales=expert_scales.reshape(experts, tokens),
+        expert_outputs=expert_outputs.reshape(experts, tokens, hidden),
+        token_input=token_input.reshape(tokens, hidden),
+        residual=residual.reshape(tokens, hidden),
+        rms_gamma=gamma,
+    )
     return _bind(
         moe_reduction_op,
         operands,
-        pattern=AllReduceFusionPattern.kMoEReductionARResidualRMSNorm,
         lead=lead,
         hidden=hidden,
         workspace=workspace,
@@ -266,19 +383,23 @@ def moe_finalize_allreduce_fusion(
     gamma = as_gamma(rms_gamma, like, hidden, AllReduceFusionPattern.kMoEFinalizeARResidualRMSNorm)
     # A bad traced index becomes "dropped" (the kernel would read outside permuted_input).
     idx = jnp.where((idx >= -1) & (idx < rows), idx, -1).reshape(tokens, top_k)
-    operands = [permuted_input, idx, residual.reshape(tokens, hidden), gamma]
+    operands = dict(
+        permuted_input=permuted_input,
+        expanded_idx_to_permuted_idx=idx,
+        residual=residual.reshape(tokens, hidden),
+        rms_gamma=gamma,
+    )
     if expert_scale_factor is not None:
         expert_scale_factor = jnp.asarray(expert_scale_factor)
         check_operand("expert_scale_factor", expert_scale_factor, (*lead, top_k), dtype)
-        operands.append(expert_scale_factor.reshape(tokens, top_k))
+        operands["expert_scale_factor"] = expert_scale_factor.reshape(tokens, top_k)
     if shared_expert_output is not None:
         shared_expert_output = jnp.asarray(shared_expert_output)
         check_operand("shared_expert_output", shared_expert_output, (*lead, hidden), dtype)
-        operands.append(shared_expert_output.reshape(tokens, hidden))
+        operands["shared_expert_output"] = shared_expert_output.reshape(tokens, hidden)
     return _bind(
         moe_finalize_op,
         operands,
-        pattern=AllReduceFusionPattern.kMoEFinalizeARResidualRMSNorm,
         lead=lead,
         hidden=hidden,
         workspace=workspace,

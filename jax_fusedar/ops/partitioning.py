@@ -51,12 +51,12 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .common import arguments, backend_choice, limits
+from ..common import arguments, backend_choice, limits
 from . import reference
-from .api import AllReduceFusionOutputs, allreduce_fusion
-from .call_plan import as_fallback, fallback
-from .common.patterns import AllReduceFusionPattern
-from .workspace import AllReduceFusionWorkspace
+from .dense import AllReduceFusionOutputs, allreduce_fusion
+from .plan import as_fallback, fallback
+from ..common.patterns import AllReduceFusionPattern
+from ..workspace import AllReduceFusionWorkspace
 
 _PATTERN = int(AllReduceFusionPattern.kARResidualRMSNorm)
 
@@ -110,7 +110,7 @@ class _Config(NamedTuple):
     strict: Optional[bool]  # resolved by _checked_config (None: $JAX_FUSEDAR_STRICT)
     precision: object
     dims: _Contraction
-    fallback: str = "xla"  # call_plan.FALLBACKS
+    fallback: str = "xla"  # plan.FALLBACKS
 
 
 def row_parallel_allreduce_fusion(

@@ -1,4 +1,4 @@
-// Opt-in cross-rank call check (internal to the core; the C API is in fusedar/core.h).
+// Opt-in cross-rank handshake (internal to the core; the C API is in fusedar/core.h).
 //
 // FlashInfer's kernel spins until every peer has taken part in the same call; ranks that
 // call with different shapes, patterns or one-shot choices never finish. With the check
@@ -34,18 +34,18 @@
 #include "rank_state.h"
 #include "watchdog.h"
 
-namespace fusedar::call_check {
+namespace fusedar::handshake {
 
 constexpr int64_t kSlotBytes = 32;  // {seq, word, num_tokens, hidden_dim}, 8 bytes each
 constexpr int64_t kBanks = 2;
 constexpr int kMaxWorld = 16;
 
-// Byte offset of the call-check area in each rank's barrier-flags allocation.
+// Byte offset of the handshake area in each rank's barrier-flags allocation.
 inline int64_t area_offset(const fusedar_workspace_info& info) {
   return (info.flag_bytes + 255) / 256 * 256;
 }
 inline int64_t area_bytes(int world_size) { return kBanks * world_size * kSlotBytes; }
-// What the barrier-flags allocation holds: FlashInfer's flags, then the call-check area.
+// What the barrier-flags allocation holds: FlashInfer's flags, then the handshake area.
 inline int64_t flag_allocation_bytes(const fusedar_workspace_info& info) {
   return area_offset(info) + area_bytes(info.world_size);
 }
@@ -80,4 +80,4 @@ cudaError_t launch(const fusedar_rank* r, const fusedar_launch_args& a, cudaStre
 // else the description. Reads pinned host memory only: works after the trap.
 std::string failure(const fusedar_rank* r);
 
-}  // namespace fusedar::call_check
+}  // namespace fusedar::handshake

@@ -1,0 +1,162 @@
+"""The op family's batching rule on the kernel (the "batching" task of
+tests/gpu/workers/jax_multiprocess.py): ``jax.vmap`` and N-D inputs fold the batch into the
+token dimension (``jax_fusedar.ops.family.table_batch``), and the folded call must still be
+served by the kernel (``strict=True``: a fallback raises) and be right.
+
+* dense (pattern 1, and pattern 0 for the sum): a vmapped call, and the same inputs as one
+  N-D call, against the float64 oracle's bounds (every row of every batch element:
+  harness.bound_problems); the vmapped call with a batched ``rms_gamma`` (one call per
+  element: ``jax.lax.map``) too;
+* MoE reduction (pattern 6): a vmapped call against one unbatched kernel call per element,
+  bit for bit: the one-shot MoE kernel computes each token's row alone, so folding the
+  batch into tokens must not change a bit of it.
+
+Fresh inputs from ``seed``; every rank rebuilds the whole group's inputs and its oracle. On
+platform "cpu" the same bodies run on the reference path (the kernel's additions,
+``fallback="kernel_exact"``), strict off.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+BATCH, TOKENS, HIDDEN = 3, 5, 1024
+
+
+def run(jax, jnp, jf, mesh, P, rank, world, seed, *, glob, local, kernel=True):
+    from tests.gpu.harness import worst_of
+    from tests.oracles import moe_oracle as mo
+    from tests.oracles import oracle
+
+    strict = bool(kernel)
+    bf16 = jnp.bfloat16
+    ws = jf.create_allreduce_fusion_workspace(
+        mesh, "tp", max_token_num=BATCH * TOKENS, hidden_dim=HIDDEN, dtype=bf16
+    )
+    assert ws.backend == ("trtllm" if kernel else "xla"), ws
+    rng = np.random.default_rng(seed)
+    xs = [rng.standard_normal((BATCH, TOKENS, HIDDEN)).astype(np.float32) for _ in range(world)]
+    xs = [x.astype(bf16) for x in xs]
+    res = rng.standard_normal((BATCH, TOKENS, HIDDEN)).astype(np.float32).astype(bf16)
+    gam = rng.uniform(-2.0, 2.0, (BATCH, HIDDEN)).astype(np.float32).astype(bf16)
+
+    def fused(x, r, g):
+        o = jf.allreduce_fusion(
+            x,
+            axis_name="tp",
+            workspace=ws,
+            residual=r,
+            rms_gamma=g,
+            strict=strict,
+            fallback="kernel_exact",
+        )
+        a = jf.allreduce_fusion(
+            x,
+            axis_name="tp",
+            workspace=ws,
+            pattern=jf.AllReduceFusionPattern.kAllReduce,
+            strict=strict,
+            fallback="kernel_exact",
+        )
+        return o.residual_out, o.norm_out, a.allreduce_out
+
+    def body(x, r, g):
+        x = x[0]
+        folded = jax.vmap(fused, in_axes=(0, 0, None))(x, r, g[0])
+        nd = fused(x, r, g[0])  # the batch as leading token dims: one call of 15 rows
+        mapped = jax.vmap(fused)(x, r, g)  # a batched gamma: one call per element
+        return (*folded, *nd, *mapped)
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=(P(),) * 9))
+    outs = [local(o) for o in fn(glob(P("tp"), xs[rank][None]), glob(P(), res), glob(P(), gam))]
+    worst = {"cases": 0}
+    for form, (r_out, n_out, a_out) in zip(("vmap", "nd", "map"), (outs[:3], outs[3:6], outs[6:])):
+        for b in range(BATCH):
+            g = gam[b if form == "map" else 0]
+            x64 = [x[b].astype(np.float64) for x in xs]
+            r64, g64 = res[b].astype(np.float64), g.astype(np.float64)
+            s, r, y, inv = oracle.fused_reference(x64, r64, g64, rms_eps=1e-6, weight_bias=0.0)
+            worst_of(
+                worst,
+                {
+                    "residual": oracle.residual_error_ulps(r_out[b], s, r, r64, "bfloat16"),
+                    "norm": oracle.norm_error_ulps(
+                        n_out[b], s, y, inv, r64, g64, weight_bias=0.0, dtype_name="bfloat16"
+                    ),
+                    "allreduce": oracle.allreduce_error_ulps(a_out[b], s, "bfloat16"),
+                },
+            )
+            worst_of(
+                worst,
+                oracle.accumulation_errors(
+                    x64,
+                    r64,
+                    g64,
+                    allreduce_out=a_out[b],
+                    residual_out=r_out[b],
+                    norm_out=n_out[b],
+                    fp32_acc=True,
+                    rms_eps=1e-6,
+                    weight_bias=0.0,
+                    dtype_name="bfloat16",
+                ),
+            )
+            worst["cases"] += 1
+    ws.destroy()
+    return {"dense": worst, "moe_mismatches": _moe(jax, jf, mesh, P, rank, world, seed, glob, mo)}
+
+
+def _moe(jax, jf, mesh, P, rank, world, seed, glob, mo, experts=4, hidden=1024):
+    """Pattern 6 vmapped over BATCH elements against one call per element: the count of
+    output elements whose bits differ (0 expected)."""
+    import jax.numpy as jnp
+
+    ws = jf.create_allreduce_fusion_workspace(
+        mesh, "tp", max_token_num=BATCH * TOKENS, hidden_dim=hidden, dtype=jnp.bfloat16
+    )
+    rng = np.random.default_rng(seed + 1)
+    cases = [
+        mo.random_reduction_case(
+            rng, tokens=TOKENS, experts=experts, world=world, dtype_name="bfloat16", hidden=hidden
+        )
+        for _ in range(BATCH)
+    ]
+
+    def stack(key):
+        return np.stack([c[key][rank] for c in cases])[None]  # [1, BATCH, ...] per rank
+
+    def one(e, s, t, r, g):
+        o = jf.moe_reduction_allreduce_fusion(
+            e,
+            s,
+            t,
+            axis_name="tp",
+            workspace=ws,
+            residual=r,
+            rms_gamma=g,
+            return_allreduce_out=True,
+            strict=ws.backend == "trtllm",
+            fallback="kernel_exact",
+        )
+        return o.residual_out, o.norm_out, o.allreduce_out
+
+    def body(e, s, t, r, g):
+        e, s, t = e[0], s[0], t[0]
+        batched = jax.vmap(one, in_axes=(0, 0, 0, 0, None))(e, s, t, r, g)
+        single = [one(e[b], s[b], t[b], r[b], g) for b in range(BATCH)]
+        return (*batched, *(jnp.stack(o) for o in zip(*single)))
+
+    fn = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P("tp"),) * 3 + (P(), P()), out_specs=(P(),) * 6)
+    )
+    residual = np.stack([c["residual"] for c in cases])
+    outs = fn(
+        glob(P("tp"), stack("expert_outputs")),
+        glob(P("tp"), stack("expert_scales")),
+        glob(P("tp"), stack("token_input")),
+        glob(P(), residual),
+        glob(P(), cases[0]["gamma"]),
+    )
+    outs = [np.asarray(o.addressable_data(0)).view(np.uint16) for o in outs]
+    ws.destroy()
+    return int(sum((a != b).sum() for a, b in zip(outs[:3], outs[3:])))

@@ -1,0 +1,67 @@
+"""What the torch tests run torch_compat on without a GPU: ``FakeRank`` stands in for the
+native Rank (it records the exchange and every launch, dense and MoE), and ``fake_workspace``
+is a real ``TorchAllReduceFusionWorkspace`` over it on the CPU. tests/torch/conftest.py
+holds the fixtures built on them (``cpu_stream``, ``handle``)."""
+
+import torch
+
+from jax_fusedar.common import sizing
+from torch_compat import workspace as wsmod
+
+
+class FakeRank:
+    """Stands in for the native Rank: records exchange and launch calls."""
+
+    def __init__(self, process=0, device=0, tp_rank=0):
+        self.process, self.device, self.tp_rank = process, device, tp_rank
+        self.peers, self.finalized, self.launches, self.destroyed = {}, False, [], 0
+        self.moe_launches = []
+
+    def export_ipc(self):
+        return f"ipc:{self.process}:{self.device}:{self.tp_rank}".encode()
+
+    def local_pointers(self):
+        return [1, 2, 3]
+
+    def set_peer_pointers(self, peer, peer_device, ptrs):
+        self.peers[peer] = ("ptr", peer_device)
+
+    def open_peer_ipc(self, peer, handles):
+        self.peers[peer] = ("ipc", handles.decode())
+
+    def finalize(self):
+        self.finalized = True
+
+    def launch(self, *args, **kw):
+        self.launches.append((args, kw))
+
+    def moe_launch(self, *args, **kw):
+        self.moe_launches.append((args, kw))
+
+    def failure(self):
+        return ""
+
+    def destroy(self):
+        self.destroyed += 1
+
+
+def fake_workspace(world=2, max_tokens=128, hidden=1024, dtype=torch.bfloat16, global_ranks=None):
+    """A workspace of ``world`` ranks (rank 0, on "cpu", so CPU tensors pass the device
+    check) over a FakeRank. ``global_ranks``: the group's members, when not 0..world-1 (a
+    one-member group keeps the sizes of 2 ranks: the kernel has no 1-rank build, and only
+    the buffer rule matters then)."""
+    ranks = list(range(world) if global_ranks is None else global_ranks)
+    ws = wsmod.TorchAllReduceFusionWorkspace(
+        native_rank=FakeRank(),
+        global_ranks=ranks,
+        rank=0,
+        device=0,
+        max_token_num=max_tokens,
+        hidden_dim=hidden,
+        dtype=dtype,
+        sizes=sizing.workspace_sizes(
+            max(2, len(ranks)), max_tokens, hidden, wsmod.dtype_name(dtype)
+        ),
+    )
+    ws.torch_device = torch.device("cpu")
+    return ws
