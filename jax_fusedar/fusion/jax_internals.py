@@ -17,7 +17,7 @@ import importlib
 import jax
 
 WRITTEN_FOR = "0.10"
-TESTED_JAX = "0.10.2"
+TESTED_JAX = "0.10.2 and 0.11.2"
 
 
 class MissingJaxInternal(RuntimeError):
@@ -98,6 +98,36 @@ def shard_map_body_context(mesh, manual_axes, check_vma):
         yield
 
 
+def scan_layout(eqn) -> tuple[int, int]:
+    """(number of loop constants, number of carries) of a ``scan`` eqn, whose operands are
+    constants, carries, then scanned inputs, and whose body returns the carries first.
+    JAX 0.10 records the counts as ``num_consts`` / ``num_carry``; newer releases (0.11)
+    record the grouping as flat trees ``ft_in`` (constants, carries, scanned inputs) and
+    ``ft_out`` (carries, outputs), whose groups give the same counts."""
+    p = eqn.params
+    if "num_consts" in p and "num_carry" in p:
+        return int(p["num_consts"]), int(p["num_carry"])
+    if "ft_in" in p:
+        try:
+            consts, carry, _ = p["ft_in"].update(list(eqn.invars)).unpack()
+            return len(list(consts)), len(list(carry))
+        except (AttributeError, TypeError, ValueError):
+            pass
+    raise MissingJaxInternal(_advice("a scan's num_consts / num_carry (or ft_in) parameters"))
+
+
+def closed_body(jaxpr):
+    """A control-flow body as a ClosedJaxpr (JAX 0.10 stores a scan's body closed; newer
+    releases store the open Jaxpr, its constants passed as operands)."""
+    from jax.extend.core import ClosedJaxpr
+
+    if isinstance(jaxpr, ClosedJaxpr):
+        return jaxpr
+    if getattr(jaxpr, "constvars", ()):
+        raise MissingJaxInternal(_advice("a scan body without constvars"))
+    return ClosedJaxpr(jaxpr, [])
+
+
 def bind_params(eqn, params):
     """(subfuns, params) with which ``eqn.primitive`` is bound again with ``params``."""
     out = eqn.primitive.get_bind_params(params)
@@ -136,6 +166,10 @@ class CustomVJPParts:
         """The rule's cotangents for the eqn's inputs (zeros where it gives none)."""
         zero_type = internal("jax._src.ad_util", "Zero")
         outs = self._bwd.call_wrapped(*residuals, *cotangents)
+        # JAX 0.11's flattened rule returns (cotangents, logs); 0.10's the cotangents.
+        if isinstance(outs, tuple) and len(outs) == 2 and isinstance(outs[0], list):
+            if outs[1] is None or isinstance(outs[1], dict):
+                outs = outs[0]
         return [
             jax.numpy.zeros(o.aval.shape, o.aval.dtype) if isinstance(o, zero_type) else o
             for o in outs

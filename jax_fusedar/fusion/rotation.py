@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from . import graph as G
-from . import norm_proof, validation
+from . import jax_internals, norm_proof, validation
 from .report import Reject
 
 
@@ -137,7 +137,7 @@ def rotation_candidate(scan_eqn, allow: bool) -> Optional[Rotation]:
     if p.get("reverse") or p.get("length", 0) < 1:
         return None
     body = G.open_jaxpr(p["jaxpr"])
-    nc, nk = int(p["num_consts"]), int(p["num_carry"])
+    nc, nk = jax_internals.scan_layout(scan_eqn)
     rot = _candidate(body, nc, nk, allow)
     if rot is None:
         opened = _checkpoint_body(body, nc, nk)
@@ -279,7 +279,7 @@ class RotatedScanEmit:
 
         e, rot = self.eqn, self.rot
         p = e.params
-        nc, nk = int(p["num_consts"]), int(p["num_carry"])
+        nc, nk = jax_internals.scan_layout(e)
         ins = [read(a) for a in e.invars]
         consts, init, xs = ins[:nc], ins[nc : nc + nk], ins[nc + nk :]
         proof = rot.proof
@@ -334,7 +334,7 @@ class RotatedScanEmit:
 
         rot, bg = self.rot, self.bg
         proof = rot.proof
-        original = jaxpr_as_fun(p["jaxpr"])
+        original = jaxpr_as_fun(jax_internals.closed_body(p["jaxpr"]))
         n_const = len(consts)
         c = rot.carry
 

@@ -25,7 +25,7 @@ from jax.extend import core as jcore
 from ..ops.plan import fused_site_problem
 from ..common import limits
 from . import graph as G
-from . import chain, matching, rotation
+from . import chain, jax_internals, matching, rotation
 from . import report as R
 from .matching import Scope
 from .report import Reject
@@ -455,7 +455,7 @@ class Analyzer:
     def _note_rotated(self, n0, rot, e, child):
         """The rotated site (its norm is the view's new carry out) says so; without a final
         norm after the loop its last iteration's norm is unused: it counts one run less."""
-        h_out = rot.view.outvars[int(e.params["num_carry"])]
+        h_out = rot.view.outvars[jax_internals.scan_layout(e)[1]]
         for k in range(n0, len(self.sites)):
             site = self.sites[k]
             if not site.fused or self._site_norms.get(k) is not h_out:

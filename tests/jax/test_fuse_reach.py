@@ -638,6 +638,6 @@ def test_a_missing_jax_internal_names_the_jax_needed():
         jax_internals.MissingJaxInternal,
         match=r"jax_fusedar.fuse needs jax._src.core.no_such_helper, which JAX "
         r"\S+ does not have; the fusion pass was written for JAX 0.10 "
-        r"\(tested on 0.10.2\): install jax==0.10.\*",
+        r"\(tested on 0.10.2 and 0.11.2\): install jax==0.10.\*",
     ):
         jax_internals.internal("jax._src.core", "no_such_helper")
