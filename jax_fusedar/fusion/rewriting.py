@@ -409,13 +409,16 @@ class SequenceParallelEmit:
 
 class PlainJitEmit:
     """dot_general + add + norm under plain jit: the custom-partitioned entry, which reduces
-    over whatever mesh axis the partitioner shards the contraction along."""
+    over whatever mesh axis the partitioner shards the contraction along. Where the
+    workspace has no kernel (the xla backend: CPU, TP across hosts) the entry's fallback is
+    written out instead (``row_parallel_without_kernel``): the same values and the same
+    all-reduce, without a custom_partitioning op that would only add compile time."""
 
     def __init__(self, m):
         self.m = m
 
     def __call__(self, read, write, fuser, extra_in, extra_out):
-        from ..ops.partitioning import row_parallel_allreduce_fusion
+        from ..ops import partitioning
 
         m = self.m
         e = m.dot
@@ -424,20 +427,35 @@ class PlainJitEmit:
         if m.weight_first:
             h, w, hc, wc = w, h, wc, hc
         gamma = _gamma(m, None if m.norm.gamma is None else read(m.norm.gamma))
-        out = row_parallel_allreduce_fusion(
-            read(h),
-            read(w),
-            residual=read(m.residual),
-            rms_gamma=gamma,
-            workspace=[m.workspace],
-            rms_eps=m.norm.eps,
-            weight_bias=m.norm.weight_bias,
-            use_oneshot=fuser.use_oneshot,
-            strict=fuser.strict,
-            precision=e.params.get("precision"),
-            contracting_dims=(tuple(hc), tuple(wc)),
-            weight_first=m.weight_first,
-        )
+        if m.workspace.backend != "trtllm":
+            # The original's own dot_general (its shardings, precision and collective).
+            subfuns, params = bind_params(e, e.params)
+            with eqn_context(e):
+                summed = e.primitive.bind(*subfuns, *[read(v) for v in e.invars], **params)
+            if m.weight_first:
+                summed = jnp.moveaxis(summed, 0, -1)
+            out = partitioning.row_parallel_without_kernel(
+                summed.astype(m.dtype),
+                residual=read(m.residual),
+                rms_gamma=gamma,
+                rms_eps=m.norm.eps,
+                weight_bias=m.norm.weight_bias,
+            )
+        else:
+            out = partitioning.row_parallel_allreduce_fusion(
+                read(h),
+                read(w),
+                residual=read(m.residual),
+                rms_gamma=gamma,
+                workspace=[m.workspace],
+                rms_eps=m.norm.eps,
+                weight_bias=m.norm.weight_bias,
+                use_oneshot=fuser.use_oneshot,
+                strict=fuser.strict,
+                precision=e.params.get("precision"),
+                contracting_dims=(tuple(hc), tuple(wc)),
+                weight_first=m.weight_first,
+            )
         _write(write, m.r, out.residual_out)
         _write(write, m.norm.out_var, _norm_out(m, read, out.norm_out))
 

@@ -498,6 +498,31 @@ def _plain(h, w, residual, gamma, cfg):
     return res, norm
 
 
+def row_parallel_without_kernel(
+    summed, *, residual, rms_gamma, rms_eps: float, weight_bias: float
+) -> AllReduceFusionOutputs:
+    """``row_parallel_allreduce_fusion``'s result where no kernel can serve it, written as
+    the unfused program writes it: ``summed``, the row-parallel contraction computed by the
+    caller's own ``dot_general`` on global arrays (its all-reduce is the one XLA's
+    partitioner inserts, in the matmul's dtype: that of the ``"xla"`` fallback), then the
+    residual add and RMSNorm at the fused op's rounding points. No ``custom_partitioning``
+    is compiled: ``jax_fusedar.fuse`` emits this for a plain-jit site whose workspace has no
+    kernel (the xla backend), so that the rewritten program costs what the original did to
+    run and to compile."""
+    opts = arguments.fusion_options(
+        rms_eps=rms_eps, weight_bias=weight_bias, fp32_acc=True, use_oneshot=None
+    )
+    _, res, norm = reference.epilogue(
+        summed,
+        residual,
+        jnp.asarray(rms_gamma).astype(summed.dtype),
+        pattern=_PATTERN,
+        rms_eps=opts.rms_eps,
+        weight_bias=opts.weight_bias,
+    )
+    return AllReduceFusionOutputs(None, res, norm, None, None)
+
+
 # --- Auto axes: custom_partitioning with a Shardy rule -------------------------------------------
 
 
