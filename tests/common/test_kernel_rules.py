@@ -3,11 +3,8 @@ launch policy (launch_mode), TP groups (tp_groups), exchange keys (exchange) and
 (backend_choice). Expected numbers are worked out by hand in the comments."""
 
 import dataclasses
-import os
 import random
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -43,7 +40,7 @@ from jax_fusedar.common.limits import (
 )
 from jax_fusedar.common.exchange import exchange_key
 
-from tests.repo import REPO
+from tests.repo import REPO, run_code
 
 
 MIB = 1 << 20
@@ -561,17 +558,17 @@ def test_exchange_keys_stable_and_not_random():
     assert _all_keys() == first
 
 
-def test_exchange_keys_same_in_another_process():
+def test_exchange_keys_same_in_another_process(monkeypatch):
     # Another interpreter with a different str-hash seed computes the same key.
     code = (
         "from jax_fusedar.common.tp_groups import TPGroup;"
         "from jax_fusedar.common.exchange import exchange_key;"
         "print(exchange_key('jax_fusedar', TPGroup((4, 5, 6, 7), 1), 2, 'ipc_handles'))"
     )
-    env = dict(os.environ, PYTHONHASHSEED="12345", JAX_PLATFORMS="cpu")
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True
-    )
+    monkeypatch.setenv("PYTHONHASHSEED", "12345")
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    out = run_code(code)
+    assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == exchange_key("jax_fusedar", TWO_GROUPS[1], 2, "ipc_handles")
 
 

@@ -148,12 +148,8 @@ def test_jax_processes_that_agree_pass():
     published = [json.loads(v) for v in store.data.values()]
     assert all(p["options"] == {"handshake": True} for p in published)
     # Each process publishes the devices of its own members of the group ...
-    assert sorted(tuple(p["devices"].items()) for p in published) == [
-        (("0", 0),),
-        (("0", 1),),
-        (("1", 0),),
-        (("1", 1),),
-    ]
+    devices = sorted(tuple(p["devices"].items()) for p in published)
+    assert devices == [(("0", 0),), (("0", 1),), (("1", 0),), (("1", 1),)]
     # ... and every process ends with the same members, in TP-rank order.
     for agreed in out.values():
         assert [list(a.members) for a in agreed] == gm
@@ -194,22 +190,13 @@ def test_jax_create_resolves_the_option_before_anything(monkeypatch):
     from jax_fusedar import workspace as jws
 
     mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
+    kw = dict(max_token_num=8, hidden_dim=1024, dtype="bfloat16", backend="xla")
     monkeypatch.setenv(handshake.HANDSHAKE_ENV_VAR, "sometimes")
     with pytest.raises(ValueError, match="JAX_FUSEDAR_HANDSHAKE"):
-        jws.create_allreduce_fusion_workspace(
-            mesh, "tp", max_token_num=8, hidden_dim=1024, dtype="bfloat16", backend="xla"
-        )
+        jws.create_allreduce_fusion_workspace(mesh, "tp", **kw)
     monkeypatch.setenv(handshake.HANDSHAKE_ENV_VAR, "1")
     with pytest.raises(ValueError, match="handshake_timeout_s"):
-        jws.create_allreduce_fusion_workspace(
-            mesh,
-            "tp",
-            max_token_num=8,
-            hidden_dim=1024,
-            dtype="bfloat16",
-            backend="xla",
-            handshake_timeout_s=-1,
-        )
+        jws.create_allreduce_fusion_workspace(mesh, "tp", handshake_timeout_s=-1, **kw)
 
 
 # --- torch: agreement among the members ---------------------------------------------------------
