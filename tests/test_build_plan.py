@@ -28,12 +28,8 @@ def test_the_default_builds_only_where_a_gpu_is_visible(no_gpu, monkeypatch):
 
 
 def test_asked_for_or_forbidden(no_gpu):
-    assert build_plan.plan({"JAX_FUSEDAR_BUILD_KERNELS": "ON"}) == (
-        True,
-        ["90a", "100a"],
-        "JAX_FUSEDAR_BUILD_KERNELS=1",
-        True,
-    )
+    want = (True, ["90a", "100a"], "JAX_FUSEDAR_BUILD_KERNELS=1", True)
+    assert build_plan.plan({"JAX_FUSEDAR_BUILD_KERNELS": "ON"}) == want
     assert build_plan.plan({"JAX_FUSEDAR_BUILD_KERNELS": "0"})[0] is False
     assert build_plan.plan({"JAX_FUSEDAR_REQUIRE_CUDA": "1"})[:2] == (True, ["90a", "100a"])
     # CMake's -D wins over the environment.
@@ -46,12 +42,8 @@ def test_asked_for_or_forbidden(no_gpu):
 
 
 def test_a_build_tree_that_built_them_keeps_them_in_step(no_gpu):
-    assert build_plan.plan({}, previous=True) == (
-        True,
-        [],
-        "built in this build tree before",
-        False,
-    )
+    want = (True, [], "built in this build tree before", False)
+    assert build_plan.plan({}, previous=True) == want
     assert build_plan.plan({"JAX_FUSEDAR_BUILD_KERNELS": "0"}, previous=True)[0] is False
 
 
@@ -73,15 +65,9 @@ def _configure(tmp_path, **env_vars):
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_FUSEDAR_")}
     # A CUDA compiler that is not there (CMake would otherwise find /usr/local/cuda's).
     env.update({"PATH": "/usr/bin:/bin", "CUDACXX": "/nonexistent/nvcc", **env_vars})
+    cmd = [shutil.which("cmake"), "-S", str(REPO), "-B", str(tmp_path / "build")]
     return subprocess.run(
-        [
-            shutil.which("cmake"),
-            "-S",
-            str(REPO),
-            "-B",
-            str(tmp_path / "build"),
-            f"-DPython_EXECUTABLE={sys.executable}",
-        ],
+        [*cmd, f"-DPython_EXECUTABLE={sys.executable}"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -93,10 +79,14 @@ def _configure(tmp_path, **env_vars):
 needs_cmake = pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake is not installed")
 
 
-@needs_cmake
-def test_cmake_skips_the_kernels_without_a_gpu(tmp_path):
+@pytest.fixture
+def no_visible_gpu():
     if shutil.which("nvidia-smi", path="/usr/bin:/bin"):
         pytest.skip("a GPU is visible here: the default builds the kernels")
+
+
+@needs_cmake
+def test_cmake_skips_the_kernels_without_a_gpu(tmp_path, no_visible_gpu):
     r = _configure(tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "jax_fusedar: not building the CUDA kernels (no GPU visible)" in r.stdout, r.stdout
@@ -120,11 +110,9 @@ def _nvcc():
 
 @needs_cmake
 @pytest.mark.skipif(_nvcc() is None, reason="no nvcc here")
-def test_cmake_with_nvcc_and_no_gpu_skips_the_kernels(tmp_path):
+def test_cmake_with_nvcc_and_no_gpu_skips_the_kernels(tmp_path, no_visible_gpu):
     """The case pip met: nvcc on the machine, no GPU. Before, the configure went on to the
     kernels (52 minutes of compiling behind pip's spinner); now it stops at the plan."""
-    if shutil.which("nvidia-smi", path="/usr/bin:/bin"):
-        pytest.skip("a GPU is visible here: the default builds the kernels")
     r = _configure(tmp_path, CUDACXX=_nvcc())
     assert r.returncode == 0, r.stdout + r.stderr
     assert "jax_fusedar: not building the CUDA kernels (no GPU visible)" in r.stdout, r.stdout

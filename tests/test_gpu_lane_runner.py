@@ -9,6 +9,12 @@ from tests.gpu import run_lane
 from tests.repo import REPO
 
 
+def _run_module(*args):
+    """python -m ARGS in the repository's root, output captured."""
+    cmd = [sys.executable, "-m", *args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
 def test_tests_are_ordered_longest_first_and_a_module_fixtures_tests_grouped():
     ids = [
         "tests/gpu/test_moe.py::test_a[world2]",
@@ -39,22 +45,7 @@ def test_every_gpu_test_file_has_an_expected_time():
 
 
 def test_quick_lane_runs_on_cpu(tmp_path):
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tests.gpu.run_lane",
-            "quick",
-            "--jobs",
-            "2",
-            "--out",
-            str(tmp_path),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    r = _run_module("tests.gpu.run_lane", "quick", "--jobs", "2", "--out", str(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "alone first, then 2 workers" in r.stdout, r.stdout
     # Every file it writes: a few, whatever the number of tests.
@@ -66,13 +57,7 @@ def test_quick_lane_runs_on_cpu(tmp_path):
     ran = jobs.read_text()
     assert "[gw0]" in ran and "[gw1]" in ran, ran  # two xdist workers took the tests
     assert "test_torch_create_destroy_cycles_return_all_memory" not in ran
-    quick = subprocess.run(
-        [sys.executable, "-m", "pytest", "--co", "-q", "-m", "gpu and not slow", "tests/gpu"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    ).stdout
+    quick = _run_module("pytest", "--co", "-q", "-m", "gpu and not slow", "tests/gpu").stdout
     nodes = [line for line in quick.splitlines() if "::" in line]
     for node in nodes:
         if node not in run_lane.SOLO:

@@ -7,22 +7,24 @@ import os
 import pathlib
 import subprocess
 import sys
+import tomllib
 import zipfile
 
-# The checkout's root, wherever in tests/ this file lives.
-ROOT = next(p for p in pathlib.Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
+from tests.repo import REPO as ROOT
+
 FETCH = ROOT / "tools" / "fetch_flashinfer_headers.py"
 
 
-def run_python(code: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        **kwargs,
-    )
+def run(cmd, timeout=60, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def run_python(code: str) -> subprocess.CompletedProcess:
+    return run([sys.executable, "-c", code], timeout=120, cwd=ROOT)
+
+
+def pyproject():
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
 def test_package_imports_without_jax_and_names_the_extra():
@@ -72,11 +74,9 @@ def test_too_old_a_jax_is_named_with_the_version_needed():
 
 
 def test_the_jax_minimum_is_pyprojects():
-    import tomllib
-
     import jax_fusedar
 
-    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    meta = pyproject()
     extras = meta["project"]["optional-dependencies"]
     assert f"jax>={jax_fusedar.MIN_JAX}" in extras["jax"]
     assert f"jaxlib>={jax_fusedar.MIN_JAX}" in meta["build-system"]["requires"]
@@ -115,7 +115,7 @@ def test_fetch_unpacks_only_the_headers(tmp_path):
     headers = fake_flashinfer_wheel(wheel)
     dest = tmp_path / "dest"
     cmd = [sys.executable, str(FETCH), "--wheel", str(wheel), "--dest", str(dest)]
-    first = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    first = run(cmd)
     assert first.returncode == 0, first.stderr
     unpacked = sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file())
     assert unpacked == sorted(["VERSION", *(f"include/{n}" for n in headers)])
@@ -123,7 +123,7 @@ def test_fetch_unpacks_only_the_headers(tmp_path):
         assert (dest / "include" / name).read_text() == text
     # The VERSION marker makes a second run (every re-configure) a no-op.
     (dest / "include" / "flashinfer" / "utils.cuh").write_text("// edited\n")
-    second = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    second = run(cmd)
     assert second.returncode == 0 and "already in" in second.stdout
     assert (dest / "include" / "flashinfer" / "utils.cuh").read_text() == "// edited\n"
 
@@ -139,13 +139,7 @@ def test_fetch_offline_says_what_to_do(tmp_path):
         "PIP_TIMEOUT": "2",
     }
     env.pop("PIP_FIND_LINKS", None)
-    result = subprocess.run(
-        [sys.executable, str(FETCH), "--dest", str(tmp_path / "dest")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+    result = run([sys.executable, str(FETCH), "--dest", str(tmp_path / "dest")], 120, env=env)
     assert result.returncode != 0
     message = result.stderr
     assert "could not download flashinfer-python==" in message
@@ -153,14 +147,10 @@ def test_fetch_offline_says_what_to_do(tmp_path):
     assert not (tmp_path / "dest" / "VERSION").exists()
 
 
-def dev_requirements(*extras: str) -> list[str]:
-    result = subprocess.run(
-        [str(ROOT / "dev"), "requirements", *extras],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
+def dev_requirements(*extras: str, check=True):
+    result = run([str(ROOT / "dev"), "requirements", *extras], cwd=ROOT)
+    if not check:
+        return result
     assert result.returncode == 0, result.stderr
     return result.stdout.split()
 
@@ -196,9 +186,7 @@ def test_dev_test_installs_every_extra():
 
 
 def test_dev_oldest_pins_the_minimums_pyproject_declares():
-    import tomllib
-
-    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    meta = pyproject()
     minimum = {}
     for req in (
         meta["project"]["optional-dependencies"]["jax"]
@@ -231,13 +219,7 @@ def build_plan(tmp_path, gpus=None, **env_vars) -> str:
         for name in ("dev", "pyproject.toml", "ffi/cmake/build_plan.py"):
             (work / name).write_bytes((ROOT / name).read_bytes())
         (work / "dev").chmod(0o755)
-    result = subprocess.run(
-        [str(work / "dev"), "build-plan"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**env, "PATH": path, **env_vars},
-    )
+    result = run([str(work / "dev"), "build-plan"], env={**env, "PATH": path, **env_vars})
     assert result.returncode == 0, result.stderr
     return result.stdout.strip()
 
@@ -281,22 +263,13 @@ def test_dev_builds_the_kernels_when_asked(tmp_path):
     assert build_plan(tmp_path, gpus=["9.0"], JAX_FUSEDAR_BUILD_KERNELS="off").startswith(
         "build=0 "
     )
-    bad = subprocess.run(
+    bad = run(
         [str(tmp_path / "checkout" / "dev"), "build-plan"],
-        text=True,
-        capture_output=True,
-        timeout=60,
         env={**os.environ, "JAX_FUSEDAR_BUILD_KERNELS": "maybe"},
     )
     assert bad.returncode == 2 and "JAX_FUSEDAR_BUILD_KERNELS must be" in bad.stderr
 
 
 def test_dev_rejects_an_unknown_extra():
-    result = subprocess.run(
-        [str(ROOT / "dev"), "requirements", "nope"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
+    result = dev_requirements("nope", check=False)
     assert result.returncode != 0 and "no extra 'nope'" in result.stderr

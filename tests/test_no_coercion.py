@@ -77,6 +77,10 @@ def trace_in_shard_map(mesh, body, *shapes):
     ).trace(*avals)
 
 
+def expect_named_in_trace(mesh, body, name, value, *shapes):
+    expect_named(lambda: trace_in_shard_map(mesh, body, *shapes), name, value)
+
+
 DENSE = cases(
     use_oneshot=OPTIONAL_BOOL,
     fp32_acc=BOOL + [None],
@@ -95,7 +99,7 @@ def test_allreduce_fusion(mesh, ws, name, value):
     def body(x):
         return jf.allreduce_fusion(x, workspace=ws, **kw).norm_out
 
-    expect_named(lambda: trace_in_shard_map(mesh, body, ((4, 256), jnp.bfloat16)), name, value)
+    expect_named_in_trace(mesh, body, name, value, ((4, 256), jnp.bfloat16))
 
 
 @pytest.mark.parametrize(
@@ -121,7 +125,7 @@ def test_allreduce_fusion_quantization_options(mesh, ws, pattern, name, value):
             **kw,
         ).residual_out
 
-    expect_named(lambda: trace_in_shard_map(mesh, body, ((4, 256), jnp.bfloat16)), name, value)
+    expect_named_in_trace(mesh, body, name, value, ((4, 256), jnp.bfloat16))
 
 
 MOE = cases(rms_eps=FLOAT, weight_bias=FLOAT, strict=OPTIONAL_BOOL, axis_name=NAME)
@@ -141,13 +145,8 @@ def test_moe_reduction_allreduce_fusion(mesh, ws, name, value):
             **kw,
         ).norm_out
 
-    expect_named(
-        lambda: trace_in_shard_map(
-            mesh, body, ((4, 256), jnp.bfloat16), ((4,), jnp.float32), ((4, 256), jnp.bfloat16)
-        ),
-        name,
-        value,
-    )
+    shapes = ((4, 256), jnp.bfloat16), ((4,), jnp.float32), ((4, 256), jnp.bfloat16)
+    expect_named_in_trace(mesh, body, name, value, *shapes)
 
 
 @pytest.mark.parametrize("name,value", MOE + cases(routed_scaling_factor=FLOAT))
@@ -159,11 +158,7 @@ def test_moe_finalize_allreduce_fusion(mesh, ws, name, value):
             rows, idx, workspace=ws, rms_gamma=jnp.ones(256, jnp.bfloat16), **kw
         ).norm_out
 
-    expect_named(
-        lambda: trace_in_shard_map(mesh, body, ((4, 256), jnp.bfloat16), ((4, 1), jnp.int32)),
-        name,
-        value,
-    )
+    expect_named_in_trace(mesh, body, name, value, ((4, 256), jnp.bfloat16), ((4, 1), jnp.int32))
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
@@ -217,8 +212,7 @@ def test_row_parallel_allreduce_fusion(axis_type, name, value):
     ),
 )
 def test_create_allreduce_fusion_workspace(mesh, name, value):
-    kw = dict(MESH_KW, axis_name="tp")
-    kw[name] = value
+    kw = {**MESH_KW, "axis_name": "tp", name: value}
     expect_named(lambda: jf.create_allreduce_fusion_workspace(mesh, **kw), name, value)
 
 
@@ -227,8 +221,7 @@ def test_create_allreduce_fusion_workspace(mesh, name, value):
     cases(max_token_num=INT, hidden_dim=INT, name=[5, ""], backend=[5, "fast"], axis_name=NAME),
 )
 def test_abstract_workspace(mesh, name, value):
-    kw = dict(MESH_KW, axis_name="tp")
-    kw[name] = value
+    kw = {**MESH_KW, "axis_name": "tp", name: value}
     expect_named(lambda: jf.abstract_workspace(mesh, **kw), name, value)
 
 
@@ -239,8 +232,7 @@ def test_workspace_set_timeout(ws, value):
 
 @pytest.mark.parametrize("name,value", cases(num_tokens=INT, hidden_dim=INT))
 def test_workspace_is_buffer_size_sufficient(ws, name, value):
-    kw = dict(num_tokens=4, hidden_dim=256)
-    kw[name] = value
+    kw = {"num_tokens": 4, "hidden_dim": 256, name: value}
     expect_named(lambda: ws.is_buffer_size_sufficient(**kw), name, value)
 
 
@@ -342,8 +334,7 @@ def test_torch_moe_allreduce_fusion(torch_ws, name, value):
     import torch_compat
     from tests.torch.test_moe import P7, finalize_args
 
-    kw = dict(finalize_args(h=1024), pattern=P7)
-    kw[name] = value
+    kw = dict(finalize_args(h=1024), pattern=P7) | {name: value}
     expect_named(lambda: torch_compat.allreduce_fusion(workspace=torch_ws, **kw), name, value)
     assert not torch_ws.native_rank().moe_launches
 
@@ -354,8 +345,7 @@ def test_torch_moe_allreduce_fusion(torch_ws, name, value):
 def test_torch_is_buffer_size_sufficient(torch_ws, name, value):
     import torch
 
-    kw = dict(tp_size=2, num_tokens=4, hidden_dim=1024, dtype=torch.bfloat16)
-    kw[name] = value
+    kw = dict(tp_size=2, num_tokens=4, hidden_dim=1024, dtype=torch.bfloat16) | {name: value}
     expect_named(lambda: torch_ws.is_buffer_size_sufficient(**kw), name, value)
 
 
@@ -381,7 +371,7 @@ def test_torch_create_allreduce_fusion_workspace(gloo_world1, name, value):
     import torch_compat
 
     kw = dict(world_size=1, rank=0, max_token_num=8, hidden_dim=1024, dtype=torch.bfloat16)
-    kw[name] = value
+    kw |= {name: value}
     expect_named(lambda: torch_compat.create_allreduce_fusion_workspace(**kw), name, value)
 
 

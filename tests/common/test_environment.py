@@ -8,7 +8,7 @@ import pytest
 
 from jax_fusedar.common import environment
 
-from tests.repo import REPO
+from tests.repo import REPO, run_code
 
 # Read by the torch bench as a folder path (any text names a folder; the bench reports a
 # missing one): nothing to parse.
@@ -127,21 +127,10 @@ def test_an_unknown_variable_is_named_with_the_nearest_known_one():
     assert environment.unknown({v: "1" for v in environment.KNOWN}) == []
 
 
-def test_importing_the_package_warns_about_an_unknown_variable():
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ, JAX_FUSEDAR_STICT="1", PYTHONPATH=str(REPO))
+def test_importing_the_package_warns_about_an_unknown_variable(monkeypatch):
+    monkeypatch.setenv("JAX_FUSEDAR_STICT", "1")
     for module in ("jax_fusedar", "jax_fusedar.common.patterns"):
-        r = subprocess.run(
-            [sys.executable, "-c", f"import {module}"],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        r = run_code(f"import {module}", timeout=120)
         assert r.returncode == 0, r.stderr
         assert (
             "UnknownVariableWarning: $JAX_FUSEDAR_STICT is set but jax_fusedar reads no such "

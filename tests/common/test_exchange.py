@@ -1,49 +1,12 @@
 """The group exchange (jax_fusedar/common/exchange.py) against an in-memory channel: processes are
 threads, ranks are fakes that record what they were given."""
 
-import threading
 import time
 
 import pytest
 
 from jax_fusedar.common import exchange, tp_groups
-
-
-class FakeStore:
-    """Write-once key-value store with blocking reads, like JAX's and torch's stores."""
-
-    def __init__(self):
-        self.data, self.cond, self.keys_written = {}, threading.Condition(), []
-        self.barriers = {}
-
-    def channel(self, timeout_s):
-        return _Chan(self, timeout_s)
-
-
-class _Chan:
-    def __init__(self, store, timeout_s):
-        self.store, self.timeout_s = store, timeout_s
-
-    def publish(self, key, value):
-        with self.store.cond:
-            assert key not in self.store.data, f"key {key} written twice"
-            self.store.data[key] = value
-            self.store.keys_written.append(key)
-            self.store.cond.notify_all()
-
-    def fetch(self, key, who):
-        with self.store.cond:
-            if not self.store.cond.wait_for(lambda: key in self.store.data, self.timeout_s):
-                raise TimeoutError(f"{who} did not publish within {self.timeout_s} s")
-            return self.store.data[key]
-
-    def barrier(self, key, processes):
-        with self.store.cond:
-            arrived = self.store.barriers.setdefault(key, set())
-            arrived.add(threading.current_thread().name)
-            self.store.cond.notify_all()
-            if not self.store.cond.wait_for(lambda: len(arrived) == len(processes), self.timeout_s):
-                raise TimeoutError(f"barrier {key}: {len(arrived)}/{len(processes)} arrived")
+from tests.common.fakes import FakeStore, run_in_threads
 
 
 class FakeRank:
@@ -77,37 +40,40 @@ def _run_processes(groups_members, processes, timeout_s=5.0, skip=()):
         tp_groups.TPGroup(tuple(range(i * 100, i * 100 + len(ms))), i)
         for i, ms in enumerate(groups_members)
     ]
-    out, errors = {}, {}
 
     def proc(me):
         chan = store.channel(timeout_s)
-        try:
-            plans = [
-                exchange.create_and_publish(
-                    g,
-                    ms,
-                    me,
-                    lambda dev, tp, me=me: FakeRank(me, dev, tp),
-                    chan,
-                    namespace="test",
-                    serial=7,
-                )
-                for g, ms in zip(groups, groups_members)
-            ]
-            for p in plans:
-                exchange.connect_and_finalize(p, me, chan, namespace="test", serial=7)
-            out[me] = plans
-        except Exception as e:
-            errors[me] = e
+        plans = [
+            exchange.create_and_publish(
+                g,
+                ms,
+                me,
+                lambda dev, tp, me=me: FakeRank(me, dev, tp),
+                chan,
+                namespace="test",
+                serial=7,
+            )
+            for g, ms in zip(groups, groups_members)
+        ]
+        for p in plans:
+            exchange.connect_and_finalize(p, me, chan, namespace="test", serial=7)
+        return plans
 
-    threads = [
-        threading.Thread(target=proc, args=(p,), name=f"p{p}") for p in processes if p not in skip
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout_s * 4)
+    out, errors = run_in_threads(proc, [p for p in processes if p not in skip], timeout_s * 4)
     return out, errors, store
+
+
+def _local_plan(members, group_members):
+    """create_and_publish of one process (0) without a channel."""
+    return exchange.create_and_publish(
+        tp_groups.TPGroup(group_members, 0),
+        members,
+        0,
+        lambda dev, tp: FakeRank(0, dev, tp),
+        None,
+        namespace="t",
+        serial=1,
+    )
 
 
 M = exchange.Member
@@ -136,15 +102,7 @@ def test_dp_tp_four_processes_two_devices_each_group_only_sees_its_own():
 
 def test_single_process_uses_pointers_and_no_channel():
     members = [M(0, d) for d in range(4)]
-    plan = exchange.create_and_publish(
-        tp_groups.TPGroup((0, 1, 2, 3), 0),
-        members,
-        0,
-        lambda dev, tp: FakeRank(0, dev, tp),
-        None,
-        namespace="t",
-        serial=1,
-    )
+    plan = _local_plan(members, (0, 1, 2, 3))
     exchange.connect_and_finalize(plan, 0, None, namespace="t", serial=1)
     for tp, r in plan.local.items():
         assert r.finalized and sorted(r.peers) == [p for p in range(4) if p != tp]
@@ -173,25 +131,9 @@ def test_member_that_never_arrives_is_named_within_the_timeout():
 
 def test_group_spanning_processes_without_a_channel_is_refused():
     with pytest.raises(RuntimeError, match="spans several processes"):
-        exchange.create_and_publish(
-            tp_groups.TPGroup((0, 1), 0),
-            [M(0, 0), M(1, 0)],
-            0,
-            lambda dev, tp: FakeRank(0, dev, tp),
-            None,
-            namespace="t",
-            serial=1,
-        )
+        _local_plan([M(0, 0), M(1, 0)], (0, 1))
 
 
 def test_member_count_must_match_the_group():
     with pytest.raises(ValueError, match="members given"):
-        exchange.create_and_publish(
-            tp_groups.TPGroup((0, 1), 0),
-            [M(0, 0)],
-            0,
-            lambda dev, tp: FakeRank(0, dev, tp),
-            None,
-            namespace="t",
-            serial=1,
-        )
+        _local_plan([M(0, 0)], (0, 1))

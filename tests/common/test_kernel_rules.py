@@ -3,30 +3,35 @@ launch policy (launch_mode), TP groups (tp_groups), exchange keys (exchange) and
 (backend_choice). Expected numbers are worked out by hand in the comments."""
 
 import dataclasses
-import os
 import random
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from jax_fusedar.common import backend_choice, launch_mode, limits, sizing, tp_groups
+from jax_fusedar.common import launch_mode, limits
 from jax_fusedar.common.backend_choice import (
     BACKEND_ENV_VAR,
     STRICT_ENV_VAR,
+    BackendChoice,
     resolve_backend,
+    resolve_backend_for_groups,
     strict_mode,
 )
 from jax_fusedar.common.sizing import MAX_COMM_SIZE, buffer_fits, workspace_sizes
 from jax_fusedar.common.launch_mode import (
+    ALGORITHM_LARGE_MESSAGE as LARGE,
+    ALGORITHM_ONESHOT as ONESHOT,
+    ALGORITHM_TWOSHOT as TWOSHOT,
     ONESHOT_MAX_MIB,
+    choose_algorithm,
     choose_oneshot,
+    large_message_problem,
     oneshot_feasible,
+    prefers_large_message,
     twoshot_feasible,
 )
-from jax_fusedar.common.tp_groups import TPGroup, tp_groups_from_grid
+from jax_fusedar.common.tp_groups import TPGroup, group_hosts, tp_groups_from_grid
 from jax_fusedar.common.limits import (
     check_kernel_supports,
     element_size,
@@ -35,15 +40,13 @@ from jax_fusedar.common.limits import (
 )
 from jax_fusedar.common.exchange import exchange_key
 
-from tests.repo import REPO
+from tests.repo import REPO, run_code
 
 
 MIB = 1 << 20
 
 
-# --------------------------------------------------------------------------------------------
-# Module hygiene and constants
-# --------------------------------------------------------------------------------------------
+# --- Module hygiene and constants -----------------------------------------------------------------
 
 
 def test_the_documented_environment_variables_are_the_ones_read(monkeypatch):
@@ -57,9 +60,7 @@ def test_the_documented_environment_variables_are_the_ones_read(monkeypatch):
     assert resolve_backend(None, platform="cuda") == "xla"
 
 
-# --------------------------------------------------------------------------------------------
-# dtypes
-# --------------------------------------------------------------------------------------------
+# --- dtypes ---------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -78,9 +79,7 @@ def test_unknown_dtype(dtype):
         vector_width(dtype)
 
 
-# --------------------------------------------------------------------------------------------
-# Kernel support
-# --------------------------------------------------------------------------------------------
+# --- Kernel support -------------------------------------------------------------------------------
 
 # (dtype, supported hidden sizes, unsupported-by-launch-limit hidden sizes). With VEC = 8
 # (16-bit) or 4 (fp32), t = H / VEC, c = largest of 8/4/2/1 dividing t, need t / c <= 1024.
@@ -163,9 +162,7 @@ def test_kernel_support_accepts_numpy_ints():
     assert kernel_support_problem(np.int64(4), np.int32(4096), "float32") is None
 
 
-# --------------------------------------------------------------------------------------------
-# Workspace sizes
-# --------------------------------------------------------------------------------------------
+# --- Workspace sizes ------------------------------------------------------------------------------
 
 
 def test_sizes_bf16_tp2():
@@ -176,12 +173,8 @@ def test_sizes_bf16_tp2():
     assert s.lamport_buffer_bytes == 3 * 2_097_152 == 6_291_456
     assert s.per_rank_bytes == 2_097_152 + 2048 + 6_291_456 + 20 == 8_390_676
     assert not s.use_fp32_lamport
-    assert (s.world_size, s.max_token_num, s.hidden_dim, s.dtype_name) == (
-        2,
-        128,
-        4096,
-        "bfloat16",
-    )
+    assert (s.world_size, s.max_token_num) == (2, 128)
+    assert (s.hidden_dim, s.dtype_name) == (4096, "bfloat16")
 
 
 def test_sizes_fp16_equal_bf16():
@@ -271,9 +264,7 @@ def test_buffer_fits_is_an_element_count():
     assert not buffer_fits(65, 8192, s)
 
 
-# --------------------------------------------------------------------------------------------
-# One-shot / two-shot policy
-# --------------------------------------------------------------------------------------------
+# --- One-shot / two-shot policy -------------------------------------------------------------------
 
 
 def test_tiny_tokens_choose_oneshot():
@@ -431,9 +422,7 @@ def test_choice_is_deterministic():
     assert True in first and False in first
 
 
-# --------------------------------------------------------------------------------------------
-# TP groups
-# --------------------------------------------------------------------------------------------
+# --- TP groups ------------------------------------------------------------------------------------
 
 
 def test_tpgroup_basics():
@@ -463,17 +452,11 @@ def test_groups_1d_mesh_of_8():
 
 def test_groups_2x4_tp_second():
     ids = np.arange(8).reshape(2, 4)
-    assert tp_groups_from_grid(ids, ("dp", "tp"), "tp") == [
-        TPGroup((0, 1, 2, 3), 0),
-        TPGroup((4, 5, 6, 7), 1),
-    ]
+    want = [TPGroup((0, 1, 2, 3), 0), TPGroup((4, 5, 6, 7), 1)]
+    assert tp_groups_from_grid(ids, ("dp", "tp"), "tp") == want
     # The same grid split along dp.
-    assert [g.members for g in tp_groups_from_grid(ids, ("dp", "tp"), "dp")] == [
-        (0, 4),
-        (1, 5),
-        (2, 6),
-        (3, 7),
-    ]
+    by_dp = tp_groups_from_grid(ids, ("dp", "tp"), "dp")
+    assert [g.members for g in by_dp] == [(0, 4), (1, 5), (2, 6), (3, 7)]
 
 
 def test_groups_4x2_tp_second():
@@ -546,9 +529,7 @@ def test_groups_errors(ids, names, axis, pattern):
         tp_groups_from_grid(ids, names, axis)
 
 
-# --------------------------------------------------------------------------------------------
-# Exchange keys
-# --------------------------------------------------------------------------------------------
+# --- Exchange keys --------------------------------------------------------------------------------
 
 TWO_GROUPS = tp_groups_from_grid(np.arange(8).reshape(2, 4), ("dp", "tp"), "tp")
 
@@ -577,17 +558,17 @@ def test_exchange_keys_stable_and_not_random():
     assert _all_keys() == first
 
 
-def test_exchange_keys_same_in_another_process():
+def test_exchange_keys_same_in_another_process(monkeypatch):
     # Another interpreter with a different str-hash seed computes the same key.
     code = (
         "from jax_fusedar.common.tp_groups import TPGroup;"
         "from jax_fusedar.common.exchange import exchange_key;"
         "print(exchange_key('jax_fusedar', TPGroup((4, 5, 6, 7), 1), 2, 'ipc_handles'))"
     )
-    env = dict(os.environ, PYTHONHASHSEED="12345", JAX_PLATFORMS="cpu")
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True
-    )
+    monkeypatch.setenv("PYTHONHASHSEED", "12345")
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    out = run_code(code)
+    assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == exchange_key("jax_fusedar", TWO_GROUPS[1], 2, "ipc_handles")
 
 
@@ -624,9 +605,7 @@ def test_exchange_key_errors(namespace, serial, purpose, pattern):
         exchange_key(namespace, TWO_GROUPS[0], serial, purpose)
 
 
-# --------------------------------------------------------------------------------------------
-# Backend choice and strict mode
-# --------------------------------------------------------------------------------------------
+# --- Backend choice and strict mode ---------------------------------------------------------------
 
 E = BACKEND_ENV_VAR
 
@@ -705,31 +684,25 @@ MIXED = tp_groups_from_grid(
 
 
 def test_group_hosts_counts_each_groups_own_members():
-    assert [tp_groups.group_hosts(g, HOST_OF) for g in DP_ACROSS] == [
-        {"node0": (0, 1, 2, 3)},
-        {"node1": (4, 5, 6, 7)},
-    ]
-    assert tp_groups.group_hosts(TP_ACROSS[1], HOST_OF) == {"node0": (1,), "node1": (5,)}
+    hosts = [group_hosts(g, HOST_OF) for g in DP_ACROSS]
+    assert hosts == [{"node0": (0, 1, 2, 3)}, {"node1": (4, 5, 6, 7)}]
+    assert group_hosts(TP_ACROSS[1], HOST_OF) == {"node0": (1,), "node1": (5,)}
     # TP-rank order within a host, hosts in the order of their first member.
-    assert tp_groups.group_hosts(TPGroup((5, 0, 4, 1), 0), HOST_OF) == {
-        "node1": (5, 4),
-        "node0": (0, 1),
-    }
+    hosts = group_hosts(TPGroup((5, 0, 4, 1), 0), HOST_OF)
+    assert hosts == {"node1": (5, 4), "node0": (0, 1)}
     with pytest.raises(
-        ValueError,
-        match=r"no host known for member\(s\) \[9\] of TP group "
-        r"\[0, 9\]",
+        ValueError, match=r"no host known for member\(s\) \[9\] of TP group \[0, 9\]"
     ):
-        tp_groups.group_hosts(TPGroup((0, 9), 0), HOST_OF)
+        group_hosts(TPGroup((0, 9), 0), HOST_OF)
 
 
 @pytest.mark.parametrize("requested", [None, "auto", "trtllm"])
 def test_groups_each_within_one_host_keep_the_kernel(requested):
     # The mesh spans two hosts, its TP groups do not (the issue-16 layout).
-    choice = backend_choice.resolve_backend_for_groups(
+    choice = resolve_backend_for_groups(
         requested, platform="cuda", groups=DP_ACROSS, host_of=HOST_OF, env={}
     )
-    assert choice == backend_choice.BackendChoice("trtllm", (), None)
+    assert choice == BackendChoice("trtllm", (), None)
 
 
 @pytest.mark.parametrize(
@@ -751,10 +724,10 @@ def test_groups_across_hosts(groups, first, more):
     kw = dict(platform="cuda", groups=groups, host_of=HOST_OF, member_name="device")
     # auto: XLA for every group of the workspace (one program), the reason names the groups.
     for env in ({}, {E: "auto"}):
-        choice = backend_choice.resolve_backend_for_groups("auto", env=env, **kw)
+        choice = resolve_backend_for_groups("auto", env=env, **kw)
         assert choice.backend == "xla"
         assert [list(g.members) for g in choice.spanning] == [
-            list(g.members) for g in groups if len(tp_groups.group_hosts(g, HOST_OF)) > 1
+            list(g.members) for g in groups if len(group_hosts(g, HOST_OF)) > 1
         ]
         assert re.fullmatch(
             first + more + r": the 'trtllm' kernel's peer-memory protocol "
@@ -768,17 +741,17 @@ def test_groups_across_hosts(groups, first, more):
             match=first + more + r": the 'trtllm' all-reduce "
             r"backend works only within one node",
         ):
-            backend_choice.resolve_backend_for_groups(requested, env=env, **kw)
+            resolve_backend_for_groups(requested, env=env, **kw)
     # xla asked for: no reason to give; off CUDA: xla whatever the layout.
-    assert backend_choice.resolve_backend_for_groups("xla", env={}, **kw).reason is None
-    choice = backend_choice.resolve_backend_for_groups(None, env={}, **dict(kw, platform="cpu"))
+    assert resolve_backend_for_groups("xla", env={}, **kw).reason is None
+    choice = resolve_backend_for_groups(None, env={}, **dict(kw, platform="cpu"))
     assert choice.backend == "xla" and choice.reason is None
 
 
 def test_many_spanning_groups_are_summarised():
     groups = tp_groups_from_grid(np.arange(16).reshape(2, 8).T, ("dp", "tp"), "tp")
     host_of = {d: f"node{d // 8}" for d in range(16)}
-    reason = backend_choice.resolve_backend_for_groups(
+    reason = resolve_backend_for_groups(
         None, platform="cuda", groups=groups, host_of=host_of, env={}
     ).reason
     assert reason.startswith(
@@ -799,7 +772,7 @@ def test_many_spanning_groups_are_summarised():
     ],
 )
 def test_resolve_backend_for_groups_errors(requested, groups, host_of, env, pattern):
-    call = lambda: backend_choice.resolve_backend_for_groups(  # noqa: E731
+    call = lambda: resolve_backend_for_groups(  # noqa: E731
         requested, platform="cuda", groups=groups, host_of=host_of, env=env
     )
     if pattern is None:
@@ -835,53 +808,34 @@ def test_strict_mode(explicit, env, expected):
 # --- the large-message algorithm ---------------------------------------------------------------
 
 
-def _mib_tokens(mib, hidden, dtype="bfloat16"):
-    return mib * (1 << 20) // (hidden * limits.element_size(dtype))
-
-
 @pytest.mark.parametrize("hidden", [4096, 7168, 8192])
 def test_large_message_auto_crossover_world2(hidden):
-    sizes = sizing.workspace_sizes(2, 8192, 8192, "bfloat16")
-    edge = -(
-        -launch_mode.LARGE_MESSAGE_MIN_MIB[2] * (1 << 20) // (hidden * 2)
-    )  # first row count at 48 MiB
-    assert (
-        launch_mode.choose_algorithm(edge, hidden, sizes, None)
-        == launch_mode.ALGORITHM_LARGE_MESSAGE
-    )
-    assert (
-        launch_mode.choose_algorithm(edge - 1, hidden, sizes, None) == launch_mode.ALGORITHM_ONESHOT
-    )
+    sizes = workspace_sizes(2, 8192, 8192, "bfloat16")
+    # first row count at 48 MiB
+    edge = -(-launch_mode.LARGE_MESSAGE_MIN_MIB[2] * (1 << 20) // (hidden * 2))
+    assert choose_algorithm(edge, hidden, sizes, None) == LARGE
+    assert choose_algorithm(edge - 1, hidden, sizes, None) == ONESHOT
     # Below the crossover auto keeps FlashInfer's choice exactly.
     for m in (1, 16, 128, 1024, edge - 1):
-        want = (
-            launch_mode.ALGORITHM_ONESHOT
-            if launch_mode.choose_oneshot(m, hidden, sizes, None)
-            else launch_mode.ALGORITHM_TWOSHOT
-        )
-        assert launch_mode.choose_algorithm(m, hidden, sizes, None) == want
+        want = ONESHOT if choose_oneshot(m, hidden, sizes, None) else TWOSHOT
+        assert choose_algorithm(m, hidden, sizes, None) == want
 
 
 def test_large_message_forced_modes_stay_flashinfer():
-    sizes = sizing.workspace_sizes(2, 8192, 8192, "bfloat16")
-    assert launch_mode.choose_algorithm(8192, 8192, sizes, True) == launch_mode.ALGORITHM_ONESHOT
-    assert launch_mode.choose_algorithm(8192, 8192, sizes, False) == launch_mode.ALGORITHM_TWOSHOT
-    assert (
-        launch_mode.choose_algorithm(8192, 8192, sizes, None) == launch_mode.ALGORITHM_LARGE_MESSAGE
-    )
+    sizes = workspace_sizes(2, 8192, 8192, "bfloat16")
+    assert choose_algorithm(8192, 8192, sizes, True) == ONESHOT
+    assert choose_algorithm(8192, 8192, sizes, False) == TWOSHOT
+    assert choose_algorithm(8192, 8192, sizes, None) == LARGE
 
 
 @pytest.mark.parametrize("world", [4, 8, 16])
 def test_large_message_unmeasured_worlds_keep_flashinfer(world):
     # Not measured at these world sizes: auto never picks it (at 4 and 8 it could run).
-    sizes = sizing.workspace_sizes(world, 8192, 8192, "bfloat16")
+    sizes = workspace_sizes(world, 8192, 8192, "bfloat16")
     assert launch_mode.LARGE_MESSAGE_MIN_MIB[world] is None
-    assert (launch_mode.large_message_problem(8192, 8192, sizes) is None) == (world in (4, 8))
-    assert not launch_mode.prefers_large_message(8192, 8192, sizes)
-    assert launch_mode.choose_algorithm(8192, 8192, sizes, None) in (
-        launch_mode.ALGORITHM_ONESHOT,
-        launch_mode.ALGORITHM_TWOSHOT,
-    )
+    assert (large_message_problem(8192, 8192, sizes) is None) == (world in (4, 8))
+    assert not prefers_large_message(8192, 8192, sizes)
+    assert choose_algorithm(8192, 8192, sizes, None) in (ONESHOT, TWOSHOT)
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
@@ -889,39 +843,32 @@ def test_large_message_fits_the_two_shot_buffer(world):
     # N receive + N gather slots of ceil(M/N) rows: within today's two-shot buffer at the
     # workspace's full size, so the workspace does not grow.
     for dtype in ("bfloat16", "float16"):
-        sizes = sizing.workspace_sizes(world, 8192, 8192, dtype)
+        sizes = workspace_sizes(world, 8192, 8192, dtype)
         needed = launch_mode.large_message_bytes_needed(8192, 8192, world, dtype)
         assert needed <= sizes.two_shot_buffer_bytes
-        assert launch_mode.large_message_problem(8192, 8192, sizes) is None
+        assert large_message_problem(8192, 8192, sizes) is None
 
 
 def test_large_message_only_16_bit():
-    sizes = sizing.workspace_sizes(2, 8192, 8192, "float32")
-    assert "float16/bfloat16" in launch_mode.large_message_problem(8192, 8192, sizes)
-    assert (
-        launch_mode.choose_algorithm(8192, 8192, sizes, None) != launch_mode.ALGORITHM_LARGE_MESSAGE
-    )
+    sizes = workspace_sizes(2, 8192, 8192, "float32")
+    assert "float16/bfloat16" in large_message_problem(8192, 8192, sizes)
+    assert choose_algorithm(8192, 8192, sizes, None) != LARGE
 
 
 def test_large_message_problem_names_the_buffer():
     # An odd row count at the full workspace needs one more row per slot than two-shot.
-    sizes = sizing.workspace_sizes(2, 8191, 8192, "bfloat16")
-    assert (
-        launch_mode.large_message_bytes_needed(8191, 8192, 2, "bfloat16") == 2 * 2 * 4096 * 8192 * 2
-    )
-    assert "two-shot buffer" in launch_mode.large_message_problem(8191, 8192, sizes)
-    assert not launch_mode.prefers_large_message(8191, 8192, sizes)
+    sizes = workspace_sizes(2, 8191, 8192, "bfloat16")
+    needed = launch_mode.large_message_bytes_needed(8191, 8192, 2, "bfloat16")
+    assert needed == 2 * 2 * 4096 * 8192 * 2
+    assert "two-shot buffer" in large_message_problem(8191, 8192, sizes)
+    assert not prefers_large_message(8191, 8192, sizes)
     # ... and auto then falls back to FlashInfer's choice instead of failing.
-    assert launch_mode.choose_algorithm(8191, 8192, sizes, None) == launch_mode.ALGORITHM_ONESHOT
+    assert choose_algorithm(8191, 8192, sizes, None) == ONESHOT
     # Two-shot's own limits apply too (more tokens than ranks).
-    assert "more tokens than ranks" in launch_mode.large_message_problem(2, 8192, sizes)
+    assert "more tokens than ranks" in large_message_problem(2, 8192, sizes)
 
 
 def test_algorithm_codes_match_the_core_header():
     header = (REPO / "ffi" / "core" / "include" / "fusedar" / "core.h").read_text()
-    for name, code in (
-        ("TWOSHOT", launch_mode.ALGORITHM_TWOSHOT),
-        ("ONESHOT", launch_mode.ALGORITHM_ONESHOT),
-        ("LARGE_MESSAGE", launch_mode.ALGORITHM_LARGE_MESSAGE),
-    ):
+    for name, code in (("TWOSHOT", TWOSHOT), ("ONESHOT", ONESHOT), ("LARGE_MESSAGE", LARGE)):
         assert re.search(rf"FUSEDAR_ALGORITHM_{name} = {code},", header), name

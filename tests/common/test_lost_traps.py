@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from jax_fusedar.common import lost_traps
-from tests.repo import REPO
+from tests.repo import REPO, run_code
 
 
 class FakeRank:
@@ -68,9 +68,7 @@ def test_ending_prints_the_record_and_exits_with_the_code():
         "from jax_fusedar.common import lost_traps; "
         "lost_traps._end('jax_fusedar handshake failed on rank 1 of 2: X', 0)"
     )
-    r = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
+    r = run_code(code, timeout=120)
     assert r.returncode == lost_traps.EXIT_CODE, r
     assert r.stderr.startswith("jax_fusedar handshake failed on rank 1 of 2: X\n"), r.stderr
     assert "has not reported the trap to this process (CUDA device 0" in r.stderr

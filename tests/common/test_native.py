@@ -4,14 +4,13 @@ why), and, where the build is present, that the loaded module is the one file th
 installed and that the package root never gets a second copy of it."""
 
 import importlib.machinery
-import subprocess
 import sys
 
 import pytest
 
 from jax_fusedar.common import native
 
-from tests.repo import REPO
+from tests.repo import REPO, run_code
 
 
 def test_the_extension_is_looked_for_where_the_build_installs_it():
@@ -70,8 +69,6 @@ def test_the_loaded_module_is_the_installed_file_under_the_layers_name():
         "print(native.available(), 'jax_fusedar._fusedar' in sys.modules,"
         " sys.modules.get(native.MODULE_NAME) is native.ext)"
     )
-    r = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300
-    )
+    r = run_code(code)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["True", "False", "True"], r.stdout

@@ -25,18 +25,8 @@ def run_host_program(tmp_path, name: str, source: str) -> dict:
     src.write_text(source)
     exe = tmp_path / name
     core = REPO / "ffi" / "core"
-    cmd = [
-        compiler,
-        "-std=c++17",
-        "-arch=sm_90a",
-        f"-I{core}",
-        f"-I{core / 'include'}",
-        str(src),
-        str(core / "handshake.cu"),
-        str(core / "status.cpp"),
-        "-o",
-        str(exe),
-    ]
+    cmd = [compiler, "-std=c++17", "-arch=sm_90a", f"-I{core}", f"-I{core / 'include'}"]
+    cmd += [str(src), str(core / "handshake.cu"), str(core / "status.cpp"), "-o", str(exe)]
     build = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stderr[-3000:]
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)

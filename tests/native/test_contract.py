@@ -246,20 +246,14 @@ def test_the_handler_checks_every_result(pattern):
     tokens, hidden, dtype = 5, 1024, "bfloat16"
     layout, group = _quant_params(pattern)[-1]
     code = native.DTYPE_CODES[dtype]
-    right = [
-        (d, n)
-        for _, d, n in native.ext.expected_results(
-            int(pattern), code, tokens, hidden, layout, group
-        )
-    ]
-    problem = native.ext.results_problem
-    assert problem(int(pattern), code, tokens, hidden, layout, group, right) == ""
-    names = [
-        name
-        for name, _, _ in native.ext.expected_results(
-            int(pattern), code, tokens, hidden, layout, group
-        )
-    ]
+    expected = native.ext.expected_results(int(pattern), code, tokens, hidden, layout, group)
+    right = [(d, n) for _, d, n in expected]
+    names = [name for name, _, _ in expected]
+
+    def problem(given):
+        return native.ext.results_problem(int(pattern), code, tokens, hidden, layout, group, given)
+
+    assert problem(right) == ""
     for i, (d, n) in enumerate(right):
         for wrong in (
             (d, n + 1),
@@ -267,13 +261,10 @@ def test_the_handler_checks_every_result(pattern):
             ("float32" if d != "float32" else "int32", n),
             ("float64", n),
         ):
-            given = right[:i] + [wrong] + right[i + 1 :]
-            text = problem(int(pattern), code, tokens, hidden, layout, group, given)
+            text = problem(right[:i] + [wrong] + right[i + 1 :])
             assert f"result {i} ({names[i]})" in text, (i, wrong, text)
-    assert "writes" in problem(int(pattern), code, tokens, hidden, layout, group, right[:-1])
-    assert "writes" in problem(
-        int(pattern), code, tokens, hidden, layout, group, right + [right[0]]
-    )
+    assert "writes" in problem(right[:-1])
+    assert "writes" in problem(right + [right[0]])
 
 
 def test_the_handlers_quantization_parameters_are_checked():
@@ -356,6 +347,7 @@ def test_moe_kernel_rule_is_the_cores(world_size):
     from jax_fusedar.common import moe_limits
 
     checked = 0
+    codes = native.DTYPE_CODES
     for ws_dtype, dtype, hidden, tokens in itertools.product(
         ("bfloat16", "float16", "float32"),
         ("bfloat16", "float16", "float32"),
@@ -366,25 +358,11 @@ def test_moe_kernel_rule_is_the_cores(world_size):
         sizes = sizing.workspace_sizes(world_size, 1024, ws_hidden, ws_dtype)
         ours = moe_limits.kernel_problem(tokens, hidden, dtype, sizes)
         for pattern in patterns.MOE_PATTERNS:
-            theirs = native.ext.moe_shape_problem(
-                world_size,
-                1024,
-                ws_hidden,
-                native.DTYPE_CODES[ws_dtype],
-                int(pattern),
-                native.DTYPE_CODES[dtype],
-                tokens,
-                hidden,
-            )
-            assert (ours is None) == (theirs is None), (
-                pattern,
-                ws_dtype,
-                dtype,
-                hidden,
-                tokens,
-                ours,
-                theirs,
-            )
+            workspace = (world_size, 1024, ws_hidden, codes[ws_dtype])
+            call = (int(pattern), codes[dtype], tokens, hidden)
+            theirs = native.ext.moe_shape_problem(*workspace, *call)
+            why = (pattern, ws_dtype, dtype, hidden, tokens, ours, theirs)
+            assert (ours is None) == (theirs is None), why
             checked += 1
     assert checked == 2 * 9 * len(MOE_HIDDENS) * 5
 

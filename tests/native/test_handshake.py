@@ -5,12 +5,13 @@ compiled with nvcc into a small host program. The handshake kernel itself runs o
 tests/gpu/test_topology.py."""
 
 import json
-import threading
 
 import numpy as np
 import pytest
 
-from jax_fusedar.common import handshake, exchange, join, native, sizing, tp_groups
+from jax_fusedar.common import handshake, exchange, join, native, tp_groups
+from tests.common.fakes import FakeStore, run_in_threads
+from tests.native.fake_native import FakeRank, fake_jax_workspace
 from tests.native.host_program import run_host_program
 from tests.skips import NO_NATIVE
 
@@ -107,62 +108,31 @@ def test_every_agreed_option_is_compared(monkeypatch):
 # --- JAX: agreement across processes ------------------------------------------------------------
 
 
-class _Store:
-    def __init__(self):
-        self.data, self.cond = {}, threading.Condition()
-
-    def channel(self, timeout_s):
-        store = self
-
-        class Chan:
-            def publish(self, key, value):
-                with store.cond:
-                    assert key not in store.data, f"key {key} written twice"
-                    store.data[key] = value
-                    store.cond.notify_all()
-
-            def fetch(self, key, who):
-                with store.cond:
-                    if not store.cond.wait_for(lambda: key in store.data, timeout_s):
-                        raise TimeoutError(f"{who} did not publish")
-                    return store.data[key]
-
-        return Chan()
-
-
 def _jax_agree(flags, groups_members, timeout_s=5.0):
     from jax_fusedar import workspace as jws
 
-    store = _Store()
+    store = FakeStore()
     groups = [
         tp_groups.TPGroup(tuple(range(10 * i, 10 * i + len(ms))), i)
         for i, ms in enumerate(groups_members)
     ]
     members = {g.index: ms for g, ms in zip(groups, groups_members)}
-    out, errors = {}, {}
 
     def proc(me):
-        try:
-            joins = [
-                join.GroupJoin(
-                    g,
-                    tuple(m.process for m in members[g.index]),
-                    {r: m.device for r, m in enumerate(members[g.index]) if m.process == me},
-                )
-                for g in groups
-            ]
-            joins = [j for j in joins if j.my_devices]
-            out[me] = jws.join_processes(
-                joins, me, store.channel(timeout_s), serial=3, handshake=flags[me]
+        joins = [
+            join.GroupJoin(
+                g,
+                tuple(m.process for m in members[g.index]),
+                {r: m.device for r, m in enumerate(members[g.index]) if m.process == me},
             )
-        except Exception as e:  # noqa: BLE001 - recorded for the assertions
-            errors[me] = e
+            for g in groups
+        ]
+        joins = [j for j in joins if j.my_devices]
+        return jws.join_processes(
+            joins, me, store.channel(timeout_s), serial=3, handshake=flags[me]
+        )
 
-    threads = [threading.Thread(target=proc, args=(p,)) for p in flags]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(4 * timeout_s)
+    out, errors = run_in_threads(proc, flags, 4 * timeout_s)
     return out, errors, store
 
 
@@ -178,12 +148,8 @@ def test_jax_processes_that_agree_pass():
     published = [json.loads(v) for v in store.data.values()]
     assert all(p["options"] == {"handshake": True} for p in published)
     # Each process publishes the devices of its own members of the group ...
-    assert sorted(tuple(p["devices"].items()) for p in published) == [
-        (("0", 0),),
-        (("0", 1),),
-        (("1", 0),),
-        (("1", 1),),
-    ]
+    devices = sorted(tuple(p["devices"].items()) for p in published)
+    assert devices == [(("0", 0),), (("0", 1),), (("1", 0),), (("1", 1),)]
     # ... and every process ends with the same members, in TP-rank order.
     for agreed in out.values():
         assert [list(a.members) for a in agreed] == gm
@@ -206,61 +172,13 @@ def test_jax_groups_within_one_process_publish_nothing():
 
 def test_jax_build_passes_the_option_to_every_native_rank(monkeypatch):
     """_build_native with a fake extension and fake GPU devices (single process)."""
-    from jax_fusedar import workspace as jws
-
-    made = []
-
-    class FakeRank:
-        def __init__(self, device, world, rank, max_tokens, hidden, code, **kw):
-            made.append(dict(device=device, rank=rank, **kw))
-            self.alive = True
-
-        def local_pointers(self):
-            return [1, 2, 3]
-
-        def set_peer_pointers(self, *a):
-            pass
-
-        def finalize(self):
-            pass
-
-        def failure(self):
-            return "rank failed" if made[0]["handshake"] else ""
-
-    class FakeExt:
-        Rank = FakeRank
-
-        @staticmethod
-        def register_rank(*a):
-            pass
-
-    class Dev:
-        def __init__(self, i):
-            self.id, self.platform, self.process_index, self.local_hardware_id = i, "gpu", 0, i
-
-    class Mesh:
-        devices = np.array([Dev(0), Dev(1)], dtype=object)
-
-    monkeypatch.setattr(native, "require", lambda: FakeExt)
-    sizes = sizing.workspace_sizes(2, 16, 1024, "float32")
-    ws = jws.AllReduceFusionWorkspace(
-        mesh=Mesh(),
-        axis_name="tp",
-        max_token_num=16,
-        hidden_dim=1024,
-        dtype="float32",
-        backend="trtllm",
-        workspace_id=99,
-        groups=[tp_groups.TPGroup((0, 1), 0)],
-        sizes=sizes,
-        handshake=True,
-        handshake_timeout_s=7.0,
-    )
-    jws._build_native(ws, 5.0)
-    assert made == [
+    ws = fake_jax_workspace(monkeypatch, 99, handshake=True, handshake_timeout_s=7.0)
+    assert [r.kw for r in FakeRank.made] == [
         dict(device=0, rank=0, handshake=True, handshake_timeout_s=7.0, timeout_s=30.0),
         dict(device=1, rank=1, handshake=True, handshake_timeout_s=7.0, timeout_s=30.0),
     ]
+    for rank in FakeRank.made:
+        rank.record = "rank failed"
     assert "handshake" in repr(ws)
     assert ws.failures() == ["rank failed", "rank failed"]
 
@@ -272,22 +190,13 @@ def test_jax_create_resolves_the_option_before_anything(monkeypatch):
     from jax_fusedar import workspace as jws
 
     mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
+    kw = dict(max_token_num=8, hidden_dim=1024, dtype="bfloat16", backend="xla")
     monkeypatch.setenv(handshake.HANDSHAKE_ENV_VAR, "sometimes")
     with pytest.raises(ValueError, match="JAX_FUSEDAR_HANDSHAKE"):
-        jws.create_allreduce_fusion_workspace(
-            mesh, "tp", max_token_num=8, hidden_dim=1024, dtype="bfloat16", backend="xla"
-        )
+        jws.create_allreduce_fusion_workspace(mesh, "tp", **kw)
     monkeypatch.setenv(handshake.HANDSHAKE_ENV_VAR, "1")
     with pytest.raises(ValueError, match="handshake_timeout_s"):
-        jws.create_allreduce_fusion_workspace(
-            mesh,
-            "tp",
-            max_token_num=8,
-            hidden_dim=1024,
-            dtype="bfloat16",
-            backend="xla",
-            handshake_timeout_s=-1,
-        )
+        jws.create_allreduce_fusion_workspace(mesh, "tp", handshake_timeout_s=-1, **kw)
 
 
 # --- torch: agreement among the members ---------------------------------------------------------
@@ -301,7 +210,7 @@ def _torch_join(flags, timeout_s=10.0):
     from torch_compat.channel import StoreChannel
 
     store = dist.HashStore()
-    out, errors, made = {}, {}, []
+    made = []
 
     class FakeRank:
         def __init__(self, me, dev, tp):
@@ -317,26 +226,19 @@ def _torch_join(flags, timeout_s=10.0):
             pass
 
     def run(me):
-        try:
-            out[me] = tws._join_group(
-                global_ranks=[0, 1],
-                me=me,
-                device=me,
-                host="node0",
-                channel=StoreChannel(store, timeout_s=timeout_s, process=me),
-                serial=1,
-                backend="trtllm",
-                make_rank=lambda dev, tp, me=me: FakeRank(me, dev, tp),
-                handshake=flags[me],
-            )
-        except Exception as e:  # noqa: BLE001
-            errors[me] = e
+        return tws._join_group(
+            global_ranks=[0, 1],
+            me=me,
+            device=me,
+            host="node0",
+            channel=StoreChannel(store, timeout_s=timeout_s, process=me),
+            serial=1,
+            backend="trtllm",
+            make_rank=lambda dev, tp, me=me: FakeRank(me, dev, tp),
+            handshake=flags[me],
+        )
 
-    threads = [threading.Thread(target=run, args=(p,)) for p in flags]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(4 * timeout_s)
+    out, errors = run_in_threads(run, flags, 4 * timeout_s)
     del torch
     return out, errors, made
 

@@ -14,8 +14,9 @@ import subprocess
 import numpy as np
 import pytest
 
-from jax_fusedar.common import handshake, native, sizing, tp_groups
+from jax_fusedar.common import handshake, native, sizing
 
+from tests.native.fake_native import FakeRank, fake_jax_workspace
 from tests.native.host_program import run_host_program
 from tests.repo import REPO
 from tests.skips import NO_NATIVE
@@ -82,75 +83,8 @@ def test_the_handshake_timeout_still_refuses_zero():
 # --- JAX plumbing -------------------------------------------------------------------------------
 
 
-class FakeRank:
-    """Stands in for native.ext.Rank: records what it was given."""
-
-    made = []
-
-    def __init__(self, device, world, rank, max_tokens, hidden, code, **kw):
-        self.kw = dict(device=device, rank=rank, **kw)
-        self.timeouts = [kw.get("timeout_s")]
-        self.alive = True
-        self.record = ""
-        FakeRank.made.append(self)
-
-    def local_pointers(self):
-        return [1, 2, 3]
-
-    def set_peer_pointers(self, *a):
-        pass
-
-    def finalize(self):
-        pass
-
-    def set_timeout(self, t):
-        self.timeouts.append(t)
-
-    def failure(self):
-        return self.record
-
-    def destroy(self):
-        self.alive = False
-
-
-def _fake_jax_workspace(monkeypatch, **kw):
-    from jax_fusedar import workspace as jws
-
-    class FakeExt:
-        Rank = FakeRank
-
-        @staticmethod
-        def register_rank(*a):
-            pass
-
-    class Dev:
-        def __init__(self, i):
-            self.id, self.platform, self.process_index, self.local_hardware_id = i, "gpu", 0, i
-
-    class Mesh:
-        devices = np.array([Dev(0), Dev(1)], dtype=object)
-
-    FakeRank.made = []
-    monkeypatch.setattr(native, "require", lambda: FakeExt)
-    sizes = sizing.workspace_sizes(2, 16, 1024, "float32")
-    ws = jws.AllReduceFusionWorkspace(
-        mesh=Mesh(),
-        axis_name="tp",
-        max_token_num=16,
-        hidden_dim=1024,
-        dtype="float32",
-        backend="trtllm",
-        workspace_id=98,
-        groups=[tp_groups.TPGroup((0, 1), 0)],
-        sizes=sizes,
-        **kw,
-    )
-    jws._build_native(ws, 5.0)
-    return ws
-
-
 def test_jax_build_passes_the_timeout_to_every_native_rank(monkeypatch):
-    ws = _fake_jax_workspace(monkeypatch, timeout_s=4.5)
+    ws = fake_jax_workspace(monkeypatch, 98, timeout_s=4.5)
     assert [r.kw["timeout_s"] for r in FakeRank.made] == [4.5, 4.5]
     assert ws.failures() == []
     ws.raise_if_failed()  # nothing failed: no error
@@ -174,7 +108,7 @@ def test_jax_build_passes_the_timeout_to_every_native_rank(monkeypatch):
 
 
 def test_jax_set_timeout_reaches_every_rank_and_is_validated(monkeypatch):
-    ws = _fake_jax_workspace(monkeypatch)
+    ws = fake_jax_workspace(monkeypatch, 98)
     assert ws.timeout_s == 30.0 and [r.kw["timeout_s"] for r in FakeRank.made] == [30.0, 30.0]
     ws.set_timeout(0)
     assert ws.timeout_s == 0.0 and [r.timeouts[-1] for r in FakeRank.made] == [0.0, 0.0]
