@@ -9,6 +9,7 @@ reads the virtual device count once per process); a test module imports this mod
 
 from __future__ import annotations
 
+import logging
 import os
 
 import jax
@@ -107,6 +108,16 @@ def make_mesh(shape, axis_names, device_ids=None) -> Mesh:
     return Mesh(np.array([by_id[i] for i in ids], dtype=object).reshape(shape), axis_names)
 
 
+def tp_mesh(world: int = HOST_DEVICES) -> Mesh:
+    """A 1-D ("tp",) mesh over the first ``world`` devices."""
+    return make_mesh((world,), ("tp",))
+
+
+def jit_shard_map(f, mesh, in_specs, out_specs, **kwargs):
+    """``jax.jit(jax.shard_map(f, ...))``; ``kwargs`` go to shard_map (check_vma, ...)."""
+    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **kwargs))
+
+
 def put(mesh: Mesh, spec: P, value) -> jax.Array:
     """Places a host array on ``mesh`` as ``spec`` says (shard_map requires it in JAX 0.10)."""
     return jax.device_put(value, NamedSharding(mesh, spec))
@@ -114,7 +125,7 @@ def put(mesh: Mesh, spec: P, value) -> jax.Array:
 
 def run_sharded(f, mesh, in_specs, out_specs, *args):
     """``jit(shard_map(f))`` on host arrays placed as ``in_specs`` say (default check_vma)."""
-    fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+    fn = jit_shard_map(f, mesh, in_specs, out_specs)
     return fn(*(put(mesh, spec, a) for spec, a in zip(in_specs, args)))
 
 
@@ -234,6 +245,21 @@ def assert_same_bits(a, b, what):
         )
         diff = np.count_nonzero(bits(u) != bits(v))
         assert diff == 0, f"{what}: leaf {i} differs in {diff} of {u.size} elements"
+
+
+def fusedar_warnings(caplog) -> list[str]:
+    """The messages of the WARNING records the jax_fusedar logger left in ``caplog``."""
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "jax_fusedar" and r.levelno == logging.WARNING
+    ]
+
+
+def cuda_text(traceable, *args) -> str:
+    """The StableHLO text of ``traceable`` (a jitted function) traced at ``args`` and lowered
+    for cuda on this CPU machine."""
+    return traceable.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def moe_body(ws, pattern, **kwargs):

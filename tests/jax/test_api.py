@@ -18,6 +18,7 @@ from tests.jax.cpu_helpers import (
     RMS_EPS,
     bits,
     check_outputs,
+    fusedar_warnings,
     jdtype,
     kernel_rounding,
     make_mesh,
@@ -495,37 +496,20 @@ def test_unsupported_world_size_at_workspace_creation(shape, names):
         jf.abstract_workspace(mesh, "tp", max_token_num=8, hidden_dim=256, dtype=jnp.bfloat16)
 
 
+GAMMA_MUST = (
+    r"rms_gamma must have shape \(256,\) and dtype bfloat16 \(or float32, rounded to it\), "
+)
+RESIDUAL_MUST = r"residual must have shape \(4, 256\) and dtype bfloat16, "
+
+
 @pytest.mark.parametrize(
     "residual,gamma,match",
     [
-        (
-            ((4, 256), "bfloat16"),
-            ((128,), "bfloat16"),
-            r"rms_gamma must have shape \(256,\) and dtype bfloat16 \(or float32, rounded to it\), "
-            r"got \(128,\) bfloat16",
-        ),
-        (
-            ((4, 256), "bfloat16"),
-            ((256,), "float16"),
-            r"rms_gamma must have shape \(256,\) and dtype bfloat16 \(or float32, rounded to it\), "
-            r"got \(256,\) float16",
-        ),
-        (
-            ((4, 256), "bfloat16"),
-            ((128,), "float32"),
-            r"rms_gamma must have shape \(256,\) and dtype bfloat16 \(or float32, rounded to it\), "
-            r"got \(128,\) float32",
-        ),
-        (
-            ((4, 128), "bfloat16"),
-            ((256,), "bfloat16"),
-            r"residual must have shape \(4, 256\) and dtype bfloat16, got \(4, 128\) bfloat16",
-        ),
-        (
-            ((4, 256), "float16"),
-            ((256,), "bfloat16"),
-            r"residual must have shape \(4, 256\) and dtype bfloat16, got \(4, 256\) float16",
-        ),
+        (((4, 256), "bfloat16"), ((128,), "bfloat16"), GAMMA_MUST + r"got \(128,\) bfloat16"),
+        (((4, 256), "bfloat16"), ((256,), "float16"), GAMMA_MUST + r"got \(256,\) float16"),
+        (((4, 256), "bfloat16"), ((128,), "float32"), GAMMA_MUST + r"got \(128,\) float32"),
+        (((4, 128), "bfloat16"), ((256,), "bfloat16"), RESIDUAL_MUST + r"got \(4, 128\) bfloat16"),
+        (((4, 256), "float16"), ((256,), "bfloat16"), RESIDUAL_MUST + r"got \(4, 256\) float16"),
         (((4, 256), "bfloat16"), None, r"needs rms_gamma of shape \(256,\)"),
     ],
 )
@@ -618,14 +602,7 @@ def test_quantization_arguments_refused_for_pattern_1(kwargs, match):
 def test_call_outside_shard_map():
     ws = xla_workspace(mesh_of("tp8"))
     x = jnp.asarray(random_values(new_rng(), (4, 256), "bfloat16"))
-    call = lambda x: (
-        jf.allreduce_fusion(
-            x,
-            axis_name="tp",
-            workspace=ws,  # noqa: E731
-            pattern=AR,
-        ).allreduce_out
-    )
+    call = plain_allreduce(ws)
     match = "must be called inside jax.shard_map over an axis named 'tp'"
     with pytest.raises(ValueError, match=match):
         call(x)
@@ -636,16 +613,8 @@ def test_call_outside_shard_map():
 def test_wrong_axis():
     mesh = mesh_of("dp2_tp4")
     ws = xla_workspace(mesh)
-    body = lambda x: (
-        jf.allreduce_fusion(
-            x,
-            axis_name="dp",
-            workspace=ws,  # noqa: E731
-            pattern=AR,
-        ).allreduce_out
-    )
     with pytest.raises(ValueError, match="created for axis 'tp', not 'dp'"):
-        trace_sharded(body, mesh, 4, 256, n_inputs=1)
+        trace_sharded(plain_allreduce(ws, "dp"), mesh, 4, 256, n_inputs=1)
     # A "tp" axis of another size: the workspace (world size 4) used on an 8-device mesh.
     with pytest.raises(
         ValueError, match="axis 'tp' has size 8 but the workspace was created for world size 4"
@@ -669,17 +638,16 @@ def test_destroyed_workspace():
         trace_fused(ws, 4, 256)
 
 
-def test_not_a_workspace():
-    body = lambda x: (
-        jf.allreduce_fusion(
-            x,
-            axis_name="tp",
-            workspace=object(),  # noqa: E731
-            pattern=AR,
-        ).allreduce_out
+def plain_allreduce(ws, axis_name="tp"):
+    """x -> allreduce_out of pattern 0 on ``ws`` over ``axis_name``."""
+    return lambda x: (
+        jf.allreduce_fusion(x, axis_name=axis_name, workspace=ws, pattern=AR).allreduce_out
     )
+
+
+def test_not_a_workspace():
     with pytest.raises(TypeError, match="workspace must come from"):
-        trace_sharded(body, mesh_of("tp8"), 4, 256, n_inputs=1)
+        trace_sharded(plain_allreduce(object()), mesh_of("tp8"), 4, 256, n_inputs=1)
 
 
 @pytest.mark.parametrize("tokens", [1, 8])
@@ -741,23 +709,19 @@ def test_fallback_logs_once_per_kind_and_stays_correct(dtype, caplog):
     # or by default.
     for call, (strict, tokens) in enumerate([(False, 6), (None, 6), (False, 7)]):
         run_and_check_groups(ws, tokens, 256, f"fallback call {call}", strict=strict)
-    warnings = [
-        r for r in caplog.records if r.name == "jax_fusedar" and r.levelno == logging.WARNING
-    ]
-    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    warnings = fusedar_warnings(caplog)
+    assert len(warnings) == 1, warnings
     assert re.search(
         r"falling back to psum \+ RMSNorm: 6x256 tokens exceed the workspace "
         r"\(max_token_num=4 x hidden 256\); every row",
-        warnings[0].getMessage(),
+        warnings[0],
     )
-    assert "logged once per kind of reason" in warnings[0].getMessage()
+    assert "logged once per kind of reason" in warnings[0]
     caplog.clear()
     run_and_check_groups(
         xla_workspace(mesh, dtype, max_token_num=4, hidden_dim=256), 6, 256, "xla backend"
     )
-    assert not [
-        r for r in caplog.records if r.name == "jax_fusedar" and r.levelno == logging.WARNING
-    ]
+    assert not fusedar_warnings(caplog)
 
 
 # --- 5. the workspace object -------------------------------------------------------------------

@@ -14,8 +14,9 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 import jax_fusedar as jf
-from tests.jax.cpu_helpers import assert_same_bits
 from tests.jax.cpu_helpers import (
+    assert_same_bits,
+    cuda_text,
     jdtype,
     make_mesh,
     new_rng,
@@ -23,6 +24,7 @@ from tests.jax.cpu_helpers import (
     random_gamma,
     random_values,
     require_host_devices,
+    tp_mesh,
 )
 from jax_fusedar.ops import reference
 from jax_fusedar.common.patterns import TRAITS
@@ -182,6 +184,17 @@ def xla_ws(mesh, dtype):
     )
 
 
+def fused_and_unfused(transform, mesh, dtype, variant="plain", check_vma=True, **kw):
+    """``jit(transform(loss))`` of the fused and the unfused MLP (``kw`` to both combines) at
+    fresh parameters: (fused result, unfused result)."""
+    params, target = mlp_params(new_rng(), dtype)
+    params = placed(mesh, params)
+    return tuple(
+        jax.jit(transform(loss_fn(mesh, combine, variant, check_vma)))(params, target)
+        for combine in (fused_combine(xla_ws(mesh, dtype), **kw), unfused_combine(**kw))
+    )
+
+
 def some_change(tree):
     """The test can fail: the gradients are not all zero."""
     assert any(np.any(np.asarray(leaf) != 0) for leaf in jax.tree.leaves(tree))
@@ -195,12 +208,7 @@ def some_change(tree):
 @pytest.mark.parametrize("mesh_shape", [(8,), (2, 4)], ids=["tp8", "dp2_tp4"])
 def test_mlp_gradients_equal_the_unfused_model(dtype, mesh_shape):
     names = ("tp",) if len(mesh_shape) == 1 else ("dp", "tp")
-    mesh = make_mesh(mesh_shape, names)
-    ws = xla_ws(mesh, dtype)
-    params, target = mlp_params(new_rng(), dtype)
-    params = placed(mesh, params)
-    got = jax.jit(jax.value_and_grad(loss_fn(mesh, fused_combine(ws))))(params, target)
-    want = jax.jit(jax.value_and_grad(loss_fn(mesh, unfused_combine())))(params, target)
+    got, want = fused_and_unfused(jax.value_and_grad, make_mesh(mesh_shape, names), dtype)
     assert_same_bits(got, want, f"grad {dtype} {mesh_shape}")
     some_change(got[1])
 
@@ -208,7 +216,7 @@ def test_mlp_gradients_equal_the_unfused_model(dtype, mesh_shape):
 def test_float32_gradients_equal_plain_jnp_psum_and_rmsnorm():
     """In float32 the reference's roundings are identities: the fused op's gradients equal
     those of the model written with jax.lax.psum and jnp alone, bit for bit."""
-    mesh = make_mesh((8,), ("tp",))
+    mesh = tp_mesh()
     ws = xla_ws(mesh, "float32")
     params, target = mlp_params(new_rng(), "float32")
     params = placed(mesh, params)
@@ -232,12 +240,7 @@ def test_float32_gradients_equal_plain_jnp_psum_and_rmsnorm():
 )
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_grad_under_transformations(variant, check_vma):
-    mesh = make_mesh((8,), ("tp",))
-    ws = xla_ws(mesh, "bfloat16")
-    params, target = mlp_params(new_rng(), "bfloat16")
-    params = placed(mesh, params)
-    got = jax.jit(jax.grad(loss_fn(mesh, fused_combine(ws), variant, check_vma)))(params, target)
-    want = jax.jit(jax.grad(loss_fn(mesh, unfused_combine(), variant, check_vma)))(params, target)
+    got, want = fused_and_unfused(jax.grad, tp_mesh(), "bfloat16", variant, check_vma)
     assert_same_bits(got, want, f"grad under {variant}, check_vma={check_vma}")
     some_change(got)
 
@@ -248,7 +251,7 @@ def test_grad_under_transformations(variant, check_vma):
 def test_jvp_and_vjp(variant, check_vma):
     """Forward mode (not available through custom_vjp) and an explicit VJP with a random
     cotangent."""
-    mesh = make_mesh((8,), ("tp",))
+    mesh = tp_mesh()
     ws = xla_ws(mesh, "bfloat16")
     rng = new_rng()
     params, _ = mlp_params(rng, "bfloat16")
@@ -273,12 +276,7 @@ def test_jvp_and_vjp(variant, check_vma):
     ids=["weight_bias", "no_fp32_acc"],
 )
 def test_gradients_with_weight_bias_and_without_fp32_acc(kw):
-    mesh = make_mesh((8,), ("tp",))
-    ws = xla_ws(mesh, "bfloat16")
-    params, target = mlp_params(new_rng(), "bfloat16")
-    params = placed(mesh, params)
-    got = jax.jit(jax.grad(loss_fn(mesh, fused_combine(ws, **kw))))(params, target)
-    want = jax.jit(jax.grad(loss_fn(mesh, unfused_combine(**kw))))(params, target)
+    got, want = fused_and_unfused(jax.grad, tp_mesh(), "bfloat16", **kw)
     assert_same_bits(got, want, f"grad with {kw}")
 
 
@@ -288,7 +286,7 @@ def test_float32_gamma_with_bfloat16_stream():
     """A float32 gamma (Flax's default param_dtype) is rounded to bfloat16 where the kernel
     reads it: the forward equals the call with the rounded gamma, and gamma's gradient (in
     float32) equals that of the unfused model that rounds it the same way."""
-    mesh = make_mesh((8,), ("tp",))
+    mesh = tp_mesh()
     ws = xla_ws(mesh, "bfloat16")
     rng = new_rng()
     params, target = mlp_params(rng, "bfloat16", gamma_dtype="float32")
@@ -308,7 +306,7 @@ def test_float32_gamma_with_bfloat16_stream():
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_sgd_steps_give_equal_losses(dtype):
-    mesh = make_mesh((8,), ("tp",))
+    mesh = tp_mesh()
     ws = xla_ws(mesh, dtype)
     params0, target = mlp_params(new_rng(), dtype)
     curves = []
@@ -361,8 +359,12 @@ def _one_call(ws, pattern, mesh, dtype, residual_spec=P(), **kw):
     )
 
 
+def psum_tp(x):
+    return jax.lax.psum(x, "tp")
+
+
 def test_allreduce_pattern_gradient_is_psums():
-    mesh = make_mesh((8,), ("tp",))
+    mesh = tp_mesh()
     ws = xla_ws(mesh, "float32")
     rng = new_rng()
     x = put(mesh, P("tp"), random_values(rng, (8 * TOKENS, HIDDEN), "float32"))
@@ -371,10 +373,7 @@ def test_allreduce_pattern_gradient_is_psums():
     g_fused = jax.jit(jax.grad(lambda x: jnp.sum(f(x, None, None)[0] * w)))(x)
 
     def unfused(x):
-        s = jax.shard_map(
-            lambda x: jax.lax.psum(x, "tp"), mesh=mesh, in_specs=P("tp"), out_specs=P()
-        )(x)
-        return jnp.sum(s * w)
+        return jnp.sum(jax.shard_map(psum_tp, mesh=mesh, in_specs=P("tp"), out_specs=P())(x) * w)
 
     assert_same_bits(g_fused, jax.jit(jax.grad(unfused))(x), "pattern 0 grad vs psum")
     # psum's transpose under check_vma=True: every rank's x gets the output's cotangent.
@@ -395,7 +394,7 @@ def test_quantized_patterns_differentiate_norm_out_and_not_the_codes(pattern, kw
     """residual_out and norm_out have the unfused gradient; quant_out and scale_out have
     zero derivative (forward-mode tangents are zeros, reverse mode gives them no
     contribution), like jnp.round."""
-    mesh = make_mesh((8,), ("tp",))
+    mesh = tp_mesh()
     ws = xla_ws(mesh, "bfloat16")
     rng = new_rng()
     sf = kw.pop("scale_factor", None)
@@ -438,7 +437,7 @@ def test_quantized_patterns_differentiate_norm_out_and_not_the_codes(pattern, kw
 def test_per_rank_residual_tangents_stay_per_rank():
     """check_vma=True with a residual that varies over "tp" and no tangent for it: the
     residual_out tangent (invariant sum) is marked varying like residual_out itself."""
-    mesh = make_mesh((8,), ("tp",))
+    mesh = tp_mesh()
     ws = xla_ws(mesh, "float32")
     rng = new_rng()
     f = _one_call(ws, Q.kARResidualRMSNorm, mesh, "float32", residual_spec=P("tp"))
@@ -484,20 +483,14 @@ def test_cuda_gradient_keeps_the_kernel_and_adds_no_all_reduce(variant):
     layer where checkpoint recomputes the forward), the tangent rule adds no collective to
     the forward (the fused program has exactly one all-reduce per layer fewer than the
     unfused one: the forward's psums), and the backward's collectives are JAX's own."""
-    mesh = make_mesh((8,), ("tp",))
-    ws = jf.abstract_workspace(
-        mesh, "tp", max_token_num=64, hidden_dim=HIDDEN, dtype=jnp.bfloat16, backend="trtllm"
-    )
+    mesh = tp_mesh()
+    kw = dict(max_token_num=64, hidden_dim=HIDDEN, dtype=jnp.bfloat16, backend="trtllm")
+    ws = jf.abstract_workspace(mesh, "tp", **kw)
     params, target = mlp_params(new_rng(), "bfloat16")
     params = placed(mesh, params)
     counts = []
     for combine in (fused_combine(ws), unfused_combine()):
-        text = (
-            jax.jit(jax.grad(loss_fn(mesh, combine, variant)))
-            .trace(params, target)
-            .lower(lowering_platforms=("cuda",))
-            .as_text()
-        )
+        text = cuda_text(jax.jit(jax.grad(loss_fn(mesh, combine, variant))), params, target)
         counts.append((text.count("@jax_fusedar_allreduce_fusion_v2("), text.count("all_reduce")))
     (fused_calls, fused_ar), (unfused_calls, unfused_ar) = counts
     runs = 2 if variant == "checkpoint" else 1

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 import jax_fusedar as jf
 from tests.jax.cpu_helpers import (
     jdtype,
+    jit_shard_map,
     make_mesh,
     new_rng,
     random_gamma,
@@ -27,6 +28,7 @@ from tests.jax.test_api import (
     abstract,
     custom_calls,
     fused_body,
+    plain_allreduce,
     trace_fused,
     trace_sharded,
     xla_workspace,
@@ -62,14 +64,8 @@ def regrouped_trace(ws, mesh):
     x = abstract(mesh, P(("tp", "dp")), (8 * 4, 256), "bfloat16")
     res = abstract(mesh, P("dp"), (2 * 4, 256), "bfloat16")
     gam = abstract(mesh, P("dp"), (2 * 256,), "bfloat16")
-    return jax.jit(
-        jax.shard_map(
-            body,
-            mesh=mesh,
-            in_specs=(P(("tp", "dp")), P("dp"), P("dp")),
-            out_specs=(P("dp"), P("dp")),
-        )
-    ).trace(x, res, gam)
+    in_specs = (P(("tp", "dp")), P("dp"), P("dp"))
+    return jit_shard_map(body, mesh, in_specs, (P("dp"), P("dp"))).trace(x, res, gam)
 
 
 REGROUPED = (
@@ -129,13 +125,7 @@ def test_same_groups_in_another_mesh_order_are_accepted():
 
 
 def _pmapped(ws, devices):
-    return jax.pmap(
-        lambda x: (
-            jf.allreduce_fusion(x, axis_name="tp", workspace=ws, pattern=Q.kAllReduce).allreduce_out
-        ),
-        axis_name="tp",
-        devices=devices,
-    )
+    return jax.pmap(plain_allreduce(ws), axis_name="tp", devices=devices)
 
 
 def test_pmap_is_checked_like_shard_map():
@@ -239,12 +229,8 @@ def test_zero_tokens_give_empty_outputs_for_quantized_patterns(pattern, kwargs, 
         pattern,
         **{k: (jnp.asarray(v) if k == "scale_factor" else v) for k, v in with_sf.items()},
     )
-    text = (
-        trace_sharded(body, mesh, 0, 256, n_outputs=len(shapes))
-        .lower(lowering_platforms=("cuda",))
-        .as_text()
-    )
-    assert FFI_TARGET not in text
+    text = trace_sharded(body, mesh, 0, 256, n_outputs=len(shapes))
+    assert FFI_TARGET not in text.lower(lowering_platforms=("cuda",)).as_text()
 
 
 # --- 3. the fp32 sum of squares overflows like the kernel's ------------------------------------
@@ -287,16 +273,13 @@ def test_rms_of_huge_rows_is_zero_like_the_kernel():
 
 
 def test_reference_rms_norm_overflows_in_fp32():
-    r = jnp.full((2, 64), 2e19, jnp.bfloat16)  # squares 4e38 > fp32 max 3.4e38
-    out = reference.rms_norm(
-        r, jnp.ones((64,), jnp.bfloat16), rms_eps=1e-6, weight_bias=0.0, out_dtype=jnp.bfloat16
-    )
-    assert np.all(np.asarray(out.astype(jnp.float32)) == 0.0)
-    r = jnp.full((2, 64), 1e19, jnp.bfloat16)  # 64 squares of 1e38 overflow only when summed
-    out = reference.rms_norm(
-        r, jnp.ones((64,), jnp.bfloat16), rms_eps=1e-6, weight_bias=0.0, out_dtype=jnp.bfloat16
-    )
-    assert np.all(np.asarray(out.astype(jnp.float32)) == 0.0)
+    # 2e19: squares 4e38 > fp32 max 3.4e38; 1e19: 64 squares of 1e38 overflow only when summed
+    for value in (2e19, 1e19):
+        r = jnp.full((2, 64), value, jnp.bfloat16)
+        out = reference.rms_norm(
+            r, jnp.ones((64,), jnp.bfloat16), rms_eps=1e-6, weight_bias=0.0, out_dtype=jnp.bfloat16
+        )
+        assert np.all(np.asarray(out.astype(jnp.float32)) == 0.0), value
 
 
 # --- 4. options are never coerced --------------------------------------------------------------
@@ -541,16 +524,7 @@ def test_workspace_as_a_jit_argument_is_static():
 
     def f(x, ws):
         calls.append(ws)
-        return jax.shard_map(
-            lambda x: (
-                jf.allreduce_fusion(
-                    x, axis_name="tp", workspace=ws, pattern=Q.kAllReduce
-                ).allreduce_out
-            ),
-            mesh=mesh,
-            in_specs=P("tp"),
-            out_specs=P(),
-        )(x)
+        return jax.shard_map(plain_allreduce(ws), mesh=mesh, in_specs=P("tp"), out_specs=P())(x)
 
     rng = new_rng()
     xs = random_values(rng, (8 * 2, 256), "bfloat16")

@@ -14,17 +14,20 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_fusedar as jf
-from tests.jax.cpu_helpers import assert_same_bits
 from tests.jax.cpu_helpers import (
+    assert_same_bits,
     bits,
     check_outputs,
+    cuda_text,
+    fusedar_warnings,
     jdtype,
-    make_mesh,
+    jit_shard_map,
     new_rng,
     random_gamma,
     random_partials,
     random_values,
     require_host_devices,
+    tp_mesh,
 )
 from jax_fusedar.common.patterns import TRAITS
 from jax_fusedar.ops.dense import FFI_TARGET
@@ -37,10 +40,6 @@ HIDDEN = 256
 
 # Environment and once-per-kind logging reset per test (conftest.py).
 pytestmark = pytest.mark.usefixtures("hermetic")
-
-
-def tp8():
-    return make_mesh((8,), ("tp",))
 
 
 def xla_ws(mesh, dtype="bfloat16", max_token_num=256):
@@ -93,8 +92,22 @@ def inputs(rng, lead, dtype="bfloat16"):
 
 
 def sharded(mesh, body, n_out, x_spec=P("tp")):
-    return jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=(x_spec, P(), P()), out_specs=(P(),) * n_out)
+    return jit_shard_map(body, mesh, (x_spec, P(), P()), (P(),) * n_out)
+
+
+def norm_body(ws, **kw):
+    """Per shard: pattern 1 on rank 0's slice of x, returning (residual_out, norm_out)."""
+    return lambda x, r, g: tuple(call(ws, 1, x[0], r, g, kw)[1:3])
+
+
+def abstract_ws(mesh, max_token_num):
+    return jf.abstract_workspace(
+        mesh,
+        "tp",
+        max_token_num=max_token_num,
+        hidden_dim=HIDDEN,
+        dtype=jnp.bfloat16,
+        backend="trtllm",
     )
 
 
@@ -107,7 +120,7 @@ def sharded(mesh, body, n_out, x_spec=P("tp")):
 def test_nd_input_equals_the_2d_call_on_folded_rows(pattern, kw):
     """x/residual [B, S, H]: every output equals the 2-D call on the B*S rows; row-wise
     outputs keep [B, S, ...], the packed scale buffers are those of the B*S rows."""
-    mesh = tp8()
+    mesh = tp_mesh()
     ws = xla_ws(mesh)
     lead = (2, 8)
     x, r, g = inputs(new_rng(), lead)
@@ -136,15 +149,13 @@ def test_nd_input_equals_the_2d_call_on_folded_rows(pattern, kw):
 
 
 def test_nd_against_the_oracle_and_one_dim():
-    mesh = tp8()
+    mesh = tp_mesh()
     ws = xla_ws(mesh, "float32")
     rng = new_rng()
     xs = random_partials(rng, (8, 3, 5, HIDDEN), "float32")
     r = random_values(rng, (3, 5, HIDDEN), "float32")
     g = random_gamma(rng, HIDDEN, "float32")
-    res, norm = sharded(
-        mesh, lambda x, r, g: tuple(call(ws, Q.kARResidualRMSNorm, x[0], r, g, {})[1:3]), 2
-    )(xs, r, g)
+    res, norm = sharded(mesh, norm_body(ws), 2)(xs, r, g)
     check_outputs(
         "float32",
         xs.reshape(8, 15, HIDDEN),
@@ -167,10 +178,10 @@ def test_nd_against_the_oracle_and_one_dim():
 
 
 def test_nd_rows_all_count_against_the_workspace():
-    mesh = tp8()
+    mesh = tp_mesh()
     ws = xla_ws(mesh, max_token_num=16)
     x, r, g = inputs(new_rng(), (3, 6))  # 18 rows > 16
-    body = lambda x, r, g: tuple(call(ws, 1, x[0], r, g, {"strict": True})[1:3])  # noqa: E731
+    body = norm_body(ws, strict=True)
     with pytest.raises(
         ValueError,
         match=r"18x256 tokens exceed the workspace \(max_token_num="
@@ -181,7 +192,7 @@ def test_nd_rows_all_count_against_the_workspace():
 
 
 def test_residual_must_have_x_shape():
-    mesh = tp8()
+    mesh = tp_mesh()
     ws = xla_ws(mesh)
     x, r, g = inputs(new_rng(), (2, 4))
     body = lambda x, r, g: tuple(call(ws, 1, x[0], r.reshape(8, HIDDEN), g, {})[1:3])  # noqa
@@ -210,7 +221,7 @@ def test_vmap_inside_shard_map_equals_per_element_calls(pattern, kw, tokens):
     """vmap over x and residual folds into tokens (one call); layouts that do not split back
     by a reshape for this token count (group FP8 with tokens % 4, swizzled NVFP4 with
     tokens % 128) run per element. Either way: the per-element results, bit for bit."""
-    mesh = tp8()
+    mesh = tp_mesh()
     ws = xla_ws(mesh)
     B = 3
     x, r, g = inputs(new_rng(), (B, tokens))
@@ -229,7 +240,7 @@ def test_vmap_inside_shard_map_equals_per_element_calls(pattern, kw, tokens):
 def test_vmap_folds_swizzled_nvfp4_scales_of_whole_tiles():
     """128 tokens per element: the swizzled scales are whole 128-row tiles, stored tile after
     tile, so the folded call splits back by a reshape (one call, no loop)."""
-    mesh = tp8()
+    mesh = tp_mesh()
     ws = xla_ws(mesh, max_token_num=512)
     x, r, g = inputs(new_rng(), (2, 128))
     kw = {"scale_factor": np.full(1, 40.0, np.float32)}
@@ -239,9 +250,7 @@ def test_vmap_folds_swizzled_nvfp4_scales_of_whole_tiles():
         return tuple(v for v in call(ws, p, x, r, g, kw) if v is not None)
 
     body = lambda x, r, g: jax.vmap(one)(x[0], r)  # noqa: E731
-    assert count_calls(
-        jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=(P(),) * 4), x, r, g
-    ) == (1, False)
+    assert count_calls(sharded(mesh, body, 4), x, r, g) == (1, False)
     got = sharded(mesh, body, 4)(x, r, g)
     want = sharded(mesh, lambda x, r, g: per_element(one, x[0], r), 4)(x, r, g)
     assert_same_bits(got, want, "swizzled NVFP4 scales under vmap")
@@ -255,7 +264,7 @@ def count_calls(f, *args):
 
 @pytest.mark.oldest
 def test_vmap_folds_into_one_call_or_maps():
-    mesh = tp8()
+    mesh = tp_mesh()
     ws = xla_ws(mesh)
     x, r, g = inputs(new_rng(), (3, 4))
     gs = random_gamma(new_rng(), HIDDEN, "bfloat16", leading=(3,))
@@ -264,12 +273,7 @@ def test_vmap_folds_into_one_call_or_maps():
         return call(ws, 1, x, r, g, {})[1:3]
 
     def run(in_axes, g_arg):
-        return jax.shard_map(
-            lambda x, r, g: jax.vmap(one, in_axes=in_axes)(x[0], r, g),
-            mesh=mesh,
-            in_specs=(P("tp"), P(), P()),
-            out_specs=(P(), P()),
-        )
+        return sharded(mesh, lambda x, r, g: jax.vmap(one, in_axes=in_axes)(x[0], r, g), 2)
 
     assert count_calls(run((0, 0, None), g), x, r, g) == (1, False)
     assert count_calls(run((0, None, None), g), x, r[0], g) == (1, False)
@@ -283,7 +287,7 @@ def test_vmap_folds_into_one_call_or_maps():
     ids=["x_only", "residual_only", "axis1", "gamma_too"],
 )
 def test_vmap_axes_and_batched_gamma(in_axes):
-    mesh = tp8()
+    mesh = tp_mesh()
     ws = xla_ws(mesh)
     rng = new_rng()
     B, T = 3, 4
@@ -319,7 +323,7 @@ def test_vmap_axes_and_batched_gamma(in_axes):
 
 
 def test_vmap_of_a_batched_scale_factor_runs_per_element():
-    mesh = tp8()
+    mesh = tp_mesh()
     ws = xla_ws(mesh)
     x, r, g = inputs(new_rng(), (2, 4))
     sf = np.asarray([[0.05], [0.5]], np.float32)
@@ -331,9 +335,7 @@ def test_vmap_of_a_batched_scale_factor_runs_per_element():
         want = per_element(one, x[0], r, sf)
         return (*got, *want)
 
-    outs = jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P(), P()), out_specs=(P(),) * 6)
-    )(x, r, g, sf)
+    outs = jit_shard_map(body, mesh, (P("tp"), P(), P(), P()), (P(),) * 6)(x, r, g, sf)
     assert_same_bits(outs[:3], outs[3:], "batched scale_factor")
     assert not np.array_equal(bits(outs[2][0]), bits(outs[2][1]))
 
@@ -343,7 +345,7 @@ def test_vmap_outside_shard_map_and_grad():
     vmapped op equal the unfused math's."""
     from jax_fusedar.ops import reference
 
-    mesh = tp8()
+    mesh = tp_mesh()
     ws = xla_ws(mesh, "float32")
     rng = new_rng()
     x = random_values(rng, (3, 8 * 4, HIDDEN), "float32")
@@ -372,7 +374,7 @@ def test_vmapped_batch_beyond_the_workspace_runs_per_element():
     """The folded batch (12 rows) exceeds the workspace but one element (4 rows) fits: one
     call per element in a loop (the kernel still serves them), even in strict mode; when an
     element does not fit either, strict mode raises as for the unbatched call."""
-    mesh = tp8()
+    mesh = tp_mesh()
     ws = xla_ws(mesh, max_token_num=8)
     x, r, g = inputs(new_rng(), (3, 4))
 
@@ -380,9 +382,7 @@ def test_vmapped_batch_beyond_the_workspace_runs_per_element():
         return tuple(call(ws, 1, x, r, g, {"strict": True})[1:3])
 
     body = lambda x, r, g: jax.vmap(one, in_axes=(0, 0, None))(x[0], r, g)  # noqa: E731
-    assert count_calls(
-        jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=(P(), P())), x, r, g
-    ) == (1, True)
+    assert count_calls(sharded(mesh, body, 2), x, r, g) == (1, True)
     got = sharded(mesh, body, 2)(x, r, g)
     want = sharded(mesh, lambda x, r, g: per_element(lambda a, b: one(a, b, g), x[0], r), 2)(
         x, r, g
@@ -395,28 +395,18 @@ def test_vmapped_batch_beyond_the_workspace_runs_per_element():
 
 def test_cuda_lowering_of_vmapped_and_nd_calls():
     """The kernel serves the folded rows: one custom call on [B*T, H]."""
-    mesh = tp8()
-    ws = jf.abstract_workspace(
-        mesh, "tp", max_token_num=16, hidden_dim=HIDDEN, dtype=jnp.bfloat16, backend="trtllm"
-    )
+    mesh = tp_mesh()
+    ws = abstract_ws(mesh, 16)
     x, r, g = inputs(new_rng(), (3, 4))
 
     def lowered(B):
-        body = (
-            lambda x, r, g: jax.vmap(  # noqa: E731
-                lambda x, r: tuple(call(ws, 1, x, r, g, {})[1:3])
-            )(x[0, :B], r[:B])
-        )
-        return sharded(mesh, body, 2).trace(x, r, g).lower(lowering_platforms=("cuda",)).as_text()
+        one = lambda x, r, g: tuple(call(ws, 1, x, r, g, {})[1:3])  # noqa: E731
+        body = lambda x, r, g: jax.vmap(one, in_axes=(0, 0, None))(x[0, :B], r[:B], g)  # noqa
+        return cuda_text(sharded(mesh, body, 2), x, r, g)
 
     text = lowered(3)
     assert text.count(f"@{FFI_TARGET}") == 1 and "tensor<12x256xbf16>" in text
-    nd = (
-        sharded(mesh, lambda x, r, g: tuple(call(ws, 1, x[0], r, g, {})[1:3]), 2)
-        .trace(x, r, g)
-        .lower(lowering_platforms=("cuda",))
-        .as_text()
-    )
+    nd = cuda_text(sharded(mesh, norm_body(ws), 2), x, r, g)
     assert nd.count(f"@{FFI_TARGET}") == 1 and "tensor<12x256xbf16>" in nd
     # 20 rows > 16: a vmapped batch runs the kernel per element in a loop; an N-D call,
     # one call by definition, falls back.
@@ -424,12 +414,7 @@ def test_cuda_lowering_of_vmapped_and_nd_calls():
     text = lowered(5)
     assert text.count(f"@{FFI_TARGET}") == 1 and "tensor<4x256xbf16>" in text
     assert "stablehlo.while" in text
-    nd = (
-        sharded(mesh, lambda x, r, g: tuple(call(ws, 1, x[0], r, g, {})[1:3]), 2)
-        .trace(x, r, g)
-        .lower(lowering_platforms=("cuda",))
-        .as_text()
-    )
+    nd = cuda_text(sharded(mesh, norm_body(ws), 2), x, r, g)
     assert FFI_TARGET not in nd
 
 
@@ -439,12 +424,12 @@ def test_cuda_lowering_of_vmapped_and_nd_calls():
 @pytest.mark.oldest
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_float32_gamma_is_rounded_to_the_stream_dtype(dtype):
-    mesh = tp8()
+    mesh = tp_mesh()
     ws = xla_ws(mesh, dtype)
     rng = new_rng()
     x, r, _ = inputs(rng, (4,), dtype)
     g32 = rng.uniform(-2, 2, HIDDEN).astype(np.float32)
-    body = lambda x, r, g: tuple(call(ws, 1, x[0], r, g, {})[1:3])  # noqa: E731
+    body = norm_body(ws)
     got = sharded(mesh, body, 2)(x, r, g32)
     want = sharded(mesh, body, 2)(x, r, g32.astype(jdtype(dtype)))
     assert_same_bits(got, want, "float32 gamma")
@@ -452,7 +437,7 @@ def test_float32_gamma_is_rounded_to_the_stream_dtype(dtype):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_float32_residual_stream_names_the_alternatives(dtype):
-    mesh = tp8()
+    mesh = tp_mesh()
     ws = xla_ws(mesh, dtype)
     x, r, g = inputs(new_rng(), (4,), dtype)
     body = lambda x, r, g: tuple(call(ws, 1, x[0], r.astype(jnp.float32), g, {})[1:3])  # noqa
@@ -468,7 +453,7 @@ def test_float32_residual_stream_names_the_alternatives(dtype):
 def test_float32_residual_stream_with_the_float32_alternative():
     """The alternative the error names: x cast to float32 with a float32 workspace keeps a
     float32 stream (against the oracle)."""
-    mesh = tp8()
+    mesh = tp_mesh()
     ws = xla_ws(mesh, "float32")
     rng = new_rng()
     xs = random_partials(rng, (8, 4, HIDDEN), "bfloat16")
@@ -501,41 +486,27 @@ def test_dir_lists_the_lazy_exports_and_py_typed_ships():
 
 def test_fallback_is_logged_once_per_kind_not_per_shape(caplog):
     caplog.set_level(logging.WARNING, logger="jax_fusedar")
-    mesh = tp8()
-    ws = jf.abstract_workspace(
-        mesh, "tp", max_token_num=8, hidden_dim=HIDDEN, dtype=jnp.bfloat16, backend="trtllm"
-    )
+    mesh = tp_mesh()
+    ws = abstract_ws(mesh, 8)
     for lead in [(9,), (10,), (3, 4), (2, 2, 5)]:
         x, r, g = inputs(new_rng(), lead)
-        sharded(mesh, lambda x, r, g: tuple(call(ws, 1, x[0], r, g, {})[1:3]), 2).trace(x, r, g)
-    msgs = [
-        r.getMessage()
-        for r in caplog.records
-        if r.name == "jax_fusedar" and r.levelno == logging.WARNING
-    ]
+        sharded(mesh, norm_body(ws), 2).trace(x, r, g)
+    msgs = fusedar_warnings(caplog)
     assert len(msgs) == 1 and "9x256 tokens exceed the workspace" in msgs[0], msgs
     # Another kind of reason (a hidden size the kernel cannot launch: 8200 / 8 = 1025 vectors,
     # odd, so one CTA of 1025 threads) is logged once too, whatever the token count.
-    big = jf.abstract_workspace(
-        mesh, "tp", max_token_num=256, hidden_dim=HIDDEN, dtype=jnp.bfloat16, backend="trtllm"
-    )
+    big = abstract_ws(mesh, 256)
     rng = new_rng()
     for tokens in (2, 3):
         x = random_values(rng, (8, tokens, 8200), "bfloat16")
         r = random_values(rng, (tokens, 8200), "bfloat16")
         g = random_gamma(rng, 8200, "bfloat16")
-        sharded(mesh, lambda x, r, g: tuple(call(big, 1, x[0], r, g, {})[1:3]), 2).trace(x, r, g)
-    msgs = [
-        r.getMessage()
-        for r in caplog.records
-        if r.name == "jax_fusedar" and r.levelno == logging.WARNING
-    ]
+        sharded(mesh, norm_body(big), 2).trace(x, r, g)
+    msgs = fusedar_warnings(caplog)
     assert len(msgs) == 2 and "hidden_dim=8200 cannot be launched" in msgs[1], msgs
     caplog.clear()
     xla = xla_ws(mesh, max_token_num=8)
     for lead in [(9,), (12,)]:
         x, r, g = inputs(new_rng(), lead)
-        sharded(mesh, lambda x, r, g: tuple(call(xla, 1, x[0], r, g, {})[1:3]), 2).trace(x, r, g)
-    assert not [
-        r for r in caplog.records if r.name == "jax_fusedar" and r.levelno == logging.WARNING
-    ], "the xla backend never uses the kernel"
+        sharded(mesh, norm_body(xla), 2).trace(x, r, g)
+    assert not fusedar_warnings(caplog), "the xla backend never uses the kernel"

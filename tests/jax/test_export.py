@@ -14,10 +14,12 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_fusedar as jf
-from tests.jax.cpu_helpers import assert_same_bits, moe_body, needs_native
 from tests.jax.cpu_helpers import (
-    bits,
+    assert_same_bits,
+    jit_shard_map,
     make_mesh,
+    moe_body,
+    needs_native,
     new_rng,
     random_gamma,
     random_partials,
@@ -32,6 +34,7 @@ pytest.importorskip(
 )
 
 TOKENS, HIDDEN = 4, 256
+KW = dict(max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=jnp.bfloat16)
 
 
 # Environment and once-per-kind logging reset per test (conftest.py).
@@ -52,25 +55,23 @@ def layer(ws):
         )
         return out.residual_out, out.norm_out
 
-    return jax.jit(
-        jax.shard_map(
-            body,
-            mesh=ws.mesh,
-            in_specs=(P(("dp", "tp")), P("dp"), P("dp")),
-            out_specs=(P("dp"), P("dp")),
-        )
-    )
+    in_specs = (P(("dp", "tp")), P("dp"), P("dp"))
+    return jit_shard_map(body, ws.mesh, in_specs, (P("dp"), P("dp")))
+
+
+def structs(mesh, shapes, dtype=jnp.bfloat16):
+    """ShapeDtypeStructs of (shape, spec) pairs on ``mesh``."""
+    return [jax.ShapeDtypeStruct(s, dtype, sharding=NamedSharding(mesh, sp)) for s, sp in shapes]
 
 
 def specs(mesh, tokens=TOKENS):
+    """layer's arguments; ``tokens`` may be symbolic."""
     shapes = [
         ((8 * tokens, HIDDEN), P(("dp", "tp"))),
         ((2 * tokens, HIDDEN), P("dp")),
         ((2 * HIDDEN,), P("dp")),
     ]
-    return [
-        jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, sp)) for s, sp in shapes
-    ]
+    return structs(mesh, shapes)
 
 
 def values(rng, mesh, tokens=TOKENS):
@@ -88,9 +89,7 @@ def round_trip(exported):
 
 def test_round_trip_on_cpu_gives_the_jitted_bits():
     mesh = mesh_2x4()
-    ws = jf.create_allreduce_fusion_workspace(
-        mesh, "tp", max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=jnp.bfloat16
-    )
+    ws = jf.create_allreduce_fusion_workspace(mesh, "tp", **KW)
     exported = jf.export.export(layer(ws), platforms=("cpu",))(*specs(mesh))
     args = values(new_rng(), mesh)
     assert_same_bits(round_trip(exported).call(*args), layer(ws)(*args), "cpu round trip")
@@ -98,7 +97,7 @@ def test_round_trip_on_cpu_gives_the_jitted_bits():
 
 def test_workspace_key_is_stable_across_creation_order_and_names():
     mesh = mesh_2x4()
-    kw = dict(max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=jnp.bfloat16)
+    kw = KW
     first = jf.abstract_workspace(mesh, "tp", **kw)
     for _ in range(3):  # other workspaces created in between do not change the id
         jf.abstract_workspace(mesh, "tp", max_token_num=8, hidden_dim=512, dtype=jnp.float16)
@@ -123,15 +122,12 @@ def test_workspace_key_is_stable_across_creation_order_and_names():
 @pytest.mark.parametrize("name", [5, "", b"x"])
 def test_name_must_be_a_non_empty_str(name):
     with pytest.raises(ValueError, match="name must be None or a non-empty str"):
-        jf.abstract_workspace(
-            mesh_2x4(), "tp", max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=jnp.bfloat16, name=name
-        )
+        jf.abstract_workspace(mesh_2x4(), "tp", name=name, **KW)
 
 
 def test_a_second_live_kernel_workspace_with_the_same_key_is_refused():
     mesh = mesh_2x4()
-    kw = dict(max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=jnp.bfloat16)
-    live = jf.abstract_workspace(mesh, "tp", name="dup", **kw)
+    live = jf.abstract_workspace(mesh, "tp", name="dup", **KW)
     live._ranks.append(object())  # as if its native ranks were registered
     wsmod._by_id[live.id] = live
     twin = wsmod._describe(mesh, "tp", TOKENS, HIDDEN, jnp.bfloat16, "trtllm", "dup")
@@ -159,17 +155,13 @@ def test_disabled_checks_exempt_exactly_the_fused_targets():
 
 def test_cuda_export_carries_the_stable_key_and_needs_the_helper():
     mesh = mesh_2x4()
-    ws = jf.abstract_workspace(
-        mesh, "tp", max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=jnp.bfloat16, name="serve"
-    )
+    ws = jf.abstract_workspace(mesh, "tp", name="serve", **KW)
     with pytest.raises(ValueError, match="custom call"):
         jax.export.export(layer(ws), platforms=("cuda",))(*specs(mesh))
     exported = jf.export.export(layer(ws), platforms=("cuda",))(*specs(mesh))
     text = exported.mlir_module()
     assert text.count(f"@{FFI_TARGET}") == 1 and "all_reduce" not in text
-    same = jf.abstract_workspace(
-        mesh, "tp", max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=jnp.bfloat16, name="serve"
-    )
+    same = jf.abstract_workspace(mesh, "tp", name="serve", **KW)
     assert jf.export.workspace_ids(exported) == [same.id]
     # Read back with JAX's own deserialize (inspection registers and compiles nothing).
     assert jf.export.workspace_ids(jax.export.deserialize(exported.serialize())) == [same.id]
@@ -178,14 +170,10 @@ def test_cuda_export_carries_the_stable_key_and_needs_the_helper():
 @needs_native
 def test_multi_platform_artifact_runs_the_reference_on_cpu():
     mesh = mesh_2x4()
-    ws = jf.abstract_workspace(
-        mesh, "tp", max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=jnp.bfloat16
-    )
+    ws = jf.abstract_workspace(mesh, "tp", **KW)
     exported = jf.export.export(layer(ws), platforms=("cpu", "cuda"))(*specs(mesh))
     assert f"@{FFI_TARGET}" in exported.mlir_module()  # the cuda branch has the kernel
-    xla_ws = jf.create_allreduce_fusion_workspace(
-        mesh, "tp", max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=jnp.bfloat16
-    )
+    xla_ws = jf.create_allreduce_fusion_workspace(mesh, "tp", **KW)
     args = values(new_rng(), mesh)
     assert_same_bits(
         round_trip(exported).call(*args), layer(xla_ws)(*args), "(cpu, cuda) artifact on cpu"
@@ -204,9 +192,7 @@ def test_compiling_the_kernel_call_without_the_native_module_says_what_to_instal
         jax, "devices", lambda backend=None: [object()] if backend == "cuda" else real(backend)
     )
     mesh = mesh_2x4()
-    ws = jf.abstract_workspace(
-        mesh, "tp", max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=jnp.bfloat16
-    )
+    ws = jf.abstract_workspace(mesh, "tp", **KW)
     with pytest.raises(
         RuntimeError,
         match=rf"calls the fused kernel \({FFI_TARGET}\) and would be compiled here for this "
@@ -219,9 +205,7 @@ def test_compiling_the_kernel_call_without_the_native_module_says_what_to_instal
 
 def test_exporting_an_xla_workspace_for_cuda_is_refused_and_plain_lowering_warns():
     mesh = mesh_2x4()
-    ws = jf.create_allreduce_fusion_workspace(
-        mesh, "tp", max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=jnp.bfloat16
-    )
+    ws = jf.create_allreduce_fusion_workspace(mesh, "tp", **KW)
     assert ws.backend == "xla"
     with pytest.raises(ValueError, match="not the fused kernel.*abstract_workspace"):
         jf.export.export(layer(ws), platforms=("cuda",))(*specs(mesh))
@@ -236,26 +220,14 @@ def test_exporting_an_xla_workspace_for_cuda_is_refused_and_plain_lowering_warns
         jf.export.export(layer(ws), platforms=("cpu",))(*specs(mesh))
 
 
-def symbolic_specs(mesh):
-    (t,) = jax.export.symbolic_shape("t")
-    shapes = [
-        ((8 * t, HIDDEN), P(("dp", "tp"))),
-        ((2 * t, HIDDEN), P("dp")),
-        ((2 * HIDDEN,), P("dp")),
-    ]
-    return [
-        jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, sp)) for s, sp in shapes
-    ]
-
-
 @pytest.mark.parametrize("backend", ["xla", "trtllm"])
 def test_symbolic_token_counts_are_refused(backend):
     mesh = mesh_2x4()
-    ws = jf.abstract_workspace(
-        mesh, "tp", max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=jnp.bfloat16, backend=backend
-    )
+    ws = jf.abstract_workspace(mesh, "tp", backend=backend, **KW)
     with pytest.raises(ValueError, match="symbolic shape.*one artifact per token count"):
-        jf.export.export(layer(ws), platforms=("cpu",))(*symbolic_specs(mesh))
+        jf.export.export(layer(ws), platforms=("cpu",))(
+            *specs(mesh, *jax.export.symbolic_shape("t"))
+        )
 
 
 def test_row_parallel_exports_on_explicit_axes_and_auto_axes_get_an_explanation():
@@ -271,10 +243,7 @@ def test_row_parallel_exports_on_explicit_axes_and_auto_axes_get_an_explanation(
             ((16, HIDDEN), P("dp")),
             ((HIDDEN,), P()),
         ]
-        args = [
-            jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, sp))
-            for s, sp in shapes
-        ]
+        args = structs(mesh, shapes)
 
         def f(h, w, r, g):
             out = jf.row_parallel_allreduce_fusion(h, w, residual=r, rms_gamma=g, workspace=ws)
@@ -290,8 +259,7 @@ def test_row_parallel_exports_on_explicit_axes_and_auto_axes_get_an_explanation(
                 jax.device_put((rng.standard_normal(a.shape) / 8).astype(a.dtype), a.sharding)
                 for a in args
             ]
-            for g, w in zip(exported.call(*vals), jax.jit(f)(*vals)):
-                np.testing.assert_array_equal(bits(g), bits(w))
+            assert_same_bits(exported.call(*vals), jax.jit(f)(*vals), "row_parallel round trip")
 
 
 # --- the MoE ops ---------------------------------------------------------------------------------
@@ -306,14 +274,7 @@ def moe_layer(ws, pattern):
 
     body, n_out = moe_body(ws, pattern)
     split, group = P(("dp", "tp")), P("dp")
-    return jax.jit(
-        jax.shard_map(
-            body,
-            mesh=ws.mesh,
-            in_specs=(split, split, split, group, group),
-            out_specs=(group,) * n_out,
-        )
-    )
+    return jit_shard_map(body, ws.mesh, (split, split, split, group, group), (group,) * n_out)
 
 
 def moe_specs(mesh, pattern):

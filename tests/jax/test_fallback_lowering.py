@@ -22,7 +22,7 @@ from jax_fusedar.ops import partitioning
 from jax_fusedar.common.patterns import MOE_PATTERNS, TRAITS, AllReduceFusionPattern
 from jax_fusedar.ops.dense import FFI_TARGET
 from tests import collectives
-from tests.jax.cpu_helpers import make_mesh, moe_body, require_host_devices
+from tests.jax.cpu_helpers import jit_shard_map, moe_body, require_host_devices, tp_mesh
 
 require_host_devices()
 pytest.importorskip("flatbuffers", reason="jax.export needs flatbuffers (./dev installs it)")
@@ -31,6 +31,7 @@ WORLDS = (2, 4, 8)
 TOKENS, HIDDEN = 16, 512
 DENSE = [p for p in AllReduceFusionPattern if p not in MOE_PATTERNS]
 BF16 = jnp.bfloat16
+PER_WORLD = pytest.mark.parametrize("world", WORLDS, ids=[f"world{w}" for w in WORLDS])
 
 
 def shaped(mesh, shape, spec, dtype=BF16):
@@ -45,9 +46,7 @@ def cuda_collectives(fn, *args, exporter=jf.export.export):
 
 def psum_program(mesh, shape=(TOKENS, HIDDEN), dtype=BF16):
     """The user's own all-reduce of a per-rank [tokens, hidden] partial sum."""
-    f = jax.jit(
-        jax.shard_map(lambda x: jax.lax.psum(x, "tp"), mesh=mesh, in_specs=P("tp"), out_specs=P())
-    )
+    f = jit_shard_map(lambda x: jax.lax.psum(x, "tp"), mesh, P("tp"), P())
     world = mesh.shape["tp"]
     return cuda_collectives(f, shaped(mesh, (world * shape[0], *shape[1:]), P("tp"), dtype))
 
@@ -87,8 +86,7 @@ def dense_program(mesh, ws, pattern, **kwargs):
         shaped(mesh, (HIDDEN,), P()),
         shaped(mesh, (), P(), jnp.float32),
     )
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P(), P()), out_specs=P()))
-    return f, args
+    return jit_shard_map(body, mesh, (P("tp"), P(), P(), P()), P()), args
 
 
 def check_not_costlier(program, baseline, what):
@@ -102,9 +100,9 @@ def check_not_costlier(program, baseline, what):
 
 @pytest.mark.parametrize("fp32_acc", [True, False], ids=["fp32_acc", "no_fp32_acc"])
 @pytest.mark.parametrize("pattern", DENSE, ids=[p.name for p in DENSE])
-@pytest.mark.parametrize("world", WORLDS, ids=[f"world{w}" for w in WORLDS])
+@PER_WORLD
 def test_dense_fallback_moves_no_more_than_psum(world, pattern, fp32_acc):
-    mesh = make_mesh((world,), ("tp",))
+    mesh = tp_mesh(world)
     f, args = dense_program(mesh, xla_workspace(mesh), pattern, fp32_acc=fp32_acc)
     got = cuda_collectives(f, *args)
     base = psum_program(mesh)
@@ -113,11 +111,11 @@ def test_dense_fallback_moves_no_more_than_psum(world, pattern, fp32_acc):
     assert got == base, (got, base)
 
 
-@pytest.mark.parametrize("world", WORLDS, ids=[f"world{w}" for w in WORLDS])
+@PER_WORLD
 def test_the_kernel_exact_fallback_moves_what_it_is_documented_to(world):
     """The emulation, asked for: a float32 psum (2x the bytes of the bf16 psum) with
     fp32_acc, one float32 psum per rank (2 x world x the bytes) without."""
-    mesh = make_mesh((world,), ("tp",))
+    mesh = tp_mesh(world)
     base = psum_program(mesh)["all_reduce"]
     for fp32_acc, calls in ((True, 1), (False, world)):
         f, args = dense_program(
@@ -132,11 +130,11 @@ def test_the_kernel_exact_fallback_moves_what_it_is_documented_to(world):
         assert got["bytes"] == 2 * calls * base["bytes"], (got, base)
 
 
-@pytest.mark.parametrize("world", WORLDS, ids=[f"world{w}" for w in WORLDS])
+@PER_WORLD
 def test_a_call_beyond_a_kernel_workspace_falls_back_to_psum_on_cuda(world):
     """On a kernel workspace too small for the call, the cuda lowering holds no custom call
     and the fallback's psum, like the xla backend's."""
-    mesh = make_mesh((world,), ("tp",))
+    mesh = tp_mesh(world)
     ws = xla_workspace(mesh, tokens=TOKENS // 2, backend="trtllm")
     f, args = dense_program(mesh, ws, AllReduceFusionPattern.kARResidualRMSNorm, strict=False)
     text = jf.export.export(f, platforms=("cuda",))(*args).mlir_module()
@@ -145,9 +143,9 @@ def test_a_call_beyond_a_kernel_workspace_falls_back_to_psum_on_cuda(world):
     assert got == psum_program(mesh), got
 
 
-@pytest.mark.parametrize("world", WORLDS, ids=[f"world{w}" for w in WORLDS])
+@PER_WORLD
 def test_forward_mode_tangents_and_vmap_move_no_more_than_psum(world):
-    mesh = make_mesh((world,), ("tp",))
+    mesh = tp_mesh(world)
     ws = xla_workspace(mesh, tokens=2 * TOKENS)
     f, args = dense_program(mesh, ws, AllReduceFusionPattern.kARResidualRMSNorm)
 
@@ -161,22 +159,12 @@ def test_forward_mode_tangents_and_vmap_move_no_more_than_psum(world):
 
         return run
 
-    fused = jax.jit(
-        jax.shard_map(
-            jvp_of(
-                lambda x, r, g: jf.allreduce_fusion(
-                    x, axis_name="tp", workspace=ws, residual=r, rms_gamma=g
-                )[1:3],
-                3,
-            ),
-            mesh=mesh,
-            in_specs=(P("tp"), P(), P()),
-            out_specs=P(),
-        )
-    )
-    plain = jax.jit(
-        jax.shard_map(jvp_of(user, 3), mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=P())
-    )
+    def fused_call(x, r, g):
+        return jf.allreduce_fusion(x, axis_name="tp", workspace=ws, residual=r, rms_gamma=g)[1:3]
+
+    specs = (P("tp"), P(), P())
+    fused = jit_shard_map(jvp_of(fused_call, 3), mesh, specs, P())
+    plain = jit_shard_map(jvp_of(user, 3), mesh, specs, P())
     got, base = cuda_collectives(fused, *args[:3]), cuda_collectives(plain, *args[:3])
     assert base["all_reduce"]["count"] == 2  # the primal's and the tangent's
     check_not_costlier(got, base, f"jvp world {world}")
@@ -190,9 +178,7 @@ def test_forward_mode_tangents_and_vmap_move_no_more_than_psum(world):
             )
         )(x, r)
 
-    vm = jax.jit(
-        jax.shard_map(batched, mesh=mesh, in_specs=(P(None, "tp"), P(), P()), out_specs=P())
-    )
+    vm = jit_shard_map(batched, mesh, (P(None, "tp"), P(), P()), P())
     vargs = (
         shaped(mesh, (2, world * TOKENS, HIDDEN), P(None, "tp")),
         shaped(mesh, (2, TOKENS, HIDDEN), P()),
@@ -227,13 +213,13 @@ def moe_program(mesh, ws, pattern, **kwargs):
     shapes += [((TOKENS, HIDDEN), BF16), ((HIDDEN,), BF16)]
     specs = [P("tp")] * 3 + [P()] * 2
     args = [shaped(mesh, s, sp, d) for (s, d), sp in zip(shapes, specs)]
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=P())), args
+    return jit_shard_map(body, mesh, tuple(specs), P()), args
 
 
 @pytest.mark.parametrize("pattern", MOE_PATTERNS, ids=[p.name for p in MOE_PATTERNS])
-@pytest.mark.parametrize("world", WORLDS, ids=[f"world{w}" for w in WORLDS])
+@PER_WORLD
 def test_moe_fallback_moves_no_more_than_psum(world, pattern):
-    mesh = make_mesh((world,), ("tp",))
+    mesh = tp_mesh(world)
     f, args = moe_program(mesh, xla_workspace(mesh), pattern)
     got = cuda_collectives(f, *args)
     base = psum_program(mesh)
@@ -248,6 +234,13 @@ def test_moe_fallback_moves_no_more_than_psum(world, pattern):
 # --- plain jit --------------------------------------------------------------------------------
 
 K = 256
+LAYER_SPECS = (P(None, "tp"), P("tp"), P(), P())
+
+
+def explicit_mesh(world):
+    return jax.make_mesh(
+        (world,), ("tp",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:world]
+    )
 
 
 def row_parallel_args(mesh):
@@ -260,13 +253,11 @@ def row_parallel_args(mesh):
 
 
 @pytest.mark.parametrize("with_workspace", [True, False], ids=["xla_workspace", "no_workspace"])
-@pytest.mark.parametrize("world", WORLDS, ids=[f"world{w}" for w in WORLDS])
+@PER_WORLD
 def test_row_parallel_on_explicit_axes_moves_no_more_than_the_partitioners_psum(
     world, with_workspace
 ):
-    mesh = jax.make_mesh(
-        (world,), ("tp",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:world]
-    )
+    mesh = explicit_mesh(world)
     ws = xla_workspace(mesh) if with_workspace else None
 
     def fused(h, w, r, g):
@@ -287,18 +278,14 @@ def test_row_parallel_on_explicit_axes_moves_no_more_than_the_partitioners_psum(
         got = cuda_collectives(fused, *args)
         base = cuda_collectives(jax.jit(plain), *args)
     check_not_costlier(got, base, f"row_parallel world {world}")
-    assert (
-        got["all_reduce"]
-        == base["all_reduce"]
-        == psum_program(make_mesh((world,), ("tp",)))["all_reduce"]
-    )
+    assert got["all_reduce"] == base["all_reduce"] == psum_program(tp_mesh(world))["all_reduce"]
 
 
-@pytest.mark.parametrize("world", WORLDS, ids=[f"world{w}" for w in WORLDS])
+@PER_WORLD
 def test_row_parallel_partition_rule_on_auto_axes_moves_no_more_than_psum(world):
     """Auto axes: the partition rule runs when XLA compiles (jax.export cannot carry it),
     so its per-shard program, what every GPU runs, is lowered for cuda here."""
-    mesh = make_mesh((world,), ("tp",))
+    mesh = tp_mesh(world)
     for ws in (xla_workspace(mesh), None):
         cfg = partitioning._checked_config(
             partitioning._Contraction.matmul(2), ws, 1e-6, 0.0, True, None, None, None, "xla"
@@ -334,9 +321,7 @@ def _layer_in_one_shard_map(mesh):
         r = s + r
         return r, _norm(r, g)
 
-    return jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P("tp"), P(), P()), out_specs=P())
-    )
+    return jit_shard_map(body, mesh, LAYER_SPECS, P())
 
 
 def _megatron_g(mesh):
@@ -350,15 +335,7 @@ def _megatron_g(mesh):
         r = g_op(x @ w) + r
         return r, _norm(r, g)
 
-    return jax.jit(
-        jax.shard_map(
-            body,
-            mesh=mesh,
-            in_specs=(P(None, "tp"), P("tp"), P(), P()),
-            out_specs=P(),
-            check_vma=False,
-        )
-    )
+    return jit_shard_map(body, mesh, LAYER_SPECS, P(), check_vma=False)
 
 
 def _per_linear(mesh):
@@ -378,9 +355,9 @@ def _per_linear(mesh):
 @pytest.mark.parametrize(
     "form", [_layer_in_one_shard_map, _megatron_g, _per_linear], ids=lambda f: f.__name__[1:]
 )
-@pytest.mark.parametrize("world", WORLDS, ids=[f"world{w}" for w in WORLDS])
+@PER_WORLD
 def test_fused_sites_on_the_xla_backend_keep_the_originals_collectives(world, form):
-    mesh = make_mesh((world,), ("tp",))
+    mesh = tp_mesh(world)
     model = form(mesh)
     args = row_parallel_args(mesh)
     fused = jf.fuse(model, mesh=mesh, axis_name="tp", backend="xla")
@@ -392,11 +369,9 @@ def test_fused_sites_on_the_xla_backend_keep_the_originals_collectives(world, fo
     assert got == base, (got, base)
 
 
-@pytest.mark.parametrize("world", WORLDS, ids=[f"world{w}" for w in WORLDS])
+@PER_WORLD
 def test_a_fused_plain_jit_site_on_the_xla_backend_keeps_the_partitioners_psum(world):
-    mesh = jax.make_mesh(
-        (world,), ("tp",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:world]
-    )
+    mesh = explicit_mesh(world)
 
     def model(h, w, r, g):
         r = jnp.matmul(h, w, out_sharding=P()) + r  # the partitioner all-reduces when compiling
@@ -430,20 +405,16 @@ def _fp8_tail_in_one_shard_map(mesh):
         q = jnp.clip(y.astype(jnp.float32) / 0.05, -448.0, 448.0).astype(jnp.float8_e4m3fn)
         return r, y, q
 
-    return jax.jit(
-        jax.shard_map(
-            body, mesh=mesh, in_specs=(P(None, "tp"), P("tp"), P(), P()), out_specs=(P(),) * 3
-        )
-    )
+    return jit_shard_map(body, mesh, LAYER_SPECS, (P(),) * 3)
 
 
-@pytest.mark.parametrize("world", WORLDS, ids=[f"world{w}" for w in WORLDS])
+@PER_WORLD
 def test_forward_mode_of_a_fused_fp8_tail_moves_what_the_original_does(world):
     """The fused FP8 tail keeps the program's derivative (its equations differentiated at
     the norm's value); its tangents come from the fused op's own, whose all-reduce on the xla
     backend is the program's psum in T: jax.jvp of the fused program moves what jax.jvp of
     the original does."""
-    mesh = make_mesh((world,), ("tp",))
+    mesh = tp_mesh(world)
     model = _fp8_tail_in_one_shard_map(mesh)
     args = row_parallel_args(mesh)
     fused = jf.fuse(model, mesh=mesh, axis_name="tp", backend="xla")

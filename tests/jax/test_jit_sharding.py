@@ -15,8 +15,16 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_fusedar as jf
-from tests.jax.cpu_helpers import bits, jdtype, new_rng, random_gamma, random_values
-from tests.jax.cpu_helpers import require_host_devices
+from tests.jax.cpu_helpers import (
+    bits,
+    cuda_text,
+    jdtype,
+    jit_shard_map,
+    new_rng,
+    random_gamma,
+    random_values,
+    require_host_devices,
+)
 from jax_fusedar.ops import partitioning
 from jax_fusedar.ops.dense import FFI_TARGET
 
@@ -138,6 +146,16 @@ def arg_shape(mesh, shape, spec, dtype=jnp.bfloat16):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
 
 
+def partition_args(mesh, h_spec, w_spec, r_spec=P()):
+    """Abstract (h [32, FFN], w [FFN, HIDDEN], residual, gamma) placed as the specs say."""
+    return (
+        arg_shape(mesh, (32, FFN), h_spec),
+        arg_shape(mesh, (FFN, HIDDEN), w_spec),
+        arg_shape(mesh, (32, HIDDEN), r_spec),
+        arg_shape(mesh, (HIDDEN,), P()),
+    )
+
+
 def cfg(workspaces=(), strict=None, h_ndim=2):
     return partitioning._Config(
         tuple(workspaces),
@@ -166,12 +184,7 @@ def cfg(workspaces=(), strict=None, h_ndim=2):
 )
 def test_partition_rule_shardings(h_spec, w_spec, want_h, want_w, want_out):
     mesh = mesh_2x4(AxisType.Auto)
-    args = (
-        arg_shape(mesh, (32, FFN), h_spec),
-        arg_shape(mesh, (FFN, HIDDEN), w_spec),
-        arg_shape(mesh, (32, HIDDEN), P()),
-        arg_shape(mesh, (HIDDEN,), P()),
-    )
+    args = partition_args(mesh, h_spec, w_spec)
     _, _, outs, ins = partitioning.partition(cfg(), mesh, args, None)
     assert [s.spec for s in ins] == [want_h, want_w, want_out, P(None)]
     assert [s.spec for s in outs] == [want_out, want_out]
@@ -183,12 +196,7 @@ def lower_partitioned_shard_for_cuda(
     """What XLA compiles on each GPU: the partition rule's per-shard program, lowered for cuda
     inside a manual region over the mesh (as custom_partitioning does at compile time)."""
     mesh = mesh_2x4(AxisType.Auto)
-    args = (
-        arg_shape(mesh, (32, FFN), h_spec),
-        arg_shape(mesh, (FFN, HIDDEN), w_spec),
-        arg_shape(mesh, (32, HIDDEN), P()),
-        arg_shape(mesh, (HIDDEN,), P()),
-    )
+    args = partition_args(mesh, h_spec, w_spec)
     _, local, outs, ins = partitioning.partition(cfg(workspaces, **cfg_kwargs), mesh, args, None)
     f = jax.shard_map(
         local,
@@ -198,7 +206,7 @@ def lower_partitioned_shard_for_cuda(
         check_vma=False,
     )
     placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(args, ins)]
-    return jax.jit(f).trace(*placed).lower(lowering_platforms=("cuda",)).as_text()
+    return cuda_text(jax.jit(f), *placed)
 
 
 def test_partitioned_shard_lowers_to_the_fused_custom_call_for_cuda():
@@ -211,23 +219,13 @@ def test_partitioned_shard_lowers_to_the_fused_custom_call_for_cuda():
 def test_explicit_axes_lower_to_the_fused_custom_call_for_cuda():
     mesh = mesh_2x4(AxisType.Explicit)
     ws = jf.abstract_workspace(mesh, "tp", max_token_num=64, hidden_dim=HIDDEN, dtype=jnp.bfloat16)
-    args = (
-        arg_shape(mesh, (32, FFN), P("dp", "tp")),
-        arg_shape(mesh, (FFN, HIDDEN), P("tp")),
-        arg_shape(mesh, (32, HIDDEN), P("dp")),
-        arg_shape(mesh, (HIDDEN,), P()),
-    )
+    args = partition_args(mesh, P("dp", "tp"), P("tp"), P("dp"))
+
+    def f(h, w, r, g):
+        return jf.row_parallel_allreduce_fusion(h, w, residual=r, rms_gamma=g, workspace=ws)[1:3]
+
     with jax.set_mesh(mesh):
-        text = (
-            jax.jit(
-                lambda *a: jf.row_parallel_allreduce_fusion(
-                    a[0], a[1], residual=a[2], rms_gamma=a[3], workspace=ws
-                )[1:3]
-            )
-            .trace(*args)
-            .lower(lowering_platforms=("cuda",))
-            .as_text()
-        )
+        text = cuda_text(jax.jit(f), *args)
     assert text.count(f"@{FFI_TARGET}") == 1 and "all_reduce" not in text
 
 
@@ -275,14 +273,8 @@ def test_argument_errors():
     for axis_type in (AxisType.Auto, AxisType.Explicit):  # inside shard_map: refused
         m = mesh_2x4(axis_type)
         with pytest.raises(ValueError, match="outside shard_map"):
-            jax.jit(
-                jax.shard_map(
-                    lambda h, w: call(h, w, residual=r, rms_gamma=g).norm_out,
-                    mesh=m,
-                    in_specs=(P(), P()),
-                    out_specs=P(),
-                )
-            )(h, w)
+            inner = lambda h, w: call(h, w, residual=r, rms_gamma=g).norm_out  # noqa: E731
+            jit_shard_map(inner, m, (P(), P()), P())(h, w)
     ws = jf.create_allreduce_fusion_workspace(
         mesh, "tp", max_token_num=8, hidden_dim=32, dtype=jnp.bfloat16
     )

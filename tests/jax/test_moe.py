@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_fusedar as jf
 import tests.oracles.moe_oracle as mo
-from tests.jax.cpu_helpers import make_mesh, put, require_host_devices
+from tests.jax.cpu_helpers import cuda_text, jit_shard_map, put, require_host_devices, tp_mesh
 from jax_fusedar.ops import moe, moe_reference
 from jax_fusedar.ops.plan import CallPlan, choose_moe_kernel
 
@@ -23,15 +23,11 @@ EPS = 1e-6
 BF = jnp.bfloat16
 
 
-def mesh_of(world):
-    return make_mesh((world,), ("tp",))
-
-
 def workspace(world, dtype, *, tokens, hidden, backend=None):
     kw = {} if backend is None else {"backend": backend}
     make = jf.abstract_workspace if backend == "trtllm" else jf.create_allreduce_fusion_workspace
     return make(
-        mesh_of(world),
+        tp_mesh(world),
         "tp",
         max_token_num=max(tokens, 1),
         hidden_dim=hidden,
@@ -40,18 +36,39 @@ def workspace(world, dtype, *, tokens, hidden, backend=None):
     )
 
 
+def stack_padded(buffers):
+    """The ranks' buffers stacked, padded to the longest (padding rows are never indexed)."""
+    rows = max(p.shape[0] for p in buffers)
+    return np.stack([np.pad(p, ((0, rows - p.shape[0]), (0, 0))) for p in buffers])
+
+
+def check_oracle_bounds(outs, exact, case, world, dtype, weight_bias):
+    """The outputs within 1 of the float64 oracle's bounds (tests/oracles/moe_oracle.py),
+    given each rank's (exact local rows, magnitude, additions) of ``exact``."""
+    s64, r64, y64, inv = mo.epilogue64(
+        [e[0] for e in exact], case["residual"], case["gamma"], rms_eps=EPS, weight_bias=weight_bias
+    )
+    magnitude = sum(e[1] for e in exact) + np.abs(np.asarray(case["residual"], np.float64))
+    errs = mo.errors(
+        outs,
+        s64=s64,
+        r64=r64,
+        y64=y64,
+        inv64=inv,
+        magnitude=magnitude,
+        roundings=world * (2 * exact[0][2] + 1) + world,
+        gamma=case["gamma"],
+        weight_bias=weight_bias,
+        dtype_name=dtype,
+    )
+    assert max(errs) <= 1.0, errs
+    return errs
+
+
 def run_finalize(ws, case, *, use_scale=True, use_shared=True, routed=1.0, weight_bias=0.0):
     world = ws.world_size
     mesh = ws.mesh
-    rows = max(p.shape[0] for p in case["permuted"])
-    hidden = case["residual"].shape[1]
-    # Stack the ranks' buffers (padded to the longest; padding rows are never indexed).
-    permuted = np.stack(
-        [
-            np.concatenate([p, np.zeros((rows - p.shape[0], hidden), p.dtype)])
-            for p in case["permuted"]
-        ]
-    )
+    permuted = stack_padded(case["permuted"])
     idx = np.stack(case["idx"])
     shared = np.stack(case["shared"])
 
@@ -74,7 +91,7 @@ def run_finalize(ws, case, *, use_scale=True, use_shared=True, routed=1.0, weigh
         return out.residual_out, out.norm_out
 
     specs = (P("tp"), P("tp"), P("tp"), P(), P())
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(), P())))
+    f = jit_shard_map(body, mesh, specs, (P(), P()))
     args = (permuted, idx, shared, case["residual"], case["gamma"])
     return [np.asarray(o) for o in f(*(put(mesh, s, a) for s, a in zip(specs, args)))], world
 
@@ -106,25 +123,7 @@ def check_finalize(outs, case, world, dtype, *, use_scale, use_shared, routed, w
         )
         for r in range(world)
     ]
-    s64, r64, y64, inv = mo.epilogue64(
-        [e[0] for e in exact], case["residual"], case["gamma"], rms_eps=EPS, weight_bias=weight_bias
-    )
-    magnitude = sum(e[1] for e in exact) + np.abs(np.asarray(case["residual"], np.float64))
-    roundings = world * (2 * exact[0][2] + 1) + world
-    errs = mo.errors(
-        outs,
-        s64=s64,
-        r64=r64,
-        y64=y64,
-        inv64=inv,
-        magnitude=magnitude,
-        roundings=roundings,
-        gamma=case["gamma"],
-        weight_bias=weight_bias,
-        dtype_name=dtype,
-    )
-    assert max(errs) <= 1.0, errs
-    return errs
+    return check_oracle_bounds(outs, exact, case, world, dtype, weight_bias)
 
 
 FINALIZE_CASES = [
@@ -209,7 +208,7 @@ def run_reduction(ws, case, *, return_allreduce_out=True, fallback="kernel_exact
 
     specs = (P("tp"), P("tp"), P("tp"), P(), P())
     n_out = 3 if return_allreduce_out else 2
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(),) * n_out))
+    f = jit_shard_map(body, mesh, specs, (P(),) * n_out)
     args = (
         np.stack(case["expert_outputs"]),
         np.stack(case["expert_scales"]),
@@ -252,23 +251,7 @@ def test_reduction_matches_rounding_points_and_oracle(world, dtype, tokens, hidd
         )
         for r in range(world)
     ]
-    s64, r64, y64, inv = mo.epilogue64(
-        [e[0] for e in exact], case["residual"], case["gamma"], rms_eps=EPS, weight_bias=0.0
-    )
-    magnitude = sum(e[1] for e in exact) + np.abs(np.asarray(case["residual"], np.float64))
-    errs = mo.errors(
-        [outs[0], outs[1], outs[2]],
-        s64=s64,
-        r64=r64,
-        y64=y64,
-        inv64=inv,
-        magnitude=magnitude,
-        roundings=world * (2 * exact[0][2] + 1) + world,
-        gamma=case["gamma"],
-        weight_bias=0.0,
-        dtype_name=dtype,
-    )
-    assert max(errs) <= 1.0, errs
+    check_oracle_bounds([outs[0], outs[1], outs[2]], exact, case, world, dtype, 0.0)
 
 
 def test_reduction_without_allreduce_out():
@@ -315,9 +298,9 @@ def test_vmap_and_nd_equal_per_element_calls():
         )
         for _ in range(3)
     ]
-    rows = max(p.shape[0] for c in cases for p in c["permuted"])
-    pad = lambda p: np.concatenate([p, np.zeros((rows - p.shape[0], hidden), p.dtype)])  # noqa
-    permuted = np.stack([np.stack([pad(c["permuted"][r]) for c in cases]) for r in range(world)])
+    # [world, case, rows, hidden], every buffer padded to the longest of all
+    flat = stack_padded([c["permuted"][r] for r in range(world) for c in cases])
+    permuted = flat.reshape(world, len(cases), *flat.shape[1:])
     idx = np.stack([np.stack([c["idx"][r] for c in cases]) for r in range(world)])
     residual = np.stack([c["residual"] for c in cases])
     scale = np.stack([c["scale"] for c in cases])
@@ -337,14 +320,7 @@ def test_vmap_and_nd_equal_per_element_calls():
         return tuple(jnp.stack(o) for o in zip(*outs))
 
     args = [put(mesh, s, a) for s, a in zip(specs, (permuted, idx, residual, gamma, scale))]
-    run = lambda f: jax.jit(
-        jax.shard_map(
-            f,
-            mesh=mesh,
-            in_specs=specs,  # noqa: E731
-            out_specs=(P(), P()),
-        )
-    )(*args)
+    run = lambda f: jit_shard_map(f, mesh, specs, (P(), P()))(*args)  # noqa: E731
     for a, b in zip(run(batched), run(looped)):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
 
@@ -356,13 +332,7 @@ def test_grad_equals_grad_of_the_reference():
     case = mo.random_finalize_case(
         rng, tokens=4, top_k=2, experts=4, world=world, dtype_name=dtype, hidden=hidden
     )
-    rows = max(p.shape[0] for p in case["permuted"])
-    permuted = np.stack(
-        [
-            np.concatenate([p, np.zeros((rows - p.shape[0], hidden), p.dtype)])
-            for p in case["permuted"]
-        ]
-    )
+    permuted = stack_padded(case["permuted"])
     idx = np.stack(case["idx"])
     ws = workspace(world, dtype, tokens=4, hidden=hidden)
     mesh = ws.mesh
@@ -416,6 +386,7 @@ def test_cuda_lowering_uses_the_moe_custom_call(hidden, kernel):
     case = mo.random_finalize_case(
         rng, tokens=16, top_k=8, experts=16, world=2, dtype_name="bfloat16", hidden=8
     )
+    specs = (P("tp"), P("tp"), P(), P(), P())
     idx = jax.ShapeDtypeStruct((2, 16, 8), jnp.int32)
     permuted = jax.ShapeDtypeStruct((2, 40, hidden), jnp.bfloat16)
     row = jax.ShapeDtypeStruct((16, hidden), jnp.bfloat16)
@@ -426,25 +397,17 @@ def test_cuda_lowering_uses_the_moe_custom_call(hidden, kernel):
     def body(permuted, idx, residual, gamma, scale):
         return finalize_fn(ws, strict=False)(permuted[0], idx[0], residual, gamma, scale)
 
-    f = jax.jit(
-        jax.shard_map(
-            body, mesh=ws.mesh, in_specs=(P("tp"), P("tp"), P(), P(), P()), out_specs=(P(), P())
-        )
-    )
-    text = f.trace(permuted, idx, row, gamma, scale).lower(lowering_platforms=("cuda",)).as_text()
+    f = jit_shard_map(body, ws.mesh, specs, (P(), P()))
+    text = cuda_text(f, permuted, idx, row, gamma, scale)
     assert (moe.FFI_TARGET in text) == kernel
     if kernel:
         assert "has_expert_scale = true" in text and "has_shared_expert = false" in text
     else:
+        strict = lambda *a: finalize_fn(ws, strict=True)(a[0][0], a[1][0], *a[2:])  # noqa: E731
         with pytest.raises(ValueError, match="multiple of 256"):
-            jax.jit(
-                jax.shard_map(
-                    lambda *a: finalize_fn(ws, strict=True)(a[0][0], a[1][0], *a[2:]),
-                    mesh=ws.mesh,
-                    in_specs=(P("tp"), P("tp"), P(), P(), P()),
-                    out_specs=(P(), P()),
-                )
-            ).trace(permuted, idx, row, gamma, scale)
+            jit_shard_map(strict, ws.mesh, specs, (P(), P())).trace(
+                permuted, idx, row, gamma, scale
+            )
 
 
 def test_vmap_beyond_the_workspace_maps_onto_the_kernel():
@@ -465,12 +428,8 @@ def test_vmap_beyond_the_workspace_maps_onto_the_kernel():
             permuted[0], idx[0], residual, gamma, scale
         )
 
-    f = jax.jit(
-        jax.shard_map(
-            body, mesh=ws.mesh, in_specs=(P("tp"), P("tp"), P(), P(), P()), out_specs=(P(), P())
-        )
-    )
-    text = f.trace(permuted, idx, rows, gamma, scale).lower(lowering_platforms=("cuda",)).as_text()
+    f = jit_shard_map(body, ws.mesh, (P("tp"), P("tp"), P(), P(), P()), (P(), P()))
+    text = cuda_text(f, permuted, idx, rows, gamma, scale)
     assert moe.FFI_TARGET in text and "while" in text  # the kernel, in a loop over elements
 
 
@@ -487,60 +446,26 @@ def call_finalize(ws, permuted, idx, *, gamma=None, **kw):
         )
         return out.residual_out, out.norm_out
 
-    f = jax.jit(jax.shard_map(body, mesh=ws.mesh, in_specs=P("tp"), out_specs=(P(), P())))
-    return f(np.stack([permuted] * ws.world_size))
+    return jit_shard_map(body, ws.mesh, P("tp"), (P(), P()))(np.stack([permuted] * ws.world_size))
+
+
+def bad(idx=((0, 1),), idx_dtype=np.int32, dtype=BF, **kw):
+    """(permuted rows [4, 256], index map, options) of a finalize call, one of them bad."""
+    return np.zeros((4, 256), dtype), np.array(idx, idx_dtype), kw
 
 
 @pytest.mark.parametrize(
     "make,match",
     [
-        (lambda: (np.zeros((4, 256), BF), np.array([[0, 4]], np.int32), {}), "not -1 .* 4 rows"),
-        (lambda: (np.zeros((4, 256), BF), np.array([[-2, 0]], np.int32), {}), "-2"),
-        (lambda: (np.zeros((4, 256), BF), np.array([[0, 1]], np.int64), {}), "int32"),
-        (
-            lambda: (np.zeros((4, 256), np.float32), np.array([[0, 1]], np.int32), {}),
-            "bfloat16 or float16",
-        ),
-        (
-            lambda: (
-                np.zeros((4, 256), BF),
-                np.array([[0, 1]], np.int32),
-                {"expert_scale_factor": np.ones((1, 2), np.float32)},
-            ),
-            "expert_scale_factor",
-        ),
-        (
-            lambda: (
-                np.zeros((4, 256), BF),
-                np.array([[0, 1]], np.int32),
-                {"shared_expert_output": np.ones((1, 128), BF)},
-            ),
-            "shared_expert_output",
-        ),
-        (
-            lambda: (
-                np.zeros((4, 256), BF),
-                np.array([[0, 1]], np.int32),
-                {"residual": np.ones((2, 256), BF)},
-            ),
-            "residual",
-        ),
-        (
-            lambda: (
-                np.zeros((4, 256), BF),
-                np.array([[0, 1]], np.int32),
-                {"routed_scaling_factor": float("nan")},
-            ),
-            "routed_scaling_factor",
-        ),
-        (
-            lambda: (
-                np.zeros((4, 256), BF),
-                np.array([[0, 1]], np.int32),
-                {"gamma": np.ones(8, BF)},
-            ),
-            "rms_gamma",
-        ),
+        (lambda: bad(idx=[[0, 4]]), "not -1 .* 4 rows"),
+        (lambda: bad(idx=[[-2, 0]]), "-2"),
+        (lambda: bad(idx_dtype=np.int64), "int32"),
+        (lambda: bad(dtype=np.float32), "bfloat16 or float16"),
+        (lambda: bad(expert_scale_factor=np.ones((1, 2), np.float32)), "expert_scale_factor"),
+        (lambda: bad(shared_expert_output=np.ones((1, 128), BF)), "shared_expert_output"),
+        (lambda: bad(residual=np.ones((2, 256), BF)), "residual"),
+        (lambda: bad(routed_scaling_factor=float("nan")), "routed_scaling_factor"),
+        (lambda: bad(gamma=np.ones(8, BF)), "rms_gamma"),
     ],
 )
 def test_finalize_bad_inputs(make, match):
@@ -556,19 +481,14 @@ def test_reduction_bad_inputs_and_dense_entry_point_refuses_moe_codes():
     ws = workspace(2, "bfloat16", tokens=4, hidden=256)
     x = np.zeros((2, 3, 256), BF)
 
+    def body(x, s, t):
+        return jf.moe_reduction_allreduce_fusion(
+            x[0], s[0], t[0], axis_name="tp", workspace=ws, rms_gamma=np.ones(256, BF)
+        ).norm_out
+
     def call(x, s, tok):
-        return jax.jit(
-            jax.shard_map(
-                lambda x, s, t: (
-                    jf.moe_reduction_allreduce_fusion(
-                        x[0], s[0], t[0], axis_name="tp", workspace=ws, rms_gamma=np.ones(256, BF)
-                    ).norm_out
-                ),
-                mesh=ws.mesh,
-                in_specs=(P("tp"),) * 3,
-                out_specs=P(),
-            )
-        )(np.stack([x] * 2), np.stack([s] * 2), np.stack([tok] * 2))
+        f = jit_shard_map(body, ws.mesh, (P("tp"),) * 3, P())
+        return f(np.stack([x] * 2), np.stack([s] * 2), np.stack([tok] * 2))
 
     with pytest.raises(ValueError, match="expert_scales .*float32"):
         call(x, np.zeros((2, 3), BF), np.zeros((3, 256), BF))
@@ -577,14 +497,8 @@ def test_reduction_bad_inputs_and_dense_entry_point_refuses_moe_codes():
     with pytest.raises(ValueError, match="expert_outputs"):
         call(np.zeros((2, 4, 256), BF), np.zeros((2, 3), np.float32), np.zeros((3, 256), BF))
     with pytest.raises(ValueError, match="has its own inputs"):
-        jax.jit(
-            jax.shard_map(
-                lambda x: jf.allreduce_fusion(x, axis_name="tp", workspace=ws, pattern=7).norm_out,
-                mesh=ws.mesh,
-                in_specs=P("tp"),
-                out_specs=P(),
-            )
-        )(np.zeros((2, 256), BF))
+        dense = lambda x: jf.allreduce_fusion(x, axis_name="tp", workspace=ws, pattern=7)  # noqa
+        jit_shard_map(lambda x: dense(x).norm_out, ws.mesh, P("tp"), P())(np.zeros((2, 256), BF))
     with pytest.raises(ValueError, match="inside jax.shard_map"):
         jf.moe_reduction_allreduce_fusion(
             x,

@@ -41,6 +41,12 @@ def fresh_seed() -> int:
     return int(env) if env else int.from_bytes(os.urandom(4), "little")
 
 
+def seeded():
+    """(seed, generator) of a fresh seed (fresh_seed)."""
+    seed = fresh_seed()
+    return seed, np.random.default_rng(seed)
+
+
 def make_y(rng, M, H, dtype_name, *, specials=False, extremes=True):
     """Random norm outputs in T with all-zero rows, huge rows, tiny rows and exact 7*2^j
     values (group-scale power-of-two boundary)."""
@@ -139,8 +145,7 @@ def _groups(H, dtype, rng):
 
 @pytest.mark.parametrize("dtype,M,H", SHAPES)
 def test_fp8_static_matches_oracle(dtype, M, H):
-    seed = fresh_seed()
-    rng = np.random.default_rng(seed)
+    seed, rng = seeded()
     y = make_y(rng, M, H, dtype)
     amax = float(np.max(np.abs(y.astype(np.float64))))
     scales = [
@@ -176,8 +181,7 @@ def test_fp8_dynamic_matches_oracle(dtype, M, H):
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype,M,H", SHAPES)
 def test_fp8_group_matches_oracle(dtype, M, H):
-    seed = fresh_seed()
-    rng = np.random.default_rng(seed)
+    seed, rng = seeded()
     y = make_y(rng, M, H, dtype)
     for g in _groups(H, dtype, rng):
         q, buf = _group(jnp.asarray(y), g)
@@ -196,8 +200,7 @@ def test_fp8_group_matches_oracle(dtype, M, H):
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype,M,H", SHAPES)
 def test_nvfp4_matches_oracle(dtype, M, H):
-    seed = fresh_seed()
-    rng = np.random.default_rng(seed)
+    seed, rng = seeded()
     y = make_y(rng, M, H, dtype)
     amax = float(np.max(np.abs(y.astype(np.float64))))
     typical = 448 * 6 / max(amax, 1e-30)
@@ -233,8 +236,7 @@ def test_fp8_static_reciprocal_then_multiply(dtype):
     """The kernel multiplies by fl(1/scale); y / scale rounds differently exactly when the
     product sits near an e4m3 midpoint, which scale = 7 * 2^k produces for some 30 y (13 and
     15 do for fewer; 3, 5, 9, 11 and 0.1 for none)."""
-    seed = fresh_seed()
-    rng = np.random.default_rng(seed)
+    seed, rng = seeded()
     vals = _positive_values(dtype)
     for k in rng.choice(np.arange(-6, 6), 2, replace=False):
         s = 7.0 * 2.0 ** int(k)
@@ -251,8 +253,7 @@ def test_fp8_static_reciprocal_then_multiply(dtype):
 @pytest.mark.parametrize("dtype,M,H", [("bfloat16", 130, 1024)])
 def test_reciprocal_division_mode(dtype, M, H):
     """division="reciprocal" (fl(a * fl(1/b))) against the oracle's, and it does differ."""
-    seed = fresh_seed()
-    rng = np.random.default_rng(seed)
+    seed, rng = seeded()
     y = make_y(rng, M, H, dtype)
     yj = jnp.asarray(y)
     q, s = jax.jit(lambda y: Q.quantize_fp8_dynamic(y, division="reciprocal"))(yj)
@@ -308,8 +309,7 @@ def _nvfp4_order_blocks(dtype_name, gs):
 def test_nvfp4_operation_order(dtype):
     """Constructed inputs that tell the kernel's order of operations from plausible others
     (random data hits these only by chance), plus the exact e2m1 ties."""
-    seed = fresh_seed()
-    rng = np.random.default_rng(seed)
+    seed, rng = seeded()
     found_sf = found_q = 0
     # gs = 3 * 2^k makes both orderings land on e4m3 / e2m1 midpoints (found for every k);
     # a random gs rarely does
@@ -327,24 +327,8 @@ def test_nvfp4_operation_order(dtype):
         assert_e4m3_equal(bytes_of(sf), wsf, f"gs={gs} seed={seed}")
     assert found_sf > 0 and found_q > 0, (found_sf, found_q, seed)
     # with gs = 1 and a block max of 6, SF = 1 and oscale = 1: v = x, so the e2m1 ties show
-    ties = [
-        6.0,
-        0.25,
-        0.75,
-        1.25,
-        1.75,
-        2.5,
-        3.5,
-        5.0,
-        -0.25,
-        -0.75,
-        -1.25,
-        -1.75,
-        -2.5,
-        -3.5,
-        -5.0,
-        -0.1,
-    ]
+    half = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]  # the positive e2m1 midpoints
+    ties = [6.0, *half, *(-v for v in half), -0.1]
     packed, sf = _nvfp4(jnp.asarray(np.array([ties], DTYPES[dtype])), f32(1.0), 2)
     codes = np.stack([np.asarray(packed)[0] & 0xF, np.asarray(packed)[0] >> 4], -1).reshape(-1)
     np.testing.assert_array_equal(codes, [7, 0, 2, 2, 4, 4, 6, 6, 8, 10, 10, 12, 12, 14, 14, 8])
@@ -356,8 +340,7 @@ def test_nvfp4_operation_order(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_nan_inf_semantics(dtype):
-    seed = fresh_seed()
-    rng = np.random.default_rng(seed)
+    seed, rng = seeded()
     M, H = 17, 96
     y = make_y(rng, M, H, dtype, specials=True)
     yj = jnp.asarray(y)
@@ -395,8 +378,7 @@ def test_nan_inf_semantics(dtype):
 def test_float32_input_fp8_paths():
     """T = float (VEC_SIZE 4) is accepted by the FP8 paths: g=24 takes the shared-memory max
     (24/4 = 6 vectors, not a power of two), g=32 the warp shuffle."""
-    seed = fresh_seed()
-    rng = np.random.default_rng(seed)
+    seed, rng = seeded()
     y = make_y(rng, 17, 96, "bfloat16", specials=True).astype(np.float32)
     y[3] *= np.float32(1 + 2.0**-20)  # bits a 16-bit type would not have
     yj = jnp.asarray(y)
@@ -557,8 +539,7 @@ def test_nvfp4_scale_views_roundtrip():
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype,M,H", [("bfloat16", 17, 1024), ("float16", 130, 1024)])
 def test_dequantized_error_bounds(dtype, M, H):
-    seed = fresh_seed()
-    rng = np.random.default_rng(seed)
+    seed, rng = seeded()
     y = make_y(rng, M, H, dtype)
     x = y.astype(np.float64)
     # static: scale large enough not to saturate
@@ -658,49 +639,39 @@ def test_quantize_for_pattern():
 
 def test_bad_inputs_raise():
     y = jnp.zeros((4, 64), jnp.bfloat16)
-    with pytest.raises(ValueError, match="required"):
-        Q.quantize_fp8_static(y, None)
-    with pytest.raises(ValueError, match="Python constant"):
-        Q.quantize_fp8_static(y, 1.0)
-    with pytest.raises(ValueError, match="shape"):
-        Q.quantize_fp8_static(y, f32([1.0, 2.0]))
-    with pytest.raises(ValueError, match="float32"):
-        Q.quantize_fp8_static(y, jnp.ones((1,), jnp.float16))
-    with pytest.raises(ValueError, match="required"):
-        Q.quantize_nvfp4(y, None)
-    with pytest.raises(ValueError, match="float32"):
-        Q.quantize_nvfp4(y, np.ones((1,), np.float64))
-    with pytest.raises(ValueError, match="divisible by group_size"):
-        Q.quantize_fp8_group(y, 48)
-    with pytest.raises(ValueError, match="required"):
-        Q.quantize_fp8_group(y, None)
-    with pytest.raises(ValueError, match="> 0"):
-        Q.quantize_fp8_group(y, 0)
-    with pytest.raises(ValueError, match="divisible by 16"):
-        Q.quantize_nvfp4(jnp.zeros((4, 72), jnp.bfloat16), f32(1.0))
-    with pytest.raises(ValueError, match="SWIZZLED_8x4"):
-        Q.quantize_nvfp4(y, f32(1.0), 1)
-    with pytest.raises(ValueError, match="layout"):
-        Q.quantize_nvfp4(y, f32(1.0), 7)
-    with pytest.raises(ValueError, match="must be one of"):
-        Q.quantize_nvfp4(y.astype(jnp.float32), f32(1.0))
-    with pytest.raises(ValueError, match="2-D"):
-        Q.quantize_fp8_dynamic(jnp.zeros((64,), jnp.bfloat16))
-    with pytest.raises(ValueError, match="must be one of"):
-        Q.quantize_fp8_dynamic(jnp.zeros((2, 64), jnp.int32))
-    with pytest.raises(ValueError, match="divisible"):
-        quant_layouts.group_scale_buffer_shape(4, 80, 32)
-    with pytest.raises(ValueError, match="divisible by 16"):
-        quant_layouts.nvfp4_scale_buffer_size(4, 72, 0)
-    with pytest.raises(ValueError, match="SWIZZLED_8x4"):
-        quant_layouts.nvfp4_scale_shape(4, 64, 1)
-    with pytest.raises(ValueError):
-        quant_arrays.dequantize_fp8(jnp.zeros((4, 64), jnp.float8_e4m3fn), f32(np.ones((3, 1))))
-    with pytest.raises(ValueError):
-        quant_arrays.dequantize_fp8(jnp.zeros((4, 64), jnp.float8_e4m3fn), None)
-    with pytest.raises(ValueError, match="need shape"):
-        quant_arrays.unpack_ue8m0_scales(jnp.zeros((1, 4), jnp.int32), 5, 64, 32)
-    with pytest.raises(ValueError, match="shape"):
-        quant_arrays.dequantize_nvfp4(
-            jnp.zeros((4, 32), jnp.uint8), jnp.zeros((4, 4), jnp.uint8), f32(1.0), 0, 4, 64
-        )
+    e4m3 = jnp.zeros((4, 64), jnp.float8_e4m3fn)
+    cases = [
+        (lambda: Q.quantize_fp8_static(y, None), "required"),
+        (lambda: Q.quantize_fp8_static(y, 1.0), "Python constant"),
+        (lambda: Q.quantize_fp8_static(y, f32([1.0, 2.0])), "shape"),
+        (lambda: Q.quantize_fp8_static(y, jnp.ones((1,), jnp.float16)), "float32"),
+        (lambda: Q.quantize_nvfp4(y, None), "required"),
+        (lambda: Q.quantize_nvfp4(y, np.ones((1,), np.float64)), "float32"),
+        (lambda: Q.quantize_fp8_group(y, 48), "divisible by group_size"),
+        (lambda: Q.quantize_fp8_group(y, None), "required"),
+        (lambda: Q.quantize_fp8_group(y, 0), "> 0"),
+        (lambda: Q.quantize_nvfp4(jnp.zeros((4, 72), jnp.bfloat16), f32(1.0)), "divisible by 16"),
+        (lambda: Q.quantize_nvfp4(y, f32(1.0), 1), "SWIZZLED_8x4"),
+        (lambda: Q.quantize_nvfp4(y, f32(1.0), 7), "layout"),
+        (lambda: Q.quantize_nvfp4(y.astype(jnp.float32), f32(1.0)), "must be one of"),
+        (lambda: Q.quantize_fp8_dynamic(jnp.zeros((64,), jnp.bfloat16)), "2-D"),
+        (lambda: Q.quantize_fp8_dynamic(jnp.zeros((2, 64), jnp.int32)), "must be one of"),
+        (lambda: quant_layouts.group_scale_buffer_shape(4, 80, 32), "divisible"),
+        (lambda: quant_layouts.nvfp4_scale_buffer_size(4, 72, 0), "divisible by 16"),
+        (lambda: quant_layouts.nvfp4_scale_shape(4, 64, 1), "SWIZZLED_8x4"),
+        (lambda: quant_arrays.dequantize_fp8(e4m3, f32(np.ones((3, 1)))), None),
+        (lambda: quant_arrays.dequantize_fp8(e4m3, None), None),
+        (
+            lambda: quant_arrays.unpack_ue8m0_scales(jnp.zeros((1, 4), jnp.int32), 5, 64, 32),
+            "need shape",
+        ),
+        (
+            lambda: quant_arrays.dequantize_nvfp4(
+                jnp.zeros((4, 32), jnp.uint8), jnp.zeros((4, 4), jnp.uint8), f32(1.0), 0, 4, 64
+            ),
+            "shape",
+        ),
+    ]
+    for call, match in cases:
+        with pytest.raises(ValueError, match=match):
+            call()

@@ -14,13 +14,16 @@ from jax.sharding import PartitionSpec as P
 
 import jax_fusedar as jf
 from tests.jax.cpu_helpers import (
+    assert_same_bits,
     bits,
+    jit_shard_map,
     make_mesh,
     new_rng,
     random_gamma,
     random_partials,
     random_values,
     require_host_devices,
+    tp_mesh,
 )
 from jax_fusedar.ops import reference
 from jax_fusedar.common import backend_choice
@@ -36,6 +39,12 @@ TOKENS, K, N = 16, 64, 128
 
 def mesh_2x4(axis_type):
     return jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(axis_type,) * 2)
+
+
+def bf16_workspace(mesh, max_token_num, hidden_dim, **kwargs):
+    return jf.create_allreduce_fusion_workspace(
+        mesh, "tp", max_token_num=max_token_num, hidden_dim=hidden_dim, dtype=jnp.bfloat16, **kwargs
+    )
 
 
 def row_parallel_args(mesh, *, k_sharded=True, n=N, dtype=jnp.bfloat16):
@@ -93,9 +102,7 @@ def test_row_parallel_refuses_bad_options_by_name_up_front(
     sharded never reached allreduce_fusion: rms_eps=-10 gave NaN), and not an INTERNAL
     custom_partitioner traceback from XLA's compilation (Auto axes)."""
     mesh = mesh_2x4(axis_type)
-    ws = jf.create_allreduce_fusion_workspace(
-        mesh, "tp", max_token_num=TOKENS, hidden_dim=N, dtype=jnp.bfloat16
-    )
+    ws = bf16_workspace(mesh, TOKENS, N)
     args = row_parallel_args(mesh, k_sharded=k_sharded)
     with pytest.raises(error, match=match):
         call_row_parallel(mesh, args, workspace=ws, **over)
@@ -114,9 +121,7 @@ def test_row_parallel_hidden_size_the_kernel_cannot_take_is_refused_while_tracin
     per-shard program, which on Auto axes runs inside XLA's compilation (an INTERNAL error);
     refused while tracing instead, naming w's n."""
     mesh = mesh_2x4(axis_type)
-    ws = jf.create_allreduce_fusion_workspace(
-        mesh, "tp", max_token_num=TOKENS, hidden_dim=64, dtype=jnp.bfloat16
-    )
+    ws = bf16_workspace(mesh, TOKENS, 64)
     args = row_parallel_args(mesh, n=60)
     with pytest.raises(ValueError, match="n = 60, .* not a multiple of 8"):
         call_row_parallel(mesh, args, workspace=ws)
@@ -130,9 +135,7 @@ def test_row_parallel_any_contraction_meets_the_same_up_front_checks(axis_type):
     """contracting_dims (bhtq,hqd->btd) is the same op: its n = 60 is refused while tracing
     too, naming n, where on Auto axes it failed inside XLA's compilation."""
     mesh = mesh_2x4(axis_type)
-    ws = jf.create_allreduce_fusion_workspace(
-        mesh, "tp", max_token_num=TOKENS, hidden_dim=64, dtype=jnp.bfloat16
-    )
+    ws = bf16_workspace(mesh, TOKENS, 64)
     rng = new_rng()
     put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
     args = (
@@ -168,9 +171,7 @@ def test_row_parallel_bad_precision_is_refused_while_tracing():
 def test_row_parallel_residual_none_is_zeros(axis_type, k_sharded):
     """As allreduce_fusion takes it: residual_out = h @ w."""
     mesh = mesh_2x4(axis_type)
-    ws = jf.create_allreduce_fusion_workspace(
-        mesh, "tp", max_token_num=TOKENS, hidden_dim=N, dtype=jnp.bfloat16
-    )
+    ws = bf16_workspace(mesh, TOKENS, N)
     h, w, r, g = row_parallel_args(mesh, k_sharded=k_sharded)
     zeros = jax.device_put(jnp.zeros(r.shape, r.dtype), r.sharding)
     want = call_row_parallel(mesh, (h, w, zeros, g), workspace=ws)
@@ -180,8 +181,7 @@ def test_row_parallel_residual_none_is_zeros(axis_type, k_sharded):
                 h, w, residual=None, rms_gamma=g, workspace=ws
             )
         )(h, w, g)
-    for got, expected in zip((out.residual_out, out.norm_out), want):
-        np.testing.assert_array_equal(bits(got), bits(expected))
+    assert_same_bits((out.residual_out, out.norm_out), want, "residual=None")
 
 
 def test_row_parallel_missing_gamma_is_named():
@@ -196,9 +196,7 @@ def test_row_parallel_good_options_still_give_allreduce_fusions_bits():
     from True (on the kernel-exact fallback, where fp32_acc applies), and each equals
     shard_map + allreduce_fusion with the same options."""
     mesh = mesh_2x4(AxisType.Auto)
-    ws = jf.create_allreduce_fusion_workspace(
-        mesh, "tp", max_token_num=TOKENS, hidden_dim=N, dtype=jnp.bfloat16
-    )
+    ws = bf16_workspace(mesh, TOKENS, N)
     args = row_parallel_args(mesh)
     outs = {}
     for acc in (True, False):
@@ -226,16 +224,9 @@ def test_row_parallel_good_options_still_give_allreduce_fusions_bits():
             )
             return out.residual_out, out.norm_out
 
-        want = jax.jit(
-            jax.shard_map(
-                body,
-                mesh=mesh,
-                in_specs=(P("dp", "tp"), P("tp", None), P("dp"), P()),
-                out_specs=(P("dp"), P("dp")),
-            )
-        )(*args)
-        for a, b in zip(got, want):
-            np.testing.assert_array_equal(bits(a), bits(b))
+        specs = (P("dp", "tp"), P("tp", None), P("dp"), P())
+        want = jit_shard_map(body, mesh, specs, (P("dp"), P("dp")))(*args)
+        assert_same_bits(got, want, f"fp32_acc={acc}")
         outs[acc] = got
     assert not np.array_equal(bits(outs[True][1]), bits(outs[False][1]))
 
@@ -248,9 +239,7 @@ def test_allreduce_fusion_in_an_inner_shard_map_over_tp_within_an_outer_over_dp(
     to compare (ops.checks.check_call_groups) and must not fail. Equal bits to the same
     program written as one shard_map over both axes, and to psum + the reference epilogue."""
     mesh = make_mesh((2, 4), ("dp", "tp"))
-    ws = jf.create_allreduce_fusion_workspace(
-        mesh, "tp", max_token_num=4, hidden_dim=256, dtype=jnp.bfloat16
-    )
+    ws = bf16_workspace(mesh, 4, 256)
     rng = new_rng()
     x = jnp.asarray(random_partials(rng, (8 * 4, 256), "bfloat16"))
     r = jnp.asarray(random_values(rng, (2 * 4, 256), "bfloat16"))
@@ -273,26 +262,13 @@ def test_allreduce_fusion_in_an_inner_shard_map_over_tp_within_an_outer_over_dp(
             in_specs=(P("tp"), P(), P()),
             out_specs=(P(), P()),
         )
-        return jax.jit(
-            jax.shard_map(
-                inner,
-                mesh=mesh,
-                axis_names={"dp"},
-                in_specs=(P("dp"), P("dp"), P()),
-                out_specs=(P("dp"), P("dp")),
-            )
-        )
+        dp_specs = (P("dp"), P("dp"), P())
+        return jit_shard_map(inner, mesh, dp_specs, (P("dp"), P("dp")), axis_names={"dp"})
 
-    flat = jax.jit(
-        jax.shard_map(
-            fused, mesh=mesh, in_specs=(P(("dp", "tp")), P("dp"), P()), out_specs=(P("dp"), P("dp"))
-        )
-    )
+    flat = jit_shard_map(fused, mesh, (P(("dp", "tp")), P("dp"), P()), (P("dp"), P("dp")))
     got = nested(fused)(x, r, g)
-    for a, b in zip(got, flat(x, r, g)):
-        np.testing.assert_array_equal(bits(a), bits(b))
-    for a, b in zip(got, nested(plain)(x, r, g)):
-        np.testing.assert_array_equal(bits(a), bits(b))
+    assert_same_bits(got, flat(x, r, g), "nested vs one shard_map")
+    assert_same_bits(got, nested(plain)(x, r, g), "nested vs psum + reference")
 
 
 # --- float32 overflow of the kernel's float options ----------------------------------------------
@@ -300,10 +276,8 @@ def test_allreduce_fusion_in_an_inner_shard_map_over_tp_within_an_outer_over_dp(
 
 @pytest.mark.parametrize("option", ["rms_eps", "weight_bias"])
 def test_allreduce_fusion_refuses_options_that_overflow_float32(option):
-    mesh = make_mesh((8,), ("tp",))
-    ws = jf.create_allreduce_fusion_workspace(
-        mesh, "tp", max_token_num=4, hidden_dim=256, dtype=jnp.bfloat16
-    )
+    mesh = tp_mesh()
+    ws = bf16_workspace(mesh, 4, 256)
     x = jnp.ones((8 * 4, 256), jnp.bfloat16)
     g = jnp.ones((256,), jnp.bfloat16)
 
@@ -313,7 +287,7 @@ def test_allreduce_fusion_refuses_options_that_overflow_float32(option):
                 x, axis_name="tp", workspace=ws, rms_gamma=g, **{option: value}
             ).norm_out
 
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P()))(x)
+        return jit_shard_map(body, mesh, P("tp"), P())(x)
 
     with pytest.raises(ValueError, match=f"{option}=1e[+]?39 overflows float32"):
         run(1e39)
@@ -321,10 +295,8 @@ def test_allreduce_fusion_refuses_options_that_overflow_float32(option):
 
 
 def test_moe_refuses_options_that_overflow_float32():
-    mesh = make_mesh((8,), ("tp",))
-    ws = jf.create_allreduce_fusion_workspace(
-        mesh, "tp", max_token_num=4, hidden_dim=256, dtype=jnp.bfloat16
-    )
+    mesh = tp_mesh()
+    ws = bf16_workspace(mesh, 4, 256)
     rows = jnp.ones((8 * 4, 256), jnp.bfloat16)
     idx = jnp.zeros((8 * 4, 1), jnp.int32)
     g = jnp.ones((256,), jnp.bfloat16)
@@ -336,65 +308,48 @@ def test_moe_refuses_options_that_overflow_float32():
             ).norm_out
 
         with pytest.raises(ValueError, match=f"{option}=1e[+]?39 overflows float32"):
-            jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P("tp")), out_specs=P()))(
-                rows, idx
-            )
+            jit_shard_map(body, mesh, (P("tp"), P("tp")), P())(rows, idx)
 
 
 # --- exporting an XLA workspace for cuda ---------------------------------------------------------
 
 
-def test_abstract_xla_workspace_exports_psum_and_rmsnorm_for_cuda():
-    """abstract_workspace(backend="xla") describes GPU processes that asked for XLA's
-    collectives: exported for cuda as asked (psum + RMSNorm, no custom call), not refused
-    with advice to use 'trtllm'. The same for an explicit backend="xla" workspace."""
+def export_norm_for_cuda(ws):
+    """Exports pattern 1 on [4, 256] bfloat16 shards of an 8-device mesh for cuda."""
     pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers")
-    mesh = make_mesh((8,), ("tp",))
-    spec = jax.ShapeDtypeStruct((8 * 4, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P("tp")))
-    for ws in (
-        jf.abstract_workspace(
-            mesh, "tp", max_token_num=4, hidden_dim=256, dtype=jnp.bfloat16, backend="xla"
-        ),
-        jf.create_allreduce_fusion_workspace(
-            mesh,
-            "tp",
-            max_token_num=4,
-            hidden_dim=256,
-            dtype=jnp.bfloat16,
-            backend="xla",
-            name="explicit",
-        ),
-    ):
-
-        def body(x, ws=ws):
-            return jf.allreduce_fusion(
-                x, axis_name="tp", workspace=ws, rms_gamma=jnp.ones(256, jnp.bfloat16)
-            ).norm_out
-
-        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P()))
-        exported = jf.export.export(f, platforms=("cuda",))(spec)
-        text = exported.mlir_module()
-        assert "stablehlo.all_reduce" in text and FFI_TARGET not in text
-
-
-def test_auto_chosen_xla_workspace_advice_names_both_ways():
-    """backend "auto" on a machine without GPUs: still refused for cuda (the user would
-    silently lose the kernel), with advice for either intent."""
-    pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers")
-    mesh = make_mesh((8,), ("tp",))
-    ws = jf.create_allreduce_fusion_workspace(
-        mesh, "tp", max_token_num=4, hidden_dim=256, dtype=jnp.bfloat16
+    spec = jax.ShapeDtypeStruct(
+        (8 * 4, 256), jnp.bfloat16, sharding=NamedSharding(ws.mesh, P("tp"))
     )
-    spec = jax.ShapeDtypeStruct((8 * 4, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P("tp")))
 
     def body(x):
         return jf.allreduce_fusion(
             x, axis_name="tp", workspace=ws, rms_gamma=jnp.ones(256, jnp.bfloat16)
         ).norm_out
 
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P()))
+    f = jit_shard_map(body, ws.mesh, P("tp"), P())
+    return jf.export.export(f, platforms=("cuda",))(spec).mlir_module()
+
+
+def test_abstract_xla_workspace_exports_psum_and_rmsnorm_for_cuda():
+    """abstract_workspace(backend="xla") describes GPU processes that asked for XLA's
+    collectives: exported for cuda as asked (psum + RMSNorm, no custom call), not refused
+    with advice to use 'trtllm'. The same for an explicit backend="xla" workspace."""
+    mesh = tp_mesh()
+    kw = dict(max_token_num=4, hidden_dim=256, dtype=jnp.bfloat16, backend="xla")
+    for ws in (
+        jf.abstract_workspace(mesh, "tp", **kw),
+        jf.create_allreduce_fusion_workspace(mesh, "tp", name="explicit", **kw),
+    ):
+        text = export_norm_for_cuda(ws)
+        assert "stablehlo.all_reduce" in text and FFI_TARGET not in text
+
+
+def test_auto_chosen_xla_workspace_advice_names_both_ways():
+    """backend "auto" on a machine without GPUs: still refused for cuda (the user would
+    silently lose the kernel), with advice for either intent."""
+    ws = bf16_workspace(tp_mesh(), 4, 256)
     with pytest.raises(ValueError, match="backend='trtllm'.*on purpose.*backend='xla'"):
-        jf.export.export(f, platforms=("cuda",))(spec)
+        export_norm_for_cuda(ws)
 
 
 # --- residual=None is zeros that do not vary over the axis ---------------------------------------
@@ -404,10 +359,8 @@ def test_residual_none_keeps_the_outputs_invariant_over_the_axis():
     """The zeros must not take x's variance over the axis (jnp.zeros_like would): the outputs
     are sums over the axis, so out_specs=P() holds under shard_map's default check_vma, and
     they equal an explicit zero residual's."""
-    mesh = make_mesh((8,), ("tp",))
-    ws = jf.create_allreduce_fusion_workspace(
-        mesh, "tp", max_token_num=4, hidden_dim=256, dtype=jnp.bfloat16
-    )
+    mesh = tp_mesh()
+    ws = bf16_workspace(mesh, 4, 256)
     rng = new_rng()
     x = jnp.asarray(random_partials(rng, (8 * 4, 256), "bfloat16"))
     g = jnp.asarray(random_gamma(rng, 256, "bfloat16"))
@@ -419,12 +372,9 @@ def test_residual_none_keeps_the_outputs_invariant_over_the_axis():
             )
             return out.residual_out, out.norm_out
 
-        return jax.jit(
-            jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P()), out_specs=(P(), P()))
-        )(x, g)
+        return jit_shard_map(body, mesh, (P("tp"), P()), (P(), P()))(x, g)
 
-    for a, b in zip(run(None), run(jnp.zeros((4, 256), jnp.bfloat16))):
-        np.testing.assert_array_equal(bits(a), bits(b))
+    assert_same_bits(run(None), run(jnp.zeros((4, 256), jnp.bfloat16)), "residual=None")
 
     def moe_body(outputs, scales, tokens, g):
         return jf.moe_reduction_allreduce_fusion(
@@ -433,12 +383,6 @@ def test_residual_none_keeps_the_outputs_invariant_over_the_axis():
 
     outputs = jnp.asarray(random_partials(rng, (2, 8 * 4, 256), "bfloat16"))
     scales = jnp.ones((2, 8 * 4), jnp.float32)
-    norm = jax.jit(
-        jax.shard_map(
-            moe_body,
-            mesh=mesh,
-            in_specs=(P(None, "tp"), P(None, "tp"), P("tp"), P()),
-            out_specs=P(),
-        )
-    )(outputs, scales, x, g)
+    moe_specs = (P(None, "tp"), P(None, "tp"), P("tp"), P())
+    norm = jit_shard_map(moe_body, mesh, moe_specs, P())(outputs, scales, x, g)
     assert norm.shape == (4, 256)
