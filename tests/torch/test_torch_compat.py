@@ -686,13 +686,7 @@ def gloo_worker(rank, world, chan, *, port):
         def _error_of(**kw):
             try:
                 torch_compat.create_allreduce_fusion_workspace(
-                    "trtllm",
-                    group=group,
-                    max_token_num=16,
-                    hidden_dim=1024,
-                    dtype=torch.bfloat16,
-                    timeout_s=5,
-                    **kw,
+                    "trtllm", group=group, **CREATE, timeout_s=5, **kw
                 )
             except Exception as e:
                 return f"{type(e).__name__}: {e}"
