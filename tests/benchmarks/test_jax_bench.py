@@ -46,19 +46,8 @@ def _refused(r, message):
 def test_bench_writes_json_and_plot(tmp_path):
     out = tmp_path / "bench"
     r = run_bench(
-        "--tokens",
-        "1,16",
-        "--hidden",
-        256,
-        "--chain",
-        3,
-        "--repeats",
-        4,
-        "--patterns",
-        "1,4",
-        "--modes",
-        "auto,oneshot,twoshot",
-        "--out",
+        *"--tokens 1,16 --hidden 256 --chain 3 --repeats 4 --patterns 1,4".split(),
+        *"--modes auto,oneshot,twoshot --out".split(),
         out,
         xla_flags=None,  # the bench splits the host into 8 devices itself
     )

@@ -47,20 +47,8 @@ def test_defaults_are_the_requested_sweep():
 
 def test_options_parse_and_prune_variants():
     a = bt.parse_args(
-        [
-            "--tokens",
-            "16,1,16",
-            "--hidden",
-            "1024",
-            "--dtype",
-            "float16",
-            "--world",
-            "4",
-            "--no-graph",
-            "--no-fp8",
-            "--no-nccl",
-            "--no-anchor",
-        ]
+        "--tokens 16,1,16 --hidden 1024 --dtype float16 --world 4 "
+        "--no-graph --no-fp8 --no-nccl --no-anchor".split()
     )
     assert a.tokens == [1, 16] and a.hidden == [1024] and a.world == 4
     assert bt.variant_keys(a) == ["ours:eager", "symm_mem:eager"]
@@ -87,22 +75,8 @@ def test_bad_arguments_are_refused(argv, needle, capsys):
 @pytest.mark.slow
 def test_command_without_gpu_says_so():
     env = dict(os.environ, PYTHONPATH=str(REPO), JAX_FUSEDAR_ANCHOR=str(REPO / "no-such"))
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.torch_bench",
-            "--tokens",
-            "1",
-            "--hidden",
-            "1024",
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    cmd = [sys.executable, *"-m benchmarks.torch_bench --tokens 1 --hidden 1024".split()]
+    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     assert r.returncode == 2, r.stdout + r.stderr
@@ -168,14 +142,16 @@ def _args(**kw):
     return a
 
 
-def test_report_takes_the_slowest_ranks_median_and_ratios():
-    ranks = [_rank_result(0, 1.0), _rank_result(1, 2.0)]
-    rep = bt.build_report(
-        ranks,
-        _args(),
-        {"device_name": "fake", "torch": "x"},
-        {"requested": True, "path": "/a", "problem": None},
+def _report(scale1=1.0, args=None, anchor=None, ranks=None):
+    """The report of two ranks' results (rank 1's eager times ``scale1`` times rank 0's)."""
+    ranks = ranks or [_rank_result(0, 1.0), _rank_result(1, scale1)]
+    return bt.build_report(
+        ranks, args or _args(), {"device_name": "fake", "torch": "x"}, anchor or {}
     )
+
+
+def test_report_takes_the_slowest_ranks_median_and_ratios():
+    rep = _report(2.0, anchor={"requested": True, "path": "/a", "problem": None})
     json.dumps(rep)  # serializable
     c0, c1 = rep["cases"]
     assert c0["us"]["ours:eager"] == 22.0  # rank 1's median 22 > rank 0's 11
@@ -197,8 +173,7 @@ def test_report_takes_the_slowest_ranks_median_and_ratios():
 
 
 def test_table_lists_times_ratios_and_skip_reasons():
-    rep = bt.build_report([_rank_result(0, 1.0), _rank_result(1, 1.0)], _args(), {}, {})
-    text = bt.format_table(rep)
+    text = bt.format_table(_report())
     lines = text.splitlines()
     assert lines[0].startswith("[eager]") and any(x.startswith("[graph]") for x in lines)
     # A row per case and variant: median [p10, p90] of the slowest rank, its sample count.
@@ -222,14 +197,8 @@ def test_table_lists_times_ratios_and_skip_reasons():
 
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
-    rep = bt.build_report(
-        [_rank_result(0, 1.0), _rank_result(1, 1.0)],
-        _args(),
-        {"device_name": "fake", "torch": "x"},
-        {},
-    )
     path = tmp_path / "b.png"
-    assert bt.plot(rep, path)
+    assert bt.plot(_report(), path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -240,9 +209,7 @@ def test_the_plot_pairs_ours_and_each_baseline_by_colour(monkeypatch, tmp_path):
     ranks = [_rank_result(0, 1.0), _rank_result(1, 1.0)]
     for r in ranks:  # a second hidden size, so that the sizes need colours of their own
         r["cases"] += [dict(c, hidden=8192) for c in r["cases"]]
-    a = _args(hidden=[4096, 8192])
-    rep = bt.build_report(ranks, a, {"device_name": "fake", "torch": "x"}, {})
-    assert bt.plot(rep, tmp_path / "b.png")
+    assert bt.plot(_report(args=_args(hidden=[4096, 8192]), ranks=ranks), tmp_path / "b.png")
     (fig,) = figures
     titles = [ax.get_title() for ax in fig.axes]
     assert "eager: ours vs anchor" in titles and "eager: ours vs nccl" in titles
@@ -257,26 +224,22 @@ def test_the_plot_pairs_ours_and_each_baseline_by_colour(monkeypatch, tmp_path):
     assert len(colours) == 2
 
 
+TIMEOUT_COMPARE = "--timeout-compare --no-anchor --no-nccl --no-symm-mem --no-fp8"
+
+
 def test_timeout_compare_options_and_variants():
-    a = bt.parse_args(
-        ["--timeout-compare", "--no-anchor", "--no-nccl", "--no-symm-mem", "--no-fp8"]
-    )
+    a = bt.parse_args(TIMEOUT_COMPARE.split())
     assert a.timeout_compare is True and bt.parse_args([]).timeout_compare is False
-    assert bt.variant_keys(a) == [
-        "ours:eager",
-        "ours:graph",
-        "ours_no_timeout:eager",
-        "ours_no_timeout:graph",
-    ]
+    assert (
+        bt.variant_keys(a)
+        == "ours:eager ours:graph ours_no_timeout:eager ours_no_timeout:graph".split()
+    )
     assert ("ours", "ours_no_timeout") in bt.RATIOS
     assert "ours_no_timeout" not in " ".join(bt.variant_keys(bt.parse_args([])))
 
 
 def test_the_table_shows_the_timeouts_on_off_ratio():
-    a = bt.parse_args(
-        ["--timeout-compare", "--no-anchor", "--no-nccl", "--no-symm-mem", "--no-fp8",
-         "--tokens", "16", "--hidden", "4096"]
-    )  # fmt: skip
+    a = bt.parse_args(f"{TIMEOUT_COMPARE} --tokens 16 --hidden 4096".split())
     us = {
         "ours:eager": [10.0, 10.2],
         "ours:graph": [6.0],
@@ -357,17 +320,9 @@ def test_run_cases_times_skips_and_agrees():
         "nccl": factory("nccl"),
         "symm_mem": factory("symm_mem", fail_after=0),
     }
-    keys = [
-        "ours:eager",
-        "ours:graph",
-        "anchor:eager",
-        "anchor:graph",
-        "nccl:eager",
-        "nccl:graph",
-        "symm_mem:eager",
-    ]
+    keys = "ours:eager ours:graph anchor:eager anchor:graph nccl:eager nccl:graph symm_mem:eager"
     rt = FakeRuntime(capture_fails={"nccl"})
-    out = bt.run_cases(rt, cases, factories, keys, iters=3, repeats=2, warmup=2)
+    out = bt.run_cases(rt, cases, factories, keys.split(), iters=3, repeats=2, warmup=2)
     assert [e["mode"] for e in out] == ["oneshot", "twoshot", None]
     e = out[0]
     assert e["us_repeats"] == {
@@ -719,15 +674,8 @@ def test_modes_force_both_builds_alike_or_say_why():
     ]
     assert "more tokens than ranks" in cases[1].skipped["ours"]
     rt = FakeRuntime()
-    out = bt.run_cases(
-        rt,
-        cases,
-        {"ours": lambda case: Counter("ours")},
-        ["ours:eager"],
-        iters=1,
-        repeats=1,
-        warmup=0,
-    )
+    factories = {"ours": lambda case: Counter("ours")}
+    out = bt.run_cases(rt, cases, factories, ["ours:eager"], iters=1, repeats=1, warmup=0)
     rep = bt.build_report([{"cases": out}, {"cases": out}], a, {}, {})
     assert [c["policy"] for c in rep["cases"]] == ["auto", "twoshot", "auto", "twoshot"]
     text = bt.format_table(rep)
@@ -793,12 +741,8 @@ def test_variant_calls_bind_to_torch_compat_and_flashinfer():
     v.dev = torch.device("cpu")
     v.tc, v.fi = SimpleNamespace(allreduce_fusion=ours), SimpleNamespace(allreduce_fusion=anchor)
     v.ours_ws, v.anchor_ws, v.nccl_group = "ws", "fi_ws", "nccl"
-    v.symm_buf, v.symm_op, v.symm_copy, v.symm_group_name = (
-        torch.empty(4 * 256, dtype=torch.bfloat16),
-        symm_op,
-        True,
-        "0",
-    )
+    v.symm_buf = torch.empty(4 * 256, dtype=torch.bfloat16)
+    v.symm_op, v.symm_copy, v.symm_group_name = symm_op, True, "0"
     case = bt.Case(4, 256, False)
     norms = {}
     for impl, factory in v.factories().items():
@@ -836,19 +780,10 @@ def test_anchor_workspace_is_always_trtllm():
     names, required = _anchor_params("create_allreduce_fusion_workspace")
     seen = {}
     fi = SimpleNamespace(create_allreduce_fusion_workspace=lambda **kw: seen.update(kw))
-    fa.create_anchor_workspace(
-        fi, world_size=2, rank=1, max_token_num=8, hidden_dim=64, dtype=torch.bfloat16, group="g"
-    )
+    kw = dict(world_size=2, rank=1, max_token_num=8, hidden_dim=64, dtype=torch.bfloat16, group="g")
+    fa.create_anchor_workspace(fi, **kw)
     assert seen["backend"] == "trtllm" and set(seen) <= names
-    assert seen == {
-        "backend": "trtllm",
-        "world_size": 2,
-        "rank": 1,
-        "max_token_num": 8,
-        "hidden_dim": 64,
-        "dtype": torch.bfloat16,
-        "group": "g",
-    }
+    assert seen == {"backend": "trtllm", **kw}
 
 
 def _fake_worker(rank, args, port, result_dir):
@@ -856,15 +791,8 @@ def _fake_worker(rank, args, port, result_dir):
     fake runtime and fake variants."""
     _, cases = bt.plan_cases(args.tokens, args.hidden, args.dtype, args.world, args.modes)
     factories = {i: (lambda case, i=i: Counter(i)) for i in bt.IMPLS}
-    out = bt.run_cases(
-        FakeRuntime(capture_fails={"symm_mem"}),
-        cases,
-        factories,
-        bt.variant_keys(args),
-        iters=2,
-        repeats=3,
-        warmup=1,
-    )
+    rt = FakeRuntime(capture_fails={"symm_mem"})
+    out = bt.run_cases(rt, cases, factories, bt.variant_keys(args), iters=2, repeats=3, warmup=1)
     payload = {
         "rank": rank,
         "device": rank,
@@ -881,20 +809,8 @@ def test_main_end_to_end_with_a_fake_worker(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     out = tmp_path / "out"
-    rc = bt.main(
-        [
-            "--tokens",
-            "1,16",
-            "--hidden",
-            "1024",
-            "--modes",
-            "auto,twoshot",
-            "--out",
-            str(out),
-            "--anchor",
-            str(tmp_path / "no-anchor"),
-        ]
-    )
+    argv = "--tokens 1,16 --hidden 1024 --modes auto,twoshot".split()
+    rc = bt.main([*argv, "--out", str(out), "--anchor", str(tmp_path / "no-anchor")])
     assert rc == 0
     text = capsys.readouterr()
     assert "[eager]" in text.out and "[graph]" in text.out and "wrote" in text.out

@@ -109,31 +109,25 @@ def test_without_jax_the_cli_names_the_extra(tmp_path, command):
 
 @pytest.mark.oldest
 @pytest.mark.parametrize("processes", ["one", pytest.param("per-rank", marks=pytest.mark.slow)])
-def test_demo_on_a_jax_older_than_fuse_needs_names_the_jax(processes):
+def test_demo_on_a_jax_older_than_fuse_needs_names_the_jax(tmp_path, processes):
     """The demo's fused model is jax_fusedar.fuse's, which needs JAX 0.10: on an older JAX
     (made to read 0.9.3 here; the oldest lane's 0.8.2 also reads that way) the demo says
     which JAX it needs, in one line per process and exit 2, before any model is built. With
     one process per rank each rank process starts from the parent's code, so the version is
     made to read 0.9.3 there through a sitecustomize on PYTHONPATH."""
-    import subprocess
-    import sys
-    import tempfile
-    from pathlib import Path
-
-    with tempfile.TemporaryDirectory() as site:
-        Path(site, "sitecustomize.py").write_text(
-            "import jax\njax.__version_info__ = (0, 9, 3)\njax.__version__ = '0.9.3'\n"
-        )
-        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([site, str(REPO)]))
-        env.pop("XLA_FLAGS", None)
-        r = subprocess.run(
-            [sys.executable, "-m", "jax_fusedar", "demo", "--processes", processes, "--tp", "2"],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            cwd=REPO,
-            env=env,
-        )
+    (tmp_path / "sitecustomize.py").write_text(
+        "import jax\njax.__version_info__ = (0, 9, 3)\njax.__version__ = '0.9.3'\n"
+    )
+    r = run_cli(
+        "demo",
+        "--processes",
+        processes,
+        "--tp",
+        2,
+        xla_flags=None,
+        pythonpath=[tmp_path],
+        timeout=300,
+    )
     assert r.returncode == 2, r.stdout + r.stderr
     assert (
         "error"

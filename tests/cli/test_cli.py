@@ -5,42 +5,21 @@ CLI's own setup of XLA_FLAGS is part of what is tested.
 """
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
 from jax_fusedar.common import native
 
 from tests import cpu_devices
-from tests.repo import REPO
 
 
 HOST_8 = cpu_devices.xla_flags(8)
 
 
-def run_cli(*argv, xla_flags=HOST_8, pythonpath=(), timeout=600):
+def run_cli(*argv, xla_flags=HOST_8, **kw):
     """Runs the CLI on CPU; xla_flags=None leaves XLA_FLAGS unset for the CLI to decide."""
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=os.pathsep.join(
-            [*map(str, pythonpath), str(REPO), os.environ.get("PYTHONPATH", "")]
-        ),
-    )
-    env.pop("XLA_FLAGS", None)
-    if xla_flags is not None:
-        env["XLA_FLAGS"] = xla_flags
-    return subprocess.run(
-        [sys.executable, "-m", "jax_fusedar", *map(str, argv)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return cpu_devices.run_module("jax_fusedar", *argv, xla_flags=xla_flags, **kw)
 
 
 # --- demo ----------------------------------------------------------------------------------------
@@ -52,13 +31,7 @@ def test_demo_llama_fused_by_fuse_matches_unfused():
     # GPUs XLA_FLAGS stays unset, as for a user: the CLI splits the host into 8 devices itself
     # ("world size 8" below); with GPUs it would use them, so the test sets the flags.
     r = run_cli(
-        "demo",
-        "--steps",
-        4,
-        "--prompt",
-        8,
-        "--iters",
-        1,
+        *"demo --steps 4 --prompt 8 --iters 1".split(),
         xla_flags=None if native.gpu_count() == 0 else HOST_8,
     )
     assert r.returncode == 0, r.stdout + r.stderr
@@ -130,14 +103,7 @@ def test_demo_runs_at_the_tp_size_asked_for(argv, xla_flags, world):
     r = run_cli(
         "demo",
         *argv,
-        "--layer-mode",
-        "scan",
-        "--steps",
-        2,
-        "--prompt",
-        4,
-        "--iters",
-        1,
+        *"--layer-mode scan --steps 2 --prompt 4 --iters 1".split(),
         xla_flags=xla_flags,
     )
     assert r.returncode == 0, r.stdout + r.stderr
@@ -150,9 +116,7 @@ def test_demo_runs_at_the_tp_size_asked_for(argv, xla_flags, world):
 def test_demo_hf_norm_is_fused_exactly():
     # gamma multiplied after the norm's rounding stays after the fused norm
     # (tests/jax/test_fuse.py)
-    r = run_cli(
-        "demo", "--layer-mode", "scan", "--norm", "hf", "--steps", 2, "--prompt", 4, "--iters", 1
-    )
+    r = run_cli(*"demo --layer-mode scan --norm hf --steps 2 --prompt 4 --iters 1".split())
     assert r.returncode == 0, r.stdout + r.stderr
     assert "fused 2 of 2 all-reduce + residual + RMSNorm site(s)" in r.stdout
     assert re.search(r"^greedy tokens: (identical|first divergence)", r.stdout, re.MULTILINE)
@@ -162,24 +126,8 @@ def test_demo_hf_norm_is_fused_exactly():
 @pytest.mark.slow
 def test_demo_bench_writes_json(tmp_path):
     out = tmp_path / "b"
-    r = run_cli(
-        "demo",
-        "--bench",
-        "--layer-mode",
-        "scan",
-        "--bench-batches",
-        "1,2",
-        "--bench-kv",
-        16,
-        "--bench-prefill",
-        8,
-        "--bench-steps",
-        2,
-        "--iters",
-        1,
-        "--out",
-        out,
-    )
+    argv = "demo --bench --layer-mode scan --bench-batches 1,2 --bench-kv 16 --bench-prefill 8"
+    r = run_cli(*argv.split(), *"--bench-steps 2 --iters 1 --out".split(), out)
     assert r.returncode == 0, r.stdout + r.stderr
     report = json.loads((out / "bench_llama.json").read_text())
     assert report["machine"]["world_size"] == 8 and report["machine"]["backend"] == "xla"

@@ -1,40 +1,16 @@
 """``python -m jax_fusedar demo --moe`` on 8 virtual CPU devices (the reference lowering):
 the MoE decoder's greedy tokens agree between the plain model and the fused op."""
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-from tests.cpu_devices import xla_flags
+from tests.cli.test_cli import run_cli
 
 
 @pytest.mark.slow
 def test_moe_demo_passes_on_cpu():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(8))
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jax_fusedar",
-            "demo",
-            "--moe",
-            "--layers",
-            "1",
-            "--prompt",
-            "4",
-            "--steps",
-            "3",
-            "--iters",
-            "1",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
+    run = run_cli(*"demo --moe --layers 1 --prompt 4 --steps 3 --iters 1".split())
     assert run.returncode == 0, run.stdout + run.stderr
     # Identical tokens, or a divergence the demo accepts only at a near tie (its PASS):
     # rounding differs between CPUs, so a near tie may break either way.

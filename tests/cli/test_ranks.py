@@ -157,13 +157,8 @@ def test_rank_command_carries_the_demo_flags():
     from jax_fusedar.cli import rank_process
 
     opts = rank_process.parser().parse_args(cmd[3:])
-    assert (opts.rank, opts.world, opts.gpus, opts.port, opts.result_dir) == (
-        3,
-        4,
-        1,
-        1234,
-        "/tmp/x",
-    )
+    got = (opts.rank, opts.world, opts.gpus, opts.port, opts.result_dir)
+    assert got == (3, 4, 1, 1234, "/tmp/x")
     assert opts.demo_argv == ["--", "--steps", "2", "--moe"]
 
 
@@ -226,15 +221,7 @@ def fake_ranks(tmp_path, monkeypatch):
     script.write_text(FAKE_RANK)
 
     def command(p, rank, port, result_dir, demo_argv):
-        return [
-            sys.executable,
-            str(script),
-            "--rank",
-            str(rank),
-            "--result-dir",
-            result_dir,
-            *demo_argv,
-        ]
+        return [sys.executable, script, "--rank", str(rank), "--result-dir", result_dir, *demo_argv]
 
     monkeypatch.setattr(ranks, "rank_command", command)
     monkeypatch.setattr(ranks, "GRACE_S", 1.0)
@@ -271,15 +258,9 @@ def test_ranks_that_decode_different_tokens_fail(fake_ranks, capsys):
 @pytest.mark.parametrize("tp, extra", [(2, ()), (4, ("--layer-mode", "scan")), (2, ("--moe",))])
 def test_demo_one_process_per_rank_against_the_unsharded_reference(tp, extra):
     r = run_cli(
-        "demo",
-        "--processes",
-        "per-rank",
-        "--tp",
+        *"demo --processes per-rank --tp".split(),
         tp,
-        "--steps",
-        3,
-        "--prompt",
-        8,
+        *"--steps 3 --prompt 8".split(),
         *extra,
         # The flags the CLI would set itself (8 host devices), with the CPU tests' fast compile.
         xla_flags=xla_flags(8),
@@ -309,15 +290,7 @@ def test_demo_run_as_ranks_reports_a_setup_error_from_the_ranks():
     """A configuration the ranks cannot run (here a preset --moe does not have) fails in
     every rank process with the demo's own message, and the launcher exits 2."""
     r = run_cli(
-        "demo",
-        "--moe",
-        "--preset",
-        "llama3-8b",
-        "--processes",
-        "per-rank",
-        "--tp",
-        "2",
-        xla_flags=None,
+        *"demo --moe --preset llama3-8b --processes per-rank --tp 2".split(), xla_flags=None
     )
     assert r.returncode == 2, r.stdout + r.stderr[-3000:]
     assert (
@@ -365,17 +338,7 @@ def test_the_ranks_end_in_order_and_clean(tmp_path, monkeypatch):
     records.mkdir()
     monkeypatch.setenv("END_RECORD_DIR", str(records))
     r = run_cli(
-        "demo",
-        "--processes",
-        "per-rank",
-        "--tp",
-        2,
-        "--layer-mode",
-        "scan",
-        "--steps",
-        1,
-        "--prompt",
-        4,
+        *"demo --processes per-rank --tp 2 --layer-mode scan --steps 1 --prompt 4".split(),
         pythonpath=[site],
         xla_flags=xla_flags(8),
     )

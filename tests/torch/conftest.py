@@ -19,10 +19,7 @@ def cpu_stream(monkeypatch):
 def handle():
     """The handle of a registered one-member workspace (bfloat16, 64 tokens x 256) over a
     FakeRank, unregistered afterwards."""
-    from torch_compat import library
+    from tests.torch.fakes import fake_workspace, registered
 
-    from tests.torch.fakes import fake_workspace
-
-    h = library.register_workspace(fake_workspace(max_tokens=64, hidden=256, global_ranks=(0,)))
-    yield h
-    library.unregister_workspace(h)
+    with registered(fake_workspace(max_tokens=64, hidden=256, global_ranks=(0,))) as h:
+        yield h

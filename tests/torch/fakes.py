@@ -3,6 +3,8 @@ native Rank (it records the exchange and every launch, dense and MoE), and ``fak
 is a real ``TorchAllReduceFusionWorkspace`` over it on the CPU. tests/torch/conftest.py
 holds the fixtures built on them (``cpu_stream``, ``handle``)."""
 
+import contextlib
+
 import torch
 
 from jax_fusedar.common import sizing
@@ -65,3 +67,15 @@ def fake_workspace(world=2, max_tokens=128, hidden=1024, dtype=torch.bfloat16, g
     )
     ws.torch_device = torch.device("cpu")
     return ws
+
+
+@contextlib.contextmanager
+def registered(ws):
+    """The handle of ``ws`` in torch_compat's registry, unregistered afterwards."""
+    from torch_compat import library
+
+    h = library.register_workspace(ws)
+    try:
+        yield h
+    finally:
+        library.unregister_workspace(h)

@@ -67,17 +67,17 @@ def test_options_are_never_coerced(cpu_stream, over, error, match):
 def test_layout_code_is_not_truncated(cpu_stream, monkeypatch):
     monkeypatch.setattr(cuda_state, "compute_capability", lambda device: (10, 0))
     ws = fake_workspace()
-    t = _tensors()
+    quant_out = torch.empty(16, 512, dtype=torch.uint8)
+    scale_out = torch.empty(16 * 64, dtype=torch.uint8)
     for layout in (2.7, "2", True):
         with pytest.raises(ValueError, match=r"layout \(layout_code\)"):
-            torch_compat.allreduce_fusion(
-                workspace=ws,
-                pattern=5,
+            _call(
+                ws,
+                5,
                 layout_code=layout,
                 scale_factor=1.0,
-                quant_out=torch.empty(16, 512, dtype=torch.uint8),
-                scale_out=torch.empty(16 * 64, dtype=torch.uint8),
-                **t,
+                quant_out=quant_out,
+                scale_out=scale_out,
             )
     assert not ws._rank_obj.launches
 
@@ -102,6 +102,15 @@ def test_real_bools_and_numbers_still_work(cpu_stream):
 # --- 6. is_buffer_size_sufficient agrees with the op ---------------------------------------------
 
 
+def _accepted(ws, m, h, dtype):
+    """Whether pattern 0 on zeros of (m, h) ``dtype`` goes through the op's checks."""
+    try:
+        torch_compat.allreduce_fusion(torch.zeros(m, h, dtype=dtype), ws, 0)
+    except ValueError:
+        return False
+    return True
+
+
 def test_is_buffer_size_sufficient_agrees_with_the_op(cpu_stream):
     ws = fake_workspace(max_tokens=128, hidden=1024)
     for m, h, dtype in [
@@ -113,13 +122,7 @@ def test_is_buffer_size_sufficient_agrees_with_the_op(cpu_stream):
         (256, 512, torch.bfloat16),
     ]:
         answer = ws.is_buffer_size_sufficient(2, m, h, dtype)
-        x = torch.zeros(m, h, dtype=dtype)
-        try:
-            torch_compat.allreduce_fusion(x, ws, 0)
-            accepted = True
-        except ValueError:
-            accepted = False
-        assert answer == accepted, (m, h, dtype)
+        assert answer == _accepted(ws, m, h, dtype), (m, h, dtype)
 
 
 @pytest.mark.parametrize(
@@ -142,12 +145,7 @@ def test_is_buffer_size_sufficient_agrees_with_the_op(cpu_stream):
 def test_is_buffer_size_sufficient_applies_the_kernels_hidden_size_rule(cpu_stream, dtype, m, h):
     ws = fake_workspace(max_tokens=1, hidden=131072, dtype=dtype)
     answer = ws.is_buffer_size_sufficient(2, m, h, dtype)
-    try:
-        torch_compat.allreduce_fusion(torch.zeros(m, h, dtype=dtype), ws, 0)
-        accepted = True
-    except ValueError:
-        accepted = False
-    assert answer == accepted, (m, h, dtype)
+    assert answer == _accepted(ws, m, h, dtype), (m, h, dtype)
 
 
 @pytest.mark.parametrize(
@@ -270,12 +268,8 @@ def _fused(h, rows=(8, 256), *, residual=None, gamma=None, eps=1e-6):
 def _quant(h, pattern, rows=(8, 256), *, scale_factor=None, group_size=None):
     """The arguments of the quantized op (bfloat16 rows)."""
     x, residual, gamma = _fake(rows), _fake(rows), _fake((rows[-1],))
-    return QUANT, (x, residual, gamma, 1e-6, 0.0, pattern, scale_factor, group_size) + (
-        None,
-        None,
-        False,
-        h,
-    )
+    rest = (None, None, False, h)  # layout_code, use_oneshot, fp32_acc, the handle
+    return QUANT, (x, residual, gamma, 1e-6, 0.0, pattern, scale_factor, group_size, *rest)
 
 
 FAKE_CASES = {

@@ -19,6 +19,8 @@ import torch_compat
 from torch_compat import cuda_state, fusion_pass, library
 
 from tests.torch import fakes
+from tests.torch.fakes import registered
+from tests.torch.rounding_check import ref_fused as _ref_fused  # world size 1: sum = input
 
 # Also in the oldest-versions lane (./dev oldest).
 pytestmark = pytest.mark.oldest
@@ -26,6 +28,7 @@ pytestmark = pytest.mark.oldest
 AR = torch.ops.torch_compat.allreduce.default
 FUSED = torch.ops.torch_compat.allreduce_residual_rmsnorm.default
 EPS = 1e-6
+FLAGS = (EPS, 0.0, None, False)  # the fused op's eps, weight_bias, use_oneshot, fp32_acc
 
 
 # A one-member group of bfloat16, 64 tokens x 256 (tests/torch/fakes.py).
@@ -34,17 +37,19 @@ fake_workspace = functools.partial(
 )
 
 
-def _ref_fused(input, residual, gamma, eps, weight_bias, use_oneshot, fp32_acc, handle):
-    library.lookup_workspace(handle)  # the handle must be live, as in the real kernel
-    r = input + residual  # world size 1: the sum over the group is the input
-    rf = r.float()
-    n = rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps) * (weight_bias + gamma.float())
-    return r.clone(), n.to(input.dtype)
-
-
 def _ref_ar(input, use_oneshot, fp32_acc, handle):
     library.lookup_workspace(handle)
     return input.clone()
+
+
+# Every opcheck test but autograd (the ops are forward-only collectives, with no derivative
+# registered; they run in inference graphs).
+OPCHECK_UTILS = (
+    "test_schema",
+    "test_faketensor",
+    "test_aot_dispatch_static",
+    "test_aot_dispatch_dynamic",
+)
 
 
 @pytest.fixture
@@ -115,8 +120,7 @@ def test_schemas():
 def test_real_impl_launches_pattern1_through_the_workspace(monkeypatch):
     monkeypatch.setattr(cuda_state, "current_stream", lambda device: 0xC0FFEE)
     ws = fake_workspace(global_ranks=(0, 1))
-    h = library.register_workspace(ws)
-    try:
+    with registered(ws) as h:
         x, res, g = _inputs()
         r, n = library.allreduce_residual_rmsnorm._init_fn(x, res, g, 1e-5, 1.0, None, True, h)
         assert r.shape == n.shape == x.shape and r.dtype == n.dtype == x.dtype
@@ -131,8 +135,6 @@ def test_real_impl_launches_pattern1_through_the_workspace(monkeypatch):
         (args, kw) = ws.native_rank().launches[-1]
         assert args[0] == 0 and kw["allreduce_out"] == out.data_ptr()
         assert kw["algorithm"] == 0  # two-shot (forced)
-    finally:
-        library.unregister_workspace(h)
 
 
 def test_op_on_cpu_tensors_has_no_kernel(handle):
@@ -149,14 +151,12 @@ def test_fake_tensor_mode_shapes_and_dtypes(dtype):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     # A workspace of the inputs' element width: the fake impls check it as the eager op does.
-    handle = library.register_workspace(fake_workspace(dtype=dtype))
-    with FakeTensorMode() as mode:
+    with registered(fake_workspace(dtype=dtype)) as handle, FakeTensorMode() as mode:
         x = torch.empty(5, 256, dtype=dtype, device="cuda")  # fake: no GPU needed
         res = torch.empty(5, 256, dtype=dtype, device="cuda")
         g = torch.empty(256, dtype=dtype, device="cuda")
         r, n = FUSED(x, res, g, EPS, 0.0, None, False, handle)
         o = AR(x, None, False, handle)
-    library.unregister_workspace(handle)
     for t in (r, n, o):
         assert t.fake_mode is mode
         assert t.shape == (5, 256) and t.dtype == dtype and t.device.type == "cuda"
@@ -171,41 +171,16 @@ def test_fake_impl_checks_shapes(handle):
         x = torch.empty(5, 256, **bf16)
         # The eager op's own checks and messages (ops.check_call).
         with pytest.raises(ValueError, match=r"rms_gamma must have shape \[hidden_dim\]"):
-            FUSED(
-                x,
-                torch.empty(5, 256, **bf16),
-                torch.empty(128, **bf16),
-                EPS,
-                0.0,
-                None,
-                False,
-                handle,
-            )
+            FUSED(x, torch.empty(5, 256, **bf16), torch.empty(128, **bf16), *FLAGS, handle)
         with pytest.raises(ValueError, match="residual_in must have the input's shape"):
-            FUSED(
-                x,
-                torch.empty(4, 256, **bf16),
-                torch.empty(256, **bf16),
-                EPS,
-                0.0,
-                None,
-                False,
-                handle,
-            )
+            FUSED(x, torch.empty(4, 256, **bf16), torch.empty(256, **bf16), *FLAGS, handle)
 
 
 def test_opcheck(cpu_kernels, handle):
     x, res, g = _inputs()
-    # Every opcheck test but autograd (the ops are forward-only collectives, with no
-    # derivative registered; they run in inference graphs).
-    utils = (
-        "test_schema",
-        "test_faketensor",
-        "test_aot_dispatch_static",
-        "test_aot_dispatch_dynamic",
-    )
-    torch.library.opcheck(FUSED, (x, res, g, EPS, 0.0, None, False, handle), test_utils=utils)
-    torch.library.opcheck(AR, (x, None, False, handle), test_utils=utils)
+    args = (x, res, g, EPS, 0.0, None, False, handle)
+    torch.library.opcheck(FUSED, args, test_utils=OPCHECK_UTILS)
+    torch.library.opcheck(AR, (x, None, False, handle), test_utils=OPCHECK_UTILS)
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
@@ -244,13 +219,8 @@ def test_torch_compile_fake_only_trace_with_dynamo_explain(handle):
     with pytest.raises(Exception):
         compiled(x, res, g)  # the graph runs the op on CPU, which has no kernel
     assert len(gms) == 1
-    assert (
-        sum(
-            n.target is FUSED or n.target is torch.ops.torch_compat.allreduce_residual_rmsnorm
-            for n in gms[0].graph.nodes
-        )
-        == 1
-    )
+    fused = (FUSED, torch.ops.torch_compat.allreduce_residual_rmsnorm)
+    assert sum(n.target in fused for n in gms[0].graph.nodes) == 1
     torch._dynamo.reset()
 
 
@@ -665,12 +635,8 @@ def test_quant_fake_tensor_shapes(pattern, extra, handle):
         args = _quant_args(pattern, extra, device="cuda", handle=handle)
         outs = QUANT(*args)
     for t, (shape, dtype, stride) in zip(outs, _expected_quant_meta(pattern, extra)):
-        assert (tuple(t.shape), t.dtype, t.stride(), t.device.type) == (
-            tuple(shape),
-            dtype,
-            tuple(stride),
-            "cuda",
-        )
+        got = (tuple(t.shape), t.dtype, t.stride(), t.device.type)
+        assert got == (tuple(shape), dtype, tuple(stride), "cuda")
 
 
 def test_quant_fake_refuses_plain_patterns_and_bad_shapes(handle):
@@ -691,8 +657,7 @@ def test_quant_real_impl_wiring(monkeypatch, pattern, extra):
     monkeypatch.setattr(cuda_state, "current_stream", lambda device: 0xC0FFEE)
     monkeypatch.setattr(cuda_state, "compute_capability", lambda device: (10, 0))
     ws = fake_workspace(global_ranks=(0, 1))
-    h = library.register_workspace(ws)
-    try:
+    with registered(ws) as h:
         args = _quant_args(pattern, extra, handle=h)
         outs = library.allreduce_residual_rmsnorm_quant._init_fn(*args)
         for t, (shape, dtype, stride) in zip(outs, _expected_quant_meta(pattern, extra)):
@@ -705,32 +670,21 @@ def test_quant_real_impl_wiring(monkeypatch, pattern, extra):
         assert kw["scale_out"] == (0 if pattern in (2, 4) else s.data_ptr())
         assert kw["scale_factor"] == (args[6].data_ptr() if args[6] is not None else 0)
         assert kw["block_quant_group_size"] == (extra if isinstance(extra, int) else 0)
-    finally:
-        library.unregister_workspace(h)
 
 
 def test_quant_real_impl_refuses_nvfp4_on_sm90(monkeypatch):
     monkeypatch.setattr(cuda_state, "current_stream", lambda device: 0)
     monkeypatch.setattr(cuda_state, "compute_capability", lambda device: (9, 0))
     ws = fake_workspace(global_ranks=(0, 1))
-    h = library.register_workspace(ws)
-    try:
-        with pytest.raises(ValueError, match="sm100"):
-            library.allreduce_residual_rmsnorm_quant._init_fn(*_quant_args(5, "fp4:0", handle=h))
-    finally:
-        library.unregister_workspace(h)
+    with registered(ws) as h, pytest.raises(ValueError, match="sm100"):
+        library.allreduce_residual_rmsnorm_quant._init_fn(*_quant_args(5, "fp4:0", handle=h))
     assert not ws.native_rank().launches
 
 
 @pytest.mark.parametrize("pattern, extra", [c for c in QUANT_CASES if c[0] not in (3, 5)])
 def test_quant_opcheck(cpu_quant_kernel, handle, pattern, extra):
-    utils = (
-        "test_schema",
-        "test_faketensor",
-        "test_aot_dispatch_static",
-        "test_aot_dispatch_dynamic",
-    )
-    torch.library.opcheck(QUANT, _quant_args(pattern, extra, handle=handle), test_utils=utils)
+    args = _quant_args(pattern, extra, handle=handle)
+    torch.library.opcheck(QUANT, args, test_utils=OPCHECK_UTILS)
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])

@@ -9,9 +9,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import torch_compat
-from torch_compat import library
-
 from tests.torch import fakes
+from tests.torch.fakes import registered
 
 P6 = torch_compat.AllReduceFusionPattern.kMoEReductionARResidualRMSNorm
 P7 = torch_compat.AllReduceFusionPattern.kMoEFinalizeARResidualRMSNorm
@@ -86,11 +85,8 @@ def test_reduction_needs_norm_out_writes_output_and_residual_out_when_given():
     assert got is norm
     ((args, kw),) = ws.native_rank().moe_launches
     assert args[:4] == (6, 2, 4, 7168) and kw["num_experts"] == 3
-    assert (kw["allreduce_out"], kw["residual_out"], kw["norm_out"]) == (
-        out.data_ptr(),
-        res.data_ptr(),
-        norm.data_ptr(),
-    )
+    got = (kw["allreduce_out"], kw["residual_out"], kw["norm_out"])
+    assert got == (out.data_ptr(), res.data_ptr(), norm.data_ptr())
     # Without residual_out / output: null pointers (the kernel's template flags).
     torch_compat.allreduce_fusion(workspace=ws, pattern=P6, norm_out=norm, **a)
     kw = ws.native_rank().moe_launches[-1][1]
@@ -112,21 +108,15 @@ def _with(base, **changes):
 F = finalize_args(t=2, k=2, rows=4)
 
 
+def _idx(rows):
+    return torch.tensor(rows, dtype=torch.int32)
+
+
 @pytest.mark.parametrize(
     "kw,match",
     [
-        (
-            _with(
-                F, expanded_idx_to_permuted_idx=torch.tensor([[0, 4], [1, -1]], dtype=torch.int32)
-            ),
-            "holds 4.*4 rows",
-        ),
-        (
-            _with(
-                F, expanded_idx_to_permuted_idx=torch.tensor([[0, -3], [1, -1]], dtype=torch.int32)
-            ),
-            "holds -3",
-        ),
+        (_with(F, expanded_idx_to_permuted_idx=_idx([[0, 4], [1, -1]])), "holds 4.*4 rows"),
+        (_with(F, expanded_idx_to_permuted_idx=_idx([[0, -3], [1, -1]])), "holds -3"),
         (_with(F, expanded_idx_to_permuted_idx=torch.zeros(2, 2, dtype=torch.int64)), "int32"),
         (_with(F, expanded_idx_to_permuted_idx=torch.zeros(3, 2, dtype=torch.int32)), "token_num"),
         (_with(F, expert_scale_factor=torch.rand(2, 2)), "expert_scale_factor"),
@@ -201,52 +191,37 @@ def test_dense_patterns_refuse_moe_arguments():
         )
 
 
+def _finalize_op(a, handle, scale=None):
+    """The pattern-7 custom op on finalize_args ``a`` (``scale``: its expert_scale_factor)."""
+    scale = a["expert_scale_factor"] if scale is None else scale
+    keys = ("input", "expanded_idx_to_permuted_idx", "residual_in", "rms_gamma")
+    return torch.ops.torch_compat.moe_finalize_allreduce_residual_rmsnorm(
+        *(a[k] for k in keys), scale, None, 1.0, 1e-6, 0.0, handle
+    )
+
+
 def test_custom_ops_fake_implementations_trace_and_refuse():
-    ws = fake_workspace()
-    handle = library.register_workspace(ws)
-    try:
-        with FakeTensorMode():
-            a = finalize_args()
-            r, n = torch.ops.torch_compat.moe_finalize_allreduce_residual_rmsnorm(
-                a["input"],
-                a["expanded_idx_to_permuted_idx"],
-                a["residual_in"],
-                a["rms_gamma"],
-                a["expert_scale_factor"],
-                None,
-                1.0,
-                1e-6,
-                0.0,
-                handle,
-            )
-            assert r.shape == n.shape == a["residual_in"].shape and n.dtype == BF
-            b = reduction_args()
-            outs = torch.ops.torch_compat.moe_reduction_allreduce_residual_rmsnorm(
-                b["moe_reduction_active_experts_token_input"].view(3, 4, 7168),
-                b["moe_reduction_scale_input"],
-                b["moe_reduction_token_input"],
-                b["residual_in"],
-                b["rms_gamma"],
-                1e-6,
-                0.0,
-                handle,
-            )
-            assert len(outs) == 3 and all(o.shape == (4, 7168) for o in outs)
-            with pytest.raises(ValueError, match="expert_scale_factor"):
-                torch.ops.torch_compat.moe_finalize_allreduce_residual_rmsnorm(
-                    a["input"],
-                    a["expanded_idx_to_permuted_idx"],
-                    a["residual_in"],
-                    a["rms_gamma"],
-                    a["expert_scale_factor"].float(),
-                    None,
-                    1.0,
-                    1e-6,
-                    0.0,
-                    handle,
-                )
-    finally:
-        library.unregister_workspace(handle)
+    with registered(fake_workspace()) as handle, FakeTensorMode():
+        a = finalize_args()
+        r, n = _finalize_op(a, handle)
+        assert r.shape == n.shape == a["residual_in"].shape and n.dtype == BF
+        b = reduction_args()
+        keys = (
+            "moe_reduction_scale_input",
+            "moe_reduction_token_input",
+            "residual_in",
+            "rms_gamma",
+        )
+        outs = torch.ops.torch_compat.moe_reduction_allreduce_residual_rmsnorm(
+            b["moe_reduction_active_experts_token_input"].view(3, 4, 7168),
+            *(b[k] for k in keys),
+            1e-6,
+            0.0,
+            handle,
+        )
+        assert len(outs) == 3 and all(o.shape == (4, 7168) for o in outs)
+        with pytest.raises(ValueError, match="expert_scale_factor"):
+            _finalize_op(a, handle, scale=a["expert_scale_factor"].float())
 
 
 def test_one_moe_rule_refuses_what_flashinfers_launcher_cannot_place():
@@ -265,22 +240,7 @@ def test_one_moe_rule_refuses_what_flashinfers_launcher_cannot_place():
             **reduction_args(h=8448),
         )
     assert not ws.native_rank().moe_launches
-    handle = library.register_workspace(ws)
-    try:
-        with FakeTensorMode():
-            a = finalize_args(h=8448)
-            with pytest.raises(ValueError, match="1056 threads per block"):
-                torch.ops.torch_compat.moe_finalize_allreduce_residual_rmsnorm(
-                    a["input"],
-                    a["expanded_idx_to_permuted_idx"],
-                    a["residual_in"],
-                    a["rms_gamma"],
-                    a["expert_scale_factor"],
-                    None,
-                    1.0,
-                    1e-6,
-                    0.0,
-                    handle,
-                )
-    finally:
-        library.unregister_workspace(handle)
+    with registered(ws) as handle, FakeTensorMode():
+        a = finalize_args(h=8448)
+        with pytest.raises(ValueError, match="1056 threads per block"):
+            _finalize_op(a, handle)

@@ -42,73 +42,43 @@ ANCHOR = resolve_anchor_path() / "flashinfer" / "comm" / "allreduce.py"
 _ = inspect.Parameter.empty
 POS, KW = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
 
-# flashinfer/comm/allreduce.py (0.7.2.post1 era): (name, default, kind) in order.
-FI_CREATE = [
-    ("backend", "auto", POS),
-    ("world_size", None, POS),
-    ("rank", None, POS),
-    ("max_token_num", None, POS),
-    ("hidden_dim", None, POS),
-    ("dtype", None, POS),
-    ("gpus_per_node", None, POS),
-    ("comm_backend", None, POS),
-    ("force_oneshot_support", False, POS),
-    ("group", None, POS),
-    # keyword-only options of the MNNVL CuTe DSL backend
-    ("top_k", None, KW),
-    ("rms_eps", None, KW),
-    ("weight_bias", None, KW),
-    ("routed_scaling_factor", None, KW),
-    ("include_shared_expert", None, KW),
-    ("add_residual", None, KW),
-    ("write_residual_output", None, KW),
-    ("apply_rms_norm", None, KW),
-    ("output_dtype", None, KW),
-    ("dynamic_fp8", None, KW),
-    ("write_norm_output", None, KW),
-    ("config", None, KW),
-]
+
+def _signature(text):
+    """(name, default, kind) of each parameter written in ``text`` as in a def: ``name`` or
+    ``name=literal``, a ``*`` before the keyword-only ones."""
+    out, kind = [], POS
+    for word in text.split():
+        if word == "*":
+            kind = KW
+            continue
+        name, eq, default = word.partition("=")
+        out.append((name, ast.literal_eval(default) if eq else _, kind))
+    return out
+
+
+# flashinfer/comm/allreduce.py (0.7.2.post1 era), in order; the keyword-only options are the
+# MNNVL CuTe DSL backend's.
+FI_CREATE = _signature("""
+    backend='auto' world_size=None rank=None max_token_num=None hidden_dim=None dtype=None
+    gpus_per_node=None comm_backend=None force_oneshot_support=False group=None
+    * top_k=None rms_eps=None weight_bias=None routed_scaling_factor=None
+    include_shared_expert=None add_residual=None write_residual_output=None
+    apply_rms_norm=None output_dtype=None dynamic_fp8=None write_norm_output=None config=None
+""")
 FI_CREATE_ONLY = {n for n, _d, k in FI_CREATE if k == KW}  # CuTe DSL only
 
-FI_FUSION = [
-    ("input", _, POS),
-    ("workspace", _, POS),
-    ("pattern", _, POS),
-    ("launch_with_pdl", False, POS),
-    ("trigger_completion_at_end", True, POS),
-    ("output", None, POS),
-    ("residual_out", None, POS),
-    ("norm_out", None, POS),
-    ("quant_out", None, POS),
-    ("scale_out", None, POS),
-    ("residual_in", None, POS),
-    ("rms_gamma", None, POS),
-    ("rms_eps", 1e-6, POS),
-    ("scale_factor", None, POS),
-    ("layout_code", None, POS),
-    ("use_oneshot", None, POS),
-    ("fp32_acc", False, POS),
-    ("moe_reduction_device_num_experts", None, POS),
-    ("moe_reduction_scale_input", None, POS),
-    ("moe_reduction_active_experts_token_input", None, POS),
-    ("moe_reduction_token_input", None, POS),
-    ("expanded_idx_to_permuted_idx", None, POS),
-    ("expert_scale_factor", None, POS),
-    ("shared_expert_output", None, POS),
-    ("block_quant_group_size", None, POS),
-    ("weight_bias", 0.0, POS),
-    ("moe_finalize_backend", "trtllm", KW),
-]
+FI_FUSION = _signature("""
+    input workspace pattern launch_with_pdl=False trigger_completion_at_end=True output=None
+    residual_out=None norm_out=None quant_out=None scale_out=None residual_in=None
+    rms_gamma=None rms_eps=1e-6 scale_factor=None layout_code=None use_oneshot=None
+    fp32_acc=False moe_reduction_device_num_experts=None moe_reduction_scale_input=None
+    moe_reduction_active_experts_token_input=None moe_reduction_token_input=None
+    expanded_idx_to_permuted_idx=None expert_scale_factor=None shared_expert_output=None
+    block_quant_group_size=None weight_bias=0.0 * moe_finalize_backend='trtllm'
+""")
 FI_FUSION_ONLY = set()  # every FlashInfer parameter, the MoE ones (6, 7) included
 
-FI_SUFFICIENT = [
-    ("self", _, POS),
-    ("tp_size", _, POS),
-    ("num_tokens", _, POS),
-    ("hidden_dim", _, POS),
-    ("dtype", _, POS),
-    ("use_oneshot", None, POS),
-]
+FI_SUFFICIENT = _signature("self tp_size num_tokens hidden_dim dtype use_oneshot=None")
 
 
 def _params(fn):
@@ -118,14 +88,11 @@ def _params(fn):
 def test_create_signature_matches_flashinfer():
     ours = _params(torch_compat.create_allreduce_fusion_workspace)
     assert ours[:-6] == [p for p in FI_CREATE if p[0] not in FI_CREATE_ONLY]
-    assert ours[-6:] == [
-        ("timeout_s", 120.0, KW),
-        ("handshake", None, KW),
-        ("handshake_timeout_s", None, KW),
-        ("kernel_timeout_s", None, KW),
-        ("check_calls", None, KW),  # the handshake's names until 0.1.0
-        ("check_timeout_s", None, KW),
-    ]  # our additions, keyword-only
+    # Our additions, keyword-only (check_*: the handshake's names until 0.1.0).
+    assert ours[-6:] == _signature(
+        "* timeout_s=120.0 handshake=None handshake_timeout_s=None kernel_timeout_s=None "
+        "check_calls=None check_timeout_s=None"
+    )
 
 
 def test_allreduce_fusion_signature_matches_flashinfer():
@@ -328,6 +295,10 @@ def _call(ws, pattern=1, **over):
     return torch_compat.allreduce_fusion(workspace=ws, pattern=pattern, **t)
 
 
+NO_NORM = dict(residual_out=None, norm_out=None)
+OUTPUT_1 = r"pattern 1 \(kARResidualRMSNorm\) does not write output"
+
+
 @pytest.mark.parametrize(
     "over, match",
     [
@@ -345,17 +316,8 @@ def _call(ws, pattern=1, **over):
         (dict(residual_out=torch.empty(8, 1024).bfloat16()), "residual_out must have"),
         (dict(norm_out=torch.empty(16, 1024)), "norm_out must have the input's dtype"),
         (dict(norm_out=torch.empty(1024, 16).bfloat16().t()), "norm_out must be contiguous"),
-        (
-            dict(
-                pattern=0, residual_out=None, norm_out=None, output=torch.empty(16, 1023).bfloat16()
-            ),
-            "output must have",
-        ),
-        (
-            dict(output=torch.empty(16, 1024).bfloat16()),
-            r"pattern 1 \(kARResidualRMSNorm\) does "
-            "not write output",
-        ),
+        (dict(pattern=0, **NO_NORM, output=torch.empty(16, 1023).bfloat16()), "output must have"),
+        (dict(output=torch.empty(16, 1024).bfloat16()), OUTPUT_1),
         (
             dict(rms_gamma=torch.randn(16, 1024).bfloat16()),
             r"rms_gamma must have shape \[hidden_dim\]",
@@ -724,13 +686,7 @@ def gloo_worker(rank, world, chan, *, port):
         def _error_of(**kw):
             try:
                 torch_compat.create_allreduce_fusion_workspace(
-                    "trtllm",
-                    group=group,
-                    max_token_num=16,
-                    hidden_dim=1024,
-                    dtype=torch.bfloat16,
-                    timeout_s=5,
-                    **kw,
+                    "trtllm", group=group, **CREATE, timeout_s=5, **kw
                 )
             except Exception as e:
                 return f"{type(e).__name__}: {e}"
@@ -954,7 +910,8 @@ def _bad(pattern, **over):
     return pattern, t
 
 
-E4M3 = torch.float8_e4m3fn
+E4M3, U8, I32 = torch.float8_e4m3fn, torch.uint8, torch.int32
+STRIDE_1_16, ROUND_UP = r"stride must be \(1, 16\)", r".*round_up\(token_num, 4\) = 16"
 
 
 @pytest.mark.parametrize(
@@ -972,7 +929,7 @@ E4M3 = torch.float8_e4m3fn
         (*_bad(4, scale_out=torch.empty(16, 1)), "does not write scale_out"),
         (*_bad(10, output=torch.empty(16, 1024).bfloat16()), "does not write output"),
         # quant_out
-        (*_bad(2, quant_out=torch.empty(16, 1024, dtype=torch.uint8)), "quant_out must have dtype"),
+        (*_bad(2, quant_out=torch.empty(16, 1024, dtype=U8)), "quant_out must have dtype"),
         (
             *_bad(4, quant_out=torch.empty(16, 512, dtype=E4M3)),
             r"quant_out must have shape \[16, 1024\]",
@@ -1005,14 +962,8 @@ E4M3 = torch.float8_e4m3fn
         (*_bad(9, block_quant_group_size=512), "power of two from 8 to 256"),
         (*_bad(9, block_quant_group_size=128.0), "must be an int"),
         (*_bad(9, block_quant_group_size=True), "must be an int"),
-        (
-            *_bad(8, scale_out=torch.empty(2, 17, dtype=torch.int32)[:, :16].t()),
-            r"stride must be \(1, 16\).*round_up\(token_num, 4\) = 16",
-        ),
-        (
-            *_bad(8, scale_out=torch.empty(16, 2, dtype=torch.int32)),
-            r"scale_out stride must be \(1, 16\)",
-        ),
+        (*_bad(8, scale_out=torch.empty(2, 17, dtype=I32)[:, :16].t()), STRIDE_1_16 + ROUND_UP),
+        (*_bad(8, scale_out=torch.empty(16, 2, dtype=I32)), r"scale_out " + STRIDE_1_16),
         (*_bad(8, scale_out=group_scale_out(16, 1024, 64)), r"scale_out shape must be \(16, 2\)"),
         (*_bad(9, scale_out=torch.empty(2, 16).t()), "torch.int32"),
         (*_bad(9, scale_out=torch.empty(2, 16, dtype=torch.int64).t()), "torch.int32"),
@@ -1052,7 +1003,7 @@ def test_group_size_rule_follows_dtype_width(cpu_stream):
     [
         (
             3,
-            dict(quant_out=torch.empty(16, 1024, dtype=torch.uint8)),
+            dict(quant_out=torch.empty(16, 1024, dtype=U8)),
             r"quant_out must have shape \[16, 512\]",
         ),
         (
@@ -1066,11 +1017,7 @@ def test_group_size_rule_follows_dtype_width(cpu_stream):
         (5, dict(scale_out=torch.empty(64, 128, dtype=E4M3).t()), "scale_out must be contiguous"),
         (5, dict(layout_code=1), "SWIZZLED_8x4"),
         (5, dict(layout_code=7), "unknown NVFP4 scale layout"),
-        (
-            5,
-            dict(layout_code=2),
-            r"exactly 1024 bytes.*LINEAR",
-        ),  # swizzled-size buffer, linear layout
+        (5, dict(layout_code=2), r"exactly 1024 bytes.*LINEAR"),  # swizzled-size, linear layout
         (3, dict(scale_factor=None), r"needs scale_factor \(the NVFP4 global scale"),
         (5, dict(scale_out=None), "needs scale_out"),
     ],

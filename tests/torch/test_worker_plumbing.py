@@ -124,22 +124,26 @@ def test_workers_plumbing_and_checks_with_a_simulated_kernel(cpu_launch, dtype, 
     assert tw.plain_errors(unwritten, ref, res64, gam64, dtype, 0.0)["nans"] == 1
 
 
+def _compared_cases(meta, data, world):
+    """Phase 2 of the parity test with the simulated kernel: (case, compare_case's result)
+    for every case of phase 1's files and every rank of ``world``."""
+    ws = fake_workspace(max_tokens=32, hidden=256, world=world)
+    for c in meta["cases"]:
+        dt = tw._torch_dtype(torch, c["dtype"])
+        xs = [tw.to_torch(torch, data[f"c{c['case']}/x{r}"], dt, "cpu") for r in range(world)]
+        for rank in range(world):
+            out = par.compare_case(torch, SimTC(xs), ws, "cpu", data, c, rank, lambda: None, world)
+            yield c, out
+
+
 @pytest.mark.slow
 def test_parity_phase1_on_cpu_and_phase2_logic_with_a_simulated_kernel(tmp_path, cpu_launch):
     pytest.importorskip("jax")
     from tests.gpu.harness import run_ranks
 
-    (jres,) = run_ranks(
-        par.jax_phase,
-        1,
-        timeout_s=600,
-        out_dir=str(tmp_path),
-        seed=3,
-        tokens=(1, 17),
-        hiddens=(256,),
-        dtypes=("bfloat16", "float16"),
-        platform="cpu",
-    )
+    phase = dict(timeout_s=600, out_dir=str(tmp_path), hiddens=(256,), platform="cpu")
+    dtypes = ("bfloat16", "float16")
+    (jres,) = run_ranks(par.jax_phase, 1, **phase, seed=3, tokens=(1, 17), dtypes=dtypes)
     assert jres["cases"] == 6 and set(jres["backends"].values()) == {"xla"}, jres
     meta, data = par.load(str(tmp_path))
     assert meta["world"] == 2
@@ -153,25 +157,19 @@ def test_parity_phase1_on_cpu_and_phase2_logic_with_a_simulated_kernel(tmp_path,
         "10": ["quant_out", "residual_out", "scale_out"],
         "11": ["norm_out", "quant_out", "residual_out", "scale_out"],
     }
-    ws = fake_workspace(max_tokens=32, hidden=256)
     total = {}
-    for c in meta["cases"]:
-        k = f"c{c['case']}"
-        dt = tw._torch_dtype(torch, c["dtype"])
-        xs = [tw.to_torch(torch, data[f"{k}/x{r}"], dt, "cpu") for r in range(2)]
-        for rank in range(2):
-            out = par.compare_case(torch, SimTC(xs), ws, "cpu", data, c, rank, lambda: None)
-            for p, d in out["diffs"].items():
-                for name, n in d.items():
-                    assert isinstance(n, int), (c, p, name, n)  # same shapes on both sides
-                    total[(p, name)] = total.get((p, name), 0) + n
-            for side in ("torch", "jax"):
-                w = out[side]
-                assert w["nans"] == 0 and w["allreduce"] <= 1.0 and w["residual"] <= 1.0
-                assert w["norm"] <= 3.0, (side, w)
-                q = out[f"quant_{side}"]
-                assert q["worse"] == 0 and q["poisoned"] == 0, (side, q)
-                assert q["group_scale_mismatch"] == 0, (side, q)
+    for c, out in _compared_cases(meta, data, world=2):
+        for p, d in out["diffs"].items():
+            for name, n in d.items():
+                assert isinstance(n, int), (c, p, name, n)  # same shapes on both sides
+                total[(p, name)] = total.get((p, name), 0) + n
+        for side in ("torch", "jax"):
+            w = out[side]
+            assert w["nans"] == 0 and w["allreduce"] <= 1.0 and w["residual"] <= 1.0
+            assert w["norm"] <= 3.0, (side, w)
+            q = out[f"quant_{side}"]
+            assert q["worse"] == 0 and q["poisoned"] == 0, (side, q)
+            assert q["group_scale_mismatch"] == 0, (side, q)
     # Every output of every pattern was compared; JAX's reference path rounds like the
     # kernel, so the sum, residual and scales agree exactly with the simulation.
     assert len(total) == 22, total
@@ -188,37 +186,27 @@ def test_parity_phase1_as_four_rank_processes_on_cpu(tmp_path, cpu_launch):
     pytest.importorskip("jax")
     from tests.gpu.harness import bound_problems, free_port, run_ranks
 
+    phase = dict(timeout_s=600, out_dir=str(tmp_path), hiddens=(256,), platform="cpu")
     res = run_ranks(
         par.jax_rank_phase,
         4,
-        timeout_s=600,
+        **phase,
         port=free_port(),
-        out_dir=str(tmp_path),
         seed=5,
         tokens=(1, 9),
-        hiddens=(256,),
         dtypes=("bfloat16",),
-        platform="cpu",
     )
     assert [r["world"] for r in res] == [4] * 4 and res[0]["cases"] == 3, res
     meta, data = par.load(str(tmp_path))
     assert meta["world"] == 4 and len(meta["cases"]) == 3
-    ws = fake_workspace(max_tokens=32, hidden=256, world=4)
     compared = 0
-    for c in meta["cases"]:
-        k = f"c{c['case']}"
-        dt = tw._torch_dtype(torch, c["dtype"])
-        xs = [tw.to_torch(torch, data[f"{k}/x{r}"], dt, "cpu") for r in range(4)]
-        for rank in range(4):
-            out = par.compare_case(
-                torch, SimTC(xs), ws, "cpu", data, c, rank, lambda: None, world=4
-            )
-            compared += sum(isinstance(n, int) for d in out["diffs"].values() for n in d.values())
-            for side in ("torch", "jax"):
-                w = out[side]
-                assert w["nans"] == 0 and not bound_problems(w, "bfloat16", 4), (side, w)
-                assert "residual_bound" in w and "norm_own" in w, w
-                assert not bound_problems(out[f"quant_{side}"], "bfloat16", 4)
+    for c, out in _compared_cases(meta, data, world=4):
+        compared += sum(isinstance(n, int) for d in out["diffs"].values() for n in d.values())
+        for side in ("torch", "jax"):
+            w = out[side]
+            assert w["nans"] == 0 and not bound_problems(w, "bfloat16", 4), (side, w)
+            assert "residual_bound" in w and "norm_own" in w, w
+            assert not bound_problems(out[f"quant_{side}"], "bfloat16", 4)
     assert compared == 3 * 4 * 22
 
 
