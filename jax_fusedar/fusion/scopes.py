@@ -290,10 +290,16 @@ class BodyRole:
 
 
 class Analyzer:
-    def __init__(self, fuser, axis_name: str):
-        self.fuser = fuser
+    """The analysis step of the pass: the plan of a program's rewrite (``plan``), its sites
+    (``sites``, for the report) and what each fused site needs of a workspace (``needs``,
+    workspaces.Need, in the order of the fused sites), asking ``admission``
+    (workspaces.Admission) whether a site can be served; nothing is allocated."""
+
+    def __init__(self, admission, axis_name: str):
+        self.admission = admission
         self.axis = axis_name
         self.sites = []
+        self.needs = []
         self.custom_rule_reasons = {}  # stable key of a source eqn -> reason
         # (stable key of a shard_map eqn, output) -> (reason, late): from either pass, as
         # the shard_map may be seen spliced in one and inside its call in the other
@@ -356,7 +362,7 @@ class Analyzer:
             else:
                 plan.emit[m.emit_at].append(self._emitter(m))
         self._drop_dead(g, plan, removable, read)
-        for links in chain.find_chains(g, self.fuser.allow_rounding_change):
+        for links in chain.find_chains(g, self.admission.allow_rounding_change):
             self._plan_chain(links, g, scope, plan, read)
         # Sub-jaxprs.
         for j, e in enumerate(g.eqns):
@@ -394,23 +400,24 @@ class Analyzer:
         """A scan whose body normalizes a carry that it adds to at its end: planned as
         written and rotated (fusion/rotation.py), keeping the rotation when more sites fuse
         in it. True when the scan was planned here."""
-        rot = rotation.rotation_candidate(e, self.fuser.allow_rounding_change)
+        rot = rotation.rotation_candidate(e, self.admission.allow_rounding_change)
         if rot is None:
             return False
         child, _ = self._child_scope(e, scope)
-        n0 = len(self.sites)
+        n0, k0 = len(self.sites), len(self.needs)
         plain = self.plan(G.open_jaxpr(e.params["jaxpr"]), child)
-        as_written = self.sites[n0:]
-        del self.sites[n0:]
+        as_written, needs_as_written = self.sites[n0:], self.needs[k0:]
+        del self.sites[n0:], self.needs[k0:]
         rotated = self.plan(rot.view, child)
         fused = sum(s.fused for s in self.sites[n0:])
         if fused <= sum(s.fused for s in as_written):
-            del self.sites[n0:]
+            del self.sites[n0:], self.needs[k0:]
             self.sites.extend(as_written)
+            self.needs.extend(needs_as_written)
             if not plain.empty():
                 plan.children[j] = {("jaxpr", None): plain}
             return True
-        rot.final = rotation.final_norm(g, j, rot, self.fuser.allow_rounding_change)
+        rot.final = rotation.final_norm(g, j, rot, self.admission.allow_rounding_change)
         self._note_rotated(n0, rot, e, child)
         plan.skip.add(j)
         plan.emit[j].append(rotation.RotatedScanEmit(e, rot, rotated))
@@ -424,17 +431,17 @@ class Analyzer:
         than in the calls as written (then planned here), else left to the plain planning."""
         if any(link.i in plan.skip for link in links):
             return
-        n0 = len(self.sites)
+        n0, k0 = len(self.sites), len(self.needs)
         for link in links:
             child, _ = self._child_scope(g.eqns[link.i], scope)
             self.plan(chain.call_body(g.eqns[link.i]), child)
         as_written = sum(s.fused for s in self.sites[n0:])
-        del self.sites[n0:]
+        del self.sites[n0:], self.needs[k0:]
         for link in links:
             child, _ = self._child_scope(g.eqns[link.i], scope)
             link.plan = self.plan(chain.build_view(g, link), child)
         if sum(s.fused for s in self.sites[n0:]) <= as_written:
-            del self.sites[n0:]
+            del self.sites[n0:], self.needs[k0:]
             return
         for k in range(n0, len(self.sites)):
             site = self.sites[k]
@@ -527,7 +534,7 @@ class Analyzer:
                     dry,
                     stable,
                     lambda: matching.match_reduction(
-                        g, i, scope, self.axis, self.fuser.allow_rounding_change
+                        g, i, scope, self.axis, self.admission.allow_rounding_change
                     ),
                 )
             elif not scope.manual and n == "shard_map":
@@ -543,7 +550,7 @@ class Analyzer:
                         dry,
                         (stable, k),
                         lambda k=k: matching.match_boundary(
-                            g, i, k, scope, self.axis, self.fuser.allow_rounding_change, inner
+                            g, i, k, scope, self.axis, self.admission.allow_rounding_change, inner
                         ),
                         boundary=True,
                     )
@@ -568,7 +575,9 @@ class Analyzer:
                     taken,
                     dry,
                     stable,
-                    lambda: matching.match_plain_dot(g, i, scope, self.fuser.allow_rounding_change),
+                    lambda: matching.match_plain_dot(
+                        g, i, scope, self.admission.allow_rounding_change
+                    ),
                 )
 
     def _try(self, g, i, scope, taken, dry, stable, match, boundary=False):
@@ -627,7 +636,7 @@ class Analyzer:
             return dict(g.eqns[m.boundary[0]].params["mesh"].shape)[self.axis]
         if scope.manual:
             return scope.mesh_shape.get(self.axis)
-        return self.fuser.mesh.shape[self.axis]
+        return self.admission.axis_size()
 
     def _admit(self, m, scope, taken, g):
         world = self._world(m, scope, g)
@@ -648,14 +657,16 @@ class Analyzer:
             mesh = g.eqns[m.boundary[0]].params["mesh"]
         else:
             mesh = scope.ctx[0] if scope.manual else None
-        m.workspace = self.fuser.workspace_for(m, world, mesh)  # raises Reject when it cannot
+        need = self.admission.need_for(m, world, mesh)  # raises Reject when none can serve
         # Never costlier than the original: where no kernel serves the site, a rewrite that
         # adds collectives stays as written (ops.plan.fused_site_problem).
         costlier = fused_site_problem(
-            m.workspace, m.tokens, m.hidden, m.dtype, adds_collectives=m.kind == R.REDUCE_SCATTER
+            need, m.tokens, m.hidden, m.dtype, adds_collectives=m.kind == R.REDUCE_SCATTER
         )
         if costlier:
             raise Reject(costlier)
+        m.workspace = None  # the allocation step gives it (transform.FusedFunction)
+        self.needs.append(need)
 
     @staticmethod
     def _check_names(m, scope, g):
@@ -710,7 +721,7 @@ class Analyzer:
             e = g.eqns[i]
             if reason is None:
                 try:
-                    matching.match_plain_dot(g, i, scope, self.fuser.allow_rounding_change)
+                    matching.match_plain_dot(g, i, scope, self.admission.allow_rounding_change)
                     reason = "its result is added to a residual, but no RMSNorm reads the sum"
                 except Reject as why:
                     reason = str(why)

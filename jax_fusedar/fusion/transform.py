@@ -27,8 +27,12 @@ leaves the site unfused. Everything else is left as it is, with its reason; ``fu
 not raise on a program that runs.
 
 The sections of the pass are this module's neighbours in ``jax_fusedar/fusion/`` (matching,
-scope walking, loop rotation, rewriting, the report, the JAX internals it uses); this module
-is the transform itself: workspaces, tracing, the report of each trace.
+scope walking, loop rotation, workspaces, rewriting, the report, the JAX internals it uses);
+this module is the transform itself. Each trace runs four steps, each a plain function of
+what the one before gave: analyse (``scopes.Analyzer``: the sites, the rewrite's plan and what
+each site needs of a workspace, nothing allocated), plan the workspaces
+(``workspaces.plan_workspaces``), allocate them (``workspaces.allocate``: the one step with
+effects), rewrite (``rewriting.evaluate``).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from typing import Optional
 import jax
 import numpy as np
 
-from . import jax_internals, rewriting
+from . import jax_internals, rewriting, workspaces
 from .matching import Scope
 from .report import FusionReport, Reject, Site  # noqa: F401 (public names)
 from .scopes import Analyzer
@@ -51,32 +55,6 @@ log = logging.getLogger("jax_fusedar")
 # --- the transform -------------------------------------------------------------------------------
 
 _MAX_SAME_KEY = 64  # live transforms with workspaces of one key, at most
-
-
-def _serving_problem(ws, m, world: int, mesh) -> Optional[str]:
-    """Why ``ws`` cannot serve the matched site ``m``, or None: its dtype, world size, size,
-    and (where the site's shard_map mesh is known) the devices grouped along its axis, the
-    fused op's own check (ops.checks.check_call_groups)."""
-    from ..ops.checks import check_call_groups
-
-    if ws.dtype.name != m.dtype:
-        return f"the workspace is for {ws.dtype.name}, the site is {m.dtype}"
-    if ws.world_size != world:
-        return (
-            f"the workspace is for {ws.world_size} ranks over {ws.axis_name!r}, the site's "
-            f"all-reduce over it has {world}"
-        )
-    if not ws.is_buffer_size_sufficient(m.tokens, m.hidden):
-        return (
-            f"tokens {m.tokens} x hidden {m.hidden} > workspace max "
-            f"{ws.max_token_num} x {ws.hidden_dim}"
-        )
-    if mesh is not None:
-        try:
-            check_call_groups(mesh, ws.axis_name, [g.members for g in ws.groups])
-        except ValueError as e:
-            return str(e)
-    return None
 
 
 class FusedFunction:
@@ -111,61 +89,35 @@ class FusedFunction:
         self._jitted = jax.jit(self._run)
         functools.update_wrapper(self, fn, updated=())
 
-    # workspaces -----------------------------------------------------------------------------
-    def workspace_for(self, m, world: int, mesh=None):
-        """The workspace serving a matched site (created or grown as needed), or raises
-        Reject with why none can. ``world``: the size of the site's reduction axis;
-        ``mesh``: the mesh of its shard_map (None under plain jit, where the partitioned
-        entry picks the workspace of the mesh it runs on)."""
-        ws = self.given_workspace
-        if ws is not None:
-            problem = _serving_problem(ws, m, world, mesh)
-            if problem:
-                raise Reject(problem)
-            return ws
-        if self.max_tokens is not None and m.tokens > self.max_tokens:
-            raise Reject(f"tokens {m.tokens} > max_tokens {self.max_tokens}")
-        for ws in reversed(self.workspaces):
-            if not ws.destroyed and _serving_problem(ws, m, world, mesh) is None:
-                return ws
-        if self.mesh.shape[self.axis_name] != world:
-            raise Reject(
-                f"the shard_map's axis {self.axis_name!r} has size {world}, the "
-                f"mesh given to fuse has {self.mesh.shape[self.axis_name]}"
-            )
-        # At least one token: a 0-token site is served (the op returns empty outputs), but
-        # a workspace holds one.
-        want = max(
-            [1, m.tokens]
-            + [
-                ws.max_token_num * ws.hidden_dim // m.hidden
-                for ws in self.workspaces
-                if ws.dtype.name == m.dtype
-            ]
+    # the steps ------------------------------------------------------------------------------
+    def _admission(self, refused) -> workspaces.Admission:
+        return workspaces.Admission(
+            mesh=self.mesh,
+            axis_name=self.axis_name,
+            given=self.given_workspace,
+            existing=self.workspaces,
+            max_tokens=self.max_tokens,
+            backend=self.backend,
+            allow_rounding_change=self.allow_rounding_change,
+            refused=refused,
         )
-        ws = self._create(want, m)
-        problem = _serving_problem(ws, m, world, mesh)
-        if problem:  # e.g. the site's mesh groups the axis otherwise than fuse's mesh
-            ws.destroy()
-            raise Reject(problem)
-        self.workspaces.append(ws)
-        return ws
 
-    def _create(self, max_token_num: int, m):
-        """A new workspace. Its stable key (what compiled programs find it by) has no name
-        unless another transform's live kernel workspace holds that key: then the first
-        free of the names ``jax_fusedar.fuse.2``, ``.3``, ... (the same in every process
-        that creates them in the same order)."""
+    def _create(self, spec: workspaces.Spec):
+        """A new workspace for ``spec`` (the allocation step's effect). Its stable key
+        (what compiled programs find it by) has no name unless another transform's live
+        kernel workspace holds that key: then the first free of the names
+        ``jax_fusedar.fuse.2``, ``.3``, ... (the same in every process that creates them in
+        the same order). Raises Reject when it cannot be created."""
         from ..workspace import WorkspaceKeyTaken, create_allreduce_fusion_workspace
 
         for n in range(1, _MAX_SAME_KEY + 1):
             try:
-                return create_allreduce_fusion_workspace(
+                ws = create_allreduce_fusion_workspace(
                     self.mesh,
                     self.axis_name,
-                    max_token_num=max_token_num,
-                    hidden_dim=m.hidden,
-                    dtype=m.dtype,
+                    max_token_num=spec.max_token_num,
+                    hidden_dim=spec.hidden,
+                    dtype=spec.dtype,
                     backend=self.backend,
                     name=None if n == 1 else f"jax_fusedar.fuse.{n}",
                 )
@@ -173,11 +125,31 @@ class FusedFunction:
                 continue
             except (ValueError, RuntimeError, MemoryError) as e:
                 raise Reject(f"cannot create a workspace: {e}") from None
+            self.workspaces.append(ws)
+            return ws
         raise Reject(
             f"cannot create a workspace: {_MAX_SAME_KEY} live kernel workspaces of this "
             "site's shape exist in this process (close the transforms no longer used: "
             "fused.close())"
         )
+
+    def _analyse_and_allocate(self, jaxpr):
+        """Analyse, plan the workspaces, allocate them; (Analyzer, rewrite Plan). A workspace
+        that cannot be created is refused to the analysis, which runs again: its sites are
+        then reported unfused with the error (at most once per dtype and hidden size)."""
+        refused = {}
+        while True:
+            analyzer = Analyzer(self._admission(refused), self.axis_name)
+            plan = analyzer.plan(jaxpr, Scope("", None, None, 1))
+            failed = workspaces.allocate(
+                workspaces.plan_workspaces(analyzer.needs, self.workspaces), self._create
+            )
+            if not failed:
+                break
+            refused.update(failed)
+        for need in analyzer.needs:
+            need.match.workspace = need.workspace
+        return analyzer, plan
 
     def close(self) -> None:
         """Destroys the workspaces this transform created (programs using them must not
@@ -195,8 +167,7 @@ class FusedFunction:
     def _run(self, *args, **kwargs):
         closed, out_shape = jax.make_jaxpr(self.fn, return_shape=True)(*args, **kwargs)
         flat, _ = jax.tree.flatten((args, kwargs))
-        analyzer = Analyzer(self, self.axis_name)
-        plan = analyzer.plan(closed.jaxpr, Scope("", None, None, 1))
+        analyzer, plan = self._analyse_and_allocate(closed.jaxpr)
         self.report = FusionReport(analyzer.sites, analyzer.near_misses())
         log.log(self.log_level, "%s", self.report.line())
         outs = rewriting.evaluate(plan.jaxpr, closed.consts, flat, plan, self)
