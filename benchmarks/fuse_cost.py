@@ -120,6 +120,8 @@ def measure(name, fn, args, mesh, axis, layers, reps, context=None):
 
     ctx = context or contextlib.nullcontext
     trace, analysis, orig, fused_c, sites = [], [], [], [], None
+    # Every compile is timed in full: no persistent cache (MaxText's config sets one up).
+    jax.config.update("jax_enable_compilation_cache", False)
     with ctx():
         for _ in range(reps):
             jax.clear_caches()
