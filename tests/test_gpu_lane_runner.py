@@ -108,3 +108,14 @@ def test_a_job_cut_short_still_shows_why_its_tests_failed(tmp_path):
     assert f"FAILED {node} (call; job0 was cut short)" in text, text
     assert "the answer moved" in text.split("failures:")[1], text
     assert "test_then_hangs" not in text.split("not passed:")[1].split("failures:")[0], text
+
+
+def test_the_default_workers_follow_the_gpus_memory():
+    from tests.gpu.run_lane import default_jobs
+
+    h200, h100 = 143771.0, 81559.0  # nvidia-smi's memory.total, MiB
+    assert default_jobs([h200]) == 6  # as measured there
+    assert default_jobs([h100]) == 3  # 6 ran out of memory there, 3 did not
+    assert default_jobs([h100] * 8) == 6
+    assert default_jobs([8192.0]) == 1
+    assert default_jobs([]) == 6

@@ -1,13 +1,14 @@
 """Runs a lane of the GPU suite as several pytest processes at once, so that a lane fits in
 one 10-minute run on one GPU (docs/gpu_testing.md).
 
-    python -m tests.gpu.run_lane quick|slow|worlds|all [--jobs 6] [--timeout-s 540]
+    python -m tests.gpu.run_lane quick|slow|worlds|all [--jobs N] [--timeout-s 540]
         [--out DIR] [-- extra pytest args]
 
 Lanes (``LANES``): ``quick`` = ``-m "gpu and not slow"``, ``slow`` = ``-m "gpu and slow"``,
 ``worlds`` = the slow lane's tests at 4 and 8 ranks and the MoE demo, ``all`` = ``-m gpu``.
 The runner runs the tests in ``SOLO`` first, alone (they measure the whole GPU), then the
-others in ``--jobs`` pytest-xdist workers (``--dist loadgroup``): an idle worker takes the
+others in ``--jobs`` pytest-xdist workers (``--dist loadgroup``; by default one per
+``GIB_PER_JOB`` of the GPUs' memory, at most 6: ``default_jobs``): an idle worker takes the
 next test, the lane's tests ordered by their expected time (``EXPECTED_S``, longest first; the
 tests of a file share its estimate), the tests of one module-scoped fixture in one
 ``xdist_group`` (tests/gpu/conftest.py does both when ``$JAX_FUSEDAR_LANE`` names the lane).
@@ -100,6 +101,34 @@ EXPECTED_S = {
         "test_fallback.py": 150,  # estimate, as in "slow"
     },
 }
+# GPU memory per worker: each test's rank processes (JAX and torch, 2 to 8 of them) share
+# the GPUs with the other workers' tests. Measured with the quick lane: 6 workers ran on one
+# 141 GB H200 (2026-12-02); on one 80 GB H100 (2026-12-07) 6 ran 12 tests out of memory and
+# 3 ran them all.
+GIB_PER_JOB = 23
+MAX_JOBS = 6
+
+
+def default_jobs(gpu_memory_mib) -> int:
+    """Workers for GPUs of these total memories (MiB, one per GPU): one per GIB_PER_JOB of
+    their sum, at least 1, at most MAX_JOBS (MAX_JOBS where no GPU is seen)."""
+    if not gpu_memory_mib:
+        return MAX_JOBS
+    return max(1, min(MAX_JOBS, int(sum(gpu_memory_mib) / 1024 // GIB_PER_JOB)))
+
+
+def gpu_memory_mib() -> list:
+    """Each visible GPU's total memory in MiB (nvidia-smi), or [] where it cannot say."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout  # fmt: skip
+        return [float(line) for line in out.split() if line.strip()]
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return []
+
+
 # Tests that measure the whole GPU (free memory is device-wide): run first, alone.
 SOLO = ("tests/gpu/test_torch.py::test_torch_create_destroy_cycles_return_all_memory",)
 # Files whose tests share a module-scoped fixture per parameter (run together, or the
@@ -181,7 +210,9 @@ def summarize(logs: dict, codes: dict, seconds: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tests.gpu.run_lane")
     ap.add_argument("lane", choices=sorted(LANES))
-    ap.add_argument("--jobs", type=int, default=6)
+    ap.add_argument(
+        "--jobs", type=int, default=None, help="pytest-xdist workers (default: by GPU memory)"
+    )
     ap.add_argument(
         "--timeout-s", type=float, default=540.0, help="the whole lane is stopped after this long"
     )
@@ -191,6 +222,8 @@ def main(argv=None) -> int:
     a, extra = ap.parse_args(argv[:cut]), argv[cut + 1 :]
     if importlib.util.find_spec("xdist") is None:
         ap.error("the workers are pytest-xdist's: pip install 'pytest-xdist>=3' (the [test] extra)")
+    if a.jobs is None:
+        a.jobs = default_jobs(gpu_memory_mib())
     t0 = time.monotonic()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
