@@ -120,8 +120,12 @@ def measure(name, fn, args, mesh, axis, layers, reps, context=None):
 
     ctx = context or contextlib.nullcontext
     trace, analysis, orig, fused_c, sites = [], [], [], [], None
-    # Every compile is timed in full: no persistent cache (MaxText's config sets one up).
+    # Every compile is timed in full: no persistent cache. MaxText's config sets one up, and
+    # JAX decides once per process whether it is used: reset that decision too.
+    from jax.experimental.compilation_cache import compilation_cache
+
     jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
     with ctx():
         for _ in range(reps):
             jax.clear_caches()

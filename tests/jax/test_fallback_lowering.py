@@ -13,6 +13,7 @@ bytes with ``fp32_acc=True``, one float32 psum per rank without."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -396,6 +397,35 @@ def test_a_fused_plain_jit_site_on_the_xla_backend_keeps_the_partitioners_psum(w
     assert got == base, (got, base)
     assert compiled[0] == compiled[1], compiled
     assert compiled[0]["all_reduce"]["count"] == 1, compiled
+
+
+def test_a_fused_plain_jit_program_on_auto_axes_without_a_kernel_exports():
+    """No custom_partitioning where no kernel serves the site: the fused program exports on
+    Auto axes too, and the artifact gives the original's bits."""
+    mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
+
+    def model(h, w, r, g):
+        r = h @ w + r
+        return r, _norm(r, g)
+
+    rng = np.random.default_rng(5)
+
+    def put(shape, spec, scale=1.0):
+        a = jnp.asarray(rng.standard_normal(shape) * scale, BF16)
+        return jax.device_put(a, NamedSharding(mesh, spec))
+
+    args = (
+        put((TOKENS, K), P("dp", "tp")),
+        put((K, HIDDEN), P("tp"), 1 / 16),
+        put((TOKENS, HIDDEN), P("dp")),
+        jax.device_put(jnp.asarray(1 + 0.1 * rng.standard_normal(HIDDEN), BF16)),
+    )
+    fused = jf.fuse(model, mesh=mesh, axis_name="tp", backend="xla")
+    exported = jf.export.export(jax.jit(fused))(*args)
+    assert len(fused.report.fused) == 1, fused.report.line()
+    assert "CustomSPMDPartitioning" not in exported.mlir_module()
+    for a, b in zip(exported.call(*args), jax.jit(model)(*args)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 def _fp8_tail_in_one_shard_map(mesh):
