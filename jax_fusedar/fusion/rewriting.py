@@ -14,6 +14,12 @@ from . import graph as G
 from .jax_internals import bind_params, eqn_context, shard_map_body_context, trace_to_jaxpr
 
 
+# What a fused site computes where no kernel serves it (ops/plan.py's FALLBACKS): the
+# original's psum, its residual add and norm rounding by plain conversions, like the code it
+# replaced, so that the rewritten program compiles like the original (no reduce_precision).
+FALLBACK = "xla_plain"
+
+
 def _fix_vma(val, aval):
     """Marks ``val`` varying over the axes the original value varied over (under check_vma
     the fused op's outputs may vary over fewer axes than the values they replace)."""
@@ -80,6 +86,7 @@ def _call(m, fuser, x, residual, gamma, scale, axis):
         weight_bias=m.norm.weight_bias,
         use_oneshot=fuser.use_oneshot,
         strict=fuser.strict,
+        fallback=FALLBACK,
         **kwargs,
     )
 
@@ -139,7 +146,12 @@ def _with_tail_derivative(m, r, gamma, scale, quant, scale_out):
         dr, dgamma, ds = tangents[:3]
         y, dy = jax.jvp(
             lambda r_, g_: reference.rms_norm(
-                r_, g_, rms_eps=norm.eps, weight_bias=norm.weight_bias, out_dtype=T
+                r_,
+                g_,
+                rms_eps=norm.eps,
+                weight_bias=norm.weight_bias,
+                out_dtype=T,
+                rounding=reference.roundings(FALLBACK)[0],
             ),
             (r, gamma),
             (dr, dgamma),
@@ -189,7 +201,13 @@ def _fused_keeping_vjp(m, fuser, x, residual, gamma):
 
         def epilogue(s, res, g):
             _, r_out, y = reference.epilogue(
-                s, res, g, pattern=1, rms_eps=m.norm.eps, weight_bias=m.norm.weight_bias
+                s,
+                res,
+                g,
+                pattern=1,
+                rms_eps=m.norm.eps,
+                weight_bias=m.norm.weight_bias,
+                rounding=reference.roundings(FALLBACK)[0],
             )
             return r_out, y
 
@@ -440,6 +458,7 @@ class PlainJitEmit:
                 rms_gamma=gamma,
                 rms_eps=m.norm.eps,
                 weight_bias=m.norm.weight_bias,
+                fallback=FALLBACK,
             )
         else:
             out = partitioning.row_parallel_allreduce_fusion(
@@ -455,6 +474,7 @@ class PlainJitEmit:
                 precision=e.params.get("precision"),
                 contracting_dims=(tuple(hc), tuple(wc)),
                 weight_first=m.weight_first,
+                fallback=FALLBACK,
             )
         _write(write, m.r, out.residual_out)
         _write(write, m.norm.out_var, _norm_out(m, read, out.norm_out))

@@ -45,6 +45,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ..common.patterns import AllReduceFusionPattern
 from . import reference
 from .reference import round_to
 
@@ -133,9 +134,14 @@ def moe_epilogue(
     summed = reference.fallback_allreduce(
         positive_zero(local), axis_name, fallback=fallback, fp32_acc=False
     )
-    residual_out = reference.residual_add(summed, residual)
-    norm_out = reference.rms_norm(
-        residual_out, rms_gamma, rms_eps=rms_eps, weight_bias=weight_bias, out_dtype=summed.dtype
+    _, residual_out, norm_out = reference.epilogue(
+        summed,
+        residual,
+        rms_gamma,
+        pattern=AllReduceFusionPattern.kARResidualRMSNorm,
+        rms_eps=rms_eps,
+        weight_bias=weight_bias,
+        rounding=reference.roundings(fallback)[0],
     )
     return summed, residual_out, norm_out
 

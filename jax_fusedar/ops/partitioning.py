@@ -432,6 +432,7 @@ def _local_program(cfg: _Config, mesh, k_axes: tuple):
                 pattern=_PATTERN,
                 rms_eps=cfg.rms_eps,
                 weight_bias=cfg.weight_bias,
+                rounding=reference.roundings(cfg.fallback)[0],
             )
             return res, norm
         n = partial_sum.shape[-1]
@@ -493,22 +494,29 @@ def _plain(h, w, residual, gamma, cfg):
     """The op's meaning on one device: the contraction, the residual add and the norm."""
     summed = cfg.dims.contract(h, w, cfg.precision)
     _, res, norm = reference.epilogue(
-        summed, residual, gamma, pattern=_PATTERN, rms_eps=cfg.rms_eps, weight_bias=cfg.weight_bias
+        summed,
+        residual,
+        gamma,
+        pattern=_PATTERN,
+        rms_eps=cfg.rms_eps,
+        weight_bias=cfg.weight_bias,
+        rounding=reference.roundings(cfg.fallback)[0],
     )
     return res, norm
 
 
 def row_parallel_without_kernel(
-    summed, *, residual, rms_gamma, rms_eps: float, weight_bias: float
+    summed, *, residual, rms_gamma, rms_eps: float, weight_bias: float, fallback: str = "xla"
 ) -> AllReduceFusionOutputs:
     """``row_parallel_allreduce_fusion``'s result where no kernel can serve it, written as
     the unfused program writes it: ``summed``, the row-parallel contraction computed by the
     caller's own ``dot_general`` on global arrays (its all-reduce is the one XLA's
     partitioner inserts, in the matmul's dtype: that of the ``"xla"`` fallback), then the
-    residual add and RMSNorm at the fused op's rounding points. No ``custom_partitioning``
-    is compiled: ``jax_fusedar.fuse`` emits this for a plain-jit site whose workspace has no
-    kernel (the xla backend), so that the rewritten program costs what the original did to
-    run and to compile."""
+    residual add and RMSNorm at the fused op's rounding points (``fallback``: "xla" or
+    "xla_plain", ``reference.roundings``). No ``custom_partitioning`` is compiled:
+    ``jax_fusedar.fuse`` emits this for a plain-jit site whose workspace has no kernel (the
+    xla backend), so that the rewritten program costs what the original did to run and to
+    compile."""
     opts = arguments.fusion_options(
         rms_eps=rms_eps, weight_bias=weight_bias, fp32_acc=True, use_oneshot=None
     )
@@ -519,6 +527,7 @@ def row_parallel_without_kernel(
         pattern=_PATTERN,
         rms_eps=opts.rms_eps,
         weight_bias=opts.weight_bias,
+        rounding=reference.roundings(fallback)[0],
     )
     return AllReduceFusionOutputs(None, res, norm, None, None)
 

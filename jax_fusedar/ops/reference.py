@@ -31,16 +31,21 @@ import jax.numpy as jnp
 from ..common.patterns import TRAITS, AllReduceFusionPattern
 
 
-def rms_norm(r, rms_gamma, *, rms_eps: float, weight_bias: float, out_dtype):
-    """RMSNorm of the rounded residual ``r`` exactly where the kernel rounds (fp32 inside)."""
+def rms_norm(r, rms_gamma, *, rms_eps: float, weight_bias: float, out_dtype, rounding=None):
+    """RMSNorm of the rounded residual ``r`` exactly where the kernel rounds (fp32 inside);
+    ``rounding``: as for ``residual_add``."""
+    rounding = round_to if rounding is None else rounding
     r32 = r.astype(jnp.float32)
     inv = jax.lax.rsqrt(jnp.mean(r32 * r32, axis=-1, keepdims=True) + jnp.float32(rms_eps))
     scale = jnp.float32(weight_bias) + rms_gamma.astype(jnp.float32)
-    return round_to((r32 * inv) * scale, out_dtype)
+    return rounding((r32 * inv) * scale, out_dtype)
 
 
-def epilogue(summed, residual, rms_gamma, *, pattern, rms_eps: float, weight_bias: float):
-    """Everything after the all-reduce, given the sum already rounded to the input dtype.
+def epilogue(
+    summed, residual, rms_gamma, *, pattern, rms_eps: float, weight_bias: float, rounding=None
+):
+    """Everything after the all-reduce, given the sum already rounded to the input dtype;
+    ``rounding``: its two roundings to T (``roundings``; default ``round_to``).
 
     Returns (allreduce_out, residual_out, norm_out) with None for what the pattern does not
     produce.
@@ -49,8 +54,10 @@ def epilogue(summed, residual, rms_gamma, *, pattern, rms_eps: float, weight_bia
     if traits.has_allreduce_out:
         return summed, None, None
     dtype = summed.dtype
-    r = residual_add(summed, residual)
-    norm = rms_norm(r, rms_gamma, rms_eps=rms_eps, weight_bias=weight_bias, out_dtype=dtype)
+    r = residual_add(summed, residual, rounding=rounding)
+    norm = rms_norm(
+        r, rms_gamma, rms_eps=rms_eps, weight_bias=weight_bias, out_dtype=dtype, rounding=rounding
+    )
     return None, r, norm
 
 
@@ -87,6 +94,25 @@ def round_tangent(t32, dtype):
     tangents flush to zero there, where the values themselves are kept)."""
     info = jnp.finfo(dtype)
     return jax.lax.reduce_precision(t32, info.nexp, info.nmant).astype(dtype)
+
+
+def convert_to(x32, dtype):
+    """fp32 -> dtype as unfused code writes it: ``astype``, one conversion (its derivative
+    the tangent's conversion). The same rounding as ``round_to`` (float16 subnormals kept
+    alike) wherever XLA performs it; under XLA's default excess precision
+    (``--xla_allow_excess_precision``) XLA may skip it, as it may in the code it stands for.
+    Cheaper to compile than ``round_to``: no ``reduce_precision``, no subnormal branch."""
+    return x32.astype(dtype)
+
+
+def roundings(fallback: str):
+    """(value rounding, tangent rounding) of a fallback's epilogue (``plan.FALLBACKS``):
+    ``"xla_plain"`` writes them as conversions (``convert_to``, what ``fuse`` emits where no
+    kernel serves a site: the program's own kind of rounding); the others make them explicit
+    (``round_to``, ``round_tangent``), the kernel's roundings whatever XLA's flags."""
+    if fallback == "xla_plain":
+        return convert_to, convert_to
+    return round_to, round_tangent
 
 
 @round_to.defjvp
@@ -126,10 +152,12 @@ def fallback_allreduce(x, axis_name, *, fallback: str, fp32_acc: bool, rounding=
     * ``"xla"``: ``jax.lax.psum(x)`` in x's dtype, what unfused code writes: XLA's
       all-reduce, its bytes exactly those of the user's psum (docs/numerics.md bounds it);
       linear, so it is its own tangent map (``rounding`` does not apply);
+    * ``"xla_plain"``: the same psum (what differs is its epilogue's roundings,
+      ``roundings``);
     * ``"kernel_exact"``: ``allreduce_sum``, the kernel's additions (``fp32_acc``), at up to
       2 x world size times the bytes.
     """
-    if fallback == "xla":
+    if fallback in ("xla", "xla_plain"):
         return jax.lax.psum(x, axis_name)
     if fallback != "kernel_exact":
         raise ValueError(f"unknown fallback {fallback!r}")  # plan.as_fallback checks it
@@ -153,5 +181,11 @@ def allreduce_fusion_reference(
     epilogue."""
     summed = fallback_allreduce(x, axis_name, fallback=fallback, fp32_acc=fp32_acc)
     return epilogue(
-        summed, residual, rms_gamma, pattern=pattern, rms_eps=rms_eps, weight_bias=weight_bias
+        summed,
+        residual,
+        rms_gamma,
+        pattern=pattern,
+        rms_eps=rms_eps,
+        weight_bias=weight_bias,
+        rounding=roundings(fallback)[0],
     )

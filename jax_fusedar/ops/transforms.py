@@ -54,6 +54,10 @@ def jvp(op, primals, tangents, **params):
     out_tangents = [ad.Zero(jax.typeof(o).to_tangent_aval()) for o in outs]
     dtype = outs[0].dtype
     dx = tangents[0]
+    fallback = fallback_of(params.get("plan"))
+    # The tangent map of the reference's roundings (round_to's, or convert_to's for
+    # "xla_plain": reference.roundings).
+    rounding, round_tangent = reference.roundings(fallback)
     # The tangents' all-reduce is the call's fallback: a psum in T moves no more than the
     # user's own tangent psum in forward mode (under grad its transpose is JAX's own).
     ds = (
@@ -62,9 +66,9 @@ def jvp(op, primals, tangents, **params):
         else reference.fallback_allreduce(
             dx,
             params["axis_name"],
-            fallback=fallback_of(params.get("plan")),
+            fallback=fallback,
             fp32_acc=params["fp32_acc"],
-            rounding=reference.round_tangent,
+            rounding=round_tangent,
         )
     )
     if traits.has_allreduce_out:
@@ -77,10 +81,10 @@ def jvp(op, primals, tangents, **params):
     dres, dgamma = tangents[1], tangents[2]
     dres = None if _is_zero(dres) else dres
     if ds is not None and dres is not None:
-        dr = reference.residual_add(ds, dres, rounding=reference.round_tangent)
+        dr = reference.residual_add(ds, dres, rounding=round_tangent)
     elif ds is not None or dres is not None:
         only = ds if ds is not None else dres
-        dr = reference.round_tangent(only.astype(jnp.float32), dtype)
+        dr = round_tangent(only.astype(jnp.float32), dtype)
     else:
         dr = None
     if dr is not None:
@@ -98,6 +102,7 @@ def jvp(op, primals, tangents, **params):
                 rms_eps=params["rms_eps"],
                 weight_bias=params["weight_bias"],
                 out_dtype=dtype,
+                rounding=rounding,
             )
 
         nz_primals = [r] * with_r + [gamma] * with_gamma

@@ -458,3 +458,88 @@ def test_forward_mode_of_a_fused_fp8_tail_moves_what_the_original_does(world):
         got = cuda_collectives(forward_mode(fused), *args)
         base = cuda_collectives(forward_mode(model), *args)
     assert got == base, (got, base)
+
+
+# --- the fallback's roundings -------------------------------------------------------------------
+
+
+def _plain_jit(mesh):
+    def model(h, w, r, g):
+        r = jnp.matmul(h, w, out_sharding=P()) + r
+        return r, _norm(r, g)
+
+    return model
+
+
+@pytest.mark.parametrize(
+    "form",
+    [_layer_in_one_shard_map, _megatron_g, _per_linear, _plain_jit],
+    ids=lambda f: f.__name__[1:],
+)
+def test_fused_sites_without_a_kernel_round_by_conversions_like_the_program(form):
+    """fuse's sites on the xla backend run the "xla_plain" fallback: their residual add and
+    norm round by plain conversions, as the code they replaced does, not by the explicit
+    ``reduce_precision`` of a direct call's default (which XLA would compile in addition)."""
+    mesh = explicit_mesh(4) if form is _plain_jit else tp_mesh(4)
+    model = form(mesh)
+    args = row_parallel_args(mesh)
+    fused = jf.fuse(model, mesh=mesh, axis_name="tp", backend="xla")
+    with jax.set_mesh(mesh):
+        text = jax.jit(fused).lower(*args).as_text()
+    assert len(fused.report.fused) == 1, fused.report.line()
+    assert "reduce_precision" not in text
+
+
+@pytest.mark.parametrize("dtype", [BF16, jnp.float16], ids=["bf16", "fp16"])
+def test_plain_conversions_give_the_explicit_roundings_bits_where_xla_keeps_them(dtype):
+    """With every rounding kept (the suite's --xla_allow_excess_precision=false), "xla_plain"
+    gives "xla"'s bits: the outputs (float16 subnormal sums included, round_to's own branch)
+    and the gradients (float16 tangents kept in the normal range, below); only "xla" lowers
+    its roundings as reduce_precision."""
+    mesh = tp_mesh(4)
+    ws = xla_workspace(mesh, dtype)
+    rng = np.random.default_rng()
+    gamma = jnp.asarray(1 + 0.1 * rng.standard_normal(HIDDEN), dtype)
+    # Cotangents of magnitude ~2^12 keep float16 tangents out of the subnormal range (a
+    # chance of ~1e-3 per run), where "xla"'s explicit tangent rounding flushes them to zero
+    # and "xla_plain" keeps them, as the unfused conversion does (masked below, for the
+    # gradients' own elements; one flushed upstream would move a sum by an ulp).
+    ct = jnp.asarray(rng.standard_normal((TOKENS, HIDDEN)) * 2**12, jnp.float32)
+
+    def inputs(tiny_rows):
+        scale = np.where(np.arange(TOKENS) % 4 == 0, 1e-6 if tiny_rows else 1.0, 1.0)[:, None]
+        x = rng.standard_normal((4 * TOKENS, HIDDEN)) * np.tile(scale, (4, 1))
+        return jnp.asarray(x, dtype), jnp.asarray(
+            rng.standard_normal((TOKENS, HIDDEN)) * scale, dtype
+        )
+
+    def program(fallback):
+        def body(x, r, g):
+            out = jf.allreduce_fusion(
+                x, axis_name="tp", workspace=ws, residual=r, rms_gamma=g, fallback=fallback
+            )
+            return out.residual_out, out.norm_out
+
+        f = jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=(P(), P()))
+
+        def loss(x, r, g):
+            return jnp.sum(f(x, r, g)[1].astype(jnp.float32) * ct)
+
+        return jax.jit(f), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+    tiny, normal = inputs(True), inputs(False)
+    results, texts = {}, {}
+    for fallback in ("xla", "xla_plain"):
+        forward, grad = program(fallback)
+        texts[fallback] = forward.lower(*tiny, gamma).as_text()
+        results[fallback] = [*forward(*tiny, gamma), *grad(*normal, gamma)]
+    if dtype == jnp.float16:
+        r = np.abs(np.asarray(results["xla"][0], np.float32))
+        assert np.any((r > 0) & (r < 2**-14))
+    for i, (a, b) in enumerate(zip(results["xla"], results["xla_plain"])):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        if i >= 2 and dtype == jnp.float16:
+            flushed = (a == 0) & (np.abs(b) < 2**-14)
+            a, b = np.where(flushed, 0, a), np.where(flushed, 0, b)
+        np.testing.assert_array_equal(a, b)
+    assert "reduce_precision" in texts["xla"] and "reduce_precision" not in texts["xla_plain"]
