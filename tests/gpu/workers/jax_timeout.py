@@ -23,11 +23,11 @@ The last stdout line is "RESULT <json>".
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import threading
 import time
+
+from tests.gpu.workers.common import error_text, new_seed, print_result
 
 import numpy as np
 
@@ -125,11 +125,7 @@ def worker(rank, world, chan, *, port, seed):
         except RuntimeError as e:
             failing["raise_if_failed"] = str(e)
         chan.all_gather("partial", failing)
-        try:
-            jax.block_until_ready(fn(*args))
-            failing["next_call_error"] = None
-        except Exception as e:  # noqa: BLE001
-            failing["next_call_error"] = f"{type(e).__name__}: {e}"[:2000]
+        failing["next_call_error"] = error_text(lambda: jax.block_until_ready(fn(*args)), 2000)
         out["failing"] = failing
     else:
         try:
@@ -151,21 +147,12 @@ def main(argv):
     from tests.gpu.harness import free_port
     from tests.gpu.workers.native_timeout import run_ranks_allowing_death
 
-    seed = int.from_bytes(os.urandom(4), "little")
-    t0 = time.monotonic()
-    try:
-        out = {
-            "seed": seed,
-            "timeout_s": TIMEOUT_S,
-            "ranks": run_ranks_allowing_death(
-                worker, 2, timeout_s=150, port=free_port(), seed=seed
-            ),
-        }
-    except Exception as e:  # noqa: BLE001 - reported as JSON for the test to show
-        out = {"seed": seed, "error": str(e)[-6000:]}
-    out["wall_s"] = time.monotonic() - t0
-    sys.stdout.flush()
-    print("RESULT " + json.dumps(out), flush=True)
+    seed = new_seed()
+    print_result(
+        {"seed": seed, "timeout_s": TIMEOUT_S},
+        "ranks",
+        lambda: run_ranks_allowing_death(worker, 2, timeout_s=150, port=free_port(), seed=seed),
+    )
 
 
 if __name__ == "__main__":

@@ -21,10 +21,10 @@ The last stdout line is "RESULT <json>".
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
+
+from tests.gpu.workers.common import case_of, error_text, new_seed, print_result
 
 import numpy as np
 
@@ -240,25 +240,14 @@ def worker(rank, world, chan, *, case, seed, port):
         f = {}
         t0 = time.monotonic()
         call.torch_compat(ws)
-        try:
-            stream.synchronize()
-            f["sync_error"] = None
-        except Exception as e:  # noqa: BLE001 - the expected outcome
-            f["sync_error"] = f"{type(e).__name__}: {e}"[:600]
+        f["sync_error"] = error_text(stream.synchronize, 600)
         f["elapsed_s"] = time.monotonic() - t0
         flush_c_stdio()
         f["failure_record"] = ws.failure()
         # The next launch must be refused with the recorded text: by the core (the raw
         # entry, no Python check before it) and through torch_compat.
-        for name, launch in (
-            ("relaunch_error", lambda: call.native(ws, stream)),
-            ("torch_compat_error", lambda: call.torch_compat(ws)),
-        ):
-            try:
-                launch()
-                f[name] = None
-            except Exception as e:  # noqa: BLE001
-                f[name] = f"{type(e).__name__}: {e}"[:1500]
+        f["relaunch_error"] = error_text(lambda: call.native(ws, stream), 1500)
+        f["torch_compat_error"] = error_text(lambda: call.torch_compat(ws), 1500)
         result["failing"] = f
     try:  # rank 1 makes no call until rank 0 has its verdict
         chan.barrier("verdict", timeout_s=AFTER_FAILURE_WAIT_S)
@@ -279,25 +268,15 @@ def main(argv):
     from tests.gpu.harness import free_port
     from tests.gpu.workers.native_timeout import run_ranks_allowing_death
 
-    case = argv[1] if len(argv) > 1 else "never_finalize"
-    if case not in CASES:
-        raise SystemExit(f"unknown case {case!r}; one of {tuple(CASES)}")
-    seed = int.from_bytes(os.urandom(4), "little")
-    t0 = time.monotonic()
-    try:
-        out = {
-            "case": case,
-            "seed": seed,
-            "timeout_s": TIMEOUT_S,
-            "ranks": run_ranks_allowing_death(
-                worker, 2, timeout_s=120, case=case, seed=seed, port=free_port()
-            ),
-        }
-    except Exception as e:  # noqa: BLE001 - reported as JSON for the test to show
-        out = {"case": case, "seed": seed, "error": str(e)[-6000:]}
-    out["wall_s"] = time.monotonic() - t0
-    sys.stdout.flush()
-    print("RESULT " + json.dumps(out), flush=True)
+    case, _ = case_of(argv[:2], CASES, "never_finalize")
+    seed = new_seed()
+    print_result(
+        {"case": case, "seed": seed, "timeout_s": TIMEOUT_S},
+        "ranks",
+        lambda: run_ranks_allowing_death(
+            worker, 2, timeout_s=120, case=case, seed=seed, port=free_port()
+        ),
+    )
 
 
 if __name__ == "__main__":

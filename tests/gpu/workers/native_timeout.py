@@ -42,17 +42,19 @@ The last stdout line is "RESULT <json>".
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
 import time
+
+from tests.gpu.workers.common import case_of, error_text, new_seed, print_result
 
 from tests.gpu.workers.native_mismatch import (
     AFTER_FAILURE_WAIT_S,
     DTYPE,
     HIDDEN,
     draw_inputs,
+    on_device,
     flush_c_stdio,
     fused_call,
     graph_replays,
@@ -103,9 +105,9 @@ def _good_calls(ws, rank, world, device, seed, torch, n=GOOD_FIRST):
     errs = []
     for i in range(n):
         pattern, m, oneshot = CYCLE[i % len(CYCLE)]
-        xs, residual, gamma = draw_inputs(seed + i, world, m, HIDDEN, torch)
-        x, res, gam = (t.cuda(device) for t in (xs[rank], residual, gamma))
-        outs = new_outputs(x, torch)
+        xs, residual, gamma, x, res, gam, outs = on_device(
+            seed + i, world, world, m, rank, device, torch
+        )
         fused_call(ws, pattern, m, x, res, gam, outs, oneshot=oneshot, stream=stream)
         stream.synchronize()
         errs.append(oracle_errors(xs, residual, gamma, outs, pattern))
@@ -172,9 +174,9 @@ def large_algorithm(world):
 
 def _good_large_call(ws, rank, world, device, seed, torch, algorithm):
     """One pattern-1 call of LARGE_TOKENS with `algorithm`: its errors against the oracle."""
-    xs, residual, gamma = draw_inputs(seed, world, LARGE_TOKENS, HIDDEN, torch)
-    x, res, gam = (t.cuda(device) for t in (xs[rank], residual, gamma))
-    outs = new_outputs(x, torch)
+    xs, residual, gamma, x, res, gam, outs = on_device(
+        seed, world, world, LARGE_TOKENS, rank, device, torch
+    )
     stream = torch.cuda.current_stream(device)
     fused_call(
         ws, 1, LARGE_TOKENS, x, res, gam, outs, oneshot=False, stream=stream, algorithm=algorithm
@@ -184,30 +186,22 @@ def _good_large_call(ws, rank, world, device, seed, torch, algorithm):
 
 
 def _failing_call(ws, pattern, m, oneshot, rank, device, seed, world, torch, algorithm=None):
-    xs, residual, gamma = draw_inputs(seed, world, m, HIDDEN, torch)
-    x, res, gam = (t.cuda(device) for t in (xs[rank], residual, gamma))
-    outs = new_outputs(x, torch)
+    xs, residual, gamma, x, res, gam, outs = on_device(seed, world, world, m, rank, device, torch)
     stream = torch.cuda.current_stream(device)
     out = {"call": [pattern, m, oneshot], "algorithm": algorithm}
     t0 = time.monotonic()
-    fused_call(
-        ws, pattern, m, x, res, gam, outs, oneshot=oneshot, stream=stream, algorithm=algorithm
-    )
-    try:
-        stream.synchronize()
-        out["sync_error"] = None
-    except Exception as e:  # noqa: BLE001 - the expected outcome
-        out["sync_error"] = f"{type(e).__name__}: {e}"[:600]
-    out["elapsed_s"] = time.monotonic() - t0
-    flush_c_stdio()
-    out["failure_record"] = ws.failure()
-    try:  # the next launch must be refused with the recorded text
+
+    def launch():
         fused_call(
             ws, pattern, m, x, res, gam, outs, oneshot=oneshot, stream=stream, algorithm=algorithm
         )
-        out["relaunch_error"] = None
-    except Exception as e:  # noqa: BLE001
-        out["relaunch_error"] = f"{type(e).__name__}: {e}"[:1500]
+
+    launch()
+    out["sync_error"] = error_text(stream.synchronize, 600)
+    out["elapsed_s"] = time.monotonic() - t0
+    flush_c_stdio()
+    out["failure_record"] = ws.failure()
+    out["relaunch_error"] = error_text(launch, 1500)  # refused, with the recorded text
     return out
 
 
@@ -217,9 +211,7 @@ def _destroy_during_a_failing_call(ws, rank, device, seed, world, torch, note):
     TICK_S meanwhile; the ticks show whether the GIL was free during the wait."""
     import threading
 
-    xs, residual, gamma = draw_inputs(seed, world, 16, HIDDEN, torch)
-    x, res, gam = (t.cuda(device) for t in (xs[rank], residual, gamma))
-    outs = new_outputs(x, torch)
+    xs, residual, gamma, x, res, gam, outs = on_device(seed, world, world, 16, rank, device, torch)
     stream = torch.cuda.current_stream(device)
     ticks, stop = [0], threading.Event()
 
@@ -233,11 +225,7 @@ def _destroy_during_a_failing_call(ws, rank, device, seed, world, torch, note):
     note()
     thread.start()
     t0 = time.monotonic()
-    try:
-        ws.destroy()
-        error = None
-    except Exception as e:  # noqa: BLE001 - the trapped call's CUDA error
-        error = f"{type(e).__name__}: {e}"[:600]
+    error = error_text(ws.destroy, 600)  # the trapped call's CUDA error
     out = {"destroy_s": time.monotonic() - t0, "ticks": ticks[0], "destroy_error": error}
     stop.set()
     thread.join()
@@ -382,33 +370,20 @@ def run_ranks_allowing_death(fn, world, *, timeout_s, killed=(), **kwargs):
 
 
 def main(argv):
-    case = argv[1] if len(argv) > 1 else "ok"
-    world = int(argv[2]) if len(argv) > 2 else 2
-    if case not in CASES:
-        raise SystemExit(f"unknown case {case!r}; one of {CASES}")
-    if world != 2 and not case.startswith("never"):
-        raise SystemExit(f"case {case!r} runs with 2 ranks")
-    seed = int.from_bytes(os.urandom(4), "little")
-    t0 = time.monotonic()
-    try:
-        out = {
-            "case": case,
-            "seed": seed,
-            "timeout_s": TIMEOUT_S,
-            "ranks": run_ranks_allowing_death(
-                worker,
-                world,
-                timeout_s=120,
-                killed=(1,) if case == "killed" else (),
-                case=case,
-                seed=seed,
-            ),
-        }
-    except Exception as e:  # noqa: BLE001 - reported as JSON for the test to show
-        out = {"case": case, "seed": seed, "error": str(e)[-6000:]}
-    out["wall_s"] = time.monotonic() - t0
-    sys.stdout.flush()
-    print("RESULT " + json.dumps(out), flush=True)
+    case, world = case_of(argv, CASES, "ok", any_world=lambda c: c.startswith("never"))
+    seed = new_seed()
+    print_result(
+        {"case": case, "seed": seed, "timeout_s": TIMEOUT_S},
+        "ranks",
+        lambda: run_ranks_allowing_death(
+            worker,
+            world,
+            timeout_s=120,
+            killed=(1,) if case == "killed" else (),
+            case=case,
+            seed=seed,
+        ),
+    )
 
 
 if __name__ == "__main__":
