@@ -4,15 +4,12 @@ sharing a GPU time its scheduling, not the kernel); with a GPU per rank the JAX 
 times the kernel and reports median, p10, p90 and the sample count of every figure."""
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
+from tests.gpu.case_runs import JAX_VARS, child_env, run_python
 from tests.gpu.harness import report
-from tests.repo import REPO
 
 pytestmark = pytest.mark.gpu
 
@@ -24,28 +21,8 @@ def _gpus() -> int:
 
 
 def _bench(module, *argv, timeout=900):
-    env = dict(
-        os.environ,
-        NCCL_NVLS_ENABLE="0",
-        TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-        NVSHMEM_DISABLE_NVLS="1",
-        PYTHONUNBUFFERED="1",
-    )
-    for var in (
-        "JAX_PLATFORMS",
-        "XLA_FLAGS",
-        "JAX_FUSEDAR_STRICT",
-        "JAX_FUSEDAR_ALLREDUCE_BACKEND",
-    ):
-        env.pop(var, None)
-    return subprocess.run(
-        [sys.executable, "-m", f"benchmarks.{module}", *map(str, argv)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    env = child_env(JAX_VARS[:-1])  # the handshake variable stays
+    return run_python(["-m", f"benchmarks.{module}", *argv], env=env, timeout=timeout)
 
 
 @pytest.mark.skipif(_gpus() != 1, reason="the refusal is for a one-GPU machine")

@@ -4,15 +4,12 @@ fused model on the kernel checked against the same model unsharded on one device
 GPU per rank, one process drives them all. (The benchmarks' GPU tests:
 tests/gpu/test_benchmarks.py.)"""
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
+from tests.gpu.case_runs import JAX_VARS, child_env, run_python
 from tests.gpu.harness import report
-from tests.repo import REPO
 
 pytestmark = pytest.mark.gpu
 
@@ -24,29 +21,7 @@ def _gpus() -> int:
 
 
 def _cli(*argv, timeout=900):
-    env = dict(
-        os.environ,
-        NCCL_NVLS_ENABLE="0",
-        TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-        NVSHMEM_DISABLE_NVLS="1",
-        PYTHONUNBUFFERED="1",
-    )
-    for var in (
-        "JAX_PLATFORMS",
-        "XLA_FLAGS",
-        "JAX_FUSEDAR_STRICT",
-        "JAX_FUSEDAR_ALLREDUCE_BACKEND",
-        "JAX_FUSEDAR_HANDSHAKE",
-    ):
-        env.pop(var, None)
-    return subprocess.run(
-        [sys.executable, "-m", "jax_fusedar", *map(str, argv)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_python(["-m", "jax_fusedar", *argv], env=child_env(JAX_VARS), timeout=timeout)
 
 
 def _check_demo(r, tp, name, modes):
