@@ -92,32 +92,17 @@ def worker(rank, world, chan, *, port, xla_flags, task, seed, platform="cuda", *
         out["loop"] = _loop(jax, jnp, jf, oracle, mesh, P, rank, world, seed, **kw)
     elif task == "model":
         out["model"] = _model(jax, jnp, jf, mesh, P, rank, world, seed, **kw)
-    elif task in ("quant", "nvfp4"):
-        # tests/gpu/workers/jax_quant.py and jax_nvfp4.py take the same arguments.
-        import importlib
-
-        task_module = importlib.import_module(f"tests.gpu.workers.jax_{task}")
-        out[task] = task_module.run(
-            jax,
-            jnp,
-            jf,
-            mesh,
-            P,
-            rank,
-            world,
-            seed,
-            glob=lambda spec, a: _global(jax, mesh, spec, a),
-            local=_local,
-            **kw,
-        )
     elif task == "grad":
         from tests.gpu.workers import jax_grad
 
         out["grad"] = jax_grad.run(jax, jnp, jf, mesh, P, seed, **kw)
-    elif task == "batching":
-        from tests.gpu.workers import jax_batching
+    elif task in ("quant", "nvfp4", "batching", "handler_errors"):
+        # tests/gpu/workers/jax_<task>.py: run() takes the same arguments in each; batching
+        # takes only whether the kernel serves the calls.
+        import importlib
 
-        out["batching"] = jax_batching.run(
+        extra = {"kernel": platform == "cuda"} if task == "batching" else kw
+        out[task] = importlib.import_module(f"tests.gpu.workers.jax_{task}").run(
             jax,
             jnp,
             jf,
@@ -128,23 +113,7 @@ def worker(rank, world, chan, *, port, xla_flags, task, seed, platform="cuda", *
             seed,
             glob=lambda spec, a: _global(jax, mesh, spec, a),
             local=_local,
-            kernel=platform == "cuda",
-        )
-    elif task == "handler_errors":
-        from tests.gpu.workers import jax_handler_errors
-
-        out["handler_errors"] = jax_handler_errors.run(
-            jax,
-            jnp,
-            jf,
-            mesh,
-            P,
-            rank,
-            world,
-            seed,
-            glob=lambda spec, a: _global(jax, mesh, spec, a),
-            local=_local,
-            **kw,
+            **extra,
         )
     jax.distributed.shutdown()
     return out
@@ -180,30 +149,17 @@ def _parity(jax, jnp, jf, oracle, mesh, P, rank, world, seed, tokens, hiddens, k
             acc = case % 3 != 2
 
             def f(x, r, g, oneshot=oneshot, wb=wb, acc=acc):
-                o = jf.allreduce_fusion(
-                    x,
+                kw = dict(
                     axis_name="tp",
                     workspace=ws,
-                    residual=r,
-                    rms_gamma=g,
-                    weight_bias=wb,
                     use_oneshot=oneshot,
                     fp32_acc=acc,
                     strict=True,
                     # the CPU dry run: the kernel's additions, whose bounds are checked
                     fallback="kernel_exact",
                 )
-                a = jf.allreduce_fusion(
-                    x,
-                    axis_name="tp",
-                    workspace=ws,
-                    pattern=jf.AllReduceFusionPattern.kAllReduce,
-                    use_oneshot=oneshot,
-                    fp32_acc=acc,
-                    strict=True,
-                    # the CPU dry run: the kernel's additions, whose bounds are checked
-                    fallback="kernel_exact",
-                )
+                o = jf.allreduce_fusion(x, residual=r, rms_gamma=g, weight_bias=wb, **kw)
+                a = jf.allreduce_fusion(x, pattern=jf.AllReduceFusionPattern.kAllReduce, **kw)
                 return o.residual_out, o.norm_out, a.allreduce_out
 
             fn = jax.jit(
