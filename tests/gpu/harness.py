@@ -329,6 +329,12 @@ def env_int(name, default):
     return int(os.environ.get(name, default))
 
 
+def run_seed() -> int:
+    """$JAX_FUSEDAR_TEST_SEED (to repeat a run), else a fresh random seed."""
+    env = os.environ.get("JAX_FUSEDAR_TEST_SEED")
+    return int(env) if env else int.from_bytes(os.urandom(4), "little")
+
+
 def free_port() -> int:
     """A TCP port on localhost that is free right now (for a rendezvous server)."""
     with socket.socket() as s:
