@@ -74,3 +74,12 @@ def init_gloo(rank, world, port, device):
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     return torch, dist
+
+
+def connect_ipc(ws, chan, rank, tag):
+    """Exchanges the ranks' CUDA IPC handles of ``ws`` over ``chan`` (as ``tag``), opens the
+    peers' and finalizes ``ws``."""
+    for peer, h in enumerate(chan.all_gather(tag, ws.export_ipc())):
+        if peer != rank:
+            ws.open_peer_ipc(peer, h)
+    ws.finalize()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 
 from jax_fusedar.common import launch_mode
+from tests.gpu.workers.common import connect_ipc
 
 LARGE = launch_mode.ALGORITHM_LARGE_MESSAGE
 TWOSHOT = launch_mode.ALGORITHM_TWOSHOT
@@ -83,10 +84,7 @@ def worker(rank, world, chan, *, cases, max_tokens, hidden_max, loop_calls, seed
     torch.cuda.set_device(device)
     tdt = {"bfloat16": torch.bfloat16, "float16": torch.float16}
     ws = ext.Rank(device, world, rank, max_tokens, hidden_max, native.DTYPE_CODES["bfloat16"])
-    for peer, h in enumerate(chan.all_gather("ipc", ws.export_ipc())):
-        if peer != rank:
-            ws.open_peer_ipc(peer, h)
-    ws.finalize()
+    connect_ipc(ws, chan, rank, "ipc")
     chan.barrier("ready")
     stream = torch.cuda.current_stream(device)
     s = stream.cuda_stream

@@ -39,7 +39,7 @@ import hashlib
 import sys
 import time
 
-from tests.gpu.workers.common import case_of, error_text, new_seed, print_result
+from tests.gpu.workers.common import case_of, connect_ipc, error_text, new_seed, print_result
 
 import numpy as np
 
@@ -215,11 +215,7 @@ def make_workspace(
         handshake_timeout_s=timeout_s,
         **kw,
     )
-    handles = chan.all_gather(f"ipc-{tag}", ws.export_ipc())
-    for peer, h in enumerate(handles):
-        if peer != rank:
-            ws.open_peer_ipc(peer, h)
-    ws.finalize()
+    connect_ipc(ws, chan, rank, f"ipc-{tag}")
     chan.barrier(f"ready-{tag}")
     from jax_fusedar.common import lost_traps
 

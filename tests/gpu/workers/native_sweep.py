@@ -13,6 +13,8 @@ import hashlib
 
 import numpy as np
 
+from tests.gpu.workers.common import connect_ipc
+
 DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -50,11 +52,7 @@ def worker(rank, world, chan, *, tokens, hiddens, max_tokens, loop_calls, seed):
     workspaces = {}
     for dtype in ("bfloat16", "float32"):
         ws = ext.Rank(device, world, rank, max_tokens, hmax, native.DTYPE_CODES[dtype])
-        handles = chan.all_gather(f"ipc-{dtype}", ws.export_ipc())
-        for peer, h in enumerate(handles):
-            if peer != rank:
-                ws.open_peer_ipc(peer, h)
-        ws.finalize()
+        connect_ipc(ws, chan, rank, f"ipc-{dtype}")
         workspaces[dtype] = ws
     chan.barrier("ready")
     ws_for = {
@@ -76,34 +74,19 @@ def worker(rank, world, chan, *, tokens, hiddens, max_tokens, loop_calls, seed):
         ar_out = torch.full_like(x, float("nan"))
         res_out = torch.full_like(x, float("nan"))
         norm_out = torch.full_like(x, float("nan"))
-        ws = ws_for[dtype]
-        code = native.DTYPE_CODES[dtype]
-        ws.launch(
-            0,
-            code,
-            m,
-            hidden,
-            x.data_ptr(),
-            allreduce_out=ar_out.data_ptr(),
-            algorithm=int(oneshot),
-            fp32_acc=fp32_acc,
-            stream=stream.cuda_stream,
-        )
-        ws.launch(
+        args = (native.DTYPE_CODES[dtype], m, hidden, x.data_ptr())
+        kw = dict(algorithm=int(oneshot), fp32_acc=fp32_acc, stream=stream.cuda_stream)
+        ws_for[dtype].launch(0, *args, allreduce_out=ar_out.data_ptr(), **kw)
+        ws_for[dtype].launch(
             1,
-            code,
-            m,
-            hidden,
-            x.data_ptr(),
+            *args,
             residual_in=res_d.data_ptr(),
             residual_out=res_out.data_ptr(),
             norm_out=norm_out.data_ptr(),
             rms_gamma=gamma_d.data_ptr(),
             rms_eps=1e-6,
             weight_bias=wb,
-            algorithm=int(oneshot),
-            fp32_acc=fp32_acc,
-            stream=stream.cuda_stream,
+            **kw,
         )
         stream.synchronize()
         outs = [t.float().cpu().numpy() for t in (ar_out, res_out, norm_out)]
