@@ -87,12 +87,14 @@ def case_name(c):
     )
 
 
-def case_inputs(c):
-    """Every rank's numpy inputs of case ``c`` (the same in every process)."""
+def case_inputs(c, rng=None):
+    """Every rank's numpy inputs of case ``c`` (the same in every process), drawn from
+    ``rng`` (default: one seeded by the case)."""
     import tests.oracles.moe_oracle as mo
 
     pattern, dtype, tokens, hidden, k, experts = c[:6]
-    rng = np.random.default_rng([pattern, tokens, hidden, k, experts])
+    if rng is None:
+        rng = np.random.default_rng([pattern, tokens, hidden, k, experts])
     if pattern == 7:
         return mo.random_finalize_case(
             rng,

@@ -47,25 +47,9 @@ def moe_case(pattern):
 
 def _inputs(c, seed):
     """Fresh random inputs of case ``c`` for every rank (the same in every process)."""
-    import tests.oracles.moe_oracle as mo
-    from tests.gpu.workers.moe_gpu import WORLD
+    from tests.gpu.workers.moe_gpu import case_inputs
 
-    pattern, dtype, tokens, hidden, k, experts = c[:6]
-    rng = np.random.default_rng(seed)
-    if pattern == 7:
-        return mo.random_finalize_case(
-            rng,
-            tokens=tokens,
-            top_k=k,
-            experts=experts,
-            world=WORLD,
-            dtype_name=dtype,
-            hidden=hidden,
-            pad=2,
-        )
-    return mo.random_reduction_case(
-        rng, tokens=tokens, experts=experts, world=WORLD, dtype_name=dtype, hidden=hidden
-    )
+    return case_inputs(c, np.random.default_rng(seed))
 
 
 class _Call:
@@ -191,18 +175,14 @@ class _Call:
 
 
 def worker(rank, world, chan, *, case, seed, port):
-    import torch
-    import torch.distributed as dist
-
-    import torch_compat as tc
     from tests.gpu.harness import device_for
+    from tests.gpu.workers.common import init_gloo
     from tests.gpu.workers.native_mismatch import AFTER_FAILURE_WAIT_S, flush_c_stdio
 
     device = device_for(rank)
-    torch.cuda.set_device(device)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+    torch, dist = init_gloo(rank, world, port, device)
+    import torch_compat as tc
+
     pattern = CASES[case]
     c = moe_case(pattern)
     result = {
