@@ -63,6 +63,17 @@ def _global(jax, value, sharding):
     return jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx])
 
 
+def captured(call):
+    """``call()``'s result, or its error and traceback: reported per case, so that the
+    other cases still run."""
+    try:
+        return call()
+    except Exception as e:  # noqa: BLE001
+        import traceback
+
+        return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+
+
 def _rel_rms(a, ref):
     a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
     return float(np.sqrt(np.mean((a - ref) ** 2) / max(np.mean(ref**2), 1e-300)))
@@ -183,17 +194,9 @@ def worker(rank, world, chan, *, port, seed, styles, platform="cuda", config=Non
     for name in styles:
         style = BY_NAME[name]
         mesh = jax.make_mesh((1, world), ("dp", "tp"), axis_types=(style.axis_type,) * 2)
-        try:
-            results["styles"][name] = _one_style(
-                jax, jf, style, cfg, mesh, seed, gpus, world, platform
-            )
-        except Exception as e:  # noqa: BLE001 - reported per style, the others still run
-            import traceback
-
-            results["styles"][name] = {
-                "error": f"{type(e).__name__}: {e}",
-                "traceback": traceback.format_exc()[-3000:],
-            }
+        results["styles"][name] = captured(
+            lambda: _one_style(jax, jf, style, cfg, mesh, seed, gpus, world, platform)
+        )
         chan.barrier(f"style {name}")  # every rank runs the styles in one order
     jax.distributed.shutdown()
     return results
