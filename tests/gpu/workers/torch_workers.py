@@ -33,10 +33,11 @@ def _init(rank, world, port, wanted_device):
     return (*init_gloo(rank, world, port, device), device)
 
 
-def _workspace(tc, torch, world, rank, max_tokens, hidden):
-    """A bf16 torch_compat workspace of the whole world (120 s to create)."""
+def _workspace(tc, torch, world, rank, max_tokens, hidden, dtype=None):
+    """A torch_compat workspace (bf16 unless ``dtype``) of the whole world, 120 s to create."""
+    dtype = torch.bfloat16 if dtype is None else dtype
     return tc.create_allreduce_fusion_workspace(
-        "trtllm", world, rank, max_tokens, hidden, torch.bfloat16, timeout_s=120
+        "trtllm", world, rank, max_tokens, hidden, dtype, timeout_s=120
     )
 
 
@@ -683,19 +684,9 @@ def compile_worker(rank, world, chan, *, port, seed, m, hidden, backend):
         compiled = torch.compile(f, fullgraph=True, backend=backend)
         got = compiled(*args)
         torch.cuda.synchronize()
-        names = (
-            "allreduce",
-            "residual_out",
-            "norm_out",
-            "r11",
-            "n11",
-            "q11",
-            "s11",
-            "r9",
-            "n9",
-            "q9",
-            "s9",
-        )
+        # f's outputs: the plain three, then (r, n, q, s) of patterns 11 and 9
+        quant = tuple(k + p for p in ("11", "9") for k in "rnqs")  # r11, n11, ..., s9
+        names = ("allreduce", "residual_out", "norm_out", *quant)
         differing = {}
         for name, a, b in zip(names, eager, got):
             same_meta = (a.shape, a.dtype, a.stride()) == (b.shape, b.dtype, b.stride())
