@@ -7,13 +7,12 @@ same bits on every rank, no unwritten (poisoned) element, CUDA-graph replay, and
 interleaves it with FlashInfer's one-shot and two-shot calls without host syncs.
 """
 
-import json
 import os
 
 import pytest
 
 from jax_fusedar.common import launch_mode, sizing
-from tests.gpu.harness import needs_gpus, sweep_params
+from tests.gpu.harness import needs_gpus, report, sweep_params
 
 pytestmark = pytest.mark.gpu
 
@@ -55,11 +54,7 @@ def test_large_message_two_ranks(sweep):
         loop_calls=env_int("JAX_FUSEDAR_LOOP_CALLS", 500),
         seed=int.from_bytes(os.urandom(4), "little"),
     )
-    out = os.environ.get("JAX_FUSEDAR_REPORT_DIR")
-    if out:
-        with open(os.path.join(out, "large_message.json"), "w") as f:
-            json.dump(results, f, indent=1)
-    print(json.dumps(results, indent=1))
+    report("large_message", results)
     assert results[0]["digest"] == results[1]["digest"], "ranks disagree bitwise"
     for r in results:
         assert r["cases"] == len(cases)
