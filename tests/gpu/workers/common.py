@@ -83,3 +83,28 @@ def connect_ipc(ws, chan, rank, tag):
         if peer != rank:
             ws.open_peer_ipc(peer, h)
     ws.finalize()
+
+
+def plain_ulps(xs, residual, gamma, dtype, *, residual_out, norm_out, allreduce_out=None, wb=0.0):
+    """Errors in ulps (tests/oracles/oracle.py) of a pattern-1 call's residual_out and
+    norm_out, and of a pattern-0 allreduce_out where given, against the float64 oracle of
+    every rank's partial sums ``xs``, ``residual`` and ``gamma`` (rms_eps 1e-6)."""
+    from tests.oracles import oracle
+
+    s, r, y, inv = oracle.fused_reference(xs, residual, gamma, rms_eps=1e-6, weight_bias=wb)
+    out = {}
+    if allreduce_out is not None:
+        out["allreduce"] = oracle.allreduce_error_ulps(allreduce_out, s, dtype)
+    out["residual"] = oracle.residual_error_ulps(residual_out, s, r, residual, dtype)
+    out["norm"] = oracle.norm_error_ulps(
+        norm_out, s, y, inv, residual, gamma, weight_bias=wb, dtype_name=dtype
+    )
+    return out
+
+
+def keep_max(into, errors):
+    """``into[k] = max(into[k], v)`` for every error (Python's max: a NaN error keeps the
+    number held; the workers that use this count NaN outputs apart)."""
+    for k, v in errors.items():
+        into[k] = max(into[k], v)
+    return into

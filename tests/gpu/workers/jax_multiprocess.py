@@ -124,6 +124,7 @@ def _parity(jax, jnp, jf, oracle, mesh, P, rank, world, seed, tokens, hiddens, k
     fp32_acc setting, the worst two-rank ulp measures (``ulps_fp32_acc`` /
     ``ulps_no_fp32_acc``: what fp32_acc=False costs at this world size, reported)."""
     from tests.gpu.harness import draw_case, shape_cases, worst_of
+    from tests.gpu.workers.common import plain_ulps
 
     worst = {}
     case = 0
@@ -172,14 +173,8 @@ def _parity(jax, jnp, jf, oracle, mesh, P, rank, world, seed, tokens, hiddens, k
             )
             x64 = [x.astype(np.float64) for x in xs]
             r64, g64 = res.astype(np.float64), gam.astype(np.float64)
-            s, r, y, inv = oracle.fused_reference(x64, r64, g64, rms_eps=1e-6, weight_bias=wb)
-            ulps = {
-                "residual": oracle.residual_error_ulps(_local(r_out), s, r, r64, dtype),
-                "norm": oracle.norm_error_ulps(
-                    _local(n_out), s, y, inv, r64, g64, weight_bias=wb, dtype_name=dtype
-                ),
-                "allreduce": oracle.allreduce_error_ulps(_local(a_out), s, dtype),
-            }
+            got = dict(residual_out=_local(r_out), norm_out=_local(n_out))
+            ulps = plain_ulps(x64, r64, g64, dtype, **got, allreduce_out=_local(a_out), wb=wb)
             worst_of(w, ulps)
             worst_of(w["ulps_fp32_acc" if acc else "ulps_no_fp32_acc"], ulps)
             worst_of(
