@@ -249,10 +249,14 @@ def simulated_hosts_problem():
     return None if r.returncode == 0 else (r.stderr.strip().splitlines() or ["?"])[-1]
 
 
-def device_for(rank: int) -> int:
+def gpu_count() -> int:
     from jax_fusedar.common import native
 
-    return rank % max(1, native.gpu_count())
+    return native.gpu_count()
+
+
+def device_for(rank: int) -> int:
+    return rank % max(1, gpu_count())
 
 
 def needs_gpus(count: int, why: str):

@@ -10,7 +10,7 @@ result is written as JSON (with the output's tail) to $JAX_FUSEDAR_REPORT_DIR.
 import pytest
 
 from tests.gpu.case_runs import host_slack_s, lost_trap_record, report, run_case
-from tests.gpu.harness import world_params
+from tests.gpu.harness import gpu_count, world_params
 
 pytestmark = pytest.mark.gpu
 
@@ -28,12 +28,6 @@ SIG = (
     "{{pattern={} dtype=bfloat16 num_tokens={} hidden_dim=4096 {} fp32_acc=1 layout=0 "
     "block_quant_group_size=0}}"
 )
-
-
-def _gpus():
-    from jax_fusedar.common import native
-
-    return native.gpu_count()
 
 
 def _check_matching(r):
@@ -175,7 +169,7 @@ def test_a_rank_that_never_calls_times_out(world):
 
 
 def test_mixed_topology_four_ranks_two_processes_two_gpus():
-    if _gpus() < 2:
+    if gpu_count() < 2:
         pytest.skip("needs 2 GPUs")
     res = _run("mixed_topology", "native_mixed", timeout_s=170)
     procs = res["processes"]
