@@ -177,7 +177,7 @@ class _Call:
 def worker(rank, world, chan, *, case, seed, port):
     from tests.gpu.harness import device_for
     from tests.gpu.workers.common import init_gloo
-    from tests.gpu.workers.native_mismatch import AFTER_FAILURE_WAIT_S, flush_c_stdio
+    from tests.gpu.workers.native_mismatch import await_verdict, check_untouched, flush_c_stdio
 
     device = device_for(rank)
     torch, dist = init_gloo(rank, world, port, device)
@@ -229,15 +229,9 @@ def worker(rank, world, chan, *, case, seed, port):
         f["relaunch_error"] = error_text(lambda: call.native(ws, stream), 1500)
         f["torch_compat_error"] = error_text(lambda: call.torch_compat(ws), 1500)
         result["failing"] = f
-    try:  # rank 1 makes no call until rank 0 has its verdict
-        chan.barrier("verdict", timeout_s=AFTER_FAILURE_WAIT_S)
-    except TimeoutError as e:  # rank 0's lost trap ended (or is ending) its process
-        result["peer_gone"] = str(e)
+    await_verdict(chan, result, "verdict")  # rank 1 makes no call until rank 0 has its verdict
     if rank == 1:
-        t = torch.arange(1000, device=device, dtype=torch.float32)
-        result["healthy_after"] = float(t.sum().item()) == 499500.0
-        result["failure_record"] = ws.failure()
-        ws.destroy()
+        check_untouched(result, ws, device, torch)
     flush_c_stdio()
     if "peer_gone" not in result:  # rank 0 hosts the store: leave a gone peer's group be
         dist.destroy_process_group()

@@ -279,6 +279,38 @@ def timing(ws, rank, world, device, seed, torch, *, calls=100, reps=5):
     }
 
 
+def await_verdict(chan, result, tag, timeout_s=AFTER_FAILURE_WAIT_S):
+    """Waits at most ``timeout_s`` for every rank at barrier ``tag``; a rank that never comes
+    (a peer whose lost trap ended its process) is noted as ``peer_gone``."""
+    try:
+        chan.barrier(tag, timeout_s=timeout_s)
+    except TimeoutError as e:
+        result["peer_gone"] = str(e)
+
+
+def check_untouched(result, ws, device, torch):
+    """For the rank that made no failing call: its CUDA context still computes, its record
+    is empty; then frees ``ws``."""
+    t = torch.arange(1000, device=device, dtype=torch.float32)
+    result["healthy_after"] = float(t.sum().item()) == 499500.0
+    result["failure_record"] = ws.failure()
+    ws.destroy()
+
+
+def finish_ok(result, ws, off, rank, world, device, seed, torch, chan):
+    """The "ok" case's end: a CUDA graph on ``ws``, the per-call time on ``ws`` and on
+    ``off`` (the check or the timeout off), ``ws``'s record; both workspaces freed."""
+    result["graph"] = graph_replays(ws, rank, world, device, seed + 100, torch, chan)
+    chan.barrier("timing")
+    result["timing_on"] = timing(ws, rank, world, device, seed + 200, torch)
+    result["timing_off"] = timing(off, rank, world, device, seed + 200, torch)
+    result["failure_record"] = ws.failure()
+    chan.barrier("done")
+    for w in (ws, off):
+        w.destroy()
+    return result
+
+
 def failing_call_of(case, rank, world=2):
     """(pattern, tokens, one-shot) of `case`'s failing call on `rank` (None: no call)."""
     if case == "tokens":
@@ -350,29 +382,15 @@ def worker(rank, world, chan, *, case, seed):
         result["off_worst"] = worst_of(
             [{k: v for k, v in e.items() if k != "call"} for e in errs_off]
         )
-        result["graph"] = graph_replays(ws, rank, world, device, seed + 100, torch, chan)
-        chan.barrier("timing")
-        result["timing_on"] = timing(ws, rank, world, device, seed + 200, torch)
-        result["timing_off"] = timing(off, rank, world, device, seed + 200, torch)
-        result["failure_record"] = ws.failure()
-        chan.barrier("done")
-        for w in (ws, off):
-            w.destroy()
-        return result
+        return finish_ok(result, ws, off, rank, world, device, seed, torch, chan)
     chan.barrier("before-mismatch")
     if failing_call_of(case, rank, world) is not None:
         # Kept by the harness if this process ends without a result (a lost trap).
         chan.note(**result, failing_call_at=time.monotonic())
     result["failing"] = _failing_call(ws, rank, case, device, seed + 999, world, torch)
-    try:  # the last rank of "timeout" waits for the others' verdicts
-        chan.barrier("after-mismatch", timeout_s=AFTER_FAILURE_WAIT_S)
-    except TimeoutError as e:  # a peer whose lost trap ended its process
-        result["peer_gone"] = str(e)
+    await_verdict(chan, result, "after-mismatch")  # the last rank of "timeout" waits here
     if result["failing"] is None:  # this rank made no call: its context must be healthy
-        t = torch.arange(1000, device=device, dtype=torch.float32)
-        result["healthy_after"] = float(t.sum().item()) == 499500.0
-        result["failure_record"] = ws.failure()
-        ws.destroy()
+        check_untouched(result, ws, device, torch)
     flush_c_stdio()
     return result
 

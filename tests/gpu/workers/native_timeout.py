@@ -50,18 +50,18 @@ import time
 from tests.gpu.workers.common import case_of, error_text, new_seed, print_result
 
 from tests.gpu.workers.native_mismatch import (
-    AFTER_FAILURE_WAIT_S,
     DTYPE,
     HIDDEN,
+    await_verdict,
+    check_untouched,
     draw_inputs,
+    finish_ok,
     on_device,
     flush_c_stdio,
     fused_call,
-    graph_replays,
     make_workspace,
     new_outputs,
     oracle_errors,
-    timing,
     worst_of,
 )
 from tests.gpu.workers.native_mismatch import BOUNDS  # noqa: F401 - the tests read it here
@@ -279,15 +279,7 @@ def worker(rank, world, chan, *, case, seed):
         )
         result["off_timeout_s"] = off.timeout_s
         result["bits"] = _same_bits(ws, off, rank, world, device, seed, torch)
-        result["graph"] = graph_replays(ws, rank, world, device, seed + 100, torch, chan)
-        chan.barrier("timing")
-        result["timing_on"] = timing(ws, rank, world, device, seed + 200, torch)
-        result["timing_off"] = timing(off, rank, world, device, seed + 200, torch)
-        result["failure_record"] = ws.failure()
-        chan.barrier("done")
-        for w in (ws, off):
-            w.destroy()
-        return result
+        return finish_ok(result, ws, off, rank, world, device, seed, torch, chan)
     result["good"] = _good_calls(ws, rank, world, device, seed, torch)
     seq = GOOD_FIRST + 1
     missing = world - 1  # the rank that makes no call (never_*), or is killed
@@ -341,15 +333,9 @@ def worker(rank, world, chan, *, case, seed):
         os.kill(os.getpid(), signal.SIGKILL)
     result["expected_call"] = seq
     if case != "killed":
-        try:  # the missing rank waits here for the others' verdicts
-            chan.barrier("verdict", timeout_s=AFTER_FAILURE_WAIT_S)
-        except TimeoutError as e:  # a rank whose lost trap ended its process
-            result["peer_gone"] = str(e)
+        await_verdict(chan, result, "verdict")  # the missing rank waits here
     if rank == missing and (case.startswith("never") or case == "destroy_waits"):
-        t = torch.arange(1000, device=device, dtype=torch.float32)
-        result["healthy_after"] = float(t.sum().item()) == 499500.0
-        result["failure_record"] = ws.failure()
-        ws.destroy()
+        check_untouched(result, ws, device, torch)
     flush_c_stdio()
     return result
 
