@@ -527,22 +527,10 @@ def parity_worker(rank, world, chan, *, port, seed, tokens, hiddens, dtypes):
                 torch, cseed, world, m, hidden, dt, wb=wb
             )
             x, r_d, g_d = xs_t[rank].to(device), res_t.to(device), gam_t.to(device)
-            got = {}
+            got, opts = {}, dict(oneshot=oneshot, fp32_acc=acc, wb=wb, pdl=bool(i % 2))
             for p in (0, 1):
                 outs = new_outputs(torch, p, m, hidden, dt, device)
-                call_pattern(
-                    tc,
-                    ws,
-                    p,
-                    x,
-                    r_d,
-                    g_d,
-                    outs,
-                    oneshot=oneshot,
-                    fp32_acc=acc,
-                    wb=wb,
-                    pdl=bool(i % 2),
-                )
+                call_pattern(tc, ws, p, x, r_d, g_d, outs, **opts)
                 torch.cuda.synchronize()
                 got.update(outputs_to_numpy(torch, outs))
             e = plain_errors(got, ref, res_np, gam_np, dtype, wb, xs=xs64, fp32_acc=acc)
@@ -597,18 +585,8 @@ def fp8_worker(rank, world, chan, *, port, seed, shapes, dtypes):
                     call_pattern(tc, ws, p, x, r_d, g_d, outs, sf=sf_d, oneshot=oneshot)
                     torch.cuda.synchronize()
                     by_p[p] = outputs_to_numpy(torch, outs)
-                quant_stats(
-                    stats,
-                    by_p,
-                    ref,
-                    res_np,
-                    gam_np,
-                    dtype,
-                    sf,
-                    GROUP,
-                    f"{dtype} {m}x{hidden} {'one' if oneshot else 'two'}-shot",
-                    xs=xs64,
-                )
+                label = f"{dtype} {m}x{hidden} {'one' if oneshot else 'two'}-shot"
+                quant_stats(stats, by_p, ref, res_np, gam_np, dtype, sf, GROUP, label, xs=xs64)
         try:
             x = torch.randn(16, 1024, device=device).bfloat16()
             outs = {
@@ -911,18 +889,8 @@ def fusion_pass_worker(rank, world, chan, *, port, seed, m, hidden, layers, mode
         ar = torch.ops._c10d_functional.all_reduce.default
         out = {"rank": rank, "mode": mode, "forms": {}}
         for norm in ("manual", "F.rms_norm") if mode == "make_fx" else ("F.rms_norm",):
-            model, args, ref64 = build_tp_model(
-                torch,
-                nccl,
-                rank,
-                world,
-                m=m,
-                hidden=hidden,
-                layers=layers,
-                seed=seed,
-                device=device,
-                norm=norm,
-            )
+            shape = dict(m=m, hidden=hidden, layers=layers, seed=seed, device=device)
+            model, args, ref64 = build_tp_model(torch, nccl, rank, world, norm=norm, **shape)
             r = {}
             if mode == "make_fx":
                 gm = trace_tp_model(torch, model, args)
