@@ -41,21 +41,12 @@ def _setup(rank, world, port, platform):
 
     # float32 matmuls in float32 (not TF32): the float32 run is the yardstick.
     jax.config.update("jax_default_matmul_precision", "highest")
-    if platform == "cpu":
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(
-            coordinator_address=f"127.0.0.1:{port}", num_processes=world, process_id=rank
-        )
-    else:
-        from tests.gpu.harness import device_for
+    from tests.gpu.harness import device_for
+    from tests.gpu.workers.common import jax_distributed
 
-        jax.distributed.initialize(
-            coordinator_address=f"127.0.0.1:{port}",
-            num_processes=world,
-            process_id=rank,
-            local_device_ids=[device_for(rank)],
-        )
-    return jax
+    return jax_distributed(
+        rank, world, port, platform, None if platform == "cpu" else [device_for(rank)]
+    )
 
 
 def _global(jax, value, sharding):

@@ -108,3 +108,20 @@ def keep_max(into, errors):
     for k, v in errors.items():
         into[k] = max(into[k], v)
     return into
+
+
+def jax_distributed(rank, world, port, platform, device_ids=None, **kw):
+    """Imports jax and joins this rank's `jax.distributed` group over localhost:``port``: on
+    CPU with gloo collectives across the processes, on GPUs driving ``device_ids``."""
+    import jax
+
+    if platform == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}",
+        num_processes=world,
+        process_id=rank,
+        local_device_ids=None if platform == "cpu" else device_ids,
+        **kw,
+    )
+    return jax

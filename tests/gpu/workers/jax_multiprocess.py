@@ -35,27 +35,13 @@ def _setup(rank, world, port, xla_flags, platform="cuda"):
     os.environ["JAX_PLATFORMS"] = platform
     os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     os.environ["XLA_FLAGS"] = xla_flags
+    from tests.gpu.harness import device_for
+    from tests.gpu.workers.common import jax_distributed
+
     if platform == "cpu":
         os.environ["JAX_NUM_CPU_DEVICES"] = "1"
-        import jax
-
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(
-            coordinator_address=f"127.0.0.1:{port}", num_processes=world, process_id=rank
-        )
-        return jax
-    from tests.gpu.harness import device_for
-
-    device = device_for(rank)
-    import jax
-
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}",
-        num_processes=world,
-        process_id=rank,
-        local_device_ids=[device],
-    )
-    return jax
+        return jax_distributed(rank, world, port, platform)
+    return jax_distributed(rank, world, port, platform, [device_for(rank)])
 
 
 def _global(jax, mesh, spec, local):
