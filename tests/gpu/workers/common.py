@@ -92,13 +92,14 @@ def plain_ulps(xs, residual, gamma, dtype, *, residual_out, norm_out, allreduce_
     from tests.oracles import oracle
 
     s, r, y, inv = oracle.fused_reference(xs, residual, gamma, rms_eps=1e-6, weight_bias=wb)
-    out = {}
+    out = {
+        "residual": oracle.residual_error_ulps(residual_out, s, r, residual, dtype),
+        "norm": oracle.norm_error_ulps(
+            norm_out, s, y, inv, residual, gamma, weight_bias=wb, dtype_name=dtype
+        ),
+    }
     if allreduce_out is not None:
         out["allreduce"] = oracle.allreduce_error_ulps(allreduce_out, s, dtype)
-    out["residual"] = oracle.residual_error_ulps(residual_out, s, r, residual, dtype)
-    out["norm"] = oracle.norm_error_ulps(
-        norm_out, s, y, inv, residual, gamma, weight_bias=wb, dtype_name=dtype
-    )
     return out
 
 
