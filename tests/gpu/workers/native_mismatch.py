@@ -173,9 +173,7 @@ def matching_calls(ws, rank, world, device, stream, seed, torch):
     """MATCHING on `ws`; returns (per-call errors, digest of all outputs)."""
     errs, digest = [], hashlib.sha256()
     for i, (pattern, m, oneshot) in enumerate(MATCHING):
-        xs, residual, gamma, x, res, gam, outs = on_device(
-            seed + i, world, world, m, rank, device, torch
-        )
+        xs, residual, gamma, x, res, gam, outs = on_device(seed + i, world, m, rank, device, torch)
         fused_call(ws, pattern, m, x, res, gam, outs, oneshot=oneshot, stream=stream)
         stream.synchronize()
         e = oracle_errors(xs, residual, gamma, outs, pattern)
@@ -227,7 +225,7 @@ def graph_replays(ws, rank, world, device, seed, torch, chan):
     """Captures 3 checked pattern-1 calls in a CUDA graph and replays it 3 times (each
     replay: outputs poisoned first, then checked), then one eager call after the replays:
     the device counter must have advanced in step on both ranks."""
-    xs, residual, gamma, x, res, gam, outs = on_device(seed, world, world, 16, rank, device, torch)
+    xs, residual, gamma, x, res, gam, outs = on_device(seed, world, 16, rank, device, torch)
     g = torch.cuda.CUDAGraph()
     capture_error = None
     try:
@@ -261,7 +259,7 @@ def graph_replays(ws, rank, world, device, seed, torch, chan):
 def timing(ws, rank, world, device, seed, torch, *, calls=100, reps=5):
     """Median over `reps` of (ms for `calls` back-to-back pattern-1 one-shot calls)/calls;
     the last call's outputs are checked."""
-    xs, residual, gamma, x, res, gam, outs = on_device(seed, world, world, 16, rank, device, torch)
+    xs, residual, gamma, x, res, gam, outs = on_device(seed, world, 16, rank, device, torch)
     stream = torch.cuda.current_stream(device)
     per_call = []
     for _ in range(reps):
@@ -330,7 +328,7 @@ def _failing_call(ws, rank, case, device, seed, world, torch):
     if call is None:
         return None
     pattern, m, oneshot = call
-    xs, residual, gamma, x, res, gam, outs = on_device(seed, world, world, m, rank, device, torch)
+    xs, residual, gamma, x, res, gam, outs = on_device(seed, world, m, rank, device, torch)
     stream = torch.cuda.current_stream(device)
     out = {"call": [pattern, m, oneshot]}
     t0 = time.monotonic()

@@ -105,9 +105,7 @@ def _good_calls(ws, rank, world, device, seed, torch, n=GOOD_FIRST):
     errs = []
     for i in range(n):
         pattern, m, oneshot = CYCLE[i % len(CYCLE)]
-        xs, residual, gamma, x, res, gam, outs = on_device(
-            seed + i, world, world, m, rank, device, torch
-        )
+        xs, residual, gamma, x, res, gam, outs = on_device(seed + i, world, m, rank, device, torch)
         fused_call(ws, pattern, m, x, res, gam, outs, oneshot=oneshot, stream=stream)
         stream.synchronize()
         errs.append(oracle_errors(xs, residual, gamma, outs, pattern))
@@ -175,7 +173,7 @@ def large_algorithm(world):
 def _good_large_call(ws, rank, world, device, seed, torch, algorithm):
     """One pattern-1 call of LARGE_TOKENS with `algorithm`: its errors against the oracle."""
     xs, residual, gamma, x, res, gam, outs = on_device(
-        seed, world, world, LARGE_TOKENS, rank, device, torch
+        seed, world, LARGE_TOKENS, rank, device, torch
     )
     stream = torch.cuda.current_stream(device)
     fused_call(
@@ -186,7 +184,7 @@ def _good_large_call(ws, rank, world, device, seed, torch, algorithm):
 
 
 def _failing_call(ws, pattern, m, oneshot, rank, device, seed, world, torch, algorithm=None):
-    xs, residual, gamma, x, res, gam, outs = on_device(seed, world, world, m, rank, device, torch)
+    xs, residual, gamma, x, res, gam, outs = on_device(seed, world, m, rank, device, torch)
     stream = torch.cuda.current_stream(device)
     out = {"call": [pattern, m, oneshot], "algorithm": algorithm}
     t0 = time.monotonic()
@@ -211,7 +209,7 @@ def _destroy_during_a_failing_call(ws, rank, device, seed, world, torch, note):
     TICK_S meanwhile; the ticks show whether the GIL was free during the wait."""
     import threading
 
-    xs, residual, gamma, x, res, gam, outs = on_device(seed, world, world, 16, rank, device, torch)
+    xs, residual, gamma, x, res, gam, outs = on_device(seed, world, 16, rank, device, torch)
     stream = torch.cuda.current_stream(device)
     ticks, stop = [0], threading.Event()
 
