@@ -133,6 +133,15 @@ def run_case(module, *args, timeout_s):
     return result
 
 
+def checked_case(name, worker, *args, timeout_s):
+    """run_case of tests.gpu.workers.<worker> ARGS, reported as ``name``; fails on the error
+    the worker reports instead of ranks."""
+    res = run_case(f"tests.gpu.workers.{worker}", *args, timeout_s=timeout_s)
+    report(name, res)
+    assert "error" not in res, res["error"] + "\n" + res["output_tail"]
+    return res
+
+
 def lost_trap_lines(stderr: str) -> list:
     """The lines of ``stderr`` that lost_traps writes when it ends a process: the record
     (one line) and the line saying why (written together, in one write)."""

@@ -9,19 +9,10 @@ result is written as JSON (with the output's tail) to $JAX_FUSEDAR_REPORT_DIR.
 
 import pytest
 
-from tests.gpu.case_runs import host_slack_s, lost_trap_record, report, run_case
+from tests.gpu.case_runs import checked_case, host_slack_s, lost_trap_record
 from tests.gpu.harness import gpu_count, world_params
 
 pytestmark = pytest.mark.gpu
-
-
-def _run(name, worker, *args, timeout_s):
-    """case_runs.run_case of tests.gpu.workers.<worker> ARGS, reported as ``name``; fails
-    on the error the worker reports instead of ranks."""
-    res = run_case(f"tests.gpu.workers.{worker}", *args, timeout_s=timeout_s)
-    report(name, res)
-    assert "error" not in res, res["error"] + "\n" + res["output_tail"]
-    return res
 
 
 SIG = (
@@ -44,7 +35,9 @@ def _check_matching(r):
 
 @pytest.mark.parametrize("world", world_params())
 def test_handshake_matching_calls_graph_replay_and_cost(world):
-    res = _run(f"handshake_ok_world{world}", "native_mismatch", "ok", str(world), timeout_s=170)
+    res = checked_case(
+        f"handshake_ok_world{world}", "native_mismatch", "ok", str(world), timeout_s=170
+    )
     ranks = res["ranks"]
     assert not res["printf_lines"], res["printf_lines"]
     from tests.gpu.workers.native_mismatch import BOUNDS
@@ -86,7 +79,7 @@ def test_mismatched_calls_fail_instead_of_hanging(case):
     timeout."""
     from tests.gpu.workers.native_mismatch import MATCHING, MISMATCH_TIMEOUT_S, failing_call_of
 
-    res = _run(f"handshake_{case}", "native_mismatch", case, timeout_s=170)
+    res = checked_case(f"handshake_{case}", "native_mismatch", case, timeout_s=170)
     assert res["wall_s"] < 90, res["wall_s"]  # bounded: no rank waits for a timeout
     seq = len(MATCHING) + 1
     for r in res["ranks"]:
@@ -126,7 +119,7 @@ def test_a_rank_that_never_calls_times_out(world):
     record on stderr after the watcher's grace period (jax_fusedar/common/lost_traps.py)."""
     from tests.gpu.workers.native_mismatch import MATCHING, TIMEOUT_CASE_S
 
-    res = _run(
+    res = checked_case(
         f"handshake_timeout_world{world}", "native_mismatch", "timeout", str(world), timeout_s=170
     )
     *callers, missing = res["ranks"]
@@ -171,7 +164,7 @@ def test_a_rank_that_never_calls_times_out(world):
 def test_mixed_topology_four_ranks_two_processes_two_gpus():
     if gpu_count() < 2:
         pytest.skip("needs 2 GPUs")
-    res = _run("mixed_topology", "native_mixed", timeout_s=170)
+    res = checked_case("mixed_topology", "native_mixed", timeout_s=170)
     procs = res["processes"]
     assert [p["local_tp_ranks"] for p in procs] == [[0, 1], [2, 3]]
     assert procs[0]["paths"]["0"] == {"1": "pointers", "2": "ipc", "3": "ipc"}
