@@ -52,6 +52,7 @@ from tests.gpu.workers.common import case_of, error_text, new_seed, print_result
 from tests.gpu.workers.native_mismatch import (
     DTYPE,
     HIDDEN,
+    MATCHING,
     await_verdict,
     check_untouched,
     draw_inputs,
@@ -80,17 +81,9 @@ def same_bits_calls(world: int = 2) -> int:
     return int(os.environ.get("JAX_FUSEDAR_TIMEOUT_CALLS", default))
 
 
-# (pattern, tokens, one-shot) cycled through by the good calls
-CYCLE = [
-    (1, 16, True),
-    (1, 17, False),
-    (0, 16, True),
-    (1, 1, True),
-    (1, 33, False),
-    (0, 40, False),
-    (1, 64, True),
-    (0, 3, True),
-]
+# (pattern, tokens, one-shot) cycled through by the good calls: the handshake cases'
+# matching calls, then a 3-token all-reduce
+CYCLE = [*MATCHING, (0, 3, True)]
 GOOD_FIRST = 3  # good calls every failure case makes first
 CASES = ("ok", "never_oneshot", "never_twoshot", "killed", "tokens", "never_large", "destroy_waits")
 TICK_S = 0.01  # the destroy_waits case's Python thread counts these while destroy waits
