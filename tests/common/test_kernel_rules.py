@@ -536,12 +536,10 @@ def test_exchange_keys_unique():
 
 def test_exchange_keys_stable_and_not_random():
     first = _all_keys()
-    random.seed(0)
-    np.random.seed(0)
-    assert _all_keys() == first
-    random.seed(0)
-    np.random.seed(0)
-    assert _all_keys() == first
+    for _ in range(2):
+        random.seed(0)
+        np.random.seed(0)
+        assert _all_keys() == first
 
 
 def test_exchange_keys_same_in_another_process(monkeypatch):

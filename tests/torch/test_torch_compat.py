@@ -379,14 +379,14 @@ def test_create_needs_torch_distributed():
         torch_compat.create_allreduce_fusion_workspace(world_size=2, rank=0, **CREATE)
 
 
-def test_create_rank_must_be_group_local(gloo_world1):
-    with pytest.raises(ValueError, match="group-local"):
-        torch_compat.create_allreduce_fusion_workspace(world_size=1, rank=1, **CREATE)
-
-
-def test_create_world_size_must_be_the_groups(gloo_world1):
-    with pytest.raises(ValueError, match=r"world_size=2 but the TP group has 1 ranks"):
-        torch_compat.create_allreduce_fusion_workspace(world_size=2, rank=0, **CREATE)
+@pytest.mark.parametrize(
+    "world_size, rank, match",
+    [(1, 1, "group-local"), (2, 0, r"world_size=2 but the TP group has 1 ranks")],
+    ids=["rank_must_be_group_local", "world_size_must_be_the_groups"],
+)
+def test_create_rank_and_world_size_are_the_groups(gloo_world1, world_size, rank, match):
+    with pytest.raises(ValueError, match=match):
+        torch_compat.create_allreduce_fusion_workspace(world_size=world_size, rank=rank, **CREATE)
 
 
 @pytest.mark.parametrize("sub", [False, True], ids=["world", "new_group"])
