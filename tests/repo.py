@@ -8,9 +8,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run_code(code: str, timeout: float = 300):
+def run_code(code: str, timeout: float = 300, **env: str):
     """``python -c code`` in the repository root with the checkout first on PYTHONPATH (a
-    fresh interpreter: what it imports is its own); the completed process, text captured."""
+    fresh interpreter: what it imports is its own) and the environment variables ``env``
+    added; the completed process, text captured."""
     import os
     import subprocess
     import sys
@@ -20,6 +21,6 @@ def run_code(code: str, timeout: float = 300):
         cwd=REPO,
         capture_output=True,
         text=True,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        env=dict(os.environ, PYTHONPATH=str(REPO), **env),
         timeout=timeout,
     )

@@ -10,7 +10,7 @@ import sys
 import tomllib
 import zipfile
 
-from tests.repo import REPO as ROOT
+from tests.repo import REPO as ROOT, run_code
 
 FETCH = ROOT / "tools" / "fetch_flashinfer_headers.py"
 
@@ -19,17 +19,13 @@ def run(cmd, timeout=60, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)
 
 
-def run_python(code: str) -> subprocess.CompletedProcess:
-    return run([sys.executable, "-c", code], timeout=120, cwd=ROOT)
-
-
 def pyproject():
     return tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
 def test_package_imports_without_jax_and_names_the_extra():
     # None in sys.modules makes `import jax` raise ModuleNotFoundError, as if not installed.
-    result = run_python(
+    result = run_code(
         "import sys\n"
         "sys.modules['jax'] = None\n"
         "import jax_fusedar as jf\n"
@@ -54,7 +50,7 @@ def test_package_imports_without_jax_and_names_the_extra():
 
 def test_too_old_a_jax_is_named_with_the_version_needed():
     # An installed jax older than the minimum (metadata says 0.7.2; nothing is imported).
-    result = run_python(
+    result = run_code(
         "import importlib.metadata as m\n"
         "real = m.version\n"
         "m.version = lambda name: '0.7.2' if name == 'jax' else real(name)\n"
@@ -83,7 +79,7 @@ def test_the_jax_minimum_is_pyprojects():
 
 
 def test_other_import_errors_are_not_blamed_on_jax():
-    result = run_python(
+    result = run_code(
         "import sys\n"
         "sys.modules['jax_fusedar.api'] = None\n"
         "import jax_fusedar as jf\n"

@@ -10,8 +10,6 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -22,7 +20,7 @@ from benchmarks import report
 from jax_fusedar.common import sizing
 
 from tests import cpu_devices
-from tests.repo import REPO
+from tests.repo import run_code
 from tests.skips import NO_NATIVE
 
 HOST_8 = cpu_devices.xla_flags(8)
@@ -306,12 +304,7 @@ def _program_text(body_expr: str, *, compiled: bool) -> str:
         print(traced.lower().compile().as_text() if {compiled}
               else traced.lower(lowering_platforms=("cuda",)).as_text())
     """)
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=HOST_8)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    r = subprocess.run(
-        [sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
+    r = run_code(script, JAX_PLATFORMS="cpu", XLA_FLAGS=HOST_8)
     if r.returncode and not compiled and "native" in r.stderr:
         pytest.skip(NO_NATIVE)
     assert r.returncode == 0, r.stderr
@@ -472,5 +465,5 @@ def test_help_runs_without_jax_starting():
     r = run_bench("--help")
     assert r.returncode == 0 and "--tokens" in r.stdout and "--hidden" in r.stdout
     code = "import sys; from benchmarks import jax_bench; print('jax' in sys.modules)"
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    r = run_code(code)
     assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr

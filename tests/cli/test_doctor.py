@@ -2,16 +2,13 @@
 native build (what a GPU machine shows is checked by tests/gpu/test_demo.py)."""
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 from jax_fusedar.cli import doctor
 from jax_fusedar.common import native
-from tests.repo import REPO
+from tests.repo import run_code
 
 SCREEN = 40  # lines: one terminal screen
 
@@ -24,14 +21,7 @@ def _doctor_in_a_subprocess(prelude="", **env):
         print("IMPORTED", sorted(m for m in ("jax", "jaxlib", "torch") if m in sys.modules))
         sys.exit(code)
     """)
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO), **env},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_code(code, timeout=120, **env)
 
 
 def test_doctor_prints_one_screen_and_imports_no_framework():

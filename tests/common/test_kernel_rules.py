@@ -444,47 +444,33 @@ def test_tpgroup_normalises_members():
     assert hash(g) == hash(TPGroup(members=(3, 1), index=0))
 
 
-def test_groups_1d_mesh_of_8():
-    groups = tp_groups_from_grid(np.arange(8), ("tp",), "tp")
-    assert groups == [TPGroup(members=tuple(range(8)), index=0)]
-    assert groups[0].rank_of(5) == 5
-
-
-def test_groups_2x4_tp_second():
-    ids = np.arange(8).reshape(2, 4)
-    want = [TPGroup((0, 1, 2, 3), 0), TPGroup((4, 5, 6, 7), 1)]
-    assert tp_groups_from_grid(ids, ("dp", "tp"), "tp") == want
+# (ids, axis names, TP axis, the groups' members in order). TP rank = position in the group.
+GRIDS = [
+    (np.arange(8), ("tp",), "tp", [tuple(range(8))]),
+    (np.arange(8).reshape(2, 4), ("dp", "tp"), "tp", [(0, 1, 2, 3), (4, 5, 6, 7)]),
     # The same grid split along dp.
-    by_dp = tp_groups_from_grid(ids, ("dp", "tp"), "dp")
-    assert [g.members for g in by_dp] == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    (np.arange(8).reshape(2, 4), ("dp", "tp"), "dp", [(0, 4), (1, 5), (2, 6), (3, 7)]),
+    (np.arange(8).reshape(4, 2), ("dp", "tp"), "tp", [(0, 1), (2, 3), (4, 5), (6, 7)]),
+    # TP first.
+    (np.arange(8).reshape(4, 2), ("tp", "dp"), "tp", [(0, 2, 4, 6), (1, 3, 5, 7)]),
+    (np.arange(8).reshape(2, 4), ("tp", "dp"), "tp", [(0, 4), (1, 5), (2, 6), (3, 7)]),
+    # (dp, tp, pp): the other axes (dp, pp) in row-major order: (0,0), (0,1), (1,0), (1,1).
+    (np.arange(8).reshape(2, 2, 2), ("dp", "tp", "pp"), "tp", [(0, 2), (1, 3), (4, 6), (5, 7)]),
+    # Reversed ids, as a nested list: the rank follows the position, not the id.
+    ([[7, 6, 5, 4], [3, 2, 1, 0]], ("dp", "tp"), "tp", [(7, 6, 5, 4), (3, 2, 1, 0)]),
+]
 
 
-def test_groups_4x2_tp_second():
-    groups = tp_groups_from_grid(np.arange(8).reshape(4, 2), ("dp", "tp"), "tp")
-    assert [g.members for g in groups] == [(0, 1), (2, 3), (4, 5), (6, 7)]
-    assert [g.index for g in groups] == [0, 1, 2, 3]
-
-
-def test_groups_tp_first():
-    groups = tp_groups_from_grid(np.arange(8).reshape(4, 2), ("tp", "dp"), "tp")
-    assert [g.members for g in groups] == [(0, 2, 4, 6), (1, 3, 5, 7)]
-    groups = tp_groups_from_grid(np.arange(8).reshape(2, 4), ("tp", "dp"), "tp")
-    assert [g.members for g in groups] == [(0, 4), (1, 5), (2, 6), (3, 7)]
-
-
-def test_groups_3d_mesh_row_major_over_other_axes():
-    ids = np.arange(8).reshape(2, 2, 2)  # (dp, tp, pp)
-    groups = tp_groups_from_grid(ids, ("dp", "tp", "pp"), "tp")
-    # Other axes (dp, pp) in row-major order: (0,0), (0,1), (1,0), (1,1).
-    assert [g.members for g in groups] == [(0, 2), (1, 3), (4, 6), (5, 7)]
-
-
-def test_groups_reversed_ids_rank_follows_position():
-    ids = [[7, 6, 5, 4], [3, 2, 1, 0]]  # nested list input
-    groups = tp_groups_from_grid(ids, ("dp", "tp"), "tp")
-    assert [g.members for g in groups] == [(7, 6, 5, 4), (3, 2, 1, 0)]
-    assert groups[0].rank_of(7) == 0 and groups[0].rank_of(4) == 3
-    assert groups[1].rank_of(0) == 3
+@pytest.mark.parametrize(
+    "ids, names, axis, members",
+    GRIDS,
+    ids=["1d", "2x4", "2x4_by_dp", "4x2", "4x2_tp_first", "2x4_tp_first", "3d", "reversed_ids"],
+)
+def test_groups_of_a_grid(ids, names, axis, members):
+    groups = tp_groups_from_grid(ids, names, axis)
+    assert groups == [TPGroup(m, index) for index, m in enumerate(members)]
+    for g in groups:
+        assert [g.rank_of(m) for m in g.members] == list(range(g.size))
 
 
 @pytest.mark.parametrize(
@@ -550,12 +536,10 @@ def test_exchange_keys_unique():
 
 def test_exchange_keys_stable_and_not_random():
     first = _all_keys()
-    random.seed(0)
-    np.random.seed(0)
-    assert _all_keys() == first
-    random.seed(0)
-    np.random.seed(0)
-    assert _all_keys() == first
+    for _ in range(2):
+        random.seed(0)
+        np.random.seed(0)
+        assert _all_keys() == first
 
 
 def test_exchange_keys_same_in_another_process(monkeypatch):

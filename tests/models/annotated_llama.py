@@ -20,7 +20,8 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .common import Config, gamma, normal
+from .common import Config, gamma, normal, place_layers
+from .common import input_sharding  # noqa: F401 (each model's own, as styles.py uses it)
 
 DP, TP = "dp", "tp"
 
@@ -61,20 +62,7 @@ SPECS = dict(
 
 
 def place(params, mesh):
-    layers = [
-        {k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in p.items()}
-        for p in params["layers"]
-    ]
-    rep = NamedSharding(mesh, P())
-    return dict(
-        layers=layers,
-        final_norm=jax.device_put(params["final_norm"], rep),
-        final_bias=jax.device_put(params["final_bias"], rep),
-    )
-
-
-def input_sharding(mesh):
-    return NamedSharding(mesh, P(DP))
+    return place_layers(params, mesh, SPECS)
 
 
 def make_forward(cfg: Config, mesh, per_token=False, gamma_einsum=False, remat=True, bias=False):

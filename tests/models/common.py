@@ -1,5 +1,6 @@
-"""What the style models share: their size, initial weights, rotary embeddings and the
-attention core (causal softmax attention on [batch, time, heads, head_dim])."""
+"""What the style models share: their size, initial weights, rotary embeddings, the
+attention core (causal softmax attention on [batch, time, heads, head_dim]) and how weights
+and activations are laid out on a mesh of ("dp", "tp") axes."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,3 +64,30 @@ def causal_attention(q, k, v):
     scores = jnp.where(mask, scores, -1e30)
     probs = jax.nn.softmax(scores, axis=-1)
     return jnp.einsum("bhts,bshd->bthd", probs, v.astype(jnp.float32)).astype(q.dtype)
+
+
+def self_attention(h, wq, wk, wv, head_dim, project=jnp.matmul):
+    """Causal self-attention with rotary embeddings on h [batch, time, hidden], the
+    projections ``project(h, w)`` split into heads of ``head_dim``: [batch, time, heads *
+    head_dim], before the output projection."""
+    b, t, _ = h.shape
+    q, k, v = (project(h, w).reshape(b, t, -1, head_dim) for w in (wq, wk, wv))
+    pos = jnp.arange(t)
+    return causal_attention(rope(q, pos), rope(k, pos), v).reshape(b, t, -1)
+
+
+def place_layers(params, mesh, specs, layers="layers"):
+    """``params`` on ``mesh``: each entry of ``params[layers]`` by its spec in ``specs``,
+    every other weight replicated."""
+
+    def put(v, spec):
+        return jax.device_put(v, NamedSharding(mesh, spec))
+
+    placed = {k: put(v, P()) for k, v in params.items() if k != layers}
+    placed[layers] = [{k: put(v, specs[k]) for k, v in p.items()} for p in params[layers]]
+    return placed
+
+
+def input_sharding(mesh):
+    """Activations [batch, seq, hidden] split over the data-parallel axis."""
+    return NamedSharding(mesh, P("dp"))

@@ -9,9 +9,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
-from .common import Config, causal_attention, gamma, normal, rope
+from .common import Config, gamma, normal, place_layers, self_attention
+from .common import input_sharding  # noqa: F401 (each model's own, as styles.py uses it)
 
 DP, TP = "dp", "tp"
 
@@ -64,31 +65,15 @@ SPECS = dict(
 
 
 def place(params, mesh):
-    layers = [
-        {k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in p.items()}
-        for p in params["layers"]
-    ]
-    return dict(
-        layers=layers, final_norm=jax.device_put(params["final_norm"], NamedSharding(mesh, P()))
-    )
-
-
-def input_sharding(mesh):
-    return NamedSharding(mesh, P(DP))
+    return place_layers(params, mesh, SPECS)
 
 
 def make_forward(cfg: Config, mesh, sandwich: bool = True):
     norm = RMSNorm(cfg.eps)
 
     def attention(p, h):
-        b, t, _ = h.shape
-        heads = p["wq"].shape[1] // cfg.head_dim
-        q = (h @ p["wq"]).reshape(b, t, heads, cfg.head_dim)
-        k = (h @ p["wk"]).reshape(b, t, heads, cfg.head_dim)
-        v = (h @ p["wv"]).reshape(b, t, heads, cfg.head_dim)
-        pos = jnp.arange(t)
-        a = causal_attention(rope(q, pos), rope(k, pos), v)
-        return jax.lax.psum(a.reshape(b, t, heads * cfg.head_dim) @ p["wo"], TP)
+        a = self_attention(h, p["wq"], p["wk"], p["wv"], cfg.head_dim)
+        return jax.lax.psum(a @ p["wo"], TP)
 
     def mlp(p, h):
         gate = jax.nn.gelu(h @ p["w_gate"], approximate=True)

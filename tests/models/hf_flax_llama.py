@@ -12,9 +12,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
-from .common import Config, causal_attention, gamma, normal, rope
+from .common import Config, gamma, normal, place_layers, self_attention
+from .common import input_sharding  # noqa: F401 (each model's own, as styles.py uses it)
 
 DP, TP = "dp", "tp"
 
@@ -67,29 +68,15 @@ SPECS = dict(
 
 
 def place(params, mesh):
-    layers = [
-        {k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in p.items()}
-        for p in params["layers"]
-    ]
-    return dict(layers=layers, norm=jax.device_put(params["norm"], NamedSharding(mesh, P())))
-
-
-def input_sharding(mesh):
-    return NamedSharding(mesh, P(DP))
+    return place_layers(params, mesh, SPECS)
 
 
 def make_forward(cfg: Config, mesh, dtype=jnp.bfloat16):
     norm = FlaxLlamaRMSNorm(cfg.eps, dtype)
 
     def self_attn(p, hidden):
-        b, t, _ = hidden.shape
-        heads = p["q_proj"].shape[1] // cfg.head_dim
-        q = (hidden @ p["q_proj"]).reshape(b, t, heads, cfg.head_dim)
-        k = (hidden @ p["k_proj"]).reshape(b, t, heads, cfg.head_dim)
-        v = (hidden @ p["v_proj"]).reshape(b, t, heads, cfg.head_dim)
-        pos = jnp.arange(t)
-        a = causal_attention(rope(q, pos), rope(k, pos), v)
-        return jax.lax.psum(a.reshape(b, t, heads * cfg.head_dim) @ p["o_proj"], TP)
+        a = self_attention(hidden, p["q_proj"], p["k_proj"], p["v_proj"], cfg.head_dim)
+        return jax.lax.psum(a @ p["o_proj"], TP)
 
     def mlp(p, hidden):
         act = jax.nn.silu(hidden @ p["gate_proj"]) * (hidden @ p["up_proj"])

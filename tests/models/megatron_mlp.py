@@ -9,9 +9,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
-from .common import Config, gamma, normal
+from .common import Config, gamma, normal, place_layers
+from .common import input_sharding  # noqa: F401 (each model's own, as styles.py uses it)
 
 DP, TP = "dp", "tp"
 
@@ -74,17 +75,7 @@ SPECS = dict(norm=P(), w1=P(None, TP), w2=P(TP, None))
 
 
 def place(params, mesh):
-    blocks = [
-        {k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in p.items()}
-        for p in params["blocks"]
-    ]
-    return dict(
-        blocks=blocks, final_norm=jax.device_put(params["final_norm"], NamedSharding(mesh, P()))
-    )
-
-
-def input_sharding(mesh):
-    return NamedSharding(mesh, P(DP))
+    return place_layers(params, mesh, SPECS, layers="blocks")
 
 
 def make_forward(cfg: Config, mesh):

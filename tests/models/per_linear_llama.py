@@ -10,9 +10,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
-from .common import Config, causal_attention, gamma, normal, rope
+from .common import Config, gamma, normal, place_layers, self_attention
+from .common import input_sharding  # noqa: F401 (each model's own, as styles.py uses it)
 
 DP, TP = "dp", "tp"
 
@@ -92,30 +93,14 @@ SPECS = dict(
 
 
 def place(params, mesh):
-    layers = [
-        {k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in p.items()}
-        for p in params["layers"]
-    ]
-    return dict(
-        layers=layers, final_norm=jax.device_put(params["final_norm"], NamedSharding(mesh, P()))
-    )
-
-
-def input_sharding(mesh):
-    return NamedSharding(mesh, P(DP))
+    return place_layers(params, mesh, SPECS)
 
 
 def make_forward(cfg: Config, mesh):
     column, row, norm = ColumnParallelLinear(mesh), RowParallelLinear(mesh), RMSNorm(cfg.eps)
 
     def attention(p, h):
-        b, t, _ = h.shape
-        q = column(h, p["wq"]).reshape(b, t, cfg.heads, cfg.head_dim)
-        k = column(h, p["wk"]).reshape(b, t, cfg.heads, cfg.head_dim)
-        v = column(h, p["wv"]).reshape(b, t, cfg.heads, cfg.head_dim)
-        pos = jnp.arange(t)
-        a = causal_attention(rope(q, pos), rope(k, pos), v)
-        return row(a.reshape(b, t, cfg.heads * cfg.head_dim), p["wo"])
+        return row(self_attention(h, p["wq"], p["wk"], p["wv"], cfg.head_dim, column), p["wo"])
 
     def mlp(p, h):
         return row(jax.nn.silu(column(h, p["w_gate"])) * column(h, p["w_up"]), p["w_down"])

@@ -11,9 +11,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, PartitionSpec as P
 
-from .common import Config, gamma, normal, rope
+from .common import Config, gamma, normal, place_layers, rope
+from .common import input_sharding  # noqa: F401 (each model's own, as styles.py uses it)
 
 DP, TP = "dp", "tp"
 
@@ -52,17 +53,7 @@ SPECS = dict(
 
 
 def place(params, mesh):
-    layers = [
-        {k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in p.items()}
-        for p in params["layers"]
-    ]
-    return dict(
-        layers=layers, final_norm=jax.device_put(params["final_norm"], NamedSharding(mesh, P()))
-    )
-
-
-def input_sharding(mesh):
-    return NamedSharding(mesh, P(DP))
+    return place_layers(params, mesh, SPECS)
 
 
 def rms_norm(x, gamma, eps):

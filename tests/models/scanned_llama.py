@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .common import Config, gamma, normal
+from .common import input_sharding  # noqa: F401 (each model's own, as styles.py uses it)
 
 DP, TP = "dp", "tp"
 
@@ -47,10 +48,6 @@ SPECS = dict(
 
 def place(params, mesh):
     return {k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in params.items()}
-
-
-def input_sharding(mesh):
-    return NamedSharding(mesh, P(DP))
 
 
 def make_forward(cfg: Config, mesh, layout="plain_jit", final_norm=True, remat=False):

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import per_linear_llama
-from .common import Config, causal_attention, rope
+from .common import Config, self_attention
 
 DP, TP = "dp", "tp"
 init_params = per_linear_llama.init_params
@@ -45,14 +45,7 @@ def make_forward(cfg: Config, mesh, norm_after_gather: bool = False):
         return gather(rms_norm(x_local, weight, cfg.eps))
 
     def attention(p, h):
-        b, t, _ = h.shape
-        heads = p["wq"].shape[1] // cfg.head_dim
-        q = (h @ p["wq"]).reshape(b, t, heads, cfg.head_dim)
-        k = (h @ p["wk"]).reshape(b, t, heads, cfg.head_dim)
-        v = (h @ p["wv"]).reshape(b, t, heads, cfg.head_dim)
-        pos = jnp.arange(t)
-        a = causal_attention(rope(q, pos), rope(k, pos), v)
-        return scatter(a.reshape(b, t, heads * cfg.head_dim) @ p["wo"])
+        return scatter(self_attention(h, p["wq"], p["wk"], p["wv"], cfg.head_dim) @ p["wo"])
 
     def mlp(p, h):
         return scatter((jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"])

@@ -209,21 +209,14 @@ def _torch_join(flags, timeout_s=10.0):
     from torch_compat import workspace as tws
     from torch_compat.channel import StoreChannel
 
+    from tests.torch.fakes import FakeRank as TorchFakeRank
+
     store = dist.HashStore()
     made = []
 
-    class FakeRank:
-        def __init__(self, me, dev, tp):
-            made.append((me, dev, tp))
-
-        def export_ipc(self):
-            return b"ipc"
-
-        def open_peer_ipc(self, peer, handles):
-            pass
-
-        def finalize(self):
-            pass
+    def make_rank(me, dev, tp):
+        made.append((me, dev, tp))
+        return TorchFakeRank(me, dev, tp)
 
     def run(me):
         return tws._join_group(
@@ -234,7 +227,7 @@ def _torch_join(flags, timeout_s=10.0):
             channel=StoreChannel(store, timeout_s=timeout_s, process=me),
             serial=1,
             backend="trtllm",
-            make_rank=lambda dev, tp, me=me: FakeRank(me, dev, tp),
+            make_rank=lambda dev, tp: make_rank(me, dev, tp),
             handshake=flags[me],
         )
 

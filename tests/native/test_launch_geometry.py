@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import filecmp
-import importlib.util
 import json
 import os
 import pathlib
@@ -21,14 +20,12 @@ import sys
 import pytest
 
 from jax_fusedar.common.limits import SUPPORTED_WORLD_SIZES  # the build's, ffi/core/CMakeLists.txt
+from tools import launch_registers
+
 from tests.repo import REPO
 from tests.skips import BUILD_NATIVE
 
 TOOL = REPO / "tools" / "launch_registers.py"
-_spec = importlib.util.spec_from_file_location("launch_registers", TOOL)
-launch_registers = importlib.util.module_from_spec(_spec)
-sys.modules["launch_registers"] = launch_registers
-_spec.loader.exec_module(launch_registers)
 
 
 def test_mangled_kernel_names_name_their_instance():

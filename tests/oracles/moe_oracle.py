@@ -156,36 +156,28 @@ def random_finalize_case(
             if o is not None:
                 m[o[1], o[2]] = row
         idx.append(m)
-        permuted.append(rng.standard_normal((rows, hidden)).astype(np.float32).astype(t_))
+        permuted.append(to_t(rng.standard_normal((rows, hidden)), dtype_name))
     weights = rng.random((tokens, top_k)).astype(np.float32)
     weights /= weights.sum(1, keepdims=True)
     return dict(
         permuted=permuted,
         idx=idx,
         scale=weights.astype(t_),
-        shared=[
-            rng.standard_normal((tokens, hidden)).astype(np.float32).astype(t_)
-            for _ in range(world)
-        ],
-        residual=rng.standard_normal((tokens, hidden)).astype(np.float32).astype(t_),
-        gamma=(1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32).astype(t_),
+        shared=[to_t(rng.standard_normal((tokens, hidden)), dtype_name) for _ in range(world)],
+        residual=to_t(rng.standard_normal((tokens, hidden)), dtype_name),
+        gamma=to_t(1 + 0.1 * rng.standard_normal(hidden), dtype_name),
     )
 
 
 def random_reduction_case(rng, *, tokens, experts, world, dtype_name, hidden):
     """Per-rank pattern 6 inputs: [E, T, H] expert outputs, [E, T] float32 scales, [T, H]
     token input; residual and gamma shared by the ranks."""
-    t_ = DTYPES[dtype_name]
     return dict(
         expert_outputs=[
-            rng.standard_normal((experts, tokens, hidden)).astype(np.float32).astype(t_)
-            for _ in range(world)
+            to_t(rng.standard_normal((experts, tokens, hidden)), dtype_name) for _ in range(world)
         ],
         expert_scales=[rng.random((experts, tokens)).astype(np.float32) for _ in range(world)],
-        token_input=[
-            rng.standard_normal((tokens, hidden)).astype(np.float32).astype(t_)
-            for _ in range(world)
-        ],
-        residual=rng.standard_normal((tokens, hidden)).astype(np.float32).astype(t_),
-        gamma=(1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32).astype(t_),
+        token_input=[to_t(rng.standard_normal((tokens, hidden)), dtype_name) for _ in range(world)],
+        residual=to_t(rng.standard_normal((tokens, hidden)), dtype_name),
+        gamma=to_t(1 + 0.1 * rng.standard_normal(hidden), dtype_name),
     )

@@ -16,6 +16,33 @@ def cpu_stream(monkeypatch):
 
 
 @pytest.fixture
+def sm100(monkeypatch):
+    """The workspace's GPU reads as sm100 (Blackwell): the NVFP4 patterns are allowed."""
+    from torch_compat import cuda_state
+
+    monkeypatch.setattr(cuda_state, "compute_capability", lambda device: (10, 0))
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    """The workspace's GPU reads as sm90 (Hopper): the NVFP4 patterns are refused."""
+    from torch_compat import cuda_state
+
+    monkeypatch.setattr(cuda_state, "compute_capability", lambda device: (9, 0))
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """torch.compile's caches reset before and after the test: it compiles from scratch and
+    leaves no compiled graph behind."""
+    import torch
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
 def handle():
     """The handle of a registered one-member workspace (bfloat16, 64 tokens x 256) over a
     FakeRank, unregistered afterwards."""

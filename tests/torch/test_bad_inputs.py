@@ -8,21 +8,15 @@ import torch
 
 import torch_compat
 from jax_fusedar.common import backend_choice, tp_groups
-from torch_compat import cuda_state, library
+from torch_compat import library
 from torch_compat import workspace as wsmod
 
 from tests.torch.fakes import fake_workspace
-from tests.torch.test_torch_compat import CREATE, _tensors
+from tests.torch.test_torch_compat import CREATE, _call, _tensors
 
 AR = torch.ops.torch_compat.allreduce.default
 FUSED = torch.ops.torch_compat.allreduce_residual_rmsnorm.default
 QUANT = torch.ops.torch_compat.allreduce_residual_rmsnorm_quant.default
-
-
-def _call(ws, pattern=1, **over):
-    t = _tensors()
-    t.update(over)
-    return torch_compat.allreduce_fusion(workspace=ws, pattern=pattern, **t)
 
 
 # --- 4 and 7: options are never coerced, messages name the argument ----------------------------
@@ -64,8 +58,7 @@ def test_options_are_never_coerced(cpu_stream, over, error, match):
     assert not ws._rank_obj.launches  # refused before the launch line
 
 
-def test_layout_code_is_not_truncated(cpu_stream, monkeypatch):
-    monkeypatch.setattr(cuda_state, "compute_capability", lambda device: (10, 0))
+def test_layout_code_is_not_truncated(cpu_stream, sm100):
     ws = fake_workspace()
     quant_out = torch.empty(16, 512, dtype=torch.uint8)
     scale_out = torch.empty(16 * 64, dtype=torch.uint8)
@@ -331,10 +324,9 @@ def test_fake_refuses_what_eager_refuses(handle, cpu_stream, case):
     assert not ws.native_rank().launches
 
 
-def test_torch_compile_refuses_while_tracing(handle):
+def test_torch_compile_refuses_while_tracing(handle, fresh_dynamo):
     """fullgraph compile of a call the op refuses: the error comes from tracing (the backend
     never gets a graph), not from running it."""
-    torch._dynamo.reset()
     graphs = []
 
     def backend(gm, example_inputs):
@@ -348,7 +340,6 @@ def test_torch_compile_refuses_while_tracing(handle):
     with pytest.raises(Exception, match="residual_in must have the input's dtype"):
         compiled(torch.zeros(8, 256, dtype=BF), torch.zeros(8, 256), torch.zeros(256, dtype=BF))
     assert graphs == []
-    torch._dynamo.reset()
 
 
 def test_fake_checks_wait_for_real_sizes_when_symbolic(handle):

@@ -8,8 +8,6 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from torch_compat import library
-
 # cpu_kernels and cpu_quant_kernel are fixtures (used by name).
 from tests.torch.test_library import (
     EPS,
@@ -17,7 +15,6 @@ from tests.torch.test_library import (
     _expected_quant_meta,
     _inputs,
     _quant_args,
-    fake_workspace,
 )
 
 # Fixtures of test_library.py, used here by name: pytest finds them through this import.
@@ -29,15 +26,7 @@ AR = torch.ops.torch_compat.allreduce.default
 E4M3 = torch.float8_e4m3fn
 
 # Also in the oldest-versions lane (./dev oldest), with torch_compat's other CPU paths.
-pytestmark = pytest.mark.oldest
-
-
-@pytest.fixture
-def handle():
-    h = library.register_workspace(fake_workspace(max_tokens=64, hidden=256))
-    yield h
-    library.unregister_workspace(h)
-    torch._dynamo.reset()
+pytestmark = [pytest.mark.oldest, pytest.mark.usefixtures("fresh_dynamo")]
 
 
 def _same(a, b):
@@ -53,7 +42,6 @@ def test_dynamic_token_count(cpu_quant_kernel, handle, backend, pattern, extra):
     """mark_dynamic on the token dim: one graph serves 8, 12 and 20 tokens (the NVFP4 and
     per-token-group scale buffers' sizes stay formulas of the token count), each equal to
     the op run eagerly. Used to raise ConstraintViolationError for 3, 5, 8 and 9."""
-    torch._dynamo.reset()
     counter = CompileCounterWithBackend(backend)
     base = _quant_args(pattern, extra, handle=handle)
 
@@ -76,7 +64,6 @@ def test_dynamic_token_count(cpu_quant_kernel, handle, backend, pattern, extra):
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_dynamic_token_count_plain_ops(cpu_kernels, handle, backend):
-    torch._dynamo.reset()
     counter = CompileCounterWithBackend(backend)
 
     def f(x, res, g):
@@ -99,7 +86,6 @@ def test_dynamic_true_with_pattern_and_group_size_as_arguments(cpu_quant_kernel,
     guard, so another pattern compiles again instead of reusing a graph with the wrong
     outputs; the group size stays symbolic. Used to fail with "unknown fusion pattern ...
     not a SymInt"."""
-    torch._dynamo.reset()
     counter = CompileCounterWithBackend(backend)
 
     def f(x, res, g, pattern, group):
@@ -124,7 +110,6 @@ def test_dynamic_true_with_pattern_and_group_size_as_arguments(cpu_quant_kernel,
 
 def test_symbolic_tokens_still_refuse_what_is_concrete(handle):
     """A concrete bad group size is refused while tracing even with a dynamic token count."""
-    torch._dynamo.reset()
     x, res, g = _inputs(m=8)
     torch._dynamo.mark_dynamic(x, 0)
     torch._dynamo.mark_dynamic(res, 0)

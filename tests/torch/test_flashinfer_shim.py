@@ -7,7 +7,6 @@ the kernel behind them runs in tests/gpu/test_flashinfer_shim.py. vLLM's and SGL
 modules run on it in tests/torch/frameworks/."""
 
 import importlib.util
-import subprocess
 import sys
 import types
 
@@ -18,7 +17,7 @@ import torch_compat
 from torch_compat import as_flashinfer
 from torch_compat.as_flashinfer.comm import trtllm_ar
 
-from tests.repo import REPO
+from tests.repo import run_code
 from tests.torch.fakes import fake_workspace
 
 
@@ -90,9 +89,7 @@ def test_install_in_a_fresh_process_before_vllm_style_probing():
         "print(importlib.util.find_spec('flashinfer') is not None,"
         " hasattr(c, 'allreduce_fusion') and hasattr(c, 'create_allreduce_fusion_workspace'))\n"
     )
-    r = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300
-    )
+    r = run_code(code)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["True", "True"]
 

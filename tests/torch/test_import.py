@@ -3,12 +3,10 @@ more than torch itself (inductor, which takes about as long again, is imported o
 the fusion pass is used with it)."""
 
 import statistics
-import subprocess
-import sys
 
 import pytest
 
-from tests.repo import REPO
+from tests.repo import run_code
 
 # A finder that refuses torch and its submodules, as an environment without torch would.
 NO_TORCH = """
@@ -21,14 +19,8 @@ sys.meta_path.insert(0, NoTorch())
 """
 
 
-def _python(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300
-    )
-
-
 def test_without_torch_the_error_names_the_extra():
-    result = _python(
+    result = run_code(
         NO_TORCH
         + "try:\n"
         + "    import torch_compat\n"
@@ -54,14 +46,14 @@ def test_import_costs_under_1_3x_import_torch():
     times = {"torch": [], "torch_compat": []}
     for _ in range(5):
         for mod in times:
-            result = _python(TIMED.format(mod=mod))
+            result = run_code(TIMED.format(mod=mod))
             assert result.returncode == 0, result.stderr
             times[mod].append(float(result.stdout.split()[-1]))
     t_torch, t_ours = (statistics.median(times[m]) for m in ("torch", "torch_compat"))
     assert t_ours < 1.3 * t_torch, times
     assert (
         "torch._inductor"
-        not in _python(
+        not in run_code(
             "import sys, torch_compat; print(sorted(m for m in sys.modules if 'inductor' in m))"
         ).stdout
     )

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import torch_compat
-from torch_compat import cuda_state, fusion_pass, library
+from torch_compat import fusion_pass, library
 
 from tests.torch import fakes
 from tests.torch.fakes import registered
@@ -117,8 +117,7 @@ def test_schemas():
 # --- the real (CUDA) implementation's wiring, through a FakeRank --------------------------------
 
 
-def test_real_impl_launches_pattern1_through_the_workspace(monkeypatch):
-    monkeypatch.setattr(cuda_state, "current_stream", lambda device: 0xC0FFEE)
+def test_real_impl_launches_pattern1_through_the_workspace(cpu_stream):
     ws = fake_workspace(global_ranks=(0, 1))
     with registered(ws) as h:
         x, res, g = _inputs()
@@ -184,8 +183,7 @@ def test_opcheck(cpu_kernels, handle):
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-def test_torch_compile_fullgraph(cpu_kernels, handle, backend):
-    torch._dynamo.reset()
+def test_torch_compile_fullgraph(cpu_kernels, handle, fresh_dynamo, backend):
 
     def f(x, res, g):
         a = AR(x, None, False, handle)
@@ -198,12 +196,10 @@ def test_torch_compile_fullgraph(cpu_kernels, handle, backend):
     want = f(x, res, g)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
-    torch._dynamo.reset()
 
 
-def test_torch_compile_fake_only_trace_with_dynamo_explain(handle):
+def test_torch_compile_fake_only_trace_with_dynamo_explain(handle, fresh_dynamo):
     # No kernel anywhere: dynamo + fake impls alone must produce one graph, no breaks.
-    torch._dynamo.reset()
 
     def f(x, res, g):
         return FUSED(x, res, g, EPS, 0.0, None, False, handle)
@@ -221,7 +217,6 @@ def test_torch_compile_fake_only_trace_with_dynamo_explain(handle):
     assert len(gms) == 1
     fused = (FUSED, torch.ops.torch_compat.allreduce_residual_rmsnorm)
     assert sum(n.target in fused for n in gms[0].graph.nodes) == 1
-    torch._dynamo.reset()
 
 
 # --- the fusion pass ----------------------------------------------------------------------------
@@ -477,12 +472,11 @@ def test_inductor_custom_pass_object(gloo_world1):
     library.unregister_workspace(p.handle)
 
 
-def test_inductor_end_to_end_with_post_grad_pass(gloo_world1, cpu_kernels):
+def test_inductor_end_to_end_with_post_grad_pass(gloo_world1, cpu_kernels, fresh_dynamo):
     # torch.compile(fullgraph=True) with inductor: dynamo traces the funcol all-reduce, the
     # pass rewrites the post-grad graph, inductor compiles around the custom op.
     from torch.distributed import _functional_collectives as funcol
 
-    torch._dynamo.reset()
     p = fusion_pass.AllReduceFusionPass(fake_workspace(dtype=torch.float32))
 
     def f(x, res, g):
@@ -498,7 +492,6 @@ def test_inductor_end_to_end_with_post_grad_pass(gloo_world1, cpu_kernels):
         ):
             got = torch.compile(f, fullgraph=True, backend="inductor")(x, res, g)
     finally:
-        torch._dynamo.reset()
         library.unregister_workspace(p.handle)
     assert p.count == 1
     for a, b in zip(got, f(x, res, g)):
@@ -653,9 +646,7 @@ def test_quant_fake_refuses_plain_patterns_and_bad_shapes(handle):
 
 
 @pytest.mark.parametrize("pattern, extra", QUANT_CASES)
-def test_quant_real_impl_wiring(monkeypatch, pattern, extra):
-    monkeypatch.setattr(cuda_state, "current_stream", lambda device: 0xC0FFEE)
-    monkeypatch.setattr(cuda_state, "compute_capability", lambda device: (10, 0))
+def test_quant_real_impl_wiring(cpu_stream, sm100, pattern, extra):
     ws = fake_workspace(global_ranks=(0, 1))
     with registered(ws) as h:
         args = _quant_args(pattern, extra, handle=h)
@@ -672,9 +663,7 @@ def test_quant_real_impl_wiring(monkeypatch, pattern, extra):
         assert kw["block_quant_group_size"] == (extra if isinstance(extra, int) else 0)
 
 
-def test_quant_real_impl_refuses_nvfp4_on_sm90(monkeypatch):
-    monkeypatch.setattr(cuda_state, "current_stream", lambda device: 0)
-    monkeypatch.setattr(cuda_state, "compute_capability", lambda device: (9, 0))
+def test_quant_real_impl_refuses_nvfp4_on_sm90(cpu_stream, sm90):
     ws = fake_workspace(global_ranks=(0, 1))
     with registered(ws) as h, pytest.raises(ValueError, match="sm100"):
         library.allreduce_residual_rmsnorm_quant._init_fn(*_quant_args(5, "fp4:0", handle=h))
@@ -688,8 +677,7 @@ def test_quant_opcheck(cpu_quant_kernel, handle, pattern, extra):
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-def test_quant_torch_compile_fullgraph(cpu_quant_kernel, handle, backend):
-    torch._dynamo.reset()
+def test_quant_torch_compile_fullgraph(cpu_quant_kernel, handle, fresh_dynamo, backend):
 
     def f(x, res, g, sf):
         r, n, q, s = QUANT(x, res, g, EPS, 0.0, 11, None, None, None, None, False, handle)
@@ -707,7 +695,6 @@ def test_quant_torch_compile_fullgraph(cpu_quant_kernel, handle, backend):
             a.view(torch.uint8) if a.dtype == E4M3 else a,
             b.view(torch.uint8) if b.dtype == E4M3 else b,
         )
-    torch._dynamo.reset()
 
 
 def test_quant_stand_in_matches_the_oracle_dequantization(cpu_quant_kernel, handle):

@@ -11,8 +11,6 @@ import datetime
 import inspect
 import random
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -28,8 +26,9 @@ from torch_compat import workspace as wsmod
 from torch_compat.channel import StoreChannel
 from tools.flashinfer_anchor import resolve_anchor_path
 
+from tests.common.fakes import run_in_threads
 from tests.torch.fakes import FakeRank, fake_workspace
-from tests.repo import REPO
+from tests.repo import run_code
 
 
 # FlashInfer's Python source, from the anchor folder the GPU tests use ($JAX_FUSEDAR_ANCHOR or
@@ -146,9 +145,7 @@ def test_importing_torch_compat_does_not_import_jax():
         "bad = [m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'jaxlib'))]; "
         "print(bad); sys.exit(1 if bad else 0)"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
+    proc = run_code(code, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -382,14 +379,14 @@ def test_create_needs_torch_distributed():
         torch_compat.create_allreduce_fusion_workspace(world_size=2, rank=0, **CREATE)
 
 
-def test_create_rank_must_be_group_local(gloo_world1):
-    with pytest.raises(ValueError, match="group-local"):
-        torch_compat.create_allreduce_fusion_workspace(world_size=1, rank=1, **CREATE)
-
-
-def test_create_world_size_must_be_the_groups(gloo_world1):
-    with pytest.raises(ValueError, match=r"world_size=2 but the TP group has 1 ranks"):
-        torch_compat.create_allreduce_fusion_workspace(world_size=2, rank=0, **CREATE)
+@pytest.mark.parametrize(
+    "world_size, rank, match",
+    [(1, 1, "group-local"), (2, 0, r"world_size=2 but the TP group has 1 ranks")],
+    ids=["rank_must_be_group_local", "world_size_must_be_the_groups"],
+)
+def test_create_rank_and_world_size_are_the_groups(gloo_world1, world_size, rank, match):
+    with pytest.raises(ValueError, match=match):
+        torch_compat.create_allreduce_fusion_workspace(world_size=world_size, rank=rank, **CREATE)
 
 
 @pytest.mark.parametrize("sub", [False, True], ids=["world", "new_group"])
@@ -501,22 +498,13 @@ def test_channel_fetch_waits_for_a_late_publisher(stores):
 
 
 def _barrier_threads(stores, processes, present, timeout_s):
-    errors, done = {}, []
+    def arrive(p):
+        # Staggered arrivals: nobody may leave before the last one.
+        time.sleep(0.05 * present.index(p))
+        StoreChannel(stores(), timeout_s=timeout_s, process=p).barrier("b/1", processes)
 
-    def run(p):
-        try:
-            StoreChannel(stores(), timeout_s=timeout_s, process=p).barrier("b/1", processes)
-            done.append(p)
-        except Exception as e:
-            errors[p] = e
-
-    threads = [threading.Thread(target=run, args=(p,)) for p in present]
-    for i, t in enumerate(threads):
-        time.sleep(0.05 * i)  # stagger arrivals: nobody may leave before the last one
-        t.start()
-    for t in threads:
-        t.join(timeout_s + 10)
-    return done, errors
+    done, errors = run_in_threads(arrive, present, timeout_s + 10)
+    return list(done), errors
 
 
 def test_channel_barrier_releases_when_all_arrive(stores):
@@ -581,30 +569,21 @@ def _join_threads(layout, timeout_s=10.0, hosts=None, skip=(), backend="trtllm")
     """layout: {global rank: (group's global ranks, device)}; one thread per process on one
     HashStore (the default store each process would share)."""
     store = dist.HashStore()
-    out, errors = {}, {}
 
-    def run(me):
+    def join(me):
         ranks, device = layout[me]
-        try:
-            out[me] = wsmod._join_group(
-                global_ranks=ranks,
-                me=me,
-                device=device,
-                host=(hosts or {}).get(me, "node0"),
-                channel=StoreChannel(store, timeout_s=timeout_s, process=me),
-                serial=1,
-                backend=backend,
-                make_rank=lambda dev, tp, me=me: FakeRank(me, dev, tp),
-            )
-        except Exception as e:
-            errors[me] = e
+        return wsmod._join_group(
+            global_ranks=ranks,
+            me=me,
+            device=device,
+            host=(hosts or {}).get(me, "node0"),
+            channel=StoreChannel(store, timeout_s=timeout_s, process=me),
+            serial=1,
+            backend=backend,
+            make_rank=lambda dev, tp: FakeRank(me, dev, tp),
+        )
 
-    threads = [threading.Thread(target=run, args=(p,)) for p in layout if p not in skip]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout_s * 4)
-    return out, errors
+    return run_in_threads(join, [p for p in layout if p not in skip], timeout_s * 4)
 
 
 DP_TP = {0: ([0, 1], 0), 1: ([0, 1], 1), 2: ([2, 3], 1), 3: ([2, 3], 0)}
@@ -748,16 +727,6 @@ FP8_GROUP = (
 )
 NVFP4 = (QP.kARResidualRMSNormFP4Quant, QP.kARResidualRMSNormOutFP4Quant)
 QUANT = FP8_STATIC + FP8_DYNAMIC + FP8_GROUP + NVFP4
-
-
-@pytest.fixture
-def sm100(monkeypatch):
-    monkeypatch.setattr(cuda_state, "compute_capability", lambda device: (10, 0))
-
-
-@pytest.fixture
-def sm90(monkeypatch):
-    monkeypatch.setattr(cuda_state, "compute_capability", lambda device: (9, 0))
 
 
 def group_scale_out(m, h, g):

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import torch_compat
-from torch_compat import cuda_state
 
 from tests.torch.fakes import fake_workspace
 from tests.gpu.workers import parity_jax_torch as par
@@ -62,11 +61,6 @@ class SimTC:
         return ret
 
 
-@pytest.fixture
-def cpu_launch(monkeypatch):
-    monkeypatch.setattr(cuda_state, "current_stream", lambda device: 0)
-
-
 def _case(seed, m, hidden, dtype, world=2):
     from tests.gpu.harness import draw_case
 
@@ -81,7 +75,7 @@ def _case(seed, m, hidden, dtype, world=2):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("m, oneshot", [(1, True), (17, False)])
-def test_workers_plumbing_and_checks_with_a_simulated_kernel(cpu_launch, dtype, m, oneshot):
+def test_workers_plumbing_and_checks_with_a_simulated_kernel(cpu_stream, dtype, m, oneshot):
     hidden = 512
     xs, res, gam = _case(7, m, hidden, dtype)
     dt = xs[0].dtype
@@ -137,7 +131,7 @@ def _compared_cases(meta, data, world):
 
 
 @pytest.mark.slow
-def test_parity_phase1_on_cpu_and_phase2_logic_with_a_simulated_kernel(tmp_path, cpu_launch):
+def test_parity_phase1_on_cpu_and_phase2_logic_with_a_simulated_kernel(tmp_path, cpu_stream):
     pytest.importorskip("jax")
     from tests.gpu.harness import run_ranks
 
@@ -179,7 +173,7 @@ def test_parity_phase1_on_cpu_and_phase2_logic_with_a_simulated_kernel(tmp_path,
 
 
 @pytest.mark.slow
-def test_parity_phase1_as_four_rank_processes_on_cpu(tmp_path, cpu_launch):
+def test_parity_phase1_as_four_rank_processes_on_cpu(tmp_path, cpu_stream):
     """The JAX phase as one `jax.distributed` process per rank (what runs where GPUs are
     fewer than ranks), 4 ranks over gloo; phase 2's logic at 4 ranks with the simulated
     kernel: every output compared, both sides within the accumulation bounds."""
