@@ -15,8 +15,8 @@ from .jax_internals import bind_params, eqn_context, shard_map_body_context, tra
 
 
 # What a fused site computes where no kernel serves it (ops/plan.py's FALLBACKS): the
-# original's psum, its residual add and norm rounding by plain conversions, like the code it
-# replaced, so that the rewritten program compiles like the original (no reduce_precision).
+# original's psum, its residual add and norm written as the code it replaced writes them, so
+# that the rewritten program compiles like the original (no reduce_precision).
 FALLBACK = "xla_plain"
 
 

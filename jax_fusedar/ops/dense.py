@@ -239,8 +239,8 @@ def allreduce_fusion(
     ``"kernel_exact"`` emulates the kernel's additions (``fp32_acc`` included) for
     kernel-identical numbers, at 2x the bytes (``fp32_acc=True``) or 2 x world size times
     (``False``); docs/numerics.md gives both bounds; ``"xla_plain"``: as ``"xla"``, its
-    roundings plain conversions that XLA's excess precision may skip (fuse's choice,
-    docs/jax_api.md).
+    roundings written as unfused code writes them, which XLA's excess precision may skip
+    (fuse's choice, docs/jax_api.md).
 
     Returns ``AllReduceFusionOutputs(allreduce_out, residual_out, norm_out, quant_out,
     scale_out)`` with None for what the pattern does not produce; x's leading dims are kept

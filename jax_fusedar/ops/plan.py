@@ -13,12 +13,13 @@ op, the MoE ops and the plain-jit entry alike:
   rounding points (``reference.fallback_allreduce``). It moves exactly the bytes of the
   user's psum, and its sum is XLA's all-reduce (docs/numerics.md states its bound), so a
   site ``fuse`` rewrote runs the original program's own collective where no kernel serves it.
-* ``"xla_plain"``: the same psum, its residual add and RMSNorm rounding to T by plain
-  conversions (``reference.convert_to``), as the code it stands for writes them: the same
-  values wherever XLA performs every rounding (``--xla_allow_excess_precision=false``),
-  otherwise XLA may keep excess precision there as it may in that code; less to compile
-  than ``"xla"``'s explicit roundings. ``fuse`` emits it: a site it rewrote costs, where no
-  kernel serves it, what the original did to run and to compile.
+* ``"xla_plain"``: the same psum, its residual add and RMSNorm written as unfused code
+  writes them (the add in T, the norm's result converted to T: ``reference.convert_to``):
+  the same values wherever XLA performs every rounding
+  (``--xla_allow_excess_precision=false``), otherwise XLA may keep excess precision there
+  as it may in that code; less to compile than ``"xla"``'s explicit roundings. ``fuse``
+  emits it: a site it rewrote costs, where no kernel serves it, what the original did to
+  run and to compile.
 * ``"kernel_exact"``: the kernel's additions emulated (``reference.allreduce_sum``): with
   ``fp32_acc`` a float32 psum (twice the bytes of a 16-bit psum), without it one float32
   psum per rank (2 x world size times the bytes). For kernel-identical numbers on a fallback

@@ -63,7 +63,14 @@ def epilogue(
 
 def residual_add(summed, residual, *, rounding=None):
     """T(float(summed) + float(residual)); ``rounding`` (default ``round_to``) is swapped for
-    ``round_tangent`` to apply the same (linear) map to tangents (jax_fusedar/ops/transforms.py)."""
+    ``round_tangent`` to apply the same (linear) map to tangents (jax_fusedar/ops/transforms.py).
+
+    With ``convert_to`` it is written as the add in T that unfused code writes: the same
+    value (float32 holds at least 2p + 2 bits of T's p, so rounding the float32 sum to T is
+    rounding the exact sum, as T's own add does), and XLA then treats it as the program's
+    own add, excess precision included."""
+    if rounding is convert_to:
+        return summed + residual.astype(summed.dtype)
     rounding = round_to if rounding is None else rounding
     return rounding(summed.astype(jnp.float32) + residual.astype(jnp.float32), summed.dtype)
 
@@ -107,9 +114,10 @@ def convert_to(x32, dtype):
 
 def roundings(fallback: str):
     """(value rounding, tangent rounding) of a fallback's epilogue (``plan.FALLBACKS``):
-    ``"xla_plain"`` writes them as conversions (``convert_to``, what ``fuse`` emits where no
-    kernel serves a site: the program's own kind of rounding); the others make them explicit
-    (``round_to``, ``round_tangent``), the kernel's roundings whatever XLA's flags."""
+    ``"xla_plain"`` writes them as unfused code does (``convert_to``; ``residual_add`` then
+    adds in T), what ``fuse`` emits where no kernel serves a site; the others make them
+    explicit (``round_to``, ``round_tangent``), the kernel's roundings whatever XLA's
+    flags."""
     if fallback == "xla_plain":
         return convert_to, convert_to
     return round_to, round_tangent

@@ -543,3 +543,33 @@ def test_plain_conversions_give_the_explicit_roundings_bits_where_xla_keeps_them
             a, b = np.where(flushed, 0, a), np.where(flushed, 0, b)
         np.testing.assert_array_equal(a, b)
     assert "reduce_precision" in texts["xla"] and "reduce_precision" not in texts["xla_plain"]
+
+
+def test_a_fused_decoder_without_a_kernel_gives_the_originals_bits_under_xlas_defaults():
+    """Written as the program writes it ("xla_plain": the add in T, the norm converted to T),
+    a fused site is compiled like the original even where XLA may keep excess precision (its
+    default, which the rest of this suite turns off): two unrolled pre-norm layers, every
+    site fused, the same bits."""
+    mesh = tp_mesh(4)
+    rng = np.random.default_rng()
+
+    def w(*shape):
+        return jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[0]), BF16)
+
+    layers = [dict(g1=w(HIDDEN) + 1, wo=w(K, HIDDEN), g2=w(HIDDEN) + 1) for _ in range(2)]
+
+    def body(x, wi, layers):
+        for p in layers:
+            x = x + jax.lax.psum(jnp.tanh(_norm(x, p["g1"]) @ wi) @ p["wo"], "tp")
+            x = _norm(x, p["g2"])  # the next layer's input norm (post-norm residual stream)
+        return x
+
+    specs = (P(), P(None, "tp"), [dict(g1=P(), wo=P("tp"), g2=P())] * 2)
+    model = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)
+    args = (jnp.asarray(rng.standard_normal((TOKENS, HIDDEN)), BF16), w(HIDDEN, K), layers)
+    fused = jf.fuse(model, mesh=mesh, axis_name="tp", backend="xla")
+    defaults = {"xla_allow_excess_precision": True}
+    got = jax.jit(fused, compiler_options=defaults)(*args)
+    assert len(fused.report.fused) == 2, fused.report.line()
+    want = jax.jit(model, compiler_options=defaults)(*args)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
