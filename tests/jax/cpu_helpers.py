@@ -16,13 +16,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tests.cpu_devices import HOST_DEVICES, HOST_DEVICES_FLAG
 from tests.oracles import oracle
 from tests.skips import native_skip_reason
+import jax_fusedar as jf
 from jax_fusedar.common import native
+from jax_fusedar.common.patterns import TRAITS
 
 SEED_ENV_VAR = "JAX_FUSEDAR_TEST_SEED"
 
@@ -94,6 +96,31 @@ def random_partials(rng, shape, dtype_name: str) -> np.ndarray:
     return out
 
 
+def partials_of_kind(kind, rng, world, shape, dtype_name) -> np.ndarray:
+    """Per-rank partial sums [world, *shape] in the call dtype, of a kind chosen to reach
+    an all-reduce's error bound or not (tests/jax/test_accumulation_bound.py,
+    test_fallback_numerics.py):
+
+    normal:     standard normal (what the GPU tests draw);
+    cancelling: rank r holds +-A_r with sum_r A_r ~ 0 plus a small term, so the running sum
+                is large while the total is small: each rounding of a large partial sum
+                counts against a small |s| (the case fp32_acc=False is worst at);
+    growing:    same-signed values, partial sums growing with every rank;
+    tiny:       magnitudes near the type's smallest normal (float16's subnormals)."""
+    if kind == "normal":
+        x = rng.standard_normal((world, *shape))
+    elif kind == "cancelling":
+        big = rng.uniform(50.0, 200.0, (world, *shape))
+        big *= np.where(np.arange(world) % 2 == 0, 1.0, -1.0).reshape(-1, *[1] * len(shape))
+        x = big + 1e-2 * rng.standard_normal((world, *shape))
+    elif kind == "growing":
+        x = rng.uniform(0.5, 1.5, (world, *shape))
+    else:
+        tiny = float(np.finfo(jdtype(dtype_name)).smallest_normal)
+        x = rng.standard_normal((world, *shape)) * 4 * tiny
+    return x.astype(np.float32).astype(jdtype(dtype_name))
+
+
 def random_gamma(rng, hidden: int, dtype_name: str, leading=()) -> np.ndarray:
     return rng.uniform(-2.0, 2.0, (*leading, hidden)).astype(np.float32).astype(jdtype(dtype_name))
 
@@ -106,6 +133,11 @@ def make_mesh(shape, axis_names, device_ids=None) -> Mesh:
     by_id = {d.id: d for d in jax.devices()}
     ids = range(int(np.prod(shape))) if device_ids is None else device_ids
     return Mesh(np.array([by_id[i] for i in ids], dtype=object).reshape(shape), axis_names)
+
+
+def mesh_2x4(axis_type=AxisType.Auto) -> Mesh:
+    """A ("dp", "tp") mesh of 2 x 4 devices, both axes of ``axis_type``."""
+    return jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(axis_type,) * 2)
 
 
 def tp_mesh(world: int = HOST_DEVICES) -> Mesh:
@@ -127,6 +159,43 @@ def run_sharded(f, mesh, in_specs, out_specs, *args):
     """``jit(shard_map(f))`` on host arrays placed as ``in_specs`` say (default check_vma)."""
     fn = jit_shard_map(f, mesh, in_specs, out_specs)
     return fn(*(put(mesh, spec, a) for spec, a in zip(in_specs, args)))
+
+
+# --- workspaces and calls ----------------------------------------------------------------------
+
+
+def xla_workspace(mesh, dtype="bfloat16", *, max_token_num=64, hidden_dim=256):
+    """A workspace over ``mesh``'s "tp" axis on the xla backend (what CPU gets)."""
+    ws = jf.create_allreduce_fusion_workspace(
+        mesh, "tp", max_token_num=max_token_num, hidden_dim=hidden_dim, dtype=jdtype(dtype)
+    )
+    assert ws.backend == "xla", ws
+    return ws
+
+
+def pattern_call(ws, pattern, x, r, g, kw):
+    """allreduce_fusion of ``pattern`` on (x, residual r, gamma g; pattern 0 reads only x)
+    with the options ``kw``: the outputs' NamedTuple."""
+    return jf.allreduce_fusion(
+        x,
+        axis_name="tp",
+        workspace=ws,
+        pattern=pattern,
+        residual=None if pattern == jf.AllReduceFusionPattern.kAllReduce else r,
+        rms_gamma=None if pattern == jf.AllReduceFusionPattern.kAllReduce else g,
+        **kw,
+    )
+
+
+def pattern_outputs(ws, pattern, x, r, g, kw) -> tuple:
+    """pattern_call's outputs that are not None."""
+    return tuple(v for v in pattern_call(ws, pattern, x, r, g, kw) if v is not None)
+
+
+def n_outputs(pattern):
+    """How many outputs pattern_outputs gives."""
+    t = TRAITS[pattern]
+    return 1 if t.has_allreduce_out else 2 + bool(t.quant) + t.writes_scale_out
 
 
 # --- the oracle --------------------------------------------------------------------------------
@@ -262,13 +331,31 @@ def cuda_text(traceable, *args) -> str:
     return traceable.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def partitioned_shard_text(cfg, mesh, args, check_vma=False) -> str:
+    """What XLA compiles on each GPU for a plain-jit site on Auto axes: the partition rule's
+    per-shard program for ``cfg`` at the global ``args``, lowered for cuda inside a manual
+    region over ``mesh`` (as custom_partitioning does at compile time; ``check_vma`` to the
+    shard_map)."""
+    from jax_fusedar.ops import partitioning
+
+    _, local, outs, ins = partitioning.partition(cfg, mesh, args, None)
+    f = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=tuple(s.spec for s in ins),
+        out_specs=tuple(s.spec for s in outs),
+        check_vma=check_vma,
+    )
+    placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(args, ins)]
+    return cuda_text(jax.jit(f), *placed)
+
+
 def moe_body(ws, pattern, **kwargs):
     """(body, output count) of one MoE call inside shard_map on inputs stacked per rank (a
     leading dim of 1 per rank): pattern 6 takes (expert_outputs, expert_scales, token_input,
     residual, gamma) and returns residual_out, norm_out, allreduce_out; pattern 7 takes
     (permuted_input, index map, expert_scale_factor, residual, gamma) and returns
     residual_out, norm_out. ``kwargs`` go to the call."""
-    import jax_fusedar as jf
 
     def reduction(outputs, scales, token_input, residual, gamma):
         out = jf.moe_reduction_allreduce_fusion(

@@ -7,6 +7,9 @@ original and the fused program are compiled with ``xla_allow_excess_precision`` 
 fusion, so the original program itself does not round where it says, and no comparison of
 roundings means anything. The CPU suite's XLA_FLAGS turn it off too (tests/cpu_devices.py);
 the per-compilation option keeps these comparisons meaningful under other flags.
+
+Also the operands of the row-parallel linear (matmul, residual add, norm) that
+tests/jax/test_fuse_exact.py, test_fuse_reach.py and test_fuse_look_through.py fuse.
 """
 
 from __future__ import annotations
@@ -15,7 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.sharding import NamedSharding, PartitionSpec as P
+
 from tests.oracles.oracle import ulp
+
+T, H, F = 8, 64, 128  # tokens, hidden size, the linear's input features
 
 # XLA rounds where the program says (a per-compilation option: the rest of the suite keeps
 # its flags).
@@ -84,3 +91,39 @@ def norm_units(y, r, col, inv, dtype):
     exact = r * inv * col
     unit = ulp(np.abs(r), dtype) * inv * np.abs(col) + ulp(exact, dtype)
     return np.abs(np.asarray(y, np.float64) - exact) / unit
+
+
+def linear_operands(
+    mesh,
+    dtype=jnp.bfloat16,
+    seed=0,
+    *,
+    w_shape=(F, H),
+    w_spec=P("tp"),
+    res_spec=P("dp"),
+    g_spec=None,
+):
+    """(x, w, residual, gamma) of a row-parallel linear on ``mesh``: x [T, F] split over
+    ("dp", "tp"), w (``w_shape``, scaled by 1/8) over ``w_spec``, the residual [T, H] over
+    ``res_spec``, gamma near 1 (placed on the mesh as ``g_spec`` when given)."""
+    rng = np.random.default_rng(seed)
+
+    def put(a, spec):
+        return jax.device_put(a, NamedSharding(mesh, spec))
+
+    x = put(jnp.asarray(rng.standard_normal((T, F)), dtype), P("dp", "tp"))
+    w = put(jnp.asarray(rng.standard_normal(w_shape) / 8, dtype), w_spec)
+    res = put(jnp.asarray(rng.standard_normal((T, H)), dtype), res_spec)
+    g = jnp.asarray(1 + 0.1 * rng.standard_normal(H), dtype)
+    return x, w, res, g if g_spec is None else put(g, g_spec)
+
+
+def row_parallel(mesh, body=None, n_out=1):
+    """The per-linear shard_map: ``body(x, w)`` (default: the psum of x @ w over "tp") with
+    x split over ("dp", "tp") and w over "tp", its ``n_out`` outputs over "dp"."""
+    return jax.shard_map(
+        body or (lambda x, w: jax.lax.psum(x @ w, "tp")),
+        mesh=mesh,
+        in_specs=(P("dp", "tp"), P("tp")),
+        out_specs=P("dp") if n_out == 1 else (P("dp"),) * n_out,
+    )

@@ -20,15 +20,18 @@ from jax.sharding import PartitionSpec as P
 import jax_fusedar as jf
 from jax_fusedar.common.limits import SUPPORTED_WORLD_SIZES
 from tests.jax.cpu_helpers import (
+    DTYPES,
     RMS_EPS,
     bits,
     jdtype,
     make_mesh,
     new_rng,
+    partials_of_kind,
     random_gamma,
     random_values,
     require_host_devices,
     run_sharded,
+    xla_workspace,
 )
 from tests.oracles import oracle
 
@@ -36,8 +39,6 @@ require_host_devices()
 
 # Also in the oldest-versions lane (./dev oldest).
 pytestmark = [pytest.mark.usefixtures("hermetic"), pytest.mark.oldest]
-
-DTYPES = ("bfloat16", "float16", "float32")
 
 
 def emulate_kernel_sum(xs, dtype_name, *, fp32_acc):
@@ -58,29 +59,6 @@ def emulate_residual(s, residual, dtype_name):
     return (np.asarray(s).astype(np.float32) + np.asarray(residual).astype(np.float32)).astype(t)
 
 
-def inputs(kind, rng, world, shape, dtype_name):
-    """Per-rank partial sums [world, *shape] in the call dtype.
-
-    normal:     standard normal (what the GPU tests draw);
-    cancelling: rank r holds +-A_r with sum_r A_r ~ 0 plus a small term, so the running sum
-                is large while the total is small: each rounding of a large partial sum
-                counts against a small |s| (the case fp32_acc=False is worst at);
-    growing:    same-signed values, partial sums growing with every rank;
-    tiny:       magnitudes near the type's smallest normal (float16's subnormals)."""
-    if kind == "normal":
-        x = rng.standard_normal((world, *shape))
-    elif kind == "cancelling":
-        big = rng.uniform(50.0, 200.0, (world, *shape))
-        big *= np.where(np.arange(world) % 2 == 0, 1.0, -1.0).reshape(-1, *[1] * len(shape))
-        x = big + 1e-2 * rng.standard_normal((world, *shape))
-    elif kind == "growing":
-        x = rng.uniform(0.5, 1.5, (world, *shape))
-    else:
-        tiny = float(np.finfo(jdtype(dtype_name)).smallest_normal)
-        x = rng.standard_normal((world, *shape)) * 4 * tiny
-    return x.astype(np.float32).astype(jdtype(dtype_name))
-
-
 KINDS = ("normal", "cancelling", "growing", "tiny")
 
 
@@ -90,7 +68,7 @@ KINDS = ("normal", "cancelling", "growing", "tiny")
 def test_bound_holds_on_the_kernels_additions(world, fp32_acc, dtype):
     rng = new_rng()
     for kind in KINDS:
-        xs = inputs(kind, rng, world, (64, 512), dtype)
+        xs = partials_of_kind(kind, rng, world, (64, 512), dtype)
         residual = random_values(rng, (64, 512), dtype)
         s = emulate_kernel_sum(list(xs), dtype, fp32_acc=fp32_acc)
         r = emulate_residual(s, residual, dtype)
@@ -111,7 +89,7 @@ def test_without_fp32_acc_the_bound_is_reached_and_the_two_rank_bound_is_not_eno
     2.5), far beyond the two-rank bound of one ulp of |s|; fp32_acc=True stays within that
     ulp on the same inputs."""
     rng = new_rng()
-    xs = inputs("cancelling", rng, world, (256, 512), dtype)
+    xs = partials_of_kind("cancelling", rng, world, (256, 512), dtype)
     s64 = np.sum(xs.astype(np.float64), axis=0)
     s = emulate_kernel_sum(list(xs), dtype, fp32_acc=False)
     ratio = oracle.bound_ratio(s, s64, oracle.sum_error_bound(xs, dtype, fp32_acc=False))
@@ -125,7 +103,7 @@ def test_a_bound_one_rounding_short_is_exceeded():
     """The bound counts every rounding: the same recurrence over one rank fewer (one rounding
     fewer) is exceeded by the emulated kernel on cancelling inputs."""
     rng = new_rng()
-    xs = inputs("cancelling", rng, 8, (256, 512), "bfloat16")
+    xs = partials_of_kind("cancelling", rng, 8, (256, 512), "bfloat16")
     s = emulate_kernel_sum(list(xs), "bfloat16", fp32_acc=False)
     s64 = np.sum(xs.astype(np.float64), axis=0)
     short = oracle.sum_error_bound(xs[1:], "bfloat16", fp32_acc=False)
@@ -135,10 +113,7 @@ def test_a_bound_one_rounding_short_is_exceeded():
 def _fused_on_cpu(world, dtype, fp32_acc, xs, residual, gamma, weight_bias):
     mesh = make_mesh((world,), ("tp",))
     tokens, hidden = residual.shape
-    ws = jf.create_allreduce_fusion_workspace(
-        mesh, "tp", max_token_num=tokens, hidden_dim=hidden, dtype=jdtype(dtype)
-    )
-    assert ws.backend == "xla", ws
+    ws = xla_workspace(mesh, dtype, max_token_num=tokens, hidden_dim=hidden)
 
     def body(x, r, g):
         o = jf.allreduce_fusion(
@@ -174,7 +149,7 @@ def _fused_on_cpu(world, dtype, fp32_acc, xs, residual, gamma, weight_bias):
 def test_reference_path_within_the_bound(world, fp32_acc, dtype):
     rng = new_rng()
     for kind in ("normal", "cancelling"):
-        xs = inputs(kind, rng, world, (16, 256), dtype)
+        xs = partials_of_kind(kind, rng, world, (16, 256), dtype)
         residual = random_values(rng, (16, 256), dtype)
         gamma = random_gamma(rng, 256, dtype)
         ar, res, norm = _fused_on_cpu(world, dtype, fp32_acc, xs, residual, gamma, 1.0)

@@ -23,11 +23,13 @@ from tests.jax.cpu_helpers import (
     kernel_rounding,
     make_mesh,
     new_rng,
+    pattern_call,
     random_gamma,
     random_partials,
     random_values,
     require_host_devices,
     run_sharded,
+    xla_workspace,
 )
 from jax_fusedar.common import backend_choice
 from jax_fusedar.ops.dense import FFI_TARGET
@@ -52,14 +54,6 @@ pytestmark = [pytest.mark.usefixtures("hermetic"), pytest.mark.oldest]
 
 def mesh_of(name):
     return make_mesh(*MESHES[name])
-
-
-def xla_workspace(mesh, dtype="bfloat16", *, max_token_num=64, hidden_dim=256):
-    ws = jf.create_allreduce_fusion_workspace(
-        mesh, "tp", max_token_num=max_token_num, hidden_dim=hidden_dim, dtype=jdtype(dtype)
-    )
-    assert ws.backend == "xla", ws
-    return ws
 
 
 # --- shard_map plumbing ------------------------------------------------------------------------
@@ -937,16 +931,7 @@ def test_quantized_outputs_are_the_quantized_norm(pattern, kwargs):
     sf = kwargs.pop("scale_factor", None)
 
     def body(x, r, g, *s):
-        o = jf.allreduce_fusion(
-            x,
-            axis_name="tp",
-            workspace=ws,
-            pattern=pattern,
-            residual=r,
-            rms_gamma=g,
-            scale_factor=s[0] if s else None,
-            **kwargs,
-        )
+        o = pattern_call(ws, pattern, x, r, g, dict(kwargs, scale_factor=s[0] if s else None))
         return o.norm_out, o.quant_out, o.scale_out
 
     args = (xs, res, gam) + ((sf,) if sf is not None else ())

@@ -19,15 +19,17 @@ from tests.jax.cpu_helpers import (
     cuda_text,
     jdtype,
     make_mesh,
+    n_outputs,
     new_rng,
+    pattern_outputs,
     put,
     random_gamma,
     random_values,
     require_host_devices,
     tp_mesh,
+    xla_workspace,
 )
 from jax_fusedar.ops import reference
-from jax_fusedar.common.patterns import TRAITS
 
 require_host_devices()
 
@@ -178,12 +180,6 @@ def loss_fn(mesh, combine, variant="plain", check_vma=True):
     return loss
 
 
-def xla_ws(mesh, dtype):
-    return jf.create_allreduce_fusion_workspace(
-        mesh, "tp", max_token_num=64, hidden_dim=HIDDEN, dtype=jdtype(dtype)
-    )
-
-
 def fused_and_unfused(transform, mesh, dtype, variant="plain", check_vma=True, **kw):
     """``jit(transform(loss))`` of the fused and the unfused MLP (``kw`` to both combines) at
     fresh parameters: (fused result, unfused result)."""
@@ -191,7 +187,7 @@ def fused_and_unfused(transform, mesh, dtype, variant="plain", check_vma=True, *
     params = placed(mesh, params)
     return tuple(
         jax.jit(transform(loss_fn(mesh, combine, variant, check_vma)))(params, target)
-        for combine in (fused_combine(xla_ws(mesh, dtype), **kw), unfused_combine(**kw))
+        for combine in (fused_combine(xla_workspace(mesh, dtype), **kw), unfused_combine(**kw))
     )
 
 
@@ -217,7 +213,7 @@ def test_float32_gradients_equal_plain_jnp_psum_and_rmsnorm():
     """In float32 the reference's roundings are identities: the fused op's gradients equal
     those of the model written with jax.lax.psum and jnp alone, bit for bit."""
     mesh = tp_mesh()
-    ws = xla_ws(mesh, "float32")
+    ws = xla_workspace(mesh, "float32")
     params, target = mlp_params(new_rng(), "float32")
     params = placed(mesh, params)
     got = jax.jit(jax.value_and_grad(loss_fn(mesh, fused_combine(ws))))(params, target)
@@ -252,7 +248,7 @@ def test_jvp_and_vjp(variant, check_vma):
     """Forward mode (not available through custom_vjp) and an explicit VJP with a random
     cotangent."""
     mesh = tp_mesh()
-    ws = xla_ws(mesh, "bfloat16")
+    ws = xla_workspace(mesh, "bfloat16")
     rng = new_rng()
     params, _ = mlp_params(rng, "bfloat16")
     params = placed(mesh, params)
@@ -287,7 +283,7 @@ def test_float32_gamma_with_bfloat16_stream():
     reads it: the forward equals the call with the rounded gamma, and gamma's gradient (in
     float32) equals that of the unfused model that rounds it the same way."""
     mesh = tp_mesh()
-    ws = xla_ws(mesh, "bfloat16")
+    ws = xla_workspace(mesh, "bfloat16")
     rng = new_rng()
     params, target = mlp_params(rng, "bfloat16", gamma_dtype="float32")
     assert params[2].dtype == np.float32
@@ -307,7 +303,7 @@ def test_float32_gamma_with_bfloat16_stream():
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_sgd_steps_give_equal_losses(dtype):
     mesh = tp_mesh()
-    ws = xla_ws(mesh, dtype)
+    ws = xla_workspace(mesh, dtype)
     params0, target = mlp_params(new_rng(), dtype)
     curves = []
     for combine in (fused_combine(ws), unfused_combine()):
@@ -340,22 +336,11 @@ def _one_call(ws, pattern, mesh, dtype, residual_spec=P(), **kw):
     function of (x, residual, gamma) giving the pattern's non-None outputs."""
 
     def body(x, r, g):
-        o = jf.allreduce_fusion(
-            x,
-            axis_name="tp",
-            workspace=ws,
-            pattern=pattern,
-            residual=None if pattern == Q.kAllReduce else r,
-            rms_gamma=None if pattern == Q.kAllReduce else g,
-            rms_eps=EPS,
-            **kw,
-        )
-        return tuple(v for v in o if v is not None)
+        return pattern_outputs(ws, pattern, x, r, g, dict(kw, rms_eps=EPS))
 
-    t = TRAITS[pattern]
-    n_out = 1 if t.has_allreduce_out else 2 + bool(t.quant) + t.writes_scale_out
+    out_specs = (residual_spec,) * n_outputs(pattern)
     return jax.shard_map(
-        body, mesh=mesh, in_specs=(P("tp"), residual_spec, P()), out_specs=(residual_spec,) * n_out
+        body, mesh=mesh, in_specs=(P("tp"), residual_spec, P()), out_specs=out_specs
     )
 
 
@@ -365,7 +350,7 @@ def psum_tp(x):
 
 def test_allreduce_pattern_gradient_is_psums():
     mesh = tp_mesh()
-    ws = xla_ws(mesh, "float32")
+    ws = xla_workspace(mesh, "float32")
     rng = new_rng()
     x = put(mesh, P("tp"), random_values(rng, (8 * TOKENS, HIDDEN), "float32"))
     w = random_values(rng, (TOKENS, HIDDEN), "float32")
@@ -395,11 +380,8 @@ def test_quantized_patterns_differentiate_norm_out_and_not_the_codes(pattern, kw
     zero derivative (forward-mode tangents are zeros, reverse mode gives them no
     contribution), like jnp.round."""
     mesh = tp_mesh()
-    ws = xla_ws(mesh, "bfloat16")
+    ws = xla_workspace(mesh, "bfloat16")
     rng = new_rng()
-    sf = kw.pop("scale_factor", None)
-    if sf is not None:
-        kw["scale_factor"] = sf
     f = _one_call(ws, pattern, mesh, "bfloat16", **kw)
     ref = _one_call(ws, Q.kARResidualRMSNorm, mesh, "bfloat16")
     args = (
@@ -438,7 +420,7 @@ def test_per_rank_residual_tangents_stay_per_rank():
     """check_vma=True with a residual that varies over "tp" and no tangent for it: the
     residual_out tangent (invariant sum) is marked varying like residual_out itself."""
     mesh = tp_mesh()
-    ws = xla_ws(mesh, "float32")
+    ws = xla_workspace(mesh, "float32")
     rng = new_rng()
     f = _one_call(ws, Q.kARResidualRMSNorm, mesh, "float32", residual_spec=P("tp"))
     x = put(mesh, P("tp"), random_values(rng, (8 * TOKENS, HIDDEN), "float32"))

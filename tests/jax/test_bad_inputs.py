@@ -16,10 +16,12 @@ from tests.jax.cpu_helpers import (
     jit_shard_map,
     make_mesh,
     new_rng,
+    pattern_outputs,
     random_gamma,
     random_values,
     require_host_devices,
     run_sharded,
+    xla_workspace,
 )
 from jax_fusedar.common import arguments, backend_choice, handshake
 from jax_fusedar.ops import reference
@@ -31,7 +33,6 @@ from tests.jax.test_api import (
     plain_allreduce,
     trace_fused,
     trace_sharded,
-    xla_workspace,
 )
 
 require_host_devices()
@@ -200,17 +201,7 @@ def test_zero_tokens_give_empty_outputs_for_quantized_patterns(pattern, kwargs, 
     sf = kwargs.pop("scale_factor", None)
 
     def body(x, r, g, *s):
-        o = jf.allreduce_fusion(
-            x,
-            axis_name="tp",
-            workspace=ws,
-            pattern=pattern,
-            residual=r,
-            rms_gamma=g,
-            scale_factor=s[0] if s else None,
-            **kwargs,
-        )
-        return tuple(v for v in o if v is not None)
+        return pattern_outputs(ws, pattern, x, r, g, dict(kwargs, scale_factor=s[0] if s else None))
 
     args = (
         np.zeros((0, 256), jdtype("bfloat16")),

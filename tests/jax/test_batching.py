@@ -22,12 +22,16 @@ from tests.jax.cpu_helpers import (
     fusedar_warnings,
     jdtype,
     jit_shard_map,
+    n_outputs,
     new_rng,
+    pattern_call,
+    pattern_outputs,
     random_gamma,
     random_partials,
     random_values,
     require_host_devices,
     tp_mesh,
+    xla_workspace,
 )
 from jax_fusedar.common.patterns import TRAITS
 from jax_fusedar.ops.dense import FFI_TARGET
@@ -40,12 +44,6 @@ HIDDEN = 256
 
 # Environment and once-per-kind logging reset per test (conftest.py).
 pytestmark = pytest.mark.usefixtures("hermetic")
-
-
-def xla_ws(mesh, dtype="bfloat16", max_token_num=256):
-    return jf.create_allreduce_fusion_workspace(
-        mesh, "tp", max_token_num=max_token_num, hidden_dim=HIDDEN, dtype=jdtype(dtype)
-    )
 
 
 QUANT_CASES = [
@@ -66,24 +64,6 @@ QUANT_CASES = [
 case_ids = [f"p{int(p)}" + ("_linear" if "layout_code" in k else "") for p, k in QUANT_CASES]
 
 
-def call(ws, pattern, x, r, g, kw):
-    o = jf.allreduce_fusion(
-        x,
-        axis_name="tp",
-        workspace=ws,
-        pattern=pattern,
-        residual=None if pattern == Q.kAllReduce else r,
-        rms_gamma=None if pattern == Q.kAllReduce else g,
-        **kw,
-    )
-    return o
-
-
-def n_outputs(pattern):
-    t = TRAITS[pattern]
-    return 1 if t.has_allreduce_out else 2 + bool(t.quant) + t.writes_scale_out
-
-
 def inputs(rng, lead, dtype="bfloat16"):
     x = random_values(rng, (8, *lead, HIDDEN), dtype)  # per rank
     r = random_values(rng, (*lead, HIDDEN), dtype)
@@ -97,7 +77,7 @@ def sharded(mesh, body, n_out, x_spec=P("tp")):
 
 def norm_body(ws, **kw):
     """Per shard: pattern 1 on rank 0's slice of x, returning (residual_out, norm_out)."""
-    return lambda x, r, g: tuple(call(ws, 1, x[0], r, g, kw)[1:3])
+    return lambda x, r, g: tuple(pattern_call(ws, 1, x[0], r, g, kw)[1:3])
 
 
 def abstract_ws(mesh, max_token_num):
@@ -121,20 +101,16 @@ def test_nd_input_equals_the_2d_call_on_folded_rows(pattern, kw):
     """x/residual [B, S, H]: every output equals the 2-D call on the B*S rows; row-wise
     outputs keep [B, S, ...], the packed scale buffers are those of the B*S rows."""
     mesh = tp_mesh()
-    ws = xla_ws(mesh)
+    ws = xla_workspace(mesh, max_token_num=256)
     lead = (2, 8)
     x, r, g = inputs(new_rng(), lead)
     n = n_outputs(pattern)
 
     def nd(x, r, g):
-        return tuple(v for v in call(ws, pattern, x[0], r, g, kw) if v is not None)
+        return pattern_outputs(ws, pattern, x[0], r, g, kw)
 
     def flat(x, r, g):
-        return tuple(
-            v
-            for v in call(ws, pattern, x[0].reshape(-1, HIDDEN), r.reshape(-1, HIDDEN), g, kw)
-            if v is not None
-        )
+        return pattern_outputs(ws, pattern, x[0].reshape(-1, HIDDEN), r.reshape(-1, HIDDEN), g, kw)
 
     got = sharded(mesh, nd, n)(x, r, g)
     want = sharded(mesh, flat, n)(x, r, g)
@@ -150,7 +126,7 @@ def test_nd_input_equals_the_2d_call_on_folded_rows(pattern, kw):
 
 def test_nd_against_the_oracle_and_one_dim():
     mesh = tp_mesh()
-    ws = xla_ws(mesh, "float32")
+    ws = xla_workspace(mesh, "float32", max_token_num=256)
     rng = new_rng()
     xs = random_partials(rng, (8, 3, 5, HIDDEN), "float32")
     r = random_values(rng, (3, 5, HIDDEN), "float32")
@@ -168,7 +144,9 @@ def test_nd_against_the_oracle_and_one_dim():
     # A 1-D x is one token.
     one = sharded(
         mesh,
-        lambda x, r, g: tuple(call(ws, Q.kARResidualRMSNorm, x[0, 0, 0], r[0, 0], g, {})[1:3]),
+        lambda x, r, g: tuple(
+            pattern_call(ws, Q.kARResidualRMSNorm, x[0, 0, 0], r[0, 0], g, {})[1:3]
+        ),
         2,
     )(xs, r, g)
     assert one[0].shape == (HIDDEN,)
@@ -179,7 +157,7 @@ def test_nd_against_the_oracle_and_one_dim():
 
 def test_nd_rows_all_count_against_the_workspace():
     mesh = tp_mesh()
-    ws = xla_ws(mesh, max_token_num=16)
+    ws = xla_workspace(mesh, max_token_num=16)
     x, r, g = inputs(new_rng(), (3, 6))  # 18 rows > 16
     body = norm_body(ws, strict=True)
     with pytest.raises(
@@ -193,9 +171,9 @@ def test_nd_rows_all_count_against_the_workspace():
 
 def test_residual_must_have_x_shape():
     mesh = tp_mesh()
-    ws = xla_ws(mesh)
+    ws = xla_workspace(mesh, max_token_num=256)
     x, r, g = inputs(new_rng(), (2, 4))
-    body = lambda x, r, g: tuple(call(ws, 1, x[0], r.reshape(8, HIDDEN), g, {})[1:3])  # noqa
+    body = lambda x, r, g: tuple(pattern_call(ws, 1, x[0], r.reshape(8, HIDDEN), g, {})[1:3])  # noqa
     with pytest.raises(
         ValueError,
         match=r"residual must have shape \(2, 4, 256\) and dtype "
@@ -222,13 +200,13 @@ def test_vmap_inside_shard_map_equals_per_element_calls(pattern, kw, tokens):
     by a reshape for this token count (group FP8 with tokens % 4, swizzled NVFP4 with
     tokens % 128) run per element. Either way: the per-element results, bit for bit."""
     mesh = tp_mesh()
-    ws = xla_ws(mesh)
+    ws = xla_workspace(mesh, max_token_num=256)
     B = 3
     x, r, g = inputs(new_rng(), (B, tokens))
     n = n_outputs(pattern)
 
     def one(x, r, g):
-        return tuple(v for v in call(ws, pattern, x, r, g, kw) if v is not None)
+        return pattern_outputs(ws, pattern, x, r, g, kw)
 
     got = sharded(mesh, lambda x, r, g: jax.vmap(one, in_axes=(0, 0, None))(x[0], r, g), n)(x, r, g)
     want = sharded(mesh, lambda x, r, g: per_element(lambda a, b: one(a, b, g), x[0], r), n)(
@@ -241,13 +219,13 @@ def test_vmap_folds_swizzled_nvfp4_scales_of_whole_tiles():
     """128 tokens per element: the swizzled scales are whole 128-row tiles, stored tile after
     tile, so the folded call splits back by a reshape (one call, no loop)."""
     mesh = tp_mesh()
-    ws = xla_ws(mesh, max_token_num=512)
+    ws = xla_workspace(mesh, max_token_num=512)
     x, r, g = inputs(new_rng(), (2, 128))
     kw = {"scale_factor": np.full(1, 40.0, np.float32)}
     p = Q.kARResidualRMSNormOutFP4Quant
 
     def one(x, r):
-        return tuple(v for v in call(ws, p, x, r, g, kw) if v is not None)
+        return pattern_outputs(ws, p, x, r, g, kw)
 
     body = lambda x, r, g: jax.vmap(one)(x[0], r)  # noqa: E731
     assert count_calls(sharded(mesh, body, 4), x, r, g) == (1, False)
@@ -265,12 +243,12 @@ def count_calls(f, *args):
 @pytest.mark.oldest
 def test_vmap_folds_into_one_call_or_maps():
     mesh = tp_mesh()
-    ws = xla_ws(mesh)
+    ws = xla_workspace(mesh, max_token_num=256)
     x, r, g = inputs(new_rng(), (3, 4))
     gs = random_gamma(new_rng(), HIDDEN, "bfloat16", leading=(3,))
 
     def one(x, r, g):
-        return call(ws, 1, x, r, g, {})[1:3]
+        return pattern_call(ws, 1, x, r, g, {})[1:3]
 
     def run(in_axes, g_arg):
         return sharded(mesh, lambda x, r, g: jax.vmap(one, in_axes=in_axes)(x[0], r, g), 2)
@@ -288,7 +266,7 @@ def test_vmap_folds_into_one_call_or_maps():
 )
 def test_vmap_axes_and_batched_gamma(in_axes):
     mesh = tp_mesh()
-    ws = xla_ws(mesh)
+    ws = xla_workspace(mesh, max_token_num=256)
     rng = new_rng()
     B, T = 3, 4
     x = random_values(rng, (8, B, T, HIDDEN), "bfloat16")
@@ -296,7 +274,7 @@ def test_vmap_axes_and_batched_gamma(in_axes):
     g = random_gamma(rng, HIDDEN, "bfloat16", leading=(B,))
 
     def one(x, r, g):
-        return tuple(call(ws, 1, x, r, g, {})[1:3])
+        return tuple(pattern_call(ws, 1, x, r, g, {})[1:3])
 
     def pick(a, ax, i):
         return a if ax is None else jnp.take(a, i, axis=ax)
@@ -324,13 +302,13 @@ def test_vmap_axes_and_batched_gamma(in_axes):
 
 def test_vmap_of_a_batched_scale_factor_runs_per_element():
     mesh = tp_mesh()
-    ws = xla_ws(mesh)
+    ws = xla_workspace(mesh, max_token_num=256)
     x, r, g = inputs(new_rng(), (2, 4))
     sf = np.asarray([[0.05], [0.5]], np.float32)
     p = Q.kARResidualRMSNormOutFP8Quant
 
     def body(x, r, g, sf):
-        one = lambda x, r, s: tuple(call(ws, p, x, r, g, {"scale_factor": s})[1:4])  # noqa
+        one = lambda x, r, s: tuple(pattern_call(ws, p, x, r, g, {"scale_factor": s})[1:4])  # noqa
         got = jax.vmap(one)(x[0], r, sf)
         want = per_element(one, x[0], r, sf)
         return (*got, *want)
@@ -346,14 +324,14 @@ def test_vmap_outside_shard_map_and_grad():
     from jax_fusedar.ops import reference
 
     mesh = tp_mesh()
-    ws = xla_ws(mesh, "float32")
+    ws = xla_workspace(mesh, "float32", max_token_num=256)
     rng = new_rng()
     x = random_values(rng, (3, 8 * 4, HIDDEN), "float32")
     r = random_values(rng, (3, 4, HIDDEN), "float32")
     g = random_gamma(rng, HIDDEN, "float32")
 
     def fused(x, r, g):
-        return call(ws, 1, x, r, g, {})[2]
+        return pattern_call(ws, 1, x, r, g, {})[2]
 
     def unfused(x, r, g):
         return reference.allreduce_fusion_reference(
@@ -375,11 +353,11 @@ def test_vmapped_batch_beyond_the_workspace_runs_per_element():
     call per element in a loop (the kernel still serves them), even in strict mode; when an
     element does not fit either, strict mode raises as for the unbatched call."""
     mesh = tp_mesh()
-    ws = xla_ws(mesh, max_token_num=8)
+    ws = xla_workspace(mesh, max_token_num=8)
     x, r, g = inputs(new_rng(), (3, 4))
 
     def one(x, r, g):
-        return tuple(call(ws, 1, x, r, g, {"strict": True})[1:3])
+        return tuple(pattern_call(ws, 1, x, r, g, {"strict": True})[1:3])
 
     body = lambda x, r, g: jax.vmap(one, in_axes=(0, 0, None))(x[0], r, g)  # noqa: E731
     assert count_calls(sharded(mesh, body, 2), x, r, g) == (1, True)
@@ -400,7 +378,7 @@ def test_cuda_lowering_of_vmapped_and_nd_calls():
     x, r, g = inputs(new_rng(), (3, 4))
 
     def lowered(B):
-        one = lambda x, r, g: tuple(call(ws, 1, x, r, g, {})[1:3])  # noqa: E731
+        one = lambda x, r, g: tuple(pattern_call(ws, 1, x, r, g, {})[1:3])  # noqa: E731
         body = lambda x, r, g: jax.vmap(one, in_axes=(0, 0, None))(x[0, :B], r[:B], g)  # noqa
         return cuda_text(sharded(mesh, body, 2), x, r, g)
 
@@ -425,7 +403,7 @@ def test_cuda_lowering_of_vmapped_and_nd_calls():
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_float32_gamma_is_rounded_to_the_stream_dtype(dtype):
     mesh = tp_mesh()
-    ws = xla_ws(mesh, dtype)
+    ws = xla_workspace(mesh, dtype, max_token_num=256)
     rng = new_rng()
     x, r, _ = inputs(rng, (4,), dtype)
     g32 = rng.uniform(-2, 2, HIDDEN).astype(np.float32)
@@ -438,9 +416,9 @@ def test_float32_gamma_is_rounded_to_the_stream_dtype(dtype):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_float32_residual_stream_names_the_alternatives(dtype):
     mesh = tp_mesh()
-    ws = xla_ws(mesh, dtype)
+    ws = xla_workspace(mesh, dtype, max_token_num=256)
     x, r, g = inputs(new_rng(), (4,), dtype)
-    body = lambda x, r, g: tuple(call(ws, 1, x[0], r.astype(jnp.float32), g, {})[1:3])  # noqa
+    body = lambda x, r, g: tuple(pattern_call(ws, 1, x[0], r.astype(jnp.float32), g, {})[1:3])  # noqa
     with pytest.raises(
         ValueError,
         match=re.escape(f"residual has dtype float32 but x is {dtype}")
@@ -454,13 +432,13 @@ def test_float32_residual_stream_with_the_float32_alternative():
     """The alternative the error names: x cast to float32 with a float32 workspace keeps a
     float32 stream (against the oracle)."""
     mesh = tp_mesh()
-    ws = xla_ws(mesh, "float32")
+    ws = xla_workspace(mesh, "float32", max_token_num=256)
     rng = new_rng()
     xs = random_partials(rng, (8, 4, HIDDEN), "bfloat16")
     r = random_values(rng, (4, HIDDEN), "float32")
     g = random_gamma(rng, HIDDEN, "float32")
     res, norm = sharded(
-        mesh, lambda x, r, g: tuple(call(ws, 1, x[0].astype(jnp.float32), r, g, {})[1:3]), 2
+        mesh, lambda x, r, g: tuple(pattern_call(ws, 1, x[0].astype(jnp.float32), r, g, {})[1:3]), 2
     )(xs, r, g)
     check_outputs(
         "float32",
@@ -505,7 +483,7 @@ def test_fallback_is_logged_once_per_kind_not_per_shape(caplog):
     msgs = fusedar_warnings(caplog)
     assert len(msgs) == 2 and "hidden_dim=8200 cannot be launched" in msgs[1], msgs
     caplog.clear()
-    xla = xla_ws(mesh, max_token_num=8)
+    xla = xla_workspace(mesh, max_token_num=8)
     for lead in [(9,), (12,)]:
         x, r, g = inputs(new_rng(), lead)
         sharded(mesh, norm_body(xla), 2).trace(x, r, g)

@@ -383,33 +383,22 @@ def test_the_docs_export_example_exports_without_the_native_module():
     its attributes and the serving workspace's stable id; its serving side, which compiles
     the artifact, refuses there, naming what to install."""
     import json
-    import os
-    import subprocess
-    import sys
 
-    from tests.cpu_devices import xla_flags
+    from tests.jax.child_process import cpu_env, run_script
     from tests.repo import REPO
     from tests.test_readme import python_blocks
 
     (block,) = [c for _, c in python_blocks(REPO / "docs/jax_api.md") if "# Exporting side" in c]
     exporting, marker, serving = block.partition("# Serving side")
     assert marker, "docs/jax_api.md's export example lost its serving side"
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS=xla_flags(8),
-        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    )
+    env = cpu_env(8)
     for var in ("JAX_FUSEDAR_STRICT", "JAX_FUSEDAR_ALLREDUCE_BACKEND"):
         env.pop(var, None)
-    r = subprocess.run(
-        [sys.executable, "-c", WITHOUT_NATIVE.replace("TARGET", FFI_TARGET)],
-        input=json.dumps([exporting, marker + serving]),
+    r = run_script(
+        WITHOUT_NATIVE.replace("TARGET", FFI_TARGET),
         env=env,
-        capture_output=True,
-        text=True,
         timeout=600,
-        cwd=REPO,
+        stdin=json.dumps([exporting, marker + serving]),
     )
     assert r.returncode == 0, r.stderr[-6000:]
     facts = json.loads(r.stdout.split("FACTS ", 1)[1])

@@ -23,7 +23,14 @@ from jax_fusedar.ops import partitioning
 from jax_fusedar.common.patterns import MOE_PATTERNS, TRAITS, AllReduceFusionPattern
 from jax_fusedar.ops.dense import FFI_TARGET
 from tests import collectives
-from tests.jax.cpu_helpers import jit_shard_map, moe_body, require_host_devices, tp_mesh
+from tests.jax.cpu_helpers import (
+    jit_shard_map,
+    mesh_2x4,
+    moe_body,
+    partitioned_shard_text,
+    require_host_devices,
+    tp_mesh,
+)
 
 require_host_devices()
 pytest.importorskip("flatbuffers", reason="jax.export needs flatbuffers (./dev installs it)")
@@ -291,16 +298,7 @@ def test_row_parallel_partition_rule_on_auto_axes_moves_no_more_than_psum(world)
         cfg = partitioning._checked_config(
             partitioning._Contraction.matmul(2), ws, 1e-6, 0.0, True, None, None, None, "xla"
         )
-        args = row_parallel_args(mesh)
-        _, local, outs, ins = partitioning.partition(cfg, mesh, args, None)
-        f = jax.shard_map(
-            local,
-            mesh=mesh,
-            in_specs=tuple(s.spec for s in ins),
-            out_specs=tuple(s.spec for s in outs),
-        )
-        placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(args, ins)]
-        text = jax.jit(f).trace(*placed).lower(lowering_platforms=("cuda",)).as_text()
+        text = partitioned_shard_text(cfg, mesh, row_parallel_args(mesh), check_vma=True)
         got = collectives.summary(collectives.stablehlo_collectives(text))
         assert got == psum_program(mesh), (ws, got)
 
@@ -314,6 +312,16 @@ def _norm(r, g):
     x = r.astype(jnp.float32)
     y = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + EPS) * g.astype(jnp.float32)
     return y.astype(r.dtype)
+
+
+def fused_collectives(model, mesh, args):
+    """(fused, its collectives, the original's): ``model`` fused on the xla backend, its one
+    site fused, both exported for cuda at ``args``."""
+    fused = jf.fuse(model, mesh=mesh, axis_name="tp", backend="xla")
+    with jax.set_mesh(mesh):
+        fused.analyze(*args)
+        assert len(fused.report.fused) == 1, fused.report.line()
+        return fused, cuda_collectives(fused, *args), cuda_collectives(jax.jit(model), *args)
 
 
 def _layer_in_one_shard_map(mesh):
@@ -359,14 +367,7 @@ def _per_linear(mesh):
 @PER_WORLD
 def test_fused_sites_on_the_xla_backend_keep_the_originals_collectives(world, form):
     mesh = tp_mesh(world)
-    model = form(mesh)
-    args = row_parallel_args(mesh)
-    fused = jf.fuse(model, mesh=mesh, axis_name="tp", backend="xla")
-    with jax.set_mesh(mesh):
-        fused.analyze(*args)
-        assert len(fused.report.fused) == 1, fused.report.line()
-        got = cuda_collectives(fused, *args)
-        base = cuda_collectives(jax.jit(model), *args)
+    _, got, base = fused_collectives(form(mesh), mesh, row_parallel_args(mesh))
     assert got == base, (got, base)
 
 
@@ -379,12 +380,8 @@ def test_a_fused_plain_jit_site_on_the_xla_backend_keeps_the_partitioners_psum(w
         return r, _norm(r, g)
 
     args = row_parallel_args(mesh)
-    fused = jf.fuse(model, mesh=mesh, axis_name="tp", backend="xla")
+    fused, got, base = fused_collectives(model, mesh, args)
     with jax.set_mesh(mesh):
-        fused.analyze(*args)
-        assert len(fused.report.fused) == 1, fused.report.line()
-        got = cuda_collectives(fused, *args)
-        base = cuda_collectives(jax.jit(model), *args)
         compiled = [
             collectives.summary(collectives.hlo_collectives(f.lower(*args).compile().as_text()))
             for f in (jax.jit(fused), jax.jit(model))
@@ -402,7 +399,7 @@ def test_a_fused_plain_jit_site_on_the_xla_backend_keeps_the_partitioners_psum(w
 def test_a_fused_plain_jit_program_on_auto_axes_without_a_kernel_exports():
     """No custom_partitioning where no kernel serves the site: the fused program exports on
     Auto axes too, and the artifact gives the original's bits."""
-    mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
+    mesh = mesh_2x4()
 
     def model(h, w, r, g):
         r = h @ w + r

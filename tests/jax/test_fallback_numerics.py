@@ -15,9 +15,6 @@ XLA does not fix, held to ``oracle.psum_error_bound``, tested where it can be on
 The GPU test (tests/gpu/test_fallback.py) holds XLA's NCCL all-reduce to the same bound."""
 
 import json
-import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -26,26 +23,26 @@ from jax.sharding import PartitionSpec as P
 
 import jax_fusedar as jf
 from jax_fusedar.common.limits import SUPPORTED_WORLD_SIZES
-from tests.cpu_devices import xla_flags
+from tests.jax.child_process import cpu_env, run_script
 from tests.jax.cpu_helpers import (
+    DTYPES,
     RMS_EPS,
     bits,
     jdtype,
     make_mesh,
     new_rng,
+    partials_of_kind,
     random_gamma,
     random_values,
     require_host_devices,
     run_sharded,
+    xla_workspace,
 )
 from tests.oracles import oracle
-from tests.repo import REPO
 
 require_host_devices()
 
 pytestmark = pytest.mark.usefixtures("hermetic")
-
-DTYPES = ("bfloat16", "float16", "float32")
 
 
 def _add(a, b, dtype_name):
@@ -87,27 +84,17 @@ def orders(xs, dtype_name):
 def inputs(kind, rng, world, shape, dtype_name):
     """Per-rank partial sums [world, *shape] in the call dtype.
 
-    normal, cancelling, growing, tiny: as in test_accumulation_bound.py;
+    normal, cancelling, growing, tiny: cpu_helpers.partials_of_kind's;
     absorbed: rank 0 holds A (|A| in [1, 1.5)), every other rank just under half an ulp
     of A with A's sign, so that each addition after rank 0's rounds back to A: in rank
     order every one of the N - 1 roundings errs by almost the whole bound's share."""
+    if kind != "absorbed":
+        return partials_of_kind(kind, rng, world, shape, dtype_name)
     t = jdtype(dtype_name)
-    if kind == "absorbed":
-        a = rng.uniform(1.0, 1.5, shape) * np.where(rng.random(shape) < 0.5, -1.0, 1.0)
-        a = a.astype(np.float32).astype(t).astype(np.float64)
-        small = 0.484375 * oracle.ulp(a, dtype_name) * np.sign(a)  # 31/64 of an ulp: exact
-        x = np.stack([a] + [small] * (world - 1))
-    elif kind == "normal":
-        x = rng.standard_normal((world, *shape))
-    elif kind == "cancelling":
-        big = rng.uniform(50.0, 200.0, (world, *shape))
-        big *= np.where(np.arange(world) % 2 == 0, 1.0, -1.0).reshape(-1, *[1] * len(shape))
-        x = big + 1e-2 * rng.standard_normal((world, *shape))
-    elif kind == "growing":
-        x = rng.uniform(0.5, 1.5, (world, *shape))
-    else:
-        tiny = float(np.finfo(t).smallest_normal)
-        x = rng.standard_normal((world, *shape)) * 4 * tiny
+    a = rng.uniform(1.0, 1.5, shape) * np.where(rng.random(shape) < 0.5, -1.0, 1.0)
+    a = a.astype(np.float32).astype(t).astype(np.float64)
+    small = 0.484375 * oracle.ulp(a, dtype_name) * np.sign(a)  # 31/64 of an ulp: exact
+    x = np.stack([a] + [small] * (world - 1))
     return x.astype(np.float32).astype(t)
 
 
@@ -176,10 +163,7 @@ def _op_and_users_program(world, dtype, xs, residual, gamma):
     psum in x's dtype and the residual add), in one program on the same mesh."""
     mesh = make_mesh((world,), ("tp",))
     tokens, hidden = residual.shape
-    ws = jf.create_allreduce_fusion_workspace(
-        mesh, "tp", max_token_num=tokens, hidden_dim=hidden, dtype=jdtype(dtype)
-    )
-    assert ws.backend == "xla", ws
+    ws = xla_workspace(mesh, dtype, max_token_num=tokens, hidden_dim=hidden)
 
     def body(x, r, g):
         o = jf.allreduce_fusion(
@@ -264,23 +248,11 @@ def test_a_site_fused_on_the_fallback_is_the_original_program(dtype):
     original's bits (float16: XLA's CPU psum rounds after every addition, which the
     kernel's fp32 accumulation would not). In a fresh process with the CPU tests' XLA flags
     (excess precision off, so that XLA keeps every rounding the programs write)."""
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS=xla_flags(8),  # with XLA's excess precision off (tests/cpu_devices.py)
-        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    )
+    env = cpu_env(8)  # with XLA's excess precision off (tests/cpu_devices.py)
     for var in ("JAX_FUSEDAR_STRICT", "JAX_FUSEDAR_ALLREDUCE_BACKEND"):
         env.pop(var, None)
     seed = int(new_rng().integers(1 << 30))
-    r = subprocess.run(
-        [sys.executable, "-c", FUSED_EQUALS_ORIGINAL, dtype, str(seed)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=REPO,
-    )
+    r = run_script(FUSED_EQUALS_ORIGINAL, dtype, str(seed), env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     facts = json.loads(r.stdout.split("FACTS ", 1)[1])
     assert facts["report"].startswith("jax_fusedar.fuse: fused 1 of 1"), facts

@@ -14,7 +14,7 @@ import jax_fusedar as jf
 from jax_fusedar.ops import family as ffi_op, reference
 from jax_fusedar.ops.plan import CallPlan
 from jax_fusedar.common import native
-from tests.jax.cpu_helpers import make_mesh, require_host_devices
+from tests.jax.cpu_helpers import cuda_text, jit_shard_map, make_mesh, require_host_devices
 
 require_host_devices()
 
@@ -107,9 +107,8 @@ def test_a_declared_op_runs_under_jit_and_shard_map_with_its_vma_rule():
     mesh = make_mesh((8,), ("tp",))
     ws = xla_workspace(mesh)
     x = np.arange(8 * 4 * 128, dtype=np.float32).reshape(8, 4, 128) / 1024
-    f = jax.jit(
-        jax.shard_map(lambda x: scaled_sum(x[0], ws), mesh=mesh, in_specs=P("tp"), out_specs=P())
-    )  # out_specs=P() needs the invariant result
+    # out_specs=P() needs the invariant result
+    f = jit_shard_map(lambda x: scaled_sum(x[0], ws), mesh, P("tp"), P())
     np.testing.assert_allclose(np.asarray(f(x)), 2 * x.astype(np.float64).sum(0), rtol=1e-6)
 
 
@@ -126,9 +125,7 @@ def test_a_declared_op_differentiates_and_vmaps_through_the_machinery():
         batched = jax.vmap(lambda r: scaled_sum(r, ws))(x[0])
         return g[None], batched
 
-    g, batched = jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=(P("tp"), P()))
-    )(x)
+    g, batched = jit_shard_map(body, mesh, P("tp"), (P("tp"), P()))(x)
     total = x.astype(np.float64).sum(0)
     # A float32 sum of 8 standard normals is within 8 * 2**-24 * sum|x| of the exact one.
     bound = 8 * 2.0**-24 * np.abs(x.astype(np.float64)).sum(0).max()
@@ -150,19 +147,10 @@ def test_a_declared_op_refuses_to_run_outside_shard_map():
 def test_a_declared_op_lowers_to_its_custom_call_on_cuda():
     mesh = make_mesh((8,), ("tp",))
     ws = jf.abstract_workspace(mesh, "tp", max_token_num=4, hidden_dim=128, dtype=jnp.float32)
-    f = jax.jit(
-        jax.shard_map(
-            lambda x: scaled_sum(x[0], ws, scale=0.5, use_kernel=True),
-            mesh=mesh,
-            in_specs=P("tp"),
-            out_specs=P(),
-        )
+    f = jit_shard_map(
+        lambda x: scaled_sum(x[0], ws, scale=0.5, use_kernel=True), mesh, P("tp"), P()
     )
-    text = (
-        f.trace(jax.ShapeDtypeStruct((8, 4, 128), jnp.float32))
-        .lower(lowering_platforms=("cuda",))
-        .as_text()
-    )
+    text = cuda_text(f, jax.ShapeDtypeStruct((8, 4, 128), jnp.float32))
     call = [line for line in text.splitlines() if f"@{SCALED_SUM.target}" in line]
     assert len(call) == 1, text
     assert f"workspace_id = {ws.id} : i64" in call[0] and "scale = 5.000000e-01" in call[0]

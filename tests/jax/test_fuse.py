@@ -77,9 +77,17 @@ def inputs(dtype="bfloat16", gamma_dtype=None, shape=(T, H), seed=0):
     return x, res, g
 
 
-def smap(body, n_out=2):
+def smap(body, n_out=2, n_in=3, check_vma=True):
+    """jit(shard_map(body)) over MESH: its first input split over "tp", the rest and the
+    ``n_out`` outputs replicated."""
     return jax.jit(
-        jax.shard_map(body, mesh=MESH, in_specs=(P("tp"), P(), P()), out_specs=(P(),) * n_out)
+        jax.shard_map(
+            body,
+            mesh=MESH,
+            in_specs=(P("tp"),) + (P(),) * (n_in - 1),
+            out_specs=(P(),) * n_out,
+            check_vma=check_vma,
+        )
     )
 
 
@@ -175,11 +183,7 @@ def test_3d_activations_and_check_vma_off(ws):
         r = jax.lax.psum(x[0], "tp") + res
         return r, norm_plain(r, g)
 
-    f = jax.jit(
-        jax.shard_map(
-            body, mesh=MESH, in_specs=(P("tp"), P(), P()), out_specs=(P(), P()), check_vma=False
-        )
-    )
+    f = smap(body, check_vma=False)
     fused = jf.fuse(f, workspace=ws)
     out = fused(x, res, g)
     assert "psum[" in str(jax.make_jaxpr(f)(x, res, g))  # plain psum without check_vma
@@ -379,14 +383,7 @@ def test_static_fp8_tail_becomes_pattern_4_or_2(ws):
         return (r, q, y) if keep_norm else (r, q)
 
     for keep, pattern in ((True, 4), (False, 2)):
-        f = jax.jit(
-            jax.shard_map(
-                lambda a, b, c, d: body(a, b, c, d, keep),
-                mesh=MESH,
-                in_specs=(P("tp"), P(), P(), P()),
-                out_specs=(P(),) * (3 if keep else 2),
-            )
-        )
+        f = smap(lambda a, b, c, d: body(a, b, c, d, keep), n_out=3 if keep else 2, n_in=4)
         fused = jf.fuse(f, workspace=ws)
         out = fused(x, res, g, scale)
         assert fused.report.sites[0].pattern == pattern, fused.report
@@ -409,7 +406,7 @@ def test_dynamic_fp8_tail_becomes_pattern_11(ws):
         q = jnp.clip(y32 / s, -448, 448).astype(jnp.float8_e4m3fn)
         return r, y, q, s
 
-    f = jax.jit(jax.shard_map(body, mesh=MESH, in_specs=(P("tp"), P(), P()), out_specs=(P(),) * 4))
+    f = smap(body, n_out=4)
     fused = jf.fuse(f, workspace=ws)
     out = fused(x, res, g)
     assert fused.report.sites[0].pattern == 11, fused.report

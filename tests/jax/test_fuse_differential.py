@@ -499,15 +499,18 @@ class Program:
         return 1
 
     # The program ---------------------------------------------------------------------------
+    def norm_gamma(self, g):
+        """Gamma cast through gamma_via, as the program's norm reads it."""
+        for d in self.gamma_via:
+            g = g.astype(d)
+        return g
+
     def norm(self):
         """The program's norm of (r, g): the spelling, gamma cast through gamma_via first."""
         sp = SPELLINGS[self.spelling]
-        via = self.gamma_via
 
-        def norm(r, g):
-            for d in via:
-                g = g.astype(d)
-            return sp.norm(r, g)
+        def norm(r, g):  # named: jax.jit and checkpoint wrappers carry its name
+            return sp.norm(r, self.norm_gamma(g))
 
         return norm
 
@@ -665,15 +668,6 @@ def exact_norm(prog, site, r, g):
         )(g)
         exact = sp.after(exact, np.asarray(g_after, np.float64))
     return exact, inv, col
-
-
-def _norm_gamma(self, g):
-    for d in self.gamma_via:
-        g = g.astype(d)
-    return g
-
-
-Program.norm_gamma = _norm_gamma
 
 
 def check(prog: Program):

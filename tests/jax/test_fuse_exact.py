@@ -15,11 +15,15 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from tests.jax import cpu_helpers
+from tests.jax.cpu_helpers import mesh_2x4
 from tests.jax.fuse_checks import (
+    H,
     assert_bit_equal,
     assert_rounds_like_the_program,
     compiled,
+    linear_operands,
     norm_units,
+    row_parallel,
     statistic,
 )
 import jax_fusedar as jf
@@ -30,7 +34,6 @@ cpu_helpers.require_host_devices()
 f32, bf16, f16 = jnp.float32, jnp.bfloat16, jnp.float16
 EPS = 1e-6
 MESH = jax.make_mesh((8,), ("tp",))
-T, H, F = 8, 64, 128
 
 
 def norm(r, g):  # the fused op's own order of operations
@@ -174,36 +177,6 @@ def test_a_float32_model_rounding_gamma_through_16_bits_keeps_that_rounding(thro
 # --- what the rewrite replaces, and nothing else --------------------------------------------------
 
 
-def mesh_2x4(axis_type=AxisType.Auto):
-    return jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(axis_type,) * 2)
-
-
-def linear_operands(mesh, dtype=bf16, seed=0):
-    rng = np.random.default_rng(seed)
-    x = jax.device_put(
-        jnp.asarray(rng.standard_normal((T, F)), dtype), NamedSharding(mesh, P("dp", "tp"))
-    )
-    w = jax.device_put(
-        jnp.asarray(rng.standard_normal((F, H)) / 8, dtype), NamedSharding(mesh, P("tp"))
-    )
-    res = jax.device_put(
-        jnp.asarray(rng.standard_normal((T, H)), dtype), NamedSharding(mesh, P("dp"))
-    )
-    g = jax.device_put(
-        jnp.asarray(1 + 0.1 * rng.standard_normal(H), dtype), NamedSharding(mesh, P())
-    )
-    return x, w, res, g
-
-
-def row_parallel(mesh, body=None, n_out=1):
-    return jax.shard_map(
-        body or (lambda x, w: jax.lax.psum(x @ w, "tp")),
-        mesh=mesh,
-        in_specs=(P("dp", "tp"), P("tp")),
-        out_specs=P("dp") if n_out == 1 else (P("dp"),) * n_out,
-    )
-
-
 @pytest.mark.parametrize("second", ["the sum again", "a copy"])
 def test_a_shard_map_returning_its_sum_twice_stays_unfused(second):
     mesh = mesh_2x4()
@@ -217,7 +190,7 @@ def test_a_shard_map_returning_its_sum_twice_stays_unfused(second):
         r = s + res
         return r, norm(r, g), s2
 
-    rep, out, want = run(model, linear_operands(mesh), mesh)
+    rep, out, want = run(model, linear_operands(mesh, g_spec=P()), mesh)
     assert_unchanged(rep, out, want, "the all-reduce's result has other uses besides the residual")
 
 
@@ -234,7 +207,7 @@ def test_a_residual_returned_by_the_same_shard_map_is_read_inside_it():
         r = s + res2
         return r, norm(r, g), res2
 
-    args = linear_operands(mesh)
+    args = linear_operands(mesh, g_spec=P())
     rep, out, want = run(model, args, mesh)
     assert rep.sites[0].fused and rep.sites[0].kind == "shard_map psum", rep.line()
     assert_bit_equal(out, want)  # bfloat16: the psum rounds once, as the fused op does
@@ -264,7 +237,7 @@ def test_a_per_linear_fp8_tail_without_the_norm_output(tail):
             scale = jnp.maximum(jnp.max(jnp.abs(y32), -1, keepdims=True) / 448, 1 / (512 * 448))
         return r, jnp.clip(y32 / scale, -448, 448).astype(jnp.float8_e4m3fn).astype(f32)
 
-    args = linear_operands(mesh) + (jnp.float32(0.02),)
+    args = linear_operands(mesh, g_spec=P()) + (jnp.float32(0.02),)
     rep, out, want = run(model, args, mesh)
     assert rep.sites[0].fused and rep.sites[0].pattern == (2 if tail == "static" else 10)
     assert_bit_equal(out[0], want[0])
@@ -291,7 +264,7 @@ def test_a_workspace_of_another_world_size_leaves_the_site_alone(layout):
             r = row_parallel(mesh)(x, w) + res
             return r, norm(r, g)
 
-        args = linear_operands(mesh)
+        args = linear_operands(mesh, g_spec=P())
     fused = jf.fuse(fn, workspace=ws)
     with jax.set_mesh(mesh):
         out, want = compiled(fused)(*args), compiled(fn)(*args)
@@ -337,7 +310,7 @@ def test_explicit_axes_called_without_a_mesh_set(layout):
         r = s + res
         return r, norm(r, g)
 
-    args = linear_operands(mesh)
+    args = linear_operands(mesh, g_spec=P())
     fused = jf.fuse(model, mesh=mesh, axis_name="tp", backend="xla")
     out, want = compiled(fused)(*args), compiled(model)(*args)  # no jax.set_mesh
     assert fused.report.sites[0].fused, fused.report.line()
@@ -426,7 +399,7 @@ def test_a_jitted_per_linear_shard_map():
         r = jax.jit(row_parallel(mesh))(x, w) + res
         return r, norm(r, g)
 
-    rep, out, want = run(model, linear_operands(mesh), mesh)
+    rep, out, want = run(model, linear_operands(mesh, g_spec=P()), mesh)
     assert rep.sites[0].fused and rep.sites[0].kind == "shard_map psum", rep.line()
     assert_bit_equal(out, want)
 
@@ -442,7 +415,7 @@ def test_two_sites_on_the_outputs_of_one_shard_map():
         r2 = s2 + res
         return r1, norm(r1, g), r2, norm(r2, g)
 
-    rep, out, want = run(model, linear_operands(mesh), mesh)
+    rep, out, want = run(model, linear_operands(mesh, g_spec=P()), mesh)
     assert len(rep.sites) == 2 and len(rep.fused) == 2, rep.line()
     assert_bit_equal(out, want)
 
@@ -463,7 +436,7 @@ def _f32_sum(mesh, cast_inside):
 def test_a_float32_sum_of_a_per_linear_shard_map_cast_down(cast_inside):
     mesh = mesh_2x4()
     model = _f32_sum(mesh, cast_inside)
-    args = linear_operands(mesh)
+    args = linear_operands(mesh, g_spec=P())
     rep, out, want = run(model, args, mesh)
     assert_unchanged(
         rep,

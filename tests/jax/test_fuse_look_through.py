@@ -13,14 +13,14 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from tests.jax import cpu_helpers
-from tests.jax.fuse_checks import assert_bit_equal, compiled
+from tests.jax.cpu_helpers import mesh_2x4
+from tests.jax.fuse_checks import F, H, T, assert_bit_equal, compiled, linear_operands
 import jax_fusedar as jf
 
 cpu_helpers.require_host_devices()
 
 f32 = jnp.float32
 EPS = 1e-6
-T, H, F = 8, 64, 128
 
 
 def norm(r, g):
@@ -28,26 +28,6 @@ def norm(r, g):
     return (x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + EPS) * g.astype(f32)).astype(
         r.dtype
     )
-
-
-def mesh_2x4(axis_type=AxisType.Auto):
-    return jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(axis_type,) * 2)
-
-
-def operands(mesh, seed=0, w_shape=(F, H), w_spec=P("tp")):
-    rng = np.random.default_rng(seed)
-    x = jax.device_put(
-        jnp.asarray(rng.standard_normal((T, F)), jnp.bfloat16),
-        NamedSharding(mesh, P("dp", "tp")),
-    )
-    w = jax.device_put(
-        jnp.asarray(rng.standard_normal(w_shape) / 8, jnp.bfloat16), NamedSharding(mesh, w_spec)
-    )
-    res = jax.device_put(
-        jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16), NamedSharding(mesh, P("dp"))
-    )
-    g = jnp.asarray(1 + 0.1 * rng.standard_normal(H), jnp.bfloat16)
-    return x, w, res, g
 
 
 def fuse_and_compare(fn, args, mesh, grads=True, **kw):
@@ -99,8 +79,8 @@ def test_sharding_constraints_and_names_are_looked_through_and_kept(where):
         return r, norm(r, g)
 
     with jax.set_mesh(mesh):
-        rep, text = fuse_and_compare(fn, operands(mesh), mesh)
-        original = str(jax.make_jaxpr(fn)(*operands(mesh)))
+        rep, text = fuse_and_compare(fn, linear_operands(mesh), mesh)
+        original = str(jax.make_jaxpr(fn)(*linear_operands(mesh)))
     assert len(rep.fused) == 1, rep.line()
     # No kernel on CPU: the fused entry is the model's own matmul, then the fused op's
     # epilogue (rewritten, the same values); with a kernel, the custom-partitioned entry.
@@ -121,7 +101,7 @@ def test_reshard_and_explicit_axes_are_looked_through():
         return r, norm(r, g)
 
     with jax.set_mesh(mesh):
-        rep, _ = fuse_and_compare(fn, operands(mesh), mesh)
+        rep, _ = fuse_and_compare(fn, linear_operands(mesh), mesh)
     assert len(rep.fused) == 1, rep.line()
 
 
@@ -140,11 +120,11 @@ def test_a_name_on_the_sum_under_a_saving_policy_stays_as_written():
 
     saving = jax.checkpoint_policies.save_only_these_names("out_proj")
     with jax.set_mesh(mesh):
-        rep, _ = fuse_and_compare(make(saving), operands(mesh), mesh)
+        rep, _ = fuse_and_compare(make(saving), linear_operands(mesh), mesh)
         assert not rep.fused and rep.sites[0].reason.startswith(
             "checkpoint_name 'out_proj' on the all-reduce's sum"
         ), rep.line()
-        rep, _ = fuse_and_compare(make(None), operands(mesh), mesh)
+        rep, _ = fuse_and_compare(make(None), linear_operands(mesh), mesh)
         assert len(rep.fused) == 1, rep.line()
 
 
@@ -159,7 +139,7 @@ def test_a_per_token_linear_under_vmap_is_fused_in_its_own_order():
         r = res + s
         return r, norm(r, g)
 
-    args = operands(mesh, w_shape=(H, F), w_spec=P(None, "tp"))
+    args = linear_operands(mesh, w_shape=(H, F), w_spec=P(None, "tp"))
     with jax.set_mesh(mesh):
         assert "transpose" in str(jax.make_jaxpr(fn)(*args))
         rep, text = fuse_and_compare(fn, args, mesh)
@@ -179,7 +159,7 @@ def test_gamma_after_the_rounding_leaves_its_multiplication_in_the_program():
         return r, jnp.einsum("k,...k->...k", g, y)
 
     with jax.set_mesh(mesh):
-        rep, text = fuse_and_compare(fn, operands(mesh), mesh)
+        rep, text = fuse_and_compare(fn, linear_operands(mesh), mesh)
     assert len(rep.fused) == 1 and rep.sites[0].rounding_change is None, rep.line()
 
 
@@ -193,7 +173,7 @@ def test_nothing_fused_lists_the_near_misses():
         return r, norm(r, g)
 
     with jax.set_mesh(mesh):
-        rep = jf.fuse(fn, mesh=mesh, axis_name="tp", backend="xla").analyze(*operands(mesh))
+        rep = jf.fuse(fn, mesh=mesh, axis_name="tp", backend="xla").analyze(*linear_operands(mesh))
     assert not rep.sites and len(rep.near_misses) == 1, rep.line()
     miss = rep.near_misses[0]
     assert (miss.op, miss.shape, miss.followed_by[:2]) == ("dot_general", (T, H), ("tanh", "add"))
@@ -210,5 +190,5 @@ def test_a_fused_site_lists_no_near_misses():
         return r, norm(r, g) @ jnp.ones((H, H), jnp.bfloat16)
 
     with jax.set_mesh(mesh):
-        rep = jf.fuse(fn, mesh=mesh, axis_name="tp", backend="xla").analyze(*operands(mesh))
+        rep = jf.fuse(fn, mesh=mesh, axis_name="tp", backend="xla").analyze(*linear_operands(mesh))
     assert len(rep.fused) == 1 and rep.near_misses == [], rep

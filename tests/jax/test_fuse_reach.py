@@ -13,13 +13,14 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from tests.jax import cpu_helpers
+from tests.jax.cpu_helpers import mesh_2x4
+from tests.jax.fuse_checks import F, H, T, linear_operands, row_parallel
 import jax_fusedar as jf
 
 cpu_helpers.require_host_devices()
 
 f32 = jnp.float32
 EPS = 1e-6
-T, H, F = 8, 64, 128
 
 
 def norm(r, g):
@@ -29,23 +30,16 @@ def norm(r, g):
     )
 
 
-def mesh_2x4(axis_type=AxisType.Auto):
-    return jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(axis_type,) * 2)
-
-
-def operands(mesh, dtype=jnp.bfloat16, seed=0, res_spec=P("dp")):
-    rng = np.random.default_rng(seed)
-    x = jax.device_put(
-        jnp.asarray(rng.standard_normal((T, F)), dtype), NamedSharding(mesh, P("dp", "tp"))
+def per_dp_shard(body, mesh, check_vma=True):
+    """``body(x, w, res, g)`` in a shard_map: x over ("dp", "tp"), w over "tp", the residual
+    and both outputs over "dp", gamma replicated."""
+    return jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(P("dp", "tp"), P("tp"), P("dp"), P()),
+        out_specs=(P("dp"), P("dp")),
+        check_vma=check_vma,
     )
-    w = jax.device_put(
-        jnp.asarray(rng.standard_normal((F, H)) / 8, dtype), NamedSharding(mesh, P("tp"))
-    )
-    res = jax.device_put(
-        jnp.asarray(rng.standard_normal((T, H)), dtype), NamedSharding(mesh, res_spec)
-    )
-    g = jnp.asarray(1 + 0.1 * rng.standard_normal(H), dtype)
-    return x, w, res, g
 
 
 def run(fn, args, mesh, workspace=None, **kw):
@@ -91,16 +85,11 @@ def test_per_linear_shard_map_moves_the_add_and_the_norm_in(axis_type):
     mesh = mesh_2x4(axis_type)
 
     def model(x, w, res, g):
-        s = jax.shard_map(
-            lambda x, w: jax.lax.psum(x @ w, "tp"),
-            mesh=mesh,
-            in_specs=(P("dp", "tp"), P("tp")),
-            out_specs=P("dp"),
-        )(x, w)
+        s = row_parallel(mesh)(x, w)
         r = s + res
         return r, norm(r, g)
 
-    rep, out, want, g_f, g_o = run(model, operands(mesh), mesh)
+    rep, out, want, g_f, g_o = run(model, linear_operands(mesh), mesh)
     assert rep.line() == "jax_fusedar.fuse: fused 1 of 1 all-reduce + residual + RMSNorm site(s)"
     assert rep.sites[0].kind == "shard_map psum" and rep.sites[0].tokens == T // 2
     close(out, want)
@@ -109,15 +98,10 @@ def test_per_linear_shard_map_moves_the_add_and_the_norm_in(axis_type):
 
 def test_a_residual_resharded_by_the_program_before_the_add():
     mesh = mesh_2x4(AxisType.Explicit)
-    x, w, res, g = operands(mesh, res_spec=P("dp", "tp"))
+    x, w, res, g = linear_operands(mesh, res_spec=P("dp", "tp"))
 
     def model(x, w, res, g):
-        s = jax.shard_map(
-            lambda x, w: jax.lax.psum(x @ w, "tp"),
-            mesh=mesh,
-            in_specs=(P("dp", "tp"), P("tp")),
-            out_specs=P("dp"),
-        )(x, w)
+        s = row_parallel(mesh)(x, w)
         r = s + jax.sharding.reshard(res, P("dp"))
         return r, norm(r, g)
 
@@ -152,7 +136,7 @@ def _sp(norm_on_shard_gathered=True, gather=True):
         out_specs=(P(("dp", "tp")), out_y),
         check_vma=False,
     )
-    x, w, _, g = operands(mesh)
+    x, w, _, g = linear_operands(mesh)
     res = jax.device_put(
         jnp.asarray(np.random.default_rng(2).standard_normal((T, H)), jnp.bfloat16),
         NamedSharding(mesh, P(("dp", "tp"))),
@@ -237,14 +221,8 @@ def test_psum_in_a_custom_vjp_is_fused_and_its_backward_kept(check_vma):
         r = g_op(x @ w) + res
         return r, norm(r, g)
 
-    f = jax.shard_map(
-        body,
-        mesh=mesh,
-        in_specs=(P("dp", "tp"), P("tp"), P("dp"), P()),
-        out_specs=(P("dp"), P("dp")),
-        check_vma=check_vma,
-    )
-    rep, out, want, g_f, g_o = run(f, operands(mesh), mesh)
+    f = per_dp_shard(body, mesh, check_vma=check_vma)
+    rep, out, want, g_f, g_o = run(f, linear_operands(mesh), mesh)
     assert len(rep.fused) == 1 and rep.sites[0].kind == "custom_vjp psum", rep.line()
     close(out, want)
     close(g_f, g_o, ulps=8)
@@ -256,14 +234,9 @@ def test_psum_in_a_custom_vjp_is_fused_and_its_backward_kept(check_vma):
             r = jax.lax.psum(x @ w, "tp") + res
             return r, norm(r, g)
 
-        fp = jax.shard_map(
-            plain,
-            mesh=mesh,
-            in_specs=(P("dp", "tp"), P("tp"), P("dp"), P()),
-            out_specs=(P("dp"), P("dp")),
-            check_vma=False,
+        _, _, _, g_plain, _ = run(
+            per_dp_shard(plain, mesh, check_vma=False), linear_operands(mesh), mesh
         )
-        _, _, _, g_plain, _ = run(fp, operands(mesh), mesh)
         assert not np.allclose(np.asarray(g_plain[0], f32), np.asarray(g_f[0], f32))
 
 
@@ -288,13 +261,7 @@ def test_psum_in_a_custom_jvp_whose_rule_is_psums_own_is_fused():
             r = op(x @ w) + res
             return r, norm(r, g)
 
-        f = jax.shard_map(
-            body,
-            mesh=mesh,
-            in_specs=(P("dp", "tp"), P("tp"), P("dp"), P()),
-            out_specs=(P("dp"), P("dp")),
-        )
-        rep, out, want, g_f, g_o = run(f, operands(mesh), mesh)
+        rep, out, want, g_f, g_o = run(per_dp_shard(body, mesh), linear_operands(mesh), mesh)
         assert rep.sites[0].fused == fused_, rep.line()
         close(g_f, g_o, ulps=8)
         if not fused_:
@@ -311,13 +278,8 @@ def test_float32_psum_cast_down_before_the_add_needs_the_flag():
         r = jax.lax.psum(jnp.dot(x, w, preferred_element_type=f32), "tp").astype(res.dtype) + res
         return r, norm(r, g)
 
-    f = jax.shard_map(
-        body,
-        mesh=mesh,
-        in_specs=(P("dp", "tp"), P("tp"), P("dp"), P()),
-        out_specs=(P("dp"), P("dp")),
-    )
-    args = operands(mesh)
+    f = per_dp_shard(body, mesh)
+    args = linear_operands(mesh)
     rep, out, want, _, _ = run(f, args, mesh)
     assert rep.sites[0].reason == (
         "all-reduce in float32, cast to bfloat16 before the residual add: the fused op sums "

@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
-from jax.sharding import AxisType
 
 from tests.jax import cpu_helpers
 from tests.jax.fuse_checks import assert_bit_equal, compiled
@@ -24,7 +23,7 @@ CFG = Config(layers=3)
 
 
 def setup(module, **kw):
-    mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
+    mesh = cpu_helpers.mesh_2x4()
     params = module.place(module.init_params(CFG, 0, jnp.bfloat16), mesh)
     x = jax.device_put(activations(CFG, 1, jnp.bfloat16), module.input_sharding(mesh))
     return mesh, params, x, module.make_forward(CFG, mesh, **kw)
@@ -85,6 +84,19 @@ def saved_types(capsys, fn, *args):
     return sorted(line.split()[0] for line in capsys.readouterr().out.splitlines())
 
 
+def saved_beyond(capsys, mesh, fused, fwd, params, x):
+    """The types the fused program saves for the backward pass beyond what the original
+    saves, after checking that it saves everything the original does."""
+    with jax.set_mesh(mesh):
+        got = saved_types(capsys, jax.jit(fused), params, x)
+        want = saved_types(capsys, jax.jit(fwd), params, x)
+    extra = list(got)
+    for t in want:
+        assert t in extra, (t, got, want)
+        extra.remove(t)
+    return extra
+
+
 @pytest.mark.parametrize("layout", ["plain_jit", "shard_map"])
 def test_a_rotated_checkpointed_layer_saves_and_recomputes_as_written(layout, capsys):
     """A scan over a checkpointed layer (MaxText's scan_layers, nn.scan(nn.remat)): the
@@ -93,17 +105,11 @@ def test_a_rotated_checkpointed_layer_saves_and_recomputes_as_written(layout, ca
     (plus the next layer's gamma, a [hidden] slice, for the norm moved into it), and the
     gradients are the original's bit for bit (fused_and_checked)."""
     fused, (mesh, params, x, fwd) = fused_and_checked(scanned_llama, layout=layout, remat=True)
-    with jax.set_mesh(mesh):
-        got = saved_types(capsys, jax.jit(fused), params, x)
-        want = saved_types(capsys, jax.jit(fwd), params, x)
-    extra = list(got)
-    for t in want:
-        assert t in extra, (t, got, want)
-        extra.remove(t)
+    extra = saved_beyond(capsys, mesh, fused, fwd, params, x)
     # The shifted gamma stack: [layers, hidden] (under shard_map, one per device: a
     # residual of the shard_map is laid out over all of them, [devices * layers, hidden]).
     stacks = (f"bf16[{CFG.layers},{CFG.hidden}]", f"bf16[{8 * CFG.layers},{CFG.hidden}]")
-    assert extra == [] or (len(extra) == 1 and extra[0] in stacks), (got, want)
+    assert extra == [] or (len(extra) == 1 and extra[0] in stacks), extra
 
 
 def test_checkpointed_layers_one_after_another_save_and_recompute_as_written(capsys):
@@ -118,14 +124,8 @@ def test_checkpointed_layers_one_after_another_save_and_recompute_as_written(cap
     assert len(rep.fused) == len(rep.sites) == 2 * CFG.layers, rep.line()
     across = [s for s in rep.fused if s.note and "across checkpoint calls" in s.note]
     assert len(across) == CFG.layers, rep.sites
-    with jax.set_mesh(mesh):
-        got = saved_types(capsys, jax.jit(fused), params, x)
-        want = saved_types(capsys, jax.jit(fwd), params, x)
-    extra = list(got)
-    for t in want:
-        assert t in extra, (t, got, want)
-        extra.remove(t)
-    assert extra in ([], [f"bf16[{CFG.hidden}]"]), (got, want)
+    extra = saved_beyond(capsys, mesh, fused, fwd, params, x)
+    assert extra in ([], [f"bf16[{CFG.hidden}]"]), extra
 
 
 def test_a_rotated_chain_has_forward_mode_derivatives():

@@ -15,7 +15,6 @@ from tests.models import scanned_llama
 from tests.models.common import Config
 from tests.models.styles import PLAIN_JIT, REDUCE_SCATTER, STYLES
 import jax_fusedar as jf
-from jax_fusedar.ops import partitioning
 from jax_fusedar.ops.dense import FFI_TARGET
 
 cpu_helpers.require_host_devices()
@@ -43,21 +42,25 @@ def _setup(style):
     return mesh, params, x, style.forward(CFG, mesh)
 
 
+def _kernel_workspace(style, mesh):
+    """An abstract workspace of the kernel's backend for ``style``'s model on ``mesh``."""
+    return jf.abstract_workspace(
+        mesh,
+        "tp",
+        max_token_num=CFG.tokens,
+        hidden_dim=CFG.hidden,
+        dtype=jnp.dtype(style.dtype),
+        backend="trtllm",
+    )
+
+
 def _fuse_target(style, mesh):
     """Where a style is fused: the xla backend (each fused call runs the original's psum),
     but for sequence parallelism, whose rewrite costs more than the original without the
     kernel (left as is there, tests/jax/test_fuse_reach.py): an abstract kernel workspace,
     as on GPUs, whose calls run the reference on CPU."""
     if style.kind == REDUCE_SCATTER:
-        ws = jf.abstract_workspace(
-            mesh,
-            "tp",
-            max_token_num=CFG.tokens,
-            hidden_dim=CFG.hidden,
-            dtype=jnp.dtype(style.dtype),
-            backend="trtllm",
-        )
-        return dict(workspace=ws)
+        return dict(workspace=_kernel_workspace(style, mesh))
     return dict(mesh=mesh, axis_name="tp", backend="xla")
 
 
@@ -145,16 +148,7 @@ def _partitioned_shard_for_cuda(jaxpr, mesh):
         return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=NamedSharding(mesh, spec))
 
     args = tuple(arg(a, s) for a, s in zip((h, w, res, g), specs))
-    _, local, outs, ins = partitioning.partition(cfg, mesh, args, None)
-    f = jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=tuple(s.spec for s in ins),
-        out_specs=tuple(s.spec for s in outs),
-        check_vma=False,
-    )
-    placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(args, ins)]
-    return jax.jit(f).trace(*placed).lower(lowering_platforms=("cuda",)).as_text()
+    return cpu_helpers.partitioned_shard_text(cfg, mesh, args)
 
 
 @pytest.mark.parametrize(
@@ -162,15 +156,11 @@ def _partitioned_shard_for_cuda(jaxpr, mesh):
 )
 def test_style_lowers_to_the_fused_custom_call_for_cuda(style):
     mesh, params, x, forward = _setup(style)
-    ws = jf.abstract_workspace(
-        mesh,
-        "tp",
-        max_token_num=CFG.tokens,
-        hidden_dim=CFG.hidden,
-        dtype=jnp.dtype(style.dtype),
-        backend="trtllm",
+    fused = jf.fuse(
+        forward,
+        workspace=_kernel_workspace(style, mesh),
+        allow_rounding_change=style.allow_rounding_change,
     )
-    fused = jf.fuse(forward, workspace=ws, allow_rounding_change=style.allow_rounding_change)
     with jax.set_mesh(mesh):
         traced = jax.jit(fused).trace(params, x)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()

@@ -20,7 +20,9 @@ from tests.jax.cpu_helpers import (
     cuda_text,
     jdtype,
     jit_shard_map,
+    mesh_2x4,
     new_rng,
+    partitioned_shard_text,
     random_gamma,
     random_values,
     require_host_devices,
@@ -46,10 +48,6 @@ from tests.jax.sharded_model import (  # noqa: E402
 # Environment and once-per-kind logging reset per test (conftest.py).
 # Also in the oldest-versions lane (./dev oldest).
 pytestmark = [pytest.mark.usefixtures("hermetic"), pytest.mark.oldest]
-
-
-def mesh_2x4(axis_type):
-    return jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(axis_type,) * 2)
 
 
 @pytest.mark.slow
@@ -193,20 +191,10 @@ def test_partition_rule_shardings(h_spec, w_spec, want_h, want_w, want_out):
 def lower_partitioned_shard_for_cuda(
     workspaces, h_spec=P("dp", "tp"), w_spec=P("tp", None), **cfg_kwargs
 ):
-    """What XLA compiles on each GPU: the partition rule's per-shard program, lowered for cuda
-    inside a manual region over the mesh (as custom_partitioning does at compile time)."""
+    """partitioned_shard_text of a site on the 2 x 4 mesh."""
     mesh = mesh_2x4(AxisType.Auto)
     args = partition_args(mesh, h_spec, w_spec)
-    _, local, outs, ins = partitioning.partition(cfg(workspaces, **cfg_kwargs), mesh, args, None)
-    f = jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=tuple(s.spec for s in ins),
-        out_specs=tuple(s.spec for s in outs),
-        check_vma=False,
-    )
-    placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(args, ins)]
-    return cuda_text(jax.jit(f), *placed)
+    return partitioned_shard_text(cfg(workspaces, **cfg_kwargs), mesh, args)
 
 
 def test_partitioned_shard_lowers_to_the_fused_custom_call_for_cuda():

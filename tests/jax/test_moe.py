@@ -12,7 +12,14 @@ from jax.sharding import PartitionSpec as P
 
 import jax_fusedar as jf
 import tests.oracles.moe_oracle as mo
-from tests.jax.cpu_helpers import cuda_text, jit_shard_map, put, require_host_devices, tp_mesh
+from tests.jax.cpu_helpers import (
+    cuda_text,
+    jit_shard_map,
+    put,
+    require_host_devices,
+    run_sharded,
+    tp_mesh,
+)
 from jax_fusedar.ops import moe, moe_reference
 from jax_fusedar.ops.plan import CallPlan, choose_moe_kernel
 
@@ -91,12 +98,17 @@ def run_finalize(ws, case, *, use_scale=True, use_shared=True, routed=1.0, weigh
         return out.residual_out, out.norm_out
 
     specs = (P("tp"), P("tp"), P("tp"), P(), P())
-    f = jit_shard_map(body, mesh, specs, (P(), P()))
     args = (permuted, idx, shared, case["residual"], case["gamma"])
-    return [np.asarray(o) for o in f(*(put(mesh, s, a) for s, a in zip(specs, args)))], world
+    return [np.asarray(o) for o in run_sharded(body, mesh, specs, (P(), P()), *args)], world
 
 
-def check_finalize(outs, case, world, dtype, *, use_scale, use_shared, routed, weight_bias):
+def check_finalize(
+    ws, case, dtype, *, use_scale=True, use_shared=True, routed=1.0, weight_bias=0.0
+):
+    """Runs the finalize call on ``ws`` (run_finalize) and checks its outputs."""
+    outs, world = run_finalize(
+        ws, case, use_scale=use_scale, use_shared=use_shared, routed=routed, weight_bias=weight_bias
+    )
     scale = case["scale"] if use_scale else None
     # Bitwise: the rows before the norm, at the kernel's rounding points.
     local = [
@@ -156,19 +168,7 @@ def test_finalize_matches_rounding_points_and_oracle(case_args):
         pad=1,
     )
     ws = workspace(world, dtype, tokens=tokens, hidden=hidden)
-    outs, world = run_finalize(
-        ws, case, use_scale=use_scale, use_shared=use_shared, routed=routed, weight_bias=0.0
-    )
-    check_finalize(
-        outs,
-        case,
-        world,
-        dtype,
-        use_scale=use_scale,
-        use_shared=use_shared,
-        routed=routed,
-        weight_bias=0.0,
-    )
+    check_finalize(ws, case, dtype, use_scale=use_scale, use_shared=use_shared, routed=routed)
 
 
 def test_finalize_all_slots_dropped_and_gemma_bias():
@@ -178,10 +178,8 @@ def test_finalize_all_slots_dropped_and_gemma_bias():
     )
     case["idx"][0][1] = -1  # token 1 dropped on every rank: only shared + residual remain
     case["idx"][1][1] = -1
-    ws = workspace(2, "bfloat16", tokens=4, hidden=256)
-    outs, world = run_finalize(ws, case, weight_bias=1.0)
     check_finalize(
-        outs, case, world, "bfloat16", use_scale=True, use_shared=True, routed=1.0, weight_bias=1.0
+        workspace(2, "bfloat16", tokens=4, hidden=256), case, "bfloat16", weight_bias=1.0
     )
 
 
@@ -208,7 +206,6 @@ def run_reduction(ws, case, *, return_allreduce_out=True, fallback="kernel_exact
 
     specs = (P("tp"), P("tp"), P("tp"), P(), P())
     n_out = 3 if return_allreduce_out else 2
-    f = jit_shard_map(body, mesh, specs, (P(),) * n_out)
     args = (
         np.stack(case["expert_outputs"]),
         np.stack(case["expert_scales"]),
@@ -216,7 +213,7 @@ def run_reduction(ws, case, *, return_allreduce_out=True, fallback="kernel_exact
         case["residual"],
         case["gamma"],
     )
-    return [np.asarray(o) for o in f(*(put(mesh, s, a) for s, a in zip(specs, args)))]
+    return [np.asarray(o) for o in run_sharded(body, mesh, specs, (P(),) * n_out, *args)]
 
 
 @pytest.mark.slow
@@ -382,17 +379,12 @@ def test_grad_equals_grad_of_the_reference():
 @pytest.mark.parametrize("hidden,kernel", [(7168, True), (4096, True), (2880, False)])
 def test_cuda_lowering_uses_the_moe_custom_call(hidden, kernel):
     ws = workspace(2, "bfloat16", tokens=16, hidden=hidden, backend="trtllm")
-    rng = np.random.default_rng(0)
-    case = mo.random_finalize_case(
-        rng, tokens=16, top_k=8, experts=16, world=2, dtype_name="bfloat16", hidden=8
-    )
     specs = (P("tp"), P("tp"), P(), P(), P())
     idx = jax.ShapeDtypeStruct((2, 16, 8), jnp.int32)
     permuted = jax.ShapeDtypeStruct((2, 40, hidden), jnp.bfloat16)
     row = jax.ShapeDtypeStruct((16, hidden), jnp.bfloat16)
     gamma = jax.ShapeDtypeStruct((hidden,), jnp.bfloat16)
     scale = jax.ShapeDtypeStruct((16, 8), jnp.bfloat16)
-    del case
 
     def body(permuted, idx, residual, gamma, scale):
         return finalize_fn(ws, strict=False)(permuted[0], idx[0], residual, gamma, scale)
@@ -470,9 +462,7 @@ def bad(idx=((0, 1),), idx_dtype=np.int32, dtype=BF, **kw):
 )
 def test_finalize_bad_inputs(make, match):
     permuted, idx, kw = make()
-    ws = workspace(2, "bfloat16", tokens=4, hidden=256)
-    if permuted.dtype == np.float32:
-        ws = workspace(2, "float32", tokens=4, hidden=256)
+    ws = workspace(2, permuted.dtype, tokens=4, hidden=256)  # the rows' own dtype
     with pytest.raises((ValueError, TypeError), match=match):
         call_finalize(ws, permuted, idx, **kw)
 

@@ -24,10 +24,9 @@ import sys
 
 import pytest
 
-from tests.cpu_devices import xla_flags
 from tests.gpu.workers import jax_multinode as mn
+from tests.jax.child_process import cpu_env
 from tests.gpu.harness import free_port, run_ranks, simulated_hosts_problem
-
 from tests.repo import REPO
 
 
@@ -201,13 +200,7 @@ def _docs_script() -> str:
 def test_docs_two_node_script_runs(tmp_path):
     script = tmp_path / "two_node.py"
     script.write_text(_docs_script())
-    env = dict(
-        os.environ,
-        JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}",
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS=xla_flags(4),
-        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    )
+    env = cpu_env(4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}")
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", _LAUNCH, str(script), str(rank), "2", f"node{rank}"],

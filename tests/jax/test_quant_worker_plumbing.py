@@ -8,15 +8,12 @@ the same partial sums (``draw_case`` patched), so rank 0's, repeated, is the glo
 and the float64 oracle of the workers sees the same data as the op.
 """
 
-import os
-import subprocess
-import sys
+import json
 import textwrap
 
 import pytest
 
-from tests.cpu_devices import xla_flags
-from tests.repo import REPO
+from tests.jax.child_process import cpu_env, run_script
 
 
 SCRIPT = textwrap.dedent("""
@@ -46,26 +43,16 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run(module: str, hiddens) -> dict:
-    import json
-
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS=xla_flags(2),
-        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    )
-    r = subprocess.run(
-        [sys.executable, "-c", SCRIPT.format(module=module, hiddens=hiddens)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=REPO,
-    )
+def _stats(script: str) -> dict:
+    """The last STATS line of ``script`` run on 2 CPU devices."""
+    r = run_script(script, env=cpu_env(2), timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     line = [x for x in r.stdout.splitlines() if x.startswith("STATS ")][-1]
     return json.loads(line[len("STATS ") :])
+
+
+def _run(module: str, hiddens) -> dict:
+    return _stats(SCRIPT.format(module=module, hiddens=hiddens))
 
 
 @pytest.mark.slow
@@ -108,24 +95,7 @@ def test_grad_worker_on_the_reference_path():
     """The gradient worker on 2 CPU devices: fused and unfused gradients agree bit for bit
     (the reference path), and both are within a few ulps of scale of the float64 oracle's
     hand-written backpropagation (which a wrong oracle would miss by orders of magnitude)."""
-    import json
-
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS=xla_flags(2),
-        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    )
-    r = subprocess.run(
-        [sys.executable, "-c", GRAD_SCRIPT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=REPO,
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    stats = json.loads([x for x in r.stdout.splitlines() if x.startswith("STATS ")][-1][6:])
+    stats = _stats(GRAD_SCRIPT)
     assert set(stats) == {"bfloat16", "float32"}
     for dtype, s in stats.items():
         assert s["backend"] == "xla" and s["custom_calls"] == 0, s

@@ -18,6 +18,7 @@ from tests.jax.cpu_helpers import (
     bits,
     jit_shard_map,
     make_mesh,
+    mesh_2x4,
     new_rng,
     random_gamma,
     random_partials,
@@ -35,10 +36,6 @@ require_host_devices()
 pytestmark = [pytest.mark.usefixtures("hermetic"), pytest.mark.oldest]
 
 TOKENS, K, N = 16, 64, 128
-
-
-def mesh_2x4(axis_type):
-    return jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(axis_type,) * 2)
 
 
 def bf16_workspace(mesh, max_token_num, hidden_dim, **kwargs):
