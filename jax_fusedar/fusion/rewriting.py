@@ -59,6 +59,12 @@ def _gamma(m, value):
     if value is None:
         return jnp.ones((m.hidden,), m.dtype)
     g = jnp.asarray(value).reshape(m.hidden)
+    T = jnp.dtype(m.dtype)
+    if g.dtype == T and all(
+        op[0] == "cast" and jnp.promote_types(T, op[1]) == jnp.dtype(op[1])
+        for op in m.norm.gamma_ops
+    ):
+        return g  # widening casts only (exact), back to T: gamma's own array
     for op in m.norm.gamma_ops:
         if op[0] == "cast":
             g = g.astype(op[1])
@@ -223,10 +229,11 @@ def _fused_keeping_vjp(m, fuser, x, residual, gamma):
 
 
 def _write_fp8(write, m, r, gamma, scale, out):
-    """Writes the fused FP8 outputs, with the program's derivative (_with_tail_derivative)."""
+    """Writes the fused FP8 outputs, with the program's derivative (_with_tail_derivative);
+    ``gamma`` as the program holds it (``_gamma`` applied here, only where a tail is)."""
     if m.norm.quant_var is None:
         return
-    q, s = _with_tail_derivative(m, r, gamma, scale, out.quant_out, out.scale_out)
+    q, s = _with_tail_derivative(m, r, _gamma(m, gamma), scale, out.quant_out, out.scale_out)
     _write(write, m.norm.quant_var, q)
     _write(write, m.norm.scale_out_var, s)
 
@@ -257,7 +264,7 @@ class InScopeEmit:
         out = self.fused(read, fuser, residual, gamma, scale)
         _write(write, m.r, out.residual_out)
         _write(write, m.norm.out_var, _norm_out(m, read, out.norm_out))
-        _write_fp8(write, m, out.residual_out, _gamma(m, gamma), scale, out)
+        _write_fp8(write, m, out.residual_out, gamma, scale, out)
 
 
 def _extra_outputs(m) -> tuple:
@@ -383,7 +390,7 @@ class BoundaryEmit:
             _write(write, m.norm.out_var, got.get("norm"))
             if m.norm.quant_var is not None:  # the tail's derivative, where the tail was
                 scale = None if m.norm.scale is None else read(m.norm.scale)
-                gamma = _gamma(m, None if m.norm.gamma is None else read(m.norm.gamma))
+                gamma = None if m.norm.gamma is None else read(m.norm.gamma)
                 fp8 = _Outputs(None, None, got["quant"], got.get("scale_out"))
                 _write_fp8(write, m, read(m.r), gamma, scale, fp8)
 
@@ -422,7 +429,7 @@ class SequenceParallelEmit:
             _write(write, m.norm.out_var, shard(y_full))
         else:
             _write(write, m.norm.out_var, y_full)
-            _write_fp8(write, m, r_full, _gamma(m, gamma), scale, out)
+            _write_fp8(write, m, r_full, gamma, scale, out)
 
 
 class PlainJitEmit:
