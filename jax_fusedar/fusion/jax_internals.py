@@ -116,6 +116,14 @@ def scan_layout(eqn) -> tuple[int, int]:
     raise MissingJaxInternal(_advice("a scan's num_consts / num_carry (or ft_in) parameters"))
 
 
+def dead_code_eliminated(jaxpr, used_outputs):
+    """(jaxpr returning only the outputs ``used_outputs`` marks, without what they do not
+    need; which of its inputs it still reads): JAX's own dead-code elimination, into nested
+    calls (a checkpoint's, a scan's) as JAX does when it lowers a program."""
+    dce = internal("jax._src.interpreters.partial_eval", "dce_jaxpr")
+    return dce(jaxpr, list(used_outputs))
+
+
 def closed_body(jaxpr):
     """A control-flow body as a ClosedJaxpr (JAX 0.10 stores a scan's body closed; newer
     releases store the open Jaxpr, its constants passed as operands)."""

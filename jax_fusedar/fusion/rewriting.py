@@ -490,10 +490,38 @@ class PlainJitEmit:
 # --- evaluation -----------------------------------------------------------------------------
 
 
+def _needed(jaxpr, plan, outvars=None) -> set:
+    """The equations ``jaxpr``'s outputs need, with the plan applied: every equation a site
+    replaces (``plan.skip``: the site reads some of its inputs) and every one with effects,
+    then what those read. The rest is dead code, which JAX drops when it lowers a program
+    but which the rewritten program would otherwise hold where JAX does not look (inside a
+    custom_jvp's function: a rotated, checkpointed scan body; a model's unused random keys
+    are such code)."""
+    live = {v for v in (jaxpr.outvars if outvars is None else outvars) if isinstance(v, jcore.Var)}
+    needed = set()
+    for i in range(len(jaxpr.eqns) - 1, -1, -1):
+        e = jaxpr.eqns[i]
+        if i in plan.skip or e.effects or any(v in live for v in e.outvars):
+            needed.add(i)
+            live.update(a for a in e.invars if isinstance(a, jcore.Var))
+    return needed
+
+
+def needed_inputs(jaxpr, plan, outvars) -> set:
+    """The inputs of ``jaxpr`` that ``outvars`` (some of its outputs) need with the plan
+    applied (``_needed``)."""
+    eqns = jaxpr.eqns
+    read = [a for i in _needed(jaxpr, plan, outvars) for a in eqns[i].invars] + list(outvars)
+    read = {a for a in read if isinstance(a, jcore.Var)}
+    return {v for v in jaxpr.invars if v in read}
+
+
 def evaluate(jaxpr, consts, args, plan, fuser, extra_in=()):
-    """``jaxpr``'s outputs (then a shard_map body's extra outputs) with the plan applied."""
+    """``jaxpr``'s outputs (then a shard_map body's extra outputs) with the plan applied;
+    dead equations are left out (``_needed``)."""
     env = {}
     extra_out = {}
+    needed = _needed(jaxpr, plan)
 
     def read(a):
         return a.val if isinstance(a, jcore.Literal) else env[a]
@@ -508,7 +536,7 @@ def evaluate(jaxpr, consts, args, plan, fuser, extra_in=()):
     for i, eqn in enumerate(jaxpr.eqns):
         for em in plan.emit.get(i, ()):
             em(read, write, fuser, extra_in, extra_out)
-        if i in plan.skip:
+        if i in plan.skip or i not in needed:
             continue
         params = eqn.params
         if i in plan.children:

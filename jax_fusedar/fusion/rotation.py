@@ -275,7 +275,7 @@ class RotatedScanEmit:
         self.eqn, self.bg, self.rot, self.plan = eqn, rot.bg, rot, plan
 
     def __call__(self, read, write, fuser, extra_in, extra_out):
-        from .rewriting import evaluate
+        from .rewriting import evaluate, needed_inputs
 
         e, rot = self.eqn, self.rot
         p = e.params
@@ -299,48 +299,85 @@ class RotatedScanEmit:
         h0 = env[proof.out_var]
         view_consts = getattr(p["jaxpr"], "consts", ())
         view = self.rot.view
+        all_xs = [*xs, *next_gamma]
+        # The new loop takes only the scanned inputs its iteration reads, and returns as
+        # outputs only what it computes: a scanned input the body returns as is (a model's
+        # random keys passed through) is the stacked input itself. The rotated body is
+        # evaluated again, and where it sits in a custom_jvp (checkpointed) JAX could no
+        # longer drop what only dead code reads, as it does for the loop as written.
+        n_lead = nc + nk + 1
+        xs_vars, ys_vars = view.invars[n_lead:], view.outvars[nk + 1 :]
+        through = {k: xs_vars.index(v) for k, v in enumerate(ys_vars) if v in xs_vars}
+        own_ys = [k for k in range(len(ys_vars)) if k not in through]
+        needed = needed_inputs(
+            view, self.plan, [*view.outvars[: nk + 1], *(ys_vars[k] for k in own_ys)]
+        )
+        keep = [j for j, v in enumerate(xs_vars) if v in needed]
+        original = None
+        if rot.checkpointed:
+            body = jax_internals.closed_body(p["jaxpr"])
+            n_ys = len(body.jaxpr.outvars) - nk
+            dced, used = jax_internals.dead_code_eliminated(
+                body.jaxpr, [True] * nk + [k not in through for k in range(n_ys)]
+            )
+            original = (jcore.ClosedJaxpr(dced, body.consts), used)
+            keep = sorted({*keep, *(j for j in range(len(xs)) if used[nc + nk + j])})
+            keep = sorted({*keep, *range(len(xs), len(all_xs))})  # the shifted gamma
+
+        def expand(kept):
+            full = [None] * len(all_xs)
+            for j, v in zip(keep, kept):
+                full[j] = v
+            return full
 
         def run(consts_, carry, x):
             outs = evaluate(view, view_consts, [*consts_, *carry, *x], self.plan, fuser)
-            return tuple(outs[: nk + 1]), tuple(outs[nk + 1 :])
+            return tuple(outs[: nk + 1]), tuple(outs[nk + 1 + k] for k in own_ys)
 
         def step(carry, x):
-            return run(consts, carry, x)
+            return run(consts, carry, expand(x))
 
         if rot.checkpointed:
-            step = self._with_original_derivative(run, p, consts, nk, bool(next_gamma))
+            step = self._with_original_derivative(
+                run, original, consts, nk, bool(next_gamma), expand
+            )
         carry, ys = jax.lax.scan(
             step,
             (*init, h0),
-            (*xs, *next_gamma),
+            tuple(all_xs[j] for j in keep),
             length=p["length"],
             unroll=p.get("unroll", 1),
         )
-        outs = list(carry[:nk]) + list(ys)
+        own = iter(ys)
+        ys = [all_xs[through[k]] if k in through else next(own) for k in range(len(ys_vars))]
+        outs = list(carry[:nk]) + ys
         for v, val in zip(e.outvars, outs):
             if not isinstance(v, jcore.DropVar):
                 write(v, val)
         if rot.final is not None:
             write(rot.final.out_var, carry[nk])
 
-    def _with_original_derivative(self, run, p, consts, nk, shifted):
+    def _with_original_derivative(self, run, original, consts, nk, shifted, expand):
         """``run`` (the rotated, fused iteration) with the derivative of the iteration as
         written: the original body (its checkpoint call and policy) and the next layer's
         norm of its carry out, under one checkpoint, linearized at the same inputs. Under
         differentiation the iteration then saves what the original saves (its inputs) and
         recomputes what it recomputes, and gradients are the original's; the rotated
-        carry ``h`` gets no cotangent (its value is the next iteration's own norm)."""
+        carry ``h`` gets no cotangent (its value is the next iteration's own norm).
+        ``original``: (the body as written without its dead code, the inputs it reads);
+        ``expand``: the loop's scanned inputs, those it does not read as None."""
         from jax.extend.core import jaxpr_as_fun
 
         rot, bg = self.rot, self.bg
         proof = rot.proof
-        original = jaxpr_as_fun(jax_internals.closed_body(p["jaxpr"]))
+        body, used = original
+        body = jaxpr_as_fun(body)
         n_const = len(consts)
         c = rot.carry
 
         @jax.checkpoint
         def written(args, g_next):
-            outs = original(*args)
+            outs = body(*(a for a, u in zip(args, used) if u))
             env = {rot.x_in: outs[c]}
             if proof.gamma is not None:
                 env[proof.gamma] = g_next if shifted else args[bg.jaxpr.invars.index(proof.gamma)]
@@ -351,7 +388,7 @@ class RotatedScanEmit:
             consts_, carry, xs = (
                 flat[:n_const],
                 flat[n_const : n_const + nk + 1],
-                flat[n_const + nk + 1 :],
+                expand(flat[n_const + nk + 1 :]),
             )
             g_next = xs[-1] if shifted else None
             xs = xs[:-1] if shifted else xs
@@ -359,7 +396,7 @@ class RotatedScanEmit:
 
         @jax.custom_jvp
         def fused(*flat):
-            carry, xs = flat[n_const : n_const + nk + 1], flat[n_const + nk + 1 :]
+            carry, xs = flat[n_const : n_const + nk + 1], expand(flat[n_const + nk + 1 :])
             new_carry, ys = run(flat[:n_const], carry, xs)
             return (*new_carry, *ys)
 
