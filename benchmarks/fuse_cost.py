@@ -17,7 +17,9 @@ on the arrays'. For each model and repetition, from empty caches:
 * analysis: ``fused.analyze(...)`` (trace + the pass) minus the trace: the pass itself, its
   re-trace of the rewritten program included;
 * lower + compile of the traced ``jax.jit(original)`` and ``jax.jit(fused)`` (StableHLO,
-  then XLA's compile): what the rewritten program costs beyond the pass.
+  then XLA's compile): what the rewritten program costs beyond the pass; for a scanned
+  decoder also of the loop rotated by hand without ``fuse`` (``_rotated_by_hand``): what
+  the rotation alone costs.
 
 Printed: medians with the spread (min-max) over the repetitions, analysis per layer, and the
 ratio of the fused program's lower + compile to the original's. Targets: analysis <= 10 ms per
@@ -63,8 +65,30 @@ def _layer(x, p):
     return x + jax.lax.psum(jax.nn.silu(h @ p["w_up"]) @ p["w_down"], "tp")
 
 
-def decoder(layers: int, scan: bool):
-    """(fn, args, mesh) of a pre-norm decoder of ``layers`` layers."""
+def _rotated_by_hand(params, x):
+    """The scanned decoder rotated as ``fuse`` rotates it, written by hand without the
+    fused op: the first norm before the loop, each iteration ending with the next layer's
+    norm (gamma's stack shifted by one, the final norm's gamma last). Its lower + compile
+    against the original's is the cost of the rotation alone."""
+    stack = params["layers"]
+    g_next = jnp.concatenate([stack["attn_norm"][1:], params["final_norm"][None]])
+
+    def step(carry, p):
+        x, h = carry
+        p, g = p
+        x = x + jax.lax.psum(jnp.tanh(h @ p["wv"]) @ p["wo"], "tp")
+        h = _rms_norm(x, p["mlp_norm"])
+        x = x + jax.lax.psum(jax.nn.silu(h @ p["w_up"]) @ p["w_down"], "tp")
+        return (x, _rms_norm(x, g)), None
+
+    h0 = _rms_norm(x, stack["attn_norm"][0])
+    (_, h), _ = jax.lax.scan(step, (x, h0), (stack, g_next))
+    return h
+
+
+def decoder(layers: int, scan: bool, by_hand: bool = False):
+    """(fn, args, mesh) of a pre-norm decoder of ``layers`` layers (``by_hand``: scanned,
+    rotated by hand, ``_rotated_by_hand``)."""
     mesh = jax.make_mesh((8,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
     rng = np.random.default_rng(0)
     dt = jnp.bfloat16
@@ -96,6 +120,8 @@ def decoder(layers: int, scan: bool):
     pspecs = dict(layers=pspecs, final_norm=P())
 
     def body(params, x):
+        if by_hand:
+            return _rotated_by_hand(params, x)
         if scan:
             x, _ = jax.lax.scan(lambda x, p: (_layer(x, p), None), x, params["layers"])
         else:
@@ -115,11 +141,13 @@ def _timed(f):
     return time.perf_counter() - t
 
 
-def measure(name, fn, args, mesh, axis, layers, reps, context=None):
+def measure(name, fn, args, mesh, axis, layers, reps, context=None, by_hand=None):
+    """One row; ``by_hand``: the same program rotated by hand, whose lower + compile is
+    timed in the same repetitions (the rotation's own cost)."""
     import contextlib
 
     ctx = context or contextlib.nullcontext
-    trace, analysis, orig, fused_c, sites = [], [], [], [], None
+    trace, analysis, orig, fused_c, hand, sites = [], [], [], [], [], None
     # Every compile is timed in full: no persistent cache. MaxText's config sets one up, and
     # JAX decides once per process whether it is used: reset that decision too.
     from jax.experimental.compilation_cache import compilation_cache
@@ -137,7 +165,7 @@ def measure(name, fn, args, mesh, axis, layers, reps, context=None):
             rep = fused.report
             sites = (len(rep.fused), len(rep.sites), rep.fused_runs())
             # Alternated, so that neither program always compiles first (a warmer process).
-            order = [(orig, fn), (fused_c, fused)]
+            order = [(orig, fn), (fused_c, fused)] + ([(hand, by_hand)] if by_hand else [])
             for out, f in order if len(orig) % 2 == 0 else order[::-1]:
                 jax.clear_caches()
                 traced = jax.jit(f).trace(*args)  # (the fused one's pass: timed above)
@@ -161,6 +189,8 @@ def measure(name, fn, args, mesh, axis, layers, reps, context=None):
         # The ratio of each repetition's pair, then their median (same caches, same load).
         "compile_ratio": stat([f / o for f, o in zip(fused_c, orig)]),
     }
+    if by_hand:
+        row["rotated_by_hand_compile_ratio"] = stat([h / o for h, o in zip(hand, orig)])
     return row
 
 
@@ -177,7 +207,12 @@ def print_row(r):
         f"analysis {_fmt(r['analysis_s'])} s = {r['analysis_ms_per_layer']:.2f} ms/layer "
         f"[{'ok' if ok_a else 'OVER'}] | lower+compile orig {_fmt(r['original_lower_compile_s'])}"
         f" s, fused {_fmt(r['fused_lower_compile_s'])} s, ratio {_fmt(r['compile_ratio'])} "
-        f"[{'ok' if ok_c else 'OVER'}]",
+        f"[{'ok' if ok_c else 'OVER'}]"
+        + (
+            f" | rotated by hand, no fuse: ratio {_fmt(r['rotated_by_hand_compile_ratio'])}"
+            if "rotated_by_hand_compile_ratio" in r
+            else ""
+        ),
         flush=True,
     )
 
@@ -208,8 +243,18 @@ def main(argv=None) -> int:
         for layers in a.layers:
             for mode in a.modes:
                 fn, args, mesh, axis, n = decoder(layers, mode == "scanned")
+                hand = decoder(layers, True, by_hand=True)[0] if mode == "scanned" else None
                 rows.append(
-                    measure(f"decoder {mode} {layers} layers", fn, args, mesh, axis, n, a.reps)
+                    measure(
+                        f"decoder {mode} {layers} layers",
+                        fn,
+                        args,
+                        mesh,
+                        axis,
+                        n,
+                        a.reps,
+                        by_hand=hand,
+                    )  # fmt: skip
                 )
                 print_row(rows[-1])
     if a.integration or a.only_integration:
