@@ -13,6 +13,7 @@ import os
 import pytest
 
 from tests.gpu.harness import sweep_params
+from tests.repo import REPO
 
 pytestmark = pytest.mark.gpu
 
@@ -64,11 +65,16 @@ def test_native_single_process_peer_pointers():
     """Both ranks in this one process (the single-process path), in a child process so a
     hang cannot take the test run with it."""
     pytest.importorskip("torch")
-    from tests.gpu.case_runs import run_python
+    import subprocess
+    import sys
 
-    # env None: the child inherits this process's environment
-    argv = ["-m", "tests.gpu.workers.native_single_process", "4096"]
-    proc = run_python(argv, env=None, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.gpu.workers.native_single_process", "4096"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     print(result)
