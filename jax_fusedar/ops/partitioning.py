@@ -425,16 +425,7 @@ def _local_program(cfg: _Config, mesh, k_axes: tuple):
         partial_sum = _reduce_size_one_axes(partial_sum, k_axes, mesh)
         axes = _reduced_axes(k_axes, mesh)
         if not axes:  # nothing to reduce: the plain math
-            _, res, norm = reference.epilogue(
-                partial_sum,
-                residual,
-                gamma,
-                pattern=_PATTERN,
-                rms_eps=cfg.rms_eps,
-                weight_bias=cfg.weight_bias,
-                rounding=reference.roundings(cfg.fallback)[0],
-            )
-            return res, norm
+            return _epilogue(partial_sum, residual, gamma, cfg)
         n = partial_sum.shape[-1]
         rows = (math.prod(partial_sum.shape[:-1]), n)
         x2, r2 = partial_sum.reshape(rows), residual.reshape(rows)
@@ -490,9 +481,9 @@ def _reduce_size_one_axes(x, axes, mesh):
     return jax.lax.psum(x, ones) if ones else x
 
 
-def _plain(h, w, residual, gamma, cfg):
-    """The op's meaning on one device: the contraction, the residual add and the norm."""
-    summed = cfg.dims.contract(h, w, cfg.precision)
+def _epilogue(summed, residual, gamma, cfg):
+    """(residual_out, norm_out) of a complete sum: the residual add and RMSNorm, rounding as
+    the call's fallback does (``reference.roundings``)."""
     _, res, norm = reference.epilogue(
         summed,
         residual,
@@ -503,6 +494,11 @@ def _plain(h, w, residual, gamma, cfg):
         rounding=reference.roundings(cfg.fallback)[0],
     )
     return res, norm
+
+
+def _plain(h, w, residual, gamma, cfg):
+    """The op's meaning on one device: the contraction, the residual add and the norm."""
+    return _epilogue(cfg.dims.contract(h, w, cfg.precision), residual, gamma, cfg)
 
 
 def row_parallel_without_kernel(
