@@ -66,9 +66,9 @@ def residual_add(summed, residual, *, rounding=None):
     ``round_tangent`` to apply the same (linear) map to tangents (jax_fusedar/ops/transforms.py).
 
     With ``convert_to`` it is written as the add in T that unfused code writes: the same
-    value (float32 holds at least 2p + 2 bits of T's p, so rounding the float32 sum to T is
-    rounding the exact sum, as T's own add does), and XLA then treats it as the program's
-    own add, excess precision included."""
+    value (for a 16-bit T of p significand bits float32 has at least 2p + 2, so rounding the
+    float32 sum to T rounds the exact sum, as T's own add does; for float32 it is that add),
+    and XLA then treats it as the program's own add, excess precision included."""
     if rounding is convert_to:
         return summed + residual.astype(summed.dtype)
     rounding = round_to if rounding is None else rounding
