@@ -262,26 +262,23 @@ def resolve_backend(
     """The backend ("trtllm" or "xla") a workspace over ``axis_name`` of ``mesh`` gets
     when created with ``backend``, without creating it: the rule of
     ``create_allreduce_fusion_workspace`` (``platform``: the mesh's devices' by default).
-    Under ``jax.distributed`` it learns the processes' host names (once per process)."""
+    Under ``jax.distributed`` it learns the processes' host names (once per process).
+
+    Every TP group along the axis is counted on its own members' hosts
+    (``backend_choice.resolve_backend_for_groups``). One backend for the whole workspace:
+    one program runs on every rank, so the custom call is in it for all groups or for none.
+    "auto" with a group across nodes takes XLA's collectives, and says why once."""
     if platform is None:
         platform = mesh.devices.flat[0].platform
     if exchange_timeout_s is None:
         exchange_timeout_s = _HOSTNAME_TIMEOUT_S
     groups = mesh_groups(mesh, axis_name)
-    return _choose_backend(mesh, axis_name, groups, backend, platform, exchange_timeout_s)
-
-
-def _choose_backend(mesh, axis_name, groups, requested, platform: str, timeout_s: float) -> str:
-    """The backend of every TP group along ``axis_name``, each group counted on its own
-    members' hosts (``backend_choice.resolve_backend_for_groups``). One backend for the whole
-    workspace: one program runs on every rank, so the custom call is in it for all groups or
-    for none. "auto" with a group across nodes takes XLA's collectives, and says why once."""
-    backend_choice.resolve_backend(requested, platform=platform)  # a bad name fails before any wait
+    backend_choice.resolve_backend(backend, platform=platform)  # a bad name fails before any wait
     choice = backend_choice.resolve_backend_for_groups(
-        requested,
+        backend,
         platform=platform,
         groups=groups,
-        host_of=_device_hosts(mesh, timeout_s),
+        host_of=_device_hosts(mesh, exchange_timeout_s),
         member_name="device",
     )
     if choice.reason:
@@ -459,10 +456,7 @@ def create_allreduce_fusion_workspace(
 
     ws = _describe(mesh, axis_name, max_token_num, hidden_dim, dtype, None, name)
     _set_backend(
-        ws,
-        _choose_backend(
-            mesh, axis_name, ws.groups, backend, mesh.devices.flat[0].platform, exchange_timeout_s
-        ),
+        ws, resolve_backend(mesh, axis_name, backend, exchange_timeout_s=exchange_timeout_s)
     )
     resolved = ws.backend
     ws.xla_requested = backend_choice.requested_backend(backend)[0] == "xla"
@@ -504,9 +498,7 @@ def abstract_workspace(
     if backend not in ("auto", "trtllm", "xla"):
         raise ValueError(f"backend must be 'auto', 'trtllm' or 'xla', not {backend!r}")
     ws = _describe(mesh, axis_name, max_token_num, hidden_dim, dtype, None, name)
-    _set_backend(
-        ws, _choose_backend(mesh, axis_name, ws.groups, backend, "cuda", _HOSTNAME_TIMEOUT_S)
-    )
+    _set_backend(ws, resolve_backend(mesh, axis_name, backend, platform="cuda"))
     ws.xla_requested = True  # decided for GPUs: "xla" here is what cuda programs should run
     _claim_id(ws, allocates=False)
     return ws

@@ -321,8 +321,9 @@ class RotatedScanEmit:
                 body.jaxpr, [True] * nk + [k not in through for k in range(n_ys)]
             )
             original = (jcore.ClosedJaxpr(dced, body.consts), used)
-            keep = sorted({*keep, *(j for j in range(len(xs)) if used[nc + nk + j])})
-            keep = sorted({*keep, *range(len(xs), len(all_xs))})  # the shifted gamma
+            # what the body as written reads too, and the shifted gamma (its next norm's)
+            read = (j for j in range(len(xs)) if used[nc + nk + j])
+            keep = sorted({*keep, *read, *range(len(xs), len(all_xs))})
 
         def expand(kept):
             full = [None] * len(all_xs)
