@@ -513,6 +513,7 @@ def row_parallel_without_kernel(
     ``jax_fusedar.fuse`` emits this for a plain-jit site whose workspace has no kernel (the
     xla backend), so that the rewritten program costs what the original did to run and to
     compile."""
+    fallback = as_fallback(fallback)
     opts = arguments.fusion_options(
         rms_eps=rms_eps, weight_bias=weight_bias, fp32_acc=True, use_oneshot=None
     )

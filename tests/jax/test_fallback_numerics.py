@@ -22,6 +22,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_fusedar as jf
+from jax_fusedar.ops import partitioning
 from jax_fusedar.common.limits import SUPPORTED_WORLD_SIZES
 from tests.jax.child_process import cpu_env, run_script
 from tests.jax.cpu_helpers import (
@@ -288,5 +289,14 @@ def test_fallback_takes_one_of_its_names_never_a_coerced_value(bad):
             jax.numpy.zeros((8, 256), "bfloat16"),
             residual=None,
             rms_gamma=jax.numpy.ones(256, "bfloat16"),
+            fallback=bad,
+        )
+    with pytest.raises(ValueError, match=r"fallback must be one of"):  # fuse's plain-jit entry
+        partitioning.row_parallel_without_kernel(
+            jax.numpy.zeros((4, 256), "bfloat16"),
+            residual=jax.numpy.zeros((4, 256), "bfloat16"),
+            rms_gamma=jax.numpy.ones(256, "bfloat16"),
+            rms_eps=1e-6,
+            weight_bias=0.0,
             fallback=bad,
         )
