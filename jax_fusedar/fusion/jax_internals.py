@@ -136,6 +136,74 @@ def closed_body(jaxpr):
     return ClosedJaxpr(jaxpr, [])
 
 
+def jaxpr_inliner():
+    """``inline(eqns, read, write) -> bool`` that records equations unchanged into the
+    jaxpr being traced now, as JAX inlines a jitted function's equations
+    (``inline_jaxpr_into_trace``): their inputs are ``read`` from the rewrite's
+    environment, their outputs ``write``-n to it, without binding each primitive again
+    (no abstract evaluation, no staging rule: what makes a re-trace cost as much as the
+    user's own trace). It declines (False, nothing recorded; the caller binds them) unless
+    every input is this trace's tracer of exactly the type the equation read (so the
+    recorded types stay true), or a concrete array of that type, and no equation has an
+    effect. None where no jaxpr is being traced, or this JAX lacks the routine."""
+    try:
+        jcore_ = importlib.import_module("jax._src.core")
+        pe = importlib.import_module("jax._src.interpreters.partial_eval")
+        source_info_util = importlib.import_module("jax._src.source_info_util")
+        inline_into = pe.inline_jaxpr_into_trace
+        trace = jcore_.trace_ctx.trace
+        tracer_type, jaxpr_type, drop = pe.DynamicJaxprTracer, jcore_.Jaxpr, jcore_.DropVar
+        # What JAX gives a jaxpr of no traced function (names of its arguments unknown).
+        debug = importlib.import_module("jax._src.linear_util").DebugInfo(
+            "jax_fusedar.fuse", "<equations the rewrite keeps>", None, None
+        )
+    except (ImportError, AttributeError):
+        return None
+    if not isinstance(trace, pe.DynamicJaxprTrace):
+        return None
+    src = source_info_util.current()
+
+    def inline(eqns, read, write) -> bool:
+        if any(e.effects for e in eqns):
+            return False
+        defined, free = set(), {}
+        for e in eqns:
+            for a in e.invars:
+                if isinstance(a, jcore_.Var) and a not in defined:
+                    free.setdefault(a, None)
+            defined.update(e.outvars)
+        invars, args, constvars, consts = [], [], [], []
+        for v in free:
+            x = read(v)
+            if isinstance(x, tracer_type):
+                if x._trace is not trace or x.aval != v.aval:
+                    return False
+                invars.append(v)
+                args.append(x)
+            elif isinstance(x, jax.Array) and not isinstance(x, jcore_.Tracer):
+                if jcore_.typeof(x) != v.aval:
+                    return False
+                constvars.append(v)
+                consts.append(x)
+            else:
+                return False
+        outvars = [v for e in eqns for v in e.outvars if not isinstance(v, drop)]
+        jaxpr = jaxpr_type(constvars, invars, outvars, eqns, debug_info=debug)
+        for v, out in zip(outvars, inline_into(trace, src, jaxpr, consts, *args)):
+            write(v, out)
+        return True
+
+    return inline
+
+
+def axis_name_effects(effects) -> set:
+    """The effects among ``effects`` that only record which named axes a jaxpr reads
+    (``NamedAxisEffect``): bookkeeping that depends on where a body was traced (JAX drops
+    them at the ``shard_map`` that binds the axes), not on what the body computes."""
+    kind = internal("jax._src.core", "NamedAxisEffect")
+    return {e for e in effects if isinstance(e, kind)}
+
+
 def bind_params(eqn, params):
     """(subfuns, params) with which ``eqn.primitive`` is bound again with ``params``."""
     out = eqn.primitive.get_bind_params(params)

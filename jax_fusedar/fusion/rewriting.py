@@ -11,7 +11,14 @@ from jax.extend import core as jcore
 from jax.sharding import PartitionSpec as P
 
 from . import graph as G
-from .jax_internals import bind_params, eqn_context, shard_map_body_context, trace_to_jaxpr
+from .jax_internals import (
+    axis_name_effects,
+    bind_params,
+    eqn_context,
+    jaxpr_inliner,
+    shard_map_body_context,
+    trace_to_jaxpr,
+)
 
 
 # What a fused site computes where no kernel serves it (ops/plan.py's FALLBACKS): the
@@ -507,6 +514,21 @@ def _needed(jaxpr, plan, outvars=None) -> set:
     return needed
 
 
+def _signature(jaxpr) -> tuple:
+    """A (closed) jaxpr's input and output types, with their effects."""
+    inner = jaxpr.jaxpr if isinstance(jaxpr, jcore.ClosedJaxpr) else jaxpr
+    return (
+        tuple(v.aval for v in inner.invars),
+        tuple(a.aval for a in inner.outvars),
+        inner.effects,
+    )
+
+
+def _kept(plan, i) -> bool:
+    """Whether the plan keeps equation ``i`` as it is (a dead one too: it is left out)."""
+    return i not in plan.skip and i not in plan.children
+
+
 def needed_inputs(jaxpr, plan, outvars) -> set:
     """The inputs of ``jaxpr`` that ``outvars`` (some of its outputs) need with the plan
     applied (``_needed``)."""
@@ -533,23 +555,42 @@ def evaluate(jaxpr, consts, args, plan, fuser, extra_in=()):
         write(v, c)
     for v, a in zip(jaxpr.invars, args):
         write(v, a)
-    for i, eqn in enumerate(jaxpr.eqns):
+    eqns = jaxpr.eqns
+    # Runs of equations the plan leaves as they are (no emission before them, not skipped,
+    # no sub-jaxpr rewritten) are recorded as they are: re-binding each one would cost as
+    # much as the user's own trace did.
+    inline = jaxpr_inliner()
+    run_end = -1
+    for i, eqn in enumerate(eqns):
         for em in plan.emit.get(i, ()):
             em(read, write, fuser, extra_in, extra_out)
-        if i in plan.skip or i not in needed:
+        if i in plan.skip or i not in needed or i < run_end:
             continue
+        if inline is not None and i not in plan.children:
+            end = i + 1
+            while end < len(eqns) and end not in plan.emit and _kept(plan, end):
+                end += 1
+            if inline([eqns[k] for k in range(i, end) if k in needed], read, write):
+                run_end = end
+                continue
         params = eqn.params
         if i in plan.children:
-            params = dict(params)
+            params, same_types = dict(params), True
             for (k, j), sub in plan.children[i].items():
                 orig = params[k] if j is None else params[k][j]
                 new = rewrite(orig, sub, fuser)
+                same_types = same_types and _signature(new) == _signature(orig)
                 if j is None:
                     params[k] = new
                 else:
                     seq = list(params[k])
                     seq[j] = new
                     params[k] = type(params[k])(seq)
+            # Its sub-jaxprs rewritten with their types kept, the equation is recorded with
+            # them as it is: binding it would trace them once more (a shard_map does).
+            if inline is not None and same_types:
+                if inline([eqn.replace(params=params)], read, write):
+                    continue
         subfuns, bind = bind_params(eqn, params)
         with eqn_context(eqn):
             ans = eqn.primitive.bind(*subfuns, *[read(a) for a in eqn.invars], **bind)
@@ -582,6 +623,13 @@ def rewrite(orig, plan, fuser):
     for a, b in zip(jaxpr.outvars, new.outvars):
         if a.aval.shape != b.aval.shape or a.aval.dtype != b.aval.dtype:
             raise AssertionError(f"jax_fusedar.fuse changed an output type: {a.aval} -> {b.aval}")
+    # Traced here, the body records the named axes it reads, which the original (traced by
+    # the shard_map that binds them) does not: the same program, so it keeps its effects.
+    if new.effects != jaxpr.effects and (
+        new.effects - axis_name_effects(new.effects)
+        == jaxpr.effects - axis_name_effects(jaxpr.effects)
+    ):
+        new = new.replace(effects=jaxpr.effects)
     if closed:
         return jcore.ClosedJaxpr(new, new_consts)
     if new_consts:

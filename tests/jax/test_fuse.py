@@ -319,6 +319,27 @@ def test_fuse_of_jit_and_jit_of_fuse_agree(ws):
     assert_same(a, smap(hand_body(ws))(x, res, g))
 
 
+def test_the_equations_fuse_keeps_keep_the_models_names(ws):
+    """What fuse leaves as it is is recorded as the model traced it, not bound again: the
+    model's named scopes stay in the fused program (its profiles and HLO dumps)."""
+
+    def body(x, res, g):
+        with jax.named_scope("before_the_site"):
+            y = jnp.tanh(x[0])
+        r = jax.lax.psum(y, "tp") + res
+        n = norm_plain(r, g)
+        with jax.named_scope("after_the_site"):
+            return r, jnp.sin(n)
+
+    x, res, g = inputs()
+    fused = jf.fuse(smap(body), workspace=ws)
+    text = jax.jit(fused).lower(x, res, g).as_text(debug_info=True)
+    assert len(fused.report.fused) == 1
+    for name in ("before_the_site/tanh", "after_the_site/sin"):
+        assert name in text, name
+    assert_same(fused(x, res, g), smap(body)(x, res, g))
+
+
 def test_kwargs_and_pytrees_pass_through(ws):
     x, res, g = inputs()
 
