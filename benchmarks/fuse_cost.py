@@ -30,6 +30,7 @@ layer, lower + compile <= 1.1x the original's. Only the public API is used
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -49,6 +50,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 import jax_fusedar as jf  # noqa: E402
 
 HIDDEN, FFN, TOKENS, EPS = 256, 512, 16, 1e-5
+HEADS, KV_HEADS, HEAD_DIM, ROPE_THETA = 16, 8, 16, 10000.0
 TARGET_MS_PER_LAYER, TARGET_COMPILE_RATIO = 10.0, 1.1
 
 
@@ -58,27 +60,90 @@ def _rms_norm(x, g):
     return (y * g.astype(jnp.float32)).astype(x.dtype)
 
 
-def _layer(x, p):
+def _rope(x):
+    """Llama's rotary embedding (rotate-half) of x [T, heads, HEAD_DIM] at positions 0..T-1."""
+    half = HEAD_DIM // 2
+    freq = ROPE_THETA ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle = jnp.arange(x.shape[0], dtype=jnp.float32)[:, None, None] * freq
+    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+
+
+def _llama_attention(h, p):
+    """Grouped-query causal self-attention on this rank's heads; the out-projection's
+    partial sum (before the all-reduce)."""
+    t = h.shape[0]
+    q = _rope((h @ p["wq"]).reshape(t, -1, HEAD_DIM))
+    k = _rope((h @ p["wk"]).reshape(t, -1, HEAD_DIM))
+    v = (h @ p["wv"]).reshape(t, -1, HEAD_DIM)
+    group = q.shape[1] // k.shape[1]
+    k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
+    s = jnp.einsum("thd,shd->hts", q, k, preferred_element_type=jnp.float32) / HEAD_DIM**0.5
+    s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf)
+    o = jnp.einsum("hts,shd->thd", jax.nn.softmax(s, -1), v.astype(jnp.float32))
+    return o.reshape(t, -1).astype(h.dtype) @ p["wo"]
+
+
+def _llama_mlp(h, p):
+    """SwiGLU on this rank's FFN slice; the down-projection's partial sum."""
+    return (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+
+
+# A layer kind: (attention block, MLP block, {weight: (shape, spec)}). Each block returns
+# this rank's partial sum, which the layer all-reduces (psum) and adds to the residual.
+KINDS = {
+    "llama": (
+        _llama_attention,
+        _llama_mlp,
+        dict(
+            wq=((HIDDEN, HEADS * HEAD_DIM), P(None, "tp")),
+            wk=((HIDDEN, KV_HEADS * HEAD_DIM), P(None, "tp")),
+            wv=((HIDDEN, KV_HEADS * HEAD_DIM), P(None, "tp")),
+            wo=((HEADS * HEAD_DIM, HIDDEN), P("tp")),
+            w_gate=((HIDDEN, FFN), P(None, "tp")),
+            w_up=((HIDDEN, FFN), P(None, "tp")),
+            w_down=((FFN, HIDDEN), P("tp")),
+        ),
+    ),
+    # Attention reduced to one value projection: the smallest body around two sites, where
+    # the rotation's fixed cost (the peeled norm) weighs most.
+    "minimal": (
+        lambda h, p: jnp.tanh(h @ p["wv"]) @ p["wo"],
+        lambda h, p: jax.nn.silu(h @ p["w_up"]) @ p["w_down"],
+        dict(
+            wv=((HIDDEN, HIDDEN), P(None, "tp")),
+            wo=((HIDDEN, HIDDEN), P("tp")),
+            w_up=((HIDDEN, FFN), P(None, "tp")),
+            w_down=((FFN, HIDDEN), P("tp")),
+        ),
+    ),
+}
+
+
+def _layer(kind, x, p):
+    attention, mlp, _ = KINDS[kind]
     h = _rms_norm(x, p["attn_norm"])
-    x = x + jax.lax.psum(jnp.tanh(h @ p["wv"]) @ p["wo"], "tp")
+    x = x + jax.lax.psum(attention(h, p), "tp")
     h = _rms_norm(x, p["mlp_norm"])
-    return x + jax.lax.psum(jax.nn.silu(h @ p["w_up"]) @ p["w_down"], "tp")
+    return x + jax.lax.psum(mlp(h, p), "tp")
 
 
-def _rotated_by_hand(params, x):
+def _rotated_by_hand(kind, params, x):
     """The scanned decoder rotated as ``fuse`` rotates it, written by hand without the
     fused op: the first norm before the loop, each iteration ending with the next layer's
     norm (gamma's stack shifted by one, the final norm's gamma last). Its lower + compile
     against the original's is the cost of the rotation alone."""
+    attention, mlp, _ = KINDS[kind]
     stack = params["layers"]
     g_next = jnp.concatenate([stack["attn_norm"][1:], params["final_norm"][None]])
 
     def step(carry, p):
         x, h = carry
         p, g = p
-        x = x + jax.lax.psum(jnp.tanh(h @ p["wv"]) @ p["wo"], "tp")
+        x = x + jax.lax.psum(attention(h, p), "tp")
         h = _rms_norm(x, p["mlp_norm"])
-        x = x + jax.lax.psum(jax.nn.silu(h @ p["w_up"]) @ p["w_down"], "tp")
+        x = x + jax.lax.psum(mlp(h, p), "tp")
         return (x, _rms_norm(x, g)), None
 
     h0 = _rms_norm(x, stack["attn_norm"][0])
@@ -86,30 +151,22 @@ def _rotated_by_hand(params, x):
     return h
 
 
-def decoder(layers: int, scan: bool, by_hand: bool = False):
-    """(fn, args, mesh) of a pre-norm decoder of ``layers`` layers (``by_hand``: scanned,
-    rotated by hand, ``_rotated_by_hand``)."""
+def decoder(layers: int, scan: bool, by_hand: bool = False, kind: str = "llama"):
+    """(fn, args, mesh, axis, layers) of a pre-norm decoder of ``layers`` layers of
+    ``kind`` (``KINDS``; ``by_hand``: scanned, rotated by hand, ``_rotated_by_hand``)."""
     mesh = jax.make_mesh((8,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
     rng = np.random.default_rng(0)
     dt = jnp.bfloat16
-
-    def w(*shape):
-        return jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[-2]), dt)
+    weights = KINDS[kind][2]
 
     def layer_params():
-        return dict(
-            attn_norm=jnp.ones((HIDDEN,), dt),
-            wv=w(HIDDEN, HIDDEN),
-            wo=w(HIDDEN, HIDDEN),
-            mlp_norm=jnp.ones((HIDDEN,), dt),
-            w_up=w(HIDDEN, FFN),
-            w_down=w(FFN, HIDDEN),
-        )
+        p = {
+            k: jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[0]), dt)
+            for k, (shape, _) in weights.items()
+        }
+        return dict(p, attn_norm=jnp.ones((HIDDEN,), dt), mlp_norm=jnp.ones((HIDDEN,), dt))
 
-    specs = dict(
-        attn_norm=P(), wv=P(None, "tp"), wo=P("tp"), mlp_norm=P(), w_up=P(None, "tp"),
-        w_down=P("tp"),
-    )  # fmt: skip
+    specs = dict({k: spec for k, (_, spec) in weights.items()}, attn_norm=P(), mlp_norm=P())
     per_layer = [layer_params() for _ in range(layers)]
     if scan:
         params = {k: jnp.stack([p[k] for p in per_layer]) for k in specs}
@@ -121,12 +178,12 @@ def decoder(layers: int, scan: bool, by_hand: bool = False):
 
     def body(params, x):
         if by_hand:
-            return _rotated_by_hand(params, x)
+            return _rotated_by_hand(kind, params, x)
         if scan:
-            x, _ = jax.lax.scan(lambda x, p: (_layer(x, p), None), x, params["layers"])
+            x, _ = jax.lax.scan(lambda x, p: (_layer(kind, x, p), None), x, params["layers"])
         else:
             for p in params["layers"]:
-                x = _layer(x, p)
+                x = _layer(kind, x, p)
         return _rms_norm(x, params["final_norm"])
 
     fn = jax.shard_map(body, mesh=mesh, in_specs=(pspecs, P()), out_specs=P(), check_vma=False)
@@ -232,6 +289,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, nargs="+", default=[8, 48, 80])
     ap.add_argument("--modes", nargs="+", default=["unrolled", "scanned"])
+    ap.add_argument("--kinds", nargs="+", default=["llama"], choices=sorted(KINDS))
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--integration", action="store_true")
     ap.add_argument("--only-integration", action="store_true")
@@ -240,23 +298,13 @@ def main(argv=None) -> int:
     print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices")
     rows = []
     if not a.only_integration:
-        for layers in a.layers:
-            for mode in a.modes:
-                fn, args, mesh, axis, n = decoder(layers, mode == "scanned")
-                hand = decoder(layers, True, by_hand=True)[0] if mode == "scanned" else None
-                rows.append(
-                    measure(
-                        f"decoder {mode} {layers} layers",
-                        fn,
-                        args,
-                        mesh,
-                        axis,
-                        n,
-                        a.reps,
-                        by_hand=hand,
-                    )  # fmt: skip
-                )
-                print_row(rows[-1])
+        for kind, layers, mode in itertools.product(a.kinds, a.layers, a.modes):
+            scanned = mode == "scanned"
+            fn, args, mesh, axis, n = decoder(layers, scanned, kind=kind)
+            hand = decoder(layers, True, by_hand=True, kind=kind)[0] if scanned else None
+            name = f"{kind} decoder {mode} {layers} layers"
+            rows.append(measure(name, fn, args, mesh, axis, n, a.reps, by_hand=hand))
+            print_row(rows[-1])
     if a.integration or a.only_integration:
         for name, fn, args, mesh, axis, n, ctx in integration_models():
             rows.append(measure(name, fn, args, mesh, axis, n, a.reps, ctx))
