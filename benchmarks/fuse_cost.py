@@ -4,14 +4,17 @@ test).
 
     python -m benchmarks.fuse_cost                     # 8/48/80-layer decoders, both modes
     python -m benchmarks.fuse_cost --layers 8 --reps 7 --json out.json
+    python -m benchmarks.fuse_cost --kinds llama minimal  # also the minimal layer
     python -m benchmarks.fuse_cost --integration       # also the integration lane's models
                                                        # (run with the lane's venv)
 
-The decoders are pre-norm Llama layers (attention reduced to one value projection and the
-out-projection, a SiLU MLP) in one ``shard_map`` over ``tp``, ``psum`` after each row-parallel
-matmul, unrolled (a Python loop) or scanned over stacked weights (``lax.scan``: fuse rotates
-the loop). Hidden 256 over 8 CPU devices: the pass's cost depends on the program's size, not
-on the arrays'. For each model and repetition, from empty caches:
+The decoders are pre-norm Llama layers (q/k/v projections, rotary embeddings, grouped-query
+causal attention, the out-projection, a SwiGLU MLP; ``--kinds minimal``: attention reduced to
+one value projection, the smallest body around two sites) in one ``shard_map`` over ``tp``,
+``psum`` after each row-parallel matmul, unrolled (a Python loop) or scanned over stacked
+weights (``lax.scan``: fuse rotates the loop). Hidden 256 over 8 CPU devices: the pass's cost
+depends on the program's size, not on the arrays'. For each model and repetition, from empty
+caches:
 
 * trace: ``jax.make_jaxpr`` of the original (what any jit pays);
 * analysis: ``fused.analyze(...)`` (trace + the pass) minus the trace: the pass itself, its
