@@ -82,6 +82,9 @@ NEAR_MISSES_SHOWN = 4  # in report.line(); report.near_misses has them all
 class FusionReport:
     sites: list
     near_misses: list = dataclasses.field(default_factory=list)
+    # Seconds the pass took at this trace: analysis, workspace plan and allocation, and the
+    # re-trace of the rewritten program (not the trace of the function itself).
+    pass_s: float = 0.0
 
     @property
     def fused(self) -> list:
@@ -131,4 +134,5 @@ class FusionReport:
             "fused": len(self.fused),
             "sites": [dataclasses.asdict(s) for s in self.sites],
             "near_misses": [dataclasses.asdict(n) for n in self.near_misses],
+            "pass_s": self.pass_s,
         }

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from typing import Optional
 
 import jax
@@ -167,10 +168,12 @@ class FusedFunction:
     def _run(self, *args, **kwargs):
         closed, out_shape = jax.make_jaxpr(self.fn, return_shape=True)(*args, **kwargs)
         flat, _ = jax.tree.flatten((args, kwargs))
+        start = time.perf_counter()
         analyzer, plan = self._analyse_and_allocate(closed.jaxpr)
         self.report = FusionReport(analyzer.sites, analyzer.near_misses())
         log.log(self.log_level, "%s", self.report.line())
         outs = rewriting.evaluate(plan.jaxpr, closed.consts, flat, plan, self)
+        self.report.pass_s = time.perf_counter() - start
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
     def __call__(self, *args, **kwargs):

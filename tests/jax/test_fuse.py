@@ -8,6 +8,7 @@ reason, unless allow_rounding_change is set.
 """
 
 import logging
+import time
 
 import jax
 import jax.numpy as jnp
@@ -618,6 +619,10 @@ def test_report_as_data(ws):
     d = rep.as_dict()
     assert d["fused"] == 1 and d["sites"][0]["pattern"] == 1 and d["sites"][0]["runs"] == 1
     assert d["sites"][0]["where"].startswith("jit(")
+    # The pass's own time, measured inside the trace: more than nothing, less than it all.
+    start = time.perf_counter()
+    rep = jf.fuse(smap(site_body(norm_plain)), workspace=ws).analyze(x, res, g)
+    assert 0 < rep.as_dict()["pass_s"] == rep.pass_s < time.perf_counter() - start
 
 
 # --- grad -----------------------------------------------------------------------------------------
