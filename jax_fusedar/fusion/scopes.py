@@ -187,6 +187,29 @@ def _holds_start(eqn, manual: bool) -> bool:
     return found
 
 
+_MAY_HOLD_SITE: dict = {}  # id(jaxpr) -> (jaxpr, whether it or a sub-jaxpr holds a start)
+
+
+def _may_hold_site(jaxpr) -> bool:
+    """Whether ``jaxpr``, or any jaxpr inside it, holds an eqn a site can start from in a
+    scope of either kind (a reduction, a shard_map, a matmul): a scope without one has no
+    site, rotation or near miss, and is not analysed (most of a model's scopes are small
+    helper calls, e.g. jnp.where's). Each jaxpr is read once per process."""
+    hit = _MAY_HOLD_SITE.get(id(jaxpr))
+    if hit is not None and hit[0] is jaxpr:
+        return hit[1]
+    found = any(
+        _is_start(e, True)
+        or _is_start(e, False)
+        or any(_may_hold_site(G.open_jaxpr(sub)) for _, _, sub in subjaxprs(e))
+        for e in jaxpr.eqns
+    )
+    if len(_MAY_HOLD_SITE) > 4096:
+        _MAY_HOLD_SITE.clear()
+    _MAY_HOLD_SITE[id(jaxpr)] = (jaxpr, found)
+    return found
+
+
 def _near(g: G.Graph, starts) -> set:
     seen = set()
     todo = list(starts)
@@ -313,6 +336,8 @@ class Analyzer:
     # --- one scope ---------------------------------------------------------------------------
     def plan(self, jaxpr, scope: Scope, roles: Optional[dict] = None) -> Plan:
         roles = roles or {}
+        if not roles and not _may_hold_site(jaxpr):
+            return Plan(jaxpr=jaxpr, emit=defaultdict(list), skip=set(), children={})
         manual = scope.manual
         # Pass 1: every nearby call spliced, to find the calls fusable sites need opened.
         view, keys, origin = inline_view(jaxpr, manual)
