@@ -6,7 +6,8 @@ test).
     python -m benchmarks.fuse_cost --layers 8 --reps 7 --json out.json
     python -m benchmarks.fuse_cost --kinds llama minimal  # also the minimal layer
     python -m benchmarks.fuse_cost --integration       # also the integration lane's models
-                                                       # (run with the lane's venv)
+                                                       # (run with the lane's venv), at 2
+                                                       # and 8 layers (--integration-layers)
 
 The decoders are pre-norm Llama layers (q/k/v projections, rotary embeddings, grouped-query
 causal attention, the out-projection, a SwiGLU MLP; ``--kinds minimal``: attention reduced to
@@ -202,9 +203,9 @@ def _timed(f):
     return time.perf_counter() - t
 
 
-def measure(name, fn, args, mesh, axis, layers, reps, context=None, by_hand=None):
+def measure(name, fn, args, mesh, axis, layers, reps, context=None, by_hand=None, options=None):
     """One row; ``by_hand``: the same program rotated by hand, whose lower + compile is
-    timed in the same repetitions (the rotation's own cost)."""
+    timed in the same repetitions (the rotation's own cost); ``options``: fuse's."""
     import contextlib
 
     ctx = context or contextlib.nullcontext
@@ -219,7 +220,7 @@ def measure(name, fn, args, mesh, axis, layers, reps, context=None, by_hand=None
         for _ in range(reps):
             jax.clear_caches()
             trace.append(_timed(lambda: jax.make_jaxpr(fn)(*args)))
-            fused = jf.fuse(fn, mesh=mesh, axis_name=axis, backend="xla")
+            fused = jf.fuse(fn, mesh=mesh, axis_name=axis, backend="xla", **(options or {}))
             jax.clear_caches()
             rep = fused.analyze(*args)
             analysis.append(rep.pass_s)  # measured inside the trace, the trace itself left out
@@ -277,15 +278,21 @@ def print_row(r):
     )
 
 
-def integration_models():
+def integration_models(layer_counts):
     """The integration lane's models (tests/integration: their packages must be installed,
-    tools/integration.sh's venv)."""
+    tools/integration.sh's venv), each with each number of layers its code takes."""
     sys.path.insert(0, os.getcwd())
     from tests.integration.models import MODELS
 
     for m in MODELS:
-        b = m.build()
-        yield m.name, b.fn, (b.params, *b.inputs), b.mesh, b.axis_name, b.layers, b.context
+        for n in layer_counts:
+            try:
+                b = m.build(layers=n)
+            except ValueError as e:
+                print(f"{m.name}, {n} layers: not built ({e})", flush=True)
+                continue
+            name = f"{m.name}, {n} layers"
+            yield name, b.fn, (b.params, *b.inputs), b.mesh, b.axis_name, b.layers, b.context
 
 
 def main(argv=None) -> int:
@@ -296,6 +303,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--integration", action="store_true")
     ap.add_argument("--only-integration", action="store_true")
+    ap.add_argument("--integration-layers", type=int, nargs="+", default=[2, 8])
     ap.add_argument("--json", help="write the rows here")
     a = ap.parse_args(argv)
     print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices")
@@ -309,8 +317,11 @@ def main(argv=None) -> int:
             rows.append(measure(name, fn, args, mesh, axis, n, a.reps, by_hand=hand))
             print_row(rows[-1])
     if a.integration or a.only_integration:
-        for name, fn, args, mesh, axis, n, ctx in integration_models():
-            rows.append(measure(name, fn, args, mesh, axis, n, a.reps, ctx))
+        # With allow_rounding_change: Equinox's sites fuse only so (the others the same either
+        # way), and a row where nothing fused would measure nothing.
+        rounding = dict(allow_rounding_change=True)
+        for name, fn, args, mesh, axis, n, ctx in integration_models(a.integration_layers):
+            rows.append(measure(name, fn, args, mesh, axis, n, a.reps, ctx, options=rounding))
             print_row(rows[-1])
     if a.json:
         with open(a.json, "w") as f:

@@ -60,8 +60,8 @@ def _classes():
         blocks: list
         final_norm: eqx.nn.RMSNorm
 
-        def __init__(self, key):
-            keys = jax.random.split(key, LAYERS + 1)
+        def __init__(self, key, layers):
+            keys = jax.random.split(key, layers + 1)
             self.embed = eqx.nn.Embedding(VOCAB, D, key=keys[0])
             self.blocks = [Block(k) for k in keys[1:]]
             self.final_norm = eqx.nn.RMSNorm(D, eps=EPS)
@@ -85,10 +85,10 @@ def spec_of(path) -> P:
     return P()
 
 
-def build() -> Built:
+def build(layers: int = LAYERS) -> Built:
     eqx, Decoder = _classes()
     mesh = jax.make_mesh((8,), (TP,), axis_types=(AxisType.Auto,))
-    model = Decoder(jax.random.key(0))
+    model = Decoder(jax.random.key(0), layers)
     model = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a, model)
     params, static = eqx.partition(model, eqx.is_array)
     params = jax.tree_util.tree_map_with_path(
@@ -100,7 +100,7 @@ def build() -> Built:
     def forward(params, ids):
         return jax.vmap(eqx.combine(params, static))(ids)
 
-    return Built(forward, params, (ids,), mesh, TP, lambda: jax.set_mesh(mesh), LAYERS)
+    return Built(forward, params, (ids,), mesh, TP, lambda: jax.set_mesh(mesh), layers)
 
 
 HOW = (

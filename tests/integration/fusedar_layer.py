@@ -60,7 +60,9 @@ def page_layer(twin: bool) -> dict:
     return ns
 
 
-def build(twin: bool = True) -> Built:
+def build(twin: bool = True, layers: int = 2) -> Built:
+    if layers != 2:
+        raise ValueError("the model of docs/frameworks.md's page has 2 layers")
     ns = page_layer(twin)
     mesh = ns["mesh"]
     return Built(

@@ -35,14 +35,14 @@ def spec_of(path) -> P:
     return P()
 
 
-def build() -> Built:
+def build(layers: int = LAYERS) -> Built:
     from transformers import FlaxLlamaForCausalLM, LlamaConfig
 
     config = LlamaConfig(
         vocab_size=512,
         hidden_size=256,
         intermediate_size=512,
-        num_hidden_layers=LAYERS,
+        num_hidden_layers=layers,
         num_attention_heads=8,
         num_key_value_heads=8,
         max_position_embeddings=64,
@@ -60,7 +60,7 @@ def build() -> Built:
     def forward(params, ids):
         return model(ids, params=params, train=False).logits
 
-    return Built(forward, params, (ids,), mesh, TP, lambda: jax.set_mesh(mesh), LAYERS)
+    return Built(forward, params, (ids,), mesh, TP, lambda: jax.set_mesh(mesh), layers)
 
 
 HOW = (

@@ -43,7 +43,9 @@ class LaneModel:
     package: str  # the distribution whose code runs (its version is read at run time)
     counted_per_layer: int  # the sites a reader counts, per layer
     how_counted: str
-    build: Callable[[], Built]
+    # build() at the lane's size; build(layers=n) with n layers, where the model's code
+    # takes a layer count (ValueError where it does not)
+    build: Callable[..., Built]
 
 
 @dataclasses.dataclass

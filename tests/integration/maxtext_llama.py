@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import pathlib
+from functools import partial
 import sys
 
 import jax
@@ -21,7 +22,7 @@ from .lane import Built, LaneModel, perturb_norm_weights
 LAYERS = 2
 
 
-def build(scan_layers: bool) -> Built:
+def build(scan_layers: bool, layers: int = LAYERS) -> Built:
     from flax import linen as nn
     from flax.linen import partitioning as nn_partitioning
     from jax.sharding import Mesh
@@ -41,7 +42,7 @@ def build(scan_layers: bool) -> Built:
         skip_jax_distributed_system=True,
         model_name="llama2-7b",
         override_model_config=True,
-        base_num_decoder_layers=LAYERS,
+        base_num_decoder_layers=layers,
         base_emb_dim=256,
         base_num_query_heads=8,
         base_num_kv_heads=8,
@@ -99,7 +100,7 @@ def build(scan_layers: bool) -> Built:
             rngs={"aqt": rng},
         )
 
-    return Built(forward, params, (ids, positions, segments), mesh, "tensor", context, LAYERS)
+    return Built(forward, params, (ids, positions, segments), mesh, "tensor", context, layers)
 
 
 HOW = (
@@ -109,6 +110,6 @@ HOW = (
 )
 
 MODELS = [
-    LaneModel("maxtext llama2 scan_layers=true", "maxtext", 2, HOW, lambda: build(True)),
-    LaneModel("maxtext llama2 scan_layers=false", "maxtext", 2, HOW, lambda: build(False)),
+    LaneModel("maxtext llama2 scan_layers=true", "maxtext", 2, HOW, partial(build, True)),
+    LaneModel("maxtext llama2 scan_layers=false", "maxtext", 2, HOW, partial(build, False)),
 ]

@@ -68,34 +68,34 @@ def _classes():
             return x + self.mlp(self.mlp_norm(x))
 
     class Decoder(nnx.Module):
-        def __init__(self, rngs: nnx.Rngs, scan: bool):
-            self.scan = scan
+        def __init__(self, rngs: nnx.Rngs, scan: bool, layers: int):
+            self.scan, self.n_layers = scan, layers
 
             @partial(jax.vmap, spmd_axis_name=None)
             def create_layers(r):
                 return Block(r)
 
-            self.layers = create_layers(rngs.fork(split=LAYERS))
+            self.layers = create_layers(rngs.fork(split=layers))
             self.final_norm = nnx.RMSNorm(D, epsilon=EPS, dtype=DT, rngs=rngs)
 
         def __call__(self, x):
             if self.scan:
                 x, _ = jax.lax.scan(lambda x, layer: (layer(x), None), x, self.layers)
             else:
-                for i in range(LAYERS):
+                for i in range(self.n_layers):
                     x = jax.tree.map(lambda a: a[i], self.layers)(x)
             return self.final_norm(x)
 
     return Decoder
 
 
-def build(scan: bool) -> Built:
+def build(scan: bool, layers: int = LAYERS) -> Built:
     from flax import nnx
 
     mesh = jax.make_mesh((1, 8), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
     Decoder = _classes()
     with jax.set_mesh(mesh):
-        model = perturb_norm_weights(Decoder(nnx.Rngs(0), scan))
+        model = perturb_norm_weights(Decoder(nnx.Rngs(0), scan, layers))
         x = jax.device_put(
             jax.random.normal(jax.random.key(1), (2, 16, D), DT),
             NamedSharding(mesh, P("data", None, None)),
@@ -104,7 +104,7 @@ def build(scan: bool) -> Built:
     def forward(model, x):
         return model(x)
 
-    return Built(forward, model, (x,), mesh, "model", lambda: jax.set_mesh(mesh), LAYERS)
+    return Built(forward, model, (x,), mesh, "model", lambda: jax.set_mesh(mesh), layers)
 
 
 HOW = (
@@ -115,6 +115,6 @@ HOW = (
 )
 
 MODELS = [
-    LaneModel("flax nnx decoder, Explicit axes, lax.scan", "flax", 2, HOW, lambda: build(True)),
-    LaneModel("flax nnx decoder, Explicit axes, unrolled", "flax", 2, HOW, lambda: build(False)),
+    LaneModel("flax nnx decoder, Explicit axes, lax.scan", "flax", 2, HOW, partial(build, True)),
+    LaneModel("flax nnx decoder, Explicit axes, unrolled", "flax", 2, HOW, partial(build, False)),
 ]
