@@ -136,6 +136,12 @@ def closed_body(jaxpr):
     return ClosedJaxpr(jaxpr, [])
 
 
+def debug_info(what: str):
+    """The debug info of a jaxpr fuse makes of no user function (``what`` names it; the
+    names of its arguments unknown, as JAX gives them for such a jaxpr)."""
+    return internal("jax._src.linear_util", "DebugInfo")("jax_fusedar.fuse", what, None, None)
+
+
 def jaxpr_inliner():
     """``inline(eqns, read, write) -> bool`` that records equations unchanged into the
     jaxpr being traced now, as JAX inlines a jitted function's equations
@@ -153,11 +159,8 @@ def jaxpr_inliner():
         inline_into = pe.inline_jaxpr_into_trace
         trace = jcore_.trace_ctx.trace
         tracer_type, jaxpr_type, drop = pe.DynamicJaxprTracer, jcore_.Jaxpr, jcore_.DropVar
-        # What JAX gives a jaxpr of no traced function (names of its arguments unknown).
-        debug = importlib.import_module("jax._src.linear_util").DebugInfo(
-            "jax_fusedar.fuse", "<equations the rewrite keeps>", None, None
-        )
-    except (ImportError, AttributeError):
+        debug = debug_info("<equations the rewrite keeps>")
+    except (ImportError, AttributeError, MissingJaxInternal):
         return None
     if not isinstance(trace, pe.DynamicJaxprTrace):
         return None

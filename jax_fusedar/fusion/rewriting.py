@@ -14,6 +14,7 @@ from . import graph as G
 from .jax_internals import (
     axis_name_effects,
     bind_params,
+    debug_info,
     eqn_context,
     jaxpr_inliner,
     shard_map_body_context,
@@ -466,14 +467,26 @@ class PlainJitEmit:
                 summed = e.primitive.bind(*subfuns, *[read(v) for v in e.invars], **params)
             if m.weight_first:
                 summed = jnp.moveaxis(summed, 0, -1)
-            out = partitioning.row_parallel_without_kernel(
-                summed.astype(m.dtype),
-                residual=read(m.residual),
-                rms_gamma=gamma,
-                rms_eps=m.norm.eps,
-                weight_bias=m.norm.weight_bias,
-                fallback=FALLBACK,
+            eps, bias = m.norm.eps, m.norm.weight_bias
+
+            def epilogue(summed, residual, gamma):
+                out = partitioning.row_parallel_without_kernel(
+                    summed,
+                    residual=residual,
+                    rms_gamma=gamma,
+                    rms_eps=eps,
+                    weight_bias=bias,
+                    fallback=FALLBACK,
+                )
+                return out.residual_out, out.norm_out
+
+            res, norm = traced_once(
+                fuser,
+                ("row_parallel_without_kernel", eps, bias),
+                epilogue,
+                (summed.astype(m.dtype), read(m.residual), jnp.asarray(gamma)),
             )
+            out = partitioning.AllReduceFusionOutputs(None, res, norm, None, None)
         else:
             out = partitioning.row_parallel_allreduce_fusion(
                 read(h),
@@ -495,6 +508,31 @@ class PlainJitEmit:
 
 
 # --- evaluation -----------------------------------------------------------------------------
+
+
+def traced_once(fuser, key, fn, args):
+    """``fn(*args)`` (a tuple of arrays), its jaxpr traced once per ``key`` and argument
+    types in ``fuser``'s trace and recorded again at each further call: a decoder's sites
+    share their epilogue, and tracing its jnp code for each cost as much as the rest of
+    their rewrite. ``key`` holds what ``fn`` reads besides ``args``."""
+    inline = jaxpr_inliner()
+    cache = getattr(fuser, "traced", None)
+    if inline is None or cache is None:
+        return fn(*args)
+    avals = tuple(jax.typeof(a) for a in args)
+    if (key, avals) not in cache:
+        info = debug_info(f"<{key[0]}>")
+        cache[(key, avals)] = trace_to_jaxpr(lambda *a: list(fn(*a)), avals, info)
+    jaxpr, consts = cache[(key, avals)]
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+
+    def read(a):
+        return a.val if isinstance(a, jcore.Literal) else env[a]
+
+    if not inline(jaxpr.eqns, read, env.__setitem__):
+        return fn(*args)
+    return tuple(read(v) for v in jaxpr.outvars)
 
 
 def _needed(jaxpr, plan, outvars=None) -> set:

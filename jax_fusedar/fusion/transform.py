@@ -172,6 +172,7 @@ class FusedFunction:
         analyzer, plan = self._analyse_and_allocate(closed.jaxpr)
         self.report = FusionReport(analyzer.sites, analyzer.near_misses())
         log.log(self.log_level, "%s", self.report.line())
+        self.traced = {}  # rewriting.traced_once's jaxprs, for this trace only
         outs = rewriting.evaluate(plan.jaxpr, closed.consts, flat, plan, self)
         self.report.pass_s = time.perf_counter() - start
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
