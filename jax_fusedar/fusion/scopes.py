@@ -56,6 +56,21 @@ _NEAR = (
     G.CAST,
 ) + G.NO_OPS
 _REDUCTIONS = G.PSUMS + ("reduce_scatter",)
+# A call near a start is spliced (opened into its caller) when it may hold part of a site:
+# an op of the residual add or of the norm's statistic, or an output its inputs pass to
+# through roundings, value-preserving ops, clips or multiplications (gamma's) alone. A call
+# of activations (an MLP's jitted silu) or of a select (jnp.where's) holds no part: it stays
+# a call, and the scope's two matching passes see the same program (one matching).
+_SITE_OPS = frozenset(
+    ("add", "add_any", "sub", "div", "square", "integer_pow", "pow", "rsqrt", "sqrt")
+    + ("reduce_sum", "reduce_max", "all_gather")
+    + _REDUCTIONS
+)
+_PASSING_OPS = frozenset(
+    (G.CAST, "mul", "broadcast_in_dim", "reshape", "squeeze", "expand_dims")
+    + ("max", "min", "clamp")  # an FP8 tail's clip (jnp.clip is a jitted call)
+    + G.NO_OPS
+)
 
 
 @dataclasses.dataclass
@@ -159,7 +174,20 @@ def _starts(g: G.Graph, manual: bool):
 # Calls opened to reach a start inside them (a per-linear shard_map under its own jax.jit, a
 # psum in a jitted helper): plain calls only, whose boundary carries no rule or policy.
 _OPENED_FOR_STARTS = ("jit", "pjit", "closed_call", "core_call")
-_HOLDS_START: dict = {}  # id(jaxpr) -> (jaxpr, manual, whether it holds a start)
+_BY_JAXPR: dict = {}  # (question, id(jaxpr)) -> (jaxpr, answer): each jaxpr read once
+
+
+def _asked(question, jaxpr, answer):
+    """``answer()``, the answer to ``question`` about ``jaxpr``, computed once per jaxpr
+    (the entry holds the jaxpr, so its id is not reused while the entry lives)."""
+    hit = _BY_JAXPR.get((question, id(jaxpr)))
+    if hit is not None and hit[0] is jaxpr:
+        return hit[1]
+    found = answer()
+    if len(_BY_JAXPR) > 8192:
+        _BY_JAXPR.clear()
+    _BY_JAXPR[(question, id(jaxpr))] = (jaxpr, found)
+    return found
 
 
 def _is_start(e, manual: bool) -> bool:
@@ -177,37 +205,53 @@ def _holds_start(eqn, manual: bool) -> bool:
     sub = G.open_jaxpr(eqn.params.get(G.CALLS[G.name(eqn)]))
     if sub is None:
         return False
-    hit = _HOLDS_START.get(id(sub))
-    if hit is not None and hit[0] is sub and hit[1] == manual:
-        return hit[2]
-    found = any(_is_start(e, manual) or _holds_start(e, manual) for e in sub.eqns)
-    if len(_HOLDS_START) > 4096:
-        _HOLDS_START.clear()
-    _HOLDS_START[id(sub)] = (sub, manual, found)
-    return found
+    return _asked(
+        ("start", manual),
+        sub,
+        lambda: any(_is_start(e, manual) or _holds_start(e, manual) for e in sub.eqns),
+    )
 
 
-_MAY_HOLD_SITE: dict = {}  # id(jaxpr) -> (jaxpr, whether it or a sub-jaxpr holds a start)
+def _holds_site_part(eqn) -> bool:
+    """Whether a call's jaxpr may hold part of a site (``_SITE_OPS``, a start of either kind
+    of scope, a call that may, or an output reached from the inputs by ``_PASSING_OPS``)."""
+    sub = G.open_jaxpr(eqn.params.get(G.CALLS[G.name(eqn)]))
+    if sub is None:
+        return True  # not spliced anyway (_splice)
+
+    def answer():
+        passed = set(sub.invars)
+        for e in sub.eqns:
+            n = G.name(e)
+            if (
+                n in _SITE_OPS
+                or _is_start(e, True)
+                or _is_start(e, False)
+                or (n in G.CALLS and _holds_site_part(e))
+            ):
+                return True
+            if n in _PASSING_OPS and all(not G.is_var(a) or a in passed for a in e.invars):
+                passed.update(e.outvars)
+        return any(G.is_var(v) and v in passed for v in sub.outvars)
+
+    return _asked("site part", sub, answer)
 
 
 def _may_hold_site(jaxpr) -> bool:
     """Whether ``jaxpr``, or any jaxpr inside it, holds an eqn a site can start from in a
     scope of either kind (a reduction, a shard_map, a matmul): a scope without one has no
     site, rotation or near miss, and is not analysed (most of a model's scopes are small
-    helper calls, e.g. jnp.where's). Each jaxpr is read once per process."""
-    hit = _MAY_HOLD_SITE.get(id(jaxpr))
-    if hit is not None and hit[0] is jaxpr:
-        return hit[1]
-    found = any(
-        _is_start(e, True)
-        or _is_start(e, False)
-        or any(_may_hold_site(G.open_jaxpr(sub)) for _, _, sub in subjaxprs(e))
-        for e in jaxpr.eqns
+    helper calls, e.g. jnp.where's)."""
+    return _asked(
+        "may hold a site",
+        jaxpr,
+        lambda: any(
+            _is_start(e, True)
+            or _is_start(e, False)
+            or any(_may_hold_site(G.open_jaxpr(sub)) for _, _, sub in subjaxprs(e))
+            for e in jaxpr.eqns
+        ),
     )
-    if len(_MAY_HOLD_SITE) > 4096:
-        _MAY_HOLD_SITE.clear()
-    _MAY_HOLD_SITE[id(jaxpr)] = (jaxpr, found)
-    return found
 
 
 def _near(g: G.Graph, starts) -> set:
@@ -243,7 +287,10 @@ def inline_view(jaxpr, manual: bool, wanted=None):
             if (
                 G.name(e) in G.CALLS
                 and not matching.custom_psum(e)
-                and (any(G.is_var(a) and a in near for a in e.invars) or _holds_start(e, manual))
+                and (
+                    (any(G.is_var(a) and a in near for a in e.invars) and _holds_site_part(e))
+                    or _holds_start(e, manual)
+                )
                 and (wanted is None or o in wanted)
             ):
                 spliced = _splice(e)
@@ -343,7 +390,8 @@ class Analyzer:
         view, keys, origin = inline_view(jaxpr, manual)
         g = G.Graph(view)
         needed = set()
-        for i, m in self._matches(g, scope, roles, keys, dry=True):
+        found = {}  # stable key of a start -> its Match or Reject, on this view
+        for i, m in self._matches(g, scope, roles, keys, found, dry=True):
             calls = {origin.get(id(g.eqns[j])) for j in m.skip | m.norm.eqns} - {None}
             custom = [
                 c for c in calls if G.name(self._call_by_key(jaxpr, c)) in G.CUSTOM_RULE_CALLS
@@ -356,9 +404,12 @@ class Analyzer:
                 )
             else:
                 needed |= calls
-        # Pass 2: only the calls fused sites need.
-        view, keys, _ = inline_view(jaxpr, manual, wanted=needed)
-        g = G.Graph(view)
+        # Pass 2: only the calls fused sites need; the same view (and matches) when pass 1
+        # spliced no other.
+        if not set(origin.values()) <= needed:
+            view, keys, _ = inline_view(jaxpr, manual, wanted=needed)
+            g = G.Graph(view)
+            found = {}
         plan = Plan(jaxpr=view, emit=defaultdict(list), skip=set(), children={})
         from . import rewriting
 
@@ -376,7 +427,7 @@ class Analyzer:
         removable = set()
         read = set()  # vars the emitted calls read: never dropped
         boundary = defaultdict(list)  # shard_map eqn index -> [(k, match)]
-        for i, m in self._matches(g, scope, roles, keys, dry=False):
+        for i, m in self._matches(g, scope, roles, keys, found, dry=False):
             if isinstance(m, Reject):
                 continue
             plan.skip |= m.skip
@@ -537,9 +588,10 @@ class Analyzer:
         return Scope(where, scope.mesh_shape, scope.ctx, runs, policy), None
 
     # --- candidates ------------------------------------------------------------------------
-    def _matches(self, g, scope: Scope, roles, keys, dry: bool):
+    def _matches(self, g, scope: Scope, roles, keys, found: dict, dry: bool):
         """(eqn index, Match) of every fused site of the scope, in eqn order; sites left
-        unfused are reported (when not ``dry``) and yield nothing."""
+        unfused are reported (when not ``dry``) and yield nothing. ``found``: the matcher's
+        answers on ``g`` so far, by stable key (a scope's two passes may share them)."""
         taken = set()
         self.boundary_sites = {}
         for i, e in enumerate(g.eqns):
@@ -561,6 +613,7 @@ class Analyzer:
                     lambda: matching.match_reduction(
                         g, i, scope, self.axis, self.admission.allow_rounding_change
                     ),
+                    found,
                 )
             elif not scope.manual and n == "shard_map":
                 inner, _ = self._child_scope(e, scope)
@@ -577,6 +630,7 @@ class Analyzer:
                         lambda k=k: matching.match_boundary(
                             g, i, k, scope, self.axis, self.admission.allow_rounding_change, inner
                         ),
+                        found,
                         boundary=True,
                     )
             elif not scope.manual and n in _REDUCTIONS:
@@ -589,7 +643,9 @@ class Analyzer:
                         self._kind_of(e, scope),
                     )
             elif not scope.manual and n == "dot_general":
-                if not matching.dot_candidate(g, i):
+                if ("candidate", stable) not in found:
+                    found[("candidate", stable)] = matching.dot_candidate(g, i)
+                if not found[("candidate", stable)]:
                     if not dry and len(self._missed) < _MISSES_KEPT:
                         self._missed.append((g, i, scope, None))
                     continue
@@ -603,12 +659,21 @@ class Analyzer:
                     lambda: matching.match_plain_dot(
                         g, i, scope, self.admission.allow_rounding_change
                     ),
+                    found,
                 )
 
-    def _try(self, g, i, scope, taken, dry, stable, match, boundary=False):
+    def _try(self, g, i, scope, taken, dry, stable, match, found, boundary=False):
         m = None
         try:
-            m = match()
+            if stable not in found:
+                try:
+                    found[stable] = match()
+                except Reject as why:
+                    found[stable] = why
+            m = found[stable]
+            if isinstance(m, Reject):
+                why, m = m, None
+                raise why.with_traceback(None)
             if stable in self.custom_rule_reasons:
                 raise Reject(self.custom_rule_reasons[stable])
             if not dry:

@@ -1,0 +1,83 @@
+"""What keeps ``jax_fusedar.fuse``'s own time small, counted rather than timed (the times
+are benchmarks/fuse_cost.py's): each site is matched once where a scope's two matching
+passes see the same program, and sites of one signature share one trace of the code that
+replaces them."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jax_fusedar as jf
+from jax_fusedar.fusion import matching
+from jax_fusedar.ops import partitioning
+from tests.jax import cpu_helpers
+
+cpu_helpers.require_host_devices()
+
+MESH = jax.make_mesh((8,), ("tp",), axis_types=(AxisType.Auto,))
+T, H, F, LAYERS = 8, 64, 128, 3
+
+
+def norm(r, g):
+    f = r.astype(jnp.float32)
+    n = f * jax.lax.rsqrt(jnp.mean(f * f, axis=-1, keepdims=True) + 1e-6)
+    return (n * g.astype(jnp.float32)).astype(r.dtype)
+
+
+def decoder(x, w_up, w_down, g):
+    """Plain-jit MLP layers (up-projection sharded over its output, down-projection over its
+    input: the partitioner's all-reduce), the activation and a select in jitted helpers as
+    models write them."""
+    h = norm(x, g[0])
+    for i in range(LAYERS):
+        a = jax.jit(jax.nn.silu)(h @ w_up[i])
+        a = jnp.where(jnp.isfinite(a), a, 0.0)  # a jitted select_n (and a scalar's cast)
+        x = a @ w_down[i] + x
+        h = norm(x, g[i + 1])
+    return h
+
+
+def operands():
+    rng = np.random.default_rng(3)
+
+    def put(a, spec):
+        return jax.device_put(jnp.asarray(a, jnp.bfloat16), NamedSharding(MESH, spec))
+
+    return (
+        put(rng.standard_normal((T, H)), P()),
+        put(rng.standard_normal((LAYERS, H, F)) / 8, P(None, None, "tp")),
+        put(rng.standard_normal((LAYERS, F, H)) / 8, P(None, "tp")),
+        put(1 + 0.1 * rng.standard_normal((LAYERS + 1, H)), P()),
+    )
+
+
+def counting(monkeypatch, module, name):
+    calls = []
+    original = getattr(module, name)
+
+    def counted(*a, **k):
+        calls.append(1)
+        return original(*a, **k)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def test_each_site_is_matched_once_and_its_epilogue_traced_once(monkeypatch):
+    """The jitted helpers beside each site hold no part of one, so they are not opened and
+    the scope's second matching pass reuses the first's matches; the sites' epilogues (one
+    signature) are traced once and recorded for each."""
+    matched = counting(monkeypatch, matching, "match_plain_dot")
+    epilogues = counting(monkeypatch, partitioning, "row_parallel_without_kernel")
+    args = operands()
+    fused = jf.fuse(decoder, mesh=MESH, axis_name="tp", backend="xla")
+    with jax.set_mesh(MESH):
+        report = fused.analyze(*args)
+        assert [s.fused for s in report.sites] == [True] * LAYERS, report.line()
+        assert (len(matched), len(epilogues)) == (LAYERS, 1)
+        got, want = jax.jit(fused)(*args), jax.jit(decoder)(*args)
+    # The fallback writes the site as the program does: the same value (roundings aside,
+    # which are XLA's to order on this CPU: compared to one bfloat16 unit).
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.max(np.abs(got - want)) <= 2.0**-7 * np.max(np.abs(want))
