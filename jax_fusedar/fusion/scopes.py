@@ -66,6 +66,8 @@ _SITE_OPS = frozenset(
     + ("reduce_sum", "reduce_max", "all_gather")
     + _REDUCTIONS
 )
+# The eqns the matcher looks at (Analyzer._matches).
+_MATCHED = frozenset(_REDUCTIONS + G.CUSTOM_RULE_CALLS + ("shard_map", "dot_general"))
 _PASSING_OPS = frozenset(
     (G.CAST, "mul", "broadcast_in_dim", "reshape", "squeeze", "expand_dims")
     + ("max", "min", "clamp")  # an FP8 tail's clip (jnp.clip is a jitted call)
@@ -270,11 +272,11 @@ def _near(g: G.Graph, starts) -> set:
 
 
 def inline_view(jaxpr, manual: bool, wanted=None):
-    """(jaxpr with calls spliced, stable keys, origins). Calls receiving a value near a
-    reduction, and plain calls holding a reduction (or, outside shard_map, a shard_map or a
-    matmul), are spliced: all of them when ``wanted`` is None, else those coming from a
-    top-level call whose id is in ``wanted``; custom-psum calls (reductions themselves) never
-    are. ``stable[id(eqn)]``: the id of the original eqn a spliced eqn copies (the same in
+    """(jaxpr with calls spliced, its Graph, stable keys, origins). Calls receiving a value
+    near a reduction (when they may hold part of a site), and plain calls holding a reduction
+    (or, outside shard_map, a shard_map or a matmul), are spliced: all of them when ``wanted``
+    is None, else those coming from a top-level call whose id is in ``wanted``; custom-psum
+    calls (reductions themselves) never are. ``stable[id(eqn)]``: the id of the original eqn a spliced eqn copies (the same in
     every view); ``origin[id(eqn)]``: the id of the scope's own call it was spliced from."""
     stable, origin, alive = {}, {}, []
     for _ in range(8):  # nested calls: one level per round
@@ -304,9 +306,9 @@ def inline_view(jaxpr, manual: bool, wanted=None):
                 stable[id(copy)] = stable.get(id(inner), id(inner))
                 origin[id(copy)] = o
         if not changed:
-            break
+            return jaxpr, g, stable, origin
         jaxpr = jaxpr.replace(eqns=new)
-    return jaxpr, stable, origin
+    return jaxpr, G.Graph(jaxpr), stable, origin
 
 
 # --- the analyzer ----------------------------------------------------------------------------
@@ -387,8 +389,7 @@ class Analyzer:
             return Plan(jaxpr=jaxpr, emit=defaultdict(list), skip=set(), children={})
         manual = scope.manual
         # Pass 1: every nearby call spliced, to find the calls fusable sites need opened.
-        view, keys, origin = inline_view(jaxpr, manual)
-        g = G.Graph(view)
+        view, g, keys, origin = inline_view(jaxpr, manual)
         needed = set()
         found = {}  # stable key of a start -> its Match or Reject, on this view
         for i, m in self._matches(g, scope, roles, keys, found, dry=True):
@@ -407,8 +408,7 @@ class Analyzer:
         # Pass 2: only the calls fused sites need; the same view (and matches) when pass 1
         # spliced no other.
         if not set(origin.values()) <= needed:
-            view, keys, _ = inline_view(jaxpr, manual, wanted=needed)
-            g = G.Graph(view)
+            view, g, keys, _ = inline_view(jaxpr, manual, wanted=needed)
             found = {}
         plan = Plan(jaxpr=view, emit=defaultdict(list), skip=set(), children={})
         from . import rewriting
@@ -594,10 +594,13 @@ class Analyzer:
         answers on ``g`` so far, by stable key (a scope's two passes may share them)."""
         taken = set()
         self.boundary_sites = {}
+        manual = scope.manual
         for i, e in enumerate(g.eqns):
             n = G.name(e)
+            if n not in _MATCHED:
+                continue
             stable = keys.get(id(e), id(e))
-            if scope.manual and (n in _REDUCTIONS or matching.custom_psum(e)):
+            if manual and (n in _REDUCTIONS or matching.custom_psum(e)):
                 role = roles.get(stable)
                 if role is not None:
                     if not dry and role.reason is not None:
@@ -615,7 +618,7 @@ class Analyzer:
                     ),
                     found,
                 )
-            elif not scope.manual and n == "shard_map":
+            elif not manual and n == "shard_map":
                 inner, _ = self._child_scope(e, scope)
                 for k in range(len(e.outvars)):
                     if matching.body_psum(e, k) is None:
@@ -633,7 +636,7 @@ class Analyzer:
                         found,
                         boundary=True,
                     )
-            elif not scope.manual and n in _REDUCTIONS:
+            elif not manual and n in _REDUCTIONS:
                 if not dry:
                     self._report_unfused(
                         g,
@@ -642,7 +645,7 @@ class Analyzer:
                         "all-reduce outside shard_map (the fused op runs inside jax.shard_map)",
                         self._kind_of(e, scope),
                     )
-            elif not scope.manual and n == "dot_general":
+            elif not manual and n == "dot_general":
                 if ("candidate", stable) not in found:
                     found[("candidate", stable)] = matching.dot_candidate(g, i)
                 if not found[("candidate", stable)]:
