@@ -83,8 +83,10 @@ class FusionReport:
     sites: list
     near_misses: list = dataclasses.field(default_factory=list)
     # Seconds the pass took at this trace: analysis, workspace plan and allocation, and the
-    # re-trace of the rewritten program (not the trace of the function itself).
+    # re-trace of the rewritten program (not the trace of the function itself); of which
+    # analysis_s before that re-trace.
     pass_s: float = 0.0
+    analysis_s: float = 0.0
 
     @property
     def fused(self) -> list:
@@ -135,4 +137,5 @@ class FusionReport:
             "sites": [dataclasses.asdict(s) for s in self.sites],
             "near_misses": [dataclasses.asdict(n) for n in self.near_misses],
             "pass_s": self.pass_s,
+            "analysis_s": self.analysis_s,
         }

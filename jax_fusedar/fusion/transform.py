@@ -171,6 +171,7 @@ class FusedFunction:
         start = time.perf_counter()
         analyzer, plan = self._analyse_and_allocate(closed.jaxpr)
         self.report = FusionReport(analyzer.sites, analyzer.near_misses())
+        self.report.analysis_s = time.perf_counter() - start
         log.log(self.log_level, "%s", self.report.line())
         self.traced = {}  # rewriting.traced_once's jaxprs, for this trace only
         outs = rewriting.evaluate(plan.jaxpr, closed.consts, flat, plan, self)

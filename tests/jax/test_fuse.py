@@ -623,6 +623,7 @@ def test_report_as_data(ws):
     start = time.perf_counter()
     rep = jf.fuse(smap(site_body(norm_plain)), workspace=ws).analyze(x, res, g)
     assert 0 < rep.as_dict()["pass_s"] == rep.pass_s < time.perf_counter() - start
+    assert 0 < rep.as_dict()["analysis_s"] == rep.analysis_s < rep.pass_s
 
 
 # --- grad -----------------------------------------------------------------------------------------
