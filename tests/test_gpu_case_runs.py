@@ -131,11 +131,11 @@ def test_lost_trap_record_holds_the_exit_the_record_and_the_timing(monkeypatch, 
         )
 
 
-def _check(monkeypatch, module, res, test, holds=True):
-    """Runs the GPU test ``test`` of ``module`` on ``res`` as its workers' results: it passes,
-    or with ``holds`` False it fails."""
-    monkeypatch.setattr(module, "run_case", lambda *a, **k: res)
-    monkeypatch.setattr(module, "report", lambda name, obj: None)
+def _check(monkeypatch, res, test, holds=True):
+    """Runs the GPU test ``test`` on ``res`` as its workers' results (case_runs.checked_case
+    reads them): it passes, or with ``holds`` False it fails."""
+    monkeypatch.setattr(case_runs, "run_case", lambda *a, **k: res)
+    monkeypatch.setattr(case_runs, "report", lambda name, obj: None)
     if holds:
         test()
     else:
@@ -169,13 +169,13 @@ def test_the_missing_rank_test_at_four_ranks_takes_either_outcome(monkeypatch, c
     test = lambda: tt.test_a_missing_rank_makes_the_other_fail_with_the_record(
         "never_oneshot", 16, True, LAMPORT, 4
     )
-    _check(monkeypatch, tt, _result(ranks, err), test)
+    _check(monkeypatch, _result(ranks, err), test)
     # What the test holds either outcome to: the record naming the missing rank...
     bad = [dict(r) for r in ranks]
     wrong = _wait_record(1, 4, GOOD_FIRST + 1, sig, 2, LAMPORT)
     if 1 not in lost_ranks:
         bad[1]["failing"] = _failing(wrong)
-    _check(monkeypatch, tt, _result(bad, err.replace("for rank 3", "for rank 2")), test, False)
+    _check(monkeypatch, _result(bad, err.replace("for rank 3", "for rank 2")), test, False)
     # ... and the good calls before it (noted by a rank that then ended).
     bad = [dict(r) for r in ranks]
     bad[0] = (
@@ -183,7 +183,7 @@ def test_the_missing_rank_test_at_four_ranks_takes_either_outcome(monkeypatch, c
         if 0 in lost_ranks
         else {**bad[0], "good": {"residual": 1.5, "norm": 1.0}}
     )
-    _check(monkeypatch, tt, _result(bad, err), test, holds=False)
+    _check(monkeypatch, _result(bad, err), test, holds=False)
 
 
 @pytest.mark.parametrize("lost", [False, True])
@@ -216,9 +216,9 @@ def test_the_jax_timeout_test_takes_either_outcome(monkeypatch, capsys, lost):
         r0 = {"rank": 0, **before, "failing": failing}
         r1["rank0_partial"] = failing
     test = tt.test_jax_surfaces_the_timeout_with_the_record
-    _check(monkeypatch, tt, _result([r0, r1], err), test)
+    _check(monkeypatch, _result([r0, r1], err), test)
     # Rank 1 reports a record of its own: wrong either way.
-    _check(monkeypatch, tt, _result([r0, {**r1, "failures": [record]}], err), test, holds=False)
+    _check(monkeypatch, _result([r0, {**r1, "failures": [record]}], err), test, holds=False)
 
 
 @pytest.mark.parametrize("lost", [False, True])
@@ -243,13 +243,13 @@ def test_the_moe_timeout_test_takes_either_outcome(monkeypatch, capsys, lost):
             "failing": {**_failing(record), "torch_compat_error": "RuntimeError: " + record},
         }
     test = lambda: tt.test_a_rank_that_skips_an_moe_call_makes_the_other_fail_with_the_record(case)
-    _check(monkeypatch, tt, _result([r0, r1], err), test)
+    _check(monkeypatch, _result([r0, r1], err), test)
     # The record of a slower wait than the bound: wrong either way.
     slow = _wait_record(0, 2, mt.GOOD_FIRST + 1, sig, 1, LAMPORT, waited=4.5)
     err = err.replace(record, slow)
     if not lost:
         r0 = {**r0, "failing": {**r0["failing"], "failure_record": slow}}
-    _check(monkeypatch, tt, _result([r0, r1], err), test, holds=False)
+    _check(monkeypatch, _result([r0, r1], err), test, holds=False)
 
 
 @pytest.mark.parametrize("lost", [False, True])
@@ -289,7 +289,7 @@ def test_the_handshake_timeout_test_at_eight_ranks_takes_either_outcome(monkeypa
     )
     res = {**_result(ranks, err), "printf_lines": printf}
     test = lambda: tp.test_a_rank_that_never_calls_times_out(8)
-    _check(monkeypatch, tp, res, test)
+    _check(monkeypatch, res, test)
     # The rank that made no call must not have ended.
     ranks[7] = _lost(7, before, 20.0)
-    _check(monkeypatch, tp, {**res, "ranks": ranks}, test, holds=False)
+    _check(monkeypatch, {**res, "ranks": ranks}, test, holds=False)

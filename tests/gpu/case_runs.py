@@ -48,6 +48,48 @@ def host_slack_s(world: int) -> float:
     return SHARED_GPU_HOST_SLACK_PER_RANK_S * -(-world // gpus)
 
 
+# What a JAX child must not inherit from the test's process: the lane runner keeps pytest
+# itself on CPU, and the rest would change what the child computes.
+JAX_VARS = (
+    "JAX_PLATFORMS",
+    "XLA_FLAGS",
+    "JAX_FUSEDAR_STRICT",
+    "JAX_FUSEDAR_ALLREDUCE_BACKEND",
+    "JAX_FUSEDAR_HANDSHAKE",
+)
+
+
+def child_env(drop, **extra):
+    """os.environ with no multicast (NCCL, torch, NVSHMEM), unbuffered Python and ``extra``,
+    less the variables in ``drop``."""
+    from tests.gpu.workers.common import NO_MULTICAST
+
+    env = dict(os.environ, **NO_MULTICAST, PYTHONUNBUFFERED="1", **extra)
+    for var in drop:
+        env.pop(var, None)
+    return env
+
+
+def run_python(argv, *, env, timeout):
+    """``python ARGV`` in the repository's root, its output captured as text."""
+    return subprocess.run(
+        [sys.executable, *map(str, argv)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def result_of(proc) -> dict:
+    """The object of a finished child's last ``RESULT <json>`` line; fails unless the child
+    exited with 0 and printed one."""
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
 def run_case(module, *args, timeout_s):
     """Runs ``python -m module *args`` (no-multicast environment, no handshake variables) and
     returns its ``RESULT <json>`` line's object, with ``rc``, ``output_tail``,
@@ -56,27 +98,17 @@ def run_case(module, *args, timeout_s):
     child does not finish within ``timeout_s`` or prints no result."""
     import pytest
 
-    env = dict(
-        os.environ,
-        NCCL_NVLS_ENABLE="0",
-        TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-        NVSHMEM_DISABLE_NVLS="1",
-        PYTHONUNBUFFERED="1",
-    )
-    env.pop("JAX_FUSEDAR_HANDSHAKE", None)
-    env.pop("JAX_FUSEDAR_HANDSHAKE_TIMEOUT_S", None)
-    env.pop("JAX_FUSEDAR_CHECK_CALLS", None)  # the names until 0.1.0, still read
-    env.pop("JAX_FUSEDAR_CHECK_TIMEOUT_S", None)
-    env.pop("JAX_PLATFORMS", None)  # the lane runner keeps pytest itself on CPU
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-m", module, *args],
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            cwd=REPO,
-            env=env,
+    env = child_env(
+        (
+            "JAX_FUSEDAR_HANDSHAKE",
+            "JAX_FUSEDAR_HANDSHAKE_TIMEOUT_S",
+            "JAX_FUSEDAR_CHECK_CALLS",  # the names until 0.1.0, still read
+            "JAX_FUSEDAR_CHECK_TIMEOUT_S",
+            "JAX_PLATFORMS",  # the lane runner keeps pytest itself on CPU
         )
+    )
+    try:
+        proc = run_python(["-m", module, *args], env=env, timeout=timeout_s)
         out, err, rc = proc.stdout, proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as e:
 
@@ -99,6 +131,15 @@ def run_case(module, *args, timeout_s):
     result["printf_lines"] = [line for line in (out + err).splitlines() if PRINTF_MARK in line]
     result["lost_trap_lines"] = lost_trap_lines(err)
     return result
+
+
+def checked_case(name, worker, *args, timeout_s):
+    """run_case of tests.gpu.workers.<worker> ARGS, reported as ``name``; fails on the error
+    the worker reports instead of ranks."""
+    res = run_case(f"tests.gpu.workers.{worker}", *args, timeout_s=timeout_s)
+    report(name, res)
+    assert "error" not in res, res["error"] + "\n" + res["output_tail"]
+    return res
 
 
 def lost_trap_lines(stderr: str) -> list:

@@ -21,7 +21,7 @@ import re
 
 import numpy as np
 
-from tests.gpu.fuse_styles import COLLECTIVES, _global, _setup
+from tests.gpu.fuse_styles import COLLECTIVES, _global, _setup, captured
 
 EPS = 1e-6
 TOKENS, HIDDEN = 64, 1024
@@ -192,18 +192,22 @@ def _fp8_check(codes, s64, res64, col, dtype, platform):
     }
 
 
-def _one(jax, jf, name, spec, mesh, world, seed, platform):
+def _args(jax, mesh, x, res, g):
+    """x sharded over "tp", res and g replicated."""
     from jax.sharding import NamedSharding, PartitionSpec as P
+
+    return tuple(
+        _global(jax, a, NamedSharding(mesh, s)) for a, s in ((x, P("tp")), (res, P()), (g, P()))
+    )
+
+
+def _one(jax, jf, name, spec, mesh, world, seed, platform):
     from jax_fusedar.ops.dense import FFI_TARGET
 
     fn, dtype, gamma_dtype, col_of, want = spec
     rng = np.random.default_rng(seed)
     x, res, g = _inputs(rng, world, dtype, gamma_dtype)
-    args = (
-        _global(jax, x, NamedSharding(mesh, P("tp"))),
-        _global(jax, res, NamedSharding(mesh, P())),
-        _global(jax, g, NamedSharding(mesh, P())),
-    )
+    args = _args(jax, mesh, x, res, g)
     fused = jf.fuse(
         fn, mesh=mesh, axis_name="tp", backend="auto" if platform == "cuda" else "xla", strict=True
     )
@@ -244,15 +248,10 @@ def _two_transforms(jax, jf, mesh, world, seed, platform):
     """Two live transforms of one program: the second one's workspace takes its own name
     (kernel workspaces of one key are refused), both fuse, both give the same bits."""
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
 
     fn = _programs(jax, jnp, mesh, world)["gemma_scale_rounded_by_the_program"][0]
     x, res, g = _inputs(np.random.default_rng(seed), world, "bfloat16", "bfloat16")
-    args = (
-        _global(jax, x, NamedSharding(mesh, P("tp"))),
-        _global(jax, res, NamedSharding(mesh, P())),
-        _global(jax, g, NamedSharding(mesh, P())),
-    )
+    args = _args(jax, mesh, x, res, g)
     backend = "auto" if platform == "cuda" else "xla"
     first = jf.fuse(fn, mesh=mesh, axis_name="tp", backend=backend, strict=True)
     second = jf.fuse(fn, mesh=mesh, axis_name="tp", backend=backend, strict=True)
@@ -281,25 +280,13 @@ def worker(rank, world, chan, *, port, seed, platform="cuda"):
     mesh = jax.make_mesh((world,), ("tp",))
     results = {"rank": rank, "jax": jax.__version__, "cases": {}}
     for k, (name, spec) in enumerate(_programs(jax, jnp, mesh, world).items()):
-        try:
-            results["cases"][name] = _one(jax, jf, name, spec, mesh, world, seed + k, platform)
-        except Exception as e:  # noqa: BLE001 - reported per case, the others still run
-            import traceback
-
-            results["cases"][name] = {
-                "error": f"{type(e).__name__}: {e}",
-                "traceback": traceback.format_exc()[-3000:],
-            }
+        results["cases"][name] = captured(
+            lambda: _one(jax, jf, name, spec, mesh, world, seed + k, platform)
+        )
         chan.barrier(f"case {name}")  # every rank runs the cases in one order
-    try:
-        results["two_transforms"] = _two_transforms(jax, jf, mesh, world, seed, platform)
-    except Exception as e:  # noqa: BLE001
-        import traceback
-
-        results["two_transforms"] = {
-            "error": f"{type(e).__name__}: {e}",
-            "traceback": traceback.format_exc()[-3000:],
-        }
+    results["two_transforms"] = captured(
+        lambda: _two_transforms(jax, jf, mesh, world, seed, platform)
+    )
     chan.barrier("two transforms")
     jax.distributed.shutdown()
     return results

@@ -41,26 +41,28 @@ def _setup(rank, world, port, platform):
 
     # float32 matmuls in float32 (not TF32): the float32 run is the yardstick.
     jax.config.update("jax_default_matmul_precision", "highest")
-    if platform == "cpu":
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(
-            coordinator_address=f"127.0.0.1:{port}", num_processes=world, process_id=rank
-        )
-    else:
-        from tests.gpu.harness import device_for
+    from tests.gpu.harness import device_for
+    from tests.gpu.workers.common import jax_distributed
 
-        jax.distributed.initialize(
-            coordinator_address=f"127.0.0.1:{port}",
-            num_processes=world,
-            process_id=rank,
-            local_device_ids=[device_for(rank)],
-        )
-    return jax
+    return jax_distributed(
+        rank, world, port, platform, None if platform == "cpu" else [device_for(rank)]
+    )
 
 
 def _global(jax, value, sharding):
     value = np.asarray(value)
     return jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx])
+
+
+def captured(call):
+    """``call()``'s result, or its error and traceback: reported per case, so that the
+    other cases still run."""
+    try:
+        return call()
+    except Exception as e:  # noqa: BLE001
+        import traceback
+
+        return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
 
 
 def _rel_rms(a, ref):
@@ -183,17 +185,9 @@ def worker(rank, world, chan, *, port, seed, styles, platform="cuda", config=Non
     for name in styles:
         style = BY_NAME[name]
         mesh = jax.make_mesh((1, world), ("dp", "tp"), axis_types=(style.axis_type,) * 2)
-        try:
-            results["styles"][name] = _one_style(
-                jax, jf, style, cfg, mesh, seed, gpus, world, platform
-            )
-        except Exception as e:  # noqa: BLE001 - reported per style, the others still run
-            import traceback
-
-            results["styles"][name] = {
-                "error": f"{type(e).__name__}: {e}",
-                "traceback": traceback.format_exc()[-3000:],
-            }
+        results["styles"][name] = captured(
+            lambda: _one_style(jax, jf, style, cfg, mesh, seed, gpus, world, platform)
+        )
         chan.barrier(f"style {name}")  # every rank runs the styles in one order
     jax.distributed.shutdown()
     return results

@@ -249,10 +249,14 @@ def simulated_hosts_problem():
     return None if r.returncode == 0 else (r.stderr.strip().splitlines() or ["?"])[-1]
 
 
-def device_for(rank: int) -> int:
+def gpu_count() -> int:
     from jax_fusedar.common import native
 
-    return rank % max(1, native.gpu_count())
+    return native.gpu_count()
+
+
+def device_for(rank: int) -> int:
+    return rank % max(1, gpu_count())
 
 
 def needs_gpus(count: int, why: str):
@@ -327,6 +331,12 @@ def worst_of(into: dict, errors: dict) -> dict:
 
 def env_int(name, default):
     return int(os.environ.get(name, default))
+
+
+def run_seed() -> int:
+    """$JAX_FUSEDAR_TEST_SEED (to repeat a run), else a fresh random seed."""
+    env = os.environ.get("JAX_FUSEDAR_TEST_SEED")
+    return int(env) if env else int.from_bytes(os.urandom(4), "little")
 
 
 def free_port() -> int:

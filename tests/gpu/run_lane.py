@@ -40,6 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from tests.gpu.workers.common import NO_MULTICAST
 from tests.repo import REPO
 
 # lane: (marker expression, -k expression or None)
@@ -134,11 +135,6 @@ SOLO = ("tests/gpu/test_torch.py::test_torch_create_destroy_cycles_return_all_me
 # Files whose tests share a module-scoped fixture per parameter (run together, or the
 # fixture runs twice).
 SHARED_FIXTURE_FILES = ("test_moe.py",)
-NO_MULTICAST = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
 
 
 def expected_times(lane: str) -> dict:

@@ -17,11 +17,9 @@ Skipped unless the anchor folder exists: ``$JAX_FUSEDAR_ANCHOR``, else
 $JAX_FUSEDAR_REPORT_DIR/torch_anchor_world<N>.json.
 """
 
-import os
-
 import pytest
 
-from tests.gpu.harness import bound_problems, report, world_params
+from tests.gpu.harness import bound_problems, report, run_seed, world_params
 
 pytestmark = pytest.mark.gpu
 
@@ -44,17 +42,12 @@ def anchor_path():
     return path
 
 
-def _seed():
-    env = os.environ.get("JAX_FUSEDAR_TEST_SEED")
-    return int(env) if env else int.from_bytes(os.urandom(4), "little")
-
-
 @pytest.mark.parametrize("world", world_params(quick=(2, 4, 8)))
 def test_torch_compat_matches_flashinfer_bitwise(anchor_path, world):
     from tests.gpu.workers import anchor_compare
     from tests.gpu.harness import free_port, run_ranks
 
-    seed = _seed()
+    seed = run_seed()
     tokens = TOKENS if world == 2 else TOKENS[:3]
     res = run_ranks(
         anchor_compare.worker,

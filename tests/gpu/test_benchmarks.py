@@ -4,51 +4,22 @@ sharing a GPU time its scheduling, not the kernel); with a GPU per rank the JAX 
 times the kernel and reports median, p10, p90 and the sample count of every figure."""
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-from tests.gpu.harness import report
-from tests.repo import REPO
+from tests.gpu.case_runs import JAX_VARS, child_env, run_python
+from tests.gpu.harness import gpu_count, report
 
 pytestmark = pytest.mark.gpu
 
 
-def _gpus() -> int:
-    from jax_fusedar.common import native
-
-    return native.gpu_count()
-
-
 def _bench(module, *argv, timeout=900):
-    env = dict(
-        os.environ,
-        NCCL_NVLS_ENABLE="0",
-        TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-        NVSHMEM_DISABLE_NVLS="1",
-        PYTHONUNBUFFERED="1",
-    )
-    for var in (
-        "JAX_PLATFORMS",
-        "XLA_FLAGS",
-        "JAX_FUSEDAR_STRICT",
-        "JAX_FUSEDAR_ALLREDUCE_BACKEND",
-    ):
-        env.pop(var, None)
-    return subprocess.run(
-        [sys.executable, "-m", f"benchmarks.{module}", *map(str, argv)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    env = child_env(JAX_VARS[:-1])  # the handshake variable stays
+    return run_python(["-m", f"benchmarks.{module}", *argv], env=env, timeout=timeout)
 
 
-@pytest.mark.skipif(_gpus() != 1, reason="the refusal is for a one-GPU machine")
+@pytest.mark.skipif(gpu_count() != 1, reason="the refusal is for a one-GPU machine")
 def test_the_jax_bench_refuses_one_gpu(tmp_path):
     r = _bench("jax_bench", "--out", tmp_path, timeout=300)
     assert r.returncode == 2, r.stdout + r.stderr
@@ -56,7 +27,7 @@ def test_the_jax_bench_refuses_one_gpu(tmp_path):
     assert "not the kernel" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
-@pytest.mark.skipif(_gpus() != 1, reason="the refusal is for a one-GPU machine")
+@pytest.mark.skipif(gpu_count() != 1, reason="the refusal is for a one-GPU machine")
 def test_the_torch_bench_refuses_one_gpu(tmp_path):
     pytest.importorskip("torch")
     r = _bench("torch_bench", "--no-anchor", "--out", tmp_path, timeout=300)
@@ -65,7 +36,7 @@ def test_the_torch_bench_refuses_one_gpu(tmp_path):
     assert "Traceback" not in r.stderr, r.stderr
 
 
-@pytest.mark.skipif(_gpus() < 2, reason="needs one GPU per rank")
+@pytest.mark.skipif(gpu_count() < 2, reason="needs one GPU per rank")
 def test_the_jax_bench_times_the_kernel_with_its_spread(tmp_path):
     r = _bench(
         "jax_bench", "--tokens", "16,1024", "--hidden", 4096, "--patterns", "1,4",

@@ -4,56 +4,25 @@ fused model on the kernel checked against the same model unsharded on one device
 GPU per rank, one process drives them all. (The benchmarks' GPU tests:
 tests/gpu/test_benchmarks.py.)"""
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-from tests.gpu.harness import report
-from tests.repo import REPO
+from tests.gpu.case_runs import JAX_VARS, child_env, run_python
+from tests.gpu.harness import gpu_count, report
 
 pytestmark = pytest.mark.gpu
 
 
-def _gpus() -> int:
-    from jax_fusedar.common import native
-
-    return native.gpu_count()
-
-
 def _cli(*argv, timeout=900):
-    env = dict(
-        os.environ,
-        NCCL_NVLS_ENABLE="0",
-        TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-        NVSHMEM_DISABLE_NVLS="1",
-        PYTHONUNBUFFERED="1",
-    )
-    for var in (
-        "JAX_PLATFORMS",
-        "XLA_FLAGS",
-        "JAX_FUSEDAR_STRICT",
-        "JAX_FUSEDAR_ALLREDUCE_BACKEND",
-        "JAX_FUSEDAR_HANDSHAKE",
-    ):
-        env.pop(var, None)
-    return subprocess.run(
-        [sys.executable, "-m", "jax_fusedar", *map(str, argv)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_python(["-m", "jax_fusedar", *argv], env=child_env(JAX_VARS), timeout=timeout)
 
 
 def _check_demo(r, tp, name, modes):
     report(name, {"returncode": r.returncode, "stdout": r.stdout, "stderr_tail": r.stderr[-4000:]})
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
     out = r.stdout
-    gpus = _gpus()
+    gpus = gpu_count()
     assert "backend trtllm" in out, out
     if gpus < tp:
         assert f"over {tp} ranks, one process per rank sharing {gpus} GPU" in out, out
@@ -76,18 +45,18 @@ def _check_demo(r, tp, name, modes):
 @pytest.mark.parametrize("tp", [None, 8], ids=["default", "tp8"])
 def test_demo(tp):
     argv = ["demo"] + ([] if tp is None else ["--tp", tp])
-    world = tp or (2 if _gpus() == 1 else _gpus())
+    world = tp or (2 if gpu_count() == 1 else gpu_count())
     r = _cli(*argv)
     _check_demo(r, world, f"gpu_demo_{tp or 'default'}", ["unrolled", "scan"])
-    if _gpus() < world:
+    if gpu_count() < world:
         assert "fused 8 of 8 all-reduce + residual + RMSNorm" in r.stdout, r.stdout
 
 
 @pytest.mark.slow
 def test_demo_moe():
-    world = 2 if _gpus() == 1 else _gpus()
+    world = 2 if gpu_count() == 1 else gpu_count()
     r = _cli("demo", "--moe")
-    _check_demo(r, world, "gpu_demo_moe", ["moe"] if _gpus() < world else [])
+    _check_demo(r, world, "gpu_demo_moe", ["moe"] if gpu_count() < world else [])
     assert "PASS" in r.stdout
 
 
@@ -98,7 +67,7 @@ def test_doctor_on_gpus():
     report("gpu_doctor", {"returncode": r.returncode, "stdout": r.stdout, "stderr": r.stderr})
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout
-    gpus = _gpus()
+    gpus = gpu_count()
     assert f"GPUs: {gpus}\n  GPU0: NVIDIA " in out, out
     assert re.search(r"^CUDA driver: \S+ \(CUDA \d+\.\d+\)$", out, re.M), out
     assert re.search(r"^native build: loaded from .*; CUDA architectures sm_\d+a?", out, re.M), out

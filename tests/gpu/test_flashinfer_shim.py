@@ -8,12 +8,10 @@ FlashInfer's own build (its unified ``allreduce_fusion``; ``$JAX_FUSEDAR_ANCHOR`
 byte must agree, every output be written, and both meet the float64 oracle's bounds (as in
 test_anchor.py). Results: $JAX_FUSEDAR_REPORT_DIR/flashinfer_shim_world2.json."""
 
-import os
-
 import pytest
 
 from jax_fusedar.common.patterns import TRAITS
-from tests.gpu.harness import bound_problems, free_port, report, run_ranks
+from tests.gpu.harness import bound_problems, free_port, report, run_ranks, run_seed
 from tests.gpu.workers.anchor_compare import PATTERNS
 
 pytestmark = pytest.mark.gpu
@@ -41,8 +39,7 @@ def test_legacy_api_runs_the_kernel():
     anchor_path = None if anchor.problem(where) else where
     if anchor_path is not None:
         anchor.prepare_parent(anchor_path)
-    env = os.environ.get("JAX_FUSEDAR_TEST_SEED")
-    seed = int(env) if env else int.from_bytes(os.urandom(4), "little")
+    seed = run_seed()
     world = 2
     res = run_ranks(
         flashinfer_shim.worker,

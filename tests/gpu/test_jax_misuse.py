@@ -3,13 +3,11 @@ anything runs, on 2 GPUs (the kernel) as on 2 CPU devices (the reference path, i
 whose fp32 sum of squares overflows give norm_out = +-0 on both (README, Numerics).
 Worker: tests/gpu/workers/jax_misuse.py, one process driving both devices."""
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
+from tests.gpu.case_runs import JAX_VARS, child_env, result_of, run_python
 from tests.gpu.harness import needs_gpus
 from tests.repo import REPO
 
@@ -22,32 +20,13 @@ FLIPPED = (
 
 
 def _run(platform: str) -> dict:
-    env = dict(
-        os.environ,
-        NCCL_NVLS_ENABLE="0",
-        TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-        NVSHMEM_DISABLE_NVLS="1",
-        PYTHONUNBUFFERED="1",
+    env = child_env(
+        JAX_VARS[1:],  # all but JAX_PLATFORMS
         PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     )
-    for var in (
-        "XLA_FLAGS",
-        "JAX_FUSEDAR_STRICT",
-        "JAX_FUSEDAR_ALLREDUCE_BACKEND",
-        "JAX_FUSEDAR_HANDSHAKE",
-    ):
-        env.pop(var, None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.gpu.workers.jax_misuse", platform],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    return result_of(
+        run_python(["-m", "tests.gpu.workers.jax_misuse", platform], env=env, timeout=600)
     )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def _check(r: dict, *, bits: bool) -> None:

@@ -10,25 +10,18 @@
   jitted there.
 """
 
-import os
-
 import pytest
 
-from tests.gpu.harness import needs_gpus, report
+from tests.gpu.harness import needs_gpus, report, run_seed
 from tests.gpu.workers.single_process_run import run_task
 
 pytestmark = pytest.mark.gpu
 LAYERS = 4
 
 
-def _seed():
-    env = os.environ.get("JAX_FUSEDAR_TEST_SEED")
-    return int(env) if env else int.from_bytes(os.urandom(4), "little")
-
-
 @needs_gpus(2, "one process drives both devices")
 def test_jit_only_model_uses_the_kernel_and_matches_shard_map_bitwise():
-    res = run_task("jit", "cuda", seed=_seed())
+    res = run_task("jit", "cuda", seed=run_seed())
     report("jax_jit_sharding", res)
     for axes in ("Auto", "Explicit"):
         r = res[axes]
@@ -40,7 +33,7 @@ def test_jit_only_model_uses_the_kernel_and_matches_shard_map_bitwise():
 @needs_gpus(2, "one process drives both devices")
 def test_exported_artifact_runs_in_a_fresh_process_on_both_gpus(tmp_path):
     path = str(tmp_path / "layer")
-    made = run_task("export", "cuda", path=path, seed=_seed())
+    made = run_task("export", "cuda", path=path, seed=run_seed())
     served = run_task("serve", "cuda", path=path)
     report("jax_export_serve", {"export": made, "serve": served})
     assert made["ids_in_artifact"] == [made["workspace_id"]]

@@ -7,13 +7,12 @@ same bits on every rank, no unwritten (poisoned) element, CUDA-graph replay, and
 interleaves it with FlashInfer's one-shot and two-shot calls without host syncs.
 """
 
-import json
 import os
 
 import pytest
 
 from jax_fusedar.common import launch_mode, sizing
-from tests.gpu.harness import needs_gpus, sweep_params
+from tests.gpu.harness import needs_gpus, report, sweep_params
 
 pytestmark = pytest.mark.gpu
 
@@ -55,11 +54,7 @@ def test_large_message_two_ranks(sweep):
         loop_calls=env_int("JAX_FUSEDAR_LOOP_CALLS", 500),
         seed=int.from_bytes(os.urandom(4), "little"),
     )
-    out = os.environ.get("JAX_FUSEDAR_REPORT_DIR")
-    if out:
-        with open(os.path.join(out, "large_message.json"), "w") as f:
-            json.dump(results, f, indent=1)
-    print(json.dumps(results, indent=1))
+    report("large_message", results)
     assert results[0]["digest"] == results[1]["digest"], "ranks disagree bitwise"
     for r in results:
         assert r["cases"] == len(cases)
@@ -75,31 +70,10 @@ def test_large_message_through_jax_with_command_buffers():
     """jit + shard_map, XLA command buffers on: auto picks the large-message algorithm at
     4096 x 8192 and its outputs equal the forced two-shot kernel's, replay after replay.
     Worker: tests/gpu/workers/jax_large_message.py, one process driving both GPUs."""
-    import subprocess
-    import sys
+    from tests.gpu.case_runs import JAX_VARS, result_of, run_python
 
-    from tests.repo import REPO
-
-    env = dict(os.environ)
-    for var in (
-        "JAX_PLATFORMS",
-        "XLA_FLAGS",
-        "JAX_FUSEDAR_STRICT",
-        "JAX_FUSEDAR_ALLREDUCE_BACKEND",
-        "JAX_FUSEDAR_HANDSHAKE",
-    ):
-        env.pop(var, None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.gpu.workers.jax_large_message"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-4000:] + proc.stderr[-4000:]
-    r = json.loads(lines[-1][len("RESULT ") :])
+    env = {k: v for k, v in os.environ.items() if k not in JAX_VARS}
+    r = result_of(run_python(["-m", "tests.gpu.workers.jax_large_message"], env=env, timeout=600))
     print(r)
     assert r["backend"] == "trtllm" and r["chosen"] == "large", r
     assert r["auto_attr"] and r["twoshot_attr"], r

@@ -36,23 +36,10 @@ def reports(request, tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     if world != 2:
         env["MOE_GPU_CASES_ONLY"] = "1"
-    try:
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "tests.gpu.workers.moe_gpu",
-                "--out",
-                out,
-                "--stages",
-                "torch,jax",
-                "--world",
-                str(world),
-            ],
-            cwd=REPO,
-            env=env,
-            timeout=600,
-        )
+    args = ["--out", out, "--stages", "torch,jax", "--world", str(world)]
+    try:  # its output not captured: the stages' progress goes to the test's log
+        cmd = [sys.executable, "-m", "tests.gpu.workers.moe_gpu", *args]
+        subprocess.run(cmd, cwd=REPO, env=env, timeout=600)
     except subprocess.TimeoutExpired:
         pytest.fail("tests.gpu.workers.moe_gpu did not finish within 600 s (a hang?)")
     return world, {

@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-from tests.gpu.harness import needs_gpus, report
+from tests.gpu.harness import gpu_count, needs_gpus, report
 
 pytestmark = pytest.mark.gpu
 
@@ -59,14 +59,8 @@ def _own_gpus(device_ids) -> bool:
     return not set(device_ids[0]) & set(device_ids[1])
 
 
-def _gpus() -> int:
-    from jax_fusedar.common import native
-
-    return native.gpu_count()
-
-
 def _one_gpu_each():
-    n = max(1, _gpus())
+    n = max(1, gpu_count())
     return [[0], [1 % n]]
 
 
@@ -89,7 +83,7 @@ def test_tp_across_hosts_takes_xla_with_auto_and_refuses_trtllm():
         auto = r["layouts"]["tp_across_hosts"]["auto"]
         assert auto["backend"] == {"tp": "xla"} and auto["groups"] == {"tp": [[a, b]]}, auto
         assert auto["custom_calls"] == 0 and auto["all_reduces"] >= 1, auto
-        if _gpus() >= 2:
+        if gpu_count() >= 2:
             _numerics_ok(auto)  # XLA's all-reduce (NCCL) between the two "hosts" ran
         else:
             assert "NCCL refuses two ranks on one GPU" in auto["not_run"], auto
@@ -120,7 +114,7 @@ def test_tp_across_processes_of_one_host_keeps_the_kernel():
 )
 def test_dp_across_hosts_tp_within_keeps_the_kernel():
     # Own GPUs per process where there are 4; else both processes drive GPUs 0 and 1.
-    own = _gpus() >= 4
+    own = gpu_count() >= 4
     layouts = ["dp_across_hosts"] + (["tp_across_hosts"] if own else [])
     res = _run(TWO_HOSTS, layouts, ("auto", "trtllm"), [[0, 1], [2, 3]] if own else [[0, 1]] * 2)
     report("multinode_dp_across_hosts", res)

@@ -13,7 +13,6 @@ import os
 import pytest
 
 from tests.gpu.harness import sweep_params
-from tests.repo import REPO
 
 pytestmark = pytest.mark.gpu
 
@@ -65,16 +64,11 @@ def test_native_single_process_peer_pointers():
     """Both ranks in this one process (the single-process path), in a child process so a
     hang cannot take the test run with it."""
     pytest.importorskip("torch")
-    import subprocess
-    import sys
+    from tests.gpu.case_runs import run_python
 
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.gpu.workers.native_single_process", "4096"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-    )
+    # env None: the child inherits this process's environment
+    argv = ["-m", "tests.gpu.workers.native_single_process", "4096"]
+    proc = run_python(argv, env=None, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     print(result)

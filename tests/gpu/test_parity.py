@@ -11,22 +11,16 @@ within one e4m3 step of tests/oracles/quant_oracle.py on the kernel's own norm_o
 Results: $JAX_FUSEDAR_REPORT_DIR/parity_jax_torch_world<N>.json.
 """
 
-import os
 import tempfile
 
 import pytest
 
-from tests.gpu.harness import bound_problems, report, world_params
+from tests.gpu.harness import bound_problems, report, run_seed, world_params
 
 pytestmark = pytest.mark.gpu
 
 TOKENS = (1, 17, 128, 512)
 HIDDENS = (1024, 4096)
-
-
-def _seed():
-    env = os.environ.get("JAX_FUSEDAR_TEST_SEED")
-    return int(env) if env else int.from_bytes(os.urandom(4), "little")
 
 
 @pytest.mark.parametrize("world", world_params())
@@ -36,7 +30,7 @@ def test_jax_and_torch_outputs_are_bitwise_identical(world):
     from tests.gpu.harness import free_port, run_ranks
 
     pytest.importorskip("torch")
-    seed = _seed()
+    seed = run_seed()
     tokens = TOKENS if world == 2 else TOKENS[:3]
     hiddens = HIDDENS if world == 2 else HIDDENS[1:]
     kw = dict(seed=seed, tokens=tokens, hiddens=hiddens, dtypes=("bfloat16", "float16"))

@@ -17,10 +17,11 @@ import re
 
 import pytest
 
-from tests.gpu.case_runs import host_slack_s, lost_trap_record, report, run_case
+from tests.gpu.case_runs import checked_case, host_slack_s, lost_trap_record
 from tests.gpu.harness import world_params
 
 pytestmark = pytest.mark.gpu
+
 
 # A dense call's signature in a record: tokens, then the algorithm (one-shot, two-shot or
 # large-message).
@@ -33,9 +34,7 @@ SIG = (
 def test_timeout_on_gives_the_same_bits_graph_replay_and_cost():
     from tests.gpu.workers.native_timeout import BOUNDS, same_bits_calls
 
-    res = run_case("tests.gpu.workers.native_timeout", "ok", timeout_s=400)
-    report("timeout_ok", res)
-    assert "error" not in res, res["error"] + "\n" + res["output_tail"]
+    res = checked_case("timeout_ok", "native_timeout", "ok", timeout_s=400)
     for r in res["ranks"]:
         assert r["timeout_s"] == pytest.approx(3.0) and r["off_timeout_s"] == 0.0
         b = r["bits"]
@@ -134,9 +133,9 @@ def test_a_missing_rank_makes_the_other_fail_with_the_record(case, tokens, onesh
     H200), its process ending with the record on stderr (jax_fusedar/common/lost_traps.py)."""
     from tests.gpu.workers.native_timeout import BOUNDS, GOOD_FIRST, TIMEOUT_S
 
-    res = run_case("tests.gpu.workers.native_timeout", case, str(world), timeout_s=200)
-    report(f"timeout_{case}_world{world}", res)
-    assert "error" not in res, res["error"] + "\n" + res["output_tail"]
+    res = checked_case(
+        f"timeout_{case}_world{world}", "native_timeout", case, str(world), timeout_s=200
+    )
     *callers, missing = res["ranks"]
     assert len(callers) == world - 1
     sig = SIG.format(tokens, "one-shot" if oneshot else "two-shot")
@@ -163,9 +162,7 @@ def test_a_rank_missing_from_a_large_message_call_makes_the_other_fail_with_the_
     from jax_fusedar.common import launch_mode
     from tests.gpu.workers.native_timeout import BOUNDS, GOOD_FIRST, LARGE_TOKENS, TIMEOUT_S
 
-    res = run_case("tests.gpu.workers.native_timeout", "never_large", timeout_s=300)
-    report("timeout_never_large", res)
-    assert "error" not in res, res["error"] + "\n" + res["output_tail"]
+    res = checked_case("timeout_never_large", "native_timeout", "never_large", timeout_s=300)
     r0, r1 = res["ranks"]
     assert "exitcode" not in r1, f"the rank that made no call ended: {r1}"
     lost = "exitcode" in r0  # rank 0's trap was never reported: the watcher ended it
@@ -192,9 +189,7 @@ def test_mismatched_token_counts_without_the_handshake_fail_on_both_ranks():
     driver never reports is ended by the watcher with the same record on stderr."""
     from tests.gpu.workers.native_timeout import BOUNDS, GOOD_FIRST, TIMEOUT_S
 
-    res = run_case("tests.gpu.workers.native_timeout", "tokens", timeout_s=200)
-    report("timeout_tokens", res)
-    assert "error" not in res, res["error"] + "\n" + res["output_tail"]
+    res = checked_case("timeout_tokens", "native_timeout", "tokens", timeout_s=200)
     for r in res["ranks"]:
         me = r["rank"]
         sig = SIG.format(16 + me, "one-shot")
@@ -212,9 +207,7 @@ def test_jax_surfaces_the_timeout_with_the_record():
     the watcher ends rank 0 with the same record on stderr."""
     from tests.gpu.workers import jax_timeout
 
-    res = run_case("tests.gpu.workers.jax_timeout", timeout_s=240)
-    report("timeout_jax", res)
-    assert "error" not in res, res["error"] + "\n" + res["output_tail"]
+    res = checked_case("timeout_jax", "jax_timeout", timeout_s=240)
     r0, r1 = res["ranks"]
     lost = "exitcode" in r0  # rank 0's trap was never reported: the watcher ended it
     for r in (r0["notes"] if lost else r0, r1):
@@ -283,9 +276,7 @@ def test_a_rank_that_skips_an_moe_call_makes_the_other_fail_with_the_record(case
     from tests.gpu.workers import moe_timeout as mt
 
     where = MOE_WAITS[case]
-    res = run_case("tests.gpu.workers.moe_timeout", case, timeout_s=200)
-    report(f"timeout_moe_{case}", res)
-    assert "error" not in res, res["error"] + "\n" + res["output_tail"]
+    res = checked_case(f"timeout_moe_{case}", "moe_timeout", case, timeout_s=200)
     r0, r1 = res["ranks"]
     lost = "exitcode" in r0  # rank 0's trap was never reported: the watcher ended it
     for r in (r0["notes"] if lost else r0, r1):
@@ -313,9 +304,7 @@ def test_destroy_waits_without_the_gil_and_keeps_the_record():
     only because the GIL is free, ends the process with the record on stderr."""
     from tests.gpu.workers.native_timeout import BOUNDS, GOOD_FIRST, TICK_S, TIMEOUT_S
 
-    res = run_case("tests.gpu.workers.native_timeout", "destroy_waits", timeout_s=200)
-    report("timeout_destroy_waits", res)
-    assert "error" not in res, res["error"] + "\n" + res["output_tail"]
+    res = checked_case("timeout_destroy_waits", "native_timeout", "destroy_waits", timeout_s=200)
     r0, r1 = res["ranks"]
     assert "exitcode" not in r1, f"the rank that made no call ended: {r1}"
     assert r1["healthy_after"] is True and r1["failure_record"] == ""

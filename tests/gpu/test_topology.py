@@ -9,8 +9,8 @@ result is written as JSON (with the output's tail) to $JAX_FUSEDAR_REPORT_DIR.
 
 import pytest
 
-from tests.gpu.case_runs import host_slack_s, lost_trap_record, report, run_case
-from tests.gpu.harness import world_params
+from tests.gpu.case_runs import checked_case, host_slack_s, lost_trap_record
+from tests.gpu.harness import gpu_count, world_params
 
 pytestmark = pytest.mark.gpu
 
@@ -19,12 +19,6 @@ SIG = (
     "{{pattern={} dtype=bfloat16 num_tokens={} hidden_dim=4096 {} fp32_acc=1 layout=0 "
     "block_quant_group_size=0}}"
 )
-
-
-def _gpus():
-    from jax_fusedar.common import native
-
-    return native.gpu_count()
 
 
 def _check_matching(r):
@@ -41,9 +35,9 @@ def _check_matching(r):
 
 @pytest.mark.parametrize("world", world_params())
 def test_handshake_matching_calls_graph_replay_and_cost(world):
-    res = run_case("tests.gpu.workers.native_mismatch", "ok", str(world), timeout_s=170)
-    report(f"handshake_ok_world{world}", res)
-    assert "error" not in res, res["error"] + "\n" + res["output_tail"]
+    res = checked_case(
+        f"handshake_ok_world{world}", "native_mismatch", "ok", str(world), timeout_s=170
+    )
     ranks = res["ranks"]
     assert not res["printf_lines"], res["printf_lines"]
     from tests.gpu.workers.native_mismatch import BOUNDS
@@ -85,9 +79,7 @@ def test_mismatched_calls_fail_instead_of_hanging(case):
     timeout."""
     from tests.gpu.workers.native_mismatch import MATCHING, MISMATCH_TIMEOUT_S, failing_call_of
 
-    res = run_case("tests.gpu.workers.native_mismatch", case, timeout_s=170)
-    report(f"handshake_{case}", res)
-    assert "error" not in res, res["error"] + "\n" + res["output_tail"]
+    res = checked_case(f"handshake_{case}", "native_mismatch", case, timeout_s=170)
     assert res["wall_s"] < 90, res["wall_s"]  # bounded: no rank waits for a timeout
     seq = len(MATCHING) + 1
     for r in res["ranks"]:
@@ -127,9 +119,9 @@ def test_a_rank_that_never_calls_times_out(world):
     record on stderr after the watcher's grace period (jax_fusedar/common/lost_traps.py)."""
     from tests.gpu.workers.native_mismatch import MATCHING, TIMEOUT_CASE_S
 
-    res = run_case("tests.gpu.workers.native_mismatch", "timeout", str(world), timeout_s=170)
-    report(f"handshake_timeout_world{world}", res)
-    assert "error" not in res, res["error"] + "\n" + res["output_tail"]
+    res = checked_case(
+        f"handshake_timeout_world{world}", "native_mismatch", "timeout", str(world), timeout_s=170
+    )
     *callers, missing = res["ranks"]
     seq = len(MATCHING) + 1
     expected = (
@@ -170,11 +162,9 @@ def test_a_rank_that_never_calls_times_out(world):
 
 
 def test_mixed_topology_four_ranks_two_processes_two_gpus():
-    if _gpus() < 2:
+    if gpu_count() < 2:
         pytest.skip("needs 2 GPUs")
-    res = run_case("tests.gpu.workers.native_mixed", timeout_s=170)
-    report("mixed_topology", res)
-    assert "error" not in res, res["error"] + "\n" + res["output_tail"]
+    res = checked_case("mixed_topology", "native_mixed", timeout_s=170)
     procs = res["processes"]
     assert [p["local_tp_ranks"] for p in procs] == [[0, 1], [2, 3]]
     assert procs[0]["paths"]["0"] == {"1": "pointers", "2": "ipc", "3": "ipc"}

@@ -8,11 +8,9 @@ magnitudes (tests/oracles/oracle.py). Results go to $JAX_FUSEDAR_REPORT_DIR/torc
 set.
 """
 
-import os
-
 import pytest
 
-from tests.gpu.harness import bound_problems, needs_gpus, report, world_params
+from tests.gpu.harness import bound_problems, needs_gpus, report, run_seed, world_params
 
 pytestmark = pytest.mark.gpu
 
@@ -26,11 +24,6 @@ def _cuda_torch():
         pytest.skip("torch has no CUDA here (CPU build or no GPU)")
 
 
-def _seed():
-    env = os.environ.get("JAX_FUSEDAR_TEST_SEED")
-    return int(env) if env else int.from_bytes(os.urandom(4), "little")
-
-
 def _run(worker, world, **kw):
     from tests.gpu.workers import torch_workers
     from tests.gpu.harness import free_port, run_ranks
@@ -41,7 +34,7 @@ def _run(worker, world, **kw):
 def test_torch_dp_tp_two_groups_concurrently():
     from tests.gpu.workers.torch_workers import DP_TP_DEVICES, DP_TP_GROUPS
 
-    seed = _seed()
+    seed = run_seed()
     tokens = (1, 16, 128, 1000)
     res = _run("dp_tp_worker", 4, seed=seed, tokens=tokens, hidden=4096)
     report("torch_dp_tp", {"seed": seed, "tokens": tokens, "hidden": 4096, "ranks": res})
@@ -64,7 +57,7 @@ def test_torch_dp_tp_two_groups_concurrently():
 def test_torch_create_destroy_cycles_return_all_memory():
     from tests.gpu.harness import env_int
 
-    seed, cycles = _seed(), env_int("JAX_FUSEDAR_TORCH_CYCLES", 200)
+    seed, cycles = run_seed(), env_int("JAX_FUSEDAR_TORCH_CYCLES", 200)
     res = _run("cycles_worker", 2, seed=seed, cycles=cycles, tokens=16, hidden=4096)
     report("torch_cycles", {"seed": seed, "ranks": res})
     for r in res:
@@ -103,7 +96,7 @@ def test_torch_parity_patterns_0_1_sweep(world):
     """tokens {1,16,128,1024} x hidden {4096,8192} x {bf16,fp16} (at more than 2 ranks
     {1,16,128} x 4096), patterns 0 and 1, one-shot and two-shot (where tokens > ranks),
     fp32_acc True and False (every third case), against the float64 oracle's bounds."""
-    seed = _seed()
+    seed = run_seed()
     tokens, hiddens = ((1, 16, 128, 1024), (4096, 8192)) if world == 2 else ((1, 16, 128), (4096,))
     res = _run(
         "parity_worker",
@@ -134,7 +127,7 @@ def test_torch_fp8_patterns(world):
     (fast-math division near a midpoint; the JAX test measured 5e-4). Scales: dynamic within
     1 fp32 ulp, group UE8M0 bytes equal. Twins (2/4, 10/11, 8/9) bit-identical, except the
     known group-quant rarity (docs/numerics.md: 9 codes of 8.4 M once), allowed at <= 1e-5."""
-    seed = _seed()
+    seed = run_seed()
     shapes = [
         (1024, 1, True),
         (1024, 17, True),
@@ -175,7 +168,7 @@ def test_torch_fp8_patterns(world):
 def test_torch_custom_ops_under_torch_compile(backend, world):
     """torch.compile(fullgraph=True) of the custom ops (patterns 0, 1, 11, 9) on the GPU:
     the same bits and metadata as eager, and the plain outputs within the oracle bounds."""
-    seed = _seed()
+    seed = run_seed()
     res = _run("compile_worker", world, seed=seed, m=128, hidden=4096, backend=backend)
     report(f"torch_compile_{backend}_world{world}", {"seed": seed, "ranks": res})
     for r in res:
@@ -189,7 +182,7 @@ def test_torch_cuda_graph_capture_and_replay(world):
     """Pattern 1 and pattern 11 captured in a CUDA graph each, replayed 100 times (20 at more
     than 2 ranks) with fresh inputs copied into the static buffers, every replay checked
     against the oracle; the replays launch nothing from the host."""
-    seed = _seed()
+    seed = run_seed()
     replays = 100 if world == 2 else 20
     res = _run("cuda_graph_worker", world, seed=seed, m=128, hidden=4096, replays=replays)
     report(f"torch_cuda_graph_world{world}", {"seed": seed, "ranks": res})
@@ -213,7 +206,7 @@ def test_torch_fusion_pass_on_a_4_layer_tp_model(mode):
     ulp of the largest output, since inductor's unfused graph keeps the residual sum in
     fp32 where the kernel rounds it to bf16, as eager does) and within 2e-2 (about 5 bf16
     ulps of the largest output) of it elementwise."""
-    seed = _seed()
+    seed = run_seed()
     res = _run("fusion_pass_worker", 2, seed=seed, m=64, hidden=4096, layers=4, mode=mode)
     report(f"torch_fusion_pass_{mode}", {"seed": seed, "ranks": res})
     for r in res:

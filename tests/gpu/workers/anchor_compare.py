@@ -383,7 +383,7 @@ def worker(
 ):
     from tests.gpu import anchor
     from tests.gpu.harness import draw_case, shape_cases
-    from tests.gpu.workers.torch_workers import _init
+    from tests.gpu.workers.torch_workers import _init, _workspace
 
     torch, dist, device = _init(rank, world, port, rank)
     import torch_compat as tc
@@ -395,15 +395,7 @@ def worker(
         case_no = 0
         for dtype_name in dtypes:
             dtype = getattr(torch, dtype_name)
-            ours_ws = tc.create_allreduce_fusion_workspace(
-                "trtllm",
-                world_size=world,
-                rank=rank,
-                max_token_num=max(tokens),
-                hidden_dim=max(hiddens),
-                dtype=dtype,
-                timeout_s=120,
-            )
+            ours_ws = _workspace(tc, torch, world, rank, max(tokens), max(hiddens), dtype)
             fi_ws = anchor.create_workspace(
                 fi,
                 world_size=world,

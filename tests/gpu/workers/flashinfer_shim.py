@@ -74,7 +74,7 @@ def worker(rank, world, chan, *, port, seed, anchor_path, tokens, hiddens):
     from tests.gpu import anchor
     from tests.gpu.harness import draw_case, shape_cases
     from tests.gpu.workers.anchor_compare import _np_dtype
-    from tests.gpu.workers.torch_workers import _init
+    from tests.gpu.workers.torch_workers import _init, _workspace
 
     torch, dist, device = _init(rank, world, port, rank)
     import torch_compat as tc
@@ -113,15 +113,7 @@ def worker(rank, world, chan, *, port, seed, anchor_path, tokens, hiddens):
                 )
                 calls = {"ours": (ours, None), "anchor": (fi.allreduce_fusion, ref_ws)}
             else:
-                ref_ws = tc.create_allreduce_fusion_workspace(
-                    "trtllm",
-                    world_size=world,
-                    rank=rank,
-                    max_token_num=max(tokens),
-                    hidden_dim=max(hiddens),
-                    dtype=dtype,
-                    timeout_s=120,
-                )
+                ref_ws = _workspace(tc, torch, world, rank, max(tokens), max(hiddens), dtype)
                 calls = {"ours": (ours, None), "anchor": (tc.allreduce_fusion, ref_ws)}
             stats = new_stats()
             for hidden, m, oneshot in shape_cases(tokens, hiddens, world):

@@ -29,17 +29,13 @@ def _setup(rank, world, port, platform):
     os.environ["JAX_PLATFORMS"] = platform
     os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     os.environ.pop("XLA_FLAGS", None)
+    from tests.gpu.harness import device_for
+    from tests.gpu.workers.common import jax_distributed
+
     if platform == "cpu":
         os.environ["JAX_NUM_CPU_DEVICES"] = "1"
-        import jax
-
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(
-            coordinator_address=f"127.0.0.1:{port}", num_processes=world, process_id=rank
-        )
-        return jax, False
+        return jax_distributed(rank, world, port, platform), False
     from jax_fusedar.common import native
-    from tests.gpu.harness import device_for
 
     shared = native.gpu_count() < world
     if shared:
@@ -53,15 +49,7 @@ def _setup(rank, world, port, platform):
             NCCL_SOCKET_IFNAME="lo",
         )
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # never NVLink multicast (docs/decisions.md)
-    import jax
-
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}",
-        num_processes=world,
-        process_id=rank,
-        local_device_ids=[device_for(rank)],
-    )
-    return jax, shared
+    return jax_distributed(rank, world, port, platform, [device_for(rank)]), shared
 
 
 def _collectives(compiled):

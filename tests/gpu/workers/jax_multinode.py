@@ -59,18 +59,10 @@ def _setup(rank, world, port, platform, local_devices, device_ids):
         os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={local_devices}"
     else:
         os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-    import jax
+    from tests.gpu.workers.common import jax_distributed
 
-    if platform == "cpu":  # cross-process CPU collectives (the reference path's psum)
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}",
-        num_processes=world,
-        process_id=rank,
-        initialization_timeout=60,
-        local_device_ids=None if platform == "cpu" else device_ids,
-    )
-    return jax
+    # On CPU, cross-process collectives over gloo (the reference path's psum).
+    return jax_distributed(rank, world, port, platform, device_ids, initialization_timeout=60)
 
 
 def _mesh(jax, name, world, local):

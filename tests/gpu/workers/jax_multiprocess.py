@@ -35,27 +35,13 @@ def _setup(rank, world, port, xla_flags, platform="cuda"):
     os.environ["JAX_PLATFORMS"] = platform
     os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     os.environ["XLA_FLAGS"] = xla_flags
+    from tests.gpu.harness import device_for
+    from tests.gpu.workers.common import jax_distributed
+
     if platform == "cpu":
         os.environ["JAX_NUM_CPU_DEVICES"] = "1"
-        import jax
-
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(
-            coordinator_address=f"127.0.0.1:{port}", num_processes=world, process_id=rank
-        )
-        return jax
-    from tests.gpu.harness import device_for
-
-    device = device_for(rank)
-    import jax
-
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}",
-        num_processes=world,
-        process_id=rank,
-        local_device_ids=[device],
-    )
-    return jax
+        return jax_distributed(rank, world, port, platform)
+    return jax_distributed(rank, world, port, platform, [device_for(rank)])
 
 
 def _global(jax, mesh, spec, local):
@@ -92,32 +78,17 @@ def worker(rank, world, chan, *, port, xla_flags, task, seed, platform="cuda", *
         out["loop"] = _loop(jax, jnp, jf, oracle, mesh, P, rank, world, seed, **kw)
     elif task == "model":
         out["model"] = _model(jax, jnp, jf, mesh, P, rank, world, seed, **kw)
-    elif task in ("quant", "nvfp4"):
-        # tests/gpu/workers/jax_quant.py and jax_nvfp4.py take the same arguments.
-        import importlib
-
-        task_module = importlib.import_module(f"tests.gpu.workers.jax_{task}")
-        out[task] = task_module.run(
-            jax,
-            jnp,
-            jf,
-            mesh,
-            P,
-            rank,
-            world,
-            seed,
-            glob=lambda spec, a: _global(jax, mesh, spec, a),
-            local=_local,
-            **kw,
-        )
     elif task == "grad":
         from tests.gpu.workers import jax_grad
 
         out["grad"] = jax_grad.run(jax, jnp, jf, mesh, P, seed, **kw)
-    elif task == "batching":
-        from tests.gpu.workers import jax_batching
+    elif task in ("quant", "nvfp4", "batching", "handler_errors"):
+        # tests/gpu/workers/jax_<task>.py: run() takes the same arguments in each; batching
+        # takes only whether the kernel serves the calls.
+        import importlib
 
-        out["batching"] = jax_batching.run(
+        extra = {"kernel": platform == "cuda"} if task == "batching" else kw
+        out[task] = importlib.import_module(f"tests.gpu.workers.jax_{task}").run(
             jax,
             jnp,
             jf,
@@ -128,23 +99,7 @@ def worker(rank, world, chan, *, port, xla_flags, task, seed, platform="cuda", *
             seed,
             glob=lambda spec, a: _global(jax, mesh, spec, a),
             local=_local,
-            kernel=platform == "cuda",
-        )
-    elif task == "handler_errors":
-        from tests.gpu.workers import jax_handler_errors
-
-        out["handler_errors"] = jax_handler_errors.run(
-            jax,
-            jnp,
-            jf,
-            mesh,
-            P,
-            rank,
-            world,
-            seed,
-            glob=lambda spec, a: _global(jax, mesh, spec, a),
-            local=_local,
-            **kw,
+            **extra,
         )
     jax.distributed.shutdown()
     return out
@@ -155,6 +110,7 @@ def _parity(jax, jnp, jf, oracle, mesh, P, rank, world, seed, tokens, hiddens, k
     fp32_acc setting, the worst two-rank ulp measures (``ulps_fp32_acc`` /
     ``ulps_no_fp32_acc``: what fp32_acc=False costs at this world size, reported)."""
     from tests.gpu.harness import draw_case, shape_cases, worst_of
+    from tests.gpu.workers.common import plain_ulps
 
     worst = {}
     case = 0
@@ -180,30 +136,17 @@ def _parity(jax, jnp, jf, oracle, mesh, P, rank, world, seed, tokens, hiddens, k
             acc = case % 3 != 2
 
             def f(x, r, g, oneshot=oneshot, wb=wb, acc=acc):
-                o = jf.allreduce_fusion(
-                    x,
+                kw = dict(
                     axis_name="tp",
                     workspace=ws,
-                    residual=r,
-                    rms_gamma=g,
-                    weight_bias=wb,
                     use_oneshot=oneshot,
                     fp32_acc=acc,
                     strict=True,
                     # the CPU dry run: the kernel's additions, whose bounds are checked
                     fallback="kernel_exact",
                 )
-                a = jf.allreduce_fusion(
-                    x,
-                    axis_name="tp",
-                    workspace=ws,
-                    pattern=jf.AllReduceFusionPattern.kAllReduce,
-                    use_oneshot=oneshot,
-                    fp32_acc=acc,
-                    strict=True,
-                    # the CPU dry run: the kernel's additions, whose bounds are checked
-                    fallback="kernel_exact",
-                )
+                o = jf.allreduce_fusion(x, residual=r, rms_gamma=g, weight_bias=wb, **kw)
+                a = jf.allreduce_fusion(x, pattern=jf.AllReduceFusionPattern.kAllReduce, **kw)
                 return o.residual_out, o.norm_out, a.allreduce_out
 
             fn = jax.jit(
@@ -216,14 +159,8 @@ def _parity(jax, jnp, jf, oracle, mesh, P, rank, world, seed, tokens, hiddens, k
             )
             x64 = [x.astype(np.float64) for x in xs]
             r64, g64 = res.astype(np.float64), gam.astype(np.float64)
-            s, r, y, inv = oracle.fused_reference(x64, r64, g64, rms_eps=1e-6, weight_bias=wb)
-            ulps = {
-                "residual": oracle.residual_error_ulps(_local(r_out), s, r, r64, dtype),
-                "norm": oracle.norm_error_ulps(
-                    _local(n_out), s, y, inv, r64, g64, weight_bias=wb, dtype_name=dtype
-                ),
-                "allreduce": oracle.allreduce_error_ulps(_local(a_out), s, dtype),
-            }
+            got = dict(residual_out=_local(r_out), norm_out=_local(n_out))
+            ulps = plain_ulps(x64, r64, g64, dtype, **got, allreduce_out=_local(a_out), wb=wb)
             worst_of(w, ulps)
             worst_of(w["ulps_fp32_acc" if acc else "ulps_no_fp32_acc"], ulps)
             worst_of(

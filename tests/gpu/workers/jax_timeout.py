@@ -23,11 +23,11 @@ The last stdout line is "RESULT <json>".
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import threading
 import time
+
+from tests.gpu.workers.common import error_text, new_seed, plain_ulps, print_result
 
 import numpy as np
 
@@ -50,7 +50,6 @@ def worker(rank, world, chan, *, port, seed):
     from jax.sharding import PartitionSpec as P
 
     import jax_fusedar as jf
-    from tests.oracles import oracle
     from tests.gpu.harness import draw_case
 
     mesh = Mesh(np.array(jax.devices()), ("tp",))
@@ -75,13 +74,8 @@ def worker(rank, world, chan, *, port, seed):
     r_out, n_out = jax.block_until_ready(fn(*args))
     x64 = [x.astype(np.float64) for x in xs]
     r64, g64 = res.astype(np.float64), gam.astype(np.float64)
-    s, r, y, inv = oracle.fused_reference(x64, r64, g64, rms_eps=1e-6, weight_bias=0.0)
-    out["good"] = {
-        "residual": oracle.residual_error_ulps(_local(r_out), s, r, r64, "bfloat16"),
-        "norm": oracle.norm_error_ulps(
-            _local(n_out), s, y, inv, r64, g64, weight_bias=0.0, dtype_name="bfloat16"
-        ),
-    }
+    got = dict(residual_out=_local(r_out), norm_out=_local(n_out))
+    out["good"] = plain_ulps(x64, r64, g64, "bfloat16", **got)
     chan.barrier("good")
     if rank == 0:
         # Kept by the harness if this process ends without a result (a lost trap).
@@ -125,11 +119,7 @@ def worker(rank, world, chan, *, port, seed):
         except RuntimeError as e:
             failing["raise_if_failed"] = str(e)
         chan.all_gather("partial", failing)
-        try:
-            jax.block_until_ready(fn(*args))
-            failing["next_call_error"] = None
-        except Exception as e:  # noqa: BLE001
-            failing["next_call_error"] = f"{type(e).__name__}: {e}"[:2000]
+        failing["next_call_error"] = error_text(lambda: jax.block_until_ready(fn(*args)), 2000)
         out["failing"] = failing
     else:
         try:
@@ -140,10 +130,9 @@ def worker(rank, world, chan, *, port, seed):
         out["failures"] = ws.failures()
         if out["rank0_partial"] is None:
             return out  # report before rank 0's end can stop this process
-    try:
-        chan.barrier("verdict", timeout_s=VERDICT_WAIT_S)
-    except TimeoutError as e:  # rank 1 gave up on rank 0's findings and left
-        out["peer_gone"] = str(e)
+    from tests.gpu.workers.native_mismatch import await_verdict
+
+    await_verdict(chan, out, "verdict", VERDICT_WAIT_S)  # rank 1 may have given up and left
     return out
 
 
@@ -151,21 +140,12 @@ def main(argv):
     from tests.gpu.harness import free_port
     from tests.gpu.workers.native_timeout import run_ranks_allowing_death
 
-    seed = int.from_bytes(os.urandom(4), "little")
-    t0 = time.monotonic()
-    try:
-        out = {
-            "seed": seed,
-            "timeout_s": TIMEOUT_S,
-            "ranks": run_ranks_allowing_death(
-                worker, 2, timeout_s=150, port=free_port(), seed=seed
-            ),
-        }
-    except Exception as e:  # noqa: BLE001 - reported as JSON for the test to show
-        out = {"seed": seed, "error": str(e)[-6000:]}
-    out["wall_s"] = time.monotonic() - t0
-    sys.stdout.flush()
-    print("RESULT " + json.dumps(out), flush=True)
+    seed = new_seed()
+    print_result(
+        {"seed": seed, "timeout_s": TIMEOUT_S},
+        "ranks",
+        lambda: run_ranks_allowing_death(worker, 2, timeout_s=150, port=free_port(), seed=seed),
+    )
 
 
 if __name__ == "__main__":

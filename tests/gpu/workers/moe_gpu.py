@@ -36,12 +36,9 @@ from pathlib import Path
 
 import numpy as np
 
-for _k, _v in (
-    ("NCCL_NVLS_ENABLE", "0"),
-    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-    ("NVSHMEM_DISABLE_NVLS", "1"),
-):
-    os.environ.setdefault(_k, _v)
+from tests.gpu.workers.common import no_multicast_defaults
+
+no_multicast_defaults()
 
 EPS = 1e-6
 # The ranks; --world sets it in the environment, so the spawned rank processes (which import
@@ -90,12 +87,14 @@ def case_name(c):
     )
 
 
-def case_inputs(c):
-    """Every rank's numpy inputs of case ``c`` (the same in every process)."""
+def case_inputs(c, rng=None):
+    """Every rank's numpy inputs of case ``c`` (the same in every process), drawn from
+    ``rng`` (default: one seeded by the case)."""
     import tests.oracles.moe_oracle as mo
 
     pattern, dtype, tokens, hidden, k, experts = c[:6]
-    rng = np.random.default_rng([pattern, tokens, hidden, k, experts])
+    if rng is None:
+        rng = np.random.default_rng([pattern, tokens, hidden, k, experts])
     if pattern == 7:
         return mo.random_finalize_case(
             rng,
@@ -171,17 +170,19 @@ def _ranks_share_a_gpu():
 # --- stage 1: torch ---------------------------------------------------------------------------
 
 
-def _torch_rank(rank, world, channel, *, port, anchor_path, out_dir):
+def _gloo_rank(rank, world, port):
+    """(torch, torch.distributed, this rank's device) in a gloo group of the ranks."""
     import torch
-    import torch.distributed as dist
 
     from tests.gpu.harness import device_for
+    from tests.gpu.workers.common import init_gloo
 
     dev = torch.device("cuda", device_for(rank))
-    torch.cuda.set_device(dev)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+    return (*init_gloo(rank, world, port, dev), dev)
+
+
+def _torch_rank(rank, world, channel, *, port, anchor_path, out_dir):
+    torch, dist, dev = _gloo_rank(rank, world, port)
     # NCCL (the unfused baseline of the bench) needs one GPU per rank.
     nccl = None if _ranks_share_a_gpu() else dist.new_group(backend="nccl")
     import torch_compat as tc
@@ -212,6 +213,17 @@ def _torch_rank(rank, world, channel, *, port, anchor_path, out_dir):
     def to_t(a, dtype):
         t = torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).to(dev)
         return t.view(T[dtype])
+
+    def finalize_tensors(inputs):
+        """This rank's bf16 pattern-7 tensors of a case with expert scales and shared output."""
+        return dict(
+            p=to_t(inputs["permuted"][rank], "bfloat16"),
+            idx=torch.from_numpy(inputs["idx"][rank]).to(dev),
+            res=to_t(inputs["residual"], "bfloat16"),
+            g=to_t(inputs["gamma"], "bfloat16"),
+            s=to_t(inputs["scale"], "bfloat16"),
+            sh=to_t(inputs["shared"][rank], "bfloat16"),
+        )
 
     def run_case(c, inputs, impl):
         dtype = c[1]
@@ -326,29 +338,11 @@ def _torch_rank(rank, world, channel, *, port, anchor_path, out_dir):
     c = (7, "bfloat16", 16, 7168, 8, 256, True, True, 1.0)
     inputs = case_inputs(c)
     handle = library.register_workspace(ws)
-    static = dict(
-        p=to_t(inputs["permuted"][rank], "bfloat16"),
-        idx=torch.from_numpy(inputs["idx"][rank]).to(dev),
-        res=to_t(inputs["residual"], "bfloat16"),
-        g=to_t(inputs["gamma"], "bfloat16"),
-        s=to_t(inputs["scale"], "bfloat16"),
-        sh=to_t(inputs["shared"][rank], "bfloat16"),
-    )
+    static = finalize_tensors(inputs)
     op = torch.ops.torch_compat.moe_finalize_allreduce_residual_rmsnorm
 
-    def call():
-        return op(
-            static["p"],
-            static["idx"],
-            static["res"],
-            static["g"],
-            static["s"],
-            static["sh"],
-            1.0,
-            EPS,
-            0.0,
-            handle,
-        )
+    def call(t=static):
+        return op(t["p"], t["idx"], t["res"], t["g"], t["s"], t["sh"], 1.0, EPS, 0.0, handle)
 
     for _ in range(3):
         call()
@@ -373,19 +367,10 @@ def _torch_rank(rank, world, channel, *, port, anchor_path, out_dir):
     # its next call clears (docs/moe.md); this hung (or, with bounded waits, trapped).
     c = (7, "bfloat16", MAX_TOKENS, 7168, 8, 256, True, True, 1.0)
     inputs = case_inputs(c)
-    big = dict(
-        p=to_t(inputs["permuted"][rank], "bfloat16"),
-        idx=torch.from_numpy(inputs["idx"][rank]).to(dev),
-        res=to_t(inputs["residual"], "bfloat16"),
-        g=to_t(inputs["gamma"], "bfloat16"),
-        s=to_t(inputs["scale"], "bfloat16"),
-        sh=to_t(inputs["shared"][rank], "bfloat16"),
-    )
+    big = finalize_tensors(inputs)
 
     def big_call():
-        return op(
-            big["p"], big["idx"], big["res"], big["g"], big["s"], big["sh"], 1.0, EPS, 0.0, handle
-        )
+        return call(big)
 
     say("back-to-back calls at", MAX_TOKENS, "tokens")
     t0 = time.perf_counter()
@@ -451,45 +436,26 @@ def _torch_rank(rank, world, channel, *, port, anchor_path, out_dir):
     for tokens in BENCH_TOKENS if nccl is not None or shared_loops else ():
         c = (7, "bfloat16", tokens, 7168, 8, 256, True, True, 1.0)
         inputs = case_inputs(c)
-        p_ = to_t(inputs["permuted"][rank], "bfloat16")
-        idx = torch.from_numpy(inputs["idx"][rank]).to(dev)
-        res = to_t(inputs["residual"], "bfloat16")
-        g_ = to_t(inputs["gamma"], "bfloat16")
-        s_ = to_t(inputs["scale"], "bfloat16")
-        sh = to_t(inputs["shared"][rank], "bfloat16")
+        t = finalize_tensors(inputs)
+        p_, idx, res, g_, s_, sh = (t[k] for k in ("p", "idx", "res", "g", "s", "sh"))
         ro, no = torch.empty_like(res), torch.empty_like(res)
+        kw = dict(
+            residual_in=res,
+            rms_gamma=g_,
+            residual_out=ro,
+            norm_out=no,
+            expanded_idx_to_permuted_idx=idx,
+            expert_scale_factor=s_,
+            shared_expert_output=sh,
+            rms_eps=EPS,
+            launch_with_pdl=True,
+        )
 
         def fused():
-            tc.allreduce_fusion(
-                p_,
-                ws,
-                7,
-                residual_in=res,
-                rms_gamma=g_,
-                residual_out=ro,
-                norm_out=no,
-                expanded_idx_to_permuted_idx=idx,
-                expert_scale_factor=s_,
-                shared_expert_output=sh,
-                rms_eps=EPS,
-                launch_with_pdl=True,
-            )
+            tc.allreduce_fusion(p_, ws, 7, **kw)
 
         def anchor_call():
-            fi.allreduce_fusion(
-                p_,
-                fws,
-                7,
-                residual_in=res,
-                rms_gamma=g_,
-                residual_out=ro,
-                norm_out=no,
-                expanded_idx_to_permuted_idx=idx,
-                expert_scale_factor=s_,
-                shared_expert_output=sh,
-                rms_eps=EPS,
-                launch_with_pdl=True,
-            )
+            fi.allreduce_fusion(p_, fws, 7, **kw)
 
         valid = idx >= 0
         w = (s_.float() * valid)[..., None]
@@ -536,13 +502,8 @@ def _torch_rank(rank, world, channel, *, port, anchor_path, out_dir):
 
 
 def stage_torch(out_dir, anchor_path):
-    from tests.gpu.harness import run_ranks
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     from tests.gpu import anchor
+    from tests.gpu.harness import free_port, run_ranks
 
     # --anchor, else $JAX_FUSEDAR_ANCHOR, else the repository's .anchor folder: where that
     # folder looks complete, the ranks must inherit its environment to load it.
@@ -556,7 +517,7 @@ def stage_torch(out_dir, anchor_path):
         _torch_rank,
         WORLD,
         timeout_s=float(os.environ.get("MOE_GPU_TORCH_TIMEOUT_S", "240")),
-        port=port,
+        port=free_port(),
         anchor_path=anchor_path,
         out_dir=str(out_dir),
     )
@@ -627,7 +588,9 @@ def _jax_rank(rank, world, channel, *, port, out_dir):
             )
         )
 
-    def stacked_finalize(inputs):
+    def finalize_args(inputs):
+        """The global arrays of a pattern-7 case: permuted rows (padded to one length),
+        indices and shared outputs stacked over the ranks, then residual, gamma, scales."""
         rows = max(p.shape[0] for p in inputs["permuted"])
         h = inputs["residual"].shape[1]
         perm = np.stack(
@@ -636,23 +599,18 @@ def _jax_rank(rank, world, channel, *, port, out_dir):
                 for p in inputs["permuted"]
             ]
         )
-        return perm, np.stack(inputs["idx"]), np.stack(inputs["shared"])
+        stacked = (perm, np.stack(inputs["idx"]), np.stack(inputs["shared"]))
+        return [put(a, P("tp")) for a in stacked] + [
+            put(inputs[k], P()) for k in ("residual", "gamma", "scale")
+        ]
 
     for c in JAX_CASES:
         name = case_name(c)
         inputs = case_inputs(c)
         ws = workspaces[c[1]]
         if c[0] == 7:
-            perm, idx, shared = stacked_finalize(inputs)
             f = finalize_fn(ws, c)
-            args = [
-                put(perm, P("tp")),
-                put(idx, P("tp")),
-                put(shared, P("tp")),
-                put(inputs["residual"], P()),
-                put(inputs["gamma"], P()),
-                put(inputs["scale"], P()),
-            ]
+            args = finalize_args(inputs)
         else:
 
             def body(x, s, t, res, g):
@@ -704,7 +662,6 @@ def _jax_rank(rank, world, channel, *, port, out_dir):
     for tokens in BENCH_TOKENS:
         c = (7, "bfloat16", tokens, 7168, 8, 256, True, True, 1.0)
         inputs = case_inputs(c)
-        perm, idx, shared = stacked_finalize(inputs)
         ws = workspaces["bfloat16"]
 
         def fused_chain(p, i, sh, res, g, s):
@@ -747,14 +704,7 @@ def _jax_rank(rank, world, channel, *, port, out_dir):
 
             return jax.lax.fori_loop(0, chain, step, res)
 
-        args = [
-            put(perm, P("tp")),
-            put(idx, P("tp")),
-            put(shared, P("tp")),
-            put(inputs["residual"], P()),
-            put(inputs["gamma"], P()),
-            put(inputs["scale"], P()),
-        ]
+        args = finalize_args(inputs)
         row = {}
         for label, fn in (("fused_jax_us", fused_chain), ("unfused_xla_us", unfused_chain)):
             f = jax.jit(
@@ -790,15 +740,7 @@ def stage_jax(out_dir):
 
 
 def _anchor_2880_rank(rank, world, channel, *, port, anchor_path):
-    import torch
-    import torch.distributed as dist
-    from tests.gpu.harness import device_for
-
-    dev = torch.device("cuda", device_for(rank))
-    torch.cuda.set_device(dev)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+    torch, dist, dev = _gloo_rank(rank, world, port)
     from tests.gpu import anchor
 
     fi = anchor.load(anchor_path)
@@ -843,15 +785,13 @@ def _anchor_2880_rank(rank, world, channel, *, port, anchor_path):
 
 
 def stage_anchor_2880(anchor_path):
-    from tests.gpu.harness import run_ranks
     from tests.gpu import anchor
-    import socket
+    from tests.gpu.harness import free_port, run_ranks
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     anchor.prepare_parent(anchor.path(anchor_path))
-    return run_ranks(_anchor_2880_rank, WORLD, timeout_s=25, port=port, anchor_path=anchor_path)
+    return run_ranks(
+        _anchor_2880_rank, WORLD, timeout_s=25, port=free_port(), anchor_path=anchor_path
+    )
 
 
 def main(argv=None):

@@ -21,10 +21,10 @@ The last stdout line is "RESULT <json>".
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
+
+from tests.gpu.workers.common import case_of, error_text, new_seed, print_result
 
 import numpy as np
 
@@ -47,25 +47,9 @@ def moe_case(pattern):
 
 def _inputs(c, seed):
     """Fresh random inputs of case ``c`` for every rank (the same in every process)."""
-    import tests.oracles.moe_oracle as mo
-    from tests.gpu.workers.moe_gpu import WORLD
+    from tests.gpu.workers.moe_gpu import case_inputs
 
-    pattern, dtype, tokens, hidden, k, experts = c[:6]
-    rng = np.random.default_rng(seed)
-    if pattern == 7:
-        return mo.random_finalize_case(
-            rng,
-            tokens=tokens,
-            top_k=k,
-            experts=experts,
-            world=WORLD,
-            dtype_name=dtype,
-            hidden=hidden,
-            pad=2,
-        )
-    return mo.random_reduction_case(
-        rng, tokens=tokens, experts=experts, world=WORLD, dtype_name=dtype, hidden=hidden
-    )
+    return case_inputs(c, np.random.default_rng(seed))
 
 
 class _Call:
@@ -191,18 +175,14 @@ class _Call:
 
 
 def worker(rank, world, chan, *, case, seed, port):
-    import torch
-    import torch.distributed as dist
-
-    import torch_compat as tc
     from tests.gpu.harness import device_for
-    from tests.gpu.workers.native_mismatch import AFTER_FAILURE_WAIT_S, flush_c_stdio
+    from tests.gpu.workers.common import init_gloo
+    from tests.gpu.workers.native_mismatch import await_verdict, check_untouched, flush_c_stdio
 
     device = device_for(rank)
-    torch.cuda.set_device(device)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+    torch, dist = init_gloo(rank, world, port, device)
+    import torch_compat as tc
+
     pattern = CASES[case]
     c = moe_case(pattern)
     result = {
@@ -240,35 +220,18 @@ def worker(rank, world, chan, *, case, seed, port):
         f = {}
         t0 = time.monotonic()
         call.torch_compat(ws)
-        try:
-            stream.synchronize()
-            f["sync_error"] = None
-        except Exception as e:  # noqa: BLE001 - the expected outcome
-            f["sync_error"] = f"{type(e).__name__}: {e}"[:600]
+        f["sync_error"] = error_text(stream.synchronize, 600)
         f["elapsed_s"] = time.monotonic() - t0
         flush_c_stdio()
         f["failure_record"] = ws.failure()
         # The next launch must be refused with the recorded text: by the core (the raw
         # entry, no Python check before it) and through torch_compat.
-        for name, launch in (
-            ("relaunch_error", lambda: call.native(ws, stream)),
-            ("torch_compat_error", lambda: call.torch_compat(ws)),
-        ):
-            try:
-                launch()
-                f[name] = None
-            except Exception as e:  # noqa: BLE001
-                f[name] = f"{type(e).__name__}: {e}"[:1500]
+        f["relaunch_error"] = error_text(lambda: call.native(ws, stream), 1500)
+        f["torch_compat_error"] = error_text(lambda: call.torch_compat(ws), 1500)
         result["failing"] = f
-    try:  # rank 1 makes no call until rank 0 has its verdict
-        chan.barrier("verdict", timeout_s=AFTER_FAILURE_WAIT_S)
-    except TimeoutError as e:  # rank 0's lost trap ended (or is ending) its process
-        result["peer_gone"] = str(e)
+    await_verdict(chan, result, "verdict")  # rank 1 makes no call until rank 0 has its verdict
     if rank == 1:
-        t = torch.arange(1000, device=device, dtype=torch.float32)
-        result["healthy_after"] = float(t.sum().item()) == 499500.0
-        result["failure_record"] = ws.failure()
-        ws.destroy()
+        check_untouched(result, ws, device, torch)
     flush_c_stdio()
     if "peer_gone" not in result:  # rank 0 hosts the store: leave a gone peer's group be
         dist.destroy_process_group()
@@ -279,25 +242,15 @@ def main(argv):
     from tests.gpu.harness import free_port
     from tests.gpu.workers.native_timeout import run_ranks_allowing_death
 
-    case = argv[1] if len(argv) > 1 else "never_finalize"
-    if case not in CASES:
-        raise SystemExit(f"unknown case {case!r}; one of {tuple(CASES)}")
-    seed = int.from_bytes(os.urandom(4), "little")
-    t0 = time.monotonic()
-    try:
-        out = {
-            "case": case,
-            "seed": seed,
-            "timeout_s": TIMEOUT_S,
-            "ranks": run_ranks_allowing_death(
-                worker, 2, timeout_s=120, case=case, seed=seed, port=free_port()
-            ),
-        }
-    except Exception as e:  # noqa: BLE001 - reported as JSON for the test to show
-        out = {"case": case, "seed": seed, "error": str(e)[-6000:]}
-    out["wall_s"] = time.monotonic() - t0
-    sys.stdout.flush()
-    print("RESULT " + json.dumps(out), flush=True)
+    case, _ = case_of(argv[:2], CASES, "never_finalize")
+    seed = new_seed()
+    print_result(
+        {"case": case, "seed": seed, "timeout_s": TIMEOUT_S},
+        "ranks",
+        lambda: run_ranks_allowing_death(
+            worker, 2, timeout_s=120, case=case, seed=seed, port=free_port()
+        ),
+    )
 
 
 if __name__ == "__main__":

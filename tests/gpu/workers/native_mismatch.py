@@ -36,10 +36,10 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import json
-import os
 import sys
 import time
+
+from tests.gpu.workers.common import case_of, connect_ipc, error_text, new_seed, print_result
 
 import numpy as np
 
@@ -124,47 +124,48 @@ def fused_call(ws, pattern, m, x, res, gamma, outs, *, oneshot, stream, algorith
     given, overrides the one-shot/two-shot choice ``oneshot``."""
     from jax_fusedar.common import native
 
-    code = native.DTYPE_CODES[DTYPE]
     algorithm = int(oneshot) if algorithm is None else algorithm
     if pattern == 0:
-        ws.launch(
-            0,
-            code,
-            m,
-            x.shape[1],
-            x.data_ptr(),
-            allreduce_out=outs["allreduce"].data_ptr(),
-            algorithm=algorithm,
-            stream=stream.cuda_stream,
-        )
+        ptrs = {"allreduce_out": outs["allreduce"].data_ptr()}
     else:
-        ws.launch(
-            1,
-            code,
-            m,
-            x.shape[1],
-            x.data_ptr(),
-            residual_in=res.data_ptr(),
-            residual_out=outs["residual"].data_ptr(),
-            norm_out=outs["norm"].data_ptr(),
-            rms_gamma=gamma.data_ptr(),
-            rms_eps=1e-6,
-            algorithm=algorithm,
-            stream=stream.cuda_stream,
-        )
+        ptrs = {
+            "residual_in": res.data_ptr(),
+            "residual_out": outs["residual"].data_ptr(),
+            "norm_out": outs["norm"].data_ptr(),
+            "rms_gamma": gamma.data_ptr(),
+            "rms_eps": 1e-6,
+        }
+    ws.launch(
+        pattern,
+        native.DTYPE_CODES[DTYPE],
+        m,
+        x.shape[1],
+        x.data_ptr(),
+        **ptrs,
+        algorithm=algorithm,
+        stream=stream.cuda_stream,
+    )
 
 
 def new_outputs(x, torch):
     return {k: torch.full_like(x, float("nan")) for k in ("allreduce", "residual", "norm")}
 
 
+def on_device(seed, world, m, rank, device, torch):
+    """One case's draw_inputs (HIDDEN wide), this rank's x, the residual and gamma on
+    ``device``, and NaN outputs: (xs, residual, gamma, x, res, gam, outs)."""
+    xs, residual, gamma = draw_inputs(seed, world, m, HIDDEN, torch)
+    x, res, gam = (t.cuda(device) for t in (xs[rank], residual, gamma))
+    return xs, residual, gamma, x, res, gam, new_outputs(x, torch)
+
+
 def worst_of(errs):
-    """Per-key maxima; a NaN anywhere stays NaN (Python's max would drop it)."""
+    """Per-key maxima of a list of error dicts (harness.worst_of: a NaN stays NaN)."""
+    from tests.gpu import harness
+
     w = {}
     for e in errs:
-        for k, v in e.items():
-            old = w.get(k, 0.0)
-            w[k] = float("nan") if (v != v or old != old) else max(old, v)
+        harness.worst_of(w, e)
     return w
 
 
@@ -172,9 +173,7 @@ def matching_calls(ws, rank, world, device, stream, seed, torch):
     """MATCHING on `ws`; returns (per-call errors, digest of all outputs)."""
     errs, digest = [], hashlib.sha256()
     for i, (pattern, m, oneshot) in enumerate(MATCHING):
-        xs, residual, gamma = draw_inputs(seed + i, world, m, HIDDEN, torch)
-        x, res, gam = (t.cuda(device) for t in (xs[rank], residual, gamma))
-        outs = new_outputs(x, torch)
+        xs, residual, gamma, x, res, gam, outs = on_device(seed + i, world, m, rank, device, torch)
         fused_call(ws, pattern, m, x, res, gam, outs, oneshot=oneshot, stream=stream)
         stream.synchronize()
         e = oracle_errors(xs, residual, gamma, outs, pattern)
@@ -214,11 +213,7 @@ def make_workspace(
         handshake_timeout_s=timeout_s,
         **kw,
     )
-    handles = chan.all_gather(f"ipc-{tag}", ws.export_ipc())
-    for peer, h in enumerate(handles):
-        if peer != rank:
-            ws.open_peer_ipc(peer, h)
-    ws.finalize()
+    connect_ipc(ws, chan, rank, f"ipc-{tag}")
     chan.barrier(f"ready-{tag}")
     from jax_fusedar.common import lost_traps
 
@@ -230,9 +225,7 @@ def graph_replays(ws, rank, world, device, seed, torch, chan):
     """Captures 3 checked pattern-1 calls in a CUDA graph and replays it 3 times (each
     replay: outputs poisoned first, then checked), then one eager call after the replays:
     the device counter must have advanced in step on both ranks."""
-    xs, residual, gamma = draw_inputs(seed, world, 16, HIDDEN, torch)
-    x, res, gam = (t.cuda(device) for t in (xs[rank], residual, gamma))
-    outs = new_outputs(x, torch)
+    xs, residual, gamma, x, res, gam, outs = on_device(seed, world, 16, rank, device, torch)
     g = torch.cuda.CUDAGraph()
     capture_error = None
     try:
@@ -266,9 +259,7 @@ def graph_replays(ws, rank, world, device, seed, torch, chan):
 def timing(ws, rank, world, device, seed, torch, *, calls=100, reps=5):
     """Median over `reps` of (ms for `calls` back-to-back pattern-1 one-shot calls)/calls;
     the last call's outputs are checked."""
-    xs, residual, gamma = draw_inputs(seed, world, 16, HIDDEN, torch)
-    x, res, gam = (t.cuda(device) for t in (xs[rank], residual, gamma))
-    outs = new_outputs(x, torch)
+    xs, residual, gamma, x, res, gam, outs = on_device(seed, world, 16, rank, device, torch)
     stream = torch.cuda.current_stream(device)
     per_call = []
     for _ in range(reps):
@@ -284,6 +275,38 @@ def timing(ws, rank, world, device, seed, torch, *, calls=100, reps=5):
         "ms_per_call": per_call,
         "last_call": oracle_errors(xs, residual, gamma, outs, 1),
     }
+
+
+def await_verdict(chan, result, tag, timeout_s=AFTER_FAILURE_WAIT_S):
+    """Waits at most ``timeout_s`` for every rank at barrier ``tag``; a rank that never comes
+    (a peer whose lost trap ended its process) is noted as ``peer_gone``."""
+    try:
+        chan.barrier(tag, timeout_s=timeout_s)
+    except TimeoutError as e:
+        result["peer_gone"] = str(e)
+
+
+def check_untouched(result, ws, device, torch):
+    """For the rank that made no failing call: its CUDA context still computes, its record
+    is empty; then frees ``ws``."""
+    t = torch.arange(1000, device=device, dtype=torch.float32)
+    result["healthy_after"] = float(t.sum().item()) == 499500.0
+    result["failure_record"] = ws.failure()
+    ws.destroy()
+
+
+def finish_ok(result, ws, off, rank, world, device, seed, torch, chan):
+    """The "ok" case's end: a CUDA graph on ``ws``, the per-call time on ``ws`` and on
+    ``off`` (the check or the timeout off), ``ws``'s record; both workspaces freed."""
+    result["graph"] = graph_replays(ws, rank, world, device, seed + 100, torch, chan)
+    chan.barrier("timing")
+    result["timing_on"] = timing(ws, rank, world, device, seed + 200, torch)
+    result["timing_off"] = timing(off, rank, world, device, seed + 200, torch)
+    result["failure_record"] = ws.failure()
+    chan.barrier("done")
+    for w in (ws, off):
+        w.destroy()
+    return result
 
 
 def failing_call_of(case, rank, world=2):
@@ -305,27 +328,21 @@ def _failing_call(ws, rank, case, device, seed, world, torch):
     if call is None:
         return None
     pattern, m, oneshot = call
-    xs, residual, gamma = draw_inputs(seed, world, m, HIDDEN, torch)
-    x, res, gam = (t.cuda(device) for t in (xs[rank], residual, gamma))
-    outs = new_outputs(x, torch)
+    xs, residual, gamma, x, res, gam, outs = on_device(seed, world, m, rank, device, torch)
     stream = torch.cuda.current_stream(device)
     out = {"call": [pattern, m, oneshot]}
     t0 = time.monotonic()
     fused_call(ws, pattern, m, x, res, gam, outs, oneshot=oneshot, stream=stream)
     out["launch_returned_s"] = time.monotonic() - t0
-    try:
-        stream.synchronize()
-        out["sync_error"] = None
-    except Exception as e:  # noqa: BLE001 - the expected outcome
-        out["sync_error"] = f"{type(e).__name__}: {e}"[:600]
+    out["sync_error"] = error_text(stream.synchronize, 600)
     out["elapsed_s"] = time.monotonic() - t0
     flush_c_stdio()
     out["failure_record"] = ws.failure()
-    try:  # the next launch must be refused with the same description
-        fused_call(ws, pattern, m, x, res, gam, outs, oneshot=oneshot, stream=stream)
-        out["relaunch_error"] = None
-    except Exception as e:  # noqa: BLE001
-        out["relaunch_error"] = f"{type(e).__name__}: {e}"[:1500]
+    # The next launch must be refused with the same description.
+    out["relaunch_error"] = error_text(
+        lambda: fused_call(ws, pattern, m, x, res, gam, outs, oneshot=oneshot, stream=stream),
+        1500,
+    )
     return out
 
 
@@ -363,29 +380,15 @@ def worker(rank, world, chan, *, case, seed):
         result["off_worst"] = worst_of(
             [{k: v for k, v in e.items() if k != "call"} for e in errs_off]
         )
-        result["graph"] = graph_replays(ws, rank, world, device, seed + 100, torch, chan)
-        chan.barrier("timing")
-        result["timing_on"] = timing(ws, rank, world, device, seed + 200, torch)
-        result["timing_off"] = timing(off, rank, world, device, seed + 200, torch)
-        result["failure_record"] = ws.failure()
-        chan.barrier("done")
-        for w in (ws, off):
-            w.destroy()
-        return result
+        return finish_ok(result, ws, off, rank, world, device, seed, torch, chan)
     chan.barrier("before-mismatch")
     if failing_call_of(case, rank, world) is not None:
         # Kept by the harness if this process ends without a result (a lost trap).
         chan.note(**result, failing_call_at=time.monotonic())
     result["failing"] = _failing_call(ws, rank, case, device, seed + 999, world, torch)
-    try:  # the last rank of "timeout" waits for the others' verdicts
-        chan.barrier("after-mismatch", timeout_s=AFTER_FAILURE_WAIT_S)
-    except TimeoutError as e:  # a peer whose lost trap ended its process
-        result["peer_gone"] = str(e)
+    await_verdict(chan, result, "after-mismatch")  # the last rank of "timeout" waits here
     if result["failing"] is None:  # this rank made no call: its context must be healthy
-        t = torch.arange(1000, device=device, dtype=torch.float32)
-        result["healthy_after"] = float(t.sum().item()) == 499500.0
-        result["failure_record"] = ws.failure()
-        ws.destroy()
+        check_untouched(result, ws, device, torch)
     flush_c_stdio()
     return result
 
@@ -394,32 +397,20 @@ def main(argv):
     from jax_fusedar.common import lost_traps
     from tests.gpu.harness import run_ranks
 
-    case = argv[1] if len(argv) > 1 else "ok"
-    world = int(argv[2]) if len(argv) > 2 else 2
-    if case not in CASES:
-        raise SystemExit(f"unknown case {case!r}; one of {CASES}")
-    if world != 2 and case not in ("ok", "timeout"):
-        raise SystemExit(f"case {case!r} runs with 2 ranks")
-    seed = int.from_bytes(os.urandom(4), "little")
-    t0 = time.monotonic()
-    try:
-        out = {
-            "case": case,
-            "seed": seed,
-            "ranks": run_ranks(
-                worker,
-                world,
-                timeout_s=120,
-                case=case,
-                seed=seed,
-                allow_exit=(lost_traps.EXIT_CODE,),
-            ),
-        }
-    except Exception as e:  # noqa: BLE001 - reported as JSON for the test to show
-        out = {"case": case, "seed": seed, "error": str(e)[-6000:]}
-    out["wall_s"] = time.monotonic() - t0
-    sys.stdout.flush()
-    print("RESULT " + json.dumps(out), flush=True)
+    case, world = case_of(argv, CASES, "ok", any_world=lambda c: c in ("ok", "timeout"))
+    seed = new_seed()
+    print_result(
+        {"case": case, "seed": seed},
+        "ranks",
+        lambda: run_ranks(
+            worker,
+            world,
+            timeout_s=120,
+            case=case,
+            seed=seed,
+            allow_exit=(lost_traps.EXIT_CODE,),
+        ),
+    )
 
 
 if __name__ == "__main__":

@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import json
-import os
-import sys
 import time
+
+from tests.gpu.workers.common import new_seed, print_result
 
 HIDDEN = 4096
 MAX_TOKENS = 1024  # ~128 MiB per rank, so the memory check sees the workspaces come and go
@@ -174,18 +173,12 @@ def worker(proc, nprocs, chan, *, port, seed):
 def main():
     from tests.gpu.harness import free_port, run_ranks
 
-    seed = int.from_bytes(os.urandom(4), "little")
-    t0 = time.monotonic()
-    try:
-        out = {
-            "seed": seed,
-            "processes": run_ranks(worker, 2, timeout_s=150, port=free_port(), seed=seed),
-        }
-    except Exception as e:  # noqa: BLE001 - reported as JSON for the test to show
-        out = {"seed": seed, "error": str(e)[-6000:]}
-    out["wall_s"] = time.monotonic() - t0
-    sys.stdout.flush()
-    print("RESULT " + json.dumps(out), flush=True)
+    seed = new_seed()
+    print_result(
+        {"seed": seed},
+        "processes",
+        lambda: run_ranks(worker, 2, timeout_s=150, port=free_port(), seed=seed),
+    )
 
 
 if __name__ == "__main__":

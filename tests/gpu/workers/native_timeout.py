@@ -42,24 +42,27 @@ The last stdout line is "RESULT <json>".
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
 import time
 
+from tests.gpu.workers.common import case_of, error_text, new_seed, print_result
+
 from tests.gpu.workers.native_mismatch import (
-    AFTER_FAILURE_WAIT_S,
     DTYPE,
     HIDDEN,
+    MATCHING,
+    await_verdict,
+    check_untouched,
     draw_inputs,
+    finish_ok,
+    on_device,
     flush_c_stdio,
     fused_call,
-    graph_replays,
     make_workspace,
     new_outputs,
     oracle_errors,
-    timing,
     worst_of,
 )
 from tests.gpu.workers.native_mismatch import BOUNDS  # noqa: F401 - the tests read it here
@@ -78,17 +81,9 @@ def same_bits_calls(world: int = 2) -> int:
     return int(os.environ.get("JAX_FUSEDAR_TIMEOUT_CALLS", default))
 
 
-# (pattern, tokens, one-shot) cycled through by the good calls
-CYCLE = [
-    (1, 16, True),
-    (1, 17, False),
-    (0, 16, True),
-    (1, 1, True),
-    (1, 33, False),
-    (0, 40, False),
-    (1, 64, True),
-    (0, 3, True),
-]
+# (pattern, tokens, one-shot) cycled through by the good calls: the handshake cases'
+# matching calls, then a 3-token all-reduce
+CYCLE = [*MATCHING, (0, 3, True)]
 GOOD_FIRST = 3  # good calls every failure case makes first
 CASES = ("ok", "never_oneshot", "never_twoshot", "killed", "tokens", "never_large", "destroy_waits")
 TICK_S = 0.01  # the destroy_waits case's Python thread counts these while destroy waits
@@ -103,9 +98,7 @@ def _good_calls(ws, rank, world, device, seed, torch, n=GOOD_FIRST):
     errs = []
     for i in range(n):
         pattern, m, oneshot = CYCLE[i % len(CYCLE)]
-        xs, residual, gamma = draw_inputs(seed + i, world, m, HIDDEN, torch)
-        x, res, gam = (t.cuda(device) for t in (xs[rank], residual, gamma))
-        outs = new_outputs(x, torch)
+        xs, residual, gamma, x, res, gam, outs = on_device(seed + i, world, m, rank, device, torch)
         fused_call(ws, pattern, m, x, res, gam, outs, oneshot=oneshot, stream=stream)
         stream.synchronize()
         errs.append(oracle_errors(xs, residual, gamma, outs, pattern))
@@ -172,9 +165,9 @@ def large_algorithm(world):
 
 def _good_large_call(ws, rank, world, device, seed, torch, algorithm):
     """One pattern-1 call of LARGE_TOKENS with `algorithm`: its errors against the oracle."""
-    xs, residual, gamma = draw_inputs(seed, world, LARGE_TOKENS, HIDDEN, torch)
-    x, res, gam = (t.cuda(device) for t in (xs[rank], residual, gamma))
-    outs = new_outputs(x, torch)
+    xs, residual, gamma, x, res, gam, outs = on_device(
+        seed, world, LARGE_TOKENS, rank, device, torch
+    )
     stream = torch.cuda.current_stream(device)
     fused_call(
         ws, 1, LARGE_TOKENS, x, res, gam, outs, oneshot=False, stream=stream, algorithm=algorithm
@@ -184,30 +177,22 @@ def _good_large_call(ws, rank, world, device, seed, torch, algorithm):
 
 
 def _failing_call(ws, pattern, m, oneshot, rank, device, seed, world, torch, algorithm=None):
-    xs, residual, gamma = draw_inputs(seed, world, m, HIDDEN, torch)
-    x, res, gam = (t.cuda(device) for t in (xs[rank], residual, gamma))
-    outs = new_outputs(x, torch)
+    xs, residual, gamma, x, res, gam, outs = on_device(seed, world, m, rank, device, torch)
     stream = torch.cuda.current_stream(device)
     out = {"call": [pattern, m, oneshot], "algorithm": algorithm}
     t0 = time.monotonic()
-    fused_call(
-        ws, pattern, m, x, res, gam, outs, oneshot=oneshot, stream=stream, algorithm=algorithm
-    )
-    try:
-        stream.synchronize()
-        out["sync_error"] = None
-    except Exception as e:  # noqa: BLE001 - the expected outcome
-        out["sync_error"] = f"{type(e).__name__}: {e}"[:600]
-    out["elapsed_s"] = time.monotonic() - t0
-    flush_c_stdio()
-    out["failure_record"] = ws.failure()
-    try:  # the next launch must be refused with the recorded text
+
+    def launch():
         fused_call(
             ws, pattern, m, x, res, gam, outs, oneshot=oneshot, stream=stream, algorithm=algorithm
         )
-        out["relaunch_error"] = None
-    except Exception as e:  # noqa: BLE001
-        out["relaunch_error"] = f"{type(e).__name__}: {e}"[:1500]
+
+    launch()
+    out["sync_error"] = error_text(stream.synchronize, 600)
+    out["elapsed_s"] = time.monotonic() - t0
+    flush_c_stdio()
+    out["failure_record"] = ws.failure()
+    out["relaunch_error"] = error_text(launch, 1500)  # refused, with the recorded text
     return out
 
 
@@ -217,9 +202,7 @@ def _destroy_during_a_failing_call(ws, rank, device, seed, world, torch, note):
     TICK_S meanwhile; the ticks show whether the GIL was free during the wait."""
     import threading
 
-    xs, residual, gamma = draw_inputs(seed, world, 16, HIDDEN, torch)
-    x, res, gam = (t.cuda(device) for t in (xs[rank], residual, gamma))
-    outs = new_outputs(x, torch)
+    xs, residual, gamma, x, res, gam, outs = on_device(seed, world, 16, rank, device, torch)
     stream = torch.cuda.current_stream(device)
     ticks, stop = [0], threading.Event()
 
@@ -233,11 +216,7 @@ def _destroy_during_a_failing_call(ws, rank, device, seed, world, torch, note):
     note()
     thread.start()
     t0 = time.monotonic()
-    try:
-        ws.destroy()
-        error = None
-    except Exception as e:  # noqa: BLE001 - the trapped call's CUDA error
-        error = f"{type(e).__name__}: {e}"[:600]
+    error = error_text(ws.destroy, 600)  # the trapped call's CUDA error
     out = {"destroy_s": time.monotonic() - t0, "ticks": ticks[0], "destroy_error": error}
     stop.set()
     thread.join()
@@ -291,15 +270,7 @@ def worker(rank, world, chan, *, case, seed):
         )
         result["off_timeout_s"] = off.timeout_s
         result["bits"] = _same_bits(ws, off, rank, world, device, seed, torch)
-        result["graph"] = graph_replays(ws, rank, world, device, seed + 100, torch, chan)
-        chan.barrier("timing")
-        result["timing_on"] = timing(ws, rank, world, device, seed + 200, torch)
-        result["timing_off"] = timing(off, rank, world, device, seed + 200, torch)
-        result["failure_record"] = ws.failure()
-        chan.barrier("done")
-        for w in (ws, off):
-            w.destroy()
-        return result
+        return finish_ok(result, ws, off, rank, world, device, seed, torch, chan)
     result["good"] = _good_calls(ws, rank, world, device, seed, torch)
     seq = GOOD_FIRST + 1
     missing = world - 1  # the rank that makes no call (never_*), or is killed
@@ -353,15 +324,9 @@ def worker(rank, world, chan, *, case, seed):
         os.kill(os.getpid(), signal.SIGKILL)
     result["expected_call"] = seq
     if case != "killed":
-        try:  # the missing rank waits here for the others' verdicts
-            chan.barrier("verdict", timeout_s=AFTER_FAILURE_WAIT_S)
-        except TimeoutError as e:  # a rank whose lost trap ended its process
-            result["peer_gone"] = str(e)
+        await_verdict(chan, result, "verdict")  # the missing rank waits here
     if rank == missing and (case.startswith("never") or case == "destroy_waits"):
-        t = torch.arange(1000, device=device, dtype=torch.float32)
-        result["healthy_after"] = float(t.sum().item()) == 499500.0
-        result["failure_record"] = ws.failure()
-        ws.destroy()
+        check_untouched(result, ws, device, torch)
     flush_c_stdio()
     return result
 
@@ -382,33 +347,20 @@ def run_ranks_allowing_death(fn, world, *, timeout_s, killed=(), **kwargs):
 
 
 def main(argv):
-    case = argv[1] if len(argv) > 1 else "ok"
-    world = int(argv[2]) if len(argv) > 2 else 2
-    if case not in CASES:
-        raise SystemExit(f"unknown case {case!r}; one of {CASES}")
-    if world != 2 and not case.startswith("never"):
-        raise SystemExit(f"case {case!r} runs with 2 ranks")
-    seed = int.from_bytes(os.urandom(4), "little")
-    t0 = time.monotonic()
-    try:
-        out = {
-            "case": case,
-            "seed": seed,
-            "timeout_s": TIMEOUT_S,
-            "ranks": run_ranks_allowing_death(
-                worker,
-                world,
-                timeout_s=120,
-                killed=(1,) if case == "killed" else (),
-                case=case,
-                seed=seed,
-            ),
-        }
-    except Exception as e:  # noqa: BLE001 - reported as JSON for the test to show
-        out = {"case": case, "seed": seed, "error": str(e)[-6000:]}
-    out["wall_s"] = time.monotonic() - t0
-    sys.stdout.flush()
-    print("RESULT " + json.dumps(out), flush=True)
+    case, world = case_of(argv, CASES, "ok", any_world=lambda c: c.startswith("never"))
+    seed = new_seed()
+    print_result(
+        {"case": case, "seed": seed, "timeout_s": TIMEOUT_S},
+        "ranks",
+        lambda: run_ranks_allowing_death(
+            worker,
+            world,
+            timeout_s=120,
+            killed=(1,) if case == "killed" else (),
+            case=case,
+            seed=seed,
+        ),
+    )
 
 
 if __name__ == "__main__":

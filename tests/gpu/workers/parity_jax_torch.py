@@ -85,23 +85,10 @@ def jax_rank_phase(
     rank, world, chan, *, port, out_dir, seed, tokens, hiddens, dtypes, platform="cuda"
 ):
     """Phase 1 as this rank's `jax.distributed` process (rank r on GPU r % G; on CPUs one
-    device per process over gloo)."""
-    os.environ["JAX_PLATFORMS"] = platform
-    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-    if platform == "cpu":
-        os.environ["JAX_NUM_CPU_DEVICES"] = "1"
-    import jax
+    device per process over gloo; the XLA flags this process has)."""
+    from tests.gpu.workers.jax_multiprocess import _setup
 
-    if platform == "cpu":
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    from tests.gpu.harness import device_for
-
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}",
-        num_processes=world,
-        process_id=rank,
-        local_device_ids=None if platform == "cpu" else [device_for(rank)],
-    )
+    jax = _setup(rank, world, port, os.environ.get("XLA_FLAGS", ""), platform)
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     out = _run_jax(jax, devices, [rank], out_dir, seed, tokens, hiddens, dtypes)
     jax.distributed.shutdown()
@@ -121,16 +108,8 @@ def _run_jax(jax, devices, local_ranks, out_dir, seed, tokens, hiddens, dtypes):
 
     world = len(devices)
     mesh = Mesh(np.array(devices), ("tp",))
-    arrays, meta = (
-        {},
-        {
-            "cases": [],
-            "jax": jax.__version__,
-            "devices": [str(d) for d in devices],
-            "outputs": {},
-            "world": world,
-        },
-    )
+    arrays, devs = {}, [str(d) for d in devices]
+    meta = {"cases": [], "jax": jax.__version__, "devices": devs, "outputs": {}, "world": world}
     outputs = {r: {} for r in local_ranks}
     cases = case_list(seed, tokens, hiddens, dtypes, world)
     backends = {}
@@ -145,9 +124,7 @@ def _run_jax(jax, devices, local_ranks, out_dir, seed, tokens, hiddens, dtypes):
             xs, res, gam = draw_case(c["seed"], world, m, hidden)
             xs = [x.astype(jdt) for x in xs]
             res, gam = res.astype(jdt), gam.astype(jdt)
-            ref = tw.group_oracle(
-                [x.astype(np.float64) for x in xs], res.astype(np.float64), gam.astype(np.float64)
-            )
+            ref = tw.group_oracle(xs, res, gam)  # it takes each as float64
             sf = np.asarray([tw.static_scale(ref)], np.float32)
             k = f"c{c['case']}"
             for r, x in enumerate(xs):
@@ -243,40 +220,19 @@ def compare_case(torch, tc, ws, device, data, c, rank, sync, world=2):
     xs = [data[f"{k}/x{r}"] for r in range(world)]
     xs64 = [x.astype(np.float64) for x in xs]
     res, gam, sf = data[f"{k}/res"], data[f"{k}/gam"], data[f"{k}/sf"]
-    ref = tw.group_oracle(
-        [x.astype(np.float64) for x in xs], res.astype(np.float64), gam.astype(np.float64)
-    )
     res64, gam64 = res.astype(np.float64), gam.astype(np.float64)
+    ref = tw.group_oracle(xs64, res64, gam64)
     x = tw.to_torch(torch, xs[rank], dt, device)
     r_d, g_d = tw.to_torch(torch, res, dt, device), tw.to_torch(torch, gam, dt, device)
     sf_d = torch.from_numpy(sf).to(device)
     diffs, by_torch, by_jax = {}, {}, {}
-    err_t = {
-        "allreduce": 0.0,
-        "residual": 0.0,
-        "norm": 0.0,
-        "allreduce_bound": 0.0,
-        "residual_bound": 0.0,
-        "norm_own": 0.0,
-        "nans": 0,
-    }
+    plain = ("allreduce", "residual", "norm", "allreduce_bound", "residual_bound", "norm_own")
+    err_t = {**dict.fromkeys(plain, 0.0), "nans": 0}
     err_j = dict(err_t)
     for p in PATTERNS:
         outs = tw.new_outputs(torch, p, m, hidden, dt, device, GROUP)
-        tw.call_pattern(
-            tc,
-            ws,
-            p,
-            x,
-            r_d,
-            g_d,
-            outs,
-            sf=sf_d,
-            group=GROUP,
-            oneshot=c["oneshot"],
-            fp32_acc=True,
-            wb=0.0,
-        )
+        # fp32_acc=True and wb=0.0, call_pattern's defaults, as on the JAX side
+        tw.call_pattern(tc, ws, p, x, r_d, g_d, outs, sf=sf_d, group=GROUP, oneshot=c["oneshot"])
         sync()
         got = tw.outputs_to_numpy(torch, outs)
         jx, d = {}, {}
@@ -318,11 +274,11 @@ def compare_case(torch, tc, ws, device, data, c, rank, sync, world=2):
             errs["nans"] += e["nans"]
         by_torch[p], by_jax[p] = got, jx
     label = f"{dtype} {m}x{hidden} {'one' if c['oneshot'] else 'two'}-shot"
-    q_t = tw.quant_stats(
-        tw.new_quant_stats(), by_torch, ref, res64, gam64, dtype, sf[0], GROUP, label, xs=xs64
-    )
-    q_j = tw.quant_stats(
-        tw.new_quant_stats(), by_jax, ref, res64, gam64, dtype, sf[0], GROUP, label, xs=xs64
+    q_t, q_j = (
+        tw.quant_stats(
+            tw.new_quant_stats(), by, ref, res64, gam64, dtype, sf[0], GROUP, label, xs=xs64
+        )
+        for by in (by_torch, by_jax)
     )
     return {"diffs": diffs, "torch": err_t, "jax": err_j, "quant_torch": q_t, "quant_jax": q_j}
 

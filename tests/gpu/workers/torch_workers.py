@@ -12,7 +12,6 @@ rebuild its whole group's inputs and the float64 oracle (tests/oracles/oracle.py
 from __future__ import annotations
 
 import hashlib
-import os
 import random
 import time
 
@@ -24,22 +23,36 @@ RMS_EPS = 1e-6
 
 
 def _init(rank, world, port, wanted_device):
-    # Inherited from tests/conftest.py under pytest; set here too for direct runs.
-    for k, v in (
-        ("NCCL_NVLS_ENABLE", "0"),
-        ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-        ("NVSHMEM_DISABLE_NVLS", "1"),
-    ):
-        os.environ.setdefault(k, v)
+    from tests.gpu.workers.common import init_gloo, no_multicast_defaults
+
+    no_multicast_defaults()  # inherited from tests/conftest.py under pytest, not by hand
     import torch
-    import torch.distributed as dist
 
     device = wanted_device % torch.cuda.device_count()
-    torch.cuda.set_device(device)  # the workspace takes torch.cuda.current_device()
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    # The workspace takes torch.cuda.current_device(), which init_gloo sets.
+    return (*init_gloo(rank, world, port, device), device)
+
+
+def _workspace(tc, torch, world, rank, max_tokens, hidden, dtype=None):
+    """A torch_compat workspace (bf16 unless ``dtype``) of the whole world, 120 s to create."""
+    dtype = torch.bfloat16 if dtype is None else dtype
+    return tc.create_allreduce_fusion_workspace(
+        "trtllm", world, rank, max_tokens, hidden, dtype, timeout_s=120
     )
-    return torch, dist, device
+
+
+def drawn_case(torch, seed, world, m, hidden, dt, *, wb=0.0):
+    """harness.draw_case's inputs as CPU tensors of ``dt``, the float64 values of those
+    (rounded) tensors and the group's oracle on them: (xs_t, res_t, gam_t, xs64, res64,
+    gam64, ref)."""
+    from tests.gpu.harness import draw_case
+
+    xs, res, gam = draw_case(seed, world, m, hidden)
+    xs_t = [to_torch(torch, a, dt, "cpu") for a in xs]
+    res_t, gam_t = to_torch(torch, res, dt, "cpu"), to_torch(torch, gam, dt, "cpu")
+    xs64 = [t.double().numpy() for t in xs_t]
+    res64, gam64 = res_t.double().numpy(), gam_t.double().numpy()
+    return xs_t, res_t, gam_t, xs64, res64, gam64, group_oracle(xs64, res64, gam64, wb=wb)
 
 
 def _group_inputs(seed, group, case, m, hidden, world, torch):
@@ -61,26 +74,22 @@ class _Pattern1Case:
     """One pattern-1 call on this member's device, checked against the float64 oracle."""
 
     def __init__(self, torch, device, tp_rank, xs, residual, gamma):
-        from tests.oracles import oracle
-
-        self.torch, self.xs, self.residual, self.gamma = torch, xs, residual, gamma
+        self.torch = torch
+        self.host = (
+            [t.float().numpy() for t in xs],
+            residual.float().numpy(),
+            gamma.float().numpy(),
+        )
         self.x = xs[tp_rank].to(device)
         self.res_in, self.gamma_d = residual.to(device), gamma.to(device)
         self.res_out = torch.empty_like(self.x)
         self.norm_out = torch.empty_like(self.x)
-        self.oracle = oracle.fused_reference(
-            [t.float().numpy() for t in xs],
-            residual.float().numpy(),
-            gamma.float().numpy(),
-            rms_eps=RMS_EPS,
-            weight_bias=0.0,
-        )
 
     def run(self, ws, **kw):
         """Poisons the outputs, calls, waits; returns (residual ulps, norm ulps, NaN count,
         digest of both outputs)."""
         import torch_compat as tc
-        from tests.oracles import oracle
+        from tests.gpu.workers.common import plain_ulps
 
         torch = self.torch
         self.res_out.fill_(float("nan"))
@@ -99,19 +108,12 @@ class _Pattern1Case:
         assert ret is self.norm_out, "pattern 1 must return norm_out (FlashInfer's rule)"
         torch.cuda.synchronize()
         r, y = (t.float().cpu().numpy() for t in (self.res_out, self.norm_out))
-        s64, r64, y64, inv64 = self.oracle
-        res_np, g_np = self.residual.float().numpy(), self.gamma.float().numpy()
+        e = plain_ulps(*self.host, "bfloat16", residual_out=r, norm_out=y)
         digest = hashlib.sha256()
         for t in (self.res_out, self.norm_out):
             digest.update(t.cpu().view(torch.uint8).numpy().tobytes())
-        return (
-            oracle.residual_error_ulps(r, s64, r64, res_np, "bfloat16"),
-            oracle.norm_error_ulps(
-                y, s64, y64, inv64, res_np, g_np, weight_bias=0.0, dtype_name="bfloat16"
-            ),
-            int(np.isnan(r).sum() + np.isnan(y).sum()),
-            digest.hexdigest(),
-        )
+        nans = int(np.isnan(r).sum() + np.isnan(y).sum())
+        return e["residual"], e["norm"], nans, digest.hexdigest()
 
 
 # DP=2 x TP=2 on two GPUs with group B crossed, as in vLLM's DP+TP bug reports: group A =
@@ -510,53 +512,28 @@ def parity_worker(rank, world, chan, *, port, seed, tokens, hiddens, dtypes):
     float64 oracle; every rank's outputs must agree bit for bit (digest)."""
     torch, dist, device = _init(rank, world, port, rank)
     import torch_compat as tc
-    from tests.gpu.harness import draw_case, worst_of
+    from tests.gpu.harness import worst_of
 
     try:
-        ws = tc.create_allreduce_fusion_workspace(
-            "trtllm", world, rank, max(tokens), max(hiddens), torch.bfloat16, timeout_s=120
-        )
+        ws = _workspace(tc, torch, world, rank, max(tokens), max(hiddens))
         worst = {d: {"allreduce": 0.0, "residual": 0.0, "norm": 0.0, "cases": 0} for d in dtypes}
         nans, digest, cases = 0, hashlib.sha256(), []
         for i, (cseed, dtype, hidden, m, oneshot) in enumerate(
             _cases_with_seeds(seed, tokens, hiddens, world, dtypes)
         ):
             dt = _torch_dtype(torch, dtype)
-            xs, res, gam = draw_case(cseed, world, m, hidden)
-            xs_t = [to_torch(torch, a, dt, "cpu") for a in xs]
-            res_t, gam_t = to_torch(torch, res, dt, "cpu"), to_torch(torch, gam, dt, "cpu")
             wb, acc = float(i % 2), i % 3 != 2
-            res_np, gam_np = res_t.double().numpy(), gam_t.double().numpy()
-            ref = group_oracle([t.double().numpy() for t in xs_t], res_np, gam_np, wb=wb)
+            xs_t, res_t, gam_t, xs64, res_np, gam_np, ref = drawn_case(
+                torch, cseed, world, m, hidden, dt, wb=wb
+            )
             x, r_d, g_d = xs_t[rank].to(device), res_t.to(device), gam_t.to(device)
-            got = {}
+            got, opts = {}, dict(oneshot=oneshot, fp32_acc=acc, wb=wb, pdl=bool(i % 2))
             for p in (0, 1):
                 outs = new_outputs(torch, p, m, hidden, dt, device)
-                call_pattern(
-                    tc,
-                    ws,
-                    p,
-                    x,
-                    r_d,
-                    g_d,
-                    outs,
-                    oneshot=oneshot,
-                    fp32_acc=acc,
-                    wb=wb,
-                    pdl=bool(i % 2),
-                )
+                call_pattern(tc, ws, p, x, r_d, g_d, outs, **opts)
                 torch.cuda.synchronize()
                 got.update(outputs_to_numpy(torch, outs))
-            e = plain_errors(
-                got,
-                ref,
-                res_np,
-                gam_np,
-                dtype,
-                wb,
-                xs=[t.double().numpy() for t in xs_t],
-                fp32_acc=acc,
-            )
+            e = plain_errors(got, ref, res_np, gam_np, dtype, wb, xs=xs64, fp32_acc=acc)
             w = worst[dtype]
             worst_of(w, {k: v for k, v in e.items() if k != "nans"})
             w["cases"] += 1
@@ -582,14 +559,11 @@ def fp8_worker(rank, world, chan, *, port, seed, shapes, dtypes):
     (hidden, tokens, use_oneshot) list."""
     torch, dist, device = _init(rank, world, port, rank)
     import torch_compat as tc
-    from tests.gpu.harness import draw_case
 
     try:
         max_elems = max(h * m for h, m, _ in shapes)
         hmax = max(h for h, _, _ in shapes)
-        ws = tc.create_allreduce_fusion_workspace(
-            "trtllm", world, rank, -(-max_elems // hmax), hmax, torch.bfloat16, timeout_s=120
-        )
+        ws = _workspace(tc, torch, world, rank, -(-max_elems // hmax), hmax)
         stats = new_quant_stats()
         # NVFP4 on this GPU: refused before any launch (sm90), or run (sm100+).
         cc = torch.cuda.get_device_capability(device)
@@ -599,11 +573,9 @@ def fp8_worker(rank, world, chan, *, port, seed, shapes, dtypes):
             dt = _torch_dtype(torch, dtype)
             for hidden, m, oneshot in shapes:
                 i += 1
-                xs, res, gam = draw_case(seed * 1000 + i, world, m, hidden)
-                xs_t = [to_torch(torch, a, dt, "cpu") for a in xs]
-                res_t, gam_t = to_torch(torch, res, dt, "cpu"), to_torch(torch, gam, dt, "cpu")
-                res_np, gam_np = res_t.double().numpy(), gam_t.double().numpy()
-                ref = group_oracle([t.double().numpy() for t in xs_t], res_np, gam_np)
+                xs_t, res_t, gam_t, xs64, res_np, gam_np, ref = drawn_case(
+                    torch, seed * 1000 + i, world, m, hidden, dt
+                )
                 sf = static_scale(ref)
                 sf_d = torch.tensor([sf], dtype=torch.float32, device=device)
                 x, r_d, g_d = xs_t[rank].to(device), res_t.to(device), gam_t.to(device)
@@ -613,18 +585,8 @@ def fp8_worker(rank, world, chan, *, port, seed, shapes, dtypes):
                     call_pattern(tc, ws, p, x, r_d, g_d, outs, sf=sf_d, oneshot=oneshot)
                     torch.cuda.synchronize()
                     by_p[p] = outputs_to_numpy(torch, outs)
-                quant_stats(
-                    stats,
-                    by_p,
-                    ref,
-                    res_np,
-                    gam_np,
-                    dtype,
-                    sf,
-                    GROUP,
-                    f"{dtype} {m}x{hidden} {'one' if oneshot else 'two'}-shot",
-                    xs=[t.double().numpy() for t in xs_t],
-                )
+                label = f"{dtype} {m}x{hidden} {'one' if oneshot else 'two'}-shot"
+                quant_stats(stats, by_p, ref, res_np, gam_np, dtype, sf, GROUP, label, xs=xs64)
         try:
             x = torch.randn(16, 1024, device=device).bfloat16()
             outs = {
@@ -662,12 +624,9 @@ def compile_worker(rank, world, chan, *, port, seed, m, hidden, backend):
     torch, dist, device = _init(rank, world, port, rank)
     import torch_compat as tc
     from torch_compat import library
-    from tests.gpu.harness import draw_case
 
     try:
-        ws = tc.create_allreduce_fusion_workspace(
-            "trtllm", world, rank, m, hidden, torch.bfloat16, timeout_s=120
-        )
+        ws = _workspace(tc, torch, world, rank, m, hidden)
         h = library.register_workspace(ws)
         AR, FUSED, QUANT = (
             library.ALLREDUCE,
@@ -682,9 +641,9 @@ def compile_worker(rank, world, chan, *, port, seed, m, hidden, backend):
             r9, n9, q9, s9 = QUANT(x, res, g, RMS_EPS, 0.0, 9, None, GROUP, None, None, True, h)
             return a, r, n, r11, n11, q11, s11, r9, n9, q9, s9
 
-        xs, res, gam = draw_case(seed, world, m, hidden)
-        xs_t = [to_torch(torch, a, torch.bfloat16, "cpu") for a in xs]
-        res_t, gam_t = (to_torch(torch, a, torch.bfloat16, "cpu") for a in (res, gam))
+        xs_t, res_t, gam_t, xs64, res64, gam64, ref = drawn_case(
+            torch, seed, world, m, hidden, torch.bfloat16
+        )
         args = (xs_t[rank].to(device), res_t.to(device), gam_t.to(device))
         eager = f(*args)
         torch.cuda.synchronize()
@@ -692,19 +651,9 @@ def compile_worker(rank, world, chan, *, port, seed, m, hidden, backend):
         compiled = torch.compile(f, fullgraph=True, backend=backend)
         got = compiled(*args)
         torch.cuda.synchronize()
-        names = (
-            "allreduce",
-            "residual_out",
-            "norm_out",
-            "r11",
-            "n11",
-            "q11",
-            "s11",
-            "r9",
-            "n9",
-            "q9",
-            "s9",
-        )
+        # f's outputs: the plain three, then (r, n, q, s) of patterns 11 and 9
+        quant = tuple(k + p for p in ("11", "9") for k in "rnqs")  # r11, n11, ..., s9
+        names = ("allreduce", "residual_out", "norm_out", *quant)
         differing = {}
         for name, a, b in zip(names, eager, got):
             same_meta = (a.shape, a.dtype, a.stride()) == (b.shape, b.dtype, b.stride())
@@ -721,21 +670,15 @@ def compile_worker(rank, world, chan, *, port, seed, m, hidden, backend):
             n = int((ab != bb).sum())
             if n:
                 differing[name] = n
-        ref = group_oracle(
-            [t.double().numpy() for t in xs_t], res_t.double().numpy(), gam_t.double().numpy()
-        )
+        plain = zip(("output", "residual_out", "norm_out"), got[:3])
         e = plain_errors(
-            {
-                "output": got[0].float().cpu().double().numpy(),
-                "residual_out": got[1].float().cpu().double().numpy(),
-                "norm_out": got[2].float().cpu().double().numpy(),
-            },
+            {k: t.float().cpu().double().numpy() for k, t in plain},
             ref,
-            res_t.double().numpy(),
-            gam_t.double().numpy(),
+            res64,
+            gam64,
             "bfloat16",
             0.0,
-            xs=[t.double().numpy() for t in xs_t],
+            xs=xs64,
         )
         dist.barrier()
         library.unregister_workspace(h)
@@ -761,9 +704,7 @@ def cuda_graph_worker(rank, world, chan, *, port, seed, m, hidden, replays):
     from tests.gpu.harness import draw_case, worst_of
 
     try:
-        ws = tc.create_allreduce_fusion_workspace(
-            "trtllm", world, rank, m, hidden, torch.bfloat16, timeout_s=120
-        )
+        ws = _workspace(tc, torch, world, rank, m, hidden)
         dt = torch.bfloat16
         x = torch.zeros(m, hidden, dtype=dt, device=device)
         res = torch.zeros_like(x)
@@ -798,9 +739,9 @@ def cuda_graph_worker(rank, world, chan, *, port, seed, m, hidden, replays):
             }
             launches1 = _native_launches()
             for i in range(replays):
-                xs, r_np, g_np = draw_case(seed * 1000 + 100 + i + 1000 * p, world, m, hidden)
-                xs_t = [to_torch(torch, a, dt, "cpu") for a in xs]
-                r_t, g_t = to_torch(torch, r_np, dt, "cpu"), to_torch(torch, g_np, dt, "cpu")
+                xs_t, r_t, g_t, xs64, r64, g64, ref = drawn_case(
+                    torch, seed * 1000 + 100 + i + 1000 * p, world, m, hidden, dt
+                )
                 x.copy_(xs_t[rank].to(device))
                 res.copy_(r_t.to(device))
                 gam.copy_(g_t.to(device))
@@ -812,18 +753,7 @@ def cuda_graph_worker(rank, world, chan, *, port, seed, m, hidden, replays):
                 graph.replay()
                 torch.cuda.synchronize()
                 got = outputs_to_numpy(torch, outs)
-                ref = group_oracle(
-                    [t.double().numpy() for t in xs_t], r_t.double().numpy(), g_t.double().numpy()
-                )
-                e = plain_errors(
-                    got,
-                    ref,
-                    r_t.double().numpy(),
-                    g_t.double().numpy(),
-                    "bfloat16",
-                    0.0,
-                    xs=[t.double().numpy() for t in xs_t],
-                )
+                e = plain_errors(got, ref, r64, g64, "bfloat16", 0.0, xs=xs64)
                 worst_of(worst, {k: v for k, v in e.items() if k != "nans"})
                 worst["nans"] += e["nans"]
                 if p == 11:
@@ -955,24 +885,12 @@ def fusion_pass_worker(rank, world, chan, *, port, seed, m, hidden, layers, mode
 
     try:
         nccl = dist.new_group(list(range(world)), backend="nccl")
-        ws = tc.create_allreduce_fusion_workspace(
-            "trtllm", world, rank, m, hidden, torch.bfloat16, timeout_s=120
-        )
+        ws = _workspace(tc, torch, world, rank, m, hidden)
         ar = torch.ops._c10d_functional.all_reduce.default
         out = {"rank": rank, "mode": mode, "forms": {}}
         for norm in ("manual", "F.rms_norm") if mode == "make_fx" else ("F.rms_norm",):
-            model, args, ref64 = build_tp_model(
-                torch,
-                nccl,
-                rank,
-                world,
-                m=m,
-                hidden=hidden,
-                layers=layers,
-                seed=seed,
-                device=device,
-                norm=norm,
-            )
+            shape = dict(m=m, hidden=hidden, layers=layers, seed=seed, device=device)
+            model, args, ref64 = build_tp_model(torch, nccl, rank, world, norm=norm, **shape)
             r = {}
             if mode == "make_fx":
                 gm = trace_tp_model(torch, model, args)
