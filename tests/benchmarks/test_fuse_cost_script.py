@@ -27,6 +27,8 @@ def test_fuse_cost_measures_every_decoder_with_every_site_fused(tmp_path):
         assert row["fused_sites"] == row["sites"] == (4 if "unrolled" in row["model"] else 2)
         assert row["fused_calls_per_run"] == 4, row
         assert 0 < row["analysis_s"]["median"] < row["pass_s"]["median"], row
-        assert row["compile_ratio"]["median"] > 0
-        assert ("rotated_by_hand_compile_ratio" in row) == ("scanned" in row["model"])
+        assert row["compile_ratio"]["median"] > 0 and row["compile_cpu_ratio"]["median"] > 0
+        for clock in ("", "_cpu"):
+            hand = f"rotated_by_hand_compile{clock}_ratio"
+            assert (hand in row) == ("scanned" in row["model"])
     assert "ms/layer" in r.stdout
