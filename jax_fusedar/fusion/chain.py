@@ -6,11 +6,13 @@ Each call is rotated as a scan's iteration is (fusion/rotation.py), one call at 
 body takes the norm of its input (``h``) as one more input instead of computing it, and
 computes the next norm of its output at its end, with the next call's gamma (or the final
 norm after the last call, the equations as the program writes them). The first call's norm
-is computed before it. Each rewritten call keeps the original call's derivative: a
-``custom_jvp`` whose tangent is the call as written (its checkpoint, ``jax.checkpoint``'s
-default policy only) followed by the next norm, under one checkpoint, at the same inputs. So
-the program saves for its backward pass what the original saves (the calls' inputs) and
-recomputes what it recomputes, and its gradients are the original's.
+is computed before it. Where the program computes the next gamma after the call (a slice of
+stacked gammas before each layer's call), the rewritten call stands after that gamma. Each
+rewritten call keeps the original call's derivative: a ``custom_jvp`` whose tangent is the
+call as written (its checkpoint, ``jax.checkpoint``'s default policy only) followed by the
+next norm, under one checkpoint, at the same inputs. So the program saves for its backward
+pass what the original saves (the calls' inputs) and recomputes what it recomputes, and its
+gradients are the original's.
 """
 
 from __future__ import annotations
@@ -45,11 +47,13 @@ class Link:
     """One call of the chain: eqn index ``i``; ``head``: the norm at its body's start that
     it takes as an input (None: it computes it, the first call); ``tail``: the norm of its
     output ``out`` (index among the call's outputs) it computes at its end (None: the last
-    call without a final norm); ``final``: the outer norm ``tail`` is, if any."""
+    call without a final norm); ``final``: the outer norm ``tail`` is, if any; ``at``: the
+    eqn index before which its rewritten call is emitted (``_emitted_at``)."""
 
     i: int
     head: Optional[Norm]
     tail: Optional[Norm]
+    at: int = -1
     out: Optional[int] = None
     final: Any = None  # NormProof in the outer graph
     view: Any = None
@@ -94,6 +98,20 @@ def _head_norm(eqn, k_in: int, allow) -> Optional[Norm]:
     return Norm(bg, proof, x, outer_gamma)
 
 
+def _emitted_at(g: G.Graph, i: int, gamma) -> Optional[int]:
+    """Where the rewritten call of eqn ``i`` can stand, reading the next norm's ``gamma``:
+    at the call, or, when the program computes that gamma after the call (a slice of
+    stacked gammas before the next layer's call), after it, provided no equation between
+    reads the call's outputs; None where it cannot."""
+    at = g.defs.get(gamma, -1) + 1 if G.is_var(gamma) else 0
+    if at <= i:
+        return i
+    outs = set(v for v in g.eqns[i].outvars if not isinstance(v, jcore.DropVar))
+    if any(G.is_var(a) and a in outs for k in range(i + 1, at) for a in g.eqns[k].invars):
+        return None
+    return at
+
+
 def find_chains(g: G.Graph, allow: bool) -> list:
     """Chains of checkpoint calls in one scope where a call's output, an add at the end of
     its body, is the next call's input normalized first (or is normalized after the last
@@ -103,7 +121,7 @@ def find_chains(g: G.Graph, allow: bool) -> list:
     for i, e in enumerate(g.eqns):
         if i in used or not _checkpoint(e):
             continue
-        links = [Link(i, None, None)]
+        links = [Link(i, None, None, at=i)]
         while True:
             cur = links[-1]
             ce = g.eqns[cur.i]
@@ -118,12 +136,15 @@ def find_chains(g: G.Graph, allow: bool) -> list:
                     j = users[0]
                     ks = [k for k, a in enumerate(g.eqns[j].invars) if a is y]
                     head = _head_norm(g.eqns[j], ks[0], allow) if len(ks) == 1 else None
-                    if head is not None:
-                        nxt = (o, Link(j, head, None))
+                    at = None if head is None else _emitted_at(g, cur.i, head.outer_gamma)
+                    if at is not None:
+                        cur.at = at
+                        nxt = (o, Link(j, head, None, at=j))
                         break
                 final = _final_norm(g, y, allow)
-                if final is not None:
-                    cur.out, cur.final = o, final
+                at = None if final is None else _emitted_at(g, cur.i, final.gamma)
+                if at is not None:
+                    cur.out, cur.final, cur.at = o, final, at
                     cur.tail = Norm(g, final, y, final.gamma)
                     break
             if nxt is None:

@@ -276,8 +276,9 @@ def inline_view(jaxpr, manual: bool, wanted=None):
     near a reduction (when they may hold part of a site), and plain calls holding a reduction
     (or, outside shard_map, a shard_map or a matmul), are spliced: all of them when ``wanted``
     is None, else those coming from a top-level call whose id is in ``wanted``; custom-psum
-    calls (reductions themselves) never are. ``stable[id(eqn)]``: the id of the original eqn a spliced eqn copies (the same in
-    every view); ``origin[id(eqn)]``: the id of the scope's own call it was spliced from."""
+    calls (reductions themselves) never are. ``stable[id(eqn)]``: the id of the original eqn
+    a spliced eqn copies (the same in every view); ``origin[id(eqn)]``: the id of the scope's
+    own call it was spliced from."""
     stable, origin, alive = {}, {}, []
     for _ in range(8):  # nested calls: one level per round
         g = G.Graph(jaxpr)
@@ -510,15 +511,29 @@ class Analyzer:
         n0, k0 = len(self.sites), len(self.needs)
         for link in links:
             child, _ = self._child_scope(g.eqns[link.i], scope)
-            self.plan(chain.call_body(g.eqns[link.i]), child)
-        as_written = sum(s.fused for s in self.sites[n0:])
-        del self.sites[n0:], self.needs[k0:]
-        for link in links:
-            child, _ = self._child_scope(g.eqns[link.i], scope)
             link.plan = self.plan(chain.build_view(g, link), child)
-        if sum(s.fused for s in self.sites[n0:]) <= as_written:
+        rotated = self.sites[n0:]
+        tails = sum(
+            s.fused and any(self._site_norms.get(n0 + k) is link.h_out for link in links)
+            for k, s in enumerate(rotated)
+        )
+        # The calls as written hold the rotated bodies' sites but the tails (a body's last
+        # add has no norm in it, the head norm reads the call's input): when every site of
+        # the rotated bodies fused and a tail is among them, rotating fuses more, and the
+        # calls are not planned as written to count theirs.
+        if not (tails and all(s.fused for s in rotated)):
+            needs, norms = self.needs[k0:], dict(self._site_norms)
             del self.sites[n0:], self.needs[k0:]
-            return
+            for link in links:
+                child, _ = self._child_scope(g.eqns[link.i], scope)
+                self.plan(chain.call_body(g.eqns[link.i]), child)
+            as_written = sum(s.fused for s in self.sites[n0:])
+            del self.sites[n0:], self.needs[k0:]
+            if sum(s.fused for s in rotated) <= as_written:
+                return
+            self.sites.extend(rotated)
+            self.needs.extend(needs)
+            self._site_norms = norms
         for k in range(n0, len(self.sites)):
             site = self.sites[k]
             if site.fused and any(self._site_norms.get(k) is link.h_out for link in links):
@@ -530,7 +545,7 @@ class Analyzer:
         for n, link in enumerate(links):
             nxt = links[n + 1].i if n + 1 < len(links) else None
             plan.skip.add(link.i)
-            plan.emit[link.i].append(chain.ChainCallEmit(g, link, h_var, nxt))
+            plan.emit[link.at].append(chain.ChainCallEmit(g, link, h_var, nxt))
             if link.final is not None:
                 plan.skip.add(g.defs[link.final.out_var])
                 self._drop_dead(g, plan, link.final.eqns, read)

@@ -81,3 +81,49 @@ def test_each_site_is_matched_once_and_its_epilogue_traced_once(monkeypatch):
     # which are XLA's to order on this CPU: compared to one bfloat16 unit).
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     assert np.max(np.abs(got - want)) <= 2.0**-7 * np.max(np.abs(want))
+
+
+def checkpointed_decoder(x, w_up, w_down, w_o, g):
+    """Pre-norm layers, each a jax.checkpoint call (MaxText's unscanned layers): the add at
+    the end of one call and the norm at the start of the next make a site across calls."""
+
+    def layer(x, w_up, w_down, w_o, g_attn, g_mlp):
+        h = norm(x, g_attn)
+        x = jnp.tanh(h @ w_up) @ w_o + x
+        h = norm(x, g_mlp)
+        return jax.nn.silu(h @ w_up) @ w_down + x
+
+    for i in range(LAYERS):
+        x = jax.checkpoint(layer)(x, w_up[i], w_down[i], w_o[i], g[2 * i], g[2 * i + 1])
+    return norm(x, g[-1])
+
+
+def test_checkpointed_layers_rotated_are_planned_once(monkeypatch):
+    """Every site of the rotated calls fused, one of them across calls: rotating fuses more
+    than the calls as written could, which are then not planned to count theirs."""
+    matched = counting(monkeypatch, matching, "match_plain_dot")
+    x, w_up, w_down, g = operands()
+    rng = np.random.default_rng(4)
+    w_o = jax.device_put(
+        jnp.asarray(rng.standard_normal((LAYERS, F, H)) / 8, jnp.bfloat16),
+        NamedSharding(MESH, P(None, "tp")),
+    )
+    g = jnp.concatenate([g, g, g[:1]])[: 2 * LAYERS + 1]
+    args = (x, w_up, w_down, w_o, g)
+    fused = jf.fuse(checkpointed_decoder, mesh=MESH, axis_name="tp", backend="xla")
+    with jax.set_mesh(MESH):
+        report = fused.analyze(*args)
+        assert len(matched) == 2 * LAYERS
+        # The next layer's gamma is sliced after each call: each rewritten call stands
+        # after that slice. Values and gradients as the original's.
+        assert [s.fused for s in report.sites] == [True] * (2 * LAYERS), report.line()
+        assert sum("across checkpoint calls" in (s.note or "") for s in report.sites) == LAYERS
+
+        def loss(f):
+            return lambda *a: jnp.sum(f(*a).astype(jnp.float32) ** 2)
+
+        got = jax.jit(jax.value_and_grad(loss(fused), argnums=(0, 4)))(*args)
+        want = jax.jit(jax.value_and_grad(loss(checkpointed_decoder), argnums=(0, 4)))(*args)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.max(np.abs(a - b)) <= 2.0**-7 * np.max(np.abs(b))
