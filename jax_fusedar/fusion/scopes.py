@@ -66,13 +66,13 @@ _SITE_OPS = frozenset(
     + ("reduce_sum", "reduce_max", "all_gather")
     + _REDUCTIONS
 )
-# The eqns the matcher looks at (Analyzer._matches).
-_MATCHED = frozenset(_REDUCTIONS + G.CUSTOM_RULE_CALLS + ("shard_map", "dot_general"))
 _PASSING_OPS = frozenset(
     (G.CAST, "mul", "broadcast_in_dim", "reshape", "squeeze", "expand_dims")
     + ("max", "min", "clamp")  # an FP8 tail's clip (jnp.clip is a jitted call)
     + G.NO_OPS
 )
+# The eqns the matcher looks at (Analyzer._matches).
+_MATCHED = frozenset(_REDUCTIONS + G.CUSTOM_RULE_CALLS + ("shard_map", "dot_general"))
 
 
 @dataclasses.dataclass
