@@ -74,11 +74,18 @@ def _checkpoint(eqn) -> bool:
     )
 
 
-def _head_norm(eqn, k_in: int, allow) -> Optional[Norm]:
+def _body_graph(eqn, graphs: dict):
+    """(body, its Graph) of a call, the Graph built once per body (``graphs``)."""
+    body = call_body(eqn)
+    if id(body) not in graphs:
+        graphs[id(body)] = G.Graph(body)
+    return body, graphs[id(body)]
+
+
+def _head_norm(eqn, k_in: int, allow, graphs: dict) -> Optional[Norm]:
     """The norm of the call's input ``k_in`` at the start of its body, reading only that
     input, gamma (another input) and literals, or None."""
-    body = call_body(eqn)
-    bg = G.Graph(body)
+    body, bg = _body_graph(eqn, graphs)
     x = body.invars[k_in]
     if G.dtype(x) not in G.FLOATS or not G.shape(x) or not G.shape(x)[-1]:
         return None
@@ -118,6 +125,7 @@ def find_chains(g: G.Graph, allow: bool) -> list:
     call): lists of Links, two calls at least (or one with a final norm)."""
     chains = []
     used = set()
+    graphs = {}  # id(body) -> its Graph: a call's body is read as the next and as the current
     for i, e in enumerate(g.eqns):
         if i in used or not _checkpoint(e):
             continue
@@ -125,8 +133,7 @@ def find_chains(g: G.Graph, allow: bool) -> list:
         while True:
             cur = links[-1]
             ce = g.eqns[cur.i]
-            body = call_body(ce)
-            bg = G.Graph(body)
+            body, bg = _body_graph(ce, graphs)
             nxt = None
             for o, y in enumerate(ce.outvars):
                 if isinstance(y, jcore.DropVar) or not add_at_end(bg, body.outvars[o]):
@@ -135,7 +142,7 @@ def find_chains(g: G.Graph, allow: bool) -> list:
                 if len(users) == 1 and _checkpoint(g.eqns[users[0]]) and y not in g.outs:
                     j = users[0]
                     ks = [k for k, a in enumerate(g.eqns[j].invars) if a is y]
-                    head = _head_norm(g.eqns[j], ks[0], allow) if len(ks) == 1 else None
+                    head = _head_norm(g.eqns[j], ks[0], allow, graphs) if len(ks) == 1 else None
                     at = None if head is None else _emitted_at(g, cur.i, head.outer_gamma)
                     if at is not None:
                         cur.at = at
@@ -177,7 +184,6 @@ def build_view(g: G.Graph, link: Link):
     of output ``out`` computed at its end (gamma an extra input), h out an extra output."""
     e = g.eqns[link.i]
     body = call_body(e)
-    bg = G.Graph(body)
     invars, outvars, eqns = list(body.invars), list(body.outvars), list(body.eqns)
     if link.head is not None:
         y = link.head.proof.out_var
@@ -210,7 +216,6 @@ def build_view(g: G.Graph, link: Link):
             )
         link.h_out = names[t.proof.out_var]
         outvars.append(link.h_out)
-    del bg
     link.view = body.replace(invars=invars, outvars=outvars, eqns=eqns)
     return link.view
 
