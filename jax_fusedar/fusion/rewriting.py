@@ -516,9 +516,9 @@ def traced_once(fuser, key, fn, args):
     share their epilogue, and tracing its jnp code for each cost as much as the rest of
     their rewrite. ``key`` holds what ``fn`` reads besides ``args``."""
     inline = jaxpr_inliner()
-    cache = getattr(fuser, "traced", None)
-    if inline is None or cache is None:
+    if inline is None:
         return fn(*args)
+    cache = fuser.traced
     avals = tuple(jax.typeof(a) for a in args)
     if (key, avals) not in cache:
         info = debug_info(f"<{key[0]}>")

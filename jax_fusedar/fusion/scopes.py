@@ -199,6 +199,11 @@ def _is_start(e, manual: bool) -> bool:
     return n in ("shard_map", "dot_general")
 
 
+def _is_any_start(e) -> bool:
+    """Whether a site can start from ``e`` in a scope of either kind."""
+    return _is_start(e, True) or _is_start(e, False)
+
+
 def _holds_start(eqn, manual: bool) -> bool:
     """Whether a plain call's jaxpr holds (in it, or in plain calls inside it) an eqn a site
     starts from; each jaxpr is read once per pass."""
@@ -225,12 +230,7 @@ def _holds_site_part(eqn) -> bool:
         passed = set(sub.invars)
         for e in sub.eqns:
             n = G.name(e)
-            if (
-                n in _SITE_OPS
-                or _is_start(e, True)
-                or _is_start(e, False)
-                or (n in G.CALLS and _holds_site_part(e))
-            ):
+            if n in _SITE_OPS or _is_any_start(e) or (n in G.CALLS and _holds_site_part(e)):
                 return True
             if n in _PASSING_OPS and all(not G.is_var(a) or a in passed for a in e.invars):
                 passed.update(e.outvars)
@@ -248,9 +248,7 @@ def _may_hold_site(jaxpr) -> bool:
         "may hold a site",
         jaxpr,
         lambda: any(
-            _is_start(e, True)
-            or _is_start(e, False)
-            or any(_may_hold_site(G.open_jaxpr(sub)) for _, _, sub in subjaxprs(e))
+            _is_any_start(e) or any(_may_hold_site(G.open_jaxpr(sub)) for _, _, sub in subjaxprs(e))
             for e in jaxpr.eqns
         ),
     )
@@ -513,10 +511,12 @@ class Analyzer:
             child, _ = self._child_scope(g.eqns[link.i], scope)
             link.plan = self.plan(chain.build_view(g, link), child)
         rotated = self.sites[n0:]
-        tails = sum(
-            s.fused and any(self._site_norms.get(n0 + k) is link.h_out for link in links)
+        # The fused sites across calls: their norm is a rotated call's new h output.
+        tails = {
+            n0 + k
             for k, s in enumerate(rotated)
-        )
+            if s.fused and any(self._site_norms.get(n0 + k) is link.h_out for link in links)
+        }
         # The calls as written hold the rotated bodies' sites but the tails (a body's last
         # add has no norm in it, the head norm reads the call's input): when every site of
         # the rotated bodies fused and a tail is among them, rotating fuses more, and the
@@ -534,13 +534,12 @@ class Analyzer:
             self.sites.extend(rotated)
             self.needs.extend(needs)
             self._site_norms = norms
-        for k in range(n0, len(self.sites)):
+        for k in tails:
             site = self.sites[k]
-            if site.fused and any(self._site_norms.get(k) is link.h_out for link in links):
-                note = "across checkpoint calls: the calls rotated, the original derivative kept"
-                self.sites[k] = dataclasses.replace(
-                    site, note="; ".join(n for n in (site.note, note) if n)
-                )
+            note = "across checkpoint calls: the calls rotated, the original derivative kept"
+            self.sites[k] = dataclasses.replace(
+                site, note="; ".join(n for n in (site.note, note) if n)
+            )
         h_var = {}
         for n, link in enumerate(links):
             nxt = links[n + 1].i if n + 1 < len(links) else None

@@ -87,6 +87,7 @@ class FusedFunction:
         self.given_workspace = workspace
         self.workspaces = []  # the ones this transform created
         self.report: Optional[FusionReport] = None
+        self.traced = {}  # rewriting.traced_once's jaxprs, emptied at each trace
         self._jitted = jax.jit(self._run)
         functools.update_wrapper(self, fn, updated=())
 
@@ -173,7 +174,7 @@ class FusedFunction:
         self.report = FusionReport(analyzer.sites, analyzer.near_misses())
         self.report.analysis_s = time.perf_counter() - start
         log.log(self.log_level, "%s", self.report.line())
-        self.traced = {}  # rewriting.traced_once's jaxprs, for this trace only
+        self.traced = {}
         outs = rewriting.evaluate(plan.jaxpr, closed.consts, flat, plan, self)
         self.report.pass_s = time.perf_counter() - start
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
