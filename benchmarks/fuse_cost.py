@@ -321,15 +321,27 @@ def integration_models(layer_counts):
             yield name, b.fn, (b.params, *b.inputs), b.mesh, b.axis_name, b.layers, b.context
 
 
+def _count(text: str) -> int:
+    """A layer or repetition count: a whole number of at least 1 (0 layers hold no site, and
+    a per-layer time of none is no figure)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number of at least 1")
+    return n
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, nargs="+", default=[8, 48, 80])
+    ap.add_argument("--layers", type=_count, nargs="+", default=[8, 48, 80])
     ap.add_argument("--modes", nargs="+", default=["unrolled", "scanned"])
     ap.add_argument("--kinds", nargs="+", default=["llama"], choices=sorted(KINDS))
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=_count, default=5)
     ap.add_argument("--integration", action="store_true")
     ap.add_argument("--only-integration", action="store_true")
-    ap.add_argument("--integration-layers", type=int, nargs="+", default=[2, 8])
+    ap.add_argument("--integration-layers", type=_count, nargs="+", default=[2, 8])
     ap.add_argument("--json", help="write the rows here")
     a = ap.parse_args(argv)
     print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices")
