@@ -24,27 +24,13 @@ COLLECTIVES = {
     "collective_broadcast": "collective-broadcast",
 }
 
+# Bytes per element, by size; StableHLO and HLO spellings of each type.
 ELEMENT_BYTES = {
-    "f64": 8,
-    "f32": 4,
-    "bf16": 2,
-    "f16": 2,
-    "f8E4M3FN": 1,
-    "f8E5M2": 1,
-    "i64": 8,
-    "i32": 4,
-    "i16": 2,
-    "i8": 1,
-    "ui8": 1,
-    "i1": 1,
-    "pred": 1,
-    "s64": 8,
-    "s32": 4,
-    "s16": 2,
-    "s8": 1,
-    "u8": 1,
-    "f8e4m3fn": 1,
-    "f8e5m2": 1,
+    **dict.fromkeys(["f64", "i64", "s64"], 8),
+    **dict.fromkeys(["f32", "i32", "s32"], 4),
+    **dict.fromkeys(["bf16", "f16", "i16", "s16"], 2),
+    **dict.fromkeys(["f8E4M3FN", "f8E5M2", "f8e4m3fn", "f8e5m2", "i8", "ui8", "s8", "u8"], 1),
+    **dict.fromkeys(["i1", "pred"], 1),
 }
 
 

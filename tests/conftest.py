@@ -36,28 +36,25 @@ def gpu_count() -> int:
 
 
 def pytest_collection_modifyitems(config, items):
-    if "sweep" not in (config.option.markexpr or ""):
-        skip_sweep = pytest.mark.skip(reason="an exhaustive sweep: run it with pytest -m sweep")
-        for item in items:
-            if item.get_closest_marker("sweep") is not None:
-                item.add_marker(skip_sweep)
-    if "integration" not in (config.option.markexpr or ""):
-        skip_lane = pytest.mark.skip(
-            reason="the integration lane needs its own venv: run it with tools/integration.sh"
+    markexpr = config.option.markexpr or ""
+    reasons = {}  # marker -> why its tests skip here
+    if "sweep" not in markexpr:
+        reasons["sweep"] = "an exhaustive sweep: run it with pytest -m sweep"
+    if "integration" not in markexpr:
+        reasons["integration"] = (
+            "the integration lane needs its own venv: run it with tools/integration.sh"
         )
-        for item in items:
-            if item.get_closest_marker("integration") is not None:
-                item.add_marker(skip_lane)
-    if gpu_count() > 0:
-        return
-    skip = pytest.mark.skip(
-        reason="no CUDA GPU visible (tools/gpu_check.sh runs the GPU tests on a machine with GPUs)"
-    )
+    if gpu_count() == 0:
+        reasons["gpu"] = (
+            "no CUDA GPU visible (tools/gpu_check.sh runs the GPU tests on a machine with GPUs)"
+        )
     # The marker, not item.keywords: keywords also hold the folder names, so every test
     # under tests/gpu/ would match "gpu", CPU dry runs of the GPU workers included.
+    skips = {marker: pytest.mark.skip(reason=reason) for marker, reason in reasons.items()}
     for item in items:
-        if item.get_closest_marker("gpu") is not None:
-            item.add_marker(skip)
+        for marker, skip in skips.items():
+            if item.get_closest_marker(marker) is not None:
+                item.add_marker(skip)
 
 
 @pytest.fixture

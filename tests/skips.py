@@ -1,8 +1,6 @@
 """Skip markers for what a test needs and an environment may lack, each saying what is
 missing and how to get it (one place, so every skip names the same remedy)."""
 
-import importlib.util
-
 import pytest
 
 from jax_fusedar.common import native
@@ -19,7 +17,3 @@ def native_skip_reason(what: str) -> str:
 
 
 needs_native = pytest.mark.skipif(not native.available(), reason=NO_NATIVE)
-needs_torch = pytest.mark.skipif(
-    importlib.util.find_spec("torch") is None,
-    reason="torch is not installed (pip install '.[torch]')",
-)

@@ -8,6 +8,7 @@ watcher's own lines from lost_traps itself). Those branches run on a GPU only wh
 driver loses a trap, so a mistake in them would otherwise show only there."""
 
 import os
+import sys
 import time
 
 import pytest
@@ -54,16 +55,10 @@ def test_run_ranks_still_fails_on_an_exit_it_does_not_allow():
 
 
 def _watcher_lines(monkeypatch, capsys, record, device=0):
-    """What lost_traps writes on stderr when it ends a process over ``record``."""
-
-    class Ended(Exception):
-        pass
-
-    def fake_exit(code):
-        raise Ended(code)
-
-    monkeypatch.setattr(lost_traps.os, "_exit", fake_exit)
-    with pytest.raises(Ended):
+    """What lost_traps writes on stderr when it ends a process over ``record`` (its
+    os._exit raising SystemExit here instead)."""
+    monkeypatch.setattr(lost_traps.os, "_exit", sys.exit)
+    with pytest.raises(SystemExit):
         lost_traps._end(record, device)
     monkeypatch.undo()
     return capsys.readouterr().err

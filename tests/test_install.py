@@ -24,13 +24,14 @@ def pyproject():
 
 
 def test_package_imports_without_jax_and_names_the_extra():
+    public = ("allreduce_fusion", "create_allreduce_fusion_workspace", "fuse")
     # None in sys.modules makes `import jax` raise ModuleNotFoundError, as if not installed.
     result = run_code(
         "import sys\n"
         "sys.modules['jax'] = None\n"
         "import jax_fusedar as jf\n"
         "print(jf.AllReduceFusionPattern.kARResidualRMSNorm.name)\n"
-        "for name in ('allreduce_fusion', 'create_allreduce_fusion_workspace', 'fuse'):\n"
+        f"for name in {public}:\n"
         "    try:\n"
         "        getattr(jf, name)\n"
         "    except ImportError as e:\n"
@@ -41,9 +42,7 @@ def test_package_imports_without_jax_and_names_the_extra():
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].endswith("kARResidualRMSNorm")
-    for line, name in zip(
-        lines[1:], ("allreduce_fusion", "create_allreduce_fusion_workspace", "fuse")
-    ):
+    for line, name in zip(lines[1:], public):
         assert line.startswith(f"ImportError {name} "), lines
         assert "pip install 'jax_fusedar[jax]'" in line
 
@@ -167,29 +166,14 @@ def test_dev_demo_installs_the_jax_side_only():
 
 def test_dev_test_installs_every_extra():
     everything = names(dev_requirements())
-    assert {
-        "jax",
-        "torch",
-        "transformers",
-        "pytest",
-        "pytest-xdist",
-        "flatbuffers",
-        "matplotlib",
-        "tqdm",
-        "flax",
-        "equinox",
-    } <= everything
+    extras = "jax torch transformers pytest pytest-xdist flatbuffers matplotlib tqdm flax equinox"
+    assert set(extras.split()) <= everything
 
 
 def test_dev_oldest_pins_the_minimums_pyproject_declares():
     meta = pyproject()
-    minimum = {}
-    for req in (
-        meta["project"]["optional-dependencies"]["jax"]
-        + meta["project"]["optional-dependencies"]["torch"]
-    ):
-        name, version = req.split(">=")
-        minimum[name] = version
+    extras = meta["project"]["optional-dependencies"]
+    minimum = dict(req.split(">=") for req in extras["jax"] + extras["torch"])
     pins = dict(r.split("==") for r in dev_requirements("--oldest", "jax", "torch") if "==" in r)
     assert pins == {"jax": minimum["jax"], "jaxlib": minimum["jax"], "torch": minimum["torch"]}
 

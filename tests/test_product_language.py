@@ -35,23 +35,7 @@ FORBIDDEN = [
 SELF = "tests/test_product_language.py"
 TEXT_SUFFIXES = {
     "",
-    ".py",
-    ".md",
-    ".txt",
-    ".toml",
-    ".cfg",
-    ".sh",
-    ".cmake",
-    ".cu",
-    ".cuh",
-    ".h",
-    ".cc",
-    ".cpp",
-    ".in",
-    ".map",
-    ".yml",
-    ".yaml",
-    ".json",
+    *".py .md .txt .toml .cfg .sh .cmake .cu .cuh .h .cc .cpp .in .map .yml .yaml .json".split(),
 }
 
 

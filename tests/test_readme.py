@@ -76,8 +76,7 @@ def run_blocks(page, blocks, *, fresh_shell=False):
         XLA_FLAGS=FAST_COMPILE_FLAG if fresh_shell else xla_flags(8),
         PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     )
-    env.pop("JAX_NUM_CPU_DEVICES", None)
-    for var in ("JAX_FUSEDAR_STRICT", "JAX_FUSEDAR_ALLREDUCE_BACKEND"):
+    for var in ("JAX_NUM_CPU_DEVICES", "JAX_FUSEDAR_STRICT", "JAX_FUSEDAR_ALLREDUCE_BACKEND"):
         env.pop(var, None)
     r = subprocess.run(
         [sys.executable, "-c", RUNNER.replace("README.md", page)],

@@ -31,10 +31,11 @@ def run_bench(*argv, xla_flags=HOST_8, **kw):
     return cpu_devices.run_module("benchmarks.jax_bench", *argv, xla_flags=xla_flags, **kw)
 
 
-def _refused(r, message):
-    assert r.returncode == 2, r.stdout + r.stderr
-    assert f"error: {message}" in r.stderr, r.stderr
-    assert "Traceback" not in r.stderr
+def run_to_report(out, *argv, **kw):
+    """A bench run that succeeds, writing into ``out``: the process and its bench.json."""
+    r = run_bench(*argv, "--out", out, **kw)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r, json.loads((out / "bench.json").read_text())
 
 
 # --- a run and its report ------------------------------------------------------------------------
@@ -43,16 +44,14 @@ def _refused(r, message):
 @pytest.mark.slow
 def test_bench_writes_json_and_plot(tmp_path):
     out = tmp_path / "bench"
-    r = run_bench(
-        *"--tokens 1,16 --hidden 256 --chain 3 --repeats 4 --patterns 1,4".split(),
-        *"--modes auto,oneshot,twoshot --out".split(),
+    r, rep = run_to_report(
         out,
+        *"--tokens 1,16 --hidden 256 --chain 3 --repeats 4 --patterns 1,4".split(),
+        *"--modes auto,oneshot,twoshot".split(),
         xla_flags=None,  # the bench splits the host into 8 devices itself
     )
-    assert r.returncode == 0, r.stdout + r.stderr
     assert "NOT the FlashInfer kernel" in r.stdout
 
-    rep = json.loads((out / "bench.json").read_text())
     machine = rep["machine"]
     assert machine["device_count"] == machine["world_size"] == 8
     assert machine["backend"] == "xla" and machine["platform"] == "cpu"
@@ -106,13 +105,11 @@ def test_bench_writes_json_and_plot(tmp_path):
 
 @pytest.mark.slow
 def test_bench_loop_method(tmp_path):
-    out = tmp_path / "bench"
-    r = run_bench(
+    _, rep = run_to_report(
+        tmp_path / "bench",
         "--tokens", 16, "--hidden", 64, "--method", "loop", "--iters", 3, "--repeats", 1,
-        "--patterns", 1, "--out", out,
+        "--patterns", 1,
     )  # fmt: skip
-    assert r.returncode == 0, r.stdout + r.stderr
-    rep = json.loads((out / "bench.json").read_text())
     assert rep["config"]["method"] == "loop" and "fori_loop" in rep["method"]
     fused = rep["cases"][0]["fused"]["auto"]
     assert fused["us"]["median"] > 0 and fused["us"]["n"] == 1
@@ -127,14 +124,13 @@ def test_bench_without_matplotlib_and_tqdm(tmp_path):
         (blocker / name).mkdir(parents=True)
         (blocker / name / "__init__.py").write_text(f"raise ImportError('{name} blocked')\n")
     out = tmp_path / "bench"
-    r = run_bench(
+    r, rep = run_to_report(
+        out,
         "--tokens", 4, "--hidden", 64, "--chain", 2, "--repeats", 1, "--patterns", 1,
-        "--modes", "auto", "--out", out, pythonpath=[blocker],
+        "--modes", "auto", pythonpath=[blocker],
     )  # fmt: skip
-    assert r.returncode == 0, r.stdout + r.stderr
     assert "matplotlib is not installed" in r.stdout
     assert not (out / "bench.png").exists()
-    rep = json.loads((out / "bench.json").read_text())
     assert rep["cases"][0]["fused"]["auto"]["us"]["median"] > 0
     assert "2/2" in r.stderr  # the fallback progress bar: baseline + auto
 
@@ -144,13 +140,11 @@ def test_bench_times_the_wait_timeout_on_and_off_in_one_run(tmp_path):
     """--timeout-compare on CPU (the XLA reference backend, no kernel): the run completes
     with both figures per fused case and the on/off table; the GPU figures come from the
     same command on a machine with GPUs."""
-    out = tmp_path / "bench"
-    r = run_bench(
+    r, rep = run_to_report(
+        tmp_path / "bench",
         "--tokens", "1,16", "--hidden", 256, "--chain", 2, "--repeats", 1, "--patterns", 1,
-        "--timeout-compare", "--out", out,
+        "--timeout-compare",
     )  # fmt: skip
-    assert r.returncode == 0, r.stdout + r.stderr
-    rep = json.loads((out / "bench.json").read_text())
     assert rep["config"]["timeout_compare"] is True
     for case in rep["cases"]:
         m = case["fused"]["auto"]
@@ -377,7 +371,10 @@ def test_the_device_method_brackets_the_chain_with_device_stamps():
     ],
 )
 def test_unrunnable_setups_exit_with_a_message(argv, xla_flags, message, tmp_path):
-    _refused(run_bench(*argv, "--out", tmp_path, xla_flags=xla_flags), message)
+    r = run_bench(*argv, "--out", tmp_path, xla_flags=xla_flags)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"error: {message}" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 import textwrap
 import time
@@ -29,6 +27,7 @@ from benchmarks import torch_bench as bt  # noqa: E402
 from jax_fusedar.common import plan as rules  # noqa: E402
 from tools import flashinfer_anchor as fa  # noqa: E402
 
+from tests.cpu_devices import run_module  # noqa: E402
 from tests.repo import REPO, run_code  # noqa: E402
 
 
@@ -73,10 +72,9 @@ def test_bad_arguments_are_refused(argv, needle, capsys):
 
 
 @pytest.mark.slow
-def test_command_without_gpu_says_so():
-    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_FUSEDAR_ANCHOR=str(REPO / "no-such"))
-    cmd = [sys.executable, *"-m benchmarks.torch_bench --tokens 1 --hidden 1024".split()]
-    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+def test_command_without_gpu_says_so(monkeypatch):
+    monkeypatch.setenv("JAX_FUSEDAR_ANCHOR", str(REPO / "no-such"))
+    r = run_module("benchmarks.torch_bench", "--tokens", 1, "--hidden", 1024, timeout=300)
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     assert r.returncode == 2, r.stdout + r.stderr
