@@ -54,7 +54,7 @@ def test_doctor_without_the_native_build():
     assert "Traceback" not in r.stderr
 
 
-def test_the_build_record_is_read(tmp_path):
+def test_the_build_record_is_read(tmp_path, monkeypatch):
     assert doctor.build_record(tmp_path) is None
     (tmp_path / doctor.BUILD_RECORD).write_text(
         json.dumps(
@@ -68,33 +68,29 @@ def test_the_build_record_is_read(tmp_path):
         __file__ = str(tmp_path / "_fusedar.so")
         ABI_VERSION = 4
 
-    saved = native.ext
-    try:
-        native.ext = Ext
-        (line,) = doctor._native_lines(record)
-    finally:
-        native.ext = saved
+    monkeypatch.setattr(native, "ext", Ext)
+    (line,) = doctor._native_lines(record)
     assert line.endswith(
         "CUDA architectures sm_90a, sm_100a; nvcc 13.0.88; FlashInfer headers 0.7.2.post1"
     ), line
 
 
-# What nvidia-smi prints on a machine with two NVLinked H200s (trimmed).
+# What nvidia-smi prints on a machine with two NVLinked H200s (trimmed), by command line.
 SMI = {
-    (
-        "nvidia-smi",
-    ): "| NVIDIA-SMI 580.159.04   Driver Version: 580.159.04   CUDA Version: 13.0 |\n",
-    (
-        "nvidia-smi",
-        "--query-gpu=index,name,compute_cap,memory.total",
-        "--format=csv,noheader,nounits",
-    ): ("0, NVIDIA H200, 9.0, 143771\n1, NVIDIA H200, 9.0, 143771\n"),
-    ("nvidia-smi", "topo", "-m"): (
+    "nvidia-smi": "| NVIDIA-SMI 580.159.04   Driver Version: 580.159.04   CUDA Version: 13.0 |\n",
+    "nvidia-smi --query-gpu=index,name,compute_cap,memory.total --format=csv,noheader,nounits": (
+        "0, NVIDIA H200, 9.0, 143771\n1, NVIDIA H200, 9.0, 143771\n"
+    ),
+    "nvidia-smi topo -m": (
         "\tGPU0\tGPU1\tCPU Affinity\tNUMA Affinity\n"
         "GPU0\t X \tNV18\t0-47\t0\n"
         "GPU1\tNV18\t X \t0-47\t0\n\nLegend:\n  X    = Self\n"
     ),
 }
+
+
+def smi(cmd):
+    return SMI.get(" ".join(cmd))
 
 
 class PeerExt:
@@ -114,7 +110,7 @@ class PeerExt:
 def two_gpus(monkeypatch):
     monkeypatch.setattr(native, "ext", PeerExt)
     monkeypatch.setattr(native, "gpu_count", lambda: 2)
-    return lambda cmd: SMI.get(tuple(cmd))
+    return smi
 
 
 def test_a_two_gpu_machine(two_gpus):
@@ -143,6 +139,6 @@ def test_auto_follows_the_environment(two_gpus):
 def test_gpus_without_the_native_build(monkeypatch):
     monkeypatch.setattr(native, "ext", None)
     monkeypatch.setattr(native, "gpu_count", lambda: 0)
-    out = "\n".join(doctor.report({}, smi=lambda cmd: SMI.get(tuple(cmd))))
+    out = "\n".join(doctor.report({}, smi=smi))
     assert "GPUs: 2" in out and "peer access" not in out  # asked through the native module
     assert "  2 ranks: trtllm, but the native build is missing: creating the workspace fails" in out

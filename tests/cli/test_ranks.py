@@ -165,11 +165,6 @@ def test_rank_command_carries_the_demo_flags():
 # --- --bench on shared GPUs ----------------------------------------------------------------
 
 
-def _args(command, **kw):
-    defaults = dict(command=command, tp=None, processes="auto", bench=False)
-    return argparse.Namespace(**{**defaults, **kw})
-
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
         raise SystemExit(f"error: {message}")
@@ -181,7 +176,8 @@ def test_demo_bench_refuses_shared_gpus():
         match=r"--bench: 2 ranks would share 1 GPU: ranks sharing "
         r"a GPU take turns on it",
     ):
-        ranks.dispatch(_args("demo", bench=True), ["demo", "--bench"], _Parser(prog="demo"), gpus=1)
+        args = argparse.Namespace(command="demo", tp=None, processes="auto", bench=True)
+        ranks.dispatch(args, ["demo", "--bench"], _Parser(prog="demo"), gpus=1)
 
 
 def test_bad_tp_is_refused_before_anything_starts():

@@ -115,14 +115,8 @@ def test_launch_limit_both_sides(dtype, good, bad):
 
 def test_launch_limit_message_names_the_numbers():
     message = kernel_support_problem(8, 65544, "bfloat16")
-    assert "8193 vectors" in message
-    assert "cluster of 1" in message
-    assert "8193 threads per CTA" in message
-    assert "hidden_dim <= 65536" in message
-
-
-def limits_text():
-    return ", ".join(map(str, limits.SUPPORTED_WORLD_SIZES))  # "2, 4, 8, 16"
+    for part in ("8193 vectors", "cluster of 1", "8193 threads per CTA", "hidden_dim <= 65536"):
+        assert part in message
 
 
 @pytest.mark.parametrize("world", limits.SUPPORTED_WORLD_SIZES)
@@ -132,7 +126,8 @@ def test_supported_world_sizes(world):
 
 @pytest.mark.parametrize("world", [1, 3, 6, 32, 0, -2, True, 2.0, "2", None])
 def test_unsupported_world_size(world):
-    with pytest.raises(ValueError, match=rf"world size .* not supported.*{limits_text()}"):
+    supported = ", ".join(map(str, limits.SUPPORTED_WORLD_SIZES))  # "2, 4, 8, 16"
+    with pytest.raises(ValueError, match=rf"world size .* not supported.*{supported}"):
         check_kernel_supports(world, 4096, "bfloat16")
 
 
@@ -165,63 +160,50 @@ def test_kernel_support_accepts_numpy_ints():
 # --- Workspace sizes ------------------------------------------------------------------------------
 
 
-def test_sizes_bf16_tp2():
-    s = workspace_sizes(2, 128, 4096, "bfloat16")
-    assert s.two_shot_buffer_bytes == 2 * 128 * 4096 * 2 == 2_097_152
-    assert s.flag_bytes == 2 * 256 * 4 == 2048
-    assert s.lamport_comm_bytes == 2_097_152
-    assert s.lamport_buffer_bytes == 3 * 2_097_152 == 6_291_456
-    assert s.per_rank_bytes == 2_097_152 + 2048 + 6_291_456 + 20 == 8_390_676
-    assert not s.use_fp32_lamport
-    assert (s.world_size, s.max_token_num) == (2, 128)
-    assert (s.hidden_dim, s.dtype_name) == (4096, "bfloat16")
+# workspace -> (two-shot buffer, flags, Lamport stride, Lamport buffer) bytes; the rank's total
+# is the buffers and flags with the 20-byte control block.
+SIZES = {
+    # 2 * 128 * 4096 * 2 = 2 MiB; flags 2 * 256 * 4; Lamport buffer 3 strides.
+    "bf16_tp2": ((2, 128, 4096, "bfloat16"), (2_097_152, 2048, 2_097_152, 6_291_456)),
+    # 8 * 32 * 1024 * 4 = 1 MiB; flags 8 * 256 * 4.
+    "fp32_tp8": ((8, 32, 1024, "float32"), (1_048_576, 8192, 1_048_576, 3_145_728)),
+    # 2 ranks * 1 token * 5 elements * 2 bytes = 20 -> 32; the stride is rounded too.
+    "round_up_to_16": ((2, 1, 5, "float16"), (32, 2048, 32, 96)),
+    # 2 * 1 * 4 * 2 = 16 is already aligned.
+    "aligned_16": ((2, 1, 4, "bfloat16"), (16, 2048, 16, 48)),
+    # MAX_COMM_SIZE = 1023 * 2**21: 2 ranks * 512 tokens * (1023*1024) * 2 bytes hits it exactly.
+    "lamport_cap": (
+        (2, 512, 1023 * 1024, "bfloat16"),
+        (MAX_COMM_SIZE, 2048, MAX_COMM_SIZE, 3 * MAX_COMM_SIZE),
+    ),
+    # One more token: the two-shot buffer grows by a token's row, the Lamport stride does not.
+    "lamport_cap_over": (
+        (2, 513, 1023 * 1024, "bfloat16"),
+        (MAX_COMM_SIZE + 2 * 1023 * 1024 * 2, 2048, MAX_COMM_SIZE, 3 * MAX_COMM_SIZE),
+    ),
+    # 8 * 16384 * 8192 * 2 = 2**31 bytes: two-shot buffer uncapped, Lamport stride capped.
+    "lamport_cap_large_tp8": (
+        (8, 16384, 8192, "bfloat16"),
+        (2**31, 8 * 256 * 4, MAX_COMM_SIZE, 6_436_159_488),
+    ),
+}
+
+
+@pytest.mark.parametrize("args, expected", SIZES.values(), ids=SIZES)
+def test_sizes(args, expected):
+    s = workspace_sizes(*args)
+    got = (s.two_shot_buffer_bytes, s.flag_bytes, s.lamport_comm_bytes, s.lamport_buffer_bytes)
+    assert got == expected
+    two_shot, flags, _, lamport_buffer = expected
+    assert s.per_rank_bytes == two_shot + flags + lamport_buffer + 20
+    assert s.use_fp32_lamport == (args[3] == "float32")
+    assert (s.world_size, s.max_token_num, s.hidden_dim, s.dtype_name) == args
 
 
 def test_sizes_fp16_equal_bf16():
     bf16 = workspace_sizes(4, 64, 2048, "bfloat16")
     fp16 = workspace_sizes(4, 64, 2048, "float16")
     assert dataclasses.replace(bf16, dtype_name="float16") == fp16
-
-
-def test_sizes_fp32_tp8():
-    s = workspace_sizes(8, 32, 1024, "float32")
-    assert s.two_shot_buffer_bytes == 8 * 32 * 1024 * 4 == 1_048_576
-    assert s.flag_bytes == 8 * 256 * 4 == 8192
-    assert s.lamport_comm_bytes == 1_048_576
-    assert s.lamport_buffer_bytes == 3_145_728
-    assert s.per_rank_bytes == 1_048_576 + 8192 + 3_145_728 + 20 == 4_202_516
-    assert s.use_fp32_lamport
-
-
-def test_sizes_round_up_to_16():
-    # 2 ranks * 1 token * 5 elements * 2 bytes = 20 -> 32; the stride is rounded too.
-    s = workspace_sizes(2, 1, 5, "float16")
-    assert s.two_shot_buffer_bytes == 32
-    assert s.lamport_comm_bytes == 32
-    assert s.lamport_buffer_bytes == 96
-    assert s.per_rank_bytes == 32 + 2048 + 96 + 20
-    # 2 * 1 * 4 * 2 = 16 is already aligned.
-    assert workspace_sizes(2, 1, 4, "bfloat16").two_shot_buffer_bytes == 16
-
-
-def test_lamport_cap():
-    # MAX_COMM_SIZE = 1023 * 2**21. 2 ranks * 512 tokens * (1023*1024) * 2 bytes hits it exactly.
-    at_cap = workspace_sizes(2, 512, 1023 * 1024, "bfloat16")
-    assert at_cap.two_shot_buffer_bytes == MAX_COMM_SIZE
-    assert at_cap.lamport_comm_bytes == MAX_COMM_SIZE
-    over = workspace_sizes(2, 513, 1023 * 1024, "bfloat16")
-    assert over.two_shot_buffer_bytes == MAX_COMM_SIZE + 2 * 1023 * 1024 * 2
-    assert over.lamport_comm_bytes == MAX_COMM_SIZE
-    assert over.lamport_buffer_bytes == 3 * MAX_COMM_SIZE
-
-
-def test_lamport_cap_large_tp8():
-    # 8 * 16384 * 8192 * 2 = 2**31 bytes: two-shot buffer uncapped, Lamport stride capped.
-    s = workspace_sizes(8, 16384, 8192, "bfloat16")
-    assert s.two_shot_buffer_bytes == 2**31
-    assert s.lamport_comm_bytes == MAX_COMM_SIZE
-    assert s.lamport_buffer_bytes == 6_436_159_488
-    assert s.per_rank_bytes == 2**31 + 8 * 256 * 4 + 6_436_159_488 + 20
 
 
 @pytest.mark.parametrize(
@@ -542,16 +524,14 @@ def test_exchange_keys_stable_and_not_random():
         assert _all_keys() == first
 
 
-def test_exchange_keys_same_in_another_process(monkeypatch):
+def test_exchange_keys_same_in_another_process():
     # Another interpreter with a different str-hash seed computes the same key.
     code = (
         "from jax_fusedar.common.tp_groups import TPGroup;"
         "from jax_fusedar.common.exchange import exchange_key;"
         "print(exchange_key('jax_fusedar', TPGroup((4, 5, 6, 7), 1), 2, 'ipc_handles'))"
     )
-    monkeypatch.setenv("PYTHONHASHSEED", "12345")
-    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    out = run_code(code)
+    out = run_code(code, PYTHONHASHSEED="12345", JAX_PLATFORMS="cpu")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == exchange_key("jax_fusedar", TWO_GROUPS[1], 2, "ipc_handles")
 

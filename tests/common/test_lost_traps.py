@@ -13,10 +13,18 @@ from tests.repo import REPO, run_code
 
 
 class FakeRank:
+    """A native Rank's record, and as it behaves once destroyed: ``alive`` False and its record
+    no longer readable (a native rank's record lives in memory its destroy frees)."""
+
     def __init__(self):
-        self.record = ""
+        self.record, self.alive = "", True
+
+    def destroy(self):
+        self.alive = False
 
     def failure(self):
+        if not self.alive:
+            raise ValueError("this workspace rank was destroyed")
         return self.record
 
 
@@ -85,25 +93,8 @@ def test_native_ranks_can_be_watched():
     assert native.ext.Rank.__weakrefoffset__ > 0
 
 
-class DestroyableRank(FakeRank):
-    """A native Rank as it behaves once destroyed: ``alive`` False and its record no longer
-    readable (a native rank's record lives in memory its destroy frees)."""
-
-    def __init__(self):
-        super().__init__()
-        self.alive = True
-
-    def destroy(self):
-        self.alive = False
-
-    def failure(self):
-        if not self.alive:
-            raise ValueError("this workspace rank was destroyed")
-        return self.record
-
-
 def test_a_rank_destroyed_after_its_record_was_seen_is_ended_with_that_record(watched):
-    rank = DestroyableRank()
+    rank = FakeRank()
     lost_traps.watch(rank, 1)
     rank.record = "jax_fusedar kernel wait timed out on rank 1 of 2: rank 0 did not arrive"
     assert _pass(0.0) == []  # seen
@@ -113,7 +104,7 @@ def test_a_rank_destroyed_after_its_record_was_seen_is_ended_with_that_record(wa
 
 
 def test_a_rank_destroyed_before_any_record_is_forgotten(watched):
-    rank = DestroyableRank()
+    rank = FakeRank()
     lost_traps.watch(rank, 0)
     assert _pass(0.0) == []
     rank.destroy()

@@ -203,7 +203,7 @@ def test_jax_create_resolves_the_option_before_anything(monkeypatch):
 
 
 def _torch_join(flags, timeout_s=10.0):
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     import torch.distributed as dist
 
     from torch_compat import workspace as tws
@@ -232,7 +232,6 @@ def _torch_join(flags, timeout_s=10.0):
         )
 
     out, errors = run_in_threads(run, flags, 4 * timeout_s)
-    del torch
     return out, errors, made
 
 
@@ -312,12 +311,14 @@ int main() {
   fusedar_rank r;
   r.rank = 1; r.device = 0; r.info = info;
   char buf[1024];
-  fusedar_rank_call_check_failure(&r, buf, sizeof buf);
-  std::printf("unchecked=[%s]\n", buf);
+  auto show = [&](const char* name) {
+    fusedar_rank_call_check_failure(&r, buf, sizeof buf);
+    std::printf("%s=[%s]\n", name, buf);
+  };
+  show("unchecked");
   Record d{};
   r.record = &d;
-  fusedar_rank_call_check_failure(&r, buf, sizeof buf);
-  std::printf("clean=[%s]\n", buf);
+  show("clean");
   Signature mine = signature_of(args(1, FUSEDAR_BFLOAT16, 16, 4096, 1, 1, 0, 0));
   Signature theirs = signature_of(args(1, FUSEDAR_BFLOAT16, 17, 4096, 0, 1, 0, 0));
   d.rank = 1; d.world = 4; d.device = 0; d.peer = 3; d.failing_peers = 2; d.seq = 7;
@@ -325,18 +326,15 @@ int main() {
   std::memcpy(d.mine, &mine, sizeof mine);
   std::memcpy(d.theirs, &theirs, sizeof theirs);
   d.kind = kMismatch;
-  fusedar_rank_call_check_failure(&r, buf, sizeof buf);
-  std::printf("mismatch=[%s]\n", buf);
+  show("mismatch");
   Signature large =
       signature_of(args(1, FUSEDAR_BFLOAT16, 16, 4096, FUSEDAR_ALGORITHM_LARGE_MESSAGE, 1, 0, 0));
   std::printf("large_word=%llx\n", large.word);
   std::memcpy(d.theirs, &large, sizeof large);
-  fusedar_rank_call_check_failure(&r, buf, sizeof buf);
-  std::printf("mismatch_large=[%s]\n", buf);
+  show("mismatch_large");
   std::memcpy(d.theirs, &theirs, sizeof theirs);
   d.kind = kTimeout; d.peer_seq = 6; d.timeout_ns = 2500000000ull; d.failing_peers = 1;
-  fusedar_rank_call_check_failure(&r, buf, sizeof buf);
-  std::printf("timeout=[%s]\n", buf);
+  show("timeout");
   char small[16];
   fusedar_rank_call_check_failure(&r, small, sizeof small);
   std::printf("truncated=[%s]\n", small);

@@ -307,23 +307,16 @@ def test_store_keeps_one_entry_per_toolchain_for_the_current_source(tmp_path):
             "toolchain": toolchain,
             "toolchain_versions": toolchain,
             "kernels": [[0, 1, 0, regs]],
-            "from": "probe",
         }
 
     cache = tmp_path / "cache.json"
     name = "unhooked_f16_n4.sm_90a"
     launch_registers.write_cache(
-        str(cache),
-        {
-            name: [
-                {k: v for k, v in record("S1", "T1", 40).items() if k != "from"},
-                {k: v for k, v in record("S2", "T2", 42).items() if k != "from"},
-            ]
-        },
+        str(cache), {name: [record("S1", "T1", 40), record("S2", "T2", 42)]}
     )
     (tmp_path / "build").mkdir()
     (tmp_path / "build" / "unhooked_f16_n4.registers.json").write_text(
-        json.dumps({"entries": {name: record("S2", "T1", 44)}})
+        json.dumps({"entries": {name: {**record("S2", "T1", 44), "from": "probe"}}})
     )
     launch_registers.store(argparse.Namespace(build_dir=str(tmp_path / "build"), cache=str(cache)))
     kept = launch_registers.read_cache(str(cache))[name]

@@ -258,19 +258,29 @@ def _run_patching(build_dir, include):
 
 
 def _patched_trees(tmp_path, name):
-    include = _include_dir()
-    if not (pathlib.Path(include) / name).exists():
+    """The header ``name`` as fetched, hooked (flashinfer_patched) and as the probe copy
+    (flashinfer_unhooked), which is FlashInfer's header with only six more `inline`s: no hook
+    at all."""
+    include = pathlib.Path(_include_dir())
+    if not (include / name).exists():
         pytest.skip(f"{name} is not among the fetched headers")
-    run = _run_patching(tmp_path, include)
+    run = _run_patching(tmp_path, str(include))
     assert run.returncode == 0, run.stdout + run.stderr
-    return include
+    original, hooked, unhooked = (
+        (folder / name).read_text()
+        for folder in (include, tmp_path / "flashinfer_patched", tmp_path / "flashinfer_unhooked")
+    )
+    assert "fusedar" not in unhooked
+    assert unhooked.count("inline ") == original.count("inline ") + 6
+    return original, hooked, unhooked
 
 
 def test_the_build_hooks_every_wait_loop(tmp_path):
     """Runs FlashInferHeaders.cmake's patching (cmake -P) on the fetched header: every
     spin loop of the kernel is replaced by a bounded one, and no `while` spin is left."""
-    include = _patched_trees(tmp_path, "flashinfer/comm/trtllm_allreduce_fusion.cuh")
-    text = (tmp_path / "flashinfer_patched/flashinfer/comm/trtllm_allreduce_fusion.cuh").read_text()
+    original, text, unhooked = _patched_trees(
+        tmp_path, "flashinfer/comm/trtllm_allreduce_fusion.cuh"
+    )
     device = text[: text.index("inline int get_sm_count()")]  # the kernels' part
     assert not re.search(r"while \([^)]*\)\s*\{\s*\}", device), "an unbounded spin is left"
     assert device.count("::fusedar_wait::spin(") == 3  # 2 grid counters + the barrier
@@ -286,13 +296,7 @@ def test_the_build_hooks_every_wait_loop(tmp_path):
     assert text.count("return ::fusedar_geometry::registers_for_geometry<") == 2
     assert "cudaFuncGetAttributes" not in text
     # The probe copy is FlashInfer's header with only the six `inline`s: no hook at all.
-    unhooked = (
-        tmp_path / "flashinfer_unhooked/flashinfer/comm/trtllm_allreduce_fusion.cuh"
-    ).read_text()
-    assert "fusedar" not in unhooked
-    original = (pathlib.Path(include) / "flashinfer/comm/trtllm_allreduce_fusion.cuh").read_text()
     assert unhooked.replace("inline ", "") == original.replace("inline ", "")
-    assert unhooked.count("inline ") == original.count("inline ") + 6
 
 
 def _code(path):
@@ -349,8 +353,7 @@ def test_the_build_hooks_every_wait_loop_of_the_moe_kernels(tmp_path):
     kernels' Lamport polls and LamportComm's grid counter are bounded, and no spin is left;
     the probe copy has only the six `inline`s."""
     name = "flashinfer/comm/trtllm_moe_allreduce_fusion.cuh"
-    include = _patched_trees(tmp_path, name)
-    text = (tmp_path / "flashinfer_patched" / name).read_text()
+    original, text, unhooked = _patched_trees(tmp_path, name)
     device = text[: text.index("inline int get_sm_count()")]  # up to the launchers
     assert "__global__" not in device[: device.index("struct LamportComm")]
     assert not re.search(r"while \([^)]*\)\s*\{\s*\}", text), "an unbounded spin is left"
@@ -390,9 +393,6 @@ def test_the_build_hooks_every_wait_loop_of_the_moe_kernels(tmp_path):
         "| (NormOut ? 2 : 0) | (QuantOut ? 1 : 0)>())) "
         "moefinalize_allreduce_fusion_kernel_oneshot_lamport("
     ) in text
-    unhooked = (tmp_path / "flashinfer_unhooked" / name).read_text()
-    assert "fusedar" not in unhooked
-    original = (pathlib.Path(include) / name).read_text()
     # Both copies carry the fix of FlashInfer's pattern-7 race: its poll reads this rank's
     # buffer (slot r), like pattern 6 and the dense one-shot, not rank r's own buffer.
     racy = "vals[r].load_global_volatile(reinterpret_cast<T*>(comm.data_bufs[r]) +"
@@ -400,7 +400,6 @@ def test_the_build_hooks_every_wait_loop_of_the_moe_kernels(tmp_path):
     assert original.count(racy) == 1 and racy not in unhooked and racy not in text
     assert unhooked.count(fixed) == original.count(fixed) + 1 == 2
     assert unhooked.replace("inline ", "") == original.replace("inline ", "").replace(racy, fixed)
-    assert unhooked.count("inline ") == original.count("inline ") + 6
     # The hooked copy differs from the probe copy only where a wait is hooked: what the
     # patches removed, and what they added (hook lines, and the grid wait's condition,
     # unchanged, inside the bounded spin).
@@ -460,56 +459,50 @@ int main() {
   char buf[2048];
   watchdog::Record d{};
   r.record = &d;
+  auto show = [&](const char* name, int site, int detail) {  // the record's text at a site
+    d.site = site; d.detail = detail;
+    fusedar_rank_failure(&r, buf, sizeof buf);
+    std::printf("%s=[%s]\n", name, buf);
+  };
+  auto call = [&](const fusedar_launch_args& a) {
+    handshake::Signature s = handshake::signature_of(a);
+    std::memcpy(d.mine, &s, sizeof s);
+  };
   fusedar_rank_failure(&r, buf, sizeof buf);
   std::printf("clean=[%s]\n", buf);
   fusedar_launch_args a{};
   a.pattern = 1; a.dtype = FUSEDAR_BFLOAT16; a.num_tokens = 16; a.hidden_dim = 4096;
   a.algorithm = FUSEDAR_ALGORITHM_ONESHOT; a.fp32_acc = 1;
-  handshake::Signature s = handshake::signature_of(a);
-  std::memcpy(d.mine, &s, sizeof s);
+  call(a);
   d.rank = 0; d.world = 2; d.device = 1; d.peer = 1; d.seq = 4;
   d.waited_ns = 3000400000ull; d.timeout_ns = 3000000000ull;
-  d.site = watchdog::kLamport; d.detail = 5;
   d.kind = watchdog::kWaitTimeout;
-  fusedar_rank_failure(&r, buf, sizeof buf);
-  std::printf("lamport=[%s]\n", buf);
+  show("lamport", watchdog::kLamport, 5);
   fusedar_rank_call_check_failure(&r, buf, sizeof buf);
   std::printf("alias=[%s]\n", buf);
-  d.site = watchdog::kBarrier; d.detail = 7;
-  fusedar_rank_failure(&r, buf, sizeof buf);
-  std::printf("barrier=[%s]\n", buf);
-  d.site = watchdog::kGrid; d.peer = -1; d.detail = 132;
-  fusedar_rank_failure(&r, buf, sizeof buf);
-  std::printf("grid=[%s]\n", buf);
+  show("barrier", watchdog::kBarrier, 7);
+  d.peer = -1;
+  show("grid", watchdog::kGrid, 132);
   // An MoE finalize call (pattern 7), described as fusedar_moe_launch describes it to the
   // handshake; its kernel polls this rank's Lamport buffer like the dense one-shot.
   fusedar_launch_args m{};
   m.pattern = 7; m.dtype = FUSEDAR_BFLOAT16; m.num_tokens = 16; m.hidden_dim = 7168;
   m.algorithm = FUSEDAR_ALGORITHM_ONESHOT;
-  s = handshake::signature_of(m);
-  std::memcpy(d.mine, &s, sizeof s);
-  d.site = watchdog::kLamport; d.peer = 1; d.detail = 9;
-  fusedar_rank_failure(&r, buf, sizeof buf);
-  std::printf("moe=[%s]\n", buf);
+  call(m);
+  d.peer = 1;
+  show("moe", watchdog::kLamport, 9);
   // The large-message algorithm's flags: a call of that algorithm, 8192 tokens.
   a.algorithm = FUSEDAR_ALGORITHM_LARGE_MESSAGE; a.num_tokens = 8192;
-  s = handshake::signature_of(a);
-  std::memcpy(d.mine, &s, sizeof s);
-  d.peer = 1; d.seq = 9;
-  d.site = watchdog::kLargeEnter; d.detail = 3;
-  fusedar_rank_failure(&r, buf, sizeof buf);
-  std::printf("large_enter=[%s]\n", buf);
-  d.site = watchdog::kLargeScatter; d.detail = 2;
-  fusedar_rank_failure(&r, buf, sizeof buf);
-  std::printf("large_scatter=[%s]\n", buf);
-  d.site = watchdog::kLargeGather; d.detail = 1;
-  fusedar_rank_failure(&r, buf, sizeof buf);
-  std::printf("large_gather=[%s]\n", buf);
+  call(a);
+  d.seq = 9;
+  show("large_enter", watchdog::kLargeEnter, 3);
+  show("large_scatter", watchdog::kLargeScatter, 2);
+  show("large_gather", watchdog::kLargeGather, 1);
   // Every site has its own text (SITES: the enumerators, from watchdog.h).
   for (int site : {SITES}) {
-    d.site = site; d.detail = 0;
-    fusedar_rank_failure(&r, buf, sizeof buf);
-    std::printf("site%d=[%s]\n", site, buf);
+    char name[16];
+    std::snprintf(name, sizeof name, "site%d", site);
+    show(name, site, 0);
   }
   r.record = nullptr;  // not owned
   return 0;
