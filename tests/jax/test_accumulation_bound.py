@@ -72,14 +72,10 @@ def test_bound_holds_on_the_kernels_additions(world, fp32_acc, dtype):
         residual = random_values(rng, (64, 512), dtype)
         s = emulate_kernel_sum(list(xs), dtype, fp32_acc=fp32_acc)
         r = emulate_residual(s, residual, dtype)
-        s64 = np.sum(xs.astype(np.float64), axis=0)
-        ratio_s = oracle.bound_ratio(s, s64, oracle.sum_error_bound(xs, dtype, fp32_acc=fp32_acc))
-        ratio_r = oracle.bound_ratio(
-            r,
-            s64 + residual.astype(np.float64),
-            oracle.residual_error_bound(xs, residual, dtype, fp32_acc=fp32_acc),
+        errs = oracle.accumulation_errors(
+            xs, residual, allreduce_out=s, residual_out=r, fp32_acc=fp32_acc, dtype_name=dtype
         )
-        assert ratio_s <= 1.0 and ratio_r <= 1.0, (kind, ratio_s, ratio_r)
+        assert errs["allreduce_bound"] <= 1.0 and errs["residual_bound"] <= 1.0, (kind, errs)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -153,25 +149,21 @@ def test_reference_path_within_the_bound(world, fp32_acc, dtype):
         residual = random_values(rng, (16, 256), dtype)
         gamma = random_gamma(rng, 256, dtype)
         ar, res, norm = _fused_on_cpu(world, dtype, fp32_acc, xs, residual, gamma, 1.0)
-        s64 = np.sum(xs.astype(np.float64), axis=0)
-        where = (kind, world, dtype, fp32_acc)
-        assert (
-            oracle.bound_ratio(ar, s64, oracle.sum_error_bound(xs, dtype, fp32_acc=fp32_acc)) <= 1.0
-        ), where
-        assert (
-            oracle.bound_ratio(
-                res,
-                s64 + residual.astype(np.float64),
-                oracle.residual_error_bound(xs, residual, dtype, fp32_acc=fp32_acc),
-            )
-            <= 1.0
-        ), where
-        assert (
-            oracle.norm_error_given_residual_ulps(
-                norm, res, gamma, rms_eps=RMS_EPS, weight_bias=1.0, dtype_name=dtype
-            )
-            <= oracle.NORM_GIVEN_RESIDUAL_ULPS[dtype]
-        ), where
+        errs = oracle.accumulation_errors(
+            xs,
+            residual,
+            gamma,
+            allreduce_out=ar,
+            residual_out=res,
+            norm_out=norm,
+            fp32_acc=fp32_acc,
+            rms_eps=RMS_EPS,
+            weight_bias=1.0,
+            dtype_name=dtype,
+        )
+        where = (kind, world, dtype, fp32_acc, errs)
+        assert errs["allreduce_bound"] <= 1.0 and errs["residual_bound"] <= 1.0, where
+        assert errs["norm_own"] <= oracle.NORM_GIVEN_RESIDUAL_ULPS[dtype], where
         if not fp32_acc and dtype != "float32":
             # Every rounding where the kernel rounds (fp32_acc=True and float32 sum in psum's
             # order, which the API leaves open).
