@@ -180,14 +180,15 @@ def loss_fn(mesh, combine, variant="plain", check_vma=True):
     return loss
 
 
-def fused_and_unfused(transform, mesh, dtype, variant="plain", check_vma=True, **kw):
-    """``jit(transform(loss))`` of the fused and the unfused MLP (``kw`` to both combines) at
-    fresh parameters: (fused result, unfused result)."""
+def fused_and_unfused(transform, mesh, dtype, variant="plain", check_vma=True, unfused=None, **kw):
+    """``jit(transform(loss))`` of the fused and the unfused MLP (``kw`` to both combines;
+    ``unfused`` replaces unfused_combine) at fresh parameters: (fused result, unfused one)."""
     params, target = mlp_params(new_rng(), dtype)
     params = placed(mesh, params)
+    unfused = unfused or unfused_combine(**kw)
     return tuple(
         jax.jit(transform(loss_fn(mesh, combine, variant, check_vma)))(params, target)
-        for combine in (fused_combine(xla_workspace(mesh, dtype), **kw), unfused_combine(**kw))
+        for combine in (fused_combine(xla_workspace(mesh, dtype), **kw), unfused)
     )
 
 
@@ -212,12 +213,9 @@ def test_mlp_gradients_equal_the_unfused_model(dtype, mesh_shape):
 def test_float32_gradients_equal_plain_jnp_psum_and_rmsnorm():
     """In float32 the reference's roundings are identities: the fused op's gradients equal
     those of the model written with jax.lax.psum and jnp alone, bit for bit."""
-    mesh = tp_mesh()
-    ws = xla_workspace(mesh, "float32")
-    params, target = mlp_params(new_rng(), "float32")
-    params = placed(mesh, params)
-    got = jax.jit(jax.value_and_grad(loss_fn(mesh, fused_combine(ws))))(params, target)
-    want = jax.jit(jax.value_and_grad(loss_fn(mesh, plain_jnp_combine())))(params, target)
+    got, want = fused_and_unfused(
+        jax.value_and_grad, tp_mesh(), "float32", unfused=plain_jnp_combine()
+    )
     assert_same_bits(got, want, "float32 grad vs plain jnp")
 
 
