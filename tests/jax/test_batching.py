@@ -280,13 +280,8 @@ def test_vmap_axes_and_batched_gamma(in_axes):
         return a if ax is None else jnp.take(a, i, axis=ax)
 
     def body(x, r, g):
-        xa, ra, ga = x[0], r, g
-        if in_axes[0] is None:
-            xa = xa[0]
-        if in_axes[1] is None:
-            ra = ra[0]
-        if in_axes[2] is None:
-            ga = ga[0]
+        # an argument that is not mapped is its first element
+        xa, ra, ga = (a[0] if ax is None else a for a, ax in zip((x[0], r, g), in_axes))
         if in_axes == (1, 1, None):
             xa, ra = jnp.swapaxes(xa, 0, 1), jnp.swapaxes(ra, 0, 1)
         got = jax.vmap(one, in_axes=in_axes)(xa, ra, ga)
