@@ -592,30 +592,22 @@ def test_jit_scale_is_an_operand():
 def test_quantize_for_pattern():
     y = jax.ShapeDtypeStruct((3, 64), jnp.bfloat16)
     one = jax.ShapeDtypeStruct((1,), jnp.float32)
-
-    def shapes(pattern, **kw):
+    e4m3, fp4 = ((3, 64), "float8_e4m3fn"), ((3, 32), "uint8")
+    cases = [  # (pattern, options, (quant_out, scale_out) as (shape, dtype))
+        (P.kARResidualRMSNorm, {}, (None, None)),
+        (P.kAllReduce, {}, (None, None)),
+        (P.kARResidualRMSNormOutFP8Quant, {}, (e4m3, None)),
+        (P.kARResidualRMSNormFP4Quant, {"layout": 2}, (fp4, ((3, 4), "float8_e4m3fn"))),
+        (P.kARResidualRMSNormOutFP4Quant, {}, (fp4, ((128, 4), "float8_e4m3fn"))),
+        (P.kARResidualRMSNormDynamicFP8Quant, {}, (e4m3, ((3, 1), "float32"))),
+        (9, {"group_size": 32}, (e4m3, ((1, 4), "int32"))),
+        (8, {"group_size": 16}, (e4m3, ((1, 4), "int32"))),
+    ]
+    for pattern, kw, want in cases:
         out = jax.eval_shape(
             lambda y, s: Q.quantize_for_pattern(y, pattern, scale_factor=s, **kw), y, one
         )
-        return jax.tree.map(lambda a: (a.shape, a.dtype.name), out)
-
-    assert shapes(P.kARResidualRMSNorm) == (None, None)
-    assert shapes(P.kAllReduce) == (None, None)
-    assert shapes(P.kARResidualRMSNormOutFP8Quant) == (((3, 64), "float8_e4m3fn"), None)
-    assert shapes(P.kARResidualRMSNormFP4Quant, layout=2) == (
-        ((3, 32), "uint8"),
-        ((3, 4), "float8_e4m3fn"),
-    )
-    assert shapes(P.kARResidualRMSNormOutFP4Quant) == (
-        ((3, 32), "uint8"),
-        ((128, 4), "float8_e4m3fn"),
-    )
-    assert shapes(P.kARResidualRMSNormDynamicFP8Quant) == (
-        ((3, 64), "float8_e4m3fn"),
-        ((3, 1), "float32"),
-    )
-    assert shapes(9, group_size=32) == (((3, 64), "float8_e4m3fn"), ((1, 4), "int32"))
-    assert shapes(8, group_size=16) == (((3, 64), "float8_e4m3fn"), ((1, 4), "int32"))
+        assert jax.tree.map(lambda a: (a.shape, a.dtype.name), out) == want, pattern
 
 
 def test_bad_inputs_raise():
