@@ -243,12 +243,12 @@ def test_vmap_folds_into_one_call_or_maps():
     def one(x, r, g):
         return pattern_call(ws, 1, x, r, g, {})[1:3]
 
-    def run(in_axes, g_arg):
+    def run(in_axes):
         return sharded(mesh, lambda x, r, g: jax.vmap(one, in_axes=in_axes)(x[0], r, g), 2)
 
-    assert count_calls(run((0, 0, None), g), x, r, g) == (1, False)
-    assert count_calls(run((0, None, None), g), x, r[0], g) == (1, False)
-    assert count_calls(run((0, 0, 0), gs), x, r, gs) == (1, True)
+    assert count_calls(run((0, 0, None)), x, r, g) == (1, False)
+    assert count_calls(run((0, None, None)), x, r[0], g) == (1, False)
+    assert count_calls(run((0, 0, 0)), x, r, gs) == (1, True)
 
 
 @pytest.mark.slow
