@@ -15,23 +15,19 @@ test_torch.py, test_anchor.py)."""
 
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
-import jax_fusedar as jf
 from jax_fusedar.common.limits import SUPPORTED_WORLD_SIZES
+from tests.jax.test_fallback_numerics import op_and_users_program
 from tests.jax.cpu_helpers import (
     DTYPES,
     RMS_EPS,
     bits,
     jdtype,
-    make_mesh,
     new_rng,
     partials_of_kind,
     random_gamma,
     random_values,
     require_host_devices,
-    run_sharded,
-    xla_workspace,
 )
 from tests.oracles import oracle
 
@@ -72,14 +68,10 @@ def test_bound_holds_on_the_kernels_additions(world, fp32_acc, dtype):
         residual = random_values(rng, (64, 512), dtype)
         s = emulate_kernel_sum(list(xs), dtype, fp32_acc=fp32_acc)
         r = emulate_residual(s, residual, dtype)
-        s64 = np.sum(xs.astype(np.float64), axis=0)
-        ratio_s = oracle.bound_ratio(s, s64, oracle.sum_error_bound(xs, dtype, fp32_acc=fp32_acc))
-        ratio_r = oracle.bound_ratio(
-            r,
-            s64 + residual.astype(np.float64),
-            oracle.residual_error_bound(xs, residual, dtype, fp32_acc=fp32_acc),
+        errs = oracle.accumulation_errors(
+            xs, residual, allreduce_out=s, residual_out=r, fp32_acc=fp32_acc, dtype_name=dtype
         )
-        assert ratio_s <= 1.0 and ratio_r <= 1.0, (kind, ratio_s, ratio_r)
+        assert errs["allreduce_bound"] <= 1.0 and errs["residual_bound"] <= 1.0, (kind, errs)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -110,39 +102,6 @@ def test_a_bound_one_rounding_short_is_exceeded():
     assert oracle.bound_ratio(s, s64, short) > 1.0
 
 
-def _fused_on_cpu(world, dtype, fp32_acc, xs, residual, gamma, weight_bias):
-    mesh = make_mesh((world,), ("tp",))
-    tokens, hidden = residual.shape
-    ws = xla_workspace(mesh, dtype, max_token_num=tokens, hidden_dim=hidden)
-
-    def body(x, r, g):
-        o = jf.allreduce_fusion(
-            x,
-            axis_name="tp",
-            workspace=ws,
-            residual=r,
-            rms_gamma=g,
-            weight_bias=weight_bias,
-            fp32_acc=fp32_acc,
-            rms_eps=RMS_EPS,
-            fallback="kernel_exact",
-        )
-        a = jf.allreduce_fusion(
-            x,
-            axis_name="tp",
-            workspace=ws,
-            fp32_acc=fp32_acc,
-            pattern=jf.AllReduceFusionPattern.kAllReduce,
-            fallback="kernel_exact",
-        )
-        return a.allreduce_out, o.residual_out, o.norm_out
-
-    outs = run_sharded(
-        body, mesh, (P("tp"), P(), P()), (P(), P(), P()), xs.reshape(-1, hidden), residual, gamma
-    )
-    return [np.asarray(o) for o in outs]
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fp32_acc", [True, False], ids=["fp32_acc", "no_fp32_acc"])
 @pytest.mark.parametrize("world", [4, 8])
@@ -152,26 +111,24 @@ def test_reference_path_within_the_bound(world, fp32_acc, dtype):
         xs = partials_of_kind(kind, rng, world, (16, 256), dtype)
         residual = random_values(rng, (16, 256), dtype)
         gamma = random_gamma(rng, 256, dtype)
-        ar, res, norm = _fused_on_cpu(world, dtype, fp32_acc, xs, residual, gamma, 1.0)
-        s64 = np.sum(xs.astype(np.float64), axis=0)
-        where = (kind, world, dtype, fp32_acc)
-        assert (
-            oracle.bound_ratio(ar, s64, oracle.sum_error_bound(xs, dtype, fp32_acc=fp32_acc)) <= 1.0
-        ), where
-        assert (
-            oracle.bound_ratio(
-                res,
-                s64 + residual.astype(np.float64),
-                oracle.residual_error_bound(xs, residual, dtype, fp32_acc=fp32_acc),
-            )
-            <= 1.0
-        ), where
-        assert (
-            oracle.norm_error_given_residual_ulps(
-                norm, res, gamma, rms_eps=RMS_EPS, weight_bias=1.0, dtype_name=dtype
-            )
-            <= oracle.NORM_GIVEN_RESIDUAL_ULPS[dtype]
-        ), where
+        ar, res, norm = op_and_users_program(
+            world, dtype, xs, residual, gamma, 1.0, fp32_acc=fp32_acc, fallback="kernel_exact"
+        )[:3]
+        errs = oracle.accumulation_errors(
+            xs,
+            residual,
+            gamma,
+            allreduce_out=ar,
+            residual_out=res,
+            norm_out=norm,
+            fp32_acc=fp32_acc,
+            rms_eps=RMS_EPS,
+            weight_bias=1.0,
+            dtype_name=dtype,
+        )
+        where = (kind, world, dtype, fp32_acc, errs)
+        assert errs["allreduce_bound"] <= 1.0 and errs["residual_bound"] <= 1.0, where
+        assert errs["norm_own"] <= oracle.NORM_GIVEN_RESIDUAL_ULPS[dtype], where
         if not fp32_acc and dtype != "float32":
             # Every rounding where the kernel rounds (fp32_acc=True and float32 sum in psum's
             # order, which the API leaves open).

@@ -180,14 +180,15 @@ def loss_fn(mesh, combine, variant="plain", check_vma=True):
     return loss
 
 
-def fused_and_unfused(transform, mesh, dtype, variant="plain", check_vma=True, **kw):
-    """``jit(transform(loss))`` of the fused and the unfused MLP (``kw`` to both combines) at
-    fresh parameters: (fused result, unfused result)."""
+def fused_and_unfused(transform, mesh, dtype, variant="plain", check_vma=True, unfused=None, **kw):
+    """``jit(transform(loss))`` of the fused and the unfused MLP (``kw`` to both combines;
+    ``unfused`` replaces unfused_combine) at fresh parameters: (fused result, unfused one)."""
     params, target = mlp_params(new_rng(), dtype)
     params = placed(mesh, params)
+    unfused = unfused or unfused_combine(**kw)
     return tuple(
         jax.jit(transform(loss_fn(mesh, combine, variant, check_vma)))(params, target)
-        for combine in (fused_combine(xla_workspace(mesh, dtype), **kw), unfused_combine(**kw))
+        for combine in (fused_combine(xla_workspace(mesh, dtype), **kw), unfused)
     )
 
 
@@ -212,12 +213,9 @@ def test_mlp_gradients_equal_the_unfused_model(dtype, mesh_shape):
 def test_float32_gradients_equal_plain_jnp_psum_and_rmsnorm():
     """In float32 the reference's roundings are identities: the fused op's gradients equal
     those of the model written with jax.lax.psum and jnp alone, bit for bit."""
-    mesh = tp_mesh()
-    ws = xla_workspace(mesh, "float32")
-    params, target = mlp_params(new_rng(), "float32")
-    params = placed(mesh, params)
-    got = jax.jit(jax.value_and_grad(loss_fn(mesh, fused_combine(ws))))(params, target)
-    want = jax.jit(jax.value_and_grad(loss_fn(mesh, plain_jnp_combine())))(params, target)
+    got, want = fused_and_unfused(
+        jax.value_and_grad, tp_mesh(), "float32", unfused=plain_jnp_combine()
+    )
     assert_same_bits(got, want, "float32 grad vs plain jnp")
 
 
@@ -396,9 +394,8 @@ def test_quantized_patterns_differentiate_norm_out_and_not_the_codes(pattern, kw
             jnp.cos(outs[1].astype(jnp.float32))
         )
 
-    g = jax.jit(jax.grad(lambda *a: loss(f(*a)), argnums=(0, 1, 2)))(*args)
-    g_ref = jax.jit(jax.grad(lambda *a: loss(ref(*a)), argnums=(0, 1, 2)))(*args)
-    assert_same_bits(g, g_ref, f"pattern {int(pattern)} grad through residual/norm_out")
+    grad = lambda fn: jax.jit(jax.grad(lambda *a: loss(fn(*a)), argnums=(0, 1, 2)))(*args)
+    assert_same_bits(grad(f), grad(ref), f"pattern {int(pattern)} grad through residual/norm_out")
 
     def through_codes(*a):
         return sum(jnp.sum(o.astype(jnp.float32)) for o in f(*a)[2:])
@@ -427,24 +424,17 @@ def test_per_rank_residual_tangents_stay_per_rank():
     r = put(mesh, P("tp"), random_values(rng, (8 * TOKENS, HIDDEN), "float32"))
     g = put(mesh, P(), random_gamma(rng, HIDDEN, "float32"))
     dx = put(mesh, P("tp"), random_values(rng, (8 * TOKENS, HIDDEN), "float32"))
-    got = jax.jit(lambda x, dx: jax.jvp(lambda x: f(x, r, g), (x,), (dx,)))(x, dx)
-
-    def ref_body(x, r, g):
-        return unfused_combine()(x, r, g)
-
     ref = jax.shard_map(
-        ref_body, mesh=mesh, in_specs=(P("tp"), P("tp"), P()), out_specs=(P("tp"), P("tp"))
+        unfused_combine(), mesh=mesh, in_specs=(P("tp"), P("tp"), P()), out_specs=(P("tp"),) * 2
     )
-    want = jax.jit(lambda x, dx: jax.jvp(lambda x: ref(x, r, g), (x,), (dx,)))(x, dx)
-    assert_same_bits(got, want, "per-rank residual jvp")
-    # and reverse mode, through both outputs
-    gr = jax.jit(
-        jax.grad(lambda x, r: sum(jnp.sum(jnp.sin(o)) for o in f(x, r, g)), argnums=(0, 1))
-    )(x, r)
-    gw = jax.jit(
-        jax.grad(lambda x, r: sum(jnp.sum(jnp.sin(o)) for o in ref(x, r, g)), argnums=(0, 1))
-    )(x, r)
-    assert_same_bits(gr, gw, "per-rank residual grad")
+
+    def jvp_and_grad(fn):
+        """The jvp in x, and reverse mode through both outputs."""
+        jvp = jax.jit(lambda x, dx: jax.jvp(lambda x: fn(x, r, g), (x,), (dx,)))(x, dx)
+        loss = lambda x, r: sum(jnp.sum(jnp.sin(o)) for o in fn(x, r, g))
+        return jvp, jax.jit(jax.grad(loss, argnums=(0, 1)))(x, r)
+
+    assert_same_bits(jvp_and_grad(f), jvp_and_grad(ref), "per-rank residual jvp and grad")
 
 
 def test_reference_round_to_derivative_is_the_rounding():

@@ -159,19 +159,28 @@ def test_at_two_ranks_the_bound_is_the_kernels():
 # --- the op on CPU ----------------------------------------------------------------------------
 
 
-def _op_and_users_program(world, dtype, xs, residual, gamma):
-    """allreduce_fusion with the default fallback, and what the user would have written (a
-    psum in x's dtype and the residual add), in one program on the same mesh."""
+def op_and_users_program(world, dtype, xs, residual, gamma, weight_bias=0.0, **kw):
+    """allreduce_fusion (pattern 1 and pattern 0; ``kw`` to both calls, default fallback
+    unless given), and what the user would have written (a psum in x's dtype and the
+    residual add), in one program on the same mesh: numpy (allreduce_out, residual_out,
+    norm_out, user's sum, user's sum + residual)."""
     mesh = make_mesh((world,), ("tp",))
     tokens, hidden = residual.shape
     ws = xla_workspace(mesh, dtype, max_token_num=tokens, hidden_dim=hidden)
 
     def body(x, r, g):
         o = jf.allreduce_fusion(
-            x, axis_name="tp", workspace=ws, residual=r, rms_gamma=g, rms_eps=RMS_EPS
+            x,
+            axis_name="tp",
+            workspace=ws,
+            residual=r,
+            rms_gamma=g,
+            rms_eps=RMS_EPS,
+            weight_bias=weight_bias,
+            **kw,
         )
         a = jf.allreduce_fusion(
-            x, axis_name="tp", workspace=ws, pattern=jf.AllReduceFusionPattern.kAllReduce
+            x, axis_name="tp", workspace=ws, pattern=jf.AllReduceFusionPattern.kAllReduce, **kw
         )
         s = jax.lax.psum(x, "tp")
         return a.allreduce_out, o.residual_out, o.norm_out, s, s + r
@@ -190,7 +199,7 @@ def test_the_op_falls_back_to_the_users_psum_within_the_bound(world, dtype):
         xs = inputs(kind, rng, world, (16, 256), dtype)
         residual = random_values(rng, (16, 256), dtype)
         gamma = random_gamma(rng, 256, dtype)
-        ar, res, norm, user_s, user_r = _op_and_users_program(world, dtype, xs, residual, gamma)
+        ar, res, norm, user_s, user_r = op_and_users_program(world, dtype, xs, residual, gamma)
         where = (kind, world, dtype)
         # The user's collective, in the same program: the same bits.
         assert np.array_equal(bits(ar), bits(user_s)), where
@@ -200,12 +209,10 @@ def test_the_op_falls_back_to_the_users_psum_within_the_bound(world, dtype):
         assert oracle.bound_ratio(ar, s64, bound) <= 1.0, where
         r_bound = oracle.residual_error_bound(xs, residual, dtype, sum_bound=bound)
         assert oracle.bound_ratio(res, s64 + residual.astype(np.float64), r_bound) <= 1.0, where
-        assert (
-            oracle.norm_error_given_residual_ulps(
-                norm, res, gamma, rms_eps=RMS_EPS, weight_bias=0.0, dtype_name=dtype
-            )
-            <= oracle.NORM_GIVEN_RESIDUAL_ULPS[dtype]
-        ), where
+        norm_own = oracle.norm_error_given_residual_ulps(
+            norm, res, gamma, rms_eps=RMS_EPS, weight_bias=0.0, dtype_name=dtype
+        )
+        assert norm_own <= oracle.NORM_GIVEN_RESIDUAL_ULPS[dtype], where
 
 
 # --- fuse on the fallback: the original program, bit for bit ----------------------------------

@@ -28,6 +28,10 @@ require_host_devices()
 pytestmark = [pytest.mark.usefixtures("hermetic"), pytest.mark.oldest]
 EPS = 1e-6
 BF = jnp.bfloat16
+# finalize_fn's (permuted, idx, residual, gamma, scale): rows and index maps per rank
+SPECS = (P("tp"), P("tp"), P(), P(), P())
+# three per-rank inputs, then the replicated residual and gamma
+RANKED3 = (P("tp"),) * 3 + (P(), P())
 
 
 def workspace(world, dtype, *, tokens, hidden, backend=None):
@@ -72,67 +76,63 @@ def check_oracle_bounds(outs, exact, case, world, dtype, weight_bias):
     return errs
 
 
-def run_finalize(ws, case, *, use_scale=True, use_shared=True, routed=1.0, weight_bias=0.0):
-    world = ws.world_size
-    mesh = ws.mesh
-    permuted = stack_padded(case["permuted"])
-    idx = np.stack(case["idx"])
-    shared = np.stack(case["shared"])
+def finalize_fn(ws, **kw):
+    """(permuted, idx, residual, gamma, scale[, shared]) -> (residual_out, norm_out) of one
+    finalize call on this rank's inputs; ``kw`` go to the call."""
 
-    def body(permuted, idx, shared, residual, gamma):
+    def body(permuted, idx, residual, gamma, scale, shared=None):
         out = jf.moe_finalize_allreduce_fusion(
-            permuted[0],
-            idx[0],
+            permuted,
+            idx,
             axis_name="tp",
             workspace=ws,
             residual=residual,
             rms_gamma=gamma,
-            expert_scale_factor=case["scale"] if use_scale else None,
-            shared_expert_output=shared[0] if use_shared else None,
-            routed_scaling_factor=routed,
+            expert_scale_factor=scale,
+            shared_expert_output=shared,
             rms_eps=EPS,
-            weight_bias=weight_bias,
-            fallback="kernel_exact",  # the kernel's rank-order sum, checked bit for bit
+            **kw,
         )
         assert out.allreduce_out is None
         return out.residual_out, out.norm_out
 
-    specs = (P("tp"), P("tp"), P("tp"), P(), P())
-    args = (permuted, idx, shared, case["residual"], case["gamma"])
-    return [np.asarray(o) for o in run_sharded(body, mesh, specs, (P(), P()), *args)], world
+    return body
 
 
 def check_finalize(
     ws, case, dtype, *, use_scale=True, use_shared=True, routed=1.0, weight_bias=0.0
 ):
-    """Runs the finalize call on ``ws`` (run_finalize) and checks its outputs."""
-    outs, world = run_finalize(
-        ws, case, use_scale=use_scale, use_shared=use_shared, routed=routed, weight_bias=weight_bias
-    )
+    """Runs the finalize call on ``ws`` and checks its outputs: bit for bit the rows before
+    the norm at the kernel's rounding points, and within the float64 oracle's bounds."""
+    world = ws.world_size
     scale = case["scale"] if use_scale else None
-    # Bitwise: the rows before the norm, at the kernel's rounding points.
+    shared = [case["shared"][r] if use_shared else None for r in range(world)]
+    # The kernel's rank-order sum, checked bit for bit.
+    call = finalize_fn(
+        ws, routed_scaling_factor=routed, weight_bias=weight_bias, fallback="kernel_exact"
+    )
+
+    def body(permuted, idx, shared, residual, gamma):
+        return call(permuted[0], idx[0], residual, gamma, scale, shared[0] if use_shared else None)
+
+    args = (
+        stack_padded(case["permuted"]),
+        np.stack(case["idx"]),
+        np.stack(case["shared"]),
+        case["residual"],
+        case["gamma"],
+    )
+    outs = [np.asarray(o) for o in run_sharded(body, ws.mesh, RANKED3, (P(), P()), *args)]
     local = [
         mo.finalize_local_rounded(
-            case["permuted"][r],
-            case["idx"][r],
-            dtype,
-            scale=scale,
-            shared=case["shared"][r] if use_shared else None,
-            routed=routed,
+            case["permuted"][r], case["idx"][r], dtype, scale=scale, shared=shared[r], routed=routed
         )
         for r in range(world)
     ]
     _, residual_out = mo.epilogue_rounded(local, case["residual"], dtype)
     np.testing.assert_array_equal(outs[0].view(np.uint16), residual_out.view(np.uint16))
-    # Bounds of the float64 oracle.
     exact = [
-        mo.finalize_local64(
-            case["permuted"][r],
-            case["idx"][r],
-            scale,
-            case["shared"][r] if use_shared else None,
-            routed,
-        )
+        mo.finalize_local64(case["permuted"][r], case["idx"][r], scale, shared[r], routed)
         for r in range(world)
     ]
     return check_oracle_bounds(outs, exact, case, world, dtype, weight_bias)
@@ -204,7 +204,6 @@ def run_reduction(ws, case, *, return_allreduce_out=True, fallback="kernel_exact
         assert (out.allreduce_out is None) is not return_allreduce_out
         return out[1:] + out[:1] if return_allreduce_out else out[1:]
 
-    specs = (P("tp"), P("tp"), P("tp"), P(), P())
     n_out = 3 if return_allreduce_out else 2
     args = (
         np.stack(case["expert_outputs"]),
@@ -213,7 +212,7 @@ def run_reduction(ws, case, *, return_allreduce_out=True, fallback="kernel_exact
         case["residual"],
         case["gamma"],
     )
-    return [np.asarray(o) for o in run_sharded(body, mesh, specs, (P(),) * n_out, *args)]
+    return [np.asarray(o) for o in run_sharded(body, mesh, RANKED3, (P(),) * n_out, *args)]
 
 
 @pytest.mark.slow
@@ -268,24 +267,6 @@ def test_reduction_without_allreduce_out():
 # --- transformations ---------------------------------------------------------------------------
 
 
-def finalize_fn(ws, **kw):
-    def body(permuted, idx, residual, gamma, scale):
-        out = jf.moe_finalize_allreduce_fusion(
-            permuted,
-            idx,
-            axis_name="tp",
-            workspace=ws,
-            residual=residual,
-            rms_gamma=gamma,
-            expert_scale_factor=scale,
-            rms_eps=EPS,
-            **kw,
-        )
-        return out.residual_out, out.norm_out
-
-    return body
-
-
 def test_vmap_and_nd_equal_per_element_calls():
     world, dtype, hidden, tokens, top_k = 2, "bfloat16", 256, 3, 2
     rng = np.random.default_rng(7)
@@ -305,7 +286,6 @@ def test_vmap_and_nd_equal_per_element_calls():
     ws = workspace(world, dtype, tokens=3 * tokens, hidden=hidden)
     body = finalize_fn(ws)
     mesh = ws.mesh
-    specs = (P("tp"), P("tp"), P(), P(), P())
 
     def batched(permuted, idx, residual, gamma, scale):
         return jax.vmap(body, in_axes=(0, 0, 0, None, 0))(
@@ -316,8 +296,8 @@ def test_vmap_and_nd_equal_per_element_calls():
         outs = [body(permuted[0, b], idx[0, b], residual[b], gamma, scale[b]) for b in range(3)]
         return tuple(jnp.stack(o) for o in zip(*outs))
 
-    args = [put(mesh, s, a) for s, a in zip(specs, (permuted, idx, residual, gamma, scale))]
-    run = lambda f: jit_shard_map(f, mesh, specs, (P(), P()))(*args)  # noqa: E731
+    args = [put(mesh, s, a) for s, a in zip(SPECS, (permuted, idx, residual, gamma, scale))]
+    run = lambda f: jit_shard_map(f, mesh, SPECS, (P(), P()))(*args)  # noqa: E731
     for a, b in zip(run(batched), run(looped)):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
 
@@ -333,7 +313,6 @@ def test_grad_equals_grad_of_the_reference():
     idx = np.stack(case["idx"])
     ws = workspace(world, dtype, tokens=4, hidden=hidden)
     mesh = ws.mesh
-    specs = (P("tp"), P("tp"), P(), P(), P())
 
     def loss_fused(permuted, idx, residual, gamma, scale):
         r, n = finalize_fn(ws)(permuted[0], idx[0], residual, gamma, scale)
@@ -353,7 +332,7 @@ def test_grad_equals_grad_of_the_reference():
 
     args = [
         put(mesh, s, a)
-        for s, a in zip(specs, (permuted, idx, case["residual"], case["gamma"], case["scale"]))
+        for s, a in zip(SPECS, (permuted, idx, case["residual"], case["gamma"], case["scale"]))
     ]
 
     def grads(loss):
@@ -363,7 +342,7 @@ def test_grad_equals_grad_of_the_reference():
                 jax.lax.psum(x, "tp") if k > 0 else x for k, x in enumerate(g(p, r, gm, s, i))
             ),
             mesh=mesh,
-            in_specs=specs,
+            in_specs=SPECS,
             out_specs=(P("tp"), P(), P(), P()),
         )
         return jax.jit(f)(*args)
@@ -376,30 +355,36 @@ def test_grad_equals_grad_of_the_reference():
 # --- the cuda lowering (kernel decision, custom call) on this GPU-less machine -----------------
 
 
+def abstract_finalize_args(hidden, tokens=16, batch=()):
+    """finalize_fn's arguments on 2 ranks as shapes: 40 permuted rows per rank, top-8
+    routing, bfloat16 rows; ``batch`` leading dims on all but gamma."""
+    sds = jax.ShapeDtypeStruct
+    return (
+        sds((2, *batch, 40, hidden), BF),
+        sds((2, *batch, tokens, 8), jnp.int32),
+        sds((*batch, tokens, hidden), BF),
+        sds((hidden,), BF),
+        sds((*batch, tokens, 8), BF),
+    )
+
+
 @pytest.mark.parametrize("hidden,kernel", [(7168, True), (4096, True), (2880, False)])
 def test_cuda_lowering_uses_the_moe_custom_call(hidden, kernel):
     ws = workspace(2, "bfloat16", tokens=16, hidden=hidden, backend="trtllm")
-    specs = (P("tp"), P("tp"), P(), P(), P())
-    idx = jax.ShapeDtypeStruct((2, 16, 8), jnp.int32)
-    permuted = jax.ShapeDtypeStruct((2, 40, hidden), jnp.bfloat16)
-    row = jax.ShapeDtypeStruct((16, hidden), jnp.bfloat16)
-    gamma = jax.ShapeDtypeStruct((hidden,), jnp.bfloat16)
-    scale = jax.ShapeDtypeStruct((16, 8), jnp.bfloat16)
+    args = abstract_finalize_args(hidden)
 
     def body(permuted, idx, residual, gamma, scale):
         return finalize_fn(ws, strict=False)(permuted[0], idx[0], residual, gamma, scale)
 
-    f = jit_shard_map(body, ws.mesh, specs, (P(), P()))
-    text = cuda_text(f, permuted, idx, row, gamma, scale)
+    f = jit_shard_map(body, ws.mesh, SPECS, (P(), P()))
+    text = cuda_text(f, *args)
     assert (moe.FFI_TARGET in text) == kernel
     if kernel:
         assert "has_expert_scale = true" in text and "has_shared_expert = false" in text
     else:
         strict = lambda *a: finalize_fn(ws, strict=True)(a[0][0], a[1][0], *a[2:])  # noqa: E731
         with pytest.raises(ValueError, match="multiple of 256"):
-            jit_shard_map(strict, ws.mesh, specs, (P(), P())).trace(
-                permuted, idx, row, gamma, scale
-            )
+            jit_shard_map(strict, ws.mesh, SPECS, (P(), P())).trace(*args)
 
 
 def test_vmap_beyond_the_workspace_maps_onto_the_kernel():
@@ -408,11 +393,6 @@ def test_vmap_beyond_the_workspace_maps_onto_the_kernel():
     # for the dense op; the fold would leave the kernel for psum + RMSNorm.
     tokens, hidden, batch = 16, 256, 3
     ws = workspace(2, "bfloat16", tokens=tokens, hidden=hidden, backend="trtllm")
-    idx = jax.ShapeDtypeStruct((2, batch, tokens, 8), jnp.int32)
-    permuted = jax.ShapeDtypeStruct((2, batch, 40, hidden), jnp.bfloat16)
-    rows = jax.ShapeDtypeStruct((batch, tokens, hidden), jnp.bfloat16)
-    gamma = jax.ShapeDtypeStruct((hidden,), jnp.bfloat16)
-    scale = jax.ShapeDtypeStruct((batch, tokens, 8), jnp.bfloat16)
 
     def body(permuted, idx, residual, gamma, scale):
         one = finalize_fn(ws, strict=True)
@@ -420,8 +400,8 @@ def test_vmap_beyond_the_workspace_maps_onto_the_kernel():
             permuted[0], idx[0], residual, gamma, scale
         )
 
-    f = jit_shard_map(body, ws.mesh, (P("tp"), P("tp"), P(), P(), P()), (P(), P()))
-    text = cuda_text(f, permuted, idx, rows, gamma, scale)
+    f = jit_shard_map(body, ws.mesh, SPECS, (P(), P()))
+    text = cuda_text(f, *abstract_finalize_args(hidden, tokens, (batch,)))
     assert moe.FFI_TARGET in text and "while" in text  # the kernel, in a loop over elements
 
 

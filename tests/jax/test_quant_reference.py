@@ -107,6 +107,44 @@ def f32(x):
     return jnp.asarray(np.asarray(x, dtype=np.float32))
 
 
+def assert_dynamic_matches(y, q, s, msg, division="ieee"):
+    """Dynamic FP8 codes ``q`` and row scales ``s`` of y (scales bit for bit) are the
+    oracle's; returns the oracle's scales."""
+    wq, ws = O.fp8_dynamic(y, division)
+    np.testing.assert_array_equal(np.asarray(s).view(np.uint32), ws.view(np.uint32), err_msg=msg)
+    assert_e4m3_equal(bytes_of(q), wq, msg)
+    return ws
+
+
+def assert_group_matches(y, g, msg):
+    """Group FP8 of y with group size g is the oracle's: codes and packed scale words."""
+    q, buf = _group(jnp.asarray(y), g)
+    wq, wbuf = O.fp8_group(y, g)
+    assert buf.dtype == jnp.int32 and buf.shape == wbuf.shape
+    assert_e4m3_equal(bytes_of(q), wq, f"group fp8 g={g} {msg}")
+    np.testing.assert_array_equal(np.asarray(buf), wbuf, err_msg=f"group scales g={g} {msg}")
+    return buf
+
+
+def assert_nvfp4_layouts_match(y, gs32, msg):
+    """NVFP4 of y at global scale gs32 in both scale layouts is the oracle's: the codes,
+    every scale byte written and (our documented fill) zeros in the padding."""
+    M, H = y.shape
+    wp, wsf = O.nvfp4(y, float(gs32))
+    both = _nvfp4_both(jnp.asarray(y), f32(np.full((1,), gs32)))
+    for layout in (0, 2):
+        packed, sf = both[layout]
+        assert packed.dtype == jnp.uint8 and packed.shape == (M, H // 2)
+        assert sf.dtype == jnp.float8_e4m3fn
+        assert sf.shape == quant_layouts.nvfp4_scale_shape(M, H, layout)
+        np.testing.assert_array_equal(np.asarray(packed), wp, err_msg=f"nvfp4 values {msg}")
+        buf, written = O.nvfp4_scale_buffer(wsf, H, layout)
+        assert sf.size == quant_layouts.nvfp4_scale_buffer_size(M, H, layout) == buf.size
+        got = bytes_of(sf).reshape(-1)
+        assert_e4m3_equal(got[written], buf[written], f"nvfp4 scales layout={layout} {msg}")
+        assert not got[~written].any()
+
+
 _static = jax.jit(Q.quantize_fp8_static)
 _dynamic = jax.jit(Q.quantize_fp8_dynamic)
 _group = jax.jit(Q.quantize_fp8_group, static_argnums=1)
@@ -167,12 +205,8 @@ def test_fp8_dynamic_matches_oracle(dtype, M, H):
     seed = fresh_seed()
     y = make_y(np.random.default_rng(seed), M, H, dtype)
     q, s = _dynamic(jnp.asarray(y))
-    wq, ws = O.fp8_dynamic(y)
     assert s.shape == (M, 1) and s.dtype == jnp.float32 and q.dtype == jnp.float8_e4m3fn
-    np.testing.assert_array_equal(
-        np.asarray(s).view(np.uint32), ws.view(np.uint32), err_msg=f"dynamic scale seed={seed}"
-    )
-    assert_e4m3_equal(bytes_of(q), wq, f"dynamic fp8 seed={seed}")
+    assert_dynamic_matches(y, q, s, f"dynamic seed={seed}")
     if M >= 3:  # the all-zero row gets the minimum scale 2^-9/448 and zeros
         assert np.asarray(s)[0, 0] == np.float32(2.0**-9) / np.float32(448)
         assert not bytes_of(q)[0].any()
@@ -184,14 +218,8 @@ def test_fp8_group_matches_oracle(dtype, M, H):
     seed, rng = seeded()
     y = make_y(rng, M, H, dtype)
     for g in _groups(H, dtype, rng):
-        q, buf = _group(jnp.asarray(y), g)
-        wq, wbuf = O.fp8_group(y, g)
-        assert buf.dtype == jnp.int32
-        assert buf.shape == quant_layouts.group_scale_buffer_shape(M, H, g) == wbuf.shape
-        assert_e4m3_equal(bytes_of(q), wq, f"group fp8 g={g} seed={seed}")
-        np.testing.assert_array_equal(
-            np.asarray(buf), wbuf, err_msg=f"group scales g={g} seed={seed}"
-        )
+        buf = assert_group_matches(y, g, f"seed={seed}")
+        assert buf.shape == quant_layouts.group_scale_buffer_shape(M, H, g)
         # the exponents, unpacked, are the oracle's powers of two
         s = np.asarray(_unpack(buf, M, H, g))
         assert np.all(s >= 2.0**-33) and np.all(np.log2(s) == np.round(np.log2(s))), seed
@@ -212,23 +240,7 @@ def test_nvfp4_matches_oracle(dtype, M, H):
         gss += [1e-30, 1e30]  # all SF zero / all saturated
     for gs in gss:
         gs32 = np.float32(gs)
-        wp, wsf = O.nvfp4(y, float(gs32))
-        both = _nvfp4_both(jnp.asarray(y), f32(np.full((1,), gs32)))
-        for layout in (0, 2):
-            packed, sf = both[layout]
-            assert packed.dtype == jnp.uint8 and packed.shape == (M, H // 2)
-            assert sf.dtype == jnp.float8_e4m3fn
-            assert sf.shape == quant_layouts.nvfp4_scale_shape(M, H, layout)
-            np.testing.assert_array_equal(
-                np.asarray(packed), wp, err_msg=f"nvfp4 values gs={gs32!r} seed={seed}"
-            )
-            buf, written = O.nvfp4_scale_buffer(wsf, H, layout)
-            assert sf.size == quant_layouts.nvfp4_scale_buffer_size(M, H, layout) == buf.size
-            got = bytes_of(sf).reshape(-1)
-            assert_e4m3_equal(
-                got[written], buf[written], f"nvfp4 scales layout={layout} gs={gs32!r} seed={seed}"
-            )
-            assert not got[~written].any()  # our documented fill for the padding: zeros
+        assert_nvfp4_layouts_match(y, gs32, f"gs={gs32!r} seed={seed}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -257,11 +269,7 @@ def test_reciprocal_division_mode(dtype, M, H):
     y = make_y(rng, M, H, dtype)
     yj = jnp.asarray(y)
     q, s = jax.jit(lambda y: Q.quantize_fp8_dynamic(y, division="reciprocal"))(yj)
-    wq, ws = O.fp8_dynamic(y, "reciprocal")
-    np.testing.assert_array_equal(
-        np.asarray(s).view(np.uint32), ws.view(np.uint32), err_msg=f"seed={seed}"
-    )
-    assert_e4m3_equal(bytes_of(q), wq, f"dynamic reciprocal seed={seed}")
+    ws = assert_dynamic_matches(y, q, s, f"dynamic reciprocal seed={seed}", "reciprocal")
     _, ws_ieee = O.fp8_dynamic(y, "ieee")
     assert (ws != ws_ieee).any() or M < 50, f"seed={seed}"
     for gs in (3.0 * 2.0 ** int(rng.integers(-3, 4)), float(np.float32(rng.uniform(1, 100)))):
@@ -338,32 +346,25 @@ def test_nvfp4_operation_order(dtype):
 # ----------------------------------------------------------------------------- specials
 
 
+def assert_fp8_paths_match(y, scale, groups, seed):
+    """Static FP8 at ``scale``, dynamic, and group FP8 for each of ``groups`` (only 32 takes
+    the warp-shuffle max) of y are the oracle's."""
+    yj = jnp.asarray(y)
+    want = O.fp8_static(y, float(np.float32(scale)))
+    assert_e4m3_equal(bytes_of(_static(yj, f32(scale))), want, f"static seed={seed}")
+    assert_dynamic_matches(y, *_dynamic(yj), f"dynamic seed={seed}")
+    for g in groups:
+        assert Q.group_uses_warp_shuffle(g, y.dtype) == (g == 32)
+        assert_group_matches(y, g, f"seed={seed}")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_nan_inf_semantics(dtype):
     seed, rng = seeded()
-    M, H = 17, 96
-    y = make_y(rng, M, H, dtype, specials=True)
-    yj = jnp.asarray(y)
-    assert_e4m3_equal(
-        bytes_of(_static(yj, f32(0.75))), O.fp8_static(y, 0.75), f"static seed={seed}"
-    )
-    q, s = _dynamic(yj)
-    wq, ws = O.fp8_dynamic(y)
-    np.testing.assert_array_equal(np.asarray(s).view(np.uint32), ws.view(np.uint32))
-    assert_e4m3_equal(bytes_of(q), wq, f"dynamic seed={seed}")
+    y = make_y(rng, 17, 96, dtype, specials=True)
     # 32: warp-shuffle max (NaN ignored); 24 and 4: shared-memory atomicMax (NaN wins)
-    for g in (32, 24, 4):
-        assert Q.group_uses_warp_shuffle(g, y.dtype) == (g == 32)
-        q, buf = _group(yj, g)
-        wq, wbuf = O.fp8_group(y, g)
-        assert_e4m3_equal(bytes_of(q), wq, f"group g={g} seed={seed}")
-        np.testing.assert_array_equal(np.asarray(buf), wbuf, err_msg=f"g={g} seed={seed}")
-    wp, wsf = O.nvfp4(y, 3.0)
-    for layout in (0, 2):
-        packed, sf = _nvfp4(yj, f32(3.0), layout)
-        np.testing.assert_array_equal(np.asarray(packed), wp, err_msg=f"seed={seed}")
-        buf, written = O.nvfp4_scale_buffer(wsf, H, layout)
-        assert_e4m3_equal(bytes_of(sf).reshape(-1)[written], buf[written], f"seed={seed}")
+    assert_fp8_paths_match(y, 0.75, (32, 24, 4), seed)
+    assert_nvfp4_layouts_match(y, np.float32(3.0), f"seed={seed}")
     # documented specifics: NaN -> NaN (static), NaN -> -448 (dynamic clamp via fmaxf),
     # all-NaN NVFP4 block -> NaN SF and +6 codes (0x77)
     assert np.isnan(
@@ -381,34 +382,14 @@ def test_float32_input_fp8_paths():
     seed, rng = seeded()
     y = make_y(rng, 17, 96, "bfloat16", specials=True).astype(np.float32)
     y[3] *= np.float32(1 + 2.0**-20)  # bits a 16-bit type would not have
-    yj = jnp.asarray(y)
-    assert_e4m3_equal(
-        bytes_of(jax.jit(Q.quantize_fp8_static)(yj, f32(0.3))),
-        O.fp8_static(y, float(np.float32(0.3))),
-        f"seed={seed}",
-    )
-    q, s = jax.jit(Q.quantize_fp8_dynamic)(yj)
-    wq, ws = O.fp8_dynamic(y)
-    np.testing.assert_array_equal(np.asarray(s), ws, err_msg=f"seed={seed}")
-    assert_e4m3_equal(bytes_of(q), wq, f"seed={seed}")
-    for g in (24, 32):
-        assert Q.group_uses_warp_shuffle(g, jnp.float32) == (g == 32)
-        q, buf = jax.jit(Q.quantize_fp8_group, static_argnums=1)(yj, g)
-        wq, wbuf = O.fp8_group(y, g)
-        assert_e4m3_equal(bytes_of(q), wq, f"g={g} seed={seed}")
-        np.testing.assert_array_equal(np.asarray(buf), wbuf, err_msg=f"g={g} seed={seed}")
+    assert_fp8_paths_match(y, 0.3, (24, 32), seed)
 
 
 def test_e2m1_rounding_table():
     ties = {0.25: 0, 0.75: 2, 1.25: 2, 1.75: 4, 2.5: 4, 3.5: 6, 5.0: 6}
     vals = []
-    for t, code in ties.items():
-        for v, c in (
-            (t, code),
-            (np.nextafter(np.float32(t), np.float32(0)), None),
-            (np.nextafter(np.float32(t), np.float32(9)), None),
-        ):
-            vals.append(float(v))
+    for t in ties:  # every tie and its two float32 neighbours
+        vals += [t, *(float(np.nextafter(np.float32(t), np.float32(to))) for to in (0, 9))]
     vals += [0.0, -0.0, -0.1, 6.0, 7.0, 1e30, np.inf, -np.inf, np.nan, 0.5, 3.0, -4.0]
     v = np.array(vals, np.float32)
     got = np.asarray(Q.e2m1_codes(jnp.asarray(v)))
@@ -611,30 +592,22 @@ def test_jit_scale_is_an_operand():
 def test_quantize_for_pattern():
     y = jax.ShapeDtypeStruct((3, 64), jnp.bfloat16)
     one = jax.ShapeDtypeStruct((1,), jnp.float32)
-
-    def shapes(pattern, **kw):
+    e4m3, fp4 = ((3, 64), "float8_e4m3fn"), ((3, 32), "uint8")
+    cases = [  # (pattern, options, (quant_out, scale_out) as (shape, dtype))
+        (P.kARResidualRMSNorm, {}, (None, None)),
+        (P.kAllReduce, {}, (None, None)),
+        (P.kARResidualRMSNormOutFP8Quant, {}, (e4m3, None)),
+        (P.kARResidualRMSNormFP4Quant, {"layout": 2}, (fp4, ((3, 4), "float8_e4m3fn"))),
+        (P.kARResidualRMSNormOutFP4Quant, {}, (fp4, ((128, 4), "float8_e4m3fn"))),
+        (P.kARResidualRMSNormDynamicFP8Quant, {}, (e4m3, ((3, 1), "float32"))),
+        (9, {"group_size": 32}, (e4m3, ((1, 4), "int32"))),
+        (8, {"group_size": 16}, (e4m3, ((1, 4), "int32"))),
+    ]
+    for pattern, kw, want in cases:
         out = jax.eval_shape(
             lambda y, s: Q.quantize_for_pattern(y, pattern, scale_factor=s, **kw), y, one
         )
-        return jax.tree.map(lambda a: (a.shape, a.dtype.name), out)
-
-    assert shapes(P.kARResidualRMSNorm) == (None, None)
-    assert shapes(P.kAllReduce) == (None, None)
-    assert shapes(P.kARResidualRMSNormOutFP8Quant) == (((3, 64), "float8_e4m3fn"), None)
-    assert shapes(P.kARResidualRMSNormFP4Quant, layout=2) == (
-        ((3, 32), "uint8"),
-        ((3, 4), "float8_e4m3fn"),
-    )
-    assert shapes(P.kARResidualRMSNormOutFP4Quant) == (
-        ((3, 32), "uint8"),
-        ((128, 4), "float8_e4m3fn"),
-    )
-    assert shapes(P.kARResidualRMSNormDynamicFP8Quant) == (
-        ((3, 64), "float8_e4m3fn"),
-        ((3, 1), "float32"),
-    )
-    assert shapes(9, group_size=32) == (((3, 64), "float8_e4m3fn"), ((1, 4), "int32"))
-    assert shapes(8, group_size=16) == (((3, 64), "float8_e4m3fn"), ((1, 4), "int32"))
+        assert jax.tree.map(lambda a: (a.shape, a.dtype.name), out) == want, pattern
 
 
 def test_bad_inputs_raise():

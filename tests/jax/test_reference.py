@@ -42,6 +42,11 @@ dtypes = pytest.mark.parametrize("dtype", DTYPES)
 weight_biases = pytest.mark.parametrize("weight_bias", [0.0, 1.0])
 
 
+def every_case(test):
+    """Slow: every dtype, weight_bias, token count and hidden size."""
+    return pytest.mark.slow(dtypes(weight_biases(shapes(test))))
+
+
 def assert_rms_norm_of(r, gamma, weight_bias, y, dtype, rms_eps=RMS_EPS):
     """y is RMSNorm(r) rounded once: measured in ulps of the float64 norm of r as given."""
     r64 = np.asarray(r).astype(np.float64)
@@ -59,10 +64,7 @@ def _rms_norm(r, gamma, weight_bias, rms_eps):
     return reference.rms_norm(r, gamma, rms_eps=rms_eps, weight_bias=weight_bias, out_dtype=r.dtype)
 
 
-@pytest.mark.slow
-@dtypes
-@weight_biases
-@shapes
+@every_case
 def test_rms_norm_against_oracle(dtype, weight_bias, tokens, hidden):
     rng = new_rng()
     r = random_values(rng, (tokens, hidden), dtype)
@@ -84,10 +86,7 @@ def test_rms_norm_eps_is_inside_the_root(dtype):
     )
 
 
-@pytest.mark.slow
-@dtypes
-@weight_biases
-@shapes
+@every_case
 def test_epilogue_against_oracle(dtype, weight_bias, tokens, hidden):
     rng = new_rng()
     summed = random_values(rng, (tokens, hidden), dtype)  # an all-reduce already rounded to T
@@ -144,10 +143,7 @@ def _run_reference(partials, residual, gamma, weight_bias, **kwargs):
     return [o[0] for o in outs]
 
 
-@pytest.mark.slow
-@dtypes
-@weight_biases
-@shapes
+@every_case
 def test_allreduce_fusion_reference_in_shard_map(dtype, weight_bias, tokens, hidden):
     rng = new_rng()
     partials = random_partials(rng, (WORLD, tokens, hidden), dtype)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from tests.oracles.oracle import ulp
+from tests.oracles.oracle import fused_reference, ulp
 
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
@@ -65,11 +65,7 @@ def finalize_local64(permuted, idx, scale=None, shared=None, routed=1.0):
 
 def epilogue64(locals_, residual, gamma, *, rms_eps, weight_bias):
     """(sum, residual_out, norm_out, inv) in float64 from the ranks' exact local rows."""
-    s = np.sum(locals_, axis=0)
-    r = s + np.asarray(residual, np.float64)
-    inv = 1.0 / np.sqrt(np.mean(r * r, axis=-1, keepdims=True) + rms_eps)
-    y = r * inv * (weight_bias + np.asarray(gamma, np.float64))
-    return s, r, y, inv
+    return fused_reference(locals_, residual, gamma, rms_eps=rms_eps, weight_bias=weight_bias)
 
 
 def errors(outs, *, s64, r64, y64, inv64, magnitude, roundings, gamma, weight_bias, dtype_name):
