@@ -12,7 +12,7 @@ from torch_compat import library
 from torch_compat import workspace as wsmod
 
 from tests.torch.fakes import fake_workspace
-from tests.torch.test_torch_compat import CREATE, _call, _tensors
+from tests.torch.test_torch_compat import _call, _tensors, create_refused
 
 AR = torch.ops.torch_compat.allreduce.default
 FUSED = torch.ops.torch_compat.allreduce_residual_rmsnorm.default
@@ -167,18 +167,14 @@ def test_is_buffer_size_sufficient_refuses_nonsense(args, error, match):
 def test_output_is_refused_where_the_pattern_does_not_write_it(cpu_stream, monkeypatch, pattern):
     ws = fake_workspace()
     t = _tensors()
-    extra = {}
     if pattern != 1:
-        extra["quant_out"] = torch.empty(16, 1024, dtype=torch.float8_e4m3fn)
+        t["quant_out"] = torch.empty(16, 1024, dtype=torch.float8_e4m3fn)
         if pattern == 2:
-            extra.update(scale_factor=1.0, norm_out=None)
+            t.update(scale_factor=1.0, norm_out=None)
         else:
-            extra["scale_out"] = torch.empty(16, 1)
-    t.update(extra)
+            t["scale_out"] = torch.empty(16, 1)
     with pytest.raises(
-        ValueError,
-        match=rf"pattern {pattern} \(\w+\) does not write output; "
-        r"pass None",
+        ValueError, match=rf"pattern {pattern} \(\w+\) does not write output; pass None"
     ):
         torch_compat.allreduce_fusion(
             workspace=ws, pattern=pattern, output=torch.empty_like(t["input"]), **t
@@ -209,13 +205,11 @@ def test_output_is_refused_where_the_pattern_does_not_write_it(cpu_stream, monke
 )
 def test_backend_errors_list_torch_backends_only(gloo_world1, monkeypatch, backend, match):
     monkeypatch.delenv(backend_choice.BACKEND_ENV_VAR, raising=False)
-    with pytest.raises(ValueError, match=match) as info:
-        torch_compat.create_allreduce_fusion_workspace(backend, 1, 0, **CREATE)
+    error = create_refused(match, backend, 1, 0)
     if backend != "xla":  # only the message about 'xla' itself names it
-        assert "xla" not in str(info.value)
+        assert "xla" not in str(error)
     monkeypatch.setenv(backend_choice.BACKEND_ENV_VAR, backend)
-    with pytest.raises(ValueError, match=r"\(from the \$JAX_FUSEDAR_ALLREDUCE_BACKEND\)"):
-        torch_compat.create_allreduce_fusion_workspace("auto", 1, 0, **CREATE)
+    create_refused(r"\(from the \$JAX_FUSEDAR_ALLREDUCE_BACKEND\)", "auto", 1, 0)
 
 
 def test_multi_node_advice_is_torchs():
@@ -227,10 +221,8 @@ def test_multi_node_advice_is_torchs():
 
 
 def test_create_timeout_is_named(gloo_world1):
-    with pytest.raises(TypeError, match="timeout_s must be a real number, got 'soon'"):
-        torch_compat.create_allreduce_fusion_workspace(
-            world_size=1, rank=0, timeout_s="soon", **CREATE
-        )
+    match = "timeout_s must be a real number, got 'soon'"
+    create_refused(match, world_size=1, rank=0, timeout_s="soon", error=TypeError)
 
 
 # --- 10. the fake implementations run the eager op's checks --------------------------------------
