@@ -19,6 +19,7 @@ import torch_compat
 from torch_compat import fusion_pass, library
 
 from tests.torch import fakes
+from tests.torch import rounding_check as rc
 from tests.torch.fakes import registered
 from tests.torch.rounding_check import ref_fused as _ref_fused  # world size 1: sum = input
 
@@ -365,28 +366,15 @@ def test_pass_refuses_dtype_width_mismatch(gloo_world1):
 
 
 def test_pass_skips_blocks_whose_allreduce_output_is_used_elsewhere(gloo_world1):
-    from torch.distributed import _functional_collectives as funcol
-
-    def f(x, res, g):
-        t = funcol.all_reduce(x, "sum", gloo_world1)
-        r = t + res
-        return _rms_fn(r, g), t * 3  # the plain sum is needed too: pattern 1 cannot give it
-
-    x, res, g = _inputs()
-    gm = make_fx(f, tracing_mode="fake")(x, res, g)
+    # The plain sum is needed too: pattern 1 cannot give it.
+    f = rc.block_fn(gloo_world1, lambda t, res, g: (_rms_fn(t + res, g), t * 3), residual_arg=True)
+    gm = make_fx(f, tracing_mode="fake")(*_inputs())
     assert fusion_pass.fuse_allreduce_rmsnorm(gm, fake_workspace()) == 0
 
 
 def test_pass_skips_norm_without_weight_and_rmsnorm_of_other_things(gloo_world1):
-    from torch.distributed import _functional_collectives as funcol
-
-    def f(x, res):
-        t = funcol.all_reduce(x, "sum", gloo_world1)
-        r = t + res
-        return F.rms_norm(r, (r.shape[-1],), None, EPS), r
-
-    x, res, _ = _inputs()
-    gm = make_fx(f, tracing_mode="fake")(x, res)
+    f = rc.block_fn(gloo_world1, lambda r, g: F.rms_norm(r, (r.shape[-1],), None, EPS))
+    gm = make_fx(f, tracing_mode="fake")(*_inputs())  # gamma: an input the graph leaves unused
     assert fusion_pass.fuse_allreduce_rmsnorm(gm, fake_workspace()) == 0
 
 
@@ -474,15 +462,8 @@ def test_inductor_custom_pass_object(gloo_world1):
 def test_inductor_end_to_end_with_post_grad_pass(gloo_world1, cpu_kernels, fresh_dynamo):
     # torch.compile(fullgraph=True) with inductor: dynamo traces the funcol all-reduce, the
     # pass rewrites the post-grad graph, inductor compiles around the custom op.
-    from torch.distributed import _functional_collectives as funcol
-
     p = fusion_pass.AllReduceFusionPass(fake_workspace(dtype=torch.float32))
-
-    def f(x, res, g):
-        t = funcol.all_reduce(x, "sum", gloo_world1)
-        r = t + res
-        return F.rms_norm(r, (r.shape[-1],), g, EPS), r
-
+    f = rc.block_fn(gloo_world1, _rms_fn)
     x, res, g = _inputs(dtype=torch.float32)
     try:
         # No cache: a hit (e.g. from an earlier run of this test) would skip the pass.
