@@ -95,13 +95,15 @@ def test_real_bools_and_numbers_still_work(cpu_stream):
 # --- 6. is_buffer_size_sufficient agrees with the op ---------------------------------------------
 
 
-def _accepted(ws, m, h, dtype):
-    """Whether pattern 0 on zeros of (m, h) ``dtype`` goes through the op's checks."""
+def _assert_agrees(ws, m, h, dtype):
+    """is_buffer_size_sufficient answers whether pattern 0 on zeros of (m, h) ``dtype`` goes
+    through the op's checks."""
     try:
         torch_compat.allreduce_fusion(torch.zeros(m, h, dtype=dtype), ws, 0)
+        accepted = True
     except ValueError:
-        return False
-    return True
+        accepted = False
+    assert ws.is_buffer_size_sufficient(2, m, h, dtype) == accepted, (m, h, dtype)
 
 
 def test_is_buffer_size_sufficient_agrees_with_the_op(cpu_stream):
@@ -114,8 +116,7 @@ def test_is_buffer_size_sufficient_agrees_with_the_op(cpu_stream):
         (16, 1024, torch.float16),
         (256, 512, torch.bfloat16),
     ]:
-        answer = ws.is_buffer_size_sufficient(2, m, h, dtype)
-        assert answer == _accepted(ws, m, h, dtype), (m, h, dtype)
+        _assert_agrees(ws, m, h, dtype)
 
 
 @pytest.mark.parametrize(
@@ -136,9 +137,7 @@ def test_is_buffer_size_sufficient_agrees_with_the_op(cpu_stream):
     ],
 )
 def test_is_buffer_size_sufficient_applies_the_kernels_hidden_size_rule(cpu_stream, dtype, m, h):
-    ws = fake_workspace(max_tokens=1, hidden=131072, dtype=dtype)
-    answer = ws.is_buffer_size_sufficient(2, m, h, dtype)
-    assert answer == _accepted(ws, m, h, dtype), (m, h, dtype)
+    _assert_agrees(fake_workspace(max_tokens=1, hidden=131072, dtype=dtype), m, h, dtype)
 
 
 @pytest.mark.parametrize(

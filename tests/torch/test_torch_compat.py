@@ -266,9 +266,7 @@ def test_oneshot_choice_is_the_topology_policy_and_forcible(cpu_stream):
         assert expected == int(launch_mode.choose_oneshot(m, 4096, ws.sizes, use))  # < 48 MiB
         assert ws._rank_obj.launches[-1][1]["algorithm"] == expected
     with pytest.raises(ValueError, match="two-shot needs more tokens"):
-        torch_compat.allreduce_fusion(
-            workspace=ws, pattern=1, use_oneshot=False, **_tensors(m=2, h=4096)
-        )
+        _call(ws, use_oneshot=False, **_tensors(m=2, h=4096))
 
 
 def test_aliasing_in_place_outputs_is_allowed(cpu_stream):
