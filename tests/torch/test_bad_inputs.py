@@ -318,11 +318,9 @@ def test_fake_refuses_what_eager_refuses(handle, cpu_stream, case):
 def test_torch_compile_refuses_while_tracing(handle, fresh_dynamo):
     """fullgraph compile of a call the op refuses: the error comes from tracing (the backend
     never gets a graph), not from running it."""
-    graphs = []
+    from torch._dynamo.testing import EagerAndRecordGraphs
 
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
+    backend = EagerAndRecordGraphs()
 
     def f(x, res, g):
         return FUSED(x, res, g, 1e-6, 0.0, None, False, handle)
@@ -330,7 +328,7 @@ def test_torch_compile_refuses_while_tracing(handle, fresh_dynamo):
     compiled = torch.compile(f, fullgraph=True, backend=backend)
     with pytest.raises(Exception, match="residual_in must have the input's dtype"):
         compiled(torch.zeros(8, 256, dtype=BF), torch.zeros(8, 256), torch.zeros(256, dtype=BF))
-    assert graphs == []
+    assert backend.graphs == []
 
 
 def test_fake_checks_wait_for_real_sizes_when_symbolic(handle):

@@ -204,23 +204,19 @@ def test_torch_compile_fullgraph(cpu_kernels, handle, fresh_dynamo, backend):
 
 def test_torch_compile_fake_only_trace_with_dynamo_explain(handle, fresh_dynamo):
     # No kernel anywhere: dynamo + fake impls alone must produce one graph, no breaks.
+    from torch._dynamo.testing import EagerAndRecordGraphs
 
     def f(x, res, g):
         return FUSED(x, res, g, EPS, 0.0, None, False, handle)
 
     x, res, g = _inputs()
-    gms = []
-
-    def backend(gm, example_inputs):
-        gms.append(gm)
-        return gm.forward
-
+    backend = EagerAndRecordGraphs()
     compiled = torch.compile(f, fullgraph=True, backend=backend)
     with pytest.raises(Exception):
         compiled(x, res, g)  # the graph runs the op on CPU, which has no kernel
-    assert len(gms) == 1
+    assert len(backend.graphs) == 1
     fused = (FUSED, torch.ops.torch_compat.allreduce_residual_rmsnorm)
-    assert sum(n.target in fused for n in gms[0].graph.nodes) == 1
+    assert sum(n.target in fused for n in backend.graphs[0].graph.nodes) == 1
 
 
 # --- the fusion pass ----------------------------------------------------------------------------
