@@ -12,7 +12,7 @@ from torch_compat import library
 from torch_compat import workspace as wsmod
 
 from tests.torch.fakes import fake_workspace
-from tests.torch.test_torch_compat import CREATE, _call, _tensors
+from tests.torch.test_torch_compat import _call, _tensors, create_refused
 
 AR = torch.ops.torch_compat.allreduce.default
 FUSED = torch.ops.torch_compat.allreduce_residual_rmsnorm.default
@@ -95,13 +95,15 @@ def test_real_bools_and_numbers_still_work(cpu_stream):
 # --- 6. is_buffer_size_sufficient agrees with the op ---------------------------------------------
 
 
-def _accepted(ws, m, h, dtype):
-    """Whether pattern 0 on zeros of (m, h) ``dtype`` goes through the op's checks."""
+def _assert_agrees(ws, m, h, dtype):
+    """is_buffer_size_sufficient answers whether pattern 0 on zeros of (m, h) ``dtype`` goes
+    through the op's checks."""
     try:
         torch_compat.allreduce_fusion(torch.zeros(m, h, dtype=dtype), ws, 0)
+        accepted = True
     except ValueError:
-        return False
-    return True
+        accepted = False
+    assert ws.is_buffer_size_sufficient(2, m, h, dtype) == accepted, (m, h, dtype)
 
 
 def test_is_buffer_size_sufficient_agrees_with_the_op(cpu_stream):
@@ -114,8 +116,7 @@ def test_is_buffer_size_sufficient_agrees_with_the_op(cpu_stream):
         (16, 1024, torch.float16),
         (256, 512, torch.bfloat16),
     ]:
-        answer = ws.is_buffer_size_sufficient(2, m, h, dtype)
-        assert answer == _accepted(ws, m, h, dtype), (m, h, dtype)
+        _assert_agrees(ws, m, h, dtype)
 
 
 @pytest.mark.parametrize(
@@ -136,9 +137,7 @@ def test_is_buffer_size_sufficient_agrees_with_the_op(cpu_stream):
     ],
 )
 def test_is_buffer_size_sufficient_applies_the_kernels_hidden_size_rule(cpu_stream, dtype, m, h):
-    ws = fake_workspace(max_tokens=1, hidden=131072, dtype=dtype)
-    answer = ws.is_buffer_size_sufficient(2, m, h, dtype)
-    assert answer == _accepted(ws, m, h, dtype), (m, h, dtype)
+    _assert_agrees(fake_workspace(max_tokens=1, hidden=131072, dtype=dtype), m, h, dtype)
 
 
 @pytest.mark.parametrize(
@@ -167,18 +166,14 @@ def test_is_buffer_size_sufficient_refuses_nonsense(args, error, match):
 def test_output_is_refused_where_the_pattern_does_not_write_it(cpu_stream, monkeypatch, pattern):
     ws = fake_workspace()
     t = _tensors()
-    extra = {}
     if pattern != 1:
-        extra["quant_out"] = torch.empty(16, 1024, dtype=torch.float8_e4m3fn)
+        t["quant_out"] = torch.empty(16, 1024, dtype=torch.float8_e4m3fn)
         if pattern == 2:
-            extra.update(scale_factor=1.0, norm_out=None)
+            t.update(scale_factor=1.0, norm_out=None)
         else:
-            extra["scale_out"] = torch.empty(16, 1)
-    t.update(extra)
+            t["scale_out"] = torch.empty(16, 1)
     with pytest.raises(
-        ValueError,
-        match=rf"pattern {pattern} \(\w+\) does not write output; "
-        r"pass None",
+        ValueError, match=rf"pattern {pattern} \(\w+\) does not write output; pass None"
     ):
         torch_compat.allreduce_fusion(
             workspace=ws, pattern=pattern, output=torch.empty_like(t["input"]), **t
@@ -209,13 +204,11 @@ def test_output_is_refused_where_the_pattern_does_not_write_it(cpu_stream, monke
 )
 def test_backend_errors_list_torch_backends_only(gloo_world1, monkeypatch, backend, match):
     monkeypatch.delenv(backend_choice.BACKEND_ENV_VAR, raising=False)
-    with pytest.raises(ValueError, match=match) as info:
-        torch_compat.create_allreduce_fusion_workspace(backend, 1, 0, **CREATE)
+    error = create_refused(match, backend, 1, 0)
     if backend != "xla":  # only the message about 'xla' itself names it
-        assert "xla" not in str(info.value)
+        assert "xla" not in str(error)
     monkeypatch.setenv(backend_choice.BACKEND_ENV_VAR, backend)
-    with pytest.raises(ValueError, match=r"\(from the \$JAX_FUSEDAR_ALLREDUCE_BACKEND\)"):
-        torch_compat.create_allreduce_fusion_workspace("auto", 1, 0, **CREATE)
+    create_refused(r"\(from the \$JAX_FUSEDAR_ALLREDUCE_BACKEND\)", "auto", 1, 0)
 
 
 def test_multi_node_advice_is_torchs():
@@ -227,10 +220,8 @@ def test_multi_node_advice_is_torchs():
 
 
 def test_create_timeout_is_named(gloo_world1):
-    with pytest.raises(TypeError, match="timeout_s must be a real number, got 'soon'"):
-        torch_compat.create_allreduce_fusion_workspace(
-            world_size=1, rank=0, timeout_s="soon", **CREATE
-        )
+    match = "timeout_s must be a real number, got 'soon'"
+    create_refused(match, world_size=1, rank=0, timeout_s="soon", error=TypeError)
 
 
 # --- 10. the fake implementations run the eager op's checks --------------------------------------
@@ -327,11 +318,9 @@ def test_fake_refuses_what_eager_refuses(handle, cpu_stream, case):
 def test_torch_compile_refuses_while_tracing(handle, fresh_dynamo):
     """fullgraph compile of a call the op refuses: the error comes from tracing (the backend
     never gets a graph), not from running it."""
-    graphs = []
+    from torch._dynamo.testing import EagerAndRecordGraphs
 
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
+    backend = EagerAndRecordGraphs()
 
     def f(x, res, g):
         return FUSED(x, res, g, 1e-6, 0.0, None, False, handle)
@@ -339,7 +328,7 @@ def test_torch_compile_refuses_while_tracing(handle, fresh_dynamo):
     compiled = torch.compile(f, fullgraph=True, backend=backend)
     with pytest.raises(Exception, match="residual_in must have the input's dtype"):
         compiled(torch.zeros(8, 256, dtype=BF), torch.zeros(8, 256), torch.zeros(256, dtype=BF))
-    assert graphs == []
+    assert backend.graphs == []
 
 
 def test_fake_checks_wait_for_real_sizes_when_symbolic(handle):

@@ -14,7 +14,9 @@ from tests.torch.test_library import (
     QUANT_CASES,
     _expected_quant_meta,
     _inputs,
+    _meta,
     _quant_args,
+    _same,
 )
 
 # Fixtures of test_library.py, used here by name: pytest finds them through this import.
@@ -23,17 +25,9 @@ from tests.torch.test_library import cpu_kernels, cpu_quant_kernel  # noqa: F401
 QUANT = torch.ops.torch_compat.allreduce_residual_rmsnorm_quant.default
 FUSED = torch.ops.torch_compat.allreduce_residual_rmsnorm.default
 AR = torch.ops.torch_compat.allreduce.default
-E4M3 = torch.float8_e4m3fn
 
 # Also in the oldest-versions lane (./dev oldest), with torch_compat's other CPU paths.
 pytestmark = [pytest.mark.oldest, pytest.mark.usefixtures("fresh_dynamo")]
-
-
-def _same(a, b):
-    """Equal metadata and bits (NVFP4's stand-in writes zeros: still compared)."""
-    assert (a.shape, a.dtype, a.stride()) == (b.shape, b.dtype, b.stride())
-    view = (lambda t: t.view(torch.uint8)) if a.dtype == E4M3 else (lambda t: t)
-    assert torch.equal(view(a), view(b))
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
@@ -54,11 +48,9 @@ def test_dynamic_token_count(cpu_quant_kernel, handle, backend, pattern, extra):
         torch._dynamo.mark_dynamic(x, 0)
         torch._dynamo.mark_dynamic(res, 0)
         got = compiled(x, res, g, base[6])
-        for a, b, (shape, dtype, stride) in zip(
-            got, f(x, res, g, base[6]), _expected_quant_meta(pattern, extra, m=m)
-        ):
+        assert _meta(got) == _expected_quant_meta(pattern, extra, m=m)
+        for a, b in zip(got, f(x, res, g, base[6])):
             _same(a, b)
-            assert (tuple(a.shape), a.dtype, a.stride()) == (tuple(shape), dtype, tuple(stride))
     assert counter.frame_count == 1
 
 
@@ -97,11 +89,9 @@ def test_dynamic_true_with_pattern_and_group_size_as_arguments(cpu_quant_kernel,
     for pattern, group, m in cases:
         x, res, g = _inputs(m=m)
         got = compiled(x, res, g, pattern, group)
-        for a, b, (shape, dtype, stride) in zip(
-            got, f(x, res, g, pattern, group), _expected_quant_meta(pattern, group, m=m)
-        ):
+        assert _meta(got) == _expected_quant_meta(pattern, group, m=m)
+        for a, b in zip(got, f(x, res, g, pattern, group)):
             _same(a, b)
-            assert (tuple(a.shape), a.dtype, a.stride()) == (tuple(shape), dtype, tuple(stride))
         compiles.append(counter.frame_count)
     # Another token count or group size reuses the graph; another pattern compiles again
     # (aot_eager's first call compiles twice: AOT's guard on the pattern restarts it).

@@ -18,6 +18,7 @@ from torch_compat import as_flashinfer
 from torch_compat.as_flashinfer.comm import trtllm_ar
 
 from tests.repo import run_code
+from tests.torch import rounding_check as rc
 from tests.torch.fakes import fake_workspace
 
 
@@ -116,10 +117,8 @@ def test_legacy_create_and_call_reach_the_op(shim, fake_create, cpu_stream):
     assert meta == ws.metadata and meta["tp_size"] == 2 and not meta["use_fp32_lamport"]
     # FlashInfer caches the function: the same arguments give the same workspace.
     assert shim.trtllm_create_ipc_workspace_for_all_reduce_fusion(0, 2, 64, h)[0] is handles
-    g = torch.Generator().manual_seed(0)
     for dtype in (torch.bfloat16, torch.float16):  # a 16-bit workspace serves both
-        x = torch.randn(m, h, generator=g).to(dtype)
-        res, gamma = torch.randn(m, h).to(dtype), torch.randn(h).to(dtype)
+        x, res, gamma = rc.inputs(m, h, dtype, seed=0)
         r_out, n_out = torch.empty_like(x), torch.empty_like(x)
         _legacy_call(
             shim,

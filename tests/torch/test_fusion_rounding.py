@@ -6,6 +6,8 @@ it fuses them, names the change, and the outputs keep docs/torch.md's bound agai
 float64. vLLM's classes get the same check in the framework venv
 (tests/torch/frameworks/)."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,6 +22,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm  # noqa: E402
 
 M, H, EPS = 64, 1024, 1e-6
 CLASSES = {"LlamaRMSNorm": LlamaRMSNorm, "Qwen2RMSNorm": Qwen2RMSNorm}
+workspace = functools.partial(fake_workspace, max_tokens=M, hidden=H)  # takes the dtype
 
 
 def _module_norm(cls, dtype):
@@ -36,9 +39,7 @@ def _module_norm(cls, dtype):
 def test_hf_norm_is_left_alone_by_default(gloo_world1, cls, dtype):
     fn = rc.block_fn(gloo_world1, _module_norm(CLASSES[cls], dtype))
     args = rc.inputs(M, H, dtype, seed=1)
-    blocks, unfused, after = rc.run_block(
-        fn, fake_workspace(max_tokens=M, hidden=H, dtype=dtype), args, allow=False
-    )
+    blocks, unfused, after = rc.run_block(fn, workspace(dtype=dtype), args, allow=False)
     name = rc.NAMES[dtype]
     assert len(blocks) == 1 and not blocks[0].fused
     assert f"gamma multiplied in {name} after the norm is rounded to {name}" in blocks[0].reason
@@ -50,7 +51,7 @@ def test_hf_norm_is_left_alone_by_default(gloo_world1, cls, dtype):
 @pytest.mark.parametrize("cls", list(CLASSES), ids=list(CLASSES))
 def test_hf_norm_opted_in_keeps_the_bound(gloo_world1, cls, dtype):
     fn = rc.block_fn(gloo_world1, _module_norm(CLASSES[cls], dtype))
-    ws = fake_workspace(max_tokens=M, hidden=H, dtype=dtype)
+    ws = workspace(dtype=dtype)
     worst = 0.0
     for seed in range(3):  # fresh inputs each time
         args = rc.inputs(M, H, dtype, seed=10 + seed)
@@ -82,9 +83,7 @@ def test_exact_forms_next_to_hf_forms_are_bit_exact(gloo_world1):
     args = rc.inputs(M, H, dtype, seed=3)
     for norm in (lambda r, g: F.rms_norm(r, (H,), g, EPS), _f32_gamma_norm):
         fn = rc.block_fn(gloo_world1, norm)
-        blocks, unfused, fused = rc.run_block(
-            fn, fake_workspace(max_tokens=M, hidden=H, dtype=dtype), args, allow=False
-        )
+        blocks, unfused, fused = rc.run_block(fn, workspace(dtype=dtype), args, allow=False)
         assert [(b.fused, b.rounding_change) for b in blocks] == [(True, None)]
         for a, b in zip(unfused, fused):
             assert torch.equal(a, b)
@@ -100,7 +99,7 @@ def _fused_add_form(t, residual, gamma):  # the form of vLLM's fused_add_rms_nor
 def test_float32_residual_add_is_two_changes(gloo_world1):
     dtype = torch.bfloat16
     fn = rc.block_fn(gloo_world1, _fused_add_form, residual_arg=True)
-    ws = fake_workspace(max_tokens=M, hidden=H, dtype=dtype)
+    ws = workspace(dtype=dtype)
     args = rc.inputs(M, H, dtype, seed=7)
     blocks, unfused, after = rc.run_block(fn, ws, args, allow=False)
     assert not blocks[0].fused and "residual added in float32" in blocks[0].reason

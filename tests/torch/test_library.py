@@ -19,6 +19,7 @@ import torch_compat
 from torch_compat import fusion_pass, library
 
 from tests.torch import fakes
+from tests.torch import rounding_check as rc
 from tests.torch.fakes import registered
 from tests.torch.rounding_check import ref_fused as _ref_fused  # world size 1: sum = input
 
@@ -61,7 +62,12 @@ def cpu_kernels():
         yield
 
 
-def _inputs(m=8, h=256, dtype=torch.bfloat16, seed=0):
+def _inputs(m=8, h=256, dtype=torch.bfloat16, seed=0, device=None):
+    """(input, residual, gamma): random CPU tensors, or empty ones on ``device`` (under
+    FakeTensorMode, fake CUDA tensors: no GPU needed)."""
+    if device is not None:
+        x, res = (torch.empty(m, h, dtype=dtype, device=device) for _ in range(2))
+        return x, res, torch.empty(h, dtype=dtype, device=device)
     g = torch.Generator().manual_seed(seed)
     return (
         torch.randn(m, h, generator=g).to(dtype),
@@ -151,9 +157,7 @@ def test_fake_tensor_mode_shapes_and_dtypes(dtype):
 
     # A workspace of the inputs' element width: the fake impls check it as the eager op does.
     with registered(fake_workspace(dtype=dtype)) as handle, FakeTensorMode() as mode:
-        x = torch.empty(5, 256, dtype=dtype, device="cuda")  # fake: no GPU needed
-        res = torch.empty(5, 256, dtype=dtype, device="cuda")
-        g = torch.empty(256, dtype=dtype, device="cuda")
+        x, res, g = _inputs(5, dtype=dtype, device="cuda")
         r, n = FUSED(x, res, g, EPS, 0.0, None, False, handle)
         o = AR(x, None, False, handle)
     for t in (r, n, o):
@@ -200,23 +204,19 @@ def test_torch_compile_fullgraph(cpu_kernels, handle, fresh_dynamo, backend):
 
 def test_torch_compile_fake_only_trace_with_dynamo_explain(handle, fresh_dynamo):
     # No kernel anywhere: dynamo + fake impls alone must produce one graph, no breaks.
+    from torch._dynamo.testing import EagerAndRecordGraphs
 
     def f(x, res, g):
         return FUSED(x, res, g, EPS, 0.0, None, False, handle)
 
     x, res, g = _inputs()
-    gms = []
-
-    def backend(gm, example_inputs):
-        gms.append(gm)
-        return gm.forward
-
+    backend = EagerAndRecordGraphs()
     compiled = torch.compile(f, fullgraph=True, backend=backend)
     with pytest.raises(Exception):
         compiled(x, res, g)  # the graph runs the op on CPU, which has no kernel
-    assert len(gms) == 1
+    assert len(backend.graphs) == 1
     fused = (FUSED, torch.ops.torch_compat.allreduce_residual_rmsnorm)
-    assert sum(n.target in fused for n in gms[0].graph.nodes) == 1
+    assert sum(n.target in fused for n in backend.graphs[0].graph.nodes) == 1
 
 
 # --- the fusion pass ----------------------------------------------------------------------------
@@ -300,20 +300,16 @@ def test_pass_leaves_a_rounding_change_alone_unless_asked(gloo_world1, cpu_kerne
     assert torch_compat.fuse_allreduce_rmsnorm(gm, fake_workspace(dtype=dtype), report=blocks) == 0
     assert gm.code == before
     name = str(dtype).replace("torch.", "")
+    change = f"gamma multiplied in {name} after the norm is rounded to {name}"
     assert [b.fused for b in blocks] == [False] * 4
     for b in blocks:
-        assert f"gamma multiplied in {name} after the norm is rounded to {name}" in b.reason
-        assert "allow_rounding_change=True" in b.reason
+        assert change in b.reason and "allow_rounding_change=True" in b.reason
     blocks = []
     n = torch_compat.fuse_allreduce_rmsnorm(
         gm, fake_workspace(dtype=dtype), allow_rounding_change=True, report=blocks
     )
     assert n == 4
-    assert all(
-        b.fused
-        and b.rounding_change == f"gamma multiplied in {name} after the norm is rounded to {name}"
-        for b in blocks
-    )
+    assert [(b.fused, b.rounding_change) for b in blocks] == [(True, change)] * 4
     assert "rounding change: gamma multiplied" in blocks[0].line()
 
 
@@ -366,28 +362,15 @@ def test_pass_refuses_dtype_width_mismatch(gloo_world1):
 
 
 def test_pass_skips_blocks_whose_allreduce_output_is_used_elsewhere(gloo_world1):
-    from torch.distributed import _functional_collectives as funcol
-
-    def f(x, res, g):
-        t = funcol.all_reduce(x, "sum", gloo_world1)
-        r = t + res
-        return _rms_fn(r, g), t * 3  # the plain sum is needed too: pattern 1 cannot give it
-
-    x, res, g = _inputs()
-    gm = make_fx(f, tracing_mode="fake")(x, res, g)
+    # The plain sum is needed too: pattern 1 cannot give it.
+    f = rc.block_fn(gloo_world1, lambda t, res, g: (_rms_fn(t + res, g), t * 3), residual_arg=True)
+    gm = make_fx(f, tracing_mode="fake")(*_inputs())
     assert fusion_pass.fuse_allreduce_rmsnorm(gm, fake_workspace()) == 0
 
 
 def test_pass_skips_norm_without_weight_and_rmsnorm_of_other_things(gloo_world1):
-    from torch.distributed import _functional_collectives as funcol
-
-    def f(x, res):
-        t = funcol.all_reduce(x, "sum", gloo_world1)
-        r = t + res
-        return F.rms_norm(r, (r.shape[-1],), None, EPS), r
-
-    x, res, _ = _inputs()
-    gm = make_fx(f, tracing_mode="fake")(x, res)
+    f = rc.block_fn(gloo_world1, lambda r, g: F.rms_norm(r, (r.shape[-1],), None, EPS))
+    gm = make_fx(f, tracing_mode="fake")(*_inputs())  # gamma: an input the graph leaves unused
     assert fusion_pass.fuse_allreduce_rmsnorm(gm, fake_workspace()) == 0
 
 
@@ -475,15 +458,8 @@ def test_inductor_custom_pass_object(gloo_world1):
 def test_inductor_end_to_end_with_post_grad_pass(gloo_world1, cpu_kernels, fresh_dynamo):
     # torch.compile(fullgraph=True) with inductor: dynamo traces the funcol all-reduce, the
     # pass rewrites the post-grad graph, inductor compiles around the custom op.
-    from torch.distributed import _functional_collectives as funcol
-
     p = fusion_pass.AllReduceFusionPass(fake_workspace(dtype=torch.float32))
-
-    def f(x, res, g):
-        t = funcol.all_reduce(x, "sum", gloo_world1)
-        r = t + res
-        return F.rms_norm(r, (r.shape[-1],), g, EPS), r
-
+    f = rc.block_fn(gloo_world1, _rms_fn)
     x, res, g = _inputs(dtype=torch.float32)
     try:
         # No cache: a hit (e.g. from an earlier run of this test) would skip the pass.
@@ -572,11 +548,7 @@ QUANT_CASES = [
 
 
 def _quant_args(pattern, extra, m=8, h=256, dtype=torch.bfloat16, device=None, handle=0):
-    if device is None:
-        x, res, g = _inputs(m, h, dtype)
-    else:  # under FakeTensorMode: fake CUDA tensors, no GPU needed
-        x, res = (torch.empty(m, h, dtype=dtype, device=device) for _ in range(2))
-        g = torch.empty(h, dtype=dtype, device=device)
+    x, res, g = _inputs(m, h, dtype, device=device)
     sf = grp = lay = None
     if extra == "sf" or str(extra).startswith("fp4"):
         sf = torch.tensor([0.03], dtype=torch.float32, device=x.device)
@@ -609,6 +581,18 @@ def _expected_quant_meta(pattern, extra, m=8, h=256, dtype=torch.bfloat16):
     return [full, norm, q, s]
 
 
+def _meta(outs):
+    """(shape, dtype, stride) of each output, to compare with _expected_quant_meta."""
+    return [(tuple(t.shape), t.dtype, t.stride()) for t in outs]
+
+
+def _same(a, b):
+    """Equal metadata and bits (NVFP4's stand-in writes zeros: still compared)."""
+    assert (a.shape, a.dtype, a.stride()) == (b.shape, b.dtype, b.stride())
+    view = (lambda t: t.view(torch.uint8)) if a.dtype == E4M3 else (lambda t: t)
+    assert torch.equal(view(a), view(b))
+
+
 def test_quant_schema():
     assert str(QUANT._schema) == (
         "torch_compat::allreduce_residual_rmsnorm_quant(Tensor input, Tensor residual, "
@@ -627,9 +611,8 @@ def test_quant_fake_tensor_shapes(pattern, extra, handle):
     with FakeTensorMode():
         args = _quant_args(pattern, extra, device="cuda", handle=handle)
         outs = QUANT(*args)
-    for t, (shape, dtype, stride) in zip(outs, _expected_quant_meta(pattern, extra)):
-        got = (tuple(t.shape), t.dtype, t.stride(), t.device.type)
-        assert got == (tuple(shape), dtype, tuple(stride), "cuda")
+    assert _meta(outs) == _expected_quant_meta(pattern, extra)
+    assert all(t.device.type == "cuda" for t in outs)
 
 
 def test_quant_fake_refuses_plain_patterns_and_bad_shapes(handle):
@@ -651,8 +634,7 @@ def test_quant_real_impl_wiring(cpu_stream, sm100, pattern, extra):
     with registered(ws) as h:
         args = _quant_args(pattern, extra, handle=h)
         outs = library.allreduce_residual_rmsnorm_quant._init_fn(*args)
-        for t, (shape, dtype, stride) in zip(outs, _expected_quant_meta(pattern, extra)):
-            assert (tuple(t.shape), t.dtype, t.stride()) == (tuple(shape), dtype, tuple(stride))
+        assert _meta(outs) == _expected_quant_meta(pattern, extra)
         ((a, kw),) = ws.native_rank().launches
         r, n, q, s = outs
         assert a[0] == pattern and a[4] == args[0].data_ptr()
@@ -688,13 +670,8 @@ def test_quant_torch_compile_fullgraph(cpu_quant_kernel, handle, fresh_dynamo, b
     x, res, g = _inputs()
     sf = torch.tensor([0.02])
     got = torch.compile(f, fullgraph=True, backend=backend)(x, res, g, sf)
-    want = f(x, res, g, sf)
-    for a, b in zip(got, want):
-        assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
-        assert torch.equal(
-            a.view(torch.uint8) if a.dtype == E4M3 else a,
-            b.view(torch.uint8) if b.dtype == E4M3 else b,
-        )
+    for a, b in zip(got, f(x, res, g, sf)):
+        _same(a, b)
 
 
 def test_quant_stand_in_matches_the_oracle_dequantization(cpu_quant_kernel, handle):

@@ -206,15 +206,10 @@ def test_custom_ops_fake_implementations_trace_and_refuse():
         r, n = _finalize_op(a, handle)
         assert r.shape == n.shape == a["residual_in"].shape and n.dtype == BF
         b = reduction_args()
-        keys = (
-            "moe_reduction_scale_input",
-            "moe_reduction_token_input",
-            "residual_in",
-            "rms_gamma",
-        )
+        keys = "moe_reduction_scale_input moe_reduction_token_input residual_in rms_gamma"
         outs = torch.ops.torch_compat.moe_reduction_allreduce_residual_rmsnorm(
             b["moe_reduction_active_experts_token_input"].view(3, 4, 7168),
-            *(b[k] for k in keys),
+            *(b[k] for k in keys.split()),
             1e-6,
             0.0,
             handle,

@@ -20,6 +20,8 @@ import torch.distributed as dist
 
 import torch_compat
 from jax_fusedar.common import backend_choice, exchange, launch_mode, native, tp_groups
+from jax_fusedar.common import quant_layouts, results
+from jax_fusedar.common.patterns import TRAITS
 from jax_fusedar.common.limits import SUPPORTED_WORLD_SIZES
 from torch_compat import cuda_state, ops
 from torch_compat import workspace as wsmod
@@ -169,15 +171,8 @@ def _tensors(m=16, h=1024, dtype=torch.bfloat16):
 def test_workspace_metadata_and_buffer_rule():
     ws = fake_workspace(world=2, max_tokens=128, hidden=1024)
     md = ws.metadata
-    assert {
-        k: md[k] for k in ("tp_rank", "tp_size", "max_token_num", "hidden_dim", "use_fp32_lamport")
-    } == {
-        "tp_rank": 0,
-        "tp_size": 2,
-        "max_token_num": 128,
-        "hidden_dim": 1024,
-        "use_fp32_lamport": False,
-    }
+    want = dict(tp_rank=0, tp_size=2, max_token_num=128, hidden_dim=1024, use_fp32_lamport=False)
+    assert {k: md[k] for k in want} == want
     assert md["lamport_comm_size"] == ws.sizes.lamport_comm_bytes
     assert ws.backend == "trtllm"
     ok = ws.is_buffer_size_sufficient
@@ -271,9 +266,7 @@ def test_oneshot_choice_is_the_topology_policy_and_forcible(cpu_stream):
         assert expected == int(launch_mode.choose_oneshot(m, 4096, ws.sizes, use))  # < 48 MiB
         assert ws._rank_obj.launches[-1][1]["algorithm"] == expected
     with pytest.raises(ValueError, match="two-shot needs more tokens"):
-        torch_compat.allreduce_fusion(
-            workspace=ws, pattern=1, use_oneshot=False, **_tensors(m=2, h=4096)
-        )
+        _call(ws, use_oneshot=False, **_tensors(m=2, h=4096))
 
 
 def test_aliasing_in_place_outputs_is_allowed(cpu_stream):
@@ -373,10 +366,17 @@ def test_not_a_workspace_is_a_type_error():
 CREATE = dict(max_token_num=16, hidden_dim=1024, dtype=torch.bfloat16)
 
 
+def create_refused(match, *args, error=ValueError, **kw):
+    """create_allreduce_fusion_workspace(*args, **CREATE | kw) raises ``error`` matching
+    ``match``; returns the exception."""
+    with pytest.raises(error, match=match) as info:
+        torch_compat.create_allreduce_fusion_workspace(*args, **CREATE | kw)
+    return info.value
+
+
 def test_create_needs_torch_distributed():
     assert not dist.is_initialized()
-    with pytest.raises(RuntimeError, match="init_process_group"):
-        torch_compat.create_allreduce_fusion_workspace(world_size=2, rank=0, **CREATE)
+    create_refused("init_process_group", world_size=2, rank=0, error=RuntimeError)
 
 
 @pytest.mark.parametrize(
@@ -385,21 +385,15 @@ def test_create_needs_torch_distributed():
     ids=["rank_must_be_group_local", "world_size_must_be_the_groups"],
 )
 def test_create_rank_and_world_size_are_the_groups(gloo_world1, world_size, rank, match):
-    with pytest.raises(ValueError, match=match):
-        torch_compat.create_allreduce_fusion_workspace(world_size=world_size, rank=rank, **CREATE)
+    create_refused(match, world_size=world_size, rank=rank)
 
 
 @pytest.mark.parametrize("sub", [False, True], ids=["world", "new_group"])
 def test_create_world_size_one_is_refused_clearly(gloo_world1, sub):
     group = dist.new_group([0]) if sub else None
+    match = f"world size 1 is not supported.*{', '.join(map(str, SUPPORTED_WORLD_SIZES))}"
     for ws, r in ((1, 0), (None, None)):
-        with pytest.raises(
-            ValueError,
-            match=f"world size 1 is not supported.*{', '.join(map(str, SUPPORTED_WORLD_SIZES))}",
-        ):
-            torch_compat.create_allreduce_fusion_workspace(
-                world_size=ws, rank=r, group=group, **CREATE
-            )
+        create_refused(match, world_size=ws, rank=r, group=group)
 
 
 @pytest.mark.parametrize(
@@ -412,22 +406,17 @@ def test_create_world_size_one_is_refused_clearly(gloo_world1, sub):
     ],
 )
 def test_create_refuses_backends_torch_cannot_run(gloo_world1, backend, match):
-    with pytest.raises(ValueError, match=match):
-        torch_compat.create_allreduce_fusion_workspace(backend, 2, 0, **CREATE)
+    create_refused(match, backend, 2, 0)
 
 
 def test_create_refuses_xla_from_the_environment(gloo_world1, monkeypatch):
     monkeypatch.setenv(backend_choice.BACKEND_ENV_VAR, "xla")
-    with pytest.raises(ValueError, match="does not exist under torch"):
-        torch_compat.create_allreduce_fusion_workspace("auto", 2, 0, **CREATE)
+    create_refused("does not exist under torch", "auto", 2, 0)
 
 
 @pytest.mark.parametrize("dtype", [None, torch.float64, torch.int8, "bfloat16"])
 def test_create_refuses_other_dtypes(gloo_world1, dtype):
-    with pytest.raises(ValueError, match="dtype must be torch.bfloat16"):
-        torch_compat.create_allreduce_fusion_workspace(
-            world_size=1, rank=0, max_token_num=16, hidden_dim=1024, dtype=dtype
-        )
+    create_refused("dtype must be torch.bfloat16", world_size=1, rank=0, dtype=dtype)
 
 
 def test_create_comm_backend_must_describe_the_same_group(gloo_world1):
@@ -438,10 +427,7 @@ def test_create_comm_backend_must_describe_the_same_group(gloo_world1):
         def Get_size(self):
             return 1
 
-    with pytest.raises(ValueError, match="comm_backend.Get_rank"):
-        torch_compat.create_allreduce_fusion_workspace(
-            world_size=1, rank=0, comm_backend=Backend(), **CREATE
-        )
+    create_refused("comm_backend.Get_rank", world_size=1, rank=0, comm_backend=Backend())
 
 
 # --- the store channel ----------------------------------------------------------------------------
@@ -731,20 +717,13 @@ QUANT = FP8_STATIC + FP8_DYNAMIC + FP8_GROUP + NVFP4
 
 def group_scale_out(m, h, g):
     """FlashInfer's per-token-group scale tensor: (M, K) int32 with strides (1, T)."""
-    from jax_fusedar.common import quant_layouts
-
     k, t = quant_layouts.group_scale_buffer_shape(m, h, g)
     return torch.empty(k, t, dtype=torch.int32)[:, :m].t()
 
 
 def _qtensors(pattern, m=16, h=1024, dtype=torch.bfloat16, group=128, layout=None):
     """A valid full argument set for quantized ``pattern`` (CPU tensors)."""
-    from jax_fusedar.common import quant_layouts
-
-    p = QP(pattern)
-    from jax_fusedar.common.patterns import TRAITS
-
-    traits = TRAITS[p]
+    traits = TRAITS[QP(pattern)]
     t = _tensors(m, h, dtype)
     if not traits.has_norm_out:
         del t["norm_out"]
@@ -771,8 +750,6 @@ def _qtensors(pattern, m=16, h=1024, dtype=torch.bfloat16, group=128, layout=Non
 
 @pytest.mark.parametrize("pattern", QUANT, ids=lambda p: p.name)
 def test_quantized_pattern_launch_arguments_and_return_value(cpu_stream, sm100, pattern):
-    from jax_fusedar.common.patterns import TRAITS
-
     traits = TRAITS[pattern]
     ws = fake_workspace()
     t = _qtensors(pattern)
@@ -791,8 +768,6 @@ def test_quantized_pattern_launch_arguments_and_return_value(cpu_stream, sm100, 
 
 
 def test_group_scale_view_is_flashinfers_and_covers_what_the_kernel_writes():
-    from jax_fusedar.common import quant_layouts, results
-
     for m, h, g in ((1, 1024, 128), (5, 4096, 128), (16, 7168, 64), (17, 1024, 512)):
         spec = results.result_spec(9, "scale_out", m, h, "bfloat16", group_size=g)
         shape, strides = spec.shape, spec.strides
@@ -809,8 +784,6 @@ def test_group_scale_view_is_flashinfers_and_covers_what_the_kernel_writes():
 
 
 def test_nvfp4_layouts_and_sizes(cpu_stream, sm100):
-    from jax_fusedar.common import quant_layouts
-
     ws = fake_workspace(max_tokens=200, hidden=1024)
     for layout in (0, 2):
         t = _qtensors(QP.kARResidualRMSNormOutFP4Quant, m=130, layout=layout)

@@ -104,9 +104,7 @@ def test_workers_plumbing_and_checks_with_a_simulated_kernel(cpu_stream, dtype, 
     # The checks fail when they should: a code two steps off, an unwritten scale, a twin.
     bad = {p: dict(v) for p, v in got.items()}
     bad[4]["quant_out"] = got[4]["quant_out"].copy()
-    bad[4]["quant_out"][0, 0] = (int(bad[4]["quant_out"][0, 0]) & 0x80) | (
-        (int(bad[4]["quant_out"][0, 0]) & 0x7F) ^ 0x02
-    )
+    bad[4]["quant_out"][0, 0] ^= 0x02  # the sign bit kept, the magnitude's code 2 steps off
     bad[11]["scale_out"] = got[11]["scale_out"].copy()
     bad[11]["scale_out"][0, 0] = np.nan
     stats = tw.quant_stats(tw.new_quant_stats(), bad, ref, res64, gam64, dtype, sf, tw.GROUP, "bad")

@@ -61,6 +61,7 @@ except Exception as e:  # noqa: BLE001 - reported to the test
     out["create"] = {"error": f"{type(e).__name__}: {e}", "log": records[-3:]}
 
 # 2. SGLang's fused all-reduce + residual + RMSNorm op, served by torch_compat.
+from tests.torch import rounding_check as rc  # noqa: E402
 from tests.torch.test_torch_compat import fake_workspace  # noqa: E402
 
 ws = fake_workspace(world=2, max_tokens=64, hidden=1024)
@@ -79,10 +80,7 @@ m.resolve_fusion_group = lambda **kw: (
 m.resolve_flashinfer_allreduce_fusion_backend = lambda: "trtllm"
 m.uses_cutedsl_ar_fusion = lambda: False
 m._flashinfer_allreduce_unavailable = False
-g = torch.Generator().manual_seed(0)
-x = torch.randn(16, 1024, generator=g).to(torch.bfloat16)
-res = torch.randn(16, 1024, generator=g).to(torch.bfloat16)
-gamma = torch.randn(1024, generator=g).to(torch.bfloat16)
+x, res, gamma = rc.inputs(16, 1024, torch.bfloat16, seed=0)
 try:
     # The op's own Python body: SGLang registers the op for CUDA tensors only.
     body = m.flashinfer_allreduce_residual_rmsnorm.__wrapped__

@@ -25,18 +25,11 @@ cuda_state.current_stream = lambda device: 0xC0FFEE
 
 # vLLM's compiled ops (its CUDA extension, which does not load on CPU): the fusion modules
 # only name them at import (pattern tables), so stand-ins with a schema and no kernel do.
-STAND_IN_OPS = [
-    "rotary_embedding",
-    "static_scaled_fp8_quant",
-    "dynamic_scaled_fp8_quant",
-    "dynamic_per_token_scaled_fp8_quant",
-    "fused_add_rms_norm",
-    "rms_norm",
-    "rms_norm_static_fp8_quant",
-    "fused_add_rms_norm_static_fp8_quant",
-    "rms_norm_dynamic_per_token_quant",
-    "silu_and_mul",
-]
+STAND_IN_OPS = """
+    rotary_embedding static_scaled_fp8_quant dynamic_scaled_fp8_quant
+    dynamic_per_token_scaled_fp8_quant fused_add_rms_norm rms_norm rms_norm_static_fp8_quant
+    fused_add_rms_norm_static_fp8_quant rms_norm_dynamic_per_token_quant silu_and_mul
+""".split()
 _lib = torch.library.Library("_C", "FRAGMENT")
 for _name in STAND_IN_OPS:
     if not hasattr(torch.ops._C, _name):
@@ -65,6 +58,7 @@ out["create_returned"] = None if created is None else type(created).__name__
 out["create_log"] = records[-1] if records else None
 
 # 2. vLLM's fused all-reduce + RMSNorm call (the op its pass emits), served by torch_compat.
+from tests.torch import rounding_check as rc  # noqa: E402
 from tests.torch.test_torch_compat import fake_workspace  # noqa: E402
 
 ws = fake_workspace(world=2, max_tokens=64, hidden=1024)
@@ -72,10 +66,7 @@ arf.get_fi_ar_workspace = lambda **kw: ws
 arf.get_fi_ar_quant_workspace = lambda **kw: ws
 arf.get_tensor_model_parallel_rank = lambda: 0
 arf.get_tp_group = lambda: types.SimpleNamespace(cpu_group=group)
-g = torch.Generator().manual_seed(0)
-x = torch.randn(16, 1024, generator=g).to(torch.bfloat16)
-res = torch.randn(16, 1024, generator=g).to(torch.bfloat16)
-gamma = torch.randn(1024, generator=g).to(torch.bfloat16)
+x, res, gamma = rc.inputs(16, 1024, torch.bfloat16, seed=0)
 try:
     arf.call_trtllm_fused_allreduce_norm(
         allreduce_in=x,
@@ -105,7 +96,6 @@ except Exception as e:  # noqa: BLE001 - reported to the test
 
 # 3. vLLM's RMSNorm class through make_fx and torch_compat's fusion pass (docs/torch.md).
 if len(sys.argv) > 1 and sys.argv[1] == "--norms":
-    from tests.torch import rounding_check as rc
     from tests.torch.test_library import fake_workspace as world1_workspace
     from vllm import ir
     from vllm.model_executor.layers.layernorm import RMSNorm
