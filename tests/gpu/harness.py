@@ -235,21 +235,10 @@ def simulate_host(name: str) -> None:
 def simulated_hosts_problem():
     """Why this machine cannot simulate hosts (``simulate_host`` fails: no root, no
     namespaces), or None; probed in a throwaway process."""
-    import subprocess
-    import sys
-    from tests.repo import REPO
+    from tests.gpu.case_runs import run_python
 
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "from tests.gpu.harness import simulate_host; simulate_host('jf-probe')",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    probe = "from tests.gpu.harness import simulate_host; simulate_host('jf-probe')"
+    r = run_python(["-c", probe], env=None, timeout=60)
     return None if r.returncode == 0 else (r.stderr.strip().splitlines() or ["?"])[-1]
 
 
