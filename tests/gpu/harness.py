@@ -389,9 +389,6 @@ def draw_case(seed, world, m, hidden, dtype=None):
     residual = rng.standard_normal((m, hidden), dtype=np.float32)
     gamma = rng.uniform(-2.0, 2.0, hidden).astype(np.float32)
     if dtype is not None:
-        xs, residual, gamma = (
-            [x.astype(dtype) for x in xs],
-            residual.astype(dtype),
-            gamma.astype(dtype),
-        )
+        xs = [x.astype(dtype) for x in xs]
+        residual, gamma = residual.astype(dtype), gamma.astype(dtype)
     return xs, residual, gamma
