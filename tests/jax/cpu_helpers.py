@@ -304,14 +304,8 @@ def assert_same_bits(a, b, what):
     assert len(la) == len(lb), what
     for i, (u, v) in enumerate(zip(la, lb)):
         u, v = np.asarray(u), np.asarray(v)
-        assert u.dtype == v.dtype and u.shape == v.shape, (
-            what,
-            i,
-            u.dtype,
-            v.dtype,
-            u.shape,
-            v.shape,
-        )
+        same_kind = (u.dtype, u.shape) == (v.dtype, v.shape)
+        assert same_kind, f"{what}: leaf {i} is {u.dtype} {u.shape}, not {v.dtype} {v.shape}"
         diff = np.count_nonzero(bits(u) != bits(v))
         assert diff == 0, f"{what}: leaf {i} differs in {diff} of {u.size} elements"
 

@@ -20,6 +20,7 @@ from tests.jax.cpu_helpers import (
     check_outputs,
     fusedar_warnings,
     jdtype,
+    jit_shard_map,
     kernel_rounding,
     make_mesh,
     new_rng,
@@ -228,77 +229,44 @@ def test_per_rank_residual_and_gamma_make_outputs_vary(dtype):
     residuals = random_values(rng, (8, tokens, hidden), dtype)
     gammas = random_gamma(rng, hidden, dtype, leading=(8,))
     body = fused_body(ws, weight_bias=1.0)
-
-    res_out, norm_out = run_sharded(
-        body,
-        mesh,
-        (P("tp"), P("tp"), P()),
-        (P("tp"), P("tp")),
-        xs.reshape(-1, hidden),
-        residuals.reshape(-1, hidden),
-        gammas[0],
-    )
-    res_out, norm_out = (np.asarray(o).reshape(8, tokens, hidden) for o in (res_out, norm_out))
-    for rank in range(8):
-        check_outputs(
-            dtype,
-            xs,
-            residual=residuals[rank],
-            gamma=gammas[0],
-            weight_bias=1.0,
-            residual_out=res_out[rank],
-            norm_out=norm_out[rank],
-            what=f"per-rank residual, rank {rank}",
+    # The output that a per-rank residual (gamma) makes per-rank: residual_out (norm_out).
+    for varying, index in [("residual", 0), ("gamma", 1)]:
+        r, r_spec = (residuals.reshape(-1, hidden), P("tp")) if index == 0 else (residuals[0], P())
+        g, g_spec = (gammas.reshape(-1), P("tp")) if index == 1 else (gammas[0], P())
+        in_specs, args = (P("tp"), r_spec, g_spec), (xs.reshape(-1, hidden), r, g)
+        out_specs = (r_spec, P("tp"))
+        res_out, norm_out = run_sharded(body, mesh, in_specs, out_specs, *args)
+        # A replicated residual_out is every rank's.
+        res_out = np.broadcast_to(
+            np.asarray(res_out).reshape(-1, tokens, hidden), (8, tokens, hidden)
         )
-    assert not np.array_equal(res_out[0], res_out[1])
-
-    res_out, norm_out = run_sharded(
-        body,
-        mesh,
-        (P("tp"), P(), P("tp")),
-        (P(), P("tp")),
-        xs.reshape(-1, hidden),
-        residuals[0],
-        gammas.reshape(-1),
-    )
-    norm_out = np.asarray(norm_out).reshape(8, tokens, hidden)
-    for rank in range(8):
-        check_outputs(
-            dtype,
-            xs,
-            residual=residuals[0],
-            gamma=gammas[rank],
-            weight_bias=1.0,
-            residual_out=res_out,
-            norm_out=norm_out[rank],
-            what=f"per-rank gamma, rank {rank}",
-        )
-
-    # What varies cannot be declared replicated: residual_out with a per-rank residual,
-    # norm_out with a per-rank gamma.
-    x = abstract(mesh, P("tp"), (8 * tokens, hidden), dtype)
-    shared = [abstract(mesh, P(), (tokens, hidden), dtype), abstract(mesh, P(), (hidden,), dtype)]
-    per_rank = [
-        abstract(mesh, P("tp"), (8 * tokens, hidden), dtype),
-        abstract(mesh, P("tp"), (8 * hidden,), dtype),
-    ]
-    for varying, out_specs, replicated in [(0, (P(), P("tp")), 0), (1, (P(), P()), 1)]:
-        args = [x, *[per_rank[i] if i == varying else shared[i] for i in (0, 1)]]
-        # Newer JAX writes the spec as P(), 0.8 as PartitionSpec().
+        norm_out = np.asarray(norm_out).reshape(8, tokens, hidden)
+        for rank in range(8):
+            check_outputs(
+                dtype,
+                xs,
+                residual=residuals[rank if index == 0 else 0],
+                gamma=gammas[rank if index == 1 else 0],
+                weight_bias=1.0,
+                residual_out=res_out[rank],
+                norm_out=norm_out[rank],
+                what=f"per-rank {varying}, rank {rank}",
+            )
+        if index == 0:
+            assert not np.array_equal(res_out[0], res_out[1])
+        # What varies cannot be declared replicated: residual_out with a per-rank residual,
+        # norm_out with a per-rank gamma. Newer JAX writes the spec as P(), 0.8 as
+        # PartitionSpec().
+        wrong = tuple(P() if i == index else s for i, s in enumerate(out_specs))
         with pytest.raises(
             ValueError,
-            match=rf"out_specs\[{replicated}\] is "
+            match=rf"out_specs\[{index}\] is "
             r"(P|PartitionSpec)\(\) which implies .* could "
             r"not infer replication",
         ):
-            jax.jit(
-                jax.shard_map(
-                    body,
-                    mesh=mesh,
-                    in_specs=tuple(a.sharding.spec for a in args),
-                    out_specs=out_specs,
-                )
-            ).trace(*args)
+            jit_shard_map(body, mesh, in_specs, wrong).trace(
+                *(abstract(mesh, s, a.shape, dtype) for s, a in zip(in_specs, args))
+            )
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -579,20 +547,6 @@ def test_pattern_codes(pattern, match):
         trace_sharded(fused_body(ws, pattern), ws.mesh, 4, 256, n_inputs=1)
 
 
-@pytest.mark.parametrize(
-    "kwargs,match",
-    [
-        ({"scale_factor": np.ones(1, np.float32)}, "scale_factor applies to static FP8 and NVFP4"),
-        ({"layout_code": 0}, "layout_code applies to NVFP4 patterns only"),
-        ({"block_quant_group_size": 64}, "block_quant_group_size applies to per-token-group"),
-    ],
-)
-def test_quantization_arguments_refused_for_pattern_1(kwargs, match):
-    ws = xla_workspace(mesh_of("tp8"))
-    with pytest.raises(ValueError, match=match + ".*kARResidualRMSNorm"):
-        trace_fused(ws, 4, 256, **kwargs)
-
-
 def test_call_outside_shard_map():
     ws = xla_workspace(mesh_of("tp8"))
     x = jnp.asarray(random_values(new_rng(), (4, 256), "bfloat16"))
@@ -766,13 +720,8 @@ def test_context_manager_and_destroy():
 
 def test_workspace_metadata_and_groups():
     ws = xla_workspace(mesh_of("dp2_tp4"), "float16", max_token_num=32, hidden_dim=512)
-    assert (ws.world_size, ws.axis_name, ws.dtype, ws.max_token_num, ws.hidden_dim) == (
-        4,
-        "tp",
-        np.dtype(jnp.float16),
-        32,
-        512,
-    )
+    assert (ws.world_size, ws.axis_name, ws.max_token_num, ws.hidden_dim) == (4, "tp", 32, 512)
+    assert ws.dtype == np.dtype(jnp.float16)
     assert ws.groups == [TPGroup((0, 1, 2, 3), 0), TPGroup((4, 5, 6, 7), 1)]
     assert "groups=2" in repr(ws)
     assert xla_workspace(mesh_of("tp8")).serial > ws.serial  # serials are never reused
@@ -843,6 +792,10 @@ def test_reference_without_fp32_acc_is_invariant_over_the_axis():
 Q = jf.AllReduceFusionPattern
 
 
+# Quantization arguments given to pattern 1 are refused naming the pattern.
+NOT_FOR_1 = ".*kARResidualRMSNorm"
+
+
 @pytest.mark.parametrize(
     "pattern,kwargs,match",
     [
@@ -869,6 +822,17 @@ Q = jf.AllReduceFusionPattern
             Q.kARResidualRMSNormDynamicFP8Quant,
             {"scale_factor": np.ones(1, np.float32)},
             "scale_factor applies to static FP8 and NVFP4",
+        ),
+        (
+            AR_NORM,
+            {"scale_factor": np.ones(1, np.float32)},
+            "scale_factor applies to static FP8 and NVFP4" + NOT_FOR_1,
+        ),
+        (AR_NORM, {"layout_code": 0}, "layout_code applies to NVFP4 patterns only" + NOT_FOR_1),
+        (
+            AR_NORM,
+            {"block_quant_group_size": 64},
+            "block_quant_group_size applies to per-token-group" + NOT_FOR_1,
         ),
     ],
 )
@@ -937,22 +901,17 @@ def test_quantized_outputs_are_the_quantized_norm(pattern, kwargs):
     args = (xs, res, gam) + ((sf,) if sf is not None else ())
     in_specs = (P(("dp", "tp")), P("dp"), P("dp")) + ((P(),) if sf is not None else ())
     norm, quant, scale = run_sharded(body, mesh, in_specs, (P("dp"),) * 3, *args)
+    # Each dp group's rows.
+    norm, quant = (np.split(np.asarray(a), 2) for a in (norm, quant))
     for grp in range(2):
-        n = jnp.asarray(np.asarray(norm)[grp * tokens : (grp + 1) * tokens])
         want_q, want_s = quant_reference.quantize_for_pattern(
-            n,
+            jnp.asarray(norm[grp]),
             pattern,
             scale_factor=None if sf is None else jnp.asarray(sf),
             layout=kwargs.get("layout_code", 0),
             group_size=kwargs.get("block_quant_group_size"),
         )
-        rows_q = np.asarray(quant).shape[0] // 2
-        np.testing.assert_array_equal(
-            bits(np.asarray(quant)[grp * rows_q : (grp + 1) * rows_q]), bits(want_q)
-        )
-        assert np.asarray(quant).dtype == np.asarray(want_q).dtype
+        np.testing.assert_array_equal(bits(quant[grp]), bits(want_q))
+        assert quant[grp].dtype == np.asarray(want_q).dtype
         if want_s is not None:
-            rows_s = np.asarray(scale).shape[0] // 2
-            np.testing.assert_array_equal(
-                bits(np.asarray(scale)[grp * rows_s : (grp + 1) * rows_s]), bits(want_s)
-            )
+            np.testing.assert_array_equal(bits(np.split(np.asarray(scale), 2)[grp]), bits(want_s))

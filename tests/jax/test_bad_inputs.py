@@ -21,6 +21,7 @@ from tests.jax.cpu_helpers import (
     random_values,
     require_host_devices,
     run_sharded,
+    tp_mesh,
     xla_workspace,
 )
 from jax_fusedar.common import arguments, backend_choice, handshake
@@ -46,6 +47,9 @@ pytestmark = [pytest.mark.usefixtures("hermetic"), pytest.mark.oldest]
 
 
 KW = dict(max_token_num=64, hidden_dim=256, dtype=jnp.bfloat16)
+FP4 = dict(pattern=Q.kARResidualRMSNormOutFP4Quant, scale_factor=np.ones(1, np.float32))
+GROUP_FP8 = dict(pattern=Q.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant)
+GROUP_INT = "block_quant_group_size must be an int"
 
 
 # --- 1. regrouped meshes and pmap ----------------------------------------------------------------
@@ -196,7 +200,7 @@ def test_pmap_cuda_lowering_is_checked():
     ],
 )
 def test_zero_tokens_give_empty_outputs_for_quantized_patterns(pattern, kwargs, shapes):
-    mesh = make_mesh((8,), ("tp",))
+    mesh = tp_mesh()
     ws = xla_workspace(mesh)
     sf = kwargs.pop("scale_factor", None)
 
@@ -231,7 +235,7 @@ def test_rms_of_huge_rows_is_zero_like_the_kernel():
     """|r| ~ 1e20 (bf16 holds it; its square does not fit fp32): the kernel sums squares in
     fp32, so mean = inf, rsqrt = 0 and norm_out = +-0 (sign of r), as documented in the
     docs/numerics.md. The reference path does exactly that; float64 would give O(1)."""
-    mesh = make_mesh((8,), ("tp",))
+    mesh = tp_mesh()
     ws = xla_workspace(mesh)
     rng = new_rng()
     big = (
@@ -303,16 +307,30 @@ def test_reference_rms_norm_overflows_in_fp32():
             r"False, got 'no'",
         ),
         ({"strict": 1}, TypeError, "strict .* must be True or False"),
+        ({**FP4, "layout_code": 2.7}, ValueError, r"layout \(layout_code\) 2\.7"),
+        ({**FP4, "layout_code": "2"}, ValueError, r"layout \(layout_code\) '2'"),
+        ({**FP4, "layout_code": True}, ValueError, r"layout \(layout_code\) True"),
+        ({**FP4, "layout_code": 3}, ValueError, r"layout \(layout_code\) 3"),
+        ({**GROUP_FP8, "block_quant_group_size": 64.0}, TypeError, GROUP_INT),
+        ({**GROUP_FP8, "block_quant_group_size": True}, TypeError, GROUP_INT),
+        ({**GROUP_FP8, "block_quant_group_size": "64"}, TypeError, GROUP_INT),
+        # Float options: the message names the option.
+        ({"rms_eps": None}, TypeError, "rms_eps must be a real number, got None"),
+        ({"rms_eps": "1e-6"}, TypeError, "rms_eps must be a real number, got '1e-6'"),
+        ({"rms_eps": -1e-6}, ValueError, "rms_eps must be >= 0.0"),
+        ({"rms_eps": float("nan")}, ValueError, "rms_eps must be finite"),
+        ({"weight_bias": None}, TypeError, "weight_bias must be a real number, got None"),
+        ({"weight_bias": 1j}, TypeError, r"weight_bias must be a real number, got 1j"),
+        ({"weight_bias": float("inf")}, ValueError, "weight_bias must be finite"),
     ],
 )
 def test_coerced_options_are_refused(kwargs, error, match):
-    ws = xla_workspace(make_mesh((8,), ("tp",)))
     with pytest.raises(error, match=match):
-        trace_fused(ws, 4, 256, **kwargs)
+        trace_fused(xla_workspace(tp_mesh()), 4, 256, **kwargs)
 
 
 def test_numpy_bools_and_ints_are_real_options():
-    ws = xla_workspace(make_mesh((8,), ("tp",)))
+    ws = xla_workspace(tp_mesh())
     trace_fused(
         ws,
         4,
@@ -324,41 +342,6 @@ def test_numpy_bools_and_ints_are_real_options():
         rms_eps=np.float32(1e-5),
         weight_bias=np.int32(1),
     )
-
-
-@pytest.mark.parametrize(
-    "layout,match",
-    [
-        (2.7, r"layout \(layout_code\) 2\.7"),
-        ("2", r"layout \(layout_code\) '2'"),
-        (True, r"layout \(layout_code\) True"),
-        (3, r"layout \(layout_code\) 3"),
-    ],
-)
-def test_layout_code_is_not_truncated(layout, match):
-    ws = xla_workspace(make_mesh((8,), ("tp",)))
-    with pytest.raises(ValueError, match=match):
-        trace_fused(
-            ws,
-            4,
-            256,
-            pattern=Q.kARResidualRMSNormOutFP4Quant,
-            scale_factor=np.ones(1, np.float32),
-            layout_code=layout,
-        )
-
-
-@pytest.mark.parametrize("group", [64.0, True, "64"])
-def test_group_size_must_be_an_int(group):
-    ws = xla_workspace(make_mesh((8,), ("tp",)))
-    with pytest.raises(TypeError, match="block_quant_group_size must be an int"):
-        trace_fused(
-            ws,
-            4,
-            256,
-            pattern=Q.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant,
-            block_quant_group_size=group,
-        )
 
 
 # --- 5. one parser for every boolean environment variable --------------------------------------
@@ -394,17 +377,17 @@ def test_garbage_in_a_boolean_variable_is_an_error_naming_it(monkeypatch, var):
     with pytest.raises(ValueError, match=match):
         arguments.env_bool(var)
     if var == backend_choice.STRICT_ENV_VAR:  # read at every call
-        ws = xla_workspace(make_mesh((8,), ("tp",)))
+        ws = xla_workspace(tp_mesh())
         with pytest.raises(ValueError, match=match):
             trace_fused(ws, 4, 256)
         trace_fused(ws, 4, 256, strict=False)  # an explicit argument wins
     else:  # read when a workspace is created
         with pytest.raises(ValueError, match=match):
-            jf.create_allreduce_fusion_workspace(make_mesh((8,), ("tp",)), "tp", **KW)
+            jf.create_allreduce_fusion_workspace(tp_mesh(), "tp", **KW)
 
 
 def test_strict_from_the_environment_on_means_on(monkeypatch):
-    ws = xla_workspace(make_mesh((8,), ("tp",)), max_token_num=8)
+    ws = xla_workspace(tp_mesh(), max_token_num=8)
     monkeypatch.setenv(backend_choice.STRICT_ENV_VAR, "on")
     with pytest.raises(ValueError, match="cannot use the fused kernel.*strict mode"):
         trace_fused(ws, 9, 256)
@@ -414,7 +397,7 @@ def test_strict_from_the_environment_on_means_on(monkeypatch):
 
 
 def test_is_buffer_size_sufficient_agrees_with_what_a_call_accepts():
-    mesh = make_mesh((8,), ("tp",))
+    mesh = tp_mesh()
     ws = xla_workspace(mesh, max_token_num=8, hidden_dim=256)
     cases = [
         (0, 256, None),
@@ -448,7 +431,7 @@ def test_is_buffer_size_sufficient_agrees_with_what_a_call_accepts():
     ],
 )
 def test_is_buffer_size_sufficient_refuses_nonsense(tokens, hidden, error, match):
-    ws = xla_workspace(make_mesh((8,), ("tp",)))
+    ws = xla_workspace(tp_mesh())
     with pytest.raises(error, match=match):
         ws.is_buffer_size_sufficient(tokens, hidden)
 
@@ -464,7 +447,7 @@ def test_workspace_dtype_is_named(dtype):
         rf"\(e.g. jnp.bfloat16\), got {dtype!r}",
     ):
         jf.create_allreduce_fusion_workspace(
-            make_mesh((8,), ("tp",)), "tp", max_token_num=8, hidden_dim=256, dtype=dtype
+            tp_mesh(), "tp", max_token_num=8, hidden_dim=256, dtype=dtype
         )
 
 
@@ -473,7 +456,7 @@ def test_workspace_mesh_is_named(mesh):
     if mesh == "devices":
         mesh = jax.devices()
     elif mesh == "abstract":
-        mesh = make_mesh((8,), ("tp",)).abstract_mesh
+        mesh = tp_mesh().abstract_mesh
     for make in (jf.create_allreduce_fusion_workspace, jf.abstract_workspace):
         with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):
             make(mesh, "tp", **KW)
@@ -482,34 +465,14 @@ def test_workspace_mesh_is_named(mesh):
 def test_workspace_exchange_timeout_is_named():
     for value, error in ((None, TypeError), (0, ValueError), (-1.0, ValueError)):
         with pytest.raises(error, match="exchange_timeout_s must be"):
-            jf.create_allreduce_fusion_workspace(
-                make_mesh((8,), ("tp",)), "tp", exchange_timeout_s=value, **KW
-            )
-
-
-@pytest.mark.parametrize(
-    "kwargs,error,match",
-    [
-        ({"rms_eps": None}, TypeError, "rms_eps must be a real number, got None"),
-        ({"rms_eps": "1e-6"}, TypeError, "rms_eps must be a real number, got '1e-6'"),
-        ({"rms_eps": -1e-6}, ValueError, "rms_eps must be >= 0.0"),
-        ({"rms_eps": float("nan")}, ValueError, "rms_eps must be finite"),
-        ({"weight_bias": None}, TypeError, "weight_bias must be a real number, got None"),
-        ({"weight_bias": 1j}, TypeError, r"weight_bias must be a real number, got 1j"),
-        ({"weight_bias": float("inf")}, ValueError, "weight_bias must be finite"),
-    ],
-)
-def test_float_options_are_named(kwargs, error, match):
-    ws = xla_workspace(make_mesh((8,), ("tp",)))
-    with pytest.raises(error, match=match):
-        trace_fused(ws, 4, 256, **kwargs)
+            jf.create_allreduce_fusion_workspace(tp_mesh(), "tp", exchange_timeout_s=value, **KW)
 
 
 # --- 12. a workspace passed as a jit argument ---------------------------------------------------
 
 
 def test_workspace_as_a_jit_argument_is_static():
-    mesh = make_mesh((8,), ("tp",))
+    mesh = tp_mesh()
     ws = xla_workspace(mesh)
     calls = []
 
@@ -536,7 +499,7 @@ def test_workspace_as_a_jit_argument_is_static():
 
 
 def test_a_traced_workspace_says_how_to_pass_it():
-    ws = xla_workspace(make_mesh((8,), ("tp",)))
+    ws = xla_workspace(tp_mesh())
 
     def body(x, w):
         return jf.allreduce_fusion(x, axis_name="tp", workspace=w, pattern=Q.kAllReduce)
@@ -554,7 +517,7 @@ def test_a_traced_workspace_says_how_to_pass_it():
 def test_the_handshakes_earlier_argument_names_are_taken():
     # check_calls / check_timeout_s (0.1.0's names) still reach the option; with both names
     # given the call is refused. The xla backend never runs the handshake.
-    mesh = make_mesh((8,), ("tp",))
+    mesh = tp_mesh()
     ws = jf.create_allreduce_fusion_workspace(mesh, "tp", **KW, check_calls=True, check_timeout_s=5)
     assert (ws.handshake, ws.check_calls, ws.handshake_timeout_s) == (False, False, 5.0)
     with pytest.raises(ValueError, match="handshake_timeout_s must be in"):

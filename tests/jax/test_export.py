@@ -59,9 +59,12 @@ def layer(ws):
     return jit_shard_map(body, ws.mesh, in_specs, (P("dp"), P("dp")))
 
 
-def structs(mesh, shapes, dtype=jnp.bfloat16):
+def structs(mesh, shapes, dtypes=(jnp.bfloat16,) * 5):
     """ShapeDtypeStructs of (shape, spec) pairs on ``mesh``."""
-    return [jax.ShapeDtypeStruct(s, dtype, sharding=NamedSharding(mesh, sp)) for s, sp in shapes]
+    return [
+        jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, sp))
+        for (s, sp), d in zip(shapes, dtypes)
+    ]
 
 
 def specs(mesh, tokens=TOKENS):
@@ -97,23 +100,22 @@ def test_round_trip_on_cpu_gives_the_jitted_bits():
 
 def test_workspace_key_is_stable_across_creation_order_and_names():
     mesh = mesh_2x4()
-    kw = KW
-    first = jf.abstract_workspace(mesh, "tp", **kw)
+    first = jf.abstract_workspace(mesh, "tp", **KW)
     for _ in range(3):  # other workspaces created in between do not change the id
         jf.abstract_workspace(mesh, "tp", max_token_num=8, hidden_dim=512, dtype=jnp.float16)
-    again = jf.abstract_workspace(mesh, "tp", **kw)
+    again = jf.abstract_workspace(mesh, "tp", **KW)
     assert again.id == first.id and again.serial > first.serial
-    named = jf.abstract_workspace(mesh, "tp", name="decoder", **kw)
+    named = jf.abstract_workspace(mesh, "tp", name="decoder", **KW)
     assert named.id != first.id and "name='decoder'" in repr(named)
     # Each field of the key matters: members (device order), sizes, dtype, backend.
     others = [
         jf.abstract_workspace(
-            make_mesh((2, 4), ("dp", "tp"), [1, 0, 2, 3, 4, 5, 6, 7]), "tp", **kw
+            make_mesh((2, 4), ("dp", "tp"), [1, 0, 2, 3, 4, 5, 6, 7]), "tp", **KW
         ),
-        jf.abstract_workspace(mesh, "tp", **{**kw, "max_token_num": 2 * TOKENS}),
-        jf.abstract_workspace(mesh, "tp", **{**kw, "hidden_dim": 2 * HIDDEN}),
-        jf.abstract_workspace(mesh, "tp", **{**kw, "dtype": jnp.float16}),
-        jf.abstract_workspace(mesh, "tp", backend="xla", **kw),
+        jf.abstract_workspace(mesh, "tp", **{**KW, "max_token_num": 2 * TOKENS}),
+        jf.abstract_workspace(mesh, "tp", **{**KW, "hidden_dim": 2 * HIDDEN}),
+        jf.abstract_workspace(mesh, "tp", **{**KW, "dtype": jnp.float16}),
+        jf.abstract_workspace(mesh, "tp", backend="xla", **KW),
     ]
     assert len({first.id, *(o.id for o in others)}) == 1 + len(others)
     assert wsmod.workspace_key_id(first.key) == first.id and 0 < first.id < 2**63
@@ -278,38 +280,22 @@ def moe_layer(ws, pattern):
 
 
 def moe_specs(mesh, pattern):
-    t, h = MOE_TOKENS, MOE_HIDDEN
+    t, h, bf16 = MOE_TOKENS, MOE_HIDDEN, jnp.bfloat16
     if pattern == 7:
-        shapes = [
-            ((8, MOE_ROWS, h), jnp.bfloat16),
-            ((8, t, TOP_K), jnp.int32),
-            ((8, t, TOP_K), jnp.bfloat16),
-            ((2 * t, h), jnp.bfloat16),
-            ((2 * h,), jnp.bfloat16),
-        ]
+        shapes, dtypes = [(8, MOE_ROWS, h), (8, t, TOP_K), (8, t, TOP_K)], [bf16, jnp.int32, bf16]
     else:
-        shapes = [
-            ((8, EXPERTS, t, h), jnp.bfloat16),
-            ((8, EXPERTS, t), jnp.float32),
-            ((8, t, h), jnp.bfloat16),
-            ((2 * t, h), jnp.bfloat16),
-            ((2 * h,), jnp.bfloat16),
-        ]
+        shapes, dtypes = [(8, EXPERTS, t, h), (8, EXPERTS, t), (8, t, h)], [bf16, jnp.float32, bf16]
     specs = [P(("dp", "tp"))] * 3 + [P("dp")] * 2
-    return [
-        jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, sp))
-        for (s, d), sp in zip(shapes, specs)
-    ]
+    return structs(mesh, zip(shapes + [(2 * t, h), (2 * h,)], specs), dtypes + [bf16] * 2)
 
 
 def moe_values(rng, mesh, pattern):
-    host = []
-    for spec in moe_specs(mesh, pattern):
+    def value(spec):
         if spec.dtype == jnp.int32:
-            host.append(rng.integers(-1, MOE_ROWS, spec.shape).astype(np.int32))
-        else:
-            host.append((rng.standard_normal(spec.shape) / 4).astype(spec.dtype))
-    return [jax.device_put(v, s.sharding) for v, s in zip(host, moe_specs(mesh, pattern))]
+            return rng.integers(-1, MOE_ROWS, spec.shape).astype(np.int32)
+        return (rng.standard_normal(spec.shape) / 4).astype(spec.dtype)
+
+    return [jax.device_put(value(s), s.sharding) for s in moe_specs(mesh, pattern)]
 
 
 @needs_native

@@ -14,7 +14,7 @@ import jax_fusedar as jf
 from jax_fusedar.ops import family as ffi_op, reference
 from jax_fusedar.ops.plan import CallPlan
 from jax_fusedar.common import native
-from tests.jax.cpu_helpers import cuda_text, jit_shard_map, make_mesh, require_host_devices
+from tests.jax.cpu_helpers import cuda_text, jit_shard_map, require_host_devices, tp_mesh
 
 require_host_devices()
 
@@ -39,8 +39,7 @@ def _batch(op, args, dims, **params):
     return [jax.lax.map(lambda row: op.primitive.bind(row, **params)[0], x)], [0]
 
 
-SCALED_SUM = ffi_op.FfiOp(
-    "tests_scaled_allreduce",
+DECLARATION = dict(
     target="allreduce_fusion",
     public_name="tests.scaled_allreduce",
     operands=("x",),  # outside the pattern table: its own rules
@@ -50,6 +49,7 @@ SCALED_SUM = ffi_op.FfiOp(
     aliases=lambda **_: {},
     batch=_batch,
 )
+SCALED_SUM = ffi_op.FfiOp("tests_scaled_allreduce", **DECLARATION)
 
 
 def scaled_sum(x, ws, scale=2.0, use_kernel=False):
@@ -87,24 +87,14 @@ def test_every_op_of_the_package_is_declared_in_the_registry():
 
 def test_an_op_is_declared_once():
     with pytest.raises(ValueError, match="declared twice"):
-        ffi_op.FfiOp(
-            "tests_scaled_allreduce",
-            target="allreduce_fusion",
-            public_name="x",
-            operands=("x",),
-            abstract_eval=_abstract_eval,
-            reference=_reference,
-            attributes=lambda **_: {},
-            aliases=lambda **_: {},
-            batch=_batch,
-        )
+        ffi_op.FfiOp("tests_scaled_allreduce", **DECLARATION)
 
 
 # --- the declared op is a JAX citizen -------------------------------------------------------------
 
 
 def test_a_declared_op_runs_under_jit_and_shard_map_with_its_vma_rule():
-    mesh = make_mesh((8,), ("tp",))
+    mesh = tp_mesh()
     ws = xla_workspace(mesh)
     x = np.arange(8 * 4 * 128, dtype=np.float32).reshape(8, 4, 128) / 1024
     # out_specs=P() needs the invariant result
@@ -113,7 +103,7 @@ def test_a_declared_op_runs_under_jit_and_shard_map_with_its_vma_rule():
 
 
 def test_a_declared_op_differentiates_and_vmaps_through_the_machinery():
-    mesh = make_mesh((8,), ("tp",))
+    mesh = tp_mesh()
     ws = xla_workspace(mesh)
     x = np.random.default_rng(0).standard_normal((8, 3, 4, 128)).astype(np.float32)
 
@@ -137,7 +127,7 @@ def test_a_declared_op_differentiates_and_vmaps_through_the_machinery():
 
 
 def test_a_declared_op_refuses_to_run_outside_shard_map():
-    ws = xla_workspace(make_mesh((8,), ("tp",)))
+    ws = xla_workspace(tp_mesh())
     with pytest.raises(
         ValueError, match="tests.scaled_allreduce must be called inside jax.shard_map"
     ):
@@ -145,7 +135,7 @@ def test_a_declared_op_refuses_to_run_outside_shard_map():
 
 
 def test_a_declared_op_lowers_to_its_custom_call_on_cuda():
-    mesh = make_mesh((8,), ("tp",))
+    mesh = tp_mesh()
     ws = jf.abstract_workspace(mesh, "tp", max_token_num=4, hidden_dim=128, dtype=jnp.float32)
     f = jit_shard_map(
         lambda x: scaled_sum(x[0], ws, scale=0.5, use_kernel=True), mesh, P("tp"), P()

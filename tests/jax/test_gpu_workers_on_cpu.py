@@ -13,8 +13,10 @@ from tests.gpu import harness
 
 
 def _run(task, world, **kw):
+    from tests.gpu.workers import jax_multiprocess
+
     return harness.run_ranks(
-        _worker(),
+        jax_multiprocess.worker,
         world,
         timeout_s=600,
         port=harness.free_port(),
@@ -24,12 +26,6 @@ def _run(task, world, **kw):
         platform="cpu",
         **kw,
     )
-
-
-def _worker():
-    from tests.gpu.workers import jax_multiprocess
-
-    return jax_multiprocess.worker
 
 
 @pytest.mark.slow

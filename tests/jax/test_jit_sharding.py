@@ -5,6 +5,8 @@ written with shard_map + allreduce_fusion; the partition rule's choices (which a
 workspace, the plain math when k is not sharded); the per-shard program lowered for cuda
 holds the fused custom call; argument errors."""
 
+import contextlib
+import functools
 import logging
 
 import jax
@@ -50,6 +52,15 @@ from tests.jax.sharded_model import (  # noqa: E402
 pytestmark = [pytest.mark.usefixtures("hermetic"), pytest.mark.oldest]
 
 
+def residual_and_norm(h, w, r, g, **kwargs):
+    """row_parallel_allreduce_fusion's (residual_out, norm_out)."""
+    return tuple(jf.row_parallel_allreduce_fusion(h, w, residual=r, rms_gamma=g, **kwargs))[1:3]
+
+
+def bf16_workspace(mesh, axis="tp", make=jf.abstract_workspace, max_token_num=64):
+    return make(mesh, axis, max_token_num=max_token_num, hidden_dim=HIDDEN, dtype=jnp.bfloat16)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "axis_type,mesh_context",
@@ -68,17 +79,15 @@ def test_four_layer_jit_model_equals_the_shard_map_model_bitwise(axis_type, mesh
     make = (
         jf.create_allreduce_fusion_workspace
         if backend == "xla"
-        else lambda *a, **k: jf.abstract_workspace(*a, backend="trtllm", **k)
+        else functools.partial(jf.abstract_workspace, backend="trtllm")
     )
-    ws = make(mesh, "tp", max_token_num=BATCH * SEQ, hidden_dim=HIDDEN, dtype=jnp.bfloat16)
+    ws = bf16_workspace(mesh, make=make, max_token_num=BATCH * SEQ)
     params, x = place(
         mesh, model_params(rng, jdtype(dtype)), random_values(rng, (BATCH, SEQ, HIDDEN), dtype)
     )
     want = shard_map_model(mesh, ws)(params, x)
-    if mesh_context:  # MaxText runs under its mesh; Explicit axes need it
-        with jax.set_mesh(mesh):
-            got = jax.jit(lambda p, x: jit_model(p, x, workspace=ws))(params, x)
-    else:
+    # MaxText runs under its mesh; Explicit axes need it.
+    with jax.set_mesh(mesh) if mesh_context else contextlib.nullcontext():
         got = jax.jit(lambda p, x: jit_model(p, x, workspace=ws))(params, x)
     for g, w, name in zip(got, want, ("norm_out", "residual_out")):
         assert g.shape == w.shape == (BATCH, SEQ, HIDDEN)
@@ -91,9 +100,7 @@ def test_four_layer_jit_model_equals_the_shard_map_model_bitwise(axis_type, mesh
 def test_auto_axes_compile_to_one_all_reduce_per_layer_and_no_shard_map():
     rng = new_rng()
     mesh = mesh_2x4(AxisType.Auto)
-    ws = jf.create_allreduce_fusion_workspace(
-        mesh, "tp", max_token_num=BATCH * SEQ, hidden_dim=HIDDEN, dtype=jnp.bfloat16
-    )
+    ws = bf16_workspace(mesh, make=jf.create_allreduce_fusion_workspace, max_token_num=BATCH * SEQ)
     params, x = place(mesh, model_params(rng), random_values(rng, (BATCH, SEQ, HIDDEN), "bfloat16"))
     hlo = jax.jit(lambda p, x: jit_model(p, x, workspace=ws)).lower(params, x).compile().as_text()
     # One all-reduce per layer (the reference's psum), over groups of 4 ("tp").
@@ -110,20 +117,14 @@ def test_plain_math_when_the_contracting_dim_is_not_sharded(caplog):
     """w replicated: no reduction, the plain math (one matmul, add, norm), no fallback log."""
     rng = new_rng()
     mesh = mesh_2x4(AxisType.Auto)
-    ws = jf.abstract_workspace(mesh, "tp", max_token_num=64, hidden_dim=HIDDEN, dtype=jnp.bfloat16)
+    ws = bf16_workspace(mesh)
     h = random_values(rng, (BATCH * SEQ, FFN), "bfloat16")
     w = (random_values(rng, (FFN, HIDDEN), "bfloat16") / 16).astype(jnp.bfloat16)
     r = random_values(rng, (BATCH * SEQ, HIDDEN), "bfloat16")
     g = random_gamma(rng, HIDDEN, "bfloat16")
     hs = jax.device_put(h, NamedSharding(mesh, P("dp", None)))
     ws_ = jax.device_put(w, NamedSharding(mesh, P()))
-    f = jax.jit(
-        lambda *a: tuple(
-            jf.row_parallel_allreduce_fusion(
-                a[0], a[1], residual=a[2], rms_gamma=a[3], workspace=ws
-            )
-        )[1:3]
-    )
+    f = jax.jit(functools.partial(residual_and_norm, workspace=ws))
     with caplog.at_level(logging.WARNING, logger="jax_fusedar"):
         res, norm = f(hs, ws_, r, g)
         hlo = f.lower(hs, ws_, r, g).compile().as_text()
@@ -199,29 +200,23 @@ def lower_partitioned_shard_for_cuda(
 
 def test_partitioned_shard_lowers_to_the_fused_custom_call_for_cuda():
     mesh = mesh_2x4(AxisType.Auto)
-    ws = jf.abstract_workspace(mesh, "tp", max_token_num=64, hidden_dim=HIDDEN, dtype=jnp.bfloat16)
+    ws = bf16_workspace(mesh)
     text = lower_partitioned_shard_for_cuda([ws])
     assert text.count(f"@{FFI_TARGET}") == 1 and "all_reduce" not in text
 
 
 def test_explicit_axes_lower_to_the_fused_custom_call_for_cuda():
     mesh = mesh_2x4(AxisType.Explicit)
-    ws = jf.abstract_workspace(mesh, "tp", max_token_num=64, hidden_dim=HIDDEN, dtype=jnp.bfloat16)
+    ws = bf16_workspace(mesh)
     args = partition_args(mesh, P("dp", "tp"), P("tp"), P("dp"))
-
-    def f(h, w, r, g):
-        return jf.row_parallel_allreduce_fusion(h, w, residual=r, rms_gamma=g, workspace=ws)[1:3]
-
     with jax.set_mesh(mesh):
-        text = cuda_text(jax.jit(f), *args)
+        text = cuda_text(jax.jit(functools.partial(residual_and_norm, workspace=ws)), *args)
     assert text.count(f"@{FFI_TARGET}") == 1 and "all_reduce" not in text
 
 
 def test_no_matching_workspace_falls_back_with_a_logged_reason_or_raises_in_strict_mode(caplog):
     mesh = mesh_2x4(AxisType.Auto)
-    other = jf.abstract_workspace(
-        mesh, "dp", max_token_num=64, hidden_dim=HIDDEN, dtype=jnp.bfloat16
-    )  # the wrong axis
+    other = bf16_workspace(mesh, "dp")  # the wrong axis
     with caplog.at_level(logging.WARNING, logger="jax_fusedar"):
         text = lower_partitioned_shard_for_cuda([other])
     assert FFI_TARGET not in text and "all_reduce" in text
@@ -232,7 +227,7 @@ def test_no_matching_workspace_falls_back_with_a_logged_reason_or_raises_in_stri
 
 def test_k_sharded_over_two_axes_uses_the_reference_over_both():
     mesh = mesh_2x4(AxisType.Auto)
-    ws = jf.abstract_workspace(mesh, "tp", max_token_num=64, hidden_dim=HIDDEN, dtype=jnp.bfloat16)
+    ws = bf16_workspace(mesh)
     text = lower_partitioned_shard_for_cuda(
         [ws], h_spec=P(None, ("dp", "tp")), w_spec=P(("dp", "tp"), None)
     )
@@ -290,10 +285,6 @@ def test_gradients_equal_the_unsharded_plain_math(axis_type):
         res, norm = fn(h, w, r, g)
         return jnp.sum(res * ct[0]) + jnp.sum(norm * ct[1])
 
-    def fused(h, w, r, g):
-        out = jf.row_parallel_allreduce_fusion(h, w, residual=r, rms_gamma=g)
-        return out.residual_out, out.norm_out
-
     cfg_ = cfg(h_ndim=3)
     want = jax.jit(
         jax.grad(
@@ -305,7 +296,9 @@ def test_gradients_equal_the_unsharded_plain_math(axis_type):
         for a, s in zip((h, w, r, g), (P("dp", None, "tp"), P("tp", None), P("dp"), P()))
     ]
     with jax.set_mesh(mesh):
-        got = jax.jit(jax.grad(lambda *a: loss(fused, *a), argnums=(0, 1, 2, 3)))(*placed)
+        got = jax.jit(jax.grad(lambda *a: loss(residual_and_norm, *a), argnums=(0, 1, 2, 3)))(
+            *placed
+        )
     for name, a, b in zip(("h", "w", "residual", "gamma"), got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5, err_msg=name)
         assert np.abs(np.asarray(b)).max() > 1e-2, name  # not trivially zero
@@ -315,9 +308,7 @@ def test_strict_mode_error_surfaces_from_the_partition_rule_at_compile_time():
     """The partition rule runs inside XLA's compilation: its ValueError comes back as XLA's
     runtime error carrying the same message."""
     mesh = mesh_2x4(AxisType.Auto)
-    wrong_axis = jf.create_allreduce_fusion_workspace(
-        mesh, "dp", max_token_num=64, hidden_dim=HIDDEN, dtype=jnp.bfloat16
-    )
+    wrong_axis = bf16_workspace(mesh, "dp", jf.create_allreduce_fusion_workspace)
     h = jax.device_put(jnp.ones((8, FFN), jnp.bfloat16), NamedSharding(mesh, P(None, "tp")))
     w = jax.device_put(jnp.ones((FFN, HIDDEN), jnp.bfloat16), NamedSharding(mesh, P("tp")))
     r, g = jnp.ones((8, HIDDEN), jnp.bfloat16), jnp.ones(HIDDEN, jnp.bfloat16)

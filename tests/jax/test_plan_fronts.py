@@ -11,6 +11,7 @@ eager op and the fake implementations run). Where the kernel does not serve a ca
 its fallback and torch raises: the test asserts torch's error is the plan's reason. Then
 each front's op is checked to act on that plan (the launch torch makes; what JAX binds)."""
 
+import functools
 import itertools
 
 import pytest
@@ -49,22 +50,17 @@ def torch_workspace(world, dtype_name):
     return fake_workspace(world, MAX_TOKENS, WS_HIDDEN, getattr(torch, dtype_name))
 
 
-_JAX_WS = {}
-
-
+@functools.cache
 def jax_workspace(world, dtype_name):
-    key = (world, dtype_name)
-    if key not in _JAX_WS:
-        mesh = jax.make_mesh((world,), ("tp",), devices=jax.devices()[:world])
-        _JAX_WS[key] = jf.abstract_workspace(
-            mesh,
-            "tp",
-            max_token_num=MAX_TOKENS,
-            hidden_dim=WS_HIDDEN,
-            dtype=jnp.dtype(dtype_name),
-            backend="trtllm",
-        )
-    return _JAX_WS[key]
+    mesh = jax.make_mesh((world,), ("tp",), devices=jax.devices()[:world])
+    return jf.abstract_workspace(
+        mesh,
+        "tp",
+        max_token_num=MAX_TOKENS,
+        hidden_dim=WS_HIDDEN,
+        dtype=jnp.dtype(dtype_name),
+        backend="trtllm",
+    )
 
 
 def _outcome(fn):
@@ -109,7 +105,7 @@ def _torch_dense(ws, dtype_name, pattern, tokens, hidden, mode, layout):
     return ops.check_call(_meta((tokens, hidden), dtype), ws, pattern, use_oneshot=mode, **kw).plan
 
 
-def _jax_dense(ws, dtype_name, pattern, tokens, hidden, mode, layout):
+def _jax_dense(ws, dtype_name, pattern, tokens, hidden, mode, layout, strict=False):
     group = GROUP if TRAITS[pattern].quant == "group_fp8" else 0
     return call_plan.plan_dense(
         ws,
@@ -117,7 +113,7 @@ def _jax_dense(ws, dtype_name, pattern, tokens, hidden, mode, layout):
         (tokens, hidden),
         dtype_name,
         use_oneshot=mode,
-        strict=False,
+        strict=strict,
         layout=layout,
         group_size=group,
     )[1]
@@ -157,22 +153,13 @@ def test_the_empty_call_is_one_answer_for_both_fronts():
     core refuses an empty input), so the plan is "not served, empty"; torch refuses, as
     FlashInfer does, and JAX returns the empty result without a word, in strict mode too
     (it is exact and costs nothing: call_plan.SILENT)."""
-    j = _jax_dense(jax_workspace(2, "bfloat16"), "bfloat16", Pattern(1), 0, 1024, None, 0)
+    call = ("bfloat16", Pattern(1), 0, 1024, None, 0)
+    j = _jax_dense(jax_workspace(2, "bfloat16"), *call)
     assert (j.kernel, j.kind) == (False, rules.EMPTY)
     assert [s.shape for s in j.outputs] == [(0, 1024), (0, 1024)]
     with pytest.raises(ValueError, match="empty"):
-        _torch_dense(torch_workspace(2, "bfloat16"), "bfloat16", Pattern(1), 0, 1024, None, 0)
-    _, strict = call_plan.plan_dense(
-        jax_workspace(2, "bfloat16"),
-        Pattern(1),
-        (0, 1024),
-        "bfloat16",
-        use_oneshot=None,
-        strict=True,
-        layout=0,
-        group_size=0,
-    )
-    assert strict == j
+        _torch_dense(torch_workspace(2, "bfloat16"), *call)
+    assert _jax_dense(jax_workspace(2, "bfloat16"), *call, strict=True) == j
 
 
 def _torch_moe(ws, pattern, tokens, hidden, mode, allreduce_out):

@@ -51,13 +51,9 @@ def _stats(script: str) -> dict:
     return json.loads(line[len("STATS ") :])
 
 
-def _run(module: str, hiddens) -> dict:
-    return _stats(SCRIPT.format(module=module, hiddens=hiddens))
-
-
 @pytest.mark.slow
 def test_nvfp4_worker_on_the_reference_path():
-    q = _run("jax_nvfp4", (1024, 1040))
+    q = _stats(SCRIPT.format(module="jax_nvfp4", hiddens=(1024, 1040)))
     # 2 dtypes x 2 layouts x 2 hiddens x 5 (tokens 1, 17, 129; two-shot too above 2 tokens).
     assert q["cases"] == 2 * 2 * 2 * 5, q
     assert q["nan_outputs"] == 0 and q["residual"] <= 1.0 and q["norm"] <= 3.0, q
@@ -69,7 +65,7 @@ def test_nvfp4_worker_on_the_reference_path():
 
 @pytest.mark.slow
 def test_fp8_worker_on_the_reference_path():
-    q = _run("jax_quant", (1024,))
+    q = _stats(SCRIPT.format(module="jax_quant", hiddens=(1024,)))
     assert q["cases"] == 2 * 5, q
     assert q["worse"] == 0 and q["twin_other_diffs"] == 0 and q["twin_code_steps1"] == 0, q
     assert q["group_scale_mismatch"] == 0 and q["dequant_violations"] == 0, q

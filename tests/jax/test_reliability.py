@@ -20,6 +20,7 @@ from tests.jax.cpu_helpers import (
     make_mesh,
     mesh_2x4,
     new_rng,
+    put,
     random_gamma,
     random_partials,
     random_values,
@@ -51,12 +52,11 @@ def row_parallel_args(mesh, *, k_sharded=True, n=N, dtype=jnp.bfloat16):
     w = (random_values(rng, (K, n), name) / 8).astype(dtype)
     r = random_values(rng, (TOKENS, n), name)
     g = random_gamma(rng, n, name)
-    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
     return (
-        put(h, P("dp", "tp" if k_sharded else None)),
-        put(w, P("tp" if k_sharded else None, None)),
-        put(r, P("dp", None)),
-        put(g, P()),
+        put(mesh, P("dp", "tp" if k_sharded else None), h),
+        put(mesh, P("tp" if k_sharded else None, None), w),
+        put(mesh, P("dp", None), r),
+        put(mesh, P(), g),
     )
 
 
@@ -134,12 +134,11 @@ def test_row_parallel_any_contraction_meets_the_same_up_front_checks(axis_type):
     mesh = mesh_2x4(axis_type)
     ws = bf16_workspace(mesh, TOKENS, 64)
     rng = new_rng()
-    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
     args = (
-        put(random_values(rng, (2, 4, TOKENS // 2, 16), "bfloat16"), P("dp", "tp")),
-        put((random_values(rng, (4, 16, 60), "bfloat16") / 8).astype(jnp.bfloat16), P("tp")),
-        put(random_values(rng, (2, TOKENS // 2, 60), "bfloat16"), P("dp")),
-        put(random_gamma(rng, 60, "bfloat16"), P()),
+        put(mesh, P("dp", "tp"), random_values(rng, (2, 4, TOKENS // 2, 16), "bfloat16")),
+        put(mesh, P("tp"), (random_values(rng, (4, 16, 60), "bfloat16") / 8).astype(jnp.bfloat16)),
+        put(mesh, P("dp"), random_values(rng, (2, TOKENS // 2, 60), "bfloat16")),
+        put(mesh, P(), random_gamma(rng, 60, "bfloat16")),
     )
 
     def call(**options):

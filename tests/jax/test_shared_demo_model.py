@@ -24,16 +24,16 @@ CFG = llama.TINY
 AXIS = "tp"
 
 
-def _logits(cfg, mesh, params, prompt, *, vocab_parallel=True, fused=False, scan=True):
-    fwd = llama.make_forward(cfg, mesh, AXIS, scan=scan, vocab_parallel=vocab_parallel)
+def _logits(mesh, params, prompt, *, vocab_parallel=True, fused=False):
+    fwd = llama.make_forward(CFG, mesh, AXIS, scan=True, vocab_parallel=vocab_parallel)
     if fused:
         import jax_fusedar as jf
 
         ws = jf.create_allreduce_fusion_workspace(
-            mesh, AXIS, max_token_num=prompt.size, hidden_dim=cfg.hidden, dtype=jnp.bfloat16
+            mesh, AXIS, max_token_num=prompt.size, hidden_dim=CFG.hidden, dtype=jnp.bfloat16
         )
         fwd = fuse(fwd, workspace=ws)
-    cache = llama.init_cache(cfg, mesh, AXIS, jnp.bfloat16, *prompt.shape)
+    cache = llama.init_cache(CFG, mesh, AXIS, jnp.bfloat16, *prompt.shape)
     return np.asarray(jax.jit(fwd)(params, prompt, *cache, jnp.int32(0))[0])
 
 
@@ -46,8 +46,8 @@ def test_a_replicated_lm_head_gives_the_same_logits():
     split = llama.init_params(CFG, mesh, AXIS, jnp.bfloat16, 0)
     whole = llama.init_params(CFG, mesh, AXIS, jnp.bfloat16, 0, vocab_parallel=False)
     assert whole["lm_head"].sharding.spec == jax.sharding.PartitionSpec()
-    a = _logits(CFG, mesh, split, _prompt())
-    b = _logits(CFG, mesh, whole, _prompt(), vocab_parallel=False)
+    a = _logits(mesh, split, _prompt())
+    b = _logits(mesh, whole, _prompt(), vocab_parallel=False)
     np.testing.assert_array_equal(a, b)
 
 
@@ -73,22 +73,22 @@ def test_repacked_columns_are_the_same_model(tp):
         np.testing.assert_array_equal(a, b)
     assert not np.array_equal(one["layers"]["wqkv"], host["layers"]["wqkv"])
     mesh1 = make_mesh((1,), (AXIS,))
-    ref = _logits(CFG, mesh1, jax.tree.map(jnp.asarray, one), _prompt())
-    tp_logits = _logits(CFG, mesh, drawn, _prompt())
+    ref = _logits(mesh1, jax.tree.map(jnp.asarray, one), _prompt())
+    tp_logits = _logits(mesh, drawn, _prompt())
     rel = np.max(np.abs(ref - tp_logits)) / np.max(np.abs(ref))
     # Unfused at both sizes: only the partial sums' roundings differ (2 layers, 4 sites).
     assert rel <= reference_tolerance("bfloat16", tp, 4), rel
     # Read without repacking, the draw is another model.
-    wrong = _logits(CFG, mesh1, jax.tree.map(jnp.asarray, host), _prompt())
+    wrong = _logits(mesh1, jax.tree.map(jnp.asarray, host), _prompt())
     assert np.max(np.abs(wrong - tp_logits)) / np.max(np.abs(ref)) > 0.1
 
 
 @pytest.mark.parametrize("tp, seed", [(2, 0), (4, 1), (8, 2)])
 def test_fused_tp_model_within_the_reference_tolerance(tp, seed):
-    mesh = make_mesh((tp,), (AXIS,))
+    mesh, mesh1 = make_mesh((tp,), (AXIS,)), make_mesh((1,), (AXIS,))
     params = llama.init_params(CFG, mesh, AXIS, jnp.bfloat16, seed, vocab_parallel=False)
-    ref_params = llama.init_params(CFG, make_mesh((1,), (AXIS,)), AXIS, jnp.bfloat16, seed)
-    fused = _logits(CFG, mesh, params, _prompt(seed), vocab_parallel=False, fused=True)
-    ref = _logits(CFG, make_mesh((1,), (AXIS,)), ref_params, _prompt(seed))
+    ref_params = llama.init_params(CFG, mesh1, AXIS, jnp.bfloat16, seed)
+    fused = _logits(mesh, params, _prompt(seed), vocab_parallel=False, fused=True)
+    ref = _logits(mesh1, ref_params, _prompt(seed))
     rel = np.max(np.abs(ref - fused)) / np.max(np.abs(ref))
     assert rel <= reference_tolerance("bfloat16", tp, 4), rel
