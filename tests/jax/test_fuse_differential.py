@@ -216,7 +216,7 @@ def times_two_in_mean(r, g):
     ).astype(r.dtype)
 
 
-def rsqrt_mul_f32(r, g):
+def kept_in_float32(r, g):
     x = _f(r)
     return x * jax.lax.rsqrt(_ms(x) + EPS) * g.astype(f32)
 
@@ -251,10 +251,6 @@ def per_token_factor(r, g):  # T == H: g[:, None] is a per-token value
 
 def computed_in_t(r, g):
     return r * jax.lax.rsqrt(jnp.mean(r * r, -1, keepdims=True) + EPS) * g.astype(r.dtype)
-
-
-def kept_in_float32(r, g):
-    return rsqrt_mul_f32(r, g)
 
 
 @dataclasses.dataclass(frozen=True)
