@@ -67,6 +67,32 @@ def rms_norm(r, g, eps=EPS):
     return (n * g.astype(jnp.float32)).astype(r.dtype)
 
 
+def megatron_g(rule="custom_vjp", varying=True):
+    """A psum over "tp" with a derivative rule of its own (Megatron's "g"): a custom_vjp whose
+    backward is the identity (typed as the varying input when ``varying``, as check_vma
+    needs), or a custom_jvp whose tangent rule is psum's own."""
+    if rule == "custom_jvp":
+
+        @jax.custom_jvp
+        def g_op(v):
+            return jax.lax.psum(v, "tp")
+
+        g_op.defjvp(lambda p, t: (g_op(*p), jax.lax.psum(t[0], "tp")))
+        return g_op
+
+    @jax.custom_vjp
+    def g_op(v):
+        return jax.lax.psum(v, "tp")
+
+    if varying:
+        g_op.defvjp(
+            lambda v: (g_op(v), None), lambda _, ct: (jax.lax.pcast(ct, "tp", to="varying"),)
+        )
+    else:
+        g_op.defvjp(lambda v: (g_op(v), None), lambda _, ct: (ct,))
+    return g_op
+
+
 def statistic(r, eps):
     """``rsqrt(mean(f^2) + eps)`` per row, in float32 by XLA (the op the program and the
     fused op share), as float64."""

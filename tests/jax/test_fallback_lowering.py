@@ -31,7 +31,7 @@ from tests.jax.cpu_helpers import (
     require_host_devices,
     tp_mesh,
 )
-from tests.jax.fuse_checks import assert_equal_values, rms_norm
+from tests.jax.fuse_checks import assert_equal_values, megatron_g, rms_norm
 
 require_host_devices()
 pytest.importorskip("flatbuffers", reason="jax.export needs flatbuffers (./dev installs it)")
@@ -327,11 +327,7 @@ def _layer_in_one_shard_map(mesh):
 
 
 def _megatron_g(mesh):
-    @jax.custom_vjp
-    def g_op(x):
-        return jax.lax.psum(x, "tp")
-
-    g_op.defvjp(lambda x: (g_op(x), None), lambda _, ct: (ct,))
+    g_op = megatron_g(varying=False)
 
     def body(x, w, r, g):
         r = g_op(x @ w) + r

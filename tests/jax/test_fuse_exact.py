@@ -23,6 +23,7 @@ from tests.jax.fuse_checks import (
     assert_rounds_like_the_program,
     compiled,
     linear_operands,
+    megatron_g,
     norm_units,
     rms_norm,
     row_parallel,
@@ -441,23 +442,7 @@ def test_a_float32_sum_of_a_per_linear_shard_map_cast_down(cast_inside):
 
 @pytest.mark.parametrize("rule", ["custom_vjp", "custom_jvp"])
 def test_a_psum_with_its_own_rule_is_one_site(rule):
-    if rule == "custom_vjp":
-
-        @jax.custom_vjp
-        def g_op(v):
-            return jax.lax.psum(v, "tp")
-
-        g_op.defvjp(
-            lambda v: (g_op(v), None), lambda _, ct: (jax.lax.pcast(ct, "tp", to="varying"),)
-        )
-    else:
-
-        @jax.custom_jvp
-        def g_op(v):
-            return jax.lax.psum(v, "tp")
-
-        g_op.defjvp(lambda p, t: (g_op(*p), jax.lax.psum(t[0], "tp")))
-
+    g_op = megatron_g(rule)
     fused = jf.fuse(smap(lambda x, res, g: (g_op(x[0]) * 2, res)), mesh=MESH, backend="xla")
     rep = fused.analyze(*scope_operands("bfloat16"))
     assert [s.reason for s in rep.sites] == ["the all-reduce is not followed by a residual add"]

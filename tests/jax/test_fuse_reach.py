@@ -197,17 +197,7 @@ def test_sequence_parallel_norm_left_on_the_shard_is_reported():
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_psum_in_a_custom_vjp_is_fused_and_its_backward_kept(check_vma):
     mesh = mesh_2x4()
-
-    @jax.custom_vjp
-    def g_op(v):
-        return jax.lax.psum(v, "tp")
-
-    if check_vma:  # the identity backward, typed as the varying input
-        g_op.defvjp(
-            lambda v: (g_op(v), None), lambda _, ct: (jax.lax.pcast(ct, "tp", to="varying"),)
-        )
-    else:
-        g_op.defvjp(lambda v: (g_op(v), None), lambda _, ct: (ct,))
+    g_op = fuse_checks.megatron_g(varying=check_vma)
 
     def body(x, w, res, g):
         r = g_op(x @ w) + res
@@ -234,12 +224,7 @@ def test_psum_in_a_custom_vjp_is_fused_and_its_backward_kept(check_vma):
 
 def test_psum_in_a_custom_jvp_whose_rule_is_psums_own_is_fused():
     mesh = mesh_2x4()
-
-    @jax.custom_jvp
-    def g_op(v):
-        return jax.lax.psum(v, "tp")
-
-    g_op.defjvp(lambda p, t: (g_op(*p), jax.lax.psum(t[0], "tp")))
+    g_op = fuse_checks.megatron_g("custom_jvp")
 
     @jax.custom_jvp
     def g_bad(v):
