@@ -57,16 +57,12 @@ def run(fn, args, mesh, workspace=None, **kw):
 
 
 def close(a, b, ulps=4):
+    dtype = np.asarray(a[0]).dtype
+    eps = 1e-6 if dtype == np.float32 else float(jnp.finfo(dtype).eps)
     for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         u, v = np.asarray(u, np.float64), np.asarray(v, np.float64)
-        eps = (
-            float(jnp.finfo(jnp.asarray(a[0]).dtype).eps)
-            if np.asarray(a[0]).dtype != np.float32
-            else 1e-6
-        )
-        assert np.max(np.abs(u - v)) <= ulps * eps * max(np.max(np.abs(v)), 1e-30), np.max(
-            np.abs(u - v)
-        ) / np.max(np.abs(v))
+        err = np.max(np.abs(u - v))
+        assert err <= ulps * eps * max(np.max(np.abs(v)), 1e-30), err / np.max(np.abs(v))
 
 
 # --- across the shard_map boundary ----------------------------------------------------------------
