@@ -154,6 +154,18 @@ def scope_operands(
     return x, res, jnp.asarray(gamma, gamma_dtype or dtype)
 
 
+def smap(body, n_in=3, n_out=2, check_vma=True, mesh=None):
+    """shard_map(body) over "tp" (``mesh``, default the 1-D one of scope_operands): its first
+    input split over "tp", the rest and the ``n_out`` outputs replicated."""
+    return jax.shard_map(
+        body,
+        mesh=mesh or jax.make_mesh((8,), ("tp",)),
+        in_specs=(P("tp"),) + (P(),) * (n_in - 1),
+        out_specs=(P(),) * n_out,
+        check_vma=check_vma,
+    )
+
+
 def linear_operands(
     mesh,
     dtype=jnp.bfloat16,

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from tests.jax import cpu_helpers
+from tests.jax import cpu_helpers, fuse_checks
 from tests.jax.fuse_checks import assert_equal_values, scope_operands
 import jax_fusedar as jf
 
@@ -70,17 +70,8 @@ def norm_nnx(r, g, eps=EPS):  # f32 param cast to T, then to f32
 
 
 def smap(body, n_out=2, n_in=3, check_vma=True):
-    """jit(shard_map(body)) over MESH: its first input split over "tp", the rest and the
-    ``n_out`` outputs replicated."""
-    return jax.jit(
-        jax.shard_map(
-            body,
-            mesh=MESH,
-            in_specs=(P("tp"),) + (P(),) * (n_in - 1),
-            out_specs=(P(),) * n_out,
-            check_vma=check_vma,
-        )
-    )
+    """fuse_checks.smap over MESH, jitted."""
+    return jax.jit(fuse_checks.smap(body, n_in, n_out, check_vma, MESH))
 
 
 def site_body(norm):

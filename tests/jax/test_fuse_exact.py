@@ -28,6 +28,7 @@ from tests.jax.fuse_checks import (
     rms_norm,
     row_parallel,
     scope_operands,
+    smap,
     statistic,
 )
 import jax_fusedar as jf
@@ -55,16 +56,6 @@ def one_scope(norm_fn, n_extra=0, extra_outs=None):
         return (r, y) if extra_outs is None else extra_outs(r, y, *extra)
 
     return body
-
-
-def smap(body, n_in=3, n_out=2, check_vma=True, mesh=MESH):
-    return jax.shard_map(
-        body,
-        mesh=mesh,
-        in_specs=(P("tp"),) + (P(),) * (n_in - 1),
-        out_specs=(P(),) * n_out,
-        check_vma=check_vma,
-    )
 
 
 def run(fn, args, mesh=MESH, **kw):
