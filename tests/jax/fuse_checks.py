@@ -8,8 +8,10 @@ fusion, so the original program itself does not round where it says, and no comp
 roundings means anything. The CPU suite's XLA_FLAGS turn it off too (tests/cpu_devices.py);
 the per-compilation option keeps these comparisons meaningful under other flags.
 
-Also the operands of the row-parallel linear (matmul, residual add, norm) that
-tests/jax/test_fuse_exact.py, test_fuse_reach.py and test_fuse_look_through.py fuse.
+Also what the fuse tests build their programs from: the norm in the fused op's own order,
+the operands of a site inside one shard_map, and those of the row-parallel linear (matmul,
+residual add, norm) that tests/jax/test_fuse_exact.py, test_fuse_reach.py and
+test_fuse_look_through.py fuse.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tests.oracles.oracle import ulp
 
 T, H, F = 8, 64, 128  # tokens, hidden size, the linear's input features
+EPS = 1e-6
 
 # XLA rounds where the program says (a per-compilation option: the rest of the suite keeps
 # its flags).
@@ -48,6 +51,46 @@ def bits(a):
 def assert_bit_equal(a, b, what=""):
     for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(bits(u), bits(v), err_msg=what)
+
+
+def assert_equal_values(a, b):
+    """The pytrees' leaves hold the same values (compared in float32)."""
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(u, np.float32), np.asarray(v, np.float32))
+
+
+def rms_norm(r, g, eps=EPS):
+    """RMSNorm in the fused op's own order of operations: float32 inside, gamma multiplied
+    in float32, the output rounded to r's dtype."""
+    x = r.astype(jnp.float32)
+    n = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return (n * g.astype(jnp.float32)).astype(r.dtype)
+
+
+def megatron_g(rule="custom_vjp", varying=True):
+    """A psum over "tp" with a derivative rule of its own (Megatron's "g"): a custom_vjp whose
+    backward is the identity (typed as the varying input when ``varying``, as check_vma
+    needs), or a custom_jvp whose tangent rule is psum's own."""
+    if rule == "custom_jvp":
+
+        @jax.custom_jvp
+        def g_op(v):
+            return jax.lax.psum(v, "tp")
+
+        g_op.defjvp(lambda p, t: (g_op(*p), jax.lax.psum(t[0], "tp")))
+        return g_op
+
+    @jax.custom_vjp
+    def g_op(v):
+        return jax.lax.psum(v, "tp")
+
+    if varying:
+        g_op.defvjp(
+            lambda v: (g_op(v), None), lambda _, ct: (jax.lax.pcast(ct, "tp", to="varying"),)
+        )
+    else:
+        g_op.defvjp(lambda v: (g_op(v), None), lambda _, ct: (ct,))
+    return g_op
 
 
 def statistic(r, eps):
@@ -91,6 +134,36 @@ def norm_units(y, r, col, inv, dtype):
     exact = r * inv * col
     unit = ulp(np.abs(r), dtype) * inv * np.abs(col) + ulp(exact, dtype)
     return np.abs(np.asarray(y, np.float64) - exact) / unit
+
+
+def scope_operands(
+    dtype="bfloat16", gamma_dtype=None, shape=(6, H), seed=0, *, gamma=None, mesh=None
+):
+    """(x, residual, gamma) of a site inside one shard_map over the 8 devices' "tp" axis
+    (``mesh``, default a 1-D one): x [8, *shape] split over "tp" (each rank's partial sum),
+    the residual ``shape`` replicated, gamma (default near 1) in ``gamma_dtype`` (default
+    ``dtype``)."""
+    rng = np.random.default_rng(seed)
+    mesh = mesh or jax.make_mesh((8,), ("tp",))
+    x = jax.device_put(
+        jnp.asarray(rng.standard_normal((8,) + shape), dtype), NamedSharding(mesh, P("tp"))
+    )
+    res = jnp.asarray(rng.standard_normal(shape), dtype)
+    if gamma is None:
+        gamma = 1 + 0.1 * rng.standard_normal(shape[-1])
+    return x, res, jnp.asarray(gamma, gamma_dtype or dtype)
+
+
+def smap(body, n_in=3, n_out=2, check_vma=True, mesh=None):
+    """shard_map(body) over "tp" (``mesh``, default the 1-D one of scope_operands): its first
+    input split over "tp", the rest and the ``n_out`` outputs replicated."""
+    return jax.shard_map(
+        body,
+        mesh=mesh or jax.make_mesh((8,), ("tp",)),
+        in_specs=(P("tp"),) + (P(),) * (n_in - 1),
+        out_specs=(P(),) * n_out,
+        check_vma=check_vma,
+    )
 
 
 def linear_operands(

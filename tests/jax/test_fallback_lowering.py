@@ -31,6 +31,7 @@ from tests.jax.cpu_helpers import (
     require_host_devices,
     tp_mesh,
 )
+from tests.jax.fuse_checks import assert_equal_values, megatron_g, rms_norm
 
 require_host_devices()
 pytest.importorskip("flatbuffers", reason="jax.export needs flatbuffers (./dev installs it)")
@@ -305,14 +306,6 @@ def test_row_parallel_partition_rule_on_auto_axes_moves_no_more_than_psum(world)
 
 # --- fuse -------------------------------------------------------------------------------------
 
-EPS = 1e-6
-
-
-def _norm(r, g):
-    x = r.astype(jnp.float32)
-    y = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + EPS) * g.astype(jnp.float32)
-    return y.astype(r.dtype)
-
 
 def fused_collectives(model, mesh, args):
     """(fused, its collectives, the original's): ``model`` fused on the xla backend, its one
@@ -328,21 +321,17 @@ def _layer_in_one_shard_map(mesh):
     def body(x, w, r, g):
         s = jax.lax.psum(x @ w, "tp")
         r = s + r
-        return r, _norm(r, g)
+        return r, rms_norm(r, g)
 
     return jit_shard_map(body, mesh, LAYER_SPECS, P())
 
 
 def _megatron_g(mesh):
-    @jax.custom_vjp
-    def g_op(x):
-        return jax.lax.psum(x, "tp")
-
-    g_op.defvjp(lambda x: (g_op(x), None), lambda _, ct: (ct,))
+    g_op = megatron_g(varying=False)
 
     def body(x, w, r, g):
         r = g_op(x @ w) + r
-        return r, _norm(r, g)
+        return r, rms_norm(r, g)
 
     return jit_shard_map(body, mesh, LAYER_SPECS, P(), check_vma=False)
 
@@ -356,7 +345,15 @@ def _per_linear(mesh):
             out_specs=P(),
         )(x, w)
         r = s + r
-        return r, _norm(r, g)
+        return r, rms_norm(r, g)
+
+    return model
+
+
+def _plain_jit(mesh):
+    def model(h, w, r, g):
+        r = jnp.matmul(h, w, out_sharding=P()) + r  # the partitioner all-reduces when compiling
+        return r, rms_norm(r, g)
 
     return model
 
@@ -374,11 +371,7 @@ def test_fused_sites_on_the_xla_backend_keep_the_originals_collectives(world, fo
 @PER_WORLD
 def test_a_fused_plain_jit_site_on_the_xla_backend_keeps_the_partitioners_psum(world):
     mesh = explicit_mesh(world)
-
-    def model(h, w, r, g):
-        r = jnp.matmul(h, w, out_sharding=P()) + r  # the partitioner all-reduces when compiling
-        return r, _norm(r, g)
-
+    model = _plain_jit(mesh)
     args = row_parallel_args(mesh)
     fused, got, base = fused_collectives(model, mesh, args)
     with jax.set_mesh(mesh):
@@ -403,7 +396,7 @@ def test_a_fused_plain_jit_program_on_auto_axes_without_a_kernel_exports():
 
     def model(h, w, r, g):
         r = h @ w + r
-        return r, _norm(r, g)
+        return r, rms_norm(r, g)
 
     rng = np.random.default_rng(5)
 
@@ -421,14 +414,13 @@ def test_a_fused_plain_jit_program_on_auto_axes_without_a_kernel_exports():
     exported = jf.export.export(jax.jit(fused))(*args)
     assert len(fused.report.fused) == 1, fused.report.line()
     assert "CustomSPMDPartitioning" not in exported.mlir_module()
-    for a, b in zip(exported.call(*args), jax.jit(model)(*args)):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    assert_equal_values(exported.call(*args), jax.jit(model)(*args))
 
 
 def _fp8_tail_in_one_shard_map(mesh):
     def body(x, w, r, g):
         r = jax.lax.psum(x @ w, "tp") + r
-        y = _norm(r, g)
+        y = rms_norm(r, g)
         q = jnp.clip(y.astype(jnp.float32) / 0.05, -448.0, 448.0).astype(jnp.float8_e4m3fn)
         return r, y, q
 
@@ -458,14 +450,6 @@ def test_forward_mode_of_a_fused_fp8_tail_moves_what_the_original_does(world):
 
 
 # --- the fallback's roundings -------------------------------------------------------------------
-
-
-def _plain_jit(mesh):
-    def model(h, w, r, g):
-        r = jnp.matmul(h, w, out_sharding=P()) + r
-        return r, _norm(r, g)
-
-    return model
 
 
 @pytest.mark.parametrize(
@@ -557,8 +541,8 @@ def test_a_fused_decoder_without_a_kernel_gives_the_originals_bits_under_xlas_de
 
     def body(x, wi, layers):
         for p in layers:
-            x = x + jax.lax.psum(jnp.tanh(_norm(x, p["g1"]) @ wi) @ p["wo"], "tp")
-            x = _norm(x, p["g2"])  # the next layer's input norm (post-norm residual stream)
+            x = x + jax.lax.psum(jnp.tanh(rms_norm(x, p["g1"]) @ wi) @ p["wo"], "tp")
+            x = rms_norm(x, p["g2"])  # the next layer's input norm (post-norm residual stream)
         return x
 
     specs = (P(), P(None, "tp"), [dict(g1=P(), wo=P("tp"), g2=P())] * 2)
@@ -569,4 +553,4 @@ def test_a_fused_decoder_without_a_kernel_gives_the_originals_bits_under_xlas_de
     got = jax.jit(fused, compiler_options=defaults)(*args)
     assert len(fused.report.fused) == 2, fused.report.line()
     want = jax.jit(model, compiler_options=defaults)(*args)
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert_equal_values(got, want)

@@ -225,33 +225,24 @@ def test_module_gradients_are_the_ops(fw, mesh, ws):
     params = fw.with_gamma(params, random_gamma(rng, HIDDEN, "float32"))
     partial, residual, _, _ = inputs(mesh, rng)
     cot = put(mesh, P("dp"), rng.standard_normal((DP * TOKENS, HIDDEN)).astype(np.float32))
-    body = lambda params, p, r, c: jax.grad(lambda q, p, r: loss(call(q, p, r), c), (0, 1, 2))(
-        params, p, r
-    )
-    got = jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=(P(), *SPECS, P("dp")), out_specs=(P(), *SPECS))
-    )(params, partial, residual, cot)
+
+    def grads(outputs, first):
+        """jax.grad of the loss of ``outputs(first, partial, residual)`` w.r.t. all three."""
+
+        def body(q, p, r, c):
+            return jax.grad(lambda q, p, r: loss(outputs(q, p, r), c), (0, 1, 2))(q, p, r)
+
+        in_specs = (P(), *SPECS, P("dp"))
+        return sharded(mesh, body, in_specs, (P(), *SPECS))(first, partial, residual, cot)
+
+    got = grads(call, params)
     g = fw.gamma_of(params)
-    ref_body = lambda g, p, r, c: jax.grad(lambda g, p, r: loss(direct(ws, p, r, g), c), (0, 1, 2))(
-        g, p, r
-    )
-    want = jax.jit(
-        jax.shard_map(ref_body, mesh=mesh, in_specs=(P(), *SPECS, P("dp")), out_specs=(P(), *SPECS))
-    )(g, partial, residual, cot)
+    want = grads(lambda g, p, r: direct(ws, p, r, g), g)
     assert_same_bits(
         (fw.gamma_of(got[0]), got[1], got[2]), want, f"{fw.name}: gradients against the op's"
     )
     # And the op's gradient is the plain math's: psum + residual add + RMSNorm.
-    plain = jax.jit(
-        jax.shard_map(
-            lambda g, p, r, c: jax.grad(lambda g, p, r: loss(plain_math(p, r, g), c), (0, 1, 2))(
-                g, p, r
-            ),
-            mesh=mesh,
-            in_specs=(P(), *SPECS, P("dp")),
-            out_specs=(P(), *SPECS),
-        )
-    )(g, partial, residual, cot)
+    plain = grads(lambda g, p, r: plain_math(p, r, g), g)
     assert_same_bits(want, plain, "the op's gradients against the plain math's")
 
 
@@ -348,21 +339,20 @@ def test_module_falls_back_and_refuses_as_the_op(fw, mesh):
         rng = new_rng()
         partial, residual, _, _ = inputs(mesh, rng)
         gamma = random_gamma(rng, HIDDEN, "bfloat16")
-        params, call = fw.make(small, **fw.rows)
-        params = fw.with_gamma(params, gamma)
-        got = sharded(mesh, call, (P(), *SPECS))(params, partial, residual)
-        want = sharded(mesh, functools.partial(direct, small), (*SPECS, P()))(
-            partial, residual, jnp.asarray(gamma)
-        )
+
+        def module_and_op(**options):
+            """The module's outputs and allreduce_fusion's, both with ``options``."""
+            params, call = fw.make(small, **options, **fw.rows)
+            got = sharded(mesh, call, (P(), *SPECS))(
+                fw.with_gamma(params, gamma), partial, residual
+            )
+            op = functools.partial(direct, small, **options)
+            return got, sharded(mesh, op, (*SPECS, P()))(partial, residual, jnp.asarray(gamma))
+
+        got, want = module_and_op()
         assert_same_bits(got, want, f"{fw.name}: the fallback")
         # The fallback option reaches the op: the kernel's rank-order additions, asked for.
-        exact = dict(fallback="kernel_exact", fp32_acc=False)
-        params, call = fw.make(small, **exact, **fw.rows)
-        params = fw.with_gamma(params, gamma)
-        got = sharded(mesh, call, (P(), *SPECS))(params, partial, residual)
-        want_exact = sharded(mesh, functools.partial(direct, small, **exact), (*SPECS, P()))(
-            partial, residual, jnp.asarray(gamma)
-        )
+        got, want_exact = module_and_op(fallback="kernel_exact", fp32_acc=False)
         assert_same_bits(got, want_exact, f"{fw.name}: the kernel-exact fallback")
         assert not np.array_equal(np.asarray(want_exact[0]), np.asarray(want[0]))
         # (Linen's init traces the call, so there the refusal comes at init.)

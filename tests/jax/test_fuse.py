@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from tests.jax import cpu_helpers
+from tests.jax import cpu_helpers, fuse_checks
+from tests.jax.fuse_checks import assert_equal_values, scope_operands
 import jax_fusedar as jf
 
 cpu_helpers.require_host_devices()
@@ -68,28 +69,9 @@ def norm_nnx(r, g, eps=EPS):  # f32 param cast to T, then to f32
 # --- helpers -------------------------------------------------------------------------------------
 
 
-def inputs(dtype="bfloat16", gamma_dtype=None, shape=(T, H), seed=0):
-    rng = np.random.default_rng(seed)
-    x = jax.device_put(
-        jnp.asarray(rng.standard_normal((8,) + shape), dtype), NamedSharding(MESH, P("tp"))
-    )
-    res = jnp.asarray(rng.standard_normal(shape), dtype)
-    g = jnp.asarray(1 + 0.1 * rng.standard_normal(shape[-1:]), gamma_dtype or dtype)
-    return x, res, g
-
-
 def smap(body, n_out=2, n_in=3, check_vma=True):
-    """jit(shard_map(body)) over MESH: its first input split over "tp", the rest and the
-    ``n_out`` outputs replicated."""
-    return jax.jit(
-        jax.shard_map(
-            body,
-            mesh=MESH,
-            in_specs=(P("tp"),) + (P(),) * (n_in - 1),
-            out_specs=(P(),) * n_out,
-            check_vma=check_vma,
-        )
-    )
+    """fuse_checks.smap over MESH, jitted."""
+    return jax.jit(fuse_checks.smap(body, n_in, n_out, check_vma, MESH))
 
 
 def site_body(norm):
@@ -126,11 +108,6 @@ def ws():
         yield w
 
 
-def assert_same(a, b):
-    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_array_equal(np.asarray(u, np.float32), np.asarray(v, np.float32))
-
-
 def assert_close_to_unfused(unfused, fused, dtype="bfloat16"):
     """Within the fused op's rounding of the unfused twin: the all-reduce's sum order and
     rounding differ (psum in T vs the fp32 sum rounded once), an ulp of the residual sum,
@@ -148,7 +125,7 @@ def assert_close_to_unfused(unfused, fused, dtype="bfloat16"):
 @pytest.mark.parametrize("norm", [norm_plain, norm_pow, norm_linen, norm_nnx])
 def test_exact_forms_are_fused_and_equal_the_hand_written_op(norm, ws):
     gamma_dtype = "float32" if norm is norm_nnx else None  # nnx rounds its f32 param to T
-    x, res, g = inputs(gamma_dtype=gamma_dtype)
+    x, res, g = scope_operands(gamma_dtype=gamma_dtype)
     f = smap(site_body(norm))
     fused = jf.fuse(f, workspace=ws)
     out = fused(x, res, g)
@@ -158,7 +135,7 @@ def test_exact_forms_are_fused_and_equal_the_hand_written_op(norm, ws):
     site = fused.report.sites[0]
     assert (site.pattern, site.tokens, site.hidden, site.dtype) == (1, T, H, "bfloat16")
     assert site.rms_eps == pytest.approx(EPS) and site.rounding_change is None
-    assert_same(out, smap(hand_body(ws))(x, res, g))
+    assert_equal_values(out, smap(hand_body(ws))(x, res, g))
     assert_close_to_unfused(f(x, res, g), out)
     assert "jax_fusedar_allreduce_fusion" in str(jax.make_jaxpr(fused)(x, res, g))
     assert "psum" not in str(jax.make_jaxpr(fused)(x, res, g))
@@ -166,19 +143,19 @@ def test_exact_forms_are_fused_and_equal_the_hand_written_op(norm, ws):
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_other_dtypes(dtype):
-    x, res, g = inputs(dtype)
+    x, res, g = scope_operands(dtype)
     f = smap(site_body(norm_plain))
     with jf.fuse(f, mesh=MESH, axis_name="tp", backend="xla") as fused:
         out = fused(x, res, g)
         assert len(fused.report.fused) == 1
         ws = fused.workspaces[0]
         assert (ws.dtype.name, ws.max_token_num, ws.hidden_dim) == (dtype, T, H)
-        assert_same(out, smap(hand_body(ws))(x, res, g))
+        assert_equal_values(out, smap(hand_body(ws))(x, res, g))
     assert ws.destroyed  # the transform's own workspaces go with it
 
 
 def test_3d_activations_and_check_vma_off(ws):
-    x, res, g = inputs(shape=(2, 3, H))
+    x, res, g = scope_operands(shape=(2, 3, H))
 
     def body(x, res, g):
         r = jax.lax.psum(x[0], "tp") + res
@@ -189,7 +166,7 @@ def test_3d_activations_and_check_vma_off(ws):
     out = fused(x, res, g)
     assert "psum[" in str(jax.make_jaxpr(f)(x, res, g))  # plain psum without check_vma
     assert fused.report.sites[0].tokens == 6 and fused.report.sites[0].fused
-    assert_same(out, smap(hand_body(ws))(x, res, g))
+    assert_equal_values(out, smap(hand_body(ws))(x, res, g))
 
 
 def _wrapped_models():
@@ -289,7 +266,7 @@ MODELS = _wrapped_models()
 @pytest.mark.parametrize("name", list(MODELS))
 def test_sites_inside_wrappers_are_fused(name, ws):
     body, n_sites, runs = MODELS[name]
-    x, res, g = inputs()
+    x, res, g = scope_operands()
     f = smap(body)
     fused = jf.fuse(f, workspace=ws)
     out = fused(x, res, g)
@@ -298,7 +275,7 @@ def test_sites_inside_wrappers_are_fused(name, ws):
         assert rep.sites[0].reason.startswith(
             "the RMSNorm is inside a custom_jvp (fusing would drop its derivative rule)"
         ), rep.line()
-        assert_same(out, f(x, res, g))
+        assert_equal_values(out, f(x, res, g))
         return
     assert len(rep.sites) == n_sites and len(rep.fused) == n_sites, rep.line()
     assert rep.fused_runs() == runs  # scan/fori lengths counted; cond: each branch counts
@@ -309,15 +286,15 @@ def test_sites_inside_wrappers_are_fused(name, ws):
 
 
 def test_fuse_of_jit_and_jit_of_fuse_agree(ws):
-    x, res, g = inputs()
+    x, res, g = scope_operands()
     body = site_body(norm_plain)
     sm = jax.shard_map(body, mesh=MESH, in_specs=(P("tp"), P(), P()), out_specs=(P(), P()))
     a = jf.fuse(jax.jit(sm), workspace=ws)(x, res, g)
     b = jax.jit(jf.fuse(sm, workspace=ws))(x, res, g)
     c = jf.fuse(sm, workspace=ws)(x, res, g)  # eager shard_map inside
-    assert_same(a, b)
-    assert_same(a, c)
-    assert_same(a, smap(hand_body(ws))(x, res, g))
+    assert_equal_values(a, b)
+    assert_equal_values(a, c)
+    assert_equal_values(a, smap(hand_body(ws))(x, res, g))
 
 
 def test_the_equations_fuse_keeps_keep_the_models_names(ws):
@@ -332,17 +309,17 @@ def test_the_equations_fuse_keeps_keep_the_models_names(ws):
         with jax.named_scope("after_the_site"):
             return r, jnp.sin(n)
 
-    x, res, g = inputs()
+    x, res, g = scope_operands()
     fused = jf.fuse(smap(body), workspace=ws)
     text = jax.jit(fused).lower(x, res, g).as_text(debug_info=True)
     assert len(fused.report.fused) == 1
     for name in ("before_the_site/tanh", "after_the_site/sin"):
         assert name in text, name
-    assert_same(fused(x, res, g), smap(body)(x, res, g))
+    assert_equal_values(fused(x, res, g), smap(body)(x, res, g))
 
 
 def test_kwargs_and_pytrees_pass_through(ws):
-    x, res, g = inputs()
+    x, res, g = scope_operands()
 
     def fn(x, *, state):
         def body(x, res, g):
@@ -355,11 +332,11 @@ def test_kwargs_and_pytrees_pass_through(ws):
 
     out = jf.fuse(fn, workspace=ws)(x, state={"res": res, "g": g})
     assert set(out) == {"r", "h"}
-    assert_same((out["r"], out["h"]), smap(hand_body(ws))(x, res, g))
+    assert_equal_values((out["r"], out["h"]), smap(hand_body(ws))(x, res, g))
 
 
 def test_gemma_one_plus_gamma_and_no_gamma(ws):
-    x, res, g = inputs()
+    x, res, g = scope_operands()
 
     def gemma(r, g):
         f = r.astype(jnp.float32)
@@ -388,14 +365,14 @@ def test_gemma_one_plus_gamma_and_no_gamma(ws):
             )
             return o.residual_out, o.norm_out
 
-        assert_same(out, smap(hand)(x, res, g))
+        assert_equal_values(out, smap(hand)(x, res, g))
 
 
 # --- FP8 tails ------------------------------------------------------------------------------------
 
 
 def test_static_fp8_tail_becomes_pattern_4_or_2(ws):
-    x, res, g = inputs()
+    x, res, g = scope_operands()
     scale = jnp.float32(0.05)
 
     def body(x, res, g, s, keep_norm):
@@ -418,7 +395,7 @@ def test_static_fp8_tail_becomes_pattern_4_or_2(ws):
 
 
 def test_dynamic_fp8_tail_becomes_pattern_11(ws):
-    x, res, g = inputs()
+    x, res, g = scope_operands()
 
     def body(x, res, g):
         r = jax.lax.psum(x[0], "tp") + res
@@ -442,7 +419,7 @@ def test_dynamic_fp8_tail_becomes_pattern_11(ws):
 
 
 def _reason(body, ws, *, gamma_dtype=None, allow=False, shape=(T, H)):
-    x, res, g = inputs(gamma_dtype=gamma_dtype, shape=shape)
+    x, res, g = scope_operands(gamma_dtype=gamma_dtype, shape=shape)
     f = smap(body)
     fused = jf.fuse(f, workspace=ws, allow_rounding_change=allow)
     out = fused(x, res, g)
@@ -516,7 +493,7 @@ def test_non_exact_forms_stay_unfused_with_the_reason(body, gamma_dtype, reason,
     assert len(rep.sites) == 1 and not rep.fused
     assert rep.sites[0].reason.startswith(reason), rep.sites[0].reason
     assert reason in rep.line()
-    assert_same(unfused, out)  # left alone: the very same program
+    assert_equal_values(unfused, out)  # left alone: the very same program
 
 
 @pytest.mark.parametrize(
@@ -528,8 +505,8 @@ def test_non_exact_forms_stay_unfused_with_the_reason(body, gamma_dtype, reason,
 def test_allow_rounding_change_fuses_and_reports_it(norm, gamma_dtype, change, ws):
     rep, unfused, out = _reason(site_body(norm), ws, gamma_dtype=gamma_dtype, allow=True)
     assert len(rep.fused) == 1 and rep.sites[0].rounding_change == change
-    x, res, g = inputs(gamma_dtype=gamma_dtype)
-    assert_same(out, smap(hand_body(ws))(x, res, g))
+    x, res, g = scope_operands(gamma_dtype=gamma_dtype)
+    assert_equal_values(out, smap(hand_body(ws))(x, res, g))
     assert_close_to_unfused(unfused, out)
 
 
@@ -558,7 +535,7 @@ def test_all_reduce_over_another_axis_is_reported():
 
 
 def test_sites_above_the_workspace_stay_unfused(ws):
-    x, res, g = inputs(shape=(2 * 64, H))  # 128 tokens > the workspace's 64
+    x, res, g = scope_operands(shape=(2 * 64, H))  # 128 tokens > the workspace's 64
     f = smap(site_body(norm_plain))
     fused = jf.fuse(f, workspace=ws)
     fused(x, res, g)
@@ -572,10 +549,10 @@ def test_sites_above_the_workspace_stay_unfused(ws):
 def test_created_workspaces_are_reused_and_grown():
     f = smap(site_body(norm_plain))
     with jf.fuse(f, mesh=MESH, backend="xla") as fused:  # 1-D mesh: the axis is implied
-        fused(*inputs(shape=(4, H)))
-        fused(*inputs(shape=(2, H)))
+        fused(*scope_operands(shape=(4, H)))
+        fused(*scope_operands(shape=(2, H)))
         assert [w.max_token_num for w in fused.workspaces] == [4]
-        fused(*inputs(shape=(16, H)))
+        fused(*scope_operands(shape=(16, H)))
         assert [w.max_token_num for w in fused.workspaces] == [4, 16]
         assert fused.report.sites[0].fused
 
@@ -589,18 +566,18 @@ def test_gamma_after_the_rounding_fuses_exactly(allow, ws):
     rep, unfused, out = _reason(site_body(norm_maxtext), ws, allow=allow)
     assert len(rep.fused) == 1, rep.line()
     assert rep.sites[0].rounding_change is None
-    x, res, g = inputs()
+    x, res, g = scope_operands()
 
     def by_hand(x, res, g):
         r, y = hand_body(ws)(x, res, jnp.ones_like(g))
         return r, y * g.astype(y.dtype)
 
-    assert_same(out, smap(by_hand)(x, res, g))
-    assert_same(out, unfused)
+    assert_equal_values(out, smap(by_hand)(x, res, g))
+    assert_equal_values(out, unfused)
 
 
 def test_report_is_logged_as_one_line(ws, caplog):
-    x, res, g = inputs(gamma_dtype="float32")
+    x, res, g = scope_operands(gamma_dtype="float32")
     with caplog.at_level(logging.INFO, logger="jax_fusedar"):
         jf.fuse(smap(site_body(norm_plain)), workspace=ws)(x, res, g)
     lines = [r.getMessage() for r in caplog.records if "jax_fusedar.fuse:" in r.getMessage()]
@@ -613,7 +590,7 @@ def test_report_is_logged_as_one_line(ws, caplog):
 
 
 def test_report_as_data(ws):
-    x, res, g = inputs()
+    x, res, g = scope_operands()
     fused = jf.fuse(smap(site_body(norm_plain)), workspace=ws)
     rep = fused.analyze(x, res, g)
     d = rep.as_dict()
@@ -631,7 +608,7 @@ def test_report_as_data(ws):
 
 def _jvp_missing() -> str:
     """The reason the fused primitive cannot be differentiated yet, or '' when it can."""
-    x, res, g = inputs()
+    x, res, g = scope_operands()
     with jf.create_allreduce_fusion_workspace(
         MESH, "tp", max_token_num=T, hidden_dim=H, dtype=jnp.bfloat16, backend="xla"
     ) as w:
@@ -646,7 +623,7 @@ def test_grad_of_fused_equals_grad_of_original(ws):
     missing = _jvp_missing()
     if missing:
         pytest.skip(f"allreduce_fusion has no JVP rule yet: {missing}")
-    x, res, g = inputs("float32")
+    x, res, g = scope_operands("float32")
     with jf.create_allreduce_fusion_workspace(
         MESH, "tp", max_token_num=T, hidden_dim=H, dtype=jnp.float32, backend="xla"
     ) as w32:
@@ -748,7 +725,7 @@ def test_workspace_with_another_axis_is_refused(ws):
 def test_two_all_reduces_into_one_add_fuse_once(ws):
     # r = psum(a) + psum(b): the first becomes the fused op with psum(b) as its residual; the
     # second cannot claim the same add.
-    x, res, g = inputs()
+    x, res, g = scope_operands()
 
     def body(x, res, g):
         r = jax.lax.psum(x[0], "tp") + jax.lax.psum(x[0] * 2, "tp")

@@ -12,6 +12,7 @@ import jax_fusedar as jf
 from jax_fusedar.fusion import matching
 from jax_fusedar.ops import partitioning
 from tests.jax import cpu_helpers
+from tests.jax.fuse_checks import rms_norm
 
 cpu_helpers.require_host_devices()
 
@@ -19,22 +20,16 @@ MESH = jax.make_mesh((8,), ("tp",), axis_types=(AxisType.Auto,))
 T, H, F, LAYERS = 8, 64, 128, 3
 
 
-def norm(r, g):
-    f = r.astype(jnp.float32)
-    n = f * jax.lax.rsqrt(jnp.mean(f * f, axis=-1, keepdims=True) + 1e-6)
-    return (n * g.astype(jnp.float32)).astype(r.dtype)
-
-
 def decoder(x, w_up, w_down, g):
     """Plain-jit MLP layers (up-projection sharded over its output, down-projection over its
     input: the partitioner's all-reduce), the activation and a select in jitted helpers as
     models write them."""
-    h = norm(x, g[0])
+    h = rms_norm(x, g[0])
     for i in range(LAYERS):
         a = jax.jit(jax.nn.silu)(h @ w_up[i])
         a = jnp.where(jnp.isfinite(a), a, 0.0)  # a jitted select_n (and a scalar's cast)
         x = a @ w_down[i] + x
-        h = norm(x, g[i + 1])
+        h = rms_norm(x, g[i + 1])
     return h
 
 
@@ -88,14 +83,14 @@ def checkpointed_decoder(x, w_up, w_down, w_o, g):
     the end of one call and the norm at the start of the next make a site across calls."""
 
     def layer(x, w_up, w_down, w_o, g_attn, g_mlp):
-        h = norm(x, g_attn)
+        h = rms_norm(x, g_attn)
         x = jnp.tanh(h @ w_up) @ w_o + x
-        h = norm(x, g_mlp)
+        h = rms_norm(x, g_mlp)
         return jax.nn.silu(h @ w_up) @ w_down + x
 
     for i in range(LAYERS):
         x = jax.checkpoint(layer)(x, w_up[i], w_down[i], w_o[i], g[2 * i], g[2 * i + 1])
-    return norm(x, g[-1])
+    return rms_norm(x, g[-1])
 
 
 def test_checkpointed_layers_rotated_are_planned_once(monkeypatch):

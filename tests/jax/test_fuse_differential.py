@@ -216,7 +216,7 @@ def times_two_in_mean(r, g):
     ).astype(r.dtype)
 
 
-def rsqrt_mul_f32(r, g):
+def kept_in_float32(r, g):
     x = _f(r)
     return x * jax.lax.rsqrt(_ms(x) + EPS) * g.astype(f32)
 
@@ -253,10 +253,6 @@ def computed_in_t(r, g):
     return r * jax.lax.rsqrt(jnp.mean(r * r, -1, keepdims=True) + EPS) * g.astype(r.dtype)
 
 
-def kept_in_float32(r, g):
-    return rsqrt_mul_f32(r, g)
-
-
 @dataclasses.dataclass(frozen=True)
 class Spelling:
     norm: Callable
@@ -277,23 +273,18 @@ class Spelling:
     after_gamma: str = "f32"  # gamma as ``after`` reads it: "f32" or "in_t" (rounded to T)
 
 
+def _fused(*norms):
+    """Spellings fused with default options, gamma read as g.astype(float32)."""
+    return {norm.__name__: Spelling(norm, "fused") for norm in norms}
+
+
 SPELLINGS = {
-    "rsqrt_mul": Spelling(rsqrt_mul, "fused"),
-    "sqrt_div": Spelling(sqrt_div, "fused"),
-    "gamma_over_rms": Spelling(gamma_over_rms, "fused"),
-    "pow_minus_half": Spelling(pow_minus_half, "fused"),
-    "sum_over_h": Spelling(sum_over_h, "fused"),
-    "sum_times_inverse_h": Spelling(sum_times_inverse_h, "fused"),
-    "sqrt_h_outside": Spelling(sqrt_h_outside, "fused"),
-    "rms_over_sqrt_h": Spelling(rms_over_sqrt_h, "fused"),
-    "reciprocal_of_sqrt": Spelling(reciprocal_of_sqrt, "fused"),
-    "linen": Spelling(linen, "fused"),
+    **_fused(rsqrt_mul, sqrt_div, gamma_over_rms, pow_minus_half, sum_over_h),
+    **_fused(sum_times_inverse_h, sqrt_h_outside, rms_over_sqrt_h, reciprocal_of_sqrt, linen),
     "gemma_one_plus": Spelling(gemma_one_plus, "fused", col="one_plus"),
     "gemma_rounded_scale": Spelling(gemma_rounded_scale, "fused", col="one_plus_rounded"),
     "no_gamma": Spelling(no_gamma, "fused", col=None),
-    "constant_in_sum": Spelling(constant_in_sum, "fused"),
-    "eps_through_bfloat16": Spelling(eps_through_bfloat16, "fused"),
-    "stop_gradient_gamma": Spelling(stop_gradient_gamma, "fused"),
+    **_fused(constant_in_sum, eps_through_bfloat16, stop_gradient_gamma),
     # gamma multiplied after the rounding: the fused op's norm (gamma of ones) is the
     # program's rounded value, and the program's multiplication by gamma stays after it.
     "hf_gamma_after_cast": Spelling(

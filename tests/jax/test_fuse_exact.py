@@ -17,13 +17,18 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from tests.jax import cpu_helpers
 from tests.jax.cpu_helpers import mesh_2x4
 from tests.jax.fuse_checks import (
+    EPS,
     H,
     assert_bit_equal,
     assert_rounds_like_the_program,
     compiled,
     linear_operands,
+    megatron_g,
     norm_units,
+    rms_norm,
     row_parallel,
+    scope_operands,
+    smap,
     statistic,
 )
 import jax_fusedar as jf
@@ -32,14 +37,7 @@ from jax_fusedar import workspace as wsmod
 cpu_helpers.require_host_devices()
 
 f32, bf16, f16 = jnp.float32, jnp.bfloat16, jnp.float16
-EPS = 1e-6
 MESH = jax.make_mesh((8,), ("tp",))
-
-
-def norm(r, g):  # the fused op's own order of operations
-    x = r.astype(f32)
-    n = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + EPS)
-    return (n * g.astype(f32)).astype(r.dtype)
 
 
 def gemma_rounded_scale(r, w):  # Gemma with the program rounding (1 + w) to T
@@ -49,19 +47,8 @@ def gemma_rounded_scale(r, w):  # Gemma with the program rounding (1 + w) to T
     return (n * scale.astype(f32)).astype(r.dtype)
 
 
-def one_scope_inputs(dtype, gamma_dtype=None, shape=(6, H), seed=0, gamma=None):
-    rng = np.random.default_rng(seed)
-    x = jax.device_put(
-        jnp.asarray(rng.standard_normal((8,) + shape), dtype), NamedSharding(MESH, P("tp"))
-    )
-    res = jnp.asarray(rng.standard_normal(shape), dtype)
-    if gamma is None:
-        gamma = 1 + 0.1 * rng.standard_normal(shape[-1])
-    return x, res, jnp.asarray(gamma, gamma_dtype or dtype)
-
-
 def one_scope(norm_fn, n_extra=0, extra_outs=None):
-    """psum + residual add + norm in one shard_map; returns (r, norm)."""
+    """psum + residual add + norm in one shard_map; returns (r, rms_norm)."""
 
     def body(x, res, g, *extra):
         r = jax.lax.psum(x[0], "tp") + res
@@ -69,16 +56,6 @@ def one_scope(norm_fn, n_extra=0, extra_outs=None):
         return (r, y) if extra_outs is None else extra_outs(r, y, *extra)
 
     return body
-
-
-def smap(body, n_in=3, n_out=2, check_vma=True, mesh=MESH):
-    return jax.shard_map(
-        body,
-        mesh=mesh,
-        in_specs=(P("tp"),) + (P(),) * (n_in - 1),
-        out_specs=(P(),) * n_out,
-        check_vma=check_vma,
-    )
 
 
 def run(fn, args, mesh=MESH, **kw):
@@ -112,7 +89,7 @@ def assert_unchanged(rep, out, want, reason):
 def test_a_scale_one_plus_w_rounded_by_the_program_is_fused_with_that_rounding(dtype):
     """Gemma written with ``(1 + w).astype(T)``: the fused op takes that rounded scale as
     gamma (weight_bias 0), instead of adding 1 to w in float32 unrounded."""
-    args = one_scope_inputs(dtype, gamma=0.1 * np.random.default_rng(3).standard_normal(H))
+    args = scope_operands(dtype, gamma=0.1 * np.random.default_rng(3).standard_normal(H))
     rep, out, want = run(smap(one_scope(gemma_rounded_scale)), args)
     site = rep.sites[0]
     assert site.fused and site.rounding_change is None and site.weight_bias == 0.0, site
@@ -128,7 +105,7 @@ def test_gemma_one_plus_w_in_float32_keeps_its_weight_bias():
         n = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + EPS)
         return (n * (1.0 + w.astype(f32))).astype(r.dtype)
 
-    args = one_scope_inputs("bfloat16", gamma=0.1 * np.random.default_rng(3).standard_normal(H))
+    args = scope_operands("bfloat16", gamma=0.1 * np.random.default_rng(3).standard_normal(H))
     rep, out, want = run(smap(one_scope(gemma)), args)
     assert rep.sites[0].fused and rep.sites[0].weight_bias == 1.0, rep.sites[0]
     assert_norm_exact(gemma, out, args[2], col=1.0 + np.asarray(args[2], np.float64))
@@ -136,10 +113,10 @@ def test_gemma_one_plus_w_in_float32_keeps_its_weight_bias():
 
 
 def test_a_float16_gamma_in_a_bfloat16_model_is_a_declared_rounding():
-    args = one_scope_inputs("bfloat16", gamma_dtype="float16")
-    rep, out, want = run(smap(one_scope(norm)), args)
+    args = scope_operands("bfloat16", gamma_dtype="float16")
+    rep, out, want = run(smap(one_scope(rms_norm)), args)
     assert_unchanged(rep, out, want, "float16 gamma (the kernel reads gamma in bfloat16)")
-    rep, out, _ = run(smap(one_scope(norm)), args, allow_rounding_change=True)
+    rep, out, _ = run(smap(one_scope(rms_norm)), args, allow_rounding_change=True)
     assert rep.sites[0].fused and rep.sites[0].rounding_change == "gamma rounded to bfloat16"
     r = np.asarray(out[0], np.float64)
     units = norm_units(
@@ -153,9 +130,9 @@ def test_a_bfloat16_gamma_beyond_float16_range_in_a_float16_model_stays_unfused(
     gamma = np.full(H, 1.0)
     gamma[::4] = 1e5  # beyond 65504: the kernel, reading gamma in float16, would see inf
     small = np.where(np.arange(H) % 4 == 0, 1e-6, 1.0)  # where the program's output is finite
-    x, res, _ = one_scope_inputs("float16")
+    x, res, _ = scope_operands("float16")
     args = (x * jnp.asarray(small, f16), res * jnp.asarray(small, f16), jnp.asarray(gamma, bf16))
-    rep, out, want = run(smap(one_scope(norm)), args, allow_rounding_change=allow)
+    rep, out, want = run(smap(one_scope(rms_norm)), args, allow_rounding_change=allow)
     assert_unchanged(rep, out, want, "bfloat16 gamma in a float16 model: the kernel reads gamma")
     assert np.all(np.isfinite(np.asarray(out[1], np.float32)))
 
@@ -163,9 +140,9 @@ def test_a_bfloat16_gamma_beyond_float16_range_in_a_float16_model_stays_unfused(
 @pytest.mark.parametrize("through", ["bfloat16", "float16"])
 def test_a_float32_model_rounding_gamma_through_16_bits_keeps_that_rounding(through):
     def norm_rounding_gamma(r, g):
-        return norm(r, g.astype(through).astype(f32))
+        return rms_norm(r, g.astype(through).astype(f32))
 
-    args = one_scope_inputs("float32", gamma=1 + 0.3 * np.random.default_rng(1).standard_normal(H))
+    args = scope_operands("float32", gamma=1 + 0.3 * np.random.default_rng(1).standard_normal(H))
     rep, out, want = run(smap(one_scope(norm_rounding_gamma)), args)
     assert rep.sites[0].fused and rep.sites[0].rounding_change is None, rep.sites[0]
     col = np.asarray(np.asarray(args[2]).astype(through), np.float64)
@@ -188,7 +165,7 @@ def test_a_shard_map_returning_its_sum_twice_stays_unfused(second):
     def model(x, w, res, g):
         s, s2 = row_parallel(mesh, body, 2)(x, w)
         r = s + res
-        return r, norm(r, g), s2
+        return r, rms_norm(r, g), s2
 
     rep, out, want = run(model, linear_operands(mesh, g_spec=P()), mesh)
     assert_unchanged(rep, out, want, "the all-reduce's result has other uses besides the residual")
@@ -205,7 +182,7 @@ def test_a_residual_returned_by_the_same_shard_map_is_read_inside_it():
             out_specs=(P("dp"), P("dp")),
         )(x, w, res)
         r = s + res2
-        return r, norm(r, g), res2
+        return r, rms_norm(r, g), res2
 
     args = linear_operands(mesh, g_spec=P())
     rep, out, want = run(model, args, mesh)
@@ -220,7 +197,7 @@ def test_a_residual_returned_by_the_same_shard_map_is_read_inside_it():
             out_specs=(P("dp"), P()),
         )(x, w, jax.device_put(res, NamedSharding(mesh, P())))
         r = s + res2
-        return r, norm(r, g)
+        return r, rms_norm(r, g)
 
     rep, out, want = run(other_layout, args, mesh)
     assert_unchanged(rep, out, want, "the residual is output 1 of the shard_map")
@@ -232,7 +209,7 @@ def test_a_per_linear_fp8_tail_without_the_norm_output(tail):
 
     def model(x, w, res, g, scale):
         r = row_parallel(mesh)(x, w) + res
-        y32 = norm(r, g).astype(f32)
+        y32 = rms_norm(r, g).astype(f32)
         if tail == "dynamic":
             scale = jnp.maximum(jnp.max(jnp.abs(y32), -1, keepdims=True) / 448, 1 / (512 * 448))
         return r, jnp.clip(y32 / scale, -448, 448).astype(jnp.float8_e4m3fn).astype(f32)
@@ -256,13 +233,13 @@ def test_a_workspace_of_another_world_size_leaves_the_site_alone(layout):
         backend="xla",
     )
     if layout == "one shard_map":
-        fn, args, mesh, world = smap(one_scope(norm)), one_scope_inputs("bfloat16"), MESH, 8
+        fn, args, mesh, world = smap(one_scope(rms_norm)), scope_operands("bfloat16"), MESH, 8
     else:
         mesh, world = mesh_2x4(), 4
 
         def fn(x, w, res, g):
             r = row_parallel(mesh)(x, w) + res
-            return r, norm(r, g)
+            return r, rms_norm(r, g)
 
         args = linear_operands(mesh, g_spec=P())
     fused = jf.fuse(fn, workspace=ws)
@@ -279,7 +256,7 @@ def test_a_workspace_of_another_world_size_leaves_the_site_alone(layout):
 
 def test_export_with_a_symbolic_token_count_leaves_the_site_alone():
     (t,) = jax.export.symbolic_shape("t")
-    fn = smap(one_scope(norm))
+    fn = smap(one_scope(rms_norm))
     specs = [
         jax.ShapeDtypeStruct(s, bf16, sharding=NamedSharding(MESH, p))
         for s, p in (((8, 8 * t, H), P("tp")), ((8 * t, H), P()), ((H,), P()))
@@ -308,14 +285,14 @@ def test_explicit_axes_called_without_a_mesh_set(layout):
         else:
             s = row_parallel(mesh)(x, w)
         r = s + res
-        return r, norm(r, g)
+        return r, rms_norm(r, g)
 
     args = linear_operands(mesh, g_spec=P())
     fused = jf.fuse(model, mesh=mesh, axis_name="tp", backend="xla")
     out, want = compiled(fused)(*args), compiled(model)(*args)  # no jax.set_mesh
     assert fused.report.sites[0].fused, fused.report.line()
     assert_bit_equal(out[0], want[0])
-    assert_norm_exact(norm, out, args[3])
+    assert_norm_exact(rms_norm, out, args[3])
 
 
 # --- reasons --------------------------------------------------------------------------------------
@@ -344,7 +321,7 @@ def test_constants_written_in_float32_are_within_their_rounding(spelling, h):
         return (x * inv(x, x.shape[-1]) * g.astype(f32)).astype(r.dtype)
 
     fused = jf.fuse(smap(one_scope(spelled)), mesh=MESH, backend="xla")
-    rep = fused.analyze(*one_scope_inputs("bfloat16", shape=(2, h)))
+    rep = fused.analyze(*scope_operands("bfloat16", shape=(2, h)))
     site = rep.sites[0]
     assert site.fused, site.reason
     assert site.rms_eps == pytest.approx(EPS, rel=1e-6)
@@ -357,7 +334,7 @@ def test_a_constant_rounded_to_bfloat16_is_another_mean():
         return (x * inv * g.astype(f32)).astype(r.dtype)
 
     fused = jf.fuse(smap(one_scope(spelled)), mesh=MESH, backend="xla")
-    site = fused.analyze(*one_scope_inputs("bfloat16", shape=(2, 80))).sites[0]
+    site = fused.analyze(*scope_operands("bfloat16", shape=(2, 80))).sites[0]
     divisor = 1 / float(jnp.bfloat16(1 / 80))  # 79.92...: another mean than over 80
     assert site.reason == f"the mean divides by {divisor:.9g}, not the hidden size 80"
 
@@ -374,7 +351,7 @@ def test_stop_gradient(where):
         y = (x * inv * g.astype(f32)).astype(r.dtype)
         return jax.lax.stop_gradient(y) if where == "output" else y
 
-    args = one_scope_inputs("bfloat16")
+    args = scope_operands("bfloat16")
     rep, out, want = run(smap(one_scope(spelled)), args)
     if where == "statistic":
         assert_unchanged(rep, out, want, "lax.stop_gradient inside the norm (the fused op")
@@ -397,7 +374,7 @@ def test_a_jitted_per_linear_shard_map():
 
     def model(x, w, res, g):
         r = jax.jit(row_parallel(mesh))(x, w) + res
-        return r, norm(r, g)
+        return r, rms_norm(r, g)
 
     rep, out, want = run(model, linear_operands(mesh, g_spec=P()), mesh)
     assert rep.sites[0].fused and rep.sites[0].kind == "shard_map psum", rep.line()
@@ -413,7 +390,7 @@ def test_two_sites_on_the_outputs_of_one_shard_map():
         )(x, w)
         r1 = s1 + res
         r2 = s2 + res
-        return r1, norm(r1, g), r2, norm(r2, g)
+        return r1, rms_norm(r1, g), r2, rms_norm(r2, g)
 
     rep, out, want = run(model, linear_operands(mesh, g_spec=P()), mesh)
     assert len(rep.sites) == 2 and len(rep.fused) == 2, rep.line()
@@ -427,7 +404,7 @@ def _f32_sum(mesh, cast_inside):
 
     def model(x, w, res, g):
         r = row_parallel(mesh, body)(x, w).astype(bf16) + res
-        return r, norm(r, g)
+        return r, rms_norm(r, g)
 
     return model
 
@@ -451,30 +428,14 @@ def test_a_float32_sum_of_a_per_linear_shard_map_cast_down(cast_inside):
     assert (
         site.rounding_change == "each rank's float32 partial sum rounded to bfloat16 before the sum"
     )
-    assert_norm_exact(norm, out, args[3])
+    assert_norm_exact(rms_norm, out, args[3])
 
 
 @pytest.mark.parametrize("rule", ["custom_vjp", "custom_jvp"])
 def test_a_psum_with_its_own_rule_is_one_site(rule):
-    if rule == "custom_vjp":
-
-        @jax.custom_vjp
-        def g_op(v):
-            return jax.lax.psum(v, "tp")
-
-        g_op.defvjp(
-            lambda v: (g_op(v), None), lambda _, ct: (jax.lax.pcast(ct, "tp", to="varying"),)
-        )
-    else:
-
-        @jax.custom_jvp
-        def g_op(v):
-            return jax.lax.psum(v, "tp")
-
-        g_op.defjvp(lambda p, t: (g_op(*p), jax.lax.psum(t[0], "tp")))
-
+    g_op = megatron_g(rule)
     fused = jf.fuse(smap(lambda x, res, g: (g_op(x[0]) * 2, res)), mesh=MESH, backend="xla")
-    rep = fused.analyze(*one_scope_inputs("bfloat16"))
+    rep = fused.analyze(*scope_operands("bfloat16"))
     assert [s.reason for s in rep.sites] == ["the all-reduce is not followed by a residual add"]
 
 
@@ -484,8 +445,8 @@ def test_a_static_fp8_tail_with_a_literal_scale(literal):
         q = jnp.clip(y.astype(f32) / (0.05 if literal else scale), -448, 448)
         return r, y, q.astype(jnp.float8_e4m3fn).astype(f32)
 
-    args = one_scope_inputs("bfloat16") + (jnp.float32(0.05),)
-    rep, out, want = run(smap(one_scope(norm, extra_outs=extra_outs), n_in=4, n_out=3), args)
+    args = scope_operands("bfloat16") + (jnp.float32(0.05),)
+    rep, out, want = run(smap(one_scope(rms_norm, extra_outs=extra_outs), n_in=4, n_out=3), args)
     site = rep.sites[0]
     assert site.fused and site.pattern == 4 and site.note is None, site
     assert_bit_equal(out[:2], want[:2])
@@ -495,7 +456,7 @@ def test_a_static_fp8_tail_with_a_literal_scale(literal):
 def test_a_psum_added_to_a_varying_residual(check_vma):
     def body(x, res, g):
         r = jax.lax.psum(x[0], "tp") + x[1]  # under check_vma JAX puts a pvary between
-        return r, norm(r, g)
+        return r, rms_norm(r, g)
 
     fn = jax.shard_map(
         body,
@@ -504,15 +465,15 @@ def test_a_psum_added_to_a_varying_residual(check_vma):
         out_specs=(P("tp"), P("tp")),
         check_vma=check_vma,
     )
-    args = one_scope_inputs("bfloat16")
+    args = scope_operands("bfloat16")
     rep, out, want = run(fn, args)
     assert rep.sites[0].fused, rep.sites[0].reason
     assert_bit_equal(out, want)
 
 
 def test_a_site_of_no_tokens_is_served():
-    args = one_scope_inputs("bfloat16", shape=(0, H))
-    rep, out, want = run(smap(one_scope(norm)), args)
+    args = scope_operands("bfloat16", shape=(0, H))
+    rep, out, want = run(smap(one_scope(rms_norm)), args)
     assert rep.sites[0].fused and rep.sites[0].tokens == 0, rep.line()
     assert [o.shape for o in out] == [(0, H), (0, H)]
 
@@ -536,8 +497,8 @@ def test_two_transforms_alive_with_one_site_shape_get_distinct_workspaces(monkey
     native rank's stand-in."""
     claim = wsmod._claim_id
     monkeypatch.setattr(wsmod, "_claim_id", lambda ws, allocates: claim(ws, allocates=True))
-    fn = smap(one_scope(norm))
-    args = one_scope_inputs("bfloat16")
+    fn = smap(one_scope(rms_norm))
+    args = scope_operands("bfloat16")
     first = jf.fuse(fn, mesh=MESH, backend="xla")
     second = jf.fuse(fn, mesh=MESH, backend="xla")
     try:

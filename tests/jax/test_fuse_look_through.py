@@ -14,20 +14,12 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from tests.jax import cpu_helpers
 from tests.jax.cpu_helpers import mesh_2x4
-from tests.jax.fuse_checks import F, H, T, assert_bit_equal, compiled, linear_operands
+from tests.jax.fuse_checks import F, H, T, assert_bit_equal, compiled, linear_operands, rms_norm
 import jax_fusedar as jf
 
 cpu_helpers.require_host_devices()
 
 f32 = jnp.float32
-EPS = 1e-6
-
-
-def norm(r, g):
-    x = r.astype(f32)
-    return (x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + EPS) * g.astype(f32)).astype(
-        r.dtype
-    )
 
 
 def fuse_and_compare(fn, args, mesh, grads=True, **kw):
@@ -76,7 +68,7 @@ def test_sharding_constraints_and_names_are_looked_through_and_kept(where):
         r = res + s
         if where in ("residual_sum", "both"):
             r = checkpoint_name(sc(r), "decoder_layer_input")
-        return r, norm(r, g)
+        return r, rms_norm(r, g)
 
     with jax.set_mesh(mesh):
         rep, text = fuse_and_compare(fn, linear_operands(mesh), mesh)
@@ -98,7 +90,7 @@ def test_reshard_and_explicit_axes_are_looked_through():
     def fn(x, w, res, g):
         s = jnp.einsum("tf,fh->th", x, w, out_sharding=P("dp"))
         r = jax.sharding.reshard(res + s, P("dp"))
-        return r, norm(r, g)
+        return r, rms_norm(r, g)
 
     with jax.set_mesh(mesh):
         rep, _ = fuse_and_compare(fn, linear_operands(mesh), mesh)
@@ -114,7 +106,7 @@ def test_a_name_on_the_sum_under_a_saving_policy_stays_as_written():
     def make(policy):
         def layer(x, w, res, g):
             r = res + checkpoint_name(x @ w, "out_proj")
-            return r, norm(r, g)
+            return r, rms_norm(r, g)
 
         return jax.checkpoint(layer, policy=policy)
 
@@ -137,7 +129,7 @@ def test_a_per_token_linear_under_vmap_is_fused_in_its_own_order():
     def fn(x, w, res, g):
         s = jax.vmap(lambda t: w @ t)(x)  # w: [H, F], split along F
         r = res + s
-        return r, norm(r, g)
+        return r, rms_norm(r, g)
 
     args = linear_operands(mesh, w_shape=(H, F), w_spec=P(None, "tp"))
     with jax.set_mesh(mesh):
@@ -155,7 +147,7 @@ def test_gamma_after_the_rounding_leaves_its_multiplication_in_the_program():
     def fn(x, w, res, g):
         r = res + x @ w
         f = r.astype(f32)
-        y = (f * jax.lax.rsqrt(jnp.mean(f * f, -1, keepdims=True) + EPS)).astype(r.dtype)
+        y = (f * jax.lax.rsqrt(jnp.mean(f * f, -1, keepdims=True) + 1e-6)).astype(r.dtype)
         return r, jnp.einsum("k,...k->...k", g, y)
 
     with jax.set_mesh(mesh):
@@ -170,7 +162,7 @@ def test_nothing_fused_lists_the_near_misses():
 
     def fn(x, w, res, g):
         r = res + jnp.tanh(x @ w)
-        return r, norm(r, g)
+        return r, rms_norm(r, g)
 
     with jax.set_mesh(mesh):
         rep = jf.fuse(fn, mesh=mesh, axis_name="tp", backend="xla").analyze(*linear_operands(mesh))
@@ -187,7 +179,7 @@ def test_a_fused_site_lists_no_near_misses():
 
     def fn(x, w, res, g):
         r = res + x @ w
-        return r, norm(r, g) @ jnp.ones((H, H), jnp.bfloat16)
+        return r, rms_norm(r, g) @ jnp.ones((H, H), jnp.bfloat16)
 
     with jax.set_mesh(mesh):
         rep = jf.fuse(fn, mesh=mesh, axis_name="tp", backend="xla").analyze(*linear_operands(mesh))

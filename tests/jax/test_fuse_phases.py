@@ -17,6 +17,7 @@ from jax_fusedar.fusion.matching import Scope
 from jax_fusedar.fusion.report import Reject
 from jax_fusedar.fusion.scopes import Analyzer
 from tests.jax import cpu_helpers
+from tests.jax.fuse_checks import assert_equal_values, rms_norm
 
 cpu_helpers.require_host_devices()
 
@@ -24,17 +25,11 @@ MESH = jax.make_mesh((8,), ("tp",))
 H = 64
 
 
-def norm(r, g):
-    f = r.astype(jnp.float32)
-    n = f * jax.lax.rsqrt(jnp.mean(f * f, axis=-1, keepdims=True) + 1e-6)
-    return (n * g.astype(jnp.float32)).astype(r.dtype)
-
-
 def two_sites(x, y, res, g):
     """Two sites of one dtype and hidden size with 4 and 12 tokens."""
     r1 = jax.lax.psum(x[0], "tp") + res[:4]
     r2 = jax.lax.psum(y[0], "tp") + res
-    return norm(r1, g), norm(r2, g)
+    return rms_norm(r1, g), rms_norm(r2, g)
 
 
 MODEL = jax.jit(
@@ -123,8 +118,7 @@ def test_one_workspace_serves_the_sites_of_a_trace():
         assert [s.fused for s in fused.report.sites] == [True, True]
         assert [(w.max_token_num, w.hidden_dim) for w in fused.workspaces] == [(12, H)]
     want = MODEL(*args())
-    for a, b in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    assert_equal_values(got, want)
 
 
 def test_a_workspace_that_cannot_be_made_leaves_its_sites_unfused(monkeypatch):
@@ -138,8 +132,7 @@ def test_a_workspace_that_cannot_be_made_leaves_its_sites_unfused(monkeypatch):
         "cannot create a workspace: cudaMalloc failed"
     ] * 2
     assert fused.workspaces == []
-    for a, b in zip(got, MODEL(*args())):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    assert_equal_values(got, MODEL(*args()))
 
 
 def test_a_rotated_scan_allocates_for_the_plan_it_keeps():
@@ -147,12 +140,12 @@ def test_a_rotated_scan_allocates_for_the_plan_it_keeps():
     one's sites get workspaces."""
 
     def layer(x, p):
-        h = norm(x, p["g"])
+        h = rms_norm(x, p["g"])
         return x + jax.lax.psum(h @ p["w"], "tp"), None
 
     def body(ps, x, g):
         x, _ = jax.lax.scan(layer, x, ps)
-        return norm(x, g)
+        return rms_norm(x, g)
 
     rng = np.random.default_rng(1)
     ps = dict(

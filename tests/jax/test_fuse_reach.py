@@ -12,22 +12,14 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from tests.jax import cpu_helpers
+from tests.jax import cpu_helpers, fuse_checks
 from tests.jax.cpu_helpers import mesh_2x4
-from tests.jax.fuse_checks import F, H, T, linear_operands, row_parallel
+from tests.jax.fuse_checks import EPS, F, H, T, linear_operands, rms_norm, row_parallel
 import jax_fusedar as jf
 
 cpu_helpers.require_host_devices()
 
 f32 = jnp.float32
-EPS = 1e-6
-
-
-def norm(r, g):
-    x = r.astype(f32)
-    return (x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + EPS) * g.astype(f32)).astype(
-        r.dtype
-    )
 
 
 def per_dp_shard(body, mesh, check_vma=True):
@@ -65,16 +57,12 @@ def run(fn, args, mesh, workspace=None, **kw):
 
 
 def close(a, b, ulps=4):
+    dtype = np.asarray(a[0]).dtype
+    eps = 1e-6 if dtype == np.float32 else float(jnp.finfo(dtype).eps)
     for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         u, v = np.asarray(u, np.float64), np.asarray(v, np.float64)
-        eps = (
-            float(jnp.finfo(jnp.asarray(a[0]).dtype).eps)
-            if np.asarray(a[0]).dtype != np.float32
-            else 1e-6
-        )
-        assert np.max(np.abs(u - v)) <= ulps * eps * max(np.max(np.abs(v)), 1e-30), np.max(
-            np.abs(u - v)
-        ) / np.max(np.abs(v))
+        err = np.max(np.abs(u - v))
+        assert err <= ulps * eps * max(np.max(np.abs(v)), 1e-30), err / np.max(np.abs(v))
 
 
 # --- across the shard_map boundary ----------------------------------------------------------------
@@ -87,7 +75,7 @@ def test_per_linear_shard_map_moves_the_add_and_the_norm_in(axis_type):
     def model(x, w, res, g):
         s = row_parallel(mesh)(x, w)
         r = s + res
-        return r, norm(r, g)
+        return r, rms_norm(r, g)
 
     rep, out, want, g_f, g_o = run(model, linear_operands(mesh), mesh)
     assert rep.line() == "jax_fusedar.fuse: fused 1 of 1 all-reduce + residual + RMSNorm site(s)"
@@ -103,7 +91,7 @@ def test_a_residual_resharded_by_the_program_before_the_add():
     def model(x, w, res, g):
         s = row_parallel(mesh)(x, w)
         r = s + jax.sharding.reshard(res, P("dp"))
-        return r, norm(r, g)
+        return r, rms_norm(r, g)
 
     fused = jf.fuse(model, mesh=mesh, axis_name="tp", backend="xla")
     with jax.set_mesh(mesh):
@@ -124,9 +112,9 @@ def _sp(norm_on_shard_gathered=True, gather=True):
         s = jax.lax.psum_scatter(x @ w, "tp", scatter_dimension=0, tiled=True)
         r = s + res
         if norm_on_shard_gathered:
-            y = norm(r, g)
+            y = rms_norm(r, g)
             return r, jax.lax.all_gather(y, "tp", axis=0, tiled=True) if gather else y
-        return r, norm(jax.lax.all_gather(r, "tp", axis=0, tiled=True), g)
+        return r, rms_norm(jax.lax.all_gather(r, "tp", axis=0, tiled=True), g)
 
     out_y = P("dp") if gather else P(("dp", "tp"))
     f = jax.shard_map(
@@ -205,21 +193,11 @@ def test_sequence_parallel_norm_left_on_the_shard_is_reported():
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_psum_in_a_custom_vjp_is_fused_and_its_backward_kept(check_vma):
     mesh = mesh_2x4()
-
-    @jax.custom_vjp
-    def g_op(v):
-        return jax.lax.psum(v, "tp")
-
-    if check_vma:  # the identity backward, typed as the varying input
-        g_op.defvjp(
-            lambda v: (g_op(v), None), lambda _, ct: (jax.lax.pcast(ct, "tp", to="varying"),)
-        )
-    else:
-        g_op.defvjp(lambda v: (g_op(v), None), lambda _, ct: (ct,))
+    g_op = fuse_checks.megatron_g(varying=check_vma)
 
     def body(x, w, res, g):
         r = g_op(x @ w) + res
-        return r, norm(r, g)
+        return r, rms_norm(r, g)
 
     f = per_dp_shard(body, mesh, check_vma=check_vma)
     rep, out, want, g_f, g_o = run(f, linear_operands(mesh), mesh)
@@ -232,7 +210,7 @@ def test_psum_in_a_custom_vjp_is_fused_and_its_backward_kept(check_vma):
 
         def plain(x, w, res, g):
             r = jax.lax.psum(x @ w, "tp") + res
-            return r, norm(r, g)
+            return r, rms_norm(r, g)
 
         _, _, _, g_plain, _ = run(
             per_dp_shard(plain, mesh, check_vma=False), linear_operands(mesh), mesh
@@ -242,12 +220,7 @@ def test_psum_in_a_custom_vjp_is_fused_and_its_backward_kept(check_vma):
 
 def test_psum_in_a_custom_jvp_whose_rule_is_psums_own_is_fused():
     mesh = mesh_2x4()
-
-    @jax.custom_jvp
-    def g_op(v):
-        return jax.lax.psum(v, "tp")
-
-    g_op.defjvp(lambda p, t: (g_op(*p), jax.lax.psum(t[0], "tp")))
+    g_op = fuse_checks.megatron_g("custom_jvp")
 
     @jax.custom_jvp
     def g_bad(v):
@@ -259,7 +232,7 @@ def test_psum_in_a_custom_jvp_whose_rule_is_psums_own_is_fused():
 
         def body(x, w, res, g, op=op):
             r = op(x @ w) + res
-            return r, norm(r, g)
+            return r, rms_norm(r, g)
 
         rep, out, want, g_f, g_o = run(per_dp_shard(body, mesh), linear_operands(mesh), mesh)
         assert rep.sites[0].fused == fused_, rep.line()
@@ -276,7 +249,7 @@ def test_float32_psum_cast_down_before_the_add_needs_the_flag():
 
     def body(x, w, res, g):
         r = jax.lax.psum(jnp.dot(x, w, preferred_element_type=f32), "tp").astype(res.dtype) + res
-        return r, norm(r, g)
+        return r, rms_norm(r, g)
 
     f = per_dp_shard(body, mesh)
     args = linear_operands(mesh)
@@ -299,7 +272,7 @@ def test_psum_over_an_axis_tuple_whose_other_axes_have_size_one():
 
         def body(x, w, res, g, axes=axes):
             r = jax.lax.psum(x @ w, axes) + res
-            return r, norm(r, g)
+            return r, rms_norm(r, g)
 
         f = jax.shard_map(
             body,
@@ -326,7 +299,7 @@ def test_psum_over_an_axis_tuple_whose_other_axes_have_size_one():
 
     def body2(x, w, res, g):
         r = jax.lax.psum(x @ w, ("dp", "tp")) + res
-        return r, norm(r, g)
+        return r, rms_norm(r, g)
 
     f = jax.shard_map(
         body2,
@@ -352,13 +325,7 @@ def test_psum_over_an_axis_tuple_whose_other_axes_have_size_one():
 
 def _one_site(body, *, shape=(T, H), extra=(), allow=False):
     mesh = jax.make_mesh((8,), ("tp",))
-    rng = np.random.default_rng(4)
-    x = jax.device_put(
-        jnp.asarray(rng.standard_normal((8,) + shape), jnp.bfloat16), NamedSharding(mesh, P("tp"))
-    )
-    res = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
-    g = jnp.asarray(1 + 0.1 * rng.standard_normal(shape[-1]), jnp.bfloat16)
-    args = (x, res, g) + tuple(extra)
+    args = fuse_checks.scope_operands(shape=shape, seed=4) + tuple(extra)
     f = jax.jit(
         jax.shard_map(
             body, mesh=mesh, in_specs=(P("tp"),) + (P(),) * (len(args) - 1), out_specs=P()
@@ -411,7 +378,7 @@ def test_a_per_token_scale_is_not_taken_for_gamma_when_tokens_equal_hidden():
 def test_the_fp8_amax_axis_decides_the_tail(tokens, axis, kind):
     def body(x, res, g):
         r = jax.lax.psum(x[0], "tp") + res
-        y32 = norm(r, g).astype(f32)
+        y32 = rms_norm(r, g).astype(f32)
         s = jnp.maximum(jnp.max(jnp.abs(y32), axis=axis, keepdims=True) / 448, 1 / (512 * 448))
         return r, jnp.clip(y32 / s, -448, 448).astype(jnp.float8_e4m3fn).astype(f32), s
 
@@ -438,16 +405,16 @@ def test_custom_rules_beside_the_norm_and_at_unfused_sites_are_kept():
 
     @jax.custom_vjp
     def half_grad_norm(r, g):  # a norm with its own (deliberately different) rule
-        return norm(r, g)
+        return rms_norm(r, g)
 
     half_grad_norm.defvjp(
-        lambda r, g: (norm(r, g), (r, g)),
-        lambda res, ct: tuple(0.5 * v for v in jax.vjp(norm, *res)[1](ct)),
+        lambda r, g: (rms_norm(r, g), (r, g)),
+        lambda res, ct: tuple(0.5 * v for v in jax.vjp(rms_norm, *res)[1](ct)),
     )
 
     def beside(x, res, g):
         r = jax.lax.psum(x[0], "tp") + res
-        return r, norm(r, g), no_grad(r) * 3
+        return r, rms_norm(r, g), no_grad(r) * 3
 
     def rule_on_norm(x, res, g):
         r = jax.lax.psum(x[0], "tp") + res
@@ -508,7 +475,7 @@ def test_plain_jit_size_one_axes_and_float32_gamma(axis_type):
     def model(h, w, res, g):
         o = jnp.einsum("btf,fd->btd", h, w, out_sharding=P() if explicit else None)
         r = o + res
-        return r, norm(r, g)
+        return r, rms_norm(r, g)
 
     rep, out, want, g_f, g_o = run(model, (h, w, res, g), mesh, allow_rounding_change=True)
     assert rep.sites[0].fused and rep.sites[0].rounding_change == "gamma rounded to bfloat16"

@@ -12,7 +12,7 @@ import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
 from tests.jax import cpu_helpers
-from tests.jax.fuse_checks import assert_bit_equal, compiled
+from tests.jax.fuse_checks import assert_bit_equal, compiled, rms_norm
 from tests.models import annotated_llama, scanned_llama
 from tests.models.common import Config, activations
 import jax_fusedar as jf
@@ -152,13 +152,8 @@ def test_checkpoints_with_a_saving_policy_are_not_crossed(saving):
     stays as written."""
     mesh, params, x, _ = setup(annotated_llama, remat=False)
 
-    def rms(v, g):
-        f = v.astype(jnp.float32)
-        y = f * jax.lax.rsqrt(jnp.mean(f * f, -1, keepdims=True) + CFG.eps)
-        return (y * g.astype(jnp.float32)).astype(v.dtype)
-
     def layer(p, v):
-        return v + jnp.tanh(rms(v, p["attn_norm"]) @ p["wv"]) @ p["wo"]
+        return v + jnp.tanh(rms_norm(v, p["attn_norm"], CFG.eps) @ p["wv"]) @ p["wo"]
 
     policy = jax.checkpoint_policies.save_only_these_names("x") if saving else None
     step = jax.checkpoint(layer, policy=policy)
@@ -166,7 +161,7 @@ def test_checkpoints_with_a_saving_policy_are_not_crossed(saving):
     def fwd(params, v):
         for p in params["layers"]:
             v = step(p, v)
-        return rms(v, params["final_norm"])
+        return rms_norm(v, params["final_norm"], CFG.eps)
 
     fused = jf.fuse(fwd, mesh=mesh, axis_name="tp", backend="xla")
     with jax.set_mesh(mesh):

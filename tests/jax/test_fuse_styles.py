@@ -27,10 +27,6 @@ FORWARD_BOUND = 4.0  # max |fused - original| / (eps_T * max |original|)
 GRAD_BOUND = 16.0
 
 
-def _eps(dtype):
-    return float(jnp.finfo(dtype).eps)
-
-
 def _rel(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
@@ -100,7 +96,7 @@ def test_style_is_fused_within_the_bound(style):
         assert rep.fused_runs() == 2 * CFG.layers, rep.line()
     assert all(s.weight_bias == style.weight_bias for s in rep.sites)
     assert all(bool(s.rounding_change) == style.rounding_change for s in rep.sites)
-    eps = _eps(style.dtype)
+    eps = float(jnp.finfo(style.dtype).eps)
     assert _rel(out, want) <= FORWARD_BOUND * eps, _rel(out, want) / eps
     if not style.grad_check:
         return

@@ -34,14 +34,8 @@ def test_config_that_does_not_split_is_refused_by_name(change, message):
 
 def test_llama3_8b_shapes():
     cfg = llama.LLAMA3_8B
-    assert (cfg.layers, cfg.hidden, cfg.ffn, cfg.heads, cfg.kv_heads, cfg.head_dim) == (
-        32,
-        4096,
-        14336,
-        32,
-        8,
-        128,
-    )
+    shapes = (cfg.layers, cfg.hidden, cfg.ffn, cfg.heads, cfg.kv_heads, cfg.head_dim)
+    assert shapes == (32, 4096, 14336, 32, 8, 128)
     cfg.check(2)
 
 
