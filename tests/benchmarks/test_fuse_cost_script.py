@@ -32,3 +32,10 @@ def test_fuse_cost_measures_every_decoder_with_every_site_fused(tmp_path):
             hand = f"rotated_by_hand_compile{clock}_ratio"
             assert (hand in row) == ("scanned" in row["model"])
     assert "ms/layer" in r.stdout
+
+
+def test_counts_below_one_are_refused_before_anything_runs():
+    for flag, value in [("--layers", "0"), ("--reps", "-1"), ("--integration-layers", "x")]:
+        r = cpu_devices.run_module("benchmarks.fuse_cost", flag, value, xla_flags=None)
+        assert r.returncode == 2, (flag, r.stdout, r.stderr)
+        assert f"argument {flag}: '{value}': a whole number of at least 1" in r.stderr
