@@ -8,6 +8,13 @@ test).
     python -m benchmarks.fuse_cost --integration       # also the integration lane's models
                                                        # (run with the lane's venv), at 2
                                                        # and 8 layers (--integration-layers)
+    python -m benchmarks.fuse_cost --ranks 8 --platform cuda  # one process per rank
+
+``--ranks N`` runs one ``jax.distributed`` process per rank (rank r on GPU r % GPUs; ranks
+may share a GPU: nothing runs on it, only XLA's compiler works) and fuses with the workspace
+backend ``"auto"``: on GPUs the kernel, so the fused program that is compiled holds its
+custom calls, as a user's on GPUs does; without ``--ranks`` the sites compile as XLA's
+fallback (backend ``"xla"``, the only one on CPUs).
 
 The decoders are pre-norm Llama layers (q/k/v projections, rotary embeddings, grouped-query
 causal attention, the out-projection, a SwiGLU MLP; ``--kinds minimal``: attention reduced to
@@ -43,10 +50,16 @@ import statistics
 import sys
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-_FLAGS = "--xla_force_host_platform_device_count=8"
-if _FLAGS not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAGS}".strip()
+# Set by ``--ranks`` in each rank process it starts: "rank world port".
+_RANK = os.environ.get("FUSE_COST_RANK")
+if _RANK is None:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    _FLAGS = "--xla_force_host_platform_device_count=8"
+    if _FLAGS not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAGS}".strip()
+else:
+    # Eight ranks fit on one GPU: each takes memory as it needs it.
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -58,6 +71,8 @@ import jax_fusedar as jf  # noqa: E402
 HIDDEN, FFN, TOKENS, EPS = 256, 512, 16, 1e-5
 HEADS, KV_HEADS, HEAD_DIM, ROPE_THETA = 16, 8, 16, 10000.0
 TARGET_MS_PER_LAYER, TARGET_COMPILE_RATIO = 10.0, 1.1
+# The fused all-reduce's custom call (a prefix of its versioned FFI target) in compiled HLO.
+_KERNEL = "jax_fusedar_allreduce_fusion"
 
 
 def _rms_norm(x, g):
@@ -160,7 +175,8 @@ def _rotated_by_hand(kind, params, x):
 def decoder(layers: int, scan: bool, by_hand: bool = False, kind: str = "llama"):
     """(fn, args, mesh, axis, layers) of a pre-norm decoder of ``layers`` layers of
     ``kind`` (``KINDS``; ``by_hand``: scanned, rotated by hand, ``_rotated_by_hand``)."""
-    mesh = jax.make_mesh((8,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
+    tp = jax.device_count()  # 8 host devices, or one per rank process (--ranks)
+    mesh = jax.make_mesh((tp,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
     rng = np.random.default_rng(0)
     dt = jnp.bfloat16
     weights = KINDS[kind][2]
@@ -194,8 +210,21 @@ def decoder(layers: int, scan: bool, by_hand: bool = False, kind: str = "llama")
 
     fn = jax.shard_map(body, mesh=mesh, in_specs=(pspecs, P()), out_specs=P(), check_vma=False)
     x = jnp.asarray(rng.standard_normal((TOKENS, HIDDEN)), dt)
-    args = jax.device_put((params, x), NamedSharding(mesh, P()))
-    return fn, args, mesh, "tp", layers
+    return fn, _replicated((params, x), mesh), mesh, "tp", layers
+
+
+def _replicated(tree, mesh):
+    """``tree``'s arrays replicated over ``mesh``. Across rank processes (``--ranks``) each
+    places its own copy: every rank draws the same values (the same seed)."""
+    sharding = NamedSharding(mesh, P())
+    if jax.process_count() == 1:
+        return jax.device_put(tree, sharding)
+
+    def place(a):
+        a = np.asarray(a)
+        return jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
+
+    return jax.tree.map(place, tree)
 
 
 def _timed(f):
@@ -204,13 +233,26 @@ def _timed(f):
     return time.perf_counter() - t
 
 
-def measure(name, fn, args, mesh, axis, layers, reps, context=None, by_hand=None, options=None):
+def measure(
+    name,
+    fn,
+    args,
+    mesh,
+    axis,
+    layers,
+    reps,
+    context=None,
+    by_hand=None,
+    options=None,
+    backend="xla",
+):
     """One row; ``by_hand``: the same program rotated by hand, whose lower + compile is
-    timed in the same repetitions (the rotation's own cost); ``options``: fuse's."""
+    timed in the same repetitions (the rotation's own cost); ``options``: fuse's;
+    ``backend``: its workspaces' (``"auto"`` with ``--ranks``: the kernel on GPUs)."""
     import contextlib
 
     ctx = context or contextlib.nullcontext
-    trace, analysis, whole, sites = [], [], [], None
+    trace, analysis, whole, sites, kernel_calls = [], [], [], None, None
     # Lower + compile of each program: wall seconds, and the process's CPU seconds (XLA's
     # work, which the other load of a shared machine does not change).
     wall = {"original": [], "fused": [], "by_hand": []}
@@ -225,7 +267,7 @@ def measure(name, fn, args, mesh, axis, layers, reps, context=None, by_hand=None
         for _ in range(reps):
             jax.clear_caches()
             trace.append(_timed(lambda: jax.make_jaxpr(fn)(*args)))
-            fused = jf.fuse(fn, mesh=mesh, axis_name=axis, backend="xla", **(options or {}))
+            fused = jf.fuse(fn, mesh=mesh, axis_name=axis, backend=backend, **(options or {}))
             jax.clear_caches()
             rep = fused.analyze(*args)
             # Measured inside the trace, the trace itself left out.
@@ -240,9 +282,11 @@ def measure(name, fn, args, mesh, axis, layers, reps, context=None, by_hand=None
                 jax.clear_caches()
                 traced = jax.jit(f).trace(*args)  # (the fused one's pass: timed above)
                 t, c = time.perf_counter(), time.process_time()
-                traced.lower().compile()
+                compiled = traced.lower().compile()
                 wall[key].append(time.perf_counter() - t)
                 cpu[key].append(time.process_time() - c)
+                if key == "fused":  # the kernel's calls in it (0: the sites' XLA fallback)
+                    kernel_calls = compiled.as_text().count(f'custom_call_target="{_KERNEL}')
             fused.close()
 
     def stat(xs):
@@ -254,6 +298,11 @@ def measure(name, fn, args, mesh, axis, layers, reps, context=None, by_hand=None
         "fused_sites": sites[0],
         "sites": sites[1],
         "fused_calls_per_run": sites[2],
+        "platform": jax.devices()[0].platform,
+        "ranks": jax.process_count(),
+        "devices": jax.device_count(),
+        "backend": backend,
+        "kernel_calls_in_program": kernel_calls,
         "trace_s": stat(trace),
         "analysis_s": stat(analysis),
         "analysis_ms_per_layer": 1e3 * statistics.median(analysis) / layers,
@@ -288,7 +337,8 @@ def print_row(r):
     ok_cpu = r["compile_cpu_ratio"]["median"] <= TARGET_COMPILE_RATIO
     print(
         f"{r['model']:<44} fused {r['fused_sites']}/{r['sites']} "
-        f"({r['fused_calls_per_run']} calls/run) | trace {_fmt(r['trace_s'])} s | "
+        f"({r['fused_calls_per_run']} calls/run, {r['kernel_calls_in_program']} kernel "
+        f"calls in the program) | trace {_fmt(r['trace_s'])} s | "
         f"analysis {_fmt(r['analysis_s'])} s = {r['analysis_ms_per_layer']:.2f} ms/layer "
         f"[{ok(ok_a)}], whole pass {_fmt(r['pass_s'])} s = {r['pass_ms_per_layer']:.2f} "
         f"ms/layer [{ok(ok_p)}] | lower+compile orig {_fmt(r['original_lower_compile_s'])}"
@@ -333,6 +383,72 @@ def _count(text: str) -> int:
     return n
 
 
+def _launch(argv, ranks: int, platform: str) -> int:
+    """Runs this script once per rank (``--ranks``): rank r a ``jax.distributed`` process on
+    ``platform``, on GPU r % (GPUs) for "cuda". Rank 0 prints; the others' output is kept in
+    files, shown if one fails. Each process compiles for itself: compile times are rank 0's
+    (the ranks compile at the same time, on the host's cores)."""
+    import socket
+    import subprocess
+    import tempfile
+
+    gpus = 1
+    if platform == "cuda":
+        smi = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=True)
+        gpus = max(1, sum(line.startswith("GPU ") for line in smi.stdout.splitlines()))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    # The parent's 8 host devices are not the ranks': each rank process has one device.
+    flags = os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
+    with tempfile.TemporaryDirectory(prefix="fuse_cost_ranks_") as logs:
+        procs, logged = [], []
+        for r in range(ranks):
+            env = dict(
+                os.environ,
+                FUSE_COST_RANK=f"{r} {ranks} {port} {r % gpus}",
+                JAX_PLATFORMS=platform,
+                XLA_FLAGS=flags.strip(),
+            )
+            log = None if r == 0 else open(os.path.join(logs, f"rank{r}.log"), "w")
+            logged += [log] if log else []
+            cmd = [sys.executable, "-m", "benchmarks.fuse_cost", *argv]
+            to = dict(stdout=log, stderr=subprocess.STDOUT) if log else {}
+            procs.append(subprocess.Popen(cmd, env=env, **to))
+        failed = None
+        while failed is None and any(p.poll() is None for p in procs):
+            failed = next((r for r, p in enumerate(procs) if p.poll()), None)
+            time.sleep(0.2)
+        failed = next((r for r, p in enumerate(procs) if p.poll()), failed)
+        for p in procs:  # after a failure, the others would wait for that rank forever
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for log in logged:
+            log.close()
+        if failed is None:
+            return 0
+        if failed:
+            with open(os.path.join(logs, f"rank{failed}.log")) as f:
+                sys.stderr.write(f"rank {failed} failed (exit {procs[failed].returncode}):\n")
+                sys.stderr.write("".join(f.readlines()[-40:]))
+        return procs[failed].returncode or 1
+
+
+def _join_ranks() -> None:
+    """This rank process's place in the ``jax.distributed`` group ``_launch`` started."""
+    rank, world, port, gpu = map(int, _RANK.split())
+    cpu = os.environ["JAX_PLATFORMS"] == "cpu"
+    if cpu:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}",
+        num_processes=world,
+        process_id=rank,
+        local_device_ids=None if cpu else [gpu],
+    )
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=_count, nargs="+", default=[8, 48, 80])
@@ -343,8 +459,28 @@ def main(argv=None) -> int:
     ap.add_argument("--only-integration", action="store_true")
     ap.add_argument("--integration-layers", type=_count, nargs="+", default=[2, 8])
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument(
+        "--ranks",
+        type=_count,
+        help="one jax.distributed process per rank instead of 8 host devices in one; fuse's "
+        "workspaces on backend 'auto' (the kernel on GPUs, its custom calls compiled)",
+    )
+    ap.add_argument("--platform", choices=["cpu", "cuda"], default="cpu", help="of --ranks")
     a = ap.parse_args(argv)
-    print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices")
+    if a.ranks and (a.integration or a.only_integration):
+        ap.error("--ranks: the integration models build their meshes of 8 host devices")
+    if a.ranks and _RANK is None:
+        return _launch(sys.argv[1:] if argv is None else list(argv), a.ranks, a.platform)
+    if _RANK is not None:
+        _join_ranks()
+    lead = jax.process_index() == 0  # the one that prints and writes
+    backend = "xla" if _RANK is None else "auto"
+    say = print if lead else (lambda *args, **kw: None)
+    say(
+        f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices"
+        f" in {jax.process_count()} process(es), fuse's backend {backend!r}",
+        flush=True,
+    )
     rows = []
     if not a.only_integration:
         for kind, layers, mode in itertools.product(a.kinds, a.layers, a.modes):
@@ -352,8 +488,11 @@ def main(argv=None) -> int:
             fn, args, mesh, axis, n = decoder(layers, scanned, kind=kind)
             hand = decoder(layers, True, by_hand=True, kind=kind)[0] if scanned else None
             name = f"{kind} decoder {mode} {layers} layers"
-            rows.append(measure(name, fn, args, mesh, axis, n, a.reps, by_hand=hand))
-            print_row(rows[-1])
+            rows.append(
+                measure(name, fn, args, mesh, axis, n, a.reps, by_hand=hand, backend=backend)
+            )
+            if lead:
+                print_row(rows[-1])
     if a.integration or a.only_integration:
         # With allow_rounding_change: Equinox's sites fuse only so (the others the same either
         # way), and a row where nothing fused would measure nothing.
@@ -361,7 +500,7 @@ def main(argv=None) -> int:
         for name, fn, args, mesh, axis, n, ctx in integration_models(a.integration_layers):
             rows.append(measure(name, fn, args, mesh, axis, n, a.reps, ctx, options=rounding))
             print_row(rows[-1])
-    if a.json:
+    if a.json and lead:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
     return 0

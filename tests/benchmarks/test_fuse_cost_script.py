@@ -39,3 +39,21 @@ def test_counts_below_one_are_refused_before_anything_runs():
         r = cpu_devices.run_module("benchmarks.fuse_cost", flag, value, xla_flags=None)
         assert r.returncode == 2, (flag, r.stdout, r.stderr)
         assert f"argument {flag}: '{value}': a whole number of at least 1" in r.stderr
+
+
+def test_ranks_run_one_process_each_and_a_failed_rank_ends_the_run(tmp_path):
+    """``--ranks``: one jax.distributed process per rank (CPU here: the XLA fallback, no
+    kernel call); rank 0 writes the rows. Hidden 256 does not split over 3 ranks: every
+    rank fails, and the run ends with an error instead of waiting for them."""
+    out = tmp_path / "rows.json"
+    argv = "--layers 1 --kinds minimal --modes scanned --reps 1 --ranks 2 --json".split()
+    r = cpu_devices.run_module("benchmarks.fuse_cost", *argv, out, xla_flags=None)
+    assert r.returncode == 0, r.stdout + r.stderr
+    [row] = json.loads(out.read_text())
+    assert (row["ranks"], row["devices"], row["platform"]) == (2, 2, "cpu")
+    assert (row["backend"], row["kernel_calls_in_program"]) == ("auto", 0)
+    assert row["fused_sites"] == row["sites"] == 2 and row["fused_calls_per_run"] == 2
+    assert "2 cpu devices in 2 process(es)" in r.stdout
+    argv[argv.index("2")] = "3"
+    r = cpu_devices.run_module("benchmarks.fuse_cost", *argv, out, xla_flags=None)
+    assert r.returncode != 0 and "divisible" in r.stdout + r.stderr, r.stdout + r.stderr
