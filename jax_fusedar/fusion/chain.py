@@ -119,10 +119,23 @@ def _emitted_at(g: G.Graph, i: int, gamma) -> Optional[int]:
     return at
 
 
-def find_chains(g: G.Graph, allow: bool) -> list:
+# Why a call's last site stays unfused when the next norm is found but the rewritten call
+# cannot stand where that norm's gamma exists (``_emitted_at`` is None).
+GAMMA_AFTER_USE = (
+    "the next RMSNorm is in the next checkpoint call (or after this one), but its gamma is "
+    "computed after an equation that reads this call's outputs, so the call cannot be "
+    "rewritten to compute that norm: compute gamma before the call (e.g. slice the stacked "
+    "gammas first)"
+)
+
+
+def find_chains(g: G.Graph, allow: bool, stranded: Optional[dict] = None) -> list:
     """Chains of checkpoint calls in one scope where a call's output, an add at the end of
     its body, is the next call's input normalized first (or is normalized after the last
-    call): lists of Links, two calls at least (or one with a final norm)."""
+    call): lists of Links, two calls at least (or one with a final norm). ``stranded``
+    (if given) gets {id of a body eqn: reason} for the sums added at the end of the calls
+    in no chain whose next norm was found but could not be joined (``GAMMA_AFTER_USE``):
+    the reason their sites report."""
     chains = []
     used = set()
     graphs = {}  # id(body) -> its Graph: a call's body is read as the next and as the current
@@ -134,7 +147,7 @@ def find_chains(g: G.Graph, allow: bool) -> list:
             cur = links[-1]
             ce = g.eqns[cur.i]
             body, bg = _body_graph(ce, graphs)
-            nxt = None
+            nxt, unjoined = None, []
             for o, y in enumerate(ce.outvars):
                 if isinstance(y, jcore.DropVar) or not add_at_end(bg, body.outvars[o]):
                     continue
@@ -148,8 +161,12 @@ def find_chains(g: G.Graph, allow: bool) -> list:
                         cur.at = at
                         nxt = (o, Link(j, head, None, at=j))
                         break
+                    if head is not None:
+                        unjoined.append(body.outvars[o])
                 final = _final_norm(g, y, allow)
                 at = None if final is None else _emitted_at(g, cur.i, final.gamma)
+                if final is not None and at is None:
+                    unjoined.append(body.outvars[o])
                 if at is not None:
                     cur.out, cur.final, cur.at = o, final, at
                     cur.tail = Norm(g, final, y, final.gamma)
@@ -162,7 +179,35 @@ def find_chains(g: G.Graph, allow: bool) -> list:
         if len(links) > 1 or links[0].final is not None:
             used.update(link.i for link in links)
             chains.append(links)
+        elif stranded is not None:
+            for v in unjoined:
+                stranded.update((id(e), GAMMA_AFTER_USE) for e in _summands(bg, v))
     return chains
+
+
+def _summands(bg: G.Graph, v) -> list:
+    """The eqns whose results the add computing ``v`` (through value-preserving eqns)
+    adds: a site's reduction among them."""
+    e = None
+    while G.is_var(v):
+        _, e = bg.eqn(v)
+        if e is None or not (G.name(e) in G.NO_OPS and len(e.invars) == 1):
+            break
+        v = e.invars[0]
+    if e is None or G.name(e) != "add":
+        return []
+    found = []
+    for a in e.invars:
+        while G.is_var(a):
+            _, d = bg.eqn(a)
+            if d is None:
+                break
+            if G.name(d) in G.NO_OPS and len(d.invars) == 1:
+                a = d.invars[0]
+                continue
+            found.append(d)
+            break
+    return found
 
 
 def _final_norm(g: G.Graph, y, allow):

@@ -58,6 +58,7 @@ FLOAT32_CONSTANT = 2.0**-24
 FP8_MAX = 448.0
 FP8_MIN_SCALE = 1.0 / (512.0 * 448.0)
 SHAPE_OPS = ("broadcast_in_dim", "reshape", "squeeze", "expand_dims")
+NO_NORM_IN_SCOPE = "no RMSNorm of the residual sum in the same scope"
 STOP_GRADIENT = (
     "lax.stop_gradient inside the norm (the fused op differentiates through the whole norm, "
     "so fusing would change the gradient)"
@@ -850,7 +851,7 @@ def prove_rms_norm(g: G.Graph, r, allow: bool) -> NormProof:
     if picked is None:
         if prover.first_failure is not None:
             raise Reject(prover.first_failure)
-        raise Reject("no RMSNorm of the residual sum in the same scope")
+        raise Reject(NO_NORM_IN_SCOPE)
     out, x = picked
     out_dtype = G.dtype(out)
     changes = []

@@ -25,7 +25,7 @@ from jax.extend import core as jcore
 from ..ops.plan import fused_site_problem
 from ..common import limits
 from . import graph as G
-from . import chain, jax_internals, matching, rotation
+from . import chain, jax_internals, matching, norm_proof, rotation
 from . import report as R
 from .matching import Scope
 from .report import Reject
@@ -372,6 +372,9 @@ class Analyzer:
         self.sites = []
         self.needs = []
         self.custom_rule_reasons = {}  # stable key of a source eqn -> reason
+        # Stable key of a call body's reduction -> why its site, whose norm is in the next
+        # call, is not joined with it (chain.find_chains): said instead of "no norm".
+        self.stranded_reasons = {}
         # (stable key of a shard_map eqn, output) -> (reason, late): from either pass, as
         # the shard_map may be seen spliced in one and inside its call in the other
         self.boundary_failures = {}
@@ -437,7 +440,8 @@ class Analyzer:
             else:
                 plan.emit[m.emit_at].append(self._emitter(m))
         self._drop_dead(g, plan, removable, read)
-        for links in chain.find_chains(g, self.admission.allow_rounding_change):
+        allow = self.admission.allow_rounding_change
+        for links in chain.find_chains(g, allow, self.stranded_reasons):
             self._plan_chain(links, g, scope, plan, read)
         # Sub-jaxprs.
         for j, e in enumerate(g.eqns):
@@ -697,6 +701,8 @@ class Analyzer:
                 self._admit(m, scope, taken, g)
         except Reject as why:
             reason = self.custom_rule_reasons.get(stable, str(why))
+            if reason == norm_proof.NO_NORM_IN_SCOPE:
+                reason = self.stranded_reasons.get(stable, reason)
             if boundary:
                 # Reported by the body's analysis, with this reason (_roles_for), when it
                 # came once the site was found (in the matcher after the add, or here).

@@ -172,3 +172,42 @@ def test_checkpoints_with_a_saving_policy_are_not_crossed(saving):
     else:
         assert len(rep.fused) == CFG.layers, rep.line()
         assert all("across checkpoint calls" in s.note for s in rep.fused), rep.sites
+
+
+def test_a_call_whose_next_gamma_reads_its_outputs_says_why_it_is_not_joined():
+    """Layers checkpointed one by one in shard_map where the next layer's gamma is computed
+    from the previous call's outputs (after it): that call cannot be rewritten to compute
+    the next norm, and its site says so (not "no RMSNorm in the same scope"); the last
+    call, whose final norm's gamma is at hand, is joined with it. Values are unchanged."""
+    from jax.sharding import PartitionSpec as P
+
+    from jax_fusedar.fusion.chain import GAMMA_AFTER_USE
+
+    mesh, layers, hidden = cpu_helpers.tp_mesh(), 3, 64
+    rng = np.random.default_rng(5)
+    ws = jnp.asarray(rng.standard_normal((layers, 8, hidden, hidden)) / 8, jnp.bfloat16)
+    v0 = jnp.asarray(rng.standard_normal((16, hidden)), jnp.bfloat16)
+    gs = jnp.asarray(1 + rng.standard_normal((layers, hidden)) / 4, jnp.bfloat16)
+    g_final = jnp.asarray(1 + rng.standard_normal(hidden) / 4, jnp.bfloat16)
+
+    def layer(v, w, g):
+        v = v + jax.lax.psum(jnp.tanh(rms_norm(v, g) @ w), "tp")
+        return v, jnp.max(v)
+
+    step = jax.checkpoint(layer)
+
+    def body(ws, v, gs, g_final):
+        top = jnp.zeros((), v.dtype)
+        for n in range(layers):
+            v, top = step(v, ws[n, 0], gs[n] + 0 * top)  # gamma reads the last call's max
+        return rms_norm(v, g_final)
+
+    fwd = jax.shard_map(
+        body, mesh=mesh, in_specs=(P(None, "tp"), P(), P(), P()), out_specs=P(), check_vma=False
+    )
+    fused = jf.fuse(fwd, mesh=mesh, axis_name="tp", backend="xla")
+    args = (ws, v0, gs, g_final)
+    assert_bit_equal(compiled(fused)(*args), compiled(fwd)(*args))
+    rep = fused.report
+    assert len(rep.fused) == 1 and "across checkpoint calls" in rep.fused[0].note, rep.line()
+    assert [s.reason for s in rep.not_fused] == [GAMMA_AFTER_USE] * (layers - 1), rep.line()
