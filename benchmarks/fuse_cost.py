@@ -50,7 +50,7 @@ import statistics
 import sys
 import time
 
-# Set by ``--ranks`` in each rank process it starts: "rank world port".
+# Set by ``--ranks`` in each rank process it starts: "rank world port gpu".
 _RANK = os.environ.get("FUSE_COST_RANK")
 if _RANK is None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
