@@ -52,9 +52,9 @@ import time
 
 # Set by ``--ranks`` in each rank process it starts: "rank world port gpu".
 _RANK = os.environ.get("FUSE_COST_RANK")
+_FLAGS = "--xla_force_host_platform_device_count=8"  # one process: 8 host devices
 if _RANK is None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    _FLAGS = "--xla_force_host_platform_device_count=8"
     if _FLAGS not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAGS}".strip()
 else:
@@ -383,24 +383,20 @@ def _count(text: str) -> int:
     return n
 
 
-def _launch(argv, ranks: int, platform: str) -> int:
+def _launch(argv, ranks: int, platform: str, gpus: int) -> int:
     """Runs this script once per rank (``--ranks``): rank r a ``jax.distributed`` process on
-    ``platform``, on GPU r % (GPUs) for "cuda". Rank 0 prints; the others' output is kept in
+    ``platform``, on GPU r % ``gpus`` for "cuda". Rank 0 prints; the others' output is kept in
     files, shown if one fails. Each process compiles for itself: compile times are rank 0's
     (the ranks compile at the same time, on the host's cores)."""
     import socket
     import subprocess
     import tempfile
 
-    gpus = 1
-    if platform == "cuda":
-        smi = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=True)
-        gpus = max(1, sum(line.startswith("GPU ") for line in smi.stdout.splitlines()))
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     # The parent's 8 host devices are not the ranks': each rank process has one device.
-    flags = os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
+    flags = os.environ.get("XLA_FLAGS", "").replace(_FLAGS, "")
     with tempfile.TemporaryDirectory(prefix="fuse_cost_ranks_") as logs:
         procs, logged = [], []
         for r in range(ranks):
@@ -415,11 +411,10 @@ def _launch(argv, ranks: int, platform: str) -> int:
             cmd = [sys.executable, "-m", "benchmarks.fuse_cost", *argv]
             to = dict(stdout=log, stderr=subprocess.STDOUT) if log else {}
             procs.append(subprocess.Popen(cmd, env=env, **to))
-        failed = None
-        while failed is None and any(p.poll() is None for p in procs):
-            failed = next((r for r, p in enumerate(procs) if p.poll()), None)
+        # Until all have ended or one has failed (a nonzero exit).
+        while any(p.poll() is None for p in procs) and not any(p.poll() for p in procs):
             time.sleep(0.2)
-        failed = next((r for r, p in enumerate(procs) if p.poll()), failed)
+        failed = next((r for r, p in enumerate(procs) if p.poll()), None)
         for p in procs:  # after a failure, the others would wait for that rank forever
             if p.poll() is None:
                 p.kill()
@@ -470,7 +465,12 @@ def main(argv=None) -> int:
     if a.ranks and (a.integration or a.only_integration):
         ap.error("--ranks: the integration models build their meshes of 8 host devices")
     if a.ranks and _RANK is None:
-        return _launch(sys.argv[1:] if argv is None else list(argv), a.ranks, a.platform)
+        from jax_fusedar.common import native
+
+        gpus = native.gpu_count() if a.platform == "cuda" else 1
+        if not gpus:
+            ap.error("--platform cuda: no CUDA GPU is visible (to jax_fusedar's native module)")
+        return _launch(sys.argv[1:] if argv is None else list(argv), a.ranks, a.platform, gpus)
     if _RANK is not None:
         _join_ranks()
     lead = jax.process_index() == 0  # the one that prints and writes

@@ -35,7 +35,12 @@ def test_fuse_cost_measures_every_decoder_with_every_site_fused(tmp_path):
 
 
 def test_counts_below_one_are_refused_before_anything_runs():
-    for flag, value in [("--layers", "0"), ("--reps", "-1"), ("--integration-layers", "x")]:
+    for flag, value in [
+        ("--layers", "0"),
+        ("--reps", "-1"),
+        ("--integration-layers", "x"),
+        ("--ranks", "0"),
+    ]:
         r = cpu_devices.run_module("benchmarks.fuse_cost", flag, value, xla_flags=None)
         assert r.returncode == 2, (flag, r.stdout, r.stderr)
         assert f"argument {flag}: '{value}': a whole number of at least 1" in r.stderr
@@ -57,3 +62,18 @@ def test_ranks_run_one_process_each_and_a_failed_rank_ends_the_run(tmp_path):
     argv[argv.index("2")] = "3"
     r = cpu_devices.run_module("benchmarks.fuse_cost", *argv, out, xla_flags=None)
     assert r.returncode != 0 and "divisible" in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+def test_ranks_refuse_what_they_cannot_run():
+    """--ranks with the integration models (their meshes are 8 host devices of one process),
+    and --platform cuda where no GPU is visible: usage errors, before any process starts."""
+    from jax_fusedar.common import native
+
+    cases = [("--integration", "build their meshes of 8 host devices")]
+    if native.gpu_count() == 0:
+        cases.append(("--platform cuda", "--platform cuda: no CUDA GPU is visible"))
+    for extra, message in cases:
+        r = cpu_devices.run_module(
+            "benchmarks.fuse_cost", "--ranks", "2", *extra.split(), xla_flags=None
+        )
+        assert r.returncode == 2 and message in r.stderr, (extra, r.stdout, r.stderr)
