@@ -188,26 +188,10 @@ def find_chains(g: G.Graph, allow: bool, stranded: Optional[dict] = None) -> lis
 def _summands(bg: G.Graph, v) -> list:
     """The eqns whose results the add computing ``v`` (through value-preserving eqns)
     adds: a site's reduction among them."""
-    e = None
-    while G.is_var(v):
-        _, e = bg.eqn(v)
-        if e is None or not (G.name(e) in G.NO_OPS and len(e.invars) == 1):
-            break
-        v = e.invars[0]
+    e = bg.producer(v)
     if e is None or G.name(e) != "add":
         return []
-    found = []
-    for a in e.invars:
-        while G.is_var(a):
-            _, d = bg.eqn(a)
-            if d is None:
-                break
-            if G.name(d) in G.NO_OPS and len(d.invars) == 1:
-                a = d.invars[0]
-                continue
-            found.append(d)
-            break
-    return found
+    return [d for d in map(bg.producer, e.invars) if d is not None]
 
 
 def _final_norm(g: G.Graph, y, allow):

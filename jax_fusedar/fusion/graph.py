@@ -89,6 +89,15 @@ class Graph:
         i = self.defs.get(v) if isinstance(v, jcore.Var) else None
         return (i, self.eqns[i]) if i is not None else (None, None)
 
+    def producer(self, v):
+        """The eqn computing ``v``, looking through value-preserving eqns (``NO_OPS``);
+        None for an input of the jaxpr or a literal."""
+        while True:
+            _, e = self.eqn(v)
+            if e is None or name(e) not in NO_OPS or len(e.invars) != 1:
+                return e
+            v = e.invars[0]
+
     def users(self, v):
         return sorted(set(self.uses.get(v, ())))
 

@@ -52,14 +52,8 @@ class Rotation:
 
 def add_at_end(bg: G.Graph, v) -> bool:
     """Whether ``v`` is computed by an ``add`` (through value-preserving eqns)."""
-    while True:
-        _, e = bg.eqn(v)
-        if e is None:
-            return False
-        if G.name(e) in G.NO_OPS and len(e.invars) == 1:
-            v = e.invars[0]
-            continue
-        return G.name(e) == "add"
+    e = bg.producer(v)
+    return e is not None and G.name(e) == "add"
 
 
 def self_contained(bg: G.Graph, proof, x_in) -> bool:
