@@ -388,13 +388,12 @@ def _launch(argv, ranks: int, platform: str, gpus: int) -> int:
     ``platform``, on GPU r % ``gpus`` for "cuda". Rank 0 prints; the others' output is kept in
     files, shown if one fails. Each process compiles for itself: compile times are rank 0's
     (the ranks compile at the same time, on the host's cores)."""
-    import socket
     import subprocess
     import tempfile
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from jax_fusedar.cli.ranks import free_port
+
+    port = free_port()
     # The parent's 8 host devices are not the ranks': each rank process has one device.
     flags = os.environ.get("XLA_FLAGS", "").replace(_FLAGS, "")
     with tempfile.TemporaryDirectory(prefix="fuse_cost_ranks_") as logs:

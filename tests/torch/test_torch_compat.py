@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import torch_compat
+from jax_fusedar.cli.ranks import free_port
 from jax_fusedar.common import backend_choice, exchange, launch_mode, native, tp_groups
 from jax_fusedar.common import quant_layouts, results
 from jax_fusedar.common.patterns import TRAITS
@@ -625,12 +626,6 @@ def test_shared_gpu_is_allowed_with_a_warning(caplog):
 # --- multi-process CPU run over gloo: groups from dist.new_group, the real default store ---------
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def gloo_worker(rank, world, chan, *, port):
     """DP=2 x TP=2 with gloo: the checks that need real subgroups, and the exchange over
     the default store with the crossed device layout (fake ranks: no GPU here)."""
@@ -688,7 +683,7 @@ def gloo_worker(rank, world, chan, *, port):
 def test_dp_tp_over_gloo_four_processes():
     from tests.gpu.harness import run_ranks
 
-    res = run_ranks(gloo_worker, 4, timeout_s=180, port=_free_port())
+    res = run_ranks(gloo_worker, 4, timeout_s=180, port=free_port())
     for g, r in enumerate(res):
         assert "the size of `group`" in r["seen"]["world_size"], r["seen"]
         if g >= 2:
