@@ -388,12 +388,13 @@ def _launch(argv, ranks: int, platform: str, gpus: int) -> int:
     ``platform``, on GPU r % ``gpus`` for "cuda". Rank 0 prints; the others' output is kept in
     files, shown if one fails. Each process compiles for itself: compile times are rank 0's
     (the ranks compile at the same time, on the host's cores)."""
+    import socket
     import subprocess
     import tempfile
 
-    from jax_fusedar.cli.ranks import free_port
-
-    port = free_port()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     # The parent's 8 host devices are not the ranks': each rank process has one device.
     flags = os.environ.get("XLA_FLAGS", "").replace(_FLAGS, "")
     with tempfile.TemporaryDirectory(prefix="fuse_cost_ranks_") as logs:
@@ -427,6 +428,22 @@ def _launch(argv, ranks: int, platform: str, gpus: int) -> int:
                 sys.stderr.write(f"rank {failed} failed (exit {procs[failed].returncode}):\n")
                 sys.stderr.write("".join(f.readlines()[-40:]))
         return procs[failed].returncode or 1
+
+
+def _visible_gpus() -> int:
+    """The GPUs a rank process may choose from: those CUDA_VISIBLE_DEVICES names, else those
+    ``nvidia-smi -L`` lists (0 without it). An outside tool: the benchmarks use only the
+    public API, which counts no GPUs."""
+    import subprocess
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
+    try:
+        smi = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(line.startswith("GPU ") for line in smi.stdout.splitlines())
 
 
 def _join_ranks() -> None:
@@ -464,11 +481,11 @@ def main(argv=None) -> int:
     if a.ranks and (a.integration or a.only_integration):
         ap.error("--ranks: the integration models build their meshes of 8 host devices")
     if a.ranks and _RANK is None:
-        from jax_fusedar.common import native
-
-        gpus = native.gpu_count() if a.platform == "cuda" else 1
+        gpus = _visible_gpus() if a.platform == "cuda" else 1
         if not gpus:
-            ap.error("--platform cuda: no CUDA GPU is visible (to jax_fusedar's native module)")
+            ap.error(
+                "--platform cuda: no CUDA GPU is visible (CUDA_VISIBLE_DEVICES, else nvidia-smi -L)"
+            )
         return _launch(sys.argv[1:] if argv is None else list(argv), a.ranks, a.platform, gpus)
     if _RANK is not None:
         _join_ranks()

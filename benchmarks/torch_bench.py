@@ -58,7 +58,6 @@ from benchmarks.report import (
     positive_int,
     seed,
 )
-from jax_fusedar.cli.ranks import free_port
 from jax_fusedar.common import plan as rules, sizing
 
 PROG = "python -m benchmarks.torch_bench"
@@ -1116,6 +1115,12 @@ def _worker(rank: int, args, port: int, result_dir: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def launch(worker: Callable, world: int, worker_args: tuple, timeout_s: float) -> None:
     """Runs ``worker(rank, *worker_args)`` in ``world`` spawned processes. A rank that raises
     ends the others (torch.multiprocessing's ProcessContext) and its traceback is raised
@@ -1185,7 +1190,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
         flush=True,
     )
     with tempfile.TemporaryDirectory(prefix="bench_torch_") as tmp:
-        launch(_worker, args.world, (args, free_port(), tmp), args.timeout)
+        launch(_worker, args.world, (args, _free_port(), tmp), args.timeout)
         ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(args.world)]
     machine = {
         **ranks[0]["machine"],

@@ -64,14 +64,15 @@ def test_ranks_run_one_process_each_and_a_failed_rank_ends_the_run(tmp_path):
     assert r.returncode != 0 and "divisible" in r.stdout + r.stderr, r.stdout + r.stderr
 
 
-def test_ranks_refuse_what_they_cannot_run():
+def test_ranks_refuse_what_they_cannot_run(monkeypatch):
     """--ranks with the integration models (their meshes are 8 host devices of one process),
-    and --platform cuda where no GPU is visible: usage errors, before any process starts."""
-    from jax_fusedar.common import native
-
-    cases = [("--integration", "build their meshes of 8 host devices")]
-    if native.gpu_count() == 0:
-        cases.append(("--platform cuda", "--platform cuda: no CUDA GPU is visible"))
+    and --platform cuda where no GPU is visible (CUDA_VISIBLE_DEVICES names none): usage
+    errors, before any process starts."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    cases = [
+        ("--integration", "build their meshes of 8 host devices"),
+        ("--platform cuda", "--platform cuda: no CUDA GPU is visible"),
+    ]
     for extra, message in cases:
         r = cpu_devices.run_module(
             "benchmarks.fuse_cost", "--ranks", "2", *extra.split(), xla_flags=None

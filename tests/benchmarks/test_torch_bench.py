@@ -24,7 +24,6 @@ torch = pytest.importorskip("torch", reason="torch is not installed (pip install
 
 from benchmarks import report  # noqa: E402
 from benchmarks import torch_bench as bt  # noqa: E402
-from jax_fusedar.cli.ranks import free_port  # noqa: E402
 from jax_fusedar.common import plan as rules  # noqa: E402
 from tools import flashinfer_anchor as fa  # noqa: E402
 
@@ -365,7 +364,7 @@ def _sleeping_worker(rank):
 
 @pytest.mark.slow
 def test_launch_and_agreement_over_gloo(tmp_path):
-    bt.launch(_agree_worker, 2, (free_port(), str(tmp_path)), timeout_s=120)
+    bt.launch(_agree_worker, 2, (bt._free_port(), str(tmp_path)), timeout_s=120)
     for r in range(2):
         assert json.loads((tmp_path / f"{r}.json").read_text()) == [None, "rank 1: bad thing"]
 
