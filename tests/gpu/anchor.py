@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
 
 from tools.flashinfer_anchor import (
     ANCHOR_ENV_VAR,
@@ -35,25 +34,13 @@ __all__ = [
 ]
 
 
-def path(explicit: Optional[str] = None) -> Path:
-    return resolve_anchor_path(explicit)
-
-
-def problem(where: Path) -> Optional[str]:
-    """Why the anchor at ``where`` cannot be used (None: it looks complete)."""
-    return anchor_problem(where)
+path = resolve_anchor_path
+problem = anchor_problem  # why the anchor at a path cannot be used (None: it looks complete)
+load = load_anchor  # ``flashinfer.comm.allreduce`` from the anchor (raises AnchorUnavailable)
+create_workspace = create_anchor_workspace
 
 
 def prepare_parent(where: Path) -> None:
     """Sets, in the test process, what the spawned ranks must inherit (LD_LIBRARY_PATH only
     takes effect at process start)."""
     os.environ.update(anchor_environment(where))
-
-
-def load(where) -> object:
-    """``flashinfer.comm.allreduce`` from the anchor (raises AnchorUnavailable)."""
-    return load_anchor(where)
-
-
-def create_workspace(fi, **kw):
-    return create_anchor_workspace(fi, **kw)

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 
+from tests.gpu.harness import report
 from tests.repo import REPO
 
 PRINTF_MARK = "jax_fusedar handshake FAILED on rank"
@@ -173,9 +174,3 @@ def lost_trap_record(res, r, head, *, record_within_s) -> str:
         lost_traps.GRACE_S <= ended <= (record_within_s + lost_traps.GRACE_S + LOST_TRAP_SLACK_S)
     ), (ended, r)
     return records[0]
-
-
-def report(name, result):
-    from tests.gpu.harness import report as write
-
-    write(name, result)

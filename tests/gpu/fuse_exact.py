@@ -21,7 +21,7 @@ import re
 
 import numpy as np
 
-from tests.gpu.fuse_styles import COLLECTIVES, _global, _setup, captured
+from tests.gpu.fuse_styles import COLLECTIVES, _global, _setup, captured, fusion_problems
 
 EPS = 1e-6
 TOKENS, HIDDEN = 64, 1024
@@ -298,15 +298,9 @@ def check(results, *, platform="cuda"):
     for r in results:
         for name, v in r["cases"].items():
             where = f"rank {r['rank']} {name}"
+            problems += fusion_problems(where, v, platform)
             if "error" in v:
-                problems.append(f"{where}: {v['error']}\n{v.get('traceback', '')}")
                 continue
-            if not v["sites"] or v["fused"] != v["sites"]:
-                problems.append(f"{where}: {v['report']}")
-            if platform == "cuda" and v["custom_calls"] != v["fused"]:
-                problems.append(
-                    f"{where}: {v['custom_calls']} fused custom calls, {v['fused']} sites"
-                )
             if v["xla_collectives"] and platform == "cuda":
                 problems.append(f"{where}: XLA collectives left: {v['xla_collectives']}")
             if not v["finite"]:

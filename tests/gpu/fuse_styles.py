@@ -193,6 +193,23 @@ def worker(rank, world, chan, *, port, seed, styles, platform="cuda", config=Non
     return results
 
 
+def fusion_problems(where, v, platform):
+    """What is wrong with one case's fusion (``v``: its result, or its error as ``captured``
+    gives it): the error, no site found or one left unfused, and on GPUs a count of fused
+    custom calls in the compiled HLO other than the fused sites'."""
+    if "error" in v:
+        return [f"{where}: {v['error']}\n{v.get('traceback', '')}"]
+    problems = []
+    if v["fused"] != v["sites"] or not v["sites"]:
+        problems.append(f"{where}: {v['report']}")
+    if platform == "cuda" and v["custom_calls"] != v["fused"]:
+        problems.append(
+            f"{where}: {v['custom_calls']} fused custom calls in the "
+            f"compiled HLO, {v['fused']} sites fused"
+        )
+    return problems
+
+
 def check(results, styles, *, platform="cuda"):
     """The problems found in the ranks' results (empty: pass)."""
     problems = []
@@ -200,22 +217,12 @@ def check(results, styles, *, platform="cuda"):
     for r in results:
         for name in styles:
             v = r["styles"].get(name, {"error": "missing"})
-            where = f"rank {r['rank']} {name}"
-            if "error" in v:
-                problems.append(f"{where}: {v['error']}\n{v.get('traceback', '')}")
-                continue
-            if v["fused"] != v["sites"] or not v["sites"]:
-                problems.append(f"{where}: {v['report']}")
-            if platform == "cuda" and v["custom_calls"] != v["fused"]:
-                problems.append(
-                    f"{where}: {v['custom_calls']} fused custom calls in the "
-                    f"compiled HLO, {v['fused']} sites fused"
-                )
-            if "skipped" in v:
+            problems += fusion_problems(f"rank {r['rank']} {name}", v, platform)
+            if "error" in v or "skipped" in v:
                 continue
             ran += 1
             if not v["finite"] or v["fused_vs_f32"] > RATIO * v["unfused_vs_f32"] + FLOOR:
-                problems.append(f"{where}: fused less accurate than unfused: {v}")
+                problems.append(f"rank {r['rank']} {name}: fused less accurate than unfused: {v}")
     if not ran:
         problems.append("every style was skipped")
     return problems

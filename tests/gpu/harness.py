@@ -160,12 +160,16 @@ def run_ranks(fn, world: int, *, timeout_s: float = 600.0, allow_exit=(), **kwar
     return [out[r] if r in out else exited[r] for r in range(world)]
 
 
+def run_ranks_with_port(fn, world: int, **kwargs):
+    """run_ranks with ``port``, a free localhost port for the ranks' rendezvous."""
+    return run_ranks(fn, world, port=free_port(), **kwargs)
+
+
 def where_they_wait(procs) -> str:
     """For processes that do not answer: their state and kernel wait channel (and, where
     readable, the kernel stack: a wait inside the GPU driver shows there), and their Python
     stacks (SIGUSR1, printed to their stderr by the handler ``child_main`` registers)."""
     import signal
-    import time
 
     lines = []
     for p in procs:
@@ -231,21 +235,10 @@ def simulate_host(name: str) -> None:
 def simulated_hosts_problem():
     """Why this machine cannot simulate hosts (``simulate_host`` fails: no root, no
     namespaces), or None; probed in a throwaway process."""
-    import subprocess
-    import sys
-    from tests.repo import REPO
+    from tests.gpu.case_runs import run_python
 
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "from tests.gpu.harness import simulate_host; simulate_host('jf-probe')",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    probe = "from tests.gpu.harness import simulate_host; simulate_host('jf-probe')"
+    r = run_python(["-c", probe], env=None, timeout=60)
     return None if r.returncode == 0 else (r.stderr.strip().splitlines() or ["?"])[-1]
 
 
@@ -263,34 +256,48 @@ def needs_gpus(count: int, why: str):
     """A skip mark for tests that cannot share GPUs (one process driving several devices,
     XLA's psum or NCCL, which refuse two ranks on one GPU); the others run on one GPU too."""
     import pytest
-    from jax_fusedar.common import native
 
-    return pytest.mark.skipif(native.gpu_count() < count, reason=f"needs {count} GPUs: {why}")
+    return pytest.mark.skipif(gpu_count() < count, reason=f"needs {count} GPUs: {why}")
 
 
 # The world sizes the GPU suite runs at, on whatever GPUs there are (rank r on GPU r % G).
 WORLD_SIZES = (2, 4, 8)
 
 
-def world_params(quick=(2,), worlds=WORLD_SIZES):
-    """pytest parameters over ``worlds`` (ids world2, world4, ...), every one not in
-    ``quick`` marked slow (the quick lane is ``-m "gpu and not slow"``)."""
+def world_params(quick=(2,), worlds=WORLD_SIZES, *, before=(), after=(), id="{}"):
+    """pytest parameters ``(*before, world, *after)`` over ``worlds`` (ids world2, world4, ...
+    put into the ``id`` template), every one not in ``quick`` marked slow (the quick lane is
+    ``-m "gpu and not slow"``)."""
     import pytest
 
+    slow = pytest.mark.slow
     return [
-        pytest.param(w, id=f"world{w}", marks=() if w in quick else pytest.mark.slow)
+        pytest.param(
+            *before, w, *after, id=id.format(f"world{w}"), marks=() if w in quick else slow
+        )
         for w in worlds
     ]
 
 
-def sweep_params():
-    """A sweep's two sizes: "quick" (the quick lane) and "full" (marked slow)."""
+def sweep_params(*, before=(), id="{}"):
+    """A sweep's two sizes, ``(*before, size)``: "quick" (the quick lane) and "full" (marked
+    slow), the size put into the ``id`` template."""
     import pytest
 
     return [
-        pytest.param("quick", id="quick"),
-        pytest.param("full", id="full", marks=pytest.mark.slow),
+        pytest.param(*before, "quick", id=id.format("quick")),
+        pytest.param(*before, "full", id=id.format("full"), marks=pytest.mark.slow),
     ]
+
+
+def cuda_torch():
+    """torch; skips the test where torch has no CUDA (a CPU build or no GPU)."""
+    import pytest
+
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here (CPU build or no GPU)")
+    return torch
 
 
 # The two-rank bounds in ulps of the intermediate magnitudes (docs/numerics.md); they assume
@@ -331,6 +338,12 @@ def worst_of(into: dict, errors: dict) -> dict:
 
 def env_int(name, default):
     return int(os.environ.get(name, default))
+
+
+def random_seed(below: int = 1 << 32) -> int:
+    """A fresh random seed (4 random bytes) modulo ``below``; $JAX_FUSEDAR_TEST_SEED is not
+    read (run_seed reads it)."""
+    return int.from_bytes(os.urandom(4), "little") % below
 
 
 def run_seed() -> int:
@@ -376,9 +389,6 @@ def draw_case(seed, world, m, hidden, dtype=None):
     residual = rng.standard_normal((m, hidden), dtype=np.float32)
     gamma = rng.uniform(-2.0, 2.0, hidden).astype(np.float32)
     if dtype is not None:
-        xs, residual, gamma = (
-            [x.astype(dtype) for x in xs],
-            residual.astype(dtype),
-            gamma.astype(dtype),
-        )
+        xs = [x.astype(dtype) for x in xs]
+        residual, gamma = residual.astype(dtype), gamma.astype(dtype)
     return xs, residual, gamma

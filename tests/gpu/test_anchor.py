@@ -19,7 +19,7 @@ $JAX_FUSEDAR_REPORT_DIR/torch_anchor_world<N>.json.
 
 import pytest
 
-from tests.gpu.harness import bound_problems, report, run_seed, world_params
+from tests.gpu.harness import bound_problems, cuda_torch, report, run_seed, world_params
 
 pytestmark = pytest.mark.gpu
 
@@ -29,9 +29,7 @@ HIDDENS = (4096, 8192)
 
 @pytest.fixture
 def anchor_path():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch has no CUDA here (CPU build or no GPU)")
+    cuda_torch()
     from tests.gpu import anchor
 
     path = anchor.path()
@@ -45,15 +43,14 @@ def anchor_path():
 @pytest.mark.parametrize("world", world_params(quick=(2, 4, 8)))
 def test_torch_compat_matches_flashinfer_bitwise(anchor_path, world):
     from tests.gpu.workers import anchor_compare
-    from tests.gpu.harness import free_port, run_ranks
+    from tests.gpu.harness import run_ranks_with_port
 
     seed = run_seed()
     tokens = TOKENS if world == 2 else TOKENS[:3]
-    res = run_ranks(
+    res = run_ranks_with_port(
         anchor_compare.worker,
         world,
         timeout_s=900,
-        port=free_port(),
         seed=seed,
         anchor_path=str(anchor_path),
         tokens=tokens,

@@ -11,8 +11,6 @@ programs hold no fused custom call and exactly the plain one's collectives: one 
 of one rank's [tokens, hidden] (in the input's dtype where XLA keeps it: the CPU dry run
 sums 16-bit all-reduces in float32, for the user's psum alike)."""
 
-import os
-
 import pytest
 
 from tests.gpu.harness import report, world_params
@@ -24,15 +22,14 @@ CASES = ((1, 1024), (16, 4096), (129, 7168))
 
 
 def _run(world, platform="cuda", cases=CASES):
-    from tests.gpu.harness import free_port, run_ranks
+    from tests.gpu.harness import random_seed, run_ranks_with_port
     from tests.gpu.workers import jax_fallback
 
-    return run_ranks(
+    return run_ranks_with_port(
         jax_fallback.worker,
         world,
         timeout_s=900,
-        port=free_port(),
-        seed=int.from_bytes(os.urandom(4), "little") % (1 << 30),
+        seed=random_seed(1 << 30),
         cases=cases,
         platform=platform,
     )

@@ -11,7 +11,7 @@ test_anchor.py). Results: $JAX_FUSEDAR_REPORT_DIR/flashinfer_shim_world2.json.""
 import pytest
 
 from jax_fusedar.common.patterns import TRAITS
-from tests.gpu.harness import bound_problems, free_port, report, run_ranks, run_seed
+from tests.gpu.harness import bound_problems, cuda_torch, report, run_ranks_with_port, run_seed
 from tests.gpu.workers.anchor_compare import PATTERNS
 
 pytestmark = pytest.mark.gpu
@@ -29,9 +29,7 @@ def _outputs(patterns) -> int:
 
 
 def test_legacy_api_runs_the_kernel():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch has no CUDA here (CPU build or no GPU)")
+    cuda_torch()
     from tests.gpu import anchor
     from tests.gpu.workers import flashinfer_shim
 
@@ -41,11 +39,10 @@ def test_legacy_api_runs_the_kernel():
         anchor.prepare_parent(anchor_path)
     seed = run_seed()
     world = 2
-    res = run_ranks(
+    res = run_ranks_with_port(
         flashinfer_shim.worker,
         world,
         timeout_s=900,
-        port=free_port(),
         seed=seed,
         anchor_path=str(anchor_path) if anchor_path else None,
         tokens=TOKENS,

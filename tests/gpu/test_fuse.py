@@ -9,13 +9,11 @@ that sees the GPUs).
 """
 
 import os
-import subprocess
-import sys
 
 import pytest
 
+from tests.gpu.case_runs import run_python
 from tests.gpu.harness import needs_gpus, report
-from tests.repo import REPO
 
 pytestmark = pytest.mark.gpu
 
@@ -25,29 +23,8 @@ def test_llama_demo_fused_by_fuse_on_gpus():
     env = dict(os.environ, NCCL_NVLS_ENABLE="0")
     env.pop("JAX_PLATFORMS", None)
     env.pop("XLA_FLAGS", None)
-    argv = [
-        "demo",
-        "--preset",
-        "llama3-8b",
-        "--layers",
-        "4",
-        "--batch",
-        "4",
-        "--prompt",
-        "32",
-        "--steps",
-        "16",
-        "--iters",
-        "3",
-    ]
-    r = subprocess.run(
-        [sys.executable, "-m", "jax_fusedar", *argv],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    argv = "demo --preset llama3-8b --layers 4 --batch 4 --prompt 32 --steps 16 --iters 3".split()
+    r = run_python(["-m", "jax_fusedar", *argv], env=env, timeout=900)
     report(
         "gpu_fuse_demo",
         {

@@ -6,8 +6,6 @@ norm output, and two live transforms of one program (the second workspace named 
 Two ranks as two ``jax.distributed`` processes (sharing GPU 0 on a one-GPU machine); every
 output against float64 in the documented units (tests/gpu/fuse_exact.py)."""
 
-import os
-
 import pytest
 
 from tests.gpu.harness import report
@@ -17,15 +15,9 @@ pytestmark = pytest.mark.gpu
 
 def test_exact_forms_fused_on_gpus():
     from tests.gpu import fuse_exact
-    from tests.gpu.harness import free_port, run_ranks
+    from tests.gpu.harness import random_seed, run_ranks_with_port
 
-    res = run_ranks(
-        fuse_exact.worker,
-        2,
-        timeout_s=900,
-        port=free_port(),
-        seed=int.from_bytes(os.urandom(4), "little") % (1 << 30),
-    )
+    res = run_ranks_with_port(fuse_exact.worker, 2, timeout_s=900, seed=random_seed(1 << 30))
     report("gpu_fuse_exact", res)
     problems = fuse_exact.check(res)
     assert not problems, "\n".join(problems)

@@ -6,8 +6,6 @@ against its float32 run (tests/gpu/fuse_styles.py). The styles whose fused progr
 XLA collectives (sequence parallelism gathers the residual shard) run only with a GPU per
 rank and are reported as skipped otherwise."""
 
-import os
-
 import pytest
 
 from tests.gpu.harness import report
@@ -38,14 +36,13 @@ CONFIG = dict(batch=2, seq=64, hidden=1024, heads=8, head_dim=128, ffn=2048, lay
 
 def test_style_models_fused_on_gpus():
     from tests.gpu import fuse_styles
-    from tests.gpu.harness import free_port, run_ranks
+    from tests.gpu.harness import random_seed, run_ranks_with_port
 
-    res = run_ranks(
+    res = run_ranks_with_port(
         fuse_styles.worker,
         2,
         timeout_s=1500,
-        port=free_port(),
-        seed=int.from_bytes(os.urandom(4), "little") % (1 << 30),
+        seed=random_seed(1 << 30),
         styles=STYLES,
         config=CONFIG,
     )

@@ -3,8 +3,6 @@ error code (ffi/xla/result_check.h, ffi/xla/errors.h; the rules themselves are t
 CPU in tests/native/test_contract.py). Two `jax.distributed` processes; on a one-GPU
 machine they share GPU 0 (every refusal happens before a launch)."""
 
-import os
-
 import pytest
 
 from tests.gpu.harness import report
@@ -14,16 +12,15 @@ pytestmark = pytest.mark.gpu
 
 def test_handler_errors_name_the_result_and_keep_the_code():
     from tests.gpu.workers import jax_multiprocess
-    from tests.gpu.harness import free_port, run_ranks
+    from tests.gpu.harness import random_seed, run_ranks_with_port
 
-    res = run_ranks(
+    res = run_ranks_with_port(
         jax_multiprocess.worker,
         2,
         timeout_s=600,
-        port=free_port(),
         xla_flags="",
         task="handler_errors",
-        seed=int.from_bytes(os.urandom(4), "little"),
+        seed=random_seed(),
     )
     report("jax_handler_errors", res)
     for r in res:

@@ -29,16 +29,15 @@ CMDBUF_OFF = "--xla_gpu_enable_command_buffer="
 
 def _run(task, xla_flags, world=2, **kw):
     from tests.gpu.workers import jax_multiprocess
-    from tests.gpu.harness import free_port, run_ranks
+    from tests.gpu.harness import random_seed, run_ranks_with_port
 
-    return run_ranks(
+    return run_ranks_with_port(
         jax_multiprocess.worker,
         world,
         timeout_s=900,
-        port=free_port(),
         xla_flags=xla_flags,
         task=task,
-        seed=int.from_bytes(os.urandom(4), "little"),
+        seed=random_seed(),
         **kw,
     )
 
@@ -56,24 +55,16 @@ def parity_problems(res, world):
     return problems
 
 
-def _parity_params():
-    """Command buffers on and off at 2 ranks, each a quick and a full sweep; 4 and 8 ranks
-    with command buffers on, the quick sweep (slow: ranks share the GPUs)."""
-    on, off = (
-        pytest.param(f, id=i) for f, i in ((CMDBUF_ON, "cmdbuf_on"), (CMDBUF_OFF, "cmdbuf_off"))
-    )
-    out = [
-        pytest.param(c.values[0], 2, s.values[0], id=f"{c.id}-world2-{s.id}", marks=s.marks)
-        for c in (on, off)
-        for s in sweep_params()
-    ]
-    return out + [
-        pytest.param(CMDBUF_ON, w.values[0], "quick", id=f"cmdbuf_on-{w.id}-quick", marks=w.marks)
-        for w in world_params(quick=(), worlds=(4, 8))
-    ]
-
-
-@pytest.mark.parametrize("cmdbuf, world, sweep", _parity_params())
+# Command buffers on and off at 2 ranks, each a quick and a full sweep; 4 and 8 ranks with
+# command buffers on, the quick sweep (slow: ranks share the GPUs).
+@pytest.mark.parametrize(
+    "cmdbuf, world, sweep",
+    [
+        *sweep_params(before=(CMDBUF_ON, 2), id="cmdbuf_on-world2-{}"),
+        *sweep_params(before=(CMDBUF_OFF, 2), id="cmdbuf_off-world2-{}"),
+        *world_params((), (4, 8), before=(CMDBUF_ON,), after=("quick",), id="cmdbuf_on-{}-quick"),
+    ],
+)
 def test_jax_parity(cmdbuf, world, sweep):
     """Patterns 1 and 0, one-shot and two-shot, fp32_acc True and False (every third case),
     3 dtypes, against the float64 oracle's bounds for this world size."""
@@ -160,11 +151,8 @@ def test_jax_gradients_of_the_fused_model():
 @pytest.mark.parametrize(
     "world, sweep",
     [
-        *[pytest.param(2, s.values[0], id=f"world2-{s.id}", marks=s.marks) for s in sweep_params()],
-        *[
-            pytest.param(w.values[0], "quick", id=f"{w.id}-quick", marks=w.marks)
-            for w in world_params(quick=(), worlds=(4, 8))
-        ],
+        *sweep_params(before=(2,), id="world2-{}"),
+        *world_params((), (4, 8), after=("quick",), id="{}-quick"),
     ],
 )
 def test_jax_quantized_fp8_patterns(world, sweep):

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from tests.gpu.case_runs import JAX_VARS, child_env, result_of, run_python
-from tests.gpu.harness import needs_gpus
+from tests.gpu.harness import needs_gpus, report
 from tests.repo import REPO
 
 
@@ -45,8 +45,6 @@ def _check(r: dict, *, bits: bool) -> None:
 
 def test_misuse_worker_on_two_cpu_devices():
     r = _run("cpu")
-    from tests.gpu.harness import report
-
     report("jax_misuse_cpu", r)
     assert r["backend"] == "xla" and not r["good"]["custom_call"], r
     _check(r, bits=False)
@@ -56,8 +54,6 @@ def test_misuse_worker_on_two_cpu_devices():
 @needs_gpus(2, "one process drives both devices")
 def test_regrouped_devices_are_refused_on_two_gpus():
     r = _run("cuda")
-    from tests.gpu.harness import report
-
     report("jax_misuse_gpu", r)
     assert r["backend"] == "trtllm" and r["good"]["custom_call"], r
     _check(r, bits=True)

@@ -12,7 +12,7 @@ import os
 import pytest
 
 from jax_fusedar.common import launch_mode, sizing
-from tests.gpu.harness import needs_gpus, report, sweep_params
+from tests.gpu.harness import needs_gpus, random_seed, report, sweep_params
 
 pytestmark = pytest.mark.gpu
 
@@ -52,7 +52,7 @@ def test_large_message_two_ranks(sweep):
         max_tokens=max_tokens,
         hidden_max=hidden_max,
         loop_calls=env_int("JAX_FUSEDAR_LOOP_CALLS", 500),
-        seed=int.from_bytes(os.urandom(4), "little"),
+        seed=random_seed(),
     )
     report("large_message", results)
     assert results[0]["digest"] == results[1]["digest"], "ranks disagree bitwise"

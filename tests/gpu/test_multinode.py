@@ -12,8 +12,6 @@ or XLA's NCCL all-reduce, each group's outputs against the float64 oracle).
   drive both GPUs, their kernels time-slice): the kernel for every TP group.
 """
 
-import os
-
 import pytest
 
 from tests.gpu.harness import gpu_count, needs_gpus, report
@@ -36,20 +34,19 @@ BOUNDS = {"residual": 1.0, "norm": 3.0}  # ulps of bf16 (tests/oracles/oracle.py
 
 def _run(hosts, layouts, backends, device_ids):
     from tests.gpu.workers import jax_multinode as mn
-    from tests.gpu.harness import free_port, run_ranks
+    from tests.gpu.harness import random_seed, run_ranks_with_port
 
-    return run_ranks(
+    return run_ranks_with_port(
         mn.worker,
         2,
         timeout_s=300,
-        port=free_port(),
         platform="cuda",
         local_devices=len(device_ids[0]),
         hosts=hosts,
         layouts=layouts,
         backends=backends,
         device_ids=device_ids,
-        seed=int.from_bytes(os.urandom(4), "little"),
+        seed=random_seed(),
         run_xla_all_reduces=_own_gpus(device_ids),
     )
 

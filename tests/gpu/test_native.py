@@ -8,11 +8,10 @@ float32 gets 8 because fast-math rsqrtf is itself good to about 2 ulps of fp32).
 """
 
 import json
-import os
 
 import pytest
 
-from tests.gpu.harness import sweep_params
+from tests.gpu.harness import random_seed, report, sweep_params
 
 pytestmark = pytest.mark.gpu
 
@@ -40,13 +39,11 @@ def test_native_sweep_two_ranks(sweep):
         hiddens=hiddens,
         max_tokens=max(tokens),
         loop_calls=env_int("JAX_FUSEDAR_LOOP_CALLS", 2000),
-        seed=int.from_bytes(os.urandom(4), "little"),
+        seed=random_seed(),
     )
-    report = {"ranks": results, "bounds": BOUNDS, "tokens": tokens, "hiddens": hiddens}
-    out = os.environ.get("JAX_FUSEDAR_REPORT_DIR")
-    if out:
-        with open(os.path.join(out, "native_sweep.json"), "w") as f:
-            json.dump(report, f, indent=1)
+    report(
+        "native_sweep", {"ranks": results, "bounds": BOUNDS, "tokens": tokens, "hiddens": hiddens}
+    )
     print(json.dumps({r["device"]: r["worst"] for r in results}, indent=1))
     print("loop:", [r["loop"] for r in results])
     assert results[0]["digest"] == results[1]["digest"], "ranks disagree bitwise"

@@ -27,7 +27,7 @@ HIDDENS = (1024, 4096)
 def test_jax_and_torch_outputs_are_bitwise_identical(world):
     from jax_fusedar.common import native
     from tests.gpu.workers import parity_jax_torch as par
-    from tests.gpu.harness import free_port, run_ranks
+    from tests.gpu.harness import run_ranks, run_ranks_with_port
 
     pytest.importorskip("torch")
     seed = run_seed()
@@ -38,11 +38,11 @@ def test_jax_and_torch_outputs_are_bitwise_identical(world):
         if native.gpu_count() >= world:  # one process driving the N GPUs
             (jax_res,) = run_ranks(par.jax_phase, 1, timeout_s=600, out_dir=d, tp=world, **kw)
         else:  # one process per rank, sharing the GPUs
-            jax_res = run_ranks(
-                par.jax_rank_phase, world, timeout_s=600, port=free_port(), out_dir=d, **kw
+            jax_res = run_ranks_with_port(
+                par.jax_rank_phase, world, timeout_s=600, out_dir=d, **kw
             )[0]
         assert set(jax_res["backends"].values()) == {"trtllm"}, jax_res
-        res = run_ranks(par.torch_phase, world, timeout_s=900, port=free_port(), out_dir=d)
+        res = run_ranks_with_port(par.torch_phase, world, timeout_s=900, out_dir=d)
     report(
         f"parity_jax_torch_world{world}",
         {

@@ -26,16 +26,9 @@ def test_readme_gpu_block_runs_under_torchrun(line, code, tmp_path):
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     )
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
     r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(script),
-        ],
+        [*torchrun, "2", str(script)],
         env=env,
         capture_output=True,
         text=True,

@@ -96,34 +96,36 @@ def _check_good(errors, bounds, rank):
         assert v <= bounds[k], (rank, k, v)  # NaN fails too
 
 
+def _check_timed_out(res, r, peer, seq, sig, where, world=2):
+    """Rank result `r` of tests.gpu.workers.native_timeout: its good calls within the bounds,
+    then its call #seq's wait for `peer` timed out, with the record raised
+    (_check_failed_record) or, where its trap was never reported and the watcher ended the
+    process, on stderr (_check_lost)."""
+    from tests.gpu.workers.native_timeout import BOUNDS, TIMEOUT_S
+
+    if "exitcode" in r:  # its trap was never reported: the watcher ended the process
+        _check_good(r["notes"]["good"], BOUNDS, r["rank"])
+        _check_lost(res, r, peer, seq, sig, TIMEOUT_S, where, world)
+    else:
+        _check_good(r["good"], BOUNDS, r["rank"])
+        _check_failed_record(r["failing"], r["rank"], peer, seq, sig, TIMEOUT_S, where, world)
+
+
 LAMPORT_WAIT = "its one-shot data in this rank's Lamport buffer (token "
+# (case, tokens, one-shot, the wait that times out) of the missing-rank cases
+NEVER_ONESHOT = ("never_oneshot", 16, True, LAMPORT_WAIT)
+MISSING_CASES = (
+    NEVER_ONESHOT,
+    ("never_twoshot", 32, False, "its two-shot barrier flag (thread block "),
+    ("killed", 16, True, LAMPORT_WAIT),
+)
 
 
 @pytest.mark.parametrize(
     "case, tokens, oneshot, where, world",
     [
-        pytest.param("never_oneshot", 16, True, LAMPORT_WAIT, 2, id="never_oneshot-world2"),
-        pytest.param(
-            "never_twoshot",
-            32,
-            False,
-            "its two-shot barrier flag (thread block ",
-            2,
-            id="never_twoshot-world2",
-        ),
-        pytest.param("killed", 16, True, LAMPORT_WAIT, 2, id="killed-world2"),
-        *[
-            pytest.param(
-                "never_oneshot",
-                16,
-                True,
-                LAMPORT_WAIT,
-                p.values[0],
-                marks=p.marks,
-                id=f"never_oneshot-{p.id}",
-            )
-            for p in world_params(worlds=(4, 8))
-        ],
+        *[pytest.param(*c, 2, id=f"{c[0]}-world2") for c in MISSING_CASES],
+        *world_params(worlds=(4, 8), before=NEVER_ONESHOT, id="never_oneshot-{}"),
     ],
 )
 def test_a_missing_rank_makes_the_other_fail_with_the_record(case, tokens, oneshot, where, world):
@@ -131,7 +133,7 @@ def test_a_missing_rank_makes_the_other_fail_with_the_record(case, tokens, onesh
     synchronization raising with the record, or, where the GPU driver never reports its
     trap (ranks sharing a GPU that time out at the same moment; seen at 4 ranks on one
     H200), its process ending with the record on stderr (jax_fusedar/common/lost_traps.py)."""
-    from tests.gpu.workers.native_timeout import BOUNDS, GOOD_FIRST, TIMEOUT_S
+    from tests.gpu.workers.native_timeout import GOOD_FIRST
 
     res = checked_case(
         f"timeout_{case}_world{world}", "native_timeout", case, str(world), timeout_s=200
@@ -140,14 +142,7 @@ def test_a_missing_rank_makes_the_other_fail_with_the_record(case, tokens, onesh
     assert len(callers) == world - 1
     sig = SIG.format(tokens, "one-shot" if oneshot else "two-shot")
     for r in callers:
-        if "exitcode" in r:  # its trap was never reported: the watcher ended the process
-            _check_good(r["notes"]["good"], BOUNDS, r["rank"])
-            _check_lost(res, r, world - 1, GOOD_FIRST + 1, sig, TIMEOUT_S, where, world)
-            continue
-        _check_good(r["good"], BOUNDS, r["rank"])
-        _check_failed_record(
-            r["failing"], r["rank"], world - 1, GOOD_FIRST + 1, sig, TIMEOUT_S, where, world
-        )
+        _check_timed_out(res, r, world - 1, GOOD_FIRST + 1, sig, where, world)
     if case == "killed":
         assert missing["exitcode"] == -9, missing  # SIGKILL, no result
     else:
@@ -187,18 +182,13 @@ def test_a_rank_missing_from_a_large_message_call_makes_the_other_fail_with_the_
 def test_mismatched_token_counts_without_the_handshake_fail_on_both_ranks():
     """Both ranks time out at the same moment, each naming the other; a rank whose trap the
     driver never reports is ended by the watcher with the same record on stderr."""
-    from tests.gpu.workers.native_timeout import BOUNDS, GOOD_FIRST, TIMEOUT_S
+    from tests.gpu.workers.native_timeout import GOOD_FIRST
 
     res = checked_case("timeout_tokens", "native_timeout", "tokens", timeout_s=200)
     for r in res["ranks"]:
         me = r["rank"]
         sig = SIG.format(16 + me, "one-shot")
-        if "exitcode" in r:  # its trap was never reported: the watcher ended the process
-            _check_good(r["notes"]["good"], BOUNDS, me)
-            _check_lost(res, r, 1 - me, GOOD_FIRST + 1, sig, TIMEOUT_S, LAMPORT_WAIT)
-            continue
-        _check_good(r["good"], BOUNDS, me)
-        _check_failed_record(r["failing"], me, 1 - me, GOOD_FIRST + 1, sig, TIMEOUT_S, LAMPORT_WAIT)
+        _check_timed_out(res, r, 1 - me, GOOD_FIRST + 1, sig, LAMPORT_WAIT)
 
 
 def test_jax_surfaces_the_timeout_with_the_record():
@@ -217,28 +207,12 @@ def test_jax_surfaces_the_timeout_with_the_record():
     if lost:
         # Rank 1 heard nothing from rank 0 and reported before rank 0 ended.
         assert r1["rank0_partial"] is None and "rank0_silent" in r1, r1
-        _check_lost(
-            res,
-            r0,
-            1,
-            None,
-            None,
-            jax_timeout.TIMEOUT_S,
-            "its one-shot data in this rank's Lamport buffer (token ",
-        )
+        _check_lost(res, r0, 1, None, None, jax_timeout.TIMEOUT_S, LAMPORT_WAIT)
         return
     f = r0["failing"]
     assert r1["rank0_partial"] is not None, r1
     assert len(f["failures"]) == 1 and "Rank 1 did not arrive" in f["failures"][0], f
-    _check_record(
-        f["failures"][0],
-        0,
-        1,
-        None,
-        None,
-        jax_timeout.TIMEOUT_S,
-        "its one-shot data in this rank's Lamport buffer (token ",
-    )
+    _check_record(f["failures"][0], 0, 1, None, None, jax_timeout.TIMEOUT_S, LAMPORT_WAIT)
     # The computation raised XLA's generic CUDA error, re-raised with the record's text.
     assert f["error"] == "RuntimeError: " + f["failures"][0][: 1500 - 14], f
     assert "CUDA" in f["xla_error"], f
@@ -262,10 +236,7 @@ MOE_SIG = (
 
 # The wait each MoE case fails in: both kernels poll this rank's Lamport buffer (pattern 7
 # after the build's fix of FlashInfer's peer-buffer race, docs/moe.md).
-MOE_WAITS = {
-    "never_finalize": "its one-shot data in this rank's Lamport buffer (token ",
-    "never_reduction": "its one-shot data in this rank's Lamport buffer (token ",
-}
+MOE_WAITS = {"never_finalize": LAMPORT_WAIT, "never_reduction": LAMPORT_WAIT}
 
 
 @pytest.mark.parametrize("case", sorted(MOE_WAITS))

@@ -64,12 +64,7 @@ def test_handshake_matching_calls_graph_replay_and_cost(world):
 
 
 @pytest.mark.parametrize(
-    "case",
-    [
-        "tokens",
-        pytest.param("pattern", marks=pytest.mark.slow),
-        pytest.param("oneshot", marks=pytest.mark.slow),
-    ],
+    "case", ["tokens", *(pytest.param(c, marks=pytest.mark.slow) for c in ("pattern", "oneshot"))]
 )
 def test_mismatched_calls_fail_instead_of_hanging(case):
     """Both ranks detect the mismatch and trap: each one's synchronization raises with the

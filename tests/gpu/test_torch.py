@@ -10,7 +10,7 @@ set.
 
 import pytest
 
-from tests.gpu.harness import bound_problems, needs_gpus, report, run_seed, world_params
+from tests.gpu.harness import bound_problems, cuda_torch, needs_gpus, report, run_seed, world_params
 
 pytestmark = pytest.mark.gpu
 
@@ -19,16 +19,14 @@ RESIDUAL_ULPS, NORM_ULPS = 1.0, 3.0
 
 @pytest.fixture(autouse=True)
 def _cuda_torch():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch has no CUDA here (CPU build or no GPU)")
+    cuda_torch()
 
 
 def _run(worker, world, **kw):
     from tests.gpu.workers import torch_workers
-    from tests.gpu.harness import free_port, run_ranks
+    from tests.gpu.harness import run_ranks_with_port
 
-    return run_ranks(getattr(torch_workers, worker), world, timeout_s=900, port=free_port(), **kw)
+    return run_ranks_with_port(getattr(torch_workers, worker), world, timeout_s=900, **kw)
 
 
 def test_torch_dp_tp_two_groups_concurrently():
@@ -159,10 +157,7 @@ def test_torch_fp8_patterns(world):
     "backend, world",
     [
         pytest.param("aot_eager", 2, id="aot_eager-world2"),
-        *[
-            pytest.param("inductor", w.values[0], id=f"inductor-{w.id}", marks=w.marks)
-            for w in world_params()
-        ],
+        *world_params(before=("inductor",), id="inductor-{}"),
     ],
 )
 def test_torch_custom_ops_under_torch_compile(backend, world):

@@ -136,6 +136,7 @@ def _unwritten(name, a, m):
 
 def _oracle_stats(host, dtype_name, ref, sf, m):
     """Errors of one build's fp32_acc=True outputs (``host[p][name]``) against the oracles."""
+    from tests.gpu.workers.common import keep_max, scale_ulps
     from tests.oracles import oracle, quant_oracle
 
     s64, r64, y64, inv64, res64, gam64 = ref
@@ -151,31 +152,17 @@ def _oracle_stats(host, dtype_name, ref, sf, m):
     }
     for p, outs in host.items():
         if "output" in outs:
-            st["allreduce"] = max(
-                st["allreduce"],
-                oracle.allreduce_error_ulps(outs["output"].astype(np.float64), s64, dtype_name),
-            )
+            a = outs["output"].astype(np.float64)
+            keep_max(st, {"allreduce": oracle.allreduce_error_ulps(a, s64, dtype_name)})
         if "residual_out" in outs:
-            st["residual"] = max(
-                st["residual"],
-                oracle.residual_error_ulps(
-                    outs["residual_out"].astype(np.float64), s64, r64, res64, dtype_name
-                ),
-            )
+            r = outs["residual_out"].astype(np.float64)
+            keep_max(st, {"residual": oracle.residual_error_ulps(r, s64, r64, res64, dtype_name)})
         if "norm_out" in outs:
-            st["norm"] = max(
-                st["norm"],
-                oracle.norm_error_ulps(
-                    outs["norm_out"].astype(np.float64),
-                    s64,
-                    y64,
-                    inv64,
-                    res64,
-                    gam64,
-                    weight_bias=0.0,
-                    dtype_name=dtype_name,
-                ),
+            n = outs["norm_out"].astype(np.float64)
+            e = oracle.norm_error_ulps(
+                n, s64, y64, inv64, res64, gam64, weight_bias=0.0, dtype_name=dtype_name
             )
+            keep_max(st, {"norm": e})
     wants = {}
     for p in (4, 11, 9):
         if p not in host:
@@ -201,11 +188,7 @@ def _oracle_stats(host, dtype_name, ref, sf, m):
         st["worse"] += int((d > 1).sum())
         st["elements"] += int(d.size)
         if kind == "dynamic":
-            got = outs["scale_out"].astype(np.float64)
-            ulp32 = np.spacing(np.abs(s_want).astype(np.float32)).astype(np.float64)
-            st["dyn_scale_ulps"] = max(
-                st["dyn_scale_ulps"], float(np.max(np.abs(got - s_want) / ulp32))
-            )
+            keep_max(st, {"dyn_scale_ulps": scale_ulps(outs["scale_out"], s_want)})
         elif kind == "group":
             st["group_scale_mismatch"] += int(np.sum(outs["scale_out"][:, :m] != s_want[:, :m]))
     return st
@@ -378,11 +361,48 @@ def run_case(
     result["cases"] += 1
 
 
+def sweep(torch, dist, result, make_calls, world, seed, tokens, hiddens, dtypes, patterns):
+    """Per dtype: ``make_calls(torch dtype)`` gives run_case's ``calls`` and the workspaces
+    to free after, then every shape case (harness.shape_cases) runs on the rank and device
+    of ``result`` (new_result's), case k's inputs drawn from seed + k, into the stats
+    result["oracle"][dtype name]."""
+    from tests.gpu.harness import draw_case, shape_cases
+
+    case_no = 0
+    for dtype_name in dtypes:
+        calls, workspaces = make_calls(getattr(torch, dtype_name))
+        stats = new_stats()
+        npdt = _np_dtype(dtype_name)
+        for hidden, m, oneshot in shape_cases(tokens, hiddens, world):
+            case_no += 1
+            xs, res, gam = draw_case(seed + case_no, world, m, hidden, npdt)
+            run_case(
+                torch,
+                calls,
+                rank=result["rank"],
+                device=result["device"],
+                dtype_name=dtype_name,
+                xs=xs,
+                res=res,
+                gam=gam,
+                m=m,
+                hidden=hidden,
+                oneshot=oneshot,
+                patterns=patterns,
+                result=result,
+                stats=stats,
+            )
+        result["oracle"][dtype_name] = stats
+        dist.barrier()  # no rank frees while a peer may still read its buffers
+        for ws in workspaces:
+            ws.destroy()
+
+
 def worker(
     rank, world, chan, *, port, seed, anchor_path, tokens, hiddens, dtypes=DTYPES, patterns=PATTERNS
 ):
     from tests.gpu import anchor
-    from tests.gpu.harness import draw_case, shape_cases
+    from tests.gpu.workers.common import anchor_workspace
     from tests.gpu.workers.torch_workers import _init, _workspace
 
     torch, dist, device = _init(rank, world, port, rank)
@@ -392,45 +412,14 @@ def worker(
     try:
         fi = anchor.load(anchor_path)  # raises AnchorUnavailable with the reason
         result = new_result(rank, device, torch.__version__, getattr(fi, "__file__", "?"))
-        case_no = 0
-        for dtype_name in dtypes:
-            dtype = getattr(torch, dtype_name)
+
+        def make_calls(dtype):
             ours_ws = _workspace(tc, torch, world, rank, max(tokens), max(hiddens), dtype)
-            fi_ws = anchor.create_workspace(
-                fi,
-                world_size=world,
-                rank=rank,
-                max_token_num=max(tokens),
-                hidden_dim=max(hiddens),
-                dtype=dtype,
-                group=dist.group.WORLD,
-            )
+            fi_ws = anchor_workspace(fi, dist, world, rank, max(tokens), max(hiddens), dtype)
             calls = {"ours": (tc.allreduce_fusion, ours_ws), "anchor": (fi.allreduce_fusion, fi_ws)}
-            stats = new_stats()
-            npdt = _np_dtype(dtype_name)
-            for hidden, m, oneshot in shape_cases(tokens, hiddens, world):
-                case_no += 1
-                xs, res, gam = draw_case(seed + case_no, world, m, hidden, npdt)
-                run_case(
-                    torch,
-                    calls,
-                    rank=rank,
-                    device=device,
-                    dtype_name=dtype_name,
-                    xs=xs,
-                    res=res,
-                    gam=gam,
-                    m=m,
-                    hidden=hidden,
-                    oneshot=oneshot,
-                    patterns=patterns,
-                    result=result,
-                    stats=stats,
-                )
-            result["oracle"][dtype_name] = stats
-            dist.barrier()  # no rank frees while a peer may still read its buffers
-            fi_ws.destroy()
-            ours_ws.destroy()
+            return calls, (fi_ws, ours_ws)
+
+        sweep(torch, dist, result, make_calls, world, seed, tokens, hiddens, dtypes, patterns)
         result["seconds"] = time.monotonic() - t0
         return result
     finally:

@@ -103,12 +103,26 @@ def plain_ulps(xs, residual, gamma, dtype, *, residual_out, norm_out, allreduce_
     return out
 
 
+def scale_ulps(got, want):
+    """The largest distance of dynamic FP8 scales ``got`` from the oracle's ``want``, in fp32
+    ulps of ``want``."""
+    import numpy as np
+
+    ulp32 = np.spacing(np.abs(want).astype(np.float32)).astype(np.float64)
+    return float(np.max(np.abs(got.astype(np.float64) - want) / ulp32))
+
+
 def keep_max(into, errors):
     """``into[k] = max(into[k], v)`` for every error (Python's max: a NaN error keeps the
     number held; the workers that use this count NaN outputs apart)."""
     for k, v in errors.items():
         into[k] = max(into[k], v)
     return into
+
+
+def jit_shard_map(jax, body, mesh, in_specs, out_specs):
+    """``jax.jit(jax.shard_map(body, ...))``: the program form every JAX worker runs."""
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
 
 
 def jax_distributed(rank, world, port, platform, device_ids=None, **kw):
@@ -126,3 +140,19 @@ def jax_distributed(rank, world, port, platform, device_ids=None, **kw):
         **kw,
     )
     return jax
+
+
+def anchor_workspace(fi, dist, world, rank, max_tokens, hidden, dtype):
+    """FlashInfer's own workspace (tests/gpu/anchor.py's build ``fi``) over the whole process
+    group of ``dist``."""
+    from tests.gpu import anchor
+
+    return anchor.create_workspace(
+        fi,
+        world_size=world,
+        rank=rank,
+        max_token_num=max_tokens,
+        hidden_dim=hidden,
+        dtype=dtype,
+        group=dist.group.WORLD,
+    )

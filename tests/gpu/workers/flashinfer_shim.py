@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from tests.gpu.workers.anchor_compare import DTYPES, PATTERNS, new_result, new_stats, run_case
+from tests.gpu.workers.anchor_compare import DTYPES, PATTERNS, new_result, sweep
 
 
 def _legacy(comm, handles, tensor, meta, world, rank):
@@ -72,8 +72,7 @@ def _legacy(comm, handles, tensor, meta, world, rank):
 
 def worker(rank, world, chan, *, port, seed, anchor_path, tokens, hiddens):
     from tests.gpu import anchor
-    from tests.gpu.harness import draw_case, shape_cases
-    from tests.gpu.workers.anchor_compare import _np_dtype
+    from tests.gpu.workers.common import anchor_workspace
     from tests.gpu.workers.torch_workers import _init, _workspace
 
     torch, dist, device = _init(rank, world, port, rank)
@@ -97,47 +96,17 @@ def worker(rank, world, chan, *, port, seed, anchor_path, tokens, hiddens):
             group=dist.group.WORLD,
             create_metadata=True,
         )
+        # One 16-bit legacy workspace serves both dtypes, as FlashInfer's does.
         ours = _legacy(comm, handles, tensor, meta, world, rank)
-        case_no = 0
-        for dtype_name in DTYPES:  # one 16-bit workspace serves both, as FlashInfer's does
-            dtype = getattr(torch, dtype_name)
+
+        def make_calls(dtype):
             if fi is not None:
-                ref_ws = anchor.create_workspace(
-                    fi,
-                    world_size=world,
-                    rank=rank,
-                    max_token_num=max(tokens),
-                    hidden_dim=max(hiddens),
-                    dtype=dtype,
-                    group=dist.group.WORLD,
-                )
-                calls = {"ours": (ours, None), "anchor": (fi.allreduce_fusion, ref_ws)}
-            else:
-                ref_ws = _workspace(tc, torch, world, rank, max(tokens), max(hiddens), dtype)
-                calls = {"ours": (ours, None), "anchor": (tc.allreduce_fusion, ref_ws)}
-            stats = new_stats()
-            for hidden, m, oneshot in shape_cases(tokens, hiddens, world):
-                case_no += 1
-                xs, res, gam = draw_case(seed + case_no, world, m, hidden, _np_dtype(dtype_name))
-                run_case(
-                    torch,
-                    calls,
-                    rank=rank,
-                    device=device,
-                    dtype_name=dtype_name,
-                    xs=xs,
-                    res=res,
-                    gam=gam,
-                    m=m,
-                    hidden=hidden,
-                    oneshot=oneshot,
-                    patterns=PATTERNS,
-                    result=result,
-                    stats=stats,
-                )
-            result["oracle"][dtype_name] = stats
-            dist.barrier()
-            ref_ws.destroy()
+                ref_ws = anchor_workspace(fi, dist, world, rank, max(tokens), max(hiddens), dtype)
+                return {"ours": (ours, None), "anchor": (fi.allreduce_fusion, ref_ws)}, (ref_ws,)
+            ref_ws = _workspace(tc, torch, world, rank, max(tokens), max(hiddens), dtype)
+            return {"ours": (ours, None), "anchor": (tc.allreduce_fusion, ref_ws)}, (ref_ws,)
+
+        sweep(torch, dist, result, make_calls, world, seed, tokens, hiddens, DTYPES, PATTERNS)
         dist.barrier()
         comm.trtllm_destroy_ipc_workspace_for_all_reduce_fusion(handles)
         result["destroyed"] = bool(handles.workspace.destroyed)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tests.gpu.workers.common import jit_shard_map
+
 BATCH, TOKENS, HIDDEN = 3, 5, 1024
 
 
@@ -124,9 +126,7 @@ def _moe(jax, jf, mesh, P, rank, world, seed, glob, mo, experts=4, hidden=1024):
         single = [one(e[b], s[b], t[b], r[b], g) for b in range(BATCH)]
         return (*batched, *(jnp.stack(o) for o in zip(*single)))
 
-    fn = jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=(P("tp"),) * 3 + (P(), P()), out_specs=(P(),) * 6)
-    )
+    fn = jit_shard_map(jax, body, mesh, (P("tp"),) * 3 + (P(), P()), (P(),) * 6)
     residual = np.stack([c["residual"] for c in cases])
     outs = fn(
         glob(P("tp"), stack("expert_outputs")),

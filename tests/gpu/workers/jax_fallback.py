@@ -62,24 +62,20 @@ def _collectives(compiled):
 def worker(rank, world, chan, *, port, seed, cases, platform="cuda"):
     jax, shared = _setup(rank, world, port, platform)
     import jax.numpy as jnp
-    from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import jax_fusedar as jf
     from jax_fusedar.ops.dense import FFI_TARGET
     from tests import collectives
     from tests.gpu.harness import draw_case, worst_of
+    from tests.gpu.workers.jax_multiprocess import _global, _tp_mesh
+    from tests.gpu.workers.jax_multiprocess import _local as local
     from tests.oracles import oracle
 
-    mesh = Mesh(np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id))), ("tp",))
+    mesh = _tp_mesh(jax)
     out = {"rank": rank, "world": world, "jax": jax.__version__, "shared_gpu": shared}
     out["devices"] = [str(d) for d in jax.devices()]
-
-    def glob(spec, a):
-        return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), a)
-
-    def local(arr):
-        return np.asarray(arr.addressable_data(0)).astype(np.float64)
+    glob = lambda spec, a: _global(jax, mesh, spec, a)
 
     eps = 1e-6
     results = {}

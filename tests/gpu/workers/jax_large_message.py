@@ -13,6 +13,8 @@ import os
 
 import numpy as np
 
+from tests.gpu.workers.common import jit_shard_map
+
 CMDBUF_ON = (
     "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,"
     "DYNAMIC_SLICE_FUSION --xla_gpu_graph_min_graph_size=1"
@@ -50,9 +52,7 @@ def main() -> dict:
             )
             return o.residual_out, o.norm_out
 
-        return jax.jit(
-            jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=(P(), P()))
-        )
+        return jit_shard_map(jax, body, mesh, (P("tp"), P(), P()), (P(), P()))
 
     auto, twoshot = program(None), program(False)
     split, replicated = NamedSharding(mesh, P("tp")), NamedSharding(mesh, P())

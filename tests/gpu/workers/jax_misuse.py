@@ -25,6 +25,8 @@ import sys
 
 import numpy as np
 
+from tests.gpu.workers.common import jit_shard_map
+
 
 def main(platform: str) -> dict:
     os.environ["JAX_PLATFORMS"] = platform
@@ -64,9 +66,7 @@ def main(platform: str) -> dict:
         return o.residual_out, o.norm_out
 
     def sharded(m):
-        return jax.jit(
-            jax.shard_map(body, mesh=m, in_specs=(P("tp"), P(), P()), out_specs=(P(), P()))
-        )
+        return jit_shard_map(jax, body, m, (P("tp"), P(), P()), (P(), P()))
 
     def pmapped(devices):
         return jax.pmap(body, axis_name="tp", in_axes=(0, None, None), devices=devices)

@@ -30,6 +30,8 @@ import os
 
 import numpy as np
 
+from tests.gpu.workers.common import jit_shard_map, keep_max
+
 TOKENS, HIDDEN, DTYPE = 8, 256, "bfloat16"
 
 LAYOUTS = {
@@ -111,9 +113,7 @@ def _program(jax, jf, mesh, workspaces):
     out_specs = tuple(
         P(*[None if a == ws.axis_name else a for a in axes]) for ws in workspaces for _ in range(2)
     )
-    return jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=(P(*axes), P(), P()), out_specs=out_specs)
-    )
+    return jit_shard_map(jax, body, mesh, (P(*axes), P(), P()), out_specs)
 
 
 def _avals(jax, mesh, dtype):
@@ -165,25 +165,14 @@ def _check_outputs(jax, mesh, workspaces, fn, dtype, seed):
         for got_r, got_n in zip(outs[2 * i].addressable_shards, outs[2 * i + 1].addressable_shards):
             idx = got_r.index
             assert got_n.index == idx
-            worst["residual"] = max(
-                worst["residual"],
-                oracle.residual_error_ulps(
-                    np.asarray(got_r.data), s[idx], r64[idx], residual, DTYPE
-                ),
+            r = oracle.residual_error_ulps(
+                np.asarray(got_r.data), s[idx], r64[idx], residual, DTYPE
             )
-            worst["norm"] = max(
-                worst["norm"],
-                oracle.norm_error_ulps(
-                    np.asarray(got_n.data),
-                    s[idx],
-                    y64[idx],
-                    inv[idx],
-                    residual,
-                    gamma,
-                    weight_bias=0.0,
-                    dtype_name=DTYPE,
-                ),
+            y = np.asarray(got_n.data)
+            n = oracle.norm_error_ulps(
+                y, s[idx], y64[idx], inv[idx], residual, gamma, weight_bias=0.0, dtype_name=DTYPE
             )
+            keep_max(worst, {"residual": r, "norm": n})
             worst["shards"] += 1
     return worst
 

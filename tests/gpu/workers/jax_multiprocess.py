@@ -30,6 +30,8 @@ import os
 
 import numpy as np
 
+from tests.gpu.workers.common import jit_shard_map
+
 
 def _setup(rank, world, port, xla_flags, platform="cuda"):
     os.environ["JAX_PLATFORMS"] = platform
@@ -42,6 +44,13 @@ def _setup(rank, world, port, xla_flags, platform="cuda"):
         os.environ["JAX_NUM_CPU_DEVICES"] = "1"
         return jax_distributed(rank, world, port, platform)
     return jax_distributed(rank, world, port, platform, [device_for(rank)])
+
+
+def _tp_mesh(jax):
+    """A "tp" mesh of every device, ordered by process: TP rank r is process r's device."""
+    from jax.sharding import Mesh
+
+    return Mesh(np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id))), ("tp",))
 
 
 def _global(jax, mesh, spec, local):
@@ -57,13 +66,12 @@ def _local(arr):
 def worker(rank, world, chan, *, port, xla_flags, task, seed, platform="cuda", **kw):
     jax = _setup(rank, world, port, xla_flags, platform)
     import jax.numpy as jnp
-    from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
     import jax_fusedar as jf
     from tests.oracles import oracle
 
-    mesh = Mesh(np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id))), ("tp",))
+    mesh = _tp_mesh(jax)
     out = {
         "rank": rank,
         "jax": jax.__version__,
@@ -149,9 +157,7 @@ def _parity(jax, jnp, jf, oracle, mesh, P, rank, world, seed, tokens, hiddens, k
                 a = jf.allreduce_fusion(x, pattern=jf.AllReduceFusionPattern.kAllReduce, **kw)
                 return o.residual_out, o.norm_out, a.allreduce_out
 
-            fn = jax.jit(
-                jax.shard_map(f, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=(P(), P(), P()))
-            )
+            fn = jit_shard_map(jax, f, mesh, (P("tp"), P(), P()), (P(), P(), P()))
             r_out, n_out, a_out = fn(
                 _global(jax, mesh, P("tp"), xs[rank]),
                 _global(jax, mesh, P(), res),
@@ -159,25 +165,16 @@ def _parity(jax, jnp, jf, oracle, mesh, P, rank, world, seed, tokens, hiddens, k
             )
             x64 = [x.astype(np.float64) for x in xs]
             r64, g64 = res.astype(np.float64), gam.astype(np.float64)
-            got = dict(residual_out=_local(r_out), norm_out=_local(n_out))
-            ulps = plain_ulps(x64, r64, g64, dtype, **got, allreduce_out=_local(a_out), wb=wb)
+            got = dict(
+                residual_out=_local(r_out), norm_out=_local(n_out), allreduce_out=_local(a_out)
+            )
+            ulps = plain_ulps(x64, r64, g64, dtype, **got, wb=wb)
             worst_of(w, ulps)
             worst_of(w["ulps_fp32_acc" if acc else "ulps_no_fp32_acc"], ulps)
-            worst_of(
-                w,
-                oracle.accumulation_errors(
-                    x64,
-                    r64,
-                    g64,
-                    allreduce_out=_local(a_out),
-                    residual_out=_local(r_out),
-                    norm_out=_local(n_out),
-                    fp32_acc=acc,
-                    rms_eps=1e-6,
-                    weight_bias=wb,
-                    dtype_name=dtype,
-                ),
+            bounds = oracle.accumulation_errors(
+                x64, r64, g64, **got, fp32_acc=acc, rms_eps=1e-6, weight_bias=wb, dtype_name=dtype
             )
+            worst_of(w, bounds)
             w["cases"] += 1
         ws.destroy()
         if dtype == "bfloat16" and kernel:
@@ -246,11 +243,7 @@ def _loop(jax, jnp, jf, oracle, mesh, P, rank, world, seed, calls, m, hidden, pe
         return jax.lax.fori_loop(0, calls, step, (bad0, jnp.zeros((m, hidden), jdt)))
 
     spec_rep = P()
-    fn = jax.jit(
-        jax.shard_map(
-            body, mesh=mesh, in_specs=(P(None, "tp"),) + (spec_rep,) * 6, out_specs=(P(), P())
-        )
-    )
+    fn = jit_shard_map(jax, body, mesh, (P(None, "tp"),) + (spec_rep,) * 6, (P(), P()))
     local_xs = xs[:, rank]  # [period, m, hidden], this rank's partials
     args = [_global(jax, mesh, P(None, "tp"), local_xs)] + [
         _global(jax, mesh, spec_rep, a)
@@ -322,11 +315,7 @@ def _model(jax, jnp, jf, mesh, P, rank, world, seed, layers, m, hidden, ffn):
             ).astype(jdt)
         return h
 
-    fn = jax.jit(
-        jax.shard_map(
-            fused, mesh=mesh, in_specs=(P(None, "tp"), P(None, "tp"), P(), P()), out_specs=P()
-        )
-    )
+    fn = jit_shard_map(jax, fused, mesh, (P(None, "tp"), P(None, "tp"), P(), P()), P())
     args = (
         _global(jax, mesh, P(None, "tp"), w_in[:, rank : rank + 1]),
         _global(jax, mesh, P(None, "tp"), w_out[:, rank : rank + 1]),

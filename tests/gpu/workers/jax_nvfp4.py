@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tests.gpu.workers.common import jit_shard_map
+
 
 def _e2m1_steps(a_packed, b_packed):
     """Per-element distance in e2m1 codes between two packed uint8 arrays (low nibble
@@ -86,9 +88,7 @@ def run(jax, jnp, jf, mesh, P, rank, world, seed, tokens, hiddens, glob, local):
                         (o5.residual_out, o5.norm_out, o5.quant_out, o5.scale_out),
                     )
 
-                fn = jax.jit(
-                    jax.shard_map(f, mesh=mesh, in_specs=(P("tp"), P(), P(), P()), out_specs=P())
-                )
+                fn = jit_shard_map(jax, f, mesh, (P("tp"), P(), P(), P()), P())
                 outs = fn(glob(P("tp"), xs[rank]), glob(P(), res), glob(P(), gam), glob(P(), gs))
                 (r3, q3, s3), (r5, n5, q5, s5) = [
                     [np.asarray(a.addressable_data(0)) for a in o] for o in outs

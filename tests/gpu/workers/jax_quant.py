@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tests.gpu.workers.common import jit_shard_map
+
 GROUP = 128
 
 
@@ -35,7 +37,7 @@ def _host(outs):
 def run(jax, jnp, jf, mesh, P, rank, world, seed, tokens, hiddens, glob, local):
     from tests.oracles import oracle, quant_oracle
     from tests.gpu.harness import draw_case, shape_cases, worst_of
-    from tests.gpu.workers.common import plain_ulps
+    from tests.gpu.workers.common import keep_max, plain_ulps, scale_ulps
 
     Pn = jf.AllReduceFusionPattern
     stats = {
@@ -96,9 +98,7 @@ def run(jax, jnp, jf, mesh, P, rank, world, seed, tokens, hiddens, glob, local):
                     out.append(tuple(v for v in o if v is not None))
                 return out
 
-            fn = jax.jit(
-                jax.shard_map(f, mesh=mesh, in_specs=(P("tp"), P(), P(), P()), out_specs=P())
-            )
+            fn = jit_shard_map(jax, f, mesh, (P("tp"), P(), P(), P()), P())
             args = (glob(P("tp"), xs[rank]), glob(P(), res), glob(P(), gam), glob(P(), sf))
             outs = _host(fn(*args))
             if m >= 1024:
@@ -189,11 +189,7 @@ def run(jax, jnp, jf, mesh, P, rank, world, seed, tokens, hiddens, glob, local):
                 stats["steps1"][name] = stats["steps1"].get(name, 0) + int((d == 1).sum())
                 stats["worse"] += int((d > 1).sum())
             stats["elements"] += n4.size
-            ulp32 = np.spacing(np.abs(ws11).astype(np.float32))
-            stats["dyn_scale_ulps"] = max(
-                stats["dyn_scale_ulps"],
-                float(np.max(np.abs(s11.astype(np.float64) - ws11) / ulp32)),
-            )
+            keep_max(stats, {"dyn_scale_ulps": scale_ulps(s11, ws11)})
             stats["group_scale_mismatch"] += int(np.sum(s9[:, :m] != wb9[:, :m]))
             # Dequantization bound, on the kernel's own norm output.
             from jax_fusedar.ops import quant_arrays

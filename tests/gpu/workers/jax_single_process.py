@@ -22,6 +22,8 @@ import sys
 
 import numpy as np
 
+from tests.gpu.workers.common import jit_shard_map
+
 NAME = "served-layer"
 TOKENS, HIDDEN = 16, 4096
 
@@ -120,9 +122,7 @@ def _layer(jax, jf, mesh, ws):
         )
         return out.residual_out, out.norm_out
 
-    return jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=(P(), P()))
-    )
+    return jit_shard_map(jax, body, mesh, (P("tp"), P(), P()), (P(), P()))
 
 
 def task_export(jax, path: str, seed: int) -> dict:

@@ -15,6 +15,7 @@ large-message algorithm and again with FlashInfer's two-shot kernel, and reports
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 from jax_fusedar.common import launch_mode
@@ -46,9 +47,9 @@ def _outputs(torch, pattern, m, hidden, dtype, device):
     return outs
 
 
-def _launch(
-    ws, native, pattern, dtype, m, hidden, x, res, gamma, scale, outs, algorithm, fp32_acc, stream
-):
+def _launch(ws, native, pattern, dtype, m, hidden, inputs, outs, algorithm, fp32_acc, stream):
+    """One raw-pointer launch; ``inputs``: (x, residual, gamma, static scale) on the device."""
+    x, res, gamma, scale = inputs
     ptr = lambda name: outs[name].data_ptr() if name in outs else 0  # noqa: E731
     ws.launch(
         pattern,
@@ -72,6 +73,14 @@ def _launch(
     )
 
 
+def _on_device(torch, draw, rank, device):
+    """This rank's x, the residual and gamma of one harness.draw_case, bf16 on ``device``."""
+    xs, residual, gamma = draw
+    return [
+        torch.from_numpy(a).to(torch.bfloat16).cuda(device) for a in (xs[rank], residual, gamma)
+    ]
+
+
 def worker(rank, world, chan, *, cases, max_tokens, hidden_max, loop_calls, seed):
     import torch
 
@@ -87,6 +96,7 @@ def worker(rank, world, chan, *, cases, max_tokens, hidden_max, loop_calls, seed
     chan.barrier("ready")
     stream = torch.cuda.current_stream(device)
     s = stream.cuda_stream
+    launch = functools.partial(_launch, ws, native)
 
     digest = hashlib.sha256()
     mismatches = []
@@ -103,22 +113,7 @@ def worker(rank, world, chan, *, cases, max_tokens, hidden_max, loop_calls, seed
         got = {}
         for algorithm in (LARGE, TWOSHOT):
             outs = _outputs(torch, pattern, m, hidden, tdt[dtype], device)
-            _launch(
-                ws,
-                native,
-                pattern,
-                dtype,
-                m,
-                hidden,
-                x,
-                res,
-                gam,
-                scale,
-                outs,
-                algorithm,
-                fp32_acc,
-                s,
-            )
+            launch(pattern, dtype, m, hidden, (x, res, gam, scale), outs, algorithm, fp32_acc, s)
             got[algorithm] = outs
         stream.synchronize()
         for name in got[LARGE]:
@@ -142,32 +137,14 @@ def worker(rank, world, chan, *, cases, max_tokens, hidden_max, loop_calls, seed
     # CUDA graph: capture one large-message call, replay it on fresh inputs copied into the
     # captured buffers; it must match an eager call on the same inputs, bit for bit.
     m, hidden, dtype = max_tokens, hidden_max, "bfloat16"
-    xs, residual, gamma = draw_case(seed - 1, world, m, hidden)
-    x = torch.from_numpy(xs[rank]).to(torch.bfloat16).cuda(device)
-    res = torch.from_numpy(residual).to(torch.bfloat16).cuda(device)
-    gam = torch.from_numpy(gamma).to(torch.bfloat16).cuda(device)
+    x, res, gam = _on_device(torch, draw_case(seed - 1, world, m, hidden), rank, device)
     scale = torch.zeros(1, device=device)
     graph_outs = _outputs(torch, 1, m, hidden, torch.bfloat16, device)
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream(device)
     side.wait_stream(stream)
     with torch.cuda.graph(graph, stream=side):
-        _launch(
-            ws,
-            native,
-            1,
-            dtype,
-            m,
-            hidden,
-            x,
-            res,
-            gam,
-            scale,
-            graph_outs,
-            LARGE,
-            True,
-            side.cuda_stream,
-        )
+        launch(1, dtype, m, hidden, (x, res, gam, scale), graph_outs, LARGE, True, side.cuda_stream)
     stream.wait_stream(side)
     graph_diffs = 0
     for replay in range(3):
@@ -177,7 +154,7 @@ def worker(rank, world, chan, *, cases, max_tokens, hidden_max, loop_calls, seed
             t.view(torch.uint8).fill_(0xFF)
         graph.replay()
         eager = _outputs(torch, 1, m, hidden, torch.bfloat16, device)
-        _launch(ws, native, 1, dtype, m, hidden, x, res, gam, scale, eager, TWOSHOT, True, s)
+        launch(1, dtype, m, hidden, (x, res, gam, scale), eager, TWOSHOT, True, s)
         stream.synchronize()
         graph_diffs += sum(
             int((graph_outs[k].view(torch.uint8) != eager[k].view(torch.uint8)).sum())
@@ -187,31 +164,14 @@ def worker(rank, world, chan, *, cases, max_tokens, hidden_max, loop_calls, seed
     # Many launches without a host sync, the algorithms interleaved: each one's buffers and
     # flags must survive the others'. The last result is checked against the two-shot kernel.
     m, hidden = 1024, min(4096, hidden_max)
-    xs, residual, gamma = draw_case(seed - 2, world, m, hidden)
-    x = torch.from_numpy(xs[rank]).to(torch.bfloat16).cuda(device)
-    res = torch.from_numpy(residual).to(torch.bfloat16).cuda(device)
-    gam = torch.from_numpy(gamma).to(torch.bfloat16).cuda(device)
+    x, res, gam = _on_device(torch, draw_case(seed - 2, world, m, hidden), rank, device)
     loop_outs = _outputs(torch, 1, m, hidden, torch.bfloat16, device)
     order = (LARGE, ONESHOT, LARGE, TWOSHOT, LARGE)
+    ins = (x, res, gam, scale)
     for k in range(loop_calls):
-        _launch(
-            ws,
-            native,
-            1,
-            "bfloat16",
-            m,
-            hidden,
-            x,
-            res,
-            gam,
-            scale,
-            loop_outs,
-            order[k % len(order)],
-            True,
-            s,
-        )
+        launch(1, "bfloat16", m, hidden, ins, loop_outs, order[k % len(order)], True, s)
     last = _outputs(torch, 1, m, hidden, torch.bfloat16, device)
-    _launch(ws, native, 1, "bfloat16", m, hidden, x, res, gam, scale, last, TWOSHOT, True, s)
+    launch(1, "bfloat16", m, hidden, ins, last, TWOSHOT, True, s)
     stream.synchronize()
     loop_diffs = sum(
         int((loop_outs[k].view(torch.uint8) != last[k].view(torch.uint8)).sum()) for k in last

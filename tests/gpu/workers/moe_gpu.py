@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.gpu.workers.common import no_multicast_defaults
+from tests.gpu.workers.common import jit_shard_map, no_multicast_defaults
 
 no_multicast_defaults()
 
@@ -74,17 +74,10 @@ JAX_CASES = [CASES[1], CASES[3], CASES[4], CASES[5], CASES[7], CASES[8]]
 
 
 def case_name(c):
-    return "p{}-{}-t{}-h{}-k{}-e{}{}{}{}".format(
-        c[0],
-        c[1],
-        c[2],
-        c[3],
-        c[4],
-        c[5],
-        "-scale" if c[6] else "",
-        "-shared" if c[7] else "",
-        f"-routed{c[8]}" if c[8] not in (None, 1.0) else "",
-    )
+    pattern, dtype, tokens, hidden, k, experts, scale, shared, routed = c
+    tail = ("-scale" if scale else "") + ("-shared" if shared else "")
+    tail += f"-routed{routed}" if routed not in (None, 1.0) else ""
+    return f"p{pattern}-{dtype}-t{tokens}-h{hidden}-k{k}-e{experts}{tail}"
 
 
 def case_inputs(c, rng=None):
@@ -159,6 +152,12 @@ def _bits(a):
     return np.ascontiguousarray(a).view(np.uint16)
 
 
+def to_device(torch, a, dev, dtype="bfloat16"):
+    """The bits of a numpy 16-bit array as a torch ``dtype`` tensor on ``dev``."""
+    t = torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).to(dev)
+    return t.view(getattr(torch, dtype))
+
+
 def _ranks_share_a_gpu():
     """True with fewer GPUs than ranks: correctness still runs (the kernels time-slice the GPU),
     the benches do not (their figures would mean nothing, and NCCL refuses shared GPUs)."""
@@ -188,7 +187,6 @@ def _torch_rank(rank, world, channel, *, port, anchor_path, out_dir):
     import torch_compat as tc
     from torch_compat import library
 
-    T = {"bfloat16": torch.bfloat16, "float16": torch.float16}
     ws = tc.create_allreduce_fusion_workspace(
         "trtllm", world, rank, MAX_TOKENS, HIDDEN_WS, torch.bfloat16, group=dist.group.WORLD
     )
@@ -196,23 +194,15 @@ def _torch_rank(rank, world, channel, *, port, anchor_path, out_dir):
     anchor_error = None
     try:
         from tests.gpu import anchor
+        from tests.gpu.workers.common import anchor_workspace
 
         fi = anchor.load(anchor_path)
-        fws = anchor.create_workspace(
-            fi,
-            world_size=world,
-            rank=rank,
-            max_token_num=MAX_TOKENS,
-            hidden_dim=HIDDEN_WS,
-            dtype=torch.bfloat16,
-            group=dist.group.WORLD,
-        )
+        fws = anchor_workspace(fi, dist, world, rank, MAX_TOKENS, HIDDEN_WS, torch.bfloat16)
     except Exception as e:  # reported, and the anchor comparisons are marked missing
         anchor_error = f"{type(e).__name__}: {e}"
 
     def to_t(a, dtype):
-        t = torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).to(dev)
-        return t.view(T[dtype])
+        return to_device(torch, a, dev, dtype)
 
     def finalize_tensors(inputs):
         """This rank's bf16 pattern-7 tensors of a case with expert scales and shared output."""
@@ -530,17 +520,15 @@ def stage_torch(out_dir, anchor_path):
 def _jax_rank(rank, world, channel, *, port, out_dir):
     """One `jax.distributed` process per rank (one GPU each, or all sharing one GPU: the
     kernels time-slice it and the protocol still completes), as the JAX users' TP runs."""
-    from tests.gpu.workers.jax_multiprocess import _global, _setup
+    from tests.gpu.workers.jax_multiprocess import _global, _setup, _tp_mesh
 
     jax = _setup(rank, world, port, "")
     import jax.numpy as jnp
-    from jax.sharding import Mesh, PartitionSpec as P
+    from jax.sharding import PartitionSpec as P
 
     import jax_fusedar as jf
 
-    mesh = Mesh(
-        np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id))), ("tp",)
-    )  # TP rank = process index: this process holds row `rank` below
+    mesh = _tp_mesh(jax)  # TP rank = process index: this process holds row `rank` below
     workspaces = {
         d: jf.create_allreduce_fusion_workspace(
             mesh,
@@ -582,11 +570,7 @@ def _jax_rank(rank, world, channel, *, port, out_dir):
             )
             return out.residual_out, out.norm_out
 
-        return jax.jit(
-            jax.shard_map(
-                body, mesh=mesh, in_specs=(P("tp"),) * 3 + (P(),) * 3, out_specs=(P(), P())
-            )
-        )
+        return jit_shard_map(jax, body, mesh, (P("tp"),) * 3 + (P(),) * 3, (P(), P()))
 
     def finalize_args(inputs):
         """The global arrays of a pattern-7 case: permuted rows (padded to one length),
@@ -628,11 +612,7 @@ def _jax_rank(rank, world, channel, *, port, out_dir):
                 )
                 return out.residual_out, out.norm_out, out.allreduce_out
 
-            f = jax.jit(
-                jax.shard_map(
-                    body, mesh=mesh, in_specs=(P("tp"),) * 3 + (P(),) * 2, out_specs=(P(), P(), P())
-                )
-            )
+            f = jit_shard_map(jax, body, mesh, (P("tp"),) * 3 + (P(),) * 2, (P(), P(), P()))
             args = [
                 put(np.stack(inputs[k]), P("tp"))
                 for k in ("expert_outputs", "expert_scales", "token_input")
@@ -707,9 +687,7 @@ def _jax_rank(rank, world, channel, *, port, out_dir):
         args = finalize_args(inputs)
         row = {}
         for label, fn in (("fused_jax_us", fused_chain), ("unfused_xla_us", unfused_chain)):
-            f = jax.jit(
-                jax.shard_map(fn, mesh=mesh, in_specs=(P("tp"),) * 3 + (P(),) * 3, out_specs=P())
-            )
+            f = jit_shard_map(jax, fn, mesh, (P("tp"),) * 3 + (P(),) * 3, P())
             f(*args).block_until_ready()
             times = []
             for _ in range(7):
@@ -742,26 +720,13 @@ def stage_jax(out_dir):
 def _anchor_2880_rank(rank, world, channel, *, port, anchor_path):
     torch, dist, dev = _gloo_rank(rank, world, port)
     from tests.gpu import anchor
+    from tests.gpu.workers.common import anchor_workspace
 
     fi = anchor.load(anchor_path)
-    fws = anchor.create_workspace(
-        fi,
-        world_size=world,
-        rank=rank,
-        max_token_num=64,
-        hidden_dim=2880,
-        dtype=torch.bfloat16,
-        group=dist.group.WORLD,
-    )
+    fws = anchor_workspace(fi, dist, world, rank, 64, 2880, torch.bfloat16)
     c = (7, "bfloat16", 16, 2880, 4, 32, True, True, 1.0)
     inputs = case_inputs(c)
-    t = lambda a: (
-        torch.from_numpy(np.ascontiguousarray(a).view(np.int16))
-        .to(dev)
-        .view(  # noqa
-            torch.bfloat16
-        )
-    )
+    t = lambda a: to_device(torch, a, dev)
     res = t(inputs["residual"])
     norm, ro = torch.full_like(res, float("nan")), torch.full_like(res, float("nan"))
     fi.allreduce_fusion(

@@ -57,16 +57,12 @@ class _Call:
     NaN), the torch_compat call, and the same call through the native Rank."""
 
     def __init__(self, c, inputs, rank, dev, torch):
-        from tests.gpu.workers.moe_gpu import EPS
+        from tests.gpu.workers.moe_gpu import EPS, to_device
 
         self.c, self.inputs, self.torch, self.eps = c, inputs, torch, EPS
 
         def to_t(a):
-            return (
-                torch.from_numpy(np.ascontiguousarray(a).view(np.int16))
-                .to(dev)
-                .view(torch.bfloat16)
-            )
+            return to_device(torch, a, dev)
 
         self.res_in, self.gamma = to_t(inputs["residual"]), to_t(inputs["gamma"])
         self.norm = torch.full_like(self.res_in, float("nan"))

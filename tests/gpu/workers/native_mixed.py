@@ -60,12 +60,7 @@ def worker(proc, nprocs, chan, *, port, seed):
         "127.0.0.1", port, nprocs, proc == 0, timeout=datetime.timedelta(seconds=60)
     )
     kv = StoreChannel(store, timeout_s=60.0, process=proc)
-    members = [
-        exchange.Member(0, 0),
-        exchange.Member(0, 1),
-        exchange.Member(1, 0),
-        exchange.Member(1, 1),
-    ]
+    members = [exchange.Member(p, d) for p in (0, 1) for d in (0, 1)]  # (process, device)
     group = tp_groups.TPGroup((0, 1, 2, 3), 0)
     code = native.DTYPE_CODES["bfloat16"]
     result = {"process": proc, "gpus": [torch.cuda.get_device_name(d) for d in (0, 1)]}

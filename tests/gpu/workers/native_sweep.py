@@ -54,11 +54,7 @@ def worker(rank, world, chan, *, tokens, hiddens, max_tokens, loop_calls, seed):
         connect_ipc(ws, chan, rank, f"ipc-{dtype}")
         workspaces[dtype] = ws
     chan.barrier("ready")
-    ws_for = {
-        "bfloat16": workspaces["bfloat16"],
-        "float16": workspaces["bfloat16"],
-        "float32": workspaces["float32"],
-    }
+    ws_for = {d: workspaces["float32" if d == "float32" else "bfloat16"] for d in DTYPES}
 
     stream = torch.cuda.current_stream(device)
     worst = {d: {"allreduce": 0.0, "residual": 0.0, "norm": 0.0, "cases": 0} for d in DTYPES}

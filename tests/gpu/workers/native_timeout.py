@@ -55,7 +55,6 @@ from tests.gpu.workers.native_mismatch import (
     MATCHING,
     await_verdict,
     check_untouched,
-    draw_inputs,
     finish_ok,
     on_device,
     flush_c_stdio,
@@ -107,28 +106,14 @@ def _good_calls(ws, rank, world, device, seed, torch, n=GOOD_FIRST):
 
 def _same_bits(on, off, rank, world, device, seed, torch):
     """same_bits_calls() calls on each workspace, interleaved, same inputs: device-side
-    count of the
-    output bytes that differ, and the oracle errors of each cycle entry's last call."""
+    count of the output bytes that differ, and the oracle errors of each cycle entry's last
+    call."""
     stream = torch.cuda.current_stream(device)
     cases = []
     for i, (pattern, m, oneshot) in enumerate(CYCLE):
-        xs, residual, gamma = draw_inputs(seed + i, world, m, HIDDEN, torch)
-        x, res, gam = (t.cuda(device) for t in (xs[rank], residual, gamma))
-        cases.append(
-            (
-                pattern,
-                m,
-                oneshot,
-                xs,
-                residual,
-                gamma,
-                x,
-                res,
-                gam,
-                new_outputs(x, torch),
-                new_outputs(x, torch),
-            )
-        )
+        # (xs, residual, gamma, x, res, gam, outputs) and the timeout-off call's outputs
+        drawn = on_device(seed + i, world, m, rank, device, torch)
+        cases.append((pattern, m, oneshot, *drawn, new_outputs(drawn[3], torch)))
     differing = torch.zeros((), dtype=torch.int64, device=device)
     t0 = time.monotonic()
     calls = same_bits_calls(world)
@@ -243,31 +228,13 @@ def worker(rank, world, chan, *, case, seed):
         "gpu": torch.cuda.get_device_name(device),
     }
     size = {"max_tokens": LARGE_TOKENS} if case == "never_large" else {}
+    kw = dict(handshake=False, timeout_s=30.0)
     ws = make_workspace(
-        ext,
-        chan,
-        "on",
-        device,
-        world,
-        rank,
-        handshake=False,
-        timeout_s=30.0,
-        kernel_timeout_s=TIMEOUT_S,
-        **size,
+        ext, chan, "on", device, world, rank, **kw, kernel_timeout_s=TIMEOUT_S, **size
     )
     result["timeout_s"] = ws.timeout_s
     if case == "ok":
-        off = make_workspace(
-            ext,
-            chan,
-            "off",
-            device,
-            world,
-            rank,
-            handshake=False,
-            timeout_s=30.0,
-            kernel_timeout_s=0.0,
-        )
+        off = make_workspace(ext, chan, "off", device, world, rank, **kw, kernel_timeout_s=0.0)
         result["off_timeout_s"] = off.timeout_s
         result["bits"] = _same_bits(ws, off, rank, world, device, seed, torch)
         return finish_ok(result, ws, off, rank, world, device, seed, torch, chan)
@@ -300,23 +267,12 @@ def worker(rank, world, chan, *, case, seed):
             time.sleep(1.0)
         note_before_failing()
         if case == "never_large":
-            result["failing"] = _failing_call(
-                ws,
-                1,
-                LARGE_TOKENS,
-                False,
-                rank,
-                device,
-                seed + 999,
-                world,
-                torch,
-                algorithm=algorithm,
-            )
+            call, extra = (1, LARGE_TOKENS, False), {"algorithm": algorithm}
         else:
-            pattern, m, oneshot = (1, 32, False) if case == "never_twoshot" else (1, 16, True)
-            result["failing"] = _failing_call(
-                ws, pattern, m, oneshot, rank, device, seed + 999, world, torch
-            )
+            call, extra = ((1, 32, False) if case == "never_twoshot" else (1, 16, True)), {}
+        result["failing"] = _failing_call(
+            ws, *call, rank, device, seed + 999, world, torch, **extra
+        )
     elif case == "killed":
         chan.all_gather("dying", None)
         chan.close()  # rank 0 must get "dying" whole before this process disappears

@@ -27,6 +27,7 @@ import os
 import numpy as np
 
 from tests.gpu.workers import torch_workers as tw
+from tests.gpu.workers.common import jit_shard_map
 
 PATTERNS = (0, 1, 2, 4, 8, 9, 10, 11)
 GROUP = tw.GROUP
@@ -153,9 +154,7 @@ def _run_jax(jax, devices, local_ranks, out_dir, seed, tokens, hiddens, dtypes):
                     outs.append({n: v for n, v in o._asdict().items() if v is not None})
                 return outs
 
-            fn = jax.jit(
-                jax.shard_map(f, mesh=mesh, in_specs=(P("tp"), P(), P(), P()), out_specs=P())
-            )
+            fn = jit_shard_map(jax, f, mesh, (P("tp"), P(), P(), P()), P())
 
             def put(a, spec):  # this process's part of the global array
                 return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), a)
@@ -312,15 +311,8 @@ def torch_phase(rank, world, chan, *, port, out_dir):
         meta, data = load(out_dir)
         assert meta["world"] == world, (meta["world"], world)
         cases = meta["cases"]
-        ws = tc.create_allreduce_fusion_workspace(
-            "trtllm",
-            world,
-            rank,
-            max(c["m"] for c in cases),
-            max(c["hidden"] for c in cases),
-            torch.bfloat16,
-            timeout_s=120,
-        )
+        tokens, hidden = max(c["m"] for c in cases), max(c["hidden"] for c in cases)
+        ws = tw._workspace(tc, torch, world, rank, tokens, hidden)
         per_case, differing = [], {}
         worst = {
             s: {"allreduce": 0.0, "residual": 0.0, "norm": 0.0, "nans": 0} for s in ("torch", "jax")

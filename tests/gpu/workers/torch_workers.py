@@ -17,6 +17,8 @@ import time
 
 import numpy as np
 
+from tests.gpu.workers.common import keep_max, scale_ulps
+
 # What vLLM does on every rank, identically: the exchange must not depend on it.
 SHARED_SEED = 1234
 RMS_EPS = 1e-6
@@ -163,8 +165,7 @@ def dp_tp_worker(rank, world, chan, *, port, seed, tokens, hidden):
                 r_ulps, n_ulps, nans, digest = case.run(
                     ws, use_oneshot=use_oneshot, launch_with_pdl=True, fp32_acc=True
                 )
-                worst["residual"] = max(worst["residual"], r_ulps)
-                worst["norm"] = max(worst["norm"], n_ulps)
+                keep_max(worst, {"residual": r_ulps, "norm": n_ulps})
                 nan_outputs += nans
                 digests.append(digest)
                 cases.append((m, use_oneshot))
@@ -197,14 +198,11 @@ def cycles_worker(rank, world, chan, *, port, seed, cycles, tokens, hidden):
 
         def cycle():
             nonlocal nan_outputs
-            ws = tc.create_allreduce_fusion_workspace(
-                "trtllm", world, rank, tokens, hidden, torch.bfloat16, timeout_s=120
-            )
+            ws = _workspace(tc, torch, world, rank, tokens, hidden)
             if not reprs:
                 reprs.append(repr(ws))
             r_ulps, n_ulps, nans, _ = case.run(ws)
-            worst["residual"] = max(worst["residual"], r_ulps)
-            worst["norm"] = max(worst["norm"], n_ulps)
+            keep_max(worst, {"residual": r_ulps, "norm": n_ulps})
             nan_outputs += nans
             ws.destroy()
 
@@ -477,11 +475,7 @@ def quant_stats(stats, by_pattern, ref, res, gam, dtype, sf, group, label, xs=No
         d = quant_oracle.code_steps(got, np.asarray(want).view(np.uint8))
         stats["steps1"][kind] += int((d == 1).sum())
         stats["worse"] += int((d > 1).sum())
-    ulp32 = np.spacing(np.abs(ws11).astype(np.float32)).astype(np.float64)
-    stats["dyn_scale_ulps"] = max(
-        stats["dyn_scale_ulps"],
-        float(np.max(np.abs(o[11]["scale_out"].astype(np.float64) - ws11) / ulp32)),
-    )
+    keep_max(stats, {"dyn_scale_ulps": scale_ulps(o[11]["scale_out"], ws11)})
     stats["group_scale_mismatch"] += int(np.sum(o[9]["scale_out"][:, :m] != wb9[:, :m]))
     stats["elements"] += o[4]["quant_out"].size
     stats["cases"] += 1
@@ -761,11 +755,7 @@ def cuda_graph_worker(rank, world, chan, *, port, seed, m, hidden, replays):
                     d = quant_oracle.code_steps(got["quant_out"], np.asarray(wq).view(np.uint8))
                     worst["code_steps1"] += int((d == 1).sum())
                     worst["code_worse"] += int((d > 1).sum())
-                    ulp32 = np.spacing(np.abs(wsc).astype(np.float32)).astype(np.float64)
-                    worst["scale_ulps"] = max(
-                        worst["scale_ulps"],
-                        float(np.max(np.abs(got["scale_out"].astype(np.float64) - wsc) / ulp32)),
-                    )
+                    keep_max(worst, {"scale_ulps": scale_ulps(got["scale_out"], wsc)})
                     worst["poisoned"] += int(np.sum((got["quant_out"] & 0x7F) == 0x7F))
                 worst["replays"] += 1
             worst["host_launches_during_replays"] = _native_launches() - launches1
