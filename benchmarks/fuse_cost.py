@@ -26,8 +26,10 @@ caches:
 
 * trace: ``jax.make_jaxpr`` of the original (what any jit pays);
 * the pass, as ``fused.analyze(...)`` reports it, without the trace of the function:
-  ``report.analysis_s`` (analysis: finding and proving the sites, the workspace plan) and
-  ``report.pass_s`` (the whole pass: that and the re-trace of the rewritten program);
+  ``report.analysis_s`` (analysis: finding and proving the sites, the workspace plan),
+  ``report.allocate_s`` (creating the workspaces: on GPUs with the kernel a collective
+  among the rank processes, which exchange memory handles) and ``report.pass_s`` (the
+  whole pass: those and the re-trace of the rewritten program);
 * lower + compile of the traced ``jax.jit(original)`` and ``jax.jit(fused)`` (StableHLO,
   then XLA's compile), in wall time and in the process's CPU time (the compiler's work,
   which other load on a shared machine changes less): what the rewritten program costs
@@ -36,8 +38,10 @@ caches:
 
 Printed: medians with the spread (min-max) over the repetitions, the analysis and the whole
 pass per layer, and the ratios of the fused program's lower + compile to the original's
-(wall, CPU). Targets: 10 ms per layer (checked for both), lower + compile <= 1.1x the
-original's (checked for both). Only the public API is used (``jax_fusedar.fuse``).
+(wall, CPU). Targets: 10 ms per layer (checked for the analysis and for the whole pass less
+the workspaces' creation, which is paid once per workspace shape, not per layer), lower +
+compile <= 1.1x the original's (checked for both clocks). Only the public API is used
+(``jax_fusedar.fuse``).
 """
 
 from __future__ import annotations
@@ -252,7 +256,7 @@ def measure(
     import contextlib
 
     ctx = context or contextlib.nullcontext
-    trace, analysis, whole, sites, kernel_calls = [], [], [], None, None
+    trace, analysis, allocate, whole, sites, kernel_calls = [], [], [], [], None, None
     # Lower + compile of each program: wall seconds, and the process's CPU seconds (XLA's
     # work, which the other load of a shared machine does not change).
     wall = {"original": [], "fused": [], "by_hand": []}
@@ -272,6 +276,7 @@ def measure(
             rep = fused.analyze(*args)
             # Measured inside the trace, the trace itself left out.
             analysis.append(rep.analysis_s)
+            allocate.append(rep.allocate_s)
             whole.append(rep.pass_s)
             sites = (len(rep.fused), len(rep.sites), rep.fused_runs())
             # Alternated, so that neither program always compiles first (a warmer process).
@@ -306,8 +311,12 @@ def measure(
         "trace_s": stat(trace),
         "analysis_s": stat(analysis),
         "analysis_ms_per_layer": 1e3 * statistics.median(analysis) / layers,
+        "allocate_s": stat(allocate),
         "pass_s": stat(whole),
         "pass_ms_per_layer": 1e3 * statistics.median(whole) / layers,
+        "pass_less_allocation_ms_per_layer": 1e3
+        * statistics.median([w - a for w, a in zip(whole, allocate)])
+        / layers,
     }
     # The ratio of each repetition's pair, then their median (same caches, same load).
     for times, suffix in ((wall, ""), (cpu, "_cpu")):
@@ -332,7 +341,7 @@ def print_row(r):
         return "ok" if good else "OVER"
 
     ok_a = r["analysis_ms_per_layer"] <= TARGET_MS_PER_LAYER
-    ok_p = r["pass_ms_per_layer"] <= TARGET_MS_PER_LAYER
+    ok_p = r["pass_less_allocation_ms_per_layer"] <= TARGET_MS_PER_LAYER
     ok_c = r["compile_ratio"]["median"] <= TARGET_COMPILE_RATIO
     ok_cpu = r["compile_cpu_ratio"]["median"] <= TARGET_COMPILE_RATIO
     print(
@@ -340,8 +349,10 @@ def print_row(r):
         f"({r['fused_calls_per_run']} calls/run, {r['kernel_calls_in_program']} kernel "
         f"calls in the program) | trace {_fmt(r['trace_s'])} s | "
         f"analysis {_fmt(r['analysis_s'])} s = {r['analysis_ms_per_layer']:.2f} ms/layer "
-        f"[{ok(ok_a)}], whole pass {_fmt(r['pass_s'])} s = {r['pass_ms_per_layer']:.2f} "
-        f"ms/layer [{ok(ok_p)}] | lower+compile orig {_fmt(r['original_lower_compile_s'])}"
+        f"[{ok(ok_a)}], workspaces created in {_fmt(r['allocate_s'])} s, whole pass "
+        f"{_fmt(r['pass_s'])} s = {r['pass_ms_per_layer']:.2f} ms/layer, less the "
+        f"workspaces' creation {r['pass_less_allocation_ms_per_layer']:.2f} ms/layer "
+        f"[{ok(ok_p)}] | lower+compile orig {_fmt(r['original_lower_compile_s'])}"
         f" s, fused {_fmt(r['fused_lower_compile_s'])} s, ratio {_fmt(r['compile_ratio'])} "
         f"[{ok(ok_c)}], CPU time ratio {_fmt(r['compile_cpu_ratio'])} [{ok(ok_cpu)}]"
         + (

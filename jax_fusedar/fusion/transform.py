@@ -140,12 +140,14 @@ class FusedFunction:
         that cannot be created is refused to the analysis, which runs again: its sites are
         then reported unfused with the error (at most once per dtype and hidden size)."""
         refused = {}
+        self._allocate_s = 0.0
         while True:
             analyzer = Analyzer(self._admission(refused), self.axis_name)
             plan = analyzer.plan(jaxpr, Scope("", None, None, 1))
-            failed = workspaces.allocate(
-                workspaces.plan_workspaces(analyzer.needs, self.workspaces), self._create
-            )
+            specs = workspaces.plan_workspaces(analyzer.needs, self.workspaces)
+            start = time.perf_counter()
+            failed = workspaces.allocate(specs, self._create)
+            self._allocate_s += time.perf_counter() - start
             if not failed:
                 break
             refused.update(failed)
@@ -172,7 +174,8 @@ class FusedFunction:
         start = time.perf_counter()
         analyzer, plan = self._analyse_and_allocate(closed.jaxpr)
         self.report = FusionReport(analyzer.sites, analyzer.near_misses())
-        self.report.analysis_s = time.perf_counter() - start
+        self.report.allocate_s = self._allocate_s
+        self.report.analysis_s = time.perf_counter() - start - self._allocate_s
         log.log(self.log_level, "%s", self.report.line())
         self.traced = {}
         outs = rewriting.evaluate(plan.jaxpr, closed.consts, flat, plan, self)

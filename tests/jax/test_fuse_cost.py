@@ -3,6 +3,8 @@ are benchmarks/fuse_cost.py's): each site is matched once where a scope's two ma
 passes see the same program, and sites of one signature share one trace of the code that
 replaces them."""
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -122,3 +124,26 @@ def test_checkpointed_layers_rotated_are_planned_once(monkeypatch):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         assert np.max(np.abs(a - b)) <= 2.0**-7 * np.max(np.abs(b))
+
+
+def test_the_workspaces_creation_is_timed_apart_from_the_analysis(monkeypatch):
+    """Creating a kernel workspace is a collective among the rank processes, as slow as the
+    slowest rank: the report keeps it out of ``analysis_s`` (``allocate_s``), and the whole
+    pass holds both. A creation made slow here shows where its time goes."""
+    from jax_fusedar import workspace
+
+    original = workspace.create_allreduce_fusion_workspace
+
+    def slow(*a, **k):
+        time.sleep(0.5)
+        return original(*a, **k)
+
+    monkeypatch.setattr(workspace, "create_allreduce_fusion_workspace", slow)
+    fused = jf.fuse(decoder, mesh=MESH, axis_name="tp", backend="xla")
+    with jax.set_mesh(MESH):
+        report = fused.analyze(*operands())
+    assert len(report.fused) == LAYERS, report.line()
+    assert 0.5 <= report.allocate_s < 0.5 * len(fused.workspaces) + 0.5
+    assert 0 < report.analysis_s < report.allocate_s
+    assert report.pass_s >= report.analysis_s + report.allocate_s
+    assert report.as_dict()["allocate_s"] == report.allocate_s
