@@ -166,9 +166,8 @@ def run_sharded(f, mesh, in_specs, out_specs, *args):
 
 def xla_workspace(mesh, dtype="bfloat16", *, max_token_num=64, hidden_dim=256):
     """A workspace over ``mesh``'s "tp" axis on the xla backend (what CPU gets)."""
-    ws = jf.create_allreduce_fusion_workspace(
-        mesh, "tp", max_token_num=max_token_num, hidden_dim=hidden_dim, dtype=jdtype(dtype)
-    )
+    kw = dict(max_token_num=max_token_num, hidden_dim=hidden_dim, dtype=jdtype(dtype))
+    ws = jf.create_allreduce_fusion_workspace(mesh, "tp", **kw)
     assert ws.backend == "xla", ws
     return ws
 
@@ -176,14 +175,10 @@ def xla_workspace(mesh, dtype="bfloat16", *, max_token_num=64, hidden_dim=256):
 def pattern_call(ws, pattern, x, r, g, kw):
     """allreduce_fusion of ``pattern`` on (x, residual r, gamma g; pattern 0 reads only x)
     with the options ``kw``: the outputs' NamedTuple."""
+    if pattern == jf.AllReduceFusionPattern.kAllReduce:
+        r = g = None
     return jf.allreduce_fusion(
-        x,
-        axis_name="tp",
-        workspace=ws,
-        pattern=pattern,
-        residual=None if pattern == jf.AllReduceFusionPattern.kAllReduce else r,
-        rms_gamma=None if pattern == jf.AllReduceFusionPattern.kAllReduce else g,
-        **kw,
+        x, axis_name="tp", workspace=ws, pattern=pattern, residual=r, rms_gamma=g, **kw
     )
 
 
@@ -250,45 +245,27 @@ def check_outputs(
     shape = partials[0].shape
     residual = np.zeros(shape, partials[0].dtype) if residual is None else np.asarray(residual)
     gamma = np.ones(shape[-1]) if gamma is None else np.asarray(gamma)
+    residual, gamma = _f64(residual), _f64(gamma)
     s, r, y, inv = oracle.fused_reference(
-        [_f64(x) for x in partials],
-        _f64(residual),
-        _f64(gamma),
-        rms_eps=rms_eps,
-        weight_bias=weight_bias,
+        [_f64(x) for x in partials], residual, gamma, rms_eps=rms_eps, weight_bias=weight_bias
     )
+    error_ulps = {
+        "allreduce_out": lambda out: oracle.allreduce_error_ulps(out, s, dtype_name),
+        "residual_out": lambda out: oracle.residual_error_ulps(out, s, r, residual, dtype_name),
+        "norm_out": lambda out: oracle.norm_error_ulps(
+            out, s, y, inv, residual, gamma, weight_bias=weight_bias, dtype_name=dtype_name
+        ),
+    }
+    outputs = dict(allreduce_out=allreduce_out, residual_out=residual_out, norm_out=norm_out)
     errors = {}
-    for name, out in (
-        ("allreduce_out", allreduce_out),
-        ("residual_out", residual_out),
-        ("norm_out", norm_out),
-    ):
-        if out is None:
-            continue
-        out = np.asarray(out)
+    for name, out in ((k, np.asarray(v)) for k, v in outputs.items() if v is not None):
         assert out.shape == shape and out.dtype == jdtype(dtype_name), (
             f"{what}: {name} is {out.shape} {out.dtype}, expected {shape} {dtype_name}"
         )
-        if name == "allreduce_out":
-            errors[name] = oracle.allreduce_error_ulps(out, s, dtype_name)
-        elif name == "residual_out":
-            errors[name] = oracle.residual_error_ulps(out, s, r, _f64(residual), dtype_name)
-        else:
-            errors[name] = oracle.norm_error_ulps(
-                out,
-                s,
-                y,
-                inv,
-                _f64(residual),
-                _f64(gamma),
-                weight_bias=weight_bias,
-                dtype_name=dtype_name,
-            )
-    bounds = {
-        "allreduce_out": ALLREDUCE_ULPS,
-        "residual_out": RESIDUAL_ULPS,
-        "norm_out": NORM_ULPS[dtype_name],
-    }
+        errors[name] = error_ulps[name](out)
+    bounds = dict(
+        allreduce_out=ALLREDUCE_ULPS, residual_out=RESIDUAL_ULPS, norm_out=NORM_ULPS[dtype_name]
+    )
     bad = {k: v for k, v in errors.items() if not v <= bounds[k]}  # NaN fails too
     assert not bad, (
         f"{what}: errors in ulps {bad} exceed the bounds "
@@ -351,31 +328,16 @@ def moe_body(ws, pattern, **kwargs):
     (permuted_input, index map, expert_scale_factor, residual, gamma) and returns
     residual_out, norm_out. ``kwargs`` go to the call."""
 
+    kwargs = dict(axis_name=ws.axis_name, workspace=ws, **kwargs)
+
     def reduction(outputs, scales, token_input, residual, gamma):
-        out = jf.moe_reduction_allreduce_fusion(
-            outputs[0],
-            scales[0],
-            token_input[0],
-            axis_name=ws.axis_name,
-            workspace=ws,
-            residual=residual,
-            rms_gamma=gamma,
-            return_allreduce_out=True,
-            **kwargs,
-        )
+        kw = dict(residual=residual, rms_gamma=gamma, return_allreduce_out=True, **kwargs)
+        out = jf.moe_reduction_allreduce_fusion(outputs[0], scales[0], token_input[0], **kw)
         return out.residual_out, out.norm_out, out.allreduce_out
 
     def finalize(permuted, idx, scale, residual, gamma):
-        out = jf.moe_finalize_allreduce_fusion(
-            permuted[0],
-            idx[0],
-            axis_name=ws.axis_name,
-            workspace=ws,
-            residual=residual,
-            rms_gamma=gamma,
-            expert_scale_factor=scale[0],
-            **kwargs,
-        )
+        kw = dict(residual=residual, rms_gamma=gamma, expert_scale_factor=scale[0], **kwargs)
+        out = jf.moe_finalize_allreduce_fusion(permuted[0], idx[0], **kw)
         return out.residual_out, out.norm_out
 
     return (reduction, 3) if int(pattern) == 6 else (finalize, 2)

@@ -15,7 +15,6 @@ from jax.sharding import PartitionSpec as P
 import jax_fusedar as jf
 from jax_fusedar.common.limits import SUPPORTED_WORLD_SIZES
 from tests.jax.cpu_helpers import (
-    RMS_EPS,
     bits,
     check_outputs,
     fusedar_warnings,
@@ -38,15 +37,15 @@ from jax_fusedar.common.tp_groups import TPGroup
 
 require_host_devices()
 
-AR = jf.AllReduceFusionPattern.kAllReduce
-AR_NORM = jf.AllReduceFusionPattern.kARResidualRMSNorm
+Q = jf.AllReduceFusionPattern
+AR, AR_NORM = Q.kAllReduce, Q.kARResidualRMSNorm
 MESHES = {
     "tp8": ((8,), ("tp",)),
     "dp2_tp4": ((2, 4), ("dp", "tp")),
     "dp4_tp2": ((4, 2), ("dp", "tp")),
 }
 MLIR_TYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
-
+SHUFFLED = [5, 2, 7, 0, 3, 6, 1, 4]  # device ids, for meshes not in id order
 
 # Environment and once-per-kind logging reset per test (conftest.py).
 # Also in the oldest-versions lane (./dev oldest).
@@ -57,16 +56,11 @@ def mesh_of(name):
     return make_mesh(*MESHES[name])
 
 
-# --- shard_map plumbing ------------------------------------------------------------------------
-# x is sharded over all mesh axes along dim 0 (dp major), so each shard is its [M, H] block;
-# per-group arrays (residual, gamma, outputs) are sharded over "dp" (replicated on a 1-D mesh).
-
-
 def specs(mesh):
-    """(x spec, per-group spec) for a ("tp",) or ("dp", "tp") mesh."""
-    if mesh.axis_names == ("tp",):
-        return P("tp"), P()
-    return P(("dp", "tp")), P("dp")
+    """(x spec, per-group spec) for a ("tp",) or ("dp", "tp") mesh: x is sharded over all mesh
+    axes along dim 0 (dp major), so each shard is its [M, H] block; per-group arrays (residual,
+    gamma, outputs) are sharded over "dp" (replicated on a 1-D mesh)."""
+    return (P("tp"), P()) if mesh.axis_names == ("tp",) else (P(("dp", "tp")), P("dp"))
 
 
 def fused_body(ws, pattern=AR_NORM, *, seen=None, **kwargs):
@@ -74,15 +68,8 @@ def fused_body(ws, pattern=AR_NORM, *, seen=None, **kwargs):
     ``seen`` receives which NamedTuple fields were None."""
 
     def body(x, residual=None, gamma=None):
-        out = jf.allreduce_fusion(
-            x,
-            axis_name="tp",
-            workspace=ws,
-            pattern=pattern,
-            residual=residual,
-            rms_gamma=gamma,
-            **kwargs,
-        )
+        kw = dict(workspace=ws, pattern=pattern, residual=residual, rms_gamma=gamma)
+        out = jf.allreduce_fusion(x, axis_name="tp", **kw, **kwargs)
         assert isinstance(out, jf.AllReduceFusionOutputs)
         if seen is not None:
             seen[int(pattern)] = tuple(f for f, v in zip(out._fields, out) if v is None)
@@ -95,52 +82,30 @@ def abstract(mesh, spec, shape, dtype) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, jdtype(dtype), sharding=NamedSharding(mesh, spec))
 
 
-def local_shapes(mesh, tokens, hidden, dtype, n_inputs=3):
-    """ShapeDtypeStructs of the first ``n_inputs`` of (x, residual, gamma), placed so that each
-    shard sees [tokens, hidden], [tokens, hidden], [hidden]; with their in_specs."""
+def trace_sharded(body, mesh, tokens, hidden, dtype="bfloat16", *, n_inputs=3, n_outputs=1):
+    """jit(shard_map(body)).trace(...) on the first ``n_inputs`` of abstract (x, residual,
+    gamma), placed so that each shard sees [tokens, hidden], [tokens, hidden], [hidden]; the
+    outputs are per group."""
     x_spec, group_spec = specs(mesh)
     n = mesh.devices.size
     groups = n // mesh.shape["tp"]
-    shapes = [
-        ((n * tokens, hidden), x_spec),
-        ((groups * tokens, hidden), group_spec),
-        ((groups * hidden,), group_spec),
-    ][:n_inputs]
-    return (
-        [abstract(mesh, spec, shape, dtype) for shape, spec in shapes],
-        tuple(spec for _, spec in shapes),
-    )
-
-
-def trace_sharded(body, mesh, tokens, hidden, dtype="bfloat16", *, n_inputs=3, n_outputs=1):
-    """jit(shard_map(body)).trace(...) on abstract shards (see local_shapes); the outputs
-    are per group."""
-    avals, in_specs = local_shapes(mesh, tokens, hidden, dtype, n_inputs)
-    out_specs = (specs(mesh)[1],) * n_outputs
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)).trace(
-        *avals
-    )
+    shapes = [(n * tokens, hidden), (groups * tokens, hidden), (groups * hidden,)]
+    in_specs = (x_spec, group_spec, group_spec)[:n_inputs]
+    avals = [abstract(mesh, spec, shape, dtype) for spec, shape in zip(in_specs, shapes)]
+    return jit_shard_map(body, mesh, in_specs, (group_spec,) * n_outputs).trace(*avals)
 
 
 def trace_fused(ws, tokens, hidden, dtype=None, *, mesh=None, pattern=AR_NORM, **kwargs):
     """Traces allreduce_fusion on [tokens, hidden] shards (residual and gamma per group)."""
-    has_residual = pattern != AR
-    return trace_sharded(
-        fused_body(ws, pattern, **kwargs),
-        ws.mesh if mesh is None else mesh,
-        tokens,
-        hidden,
-        ws.dtype.name if dtype is None else dtype,
-        n_inputs=3 if has_residual else 1,
-        n_outputs=2 if has_residual else 1,
-    )
+    mesh = ws.mesh if mesh is None else mesh
+    n_in, n_out = (1, 1) if pattern == AR else (3, 2)
+    body = fused_body(ws, pattern, **kwargs)
+    dtype = ws.dtype.name if dtype is None else dtype
+    return trace_sharded(body, mesh, tokens, hidden, dtype, n_inputs=n_in, n_outputs=n_out)
 
 
 def cuda_text(ws, tokens, hidden, **kwargs) -> str:
     return trace_fused(ws, tokens, hidden, **kwargs).lower(lowering_platforms=("cuda",)).as_text()
-
-
-# --- 1. results against the oracle -------------------------------------------------------------
 
 
 def run_and_check_groups(ws, tokens, hidden, what, **kwargs):
@@ -152,50 +117,34 @@ def run_and_check_groups(ws, tokens, hidden, what, **kwargs):
     The calls emulate the kernel's additions (``fallback="kernel_exact"``) unless ``kwargs``
     say otherwise: the rounding checked here is the kernel's."""
     kwargs.setdefault("fallback", "kernel_exact")
-    mesh, dtype = ws.mesh, ws.dtype.name
-    fp32_acc = kwargs.get("fp32_acc", True)
+    mesh, dtype, fp32_acc = ws.mesh, ws.dtype.name, kwargs.get("fp32_acc", True)
     # fp32 sums in fp32 either way, in an unspecified order: only exact sums compare.
     one_rounding = fp32_acc or dtype == "float32"
     world = mesh.shape["tp"]
     groups = mesh.devices.size // world
     rng = new_rng()
     # Full-precision 16-bit partials without fp32_acc, so that the order of the roundings shows.
-    xs = (random_partials if one_rounding else random_values)(
-        rng, (groups, world, tokens, hidden), dtype
-    )
+    draw = random_partials if one_rounding else random_values
+    xs = draw(rng, (groups, world, tokens, hidden), dtype)
     residual = random_values(rng, (groups, tokens, hidden), dtype)
     gamma = random_gamma(rng, hidden, dtype, leading=(groups,))
     seen = {}
-    body1 = fused_body(ws, AR_NORM, seen=seen, **kwargs)
-    body0 = fused_body(ws, AR, seen=seen, **kwargs)
-    x_spec, group_spec = specs(mesh)
-    outs = run_sharded(
-        lambda x, r, g: (*body1(x, r, g), *body0(x)),
-        mesh,
-        (x_spec, group_spec, group_spec),
-        (group_spec,) * 3,
-        xs.reshape(-1, hidden),
-        residual.reshape(-1, hidden),
-        gamma.reshape(-1),
-    )
+    body1, body0 = (fused_body(ws, p, seen=seen, **kwargs) for p in (AR_NORM, AR))
+    x_spec, g_spec = specs(mesh)
+    args = (xs.reshape(-1, hidden), residual.reshape(-1, hidden), gamma.reshape(-1))
+    body = lambda x, r, g: (*body1(x, r, g), *body0(x))
+    outs = run_sharded(body, mesh, (x_spec, g_spec, g_spec), (g_spec,) * 3, *args)
     res_out, norm_out, ar_out = (np.asarray(o).reshape(groups, tokens, hidden) for o in outs)
+    options = {k: kwargs[k] for k in ("weight_bias", "rms_eps") if k in kwargs}
     for g in range(groups):
         where = f"{what}: TP group {g} (devices {ws.groups[g].members})"
         s, r = kernel_rounding(xs[g], residual[g], dtype, fp32_acc=fp32_acc)
         assert np.array_equal(bits(ar_out[g]), bits(s)), f"{where}: allreduce_out"
         assert np.array_equal(bits(res_out[g]), bits(r)), f"{where}: residual_out"
         if one_rounding:
+            outs = dict(allreduce_out=ar_out[g], residual_out=res_out[g], norm_out=norm_out[g])
             check_outputs(
-                dtype,
-                xs[g],
-                residual=residual[g],
-                gamma=gamma[g],
-                weight_bias=kwargs.get("weight_bias", 0.0),
-                rms_eps=kwargs.get("rms_eps", RMS_EPS),
-                allreduce_out=ar_out[g],
-                residual_out=res_out[g],
-                norm_out=norm_out[g],
-                what=where,
+                dtype, xs[g], residual=residual[g], gamma=gamma[g], what=where, **outs, **options
             )
     return ar_out, seen
 
@@ -206,9 +155,8 @@ def run_and_check_groups(ws, tokens, hidden, what, **kwargs):
 @pytest.mark.parametrize("weight_bias", [0.0, 1.0])
 def test_each_tp_group_reduces_its_own_members(mesh_name, dtype, weight_bias):
     ws = xla_workspace(mesh_of(mesh_name), dtype)
-    ar_out, seen = run_and_check_groups(
-        ws, 7, 256, mesh_name, weight_bias=weight_bias, rms_eps=1e-5
-    )
+    kw = dict(weight_bias=weight_bias, rms_eps=1e-5)
+    ar_out, seen = run_and_check_groups(ws, 7, 256, mesh_name, **kw)
     assert seen == {
         1: ("allreduce_out", "quant_out", "scale_out"),
         0: ("residual_out", "norm_out", "quant_out", "scale_out"),
@@ -221,8 +169,7 @@ def test_each_tp_group_reduces_its_own_members(mesh_name, dtype, weight_bias):
 def test_per_rank_residual_and_gamma_make_outputs_vary(dtype):
     """The VMA rule: the sum is invariant over "tp", but a per-rank residual makes residual_out
     and norm_out per-rank, and a per-rank gamma makes norm_out (only) per-rank."""
-    mesh = mesh_of("tp8")
-    tokens, hidden = 5, 256
+    mesh, tokens, hidden = mesh_of("tp8"), 5, 256
     ws = xla_workspace(mesh, dtype)
     rng = new_rng()
     xs = random_partials(rng, (8, tokens, hidden), dtype)
@@ -237,33 +184,22 @@ def test_per_rank_residual_and_gamma_make_outputs_vary(dtype):
         out_specs = (r_spec, P("tp"))
         res_out, norm_out = run_sharded(body, mesh, in_specs, out_specs, *args)
         # A replicated residual_out is every rank's.
-        res_out = np.broadcast_to(
-            np.asarray(res_out).reshape(-1, tokens, hidden), (8, tokens, hidden)
-        )
-        norm_out = np.asarray(norm_out).reshape(8, tokens, hidden)
+        res_out = np.broadcast_to(np.asarray(res_out).reshape(-1, tokens, hidden), xs.shape)
+        norm_out = np.asarray(norm_out).reshape(xs.shape)
         for rank in range(8):
-            check_outputs(
-                dtype,
-                xs,
-                residual=residuals[rank if index == 0 else 0],
-                gamma=gammas[rank if index == 1 else 0],
-                weight_bias=1.0,
-                residual_out=res_out[rank],
-                norm_out=norm_out[rank],
-                what=f"per-rank {varying}, rank {rank}",
-            )
+            ri, gi = (rank, 0) if index == 0 else (0, rank)
+            kw = dict(residual=residuals[ri], gamma=gammas[gi], weight_bias=1.0)
+            outs = dict(residual_out=res_out[rank], norm_out=norm_out[rank])
+            check_outputs(dtype, xs, what=f"per-rank {varying}, rank {rank}", **kw, **outs)
         if index == 0:
             assert not np.array_equal(res_out[0], res_out[1])
         # What varies cannot be declared replicated: residual_out with a per-rank residual,
         # norm_out with a per-rank gamma. Newer JAX writes the spec as P(), 0.8 as
         # PartitionSpec().
         wrong = tuple(P() if i == index else s for i, s in enumerate(out_specs))
-        with pytest.raises(
-            ValueError,
-            match=rf"out_specs\[{index}\] is "
-            r"(P|PartitionSpec)\(\) which implies .* could "
-            r"not infer replication",
-        ):
+        match = rf"out_specs\[{index}\] is (P|PartitionSpec)\(\) which implies .* could not infer"
+        match += " replication"
+        with pytest.raises(ValueError, match=match):
             jit_shard_map(body, mesh, in_specs, wrong).trace(
                 *(abstract(mesh, s, a.shape, dtype) for s, a in zip(in_specs, args))
             )
@@ -273,17 +209,14 @@ def test_per_rank_residual_and_gamma_make_outputs_vary(dtype):
 def test_without_fp32_acc_ranks_add_in_tp_order(dtype):
     """fp32_acc=False rounds after every addition, ranks in TP order (their position on the
     mesh's "tp" axis, not their device ids: the mesh is built from shuffled devices)."""
-    mesh = make_mesh((2, 4), ("dp", "tp"), device_ids=[5, 2, 7, 0, 3, 6, 1, 4])
-    run_and_check_groups(
-        xla_workspace(mesh, dtype), 16, 256, "fp32_acc=False", fp32_acc=False, weight_bias=1.0
-    )
+    ws = xla_workspace(make_mesh((2, 4), ("dp", "tp"), device_ids=SHUFFLED), dtype)
+    run_and_check_groups(ws, 16, 256, "fp32_acc=False", fp32_acc=False, weight_bias=1.0)
 
-
-# --- 2. lowering for cuda on this CPU machine --------------------------------------------------
 
 _CALL = re.compile(
     r"stablehlo\.custom_call @(\w+)\(([^)]*)\) \{(.*)\} : \(([^)]*)\) -> (.*)$", re.MULTILINE
 )
+_ALIAS = re.compile(r"output_tuple_indices = \[(\d*)\], operand_index = (\d+)")
 
 
 def _attr(text):
@@ -293,24 +226,23 @@ def _attr(text):
     return float(value) if mlir_type.startswith("f") else int(value)
 
 
+def _split(text):
+    return [t.strip() for t in text.split(",")]
+
+
 def custom_calls(text):
     """Every stablehlo.custom_call of a lowered module, parsed."""
     calls = []
     for target, operands, attrs, operand_types, result_types in _CALL.findall(text):
-        config = re.search(r"mhlo\.backend_config = \{([^{}]*)\}", attrs)
+        config = re.search(r"mhlo\.backend_config = \{([^{}]*)\}", attrs).group(1)
         calls.append(
             dict(
                 target=target,
-                operands=[o.strip() for o in operands.split(",")],
-                operand_types=[t.strip() for t in operand_types.split(",")],
-                result_types=[t.strip() for t in result_types.strip("()").split(",")],
-                attrs={k: _attr(v) for k, v in re.findall(r"(\w+) = ([^,]+)", config.group(1))},
-                aliases=[
-                    (int(o or -1), int(i))
-                    for o, i in re.findall(
-                        r"output_tuple_indices = \[(\d*)\], operand_index = (\d+)", attrs
-                    )
-                ],
+                operands=_split(operands),
+                operand_types=_split(operand_types),
+                result_types=_split(result_types.strip("()")),
+                attrs={k: _attr(v) for k, v in re.findall(r"(\w+) = ([^,]+)", config)},
+                aliases=[(int(o or -1), int(i)) for o, i in _ALIAS.findall(attrs)],
             )
         )
     return calls
@@ -323,14 +255,8 @@ def only_fused_call(text):
 
 
 def trtllm_workspace(mesh_name="tp8", dtype="bfloat16", *, max_token_num=64, hidden_dim=1024):
-    return jf.abstract_workspace(
-        mesh_of(mesh_name),
-        "tp",
-        max_token_num=max_token_num,
-        hidden_dim=hidden_dim,
-        dtype=jdtype(dtype),
-        backend="trtllm",
-    )
+    kw = dict(max_token_num=max_token_num, hidden_dim=hidden_dim, dtype=jdtype(dtype))
+    return jf.abstract_workspace(mesh_of(mesh_name), "tp", backend="trtllm", **kw)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
@@ -342,16 +268,9 @@ def test_cuda_lowering_of_residual_rmsnorm(dtype, mesh_name):
     assert len(call["operands"]) == 3  # x, residual, gamma
     assert call["operand_types"] == [f"tensor<3x1024x{t}>"] * 2 + [f"tensor<1024x{t}>"]
     assert call["result_types"] == [f"tensor<3x1024x{t}>"] * 2  # residual_out, norm_out
-    assert call["attrs"] == dict(
-        workspace_id=ws.id,
-        pattern=1,
-        algorithm=1,
-        fp32_acc=True,
-        rms_eps=pytest.approx(float(np.float32(1e-5)), rel=1e-7),
-        weight_bias=1.0,
-        layout=0,
-        block_quant_group_size=0,
-    )
+    eps = pytest.approx(float(np.float32(1e-5)), rel=1e-7)
+    want = dict(workspace_id=ws.id, pattern=1, algorithm=1, fp32_acc=True, rms_eps=eps)
+    assert call["attrs"] == dict(want, weight_bias=1.0, layout=0, block_quant_group_size=0)
     assert call["aliases"] == [(0, 1)]  # residual_out is written in place of residual_in
 
 
@@ -359,8 +278,7 @@ def test_cuda_lowering_of_plain_allreduce():
     ws = trtllm_workspace()
     text = cuda_text(ws, 2, 1024, pattern=AR)
     call = only_fused_call(text)
-    assert call["operand_types"] == ["tensor<2x1024xbf16>"]
-    assert call["result_types"] == ["tensor<2x1024xbf16>"]
+    assert call["operand_types"] == call["result_types"] == ["tensor<2x1024xbf16>"]
     assert call["attrs"]["pattern"] == 0 and call["attrs"]["workspace_id"] == ws.id
     assert call["aliases"] == [] and "output_operand_alias" not in text
     assert "all_reduce" not in text  # the kernel does the reduction
@@ -391,27 +309,24 @@ def test_cuda_lowering_algorithm_choice(mesh_name, tokens, kwargs, algorithm):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_cuda_lowering_passes_fp32_acc(dtype):
     ws = trtllm_workspace(dtype=dtype)
-    assert only_fused_call(cuda_text(ws, 3, 1024, fp32_acc=False))["attrs"]["fp32_acc"] is False
-    assert only_fused_call(cuda_text(ws, 3, 1024, fp32_acc=True))["attrs"]["fp32_acc"] is True
+    for acc in (False, True):
+        assert only_fused_call(cuda_text(ws, 3, 1024, fp32_acc=acc))["attrs"]["fp32_acc"] is acc
 
 
 def test_cuda_lowering_refuses_a_mesh_in_another_device_order():
-    ws = trtllm_workspace()
     reversed_mesh = make_mesh((8,), ("tp",), device_ids=range(7, -1, -1))
     with pytest.raises(
         ValueError,
-        match=r"groups the devices along 'tp' as \[\(7, 6, 5, 4, 3, "
-        r"2, 1, 0\)\] but the workspace was created for the "
-        r"groups \[\(0, 1, 2, 3, 4, 5, 6, 7\)\]",
+        match=r"groups the devices along 'tp' as \[\(7, 6, 5, 4, 3, 2, 1, 0\)\] but the "
+        r"workspace was created for the groups \[\(0, 1, 2, 3, 4, 5, 6, 7\)\]",
     ):
-        cuda_text(ws, 3, 1024, mesh=reversed_mesh)
+        cuda_text(trtllm_workspace(), 3, 1024, mesh=reversed_mesh)
 
 
 @pytest.mark.parametrize("mesh_name", ["tp8", "dp2_tp4"])
 def test_cpu_lowering_of_a_trtllm_workspace_uses_the_reference(mesh_name):
     ws = trtllm_workspace(mesh_name, max_token_num=8, hidden_dim=256)
-    traced = trace_fused(ws, 4, 256, weight_bias=1.0)
-    text = traced.lower().as_text()
+    text = trace_fused(ws, 4, 256, weight_bias=1.0).lower().as_text()
     assert "custom_call" not in text and "all_reduce" in text
     # ... and it runs, with the reference's results.
     run_and_check_groups(ws, 4, 256, "trtllm workspace on cpu", weight_bias=1.0)
@@ -425,9 +340,6 @@ def test_cuda_lowering_of_a_call_exceeding_the_workspace():
         cuda_text(ws, 5, 1024, strict=True)
     # Fewer tokens of a larger hidden size fit: the rule counts elements.
     only_fused_call(cuda_text(ws, 2, 2048, strict=True))
-
-
-# --- 3. errors at trace time -------------------------------------------------------------------
 
 
 def test_hidden_not_a_multiple_of_the_vector_width():
@@ -446,16 +358,13 @@ def test_hidden_not_a_multiple_of_the_vector_width():
 )
 def test_unsupported_world_size_at_workspace_creation(shape, names):
     mesh = make_mesh(shape, names)
-    size = mesh.shape["tp"]
-    with pytest.raises(
-        ValueError,
-        match=f"world size {size} is not supported.*{', '.join(map(str, SUPPORTED_WORLD_SIZES))}",
-    ):
-        jf.create_allreduce_fusion_workspace(
-            mesh, "tp", max_token_num=8, hidden_dim=256, dtype=jnp.bfloat16
-        )
-    with pytest.raises(ValueError, match=f"world size {size} is not supported"):
-        jf.abstract_workspace(mesh, "tp", max_token_num=8, hidden_dim=256, dtype=jnp.bfloat16)
+    match = f"world size {mesh.shape['tp']} is not supported"
+    sizes = ", ".join(map(str, SUPPORTED_WORLD_SIZES))
+    kw = dict(max_token_num=8, hidden_dim=256, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match=f"{match}.*{sizes}"):
+        jf.create_allreduce_fusion_workspace(mesh, "tp", **kw)
+    with pytest.raises(ValueError, match=match):
+        jf.abstract_workspace(mesh, "tp", **kw)
 
 
 GAMMA_MUST = (
@@ -483,25 +392,42 @@ def test_residual_and_gamma_checks(residual, gamma, match):
         (r_rows, r_cols), r_dtype = residual
         r = res.astype(r_dtype)[:r_rows, :r_cols]
         g = None if gamma is None else g.astype(gamma[1])[: gamma[0][0]]
-        return jf.allreduce_fusion(
-            x, axis_name="tp", workspace=ws, residual=r, rms_gamma=g
-        ).residual_out
+        return jf.allreduce_fusion(x, axis_name="tp", workspace=ws, residual=r, rms_gamma=g)[1]
 
     with pytest.raises(ValueError, match=match):
         trace_sharded(body, mesh, 4, 256)
 
 
-def test_pattern_0_takes_no_residual_or_gamma():
+def plain_allreduce(ws, axis_name="tp"):
+    """x -> allreduce_out of pattern 0 on ``ws`` over ``axis_name``."""
+    return lambda x: jf.allreduce_fusion(x, axis_name=axis_name, workspace=ws, pattern=AR)[0]
+
+
+@pytest.mark.parametrize(
+    "pattern,n_inputs,match",
+    [
+        pytest.param(
+            AR,
+            2,
+            "kAllReduce takes no residual or rms_gamma",
+            id="pattern_0_takes_no_residual_or_gamma",
+        ),
+        (6, 1, r"pattern 6 \(kMoEReductionARResidualRMSNorm\) has its own inputs"),
+        (12, 1, r"unknown fusion pattern 12; valid codes: 0 \(kAllReduce\)"),
+        (99, 1, "unknown fusion pattern 99"),
+        ("bogus", 1, "unknown fusion pattern 'bogus'"),
+    ],
+)
+def test_pattern_codes(pattern, n_inputs, match):
     ws = xla_workspace(mesh_of("tp8"))
-    with pytest.raises(ValueError, match="kAllReduce takes no residual or rms_gamma"):
-        trace_sharded(fused_body(ws, AR), ws.mesh, 4, 256, n_inputs=2)
+    with pytest.raises(ValueError, match=match):
+        trace_sharded(fused_body(ws, pattern), ws.mesh, 4, 256, n_inputs=n_inputs)
 
 
 def test_x_dtype_must_match_the_workspace():
     ws = xla_workspace(mesh_of("tp8"), "bfloat16")
-    with pytest.raises(
-        ValueError, match="x has dtype float16 but the workspace was created for bfloat16"
-    ):
+    match = "x has dtype float16 but the workspace was created for bfloat16"
+    with pytest.raises(ValueError, match=match):
         trace_fused(ws, 4, 256, "float16")
     with pytest.raises(ValueError, match="x has dtype int32; supported"):
         trace_fused(ws, 4, 256, "int32", pattern=AR)
@@ -522,40 +448,22 @@ def test_too_many_tokens_in_strict_mode(monkeypatch):
 def test_x_must_be_at_least_1d():
     # [..., hidden] inputs of any rank >= 1 are served (tests/jax/test_batching.py).
     ws = xla_workspace(mesh_of("tp8"))
-    body = fused_body(ws, AR)
     x = abstract(ws.mesh, P(), (), "bfloat16")
     with pytest.raises(
-        ValueError,
-        match=r"x must be \[\.\.\., hidden\] \(at least 1-D\), "
-        r"got shape \(\)",
+        ValueError, match=r"x must be \[\.\.\., hidden\] \(at least 1-D\), got shape \(\)"
     ):
-        jax.jit(jax.shard_map(body, mesh=ws.mesh, in_specs=P(), out_specs=P())).trace(x)
-
-
-@pytest.mark.parametrize(
-    "pattern,match",
-    [
-        (6, r"pattern 6 \(kMoEReductionARResidualRMSNorm\) has its own inputs"),
-        (12, r"unknown fusion pattern 12; valid codes: 0 \(kAllReduce\)"),
-        (99, "unknown fusion pattern 99"),
-        ("bogus", "unknown fusion pattern 'bogus'"),
-    ],
-)
-def test_pattern_codes(pattern, match):
-    ws = xla_workspace(mesh_of("tp8"))
-    with pytest.raises(ValueError, match=match):
-        trace_sharded(fused_body(ws, pattern), ws.mesh, 4, 256, n_inputs=1)
+        jit_shard_map(fused_body(ws, AR), ws.mesh, P(), P()).trace(x)
 
 
 def test_call_outside_shard_map():
     ws = xla_workspace(mesh_of("tp8"))
     x = jnp.asarray(random_values(new_rng(), (4, 256), "bfloat16"))
     call = plain_allreduce(ws)
-    match = "must be called inside jax.shard_map over an axis named 'tp'"
-    with pytest.raises(ValueError, match=match):
-        call(x)
-    with pytest.raises(ValueError, match=match):
-        jax.jit(call)(x)
+    for f in (call, jax.jit(call)):
+        with pytest.raises(
+            ValueError, match="must be called inside jax.shard_map over an axis named 'tp'"
+        ):
+            f(x)
 
 
 def test_wrong_axis():
@@ -564,13 +472,18 @@ def test_wrong_axis():
     with pytest.raises(ValueError, match="created for axis 'tp', not 'dp'"):
         trace_sharded(plain_allreduce(ws, "dp"), mesh, 4, 256, n_inputs=1)
     # A "tp" axis of another size: the workspace (world size 4) used on an 8-device mesh.
-    with pytest.raises(
-        ValueError, match="axis 'tp' has size 8 but the workspace was created for world size 4"
-    ):
+    match = "axis 'tp' has size 8 but the workspace was created for world size 4"
+    with pytest.raises(ValueError, match=match):
         trace_fused(ws, 4, 256, mesh=mesh_of("tp8"))
+    kw = dict(max_token_num=8, hidden_dim=256, dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="axis 'nope' is not an axis of the mesh"):
-        jf.create_allreduce_fusion_workspace(
-            mesh, "nope", max_token_num=8, hidden_dim=256, dtype=jnp.bfloat16
+        jf.create_allreduce_fusion_workspace(mesh, "nope", **kw)
+
+
+def test_abstract_workspace_unknown_axis():
+    with pytest.raises(ValueError, match="not an axis of the mesh"):
+        jf.abstract_workspace(
+            mesh_of("tp8"), "nope", max_token_num=8, hidden_dim=256, dtype=jnp.bfloat16
         )
 
 
@@ -579,18 +492,9 @@ def test_destroyed_workspace():
     trace_fused(ws, 4, 256)
     ws.destroy()
     with pytest.raises(
-        ValueError,
-        match=r"AllReduceFusionWorkspace\(id=\d+.*destroyed\) was "
-        "destroyed",
+        ValueError, match=r"AllReduceFusionWorkspace\(id=\d+.*destroyed\) was destroyed"
     ):
         trace_fused(ws, 4, 256)
-
-
-def plain_allreduce(ws, axis_name="tp"):
-    """x -> allreduce_out of pattern 0 on ``ws`` over ``axis_name``."""
-    return lambda x: (
-        jf.allreduce_fusion(x, axis_name=axis_name, workspace=ws, pattern=AR).allreduce_out
-    )
 
 
 def test_not_a_workspace():
@@ -603,8 +507,8 @@ def test_two_shot_needs_more_tokens_than_ranks(tokens):
     ws = xla_workspace(mesh_of("tp8"))
     with pytest.raises(
         ValueError,
-        match=f"use_oneshot=False is not possible: two-shot needs "
-        f"more tokens than ranks, got {tokens} tokens for 8",
+        match=f"use_oneshot=False is not possible: two-shot needs more tokens than ranks, got "
+        f"{tokens} tokens for 8",
     ):
         trace_fused(ws, tokens, 256, use_oneshot=False)
     trace_fused(ws, 9, 256, use_oneshot=False)
@@ -613,33 +517,29 @@ def test_two_shot_needs_more_tokens_than_ranks(tokens):
 def test_backend_choices(monkeypatch):
     mesh = mesh_of("tp8")
     kw = dict(max_token_num=8, hidden_dim=256, dtype=jnp.bfloat16)
-    with pytest.raises(ValueError, match="'mnnvl' all-reduce backend needs NVLink multicast"):
-        jf.create_allreduce_fusion_workspace(mesh, "tp", backend="mnnvl", **kw)
+    create = lambda **more: jf.create_allreduce_fusion_workspace(mesh, "tp", **kw, **more)
+    abstract_ws = lambda **more: jf.abstract_workspace(mesh, "tp", **kw, **more)
+    no_mnnvl = "'mnnvl' all-reduce backend needs NVLink multicast"
+    with pytest.raises(ValueError, match=no_mnnvl):
+        create(backend="mnnvl")
     with pytest.raises(ValueError, match="backend must be 'auto', 'trtllm' or 'xla', not 'mnnvl'"):
-        jf.abstract_workspace(mesh, "tp", backend="mnnvl", **kw)
+        abstract_ws(backend="mnnvl")
     # abstract_workspace decides as on CUDA GPUs: auto is the kernel within one host.
-    assert jf.abstract_workspace(mesh, "tp", backend="auto", **kw).backend == "trtllm"
-    with pytest.raises(
-        ValueError, match="'trtllm' all-reduce backend needs a CUDA GPU, but the platform is 'cpu'"
-    ):
-        jf.create_allreduce_fusion_workspace(mesh, "tp", backend="trtllm", **kw)
+    assert abstract_ws(backend="auto").backend == "trtllm"
+    no_gpu = "'trtllm' all-reduce backend needs a CUDA GPU, but the platform is 'cpu'"
+    with pytest.raises(ValueError, match=no_gpu):
+        create(backend="trtllm")
     monkeypatch.setenv(backend_choice.BACKEND_ENV_VAR, "bogus")
-    with pytest.raises(
-        ValueError,
-        match=r"unknown all-reduce backend 'bogus' \(from the "
-        r"\$JAX_FUSEDAR_ALLREDUCE_BACKEND\)",
-    ):
-        jf.create_allreduce_fusion_workspace(mesh, "tp", **kw)
+    match = r"unknown all-reduce backend 'bogus' \(from the \$JAX_FUSEDAR_ALLREDUCE_BACKEND\)"
+    with pytest.raises(ValueError, match=match):
+        create()
     # An explicit backend wins over the variable.
-    assert jf.create_allreduce_fusion_workspace(mesh, "tp", backend="xla", **kw).backend == "xla"
+    assert create(backend="xla").backend == "xla"
     monkeypatch.setenv(backend_choice.BACKEND_ENV_VAR, "xla")
-    assert jf.abstract_workspace(mesh, "tp", backend="auto", **kw).backend == "xla"
+    assert abstract_ws(backend="auto").backend == "xla"
     monkeypatch.setenv(backend_choice.BACKEND_ENV_VAR, "mnnvl")
-    with pytest.raises(ValueError, match="'mnnvl' all-reduce backend needs NVLink multicast"):
-        jf.create_allreduce_fusion_workspace(mesh, "tp", **kw)
-
-
-# --- 4. fallback -------------------------------------------------------------------------------
+    with pytest.raises(ValueError, match=no_mnnvl):
+        create()
 
 
 @pytest.mark.slow
@@ -650,9 +550,8 @@ def test_fallback_logs_once_per_kind_and_stays_correct(dtype, caplog):
     logs one."""
     caplog.set_level(logging.WARNING, logger="jax_fusedar")
     mesh = mesh_of("dp2_tp4")
-    ws = jf.abstract_workspace(
-        mesh, "tp", max_token_num=4, hidden_dim=256, dtype=jdtype(dtype), backend="trtllm"
-    )
+    kw = dict(max_token_num=4, hidden_dim=256, dtype=jdtype(dtype))
+    ws = jf.abstract_workspace(mesh, "tp", backend="trtllm", **kw)
     # Traces of too-large calls of two shapes (patterns 1 and 0 each), strict off explicitly
     # or by default.
     for call, (strict, tokens) in enumerate([(False, 6), (None, 6), (False, 7)]):
@@ -666,13 +565,9 @@ def test_fallback_logs_once_per_kind_and_stays_correct(dtype, caplog):
     )
     assert "logged once per kind of reason" in warnings[0]
     caplog.clear()
-    run_and_check_groups(
-        xla_workspace(mesh, dtype, max_token_num=4, hidden_dim=256), 6, 256, "xla backend"
-    )
+    xla = xla_workspace(mesh, dtype, max_token_num=4, hidden_dim=256)
+    run_and_check_groups(xla, 6, 256, "xla backend")
     assert not fusedar_warnings(caplog)
-
-
-# --- 5. the workspace object -------------------------------------------------------------------
 
 
 def test_is_buffer_size_sufficient():
@@ -694,6 +589,12 @@ def test_is_buffer_size_sufficient():
     assert not ws32.is_buffer_size_sufficient(1, 256, jnp.bfloat16)
     assert not ws32.is_buffer_size_sufficient(1, 256, np.float16)
     assert not ws32.is_buffer_size_sufficient(65, 256, np.float32)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.float64, np.int8])
+def test_is_buffer_size_sufficient_refuses_unsupported_dtypes(dtype):
+    ws = xla_workspace(mesh_of("tp8"), "bfloat16", max_token_num=64, hidden_dim=256)
+    assert not ws.is_buffer_size_sufficient(1, 256, dtype)
 
 
 def test_context_manager_and_destroy():
@@ -726,15 +627,11 @@ def test_workspace_metadata_and_groups():
     assert "groups=2" in repr(ws)
     assert xla_workspace(mesh_of("tp8")).serial > ws.serial  # serials are never reused
     # Groups follow the tp axis and the mesh's device order, not the device ids.
-    shuffled = [5, 2, 7, 0, 3, 6, 1, 4]
-    ws = xla_workspace(make_mesh((2, 4), ("dp", "tp"), device_ids=shuffled))
+    ws = xla_workspace(make_mesh((2, 4), ("dp", "tp"), device_ids=SHUFFLED))
     assert [g.members for g in ws.groups] == [(5, 2, 7, 0), (3, 6, 1, 4)]
-    ws = xla_workspace(make_mesh((4, 2), ("tp", "dp"), device_ids=shuffled))
+    ws = xla_workspace(make_mesh((4, 2), ("tp", "dp"), device_ids=SHUFFLED))
     assert [g.members for g in ws.groups] == [(5, 7, 3, 1), (2, 0, 6, 4)]
     assert [g.index for g in ws.groups] == [0, 1] and ws.world_size == 4
-
-
-# --- edge cases ----------------------------------------------------------------------------------
 
 
 def test_empty_call_returns_empty_outputs_on_a_kernel_workspace():
@@ -742,30 +639,11 @@ def test_empty_call_returns_empty_outputs_on_a_kernel_workspace():
     mesh = mesh_of("tp8")
     ws = jf.abstract_workspace(mesh, "tp", max_token_num=64, hidden_dim=256, dtype=jnp.bfloat16)
     assert FFI_TARGET not in cuda_text(ws, 0, 256)
-    xs = np.zeros((0, 256), jdtype("bfloat16"))
-    res, norm = run_sharded(
-        fused_body(xla_workspace(mesh)),
-        mesh,
-        (P("tp"), P(), P()),
-        (P(), P()),
-        xs,
-        np.zeros((0, 256), jdtype("bfloat16")),
-        random_gamma(new_rng(), 256, "bfloat16"),
-    )
+    empty = np.zeros((0, 256), jdtype("bfloat16"))
+    args = (empty, empty, random_gamma(new_rng(), 256, "bfloat16"))
+    body = fused_body(xla_workspace(mesh))
+    res, norm = run_sharded(body, mesh, (P("tp"), P(), P()), (P(), P()), *args)
     assert res.shape == norm.shape == (0, 256)
-
-
-def test_abstract_workspace_unknown_axis():
-    with pytest.raises(ValueError, match="not an axis of the mesh"):
-        jf.abstract_workspace(
-            mesh_of("tp8"), "nope", max_token_num=8, hidden_dim=256, dtype=jnp.bfloat16
-        )
-
-
-@pytest.mark.parametrize("dtype", [np.int32, np.float64, np.int8])
-def test_is_buffer_size_sufficient_refuses_unsupported_dtypes(dtype):
-    ws = xla_workspace(mesh_of("tp8"), "bfloat16", max_token_num=64, hidden_dim=256)
-    assert not ws.is_buffer_size_sufficient(1, 256, dtype)
 
 
 def test_reference_without_fp32_acc_is_invariant_over_the_axis():
@@ -773,25 +651,18 @@ def test_reference_without_fp32_acc_is_invariant_over_the_axis():
     outputs are invariant over "tp", so out_specs=P() is accepted."""
     from jax_fusedar.ops import reference
 
-    mesh = mesh_of("tp8")
-    rng = new_rng()
-    xs = random_partials(rng, (8, 4, 256), "bfloat16")
-
-    def body(x):
-        return reference.allreduce_sum(x, "tp", fp32_acc=False)
-
-    out = run_sharded(body, mesh, (P("tp"),), P(), xs.reshape(32, 256))
-    want, _ = kernel_rounding(
-        xs, np.zeros((4, 256), jdtype("bfloat16")), "bfloat16", fp32_acc=False
-    )
+    xs = random_partials(new_rng(), (8, 4, 256), "bfloat16")
+    body = lambda x: reference.allreduce_sum(x, "tp", fp32_acc=False)
+    out = run_sharded(body, mesh_of("tp8"), (P("tp"),), P(), xs.reshape(32, 256))
+    zeros = np.zeros((4, 256), jdtype("bfloat16"))
+    want, _ = kernel_rounding(xs, zeros, "bfloat16", fp32_acc=False)
     np.testing.assert_array_equal(bits(out), bits(want))
 
 
-# --- quantized patterns: bad arguments -----------------------------------------------------------
-
-Q = jf.AllReduceFusionPattern
-
-
+FP8 = Q.kARResidualRMSNormFP8Quant
+GROUP_FP8 = Q.kARResidualRMSNormPerTokenGroupFP8PackedQuant
+SF = {"scale_factor": np.ones(1, np.float32)}
+STATIC_ONLY = "scale_factor applies to static FP8 and NVFP4"
 # Quantization arguments given to pattern 1 are refused naming the pattern.
 NOT_FOR_1 = ".*kARResidualRMSNorm"
 
@@ -799,35 +670,15 @@ NOT_FOR_1 = ".*kARResidualRMSNorm"
 @pytest.mark.parametrize(
     "pattern,kwargs,match",
     [
-        (Q.kARResidualRMSNormFP8Quant, {}, "scale_factor is required"),
-        (Q.kARResidualRMSNormFP8Quant, {"scale_factor": 0.5}, "not a Python constant"),
-        (Q.kARResidualRMSNormFP8Quant, {"scale_factor": np.ones(1, np.float16)}, "dtype float32"),
-        (
-            Q.kARResidualRMSNormFP8Quant,
-            {"scale_factor": np.ones(2, np.float32)},
-            r"shape \(\) or \(1,\)",
-        ),
-        (
-            Q.kARResidualRMSNormOutFP4Quant,
-            {"scale_factor": np.ones(1, np.float32), "layout_code": 1},
-            "SWIZZLED_8x4",
-        ),
-        (Q.kARResidualRMSNormPerTokenGroupFP8PackedQuant, {}, "needs block_quant_group_size"),
-        (
-            Q.kARResidualRMSNormPerTokenGroupFP8PackedQuant,
-            {"block_quant_group_size": 96},
-            "divisible by group_size",
-        ),
-        (
-            Q.kARResidualRMSNormDynamicFP8Quant,
-            {"scale_factor": np.ones(1, np.float32)},
-            "scale_factor applies to static FP8 and NVFP4",
-        ),
-        (
-            AR_NORM,
-            {"scale_factor": np.ones(1, np.float32)},
-            "scale_factor applies to static FP8 and NVFP4" + NOT_FOR_1,
-        ),
+        (FP8, {}, "scale_factor is required"),
+        (FP8, {"scale_factor": 0.5}, "not a Python constant"),
+        (FP8, {"scale_factor": np.ones(1, np.float16)}, "dtype float32"),
+        (FP8, {"scale_factor": np.ones(2, np.float32)}, r"shape \(\) or \(1,\)"),
+        (Q.kARResidualRMSNormOutFP4Quant, {**SF, "layout_code": 1}, "SWIZZLED_8x4"),
+        (GROUP_FP8, {}, "needs block_quant_group_size"),
+        (GROUP_FP8, {"block_quant_group_size": 96}, "divisible by group_size"),
+        (Q.kARResidualRMSNormDynamicFP8Quant, SF, STATIC_ONLY),
+        (AR_NORM, SF, STATIC_ONLY + NOT_FOR_1),
         (AR_NORM, {"layout_code": 0}, "layout_code applies to NVFP4 patterns only" + NOT_FOR_1),
         (
             AR_NORM,
@@ -846,22 +697,15 @@ def test_quantized_pattern_argument_errors(pattern, kwargs, match):
 def test_group_size_outside_the_kernels_reduction_is_refused(group):
     # 48 divides 768 but is no power of two; 512 is above 32 vectors of 8 bf16 elements.
     ws = xla_workspace(mesh_of("tp8"), max_token_num=64, hidden_dim=1024)
+    hidden = 768 if group == 48 else 1024
     with pytest.raises(ValueError, match="power of two from 8 to 256"):
-        trace_fused(
-            ws,
-            4,
-            768 if group == 48 else 1024,
-            pattern=Q.kARResidualRMSNormPerTokenGroupFP8PackedQuant,
-            block_quant_group_size=group,
-        )
+        trace_fused(ws, 4, hidden, pattern=GROUP_FP8, block_quant_group_size=group)
 
 
 def test_nvfp4_needs_16_bit_inputs():
     ws = xla_workspace(mesh_of("tp8"), "float32")
     with pytest.raises(ValueError, match="NVFP4 patterns need bfloat16 or float16"):
-        trace_fused(
-            ws, 4, 256, pattern=Q.kARResidualRMSNormFP4Quant, scale_factor=np.ones(1, np.float32)
-        )
+        trace_fused(ws, 4, 256, pattern=Q.kARResidualRMSNormFP4Quant, **SF)
 
 
 @pytest.mark.slow
@@ -893,15 +737,16 @@ def test_quantized_outputs_are_the_quantized_norm(pattern, kwargs):
     res = random_values(rng, (2 * tokens, hidden), "bfloat16")
     gam = random_gamma(rng, hidden, "bfloat16", leading=(2,)).reshape(2 * hidden)
     sf = kwargs.pop("scale_factor", None)
+    with_sf = () if sf is None else (sf,)
 
     def body(x, r, g, *s):
         o = pattern_call(ws, pattern, x, r, g, dict(kwargs, scale_factor=s[0] if s else None))
         return o.norm_out, o.quant_out, o.scale_out
 
-    args = (xs, res, gam) + ((sf,) if sf is not None else ())
-    in_specs = (P(("dp", "tp")), P("dp"), P("dp")) + ((P(),) if sf is not None else ())
-    norm, quant, scale = run_sharded(body, mesh, in_specs, (P("dp"),) * 3, *args)
+    in_specs = (P(("dp", "tp")), P("dp"), P("dp")) + (P(),) * len(with_sf)
+    outs = run_sharded(body, mesh, in_specs, (P("dp"),) * 3, xs, res, gam, *with_sf)
     # Each dp group's rows.
+    norm, quant, scale = outs
     norm, quant = (np.split(np.asarray(a), 2) for a in (norm, quant))
     for grp in range(2):
         want_q, want_s = quant_reference.quantize_for_pattern(

@@ -41,17 +41,10 @@ TOKENS, HIDDEN, FFN, LAYERS = 8, 256, 512, 2
 def fused_combine(ws, pattern=Q.kARResidualRMSNorm, **kw):
     """(partial, residual, gamma) -> (residual_out, norm_out) through the fused op."""
 
+    kw.update(axis_name="tp", workspace=ws, pattern=pattern, rms_eps=EPS)
+
     def combine(p, r, g):
-        o = jf.allreduce_fusion(
-            p,
-            axis_name="tp",
-            workspace=ws,
-            pattern=pattern,
-            residual=r,
-            rms_gamma=g,
-            rms_eps=EPS,
-            **kw,
-        )
+        o = jf.allreduce_fusion(p, residual=r, rms_gamma=g, **kw)
         return o.residual_out, o.norm_out
 
     return combine
@@ -62,17 +55,11 @@ def unfused_combine(*, weight_bias=0.0, fp32_acc=True, fallback="xla", **_):
     fused call's fallback all-reduce; gamma rounded to the stream's dtype as the fused op
     does with a float32 gamma)."""
 
+    kw = dict(rms_eps=EPS, weight_bias=weight_bias, fp32_acc=fp32_acc, fallback=fallback)
+
     def combine(p, r, g):
         _, r_out, y = reference.allreduce_fusion_reference(
-            p,
-            r,
-            g.astype(p.dtype),
-            axis_name="tp",
-            pattern=1,
-            rms_eps=EPS,
-            weight_bias=weight_bias,
-            fp32_acc=fp32_acc,
-            fallback=fallback,
+            p, r, g.astype(p.dtype), axis_name="tp", pattern=1, **kw
         )
         return r_out, y
 
@@ -88,9 +75,6 @@ def plain_jnp_combine():
         return r, y
 
     return combine
-
-
-# --- a Megatron-style MLP: column-parallel w1, row-parallel w2, the combine between layers ---
 
 
 def mlp_layer(combine, w1, w2, g, r, y):
@@ -129,16 +113,8 @@ def model_body(combine, variant):
         for i in range(LAYERS):
             if variant == "cond":
                 # The fused layer on one branch, a local op on the other (predicate invariant).
-                r, y = jax.lax.cond(
-                    i % 2 == 0,
-                    lambda *a: layer(*a),
-                    lambda w1, w2, g, r, y: (r, y * 2),
-                    w1[i],
-                    w2[i],
-                    gamma[i],
-                    r,
-                    y,
-                )
+                local = lambda w1, w2, g, r, y: (r, y * 2)
+                r, y = jax.lax.cond(i % 2 == 0, layer, local, w1[i], w2[i], gamma[i], r, y)
             else:
                 r, y = layer(w1[i], w2[i], gamma[i], r, y)
             if variant == "stop_gradient" and i == 0:
@@ -197,9 +173,6 @@ def some_change(tree):
     assert any(np.any(np.asarray(leaf) != 0) for leaf in jax.tree.leaves(tree))
 
 
-# --- gradients of the TP MLP -------------------------------------------------------------------
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("mesh_shape", [(8,), (2, 4)], ids=["tp8", "dp2_tp4"])
@@ -213,9 +186,8 @@ def test_mlp_gradients_equal_the_unfused_model(dtype, mesh_shape):
 def test_float32_gradients_equal_plain_jnp_psum_and_rmsnorm():
     """In float32 the reference's roundings are identities: the fused op's gradients equal
     those of the model written with jax.lax.psum and jnp alone, bit for bit."""
-    got, want = fused_and_unfused(
-        jax.value_and_grad, tp_mesh(), "float32", unfused=plain_jnp_combine()
-    )
+    plain = plain_jnp_combine()
+    got, want = fused_and_unfused(jax.value_and_grad, tp_mesh(), "float32", unfused=plain)
     assert_same_bits(got, want, "float32 grad vs plain jnp")
 
 
@@ -248,10 +220,7 @@ def test_jvp_and_vjp(variant, check_vma):
     mesh = tp_mesh()
     ws = xla_workspace(mesh, "bfloat16")
     rng = new_rng()
-    params, _ = mlp_params(rng, "bfloat16")
-    params = placed(mesh, params)
-    tangents, _ = mlp_params(rng, "bfloat16")
-    tangents = placed(mesh, tangents)
+    params, tangents = (placed(mesh, mlp_params(rng, "bfloat16")[0]) for _ in range(2))
     ct = random_values(rng, (TOKENS, HIDDEN), "bfloat16")
     results = []
     for combine in (fused_combine(ws), unfused_combine()):
@@ -326,9 +295,6 @@ def test_sgd_steps_give_equal_losses(dtype):
     assert_same_bits(curves[0][1], curves[1][1], "parameters after SGD")
 
 
-# --- per pattern -------------------------------------------------------------------------------
-
-
 def _one_call(ws, pattern, mesh, dtype, residual_spec=P(), **kw):
     """jit(shard_map) of one call on x [8*T, H] (sharded), residual and gamma; returns the
     function of (x, residual, gamma) giving the pattern's non-None outputs."""
@@ -382,17 +348,17 @@ def test_quantized_patterns_differentiate_norm_out_and_not_the_codes(pattern, kw
     rng = new_rng()
     f = _one_call(ws, pattern, mesh, "bfloat16", **kw)
     ref = _one_call(ws, Q.kARResidualRMSNorm, mesh, "bfloat16")
+    x, r = (random_values(rng, (n * TOKENS, HIDDEN), "bfloat16") for n in (8, 1))
     args = (
-        put(mesh, P("tp"), random_values(rng, (8 * TOKENS, HIDDEN), "bfloat16")),
-        put(mesh, P(), random_values(rng, (TOKENS, HIDDEN), "bfloat16")),
+        put(mesh, P("tp"), x),
+        put(mesh, P(), r),
         put(mesh, P(), random_gamma(rng, HIDDEN, "bfloat16")),
     )
     w = random_values(rng, (TOKENS, HIDDEN), "float32")
 
     def loss(outs):
-        return jnp.sum(outs[0].astype(jnp.float32) * w) + jnp.sum(
-            jnp.cos(outs[1].astype(jnp.float32))
-        )
+        res, norm = (o.astype(jnp.float32) for o in outs[:2])
+        return jnp.sum(res * w) + jnp.sum(jnp.cos(norm))
 
     grad = lambda fn: jax.jit(jax.grad(lambda *a: loss(fn(*a)), argnums=(0, 1, 2)))(*args)
     assert_same_bits(grad(f), grad(ref), f"pattern {int(pattern)} grad through residual/norm_out")
@@ -406,9 +372,8 @@ def test_quantized_patterns_differentiate_norm_out_and_not_the_codes(pattern, kw
     outs, touts = jax.jit(lambda a, t: jax.jvp(f, a, t))(args, tangents)
     for o, t in zip(outs[2:], touts[2:]):
         t = np.asarray(t)
-        assert t.shape == o.shape and not np.any(
-            t.astype(np.float32) if t.dtype != jax.dtypes.float0 else np.zeros(1)
-        ), (t.dtype, o.dtype)
+        values = t.astype(np.float32) if t.dtype != jax.dtypes.float0 else np.zeros(1)
+        assert t.shape == o.shape and not np.any(values), (t.dtype, o.dtype)
     assert np.any(np.asarray(touts[1]).astype(np.float32))
 
 
@@ -420,13 +385,13 @@ def test_per_rank_residual_tangents_stay_per_rank():
     ws = xla_workspace(mesh, "float32")
     rng = new_rng()
     f = _one_call(ws, Q.kARResidualRMSNorm, mesh, "float32", residual_spec=P("tp"))
-    x = put(mesh, P("tp"), random_values(rng, (8 * TOKENS, HIDDEN), "float32"))
-    r = put(mesh, P("tp"), random_values(rng, (8 * TOKENS, HIDDEN), "float32"))
+    x, r = (
+        put(mesh, P("tp"), random_values(rng, (8 * TOKENS, HIDDEN), "float32")) for _ in range(2)
+    )
     g = put(mesh, P(), random_gamma(rng, HIDDEN, "float32"))
     dx = put(mesh, P("tp"), random_values(rng, (8 * TOKENS, HIDDEN), "float32"))
-    ref = jax.shard_map(
-        unfused_combine(), mesh=mesh, in_specs=(P("tp"), P("tp"), P()), out_specs=(P("tp"),) * 2
-    )
+    specs = dict(in_specs=(P("tp"), P("tp"), P()), out_specs=(P("tp"),) * 2)
+    ref = jax.shard_map(unfused_combine(), mesh=mesh, **specs)
 
     def jvp_and_grad(fn):
         """The jvp in x, and reverse mode through both outputs."""

@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_fusedar as jf
 from tests.jax.cpu_helpers import (
+    DTYPES,
     jdtype,
     jit_shard_map,
     make_mesh,
@@ -47,12 +48,12 @@ pytestmark = [pytest.mark.usefixtures("hermetic"), pytest.mark.oldest]
 
 
 KW = dict(max_token_num=64, hidden_dim=256, dtype=jnp.bfloat16)
-FP4 = dict(pattern=Q.kARResidualRMSNormOutFP4Quant, scale_factor=np.ones(1, np.float32))
+SF = {"scale_factor": np.ones(1, np.float32)}
+FP4 = dict(pattern=Q.kARResidualRMSNormOutFP4Quant, **SF)
 GROUP_FP8 = dict(pattern=Q.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant)
 GROUP_INT = "block_quant_group_size must be an int"
-
-
-# --- 1. regrouped meshes and pmap ----------------------------------------------------------------
+PATTERN_MUST = "pattern must be an AllReduceFusionPattern or its int code, not a float"
+ONESHOT_MUST = "use_oneshot must be True, False or None, got "
 
 
 def dp_tp():
@@ -66,11 +67,10 @@ def tp_dp():
 def regrouped_trace(ws, mesh):
     """Traces a pattern-1 call on ``mesh`` (a ("tp", "dp") mesh) with [4, 256] shards."""
     body = fused_body(ws)
-    x = abstract(mesh, P(("tp", "dp")), (8 * 4, 256), "bfloat16")
-    res = abstract(mesh, P("dp"), (2 * 4, 256), "bfloat16")
-    gam = abstract(mesh, P("dp"), (2 * 256,), "bfloat16")
     in_specs = (P(("tp", "dp")), P("dp"), P("dp"))
-    return jit_shard_map(body, mesh, in_specs, (P("dp"), P("dp"))).trace(x, res, gam)
+    shapes = [(8 * 4, 256), (2 * 4, 256), (2 * 256,)]
+    avals = [abstract(mesh, spec, shape, "bfloat16") for spec, shape in zip(in_specs, shapes)]
+    return jit_shard_map(body, mesh, in_specs, (P("dp"), P("dp"))).trace(*avals)
 
 
 REGROUPED = (
@@ -89,14 +89,11 @@ def test_regrouped_mesh_is_refused_on_cpu():
     with pytest.raises(ValueError, match=REGROUPED):
         traced.lower()
     rng = new_rng()
-    args = (
-        random_values(rng, (32, 256), "bfloat16"),
-        random_values(rng, (8, 256), "bfloat16"),
-        random_gamma(rng, 512, "bfloat16"),
-    )
+    x, r = (random_values(rng, (rows, 256), "bfloat16") for rows in (32, 8))
+    in_specs = (P(("tp", "dp")), P("dp"), P("dp"))
     with pytest.raises(ValueError, match=REGROUPED):
         run_sharded(
-            fused_body(ws), mesh, (P(("tp", "dp")), P("dp"), P("dp")), (P("dp"), P("dp")), *args
+            fused_body(ws), mesh, in_specs, (P("dp"),) * 2, x, r, random_gamma(rng, 512, "bfloat16")
         )
 
 
@@ -166,37 +163,19 @@ def test_pmap_cuda_lowering_is_checked():
     assert FFI_TARGET in text
 
 
-# --- 2. zero tokens for every pattern ----------------------------------------------------------
+BF16, FP8 = ((0, 256), "bfloat16"), ((0, 256), "float8_e4m3fn")
+NVFP4 = [((0, 128), "uint8"), ((0, 16), "float8_e4m3fn")]  # codes and scales
+GROUP8 = Q.kARResidualRMSNormPerTokenGroupFP8PackedQuant
 
 
 @pytest.mark.parametrize(
     "pattern,kwargs,shapes",
     [
-        (
-            Q.kARResidualRMSNormFP8Quant,
-            {"scale_factor": np.ones(1, np.float32)},
-            [((0, 256), "bfloat16"), ((0, 256), "float8_e4m3fn")],
-        ),
-        (
-            Q.kARResidualRMSNormOutDynamicFP8Quant,
-            {},
-            [((0, 256), "bfloat16")] * 2 + [((0, 256), "float8_e4m3fn"), ((0, 1), "float32")],
-        ),
-        (
-            Q.kARResidualRMSNormPerTokenGroupFP8PackedQuant,
-            {"block_quant_group_size": 64},
-            [((0, 256), "bfloat16"), ((0, 256), "float8_e4m3fn"), ((1, 0), "int32")],
-        ),
-        (
-            Q.kARResidualRMSNormOutFP4Quant,
-            {"scale_factor": np.ones(1, np.float32)},
-            [((0, 256), "bfloat16")] * 2 + [((0, 128), "uint8"), ((0, 16), "float8_e4m3fn")],
-        ),
-        (
-            Q.kARResidualRMSNormFP4Quant,
-            {"scale_factor": np.ones(1, np.float32), "layout_code": 2},
-            [((0, 256), "bfloat16"), ((0, 128), "uint8"), ((0, 16), "float8_e4m3fn")],
-        ),
+        (Q.kARResidualRMSNormFP8Quant, dict(SF), [BF16, FP8]),
+        (Q.kARResidualRMSNormOutDynamicFP8Quant, {}, [BF16, BF16, FP8, ((0, 1), "float32")]),
+        (GROUP8, {"block_quant_group_size": 64}, [BF16, FP8, ((1, 0), "int32")]),
+        (Q.kARResidualRMSNormOutFP4Quant, dict(SF), [BF16, BF16, *NVFP4]),
+        (Q.kARResidualRMSNormFP4Quant, {**SF, "layout_code": 2}, [BF16, *NVFP4]),
     ],
 )
 def test_zero_tokens_give_empty_outputs_for_quantized_patterns(pattern, kwargs, shapes):
@@ -207,28 +186,19 @@ def test_zero_tokens_give_empty_outputs_for_quantized_patterns(pattern, kwargs, 
     def body(x, r, g, *s):
         return pattern_outputs(ws, pattern, x, r, g, dict(kwargs, scale_factor=s[0] if s else None))
 
-    args = (
-        np.zeros((0, 256), jdtype("bfloat16")),
-        np.zeros((0, 256), jdtype("bfloat16")),
-        random_gamma(new_rng(), 256, "bfloat16"),
-    ) + ((sf,) if sf is not None else ())
-    in_specs = (P("tp"), P(), P()) + ((P(),) if sf is not None else ())
+    with_sf = () if sf is None else (sf,)
+    empty = np.zeros((0, 256), jdtype("bfloat16"))
+    args = (empty, empty, random_gamma(new_rng(), 256, "bfloat16"), *with_sf)
+    in_specs = (P("tp"), P(), P()) + (P(),) * len(with_sf)
     outs = run_sharded(body, mesh, in_specs, (P(),) * len(shapes), *args)
     assert [(o.shape, jnp.dtype(o.dtype).name) for o in outs] == shapes
     # No custom call for 0 tokens on a kernel workspace either (nothing to exchange).
     kws = jf.abstract_workspace(mesh, "tp", backend="trtllm", **KW)
-    with_sf = dict(kwargs, scale_factor=sf) if sf is not None else kwargs
     # scale_factor as a closed-over constant: lowering only, nothing runs.
-    body = fused_body(
-        kws,
-        pattern,
-        **{k: (jnp.asarray(v) if k == "scale_factor" else v) for k, v in with_sf.items()},
-    )
+    constant = {} if sf is None else {"scale_factor": jnp.asarray(sf)}
+    body = fused_body(kws, pattern, **kwargs, **constant)
     text = trace_sharded(body, mesh, 0, 256, n_outputs=len(shapes))
     assert FFI_TARGET not in text.lower(lowering_platforms=("cuda",)).as_text()
-
-
-# --- 3. the fp32 sum of squares overflows like the kernel's ------------------------------------
 
 
 def test_rms_of_huge_rows_is_zero_like_the_kernel():
@@ -245,15 +215,8 @@ def test_rms_of_huge_rows_is_zero_like_the_kernel():
     rows = np.concatenate([big, small]).astype(jdtype("bfloat16"))
     xs = np.concatenate([rows] + [np.zeros_like(rows)] * 7)  # rank 0 holds the rows
     gamma = random_gamma(rng, 256, "bfloat16")
-    res, norm = run_sharded(
-        fused_body(ws),
-        mesh,
-        (P("tp"), P(), P()),
-        (P(), P()),
-        xs,
-        np.zeros((4, 256), jdtype("bfloat16")),
-        gamma,
-    )
+    args = (xs, np.zeros((4, 256), jdtype("bfloat16")), gamma)
+    res, norm = run_sharded(fused_body(ws), mesh, (P("tp"), P(), P()), (P(), P()), *args)
     norm = np.asarray(norm.astype(jnp.float32))
     assert np.array_equal(np.asarray(res.astype(jnp.float32)), rows.astype(np.float32))
     assert np.all(norm[:3] == 0.0)  # +-0 (the kernel's sign is checked on GPUs:
@@ -270,41 +233,26 @@ def test_rms_of_huge_rows_is_zero_like_the_kernel():
 def test_reference_rms_norm_overflows_in_fp32():
     # 2e19: squares 4e38 > fp32 max 3.4e38; 1e19: 64 squares of 1e38 overflow only when summed
     for value in (2e19, 1e19):
-        r = jnp.full((2, 64), value, jnp.bfloat16)
-        out = reference.rms_norm(
-            r, jnp.ones((64,), jnp.bfloat16), rms_eps=1e-6, weight_bias=0.0, out_dtype=jnp.bfloat16
-        )
+        r, ones = jnp.full((2, 64), value, jnp.bfloat16), jnp.ones((64,), jnp.bfloat16)
+        out = reference.rms_norm(r, ones, rms_eps=1e-6, weight_bias=0.0, out_dtype=jnp.bfloat16)
         assert np.all(np.asarray(out.astype(jnp.float32)) == 0.0), value
-
-
-# --- 4. options are never coerced --------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
     "kwargs,error,match",
     [
-        (
-            {"pattern": 1.9},
-            ValueError,
-            r"unknown fusion pattern 1\.9: pattern must be an "
-            r"AllReduceFusionPattern or its int code, not a float",
-        ),
+        ({"pattern": 1.9}, ValueError, r"unknown fusion pattern 1\.9: " + PATTERN_MUST),
         ({"pattern": "1"}, ValueError, "unknown fusion pattern '1': pattern must be"),
         ({"pattern": True}, ValueError, "unknown fusion pattern True: pattern must be"),
         ({"pattern": np.float64(1)}, ValueError, "pattern must be"),
-        (
-            {"use_oneshot": "false"},
-            TypeError,
-            "use_oneshot must be True, False or None, got 'false'",
-        ),
-        ({"use_oneshot": 0}, TypeError, "use_oneshot must be True, False or None, got 0"),
+        ({"use_oneshot": "false"}, TypeError, ONESHOT_MUST + "'false'"),
+        ({"use_oneshot": 0}, TypeError, ONESHOT_MUST + "0"),
         ({"fp32_acc": "no"}, TypeError, "fp32_acc must be True or False, got 'no'"),
         ({"fp32_acc": None}, TypeError, "fp32_acc must be True or False, got None"),
         (
             {"strict": "no"},
             TypeError,
-            r"strict \(None: \$JAX_FUSEDAR_STRICT\) must be True or "
-            r"False, got 'no'",
+            r"strict \(None: \$JAX_FUSEDAR_STRICT\) must be True or False, got 'no'",
         ),
         ({"strict": 1}, TypeError, "strict .* must be True or False"),
         ({**FP4, "layout_code": 2.7}, ValueError, r"layout \(layout_code\) 2\.7"),
@@ -330,36 +278,15 @@ def test_coerced_options_are_refused(kwargs, error, match):
 
 
 def test_numpy_bools_and_ints_are_real_options():
-    ws = xla_workspace(tp_mesh())
-    trace_fused(
-        ws,
-        4,
-        256,
-        pattern=np.int64(1),
-        use_oneshot=np.bool_(True),
-        fp32_acc=np.bool_(False),
-        strict=np.bool_(False),
-        rms_eps=np.float32(1e-5),
-        weight_bias=np.int32(1),
-    )
-
-
-# --- 5. one parser for every boolean environment variable --------------------------------------
+    flags = dict(use_oneshot=np.bool_(True), fp32_acc=np.bool_(False), strict=np.bool_(False))
+    numbers = dict(pattern=np.int64(1), rms_eps=np.float32(1e-5), weight_bias=np.int32(1))
+    trace_fused(xla_workspace(tp_mesh()), 4, 256, **flags, **numbers)
 
 
 @pytest.mark.parametrize("var", [backend_choice.STRICT_ENV_VAR, handshake.HANDSHAKE_ENV_VAR])
 @pytest.mark.parametrize(
     "raw,value",
-    [
-        ("on", True),
-        ("ON", True),
-        (" yes ", True),
-        ("1", True),
-        ("off", False),
-        ("No", False),
-        ("0", False),
-        ("", False),
-    ],
+    [(w, True) for w in ("on", "ON", " yes ", "1")] + [(w, False) for w in ("off", "No", "0", "")],
 )
 def test_every_boolean_variable_reads_the_same_words(monkeypatch, var, raw, value):
     monkeypatch.setenv(var, raw)
@@ -393,22 +320,11 @@ def test_strict_from_the_environment_on_means_on(monkeypatch):
         trace_fused(ws, 9, 256)
 
 
-# --- 6. is_buffer_size_sufficient agrees with the call -----------------------------------------
-
-
 def test_is_buffer_size_sufficient_agrees_with_what_a_call_accepts():
     mesh = tp_mesh()
     ws = xla_workspace(mesh, max_token_num=8, hidden_dim=256)
-    cases = [
-        (0, 256, None),
-        (8, 256, None),
-        (16, 128, None),
-        (9, 256, None),
-        (4, 256, "float16"),
-        (4, 256, "bfloat16"),
-        (4, 256, "float32"),
-        (4, 100, None),
-    ]
+    shapes = [(0, 256), (8, 256), (16, 128), (9, 256), (4, 100)]
+    cases = [(t, h, None) for t, h in shapes] + [(4, 256, dtype) for dtype in DTYPES]
     for tokens, hidden, dtype in cases:
         answer = ws.is_buffer_size_sufficient(tokens, hidden, dtype)
         try:
@@ -434,9 +350,6 @@ def test_is_buffer_size_sufficient_refuses_nonsense(tokens, hidden, error, match
     ws = xla_workspace(tp_mesh())
     with pytest.raises(error, match=match):
         ws.is_buffer_size_sufficient(tokens, hidden)
-
-
-# --- 7. messages name the argument -------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", [None, "float64", np.int8, "nope"])
@@ -466,9 +379,6 @@ def test_workspace_exchange_timeout_is_named():
     for value, error in ((None, TypeError), (0, ValueError), (-1.0, ValueError)):
         with pytest.raises(error, match="exchange_timeout_s must be"):
             jf.create_allreduce_fusion_workspace(tp_mesh(), "tp", exchange_timeout_s=value, **KW)
-
-
-# --- 12. a workspace passed as a jit argument ---------------------------------------------------
 
 
 def test_workspace_as_a_jit_argument_is_static():

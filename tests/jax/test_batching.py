@@ -39,7 +39,9 @@ from jax_fusedar.ops.dense import FFI_TARGET
 require_host_devices()
 
 Q = jf.AllReduceFusionPattern
+AR_NORM = Q.kARResidualRMSNorm
 HIDDEN = 256
+MESH = tp_mesh()
 
 
 # Environment and once-per-kind logging reset per test (conftest.py).
@@ -71,8 +73,17 @@ def inputs(rng, lead, dtype="bfloat16"):
     return x, r, g
 
 
-def sharded(mesh, body, n_out, x_spec=P("tp")):
-    return jit_shard_map(body, mesh, (x_spec, P(), P()), (P(),) * n_out)
+def sharded(body, n_out):
+    """jit(shard_map(body)) of (x [8, ...] split per rank, residual, gamma) on MESH."""
+    return jit_shard_map(body, MESH, (P("tp"), P(), P()), (P(),) * n_out)
+
+
+def vmapped_and_per_element(one, n_out, x, r, g):
+    """``one`` vmapped over rank 0's x and residual (gamma not batched), and called per
+    batch element: both results."""
+    vmapped = sharded(lambda x, r, g: jax.vmap(one, in_axes=(0, 0, None))(x[0], r, g), n_out)
+    looped = sharded(lambda x, r, g: per_element(lambda a, b: one(a, b, g), x[0], r), n_out)
+    return vmapped(x, r, g), looped(x, r, g)
 
 
 def norm_body(ws, **kw):
@@ -80,18 +91,9 @@ def norm_body(ws, **kw):
     return lambda x, r, g: tuple(pattern_call(ws, 1, x[0], r, g, kw)[1:3])
 
 
-def abstract_ws(mesh, max_token_num):
-    return jf.abstract_workspace(
-        mesh,
-        "tp",
-        max_token_num=max_token_num,
-        hidden_dim=HIDDEN,
-        dtype=jnp.bfloat16,
-        backend="trtllm",
-    )
-
-
-# --- N-D inputs ----------------------------------------------------------------------------------
+def abstract_ws(max_token_num):
+    kw = dict(max_token_num=max_token_num, hidden_dim=HIDDEN, dtype=jnp.bfloat16)
+    return jf.abstract_workspace(MESH, "tp", backend="trtllm", **kw)
 
 
 @pytest.mark.slow
@@ -100,8 +102,7 @@ def abstract_ws(mesh, max_token_num):
 def test_nd_input_equals_the_2d_call_on_folded_rows(pattern, kw):
     """x/residual [B, S, H]: every output equals the 2-D call on the B*S rows; row-wise
     outputs keep [B, S, ...], the packed scale buffers are those of the B*S rows."""
-    mesh = tp_mesh()
-    ws = xla_workspace(mesh, max_token_num=256)
+    ws = xla_workspace(MESH, max_token_num=256)
     lead = (2, 8)
     x, r, g = inputs(new_rng(), lead)
     n = n_outputs(pattern)
@@ -112,8 +113,8 @@ def test_nd_input_equals_the_2d_call_on_folded_rows(pattern, kw):
     def flat(x, r, g):
         return pattern_outputs(ws, pattern, x[0].reshape(-1, HIDDEN), r.reshape(-1, HIDDEN), g, kw)
 
-    got = sharded(mesh, nd, n)(x, r, g)
-    want = sharded(mesh, flat, n)(x, r, g)
+    got = sharded(nd, n)(x, r, g)
+    want = sharded(flat, n)(x, r, g)
     packed = TRAITS[pattern].quant == "group_fp8" or (
         TRAITS[pattern].quant == "fp4" and "layout_code" not in kw
     )
@@ -125,29 +126,27 @@ def test_nd_input_equals_the_2d_call_on_folded_rows(pattern, kw):
 
 
 def test_nd_against_the_oracle_and_one_dim():
-    mesh = tp_mesh()
-    ws = xla_workspace(mesh, "float32", max_token_num=256)
+    ws = xla_workspace(MESH, "float32", max_token_num=256)
     rng = new_rng()
     xs = random_partials(rng, (8, 3, 5, HIDDEN), "float32")
     r = random_values(rng, (3, 5, HIDDEN), "float32")
     g = random_gamma(rng, HIDDEN, "float32")
-    res, norm = sharded(mesh, norm_body(ws), 2)(xs, r, g)
+    res, norm = sharded(norm_body(ws), 2)(xs, r, g)
+    outs = dict(
+        residual_out=np.asarray(res).reshape(15, HIDDEN),
+        norm_out=np.asarray(norm).reshape(15, HIDDEN),
+    )
     check_outputs(
         "float32",
         xs.reshape(8, 15, HIDDEN),
         residual=r.reshape(15, HIDDEN),
         gamma=g,
-        residual_out=np.asarray(res).reshape(15, HIDDEN),
-        norm_out=np.asarray(norm).reshape(15, HIDDEN),
         what="[3, 5, H]",
+        **outs,
     )
     # A 1-D x is one token.
     one = sharded(
-        mesh,
-        lambda x, r, g: tuple(
-            pattern_call(ws, Q.kARResidualRMSNorm, x[0, 0, 0], r[0, 0], g, {})[1:3]
-        ),
-        2,
+        lambda x, r, g: tuple(pattern_call(ws, AR_NORM, x[0, 0, 0], r[0, 0], g, {})[1:3]), 2
     )(xs, r, g)
     assert one[0].shape == (HIDDEN,)
     assert_same_bits(
@@ -156,26 +155,21 @@ def test_nd_against_the_oracle_and_one_dim():
 
 
 def test_nd_rows_all_count_against_the_workspace():
-    mesh = tp_mesh()
-    ws = xla_workspace(mesh, max_token_num=16)
+    ws = xla_workspace(MESH, max_token_num=16)
     x, r, g = inputs(new_rng(), (3, 6))  # 18 rows > 16
     body = norm_body(ws, strict=True)
     match = r"18x256 tokens exceed the workspace \(max_token_num=16 x hidden 256\); every row"
     with pytest.raises(ValueError, match=match + " of an N-D or vmapped call counts"):
-        sharded(mesh, body, 2)(x, r, g)
+        sharded(body, 2)(x, r, g)
 
 
 def test_residual_must_have_x_shape():
-    mesh = tp_mesh()
-    ws = xla_workspace(mesh, max_token_num=256)
+    ws = xla_workspace(MESH, max_token_num=256)
     x, r, g = inputs(new_rng(), (2, 4))
     body = lambda x, r, g: tuple(pattern_call(ws, 1, x[0], r.reshape(8, HIDDEN), g, {})[1:3])  # noqa
     match = r"residual must have shape \(2, 4, 256\) and dtype bfloat16, got \(8, 256\) bfloat16"
     with pytest.raises(ValueError, match=match):
-        sharded(mesh, body, 2)(x, r, g)
-
-
-# --- vmap ----------------------------------------------------------------------------------------
+        sharded(body, 2)(x, r, g)
 
 
 def per_element(f, *batched):
@@ -192,38 +186,28 @@ def test_vmap_inside_shard_map_equals_per_element_calls(pattern, kw, tokens):
     """vmap over x and residual folds into tokens (one call); layouts that do not split back
     by a reshape for this token count (group FP8 with tokens % 4, swizzled NVFP4 with
     tokens % 128) run per element. Either way: the per-element results, bit for bit."""
-    mesh = tp_mesh()
-    ws = xla_workspace(mesh, max_token_num=256)
+    ws = xla_workspace(MESH, max_token_num=256)
     B = 3
     x, r, g = inputs(new_rng(), (B, tokens))
     n = n_outputs(pattern)
 
-    def one(x, r, g):
-        return pattern_outputs(ws, pattern, x, r, g, kw)
-
-    got = sharded(mesh, lambda x, r, g: jax.vmap(one, in_axes=(0, 0, None))(x[0], r, g), n)(x, r, g)
-    want = sharded(mesh, lambda x, r, g: per_element(lambda a, b: one(a, b, g), x[0], r), n)(
-        x, r, g
-    )
+    one = lambda x, r, g: pattern_outputs(ws, pattern, x, r, g, kw)
+    got, want = vmapped_and_per_element(one, n, x, r, g)
     assert_same_bits(got, want, f"vmap pattern {int(pattern)}, {tokens} tokens")
 
 
 def test_vmap_folds_swizzled_nvfp4_scales_of_whole_tiles():
     """128 tokens per element: the swizzled scales are whole 128-row tiles, stored tile after
     tile, so the folded call splits back by a reshape (one call, no loop)."""
-    mesh = tp_mesh()
-    ws = xla_workspace(mesh, max_token_num=512)
+    ws = xla_workspace(MESH, max_token_num=512)
     x, r, g = inputs(new_rng(), (2, 128))
     kw = {"scale_factor": np.full(1, 40.0, np.float32)}
     p = Q.kARResidualRMSNormOutFP4Quant
 
-    def one(x, r):
-        return pattern_outputs(ws, p, x, r, g, kw)
-
-    body = lambda x, r, g: jax.vmap(one)(x[0], r)  # noqa: E731
-    assert count_calls(sharded(mesh, body, 4), x, r, g) == (1, False)
-    got = sharded(mesh, body, 4)(x, r, g)
-    want = sharded(mesh, lambda x, r, g: per_element(one, x[0], r), 4)(x, r, g)
+    one = lambda x, r, g: pattern_outputs(ws, p, x, r, g, kw)
+    body = lambda x, r, g: jax.vmap(one, in_axes=(0, 0, None))(x[0], r, g)
+    assert count_calls(sharded(body, 4), x, r, g) == (1, False)
+    got, want = vmapped_and_per_element(one, 4, x, r, g)
     assert_same_bits(got, want, "swizzled NVFP4 scales under vmap")
 
 
@@ -235,8 +219,7 @@ def count_calls(f, *args):
 
 @pytest.mark.oldest
 def test_vmap_folds_into_one_call_or_maps():
-    mesh = tp_mesh()
-    ws = xla_workspace(mesh, max_token_num=256)
+    ws = xla_workspace(MESH, max_token_num=256)
     x, r, g = inputs(new_rng(), (3, 4))
     gs = random_gamma(new_rng(), HIDDEN, "bfloat16", leading=(3,))
 
@@ -244,7 +227,7 @@ def test_vmap_folds_into_one_call_or_maps():
         return pattern_call(ws, 1, x, r, g, {})[1:3]
 
     def run(in_axes):
-        return sharded(mesh, lambda x, r, g: jax.vmap(one, in_axes=in_axes)(x[0], r, g), 2)
+        return sharded(lambda x, r, g: jax.vmap(one, in_axes=in_axes)(x[0], r, g), 2)
 
     assert count_calls(run((0, 0, None)), x, r, g) == (1, False)
     assert count_calls(run((0, None, None)), x, r[0], g) == (1, False)
@@ -258,8 +241,7 @@ def test_vmap_folds_into_one_call_or_maps():
     ids=["x_only", "residual_only", "axis1", "gamma_too"],
 )
 def test_vmap_axes_and_batched_gamma(in_axes):
-    mesh = tp_mesh()
-    ws = xla_workspace(mesh, max_token_num=256)
+    ws = xla_workspace(MESH, max_token_num=256)
     rng = new_rng()
     B, T = 3, 4
     x = random_values(rng, (8, B, T, HIDDEN), "bfloat16")
@@ -284,13 +266,12 @@ def test_vmap_axes_and_batched_gamma(in_axes):
         ]
         return (*got, *(jnp.stack(w) for w in zip(*want)))
 
-    outs = sharded(mesh, body, 4)(x, r, g)
+    outs = sharded(body, 4)(x, r, g)
     assert_same_bits(outs[:2], outs[2:], f"vmap in_axes={in_axes}")
 
 
 def test_vmap_of_a_batched_scale_factor_runs_per_element():
-    mesh = tp_mesh()
-    ws = xla_workspace(mesh, max_token_num=256)
+    ws = xla_workspace(MESH, max_token_num=256)
     x, r, g = inputs(new_rng(), (2, 4))
     sf = np.asarray([[0.05], [0.5]], np.float32)
     p = Q.kARResidualRMSNormOutFP8Quant
@@ -301,7 +282,7 @@ def test_vmap_of_a_batched_scale_factor_runs_per_element():
         want = per_element(one, x[0], r, sf)
         return (*got, *want)
 
-    outs = jit_shard_map(body, mesh, (P("tp"), P(), P(), P()), (P(),) * 6)(x, r, g, sf)
+    outs = jit_shard_map(body, MESH, (P("tp"), P(), P(), P()), (P(),) * 6)(x, r, g, sf)
     assert_same_bits(outs[:3], outs[3:], "batched scale_factor")
     assert not np.array_equal(bits(outs[2][0]), bits(outs[2][1]))
 
@@ -311,8 +292,7 @@ def test_vmap_outside_shard_map_and_grad():
     vmapped op equal the unfused math's."""
     from jax_fusedar.ops import reference
 
-    mesh = tp_mesh()
-    ws = xla_workspace(mesh, "float32", max_token_num=256)
+    ws = xla_workspace(MESH, "float32", max_token_num=256)
     rng = new_rng()
     x = random_values(rng, (3, 8 * 4, HIDDEN), "float32")
     r = random_values(rng, (3, 4, HIDDEN), "float32")
@@ -328,7 +308,7 @@ def test_vmap_outside_shard_map_and_grad():
 
     results = []
     for body in (fused, unfused):
-        f = jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=P())
+        f = jax.shard_map(body, mesh=MESH, in_specs=(P("tp"), P(), P()), out_specs=P())
         vf = jax.vmap(f, in_axes=(0, 0, None))
         y = jax.jit(vf)(x, r, g)
         grads = jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(vf(*a))), argnums=(0, 1, 2)))(x, r, g)
@@ -340,39 +320,32 @@ def test_vmapped_batch_beyond_the_workspace_runs_per_element():
     """The folded batch (12 rows) exceeds the workspace but one element (4 rows) fits: one
     call per element in a loop (the kernel still serves them), even in strict mode; when an
     element does not fit either, strict mode raises as for the unbatched call."""
-    mesh = tp_mesh()
-    ws = xla_workspace(mesh, max_token_num=8)
+    ws = xla_workspace(MESH, max_token_num=8)
     x, r, g = inputs(new_rng(), (3, 4))
 
-    def one(x, r, g):
-        return tuple(pattern_call(ws, 1, x, r, g, {"strict": True})[1:3])
-
-    body = lambda x, r, g: jax.vmap(one, in_axes=(0, 0, None))(x[0], r, g)  # noqa: E731
-    assert count_calls(sharded(mesh, body, 2), x, r, g) == (1, True)
-    got = sharded(mesh, body, 2)(x, r, g)
-    want = sharded(mesh, lambda x, r, g: per_element(lambda a, b: one(a, b, g), x[0], r), 2)(
-        x, r, g
-    )
+    one = lambda x, r, g: tuple(pattern_call(ws, 1, x, r, g, {"strict": True})[1:3])
+    body = lambda x, r, g: jax.vmap(one, in_axes=(0, 0, None))(x[0], r, g)
+    assert count_calls(sharded(body, 2), x, r, g) == (1, True)
+    got, want = vmapped_and_per_element(one, 2, x, r, g)
     assert_same_bits(got, want, "per-element loop")
     x, r, g = inputs(new_rng(), (2, 9))
     with pytest.raises(ValueError, match=r"9x256 tokens exceed the workspace"):
-        sharded(mesh, body, 2)(x, r, g)
+        sharded(body, 2)(x, r, g)
 
 
 def test_cuda_lowering_of_vmapped_and_nd_calls():
     """The kernel serves the folded rows: one custom call on [B*T, H]."""
-    mesh = tp_mesh()
-    ws = abstract_ws(mesh, 16)
+    ws = abstract_ws(16)
     x, r, g = inputs(new_rng(), (3, 4))
 
     def lowered(B):
         one = lambda x, r, g: tuple(pattern_call(ws, 1, x, r, g, {})[1:3])  # noqa: E731
         body = lambda x, r, g: jax.vmap(one, in_axes=(0, 0, None))(x[0, :B], r[:B], g)  # noqa
-        return cuda_text(sharded(mesh, body, 2), x, r, g)
+        return cuda_text(sharded(body, 2), x, r, g)
 
     text = lowered(3)
     assert text.count(f"@{FFI_TARGET}") == 1 and "tensor<12x256xbf16>" in text
-    nd = cuda_text(sharded(mesh, norm_body(ws), 2), x, r, g)
+    nd = cuda_text(sharded(norm_body(ws), 2), x, r, g)
     assert nd.count(f"@{FFI_TARGET}") == 1 and "tensor<12x256xbf16>" in nd
     # 20 rows > 16: a vmapped batch runs the kernel per element in a loop; an N-D call,
     # one call by definition, falls back.
@@ -380,31 +353,26 @@ def test_cuda_lowering_of_vmapped_and_nd_calls():
     text = lowered(5)
     assert text.count(f"@{FFI_TARGET}") == 1 and "tensor<4x256xbf16>" in text
     assert "stablehlo.while" in text
-    nd = cuda_text(sharded(mesh, norm_body(ws), 2), x, r, g)
+    nd = cuda_text(sharded(norm_body(ws), 2), x, r, g)
     assert FFI_TARGET not in nd
-
-
-# --- dtypes --------------------------------------------------------------------------------------
 
 
 @pytest.mark.oldest
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_float32_gamma_is_rounded_to_the_stream_dtype(dtype):
-    mesh = tp_mesh()
-    ws = xla_workspace(mesh, dtype, max_token_num=256)
+    ws = xla_workspace(MESH, dtype, max_token_num=256)
     rng = new_rng()
     x, r, _ = inputs(rng, (4,), dtype)
     g32 = rng.uniform(-2, 2, HIDDEN).astype(np.float32)
     body = norm_body(ws)
-    got = sharded(mesh, body, 2)(x, r, g32)
-    want = sharded(mesh, body, 2)(x, r, g32.astype(jdtype(dtype)))
+    got = sharded(body, 2)(x, r, g32)
+    want = sharded(body, 2)(x, r, g32.astype(jdtype(dtype)))
     assert_same_bits(got, want, "float32 gamma")
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_float32_residual_stream_names_the_alternatives(dtype):
-    mesh = tp_mesh()
-    ws = xla_workspace(mesh, dtype, max_token_num=256)
+    ws = xla_workspace(MESH, dtype, max_token_num=256)
     x, r, g = inputs(new_rng(), (4,), dtype)
     body = lambda x, r, g: tuple(pattern_call(ws, 1, x[0], r.astype(jnp.float32), g, {})[1:3])  # noqa
     with pytest.raises(
@@ -413,33 +381,23 @@ def test_float32_residual_stream_names_the_alternatives(dtype):
         + ".*residual.astype\\(x.dtype\\)"
         ".*x=x.astype\\(jnp.float32\\) with a float32 workspace",
     ):
-        sharded(mesh, body, 2)(x, r, g)
+        sharded(body, 2)(x, r, g)
 
 
 def test_float32_residual_stream_with_the_float32_alternative():
     """The alternative the error names: x cast to float32 with a float32 workspace keeps a
     float32 stream (against the oracle)."""
-    mesh = tp_mesh()
-    ws = xla_workspace(mesh, "float32", max_token_num=256)
+    ws = xla_workspace(MESH, "float32", max_token_num=256)
     rng = new_rng()
     xs = random_partials(rng, (8, 4, HIDDEN), "bfloat16")
     r = random_values(rng, (4, HIDDEN), "float32")
     g = random_gamma(rng, HIDDEN, "float32")
-    res, norm = sharded(
-        mesh, lambda x, r, g: tuple(pattern_call(ws, 1, x[0].astype(jnp.float32), r, g, {})[1:3]), 2
-    )(xs, r, g)
+    body = lambda x, r, g: tuple(pattern_call(ws, 1, x[0].astype(jnp.float32), r, g, {})[1:3])
+    res, norm = sharded(body, 2)(xs, r, g)
+    outs = dict(residual_out=res, norm_out=norm)
     check_outputs(
-        "float32",
-        xs.astype(np.float32),
-        residual=r,
-        gamma=g,
-        residual_out=res,
-        norm_out=norm,
-        what="float32 stream",
+        "float32", xs.astype(np.float32), residual=r, gamma=g, what="float32 stream", **outs
     )
-
-
-# --- small API items -----------------------------------------------------------------------------
 
 
 def test_dir_lists_the_lazy_exports_and_py_typed_ships():
@@ -452,27 +410,26 @@ def test_dir_lists_the_lazy_exports_and_py_typed_ships():
 
 def test_fallback_is_logged_once_per_kind_not_per_shape(caplog):
     caplog.set_level(logging.WARNING, logger="jax_fusedar")
-    mesh = tp_mesh()
-    ws = abstract_ws(mesh, 8)
+    ws = abstract_ws(8)
     for lead in [(9,), (10,), (3, 4), (2, 2, 5)]:
         x, r, g = inputs(new_rng(), lead)
-        sharded(mesh, norm_body(ws), 2).trace(x, r, g)
+        sharded(norm_body(ws), 2).trace(x, r, g)
     msgs = fusedar_warnings(caplog)
     assert len(msgs) == 1 and "9x256 tokens exceed the workspace" in msgs[0], msgs
     # Another kind of reason (a hidden size the kernel cannot launch: 8200 / 8 = 1025 vectors,
     # odd, so one CTA of 1025 threads) is logged once too, whatever the token count.
-    big = abstract_ws(mesh, 256)
+    big = abstract_ws(256)
     rng = new_rng()
     for tokens in (2, 3):
         x = random_values(rng, (8, tokens, 8200), "bfloat16")
         r = random_values(rng, (tokens, 8200), "bfloat16")
         g = random_gamma(rng, 8200, "bfloat16")
-        sharded(mesh, norm_body(big), 2).trace(x, r, g)
+        sharded(norm_body(big), 2).trace(x, r, g)
     msgs = fusedar_warnings(caplog)
     assert len(msgs) == 2 and "hidden_dim=8200 cannot be launched" in msgs[1], msgs
     caplog.clear()
-    xla = xla_workspace(mesh, max_token_num=8)
+    xla = xla_workspace(MESH, max_token_num=8)
     for lead in [(9,), (12,)]:
         x, r, g = inputs(new_rng(), lead)
-        sharded(mesh, norm_body(xla), 2).trace(x, r, g)
+        sharded(norm_body(xla), 2).trace(x, r, g)
     assert not fusedar_warnings(caplog), "the xla backend never uses the kernel"

@@ -26,6 +26,7 @@ from tests.jax.cpu_helpers import (
     require_host_devices,
 )
 from jax_fusedar import workspace as wsmod
+from jax_fusedar.common import native
 from jax_fusedar.ops.dense import FFI_TARGET
 
 require_host_devices()
@@ -35,15 +36,12 @@ pytest.importorskip(
 
 TOKENS, HIDDEN = 4, 256
 KW = dict(max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=jnp.bfloat16)
+MESH = make_mesh((2, 4), ("dp", "tp"))
 
 
 # Environment and once-per-kind logging reset per test (conftest.py).
 # Also in the oldest-versions lane (./dev oldest).
 pytestmark = [pytest.mark.usefixtures("hermetic"), pytest.mark.oldest]
-
-
-def mesh_2x4():
-    return make_mesh((2, 4), ("dp", "tp"))
 
 
 def layer(ws):
@@ -67,23 +65,16 @@ def structs(mesh, shapes, dtypes=(jnp.bfloat16,) * 5):
     ]
 
 
-def specs(mesh, tokens=TOKENS):
-    """layer's arguments; ``tokens`` may be symbolic."""
-    shapes = [
-        ((8 * tokens, HIDDEN), P(("dp", "tp"))),
-        ((2 * tokens, HIDDEN), P("dp")),
-        ((2 * HIDDEN,), P("dp")),
-    ]
-    return structs(mesh, shapes)
+def specs(tokens=TOKENS):
+    """layer's arguments on MESH; ``tokens`` may be symbolic."""
+    shapes = [(8 * tokens, HIDDEN), (2 * tokens, HIDDEN), (2 * HIDDEN,)]
+    return structs(MESH, zip(shapes, (P(("dp", "tp")), P("dp"), P("dp"))))
 
 
-def values(rng, mesh, tokens=TOKENS):
-    host = [
-        random_partials(rng, (8 * tokens, HIDDEN), "bfloat16"),
-        random_partials(rng, (2 * tokens, HIDDEN), "bfloat16"),
-        random_gamma(rng, 2 * HIDDEN, "bfloat16"),
-    ]
-    return [jax.device_put(v, s.sharding) for v, s in zip(host, specs(mesh, tokens))]
+def values(rng):
+    x, r = (random_partials(rng, (n * TOKENS, HIDDEN), "bfloat16") for n in (8, 2))
+    host = [x, r, random_gamma(rng, 2 * HIDDEN, "bfloat16")]
+    return [jax.device_put(v, s.sharding) for v, s in zip(host, specs())]
 
 
 def round_trip(exported):
@@ -91,31 +82,28 @@ def round_trip(exported):
 
 
 def test_round_trip_on_cpu_gives_the_jitted_bits():
-    mesh = mesh_2x4()
-    ws = jf.create_allreduce_fusion_workspace(mesh, "tp", **KW)
-    exported = jf.export.export(layer(ws), platforms=("cpu",))(*specs(mesh))
-    args = values(new_rng(), mesh)
+    ws = jf.create_allreduce_fusion_workspace(MESH, "tp", **KW)
+    exported = jf.export.export(layer(ws), platforms=("cpu",))(*specs())
+    args = values(new_rng())
     assert_same_bits(round_trip(exported).call(*args), layer(ws)(*args), "cpu round trip")
 
 
 def test_workspace_key_is_stable_across_creation_order_and_names():
-    mesh = mesh_2x4()
-    first = jf.abstract_workspace(mesh, "tp", **KW)
+    first = jf.abstract_workspace(MESH, "tp", **KW)
     for _ in range(3):  # other workspaces created in between do not change the id
-        jf.abstract_workspace(mesh, "tp", max_token_num=8, hidden_dim=512, dtype=jnp.float16)
-    again = jf.abstract_workspace(mesh, "tp", **KW)
+        jf.abstract_workspace(MESH, "tp", max_token_num=8, hidden_dim=512, dtype=jnp.float16)
+    again = jf.abstract_workspace(MESH, "tp", **KW)
     assert again.id == first.id and again.serial > first.serial
-    named = jf.abstract_workspace(mesh, "tp", name="decoder", **KW)
+    named = jf.abstract_workspace(MESH, "tp", name="decoder", **KW)
     assert named.id != first.id and "name='decoder'" in repr(named)
     # Each field of the key matters: members (device order), sizes, dtype, backend.
+    swapped = make_mesh((2, 4), ("dp", "tp"), [1, 0, 2, 3, 4, 5, 6, 7])
     others = [
-        jf.abstract_workspace(
-            make_mesh((2, 4), ("dp", "tp"), [1, 0, 2, 3, 4, 5, 6, 7]), "tp", **KW
-        ),
-        jf.abstract_workspace(mesh, "tp", **{**KW, "max_token_num": 2 * TOKENS}),
-        jf.abstract_workspace(mesh, "tp", **{**KW, "hidden_dim": 2 * HIDDEN}),
-        jf.abstract_workspace(mesh, "tp", **{**KW, "dtype": jnp.float16}),
-        jf.abstract_workspace(mesh, "tp", backend="xla", **KW),
+        jf.abstract_workspace(swapped, "tp", **KW),
+        jf.abstract_workspace(MESH, "tp", **{**KW, "max_token_num": 2 * TOKENS}),
+        jf.abstract_workspace(MESH, "tp", **{**KW, "hidden_dim": 2 * HIDDEN}),
+        jf.abstract_workspace(MESH, "tp", **{**KW, "dtype": jnp.float16}),
+        jf.abstract_workspace(MESH, "tp", backend="xla", **KW),
     ]
     assert len({first.id, *(o.id for o in others)}) == 1 + len(others)
     assert wsmod.workspace_key_id(first.key) == first.id and 0 < first.id < 2**63
@@ -124,20 +112,20 @@ def test_workspace_key_is_stable_across_creation_order_and_names():
 @pytest.mark.parametrize("name", [5, "", b"x"])
 def test_name_must_be_a_non_empty_str(name):
     with pytest.raises(ValueError, match="name must be None or a non-empty str"):
-        jf.abstract_workspace(mesh_2x4(), "tp", name=name, **KW)
+        jf.abstract_workspace(MESH, "tp", name=name, **KW)
 
 
 def test_a_second_live_kernel_workspace_with_the_same_key_is_refused():
-    mesh = mesh_2x4()
-    live = jf.abstract_workspace(mesh, "tp", name="dup", **KW)
+    live = jf.abstract_workspace(MESH, "tp", name="dup", **KW)
     live._ranks.append(object())  # as if its native ranks were registered
     wsmod._by_id[live.id] = live
-    twin = wsmod._describe(mesh, "tp", TOKENS, HIDDEN, jnp.bfloat16, "trtllm", "dup")
+    describe = lambda name: wsmod._describe(
+        MESH, "tp", TOKENS, HIDDEN, jnp.bfloat16, "trtllm", name
+    )
+    twin = describe("dup")
     with pytest.raises(ValueError, match="pass a distinct name="):
         wsmod._claim_id(twin, allocates=True)
-    wsmod._claim_id(
-        wsmod._describe(mesh, "tp", TOKENS, HIDDEN, jnp.bfloat16, "trtllm", "dup2"), allocates=True
-    )
+    wsmod._claim_id(describe("dup2"), allocates=True)
     live._ranks.clear()
     live._destroyed = True  # once destroyed, the key is free again
     wsmod._claim_id(twin, allocates=True)
@@ -147,8 +135,6 @@ def test_a_second_live_kernel_workspace_with_the_same_key_is_refused():
 def test_disabled_checks_exempt_exactly_the_fused_targets():
     # The ops' targets (the dense op's and the one both MoE ops call), from the registry;
     # never the device timestamp of the benchmarks.
-    from jax_fusedar.common import native
-
     assert jf.export.DISABLED_CHECKS == (
         jax.export.DisabledSafetyCheck.custom_call(FFI_TARGET),
         jax.export.DisabledSafetyCheck.custom_call(native.FFI_TARGETS["moe_allreduce_fusion"]),
@@ -156,14 +142,13 @@ def test_disabled_checks_exempt_exactly_the_fused_targets():
 
 
 def test_cuda_export_carries_the_stable_key_and_needs_the_helper():
-    mesh = mesh_2x4()
-    ws = jf.abstract_workspace(mesh, "tp", name="serve", **KW)
+    ws = jf.abstract_workspace(MESH, "tp", name="serve", **KW)
     with pytest.raises(ValueError, match="custom call"):
-        jax.export.export(layer(ws), platforms=("cuda",))(*specs(mesh))
-    exported = jf.export.export(layer(ws), platforms=("cuda",))(*specs(mesh))
+        jax.export.export(layer(ws), platforms=("cuda",))(*specs())
+    exported = jf.export.export(layer(ws), platforms=("cuda",))(*specs())
     text = exported.mlir_module()
     assert text.count(f"@{FFI_TARGET}") == 1 and "all_reduce" not in text
-    same = jf.abstract_workspace(mesh, "tp", name="serve", **KW)
+    same = jf.abstract_workspace(MESH, "tp", name="serve", **KW)
     assert jf.export.workspace_ids(exported) == [same.id]
     # Read back with JAX's own deserialize (inspection registers and compiles nothing).
     assert jf.export.workspace_ids(jax.export.deserialize(exported.serialize())) == [same.id]
@@ -171,12 +156,11 @@ def test_cuda_export_carries_the_stable_key_and_needs_the_helper():
 
 @needs_native
 def test_multi_platform_artifact_runs_the_reference_on_cpu():
-    mesh = mesh_2x4()
-    ws = jf.abstract_workspace(mesh, "tp", **KW)
-    exported = jf.export.export(layer(ws), platforms=("cpu", "cuda"))(*specs(mesh))
+    ws = jf.abstract_workspace(MESH, "tp", **KW)
+    exported = jf.export.export(layer(ws), platforms=("cpu", "cuda"))(*specs())
     assert f"@{FFI_TARGET}" in exported.mlir_module()  # the cuda branch has the kernel
-    xla_ws = jf.create_allreduce_fusion_workspace(mesh, "tp", **KW)
-    args = values(new_rng(), mesh)
+    xla_ws = jf.create_allreduce_fusion_workspace(MESH, "tp", **KW)
+    args = values(new_rng())
     assert_same_bits(
         round_trip(exported).call(*args), layer(xla_ws)(*args), "(cpu, cuda) artifact on cpu"
     )
@@ -186,66 +170,53 @@ def test_compiling_the_kernel_call_without_the_native_module_says_what_to_instal
     """A process with a cuda backend but no native module: lowering the kernel's call to
     compile it there raises, naming what to install; exporting the same program does not
     (the artifact needs only the target and its attributes)."""
-    from jax_fusedar.common import native
-
     monkeypatch.setattr(native, "ext", None)
     real = jax.devices
     monkeypatch.setattr(
         jax, "devices", lambda backend=None: [object()] if backend == "cuda" else real(backend)
     )
-    mesh = mesh_2x4()
-    ws = jf.abstract_workspace(mesh, "tp", **KW)
+    ws = jf.abstract_workspace(MESH, "tp", **KW)
     with pytest.raises(
         RuntimeError,
         match=rf"calls the fused kernel \({FFI_TARGET}\) and would be compiled here for this "
         r"process's GPUs, but jax_fusedar's native extension is not available .*nvcc",
     ):
-        layer(ws).trace(*specs(mesh)).lower(lowering_platforms=("cuda",))
-    text = jf.export.export(layer(ws), platforms=("cuda",))(*specs(mesh)).mlir_module()
+        layer(ws).trace(*specs()).lower(lowering_platforms=("cuda",))
+    text = jf.export.export(layer(ws), platforms=("cuda",))(*specs()).mlir_module()
     assert text.count(f"@{FFI_TARGET}") == 1
 
 
 def test_exporting_an_xla_workspace_for_cuda_is_refused_and_plain_lowering_warns():
-    mesh = mesh_2x4()
-    ws = jf.create_allreduce_fusion_workspace(mesh, "tp", **KW)
+    ws = jf.create_allreduce_fusion_workspace(MESH, "tp", **KW)
     assert ws.backend == "xla"
     with pytest.raises(ValueError, match="not the fused kernel.*abstract_workspace"):
-        jf.export.export(layer(ws), platforms=("cuda",))(*specs(mesh))
+        jf.export.export(layer(ws), platforms=("cuda",))(*specs())
     with pytest.warns(UserWarning, match="XLA-backend workspace of a process without GPUs"):
-        layer(ws).trace(*specs(mesh)).lower(lowering_platforms=("cuda",))
+        layer(ws).trace(*specs()).lower(lowering_platforms=("cuda",))
     with jf.export.allow_reference_for_cuda():
-        exported = jf.export.export(layer(ws), platforms=("cuda",))(*specs(mesh))
+        exported = jf.export.export(layer(ws), platforms=("cuda",))(*specs())
     assert FFI_TARGET not in exported.mlir_module()
     # The CPU lowering of the same workspace is silent (the reference is what CPU runs).
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        jf.export.export(layer(ws), platforms=("cpu",))(*specs(mesh))
+        jf.export.export(layer(ws), platforms=("cpu",))(*specs())
 
 
 @pytest.mark.parametrize("backend", ["xla", "trtllm"])
 def test_symbolic_token_counts_are_refused(backend):
-    mesh = mesh_2x4()
-    ws = jf.abstract_workspace(mesh, "tp", backend=backend, **KW)
+    ws = jf.abstract_workspace(MESH, "tp", backend=backend, **KW)
     with pytest.raises(ValueError, match="symbolic shape.*one artifact per token count"):
-        jf.export.export(layer(ws), platforms=("cpu",))(
-            *specs(mesh, *jax.export.symbolic_shape("t"))
-        )
+        jf.export.export(layer(ws), platforms=("cpu",))(*specs(*jax.export.symbolic_shape("t")))
 
 
 def test_row_parallel_exports_on_explicit_axes_and_auto_axes_get_an_explanation():
     rng = new_rng()
     for axis_type in (AxisType.Explicit, AxisType.Auto):
         mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(axis_type,) * 2)
-        ws = jf.create_allreduce_fusion_workspace(
-            mesh, "tp", max_token_num=16, hidden_dim=HIDDEN, dtype=jnp.bfloat16
-        )
-        shapes = [
-            ((16, 512), P("dp", "tp")),
-            ((512, HIDDEN), P("tp", None)),
-            ((16, HIDDEN), P("dp")),
-            ((HIDDEN,), P()),
-        ]
-        args = structs(mesh, shapes)
+        kw = dict(max_token_num=16, hidden_dim=HIDDEN, dtype=jnp.bfloat16)
+        ws = jf.create_allreduce_fusion_workspace(mesh, "tp", **kw)
+        shapes = [(16, 512), (512, HIDDEN), (16, HIDDEN), (HIDDEN,)]
+        args = structs(mesh, zip(shapes, [P("dp", "tp"), P("tp", None), P("dp"), P()]))
 
         def f(h, w, r, g):
             out = jf.row_parallel_allreduce_fusion(h, w, residual=r, rms_gamma=g, workspace=ws)
@@ -264,7 +235,6 @@ def test_row_parallel_exports_on_explicit_axes_and_auto_axes_get_an_explanation(
             assert_same_bits(exported.call(*vals), jax.jit(f)(*vals), "row_parallel round trip")
 
 
-# --- the MoE ops ---------------------------------------------------------------------------------
 # Exported like the dense op: their target is exempt too (one registry of the ops' targets).
 
 MOE_TOKENS, MOE_HIDDEN, MOE_ROWS, TOP_K, EXPERTS = 4, 256, 6, 2, 3
@@ -279,23 +249,23 @@ def moe_layer(ws, pattern):
     return jit_shard_map(body, ws.mesh, (split, split, split, group, group), (group,) * n_out)
 
 
-def moe_specs(mesh, pattern):
+def moe_specs(pattern):
     t, h, bf16 = MOE_TOKENS, MOE_HIDDEN, jnp.bfloat16
     if pattern == 7:
         shapes, dtypes = [(8, MOE_ROWS, h), (8, t, TOP_K), (8, t, TOP_K)], [bf16, jnp.int32, bf16]
     else:
         shapes, dtypes = [(8, EXPERTS, t, h), (8, EXPERTS, t), (8, t, h)], [bf16, jnp.float32, bf16]
     specs = [P(("dp", "tp"))] * 3 + [P("dp")] * 2
-    return structs(mesh, zip(shapes + [(2 * t, h), (2 * h,)], specs), dtypes + [bf16] * 2)
+    return structs(MESH, zip(shapes + [(2 * t, h), (2 * h,)], specs), dtypes + [bf16] * 2)
 
 
-def moe_values(rng, mesh, pattern):
+def moe_values(rng, pattern):
     def value(spec):
         if spec.dtype == jnp.int32:
             return rng.integers(-1, MOE_ROWS, spec.shape).astype(np.int32)
         return (rng.standard_normal(spec.shape) / 4).astype(spec.dtype)
 
-    return [jax.device_put(value(s), s.sharding) for s in moe_specs(mesh, pattern)]
+    return [jax.device_put(value(s), s.sharding) for s in moe_specs(pattern)]
 
 
 @needs_native
@@ -304,20 +274,16 @@ def test_moe_export_round_trip(pattern):
     """Exported for (cpu, cuda) from an abstract kernel workspace: the cuda branch keeps the
     MoE custom call and the stable key; serialized, deserialized and run on CPU it gives the
     bits of the same program jitted on an XLA workspace."""
-    mesh = mesh_2x4()
     kw = dict(max_token_num=MOE_TOKENS, hidden_dim=MOE_HIDDEN, dtype=jnp.bfloat16)
-    served = jf.abstract_workspace(mesh, "tp", name="moe", **kw)
-    exported = jf.export.export(moe_layer(served, pattern), platforms=("cpu", "cuda"))(
-        *moe_specs(mesh, pattern)
-    )
-    from jax_fusedar.common import native
-
+    served = jf.abstract_workspace(MESH, "tp", name="moe", **kw)
+    export = jf.export.export(moe_layer(served, pattern), platforms=("cpu", "cuda"))
+    exported = export(*moe_specs(pattern))
     text = exported.mlir_module()
     assert text.count(f"@{native.FFI_TARGETS['moe_allreduce_fusion']}") == 1, text
     assert f"pattern = {pattern} : i32" in text
     assert jf.export.workspace_ids(round_trip(exported)) == [served.id]
-    xla_ws = jf.create_allreduce_fusion_workspace(mesh, "tp", **kw)
-    args = moe_values(new_rng(), mesh, pattern)
+    xla_ws = jf.create_allreduce_fusion_workspace(MESH, "tp", **kw)
+    args = moe_values(new_rng(), pattern)
     assert_same_bits(
         round_trip(exported).call(*args),
         moe_layer(xla_ws, pattern)(*args),
@@ -325,7 +291,6 @@ def test_moe_export_round_trip(pattern):
     )
 
 
-# --- without the native module ------------------------------------------------------------------
 # Exporting needs only the custom call's target and attributes; a CPU-only install (no nvcc,
 # so no native module) must export as any other machine does.
 

@@ -21,8 +21,6 @@ require_host_devices()
 # Also in the oldest-versions lane (./dev oldest).
 pytestmark = pytest.mark.oldest
 
-# --- a new op, declared in a page -----------------------------------------------------------------
-
 
 def _abstract_eval(x, *, axis_name, **_):
     return [ffi_op.with_varying(x, ffi_op.varying(x) - frozenset(axis_name))]
@@ -59,13 +57,11 @@ def scaled_sum(x, ws, scale=2.0, use_kernel=False):
     )[0]
 
 
+KW = dict(max_token_num=4, hidden_dim=128, dtype=jnp.float32)
+
+
 def xla_workspace(mesh):
-    return jf.create_allreduce_fusion_workspace(
-        mesh, "tp", max_token_num=4, hidden_dim=128, dtype=jnp.float32
-    )
-
-
-# --- the registry -------------------------------------------------------------------------------
+    return jf.create_allreduce_fusion_workspace(mesh, "tp", **KW)
 
 
 def test_every_op_of_the_package_is_declared_in_the_registry():
@@ -80,7 +76,7 @@ def test_every_op_of_the_package_is_declared_in_the_registry():
     assert ffi_op.export_safe_targets() == tuple(
         t for role, t in native.FFI_TARGETS.items() if role != "device_timestamp"
     )
-    assert [c for c in jf.export.DISABLED_CHECKS] == [
+    assert list(jf.export.DISABLED_CHECKS) == [
         jax.export.DisabledSafetyCheck.custom_call(t) for t in ffi_op.export_safe_targets()
     ]
 
@@ -88,9 +84,6 @@ def test_every_op_of_the_package_is_declared_in_the_registry():
 def test_an_op_is_declared_once():
     with pytest.raises(ValueError, match="declared twice"):
         ffi_op.FfiOp("tests_scaled_allreduce", **DECLARATION)
-
-
-# --- the declared op is a JAX citizen -------------------------------------------------------------
 
 
 def test_a_declared_op_runs_under_jit_and_shard_map_with_its_vma_rule():
@@ -136,7 +129,7 @@ def test_a_declared_op_refuses_to_run_outside_shard_map():
 
 def test_a_declared_op_lowers_to_its_custom_call_on_cuda():
     mesh = tp_mesh()
-    ws = jf.abstract_workspace(mesh, "tp", max_token_num=4, hidden_dim=128, dtype=jnp.float32)
+    ws = jf.abstract_workspace(mesh, "tp", **KW)
     f = jit_shard_map(
         lambda x: scaled_sum(x[0], ws, scale=0.5, use_kernel=True), mesh, P("tp"), P()
     )
@@ -159,10 +152,8 @@ def test_an_op_outside_the_pattern_table_declares_its_own_rules():
             attributes=lambda **_: {},
         )
     assert SCALED_SUM.operand_names({"scale": 2.0}) == ("x",)
-    assert (
-        repr(SCALED_SUM)
-        == "FfiOp('tests_scaled_allreduce', target='jax_fusedar_allreduce_fusion_v2')"
-    )
+    want = "FfiOp('tests_scaled_allreduce', target='jax_fusedar_allreduce_fusion_v2')"
+    assert repr(SCALED_SUM) == want
 
 
 def test_the_tables_ops_take_their_operands_by_the_tables_names():
@@ -177,14 +168,8 @@ def test_the_tables_ops_take_their_operands_by_the_tables_names():
         "rms_gamma",
         "expert_scale_factor",
     )
+    call = dict(workspace=None, axis_name="tp", plan=None, decided=None, **params)
     with pytest.raises(AssertionError, match="the table's"):
-        moe_finalize_op.call(
-            {"permuted_input": None},
-            workspace=None,
-            axis_name="tp",
-            plan=None,
-            decided=None,
-            **params,
-        )
+        moe_finalize_op.call({"permuted_input": None}, **call)
     with pytest.raises(ValueError, match="writes no optional all-reduce output"):
         results.result_specs(1, 4, 256, "bfloat16", allreduce_out=True)

@@ -25,11 +25,12 @@ from tests.jax.cpu_helpers import (
     mesh_2x4,
     new_rng,
     partitioned_shard_text,
+    put,
     random_gamma,
     random_values,
     require_host_devices,
 )
-from jax_fusedar.ops import partitioning
+from jax_fusedar.ops import partitioning, reference
 from jax_fusedar.ops.dense import FFI_TARGET
 
 require_host_devices()
@@ -66,25 +67,17 @@ def bf16_workspace(mesh, axis="tp", make=jf.abstract_workspace, max_token_num=64
     "axis_type,mesh_context",
     [(AxisType.Auto, False), (AxisType.Auto, True), (AxisType.Explicit, True)],
 )
-@pytest.mark.parametrize(
-    "backend",
-    ["xla", "trtllm"],
-)
+@pytest.mark.parametrize("backend", ["xla", "trtllm"])
 def test_four_layer_jit_model_equals_the_shard_map_model_bitwise(axis_type, mesh_context, backend):
     """On CPU both run the reference lowering (a trtllm workspace also lowers to it here), so
     equal bits mean the partitioner ran the same per-shard program as shard_map does."""
-    dtype = "bfloat16"
     rng = new_rng()
     mesh = mesh_2x4(axis_type)
-    make = (
-        jf.create_allreduce_fusion_workspace
-        if backend == "xla"
-        else functools.partial(jf.abstract_workspace, backend="trtllm")
-    )
+    make = functools.partial(jf.abstract_workspace, backend="trtllm")
+    make = jf.create_allreduce_fusion_workspace if backend == "xla" else make
     ws = bf16_workspace(mesh, make=make, max_token_num=BATCH * SEQ)
-    params, x = place(
-        mesh, model_params(rng, jdtype(dtype)), random_values(rng, (BATCH, SEQ, HIDDEN), dtype)
-    )
+    x = random_values(rng, (BATCH, SEQ, HIDDEN), "bfloat16")
+    params, x = place(mesh, model_params(rng, jdtype("bfloat16")), x)
     want = shard_map_model(mesh, ws)(params, x)
     # MaxText runs under its mesh; Explicit axes need it.
     with jax.set_mesh(mesh) if mesh_context else contextlib.nullcontext():
@@ -122,50 +115,34 @@ def test_plain_math_when_the_contracting_dim_is_not_sharded(caplog):
     w = (random_values(rng, (FFN, HIDDEN), "bfloat16") / 16).astype(jnp.bfloat16)
     r = random_values(rng, (BATCH * SEQ, HIDDEN), "bfloat16")
     g = random_gamma(rng, HIDDEN, "bfloat16")
-    hs = jax.device_put(h, NamedSharding(mesh, P("dp", None)))
-    ws_ = jax.device_put(w, NamedSharding(mesh, P()))
+    placed = (put(mesh, P("dp", None), h), put(mesh, P(), w), r, g)
     f = jax.jit(functools.partial(residual_and_norm, workspace=ws))
     with caplog.at_level(logging.WARNING, logger="jax_fusedar"):
-        res, norm = f(hs, ws_, r, g)
-        hlo = f.lower(hs, ws_, r, g).compile().as_text()
+        res, norm = f(*placed)
+        hlo = f.lower(*placed).compile().as_text()
     assert "all-reduce" not in hlo
     assert not caplog.records
-    from jax_fusedar.ops import reference
-
-    _, want_r, want_n = jax.jit(
-        lambda h, w, r, g: reference.epilogue(
-            jnp.dot(h, w), r, g, pattern=1, rms_eps=1e-6, weight_bias=0.0
-        )
-    )(h, w, r, g)
+    epilogue = lambda h, w, r, g: reference.epilogue(
+        jnp.dot(h, w), r, g, pattern=1, rms_eps=1e-6, weight_bias=0.0
+    )
+    _, want_r, want_n = jax.jit(epilogue)(h, w, r, g)
     np.testing.assert_array_equal(bits(res), bits(want_r))
     np.testing.assert_array_equal(bits(norm), bits(want_n))
 
 
-def arg_shape(mesh, shape, spec, dtype=jnp.bfloat16):
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
-
-
 def partition_args(mesh, h_spec, w_spec, r_spec=P()):
     """Abstract (h [32, FFN], w [FFN, HIDDEN], residual, gamma) placed as the specs say."""
-    return (
-        arg_shape(mesh, (32, FFN), h_spec),
-        arg_shape(mesh, (FFN, HIDDEN), w_spec),
-        arg_shape(mesh, (32, HIDDEN), r_spec),
-        arg_shape(mesh, (HIDDEN,), P()),
+    shapes = [(32, FFN), (FFN, HIDDEN), (32, HIDDEN), (HIDDEN,)]
+    specs = (h_spec, w_spec, r_spec, P())
+    return tuple(
+        jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, spec))
+        for shape, spec in zip(shapes, specs)
     )
 
 
 def cfg(workspaces=(), strict=None, h_ndim=2):
-    return partitioning._Config(
-        tuple(workspaces),
-        1e-6,
-        0.0,
-        True,
-        None,
-        strict,
-        None,
-        partitioning._Contraction.matmul(h_ndim),
-    )
+    contraction = partitioning._Contraction.matmul(h_ndim)
+    return partitioning._Config(tuple(workspaces), 1e-6, 0.0, True, None, strict, None, contraction)
 
 
 @pytest.mark.parametrize(
@@ -285,20 +262,13 @@ def test_gradients_equal_the_unsharded_plain_math(axis_type):
         res, norm = fn(h, w, r, g)
         return jnp.sum(res * ct[0]) + jnp.sum(norm * ct[1])
 
+    grad = lambda fn: jax.jit(jax.grad(lambda *a: loss(fn, *a), argnums=(0, 1, 2, 3)))
     cfg_ = cfg(h_ndim=3)
-    want = jax.jit(
-        jax.grad(
-            lambda *a: loss(lambda *b: partitioning._plain(*b, cfg_), *a), argnums=(0, 1, 2, 3)
-        )
-    )(h, w, r, g)
-    placed = [
-        jax.device_put(a, NamedSharding(mesh, s))
-        for a, s in zip((h, w, r, g), (P("dp", None, "tp"), P("tp", None), P("dp"), P()))
-    ]
+    want = grad(lambda *b: partitioning._plain(*b, cfg_))(h, w, r, g)
+    specs = (P("dp", None, "tp"), P("tp", None), P("dp"), P())
+    placed = [put(mesh, s, a) for a, s in zip((h, w, r, g), specs)]
     with jax.set_mesh(mesh):
-        got = jax.jit(jax.grad(lambda *a: loss(residual_and_norm, *a), argnums=(0, 1, 2, 3)))(
-            *placed
-        )
+        got = grad(residual_and_norm)(*placed)
     for name, a, b in zip(("h", "w", "residual", "gamma"), got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5, err_msg=name)
         assert np.abs(np.asarray(b)).max() > 1e-2, name  # not trivially zero
@@ -309,15 +279,9 @@ def test_strict_mode_error_surfaces_from_the_partition_rule_at_compile_time():
     runtime error carrying the same message."""
     mesh = mesh_2x4(AxisType.Auto)
     wrong_axis = bf16_workspace(mesh, "dp", jf.create_allreduce_fusion_workspace)
-    h = jax.device_put(jnp.ones((8, FFN), jnp.bfloat16), NamedSharding(mesh, P(None, "tp")))
-    w = jax.device_put(jnp.ones((FFN, HIDDEN), jnp.bfloat16), NamedSharding(mesh, P("tp")))
+    h = put(mesh, P(None, "tp"), jnp.ones((8, FFN), jnp.bfloat16))
+    w = put(mesh, P("tp"), jnp.ones((FFN, HIDDEN), jnp.bfloat16))
     r, g = jnp.ones((8, HIDDEN), jnp.bfloat16), jnp.ones(HIDDEN, jnp.bfloat16)
-    f = jax.jit(
-        lambda h, w: (
-            jf.row_parallel_allreduce_fusion(
-                h, w, residual=r, rms_gamma=g, workspace=wrong_axis, strict=True
-            ).norm_out
-        )
-    )
+    f = jax.jit(lambda h, w: residual_and_norm(h, w, r, g, workspace=wrong_axis, strict=True)[1])
     with pytest.raises(Exception, match="no workspace was given for mesh axis 'tp'.*strict"):
         f(h, w)

@@ -2,19 +2,13 @@
 two hosts (each in its own UTS + mount namespace with host name node0 / node1, see
 ``harness.simulate_host``), 4 virtual CPU devices each, coordinator on 127.0.0.1.
 
-The backend is decided per workspace from each TP group's own hosts (not the mesh's):
-
-* TP inside a host, DP across hosts: the kernel for every group (the custom call is in the
-  cuda lowering), with ``auto`` and ``trtllm``;
-* TP across hosts: ``auto`` takes XLA's all-reduce (no custom call) and says why once;
-  ``trtllm`` raises naming the group's members and hosts;
-* 2 x 2 x 2 meshes: some TP groups across hosts and some not (one backend for the whole
-  workspace: XLA with ``auto``), and TP inside a host next to PP across hosts in one program
-  (the custom call for "tp", an all-reduce for "pp").
-
-The same two processes with the same host name keep the kernel for TP across them. Every
-program also runs on CPU (the reference path, cross-process over gloo) against the float64
-oracle. The worker (tests/gpu/workers/jax_multinode.py) is the one the GPU test runs.
+The backend is decided per workspace from each TP group's own hosts (not the mesh's): TP inside
+a host, DP across hosts keeps the kernel (``auto`` and ``trtllm``); TP across hosts takes XLA's
+all-reduce with ``auto`` (saying why once) and raises with ``trtllm``, naming the group's
+members and hosts; 2 x 2 x 2 meshes mix both (one backend for the whole workspace), or put TP
+inside a host next to PP across hosts in one program. The same two processes with the same
+host name keep the kernel. Every program also runs on CPU (the reference path, over gloo)
+against the float64 oracle. The worker (tests/gpu/workers/jax_multinode.py) is the GPU test's.
 """
 
 import os
@@ -43,18 +37,9 @@ pytestmark = [
 
 
 def _run(hosts, layouts, backends):
-    return run_ranks(
-        mn.worker,
-        2,
-        timeout_s=120,
-        port=free_port(),
-        platform="cpu",
-        local_devices=4,
-        hosts=hosts,
-        layouts=layouts,
-        backends=backends,
-        seed=int.from_bytes(os.urandom(4), "little"),
-    )
+    seed = int.from_bytes(os.urandom(4), "little")
+    kw = dict(platform="cpu", local_devices=4, hosts=hosts, layouts=layouts, backends=backends)
+    return run_ranks(mn.worker, 2, timeout_s=120, port=free_port(), seed=seed, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -77,17 +62,25 @@ def _ids(r, members):
     return [m - _p1(r) + 4 if m >= _p1(r) else m for m in members]
 
 
-def _kernel_lowered(rec):
-    """Skips the rest of a test where the kernel's lowering cannot be built (the decision
-    was checked before): allreduce_fusion emits the custom call only with the native
-    module's FFI targets (tests/skips.py says how to build it)."""
-    if "not_lowered" in rec:
+def _lowered_and_right(rec, custom_calls, all_reduces=None):
+    """The lowering's custom calls (and all-reduces: none, or some) and the numerics.
+    Skips the rest of a test where the kernel's lowering cannot be built (the decision was
+    checked before): allreduce_fusion emits the custom call only with the native module's FFI
+    targets (tests/skips.py says how to build it)."""
+    if custom_calls and "not_lowered" in rec:
         pytest.skip(f"decision checked; lowering not checked: {rec['not_lowered']}")
-
-
-def _numerics_ok(rec):
+    assert rec["custom_calls"] == custom_calls, rec
+    if all_reduces is not None:
+        assert (rec["all_reduces"] >= 1) == all_reduces, rec
     w = rec["worst"]
     assert w["shards"] > 0 and w["residual"] <= 1.0 and w["norm"] <= 3.0, rec
+
+
+def _across(d, first, more):
+    """The start of trtllm's error for TP group [first, d] across the hosts."""
+    return f"TP group [{first}, {d}] (devices) spans 2 nodes (node0: [{first}]; node1: [{d}]), " + (
+        f"as do {len(more)} more of the workspace's 4 TP groups ({', '.join(more)}): "
+    )
 
 
 def test_processes_look_like_two_hosts(two_hosts, one_host):
@@ -102,27 +95,20 @@ def test_dp_across_hosts_tp_within_keeps_the_kernel(two_hosts, backend):
         rec = r["layouts"]["dp_across_hosts"][backend]
         assert rec["backend"] == {"tp": "trtllm"}, rec
         assert [_ids(r, g) for g in rec["groups"]["tp"]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-        _kernel_lowered(rec)
-        assert rec["custom_calls"] == 1 and rec["all_reduces"] == 0, rec
-        _numerics_ok(rec)
+        _lowered_and_right(rec, 1, all_reduces=False)
 
 
 def test_tp_across_hosts_auto_takes_xla(two_hosts):
     for r in two_hosts:
         rec = r["layouts"]["tp_across_hosts"]["auto"]
         assert rec["backend"] == {"tp": "xla"}, rec
-        assert rec["custom_calls"] == 0 and rec["all_reduces"] >= 1, rec
-        _numerics_ok(rec)
+        _lowered_and_right(rec, 0, all_reduces=True)
 
 
 def test_tp_across_hosts_trtllm_names_members_and_hosts(two_hosts):
     for r in two_hosts:
         err, d = r["layouts"]["tp_across_hosts"]["trtllm"]["error"], _p1(r)
-        assert err.startswith(
-            f"TP group [0, {d}] (devices) spans 2 nodes (node0: [0]; "
-            f"node1: [{d}]), as do 3 more of the workspace's 4 TP "
-            f"groups ([1, {d + 1}], [2, {d + 2}], [3, {d + 3}]): "
-        ), err
+        assert err.startswith(_across(d, 0, [f"[{i}, {d + i}]" for i in (1, 2, 3)])), err
         assert "the 'trtllm' all-reduce backend works only within one node" in err
 
 
@@ -132,13 +118,10 @@ def test_mixed_groups_decide_once_for_the_workspace(two_hosts):
     for r in two_hosts:
         rec = r["layouts"]["mixed_groups"]
         assert [_ids(r, g) for g in rec["auto"]["groups"]["tp"]] == [[0, 1], [2, 4], [3, 5], [6, 7]]
-        assert rec["auto"]["backend"] == {"tp": "xla"} and rec["auto"]["custom_calls"] == 0
-        _numerics_ok(rec["auto"])
+        assert rec["auto"]["backend"] == {"tp": "xla"}
+        _lowered_and_right(rec["auto"], 0)
         d = _p1(r)
-        assert rec["trtllm"]["error"].startswith(
-            f"TP group [2, {d}] (devices) spans 2 nodes (node0: [2]; node1: [{d}]), "
-            f"as do 1 more of the workspace's 4 TP groups ([3, {d + 1}]): "
-        )
+        assert rec["trtllm"]["error"].startswith(_across(d, 2, [f"[3, {d + 1}]"]))
 
 
 def test_tp_within_and_pp_across_hosts_in_one_program(two_hosts):
@@ -146,9 +129,7 @@ def test_tp_within_and_pp_across_hosts_in_one_program(two_hosts):
         auto = r["layouts"]["tp_and_pp"]["auto"]
         assert f"TP group [0, {_p1(r)}] (devices)" in r["layouts"]["tp_and_pp"]["trtllm"]["error"]
         assert auto["backend"] == {"tp": "trtllm", "pp": "xla"}, auto
-        _kernel_lowered(auto)
-        assert auto["custom_calls"] == 1 and auto["all_reduces"] >= 1, auto
-        _numerics_ok(auto)
+        _lowered_and_right(auto, 1, all_reduces=True)
 
 
 def test_reason_logged_once_per_layout(two_hosts):
@@ -168,21 +149,16 @@ def test_reason_logged_once_per_layout(two_hosts):
 
 
 def test_same_host_keeps_the_kernel_across_processes(one_host):
-    for r in one_host:
-        for layout in ("tp_across_hosts", "mixed_groups"):
-            rec = r["layouts"][layout]["auto"]
-            assert rec["backend"] == {"tp": "trtllm"}, (layout, rec)
-        assert r["reasons_logged"] == []
-    for r in one_host:
-        for layout in ("tp_across_hosts", "mixed_groups"):
-            rec = r["layouts"][layout]["auto"]
-            _kernel_lowered(rec)
-            assert rec["custom_calls"] == 1, (layout, rec)
-            _numerics_ok(rec)
+    layouts = ("tp_across_hosts", "mixed_groups")
+    recs = [r["layouts"][layout]["auto"] for r in one_host for layout in layouts]
+    assert [r["reasons_logged"] for r in one_host] == [[], []]
+    for rec in recs:
+        assert rec["backend"] == {"tp": "trtllm"}, rec
+    for rec in recs:
+        _lowered_and_right(rec, 1)
 
 
-# --- docs/multinode.md's two-node script, as two simulated hosts on CPU ------------------------
-
+# docs/multinode.md's two-node script, as two simulated hosts on CPU.
 # python -c _LAUNCH SCRIPT PROCESS_ID NUM_PROCESSES HOST: SCRIPT as PROCESS_ID on "host" HOST.
 _LAUNCH = (
     "import runpy, sys; from tests.gpu.harness import simulate_host; "
@@ -191,29 +167,17 @@ _LAUNCH = (
 )
 
 
-def _docs_script() -> str:
+def test_docs_two_node_script_runs(tmp_path):
     text = (REPO / "docs" / "multinode.md").read_text()
     start = text.index("# two_node.py PROCESS_ID NUM_PROCESSES")
-    return text[start : text.index("```", start)]
-
-
-def test_docs_two_node_script_runs(tmp_path):
     script = tmp_path / "two_node.py"
-    script.write_text(_docs_script())
+    script.write_text(text[start : text.index("```", start)])
     env = cpu_env(4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _LAUNCH, str(script), str(rank), "2", f"node{rank}"],
-            cwd=REPO,
-            env=env,
-            text=True,
-            # Apart: gloo writes to stderr from its own threads, and merged into stdout its
-            # words could split the script's lines.
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        for rank in range(2)
-    ]
+    # stdout and stderr apart: gloo writes to stderr from its own threads, and merged into
+    # stdout its words could split the script's lines.
+    pipes = dict(cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    argv = [sys.executable, "-c", _LAUNCH, str(script)]
+    procs = [subprocess.Popen([*argv, str(rank), "2", f"node{rank}"], **pipes) for rank in (0, 1)]
     try:
         results = [p.communicate(timeout=120) for p in procs]
     finally:

@@ -53,14 +53,8 @@ def torch_workspace(world, dtype_name):
 @functools.cache
 def jax_workspace(world, dtype_name):
     mesh = jax.make_mesh((world,), ("tp",), devices=jax.devices()[:world])
-    return jf.abstract_workspace(
-        mesh,
-        "tp",
-        max_token_num=MAX_TOKENS,
-        hidden_dim=WS_HIDDEN,
-        dtype=jnp.dtype(dtype_name),
-        backend="trtllm",
-    )
+    kw = dict(max_token_num=MAX_TOKENS, hidden_dim=WS_HIDDEN, dtype=jnp.dtype(dtype_name))
+    return jf.abstract_workspace(mesh, "tp", backend="trtllm", **kw)
 
 
 def _outcome(fn):
@@ -106,25 +100,22 @@ def _torch_dense(ws, dtype_name, pattern, tokens, hidden, mode, layout):
 
 
 def _jax_dense(ws, dtype_name, pattern, tokens, hidden, mode, layout, strict=False):
-    group = GROUP if TRAITS[pattern].quant == "group_fp8" else 0
-    return call_plan.plan_dense(
-        ws,
-        pattern,
-        (tokens, hidden),
-        dtype_name,
-        use_oneshot=mode,
-        strict=strict,
-        layout=layout,
-        group_size=group,
-    )[1]
+    kw = dict(
+        strict=strict, layout=layout, group_size=GROUP * (TRAITS[pattern].quant == "group_fp8")
+    )
+    return call_plan.plan_dense(ws, pattern, (tokens, hidden), dtype_name, use_oneshot=mode, **kw)[
+        1
+    ]
 
 
-def _check_agree(jax_outcome, torch_outcome, prefix=""):
+def _check_agree(jax_outcome, torch_outcome, seen, prefix=""):
+    """The outcomes agree (where JAX falls back, torch refuses with the plan's reason); adds
+    what kind of outcome it was to ``seen``."""
     if isinstance(jax_outcome, rules.Plan) and not jax_outcome.kernel:
-        # JAX falls back; torch refuses with the plan's reason.
         assert torch_outcome == f"ValueError: {prefix}{refusal(jax_outcome)}"
     else:
         assert jax_outcome == torch_outcome
+    seen.add(jax_outcome.kind if isinstance(jax_outcome, rules.Plan) else "error")
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -137,8 +128,7 @@ def test_both_fronts_plan_every_dense_call_alike(world):
         args = (dtype, pattern, tokens, hidden, mode, layout)
         j = _outcome(lambda: _jax_dense(jax_workspace(w, dtype), *args))
         t = _outcome(lambda: _torch_dense(torch_workspace(w, dtype), *args))
-        _check_agree(j, t)
-        seen.add(j.kind if isinstance(j, rules.Plan) else "error")
+        _check_agree(j, t, seen)
         if isinstance(j, rules.Plan) and j.kernel:
             seen.add(j.algorithm)
     # The grid reaches every outcome (the large-message path at world 2 only, where it is
@@ -182,6 +172,13 @@ def _torch_moe(ws, pattern, tokens, hidden, mode, allreduce_out):
     return moe.check_moe_call(pattern, ws, use_oneshot=mode, **kw).plan
 
 
+def _jax_moe(ws, pattern, tokens, hidden, mode, allreduce_out):
+    if mode is False:  # JAX's MoE ops have no mode argument
+        return rules.check_moe_mode(pattern, mode)
+    kw = dict(strict=False, allreduce_out=allreduce_out)
+    return call_plan.plan_moe(ws, pattern, (tokens, hidden), **kw)[1]
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_both_fronts_plan_every_moe_call_alike(world):
     seen = set()
@@ -189,26 +186,10 @@ def test_both_fronts_plan_every_moe_call_alike(world):
         MOE_PATTERNS, (0, 1, world + 1, MAX_TOKENS // 8, MAX_TOKENS + 1), MOE_HIDDEN, MODES
     ):
         for allreduce_out in (False, True) if pattern == MOE_PATTERNS[0] else (False,):
-            j = _outcome(
-                lambda: (
-                    call_plan.plan_moe(
-                        jax_workspace(world, "bfloat16"),
-                        pattern,
-                        (tokens, hidden),
-                        strict=False,
-                        allreduce_out=allreduce_out,
-                    )[1]
-                    if mode is not False
-                    else rules.check_moe_mode(pattern, mode)
-                )  # JAX's MoE ops have no mode argument
-            )
-            t = _outcome(
-                lambda: _torch_moe(
-                    torch_workspace(world, "bfloat16"), pattern, tokens, hidden, mode, allreduce_out
-                )
-            )
-            _check_agree(j, t, prefix=f"{pattern.name}: ")
-            seen.add(j.kind if isinstance(j, rules.Plan) else "error")
+            args = (pattern, tokens, hidden, mode, allreduce_out)
+            j = _outcome(lambda: _jax_moe(jax_workspace(world, "bfloat16"), *args))
+            t = _outcome(lambda: _torch_moe(torch_workspace(world, "bfloat16"), *args))
+            _check_agree(j, t, seen, prefix=f"{pattern.name}: ")
             if isinstance(j, rules.Plan):
                 names = [s.name for s in j.outputs]
                 assert names == ["residual_out", "norm_out"] + ["allreduce_out"] * allreduce_out
@@ -226,20 +207,11 @@ def cpu_stream(monkeypatch):
 @pytest.mark.parametrize("tokens, mode", [(1, None), (64, False), (64, True), (3, None)])
 def test_torch_launches_the_plans_algorithm(cpu_stream, tokens, mode):
     ws = torch_workspace(2, "bfloat16")
-    x = torch.randn(tokens, 1024).bfloat16()
-    kw = dict(
-        residual_in=torch.randn(tokens, 1024).bfloat16(), rms_gamma=torch.ones(1024).bfloat16()
-    )
-    decided = ops.check_call(x, ws, 1, use_oneshot=mode, **kw).plan
-    torch_compat.allreduce_fusion(
-        x,
-        ws,
-        1,
-        residual_out=torch.empty_like(x),
-        norm_out=torch.empty_like(x),
-        use_oneshot=mode,
-        **kw,
-    )
+    x, r = torch.randn(tokens, 1024).bfloat16(), torch.randn(tokens, 1024).bfloat16()
+    kw = dict(residual_in=r, rms_gamma=torch.ones(1024).bfloat16(), use_oneshot=mode)
+    decided = ops.check_call(x, ws, 1, **kw).plan
+    outs = dict(residual_out=torch.empty_like(x), norm_out=torch.empty_like(x))
+    torch_compat.allreduce_fusion(x, ws, 1, **outs, **kw)
     ((_, launch),) = ws.native_rank().launches
     assert decided.kernel and launch["algorithm"] == decided.algorithm_code
 
@@ -249,7 +221,6 @@ def test_torch_launches_the_plans_algorithm(cpu_stream, tokens, mode):
 def test_jax_binds_the_plans_decision(tokens, mode):
     ws = jax_workspace(2, "bfloat16")
     decided = _jax_dense(ws, "bfloat16", Pattern(1), tokens, 1024, mode, 0)
-
     jaxpr = trace_fused(ws, tokens, 1024, use_oneshot=mode).jaxpr
     (eqn,) = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "jax_fusedar_allreduce_fusion"]
     assert eqn.params["use_kernel"] == decided.kernel

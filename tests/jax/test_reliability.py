@@ -40,9 +40,8 @@ TOKENS, K, N = 16, 64, 128
 
 
 def bf16_workspace(mesh, max_token_num, hidden_dim, **kwargs):
-    return jf.create_allreduce_fusion_workspace(
-        mesh, "tp", max_token_num=max_token_num, hidden_dim=hidden_dim, dtype=jnp.bfloat16, **kwargs
-    )
+    kwargs.update(max_token_num=max_token_num, hidden_dim=hidden_dim, dtype=jnp.bfloat16)
+    return jf.create_allreduce_fusion_workspace(mesh, "tp", **kwargs)
 
 
 def row_parallel_args(mesh, *, k_sharded=True, n=N, dtype=jnp.bfloat16):
@@ -52,12 +51,25 @@ def row_parallel_args(mesh, *, k_sharded=True, n=N, dtype=jnp.bfloat16):
     w = (random_values(rng, (K, n), name) / 8).astype(dtype)
     r = random_values(rng, (TOKENS, n), name)
     g = random_gamma(rng, n, name)
+    k = "tp" if k_sharded else None
     return (
-        put(mesh, P("dp", "tp" if k_sharded else None), h),
-        put(mesh, P("tp" if k_sharded else None, None), w),
+        put(mesh, P("dp", k), h),
+        put(mesh, P(k, None), w),
         put(mesh, P("dp", None), r),
         put(mesh, P(), g),
     )
+
+
+def fused(ws, **options):
+    """A shard_map body: allreduce_fusion(x, residual, gamma) -> (residual_out, norm_out)."""
+
+    def body(x, r, g):
+        out = jf.allreduce_fusion(
+            x, axis_name="tp", workspace=ws, residual=r, rms_gamma=g, **options
+        )
+        return out.residual_out, out.norm_out
+
+    return body
 
 
 def call_row_parallel(mesh, args, **options):
@@ -71,8 +83,6 @@ def call_row_parallel(mesh, args, **options):
     with jax.set_mesh(mesh):
         return jax.jit(f)(*args)
 
-
-# --- row_parallel_allreduce_fusion: options validated once, up front ----------------------------
 
 BAD_OPTIONS = [
     (dict(fp32_acc="false"), TypeError, "fp32_acc must be True or False, got 'false'"),
@@ -134,26 +144,16 @@ def test_row_parallel_any_contraction_meets_the_same_up_front_checks(axis_type):
     mesh = mesh_2x4(axis_type)
     ws = bf16_workspace(mesh, TOKENS, 64)
     rng = new_rng()
-    args = (
-        put(mesh, P("dp", "tp"), random_values(rng, (2, 4, TOKENS // 2, 16), "bfloat16")),
-        put(mesh, P("tp"), (random_values(rng, (4, 16, 60), "bfloat16") / 8).astype(jnp.bfloat16)),
-        put(mesh, P("dp"), random_values(rng, (2, TOKENS // 2, 60), "bfloat16")),
-        put(mesh, P(), random_gamma(rng, 60, "bfloat16")),
-    )
-
-    def call(**options):
-        with jax.set_mesh(mesh):
-            return jax.jit(
-                lambda a, wo, r, g: (
-                    jf.row_parallel_allreduce_fusion(
-                        a, wo, residual=r, rms_gamma=g, contracting_dims=((1, 3), (0, 1)), **options
-                    ).norm_out
-                )
-            )(*args)
-
+    a = random_values(rng, (2, 4, TOKENS // 2, 16), "bfloat16")
+    wo = (random_values(rng, (4, 16, 60), "bfloat16") / 8).astype(jnp.bfloat16)
+    r = random_values(rng, (2, TOKENS // 2, 60), "bfloat16")
+    specs = (P("dp", "tp"), P("tp"), P("dp"), P())
+    args = [put(mesh, *sa) for sa in zip(specs, (a, wo, r, random_gamma(rng, 60, "bfloat16")))]
+    dims = ((1, 3), (0, 1))
     with pytest.raises(ValueError, match="n = 60, .* not a multiple of 8"):
-        call(workspace=ws)
-    assert call().shape == (2, TOKENS // 2, 60)  # no workspace: the XLA path serves any n
+        call_row_parallel(mesh, args, workspace=ws, contracting_dims=dims)
+    res, norm = call_row_parallel(mesh, args, contracting_dims=dims)
+    assert norm.shape == (2, TOKENS // 2, 60)  # no workspace: the XLA path serves any n
 
 
 def test_row_parallel_bad_precision_is_refused_while_tracing():
@@ -171,13 +171,8 @@ def test_row_parallel_residual_none_is_zeros(axis_type, k_sharded):
     h, w, r, g = row_parallel_args(mesh, k_sharded=k_sharded)
     zeros = jax.device_put(jnp.zeros(r.shape, r.dtype), r.sharding)
     want = call_row_parallel(mesh, (h, w, zeros, g), workspace=ws)
-    with jax.set_mesh(mesh):
-        out = jax.jit(
-            lambda h, w, g: jf.row_parallel_allreduce_fusion(
-                h, w, residual=None, rms_gamma=g, workspace=ws
-            )
-        )(h, w, g)
-    assert_same_bits((out.residual_out, out.norm_out), want, "residual=None")
+    got = call_row_parallel(mesh, (h, w, None, g), workspace=ws)
+    assert_same_bits(got, want, "residual=None")
 
 
 def test_row_parallel_missing_gamma_is_named():
@@ -195,39 +190,16 @@ def test_row_parallel_good_options_still_give_allreduce_fusions_bits():
     ws = bf16_workspace(mesh, TOKENS, N)
     args = row_parallel_args(mesh)
     outs = {}
+    specs = (P("dp", "tp"), P("tp", None), P("dp"), P())
     for acc in (True, False):
-        got = call_row_parallel(
-            mesh,
-            args,
-            workspace=ws,
-            fp32_acc=np.bool_(acc),
-            rms_eps=np.float32(1e-5),
-            weight_bias=1,
-            fallback="kernel_exact",
-        )
-
-        def body(h, w, r, g, acc=acc):
-            out = jf.allreduce_fusion(
-                jnp.dot(h, w),
-                axis_name="tp",
-                workspace=ws,
-                residual=r,
-                rms_gamma=g,
-                fp32_acc=acc,
-                rms_eps=1e-5,
-                weight_bias=1.0,
-                fallback="kernel_exact",
-            )
-            return out.residual_out, out.norm_out
-
-        specs = (P("dp", "tp"), P("tp", None), P("dp"), P())
+        numpy_options = dict(fp32_acc=np.bool_(acc), rms_eps=np.float32(1e-5), weight_bias=1)
+        got = call_row_parallel(mesh, args, workspace=ws, fallback="kernel_exact", **numpy_options)
+        per_shard = fused(ws, fp32_acc=acc, rms_eps=1e-5, weight_bias=1.0, fallback="kernel_exact")
+        body = lambda h, w, r, g: per_shard(jnp.dot(h, w), r, g)
         want = jit_shard_map(body, mesh, specs, (P("dp"), P("dp")))(*args)
         assert_same_bits(got, want, f"fp32_acc={acc}")
         outs[acc] = got
     assert not np.array_equal(bits(outs[True][1]), bits(outs[False][1]))
-
-
-# --- allreduce_fusion in a nested shard_map ------------------------------------------------------
 
 
 def test_allreduce_fusion_in_an_inner_shard_map_over_tp_within_an_outer_over_dp():
@@ -241,10 +213,6 @@ def test_allreduce_fusion_in_an_inner_shard_map_over_tp_within_an_outer_over_dp(
     r = jnp.asarray(random_values(rng, (2 * 4, 256), "bfloat16"))
     g = jnp.asarray(random_gamma(rng, 256, "bfloat16"))
 
-    def fused(x, r, g):
-        out = jf.allreduce_fusion(x, axis_name="tp", workspace=ws, residual=r, rms_gamma=g)
-        return out.residual_out, out.norm_out
-
     def plain(x, r, g):
         _, res, norm = reference.allreduce_fusion_reference(
             x, r, g, axis_name="tp", pattern=1, rms_eps=1e-6, weight_bias=0.0, fp32_acc=True
@@ -252,22 +220,17 @@ def test_allreduce_fusion_in_an_inner_shard_map_over_tp_within_an_outer_over_dp(
         return res, norm
 
     def nested(body):
+        # The inner one over "tp", on the mesh of the outer one.
         inner = jax.shard_map(
-            body,
-            axis_names={"tp"},  # the mesh of the outer one
-            in_specs=(P("tp"), P(), P()),
-            out_specs=(P(), P()),
+            body, axis_names={"tp"}, in_specs=(P("tp"), P(), P()), out_specs=(P(), P())
         )
         dp_specs = (P("dp"), P("dp"), P())
         return jit_shard_map(inner, mesh, dp_specs, (P("dp"), P("dp")), axis_names={"dp"})
 
-    flat = jit_shard_map(fused, mesh, (P(("dp", "tp")), P("dp"), P()), (P("dp"), P("dp")))
-    got = nested(fused)(x, r, g)
+    flat = jit_shard_map(fused(ws), mesh, (P(("dp", "tp")), P("dp"), P()), (P("dp"), P("dp")))
+    got = nested(fused(ws))(x, r, g)
     assert_same_bits(got, flat(x, r, g), "nested vs one shard_map")
     assert_same_bits(got, nested(plain)(x, r, g), "nested vs psum + reference")
-
-
-# --- float32 overflow of the kernel's float options ----------------------------------------------
 
 
 @pytest.mark.parametrize("option", ["rms_eps", "weight_bias"])
@@ -278,12 +241,8 @@ def test_allreduce_fusion_refuses_options_that_overflow_float32(option):
     g = jnp.ones((256,), jnp.bfloat16)
 
     def run(value):
-        def body(x):
-            return jf.allreduce_fusion(
-                x, axis_name="tp", workspace=ws, rms_gamma=g, **{option: value}
-            ).norm_out
-
-        return jit_shard_map(body, mesh, P("tp"), P())(x)
+        body = fused(ws, **{option: value})
+        return jit_shard_map(lambda x: body(x, None, g)[1], mesh, P("tp"), P())(x)
 
     with pytest.raises(ValueError, match=f"{option}=1e[+]?39 overflows float32"):
         run(1e39)
@@ -307,21 +266,13 @@ def test_moe_refuses_options_that_overflow_float32():
             jit_shard_map(body, mesh, (P("tp"), P("tp")), P())(rows, idx)
 
 
-# --- exporting an XLA workspace for cuda ---------------------------------------------------------
-
-
 def export_norm_for_cuda(ws):
     """Exports pattern 1 on [4, 256] bfloat16 shards of an 8-device mesh for cuda."""
     pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers")
     spec = jax.ShapeDtypeStruct(
         (8 * 4, 256), jnp.bfloat16, sharding=NamedSharding(ws.mesh, P("tp"))
     )
-
-    def body(x):
-        return jf.allreduce_fusion(
-            x, axis_name="tp", workspace=ws, rms_gamma=jnp.ones(256, jnp.bfloat16)
-        ).norm_out
-
+    body = lambda x: fused(ws)(x, None, jnp.ones(256, jnp.bfloat16))[1]
     f = jit_shard_map(body, ws.mesh, P("tp"), P())
     return jf.export.export(f, platforms=("cuda",))(spec).mlir_module()
 
@@ -348,9 +299,6 @@ def test_auto_chosen_xla_workspace_advice_names_both_ways():
         export_norm_for_cuda(ws)
 
 
-# --- residual=None is zeros that do not vary over the axis ---------------------------------------
-
-
 def test_residual_none_keeps_the_outputs_invariant_over_the_axis():
     """The zeros must not take x's variance over the axis (jnp.zeros_like would): the outputs
     are sums over the axis, so out_specs=P() holds under shard_map's default check_vma, and
@@ -362,12 +310,7 @@ def test_residual_none_keeps_the_outputs_invariant_over_the_axis():
     g = jnp.asarray(random_gamma(rng, 256, "bfloat16"))
 
     def run(residual):
-        def body(x, g):
-            out = jf.allreduce_fusion(
-                x, axis_name="tp", workspace=ws, rms_gamma=g, residual=residual
-            )
-            return out.residual_out, out.norm_out
-
+        body = lambda x, g: fused(ws)(x, residual, g)
         return jit_shard_map(body, mesh, (P("tp"), P()), (P(), P()))(x, g)
 
     assert_same_bits(run(None), run(jnp.zeros((4, 256), jnp.bfloat16)), "residual=None")
