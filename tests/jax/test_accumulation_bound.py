@@ -17,12 +17,11 @@ import numpy as np
 import pytest
 
 from jax_fusedar.common.limits import SUPPORTED_WORLD_SIZES
-from tests.jax.test_fallback_numerics import op_and_users_program
+from tests.jax.test_fallback_numerics import add, chain, op_and_users_program
 from tests.jax.cpu_helpers import (
     DTYPES,
     RMS_EPS,
     bits,
-    jdtype,
     new_rng,
     partials_of_kind,
     random_gamma,
@@ -35,39 +34,28 @@ require_host_devices()
 
 # Also in the oldest-versions lane (./dev oldest).
 pytestmark = [pytest.mark.usefixtures("hermetic"), pytest.mark.oldest]
+FP32_ACC = pytest.mark.parametrize("fp32_acc", [True, False], ids=["fp32_acc", "no_fp32_acc"])
 
 
 def emulate_kernel_sum(xs, dtype_name, *, fp32_acc):
     """allreduce_out as the kernel computes it (FlashInfer's allreduce_sum): ranks in order
-    0..N-1; with fp32_acc (or float32 inputs) a float32 running sum rounded once at the end,
-    without it every float32 addition rounded to the call dtype."""
-    t = jdtype(dtype_name)
-    acc = np.asarray(xs[0]).astype(np.float32)
-    for x in xs[1:]:
-        acc = acc + np.asarray(x).astype(np.float32)
-        if not (fp32_acc or dtype_name == "float32"):
-            acc = acc.astype(t).astype(np.float32)
-    return acc.astype(t)
-
-
-def emulate_residual(s, residual, dtype_name):
-    t = jdtype(dtype_name)
-    return (np.asarray(s).astype(np.float32) + np.asarray(residual).astype(np.float32)).astype(t)
-
-
-KINDS = ("normal", "cancelling", "growing", "tiny")
+    0..N-1; with fp32_acc a float32 running sum rounded once at the end, without it every
+    float32 addition rounded to the call dtype."""
+    if not fp32_acc:
+        return chain(list(xs), dtype_name)
+    return chain([np.asarray(x, np.float32) for x in xs], "float32").astype(xs[0].dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("fp32_acc", [True, False], ids=["fp32_acc", "no_fp32_acc"])
+@FP32_ACC
 @pytest.mark.parametrize("world", SUPPORTED_WORLD_SIZES)
 def test_bound_holds_on_the_kernels_additions(world, fp32_acc, dtype):
     rng = new_rng()
-    for kind in KINDS:
+    for kind in ("normal", "cancelling", "growing", "tiny"):
         xs = partials_of_kind(kind, rng, world, (64, 512), dtype)
         residual = random_values(rng, (64, 512), dtype)
-        s = emulate_kernel_sum(list(xs), dtype, fp32_acc=fp32_acc)
-        r = emulate_residual(s, residual, dtype)
+        s = emulate_kernel_sum(xs, dtype, fp32_acc=fp32_acc)
+        r = add(s, residual, dtype)
         errs = oracle.accumulation_errors(
             xs, residual, allreduce_out=s, residual_out=r, fp32_acc=fp32_acc, dtype_name=dtype
         )
@@ -80,33 +68,31 @@ def test_without_fp32_acc_the_bound_is_reached_and_the_two_rank_bound_is_not_eno
     """Where partial sums cancel, fp32_acc=False errs by about the bound (within a factor
     2.5), far beyond the two-rank bound of one ulp of |s|; fp32_acc=True stays within that
     ulp on the same inputs."""
-    rng = new_rng()
-    xs = partials_of_kind("cancelling", rng, world, (256, 512), dtype)
+    xs = partials_of_kind("cancelling", new_rng(), world, (256, 512), dtype)
     s64 = np.sum(xs.astype(np.float64), axis=0)
-    s = emulate_kernel_sum(list(xs), dtype, fp32_acc=False)
+    s = emulate_kernel_sum(xs, dtype, fp32_acc=False)
     ratio = oracle.bound_ratio(s, s64, oracle.sum_error_bound(xs, dtype, fp32_acc=False))
     assert 0.4 <= ratio <= 1.0, ratio
     assert oracle.allreduce_error_ulps(s, s64, dtype) > 8.0
-    s_acc = emulate_kernel_sum(list(xs), dtype, fp32_acc=True)
+    s_acc = emulate_kernel_sum(xs, dtype, fp32_acc=True)
     assert oracle.allreduce_error_ulps(s_acc, s64, dtype) <= 1.0
 
 
 def test_a_bound_one_rounding_short_is_exceeded():
     """The bound counts every rounding: the same recurrence over one rank fewer (one rounding
     fewer) is exceeded by the emulated kernel on cancelling inputs."""
-    rng = new_rng()
-    xs = partials_of_kind("cancelling", rng, 8, (256, 512), "bfloat16")
-    s = emulate_kernel_sum(list(xs), "bfloat16", fp32_acc=False)
-    s64 = np.sum(xs.astype(np.float64), axis=0)
+    xs = partials_of_kind("cancelling", new_rng(), 8, (256, 512), "bfloat16")
+    s = emulate_kernel_sum(xs, "bfloat16", fp32_acc=False)
     short = oracle.sum_error_bound(xs[1:], "bfloat16", fp32_acc=False)
-    assert oracle.bound_ratio(s, s64, short) > 1.0
+    assert oracle.bound_ratio(s, np.sum(xs.astype(np.float64), axis=0), short) > 1.0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("fp32_acc", [True, False], ids=["fp32_acc", "no_fp32_acc"])
+@FP32_ACC
 @pytest.mark.parametrize("world", [4, 8])
 def test_reference_path_within_the_bound(world, fp32_acc, dtype):
     rng = new_rng()
+    opts = dict(fp32_acc=fp32_acc, rms_eps=RMS_EPS, weight_bias=1.0, dtype_name=dtype)
     for kind in ("normal", "cancelling"):
         xs = partials_of_kind(kind, rng, world, (16, 256), dtype)
         residual = random_values(rng, (16, 256), dtype)
@@ -115,16 +101,7 @@ def test_reference_path_within_the_bound(world, fp32_acc, dtype):
             world, dtype, xs, residual, gamma, 1.0, fp32_acc=fp32_acc, fallback="kernel_exact"
         )[:3]
         errs = oracle.accumulation_errors(
-            xs,
-            residual,
-            gamma,
-            allreduce_out=ar,
-            residual_out=res,
-            norm_out=norm,
-            fp32_acc=fp32_acc,
-            rms_eps=RMS_EPS,
-            weight_bias=1.0,
-            dtype_name=dtype,
+            xs, residual, gamma, allreduce_out=ar, residual_out=res, norm_out=norm, **opts
         )
         where = (kind, world, dtype, fp32_acc, errs)
         assert errs["allreduce_bound"] <= 1.0 and errs["residual_bound"] <= 1.0, where
@@ -132,6 +109,6 @@ def test_reference_path_within_the_bound(world, fp32_acc, dtype):
         if not fp32_acc and dtype != "float32":
             # Every rounding where the kernel rounds (fp32_acc=True and float32 sum in psum's
             # order, which the API leaves open).
-            s = emulate_kernel_sum(list(xs), dtype, fp32_acc=False)
+            s = emulate_kernel_sum(xs, dtype, fp32_acc=False)
             assert np.array_equal(bits(ar), bits(s)), where
-            assert np.array_equal(bits(res), bits(emulate_residual(s, residual, dtype))), where
+            assert np.array_equal(bits(res), bits(add(s, residual, dtype))), where

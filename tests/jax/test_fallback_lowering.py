@@ -4,12 +4,9 @@ cuda (``jax.export(..., platforms=("cuda",))`` lowers for GPUs on a CPU machine)
 2, 4 and 8, and its collectives (count, element types, bytes: tests/collectives.py) are
 held to those of the same-shaped ``psum(x)`` program, exported the same way.
 
-Covered: every dense pattern with both ``fp32_acc`` values, both MoE patterns, a call
-beyond a kernel workspace (the kernel's own fallback on cuda), forward-mode tangents, vmap,
-``row_parallel_allreduce_fusion`` (Explicit axes, no workspace, and the Auto-axes partition
-rule's per-shard program), and sites ``fuse`` rewrote on the xla backend against the program
-as written. The kernel-exact fallback, asked for, moves what it is documented to: 2x the
-bytes with ``fp32_acc=True``, one float32 psum per rank without."""
+Sites ``fuse`` rewrote on the xla backend are held to the program as written. The
+kernel-exact fallback, asked for, moves what it is documented to: 2x the bytes with
+``fp32_acc=True``, one float32 psum per rank without."""
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +37,7 @@ WORLDS = (2, 4, 8)
 TOKENS, HIDDEN = 16, 512
 DENSE = [p for p in AllReduceFusionPattern if p not in MOE_PATTERNS]
 BF16 = jnp.bfloat16
+NORM = AllReduceFusionPattern.kARResidualRMSNorm
 PER_WORLD = pytest.mark.parametrize("world", WORLDS, ids=[f"world{w}" for w in WORLDS])
 
 
@@ -47,10 +45,13 @@ def shaped(mesh, shape, spec, dtype=BF16):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
 
 
-def cuda_collectives(fn, *args, exporter=jf.export.export):
+def summary(stablehlo):
+    return collectives.summary(collectives.stablehlo_collectives(stablehlo))
+
+
+def cuda_collectives(fn, *args):
     """The collectives' summary of ``fn`` exported for cuda at ``args``."""
-    exported = exporter(fn, platforms=("cuda",))(*args)
-    return collectives.summary(collectives.stablehlo_collectives(exported.mlir_module()))
+    return summary(jf.export.export(fn, platforms=("cuda",))(*args).mlir_module())
 
 
 def psum_program(mesh, shape=(TOKENS, HIDDEN), dtype=BF16):
@@ -70,21 +71,15 @@ def dense_program(mesh, ws, pattern, **kwargs):
     """shard_map over tp of one allreduce_fusion call of ``pattern`` on a per-rank partial
     sum [TOKENS, HIDDEN], with what the pattern reads; returns (jitted fn, arg specs)."""
     traits = TRAITS[pattern]
-    extra = {}
     if traits.quant == "group_fp8":
-        extra["block_quant_group_size"] = 128
+        kwargs["block_quant_group_size"] = 128
 
     def body(x, residual, gamma, scale):
+        reads = dict(residual=residual, rms_gamma=gamma) if traits.has_residual else {}
+        if traits.uses_scale_factor:
+            reads["scale_factor"] = scale
         out = jf.allreduce_fusion(
-            x,
-            axis_name="tp",
-            workspace=ws,
-            pattern=pattern,
-            residual=residual if traits.has_residual else None,
-            rms_gamma=gamma if traits.has_residual else None,
-            scale_factor=scale if traits.uses_scale_factor else None,
-            **extra,
-            **kwargs,
+            x, axis_name="tp", workspace=ws, pattern=pattern, **reads, **kwargs
         )
         return tuple(v for v in out if v is not None)
 
@@ -125,15 +120,9 @@ def test_the_kernel_exact_fallback_moves_what_it_is_documented_to(world):
     """The emulation, asked for: a float32 psum (2x the bytes of the bf16 psum) with
     fp32_acc, one float32 psum per rank (2 x world x the bytes) without."""
     mesh = tp_mesh(world)
-    base = psum_program(mesh)["all_reduce"]
+    base, ws = psum_program(mesh)["all_reduce"], xla_workspace(mesh)
     for fp32_acc, calls in ((True, 1), (False, world)):
-        f, args = dense_program(
-            mesh,
-            xla_workspace(mesh),
-            AllReduceFusionPattern.kARResidualRMSNorm,
-            fp32_acc=fp32_acc,
-            fallback="kernel_exact",
-        )
+        f, args = dense_program(mesh, ws, NORM, fp32_acc=fp32_acc, fallback="kernel_exact")
         got = cuda_collectives(f, *args)["all_reduce"]
         assert got["count"] == calls and got["element_types"] == ["f32"], got
         assert got["bytes"] == 2 * calls * base["bytes"], (got, base)
@@ -145,47 +134,36 @@ def test_a_call_beyond_a_kernel_workspace_falls_back_to_psum_on_cuda(world):
     and the fallback's psum, like the xla backend's."""
     mesh = tp_mesh(world)
     ws = xla_workspace(mesh, tokens=TOKENS // 2, backend="trtllm")
-    f, args = dense_program(mesh, ws, AllReduceFusionPattern.kARResidualRMSNorm, strict=False)
+    f, args = dense_program(mesh, ws, NORM, strict=False)
     text = jf.export.export(f, platforms=("cuda",))(*args).mlir_module()
     assert f"@{FFI_TARGET}" not in text
-    got = collectives.summary(collectives.stablehlo_collectives(text))
-    assert got == psum_program(mesh), got
+    assert summary(text) == psum_program(mesh), summary(text)
 
 
 @PER_WORLD
 def test_forward_mode_tangents_and_vmap_move_no_more_than_psum(world):
     mesh = tp_mesh(world)
     ws = xla_workspace(mesh, tokens=2 * TOKENS)
-    f, args = dense_program(mesh, ws, AllReduceFusionPattern.kARResidualRMSNorm)
+    f, args = dense_program(mesh, ws, NORM)
 
     def user(x, residual, gamma):
-        s = jax.lax.psum(x, "tp")
-        return s + residual
+        return jax.lax.psum(x, "tp") + residual
 
-    def jvp_of(fn, n):
-        def run(*a):
-            return jax.jvp(fn, a[:n], tuple(jnp.ones_like(v) for v in a[:n]))
-
-        return run
+    def jvp_of(fn):
+        return lambda *a: jax.jvp(fn, a, tuple(jnp.ones_like(v) for v in a))
 
     def fused_call(x, r, g):
         return jf.allreduce_fusion(x, axis_name="tp", workspace=ws, residual=r, rms_gamma=g)[1:3]
 
     specs = (P("tp"), P(), P())
-    fused = jit_shard_map(jvp_of(fused_call, 3), mesh, specs, P())
-    plain = jit_shard_map(jvp_of(user, 3), mesh, specs, P())
+    fused = jit_shard_map(jvp_of(fused_call), mesh, specs, P())
+    plain = jit_shard_map(jvp_of(user), mesh, specs, P())
     got, base = cuda_collectives(fused, *args[:3]), cuda_collectives(plain, *args[:3])
     assert base["all_reduce"]["count"] == 2  # the primal's and the tangent's
     check_not_costlier(got, base, f"jvp world {world}")
 
     def batched(x, r, g):
-        return jax.vmap(
-            lambda x, r: (
-                jf.allreduce_fusion(
-                    x, axis_name="tp", workspace=ws, residual=r, rms_gamma=g
-                ).norm_out
-            )
-        )(x, r)
+        return jax.vmap(lambda x, r: fused_call(x, r, g)[1])(x, r)
 
     vm = jit_shard_map(batched, mesh, (P(None, "tp"), P(), P()), P())
     vargs = (
@@ -300,8 +278,7 @@ def test_row_parallel_partition_rule_on_auto_axes_moves_no_more_than_psum(world)
             partitioning._Contraction.matmul(2), ws, 1e-6, 0.0, True, None, None, None, "xla"
         )
         text = partitioned_shard_text(cfg, mesh, row_parallel_args(mesh), check_vma=True)
-        got = collectives.summary(collectives.stablehlo_collectives(text))
-        assert got == psum_program(mesh), (ws, got)
+        assert summary(text) == psum_program(mesh), (ws, summary(text))
 
 
 # --- fuse -------------------------------------------------------------------------------------
@@ -317,11 +294,15 @@ def fused_collectives(model, mesh, args):
         return fused, cuda_collectives(fused, *args), cuda_collectives(jax.jit(model), *args)
 
 
+def add_norm(s, r, g):
+    """The layer's tail after its all-reduced ``s``: the residual add and its norm."""
+    r = s + r
+    return r, rms_norm(r, g)
+
+
 def _layer_in_one_shard_map(mesh):
     def body(x, w, r, g):
-        s = jax.lax.psum(x @ w, "tp")
-        r = s + r
-        return r, rms_norm(r, g)
+        return add_norm(jax.lax.psum(x @ w, "tp"), r, g)
 
     return jit_shard_map(body, mesh, LAYER_SPECS, P())
 
@@ -330,8 +311,7 @@ def _megatron_g(mesh):
     g_op = megatron_g(varying=False)
 
     def body(x, w, r, g):
-        r = g_op(x @ w) + r
-        return r, rms_norm(r, g)
+        return add_norm(g_op(x @ w), r, g)
 
     return jit_shard_map(body, mesh, LAYER_SPECS, P(), check_vma=False)
 
@@ -344,16 +324,15 @@ def _per_linear(mesh):
             in_specs=(P(None, "tp"), P("tp")),
             out_specs=P(),
         )(x, w)
-        r = s + r
-        return r, rms_norm(r, g)
+        return add_norm(s, r, g)
 
     return model
 
 
 def _plain_jit(mesh):
     def model(h, w, r, g):
-        r = jnp.matmul(h, w, out_sharding=P()) + r  # the partitioner all-reduces when compiling
-        return r, rms_norm(r, g)
+        # the partitioner all-reduces when compiling
+        return add_norm(jnp.matmul(h, w, out_sharding=P()), r, g)
 
     return model
 
@@ -490,9 +469,8 @@ def test_plain_conversions_give_the_explicit_roundings_bits_where_xla_keeps_them
     def inputs(tiny_rows):
         scale = np.where(np.arange(TOKENS) % 4 == 0, 1e-6 if tiny_rows else 1.0, 1.0)[:, None]
         x = rng.standard_normal((4 * TOKENS, HIDDEN)) * np.tile(scale, (4, 1))
-        return jnp.asarray(x, dtype), jnp.asarray(
-            rng.standard_normal((TOKENS, HIDDEN)) * scale, dtype
-        )
+        r = rng.standard_normal((TOKENS, HIDDEN)) * scale
+        return jnp.asarray(x, dtype), jnp.asarray(r, dtype)
 
     def program(fallback):
         def body(x, r, g):

@@ -17,6 +17,7 @@ The GPU test (tests/gpu/test_fallback.py) holds XLA's NCCL all-reduce to the sam
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -46,7 +47,7 @@ require_host_devices()
 pytestmark = pytest.mark.usefixtures("hermetic")
 
 
-def _add(a, b, dtype_name):
+def add(a, b, dtype_name):
     """One addition of an all-reduce in dtype_name: float32 add, rounded to dtype_name."""
     return (a.astype(np.float32) + b.astype(np.float32)).astype(jdtype(dtype_name))
 
@@ -54,31 +55,22 @@ def _add(a, b, dtype_name):
 def chain(xs, dtype_name, start=0):
     """The ranks added one after another from rank ``start`` on (rank order for 0; a ring's
     reduce-scatter adds each chunk in this order, starting after the rank that owns it)."""
-    n = len(xs)
     acc = xs[start]
-    for k in range(1, n):
-        acc = _add(acc, xs[(start + k) % n], dtype_name)
+    for k in range(1, len(xs)):
+        acc = add(acc, xs[(start + k) % len(xs)], dtype_name)
     return acc
 
 
-def pairwise(xs, dtype_name):
-    """A balanced tree: neighbours first, then their sums (a tree all-reduce's shape)."""
+def orders(xs, dtype_name):
+    """Every chain; a balanced tree, neighbours first (a tree all-reduce's shape); a float32
+    sum rounded once (XLA's bfloat16 all-reduce on CPU)."""
+    out = {f"chain from {s}": chain(xs, dtype_name, s) for s in range(len(xs))}
     level = list(xs)
     while len(level) > 1:
-        nxt = [_add(a, b, dtype_name) for a, b in zip(level[::2], level[1::2])]
-        level = nxt + ([level[-1]] if len(level) % 2 else [])
-    return level[0]
-
-
-def once(xs, dtype_name):
-    """A float32 sum rounded once (XLA's bfloat16 all-reduce on CPU)."""
-    return np.sum(np.asarray(xs).astype(np.float32), axis=0).astype(jdtype(dtype_name))
-
-
-def orders(xs, dtype_name):
-    out = {f"chain from {s}": chain(xs, dtype_name, s) for s in range(len(xs))}
-    out["pairwise"] = pairwise(xs, dtype_name)
-    out["float32 once"] = once(xs, dtype_name)
+        pairs = [add(a, b, dtype_name) for a, b in zip(level[::2], level[1::2])]
+        level = pairs + level[2 * len(pairs) :]
+    out["pairwise"] = level[0]
+    out["float32 once"] = np.sum(np.asarray(xs, np.float32), axis=0).astype(jdtype(dtype_name))
     return out
 
 
@@ -95,27 +87,27 @@ def inputs(kind, rng, world, shape, dtype_name):
     a = rng.uniform(1.0, 1.5, shape) * np.where(rng.random(shape) < 0.5, -1.0, 1.0)
     a = a.astype(np.float32).astype(t).astype(np.float64)
     small = 0.484375 * oracle.ulp(a, dtype_name) * np.sign(a)  # 31/64 of an ulp: exact
-    x = np.stack([a] + [small] * (world - 1))
-    return x.astype(np.float32).astype(t)
+    return np.stack([a] + [small] * (world - 1)).astype(np.float32).astype(t)
 
 
-KINDS = ("normal", "cancelling", "growing", "tiny", "absorbed")
+def sum64(xs):
+    return np.sum(xs.astype(np.float64), axis=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("world", SUPPORTED_WORLD_SIZES)
 def test_bound_holds_for_every_order(world, dtype):
     rng = new_rng()
-    for kind in KINDS:
+    for kind in ("normal", "cancelling", "growing", "tiny", "absorbed"):
         xs = inputs(kind, rng, world, (32, 256), dtype)
         residual = random_values(rng, (32, 256), dtype)
-        s64 = np.sum(xs.astype(np.float64), axis=0)
+        s64 = sum64(xs)
         bound = oracle.psum_error_bound(xs, dtype)
         r_bound = oracle.residual_error_bound(xs, residual, dtype, sum_bound=bound)
         for name, s in orders(list(xs), dtype).items():
-            r = _add(s, residual, dtype)
             ratio_s = oracle.bound_ratio(s, s64, bound)
-            ratio_r = oracle.bound_ratio(r, s64 + residual.astype(np.float64), r_bound)
+            r64 = s64 + residual.astype(np.float64)
+            ratio_r = oracle.bound_ratio(add(s, residual, dtype), r64, r_bound)
             assert ratio_s <= 1.0 and ratio_r <= 1.0, (kind, name, ratio_s, ratio_r)
 
 
@@ -126,8 +118,7 @@ def test_bound_is_reached_in_rank_order(world, dtype):
     err by almost the bound; the kernel's fp32_acc=True bound, half an ulp of |s| plus
     float32 terms, is far exceeded."""
     xs = inputs("absorbed", new_rng(), world, (64, 256), dtype)
-    s64 = np.sum(xs.astype(np.float64), axis=0)
-    s = chain(list(xs), dtype)
+    s, s64 = chain(list(xs), dtype), sum64(xs)
     ratio = oracle.bound_ratio(s, s64, oracle.psum_error_bound(xs, dtype))
     assert 0.8 <= ratio <= 1.0, ratio
     kernel = oracle.bound_ratio(s, s64, oracle.sum_error_bound(xs, dtype, fp32_acc=True))
@@ -137,8 +128,7 @@ def test_bound_is_reached_in_rank_order(world, dtype):
 def test_a_bound_one_rounding_short_is_exceeded():
     xs = inputs("absorbed", new_rng(), 4, (64, 256), "bfloat16")
     s = chain(list(xs), "bfloat16")
-    s64 = np.sum(xs.astype(np.float64), axis=0)
-    assert oracle.bound_ratio(s, s64, oracle.psum_error_bound(xs[:-1], "bfloat16")) > 1.0
+    assert oracle.bound_ratio(s, sum64(xs), oracle.psum_error_bound(xs[:-1], "bfloat16")) > 1.0
 
 
 def test_at_two_ranks_the_bound_is_the_kernels():
@@ -146,13 +136,9 @@ def test_at_two_ranks_the_bound_is_the_kernels():
     rng = new_rng()
     for dtype in DTYPES:
         xs = inputs("normal", rng, 2, (16, 256), dtype)
+        kernel = [oracle.sum_error_bound(xs, dtype, fp32_acc=acc) for acc in (False, True)]
         np.testing.assert_allclose(
-            oracle.psum_error_bound(xs, dtype),
-            np.maximum(
-                oracle.sum_error_bound(xs, dtype, fp32_acc=False),
-                oracle.sum_error_bound(xs, dtype, fp32_acc=True),
-            ),
-            rtol=1e-12,
+            oracle.psum_error_bound(xs, dtype), np.maximum(*kernel), rtol=1e-12
         )
 
 
@@ -167,21 +153,13 @@ def op_and_users_program(world, dtype, xs, residual, gamma, weight_bias=0.0, **k
     mesh = make_mesh((world,), ("tp",))
     tokens, hidden = residual.shape
     ws = xla_workspace(mesh, dtype, max_token_num=tokens, hidden_dim=hidden)
+    kw.update(axis_name="tp", workspace=ws)
 
     def body(x, r, g):
         o = jf.allreduce_fusion(
-            x,
-            axis_name="tp",
-            workspace=ws,
-            residual=r,
-            rms_gamma=g,
-            rms_eps=RMS_EPS,
-            weight_bias=weight_bias,
-            **kw,
+            x, residual=r, rms_gamma=g, rms_eps=RMS_EPS, weight_bias=weight_bias, **kw
         )
-        a = jf.allreduce_fusion(
-            x, axis_name="tp", workspace=ws, pattern=jf.AllReduceFusionPattern.kAllReduce, **kw
-        )
+        a = jf.allreduce_fusion(x, pattern=jf.AllReduceFusionPattern.kAllReduce, **kw)
         s = jax.lax.psum(x, "tp")
         return a.allreduce_out, o.residual_out, o.norm_out, s, s + r
 
@@ -204,8 +182,7 @@ def test_the_op_falls_back_to_the_users_psum_within_the_bound(world, dtype):
         # The user's collective, in the same program: the same bits.
         assert np.array_equal(bits(ar), bits(user_s)), where
         assert np.array_equal(bits(res), bits(user_r)), where
-        s64 = np.sum(xs.astype(np.float64), axis=0)
-        bound = oracle.psum_error_bound(xs, dtype)
+        s64, bound = sum64(xs), oracle.psum_error_bound(xs, dtype)
         assert oracle.bound_ratio(ar, s64, bound) <= 1.0, where
         r_bound = oracle.residual_error_bound(xs, residual, dtype, sum_bound=bound)
         assert oracle.bound_ratio(res, s64 + residual.astype(np.float64), r_bound) <= 1.0, where
@@ -270,40 +247,25 @@ def test_a_site_fused_on_the_fallback_is_the_original_program(dtype):
 @pytest.mark.parametrize("bad", ["psum", "XLA", None, True, 1])
 def test_fallback_takes_one_of_its_names_never_a_coerced_value(bad):
     mesh = make_mesh((2,), ("tp",))
-    ws = jf.create_allreduce_fusion_workspace(
-        mesh, "tp", max_token_num=4, hidden_dim=256, dtype=jdtype("bfloat16")
-    )
-    x = jax.ShapeDtypeStruct((8, 256), jdtype("bfloat16"))
-    calls = {
-        "allreduce_fusion": lambda x: (
-            jf.allreduce_fusion(x, axis_name="tp", workspace=ws, fallback=bad).residual_out
+    ws = xla_workspace(mesh, max_token_num=4)
+    z, idx = jnp.zeros((8, 256), jnp.bfloat16), jnp.zeros((4, 1), jnp.int32)
+    kw = dict(axis_name="tp", workspace=ws, fallback=bad)
+    norm = dict(rms_gamma=jnp.ones(256, jnp.bfloat16), fallback=bad)
+
+    def in_shard_map(op):
+        f = jax.shard_map(lambda x: op(x).residual_out, mesh=mesh, in_specs=P("tp"), out_specs=P())
+        return lambda: jax.jit(f).trace(z)
+
+    calls = [
+        in_shard_map(lambda x: jf.allreduce_fusion(x, **kw)),
+        in_shard_map(lambda x: jf.moe_finalize_allreduce_fusion(x, idx, **kw)),
+        lambda: jf.row_parallel_allreduce_fusion(z[:4, :8], z, residual=None, **norm),
+        # fuse's plain-jit entry
+        lambda: partitioning.row_parallel_without_kernel(
+            z[:4], residual=z[:4], rms_eps=1e-6, weight_bias=0.0, **norm
         ),
-        "moe_finalize_allreduce_fusion": lambda x: (
-            jf.moe_finalize_allreduce_fusion(
-                x, jax.numpy.zeros((4, 1), "int32"), axis_name="tp", workspace=ws, fallback=bad
-            ).residual_out
-        ),
-    }
-    for name, call in calls.items():
-        f = jax.shard_map(call, mesh=mesh, in_specs=P("tp"), out_specs=P())
-        with pytest.raises(
-            ValueError, match=r"fallback must be one of \('xla', 'kernel_exact', 'xla_plain'\)"
-        ):
-            jax.jit(f).trace(x)
-    with pytest.raises(ValueError, match=r"fallback must be one of"):
-        jf.row_parallel_allreduce_fusion(
-            jax.numpy.zeros((4, 8), "bfloat16"),
-            jax.numpy.zeros((8, 256), "bfloat16"),
-            residual=None,
-            rms_gamma=jax.numpy.ones(256, "bfloat16"),
-            fallback=bad,
-        )
-    with pytest.raises(ValueError, match=r"fallback must be one of"):  # fuse's plain-jit entry
-        partitioning.row_parallel_without_kernel(
-            jax.numpy.zeros((4, 256), "bfloat16"),
-            residual=jax.numpy.zeros((4, 256), "bfloat16"),
-            rms_gamma=jax.numpy.ones(256, "bfloat16"),
-            rms_eps=1e-6,
-            weight_bias=0.0,
-            fallback=bad,
-        )
+    ]
+    names = r"fallback must be one of \('xla', 'kernel_exact', 'xla_plain'\)"
+    for call in calls:
+        with pytest.raises(ValueError, match=names):
+            call()

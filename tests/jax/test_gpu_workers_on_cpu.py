@@ -12,20 +12,18 @@ import pytest
 from tests.gpu import harness
 
 
+def _ranks(worker, world, **kw):
+    """``worker`` as ``world`` CPU processes with a fresh seed."""
+    seed = int.from_bytes(os.urandom(4), "little") % (1 << 30)
+    return harness.run_ranks_with_port(
+        worker, world, timeout_s=600, seed=seed, platform="cpu", **kw
+    )
+
+
 def _run(task, world, **kw):
     from tests.gpu.workers import jax_multiprocess
 
-    return harness.run_ranks(
-        jax_multiprocess.worker,
-        world,
-        timeout_s=600,
-        port=harness.free_port(),
-        xla_flags="",
-        task=task,
-        seed=int.from_bytes(os.urandom(4), "little"),
-        platform="cpu",
-        **kw,
-    )
+    return _ranks(jax_multiprocess.worker, world, xla_flags="", task=task, **kw)
 
 
 @pytest.mark.slow
@@ -102,16 +100,8 @@ def test_fuse_styles_worker_at_two_ranks():
         "annotated_llama_per_token",
         "scanned_llama_shard_map",
     ]
-    res = harness.run_ranks(
-        fuse_styles.worker,
-        2,
-        timeout_s=600,
-        port=harness.free_port(),
-        seed=int.from_bytes(os.urandom(4), "little") % (1 << 30),
-        styles=styles,
-        platform="cpu",
-        config=dict(CONFIG, hidden=256, ffn=512, seq=16, heads=4),
-    )
+    config = dict(CONFIG, hidden=256, ffn=512, seq=16, heads=4)
+    res = _ranks(fuse_styles.worker, 2, styles=styles, config=config)
     assert not fuse_styles.check(res, styles, platform="cpu")
     for r in res:
         assert all(v["xla_collectives"] and "skipped" not in v for v in r["styles"].values())

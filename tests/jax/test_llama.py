@@ -44,13 +44,9 @@ def test_on_device_init_matches_the_host_init_in_shape_and_scale():
     dev = llama.init_params(llama.TINY, MESH, "tp", jnp.bfloat16, 3, host=False)
     host = llama.init_params(llama.TINY, MESH, "tp", jnp.bfloat16, 3, host=True)
     specs = llama.param_specs("tp")
-    flat = lambda t: dict(jax.tree_util.tree_flatten_with_path(t)[0])  # noqa: E731
+    flat = lambda t, **kw: dict(jax.tree_util.tree_flatten_with_path(t, **kw)[0])  # noqa: E731
     d, h = flat(dev), flat(host)
-    s = dict(
-        jax.tree_util.tree_flatten_with_path(
-            specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
-        )[0]
-    )
+    s = flat(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     assert set(d) == set(h) == set(s) and len(d) == 9
     for k in d:
         assert d[k].shape == h[k].shape and d[k].dtype == jnp.bfloat16
@@ -67,16 +63,15 @@ def test_packed_projections_give_each_rank_its_own_q_k_v_and_gate_up():
     tree = llama.from_hf_layout(w, tp)
     qkv, gu = tree["layers"]["wqkv"], tree["layers"]["w_gate_up"]
     nq, nkv, nf = (cfg.heads * cfg.head_dim // tp, cfg.kv_heads * cfg.head_dim // tp, cfg.ffn // tp)
-    for r in range(tp):
-        block = qkv[..., r * (nq + 2 * nkv) : (r + 1) * (nq + 2 * nkv)]
-        np.testing.assert_array_equal(block[..., :nq], w["wq"][..., r * nq : (r + 1) * nq])
-        np.testing.assert_array_equal(
-            block[..., nq : nq + nkv], w["wk"][..., r * nkv : (r + 1) * nkv]
+    cols = {"wq": nq, "wk": nkv, "wv": nkv, "w_gate": nf, "w_up": nf}
+
+    def packed(*names):  # rank after rank, that rank's columns of each of ``names``
+        return np.concatenate(
+            [w[n][..., r * cols[n] : (r + 1) * cols[n]] for r in range(tp) for n in names], -1
         )
-        np.testing.assert_array_equal(block[..., nq + nkv :], w["wv"][..., r * nkv : (r + 1) * nkv])
-        g = gu[..., r * 2 * nf : (r + 1) * 2 * nf]
-        np.testing.assert_array_equal(g[..., :nf], w["w_gate"][..., r * nf : (r + 1) * nf])
-        np.testing.assert_array_equal(g[..., nf:], w["w_up"][..., r * nf : (r + 1) * nf])
+
+    np.testing.assert_array_equal(qkv, packed("wq", "wk", "wv"))
+    np.testing.assert_array_equal(gu, packed("w_gate", "w_up"))
 
 
 @pytest.mark.slow

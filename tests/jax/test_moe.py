@@ -37,14 +37,14 @@ RANKED3 = (P("tp"),) * 3 + (P(), P())
 def workspace(world, dtype, *, tokens, hidden, backend=None):
     kw = {} if backend is None else {"backend": backend}
     make = jf.abstract_workspace if backend == "trtllm" else jf.create_allreduce_fusion_workspace
-    return make(
-        tp_mesh(world),
-        "tp",
-        max_token_num=max(tokens, 1),
-        hidden_dim=hidden,
-        dtype=jnp.dtype(dtype),
-        **kw,
-    )
+    mesh = tp_mesh(world)
+    dtype = jnp.dtype(dtype)
+    return make(mesh, "tp", max_token_num=max(tokens, 1), hidden_dim=hidden, dtype=dtype, **kw)
+
+
+def finalize_case(rng, world, dtype, tokens, hidden, top_k, experts, **kw):
+    shape = dict(tokens=tokens, hidden=hidden, top_k=top_k, experts=experts)
+    return mo.random_finalize_case(rng, world=world, dtype_name=dtype, **shape, **kw)
 
 
 def stack_padded(buffers):
@@ -53,27 +53,28 @@ def stack_padded(buffers):
     return np.stack([np.pad(p, ((0, rows - p.shape[0]), (0, 0))) for p in buffers])
 
 
-def check_oracle_bounds(outs, exact, case, world, dtype, weight_bias):
-    """The outputs within 1 of the float64 oracle's bounds (tests/oracles/moe_oracle.py),
+def check_outputs(outs, case, dtype, rounded, exact, weight_bias=0.0):
+    """``outs`` (residual_out, norm_out[, allreduce_out]): residual_out and allreduce_out
+    bit for bit at the kernel's rounding points, given each rank's ``rounded`` local rows,
+    and all of them within 1 of the float64 oracle's bounds (tests/oracles/moe_oracle.py),
     given each rank's (exact local rows, magnitude, additions) of ``exact``."""
-    s64, r64, y64, inv = mo.epilogue64(
+    s, residual_out = mo.epilogue_rounded(rounded, case["residual"], dtype)
+    for got, want in zip(outs[::2], (residual_out, s)):
+        np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+    oracle = mo.epilogue64(
         [e[0] for e in exact], case["residual"], case["gamma"], rms_eps=EPS, weight_bias=weight_bias
     )
-    magnitude = sum(e[1] for e in exact) + np.abs(np.asarray(case["residual"], np.float64))
+    world = len(exact)
     errs = mo.errors(
         outs,
-        s64=s64,
-        r64=r64,
-        y64=y64,
-        inv64=inv,
-        magnitude=magnitude,
+        **dict(zip(("s64", "r64", "y64", "inv64"), oracle)),
+        magnitude=sum(e[1] for e in exact) + np.abs(np.asarray(case["residual"], np.float64)),
         roundings=world * (2 * exact[0][2] + 1) + world,
         gamma=case["gamma"],
         weight_bias=weight_bias,
         dtype_name=dtype,
     )
     assert max(errs) <= 1.0, errs
-    return errs
 
 
 def finalize_fn(ws, **kw):
@@ -102,12 +103,10 @@ def finalize_fn(ws, **kw):
 def check_finalize(
     ws, case, dtype, *, use_scale=True, use_shared=True, routed=1.0, weight_bias=0.0
 ):
-    """Runs the finalize call on ``ws`` and checks its outputs: bit for bit the rows before
-    the norm at the kernel's rounding points, and within the float64 oracle's bounds."""
-    world = ws.world_size
+    """Runs the finalize call on ``ws`` with the kernel's rank-order sum and checks its
+    outputs (check_outputs)."""
     scale = case["scale"] if use_scale else None
-    shared = [case["shared"][r] if use_shared else None for r in range(world)]
-    # The kernel's rank-order sum, checked bit for bit.
+    shared = [sh if use_shared else None for sh in case["shared"]]
     call = finalize_fn(
         ws, routed_scaling_factor=routed, weight_bias=weight_bias, fallback="kernel_exact"
     )
@@ -115,27 +114,16 @@ def check_finalize(
     def body(permuted, idx, shared, residual, gamma):
         return call(permuted[0], idx[0], residual, gamma, scale, shared[0] if use_shared else None)
 
-    args = (
-        stack_padded(case["permuted"]),
-        np.stack(case["idx"]),
-        np.stack(case["shared"]),
-        case["residual"],
-        case["gamma"],
-    )
+    args = [stack_padded(case["permuted"]), *map(np.stack, (case["idx"], case["shared"]))]
+    args += [case["residual"], case["gamma"]]
     outs = [np.asarray(o) for o in run_sharded(body, ws.mesh, RANKED3, (P(), P()), *args)]
-    local = [
-        mo.finalize_local_rounded(
-            case["permuted"][r], case["idx"][r], dtype, scale=scale, shared=shared[r], routed=routed
-        )
-        for r in range(world)
+    ranks = list(zip(case["permuted"], case["idx"], shared))
+    rounded = [
+        mo.finalize_local_rounded(p, i, dtype, scale=scale, shared=sh, routed=routed)
+        for p, i, sh in ranks
     ]
-    _, residual_out = mo.epilogue_rounded(local, case["residual"], dtype)
-    np.testing.assert_array_equal(outs[0].view(np.uint16), residual_out.view(np.uint16))
-    exact = [
-        mo.finalize_local64(case["permuted"][r], case["idx"][r], scale, shared[r], routed)
-        for r in range(world)
-    ]
-    return check_oracle_bounds(outs, exact, case, world, dtype, weight_bias)
+    exact = [mo.finalize_local64(p, i, scale, sh, routed) for p, i, sh in ranks]
+    check_outputs(outs, case, dtype, rounded, exact, weight_bias)
 
 
 FINALIZE_CASES = [
@@ -157,36 +145,25 @@ FINALIZE_CASES = [
 def test_finalize_matches_rounding_points_and_oracle(case_args):
     world, dtype, tokens, hidden, top_k, experts, use_scale, use_shared, routed = case_args
     rng = np.random.default_rng(tokens * 131 + hidden + top_k)
-    case = mo.random_finalize_case(
-        rng,
-        tokens=tokens,
-        top_k=top_k,
-        experts=experts,
-        world=world,
-        dtype_name=dtype,
-        hidden=hidden,
-        pad=1,
-    )
+    case = finalize_case(rng, *case_args[:6], pad=1)
     ws = workspace(world, dtype, tokens=tokens, hidden=hidden)
     check_finalize(ws, case, dtype, use_scale=use_scale, use_shared=use_shared, routed=routed)
 
 
 def test_finalize_all_slots_dropped_and_gemma_bias():
-    rng = np.random.default_rng(5)
-    case = mo.random_finalize_case(
-        rng, tokens=4, top_k=2, experts=4, world=2, dtype_name="bfloat16", hidden=256
-    )
+    case = finalize_case(np.random.default_rng(5), 2, "bfloat16", 4, 256, 2, 4)
     case["idx"][0][1] = -1  # token 1 dropped on every rank: only shared + residual remain
     case["idx"][1][1] = -1
-    check_finalize(
-        workspace(2, "bfloat16", tokens=4, hidden=256), case, "bfloat16", weight_bias=1.0
-    )
+    ws = workspace(2, "bfloat16", tokens=4, hidden=256)
+    check_finalize(ws, case, "bfloat16", weight_bias=1.0)
+
+
+REDUCTION_INPUTS = ("expert_outputs", "expert_scales", "token_input")
 
 
 def run_reduction(ws, case, *, return_allreduce_out=True, fallback="kernel_exact"):
     """The call's outputs: residual_out, norm_out [, allreduce_out]. The default fallback is
     the kernel's rank-order sum, checked bit for bit."""
-    mesh = ws.mesh
 
     def body(x, s, tok, residual, gamma):
         out = jf.moe_reduction_allreduce_fusion(
@@ -204,15 +181,9 @@ def run_reduction(ws, case, *, return_allreduce_out=True, fallback="kernel_exact
         assert (out.allreduce_out is None) is not return_allreduce_out
         return out[1:] + out[:1] if return_allreduce_out else out[1:]
 
-    n_out = 3 if return_allreduce_out else 2
-    args = (
-        np.stack(case["expert_outputs"]),
-        np.stack(case["expert_scales"]),
-        np.stack(case["token_input"]),
-        case["residual"],
-        case["gamma"],
-    )
-    return [np.asarray(o) for o in run_sharded(body, mesh, RANKED3, (P(),) * n_out, *args)]
+    args = [np.stack(case[k]) for k in REDUCTION_INPUTS] + [case["residual"], case["gamma"]]
+    outs = (P(),) * (3 if return_allreduce_out else 2)
+    return [np.asarray(o) for o in run_sharded(body, ws.mesh, RANKED3, outs, *args)]
 
 
 @pytest.mark.slow
@@ -232,22 +203,9 @@ def test_reduction_matches_rounding_points_and_oracle(world, dtype, tokens, hidd
         rng, tokens=tokens, experts=experts, world=world, dtype_name=dtype, hidden=hidden
     )
     outs = run_reduction(workspace(world, dtype, tokens=tokens, hidden=hidden), case)
-    local = [
-        mo.reduction_local_rounded(
-            case["expert_outputs"][r], case["expert_scales"][r], case["token_input"][r], dtype
-        )
-        for r in range(world)
-    ]
-    s, residual_out = mo.epilogue_rounded(local, case["residual"], dtype)
-    np.testing.assert_array_equal(outs[0].view(np.uint16), residual_out.view(np.uint16))
-    np.testing.assert_array_equal(outs[2].view(np.uint16), s.view(np.uint16))
-    exact = [
-        mo.reduction_local64(
-            case["expert_outputs"][r], case["expert_scales"][r], case["token_input"][r]
-        )
-        for r in range(world)
-    ]
-    check_oracle_bounds([outs[0], outs[1], outs[2]], exact, case, world, dtype, 0.0)
+    ranks = list(zip(*(case[k] for k in REDUCTION_INPUTS)))
+    rounded = [mo.reduction_local_rounded(*r, dtype) for r in ranks]
+    check_outputs(outs, case, dtype, rounded, [mo.reduction_local64(*r) for r in ranks])
 
 
 def test_reduction_without_allreduce_out():
@@ -270,12 +228,7 @@ def test_reduction_without_allreduce_out():
 def test_vmap_and_nd_equal_per_element_calls():
     world, dtype, hidden, tokens, top_k = 2, "bfloat16", 256, 3, 2
     rng = np.random.default_rng(7)
-    cases = [
-        mo.random_finalize_case(
-            rng, tokens=tokens, top_k=top_k, experts=4, world=world, dtype_name=dtype, hidden=hidden
-        )
-        for _ in range(3)
-    ]
+    cases = [finalize_case(rng, world, dtype, tokens, hidden, top_k, 4) for _ in range(3)]
     # [world, case, rows, hidden], every buffer padded to the longest of all
     flat = stack_padded([c["permuted"][r] for r in range(world) for c in cases])
     permuted = flat.reshape(world, len(cases), *flat.shape[1:])
@@ -305,10 +258,7 @@ def test_vmap_and_nd_equal_per_element_calls():
 @pytest.mark.slow
 def test_grad_equals_grad_of_the_reference():
     world, dtype, hidden = 2, "float16", 256
-    rng = np.random.default_rng(11)
-    case = mo.random_finalize_case(
-        rng, tokens=4, top_k=2, experts=4, world=world, dtype_name=dtype, hidden=hidden
-    )
+    case = finalize_case(np.random.default_rng(11), world, dtype, 4, hidden, 2, 4)
     permuted = stack_padded(case["permuted"])
     idx = np.stack(case["idx"])
     ws = workspace(world, dtype, tokens=4, hidden=hidden)
@@ -335,17 +285,10 @@ def test_grad_equals_grad_of_the_reference():
         for s, a in zip(SPECS, (permuted, idx, case["residual"], case["gamma"], case["scale"]))
     ]
 
-    def grads(loss):
-        g = jax.grad(lambda p, r, gm, s, i: loss(p, i, r, gm, s), argnums=(0, 1, 2, 3))
-        f = jax.shard_map(
-            lambda p, i, r, gm, s: tuple(
-                jax.lax.psum(x, "tp") if k > 0 else x for k, x in enumerate(g(p, r, gm, s, i))
-            ),
-            mesh=mesh,
-            in_specs=SPECS,
-            out_specs=(P("tp"), P(), P(), P()),
-        )
-        return jax.jit(f)(*args)
+    def grads(loss):  # of permuted (per rank), residual, gamma and scale (summed over ranks)
+        g = jax.grad(loss, argnums=(0, 2, 3, 4))
+        f = lambda *a: tuple(x if k == 0 else jax.lax.psum(x, "tp") for k, x in enumerate(g(*a)))  # noqa: E731
+        return jit_shard_map(f, mesh, SPECS, (P("tp"), P(), P(), P()))(*args)
 
     for a, b in zip(grads(loss_fused), grads(loss_ref)):
         assert np.isfinite(np.asarray(a, np.float32)).all()
@@ -356,8 +299,7 @@ def test_grad_equals_grad_of_the_reference():
 
 
 def abstract_finalize_args(hidden, tokens=16, batch=()):
-    """finalize_fn's arguments on 2 ranks as shapes: 40 permuted rows per rank, top-8
-    routing, bfloat16 rows; ``batch`` leading dims on all but gamma."""
+    """finalize_fn's arguments on 2 ranks as shapes; ``batch`` leading dims on all but gamma."""
     sds = jax.ShapeDtypeStruct
     return (
         sds((2, *batch, 40, hidden), BF),
@@ -449,35 +391,25 @@ def test_finalize_bad_inputs(make, match):
 
 def test_reduction_bad_inputs_and_dense_entry_point_refuses_moe_codes():
     ws = workspace(2, "bfloat16", tokens=4, hidden=256)
-    x = np.zeros((2, 3, 256), BF)
+    x, s32, tok = np.zeros((2, 3, 256), BF), np.zeros((2, 3), np.float32), np.zeros((3, 256), BF)
+    kw = dict(axis_name="tp", workspace=ws, rms_gamma=np.ones(256, BF))
 
-    def body(x, s, t):
-        return jf.moe_reduction_allreduce_fusion(
-            x[0], s[0], t[0], axis_name="tp", workspace=ws, rms_gamma=np.ones(256, BF)
-        ).norm_out
-
-    def call(x, s, tok):
+    def call(*args):  # every rank the same inputs
+        body = lambda x, s, t: jf.moe_reduction_allreduce_fusion(x[0], s[0], t[0], **kw).norm_out  # noqa: E731
         f = jit_shard_map(body, ws.mesh, (P("tp"),) * 3, P())
-        return f(np.stack([x] * 2), np.stack([s] * 2), np.stack([tok] * 2))
+        return f(*(np.stack([a] * 2) for a in args))
 
     with pytest.raises(ValueError, match="expert_scales .*float32"):
-        call(x, np.zeros((2, 3), BF), np.zeros((3, 256), BF))
+        call(x, s32.astype(BF), tok)
     with pytest.raises(ValueError, match="expert_scales"):
-        call(x, np.zeros((3, 2), np.float32), np.zeros((3, 256), BF))  # token-major: refused
+        call(x, s32.T, tok)  # token-major: refused
     with pytest.raises(ValueError, match="expert_outputs"):
-        call(np.zeros((2, 4, 256), BF), np.zeros((2, 3), np.float32), np.zeros((3, 256), BF))
+        call(np.zeros((2, 4, 256), BF), s32, tok)
     with pytest.raises(ValueError, match="has its own inputs"):
         dense = lambda x: jf.allreduce_fusion(x, axis_name="tp", workspace=ws, pattern=7)  # noqa
         jit_shard_map(lambda x: dense(x).norm_out, ws.mesh, P("tp"), P())(np.zeros((2, 256), BF))
     with pytest.raises(ValueError, match="inside jax.shard_map"):
-        jf.moe_reduction_allreduce_fusion(
-            x,
-            np.zeros((2, 3), np.float32),
-            np.zeros((3, 256), BF),
-            axis_name="tp",
-            workspace=ws,
-            rms_gamma=np.ones(256, BF),
-        )
+        jf.moe_reduction_allreduce_fusion(x, s32, tok, **kw)
 
 
 @pytest.mark.parametrize(
@@ -499,10 +431,7 @@ def test_kernel_problem_rules(tokens, hidden, world, problem):
         return
     sizes = topology.workspace_sizes(world, 128, max(hidden, 7168), "bfloat16")
     got = moe.kernel_problem(tokens, hidden, "bfloat16", sizes)
-    if problem is None:
-        assert got is None
-    else:
-        assert got is not None and problem in got[1], got
+    assert got is None if problem is None else problem in got[1], got
 
 
 def test_hidden_sizes_flashinfers_launcher_cannot_place_fall_back_or_raise():

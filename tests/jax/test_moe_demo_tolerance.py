@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 import jax_fusedar as jf
-from jax_fusedar import fuse
 from jax_fusedar.cli.compare import moe_kernel_roundings, moe_tolerance
 from jax_fusedar.cli.shared_demo import reference_tolerance
 from jax_fusedar.models import llama, moe_llama
@@ -63,7 +62,9 @@ def _fused(tp, seed, prompt, *, drop_shared=False):
     fwd = moe_llama.make_forward(
         CFG, mesh, AXIS, mlp=moe_llama.fused_moe_mlp(CFG, ws), vocab_parallel=False
     )
-    out = jax.jit(fuse(fwd, workspace=ws))(params, prompt, *_cache(mesh, prompt), jnp.int32(0))[0]
+    out = jax.jit(jf.fuse(fwd, workspace=ws))(params, prompt, *_cache(mesh, prompt), jnp.int32(0))[
+        0
+    ]
     return np.asarray(out)
 
 
@@ -108,13 +109,9 @@ def test_the_unsharded_models_ratios_are_the_tp_groups(tp):
 def test_the_fused_tp_model_is_within_the_moe_tolerance(tp, seed):
     prompt = _prompt(seed)
     ref, ratios_for = _reference(seed, prompt)
-    ratios = ratios_for(tp)
+    roundings = moe_kernel_roundings(CFG.top_k, tp) + 1
     tol = moe_tolerance(
-        "bfloat16",
-        ratios,
-        moe_kernel_roundings(CFG.top_k, tp) + 1,
-        dense_sites=CFG.base.layers,
-        world=tp,
+        "bfloat16", ratios_for(tp), roundings, dense_sites=CFG.base.layers, world=tp
     )
     # The magnitudes tighten it below the count of every rounding site at full scale, the
     # MoE demo's former tolerance (11 sites a layer at top-8 on GPUs, top_k + 3 here).

@@ -36,14 +36,9 @@ TOKENS = (1, 17, 130)
 HIDDENS = (64, 80, 1024, 7168)
 
 
-def fresh_seed() -> int:
-    env = os.environ.get("QUANT_SEED")
-    return int(env) if env else int.from_bytes(os.urandom(4), "little")
-
-
 def seeded():
-    """(seed, generator) of a fresh seed (fresh_seed)."""
-    seed = fresh_seed()
+    """(seed, generator) of a fresh seed: $QUANT_SEED, else from os.urandom."""
+    seed = int(os.environ.get("QUANT_SEED") or int.from_bytes(os.urandom(4), "little"))
     return seed, np.random.default_rng(seed)
 
 
@@ -75,11 +70,8 @@ def make_y(rng, M, H, dtype_name, *, specials=False, extremes=True):
         y[0] = 0.0
     if specials:
         n = max(1, y.size // 50)
-        flat = y.reshape(-1)
         pos = rng.choice(y.size, size=3 * n, replace=False)
-        flat[pos[:n]] = np.nan
-        flat[pos[n : 2 * n]] = np.inf
-        flat[pos[2 * n :]] = -np.inf
+        y.reshape(-1)[pos] = np.repeat([np.nan, np.inf, -np.inf], n)
         if H >= 16:
             y[-1, :16] = np.nan  # an all-NaN NVFP4 block / group
     with np.errstate(over="ignore"):
@@ -126,6 +118,13 @@ def assert_group_matches(y, g, msg):
     return buf
 
 
+def assert_nvfp4_matches(packed, sf, y, gs, msg, division="ieee"):
+    """NVFP4 codes and (linear) scale bytes of y at global scale gs are the oracle's."""
+    wp, wsf = O.nvfp4(y, gs, division)
+    np.testing.assert_array_equal(np.asarray(packed), wp, err_msg=msg)
+    assert_e4m3_equal(bytes_of(sf), wsf, msg)
+
+
 def assert_nvfp4_layouts_match(y, gs32, msg):
     """NVFP4 of y at global scale gs32 in both scale layouts is the oracle's: the codes,
     every scale byte written and (our documented fill) zeros in the padding."""
@@ -157,16 +156,8 @@ _deq_fp4 = jax.jit(quant_arrays.dequantize_nvfp4, static_argnums=(3, 4, 5))
 _block_scales = jax.jit(quant_arrays.nvfp4_block_scales, static_argnums=(1, 2, 3))
 
 # every token count and hidden size for each dtype (not the full product: compile time)
-SHAPES = [
-    ("bfloat16", 1, 64),
-    ("bfloat16", 17, 1024),
-    ("bfloat16", 130, 80),
-    ("bfloat16", 130, 7168),
-    ("float16", 1, 80),
-    ("float16", 17, 64),
-    ("float16", 130, 1024),
-    ("float16", 17, 7168),
-]
+SHAPES = [("bfloat16", M, H) for M, H in ((1, 64), (17, 1024), (130, 80), (130, 7168))]
+SHAPES += [("float16", M, H) for M, H in ((1, 80), (17, 64), (130, 1024), (17, 7168))]
 assert {(d, M) for d, M, _ in SHAPES} == {(d, M) for d in DTYPES for M in TOKENS}
 assert {(d, H) for d, _, H in SHAPES} == {(d, H) for d in DTYPES for H in HIDDENS}
 
@@ -193,17 +184,15 @@ def test_fp8_static_matches_oracle(dtype, M, H):
         1e-30,
     ]  # everything saturates
     shape = () if rng.integers(2) else (1,)
-    for s in scales:
-        s32 = np.float32(s)
+    for s32 in map(np.float32, scales):
         got = bytes_of(_static(jnp.asarray(y), f32(np.full(shape, s32))))
-        want = O.fp8_static(y, float(s32))
-        assert_e4m3_equal(got, want, f"static fp8 seed={seed} scale={s32!r}")
+        assert_e4m3_equal(got, O.fp8_static(y, float(s32)), f"static fp8 seed={seed} scale={s32!r}")
 
 
 @pytest.mark.parametrize("dtype,M,H", SHAPES)
 def test_fp8_dynamic_matches_oracle(dtype, M, H):
-    seed = fresh_seed()
-    y = make_y(np.random.default_rng(seed), M, H, dtype)
+    seed, rng = seeded()
+    y = make_y(rng, M, H, dtype)
     q, s = _dynamic(jnp.asarray(y))
     assert s.shape == (M, 1) and s.dtype == jnp.float32 and q.dtype == jnp.float8_e4m3fn
     assert_dynamic_matches(y, q, s, f"dynamic seed={seed}")
@@ -238,8 +227,7 @@ def test_nvfp4_matches_oracle(dtype, M, H):
     ]
     if M * H <= 20000:
         gss += [1e-30, 1e30]  # all SF zero / all saturated
-    for gs in gss:
-        gs32 = np.float32(gs)
+    for gs32 in map(np.float32, gss):
         assert_nvfp4_layouts_match(y, gs32, f"gs={gs32!r} seed={seed}")
 
 
@@ -257,7 +245,7 @@ def test_fp8_static_reciprocal_then_multiply(dtype):
         y = vals[kernel != divided]
         assert y.size, (s, seed)
         y = np.concatenate([y, -y])[None, :].astype(DTYPES[dtype])
-        got = bytes_of(jax.jit(Q.quantize_fp8_static)(jnp.asarray(y), f32([s])))
+        got = bytes_of(_static(jnp.asarray(y), f32([s])))
         assert_e4m3_equal(got, O.fp8_static(y, s), f"scale={s} seed={seed}")
         assert_e4m3_equal(got[0, : y.shape[1] // 2], kernel[kernel != divided], f"scale={s}")
 
@@ -276,9 +264,7 @@ def test_reciprocal_division_mode(dtype, M, H):
         packed, sf = jax.jit(lambda y, g: Q.quantize_nvfp4(y, g, 2, division="reciprocal"))(
             yj, f32(gs)
         )
-        wp, wsf = O.nvfp4(y, gs, "reciprocal")
-        np.testing.assert_array_equal(np.asarray(packed), wp, err_msg=f"gs={gs} seed={seed}")
-        assert_e4m3_equal(bytes_of(sf), wsf, f"gs={gs} seed={seed}")
+        assert_nvfp4_matches(packed, sf, y, gs, f"gs={gs} seed={seed}", "reciprocal")
     with pytest.raises(ValueError, match="division"):
         Q.quantize_fp8_dynamic(yj, division="fast")
 
@@ -330,9 +316,7 @@ def test_nvfp4_operation_order(dtype):
         y = blocks.reshape(-1, 64) if len(blocks) % 4 == 0 else blocks.reshape(-1, 16)
         y = y.astype(DTYPES[dtype])
         packed, sf = _nvfp4(jnp.asarray(y), f32(gs), 2)
-        wp, wsf = O.nvfp4(y, gs)
-        np.testing.assert_array_equal(np.asarray(packed), wp, err_msg=f"gs={gs} seed={seed}")
-        assert_e4m3_equal(bytes_of(sf), wsf, f"gs={gs} seed={seed}")
+        assert_nvfp4_matches(packed, sf, y, gs, f"gs={gs} seed={seed}")
     assert found_sf > 0 and found_q > 0, (found_sf, found_q, seed)
     # with gs = 1 and a block max of 6, SF = 1 and oscale = 1: v = x, so the e2m1 ties show
     half = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]  # the positive e2m1 midpoints
@@ -408,13 +392,9 @@ def test_e4m3_conversion_is_rne_satfinite():
     t = np.arange(0, 0x7F, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
     mids = (t[:-1] + t[1:]) / 2
     m32 = mids.astype(np.float32)
+    extra = [448.0, 460.0, 464.0, 470.0, 1e9, np.inf, 2.0**-10, 3 * 2.0**-11]
     v = np.concatenate(
-        [
-            m32,
-            np.nextafter(m32, np.float32(1e9)),
-            np.nextafter(m32, np.float32(0)),
-            [448.0, 460.0, 464.0, 470.0, 1e9, np.inf, 2.0**-10, 3 * 2.0**-11],
-        ]
+        [m32, np.nextafter(m32, np.float32(1e9)), np.nextafter(m32, np.float32(0)), extra]
     )
     v = np.concatenate([v, -v]).astype(np.float32)
     got = bytes_of(Q.e4m3_satfinite(jnp.asarray(v)))
@@ -451,13 +431,10 @@ def test_swizzled_offsets(M, H):
     assert size == Mp * kp
     mm, kk = np.meshgrid(np.arange(M), np.arange(k), indexing="ij")
     off = quant_layouts.swizzled_128x4_offset(mm, kk, H)
-    for m in range(M):
-        for j in range(k):
-            assert (
-                off[m, j]
-                == O.swizzle_offset(m, j, H)
-                == quant_layouts.swizzled_128x4_offset(m, j, H)
-            )
+    for m, j in np.ndindex(M, k):
+        assert (
+            off[m, j] == O.swizzle_offset(m, j, H) == quant_layouts.swizzled_128x4_offset(m, j, H)
+        )
     off = off.reshape(-1)
     assert off.min() >= 0 and off.max() < size
     assert np.unique(off).size == off.size  # distinct
@@ -499,8 +476,7 @@ def test_group_buffer_layout_and_views():
 
 
 def test_nvfp4_scale_views_roundtrip():
-    rng = np.random.default_rng(fresh_seed())
-    b = rng.integers(0, 256, size=(256, 12), dtype=np.uint8)
+    b = seeded()[1].integers(0, 256, size=(256, 12), dtype=np.uint8)
     x = jax.lax.bitcast_convert_type(jnp.asarray(b), jnp.float8_e4m3fn)
     w = quant_arrays.nvfp4_scales_as_int32(x)
     assert w.shape == (256, 3) and w.dtype == jnp.int32
@@ -523,28 +499,22 @@ def test_dequantized_error_bounds(dtype, M, H):
     seed, rng = seeded()
     y = make_y(rng, M, H, dtype)
     x = y.astype(np.float64)
+
+    def assert_fp8_within(xh, s, what, slack=1.0):
+        err = np.abs(x - np.asarray(xh).astype(np.float64))
+        assert np.all(err <= np.maximum(2.0**-4 * np.abs(x), 2.0**-10 * s) * slack), what
+
     # static: scale large enough not to saturate
     s = np.float32(max(np.max(np.abs(x)), 1e-3) / 448 * 1.01)
-    q = _static(jnp.asarray(y), f32(s))
-    xh = np.asarray(_deq_fp8(q, f32([s]))).astype(np.float64)
-    assert np.all(
-        np.abs(x - xh) <= np.maximum(2.0**-4 * np.abs(x), 2.0**-10 * s) * 1.0001 + 1e-300
-    ), f"static seed={seed}"
-    # dynamic
+    xh = _deq_fp8(_static(jnp.asarray(y), f32(s)), f32([s]))
+    assert_fp8_within(xh, s, f"static seed={seed}", 1.0001)
     q, sc = _dynamic(jnp.asarray(y))
-    xh = np.asarray(_deq_fp8(q, sc)).astype(np.float64)
-    sc = np.asarray(sc).astype(np.float64)
-    assert np.all(np.abs(x - xh) <= np.maximum(2.0**-4 * np.abs(x), 2.0**-10 * sc) * 1.0001), (
-        f"dynamic seed={seed}"
-    )
+    assert_fp8_within(_deq_fp8(q, sc), np.asarray(sc), f"dynamic seed={seed}", 1.0001)
     # group (power-of-two scales >= amax/448: the products q*s are exact)
     for g in (32, 64, 128):
         q, buf = _group(jnp.asarray(y), g)
-        xh = np.asarray(_deq_fp8(q, buf, group_size=g)).astype(np.float64)
         s = np.repeat(np.asarray(_unpack(buf, M, H, g)), g, axis=1)
-        assert np.all(np.abs(x - xh) <= np.maximum(2.0**-4 * np.abs(x), 2.0**-10 * s)), (
-            f"group g={g} seed={seed}"
-        )
+        assert_fp8_within(_deq_fp8(q, buf, group_size=g), s, f"group g={g} seed={seed}")
     # NVFP4 (blocks whose SF is an e4m3 normal), on data of one order of magnitude
     y = make_y(rng, M, H, dtype, extremes=False)
     x = y.astype(np.float64)
@@ -613,6 +583,7 @@ def test_quantize_for_pattern():
 def test_bad_inputs_raise():
     y = jnp.zeros((4, 64), jnp.bfloat16)
     e4m3 = jnp.zeros((4, 64), jnp.float8_e4m3fn)
+    words, codes = jnp.zeros((1, 4), jnp.int32), jnp.zeros((4, 32), jnp.uint8)
     cases = [
         (lambda: Q.quantize_fp8_static(y, None), "required"),
         (lambda: Q.quantize_fp8_static(y, 1.0), "Python constant"),
@@ -634,16 +605,8 @@ def test_bad_inputs_raise():
         (lambda: quant_layouts.nvfp4_scale_shape(4, 64, 1), "SWIZZLED_8x4"),
         (lambda: quant_arrays.dequantize_fp8(e4m3, f32(np.ones((3, 1)))), None),
         (lambda: quant_arrays.dequantize_fp8(e4m3, None), None),
-        (
-            lambda: quant_arrays.unpack_ue8m0_scales(jnp.zeros((1, 4), jnp.int32), 5, 64, 32),
-            "need shape",
-        ),
-        (
-            lambda: quant_arrays.dequantize_nvfp4(
-                jnp.zeros((4, 32), jnp.uint8), jnp.zeros((4, 4), jnp.uint8), f32(1.0), 0, 4, 64
-            ),
-            "shape",
-        ),
+        (lambda: quant_arrays.unpack_ue8m0_scales(words, 5, 64, 32), "need shape"),
+        (lambda: quant_arrays.dequantize_nvfp4(codes, codes[:, :4], f32(1.0), 0, 4, 64), "shape"),
     ]
     for call, match in cases:
         with pytest.raises(ValueError, match=match):

@@ -9,42 +9,45 @@ and the float64 oracle of the workers sees the same data as the op.
 """
 
 import json
-import textwrap
 
 import pytest
 
 from tests.jax.child_process import cpu_env, run_script
 
 
-SCRIPT = textwrap.dedent("""
-    import json, os
-    import numpy as np
-    import jax, jax.numpy as jnp
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    import jax_fusedar as jf
-    from tests.gpu import harness
-    from tests.gpu.workers import {module}
+PRELUDE = """
+import json
+import numpy as np
+import jax, jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import jax_fusedar as jf
+mesh = Mesh(np.array(jax.devices()), ("tp",))
+"""
 
-    real_draw = harness.draw_case
-    def same_partials(seed, world, m, hidden, dtype=None):
-        xs, res, gam = real_draw(seed, world, m, hidden, dtype)
-        return [xs[0]] * world, res, gam
-    harness.draw_case = same_partials
+SCRIPT = """
+from tests.gpu import harness
+from tests.gpu.workers import {module}
 
-    mesh = Mesh(np.array(jax.devices()), ("tp",))
-    def glob(spec, a):
-        a = np.asarray(a)
-        if spec == P("tp"):
-            a = np.concatenate([a, a])
-        return jax.device_put(a, NamedSharding(mesh, spec))
-    stats = {module}.run(jax, jnp, jf, mesh, P, 0, 2, 11, tokens=(1, 17, 129),
-                         hiddens={hiddens}, glob=glob, local=None)
-    print("STATS", json.dumps(stats))
-""")
+real_draw = harness.draw_case
+def same_partials(seed, world, m, hidden, dtype=None):
+    xs, res, gam = real_draw(seed, world, m, hidden, dtype)
+    return [xs[0]] * world, res, gam
+harness.draw_case = same_partials
+
+def glob(spec, a):
+    a = np.asarray(a)
+    if spec == P("tp"):
+        a = np.concatenate([a, a])
+    return jax.device_put(a, NamedSharding(mesh, spec))
+stats = {module}.run(jax, jnp, jf, mesh, P, 0, 2, 11, tokens=(1, 17, 129),
+                     hiddens={hiddens}, glob=glob, local=None)
+"""
 
 
 def _stats(script: str) -> dict:
-    """The last STATS line of ``script`` run on 2 CPU devices."""
+    """``stats`` of ``script`` (after PRELUDE: its imports and a 2-device mesh) run on 2 CPU
+    devices."""
+    script = PRELUDE + script + 'print("STATS", json.dumps(stats))\n'
     r = run_script(script, env=cpu_env(2), timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     line = [x for x in r.stdout.splitlines() if x.startswith("STATS ")][-1]
@@ -73,17 +76,10 @@ def test_fp8_worker_on_the_reference_path():
     assert q["rerun_diffs"] == 0, q
 
 
-GRAD_SCRIPT = textwrap.dedent("""
-    import json
-    import numpy as np
-    import jax, jax.numpy as jnp
-    from jax.sharding import Mesh, PartitionSpec as P
-    import jax_fusedar as jf
-    from tests.gpu.workers import jax_grad
-    mesh = Mesh(np.array(jax.devices()), ("tp",))
-    print("STATS", json.dumps(jax_grad.run(jax, jnp, jf, mesh, P, 7, hidden=256, ffn=512,
-                                           tokens=8)))
-""")
+GRAD_SCRIPT = """
+from tests.gpu.workers import jax_grad
+stats = jax_grad.run(jax, jnp, jf, mesh, P, 7, hidden=256, ffn=512, tokens=8)
+"""
 
 
 @pytest.mark.slow

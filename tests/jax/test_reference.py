@@ -59,6 +59,14 @@ def assert_rms_norm_of(r, gamma, weight_bias, y, dtype, rms_eps=RMS_EPS):
     assert err <= RMS_NORM_ULPS[dtype], f"not RMSNorm(r) rounded once: off by {err} ulps"
 
 
+def assert_rounds_like_the_kernel(ar, res_out, partials, residual, dtype, fp32_acc=True):
+    """allreduce_out and residual_out bit for bit cpu_helpers.kernel_rounding's (s, r)."""
+    s, r = kernel_rounding(partials, residual, dtype, fp32_acc=fp32_acc)
+    np.testing.assert_array_equal(bits(ar), bits(s))
+    np.testing.assert_array_equal(bits(res_out), bits(r))
+    return s, r
+
+
 @jax.jit
 def _rms_norm(r, gamma, weight_bias, rms_eps):
     return reference.rms_norm(r, gamma, rms_eps=rms_eps, weight_bias=weight_bias, out_dtype=r.dtype)
@@ -81,9 +89,8 @@ def test_rms_norm_eps_is_inside_the_root(dtype):
     rng = new_rng()
     r = (random_values(rng, (7, 256), "float32") * 1e-2).astype(jdtype(dtype))
     gamma = random_gamma(rng, 256, dtype)
-    assert_rms_norm_of(
-        r, gamma, 0.0, np.asarray(_rms_norm(r, gamma, 0.0, 1e-3)), dtype, rms_eps=1e-3
-    )
+    y = np.asarray(_rms_norm(r, gamma, 0.0, 1e-3))
+    assert_rms_norm_of(r, gamma, 0.0, y, dtype, rms_eps=1e-3)
 
 
 @every_case
@@ -104,19 +111,10 @@ def test_epilogue_against_oracle(dtype, weight_bias, tokens, hidden):
     assert none_r is None and none_n is None and none_a is None
     # Pattern 0 has nothing after the all-reduce: the sum comes back unchanged.
     np.testing.assert_array_equal(bits(ar), bits(summed))
-    check_outputs(
-        dtype,
-        [summed],
-        residual=residual,
-        gamma=gamma,
-        weight_bias=weight_bias,
-        residual_out=res_out,
-        norm_out=norm_out,
-        what="epilogue",
-    )
+    outs = dict(residual_out=res_out, norm_out=norm_out, what="epilogue")
+    check_outputs(dtype, [summed], residual=residual, gamma=gamma, weight_bias=weight_bias, **outs)
     # The residual add rounds exactly once, from fp32.
-    _, expected = kernel_rounding([summed], residual, dtype)
-    np.testing.assert_array_equal(bits(res_out), bits(expected))
+    assert_rounds_like_the_kernel(ar, res_out, [summed], residual, dtype)
 
 
 def _run_reference(partials, residual, gamma, weight_bias, **kwargs):
@@ -137,9 +135,7 @@ def _run_reference(partials, residual, gamma, weight_bias, **kwargs):
     outs = run_sharded(f, mesh, (P("tp"), P(), P()), (P("tp"),) * 3, partials, residual, gamma)
     outs = [np.asarray(o) for o in outs]
     for o in outs:
-        assert o.shape[0] == WORLD and all(
-            np.array_equal(bits(o[0]), bits(o[k])) for k in range(WORLD)
-        ), "the ranks disagree"
+        assert o.shape[0] == WORLD and (bits(o) == bits(o[:1])).all(), "the ranks disagree"
     return [o[0] for o in outs]
 
 
@@ -150,20 +146,10 @@ def test_allreduce_fusion_reference_in_shard_map(dtype, weight_bias, tokens, hid
     residual = random_values(rng, (tokens, hidden), dtype)
     gamma = random_gamma(rng, hidden, dtype)
     ar, res_out, norm_out = _run_reference(partials, residual, gamma, weight_bias)
-    check_outputs(
-        dtype,
-        partials,
-        residual=residual,
-        gamma=gamma,
-        weight_bias=weight_bias,
-        allreduce_out=ar,
-        residual_out=res_out,
-        norm_out=norm_out,
-        what=f"reference over {WORLD} ranks",
-    )
-    s, expected = kernel_rounding(partials, residual, dtype)
-    np.testing.assert_array_equal(bits(ar), bits(s))
-    np.testing.assert_array_equal(bits(res_out), bits(expected))
+    inputs = dict(residual=residual, gamma=gamma, weight_bias=weight_bias)
+    outs = dict(allreduce_out=ar, residual_out=res_out, norm_out=norm_out)
+    check_outputs(dtype, partials, **inputs, **outs, what=f"reference over {WORLD} ranks")
+    assert_rounds_like_the_kernel(ar, res_out, partials, residual, dtype)
     # The norm reads the residual as rounded to T, not the fp32 sum before that rounding.
     assert_rms_norm_of(res_out, gamma, weight_bias, norm_out, dtype)
 
@@ -199,9 +185,7 @@ def test_residual_add_sees_the_rounded_sum(dtype):
     rounded_twice = np.where(odd, a * (1 + 4 * h), a)
     np.testing.assert_array_equal(ar.astype(np.float64), rounded_twice)
     np.testing.assert_array_equal(res_out.astype(np.float64), rounded_twice)
-    s, expected = kernel_rounding(partials, residual, dtype)
-    np.testing.assert_array_equal(bits(ar), bits(s))
-    np.testing.assert_array_equal(bits(res_out), bits(expected))
+    assert_rounds_like_the_kernel(ar, res_out, partials, residual, dtype)
     # Without the intermediate rounding: a(1+2h), different in every element.
     one_rounding = (x64.sum(axis=0) + r64).astype(np.float32).astype(jdtype(dtype))
     np.testing.assert_array_equal(one_rounding.astype(np.float64), a * (1 + 2 * h))
@@ -218,8 +202,7 @@ def test_fp32_partials_with_cancellation_stay_within_the_summation_bound():
     gamma = random_gamma(rng, 256, "float32")
     ar, res_out, _ = _run_reference(partials, residual, gamma, 0.0)
     x64 = partials.astype(np.float64)
-    s64 = x64.sum(axis=0)
-    bound = 1.01 * (WORLD - 1) * 2.0**-24 * np.abs(x64).sum(axis=0)
+    s64, bound = x64.sum(axis=0), 1.01 * (WORLD - 1) * 2.0**-24 * np.abs(x64).sum(axis=0)
     assert np.all(np.abs(ar - s64) <= bound)
     r64 = s64 + residual.astype(np.float64)
     assert np.all(
@@ -236,9 +219,7 @@ def test_without_fp32_acc_every_addition_rounds_in_rank_order(dtype):
     residual = random_values(rng, (64, 256), dtype)
     gamma = random_gamma(rng, 256, dtype)
     ar, res_out, norm_out = _run_reference(partials, residual, gamma, 1.0, fp32_acc=False)
-    s, r = kernel_rounding(partials, residual, dtype, fp32_acc=False)
-    np.testing.assert_array_equal(bits(ar), bits(s))
-    np.testing.assert_array_equal(bits(res_out), bits(r))
+    s, _ = assert_rounds_like_the_kernel(ar, res_out, partials, residual, dtype, fp32_acc=False)
     assert_rms_norm_of(res_out, gamma, 1.0, norm_out, dtype)
     # Another order, or a single rounding, gives other answers: the test can tell them apart.
     reversed_s, _ = kernel_rounding(partials[::-1], residual, dtype, fp32_acc=False)
@@ -260,9 +241,7 @@ def test_float16_subnormal_results_are_kept():
     residual = (step * rng.integers(-200, 201, (3, 8))).astype(np.float16)
     gamma = rng.uniform(1e-5, 4e-5, 8).astype(np.float16)
     ar, res_out, norm_out = _run_reference(partials, residual, gamma, 0.0)
-    s, r = kernel_rounding(partials, residual, "float16")
+    s, r = assert_rounds_like_the_kernel(ar, res_out, partials, residual, "float16")
     assert np.all(np.abs(r.astype(np.float64)) < 2.0**-14) and np.count_nonzero(s) > 12
-    np.testing.assert_array_equal(ar, s)
-    np.testing.assert_array_equal(res_out, r)
     assert np.count_nonzero(norm_out) > 12
     assert_rms_norm_of(res_out, gamma, 0.0, norm_out, "float16")

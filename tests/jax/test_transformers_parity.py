@@ -54,15 +54,8 @@ def hf_model(cfg, weights):
         "model.norm.weight": t(weights["final_norm"]),
         "lm_head.weight": t(weights["lm_head"].T),
     }
-    names = {
-        "wq": "self_attn.q_proj",
-        "wk": "self_attn.k_proj",
-        "wv": "self_attn.v_proj",
-        "wo": "self_attn.o_proj",
-        "w_gate": "mlp.gate_proj",
-        "w_up": "mlp.up_proj",
-        "w_down": "mlp.down_proj",
-    }
+    names = {f"w{p}": f"self_attn.{p}_proj" for p in "qkvo"}
+    names.update({f"w_{p}": f"mlp.{p}_proj" for p in ("gate", "up", "down")})
     for i in range(cfg.layers):
         p = f"model.layers.{i}."
         sd[p + "input_layernorm.weight"] = t(weights["attn_norm"][i])
