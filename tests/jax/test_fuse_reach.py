@@ -14,7 +14,16 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from tests.jax import cpu_helpers, fuse_checks
 from tests.jax.cpu_helpers import mesh_2x4
-from tests.jax.fuse_checks import EPS, F, H, T, linear_operands, rms_norm, row_parallel
+from tests.jax.fuse_checks import (
+    EPS,
+    F,
+    H,
+    T,
+    fuse_and_run,
+    linear_operands,
+    rms_norm,
+    row_parallel,
+)
 import jax_fusedar as jf
 
 cpu_helpers.require_host_devices()
@@ -34,26 +43,11 @@ def per_dp_shard(body, mesh, check_vma=True):
     )
 
 
-def run(fn, args, mesh, workspace=None, **kw):
+def run(fn, args, mesh, **kw):
     """(report, fused outputs, original outputs, fused grads, original grads), fused on the
-    xla backend, or on ``workspace``."""
-    if workspace is None:
-        fused = jf.fuse(fn, mesh=mesh, axis_name="tp", backend="xla", **kw)
-    else:
-        fused = jf.fuse(fn, workspace=workspace, **kw)
-    with jax.set_mesh(mesh):
-        shapes = jax.eval_shape(fn, *args)
-    ct = [jnp.asarray(np.random.default_rng(9).standard_normal(o.shape), f32) for o in shapes]
-
-    def loss(f):
-        return lambda *a: sum(jnp.sum(o.astype(f32) * c) for o, c in zip(f(*a), ct))
-
-    with jax.set_mesh(mesh):
-        out, want = fused(*args), jax.jit(fn)(*args)
-        argnums = tuple(range(len(args)))
-        g_f = jax.jit(jax.grad(loss(fused), argnums=argnums))(*args)
-        g_o = jax.jit(jax.grad(loss(fn), argnums=argnums))(*args)
-    return fused.report, out, want, g_f, g_o
+    xla backend, or on ``workspace=``; jitted."""
+    fused, *rest = fuse_and_run(fn, args, mesh, jit=jax.jit, grads=True, **kw)
+    return fused.report, *rest
 
 
 def close(a, b, ulps=4):
@@ -96,13 +90,9 @@ def test_a_residual_resharded_by_the_program_before_the_add():
     fused = jf.fuse(model, mesh=mesh, axis_name="tp", backend="xla")
     with jax.set_mesh(mesh):
         fused(x, w, res, g)
-    assert fused.report.sites[0].fused  # the reshard is the residual's own eqn
-    with jax.set_mesh(mesh):
+        assert fused.report.sites[0].fused  # the reshard is the residual's own eqn
         text = str(jax.make_jaxpr(fused)(x, w, res, g))
     assert "jax_fusedar_allreduce_fusion" in text and "psum" not in text
-
-
-# --- sequence parallelism -------------------------------------------------------------------------
 
 
 def _sp(norm_on_shard_gathered=True, gather=True):
@@ -268,7 +258,18 @@ def test_float32_psum_cast_down_before_the_add_needs_the_flag():
 
 def test_psum_over_an_axis_tuple_whose_other_axes_have_size_one():
     mesh = jax.make_mesh((1, 8), ("z", "tp"), axis_types=(AxisType.Auto,) * 2)
-    for axes, fused_ in ((("z", "tp"), True), (("tp", "z"), True)):
+    rng = np.random.default_rng(0)
+    x = jax.device_put(
+        jnp.asarray(rng.standard_normal((T, F)), jnp.bfloat16),
+        NamedSharding(mesh, P(None, ("z", "tp"))),
+    )
+    w = jax.device_put(
+        jnp.asarray(rng.standard_normal((F, H)) / 8, jnp.bfloat16),
+        NamedSharding(mesh, P(("z", "tp"))),
+    )
+    res = jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16)
+    g = jnp.ones((H,), jnp.bfloat16)
+    for axes in (("z", "tp"), ("tp", "z")):
 
         def body(x, w, res, g, axes=axes):
             r = jax.lax.psum(x @ w, axes) + res
@@ -280,19 +281,8 @@ def test_psum_over_an_axis_tuple_whose_other_axes_have_size_one():
             in_specs=(P(None, ("z", "tp")), P(("z", "tp")), P(), P()),
             out_specs=(P(), P()),
         )
-        rng = np.random.default_rng(0)
-        x = jax.device_put(
-            jnp.asarray(rng.standard_normal((T, F)), jnp.bfloat16),
-            NamedSharding(mesh, P(None, ("z", "tp"))),
-        )
-        w = jax.device_put(
-            jnp.asarray(rng.standard_normal((F, H)) / 8, jnp.bfloat16),
-            NamedSharding(mesh, P(("z", "tp"))),
-        )
-        res = jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16)
-        g = jnp.ones((H,), jnp.bfloat16)
         rep, out, want, g_f, g_o = run(f, (x, w, res, g), mesh)
-        assert rep.sites[0].fused == fused_, rep.line()
+        assert rep.sites[0].fused, rep.line()
         close(out, want)
         close(g_f, g_o, ulps=8)
     mesh2 = mesh_2x4()
@@ -421,14 +411,13 @@ def test_custom_rules_beside_the_norm_and_at_unfused_sites_are_kept():
         return r, half_grad_norm(r, g)
 
     mesh = jax.make_mesh((8,), ("tp",))
-    for body, fused_ in ((beside, True), (rule_on_norm, False)):
-        rng = np.random.default_rng(5)
-        x = jax.device_put(
-            jnp.asarray(rng.standard_normal((8, T, H)), f32), NamedSharding(mesh, P("tp"))
-        )
-        res = jnp.asarray(rng.standard_normal((T, H)), f32)
-        g = jnp.asarray(1 + 0.1 * rng.standard_normal(H), f32)
-        n_out = 3 if body is beside else 2
+    rng = np.random.default_rng(5)
+    x = jax.device_put(
+        jnp.asarray(rng.standard_normal((8, T, H)), f32), NamedSharding(mesh, P("tp"))
+    )
+    res = jnp.asarray(rng.standard_normal((T, H)), f32)
+    g = jnp.asarray(1 + 0.1 * rng.standard_normal(H), f32)
+    for body, fused_, n_out in ((beside, True, 3), (rule_on_norm, False, 2)):
         f = jax.jit(
             jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=(P(),) * n_out)
         )
@@ -438,9 +427,6 @@ def test_custom_rules_beside_the_norm_and_at_unfused_sites_are_kept():
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
         if not fused_:
             assert rep.sites[0].reason.startswith("the RMSNorm is inside a custom_vjp")
-
-
-# --- plain jit ------------------------------------------------------------------------------------
 
 
 def test_plain_jit_program_without_sites_says_what_to_do():
@@ -538,14 +524,13 @@ def test_probe_validation_catches_a_proof_that_misreads_the_equations():
     from jax_fusedar.fusion import graph, norm_proof, validation
     from jax_fusedar.fusion.report import Reject
 
+    def site(r, g):
+        f = r.astype(f32)
+        return (
+            f / jnp.sqrt(jnp.mean(f**2, -1, keepdims=True) + EPS) * (1.0 + g.astype(f32))
+        ).astype(r.dtype)
+
     for shape in ((T, H), (H, H), (2, 3, H)):
-
-        def site(r, g):
-            f = r.astype(f32)
-            return (
-                f / jnp.sqrt(jnp.mean(f**2, -1, keepdims=True) + EPS) * (1.0 + g.astype(f32))
-            ).astype(r.dtype)
-
         jaxpr = jax.make_jaxpr(site)(
             jnp.ones(shape, jnp.bfloat16), jnp.ones((H,), jnp.bfloat16)
         ).jaxpr
