@@ -73,9 +73,6 @@ def no_gamma(r, g):
     return (f * jax.lax.rsqrt(jnp.mean(f * f, axis=-1, keepdims=True) + EPS)).astype(r.dtype)
 
 
-# --- helpers -------------------------------------------------------------------------------------
-
-
 def smap(body, n_out=2, n_in=3, check_vma=True):
     """fuse_checks.smap over MESH, jitted."""
     return jax.jit(fuse_checks.smap(body, n_in, n_out, check_vma, MESH))
@@ -187,19 +184,20 @@ def _wrapped_models():
         r = jax.lax.psum(x, "tp") + r
         return r, rms_norm(r, g)
 
-    def in_scan(x, res, g):
-        def step(carry, gi):
-            r, h = layer(x[0] + carry[1], carry[0], gi)
-            return (r, h), None
+    def scanned(block, second):  # over the gammas (g, second(g)); scan_remat: nn.scan(nn.remat)
+        def fn(x, res, g):
+            def step(carry, gi):
+                return block(x[0] + carry[1], carry[0], gi), None
 
-        (r, h), _ = jax.lax.scan(step, (res, jnp.zeros_like(res)), jnp.stack([g, g * 1.5]))
-        return r, h
+            (r, h), _ = jax.lax.scan(step, (res, jnp.zeros_like(res)), jnp.stack([g, second(g)]))
+            return r, h
+
+        return fn
 
     def in_fori(x, res, g):
-        def step(i, carry):
-            return layer(x[0] + carry[1], carry[0], g)
-
-        return jax.lax.fori_loop(0, 3, step, (res, jnp.zeros_like(res)))
+        return jax.lax.fori_loop(
+            0, 3, lambda i, c: layer(x[0] + c[1], c[0], g), (res, jnp.zeros_like(res))
+        )
 
     def in_while(x, res, g):
         def body(c):
@@ -215,59 +213,29 @@ def _wrapped_models():
             x[0, 0, 0] > 0, lambda: layer(x[0], res, g), lambda: layer(-x[0], res, g)
         )
 
-    def in_jit(x, res, g):
-        return jax.jit(layer)(x[0], res, g)
-
-    def norm_in_jit(x, res, g):  # only the norm is jitted
-        r = jax.lax.psum(x[0], "tp") + res
-        return r, jax.jit(rms_norm)(r, g)
-
-    def norm_in_remat(x, res, g):  # only the norm is checkpointed
-        r = jax.lax.psum(x[0], "tp") + res
-        return r, jax.checkpoint(rms_norm)(r, g)
-
-    def in_remat(x, res, g):
-        return jax.checkpoint(layer)(x[0], res, g)
-
     @jax.custom_jvp
     def cnorm(r, g):
         return rms_norm(r, g)
 
     cnorm.defjvp(lambda p, t: (cnorm(*p), t[0]))
 
-    def norm_custom_jvp(x, res, g):
-        r = jax.lax.psum(x[0], "tp") + res
-        return r, cnorm(r, g)
-
     @jax.custom_vjp
     def vlayer(x, r, g):
         return layer(x, r, g)
 
     vlayer.defvjp(lambda x, r, g: (layer(x, r, g), None), lambda _, ct: (ct[0], ct[0], None))
-
-    def in_custom_vjp(x, res, g):
-        return vlayer(x[0], res, g)
-
-    def scan_remat(x, res, g):  # nn.scan(nn.remat(block))
-        def step(carry, gi):
-            r, h = jax.checkpoint(layer)(x[0] + carry[1], carry[0], gi)
-            return (r, h), None
-
-        (r, h), _ = jax.lax.scan(step, (res, jnp.zeros_like(res)), jnp.stack([g, g]))
-        return r, h
-
     return {
-        "scan": (in_scan, 1, 2),
+        "scan": (scanned(layer, lambda g: g * 1.5), 1, 2),
         "fori_loop": (in_fori, 1, 3),
         "while": (in_while, 1, None),
         "cond": (in_cond, 2, 2),
-        "jit": (in_jit, 1, 1),
-        "norm_in_jit": (norm_in_jit, 1, 1),
-        "norm_in_remat": (norm_in_remat, 1, 1),
-        "remat": (in_remat, 1, 1),
-        "custom_vjp": (in_custom_vjp, 1, 1),
-        "scan_remat": (scan_remat, 1, 2),
-        "norm_in_custom_jvp": (norm_custom_jvp, 1, 0),
+        "jit": (lambda x, res, g: jax.jit(layer)(x[0], res, g), 1, 1),
+        "norm_in_jit": (site_body(jax.jit(rms_norm)), 1, 1),  # only the norm is jitted
+        "norm_in_remat": (site_body(jax.checkpoint(rms_norm)), 1, 1),  # only the norm
+        "remat": (lambda x, res, g: jax.checkpoint(layer)(x[0], res, g), 1, 1),
+        "custom_vjp": (lambda x, res, g: vlayer(x[0], res, g), 1, 1),
+        "scan_remat": (scanned(jax.checkpoint(layer), lambda g: g), 1, 2),
+        "norm_in_custom_jvp": (site_body(cnorm), 1, 0),
     }
 
 
@@ -362,9 +330,6 @@ def test_gemma_one_plus_gamma_and_no_gamma(norm, bias, ws):
         return o.residual_out, o.norm_out
 
     assert_equal_values(out, smap(hand)(*args))
-
-
-# --- FP8 tails ------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("keep, pattern", [(True, 4), (False, 2)], ids=["pattern_4", "pattern_2"])
@@ -495,15 +460,8 @@ def test_all_reduce_over_another_axis_is_reported():
         r = jax.lax.psum(x[0], "dp") + res  # over dp: not the fused axis
         return r, rms_norm(r, g)
 
-    f = jax.jit(
-        jax.shard_map(
-            body,
-            mesh=mesh2,
-            in_specs=(P(("dp", "tp")), P("dp"), P()),
-            out_specs=(P("dp"), P("dp")),
-            check_vma=False,
-        )
-    )
+    in_specs = (P(("dp", "tp")), P("dp"), P())
+    f = cpu_helpers.jit_shard_map(body, mesh2, in_specs, (P("dp"), P("dp")), check_vma=False)
     fused = jf.fuse(f, mesh=mesh2, axis_name="tp", backend="xla")
     fused(x, res, g)
     assert fused.report.sites[0].reason == "all-reduce over ('dp',), not the fused axis 'tp'"
@@ -572,9 +530,6 @@ def test_report_as_data(ws):
     assert 0 < rep.as_dict()["analysis_s"] == rep.analysis_s < rep.pass_s
 
 
-# --- grad -----------------------------------------------------------------------------------------
-
-
 def test_grad_of_fused_equals_grad_of_original(ws):
     x, res, g = scope_operands("float32")
     with jf.create_allreduce_fusion_workspace(
@@ -591,9 +546,6 @@ def test_grad_of_fused_equals_grad_of_original(ws):
             got = jax.grad(loss(jf.fuse(f, workspace=w32)), argnums=(0, 1, 2))(x, res, g)
     for a, b in zip(want, got):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-4)
-
-
-# --- arguments ------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
