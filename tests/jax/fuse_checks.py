@@ -93,6 +93,16 @@ def rms_norm(r, g, eps=EPS):
     return (n * g.astype(jnp.float32)).astype(r.dtype)
 
 
+def norm_after(sum_fn):
+    """A model of (x, w, res, g): ``r = sum_fn(x, w) + res``, returning ``(r, rms_norm(r, g))``."""
+
+    def model(x, w, res, g):
+        r = sum_fn(x, w) + res
+        return r, rms_norm(r, g)
+
+    return model
+
+
 def megatron_g(rule="custom_vjp", varying=True):
     """A psum over "tp" with a derivative rule of its own (Megatron's "g"): a custom_vjp whose
     backward is the identity (typed as the varying input when ``varying``, as check_vma

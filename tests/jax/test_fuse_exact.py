@@ -25,6 +25,7 @@ from tests.jax.fuse_checks import (
     fuse_and_run,
     linear_operands,
     megatron_g,
+    norm_after,
     norm_units,
     rms_norm,
     row_parallel,
@@ -64,16 +65,6 @@ def one_scope(norm_fn, extra_outs=None):
         return (r, y) if extra_outs is None else extra_outs(r, y, *extra)
 
     return body
-
-
-def per_linear(sum_fn):
-    """``sum_fn(x, w)`` (the linear's sum over "tp"), the residual add and the norm."""
-
-    def model(x, w, res, g):
-        r = sum_fn(x, w) + res
-        return r, rms_norm(r, g)
-
-    return model
 
 
 def run(fn, args, mesh=MESH, **kw):
@@ -248,7 +239,7 @@ def test_a_workspace_of_another_world_size_leaves_the_site_alone(layout):
         fn, args, mesh, world = smap(one_scope(rms_norm)), scope_operands("bfloat16"), MESH, 8
     else:
         mesh, world = mesh_2x4(), 4
-        fn, args = per_linear(row_parallel(mesh)), lin(mesh)
+        fn, args = norm_after(row_parallel(mesh)), lin(mesh)
     fused, out, want = fuse_and_run(fn, args, mesh, workspace=ws)
     reason = f"the workspace is for 2 ranks over 'tp', the site's all-reduce over it has {world}"
     assert_unchanged(fused.report, out, want, reason)
@@ -281,9 +272,9 @@ def test_explicit_axes_called_without_a_mesh_set(layout):
     mesh = mesh_2x4(AxisType.Explicit)
     if layout == "plain jit":
         out_sharding = NamedSharding(mesh, P("dp"))
-        model = per_linear(lambda x, w: jnp.einsum("tf,fd->td", x, w, out_sharding=out_sharding))
+        model = norm_after(lambda x, w: jnp.einsum("tf,fd->td", x, w, out_sharding=out_sharding))
     else:
-        model = per_linear(row_parallel(mesh))
+        model = norm_after(row_parallel(mesh))
     args = lin(mesh)
     fused = jf.fuse(model, mesh=mesh, axis_name="tp", backend="xla")
     out, want = compiled(fused)(*args), compiled(model)(*args)  # no jax.set_mesh
@@ -379,7 +370,7 @@ def _two_sites(mesh):
 @pytest.mark.parametrize(
     "model, sites",
     [
-        (lambda mesh: per_linear(jax.jit(row_parallel(mesh))), 1),
+        (lambda mesh: norm_after(jax.jit(row_parallel(mesh))), 1),
         (_two_sites, 2),
     ],
     ids=["a jitted per-linear shard_map", "two sites on the outputs of one shard_map"],
@@ -400,7 +391,7 @@ def test_a_float32_sum_of_a_per_linear_shard_map_cast_down(cast_inside):
         s = jax.lax.psum(jnp.dot(x, w, preferred_element_type=f32), "tp")
         return s.astype(bf16) if cast_inside else s
 
-    model = per_linear(lambda x, w: row_parallel(mesh, body)(x, w).astype(bf16))
+    model = norm_after(lambda x, w: row_parallel(mesh, body)(x, w).astype(bf16))
     args = lin(mesh)
     rep, out, want = run(model, args, mesh)
     assert_unchanged(
