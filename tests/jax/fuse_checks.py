@@ -22,6 +22,7 @@ import numpy as np
 
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import jax_fusedar as jf
 from tests.oracles.oracle import ulp
 
 T, H, F = 8, 64, 128  # tokens, hidden size, the linear's input features
@@ -41,6 +42,31 @@ BORDERLINE = 2.0**-18
 def compiled(fn):
     """``fn`` jitted with XLA computing the roundings as written."""
     return jax.jit(fn, compiler_options=EXACT_ROUNDING)
+
+
+def fuse_and_run(fn, args, mesh, *, jit=compiled, grads=False, workspace=None, **kw):
+    """(fused program, its outputs, the original's): ``fn`` fused on the xla backend over
+    "tp" (or on ``workspace``), both run under ``jit`` (default: rounding as written); with
+    ``grads``, then the gradients of both w.r.t. every argument (random cotangents)."""
+    if workspace is None:
+        fused = jf.fuse(fn, mesh=mesh, axis_name="tp", backend="xla", **kw)
+    else:
+        fused = jf.fuse(fn, workspace=workspace, **kw)
+    with jax.set_mesh(mesh):
+        out, want = jit(fused)(*args), jit(fn)(*args)
+        if not grads:
+            return fused, out, want
+        rng = np.random.default_rng(9)
+        cts = [
+            jnp.asarray(rng.standard_normal(o.shape), jnp.float32)
+            for o in jax.eval_shape(fn, *args)
+        ]
+
+        def grad(f):
+            loss = lambda *a: sum(jnp.sum(o.astype(jnp.float32) * c) for o, c in zip(f(*a), cts))
+            return jit(jax.grad(loss, argnums=tuple(range(len(args)))))(*args)
+
+        return fused, out, want, grad(fused), grad(fn)
 
 
 def bits(a):
@@ -65,6 +91,16 @@ def rms_norm(r, g, eps=EPS):
     x = r.astype(jnp.float32)
     n = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
     return (n * g.astype(jnp.float32)).astype(r.dtype)
+
+
+def norm_after(sum_fn):
+    """A model of (x, w, res, g): ``r = sum_fn(x, w) + res``, returning ``(r, rms_norm(r, g))``."""
+
+    def model(x, w, res, g):
+        r = sum_fn(x, w) + res
+        return r, rms_norm(r, g)
+
+    return model
 
 
 def megatron_g(rule="custom_vjp", varying=True):

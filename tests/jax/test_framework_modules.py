@@ -21,6 +21,7 @@ from jax_fusedar.ops import reference
 from tests.jax.cpu_helpers import (
     assert_same_bits,
     check_outputs,
+    jit_shard_map,
     new_rng,
     put,
     random_gamma,
@@ -88,7 +89,7 @@ def direct(ws, partial, residual, gamma, **kw):
 
 
 def sharded(mesh, f, in_specs, out_specs=OUT_SPECS):
-    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+    return jit_shard_map(f, mesh, in_specs, out_specs)
 
 
 def loss(outs, cot):
@@ -119,14 +120,10 @@ class Linen:
         module = self.jff.ResidualRMSNorm(workspace=ws, epsilon=EPS, **kw)
         # Flax's init traces the call, so it runs where the call may: inside shard_map.
         local_p = jnp.zeros((TOKENS, HIDDEN), jnp.bfloat16)
-        variables = jax.jit(
-            jax.shard_map(
-                lambda p, r: module.init(jax.random.key(0), p, r),
-                mesh=ws.mesh,
-                in_specs=(P(), P()),
-                out_specs=P(),
-            )
-        )(local_p, local_p)
+        init = jit_shard_map(
+            lambda p, r: module.init(jax.random.key(0), p, r), ws.mesh, (P(), P()), P()
+        )
+        variables = init(local_p, local_p)
         return variables, lambda v, p, r: module.apply(v, p, r)
 
     def with_gamma(self, variables, gamma):
@@ -310,14 +307,11 @@ def test_module_under_scan_and_remat(fw, mesh, ws):
     cot = put(mesh, P("dp"), rng.standard_normal((DP * TOKENS, HIDDEN)).astype(np.float32))
 
     def run(f, params):
-        return jax.jit(
-            jax.shard_map(
-                lambda q, p, r, c: (f(q, p, r), jax.grad(lambda q: loss(f(q, p, r), c))(q)),
-                mesh=mesh,
-                in_specs=(P(), *SPECS, P("dp")),
-                out_specs=(OUT_SPECS, P()),
-            )
-        )(params, partial, residual, cot)
+        def body(q, p, r, c):
+            return f(q, p, r), jax.grad(lambda q: loss(f(q, p, r), c))(q)
+
+        in_specs = (P(), *SPECS, P("dp"))
+        return sharded(mesh, body, in_specs, (OUT_SPECS, P()))(params, partial, residual, cot)
 
     (s_out, s_grad), (u_out, u_grad) = run(scanned, stacked), run(unrolled, layers)
     assert_same_bits(s_out, u_out, f"{fw.name}: scan + remat forward")

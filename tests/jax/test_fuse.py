@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tests.jax import cpu_helpers, fuse_checks
-from tests.jax.fuse_checks import assert_equal_values, scope_operands
+from tests.jax.fuse_checks import assert_equal_values, rms_norm, scope_operands
 import jax_fusedar as jf
 
 cpu_helpers.require_host_devices()
@@ -25,48 +25,52 @@ cpu_helpers.require_host_devices()
 MESH = jax.make_mesh((8,), ("tp",))
 EPS = 1e-6
 T, H = 6, 64
+f32 = jnp.float32
 
 
 # --- the norms as users write them (plain jnp, MaxText, flax.linen, flax.nnx) ---------------------
-
-
-def norm_plain(r, g, eps=EPS):  # float32 inside, gamma in float32
-    f = r.astype(jnp.float32)
-    n = f * jax.lax.rsqrt(jnp.mean(f * f, axis=-1, keepdims=True) + eps)
-    return (n * g.astype(jnp.float32)).astype(r.dtype)
+# (plain jnp: fuse_checks.rms_norm, float32 inside, gamma in float32)
 
 
 def norm_pow(r, g, eps=EPS):  # x ** 2 (integer_pow), 1/sqrt
-    f = r.astype(jnp.float32)
+    f = r.astype(f32)
     n = f * jax.lax.rsqrt(jnp.mean(f**2, axis=-1, keepdims=True) + eps)
-    return (g.astype(jnp.float32) * n).astype(r.dtype)
+    return (g.astype(f32) * n).astype(r.dtype)
 
 
 def norm_maxtext(r, g, eps=EPS):  # cast to T, then gamma in T
-    f = r.astype(jnp.float32)
+    f = r.astype(f32)
     n = f * jax.lax.rsqrt(jnp.mean(jnp.square(f), axis=-1, keepdims=True) + eps)
     return n.astype(r.dtype) * g.astype(r.dtype)
 
 
 def norm_linen(r, g, eps=EPS):  # flax.linen.RMSNorm's sequence
-    f = r.astype(jnp.float32)
+    f = r.astype(f32)
     ms = jnp.mean(jax.lax.square(f), axis=-1)
     mean = jnp.zeros_like(ms)
-    y = r.astype(jnp.float32) - mean[..., None]
+    y = r.astype(f32) - mean[..., None]
     inv = jax.lax.rsqrt(ms[..., None] + eps)
-    return (y * (inv * g.reshape(1, -1).astype(jnp.float32))).astype(r.dtype)
+    return (y * (inv * g.reshape(1, -1).astype(f32))).astype(r.dtype)
 
 
 def norm_nnx(r, g, eps=EPS):  # f32 param cast to T, then to f32
     gb = g.astype(r.dtype)
-    f = r.astype(jnp.float32)
+    f = r.astype(f32)
     ms = jnp.mean(jax.lax.square(f), axis=-1)
     inv = jax.lax.rsqrt(ms.reshape(ms.shape + (1,)) + eps)
-    scale = gb.reshape(1, -1).astype(jnp.float32)
-    return (r.astype(jnp.float32) * (inv * scale)).astype(r.dtype)
+    scale = gb.reshape(1, -1).astype(f32)
+    return (r.astype(f32) * (inv * scale)).astype(r.dtype)
 
 
-# --- helpers -------------------------------------------------------------------------------------
+def gemma(r, g):  # 1 + gamma
+    f = r.astype(f32)
+    n = f * jax.lax.rsqrt(jnp.mean(f * f, axis=-1, keepdims=True) + EPS)
+    return (n * (1.0 + g.astype(f32))).astype(r.dtype)
+
+
+def no_gamma(r, g):
+    f = r.astype(f32)
+    return (f * jax.lax.rsqrt(jnp.mean(f * f, axis=-1, keepdims=True) + EPS)).astype(r.dtype)
 
 
 def smap(body, n_out=2, n_in=3, check_vma=True):
@@ -100,6 +104,14 @@ def hand_body(ws, eps=EPS):
     return body
 
 
+def run(body, ws, args=None, n_out=2, n_in=3, check_vma=True, **kw):
+    """(unfused program, fused program, its outputs): ``body`` in smap, fused on ``ws``, run
+    on ``args`` (default scope_operands())."""
+    f = smap(body, n_out, n_in, check_vma)
+    fused = jf.fuse(f, workspace=ws, **kw)
+    return f, fused, fused(*(args or scope_operands()))
+
+
 @pytest.fixture(scope="module")
 def ws():
     with jf.create_allreduce_fusion_workspace(
@@ -121,52 +133,48 @@ def assert_close_to_unfused(unfused, fused, dtype="bfloat16"):
 
 # --- forms that fuse ------------------------------------------------------------------------------
 
+EXACT_FORMS = {
+    "norm_plain": rms_norm,
+    "norm_pow": norm_pow,
+    "norm_linen": norm_linen,
+    "norm_nnx": norm_nnx,
+}
 
-@pytest.mark.parametrize("norm", [norm_plain, norm_pow, norm_linen, norm_nnx])
-def test_exact_forms_are_fused_and_equal_the_hand_written_op(norm, ws):
-    gamma_dtype = "float32" if norm is norm_nnx else None  # nnx rounds its f32 param to T
-    x, res, g = scope_operands(gamma_dtype=gamma_dtype)
-    f = smap(site_body(norm))
-    fused = jf.fuse(f, workspace=ws)
-    out = fused(x, res, g)
+
+@pytest.mark.parametrize("name", list(EXACT_FORMS))
+def test_exact_forms_are_fused_and_equal_the_hand_written_op(name, ws):
+    args = scope_operands(gamma_dtype="float32" if name == "norm_nnx" else None)  # nnx rounds
+    f, fused, out = run(site_body(EXACT_FORMS[name]), ws, args)  # its f32 param to T
     assert fused.report.line() == (
         "jax_fusedar.fuse: fused 1 of 1 all-reduce + residual + RMSNorm site(s)"
     )
     site = fused.report.sites[0]
     assert (site.pattern, site.tokens, site.hidden, site.dtype) == (1, T, H, "bfloat16")
     assert site.rms_eps == pytest.approx(EPS) and site.rounding_change is None
-    assert_equal_values(out, smap(hand_body(ws))(x, res, g))
-    assert_close_to_unfused(f(x, res, g), out)
-    assert "jax_fusedar_allreduce_fusion" in str(jax.make_jaxpr(fused)(x, res, g))
-    assert "psum" not in str(jax.make_jaxpr(fused)(x, res, g))
+    assert_equal_values(out, smap(hand_body(ws))(*args))
+    assert_close_to_unfused(f(*args), out)
+    text = str(jax.make_jaxpr(fused)(*args))
+    assert "jax_fusedar_allreduce_fusion" in text and "psum" not in text
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_other_dtypes(dtype):
-    x, res, g = scope_operands(dtype)
-    f = smap(site_body(norm_plain))
-    with jf.fuse(f, mesh=MESH, axis_name="tp", backend="xla") as fused:
-        out = fused(x, res, g)
+    args = scope_operands(dtype)
+    with jf.fuse(smap(site_body(rms_norm)), mesh=MESH, axis_name="tp", backend="xla") as fused:
+        out = fused(*args)
         assert len(fused.report.fused) == 1
         ws = fused.workspaces[0]
         assert (ws.dtype.name, ws.max_token_num, ws.hidden_dim) == (dtype, T, H)
-        assert_equal_values(out, smap(hand_body(ws))(x, res, g))
+        assert_equal_values(out, smap(hand_body(ws))(*args))
     assert ws.destroyed  # the transform's own workspaces go with it
 
 
 def test_3d_activations_and_check_vma_off(ws):
-    x, res, g = scope_operands(shape=(2, 3, H))
-
-    def body(x, res, g):
-        r = jax.lax.psum(x[0], "tp") + res
-        return r, norm_plain(r, g)
-
-    f = smap(body, check_vma=False)
-    fused = jf.fuse(f, workspace=ws)
-    out = fused(x, res, g)
-    assert "psum[" in str(jax.make_jaxpr(f)(x, res, g))  # plain psum without check_vma
+    args = scope_operands(shape=(2, 3, H))
+    f, fused, out = run(site_body(rms_norm), ws, args, check_vma=False)
+    assert "psum[" in str(jax.make_jaxpr(f)(*args))  # plain psum without check_vma
     assert fused.report.sites[0].tokens == 6 and fused.report.sites[0].fused
-    assert_equal_values(out, smap(hand_body(ws))(x, res, g))
+    assert_equal_values(out, smap(hand_body(ws))(*args))
 
 
 def _wrapped_models():
@@ -174,21 +182,22 @@ def _wrapped_models():
 
     def layer(x, r, g):
         r = jax.lax.psum(x, "tp") + r
-        return r, norm_plain(r, g)
+        return r, rms_norm(r, g)
 
-    def in_scan(x, res, g):
-        def step(carry, gi):
-            r, h = layer(x[0] + carry[1], carry[0], gi)
-            return (r, h), None
+    def scanned(block, second):  # over the gammas (g, second(g)); scan_remat: nn.scan(nn.remat)
+        def fn(x, res, g):
+            def step(carry, gi):
+                return block(x[0] + carry[1], carry[0], gi), None
 
-        (r, h), _ = jax.lax.scan(step, (res, jnp.zeros_like(res)), jnp.stack([g, g * 1.5]))
-        return r, h
+            (r, h), _ = jax.lax.scan(step, (res, jnp.zeros_like(res)), jnp.stack([g, second(g)]))
+            return r, h
+
+        return fn
 
     def in_fori(x, res, g):
-        def step(i, carry):
-            return layer(x[0] + carry[1], carry[0], g)
-
-        return jax.lax.fori_loop(0, 3, step, (res, jnp.zeros_like(res)))
+        return jax.lax.fori_loop(
+            0, 3, lambda i, c: layer(x[0] + c[1], c[0], g), (res, jnp.zeros_like(res))
+        )
 
     def in_while(x, res, g):
         def body(c):
@@ -204,59 +213,29 @@ def _wrapped_models():
             x[0, 0, 0] > 0, lambda: layer(x[0], res, g), lambda: layer(-x[0], res, g)
         )
 
-    def in_jit(x, res, g):
-        return jax.jit(layer)(x[0], res, g)
-
-    def norm_in_jit(x, res, g):  # only the norm is jitted
-        r = jax.lax.psum(x[0], "tp") + res
-        return r, jax.jit(norm_plain)(r, g)
-
-    def norm_in_remat(x, res, g):  # only the norm is checkpointed
-        r = jax.lax.psum(x[0], "tp") + res
-        return r, jax.checkpoint(norm_plain)(r, g)
-
-    def in_remat(x, res, g):
-        return jax.checkpoint(layer)(x[0], res, g)
-
     @jax.custom_jvp
     def cnorm(r, g):
-        return norm_plain(r, g)
+        return rms_norm(r, g)
 
     cnorm.defjvp(lambda p, t: (cnorm(*p), t[0]))
-
-    def norm_custom_jvp(x, res, g):
-        r = jax.lax.psum(x[0], "tp") + res
-        return r, cnorm(r, g)
 
     @jax.custom_vjp
     def vlayer(x, r, g):
         return layer(x, r, g)
 
     vlayer.defvjp(lambda x, r, g: (layer(x, r, g), None), lambda _, ct: (ct[0], ct[0], None))
-
-    def in_custom_vjp(x, res, g):
-        return vlayer(x[0], res, g)
-
-    def scan_remat(x, res, g):  # nn.scan(nn.remat(block))
-        def step(carry, gi):
-            r, h = jax.checkpoint(layer)(x[0] + carry[1], carry[0], gi)
-            return (r, h), None
-
-        (r, h), _ = jax.lax.scan(step, (res, jnp.zeros_like(res)), jnp.stack([g, g]))
-        return r, h
-
     return {
-        "scan": (in_scan, 1, 2),
+        "scan": (scanned(layer, lambda g: g * 1.5), 1, 2),
         "fori_loop": (in_fori, 1, 3),
         "while": (in_while, 1, None),
         "cond": (in_cond, 2, 2),
-        "jit": (in_jit, 1, 1),
-        "norm_in_jit": (norm_in_jit, 1, 1),
-        "norm_in_remat": (norm_in_remat, 1, 1),
-        "remat": (in_remat, 1, 1),
-        "custom_vjp": (in_custom_vjp, 1, 1),
-        "scan_remat": (scan_remat, 1, 2),
-        "norm_in_custom_jvp": (norm_custom_jvp, 1, 0),
+        "jit": (lambda x, res, g: jax.jit(layer)(x[0], res, g), 1, 1),
+        "norm_in_jit": (site_body(jax.jit(rms_norm)), 1, 1),  # only the norm is jitted
+        "norm_in_remat": (site_body(jax.checkpoint(rms_norm)), 1, 1),  # only the norm
+        "remat": (lambda x, res, g: jax.checkpoint(layer)(x[0], res, g), 1, 1),
+        "custom_vjp": (lambda x, res, g: vlayer(x[0], res, g), 1, 1),
+        "scan_remat": (scanned(jax.checkpoint(layer), lambda g: g), 1, 2),
+        "norm_in_custom_jvp": (site_body(cnorm), 1, 0),
     }
 
 
@@ -266,35 +245,31 @@ MODELS = _wrapped_models()
 @pytest.mark.parametrize("name", list(MODELS))
 def test_sites_inside_wrappers_are_fused(name, ws):
     body, n_sites, runs = MODELS[name]
-    x, res, g = scope_operands()
-    f = smap(body)
-    fused = jf.fuse(f, workspace=ws)
-    out = fused(x, res, g)
+    args = scope_operands()
+    f, fused, out = run(body, ws, args)
     rep = fused.report
     if runs == 0:  # a norm with its own derivative rule: fusing would drop the rule
         assert rep.sites[0].reason.startswith(
             "the RMSNorm is inside a custom_jvp (fusing would drop its derivative rule)"
         ), rep.line()
-        assert_equal_values(out, f(x, res, g))
+        assert_equal_values(out, f(*args))
         return
     assert len(rep.sites) == n_sites and len(rep.fused) == n_sites, rep.line()
     assert rep.fused_runs() == runs  # scan/fori lengths counted; cond: each branch counts
-    text = str(jax.make_jaxpr(fused)(x, res, g))
+    text = str(jax.make_jaxpr(fused)(*args))
     assert text.count("jax_fusedar_allreduce_fusion") == n_sites
     assert "psum" not in text
-    assert_close_to_unfused(f(x, res, g), out)
+    assert_close_to_unfused(f(*args), out)
 
 
 def test_fuse_of_jit_and_jit_of_fuse_agree(ws):
-    x, res, g = scope_operands()
-    body = site_body(norm_plain)
-    sm = jax.shard_map(body, mesh=MESH, in_specs=(P("tp"), P(), P()), out_specs=(P(), P()))
-    a = jf.fuse(jax.jit(sm), workspace=ws)(x, res, g)
-    b = jax.jit(jf.fuse(sm, workspace=ws))(x, res, g)
-    c = jf.fuse(sm, workspace=ws)(x, res, g)  # eager shard_map inside
-    assert_equal_values(a, b)
-    assert_equal_values(a, c)
-    assert_equal_values(a, smap(hand_body(ws))(x, res, g))
+    args = scope_operands()
+    sm = fuse_checks.smap(site_body(rms_norm), mesh=MESH)
+    a = jf.fuse(jax.jit(sm), workspace=ws)(*args)
+    b = jax.jit(jf.fuse(sm, workspace=ws))(*args)
+    c = jf.fuse(sm, workspace=ws)(*args)  # eager shard_map inside
+    for other in (b, c, smap(hand_body(ws))(*args)):
+        assert_equal_values(a, other)
 
 
 def test_the_equations_fuse_keeps_keep_the_models_names(ws):
@@ -305,17 +280,17 @@ def test_the_equations_fuse_keeps_keep_the_models_names(ws):
         with jax.named_scope("before_the_site"):
             y = jnp.tanh(x[0])
         r = jax.lax.psum(y, "tp") + res
-        n = norm_plain(r, g)
+        n = rms_norm(r, g)
         with jax.named_scope("after_the_site"):
             return r, jnp.sin(n)
 
-    x, res, g = scope_operands()
+    args = scope_operands()
     fused = jf.fuse(smap(body), workspace=ws)
-    text = jax.jit(fused).lower(x, res, g).as_text(debug_info=True)
+    text = jax.jit(fused).lower(*args).as_text(debug_info=True)
     assert len(fused.report.fused) == 1
     for name in ("before_the_site/tanh", "after_the_site/sin"):
         assert name in text, name
-    assert_equal_values(fused(x, res, g), smap(body)(x, res, g))
+    assert_equal_values(fused(*args), smap(body)(*args))
 
 
 def test_kwargs_and_pytrees_pass_through(ws):
@@ -324,7 +299,7 @@ def test_kwargs_and_pytrees_pass_through(ws):
     def fn(x, *, state):
         def body(x, res, g):
             r = jax.lax.psum(x[0], "tp") + res
-            return {"r": r, "h": norm_plain(r, g)}
+            return {"r": r, "h": rms_norm(r, g)}
 
         return jax.shard_map(
             body, mesh=MESH, in_specs=(P("tp"), P(), P()), out_specs={"r": P(), "h": P()}
@@ -335,115 +310,91 @@ def test_kwargs_and_pytrees_pass_through(ws):
     assert_equal_values((out["r"], out["h"]), smap(hand_body(ws))(x, res, g))
 
 
-def test_gemma_one_plus_gamma_and_no_gamma(ws):
-    x, res, g = scope_operands()
+@pytest.mark.parametrize("norm, bias", [(gemma, 1.0), (no_gamma, 0.0)], ids=["gemma", "no_gamma"])
+def test_gemma_one_plus_gamma_and_no_gamma(norm, bias, ws):
+    args = scope_operands()
+    _, fused, out = run(site_body(norm), ws, args)
+    site = fused.report.sites[0]
+    assert site.fused and site.weight_bias == bias, site
 
-    def gemma(r, g):
-        f = r.astype(jnp.float32)
-        n = f * jax.lax.rsqrt(jnp.mean(f * f, axis=-1, keepdims=True) + EPS)
-        return (n * (1.0 + g.astype(jnp.float32))).astype(r.dtype)
+    def hand(x, res, g):
+        o = jf.allreduce_fusion(
+            x[0],
+            axis_name="tp",
+            workspace=ws,
+            residual=res,
+            rms_gamma=g if bias else jnp.ones_like(g),
+            rms_eps=EPS,
+            weight_bias=bias,
+        )
+        return o.residual_out, o.norm_out
 
-    def plain(r, g):
-        f = r.astype(jnp.float32)
-        return (f * jax.lax.rsqrt(jnp.mean(f * f, axis=-1, keepdims=True) + EPS)).astype(r.dtype)
-
-    for norm, bias, gamma in ((gemma, 1.0, g), (plain, 0.0, jnp.ones_like(g))):
-        fused = jf.fuse(smap(site_body(norm)), workspace=ws)
-        out = fused(x, res, g)
-        site = fused.report.sites[0]
-        assert site.fused and site.weight_bias == bias, site
-
-        def hand(x, res, g, bias=bias, gamma=gamma):
-            o = jf.allreduce_fusion(
-                x[0],
-                axis_name="tp",
-                workspace=ws,
-                residual=res,
-                rms_gamma=gamma if bias == 0 else g,
-                rms_eps=EPS,
-                weight_bias=bias,
-            )
-            return o.residual_out, o.norm_out
-
-        assert_equal_values(out, smap(hand)(x, res, g))
+    assert_equal_values(out, smap(hand)(*args))
 
 
-# --- FP8 tails ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("keep, pattern", [(True, 4), (False, 2)], ids=["pattern_4", "pattern_2"])
+def test_static_fp8_tail_becomes_pattern_4_or_2(keep, pattern, ws):
+    args = scope_operands() + (f32(0.05),)
 
-
-def test_static_fp8_tail_becomes_pattern_4_or_2(ws):
-    x, res, g = scope_operands()
-    scale = jnp.float32(0.05)
-
-    def body(x, res, g, s, keep_norm):
+    def body(x, res, g, s):
         r = jax.lax.psum(x[0], "tp") + res
-        y = norm_plain(r, g)
-        q = jnp.clip(y.astype(jnp.float32) / s, -448, 448).astype(jnp.float8_e4m3fn)
-        return (r, q, y) if keep_norm else (r, q)
+        y = rms_norm(r, g)
+        q = jnp.clip(y.astype(f32) / s, -448, 448).astype(jnp.float8_e4m3fn)
+        return (r, q, y) if keep else (r, q)
 
-    for keep, pattern in ((True, 4), (False, 2)):
-        f = smap(lambda a, b, c, d: body(a, b, c, d, keep), n_out=3 if keep else 2, n_in=4)
-        fused = jf.fuse(f, workspace=ws)
-        out = fused(x, res, g, scale)
-        assert fused.report.sites[0].pattern == pattern, fused.report
-        ref = f(x, res, g, scale)
-        # FP8 codes: within one e4m3 step of the unfused program's (rounding of the norm
-        # and the kernel's reciprocal multiply, quant_reference's documented modes).
-        qa = np.asarray(out[1], np.float32)
-        qb = np.asarray(ref[1], np.float32)
-        assert np.max(np.abs(qa - qb)) <= np.max(np.abs(qb)) / 8
+    f, fused, out = run(body, ws, args, n_out=3 if keep else 2, n_in=4)
+    assert fused.report.sites[0].pattern == pattern, fused.report
+    # FP8 codes: within one e4m3 step of the unfused program's (rounding of the norm
+    # and the kernel's reciprocal multiply, quant_reference's documented modes).
+    qa, qb = (np.asarray(o[1], f32) for o in (out, f(*args)))
+    assert np.max(np.abs(qa - qb)) <= np.max(np.abs(qb)) / 8
 
 
 def test_dynamic_fp8_tail_becomes_pattern_11(ws):
-    x, res, g = scope_operands()
+    args = scope_operands()
 
     def body(x, res, g):
         r = jax.lax.psum(x[0], "tp") + res
-        y = norm_plain(r, g)
-        y32 = y.astype(jnp.float32)
+        y = rms_norm(r, g)
+        y32 = y.astype(f32)
         s = jnp.maximum(jnp.max(jnp.abs(y32), axis=-1, keepdims=True) / 448, 1 / (512 * 448))
         q = jnp.clip(y32 / s, -448, 448).astype(jnp.float8_e4m3fn)
         return r, y, q, s
 
-    f = smap(body, n_out=4)
-    fused = jf.fuse(f, workspace=ws)
-    out = fused(x, res, g)
+    f, fused, out = run(body, ws, args, n_out=4)
     assert fused.report.sites[0].pattern == 11, fused.report
-    ref = f(x, res, g)
+    ref = f(*args)
     np.testing.assert_allclose(np.asarray(out[3]), np.asarray(ref[3]), rtol=2e-2)
-    qa, qb = np.asarray(out[2], np.float32), np.asarray(ref[2], np.float32)
+    qa, qb = np.asarray(out[2], f32), np.asarray(ref[2], f32)
     assert np.max(np.abs(qa - qb)) <= 448 / 8
 
 
 # --- forms left alone, with reasons ---------------------------------------------------------------
 
 
-def _reason(body, ws, *, gamma_dtype=None, allow=False, shape=(T, H)):
-    x, res, g = scope_operands(gamma_dtype=gamma_dtype, shape=shape)
-    f = smap(body)
-    fused = jf.fuse(f, workspace=ws, allow_rounding_change=allow)
-    out = fused(x, res, g)
-    return fused.report, f(x, res, g), out
+def _reason(body, ws, *, gamma_dtype=None, allow=False):
+    args = scope_operands(gamma_dtype=gamma_dtype)
+    f, fused, out = run(body, ws, args, allow_rounding_change=allow)
+    return fused.report, f(*args), out
+
+
+def _f32_norm(r, axis):  # no gamma, not cast back
+    return r.astype(f32) * jax.lax.rsqrt(
+        jnp.mean(r.astype(f32) ** 2, axis=axis, keepdims=True) + EPS
+    )
 
 
 @pytest.mark.parametrize(
     "body, gamma_dtype, reason",
     [
-        (site_body(norm_plain), "float32", "float32 gamma (the kernel reads gamma in bfloat16)"),
+        (site_body(rms_norm), "float32", "float32 gamma (the kernel reads gamma in bfloat16)"),
         (
-            site_body(lambda r, g: norm_plain(r, g, eps=g[0].astype(jnp.float32) * 0 + 1e-6)),
+            site_body(lambda r, g: rms_norm(r, g, eps=g[0].astype(f32) * 0 + 1e-6)),
             None,
             "eps traced (not a constant)",
         ),
         (
-            site_body(
-                lambda r, g: (
-                    r.astype(jnp.float32)
-                    * jax.lax.rsqrt(
-                        jnp.mean(r.astype(jnp.float32) ** 2, axis=0, keepdims=True) + EPS
-                    )
-                ).astype(r.dtype)
-            ),
+            site_body(lambda r, g: _f32_norm(r, 0).astype(r.dtype)),
             None,
             "norm over axis 0, not the last",
         ),
@@ -455,28 +406,19 @@ def _reason(body, ws, *, gamma_dtype=None, allow=False, shape=(T, H)):
             "RMSNorm computed in bfloat16, not float32",
         ),
         (
-            site_body(
-                lambda r, g: (
-                    r.astype(jnp.float32)
-                    * jax.lax.rsqrt(
-                        jnp.mean(r.astype(jnp.float32) ** 2, axis=-1, keepdims=True) + EPS
-                    )
-                )
-            ),
+            site_body(lambda r, g: _f32_norm(r, -1)),
             None,
             "the norm output is not cast back to bfloat16",
         ),
         (
-            lambda x, res, g: (jax.lax.psum(x[0], "tp"), norm_plain(res, g)),
+            lambda x, res, g: (jax.lax.psum(x[0], "tp"), rms_norm(res, g)),
             None,
             "the all-reduce is not followed by a residual add",
         ),
         (
             lambda x, res, g: (
-                (jax.lax.psum(x[0].astype(jnp.float32), "tp") + res.astype(jnp.float32)).astype(
-                    res.dtype
-                ),
-                norm_plain(res, g),
+                (jax.lax.psum(x[0].astype(f32), "tp") + res.astype(f32)).astype(res.dtype),
+                rms_norm(res, g),
             ),
             None,
             "all-reduce in float32 of bfloat16 values",
@@ -498,15 +440,13 @@ def test_non_exact_forms_stay_unfused_with_the_reason(body, gamma_dtype, reason,
 
 @pytest.mark.parametrize(
     "norm, gamma_dtype, change",
-    [
-        (norm_plain, "float32", "gamma rounded to bfloat16"),
-    ],
+    [(rms_norm, "float32", "gamma rounded to bfloat16")],
+    ids=["norm_plain-float32-gamma rounded to bfloat16"],
 )
 def test_allow_rounding_change_fuses_and_reports_it(norm, gamma_dtype, change, ws):
     rep, unfused, out = _reason(site_body(norm), ws, gamma_dtype=gamma_dtype, allow=True)
     assert len(rep.fused) == 1 and rep.sites[0].rounding_change == change
-    x, res, g = scope_operands(gamma_dtype=gamma_dtype)
-    assert_equal_values(out, smap(hand_body(ws))(x, res, g))
+    assert_equal_values(out, smap(hand_body(ws))(*scope_operands(gamma_dtype=gamma_dtype)))
     assert_close_to_unfused(unfused, out)
 
 
@@ -518,36 +458,27 @@ def test_all_reduce_over_another_axis_is_reported():
 
     def body(x, res, g):
         r = jax.lax.psum(x[0], "dp") + res  # over dp: not the fused axis
-        return r, norm_plain(r, g)
+        return r, rms_norm(r, g)
 
-    f = jax.jit(
-        jax.shard_map(
-            body,
-            mesh=mesh2,
-            in_specs=(P(("dp", "tp")), P("dp"), P()),
-            out_specs=(P("dp"), P("dp")),
-            check_vma=False,
-        )
-    )
+    in_specs = (P(("dp", "tp")), P("dp"), P())
+    f = cpu_helpers.jit_shard_map(body, mesh2, in_specs, (P("dp"), P("dp")), check_vma=False)
     fused = jf.fuse(f, mesh=mesh2, axis_name="tp", backend="xla")
     fused(x, res, g)
     assert fused.report.sites[0].reason == "all-reduce over ('dp',), not the fused axis 'tp'"
 
 
 def test_sites_above_the_workspace_stay_unfused(ws):
-    x, res, g = scope_operands(shape=(2 * 64, H))  # 128 tokens > the workspace's 64
-    f = smap(site_body(norm_plain))
-    fused = jf.fuse(f, workspace=ws)
-    fused(x, res, g)
+    args = scope_operands(shape=(2 * 64, H))  # 128 tokens > the workspace's 64
+    f, fused, _ = run(site_body(rms_norm), ws, args)
     assert fused.report.sites[0].reason == "tokens 128 x hidden 64 > workspace max 64 x 64"
     capped = jf.fuse(f, mesh=MESH, axis_name="tp", backend="xla", max_tokens=100)
-    capped(x, res, g)
+    capped(*args)
     assert capped.report.sites[0].reason == "tokens 128 > max_tokens 100"
     assert not capped.workspaces
 
 
 def test_created_workspaces_are_reused_and_grown():
-    f = smap(site_body(norm_plain))
+    f = smap(site_body(rms_norm))
     with jf.fuse(f, mesh=MESH, backend="xla") as fused:  # 1-D mesh: the axis is implied
         fused(*scope_operands(shape=(4, H)))
         fused(*scope_operands(shape=(2, H)))
@@ -566,20 +497,18 @@ def test_gamma_after_the_rounding_fuses_exactly(allow, ws):
     rep, unfused, out = _reason(site_body(norm_maxtext), ws, allow=allow)
     assert len(rep.fused) == 1, rep.line()
     assert rep.sites[0].rounding_change is None
-    x, res, g = scope_operands()
 
     def by_hand(x, res, g):
         r, y = hand_body(ws)(x, res, jnp.ones_like(g))
         return r, y * g.astype(y.dtype)
 
-    assert_equal_values(out, smap(by_hand)(x, res, g))
+    assert_equal_values(out, smap(by_hand)(*scope_operands()))
     assert_equal_values(out, unfused)
 
 
 def test_report_is_logged_as_one_line(ws, caplog):
-    x, res, g = scope_operands(gamma_dtype="float32")
     with caplog.at_level(logging.INFO, logger="jax_fusedar"):
-        jf.fuse(smap(site_body(norm_plain)), workspace=ws)(x, res, g)
+        run(site_body(rms_norm), ws, scope_operands(gamma_dtype="float32"))
     lines = [r.getMessage() for r in caplog.records if "jax_fusedar.fuse:" in r.getMessage()]
     assert lines == [
         "jax_fusedar.fuse: fused 0 of 1 all-reduce + residual + RMSNorm site(s); "
@@ -590,44 +519,23 @@ def test_report_is_logged_as_one_line(ws, caplog):
 
 
 def test_report_as_data(ws):
-    x, res, g = scope_operands()
-    fused = jf.fuse(smap(site_body(norm_plain)), workspace=ws)
-    rep = fused.analyze(x, res, g)
-    d = rep.as_dict()
+    args = scope_operands()
+    d = jf.fuse(smap(site_body(rms_norm)), workspace=ws).analyze(*args).as_dict()
     assert d["fused"] == 1 and d["sites"][0]["pattern"] == 1 and d["sites"][0]["runs"] == 1
     assert d["sites"][0]["where"].startswith("jit(")
     # The pass's own time, measured inside the trace: more than nothing, less than it all.
     start = time.perf_counter()
-    rep = jf.fuse(smap(site_body(norm_plain)), workspace=ws).analyze(x, res, g)
+    rep = jf.fuse(smap(site_body(rms_norm)), workspace=ws).analyze(*args)
     assert 0 < rep.as_dict()["pass_s"] == rep.pass_s < time.perf_counter() - start
     assert 0 < rep.as_dict()["analysis_s"] == rep.analysis_s < rep.pass_s
 
 
-# --- grad -----------------------------------------------------------------------------------------
-
-
-def _jvp_missing() -> str:
-    """The reason the fused primitive cannot be differentiated yet, or '' when it can."""
-    x, res, g = scope_operands()
-    with jf.create_allreduce_fusion_workspace(
-        MESH, "tp", max_token_num=T, hidden_dim=H, dtype=jnp.bfloat16, backend="xla"
-    ) as w:
-        try:
-            jax.jvp(smap(hand_body(w)), (x, res, g), (x, res, g))
-        except NotImplementedError as e:
-            return str(e)
-    return ""
-
-
 def test_grad_of_fused_equals_grad_of_original(ws):
-    missing = _jvp_missing()
-    if missing:
-        pytest.skip(f"allreduce_fusion has no JVP rule yet: {missing}")
     x, res, g = scope_operands("float32")
     with jf.create_allreduce_fusion_workspace(
-        MESH, "tp", max_token_num=T, hidden_dim=H, dtype=jnp.float32, backend="xla"
+        MESH, "tp", max_token_num=T, hidden_dim=H, dtype=f32, backend="xla"
     ) as w32:
-        f = smap(site_body(norm_plain))
+        f = smap(site_body(rms_norm))
 
         def loss(fn):
             return lambda x, res, g: sum(jnp.sum(o**2) for o in fn(x, res, g))
@@ -638,9 +546,6 @@ def test_grad_of_fused_equals_grad_of_original(ws):
             got = jax.grad(loss(jf.fuse(f, workspace=w32)), argnums=(0, 1, 2))(x, res, g)
     for a, b in zip(want, got):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-4)
-
-
-# --- arguments ------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -725,14 +630,11 @@ def test_workspace_with_another_axis_is_refused(ws):
 def test_two_all_reduces_into_one_add_fuse_once(ws):
     # r = psum(a) + psum(b): the first becomes the fused op with psum(b) as its residual; the
     # second cannot claim the same add.
-    x, res, g = scope_operands()
-
     def body(x, res, g):
         r = jax.lax.psum(x[0], "tp") + jax.lax.psum(x[0] * 2, "tp")
-        return r, norm_plain(r, g)
+        return r, rms_norm(r, g)
 
-    f = smap(body)
-    fused = jf.fuse(f, workspace=ws)
-    out = fused(x, res, g)
+    args = scope_operands()
+    f, fused, out = run(body, ws, args)
     assert [s.reason for s in fused.report.sites] == [None, "overlaps another fused site"]
-    assert_close_to_unfused(f(x, res, g), out)
+    assert_close_to_unfused(f(*args), out)

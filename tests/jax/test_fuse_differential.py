@@ -74,189 +74,66 @@ FUSED_OP = "jax_fusedar_allreduce_fusion"  # the fused op's primitive, in a jaxp
 
 
 # --- norm spellings -------------------------------------------------------------------------------
-# Each takes the residual sum r (dtype T) and gamma g, and returns the norm output.
+# Each takes the residual sum r (dtype T) and gamma g, and returns the norm output; most are
+# written on x = r in float32 with the result rounded back to T (in_f32).
+
+rsqrt = jax.lax.rsqrt
 
 
-def _f(r):
-    return r.astype(f32)
+def in_f32(body):
+    return lambda r, g: body(r.astype(f32), g).astype(r.dtype)
 
 
 def _ms(x):
     return jnp.mean(x * x, axis=-1, keepdims=True)
 
 
-def rsqrt_mul(r, g):
-    x = _f(r)
-    return (x * jax.lax.rsqrt(_ms(x) + EPS) * g.astype(f32)).astype(r.dtype)
-
-
-def sqrt_div(r, g):  # Hugging Face Flax's and Gemma's spelling
-    x = _f(r)
-    var = jnp.power(x, 2).mean(-1, keepdims=True)
-    return (g.astype(f32) * x / jnp.sqrt(var + EPS)).astype(r.dtype)
-
-
-def gamma_over_rms(r, g):  # gamma * x / rms
-    x = _f(r)
-    rms = jnp.sqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + EPS)
-    return (g.astype(f32) * x / rms).astype(r.dtype)
-
-
-def pow_minus_half(r, g):
-    x = _f(r)
-    return (x * (_ms(x) + EPS) ** -0.5 * g.astype(f32)).astype(r.dtype)
-
-
-def sum_over_h(r, g):
-    x = _f(r)
-    return (
-        x * jax.lax.rsqrt(jnp.sum(x**2, -1, keepdims=True) / x.shape[-1] + EPS) * g.astype(f32)
-    ).astype(r.dtype)
-
-
-def sum_times_inverse_h(r, g):
-    x = _f(r)
-    inv = jax.lax.rsqrt(jnp.sum(x * x, -1, keepdims=True) * (1.0 / x.shape[-1]) + EPS)
-    return (g.astype(f32) * (inv * x)).astype(r.dtype)
-
-
-def reciprocal_of_sqrt(r, g):
-    x = _f(r)
-    inv = jnp.reciprocal(jnp.sqrt(jnp.mean(jnp.square(x), -1) + EPS))[..., None]
-    return (inv * x * g.astype(f32)).astype(r.dtype)
+def _inv(x):
+    return rsqrt(_ms(x) + EPS)
 
 
 def linen(r, g):  # flax.linen.RMSNorm's sequence
-    x = _f(r)
+    x = r.astype(f32)
     ms = jnp.mean(jax.lax.square(x), axis=-1)
-    y = _f(r) - jnp.zeros_like(ms)[..., None]
-    inv = jax.lax.rsqrt(ms[..., None] + EPS)
+    y = r.astype(f32) - jnp.zeros_like(ms)[..., None]
+    inv = rsqrt(ms[..., None] + EPS)
     return (y * (inv * g.reshape((1,) * (r.ndim - 1) + (-1,)).astype(f32))).astype(r.dtype)
 
 
-def gemma_one_plus(r, g):
-    x = _f(r)
-    return (x * jax.lax.rsqrt(_ms(x) + EPS) * (1.0 + g.astype(f32))).astype(r.dtype)
-
-
-def no_gamma(r, g):
-    x = _f(r)
-    return (x * jax.lax.rsqrt(_ms(x) + EPS)).astype(r.dtype)
-
-
-def constant_in_sum(r, g):  # rsqrt((sum + 1) / H): RMSNorm with eps = 1/H
-    x = _f(r)
-    return (
-        x * jax.lax.rsqrt((jnp.sum(x * x, -1, keepdims=True) + 1.0) / x.shape[-1]) * g.astype(f32)
-    ).astype(r.dtype)
+def gemma_rounded_scale(r, g):  # (1 + w) rounded to T by the program
+    x = r.astype(f32)
+    scale = (1.0 + g.astype(f32)).astype(r.dtype)
+    return (x * _inv(x) * scale.astype(f32)).astype(r.dtype)
 
 
 def hf_gamma_after_cast(r, g):  # MaxText / Hugging Face: gamma multiplied in T
-    x = _f(r)
-    return (x * jax.lax.rsqrt(_ms(x) + EPS)).astype(r.dtype) * g.astype(r.dtype)
+    return in_f32(lambda x, g: x * _inv(x))(r, g) * g.astype(r.dtype)
 
 
 def hf_flax_float32_output(r, g):  # FlaxLlamaRMSNorm with a float32 weight
-    x = _f(r)
-    y = r / jnp.sqrt(jnp.power(x, 2).mean(-1, keepdims=True) + EPS)
+    y = r / jnp.sqrt(jnp.power(r.astype(f32), 2).mean(-1, keepdims=True) + EPS)
     return g.astype(f32) * jnp.asarray(y, dtype=r.dtype)
 
 
-def bias_before_rounding(r, g):  # Equinox's RMSNorm(use_bias=True), gamma as the bias
-    x = _f(r)
-    return (x * jax.lax.rsqrt(_ms(x) + EPS) * g.astype(f32) + g.astype(f32)).astype(r.dtype)
-
-
-def sqrt_h_outside(r, g):  # x * rsqrt(sum + H eps) * sqrt(H): float32 constants H eps, sqrt(H)
-    x = _f(r)
-    h = x.shape[-1]
-    inv = jax.lax.rsqrt(jnp.sum(x * x, -1, keepdims=True) + h * EPS) * np.sqrt(h)
-    return (x * inv * g.astype(f32)).astype(r.dtype)
-
-
-def rms_over_sqrt_h(r, g):  # x / (sqrt(sum + H eps) / sqrt(H))
-    x = _f(r)
-    h = x.shape[-1]
-    rms = jnp.sqrt(jnp.sum(x * x, -1, keepdims=True) + h * EPS) / np.sqrt(h)
-    return (g.astype(f32) * x / rms).astype(r.dtype)
-
-
-def gemma_rounded_scale(r, g):  # (1 + w) rounded to T by the program
-    x = _f(r)
-    scale = (1.0 + g.astype(f32)).astype(r.dtype)
-    return (x * jax.lax.rsqrt(_ms(x) + EPS) * scale.astype(f32)).astype(r.dtype)
-
-
-def eps_through_bfloat16(r, g):  # eps written as a bfloat16 constant
-    x = _f(r)
-    eps = jnp.asarray(EPS, jnp.bfloat16).astype(f32)
-    return (x * jax.lax.rsqrt(_ms(x) + eps) * g.astype(f32)).astype(r.dtype)
-
-
-def stop_gradient_gamma(r, g):
-    x = _f(r)
-    return (x * jax.lax.rsqrt(_ms(x) + EPS) * jax.lax.stop_gradient(g).astype(f32)).astype(r.dtype)
-
-
-def stop_gradient_statistic(r, g):
-    x = _f(r)
-    inv = jax.lax.stop_gradient(jax.lax.rsqrt(_ms(x) + EPS))
-    return (x * inv * g.astype(f32)).astype(r.dtype)
-
-
-# Not RMSNorm, or not the fused op's rounding: left alone with the reason.
-
-
-def times_two_in_mean(r, g):
-    x = _f(r)
-    return (
-        x
-        * jax.lax.rsqrt(jnp.sum(x * x, -1, keepdims=True) * 2.0 / x.shape[-1] + EPS)
-        * g.astype(f32)
-    ).astype(r.dtype)
+def computed_in_t(r, g):
+    return r * rsqrt(jnp.mean(r * r, -1, keepdims=True) + EPS) * g.astype(r.dtype)
 
 
 def kept_in_float32(r, g):
-    x = _f(r)
-    return x * jax.lax.rsqrt(_ms(x) + EPS) * g.astype(f32)
-
-
-def eps_outside_sqrt(r, g):
-    x = _f(r)
-    return (x / (jnp.sqrt(_ms(x)) + EPS) * g.astype(f32)).astype(r.dtype)
-
-
-def eps_as_max(r, g):
-    x = _f(r)
-    return (x * jax.lax.rsqrt(jnp.maximum(_ms(x), EPS)) * g.astype(f32)).astype(r.dtype)
+    x = r.astype(f32)
+    return x * _inv(x) * g.astype(f32)
 
 
 def layer_norm(r, g):
-    x = _f(r)
+    x = r.astype(f32)
     c = x - jnp.mean(x, -1, keepdims=True)
-    return (c * jax.lax.rsqrt(_ms(c) + EPS) * g.astype(f32)).astype(r.dtype)
-
-
-def over_token_axis(r, g):
-    x = _f(r)
-    return (x * jax.lax.rsqrt(jnp.mean(x * x, axis=0, keepdims=True) + EPS) * g.astype(f32)).astype(
-        r.dtype
-    )
-
-
-def per_token_factor(r, g):  # T == H: g[:, None] is a per-token value
-    x = _f(r)
-    return (x * jax.lax.rsqrt(_ms(x) + EPS) * g.astype(f32)[:, None]).astype(r.dtype)
-
-
-def computed_in_t(r, g):
-    return r * jax.lax.rsqrt(jnp.mean(r * r, -1, keepdims=True) + EPS) * g.astype(r.dtype)
+    return (c * rsqrt(_ms(c) + EPS) * g.astype(f32)).astype(r.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
 class Spelling:
     norm: Callable
-    expect: str  # "fused", "changed" (fused only with allow_rounding_change), or "refused"
+    expect: str = "fused"  # "fused", "changed" (only with allow_rounding_change), "refused"
     reason: str = ""  # the reason's start when not fused by default
     change: str = ""  # the rounding change reported with allow_rounding_change
     # How the program makes the value it multiplies from gamma g: "f32" g.astype(f32);
@@ -273,65 +150,126 @@ class Spelling:
     after_gamma: str = "f32"  # gamma as ``after`` reads it: "f32" or "in_t" (rounded to T)
 
 
-def _fused(*norms):
-    """Spellings fused with default options, gamma read as g.astype(float32)."""
-    return {norm.__name__: Spelling(norm, "fused") for norm in norms}
+def refused(reason, norm, **kw):
+    return Spelling(norm, "refused", reason, **kw)
+
+
+def _sum_sq(x):
+    return jnp.sum(x * x, -1, keepdims=True)
+
+
+def _g(g):
+    return g.astype(f32)
 
 
 SPELLINGS = {
-    **_fused(rsqrt_mul, sqrt_div, gamma_over_rms, pow_minus_half, sum_over_h),
-    **_fused(sum_times_inverse_h, sqrt_h_outside, rms_over_sqrt_h, reciprocal_of_sqrt, linen),
-    "gemma_one_plus": Spelling(gemma_one_plus, "fused", col="one_plus"),
-    "gemma_rounded_scale": Spelling(gemma_rounded_scale, "fused", col="one_plus_rounded"),
-    "no_gamma": Spelling(no_gamma, "fused", col=None),
-    **_fused(constant_in_sum, eps_through_bfloat16, stop_gradient_gamma),
+    # Fused with default options, gamma read as g.astype(float32).
+    "rsqrt_mul": Spelling(in_f32(lambda x, g: x * _inv(x) * _g(g))),
+    "sqrt_div": Spelling(  # Hugging Face Flax's and Gemma's spelling
+        in_f32(lambda x, g: _g(g) * x / jnp.sqrt(jnp.power(x, 2).mean(-1, keepdims=True) + EPS))
+    ),
+    "gamma_over_rms": Spelling(
+        in_f32(lambda x, g: _g(g) * x / jnp.sqrt(jnp.mean(jnp.square(x), -1, keepdims=True) + EPS))
+    ),
+    "pow_minus_half": Spelling(in_f32(lambda x, g: x * (_ms(x) + EPS) ** -0.5 * _g(g))),
+    "sum_over_h": Spelling(
+        in_f32(lambda x, g: x * rsqrt(jnp.sum(x**2, -1, keepdims=True) / x.shape[-1] + EPS) * _g(g))
+    ),
+    "sum_times_inverse_h": Spelling(
+        in_f32(lambda x, g: _g(g) * (rsqrt(_sum_sq(x) * (1.0 / x.shape[-1]) + EPS) * x))
+    ),
+    # float32 constants H eps, sqrt(H): x * rsqrt(sum + H eps) * sqrt(H), x / (sqrt(sum + H
+    # eps) / sqrt(H))
+    "sqrt_h_outside": Spelling(
+        in_f32(
+            lambda x, g: x * (rsqrt(_sum_sq(x) + x.shape[-1] * EPS) * np.sqrt(x.shape[-1])) * _g(g)
+        )
+    ),
+    "rms_over_sqrt_h": Spelling(
+        in_f32(
+            lambda x, g: (
+                _g(g) * x / (jnp.sqrt(_sum_sq(x) + x.shape[-1] * EPS) / np.sqrt(x.shape[-1]))
+            )
+        )
+    ),
+    "reciprocal_of_sqrt": Spelling(
+        in_f32(
+            lambda x, g: (
+                jnp.reciprocal(jnp.sqrt(jnp.mean(jnp.square(x), -1) + EPS))[..., None] * x * _g(g)
+            )
+        )
+    ),
+    "linen": Spelling(linen),
+    "gemma_one_plus": Spelling(in_f32(lambda x, g: x * _inv(x) * (1.0 + _g(g))), col="one_plus"),
+    "gemma_rounded_scale": Spelling(gemma_rounded_scale, col="one_plus_rounded"),
+    "no_gamma": Spelling(in_f32(lambda x, g: x * _inv(x)), col=None),
+    # rsqrt((sum + 1) / H): RMSNorm with eps = 1/H
+    "constant_in_sum": Spelling(
+        in_f32(lambda x, g: x * rsqrt((_sum_sq(x) + 1.0) / x.shape[-1]) * _g(g))
+    ),
+    "eps_through_bfloat16": Spelling(  # eps written as a bfloat16 constant
+        in_f32(lambda x, g: x * rsqrt(_ms(x) + jnp.asarray(EPS, jnp.bfloat16).astype(f32)) * _g(g))
+    ),
+    "stop_gradient_gamma": Spelling(
+        in_f32(lambda x, g: x * _inv(x) * _g(jax.lax.stop_gradient(g)))
+    ),
     # gamma multiplied after the rounding: the fused op's norm (gamma of ones) is the
     # program's rounded value, and the program's multiplication by gamma stays after it.
     "hf_gamma_after_cast": Spelling(
         hf_gamma_after_cast,
-        "fused",
         col=None,
         after=lambda y, g: y * g,
         after_gamma="in_t",
         gamma_after=True,
     ),
     "hf_flax_float32_output": Spelling(
-        hf_flax_float32_output,
-        "fused",
-        col=None,
-        after=lambda y, g: y * g,
-        gamma_after=True,
+        hf_flax_float32_output, col=None, after=lambda y, g: y * g, gamma_after=True
     ),
-    # A bias: added after the fused norm's rounding (in float32 nothing rounds between).
+    # A bias (Equinox's RMSNorm(use_bias=True), gamma as the bias): added after the fused
+    # norm's rounding (in float32 nothing rounds between).
     "bias_before_rounding": Spelling(
-        bias_before_rounding,
+        in_f32(lambda x, g: x * _inv(x) * _g(g) + _g(g)),
         "changed",
         "a bias added to the normalized value before its rounding to {T}",
         "bias added after the fused norm's rounding to {T}",
         after=lambda y, g: y + g,
         bias=True,
     ),
-    "times_two_in_mean": Spelling(times_two_in_mean, "refused", "the mean divides by 32"),
-    "eps_outside_sqrt": Spelling(eps_outside_sqrt, "refused", "eps added after the square root"),
-    "eps_as_max": Spelling(eps_as_max, "refused", "max of the mean of squares"),
-    "layer_norm": Spelling(layer_norm, "refused", "LayerNorm (mean subtracted)"),
-    "over_token_axis": Spelling(over_token_axis, "refused", "norm over axis 0"),
-    "stop_gradient_statistic": Spelling(stop_gradient_statistic, "refused", STOP_GRADIENT),
-    # In float32 the norm without gamma is the site, the per-token factor stays after it.
-    "per_token_factor": Spelling(
-        per_token_factor,
-        "refused",
+    # Not RMSNorm, or not the fused op's rounding: left alone with the reason.
+    "times_two_in_mean": refused(
+        "the mean divides by 32",
+        in_f32(lambda x, g: x * rsqrt(_sum_sq(x) * 2.0 / x.shape[-1] + EPS) * _g(g)),
+    ),
+    "eps_outside_sqrt": refused(
+        "eps added after the square root",
+        in_f32(lambda x, g: x / (jnp.sqrt(_ms(x)) + EPS) * _g(g)),
+    ),
+    "eps_as_max": refused(
+        "max of the mean of squares",
+        in_f32(lambda x, g: x * rsqrt(jnp.maximum(_ms(x), EPS)) * _g(g)),
+    ),
+    "layer_norm": refused("LayerNorm (mean subtracted)", layer_norm),
+    "over_token_axis": refused(
+        "norm over axis 0",
+        in_f32(lambda x, g: x * rsqrt(jnp.mean(x * x, axis=0, keepdims=True) + EPS) * _g(g)),
+    ),
+    "stop_gradient_statistic": refused(
+        STOP_GRADIENT,
+        in_f32(lambda x, g: x * jax.lax.stop_gradient(rsqrt(_ms(x) + EPS)) * _g(g)),
+    ),
+    # In float32 the norm without gamma is the site, the per-token factor stays after it
+    # (T == H: g[:, None] is a per-token value).
+    "per_token_factor": refused(
         "a per-token factor",
+        in_f32(lambda x, g: x * _inv(x) * _g(g)[:, None]),
         col=None,
         only_square=True,
         exact_in_f32=True,
         after=lambda y, g: y * g[:, None],
     ),
-    "computed_in_t": Spelling(
-        computed_in_t, "refused", "RMSNorm computed in {T}", exact_in_f32=True
-    ),
-    "kept_in_float32": Spelling(
-        kept_in_float32, "refused", "the norm output is not cast back", exact_in_f32=True
+    "computed_in_t": refused("RMSNorm computed in {T}", computed_in_t, exact_in_f32=True),
+    "kept_in_float32": refused(
+        "the norm output is not cast back", kept_in_float32, exact_in_f32=True
     ),
 }
 # The spellings docs/fusion_pass.md names as fused, checked at every hidden size below.
@@ -370,21 +308,20 @@ def zero_grad(x):
 zero_grad.defvjp(lambda x: (x, None), lambda _, ct: (jnp.zeros_like(ct),))
 
 
-def wrap(kind, norm):
-    if kind == "none":
-        return norm
-    if kind == "jit":
-        return jax.jit(norm)
-    if kind == "checkpoint":
-        return jax.checkpoint(norm)
-    if kind == "custom_jvp":
-        cn = jax.custom_jvp(norm)
-        cn.defjvp(lambda p, t: (cn(*p), jnp.zeros_like(cn(*p))))
-        return cn
-    raise ValueError(kind)
+def _custom_jvp(norm):
+    cn = jax.custom_jvp(norm)
+    cn.defjvp(lambda p, t: (cn(*p), jnp.zeros_like(cn(*p))))
+    return cn
 
 
-WRAPPERS = ("none", "jit", "checkpoint", "custom_jvp", "zero_grad_beside")
+WRAP = {
+    "none": lambda norm: norm,
+    "jit": jax.jit,
+    "checkpoint": jax.checkpoint,
+    "custom_jvp": _custom_jvp,
+    "zero_grad_beside": lambda norm: norm,  # the helper is on the residual, beside the norm
+}
+WRAPPERS = tuple(WRAP)
 TAILS = ("none", "static", "literal", "dynamic", "per_channel", "per_tensor")
 # Other outputs: the residual sum returned twice, a copy of the norm output, the all-reduce's
 # sum returned too (or, per-linear, returned twice by the shard_map, or with a copy), a
@@ -401,9 +338,6 @@ EXTRAS = (
 )
 OTHER_USES = "the all-reduce's result has other uses besides the residual add"
 LITERAL_SCALE = 0.05
-
-
-# --- one program ----------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -518,15 +452,9 @@ class Program:
             out.append(self.extra)
         return out
 
-    def residual_of(self, x, res):
-        """The residual the program adds (global arrays)."""
-        if self.extra == "residual_inside":
-            return -res
-        return res
-
     def fn(self):
         """The program: a function of (x, res, g, scale), jitted."""
-        norm = wrap(self.wrapper if self.wrapper != "zero_grad_beside" else "none", self.norm())
+        norm = WRAP[self.wrapper](self.norm())
         roles = self.roles()
 
         def after_sum(s, resid, g, scale, other=None):
@@ -561,13 +489,8 @@ class Program:
                 return after_sum(s, res + x[0] if varying else res, g, scale)
 
             spec = P("tp") if varying else P()
-            return jax.jit(
-                jax.shard_map(
-                    body,
-                    mesh=MESH,
-                    in_specs=(P("tp"), P(), P(), P()),
-                    out_specs=(spec,) * len(roles),
-                )
+            return cpu_helpers.jit_shard_map(
+                body, MESH, (P("tp"), P(), P(), P()), (spec,) * len(roles)
             )
         extra = self.extra
 
@@ -777,12 +700,15 @@ def check_export(prog: Program):
     (t,) = jax.export.symbolic_shape("t")
     shape = (8 * t,) + prog.shape[1:]
     x, res, g, scale = inputs(prog)
-    specs = (
-        jax.ShapeDtypeStruct((8,) + shape, x.dtype, sharding=NamedSharding(MESH, P("tp"))),
-        jax.ShapeDtypeStruct(shape, res.dtype, sharding=NamedSharding(MESH, P())),
-        jax.ShapeDtypeStruct(g.shape, g.dtype, sharding=NamedSharding(MESH, P())),
-        jax.ShapeDtypeStruct((), f32, sharding=NamedSharding(MESH, P())),
-    )
+    specs = [
+        jax.ShapeDtypeStruct(s, a.dtype, sharding=NamedSharding(MESH, p))
+        for s, a, p in (
+            ((8,) + shape, x, P("tp")),
+            (shape, res, P()),
+            (g.shape, g, P()),
+            ((), scale, P()),
+        )
+    ]
     f = prog.fn()
     fused = jf.fuse(f, mesh=MESH, backend="xla", allow_rounding_change=prog.allow)
     try:
@@ -794,9 +720,6 @@ def check_export(prog: Program):
     assert exported.out_avals == jax.export.export(f)(*specs).out_avals
     with jax.set_mesh(MESH):
         assert FUSED_OP not in str(jax.make_jaxpr(fused)(*specs))
-
-
-# --- the programs ---------------------------------------------------------------------------------
 
 
 def all_programs():

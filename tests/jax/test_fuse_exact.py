@@ -22,8 +22,10 @@ from tests.jax.fuse_checks import (
     assert_bit_equal,
     assert_rounds_like_the_program,
     compiled,
+    fuse_and_run,
     linear_operands,
     megatron_g,
+    norm_after,
     norm_units,
     rms_norm,
     row_parallel,
@@ -40,14 +42,21 @@ f32, bf16, f16 = jnp.float32, jnp.bfloat16, jnp.float16
 MESH = jax.make_mesh((8,), ("tp",))
 
 
-def gemma_rounded_scale(r, w):  # Gemma with the program rounding (1 + w) to T
-    x = r.astype(f32)
-    n = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + EPS)
-    scale = (1.0 + w.astype(f32)).astype(r.dtype)
-    return (n * scale.astype(f32)).astype(r.dtype)
+def gemma(rounded):
+    """Gemma's norm, the program rounding (1 + w) to T (``rounded``) or not."""
+
+    def norm(r, w):
+        x = r.astype(f32)
+        n = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + EPS)
+        scale = 1.0 + w.astype(f32)
+        if rounded:
+            scale = scale.astype(r.dtype).astype(f32)
+        return (n * scale).astype(r.dtype)
+
+    return norm
 
 
-def one_scope(norm_fn, n_extra=0, extra_outs=None):
+def one_scope(norm_fn, extra_outs=None):
     """psum + residual add + norm in one shard_map; returns (r, rms_norm)."""
 
     def body(x, res, g, *extra):
@@ -60,11 +69,12 @@ def one_scope(norm_fn, n_extra=0, extra_outs=None):
 
 def run(fn, args, mesh=MESH, **kw):
     """(report, fused outputs, original outputs), both compiled rounding as written."""
-    fused = jf.fuse(fn, mesh=mesh, axis_name="tp", backend="xla", **kw)
-    with jax.set_mesh(mesh):
-        out = compiled(fused)(*args)
-        want = compiled(fn)(*args)
+    fused, out, want = fuse_and_run(fn, args, mesh, **kw)
     return fused.report, out, want
+
+
+def lin(mesh):
+    return linear_operands(mesh, g_spec=P())
 
 
 def assert_norm_exact(norm_fn, out, g, eps=EPS, col=None):
@@ -85,31 +95,25 @@ def assert_unchanged(rep, out, want, reason):
 # --- gamma's roundings ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_a_scale_one_plus_w_rounded_by_the_program_is_fused_with_that_rounding(dtype):
+@pytest.mark.parametrize(
+    "rounded, dtype",
+    [(True, "bfloat16"), (True, "float16"), (False, "bfloat16")],
+    ids=["rounded by the program-bfloat16", "rounded by the program-float16", "in float32"],
+)
+def test_gemma_one_plus_w_is_fused_with_the_programs_rounding(rounded, dtype):
     """Gemma written with ``(1 + w).astype(T)``: the fused op takes that rounded scale as
-    gamma (weight_bias 0), instead of adding 1 to w in float32 unrounded."""
+    gamma (weight_bias 0), instead of adding 1 to w in float32 unrounded; written in float32,
+    it keeps weight_bias 1."""
     args = scope_operands(dtype, gamma=0.1 * np.random.default_rng(3).standard_normal(H))
-    rep, out, want = run(smap(one_scope(gemma_rounded_scale)), args)
+    rep, out, want = run(smap(one_scope(gemma(rounded))), args)
     site = rep.sites[0]
-    assert site.fused and site.rounding_change is None and site.weight_bias == 0.0, site
-    col = np.asarray((1.0 + np.asarray(args[2], np.float64)).astype(dtype), np.float64)
-    assert_norm_exact(gemma_rounded_scale, out, args[2], col=col)
+    assert site.fused and site.rounding_change is None, site
+    assert site.weight_bias == (0.0 if rounded else 1.0), site
+    col = 1.0 + np.asarray(args[2], np.float64)
+    col = np.asarray(col.astype(dtype), np.float64) if rounded else col
+    assert_norm_exact(gemma(rounded), out, args[2], col=col)
     if dtype == "bfloat16":  # XLA's bfloat16 psum on CPU rounds once, as the fused op does
         assert_bit_equal(out, want)
-
-
-def test_gemma_one_plus_w_in_float32_keeps_its_weight_bias():
-    def gemma(r, w):
-        x = r.astype(f32)
-        n = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + EPS)
-        return (n * (1.0 + w.astype(f32))).astype(r.dtype)
-
-    args = scope_operands("bfloat16", gamma=0.1 * np.random.default_rng(3).standard_normal(H))
-    rep, out, want = run(smap(one_scope(gemma)), args)
-    assert rep.sites[0].fused and rep.sites[0].weight_bias == 1.0, rep.sites[0]
-    assert_norm_exact(gemma, out, args[2], col=1.0 + np.asarray(args[2], np.float64))
-    assert_bit_equal(out, want)
 
 
 def test_a_float16_gamma_in_a_bfloat16_model_is_a_declared_rounding():
@@ -167,7 +171,7 @@ def test_a_shard_map_returning_its_sum_twice_stays_unfused(second):
         r = s + res
         return r, rms_norm(r, g), s2
 
-    rep, out, want = run(model, linear_operands(mesh, g_spec=P()), mesh)
+    rep, out, want = run(model, lin(mesh), mesh)
     assert_unchanged(rep, out, want, "the all-reduce's result has other uses besides the residual")
 
 
@@ -184,7 +188,7 @@ def test_a_residual_returned_by_the_same_shard_map_is_read_inside_it():
         r = s + res2
         return r, rms_norm(r, g), res2
 
-    args = linear_operands(mesh, g_spec=P())
+    args = lin(mesh)
     rep, out, want = run(model, args, mesh)
     assert rep.sites[0].fused and rep.sites[0].kind == "shard_map psum", rep.line()
     assert_bit_equal(out, want)  # bfloat16: the psum rounds once, as the fused op does
@@ -214,8 +218,7 @@ def test_a_per_linear_fp8_tail_without_the_norm_output(tail):
             scale = jnp.maximum(jnp.max(jnp.abs(y32), -1, keepdims=True) / 448, 1 / (512 * 448))
         return r, jnp.clip(y32 / scale, -448, 448).astype(jnp.float8_e4m3fn).astype(f32)
 
-    args = linear_operands(mesh, g_spec=P()) + (jnp.float32(0.02),)
-    rep, out, want = run(model, args, mesh)
+    rep, out, want = run(model, lin(mesh) + (jnp.float32(0.02),), mesh)
     assert rep.sites[0].fused and rep.sites[0].pattern == (2 if tail == "static" else 10)
     assert_bit_equal(out[0], want[0])
     q_f, q_o = np.asarray(out[1], np.float64), np.asarray(want[1], np.float64)
@@ -236,21 +239,10 @@ def test_a_workspace_of_another_world_size_leaves_the_site_alone(layout):
         fn, args, mesh, world = smap(one_scope(rms_norm)), scope_operands("bfloat16"), MESH, 8
     else:
         mesh, world = mesh_2x4(), 4
-
-        def fn(x, w, res, g):
-            r = row_parallel(mesh)(x, w) + res
-            return r, rms_norm(r, g)
-
-        args = linear_operands(mesh, g_spec=P())
-    fused = jf.fuse(fn, workspace=ws)
-    with jax.set_mesh(mesh):
-        out, want = compiled(fused)(*args), compiled(fn)(*args)
-    assert_unchanged(
-        fused.report,
-        out,
-        want,
-        f"the workspace is for 2 ranks over 'tp', the site's all-reduce over it has {world}",
-    )
+        fn, args = norm_after(row_parallel(mesh)), lin(mesh)
+    fused, out, want = fuse_and_run(fn, args, mesh, workspace=ws)
+    reason = f"the workspace is for 2 ranks over 'tp', the site's all-reduce over it has {world}"
+    assert_unchanged(fused.report, out, want, reason)
     ws.destroy()
 
 
@@ -278,16 +270,12 @@ def test_export_with_a_symbolic_token_count_leaves_the_site_alone():
 @pytest.mark.parametrize("layout", ["plain jit", "per-linear shard_map"])
 def test_explicit_axes_called_without_a_mesh_set(layout):
     mesh = mesh_2x4(AxisType.Explicit)
-
-    def model(x, w, res, g):
-        if layout == "plain jit":
-            s = jnp.einsum("tf,fd->td", x, w, out_sharding=NamedSharding(mesh, P("dp")))
-        else:
-            s = row_parallel(mesh)(x, w)
-        r = s + res
-        return r, rms_norm(r, g)
-
-    args = linear_operands(mesh, g_spec=P())
+    if layout == "plain jit":
+        out_sharding = NamedSharding(mesh, P("dp"))
+        model = norm_after(lambda x, w: jnp.einsum("tf,fd->td", x, w, out_sharding=out_sharding))
+    else:
+        model = norm_after(row_parallel(mesh))
+    args = lin(mesh)
     fused = jf.fuse(model, mesh=mesh, axis_name="tp", backend="xla")
     out, want = compiled(fused)(*args), compiled(model)(*args)  # no jax.set_mesh
     assert fused.report.sites[0].fused, fused.report.line()
@@ -311,30 +299,30 @@ SPELLED_WITH_FLOAT32_CONSTANTS = {
 }
 
 
-@pytest.mark.parametrize("h", [80, 96, 128, 3072])
-@pytest.mark.parametrize("spelling", list(SPELLED_WITH_FLOAT32_CONSTANTS))
-def test_constants_written_in_float32_are_within_their_rounding(spelling, h):
-    inv = SPELLED_WITH_FLOAT32_CONSTANTS[spelling]
+def _spelled_site(inv, h):
+    """The site of the norm ``x * inv(x, H) * gamma`` at hidden size ``h``, analysed."""
 
     def spelled(r, g):
         x = r.astype(f32)
         return (x * inv(x, x.shape[-1]) * g.astype(f32)).astype(r.dtype)
 
     fused = jf.fuse(smap(one_scope(spelled)), mesh=MESH, backend="xla")
-    rep = fused.analyze(*scope_operands("bfloat16", shape=(2, h)))
-    site = rep.sites[0]
+    return fused.analyze(*scope_operands("bfloat16", shape=(2, h))).sites[0]
+
+
+@pytest.mark.parametrize("h", [80, 96, 128, 3072])
+@pytest.mark.parametrize("spelling", list(SPELLED_WITH_FLOAT32_CONSTANTS))
+def test_constants_written_in_float32_are_within_their_rounding(spelling, h):
+    site = _spelled_site(SPELLED_WITH_FLOAT32_CONSTANTS[spelling], h)
     assert site.fused, site.reason
     assert site.rms_eps == pytest.approx(EPS, rel=1e-6)
 
 
 def test_a_constant_rounded_to_bfloat16_is_another_mean():
-    def spelled(r, g):
-        x = r.astype(f32)
-        inv = jax.lax.rsqrt(jnp.sum(x * x, -1, keepdims=True) * jnp.bfloat16(1 / 80) + EPS)
-        return (x * inv * g.astype(f32)).astype(r.dtype)
-
-    fused = jf.fuse(smap(one_scope(spelled)), mesh=MESH, backend="xla")
-    site = fused.analyze(*scope_operands("bfloat16", shape=(2, 80))).sites[0]
+    site = _spelled_site(
+        lambda x, h: jax.lax.rsqrt(jnp.sum(x * x, -1, keepdims=True) * jnp.bfloat16(1 / 80) + EPS),
+        80,
+    )
     divisor = 1 / float(jnp.bfloat16(1 / 80))  # 79.92...: another mean than over 80
     assert site.reason == f"the mean divides by {divisor:.9g}, not the hidden size 80"
 
@@ -359,61 +347,52 @@ def test_stop_gradient(where):
     assert rep.sites[0].fused, rep.sites[0].reason
     assert_bit_equal(out, want)
     if where == "gamma":  # the gradient to gamma stays stopped
-
-        def loss(fn):
-            return lambda *a: jnp.sum(fn(*a)[1].astype(f32))
-
         fused = jf.fuse(smap(one_scope(spelled)), mesh=MESH, backend="xla")
         with jax.set_mesh(MESH):
-            dg = compiled(jax.grad(loss(fused), argnums=2))(*args)
+            dg = compiled(jax.grad(lambda *a: jnp.sum(fused(*a)[1].astype(f32)), argnums=2))(*args)
         assert not np.any(np.asarray(dg, np.float32))
 
 
-def test_a_jitted_per_linear_shard_map():
-    mesh = mesh_2x4()
+def _two_sums(x, w):
+    return jax.lax.psum(x @ w, "tp"), jax.lax.psum(x @ (w * 2), "tp")
 
+
+def _two_sites(mesh):
     def model(x, w, res, g):
-        r = jax.jit(row_parallel(mesh))(x, w) + res
-        return r, rms_norm(r, g)
-
-    rep, out, want = run(model, linear_operands(mesh, g_spec=P()), mesh)
-    assert rep.sites[0].fused and rep.sites[0].kind == "shard_map psum", rep.line()
-    assert_bit_equal(out, want)
-
-
-def test_two_sites_on_the_outputs_of_one_shard_map():
-    mesh = mesh_2x4()
-
-    def model(x, w, res, g):
-        s1, s2 = row_parallel(
-            mesh, lambda x, w: (jax.lax.psum(x @ w, "tp"), jax.lax.psum(x @ (w * 2), "tp")), 2
-        )(x, w)
+        s1, s2 = row_parallel(mesh, _two_sums, 2)(x, w)
         r1 = s1 + res
         r2 = s2 + res
         return r1, rms_norm(r1, g), r2, rms_norm(r2, g)
 
-    rep, out, want = run(model, linear_operands(mesh, g_spec=P()), mesh)
-    assert len(rep.sites) == 2 and len(rep.fused) == 2, rep.line()
-    assert_bit_equal(out, want)
-
-
-def _f32_sum(mesh, cast_inside):
-    def body(x, w):
-        s = jax.lax.psum(jnp.dot(x, w, preferred_element_type=f32), "tp")
-        return s.astype(bf16) if cast_inside else s
-
-    def model(x, w, res, g):
-        r = row_parallel(mesh, body)(x, w).astype(bf16) + res
-        return r, rms_norm(r, g)
-
     return model
+
+
+@pytest.mark.parametrize(
+    "model, sites",
+    [
+        (lambda mesh: norm_after(jax.jit(row_parallel(mesh))), 1),
+        (_two_sites, 2),
+    ],
+    ids=["a jitted per-linear shard_map", "two sites on the outputs of one shard_map"],
+)
+def test_per_linear_shard_map_fuses_bit_for_bit(model, sites):
+    mesh = mesh_2x4()
+    rep, out, want = run(model(mesh), lin(mesh), mesh)
+    assert len(rep.sites) == sites and len(rep.fused) == sites, rep.line()
+    assert {s.kind for s in rep.sites} == {"shard_map psum"}, rep.line()
+    assert_bit_equal(out, want)
 
 
 @pytest.mark.parametrize("cast_inside", [False, True], ids=["cast outside", "cast inside"])
 def test_a_float32_sum_of_a_per_linear_shard_map_cast_down(cast_inside):
     mesh = mesh_2x4()
-    model = _f32_sum(mesh, cast_inside)
-    args = linear_operands(mesh, g_spec=P())
+
+    def body(x, w):
+        s = jax.lax.psum(jnp.dot(x, w, preferred_element_type=f32), "tp")
+        return s.astype(bf16) if cast_inside else s
+
+    model = norm_after(lambda x, w: row_parallel(mesh, body)(x, w).astype(bf16))
+    args = lin(mesh)
     rep, out, want = run(model, args, mesh)
     assert_unchanged(
         rep,
@@ -465,15 +444,13 @@ def test_a_psum_added_to_a_varying_residual(check_vma):
         out_specs=(P("tp"), P("tp")),
         check_vma=check_vma,
     )
-    args = scope_operands("bfloat16")
-    rep, out, want = run(fn, args)
+    rep, out, want = run(fn, scope_operands("bfloat16"))
     assert rep.sites[0].fused, rep.sites[0].reason
     assert_bit_equal(out, want)
 
 
 def test_a_site_of_no_tokens_is_served():
-    args = scope_operands("bfloat16", shape=(0, H))
-    rep, out, want = run(smap(one_scope(rms_norm)), args)
+    rep, out, want = run(smap(one_scope(rms_norm)), scope_operands("bfloat16", shape=(0, H)))
     assert rep.sites[0].fused and rep.sites[0].tokens == 0, rep.line()
     assert [o.shape for o in out] == [(0, H), (0, H)]
 

@@ -32,9 +32,7 @@ def two_sites(x, y, res, g):
     return rms_norm(r1, g), rms_norm(r2, g)
 
 
-MODEL = jax.jit(
-    jax.shard_map(two_sites, mesh=MESH, in_specs=(P("tp"), P("tp"), P(), P()), out_specs=(P(), P()))
-)
+MODEL = cpu_helpers.jit_shard_map(two_sites, MESH, (P("tp"), P("tp"), P(), P()), (P(), P()))
 
 
 def args(seed=0):
@@ -154,9 +152,7 @@ def test_a_rotated_scan_allocates_for_the_plan_it_keeps():
     )
     x = jnp.asarray(rng.standard_normal((4, H)), jnp.bfloat16)
     g = jnp.asarray(1 + 0.1 * rng.standard_normal(H), jnp.bfloat16)
-    model = jax.jit(
-        jax.shard_map(body, mesh=MESH, in_specs=(P(), P(), P()), out_specs=P(), check_vma=False)
-    )
+    model = cpu_helpers.jit_shard_map(body, MESH, (P(), P(), P()), P(), check_vma=False)
     with jf.fuse(model, mesh=MESH, backend="xla") as fused:
         fused.analyze(ps, x, g)
         assert fused.report.fused and "rotated" in (fused.report.fused[0].note or "")

@@ -14,7 +14,17 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from tests.jax import cpu_helpers, fuse_checks
 from tests.jax.cpu_helpers import mesh_2x4
-from tests.jax.fuse_checks import EPS, F, H, T, linear_operands, rms_norm, row_parallel
+from tests.jax.fuse_checks import (
+    EPS,
+    F,
+    H,
+    T,
+    fuse_and_run,
+    linear_operands,
+    norm_after,
+    rms_norm,
+    row_parallel,
+)
 import jax_fusedar as jf
 
 cpu_helpers.require_host_devices()
@@ -34,26 +44,11 @@ def per_dp_shard(body, mesh, check_vma=True):
     )
 
 
-def run(fn, args, mesh, workspace=None, **kw):
+def run(fn, args, mesh, **kw):
     """(report, fused outputs, original outputs, fused grads, original grads), fused on the
-    xla backend, or on ``workspace``."""
-    if workspace is None:
-        fused = jf.fuse(fn, mesh=mesh, axis_name="tp", backend="xla", **kw)
-    else:
-        fused = jf.fuse(fn, workspace=workspace, **kw)
-    with jax.set_mesh(mesh):
-        shapes = jax.eval_shape(fn, *args)
-    ct = [jnp.asarray(np.random.default_rng(9).standard_normal(o.shape), f32) for o in shapes]
-
-    def loss(f):
-        return lambda *a: sum(jnp.sum(o.astype(f32) * c) for o, c in zip(f(*a), ct))
-
-    with jax.set_mesh(mesh):
-        out, want = fused(*args), jax.jit(fn)(*args)
-        argnums = tuple(range(len(args)))
-        g_f = jax.jit(jax.grad(loss(fused), argnums=argnums))(*args)
-        g_o = jax.jit(jax.grad(loss(fn), argnums=argnums))(*args)
-    return fused.report, out, want, g_f, g_o
+    xla backend, or on ``workspace=``; jitted."""
+    fused, *rest = fuse_and_run(fn, args, mesh, jit=jax.jit, grads=True, **kw)
+    return fused.report, *rest
 
 
 def close(a, b, ulps=4):
@@ -72,12 +67,7 @@ def close(a, b, ulps=4):
 def test_per_linear_shard_map_moves_the_add_and_the_norm_in(axis_type):
     mesh = mesh_2x4(axis_type)
 
-    def model(x, w, res, g):
-        s = row_parallel(mesh)(x, w)
-        r = s + res
-        return r, rms_norm(r, g)
-
-    rep, out, want, g_f, g_o = run(model, linear_operands(mesh), mesh)
+    rep, out, want, g_f, g_o = run(norm_after(row_parallel(mesh)), linear_operands(mesh), mesh)
     assert rep.line() == "jax_fusedar.fuse: fused 1 of 1 all-reduce + residual + RMSNorm site(s)"
     assert rep.sites[0].kind == "shard_map psum" and rep.sites[0].tokens == T // 2
     close(out, want)
@@ -96,13 +86,9 @@ def test_a_residual_resharded_by_the_program_before_the_add():
     fused = jf.fuse(model, mesh=mesh, axis_name="tp", backend="xla")
     with jax.set_mesh(mesh):
         fused(x, w, res, g)
-    assert fused.report.sites[0].fused  # the reshard is the residual's own eqn
-    with jax.set_mesh(mesh):
+        assert fused.report.sites[0].fused  # the reshard is the residual's own eqn
         text = str(jax.make_jaxpr(fused)(x, w, res, g))
     assert "jax_fusedar_allreduce_fusion" in text and "psum" not in text
-
-
-# --- sequence parallelism -------------------------------------------------------------------------
 
 
 def _sp(norm_on_shard_gathered=True, gather=True):
@@ -195,11 +181,7 @@ def test_psum_in_a_custom_vjp_is_fused_and_its_backward_kept(check_vma):
     mesh = mesh_2x4()
     g_op = fuse_checks.megatron_g(varying=check_vma)
 
-    def body(x, w, res, g):
-        r = g_op(x @ w) + res
-        return r, rms_norm(r, g)
-
-    f = per_dp_shard(body, mesh, check_vma=check_vma)
+    f = per_dp_shard(norm_after(lambda x, w: g_op(x @ w)), mesh, check_vma=check_vma)
     rep, out, want, g_f, g_o = run(f, linear_operands(mesh), mesh)
     assert len(rep.fused) == 1 and rep.sites[0].kind == "custom_vjp psum", rep.line()
     close(out, want)
@@ -207,11 +189,7 @@ def test_psum_in_a_custom_vjp_is_fused_and_its_backward_kept(check_vma):
     # Under check_vma=False the rule's identity differs from psum's own transpose (a
     # psum): the fused gradient is the rule's, not psum's.
     if not check_vma:
-
-        def plain(x, w, res, g):
-            r = jax.lax.psum(x @ w, "tp") + res
-            return r, rms_norm(r, g)
-
+        plain = norm_after(lambda x, w: jax.lax.psum(x @ w, "tp"))
         _, _, _, g_plain, _ = run(
             per_dp_shard(plain, mesh, check_vma=False), linear_operands(mesh), mesh
         )
@@ -229,11 +207,7 @@ def test_psum_in_a_custom_jvp_whose_rule_is_psums_own_is_fused():
     g_bad.defjvp(lambda p, t: (g_bad(*p), 2 * jax.lax.psum(t[0], "tp")))
 
     for op, fused_ in ((g_op, True), (g_bad, False)):
-
-        def body(x, w, res, g, op=op):
-            r = op(x @ w) + res
-            return r, rms_norm(r, g)
-
+        body = norm_after(lambda x, w, op=op: op(x @ w))
         rep, out, want, g_f, g_o = run(per_dp_shard(body, mesh), linear_operands(mesh), mesh)
         assert rep.sites[0].fused == fused_, rep.line()
         close(g_f, g_o, ulps=8)
@@ -247,11 +221,10 @@ def test_psum_in_a_custom_jvp_whose_rule_is_psums_own_is_fused():
 def test_float32_psum_cast_down_before_the_add_needs_the_flag():
     mesh = mesh_2x4()
 
-    def body(x, w, res, g):
-        r = jax.lax.psum(jnp.dot(x, w, preferred_element_type=f32), "tp").astype(res.dtype) + res
-        return r, rms_norm(r, g)
+    def f32_sum(x, w):
+        return jax.lax.psum(jnp.dot(x, w, preferred_element_type=f32), "tp").astype(jnp.bfloat16)
 
-    f = per_dp_shard(body, mesh)
+    f = per_dp_shard(norm_after(f32_sum), mesh)
     args = linear_operands(mesh)
     rep, out, want, _, _ = run(f, args, mesh)
     assert rep.sites[0].reason == (
@@ -268,41 +241,32 @@ def test_float32_psum_cast_down_before_the_add_needs_the_flag():
 
 def test_psum_over_an_axis_tuple_whose_other_axes_have_size_one():
     mesh = jax.make_mesh((1, 8), ("z", "tp"), axis_types=(AxisType.Auto,) * 2)
-    for axes, fused_ in ((("z", "tp"), True), (("tp", "z"), True)):
-
-        def body(x, w, res, g, axes=axes):
-            r = jax.lax.psum(x @ w, axes) + res
-            return r, rms_norm(r, g)
-
+    rng = np.random.default_rng(0)
+    x = jax.device_put(
+        jnp.asarray(rng.standard_normal((T, F)), jnp.bfloat16),
+        NamedSharding(mesh, P(None, ("z", "tp"))),
+    )
+    w = jax.device_put(
+        jnp.asarray(rng.standard_normal((F, H)) / 8, jnp.bfloat16),
+        NamedSharding(mesh, P(("z", "tp"))),
+    )
+    res = jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16)
+    g = jnp.ones((H,), jnp.bfloat16)
+    for axes in (("z", "tp"), ("tp", "z")):
         f = jax.shard_map(
-            body,
+            norm_after(lambda x, w, axes=axes: jax.lax.psum(x @ w, axes)),
             mesh=mesh,
             in_specs=(P(None, ("z", "tp")), P(("z", "tp")), P(), P()),
             out_specs=(P(), P()),
         )
-        rng = np.random.default_rng(0)
-        x = jax.device_put(
-            jnp.asarray(rng.standard_normal((T, F)), jnp.bfloat16),
-            NamedSharding(mesh, P(None, ("z", "tp"))),
-        )
-        w = jax.device_put(
-            jnp.asarray(rng.standard_normal((F, H)) / 8, jnp.bfloat16),
-            NamedSharding(mesh, P(("z", "tp"))),
-        )
-        res = jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16)
-        g = jnp.ones((H,), jnp.bfloat16)
         rep, out, want, g_f, g_o = run(f, (x, w, res, g), mesh)
-        assert rep.sites[0].fused == fused_, rep.line()
+        assert rep.sites[0].fused, rep.line()
         close(out, want)
         close(g_f, g_o, ulps=8)
     mesh2 = mesh_2x4()
 
-    def body2(x, w, res, g):
-        r = jax.lax.psum(x @ w, ("dp", "tp")) + res
-        return r, rms_norm(r, g)
-
     f = jax.shard_map(
-        body2,
+        norm_after(lambda x, w: jax.lax.psum(x @ w, ("dp", "tp"))),
         mesh=mesh2,
         in_specs=(P(None, ("dp", "tp")), P(("dp", "tp")), P(), P()),
         out_specs=(P(), P()),
@@ -326,11 +290,7 @@ def test_psum_over_an_axis_tuple_whose_other_axes_have_size_one():
 def _one_site(body, *, shape=(T, H), extra=(), allow=False):
     mesh = jax.make_mesh((8,), ("tp",))
     args = fuse_checks.scope_operands(shape=shape, seed=4) + tuple(extra)
-    f = jax.jit(
-        jax.shard_map(
-            body, mesh=mesh, in_specs=(P("tp"),) + (P(),) * (len(args) - 1), out_specs=P()
-        )
-    )
+    f = cpu_helpers.jit_shard_map(body, mesh, (P("tp"),) + (P(),) * (len(args) - 1), P())
     fused = jf.fuse(f, mesh=mesh, backend="xla", allow_rounding_change=allow)
     out = fused(*args)
     return fused.report, out, f(*args)
@@ -421,26 +381,20 @@ def test_custom_rules_beside_the_norm_and_at_unfused_sites_are_kept():
         return r, half_grad_norm(r, g)
 
     mesh = jax.make_mesh((8,), ("tp",))
-    for body, fused_ in ((beside, True), (rule_on_norm, False)):
-        rng = np.random.default_rng(5)
-        x = jax.device_put(
-            jnp.asarray(rng.standard_normal((8, T, H)), f32), NamedSharding(mesh, P("tp"))
-        )
-        res = jnp.asarray(rng.standard_normal((T, H)), f32)
-        g = jnp.asarray(1 + 0.1 * rng.standard_normal(H), f32)
-        n_out = 3 if body is beside else 2
-        f = jax.jit(
-            jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=(P(),) * n_out)
-        )
+    rng = np.random.default_rng(5)
+    x = jax.device_put(
+        jnp.asarray(rng.standard_normal((8, T, H)), f32), NamedSharding(mesh, P("tp"))
+    )
+    res = jnp.asarray(rng.standard_normal((T, H)), f32)
+    g = jnp.asarray(1 + 0.1 * rng.standard_normal(H), f32)
+    for body, fused_, n_out in ((beside, True, 3), (rule_on_norm, False, 2)):
+        f = cpu_helpers.jit_shard_map(body, mesh, (P("tp"), P(), P()), (P(),) * n_out)
         rep, out, want, g_f, g_o = run(f, (x, res, g), mesh)
         assert rep.sites[0].fused == fused_, rep.line()
         for a, b in zip(g_f, g_o):  # the rules' gradients, not the plain derivative
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
         if not fused_:
             assert rep.sites[0].reason.startswith("the RMSNorm is inside a custom_vjp")
-
-
-# --- plain jit ------------------------------------------------------------------------------------
 
 
 def test_plain_jit_program_without_sites_says_what_to_do():
@@ -472,10 +426,9 @@ def test_plain_jit_size_one_axes_and_float32_gamma(axis_type):
     g = jnp.asarray(1 + 0.1 * rng.standard_normal(H), f32)
     explicit = axis_type == AxisType.Explicit
 
-    def model(h, w, res, g):
-        o = jnp.einsum("btf,fd->btd", h, w, out_sharding=P() if explicit else None)
-        r = o + res
-        return r, rms_norm(r, g)
+    model = norm_after(
+        lambda h, w: jnp.einsum("btf,fd->btd", h, w, out_sharding=P() if explicit else None)
+    )
 
     rep, out, want, g_f, g_o = run(model, (h, w, res, g), mesh, allow_rounding_change=True)
     assert rep.sites[0].fused and rep.sites[0].rounding_change == "gamma rounded to bfloat16"
@@ -538,14 +491,13 @@ def test_probe_validation_catches_a_proof_that_misreads_the_equations():
     from jax_fusedar.fusion import graph, norm_proof, validation
     from jax_fusedar.fusion.report import Reject
 
+    def site(r, g):
+        f = r.astype(f32)
+        return (
+            f / jnp.sqrt(jnp.mean(f**2, -1, keepdims=True) + EPS) * (1.0 + g.astype(f32))
+        ).astype(r.dtype)
+
     for shape in ((T, H), (H, H), (2, 3, H)):
-
-        def site(r, g):
-            f = r.astype(f32)
-            return (
-                f / jnp.sqrt(jnp.mean(f**2, -1, keepdims=True) + EPS) * (1.0 + g.astype(f32))
-            ).astype(r.dtype)
-
         jaxpr = jax.make_jaxpr(site)(
             jnp.ones(shape, jnp.bfloat16), jnp.ones((H,), jnp.bfloat16)
         ).jaxpr
