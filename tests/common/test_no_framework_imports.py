@@ -105,8 +105,6 @@ PACKAGES = ("jax_fusedar", "torch_compat")
 # loads by path under this name (the layer that wraps it owns it).
 NATIVE_MODULE = "jax_fusedar.common._fusedar"
 NATIVE_MODULES = {NATIVE_MODULE: REPO / "ffi" / "python" / "module.cc"}
-# Where the build installs it, the name an import statement would reach it by.
-NATIVE_INSTALLED_AS = "jax_fusedar._fusedar"
 
 
 def _module_files():
