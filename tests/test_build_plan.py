@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from tests.native.host_program import nvcc
 from tests.repo import REPO
 
 sys.path.insert(0, str(REPO / "ffi" / "cmake"))
@@ -102,18 +103,12 @@ def test_cmake_honours_build_kernels_from_the_environment(tmp_path):
     assert r.returncode != 0 and "JAX_FUSEDAR_BUILD_KERNELS must be" in r.stderr, r.stderr
 
 
-def _nvcc():
-    return shutil.which("nvcc") or next(
-        (p for p in ("/usr/local/cuda/bin/nvcc",) if os.access(p, os.X_OK)), None
-    )
-
-
 @needs_cmake
-@pytest.mark.skipif(_nvcc() is None, reason="no nvcc here")
+@pytest.mark.skipif(nvcc() is None, reason="no nvcc here")
 def test_cmake_with_nvcc_and_no_gpu_skips_the_kernels(tmp_path, no_visible_gpu):
     """The case pip met: nvcc on the machine, no GPU. Before, the configure went on to the
     kernels (52 minutes of compiling behind pip's spinner); now it stops at the plan."""
-    r = _configure(tmp_path, CUDACXX=_nvcc())
+    r = _configure(tmp_path, CUDACXX=nvcc())
     assert r.returncode == 0, r.stdout + r.stderr
     assert "jax_fusedar: not building the CUDA kernels (no GPU visible)" in r.stdout, r.stdout
     assert not (tmp_path / "build" / "ffi" / "core").exists()  # the kernels were not set up

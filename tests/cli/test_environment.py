@@ -6,27 +6,7 @@ first traced call)."""
 import pytest
 
 from tests.cli.test_cli import run_cli
-
-# (variable, bad value, what the error line says)
-BAD = [
-    ("JAX_FUSEDAR_STRICT", "maybe", "$JAX_FUSEDAR_STRICT='maybe' is not a boolean"),
-    (
-        "JAX_FUSEDAR_HANDSHAKE",
-        "sometimes",
-        "$JAX_FUSEDAR_HANDSHAKE='sometimes' is not a boolean",
-    ),
-    ("JAX_FUSEDAR_TIMEOUT_S", "abc", "$JAX_FUSEDAR_TIMEOUT_S='abc' is not a number of seconds"),
-    (
-        "JAX_FUSEDAR_HANDSHAKE_TIMEOUT_S",
-        "-3",
-        "$JAX_FUSEDAR_HANDSHAKE_TIMEOUT_S must be in (0, 3600]",
-    ),
-    (
-        "JAX_FUSEDAR_ALLREDUCE_BACKEND",
-        "fast",
-        "unknown all-reduce backend 'fast' (from the $JAX_FUSEDAR_ALLREDUCE_BACKEND)",
-    ),
-]
+from tests.common.test_environment import BAD
 
 COMMANDS = {
     "demo": ["demo", "--steps", "1", "--prompt", "4", "--iters", "1"],

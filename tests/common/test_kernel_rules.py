@@ -10,38 +10,21 @@ import numpy as np
 import pytest
 
 from jax_fusedar.common import launch_mode, limits
-from jax_fusedar.common.backend_choice import (
-    BACKEND_ENV_VAR,
-    STRICT_ENV_VAR,
-    BackendChoice,
-    resolve_backend,
-    resolve_backend_for_groups,
-    strict_mode,
-)
-from jax_fusedar.common.sizing import MAX_COMM_SIZE, buffer_fits, workspace_sizes
-from jax_fusedar.common.launch_mode import (
-    ALGORITHM_LARGE_MESSAGE as LARGE,
-    ALGORITHM_ONESHOT as ONESHOT,
-    ALGORITHM_TWOSHOT as TWOSHOT,
-    ONESHOT_MAX_MIB,
-    choose_algorithm,
-    choose_oneshot,
-    large_message_problem,
-    oneshot_feasible,
-    prefers_large_message,
-    twoshot_feasible,
-)
-from jax_fusedar.common.tp_groups import TPGroup, group_hosts, tp_groups_from_grid
-from jax_fusedar.common.limits import (
-    check_kernel_supports,
-    element_size,
-    kernel_support_problem,
-    vector_width,
-)
+from jax_fusedar.common.backend_choice import BACKEND_ENV_VAR as E, STRICT_ENV_VAR, BackendChoice
+from jax_fusedar.common.backend_choice import resolve_backend, resolve_backend_for_groups
+from jax_fusedar.common.backend_choice import strict_mode
 from jax_fusedar.common.exchange import exchange_key
-
+from jax_fusedar.common.launch_mode import ALGORITHM_LARGE_MESSAGE as LARGE
+from jax_fusedar.common.launch_mode import ALGORITHM_ONESHOT as ONESHOT
+from jax_fusedar.common.launch_mode import ALGORITHM_TWOSHOT as TWOSHOT
+from jax_fusedar.common.launch_mode import ONESHOT_MAX_MIB, choose_algorithm, choose_oneshot
+from jax_fusedar.common.launch_mode import large_message_problem, prefers_large_message
+from jax_fusedar.common.launch_mode import oneshot_feasible, twoshot_feasible
+from jax_fusedar.common.limits import check_kernel_supports, element_size, vector_width
+from jax_fusedar.common.limits import kernel_support_problem
+from jax_fusedar.common.sizing import MAX_COMM_SIZE, buffer_fits, workspace_sizes
+from jax_fusedar.common.tp_groups import TPGroup, group_hosts, tp_groups_from_grid
 from tests.repo import REPO, run_code
-
 
 MIB = 1 << 20
 
@@ -248,134 +231,117 @@ def test_buffer_fits_is_an_element_count():
 
 # --- One-shot / two-shot policy -------------------------------------------------------------------
 
-
-def test_tiny_tokens_choose_oneshot():
-    s = workspace_sizes(2, 128, 4096, "bfloat16")
-    for tokens in (1, 2, 4, 128):
-        assert choose_oneshot(tokens, 4096, s, None) is True
+CH, OF, TF = choose_oneshot, oneshot_feasible, twoshot_feasible
+BF16_TP2 = (2, 128, 4096, "bfloat16")
+FEW = r"use_oneshot=False.*more tokens than ranks"
 
 
-def test_feasibility_bf16_tp2():
-    s = workspace_sizes(2, 128, 4096, "bfloat16")
-    assert oneshot_feasible(1, 4096, s)
-    assert oneshot_feasible(128, 4096, s)
-    assert not twoshot_feasible(2, 4096, s)  # tokens must exceed ranks
-    assert twoshot_feasible(3, 4096, s)
-    assert twoshot_feasible(128, 4096, s)
+def _shrunk(**fields):
+    # A real workspace cannot make the heuristic prefer an infeasible mode (its limit is far
+    # below the cap), so shrink a buffer by hand to exercise the branch.
+    return dataclasses.replace(workspace_sizes(*BF16_TP2), **fields)
 
 
-def test_few_tokens_force_oneshot_tp16():
-    # World 16, 16 tokens x 32768 (supported: t=4096, c=8 -> 512 threads).
-    # Heuristic: 16*32768*2*16*2 = 32 MiB > 21 MiB, so it prefers two-shot, but two-shot
-    # needs tokens > 16. One-shot needs 16*32768*16*2 = 16 MiB = the whole Lamport stride.
-    check_kernel_supports(16, 32768, "bfloat16")
-    s = workspace_sizes(16, 16, 32768, "bfloat16")
-    assert s.lamport_comm_bytes == 16 * MIB
-    assert not twoshot_feasible(16, 32768, s)
-    assert choose_oneshot(16, 32768, s, None) is True
-
-
-def test_few_tokens_force_oneshot_despite_huge_heuristic_miss():
+# name -> (workspace, [(function, tokens, hidden, [use_oneshot,] answer or the error raised)])
+POLICY = {
+    "tiny_tokens_choose_oneshot": (BF16_TP2, [(CH, t, 4096, None, True) for t in (1, 2, 4, 128)]),
+    "feasibility_bf16_tp2": (
+        BF16_TP2,
+        # Two-shot: tokens must exceed ranks.
+        [(OF, 1, 4096, True), (OF, 128, 4096, True), (TF, 2, 4096, False), (TF, 3, 4096, True)]
+        + [(TF, 128, 4096, True)],
+    ),
+    # World 16, 16 tokens x 32768 (supported: t=4096, c=8 -> 512 threads). Heuristic:
+    # 16*32768*2*16*2 = 32 MiB > 21 MiB, so it prefers two-shot, but two-shot needs tokens
+    # > 16. One-shot needs 16*32768*16*2 = 16 MiB = the whole Lamport stride.
+    "few_tokens_force_oneshot_tp16": (
+        (16, 16, 32768, "bfloat16"),
+        [(TF, 16, 32768, False), (CH, 16, 32768, None, True)],
+    ),
     # 2 tokens x 2**26 at TP2: heuristic 2*2**26*2*2*2 bytes = 1 GiB, twice the 512 MiB limit.
-    hidden = 2**26
-    s = workspace_sizes(2, 2, hidden, "bfloat16")
-    assert 2 * hidden * 2 * 2 * 2 == 2 * ONESHOT_MAX_MIB[2] * MIB
-    assert not twoshot_feasible(2, hidden, s)
-    assert oneshot_feasible(2, hidden, s)
-    assert choose_oneshot(2, hidden, s, None) is True
-    assert choose_oneshot(1, hidden, s, None) is True
-
-
-def test_requested_twoshot_with_too_few_tokens_raises():
-    s = workspace_sizes(8, 128, 4096, "bfloat16")
-    for tokens in (1, 8):
-        with pytest.raises(ValueError, match=r"use_oneshot=False.*more tokens than ranks"):
-            choose_oneshot(tokens, 4096, s, False)
-    assert choose_oneshot(9, 4096, s, False) is False
-
-
-def test_requested_modes_are_honoured_when_feasible():
-    s = workspace_sizes(8, 512, 4096, "bfloat16")
-    # Heuristic says one-shot for 16 tokens, two-shot for 400; requests override both ways.
-    assert choose_oneshot(16, 4096, s, None) is True
-    assert choose_oneshot(16, 4096, s, False) is False
-    assert choose_oneshot(400, 4096, s, None) is False
-    assert choose_oneshot(400, 4096, s, True) is True
-
-
-def test_lamport_cap_forces_twoshot():
+    "few_tokens_force_oneshot_despite_huge_heuristic_miss": (
+        (2, 2, 2**26, "bfloat16"),
+        [(TF, 2, 2**26, False), (OF, 2, 2**26, True)]
+        + [(CH, t, 2**26, None, True) for t in (2, 1)],
+    ),
+    "requested_twoshot_with_too_few_tokens_raises": (
+        (8, 128, 4096, "bfloat16"),
+        [(CH, 1, 4096, False, FEW), (CH, 8, 4096, False, FEW), (CH, 9, 4096, False, False)],
+    ),
+    # The heuristic says one-shot for 16 tokens, two-shot for 400; requests override both ways.
+    "requested_modes_are_honoured_when_feasible": (
+        (8, 512, 4096, "bfloat16"),
+        [(CH, 16, 4096, None, True), (CH, 16, 4096, False, False)]
+        + [(CH, 400, 4096, None, False), (CH, 400, 4096, True, True)],
+    ),
     # TP8, 16384 x 8192 bf16: Lamport stride capped at MAX_COMM_SIZE. One-shot needs
     # tokens*8192*8*2 = tokens*131072 bytes <= 2145386496, i.e. tokens <= 16368.
-    s = workspace_sizes(8, 16384, 8192, "bfloat16")
-    assert oneshot_feasible(16368, 8192, s)
-    assert not oneshot_feasible(16369, 8192, s)
-    assert choose_oneshot(16369, 8192, s, None) is False
-    assert choose_oneshot(16384, 8192, s, None) is False
-    with pytest.raises(ValueError, match=r"use_oneshot=True.*Lamport.*MAX_COMM_SIZE"):
-        choose_oneshot(16369, 8192, s, True)
-    assert choose_oneshot(16368, 8192, s, True) is True
-
-
-def test_preferred_oneshot_infeasible_falls_back_to_twoshot():
-    # A real workspace cannot make the heuristic prefer an infeasible one-shot (the heuristic
-    # limit is far below the cap), so shrink the Lamport stride by hand to exercise the branch.
-    s = dataclasses.replace(workspace_sizes(2, 128, 4096, "bfloat16"), lamport_comm_bytes=16)
-    assert not oneshot_feasible(64, 4096, s)
-    assert choose_oneshot(64, 4096, s, None) is False
-
-
-def test_neither_mode_feasible():
+    "lamport_cap_forces_twoshot": (
+        (8, 16384, 8192, "bfloat16"),
+        [(OF, 16368, 8192, True), (OF, 16369, 8192, False), (CH, 16369, 8192, None, False)]
+        + [(CH, 16384, 8192, None, False), (CH, 16368, 8192, True, True)]
+        + [(CH, 16369, 8192, True, r"use_oneshot=True.*Lamport.*MAX_COMM_SIZE")],
+    ),
+    "preferred_oneshot_infeasible_falls_back_to_twoshot": (
+        _shrunk(lamport_comm_bytes=16),
+        [(OF, 64, 4096, False), (CH, 64, 4096, None, False)],
+    ),
     # TP2, 131072 x 8192: one-shot needs 4 GiB of Lamport (> cap); two-shot would index
     # 2*2**30 = 2**31 elements with 32-bit ints.
-    s = workspace_sizes(2, 131072, 8192, "bfloat16")
-    assert not oneshot_feasible(131072, 8192, s)
-    assert not twoshot_feasible(131072, 8192, s)
-    with pytest.raises(ValueError, match=r"neither.*Lamport.*32-bit"):
-        choose_oneshot(131072, 8192, s, None)
-    with pytest.raises(ValueError, match=r"use_oneshot=False.*32-bit"):
-        choose_oneshot(131072, 8192, s, False)
-    assert twoshot_feasible(131071, 8192, s)
-
-
-def test_twoshot_needs_a_thread_per_rank():
+    "neither_mode_feasible": (
+        (2, 131072, 8192, "bfloat16"),
+        [(OF, 131072, 8192, False), (TF, 131072, 8192, False), (TF, 131071, 8192, True)]
+        + [(CH, 131072, 8192, None, r"neither.*Lamport.*32-bit")]
+        + [(CH, 131072, 8192, False, r"use_oneshot=False.*32-bit")],
+    ),
     # TP16, hidden 64 bf16: 8 vectors per token, so a two-shot CTA would have 8 < 16 threads.
-    s = workspace_sizes(16, 64, 64, "bfloat16")
-    assert not twoshot_feasible(32, 64, s)
-    with pytest.raises(ValueError, match=r"hidden_dim / 8 >= 16"):
-        choose_oneshot(32, 64, s, False)
-    assert choose_oneshot(32, 64, s, None) is True
-    assert twoshot_feasible(32, 128, workspace_sizes(16, 64, 128, "bfloat16"))
+    "twoshot_needs_a_thread_per_rank": (
+        (16, 64, 64, "bfloat16"),
+        [(TF, 32, 64, False), (CH, 32, 64, False, r"hidden_dim / 8 >= 16")]
+        + [(CH, 32, 64, None, True)],
+    ),
+    "twoshot_needs_a_thread_per_rank_128": ((16, 64, 128, "bfloat16"), [(TF, 32, 128, True)]),
+    "twoshot_buffer_check": (
+        _shrunk(two_shot_buffer_bytes=16),
+        [(TF, 64, 4096, False), (CH, 64, 4096, False, "comm buffer")],
+    ),
+    "choose_refuses_calls_that_do_not_fit": (
+        BF16_TP2,
+        [(CH, 129, 4096, requested, "max_token_num=128") for requested in (None, True, False)]
+        + [(CH, 256, 2048, None, True)],  # same element count fits
+    ),
+    # bytes = tokens * 4096 * 2 * 8 * 2 = tokens * 131072; 42 MiB = 44040192 = 336 * 131072.
+    "heuristic_tp8_switches_at_42_mib": (
+        (8, 512, 4096, "bfloat16"),
+        [(OF, 337, 4096, True), (TF, 336, 4096, True), (CH, 336, 4096, None, True)]
+        + [(CH, 337, 4096, None, False)],
+    ),
+}
 
 
-def test_twoshot_buffer_check():
-    s = dataclasses.replace(workspace_sizes(2, 128, 4096, "bfloat16"), two_shot_buffer_bytes=16)
-    assert not twoshot_feasible(64, 4096, s)
-    with pytest.raises(ValueError, match=r"comm buffer"):
-        choose_oneshot(64, 4096, s, False)
+@pytest.mark.parametrize("sizes, calls", POLICY.values(), ids=POLICY)
+def test_oneshot_policy(sizes, calls):
+    s = workspace_sizes(*sizes) if isinstance(sizes, tuple) else sizes
+    for fn, tokens, hidden, *requested, want in calls:
+        if isinstance(want, str):
+            with pytest.raises(ValueError, match=want):
+                fn(tokens, hidden, s, *requested)
+        else:
+            assert fn(tokens, hidden, s, *requested) is want, (fn.__name__, tokens, hidden)
 
 
-def test_choose_refuses_calls_that_do_not_fit():
-    s = workspace_sizes(2, 128, 4096, "bfloat16")
-    for requested in (None, True, False):
-        with pytest.raises(ValueError, match=r"max_token_num=128"):
-            choose_oneshot(129, 4096, s, requested)
-    assert choose_oneshot(256, 2048, s, None) is True  # same element count fits
+def test_the_policys_worked_numbers():
+    # The arithmetic the comments of POLICY rely on.
+    check_kernel_supports(16, 32768, "bfloat16")
+    assert workspace_sizes(16, 16, 32768, "bfloat16").lamport_comm_bytes == 16 * MIB
+    assert 2 * 2**26 * 2 * 2 * 2 == 2 * ONESHOT_MAX_MIB[2] * MIB
+    assert 336 * 4096 * 2 * 8 * 2 == 42 * MIB
 
 
 @pytest.mark.parametrize("tokens", [0, -1, True, 1.0])
 def test_choose_rejects_bad_token_counts(tokens):
-    s = workspace_sizes(2, 128, 4096, "bfloat16")
     with pytest.raises(ValueError, match="num_tokens must be a positive int"):
-        choose_oneshot(tokens, 4096, s, None)
-
-
-def test_heuristic_tp8_switches_at_42_mib():
-    # bytes = tokens * 4096 * 2 * 8 * 2 = tokens * 131072; 42 MiB = 44040192 = 336 * 131072.
-    s = workspace_sizes(8, 512, 4096, "bfloat16")
-    assert 336 * 4096 * 2 * 8 * 2 == 42 * MIB
-    assert oneshot_feasible(337, 4096, s) and twoshot_feasible(336, 4096, s)
-    assert choose_oneshot(336, 4096, s, None) is True
-    assert choose_oneshot(337, 4096, s, None) is False
+        choose_oneshot(tokens, 4096, workspace_sizes(*BF16_TP2), None)
 
 
 @pytest.mark.parametrize("world", limits.SUPPORTED_WORLD_SIZES)
@@ -570,8 +536,6 @@ def test_exchange_key_errors(namespace, serial, purpose, pattern):
 
 
 # --- Backend choice and strict mode ---------------------------------------------------------------
-
-E = BACKEND_ENV_VAR
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ from a layer up to one above it (``LAYERS``), no import of the native extension 
 names."""
 
 import ast
+import graphlib
 import json
 import pkgutil
 import re
@@ -104,8 +105,6 @@ PACKAGES = ("jax_fusedar", "torch_compat")
 # loads by path under this name (the layer that wraps it owns it).
 NATIVE_MODULE = "jax_fusedar.common._fusedar"
 NATIVE_MODULES = {NATIVE_MODULE: REPO / "ffi" / "python" / "module.cc"}
-# Where the build installs it, the name an import statement would reach it by.
-NATIVE_INSTALLED_AS = "jax_fusedar._fusedar"
 
 
 def _module_files():
@@ -185,34 +184,12 @@ def _imports(files):
 
 
 def _cycles(edges):
-    """Every strongly connected component of more than one module (Tarjan's algorithm)."""
-    index, low, stack, on_stack, found = {}, {}, [], set(), []
-
-    def visit(v):
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(edges.get(v, ())):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                found.append(sorted(component))
-
-    for v in sorted(edges):
-        if v not in index:
-            visit(v)
-    return found
+    """A loop of imports, as its sorted modules (graphlib names one loop if there are any)."""
+    try:
+        graphlib.TopologicalSorter(edges).prepare()
+    except graphlib.CycleError as e:
+        return [sorted(set(e.args[1]))]
+    return []
 
 
 def test_the_import_graph_is_read_whole():

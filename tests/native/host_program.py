@@ -3,6 +3,7 @@ nvcc and runs it: how the native tests read the core's failure texts without a G
 program prints ``name=[text]`` lines; returns them as a dict. Skips without nvcc."""
 
 import os
+import pathlib
 import shutil
 import subprocess
 
@@ -15,6 +16,15 @@ def nvcc():
     return shutil.which("nvcc") or (
         "/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None
     )
+
+
+def build_tree(holding: str):
+    """The build tree with the kernels, $JAX_FUSEDAR_BUILD_DIR else build/dev (./dev), where
+    it has a file matching the glob ``holding``; None without one."""
+    for c in (os.environ.get("JAX_FUSEDAR_BUILD_DIR"), REPO / "build" / "dev"):
+        if c and any(pathlib.Path(c).glob(holding)):
+            return pathlib.Path(c)
+    return None
 
 
 def run_host_program(tmp_path, name: str, source: str) -> dict:

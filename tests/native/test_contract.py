@@ -16,19 +16,10 @@ from tests.skips import needs_native
 pytestmark = needs_native
 
 TRAIT_FIELDS = (
-    "family",
-    "has_allreduce_out",
-    "has_residual",
-    "has_norm_out",
-    "quant",
-    "uses_scale_factor",
-    "writes_scale_out",
-    "needs_sm100",
-)
-
-
-def _python_traits(traits):
-    return {field: getattr(traits, field) for field in TRAIT_FIELDS}
+    "family has_allreduce_out has_residual has_norm_out quant uses_scale_factor "
+    "writes_scale_out needs_sm100"
+).split()
+DENSE_PATTERNS = patterns.DENSE_PATTERNS
 
 
 def test_pattern_tables_are_equal():
@@ -38,14 +29,12 @@ def test_pattern_tables_are_equal():
     for pattern, traits in TRAITS.items():
         row = table[int(pattern)]
         assert row["code"] == int(pattern)
-        assert {f: row[f] for f in TRAIT_FIELDS} == _python_traits(traits), pattern.name
+        python = {f: getattr(traits, f) for f in TRAIT_FIELDS}
+        assert {f: row[f] for f in TRAIT_FIELDS} == python, pattern.name
         # The dense kernel compiles its family's codes; the MoE codes have their own
         # launcher (fusedar_moe_launch) and handler.
         dense = traits.family == "dense"
         assert row["compiled"] is dense and bool(native.ext.pattern_compiled(int(pattern))) is dense
-
-
-DENSE_PATTERNS = patterns.DENSE_PATTERNS
 
 
 def test_codes_outside_the_table_are_not_patterns():
@@ -318,22 +307,8 @@ def test_a_core_status_reaches_python_as_its_exception():
 # the native launch (fusedar_moe_shape_check, which fusedar_moe_launch runs): the Python side is
 # common.moe_limits.kernel_problem. Every call one side accepts, the other accepts.
 
-MOE_HIDDENS = (
-    128,
-    256,
-    2880,
-    4096,
-    7168,
-    8192,
-    8448,
-    12288,
-    16384,
-    24576,
-    32768,
-    33024,
-    65536,
-    65792,
-)
+MOE_HIDDENS = (128, 256, 2880, 4096, 7168, 8192, 8448, 12288, 16384, 24576, 32768, 33024)
+MOE_HIDDENS += (65536, 65792)
 
 
 @pytest.mark.parametrize("world_size", limits.SUPPORTED_WORLD_SIZES)

@@ -19,21 +19,18 @@ from tests.skips import NO_NATIVE
 # --- option parsing -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("raw", ["1", "true", "TRUE", " yes ", "On"])
-def test_env_turns_the_check_on(monkeypatch, raw):
-    monkeypatch.setenv(handshake.HANDSHAKE_ENV_VAR, raw)
-    assert handshake.resolve_handshake(None) is True
-    assert handshake.resolve_handshake(False) is False  # an explicit argument wins
-
-
-@pytest.mark.parametrize("raw", [None, "", "0", "false", "No", "off"])
-def test_env_leaves_the_check_off(monkeypatch, raw):
+@pytest.mark.parametrize(
+    "raw, on",
+    [(raw, True) for raw in ["1", "true", "TRUE", " yes ", "On"]]
+    + [(raw, False) for raw in [None, "", "0", "false", "No", "off"]],
+)
+def test_env_turns_the_check_on_or_leaves_it_off(monkeypatch, raw, on):
     if raw is None:
         monkeypatch.delenv(handshake.HANDSHAKE_ENV_VAR, raising=False)
     else:
         monkeypatch.setenv(handshake.HANDSHAKE_ENV_VAR, raw)
-    assert handshake.resolve_handshake(None) is False
-    assert handshake.resolve_handshake(True) is True
+    assert handshake.resolve_handshake(None) is on
+    assert handshake.resolve_handshake(not on) is (not on)  # an explicit argument wins
 
 
 def test_env_garbage_is_a_clear_error(monkeypatch):

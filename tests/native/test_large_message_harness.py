@@ -5,27 +5,18 @@ kernels' sources or of the C API that breaks it fails a test here, not its next 
 GPU machine (it runs on 2 GPUs only: docs/large_messages.md)."""
 
 import os
-import pathlib
 import shutil
 import subprocess
 
 import pytest
 
-from tests.repo import REPO
+from tests.native.host_program import build_tree
 from tests.skips import BUILD_NATIVE
-
-
-def _build_dir():
-    """The build tree with the kernels: $JAX_FUSEDAR_BUILD_DIR, else build/dev (./dev)."""
-    for c in (os.environ.get("JAX_FUSEDAR_BUILD_DIR"), REPO / "build" / "dev"):
-        if c and (pathlib.Path(c) / "ffi" / "core" / "libfusedar_core.so").exists():
-            return pathlib.Path(c)
-    return None
 
 
 @pytest.mark.slow
 def test_the_harness_builds_against_the_core():
-    build = _build_dir()
+    build = build_tree("ffi/core/libfusedar_core.so")
     if build is None:
         pytest.skip(f"needs a build tree with the kernels ({BUILD_NATIVE})")
     if shutil.which("cmake") is None:

@@ -7,13 +7,9 @@ library against its build tree: every kernel (pattern, dtype, world size, accumu
 one-shot and two-shot, every architecture) is launched as its unhooked twin and fits.
 """
 
-from __future__ import annotations
-
 import argparse
 import filecmp
 import json
-import os
-import pathlib
 import subprocess
 import sys
 
@@ -22,6 +18,7 @@ import pytest
 from jax_fusedar.common.limits import SUPPORTED_WORLD_SIZES  # the build's, ffi/core/CMakeLists.txt
 from tools import launch_registers
 
+from tests.native.host_program import build_tree
 from tests.repo import REPO
 from tests.skips import BUILD_NATIVE
 
@@ -324,12 +321,8 @@ def test_store_keeps_one_entry_per_toolchain_for_the_current_source(tmp_path):
     assert [(e["source"], e["toolchain"]) for e in kept] == [("S2", "T2"), ("S2", "T1")]
 
 
-def _build_dir() -> pathlib.Path | None:
-    candidates = [os.environ.get("JAX_FUSEDAR_BUILD_DIR"), REPO / "build" / "dev"]
-    for c in candidates:
-        if c and list(pathlib.Path(c).glob("ffi/core/kernels/unhooked_*.registers.json")):
-            return pathlib.Path(c)
-    return None
+def _build_dir():
+    return build_tree("ffi/core/kernels/unhooked_*.registers.json")
 
 
 def test_the_register_cache_is_current_for_the_toolchain_it_holds():
