@@ -20,14 +20,12 @@ from torch_compat import fusion_pass, library
 
 from tests.torch import fakes
 from tests.torch import rounding_check as rc
-from tests.torch.fakes import registered
+from tests.torch.fakes import AR, FUSED, QUANT, registered
 from tests.torch.rounding_check import ref_fused as _ref_fused  # world size 1: sum = input
 
 # Also in the oldest-versions lane (./dev oldest).
 pytestmark = pytest.mark.oldest
 
-AR = torch.ops.torch_compat.allreduce.default
-FUSED = torch.ops.torch_compat.allreduce_residual_rmsnorm.default
 EPS = 1e-6
 FLAGS = (EPS, 0.0, None, False)  # the fused op's eps, weight_bias, use_oneshot, fp32_acc
 
@@ -327,11 +325,10 @@ def test_pass_never_fuses_a_norm_computed_in_the_activation_dtype(gloo_world1):
     for allow in (False, True):
         gm, _ = _trace(gloo_world1, norm)
         blocks = []
-        ws = fake_workspace()
-        assert (
-            fusion_pass.fuse_allreduce_rmsnorm(gm, ws, allow_rounding_change=allow, report=blocks)
-            == 0
+        n = fusion_pass.fuse_allreduce_rmsnorm(
+            gm, fake_workspace(), allow_rounding_change=allow, report=blocks
         )
+        assert n == 0
         assert all("RMSNorm computed in bfloat16, not float32" in b.reason for b in blocks)
 
 
@@ -476,54 +473,30 @@ def test_inductor_end_to_end_with_post_grad_pass(gloo_world1, cpu_kernels, fresh
 
 # --- the quantized op ---------------------------------------------------------------------------
 
-QUANT = torch.ops.torch_compat.allreduce_residual_rmsnorm_quant.default
 E4M3 = torch.float8_e4m3fn
 
 
-def _ref_quant(
-    input,
-    residual,
-    gamma,
-    eps,
-    weight_bias,
-    pattern,
-    scale_factor,
-    group,
-    layout,
-    use_oneshot,
-    fp32_acc,
-    handle,
-):
+def _ref_quant(x, res, gamma, eps, bias, pattern, scale, group, layout, oneshot, acc, handle):
     """World-size-1 CPU stand-in for the quantized op, quantizing with the independent numpy
     oracle (tests/oracles/quant_oracle.py); NVFP4 outputs are left zero (not an oracle check)."""
-    from tests.oracles import quant_oracle
     from jax_fusedar.common.patterns import TRAITS, AllReduceFusionPattern
 
     library.lookup_workspace(handle)
     traits = TRAITS[AllReduceFusionPattern(pattern)]
-    r_out, n_out, q_out, s_out = library._quant_outputs(input, pattern, group, layout)
-    r = input + residual
-    rf = r.float()
-    n = (
-        rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps) * (weight_bias + gamma.float())
-    ).to(input.dtype)
+    r_out, n_out, q_out, s_out = library._quant_outputs(x, pattern, group, layout)
+    r = x + res
+    n = rc.rms_norm_f32(r, gamma, eps, bias).to(x.dtype)
     r_out.copy_(r)
     if traits.has_norm_out:
         n_out.copy_(n)
-    y = n.float().numpy()
-    if traits.quant == "fp8":
-        q = quant_oracle.fp8_static(y, float(scale_factor.reshape(())))
-    elif traits.quant == "dynamic_fp8":
-        q, s = quant_oracle.fp8_dynamic(y)
-        s_out.copy_(torch.from_numpy(s))
-    elif traits.quant == "group_fp8":
-        q, buf = quant_oracle.fp8_group(y, group)
-        s_out.copy_(torch.from_numpy(buf)[:, : input.shape[0]].t())
-    else:
+    if traits.quant == "fp4":
         q_out.zero_()
         s_out.view(torch.uint8).zero_()
-        return r_out, n_out, q_out, s_out
-    q_out.copy_(torch.from_numpy(q).view(E4M3))
+    else:
+        q, s = rc.oracle_quantize(pattern, n.float().numpy(), scale, group)
+        q_out.view(torch.uint8).copy_(q)
+        if s is not None:
+            s_out.copy_(s)
     return r_out, n_out, q_out, s_out
 
 

@@ -14,6 +14,7 @@ import torch
 
 import torch_compat
 
+from tests.torch import rounding_check as rc
 from tests.torch.fakes import fake_workspace
 from tests.gpu.workers import parity_jax_torch as par
 from tests.gpu.workers import torch_workers as tw
@@ -28,8 +29,6 @@ class SimTC:
         self.calls = []
 
     def allreduce_fusion(self, input, workspace, pattern, **kw):
-        from tests.oracles import quant_oracle
-
         ret = torch_compat.allreduce_fusion(input, workspace, pattern, **kw)
         self.calls.append((pattern, kw.get("use_oneshot"), kw.get("fp32_acc")))
         dt = input.dtype
@@ -38,26 +37,16 @@ class SimTC:
             kw["output"].copy_(s)
             return ret
         r = (s.float() + kw["residual_in"].float()).to(dt)
-        rf = r.float()
-        y = (
-            rf
-            * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + kw["rms_eps"])
-            * (kw["weight_bias"] + kw["rms_gamma"].float())
-        ).to(dt)
+        y = rc.rms_norm_f32(r, kw["rms_gamma"], kw["rms_eps"], kw["weight_bias"]).to(dt)
         kw["residual_out"].copy_(r)
         if kw.get("norm_out") is not None:
             kw["norm_out"].copy_(y)
-        yn = y.float().numpy()
-        if pattern in (2, 4):
-            q = quant_oracle.fp8_static(yn, float(kw["scale_factor"].reshape(())))
-        elif pattern in (10, 11):
-            q, sc = quant_oracle.fp8_dynamic(yn)
-            kw["scale_out"].copy_(torch.from_numpy(sc))
-        elif pattern in (8, 9):
-            q, buf = quant_oracle.fp8_group(yn, kw["block_quant_group_size"])
-            kw["scale_out"].copy_(torch.from_numpy(buf)[:, : input.shape[0]].t())
         if pattern != 1:
-            kw["quant_out"].view(torch.uint8).copy_(torch.from_numpy(np.asarray(q)))
+            sf, group = kw.get("scale_factor"), kw.get("block_quant_group_size")
+            q, sc = rc.oracle_quantize(pattern, y.float().numpy(), sf, group)
+            kw["quant_out"].view(torch.uint8).copy_(q)
+            if sc is not None:
+                kw["scale_out"].copy_(sc)
         return ret
 
 
