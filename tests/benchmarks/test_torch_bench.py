@@ -527,53 +527,43 @@ def _round(a, npdt):
     return np.asarray(a, np.float32).astype(npdt).astype(np.float32)
 
 
+OPTIONAL = set(
+    "output residual_out norm_out quant_out scale_out residual_in rms_gamma scale_factor "
+    "block_quant_group_size".split()
+)
+
+
 def fake_allreduce_fusion(xs, rank, npdt, corrupt=None, refuse=()):
     """The kernel's math in numpy (fp32 sums rounded to the dtype, the norm in fp32, then
     quant_oracle's quantizers on the rounded norm), writing into the torch outputs."""
     from tests.oracles import quant_oracle
 
-    def fn(
-        *,
-        input,
-        workspace,
-        pattern,
-        launch_with_pdl,
-        rms_eps,
-        use_oneshot,
-        fp32_acc,
-        output=None,
-        residual_out=None,
-        norm_out=None,
-        quant_out=None,
-        scale_out=None,
-        residual_in=None,
-        rms_gamma=None,
-        scale_factor=None,
-        block_quant_group_size=None,
-    ):
+    def fn(*, input, workspace, pattern, launch_with_pdl, rms_eps, use_oneshot, fp32_acc, **kw):
+        assert set(kw) <= OPTIONAL, set(kw) - OPTIONAL  # FlashInfer's names only
+        kw = dict.fromkeys(OPTIONAL) | kw
         if pattern in refuse:
             raise ValueError(f"pattern {pattern} is not supported")
         assert launch_with_pdl and use_oneshot is not None and workspace == "ws"
         assert np.array_equal(input.float().numpy(), xs[rank].astype(np.float32))
         s = _round(sum(x.astype(np.float32) for x in xs), npdt)
         dt = input.dtype
+        norm_out, quant_out, scale_out = (kw[k] for k in ("norm_out", "quant_out", "scale_out"))
         if pattern == 0:
-            output.copy_(torch.from_numpy(s).to(dt))
-            return output
-        r = _round(s + residual_in.float().numpy(), npdt)
-        residual_out.copy_(torch.from_numpy(r).to(dt))
+            return kw["output"].copy_(torch.from_numpy(s).to(dt))
+        r = _round(s + kw["residual_in"].float().numpy(), npdt)
+        kw["residual_out"].copy_(torch.from_numpy(r).to(dt))
         inv = 1.0 / np.sqrt(np.mean(r * r, axis=-1, keepdims=True) + np.float32(rms_eps))
-        y = _round(r * inv * rms_gamma.float().numpy(), npdt)
+        y = _round(r * inv * kw["rms_gamma"].float().numpy(), npdt)
         if norm_out is not None:
             norm_out.copy_(torch.from_numpy(y).to(dt))
         yq = y.astype(npdt)
         if pattern in (2, 4):
-            q = quant_oracle.fp8_static(yq, float(scale_factor.item()))
+            q = quant_oracle.fp8_static(yq, float(kw["scale_factor"].item()))
         elif pattern in (10, 11):
             q, sc = quant_oracle.fp8_dynamic(yq, "ieee")
             scale_out.copy_(torch.from_numpy(sc))
         elif pattern in (8, 9):
-            q, buf = quant_oracle.fp8_group(yq, block_quant_group_size)
+            q, buf = quant_oracle.fp8_group(yq, kw["block_quant_group_size"])
             m = q.shape[0]
             scale_out.copy_(torch.from_numpy(buf[:, :m].T.copy()))
             k, t = buf.shape  # the MN padding of all but the last pack is zeroed
@@ -604,22 +594,9 @@ def test_anchor_compare_case_counts_bytes_and_oracle_errors(dtype_name):
         "ours": (fake_allreduce_fusion(xs, 0, npdt, refuse=(8,)), "ws"),
         "anchor": (fake_allreduce_fusion(xs, 0, npdt, corrupt=11), "ws"),
     }
-    ac.run_case(
-        torch,
-        calls,
-        rank=0,
-        device="cpu",
-        dtype_name=dtype_name,
-        xs=xs,
-        res=res,
-        gam=gam,
-        m=m,
-        hidden=hidden,
-        oneshot=True,
-        patterns=ac.PATTERNS,
-        result=result,
-        stats=stats,
-    )
+    case = dict(xs=xs, res=res, gam=gam, m=m, hidden=hidden, oneshot=True, patterns=ac.PATTERNS)
+    where = dict(rank=0, device="cpu", dtype_name=dtype_name, result=result, stats=stats)
+    ac.run_case(torch, calls, **where, **case)
     json.dumps(result)
     assert result["cases"] == 1 and result["calls"] == 2 * 2 * 8 - 2
     assert list(result["refused"]) == ["ours p8"]
