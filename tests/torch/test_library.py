@@ -261,6 +261,13 @@ def _count(gm, target):
     return sum(n.op == "call_function" and n.target is target for n in gm.graph.nodes)
 
 
+def _not_fused(gm, ws, **kw):
+    """The pass fuses no block of ``gm`` and leaves its code as written."""
+    before = gm.code
+    assert fusion_pass.fuse_allreduce_rmsnorm(gm, ws, **kw) == 0
+    assert gm.code == before
+
+
 EXACT_FORMS = [_rms_fn, _rms_one_rounding]
 
 
@@ -293,10 +300,8 @@ def test_pass_leaves_a_rounding_change_alone_unless_asked(gloo_world1, cpu_kerne
     # Rounding before gamma (16-bit): not the fused op's rounding, so left as written by
     # default, with the reason; fused with allow_rounding_change=True, each block naming it.
     gm, args = _trace(gloo_world1, _rms_manual, dtype=dtype)
-    before = gm.code
     blocks = []
-    assert torch_compat.fuse_allreduce_rmsnorm(gm, fake_workspace(dtype=dtype), report=blocks) == 0
-    assert gm.code == before
+    _not_fused(gm, fake_workspace(dtype=dtype), report=blocks)
     name = str(dtype).replace("torch.", "")
     change = f"gamma multiplied in {name} after the norm is rounded to {name}"
     assert [b.fused for b in blocks] == [False] * 4
@@ -325,50 +330,39 @@ def test_pass_never_fuses_a_norm_computed_in_the_activation_dtype(gloo_world1):
     for allow in (False, True):
         gm, _ = _trace(gloo_world1, norm)
         blocks = []
-        n = fusion_pass.fuse_allreduce_rmsnorm(
-            gm, fake_workspace(), allow_rounding_change=allow, report=blocks
-        )
-        assert n == 0
+        _not_fused(gm, fake_workspace(), allow_rounding_change=allow, report=blocks)
         assert all("RMSNorm computed in bfloat16, not float32" in b.reason for b in blocks)
 
 
 def test_pass_leaves_graph_untouched_when_workspace_too_small(gloo_world1):
     gm, _ = _trace(gloo_world1, _rms_fn, m=8, hidden=256)
-    before = gm.code
-    small = fake_workspace(max_tokens=4, hidden=256)  # 4*256 < 8*256 elements
-    assert fusion_pass.fuse_allreduce_rmsnorm(gm, small) == 0
-    assert gm.code == before
+    _not_fused(gm, fake_workspace(max_tokens=4, hidden=256))  # 4*256 < 8*256 elements
 
 
 def test_pass_only_fuses_the_workspaces_group(gloo_world1):
     gm, _ = _trace(gloo_world1, _rms_fn)
-    before = gm.code
     other = fake_workspace(global_ranks=(0, 1))  # another group than WORLD = [0]
-    assert fusion_pass.fuse_allreduce_rmsnorm(gm, other) == 0
-    assert (
-        fusion_pass.fuse_allreduce_rmsnorm(gm, fake_workspace(), group_name="not-this-group") == 0
-    )
-    assert gm.code == before
+    _not_fused(gm, other)
+    _not_fused(gm, fake_workspace(), group_name="not-this-group")
     name = gloo_world1.group_name
     assert fusion_pass.fuse_allreduce_rmsnorm(gm, other, group_name=name) == 4
 
 
 def test_pass_refuses_dtype_width_mismatch(gloo_world1):
     gm, _ = _trace(gloo_world1, _rms_fn, dtype=torch.float32)
-    assert fusion_pass.fuse_allreduce_rmsnorm(gm, fake_workspace(dtype=torch.bfloat16)) == 0
+    _not_fused(gm, fake_workspace(dtype=torch.bfloat16))
 
 
 def test_pass_skips_blocks_whose_allreduce_output_is_used_elsewhere(gloo_world1):
     # The plain sum is needed too: pattern 1 cannot give it.
     f = rc.block_fn(gloo_world1, lambda t, res, g: (_rms_fn(t + res, g), t * 3), residual_arg=True)
-    gm = make_fx(f, tracing_mode="fake")(*_inputs())
-    assert fusion_pass.fuse_allreduce_rmsnorm(gm, fake_workspace()) == 0
+    _not_fused(make_fx(f, tracing_mode="fake")(*_inputs()), fake_workspace())
 
 
 def test_pass_skips_norm_without_weight_and_rmsnorm_of_other_things(gloo_world1):
     f = rc.block_fn(gloo_world1, lambda r, g: F.rms_norm(r, (r.shape[-1],), None, EPS))
     gm = make_fx(f, tracing_mode="fake")(*_inputs())  # gamma: an input the graph leaves unused
-    assert fusion_pass.fuse_allreduce_rmsnorm(gm, fake_workspace()) == 0
+    _not_fused(gm, fake_workspace())
 
 
 def _hand_built_block(group, norm):
