@@ -115,3 +115,12 @@ def measure(unfused, fused, args, eps: float, dtype) -> dict:
         "unfused_vs_f64_units": float(np.max(np.abs(o - y) / unit)),
         "residual_equal": bool(torch.equal(unfused[1], fused[1])),
     }
+
+
+def assert_within_bound(m, changes):
+    """``measure``'s ``m`` keeps the bound for ``changes`` rounding changes: the residual
+    output unchanged, the fused output within half an ulp of float64 (+ float32 math), and
+    within ``changes`` units of the unfused output (docs/torch.md)."""
+    assert m["residual_equal"], m
+    assert m["fused_vs_f64_half_ulps"] <= 1.0 + 2.0**-6, m
+    assert m["fused_vs_unfused_units"] <= changes, m
