@@ -5,6 +5,9 @@ backend list, and fake (meta) implementations that refuse what the eager op refu
 
 import pytest
 import torch
+from torch._dynamo.testing import EagerAndRecordGraphs
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import torch_compat
 from jax_fusedar.common import backend_choice, tp_groups
@@ -204,7 +207,6 @@ def test_create_timeout_is_named(gloo_world1):
 def _fake(shape, dtype=torch.bfloat16):
     """A tensor on "cuda" under FakeTensorMode (no GPU needed), else a CPU one (the eager
     op's workspace here lives on the CPU)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     fake = isinstance(_get_current_dispatch_mode(), FakeTensorMode)
@@ -260,8 +262,6 @@ def test_fake_refuses_what_eager_refuses(handle, cpu_stream, case):
     """Under FakeTensorMode (what torch.compile traces with) the op raises the eager op's
     ValueError; the same inputs, as real CPU tensors, through the eager op give the same
     message."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     build, match = FAKE_CASES[case]
     with FakeTensorMode():
         op, args = build(handle)
@@ -287,8 +287,6 @@ def _fused_fn(handle):
 def test_torch_compile_refuses_while_tracing(handle, fresh_dynamo):
     """fullgraph compile of a call the op refuses: the error comes from tracing (the backend
     never gets a graph), not from running it."""
-    from torch._dynamo.testing import EagerAndRecordGraphs
-
     backend = EagerAndRecordGraphs()
     compiled = torch.compile(_fused_fn(handle), fullgraph=True, backend=backend)
     x, res, g = _fused(handle)[1][:3]  # bfloat16 zeros on the CPU
@@ -300,8 +298,6 @@ def test_torch_compile_refuses_while_tracing(handle, fresh_dynamo):
 def test_fake_checks_wait_for_real_sizes_when_symbolic(handle):
     """With dynamic shapes the size rules (fit, one-shot) wait for the eager op; the rest
     (dtypes, ranks of the tensors) are still checked while tracing."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
     f = _fused_fn(handle)
     args = _fused(handle)[1][:3]  # bfloat16 zeros on the CPU
     gm = make_fx(f, tracing_mode="symbolic")(*args)

@@ -13,6 +13,8 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.testing import EagerAndRecordGraphs
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import torch_compat
@@ -151,8 +153,6 @@ def test_op_on_cpu_tensors_has_no_kernel(handle):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_fake_tensor_mode_shapes_and_dtypes(dtype):
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     # A workspace of the inputs' element width: the fake impls check it as the eager op does.
     with registered(fake_workspace(dtype=dtype)) as handle, FakeTensorMode() as mode:
         x, res, g = _inputs(5, dtype=dtype, device="cuda")
@@ -165,8 +165,6 @@ def test_fake_tensor_mode_shapes_and_dtypes(dtype):
 
 
 def test_fake_impl_checks_shapes(handle):
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     with FakeTensorMode():
         bf16 = dict(dtype=torch.bfloat16)  # the handle's workspace is a bf16 one
         x = torch.empty(5, 256, **bf16)
@@ -202,8 +200,6 @@ def test_torch_compile_fullgraph(cpu_kernels, handle, fresh_dynamo, backend):
 
 def test_torch_compile_fake_only_trace_with_dynamo_explain(handle, fresh_dynamo):
     # No kernel anywhere: dynamo + fake impls alone must produce one graph, no breaks.
-    from torch._dynamo.testing import EagerAndRecordGraphs
-
     def f(x, res, g):
         return FUSED(x, res, g, EPS, 0.0, None, False, handle)
 
@@ -369,8 +365,6 @@ def _hand_built_block(group, norm):
     """A graph of one all_reduce -> wait -> add residual -> ``norm(g, r, gamma)`` block, as
     a pre-decomposition graph holds it, with fake values on every node; ``norm`` adds the
     norm's nodes and returns (output nodes, norm output node). Returns (gm, inputs)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     g = torch.fx.Graph()
     x, res, gamma = g.placeholder("x"), g.placeholder("res"), g.placeholder("gamma")
     ar = g.call_function(
@@ -573,8 +567,6 @@ def test_quant_schema():
 
 @pytest.mark.parametrize("pattern, extra", QUANT_CASES)
 def test_quant_fake_tensor_shapes(pattern, extra, handle):
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     with FakeTensorMode():
         args = _quant_args(pattern, extra, device="cuda", handle=handle)
         outs = QUANT(*args)
@@ -583,8 +575,6 @@ def test_quant_fake_tensor_shapes(pattern, extra, handle):
 
 
 def test_quant_fake_refuses_plain_patterns_and_bad_shapes(handle):
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     with FakeTensorMode():
         for p in (0, 1):
             with pytest.raises(RuntimeError, match="quantized patterns"):
