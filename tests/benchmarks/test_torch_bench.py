@@ -9,7 +9,9 @@ folder for the loader); process spawning and the gloo agreement run for real.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
+import inspect
 import json
 import sys
 import textwrap
@@ -28,6 +30,9 @@ from jax_fusedar.common import plan as rules  # noqa: E402
 from tools import flashinfer_anchor as fa  # noqa: E402
 
 from tests.cpu_devices import run_module  # noqa: E402
+from tests.gpu import anchor  # noqa: E402
+from tests.gpu.harness import bound_problems, draw_case  # noqa: E402
+from tests.gpu.workers import anchor_compare as ac  # noqa: E402
 from tests.repo import REPO, run_code  # noqa: E402
 
 
@@ -408,8 +413,6 @@ def test_missing_anchor_fails_with_a_clear_message(tmp_path):
     (tmp_path / "half" / "flashinfer").mkdir(parents=True)
     with pytest.raises(fa.AnchorUnavailable, match="missing flashinfer/comm/allreduce.py"):
         fa.load_anchor(tmp_path / "half")
-    from tests.gpu import anchor
-
     assert anchor.problem(where) == f"no anchor folder at {where}"
 
 
@@ -581,9 +584,6 @@ def fake_allreduce_fusion(xs, rank, npdt, corrupt=None, refuse=()):
 
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float16"])
 def test_anchor_compare_case_counts_bytes_and_oracle_errors(dtype_name):
-    from tests.gpu.workers import anchor_compare as ac
-    from tests.gpu.harness import draw_case
-
     npdt = ac._np_dtype(dtype_name)
     m, hidden = 6, 512  # group 128: 4 groups, K = 1 pack; T = 8 (MN padding)
     xs, res, gam = draw_case(5, 2, m, hidden)
@@ -609,8 +609,6 @@ def test_anchor_compare_case_counts_bytes_and_oracle_errors(dtype_name):
     ours, anc = stats["ours"], stats["anchor"]
     assert ours["allreduce"] <= 1.0 and ours["residual"] <= 1.0 and ours["norm"] <= 3.0
     # The accumulation bounds, both fp32_acc settings (the fake sums in float32 either way).
-    from tests.gpu.harness import bound_problems
-
     assert not bound_problems(ours, dtype_name, 4) and ours["norm_own"] > 0, ours
     assert ours["worse"] == 0 and sum(ours["steps1"].values()) == 0
     assert ours["dyn_scale_ulps"] == 0.0 and ours["group_scale_mismatch"] == 0
@@ -620,8 +618,6 @@ def test_anchor_compare_case_counts_bytes_and_oracle_errors(dtype_name):
 
 
 def test_anchor_compare_outputs_are_poisoned_in_flashinfers_layout():
-    from tests.gpu.workers import anchor_compare as ac
-
     outs, bufs = ac._outputs(torch, 9, 6, 512, torch.bfloat16, "cpu")
     assert set(outs) == {"residual_out", "norm_out", "quant_out", "scale_out"}
     assert outs["scale_out"].shape == (6, 1) and outs["scale_out"].stride() == (1, 8)
@@ -669,8 +665,6 @@ ANCHOR_SRC = fa.resolve_anchor_path() / "flashinfer" / "comm" / "allreduce.py"
 def _anchor_params(func_name):
     """Parameter names of a function in FlashInfer's allreduce.py, read with ast (the module
     itself needs CUDA and Python 3.12 to import)."""
-    import ast
-
     if not ANCHOR_SRC.exists():
         pytest.skip(f"no FlashInfer source at {ANCHOR_SRC}")
     tree = ast.parse(ANCHOR_SRC.read_text())
@@ -689,8 +683,6 @@ class FakeDist:
 
 
 def test_variant_calls_bind_to_torch_compat_and_flashinfer():
-    import inspect
-
     import torch_compat
 
     ours_sig = inspect.signature(torch_compat.allreduce_fusion)

@@ -31,6 +31,7 @@ from torch_compat.channel import StoreChannel
 from tools.flashinfer_anchor import resolve_anchor_path
 
 from tests.common.fakes import run_in_threads
+from tests.gpu.harness import run_ranks
 from tests.torch.fakes import FakeRank, fake_workspace, fuse, last_launch, refused
 from tests.repo import run_code
 
@@ -597,12 +598,6 @@ def test_shared_gpu_is_allowed_with_a_warning(caplog):
 def gloo_worker(rank, world, chan, *, port):
     """DP=2 x TP=2 with gloo: the checks that need real subgroups, and the exchange over
     the default store with the crossed device layout (fake ranks: no GPU here)."""
-    import torch.distributed as dist
-
-    import torch_compat
-    from torch_compat import workspace as wsmod
-    from torch_compat.channel import StoreChannel
-
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
@@ -649,8 +644,6 @@ def gloo_worker(rank, world, chan, *, port):
 
 @pytest.mark.slow
 def test_dp_tp_over_gloo_four_processes():
-    from tests.gpu.harness import run_ranks
-
     res = run_ranks(gloo_worker, 4, timeout_s=180, port=free_port())
     for g, r in enumerate(res):
         assert "the size of `group`" in r["seen"]["world_size"], r["seen"]
