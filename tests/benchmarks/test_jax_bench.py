@@ -415,16 +415,20 @@ def test_the_patterns_parse_sorted(tmp_path):
     assert args.patterns == [1, 11] and set(args.patterns) <= set(bench.PATTERN_LABELS)
 
 
+def _out_refused(capsys, out):
+    """What parse_args says as it exits on ``--out out``."""
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--out", str(out)])
+    return capsys.readouterr().err
+
+
 @pytest.mark.parametrize("name", bench.OUT_FILES)
 def test_out_whose_result_file_is_a_folder(capsys, tmp_path, name):
     """Checked before the first case: the bench would otherwise time every case and then
     lose the results to IsADirectoryError."""
     (tmp_path / name).mkdir()
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--out", str(tmp_path)])
-    assert f"{tmp_path / name} is a folder, so {name} cannot be written there" in (
-        capsys.readouterr().err
-    )
+    message = f"{tmp_path / name} is a folder, so {name} cannot be written there"
+    assert message in _out_refused(capsys, tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -435,20 +439,16 @@ def test_out_whose_result_file_is_a_folder(capsys, tmp_path, name):
     ],
 )
 def test_out_that_cannot_hold_the_results(capsys, tmp_path, make, message):
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--out", str(make(tmp_path))])
-    assert message in capsys.readouterr().err
+    assert message in _out_refused(capsys, make(tmp_path))
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes in read-only folders")
 def test_out_that_is_not_writable(capsys, tmp_path):
     tmp_path.chmod(0o500)
     try:
-        with pytest.raises(SystemExit):
-            bench.parse_args(["--out", str(tmp_path)])
+        assert f"cannot write in the folder {tmp_path}" in _out_refused(capsys, tmp_path)
     finally:
         tmp_path.chmod(0o700)
-    assert f"cannot write in the folder {tmp_path}" in capsys.readouterr().err
 
 
 def test_a_fresh_out_folder_is_made_and_left_empty(tmp_path):

@@ -9,7 +9,9 @@ folder for the loader); process spawning and the gloo agreement run for real.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
+import inspect
 import json
 import sys
 import textwrap
@@ -28,6 +30,9 @@ from jax_fusedar.common import plan as rules  # noqa: E402
 from tools import flashinfer_anchor as fa  # noqa: E402
 
 from tests.cpu_devices import run_module  # noqa: E402
+from tests.gpu import anchor  # noqa: E402
+from tests.gpu.harness import bound_problems, draw_case  # noqa: E402
+from tests.gpu.workers import anchor_compare as ac  # noqa: E402
 from tests.repo import REPO, run_code  # noqa: E402
 
 
@@ -408,8 +413,6 @@ def test_missing_anchor_fails_with_a_clear_message(tmp_path):
     (tmp_path / "half" / "flashinfer").mkdir(parents=True)
     with pytest.raises(fa.AnchorUnavailable, match="missing flashinfer/comm/allreduce.py"):
         fa.load_anchor(tmp_path / "half")
-    from tests.gpu import anchor
-
     assert anchor.problem(where) == f"no anchor folder at {where}"
 
 
@@ -527,53 +530,43 @@ def _round(a, npdt):
     return np.asarray(a, np.float32).astype(npdt).astype(np.float32)
 
 
+OPTIONAL = set(
+    "output residual_out norm_out quant_out scale_out residual_in rms_gamma scale_factor "
+    "block_quant_group_size".split()
+)
+
+
 def fake_allreduce_fusion(xs, rank, npdt, corrupt=None, refuse=()):
     """The kernel's math in numpy (fp32 sums rounded to the dtype, the norm in fp32, then
     quant_oracle's quantizers on the rounded norm), writing into the torch outputs."""
     from tests.oracles import quant_oracle
 
-    def fn(
-        *,
-        input,
-        workspace,
-        pattern,
-        launch_with_pdl,
-        rms_eps,
-        use_oneshot,
-        fp32_acc,
-        output=None,
-        residual_out=None,
-        norm_out=None,
-        quant_out=None,
-        scale_out=None,
-        residual_in=None,
-        rms_gamma=None,
-        scale_factor=None,
-        block_quant_group_size=None,
-    ):
+    def fn(*, input, workspace, pattern, launch_with_pdl, rms_eps, use_oneshot, fp32_acc, **kw):
+        assert set(kw) <= OPTIONAL, set(kw) - OPTIONAL  # FlashInfer's names only
+        kw = dict.fromkeys(OPTIONAL) | kw
         if pattern in refuse:
             raise ValueError(f"pattern {pattern} is not supported")
         assert launch_with_pdl and use_oneshot is not None and workspace == "ws"
         assert np.array_equal(input.float().numpy(), xs[rank].astype(np.float32))
         s = _round(sum(x.astype(np.float32) for x in xs), npdt)
         dt = input.dtype
+        norm_out, quant_out, scale_out = (kw[k] for k in ("norm_out", "quant_out", "scale_out"))
         if pattern == 0:
-            output.copy_(torch.from_numpy(s).to(dt))
-            return output
-        r = _round(s + residual_in.float().numpy(), npdt)
-        residual_out.copy_(torch.from_numpy(r).to(dt))
+            return kw["output"].copy_(torch.from_numpy(s).to(dt))
+        r = _round(s + kw["residual_in"].float().numpy(), npdt)
+        kw["residual_out"].copy_(torch.from_numpy(r).to(dt))
         inv = 1.0 / np.sqrt(np.mean(r * r, axis=-1, keepdims=True) + np.float32(rms_eps))
-        y = _round(r * inv * rms_gamma.float().numpy(), npdt)
+        y = _round(r * inv * kw["rms_gamma"].float().numpy(), npdt)
         if norm_out is not None:
             norm_out.copy_(torch.from_numpy(y).to(dt))
         yq = y.astype(npdt)
         if pattern in (2, 4):
-            q = quant_oracle.fp8_static(yq, float(scale_factor.item()))
+            q = quant_oracle.fp8_static(yq, float(kw["scale_factor"].item()))
         elif pattern in (10, 11):
             q, sc = quant_oracle.fp8_dynamic(yq, "ieee")
             scale_out.copy_(torch.from_numpy(sc))
         elif pattern in (8, 9):
-            q, buf = quant_oracle.fp8_group(yq, block_quant_group_size)
+            q, buf = quant_oracle.fp8_group(yq, kw["block_quant_group_size"])
             m = q.shape[0]
             scale_out.copy_(torch.from_numpy(buf[:, :m].T.copy()))
             k, t = buf.shape  # the MN padding of all but the last pack is zeroed
@@ -591,9 +584,6 @@ def fake_allreduce_fusion(xs, rank, npdt, corrupt=None, refuse=()):
 
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float16"])
 def test_anchor_compare_case_counts_bytes_and_oracle_errors(dtype_name):
-    from tests.gpu.workers import anchor_compare as ac
-    from tests.gpu.harness import draw_case
-
     npdt = ac._np_dtype(dtype_name)
     m, hidden = 6, 512  # group 128: 4 groups, K = 1 pack; T = 8 (MN padding)
     xs, res, gam = draw_case(5, 2, m, hidden)
@@ -604,22 +594,9 @@ def test_anchor_compare_case_counts_bytes_and_oracle_errors(dtype_name):
         "ours": (fake_allreduce_fusion(xs, 0, npdt, refuse=(8,)), "ws"),
         "anchor": (fake_allreduce_fusion(xs, 0, npdt, corrupt=11), "ws"),
     }
-    ac.run_case(
-        torch,
-        calls,
-        rank=0,
-        device="cpu",
-        dtype_name=dtype_name,
-        xs=xs,
-        res=res,
-        gam=gam,
-        m=m,
-        hidden=hidden,
-        oneshot=True,
-        patterns=ac.PATTERNS,
-        result=result,
-        stats=stats,
-    )
+    case = dict(xs=xs, res=res, gam=gam, m=m, hidden=hidden, oneshot=True, patterns=ac.PATTERNS)
+    where = dict(rank=0, device="cpu", dtype_name=dtype_name, result=result, stats=stats)
+    ac.run_case(torch, calls, **where, **case)
     json.dumps(result)
     assert result["cases"] == 1 and result["calls"] == 2 * 2 * 8 - 2
     assert list(result["refused"]) == ["ours p8"]
@@ -632,8 +609,6 @@ def test_anchor_compare_case_counts_bytes_and_oracle_errors(dtype_name):
     ours, anc = stats["ours"], stats["anchor"]
     assert ours["allreduce"] <= 1.0 and ours["residual"] <= 1.0 and ours["norm"] <= 3.0
     # The accumulation bounds, both fp32_acc settings (the fake sums in float32 either way).
-    from tests.gpu.harness import bound_problems
-
     assert not bound_problems(ours, dtype_name, 4) and ours["norm_own"] > 0, ours
     assert ours["worse"] == 0 and sum(ours["steps1"].values()) == 0
     assert ours["dyn_scale_ulps"] == 0.0 and ours["group_scale_mismatch"] == 0
@@ -643,8 +618,6 @@ def test_anchor_compare_case_counts_bytes_and_oracle_errors(dtype_name):
 
 
 def test_anchor_compare_outputs_are_poisoned_in_flashinfers_layout():
-    from tests.gpu.workers import anchor_compare as ac
-
     outs, bufs = ac._outputs(torch, 9, 6, 512, torch.bfloat16, "cpu")
     assert set(outs) == {"residual_out", "norm_out", "quant_out", "scale_out"}
     assert outs["scale_out"].shape == (6, 1) and outs["scale_out"].stride() == (1, 8)
@@ -692,8 +665,6 @@ ANCHOR_SRC = fa.resolve_anchor_path() / "flashinfer" / "comm" / "allreduce.py"
 def _anchor_params(func_name):
     """Parameter names of a function in FlashInfer's allreduce.py, read with ast (the module
     itself needs CUDA and Python 3.12 to import)."""
-    import ast
-
     if not ANCHOR_SRC.exists():
         pytest.skip(f"no FlashInfer source at {ANCHOR_SRC}")
     tree = ast.parse(ANCHOR_SRC.read_text())
@@ -712,8 +683,6 @@ class FakeDist:
 
 
 def test_variant_calls_bind_to_torch_compat_and_flashinfer():
-    import inspect
-
     import torch_compat
 
     ours_sig = inspect.signature(torch_compat.allreduce_fusion)

@@ -15,20 +15,18 @@ def cpu_stream(monkeypatch):
     monkeypatch.setattr(cuda_state, "current_stream", lambda device: 0xC0FFEE)
 
 
-@pytest.fixture
-def sm100(monkeypatch):
-    """The workspace's GPU reads as sm100 (Blackwell): the NVFP4 patterns are allowed."""
-    from torch_compat import cuda_state
+def _gpu_reads_as(major):
+    @pytest.fixture
+    def fixture(monkeypatch):
+        from torch_compat import cuda_state
 
-    monkeypatch.setattr(cuda_state, "compute_capability", lambda device: (10, 0))
+        monkeypatch.setattr(cuda_state, "compute_capability", lambda device: (major, 0))
+
+    return fixture
 
 
-@pytest.fixture
-def sm90(monkeypatch):
-    """The workspace's GPU reads as sm90 (Hopper): the NVFP4 patterns are refused."""
-    from torch_compat import cuda_state
-
-    monkeypatch.setattr(cuda_state, "compute_capability", lambda device: (9, 0))
+sm100 = _gpu_reads_as(10)  # Blackwell: the NVFP4 patterns are allowed
+sm90 = _gpu_reads_as(9)  # Hopper: the NVFP4 patterns are refused
 
 
 @pytest.fixture

@@ -5,10 +5,16 @@ holds the fixtures built on them (``cpu_stream``, ``handle``)."""
 
 import contextlib
 
+import pytest
 import torch
 
+import torch_compat
 from jax_fusedar.common import sizing
 from torch_compat import workspace as wsmod
+
+AR = torch.ops.torch_compat.allreduce.default
+FUSED = torch.ops.torch_compat.allreduce_residual_rmsnorm.default
+QUANT = torch.ops.torch_compat.allreduce_residual_rmsnorm_quant.default
 
 
 class FakeRank:
@@ -79,3 +85,22 @@ def registered(ws):
         yield h
     finally:
         library.unregister_workspace(h)
+
+
+def fuse(ws, pattern, **kw):
+    """torch_compat.allreduce_fusion on ``ws``, every argument by keyword."""
+    return torch_compat.allreduce_fusion(workspace=ws, pattern=pattern, **kw)
+
+
+def refused(ws, pattern, match, error=ValueError, **kw):
+    """``fuse`` raises ``error`` matching ``match`` before launching anything (dense or MoE)."""
+    rank = ws.native_rank()
+    before = len(rank.launches), len(rank.moe_launches)
+    with pytest.raises(error, match=match):
+        fuse(ws, pattern, **kw)
+    assert (len(rank.launches), len(rank.moe_launches)) == before
+
+
+def last_launch(ws):
+    """(args, kw) of the last dense launch on ``ws``."""
+    return ws.native_rank().launches[-1]

@@ -28,9 +28,31 @@ def ref_fused(input, residual, gamma, eps, weight_bias, use_oneshot, fp32_acc, h
 
     library.lookup_workspace(handle)  # the handle must be live, as in the real kernel
     r = input + residual
+    return r.clone(), rms_norm_f32(r, gamma, eps, weight_bias).to(input.dtype)
+
+
+def rms_norm_f32(r, gamma, eps, weight_bias):
+    """The fused op's RMSNorm of ``r`` in float32 math, before its one rounding."""
     rf = r.float()
-    n = rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps) * (weight_bias + gamma.float())
-    return r.clone(), n.to(input.dtype)
+    return rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps) * (weight_bias + gamma.float())
+
+
+def oracle_quantize(pattern, y, scale_factor=None, group=None):
+    """(codes as a uint8 tensor, the scale_out tensor or None): tests/oracles/quant_oracle.py's
+    quantization of ``y`` (float32 numpy) for FP8 ``pattern``."""
+    from jax_fusedar.common.patterns import TRAITS, AllReduceFusionPattern
+    from tests.oracles import quant_oracle
+
+    quant, s = TRAITS[AllReduceFusionPattern(pattern)].quant, None
+    if quant == "fp8":
+        q = quant_oracle.fp8_static(y, float(scale_factor.reshape(())))
+    elif quant == "dynamic_fp8":
+        q, s = quant_oracle.fp8_dynamic(y)
+        s = torch.from_numpy(s)
+    else:
+        q, buf = quant_oracle.fp8_group(y, group)
+        s = torch.from_numpy(buf)[:, : y.shape[0]].t()
+    return torch.from_numpy(np.asarray(q)), s
 
 
 def block_fn(group, norm, *, residual_arg: bool = False):
@@ -93,3 +115,12 @@ def measure(unfused, fused, args, eps: float, dtype) -> dict:
         "unfused_vs_f64_units": float(np.max(np.abs(o - y) / unit)),
         "residual_equal": bool(torch.equal(unfused[1], fused[1])),
     }
+
+
+def assert_within_bound(m, changes):
+    """``measure``'s ``m`` keeps the bound for ``changes`` rounding changes: the residual
+    output unchanged, the fused output within half an ulp of float64 (+ float32 math), and
+    within ``changes`` units of the unfused output (docs/torch.md)."""
+    assert m["residual_equal"], m
+    assert m["fused_vs_f64_half_ulps"] <= 1.0 + 2.0**-6, m
+    assert m["fused_vs_unfused_units"] <= changes, m

@@ -5,18 +5,19 @@ backend list, and fake (meta) implementations that refuse what the eager op refu
 
 import pytest
 import torch
+from torch._dynamo.testing import EagerAndRecordGraphs
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import torch_compat
 from jax_fusedar.common import backend_choice, tp_groups
 from torch_compat import library
 from torch_compat import workspace as wsmod
 
-from tests.torch.fakes import fake_workspace
+from tests.torch.fakes import AR, FUSED, QUANT, fake_workspace, fuse, refused
 from tests.torch.test_torch_compat import _call, _tensors, create_refused
 
-AR = torch.ops.torch_compat.allreduce.default
-FUSED = torch.ops.torch_compat.allreduce_residual_rmsnorm.default
-QUANT = torch.ops.torch_compat.allreduce_residual_rmsnorm_quant.default
+U8 = torch.uint8
 
 
 # --- 4 and 7: options are never coerced, messages name the argument ----------------------------
@@ -52,41 +53,23 @@ QUANT = torch.ops.torch_compat.allreduce_residual_rmsnorm_quant.default
     ],
 )
 def test_options_are_never_coerced(cpu_stream, over, error, match):
-    ws = fake_workspace()
-    with pytest.raises(error, match=match):
-        _call(ws, **over)
-    assert not ws._rank_obj.launches  # refused before the launch line
+    kw = _tensors() | over
+    refused(fake_workspace(), kw.pop("pattern", 1), match, error, **kw)
 
 
 def test_layout_code_is_not_truncated(cpu_stream, sm100):
-    ws = fake_workspace()
-    quant_out = torch.empty(16, 512, dtype=torch.uint8)
-    scale_out = torch.empty(16 * 64, dtype=torch.uint8)
+    ws, t = fake_workspace(), _tensors() | dict(scale_factor=1.0)
+    t.update(quant_out=torch.empty(16, 512, dtype=U8), scale_out=torch.empty(16 * 64, dtype=U8))
     for layout in (2.7, "2", True):
-        with pytest.raises(ValueError, match=r"layout \(layout_code\)"):
-            _call(
-                ws,
-                5,
-                layout_code=layout,
-                scale_factor=1.0,
-                quant_out=quant_out,
-                scale_out=scale_out,
-            )
-    assert not ws._rank_obj.launches
+        refused(ws, 5, r"layout \(layout_code\)", **t | {"layout_code": layout})
 
 
 def test_real_bools_and_numbers_still_work(cpu_stream):
     import numpy as np
 
     ws = fake_workspace()
-    _call(
-        ws,
-        pattern=np.int64(1),
-        use_oneshot=np.bool_(True),
-        fp32_acc=np.bool_(True),
-        rms_eps=np.float32(1e-5),
-        weight_bias=1,
-    )
+    flags = dict(use_oneshot=np.bool_(True), fp32_acc=np.bool_(True), rms_eps=np.float32(1e-5))
+    _call(ws, pattern=np.int64(1), weight_bias=1, **flags)
     ((_, kw),) = ws._rank_obj.launches
     assert kw["algorithm"] == 1 and kw["fp32_acc"] is True and kw["weight_bias"] == 1.0
     assert type(kw["rms_eps"]) is float and type(kw["weight_bias"]) is float
@@ -164,22 +147,16 @@ def test_is_buffer_size_sufficient_refuses_nonsense(args, error, match):
 
 @pytest.mark.parametrize("pattern", [1, 2, 11])
 def test_output_is_refused_where_the_pattern_does_not_write_it(cpu_stream, monkeypatch, pattern):
-    ws = fake_workspace()
-    t = _tensors()
+    ws, t = fake_workspace(), _tensors()
     if pattern != 1:
         t["quant_out"] = torch.empty(16, 1024, dtype=torch.float8_e4m3fn)
         if pattern == 2:
             t.update(scale_factor=1.0, norm_out=None)
         else:
             t["scale_out"] = torch.empty(16, 1)
-    with pytest.raises(
-        ValueError, match=rf"pattern {pattern} \(\w+\) does not write output; pass None"
-    ):
-        torch_compat.allreduce_fusion(
-            workspace=ws, pattern=pattern, output=torch.empty_like(t["input"]), **t
-        )
-    assert not ws._rank_obj.launches
-    torch_compat.allreduce_fusion(workspace=ws, pattern=pattern, **t)  # without it: fine
+    match = rf"pattern {pattern} \(\w+\) does not write output; pass None"
+    refused(ws, pattern, match, output=torch.empty_like(t["input"]), **t)
+    fuse(ws, pattern, **t)  # without it: fine
     assert len(ws._rank_obj.launches) == 1
 
 
@@ -230,17 +207,12 @@ def test_create_timeout_is_named(gloo_world1):
 def _fake(shape, dtype=torch.bfloat16):
     """A tensor on "cuda" under FakeTensorMode (no GPU needed), else a CPU one (the eager
     op's workspace here lives on the CPU)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     fake = isinstance(_get_current_dispatch_mode(), FakeTensorMode)
     return torch.zeros(*shape, dtype=dtype, device="cuda" if fake else "cpu")
 
 
-BF = torch.bfloat16
-
-
-# (op, args builder (handle -> args), eager call (ws, tensors) -> None, message)
 def _fused(h, rows=(8, 256), *, residual=None, gamma=None, eps=1e-6):
     """The arguments of the residual + RMSNorm op, each overridable (bfloat16 rows)."""
     x = _fake(rows)
@@ -256,19 +228,14 @@ def _quant(h, pattern, rows=(8, 256), *, scale_factor=None, group_size=None):
     return QUANT, (x, residual, gamma, 1e-6, 0.0, pattern, scale_factor, group_size, *rest)
 
 
+FLAT_3D = r"input must be 2-D \[token_num, hidden_dim\], got shape \[2, 4, 256\]"
 FAKE_CASES = {
     "residual_float32": (
         lambda h: _fused(h, residual=_fake((8, 256), torch.float32)),
         "residual_in must have the input's dtype torch.bfloat16, got torch.float32",
     ),
-    "allreduce_3d": (
-        lambda h: (AR, (_fake((2, 4, 256)), None, False, h)),
-        r"input must be 2-D \[token_num, hidden_dim\], got shape \[2, 4, 256\]",
-    ),
-    "quant_11_3d": (
-        lambda h: _quant(h, 11, (2, 4, 256)),
-        r"input must be 2-D \[token_num, hidden_dim\], got shape \[2, 4, 256\]",
-    ),
+    "allreduce_3d": (lambda h: (AR, (_fake((2, 4, 256)), None, False, h)), FLAT_3D),
+    "quant_11_3d": (lambda h: _quant(h, 11, (2, 4, 256)), FLAT_3D),
     "too_many_tokens": (lambda h: _fused(h, (65, 256)), "does not fit the workspace"),
     "gamma_dtype": (
         lambda h: _fused(h, gamma=_fake((256,), torch.float16)),
@@ -295,8 +262,6 @@ def test_fake_refuses_what_eager_refuses(handle, cpu_stream, case):
     """Under FakeTensorMode (what torch.compile traces with) the op raises the eager op's
     ValueError; the same inputs, as real CPU tensors, through the eager op give the same
     message."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     build, match = FAKE_CASES[case]
     with FakeTensorMode():
         op, args = build(handle)
@@ -315,35 +280,26 @@ def test_fake_refuses_what_eager_refuses(handle, cpu_stream, case):
     assert not ws.native_rank().launches
 
 
+def _fused_fn(handle):
+    return lambda x, res, g: FUSED(x, res, g, 1e-6, 0.0, None, False, handle)
+
+
 def test_torch_compile_refuses_while_tracing(handle, fresh_dynamo):
     """fullgraph compile of a call the op refuses: the error comes from tracing (the backend
     never gets a graph), not from running it."""
-    from torch._dynamo.testing import EagerAndRecordGraphs
-
     backend = EagerAndRecordGraphs()
-
-    def f(x, res, g):
-        return FUSED(x, res, g, 1e-6, 0.0, None, False, handle)
-
-    compiled = torch.compile(f, fullgraph=True, backend=backend)
+    compiled = torch.compile(_fused_fn(handle), fullgraph=True, backend=backend)
+    x, res, g = _fused(handle)[1][:3]  # bfloat16 zeros on the CPU
     with pytest.raises(Exception, match="residual_in must have the input's dtype"):
-        compiled(torch.zeros(8, 256, dtype=BF), torch.zeros(8, 256), torch.zeros(256, dtype=BF))
+        compiled(x, res.float(), g)
     assert backend.graphs == []
 
 
 def test_fake_checks_wait_for_real_sizes_when_symbolic(handle):
     """With dynamic shapes the size rules (fit, one-shot) wait for the eager op; the rest
     (dtypes, ranks of the tensors) are still checked while tracing."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    def f(x, res, g):
-        return FUSED(x, res, g, 1e-6, 0.0, None, False, handle)
-
-    args = (
-        torch.zeros(8, 256, dtype=BF),
-        torch.zeros(8, 256, dtype=BF),
-        torch.zeros(256, dtype=BF),
-    )
+    f = _fused_fn(handle)
+    args = _fused(handle)[1][:3]  # bfloat16 zeros on the CPU
     gm = make_fx(f, tracing_mode="symbolic")(*args)
     assert any(n.target is FUSED for n in gm.graph.nodes)
     bad = (args[0], args[1].float(), args[2])

@@ -8,23 +8,12 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-# cpu_kernels and cpu_quant_kernel are fixtures (used by name).
-from tests.torch.test_library import (
-    EPS,
-    QUANT_CASES,
-    _expected_quant_meta,
-    _inputs,
-    _meta,
-    _quant_args,
-    _same,
-)
+from tests.torch.fakes import AR, FUSED, QUANT
+from tests.torch.test_library import EPS, QUANT_CASES, _expected_quant_meta, _inputs, _meta
+from tests.torch.test_library import _quant_args, _same
 
 # Fixtures of test_library.py, used here by name: pytest finds them through this import.
 from tests.torch.test_library import cpu_kernels, cpu_quant_kernel  # noqa: F401
-
-QUANT = torch.ops.torch_compat.allreduce_residual_rmsnorm_quant.default
-FUSED = torch.ops.torch_compat.allreduce_residual_rmsnorm.default
-AR = torch.ops.torch_compat.allreduce.default
 
 # Also in the oldest-versions lane (./dev oldest), with torch_compat's other CPU paths.
 pytestmark = [pytest.mark.oldest, pytest.mark.usefixtures("fresh_dynamo")]

@@ -119,27 +119,15 @@ def test_legacy_create_and_call_reach_the_op(shim, fake_create, cpu_stream):
     assert shim.trtllm_create_ipc_workspace_for_all_reduce_fusion(0, 2, 64, h)[0] is handles
     for dtype in (torch.bfloat16, torch.float16):  # a 16-bit workspace serves both
         x, res, gamma = rc.inputs(m, h, dtype, seed=0)
-        r_out, n_out = torch.empty_like(x), torch.empty_like(x)
-        _legacy_call(
-            shim,
-            tensor,
-            allreduce_in=x,
-            launch_with_pdl=True,
-            trigger_completion_at_end=False,
-            fp32_acc=True,
-            pattern_code=shim.AllReduceFusionPattern.kARResidualRMSNorm,
-            allreduce_out=None,
-            residual_in=res,
-            residual_out=r_out,
-            norm_out=n_out,
-            rms_gamma=gamma,
-            rms_eps=1e-5,
-            metadata=meta,
-        )
+        io = dict(residual_in=res, rms_gamma=gamma, allreduce_out=None)
+        io.update(residual_out=torch.empty_like(x), norm_out=torch.empty_like(x))
+        flags = dict(launch_with_pdl=True, trigger_completion_at_end=False, fp32_acc=True)
+        flags.update(pattern_code=shim.AllReduceFusionPattern.kARResidualRMSNorm, rms_eps=1e-5)
+        _legacy_call(shim, tensor, allreduce_in=x, metadata=meta, **io, **flags)
         args, kw = ws._rank_obj.launches[-1]
         assert args[0] == 1 and args[2:5] == (m, h, x.data_ptr())
-        assert kw["residual_in"] == res.data_ptr() and kw["norm_out"] == n_out.data_ptr()
-        assert kw["residual_out"] == r_out.data_ptr() and kw["rms_gamma"] == gamma.data_ptr()
+        for name in ("residual_in", "norm_out", "residual_out", "rms_gamma"):
+            assert kw[name] == io[name].data_ptr(), name
         assert kw["rms_eps"] == pytest.approx(1e-5) and kw["fp32_acc"] is True
         assert kw["trigger_completion_at_end"] is False and kw["launch_with_pdl"] is True
     # Pattern 0 writes allreduce_out (rms_eps None, as the legacy callers pass it).

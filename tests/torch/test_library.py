@@ -13,6 +13,8 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.testing import EagerAndRecordGraphs
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import torch_compat
@@ -20,14 +22,12 @@ from torch_compat import fusion_pass, library
 
 from tests.torch import fakes
 from tests.torch import rounding_check as rc
-from tests.torch.fakes import registered
+from tests.torch.fakes import AR, FUSED, QUANT, registered
 from tests.torch.rounding_check import ref_fused as _ref_fused  # world size 1: sum = input
 
 # Also in the oldest-versions lane (./dev oldest).
 pytestmark = pytest.mark.oldest
 
-AR = torch.ops.torch_compat.allreduce.default
-FUSED = torch.ops.torch_compat.allreduce_residual_rmsnorm.default
 EPS = 1e-6
 FLAGS = (EPS, 0.0, None, False)  # the fused op's eps, weight_bias, use_oneshot, fp32_acc
 
@@ -153,8 +153,6 @@ def test_op_on_cpu_tensors_has_no_kernel(handle):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_fake_tensor_mode_shapes_and_dtypes(dtype):
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     # A workspace of the inputs' element width: the fake impls check it as the eager op does.
     with registered(fake_workspace(dtype=dtype)) as handle, FakeTensorMode() as mode:
         x, res, g = _inputs(5, dtype=dtype, device="cuda")
@@ -167,8 +165,6 @@ def test_fake_tensor_mode_shapes_and_dtypes(dtype):
 
 
 def test_fake_impl_checks_shapes(handle):
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     with FakeTensorMode():
         bf16 = dict(dtype=torch.bfloat16)  # the handle's workspace is a bf16 one
         x = torch.empty(5, 256, **bf16)
@@ -204,8 +200,6 @@ def test_torch_compile_fullgraph(cpu_kernels, handle, fresh_dynamo, backend):
 
 def test_torch_compile_fake_only_trace_with_dynamo_explain(handle, fresh_dynamo):
     # No kernel anywhere: dynamo + fake impls alone must produce one graph, no breaks.
-    from torch._dynamo.testing import EagerAndRecordGraphs
-
     def f(x, res, g):
         return FUSED(x, res, g, EPS, 0.0, None, False, handle)
 
@@ -263,6 +257,13 @@ def _count(gm, target):
     return sum(n.op == "call_function" and n.target is target for n in gm.graph.nodes)
 
 
+def _not_fused(gm, ws, **kw):
+    """The pass fuses no block of ``gm`` and leaves its code as written."""
+    before = gm.code
+    assert fusion_pass.fuse_allreduce_rmsnorm(gm, ws, **kw) == 0
+    assert gm.code == before
+
+
 EXACT_FORMS = [_rms_fn, _rms_one_rounding]
 
 
@@ -295,10 +296,8 @@ def test_pass_leaves_a_rounding_change_alone_unless_asked(gloo_world1, cpu_kerne
     # Rounding before gamma (16-bit): not the fused op's rounding, so left as written by
     # default, with the reason; fused with allow_rounding_change=True, each block naming it.
     gm, args = _trace(gloo_world1, _rms_manual, dtype=dtype)
-    before = gm.code
     blocks = []
-    assert torch_compat.fuse_allreduce_rmsnorm(gm, fake_workspace(dtype=dtype), report=blocks) == 0
-    assert gm.code == before
+    _not_fused(gm, fake_workspace(dtype=dtype), report=blocks)
     name = str(dtype).replace("torch.", "")
     change = f"gamma multiplied in {name} after the norm is rounded to {name}"
     assert [b.fused for b in blocks] == [False] * 4
@@ -327,59 +326,45 @@ def test_pass_never_fuses_a_norm_computed_in_the_activation_dtype(gloo_world1):
     for allow in (False, True):
         gm, _ = _trace(gloo_world1, norm)
         blocks = []
-        ws = fake_workspace()
-        assert (
-            fusion_pass.fuse_allreduce_rmsnorm(gm, ws, allow_rounding_change=allow, report=blocks)
-            == 0
-        )
+        _not_fused(gm, fake_workspace(), allow_rounding_change=allow, report=blocks)
         assert all("RMSNorm computed in bfloat16, not float32" in b.reason for b in blocks)
 
 
 def test_pass_leaves_graph_untouched_when_workspace_too_small(gloo_world1):
     gm, _ = _trace(gloo_world1, _rms_fn, m=8, hidden=256)
-    before = gm.code
-    small = fake_workspace(max_tokens=4, hidden=256)  # 4*256 < 8*256 elements
-    assert fusion_pass.fuse_allreduce_rmsnorm(gm, small) == 0
-    assert gm.code == before
+    _not_fused(gm, fake_workspace(max_tokens=4, hidden=256))  # 4*256 < 8*256 elements
 
 
 def test_pass_only_fuses_the_workspaces_group(gloo_world1):
     gm, _ = _trace(gloo_world1, _rms_fn)
-    before = gm.code
     other = fake_workspace(global_ranks=(0, 1))  # another group than WORLD = [0]
-    assert fusion_pass.fuse_allreduce_rmsnorm(gm, other) == 0
-    assert (
-        fusion_pass.fuse_allreduce_rmsnorm(gm, fake_workspace(), group_name="not-this-group") == 0
-    )
-    assert gm.code == before
+    _not_fused(gm, other)
+    _not_fused(gm, fake_workspace(), group_name="not-this-group")
     name = gloo_world1.group_name
     assert fusion_pass.fuse_allreduce_rmsnorm(gm, other, group_name=name) == 4
 
 
 def test_pass_refuses_dtype_width_mismatch(gloo_world1):
     gm, _ = _trace(gloo_world1, _rms_fn, dtype=torch.float32)
-    assert fusion_pass.fuse_allreduce_rmsnorm(gm, fake_workspace(dtype=torch.bfloat16)) == 0
+    _not_fused(gm, fake_workspace(dtype=torch.bfloat16))
 
 
 def test_pass_skips_blocks_whose_allreduce_output_is_used_elsewhere(gloo_world1):
     # The plain sum is needed too: pattern 1 cannot give it.
     f = rc.block_fn(gloo_world1, lambda t, res, g: (_rms_fn(t + res, g), t * 3), residual_arg=True)
-    gm = make_fx(f, tracing_mode="fake")(*_inputs())
-    assert fusion_pass.fuse_allreduce_rmsnorm(gm, fake_workspace()) == 0
+    _not_fused(make_fx(f, tracing_mode="fake")(*_inputs()), fake_workspace())
 
 
 def test_pass_skips_norm_without_weight_and_rmsnorm_of_other_things(gloo_world1):
     f = rc.block_fn(gloo_world1, lambda r, g: F.rms_norm(r, (r.shape[-1],), None, EPS))
     gm = make_fx(f, tracing_mode="fake")(*_inputs())  # gamma: an input the graph leaves unused
-    assert fusion_pass.fuse_allreduce_rmsnorm(gm, fake_workspace()) == 0
+    _not_fused(gm, fake_workspace())
 
 
 def _hand_built_block(group, norm):
     """A graph of one all_reduce -> wait -> add residual -> ``norm(g, r, gamma)`` block, as
     a pre-decomposition graph holds it, with fake values on every node; ``norm`` adds the
     norm's nodes and returns (output nodes, norm output node). Returns (gm, inputs)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     g = torch.fx.Graph()
     x, res, gamma = g.placeholder("x"), g.placeholder("res"), g.placeholder("gamma")
     ar = g.call_function(
@@ -476,54 +461,30 @@ def test_inductor_end_to_end_with_post_grad_pass(gloo_world1, cpu_kernels, fresh
 
 # --- the quantized op ---------------------------------------------------------------------------
 
-QUANT = torch.ops.torch_compat.allreduce_residual_rmsnorm_quant.default
 E4M3 = torch.float8_e4m3fn
 
 
-def _ref_quant(
-    input,
-    residual,
-    gamma,
-    eps,
-    weight_bias,
-    pattern,
-    scale_factor,
-    group,
-    layout,
-    use_oneshot,
-    fp32_acc,
-    handle,
-):
+def _ref_quant(x, res, gamma, eps, bias, pattern, scale, group, layout, oneshot, acc, handle):
     """World-size-1 CPU stand-in for the quantized op, quantizing with the independent numpy
     oracle (tests/oracles/quant_oracle.py); NVFP4 outputs are left zero (not an oracle check)."""
-    from tests.oracles import quant_oracle
     from jax_fusedar.common.patterns import TRAITS, AllReduceFusionPattern
 
     library.lookup_workspace(handle)
     traits = TRAITS[AllReduceFusionPattern(pattern)]
-    r_out, n_out, q_out, s_out = library._quant_outputs(input, pattern, group, layout)
-    r = input + residual
-    rf = r.float()
-    n = (
-        rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps) * (weight_bias + gamma.float())
-    ).to(input.dtype)
+    r_out, n_out, q_out, s_out = library._quant_outputs(x, pattern, group, layout)
+    r = x + res
+    n = rc.rms_norm_f32(r, gamma, eps, bias).to(x.dtype)
     r_out.copy_(r)
     if traits.has_norm_out:
         n_out.copy_(n)
-    y = n.float().numpy()
-    if traits.quant == "fp8":
-        q = quant_oracle.fp8_static(y, float(scale_factor.reshape(())))
-    elif traits.quant == "dynamic_fp8":
-        q, s = quant_oracle.fp8_dynamic(y)
-        s_out.copy_(torch.from_numpy(s))
-    elif traits.quant == "group_fp8":
-        q, buf = quant_oracle.fp8_group(y, group)
-        s_out.copy_(torch.from_numpy(buf)[:, : input.shape[0]].t())
-    else:
+    if traits.quant == "fp4":
         q_out.zero_()
         s_out.view(torch.uint8).zero_()
-        return r_out, n_out, q_out, s_out
-    q_out.copy_(torch.from_numpy(q).view(E4M3))
+    else:
+        q, s = rc.oracle_quantize(pattern, n.float().numpy(), scale, group)
+        q_out.view(torch.uint8).copy_(q)
+        if s is not None:
+            s_out.copy_(s)
     return r_out, n_out, q_out, s_out
 
 
@@ -606,8 +567,6 @@ def test_quant_schema():
 
 @pytest.mark.parametrize("pattern, extra", QUANT_CASES)
 def test_quant_fake_tensor_shapes(pattern, extra, handle):
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     with FakeTensorMode():
         args = _quant_args(pattern, extra, device="cuda", handle=handle)
         outs = QUANT(*args)
@@ -616,8 +575,6 @@ def test_quant_fake_tensor_shapes(pattern, extra, handle):
 
 
 def test_quant_fake_refuses_plain_patterns_and_bad_shapes(handle):
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     with FakeTensorMode():
         for p in (0, 1):
             with pytest.raises(RuntimeError, match="quantized patterns"):

@@ -10,7 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import torch_compat
 from tests.torch import fakes
-from tests.torch.fakes import registered
+from tests.torch.fakes import fuse, refused, registered
 
 P6 = torch_compat.AllReduceFusionPattern.kMoEReductionARResidualRMSNorm
 P7 = torch_compat.AllReduceFusionPattern.kMoEFinalizeARResidualRMSNorm
@@ -48,7 +48,7 @@ def reduction_args(e=3, t=4, h=7168, dtype=BF):
 def test_finalize_allocates_outputs_returns_norm_out_and_launches_pattern_7():
     ws = fake_workspace()
     a = finalize_args()
-    out = torch_compat.allreduce_fusion(workspace=ws, pattern=P7, launch_with_pdl=True, **a)
+    out = fuse(ws, P7, launch_with_pdl=True, **a)
     ((args, kw),) = ws.native_rank().moe_launches
     assert args[:4] == (7, 2, 4, 7168)
     assert kw["permuted_input"] == a["input"].data_ptr() and kw["num_permuted_rows"] == 40
@@ -64,12 +64,7 @@ def test_finalize_optional_inputs_and_routed_scaling():
     a = finalize_args()
     del a["expert_scale_factor"], a["shared_expert_output"]
     norm = torch.empty_like(a["residual_in"])
-    assert (
-        torch_compat.allreduce_fusion(
-            workspace=ws, pattern=7, norm_out=norm, routed_scaling_factor=2.5, **a
-        )
-        is norm
-    )
+    assert fuse(ws, 7, norm_out=norm, routed_scaling_factor=2.5, **a) is norm
     ((_, kw),) = ws.native_rank().moe_launches
     assert kw["expert_scale_factor"] == 0 and kw["shared_expert_output"] == 0
     assert kw["routed_scaling_factor"] == 2.5
@@ -79,20 +74,16 @@ def test_reduction_needs_norm_out_writes_output_and_residual_out_when_given():
     ws = fake_workspace()
     a = reduction_args()
     norm, res, out = (torch.empty_like(a["residual_in"]) for _ in range(3))
-    got = torch_compat.allreduce_fusion(
-        workspace=ws, pattern=P6, norm_out=norm, residual_out=res, output=out, **a
-    )
-    assert got is norm
+    assert fuse(ws, P6, norm_out=norm, residual_out=res, output=out, **a) is norm
     ((args, kw),) = ws.native_rank().moe_launches
     assert args[:4] == (6, 2, 4, 7168) and kw["num_experts"] == 3
     got = (kw["allreduce_out"], kw["residual_out"], kw["norm_out"])
     assert got == (out.data_ptr(), res.data_ptr(), norm.data_ptr())
     # Without residual_out / output: null pointers (the kernel's template flags).
-    torch_compat.allreduce_fusion(workspace=ws, pattern=P6, norm_out=norm, **a)
+    fuse(ws, P6, norm_out=norm, **a)
     kw = ws.native_rank().moe_launches[-1][1]
     assert kw["allreduce_out"] == 0 and kw["residual_out"] == 0
-    with pytest.raises(ValueError, match="needs norm_out"):
-        torch_compat.allreduce_fusion(workspace=ws, pattern=P6, **a)
+    refused(ws, P6, "needs norm_out", **a)
 
 
 def _with(base, **changes):
@@ -135,23 +126,15 @@ def _idx(rows):
     ],
 )
 def test_finalize_refuses(kw, match):
-    with pytest.raises((ValueError, TypeError), match=match):
-        torch_compat.allreduce_fusion(workspace=fake_workspace(), pattern=P7, **kw)
+    refused(fake_workspace(), P7, match, (ValueError, TypeError), **kw)
 
 
 def test_finalize_refuses_hidden_sizes_with_a_partial_warp_float32_and_big_calls():
-    with pytest.raises(ValueError, match="multiple of 256"):
-        torch_compat.allreduce_fusion(
-            workspace=fake_workspace(hidden=2880), pattern=7, **finalize_args(h=2880)
-        )
+    refused(fake_workspace(hidden=2880), 7, "multiple of 256", **finalize_args(h=2880))
     a = finalize_args(h=256)
     a = {k: (v.float() if torch.is_tensor(v) and v.dtype == BF else v) for k, v in a.items()}
-    with pytest.raises(ValueError, match="bfloat16 or float16"):
-        torch_compat.allreduce_fusion(workspace=fake_workspace(hidden=256), pattern=7, **a)
-    with pytest.raises(ValueError, match="does not fit the workspace"):
-        torch_compat.allreduce_fusion(
-            workspace=fake_workspace(max_tokens=2), pattern=7, **finalize_args(t=4)
-        )
+    refused(fake_workspace(hidden=256), 7, "bfloat16 or float16", **a)
+    refused(fake_workspace(max_tokens=2), 7, "does not fit the workspace", **finalize_args(t=4))
 
 
 R = reduction_args(e=3, t=4)
@@ -177,10 +160,8 @@ R = reduction_args(e=3, t=4)
     ],
 )
 def test_reduction_refuses(kw, match):
-    with pytest.raises((ValueError, TypeError), match=match):
-        torch_compat.allreduce_fusion(
-            workspace=fake_workspace(), pattern=P6, norm_out=torch.empty(4, 7168, dtype=BF), **kw
-        )
+    norm_out = torch.empty(4, 7168, dtype=BF)
+    refused(fake_workspace(), P6, match, (ValueError, TypeError), norm_out=norm_out, **kw)
 
 
 def test_dense_patterns_refuse_moe_arguments():
@@ -225,15 +206,9 @@ def test_one_moe_rule_refuses_what_flashinfers_launcher_cannot_place():
     rule JAX applies at trace time (common.moe_limits) refuses it here too, eagerly and in
     the fake implementations that torch.compile traces."""
     ws = fake_workspace(hidden=8448)
-    with pytest.raises(ValueError, match="1056 threads per block"):
-        torch_compat.allreduce_fusion(workspace=ws, pattern=P7, **finalize_args(h=8448))
-    with pytest.raises(ValueError, match="1056 threads per block"):
-        torch_compat.allreduce_fusion(
-            workspace=ws,
-            pattern=P6,
-            norm_out=torch.empty(4, 8448, dtype=BF),
-            **reduction_args(h=8448),
-        )
+    refused(ws, P7, "1056 threads per block", **finalize_args(h=8448))
+    norm_out = torch.empty(4, 8448, dtype=BF)
+    refused(ws, P6, "1056 threads per block", norm_out=norm_out, **reduction_args(h=8448))
     assert not ws.native_rank().moe_launches
     with registered(ws) as handle, FakeTensorMode():
         a = finalize_args(h=8448)

@@ -13,6 +13,7 @@ import random
 import socket
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -30,7 +31,8 @@ from torch_compat.channel import StoreChannel
 from tools.flashinfer_anchor import resolve_anchor_path
 
 from tests.common.fakes import run_in_threads
-from tests.torch.fakes import FakeRank, fake_workspace
+from tests.gpu.harness import run_ranks
+from tests.torch.fakes import FakeRank, fake_workspace, fuse, last_launch, refused
 from tests.repo import run_code
 
 
@@ -152,9 +154,6 @@ def test_importing_torch_compat_does_not_import_jax():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-# --- fakes: tests/torch/fakes.py; cpu_stream: tests/torch/conftest.py --------------------------
-
-
 def _tensors(m=16, h=1024, dtype=torch.bfloat16):
     x = torch.randn(m, h).to(dtype)
     return dict(
@@ -212,22 +211,12 @@ def test_destroy_is_idempotent_and_final(cpu_stream):
 def test_pattern1_launch_arguments_and_return_value(cpu_stream):
     ws = fake_workspace()
     t = _tensors(m=16)
-    out = torch_compat.allreduce_fusion(
-        workspace=ws,
-        pattern=1,
-        launch_with_pdl=True,
-        fp32_acc=True,
-        rms_eps=1e-5,
-        weight_bias=1.0,
-        **t,
-    )
+    out = fuse(ws, 1, launch_with_pdl=True, fp32_acc=True, rms_eps=1e-5, weight_bias=1.0, **t)
     assert out is t["norm_out"]  # FlashInfer returns norm_out for the norm patterns
     ((args, kw),) = ws._rank_obj.launches
     assert args == (1, native.DTYPE_CODES["bfloat16"], 16, 1024, t["input"].data_ptr())
-    assert kw["residual_in"] == t["residual_in"].data_ptr()
-    assert kw["residual_out"] == t["residual_out"].data_ptr()
-    assert kw["norm_out"] == t["norm_out"].data_ptr()
-    assert kw["rms_gamma"] == t["rms_gamma"].data_ptr()
+    for name in ("residual_in", "residual_out", "norm_out", "rms_gamma"):
+        assert kw[name] == t[name].data_ptr(), name
     assert kw["allreduce_out"] == 0  # pattern 1 writes no all-reduce output
     assert kw["stream"] == 0xC0FFEE and kw["algorithm"] == launch_mode.ALGORITHM_ONESHOT
     assert kw["launch_with_pdl"] and kw["fp32_acc"] and kw["trigger_completion_at_end"]
@@ -245,27 +234,19 @@ def test_pattern0_allocates_output_like_flashinfer(cpu_stream):
     given = torch.empty_like(x)
     assert torch_compat.allreduce_fusion(x, ws, 0, output=given) is given
     # Inputs pattern 0 does not read are ignored, as in FlashInfer.
-    torch_compat.allreduce_fusion(
-        x,
-        ws,
-        0,
-        residual_in=torch.empty_like(x),
-        rms_gamma=torch.empty(1024, dtype=x.dtype),
-        scale_factor=2.0,
-        layout_code=2,
-        block_quant_group_size=128,
-    )
-    assert ws._rank_obj.launches[-1][1]["residual_in"] == 0
+    unread = dict(scale_factor=2.0, layout_code=2, block_quant_group_size=128)
+    unread.update(residual_in=torch.empty_like(x), rms_gamma=torch.empty(1024, dtype=x.dtype))
+    torch_compat.allreduce_fusion(x, ws, 0, **unread)
+    assert last_launch(ws)[1]["residual_in"] == 0
 
 
 def test_oneshot_choice_is_the_topology_policy_and_forcible(cpu_stream):
     ws = fake_workspace(max_tokens=4096, hidden=4096)
     for m, use in ((1, None), (17, False), (17, True), (4096, None)):
-        t = _tensors(m=m, h=4096)
-        torch_compat.allreduce_fusion(workspace=ws, pattern=1, use_oneshot=use, **t)
+        fuse(ws, 1, use_oneshot=use, **_tensors(m=m, h=4096))
         expected = launch_mode.choose_algorithm(m, 4096, ws.sizes, use)
         assert expected == int(launch_mode.choose_oneshot(m, 4096, ws.sizes, use))  # < 48 MiB
-        assert ws._rank_obj.launches[-1][1]["algorithm"] == expected
+        assert last_launch(ws)[1]["algorithm"] == expected
     with pytest.raises(ValueError, match="two-shot needs more tokens"):
         _call(ws, use_oneshot=False, **_tensors(m=2, h=4096))
 
@@ -274,16 +255,14 @@ def test_aliasing_in_place_outputs_is_allowed(cpu_stream):
     ws = fake_workspace()
     t = _tensors()
     t["residual_out"], t["norm_out"] = t["residual_in"], t["input"]
-    assert torch_compat.allreduce_fusion(workspace=ws, pattern=1, **t) is t["input"]
+    assert fuse(ws, 1, **t) is t["input"]
 
 
 # --- allreduce_fusion: every refusal --------------------------------------------------------------
 
 
 def _call(ws, pattern=1, **over):
-    t = _tensors()
-    t.update(over)
-    return torch_compat.allreduce_fusion(workspace=ws, pattern=pattern, **t)
+    return fuse(ws, pattern, **_tensors() | over)
 
 
 NO_NORM = dict(residual_out=None, norm_out=None)
@@ -421,14 +400,9 @@ def test_create_refuses_other_dtypes(gloo_world1, dtype):
 
 
 def test_create_comm_backend_must_describe_the_same_group(gloo_world1):
-    class Backend:  # FlashInfer's CommBackend protocol, built over another group
-        def Get_rank(self):
-            return 3
-
-        def Get_size(self):
-            return 1
-
-    create_refused("comm_backend.Get_rank", world_size=1, rank=0, comm_backend=Backend())
+    # FlashInfer's CommBackend protocol, built over another group.
+    other = types.SimpleNamespace(Get_rank=lambda: 3, Get_size=lambda: 1)
+    create_refused("comm_backend.Get_rank", world_size=1, rank=0, comm_backend=other)
 
 
 # --- the store channel ----------------------------------------------------------------------------
@@ -461,18 +435,13 @@ def test_channel_publish_fetch_roundtrip(stores):
 def test_channel_fetch_names_who_is_missing_within_the_timeout(stores):
     chan = StoreChannel(stores(), timeout_s=0.5)
     chan.publish("present", b"1")
+    absent = {"absent/1": "TP rank 1 (global rank 5)", "absent/2": "TP rank 2 (global rank 6)"}
     t0 = time.monotonic()
     with pytest.raises(TimeoutError) as e:
-        chan.fetch_many(
-            {
-                "present": "TP rank 0",
-                "absent/1": "TP rank 1 (global rank 5)",
-                "absent/2": "TP rank 2 (global rank 6)",
-            }
-        )
+        chan.fetch_many({"present": "TP rank 0", **absent})
     assert time.monotonic() - t0 < 3
     msg = str(e.value)
-    assert "TP rank 1 (global rank 5)" in msg and "TP rank 2 (global rank 6)" in msg
+    assert all(who in msg for who in absent.values())
     assert "TP rank 0" not in msg and "0.5 s" in msg
 
 
@@ -629,12 +598,6 @@ def test_shared_gpu_is_allowed_with_a_warning(caplog):
 def gloo_worker(rank, world, chan, *, port):
     """DP=2 x TP=2 with gloo: the checks that need real subgroups, and the exchange over
     the default store with the crossed device layout (fake ranks: no GPU here)."""
-    import torch.distributed as dist
-
-    import torch_compat
-    from torch_compat import workspace as wsmod
-    from torch_compat.channel import StoreChannel
-
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
@@ -681,8 +644,6 @@ def gloo_worker(rank, world, chan, *, port):
 
 @pytest.mark.slow
 def test_dp_tp_over_gloo_four_processes():
-    from tests.gpu.harness import run_ranks
-
     res = run_ranks(gloo_worker, 4, timeout_s=180, port=free_port())
     for g, r in enumerate(res):
         assert "the size of `group`" in r["seen"]["world_size"], r["seen"]
@@ -748,7 +709,7 @@ def test_quantized_pattern_launch_arguments_and_return_value(cpu_stream, sm100, 
     traits = TRAITS[pattern]
     ws = fake_workspace()
     t = _qtensors(pattern)
-    out = torch_compat.allreduce_fusion(workspace=ws, pattern=pattern, fp32_acc=True, **t)
+    out = fuse(ws, pattern, fp32_acc=True, **t)
     # FlashInfer: norm_out when the pattern writes it, else quant_out.
     assert out is (t["norm_out"] if traits.has_norm_out else t["quant_out"])
     ((args, kw),) = ws._rank_obj.launches
@@ -782,35 +743,32 @@ def test_nvfp4_layouts_and_sizes(cpu_stream, sm100):
     ws = fake_workspace(max_tokens=200, hidden=1024)
     for layout in (0, 2):
         t = _qtensors(QP.kARResidualRMSNormOutFP4Quant, m=130, layout=layout)
-        torch_compat.allreduce_fusion(workspace=ws, pattern=5, **t)
-        assert ws._rank_obj.launches[-1][1]["layout"] == layout
+        fuse(ws, 5, **t)
+        assert last_launch(ws)[1]["layout"] == layout
         # int32 and uint8 views of the same bytes are accepted too (vLLM keeps int32).
         size = quant_layouts.nvfp4_scale_buffer_size(130, 1024, layout)
         for sd, n in ((torch.int32, size // 4), (torch.uint8, size)):
-            t["scale_out"] = torch.empty(n, dtype=sd)
-            torch_compat.allreduce_fusion(workspace=ws, pattern=5, **t)
+            fuse(ws, 5, **t | {"scale_out": torch.empty(n, dtype=sd)})
     # The default layout is SWIZZLED_128x4 (FlashInfer's layout_code=None).
-    t = _qtensors(QP.kARResidualRMSNormFP4Quant, m=130)
-    torch_compat.allreduce_fusion(workspace=ws, pattern=3, **t)
-    assert ws._rank_obj.launches[-1][1]["layout"] == 0
+    fuse(ws, 3, **_qtensors(QP.kARResidualRMSNormFP4Quant, m=130))
+    assert last_launch(ws)[1]["layout"] == 0
 
 
 def test_nvfp4_is_refused_below_sm100(cpu_stream, sm90):
     ws = fake_workspace()
     for p in NVFP4:
-        with pytest.raises(ValueError, match=r"NVFP4 patterns \(3, 5\) need an sm100\+ GPU.*sm90"):
-            torch_compat.allreduce_fusion(workspace=ws, pattern=p, **_qtensors(p))
+        refused(ws, p, r"NVFP4 patterns \(3, 5\) need an sm100\+ GPU.*sm90", **_qtensors(p))
     assert not ws._rank_obj.launches
     # The FP8 patterns do not depend on the architecture.
-    torch_compat.allreduce_fusion(workspace=ws, pattern=4, **_qtensors(4))
+    fuse(ws, 4, **_qtensors(4))
 
 
 def test_scale_factor_as_python_float_like_flashinfer(cpu_stream, monkeypatch):
     ws = fake_workspace()
     t = _qtensors(QP.kARResidualRMSNormFP8Quant)
     t["scale_factor"] = 0.25
-    torch_compat.allreduce_fusion(workspace=ws, pattern=2, **t)
-    assert ws._rank_obj.launches[-1][1]["scale_factor"] != 0
+    fuse(ws, 2, **t)
+    assert last_launch(ws)[1]["scale_factor"] != 0
     for bad, match in (
         (0.0, "positive and finite"),
         (-1.0, "positive"),
@@ -819,25 +777,18 @@ def test_scale_factor_as_python_float_like_flashinfer(cpu_stream, monkeypatch):
         (True, "float32 tensor or a float"),
         ("2", "float32 tensor or a float"),
     ):
-        t["scale_factor"] = bad
-        with pytest.raises(ValueError, match=match):
-            torch_compat.allreduce_fusion(workspace=ws, pattern=2, **t)
+        refused(ws, 2, match, **t | {"scale_factor": bad})
     # Under CUDA-graph capture a float would need an uncapturable host->device copy.
     monkeypatch.setattr(cuda_state, "capturing", lambda: True)
-    t["scale_factor"] = 0.25
-    with pytest.raises(ValueError, match="CUDA graph cannot capture"):
-        torch_compat.allreduce_fusion(workspace=ws, pattern=2, **t)
-    t["scale_factor"] = torch.tensor([0.25])
-    torch_compat.allreduce_fusion(workspace=ws, pattern=2, **t)  # a tensor is fine
+    refused(ws, 2, "CUDA graph cannot capture", **t)
+    fuse(ws, 2, **t | {"scale_factor": torch.tensor([0.25])})  # a tensor is fine
 
 
 def test_quantized_inputs_a_pattern_does_not_read_are_ignored(cpu_stream):
     ws = fake_workspace()
     t = _qtensors(QP.kARResidualRMSNormOutDynamicFP8Quant)
-    torch_compat.allreduce_fusion(
-        workspace=ws, pattern=11, scale_factor=2.0, layout_code=1, block_quant_group_size=3, **t
-    )
-    kw = ws._rank_obj.launches[-1][1]
+    fuse(ws, 11, scale_factor=2.0, layout_code=1, block_quant_group_size=3, **t)
+    kw = last_launch(ws)[1]
     assert kw["scale_factor"] == 0 and kw["layout"] == 0 and kw["block_quant_group_size"] == 0
 
 
@@ -907,32 +858,23 @@ STRIDE_1_16, ROUND_UP = r"stride must be \(1, 16\)", r".*round_up\(token_num, 4\
     ],
 )
 def test_quantized_refusals_are_clear_value_errors(cpu_stream, sm100, pattern, t, match):
-    ws = fake_workspace()
     if match is None:  # accepted variants next to the refusals
-        torch_compat.allreduce_fusion(workspace=ws, pattern=pattern, **t)
-        return
-    with pytest.raises(ValueError, match=match):
-        torch_compat.allreduce_fusion(workspace=ws, pattern=pattern, **t)
-    assert not ws._rank_obj.launches
+        fuse(fake_workspace(), pattern, **t)
+    else:
+        refused(fake_workspace(), pattern, match, **t)
 
 
 def test_group_size_rule_follows_dtype_width(cpu_stream):
     ws = fake_workspace(dtype=torch.float32)
-    t = _qtensors(8, dtype=torch.float32, group=4)  # fp32: 4 elements per 16-byte vector
-    torch_compat.allreduce_fusion(workspace=ws, pattern=8, **t)
-    assert ws._rank_obj.launches[-1][1]["block_quant_group_size"] == 4
+    fuse(ws, 8, **_qtensors(8, dtype=torch.float32, group=4))  # fp32: 4 per 16-byte vector
+    assert last_launch(ws)[1]["block_quant_group_size"] == 4
     t = _qtensors(8, dtype=torch.float32, group=256)
-    with pytest.raises(ValueError, match="power of two from 4 to 128 for float32"):
-        torch_compat.allreduce_fusion(workspace=ws, pattern=8, **t)
+    refused(ws, 8, "power of two from 4 to 128 for float32", **t)
     with pytest.raises(ValueError, match="must be divisible by group_size"):
-        torch_compat.allreduce_fusion(
-            workspace=fake_workspace(), pattern=8, **_qtensors(8, h=1024 + 64, group=128)
-        )
+        fuse(fake_workspace(), 8, **_qtensors(8, h=1024 + 64, group=128))
     # 96 divides 1536 but is no power of two: the kernel's shared-memory path, not offered.
     with pytest.raises(ValueError, match="power of two from 8 to 256 for bfloat16, got 96"):
-        torch_compat.allreduce_fusion(
-            workspace=fake_workspace(), pattern=9, **_qtensors(9, h=1536, group=96)
-        )
+        fuse(fake_workspace(), 9, **_qtensors(9, h=1536, group=96))
 
 
 @pytest.mark.parametrize(
@@ -960,20 +902,12 @@ def test_group_size_rule_follows_dtype_width(cpu_stream):
     ],
 )
 def test_nvfp4_refusals(cpu_stream, sm100, pattern, over, match):
-    t = _qtensors(pattern)
-    t.update(over)
-    with pytest.raises(ValueError, match=match):
-        torch_compat.allreduce_fusion(workspace=fake_workspace(), pattern=pattern, **t)
+    refused(fake_workspace(), pattern, match, **_qtensors(pattern) | over)
 
 
 def test_nvfp4_needs_16bit_input_and_hidden_multiple_of_16(cpu_stream, sm100):
-    with pytest.raises(ValueError, match="bfloat16 or float16 input, got float32"):
-        torch_compat.allreduce_fusion(
-            workspace=fake_workspace(dtype=torch.float32),
-            pattern=5,
-            **_qtensors(5, dtype=torch.float32),
-        )
+    ws, t = fake_workspace(dtype=torch.float32), _qtensors(5, dtype=torch.float32)
+    refused(ws, 5, "bfloat16 or float16 input, got float32", **t)
     # 1032 = 129 vectors of 8: launchable, but not whole 16-element NVFP4 blocks.
-    ws = fake_workspace(max_tokens=16, hidden=2048)
     with pytest.raises(ValueError, match="divisible by 16"):
-        torch_compat.allreduce_fusion(workspace=ws, pattern=5, **_qtensors(5, h=1032))
+        fuse(fake_workspace(max_tokens=16, hidden=2048), 5, **_qtensors(5, h=1032))

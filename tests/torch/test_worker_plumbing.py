@@ -14,9 +14,15 @@ import torch
 
 import torch_compat
 
-from tests.torch.fakes import fake_workspace
+from torch_compat import library
+
+from tests.gpu.harness import bound_problems, draw_case, free_port, run_ranks
 from tests.gpu.workers import parity_jax_torch as par
 from tests.gpu.workers import torch_workers as tw
+from tests.torch import rounding_check as rc
+from tests.torch.fakes import fake_workspace
+from tests.torch.test_library import _ref_fused
+from tests.torch.test_library import fake_workspace as fake_workspace_world1
 
 
 class SimTC:
@@ -28,8 +34,6 @@ class SimTC:
         self.calls = []
 
     def allreduce_fusion(self, input, workspace, pattern, **kw):
-        from tests.oracles import quant_oracle
-
         ret = torch_compat.allreduce_fusion(input, workspace, pattern, **kw)
         self.calls.append((pattern, kw.get("use_oneshot"), kw.get("fp32_acc")))
         dt = input.dtype
@@ -38,32 +42,20 @@ class SimTC:
             kw["output"].copy_(s)
             return ret
         r = (s.float() + kw["residual_in"].float()).to(dt)
-        rf = r.float()
-        y = (
-            rf
-            * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + kw["rms_eps"])
-            * (kw["weight_bias"] + kw["rms_gamma"].float())
-        ).to(dt)
+        y = rc.rms_norm_f32(r, kw["rms_gamma"], kw["rms_eps"], kw["weight_bias"]).to(dt)
         kw["residual_out"].copy_(r)
         if kw.get("norm_out") is not None:
             kw["norm_out"].copy_(y)
-        yn = y.float().numpy()
-        if pattern in (2, 4):
-            q = quant_oracle.fp8_static(yn, float(kw["scale_factor"].reshape(())))
-        elif pattern in (10, 11):
-            q, sc = quant_oracle.fp8_dynamic(yn)
-            kw["scale_out"].copy_(torch.from_numpy(sc))
-        elif pattern in (8, 9):
-            q, buf = quant_oracle.fp8_group(yn, kw["block_quant_group_size"])
-            kw["scale_out"].copy_(torch.from_numpy(buf)[:, : input.shape[0]].t())
         if pattern != 1:
-            kw["quant_out"].view(torch.uint8).copy_(torch.from_numpy(np.asarray(q)))
+            sf, group = kw.get("scale_factor"), kw.get("block_quant_group_size")
+            q, sc = rc.oracle_quantize(pattern, y.float().numpy(), sf, group)
+            kw["quant_out"].view(torch.uint8).copy_(q)
+            if sc is not None:
+                kw["scale_out"].copy_(sc)
         return ret
 
 
 def _case(seed, m, hidden, dtype, world=2):
-    from tests.gpu.harness import draw_case
-
     xs, res, gam = draw_case(seed, world, m, hidden)
     dt = tw._torch_dtype(torch, dtype)
     return (
@@ -131,8 +123,6 @@ def _compared_cases(meta, data, world):
 @pytest.mark.slow
 def test_parity_phase1_on_cpu_and_phase2_logic_with_a_simulated_kernel(tmp_path, cpu_stream):
     pytest.importorskip("jax")
-    from tests.gpu.harness import run_ranks
-
     phase = dict(timeout_s=600, out_dir=str(tmp_path), hiddens=(256,), platform="cpu")
     dtypes = ("bfloat16", "float16")
     (jres,) = run_ranks(par.jax_phase, 1, **phase, seed=3, tokens=(1, 17), dtypes=dtypes)
@@ -176,8 +166,6 @@ def test_parity_phase1_as_four_rank_processes_on_cpu(tmp_path, cpu_stream):
     fewer than ranks), 4 ranks over gloo; phase 2's logic at 4 ranks with the simulated
     kernel: every output compared, both sides within the accumulation bounds."""
     pytest.importorskip("jax")
-    from tests.gpu.harness import bound_problems, free_port, run_ranks
-
     phase = dict(timeout_s=600, out_dir=str(tmp_path), hiddens=(256,), platform="cpu")
     res = run_ranks(
         par.jax_rank_phase,
@@ -204,10 +192,6 @@ def test_parity_phase1_as_four_rank_processes_on_cpu(tmp_path, cpu_stream):
 
 @pytest.mark.parametrize("norm", ["manual", "F.rms_norm"])
 def test_fusion_pass_model_on_cpu(gloo_world1, norm):
-    from tests.torch.test_library import _ref_fused
-    from tests.torch.test_library import fake_workspace as fake_workspace_world1
-    from torch_compat import library
-
     model, args, ref64 = tw.build_tp_model(
         torch, gloo_world1, 0, 1, m=8, hidden=256, layers=4, seed=5, device="cpu", norm=norm
     )
