@@ -870,8 +870,9 @@ def test_group_size_rule_follows_dtype_width(cpu_stream):
     assert last_launch(ws)[1]["block_quant_group_size"] == 4
     t = _qtensors(8, dtype=torch.float32, group=256)
     refused(ws, 8, "power of two from 4 to 128 for float32", **t)
-    with pytest.raises(ValueError, match="must be divisible by group_size"):
-        fuse(fake_workspace(), 8, **_qtensors(8, h=1024 + 64, group=128))
+    # Hidden 1088 is no multiple of 128: tensors built for group 64 (a divisor), 128 asked.
+    t = _qtensors(8, h=1024 + 64, group=64) | dict(block_quant_group_size=128)
+    refused(fake_workspace(hidden=2048), 8, "must be divisible by group_size", **t)
     # 96 divides 1536 but is no power of two: the kernel's shared-memory path, not offered.
     with pytest.raises(ValueError, match="power of two from 8 to 256 for bfloat16, got 96"):
         fuse(fake_workspace(), 9, **_qtensors(9, h=1536, group=96))
@@ -908,6 +909,9 @@ def test_nvfp4_refusals(cpu_stream, sm100, pattern, over, match):
 def test_nvfp4_needs_16bit_input_and_hidden_multiple_of_16(cpu_stream, sm100):
     ws, t = fake_workspace(dtype=torch.float32), _qtensors(5, dtype=torch.float32)
     refused(ws, 5, "bfloat16 or float16 input, got float32", **t)
-    # 1032 = 129 vectors of 8: launchable, but not whole 16-element NVFP4 blocks.
-    with pytest.raises(ValueError, match="divisible by 16"):
-        fuse(fake_workspace(max_tokens=16, hidden=2048), 5, **_qtensors(5, h=1032))
+    # 1032 = 129 vectors of 8: launchable, but not whole 16-element NVFP4 blocks. (The scale
+    # tensor is of hidden 1040, as none of 1032 exists.)
+    t = _qtensors(5, h=1040)
+    t.update((k, v) for k, v in _tensors(16, 1032, torch.bfloat16).items() if k in t)
+    t["quant_out"] = torch.empty(16, 1032 // 2, dtype=torch.uint8)
+    refused(fake_workspace(max_tokens=16, hidden=2048), 5, "divisible by 16", **t)
