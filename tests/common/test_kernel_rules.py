@@ -10,7 +10,11 @@ import numpy as np
 import pytest
 
 from jax_fusedar.common import launch_mode, limits
-from jax_fusedar.common.backend_choice import BACKEND_ENV_VAR as E, STRICT_ENV_VAR, BackendChoice
+from jax_fusedar.common.backend_choice import (
+    BACKEND_ENV_VAR as BACKEND_VAR,
+    STRICT_ENV_VAR,
+    BackendChoice,
+)
 from jax_fusedar.common.backend_choice import resolve_backend, resolve_backend_for_groups
 from jax_fusedar.common.backend_choice import strict_mode
 from jax_fusedar.common.exchange import exchange_key
@@ -556,19 +560,19 @@ def test_exchange_key_errors(namespace, serial, purpose, pattern):
         ("trtllm", "cuda", 1, {}, "trtllm"),
         (" TRTLLM ", "CUDA", 1, {}, "trtllm"),
         # The env var applies when the argument is None or "auto"...
-        (None, "cuda", 1, {E: "xla"}, "xla"),
-        ("auto", "cuda", 1, {E: "xla"}, "xla"),
-        (None, "cuda", 2, {E: "XLA"}, "xla"),
-        (None, "gpu", 1, {E: "trtllm"}, "trtllm"),
-        (None, "cuda", 1, {E: "auto"}, "trtllm"),
-        (None, "cpu", 1, {E: "auto"}, "xla"),
-        (None, "cuda", 1, {E: ""}, "trtllm"),
+        (None, "cuda", 1, {BACKEND_VAR: "xla"}, "xla"),
+        ("auto", "cuda", 1, {BACKEND_VAR: "xla"}, "xla"),
+        (None, "cuda", 2, {BACKEND_VAR: "XLA"}, "xla"),
+        (None, "gpu", 1, {BACKEND_VAR: "trtllm"}, "trtllm"),
+        (None, "cuda", 1, {BACKEND_VAR: "auto"}, "trtllm"),
+        (None, "cpu", 1, {BACKEND_VAR: "auto"}, "xla"),
+        (None, "cuda", 1, {BACKEND_VAR: ""}, "trtllm"),
         (None, "cuda", 1, {"OTHER": "xla"}, "trtllm"),
         # ...and the explicit argument wins over it.
-        ("trtllm", "cuda", 1, {E: "xla"}, "trtllm"),
-        ("xla", "cuda", 1, {E: "trtllm"}, "xla"),
-        ("xla", "cuda", 1, {E: "mnnvl"}, "xla"),
-        ("xla", "cuda", 1, {E: "bogus"}, "xla"),
+        ("trtllm", "cuda", 1, {BACKEND_VAR: "xla"}, "trtllm"),
+        ("xla", "cuda", 1, {BACKEND_VAR: "trtllm"}, "xla"),
+        ("xla", "cuda", 1, {BACKEND_VAR: "mnnvl"}, "xla"),
+        ("xla", "cuda", 1, {BACKEND_VAR: "bogus"}, "xla"),
     ],
 )
 def test_resolve_backend(requested, platform, nodes, env, expected):
@@ -579,13 +583,13 @@ def test_resolve_backend(requested, platform, nodes, env, expected):
     "requested, platform, nodes, env, pattern",
     [
         ("nccl", "cuda", 1, {}, r"unknown.*'nccl'.*backend argument.*'auto', 'trtllm', 'mnnvl'"),
-        (None, "cuda", 1, {E: "bogus"}, rf"unknown.*'bogus'.*\${E}"),
+        (None, "cuda", 1, {BACKEND_VAR: "bogus"}, rf"unknown.*'bogus'.*\${BACKEND_VAR}"),
         ("mnnvl", "cuda", 1, {}, r"mnnvl.*multicast.*cuMulticastCreate.*'trtllm'.*'xla'"),
-        (None, "cuda", 1, {E: "mnnvl"}, r"mnnvl.*multicast"),
+        (None, "cuda", 1, {BACKEND_VAR: "mnnvl"}, r"mnnvl.*multicast"),
         ("trtllm", "cuda", 2, {}, r"only within one node.*2 nodes.*'mnnvl'.*'xla'"),
-        (None, "cuda", 2, {E: "trtllm"}, r"only within one node.*2 nodes"),
+        (None, "cuda", 2, {BACKEND_VAR: "trtllm"}, r"only within one node.*2 nodes"),
         ("trtllm", "cpu", 1, {}, r"'trtllm'.*needs a CUDA GPU.*'cpu'"),
-        (None, "cpu", 1, {E: "trtllm"}, r"needs a CUDA GPU"),
+        (None, "cpu", 1, {BACKEND_VAR: "trtllm"}, r"needs a CUDA GPU"),
         ("xla", "cuda", 0, {}, r"num_nodes must be a positive int"),
         (3, "cuda", 1, {}, r"backend must be a string"),
     ],
@@ -651,7 +655,7 @@ def test_groups_each_within_one_host_keep_the_kernel(requested):
 def test_groups_across_hosts(groups, first, more):
     kw = dict(platform="cuda", groups=groups, host_of=HOST_OF, member_name="device")
     # auto: XLA for every group of the workspace (one program), the reason names the groups.
-    for env in ({}, {E: "auto"}):
+    for env in ({}, {BACKEND_VAR: "auto"}):
         choice = resolve_backend_for_groups("auto", env=env, **kw)
         assert choice.backend == "xla"
         assert [list(g.members) for g in choice.spanning] == [
@@ -663,7 +667,11 @@ def test_groups_across_hosts(groups, first, more):
             choice.reason,
         )
     # An explicit trtllm, from the argument or the environment, raises naming them.
-    for requested, env in (("trtllm", {}), (None, {E: "trtllm"}), ("auto", {E: "trtllm"})):
+    for requested, env in (
+        ("trtllm", {}),
+        (None, {BACKEND_VAR: "trtllm"}),
+        ("auto", {BACKEND_VAR: "trtllm"}),
+    ):
         with pytest.raises(
             ValueError,
             match=first + more + r": the 'trtllm' all-reduce "

@@ -37,8 +37,8 @@ from jax_fusedar.common.tp_groups import TPGroup
 
 require_host_devices()
 
-Q = jf.AllReduceFusionPattern
-AR, AR_NORM = Q.kAllReduce, Q.kARResidualRMSNorm
+Pattern = jf.AllReduceFusionPattern
+AR, AR_NORM = Pattern.kAllReduce, Pattern.kARResidualRMSNorm
 MESHES = {
     "tp8": ((8,), ("tp",)),
     "dp2_tp4": ((2, 4), ("dp", "tp")),
@@ -659,8 +659,8 @@ def test_reference_without_fp32_acc_is_invariant_over_the_axis():
     np.testing.assert_array_equal(bits(out), bits(want))
 
 
-FP8 = Q.kARResidualRMSNormFP8Quant
-GROUP_FP8 = Q.kARResidualRMSNormPerTokenGroupFP8PackedQuant
+FP8 = Pattern.kARResidualRMSNormFP8Quant
+GROUP_FP8 = Pattern.kARResidualRMSNormPerTokenGroupFP8PackedQuant
 SF = {"scale_factor": np.ones(1, np.float32)}
 STATIC_ONLY = "scale_factor applies to static FP8 and NVFP4"
 # Quantization arguments given to pattern 1 are refused naming the pattern.
@@ -674,10 +674,10 @@ NOT_FOR_1 = ".*kARResidualRMSNorm"
         (FP8, {"scale_factor": 0.5}, "not a Python constant"),
         (FP8, {"scale_factor": np.ones(1, np.float16)}, "dtype float32"),
         (FP8, {"scale_factor": np.ones(2, np.float32)}, r"shape \(\) or \(1,\)"),
-        (Q.kARResidualRMSNormOutFP4Quant, {**SF, "layout_code": 1}, "SWIZZLED_8x4"),
+        (Pattern.kARResidualRMSNormOutFP4Quant, {**SF, "layout_code": 1}, "SWIZZLED_8x4"),
         (GROUP_FP8, {}, "needs block_quant_group_size"),
         (GROUP_FP8, {"block_quant_group_size": 96}, "divisible by group_size"),
-        (Q.kARResidualRMSNormDynamicFP8Quant, SF, STATIC_ONLY),
+        (Pattern.kARResidualRMSNormDynamicFP8Quant, SF, STATIC_ONLY),
         (AR_NORM, SF, STATIC_ONLY + NOT_FOR_1),
         (AR_NORM, {"layout_code": 0}, "layout_code applies to NVFP4 patterns only" + NOT_FOR_1),
         (
@@ -705,18 +705,18 @@ def test_group_size_outside_the_kernels_reduction_is_refused(group):
 def test_nvfp4_needs_16_bit_inputs():
     ws = xla_workspace(mesh_of("tp8"), "float32")
     with pytest.raises(ValueError, match="NVFP4 patterns need bfloat16 or float16"):
-        trace_fused(ws, 4, 256, pattern=Q.kARResidualRMSNormFP4Quant, **SF)
+        trace_fused(ws, 4, 256, pattern=Pattern.kARResidualRMSNormFP4Quant, **SF)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "pattern,kwargs",
     [
-        (Q.kARResidualRMSNormOutFP8Quant, {"scale_factor": np.full(1, 0.02, np.float32)}),
-        (Q.kARResidualRMSNormOutDynamicFP8Quant, {}),
-        (Q.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant, {"block_quant_group_size": 64}),
+        (Pattern.kARResidualRMSNormOutFP8Quant, {"scale_factor": np.full(1, 0.02, np.float32)}),
+        (Pattern.kARResidualRMSNormOutDynamicFP8Quant, {}),
+        (Pattern.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant, {"block_quant_group_size": 64}),
         (
-            Q.kARResidualRMSNormOutFP4Quant,
+            Pattern.kARResidualRMSNormOutFP4Quant,
             {
                 "scale_factor": np.full(1, 40.0, np.float32),
                 "layout_code": jf.QuantizationSFLayout.LINEAR,
