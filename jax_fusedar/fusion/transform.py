@@ -136,24 +136,25 @@ class FusedFunction:
         )
 
     def _analyse_and_allocate(self, jaxpr):
-        """Analyse, plan the workspaces, allocate them; (Analyzer, rewrite Plan). A workspace
-        that cannot be created is refused to the analysis, which runs again: its sites are
-        then reported unfused with the error (at most once per dtype and hidden size)."""
+        """Analyse, plan the workspaces, allocate them; (Analyzer, rewrite Plan, seconds spent
+        allocating). A workspace that cannot be created is refused to the analysis, which
+        runs again: its sites are then reported unfused with the error (at most once per
+        dtype and hidden size)."""
         refused = {}
-        self._allocate_s = 0.0
+        allocate_s = 0.0
         while True:
             analyzer = Analyzer(self._admission(refused), self.axis_name)
             plan = analyzer.plan(jaxpr, Scope("", None, None, 1))
             specs = workspaces.plan_workspaces(analyzer.needs, self.workspaces)
             start = time.perf_counter()
             failed = workspaces.allocate(specs, self._create)
-            self._allocate_s += time.perf_counter() - start
+            allocate_s += time.perf_counter() - start
             if not failed:
                 break
             refused.update(failed)
         for need in analyzer.needs:
             need.match.workspace = need.workspace
-        return analyzer, plan
+        return analyzer, plan, allocate_s
 
     def close(self) -> None:
         """Destroys the workspaces this transform created (programs using them must not
@@ -172,10 +173,10 @@ class FusedFunction:
         closed, out_shape = jax.make_jaxpr(self.fn, return_shape=True)(*args, **kwargs)
         flat, _ = jax.tree.flatten((args, kwargs))
         start = time.perf_counter()
-        analyzer, plan = self._analyse_and_allocate(closed.jaxpr)
+        analyzer, plan, allocate_s = self._analyse_and_allocate(closed.jaxpr)
         self.report = FusionReport(analyzer.sites, analyzer.near_misses())
-        self.report.allocate_s = self._allocate_s
-        self.report.analysis_s = time.perf_counter() - start - self._allocate_s
+        self.report.allocate_s = allocate_s
+        self.report.analysis_s = time.perf_counter() - start - allocate_s
         log.log(self.log_level, "%s", self.report.line())
         self.traced = {}
         outs = rewriting.evaluate(plan.jaxpr, closed.consts, flat, plan, self)
