@@ -32,10 +32,6 @@ def _run(name, task, xla_flags, world=2, **kw):
     return res
 
 
-def _assert_none(problems):
-    assert not problems, "\n".join(problems)
-
-
 def parity_problems(res, world):
     """Every rank's worst errors against the bounds (harness.bound_problems)."""
     problems = []
@@ -68,7 +64,8 @@ def test_jax_parity(cmdbuf, world, sweep):
     res = _run(name, "parity", CMDBUF[cmdbuf], world, tokens=tokens, hiddens=hiddens)
     for r in res:
         assert "exists in this process" in r["worst"].pop("destroyed_workspace_error")
-    _assert_none(parity_problems(res, world))
+    problems = parity_problems(res, world)
+    assert not problems, "\n".join(problems)
 
 
 @pytest.mark.parametrize("world", world_params())
@@ -103,7 +100,7 @@ def test_jax_64_layer_model(cmdbuf):
                 f"rank {r['rank']}: the fused calls were not replayed from a "
                 f"command buffer (host launches per run {runs})"
             )
-    _assert_none(problems)
+    assert not problems, "\n".join(problems)
 
 
 # Gradient bounds: per gradient tensor, the fused model's error against the float64 oracle
@@ -136,7 +133,7 @@ def test_jax_gradients_of_the_fused_model():
                     and e["fused_rel"] <= 1.25 * e["unfused_rel"] + 1e-3
                 )
             ]
-    _assert_none(problems)
+    assert not problems, "\n".join(problems)
 
 
 @pytest.mark.parametrize(
@@ -225,4 +222,5 @@ def test_jax_batched_calls_fold_into_the_kernel(world):
     """jax.vmap and an N-D x fold the batch into tokens for the kernel (strict=True: a
     fallback would raise); a batched rms_gamma maps one call per element."""
     res = _run(f"jax_batching_world{world}", "batching", CMDBUF_OFF, world)
-    _assert_none(batching_problems(res, world))
+    problems = batching_problems(res, world)
+    assert not problems, "\n".join(problems)

@@ -8,8 +8,10 @@ import re
 
 import pytest
 
+from jax_fusedar.common import launch_mode
 from tests.gpu.case_runs import checked_case, host_slack_s, lost_trap_record
 from tests.gpu.harness import world_params
+from tests.gpu.workers import jax_timeout, moe_timeout as mt, native_timeout as nt
 
 pytestmark = pytest.mark.gpu
 
@@ -28,14 +30,12 @@ LAMPORT_WAIT = "its one-shot data in this rank's Lamport buffer (token "
 
 
 def test_timeout_on_gives_the_same_bits_graph_replay_and_cost():
-    from tests.gpu.workers.native_timeout import BOUNDS, same_bits_calls
-
     res = checked_case("timeout_ok", "native_timeout", "ok", timeout_s=400)
     for r in res["ranks"]:
         assert r["timeout_s"] == pytest.approx(3.0) and r["off_timeout_s"] == 0.0
         b = r["bits"]
-        assert b["calls"] == same_bits_calls() and b["differing_bytes"] == 0, b
-        _check_good(b["worst"], BOUNDS, r["rank"])
+        assert b["calls"] == nt.same_bits_calls() and b["differing_bytes"] == 0, b
+        _check_good(b["worst"], nt.BOUNDS, r["rank"])
         g = r["graph"]
         assert g["capture_errors"] is None, g
         assert g["worst"]["residual"] <= 1.0 and g["worst"]["norm"] <= 3.0, g
@@ -99,10 +99,8 @@ def _check_untouched(r):
 def _check_timed_out(res, r, peer, seq, sig, where, world=2):
     """Rank result `r` of tests.gpu.workers.native_timeout: its good calls within the bounds,
     then its call #seq's wait for `peer` timed out (_check_failed)."""
-    from tests.gpu.workers.native_timeout import BOUNDS, TIMEOUT_S
-
-    _check_good(_seen(r)["good"], BOUNDS, r["rank"])
-    return _check_failed(res, r, peer, seq, sig, TIMEOUT_S, where, world)
+    _check_good(_seen(r)["good"], nt.BOUNDS, r["rank"])
+    return _check_failed(res, r, peer, seq, sig, nt.TIMEOUT_S, where, world)
 
 
 # (case, tokens, one-shot, the wait that times out) of the missing-rank cases
@@ -123,8 +121,6 @@ MISSING_CASES = (
 )
 def test_a_missing_rank_makes_the_other_fail_with_the_record(case, tokens, oneshot, where, world):
     """The last rank makes no call (or is killed): every other rank fails naming it."""
-    from tests.gpu.workers.native_timeout import GOOD_FIRST
-
     res = checked_case(
         f"timeout_{case}_world{world}", "native_timeout", case, str(world), timeout_s=200
     )
@@ -132,7 +128,7 @@ def test_a_missing_rank_makes_the_other_fail_with_the_record(case, tokens, onesh
     assert len(callers) == world - 1
     sig = SIG.format(tokens, "one-shot" if oneshot else "two-shot")
     for r in callers:
-        _check_timed_out(res, r, world - 1, GOOD_FIRST + 1, sig, where, world)
+        _check_timed_out(res, r, world - 1, nt.GOOD_FIRST + 1, sig, where, world)
     if case == "killed":
         assert missing["exitcode"] == -9, missing  # SIGKILL, no result
     else:
@@ -142,42 +138,35 @@ def test_a_missing_rank_makes_the_other_fail_with_the_record(case, tokens, onesh
 def test_a_rank_missing_from_a_large_message_call_makes_the_other_fail_with_the_record():
     """Above the auto crossover (the large-message algorithm): after one good large-message
     call rank 1 makes no call; rank 0's entry-flag wait must time out naming rank 1."""
-    from jax_fusedar.common import launch_mode
-    from tests.gpu.workers.native_timeout import BOUNDS, GOOD_FIRST, LARGE_TOKENS, TIMEOUT_S
-
     res = checked_case("timeout_never_large", "native_timeout", "never_large", timeout_s=300)
     r0, r1 = res["ranks"]
     _check_untouched(r1)
     for r in (_seen(r0), r1):
         assert r["algorithm"] == launch_mode.ALGORITHM_LARGE_MESSAGE, r["algorithm"]
-        _check_good({**r["good"], **r["good_large"]}, BOUNDS, r["rank"])
-    assert r1["expected_call"] == GOOD_FIRST + 2
+        _check_good({**r["good"], **r["good_large"]}, nt.BOUNDS, r["rank"])
+    assert r1["expected_call"] == nt.GOOD_FIRST + 2
     # The record's call number counts every fused call (3 good, 1 good large, this one);
     # the detail is the large-message call number (the good one was 1).
-    sig = SIG.format(LARGE_TOKENS, "large-message")
+    sig = SIG.format(nt.LARGE_TOKENS, "large-message")
     where = "its large-message entry flag (large-message call 2 of this rank)"
-    f = _check_failed(res, r0, 1, GOOD_FIRST + 2, sig, TIMEOUT_S, where)
+    f = _check_failed(res, r0, 1, nt.GOOD_FIRST + 2, sig, nt.TIMEOUT_S, where)
     if f is not None:
-        assert r0["expected_call"] == GOOD_FIRST + 2
+        assert r0["expected_call"] == nt.GOOD_FIRST + 2
         assert f["algorithm"] == launch_mode.ALGORITHM_LARGE_MESSAGE, f
 
 
 def test_mismatched_token_counts_without_the_handshake_fail_on_both_ranks():
     """Both ranks time out at the same moment, each naming the other."""
-    from tests.gpu.workers.native_timeout import GOOD_FIRST
-
     res = checked_case("timeout_tokens", "native_timeout", "tokens", timeout_s=200)
     for r in res["ranks"]:
         me = r["rank"]
         _check_timed_out(
-            res, r, 1 - me, GOOD_FIRST + 1, SIG.format(16 + me, "one-shot"), LAMPORT_WAIT
+            res, r, 1 - me, nt.GOOD_FIRST + 1, SIG.format(16 + me, "one-shot"), LAMPORT_WAIT
         )
 
 
 def test_jax_surfaces_the_timeout_with_the_record():
     """Rank 1 stops calling; rank 0's jitted call raises with the record naming rank 1."""
-    from tests.gpu.workers import jax_timeout
-
     timeout_s = jax_timeout.TIMEOUT_S
     res = checked_case("timeout_jax", "jax_timeout", timeout_s=240)
     r0, r1 = res["ranks"]
@@ -214,8 +203,6 @@ def test_jax_surfaces_the_timeout_with_the_record():
 @pytest.mark.parametrize("case", ["never_finalize", "never_reduction"])
 def test_a_rank_that_skips_an_moe_call_makes_the_other_fail_with_the_record(case):
     """Rank 1 skips an MoE call: rank 0 fails with the record naming rank 1."""
-    from tests.gpu.workers import moe_timeout as mt
-
     res = checked_case(f"timeout_moe_{case}", "moe_timeout", case, timeout_s=200)
     r0, r1 = res["ranks"]
     for r in (_seen(r0), r1):
@@ -234,20 +221,20 @@ def test_destroy_waits_without_the_gil_and_keeps_the_record():
     """Rank 0 destroys its workspace during a call rank 1 never joins: the destroy waits for
     the timeout with the GIL released (a Python thread, and the lost-trap watcher, keep
     running), and the record stays readable after it."""
-    from tests.gpu.workers.native_timeout import BOUNDS, GOOD_FIRST, TICK_S, TIMEOUT_S
-
     res = checked_case("timeout_destroy_waits", "native_timeout", "destroy_waits", timeout_s=200)
     r0, r1 = res["ranks"]
     _check_untouched(r1)
     sig = SIG.format(16, "one-shot")
     if "exitcode" in r0:  # the trap was never reported: the watcher ended the destroy's wait
-        _check_timed_out(res, r0, 1, GOOD_FIRST + 1, sig, LAMPORT_WAIT)
+        _check_timed_out(res, r0, 1, nt.GOOD_FIRST + 1, sig, LAMPORT_WAIT)
         return
-    _check_good(r0["good"], BOUNDS, 0)
+    _check_good(r0["good"], nt.BOUNDS, 0)
     d = r0["destroy"]
     # The destroy waited for the timeout, and the thread ran through at least half of it.
-    assert TIMEOUT_S * 0.9 <= d["destroy_s"] <= TIMEOUT_S + 1.0 + host_slack_s(2), d
-    assert d["ticks"] >= 0.5 * d["destroy_s"] / TICK_S, d
+    assert nt.TIMEOUT_S * 0.9 <= d["destroy_s"] <= nt.TIMEOUT_S + 1.0 + host_slack_s(2), d
+    assert d["ticks"] >= 0.5 * d["destroy_s"] / nt.TICK_S, d
     assert d["destroy_error"], d  # the trapped call's CUDA error, reported by destroy
     assert d["alive_after"] is False
-    _check_record(d["failure_after_destroy"], 0, 1, GOOD_FIRST + 1, sig, TIMEOUT_S, LAMPORT_WAIT)
+    _check_record(
+        d["failure_after_destroy"], 0, 1, nt.GOOD_FIRST + 1, sig, nt.TIMEOUT_S, LAMPORT_WAIT
+    )

@@ -5,6 +5,7 @@ import pytest
 
 from tests.gpu.case_runs import checked_case, host_slack_s, lost_trap_record
 from tests.gpu.harness import gpu_count, world_params
+from tests.gpu.workers import native_mismatch as nm
 
 pytestmark = pytest.mark.gpu
 
@@ -17,12 +18,10 @@ SIG = (
 
 def _check_matching(r):
     """The matching calls each case makes first (check on) stayed within the bounds."""
-    from tests.gpu.workers.native_mismatch import BOUNDS, MATCHING
-
     assert r["handshake"] is True, r
-    assert len(r["matching"]) == len(MATCHING)
+    assert len(r["matching"]) == len(nm.MATCHING)
     for e in r["matching"]:
-        for k, bound in BOUNDS.items():
+        for k, bound in nm.BOUNDS.items():
             if k in e:
                 assert e[k] <= bound, (r["rank"], e)  # NaN fails too
 
@@ -33,8 +32,6 @@ def _plain_ok(w):
 
 @pytest.mark.parametrize("world", world_params())
 def test_handshake_matching_calls_graph_replay_and_cost(world):
-    from tests.gpu.workers.native_mismatch import BOUNDS
-
     res = checked_case(
         f"handshake_ok_world{world}", "native_mismatch", "ok", str(world), timeout_s=170
     )
@@ -44,7 +41,7 @@ def test_handshake_matching_calls_graph_replay_and_cost(world):
         _check_matching(r)
         assert r["off_handshake"] is False
         for k, v in r["off_worst"].items():
-            assert v <= BOUNDS[k], ("check off", r["rank"], k, v)
+            assert v <= nm.BOUNDS[k], ("check off", r["rank"], k, v)
         g = r["graph"]
         assert g["capture_errors"] is None and _plain_ok(g["worst"]), g
         for t in ("timing_on", "timing_off"):
@@ -66,15 +63,13 @@ def _sig(pattern, tokens, oneshot):
 def test_mismatched_calls_fail_instead_of_hanging(case):
     """Both ranks detect the mismatch and trap (raising the record, or ended by lost_traps
     with it on stderr), well before any timeout."""
-    from tests.gpu.workers.native_mismatch import MATCHING, MISMATCH_TIMEOUT_S, failing_call_of
-
     res = checked_case(f"handshake_{case}", "native_mismatch", case, timeout_s=170)
     assert res["wall_s"] < 90, res["wall_s"]  # bounded: no rank waits for a timeout
-    seq = len(MATCHING) + 1
+    seq = len(nm.MATCHING) + 1
     for r in res["ranks"]:
         me, peer = r["rank"], 1 - r["rank"]
         seen = r["notes"] if "exitcode" in r else r  # noted, where the watcher ended it
-        mine, theirs = _sig(*failing_call_of(case, me)), _sig(*failing_call_of(case, peer))
+        mine, theirs = _sig(*nm.failing_call_of(case, me)), _sig(*nm.failing_call_of(case, peer))
         expected = (
             f"jax_fusedar handshake failed on rank {me} of 2 (device {seen['device']}), "
             f"call #{seq}: rank {peer} called {theirs} but rank {me} called {mine}"
@@ -82,11 +77,11 @@ def test_mismatched_calls_fail_instead_of_hanging(case):
         _check_matching(seen)
         # Either way detected as a mismatch, well before the timeout would have fired.
         if "exitcode" in r:
-            lost_trap_record(res, r, expected, record_within_s=MISMATCH_TIMEOUT_S / 2)
+            lost_trap_record(res, r, expected, record_within_s=nm.MISMATCH_TIMEOUT_S / 2)
             continue
         f = r["failing"]
         assert f["sync_error"], f"rank {me}: the mismatched call did not fail: {f}"
-        assert f["elapsed_s"] < MISMATCH_TIMEOUT_S / 2, f
+        assert f["elapsed_s"] < nm.MISMATCH_TIMEOUT_S / 2, f
         assert f["failure_record"].startswith(expected), (expected, f["failure_record"])
         assert f["relaunch_error"] and expected in f["relaunch_error"], f
     # The device's own message reached stdout (one per rank; output buffered in the child).
@@ -99,31 +94,29 @@ def test_mismatched_calls_fail_instead_of_hanging(case):
 @pytest.mark.parametrize("world", world_params())
 def test_a_rank_that_never_calls_times_out(world):
     """The last rank makes no call: every other rank's handshake times out naming it."""
-    from tests.gpu.workers.native_mismatch import MATCHING, TIMEOUT_CASE_S
-
     res = checked_case(
         f"handshake_timeout_world{world}", "native_mismatch", "timeout", str(world), timeout_s=170
     )
     *callers, missing = res["ranks"]
-    seq = len(MATCHING) + 1
+    seq = len(nm.MATCHING) + 1
     expected = (
         f"rank {world - 1} did not make its call #{seq} "
-        f"{SIG.format(1, 16, 'one-shot')} within {TIMEOUT_CASE_S:.1f} s (the last call "
+        f"{SIG.format(1, 16, 'one-shot')} within {nm.TIMEOUT_CASE_S:.1f} s (the last call "
         f"seen from it is #{seq - 1})"
     )
     for r in callers:
         seen = r["notes"] if "exitcode" in r else r
         _check_matching(seen)
-        assert seen["handshake_timeout_s"] == pytest.approx(TIMEOUT_CASE_S), r
+        assert seen["handshake_timeout_s"] == pytest.approx(nm.TIMEOUT_CASE_S), r
         if "exitcode" in r:  # its trap was never reported: the watcher ended the process
             head = f"jax_fusedar handshake failed on rank {r['rank']} of {world} "
-            record = lost_trap_record(res, r, head, record_within_s=TIMEOUT_CASE_S + 12)
+            record = lost_trap_record(res, r, head, record_within_s=nm.TIMEOUT_CASE_S + 12)
             assert expected in record, (expected, record)
         else:
             f = r["failing"]
             assert f["sync_error"], f
             slack = host_slack_s(world)
-            assert TIMEOUT_CASE_S * 0.9 <= f["elapsed_s"] <= TIMEOUT_CASE_S + 12 + slack, f
+            assert nm.TIMEOUT_CASE_S * 0.9 <= f["elapsed_s"] <= nm.TIMEOUT_CASE_S + 12 + slack, f
             assert expected in f["failure_record"], f["failure_record"]
             assert f["relaunch_error"] and "did not make its call" in f["relaunch_error"], f
         assert any(
