@@ -7,16 +7,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tools.flashinfer_anchor import (
-    ANCHOR_ENV_VAR,
-    DEFAULT_ANCHOR,
-    AnchorUnavailable,
-    anchor_environment,
-    anchor_problem,
-    create_anchor_workspace,
-    load_anchor,
-    resolve_anchor_path,
-)
+from tools.flashinfer_anchor import ANCHOR_ENV_VAR, DEFAULT_ANCHOR, AnchorUnavailable
+from tools.flashinfer_anchor import anchor_environment, anchor_problem, create_anchor_workspace
+from tools.flashinfer_anchor import load_anchor, resolve_anchor_path
 
 __all__ = [
     "ANCHOR_ENV_VAR",
