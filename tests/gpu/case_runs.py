@@ -1,11 +1,6 @@
-"""Runs one case of a GPU worker in a fresh child process (``python -m MODULE ARGS``) and reads
-its result, and checks a rank that the lost-trap watcher ended.
-
-The cases that trap on purpose run in a child each: a trapped kernel kills the CUDA context
-of its process, the device printf goes to the child's stdout, and a rank whose trap the GPU
-driver never reported (ranks sharing a GPU that trap at the same moment) ends with
-jax_fusedar/common/lost_traps.py's record on stderr. Every wait is bounded (this
-subprocess's timeout, the workers' channel timeouts, the kernel's own timeouts).
+"""Runs one case of a GPU worker in a fresh child (``python -m MODULE ARGS``): a trapped kernel
+kills its process's CUDA context, the device printf goes to its stdout, and a rank whose trap
+the driver never reported ends with jax_fusedar/common/lost_traps.py's record on stderr.
 """
 
 from __future__ import annotations
@@ -44,9 +39,7 @@ def host_slack_s(world: int) -> float:
     from jax_fusedar.common import native
 
     gpus = max(1, native.gpu_count())
-    if gpus >= world:
-        return 0.0
-    return SHARED_GPU_HOST_SLACK_PER_RANK_S * -(-world // gpus)
+    return 0.0 if gpus >= world else SHARED_GPU_HOST_SLACK_PER_RANK_S * -(-world // gpus)
 
 
 # What a JAX child must not inherit from the test's process: the lane runner keeps pytest
@@ -73,30 +66,28 @@ def child_env(drop, **extra):
 
 def run_python(argv, *, env, timeout):
     """``python ARGV`` in the repository's root, its output captured as text."""
-    return subprocess.run(
-        [sys.executable, *map(str, argv)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    cmd = [sys.executable, *map(str, argv)]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _last_result(stdout):
+    """The object of the last ``RESULT <json>`` line, or None."""
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    return json.loads(lines[-1][len("RESULT ") :]) if lines else None
 
 
 def result_of(proc) -> dict:
     """The object of a finished child's last ``RESULT <json>`` line; fails unless the child
     exited with 0 and printed one."""
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT ") :])
+    result = _last_result(proc.stdout)
+    assert proc.returncode == 0 and result is not None, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return result
 
 
 def run_case(module, *args, timeout_s):
-    """Runs ``python -m module *args`` (no-multicast environment, no handshake variables) and
-    returns its ``RESULT <json>`` line's object, with ``rc``, ``output_tail``,
-    ``printf_lines`` (the handshake's device printf) and ``lost_trap_lines`` (what a process
-    ended by lost_traps wrote on stderr: its record and why) added. Fails the test if the
-    child does not finish within ``timeout_s`` or prints no result."""
+    """``python -m module *args``'s ``RESULT <json>`` object (no multicast, no handshake
+    variables), with ``rc``, ``output_tail``, ``printf_lines`` (the device printf) and
+    ``lost_trap_lines``; fails if the child hangs past ``timeout_s`` or prints no result."""
     import pytest
 
     env = child_env(
@@ -112,21 +103,16 @@ def run_case(module, *args, timeout_s):
         proc = run_python(["-m", module, *args], env=env, timeout=timeout_s)
         out, err, rc = proc.stdout, proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as e:
-
-        def text(b):
-            return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
-
+        text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
         pytest.fail(
             f"{module} {args} did not finish within {timeout_s} s (a hang?)\n"
-            f"stdout tail:\n{text(e.stdout)[-4000:]}\n"
-            f"stderr tail:\n{text(e.stderr)[-4000:]}"
+            f"stdout tail:\n{text(e.stdout)[-4000:]}\nstderr tail:\n{text(e.stderr)[-4000:]}"
         )
-    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-    assert lines, (
+    result = _last_result(out)
+    assert result is not None, (
         f"{module} {args} printed no RESULT line (rc {rc})\nstdout tail:\n"
         f"{out[-4000:]}\nstderr tail:\n{err[-4000:]}"
     )
-    result = json.loads(lines[-1][len("RESULT ") :])
     result["rc"] = rc
     result["output_tail"] = (out + "\n--- stderr ---\n" + err)[-8000:]
     result["printf_lines"] = [line for line in (out + err).splitlines() if PRINTF_MARK in line]
@@ -144,8 +130,8 @@ def checked_case(name, worker, *args, timeout_s):
 
 
 def lost_trap_lines(stderr: str) -> list:
-    """The lines of ``stderr`` that lost_traps writes when it ends a process: the record
-    (one line) and the line saying why (written together, in one write)."""
+    """The lines of ``stderr`` that lost_traps writes (together) when it ends a process: the
+    record and why."""
     return [
         line
         for line in stderr.splitlines()
@@ -154,13 +140,9 @@ def lost_trap_lines(stderr: str) -> list:
 
 
 def lost_trap_record(res, r, head, *, record_within_s) -> str:
-    """Rank result ``r`` (harness.run_ranks's {"rank", "exitcode", "exited_at", "notes"}) is
-    of a process that lost_traps ended: exit code lost_traps.EXIT_CODE, the watcher's reason
-    on stderr, and the end lost_traps.GRACE_S after the record appeared, which was at most
-    ``record_within_s`` after the failing call began (the worker notes ``failing_call_at``
-    before it): so not before GRACE_S, nor later than record_within_s + GRACE_S +
-    LOST_TRAP_SLACK_S. Returns the rank's record: the one stderr line beginning with
-    ``head`` (the caller checks its text)."""
+    """Rank result ``r`` (run_ranks's allowed exit) is of a process lost_traps ended: its exit
+    code and reason, the end GRACE_S after the record, which came at most ``record_within_s``
+    after the noted ``failing_call_at``. Returns the one stderr record beginning with ``head``."""
     from jax_fusedar.common import lost_traps
 
     assert r["exitcode"] == lost_traps.EXIT_CODE, r
@@ -170,7 +152,6 @@ def lost_trap_record(res, r, head, *, record_within_s) -> str:
     why = f"Ending the process with exit code {lost_traps.EXIT_CODE}."
     assert any(why in line for line in lines), lines
     ended = r["exited_at"] - r["notes"]["failing_call_at"]
-    assert (
-        lost_traps.GRACE_S <= ended <= (record_within_s + lost_traps.GRACE_S + LOST_TRAP_SLACK_S)
-    ), (ended, r)
+    limit = record_within_s + lost_traps.GRACE_S + LOST_TRAP_SLACK_S
+    assert lost_traps.GRACE_S <= ended <= limit, (ended, r)
     return records[0]

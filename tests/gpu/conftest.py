@@ -1,14 +1,11 @@
-"""Each GPU test's failure is written out the moment the test fails, not only in pytest's
-summary at the end: a lane job that its time limit cuts short (python -m tests.gpu.run_lane)
-still shows why its finished tests failed. Under the lane runner, the tests are ordered and
-grouped for its xdist workers."""
+"""Each GPU test's failure is written out the moment it fails, not only in pytest's summary: a
+lane job cut short by its time limit (python -m tests.gpu.run_lane) still shows why its
+finished tests failed. Under the lane runner the tests are ordered and grouped for xdist."""
 
 import pytest
 
-
-# Under xdist the controller gets every worker's reports and writes them to the log; a worker
-# (its config has workerinput) writes none. Read from the config, not from
-# $PYTEST_XDIST_WORKER, which a pytest started inside a worker inherits.
+# Under xdist the controller writes every worker's reports to the log; a worker (its config has
+# workerinput) writes none. Not $PYTEST_XDIST_WORKER: a pytest started in a worker inherits it.
 _IS_XDIST_WORKER = False
 
 
@@ -20,21 +17,18 @@ def pytest_configure(config):
 def pytest_runtest_logreport(report):
     import sys
 
-    if not report.failed or _IS_XDIST_WORKER:
-        return
-
-    sys.stdout.write(
-        f"\n==== failed now: {report.nodeid} ({report.when})\n{report.longreprtext}\n"
-        f"==== end of {report.nodeid}\n"
-    )
-    sys.stdout.flush()
+    if report.failed and not _IS_XDIST_WORKER:
+        sys.stdout.write(
+            f"\n==== failed now: {report.nodeid} ({report.when})\n{report.longreprtext}\n"
+            f"==== end of {report.nodeid}\n"
+        )
+        sys.stdout.flush()
 
 
 @pytest.hookimpl(trylast=True)  # after -m / -k have deselected what the lane leaves out
 def pytest_collection_modifyitems(config, items):
-    """Under python -m tests.gpu.run_lane ($JAX_FUSEDAR_LANE names the lane): the lane's tests
-    longest first by their expected time, so that xdist's idle workers take the long ones
-    first, and the tests of one module-scoped fixture in one xdist group (run_lane.schedule)."""
+    """Under run_lane ($JAX_FUSEDAR_LANE): the lane's tests longest first (idle workers take the
+    long ones first), the tests of one module-scoped fixture in one xdist group."""
     import os
 
     lane = os.environ.get("JAX_FUSEDAR_LANE")

@@ -1,37 +1,20 @@
 """Per-process body of the GPU test of ``jax_fusedar.fuse`` on the forms whose roundings and
-layouts the CPU tests prove (tests/jax/test_fuse_exact.py), with the FlashInfer kernel in
-place of each site: one ``jax.distributed`` process per rank, rank r on GPU ``r %
-gpu_count`` (ranks may share GPU 0: the kernel's peers meet in its own buffers, and no XLA
-collective is left in these programs).
-
-Each case fuses a program (``backend="auto"``, ``strict=True``), counts the fused custom
-calls in the compiled HLO, runs it on fresh random inputs (a JAX program writes new arrays:
-no stale buffer can pass for an output), and measures every output against the exact
-(float64) result of the program's formula with the program's own roundings (gamma rounded
-where the program rounds it), in the documented units (docs/fusion_pass.md, "The bound"):
-residual_out within 1, norm_out within 3 (bfloat16) or 8 (float32), FP8 codes within what
-that norm bound and e4m3's rounding allow (_fp8_check). ``platform="cpu"`` runs the same
-steps on CPU processes (gloo collectives, the reference lowering) as a dry run of everything
-but the kernel.
+layouts tests/jax/test_fuse_exact.py proves on CPU, the kernel in place of each site (ranks
+may share a GPU: no XLA collective is left). Every output, on fresh inputs (no stale buffer
+can pass for an output), against the float64 result of the program's own roundings, in the
+units of docs/fusion_pass.md, "The bound". ``platform="cpu"``: a dry run on CPU processes.
 """
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 
-from tests.gpu.fuse_styles import COLLECTIVES, _global, _setup, captured, fusion_problems
+from tests.gpu.fuse_styles import _global, _setup, captured, fusion_facts, fusion_problems
+from tests.oracles.oracle import ulp
 
 EPS = 1e-6
 TOKENS, HIDDEN = 64, 1024
 BOUND = {"residual": 1.0, "norm": {"bfloat16": 3.0, "float32": 8.0}}
-
-
-def _ulp(x, dtype):
-    from tests.oracles.oracle import ulp
-
-    return ulp(x, dtype)
 
 
 def _norm(jnp, jax, r, col32):
@@ -40,116 +23,85 @@ def _norm(jnp, jax, r, col32):
     return (n * col32).astype(r.dtype)
 
 
-def _programs(jax, jnp, mesh, world):
-    """name -> (fn, dtype, gamma dtype, col(g64) -> the value the program multiplies, what
-    the fused program must look like)."""
+def _programs(jax, jnp, mesh):
+    """name -> (fn, input dtype, col(g64): what the program multiplies, fused form wanted)."""
     from jax.sharding import PartitionSpec as P
 
-    f32 = jnp.float32
+    f32, tp = jnp.float32, P("tp")
 
-    def one_scope(norm):
+    def smap(body, in_specs, out_specs=(P(), P())):
+        return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+
+    def psum(x):
+        return jax.lax.psum(x[0], "tp")
+
+    def one_scope(col32):
         def body(x, res, g):
-            r = jax.lax.psum(x[0], "tp") + res
-            return r, norm(r, g)
+            r = psum(x) + res
+            return r, _norm(jnp, jax, r, col32(r, g))
 
-        return jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=(P(), P()))
-
-    def gemma_rounded(r, w):
-        return _norm(jnp, jax, r, (1.0 + w.astype(f32)).astype(r.dtype).astype(f32))
-
-    def gamma_through_bf16(r, g):
-        return _norm(jnp, jax, r, g.astype(jnp.bfloat16).astype(f32))
+        return smap(body, (tp, P(), P()))
 
     def residual_inside(x, res, g):
-        s, res2 = jax.shard_map(
-            lambda x, res: (jax.lax.psum(x[0], "tp"), -res),
-            mesh=mesh,
-            in_specs=(P("tp"), P()),
-            out_specs=(P(), P()),
-        )(x, res)
+        s, res2 = smap(lambda x, res: (psum(x), -res), (tp, P()))(x, res)
         r = s + res2
         return r, _norm(jnp, jax, r, g.astype(f32))
 
     def two_sites(x, res, g):
-        s1, s2 = jax.shard_map(
-            lambda x: (jax.lax.psum(x[0], "tp"), jax.lax.psum(x[0] * 2, "tp")),
-            mesh=mesh,
-            in_specs=(P("tp"),),
-            out_specs=(P(), P()),
-        )(x)
-        r1, r2 = s1 + res, s2 + res
+        sites = smap(lambda x: (psum(x), jax.lax.psum(x[0] * 2, "tp")), (tp,))(x)
+        r1, r2 = (s + res for s in sites)
         return r1, _norm(jnp, jax, r1, g.astype(f32)), r2, _norm(jnp, jax, r2, g.astype(f32))
 
     def fp8_without_norm(x, res, g):
-        s = jax.shard_map(
-            lambda x: jax.lax.psum(x[0], "tp"), mesh=mesh, in_specs=(P("tp"),), out_specs=P()
-        )(x)
-        r = s + res
+        r = smap(psum, (tp,), P())(x) + res
         y32 = _norm(jnp, jax, r, g.astype(f32)).astype(f32)
         sc = jnp.maximum(jnp.max(jnp.abs(y32), -1, keepdims=True) / 448, 1 / (512 * 448))
         return r, jnp.clip(y32 / sc, -448, 448).astype(jnp.float8_e4m3fn).astype(f32), sc
 
-    plain = np.float64
+    gemma = one_scope(lambda r, w: (1.0 + w.astype(f32)).astype(r.dtype).astype(f32))
+    through_bf16 = one_scope(lambda r, g: g.astype(jnp.bfloat16).astype(f32))
+    rounded = lambda g: g.astype(jnp.bfloat16).astype(np.float64)
+    same = lambda g: g
     return {
         "gemma_scale_rounded_by_the_program": (
-            one_scope(gemma_rounded),
-            "bfloat16",
-            "bfloat16",
-            lambda g: (1.0 + g).astype(jnp.bfloat16).astype(plain),
-            {"pattern": 1, "weight_bias": 0.0},
+            gemma, "bfloat16", lambda g: rounded(1.0 + g), {"pattern": 1, "weight_bias": 0.0}
         ),
-        "float32_model_gamma_through_bfloat16": (
-            one_scope(gamma_through_bf16),
-            "float32",
-            "float32",
-            lambda g: g.astype(jnp.bfloat16).astype(plain),
-            {"pattern": 1},
-        ),
+        "float32_model_gamma_through_bfloat16": (through_bf16, "float32", rounded, {"pattern": 1}),
         "residual_from_the_same_shard_map": (
-            residual_inside,
-            "bfloat16",
-            "bfloat16",
-            lambda g: g,
-            {"pattern": 1, "negated_residual": True},
+            residual_inside, "bfloat16", same, {"pattern": 1, "negated_residual": True}
         ),
-        "two_sites_on_one_shard_map": (
-            two_sites,
-            "bfloat16",
-            "bfloat16",
-            lambda g: g,
-            {"pattern": 1, "sites": 2},
-        ),
+        "two_sites_on_one_shard_map": (two_sites, "bfloat16", same, {"pattern": 1, "sites": 2}),
         "per_linear_dynamic_fp8_without_the_norm": (
-            fp8_without_norm,
-            "bfloat16",
-            "bfloat16",
-            lambda g: g,
-            {"pattern": 10},
+            fp8_without_norm, "bfloat16", same, {"pattern": 10}
         ),
-    }
+    }  # fmt: skip
 
 
-def _inputs(rng, world, dtype, gamma_dtype):
+def _inputs(rng, world, dtype):
     import ml_dtypes
 
     dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
-    gdt = np.dtype(ml_dtypes.bfloat16) if gamma_dtype == "bfloat16" else np.dtype(gamma_dtype)
     x = rng.standard_normal((world, TOKENS, HIDDEN)).astype(np.float32).astype(dt)
     res = rng.standard_normal((TOKENS, HIDDEN)).astype(np.float32).astype(dt)
-    g = (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32).astype(gdt)
+    g = (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32).astype(dt)
     return x, res, g
+
+
+def _exact(s64, res64, col, dtype):
+    """The exact (float64) residual_out, its unit, norm_out and its unit (docs/fusion_pass.md)."""
+    r64 = s64 + res64
+    unit_r = ulp(np.abs(s64) + np.abs(res64), dtype)
+    inv = 1.0 / np.sqrt(np.mean(r64 * r64, -1, keepdims=True) + EPS)
+    y64 = r64 * inv * col
+    return r64, unit_r, y64, unit_r * inv * np.abs(col) + ulp(y64, dtype)
 
 
 def _units(got_r, got_y, s64, res64, col, dtype):
     """(residual_out, norm_out) errors in the documented units against float64."""
-    r64 = s64 + res64
-    unit_r = _ulp(np.abs(s64) + np.abs(res64), dtype)
+    r64, unit_r, y64, unit_y = _exact(s64, res64, col, dtype)
     e_r = float(np.max(np.abs(np.asarray(got_r, np.float64) - r64) / unit_r))
     if got_y is None:
         return e_r, None
-    inv = 1.0 / np.sqrt(np.mean(r64 * r64, -1, keepdims=True) + EPS)
-    y64 = r64 * inv * col
-    unit_y = unit_r * inv * np.abs(col) + _ulp(y64, dtype)
     return e_r, float(np.max(np.abs(np.asarray(got_y, np.float64) - y64) / unit_y))
 
 
@@ -159,17 +111,12 @@ def _e4m3_step(m):
 
 
 def _fp8_check(codes, s64, res64, col, dtype, platform):
-    """Dynamic FP8 codes of the normalized sum against float64, in units of what the documented
-    bounds allow each code: the quantizer reads a normalized value within the norm_out bound
-    (BOUND["norm"] units, _units) of the exact one, so the row's scale (its amax / 448) moves
-    by at most the largest of those; the quotient is then within ``p`` of the exact code, and
-    its rounding to e4m3 adds half a step at that magnitude. 1.0 is the limit. On CPU
-    processes a quarter of a unit more: XLA's CPU conversion to float8_e4m3fn (the dry
-    run's) gives 0 for some codes up to 0.2, the unfused program's too."""
-    r64 = s64 + res64
-    inv = 1.0 / np.sqrt(np.mean(r64 * r64, -1, keepdims=True) + EPS)
-    y64 = r64 * inv * col
-    unit_y = _ulp(np.abs(s64) + np.abs(res64), dtype) * inv * np.abs(col) + _ulp(y64, dtype)
+    """Dynamic FP8 codes against float64, in units of what the bounds allow each (limit 1.0):
+    the quantizer reads a value within the norm_out bound, so the row's scale (amax / 448)
+    moves by at most the largest such error, the quotient lands within ``p`` of the exact code,
+    and e4m3 rounding adds half a step. On CPU a quarter unit more: XLA's CPU conversion to
+    float8_e4m3fn gives 0 for some codes up to 0.2 (the unfused program's too)."""
+    _, _, y64, unit_y = _exact(s64, res64, col, dtype)
     err = BOUND["norm"][dtype] * unit_y
     amax = np.max(np.abs(y64), -1, keepdims=True)
     room = np.max(err, -1, keepdims=True)
@@ -181,15 +128,9 @@ def _fp8_check(codes, s64, res64, col, dtype, platform):
     allowed = p + 0.5 * _e4m3_step(np.abs(q64) + p) + (0.25 if platform == "cpu" else 0.0)
     ratio = np.abs(np.asarray(codes, np.float64) - q64) / allowed
     at = np.unravel_index(int(np.argmax(ratio)), ratio.shape)  # the worst code, to read
-    return {
-        "fp8_ratio": float(ratio[at]),
-        "fp8_worst": {
-            "at": [int(i) for i in at],
-            "code": float(np.asarray(codes)[at]),
-            "exact": float(q64[at]),
-            "allowed": float(allowed[at]),
-        },
-    }
+    worst = {"at": [int(i) for i in at], "code": float(np.asarray(codes)[at])}
+    worst.update(exact=float(q64[at]), allowed=float(allowed[at]))
+    return {"fp8_ratio": float(ratio[at]), "fp8_worst": worst}
 
 
 def _args(jax, mesh, x, res, g):
@@ -201,30 +142,23 @@ def _args(jax, mesh, x, res, g):
     )
 
 
-def _one(jax, jf, name, spec, mesh, world, seed, platform):
-    from jax_fusedar.ops.dense import FFI_TARGET
-
-    fn, dtype, gamma_dtype, col_of, want = spec
-    rng = np.random.default_rng(seed)
-    x, res, g = _inputs(rng, world, dtype, gamma_dtype)
-    args = _args(jax, mesh, x, res, g)
-    fused = jf.fuse(
+def _fuse(jf, fn, mesh, platform):
+    return jf.fuse(
         fn, mesh=mesh, axis_name="tp", backend="auto" if platform == "cuda" else "xla", strict=True
     )
+
+
+def _one(jax, jf, name, spec, mesh, world, seed, platform):
+    fn, dtype, col_of, want = spec
+    x, res, g = _inputs(np.random.default_rng(seed), world, dtype)
+    args = _args(jax, mesh, x, res, g)
+    fused = _fuse(jf, fn, mesh, platform)
     try:
         with jax.set_mesh(mesh):
             compiled = jax.jit(fused).lower(*args).compile()
-        hlo = compiled.as_text()
-        rep = fused.report
-        out = {
-            "report": rep.line(),
-            "sites": len(rep.sites),
-            "fused": len(rep.fused),
-            "patterns": [s.pattern for s in rep.sites],
-            "weight_bias": [s.weight_bias for s in rep.sites],
-            "custom_calls": len(re.findall(rf'custom_call_target="{FFI_TARGET}"', hlo)),
-            "xla_collectives": [c for c in COLLECTIVES if re.search(rf"\b{c}(-start)?\(", hlo)],
-        }
+        out = fusion_facts(fused, compiled.as_text())
+        out["patterns"] = [s.pattern for s in fused.report.sites]
+        out["weight_bias"] = [s.weight_bias for s in fused.report.sites]
         with jax.set_mesh(mesh):
             got = [np.asarray(o.addressable_data(0), np.float64) for o in compiled(*args)]
     finally:
@@ -245,16 +179,13 @@ def _one(jax, jf, name, spec, mesh, world, seed, platform):
 
 
 def _two_transforms(jax, jf, mesh, world, seed, platform):
-    """Two live transforms of one program: the second one's workspace takes its own name
-    (kernel workspaces of one key are refused), both fuse, both give the same bits."""
+    """Two live transforms of one program: both fuse to the same bits, the second workspace
+    named apart (kernel workspaces of one key are refused)."""
     import jax.numpy as jnp
 
-    fn = _programs(jax, jnp, mesh, world)["gemma_scale_rounded_by_the_program"][0]
-    x, res, g = _inputs(np.random.default_rng(seed), world, "bfloat16", "bfloat16")
-    args = _args(jax, mesh, x, res, g)
-    backend = "auto" if platform == "cuda" else "xla"
-    first = jf.fuse(fn, mesh=mesh, axis_name="tp", backend=backend, strict=True)
-    second = jf.fuse(fn, mesh=mesh, axis_name="tp", backend=backend, strict=True)
+    fn = _programs(jax, jnp, mesh)["gemma_scale_rounded_by_the_program"][0]
+    args = _args(jax, mesh, *_inputs(np.random.default_rng(seed), world, "bfloat16"))
+    first, second = _fuse(jf, fn, mesh, platform), _fuse(jf, fn, mesh, platform)
     try:
         with jax.set_mesh(mesh):
             a = [np.asarray(o.addressable_data(0)) for o in jax.jit(first)(*args)]
@@ -279,14 +210,12 @@ def worker(rank, world, chan, *, port, seed, platform="cuda"):
 
     mesh = jax.make_mesh((world,), ("tp",))
     results = {"rank": rank, "jax": jax.__version__, "cases": {}}
-    for k, (name, spec) in enumerate(_programs(jax, jnp, mesh, world).items()):
-        results["cases"][name] = captured(
-            lambda: _one(jax, jf, name, spec, mesh, world, seed + k, platform)
-        )
+    for k, (name, spec) in enumerate(_programs(jax, jnp, mesh).items()):
+        run = lambda: _one(jax, jf, name, spec, mesh, world, seed + k, platform)
+        results["cases"][name] = captured(run)
         chan.barrier(f"case {name}")  # every rank runs the cases in one order
-    results["two_transforms"] = captured(
-        lambda: _two_transforms(jax, jf, mesh, world, seed, platform)
-    )
+    run = lambda: _two_transforms(jax, jf, mesh, world, seed, platform)
+    results["two_transforms"] = captured(run)
     chan.barrier("two transforms")
     jax.distributed.shutdown()
     return results
@@ -305,19 +234,17 @@ def check(results, *, platform="cuda"):
                 problems.append(f"{where}: XLA collectives left: {v['xla_collectives']}")
             if not v["finite"]:
                 problems.append(f"{where}: non-finite outputs")
-            dtype = "float32" if name.startswith("float32") else "bfloat16"
+            norm_bound = BOUND["norm"]["float32" if name.startswith("float32") else "bfloat16"]
             for e_r, e_y in v["errors"]:
                 if e_r > BOUND["residual"]:
                     problems.append(f"{where}: residual_out {e_r:.3g} units > {BOUND['residual']}")
-                if e_y is not None and e_y > BOUND["norm"][dtype]:
-                    problems.append(f"{where}: norm_out {e_y:.3g} units > {BOUND['norm'][dtype]}")
+                if e_y is not None and e_y > norm_bound:
+                    problems.append(f"{where}: norm_out {e_y:.3g} units > {norm_bound}")
             if v.get("fp8_ratio", 0.0) > 1.0:
                 problems.append(f"{where}: FP8 codes {v['fp8_ratio']:.3g} x the bound off")
         t = r.get("two_transforms", {"error": "missing"})
         if "error" in t:
-            problems.append(
-                f"rank {r['rank']} two transforms: {t['error']}\n{t.get('traceback', '')}"
-            )
+            problems += fusion_problems(f"rank {r['rank']} two transforms", t, platform)
             continue
         if t["fused"] != [1, 1] or not t["same_bits"]:
             problems.append(f"rank {r['rank']} two transforms: {t}")

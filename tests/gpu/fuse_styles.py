@@ -1,19 +1,8 @@
 """Per-process body of the GPU test of ``jax_fusedar.fuse`` on the style models
-(tests/models/styles.py): one ``jax.distributed`` process per rank, rank r on GPU
-``r % gpu_count`` (both ranks share GPU 0 on a one-GPU machine).
-
-For each style model that fuse fuses, every rank: builds the model on a (dp=1, tp=world)
-mesh, fuses it (the FlashInfer kernel, ``backend="auto"``), compiles it and counts the fused
-custom calls in the compiled HLO, runs it, and compares the output with the same model run
-unfused on this process's one device (no cross-process collective: NCCL cannot run two
-ranks on one GPU) in the model's dtype and in float32. The fused model must be as accurate
-as the unfused one against the float32 run (at most 50% worse, plus a floor). A style whose
-fused program still holds XLA collectives (the sequence-parallel models gather the residual
-shard) needs one GPU per rank and is skipped, with that reason, when ranks share a GPU.
-
-``platform="cpu"`` runs the same steps on CPU processes (gloo collectives, the reference
-lowering instead of the kernel, fused on an abstract kernel workspace so that fuse rewrites
-as on GPUs) as a dry run of everything but the kernel.
+(tests/models/styles.py): each fused on a (dp=1, tp=world) mesh, against the same model
+unfused on this process's one device (NCCL cannot run two ranks on one GPU) in its dtype and
+in float32. A fused program that keeps XLA collectives needs a GPU per rank (else skipped).
+``platform="cpu"``: a dry run on CPU processes, fused on an abstract kernel workspace.
 """
 
 from __future__ import annotations
@@ -55,14 +44,26 @@ def _global(jax, value, sharding):
 
 
 def captured(call):
-    """``call()``'s result, or its error and traceback: reported per case, so that the
-    other cases still run."""
+    """``call()``'s result, or its error and traceback (per case: the other cases still run)."""
     try:
         return call()
     except Exception as e:  # noqa: BLE001
         import traceback
 
         return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+
+
+def fusion_facts(fused, hlo):
+    """Sites found and fused, fused custom calls and XLA collectives in the compiled HLO."""
+    from jax_fusedar.ops.dense import FFI_TARGET
+
+    return {
+        "sites": len(fused.report.sites),
+        "fused": len(fused.report.fused),
+        "report": fused.report.line(),
+        "custom_calls": len(re.findall(rf'custom_call_target="{FFI_TARGET}"', hlo)),
+        "xla_collectives": [c for c in COLLECTIVES if re.search(rf"\b{c}(-start)?\(", hlo)],
+    }
 
 
 def _rel_rms(a, ref):
@@ -75,51 +76,34 @@ def _one_style(jax, jf, style, cfg, mesh, seed, gpus, world, platform):
 
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
-    from jax_fusedar.ops.dense import FFI_TARGET
     from tests.models.common import activations
 
     mod = style.module
     dtype = jnp.dtype(style.dtype)
     host_params = style.params(cfg, seed)
     host_x = np.asarray(activations(cfg, seed + 1, dtype))
-    params = jax.tree.map(
-        lambda v, s: _global(jax, v, NamedSharding(mesh, s)), host_params, _specs(mod, host_params)
-    )
+    specs = _specs(mod, host_params)
+    params = jax.tree.map(lambda v, s: _global(jax, v, NamedSharding(mesh, s)), host_params, specs)
     x = _global(jax, host_x, mod.input_sharding(mesh))
-    forward = style.forward(cfg, mesh)
     if platform == "cuda":
         target = dict(mesh=mesh, axis_name="tp", backend="auto")
     else:
         # The kernel's backend, described (nothing allocated): fuse rewrites as on GPUs (on
         # the xla backend a sequence-parallel site stays as written), and the fused calls
         # run the reference on CPU.
-        target = dict(
-            workspace=jf.abstract_workspace(
-                mesh,
-                "tp",
-                max_token_num=cfg.tokens,
-                hidden_dim=cfg.hidden,
-                dtype=dtype,
-                backend="trtllm",
-            )
-        )
+        workspace = jf.abstract_workspace(
+            mesh, "tp", max_token_num=cfg.tokens, hidden_dim=cfg.hidden, dtype=dtype,
+            backend="trtllm",
+        )  # fmt: skip
+        target = dict(workspace=workspace)
     fused = jf.fuse(
-        forward,
-        **target,
-        allow_rounding_change=style.allow_rounding_change,
+        style.forward(cfg, mesh), **target, allow_rounding_change=style.allow_rounding_change,
         strict=True,
-    )
+    )  # fmt: skip
     with jax.set_mesh(mesh):
         compiled = jax.jit(fused).lower(params, x).compile()
-    hlo = compiled.as_text()
-    out = {
-        "sites": len(fused.report.sites),
-        "fused": len(fused.report.fused),
-        "report": fused.report.line(),
-        "custom_calls": len(re.findall(rf'custom_call_target="{FFI_TARGET}"', hlo)),
-    }
-    left = [c for c in COLLECTIVES if re.search(rf"\b{c}(-start)?\(", hlo)]
-    out["xla_collectives"] = left
+    out = fusion_facts(fused, compiled.as_text())
+    left = out["xla_collectives"]
     if left and platform == "cuda" and gpus < world:
         out["skipped"] = (
             f"the fused program still has XLA collectives {left}, which NCCL "
@@ -128,8 +112,7 @@ def _one_style(jax, jf, style, cfg, mesh, seed, gpus, world, platform):
         fused.close()
         return out
     with jax.set_mesh(mesh):
-        got = compiled(params, x)
-    got = np.asarray(got.addressable_data(0), np.float64)
+        got = np.asarray(compiled(params, x).addressable_data(0), np.float64)
     fused.close()
 
     # The same model unfused, on this process's one device: no collective crosses processes.
@@ -139,17 +122,13 @@ def _one_style(jax, jf, style, cfg, mesh, seed, gpus, world, platform):
     def run_local(as_float32):
         st = dataclasses.replace(style, dtype="float32") if as_float32 else style
         cast = (lambda v: np.asarray(v, np.float32)) if as_float32 else np.asarray
-        p = jax.tree.map(
-            lambda v, s: jax.device_put(cast(v), NamedSharding(mesh1, s)),
-            host_params,
-            _specs(mod, host_params),
-        )
+        put = lambda v, s: jax.device_put(cast(v), NamedSharding(mesh1, s))
+        p = jax.tree.map(put, host_params, specs)
         xx = jax.device_put(cast(host_x), mod.input_sharding(mesh1))
         with jax.set_mesh(mesh1):
             return np.asarray(jax.jit(st.forward(cfg, mesh1))(p, xx), np.float64)
 
-    unfused = run_local(False)
-    exact = run_local(True)
+    unfused, exact = run_local(False), run_local(True)
     out.update(
         fused_vs_f32=_rel_rms(got, exact),
         unfused_vs_f32=_rel_rms(unfused, exact),
@@ -194,9 +173,8 @@ def worker(rank, world, chan, *, port, seed, styles, platform="cuda", config=Non
 
 
 def fusion_problems(where, v, platform):
-    """What is wrong with one case's fusion (``v``: its result, or its error as ``captured``
-    gives it): the error, no site found or one left unfused, and on GPUs a count of fused
-    custom calls in the compiled HLO other than the fused sites'."""
+    """One case's error, a site missing or left unfused, or (on GPUs) fused custom calls in
+    the compiled HLO other than the fused sites."""
     if "error" in v:
         return [f"{where}: {v['error']}\n{v.get('traceback', '')}"]
     problems = []

@@ -1,8 +1,5 @@
-"""Runs one function in N processes (one TP rank each) with a tiny message channel.
-
-Ranks pick GPU `rank % gpu_count`: on a one-GPU machine both ranks share GPU 0 (their
-kernels time-slice, slow but the protocol completes); with N GPUs each rank owns one.
-Every child inherits the no-multicast environment set in tests/conftest.py.
+"""Runs one function in N processes (one TP rank each, rank r on GPU ``r % gpu_count``: ranks
+sharing a GPU time-slice their kernels) with a tiny message channel, and shared GPU-test bits.
 """
 
 from __future__ import annotations
@@ -28,15 +25,13 @@ class Channel:
         self._results = results
 
     def note(self, **facts):
-        """Hands ``facts`` to run_ranks at once (merged per rank): they reach the test even
-        if this process later ends without a result (see ``run_ranks``). Sent well before
-        an abrupt end (``os._exit``), they have left the process by then."""
+        """Hands ``facts`` to run_ranks at once (merged per rank): they reach the test even if
+        this process later ends without a result, if sent well before an ``os._exit``."""
         if self._results is not None:
             self._results.put((self.rank, "note", facts))
 
     def all_gather(self, tag, obj, timeout_s=None):
-        """Every rank's ``obj`` for ``tag``; TimeoutError naming the ranks that did not send
-        within ``timeout_s`` (default: the channel's)."""
+        """Every rank's ``obj`` for ``tag``; TimeoutError naming the ranks that did not send."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         for r, box in enumerate(self.inboxes):
             if r != self.rank:
@@ -64,9 +59,7 @@ class Channel:
         self.all_gather(tag, None, timeout_s)
 
     def close(self):
-        """Flushes what this rank sent and closes its ends of the other ranks' inboxes: a
-        multiprocessing queue hands puts to a feeder thread, so a rank that is about to die
-        (SIGKILL) must wait for it, or its last message may never arrive, or arrive cut."""
+        """Flushes what this rank sent (a rank about to be killed must, or lose its last puts)."""
         for r, box in enumerate(self.inboxes):
             if r != self.rank:
                 box.close()
@@ -75,8 +68,7 @@ class Channel:
 
 def child_main(fn, rank, world, inboxes, results, timeout_s, kwargs):
     """A rank process's body: fn's result (or traceback) to the results queue."""
-    # SIGUSR1 prints every thread's Python stack to stderr: run_ranks asks a rank that does
-    # not answer in time where it waits.
+    # SIGUSR1 prints every thread's stack: run_ranks asks a rank that hangs where it waits.
     import faulthandler
     import signal
 
@@ -89,11 +81,10 @@ def child_main(fn, rank, world, inboxes, results, timeout_s, kwargs):
 
 
 def run_ranks(fn, world: int, *, timeout_s: float = 600.0, allow_exit=(), **kwargs):
-    """Runs fn(rank, world, channel, **kwargs) in `world` spawned processes; returns results.
-    A rank that exits without a result fails the run at once, unless its exit code is in
-    ``allow_exit``: then its result is {"rank": r, "exitcode": code, "exited_at": when the
-    exit was seen (``time.monotonic()``, the same clock in every process of the machine,
-    within 1 s), "notes": what it sent by ``channel.note`` (merged)}."""
+    """fn(rank, world, channel, **kwargs) in `world` spawned processes: their results. A rank
+    that exits without one fails the run, unless its exit code is in ``allow_exit``: then its
+    result is {"rank", "exitcode", "exited_at" (``time.monotonic()`` when seen, within 1 s),
+    "notes" (its ``channel.note``s)}."""
     ctx = mp.get_context("spawn")
     inboxes = [ctx.Queue() for _ in range(world)]
     results = ctx.Queue()
@@ -123,8 +114,8 @@ def run_ranks(fn, world: int, *, timeout_s: float = 600.0, allow_exit=(), **kwar
             dead = [r for r, p in enumerate(procs) if r not in reported and p.exitcode is not None]
             if dead:
                 seen = time.monotonic()
-                # A process flushes its queue before it exits: whatever it sent is readable
-                # now, so a dead rank with nothing left to read sent no result.
+                # A process flushes its queue before it exits: a dead rank with nothing left
+                # to read sent no result.
                 try:
                     while True:
                         take(results.get(timeout=0.5))
@@ -134,12 +125,9 @@ def run_ranks(fn, world: int, *, timeout_s: float = 600.0, allow_exit=(), **kwar
                     reported.add(r)
                     code = procs[r].exitcode
                     if code in allow_exit:
-                        exited[r] = {
-                            "rank": r,
-                            "exitcode": code,
-                            "exited_at": seen,
-                            "notes": notes.get(r, {}),
-                        }
+                        exited[r] = dict(
+                            rank=r, exitcode=code, exited_at=seen, notes=notes.get(r, {})
+                        )
                     else:
                         errors.append(f"rank {r} exited with {code} without a result")
             if time.monotonic() > deadline:
@@ -166,9 +154,8 @@ def run_ranks_with_port(fn, world: int, **kwargs):
 
 
 def where_they_wait(procs) -> str:
-    """For processes that do not answer: their state and kernel wait channel (and, where
-    readable, the kernel stack: a wait inside the GPU driver shows there), and their Python
-    stacks (SIGUSR1, printed to their stderr by the handler ``child_main`` registers)."""
+    """For processes that do not answer: state, kernel wait channel and stack (a wait in the
+    GPU driver shows there), and their Python stacks (SIGUSR1, see ``child_main``)."""
     import signal
 
     lines = []
@@ -202,11 +189,9 @@ _MS_REC, _MS_PRIVATE, _MS_BIND = 0x4000, 1 << 18, 0x1000
 
 
 def simulate_host(name: str) -> None:
-    """Makes this process look like it runs on a host called ``name`` (``socket.gethostname()``
-    says so), to test multi-node layouts on one machine: a private UTS namespace with that
-    host name, and a private mount namespace whose /etc/hosts resolves it to 127.0.0.1 (gloo
-    resolves its own host name). Needs root (CAP_SYS_ADMIN); OSError otherwise. Affects
-    only this process and its children."""
+    """Makes this process (and its children) look like host ``name``: private UTS and mount
+    namespaces, /etc/hosts resolving it to 127.0.0.1 (gloo resolves its own host name). Needs
+    root (CAP_SYS_ADMIN); OSError otherwise."""
     import ctypes
     import tempfile
 
@@ -225,16 +210,13 @@ def simulate_host(name: str) -> None:
         hosts = f.read()
     with tempfile.NamedTemporaryFile("w", prefix=f"hosts-{name}-", delete=False) as f:
         f.write(f"{hosts.rstrip()}\n127.0.0.1 {name}\n")
-    check(
-        libc.mount(f.name.encode(), b"/etc/hosts", None, _MS_BIND, None),
-        "mount --bind over /etc/hosts",
-    )
+    bind = libc.mount(f.name.encode(), b"/etc/hosts", None, _MS_BIND, None)
+    check(bind, "mount --bind over /etc/hosts")
     os.unlink(f.name)  # the mount keeps it alive
 
 
 def simulated_hosts_problem():
-    """Why this machine cannot simulate hosts (``simulate_host`` fails: no root, no
-    namespaces), or None; probed in a throwaway process."""
+    """Why this machine cannot ``simulate_host`` (probed in a throwaway process), or None."""
     from tests.gpu.case_runs import run_python
 
     probe = "from tests.gpu.harness import simulate_host; simulate_host('jf-probe')"
@@ -254,34 +236,25 @@ def device_for(rank: int) -> int:
 
 def needs_gpus(count: int, why: str):
     """A skip mark for tests that cannot share GPUs (one process driving several devices,
-    XLA's psum or NCCL, which refuse two ranks on one GPU); the others run on one GPU too."""
+    XLA's psum or NCCL, which refuse two ranks on one GPU)."""
     import pytest
 
     return pytest.mark.skipif(gpu_count() < count, reason=f"needs {count} GPUs: {why}")
 
 
-# The world sizes the GPU suite runs at, on whatever GPUs there are (rank r on GPU r % G).
-WORLD_SIZES = (2, 4, 8)
-
-
-def world_params(quick=(2,), worlds=WORLD_SIZES, *, before=(), after=(), id="{}"):
-    """pytest parameters ``(*before, world, *after)`` over ``worlds`` (ids world2, world4, ...
-    put into the ``id`` template), every one not in ``quick`` marked slow (the quick lane is
-    ``-m "gpu and not slow"``)."""
+def world_params(quick=(2,), worlds=(2, 4, 8), *, before=(), after=(), id="{}"):
+    """pytest parameters ``(*before, world, *after)`` at the suite's world sizes (ids world2, ...
+    in the ``id`` template), those not in ``quick`` marked slow (left out of the quick lane)."""
     import pytest
 
-    slow = pytest.mark.slow
+    marks = lambda w: () if w in quick else pytest.mark.slow
     return [
-        pytest.param(
-            *before, w, *after, id=id.format(f"world{w}"), marks=() if w in quick else slow
-        )
-        for w in worlds
+        pytest.param(*before, w, *after, id=id.format(f"world{w}"), marks=marks(w)) for w in worlds
     ]
 
 
 def sweep_params(*, before=(), id="{}"):
-    """A sweep's two sizes, ``(*before, size)``: "quick" (the quick lane) and "full" (marked
-    slow), the size put into the ``id`` template."""
+    """A sweep's sizes ``(*before, size)``: "quick", and "full" marked slow."""
     import pytest
 
     return [
@@ -300,18 +273,9 @@ def cuda_torch():
     return torch
 
 
-# The two-rank bounds in ulps of the intermediate magnitudes (docs/numerics.md); they assume
-# an exact float32 sum, which holds for 2 ranks of 16-bit values only.
-TWO_RANK_ULPS = {"allreduce": 1.0, "residual": 1.0}
-TWO_RANK_NORM_ULPS = {"bfloat16": 3.0, "float16": 3.0, "float32": 8.0}
-
-
 def bound_problems(worst: dict, dtype: str, world: int, where: str = "") -> list:
-    """What is wrong with the worst errors of a GPU test's plain outputs (dict of
-    tests/oracles/oracle.py's measures): at every world size the accumulation bounds
-    (``*_bound`` <= 1, ``norm_own`` within NORM_GIVEN_RESIDUAL_ULPS), whichever fp32_acc;
-    at 2 ranks also the ulp bounds of the intermediate magnitudes (``allreduce``,
-    ``residual``, ``norm``). A NaN fails every check."""
+    """What is wrong with the worst errors (tests/oracles/oracle.py's) of plain outputs: the
+    accumulation bounds, and at 2 ranks the ulp bounds too. A NaN fails every check."""
     from tests.oracles import oracle
 
     limits = {
@@ -319,8 +283,10 @@ def bound_problems(worst: dict, dtype: str, world: int, where: str = "") -> list
         "residual_bound": 1.0,
         "norm_own": oracle.NORM_GIVEN_RESIDUAL_ULPS[dtype],
     }
-    if world == 2:
-        limits.update(TWO_RANK_ULPS, norm=TWO_RANK_NORM_ULPS[dtype])
+    if world == 2:  # ulps of the intermediate magnitudes (docs/numerics.md): they assume an
+        # exact float32 sum, which holds for 2 ranks of 16-bit values only
+        norm = {"bfloat16": 3.0, "float16": 3.0, "float32": 8.0}[dtype]
+        limits.update(allreduce=1.0, residual=1.0, norm=norm)
     return [
         f"{where} {dtype} {k} {worst[k]} > {v}".strip()
         for k, v in limits.items()
@@ -341,15 +307,14 @@ def env_int(name, default):
 
 
 def random_seed(below: int = 1 << 32) -> int:
-    """A fresh random seed (4 random bytes) modulo ``below``; $JAX_FUSEDAR_TEST_SEED is not
-    read (run_seed reads it)."""
+    """A fresh random seed modulo ``below`` (never $JAX_FUSEDAR_TEST_SEED: see run_seed)."""
     return int.from_bytes(os.urandom(4), "little") % below
 
 
 def run_seed() -> int:
     """$JAX_FUSEDAR_TEST_SEED (to repeat a run), else a fresh random seed."""
     env = os.environ.get("JAX_FUSEDAR_TEST_SEED")
-    return int(env) if env else int.from_bytes(os.urandom(4), "little")
+    return int(env) if env else random_seed()
 
 
 def free_port() -> int:
@@ -369,8 +334,8 @@ def report(name, obj):
 
 
 def shape_cases(tokens, hiddens, world):
-    """(hidden, tokens, use_oneshot) of a sweep, in one order on every rank (the kernel's
-    protocol needs identical call sequences); two-shot only with more tokens than ranks."""
+    """(hidden, tokens, use_oneshot) of a sweep, in one order on every rank (the kernel needs
+    identical call sequences); two-shot only with more tokens than ranks."""
     return [
         (hidden, m, oneshot)
         for hidden in hiddens
@@ -381,9 +346,8 @@ def shape_cases(tokens, hiddens, world):
 
 
 def draw_case(seed, world, m, hidden, dtype=None):
-    """Inputs of one case from one seed: every rank's partial sum [m, hidden], the residual
-    [m, hidden] and gamma [hidden], so that each rank can rebuild the whole group's inputs
-    and its float64 oracle. Drawn in float32, then cast to ``dtype`` when one is given."""
+    """One case's inputs from one seed (each rank rebuilds the group's, for the oracle): every
+    rank's partial sum and the residual [m, hidden], gamma [hidden], float32 or ``dtype``."""
     rng = np.random.default_rng(seed)
     xs = [rng.standard_normal((m, hidden), dtype=np.float32) for _ in range(world)]
     residual = rng.standard_normal((m, hidden), dtype=np.float32)

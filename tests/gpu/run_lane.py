@@ -1,28 +1,13 @@
 """Runs a lane of the GPU suite as several pytest processes at once, so that a lane fits in
-one 10-minute run on one GPU (docs/gpu_testing.md).
+one 10-minute run on one GPU (docs/gpu_testing.md, "Lanes"):
 
     python -m tests.gpu.run_lane quick|slow|worlds|all [--jobs N] [--timeout-s 540]
         [--out DIR] [-- extra pytest args]
 
-Lanes (``LANES``): ``quick`` = ``-m "gpu and not slow"``, ``slow`` = ``-m "gpu and slow"``,
-``worlds`` = the slow lane's tests at 4 and 8 ranks and the MoE demo, ``all`` = ``-m gpu``.
-The runner runs the tests in ``SOLO`` first, alone (they measure the whole GPU), then the
-others in ``--jobs`` pytest-xdist workers (``--dist loadgroup``; by default one per
-``GIB_PER_JOB`` of the GPUs' memory, at most 6: ``default_jobs``): an idle worker takes the
-next test, the lane's tests ordered by their expected time (``EXPECTED_S``, longest first; the
-tests of a file share its estimate), the tests of one module-scoped fixture in one
-``xdist_group`` (tests/gpu/conftest.py does both when ``$JAX_FUSEDAR_LANE`` names the lane).
-Every test starts its own rank processes, which share the GPUs, and bounds them itself
-(tests/gpu/harness.py); the pytest processes stay off the GPU (JAX_PLATFORMS=cpu), as in
-tools/gpu_check.sh. ``--timeout-s`` bounds the whole lane: a run still going then is killed
-with its workers.
-
-``--out`` receives four files: ``solo.log`` and ``jobs.log`` (pytest -v -rA with every
-test's duration), ``summary.txt`` (each run's exit code and time, every non-passing test,
-with the report of each failure tests/gpu/conftest.py wrote when it happened, so a run cut
-short still says why its finished tests failed, and every test's duration, slowest first)
-and ``reports.tgz`` (the tests' JSON reports, $JAX_FUSEDAR_REPORT_DIR). The exit code is 0
-only if every run passed. Needs the native module built (tools/gpu_check.sh builds it).
+The ``SOLO`` tests first, alone (they measure the whole GPU), then the others in ``--jobs``
+pytest-xdist workers (tests/gpu/conftest.py orders and groups them). ``--out`` receives
+solo.log, jobs.log, summary.txt (exit codes, failures, durations) and reports.tgz. Exit code
+0 only if every run passed.
 """
 
 from __future__ import annotations
@@ -50,58 +35,42 @@ LANES = {
     "worlds": ("gpu and slow", "world4 or world8 or demo_moe"),
     "all": ("gpu", None),
 }
-# Seconds per test file and lane on one H200 with the ranks sharing it: the sums of the
-# tests' durations measured there (2026-12-02; the quick lane with 6 jobs at once, the
-# worlds lane with 4), estimates for the tests those runs did not finish
-# (docs/gpu_testing.md; test_benchmarks.py's refusals: an estimate). Used only to order the
-# tests for the workers, longest first; a file's tests share its estimate equally.
-EXPECTED_S = {
-    "quick": {
-        "test_anchor.py": 500,
-        "test_flashinfer_shim.py": 150,  # an estimate: not yet run there
-        "test_torch.py": 390,
-        "test_fuse_styles.py": 420,  # 270 s measured; an estimate for 7 more styles
-        "test_parity.py": 200,
-        "test_fuse_exact.py": 90,  # an estimate (not yet run on a GPU): 6 small programs
-        "test_jax.py": 140,
-        "test_timeout.py": 135,
-        "test_demo.py": 135,
-        "test_moe.py": 80,
-        "test_topology.py": 55,
-        "test_large_message.py": 45,
-        "test_native.py": 40,
-        "test_fuse.py": 45,
-        "test_jit_export.py": 30,
-        "test_handler_errors.py": 10,
-        "test_multinode.py": 10,
-        "test_jax_misuse.py": 5,
-        "test_readme.py": 5,
-        "test_benchmarks.py": 10,
-        "test_fallback.py": 90,  # estimate: not yet run on a GPU (27 compiles per rank)
-    },
-    "slow": {
-        "test_torch.py": 400,
-        "test_moe.py": 240,
-        "test_jax.py": 300,
-        "test_topology.py": 240,
-        "test_timeout.py": 105,
-        "test_parity.py": 95,
-        "test_native.py": 110,
-        "test_large_message.py": 65,
-        "test_demo.py": 110,
-        "test_fallback.py": 150,  # estimate: not yet run on a GPU (4 ranks over NCCL sockets)
-    },
-    "worlds": {
-        "test_torch.py": 350,
-        "test_parity.py": 235,
-        "test_topology.py": 140,
-        "test_moe.py": 130,
-        "test_jax.py": 125,
-        "test_demo.py": 110,
-        "test_timeout.py": 80,
-        "test_fallback.py": 150,  # estimate, as in "slow"
-    },
-}
+# Seconds per test file and lane on one H200 with the ranks sharing it: the sums of the tests'
+# durations measured there (2026-12-02; the quick lane with 6 jobs at once, the worlds lane
+# with 4); "~" marks an estimate for tests those runs did not finish (docs/gpu_testing.md),
+# "-" a lane without the file. Only orders the tests, longest first; a file's tests share
+# its estimate equally.
+_TIMES = """
+file                    quick slow worlds
+test_anchor.py          500   -    -
+test_flashinfer_shim.py ~150  -    -     not yet run there
+test_torch.py           390   400  350
+test_fuse_styles.py     ~420  -    -     270 s measured; an estimate for 7 more styles
+test_parity.py          200   95   235
+test_fuse_exact.py      ~90   -    -     not yet run on a GPU: 6 small programs
+test_jax.py             140   300  125
+test_timeout.py         135   105  80
+test_demo.py            135   110  110
+test_moe.py             80    240  130
+test_topology.py        55    240  140
+test_large_message.py   45    65   -
+test_native.py          40    110  -
+test_fuse.py            45    -    -
+test_jit_export.py      30    -    -
+test_handler_errors.py  10    -    -
+test_multinode.py       10    -    -
+test_jax_misuse.py      5     -    -
+test_readme.py          5     -    -
+test_benchmarks.py      ~10   -    -     the refusals
+test_fallback.py        ~90   ~150 ~150  not run on a GPU yet (27 compiles a rank; 4 ranks on NCCL)
+"""
+_LANES_TIMED = _TIMES.split()[1:4]
+EXPECTED_S = {lane: {} for lane in _LANES_TIMED}
+for _row in _TIMES.strip().splitlines()[1:]:
+    _file, *_secs = _row.split()[:4]
+    for _lane, _s in zip(_LANES_TIMED, _secs):
+        if _s != "-":
+            EXPECTED_S[_lane][_file] = int(_s.lstrip("~"))
 # GPU memory per worker: each test's rank processes (JAX and torch, 2 to 8 of them) share
 # the GPUs with the other workers' tests. Measured with the quick lane: 6 workers ran on one
 # 141 GB H200 (2026-12-02); on one 80 GB H100 (2026-12-07) 6 ran 12 tests out of memory and
@@ -111,8 +80,7 @@ MAX_JOBS = 6
 
 
 def default_jobs(gpu_memory_mib) -> int:
-    """Workers for GPUs of these total memories (MiB, one per GPU): one per GIB_PER_JOB of
-    their sum, at least 1, at most MAX_JOBS (MAX_JOBS where no GPU is seen)."""
+    """One worker per GIB_PER_JOB of the GPUs' memory (MiB each), 1 to MAX_JOBS."""
     if not gpu_memory_mib:
         return MAX_JOBS
     return max(1, min(MAX_JOBS, int(sum(gpu_memory_mib) / 1024 // GIB_PER_JOB)))
@@ -132,8 +100,7 @@ def gpu_memory_mib() -> list:
 
 # Tests that measure the whole GPU (free memory is device-wide): run first, alone.
 SOLO = ("tests/gpu/test_torch.py::test_torch_create_destroy_cycles_return_all_memory",)
-# Files whose tests share a module-scoped fixture per parameter (run together, or the
-# fixture runs twice).
+# Files whose tests share a module-scoped fixture per parameter (run apart, it runs twice).
 SHARED_FIXTURE_FILES = ("test_moe.py",)
 
 
@@ -148,10 +115,9 @@ def expected_times(lane: str) -> dict:
 
 
 def schedule(node_ids, expected: dict):
-    """(the node ids longest first, {node id: xdist group}): each test's expected time is its
-    file's estimate (60 s when the file has none) shared among the file's tests; the tests of
-    a SHARED_FIXTURE_FILES file with one parameter id form one group, which xdist's
-    ``loadgroup`` runs in one worker (the module fixture is built once)."""
+    """(node ids longest first, {node id: xdist group}): a test's time is its file's estimate
+    (60 s without one) shared among its tests; the tests of a SHARED_FIXTURE_FILES file with
+    one parameter id form one group (``loadgroup`` runs it in one worker)."""
     per_file = {}
     for n in node_ids:
         per_file.setdefault(n.split("::")[0], []).append(n)
@@ -170,8 +136,7 @@ FAILURE_LINES = 40
 
 
 def summarize(logs: dict, codes: dict, seconds: dict) -> str:
-    """The summary: per job its exit code and time, every test that did not pass, and every
-    test's call time (pytest --durations=0), slowest first."""
+    """Per job its exit code and time, every test that did not pass, every test's time."""
     lines, failing, durations, details = [], [], [], []
     for name, path in logs.items():
         text = path.read_text(errors="replace") if path.exists() else ""
@@ -188,11 +153,9 @@ def summarize(logs: dict, codes: dict, seconds: dict) -> str:
         ):
             if not any(node in line for line in failing):
                 failing.append(f"FAILED {node} ({when}; {name} was cut short)")
-            body_lines = body.rstrip().splitlines()
             details += [f"---- {node} ({when}), last {FAILURE_LINES} lines:"]
-            details += body_lines[-FAILURE_LINES:]
-    lines.append("")
-    lines += ["not passed:", *(failing or ["(none)"]), ""]
+            details += body.rstrip().splitlines()[-FAILURE_LINES:]
+    lines += ["", "not passed:", *(failing or ["(none)"]), ""]
     if details:
         lines += ["failures:", *details, ""]
     lines.append("durations (s, slowest first):")
@@ -206,12 +169,8 @@ def summarize(logs: dict, codes: dict, seconds: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tests.gpu.run_lane")
     ap.add_argument("lane", choices=sorted(LANES))
-    ap.add_argument(
-        "--jobs", type=int, default=None, help="pytest-xdist workers (default: by GPU memory)"
-    )
-    ap.add_argument(
-        "--timeout-s", type=float, default=540.0, help="the whole lane is stopped after this long"
-    )
+    ap.add_argument("--jobs", type=int, help="pytest-xdist workers (default: by GPU memory)")
+    ap.add_argument("--timeout-s", type=float, default=540.0, help="stop the lane after this long")
     ap.add_argument("--out", default=os.environ.get("JAX_FUSEDAR_REPORT_DIR", "gpu_reports"))
     argv = list(sys.argv[1:] if argv is None else argv)
     cut = argv.index("--") if "--" in argv else len(argv)
@@ -225,21 +184,16 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     reports = Path(tempfile.mkdtemp(prefix="jax_fusedar_reports_"))
     marks, keyword = LANES[a.lane]
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        PYTHONUNBUFFERED="1",
-        JAX_FUSEDAR_REPORT_DIR=str(reports),
-        JAX_FUSEDAR_LANE=a.lane,  # tests/gpu/conftest.py orders and groups the lane's tests
-        **NO_MULTICAST,
-    )
+    # $JAX_FUSEDAR_LANE: tests/gpu/conftest.py orders and groups the lane's tests
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **NO_MULTICAST)
+    env.update(JAX_FUSEDAR_REPORT_DIR=str(reports), JAX_FUSEDAR_LANE=a.lane)
     base = [sys.executable, "-m", "pytest", "-m", marks, *(["-k", keyword] if keyword else [])]
     base += ["-v", "-rA", "-p", "no:cacheprovider", "--durations=0", *extra]
     logs, codes, seconds = {}, {}, {}
 
     def run(name, args):
-        """One pytest run (and its workers, one process group), killed when the lane's time
-        is up; pytest's 5 (nothing selected: no SOLO test in this lane) counts as a pass."""
+        """One pytest run (one process group), killed when the lane's time is up; pytest's 5
+        (no SOLO test in this lane) counts as a pass."""
         logs[name] = out / f"{name}.log"
         left = max(1.0, a.timeout_s - (time.monotonic() - t0))
         began = time.monotonic()
@@ -255,9 +209,9 @@ def main(argv=None) -> int:
                 code = proc.wait()
         codes[name] = 0 if code == 5 and name == "solo" else code
         seconds[name] = time.monotonic() - began
+        lane_s = time.monotonic() - t0
         print(
-            f"{name}: exit {codes[name]} after {seconds[name]:.0f} s (lane at "
-            f"{time.monotonic() - t0:.0f} s)",
+            f"{name}: exit {codes[name]} after {seconds[name]:.0f} s (lane at {lane_s:.0f} s)",
             flush=True,
         )
 

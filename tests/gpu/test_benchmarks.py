@@ -1,7 +1,5 @@
-"""GPU: the benchmarks of the checkout (``python -m benchmarks.jax_bench``,
-``python -m benchmarks.torch_bench``). On a one-GPU machine both refuse, saying why (ranks
-sharing a GPU time its scheduling, not the kernel); with a GPU per rank the JAX benchmark
-times the kernel and reports median, p10, p90 and the sample count of every figure."""
+"""GPU: the benchmarks of the checkout. On one GPU both refuse, saying why (ranks sharing a GPU
+time its scheduling, not the kernel); with a GPU per rank the JAX one times the kernel."""
 
 import json
 import re

@@ -1,12 +1,5 @@
-"""GPU: jax_fusedar.fuse on the demo's Llama (Llama-3-8B layer shapes, 4 layers, bf16), one
-process driving every GPU, the FlashInfer kernel in place of each psum + residual + RMSNorm.
-
-The demo itself checks fused against unfused: greedy tokens identical over the steps (or a
-divergence only at a near tie: the unfused top-2 margin within twice the largest logits
-difference) and the logits within its stated tolerance; it exits 1 otherwise. Run by
-tools/gpu_check.sh (the parent pytest stays on CPU; the demo is a subprocess
-that sees the GPUs).
-"""
+"""GPU: jax_fusedar.fuse on the demo's Llama (Llama-3-8B layer shapes), one process driving
+every GPU; the demo checks fused against unfused itself (exit 1 otherwise)."""
 
 import os
 
@@ -25,15 +18,8 @@ def test_llama_demo_fused_by_fuse_on_gpus():
     env.pop("XLA_FLAGS", None)
     argv = "demo --preset llama3-8b --layers 4 --batch 4 --prompt 32 --steps 16 --iters 3".split()
     r = run_python(["-m", "jax_fusedar", *argv], env=env, timeout=900)
-    report(
-        "gpu_fuse_demo",
-        {
-            "argv": argv,
-            "returncode": r.returncode,
-            "stdout": r.stdout,
-            "stderr_tail": r.stderr[-4000:],
-        },
-    )
+    shown = {"argv": argv, "returncode": r.returncode, "stdout": r.stdout}
+    report("gpu_fuse_demo", {**shown, "stderr_tail": r.stderr[-4000:]})
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
     out = r.stdout
     assert "backend trtllm: FlashInfer kernel" in out

@@ -1,27 +1,19 @@
-"""GPU: the XLA FFI handler checks every result and reports the core's status as its own
-error code (ffi/xla/result_check.h, ffi/xla/errors.h; the rules themselves are tested on
-CPU in tests/native/test_contract.py). Two `jax.distributed` processes; on a one-GPU
-machine they share GPU 0 (every refusal happens before a launch)."""
+"""GPU: the XLA FFI handler checks every result and reports the core's status as its own error
+code (ffi/xla/result_check.h; the rules are tested on CPU in tests/native/test_contract.py)."""
 
 import pytest
 
-from tests.gpu.harness import report
+from tests.gpu.harness import random_seed, report, run_ranks_with_port
+from tests.gpu.workers import jax_multiprocess
 
 pytestmark = pytest.mark.gpu
 
 
 def test_handler_errors_name_the_result_and_keep_the_code():
-    from tests.gpu.workers import jax_multiprocess
-    from tests.gpu.harness import random_seed, run_ranks_with_port
-
     res = run_ranks_with_port(
-        jax_multiprocess.worker,
-        2,
-        timeout_s=600,
-        xla_flags="",
-        task="handler_errors",
+        jax_multiprocess.worker, 2, timeout_s=600, xla_flags="", task="handler_errors",
         seed=random_seed(),
-    )
+    )  # fmt: skip
     report("jax_handler_errors", res)
     for r in res:
         e = r["handler_errors"]

@@ -1,20 +1,14 @@
 """GPU: the XLA FFI custom call under jit + shard_map, one `jax.distributed` process per rank
-(2, 4 or 8; ranks share GPUs when there are fewer, rank r on GPU r % G).
-
-Bounds: the accumulation bounds at every world size (docs/numerics.md,
-harness.bound_problems), and at 2 ranks also the ulp bounds of tests/gpu/test_native.py. The
-64-layer bf16 model drifts from exact arithmetic by rounding over 64 layers whatever the
-all-reduce, so the fused model is held to the accuracy
-of the same math unfused (against a float64 model: at most 25% worse, plus 1e-3), and the
-handler's host launches show whether XLA replayed a command buffer. Command buffers are
-exercised on (forced, min graph size 1) and off.
-"""
+(tests/gpu/workers/jax_multiprocess.py; 2, 4 or 8, rank r on GPU r % G), XLA's command
+buffers forced on (min graph size 1) or off. Bounds: harness.bound_problems."""
 
 import os
 
 import pytest
 
-from tests.gpu.harness import bound_problems, needs_gpus, report, sweep_params, world_params
+from tests.gpu.harness import bound_problems, gpu_count, needs_gpus, random_seed, report
+from tests.gpu.harness import run_ranks_with_port, sweep_params, world_params
+from tests.gpu.workers import jax_multiprocess
 
 pytestmark = pytest.mark.gpu
 
@@ -25,21 +19,17 @@ CMDBUF_ON = (
     "DYNAMIC_SLICE_FUSION --xla_gpu_graph_min_graph_size=1"
 )
 CMDBUF_OFF = "--xla_gpu_enable_command_buffer="
+CMDBUF = {"on": CMDBUF_ON, "off": CMDBUF_OFF}
 
 
-def _run(task, xla_flags, world=2, **kw):
-    from tests.gpu.workers import jax_multiprocess
-    from tests.gpu.harness import random_seed, run_ranks_with_port
-
-    return run_ranks_with_port(
-        jax_multiprocess.worker,
-        world,
-        timeout_s=900,
-        xla_flags=xla_flags,
-        task=task,
-        seed=random_seed(),
-        **kw,
-    )
+def _run(name, task, xla_flags, world=2, **kw):
+    """jax_multiprocess's ``task`` at ``world`` ranks, reported as ``name``."""
+    res = run_ranks_with_port(
+        jax_multiprocess.worker, world, timeout_s=900, xla_flags=xla_flags, task=task,
+        seed=random_seed(), **kw,
+    )  # fmt: skip
+    report(name, res)
+    return res
 
 
 def parity_problems(res, world):
@@ -60,19 +50,18 @@ def parity_problems(res, world):
 @pytest.mark.parametrize(
     "cmdbuf, world, sweep",
     [
-        *sweep_params(before=(CMDBUF_ON, 2), id="cmdbuf_on-world2-{}"),
-        *sweep_params(before=(CMDBUF_OFF, 2), id="cmdbuf_off-world2-{}"),
-        *world_params((), (4, 8), before=(CMDBUF_ON,), after=("quick",), id="cmdbuf_on-{}-quick"),
+        *sweep_params(before=("on", 2), id="cmdbuf_on-world2-{}"),
+        *sweep_params(before=("off", 2), id="cmdbuf_off-world2-{}"),
+        *world_params((), (4, 8), before=("on",), after=("quick",), id="cmdbuf_on-{}-quick"),
     ],
 )
 def test_jax_parity(cmdbuf, world, sweep):
-    """Patterns 1 and 0, one-shot and two-shot, fp32_acc True and False (every third case),
-    3 dtypes, against the float64 oracle's bounds for this world size."""
+    """Patterns 1 and 0, one- and two-shot, fp32_acc True and False, 3 dtypes."""
     quick = sweep == "quick"
     tokens = (1, 17, 129) if quick else (1, 16, 17, 128, 129, 1000)
     hiddens = (1024, 7168) if quick else (1024, 4096, 7168)
-    res = _run("parity", cmdbuf, world, tokens=tokens, hiddens=hiddens)
-    report(f"jax_parity_{'on' if cmdbuf == CMDBUF_ON else 'off'}_world{world}", res)
+    name = f"jax_parity_{cmdbuf}_world{world}"
+    res = _run(name, "parity", CMDBUF[cmdbuf], world, tokens=tokens, hiddens=hiddens)
     for r in res:
         assert "exists in this process" in r["worst"].pop("destroyed_workspace_error")
     problems = parity_problems(res, world)
@@ -81,33 +70,31 @@ def test_jax_parity(cmdbuf, world, sweep):
 
 @pytest.mark.parametrize("world", world_params())
 def test_jax_ten_thousand_calls_in_a_loop(world):
-    """10,000 calls at 2 ranks with a GPU each, 1,000 at more or where the ranks share GPUs
-    (their kernels take turns on a GPU, about 3 ms a call on one H200, and never run at the
-    same time: a longer loop gives no more chance to catch a race), each checked in-graph
-    against the oracle's bounds."""
-    from jax_fusedar.common import native
-
-    own = native.gpu_count() >= world
+    """Calls checked in-graph against the oracle; 1,000 where ranks share GPUs (their kernels
+    take turns, about 3 ms a call on one H200: a longer loop catches no more races)."""
+    own = gpu_count() >= world
     calls = int(os.environ.get("JAX_FUSEDAR_LOOP_CALLS", 10000 if world == 2 and own else 1000))
-    res = _run("loop", CMDBUF_ON, world, calls=calls, m=16, hidden=4096)
-    report(f"jax_loop_world{world}", res)
+    res = _run(f"jax_loop_world{world}", "loop", CMDBUF_ON, world, calls=calls, m=16, hidden=4096)
     for r in res:
         assert r["loop"]["violations"] == 0, r
 
 
-@pytest.mark.parametrize("cmdbuf", [CMDBUF_ON, CMDBUF_OFF], ids=["cmdbuf_on", "cmdbuf_off"])
+@pytest.mark.parametrize("cmdbuf", ["on", "off"], ids=["cmdbuf_on", "cmdbuf_off"])
 def test_jax_64_layer_model(cmdbuf):
-    res = _run("model", cmdbuf, layers=64, m=16, hidden=1024, ffn=2048)
-    report(f"jax_model_{'on' if cmdbuf == CMDBUF_ON else 'off'}", res)
+    """64 bf16 layers drift from exact arithmetic whatever the all-reduce: the fused model is
+    held to the unfused one's accuracy; host launches show command-buffer replay."""
+    res = _run(
+        f"jax_model_{cmdbuf}", "model", CMDBUF[cmdbuf], layers=64, m=16, hidden=1024, ffn=2048
+    )
     problems = []
     for r in res:
         m = r["model"]
         if not (m["finite"] and m["fused_vs_f64"] <= 1.25 * m["unfused_vs_f64"] + 1e-3):
             problems.append(f"rank {r['rank']}: fused model less accurate than unfused: {m}")
         runs = m["host_launches_per_run"]
-        if cmdbuf == CMDBUF_OFF and runs != [64] * len(runs):
+        if cmdbuf == "off" and runs != [64] * len(runs):
             problems.append(f"rank {r['rank']}: expected 64 host launches per run, got {runs}")
-        if cmdbuf == CMDBUF_ON and not all(n < 64 for n in runs):
+        if cmdbuf == "on" and not all(n < 64 for n in runs):
             # Captured calls replay from the CUDA graph without running the handler.
             problems.append(
                 f"rank {r['rank']}: the fused calls were not replayed from a "
@@ -117,9 +104,9 @@ def test_jax_64_layer_model(cmdbuf):
 
 
 # Gradient bounds: per gradient tensor, the fused model's error against the float64 oracle
-# (tests/gpu/workers/jax_grad.py; in ulps of the tensor's largest magnitude) may exceed the unfused
-# model's by twice the forward norm bound (BOUNDS above: 3 bf16 / 8 fp32 ulps). Why: the
-# backward is the unfused model's own code (jax_fusedar/ops/transforms.py) run on the kernel's
+# (tests/gpu/workers/jax_grad.py; in ulps of the tensor's largest magnitude) may exceed the
+# unfused model's by twice the forward norm bound (3 bf16 / 8 fp32 ulps). Why: the backward
+# is the unfused model's own code (jax_fusedar/ops/transforms.py) run on the kernel's
 # residual_out, which for 2 ranks is the reference's bit for bit; the two models differ
 # only in the forward norm_out (the kernel's fast-math rsqrt, within those bounds), which
 # reaches the gradients through the next layer's matmul and the loss, once per layer.
@@ -128,8 +115,7 @@ GRAD_SLACK_ULPS = {"bfloat16": 2 * 3.0, "float32": 2 * 8.0}
 
 @needs_gpus(2, "the unfused twin's psum runs on NCCL, which refuses two ranks on one GPU")
 def test_jax_gradients_of_the_fused_model():
-    res = _run("grad", CMDBUF_OFF, layers=2, tokens=16, hidden=1024, ffn=2048)
-    report("jax_grad", res)
+    res = _run("jax_grad", "grad", CMDBUF_OFF, layers=2, tokens=16, hidden=1024, ffn=2048)
     problems = []
     for r in res:
         for dtype, s in r["grad"].items():
@@ -138,13 +124,15 @@ def test_jax_gradients_of_the_fused_model():
                     f"rank {r['rank']} {dtype}: the kernel is not in the gradient "
                     f"program ({s['backend']}, {s['custom_calls']} custom calls)"
                 )
-            for name, e in s["grads"].items():
+            problems += [
+                f"rank {r['rank']} {dtype} d{name}: {e}"
+                for name, e in s["grads"].items()
                 if not (
                     e["finite"]
                     and e["fused_ulps"] <= e["unfused_ulps"] + GRAD_SLACK_ULPS[dtype]
                     and e["fused_rel"] <= 1.25 * e["unfused_rel"] + 1e-3
-                ):
-                    problems.append(f"rank {r['rank']} {dtype} d{name}: {e}")
+                )
+            ]
     assert not problems, "\n".join(problems)
 
 
@@ -159,8 +147,7 @@ def test_jax_quantized_fp8_patterns(world, sweep):
     quick = sweep == "quick"
     tokens = (1, 17, 128) if quick else (1, 16, 17, 128, 1024)
     hiddens = (1024,) if quick else (1024, 4096, 8192)
-    res = _run("quant", CMDBUF_ON, world, tokens=tokens, hiddens=hiddens)
-    report(f"jax_quant_world{world}", res)
+    res = _run(f"jax_quant_world{world}", "quant", CMDBUF_ON, world, tokens=tokens, hiddens=hiddens)
     for r in res:
         q = r["quant"]
         # Twins (pattern with / without norm_out) agree on every residual and scale; their
@@ -199,8 +186,7 @@ def test_jax_nvfp4_patterns_on_blackwell(sweep):
     tokens = (1, 17, 128) if quick else (1, 16, 17, 128, 129, 1024)
     # 1040 / 16 = 65 scale columns: the swizzled layout pads them to 68.
     hiddens = (1024,) if quick else (1024, 1040, 4096, 8192)
-    res = _run("nvfp4", CMDBUF_ON, tokens=tokens, hiddens=hiddens)
-    report("jax_nvfp4", res)
+    res = _run("jax_nvfp4", "nvfp4", CMDBUF_ON, tokens=tokens, hiddens=hiddens)
     for r in res:
         q = r["nvfp4"]
         assert q["cases"] > 0 and q["nan_outputs"] == 0, q
@@ -233,11 +219,8 @@ def batching_problems(res, world):
 
 @pytest.mark.parametrize("world", world_params())
 def test_jax_batched_calls_fold_into_the_kernel(world):
-    """The op family's batching rule on the kernel: jax.vmap and an N-D x fold the batch into
-    tokens and the kernel serves the folded call (strict=True: a fallback would raise); a
-    batched rms_gamma maps one call per element. Dense: against the float64 oracle's bounds;
-    MoE pattern 6: vmap bit for bit equal to one kernel call per element."""
-    res = _run("batching", CMDBUF_OFF, world)
-    report(f"jax_batching_world{world}", res)
+    """jax.vmap and an N-D x fold the batch into tokens for the kernel (strict=True: a
+    fallback would raise); a batched rms_gamma maps one call per element."""
+    res = _run(f"jax_batching_world{world}", "batching", CMDBUF_OFF, world)
     problems = batching_problems(res, world)
     assert not problems, "\n".join(problems)

@@ -1,7 +1,6 @@
-"""A workspace used under a mesh or pmap that orders its devices otherwise is refused before
-anything runs, on 2 GPUs (the kernel) as on 2 CPU devices (the reference path, in CI); rows
-whose fp32 sum of squares overflows give norm_out = +-0 on both (README, Numerics).
-Worker: tests/gpu/workers/jax_misuse.py, one process driving both devices."""
+"""A workspace under a mesh or pmap that orders its devices otherwise is refused before anything
+runs, on 2 GPUs as on 2 CPU devices; rows whose fp32 sum of squares overflows give norm_out
+= +-0 on both (README, Numerics). Worker: tests/gpu/workers/jax_misuse.py."""
 
 import os
 
@@ -11,7 +10,6 @@ from tests.gpu.case_runs import JAX_VARS, child_env, result_of, run_python
 from tests.gpu.harness import needs_gpus, report
 from tests.repo import REPO
 
-
 # Both orders of the two devices, named in the message (TP-rank order of the ids).
 FLIPPED = (
     "groups the devices along 'tp' as [(1, 0)] but the workspace was created for the "
@@ -19,19 +17,15 @@ FLIPPED = (
 )
 
 
-def _run(platform: str) -> dict:
-    env = child_env(
-        JAX_VARS[1:],  # all but JAX_PLATFORMS
-        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    )
-    return result_of(
-        run_python(["-m", "tests.gpu.workers.jax_misuse", platform], env=env, timeout=600)
-    )
-
-
-def _check(r: dict, *, bits: bool) -> None:
-    """``bits``: the kernel's results are compared bit for bit, zeros' signs included (XLA's
-    CPU reference may sign a zero differently in two differently fused programs)."""
+def _run(platform: str, *, bits: bool) -> dict:
+    """The worker's result, checked; ``bits``: the kernel's results are compared bit for bit,
+    zeros' signs included (XLA's CPU reference may sign a zero differently in two differently
+    fused programs)."""
+    pythonpath = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    env = child_env(JAX_VARS[1:], PYTHONPATH=pythonpath)  # all but JAX_PLATFORMS
+    argv = ["-m", "tests.gpu.workers.jax_misuse", platform]
+    r = result_of(run_python(argv, env=env, timeout=600))
+    report(f"jax_misuse_{'gpu' if bits else 'cpu'}", r)
     good = r["good"]
     assert good["residual_ulps"] <= 1.0 and good["norm_ulps"] <= 3.0, r  # as test_gpu_jax
     assert good["pmap_equals_shard_map_bits" if bits else "pmap_equals_shard_map_values"], r
@@ -41,19 +35,16 @@ def _check(r: dict, *, bits: bool) -> None:
     assert o["residual_exact"] and o["zero_rows"], r
     assert o["signs_of_r_times_gamma"] or not bits, r
     assert o["ordinary_row_norm_ulps"] <= 3.0, r
+    return r
 
 
 def test_misuse_worker_on_two_cpu_devices():
-    r = _run("cpu")
-    report("jax_misuse_cpu", r)
+    r = _run("cpu", bits=False)
     assert r["backend"] == "xla" and not r["good"]["custom_call"], r
-    _check(r, bits=False)
 
 
 @pytest.mark.gpu
 @needs_gpus(2, "one process drives both devices")
 def test_regrouped_devices_are_refused_on_two_gpus():
-    r = _run("cuda")
-    report("jax_misuse_gpu", r)
+    r = _run("cuda", bits=True)
     assert r["backend"] == "trtllm" and r["good"]["custom_call"], r
-    _check(r, bits=True)

@@ -1,25 +1,17 @@
 """GPU: the plain-jit (Shardy) model and an exported artifact, one process driving both GPUs
-(tests/gpu/workers/jax_single_process.py).
-
-* The 4-layer MaxText-style model (jit, NamedSharding on the weights, no shard_map) compiles
-  to one fused custom call per layer and no all-reduce, on Auto axes (custom_partitioning)
-  and Explicit axes, and equals the shard_map + allreduce_fusion model bit for bit.
-* A layer exported for ("cpu", "cuda") with abstract_workspace in one process runs, in a
-  fresh process, on both GPUs with the kernel, once a workspace with the same key exists
-  (before that: the handler's error naming the missing id), bitwise equal to the same layer
-  jitted there.
-"""
+(tests/gpu/workers/jax_single_process.py): one fused custom call per layer, bitwise equal to
+the shard_map model; a layer exported with abstract_workspace runs in a fresh process once a
+workspace of its key exists (before that: the handler's error naming the missing id)."""
 
 import pytest
 
 from tests.gpu.harness import needs_gpus, report, run_seed
 from tests.gpu.workers.single_process_run import run_task
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, needs_gpus(2, "one process drives both devices")]
 LAYERS = 4
 
 
-@needs_gpus(2, "one process drives both devices")
 def test_jit_only_model_uses_the_kernel_and_matches_shard_map_bitwise():
     res = run_task("jit", "cuda", seed=run_seed())
     report("jax_jit_sharding", res)
@@ -30,7 +22,6 @@ def test_jit_only_model_uses_the_kernel_and_matches_shard_map_bitwise():
         assert r["bitwise_equal"] and r["finite"], (axes, r)
 
 
-@needs_gpus(2, "one process drives both devices")
 def test_exported_artifact_runs_in_a_fresh_process_on_both_gpus(tmp_path):
     path = str(tmp_path / "layer")
     made = run_task("export", "cuda", path=path, seed=run_seed())

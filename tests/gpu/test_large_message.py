@@ -1,18 +1,14 @@
-"""GPU: the large-message algorithm (ffi/kernels/large_message.h), two ranks in two processes.
-
-It reuses FlashInfer's two-shot math and launch shape, so every output must equal the two-shot
-kernel's bit for bit (quantized outputs and scales included), on both sides of the auto
-crossover; pattern 1 is also held to the float64-oracle bounds of test_gpu_native. Also: the
-same bits on every rank, no unwritten (poisoned) element, CUDA-graph replay, and a loop that
-interleaves it with FlashInfer's one-shot and two-shot calls without host syncs.
-"""
+"""GPU: the large-message algorithm (ffi/kernels/large_message.h). It reuses FlashInfer's
+two-shot math and launch shape, so every output must equal the two-shot kernel's bit for bit
+on both sides of the auto crossover, on every rank, in CUDA-graph replays and in a loop that
+interleaves it with the one-shot and two-shot calls without host syncs."""
 
 import os
 
 import pytest
 
 from jax_fusedar.common import launch_mode, sizing
-from tests.gpu.harness import needs_gpus, random_seed, report, sweep_params
+from tests.gpu.harness import env_int, needs_gpus, random_seed, report, run_ranks, sweep_params
 
 pytestmark = pytest.mark.gpu
 
@@ -21,46 +17,38 @@ def _cases(quick):
     """(dtype, hidden, tokens, pattern): per hidden size, token counts just below and above the
     auto crossover (48 MiB per rank at world size 2), a mid size, an odd count (uneven
     slices) and a tiny one; the two 16-bit dtypes alternate."""
-    world = 2
     tokens_for = {4096: (37, 5000, 6144), 7168: (1000, 3600), 8192: (5, 2900, 3100)}
     if quick:
         tokens_for = {4096: (37,), 7168: (1000,), 8192: (3100,)}
-    cases = []
-    for i, (hidden, m) in enumerate((h, m) for h, ms in tokens_for.items() for m in ms):
-        for pattern in (1, 4, 11, 9):
-            if m > world:
-                cases.append((("bfloat16", "float16")[(i + pattern) % 2], hidden, m, pattern))
-    max_tokens = max(m * h for h, ms in tokens_for.items() for m in ms) // 8192
-    return cases, max_tokens, 8192
+    shapes = [(h, m) for h, ms in tokens_for.items() for m in ms]
+    cases = [
+        (("bfloat16", "float16")[(i + pattern) % 2], hidden, m, pattern)
+        for i, (hidden, m) in enumerate(shapes)
+        for pattern in (1, 4, 11, 9)
+        if m > 2  # more tokens than ranks
+    ]
+    return cases, max(m * h for h, m in shapes) // 8192, 8192
 
 
 @pytest.mark.parametrize("sweep", sweep_params())
 def test_large_message_two_ranks(sweep):
     pytest.importorskip("torch")
     from tests.gpu.workers import large_message_sweep
-    from tests.gpu.harness import env_int, run_ranks
 
     cases, max_tokens, hidden_max = _cases(sweep == "quick")
     sizes = sizing.workspace_sizes(2, max_tokens, hidden_max, "bfloat16")
     assert any(launch_mode.prefers_large_message(m, h, sizes) for _, h, m, _ in cases)
     assert any(not launch_mode.prefers_large_message(m, h, sizes) for _, h, m, _ in cases)
     results = run_ranks(
-        large_message_sweep.worker,
-        2,
-        timeout_s=1200,
-        cases=cases,
-        max_tokens=max_tokens,
-        hidden_max=hidden_max,
-        loop_calls=env_int("JAX_FUSEDAR_LOOP_CALLS", 500),
+        large_message_sweep.worker, 2, timeout_s=1200, cases=cases, max_tokens=max_tokens,
+        hidden_max=hidden_max, loop_calls=env_int("JAX_FUSEDAR_LOOP_CALLS", 500),
         seed=random_seed(),
-    )
+    )  # fmt: skip
     report("large_message", results)
     assert results[0]["digest"] == results[1]["digest"], "ranks disagree bitwise"
     for r in results:
-        assert r["cases"] == len(cases)
-        assert r["mismatches"] == [], r["mismatches"]
-        assert r["nan_outputs"] == 0
-        assert r["graph_diffs"] == 0 and r["loop_diffs"] == 0
+        assert r["cases"] == len(cases) and r["mismatches"] == [], r["mismatches"]
+        assert r["nan_outputs"] == 0 and r["graph_diffs"] == 0 and r["loop_diffs"] == 0
         assert r["worst"]["cases"] > 0
         assert r["worst"]["residual"] <= 1.0 and r["worst"]["norm"] <= 3.0, r["worst"]
 

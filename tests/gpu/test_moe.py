@@ -1,9 +1,7 @@
-"""The MoE patterns (6, 7) at 2, 4 and 8 ranks (one GPU each, or sharing them):
-tests/gpu/workers/moe_gpu.py's torch and JAX stages, with their thresholds: every output
-within the float64 oracle's bound, torch_compat == FlashInfer's own build byte for byte (when
-the anchor is present), JAX == torch bit for bit with the custom call in the compiled program;
-at 2 ranks also CUDA-graph replays == eager calls and 64 back-to-back calls with the same
-bits (more ranks run the cases only)."""
+"""The MoE patterns (6, 7) at 2, 4 and 8 ranks (tests/gpu/workers/moe_gpu.py's torch and JAX
+stages): every output within the float64 oracle's bound, torch_compat equal to FlashInfer's own
+build (when present), JAX equal to torch through the custom call, at 2 ranks also CUDA-graph
+replays and 64 back-to-back calls with the same bits."""
 
 import json
 import os
@@ -53,8 +51,7 @@ def test_torch_within_oracle_bounds_and_equal_to_flashinfer(reports):
 
     world, reports = reports
     ranks = reports["torch"]
-    assert "error" not in ranks, ranks
-    assert len(ranks) == world
+    assert "error" not in ranks and len(ranks) == world, ranks
     # Where the anchor folder looks complete, the byte-for-byte comparison must have run: a
     # load failure fails the test instead of skipping the comparison.
     anchor_present = anchor.problem(anchor.path()) is None
@@ -70,9 +67,8 @@ def test_torch_within_oracle_bounds_and_equal_to_flashinfer(reports):
             if anchor_present:
                 assert rank["anchor_error"] is None, rank["anchor_error"]
             if rank["anchor_error"] is None:
-                assert entry["bytes_differing_vs_anchor"] == [0] * len(
-                    entry["bytes_differing_vs_anchor"]
-                ), (name, entry)
+                differing = entry["bytes_differing_vs_anchor"]
+                assert differing == [0] * len(differing), (name, entry)
 
 
 def test_jax_equals_torch_bitwise_through_the_custom_call(reports):
@@ -80,8 +76,7 @@ def test_jax_equals_torch_bitwise_through_the_custom_call(reports):
 
     world, reports = reports
     ranks = reports["jax"]
-    assert len(ranks) == world
-    assert "error" not in ranks, ranks
+    assert len(ranks) == world and "error" not in ranks, ranks
     for rank in ranks:
         assert len(rank["cases"]) == len(JAX_CASES), rank
         for name, entry in rank["cases"].items():

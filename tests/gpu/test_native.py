@@ -1,17 +1,13 @@
 """GPU: FlashInfer's kernel through the native core, two ranks in two processes (CUDA IPC).
-
-On one GPU both ranks share it; on two GPUs each owns one. Errors are in ulps of the
-intermediate magnitudes (tests/oracles/oracle.py); the bounds follow from the kernel's two
-roundings (<= 1 ulp each for all-reduce and residual) and, for the norm, that carried
-error through rsqrt * gamma plus one rounding of the output (3 for the 16-bit types;
-float32 gets 8 because fast-math rsqrtf is itself good to about 2 ulps of fp32).
-"""
+Errors in ulps of the intermediate magnitudes (tests/oracles/oracle.py): <= 1 for each of the
+kernel's two roundings; the norm carries that error through rsqrt * gamma plus one rounding
+(3 for 16-bit types; float32 gets 8: fast-math rsqrtf is itself good to about 2 ulps)."""
 
 import json
 
 import pytest
 
-from tests.gpu.harness import random_seed, report, sweep_params
+from tests.gpu.harness import env_int, random_seed, report, run_ranks, sweep_params
 
 pytestmark = pytest.mark.gpu
 
@@ -26,24 +22,17 @@ BOUNDS = {
 def test_native_sweep_two_ranks(sweep):
     pytest.importorskip("torch")
     from tests.gpu.workers import native_sweep
-    from tests.gpu.harness import env_int, run_ranks
 
     quick = sweep == "quick"
     tokens = (1, 16, 17, 129) if quick else (1, 2, 15, 16, 17, 64, 128, 129, 1000, 2048)
     hiddens = (1024, 7168) if quick else (1024, 4096, 7168, 8192)
     results = run_ranks(
-        native_sweep.worker,
-        2,
-        timeout_s=1500,
-        tokens=tokens,
-        hiddens=hiddens,
-        max_tokens=max(tokens),
-        loop_calls=env_int("JAX_FUSEDAR_LOOP_CALLS", 2000),
+        native_sweep.worker, 2, timeout_s=1500, tokens=tokens, hiddens=hiddens,
+        max_tokens=max(tokens), loop_calls=env_int("JAX_FUSEDAR_LOOP_CALLS", 2000),
         seed=random_seed(),
-    )
-    report(
-        "native_sweep", {"ranks": results, "bounds": BOUNDS, "tokens": tokens, "hiddens": hiddens}
-    )
+    )  # fmt: skip
+    shown = {"ranks": results, "bounds": BOUNDS, "tokens": tokens, "hiddens": hiddens}
+    report("native_sweep", shown)
     print(json.dumps({r["device"]: r["worst"] for r in results}, indent=1))
     print("loop:", [r["loop"] for r in results])
     assert results[0]["digest"] == results[1]["digest"], "ranks disagree bitwise"
@@ -58,8 +47,8 @@ def test_native_sweep_two_ranks(sweep):
 
 
 def test_native_single_process_peer_pointers():
-    """Both ranks in this one process (the single-process path), in a child process so a
-    hang cannot take the test run with it."""
+    """Both ranks in one process (the single-process path), in a child process so that a hang
+    cannot take the test run with it."""
     pytest.importorskip("torch")
     from tests.gpu.case_runs import run_python
 

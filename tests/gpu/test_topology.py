@@ -1,16 +1,11 @@
-"""GPU: the cross-rank handshake (handshake) and the "mixed" topology.
-
-Each case runs in a fresh child (``python -m tests.gpu.workers.native_mismatch CASE`` /
-``python -m tests.gpu.workers.native_mixed``) with its output captured: a trapped handshake kills
-the CUDA context of its process, and the handshake's device printf goes to stdout. Every
-wait is bounded (subprocess timeout, channel timeouts, the check's own timeout), and each
-result is written as JSON (with the output's tail) to $JAX_FUSEDAR_REPORT_DIR.
-"""
+"""GPU: the cross-rank handshake and the "mixed" topology, each case in a fresh child
+(tests/gpu/case_runs.py): a trapped handshake kills its process's CUDA context."""
 
 import pytest
 
 from tests.gpu.case_runs import checked_case, host_slack_s, lost_trap_record
 from tests.gpu.harness import gpu_count, world_params
+from tests.gpu.workers import native_mismatch as nm
 
 pytestmark = pytest.mark.gpu
 
@@ -23,14 +18,16 @@ SIG = (
 
 def _check_matching(r):
     """The matching calls each case makes first (check on) stayed within the bounds."""
-    from tests.gpu.workers.native_mismatch import BOUNDS, MATCHING
-
     assert r["handshake"] is True, r
-    assert len(r["matching"]) == len(MATCHING)
+    assert len(r["matching"]) == len(nm.MATCHING)
     for e in r["matching"]:
-        for k, bound in BOUNDS.items():
+        for k, bound in nm.BOUNDS.items():
             if k in e:
                 assert e[k] <= bound, (r["rank"], e)  # NaN fails too
+
+
+def _plain_ok(w):
+    return w["residual"] <= 1.0 and w["norm"] <= 3.0
 
 
 @pytest.mark.parametrize("world", world_params())
@@ -40,63 +37,51 @@ def test_handshake_matching_calls_graph_replay_and_cost(world):
     )
     ranks = res["ranks"]
     assert not res["printf_lines"], res["printf_lines"]
-    from tests.gpu.workers.native_mismatch import BOUNDS
-
     for r in ranks:
         _check_matching(r)
         assert r["off_handshake"] is False
         for k, v in r["off_worst"].items():
-            assert v <= BOUNDS[k], ("check off", r["rank"], k, v)
+            assert v <= nm.BOUNDS[k], ("check off", r["rank"], k, v)
         g = r["graph"]
-        assert g["capture_errors"] is None, g
-        assert g["worst"]["residual"] <= 1.0 and g["worst"]["norm"] <= 3.0, g
+        assert g["capture_errors"] is None and _plain_ok(g["worst"]), g
         for t in ("timing_on", "timing_off"):
-            assert r[t]["last_call"]["residual"] <= 1.0 and r[t]["last_call"]["norm"] <= 3.0, r[t]
+            assert _plain_ok(r[t]["last_call"]), r[t]
         assert r["failure_record"] == ""
     # Same bits on every rank, and with the check on or off.
     assert {r["digest"] for r in ranks} == {ranks[0]["off_digest"]}
-    print(
-        "handshake cost (ms per call, median): on",
-        [r["timing_on"]["ms_per_call_median"] for r in ranks],
-        "off",
-        [r["timing_off"]["ms_per_call_median"] for r in ranks],
-    )
+    ms = {k: [r[f"timing_{k}"]["ms_per_call_median"] for r in ranks] for k in ("on", "off")}
+    print("handshake cost (ms per call, median): on", ms["on"], "off", ms["off"])
+
+
+def _sig(pattern, tokens, oneshot):
+    return SIG.format(pattern, tokens, "one-shot" if oneshot else "two-shot")
 
 
 @pytest.mark.parametrize(
     "case", ["tokens", *(pytest.param(c, marks=pytest.mark.slow) for c in ("pattern", "oneshot"))]
 )
 def test_mismatched_calls_fail_instead_of_hanging(case):
-    """Both ranks detect the mismatch and trap: each one's synchronization raises with the
-    record, or, where the GPU driver never reports the trap (ranks sharing a GPU trap at
-    the same moment; jax_fusedar/common/lost_traps.py), its process ends with the record on
-    stderr after the watcher's grace period. Either way the run ends, well before any
-    timeout."""
-    from tests.gpu.workers.native_mismatch import MATCHING, MISMATCH_TIMEOUT_S, failing_call_of
-
+    """Both ranks detect the mismatch and trap (raising the record, or ended by lost_traps
+    with it on stderr), well before any timeout."""
     res = checked_case(f"handshake_{case}", "native_mismatch", case, timeout_s=170)
     assert res["wall_s"] < 90, res["wall_s"]  # bounded: no rank waits for a timeout
-    seq = len(MATCHING) + 1
+    seq = len(nm.MATCHING) + 1
     for r in res["ranks"]:
         me, peer = r["rank"], 1 - r["rank"]
-        lost = "exitcode" in r  # its trap was never reported: the watcher ended the process
-        (pm, mm, om), (pp, mp, op) = failing_call_of(case, me), failing_call_of(case, peer)
-        mine = SIG.format(pm, mm, "one-shot" if om else "two-shot")
-        theirs = SIG.format(pp, mp, "one-shot" if op else "two-shot")
-        device = (r["notes"] if lost else r)["device"]
+        seen = r["notes"] if "exitcode" in r else r  # noted, where the watcher ended it
+        mine, theirs = _sig(*nm.failing_call_of(case, me)), _sig(*nm.failing_call_of(case, peer))
         expected = (
-            f"jax_fusedar handshake failed on rank {me} of 2 (device {device}), "
+            f"jax_fusedar handshake failed on rank {me} of 2 (device {seen['device']}), "
             f"call #{seq}: rank {peer} called {theirs} but rank {me} called {mine}"
         )
-        _check_matching(r["notes"] if lost else r)
-        if lost:
-            # Detected as a mismatch, well before the timeout would have fired.
-            lost_trap_record(res, r, expected, record_within_s=MISMATCH_TIMEOUT_S / 2)
+        _check_matching(seen)
+        # Either way detected as a mismatch, well before the timeout would have fired.
+        if "exitcode" in r:
+            lost_trap_record(res, r, expected, record_within_s=nm.MISMATCH_TIMEOUT_S / 2)
             continue
         f = r["failing"]
         assert f["sync_error"], f"rank {me}: the mismatched call did not fail: {f}"
-        # Detected as a mismatch, well before the timeout would have fired.
-        assert f["elapsed_s"] < MISMATCH_TIMEOUT_S / 2, f
+        assert f["elapsed_s"] < nm.MISMATCH_TIMEOUT_S / 2, f
         assert f["failure_record"].startswith(expected), (expected, f["failure_record"])
         assert f["relaunch_error"] and expected in f["relaunch_error"], f
     # The device's own message reached stdout (one per rank; output buffered in the child).
@@ -108,41 +93,30 @@ def test_mismatched_calls_fail_instead_of_hanging(case):
 
 @pytest.mark.parametrize("world", world_params())
 def test_a_rank_that_never_calls_times_out(world):
-    """The last rank makes no call: every other rank's handshake times out naming it, its
-    synchronization raising with the record, or, where the GPU driver never reports the
-    trap (callers sharing a GPU time out at the same moment), its process ending with the
-    record on stderr after the watcher's grace period (jax_fusedar/common/lost_traps.py)."""
-    from tests.gpu.workers.native_mismatch import MATCHING, TIMEOUT_CASE_S
-
+    """The last rank makes no call: every other rank's handshake times out naming it."""
     res = checked_case(
         f"handshake_timeout_world{world}", "native_mismatch", "timeout", str(world), timeout_s=170
     )
     *callers, missing = res["ranks"]
-    seq = len(MATCHING) + 1
+    seq = len(nm.MATCHING) + 1
     expected = (
         f"rank {world - 1} did not make its call #{seq} "
-        f"{SIG.format(1, 16, 'one-shot')} within {TIMEOUT_CASE_S:.1f} s (the last call "
+        f"{SIG.format(1, 16, 'one-shot')} within {nm.TIMEOUT_CASE_S:.1f} s (the last call "
         f"seen from it is #{seq - 1})"
     )
     for r in callers:
+        seen = r["notes"] if "exitcode" in r else r
+        _check_matching(seen)
+        assert seen["handshake_timeout_s"] == pytest.approx(nm.TIMEOUT_CASE_S), r
         if "exitcode" in r:  # its trap was never reported: the watcher ended the process
-            _check_matching(r["notes"])
-            assert r["notes"]["handshake_timeout_s"] == pytest.approx(TIMEOUT_CASE_S), r
-            record = lost_trap_record(
-                res,
-                r,
-                f"jax_fusedar handshake failed on rank {r['rank']} of {world} ",
-                record_within_s=TIMEOUT_CASE_S + 12,
-            )
+            head = f"jax_fusedar handshake failed on rank {r['rank']} of {world} "
+            record = lost_trap_record(res, r, head, record_within_s=nm.TIMEOUT_CASE_S + 12)
             assert expected in record, (expected, record)
         else:
-            _check_matching(r)
             f = r["failing"]
             assert f["sync_error"], f
-            assert r["handshake_timeout_s"] == pytest.approx(TIMEOUT_CASE_S)
-            assert (
-                TIMEOUT_CASE_S * 0.9 <= f["elapsed_s"] <= TIMEOUT_CASE_S + 12 + host_slack_s(world)
-            ), f
+            slack = host_slack_s(world)
+            assert nm.TIMEOUT_CASE_S * 0.9 <= f["elapsed_s"] <= nm.TIMEOUT_CASE_S + 12 + slack, f
             assert expected in f["failure_record"], f["failure_record"]
             assert f["relaunch_error"] and "did not make its call" in f["relaunch_error"], f
         assert any(
@@ -166,12 +140,10 @@ def test_mixed_topology_four_ranks_two_processes_two_gpus():
     assert procs[1]["paths"]["3"] == {"0": "ipc", "1": "ipc", "2": "pointers"}
     for mode in ("off", "on"):
         for p in procs:
-            w = p["calls"][mode]["worst"]
-            assert w["residual"] <= 1.0 and w["norm"] <= 3.0, (mode, p["process"], w)
+            assert _plain_ok(p["calls"][mode]["worst"]), (mode, p["process"], p["calls"][mode])
         # All four ranks hold the same bits, call by call.
-        for i, (d0, d1) in enumerate(
-            zip(procs[0]["calls"][mode]["digests"], procs[1]["calls"][mode]["digests"])
-        ):
+        digests = [p["calls"][mode]["digests"] for p in procs]
+        for i, (d0, d1) in enumerate(zip(*digests)):
             assert len(set(d0.values()) | set(d1.values())) == 1, (mode, i, d0, d1)
     for p in procs:
         assert p["failure_records"] == ["", ""]

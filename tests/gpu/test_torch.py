@@ -1,16 +1,12 @@
-"""GPU: torch_compat (FlashInfer's unified API for torch) on the shared native core.
-
-Spawned processes join torch.distributed over gloo (tests/gpu/workers/torch_workers.py); ranks
-share a GPU when there are fewer GPUs than processes (rank r on GPU r % G), at 2, 4 and 8
-ranks. Bounds (harness.bound_problems): the accumulation bounds at every world size, and at 2
-ranks residual_out within 1 ulp and norm_out within 3 ulps (bf16) of the intermediate
-magnitudes (tests/oracles/oracle.py). Results go to $JAX_FUSEDAR_REPORT_DIR/torch_*.json when
-set.
-"""
+"""GPU: torch_compat (FlashInfer's unified API for torch) on the shared native core, at 2, 4
+and 8 ranks over gloo (tests/gpu/workers/torch_workers.py). Bounds: harness.bound_problems."""
 
 import pytest
 
-from tests.gpu.harness import bound_problems, cuda_torch, needs_gpus, report, run_seed, world_params
+from jax_fusedar.common.sizing import workspace_bytes
+from tests.gpu.harness import bound_problems, cuda_torch, env_int, needs_gpus, report
+from tests.gpu.harness import run_ranks_with_port, run_seed, shape_cases, world_params
+from tests.gpu.workers import torch_workers
 
 pytestmark = pytest.mark.gpu
 
@@ -23,28 +19,29 @@ def _cuda_torch():
 
 
 def _run(worker, world, **kw):
-    from tests.gpu.workers import torch_workers
-    from tests.gpu.harness import run_ranks_with_port
-
     return run_ranks_with_port(getattr(torch_workers, worker), world, timeout_s=900, **kw)
 
 
-def test_torch_dp_tp_two_groups_concurrently():
-    from tests.gpu.workers.torch_workers import DP_TP_DEVICES, DP_TP_GROUPS
-
+def _seeded(name, worker, world, shown=None, **kw):
+    """``worker`` with a run_seed, reported as ``name`` with the seed, ``shown`` and results."""
     seed = run_seed()
-    tokens = (1, 16, 128, 1000)
-    res = _run("dp_tp_worker", 4, seed=seed, tokens=tokens, hidden=4096)
-    report("torch_dp_tp", {"seed": seed, "tokens": tokens, "hidden": 4096, "ranks": res})
+    res = _run(worker, world, seed=seed, **kw)
+    report(name, {"seed": seed, **(shown or {}), "ranks": res})
+    return res
+
+
+def test_torch_dp_tp_two_groups_concurrently():
+    groups, devices = torch_workers.DP_TP_GROUPS, torch_workers.DP_TP_DEVICES
+    shown = {"tokens": (1, 16, 128, 1000), "hidden": 4096}
+    res = _seeded("torch_dp_tp", "dp_tp_worker", 4, shown, **shown)
     for rank, r in enumerate(res):
-        group = DP_TP_GROUPS[rank // 2]
+        group = groups[rank // 2]
         assert r["global_ranks"] == group and r["tp_rank"] == group.index(rank), r
         # The device is the process's own (torch.cuda.current_device()), not its TP rank.
-        assert r["device"] == DP_TP_DEVICES[rank] % r["gpus"], r
-        assert r["member_devices"] == [DP_TP_DEVICES[g] % r["gpus"] for g in group], r
+        assert r["device"] == devices[rank] % r["gpus"], r
+        assert r["member_devices"] == [devices[g] % r["gpus"] for g in group], r
         assert r["nan_outputs"] == 0, r
-        assert r["worst"]["residual"] <= RESIDUAL_ULPS, r["worst"]
-        assert r["worst"]["norm"] <= NORM_ULPS, r["worst"]
+        assert r["worst"]["residual"] <= RESIDUAL_ULPS and r["worst"]["norm"] <= NORM_ULPS, r
     # Members of a group agree bit for bit; the groups reduced different data.
     assert res[0]["digests"] == res[1]["digests"]
     assert res[2]["digests"] == res[3]["digests"]
@@ -53,91 +50,61 @@ def test_torch_dp_tp_two_groups_concurrently():
 
 
 def test_torch_create_destroy_cycles_return_all_memory():
-    from tests.gpu.harness import env_int
-
-    seed, cycles = run_seed(), env_int("JAX_FUSEDAR_TORCH_CYCLES", 200)
-    res = _run("cycles_worker", 2, seed=seed, cycles=cycles, tokens=16, hidden=4096)
-    report("torch_cycles", {"seed": seed, "ranks": res})
+    cycles = env_int("JAX_FUSEDAR_TORCH_CYCLES", 200)
+    res = _seeded("torch_cycles", "cycles_worker", 2, cycles=cycles, tokens=16, hidden=4096)
     for r in res:
+        before, after = r["free_before"], r["free_after"]
         print(
-            f"rank {r['rank']} (GPU {r['device']}): {r['cycles']} cycles in "
-            f"{r['seconds']:.1f} s; free before {r['free_before']} B, after "
-            f"{r['free_after']} B (delta {r['free_after'] - r['free_before']} B)"
+            f"rank {r['rank']} (GPU {r['device']}): {r['cycles']} cycles in {r['seconds']:.1f} s;"
+            f" free before {before} B, after {after} B (delta {after - before} B)"
         )
         assert r["nan_outputs"] == 0, r
         assert r["worst"]["residual"] <= RESIDUAL_ULPS and r["worst"]["norm"] <= NORM_ULPS, r
         # The repr shows each rank's device memory, by the sizing rule JAX's workspace uses.
-        from jax_fusedar.common.sizing import workspace_bytes
-
         assert f"bytes_per_rank={workspace_bytes(2, 16, 4096, 'bfloat16')} (" in r["repr"], r
-        assert r["free_after"] >= r["free_before"], (
-            f"rank {r['rank']}: {r['free_before'] - r['free_after']} bytes of GPU memory not "
+        assert after >= before, (
+            f"rank {r['rank']}: {before - after} bytes of GPU memory not "
             f"returned after {r['cycles']} create/destroy cycles"
         )
 
 
 def test_torch_member_that_never_joins_times_out_naming_it():
-    res = _run("never_join_worker", 2, create_timeout_s=10)
-    r = res[0]
+    r = _run("never_join_worker", 2, create_timeout_s=10)[0]
     report("torch_never_join", r)
-    assert r["error_type"] == "TimeoutError", r
-    assert "TP rank 1" in r["message"], r
+    assert r["error_type"] == "TimeoutError" and "TP rank 1" in r["message"], r
     assert 9.0 <= r["seconds"] <= 15.0, r
-
-
-def _problems(errors, world, where, dtype="bfloat16"):
-    return bound_problems(errors, dtype, world, where)
 
 
 @pytest.mark.parametrize("world", world_params())
 def test_torch_parity_patterns_0_1_sweep(world):
-    """tokens {1,16,128,1024} x hidden {4096,8192} x {bf16,fp16} (at more than 2 ranks
-    {1,16,128} x 4096), patterns 0 and 1, one-shot and two-shot (where tokens > ranks),
-    fp32_acc True and False (every third case), against the float64 oracle's bounds."""
-    seed = run_seed()
+    """Patterns 0 and 1, one- and two-shot, fp32_acc True and False (every third case)."""
     tokens, hiddens = ((1, 16, 128, 1024), (4096, 8192)) if world == 2 else ((1, 16, 128), (4096,))
-    res = _run(
-        "parity_worker",
-        world,
-        seed=seed,
-        tokens=tokens,
-        hiddens=hiddens,
-        dtypes=("bfloat16", "float16"),
-    )
-    report(f"torch_parity_world{world}", {"seed": seed, "ranks": res})
-    from tests.gpu.harness import shape_cases
-
+    res = _seeded(
+        f"torch_parity_world{world}", "parity_worker", world,
+        tokens=tokens, hiddens=hiddens, dtypes=("bfloat16", "float16"),
+    )  # fmt: skip
     problems = []
     for r in res:
         assert r["nans"] == 0, r
         for dtype, w in r["worst"].items():
             assert w["cases"] == len(shape_cases(tokens, hiddens, world)), (dtype, w)
-            problems += _problems(w, world, f"rank {r['rank']}", dtype)
+            problems += bound_problems(w, dtype, world, f"rank {r['rank']}")
     assert not problems, "\n".join(problems)
     assert len({r["digest"] for r in res}) == 1, "the ranks' outputs differ"
 
 
 @pytest.mark.parametrize("world", world_params())
 def test_torch_fp8_patterns(world):
-    """Patterns 2, 4, 10, 11, 8, 9 through torch_compat.allreduce_fusion. Codes of the Out
-    patterns against tests/oracles/quant_oracle.py applied to the kernel's own norm_out: equal for
-    static and per-token-group FP8; for dynamic FP8, one e4m3 step in a small fraction
-    (fast-math division near a midpoint; the JAX test measured 5e-4). Scales: dynamic within
-    1 fp32 ulp, group UE8M0 bytes equal. Twins (2/4, 10/11, 8/9) bit-identical, except the
-    known group-quant rarity (docs/numerics.md: 9 codes of 8.4 M once), allowed at <= 1e-5."""
-    seed = run_seed()
-    shapes = [
-        (1024, 1, True),
-        (1024, 17, True),
-        (1024, 17, False),
-        (4096, 128, True),
-        (4096, 128, False),
-        (8192, 1024, False),
-    ]
-    if world != 2:
-        shapes = shapes[:5]
-    res = _run("fp8_worker", world, seed=seed, shapes=shapes, dtypes=("bfloat16", "float16"))
-    report(f"torch_fp8_world{world}", {"seed": seed, "shapes": shapes, "ranks": res})
+    """Patterns 2, 4, 10, 11, 8, 9: codes against tests/oracles/quant_oracle.py on the kernel's
+    own norm_out; dynamic FP8 may be one e4m3 step off in a small fraction (fast-math division
+    near a midpoint; the JAX test measured 5e-4); twins (2/4, 10/11, 8/9) bit-identical but
+    for the known group-quant rarity (docs/numerics.md: 9 codes of 8.4 M once)."""
+    shapes = [(1024, 1, True), (1024, 17, True), (1024, 17, False), (4096, 128, True)]
+    shapes += [(4096, 128, False)] + ([(8192, 1024, False)] if world == 2 else [])
+    res = _seeded(
+        f"torch_fp8_world{world}", "fp8_worker", world, {"shapes": shapes},
+        shapes=shapes, dtypes=("bfloat16", "float16"),
+    )  # fmt: skip
     for r in res:
         q = r["quant"]
         assert q["cases"] == 2 * len(shapes), q
@@ -146,7 +113,7 @@ def test_torch_fp8_patterns(world):
         assert q["steps1"]["static"] == 0 and q["steps1"]["group"] == 0, q
         assert q["steps1"]["dynamic"] <= 2e-3 * q["elements"], q
         assert q["dyn_scale_ulps"] <= 1.0 and q["group_scale_mismatch"] == 0, q
-        assert not _problems(q, world, f"rank {r['rank']}"), q
+        assert not bound_problems(q, "bfloat16", world, f"rank {r['rank']}"), q
         assert all(name == "group q" for name, _, _ in q["twin_diffs"]), q
         assert sum(diff for _, _, diff in q["twin_diffs"]) <= 1e-5 * q["elements"], q
         if q["capability"][0] < 10:
@@ -163,28 +130,29 @@ def test_torch_fp8_patterns(world):
 def test_torch_custom_ops_under_torch_compile(backend, world):
     """torch.compile(fullgraph=True) of the custom ops (patterns 0, 1, 11, 9) on the GPU:
     the same bits and metadata as eager, and the plain outputs within the oracle bounds."""
-    seed = run_seed()
-    res = _run("compile_worker", world, seed=seed, m=128, hidden=4096, backend=backend)
-    report(f"torch_compile_{backend}_world{world}", {"seed": seed, "ranks": res})
+    res = _seeded(
+        f"torch_compile_{backend}_world{world}", "compile_worker", world,
+        m=128, hidden=4096, backend=backend,
+    )  # fmt: skip
     for r in res:
         assert r["differing"] == {}, r
         e = r["errors"]
-        assert e["nans"] == 0 and not _problems(e, world, f"rank {r['rank']}"), r
+        assert e["nans"] == 0 and not bound_problems(e, "bfloat16", world, f"rank {r['rank']}"), r
 
 
 @pytest.mark.parametrize("world", world_params())
 def test_torch_cuda_graph_capture_and_replay(world):
-    """Pattern 1 and pattern 11 captured in a CUDA graph each, replayed 100 times (20 at more
-    than 2 ranks) with fresh inputs copied into the static buffers, every replay checked
-    against the oracle; the replays launch nothing from the host."""
-    seed = run_seed()
+    """Patterns 1 and 11 captured in a CUDA graph each, replayed with fresh inputs, every
+    replay checked against the oracle; the replays launch nothing from the host."""
     replays = 100 if world == 2 else 20
-    res = _run("cuda_graph_worker", world, seed=seed, m=128, hidden=4096, replays=replays)
-    report(f"torch_cuda_graph_world{world}", {"seed": seed, "ranks": res})
+    res = _seeded(
+        f"torch_cuda_graph_world{world}", "cuda_graph_worker", world,
+        m=128, hidden=4096, replays=replays,
+    )  # fmt: skip
     for r in res:
         for name, w in r["results"].items():
             assert w["replays"] == replays and w["nans"] == 0, (name, w)
-            assert not _problems(w, world, f"rank {r['rank']} {name}"), (name, w)
+            assert not bound_problems(w, "bfloat16", world, f"rank {r['rank']} {name}"), (name, w)
             assert w["launches_captured"] == 1, (name, w)
             assert w["host_launches_during_replays"] == 0, (name, w)
         q = r["results"]["pattern11"]
@@ -195,15 +163,14 @@ def test_torch_cuda_graph_capture_and_replay(world):
 @needs_gpus(2, "the unfused model's all_reduce runs on NCCL, which refuses two ranks on one GPU")
 @pytest.mark.parametrize("mode", ["make_fx", "inductor"])
 def test_torch_fusion_pass_on_a_4_layer_tp_model(mode):
-    """A 4-layer TP model (row-parallel matmul -> NCCL all_reduce -> + residual -> RMSNorm):
-    the pass replaces all 4 blocks, and the fused model is as accurate as the unfused one
-    against a float64 model (max error / max |output|: at most 25% worse + 2^-8, half a bf16
-    ulp of the largest output, since inductor's unfused graph keeps the residual sum in
-    fp32 where the kernel rounds it to bf16, as eager does) and within 2e-2 (about 5 bf16
-    ulps of the largest output) of it elementwise."""
-    seed = run_seed()
-    res = _run("fusion_pass_worker", 2, seed=seed, m=64, hidden=4096, layers=4, mode=mode)
-    report(f"torch_fusion_pass_{mode}", {"seed": seed, "ranks": res})
+    """The pass replaces all 4 blocks of a TP model; the fused model is as accurate as the
+    unfused one against float64 (+ 2^-8, half a bf16 ulp of the largest output: inductor's
+    unfused graph keeps the residual sum in fp32 where the kernel rounds it to bf16) and
+    within 2e-2 (about 5 bf16 ulps of the largest output) of it elementwise."""
+    res = _seeded(
+        f"torch_fusion_pass_{mode}", "fusion_pass_worker", 2,
+        m=64, hidden=4096, layers=4, mode=mode,
+    )  # fmt: skip
     for r in res:
         for form, f in r["forms"].items():
             assert f["replaced"] == 4, (form, f)
