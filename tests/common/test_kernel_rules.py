@@ -3,6 +3,7 @@ launch policy (launch_mode), TP groups (tp_groups), exchange keys (exchange) and
 (backend_choice). Expected numbers are worked out by hand in the comments."""
 
 import dataclasses
+import importlib.util
 import itertools
 import random
 import re
@@ -10,7 +11,7 @@ import re
 import numpy as np
 import pytest
 
-from jax_fusedar.common import launch_mode, limits
+from jax_fusedar.common import launch_mode, lifecycle, limits, sizing
 from jax_fusedar.common.backend_choice import BACKEND_ENV_VAR as BACKEND_VAR, STRICT_ENV_VAR
 from jax_fusedar.common.backend_choice import BackendChoice, resolve_backend, strict_mode
 from jax_fusedar.common.backend_choice import resolve_backend_for_groups
@@ -32,7 +33,8 @@ MIB = 1 << 20
 
 def test_the_documented_environment_variables_are_the_ones_read(monkeypatch):
     # The names users set (docs/jax_api.md, docs/multinode.md), not the modules' constants: a
-    # renamed variable would leave users' settings silently ignored.
+    # renamed variable would leave users' settings silently ignored. One node by default.
+    assert resolve_backend(None, platform="cuda", env={}) == "trtllm"
     monkeypatch.setenv("JAX_FUSEDAR_STRICT", "1")
     assert strict_mode(None) is True
     monkeypatch.setenv("JAX_FUSEDAR_STRICT", "off")
@@ -42,21 +44,6 @@ def test_the_documented_environment_variables_are_the_ones_read(monkeypatch):
 
 
 # --- dtypes and kernel support -------------------------------------------------------------------
-@pytest.mark.parametrize(
-    "dtype, size_vec", [("bfloat16", (2, 8)), ("float16", (2, 8)), ("float32", (4, 4))]
-)
-def test_element_size_and_vector_width(dtype, size_vec):
-    assert (element_size(dtype), vector_width(dtype)) == size_vec
-
-
-@pytest.mark.parametrize("dtype", ["float64", "int8", "bf16", "", None, np.dtype("float16")])
-def test_unknown_dtype(dtype):
-    with pytest.raises(ValueError, match="unsupported dtype.*bfloat16, float16, float32"):
-        element_size(dtype)
-    with pytest.raises(ValueError, match="unsupported dtype"):
-        vector_width(dtype)
-
-
 # (dtype, supported hidden sizes, unsupported-by-launch-limit hidden sizes). With VEC = 8
 # (16-bit) or 4 (fp32), t = H / VEC, c = largest of 8/4/2/1 dividing t, need t / c <= 1024.
 # bfloat16 good: t=896 c=8 -> 112; t=1024 c=8; t=8192 c=8 -> 1024 (max); t=1023 odd -> 1023;
@@ -72,45 +59,21 @@ LAUNCH_CASES = [
 
 
 @pytest.mark.parametrize("dtype, good, bad", LAUNCH_CASES)
-def test_launch_limit_both_sides(dtype, good, bad):
+def test_launch_limit_both_sides(dtype, good, bad):  # the bad side: in REFUSED
     for hidden in good:
         assert kernel_support_problem(2, hidden, dtype) is None, hidden
         check_kernel_supports(2, hidden, dtype)
-    for hidden in bad:
-        with pytest.raises(ValueError, match=rf"hidden_dim={hidden} cannot be launched.*1024"):
-            check_kernel_supports(2, hidden, dtype)
 
 
-def test_kernel_support_problem_spot_values():
+def test_dtype_sizes_and_kernel_support_spot_values():
+    sizes = {d: (element_size(d), vector_width(d)) for d in ("bfloat16", "float16", "float32")}
+    assert sizes == {"bfloat16": (2, 8), "float16": (2, 8), "float32": (4, 4)}
+    assert all(kernel_support_problem(w, 4096, BF) is None for w in limits.SUPPORTED_WORLD_SIZES)
     message = kernel_support_problem(8, 65544, "bfloat16")
     for part in ("8193 vectors", "cluster of 1", "8193 threads per CTA", "hidden_dim <= 65536"):
         assert part in message
     assert "unsupported dtype" in kernel_support_problem(2, 4096, "float64")  # no raise
     assert kernel_support_problem(np.int64(4), np.int32(4096), "float32") is None  # numpy ints
-
-
-@pytest.mark.parametrize(
-    "world, ok",
-    [(w, True) for w in limits.SUPPORTED_WORLD_SIZES]
-    + [(w, False) for w in (1, 3, 6, 32, 0, -2, True, 2.0, "2", None)],
-)
-def test_world_sizes(world, ok):
-    if ok:
-        assert kernel_support_problem(world, 4096, "bfloat16") is None
-        return
-    supported = ", ".join(map(str, limits.SUPPORTED_WORLD_SIZES))  # "2, 4, 8, 16"
-    with pytest.raises(ValueError, match=rf"world size .* not supported.*{supported}"):
-        check_kernel_supports(world, 4096, "bfloat16")
-
-
-@pytest.mark.parametrize(
-    "dtype, hidden",  # 4100 is no multiple of 8, 4098 none of 4
-    [("bfloat16", 4100), ("float16", 12), ("float32", 4098), ("bfloat16", 0), ("float32", -4)]
-    + [("bfloat16", True), ("bfloat16", 4096.0)],
-)
-def test_hidden_not_a_multiple_of_the_vector(dtype, hidden):
-    with pytest.raises(ValueError, match=rf"positive multiple of {vector_width(dtype)}"):
-        check_kernel_supports(2, hidden, dtype)
 
 
 # --- Workspace sizes ------------------------------------------------------------------------------
@@ -157,21 +120,6 @@ def test_sizes_fp16_equal_bf16_and_are_plain_ints():
     s = workspace_sizes(np.int64(2), np.int32(16), np.int64(1024), "bfloat16")
     fields = (s.world_size, s.max_token_num, s.hidden_dim, s.per_rank_bytes)
     assert [type(v) for v in fields] == [int] * 4
-
-
-POSITIVE = "must be a positive int"
-
-
-@pytest.mark.parametrize(
-    "args, pattern",
-    [((3, 128, 4096, "bfloat16"), "world size 3"), ((1, 128, 4096, "bfloat16"), "world size 1")]
-    + [((2, t, 4096, "bfloat16"), f"max_token_num {POSITIVE}") for t in (0, -1, 1.5, True)]
-    + [((2, 128, h, "bfloat16"), f"hidden_dim {POSITIVE}") for h in (0, "4096")]
-    + [((2, 128, 4096, "float64"), "unsupported dtype")],
-)
-def test_workspace_sizes_validation(args, pattern):
-    with pytest.raises(ValueError, match=pattern):
-        workspace_sizes(*args)
 
 
 def test_workspace_sizes_is_frozen_and_buffer_fits_is_an_element_count():
@@ -348,23 +296,6 @@ def test_groups_permuted_ids(shape, names):
         assert group.rank_of(device) == position[tp_axis]
 
 
-@pytest.mark.parametrize(
-    "ids, names, axis, pattern",
-    [
-        (IDS.reshape(2, 4), DP_TP, "mp", r"unknown axis 'mp'.*\('dp', 'tp'\)"),
-        (IDS.reshape(2, 4), ("tp",), "tp", r"2 dimension.*1 axis name"),
-        (IDS, DP_TP, "tp", r"1 dimension.*2 axis name"),
-        ([[0, 1], [1, 2]], DP_TP, "tp", "distinct"),
-        (np.arange(4).reshape(2, 2), ("tp", "tp"), "tp", "axis names must be distinct"),
-        (np.arange(4.0), ("tp",), "tp", "grid of ints"),
-        (np.zeros((0,), dtype=int), ("tp",), "tp", "non-empty"),
-    ],
-)
-def test_groups_errors(ids, names, axis, pattern):
-    with pytest.raises(ValueError, match=pattern):
-        tp_groups_from_grid(ids, names, axis)
-
-
 # --- Exchange keys --------------------------------------------------------------------------------
 TWO_GROUPS = tp_groups_from_grid(IDS.reshape(2, 4), DP_TP, "tp")
 
@@ -403,16 +334,6 @@ def test_exchange_key_depends_on_every_input_and_is_readable():
     assert exchange_key("ns", TPGroup(g.members, 5), 0, "p") == base
     key = exchange_key("jax_fusedar", TWO_GROUPS[1], 2, "ipc_handles")
     assert key.startswith("jax_fusedar/ipc_handles/ws2/tp4/")
-
-
-@pytest.mark.parametrize(
-    "namespace, serial, purpose, pattern",
-    [("", 0, "p", "namespace"), (None, 0, "p", "namespace"), ("ns", 0, "", "purpose")]
-    + [("ns", serial, "p", "workspace_serial") for serial in (-1, True, 1.0)],
-)
-def test_exchange_key_errors(namespace, serial, purpose, pattern):
-    with pytest.raises(ValueError, match=pattern):
-        exchange_key(namespace, TWO_GROUPS[0], serial, purpose)
 
 
 # --- Backend choice and strict mode ---------------------------------------------------------------
@@ -459,10 +380,6 @@ def test_resolve_backend(requested, platform, nodes, env, expected):
     else:
         with pytest.raises(ValueError, match=expected):
             resolve_backend(requested, **kw)
-
-
-def test_resolve_backend_defaults_to_one_node():
-    assert resolve_backend(None, platform="cuda", env={}) == "trtllm"
 
 
 # ("dp", "tp") = (2, 4) over two hosts of 4 devices each: every TP group on one host.
@@ -580,14 +497,10 @@ def test_large_message_auto_crossover_world2(hidden):
     edge = -(-launch_mode.LARGE_MESSAGE_MIN_MIB[2] * (1 << 20) // (hidden * 2))
     assert choose_algorithm(edge, hidden, sizes, None) == LARGE
     assert choose_algorithm(edge - 1, hidden, sizes, None) == ONESHOT
-    # Below the crossover auto keeps FlashInfer's choice exactly.
+    # Below the crossover auto keeps FlashInfer's choice exactly; forced modes stay FlashInfer.
     for m in (1, 16, 128, 1024, edge - 1):
         want = ONESHOT if choose_oneshot(m, hidden, sizes, None) else TWOSHOT
         assert choose_algorithm(m, hidden, sizes, None) == want
-
-
-def test_large_message_forced_modes_stay_flashinfer():
-    sizes = workspace_sizes(2, 8192, 8192, "bfloat16")
     got = [choose_algorithm(8192, 8192, sizes, requested) for requested in (True, False, None)]
     assert got == [ONESHOT, TWOSHOT, LARGE]
 
@@ -636,3 +549,129 @@ def test_algorithm_codes_match_the_core_header():
     header = (REPO / "ffi" / "core" / "include" / "fusedar" / "core.h").read_text()
     for name, code in (("TWOSHOT", TWOSHOT), ("ONESHOT", ONESHOT), ("LARGE_MESSAGE", LARGE)):
         assert re.search(rf"FUSEDAR_ALGORITHM_{name} = {code},", header), name
+
+
+# --- Workspace bytes: sizing.workspace_bytes and the repr every workspace shows (lifecycle) -----
+def test_workspace_bytes_is_the_per_rank_size():
+    # 8192 x 8192 bf16 at TP 8: two-shot 1 GiB + 3 Lamport sub-buffers of 1 GiB, the flags
+    # (8 ranks x 256 x int32) and the 5-int control block.
+    n = sizing.workspace_bytes(8, 8192, 8192, "bfloat16")
+    assert n == 4 * 2**30 + 8 * 256 * 4 + 5 * 4
+    assert n == sizing.workspace_sizes(8, 8192, 8192, "bfloat16").per_rank_bytes
+    assert sizing.format_bytes(n) == "4.00 GiB"
+    # float32 doubles the buffers; the Lamport stride stops at MAX_COMM_SIZE.
+    assert sizing.workspace_bytes(2, 16, 4096, "float32") == (
+        2 * 16 * 4096 * 4 * 4 + 2 * 256 * 4 + 20
+    )
+    big = sizing.workspace_sizes(16, 8192, 8192, "float32")
+    assert big.lamport_comm_bytes == sizing.MAX_COMM_SIZE
+    # Names and numpy dtypes alike.
+    for dtype in ("bfloat16", np.float16, np.dtype("float32")):
+        name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+        assert sizing.workspace_bytes(4, 64, 1024, dtype) == sizing.workspace_bytes(
+            4, 64, 1024, name
+        )
+    texts = [(0, "0 B"), (512, "512 B"), (3 << 20, "3.00 MiB"), (12 << 20, "12.0 MiB")]
+    assert [(size, sizing.format_bytes(size)) for size, _ in texts] == texts
+
+
+def test_workspace_bytes_takes_jax_and_torch_dtypes_alike():
+    want = sizing.workspace_bytes(2, 128, 4096, "bfloat16")
+    if importlib.util.find_spec("jax"):
+        import jax.numpy as jnp
+
+        import jax_fusedar
+
+        assert jax_fusedar.workspace_bytes(2, 128, 4096, jnp.bfloat16) == want
+    if importlib.util.find_spec("torch"):
+        import torch
+
+        import torch_compat
+
+        assert torch_compat.workspace_bytes(2, 128, 4096, torch.bfloat16) == want
+        assert torch_compat.workspace_bytes is sizing.workspace_bytes
+
+
+class _Workspace(lifecycle.WorkspaceLifecycle):
+    def __init__(self, backend):
+        self.backend, self.sizes = backend, sizing.workspace_sizes(8, 8192, 8192, "bfloat16")
+
+    def _repr_fields(self):
+        return [f"backend={self.backend!r}"]
+
+    def _release(self):
+        pass
+
+
+def test_the_shared_repr_shows_bytes_per_rank():
+    ws = _Workspace("trtllm")
+    assert ws.bytes_per_rank == sizing.workspace_bytes(8, 8192, 8192, "bfloat16")
+    assert (
+        repr(ws) == f"_Workspace(backend='trtllm', bytes_per_rank={ws.bytes_per_rank} (4.00 GiB))"
+    )
+    ws.destroy()
+    assert repr(ws).endswith(" (4.00 GiB), destroyed)")
+    # XLA's collectives allocate nothing.
+    assert repr(_Workspace("xla")) == "_Workspace(backend='xla', bytes_per_rank=0)"
+
+
+# --- Refusals: (function, its arguments, what its ValueError says) -------------------------------
+BAD_DTYPES = ["float64", "int8", "bf16", "", None, np.dtype("float16")]
+SUPPORTED = ", ".join(map(str, limits.SUPPORTED_WORLD_SIZES))  # "2, 4, 8, 16"
+POSITIVE = "must be a positive int"
+GRID_ERRORS = [  # tp_groups_from_grid's (ids, names, axis) and error
+    (IDS.reshape(2, 4), DP_TP, "mp", r"unknown axis 'mp'.*\('dp', 'tp'\)"),
+    (IDS.reshape(2, 4), ("tp",), "tp", r"2 dimension.*1 axis name"),
+    (IDS, DP_TP, "tp", r"1 dimension.*2 axis name"),
+    ([[0, 1], [1, 2]], DP_TP, "tp", "distinct"),
+    (np.arange(4).reshape(2, 2), ("tp", "tp"), "tp", "axis names must be distinct"),
+    (np.arange(4.0), ("tp",), "tp", "grid of ints"),
+    (np.zeros((0,), dtype=int), ("tp",), "tp", "non-empty"),
+]
+REFUSED = (
+    [(element_size, (d,), "unsupported dtype.*bfloat16, float16, float32") for d in BAD_DTYPES]
+    + [(vector_width, (d,), "unsupported dtype") for d in BAD_DTYPES]
+    + [
+        (check_kernel_supports, (w, 4096, BF), rf"world size .* not supported.*{SUPPORTED}")
+        for w in (1, 3, 6, 32, 0, -2, True, 2.0, "2", None)
+    ]
+    # 4100 is no multiple of 8, 4098 none of 4.
+    + [
+        (check_kernel_supports, (2, hidden, d), rf"positive multiple of {vector_width(d)}")
+        for d, hidden in [(BF, 4100), ("float16", 12), ("float32", 4098), (BF, 0), ("float32", -4)]
+        + [(BF, True), (BF, 4096.0)]
+    ]
+    # The launch limit's bad side (LAUNCH_CASES).
+    + [
+        (check_kernel_supports, (2, hidden, d), rf"hidden_dim={hidden} cannot be launched.*1024")
+        for d, _, bad in LAUNCH_CASES
+        for hidden in bad
+    ]
+    + [(workspace_sizes, (world, 128, 4096, BF), f"world size {world}") for world in (3, 1)]
+    + [(workspace_sizes, (2, t, 4096, BF), f"max_token_num {POSITIVE}") for t in (0, -1, 1.5, True)]
+    + [(workspace_sizes, (2, 128, h, BF), f"hidden_dim {POSITIVE}") for h in (0, "4096")]
+    + [(workspace_sizes, (2, 128, 4096, "float64"), "unsupported dtype")]
+    + [(sizing.workspace_bytes, (2, 16, 4096, "int8"), "unsupported dtype 'int8'")]
+    + [(sizing.workspace_bytes, (3, 16, 4096, BF), "world size 3 is not supported")]
+    + [
+        (tp_groups_from_grid, (ids, names, axis), pattern)
+        for ids, names, axis, pattern in GRID_ERRORS
+    ]
+    + [
+        (exchange_key, (namespace, TWO_GROUPS[0], serial, purpose), pattern)
+        for namespace, serial, purpose, pattern in [
+            ("", 0, "p", "namespace"),
+            (None, 0, "p", "namespace"),
+        ]
+        + [("ns", 0, "", "purpose")]
+        + [("ns", serial, "p", "workspace_serial") for serial in (-1, True, 1.0)]
+    ]
+)
+
+
+@pytest.mark.parametrize(
+    "fn, args, pattern", REFUSED, ids=[f"{fn.__name__}-{i}" for i, (fn, *_) in enumerate(REFUSED)]
+)
+def test_refused(fn, args, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        fn(*args)
