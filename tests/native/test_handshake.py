@@ -1,8 +1,7 @@
-"""The opt-in cross-rank handshake on CPU: option parsing, agreement at creation (JAX's process
-exchange and torch's member exchange, with fakes), the plumbing down to the native Rank, and
-the core's host-side pieces (signature packing, the failure message) compiled with nvcc into a
-small host program. Its timeout's parsing is in test_timeout.py; the kernel itself runs only
-in tests/gpu/test_topology.py."""
+"""The opt-in cross-rank handshake on CPU: option parsing (with the kernel's timeout), agreement
+at creation (JAX's and torch's exchanges, with fakes), the plumbing down to the native Rank, and
+the core's signature packing and failure message (nvcc host program). The kernel itself runs
+only in tests/gpu/test_topology.py."""
 
 import json
 
@@ -39,6 +38,71 @@ def test_env_garbage_is_a_clear_error(monkeypatch):
 def test_handshake_argument_must_be_a_bool(value):
     with pytest.raises(TypeError, match="handshake must be True, False or None"):
         handshake.resolve_handshake(value)
+
+
+KERNEL = (handshake.resolve_timeout_s, handshake.TIMEOUT_ENV_VAR)
+HANDSHAKE = (handshake.resolve_handshake_timeout_s, handshake.HANDSHAKE_TIMEOUT_ENV_VAR)
+HALF = np.float32(0.5)
+
+
+@pytest.mark.parametrize(
+    "which, default, env, args",
+    [  # The kernel's "0": wait forever (FlashInfer's behaviour); "": the default.
+        (KERNEL, "DEFAULT_TIMEOUT_S", [(" 2.5 ", 2.5), ("0", 0.0), ("", 30.0)], [7, 0, HALF, 3600]),
+        (HANDSHAKE, "DEFAULT_HANDSHAKE_TIMEOUT_S", [(" 2.5 ", 2.5)], [7, HALF]),
+    ],
+    ids=["kernel", "handshake"],
+)
+def test_default_env_and_argument(monkeypatch, which, default, env, args):
+    resolve, var = which
+    monkeypatch.delenv(var, raising=False)
+    assert resolve(None) == getattr(handshake, default) == 30.0
+    for raw, want in env:
+        monkeypatch.setenv(var, raw)
+        assert resolve(None) == want
+    assert [resolve(value) for value in args] == [float(v) for v in args]  # arguments win
+
+
+# The kernel's timeout takes 0 (wait forever), the handshake's does not.
+@pytest.mark.parametrize(
+    "which, raw, match",
+    [
+        (KERNEL, "abc", "is not a number of seconds"),
+        (KERNEL, "-1", r"must be in \[0, 3600\] seconds \(0: wait"),
+    ]
+    + [(KERNEL, raw, r"must be in \[0, 3600\]") for raw in ("nan", "inf", "4000")]
+    + [(HANDSHAKE, "abc", "is not a number of seconds")]
+    + [(HANDSHAKE, raw, r"must be in \(0, 3600\]") for raw in ("0", "-1", "nan", "4000")],
+)
+def test_bad_timeouts_from_the_environment(monkeypatch, which, raw, match):
+    resolve, var = which
+    monkeypatch.setenv(var, raw)
+    with pytest.raises(ValueError, match=rf"\${var}.*" + match):
+        resolve(None)
+
+
+@pytest.mark.parametrize(
+    "value, error",
+    [(-0.5, ValueError), (float("nan"), ValueError), (3600.5, ValueError)]
+    + [(True, TypeError), ("10", TypeError), ([1], TypeError)],
+)
+def test_bad_timeout_arguments(value, error):
+    with pytest.raises(error, match="timeout_s"):
+        handshake.resolve_timeout_s(value)
+    with pytest.raises(error, match="kernel_timeout_s"):
+        handshake.resolve_timeout_s(value, name="kernel_timeout_s")
+
+
+@pytest.mark.parametrize(
+    "value, error, match",
+    # The handshake's timeout has no "wait forever": 0 stays an error there.
+    [(0, ValueError, r"handshake_timeout_s must be in \(0, 3600\]")]
+    + [(-3.0, ValueError, "handshake_timeout_s"), (float("inf"), ValueError, "handshake_timeout_s")]
+    + [(True, TypeError, "handshake_timeout_s"), ("10", TypeError, "handshake_timeout_s")],
+)
+def test_bad_handshake_timeout_arguments(value, error, match):
+    with pytest.raises(error, match=match):
+        handshake.resolve_handshake_timeout_s(value)
 
 
 def test_options_must_agree(monkeypatch):
@@ -160,16 +224,11 @@ def test_torch_members_join_or_all_refuse_before_allocating(flags):
         return TorchFakeRank(me, dev, tp)
 
     def run(me):
+        kw = dict(global_ranks=[0, 1], host="node0", serial=1, backend="trtllm")
+        channel = StoreChannel(store, timeout_s=10.0, process=me)
+        make = lambda dev, tp: make_rank(me, dev, tp)
         return tws._join_group(
-            global_ranks=[0, 1],
-            me=me,
-            device=me,
-            host="node0",
-            channel=StoreChannel(store, timeout_s=10.0, process=me),
-            serial=1,
-            backend="trtllm",
-            make_rank=lambda dev, tp: make_rank(me, dev, tp),
-            handshake=flags[me],
+            me=me, device=me, channel=channel, make_rank=make, handshake=flags[me], **kw
         )
 
     out, errors = run_in_threads(run, flags, 40.0)
@@ -193,16 +252,15 @@ HOST_PROGRAM = r"""
 #include "handshake.h"
 using namespace fusedar::handshake;
 
-static fusedar_launch_args args(int pattern, int dtype, long tokens, long hidden, int algorithm,
-                                int fp32, int layout, int group) {
+static Signature sig(int pattern, long tokens, long hidden, int algorithm, int layout, int group) {
   fusedar_launch_args a{};
-  a.pattern = pattern; a.dtype = dtype; a.num_tokens = tokens; a.hidden_dim = hidden;
-  a.algorithm = algorithm; a.fp32_acc = fp32; a.layout = layout; a.block_quant_group_size = group;
-  return a;
+  a.pattern = pattern; a.dtype = FUSEDAR_BFLOAT16; a.num_tokens = tokens; a.hidden_dim = hidden;
+  a.algorithm = algorithm; a.fp32_acc = 1; a.layout = layout; a.block_quant_group_size = group;
+  return signature_of(a);
 }
 
 int main() {
-  Signature s = signature_of(args(9, FUSEDAR_BFLOAT16, 16, 7168, 1, 1, 2, 128));
+  Signature s = sig(9, 16, 7168, 1, 2, 128);
   std::printf("word=%llx tokens=%llu hidden=%llu\n", s.word, s.num_tokens, s.hidden_dim);
   fusedar_workspace_info info{};
   info.world_size = 4; info.flag_bytes = 4 * 256 * 4;
@@ -219,15 +277,13 @@ int main() {
   Record d{};
   r.record = &d;
   show("clean");
-  Signature mine = signature_of(args(1, FUSEDAR_BFLOAT16, 16, 4096, 1, 1, 0, 0));
-  Signature theirs = signature_of(args(1, FUSEDAR_BFLOAT16, 17, 4096, 0, 1, 0, 0));
+  Signature mine = sig(1, 16, 4096, 1, 0, 0), theirs = sig(1, 17, 4096, 0, 0, 0);
   d.rank = 1; d.world = 4; d.device = 0; d.peer = 3; d.failing_peers = 2; d.seq = 7; d.peer_seq = 7;
   std::memcpy(d.mine, &mine, sizeof mine);
   std::memcpy(d.theirs, &theirs, sizeof theirs);
   d.kind = kMismatch;
   show("mismatch");
-  Signature large =
-      signature_of(args(1, FUSEDAR_BFLOAT16, 16, 4096, FUSEDAR_ALGORITHM_LARGE_MESSAGE, 1, 0, 0));
+  Signature large = sig(1, 16, 4096, FUSEDAR_ALGORITHM_LARGE_MESSAGE, 0, 0);
   std::printf("large_word=%llx\n", large.word);
   std::memcpy(d.theirs, &large, sizeof large);
   show("mismatch_large");

@@ -1,8 +1,7 @@
-"""The kernel's bounded waits (timeout_s, always on; ffi/core/watchdog.h) on CPU: parsing of it
-and of the handshake's timeout, the plumbing down to the native Rank (JAX and torch, with
-fakes), the build's patching of FlashInfer's wait loops, and the failure message of a timed-out
-wait (handshake.cu compiled with nvcc into a small host program). The kernel side runs in
-tests/gpu/test_timeout.py; the benchmarks' on/off comparison in tests/benchmarks/."""
+"""The kernel's bounded waits (timeout_s, always on; ffi/core/watchdog.h) on CPU: the plumbing
+to the native Rank (fakes), the build's patching of FlashInfer's wait loops, and a timed-out
+wait's message (nvcc host program); parsing in test_handshake.py, the kernel side in
+tests/gpu/test_timeout.py, the benchmarks' on/off comparison in tests/benchmarks/."""
 
 import difflib
 import os
@@ -20,70 +19,6 @@ from tests.native.fake_native import FakeRank, fake_jax_workspace
 from tests.native.host_program import run_host_program
 from tests.repo import REPO
 from tests.skips import NO_NATIVE
-
-KERNEL = (handshake.resolve_timeout_s, handshake.TIMEOUT_ENV_VAR)
-HANDSHAKE = (handshake.resolve_handshake_timeout_s, handshake.HANDSHAKE_TIMEOUT_ENV_VAR)
-HALF = np.float32(0.5)
-
-
-@pytest.mark.parametrize(
-    "which, default, env, args",
-    [  # The kernel's "0": wait forever (FlashInfer's behaviour); "": the default.
-        (KERNEL, "DEFAULT_TIMEOUT_S", [(" 2.5 ", 2.5), ("0", 0.0), ("", 30.0)], [7, 0, HALF, 3600]),
-        (HANDSHAKE, "DEFAULT_HANDSHAKE_TIMEOUT_S", [(" 2.5 ", 2.5)], [7, HALF]),
-    ],
-    ids=["kernel", "handshake"],
-)
-def test_default_env_and_argument(monkeypatch, which, default, env, args):
-    resolve, var = which
-    monkeypatch.delenv(var, raising=False)
-    assert resolve(None) == getattr(handshake, default) == 30.0
-    for raw, want in env:
-        monkeypatch.setenv(var, raw)
-        assert resolve(None) == want
-    assert [resolve(value) for value in args] == [float(v) for v in args]  # arguments win
-
-
-# The kernel's timeout takes 0 (wait forever), the handshake's does not.
-@pytest.mark.parametrize(
-    "which, raw, match",
-    [
-        (KERNEL, "abc", "is not a number of seconds"),
-        (KERNEL, "-1", r"must be in \[0, 3600\] seconds \(0: wait"),
-    ]
-    + [(KERNEL, raw, r"must be in \[0, 3600\]") for raw in ("nan", "inf", "4000")]
-    + [(HANDSHAKE, "abc", "is not a number of seconds")]
-    + [(HANDSHAKE, raw, r"must be in \(0, 3600\]") for raw in ("0", "-1", "nan", "4000")],
-)
-def test_bad_timeouts_from_the_environment(monkeypatch, which, raw, match):
-    resolve, var = which
-    monkeypatch.setenv(var, raw)
-    with pytest.raises(ValueError, match=rf"\${var}.*" + match):
-        resolve(None)
-
-
-@pytest.mark.parametrize(
-    "value, error",
-    [(-0.5, ValueError), (float("nan"), ValueError), (3600.5, ValueError)]
-    + [(True, TypeError), ("10", TypeError), ([1], TypeError)],
-)
-def test_bad_timeout_arguments(value, error):
-    with pytest.raises(error, match="timeout_s"):
-        handshake.resolve_timeout_s(value)
-    with pytest.raises(error, match="kernel_timeout_s"):
-        handshake.resolve_timeout_s(value, name="kernel_timeout_s")
-
-
-@pytest.mark.parametrize(
-    "value, error, match",
-    # The handshake's timeout has no "wait forever": 0 stays an error there.
-    [(0, ValueError, r"handshake_timeout_s must be in \(0, 3600\]")]
-    + [(-3.0, ValueError, "handshake_timeout_s"), (float("inf"), ValueError, "handshake_timeout_s")]
-    + [(True, TypeError, "handshake_timeout_s"), ("10", TypeError, "handshake_timeout_s")],
-)
-def test_bad_handshake_timeout_arguments(value, error, match):
-    with pytest.raises(error, match=match):
-        handshake.resolve_handshake_timeout_s(value)
 
 
 # --- JAX plumbing -------------------------------------------------------------------------------
@@ -181,16 +116,10 @@ def test_torch_workspace_reports_the_record():
     from torch_compat.workspace import TorchAllReduceFusionWorkspace
 
     rank = FakeRank(0, 2, 0, 16, 1024, 2, timeout_s=3.0)
+    kw = dict(global_ranks=[0, 1], rank=0, device=0, max_token_num=16, hidden_dim=1024)
+    sizes = sizing.workspace_sizes(2, 16, 1024, "bfloat16")
     ws = TorchAllReduceFusionWorkspace(
-        native_rank=rank,
-        global_ranks=[0, 1],
-        rank=0,
-        device=0,
-        max_token_num=16,
-        hidden_dim=1024,
-        dtype=torch.bfloat16,
-        sizes=sizing.workspace_sizes(2, 16, 1024, "bfloat16"),
-        timeout_s=3.0,
+        native_rank=rank, dtype=torch.bfloat16, sizes=sizes, timeout_s=3.0, **kw
     )
     assert ws.timeout_s == 3.0 and ws.failure() == ""
     rank.record = "Rank 1 did not arrive"
@@ -466,8 +395,7 @@ int main() {
   a.algorithm = FUSEDAR_ALGORITHM_ONESHOT; a.fp32_acc = 1;
   call(a);
   d.rank = 0; d.world = 2; d.device = 1; d.peer = 1; d.seq = 4;
-  d.waited_ns = 3000400000ull; d.timeout_ns = 3000000000ull;
-  d.kind = watchdog::kWaitTimeout;
+  d.waited_ns = 3000400000ull; d.timeout_ns = 3000000000ull; d.kind = watchdog::kWaitTimeout;
   show("lamport", watchdog::kLamport, 5);
   fusedar_rank_call_check_failure(&r, buf, sizeof buf);
   std::printf("alias=[%s]\n", buf);
@@ -489,8 +417,7 @@ int main() {
   show("large_enter", watchdog::kLargeEnter, 3);
   show("large_scatter", watchdog::kLargeScatter, 2);
   show("large_gather", watchdog::kLargeGather, 1);
-  // Every site has its own text (SITES: the enumerators, from watchdog.h).
-  for (int site : {SITES}) {
+  for (int site : {SITES}) {  // every site has its own text (SITES: watchdog.h's enumerators)
     char name[16];
     std::snprintf(name, sizeof name, "site%d", site);
     show(name, site, 0);
