@@ -1,9 +1,7 @@
-"""The layering: every ``jax_fusedar.common`` module and the jax-free command-line helpers import
-in a fresh interpreter without jax or torch, ``import torch_compat`` never brings in jax
-(subprocesses: a test process has usually imported both already); and the import graph of
-``jax_fusedar`` and ``torch_compat`` (read statically) has no cycles, no import up a layer
-(``LAYERS``), no import of the native extension but ``common.native``'s own loading of it, and
-no module using another module's private names."""
+"""The layering: ``jax_fusedar.common`` and the jax-free CLI helpers import without jax or torch,
+torch_compat without jax (fresh interpreters); the import graph (read statically) has no
+cycles, no import up a layer (``LAYERS``), no import of the extension but common.native's
+loading of it, and no use of another module's private names."""
 
 import ast
 import graphlib

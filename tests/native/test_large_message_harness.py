@@ -1,8 +1,6 @@
-"""The large-message harness (tools/large_message_bench.cu) builds from the product's sources:
-the build tree's target compiles it with the kernels' flags, the patched FlashInfer header and
-the generated register counts, and links the core. Built here so that a change of the kernels'
-sources or of the C API that breaks it fails a test here, not its next run on a GPU machine
-(it runs on 2 GPUs only: docs/large_messages.md)."""
+"""The large-message harness (tools/large_message_bench.cu) builds from the product's sources
+(the kernels' flags, the patched FlashInfer header, the register counts, the core): a change
+that breaks it fails here, not on its next 2-GPU run (docs/large_messages.md)."""
 
 import os
 import shutil

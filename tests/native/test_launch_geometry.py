@@ -1,11 +1,7 @@
-"""The bounded waits must not change FlashInfer's launch geometry.
-
-FlashInfer's launcher sizes blocks and clusters from the kernel's register count; the hooked
-kernels use a few more registers, so the build pins the geometry to the unhooked kernels'
-counts (ffi/kernels/launch_registers.cuh). tools/launch_registers.py check verifies a built
-library against its build tree: every kernel (pattern, dtype, world size, accumulation,
-one-shot and two-shot, every architecture) is launched as its unhooked twin and fits.
-"""
+"""The bounded waits must not change FlashInfer's launch geometry: its launcher sizes blocks
+and clusters from the register count, the hooked kernels use a few more, so the build pins the
+geometry to the unhooked kernels' counts (ffi/kernels/launch_registers.cuh), which
+tools/launch_registers.py probes, caches and checks against a built library."""
 
 import argparse
 import filecmp
