@@ -157,22 +157,22 @@ def test_extension_exposes_the_options():
     if not native.available():
         pytest.skip(NO_NATIVE)
     doc = native.ext.Rank.__init__.__doc__
-    for text in (
-        "timeout_s: float = 30.0",
-        "handshake: bool = False",
-        "handshake_timeout_s: float = 30.0",
-    ):
-        assert text in doc, doc
+    assert "timeout_s: float = 30.0" in doc and "handshake: bool = False" in doc, doc
+    assert "handshake_timeout_s: float = 30.0" in doc, doc
     for attr in ("timeout_s", "set_timeout", "failure", "handshake", "handshake_timeout_s"):
         assert hasattr(native.ext.Rank, attr)
 
 
 # --- the build: FlashInfer's wait loops are hooked ----------------------------------------------
+HEADER = "flashinfer/comm/trtllm_allreduce_fusion.cuh"
+MOE_HEADER = "flashinfer/comm/trtllm_moe_allreduce_fusion.cuh"
+
+
 def _include_dir():
     if shutil.which("cmake") is None:
         pytest.skip("cmake not found")
     include = os.environ.get("FLASHINFER_INCLUDE_DIR", str(REPO / "third_party/flashinfer/include"))
-    if not (pathlib.Path(include) / "flashinfer/comm/trtllm_allreduce_fusion.cuh").exists():
+    if not (pathlib.Path(include) / HEADER).exists():
         pytest.skip("FlashInfer's headers are not fetched (tools/fetch_flashinfer_headers.py)")
     return include
 
@@ -212,26 +212,21 @@ def _counts(text, expected):
 
 def test_the_build_hooks_every_wait_loop(tmp_path):
     """Every spin loop of FlashInfer's fused kernel is replaced by a bounded one."""
-    original, text, unhooked = _patched_trees(
-        tmp_path, "flashinfer/comm/trtllm_allreduce_fusion.cuh"
-    )
+    original, text, unhooked = _patched_trees(tmp_path, HEADER)
     device = text[: text.index("inline int get_sm_count()")]  # the kernels' part
     assert not re.search(r"while \([^)]*\)\s*\{\s*\}", device), "an unbounded spin is left"
     # 2 grid counters + the barrier spin.
     _counts(device, {"::fusedar_wait::spin(": 3, "FUSEDAR_WAIT_LAMPORT_TICK": 1})
-    _counts(
-        device,
-        {"::fusedar_wait::count_call(counter_ptr)": 2, "barrier.sync(FUSEDAR_WAIT_CTX(false))": 2},
-    )
+    _counts(device, {"::fusedar_wait::count_call(counter_ptr)": 2})
+    _counts(device, {"barrier.sync(FUSEDAR_WAIT_CTX(false))": 2})
     # The data the loops read is untouched: the same loads, the same conditions.
     assert "done &= !has_neg_zero<T, VEC_SIZE>(vals[r]);" in device
     assert "return ld_flag(m_current_flag) == prev_flag(m_flag_value);" in device
     # FlashInfer's launch geometry (ffi/kernels/launch_registers.cuh): both kernels are held
     # to the unhooked allocation and the launcher reads the unhooked register counts.
     _counts(text, {"__global__ void __maxnreg__((::fusedar_geometry::register_cap<": 2})
-    _counts(
-        text, {"return ::fusedar_geometry::registers_for_geometry<": 2, "cudaFuncGetAttributes": 0}
-    )
+    _counts(text, {"return ::fusedar_geometry::registers_for_geometry<": 2})
+    assert "cudaFuncGetAttributes" not in text
     # The probe copy is FlashInfer's header with only the six `inline`s: no hook at all.
     assert unhooked.replace("inline ", "") == original.replace("inline ", "")
 
@@ -273,9 +268,6 @@ def test_the_gpu_large_message_case_runs_the_large_message_algorithm():
 
     assert "never_large" in native_timeout.CASES
     assert native_timeout.large_algorithm(2) == launch_mode.ALGORITHM_LARGE_MESSAGE
-
-
-MOE_HEADER = "flashinfer/comm/trtllm_moe_allreduce_fusion.cuh"
 
 
 def test_the_build_hooks_every_wait_loop_of_the_moe_kernels(tmp_path):
