@@ -86,7 +86,7 @@ def test_bad_timeouts_from_the_environment(monkeypatch, which, raw, match):
     [(-0.5, ValueError), (float("nan"), ValueError), (3600.5, ValueError)]
     + [(True, TypeError), ("10", TypeError), ([1], TypeError)],
 )
-def test_bad_timeout_arguments(value, error):
+def test_bad_kernel_timeout_arguments(value, error):
     with pytest.raises(error, match="timeout_s"):
         handshake.resolve_timeout_s(value)
     with pytest.raises(error, match="kernel_timeout_s"):
