@@ -482,8 +482,9 @@ def test_resolve_backend_for_groups_errors(requested, groups, host_of, pattern):
     "explicit, env, expected",
     [(True, {}, True), (False, {STRICT_ENV_VAR: "1"}, False), (True, {STRICT_ENV_VAR: "0"}, True)]
     + [(None, {}, False)]
-    + [(None, {STRICT_ENV_VAR: v}, True) for v in ("1", "true", "TRUE", " Yes ", "on")]
-    + [(None, {STRICT_ENV_VAR: v}, False) for v in ("0", "false", "no", "", "Off")],
+    + [(None, {STRICT_ENV_VAR: v}, True) for v in ("1", "true", "TRUE", " Yes ")]
+    + [(None, {STRICT_ENV_VAR: v}, False) for v in ("0", "false", "no", "")]
+    + [(None, {STRICT_ENV_VAR: "on"}, True), (None, {STRICT_ENV_VAR: "Off"}, False)],
 )
 def test_strict_mode(explicit, env, expected):
     assert strict_mode(explicit, env=env) is expected

@@ -42,6 +42,7 @@ def test_handshake_argument_must_be_a_bool(value):
 
 KERNEL = (handshake.resolve_timeout_s, handshake.TIMEOUT_ENV_VAR)
 HANDSHAKE = (handshake.resolve_handshake_timeout_s, handshake.HANDSHAKE_TIMEOUT_ENV_VAR)
+TIMEOUTS = {"kernel": KERNEL, "handshake": HANDSHAKE}  # each timeout's resolver and variable
 HALF = np.float32(0.5)
 
 
@@ -67,15 +68,15 @@ def test_default_env_and_argument(monkeypatch, which, default, env, args):
 @pytest.mark.parametrize(
     "which, raw, match",
     [
-        (KERNEL, "abc", "is not a number of seconds"),
-        (KERNEL, "-1", r"must be in \[0, 3600\] seconds \(0: wait"),
+        ("kernel", "abc", "is not a number of seconds"),
+        ("kernel", "-1", r"must be in \[0, 3600\] seconds \(0: wait"),
     ]
-    + [(KERNEL, raw, r"must be in \[0, 3600\]") for raw in ("nan", "inf", "4000")]
-    + [(HANDSHAKE, "abc", "is not a number of seconds")]
-    + [(HANDSHAKE, raw, r"must be in \(0, 3600\]") for raw in ("0", "-1", "nan", "4000")],
+    + [("kernel", raw, r"must be in \[0, 3600\]") for raw in ("nan", "inf", "4000")]
+    + [("handshake", "abc", "is not a number of seconds")]
+    + [("handshake", raw, r"must be in \(0, 3600\]") for raw in ("0", "-1", "nan", "4000")],
 )
 def test_bad_timeouts_from_the_environment(monkeypatch, which, raw, match):
-    resolve, var = which
+    resolve, var = TIMEOUTS[which]
     monkeypatch.setenv(var, raw)
     with pytest.raises(ValueError, match=rf"\${var}.*" + match):
         resolve(None)
