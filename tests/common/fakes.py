@@ -8,8 +8,7 @@ class FakeStore:
     """Write-once key-value store with blocking reads, like JAX's and torch's stores."""
 
     def __init__(self):
-        self.data, self.cond, self.keys_written = {}, threading.Condition(), []
-        self.barriers = {}
+        self.data, self.cond, self.keys_written, self.barriers = {}, threading.Condition(), [], {}
 
     def channel(self, timeout_s):
         return _Chan(self, timeout_s)

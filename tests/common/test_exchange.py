@@ -1,5 +1,5 @@
-"""The group exchange (jax_fusedar/common/exchange.py) against an in-memory channel: processes are
-threads, ranks are fakes that record what they were given."""
+"""The group exchange (jax_fusedar/common/exchange.py) against an in-memory channel: processes
+are threads, ranks are fakes that record what they were given."""
 
 import time
 
@@ -7,6 +7,8 @@ import pytest
 
 from jax_fusedar.common import exchange, tp_groups
 from tests.common.fakes import FakeStore, run_in_threads
+
+M = exchange.Member
 
 
 class FakeRank:
@@ -33,6 +35,13 @@ class FakeRank:
         self.finalized = True
 
 
+def _plan(group, members, me, chan, namespace="test", serial=7):
+    make = lambda dev, tp: FakeRank(me, dev, tp)
+    return exchange.create_and_publish(
+        group, members, me, make, chan, namespace=namespace, serial=serial
+    )
+
+
 def _run_processes(groups_members, processes, timeout_s=5.0, skip=()):
     """Runs create/connect in one thread per process; returns {process: [plans]} and errors."""
     store = FakeStore()
@@ -43,18 +52,7 @@ def _run_processes(groups_members, processes, timeout_s=5.0, skip=()):
 
     def proc(me):
         chan = store.channel(timeout_s)
-        plans = [
-            exchange.create_and_publish(
-                g,
-                ms,
-                me,
-                lambda dev, tp, me=me: FakeRank(me, dev, tp),
-                chan,
-                namespace="test",
-                serial=7,
-            )
-            for g, ms in zip(groups, groups_members)
-        ]
+        plans = [_plan(g, ms, me, chan) for g, ms in zip(groups, groups_members)]
         for p in plans:
             exchange.connect_and_finalize(p, me, chan, namespace="test", serial=7)
         return plans
@@ -65,44 +63,34 @@ def _run_processes(groups_members, processes, timeout_s=5.0, skip=()):
 
 def _local_plan(members, group_members):
     """create_and_publish of one process (0) without a channel."""
-    return exchange.create_and_publish(
-        tp_groups.TPGroup(group_members, 0),
-        members,
-        0,
-        lambda dev, tp: FakeRank(0, dev, tp),
-        None,
-        namespace="t",
-        serial=1,
-    )
-
-
-M = exchange.Member
+    return _plan(tp_groups.TPGroup(group_members, 0), members, 0, None, namespace="t", serial=1)
 
 
 def test_dp_tp_four_processes_two_devices_each_group_only_sees_its_own():
     # A DP x TP layout with crossed TP ranks: group A = {rank 0 on GPU 0, rank 1 on GPU 1};
     # group B = {rank 2 on GPU 1 as TP rank 0, rank 3 on GPU 0 as TP rank 1}.
-    a = [M(0, 0), M(1, 1)]
-    b = [M(2, 1), M(3, 0)]
-    out, errors, store = _run_processes([a, b], processes=[0, 1, 2, 3])
+    out, errors, store = _run_processes(
+        [[M(0, 0), M(1, 1)], [M(2, 1), M(3, 0)]], processes=[0, 1, 2, 3]
+    )
     assert not errors, errors
     ranks = {p: [r for plan in plans for r in plan.local.values()] for p, plans in out.items()}
-    for p, rs in ranks.items():
-        assert len(rs) == 1 and rs[0].finalized
+    assert all(len(rs) == 1 and rs[0].finalized for rs in ranks.values())
     # TP rank follows the position in the group, the device is the process's own.
     assert (ranks[2][0].tp_rank, ranks[2][0].device) == (0, 1)
     assert (ranks[3][0].tp_rank, ranks[3][0].device) == (1, 0)
-    assert ranks[0][0].peers == {1: ("ipc", "ipc:1:1:1")}
-    assert ranks[1][0].peers == {0: ("ipc", "ipc:0:0:0")}
-    assert ranks[2][0].peers == {1: ("ipc", "ipc:3:0:1")}
-    assert ranks[3][0].peers == {0: ("ipc", "ipc:2:1:0")}
+    peers = {p: rs[0].peers for p, rs in ranks.items()}
+    assert peers == {
+        0: {1: ("ipc", "ipc:1:1:1")},
+        1: {0: ("ipc", "ipc:0:0:0")},
+        2: {1: ("ipc", "ipc:3:0:1")},
+        3: {0: ("ipc", "ipc:2:1:0")},
+    }
     # Keys differ between the groups although both have TP ranks 0 and 1.
     assert len(set(store.keys_written)) == len(store.keys_written) == 4
 
 
 def test_single_process_uses_pointers_and_no_channel():
-    members = [M(0, d) for d in range(4)]
-    plan = _local_plan(members, (0, 1, 2, 3))
+    plan = _local_plan([M(0, d) for d in range(4)], (0, 1, 2, 3))
     exchange.connect_and_finalize(plan, 0, None, namespace="t", serial=1)
     for tp, r in plan.local.items():
         assert r.finalized and sorted(r.peers) == [p for p in range(4) if p != tp]
@@ -111,8 +99,7 @@ def test_single_process_uses_pointers_and_no_channel():
 
 def test_mixed_local_pointers_and_remote_ipc():
     # Process 0 drives two GPUs, process 1 the other two, all in one group of four.
-    members = [M(0, 0), M(0, 1), M(1, 0), M(1, 1)]
-    out, errors, _ = _run_processes([members], processes=[0, 1])
+    out, errors, _ = _run_processes([[M(0, 0), M(0, 1), M(1, 0), M(1, 1)]], processes=[0, 1])
     assert not errors, errors
     r0 = out[0][0].local[0]
     assert r0.peers[1][0] == "ptr" and r0.peers[1][1] == 1
@@ -129,11 +116,13 @@ def test_member_that_never_arrives_is_named_within_the_timeout():
     assert "TP rank 1" in str(errors[0]) and "process 1" in str(errors[0])
 
 
-def test_group_spanning_processes_without_a_channel_is_refused():
-    with pytest.raises(RuntimeError, match="spans several processes"):
-        _local_plan([M(0, 0), M(1, 0)], (0, 1))
-
-
-def test_member_count_must_match_the_group():
-    with pytest.raises(ValueError, match="members given"):
-        _local_plan([M(0, 0)], (0, 1))
+@pytest.mark.parametrize(
+    "members, error, match",
+    [
+        ([M(0, 0), M(1, 0)], RuntimeError, "spans several processes"),  # without a channel
+        ([M(0, 0)], ValueError, "members given"),  # the member count must match the group
+    ],
+)
+def test_a_group_that_cannot_be_planned_is_refused(members, error, match):
+    with pytest.raises(error, match=match):
+        _local_plan(members, (0, 1))

@@ -37,15 +37,19 @@ def watched(monkeypatch):
 
 def _pass(now, healthy=True):
     ended = []
-    lost_traps.check_once(
-        now, probe=lambda device: not healthy, end=lambda text, device: ended.append((text, device))
-    )
+    end = lambda text, device: ended.append((text, device))
+    lost_traps.check_once(now, probe=lambda device: not healthy, end=end)
     return ended
 
 
-def test_a_record_on_a_healthy_context_ends_the_process_after_the_grace(watched):
+def _watch(device):
     rank = FakeRank()
-    lost_traps.watch(rank, 3)
+    lost_traps.watch(rank, device)
+    return rank
+
+
+def test_a_record_on_a_healthy_context_ends_the_process_after_the_grace(watched):
+    rank = _watch(3)
     assert _pass(0.0) == []  # no record: nothing
     rank.record = "jax_fusedar handshake failed on rank 1 of 2 ..."
     assert _pass(1.0) == []  # first seen
@@ -54,8 +58,7 @@ def test_a_record_on_a_healthy_context_ends_the_process_after_the_grace(watched)
 
 
 def test_a_reported_trap_is_left_to_the_process(watched):
-    rank = FakeRank()
-    lost_traps.watch(rank, 0)
+    rank = _watch(0)
     rank.record = "jax_fusedar kernel wait timed out on rank 0 of 2 ..."
     assert _pass(0.0, healthy=False) == []
     assert _pass(lost_traps.GRACE_S + 1, healthy=False) == []  # the context failed: fine
@@ -64,11 +67,25 @@ def test_a_reported_trap_is_left_to_the_process(watched):
 
 
 def test_freed_ranks_are_forgotten(watched):
-    rank = FakeRank()
-    lost_traps.watch(rank, 0)
-    del rank
+    _watch(0)  # no reference kept
     gc.collect()
     assert _pass(0.0) == [] and watched == []
+
+
+def test_a_rank_destroyed_after_its_record_was_seen_is_ended_with_that_record(watched):
+    rank = _watch(1)
+    rank.record = "jax_fusedar kernel wait timed out on rank 1 of 2: rank 0 did not arrive"
+    assert _pass(0.0) == []  # seen
+    rank.destroy()  # e.g. the workspace's destroy, which then waits on the stream
+    assert _pass(lost_traps.GRACE_S - 0.1) == []
+    assert _pass(lost_traps.GRACE_S + 0.1) == [(rank.record, 1)]
+
+
+def test_a_rank_destroyed_before_any_record_is_forgotten(watched):
+    rank = _watch(0)
+    assert _pass(0.0) == []
+    rank.destroy()
+    assert _pass(1.0) == [] and watched == []
 
 
 def test_ending_prints_the_record_and_exits_with_the_code():
@@ -84,8 +101,8 @@ def test_ending_prints_the_record_and_exits_with_the_code():
 
 
 def test_native_ranks_can_be_watched():
-    """The watcher holds native ranks by weak reference (it must not keep their GPU memory
-    alive), so the extension's Rank type must allow them."""
+    # The watcher holds native ranks by weak reference (it must not keep their GPU memory
+    # alive), so the extension's Rank type must allow them.
     from jax_fusedar.common import native
 
     if native.ext is None:
@@ -93,46 +110,17 @@ def test_native_ranks_can_be_watched():
     assert native.ext.Rank.__weakrefoffset__ > 0
 
 
-def test_a_rank_destroyed_after_its_record_was_seen_is_ended_with_that_record(watched):
-    rank = FakeRank()
-    lost_traps.watch(rank, 1)
-    rank.record = "jax_fusedar kernel wait timed out on rank 1 of 2: rank 0 did not arrive"
-    assert _pass(0.0) == []  # seen
-    rank.destroy()  # e.g. the workspace's destroy, which then waits on the stream
-    assert _pass(lost_traps.GRACE_S - 0.1) == []
-    assert _pass(lost_traps.GRACE_S + 0.1) == [(rank.record, 1)]
-
-
-def test_a_rank_destroyed_before_any_record_is_forgotten(watched):
-    rank = FakeRank()
-    lost_traps.watch(rank, 0)
-    assert _pass(0.0) == []
-    rank.destroy()
-    assert _pass(1.0) == [] and watched == []
-
-
 # The watcher in a process of its own: a record on a healthy context (the probe stands in for
 # CUDA), stderr made unusable in one of three ways before the watcher ends the process.
 UNUSABLE_STDERR = """
 import os, sys, time
 from jax_fusedar.common import lost_traps, native
-
-
 class HealthyContext:  # the probe's CUDA call succeeds: the trap was never reported
-    @staticmethod
-    def mem_info(device):
-        return (1 << 30, 1 << 30)
-
-
+    mem_info = staticmethod(lambda device: (1 << 30, 1 << 30))
+class Rank:
+    failure = lambda self: "jax_fusedar handshake failed on rank 1 of 2: X"
 native.ext = HealthyContext
 lost_traps.GRACE_S, lost_traps.POLL_S = 0.5, 0.1
-
-
-class Rank:
-    def failure(self):
-        return "jax_fusedar handshake failed on rank 1 of 2: X"
-
-
 mode = sys.argv[1]
 if mode == "closed":
     sys.stderr.close()
@@ -157,7 +145,7 @@ def test_the_watcher_ends_the_process_whatever_stderr_is(mode):
     if mode == "broken-pipe":
         p.stderr.close()  # the reader is gone: the watcher's write raises BrokenPipeError
     try:
-        code = p.wait(timeout=30)  # the end comes GRACE_S (0.5 s) after the record
+        code = p.wait(timeout=30)  # the end comes lost_traps.GRACE_S_S (0.5 s) after the record
     except subprocess.TimeoutExpired:
         p.kill()
         p.wait()

@@ -1,7 +1,6 @@
-"""common.native loads the extension by path, under the name of the layer that wraps it:
-where it looks, what a missing or broken file gives (no extension, and require() saying
-why), and, where the build is present, that the loaded module is the one file the build
-installed and that the package root never gets a second copy of it."""
+"""common.native loads the extension by path, under the name of the layer that wraps it: where
+it looks, what a missing or broken file gives (no extension, and require() saying why), and
+that a built one is the one file the build installed, never a second copy at the package root."""
 
 import importlib.machinery
 import sys
@@ -22,22 +21,19 @@ def test_the_extension_is_looked_for_where_the_build_installs_it():
         assert found.parent == native.EXTENSION_DIR and found.name.startswith("_fusedar.")
 
 
-def test_a_missing_extension_names_the_folder(monkeypatch, tmp_path):
-    monkeypatch.setattr(native, "EXTENSION_DIR", tmp_path)
-    monkeypatch.delitem(sys.modules, native.MODULE_NAME, raising=False)
-    with pytest.raises(ImportError, match=f"no _fusedar extension in {tmp_path}"):
-        native._load()
-
-
-def test_a_broken_extension_is_an_import_error_and_leaves_nothing_behind(monkeypatch, tmp_path):
+@pytest.mark.parametrize("content", [None, b"not an ELF file"], ids=["missing", "broken"])
+def test_a_missing_or_broken_extension_is_an_import_error(monkeypatch, tmp_path, content):
     # A file the dynamic loader refuses (as a module built for another interpreter, or one
     # whose libfusedar_core.so is missing, would be): ImportError, which native turns into
-    # "not available" with the reason, and no half-made module in sys.modules.
-    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-    (tmp_path / f"_fusedar{suffix}").write_bytes(b"not an ELF file")
+    # "not available" with the reason, and no half-made module in sys.modules. A missing
+    # one names the folder.
+    if content:
+        (tmp_path / f"_fusedar{importlib.machinery.EXTENSION_SUFFIXES[0]}").write_bytes(content)
     monkeypatch.setattr(native, "EXTENSION_DIR", tmp_path)
     monkeypatch.delitem(sys.modules, native.MODULE_NAME, raising=False)
-    with pytest.raises(ImportError):
+    with pytest.raises(
+        ImportError, match=None if content else f"no _fusedar extension in {tmp_path}"
+    ):
         native._load()
     assert native.MODULE_NAME not in sys.modules
 

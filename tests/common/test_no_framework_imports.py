@@ -1,11 +1,7 @@
-"""The layering: the framework-neutral layer stays neutral (every ``jax_fusedar.common``
-module, and the jax-free command-line helpers, imports in a fresh interpreter without
-importing jax or torch, and ``import torch_compat`` brings in torch but never jax; checked in
-subprocesses, because a test process has usually imported both already), and the import
-graph of ``jax_fusedar`` and ``torch_compat`` (read statically) has no cycles, no import
-from a layer up to one above it (``LAYERS``), no import of the native extension but
-``common.native``'s own loading of it, and no module using another module's private
-names."""
+"""The layering: ``jax_fusedar.common`` and the jax-free CLI helpers import without jax or torch,
+torch_compat without jax (fresh interpreters); the import graph (read statically) has no
+cycles, no import up a layer (``LAYERS``), no import of the extension but common.native's
+loading of it, and no use of another module's private names."""
 
 import ast
 import graphlib
@@ -22,32 +18,23 @@ import jax_fusedar.common
 
 from tests.repo import REPO, run_code
 
-
 COMMON_MODULES = sorted(
     f"jax_fusedar.common.{m.name}" for m in pkgutil.iter_modules(jax_fusedar.common.__path__)
 )
 # What python -m jax_fusedar runs before it settles the devices (the entry point, the demo's
 # flags, the TP plan): JAX reads the device count when it starts its backends; and the
 # benchmarks' shared module, which the torch benchmark uses.
-JAX_FREE_CLI = [
-    "jax_fusedar.cli.argtypes",
-    "jax_fusedar.cli.main",
-    "jax_fusedar.cli.demo_args",
-    "jax_fusedar.cli.ranks",
-    "jax_fusedar.cli.doctor",
-    "benchmarks.report",
-]
+CLI = "argtypes main demo_args ranks doctor".split()
+JAX_FREE_CLI = [f"jax_fusedar.cli.{m}" for m in CLI] + ["benchmarks.report"]
+FRAMEWORKS = {"jax", "jaxlib", "torch"}
 
 
 def _imported_after(modules, then=""):
     """The top-level packages a fresh interpreter holds after importing ``modules`` and
     running the code ``then``."""
     code = (
-        "import importlib, json, sys\n"
-        f"for m in {modules!r}:\n"
-        "    importlib.import_module(m)\n"
-        f"{then}"
-        "print(json.dumps(sorted({n.split('.')[0] for n in sys.modules})))\n"
+        f"import importlib, json, sys\nfor m in {modules!r}:\n    importlib.import_module(m)\n"
+        f"{then}print(json.dumps(sorted({{n.split('.')[0] for n in sys.modules}})))\n"
     )
     r = run_code(code, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -57,13 +44,11 @@ def _imported_after(modules, then=""):
 def test_the_common_layer_is_all_there():
     # A module added to common/ is checked below automatically; this guards the listing.
     names = {m.rsplit(".", 1)[1] for m in COMMON_MODULES}
-    assert (
-        set(
-            "arguments backend_choice handshake exchange join launch_mode lifecycle limits "
-            "moe_limits native patterns plan quant_layouts results sizing tp_groups".split()
-        )
-        <= names
+    listed = (
+        "arguments backend_choice handshake exchange join launch_mode lifecycle limits "
+        "moe_limits native patterns plan quant_layouts results sizing tp_groups"
     )
+    assert set(listed.split()) <= names
 
 
 @pytest.mark.slow
@@ -71,27 +56,24 @@ def test_the_common_layer_is_all_there():
 def test_module_imports_neither_jax_nor_torch(module):
     roots = _imported_after([module])
     assert module.split(".")[0] in roots  # it did import
-    assert not roots & {"jax", "jaxlib", "torch"}, sorted(roots & {"jax", "jaxlib", "torch"})
+    assert not roots & FRAMEWORKS, sorted(roots & FRAMEWORKS)
 
 
 @pytest.mark.slow
 def test_parsing_the_cli_flags_imports_no_jax():
-    roots = _imported_after(
-        [],
-        "from jax_fusedar.cli.main import build_parser\n"
-        "parser, _ = build_parser()\n"
-        "parser.parse_args(['demo', '--tp', '2', '--moe'])\n"
-        "parser.parse_args(['doctor'])\n",
+    parse = (
+        "from jax_fusedar.cli.main import build_parser\nparser, _ = build_parser()\n"
+        "parser.parse_args(['demo', '--tp', '2', '--moe'])\nparser.parse_args(['doctor'])\n"
     )
-    assert not roots & {"jax", "jaxlib", "torch"}, sorted(roots & {"jax", "jaxlib", "torch"})
+    roots = _imported_after([], parse)
+    assert not roots & FRAMEWORKS, sorted(roots & FRAMEWORKS)
 
 
 @pytest.mark.slow
 def test_torch_compat_imports_no_jax():
     pytest.importorskip("torch")
     roots = _imported_after(["torch_compat", "benchmarks.torch_bench"])
-    assert "torch" in roots
-    assert not roots & {"jax", "jaxlib"}
+    assert "torch" in roots and not roots & {"jax", "jaxlib"}
 
 
 # --- the import graph of the packages --------------------------------------------------------
@@ -99,28 +81,20 @@ def test_torch_compat_imports_no_jax():
 # import that closes a loop is still a loop (it only moves the failure to the first call).
 # Importing a package does not count as importing its __init__'s own imports of the
 # package's modules (those go downwards), so the edges are exactly the import statements.
-
 PACKAGES = ("jax_fusedar", "torch_compat")
 # The compiled module: ffi/python builds jax_fusedar/_fusedar*.so, which common/native.py
 # loads by path under this name (the layer that wraps it owns it).
 NATIVE_MODULE = "jax_fusedar.common._fusedar"
-NATIVE_MODULES = {NATIVE_MODULE: REPO / "ffi" / "python" / "module.cc"}
 
 
 def _module_files():
     """Module name -> source path, for every module of the packages."""
-    files = dict(NATIVE_MODULES)
+    files = {NATIVE_MODULE: REPO / "ffi" / "python" / "module.cc"}
     for package in PACKAGES:
         for path in sorted((REPO / package).rglob("*.py")):
             parts = list(path.relative_to(REPO).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts.pop()
-            files[".".join(parts)] = path
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return files
-
-
-def _is_package(name, files) -> bool:
-    return name in files and files[name].name == "__init__.py"
 
 
 def _absolute(module_name, files, level, target):
@@ -128,8 +102,8 @@ def _absolute(module_name, files, level, target):
     if level == 0:
         return target
     base = module_name.split(".")
-    if not _is_package(module_name, files):
-        base = base[:-1]
+    if not (module_name in files and files[module_name].name == "__init__.py"):
+        base = base[:-1]  # a module, not a package: its package is the base
     base = base[: len(base) - (level - 1)]
     return ".".join(base + ([target] if target else []))
 
@@ -143,6 +117,7 @@ def _imports(files):
             continue
         tree = ast.parse(path.read_text(), str(path))
         targets, bad, bound = set(), [], {}
+        where = lambda node: f"{path.relative_to(REPO)}:{node.lineno}"
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 for alias in node.names:
@@ -162,10 +137,7 @@ def _imports(files):
                         continue
                     targets.add(source)
                     if alias.name.startswith("_") and source != name:
-                        bad.append(
-                            f"{path.relative_to(REPO)}:{node.lineno}: from {source} "
-                            f"import {alias.name}"
-                        )
+                        bad.append(f"{where(node)}: from {source} import {alias.name}")
         for node in ast.walk(tree):
             if (
                 isinstance(node, ast.Attribute)
@@ -175,11 +147,8 @@ def _imports(files):
                 and not node.attr.startswith("__")
                 and f"{bound[node.value.id]}.{node.attr}" not in files
             ):
-                bad.append(
-                    f"{path.relative_to(REPO)}:{node.lineno}: {bound[node.value.id]}.{node.attr}"
-                )
-        edges[name] = targets - {name}
-        private[name] = bad
+                bad.append(f"{where(node)}: {bound[node.value.id]}.{node.attr}")
+        edges[name], private[name] = targets - {name}, bad
     return edges, private
 
 
@@ -192,18 +161,15 @@ def _cycles(edges):
     return []
 
 
-def test_the_import_graph_is_read_whole():
-    # Guards the reader: the graph has the modules and edges everyone knows of.
+def test_no_import_cycles():
     edges, _ = _imports(_module_files())
+    # Guards the reader: the graph has the modules and edges everyone knows of.
     assert "jax_fusedar.common.patterns" in edges["torch_compat.ops"]
     assert "jax_fusedar.api" in edges["jax_fusedar.fusion.rewriting"]  # a lazy import counts
     assert "jax_fusedar.cli.setup" in edges["jax_fusedar.cli.demo"]
     # And the cycle finder finds a cycle.
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-
-
-def test_no_import_cycles():
-    cycles = _cycles(_imports(_module_files())[0])
+    cycles = _cycles(edges)
     assert not cycles, "modules that import each other (directly or around a loop):\n" + "\n".join(
         " <-> ".join(c) for c in cycles
     )
@@ -257,25 +223,21 @@ def _upward(edges) -> list:
     )
 
 
-def test_the_layer_rule_is_read_whole():
-    # Guards the rule: every module has a layer, and an import up is found.
+def test_no_import_runs_up_a_layer():
     files = _module_files()
+    # Guards the rule: every module has a layer, and an import up is found.
     assert {layer_of(m) for m in files} == set(LAYERS)
     assert layer_of("jax_fusedar.fusion.matching") == layer_of("jax_fusedar.api") == "jax"
-    assert _upward({"jax_fusedar.common.limits": {"jax_fusedar.api"}}) == [
-        ("jax_fusedar.common.limits", "jax_fusedar.api")
-    ]
+    assert layer_of("jax_fusedar.ops.family") == "ops"
+    up = ("jax_fusedar.common.limits", "jax_fusedar.api")
+    assert _upward({up[0]: {up[1]}}) == [up]
     assert _upward({"torch_compat.ops": {"jax_fusedar.api"}})  # the fronts stay apart
     assert _upward({"jax_fusedar.api": {"jax_fusedar.models.llama"}})
     assert _upward({"jax_fusedar.ops.dense": {"jax_fusedar.api"}})  # the family sits below
     assert _upward({"jax_fusedar.workspace": {"jax_fusedar.ops.plan"}})
     assert not _upward({"jax_fusedar.api": {"jax_fusedar.ops.dense"}})
-    assert layer_of("jax_fusedar.ops.family") == "ops"
     assert not _upward({"jax_fusedar.cli.demo": {"jax_fusedar.models.llama"}})
-
-
-def test_no_import_runs_up_a_layer():
-    upward = _upward(_imports(_module_files())[0])
+    upward = _upward(_imports(files)[0])
     assert not upward, "imports from a layer up to one above it:\n" + "\n".join(
         f"{a} ({layer_of(a)}) imports {b} ({layer_of(b)})" for a, b in upward
     )
@@ -307,11 +269,14 @@ def test_only_common_native_loads_the_extension():
         for m in _NATIVE_IMPORT.finditer(text)
     ]
     assert not bad, "import the extension through jax_fusedar.common.native:\n" + "\n".join(bad)
-    assert _NATIVE_IMPORT.search("import jax_fusedar._fusedar as ext")  # the pattern finds them
-    assert _NATIVE_IMPORT.search("from jax_fusedar import _fusedar")
-    assert _NATIVE_IMPORT.search("import jax_fusedar, jax_fusedar._fusedar as ext")
-    assert _NATIVE_IMPORT.search('importlib.import_module("jax_fusedar._fusedar")')
-    assert _NATIVE_IMPORT.search("sys.modules['jax_fusedar._fusedar'] = None")
+    for found in (  # the pattern finds them
+        "import jax_fusedar._fusedar as ext",
+        "from jax_fusedar import _fusedar",
+        "import jax_fusedar, jax_fusedar._fusedar as ext",
+        'importlib.import_module("jax_fusedar._fusedar")',
+        "sys.modules['jax_fusedar._fusedar'] = None",
+    ):
+        assert _NATIVE_IMPORT.search(found), found
     assert not _NATIVE_IMPORT.search("from jax_fusedar.common import native")
     assert not _NATIVE_IMPORT.search("sys.modules['jax_fusedar.common._fusedar'] = None")
 
@@ -364,28 +329,26 @@ def test_the_benchmarks_use_only_the_public_api():
     ]
     assert not bad, "the benchmarks use the product's internals:\n" + "\n".join(bad)
     # The rule finds internals, and lets the public names through.
-    assert not _public_use("jax_fusedar.api") and not _public_use("jax_fusedar.cli.report")
-    assert not _public_use("torch_compat.ops") and not _public_use("jax_fusedar.common.limits")
-    assert _public_use("jax_fusedar.allreduce_fusion") and _public_use("jax_fusedar.timing")
-    assert _public_use("jax_fusedar.common.plan") and _public_use("torch_compat.moe")
+    internal = "jax_fusedar.api jax_fusedar.cli.report torch_compat.ops jax_fusedar.common.limits"
+    public = (
+        "jax_fusedar.allreduce_fusion jax_fusedar.timing jax_fusedar.common.plan torch_compat.moe"
+    )
+    assert [_public_use(m) for m in f"{internal} {public}".split()] == [False] * 4 + [True] * 4
 
 
-def test_the_packages_import_nothing_of_the_checkout():
+def test_the_packages_import_nothing_of_the_checkout_nor_private_names():
     # tools/, tests/ and benchmarks/ are not installed: a wheel's modules must not import
     # them (tools/wheel_check.sh checks the wheel holds none of them).
+    files = _module_files()
     bad = [
         f"{path.relative_to(REPO)}:{line}: {module}"
-        for path in _module_files().values()
+        for path in files.values()
         if path.suffix == ".py"
         for line, module in _absolute_imports(path)
         if module.split(".")[0] in ("tools", "tests", "benchmarks")
     ]
     assert not bad, "\n".join(bad)
-
-
-def test_no_module_uses_another_modules_private_names():
-    _, private = _imports(_module_files())
-    bad = [b for found in private.values() for b in found]
+    bad = [b for found in _imports(files)[1].values() for b in found]
     assert not bad, (
         "private names used across modules (give them a public name in the "
         "module that owns them):\n" + "\n".join(bad)

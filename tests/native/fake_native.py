@@ -13,9 +13,7 @@ class FakeRank:
 
     def __init__(self, device, world, rank, max_tokens, hidden, code, **kw):
         self.kw = dict(device=device, rank=rank, **kw)
-        self.timeouts = [kw.get("timeout_s")]
-        self.alive = True
-        self.record = ""
+        self.timeouts, self.alive, self.record = [kw.get("timeout_s")], True, ""
         FakeRank.made.append(self)
 
     def local_pointers(self):
@@ -24,8 +22,7 @@ class FakeRank:
     def set_peer_pointers(self, *a):
         pass
 
-    def finalize(self):
-        pass
+    finalize = set_peer_pointers
 
     def set_timeout(self, t):
         self.timeouts.append(t)
@@ -37,6 +34,15 @@ class FakeRank:
         self.alive = False
 
 
+class _Device:
+    def __init__(self, i):
+        self.id, self.platform, self.process_index, self.local_hardware_id = i, "gpu", 0, i
+
+
+class _Mesh:
+    devices = np.array([_Device(0), _Device(1)], dtype=object)
+
+
 def fake_jax_workspace(monkeypatch, workspace_id, **kw):
     """A 2-rank float32 trtllm workspace (16 x 1024) built with ``kw``; its ranks are in
     ``FakeRank.made``."""
@@ -44,32 +50,13 @@ def fake_jax_workspace(monkeypatch, workspace_id, **kw):
 
     class FakeExt:
         Rank = FakeRank
-
-        @staticmethod
-        def register_rank(*a):
-            pass
-
-    class Dev:
-        def __init__(self, i):
-            self.id, self.platform, self.process_index, self.local_hardware_id = i, "gpu", 0, i
-
-    class Mesh:
-        devices = np.array([Dev(0), Dev(1)], dtype=object)
+        register_rank = staticmethod(lambda *a: None)
 
     FakeRank.made = []
     monkeypatch.setattr(native, "require", lambda: FakeExt)
+    kw.update(max_token_num=16, hidden_dim=1024, dtype="float32", backend="trtllm")
     sizes = sizing.workspace_sizes(2, 16, 1024, "float32")
-    ws = jws.AllReduceFusionWorkspace(
-        mesh=Mesh(),
-        axis_name="tp",
-        max_token_num=16,
-        hidden_dim=1024,
-        dtype="float32",
-        backend="trtllm",
-        workspace_id=workspace_id,
-        groups=[tp_groups.TPGroup((0, 1), 0)],
-        sizes=sizes,
-        **kw,
-    )
+    kw.update(groups=[tp_groups.TPGroup((0, 1), 0)], sizes=sizes)
+    ws = jws.AllReduceFusionWorkspace(mesh=_Mesh(), axis_name="tp", workspace_id=workspace_id, **kw)
     jws._build_native(ws, 5.0)
     return ws

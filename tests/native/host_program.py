@@ -1,6 +1,6 @@
-"""Compiles a small host C++ program against the core's handshake and status sources with
-nvcc and runs it: how the native tests read the core's failure texts without a GPU. The
-program prints ``name=[text]`` lines; returns them as a dict. Skips without nvcc."""
+"""Compiles a small host C++ program against the core's handshake and status sources with nvcc
+and runs it: how the native tests read the core's failure texts without a GPU. The program
+prints ``name=[text]`` lines; returns them as a dict. Skips without nvcc."""
 
 import os
 import pathlib
@@ -13,9 +13,8 @@ from tests.repo import REPO
 
 
 def nvcc():
-    return shutil.which("nvcc") or (
-        "/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None
-    )
+    default = "/usr/local/cuda/bin/nvcc"
+    return shutil.which("nvcc") or (default if os.path.exists(default) else None)
 
 
 def build_tree(holding: str):
@@ -31,12 +30,10 @@ def run_host_program(tmp_path, name: str, source: str) -> dict:
     compiler = nvcc()
     if compiler is None:
         pytest.skip("nvcc not found")
-    src = tmp_path / f"{name}.cu"
+    src, exe, core = tmp_path / f"{name}.cu", tmp_path / name, REPO / "ffi" / "core"
     src.write_text(source)
-    exe = tmp_path / name
-    core = REPO / "ffi" / "core"
-    cmd = [compiler, "-std=c++17", "-arch=sm_90a", f"-I{core}", f"-I{core / 'include'}"]
-    cmd += [str(src), str(core / "handshake.cu"), str(core / "status.cpp"), "-o", str(exe)]
+    cmd = [compiler, "-std=c++17", "-arch=sm_90a", f"-I{core}", f"-I{core / 'include'}", str(src)]
+    cmd += [str(core / "handshake.cu"), str(core / "status.cpp"), "-o", str(exe)]
     build = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stderr[-3000:]
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)

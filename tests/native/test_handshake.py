@@ -1,22 +1,17 @@
-"""The opt-in cross-rank handshake on CPU: option parsing, agreement at creation (JAX's
-process exchange and torch's member exchange, with fakes), the plumbing down to the native
-Rank, and the native core's host-side pieces (signature packing, the failure message)
-compiled with nvcc into a small host program. The handshake kernel itself runs only in
-tests/gpu/test_topology.py."""
+"""The opt-in cross-rank handshake on CPU: option parsing (with the kernel's timeout), agreement
+at creation (JAX's and torch's exchanges, with fakes), the plumbing down to the native Rank, and
+the core's signature packing and failure message (nvcc host program). The kernel itself runs
+only in tests/gpu/test_topology.py."""
 
 import json
 
 import numpy as np
 import pytest
 
-from jax_fusedar.common import handshake, exchange, join, native, tp_groups
+from jax_fusedar.common import handshake, exchange, join, tp_groups
 from tests.common.fakes import FakeStore, run_in_threads
 from tests.native.fake_native import FakeRank, fake_jax_workspace
 from tests.native.host_program import run_host_program
-from tests.skips import NO_NATIVE
-
-
-# --- option parsing -----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -45,57 +40,78 @@ def test_handshake_argument_must_be_a_bool(value):
         handshake.resolve_handshake(value)
 
 
-def test_timeout_default_env_and_argument(monkeypatch):
-    monkeypatch.delenv(handshake.HANDSHAKE_TIMEOUT_ENV_VAR, raising=False)
-    assert (
-        handshake.resolve_handshake_timeout_s(None) == handshake.DEFAULT_HANDSHAKE_TIMEOUT_S == 30.0
-    )
-    monkeypatch.setenv(handshake.HANDSHAKE_TIMEOUT_ENV_VAR, " 2.5 ")
-    assert handshake.resolve_handshake_timeout_s(None) == 2.5
-    assert handshake.resolve_handshake_timeout_s(7) == 7.0
-    assert handshake.resolve_handshake_timeout_s(np.float32(0.5)) == 0.5
+KERNEL = (handshake.resolve_timeout_s, handshake.TIMEOUT_ENV_VAR)
+HANDSHAKE = (handshake.resolve_handshake_timeout_s, handshake.HANDSHAKE_TIMEOUT_ENV_VAR)
+TIMEOUTS = {"kernel": KERNEL, "handshake": HANDSHAKE}  # each timeout's resolver and variable
+HALF = np.float32(0.5)
 
 
 @pytest.mark.parametrize(
-    "raw, match",
-    [
-        ("abc", "is not a number of seconds"),
-        ("0", r"must be in \(0, 3600\]"),
-        ("-1", r"must be in \(0, 3600\]"),
-        ("nan", r"must be in \(0, 3600\]"),
-        ("4000", r"must be in \(0, 3600\]"),
+    "which, default, env, args",
+    [  # The kernel's "0": wait forever (FlashInfer's behaviour); "": the default.
+        (KERNEL, "DEFAULT_TIMEOUT_S", [(" 2.5 ", 2.5), ("0", 0.0), ("", 30.0)], [7, 0, HALF, 3600]),
+        (HANDSHAKE, "DEFAULT_HANDSHAKE_TIMEOUT_S", [(" 2.5 ", 2.5)], [7, HALF]),
     ],
+    ids=["kernel", "handshake"],
 )
-def test_bad_timeouts_from_the_environment(monkeypatch, raw, match):
-    monkeypatch.setenv(handshake.HANDSHAKE_TIMEOUT_ENV_VAR, raw)
-    with pytest.raises(ValueError, match=r"\$JAX_FUSEDAR_HANDSHAKE_TIMEOUT_S.*" + match):
-        handshake.resolve_handshake_timeout_s(None)
+def test_default_env_and_argument(monkeypatch, which, default, env, args):
+    resolve, var = which
+    monkeypatch.delenv(var, raising=False)
+    assert resolve(None) == getattr(handshake, default) == 30.0
+    for raw, want in env:
+        monkeypatch.setenv(var, raw)
+        assert resolve(None) == want
+    assert [resolve(value) for value in args] == [float(v) for v in args]  # arguments win
+
+
+# The kernel's timeout takes 0 (wait forever), the handshake's does not.
+@pytest.mark.parametrize(
+    "which, raw, match",
+    [
+        ("kernel", "abc", "is not a number of seconds"),
+        ("kernel", "-1", r"must be in \[0, 3600\] seconds \(0: wait"),
+    ]
+    + [("kernel", raw, r"must be in \[0, 3600\]") for raw in ("nan", "inf", "4000")]
+    + [("handshake", "abc", "is not a number of seconds")]
+    + [("handshake", raw, r"must be in \(0, 3600\]") for raw in ("0", "-1", "nan", "4000")],
+)
+def test_bad_timeouts_from_the_environment(monkeypatch, which, raw, match):
+    resolve, var = TIMEOUTS[which]
+    monkeypatch.setenv(var, raw)
+    with pytest.raises(ValueError, match=rf"\${var}.*" + match):
+        resolve(None)
 
 
 @pytest.mark.parametrize(
     "value, error",
-    [
-        (0, ValueError),
-        (-3.0, ValueError),
-        (float("inf"), ValueError),
-        (True, TypeError),
-        ("10", TypeError),
-    ],
+    [(-0.5, ValueError), (float("nan"), ValueError), (3600.5, ValueError)]
+    + [(True, TypeError), ("10", TypeError), ([1], TypeError)],
 )
-def test_bad_timeout_arguments(value, error):
-    with pytest.raises(error, match="handshake_timeout_s"):
+def test_bad_kernel_timeout_arguments(value, error):
+    with pytest.raises(error, match="timeout_s"):
+        handshake.resolve_timeout_s(value)
+    with pytest.raises(error, match="kernel_timeout_s"):
+        handshake.resolve_timeout_s(value, name="kernel_timeout_s")
+
+
+@pytest.mark.parametrize(
+    "value, error, match",
+    # The handshake's timeout has no "wait forever": 0 stays an error there.
+    [(0, ValueError, r"handshake_timeout_s must be in \(0, 3600\]")]
+    + [(-3.0, ValueError, "handshake_timeout_s"), (float("inf"), ValueError, "handshake_timeout_s")]
+    + [(True, TypeError, "handshake_timeout_s"), ("10", TypeError, "handshake_timeout_s")],
+)
+def test_bad_handshake_timeout_arguments(value, error, match):
+    with pytest.raises(error, match=match):
         handshake.resolve_handshake_timeout_s(value)
 
 
-def test_options_must_agree():
+def test_options_must_agree(monkeypatch):
     join.check_options_agree({"a": {"handshake": True}, "b": {"handshake": True}})
     join.check_options_agree({"a": {"handshake": False}, "b": {}})  # absent = off
     with pytest.raises(ValueError, match=r"disagree on handshake: on for b; off for a, c"):
         join.check_options_agree({"a": {"handshake": False}, "b": {"handshake": True}, "c": {}})
-
-
-def test_every_agreed_option_is_compared(monkeypatch):
-    """Option agreement is driven by join.AGREED_OPTIONS: one more entry, one more check."""
+    # Driven by join.AGREED_OPTIONS: one more entry, one more check.
     monkeypatch.setitem(join.AGREED_OPTIONS, "timeout_s", join.AgreedOption(None))
     join.check_options_agree({"a": {"timeout_s": 5.0}, "b": {"timeout_s": 5.0}})
     with pytest.raises(ValueError, match=r"disagree on timeout_s: 5.0 for a; 7.0 for b"):
@@ -103,6 +119,7 @@ def test_every_agreed_option_is_compared(monkeypatch):
 
 
 # --- JAX: agreement across processes ------------------------------------------------------------
+M = exchange.Member
 
 
 def _jax_agree(flags, groups_members, timeout_s=5.0):
@@ -113,16 +130,15 @@ def _jax_agree(flags, groups_members, timeout_s=5.0):
         tp_groups.TPGroup(tuple(range(10 * i, 10 * i + len(ms))), i)
         for i, ms in enumerate(groups_members)
     ]
-    members = {g.index: ms for g, ms in zip(groups, groups_members)}
 
     def proc(me):
         joins = [
             join.GroupJoin(
                 g,
-                tuple(m.process for m in members[g.index]),
-                {r: m.device for r, m in enumerate(members[g.index]) if m.process == me},
+                tuple(m.process for m in ms),
+                {r: m.device for r, m in enumerate(ms) if m.process == me},
             )
-            for g in groups
+            for g, ms in zip(groups, groups_members)
         ]
         joins = [j for j in joins if j.my_devices]
         return jws.join_processes(
@@ -131,9 +147,6 @@ def _jax_agree(flags, groups_members, timeout_s=5.0):
 
     out, errors = run_in_threads(proc, flags, 4 * timeout_s)
     return out, errors, store
-
-
-M = exchange.Member
 
 
 def test_jax_processes_that_agree_pass():
@@ -153,8 +166,7 @@ def test_jax_processes_that_agree_pass():
 
 
 def test_jax_processes_that_disagree_all_refuse():
-    gm = [[M(0, 0), M(1, 0)]]
-    out, errors, _ = _jax_agree({0: True, 1: False}, gm)
+    out, errors, _ = _jax_agree({0: True, 1: False}, [[M(0, 0), M(1, 0)]])
     assert not out and set(errors) == {0, 1}
     for e in errors.values():
         assert isinstance(e, ValueError)
@@ -168,12 +180,9 @@ def test_jax_groups_within_one_process_publish_nothing():
 
 
 def test_jax_build_passes_the_option_to_every_native_rank(monkeypatch):
-    """_build_native with a fake extension and fake GPU devices (single process)."""
     ws = fake_jax_workspace(monkeypatch, 99, handshake=True, handshake_timeout_s=7.0)
-    assert [r.kw for r in FakeRank.made] == [
-        dict(device=0, rank=0, handshake=True, handshake_timeout_s=7.0, timeout_s=30.0),
-        dict(device=1, rank=1, handshake=True, handshake_timeout_s=7.0, timeout_s=30.0),
-    ]
+    kw = dict(handshake=True, handshake_timeout_s=7.0, timeout_s=30.0)
+    assert [r.kw for r in FakeRank.made] == [dict(device=d, rank=d, **kw) for d in (0, 1)]
     for rank in FakeRank.made:
         rank.record = "rank failed"
     assert "handshake" in repr(ws)
@@ -197,9 +206,10 @@ def test_jax_create_resolves_the_option_before_anything(monkeypatch):
 
 
 # --- torch: agreement among the members ---------------------------------------------------------
-
-
-def _torch_join(flags, timeout_s=10.0):
+@pytest.mark.parametrize(
+    "flags", [{0: True, 1: True}, {0: False, 1: True}], ids=["agree", "disagree"]
+)
+def test_torch_members_join_or_all_refuse_before_allocating(flags):
     pytest.importorskip("torch")
     import torch.distributed as dist
 
@@ -208,37 +218,24 @@ def _torch_join(flags, timeout_s=10.0):
 
     from tests.torch.fakes import FakeRank as TorchFakeRank
 
-    store = dist.HashStore()
-    made = []
+    store, made = dist.HashStore(), []
 
     def make_rank(me, dev, tp):
         made.append((me, dev, tp))
         return TorchFakeRank(me, dev, tp)
 
     def run(me):
+        kw = dict(global_ranks=[0, 1], host="node0", serial=1, backend="trtllm")
+        channel = StoreChannel(store, timeout_s=10.0, process=me)
+        make = lambda dev, tp: make_rank(me, dev, tp)
         return tws._join_group(
-            global_ranks=[0, 1],
-            me=me,
-            device=me,
-            host="node0",
-            channel=StoreChannel(store, timeout_s=timeout_s, process=me),
-            serial=1,
-            backend="trtllm",
-            make_rank=lambda dev, tp: make_rank(me, dev, tp),
-            handshake=flags[me],
+            me=me, device=me, channel=channel, make_rank=make, handshake=flags[me], **kw
         )
 
-    out, errors = run_in_threads(run, flags, 4 * timeout_s)
-    return out, errors, made
-
-
-def test_torch_members_that_agree_join():
-    out, errors, made = _torch_join({0: True, 1: True})
-    assert not errors and set(out) == {0, 1} and len(made) == 2
-
-
-def test_torch_members_that_disagree_all_refuse_before_allocating():
-    out, errors, made = _torch_join({0: False, 1: True})
+    out, errors = run_in_threads(run, flags, 40.0)
+    if flags[0]:
+        assert not errors and set(out) == {0, 1} and len(made) == 2
+        return
     assert not out and set(errors) == {0, 1} and not made
     for e in errors.values():
         assert isinstance(e, ValueError)
@@ -248,40 +245,7 @@ def test_torch_members_that_disagree_all_refuse_before_allocating():
         ) in str(e)
 
 
-def test_torch_create_takes_the_option_keyword_only():
-    pytest.importorskip("torch")
-    import inspect
-
-    import torch_compat
-
-    params = inspect.signature(torch_compat.create_allreduce_fusion_workspace).parameters
-    for name in ("handshake", "handshake_timeout_s"):
-        assert params[name].kind is inspect.Parameter.KEYWORD_ONLY and params[name].default is None
-
-
-def test_torch_create_refuses_a_bad_environment_first(monkeypatch):
-    torch = pytest.importorskip("torch")
-    import torch_compat
-
-    monkeypatch.setenv(handshake.HANDSHAKE_ENV_VAR, "2")
-    with pytest.raises(ValueError, match="JAX_FUSEDAR_HANDSHAKE"):
-        torch_compat.create_allreduce_fusion_workspace(
-            "trtllm", max_token_num=16, hidden_dim=1024, dtype=torch.bfloat16
-        )
-
-
-# --- the native extension and core ---------------------------------------------------------------
-
-
-def test_extension_exposes_the_option():
-    if not native.available():
-        pytest.skip(NO_NATIVE)
-    doc = native.ext.Rank.__init__.__doc__
-    assert "handshake: bool = False" in doc and "handshake_timeout_s: float = 30.0" in doc, doc
-    for attr in ("handshake", "handshake_timeout_s", "failure"):
-        assert hasattr(native.ext.Rank, attr)
-
-
+# --- the native core, host-only ------------------------------------------------------------------
 HOST_PROGRAM = r"""
 // Host-only exercise of handshake.cu: no CUDA call is made (no GPU here).
 #include <cstdio>
@@ -289,17 +253,15 @@ HOST_PROGRAM = r"""
 #include "handshake.h"
 using namespace fusedar::handshake;
 
-static fusedar_launch_args args(int pattern, int dtype, long tokens, long hidden, int algorithm,
-                                int fp32, int layout, int group) {
+static Signature sig(int pattern, long tokens, long hidden, int algorithm, int layout, int group) {
   fusedar_launch_args a{};
-  a.pattern = pattern; a.dtype = dtype; a.num_tokens = tokens; a.hidden_dim = hidden;
-  a.algorithm = algorithm; a.fp32_acc = fp32; a.layout = layout;
-  a.block_quant_group_size = group;
-  return a;
+  a.pattern = pattern; a.dtype = FUSEDAR_BFLOAT16; a.num_tokens = tokens; a.hidden_dim = hidden;
+  a.algorithm = algorithm; a.fp32_acc = 1; a.layout = layout; a.block_quant_group_size = group;
+  return signature_of(a);
 }
 
 int main() {
-  Signature s = signature_of(args(9, FUSEDAR_BFLOAT16, 16, 7168, 1, 1, 2, 128));
+  Signature s = sig(9, 16, 7168, 1, 2, 128);
   std::printf("word=%llx tokens=%llu hidden=%llu\n", s.word, s.num_tokens, s.hidden_dim);
   fusedar_workspace_info info{};
   info.world_size = 4; info.flag_bytes = 4 * 256 * 4;
@@ -316,16 +278,13 @@ int main() {
   Record d{};
   r.record = &d;
   show("clean");
-  Signature mine = signature_of(args(1, FUSEDAR_BFLOAT16, 16, 4096, 1, 1, 0, 0));
-  Signature theirs = signature_of(args(1, FUSEDAR_BFLOAT16, 17, 4096, 0, 1, 0, 0));
-  d.rank = 1; d.world = 4; d.device = 0; d.peer = 3; d.failing_peers = 2; d.seq = 7;
-  d.peer_seq = 7;
+  Signature mine = sig(1, 16, 4096, 1, 0, 0), theirs = sig(1, 17, 4096, 0, 0, 0);
+  d.rank = 1; d.world = 4; d.device = 0; d.peer = 3; d.failing_peers = 2; d.seq = 7; d.peer_seq = 7;
   std::memcpy(d.mine, &mine, sizeof mine);
   std::memcpy(d.theirs, &theirs, sizeof theirs);
   d.kind = kMismatch;
   show("mismatch");
-  Signature large =
-      signature_of(args(1, FUSEDAR_BFLOAT16, 16, 4096, FUSEDAR_ALGORITHM_LARGE_MESSAGE, 1, 0, 0));
+  Signature large = sig(1, 16, 4096, FUSEDAR_ALGORITHM_LARGE_MESSAGE, 0, 0);
   std::printf("large_word=%llx\n", large.word);
   std::memcpy(d.theirs, &large, sizeof large);
   show("mismatch_large");
@@ -352,11 +311,10 @@ def test_core_signature_and_failure_messages(tmp_path):
     assert lines["unchecked"] == "[]" and lines["clean"] == "[]"
     mismatch = lines["mismatch"]
     assert mismatch.startswith(
-        "[jax_fusedar handshake failed on rank 1 of 4 (device 0), "
-        "call #7: rank 3 called {pattern=1 dtype=bfloat16 "
-        "num_tokens=17 hidden_dim=4096 two-shot fp32_acc=1 layout=0 "
-        "block_quant_group_size=0} but rank 1 called {pattern=1 "
-        "dtype=bfloat16 num_tokens=16 hidden_dim=4096 one-shot"
+        "[jax_fusedar handshake failed on rank 1 of 4 (device 0), call #7: rank 3 called "
+        "{pattern=1 dtype=bfloat16 num_tokens=17 hidden_dim=4096 two-shot fp32_acc=1 layout=0 "
+        "block_quant_group_size=0} but rank 1 called {pattern=1 dtype=bfloat16 num_tokens=16 "
+        "hidden_dim=4096 one-shot"
     ), mismatch
     assert "(2 ranks failed the check" in mismatch and "restart the process" in mismatch
     # The large-message algorithm is its own bit (18): a rank running it against one running
@@ -366,10 +324,9 @@ def test_core_signature_and_failure_messages(tmp_path):
         "rank 3 called {pattern=1 dtype=bfloat16 num_tokens=16 hidden_dim=4096 "
         "large-message fp32_acc=1"
     ) in lines["mismatch_large"], lines["mismatch_large"]
-    timeout = lines["timeout"]
     assert (
         "rank 3 did not make its call #7 {pattern=1 dtype=bfloat16 num_tokens=16 "
         "hidden_dim=4096 one-shot fp32_acc=1 layout=0 block_quant_group_size=0} within "
         "2.5 s (the last call seen from it is #6)"
-    ) in timeout, timeout
+    ) in lines["timeout"], lines["timeout"]
     assert lines["truncated"] == "[jax_fusedar han]"

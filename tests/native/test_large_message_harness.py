@@ -1,8 +1,6 @@
-"""The large-message harness (tools/large_message_bench.cu) builds from the product's sources:
-the build tree's target compiles it with the kernels' flags, the patched FlashInfer header and
-the generated register counts, and links the core. Built here so that a change of the
-kernels' sources or of the C API that breaks it fails a test here, not its next run on a
-GPU machine (it runs on 2 GPUs only: docs/large_messages.md)."""
+"""The large-message harness (tools/large_message_bench.cu) builds from the product's sources
+(the kernels' flags, the patched FlashInfer header, the register counts, the core): a change
+that breaks it fails here, not on its next 2-GPU run (docs/large_messages.md)."""
 
 import os
 import shutil
@@ -21,12 +19,8 @@ def test_the_harness_builds_against_the_core():
         pytest.skip(f"needs a build tree with the kernels ({BUILD_NATIVE})")
     if shutil.which("cmake") is None:
         pytest.skip("cmake is not on PATH")
-    r = subprocess.run(
-        ["cmake", "--build", str(build), "--target", "large_message_bench"],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
+    cmd = ["cmake", "--build", str(build), "--target", "large_message_bench"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
     harness = build / "ffi" / "core" / "large_message_bench"
     assert harness.is_file() and os.access(harness, os.X_OK)

@@ -1,8 +1,7 @@
-"""The kernel's bounded waits (timeout_s, always on; ffi/core/watchdog.h) on CPU: option
-parsing, the plumbing down to the native Rank (JAX and torch, with fakes), the build's
-patching of FlashInfer's wait loops, and the failure message of a timed-out wait
-(handshake.cu compiled with nvcc into a small host program). The kernel side runs in
-tests/gpu/test_timeout.py; the benchmarks' on/off comparison in tests/benchmarks/."""
+"""The kernel's bounded waits (timeout_s, always on; ffi/core/watchdog.h) on CPU: the plumbing
+to the native Rank (fakes), the build's patching of FlashInfer's wait loops, and a timed-out
+wait's message (nvcc host program); parsing in test_handshake.py, the kernel side in
+tests/gpu/test_timeout.py, the benchmarks' on/off comparison in tests/benchmarks/."""
 
 import difflib
 import os
@@ -22,67 +21,7 @@ from tests.repo import REPO
 from tests.skips import NO_NATIVE
 
 
-# --- option parsing -----------------------------------------------------------------------------
-
-
-def test_default_env_zero_and_argument(monkeypatch):
-    monkeypatch.delenv(handshake.TIMEOUT_ENV_VAR, raising=False)
-    assert handshake.resolve_timeout_s(None) == handshake.DEFAULT_TIMEOUT_S == 30.0
-    monkeypatch.setenv(handshake.TIMEOUT_ENV_VAR, " 2.5 ")
-    assert handshake.resolve_timeout_s(None) == 2.5
-    monkeypatch.setenv(handshake.TIMEOUT_ENV_VAR, "0")  # 0: wait forever (FlashInfer's behaviour)
-    assert handshake.resolve_timeout_s(None) == 0.0
-    monkeypatch.setenv(handshake.TIMEOUT_ENV_VAR, "")
-    assert handshake.resolve_timeout_s(None) == 30.0
-    assert handshake.resolve_timeout_s(7) == 7.0  # an explicit argument wins
-    assert handshake.resolve_timeout_s(0) == 0.0
-    assert handshake.resolve_timeout_s(np.float32(0.5)) == 0.5
-    assert handshake.resolve_timeout_s(3600) == 3600.0
-
-
-@pytest.mark.parametrize(
-    "raw, match",
-    [
-        ("abc", "is not a number of seconds"),
-        ("-1", r"must be in \[0, 3600\] seconds \(0: wait"),
-        ("nan", r"must be in \[0, 3600\]"),
-        ("inf", r"must be in \[0, 3600\]"),
-        ("4000", r"must be in \[0, 3600\]"),
-    ],
-)
-def test_bad_timeouts_from_the_environment(monkeypatch, raw, match):
-    monkeypatch.setenv(handshake.TIMEOUT_ENV_VAR, raw)
-    with pytest.raises(ValueError, match=r"\$JAX_FUSEDAR_TIMEOUT_S.*" + match):
-        handshake.resolve_timeout_s(None)
-
-
-@pytest.mark.parametrize(
-    "value, error",
-    [
-        (-0.5, ValueError),
-        (float("nan"), ValueError),
-        (3600.5, ValueError),
-        (True, TypeError),
-        ("10", TypeError),
-        ([1], TypeError),
-    ],
-)
-def test_bad_timeout_arguments(value, error):
-    with pytest.raises(error, match="timeout_s"):
-        handshake.resolve_timeout_s(value)
-    with pytest.raises(error, match="kernel_timeout_s"):
-        handshake.resolve_timeout_s(value, name="kernel_timeout_s")
-
-
-def test_the_handshake_timeout_still_refuses_zero():
-    # The handshake's timeout has no "wait forever": 0 stays an error there.
-    with pytest.raises(ValueError, match=r"handshake_timeout_s must be in \(0, 3600\]"):
-        handshake.resolve_handshake_timeout_s(0)
-
-
 # --- JAX plumbing -------------------------------------------------------------------------------
-
-
 def test_jax_build_passes_the_timeout_to_every_native_rank(monkeypatch):
     ws = fake_jax_workspace(monkeypatch, 98, timeout_s=4.5)
     assert [r.kw["timeout_s"] for r in FakeRank.made] == [4.5, 4.5]
@@ -143,30 +82,33 @@ def test_jax_create_resolves_the_timeout_before_anything(monkeypatch):
 
 
 # --- torch plumbing -----------------------------------------------------------------------------
-
-
-def test_torch_create_takes_kernel_timeout_s_keyword_only():
+def test_torch_create_takes_the_options_keyword_only():
     pytest.importorskip("torch")
     import inspect
 
     import torch_compat
 
     params = inspect.signature(torch_compat.create_allreduce_fusion_workspace).parameters
-    p = params["kernel_timeout_s"]
-    assert p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is None
+    for name in ("handshake", "handshake_timeout_s", "kernel_timeout_s"):
+        assert params[name].kind is inspect.Parameter.KEYWORD_ONLY and params[name].default is None
     assert params["timeout_s"].default == 120.0  # the exchange's, unchanged
 
 
-def test_torch_create_refuses_a_bad_kernel_timeout_first(monkeypatch):
+def test_torch_create_refuses_a_bad_option_first(monkeypatch):
     torch = pytest.importorskip("torch")
     import torch_compat
 
     kw = dict(max_token_num=16, hidden_dim=1024, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"kernel_timeout_s must be in \[0, 3600\]"):
         torch_compat.create_allreduce_fusion_workspace("trtllm", kernel_timeout_s=-2, **kw)
-    monkeypatch.setenv(handshake.TIMEOUT_ENV_VAR, "soon")
-    with pytest.raises(ValueError, match="JAX_FUSEDAR_TIMEOUT_S"):
-        torch_compat.create_allreduce_fusion_workspace("trtllm", **kw)
+    for var, raw, match in (
+        (handshake.TIMEOUT_ENV_VAR, "soon", "JAX_FUSEDAR_TIMEOUT_S"),
+        (handshake.HANDSHAKE_ENV_VAR, "2", "JAX_FUSEDAR_HANDSHAKE"),
+    ):
+        with monkeypatch.context() as env:
+            env.setenv(var, raw)
+            with pytest.raises(ValueError, match=match):
+                torch_compat.create_allreduce_fusion_workspace("trtllm", **kw)
 
 
 def test_torch_workspace_reports_the_record():
@@ -174,16 +116,10 @@ def test_torch_workspace_reports_the_record():
     from torch_compat.workspace import TorchAllReduceFusionWorkspace
 
     rank = FakeRank(0, 2, 0, 16, 1024, 2, timeout_s=3.0)
+    kw = dict(global_ranks=[0, 1], rank=0, device=0, max_token_num=16, hidden_dim=1024)
+    sizes = sizing.workspace_sizes(2, 16, 1024, "bfloat16")
     ws = TorchAllReduceFusionWorkspace(
-        native_rank=rank,
-        global_ranks=[0, 1],
-        rank=0,
-        device=0,
-        max_token_num=16,
-        hidden_dim=1024,
-        dtype=torch.bfloat16,
-        sizes=sizing.workspace_sizes(2, 16, 1024, "bfloat16"),
-        timeout_s=3.0,
+        native_rank=rank, dtype=torch.bfloat16, sizes=sizes, timeout_s=3.0, **kw
     )
     assert ws.timeout_s == 3.0 and ws.failure() == ""
     rank.record = "Rank 1 did not arrive"
@@ -217,26 +153,26 @@ def test_torch_moe_finalize_after_a_trap_raises_the_record_before_touching_the_d
     assert len(ws.native_rank().moe_launches) == 1
 
 
-def test_extension_exposes_the_timeout():
+def test_extension_exposes_the_options():
     if not native.available():
         pytest.skip(NO_NATIVE)
     doc = native.ext.Rank.__init__.__doc__
-    assert "timeout_s: float = 30.0" in doc, doc
-    for attr in ("timeout_s", "set_timeout", "failure"):
+    assert "timeout_s: float = 30.0" in doc and "handshake: bool = False" in doc, doc
+    assert "handshake_timeout_s: float = 30.0" in doc, doc
+    for attr in ("timeout_s", "set_timeout", "failure", "handshake", "handshake_timeout_s"):
         assert hasattr(native.ext.Rank, attr)
 
 
 # --- the build: FlashInfer's wait loops are hooked ----------------------------------------------
-
-
-HEADER = REPO / "third_party" / "flashinfer" / "include"
+HEADER = "flashinfer/comm/trtllm_allreduce_fusion.cuh"
+MOE_HEADER = "flashinfer/comm/trtllm_moe_allreduce_fusion.cuh"
 
 
 def _include_dir():
     if shutil.which("cmake") is None:
         pytest.skip("cmake not found")
-    include = os.environ.get("FLASHINFER_INCLUDE_DIR", str(HEADER))
-    if not (pathlib.Path(include) / "flashinfer/comm/trtllm_allreduce_fusion.cuh").exists():
+    include = os.environ.get("FLASHINFER_INCLUDE_DIR", str(REPO / "third_party/flashinfer/include"))
+    if not (pathlib.Path(include) / HEADER).exists():
         pytest.skip("FlashInfer's headers are not fetched (tools/fetch_flashinfer_headers.py)")
     return include
 
@@ -247,52 +183,49 @@ def _run_patching(build_dir, include):
     build_dir.mkdir(parents=True, exist_ok=True)
     script = build_dir / "patch.cmake"
     script.write_text(
-        f'set(CMAKE_BINARY_DIR "{build_dir}")\n'
-        f'set(PROJECT_SOURCE_DIR "{REPO}")\n'
+        f'set(CMAKE_BINARY_DIR "{build_dir}")\nset(PROJECT_SOURCE_DIR "{REPO}")\n'
         f'set(FLASHINFER_INCLUDE_DIR "{include}")\n'
         f'include("{REPO}/ffi/cmake/FlashInferHeaders.cmake")\n'
-        'fusedar_prepare_flashinfer_headers(out out_unhooked)\n'
+        "fusedar_prepare_flashinfer_headers(out out_unhooked)\n"
     )
     return subprocess.run(["cmake", "-P", str(script)], capture_output=True, text=True, timeout=120)
 
 
 def _patched_trees(tmp_path, name):
     """The header ``name`` as fetched, hooked (flashinfer_patched) and as the probe copy
-    (flashinfer_unhooked), which is FlashInfer's header with only six more `inline`s: no hook
-    at all."""
+    (flashinfer_unhooked): FlashInfer's header with only six more `inline`s, no hook at all."""
     include = pathlib.Path(_include_dir())
     if not (include / name).exists():
         pytest.skip(f"{name} is not among the fetched headers")
     run = _run_patching(tmp_path, str(include))
     assert run.returncode == 0, run.stdout + run.stderr
-    original, hooked, unhooked = (
-        (folder / name).read_text()
-        for folder in (include, tmp_path / "flashinfer_patched", tmp_path / "flashinfer_unhooked")
-    )
+    folders = (include, tmp_path / "flashinfer_patched", tmp_path / "flashinfer_unhooked")
+    original, hooked, unhooked = ((folder / name).read_text() for folder in folders)
     assert "fusedar" not in unhooked
     assert unhooked.count("inline ") == original.count("inline ") + 6
     return original, hooked, unhooked
 
 
+def _counts(text, expected):
+    assert {s: text.count(s) for s in expected} == expected
+
+
 def test_the_build_hooks_every_wait_loop(tmp_path):
-    """Runs FlashInferHeaders.cmake's patching (cmake -P) on the fetched header: every
-    spin loop of the kernel is replaced by a bounded one, and no `while` spin is left."""
-    original, text, unhooked = _patched_trees(
-        tmp_path, "flashinfer/comm/trtllm_allreduce_fusion.cuh"
-    )
+    """Every spin loop of FlashInfer's fused kernel is replaced by a bounded one."""
+    original, text, unhooked = _patched_trees(tmp_path, HEADER)
     device = text[: text.index("inline int get_sm_count()")]  # the kernels' part
     assert not re.search(r"while \([^)]*\)\s*\{\s*\}", device), "an unbounded spin is left"
-    assert device.count("::fusedar_wait::spin(") == 3  # 2 grid counters + the barrier
-    assert device.count("FUSEDAR_WAIT_LAMPORT_TICK") == 1
-    assert device.count("::fusedar_wait::count_call(counter_ptr)") == 2
-    assert device.count("barrier.sync(FUSEDAR_WAIT_CTX(false))") == 2
+    # 2 grid counters + the barrier spin.
+    _counts(device, {"::fusedar_wait::spin(": 3, "FUSEDAR_WAIT_LAMPORT_TICK": 1})
+    _counts(device, {"::fusedar_wait::count_call(counter_ptr)": 2})
+    _counts(device, {"barrier.sync(FUSEDAR_WAIT_CTX(false))": 2})
     # The data the loops read is untouched: the same loads, the same conditions.
     assert "done &= !has_neg_zero<T, VEC_SIZE>(vals[r]);" in device
     assert "return ld_flag(m_current_flag) == prev_flag(m_flag_value);" in device
     # FlashInfer's launch geometry (ffi/kernels/launch_registers.cuh): both kernels are held
     # to the unhooked allocation and the launcher reads the unhooked register counts.
-    assert text.count("__global__ void __maxnreg__((::fusedar_geometry::register_cap<") == 2
-    assert text.count("return ::fusedar_geometry::registers_for_geometry<") == 2
+    _counts(text, {"__global__ void __maxnreg__((::fusedar_geometry::register_cap<": 2})
+    _counts(text, {"return ::fusedar_geometry::registers_for_geometry<": 2})
     assert "cudaFuncGetAttributes" not in text
     # The probe copy is FlashInfer's header with only the six `inline`s: no hook at all.
     assert unhooked.replace("inline ", "") == original.replace("inline ", "")
@@ -300,46 +233,36 @@ def test_the_build_hooks_every_wait_loop(tmp_path):
 
 def _code(path):
     """A source file without its comments."""
-    text = path.read_text()
-    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
-    return re.sub(r"//[^\n]*", "", text)
+    return re.sub(r"//[^\n]*", "", re.sub(r"/\*.*?\*/", "", path.read_text(), flags=re.S))
 
 
 def test_the_large_message_waits_are_bounded():
     """The large-message algorithm's flag waits (entry, scatter and gather flags) all go
-    through the bounded wait (fusedar_wait::spin) with a site of their own: no other spin loop
-    is left in its sources."""
+    through fusedar_wait::spin with a site of their own: no other spin loop is left."""
     kernels = REPO / "ffi" / "kernels"
-    files = {
-        name: _code(kernels / name)
-        for name in ("large_sync.cuh", "large_message.cuh", "large_resources.cu")
-    }
+    names = ("large_sync.cuh", "large_message.cuh", "large_resources.cu")
+    files = {name: _code(kernels / name) for name in names}
     for name, code in files.items():  # no spin of its own (the host code has loops with bodies)
         assert not re.search(r"\bwhile\s*\([^;{]*\)\s*(\{\s*\}|;)", code), f"{name} spins"
         assert not re.search(r"\bfor\s*\([^;]*;\s*;", code), f"{name} has an endless for loop"
     # A flag is read in one place only: the condition of the bounded wait.
-    everywhere = "".join(files.values())
+    everywhere = "\n".join(files.values())
     assert everywhere.count("load_acquire_sys(") == 2, "a flag read outside wait_for"
     # The one wait helper is the bounded spin, and every call of it names its site.
     assert re.search(
         r"void wait_for\(const Watch& watch, int site, int peer, int detail,"
-        r"\s*const unsigned int\* flag, unsigned int target\)\s*\{\s*"
-        r"fusedar_wait::spin\(",
+        r"\s*const unsigned int\* flag, unsigned int target\)\s*\{\s*fusedar_wait::spin\(",
         files["large_sync.cuh"],
     ), files["large_sync.cuh"]
-    calls = [
-        m.group(1)
-        for code in files.values()
-        for m in re.finditer(r"\bwait_for\(\s*[\w.]+,\s*watchdog::(k\w+),", code)
-    ]
+    calls = re.findall(r"\bwait_for\(\s*[\w.]+,\s*watchdog::(k\w+),", everywhere)
     assert sorted(calls) == ["kLargeEnter", "kLargeGather", "kLargeScatter"], calls
-    assert sum(code.count("wait_for(") for code in files.values()) == 4  # 3 calls + definition
+    assert everywhere.count("wait_for(") == 4  # 3 calls + the definition
     assert set(calls) <= set(wait_sites())
 
 
 def test_the_gpu_large_message_case_runs_the_large_message_algorithm():
-    """tests/gpu/workers/native_timeout.py's never_large case must stay above the auto crossover, or
-    it would time out in FlashInfer's kernels instead of the large-message waits."""
+    """tests/gpu/workers/native_timeout.py's never_large case must stay above the auto
+    crossover, or it would time out in FlashInfer's kernels instead of the large-message waits."""
     from jax_fusedar.common import launch_mode
     from tests.gpu.workers import native_timeout
 
@@ -348,40 +271,33 @@ def test_the_gpu_large_message_case_runs_the_large_message_algorithm():
 
 
 def test_the_build_hooks_every_wait_loop_of_the_moe_kernels(tmp_path):
-    """The same for FlashInfer's MoE header (patterns 6, 7): in flashinfer_patched both
-    kernels' Lamport polls and LamportComm's grid counter are bounded, and no spin is left;
-    the probe copy has only the six `inline`s."""
-    name = "flashinfer/comm/trtllm_moe_allreduce_fusion.cuh"
-    original, text, unhooked = _patched_trees(tmp_path, name)
+    """The same for FlashInfer's MoE header (patterns 6, 7): both kernels' Lamport polls and
+    LamportComm's grid counter are bounded, and no spin is left."""
+    original, text, unhooked = _patched_trees(tmp_path, MOE_HEADER)
     device = text[: text.index("inline int get_sm_count()")]  # up to the launchers
     assert "__global__" not in device[: device.index("struct LamportComm")]
     assert not re.search(r"while \([^)]*\)\s*\{\s*\}", text), "an unbounded spin is left"
-    assert text.count("while (") == 4  # the two polls (bounded inside) and two launcher loops
-    assert device.count("::fusedar_wait::spin(fusedar_ctx, ::fusedar::watchdog::kGrid") == 1
-    assert device.count("::fusedar_wait::count_call(counter_ptr)") == 1
+    # The two polls (bounded inside) and two launcher loops.
+    _counts(text, {"while (": 4, "cudaFuncGetAttributes": 0})
+    grid = "::fusedar_wait::spin(fusedar_ctx, ::fusedar::watchdog::kGrid"
+    _counts(device, {grid: 1, "::fusedar_wait::count_call(counter_ptr)": 1})
     kernels = text[text.index("inline bool use_oneshot") :]
-    assert kernels.count("comm.update(params.size * NRanks, FUSEDAR_MOE_WAIT_CTX);") == 2
-    assert kernels.count("FUSEDAR_WAIT_STATE") == 2
-    assert kernels.count("FUSEDAR_MOE_WAIT_LAMPORT_TICK") == 2
+    update = "comm.update(params.size * NRanks, FUSEDAR_MOE_WAIT_CTX);"
+    _counts(kernels, {update: 2, "FUSEDAR_WAIT_STATE": 2, "FUSEDAR_MOE_WAIT_LAMPORT_TICK": 2})
     # Each poll is hooked inside its own kernel: one tick per kernel, after its poll loop.
     reduce_at = kernels.index("moereduce_allreduce_fusion_kernel_oneshot_lamport(")
     finalize_at = kernels.index("moefinalize_allreduce_fusion_kernel_oneshot_lamport(")
-    for start, end in ((reduce_at, finalize_at), (finalize_at, len(kernels))):
-        body = kernels[start:end]
+    for body in (kernels[reduce_at:finalize_at], kernels[finalize_at:]):
         assert body.count("FUSEDAR_MOE_WAIT_LAMPORT_TICK") == 1
-        assert (
-            body.index("while (!done)")
-            < body.index("FUSEDAR_MOE_WAIT_LAMPORT_TICK")
-            < body.index("vec_t<T, VEC_SIZE> sum_val")
-        )
+        tick = body.index("FUSEDAR_MOE_WAIT_LAMPORT_TICK")
+        assert body.index("while (!done)") < tick < body.index("vec_t<T, VEC_SIZE> sum_val")
     # The data the loops read is untouched: the same loads, the same conditions.
     assert text.count("done &= !has_neg_zero<T, VEC_SIZE>(vals[r]);") == 2
     assert "return *reinterpret_cast<int volatile*>(counter_ptr) != gridDim.x;" in device
     # The MoE launchers read no register count, but each hooked kernel is held to the
     # unhooked one's registers (ffi/kernels/moe_launch_registers.cuh), so that every block
     # FlashInfer's build launches fits.
-    assert "cudaFuncGetAttributes" not in text
-    assert text.count("__global__ void __maxnreg__((::fusedar_geometry::moe_register_cap<") == 2
+    _counts(text, {"__global__ void __maxnreg__((::fusedar_geometry::moe_register_cap<": 2})
     assert (
         "moe_register_cap<::fusedar_geometry::kMoeReduction, T, NRanks, (AllReduceOut ? 8 "
         ": 0) | (ResidualOut ? 4 : 0) | (NormOut ? 2 : 0) | (QuantOut ? 1 : 0)>())) "
@@ -424,12 +340,11 @@ def test_the_build_hooks_every_wait_loop_of_the_moe_kernels(tmp_path):
 
 
 def test_a_changed_moe_header_fails_the_build_loudly(tmp_path):
-    """A FlashInfer MoE header whose wait loop no longer reads as expected stops the
-    configure with the patch's name, instead of building an unbounded kernel."""
-    name = "flashinfer/comm/trtllm_moe_allreduce_fusion.cuh"
+    """A FlashInfer MoE header whose wait loop no longer reads as expected stops the configure
+    with the patch's name, instead of building an unbounded kernel."""
     src = tmp_path / "src"
     shutil.copytree(_include_dir(), src)
-    header = src / name
+    header = src / MOE_HEADER
     text = header.read_text()
     assert text.count("    bool done = false;\n") == 2
     header.write_text(text.replace("    bool done = false;\n", "    bool done{false};\n", 1))
@@ -443,8 +358,6 @@ def test_a_changed_moe_header_fails_the_build_loudly(tmp_path):
 
 
 # --- the failure message (host-only) ------------------------------------------------------------
-
-
 HOST_PROGRAM = r"""
 // Host-only exercise of the failure record's text: no CUDA call is made (no GPU here).
 #include <cstdio>
@@ -474,8 +387,7 @@ int main() {
   a.algorithm = FUSEDAR_ALGORITHM_ONESHOT; a.fp32_acc = 1;
   call(a);
   d.rank = 0; d.world = 2; d.device = 1; d.peer = 1; d.seq = 4;
-  d.waited_ns = 3000400000ull; d.timeout_ns = 3000000000ull;
-  d.kind = watchdog::kWaitTimeout;
+  d.waited_ns = 3000400000ull; d.timeout_ns = 3000000000ull; d.kind = watchdog::kWaitTimeout;
   show("lamport", watchdog::kLamport, 5);
   fusedar_rank_call_check_failure(&r, buf, sizeof buf);
   std::printf("alias=[%s]\n", buf);
@@ -497,8 +409,7 @@ int main() {
   show("large_enter", watchdog::kLargeEnter, 3);
   show("large_scatter", watchdog::kLargeScatter, 2);
   show("large_gather", watchdog::kLargeGather, 1);
-  // Every site has its own text (SITES: the enumerators, from watchdog.h).
-  for (int site : {SITES}) {
+  for (int site : {SITES}) {  // every site has its own text (SITES: watchdog.h's enumerators)
     char name[16];
     std::snprintf(name, sizeof name, "site%d", site);
     show(name, site, 0);
@@ -509,12 +420,9 @@ int main() {
 """
 
 
-WATCHDOG_H = REPO / "ffi" / "core" / "watchdog.h"
-
-
 def wait_sites():
     """Site enumerators of ffi/core/watchdog.h: {name: value}."""
-    text = WATCHDOG_H.read_text()
+    text = (REPO / "ffi" / "core" / "watchdog.h").read_text()
     body = text[text.index("enum Site : int {") :]
     body = body[: body.index("};")]
     return {m.group(1): int(m.group(2)) for m in re.finditer(r"\b(k\w+) = (\d+),", body)}
@@ -524,11 +432,8 @@ def wait_sites():
 def test_failure_messages_name_the_peer(tmp_path):
     sites = wait_sites()
     kernel_sites = [v for k, v in sites.items() if k != "kHandshake"]  # the handshake's own text
-    lines = run_host_program(
-        tmp_path,
-        "host_timeout",
-        HOST_PROGRAM.replace("{SITES}", "{" + ", ".join(map(str, kernel_sites)) + "}"),
-    )
+    program = HOST_PROGRAM.replace("{SITES}", "{" + ", ".join(map(str, kernel_sites)) + "}")
+    lines = run_host_program(tmp_path, "host_timeout", program)
     assert lines["clean"] == "[]"
     lamport = lines["lamport"]
     assert lamport.startswith(
@@ -548,23 +453,17 @@ def test_failure_messages_name_the_peer(tmp_path):
         "dtype=bfloat16 num_tokens=8192 hidden_dim=4096 large-message fp32_acc=1 layout=0 "
         "block_quant_group_size=0}: waited 3.0 s (timeout 3.0 s) for rank 1 to deliver "
     )
-    assert lines["large_enter"].startswith(
-        large + "its large-message entry flag (large-message call 3 of this rank). Rank 1 did "
-        "not arrive"
-    ), lines["large_enter"]
-    assert lines["large_scatter"].startswith(
-        large + "its large-message chunk 2 scatter flag (its input rows of this rank's slice). "
-        "Rank 1 did not arrive"
-    ), lines["large_scatter"]
-    assert lines["large_gather"].startswith(
-        large + "its large-message chunk 1 gather flag (its reduced rows). Rank 1 did not arrive"
-    ), lines["large_gather"]
-    for key in ("large_enter", "large_scatter", "large_gather"):
-        assert "restart the process" in lines[key] and "JAX_FUSEDAR_TIMEOUT_S" in lines[key]
+    for key, flag in (
+        ("large_enter", "entry flag (large-message call 3 of this rank)"),
+        ("large_scatter", "chunk 2 scatter flag (its input rows of this rank's slice)"),
+        ("large_gather", "chunk 1 gather flag (its reduced rows)"),
+    ):
+        text = lines[key]
+        assert text.startswith(f"{large}its large-message {flag}. Rank 1 did not arrive"), text
+        assert "restart the process" in text and "JAX_FUSEDAR_TIMEOUT_S" in text
     # Site coverage: every wait site of the kernels has a text of its own.
-    assert {"kLamport", "kBarrier", "kGrid", "kLargeEnter", "kLargeScatter", "kLargeGather"} <= set(
-        sites
-    ), sites
+    named = {"kLamport", "kBarrier", "kGrid", "kLargeEnter", "kLargeScatter", "kLargeGather"}
+    assert named <= set(sites), sites
     texts = [lines[f"site{v}"] for v in kernel_sites]
     assert not [t for t in texts if "an unknown wait" in t], texts
     wheres = [t[t.index(" to deliver ") : t.index(". ", t.index(" to deliver "))] for t in texts]
