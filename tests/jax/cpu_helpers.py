@@ -1,11 +1,7 @@
-"""Shared helpers of the JAX CPU tests (tests/jax/test_reference.py, tests/jax/test_api.py,
-...): 8 virtual CPU devices, meshes, random inputs and the float64-oracle checks with their
-ulp bounds.
-
-tests/jax/conftest.py sets JAX_PLATFORMS / XLA_FLAGS before any test module imports JAX (XLA
-reads the virtual device count once per process); a test module imports this module and calls
-``require_host_devices()`` at module level.
-"""
+"""Shared helpers of the JAX CPU tests: 8 virtual CPU devices, meshes, random inputs and the
+float64-oracle checks with their ulp bounds. tests/jax/conftest.py sets JAX_PLATFORMS /
+XLA_FLAGS before any test module imports JAX (XLA reads the virtual device count once per
+process); a test module calls ``require_host_devices()`` at module level."""
 
 from __future__ import annotations
 
@@ -62,8 +58,8 @@ def require_host_devices(n: int = HOST_DEVICES) -> None:
 
 
 def new_rng() -> np.random.Generator:
-    """A generator with a fresh seed from os.urandom (or $JAX_FUSEDAR_TEST_SEED to replay a
-    failure). The seed is printed, so pytest shows it with any failure of the test."""
+    """A freshly seeded generator ($JAX_FUSEDAR_TEST_SEED replays a failure); the seed is
+    printed, so pytest shows it with any failure of the test."""
     seed = int(os.environ.get(SEED_ENV_VAR) or int.from_bytes(os.urandom(8), "little"))
     print(f"random seed: {seed} (replay with {SEED_ENV_VAR}={seed})")
     return np.random.default_rng(seed)
@@ -81,14 +77,11 @@ def random_values(rng, shape, dtype_name: str) -> np.ndarray:
 def random_partials(rng, shape, dtype_name: str) -> np.ndarray:
     """Per-rank partial sums (leading axes: [..., rank]) whose fp32 sum is exact in any order.
 
-    The all-reduce accumulates in fp32 in an order the API does not fix (psum's or the
-    kernel's), so it is within an ulp of |sum| only when that accumulation is exact. It is not
-    for arbitrary inputs, 16-bit ones included: with cancellation a tiny partial loses bits
-    in an fp32 partial sum (seven bf16 values of ~0.5 cancelling exactly plus 1.77e-6 came out
-    3 bf16 ulps off). So the partials are normal values on a 2**-16 grid, below 7.5 in
-    magnitude: representable in every dtype (< 2**-9 they have under 8 significant bits) and
-    summing exactly in fp32 for up to 16 ranks (|sum| < 2**7 = 2**23 grid steps).
-    """
+    The all-reduce accumulates in fp32 in an order the API does not fix, so it is within an
+    ulp of |sum| only when that accumulation is exact; with cancellation a tiny partial loses
+    bits (seven bf16 values of ~0.5 cancelling exactly plus 1.77e-6 came out 3 bf16 ulps off).
+    So: normal values on a 2**-16 grid below 7.5 in magnitude, representable in every dtype
+    and summing exactly in fp32 for up to 16 ranks (|sum| < 2**7 = 2**23 grid steps)."""
     x = np.clip(np.round(rng.standard_normal(shape) * 2.0**16) / 2.0**16, -7.5, 7.5)
     out = x.astype(np.float32).astype(jdtype(dtype_name))
     # Rounding to a 16-bit type keeps the grid: a multiple of 2**-16 stays one.
@@ -97,16 +90,11 @@ def random_partials(rng, shape, dtype_name: str) -> np.ndarray:
 
 
 def partials_of_kind(kind, rng, world, shape, dtype_name) -> np.ndarray:
-    """Per-rank partial sums [world, *shape] in the call dtype, of a kind chosen to reach
-    an all-reduce's error bound or not (tests/jax/test_accumulation_bound.py,
-    test_fallback_numerics.py):
-
-    normal:     standard normal (what the GPU tests draw);
-    cancelling: rank r holds +-A_r with sum_r A_r ~ 0 plus a small term, so the running sum
-                is large while the total is small: each rounding of a large partial sum
-                counts against a small |s| (the case fp32_acc=False is worst at);
-    growing:    same-signed values, partial sums growing with every rank;
-    tiny:       magnitudes near the type's smallest normal (float16's subnormals)."""
+    """Per-rank partial sums [world, *shape] in the call dtype, of a kind chosen to reach an
+    all-reduce's error bound or not: normal (what the GPU tests draw); cancelling (rank r holds
+    +-A_r with sum_r A_r ~ 0 plus a small term: each rounding of a large running sum counts
+    against a small |s|, fp32_acc=False's worst case); growing (same-signed, partial sums
+    growing with every rank); tiny (near the type's smallest normal: float16's subnormals)."""
     if kind == "normal":
         x = rng.standard_normal((world, *shape))
     elif kind == "cancelling":
@@ -197,10 +185,9 @@ def n_outputs(pattern):
 
 
 def kernel_rounding(partials, residual, dtype_name: str, *, fp32_acc: bool = True):
-    """(allreduce_out, residual_out) rounded exactly where the kernel rounds, in numpy:
-    s = T(sum of the partials), with fp32_acc rounded once (the partials must sum exactly in
-    fp32, as random_partials' do) and without it rounded after every addition in rank order;
-    then r = T(float(s) + float(residual))."""
+    """(allreduce_out, residual_out) rounded where the kernel rounds: s = T(sum), rounded once
+    with fp32_acc (the partials must sum exactly in fp32, as random_partials' do), else after
+    every addition in rank order; then r = T(float(s) + float(residual))."""
     t = jdtype(dtype_name)
     partials = np.asarray(partials)
     if fp32_acc or dtype_name == "float32":
@@ -219,44 +206,26 @@ def bits(a) -> np.ndarray:
     return a.view(f"u{a.itemsize}")
 
 
-def _f64(a) -> np.ndarray:
-    return np.asarray(a).astype(np.float64)
-
-
-def check_outputs(
-    dtype_name: str,
-    partials,
-    *,
-    residual=None,
-    gamma=None,
-    weight_bias=0.0,
-    rms_eps=RMS_EPS,
-    allreduce_out=None,
-    residual_out=None,
-    norm_out=None,
-    what: str = "",
-) -> dict:
-    """Asserts that the given outputs match the float64 oracle for the per-rank ``partials``
-    (a sequence of [M, H] arrays) within the ulp bounds above; returns the errors.
-
-    Each output must also have the shape [M, H] and the call dtype. ``residual`` defaults to
-    zeros, as in the API."""
+def check_outputs(dtype_name, partials, *, residual=None, gamma=None, weight_bias=0.0,
+                  rms_eps=RMS_EPS, what="", **outputs) -> dict:  # fmt: skip
+    """Asserts that the given outputs (of shape [M, H] and the call dtype) match the float64
+    oracle for the per-rank ``partials`` ([M, H] each) within the ulp bounds above; returns
+    the errors. ``residual`` defaults to zeros, as in the API."""
     partials = [np.asarray(x) for x in partials]
     shape = partials[0].shape
     residual = np.zeros(shape, partials[0].dtype) if residual is None else np.asarray(residual)
     gamma = np.ones(shape[-1]) if gamma is None else np.asarray(gamma)
-    residual, gamma = _f64(residual), _f64(gamma)
-    s, r, y, inv = oracle.fused_reference(
-        [_f64(x) for x in partials], residual, gamma, rms_eps=rms_eps, weight_bias=weight_bias
-    )
-    error_ulps = {
+    f64 = lambda a: np.asarray(a).astype(np.float64)
+    residual, gamma = f64(residual), f64(gamma)
+    kw = dict(rms_eps=rms_eps, weight_bias=weight_bias)
+    s, r, y, inv = oracle.fused_reference([f64(x) for x in partials], residual, gamma, **kw)
+    error_ulps = {  # of the outputs given: allreduce_out, residual_out, norm_out
         "allreduce_out": lambda out: oracle.allreduce_error_ulps(out, s, dtype_name),
         "residual_out": lambda out: oracle.residual_error_ulps(out, s, r, residual, dtype_name),
         "norm_out": lambda out: oracle.norm_error_ulps(
             out, s, y, inv, residual, gamma, weight_bias=weight_bias, dtype_name=dtype_name
         ),
     }
-    outputs = dict(allreduce_out=allreduce_out, residual_out=residual_out, norm_out=norm_out)
     errors = {}
     for name, out in ((k, np.asarray(v)) for k, v in outputs.items() if v is not None):
         assert out.shape == shape and out.dtype == jdtype(dtype_name), (
@@ -289,45 +258,33 @@ def assert_same_bits(a, b, what):
 
 def fusedar_warnings(caplog) -> list[str]:
     """The messages of the WARNING records the jax_fusedar logger left in ``caplog``."""
-    return [
-        r.getMessage()
-        for r in caplog.records
-        if r.name == "jax_fusedar" and r.levelno == logging.WARNING
-    ]
+    ours = [r for r in caplog.records if r.name == "jax_fusedar"]
+    return [r.getMessage() for r in ours if r.levelno == logging.WARNING]
 
 
 def cuda_text(traceable, *args) -> str:
-    """The StableHLO text of ``traceable`` (a jitted function) traced at ``args`` and lowered
-    for cuda on this CPU machine."""
+    """StableHLO of jitted ``traceable`` traced at ``args``, lowered for cuda on this CPU."""
     return traceable.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def partitioned_shard_text(cfg, mesh, args, check_vma=False) -> str:
     """What XLA compiles on each GPU for a plain-jit site on Auto axes: the partition rule's
-    per-shard program for ``cfg`` at the global ``args``, lowered for cuda inside a manual
-    region over ``mesh`` (as custom_partitioning does at compile time; ``check_vma`` to the
-    shard_map)."""
+    per-shard program for ``cfg`` at the global ``args``, lowered for cuda in a manual region
+    over ``mesh`` (as custom_partitioning does at compile time)."""
     from jax_fusedar.ops import partitioning
 
     _, local, outs, ins = partitioning.partition(cfg, mesh, args, None)
-    f = jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=tuple(s.spec for s in ins),
-        out_specs=tuple(s.spec for s in outs),
-        check_vma=check_vma,
-    )
+    specs = dict(in_specs=tuple(s.spec for s in ins), out_specs=tuple(s.spec for s in outs))
+    f = jax.shard_map(local, mesh=mesh, check_vma=check_vma, **specs)
     placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(args, ins)]
     return cuda_text(jax.jit(f), *placed)
 
 
 def moe_body(ws, pattern, **kwargs):
-    """(body, output count) of one MoE call inside shard_map on inputs stacked per rank (a
-    leading dim of 1 per rank): pattern 6 takes (expert_outputs, expert_scales, token_input,
-    residual, gamma) and returns residual_out, norm_out, allreduce_out; pattern 7 takes
-    (permuted_input, index map, expert_scale_factor, residual, gamma) and returns
-    residual_out, norm_out. ``kwargs`` go to the call."""
-
+    """(body, output count) of one MoE call in shard_map on inputs stacked per rank (leading
+    dim 1 per rank): pattern 6 maps (expert_outputs, expert_scales, token_input, residual,
+    gamma) to residual_out, norm_out, allreduce_out; pattern 7 (permuted_input, index map,
+    expert_scale_factor, residual, gamma) to residual_out, norm_out."""
     kwargs = dict(axis_name=ws.axis_name, workspace=ws, **kwargs)
 
     def reduction(outputs, scales, token_input, residual, gamma):

@@ -4,8 +4,6 @@ VJPs equal, bit for bit, those of the same math written unfused in plain JAX
 scan, checkpoint (with and without policies), cond, stop_gradient and check_vma both ways;
 quantized outputs have zero derivative; a few SGD steps give the same losses."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,21 +12,9 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 import jax_fusedar as jf
-from tests.jax.cpu_helpers import (
-    assert_same_bits,
-    cuda_text,
-    jdtype,
-    make_mesh,
-    n_outputs,
-    new_rng,
-    pattern_outputs,
-    put,
-    random_gamma,
-    random_values,
-    require_host_devices,
-    tp_mesh,
-    xla_workspace,
-)
+from tests.jax.cpu_helpers import assert_same_bits, cuda_text, jdtype, make_mesh, n_outputs, new_rng
+from tests.jax.cpu_helpers import pattern_outputs, put, random_gamma, random_values
+from tests.jax.cpu_helpers import require_host_devices, tp_mesh, xla_workspace
 from jax_fusedar.ops import reference
 
 require_host_devices()
@@ -36,80 +22,50 @@ require_host_devices()
 Q = jf.AllReduceFusionPattern
 EPS = 1e-5
 TOKENS, HIDDEN, FFN, LAYERS = 8, 256, 512, 2
+SPECS = (P(None, None, "tp"), P(None, "tp", None), P(), P())
+POLICIES = {
+    "checkpoint": None,
+    "checkpoint_dots": jax.checkpoint_policies.checkpoint_dots,
+    "checkpoint_nothing": jax.checkpoint_policies.nothing_saveable,
+    "checkpoint_names": jax.checkpoint_policies.save_only_these_names("normed"),
+}
 
 
 def fused_combine(ws, pattern=Q.kARResidualRMSNorm, **kw):
     """(partial, residual, gamma) -> (residual_out, norm_out) through the fused op."""
-
     kw.update(axis_name="tp", workspace=ws, pattern=pattern, rms_eps=EPS)
-
-    def combine(p, r, g):
-        o = jf.allreduce_fusion(p, residual=r, rms_gamma=g, **kw)
-        return o.residual_out, o.norm_out
-
-    return combine
+    return lambda p, r, g: tuple(jf.allreduce_fusion(p, residual=r, rms_gamma=g, **kw)[1:3])
 
 
 def unfused_combine(*, weight_bias=0.0, fp32_acc=True, fallback="xla", **_):
     """The same with psum + residual add + RMSNorm in plain JAX (the reference math, with the
     fused call's fallback all-reduce; gamma rounded to the stream's dtype as the fused op
     does with a float32 gamma)."""
-
     kw = dict(rms_eps=EPS, weight_bias=weight_bias, fp32_acc=fp32_acc, fallback=fallback)
-
-    def combine(p, r, g):
-        _, r_out, y = reference.allreduce_fusion_reference(
-            p, r, g.astype(p.dtype), axis_name="tp", pattern=1, **kw
-        )
-        return r_out, y
-
-    return combine
+    ref = reference.allreduce_fusion_reference
+    return lambda p, r, g: ref(p, r, g.astype(p.dtype), axis_name="tp", pattern=1, **kw)[1:]
 
 
-def plain_jnp_combine():
+def plain_jnp_combine(p, r, g):
     """What a user writes without jax_fusedar, for float32: psum + add + RMSNorm in jnp."""
-
-    def combine(p, r, g):
-        r = jax.lax.psum(p, "tp") + r
-        y = r * jax.lax.rsqrt(jnp.mean(r * r, axis=-1, keepdims=True) + EPS) * g
-        return r, y
-
-    return combine
-
-
-def mlp_layer(combine, w1, w2, g, r, y):
-    h = jnp.tanh(y @ w1)  # [T, F/tp], varying over "tp"
-    return combine(h @ w2, r, g)  # partial sums of [T, H] -> (residual, normed)
+    r = jax.lax.psum(p, "tp") + r
+    return r, r * jax.lax.rsqrt(jnp.mean(r * r, axis=-1, keepdims=True) + EPS) * g
 
 
 def model_body(combine, variant):
     """shard_map body: LAYERS layers over the residual stream x; returns the last norm."""
-    layer = functools.partial(mlp_layer, combine)
+    # tanh(y @ w1) is [T, F/tp], varying over "tp"; its @ w2 the partial sums of [T, H].
+    layer = lambda w1, w2, g, r, y: combine(jnp.tanh(y @ w1) @ w2, r, g)
     if variant.startswith("checkpoint"):
-        policy = {
-            "checkpoint": None,
-            "checkpoint_dots": jax.checkpoint_policies.checkpoint_dots,
-            "checkpoint_nothing": jax.checkpoint_policies.nothing_saveable,
-            "checkpoint_names": jax.checkpoint_policies.save_only_these_names("normed"),
-        }[variant]
-
         plain = layer
-
-        def named(*a):
-            r, y = plain(*a)
-            return r, checkpoint_name(y, "normed")
-
-        layer = jax.checkpoint(named, policy=policy)
+        named = lambda *a: (lambda r, y: (r, checkpoint_name(y, "normed")))(*plain(*a))
+        layer = jax.checkpoint(named, policy=POLICIES[variant])
 
     def body(w1, w2, gamma, x):
         r, y = x, x
         if variant == "scan":
-
-            def step(carry, ws):
-                return layer(*ws, *carry), None
-
-            (r, y), _ = jax.lax.scan(step, (r, y), (w1, w2, gamma))
-            return y
+            step = lambda carry, ws: (layer(*ws, *carry), None)
+            return jax.lax.scan(step, (r, y), (w1, w2, gamma))[0][1]
         for i in range(LAYERS):
             if variant == "cond":
                 # The fused layer on one branch, a local op on the other (predicate invariant).
@@ -129,43 +85,20 @@ def mlp_params(rng, dtype, gamma_dtype=None):
     w2 = (random_values(rng, (LAYERS, FFN, HIDDEN), "float32") / np.sqrt(FFN)).astype(dtype)
     gamma = random_gamma(rng, HIDDEN, gamma_dtype or dtype, leading=(LAYERS,))
     x = random_values(rng, (TOKENS, HIDDEN), dtype)
-    target = random_values(rng, (TOKENS, HIDDEN), "float32")
-    return (w1, w2, gamma, x), target
+    return (w1, w2, gamma, x), random_values(rng, (TOKENS, HIDDEN), "float32")
 
 
-SPECS = (P(None, None, "tp"), P(None, "tp", None), P(), P())
-
-
-def placed(mesh, params):
-    return tuple(put(mesh, s, a) for s, a in zip(SPECS, params))
+placed = lambda mesh, params: tuple(put(mesh, s, a) for s, a in zip(SPECS, params))
 
 
 def model(mesh, combine, variant="plain", check_vma=True):
-    return jax.shard_map(
-        model_body(combine, variant), mesh=mesh, in_specs=SPECS, out_specs=P(), check_vma=check_vma
-    )
+    body = model_body(combine, variant)
+    return jax.shard_map(body, mesh=mesh, in_specs=SPECS, out_specs=P(), check_vma=check_vma)
 
 
 def loss_fn(mesh, combine, variant="plain", check_vma=True):
     f = model(mesh, combine, variant, check_vma)
-
-    def loss(params, target):
-        y = f(*params)
-        return jnp.mean((y.astype(jnp.float32) - target) ** 2)
-
-    return loss
-
-
-def fused_and_unfused(transform, mesh, dtype, variant="plain", check_vma=True, unfused=None, **kw):
-    """``jit(transform(loss))`` of the fused and the unfused MLP (``kw`` to both combines;
-    ``unfused`` replaces unfused_combine) at fresh parameters: (fused result, unfused one)."""
-    params, target = mlp_params(new_rng(), dtype)
-    params = placed(mesh, params)
-    unfused = unfused or unfused_combine(**kw)
-    return tuple(
-        jax.jit(transform(loss_fn(mesh, combine, variant, check_vma)))(params, target)
-        for combine in (fused_combine(xla_workspace(mesh, dtype), **kw), unfused)
-    )
+    return lambda params, target: jnp.mean((f(*params).astype(jnp.float32) - target) ** 2)
 
 
 def some_change(tree):
@@ -173,42 +106,51 @@ def some_change(tree):
     assert any(np.any(np.asarray(leaf) != 0) for leaf in jax.tree.leaves(tree))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("mesh_shape", [(8,), (2, 4)], ids=["tp8", "dp2_tp4"])
-def test_mlp_gradients_equal_the_unfused_model(dtype, mesh_shape):
-    names = ("tp",) if len(mesh_shape) == 1 else ("dp", "tp")
-    got, want = fused_and_unfused(jax.value_and_grad, make_mesh(mesh_shape, names), dtype)
-    assert_same_bits(got, want, f"grad {dtype} {mesh_shape}")
-    some_change(got[1])
+SLOW, OLDEST = pytest.mark.slow, (pytest.mark.slow, pytest.mark.oldest)
 
 
-def test_float32_gradients_equal_plain_jnp_psum_and_rmsnorm():
-    """In float32 the reference's roundings are identities: the fused op's gradients equal
-    those of the model written with jax.lax.psum and jnp alone, bit for bit."""
-    plain = plain_jnp_combine()
-    got, want = fused_and_unfused(jax.value_and_grad, tp_mesh(), "float32", unfused=plain)
-    assert_same_bits(got, want, "float32 grad vs plain jnp")
+def grad_case(transform, shape, dtype, variant="plain", check_vma=True, marks=SLOW, **kw):
+    name = "-".join([transform.__name__, dtype, "x".join(map(str, shape)), variant, str(check_vma)])
+    name += "".join(f"-{k}={v.__name__ if callable(v) else v}" for k, v in kw.items())
+    return pytest.param(transform, shape, dtype, variant, check_vma, kw, marks=marks, id=name)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
-    "variant",
+    "transform,mesh_shape,dtype,variant,check_vma,kw",
     [
-        pytest.param("scan", marks=pytest.mark.oldest),
-        "checkpoint",
-        "checkpoint_dots",
-        "checkpoint_nothing",
-        "checkpoint_names",
-        pytest.param("cond", marks=pytest.mark.oldest),
-        "stop_gradient",
+        *(
+            grad_case(jax.value_and_grad, s, d)
+            for d in ("bfloat16", "float32")
+            for s in ((8,), (2, 4))
+        ),
+        # In float32 the reference's roundings are identities: the fused op's gradients equal
+        # those of the model written with jax.lax.psum and jnp alone, bit for bit.
+        grad_case(jax.value_and_grad, (8,), "float32", marks=(), unfused=plain_jnp_combine),
+        *(
+            grad_case(
+                jax.grad, (8,), "bfloat16", v, c, marks=OLDEST if v in ("scan", "cond") else SLOW
+            )
+            for v in ("scan", *POLICIES, "cond", "stop_gradient")
+            for c in (True, False)
+        ),
+        grad_case(jax.grad, (8,), "bfloat16", weight_bias=1.0),
+        grad_case(jax.grad, (8,), "bfloat16", fp32_acc=False, fallback="kernel_exact"),
     ],
 )
-@pytest.mark.parametrize("check_vma", [True, False])
-def test_grad_under_transformations(variant, check_vma):
-    got, want = fused_and_unfused(jax.grad, tp_mesh(), "bfloat16", variant, check_vma)
-    assert_same_bits(got, want, f"grad under {variant}, check_vma={check_vma}")
-    some_change(got)
+def test_gradients_equal_the_unfused_model(transform, mesh_shape, dtype, variant, check_vma, kw):
+    """jit(transform(loss)) of the fused and the unfused MLP (``kw`` to both combines;
+    ``unfused`` replaces unfused_combine) at fresh parameters: the same bits."""
+    mesh = make_mesh(mesh_shape, ("tp",) if len(mesh_shape) == 1 else ("dp", "tp"))
+    params, target = mlp_params(new_rng(), dtype)
+    params = placed(mesh, params)
+    kw = dict(kw)
+    unfused = kw.pop("unfused", None) or unfused_combine(**kw)
+    combines = (fused_combine(xla_workspace(mesh, dtype), **kw), unfused)
+    got, want = (
+        jax.jit(transform(loss_fn(mesh, c, variant, check_vma)))(params, target) for c in combines
+    )
+    assert_same_bits(got, want, f"{transform.__name__} {dtype} {mesh_shape} {variant} {check_vma}")
+    some_change(got[1] if transform is jax.value_and_grad else got)
 
 
 @pytest.mark.slow
@@ -218,29 +160,17 @@ def test_jvp_and_vjp(variant, check_vma):
     """Forward mode (not available through custom_vjp) and an explicit VJP with a random
     cotangent."""
     mesh = tp_mesh()
-    ws = xla_workspace(mesh, "bfloat16")
     rng = new_rng()
     params, tangents = (placed(mesh, mlp_params(rng, "bfloat16")[0]) for _ in range(2))
     ct = random_values(rng, (TOKENS, HIDDEN), "bfloat16")
     results = []
-    for combine in (fused_combine(ws), unfused_combine()):
+    for combine in (fused_combine(xla_workspace(mesh, "bfloat16")), unfused_combine()):
         f = model(mesh, combine, variant, check_vma)
         jvp = jax.jit(lambda p, t, f=f: jax.jvp(lambda *a: f(*a), p, t))(params, tangents)
         vjp = jax.jit(lambda p, c, f=f: jax.vjp(lambda *a: f(*a), *p)[1](c))(params, ct)
         results.append((jvp, vjp))
     assert_same_bits(results[0], results[1], f"jvp/vjp under {variant}, check_vma={check_vma}")
     some_change(results[0][0][1])
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "kw",
-    [{"weight_bias": 1.0}, {"fp32_acc": False, "fallback": "kernel_exact"}],
-    ids=["weight_bias", "no_fp32_acc"],
-)
-def test_gradients_with_weight_bias_and_without_fp32_acc(kw):
-    got, want = fused_and_unfused(jax.grad, tp_mesh(), "bfloat16", **kw)
-    assert_same_bits(got, want, f"grad with {kw}")
 
 
 @pytest.mark.slow
@@ -251,13 +181,13 @@ def test_float32_gamma_with_bfloat16_stream():
     float32) equals that of the unfused model that rounds it the same way."""
     mesh = tp_mesh()
     ws = xla_workspace(mesh, "bfloat16")
-    rng = new_rng()
-    params, target = mlp_params(rng, "bfloat16", gamma_dtype="float32")
+    params, target = mlp_params(new_rng(), "bfloat16", gamma_dtype="float32")
     assert params[2].dtype == np.float32
     rounded = (*params[:2], params[2].astype(jdtype("bfloat16")), params[3])
     assert np.any(params[2] != rounded[2].astype(np.float32))  # the rounding is real
-    fwd32 = jax.jit(model(mesh, fused_combine(ws)))(*placed(mesh, params))
-    fwd16 = jax.jit(model(mesh, fused_combine(ws)))(*placed(mesh, rounded))
+    fwd32, fwd16 = (
+        jax.jit(model(mesh, fused_combine(ws)))(*placed(mesh, p)) for p in (params, rounded)
+    )
     assert_same_bits(fwd32, fwd16, "float32 gamma vs gamma rounded to bfloat16")
     params = placed(mesh, params)
     got = jax.jit(jax.grad(loss_fn(mesh, fused_combine(ws))))(params, target)
@@ -270,20 +200,16 @@ def test_float32_gamma_with_bfloat16_stream():
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_sgd_steps_give_equal_losses(dtype):
     mesh = tp_mesh()
-    ws = xla_workspace(mesh, dtype)
     params0, target = mlp_params(new_rng(), dtype)
     curves = []
-    for combine in (fused_combine(ws), unfused_combine()):
+    for combine in (fused_combine(xla_workspace(mesh, dtype)), unfused_combine()):
         step_loss = jax.value_and_grad(loss_fn(mesh, combine))
 
         @jax.jit
         def step(params, target):
             loss, grads = step_loss(params, target)
-            params = (
-                *(p - (0.5 * g).astype(p.dtype) for p, g in zip(params[:3], grads[:3])),
-                params[3],
-            )
-            return loss, params
+            sgd = (p - (0.5 * g).astype(p.dtype) for p, g in zip(params[:3], grads[:3]))
+            return loss, (*sgd, params[3])
 
         params, losses = placed(mesh, params0), []
         for _ in range(4):
@@ -295,36 +221,26 @@ def test_sgd_steps_give_equal_losses(dtype):
     assert_same_bits(curves[0][1], curves[1][1], "parameters after SGD")
 
 
-def _one_call(ws, pattern, mesh, dtype, residual_spec=P(), **kw):
-    """jit(shard_map) of one call on x [8*T, H] (sharded), residual and gamma; returns the
-    function of (x, residual, gamma) giving the pattern's non-None outputs."""
-
-    def body(x, r, g):
-        return pattern_outputs(ws, pattern, x, r, g, dict(kw, rms_eps=EPS))
-
-    out_specs = (residual_spec,) * n_outputs(pattern)
-    return jax.shard_map(
-        body, mesh=mesh, in_specs=(P("tp"), residual_spec, P()), out_specs=out_specs
-    )
-
-
-def psum_tp(x):
-    return jax.lax.psum(x, "tp")
+def one_call(ws, pattern, mesh, residual_spec=P(), **kw):
+    """shard_map of one call on x [8*T, H] (sharded), residual and gamma: the function of
+    (x, residual, gamma) giving the pattern's non-None outputs."""
+    body = lambda x, r, g: pattern_outputs(ws, pattern, x, r, g, dict(kw, rms_eps=EPS))
+    in_specs, out_specs = (P("tp"), residual_spec, P()), (residual_spec,) * n_outputs(pattern)
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
 
 
 def test_allreduce_pattern_gradient_is_psums():
     mesh = tp_mesh()
-    ws = xla_workspace(mesh, "float32")
     rng = new_rng()
     x = put(mesh, P("tp"), random_values(rng, (8 * TOKENS, HIDDEN), "float32"))
     w = random_values(rng, (TOKENS, HIDDEN), "float32")
-    f = _one_call(ws, Q.kAllReduce, mesh, "float32")
+    f = one_call(xla_workspace(mesh, "float32"), Q.kAllReduce, mesh)
     g_fused = jax.jit(jax.grad(lambda x: jnp.sum(f(x, None, None)[0] * w)))(x)
-
-    def unfused(x):
-        return jnp.sum(jax.shard_map(psum_tp, mesh=mesh, in_specs=P("tp"), out_specs=P())(x) * w)
-
-    assert_same_bits(g_fused, jax.jit(jax.grad(unfused))(x), "pattern 0 grad vs psum")
+    psum = jax.shard_map(
+        lambda x: jax.lax.psum(x, "tp"), mesh=mesh, in_specs=P("tp"), out_specs=P()
+    )
+    g_psum = jax.jit(jax.grad(lambda x: jnp.sum(psum(x) * w)))(x)
+    assert_same_bits(g_fused, g_psum, "pattern 0 grad vs psum")
     # psum's transpose under check_vma=True: every rank's x gets the output's cotangent.
     np.testing.assert_array_equal(np.asarray(g_fused), np.tile(w, (8, 1)))
 
@@ -346,28 +262,21 @@ def test_quantized_patterns_differentiate_norm_out_and_not_the_codes(pattern, kw
     mesh = tp_mesh()
     ws = xla_workspace(mesh, "bfloat16")
     rng = new_rng()
-    f = _one_call(ws, pattern, mesh, "bfloat16", **kw)
-    ref = _one_call(ws, Q.kARResidualRMSNorm, mesh, "bfloat16")
+    f, ref = one_call(ws, pattern, mesh, **kw), one_call(ws, Q.kARResidualRMSNorm, mesh)
     x, r = (random_values(rng, (n * TOKENS, HIDDEN), "bfloat16") for n in (8, 1))
-    args = (
-        put(mesh, P("tp"), x),
-        put(mesh, P(), r),
-        put(mesh, P(), random_gamma(rng, HIDDEN, "bfloat16")),
-    )
+    args = (put(mesh, P("tp"), x), put(mesh, P(), r))
+    args += (put(mesh, P(), random_gamma(rng, HIDDEN, "bfloat16")),)
     w = random_values(rng, (TOKENS, HIDDEN), "float32")
 
     def loss(outs):
         res, norm = (o.astype(jnp.float32) for o in outs[:2])
         return jnp.sum(res * w) + jnp.sum(jnp.cos(norm))
 
-    grad = lambda fn: jax.jit(jax.grad(lambda *a: loss(fn(*a)), argnums=(0, 1, 2)))(*args)
-    assert_same_bits(grad(f), grad(ref), f"pattern {int(pattern)} grad through residual/norm_out")
-
-    def through_codes(*a):
-        return sum(jnp.sum(o.astype(jnp.float32)) for o in f(*a)[2:])
-
-    g_codes = jax.jit(jax.grad(through_codes, argnums=(0, 1, 2)))(*args)
-    assert all(not np.any(np.asarray(v)) for v in g_codes)
+    grad = lambda fn: jax.jit(jax.grad(fn, argnums=(0, 1, 2)))(*args)
+    what = f"pattern {int(pattern)} grad through residual/norm_out"
+    assert_same_bits(grad(lambda *a: loss(f(*a))), grad(lambda *a: loss(ref(*a))), what)
+    codes = grad(lambda *a: sum(jnp.sum(o.astype(jnp.float32)) for o in f(*a)[2:]))
+    assert all(not np.any(np.asarray(v)) for v in codes)
     tangents = tuple(jnp.ones_like(a) for a in args)
     outs, touts = jax.jit(lambda a, t: jax.jvp(f, a, t))(args, tangents)
     for o, t in zip(outs[2:], touts[2:]):
@@ -382,14 +291,12 @@ def test_per_rank_residual_tangents_stay_per_rank():
     """check_vma=True with a residual that varies over "tp" and no tangent for it: the
     residual_out tangent (invariant sum) is marked varying like residual_out itself."""
     mesh = tp_mesh()
-    ws = xla_workspace(mesh, "float32")
     rng = new_rng()
-    f = _one_call(ws, Q.kARResidualRMSNorm, mesh, "float32", residual_spec=P("tp"))
-    x, r = (
-        put(mesh, P("tp"), random_values(rng, (8 * TOKENS, HIDDEN), "float32")) for _ in range(2)
-    )
+    f = one_call(xla_workspace(mesh, "float32"), Q.kARResidualRMSNorm, mesh, residual_spec=P("tp"))
+    value = lambda: put(mesh, P("tp"), random_values(rng, (8 * TOKENS, HIDDEN), "float32"))
+    x, r = value(), value()
     g = put(mesh, P(), random_gamma(rng, HIDDEN, "float32"))
-    dx = put(mesh, P("tp"), random_values(rng, (8 * TOKENS, HIDDEN), "float32"))
+    dx = value()
     specs = dict(in_specs=(P("tp"), P("tp"), P()), out_specs=(P("tp"),) * 2)
     ref = jax.shard_map(unfused_combine(), mesh=mesh, **specs)
 

@@ -1,8 +1,6 @@
-"""The one machinery every jax_fusedar FFI op is declared through (``ffi_op.FfiOp``): the
-registry of ops and FFI targets that ``jax_fusedar.export`` reads, and an op declared here in
-a page (a scaled all-reduce) that is a JAX citizen with no rule of its own beyond its
-declaration: jit + shard_map on the reference, the VMA rule under check_vma, grad through the
-default JVP, vmap, and on cuda the custom call with its attributes and aliases."""
+"""The one machinery every FFI op is declared through (``ffi_op.FfiOp``): the registry that
+``jax_fusedar.export`` reads, and an op declared here in a page (a scaled all-reduce) that is
+a JAX citizen by its declaration alone: jit + shard_map, check_vma, grad, vmap, cuda lowering."""
 
 import jax
 import jax.numpy as jnp
@@ -58,57 +56,42 @@ def scaled_sum(x, ws, scale=2.0, use_kernel=False):
 
 
 KW = dict(max_token_num=4, hidden_dim=128, dtype=jnp.float32)
-
-
-def xla_workspace(mesh):
-    return jf.create_allreduce_fusion_workspace(mesh, "tp", **KW)
+MESH = tp_mesh()
+WS = jf.create_allreduce_fusion_workspace(MESH, "tp", **KW)
 
 
 def test_every_op_of_the_package_is_declared_in_the_registry():
-    from jax_fusedar.ops import dense as primitive, moe as moe_primitive
+    from jax_fusedar.ops import dense, moe
 
     ops = {op.name: op for op in ffi_op.declared_ops()}
-    assert ops["jax_fusedar_allreduce_fusion"] is primitive.allreduce_fusion_op
-    assert ops["jax_fusedar_moe_reduction_allreduce_fusion"] is moe_primitive.moe_reduction_op
-    assert ops["jax_fusedar_moe_finalize_allreduce_fusion"] is moe_primitive.moe_finalize_op
-    # Every handler of an op is exempt from jax.export's check; the benchmarks' device
-    # timestamp (no op, no host twin) is not.
-    assert ffi_op.export_safe_targets() == tuple(
-        t for role, t in native.FFI_TARGETS.items() if role != "device_timestamp"
-    )
-    assert list(jf.export.DISABLED_CHECKS) == [
-        jax.export.DisabledSafetyCheck.custom_call(t) for t in ffi_op.export_safe_targets()
-    ]
-
-
-def test_an_op_is_declared_once():
-    with pytest.raises(ValueError, match="declared twice"):
-        ffi_op.FfiOp("tests_scaled_allreduce", **DECLARATION)
+    assert ops["jax_fusedar_allreduce_fusion"] is dense.allreduce_fusion_op
+    assert ops["jax_fusedar_moe_reduction_allreduce_fusion"] is moe.moe_reduction_op
+    assert ops["jax_fusedar_moe_finalize_allreduce_fusion"] is moe.moe_finalize_op
+    # Every handler of an op is exempt from jax.export's check: the dense op's and the one
+    # both MoE ops call; the benchmarks' device timestamp (no op, no host twin) is not.
+    want = tuple(t for role, t in native.FFI_TARGETS.items() if role != "device_timestamp")
+    assert ffi_op.export_safe_targets() == want
+    check = jax.export.DisabledSafetyCheck.custom_call
+    assert list(jf.export.DISABLED_CHECKS) == [check(t) for t in ffi_op.export_safe_targets()]
+    targets = (dense.FFI_TARGET, native.FFI_TARGETS["moe_allreduce_fusion"])
+    assert jf.export.DISABLED_CHECKS == tuple(check(t) for t in targets)
 
 
 def test_a_declared_op_runs_under_jit_and_shard_map_with_its_vma_rule():
-    mesh = tp_mesh()
-    ws = xla_workspace(mesh)
     x = np.arange(8 * 4 * 128, dtype=np.float32).reshape(8, 4, 128) / 1024
     # out_specs=P() needs the invariant result
-    f = jit_shard_map(lambda x: scaled_sum(x[0], ws), mesh, P("tp"), P())
+    f = jit_shard_map(lambda x: scaled_sum(x[0], WS), MESH, P("tp"), P())
     np.testing.assert_allclose(np.asarray(f(x)), 2 * x.astype(np.float64).sum(0), rtol=1e-6)
+    match = "tests.scaled_allreduce must be called inside jax.shard_map"
+    with pytest.raises(ValueError, match=match):
+        scaled_sum(np.ones((4, 128), np.float32), WS)
 
 
 def test_a_declared_op_differentiates_and_vmaps_through_the_machinery():
-    mesh = tp_mesh()
-    ws = xla_workspace(mesh)
     x = np.random.default_rng(0).standard_normal((8, 3, 4, 128)).astype(np.float32)
-
-    def loss(x):
-        return jnp.sum(scaled_sum(x, ws, scale=3.0) ** 2)
-
-    def body(x):
-        g = jax.grad(loss)(x[0])
-        batched = jax.vmap(lambda r: scaled_sum(r, ws))(x[0])
-        return g[None], batched
-
-    g, batched = jit_shard_map(body, mesh, P("tp"), (P("tp"), P()))(x)
+    loss = lambda x: jnp.sum(scaled_sum(x, WS, scale=3.0) ** 2)
+    body = lambda x: (jax.grad(loss)(x[0])[None], jax.vmap(lambda r: scaled_sum(r, WS))(x[0]))
+    g, batched = jit_shard_map(body, MESH, P("tp"), (P("tp"), P()))(x)
     total = x.astype(np.float64).sum(0)
     # A float32 sum of 8 standard normals is within 8 * 2**-24 * sum|x| of the exact one.
     bound = 8 * 2.0**-24 * np.abs(x.astype(np.float64)).sum(0).max()
@@ -119,19 +102,10 @@ def test_a_declared_op_differentiates_and_vmaps_through_the_machinery():
     np.testing.assert_allclose(np.asarray(batched), 2 * total, rtol=0, atol=2 * 2 * bound)
 
 
-def test_a_declared_op_refuses_to_run_outside_shard_map():
-    ws = xla_workspace(tp_mesh())
-    with pytest.raises(
-        ValueError, match="tests.scaled_allreduce must be called inside jax.shard_map"
-    ):
-        scaled_sum(np.ones((4, 128), np.float32), ws)
-
-
 def test_a_declared_op_lowers_to_its_custom_call_on_cuda():
-    mesh = tp_mesh()
-    ws = jf.abstract_workspace(mesh, "tp", **KW)
+    ws = jf.abstract_workspace(MESH, "tp", **KW)
     f = jit_shard_map(
-        lambda x: scaled_sum(x[0], ws, scale=0.5, use_kernel=True), mesh, P("tp"), P()
+        lambda x: scaled_sum(x[0], ws, scale=0.5, use_kernel=True), MESH, P("tp"), P()
     )
     text = cuda_text(f, jax.ShapeDtypeStruct((8, 4, 128), jnp.float32))
     call = [line for line in text.splitlines() if f"@{SCALED_SUM.target}" in line]
@@ -140,17 +114,14 @@ def test_a_declared_op_lowers_to_its_custom_call_on_cuda():
     assert "all_reduce" not in text  # the handler reduces, not XLA
 
 
-def test_an_op_outside_the_pattern_table_declares_its_own_rules():
+def test_an_op_is_declared_once_and_outside_the_pattern_table_declares_its_own_rules():
+    with pytest.raises(ValueError, match="declared twice"):
+        ffi_op.FfiOp("tests_scaled_allreduce", **DECLARATION)
     # Its operands alone are not enough: the table's rules read the pattern's results.
+    incomplete = dict(target="allreduce_fusion", public_name="x", operands=lambda **_: ("x",))
+    incomplete.update(reference=_reference, attributes=lambda **_: {})
     with pytest.raises(ValueError, match="outside the pattern table: declare its abstract_eval"):
-        ffi_op.FfiOp(
-            "tests_incomplete",
-            target="allreduce_fusion",
-            public_name="x",
-            operands=lambda **_: ("x",),
-            reference=_reference,
-            attributes=lambda **_: {},
-        )
+        ffi_op.FfiOp("tests_incomplete", **incomplete)
     assert SCALED_SUM.operand_names({"scale": 2.0}) == ("x",)
     want = "FfiOp('tests_scaled_allreduce', target='jax_fusedar_allreduce_fusion_v2')"
     assert repr(SCALED_SUM) == want
@@ -161,13 +132,8 @@ def test_the_tables_ops_take_their_operands_by_the_tables_names():
     from jax_fusedar.ops.moe import moe_finalize_op
 
     params = {"has_expert_scale": True, "has_shared_expert": False}
-    assert moe_finalize_op.operand_names(params) == (
-        "permuted_input",
-        "expanded_idx_to_permuted_idx",
-        "residual",
-        "rms_gamma",
-        "expert_scale_factor",
-    )
+    want = ("permuted_input", "expanded_idx_to_permuted_idx", "residual", "rms_gamma")
+    assert moe_finalize_op.operand_names(params) == (*want, "expert_scale_factor")
     call = dict(workspace=None, axis_name="tp", plan=None, decided=None, **params)
     with pytest.raises(AssertionError, match="the table's"):
         moe_finalize_op.call({"permuted_input": None}, **call)

@@ -1,9 +1,7 @@
-"""``row_parallel_allreduce_fusion`` under plain jit + shardings (no shard_map), on 8 CPU devices:
-a 4-layer MaxText-style model (NamedSharding on the weights, Auto axes partitioned by Shardy
-through custom_partitioning, and Explicit axes) gives the same bits as the same model
-written with shard_map + allreduce_fusion; the partition rule's choices (which axis, which
-workspace, the plain math when k is not sharded); the per-shard program lowered for cuda
-holds the fused custom call; argument errors."""
+"""``row_parallel_allreduce_fusion`` under plain jit + shardings (no shard_map), 8 CPU devices:
+a 4-layer MaxText-style model (Auto axes partitioned by Shardy through custom_partitioning,
+and Explicit axes) gives the bits of the same model written with shard_map; the partition
+rule's choices; the per-shard program lowered for cuda holds the fused custom call."""
 
 import contextlib
 import functools
@@ -17,40 +15,23 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_fusedar as jf
-from tests.jax.cpu_helpers import (
-    bits,
-    cuda_text,
-    jdtype,
-    jit_shard_map,
-    mesh_2x4,
-    new_rng,
-    partitioned_shard_text,
-    put,
-    random_gamma,
-    random_values,
-    require_host_devices,
-)
+from tests.jax.cpu_helpers import bits, cuda_text, jdtype, jit_shard_map, mesh_2x4, new_rng
+from tests.jax.cpu_helpers import partitioned_shard_text, put, random_gamma, random_values
+from tests.jax.cpu_helpers import require_host_devices
 from jax_fusedar.ops import partitioning, reference
 from jax_fusedar.ops.dense import FFI_TARGET
 
 require_host_devices()
 
-from tests.jax.sharded_model import (  # noqa: E402
-    BATCH,
-    FFN,
-    HIDDEN,
-    LAYERS,
-    SEQ,
-    jit_model,
-    model_params,
-    place,
-    shard_map_model,
-)
+from tests.jax.sharded_model import BATCH, FFN, HIDDEN, LAYERS, SEQ, jit_model  # noqa: E402
+from tests.jax.sharded_model import model_params, place, shard_map_model  # noqa: E402
 
 
-# Environment and once-per-kind logging reset per test (conftest.py).
-# Also in the oldest-versions lane (./dev oldest).
+# Environment and once-per-kind logging reset per test (conftest.py); ./dev oldest runs it too.
 pytestmark = [pytest.mark.usefixtures("hermetic"), pytest.mark.oldest]
+
+
+BF = jnp.bfloat16
 
 
 def residual_and_norm(h, w, r, g, **kwargs):
@@ -59,7 +40,7 @@ def residual_and_norm(h, w, r, g, **kwargs):
 
 
 def bf16_workspace(mesh, axis="tp", make=jf.abstract_workspace, max_token_num=64):
-    return make(mesh, axis, max_token_num=max_token_num, hidden_dim=HIDDEN, dtype=jnp.bfloat16)
+    return make(mesh, axis, max_token_num=max_token_num, hidden_dim=HIDDEN, dtype=BF)
 
 
 @pytest.mark.slow
@@ -133,11 +114,8 @@ def test_plain_math_when_the_contracting_dim_is_not_sharded(caplog):
 def partition_args(mesh, h_spec, w_spec, r_spec=P()):
     """Abstract (h [32, FFN], w [FFN, HIDDEN], residual, gamma) placed as the specs say."""
     shapes = [(32, FFN), (FFN, HIDDEN), (32, HIDDEN), (HIDDEN,)]
-    specs = (h_spec, w_spec, r_spec, P())
-    return tuple(
-        jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, spec))
-        for shape, spec in zip(shapes, specs)
-    )
+    sds = lambda shape, spec: jax.ShapeDtypeStruct(shape, BF, sharding=NamedSharding(mesh, spec))
+    return tuple(sds(shape, spec) for shape, spec in zip(shapes, (h_spec, w_spec, r_spec, P())))
 
 
 def cfg(workspaces=(), strict=None, h_ndim=2):
@@ -166,20 +144,26 @@ def test_partition_rule_shardings(h_spec, w_spec, want_h, want_w, want_out):
     assert [s.spec for s in outs] == [want_out, want_out]
 
 
-def lower_partitioned_shard_for_cuda(
-    workspaces, h_spec=P("dp", "tp"), w_spec=P("tp", None), **cfg_kwargs
-):
+def lower_partitioned_shard_for_cuda(workspaces, h_spec=P("dp", "tp"), w_spec=P("tp", None), **kw):
     """partitioned_shard_text of a site on the 2 x 4 mesh."""
     mesh = mesh_2x4(AxisType.Auto)
-    args = partition_args(mesh, h_spec, w_spec)
-    return partitioned_shard_text(cfg(workspaces, **cfg_kwargs), mesh, args)
+    return partitioned_shard_text(cfg(workspaces, **kw), mesh, partition_args(mesh, h_spec, w_spec))
 
 
-def test_partitioned_shard_lowers_to_the_fused_custom_call_for_cuda():
-    mesh = mesh_2x4(AxisType.Auto)
-    ws = bf16_workspace(mesh)
-    text = lower_partitioned_shard_for_cuda([ws])
-    assert text.count(f"@{FFI_TARGET}") == 1 and "all_reduce" not in text
+@pytest.mark.parametrize(
+    "h_spec,w_spec",
+    [(P("dp", "tp"), P("tp", None)), (P(None, ("dp", "tp")), P(("dp", "tp"), None))],
+    ids=["k_over_tp", "k_over_dp_and_tp"],
+)
+def test_partitioned_shard_lowering_for_cuda(h_spec, w_spec):
+    """k sharded over "tp": the fused custom call; over two axes: the reference over both."""
+    text = lower_partitioned_shard_for_cuda(
+        [bf16_workspace(mesh_2x4(AxisType.Auto))], h_spec, w_spec
+    )
+    if w_spec == P("tp", None):
+        assert text.count(f"@{FFI_TARGET}") == 1 and "all_reduce" not in text
+    else:
+        assert FFI_TARGET not in text and "all_reduce" in text
 
 
 def test_explicit_axes_lower_to_the_fused_custom_call_for_cuda():
@@ -200,22 +184,19 @@ def test_no_matching_workspace_falls_back_with_a_logged_reason_or_raises_in_stri
     assert "no workspace was given for mesh axis 'tp'" in caplog.text
     with pytest.raises(ValueError, match="no workspace was given for mesh axis 'tp'"):
         lower_partitioned_shard_for_cuda([other], strict=True)
-
-
-def test_k_sharded_over_two_axes_uses_the_reference_over_both():
-    mesh = mesh_2x4(AxisType.Auto)
-    ws = bf16_workspace(mesh)
-    text = lower_partitioned_shard_for_cuda(
-        [ws], h_spec=P(None, ("dp", "tp")), w_spec=P(("dp", "tp"), None)
-    )
-    assert FFI_TARGET not in text and "all_reduce" in text
+    # The partition rule runs inside XLA's compilation: its ValueError comes back as XLA's
+    # runtime error carrying the same message.
+    wrong_axis = bf16_workspace(mesh, "dp", jf.create_allreduce_fusion_workspace)
+    h = put(mesh, P(None, "tp"), jnp.ones((8, FFN), BF))
+    w = put(mesh, P("tp"), jnp.ones((FFN, HIDDEN), BF))
+    r, g = jnp.ones((8, HIDDEN), BF), jnp.ones(HIDDEN, BF)
+    f = jax.jit(lambda h, w: residual_and_norm(h, w, r, g, workspace=wrong_axis, strict=True)[1])
+    with pytest.raises(Exception, match="no workspace was given for mesh axis 'tp'.*strict"):
+        f(h, w)
 
 
 def test_argument_errors():
-    h = jnp.zeros((4, 16), jnp.bfloat16)
-    w = jnp.zeros((16, 32), jnp.bfloat16)
-    r = jnp.zeros((4, 32), jnp.bfloat16)
-    g = jnp.zeros((32,), jnp.bfloat16)
+    h, w, r, g = (jnp.zeros(shape, BF) for shape in ((4, 16), (16, 32), (4, 32), (32,)))
     call = jf.row_parallel_allreduce_fusion
     with pytest.raises(ValueError, match="h must be"):
         call(h[0], w, residual=r, rms_gamma=g)
@@ -229,15 +210,12 @@ def test_argument_errors():
         call(h, w.astype(jnp.float32), residual=r, rms_gamma=g)
     with pytest.raises(TypeError, match="workspace must be"):
         call(h, w, residual=r, rms_gamma=g, workspace="tp")
-    mesh = mesh_2x4(AxisType.Auto)
+    inner = lambda h, w: call(h, w, residual=r, rms_gamma=g).norm_out
     for axis_type in (AxisType.Auto, AxisType.Explicit):  # inside shard_map: refused
-        m = mesh_2x4(axis_type)
         with pytest.raises(ValueError, match="outside shard_map"):
-            inner = lambda h, w: call(h, w, residual=r, rms_gamma=g).norm_out  # noqa: E731
-            jit_shard_map(inner, m, (P(), P()), P())(h, w)
-    ws = jf.create_allreduce_fusion_workspace(
-        mesh, "tp", max_token_num=8, hidden_dim=32, dtype=jnp.bfloat16
-    )
+            jit_shard_map(inner, mesh_2x4(axis_type), (P(), P()), P())(h, w)
+    kw = dict(max_token_num=8, hidden_dim=32, dtype=BF)
+    ws = jf.create_allreduce_fusion_workspace(mesh_2x4(AxisType.Auto), "tp", **kw)
     ws.destroy()
     with pytest.raises(ValueError, match="was destroyed"):
         call(h, w, residual=r, rms_gamma=g, workspace=[ws])
@@ -272,16 +250,3 @@ def test_gradients_equal_the_unsharded_plain_math(axis_type):
     for name, a, b in zip(("h", "w", "residual", "gamma"), got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5, err_msg=name)
         assert np.abs(np.asarray(b)).max() > 1e-2, name  # not trivially zero
-
-
-def test_strict_mode_error_surfaces_from_the_partition_rule_at_compile_time():
-    """The partition rule runs inside XLA's compilation: its ValueError comes back as XLA's
-    runtime error carrying the same message."""
-    mesh = mesh_2x4(AxisType.Auto)
-    wrong_axis = bf16_workspace(mesh, "dp", jf.create_allreduce_fusion_workspace)
-    h = put(mesh, P(None, "tp"), jnp.ones((8, FFN), jnp.bfloat16))
-    w = put(mesh, P("tp"), jnp.ones((FFN, HIDDEN), jnp.bfloat16))
-    r, g = jnp.ones((8, HIDDEN), jnp.bfloat16), jnp.ones(HIDDEN, jnp.bfloat16)
-    f = jax.jit(lambda h, w: residual_and_norm(h, w, r, g, workspace=wrong_axis, strict=True)[1])
-    with pytest.raises(Exception, match="no workspace was given for mesh axis 'tp'.*strict"):
-        f(h, w)

@@ -1,8 +1,7 @@
 """The MoE patterns (6, 7) in JAX on CPU (the reference lowering, with the kernel-exact
 fallback where rounding points are checked): bitwise against a numpy emulation of the
-kernels' rounding points for the rows before the norm, within stated bounds
-of the float64 oracle for everything, the cuda lowering's custom call, vmap, grad, N-D and
-every bad input. 8 virtual host devices."""
+kernels' rounding points for the rows before the norm, within stated bounds of the float64
+oracle for everything, the cuda lowering's custom call, vmap, grad, N-D, every bad input."""
 
 import jax
 import jax.numpy as jnp
@@ -12,14 +11,8 @@ from jax.sharding import PartitionSpec as P
 
 import jax_fusedar as jf
 import tests.oracles.moe_oracle as mo
-from tests.jax.cpu_helpers import (
-    cuda_text,
-    jit_shard_map,
-    put,
-    require_host_devices,
-    run_sharded,
-    tp_mesh,
-)
+from tests.jax.cpu_helpers import cuda_text, jit_shard_map, put, require_host_devices, run_sharded
+from tests.jax.cpu_helpers import tp_mesh
 from jax_fusedar.ops import moe, moe_reference
 from jax_fusedar.ops.plan import CallPlan, choose_moe_kernel
 
@@ -32,14 +25,16 @@ BF = jnp.bfloat16
 SPECS = (P("tp"), P("tp"), P(), P(), P())
 # three per-rank inputs, then the replicated residual and gamma
 RANKED3 = (P("tp"),) * 3 + (P(), P())
+u16 = lambda a: np.asarray(a).view(np.uint16)
+same_bits16 = lambda a, b: np.testing.assert_array_equal(u16(a), u16(b))
 
 
-def workspace(world, dtype, *, tokens, hidden, backend=None):
-    kw = {} if backend is None else {"backend": backend}
-    make = jf.abstract_workspace if backend == "trtllm" else jf.create_allreduce_fusion_workspace
-    mesh = tp_mesh(world)
-    dtype = jnp.dtype(dtype)
-    return make(mesh, "tp", max_token_num=max(tokens, 1), hidden_dim=hidden, dtype=dtype, **kw)
+def workspace(world, dtype, *, tokens, hidden, kernel=False):
+    """An xla workspace, or (``kernel``) an abstract trtllm one, on ``world`` ranks."""
+    kw = dict(max_token_num=max(tokens, 1), hidden_dim=hidden, dtype=jnp.dtype(dtype))
+    if kernel:
+        return jf.abstract_workspace(tp_mesh(world), "tp", backend="trtllm", **kw)
+    return jf.create_allreduce_fusion_workspace(tp_mesh(world), "tp", **kw)
 
 
 def finalize_case(rng, world, dtype, tokens, hidden, top_k, experts, **kw):
@@ -53,77 +48,53 @@ def stack_padded(buffers):
     return np.stack([np.pad(p, ((0, rows - p.shape[0]), (0, 0))) for p in buffers])
 
 
-def check_outputs(outs, case, dtype, rounded, exact, weight_bias=0.0):
+def check_outputs(outs, case, dtype, rounded, exact, wb=0.0):
     """``outs`` (residual_out, norm_out[, allreduce_out]): residual_out and allreduce_out
     bit for bit at the kernel's rounding points, given each rank's ``rounded`` local rows,
     and all of them within 1 of the float64 oracle's bounds (tests/oracles/moe_oracle.py),
     given each rank's (exact local rows, magnitude, additions) of ``exact``."""
-    s, residual_out = mo.epilogue_rounded(rounded, case["residual"], dtype)
+    residual, gamma = case["residual"], case["gamma"]
+    s, residual_out = mo.epilogue_rounded(rounded, residual, dtype)
     for got, want in zip(outs[::2], (residual_out, s)):
-        np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
-    oracle = mo.epilogue64(
-        [e[0] for e in exact], case["residual"], case["gamma"], rms_eps=EPS, weight_bias=weight_bias
-    )
-    world = len(exact)
-    errs = mo.errors(
-        outs,
-        **dict(zip(("s64", "r64", "y64", "inv64"), oracle)),
-        magnitude=sum(e[1] for e in exact) + np.abs(np.asarray(case["residual"], np.float64)),
-        roundings=world * (2 * exact[0][2] + 1) + world,
-        gamma=case["gamma"],
-        weight_bias=weight_bias,
-        dtype_name=dtype,
-    )
+        same_bits16(got, want)
+    oracle = mo.epilogue64([e[0] for e in exact], residual, gamma, rms_eps=EPS, weight_bias=wb)
+    magnitude = sum(e[1] for e in exact) + np.abs(np.asarray(residual, np.float64))
+    roundings = len(exact) * (2 * exact[0][2] + 1) + len(exact)
+    kw = dict(zip(("s64", "r64", "y64", "inv64"), oracle), gamma=gamma, weight_bias=wb)
+    errs = mo.errors(outs, magnitude=magnitude, roundings=roundings, dtype_name=dtype, **kw)
     assert max(errs) <= 1.0, errs
 
 
 def finalize_fn(ws, **kw):
     """(permuted, idx, residual, gamma, scale[, shared]) -> (residual_out, norm_out) of one
     finalize call on this rank's inputs; ``kw`` go to the call."""
+    kw = dict(axis_name="tp", workspace=ws, rms_eps=EPS, **kw)
 
     def body(permuted, idx, residual, gamma, scale, shared=None):
-        out = jf.moe_finalize_allreduce_fusion(
-            permuted,
-            idx,
-            axis_name="tp",
-            workspace=ws,
-            residual=residual,
-            rms_gamma=gamma,
-            expert_scale_factor=scale,
-            shared_expert_output=shared,
-            rms_eps=EPS,
-            **kw,
-        )
+        call = dict(residual=residual, rms_gamma=gamma, expert_scale_factor=scale, **kw)
+        out = jf.moe_finalize_allreduce_fusion(permuted, idx, shared_expert_output=shared, **call)
         assert out.allreduce_out is None
         return out.residual_out, out.norm_out
 
     return body
 
 
-def check_finalize(
-    ws, case, dtype, *, use_scale=True, use_shared=True, routed=1.0, weight_bias=0.0
-):
+def check_finalize(ws, case, dtype, *, use_scale=True, use_shared=True, routed=1.0, wb=0.0):
     """Runs the finalize call on ``ws`` with the kernel's rank-order sum and checks its
     outputs (check_outputs)."""
     scale = case["scale"] if use_scale else None
     shared = [sh if use_shared else None for sh in case["shared"]]
-    call = finalize_fn(
-        ws, routed_scaling_factor=routed, weight_bias=weight_bias, fallback="kernel_exact"
-    )
-
-    def body(permuted, idx, shared, residual, gamma):
-        return call(permuted[0], idx[0], residual, gamma, scale, shared[0] if use_shared else None)
-
+    kw = dict(routed_scaling_factor=routed, weight_bias=wb, fallback="kernel_exact")
+    call = finalize_fn(ws, **kw)
+    body = lambda p, i, sh, r, g: call(p[0], i[0], r, g, scale, sh[0] if use_shared else None)
     args = [stack_padded(case["permuted"]), *map(np.stack, (case["idx"], case["shared"]))]
     args += [case["residual"], case["gamma"]]
     outs = [np.asarray(o) for o in run_sharded(body, ws.mesh, RANKED3, (P(), P()), *args)]
     ranks = list(zip(case["permuted"], case["idx"], shared))
-    rounded = [
-        mo.finalize_local_rounded(p, i, dtype, scale=scale, shared=sh, routed=routed)
-        for p, i, sh in ranks
-    ]
+    kw = dict(scale=scale, routed=routed)
+    rounded = [mo.finalize_local_rounded(p, i, dtype, shared=sh, **kw) for p, i, sh in ranks]
     exact = [mo.finalize_local64(p, i, scale, sh, routed) for p, i, sh in ranks]
-    check_outputs(outs, case, dtype, rounded, exact, weight_bias)
+    check_outputs(outs, case, dtype, rounded, exact, wb)
 
 
 FINALIZE_CASES = [
@@ -144,18 +115,18 @@ FINALIZE_CASES = [
 @pytest.mark.parametrize("case_args", FINALIZE_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_finalize_matches_rounding_points_and_oracle(case_args):
     world, dtype, tokens, hidden, top_k, experts, use_scale, use_shared, routed = case_args
-    rng = np.random.default_rng(tokens * 131 + hidden + top_k)
-    case = finalize_case(rng, *case_args[:6], pad=1)
+    case = finalize_case(
+        np.random.default_rng(tokens * 131 + hidden + top_k), *case_args[:6], pad=1
+    )
     ws = workspace(world, dtype, tokens=tokens, hidden=hidden)
     check_finalize(ws, case, dtype, use_scale=use_scale, use_shared=use_shared, routed=routed)
 
 
 def test_finalize_all_slots_dropped_and_gemma_bias():
     case = finalize_case(np.random.default_rng(5), 2, "bfloat16", 4, 256, 2, 4)
-    case["idx"][0][1] = -1  # token 1 dropped on every rank: only shared + residual remain
-    case["idx"][1][1] = -1
-    ws = workspace(2, "bfloat16", tokens=4, hidden=256)
-    check_finalize(ws, case, "bfloat16", weight_bias=1.0)
+    case["idx"][0][1] = case["idx"][1][1] = -1  # token 1 dropped on every rank
+    ws = workspace(2, "bfloat16", tokens=4, hidden=256)  # only shared + residual remain
+    check_finalize(ws, case, "bfloat16", wb=1.0)
 
 
 REDUCTION_INPUTS = ("expert_outputs", "expert_scales", "token_input")
@@ -164,20 +135,11 @@ REDUCTION_INPUTS = ("expert_outputs", "expert_scales", "token_input")
 def run_reduction(ws, case, *, return_allreduce_out=True, fallback="kernel_exact"):
     """The call's outputs: residual_out, norm_out [, allreduce_out]. The default fallback is
     the kernel's rank-order sum, checked bit for bit."""
+    kw = dict(axis_name="tp", workspace=ws, rms_eps=EPS, fallback=fallback)
+    kw.update(return_allreduce_out=return_allreduce_out)
 
-    def body(x, s, tok, residual, gamma):
-        out = jf.moe_reduction_allreduce_fusion(
-            x[0],
-            s[0],
-            tok[0],
-            axis_name="tp",
-            workspace=ws,
-            residual=residual,
-            rms_gamma=gamma,
-            rms_eps=EPS,
-            return_allreduce_out=return_allreduce_out,
-            fallback=fallback,
-        )
+    def body(x, s, tok, r, g):
+        out = jf.moe_reduction_allreduce_fusion(x[0], s[0], tok[0], residual=r, rms_gamma=g, **kw)
         assert (out.allreduce_out is None) is not return_allreduce_out
         return out[1:] + out[:1] if return_allreduce_out else out[1:]
 
@@ -199,9 +161,8 @@ def run_reduction(ws, case, *, return_allreduce_out=True, fallback="kernel_exact
 )
 def test_reduction_matches_rounding_points_and_oracle(world, dtype, tokens, hidden, experts):
     rng = np.random.default_rng(tokens + hidden + experts)
-    case = mo.random_reduction_case(
-        rng, tokens=tokens, experts=experts, world=world, dtype_name=dtype, hidden=hidden
-    )
+    shape = dict(tokens=tokens, experts=experts, world=world, hidden=hidden)
+    case = mo.random_reduction_case(rng, dtype_name=dtype, **shape)
     outs = run_reduction(workspace(world, dtype, tokens=tokens, hidden=hidden), case)
     ranks = list(zip(*(case[k] for k in REDUCTION_INPUTS)))
     rounded = [mo.reduction_local_rounded(*r, dtype) for r in ranks]
@@ -209,17 +170,15 @@ def test_reduction_matches_rounding_points_and_oracle(world, dtype, tokens, hidd
 
 
 def test_reduction_without_allreduce_out():
-    rng = np.random.default_rng(1)
-    case = mo.random_reduction_case(
-        rng, tokens=2, experts=2, world=2, dtype_name="bfloat16", hidden=256
-    )
+    shape = dict(tokens=2, experts=2, world=2, hidden=256)
+    case = mo.random_reduction_case(np.random.default_rng(1), dtype_name="bfloat16", **shape)
     ws = workspace(2, "bfloat16", tokens=2, hidden=256)
     with_ar = run_reduction(ws, case)
     # The default fallback (the psum in the rows' dtype) is exact for 2 ranks too.
     outs = run_reduction(ws, case, return_allreduce_out=False, fallback="xla")
     assert len(outs) == 2
     for a, b in zip(outs, with_ar[:2]):
-        np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+        same_bits16(a, b)
 
 
 # --- transformations ---------------------------------------------------------------------------
@@ -233,66 +192,45 @@ def test_vmap_and_nd_equal_per_element_calls():
     flat = stack_padded([c["permuted"][r] for r in range(world) for c in cases])
     permuted = flat.reshape(world, len(cases), *flat.shape[1:])
     idx = np.stack([np.stack([c["idx"][r] for c in cases]) for r in range(world)])
-    residual = np.stack([c["residual"] for c in cases])
-    scale = np.stack([c["scale"] for c in cases])
-    gamma = cases[0]["gamma"]
+    residual, scale = (np.stack([c[k] for c in cases]) for k in ("residual", "scale"))
     ws = workspace(world, dtype, tokens=3 * tokens, hidden=hidden)
     body = finalize_fn(ws)
-    mesh = ws.mesh
+    batched = lambda p, i, r, g, s: jax.vmap(body, in_axes=(0, 0, 0, None, 0))(p[0], i[0], r, g, s)
 
-    def batched(permuted, idx, residual, gamma, scale):
-        return jax.vmap(body, in_axes=(0, 0, 0, None, 0))(
-            permuted[0], idx[0], residual, gamma, scale
-        )
-
-    def looped(permuted, idx, residual, gamma, scale):
-        outs = [body(permuted[0, b], idx[0, b], residual[b], gamma, scale[b]) for b in range(3)]
+    def looped(p, i, r, g, s):
+        outs = [body(p[0, b], i[0, b], r[b], g, s[b]) for b in range(3)]
         return tuple(jnp.stack(o) for o in zip(*outs))
 
-    args = [put(mesh, s, a) for s, a in zip(SPECS, (permuted, idx, residual, gamma, scale))]
-    run = lambda f: jit_shard_map(f, mesh, SPECS, (P(), P()))(*args)  # noqa: E731
+    args = (permuted, idx, residual, cases[0]["gamma"], scale)
+    args = [put(ws.mesh, s, a) for s, a in zip(SPECS, args)]
+    run = lambda f: jit_shard_map(f, ws.mesh, SPECS, (P(), P()))(*args)
     for a, b in zip(run(batched), run(looped)):
-        np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+        same_bits16(a, b)
 
 
 @pytest.mark.slow
 def test_grad_equals_grad_of_the_reference():
-    world, dtype, hidden = 2, "float16", 256
-    case = finalize_case(np.random.default_rng(11), world, dtype, 4, hidden, 2, 4)
-    permuted = stack_padded(case["permuted"])
-    idx = np.stack(case["idx"])
-    ws = workspace(world, dtype, tokens=4, hidden=hidden)
-    mesh = ws.mesh
+    case = finalize_case(np.random.default_rng(11), 2, "float16", 4, 256, 2, 4)
+    ws = workspace(2, "float16", tokens=4, hidden=256)
+    ref = lambda p, i, r, g, s: moe_reference.moe_finalize_reference(
+        p, i, r, g, axis_name="tp", expert_scale_factor=s, rms_eps=EPS
+    )
+    args = [stack_padded(case["permuted"]), np.stack(case["idx"])]
+    args += [case[k] for k in ("residual", "gamma", "scale")]
+    args = [put(ws.mesh, s, a) for s, a in zip(SPECS, args)]
 
-    def loss_fused(permuted, idx, residual, gamma, scale):
-        r, n = finalize_fn(ws)(permuted[0], idx[0], residual, gamma, scale)
-        return r.astype(jnp.float32).sum() + (n.astype(jnp.float32) ** 2).sum()
+    def grads(call):  # of permuted (per rank), residual, gamma and scale (summed over ranks)
+        def loss(permuted, idx, residual, gamma, scale):
+            r, n = call(permuted[0], idx[0], residual, gamma, scale)
+            return r.astype(jnp.float32).sum() + (n.astype(jnp.float32) ** 2).sum()
 
-    def loss_ref(permuted, idx, residual, gamma, scale):
-        r, n = moe_reference.moe_finalize_reference(
-            permuted[0],
-            idx[0],
-            residual,
-            gamma,
-            axis_name="tp",
-            expert_scale_factor=scale,
-            rms_eps=EPS,
-        )
-        return r.astype(jnp.float32).sum() + (n.astype(jnp.float32) ** 2).sum()
-
-    args = [
-        put(mesh, s, a)
-        for s, a in zip(SPECS, (permuted, idx, case["residual"], case["gamma"], case["scale"]))
-    ]
-
-    def grads(loss):  # of permuted (per rank), residual, gamma and scale (summed over ranks)
         g = jax.grad(loss, argnums=(0, 2, 3, 4))
-        f = lambda *a: tuple(x if k == 0 else jax.lax.psum(x, "tp") for k, x in enumerate(g(*a)))  # noqa: E731
-        return jit_shard_map(f, mesh, SPECS, (P("tp"), P(), P(), P()))(*args)
+        f = lambda *a: tuple(x if k == 0 else jax.lax.psum(x, "tp") for k, x in enumerate(g(*a)))
+        return jit_shard_map(f, ws.mesh, SPECS, (P("tp"), P(), P(), P()))(*args)
 
-    for a, b in zip(grads(loss_fused), grads(loss_ref)):
+    for a, b in zip(grads(finalize_fn(ws)), grads(ref)):
         assert np.isfinite(np.asarray(a, np.float32)).all()
-        np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+        same_bits16(a, b)
 
 
 # --- the cuda lowering (kernel decision, custom call) on this GPU-less machine -----------------
@@ -301,71 +239,45 @@ def test_grad_equals_grad_of_the_reference():
 def abstract_finalize_args(hidden, tokens=16, batch=()):
     """finalize_fn's arguments on 2 ranks as shapes; ``batch`` leading dims on all but gamma."""
     sds = jax.ShapeDtypeStruct
-    return (
-        sds((2, *batch, 40, hidden), BF),
-        sds((2, *batch, tokens, 8), jnp.int32),
-        sds((*batch, tokens, hidden), BF),
-        sds((hidden,), BF),
-        sds((*batch, tokens, 8), BF),
-    )
+    permuted, idx = sds((2, *batch, 40, hidden), BF), sds((2, *batch, tokens, 8), jnp.int32)
+    rows, scale = sds((*batch, tokens, hidden), BF), sds((*batch, tokens, 8), BF)
+    return permuted, idx, rows, sds((hidden,), BF), scale
 
 
 @pytest.mark.parametrize("hidden,kernel", [(7168, True), (4096, True), (2880, False)])
 def test_cuda_lowering_uses_the_moe_custom_call(hidden, kernel):
-    ws = workspace(2, "bfloat16", tokens=16, hidden=hidden, backend="trtllm")
+    ws = workspace(2, "bfloat16", tokens=16, hidden=hidden, kernel=True)
     args = abstract_finalize_args(hidden)
-
-    def body(permuted, idx, residual, gamma, scale):
-        return finalize_fn(ws, strict=False)(permuted[0], idx[0], residual, gamma, scale)
-
-    f = jit_shard_map(body, ws.mesh, SPECS, (P(), P()))
-    text = cuda_text(f, *args)
+    sharded = lambda **kw: jit_shard_map(
+        lambda p, i, *a: finalize_fn(ws, **kw)(p[0], i[0], *a), ws.mesh, SPECS, (P(), P())
+    )
+    text = cuda_text(sharded(strict=False), *args)
     assert (moe.FFI_TARGET in text) == kernel
     if kernel:
         assert "has_expert_scale = true" in text and "has_shared_expert = false" in text
     else:
-        strict = lambda *a: finalize_fn(ws, strict=True)(a[0][0], a[1][0], *a[2:])  # noqa: E731
         with pytest.raises(ValueError, match="multiple of 256"):
-            jit_shard_map(strict, ws.mesh, SPECS, (P(), P())).trace(*args)
+            sharded(strict=True).trace(*args)
 
 
 def test_vmap_beyond_the_workspace_maps_onto_the_kernel():
     # The op family's one batching rule: a batch the workspace cannot hold folded, where one
     # element fits, runs one kernel call per element (strict: a fallback would raise), as
     # for the dense op; the fold would leave the kernel for psum + RMSNorm.
-    tokens, hidden, batch = 16, 256, 3
-    ws = workspace(2, "bfloat16", tokens=tokens, hidden=hidden, backend="trtllm")
-
-    def body(permuted, idx, residual, gamma, scale):
-        one = finalize_fn(ws, strict=True)
-        return jax.vmap(one, in_axes=(0, 0, 0, None, 0))(
-            permuted[0], idx[0], residual, gamma, scale
-        )
-
+    ws = workspace(2, "bfloat16", tokens=16, hidden=256, kernel=True)
+    one = finalize_fn(ws, strict=True)
+    body = lambda p, i, r, g, s: jax.vmap(one, in_axes=(0, 0, 0, None, 0))(p[0], i[0], r, g, s)
     f = jit_shard_map(body, ws.mesh, SPECS, (P(), P()))
-    text = cuda_text(f, *abstract_finalize_args(hidden, tokens, (batch,)))
+    text = cuda_text(f, *abstract_finalize_args(256, 16, (3,)))
     assert moe.FFI_TARGET in text and "while" in text  # the kernel, in a loop over elements
 
 
 # --- bad inputs --------------------------------------------------------------------------------
 
 
-def call_finalize(ws, permuted, idx, *, gamma=None, **kw):
-    """The op on every rank with the same (concrete, closed-over) index map."""
-    gamma = np.ones(permuted.shape[-1], BF) if gamma is None else gamma
-
-    def body(p):
-        out = jf.moe_finalize_allreduce_fusion(
-            p[0], idx, axis_name="tp", workspace=ws, rms_gamma=gamma, rms_eps=EPS, **kw
-        )
-        return out.residual_out, out.norm_out
-
-    return jit_shard_map(body, ws.mesh, P("tp"), (P(), P()))(np.stack([permuted] * ws.world_size))
-
-
-def bad(idx=((0, 1),), idx_dtype=np.int32, dtype=BF, **kw):
+def bad(idx=((0, 1),), idx_dtype=np.int32, dtype=BF, gamma=np.ones(256, BF), **kw):
     """(permuted rows [4, 256], index map, options) of a finalize call, one of them bad."""
-    return np.zeros((4, 256), dtype), np.array(idx, idx_dtype), kw
+    return np.zeros((4, 256), dtype), np.array(idx, idx_dtype), dict(rms_gamma=gamma, **kw)
 
 
 @pytest.mark.parametrize(
@@ -383,22 +295,26 @@ def bad(idx=((0, 1),), idx_dtype=np.int32, dtype=BF, **kw):
     ],
 )
 def test_finalize_bad_inputs(make, match):
+    """The op on every rank with the same (concrete, closed-over) index map."""
     permuted, idx, kw = make()
     ws = workspace(2, permuted.dtype, tokens=4, hidden=256)  # the rows' own dtype
+    kw.update(axis_name="tp", workspace=ws, rms_eps=EPS)
+
+    def body(p):
+        out = jf.moe_finalize_allreduce_fusion(p[0], idx, **kw)
+        return out.residual_out, out.norm_out
+
     with pytest.raises((ValueError, TypeError), match=match):
-        call_finalize(ws, permuted, idx, **kw)
+        jit_shard_map(body, ws.mesh, P("tp"), (P(), P()))(np.stack([permuted] * ws.world_size))
 
 
 def test_reduction_bad_inputs_and_dense_entry_point_refuses_moe_codes():
     ws = workspace(2, "bfloat16", tokens=4, hidden=256)
     x, s32, tok = np.zeros((2, 3, 256), BF), np.zeros((2, 3), np.float32), np.zeros((3, 256), BF)
     kw = dict(axis_name="tp", workspace=ws, rms_gamma=np.ones(256, BF))
-
-    def call(*args):  # every rank the same inputs
-        body = lambda x, s, t: jf.moe_reduction_allreduce_fusion(x[0], s[0], t[0], **kw).norm_out  # noqa: E731
-        f = jit_shard_map(body, ws.mesh, (P("tp"),) * 3, P())
-        return f(*(np.stack([a] * 2) for a in args))
-
+    body = lambda x, s, t: jf.moe_reduction_allreduce_fusion(x[0], s[0], t[0], **kw).norm_out
+    f = jit_shard_map(body, ws.mesh, (P("tp"),) * 3, P())
+    call = lambda *args: f(*(np.stack([a] * 2) for a in args))  # every rank the same inputs
     with pytest.raises(ValueError, match="expert_scales .*float32"):
         call(x, s32.astype(BF), tok)
     with pytest.raises(ValueError, match="expert_scales"):
@@ -406,7 +322,7 @@ def test_reduction_bad_inputs_and_dense_entry_point_refuses_moe_codes():
     with pytest.raises(ValueError, match="expert_outputs"):
         call(np.zeros((2, 4, 256), BF), s32, tok)
     with pytest.raises(ValueError, match="has its own inputs"):
-        dense = lambda x: jf.allreduce_fusion(x, axis_name="tp", workspace=ws, pattern=7)  # noqa
+        dense = lambda x: jf.allreduce_fusion(x, axis_name="tp", workspace=ws, pattern=7)
         jit_shard_map(lambda x: dense(x).norm_out, ws.mesh, P("tp"), P())(np.zeros((2, 256), BF))
     with pytest.raises(ValueError, match="inside jax.shard_map"):
         jf.moe_reduction_allreduce_fusion(x, s32, tok, **kw)
@@ -437,9 +353,9 @@ def test_kernel_problem_rules(tokens, hidden, world, problem):
 def test_hidden_sizes_flashinfers_launcher_cannot_place_fall_back_or_raise():
     """hidden 8448 (33 warps per token, 1056 threads per CTA): the one MoE rule
     (common.moe_limits, also torch's and the native launch's) keeps it off the kernel."""
-    ws = workspace(2, "bfloat16", tokens=4, hidden=8448, backend="trtllm")
-    plan = CallPlan(ws.backend, ws.sizes, True, True)
+    ws = workspace(2, "bfloat16", tokens=4, hidden=8448, kernel=True)
+    plan = lambda strict: CallPlan(ws.backend, ws.sizes, strict, True)
     with pytest.raises(ValueError, match="1056 threads per block"):
-        choose_moe_kernel(plan, 4, 8448, "bfloat16")
-    assert not choose_moe_kernel(CallPlan(ws.backend, ws.sizes, False, True), 4, 8448, "bfloat16")
-    assert choose_moe_kernel(CallPlan(ws.backend, ws.sizes, True, True), 4, 8192, "bfloat16")
+        choose_moe_kernel(plan(True), 4, 8448, "bfloat16")
+    assert not choose_moe_kernel(plan(False), 4, 8448, "bfloat16")
+    assert choose_moe_kernel(plan(True), 4, 8192, "bfloat16")

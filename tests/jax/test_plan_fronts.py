@@ -1,15 +1,9 @@
-"""One plan per call: the JAX front and torch_compat reach identical plans (``common.plan``:
-whether the kernel serves, with which algorithm, or why not; the results in order) for every
-call of a grid: 0 tokens, the two-shot and workspace limits, the launch limit of the hidden
-size, the large-message threshold, forced modes, every dense pattern and NVFP4 layout, both
-MoE patterns, at world sizes 2 and 4 in bfloat16 and float32.
-
-Each front is asked through its own translation of its own arguments, the function its op
-calls: JAX's ``call_plan.plan_dense`` / ``plan_moe`` (what ``allreduce_fusion`` and the MoE
-ops bind), torch's ``ops.check_call`` / ``moe.check_moe_call`` on meta tensors (what the
-eager op and the fake implementations run). Where the kernel does not serve a call, JAX plans
-its fallback and torch raises: the test asserts torch's error is the plan's reason. Then
-each front's op is checked to act on that plan (the launch torch makes; what JAX binds)."""
+"""One plan per call: the JAX front and torch_compat reach identical plans (``common.plan``)
+for every call of a grid of token counts, hidden sizes, modes, patterns and layouts, each
+front asked through the function its op calls (JAX's ``call_plan.plan_dense`` / ``plan_moe``,
+torch's ``ops.check_call`` / ``moe.check_moe_call`` on meta tensors). Where the kernel does not
+serve, JAX plans its fallback and torch raises the plan's reason. Then each front's op is
+checked to act on that plan."""
 
 import functools
 import itertools
@@ -65,29 +59,12 @@ def _outcome(fn):
         return f"ValueError: {e}"
 
 
-def _dense_points():
-    for world, dtype, pattern in itertools.product((2, 4), ("bfloat16", "float32"), DENSE_PATTERNS):
-        traits = TRAITS[pattern]
-        layouts = (0, 2) if traits.quant == "fp4" else (0,)
-        for tokens, hidden, mode, layout in itertools.product(
-            (0, 1, world, world + 1, 24576, MAX_TOKENS, MAX_TOKENS + 1),
-            DENSE_HIDDEN,
-            MODES,
-            layouts,
-        ):
-            if traits.quant == "fp4" and (dtype == "float32" or hidden % 16):
-                continue  # an argument error of both fronts, raised before any plan
-            yield world, dtype, pattern, tokens, hidden, mode, layout
-
-
 def _meta(shape, dtype):
     return torch.empty(shape, dtype=dtype, device="meta")
 
 
 def _torch_dense(ws, dtype_name, pattern, tokens, hidden, mode, layout):
-    dtype = getattr(torch, dtype_name)
-    traits = TRAITS[pattern]
-    kw = {}
+    dtype, traits, kw = getattr(torch, dtype_name), TRAITS[pattern], {}
     if traits.has_residual:
         kw.update(residual_in=_meta((tokens, hidden), dtype), rms_gamma=_meta((hidden,), dtype))
     if traits.uses_scale_factor:
@@ -100,12 +77,9 @@ def _torch_dense(ws, dtype_name, pattern, tokens, hidden, mode, layout):
 
 
 def _jax_dense(ws, dtype_name, pattern, tokens, hidden, mode, layout, strict=False):
-    kw = dict(
-        strict=strict, layout=layout, group_size=GROUP * (TRAITS[pattern].quant == "group_fp8")
-    )
-    return call_plan.plan_dense(ws, pattern, (tokens, hidden), dtype_name, use_oneshot=mode, **kw)[
-        1
-    ]
+    group = GROUP * (TRAITS[pattern].quant == "group_fp8")
+    kw = dict(strict=strict, layout=layout, group_size=group, use_oneshot=mode)
+    return call_plan.plan_dense(ws, pattern, (tokens, hidden), dtype_name, **kw)[1]
 
 
 def _check_agree(jax_outcome, torch_outcome, seen, prefix=""):
@@ -121,13 +95,16 @@ def _check_agree(jax_outcome, torch_outcome, seen, prefix=""):
 @pytest.mark.parametrize("world", [2, 4])
 def test_both_fronts_plan_every_dense_call_alike(world):
     seen = set()
-    for point in _dense_points():
-        w, dtype, pattern, tokens, hidden, mode, layout = point
-        if w != world:
-            continue
+    counts = (0, 1, world, world + 1, 24576, MAX_TOKENS, MAX_TOKENS + 1)
+    dtypes = ("bfloat16", "float32")
+    grid = itertools.product(dtypes, DENSE_PATTERNS, counts, DENSE_HIDDEN, MODES, (0, 2))
+    for dtype, pattern, tokens, hidden, mode, layout in grid:
+        fp4 = TRAITS[pattern].quant == "fp4"
+        if layout and not fp4 or fp4 and (dtype == "float32" or hidden % 16):
+            continue  # layout 2 is NVFP4's; the rest is an argument error of both fronts
         args = (dtype, pattern, tokens, hidden, mode, layout)
-        j = _outcome(lambda: _jax_dense(jax_workspace(w, dtype), *args))
-        t = _outcome(lambda: _torch_dense(torch_workspace(w, dtype), *args))
+        j = _outcome(lambda: _jax_dense(jax_workspace(world, dtype), *args))
+        t = _outcome(lambda: _torch_dense(torch_workspace(world, dtype), *args))
         _check_agree(j, t, seen)
         if isinstance(j, rules.Plan) and j.kernel:
             seen.add(j.algorithm)
@@ -153,22 +130,16 @@ def test_the_empty_call_is_one_answer_for_both_fronts():
 
 
 def _torch_moe(ws, pattern, tokens, hidden, mode, allreduce_out):
-    dtype = torch.bfloat16
-    kw = dict(residual_in=_meta((tokens, hidden), dtype), rms_gamma=_meta((hidden,), dtype))
-    if pattern == Pattern.kMoEReductionARResidualRMSNorm:
-        e = 2
-        kw.update(
-            moe_reduction_device_num_experts=e,
-            moe_reduction_scale_input=_meta((e, tokens), torch.float32),
-            moe_reduction_active_experts_token_input=_meta((e * tokens, hidden), dtype),
-            moe_reduction_token_input=_meta((tokens, hidden), dtype),
-            output=_meta((tokens, hidden), dtype) if allreduce_out else None,
-        )
+    rows = lambda n: _meta((n, hidden), torch.bfloat16)
+    kw = dict(residual_in=rows(tokens), rms_gamma=_meta((hidden,), torch.bfloat16))
+    if pattern == Pattern.kMoEReductionARResidualRMSNorm:  # 2 experts
+        kw.update(moe_reduction_device_num_experts=2, moe_reduction_token_input=rows(tokens))
+        kw.update(moe_reduction_scale_input=_meta((2, tokens), torch.float32))
+        kw.update(moe_reduction_active_experts_token_input=rows(2 * tokens))
+        kw["output"] = rows(tokens) if allreduce_out else None
     else:
-        kw.update(
-            input=_meta((2 * tokens + 1, hidden), dtype),
-            expanded_idx_to_permuted_idx=_meta((tokens, 2), torch.int32),
-        )
+        kw.update(input=rows(2 * tokens + 1))
+        kw["expanded_idx_to_permuted_idx"] = _meta((tokens, 2), torch.int32)
     return moe.check_moe_call(pattern, ws, use_oneshot=mode, **kw).plan
 
 
@@ -182,17 +153,18 @@ def _jax_moe(ws, pattern, tokens, hidden, mode, allreduce_out):
 @pytest.mark.parametrize("world", [2, 4])
 def test_both_fronts_plan_every_moe_call_alike(world):
     seen = set()
-    for pattern, tokens, hidden, mode in itertools.product(
-        MOE_PATTERNS, (0, 1, world + 1, MAX_TOKENS // 8, MAX_TOKENS + 1), MOE_HIDDEN, MODES
-    ):
-        for allreduce_out in (False, True) if pattern == MOE_PATTERNS[0] else (False,):
-            args = (pattern, tokens, hidden, mode, allreduce_out)
-            j = _outcome(lambda: _jax_moe(jax_workspace(world, "bfloat16"), *args))
-            t = _outcome(lambda: _torch_moe(torch_workspace(world, "bfloat16"), *args))
-            _check_agree(j, t, seen, prefix=f"{pattern.name}: ")
-            if isinstance(j, rules.Plan):
-                names = [s.name for s in j.outputs]
-                assert names == ["residual_out", "norm_out"] + ["allreduce_out"] * allreduce_out
+    counts = (0, 1, world + 1, MAX_TOKENS // 8, MAX_TOKENS + 1)
+    grid = itertools.product(MOE_PATTERNS, counts, MOE_HIDDEN, MODES, (False, True))
+    for pattern, tokens, hidden, mode, allreduce_out in grid:
+        if allreduce_out and pattern != MOE_PATTERNS[0]:
+            continue  # only the reduction (pattern 6) writes an optional allreduce_out
+        args = (pattern, tokens, hidden, mode, allreduce_out)
+        j = _outcome(lambda: _jax_moe(jax_workspace(world, "bfloat16"), *args))
+        t = _outcome(lambda: _torch_moe(torch_workspace(world, "bfloat16"), *args))
+        _check_agree(j, t, seen, prefix=f"{pattern.name}: ")
+        if isinstance(j, rules.Plan):
+            names = [s.name for s in j.outputs]
+            assert names == ["residual_out", "norm_out"] + ["allreduce_out"] * allreduce_out
     assert {None, "error", rules.EMPTY, rules.UNSUPPORTED_SHAPE, rules.TOO_SMALL} <= seen
 
 
