@@ -37,13 +37,11 @@ def gpu_count() -> int:
 
 def pytest_collection_modifyitems(config, items):
     markexpr = config.option.markexpr or ""
-    reasons = {}  # marker -> why its tests skip here
-    if "sweep" not in markexpr:
-        reasons["sweep"] = "an exhaustive sweep: run it with pytest -m sweep"
-    if "integration" not in markexpr:
-        reasons["integration"] = (
-            "the integration lane needs its own venv: run it with tools/integration.sh"
-        )
+    reasons = {  # marker -> why its tests skip here
+        "sweep": "an exhaustive sweep: run it with pytest -m sweep",
+        "integration": "the integration lane needs its own venv: run it with tools/integration.sh",
+    }
+    reasons = {marker: why for marker, why in reasons.items() if marker not in markexpr}
     if gpu_count() == 0:
         reasons["gpu"] = (
             "no CUDA GPU visible (tools/gpu_check.sh runs the GPU tests on a machine with GPUs)"
@@ -60,7 +58,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def gloo_world1():
     """A one-rank torch.distributed world over gloo (an in-memory store), torn down after the
-    test; yields its WORLD group. torch is imported here, so JAX-only runs never need it."""
+    test: its WORLD group. torch is imported here, so JAX-only runs never need it."""
     import torch.distributed as dist
 
     assert not dist.is_initialized()
