@@ -3,30 +3,22 @@ import os
 import pytest
 
 
+# docs/testing.md says what each marker is for and which lane runs it.
+MARKERS = {
+    "gpu": "needs NVIDIA GPUs and the native module (tools/gpu_check.sh and python -m "
+    "tests.gpu.run_lane run them)",
+    "slow": "takes more than about 5 s on 2 cores; ./dev test --quick and the GPU quick lane "
+    "leave it out",
+    "sweep": "an exhaustive sweep, left out of every lane unless asked for (pytest -m sweep)",
+    "oldest": "also runs on the oldest JAX and torch supported (./dev oldest)",
+    "integration": "jax_fusedar.fuse on models of MaxText, transformers, Flax and Equinox, in "
+    "the lane's own venv; left out unless asked for (tools/integration.sh)",
+}
+
+
 def pytest_configure(config):
-    # docs/testing.md says what each marker is for and which lane runs it.
-    config.addinivalue_line(
-        "markers",
-        "gpu: needs NVIDIA GPUs and the native module (tools/gpu_check.sh and "
-        "python -m tests.gpu.run_lane run them)",
-    )
-    config.addinivalue_line(
-        "markers",
-        "slow: takes more than about 5 s on 2 cores; ./dev test --quick and the "
-        "GPU quick lane leave it out",
-    )
-    config.addinivalue_line(
-        "markers",
-        "sweep: an exhaustive sweep, left out of every lane unless asked for (pytest -m sweep)",
-    )
-    config.addinivalue_line(
-        "markers", "oldest: also runs on the oldest JAX and torch supported (./dev oldest)"
-    )
-    config.addinivalue_line(
-        "markers",
-        "integration: jax_fusedar.fuse on models of MaxText, transformers, Flax and Equinox, "
-        "in the lane's own venv; left out unless asked for (tools/integration.sh)",
-    )
+    for marker, what in MARKERS.items():
+        config.addinivalue_line("markers", f"{marker}: {what}")
 
 
 def gpu_count() -> int:
