@@ -1,12 +1,8 @@
-"""The collectives of a lowered or compiled program, read from its text: each collective op
-with the element type and shape of every array it produces, so that a test can compare what
-two programs move (count, element types, bytes). Imports no JAX: the CPU tests read
-StableHLO (``jax.export``'s ``mlir_module()``, ``Lowered.as_text()``), the GPU tests the
-HLO XLA compiled (``Compiled.as_text()``).
-
-A collective's bytes are those of its results (an all-reduce's results are its operands'
-shapes; a reduce-scatter's are the shards, an all-gather's the gathered arrays), the same
-measure for both programs compared."""
+"""The collectives of a lowered or compiled program, read from its text (StableHLO for the CPU
+tests, the compiled HLO for the GPU tests; no JAX imported): each op with the element type
+and shape of every array it produces, so that a test can compare what two programs move
+(count, element types, bytes). A collective's bytes are those of its results (a
+reduce-scatter's shards, an all-gather's gathered arrays), the same measure for both."""
 
 from __future__ import annotations
 
@@ -107,8 +103,7 @@ def summary(collectives) -> dict:
     out = {}
     for c in collectives:
         s = out.setdefault(c.op, {"count": 0, "bytes": 0, "element_types": set()})
-        s["count"] += 1
-        s["bytes"] += c.bytes
+        s["count"], s["bytes"] = s["count"] + 1, s["bytes"] + c.bytes
         s["element_types"] |= set(c.element_types)
     return {op: dict(s, element_types=sorted(s["element_types"])) for op, s in out.items()}
 

@@ -3,30 +3,22 @@ import os
 import pytest
 
 
+# docs/testing.md says what each marker is for and which lane runs it.
+MARKERS = {
+    "gpu": "needs NVIDIA GPUs and the native module (tools/gpu_check.sh and python -m "
+    "tests.gpu.run_lane run them)",
+    "slow": "takes more than about 5 s on 2 cores; ./dev test --quick and the GPU quick lane "
+    "leave it out",
+    "sweep": "an exhaustive sweep, left out of every lane unless asked for (pytest -m sweep)",
+    "oldest": "also runs on the oldest JAX and torch supported (./dev oldest)",
+    "integration": "jax_fusedar.fuse on models of MaxText, transformers, Flax and Equinox, in "
+    "the lane's own venv; left out unless asked for (tools/integration.sh)",
+}
+
+
 def pytest_configure(config):
-    # docs/testing.md says what each marker is for and which lane runs it.
-    config.addinivalue_line(
-        "markers",
-        "gpu: needs NVIDIA GPUs and the native module (tools/gpu_check.sh and "
-        "python -m tests.gpu.run_lane run them)",
-    )
-    config.addinivalue_line(
-        "markers",
-        "slow: takes more than about 5 s on 2 cores; ./dev test --quick and the "
-        "GPU quick lane leave it out",
-    )
-    config.addinivalue_line(
-        "markers",
-        "sweep: an exhaustive sweep, left out of every lane unless asked for (pytest -m sweep)",
-    )
-    config.addinivalue_line(
-        "markers", "oldest: also runs on the oldest JAX and torch supported (./dev oldest)"
-    )
-    config.addinivalue_line(
-        "markers",
-        "integration: jax_fusedar.fuse on models of MaxText, transformers, Flax and Equinox, "
-        "in the lane's own venv; left out unless asked for (tools/integration.sh)",
-    )
+    for marker, what in MARKERS.items():
+        config.addinivalue_line("markers", f"{marker}: {what}")
 
 
 def gpu_count() -> int:
@@ -37,13 +29,11 @@ def gpu_count() -> int:
 
 def pytest_collection_modifyitems(config, items):
     markexpr = config.option.markexpr or ""
-    reasons = {}  # marker -> why its tests skip here
-    if "sweep" not in markexpr:
-        reasons["sweep"] = "an exhaustive sweep: run it with pytest -m sweep"
-    if "integration" not in markexpr:
-        reasons["integration"] = (
-            "the integration lane needs its own venv: run it with tools/integration.sh"
-        )
+    reasons = {  # marker -> why its tests skip here
+        "sweep": "an exhaustive sweep: run it with pytest -m sweep",
+        "integration": "the integration lane needs its own venv: run it with tools/integration.sh",
+    }
+    reasons = {marker: why for marker, why in reasons.items() if marker not in markexpr}
     if gpu_count() == 0:
         reasons["gpu"] = (
             "no CUDA GPU visible (tools/gpu_check.sh runs the GPU tests on a machine with GPUs)"
@@ -60,7 +50,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def gloo_world1():
     """A one-rank torch.distributed world over gloo (an in-memory store), torn down after the
-    test; yields its WORLD group. torch is imported here, so JAX-only runs never need it."""
+    test: its WORLD group. torch is imported here, so JAX-only runs never need it."""
     import torch.distributed as dist
 
     assert not dist.is_initialized()

@@ -40,21 +40,10 @@ def run_module(module: str, *argv, xla_flags=None, pythonpath=(), timeout=600):
 
     from tests.repo import REPO
 
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=os.pathsep.join(
-            [*map(str, pythonpath), str(REPO), os.environ.get("PYTHONPATH", "")]
-        ),
-    )
+    path = os.pathsep.join([*map(str, pythonpath), str(REPO), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=path)
     env.pop("XLA_FLAGS", None)
     if xla_flags is not None:
         env["XLA_FLAGS"] = xla_flags
-    return subprocess.run(
-        [sys.executable, "-m", module, *map(str, argv)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    cmd = [sys.executable, "-m", module, *map(str, argv)]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)

@@ -16,11 +16,6 @@ def run_code(code: str, timeout: float = 300, **env: str):
     import subprocess
     import sys
 
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, PYTHONPATH=str(REPO), **env),
-        timeout=timeout,
-    )
+    env = dict(os.environ, PYTHONPATH=str(REPO), **env)
+    cmd = [sys.executable, "-c", code]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=timeout)

@@ -1,11 +1,10 @@
 """On CPU: what the GPU suite does when a rank's trap is never reported (ranks sharing a GPU;
-jax_fusedar/common/lost_traps.py ends that process). tests/gpu/harness.py's run_ranks keeps
-what such a rank noted before it ended and when it ended; tests/gpu/case_runs.py finds its
-record and holds the end to the watcher's timing; and the GPU timeout and handshake tests
-take either outcome, fed here with the results their workers give in each (the records in
-the format ffi/core/handshake.cu writes, checked on CPU by tests/native/test_timeout.py; the
-watcher's own lines from lost_traps itself). Those branches run on a GPU only when the
-driver loses a trap, so a mistake in them would otherwise show only there."""
+jax_fusedar/common/lost_traps.py ends that process): harness.run_ranks keeps what the rank
+noted and when it ended, case_runs finds its record and holds the end to the watcher's
+timing, and the GPU timeout and handshake tests take either outcome, fed their workers'
+results (records in ffi/core/handshake.cu's format, the watcher's lines from lost_traps
+itself). Those branches run on a GPU only when the driver loses a trap, so a mistake in
+them would otherwise show only there."""
 
 import os
 import sys
@@ -24,6 +23,8 @@ REST = (
     "forever.)"
 )
 LAMPORT = "its one-shot data in this rank's Lamport buffer (token "
+GOOD = {"residual": 0.9, "norm": 1.5}
+ENDED_S = lost_traps.GRACE_S + 3.5  # when the watcher ends a rank whose wait timed out at 3 s
 
 
 def _ending_worker(rank, world, chan, *, linger_s):
@@ -64,7 +65,7 @@ def _watcher_lines(monkeypatch, capsys, record, device=0):
     return capsys.readouterr().err
 
 
-def _wait_record(me, world, seq, sig, peer, where, waited=3.0):
+def _wait_record(me, world, seq, sig, peer, where=LAMPORT, waited=3.0):
     return (
         f"jax_fusedar kernel wait timed out on rank {me} of {world} (device 0), call "
         f"#{seq} {sig}: waited {waited:.1f} s (timeout 3.0 s) for rank {peer} to deliver "
@@ -72,14 +73,10 @@ def _wait_record(me, world, seq, sig, peer, where, waited=3.0):
     )
 
 
-def _lost(rank, notes, after_s):
+def _lost(rank, notes, after_s=ENDED_S):
     now = time.monotonic()
-    return {
-        "rank": rank,
-        "exitcode": lost_traps.EXIT_CODE,
-        "exited_at": now + after_s,
-        "notes": {**notes, "failing_call_at": now},
-    }
+    notes = {**notes, "failing_call_at": now}
+    return dict(rank=rank, exitcode=lost_traps.EXIT_CODE, exited_at=now + after_s, notes=notes)
 
 
 def _failing(record, elapsed_s=3.3):
@@ -93,37 +90,32 @@ def _failing(record, elapsed_s=3.3):
 
 
 def _result(ranks, stderr):
-    return {
-        "ranks": ranks,
-        "lost_trap_lines": case_runs.lost_trap_lines(stderr),
-        "output_tail": stderr,
-        "printf_lines": [],
-        "wall_s": 40.0,
-    }
+    lines = case_runs.lost_trap_lines(stderr)
+    return dict(
+        ranks=ranks, lost_trap_lines=lines, output_tail=stderr, printf_lines=[], wall_s=40.0
+    )
 
 
 def test_lost_trap_record_holds_the_exit_the_record_and_the_timing(monkeypatch, capsys):
-    record = _wait_record(0, 2, 4, "{sig}", 1, LAMPORT)
+    record = _wait_record(0, 2, 4, "{sig}", 1)
     err = "W1201 some log line\n" + _watcher_lines(monkeypatch, capsys, record)
-    head = "jax_fusedar kernel wait timed out on rank 0 of 2 "
-    good = _lost(0, {}, lost_traps.GRACE_S + 3.5)
-    assert (
-        case_runs.lost_trap_record(_result([good], err), good, head, record_within_s=4.0) == record
-    )
+    head = "jax_fusedar kernel wait timed out on rank {} of 2 "
+    good = _lost(0, {})
+
+    def found(rank, rank_of_head=0):
+        res = _result([rank], err)
+        return case_runs.lost_trap_record(res, rank, head.format(rank_of_head), record_within_s=4.0)
+
+    assert found(good) == record
     for bad in (
         _lost(0, {}, lost_traps.GRACE_S - 1.0),  # ended before the watcher could
         _lost(0, {}, 4.0 + lost_traps.GRACE_S + case_runs.LOST_TRAP_SLACK_S + 1),
         {**good, "exitcode": 1},
     ):
         with pytest.raises(AssertionError):
-            case_runs.lost_trap_record(_result([bad], err), bad, head, record_within_s=4.0)
+            found(bad)
     with pytest.raises(AssertionError):  # another rank's record only
-        case_runs.lost_trap_record(
-            _result([good], err),
-            good,
-            "jax_fusedar kernel wait timed out on rank 1 of 2 ",
-            record_within_s=4.0,
-        )
+        found(good, rank_of_head=1)
 
 
 def _check(monkeypatch, res, test, holds=True):
@@ -144,40 +136,28 @@ def test_the_missing_rank_test_at_four_ranks_takes_either_outcome(monkeypatch, c
     from tests.gpu.workers.native_timeout import GOOD_FIRST
 
     sig = tt.SIG.format(16, "one-shot")
-    good = {"residual": 0.9, "norm": 1.5}
     ranks, err = [], ""
     for me in range(3):
-        record = _wait_record(me, 4, GOOD_FIRST + 1, sig, 3, LAMPORT)
+        record = _wait_record(me, 4, GOOD_FIRST + 1, sig, 3)
         if me in lost_ranks:
             err += _watcher_lines(monkeypatch, capsys, record)
-            ranks.append(_lost(me, {"good": good}, lost_traps.GRACE_S + 3.5))
+            ranks.append(_lost(me, {"good": GOOD}))
         else:
-            ranks.append(
-                {
-                    "rank": me,
-                    "good": good,
-                    "failing": _failing(record),
-                    "peer_gone": "rank 1: ranks [0] never sent 'verdict'",
-                }
-            )
-    ranks.append({"rank": 3, "good": good, "healthy_after": True, "failure_record": ""})
+            gone = "rank 1: ranks [0] never sent 'verdict'"
+            ranks.append(dict(rank=me, good=GOOD, failing=_failing(record), peer_gone=gone))
+    ranks.append({"rank": 3, "good": GOOD, "healthy_after": True, "failure_record": ""})
     test = lambda: tt.test_a_missing_rank_makes_the_other_fail_with_the_record(
         "never_oneshot", 16, True, LAMPORT, 4
     )
     _check(monkeypatch, _result(ranks, err), test)
     # What the test holds either outcome to: the record naming the missing rank...
     bad = [dict(r) for r in ranks]
-    wrong = _wait_record(1, 4, GOOD_FIRST + 1, sig, 2, LAMPORT)
     if 1 not in lost_ranks:
-        bad[1]["failing"] = _failing(wrong)
+        bad[1]["failing"] = _failing(_wait_record(1, 4, GOOD_FIRST + 1, sig, 2))
     _check(monkeypatch, _result(bad, err.replace("for rank 3", "for rank 2")), test, False)
     # ... and the good calls before it (noted by a rank that then ended).
-    bad = [dict(r) for r in ranks]
-    bad[0] = (
-        _lost(0, {"good": {"residual": 1.5, "norm": 1.0}}, lost_traps.GRACE_S + 3.5)
-        if 0 in lost_ranks
-        else {**bad[0], "good": {"residual": 1.5, "norm": 1.0}}
-    )
+    bad, worse = [dict(r) for r in ranks], {"residual": 1.5, "norm": 1.0}
+    bad[0] = _lost(0, {"good": worse}) if 0 in lost_ranks else {**bad[0], "good": worse}
     _check(monkeypatch, _result(bad, err), test, holds=False)
 
 
@@ -186,16 +166,12 @@ def test_the_jax_timeout_test_takes_either_outcome(monkeypatch, capsys, lost):
     from tests.gpu import test_timeout as tt
     from tests.gpu.workers import jax_timeout
 
-    record = _wait_record(0, 2, 2, "{sig}", 1, LAMPORT)
-    before = {
-        "backend": "trtllm",
-        "timeout_s": jax_timeout.TIMEOUT_S,
-        "good": {"residual": 0.9, "norm": 1.5},
-    }
+    record = _wait_record(0, 2, 2, "{sig}", 1)
+    before = {"backend": "trtllm", "timeout_s": jax_timeout.TIMEOUT_S, "good": GOOD}
     r1 = {"rank": 1, **before, "failures": []}
     if lost:
         err = _watcher_lines(monkeypatch, capsys, record)
-        r0 = _lost(0, before, lost_traps.GRACE_S + 3.5)
+        r0 = _lost(0, before)
         r1.update(rank0_partial=None, rank0_silent="rank 1: ranks [0] never sent 'partial'")
     else:
         err = ""
@@ -223,24 +199,21 @@ def test_the_moe_timeout_test_takes_either_outcome(monkeypatch, capsys, lost):
 
     case = "never_finalize"
     sig = tt.MOE_SIG.format(mt.CASES[case], mt.TOKENS, mt.HIDDEN)
-    record = _wait_record(0, 2, mt.GOOD_FIRST + 1, sig, 1, LAMPORT)
+    record = _wait_record(0, 2, mt.GOOD_FIRST + 1, sig, 1)
     before = {"timeout_s": mt.TIMEOUT_S, "good": [[0.5, 0.7]] * mt.GOOD_FIRST}
     r1 = {"rank": 1, **before, "healthy_after": True, "failure_record": ""}
     if lost:
         err = _watcher_lines(monkeypatch, capsys, record)
-        r0 = _lost(0, before, lost_traps.GRACE_S + 3.5)
+        r0 = _lost(0, before)
         r1["peer_gone"] = "rank 1: ranks [0] never sent 'verdict'"
     else:
         err = ""
-        r0 = {
-            "rank": 0,
-            **before,
-            "failing": {**_failing(record), "torch_compat_error": "RuntimeError: " + record},
-        }
+        failing = {**_failing(record), "torch_compat_error": "RuntimeError: " + record}
+        r0 = {"rank": 0, **before, "failing": failing}
     test = lambda: tt.test_a_rank_that_skips_an_moe_call_makes_the_other_fail_with_the_record(case)
     _check(monkeypatch, _result([r0, r1], err), test)
     # The record of a slower wait than the bound: wrong either way.
-    slow = _wait_record(0, 2, mt.GOOD_FIRST + 1, sig, 1, LAMPORT, waited=4.5)
+    slow = _wait_record(0, 2, mt.GOOD_FIRST + 1, sig, 1, waited=4.5)
     err = err.replace(record, slow)
     if not lost:
         r0 = {**r0, "failing": {**r0["failing"], "failure_record": slow}}
@@ -253,13 +226,9 @@ def test_the_handshake_timeout_test_at_eight_ranks_takes_either_outcome(monkeypa
     from tests.gpu.workers.native_mismatch import MATCHING, TIMEOUT_CASE_S
 
     seq = len(MATCHING) + 1
-    matching = [{"residual": 0.9, "norm": 1.5} for _ in MATCHING]
-    before = {
-        "handshake": True,
-        "handshake_timeout_s": TIMEOUT_CASE_S,
-        "matching": matching,
-        "device": 0,
-    }
+    matching = [dict(GOOD) for _ in MATCHING]
+    before = {"handshake": True, "handshake_timeout_s": TIMEOUT_CASE_S, "matching": matching}
+    before["device"] = 0
     ranks, err, printf = [], "", []
     for me in range(7):
         record = (
@@ -279,9 +248,8 @@ def test_the_handshake_timeout_test_at_eight_ranks_takes_either_outcome(monkeypa
             ranks.append(_lost(me, before, lost_traps.GRACE_S + TIMEOUT_CASE_S + 0.5))
         else:
             ranks.append({"rank": me, **before, "failing": _failing(record)})
-    ranks.append(
-        {"rank": 7, **before, "failing": None, "healthy_after": True, "failure_record": ""}
-    )
+    healthy = {"failing": None, "healthy_after": True, "failure_record": ""}
+    ranks.append({"rank": 7, **before, **healthy})
     res = {**_result(ranks, err), "printf_lines": printf}
     test = lambda: tp.test_a_rank_that_never_calls_times_out(8)
     _check(monkeypatch, res, test)

@@ -1,9 +1,10 @@
 """tests/gpu/run_lane.py, the GPU suite's lane runner: how it orders and groups the tests for
-its pytest-xdist workers, and a CPU run of the quick lane (every GPU test skips here, both
-runs pass)."""
+its pytest-xdist workers, and a CPU run of the quick lane (every GPU test skips here)."""
 
+import os
 import subprocess
 import sys
+import time
 
 from tests.gpu import run_lane
 from tests.repo import REPO
@@ -75,10 +76,6 @@ def test_a_job_cut_short_still_shows_why_its_tests_failed(tmp_path):
     """tests/gpu/conftest.py writes a failure when it happens, and summarize lists it with its
     report, though the job was killed before pytest's own summary (a real pytest run with
     that conftest as its plugin, killed while its second test sleeps)."""
-    import os
-    import time
-    from pathlib import Path
-
     module = tmp_path / "test_cut_short.py"
     module.write_text(
         "import time\n\n"
@@ -91,19 +88,14 @@ def test_a_job_cut_short_still_shows_why_its_tests_failed(tmp_path):
     cmd = [sys.executable, "-m", "pytest", "-v", "-rA", "-p", "no:cacheprovider"]
     cmd += ["-p", "tests.gpu.conftest", "test_cut_short.py"]
     with open(log, "w") as f:
-        proc = subprocess.Popen(
-            cmd,
-            cwd=tmp_path,
-            env=dict(os.environ, PYTHONPATH=str(REPO)),
-            stdout=f,
-            stderr=subprocess.STDOUT,
-        )
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=f, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while "test_then_hangs" not in log.read_text() and time.monotonic() < deadline:
             time.sleep(0.2)
         proc.kill()
         proc.wait()
-    text = run_lane.summarize({"job0": Path(log)}, {"job0": -9}, {"job0": 1.0})
+    text = run_lane.summarize({"job0": log}, {"job0": -9}, {"job0": 1.0})
     node = "test_cut_short.py::test_fails_first"
     assert f"FAILED {node} (call; job0 was cut short)" in text, text
     assert "the answer moved" in text.split("failures:")[1], text
@@ -111,11 +103,7 @@ def test_a_job_cut_short_still_shows_why_its_tests_failed(tmp_path):
 
 
 def test_the_default_workers_follow_the_gpus_memory():
-    from tests.gpu.run_lane import default_jobs
-
     h200, h100 = 143771.0, 81559.0  # nvidia-smi's memory.total, MiB
-    assert default_jobs([h200]) == 6  # as measured there
-    assert default_jobs([h100]) == 3  # 6 ran out of memory there, 3 did not
-    assert default_jobs([h100] * 8) == 6
-    assert default_jobs([8192.0]) == 1
-    assert default_jobs([]) == 6
+    assert run_lane.default_jobs([h200]) == 6  # as measured there
+    assert run_lane.default_jobs([h100]) == 3  # 6 ran out of memory there, 3 did not
+    assert [run_lane.default_jobs(m) for m in ([h100] * 8, [8192.0], [])] == [6, 1, 6]

@@ -1,14 +1,14 @@
 """Install: JAX is an extra (the package imports without it and says how to get it), the
 FlashInfer header fetch (only headers unpacked; offline it says what to do), and ./dev's
-package lists (the demo gets the JAX side only). The wheel itself is checked by
-tools/wheel_check.sh in CI (.ci/run)."""
+package lists and build plan. The wheel itself is checked by tools/wheel_check.sh in CI."""
 
 import os
-import pathlib
 import subprocess
 import sys
 import tomllib
 import zipfile
+
+import pytest
 
 from tests.repo import REPO as ROOT, run_code
 
@@ -23,25 +23,28 @@ def pyproject():
     return tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
+def getattr_errors(setup: str, names=("allreduce_fusion",)) -> list:
+    """Lines of a fresh process that runs ``setup``, imports jax_fusedar and gets ``names``
+    from it: "imported NAME" or "ERROR_TYPE NAME MESSAGE" each."""
+    result = run_code(
+        f"{setup}\nimport jax_fusedar as jf\n"
+        f"for name in {tuple(names)}:\n"
+        "    try:\n        getattr(jf, name)\n"
+        "    except ImportError as e:\n        print(type(e).__name__, name, e)\n"
+        "    else:\n        print('imported', name)\n"
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.splitlines()
+
+
 def test_package_imports_without_jax_and_names_the_extra():
     public = ("allreduce_fusion", "create_allreduce_fusion_workspace", "fuse")
     # None in sys.modules makes `import jax` raise ModuleNotFoundError, as if not installed.
-    result = run_code(
-        "import sys\n"
-        "sys.modules['jax'] = None\n"
-        "import jax_fusedar as jf\n"
-        "print(jf.AllReduceFusionPattern.kARResidualRMSNorm.name)\n"
-        f"for name in {public}:\n"
-        "    try:\n"
-        "        getattr(jf, name)\n"
-        "    except ImportError as e:\n"
-        "        print('ImportError', name, e)\n"
-        "    else:\n"
-        "        print('imported', name)\n"
+    setup = "import sys\nsys.modules['jax'] = None\nimport jax_fusedar as jf\n"
+    lines = getattr_errors(
+        setup + "print(jf.AllReduceFusionPattern.kARResidualRMSNorm.name)", public
     )
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
-    assert lines[0].endswith("kARResidualRMSNorm")
+    assert lines[0].endswith("kARResidualRMSNorm"), lines
     for line, name in zip(lines[1:], public):
         assert line.startswith(f"ImportError {name} "), lines
         assert "pip install 'jax_fusedar[jax]'" in line
@@ -49,65 +52,43 @@ def test_package_imports_without_jax_and_names_the_extra():
 
 def test_too_old_a_jax_is_named_with_the_version_needed():
     # An installed jax older than the minimum (metadata says 0.7.2; nothing is imported).
-    result = run_code(
-        "import importlib.metadata as m\n"
-        "real = m.version\n"
-        "m.version = lambda name: '0.7.2' if name == 'jax' else real(name)\n"
-        "import jax_fusedar as jf\n"
-        "try:\n"
-        "    jf.allreduce_fusion\n"
-        "except ImportError as e:\n"
-        "    print('ImportError', e)\n"
-    )
-    assert result.returncode == 0, result.stderr
     import jax_fusedar
 
-    assert result.stdout.strip() == (
-        f"ImportError jax_fusedar's JAX API needs JAX >= {jax_fusedar.MIN_JAX}, found jax 0.7.2: "
-        f"pip install -U 'jax>={jax_fusedar.MIN_JAX}'"
-    ), result.stdout
+    lines = getattr_errors(
+        "import importlib.metadata as m\nreal = m.version\n"
+        "m.version = lambda name: '0.7.2' if name == 'jax' else real(name)"
+    )
+    assert lines == [
+        f"ImportError allreduce_fusion jax_fusedar's JAX API needs JAX >= {jax_fusedar.MIN_JAX}, "
+        f"found jax 0.7.2: pip install -U 'jax>={jax_fusedar.MIN_JAX}'"
+    ], lines
+
+
+def test_other_import_errors_are_not_blamed_on_jax():
+    [line] = getattr_errors("import sys\nsys.modules['jax_fusedar.api'] = None")
+    assert line.startswith("ModuleNotFoundError"), line
+    assert "jax_fusedar[jax]" not in line
 
 
 def test_the_jax_minimum_is_pyprojects():
     import jax_fusedar
 
     meta = pyproject()
-    extras = meta["project"]["optional-dependencies"]
-    assert f"jax>={jax_fusedar.MIN_JAX}" in extras["jax"]
+    assert f"jax>={jax_fusedar.MIN_JAX}" in meta["project"]["optional-dependencies"]["jax"]
     assert f"jaxlib>={jax_fusedar.MIN_JAX}" in meta["build-system"]["requires"]
-
-
-def test_other_import_errors_are_not_blamed_on_jax():
-    result = run_code(
-        "import sys\n"
-        "sys.modules['jax_fusedar.api'] = None\n"
-        "import jax_fusedar as jf\n"
-        "try:\n"
-        "    jf.allreduce_fusion\n"
-        "except ImportError as e:\n"
-        "    print(type(e).__name__, e)\n"
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("ModuleNotFoundError"), result.stdout
-    assert "jax_fusedar[jax]" not in result.stdout
-
-
-def fake_flashinfer_wheel(path: pathlib.Path) -> dict:
-    headers = {
-        "flashinfer/comm/trtllm_allreduce_fusion.cuh": "// kernel\n",
-        "flashinfer/utils.cuh": "// utils\n",
-    }
-    with zipfile.ZipFile(path, "w") as zf:
-        for name, text in headers.items():
-            zf.writestr(f"flashinfer/data/include/{name}", text)
-        zf.writestr("flashinfer/jit/core.py", "import torch\n")  # not a header: stays out
-        zf.writestr("flashinfer/data/csrc/x.cu", "// source\n")
-    return headers
 
 
 def test_fetch_unpacks_only_the_headers(tmp_path):
     wheel = tmp_path / "flashinfer_python-test-py3-none-any.whl"
-    headers = fake_flashinfer_wheel(wheel)
+    headers = {
+        "flashinfer/comm/trtllm_allreduce_fusion.cuh": "// kernel\n",
+        "flashinfer/utils.cuh": "// utils\n",
+    }
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for name, text in headers.items():
+            zf.writestr(f"flashinfer/data/include/{name}", text)
+        zf.writestr("flashinfer/jit/core.py", "import torch\n")  # not a header: stays out
+        zf.writestr("flashinfer/data/csrc/x.cu", "// source\n")
     dest = tmp_path / "dest"
     cmd = [sys.executable, str(FETCH), "--wheel", str(wheel), "--dest", str(dest)]
     first = run(cmd)
@@ -125,27 +106,19 @@ def test_fetch_unpacks_only_the_headers(tmp_path):
 
 def test_fetch_offline_says_what_to_do(tmp_path):
     # An index on a closed loopback port and no pip configuration: pip fails at once.
-    env = {
-        **os.environ,
-        "PIP_CONFIG_FILE": os.devnull,
-        "PIP_NO_CACHE_DIR": "1",
-        "PIP_INDEX_URL": "http://127.0.0.1:9/simple",
-        "PIP_RETRIES": "0",
-        "PIP_TIMEOUT": "2",
-    }
+    env = dict(os.environ, PIP_CONFIG_FILE=os.devnull, PIP_NO_CACHE_DIR="1", PIP_RETRIES="0")
+    env.update(PIP_INDEX_URL="http://127.0.0.1:9/simple", PIP_TIMEOUT="2")
     env.pop("PIP_FIND_LINKS", None)
     result = run([sys.executable, str(FETCH), "--dest", str(tmp_path / "dest")], 120, env=env)
     assert result.returncode != 0
-    message = result.stderr
-    assert "could not download flashinfer-python==" in message
-    assert "--wheel" in message and "FLASHINFER_INCLUDE_DIR" in message
+    assert "could not download flashinfer-python==" in result.stderr
+    assert "--wheel" in result.stderr and "FLASHINFER_INCLUDE_DIR" in result.stderr
     assert not (tmp_path / "dest" / "VERSION").exists()
 
 
-def dev_requirements(*extras: str, check=True):
+def dev_requirements(*extras: str) -> set:
+    """The requirements ./dev requirements lists for ``extras``."""
     result = run([str(ROOT / "dev"), "requirements", *extras], cwd=ROOT)
-    if not check:
-        return result
     assert result.returncode == 0, result.stderr
     return result.stdout.split()
 
@@ -165,91 +138,95 @@ def test_dev_demo_installs_the_jax_side_only():
 
 
 def test_dev_test_installs_every_extra():
-    everything = names(dev_requirements())
     extras = "jax torch transformers pytest pytest-xdist flatbuffers matplotlib tqdm flax equinox"
-    assert set(extras.split()) <= everything
+    assert set(extras.split()) <= names(dev_requirements())
 
 
 def test_dev_oldest_pins_the_minimums_pyproject_declares():
-    meta = pyproject()
-    extras = meta["project"]["optional-dependencies"]
+    extras = pyproject()["project"]["optional-dependencies"]
     minimum = dict(req.split(">=") for req in extras["jax"] + extras["torch"])
     pins = dict(r.split("==") for r in dev_requirements("--oldest", "jax", "torch") if "==" in r)
     assert pins == {"jax": minimum["jax"], "jaxlib": minimum["jax"], "torch": minimum["torch"]}
 
 
-def build_plan(tmp_path, gpus=None, **env_vars) -> str:
+def test_dev_rejects_an_unknown_extra():
+    result = run([str(ROOT / "dev"), "requirements", "nope"], cwd=ROOT)
+    assert result.returncode != 0 and "no extra 'nope'" in result.stderr
+
+
+def build_plan(tmp_path, gpus=None, check=True, **env_vars):
     """./dev build-plan's line, with nvidia-smi reporting these compute capabilities (a
-    stand-in on PATH) or absent, and these environment variables."""
+    stand-in on PATH) or absent, and these environment variables; the process with check
+    False."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     path = "/usr/bin:/bin"
     if gpus is not None:
-        (bin_dir / "nvidia-smi").write_text(
-            "#!/bin/sh\n" + "".join(f"echo '{cap}'\n" for cap in gpus)
-        )
-        (bin_dir / "nvidia-smi").chmod(0o755)
+        smi = bin_dir / "nvidia-smi"
+        smi.write_text("#!/bin/sh\n" + "".join(f"echo '{cap}'\n" for cap in gpus))
+        smi.chmod(0o755)
         path = f"{bin_dir}:{path}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_FUSEDAR_") and k != "PATH"}
     # A checkout without an earlier native build: ./dev decides from the GPUs alone.
     work = tmp_path / "checkout"
     if not work.exists():
-        work.mkdir()
         (work / "ffi" / "cmake").mkdir(parents=True)
         for name in ("dev", "pyproject.toml", "ffi/cmake/build_plan.py"):
             (work / name).write_bytes((ROOT / name).read_bytes())
         (work / "dev").chmod(0o755)
     result = run([str(work / "dev"), "build-plan"], env={**env, "PATH": path, **env_vars})
+    if not check:
+        return result
     assert result.returncode == 0, result.stderr
     return result.stdout.strip()
 
 
-def test_dev_skips_the_kernels_without_a_gpu(tmp_path):
-    assert build_plan(tmp_path).startswith("build=0 ")
-    assert build_plan(tmp_path, gpus=[]).startswith("build=0 ")
+ARCHS = "archs_arg=-DJAX_FUSEDAR_CUDA_ARCHS="
 
 
-def test_dev_runs_gpu_tests_one_at_a_time_and_cpu_tests_in_parallel(tmp_path):
-    assert build_plan(tmp_path, gpus=["9.0"]).endswith(" test_workers=0")
+@pytest.mark.parametrize(
+    "gpus, env, want",
+    [
+        (None, {}, "^build=0 "),  # without a GPU, the kernels are skipped
+        ([], {}, "^build=0 "),
+        (["9.0"], {}, " test_workers=0$"),  # GPU tests one at a time
+        (None, {"JAX_FUSEDAR_TEST_WORKERS": "3"}, " test_workers=3$"),
+        # For the visible GPUs only, unless told otherwise.
+        (["9.0", "9.0"], {}, f"^build=1 {ARCHS}90a "),
+        (["9.0", "10.0"], {}, f"{ARCHS}90a;100a "),
+        (["9.0"], {"JAX_FUSEDAR_CUDA_ARCHS": "100a"}, f"{ARCHS}100a "),
+        # Asked for (CI: no GPU), every default architecture or JAX_FUSEDAR_CUDA_ARCHS.
+        (None, {"JAX_FUSEDAR_BUILD_KERNELS": "1"}, f"^build=1 {ARCHS}90a;100a "),
+        (None, {"JAX_FUSEDAR_BUILD_KERNELS": "1", "JAX_FUSEDAR_CUDA_ARCHS": "100a"},
+         f"^build=1 {ARCHS}100a "),
+        (["9.0"], {"JAX_FUSEDAR_BUILD_KERNELS": "off"}, "^build=0 "),
+    ],
+    ids=["no_gpu", "no_gpu_listed", "gpu_tests_alone", "workers_asked", "visible_gpus",
+         "two_archs", "archs_asked", "kernels_asked", "kernels_asked_one_arch", "kernels_off"],
+)  # fmt: skip
+def test_dev_build_plan(tmp_path, gpus, env, want):
+    """``want``: the start of the plan's line (^...), its end (...$), or a part of it."""
+    plan = build_plan(tmp_path, gpus, **env)
+    if want.startswith("^"):
+        assert plan.startswith(want[1:]), plan
+    elif want.endswith("$"):
+        assert plan.endswith(want[:-1]), plan
+    else:
+        assert want in plan, plan
+
+
+def test_dev_runs_cpu_tests_in_parallel_and_refuses_a_bad_build_setting(tmp_path):
     workers = int(build_plan(tmp_path).rsplit("test_workers=", 1)[1])
     cpus = len(os.sched_getaffinity(0))  # what nproc counts
     assert workers == (0 if cpus < 2 else min(cpus, 4))
-    assert build_plan(tmp_path, JAX_FUSEDAR_TEST_WORKERS="3").endswith(" test_workers=3")
-
-
-def test_dev_builds_for_the_visible_gpus_only(tmp_path):
-    plan = build_plan(tmp_path, gpus=["9.0", "9.0"])
-    assert plan.startswith("build=1 archs_arg=-DJAX_FUSEDAR_CUDA_ARCHS=90a "), plan
-    plan = build_plan(tmp_path, gpus=["9.0", "10.0"])
-    assert "archs_arg=-DJAX_FUSEDAR_CUDA_ARCHS=90a;100a " in plan, plan
-    plan = build_plan(tmp_path, gpus=["9.0"], JAX_FUSEDAR_CUDA_ARCHS="100a")
-    assert "archs_arg=-DJAX_FUSEDAR_CUDA_ARCHS=100a " in plan, plan  # told otherwise
+    bad = build_plan(tmp_path, check=False, JAX_FUSEDAR_BUILD_KERNELS="maybe")
+    assert bad.returncode == 2 and "JAX_FUSEDAR_BUILD_KERNELS must be" in bad.stderr
 
 
 def test_dev_keeps_an_earlier_native_build_in_step(tmp_path):
     build_plan(tmp_path)  # makes the checkout
-    (tmp_path / "checkout" / "build" / "dev" / "ffi" / "core").mkdir(parents=True)
-    (tmp_path / "checkout" / "build" / "dev" / "ffi" / "core" / "libfusedar_core.so").touch()
+    core = tmp_path / "checkout" / "build" / "dev" / "ffi" / "core"
+    core.mkdir(parents=True)
+    (core / "libfusedar_core.so").touch()
     plan = build_plan(tmp_path)
     assert plan.startswith("build=1 archs_arg= why=built in this build tree before"), plan
-
-
-def test_dev_builds_the_kernels_when_asked(tmp_path):
-    # CI: no GPU, every default architecture (CMake's default, or JAX_FUSEDAR_CUDA_ARCHS).
-    plan = build_plan(tmp_path, JAX_FUSEDAR_BUILD_KERNELS="1")
-    assert plan.startswith("build=1 archs_arg=-DJAX_FUSEDAR_CUDA_ARCHS=90a;100a "), plan
-    plan = build_plan(tmp_path, JAX_FUSEDAR_BUILD_KERNELS="1", JAX_FUSEDAR_CUDA_ARCHS="100a")
-    assert plan.startswith("build=1 archs_arg=-DJAX_FUSEDAR_CUDA_ARCHS=100a "), plan
-    assert build_plan(tmp_path, gpus=["9.0"], JAX_FUSEDAR_BUILD_KERNELS="off").startswith(
-        "build=0 "
-    )
-    bad = run(
-        [str(tmp_path / "checkout" / "dev"), "build-plan"],
-        env={**os.environ, "JAX_FUSEDAR_BUILD_KERNELS": "maybe"},
-    )
-    assert bad.returncode == 2 and "JAX_FUSEDAR_BUILD_KERNELS must be" in bad.stderr
-
-
-def test_dev_rejects_an_unknown_extra():
-    result = dev_requirements("nope", check=False)
-    assert result.returncode != 0 and "no extra 'nope'" in result.stderr

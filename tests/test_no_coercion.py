@@ -19,6 +19,7 @@ OPTIONAL_BOOL = ["false", 1]
 FLOAT = ["1e-6", None, True, 1j, "nan"]
 INT = ["64", 64.0, True]
 NAME = [5, b"tp"]
+STRICT_INT = ["0", 0.0, True]  # an int option that takes no float or bool either
 
 
 def cases(**kinds):
@@ -49,6 +50,7 @@ require_host_devices()
 pytestmark = [pytest.mark.usefixtures("hermetic"), pytest.mark.oldest]
 
 MESH_KW = dict(max_token_num=8, hidden_dim=256, dtype=jnp.bfloat16)
+ROWS, SCALES, IDX = ((4, 256), jnp.bfloat16), ((4,), jnp.float32), ((4, 1), jnp.int32)
 
 
 @pytest.fixture(scope="module")
@@ -61,51 +63,39 @@ def ws(mesh):
     return jf.create_allreduce_fusion_workspace(mesh, "tp", **MESH_KW)
 
 
-def trace_in_shard_map(mesh, body, *shapes):
-    """Traces ``body`` on per-shard arrays of ``shapes`` (rows split over "tp")."""
+def expect_named_in_trace(mesh, body, name, value, *shapes):
+    """Traces ``body`` in a shard_map on per-shard arrays of ``shapes`` (rows split over
+    "tp"): it must raise naming ``name``."""
+    sharded = lambda s: P("tp") if len(s) > 1 else P()
     avals = [
         jax.ShapeDtypeStruct(
-            (8 * s[0], *s[1:]) if len(s) > 1 else s,
-            dt,
-            sharding=NamedSharding(mesh, P("tp") if len(s) > 1 else P()),
+            (8 * s[0], *s[1:]) if len(s) > 1 else s, dt, sharding=NamedSharding(mesh, sharded(s))
         )
         for s, dt in shapes
     ]
-    specs = tuple(P("tp") if len(s) > 1 else P() for s, _ in shapes)
-    return jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)
-    ).trace(*avals)
+    specs = tuple(sharded(s) for s, _ in shapes)
+    prog = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)
+    expect_named(lambda: jax.jit(prog).trace(*avals), name, value)
 
 
-def expect_named_in_trace(mesh, body, name, value, *shapes):
-    expect_named(lambda: trace_in_shard_map(mesh, body, *shapes), name, value)
+def gamma():
+    return jnp.ones(256, jnp.bfloat16)
 
 
-DENSE = cases(
-    use_oneshot=OPTIONAL_BOOL,
-    fp32_acc=BOOL + [None],
-    strict=OPTIONAL_BOOL,
-    rms_eps=FLOAT,
-    weight_bias=FLOAT,
-    pattern=["1", 1.0, True],
-    axis_name=NAME,
-)
-
-
-@pytest.mark.parametrize("name,value", DENSE)
+@pytest.mark.parametrize("name,value", cases(
+    use_oneshot=OPTIONAL_BOOL, fp32_acc=BOOL + [None], strict=OPTIONAL_BOOL, rms_eps=FLOAT,
+    weight_bias=FLOAT, pattern=["1", 1.0, True], axis_name=NAME,
+))  # fmt: skip
 def test_allreduce_fusion(mesh, ws, name, value):
-    kw = {"axis_name": "tp", "rms_gamma": jnp.ones(256, jnp.bfloat16), name: value}
-
-    def body(x):
-        return jf.allreduce_fusion(x, workspace=ws, **kw).norm_out
-
-    expect_named_in_trace(mesh, body, name, value, ((4, 256), jnp.bfloat16))
+    kw = {"axis_name": "tp", "rms_gamma": gamma(), name: value}
+    body = lambda x: jf.allreduce_fusion(x, workspace=ws, **kw).norm_out
+    expect_named_in_trace(mesh, body, name, value, ROWS)
 
 
 @pytest.mark.parametrize(
     "pattern,name,value",
     [(9, "block_quant_group_size", v) for v in INT + ["sixty-four"]]
-    + [(3, "layout_code", v) for v in ["0", 0.0, True]]
+    + [(3, "layout_code", v) for v in STRICT_INT]
     + [(4, "scale_factor", v) for v in ["0.5", 0.5, True]],
 )
 def test_allreduce_fusion_quantization_options(mesh, ws, pattern, name, value):
@@ -117,15 +107,10 @@ def test_allreduce_fusion_quantization_options(mesh, ws, pattern, name, value):
 
     def body(x):
         return jf.allreduce_fusion(
-            x,
-            axis_name="tp",
-            workspace=ws,
-            pattern=pattern,
-            rms_gamma=jnp.ones(256, jnp.bfloat16),
-            **kw,
+            x, axis_name="tp", workspace=ws, pattern=pattern, rms_gamma=gamma(), **kw
         ).residual_out
 
-    expect_named_in_trace(mesh, body, name, value, ((4, 256), jnp.bfloat16))
+    expect_named_in_trace(mesh, body, name, value, ROWS)
 
 
 MOE = cases(rms_eps=FLOAT, weight_bias=FLOAT, strict=OPTIONAL_BOOL, axis_name=NAME)
@@ -133,123 +118,81 @@ MOE = cases(rms_eps=FLOAT, weight_bias=FLOAT, strict=OPTIONAL_BOOL, axis_name=NA
 
 @pytest.mark.parametrize("name,value", MOE + cases(return_allreduce_out=BOOL + [None]))
 def test_moe_reduction_allreduce_fusion(mesh, ws, name, value):
-    kw = {"axis_name": "tp", name: value}
+    kw = {"axis_name": "tp", "workspace": ws, "rms_gamma": gamma(), name: value}
 
     def body(outputs, scales, tokens):
-        return jf.moe_reduction_allreduce_fusion(
-            outputs[None],
-            scales[None],
-            tokens,
-            workspace=ws,
-            rms_gamma=jnp.ones(256, jnp.bfloat16),
-            **kw,
-        ).norm_out
+        return jf.moe_reduction_allreduce_fusion(outputs[None], scales[None], tokens, **kw)
 
-    shapes = ((4, 256), jnp.bfloat16), ((4,), jnp.float32), ((4, 256), jnp.bfloat16)
-    expect_named_in_trace(mesh, body, name, value, *shapes)
+    expect_named_in_trace(mesh, lambda *a: body(*a).norm_out, name, value, ROWS, SCALES, ROWS)
 
 
 @pytest.mark.parametrize("name,value", MOE + cases(routed_scaling_factor=FLOAT))
 def test_moe_finalize_allreduce_fusion(mesh, ws, name, value):
-    kw = {"axis_name": "tp", name: value}
-
-    def body(rows, idx):
-        return jf.moe_finalize_allreduce_fusion(
-            rows, idx, workspace=ws, rms_gamma=jnp.ones(256, jnp.bfloat16), **kw
-        ).norm_out
-
-    expect_named_in_trace(mesh, body, name, value, ((4, 256), jnp.bfloat16), ((4, 1), jnp.int32))
+    kw = {"axis_name": "tp", "workspace": ws, "rms_gamma": gamma(), name: value}
+    body = lambda rows, idx: jf.moe_finalize_allreduce_fusion(rows, idx, **kw).norm_out
+    expect_named_in_trace(mesh, body, name, value, ROWS, IDX)
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
-@pytest.mark.parametrize(
-    "name,value",
-    cases(
-        use_oneshot=OPTIONAL_BOOL,
-        fp32_acc=BOOL + [None],
-        strict=OPTIONAL_BOOL,
-        rms_eps=FLOAT,
-        weight_bias=FLOAT,
-        precision=["quickest", 3],
-    ),
-)
+@pytest.mark.parametrize("name,value", cases(
+    use_oneshot=OPTIONAL_BOOL, fp32_acc=BOOL + [None], strict=OPTIONAL_BOOL, rms_eps=FLOAT,
+    weight_bias=FLOAT, precision=["quickest", 3],
+))  # fmt: skip
 def test_row_parallel_allreduce_fusion(axis_type, name, value):
     mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(axis_type,) * 2)
     ws = jf.create_allreduce_fusion_workspace(mesh, "tp", **MESH_KW)
     h = jax.ShapeDtypeStruct((8, 64), jnp.bfloat16, sharding=NamedSharding(mesh, P("dp", "tp")))
     w = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P("tp")))
-
-    def f(h, w):
-        return jf.row_parallel_allreduce_fusion(
-            h,
-            w,
-            residual=None,
-            rms_gamma=jnp.ones(256, jnp.bfloat16),
-            workspace=ws,
-            **{name: value},
-        ).norm_out
+    kw = {"residual": None, "rms_gamma": gamma(), "workspace": ws, name: value}
 
     def run():
-        with jax.set_mesh(mesh):
-            jax.jit(f).lower(h, w)  # lowered: on Auto axes the partition rule runs here
+        with jax.set_mesh(mesh):  # lowered: on Auto axes the partition rule runs here
+            jax.jit(lambda h, w: jf.row_parallel_allreduce_fusion(h, w, **kw).norm_out).lower(h, w)
 
     expect_named(run, "recision" if name == "precision" else name, value)
 
 
-@pytest.mark.parametrize(
-    "name,value",
-    cases(
-        max_token_num=INT,
-        hidden_dim=INT,
-        exchange_timeout_s=FLOAT,
-        handshake=OPTIONAL_BOOL,
-        handshake_timeout_s=["30", True, 1j],
-        timeout_s=["30", True, 1j],
-        name=[5, ""],
-        backend=[5],
-        dtype=["int8", None],
-        axis_name=NAME,
+# (call(mesh, ws, **kw), the valid keywords, the wrong ones); each call gets the valid
+# keywords with one replaced.
+JAX_CALLS = {
+    "create_allreduce_fusion_workspace": (
+        lambda mesh, ws, **kw: jf.create_allreduce_fusion_workspace(mesh, **kw),
+        {**MESH_KW, "axis_name": "tp"},
+        cases(max_token_num=INT, hidden_dim=INT, exchange_timeout_s=FLOAT,
+              handshake=OPTIONAL_BOOL, handshake_timeout_s=["30", True, 1j],
+              timeout_s=["30", True, 1j], name=[5, ""], backend=[5], dtype=["int8", None],
+              axis_name=NAME),
     ),
-)
-def test_create_allreduce_fusion_workspace(mesh, name, value):
-    kw = {**MESH_KW, "axis_name": "tp", name: value}
-    expect_named(lambda: jf.create_allreduce_fusion_workspace(mesh, **kw), name, value)
-
-
-@pytest.mark.parametrize(
-    "name,value",
-    cases(max_token_num=INT, hidden_dim=INT, name=[5, ""], backend=[5, "fast"], axis_name=NAME),
-)
-def test_abstract_workspace(mesh, name, value):
-    kw = {**MESH_KW, "axis_name": "tp", name: value}
-    expect_named(lambda: jf.abstract_workspace(mesh, **kw), name, value)
-
-
-@pytest.mark.parametrize("value", ["5", True, 1j])
-def test_workspace_set_timeout(ws, value):
-    expect_named(lambda: ws.set_timeout(value), "timeout_s", value)
-
-
-@pytest.mark.parametrize("name,value", cases(num_tokens=INT, hidden_dim=INT))
-def test_workspace_is_buffer_size_sufficient(ws, name, value):
-    kw = {"num_tokens": 4, "hidden_dim": 256, name: value}
-    expect_named(lambda: ws.is_buffer_size_sufficient(**kw), name, value)
-
-
-@pytest.mark.parametrize(
-    "name,value",
-    cases(
-        max_tokens=INT,
-        use_oneshot=OPTIONAL_BOOL,
-        strict=OPTIONAL_BOOL,
-        allow_rounding_change=BOOL + [None],
-        backend=[5, "fast"],
-        log_level=["INFO", True],
-        axis_name=[5],
+    "abstract_workspace": (
+        lambda mesh, ws, **kw: jf.abstract_workspace(mesh, **kw),
+        {**MESH_KW, "axis_name": "tp"},
+        cases(max_token_num=INT, hidden_dim=INT, name=[5, ""], backend=[5, "fast"],
+              axis_name=NAME),
     ),
+    "workspace_set_timeout": (
+        lambda mesh, ws, timeout_s: ws.set_timeout(timeout_s), {}, cases(timeout_s=["5", True, 1j])
+    ),
+    "workspace_is_buffer_size_sufficient": (
+        lambda mesh, ws, **kw: ws.is_buffer_size_sufficient(**kw),
+        {"num_tokens": 4, "hidden_dim": 256},
+        cases(num_tokens=INT, hidden_dim=INT),
+    ),
+    "fuse": (
+        lambda mesh, ws, **kw: jf.fuse(lambda x: x, mesh=mesh, **kw),
+        {},
+        cases(max_tokens=INT, use_oneshot=OPTIONAL_BOOL, strict=OPTIONAL_BOOL,
+              allow_rounding_change=BOOL + [None], backend=[5, "fast"], log_level=["INFO", True],
+              axis_name=[5]),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "call,name,value", [(c, n, v) for c, (_, _, wrong) in JAX_CALLS.items() for n, v in wrong]
 )
-def test_fuse(mesh, name, value):
-    expect_named(lambda: jf.fuse(lambda x: x, mesh=mesh, **{name: value}), name, value)
+def test_jax_call(mesh, ws, call, name, value):
+    fn, kw, _ = JAX_CALLS[call]
+    expect_named(lambda: fn(mesh, ws, **{**kw, name: value}), name, value)
 
 
 # --- torch_compat -----------------------------------------------------------------------------
@@ -270,38 +213,30 @@ def _dense_tensors(torch, pattern):
     from tests.torch.test_torch_compat import _tensors
 
     t = _tensors(m=4, h=1024)
+    if pattern in (3, 9):
+        del t["norm_out"]
+    e4m3 = lambda: torch.empty(4, 1024, dtype=torch.float8_e4m3fn)
     if pattern == 9:
-        del t["norm_out"]
-        t["quant_out"] = torch.empty(4, 1024, dtype=torch.float8_e4m3fn)
-        t["scale_out"] = torch.empty(2, 4, dtype=torch.int32)[:, :4].t()
+        t["quant_out"], t["scale_out"] = e4m3(), torch.empty(2, 4, dtype=torch.int32)[:, :4].t()
     if pattern == 3:
-        del t["norm_out"]
         t["quant_out"] = torch.empty(4, 512, dtype=torch.uint8)
         t["scale_out"] = torch.empty(128 * 64, dtype=torch.uint8)
         t["scale_factor"] = torch.ones(1)
     if pattern == 4:
-        t["quant_out"] = torch.empty(4, 1024, dtype=torch.float8_e4m3fn)
+        t["quant_out"] = e4m3()
     return t
 
 
 TORCH_DENSE = (
-    [
-        (1, n, v)
-        for n, v in cases(
-            use_oneshot=OPTIONAL_BOOL,
-            fp32_acc=BOOL + [None],
-            launch_with_pdl=BOOL + [None],
-            trigger_completion_at_end=BOOL + [None],
-            rms_eps=FLOAT,
-            weight_bias=FLOAT,
-            pattern=["1", 1.0, True],
-            moe_finalize_backend=[5],
-        )
-    ]
+    [(1, n, v) for n, v in cases(
+        use_oneshot=OPTIONAL_BOOL, fp32_acc=BOOL + [None], launch_with_pdl=BOOL + [None],
+        trigger_completion_at_end=BOOL + [None], rms_eps=FLOAT, weight_bias=FLOAT,
+        pattern=["1", 1.0, True], moe_finalize_backend=[5],
+    )]
     + [(9, "block_quant_group_size", v) for v in INT]
-    + [(3, "layout_code", v) for v in ["0", 0.0, True]]
+    + [(3, "layout_code", v) for v in STRICT_INT]
     + [(4, "scale_factor", v) for v in ["0.5", True, None]]
-)
+)  # fmt: skip
 
 
 @pytest.mark.parametrize("pattern,name,value", TORCH_DENSE)
@@ -309,8 +244,7 @@ def test_torch_allreduce_fusion(torch_ws, pattern, name, value):
     import torch
     import torch_compat
 
-    t = _dense_tensors(torch, pattern)
-    kw = dict(t, pattern=pattern)
+    kw = dict(_dense_tensors(torch, pattern), pattern=pattern)
     if pattern == 9:
         kw["block_quant_group_size"] = 128
     kw[name] = value
@@ -318,18 +252,11 @@ def test_torch_allreduce_fusion(torch_ws, pattern, name, value):
     assert not torch_ws.native_rank().launches
 
 
-@pytest.mark.parametrize(
-    "name,value",
-    cases(
-        rms_eps=FLOAT,
-        weight_bias=FLOAT,
-        launch_with_pdl=BOOL + [None],
-        fp32_acc=BOOL + [None],
-        use_oneshot=OPTIONAL_BOOL,
-        trigger_completion_at_end=BOOL + [None],
-        routed_scaling_factor=["2.5", True, 1j],
-    ),
-)
+@pytest.mark.parametrize("name,value", cases(
+    rms_eps=FLOAT, weight_bias=FLOAT, launch_with_pdl=BOOL + [None], fp32_acc=BOOL + [None],
+    use_oneshot=OPTIONAL_BOOL, trigger_completion_at_end=BOOL + [None],
+    routed_scaling_factor=["2.5", True, 1j],
+))  # fmt: skip
 def test_torch_moe_allreduce_fusion(torch_ws, name, value):
     import torch_compat
     from tests.torch.test_moe import P7, finalize_args
@@ -349,23 +276,12 @@ def test_torch_is_buffer_size_sufficient(torch_ws, name, value):
     expect_named(lambda: torch_ws.is_buffer_size_sufficient(**kw), name, value)
 
 
-@pytest.mark.parametrize(
-    "name,value",
-    cases(
-        backend=[5, "fast"],
-        world_size=["1", 1.0, True],
-        rank=["0", 0.0, True],
-        max_token_num=INT,
-        hidden_dim=INT,
-        dtype=["bfloat16", None],
-        timeout_s=FLOAT[:-1],
-        handshake=OPTIONAL_BOOL,
-        handshake_timeout_s=["30", True, 1j],
-        kernel_timeout_s=["30", True, 1j],
-        gpus_per_node=INT,
-        force_oneshot_support=BOOL,
-    ),
-)
+@pytest.mark.parametrize("name,value", cases(
+    backend=[5, "fast"], world_size=["1", 1.0, True], rank=["0", 0.0, True], max_token_num=INT,
+    hidden_dim=INT, dtype=["bfloat16", None], timeout_s=FLOAT[:-1], handshake=OPTIONAL_BOOL,
+    handshake_timeout_s=["30", True, 1j], kernel_timeout_s=["30", True, 1j],
+    gpus_per_node=INT, force_oneshot_support=BOOL,
+))  # fmt: skip
 def test_torch_create_allreduce_fusion_workspace(gloo_world1, name, value):
     import torch
     import torch_compat
@@ -389,48 +305,33 @@ def test_torch_fusion_pass_handle(torch_ws, value):
     import torch.fx as fx
     import torch_compat
 
-    expect_named(
-        lambda: torch_compat.fuse_allreduce_rmsnorm(
-            fx.symbolic_trace(lambda x: x), torch_ws, workspace_handle=value
-        ),
-        "workspace_handle",
-        value,
-    )
+    graph = fx.symbolic_trace(lambda x: x)
+    call = lambda: torch_compat.fuse_allreduce_rmsnorm(graph, torch_ws, workspace_handle=value)
+    expect_named(call, "workspace_handle", value)
 
 
 # --- the CLI ------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
-    "argv,flag",
-    [
-        (["demo", "--seed", "1e3"], "--seed"),
-        (["demo", "--steps", "two"], "--steps"),
-        (["demo", "--dtype", "half"], "--dtype"),
-        (["demo", "--backend", "yes"], "--backend"),
-    ],
+    "flag,value", [("--seed", "1e3"), ("--steps", "two"), ("--dtype", "half"), ("--backend", "yes")]
 )
-def test_cli_flags(capsys, argv, flag):
+def test_cli_flags(capsys, flag, value):
     from jax_fusedar.cli.main import build_parser
 
     parser, _ = build_parser()
     with pytest.raises(SystemExit) as info:
-        parser.parse_args(argv)
+        parser.parse_args(["demo", flag, value])
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert f"argument {flag}" in err, err
 
 
-@pytest.mark.parametrize(
-    "var,value",
-    [
-        ("JAX_FUSEDAR_STRICT", "maybe"),
-        ("JAX_FUSEDAR_HANDSHAKE", "2"),
-        ("JAX_FUSEDAR_TIMEOUT_S", "abc"),
-        ("JAX_FUSEDAR_HANDSHAKE_TIMEOUT_S", "soon"),
-        ("JAX_FUSEDAR_ALLREDUCE_BACKEND", "fast"),
-    ],
-)
+@pytest.mark.parametrize("var,value", [
+    ("JAX_FUSEDAR_STRICT", "maybe"), ("JAX_FUSEDAR_HANDSHAKE", "2"),
+    ("JAX_FUSEDAR_TIMEOUT_S", "abc"), ("JAX_FUSEDAR_HANDSHAKE_TIMEOUT_S", "soon"),
+    ("JAX_FUSEDAR_ALLREDUCE_BACKEND", "fast"),
+])  # fmt: skip
 def test_cli_environment(monkeypatch, capsys, var, value):
     """In process (tests/cli/test_environment.py runs the commands). The --out folder cannot
     be created, so a run that missed the variable stops there, without running the demo."""

@@ -1,18 +1,10 @@
 """Every ```python block of README.md runs, verbatim, in order and in one namespace, in a
-fresh process with no device count set (as a reader would paste them into one interpreter
-of a new shell: the README makes its 8 CPU devices itself); so do the blocks of the docs
-pages in ``RUN_PAGES``, each page in its own process, on 8 CPU devices.
-
-A README block whose first line starts with ``# Needs 2 GPUs`` (the README states the
-convention where it first matters) cannot run here; it still must compile, and every
-``comm.<function>(...)`` call in it must bind to ``torch_compat``'s real signature (so a
-renamed function or keyword fails here); tests/gpu/test_readme.py executes it verbatim on
-two GPUs under torchrun.
-
-A block whose first line names a script (``# two_node.py ARGS...``) is a program launched
-with arguments, one process per node: it does not run in the shared namespace here; the
-test named in ``SCRIPT_TESTS`` writes it to a file and launches it (tests/jax/test_multinode.py
-runs docs/multinode.md's two_node.py as two processes on two simulated hosts).
+fresh process with no device count set (as a reader pastes them into one interpreter of a
+new shell: the README makes its 8 CPU devices itself); so do those of the docs pages in
+``RUN_PAGES``, a process a page, on 8 CPU devices. A README block whose first line starts
+with ``# Needs 2 GPUs`` must compile here and its ``comm.<function>(...)`` calls bind to
+torch_compat's signatures (tests/gpu/test_readme.py runs it on two GPUs). A block whose first
+line names a script (``# two_node.py ARGS...``) is launched by the test in ``SCRIPT_TESTS``.
 """
 
 import ast

@@ -15,24 +15,13 @@ PRODUCT = [
 ]
 
 
-def test_the_product_alone_passes():
+def test_the_product_alone_passes_and_the_checkouts_code_is_named():
     assert wheel_contents.problems(PRODUCT) == []
-
-
-def test_the_checkouts_code_is_named():
+    checkout = ["benchmarks/jax_bench.py", "tools/flashinfer_anchor.py", "torch_compat/bench.py"]
     found = wheel_contents.problems(
-        PRODUCT
-        + [
-            "benchmarks/jax_bench.py",
-            "tools/flashinfer_anchor.py",
-            "torch_compat/bench.py",
-            "jax_fusedar/cli/bench.py",
-            "tests/conftest.py",
-        ]
+        PRODUCT + checkout + ["jax_fusedar/cli/bench.py", "tests/conftest.py"]
     )
-    assert "benchmarks/ (not a package of the product)" in found
-    assert "tools/ (not a package of the product)" in found
-    assert "tests/ (not a package of the product)" in found
-    assert "torch_compat/bench.py (the checkout's code)" in found
-    assert "jax_fusedar/cli/bench.py (the checkout's code)" in found
-    assert "benchmarks/jax_bench.py (the checkout's code)" in found
+    for folder in ("benchmarks", "tools", "tests"):
+        assert f"{folder}/ (not a package of the product)" in found
+    for module in ("torch_compat/bench.py", "jax_fusedar/cli/bench.py", "benchmarks/jax_bench.py"):
+        assert f"{module} (the checkout's code)" in found

@@ -1,9 +1,6 @@
-"""Tests of ``python -m benchmarks.jax_bench`` on 8 virtual CPU devices: the run and its
-report (median, p10, p90 and count of every figure), the timing methods' programs, the
-refusals, the baseline's FP8 quantization against the op's own, the plot's colours, and the
-wait-timeout comparison.
-
-Every run is a subprocess from the repository root, as a user runs the benchmark."""
+"""``python -m benchmarks.jax_bench`` on 8 virtual CPU devices, each run a subprocess from the
+repository root as a user runs it: the report (median, p10, p90, count), the timing methods'
+programs, the refusals, the baseline's FP8 quantization, the plot, the wait-timeout run."""
 
 import importlib.util
 import json
@@ -36,6 +33,11 @@ def run_to_report(out, *argv, **kw):
     r = run_bench(*argv, "--out", out, **kw)
     assert r.returncode == 0, r.stdout + r.stderr
     return r, json.loads((out / "bench.json").read_text())
+
+
+def run_small(tmp_path, *argv, **kw):
+    """A run of one pattern on small sizes (``argv`` adds the rest) into tmp_path/bench."""
+    return run_to_report(tmp_path / "bench", "--repeats", 1, "--patterns", 1, *argv, **kw)
 
 
 # --- a run and its report ------------------------------------------------------------------------
@@ -105,11 +107,7 @@ def test_bench_writes_json_and_plot(tmp_path):
 
 @pytest.mark.slow
 def test_bench_loop_method(tmp_path):
-    _, rep = run_to_report(
-        tmp_path / "bench",
-        "--tokens", 16, "--hidden", 64, "--method", "loop", "--iters", 3, "--repeats", 1,
-        "--patterns", 1,
-    )  # fmt: skip
+    _, rep = run_small(tmp_path, *"--tokens 16 --hidden 64 --method loop --iters 3".split())
     assert rep["config"]["method"] == "loop" and "fori_loop" in rep["method"]
     fused = rep["cases"][0]["fused"]["auto"]
     assert fused["us"]["median"] > 0 and fused["us"]["n"] == 1
@@ -123,28 +121,20 @@ def test_bench_without_matplotlib_and_tqdm(tmp_path):
     for name in ("matplotlib", "tqdm"):
         (blocker / name).mkdir(parents=True)
         (blocker / name / "__init__.py").write_text(f"raise ImportError('{name} blocked')\n")
-    out = tmp_path / "bench"
-    r, rep = run_to_report(
-        out,
-        "--tokens", 4, "--hidden", 64, "--chain", 2, "--repeats", 1, "--patterns", 1,
-        "--modes", "auto", pythonpath=[blocker],
-    )  # fmt: skip
+    argv = "--tokens 4 --hidden 64 --chain 2 --modes auto".split()
+    r, rep = run_small(tmp_path, *argv, pythonpath=[blocker])
     assert "matplotlib is not installed" in r.stdout
-    assert not (out / "bench.png").exists()
+    assert not (tmp_path / "bench" / "bench.png").exists()
     assert rep["cases"][0]["fused"]["auto"]["us"]["median"] > 0
     assert "2/2" in r.stderr  # the fallback progress bar: baseline + auto
 
 
 @pytest.mark.slow
 def test_bench_times_the_wait_timeout_on_and_off_in_one_run(tmp_path):
-    """--timeout-compare on CPU (the XLA reference backend, no kernel): the run completes
-    with both figures per fused case and the on/off table; the GPU figures come from the
-    same command on a machine with GPUs."""
-    r, rep = run_to_report(
-        tmp_path / "bench",
-        "--tokens", "1,16", "--hidden", 256, "--chain", 2, "--repeats", 1, "--patterns", 1,
-        "--timeout-compare",
-    )  # fmt: skip
+    """--timeout-compare on CPU (no kernel): both figures per fused case and the on/off
+    table; the GPU figures come from the same command on a machine with GPUs."""
+    argv = "--tokens 1,16 --hidden 256 --chain 2 --timeout-compare".split()
+    r, rep = run_small(tmp_path, *argv)
     assert rep["config"]["timeout_compare"] is True
     for case in rep["cases"]:
         m = case["fused"]["auto"]
@@ -242,14 +232,12 @@ def test_the_plot_pairs_fused_and_baseline_by_colour(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("pattern", [4, 11, 9])
 def test_the_baselines_quantization_writes_the_ops_outputs(pattern):
-    """The XLA twin's FP8 quantization (written as a model would) gives the outputs the fused
-    op's documented epilogue gives (its reference, quant_reference), so both columns time
-    the same outputs: the same shapes and dtypes, the same bytes where the roundings are the
-    baseline's own (static FP8 multiplies by the reciprocal as the kernel does; the group
-    scales are powers of two, so their divisions are exact). The dynamic scale's divisions
-    are rounded as XLA compiles them (it may turn a division by a row's scale into a product
-    with its reciprocal), so there the scales agree within one float32 ulp and the codes
-    within one e4m3 step."""
+    """The XLA twin's FP8 quantization gives the fused op's documented outputs
+    (quant_reference), so both columns time the same outputs: the same bytes where the
+    roundings are the baseline's own (static FP8 multiplies by the reciprocal as the kernel
+    does; group scales are powers of two). XLA may turn the dynamic scale's division into a
+    product with the reciprocal: there one float32 ulp for the scales, one e4m3 step for the
+    codes."""
     import jax.numpy as jnp
 
     from jax_fusedar.ops import quant_reference

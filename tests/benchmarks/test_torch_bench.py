@@ -1,11 +1,8 @@
 """CPU tests of ``python -m benchmarks.torch_bench``, of the anchor loader
 (tools/flashinfer_anchor.py) and of the anchor comparison's plumbing (tests/gpu/anchor.py,
-tests/gpu/workers/anchor_compare.py).
-
-No GPU: the CUDA parts are replaced by stand-ins (a fake runtime for the timing driver, fake
-``allreduce_fusion``s computing the kernel's math in numpy for the comparison, a fake anchor
-folder for the loader); process spawning and the gloo agreement run for real.
-"""
+tests/gpu/workers/anchor_compare.py). No GPU: stand-ins for the CUDA parts (a fake runtime,
+fake ``allreduce_fusion``s doing the kernel's math in numpy, a fake anchor folder); process
+spawning and the gloo agreement run for real."""
 
 from __future__ import annotations
 
@@ -35,27 +32,31 @@ from tests.gpu.harness import bound_problems, draw_case  # noqa: E402
 from tests.gpu.workers import anchor_compare as ac  # noqa: E402
 from tests.repo import REPO, run_code  # noqa: E402
 
+TIMEOUT_COMPARE = "--timeout-compare --no-anchor --no-nccl --no-symm-mem --no-fp8"
+
 
 # --- arguments and the CLI hook --------------------------------------------------------------
 
 
-def test_defaults_are_the_requested_sweep():
-    a = bt.parse_args([])
+def test_options_and_the_variants_they_time():
+    a = bt.parse_args([])  # the requested sweep
     assert a.tokens == [1, 16, 128, 1024, 4096] and a.hidden == [4096, 8192]
-    assert a.dtype == "bfloat16" and a.world == 2
+    assert a.dtype == "bfloat16" and a.world == 2 and a.timeout_compare is False
     assert a.iters >= 1 and a.repeats >= 1 and not a.no_anchor
     assert bt.variant_keys(a) == [
         f"{i}:{h}" for i in bt.IMPLS if i != "ours_no_timeout" for h in ("eager", "graph")
     ]  # that one: --timeout-compare
-
-
-def test_options_parse_and_prune_variants():
+    assert "ours_no_timeout" not in " ".join(bt.variant_keys(a))
     a = bt.parse_args(
         "--tokens 16,1,16 --hidden 1024 --dtype float16 --world 4 "
         "--no-graph --no-fp8 --no-nccl --no-anchor".split()
     )
     assert a.tokens == [1, 16] and a.hidden == [1024] and a.world == 4
     assert bt.variant_keys(a) == ["ours:eager", "symm_mem:eager"]
+    a = bt.parse_args(TIMEOUT_COMPARE.split())
+    assert a.timeout_compare is True and ("ours", "ours_no_timeout") in bt.RATIOS
+    keys = "ours:eager ours:graph ours_no_timeout:eager ours_no_timeout:graph"
+    assert bt.variant_keys(a) == keys.split()
 
 
 @pytest.mark.parametrize(
@@ -67,6 +68,7 @@ def test_options_parse_and_prune_variants():
         (["--tokens", "0"], "not positive"),
         (["--framework", "jax"], "unrecognized arguments: --framework"),
         (["--seed", "-5"], "argument --seed: -5 is not in"),
+        (["--modes", "threeshot"], "argument --modes"),
     ],
 )
 def test_bad_arguments_are_refused(argv, needle, capsys):
@@ -83,18 +85,14 @@ def test_command_without_gpu_says_so(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     assert r.returncode == 2, r.stdout + r.stderr
-    assert "needs CUDA GPUs" in r.stderr
+    assert "needs CUDA GPUs" in r.stderr and "JAX_FUSEDAR_ANCHOR" in r.stderr
     assert "FlashInfer anchor unavailable: no anchor folder at" in r.stderr
-    assert "JAX_FUSEDAR_ANCHOR" in r.stderr
 
 
 @pytest.mark.slow
 def test_torch_bench_path_imports_no_jax():
-    code = (
-        "import sys; from benchmarks import torch_bench; "
-        "torch_bench.parse_args([]); print('jax' in sys.modules)"
-    )
-    r = run_code(code, timeout=120)
+    code = "import sys; from benchmarks import torch_bench; torch_bench.parse_args([])"
+    r = run_code(code + "; print('jax' in sys.modules)", timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"
 
@@ -125,74 +123,58 @@ def _rank_result(rank, scale):
             "ours:graph": [5.0, 5.0, 5.0],
             "anchor:graph": [5.0, 6.0, 7.0],
         }
-        skipped = {
-            "symm_mem:eager": "symm reason",
-            "symm_mem:graph": "symm reason",
-            "nccl:graph": "capture failed: X",
-        }
+        skipped = dict.fromkeys(["symm_mem:eager", "symm_mem:graph"], "symm reason")
+        skipped["nccl:graph"] = "capture failed: X"
         if rank == 1 and tokens == 1024:
             del us["anchor:graph"]  # timed on one rank only
-        cases.append(
-            {"tokens": tokens, "hidden": 4096, "mode": mode, "us_repeats": us, "skipped": skipped}
-        )
+        case = {"tokens": tokens, "hidden": 4096, "mode": mode}
+        cases.append(dict(case, us_repeats=us, skipped=skipped))
     return {"rank": rank, "cases": cases, "notes": {"ours_workspace": "ws"}}
 
 
-def _args(**kw):
-    a = bt.parse_args(["--tokens", "1,1024", "--hidden", "4096", "--no-fp8"])
-    for k, v in kw.items():
-        setattr(a, k, v)
-    return a
-
-
-def _report(scale1=1.0, args=None, anchor=None, ranks=None):
-    """The report of two ranks' results (rank 1's eager times ``scale1`` times rank 0's)."""
+def _report(scale1=1.0, anchor=None, ranks=None, **kw):
+    """The report of two ranks' results (rank 1's eager times ``scale1`` times rank 0's), with
+    the arguments ``kw`` changed."""
+    args = bt.parse_args(["--tokens", "1,1024", "--hidden", "4096", "--no-fp8"])
+    vars(args).update(kw)
     ranks = ranks or [_rank_result(0, 1.0), _rank_result(1, scale1)]
-    return bt.build_report(
-        ranks, args or _args(), {"device_name": "fake", "torch": "x"}, anchor or {}
-    )
+    return bt.build_report(ranks, args, {"device_name": "fake", "torch": "x"}, anchor or {})
 
 
 def test_report_takes_the_slowest_ranks_median_and_ratios():
     rep = _report(2.0, anchor={"requested": True, "path": "/a", "problem": None})
     json.dumps(rep)  # serializable
-    c0, c1 = rep["cases"]
-    assert c0["us"]["ours:eager"] == 22.0  # rank 1's median 22 > rank 0's 11
-    assert c0["us_per_rank"]["ours:eager"] == [11.0, 22.0]
-    # The slowest rank's samples give the spread: [20, 22, 24] (rank 1).
-    assert c0["slowest_rank"]["ours:eager"] == 1
-    assert c0["stats"]["ours:eager"] == report.summary([20.0, 22.0, 24.0])
-    assert c0["stats"]["ours:eager"]["n"] == 3 and c0["stats"]["ours:eager"]["p90"] == 23.6
-    assert c0["us"]["anchor:graph"] == 6.0
-    assert c0["ratios"]["ours/anchor:eager"] == pytest.approx(22.0 / 21.0)
-    assert c0["ratios"]["ours/nccl:eager"] == pytest.approx(22.0 / 40.0)
-    assert c0["ratios"]["ours/anchor:graph"] == pytest.approx(5.0 / 6.0)
+    (c0, c1), e = rep["cases"], "ours:eager"
+    # Rank 1's median 22 > rank 0's 11; the slowest rank's samples give the spread.
+    assert (c0["us"][e], c0["us_per_rank"][e], c0["slowest_rank"][e]) == (22.0, [11.0, 22.0], 1)
+    assert c0["stats"][e] == report.summary([20.0, 22.0, 24.0])
+    assert c0["stats"][e]["n"] == 3 and c0["stats"][e]["p90"] == 23.6
+    assert c0["us"]["anchor:graph"] == 6.0 and c0["us_repeats"][e][1] == [20.0, 22.0, 24.0]
+    ratios = {"ours/anchor:eager": 22.0 / 21.0, "ours/nccl:eager": 22.0 / 40.0}
+    ratios["ours/anchor:graph"] = 5.0 / 6.0
+    assert {k: c0["ratios"][k] for k in ratios} == pytest.approx(ratios)
     assert "ours/symm_mem:eager" not in c0["ratios"]
     assert c0["skipped"]["symm_mem:eager"] == "symm reason"
     assert "anchor:graph" not in c1["us"]
     assert c1["skipped"]["anchor:graph"] == "not timed on every rank"
-    assert c0["us_repeats"]["ours:eager"][1] == [20.0, 22.0, 24.0]
     assert rep["config"]["fp32_acc"] is True and rep["config"]["world_size"] == 2
 
 
 def test_table_lists_times_ratios_and_skip_reasons():
-    text = bt.format_table(_report())
-    lines = text.splitlines()
+    lines = bt.format_table(_report()).splitlines()
     assert lines[0].startswith("[eager]") and any(x.startswith("[graph]") for x in lines)
     # A row per case and variant: median [p10, p90] of the slowest rank, its sample count.
     eager = lines[: next(i for i, x in enumerate(lines) if x.startswith("[graph]"))]
     rows = {tuple(x.split()[:4]): x.split()[4:] for x in eager if x.split()[:2] == ["1", "4096"]}
-    assert rows[("1", "4096", "oneshot", "ours")] == ["11.00", "[10.20,", "11.80]", "3"]
-    assert rows[("1", "4096", "oneshot", "anchor")] == ["21.00", "[20.20,", "21.80]", "3"]
-    assert rows[("1", "4096", "oneshot", "nccl")] == ["40.00", "[40.00,", "40.00]", "3"]
-    assert ("1", "4096", "oneshot", "symm_mem") not in rows  # skipped
+    case = ("1", "4096", "oneshot")
+    assert rows[(*case, "ours")] == ["11.00", "[10.20,", "11.80]", "3"]
+    assert rows[(*case, "anchor")] == ["21.00", "[20.20,", "21.80]", "3"]
+    assert rows[(*case, "nccl")] == ["40.00", "[40.00,", "40.00]", "3"]
+    assert (*case, "symm_mem") not in rows  # skipped
     # Then the ratios of the medians.
-    ratio_row = next(
-        x
-        for x in eager
-        if x.split()[:3] == ["1", "4096", "oneshot"] and x.split()[3] not in bt.IMPLS
+    cells = next(
+        x.split() for x in eager if x.split()[:3] == list(case) and x.split()[3] not in bt.IMPLS
     )
-    cells = ratio_row.split()
     assert cells[3] == f"{11 / 21:.3f}" and cells[4] == f"{11 / 40:.3f}" and cells[5] == "-"
     assert any("symm reason" in x and "symm_mem:eager" in x for x in lines)
     assert any("capture failed: X" in x for x in lines)
@@ -200,9 +182,8 @@ def test_table_lists_times_ratios_and_skip_reasons():
 
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
-    path = tmp_path / "b.png"
-    assert bt.plot(_report(), path)
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert bt.plot(_report(), tmp_path / "b.png")
+    assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_the_plot_pairs_ours_and_each_baseline_by_colour(monkeypatch, tmp_path):
@@ -212,7 +193,7 @@ def test_the_plot_pairs_ours_and_each_baseline_by_colour(monkeypatch, tmp_path):
     ranks = [_rank_result(0, 1.0), _rank_result(1, 1.0)]
     for r in ranks:  # a second hidden size, so that the sizes need colours of their own
         r["cases"] += [dict(c, hidden=8192) for c in r["cases"]]
-    assert bt.plot(_report(args=_args(hidden=[4096, 8192]), ranks=ranks), tmp_path / "b.png")
+    assert bt.plot(_report(ranks=ranks, hidden=[4096, 8192]), tmp_path / "b.png")
     (fig,) = figures
     titles = [ax.get_title() for ax in fig.axes]
     assert "eager: ours vs anchor" in titles and "eager: ours vs nccl" in titles
@@ -227,28 +208,10 @@ def test_the_plot_pairs_ours_and_each_baseline_by_colour(monkeypatch, tmp_path):
     assert len(colours) == 2
 
 
-TIMEOUT_COMPARE = "--timeout-compare --no-anchor --no-nccl --no-symm-mem --no-fp8"
-
-
-def test_timeout_compare_options_and_variants():
-    a = bt.parse_args(TIMEOUT_COMPARE.split())
-    assert a.timeout_compare is True and bt.parse_args([]).timeout_compare is False
-    assert (
-        bt.variant_keys(a)
-        == "ours:eager ours:graph ours_no_timeout:eager ours_no_timeout:graph".split()
-    )
-    assert ("ours", "ours_no_timeout") in bt.RATIOS
-    assert "ours_no_timeout" not in " ".join(bt.variant_keys(bt.parse_args([])))
-
-
 def test_the_table_shows_the_timeouts_on_off_ratio():
     a = bt.parse_args(f"{TIMEOUT_COMPARE} --tokens 16 --hidden 4096".split())
-    us = {
-        "ours:eager": [10.0, 10.2],
-        "ours:graph": [6.0],
-        "ours_no_timeout:eager": [10.0],
-        "ours_no_timeout:graph": [6.0],
-    }
+    us = {"ours:eager": [10.0, 10.2], "ours:graph": [6.0]}
+    us |= {"ours_no_timeout:eager": [10.0], "ours_no_timeout:graph": [6.0]}
     case = {"tokens": 16, "hidden": 4096, "mode": "oneshot", "policy": "auto"}
     rank = {"cases": [dict(case, us_repeats=us, skipped={})]}
     rep = bt.build_report([rank, rank], a, {}, {})
@@ -301,11 +264,8 @@ class Counter:
 
 
 def test_run_cases_times_skips_and_agrees():
-    cases = [
-        bt.Case(1, 256, True),
-        bt.Case(16, 256, False),
-        bt.Case(8, 256, None, {"ours": "does not fit"}),
-    ]
+    cases = [bt.Case(1, 256, True), bt.Case(16, 256, False)]
+    cases.append(bt.Case(8, 256, None, {"ours": "does not fit"}))
     made = {}
 
     def factory(name, fail=None, fail_after=None):
@@ -317,12 +277,8 @@ def test_run_cases_times_skips_and_agrees():
 
         return make
 
-    factories = {
-        "ours": factory("ours"),
-        "anchor": factory("anchor", fail="no anchor"),
-        "nccl": factory("nccl"),
-        "symm_mem": factory("symm_mem", fail_after=0),
-    }
+    factories = {"ours": factory("ours"), "anchor": factory("anchor", fail="no anchor")}
+    factories |= {"nccl": factory("nccl"), "symm_mem": factory("symm_mem", fail_after=0)}
     keys = "ours:eager ours:graph anchor:eager anchor:graph nccl:eager nccl:graph symm_mem:eager"
     rt = FakeRuntime(capture_fails={"nccl"})
     out = bt.run_cases(rt, cases, factories, keys.split(), iters=3, repeats=2, warmup=2)
@@ -340,6 +296,27 @@ def test_run_cases_times_skips_and_agrees():
     assert out[2]["skipped"]["ours:eager"] == "does not fit"
     assert out[2]["skipped"]["nccl:graph"] == "infeasible"
     assert ("release", ("graph", "ours")) in rt.log and ("release", None) in rt.log
+
+
+def test_modes_force_both_builds_alike_or_say_why():
+    a = bt.parse_args(["--modes", "twoshot,auto", "--tokens", "1,4096", "--hidden", "8192"])
+    assert a.modes == ["auto", "twoshot"]
+    sizes, cases = bt.plan_cases(a.tokens, a.hidden, a.dtype, a.world, a.modes)
+    assert [(c.tokens, c.policy, c.mode) for c in cases] == [
+        (1, "auto", "oneshot"),
+        (1, "twoshot", None),
+        (4096, "auto", "oneshot"),
+        (4096, "twoshot", "twoshot"),
+    ]
+    assert "more tokens than ranks" in cases[1].skipped["ours"]
+    factories = {"ours": lambda case: Counter("ours")}
+    out = bt.run_cases(
+        FakeRuntime(), cases, factories, ["ours:eager"], iters=1, repeats=1, warmup=0
+    )
+    rep = bt.build_report([{"cases": out}, {"cases": out}], a, {}, {})
+    assert [c["policy"] for c in rep["cases"]] == ["auto", "twoshot", "auto", "twoshot"]
+    text = bt.format_table(rep)
+    assert " twoshot(forced) " in text and "more tokens than ranks" in text
 
 
 # --- process launch and the gloo agreement, for real on CPU ----------------------------------
@@ -395,11 +372,9 @@ def test_launch_kills_ranks_past_the_timeout():
 def test_anchor_path_precedence(monkeypatch, tmp_path):
     assert fa.resolve_anchor_path(None, env={}) == fa.DEFAULT_ANCHOR
     assert fa.DEFAULT_ANCHOR == REPO / ".anchor" / "anchor-flashinfer"
-    assert fa.resolve_anchor_path(None, env={fa.ANCHOR_ENV_VAR: str(tmp_path)}) == tmp_path
-    assert (
-        fa.resolve_anchor_path(str(tmp_path / "x"), env={fa.ANCHOR_ENV_VAR: str(tmp_path)})
-        == tmp_path / "x"
-    )
+    env = {fa.ANCHOR_ENV_VAR: str(tmp_path)}
+    assert fa.resolve_anchor_path(None, env=env) == tmp_path
+    assert fa.resolve_anchor_path(str(tmp_path / "x"), env=env) == tmp_path / "x"
 
 
 def test_missing_anchor_fails_with_a_clear_message(tmp_path):
@@ -429,42 +404,35 @@ def test_anchor_environment_adds_the_cuda_libs_once(tmp_path):
 
 def _fake_anchor(root: Path, broken=False) -> Path:
     a = root / "anchor-flashinfer"
-    for d in (
-        "flashinfer/jit",
-        "flashinfer/comm",
-        "site/tvm_ffi",
-        "ws/.cache/flashinfer/0.7.2.post1/90a/cached_ops/trtllm_comm",
-    ):
-        (a / d).mkdir(parents=True)
-    so = a / "ws/.cache/flashinfer/0.7.2.post1/90a/cached_ops/trtllm_comm/trtllm_comm.so"
-    so.write_bytes(b"")
-    # The real package __init__s import far more than the trimmed copy holds.
-    (a / "flashinfer/__init__.py").write_text("raise ImportError('heavy __init__ ran')\n")
-    (a / "flashinfer/comm/__init__.py").write_text("raise ImportError('heavy __init__ ran')\n")
-    (a / "flashinfer/jit/__init__.py").write_text("")
-    (a / "site/tvm_ffi/__init__.py").write_text("")
-    (a / "flashinfer/jit/core.py").write_text(
-        textwrap.dedent("""
-        class JitSpecNvcc:
-            def build(self):
-                raise RuntimeError("nvcc must never run")
-    """)
-    )
-    (a / "flashinfer/comm/allreduce.py").write_text(
-        textwrap.dedent(f"""
-        import os
-        import tvm_ffi  # from the anchor's site/
-        from flashinfer.jit import core
-        {"raise OSError('libcudart.so.13: cannot open shared object file')" if broken else ""}
-        SEEN = {{k: os.environ.get(k) for k in ("FLASHINFER_WORKSPACE_BASE",
-                                                "FLASHINFER_CUDA_ARCH_LIST")}}
-        def create_allreduce_fusion_workspace(**kw):
-            return kw
-        def allreduce_fusion(**kw):
-            return kw
-        BUILD = core.JitSpecNvcc().build()
-    """)
-    )
+    heavy = "raise ImportError('heavy __init__ ran')\n"  # the real ones import far more
+    files = {
+        "ws/.cache/flashinfer/0.7.2.post1/90a/cached_ops/trtllm_comm/trtllm_comm.so": "",
+        "flashinfer/__init__.py": heavy,
+        "flashinfer/comm/__init__.py": heavy,
+        "flashinfer/jit/__init__.py": "",
+        "site/tvm_ffi/__init__.py": "",
+        "flashinfer/jit/core.py": textwrap.dedent("""
+            class JitSpecNvcc:
+                def build(self):
+                    raise RuntimeError("nvcc must never run")
+        """),
+        "flashinfer/comm/allreduce.py": textwrap.dedent(f"""
+            import os
+            import tvm_ffi  # from the anchor's site/
+            from flashinfer.jit import core
+            {"raise OSError('libcudart.so.13: cannot open shared object file')" if broken else ""}
+            SEEN = {{k: os.environ.get(k) for k in ("FLASHINFER_WORKSPACE_BASE",
+                                                    "FLASHINFER_CUDA_ARCH_LIST")}}
+            def create_allreduce_fusion_workspace(**kw):
+                return kw
+            def allreduce_fusion(**kw):
+                return kw
+            BUILD = core.JitSpecNvcc().build()
+        """),
+    }
+    for name, text in files.items():
+        (a / name).parent.mkdir(parents=True, exist_ok=True)
+        (a / name).write_text(text)
     return a
 
 
@@ -482,8 +450,7 @@ def test_anchor_loader_stubs_packages_and_never_builds(tmp_path):
     """)
     r = run_code(code, timeout=120)
     assert r.returncode == 0, r.stderr
-    got = json.loads(r.stdout)
-    assert got == {
+    assert json.loads(r.stdout) == {
         "same": True,
         "seen": {"FLASHINFER_WORKSPACE_BASE": str(a / "ws"), "FLASHINFER_CUDA_ARCH_LIST": "9.0a"},
         "build": None,
@@ -514,13 +481,12 @@ def test_anchor_loader_reports_import_failures_and_foreign_flashinfer(tmp_path):
     r = run_code(code, timeout=120)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert lines[0].startswith(
-        "1 FlashInfer anchor unavailable: importing it failed: OSError: libcudart.so.13"
-    ), lines
+    unavailable = "FlashInfer anchor unavailable:"
+    assert lines[0].startswith(f"1 {unavailable} importing it failed: OSError: libcudart.so.13"), (
+        lines
+    )
     assert lines[1] == "2 []"  # the stubs are rolled back
-    assert lines[2].startswith(
-        "3 FlashInfer anchor unavailable: another 'flashinfer' is already imported"
-    ), lines
+    assert lines[2].startswith(f"3 {unavailable} another 'flashinfer' is already imported"), lines
 
 
 # --- the anchor comparison's plumbing with fake allreduce_fusions ----------------------------
@@ -570,8 +536,7 @@ def fake_allreduce_fusion(xs, rank, npdt, corrupt=None, refuse=()):
             m = q.shape[0]
             scale_out.copy_(torch.from_numpy(buf[:, :m].T.copy()))
             k, t = buf.shape  # the MN padding of all but the last pack is zeroed
-            base = torch.as_strided(scale_out, (k, t), (t, 1))
-            base[:-1, m:] = 0
+            torch.as_strided(scale_out, (k, t), (t, 1))[:-1, m:] = 0
         else:
             return norm_out
         quant_out.view(torch.uint8).copy_(torch.from_numpy(np.asarray(q).view(np.uint8)))
@@ -632,44 +597,18 @@ def test_anchor_compare_outputs_are_poisoned_in_flashinfers_layout():
     assert outs["scale_out"].shape == (3, 1) and outs["scale_out"].dtype == torch.float32
 
 
-def test_modes_force_both_builds_alike_or_say_why():
-    a = bt.parse_args(["--modes", "twoshot,auto", "--tokens", "1,4096", "--hidden", "8192"])
-    assert a.modes == ["auto", "twoshot"]
-    sizes, cases = bt.plan_cases(a.tokens, a.hidden, a.dtype, a.world, a.modes)
-    got = [(c.tokens, c.policy, c.mode) for c in cases]
-    assert got == [
-        (1, "auto", "oneshot"),
-        (1, "twoshot", None),
-        (4096, "auto", "oneshot"),
-        (4096, "twoshot", "twoshot"),
-    ]
-    assert "more tokens than ranks" in cases[1].skipped["ours"]
-    rt = FakeRuntime()
-    factories = {"ours": lambda case: Counter("ours")}
-    out = bt.run_cases(rt, cases, factories, ["ours:eager"], iters=1, repeats=1, warmup=0)
-    rep = bt.build_report([{"cases": out}, {"cases": out}], a, {}, {})
-    assert [c["policy"] for c in rep["cases"]] == ["auto", "twoshot", "auto", "twoshot"]
-    text = bt.format_table(rep)
-    assert " twoshot(forced) " in text and "more tokens than ranks" in text
-    with pytest.raises(SystemExit):
-        bt.parse_args(["--modes", "threeshot"])
-
-
 # --- every variant's call against the real APIs ----------------------------------------------
-
-# FlashInfer's Python source in the anchor folder (fa.resolve_anchor_path: $JAX_FUSEDAR_ANCHOR
-# or <repo>/.anchor/anchor-flashinfer).
-ANCHOR_SRC = fa.resolve_anchor_path() / "flashinfer" / "comm" / "allreduce.py"
 
 
 def _anchor_params(func_name):
-    """Parameter names of a function in FlashInfer's allreduce.py, read with ast (the module
+    """Parameter names (all, required) of a function in the anchor's FlashInfer allreduce.py
+    ($JAX_FUSEDAR_ANCHOR or <repo>/.anchor/anchor-flashinfer), read with ast (the module
     itself needs CUDA and Python 3.12 to import)."""
-    if not ANCHOR_SRC.exists():
-        pytest.skip(f"no FlashInfer source at {ANCHOR_SRC}")
-    tree = ast.parse(ANCHOR_SRC.read_text())
-    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == func_name)
-    a = fn.args
+    src = fa.resolve_anchor_path() / "flashinfer" / "comm" / "allreduce.py"
+    if not src.exists():
+        pytest.skip(f"no FlashInfer source at {src}")
+    tree = ast.parse(src.read_text())
+    a = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == func_name).args
     required = [x.arg for x in a.args[: len(a.args) - len(a.defaults)]]
     return {x.arg for x in a.args + a.kwonlyargs}, required
 
@@ -702,18 +641,20 @@ def test_variant_calls_bind_to_torch_compat_and_flashinfer():
         buf.copy_(x)
         out.copy_(2 * buf)  # two ranks with the same partial sum
 
-    args = bt.parse_args(["--tokens", "4", "--hidden", "256"])
-    dist = FakeDist()
-    v = bt.Variants(torch, dist, args, rank=1, device=0, shared_gpu=False)
-    v.dev = torch.device("cpu")
+    args, dist = bt.parse_args(["--tokens", "4", "--hidden", "256"]), FakeDist()
+
+    def variants(rank):
+        v = bt.Variants(torch, dist, args, rank=rank, device=0, shared_gpu=False)
+        v.dev = torch.device("cpu")
+        return v
+
+    v = variants(1)
     v.tc, v.fi = SimpleNamespace(allreduce_fusion=ours), SimpleNamespace(allreduce_fusion=anchor)
     v.ours_ws, v.anchor_ws, v.nccl_group = "ws", "fi_ws", "nccl"
     v.symm_buf = torch.empty(4 * 256, dtype=torch.bfloat16)
     v.symm_op, v.symm_copy, v.symm_group_name = symm_op, True, "0"
     case = bt.Case(4, 256, False)
-    norms = {}
-    for impl, factory in v.factories().items():
-        norms[impl] = factory(case)()
+    norms = {impl: factory(case)() for impl, factory in v.factories().items()}
     by = {}
     for c in calls:
         by.setdefault(c[0], []).append(c)
@@ -737,9 +678,7 @@ def test_variant_calls_bind_to_torch_compat_and_flashinfer():
         assert norms[impl].shape == (4, 256) and norms[impl].dtype == torch.bfloat16
         assert bool(torch.isfinite(norms[impl].float()).all()), impl
     # Rank-dependent inputs: another rank draws other partial sums.
-    v0 = bt.Variants(torch, dist, args, rank=0, device=0, shared_gpu=False)
-    v0.dev = torch.device("cpu")
-    assert not torch.equal(v0._inputs(case)[0], v._inputs(case)[0])
+    assert not torch.equal(variants(0)._inputs(case)[0], v._inputs(case)[0])
     assert torch.equal(v._inputs(case)[0], v._inputs(case)[0])
 
 
@@ -760,14 +699,9 @@ def _fake_worker(rank, args, port, result_dir):
     factories = {i: (lambda case, i=i: Counter(i)) for i in bt.IMPLS}
     rt = FakeRuntime(capture_fails={"symm_mem"})
     out = bt.run_cases(rt, cases, factories, bt.variant_keys(args), iters=2, repeats=3, warmup=1)
-    payload = {
-        "rank": rank,
-        "device": rank,
-        "cases": out,
-        "notes": {"port": port},
-        "machine": {"torch": "fake", "device_name": "Fake GPU"},
-    }
-    Path(result_dir, f"rank{rank}.json").write_text(json.dumps(payload))
+    machine = {"torch": "fake", "device_name": "Fake GPU"}
+    payload = {"rank": rank, "device": rank, "cases": out, "notes": {"port": port}}
+    Path(result_dir, f"rank{rank}.json").write_text(json.dumps(dict(payload, machine=machine)))
 
 
 @pytest.mark.slow

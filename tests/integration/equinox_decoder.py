@@ -1,18 +1,16 @@
-"""An Equinox transformer decoder built from Equinox's own modules (``eqx.nn.Embedding``,
-``eqx.nn.RMSNorm``, ``eqx.nn.MultiheadAttention``, ``eqx.nn.Linear``), written the Equinox
-way: each module sees one token (or one sequence) and ``jax.vmap`` maps it over the others,
-as Equinox's transformer examples do. Tensor-parallel the way Equinox's parallelism example
-parallelises: the arrays are placed with shardings (the attention's projections split over
-the heads, the MLP's over its width, Megatron's layout) and one jitted computation over
-``eqx.partition``'s arrays lets JAX partition it. bfloat16 weights and activations."""
+"""An Equinox transformer decoder from Equinox's own modules (``eqx.nn.Embedding``, ``RMSNorm``,
+``MultiheadAttention``, ``Linear``), each seeing one token or sequence under ``jax.vmap`` as
+Equinox's examples write it; tensor-parallel as its parallelism example is: the arrays placed
+with shardings (Megatron's layout), one jitted computation over ``eqx.partition``'s arrays.
+bfloat16 weights and activations."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, PartitionSpec as P
 
-from .lane import Built, LaneModel, perturb_norm_weights
+from .lane import Built, LaneModel, place
 
 LAYERS, VOCAB, D, HEADS, FFN = 2, 512, 256, 8, 512
 EPS = 1e-5
@@ -91,16 +89,13 @@ def build(layers: int = LAYERS) -> Built:
     model = Decoder(jax.random.key(0), layers)
     model = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a, model)
     params, static = eqx.partition(model, eqx.is_array)
-    params = jax.tree_util.tree_map_with_path(
-        lambda path, a: jax.device_put(a, NamedSharding(mesh, spec_of(path))), params
-    )
-    params = perturb_norm_weights(params)
+    params = place(params, mesh, spec_of)
     ids = jax.random.randint(jax.random.key(1), (2, 16), 0, VOCAB)
 
     def forward(params, ids):
         return jax.vmap(eqx.combine(params, static))(ids)
 
-    return Built(forward, params, (ids,), mesh, TP, lambda: jax.set_mesh(mesh), layers)
+    return Built(forward, params, (ids,), mesh, TP, layers=layers)
 
 
 HOW = (

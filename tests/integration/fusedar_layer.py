@@ -1,10 +1,8 @@
-"""docs/frameworks.md's MaxText-style Linen layer (``nn.scan`` over ``nn.remat`` with a
-``checkpoint_name`` policy, logical axis names and constraints, in ``shard_map``), run as the
-page runs it, twice: with ``jax_fusedar.flax.ResidualRMSNorm`` (the fused call written in the
-model) and with a twin module of the same parameters that writes what it replaces in plain
-JAX: ``psum`` + residual add + RMSNorm in float32 with gamma rounded to the activations'
-dtype, cast once at the end. ``fuse`` runs on the twin (the lane's row: how far the pass
-reaches into such a layer); the module's outputs are compared with the twin's."""
+"""docs/frameworks.md's MaxText-style Linen layer (``nn.scan`` over ``nn.remat``, logical axis
+names, in ``shard_map``) as the page runs it, with ``jax_fusedar.flax.ResidualRMSNorm`` and
+with a twin module that writes what it replaces in plain JAX (``psum`` + residual add +
+RMSNorm in float32, gamma rounded to the activations' dtype). ``fuse`` runs on the twin (how
+far the pass reaches into such a layer); the module's outputs are compared with the twin's."""
 
 from __future__ import annotations
 
@@ -64,10 +62,7 @@ def build(twin: bool = True, layers: int = 2) -> Built:
     if layers != 2:
         raise ValueError("the model of docs/frameworks.md's page has 2 layers")
     ns = page_layer(twin)
-    mesh = ns["mesh"]
-    return Built(
-        ns["decoder"], ns["params"], (ns["x"],), mesh, "tensor", lambda: jax.set_mesh(mesh), 2
-    )
+    return Built(ns["decoder"], ns["params"], (ns["x"],), ns["mesh"], "tensor")
 
 
 HOW = (

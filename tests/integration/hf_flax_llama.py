@@ -1,10 +1,8 @@
-"""The Flax Llama of Hugging Face ``transformers`` (4.x, the last releases that ship Flax
-models: ``FlaxLlamaForCausalLM``), tiny config, random weights cast with its own
-``to_bf16``, bfloat16 compute. Tensor-parallel the way Flax models of ``transformers`` are
-partitioned: regular expressions over the parameter paths give each kernel a
-PartitionSpec (Megatron's: q/k/v, gate and up split over the heads / the FFN, o and down
-over their inputs), the parameters are placed by them and the model's ``__call__`` runs
-under plain ``jax.jit``, where the partitioner inserts the all-reduces."""
+"""``transformers``' ``FlaxLlamaForCausalLM`` (4.x, the last releases with Flax models), tiny,
+random weights cast by its own ``to_bf16``, bfloat16 compute; partitioned as Flax models of
+``transformers`` are: regular expressions over the parameter paths give each kernel
+Megatron's PartitionSpec, and ``__call__`` runs under plain ``jax.jit``, where the
+partitioner inserts the all-reduces."""
 
 from __future__ import annotations
 
@@ -12,9 +10,9 @@ import re
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, PartitionSpec as P
 
-from .lane import Built, LaneModel, perturb_norm_weights
+from .lane import Built, LaneModel, place
 
 LAYERS = 2
 TP = "tp"
@@ -51,16 +49,13 @@ def build(layers: int = LAYERS) -> Built:
     model = FlaxLlamaForCausalLM(config, dtype=jnp.bfloat16, _do_init=False)
     params = model.to_bf16(model.init_weights(jax.random.PRNGKey(0), (2, 16)))
     mesh = jax.make_mesh((8,), (TP,), axis_types=(AxisType.Auto,))
-    params = jax.tree_util.tree_map_with_path(
-        lambda path, a: jax.device_put(a, NamedSharding(mesh, spec_of(path))), params
-    )
-    params = perturb_norm_weights(params)
+    params = place(params, mesh, spec_of)
     ids = jax.random.randint(jax.random.PRNGKey(1), (2, 16), 0, config.vocab_size)
 
     def forward(params, ids):
         return model(ids, params=params, train=False).logits
 
-    return Built(forward, params, (ids,), mesh, TP, lambda: jax.set_mesh(mesh), layers)
+    return Built(forward, params, (ids,), mesh, TP, layers=layers)
 
 
 HOW = (

@@ -1,19 +1,16 @@
-"""What the integration lane measures for each model, and how: the sites a reader of the
-model's code counts, what jax_fusedar.fuse finds and fuses (with default options and with
-``allow_rounding_change=True``) and its reasons for the rest, the fused program's forward and
-gradient against the original's, and fuse's analysis time against the original's lower +
-compile time. ``python -m tests.integration.table`` prints it as docs/fusion_pass.md's
-table; tests/integration/test_lane.py holds what is true today.
-
-A model is a ``LaneModel``: its ``build()`` returns a ``Built`` with the function as the
-package's code runs it (jit with shardings, or shard_map), its arguments placed on the mesh,
-and the context it runs in (a mesh, logical axis rules)."""
+"""What the integration lane measures for each model: the sites a reader of the model's code
+counts, what jax_fusedar.fuse finds and fuses (default options and
+``allow_rounding_change=True``) and why not the rest, the fused forward and gradient against
+the original's, and fuse's analysis time against the original's lower + compile
+(``python -m tests.integration.table`` prints docs/fusion_pass.md's table; test_lane.py
+holds what is true today). A ``LaneModel``'s ``build()`` gives a ``Built``: the function as
+the package runs it, its arguments placed on the mesh, the context it runs in."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
+from collections import Counter
 from typing import Callable, Optional
 
 import jax
@@ -21,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fusedar as jf
+from jax.sharding import NamedSharding
 
 
 @dataclasses.dataclass
@@ -30,11 +28,14 @@ class Built:
     inputs: tuple
     mesh: object
     axis_name: str
-    context: Callable = contextlib.nullcontext  # () -> the context the model runs in
+    context: Optional[Callable] = None  # () -> the context the model runs in (its mesh)
     layers: int = 2
     # The activations' dtype T: differences are in its eps (a float32 norm weight of a
     # bfloat16 model gets its gradient through bfloat16 values).
     dtype: object = jnp.bfloat16
+
+    def __post_init__(self):
+        self.context = self.context or (lambda: jax.set_mesh(self.mesh))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,11 +117,7 @@ def _timed(f):
 
 def _loss(fn, cotangent):
     """A scalar of the model's output whose gradient reaches every parameter."""
-
-    def loss(params, *inputs):
-        return jnp.sum(fn(params, *inputs).astype(jnp.float32) * cotangent)
-
-    return loss
+    return lambda params, *inputs: jnp.sum(fn(params, *inputs).astype(jnp.float32) * cotangent)
 
 
 def measure(model: LaneModel, *, grads: bool = True) -> Row:
@@ -162,7 +159,7 @@ def measure(model: LaneModel, *, grads: bool = True) -> Row:
                     fused_in_program=len(report.fused),
                     reasons=dict(report.reasons()),
                     rounding_changes=dict(
-                        _count(s.rounding_change for s in report.fused if s.rounding_change)
+                        Counter(s.rounding_change for s in report.fused if s.rounding_change)
                     ),
                     analysis_s=analysis_s,
                     lower_compile_s=fused_s,
@@ -184,12 +181,6 @@ def measure(model: LaneModel, *, grads: bool = True) -> Row:
     )
 
 
-def _count(items):
-    from collections import Counter
-
-    return Counter(items)
-
-
 def perturb_norm_weights(tree, seed: int = 0):
     """``tree`` with every leaf whose path names a norm drawn from U(0.5, 1.5) (same dtype and
     placement): random weights, as a trained model's gammas are, instead of the packages'
@@ -204,3 +195,9 @@ def perturb_norm_weights(tree, seed: int = 0):
         return jax.device_put(jnp.asarray(values, a.dtype), a.sharding)
 
     return jax.tree_util.tree_map_with_path(new, tree)
+
+
+def place(params, mesh, spec_of):
+    """``params`` placed by ``spec_of(path)`` on ``mesh``, their norm weights perturbed."""
+    put = lambda path, a: jax.device_put(a, NamedSharding(mesh, spec_of(path)))
+    return perturb_norm_weights(jax.tree_util.tree_map_with_path(put, params))

@@ -1,11 +1,8 @@
-"""MaxText's Llama decoder (the ``maxtext`` package, ``decoder_block: llama2``) as MaxText
-runs it: its config system (``pyconfig`` over its own ``base.yml`` and ``llama2-7b.yml``, a
-tiny model by overrides), its mesh (``maxtext_utils.create_device_mesh``, ``ici_tensor_
-parallelism=8``), its Linen entry point (``models.transformer_as_linen``), the parameters
-placed by its logical axis rules, and plain ``jax.jit`` under ``jax.set_mesh`` +
-``nn_partitioning.axis_rules`` (as its train step runs). Its defaults stay: ``remat_policy:
-full``, its sharding constraints and checkpoint names, bfloat16 activations with float32
-weights. ``scan_layers`` true (MaxText's default) or false."""
+"""MaxText's Llama decoder (``decoder_block: llama2``) as MaxText runs it: its ``pyconfig``
+(``llama2-7b.yml``, made tiny by overrides), its mesh (``ici_tensor_parallelism=8``), its
+Linen entry point, the parameters placed by its logical axis rules, plain ``jax.jit`` under
+``jax.set_mesh`` + ``axis_rules``. Its defaults stay (``remat_policy: full``, its constraints
+and checkpoint names, bfloat16 activations, float32 weights); ``scan_layers`` either way."""
 
 from __future__ import annotations
 

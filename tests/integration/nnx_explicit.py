@@ -1,11 +1,7 @@
-"""A Flax NNX decoder written the way Flax's NNX sharding guide writes its explicit-sharding
-model ("Scale up on multiple devices", the Explicit sharding section): an Explicit-axes mesh
-``("data", "model")``, every parameter created sharded (``out_sharding=`` given to the JAX
-initializers), each matmul whose output sharding is ambiguous given ``out_sharding=``, the
-layers created by ``jax.vmap(spmd_axis_name=None)`` and run by ``jax.lax.scan`` over the
-stacked layers, the model passed to ``jax.jit`` as an argument. Built from Flax's own modules
-where it has them (``nnx.RMSNorm``); a Llama-style pre-norm block (attention with heads split
-over "model", a SiLU-gated MLP split over its width), bfloat16 weights and activations."""
+"""A Flax NNX decoder written as Flax's NNX sharding guide writes its explicit-sharding model:
+an Explicit-axes mesh ``("data", "model")``, parameters created sharded, ``out_sharding=``
+where a matmul's is ambiguous, layers made by ``jax.vmap`` and run by ``jax.lax.scan``, the
+model passed to ``jax.jit``; ``nnx.RMSNorm``, a Llama-style pre-norm block, bfloat16."""
 
 from __future__ import annotations
 
@@ -104,7 +100,7 @@ def build(scan: bool, layers: int = LAYERS) -> Built:
     def forward(model, x):
         return model(x)
 
-    return Built(forward, model, (x,), mesh, "model", lambda: jax.set_mesh(mesh), layers)
+    return Built(forward, model, (x,), mesh, "model", layers=layers)
 
 
 HOW = (

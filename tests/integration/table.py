@@ -1,8 +1,5 @@
-"""Prints the integration lane's table (markdown, for docs/fusion_pass.md): for each model,
-the sites a reader counts, what jax_fusedar.fuse finds and fuses with default options and
-with ``allow_rounding_change=True`` and its reasons for the rest, the fused forward and
-gradient against the original's, and the time of fuse's analysis against the original's
-lower + compile. Run in the lane's venv: ``tools/integration.sh table``
+"""Prints the integration lane's table (markdown, for docs/fusion_pass.md: what lane.measure
+measures, a row a model). Run in the lane's venv: ``tools/integration.sh table``
 (``python -m tests.integration.table [--json FILE]``)."""
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
-"""The integration lane's expectations: what jax_fusedar.fuse makes of each model today
-(the sites found and fused, with default options and with ``allow_rounding_change=True``, and
-the reasons), and what must hold wherever it fuses: bit-identical forward outputs with
-default options, and the documented bounds under ``allow_rounding_change`` (forward within 4
-eps_T of the largest output, gradients within 16, as for the style models).
-
-A change in the pass's reach fails here on purpose: update EXPECTED and the lane's table in
-docs/fusion_pass.md (``tools/integration.sh table``) together."""
+"""The integration lane's expectations: what jax_fusedar.fuse makes of each model today (sites
+found and fused, default and with ``allow_rounding_change=True``, the reasons), and what must
+hold where it fuses: bit-identical forward outputs by default, the documented bounds under
+``allow_rounding_change`` (forward within 4 eps_T of the largest output, gradients within
+16, as for the style models). A change in the pass's reach fails here on purpose: update
+EXPECTED and docs/fusion_pass.md's table (``tools/integration.sh table``) together."""
 
 import dataclasses
 

@@ -1,16 +1,10 @@
 """Llama under plain ``jax.jit`` with the value-preserving annotations framework code puts
-between the matmul, the residual add and the norm (MaxText's way): sharding constraints on
-the projections' outputs and on the residual stream, ``checkpoint_name`` on each
-projection and on the layer input, each layer under ``jax.checkpoint`` (its default
-policy: nothing saved but the inputs). ``per_token=True`` writes the projections as
-Equinox does: a per-token ``Linear`` with an (out, in) weight, mapped over the tokens with
-``jax.vmap`` (the matmul then computes ``w @ x`` and a transpose brings the hidden axis
-last). ``gamma_einsum=True`` multiplies gamma as MaxText's RMSNorm does: the normalized
-value rounded to the activation dtype, then ``einsum("k,...k->...k")`` with gamma in that
-dtype (the fused norm is the rounded value; the einsum stays after it). ``bias=True`` adds
-a bias to the normalized value before its rounding, as Equinox's ``RMSNorm`` does by
-default (fused only with ``allow_rounding_change``: added after the fused norm's
-rounding)."""
+between the matmul, the residual add and the norm (MaxText's way): sharding constraints,
+``checkpoint_name``s, each layer under ``jax.checkpoint``. ``per_token=True``: Equinox's
+per-token ``Linear`` with an (out, in) weight under ``jax.vmap`` (``w @ x``, then a
+transpose). ``gamma_einsum=True``: MaxText's RMSNorm (the value rounded, then an einsum with
+gamma in that dtype, left after the fused norm). ``bias=True``: Equinox's RMSNorm bias,
+added before the rounding (fused only with ``allow_rounding_change``)."""
 
 from __future__ import annotations
 
@@ -20,7 +14,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .common import Config, gamma, normal, place_layers
+from .common import Config, draw, gamma, place_layers
 from .common import input_sharding  # noqa: F401 (each model's own, as styles.py uses it)
 
 DP, TP = "dp", "tp"
@@ -29,36 +23,20 @@ DP, TP = "dp", "tp"
 def init_params(cfg: Config, seed: int, dtype):
     rng = np.random.default_rng(seed)
     d, f = cfg.hidden, cfg.ffn
+    shapes = dict(attn_norm=d, wv=((d, d), d), wo=((d, d), d), mlp_norm=d, w_up=((d, f), d))
+    bias = lambda: gamma(rng, d, dtype, around=0.0)
     layers = [
-        dict(
-            attn_norm=gamma(rng, d, dtype),
-            wv=normal(rng, (d, d), d, dtype),
-            wo=normal(rng, (d, d), d, dtype),
-            mlp_norm=gamma(rng, d, dtype),
-            w_up=normal(rng, (d, f), d, dtype),
-            w_down=normal(rng, (f, d), f, dtype),
-            attn_bias=gamma(rng, d, dtype, around=0.0),
-            mlp_bias=gamma(rng, d, dtype, around=0.0),
-        )
+        draw(rng, dtype, **shapes, w_down=((f, d), f)) | dict(attn_bias=bias(), mlp_bias=bias())
         for _ in range(cfg.layers)
     ]
-    return dict(
-        layers=layers,
-        final_norm=gamma(rng, d, dtype),
-        final_bias=gamma(rng, d, dtype, around=0.0),
-    )
+    return dict(layers=layers, final_norm=gamma(rng, d, dtype), final_bias=bias())
 
 
-SPECS = dict(
-    attn_norm=P(),
-    wv=P(None, TP),
-    wo=P(TP, None),
-    mlp_norm=P(),
-    w_up=P(None, TP),
-    w_down=P(TP, None),
-    attn_bias=P(),
-    mlp_bias=P(),
-)
+SPECS = {
+    **dict.fromkeys(["attn_norm", "mlp_norm", "attn_bias", "mlp_bias"], P()),
+    **dict.fromkeys(["wv", "w_up"], P(None, TP)),
+    **dict.fromkeys(["wo", "w_down"], P(TP, None)),
+}
 
 
 def place(params, mesh):

@@ -1,6 +1,5 @@
-"""What the style models share: their size, initial weights, rotary embeddings, the
-attention core (causal softmax attention on [batch, time, heads, head_dim]) and how weights
-and activations are laid out on a mesh of ("dp", "tp") axes."""
+"""What the style models share: their size, initial weights, rotary embeddings, causal
+attention, and their layout on a mesh of ("dp", "tp") axes."""
 
 from __future__ import annotations
 
@@ -36,14 +35,31 @@ def gamma(rng, n, dtype, around=1.0):
     return (around + 0.1 * rng.standard_normal(n)).astype(np.float32).astype(dtype)
 
 
+def draw(rng, dtype, norm_dtype=None, **weights):
+    """The weights drawn in order: an int n is a norm weight of n around 1 (in
+    ``norm_dtype``, if given), a (shape, fan_in) pair a matrix (``normal``)."""
+    return {
+        k: gamma(rng, v, norm_dtype or dtype) if isinstance(v, int) else normal(rng, *v, dtype)
+        for k, v in weights.items()
+    }
+
+
+def llama_layers(cfg: Config, rng, dtype, names, norm_dtype=None):
+    """Each layer's weights drawn under ``names`` in this order: the attention norm, q, k, v,
+    o (heads * head_dim wide), the MLP norm, gate, up, down."""
+    d, f, qd = cfg.hidden, cfg.ffn, cfg.heads * cfg.head_dim
+    col, row = ((d, qd), d), ((qd, d), qd)
+    shapes = [d, col, col, col, row, d, ((d, f), d), ((d, f), d), ((f, d), f)]
+    return [draw(rng, dtype, norm_dtype, **dict(zip(names, shapes))) for _ in range(cfg.layers)]
+
+
 def activations(cfg: Config, seed: int, dtype):
     rng = np.random.default_rng(seed)
     return rng.standard_normal((cfg.batch, cfg.seq, cfg.hidden)).astype(np.float32).astype(dtype)
 
 
 def rope(x, positions, theta=10000.0):
-    """Rotate-half rotary embedding of x [batch, time, heads, head_dim] (computed in
-    float32)."""
+    """Rotate-half rotary embedding of x [batch, time, heads, head_dim], in float32."""
     d = x.shape[-1]
     freqs = 1.0 / theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)
     angles = positions[:, None].astype(jnp.float32) * freqs[None, :]
@@ -67,9 +83,8 @@ def causal_attention(q, k, v):
 
 
 def self_attention(h, wq, wk, wv, head_dim, project=jnp.matmul):
-    """Causal self-attention with rotary embeddings on h [batch, time, hidden], the
-    projections ``project(h, w)`` split into heads of ``head_dim``: [batch, time, heads *
-    head_dim], before the output projection."""
+    """Causal self-attention with rotary embeddings on h [batch, time, hidden], projected by
+    ``project(h, w)``: [batch, time, heads * head_dim], before the output projection."""
     b, t, _ = h.shape
     q, k, v = (project(h, w).reshape(b, t, -1, head_dim) for w in (wq, wk, wv))
     pos = jnp.arange(t)
@@ -77,11 +92,8 @@ def self_attention(h, wq, wk, wv, head_dim, project=jnp.matmul):
 
 
 def place_layers(params, mesh, specs, layers="layers"):
-    """``params`` on ``mesh``: each entry of ``params[layers]`` by its spec in ``specs``,
-    every other weight replicated."""
-
-    def put(v, spec):
-        return jax.device_put(v, NamedSharding(mesh, spec))
+    """``params`` on ``mesh``: ``params[layers]``'s entries by ``specs``, the rest replicated."""
+    put = lambda v, spec: jax.device_put(v, NamedSharding(mesh, spec))
 
     placed = {k: put(v, P()) for k, v in params.items() if k != layers}
     placed[layers] = [{k: put(v, specs[k]) for k, v in p.items()} for p in params[layers]]

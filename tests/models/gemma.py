@@ -1,25 +1,27 @@
-"""A Gemma-style decoder, tensor-parallel in one ``shard_map``: RMSNorm scales by ``(1 + w)``
-(the weights start at zero), and Gemma 2/3's sandwich norms normalize each block's output
-*before* it is added to the residual stream (``sandwich=True``). The fused op normalizes
-after the add, so the sandwich form must stay unfused; Gemma 1's pre-norm-only layout
-(``sandwich=False``) fuses, the ``(1 + w)`` as the op's ``weight_bias``."""
+"""A Gemma-style decoder, tensor-parallel in one ``shard_map``: RMSNorm scales by ``(1 + w)``,
+and Gemma 2/3's sandwich norms normalize each block's output *before* the residual add
+(``sandwich=True``). The fused op normalizes after the add, so that form must stay unfused;
+Gemma 1's pre-norm layout (``sandwich=False``) fuses, the ``(1 + w)`` as its weight_bias."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from .common import Config, gamma, normal, place_layers, self_attention
+from .common import Config, draw, gamma, place_layers, self_attention
 from .common import input_sharding  # noqa: F401 (each model's own, as styles.py uses it)
 
 DP, TP = "dp", "tp"
+NORMS = ("pre_attention_norm", "post_attention_norm", "pre_ffw_norm", "post_ffw_norm")
 
 
+@dataclasses.dataclass
 class RMSNorm:
-    def __init__(self, eps):
-        self.eps = eps
+    eps: float
 
     def __call__(self, x, scale):
         x32 = x.astype(jnp.float32)
@@ -32,36 +34,21 @@ class RMSNorm:
 def init_params(cfg: Config, seed: int, dtype):
     rng = np.random.default_rng(seed)
     d, f, qd = cfg.hidden, cfg.ffn, cfg.heads * cfg.head_dim
-    names = ("pre_attention_norm", "post_attention_norm", "pre_ffw_norm", "post_ffw_norm")
-    layers = []
-    for _ in range(cfg.layers):
-        p = {n: gamma(rng, d, dtype, around=0.0) for n in names}
-        p.update(
-            wq=normal(rng, (d, qd), d, dtype),
-            wk=normal(rng, (d, qd), d, dtype),
-            wv=normal(rng, (d, qd), d, dtype),
-            wo=normal(rng, (qd, d), qd, dtype),
-            w_gate=normal(rng, (d, f), d, dtype),
-            w_up=normal(rng, (d, f), d, dtype),
-            w_down=normal(rng, (f, d), f, dtype),
-        )
-        layers.append(p)
+    col, row = ((d, qd), d), ((qd, d), qd)
+    mlp = dict(w_gate=((d, f), d), w_up=((d, f), d), w_down=((f, d), f))
+    layers = [
+        {n: gamma(rng, d, dtype, around=0.0) for n in NORMS}
+        | draw(rng, dtype, wq=col, wk=col, wv=col, wo=row, **mlp)
+        for _ in range(cfg.layers)
+    ]
     return dict(layers=layers, final_norm=gamma(rng, d, dtype, around=0.0))
 
 
-SPECS = dict(
-    pre_attention_norm=P(),
-    post_attention_norm=P(),
-    pre_ffw_norm=P(),
-    post_ffw_norm=P(),
-    wq=P(None, TP),
-    wk=P(None, TP),
-    wv=P(None, TP),
-    wo=P(TP, None),
-    w_gate=P(None, TP),
-    w_up=P(None, TP),
-    w_down=P(TP, None),
-)
+SPECS = {
+    **dict.fromkeys(NORMS, P()),
+    **dict.fromkeys(["wq", "wk", "wv", "w_gate", "w_up"], P(None, TP)),
+    **dict.fromkeys(["wo", "w_down"], P(TP, None)),
+}
 
 
 def place(params, mesh):

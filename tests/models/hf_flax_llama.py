@@ -1,28 +1,28 @@
-"""Llama with Hugging Face Flax's RMSNorm (``FlaxLlamaRMSNorm``): the variance from
-``jnp.power(x, 2).mean(-1)``, the division by ``jnp.sqrt(variance + eps)`` on the input,
-then ``weight * jnp.asarray(x, dtype=self.dtype)``: gamma multiplied after the cast to the
-module's dtype. Tensor-parallel in one ``shard_map`` (psum after the o- and down
-projections), the decoder layer written as Hugging Face writes it (``residual = hidden``,
-``hidden = residual + hidden``). ``weight_dtype`` is the norm weight's dtype: the model's
-(weights loaded in bfloat16) or float32 (Flax's default param_dtype, which makes the norm's
-output float32)."""
+"""Llama with Hugging Face Flax's RMSNorm (``FlaxLlamaRMSNorm``): gamma multiplied after the
+cast to the module's dtype. Tensor-parallel in one ``shard_map`` (psum after the o- and down
+projections), the decoder layer written as Hugging Face writes it. ``weight_dtype``, the
+norm weight's: the model's (loaded in bfloat16) or float32 (Flax's default param_dtype,
+which makes the norm's output float32)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from .common import Config, gamma, normal, place_layers, self_attention
+from .common import Config, gamma, llama_layers, place_layers, self_attention
 from .common import input_sharding  # noqa: F401 (each model's own, as styles.py uses it)
 
 DP, TP = "dp", "tp"
 
 
+@dataclasses.dataclass
 class FlaxLlamaRMSNorm:
-    def __init__(self, eps, dtype):
-        self.epsilon, self.dtype = eps, dtype
+    epsilon: float
+    dtype: object
 
     def __call__(self, hidden_states, weight):
         variance = jnp.asarray(hidden_states, dtype=jnp.float32)
@@ -35,36 +35,16 @@ class FlaxLlamaRMSNorm:
 
 def init_params(cfg: Config, seed: int, dtype, weight_dtype=None):
     rng = np.random.default_rng(seed)
-    d, f, qd = cfg.hidden, cfg.ffn, cfg.heads * cfg.head_dim
-    wd = weight_dtype or dtype
-    layers = [
-        dict(
-            input_layernorm=gamma(rng, d, wd),
-            q_proj=normal(rng, (d, qd), d, dtype),
-            k_proj=normal(rng, (d, qd), d, dtype),
-            v_proj=normal(rng, (d, qd), d, dtype),
-            o_proj=normal(rng, (qd, d), qd, dtype),
-            post_attention_layernorm=gamma(rng, d, wd),
-            gate_proj=normal(rng, (d, f), d, dtype),
-            up_proj=normal(rng, (d, f), d, dtype),
-            down_proj=normal(rng, (f, d), f, dtype),
-        )
-        for _ in range(cfg.layers)
-    ]
-    return dict(layers=layers, norm=gamma(rng, d, wd))
+    names = "input_layernorm q_proj k_proj v_proj o_proj post_attention_layernorm gate_proj"
+    layers = llama_layers(cfg, rng, dtype, [*names.split(), "up_proj", "down_proj"], weight_dtype)
+    return dict(layers=layers, norm=gamma(rng, cfg.hidden, weight_dtype or dtype))
 
 
-SPECS = dict(
-    input_layernorm=P(),
-    q_proj=P(None, TP),
-    k_proj=P(None, TP),
-    v_proj=P(None, TP),
-    o_proj=P(TP, None),
-    post_attention_layernorm=P(),
-    gate_proj=P(None, TP),
-    up_proj=P(None, TP),
-    down_proj=P(TP, None),
-)
+SPECS = {
+    **dict.fromkeys(["input_layernorm", "post_attention_layernorm"], P()),
+    **dict.fromkeys(["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"], P(None, TP)),
+    **dict.fromkeys(["o_proj", "down_proj"], P(TP, None)),
+}
 
 
 def place(params, mesh):

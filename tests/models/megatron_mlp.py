@@ -1,8 +1,7 @@
-"""A residual MLP stack in the Megatron-LM style, ported to JAX: the tensor-parallel
-communication is two ``custom_vjp`` operators, ``f`` (identity forward, all-reduce backward,
-before the column-parallel matmul) and ``g`` (all-reduce forward, identity backward, after
-the row-parallel one), inside a ``shard_map`` written without the varying-axes check (as
-such ports were, before it existed)."""
+"""A residual MLP stack in the Megatron-LM style, ported to JAX: the communication is two
+``custom_vjp`` operators, ``f`` (identity forward, all-reduce backward) and ``g`` (all-reduce
+forward, identity backward), in a ``shard_map`` without the varying-axes check (as such
+ports were written before it existed)."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from .common import Config, gamma, normal, place_layers
+from .common import Config, draw, gamma, place_layers
 from .common import input_sharding  # noqa: F401 (each model's own, as styles.py uses it)
 
 DP, TP = "dp", "tp"
@@ -22,15 +21,7 @@ def copy_to_tensor_parallel(x):  # Megatron's f
     return x
 
 
-def _f_fwd(x):
-    return x, None
-
-
-def _f_bwd(_, grad):
-    return (jax.lax.psum(grad, TP),)
-
-
-copy_to_tensor_parallel.defvjp(_f_fwd, _f_bwd)
+copy_to_tensor_parallel.defvjp(lambda x: (x, None), lambda _, grad: (jax.lax.psum(grad, TP),))
 
 
 @jax.custom_vjp
@@ -38,15 +29,9 @@ def reduce_from_tensor_parallel(x):  # Megatron's g
     return jax.lax.psum(x, TP)
 
 
-def _g_fwd(x):
-    return reduce_from_tensor_parallel(x), None
-
-
-def _g_bwd(_, grad):
-    return (grad,)
-
-
-reduce_from_tensor_parallel.defvjp(_g_fwd, _g_bwd)
+reduce_from_tensor_parallel.defvjp(
+    lambda x: (reduce_from_tensor_parallel(x), None), lambda _, grad: (grad,)
+)
 
 
 def rms_norm(x, weight, eps):
@@ -60,14 +45,7 @@ def rms_norm(x, weight, eps):
 def init_params(cfg: Config, seed: int, dtype):
     rng = np.random.default_rng(seed)
     d, f = cfg.hidden, cfg.ffn
-    blocks = [
-        dict(
-            norm=gamma(rng, d, dtype),
-            w1=normal(rng, (d, f), d, dtype),
-            w2=normal(rng, (f, d), f, dtype),
-        )
-        for _ in range(cfg.layers)
-    ]
+    blocks = [draw(rng, dtype, norm=d, w1=((d, f), d), w2=((f, d), f)) for _ in range(cfg.layers)]
     return dict(blocks=blocks, final_norm=gamma(rng, d, dtype))
 
 

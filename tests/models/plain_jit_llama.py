@@ -1,10 +1,7 @@
-"""Llama under plain ``jax.jit`` with shardings, no ``shard_map``: the weights carry
-``NamedSharding``s (heads and FFN features over the tensor-parallel axis) and the
-partitioner inserts the all-reduce after each row-parallel contraction, MaxText's and
-jax-llm-examples' way. Projections are einsums; the attention output stays [batch, heads,
-time, head_dim] and the o-projection contracts two dimensions (``bhtq,hqd->btd``). With
-``AxisType.Explicit`` axes the shardings are part of the types, and the einsums that
-contract a sharded dimension name their output sharding."""
+"""Llama under plain ``jax.jit`` with sharded weights, no ``shard_map``: the partitioner
+inserts the all-reduce after each row-parallel contraction (MaxText's and jax-llm-examples'
+way). The o-projection contracts two dimensions (``bhtq,hqd->btd``); on ``AxisType.Explicit``
+axes the einsums that contract a sharded dimension name their output sharding."""
 
 from __future__ import annotations
 
@@ -13,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, PartitionSpec as P
 
-from .common import Config, gamma, normal, place_layers, rope
+from .common import Config, draw, gamma, place_layers, rope
 from .common import input_sharding  # noqa: F401 (each model's own, as styles.py uses it)
 
 DP, TP = "dp", "tp"
@@ -22,34 +19,20 @@ DP, TP = "dp", "tp"
 def init_params(cfg: Config, seed: int, dtype):
     rng = np.random.default_rng(seed)
     d, f, h, q = cfg.hidden, cfg.ffn, cfg.heads, cfg.head_dim
-    layers = [
-        dict(
-            attn_norm=gamma(rng, d, dtype),
-            wq=normal(rng, (d, h, q), d, dtype),
-            wk=normal(rng, (d, h, q), d, dtype),
-            wv=normal(rng, (d, h, q), d, dtype),
-            wo=normal(rng, (h, q, d), h * q, dtype),
-            mlp_norm=gamma(rng, d, dtype),
-            w_gate=normal(rng, (d, f), d, dtype),
-            w_up=normal(rng, (d, f), d, dtype),
-            w_down=normal(rng, (f, d), f, dtype),
-        )
-        for _ in range(cfg.layers)
-    ]
+    qkv, col = ((d, h, q), d), ((d, f), d)
+    shapes = dict(attn_norm=d, wq=qkv, wk=qkv, wv=qkv, wo=((h, q, d), h * q), mlp_norm=d)
+    shapes |= dict(w_gate=col, w_up=col, w_down=((f, d), f))
+    layers = [draw(rng, dtype, **shapes) for _ in range(cfg.layers)]
     return dict(layers=layers, final_norm=gamma(rng, d, dtype))
 
 
-SPECS = dict(
-    attn_norm=P(),
-    wq=P(None, TP, None),
-    wk=P(None, TP, None),
-    wv=P(None, TP, None),
-    wo=P(TP, None, None),
-    mlp_norm=P(),
-    w_gate=P(None, TP),
-    w_up=P(None, TP),
-    w_down=P(TP, None),
-)
+SPECS = {
+    **dict.fromkeys(["attn_norm", "mlp_norm"], P()),
+    **dict.fromkeys(["wq", "wk", "wv"], P(None, TP, None)),
+    "wo": P(TP, None, None),
+    **dict.fromkeys(["w_gate", "w_up"], P(None, TP)),
+    "w_down": P(TP, None),
+}
 
 
 def place(params, mesh):
@@ -71,9 +54,7 @@ def make_forward(cfg: Config, mesh):
 
     def attention(p, h):
         t = h.shape[1]
-        q = einsum("btd,dhq->bthq", h, p["wq"])
-        k = einsum("btd,dhq->bthq", h, p["wk"])
-        v = einsum("btd,dhq->bthq", h, p["wv"])
+        q, k, v = (einsum("btd,dhq->bthq", h, p[w]) for w in ("wq", "wk", "wv"))
         pos = jnp.arange(t)
         q, k = rope(q, pos), rope(k, pos)
         scores = einsum("bthq,bshq->bhts", q.astype(jnp.float32), k.astype(jnp.float32))
@@ -84,9 +65,8 @@ def make_forward(cfg: Config, mesh):
         return einsum("bhtq,hqd->btd", out, p["wo"], P(DP))  # two contracted dims
 
     def mlp(p, h):
-        act = jax.nn.silu(einsum("btd,df->btf", h, p["w_gate"])) * einsum(
-            "btd,df->btf", h, p["w_up"]
-        )
+        gate, up = (einsum("btd,df->btf", h, p[w]) for w in ("w_gate", "w_up"))
+        act = jax.nn.silu(gate) * up
         return einsum("btf,fd->btd", act, p["w_down"], P(DP))
 
     def forward(params, x):

@@ -1,11 +1,8 @@
-"""A pre-norm Llama decoder scanned over its stacked layers (``jax.lax.scan``, as NNX and
-Linen models with ``nn.scan`` / ``nnx.scan`` and MaxText's ``scan_layers`` run): each
-iteration normalizes its carry first and adds the MLP's output to it last, so the add of
-layer i and the norm of layer i + 1 are in different iterations; the final norm follows
-the loop. ``layout="plain_jit"``: plain ``jax.jit`` with shardings (the partitioner's
-all-reduce); ``"shard_map"``: the loop inside one ``shard_map``, ``psum`` after each
-row-parallel matmul. ``final_norm=False`` returns the loop's result unnormalized;
-``remat=True`` checkpoints each layer (``jax.checkpoint``'s default policy), as MaxText's
+"""A pre-norm Llama decoder scanned over its stacked layers (``jax.lax.scan``, as ``nn.scan``
+/ ``nnx.scan`` models and MaxText's ``scan_layers`` run): the add of layer i and the norm of
+layer i + 1 are in different iterations. ``layout``: ``"plain_jit"`` (the partitioner's
+all-reduce) or ``"shard_map"`` (``psum`` after each row-parallel matmul); ``final_norm=False``
+returns the loop's result; ``remat=True`` checkpoints each layer, as MaxText's
 ``scan_layers`` and Flax's ``nn.scan(nn.remat(...))`` do."""
 
 from __future__ import annotations
@@ -35,15 +32,11 @@ def init_params(cfg: Config, seed: int, dtype):
     )
 
 
-SPECS = dict(
-    attn_norm=P(),
-    wv=P(None, None, TP),
-    wo=P(None, TP, None),
-    mlp_norm=P(),
-    w_up=P(None, None, TP),
-    w_down=P(None, TP, None),
-    final_norm=P(),
-)
+SPECS = {
+    **dict.fromkeys(["attn_norm", "mlp_norm", "final_norm"], P()),
+    **dict.fromkeys(["wv", "w_up"], P(None, None, TP)),
+    **dict.fromkeys(["wo", "w_down"], P(None, TP, None)),
+}
 
 
 def place(params, mesh):
@@ -71,7 +64,6 @@ def make_forward(cfg: Config, mesh, layout="plain_jit", final_norm=True, remat=F
 
     if layout == "plain_jit":
         return decoder
-    specs = {k: v for k, v in SPECS.items()}
     return jax.shard_map(
-        decoder, mesh=mesh, in_specs=(specs, P(DP)), out_specs=P(DP), check_vma=False
+        decoder, mesh=mesh, in_specs=(dict(SPECS), P(DP)), out_specs=P(DP), check_vma=False
     )

@@ -1,9 +1,8 @@
-"""Llama with Megatron-style sequence parallelism, the whole decoder in one ``shard_map``: the
-residual stream is split along the sequence over the tensor-parallel axis; each row-parallel
-projection ends with ``lax.psum_scatter`` over the sequence, the residual is added on the
-token shard, and the shard's RMSNorm output is gathered (``lax.all_gather``) for the next
-column-parallel projection. ``norm_after_gather=True`` gathers the residual stream first and
-normalizes every token (the other order the same algebra allows)."""
+"""Llama with Megatron-style sequence parallelism in one ``shard_map``: the residual stream is
+split along the sequence over the tensor-parallel axis; each row-parallel projection ends
+with ``lax.psum_scatter``, the residual is added on the token shard, and the shard's norm is
+gathered (``lax.all_gather``) for the next projection. ``norm_after_gather=True`` gathers
+first and normalizes every token (the other order the same algebra allows)."""
 
 from __future__ import annotations
 

@@ -1,19 +1,11 @@
 """Float64 oracles for the MoE patterns (6, 7), a numpy emulation of the kernels' rounding
-points, and random MoE inputs; no JAX here (numpy and ml_dtypes only).
-
-Oracle: the exact math in float64 (per rank: the weighted expert sum plus the token input or
-shared expert; then the sum over ranks, + residual, RMSNorm). Error bound: every rounding
-to T before the norm errs by at most half an ulp of its result, and every partial result is
-at most M = sum over ranks of the magnitudes of all terms + |residual| (per element), so
-
-    |residual_out - r64| <= roundings / 2 * ulp_T(M)         (the "budget", in ulps of M)
-
-with roundings = N * (2 * terms + 1) + (N - 1) + 1 (a product and an addition per term, the
-last addition, the all-reduce's N - 1 additions, the residual add). norm_out inherits that
-through inv * |weight_bias + gamma| (twice: once through r, once through inv) plus its own
-rounding:
-
-    |norm_out - y64| <= 2 * budget_abs * inv64 * |wb + g| + ulp_T(|y64|)
+points, and random MoE inputs (numpy and ml_dtypes only). Bound: each rounding to T before
+the norm errs by at most half an ulp of its result, and every partial result is at most
+M = sum over ranks of |terms| + |residual|, so |residual_out - r64| <= roundings / 2 *
+ulp_T(M) (the "budget"), roundings = N * (2 * terms + 1) + (N - 1) + 1 (a product and an
+addition per term, the last addition, the all-reduce's, the residual add); norm_out
+inherits it twice through inv * |weight_bias + gamma| (through r and inv) plus its own
+rounding: |norm_out - y64| <= 2 * budget_abs * inv64 * |wb + g| + ulp_T(|y64|).
 """
 
 from __future__ import annotations
@@ -33,9 +25,6 @@ def to_t(x, dtype_name):
 
 def f32(x):
     return np.asarray(x, np.float32)
-
-
-# --- exact float64 math ---------------------------------------------------------------------------
 
 
 def reduction_local64(expert_outputs, expert_scales, token_input):
@@ -128,11 +117,10 @@ def epilogue_rounded(locals_, residual, dtype_name):
 def random_finalize_case(
     rng, *, tokens, top_k, experts, world, dtype_name, drop=0.1, pad=0, hidden
 ):
-    """Per-rank pattern 7 inputs for an expert-parallel layer: ``experts`` experts spread over
-    ``world`` ranks, each token routed to ``top_k`` distinct experts; a rank's index map points
-    at its own experts' rows (expert-sorted, each expert padded by ``pad`` rows) and has -1 for
-    slots routed elsewhere, and ``drop`` of the slots are dropped everywhere (over capacity).
-    Returns dict(permuted=[...], idx=[...], scale, shared=[...], residual, gamma)."""
+    """Per-rank pattern 7 inputs of an expert-parallel layer (``experts`` over ``world``
+    ranks, ``top_k`` distinct experts a token): a rank's index map points at its experts'
+    rows (expert-sorted, each padded by ``pad`` rows), -1 for slots routed elsewhere, and
+    ``drop`` of the slots dropped everywhere (over capacity)."""
     t_ = DTYPES[dtype_name]
     choice = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)])
     dropped = rng.random((tokens, top_k)) < drop

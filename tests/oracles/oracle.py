@@ -8,14 +8,9 @@ T), so errors are measured in ulps of the *intermediate* magnitudes (docs/numeri
   norm_out:     |y - y64| / (ulp_T(|s64| + |res|) * inv64 * |wb + g| + ulp_T(|y64|))
   allreduce:    |s - s64| / ulp_T(|s64|)                            expect <= 1
 
-The 1-ulp bounds assume the fp32 accumulation itself is exact, as it is for 2 ranks of
-16-bit values; N ranks add up to (N - 1) * 2^-24 * sum(|x_r|), and with fp32_acc=False every
-one of the N - 1 additions rounds to the call dtype. ``sum_error_bound`` and
-``residual_error_bound`` give the bounds that hold at every world size and for both
-accumulations, ``psum_error_bound`` that of XLA's all-reduce in the input's dtype (the
-fallback's; docs/numerics.md derives them); ``norm_error_given_residual_ulps`` measures
-norm_out against the exact RMSNorm of the kernel's own residual_out, which separates the
-norm's own rounding from the error it inherits.
+The 1-ulp bounds assume an exact fp32 accumulation, as for 2 ranks of 16-bit values; the
+``*_error_bound`` functions give the bounds that hold at every world size and for both
+accumulations (docs/numerics.md derives them).
 """
 
 from __future__ import annotations
@@ -36,22 +31,20 @@ def ulp(magnitude, dtype_name: str) -> np.ndarray:
 
 def unit_roundoff(dtype_name: str) -> float:
     """Largest relative error of one round-to-nearest into dtype_name (normal range)."""
-    mant, _ = _FORMATS[dtype_name]
-    return 2.0 ** -(mant + 1)
+    return 2.0 ** -(_FORMATS[dtype_name][0] + 1)
 
 
 def rounding_floor(dtype_name: str) -> float:
-    """Largest absolute error of one rounding into dtype_name below its normal range: half
-    the subnormal spacing for the 16-bit types, the whole normal threshold for float32 (the
-    kernels are built with flush-to-zero, which may turn a tiny float32 result into 0)."""
+    """Largest absolute error of one rounding below the normal range: half the subnormal
+    spacing for the 16-bit types, the whole normal threshold for float32 (the kernels flush
+    to zero)."""
     mant, emin = _FORMATS[dtype_name]
     return 2.0**emin if dtype_name == "float32" else 2.0 ** (emin - mant - 1)
 
 
 def rounding_step(dtype_name: str):
-    """(relative, absolute) error bound of the kernel's rounding of an exact sum a + b of two
-    dtype_name values: the sum in float32, then (16-bit types) converted to dtype_name, so
-    two roundings: |R(v) - v| <= relative * |v| + absolute."""
+    """(relative, absolute) bound of the kernel's rounding of an exact a + b: the sum in
+    float32, then (16-bit types) converted to dtype_name, two roundings."""
     u32, h32 = unit_roundoff("float32"), rounding_floor("float32")
     if dtype_name == "float32":
         return u32, h32
@@ -61,23 +54,11 @@ def rounding_step(dtype_name: str):
 
 def sum_error_bound(xs, dtype_name: str, *, fp32_acc: bool) -> np.ndarray:
     """Per element, a bound on |allreduce_out - sum_r x_r| for the kernel's all-reduce of the
-    rank inputs ``xs`` (list in rank order, values already in dtype_name).
-
-    Without fp32_acc (16-bit inputs) the kernel adds the ranks in rank order 0..N-1 and
-    rounds every addition to dtype_name. Let s_k = x_0 + ... + x_k (exact) and e_k the error
-    of the computed partial sum. Each addition errs by at most
-    d * |computed operand sum| + h <= d * (|s_k| + E_{k-1}) + h, so
-        E_0 = 0,  E_k = E_{k-1} * (1 + d) + d * |s_k| + h,  |e_{N-1}| <= E_{N-1},
-    with (d, h) = ``rounding_step``: the bound follows the partial sums, so cancelling
-    partial sums cost more than the total's size suggests.
-
-    With fp32_acc (and for float32 inputs) the sum stays in float32, in an order the API
-    leaves open (the kernel's is rank order, XLA's psum has its own): whatever the order,
-    the float32 sum errs by at most F = gamma_{N-1} * sum_r |x_r| + (N - 1) * h_32 with
-    gamma_n = n u_32 / (1 - n u_32), and the 16-bit types add one rounding of the total:
-        E = F + u_T * (|s| + F) + h_T.
-    For 2 ranks of 16-bit values either way this is half an ulp of |s| plus float32-sized
-    terms."""
+    rank inputs ``xs`` (rank order, values in dtype_name). Without fp32_acc, rank order with
+    every addition rounded: E_0 = 0, E_k = E_{k-1} (1 + d) + d |s_k| + h over the partial
+    sums s_k ((d, h) = ``rounding_step``), so cancelling partial sums cost more. With
+    fp32_acc (or float32) in any order: F = gamma_{N-1} sum_r |x_r| + (N - 1) h_32, then one
+    rounding of the total, E = F + u_T (|s| + F) + h_T (docs/numerics.md)."""
     parts = [np.asarray(x, np.float64) for x in xs]
     s = np.sum(parts, axis=0)
     n = len(parts)
@@ -100,22 +81,11 @@ def sum_error_bound(xs, dtype_name: str, *, fp32_acc: bool) -> np.ndarray:
 
 
 def psum_error_bound(xs, dtype_name: str) -> np.ndarray:
-    """Per element, a bound on |allreduce_out - sum_r x_r| for XLA's all-reduce of the rank
-    inputs ``xs`` in their own dtype (the "xla" fallback), which fixes neither the order nor
-    the tree of the additions (NCCL's rings and trees, rank order on CPU) nor whether they
-    round to dtype_name (CPU's bfloat16 sums in float32 and rounds once).
-
-    Additions rounded to dtype_name, over any binary tree of the N - 1 additions: a node
-    adding two computed subtotals errs by at most (E_a + E_b)(1 + d) + d |a + b| + h, and
-    every subtotal is at most S = sum_r |x_r| in size, so a subtree of k leaves errs by at
-    most B_k = ((1 + d)^(k-1) - 1)(S + h / d) (by induction: (B_a + B_b)(1 + d) + d S + h
-    falls short of B_(a+b) by (1 + d)(S + h / d)((1 + d)^(a-1) - 1)((1 + d)^(b-1) - 1)
-    >= 0), and the root, whose operands sum to s, by at most (B_a + B_b)(1 + d) + d |s| + h,
-    largest for a = 1, b = N - 1:
-        E = ((1 + d)^(N-1) - (1 + d)) (S + h / d) + d |s| + h
-    (to first order (N - 2) d S + d |s|: the fp32_acc=False bound with every partial sum
-    replaced by S, the worst order). A float32 sum rounded once is within
-    ``sum_error_bound(fp32_acc=True)``; the bound is the larger of the two."""
+    """Per element, a bound on |allreduce_out - sum_r x_r| for XLA's all-reduce in the inputs'
+    dtype (the "xla" fallback), which fixes neither the order nor the tree of the additions
+    nor whether they round to dtype_name: over any tree, with S = sum_r |x_r|,
+    E = ((1 + d)^(N-1) - (1 + d)) (S + h / d) + d |s| + h, or the float32 sum rounded once
+    (``sum_error_bound(fp32_acc=True)``), whichever is larger (docs/numerics.md)."""
     parts = [np.asarray(x, np.float64) for x in xs]
     s = np.sum(parts, axis=0)
     n = len(parts)
@@ -131,10 +101,8 @@ def psum_error_bound(xs, dtype_name: str) -> np.ndarray:
 def residual_error_bound(
     xs, residual, dtype_name: str, *, fp32_acc: bool = True, sum_bound=None
 ) -> np.ndarray:
-    """Per element, a bound on |residual_out - (sum_r x_r + residual)|: the all-reduce's
-    bound E (``sum_error_bound``, or ``sum_bound`` when given, e.g. ``psum_error_bound``)
-    carried through one more rounded addition,
-        E * (1 + d) + d * |sum_r x_r + residual| + h   ((d, h) = ``rounding_step``)."""
+    """Per element, a bound on |residual_out - (sum_r x_r + residual)|: the all-reduce's bound
+    E (``sum_bound`` when given) through one more rounded addition, E (1 + d) + d |r| + h."""
     e = sum_error_bound(xs, dtype_name, fp32_acc=fp32_acc) if sum_bound is None else sum_bound
     r = np.sum([np.asarray(x, np.float64) for x in xs], axis=0) + np.asarray(residual, np.float64)
     d, h = rounding_step(dtype_name)
@@ -157,9 +125,8 @@ NORM_GIVEN_RESIDUAL_ULPS = {"bfloat16": 1.0, "float16": 1.0, "float32": 16.0}
 def norm_error_given_residual_ulps(
     norm_out, residual_out, gamma, *, rms_eps: float, weight_bias: float, dtype_name: str
 ) -> float:
-    """max |norm_out - N(residual_out)| / ulp_T(|N(residual_out)|), N the exact RMSNorm in
-    float64 of the kernel's own (rounded) residual_out: the norm's own error, independent of
-    the accumulation (bounds: NORM_GIVEN_RESIDUAL_ULPS)."""
+    """max |norm_out - N(residual_out)| / ulp_T(|N(residual_out)|), N the exact RMSNorm of the
+    kernel's own residual_out: the norm's own error, apart from the accumulation's."""
     r = np.asarray(residual_out, np.float64)
     inv = 1.0 / np.sqrt(np.mean(r * r, axis=-1, keepdims=True) + rms_eps)
     y = r * inv * (weight_bias + np.asarray(gamma, np.float64))
@@ -167,49 +134,33 @@ def norm_error_given_residual_ulps(
 
 
 def accumulation_errors(
-    xs,
-    residual=None,
-    gamma=None,
-    *,
-    allreduce_out=None,
-    residual_out=None,
-    norm_out=None,
-    fp32_acc: bool = True,
-    rms_eps: float = 1e-6,
-    weight_bias: float = 0.0,
-    dtype_name: str,
-) -> dict:
-    """The errors that hold at every world size, for whichever outputs are given:
-    ``allreduce_bound`` and ``residual_bound`` (max error / the bound: at most 1) and
-    ``norm_own`` (norm_out against the RMSNorm of residual_out, in ulps: at most
+    xs, residual=None, gamma=None, *, allreduce_out=None, residual_out=None, norm_out=None,
+    fp32_acc: bool = True, rms_eps: float = 1e-6, weight_bias: float = 0.0, dtype_name: str,
+) -> dict:  # fmt: skip
+    """For the outputs given, the errors that hold at every world size: ``allreduce_bound``
+    and ``residual_bound`` (error / bound, at most 1) and ``norm_own`` (ulps, at most
     NORM_GIVEN_RESIDUAL_ULPS). ``xs``: every rank's input in rank order."""
     xs = [np.asarray(x, np.float64) for x in xs]
     s64 = np.sum(xs, axis=0)
     out = {}
     if allreduce_out is not None:
-        out["allreduce_bound"] = bound_ratio(
-            allreduce_out, s64, sum_error_bound(xs, dtype_name, fp32_acc=fp32_acc)
-        )
+        bound = sum_error_bound(xs, dtype_name, fp32_acc=fp32_acc)
+        out["allreduce_bound"] = bound_ratio(allreduce_out, s64, bound)
     if residual_out is not None:
         res = np.asarray(residual, np.float64)
-        out["residual_bound"] = bound_ratio(
-            residual_out, s64 + res, residual_error_bound(xs, res, dtype_name, fp32_acc=fp32_acc)
-        )
+        bound = residual_error_bound(xs, res, dtype_name, fp32_acc=fp32_acc)
+        out["residual_bound"] = bound_ratio(residual_out, s64 + res, bound)
         if norm_out is not None:
             out["norm_own"] = norm_error_given_residual_ulps(
-                norm_out,
-                residual_out,
-                gamma,
-                rms_eps=rms_eps,
-                weight_bias=weight_bias,
+                norm_out, residual_out, gamma, rms_eps=rms_eps, weight_bias=weight_bias,
                 dtype_name=dtype_name,
-            )
+            )  # fmt: skip
     return out
 
 
 def fused_reference(xs, residual, gamma, *, rms_eps: float, weight_bias: float):
-    """xs: list of per-rank [M, H] arrays (already in the call dtype, any float type).
-    Returns float64 (sum, residual_out, norm_out, inv) computed exactly in float64."""
+    """xs: per-rank [M, H] arrays (in the call dtype). Float64 (sum, residual_out, norm_out,
+    inv), computed exactly in float64."""
     s = np.sum([np.asarray(x, dtype=np.float64) for x in xs], axis=0)
     r = s + np.asarray(residual, dtype=np.float64)
     inv = 1.0 / np.sqrt(np.mean(r * r, axis=-1, keepdims=True) + rms_eps)
@@ -221,18 +172,18 @@ def allreduce_error_ulps(out, s64, dtype_name: str) -> float:
     return float(np.max(np.abs(np.asarray(out, np.float64) - s64) / ulp(s64, dtype_name)))
 
 
+def _carried_ulp(s64, residual, dtype_name):
+    return ulp(np.abs(s64) + np.abs(np.asarray(residual, np.float64)), dtype_name)
+
+
 def residual_error_ulps(out, s64, r64, residual, dtype_name: str) -> float:
-    scale = ulp(np.abs(s64) + np.abs(np.asarray(residual, np.float64)), dtype_name)
+    scale = _carried_ulp(s64, residual, dtype_name)
     return float(np.max(np.abs(np.asarray(out, np.float64) - r64) / scale))
 
 
 def norm_error_ulps(
     out, s64, y64, inv64, residual, gamma, *, weight_bias: float, dtype_name: str
 ) -> float:
-    carried = (
-        ulp(np.abs(s64) + np.abs(np.asarray(residual, np.float64)), dtype_name)
-        * inv64
-        * np.abs(weight_bias + np.asarray(gamma, np.float64))
-    )
-    scale = carried + ulp(y64, dtype_name)
+    g = np.abs(weight_bias + np.asarray(gamma, np.float64))
+    scale = _carried_ulp(s64, residual, dtype_name) * inv64 * g + ulp(y64, dtype_name)
     return float(np.max(np.abs(np.asarray(out, np.float64) - y64) / scale))

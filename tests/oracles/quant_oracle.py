@@ -1,16 +1,10 @@
-"""Independent numpy oracle for the quantized epilogues (no JAX, no jax_fusedar import).
-
-Written from the kernel (trtllm_allreduce_fusion.cuh) separately from
-jax_fusedar/ops/quant_reference.py, with different machinery:
-
-* fp32 arithmetic is done in float64 and rounded once to float32 (``fl``): exact for a
-  product of two floats (48-bit significand) and correctly rounded for a quotient (53 >= 2*24+2,
-  so the double rounding is innocuous); then subnormal results are flushed to signed zero like
-  the kernel's -ftz=true (operands are flushed as well).
-* e4m3 rounding: ml_dtypes after an explicit saturating clamp.
-* e2m1 rounding: nearest entry of the value table, ties to the even code, by distance search.
-* UE8M0: frexp instead of the kernel's bit trick.
-* Layouts: explicit Python loops writing each byte at the offset the formula gives.
+"""Independent numpy oracle for the quantized epilogues (no JAX, no jax_fusedar import),
+written from the kernel (trtllm_allreduce_fusion.cuh) apart from
+jax_fusedar/ops/quant_reference.py, with other machinery: fp32 arithmetic in float64
+rounded once to float32 (``fl``: exact for a product, correctly rounded for a quotient) and
+flushed like the kernel's -ftz=true; e4m3 by ml_dtypes after a saturating clamp; e2m1 by a
+distance search over its values, ties to the even code; UE8M0 by frexp; the layouts by
+explicit loops writing each byte where the formula puts it.
 """
 
 from __future__ import annotations
@@ -52,15 +46,14 @@ def e4m3_value(b):
     return np.asarray(b, dtype=np.uint8).view(E4M3).astype(np.float64)
 
 
+def _ordinal(b):
+    b = np.asarray(b).astype(np.int32)
+    return np.where(b & 0x80, -(b & 0x7F), b & 0x7F)
+
+
 def code_steps(a_bytes, b_bytes):
     """Distance in e4m3 codes between two arrays of e4m3 bytes (codes ordered by value)."""
-
-    def ordinal(b):
-        b = np.asarray(b).astype(np.int32)
-        mag = b & 0x7F
-        return np.where(b & 0x80, -mag, mag)
-
-    return np.abs(ordinal(a_bytes) - ordinal(b_bytes))
+    return np.abs(_ordinal(a_bytes) - _ordinal(b_bytes))
 
 
 def e2m1_codes(v):
@@ -200,10 +193,9 @@ def nvfp4(y, global_scale: float, division: str = "ieee"):
 
 
 def nvfp4_scale_buffer(sf_b, H: int, layout: int):
-    """Scatter [M, H/16] scale bytes into the kernel's buffer, one byte at a time.
-
-    layout 0: SWIZZLED_128x4, round_up(M,128)*round_up(H/16,4) bytes; 2: LINEAR, M*H/16.
-    -> (buffer uint8 flat, written mask): unwritten (padding) bytes are 0 / False."""
+    """[M, H/16] scale bytes scattered one at a time into the kernel's buffer (layout 0:
+    SWIZZLED_128x4, round_up(M,128)*round_up(H/16,4) bytes; 2: LINEAR, M*H/16) -> (flat
+    uint8 buffer, written mask): padding bytes are 0 / False."""
     M, nb = sf_b.shape
     if layout == 0:
         size = (-(-M // 128) * 128) * (-(-nb // 4) * 4)
