@@ -1,13 +1,10 @@
 """What the tests of jax_fusedar.fuse hold a fused program to (docs/fusion_pass.md, "The
-bound"), and the programs they build: the norm in the fused op's own order, a site inside one
-shard_map, the row-parallel linear (matmul, residual add, norm).
+bound"), and the programs they build (a site in one shard_map, the row-parallel linear).
 
-Exactness is compared with XLA computing every rounding the programs write (``compiled``:
-``xla_allow_excess_precision`` off). With it on (XLA's default) XLA may keep a bfloat16 value
-in float32 inside a fusion, so the original program itself does not round where it says, and
-no comparison of roundings means anything. The CPU suite's XLA_FLAGS turn it off too
-(tests/cpu_devices.py); the per-compilation option keeps these comparisons meaningful under
-other flags.
+Exactness is compared with XLA computing every rounding the programs write (``compiled``).
+With ``xla_allow_excess_precision`` on (XLA's default) a bfloat16 value may stay float32
+inside a fusion: the original program itself would not round where it says. The CPU suite's
+XLA_FLAGS turn it off too (tests/cpu_devices.py); the option keeps it off under other flags.
 """
 
 from __future__ import annotations

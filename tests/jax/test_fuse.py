@@ -121,9 +121,8 @@ def ws():
 
 
 def assert_close_to_unfused(unfused, fused, dtype="bfloat16"):
-    """Within the fused op's rounding of the unfused twin: the all-reduce's sum order and
-    rounding differ (psum in T vs the fp32 sum rounded once), an ulp of the residual sum,
-    carried through the norm (tests/jax/cpu_helpers.py's bounds, in the output's eps)."""
+    """Within the fused op's rounding of the unfused twin: psum in T vs the fp32 sum rounded
+    once, an ulp of the residual sum carried through the norm (cpu_helpers.py's bounds)."""
     assert_close(fused, unfused, 4 * float(jnp.finfo(dtype).eps), floor=0.0)
 
 
@@ -431,10 +430,8 @@ def test_created_workspaces_are_reused_and_grown():
 
 @pytest.mark.parametrize("allow", [False, True])
 def test_gamma_after_the_rounding_fuses_exactly(allow, ws):
-    """MaxText's and Hugging Face's order (the normalized value rounded to T, then gamma
-    multiplied in T): the fused op computes the rounded value (a gamma of ones), the program's
-    multiplication by gamma stays after it: fused by default, bit for bit, and
-    allow_rounding_change moves no rounding."""
+    """MaxText's and Hugging Face's order (normalized, rounded to T, then gamma in T): the fused
+    op computes the rounded value, gamma's multiplication stays after it: exact either way."""
     rep, unfused, out = _reason(one_scope(norm_maxtext), ws, allow=allow)
     assert len(rep.fused) == 1, rep.line()
     assert rep.sites[0].rounding_change is None
@@ -520,10 +517,8 @@ def test_bad_arguments_are_refused_by_name(error, kwargs, message):
 
 @pytest.mark.oldest
 def test_a_jax_older_than_the_pass_needs_is_named(monkeypatch):
-    """The pass reads jaxprs through JAX 0.10's APIs: on an older JAX (the oldest lane runs
-    JAX 0.8.2; elsewhere the version is made to read 0.9.3) fuse refuses once its arguments
-    are checked, before any trace, naming the JAX it needs and the op that runs on the older
-    one, instead of failing inside a trace with an AttributeError."""
+    """The pass reads jaxprs through JAX 0.10's APIs: on an older JAX (the oldest lane's, or
+    0.9.3 faked) fuse refuses before any trace, naming what it needs, not an AttributeError."""
     if jax.__version_info__ >= (0, 10):
         monkeypatch.setattr(jax, "__version_info__", (0, 9, 3))
         monkeypatch.setattr(jax, "__version__", "0.9.3")
