@@ -1,17 +1,10 @@
 """What the tests of jax_fusedar.fuse hold a fused program to (docs/fusion_pass.md, "The
-bound"), shared by tests/jax/test_fuse_exact.py and tests/jax/test_fuse_differential.py.
+bound"), and the programs they build (a site in one shard_map, the row-parallel linear).
 
-Exactness is compared with XLA computing every rounding the programs write: both the
-original and the fused program are compiled with ``xla_allow_excess_precision`` off
-(``compiled``). With it on (XLA's default) XLA may keep a bfloat16 value in float32 inside a
-fusion, so the original program itself does not round where it says, and no comparison of
-roundings means anything. The CPU suite's XLA_FLAGS turn it off too (tests/cpu_devices.py);
-the per-compilation option keeps these comparisons meaningful under other flags.
-
-Also what the fuse tests build their programs from: the norm in the fused op's own order,
-the operands of a site inside one shard_map, and those of the row-parallel linear (matmul,
-residual add, norm) that tests/jax/test_fuse_exact.py, test_fuse_reach.py and
-test_fuse_look_through.py fuse.
+Exactness is compared with XLA computing every rounding the programs write (``compiled``).
+With ``xla_allow_excess_precision`` on (XLA's default) a bfloat16 value may stay float32
+inside a fusion: the original program itself would not round where it says. The CPU suite's
+XLA_FLAGS turn it off too (tests/cpu_devices.py); the option keeps it off under other flags.
 """
 
 from __future__ import annotations
@@ -23,10 +16,12 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_fusedar as jf
+from tests.jax.cpu_helpers import bits
 from tests.oracles.oracle import ulp
 
 T, H, F = 8, 64, 128  # tokens, hidden size, the linear's input features
 EPS = 1e-6
+MESH = jax.make_mesh((8,), ("tp",))
 
 # XLA rounds where the program says (a per-compilation option: the rest of the suite keeps
 # its flags).
@@ -45,9 +40,9 @@ def compiled(fn):
 
 
 def fuse_and_run(fn, args, mesh, *, jit=compiled, grads=False, workspace=None, **kw):
-    """(fused program, its outputs, the original's): ``fn`` fused on the xla backend over
-    "tp" (or on ``workspace``), both run under ``jit`` (default: rounding as written); with
-    ``grads``, then the gradients of both w.r.t. every argument (random cotangents)."""
+    """(fused program, its outputs, the original's), fused on the xla backend over "tp" (or on
+    ``workspace``), run under ``jit``; with ``grads``, then both programs' gradients w.r.t.
+    every argument (random cotangents)."""
     if workspace is None:
         fused = jf.fuse(fn, mesh=mesh, axis_name="tp", backend="xla", **kw)
     else:
@@ -69,11 +64,6 @@ def fuse_and_run(fn, args, mesh, *, jit=compiled, grads=False, workspace=None, *
         return fused, out, want, grad(fused), grad(fn)
 
 
-def bits(a):
-    a = np.asarray(a)
-    return a.view(np.uint8) if a.dtype.itemsize else a
-
-
 def assert_bit_equal(a, b, what=""):
     for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(bits(u), bits(v), err_msg=what)
@@ -85,9 +75,17 @@ def assert_equal_values(a, b):
         np.testing.assert_array_equal(np.asarray(u, np.float32), np.asarray(v, np.float32))
 
 
+def assert_close(a, b, bound, floor=1e-30):
+    """Per leaf: max |a - b| <= bound * max(max |b|, floor)."""
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        u, v = np.asarray(u, np.float64), np.asarray(v, np.float64)
+        err, scale = np.max(np.abs(u - v)), max(np.max(np.abs(v)), floor)
+        assert err <= bound * scale, err / scale
+
+
 def rms_norm(r, g, eps=EPS):
-    """RMSNorm in the fused op's own order of operations: float32 inside, gamma multiplied
-    in float32, the output rounded to r's dtype."""
+    """RMSNorm in the fused op's own order: float32 inside, gamma multiplied in float32, the
+    output rounded to r's dtype."""
     x = r.astype(jnp.float32)
     n = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
     return (n * g.astype(jnp.float32)).astype(r.dtype)
@@ -103,46 +101,49 @@ def norm_after(sum_fn):
     return model
 
 
+def one_scope(norm, extra_outs=None):
+    """The per-rank body of a site in one shard_map: ``r = psum(x[0]) + res``, returning
+    ``(r, norm(r, g))`` or ``extra_outs(r, y, *extra)``."""
+
+    def body(x, res, g, *extra):
+        r = jax.lax.psum(x[0], "tp") + res
+        y = norm(r, g)
+        return (r, y) if extra_outs is None else extra_outs(r, y, *extra)
+
+    return body
+
+
 def megatron_g(rule="custom_vjp", varying=True):
     """A psum over "tp" with a derivative rule of its own (Megatron's "g"): a custom_vjp whose
     backward is the identity (typed as the varying input when ``varying``, as check_vma
     needs), or a custom_jvp whose tangent rule is psum's own."""
-    if rule == "custom_jvp":
 
-        @jax.custom_jvp
-        def g_op(v):
-            return jax.lax.psum(v, "tp")
-
-        g_op.defjvp(lambda p, t: (g_op(*p), jax.lax.psum(t[0], "tp")))
-        return g_op
-
-    @jax.custom_vjp
     def g_op(v):
         return jax.lax.psum(v, "tp")
 
-    if varying:
-        g_op.defvjp(
-            lambda v: (g_op(v), None), lambda _, ct: (jax.lax.pcast(ct, "tp", to="varying"),)
-        )
-    else:
-        g_op.defvjp(lambda v: (g_op(v), None), lambda _, ct: (ct,))
+    if rule == "custom_jvp":
+        g_op = jax.custom_jvp(g_op)
+        g_op.defjvp(lambda p, t: (g_op(*p), jax.lax.psum(t[0], "tp")))
+        return g_op
+    g_op = jax.custom_vjp(g_op)
+    back = (lambda ct: jax.lax.pcast(ct, "tp", to="varying")) if varying else (lambda ct: ct)
+    g_op.defvjp(lambda v: (g_op(v), None), lambda _, ct: (back(ct),))
     return g_op
 
 
 def statistic(r, eps):
-    """``rsqrt(mean(f^2) + eps)`` per row, in float32 by XLA (the op the program and the
-    fused op share), as float64."""
+    """``rsqrt(mean(f^2) + eps)`` per row, in float32 by XLA (as the program and the fused op
+    compute it), as float64."""
     r32 = jnp.asarray(r).astype(jnp.float32)
     inv = compiled(lambda x: jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps))(r32)
     return np.asarray(inv, np.float64)
 
 
 def assert_rounds_like_the_program(fused, program, exact, dtype, what=""):
-    """The fused norm output equals the program's, bit for bit, except at elements where
-    both are the two neighbours in ``dtype`` of ``exact`` (the float64 value of the formula
-    with the program's roundings, before the last one) and ``exact`` is within BORDERLINE of
-    their midpoint: there the two float32 computations may round either way. A rounding
-    that the fused op drops, adds or moves shows as differences away from midpoints."""
+    """The fused norm output is the program's bit for bit, except where both are the two
+    neighbours in ``dtype`` of ``exact`` (the float64 formula with the program's roundings,
+    before the last) and ``exact`` is within BORDERLINE of their midpoint. A rounding that
+    the fused op drops, adds or moves shows as differences away from midpoints."""
     f = np.asarray(fused, np.float64)
     p = np.asarray(program, np.float64)
     exact = np.broadcast_to(np.asarray(exact, np.float64), f.shape)
@@ -164,8 +165,8 @@ def assert_rounds_like_the_program(fused, program, exact, dtype, what=""):
 
 
 def norm_units(y, r, col, inv, dtype):
-    """|y - exact| in the documented unit of norm_out, per element: ``ulp_T(|r|) * inv *
-    |col| + ulp_T(|exact|)`` (docs/fusion_pass.md), ``exact = r * inv * col`` in float64."""
+    """|y - exact| in the documented unit of norm_out (docs/fusion_pass.md): ``ulp_T(|r|) *
+    inv * |col| + ulp_T(|exact|)``, ``exact = r * inv * col`` in float64."""
     r = np.asarray(r, np.float64)
     exact = r * inv * col
     unit = ulp(np.abs(r), dtype) * inv * np.abs(col) + ulp(exact, dtype)
@@ -175,14 +176,12 @@ def norm_units(y, r, col, inv, dtype):
 def scope_operands(
     dtype="bfloat16", gamma_dtype=None, shape=(6, H), seed=0, *, gamma=None, mesh=None
 ):
-    """(x, residual, gamma) of a site inside one shard_map over the 8 devices' "tp" axis
-    (``mesh``, default a 1-D one): x [8, *shape] split over "tp" (each rank's partial sum),
-    the residual ``shape`` replicated, gamma (default near 1) in ``gamma_dtype`` (default
-    ``dtype``)."""
+    """(x, residual, gamma) of a site in one shard_map over "tp" (``mesh``, default MESH): x
+    [8, *shape] split over "tp" (each rank's partial sum), the residual ``shape`` replicated,
+    gamma (default near 1) in ``gamma_dtype`` (default ``dtype``)."""
     rng = np.random.default_rng(seed)
-    mesh = mesh or jax.make_mesh((8,), ("tp",))
     x = jax.device_put(
-        jnp.asarray(rng.standard_normal((8,) + shape), dtype), NamedSharding(mesh, P("tp"))
+        jnp.asarray(rng.standard_normal((8,) + shape), dtype), NamedSharding(mesh or MESH, P("tp"))
     )
     res = jnp.asarray(rng.standard_normal(shape), dtype)
     if gamma is None:
@@ -191,11 +190,11 @@ def scope_operands(
 
 
 def smap(body, n_in=3, n_out=2, check_vma=True, mesh=None):
-    """shard_map(body) over "tp" (``mesh``, default the 1-D one of scope_operands): its first
-    input split over "tp", the rest and the ``n_out`` outputs replicated."""
+    """shard_map(body) over "tp" (``mesh``, default MESH): its first input split over "tp", the
+    rest and the ``n_out`` outputs replicated."""
     return jax.shard_map(
         body,
-        mesh=mesh or jax.make_mesh((8,), ("tp",)),
+        mesh=mesh or MESH,
         in_specs=(P("tp"),) + (P(),) * (n_in - 1),
         out_specs=(P(),) * n_out,
         check_vma=check_vma,

@@ -17,19 +17,38 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tests.jax import cpu_helpers, fuse_checks
-from tests.jax.fuse_checks import assert_equal_values, rms_norm, scope_operands
+from tests.jax.fuse_checks import MESH, H, assert_close, assert_equal_values, one_scope, rms_norm
+from tests.jax.fuse_checks import scope_operands
 import jax_fusedar as jf
 
 cpu_helpers.require_host_devices()
 
-MESH = jax.make_mesh((8,), ("tp",))
 EPS = 1e-6
-T, H = 6, 64
+T = 6  # scope_operands' tokens
 f32 = jnp.float32
+ONE_SITE = "jax_fusedar.fuse: fused 1 of 1 all-reduce + residual + RMSNorm site(s)"
 
 
-# --- the norms as users write them (plain jnp, MaxText, flax.linen, flax.nnx) ---------------------
-# (plain jnp: fuse_checks.rms_norm, float32 inside, gamma in float32)
+# --- the norms as users write them (plain jnp: fuse_checks.rms_norm) ------------------------------
+
+
+def normalized(r):  # float32 inside, no gamma, not cast back
+    f = r.astype(f32)
+    return f * jax.lax.rsqrt(jnp.mean(f * f, axis=-1, keepdims=True) + EPS)
+
+
+def gemma(r, g):  # 1 + gamma
+    return (normalized(r) * (1.0 + g.astype(f32))).astype(r.dtype)
+
+
+def no_gamma(r, g):
+    return normalized(r).astype(r.dtype)
+
+
+def f32_norm(r, axis):  # no gamma, not cast back, x ** 2
+    return r.astype(f32) * jax.lax.rsqrt(
+        jnp.mean(r.astype(f32) ** 2, axis=axis, keepdims=True) + EPS
+    )
 
 
 def norm_pow(r, g, eps=EPS):  # x ** 2 (integer_pow), 1/sqrt
@@ -62,31 +81,11 @@ def norm_nnx(r, g, eps=EPS):  # f32 param cast to T, then to f32
     return (r.astype(f32) * (inv * scale)).astype(r.dtype)
 
 
-def gemma(r, g):  # 1 + gamma
-    f = r.astype(f32)
-    n = f * jax.lax.rsqrt(jnp.mean(f * f, axis=-1, keepdims=True) + EPS)
-    return (n * (1.0 + g.astype(f32))).astype(r.dtype)
-
-
-def no_gamma(r, g):
-    f = r.astype(f32)
-    return (f * jax.lax.rsqrt(jnp.mean(f * f, axis=-1, keepdims=True) + EPS)).astype(r.dtype)
-
-
 def smap(body, n_out=2, n_in=3, check_vma=True):
-    """fuse_checks.smap over MESH, jitted."""
-    return jax.jit(fuse_checks.smap(body, n_in, n_out, check_vma, MESH))
+    return jax.jit(fuse_checks.smap(body, n_in, n_out, check_vma))
 
 
-def site_body(norm):
-    def body(x, res, g):
-        r = jax.lax.psum(x[0], "tp") + res
-        return r, norm(r, g)
-
-    return body
-
-
-def hand_body(ws, eps=EPS):
+def hand_body(ws, **kw):
     """The same site written with the fused op directly (what fuse must produce)."""
 
     def body(x, res, g):
@@ -97,7 +96,8 @@ def hand_body(ws, eps=EPS):
             workspace=ws,
             residual=res.reshape(-1, h),
             rms_gamma=g.astype(res.dtype),
-            rms_eps=float(np.float32(eps)),
+            rms_eps=float(np.float32(EPS)),
+            **kw,
         )
         return out.residual_out.reshape(res.shape), out.norm_out.reshape(res.shape)
 
@@ -121,33 +121,22 @@ def ws():
 
 
 def assert_close_to_unfused(unfused, fused, dtype="bfloat16"):
-    """Within the fused op's rounding of the unfused twin: the all-reduce's sum order and
-    rounding differ (psum in T vs the fp32 sum rounded once), an ulp of the residual sum,
-    carried through the norm (tests/jax/cpu_helpers.py's bounds, in the output's eps)."""
-    eps = float(jnp.finfo(dtype).eps)
-    for u, v in zip(jax.tree.leaves(unfused), jax.tree.leaves(fused)):
-        u, v = np.asarray(u, np.float64), np.asarray(v, np.float64)
-        scale = np.max(np.abs(u))
-        assert np.max(np.abs(u - v)) <= 4 * eps * scale, np.max(np.abs(u - v)) / scale
+    """Within the fused op's rounding of the unfused twin: psum in T vs the fp32 sum rounded
+    once, an ulp of the residual sum carried through the norm (cpu_helpers.py's bounds)."""
+    assert_close(fused, unfused, 4 * float(jnp.finfo(dtype).eps), floor=0.0)
 
 
 # --- forms that fuse ------------------------------------------------------------------------------
 
-EXACT_FORMS = {
-    "norm_plain": rms_norm,
-    "norm_pow": norm_pow,
-    "norm_linen": norm_linen,
-    "norm_nnx": norm_nnx,
-}
 
-
-@pytest.mark.parametrize("name", list(EXACT_FORMS))
-def test_exact_forms_are_fused_and_equal_the_hand_written_op(name, ws):
-    args = scope_operands(gamma_dtype="float32" if name == "norm_nnx" else None)  # nnx rounds
-    f, fused, out = run(site_body(EXACT_FORMS[name]), ws, args)  # its f32 param to T
-    assert fused.report.line() == (
-        "jax_fusedar.fuse: fused 1 of 1 all-reduce + residual + RMSNorm site(s)"
-    )
+@pytest.mark.parametrize(
+    "norm", [rms_norm, norm_pow, norm_linen, norm_nnx], ids=lambda n: n.__name__
+)
+def test_exact_forms_are_fused_and_equal_the_hand_written_op(norm, ws):
+    # nnx rounds its f32 param to T
+    args = scope_operands(gamma_dtype="float32" if norm is norm_nnx else None)
+    f, fused, out = run(one_scope(norm), ws, args)
+    assert fused.report.line() == ONE_SITE
     site = fused.report.sites[0]
     assert (site.pattern, site.tokens, site.hidden, site.dtype) == (1, T, H, "bfloat16")
     assert site.rms_eps == pytest.approx(EPS) and site.rounding_change is None
@@ -160,7 +149,7 @@ def test_exact_forms_are_fused_and_equal_the_hand_written_op(name, ws):
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_other_dtypes(dtype):
     args = scope_operands(dtype)
-    with jf.fuse(smap(site_body(rms_norm)), mesh=MESH, axis_name="tp", backend="xla") as fused:
+    with jf.fuse(smap(one_scope(rms_norm)), mesh=MESH, axis_name="tp", backend="xla") as fused:
         out = fused(*args)
         assert len(fused.report.fused) == 1
         ws = fused.workspaces[0]
@@ -171,14 +160,15 @@ def test_other_dtypes(dtype):
 
 def test_3d_activations_and_check_vma_off(ws):
     args = scope_operands(shape=(2, 3, H))
-    f, fused, out = run(site_body(rms_norm), ws, args, check_vma=False)
+    f, fused, out = run(one_scope(rms_norm), ws, args, check_vma=False)
     assert "psum[" in str(jax.make_jaxpr(f)(*args))  # plain psum without check_vma
     assert fused.report.sites[0].tokens == 6 and fused.report.sites[0].fused
     assert_equal_values(out, smap(hand_body(ws))(*args))
 
 
 def _wrapped_models():
-    """(name, per-rank body) with the site inside each wrapper the pass must see through."""
+    """name -> (per-rank body with the site inside a wrapper the pass must see through, sites,
+    fused runs)."""
 
     def layer(x, r, g):
         r = jax.lax.psum(x, "tp") + r
@@ -230,12 +220,12 @@ def _wrapped_models():
         "while": (in_while, 1, None),
         "cond": (in_cond, 2, 2),
         "jit": (lambda x, res, g: jax.jit(layer)(x[0], res, g), 1, 1),
-        "norm_in_jit": (site_body(jax.jit(rms_norm)), 1, 1),  # only the norm is jitted
-        "norm_in_remat": (site_body(jax.checkpoint(rms_norm)), 1, 1),  # only the norm
+        "norm_in_jit": (one_scope(jax.jit(rms_norm)), 1, 1),  # only the norm is jitted
+        "norm_in_remat": (one_scope(jax.checkpoint(rms_norm)), 1, 1),  # only the norm
         "remat": (lambda x, res, g: jax.checkpoint(layer)(x[0], res, g), 1, 1),
         "custom_vjp": (lambda x, res, g: vlayer(x[0], res, g), 1, 1),
         "scan_remat": (scanned(jax.checkpoint(layer), lambda g: g), 1, 2),
-        "norm_in_custom_jvp": (site_body(cnorm), 1, 0),
+        "norm_in_custom_jvp": (one_scope(cnorm), 1, 0),
     }
 
 
@@ -264,7 +254,7 @@ def test_sites_inside_wrappers_are_fused(name, ws):
 
 def test_fuse_of_jit_and_jit_of_fuse_agree(ws):
     args = scope_operands()
-    sm = fuse_checks.smap(site_body(rms_norm), mesh=MESH)
+    sm = fuse_checks.smap(one_scope(rms_norm))
     a = jf.fuse(jax.jit(sm), workspace=ws)(*args)
     b = jax.jit(jf.fuse(sm, workspace=ws))(*args)
     c = jf.fuse(sm, workspace=ws)(*args)  # eager shard_map inside
@@ -312,37 +302,23 @@ def test_kwargs_and_pytrees_pass_through(ws):
 
 @pytest.mark.parametrize("norm, bias", [(gemma, 1.0), (no_gamma, 0.0)], ids=["gemma", "no_gamma"])
 def test_gemma_one_plus_gamma_and_no_gamma(norm, bias, ws):
-    args = scope_operands()
-    _, fused, out = run(site_body(norm), ws, args)
+    x, res, g = args = scope_operands()
+    _, fused, out = run(one_scope(norm), ws, args)
     site = fused.report.sites[0]
     assert site.fused and site.weight_bias == bias, site
-
-    def hand(x, res, g):
-        o = jf.allreduce_fusion(
-            x[0],
-            axis_name="tp",
-            workspace=ws,
-            residual=res,
-            rms_gamma=g if bias else jnp.ones_like(g),
-            rms_eps=EPS,
-            weight_bias=bias,
-        )
-        return o.residual_out, o.norm_out
-
-    assert_equal_values(out, smap(hand)(*args))
+    hand = smap(hand_body(ws, weight_bias=bias))(x, res, g if bias else jnp.ones_like(g))
+    assert_equal_values(out, hand)
 
 
 @pytest.mark.parametrize("keep, pattern", [(True, 4), (False, 2)], ids=["pattern_4", "pattern_2"])
 def test_static_fp8_tail_becomes_pattern_4_or_2(keep, pattern, ws):
     args = scope_operands() + (f32(0.05),)
 
-    def body(x, res, g, s):
-        r = jax.lax.psum(x[0], "tp") + res
-        y = rms_norm(r, g)
+    def tail(r, y, s):
         q = jnp.clip(y.astype(f32) / s, -448, 448).astype(jnp.float8_e4m3fn)
         return (r, q, y) if keep else (r, q)
 
-    f, fused, out = run(body, ws, args, n_out=3 if keep else 2, n_in=4)
+    f, fused, out = run(one_scope(rms_norm, tail), ws, args, n_out=3 if keep else 2, n_in=4)
     assert fused.report.sites[0].pattern == pattern, fused.report
     # FP8 codes: within one e4m3 step of the unfused program's (rounding of the norm
     # and the kernel's reciprocal multiply, quant_reference's documented modes).
@@ -351,17 +327,13 @@ def test_static_fp8_tail_becomes_pattern_4_or_2(keep, pattern, ws):
 
 
 def test_dynamic_fp8_tail_becomes_pattern_11(ws):
-    args = scope_operands()
-
-    def body(x, res, g):
-        r = jax.lax.psum(x[0], "tp") + res
-        y = rms_norm(r, g)
+    def tail(r, y):
         y32 = y.astype(f32)
         s = jnp.maximum(jnp.max(jnp.abs(y32), axis=-1, keepdims=True) / 448, 1 / (512 * 448))
-        q = jnp.clip(y32 / s, -448, 448).astype(jnp.float8_e4m3fn)
-        return r, y, q, s
+        return r, y, jnp.clip(y32 / s, -448, 448).astype(jnp.float8_e4m3fn), s
 
-    f, fused, out = run(body, ws, args, n_out=4)
+    args = scope_operands()
+    f, fused, out = run(one_scope(rms_norm, tail), ws, args, n_out=4)
     assert fused.report.sites[0].pattern == 11, fused.report
     ref = f(*args)
     np.testing.assert_allclose(np.asarray(out[3]), np.asarray(ref[3]), rtol=2e-2)
@@ -378,75 +350,45 @@ def _reason(body, ws, *, gamma_dtype=None, allow=False):
     return fused.report, f(*args), out
 
 
-def _f32_norm(r, axis):  # no gamma, not cast back
-    return r.astype(f32) * jax.lax.rsqrt(
-        jnp.mean(r.astype(f32) ** 2, axis=axis, keepdims=True) + EPS
-    )
+NOT_EXACT = {  # reason -> per-rank body (gamma in bfloat16 but for the first)
+    "float32 gamma (the kernel reads gamma in bfloat16)": one_scope(rms_norm),
+    "eps traced (not a constant)": one_scope(
+        lambda r, g: rms_norm(r, g, eps=g[0].astype(f32) * 0 + 1e-6)
+    ),
+    "norm over axis 0, not the last": one_scope(lambda r, g: f32_norm(r, 0).astype(r.dtype)),
+    "RMSNorm computed in bfloat16, not float32": one_scope(
+        lambda r, g: (r * jax.lax.rsqrt(jnp.mean(r * r, axis=-1, keepdims=True) + EPS)) * g
+    ),
+    "the norm output is not cast back to bfloat16": one_scope(lambda r, g: f32_norm(r, -1)),
+    "the all-reduce is not followed by a residual add": lambda x, res, g: (
+        jax.lax.psum(x[0], "tp"),
+        rms_norm(res, g),
+    ),
+    "all-reduce in float32 of bfloat16 values": lambda x, res, g: (
+        (jax.lax.psum(x[0].astype(f32), "tp") + res.astype(f32)).astype(res.dtype),
+        rms_norm(res, g),
+    ),
+    "no RMSNorm of the residual sum in the same scope": lambda x, res, g: (
+        jax.lax.psum(x[0], "tp") + res,
+        res,
+    ),
+}
 
 
-@pytest.mark.parametrize(
-    "body, gamma_dtype, reason",
-    [
-        (site_body(rms_norm), "float32", "float32 gamma (the kernel reads gamma in bfloat16)"),
-        (
-            site_body(lambda r, g: rms_norm(r, g, eps=g[0].astype(f32) * 0 + 1e-6)),
-            None,
-            "eps traced (not a constant)",
-        ),
-        (
-            site_body(lambda r, g: _f32_norm(r, 0).astype(r.dtype)),
-            None,
-            "norm over axis 0, not the last",
-        ),
-        (
-            site_body(
-                lambda r, g: (r * jax.lax.rsqrt(jnp.mean(r * r, axis=-1, keepdims=True) + EPS)) * g
-            ),
-            None,
-            "RMSNorm computed in bfloat16, not float32",
-        ),
-        (
-            site_body(lambda r, g: _f32_norm(r, -1)),
-            None,
-            "the norm output is not cast back to bfloat16",
-        ),
-        (
-            lambda x, res, g: (jax.lax.psum(x[0], "tp"), rms_norm(res, g)),
-            None,
-            "the all-reduce is not followed by a residual add",
-        ),
-        (
-            lambda x, res, g: (
-                (jax.lax.psum(x[0].astype(f32), "tp") + res.astype(f32)).astype(res.dtype),
-                rms_norm(res, g),
-            ),
-            None,
-            "all-reduce in float32 of bfloat16 values",
-        ),
-        (
-            lambda x, res, g: (jax.lax.psum(x[0], "tp") + res, res),
-            None,
-            "no RMSNorm of the residual sum in the same scope",
-        ),
-    ],
-)
-def test_non_exact_forms_stay_unfused_with_the_reason(body, gamma_dtype, reason, ws):
-    rep, unfused, out = _reason(body, ws, gamma_dtype=gamma_dtype)
+@pytest.mark.parametrize("reason", list(NOT_EXACT))
+def test_non_exact_forms_stay_unfused_with_the_reason(reason, ws):
+    gamma_dtype = "float32" if reason.startswith("float32 gamma") else None
+    rep, unfused, out = _reason(NOT_EXACT[reason], ws, gamma_dtype=gamma_dtype)
     assert len(rep.sites) == 1 and not rep.fused
     assert rep.sites[0].reason.startswith(reason), rep.sites[0].reason
     assert reason in rep.line()
     assert_equal_values(unfused, out)  # left alone: the very same program
 
 
-@pytest.mark.parametrize(
-    "norm, gamma_dtype, change",
-    [(rms_norm, "float32", "gamma rounded to bfloat16")],
-    ids=["norm_plain-float32-gamma rounded to bfloat16"],
-)
-def test_allow_rounding_change_fuses_and_reports_it(norm, gamma_dtype, change, ws):
-    rep, unfused, out = _reason(site_body(norm), ws, gamma_dtype=gamma_dtype, allow=True)
-    assert len(rep.fused) == 1 and rep.sites[0].rounding_change == change
-    assert_equal_values(out, smap(hand_body(ws))(*scope_operands(gamma_dtype=gamma_dtype)))
+def test_allow_rounding_change_fuses_and_reports_it(ws):
+    rep, unfused, out = _reason(one_scope(rms_norm), ws, gamma_dtype="float32", allow=True)
+    assert len(rep.fused) == 1 and rep.sites[0].rounding_change == "gamma rounded to bfloat16"
+    assert_equal_values(out, smap(hand_body(ws))(*scope_operands(gamma_dtype="float32")))
     assert_close_to_unfused(unfused, out)
 
 
@@ -454,7 +396,6 @@ def test_all_reduce_over_another_axis_is_reported():
     mesh2 = jax.make_mesh((2, 4), ("dp", "tp"))
     x = jax.device_put(jnp.ones((8, T, H), jnp.bfloat16), NamedSharding(mesh2, P(("dp", "tp"))))
     res = jax.device_put(jnp.ones((2 * T, H), jnp.bfloat16), NamedSharding(mesh2, P("dp")))
-    g = jnp.ones((H,), jnp.bfloat16)
 
     def body(x, res, g):
         r = jax.lax.psum(x[0], "dp") + res  # over dp: not the fused axis
@@ -463,13 +404,13 @@ def test_all_reduce_over_another_axis_is_reported():
     in_specs = (P(("dp", "tp")), P("dp"), P())
     f = cpu_helpers.jit_shard_map(body, mesh2, in_specs, (P("dp"), P("dp")), check_vma=False)
     fused = jf.fuse(f, mesh=mesh2, axis_name="tp", backend="xla")
-    fused(x, res, g)
+    fused(x, res, jnp.ones((H,), jnp.bfloat16))
     assert fused.report.sites[0].reason == "all-reduce over ('dp',), not the fused axis 'tp'"
 
 
 def test_sites_above_the_workspace_stay_unfused(ws):
     args = scope_operands(shape=(2 * 64, H))  # 128 tokens > the workspace's 64
-    f, fused, _ = run(site_body(rms_norm), ws, args)
+    f, fused, _ = run(one_scope(rms_norm), ws, args)
     assert fused.report.sites[0].reason == "tokens 128 x hidden 64 > workspace max 64 x 64"
     capped = jf.fuse(f, mesh=MESH, axis_name="tp", backend="xla", max_tokens=100)
     capped(*args)
@@ -478,8 +419,7 @@ def test_sites_above_the_workspace_stay_unfused(ws):
 
 
 def test_created_workspaces_are_reused_and_grown():
-    f = smap(site_body(rms_norm))
-    with jf.fuse(f, mesh=MESH, backend="xla") as fused:  # 1-D mesh: the axis is implied
+    with jf.fuse(smap(one_scope(rms_norm)), mesh=MESH, backend="xla") as fused:  # axis implied
         fused(*scope_operands(shape=(4, H)))
         fused(*scope_operands(shape=(2, H)))
         assert [w.max_token_num for w in fused.workspaces] == [4]
@@ -490,11 +430,9 @@ def test_created_workspaces_are_reused_and_grown():
 
 @pytest.mark.parametrize("allow", [False, True])
 def test_gamma_after_the_rounding_fuses_exactly(allow, ws):
-    """MaxText's and Hugging Face's order (the normalized value rounded to T, then gamma
-    multiplied in T): the fused op computes the rounded normalized value (a gamma of ones)
-    and the program's multiplication by gamma stays after it, so the site fuses with
-    default options, bit for bit, and allow_rounding_change moves no rounding."""
-    rep, unfused, out = _reason(site_body(norm_maxtext), ws, allow=allow)
+    """MaxText's and Hugging Face's order (normalized, rounded to T, then gamma in T): the fused
+    op computes the rounded value, gamma's multiplication stays after it: exact either way."""
+    rep, unfused, out = _reason(one_scope(norm_maxtext), ws, allow=allow)
     assert len(rep.fused) == 1, rep.line()
     assert rep.sites[0].rounding_change is None
 
@@ -508,7 +446,7 @@ def test_gamma_after_the_rounding_fuses_exactly(allow, ws):
 
 def test_report_is_logged_as_one_line(ws, caplog):
     with caplog.at_level(logging.INFO, logger="jax_fusedar"):
-        run(site_body(rms_norm), ws, scope_operands(gamma_dtype="float32"))
+        run(one_scope(rms_norm), ws, scope_operands(gamma_dtype="float32"))
     lines = [r.getMessage() for r in caplog.records if "jax_fusedar.fuse:" in r.getMessage()]
     assert lines == [
         "jax_fusedar.fuse: fused 0 of 1 all-reduce + residual + RMSNorm site(s); "
@@ -520,22 +458,22 @@ def test_report_is_logged_as_one_line(ws, caplog):
 
 def test_report_as_data(ws):
     args = scope_operands()
-    d = jf.fuse(smap(site_body(rms_norm)), workspace=ws).analyze(*args).as_dict()
+    d = jf.fuse(smap(one_scope(rms_norm)), workspace=ws).analyze(*args).as_dict()
     assert d["fused"] == 1 and d["sites"][0]["pattern"] == 1 and d["sites"][0]["runs"] == 1
     assert d["sites"][0]["where"].startswith("jit(")
     # The pass's own time, measured inside the trace: more than nothing, less than it all.
     start = time.perf_counter()
-    rep = jf.fuse(smap(site_body(rms_norm)), workspace=ws).analyze(*args)
+    rep = jf.fuse(smap(one_scope(rms_norm)), workspace=ws).analyze(*args)
     assert 0 < rep.as_dict()["pass_s"] == rep.pass_s < time.perf_counter() - start
     assert 0 < rep.as_dict()["analysis_s"] == rep.analysis_s < rep.pass_s
 
 
-def test_grad_of_fused_equals_grad_of_original(ws):
+def test_grad_of_fused_equals_grad_of_original():
     x, res, g = scope_operands("float32")
     with jf.create_allreduce_fusion_workspace(
         MESH, "tp", max_token_num=T, hidden_dim=H, dtype=f32, backend="xla"
     ) as w32:
-        f = smap(site_body(rms_norm))
+        f = smap(one_scope(rms_norm))
 
         def loss(fn):
             return lambda x, res, g: sum(jnp.sum(o**2) for o in fn(x, res, g))
@@ -548,57 +486,39 @@ def test_grad_of_fused_equals_grad_of_original(ws):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-4)
 
 
+TYPE_ERRORS = [  # fuse(lambda x: x, **kwargs) raises TypeError("fuse: " + message ...)
+    (dict(mesh="tp"), "mesh must be a jax.sharding.Mesh, got str"),
+    (
+        dict(mesh=MESH, allow_rounding_change="yes"),
+        "allow_rounding_change must be True or False, got 'yes'",
+    ),
+    (dict(workspace=object()), "workspace must come from"),
+    (dict(mesh=MESH, use_oneshot=1), "use_oneshot must be None, True or False, got 1"),
+    (dict(mesh=MESH, strict="on"), "strict must be None, True or False"),
+    (dict(mesh=MESH, log_level="INFO"), "log_level must be a logging level (int), got 'INFO'"),
+]
+VALUE_ERRORS = [
+    (dict(mesh=MESH, axis_name="dp"), "axis_name 'dp' is not an axis of the mesh ('tp',)"),
+    (dict(mesh=MESH, max_tokens=0), "max_tokens must be a positive integer, got 0"),
+    (dict(mesh=MESH, backend="nccl"), "backend must be 'auto', 'trtllm' or 'xla', got 'nccl'"),
+]
+
+
 @pytest.mark.parametrize(
-    "kwargs, error, message",
-    [
-        ({}, ValueError, "fuse needs mesh= (and axis_name=) to create workspaces, or workspace="),
-        ({"mesh": "tp"}, TypeError, "fuse: mesh must be a jax.sharding.Mesh, got str"),
-        (
-            {"mesh": MESH, "axis_name": "dp"},
-            ValueError,
-            "fuse: axis_name 'dp' is not an axis of the mesh ('tp',)",
-        ),
-        (
-            {"mesh": MESH, "max_tokens": 0},
-            ValueError,
-            "fuse: max_tokens must be a positive integer, got 0",
-        ),
-        (
-            {"mesh": MESH, "allow_rounding_change": "yes"},
-            TypeError,
-            "fuse: allow_rounding_change must be True or False, got 'yes'",
-        ),
-        ({"workspace": object()}, TypeError, "fuse: workspace must come from"),
-        (
-            {"mesh": MESH, "backend": "nccl"},
-            ValueError,
-            "fuse: backend must be 'auto', 'trtllm' or 'xla', got 'nccl'",
-        ),
-        (
-            {"mesh": MESH, "use_oneshot": 1},
-            TypeError,
-            "fuse: use_oneshot must be None, True or False, got 1",
-        ),
-        ({"mesh": MESH, "strict": "on"}, TypeError, "fuse: strict must be None, True or False"),
-        (
-            {"mesh": MESH, "log_level": "INFO"},
-            TypeError,
-            "fuse: log_level must be a logging level (int), got 'INFO'",
-        ),
-    ],
+    "error, kwargs, message",
+    [(TypeError, *row) for row in TYPE_ERRORS] + [(ValueError, *row) for row in VALUE_ERRORS],
+    ids=[message for _, message in TYPE_ERRORS + VALUE_ERRORS],
 )
-def test_bad_arguments_are_refused_by_name(kwargs, error, message):
+def test_bad_arguments_are_refused_by_name(error, kwargs, message):
     with pytest.raises(error) as e:
         jf.fuse(lambda x: x, **kwargs)
-    assert message in str(e.value)
+    assert "fuse: " + message in str(e.value)
 
 
 @pytest.mark.oldest
 def test_a_jax_older_than_the_pass_needs_is_named(monkeypatch):
-    """The pass reads jaxprs through JAX 0.10's APIs: on an older JAX (the oldest lane runs
-    JAX 0.8.2; elsewhere the version is made to read 0.9.3) fuse refuses once its arguments
-    are checked, before any trace, naming the JAX it needs and the op that runs on the older
-    one, instead of failing inside a trace with an AttributeError."""
+    """The pass reads jaxprs through JAX 0.10's APIs: on an older JAX (the oldest lane's, or
+    0.9.3 faked) fuse refuses before any trace, naming what it needs, not an AttributeError."""
     if jax.__version_info__ >= (0, 10):
         monkeypatch.setattr(jax, "__version_info__", (0, 9, 3))
         monkeypatch.setattr(jax, "__version__", "0.9.3")
@@ -615,7 +535,10 @@ def test_a_jax_older_than_the_pass_needs_is_named(monkeypatch):
         jf.fuse(lambda x: x, mesh=MESH, max_tokens=0)  # the arguments are checked first
 
 
-def test_workspace_with_another_axis_is_refused(ws):
+def test_a_missing_or_mismatched_mesh_or_fn_is_refused(ws):
+    with pytest.raises(ValueError) as e:
+        jf.fuse(lambda x: x)
+    assert "fuse needs mesh= (and axis_name=) to create workspaces, or workspace=" in str(e.value)
     with pytest.raises(
         ValueError, match="fuse: axis_name 'dp' differs from the workspace's axis 'tp'"
     ):

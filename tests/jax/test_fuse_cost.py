@@ -4,13 +4,15 @@ passes see the same program, and sites of one signature share one trace of the c
 replaces them."""
 
 import time
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, PartitionSpec as P
 
 import jax_fusedar as jf
+from jax_fusedar import workspace
 from jax_fusedar.fusion import matching
 from jax_fusedar.ops import partitioning
 from tests.jax import cpu_helpers
@@ -23,9 +25,8 @@ T, H, F, LAYERS = 8, 64, 128, 3
 
 
 def decoder(x, w_up, w_down, g):
-    """Plain-jit MLP layers (up-projection sharded over its output, down-projection over its
-    input: the partitioner's all-reduce), the activation and a select in jitted helpers as
-    models write them."""
+    """Plain-jit MLP layers (the down-projection's partitioner all-reduce), the activation and
+    a select in jitted helpers as models write them."""
     h = rms_norm(x, g[0])
     for i in range(LAYERS):
         a = jax.jit(jax.nn.silu)(h @ w_up[i])
@@ -35,12 +36,12 @@ def decoder(x, w_up, w_down, g):
     return h
 
 
+def put(a, spec):
+    return cpu_helpers.put(MESH, spec, jnp.asarray(a, jnp.bfloat16))
+
+
 def operands():
     rng = np.random.default_rng(3)
-
-    def put(a, spec):
-        return jax.device_put(jnp.asarray(a, jnp.bfloat16), NamedSharding(MESH, spec))
-
     return (
         put(rng.standard_normal((T, H)), P()),
         put(rng.standard_normal((LAYERS, H, F)) / 8, P(None, None, "tp")),
@@ -50,21 +51,23 @@ def operands():
 
 
 def counting(monkeypatch, module, name):
-    calls = []
-    original = getattr(module, name)
-
-    def counted(*a, **k):
-        calls.append(1)
-        return original(*a, **k)
-
+    """``module.name`` wrapped to count its calls (``.call_count``)."""
+    counted = mock.Mock(wraps=getattr(module, name))
     monkeypatch.setattr(module, name, counted)
-    return calls
+    return counted
+
+
+def assert_within_a_bfloat16_unit(got, want):
+    """The fallback writes the site as the program does: the same value (roundings aside,
+    which are XLA's to order on this CPU: compared to one bfloat16 unit)."""
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.max(np.abs(a - b)) <= 2.0**-7 * np.max(np.abs(b))
 
 
 def test_each_site_is_matched_once_and_its_epilogue_traced_once(monkeypatch):
-    """The jitted helpers beside each site hold no part of one, so they are not opened and
-    the scope's second matching pass reuses the first's matches; the sites' epilogues (one
-    signature) are traced once and recorded for each."""
+    """The jitted helpers beside each site are not opened, the second matching pass reuses
+    the first's matches; the epilogues (one signature) are traced once."""
     matched = counting(monkeypatch, matching, "match_plain_dot")
     epilogues = counting(monkeypatch, partitioning, "row_parallel_without_kernel")
     args = operands()
@@ -72,12 +75,8 @@ def test_each_site_is_matched_once_and_its_epilogue_traced_once(monkeypatch):
     with jax.set_mesh(MESH):
         report = fused.analyze(*args)
         assert [s.fused for s in report.sites] == [True] * LAYERS, report.line()
-        assert (len(matched), len(epilogues)) == (LAYERS, 1)
-        got, want = jax.jit(fused)(*args), jax.jit(decoder)(*args)
-    # The fallback writes the site as the program does: the same value (roundings aside,
-    # which are XLA's to order on this CPU: compared to one bfloat16 unit).
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert np.max(np.abs(got - want)) <= 2.0**-7 * np.max(np.abs(want))
+        assert (matched.call_count, epilogues.call_count) == (LAYERS, 1)
+        assert_within_a_bfloat16_unit(jax.jit(fused)(*args), jax.jit(decoder)(*args))
 
 
 def checkpointed_decoder(x, w_up, w_down, w_o, g):
@@ -96,42 +95,27 @@ def checkpointed_decoder(x, w_up, w_down, w_o, g):
 
 
 def test_checkpointed_layers_rotated_are_planned_once(monkeypatch):
-    """Every site of the rotated calls fused, one of them across calls: rotating fuses more
-    than the calls as written could, which are then not planned to count theirs."""
+    """Rotating fuses more than the calls as written could, which are then not planned to
+    count theirs. Each rewritten call stands after the slice of the next layer's gamma."""
     matched = counting(monkeypatch, matching, "match_plain_dot")
     x, w_up, w_down, g = operands()
-    rng = np.random.default_rng(4)
-    w_o = jax.device_put(
-        jnp.asarray(rng.standard_normal((LAYERS, F, H)) / 8, jnp.bfloat16),
-        NamedSharding(MESH, P(None, "tp")),
-    )
-    g = jnp.concatenate([g, g, g[:1]])[: 2 * LAYERS + 1]
-    args = (x, w_up, w_down, w_o, g)
+    w_o = put(np.random.default_rng(4).standard_normal((LAYERS, F, H)) / 8, P(None, "tp"))
+    args = (x, w_up, w_down, w_o, jnp.concatenate([g, g, g[:1]])[: 2 * LAYERS + 1])
     fused = jf.fuse(checkpointed_decoder, mesh=MESH, axis_name="tp", backend="xla")
+    loss = lambda f: lambda *a: jnp.sum(f(*a).astype(jnp.float32) ** 2)
     with jax.set_mesh(MESH):
         report = fused.analyze(*args)
-        assert len(matched) == 2 * LAYERS
-        # The next layer's gamma is sliced after each call: each rewritten call stands
-        # after that slice. Values and gradients as the original's.
+        assert matched.call_count == 2 * LAYERS
         assert [s.fused for s in report.sites] == [True] * (2 * LAYERS), report.line()
         assert sum("across checkpoint calls" in (s.note or "") for s in report.sites) == LAYERS
-
-        def loss(f):
-            return lambda *a: jnp.sum(f(*a).astype(jnp.float32) ** 2)
-
         got = jax.jit(jax.value_and_grad(loss(fused), argnums=(0, 4)))(*args)
         want = jax.jit(jax.value_and_grad(loss(checkpointed_decoder), argnums=(0, 4)))(*args)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        assert np.max(np.abs(a - b)) <= 2.0**-7 * np.max(np.abs(b))
+    assert_within_a_bfloat16_unit(got, want)
 
 
 def test_the_workspaces_creation_is_timed_apart_from_the_analysis(monkeypatch):
-    """Creating a kernel workspace is a collective among the rank processes, as slow as the
-    slowest rank: the report keeps it out of ``analysis_s`` (``allocate_s``), and the whole
-    pass holds both. A creation made slow here shows where its time goes."""
-    from jax_fusedar import workspace
-
+    """Creating a kernel workspace is a collective, as slow as the slowest rank: the report
+    keeps it out of ``analysis_s`` (in ``allocate_s``); a creation made slow here shows it."""
     original = workspace.create_allreduce_fusion_workspace
 
     def slow(*a, **k):

@@ -3,11 +3,13 @@ workspace plan is a pure function of what the sites need, the allocation is the 
 with effects (and a workspace it cannot make leaves its sites unfused with the error), the
 rewrite reads the allocated workspaces (fusion/transform.py, fusion/workspaces.py)."""
 
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 import jax_fusedar as jf
 from jax_fusedar import workspace as workspace_module
@@ -17,6 +19,7 @@ from jax_fusedar.fusion.matching import Scope
 from jax_fusedar.fusion.report import Reject
 from jax_fusedar.fusion.scopes import Analyzer
 from tests.jax import cpu_helpers
+from tests.jax.cpu_helpers import put
 from tests.jax.fuse_checks import assert_equal_values, rms_norm
 
 cpu_helpers.require_host_devices()
@@ -37,21 +40,16 @@ MODEL = cpu_helpers.jit_shard_map(two_sites, MESH, (P("tp"), P("tp"), P(), P()),
 
 def args(seed=0):
     rng = np.random.default_rng(seed)
-
-    def a(*shape, spec=P()):
-        v = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
-        return jax.device_put(v, NamedSharding(MESH, spec))
-
+    a = lambda *shape, spec=P(): put(
+        MESH, spec, jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    )
     return a(8, 4, H, spec=P("tp")), a(8, 12, H, spec=P("tp")), a(12, H), a(H)
 
 
 @pytest.fixture
 def no_creation(monkeypatch):
     """Creating a workspace fails the test."""
-
-    def refuse(*a, **k):
-        raise AssertionError("a workspace was created")
-
+    refuse = mock.Mock(side_effect=AssertionError("a workspace was created"))
     monkeypatch.setattr(workspace_module, "create_allreduce_fusion_workspace", refuse)
 
 
@@ -120,9 +118,7 @@ def test_one_workspace_serves_the_sites_of_a_trace():
 
 
 def test_a_workspace_that_cannot_be_made_leaves_its_sites_unfused(monkeypatch):
-    def fail(*a, **k):
-        raise RuntimeError("cudaMalloc failed")
-
+    fail = mock.Mock(side_effect=RuntimeError("cudaMalloc failed"))
     monkeypatch.setattr(workspace_module, "create_allreduce_fusion_workspace", fail)
     fused = jf.fuse(MODEL, mesh=MESH, backend="xla")
     got = fused(*args())

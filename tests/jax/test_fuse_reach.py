@@ -10,26 +10,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, PartitionSpec as P
 
-from tests.jax import cpu_helpers, fuse_checks
-from tests.jax.cpu_helpers import mesh_2x4
-from tests.jax.fuse_checks import (
-    EPS,
-    F,
-    H,
-    T,
-    fuse_and_run,
-    linear_operands,
-    norm_after,
-    rms_norm,
-    row_parallel,
-)
+from tests.jax import cpu_helpers
+from tests.jax.cpu_helpers import mesh_2x4, put
+from tests.jax.fuse_checks import EPS, MESH, F, H, T, assert_close, fuse_and_run
+from tests.jax.fuse_checks import linear_operands, megatron_g, norm_after, one_scope, rms_norm
+from tests.jax.fuse_checks import row_parallel, scope_operands
+from tests.jax.fuse_checks import norm_after, one_scope, rms_norm, row_parallel, scope_operands
 import jax_fusedar as jf
 
 cpu_helpers.require_host_devices()
 
-f32 = jnp.float32
+f32, bf16 = jnp.float32, jnp.bfloat16
+ONE_SITE = "jax_fusedar.fuse: fused 1 of 1 all-reduce + residual + RMSNorm site(s)"
 
 
 def per_dp_shard(body, mesh, check_vma=True):
@@ -52,12 +46,17 @@ def run(fn, args, mesh, **kw):
 
 
 def close(a, b, ulps=4):
+    """Per leaf, within ``ulps`` eps of the first leaf's dtype (1e-6 in float32) of max |b|."""
     dtype = np.asarray(a[0]).dtype
-    eps = 1e-6 if dtype == np.float32 else float(jnp.finfo(dtype).eps)
-    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        u, v = np.asarray(u, np.float64), np.asarray(v, np.float64)
-        err = np.max(np.abs(u - v))
-        assert err <= ulps * eps * max(np.max(np.abs(v)), 1e-30), err / np.max(np.abs(v))
+    assert_close(a, b, ulps * (1e-6 if dtype == np.float32 else float(jnp.finfo(dtype).eps)))
+
+
+def run_close(fn, args, mesh, **kw):
+    """``run``, then outputs within 4 ulps of the original's and gradients within 8."""
+    rep, out, want, g_f, g_o = run(fn, args, mesh, **kw)
+    close(out, want)
+    close(g_f, g_o, ulps=8)
+    return rep, g_f
 
 
 # --- across the shard_map boundary ----------------------------------------------------------------
@@ -66,28 +65,24 @@ def close(a, b, ulps=4):
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
 def test_per_linear_shard_map_moves_the_add_and_the_norm_in(axis_type):
     mesh = mesh_2x4(axis_type)
-
-    rep, out, want, g_f, g_o = run(norm_after(row_parallel(mesh)), linear_operands(mesh), mesh)
-    assert rep.line() == "jax_fusedar.fuse: fused 1 of 1 all-reduce + residual + RMSNorm site(s)"
+    rep, _ = run_close(norm_after(row_parallel(mesh)), linear_operands(mesh), mesh)
+    assert rep.line() == ONE_SITE
     assert rep.sites[0].kind == "shard_map psum" and rep.sites[0].tokens == T // 2
-    close(out, want)
-    close(g_f, g_o, ulps=8)
 
 
 def test_a_residual_resharded_by_the_program_before_the_add():
     mesh = mesh_2x4(AxisType.Explicit)
-    x, w, res, g = linear_operands(mesh, res_spec=P("dp", "tp"))
+    args = linear_operands(mesh, res_spec=P("dp", "tp"))
 
     def model(x, w, res, g):
-        s = row_parallel(mesh)(x, w)
-        r = s + jax.sharding.reshard(res, P("dp"))
+        r = row_parallel(mesh)(x, w) + jax.sharding.reshard(res, P("dp"))
         return r, rms_norm(r, g)
 
     fused = jf.fuse(model, mesh=mesh, axis_name="tp", backend="xla")
     with jax.set_mesh(mesh):
-        fused(x, w, res, g)
+        fused(*args)
         assert fused.report.sites[0].fused  # the reshard is the residual's own eqn
-        text = str(jax.make_jaxpr(fused)(x, w, res, g))
+        text = str(jax.make_jaxpr(fused)(*args))
     assert "jax_fusedar_allreduce_fusion" in text and "psum" not in text
 
 
@@ -102,39 +97,29 @@ def _sp(norm_on_shard_gathered=True, gather=True):
             return r, jax.lax.all_gather(y, "tp", axis=0, tiled=True) if gather else y
         return r, rms_norm(jax.lax.all_gather(r, "tp", axis=0, tiled=True), g)
 
-    out_y = P("dp") if gather else P(("dp", "tp"))
     f = jax.shard_map(
         body,
         mesh=mesh,
         in_specs=(P("dp", "tp"), P("tp"), P(("dp", "tp")), P()),
-        out_specs=(P(("dp", "tp")), out_y),
+        out_specs=(P(("dp", "tp")), P("dp") if gather else P(("dp", "tp"))),
         check_vma=False,
     )
     x, w, _, g = linear_operands(mesh)
-    res = jax.device_put(
-        jnp.asarray(np.random.default_rng(2).standard_normal((T, H)), jnp.bfloat16),
-        NamedSharding(mesh, P(("dp", "tp"))),
-    )
-    return f, (x, w, res, g), mesh
-
-
-def _kernel_workspace(mesh, tokens=T // 2):
-    """A workspace of the kernel's backend, allocating nothing: what fuse meets on GPUs. On
-    CPU its calls run the reference, so the rewrite the GPUs would run is checked here."""
-    return jf.abstract_workspace(
-        mesh, "tp", max_token_num=tokens, hidden_dim=H, dtype=jnp.bfloat16, backend="trtllm"
-    )
+    res = jnp.asarray(np.random.default_rng(2).standard_normal((T, H)), bf16)
+    return f, (x, w, put(mesh, P(("dp", "tp")), res), g), mesh
 
 
 @pytest.mark.parametrize("on_shard", [True, False], ids=["norm_on_shard", "norm_after_gather"])
 def test_sequence_parallel_site_is_one_fused_all_reduce(on_shard):
+    """On a kernel workspace (allocating nothing: what fuse meets on GPUs; on CPU its calls run
+    the reference, so the rewrite the GPUs would run is checked here)."""
     f, args, mesh = _sp(norm_on_shard_gathered=on_shard)
-    ws = _kernel_workspace(mesh)
-    rep, out, want, g_f, g_o = run(f, args, mesh, workspace=ws)
+    ws = jf.abstract_workspace(
+        mesh, "tp", max_token_num=T // 2, hidden_dim=H, dtype=bf16, backend="trtllm"
+    )
+    rep, _ = run_close(f, args, mesh, workspace=ws)
     assert len(rep.fused) == 1 and rep.sites[0].kind == "reduce_scatter", rep.line()
     assert rep.sites[0].tokens == T // 2  # every token of the dp shard
-    close(out, want)
-    close(g_f, g_o, ulps=8)
     with jax.set_mesh(mesh):
         text = str(jax.make_jaxpr(jf.fuse(f, workspace=ws))(*args))
     assert "reduce_scatter" not in text and "jax_fusedar_allreduce_fusion" in text
@@ -142,9 +127,8 @@ def test_sequence_parallel_site_is_one_fused_all_reduce(on_shard):
 
 @pytest.mark.parametrize("on_shard", [True, False], ids=["norm_on_shard", "norm_after_gather"])
 def test_sequence_parallel_site_without_a_kernel_is_left_as_is(on_shard):
-    """On the xla backend the fused call would be the fallback's psum of every token plus a
-    gather of the residual: more than the reduce-scatter and all-gather of the original. The
-    site stays as written, so the program is the original."""
+    """On the xla backend the fused call would psum every token and gather the residual: more
+    than the original's reduce-scatter and all-gather. The program stays the original."""
     f, args, mesh = _sp(norm_on_shard_gathered=on_shard)
     rep, out, want, g_f, g_o = run(f, args, mesh)
     (site,) = rep.sites
@@ -179,13 +163,10 @@ def test_sequence_parallel_norm_left_on_the_shard_is_reported():
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_psum_in_a_custom_vjp_is_fused_and_its_backward_kept(check_vma):
     mesh = mesh_2x4()
-    g_op = fuse_checks.megatron_g(varying=check_vma)
-
+    g_op = megatron_g(varying=check_vma)
     f = per_dp_shard(norm_after(lambda x, w: g_op(x @ w)), mesh, check_vma=check_vma)
-    rep, out, want, g_f, g_o = run(f, linear_operands(mesh), mesh)
+    rep, g_f = run_close(f, linear_operands(mesh), mesh)
     assert len(rep.fused) == 1 and rep.sites[0].kind == "custom_vjp psum", rep.line()
-    close(out, want)
-    close(g_f, g_o, ulps=8)
     # Under check_vma=False the rule's identity differs from psum's own transpose (a
     # psum): the fused gradient is the rule's, not psum's.
     if not check_vma:
@@ -198,7 +179,6 @@ def test_psum_in_a_custom_vjp_is_fused_and_its_backward_kept(check_vma):
 
 def test_psum_in_a_custom_jvp_whose_rule_is_psums_own_is_fused():
     mesh = mesh_2x4()
-    g_op = fuse_checks.megatron_g("custom_jvp")
 
     @jax.custom_jvp
     def g_bad(v):
@@ -206,7 +186,7 @@ def test_psum_in_a_custom_jvp_whose_rule_is_psums_own_is_fused():
 
     g_bad.defjvp(lambda p, t: (g_bad(*p), 2 * jax.lax.psum(t[0], "tp")))
 
-    for op, fused_ in ((g_op, True), (g_bad, False)):
+    for op, fused_ in ((megatron_g("custom_jvp"), True), (g_bad, False)):
         body = norm_after(lambda x, w, op=op: op(x @ w))
         rep, out, want, g_f, g_o = run(per_dp_shard(body, mesh), linear_operands(mesh), mesh)
         assert rep.sites[0].fused == fused_, rep.line()
@@ -222,7 +202,7 @@ def test_float32_psum_cast_down_before_the_add_needs_the_flag():
     mesh = mesh_2x4()
 
     def f32_sum(x, w):
-        return jax.lax.psum(jnp.dot(x, w, preferred_element_type=f32), "tp").astype(jnp.bfloat16)
+        return jax.lax.psum(jnp.dot(x, w, preferred_element_type=f32), "tp").astype(bf16)
 
     f = per_dp_shard(norm_after(f32_sum), mesh)
     args = linear_operands(mesh)
@@ -232,26 +212,17 @@ def test_float32_psum_cast_down_before_the_add_needs_the_flag():
         "bfloat16 partials (pass allow_rounding_change=True to fuse it)"
     )
     rep, out, want, g_f, g_o = run(f, args, mesh, allow_rounding_change=True)
-    assert (
-        rep.sites[0].rounding_change
-        == "each rank's float32 partial sum rounded to bfloat16 before the sum"
-    )
+    change = rep.sites[0].rounding_change
+    assert change == "each rank's float32 partial sum rounded to bfloat16 before the sum"
     close(out, want, ulps=8)
 
 
 def test_psum_over_an_axis_tuple_whose_other_axes_have_size_one():
     mesh = jax.make_mesh((1, 8), ("z", "tp"), axis_types=(AxisType.Auto,) * 2)
     rng = np.random.default_rng(0)
-    x = jax.device_put(
-        jnp.asarray(rng.standard_normal((T, F)), jnp.bfloat16),
-        NamedSharding(mesh, P(None, ("z", "tp"))),
-    )
-    w = jax.device_put(
-        jnp.asarray(rng.standard_normal((F, H)) / 8, jnp.bfloat16),
-        NamedSharding(mesh, P(("z", "tp"))),
-    )
-    res = jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16)
-    g = jnp.ones((H,), jnp.bfloat16)
+    x = put(mesh, P(None, ("z", "tp")), jnp.asarray(rng.standard_normal((T, F)), bf16))
+    w = put(mesh, P(("z", "tp")), jnp.asarray(rng.standard_normal((F, H)) / 8, bf16))
+    args = (x, w, jnp.asarray(rng.standard_normal((T, H)), bf16), jnp.ones((H,), bf16))
     for axes in (("z", "tp"), ("tp", "z")):
         f = jax.shard_map(
             norm_after(lambda x, w, axes=axes: jax.lax.psum(x @ w, axes)),
@@ -259,12 +230,9 @@ def test_psum_over_an_axis_tuple_whose_other_axes_have_size_one():
             in_specs=(P(None, ("z", "tp")), P(("z", "tp")), P(), P()),
             out_specs=(P(), P()),
         )
-        rep, out, want, g_f, g_o = run(f, (x, w, res, g), mesh)
+        rep, _ = run_close(f, args, mesh)
         assert rep.sites[0].fused, rep.line()
-        close(out, want)
-        close(g_f, g_o, ulps=8)
     mesh2 = mesh_2x4()
-
     f = jax.shard_map(
         norm_after(lambda x, w: jax.lax.psum(x @ w, ("dp", "tp"))),
         mesh=mesh2,
@@ -272,12 +240,8 @@ def test_psum_over_an_axis_tuple_whose_other_axes_have_size_one():
         out_specs=(P(), P()),
     )
     fused = jf.fuse(f, mesh=mesh2, axis_name="tp", backend="xla")
-    fused.analyze(
-        jax.ShapeDtypeStruct((T, F), jnp.bfloat16),
-        jax.ShapeDtypeStruct((F, H), jnp.bfloat16),
-        jax.ShapeDtypeStruct((T, H), jnp.bfloat16),
-        jax.ShapeDtypeStruct((H,), f32),
-    )
+    shapes = (((T, F), bf16), ((F, H), bf16), ((T, H), bf16), ((H,), f32))
+    fused.analyze(*(jax.ShapeDtypeStruct(s, d) for s, d in shapes))
     assert fused.report.sites[0].reason == (
         "all-reduce over ('dp', 'tp'): the fused op reduces over one mesh axis ('tp') and "
         "['dp'] have size > 1"
@@ -287,33 +251,30 @@ def test_psum_over_an_axis_tuple_whose_other_axes_have_size_one():
 # --- precision: forms that once changed results silently ------------------------------------------
 
 
-def _one_site(body, *, shape=(T, H), extra=(), allow=False):
-    mesh = jax.make_mesh((8,), ("tp",))
-    args = fuse_checks.scope_operands(shape=shape, seed=4) + tuple(extra)
-    f = cpu_helpers.jit_shard_map(body, mesh, (P("tp"),) + (P(),) * (len(args) - 1), P())
-    fused = jf.fuse(f, mesh=mesh, backend="xla", allow_rounding_change=allow)
+def _one_site(body, *, shape=(T, H), extra=()):
+    args = scope_operands(shape=shape, seed=4) + tuple(extra)
+    f = cpu_helpers.jit_shard_map(body, MESH, (P("tp"),) + (P(),) * (len(args) - 1), P())
+    fused = jf.fuse(f, mesh=MESH, backend="xla")
     out = fused(*args)
     return fused.report, out, f(*args)
 
 
 def test_constants_around_the_mean_are_accounted_for():
-    def plus_one(x, res, g):  # rsqrt((sum + 1) / H) is RMSNorm with eps = 1/H
-        r = jax.lax.psum(x[0], "tp") + res
+    def plus_one(r, g):  # rsqrt((sum + 1) / H) is RMSNorm with eps = 1/H
         f = r.astype(f32)
         y = f * jax.lax.rsqrt((jnp.sum(f * f, -1, keepdims=True) + 1.0) / H)
-        return r, (y * g.astype(f32)).astype(r.dtype)
+        return (y * g.astype(f32)).astype(r.dtype)
 
-    rep, out, want = _one_site(plus_one)
+    rep, out, want = _one_site(one_scope(plus_one))
     assert rep.sites[0].fused and rep.sites[0].rms_eps == pytest.approx(1 / H)
     close(out, want, ulps=2)
 
-    def times_two(x, res, g):  # rsqrt(sum * 2 / H + eps): not RMSNorm
-        r = jax.lax.psum(x[0], "tp") + res
+    def times_two(r, g):  # rsqrt(sum * 2 / H + eps): not RMSNorm
         f = r.astype(f32)
         y = f * jax.lax.rsqrt(jnp.sum(f * f, -1, keepdims=True) * 2.0 / H + EPS)
-        return r, (y * g.astype(f32)).astype(r.dtype)
+        return (y * g.astype(f32)).astype(r.dtype)
 
-    rep, out, want = _one_site(times_two)
+    rep, out, want = _one_site(one_scope(times_two))
     assert rep.sites[0].reason == "the mean divides by 32, not the hidden size 64"
     np.testing.assert_array_equal(np.asarray(out[1], f32), np.asarray(want[1], f32))
 
@@ -325,7 +286,7 @@ def test_a_per_token_scale_is_not_taken_for_gamma_when_tokens_equal_hidden():
         n = f * jax.lax.rsqrt(jnp.mean(f * f, -1, keepdims=True) + EPS)
         return r, (n * s[:, None].astype(f32)).astype(r.dtype)
 
-    s = jnp.linspace(0.5, 2.0, H).astype(jnp.bfloat16)
+    s = jnp.linspace(0.5, 2.0, H).astype(bf16)
     rep, out, want = _one_site(per_token, shape=(H, H), extra=(s,))
     assert not rep.sites[0].fused
     assert rep.sites[0].reason.startswith("a per-token factor of shape (64,)"), rep.sites[0]
@@ -336,13 +297,12 @@ def test_a_per_token_scale_is_not_taken_for_gamma_when_tokens_equal_hidden():
     "tokens, axis, kind", [(H, 0, "per-channel"), (T, None, "per-tensor"), (T, -1, None)]
 )
 def test_the_fp8_amax_axis_decides_the_tail(tokens, axis, kind):
-    def body(x, res, g):
-        r = jax.lax.psum(x[0], "tp") + res
-        y32 = rms_norm(r, g).astype(f32)
+    def tail(r, y):
+        y32 = y.astype(f32)
         s = jnp.maximum(jnp.max(jnp.abs(y32), axis=axis, keepdims=True) / 448, 1 / (512 * 448))
         return r, jnp.clip(y32 / s, -448, 448).astype(jnp.float8_e4m3fn).astype(f32), s
 
-    rep, out, want = _one_site(body, shape=(tokens, H))
+    rep, out, want = _one_site(one_scope(rms_norm, tail), shape=(tokens, H))
     site = rep.sites[0]
     assert site.fused
     if kind is None:
@@ -371,25 +331,11 @@ def test_custom_rules_beside_the_norm_and_at_unfused_sites_are_kept():
         lambda r, g: (rms_norm(r, g), (r, g)),
         lambda res, ct: tuple(0.5 * v for v in jax.vjp(rms_norm, *res)[1](ct)),
     )
-
-    def beside(x, res, g):
-        r = jax.lax.psum(x[0], "tp") + res
-        return r, rms_norm(r, g), no_grad(r) * 3
-
-    def rule_on_norm(x, res, g):
-        r = jax.lax.psum(x[0], "tp") + res
-        return r, half_grad_norm(r, g)
-
-    mesh = jax.make_mesh((8,), ("tp",))
-    rng = np.random.default_rng(5)
-    x = jax.device_put(
-        jnp.asarray(rng.standard_normal((8, T, H)), f32), NamedSharding(mesh, P("tp"))
-    )
-    res = jnp.asarray(rng.standard_normal((T, H)), f32)
-    g = jnp.asarray(1 + 0.1 * rng.standard_normal(H), f32)
-    for body, fused_, n_out in ((beside, True, 3), (rule_on_norm, False, 2)):
-        f = cpu_helpers.jit_shard_map(body, mesh, (P("tp"), P(), P()), (P(),) * n_out)
-        rep, out, want, g_f, g_o = run(f, (x, res, g), mesh)
+    beside = one_scope(rms_norm, lambda r, y: (r, y, no_grad(r) * 3))
+    args = scope_operands("float32", shape=(T, H), seed=5)
+    for body, fused_, n_out in ((beside, True, 3), (one_scope(half_grad_norm), False, 2)):
+        f = cpu_helpers.jit_shard_map(body, MESH, (P("tp"), P(), P()), (P(),) * n_out)
+        rep, out, want, g_f, g_o = run(f, args, MESH)
         assert rep.sites[0].fused == fused_, rep.line()
         for a, b in zip(g_f, g_o):  # the rules' gradients, not the plain derivative
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
@@ -398,8 +344,7 @@ def test_custom_rules_beside_the_norm_and_at_unfused_sites_are_kept():
 
 
 def test_plain_jit_program_without_sites_says_what_to_do():
-    mesh = mesh_2x4()
-    fused = jf.fuse(lambda a, b: a @ b + 1, mesh=mesh, axis_name="tp", backend="xla")
+    fused = jf.fuse(lambda a, b: a @ b + 1, mesh=mesh_2x4(), axis_name="tp", backend="xla")
     rep = fused.analyze(jax.ShapeDtypeStruct((T, F), f32), jax.ShapeDtypeStruct((F, H), f32))
     assert rep.line().startswith(
         "jax_fusedar.fuse: fused 0 of 0 all-reduce + residual + RMSNorm site(s): no all-reduce"
@@ -414,40 +359,25 @@ def test_plain_jit_size_one_axes_and_float32_gamma(axis_type):
     rounding change: fused with the flag, the kernel reading it in bfloat16)."""
     mesh = jax.make_mesh((8, 1), ("tp", "z"), axis_types=(axis_type,) * 2)
     rng = np.random.default_rng(6)
-    h = jax.device_put(
-        jnp.asarray(rng.standard_normal((2, 4, F)), jnp.bfloat16),
-        NamedSharding(mesh, P(None, None, ("tp", "z"))),
-    )
-    w = jax.device_put(
-        jnp.asarray(rng.standard_normal((F, H)) / 8, jnp.bfloat16),
-        NamedSharding(mesh, P(("tp", "z"))),
-    )
-    res = jnp.asarray(rng.standard_normal((2, 4, H)), jnp.bfloat16)
+    h = put(mesh, P(None, None, ("tp", "z")), jnp.asarray(rng.standard_normal((2, 4, F)), bf16))
+    w = put(mesh, P(("tp", "z")), jnp.asarray(rng.standard_normal((F, H)) / 8, bf16))
+    res = jnp.asarray(rng.standard_normal((2, 4, H)), bf16)
     g = jnp.asarray(1 + 0.1 * rng.standard_normal(H), f32)
-    explicit = axis_type == AxisType.Explicit
-
-    model = norm_after(
-        lambda h, w: jnp.einsum("btf,fd->btd", h, w, out_sharding=P() if explicit else None)
-    )
-
+    spec = P() if axis_type == AxisType.Explicit else None
+    model = norm_after(lambda h, w: jnp.einsum("btf,fd->btd", h, w, out_sharding=spec))
     rep, out, want, g_f, g_o = run(model, (h, w, res, g), mesh, allow_rounding_change=True)
     assert rep.sites[0].fused and rep.sites[0].rounding_change == "gamma rounded to bfloat16"
     close(out, want, ulps=4)
     ws = jf.create_allreduce_fusion_workspace(
-        mesh, "tp", max_token_num=8, hidden_dim=H, dtype=jnp.bfloat16, backend="xla"
+        mesh, "tp", max_token_num=8, hidden_dim=H, dtype=bf16, backend="xla"
     )
     # The entry itself, without the flag's help: the size-1 axis is no second reduction
     # axis (the workspace serves it: no fallback, so strict mode is fine).
+    kw = dict(workspace=ws, strict=True, contracting_dims=((2,), (0,)))
     with jax.set_mesh(mesh):
         direct = jax.jit(
             lambda *a: jf.row_parallel_allreduce_fusion(
-                a[0],
-                a[1],
-                residual=a[2],
-                rms_gamma=a[3],
-                workspace=ws,
-                strict=True,
-                contracting_dims=((2,), (0,)),
+                a[0], a[1], residual=a[2], rms_gamma=a[3], **kw
             )
         )(h, w, res, g)
     close((direct.residual_out, direct.norm_out), want, ulps=4)
@@ -457,12 +387,8 @@ def test_plain_jit_size_one_axes_and_float32_gamma(axis_type):
 def test_two_contracted_dims_in_the_entry():
     mesh = mesh_2x4()
     rng = np.random.default_rng(7)
-    a = jax.device_put(
-        jnp.asarray(rng.standard_normal((2, 8, 4, 16)), f32), NamedSharding(mesh, P("dp", "tp"))
-    )
-    wo = jax.device_put(
-        jnp.asarray(rng.standard_normal((8, 16, H)) / 8, f32), NamedSharding(mesh, P("tp"))
-    )
+    a = put(mesh, P("dp", "tp"), jnp.asarray(rng.standard_normal((2, 8, 4, 16)), f32))
+    wo = put(mesh, P("tp"), jnp.asarray(rng.standard_normal((8, 16, H)) / 8, f32))
     res = jnp.asarray(rng.standard_normal((2, 4, H)), f32)
     g = jnp.asarray(1 + 0.1 * rng.standard_normal(H), f32)
     out = jax.jit(
@@ -470,9 +396,8 @@ def test_two_contracted_dims_in_the_entry():
             a[0], a[1], residual=a[2], rms_gamma=a[3], contracting_dims=((1, 3), (0, 1))
         )
     )(a, wo, res, g)
-    r = np.einsum(
-        "bhtq,hqd->btd", np.asarray(a, np.float64), np.asarray(wo, np.float64)
-    ) + np.asarray(res, np.float64)
+    a64, wo64, res64 = (np.asarray(v, np.float64) for v in (a, wo, res))
+    r = np.einsum("bhtq,hqd->btd", a64, wo64) + res64
     y = r / np.sqrt(np.mean(r * r, -1, keepdims=True) + EPS) * np.asarray(g, np.float64)
     np.testing.assert_allclose(np.asarray(out.residual_out), r, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(out.norm_out), y, rtol=1e-5, atol=1e-5)
@@ -498,11 +423,8 @@ def test_probe_validation_catches_a_proof_that_misreads_the_equations():
         ).astype(r.dtype)
 
     for shape in ((T, H), (H, H), (2, 3, H)):
-        jaxpr = jax.make_jaxpr(site)(
-            jnp.ones(shape, jnp.bfloat16), jnp.ones((H,), jnp.bfloat16)
-        ).jaxpr
-        g = graph.Graph(jaxpr)
-        r = jaxpr.invars[0]
+        jaxpr = jax.make_jaxpr(site)(jnp.ones(shape, bf16), jnp.ones((H,), bf16)).jaxpr
+        g, r = graph.Graph(jaxpr), jaxpr.invars[0]
         proof = norm_proof.prove_rms_norm(g, r, allow=False)
         assert proof.weight_bias == 1.0 and proof.eps == pytest.approx(EPS)
         validation.check(g, proof, r)  # the right formula passes

@@ -10,12 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
+from jax.sharding import PartitionSpec as P
 
 from tests.jax import cpu_helpers
 from tests.jax.fuse_checks import assert_bit_equal, compiled, rms_norm
 from tests.models import annotated_llama, scanned_llama
 from tests.models.common import Config, activations
 import jax_fusedar as jf
+from jax_fusedar.fusion.chain import GAMMA_AFTER_USE
 
 cpu_helpers.require_host_devices()
 
@@ -46,16 +48,50 @@ def fused_and_checked(module, **kw):
     return fused, (mesh, params, x, fwd)
 
 
+def saved_beyond(capsys, mesh, fused, fwd, params, x):
+    """The types of the values jax.grad of the fused program saves for the backward pass
+    beyond what the original saves, after checking that it saves all the original does."""
+
+    def saved_types(fn):
+        capsys.readouterr()
+        print_saved_residuals(jax.jit(fn), params, x)
+        return sorted(line.split()[0] for line in capsys.readouterr().out.splitlines())
+
+    with jax.set_mesh(mesh):
+        got, want = saved_types(fused), saved_types(fwd)
+    extra = list(got)
+    for t in want:
+        assert t in extra, (t, got, want)
+        extra.remove(t)
+    return extra
+
+
 @pytest.mark.parametrize("remat", [False, True], ids=["plain", "checkpointed"])
 @pytest.mark.parametrize("layout", ["plain_jit", "shard_map"])
-def test_the_scanned_decoder_is_rotated_and_every_add_fused(layout, remat):
-    fused, _ = fused_and_checked(scanned_llama, layout=layout, remat=remat)
+def test_the_scanned_decoder_is_rotated_and_every_add_fused(layout, remat, capsys):
+    """Checkpointed (MaxText's nn.scan(nn.remat)), the rotated iteration keeps the original's
+    derivative, so it saves what the original saves (plus the next layer's gamma slice)."""
+    fused, (mesh, params, x, fwd) = fused_and_checked(scanned_llama, layout=layout, remat=remat)
     rep = fused.report
     assert len(rep.fused) == 2 == len(rep.sites), rep.line()
     # Each layer's two adds, the last with the final norm: 2 * layers fused calls per run.
     assert rep.fused_runs() == 2 * CFG.layers, rep.line()
     rotated = [s for s in rep.fused if s.note and "across scan iterations" in s.note]
     assert len(rotated) == 1 and "the final norm after the loop" in rotated[0].note
+    if remat:
+        extra = saved_beyond(capsys, mesh, fused, fwd, params, x)
+        # The shifted gamma stack: [layers, hidden] (under shard_map, one per device: a
+        # residual of the shard_map is laid out over all of them, [devices * layers, hidden]).
+        stacks = (f"bf16[{CFG.layers},{CFG.hidden}]", f"bf16[{8 * CFG.layers},{CFG.hidden}]")
+        assert extra == [] or (len(extra) == 1 and extra[0] in stacks), extra
+    elif layout == "shard_map":
+        # The first layer's norm is peeled before the loop; inside it every residual add is
+        # the fused op's (no psum left in the plain-math form: the plain-jit entry's own).
+        with jax.set_mesh(mesh):
+            text = str(jax.make_jaxpr(fused)(params, x))
+        body = text[text.index("scan[") :]
+        assert body.count("jax_fusedar_allreduce_fusion") == 2, body
+        assert "psum" not in body.split("jax_fusedar_allreduce_fusion")[0].split("scan[")[-1]
 
 
 def test_without_a_final_norm_the_last_add_has_no_site():
@@ -66,59 +102,10 @@ def test_without_a_final_norm_the_last_add_has_no_site():
     assert rotated.runs == CFG.layers - 1 and "its fused norm is unused" in rotated.note
 
 
-def test_the_rotated_program_has_one_norm_before_the_loop():
-    """The first layer's norm is peeled before the loop; inside it every residual add is the
-    fused op's (no psum left in the plain-math form: the plain-jit entry's own)."""
-    fused, (mesh, params, x, fwd) = fused_and_checked(scanned_llama, layout="shard_map")
-    with jax.set_mesh(mesh):
-        text = str(jax.make_jaxpr(fused)(params, x))
-    body = text[text.index("scan[") :]
-    assert body.count("jax_fusedar_allreduce_fusion") == 2, body
-    assert "psum" not in body.split("jax_fusedar_allreduce_fusion")[0].split("scan[")[-1]
-
-
-def saved_types(capsys, fn, *args):
-    """The types of the values ``jax.grad`` of ``fn`` saves for its backward pass."""
-    capsys.readouterr()
-    print_saved_residuals(fn, *args)
-    return sorted(line.split()[0] for line in capsys.readouterr().out.splitlines())
-
-
-def saved_beyond(capsys, mesh, fused, fwd, params, x):
-    """The types the fused program saves for the backward pass beyond what the original
-    saves, after checking that it saves everything the original does."""
-    with jax.set_mesh(mesh):
-        got = saved_types(capsys, jax.jit(fused), params, x)
-        want = saved_types(capsys, jax.jit(fwd), params, x)
-    extra = list(got)
-    for t in want:
-        assert t in extra, (t, got, want)
-        extra.remove(t)
-    return extra
-
-
-@pytest.mark.parametrize("layout", ["plain_jit", "shard_map"])
-def test_a_rotated_checkpointed_layer_saves_and_recomputes_as_written(layout, capsys):
-    """A scan over a checkpointed layer (MaxText's scan_layers, nn.scan(nn.remat)): the
-    rotated iteration keeps the original's derivative (the layer's checkpoint and the next
-    norm, linearized at the same inputs), so it saves what the original saves, its inputs
-    (plus the next layer's gamma, a [hidden] slice, for the norm moved into it), and the
-    gradients are the original's bit for bit (fused_and_checked)."""
-    fused, (mesh, params, x, fwd) = fused_and_checked(scanned_llama, layout=layout, remat=True)
-    extra = saved_beyond(capsys, mesh, fused, fwd, params, x)
-    # The shifted gamma stack: [layers, hidden] (under shard_map, one per device: a
-    # residual of the shard_map is laid out over all of them, [devices * layers, hidden]).
-    stacks = (f"bf16[{CFG.layers},{CFG.hidden}]", f"bf16[{8 * CFG.layers},{CFG.hidden}]")
-    assert extra == [] or (len(extra) == 1 and extra[0] in stacks), extra
-
-
 def test_checkpointed_layers_one_after_another_save_and_recompute_as_written(capsys):
-    """Checkpointed layers in a Python loop (MaxText's scan_layers=False): the add closing
-    each layer's call and the norm opening the next one's (or the final norm) are one site
-    (fusion/chain.py), each rewritten call keeping the original call's derivative. Every
-    site fuses; the program saves for the backward pass what the original saves (the calls'
-    inputs, the final norm's intermediates) plus the final norm's gamma, which its call now
-    reads; gradients are the original's bit for bit (fused_and_checked)."""
+    """Checkpointed layers in a loop (scan_layers=False): each call's add and the next norm are
+    one site (fusion/chain.py); the rewritten calls (custom_jvp's) keep the original's
+    derivatives and save what it saves, plus the final norm's gamma their last call reads."""
     fused, (mesh, params, x, fwd) = fused_and_checked(annotated_llama, remat=True)
     rep = fused.report
     assert len(rep.fused) == len(rep.sites) == 2 * CFG.layers, rep.line()
@@ -126,30 +113,17 @@ def test_checkpointed_layers_one_after_another_save_and_recompute_as_written(cap
     assert len(across) == CFG.layers, rep.sites
     extra = saved_beyond(capsys, mesh, fused, fwd, params, x)
     assert extra in ([], [f"bf16[{CFG.hidden}]"]), extra
-
-
-def test_a_rotated_chain_has_forward_mode_derivatives():
-    """The rewritten checkpoint calls are custom_jvp's: jax.jvp of the fused program is the
-    original's (its tangents are the original calls' own)."""
-    mesh, params, x, fwd = setup(annotated_llama, remat=True)
-    fused = jf.fuse(fwd, mesh=mesh, axis_name="tp", backend="xla")
     with jax.set_mesh(mesh):
-        dx = jnp.ones_like(x)
-        dp = jax.tree.map(jnp.zeros_like, params)
-
-        def tangent(fn):
-            return compiled(lambda p, x: jax.jvp(fn, (p, x), (dp, dx)))(params, x)
-
+        dx, dp = jnp.ones_like(x), jax.tree.map(jnp.zeros_like, params)
+        tangent = lambda fn: compiled(lambda p, x: jax.jvp(fn, (p, x), (dp, dx)))(params, x)
         assert_bit_equal(tangent(fused), tangent(fwd))
     assert fused.report.fused
 
 
 @pytest.mark.parametrize("saving", [False, True], ids=["default_policy", "saving_policy"])
 def test_checkpoints_with_a_saving_policy_are_not_crossed(saving):
-    """Layers checkpointed one by one, each normalizing its input first: with the default
-    policy the add closing each call and the next norm are one site; a policy that saves
-    named values is never crossed (the moved norm would change what it saves): the program
-    stays as written."""
+    """The add closing a checkpointed call and the next norm are one site, unless the policy
+    saves named values (the moved norm would change what it saves)."""
     mesh, params, x, _ = setup(annotated_llama, remat=False)
 
     def layer(p, v):
@@ -175,14 +149,8 @@ def test_checkpoints_with_a_saving_policy_are_not_crossed(saving):
 
 
 def test_a_call_whose_next_gamma_reads_its_outputs_says_why_it_is_not_joined():
-    """Layers checkpointed one by one in shard_map where the next layer's gamma is computed
-    from the previous call's outputs (after it): that call cannot be rewritten to compute
-    the next norm, and its site says so (not "no RMSNorm in the same scope"); the last
-    call, whose final norm's gamma is at hand, is joined with it. Values are unchanged."""
-    from jax.sharding import PartitionSpec as P
-
-    from jax_fusedar.fusion.chain import GAMMA_AFTER_USE
-
+    """A next gamma computed from the previous call's outputs: that call cannot compute the
+    next norm, and its site says so; the last call (final gamma at hand) is joined."""
     mesh, layers, hidden = cpu_helpers.tp_mesh(), 3, 64
     rng = np.random.default_rng(5)
     ws = jnp.asarray(rng.standard_normal((layers, 8, hidden, hidden)) / 8, jnp.bfloat16)

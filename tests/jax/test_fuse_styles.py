@@ -39,25 +39,12 @@ def _setup(style):
 
 
 def _kernel_workspace(style, mesh):
-    """An abstract workspace of the kernel's backend for ``style``'s model on ``mesh``."""
+    """An abstract workspace of the kernel's backend for ``style``'s model on ``mesh``: what
+    fuse meets on GPUs (on CPU its calls run the reference)."""
+    dtype = jnp.dtype(style.dtype)
     return jf.abstract_workspace(
-        mesh,
-        "tp",
-        max_token_num=CFG.tokens,
-        hidden_dim=CFG.hidden,
-        dtype=jnp.dtype(style.dtype),
-        backend="trtllm",
+        mesh, "tp", max_token_num=CFG.tokens, hidden_dim=CFG.hidden, dtype=dtype, backend="trtllm"
     )
-
-
-def _fuse_target(style, mesh):
-    """Where a style is fused: the xla backend (each fused call runs the original's psum),
-    but for sequence parallelism, whose rewrite costs more than the original without the
-    kernel (left as is there, tests/jax/test_fuse_reach.py): an abstract kernel workspace,
-    as on GPUs, whose calls run the reference on CPU."""
-    if style.kind == REDUCE_SCATTER:
-        return dict(workspace=_kernel_workspace(style, mesh))
-    return dict(mesh=mesh, axis_name="tp", backend="xla")
 
 
 # The quick lane (./dev test --quick, under 2 minutes on 2 cores) keeps two styles, one
@@ -74,13 +61,15 @@ QUICK_STYLES = {"gemma_sandwich", "hf_flax_llama"}
     ],
 )
 def test_style_is_fused_within_the_bound(style):
+    """On the xla backend, but sequence parallelism (left as is without a kernel:
+    test_fuse_reach.py) on a kernel workspace, as on GPUs."""
     mesh, params, x, forward = _setup(style)
     with jax.set_mesh(mesh):
-        fused = jf.fuse(
-            forward,
-            **_fuse_target(style, mesh),
-            allow_rounding_change=style.allow_rounding_change,
-        )
+        if style.kind == REDUCE_SCATTER:
+            target = dict(workspace=_kernel_workspace(style, mesh))
+        else:
+            target = dict(mesh=mesh, axis_name="tp", backend="xla")
+        fused = jf.fuse(forward, **target, allow_rounding_change=style.allow_rounding_change)
         out = fused(params, x)
         want = jax.jit(forward)(params, x)
     rep = fused.report
@@ -101,10 +90,7 @@ def test_style_is_fused_within_the_bound(style):
     if not style.grad_check:
         return
     ct = jnp.asarray(np.random.default_rng(3).standard_normal(want.shape), jnp.float32)
-
-    def loss(fn):
-        return lambda p, x: jnp.sum(fn(p, x).astype(jnp.float32) * ct)
-
+    loss = lambda fn: lambda p, x: jnp.sum(fn(p, x).astype(jnp.float32) * ct)
     with jax.set_mesh(mesh):
         g_fused = jax.jit(jax.grad(loss(fused), argnums=(0, 1)))(params, x)
         g_want = jax.jit(jax.grad(loss(forward), argnums=(0, 1)))(params, x)
