@@ -1,68 +1,53 @@
-"""``python -m jax_fusedar``: bad arguments give a one-line message (exit 2), before anything
-runs: an unusable --out folder (demo --bench), --seed out of range; ``bench`` says where the
-benchmarks are (tests/benchmarks/ checks theirs)."""
+"""``python -m jax_fusedar``: bad arguments give a one-line message (exit 2) before anything
+runs; ``bench`` says where the benchmarks are (tests/benchmarks/ checks theirs)."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 
-from tests.cli.test_cli import run_cli
+from tests.cli.test_cli import refused, run_cli
 from tests.repo import REPO
 
-BENCH = ("demo", "--bench")  # the command that writes results (bench_llama.json)
-
-
-def _refused(r, message):
-    assert r.returncode == 2, r.stdout + r.stderr
-    assert message in r.stderr, r.stderr
-    assert "Traceback" not in r.stderr and r.stdout == "", r.stdout + r.stderr
+BENCH = "demo --bench --out "  # the command that writes results (bench_llama.json)
+PROC = "/proc/forbidden"
+IS_A_FILE = "--out {t}/results: {t}/results exists and is not a folder"
+RESULT_DIR = "{t}/bench_llama.json is a folder, so bench_llama.json cannot be written there"
 
 
 @pytest.mark.slow
-def test_out_that_is_a_file(tmp_path):
-    f = tmp_path / "results"
-    f.write_text("not a folder")
-    r = run_cli(*BENCH, "--out", f)
-    _refused(r, f"--out {f}: {f} exists and is not a folder")
-
-
-@pytest.mark.slow
-def test_out_that_cannot_be_created():
-    r = run_cli(*BENCH, "--out", "/proc/forbidden")
-    _refused(r, "--out /proc/forbidden: cannot create the folder /proc/forbidden:")
-
-
-@pytest.mark.slow
-def test_out_whose_result_file_is_a_folder(tmp_path):
-    """Checked before the first case: the bench would otherwise time every case and then
-    lose the results to IsADirectoryError."""
-    name = "bench_llama.json"
-    (tmp_path / name).mkdir()
-    r = run_cli(*BENCH, "--out", tmp_path)
-    _refused(r, f"{tmp_path / name} is a folder, so {name} cannot be written there")
+@pytest.mark.parametrize(
+    "prepare, argv, message",
+    [
+        ("file", BENCH + "{t}/results", IS_A_FILE),
+        (None, BENCH + PROC, f"--out {PROC}: cannot create the folder {PROC}:"),
+        # Checked before the first case: the bench would otherwise time every case and then
+        # lose the results to IsADirectoryError.
+        ("folder", BENCH + "{t}", RESULT_DIR),
+        (None, "demo --seed -1", "argument --seed: -1 is not in [0, 2**32)"),
+        (None, f"demo --seed {2**32}", f"argument --seed: {2**32} is not in [0, 2**32)"),
+        (None, "demo --seed x", "argument --seed: 'x' is not an integer"),
+    ],
+    ids=["out_is_a_file", "out_cannot_be_created", "result_file_is_a_folder"]
+    + ["seed_-1", "seed_2**32", "seed_x"],
+)
+def test_bad_values_name_the_flag(tmp_path, prepare, argv, message):
+    if prepare == "file":
+        (tmp_path / "results").write_text("not a folder")
+    elif prepare == "folder":
+        (tmp_path / "bench_llama.json").mkdir()
+    refused(run_cli(*argv.format(t=tmp_path).split()), message.format(t=tmp_path))
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes in read-only folders")
 def test_out_that_is_not_writable(tmp_path):
     tmp_path.chmod(0o500)
     try:
-        r = run_cli(*BENCH, "--out", tmp_path)
+        r = run_cli(*BENCH.split(), tmp_path)
     finally:
         tmp_path.chmod(0o700)
-    _refused(r, f"cannot write in the folder {tmp_path}")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "argv,message",
-    [
-        (["demo", "--seed", "-1"], "argument --seed: -1 is not in [0, 2**32)"),
-        (["demo", "--seed", str(2**32)], f"argument --seed: {2**32} is not in [0, 2**32)"),
-        (["demo", "--seed", "x"], "argument --seed: 'x' is not an integer"),
-    ],
-)
-def test_bad_values_name_the_flag(argv, message):
-    _refused(run_cli(*argv), message)
+    refused(r, f"cannot write in the folder {tmp_path}")
 
 
 def test_bench_says_where_the_benchmarks_are(capsys):
@@ -79,8 +64,7 @@ def test_bench_says_where_the_benchmarks_are(capsys):
 def test_seed_zero_and_a_fresh_out_folder_are_fine(tmp_path):
     from jax_fusedar.cli.main import build_parser, check_out_dir
 
-    parser, _ = build_parser()
-    assert parser.parse_args(["demo", "--seed", "0"]).seed == 0
+    assert build_parser()[0].parse_args(["demo", "--seed", "0"]).seed == 0
     out = tmp_path / "a" / "b"
     assert check_out_dir(out, ("bench.json",)) is None and out.is_dir()
     assert list(out.iterdir()) == []  # the write probe leaves nothing behind
@@ -90,44 +74,27 @@ def test_seed_zero_and_a_fresh_out_folder_are_fine(tmp_path):
 def test_without_jax_the_cli_names_the_extra(tmp_path, command):
     """JAX is an extra: without it the JAX commands say how to install it (exit 2), not a
     traceback. A blocked import (None in sys.modules) stands in for a venv without jax."""
-    import subprocess
-    import sys
-
     code = (
         "import sys; sys.modules['jax'] = None; "
         "from jax_fusedar.cli.main import main; sys.exit(main(sys.argv[1:]))"
     )
-    r = subprocess.run(
-        [sys.executable, "-c", code, *command, "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-    )
-    _refused(r, "pip install 'jax_fusedar[jax]'")
+    argv = [sys.executable, "-c", code, *command, "--out", str(tmp_path)]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=REPO)
+    refused(r, "pip install 'jax_fusedar[jax]'")
 
 
 @pytest.mark.oldest
 @pytest.mark.parametrize("processes", ["one", pytest.param("per-rank", marks=pytest.mark.slow)])
 def test_demo_on_a_jax_older_than_fuse_needs_names_the_jax(tmp_path, processes):
     """The demo's fused model is jax_fusedar.fuse's, which needs JAX 0.10: on an older JAX
-    (made to read 0.9.3 here; the oldest lane's 0.8.2 also reads that way) the demo says
-    which JAX it needs, in one line per process and exit 2, before any model is built. With
-    one process per rank each rank process starts from the parent's code, so the version is
-    made to read 0.9.3 there through a sitecustomize on PYTHONPATH."""
+    (made to read 0.9.3 here, through a sitecustomize on PYTHONPATH that each rank process
+    also runs; the oldest lane's 0.8.2 also reads that way) the demo says which JAX it
+    needs, in one line per process and exit 2, before any model is built."""
     (tmp_path / "sitecustomize.py").write_text(
         "import jax\njax.__version_info__ = (0, 9, 3)\njax.__version__ = '0.9.3'\n"
     )
-    r = run_cli(
-        "demo",
-        "--processes",
-        processes,
-        "--tp",
-        2,
-        xla_flags=None,
-        pythonpath=[tmp_path],
-        timeout=300,
-    )
+    argv = ["demo", "--processes", processes, "--tp", 2]
+    r = run_cli(*argv, xla_flags=None, pythonpath=[tmp_path], timeout=300)
     assert r.returncode == 2, r.stdout + r.stderr
     assert (
         "error"

@@ -1,8 +1,5 @@
-"""Tests for ``python -m jax_fusedar demo`` on 8 virtual CPU devices.
-
-Every run is a subprocess: XLA reads the virtual device count only when JAX starts, and the
-CLI's own setup of XLA_FLAGS is part of what is tested.
-"""
+"""``python -m jax_fusedar demo`` on 8 virtual CPU devices, each run a subprocess: XLA reads the
+device count only when JAX starts, and the CLI's own setup of XLA_FLAGS is tested too."""
 
 import json
 import re
@@ -13,7 +10,6 @@ from jax_fusedar.common import native
 
 from tests import cpu_devices
 
-
 HOST_8 = cpu_devices.xla_flags(8)
 
 
@@ -22,7 +18,11 @@ def run_cli(*argv, xla_flags=HOST_8, **kw):
     return cpu_devices.run_module("jax_fusedar", *argv, xla_flags=xla_flags, **kw)
 
 
-# --- demo ----------------------------------------------------------------------------------------
+def refused(r, message):
+    """``r`` exited 2 with ``message`` on stderr, no traceback and nothing on stdout."""
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == "", r.stdout + r.stderr
 
 
 @pytest.mark.slow
@@ -30,24 +30,17 @@ def test_demo_llama_fused_by_fuse_matches_unfused():
     # The main job as ./dev demo runs it, trimmed: both layer modes, the tiny preset. Without
     # GPUs XLA_FLAGS stays unset, as for a user: the CLI splits the host into 8 devices itself
     # ("world size 8" below); with GPUs it would use them, so the test sets the flags.
-    r = run_cli(
-        *"demo --steps 4 --prompt 8 --iters 1".split(),
-        xla_flags=None if native.gpu_count() == 0 else HOST_8,
-    )
+    flags = None if native.gpu_count() == 0 else HOST_8
+    r = run_cli(*"demo --steps 4 --prompt 8 --iters 1".split(), xla_flags=flags)
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout
     assert "world size 8" in out and "backend xla" in out
     assert "the model calls no jax_fusedar function" in out
     assert "== layers unrolled ==" in out and "== layers scan ==" in out
     # 2 layers x 2 all-reduces: 4 sites unrolled, 2 in the scan body run twice each.
-    assert (
-        out.count("decode: jax_fusedar.fuse: fused 4 of 4 all-reduce + residual + RMSNorm site(s)")
-        == 1
-    )
-    assert (
-        "decode: jax_fusedar.fuse: fused 2 of 2 all-reduce + residual + RMSNorm site(s) "
-        "(4 fused calls per run, loops counted)" in out
-    )
+    fused = "decode: jax_fusedar.fuse: fused {0} of {0} all-reduce + residual + RMSNorm site(s)"
+    assert out.count(fused.format(4)) == 1
+    assert fused.format(2) + " (4 fused calls per run, loops counted)" in out
     # The demo's own criterion, not identical tokens: rounding differs between CPUs (AVX-512
     # or not), so a near tie may break either way; the demo then prints the divergence and
     # its margins and passes only if the tie was near (checked by its PASS below).
@@ -96,28 +89,18 @@ def test_demo_llama_fused_by_fuse_matches_unfused():
         ([], cpu_devices.FAST_COMPILE_FLAG, 8),
         # A count in the user's XLA_FLAGS is the default TP size.
         ([], cpu_devices.xla_flags(4), 4),
+        # Hugging Face's norm: gamma multiplied after the norm's rounding stays after the
+        # fused norm (tests/jax/test_fuse.py).
+        (["--norm", "hf"], HOST_8, 8),
     ],
-    ids=["tp2", "tp4", "flags-without-count", "flags-count-4"],
+    ids=["tp2", "tp4", "flags-without-count", "flags-count-4", "hf-norm"],
 )
 def test_demo_runs_at_the_tp_size_asked_for(argv, xla_flags, world):
-    r = run_cli(
-        "demo",
-        *argv,
-        *"--layer-mode scan --steps 2 --prompt 4 --iters 1".split(),
-        xla_flags=xla_flags,
-    )
+    argv = ["demo", *argv, *"--layer-mode scan --steps 2 --prompt 4 --iters 1".split()]
+    r = run_cli(*argv, xla_flags=xla_flags)
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"tensor parallel over {world} devices" in r.stdout, r.stdout
     assert f"devices: {world} x cpu (platform cpu), world size {world}," in r.stdout, r.stdout
-    assert "PASS (scan)" in r.stdout
-
-
-@pytest.mark.slow
-def test_demo_hf_norm_is_fused_exactly():
-    # gamma multiplied after the norm's rounding stays after the fused norm
-    # (tests/jax/test_fuse.py)
-    r = run_cli(*"demo --layer-mode scan --norm hf --steps 2 --prompt 4 --iters 1".split())
-    assert r.returncode == 0, r.stdout + r.stderr
     assert "fused 2 of 2 all-reduce + residual + RMSNorm site(s)" in r.stdout
     assert re.search(r"^greedy tokens: (identical|first divergence)", r.stdout, re.MULTILINE)
     assert "PASS (scan)" in r.stdout
@@ -133,11 +116,8 @@ def test_demo_bench_writes_json(tmp_path):
     assert report["machine"]["world_size"] == 8 and report["machine"]["backend"] == "xla"
     assert report["config"]["preset"] == "tiny" and report["config"]["workspace_max_tokens"] == 8
     cases = report["cases"]
-    assert [(c["kind"], c["batch"], c.get("kv_length", c.get("tokens"))) for c in cases] == [
-        ("decode", 1, 16),
-        ("decode", 2, 16),
-        ("prefill", 1, 8),
-    ]
+    got = [(c["kind"], c["batch"], c.get("kv_length", c.get("tokens"))) for c in cases]
+    assert got == [("decode", 1, 16), ("decode", 2, 16), ("prefill", 1, 8)]
     for c in cases:
         assert c["layers"] == "scan" and c["fused_sites"] == c["sites"] == 2
         assert c["speedup"] == pytest.approx(c["unfused_ms"] / c["fused_ms"])
@@ -146,59 +126,37 @@ def test_demo_bench_writes_json(tmp_path):
     assert report["skipped"] == [] and report["total_s"] > 0
 
 
+TRTLLM_CPU = "the 'trtllm' all-reduce backend needs a CUDA GPU"
+KV_16 = "error: preset tiny: kv_heads 8 does not split over 16 tensor-parallel ranks"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "argv, xla_flags, message",
     [
+        # setups that cannot run
         (
             ["demo"],
             cpu_devices.xla_flags(3),
-            "XLA_FLAGS sets --xla_force_host_platform_device_count=3, which the demo takes "
-            "as its TP size on CPUs: world size 3 is not supported",
+            "error: XLA_FLAGS sets --xla_force_host_platform_device_count=3, which the demo "
+            "takes as its TP size on CPUs: world size 3 is not supported",
         ),
-        (
-            ["demo", "--tp", 16],
-            HOST_8,
-            "preset tiny: kv_heads 8 does not split over 16 tensor-parallel ranks",
-        ),
-        (
-            ["demo"],
-            cpu_devices.xla_flags(16),
-            "preset tiny: kv_heads 8 does not split over 16 tensor-parallel ranks",
-        ),
-        (
-            ["demo", "--backend", "trtllm"],
-            HOST_8,
-            "the 'trtllm' all-reduce backend needs a CUDA GPU",
-        ),
+        (["demo", "--tp", 16], HOST_8, KV_16),
+        (["demo"], cpu_devices.xla_flags(16), KV_16),
+        (["demo", "--backend", "trtllm"], HOST_8, "error: " + TRTLLM_CPU),
+        # bad flags
+        (["demo", "--dtype", "int8"], HOST_8, "invalid choice: 'int8'"),
+        (["demo", "--layers", "0"], HOST_8, "0 is not positive"),
+        (["demo", "--bench-batches", "1,x"], HOST_8, "'x' is not an integer"),
+        (["demo", "--preset", "llama2"], HOST_8, "invalid choice: 'llama2'"),
+        (["demo", "--norm", "layer"], HOST_8, "invalid choice: 'layer'"),
+        (["demo", "--bench-prefill-layers", "all"], HOST_8, "invalid choice: 'all'"),
+        (["demo", "--steps", "-1"], HOST_8, "-1 is not positive"),
+        ([], HOST_8, "required: {demo,doctor}"),
     ],
 )
-def test_unrunnable_setups_exit_with_a_message(argv, xla_flags, message):
+def test_bad_flags_and_unrunnable_setups_exit_with_a_message(argv, xla_flags, message):
     r = run_cli(*argv, xla_flags=xla_flags)
-    assert r.returncode == 2
-    assert f"error: {message}" in r.stderr
-    assert "Traceback" not in r.stderr
-
-
-# --- flags ---------------------------------------------------------------------------------------
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "argv, message",
-    [
-        (["demo", "--dtype", "int8"], "invalid choice: 'int8'"),
-        (["demo", "--layers", "0"], "0 is not positive"),
-        (["demo", "--bench-batches", "1,x"], "'x' is not an integer"),
-        (["demo", "--preset", "llama2"], "invalid choice: 'llama2'"),
-        (["demo", "--norm", "layer"], "invalid choice: 'layer'"),
-        (["demo", "--bench-prefill-layers", "all"], "invalid choice: 'all'"),
-        (["demo", "--steps", "-1"], "-1 is not positive"),
-        ([], "required: {demo,doctor}"),
-    ],
-)
-def test_bad_flags_exit_with_a_message(argv, message):
-    r = run_cli(*argv)
     assert r.returncode == 2
     assert message in r.stderr
     assert "error:" in r.stderr and "Traceback" not in r.stderr

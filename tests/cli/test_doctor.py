@@ -2,7 +2,7 @@
 native build (what a GPU machine shows is checked by tests/gpu/test_demo.py)."""
 
 import json
-import textwrap
+import types
 
 import pytest
 
@@ -10,17 +10,13 @@ from jax_fusedar.cli import doctor
 from jax_fusedar.common import native
 from tests.repo import run_code
 
-SCREEN = 40  # lines: one terminal screen
-
 
 def _doctor_in_a_subprocess(prelude="", **env):
-    code = prelude + textwrap.dedent("""
-        import sys
-        from jax_fusedar.cli.main import main
-        code = main(["doctor"])
-        print("IMPORTED", sorted(m for m in ("jax", "jaxlib", "torch") if m in sys.modules))
-        sys.exit(code)
-    """)
+    code = prelude + (
+        "import sys\nfrom jax_fusedar.cli.main import main\ncode = main(['doctor'])\n"
+        "print('IMPORTED', sorted(m for m in ('jax', 'jaxlib', 'torch') if m in sys.modules))\n"
+        "sys.exit(code)\n"
+    )
     return run_code(code, timeout=120, **env)
 
 
@@ -30,7 +26,7 @@ def test_doctor_prints_one_screen_and_imports_no_framework():
     out, imported = r.stdout.rsplit("IMPORTED ", 1)
     assert imported.strip() == "[]"  # versions from the distributions: no jax, no torch
     lines = out.splitlines()
-    assert len(lines) <= SCREEN, out
+    assert len(lines) <= 40, out  # one terminal screen
     assert lines[0].startswith(("jax_fusedar 0.1.0 (", "jax_fusedar from a source checkout"))
     for head in ("python 3.", "jax: ", "torch: ", "CUDA driver: ", "native build: "):
         assert any(line.startswith(head) for line in lines), (head, out)
@@ -56,19 +52,12 @@ def test_doctor_without_the_native_build():
 
 def test_the_build_record_is_read(tmp_path, monkeypatch):
     assert doctor.build_record(tmp_path) is None
-    (tmp_path / doctor.BUILD_RECORD).write_text(
-        json.dumps(
-            {"cuda_archs": ["90a", "100a"], "nvcc": "13.0.88", "flashinfer_headers": "0.7.2.post1"}
-        )
-    )
+    record = {"cuda_archs": ["90a", "100a"], "nvcc": "13.0.88", "flashinfer_headers": "0.7.2.post1"}
+    (tmp_path / doctor.BUILD_RECORD).write_text(json.dumps(record))
     record = doctor.build_record(tmp_path)
     assert record["cuda_archs"] == ["90a", "100a"]
-
-    class Ext:
-        __file__ = str(tmp_path / "_fusedar.so")
-        ABI_VERSION = 4
-
-    monkeypatch.setattr(native, "ext", Ext)
+    ext = types.SimpleNamespace(__file__=str(tmp_path / "_fusedar.so"), ABI_VERSION=4)
+    monkeypatch.setattr(native, "ext", ext)
     (line,) = doctor._native_lines(record)
     assert line.endswith(
         "CUDA architectures sm_90a, sm_100a; nvcc 13.0.88; FlashInfer headers 0.7.2.post1"
@@ -93,28 +82,16 @@ def smi(cmd):
     return SMI.get(" ".join(cmd))
 
 
-class PeerExt:
-    ABI_VERSION = 4
-    __file__ = "/x/_fusedar.so"
-
-    @staticmethod
-    def can_access_peer(i, j):
-        return True
-
-    @staticmethod
-    def device_count():
-        return 2
-
-
 @pytest.fixture
 def two_gpus(monkeypatch):
-    monkeypatch.setattr(native, "ext", PeerExt)
+    peer_ext = types.SimpleNamespace(ABI_VERSION=4, __file__="/x/_fusedar.so")
+    peer_ext.can_access_peer, peer_ext.device_count = (lambda i, j: True), (lambda: 2)
+    monkeypatch.setattr(native, "ext", peer_ext)
     monkeypatch.setattr(native, "gpu_count", lambda: 2)
-    return smi
 
 
 def test_a_two_gpu_machine(two_gpus):
-    out = "\n".join(doctor.report({"PATH": "/bin"}, smi=two_gpus))
+    out = "\n".join(doctor.report({"PATH": "/bin"}, smi=smi))
     assert "CUDA driver: 580.159.04 (CUDA 13.0)" in out
     assert "  GPU0: NVIDIA H200, sm 9.0, 143771 MiB" in out
     assert "peer access (the kernel needs it between a TP group's GPUs):" in out
@@ -124,16 +101,13 @@ def test_a_two_gpu_machine(two_gpus):
     assert "  2 ranks: trtllm (the kernel), one GPU per rank (GPUs 0-1)" in out
     assert "  4 ranks: trtllm (the kernel), 4 ranks sharing 2 GPUs: the demo runs one" in out
     assert "JAX_FUSEDAR_* variables: none set" in out
-
-
-def test_auto_follows_the_environment(two_gpus):
-    assert doctor.auto_backend(2, 2, {"JAX_FUSEDAR_ALLREDUCE_BACKEND": "xla"}).startswith(
-        "xla ($JAX_FUSEDAR_ALLREDUCE_BACKEND)"
-    )
-    assert doctor.auto_backend(2, 2, {"JAX_PLATFORMS": "cpu"}).startswith("xla (no CUDA GPU")
-    assert doctor.auto_backend(2, 2, {"JAX_FUSEDAR_ALLREDUCE_BACKEND": "fast"}).startswith(
-        "error: unknown all-reduce backend 'fast'"
-    )
+    # auto follows the environment
+    for env, line in (
+        ({"JAX_FUSEDAR_ALLREDUCE_BACKEND": "xla"}, "xla ($JAX_FUSEDAR_ALLREDUCE_BACKEND)"),
+        ({"JAX_PLATFORMS": "cpu"}, "xla (no CUDA GPU"),
+        ({"JAX_FUSEDAR_ALLREDUCE_BACKEND": "fast"}, "error: unknown all-reduce backend 'fast'"),
+    ):
+        assert doctor.auto_backend(2, 2, env).startswith(line)
 
 
 def test_gpus_without_the_native_build(monkeypatch):

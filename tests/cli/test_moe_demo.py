@@ -20,6 +20,5 @@ def test_moe_demo_passes_on_cpu():
     assert "timings (CPU): virtual devices sharing this host's cores" in run.stdout
     assert not re.search(r"^speedup|\(speedup", run.stdout, re.M)
     for label in ("plain", "fused"):
-        assert f"jax_fusedar demo: compiling the {label} prefill and decode programs ..." in (
-            run.stderr
-        ), run.stderr
+        line = f"jax_fusedar demo: compiling the {label} prefill and decode programs ..."
+        assert line in run.stderr, run.stderr

@@ -1,7 +1,6 @@
 """The demo's process launching (jax_fusedar/cli/ranks.py, rank_process.py): the plan for
-every GPU count, what each rank process is started with, how a failing rank is handled,
-``--bench``'s refusal of shared GPUs, and the demo run as one process per rank on CPUs (ranks
-over gloo, the reference path) against the unsharded reference."""
+every GPU count, each rank process's start, failing ranks, ``--bench`` on shared GPUs, and
+the demo as one process per rank on CPUs (gloo) against the unsharded reference."""
 
 import argparse
 import json
@@ -13,14 +12,10 @@ import time
 
 import pytest
 
-from jax_fusedar.common.limits import SUPPORTED_WORLD_SIZES
-
 from jax_fusedar.cli import ranks
+from jax_fusedar.common.limits import SUPPORTED_WORLD_SIZES
 from tests.cli.test_cli import run_cli
 from tests.cpu_devices import xla_flags
-
-
-# --- the plan ----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -44,11 +39,8 @@ def test_plan(tp, processes, gpus, world, per_rank, shared):
 
 
 def test_plan_refuses_one_process_for_more_ranks_than_gpus():
-    with pytest.raises(
-        ValueError,
-        match=r"--processes one: .*--tp 8 needs 8 GPUs where this "
-        r"machine has 1; use --processes auto",
-    ):
+    match = r"--processes one: .*--tp 8 needs 8 GPUs where this machine has 1; use --processes auto"
+    with pytest.raises(ValueError, match=match):
         ranks.plan(8, "one", 1)
 
 
@@ -59,16 +51,17 @@ def test_rank_r_drives_gpu_r_mod_gpus(gpus, devices):
 
 
 def test_one_process_sees_exactly_the_tp_group():
-    assert ranks.single_process_config(ranks.plan(4, "auto", 8)) == {
-        "jax_cuda_visible_devices": "0,1,2,3"
-    }
-    # On CPUs the process makes exactly the TP group's devices, --tp given or not.
-    assert ranks.single_process_config(ranks.plan(4, "auto", 0)) == {"jax_num_cpu_devices": 4}
-    assert ranks.single_process_config(ranks.plan(None, "auto", 0)) == {"jax_num_cpu_devices": 8}
-    # Every GPU: nothing changes; ranks in processes of their own set their own.
-    assert ranks.single_process_config(ranks.plan(None, "auto", 8)) == {}
-    assert ranks.single_process_config(ranks.plan(8, "auto", 8)) == {}
-    assert ranks.single_process_config(ranks.plan(2, "per-rank", 0)) == {}
+    # On CPUs the process makes exactly the TP group's devices, --tp given or not; with
+    # every GPU nothing changes; ranks in processes of their own set their own.
+    for args, config in [
+        ((4, "auto", 8), {"jax_cuda_visible_devices": "0,1,2,3"}),
+        ((4, "auto", 0), {"jax_num_cpu_devices": 4}),
+        ((None, "auto", 0), {"jax_num_cpu_devices": 8}),
+        ((None, "auto", 8), {}),
+        ((8, "auto", 8), {}),
+        ((2, "per-rank", 0), {}),
+    ]:
+        assert ranks.single_process_config(ranks.plan(*args)) == config, args
 
 
 @pytest.mark.parametrize(
@@ -90,11 +83,9 @@ def test_on_cpus_the_default_tp_is_the_users_count_else_8():
     assert ranks.plan(None, "auto", 0, host_devices=4).world == 4
     assert ranks.plan(None, "auto", 0, host_devices=None).world == 8
     assert ranks.plan(2, "auto", 0, host_devices=4).world == 2  # --tp wins
-    with pytest.raises(
-        ValueError,
-        match=r"XLA_FLAGS sets --xla_force_host_platform_device_count=3, which the demo takes "
-        r"as its TP size on CPUs: world size 3 is not supported.*; pass --tp 2, 4, 8 or 16",
-    ):
+    match = r"XLA_FLAGS sets --xla_force_host_platform_device_count=3, which the demo takes "
+    match += r"as its TP size on CPUs: world size 3 is not supported.*; pass --tp 2, 4, 8 or 16"
+    with pytest.raises(ValueError, match=match):
         ranks.plan(None, "auto", 0, host_devices=3)
 
 
@@ -135,10 +126,8 @@ def test_jax_platforms_cpu_means_no_gpus(platforms, sees):
 
 @pytest.mark.parametrize("gpus", [0, 1])
 def test_rank_environment(gpus):
-    p = ranks.Plan(world=8, gpus=gpus, per_rank=True)
-    env = ranks.rank_env(
-        p, {"PATH": "/bin", "JAX_CUDA_VISIBLE_DEVICES": "3", "NCCL_NVLS_ENABLE": "1"}
-    )
+    parent = {"PATH": "/bin", "JAX_CUDA_VISIBLE_DEVICES": "3", "NCCL_NVLS_ENABLE": "1"}
+    env = ranks.rank_env(ranks.Plan(world=8, gpus=gpus, per_rank=True), parent)
     assert env["PATH"] == "/bin"
     # 8 processes on one GPU: memory on demand, never NVLink multicast.
     assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
@@ -162,21 +151,15 @@ def test_rank_command_carries_the_demo_flags():
     assert opts.demo_argv == ["--", "--steps", "2", "--moe"]
 
 
-# --- --bench on shared GPUs ----------------------------------------------------------------
-
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
         raise SystemExit(f"error: {message}")
 
 
 def test_demo_bench_refuses_shared_gpus():
-    with pytest.raises(
-        SystemExit,
-        match=r"--bench: 2 ranks would share 1 GPU: ranks sharing "
-        r"a GPU take turns on it",
-    ):
-        args = argparse.Namespace(command="demo", tp=None, processes="auto", bench=True)
+    args = argparse.Namespace(command="demo", tp=None, processes="auto", bench=True)
+    match = r"--bench: 2 ranks would share 1 GPU: ranks sharing a GPU take turns on it"
+    with pytest.raises(SystemExit, match=match):
         ranks.dispatch(args, ["demo", "--bench"], _Parser(prog="demo"), gpus=1)
 
 
@@ -191,8 +174,8 @@ def test_bad_tp_is_refused_before_anything_starts():
     ), r.stderr
 
 
-# --- the launcher's handling of failing ranks (fake rank processes, no JAX) --------------------
-
+# The launcher's handling of failing ranks: fake rank processes, no JAX.
+ONE_FAILED = "rank 1 exited with 3; the end of its output:\nrank 1: something went wrong"
 FAKE_RANK = textwrap.dedent("""
     import sys, time
     rank = int(sys.argv[sys.argv.index("--rank") + 1])
@@ -211,8 +194,16 @@ FAKE_RANK = textwrap.dedent("""
 """)
 
 
-@pytest.fixture
-def fake_ranks(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "argv, code, lines",
+    [
+        (["one_fails"], 1, ["stopping ranks [0, 2]: another rank failed", ONE_FAILED]),
+        (["pass"], 0, []),
+        (["disagree", "pass"], 1, ["FAIL: the ranks decoded different tokens"]),
+    ],
+    ids=["a_failing_rank_stops_the_others", "ranks_that_agree", "ranks_that_disagree"],
+)
+def test_the_launcher_on_fake_ranks(tmp_path, monkeypatch, capsys, argv, code, lines):
     script = tmp_path / "fake_rank.py"
     script.write_text(FAKE_RANK)
 
@@ -222,45 +213,20 @@ def fake_ranks(tmp_path, monkeypatch):
     monkeypatch.setattr(ranks, "rank_command", command)
     monkeypatch.setattr(ranks, "GRACE_S", 1.0)
     monkeypatch.setattr(ranks, "STOP_WAIT_S", 2.0)
+    got = ranks.launch(ranks.Plan(world=3, gpus=0, per_rank=True), argv, prog="demo")
+    out = capsys.readouterr().out
+    assert got == code, out
+    for line in lines:
+        assert line in out
 
 
-def _launch(argv, capsys):
-    code = ranks.launch(ranks.Plan(world=3, gpus=0, per_rank=True), argv, prog="demo")
-    return code, capsys.readouterr().out
-
-
-def test_a_failing_rank_stops_the_others_and_shows_its_output(fake_ranks, capsys):
-    code, out = _launch(["one_fails"], capsys)
-    assert code == 1
-    assert "stopping ranks [0, 2]: another rank failed" in out
-    assert "rank 1 exited with 3; the end of its output:\nrank 1: something went wrong" in out
-
-
-def test_ranks_that_pass_and_agree(fake_ranks, capsys):
-    code, out = _launch(["pass"], capsys)
-    assert code == 0, out
-
-
-def test_ranks_that_decode_different_tokens_fail(fake_ranks, capsys):
-    code, out = _launch(["disagree", "pass"], capsys)
-    assert code == 1
-    assert "FAIL: the ranks decoded different tokens" in out
-
-
-# --- the demo as one process per rank on CPUs ---------------------------------------------------
-
-
+# --- the demo as one process per rank on CPUs
 @pytest.mark.slow
 @pytest.mark.parametrize("tp, extra", [(2, ()), (4, ("--layer-mode", "scan")), (2, ("--moe",))])
 def test_demo_one_process_per_rank_against_the_unsharded_reference(tp, extra):
-    r = run_cli(
-        *"demo --processes per-rank --tp".split(),
-        tp,
-        *"--steps 3 --prompt 8".split(),
-        *extra,
-        # The flags the CLI would set itself (8 host devices), with the CPU tests' fast compile.
-        xla_flags=xla_flags(8),
-    )
+    # The flags the CLI would set itself (8 host devices), with the CPU tests' fast compile.
+    argv = ["demo", "--processes", "per-rank", "--tp", tp, *"--steps 3 --prompt 8".split()]
+    r = run_cli(*argv, *extra, xla_flags=xla_flags(8))
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
     out = r.stdout
     assert f"over {tp} ranks, one process per rank on CPUs (gloo)" in out
@@ -285,17 +251,14 @@ def test_demo_one_process_per_rank_against_the_unsharded_reference(tp, extra):
 def test_demo_run_as_ranks_reports_a_setup_error_from_the_ranks():
     """A configuration the ranks cannot run (here a preset --moe does not have) fails in
     every rank process with the demo's own message, and the launcher exits 2."""
-    r = run_cli(
-        *"demo --moe --preset llama3-8b --processes per-rank --tp 2".split(), xla_flags=None
-    )
+    argv = "demo --moe --preset llama3-8b --processes per-rank --tp 2".split()
+    r = run_cli(*argv, xla_flags=None)
     assert r.returncode == 2, r.stdout + r.stderr[-3000:]
     assert (
         "error (rank 0): --moe has the presets tiny (CPUs) and small (GPUs, picked by "
         "--preset auto), not llama3-8b" in r.stderr
     )
 
-
-# --- the end of a rank process ------------------------------------------------------------------
 
 # Put on the rank processes' PYTHONPATH: records each rank's end (its --rank, when it
 # ended, whether jax.distributed.shutdown() ran) in $END_RECORD_DIR/<pid>.json.
@@ -323,21 +286,15 @@ RECORD_END = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_the_ranks_end_in_order_and_clean(tmp_path, monkeypatch):
-    """JAX's PJRT client keeps a watch call open to the coordination service rank 0 hosts:
-    ended by JAX's exit handler, or with rank 0's service gone first, it prints a
-    WatchTasksAsync trace after PASS. Every rank ends after the last barrier, without JAX's
-    shutdown, and rank 0 last."""
-    site = tmp_path / "site"
-    site.mkdir()
+    """Every rank ends after the last barrier, without JAX's shutdown, rank 0 last: JAX's PJRT
+    client keeps a watch call open to rank 0's coordination service, and ended by JAX's exit
+    handler, or with that service gone first, it printed a WatchTasksAsync trace after PASS."""
+    site, records = tmp_path / "site", tmp_path / "records"
+    site.mkdir(), records.mkdir()
     (site / "sitecustomize.py").write_text(RECORD_END)
-    records = tmp_path / "records"
-    records.mkdir()
     monkeypatch.setenv("END_RECORD_DIR", str(records))
-    r = run_cli(
-        *"demo --processes per-rank --tp 2 --layer-mode scan --steps 1 --prompt 4".split(),
-        pythonpath=[site],
-        xla_flags=xla_flags(8),
-    )
+    argv = "demo --processes per-rank --tp 2 --layer-mode scan --steps 1 --prompt 4".split()
+    r = run_cli(*argv, pythonpath=[site], xla_flags=xla_flags(8))
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
     assert "PASS (scan)" in r.stdout
     ends = sorted((json.loads(p.read_text()) for p in records.iterdir()), key=lambda e: e["rank"])

@@ -25,14 +25,12 @@ def _gpu_reads_as(major):
     return fixture
 
 
-sm100 = _gpu_reads_as(10)  # Blackwell: the NVFP4 patterns are allowed
-sm90 = _gpu_reads_as(9)  # Hopper: the NVFP4 patterns are refused
+sm100, sm90 = _gpu_reads_as(10), _gpu_reads_as(9)  # NVFP4 allowed (Blackwell), refused
 
 
 @pytest.fixture
 def fresh_dynamo():
-    """torch.compile's caches reset before and after the test: it compiles from scratch and
-    leaves no compiled graph behind."""
+    """torch.compile's caches reset before and after: compiled from scratch, none left."""
     import torch
 
     torch._dynamo.reset()
@@ -42,8 +40,7 @@ def fresh_dynamo():
 
 @pytest.fixture
 def handle():
-    """The handle of a registered one-member workspace (bfloat16, 64 tokens x 256) over a
-    FakeRank, unregistered afterwards."""
+    """The handle of a registered one-member workspace (bfloat16, 64 tokens x 256)."""
     from tests.torch.fakes import fake_workspace, registered
 
     with registered(fake_workspace(max_tokens=64, hidden=256, global_ranks=(0,))) as h:

@@ -1,7 +1,6 @@
-"""What the torch tests run torch_compat on without a GPU: ``FakeRank`` stands in for the
-native Rank (it records the exchange and every launch, dense and MoE), and ``fake_workspace``
-is a real ``TorchAllReduceFusionWorkspace`` over it on the CPU. tests/torch/conftest.py
-holds the fixtures built on them (``cpu_stream``, ``handle``)."""
+"""torch_compat without a GPU: ``FakeRank`` records the exchange and every launch (dense and
+MoE) for the native Rank, and ``fake_workspace`` is a real ``TorchAllReduceFusionWorkspace``
+over it on the CPU (fixtures on them: tests/torch/conftest.py)."""
 
 import contextlib
 
@@ -18,8 +17,6 @@ QUANT = torch.ops.torch_compat.allreduce_residual_rmsnorm_quant.default
 
 
 class FakeRank:
-    """Stands in for the native Rank: records exchange and launch calls."""
-
     def __init__(self, process=0, device=0, tp_rank=0):
         self.process, self.device, self.tp_rank = process, device, tp_rank
         self.peers, self.finalized, self.launches, self.destroyed = {}, False, [], 0
@@ -54,23 +51,14 @@ class FakeRank:
 
 
 def fake_workspace(world=2, max_tokens=128, hidden=1024, dtype=torch.bfloat16, global_ranks=None):
-    """A workspace of ``world`` ranks (rank 0, on "cpu", so CPU tensors pass the device
-    check) over a FakeRank. ``global_ranks``: the group's members, when not 0..world-1 (a
-    one-member group keeps the sizes of 2 ranks: the kernel has no 1-rank build, and only
-    the buffer rule matters then)."""
+    """A workspace of ``world`` ranks (rank 0, on "cpu" for CPU tensors) over a FakeRank;
+    ``global_ranks``: the members, when not 0..world-1 (one member keeps the sizes of 2
+    ranks: the kernel has no 1-rank build, and only the buffer rule matters then)."""
     ranks = list(range(world) if global_ranks is None else global_ranks)
-    ws = wsmod.TorchAllReduceFusionWorkspace(
-        native_rank=FakeRank(),
-        global_ranks=ranks,
-        rank=0,
-        device=0,
-        max_token_num=max_tokens,
-        hidden_dim=hidden,
-        dtype=dtype,
-        sizes=sizing.workspace_sizes(
-            max(2, len(ranks)), max_tokens, hidden, wsmod.dtype_name(dtype)
-        ),
-    )
+    sizes = sizing.workspace_sizes(max(2, len(ranks)), max_tokens, hidden, wsmod.dtype_name(dtype))
+    kw = dict(native_rank=FakeRank(), global_ranks=ranks, rank=0, device=0, dtype=dtype)
+    kw.update(max_token_num=max_tokens, hidden_dim=hidden, sizes=sizes)
+    ws = wsmod.TorchAllReduceFusionWorkspace(**kw)
     ws.torch_device = torch.device("cpu")
     return ws
 

@@ -1,15 +1,10 @@
-"""The fusion pass's rounding rule, checked on a norm module: trace ``all_reduce -> + residual
--> norm`` with make_fx, run it, apply the pass (by default, then with
-``allow_rounding_change``), run it again on the CPU stand-in of the fused op (world size 1:
-the group's sum is the input), and measure the outputs against float64.
-
-Used in-process for Hugging Face's norm classes (tests/torch/test_fusion_rounding.py) and in
-the framework venv for vLLM's (tests/torch/frameworks/check_vllm_norms.py). The bound is
-docs/torch.md's: per element, ``|fused - original| <= k * U`` with
-``U = ulp_T(|r|) * inv * |gamma| + ulp_T(|y|)`` (r the residual sum in T, inv and y the float64
-rsqrt and norm of r: the fused op's exact value), k the number of rounding changes the block
-names; and the fused output is within half an ulp of y (one rounding of float32 math).
-"""
+"""The fusion pass's rounding rule on a norm module (tests/torch/test_fusion_rounding.py;
+vLLM's in tests/torch/frameworks/check_vllm.py): ``all_reduce -> + residual -> norm`` traced
+with make_fx, run before and after the pass on the fused op's world-size-1 CPU stand-in, and
+measured against float64. The bound is docs/torch.md's: per element ``|fused - original| <=
+k * U``, ``U = ulp_T(|r|) * inv * |gamma| + ulp_T(|y|)`` (r the residual sum in T, inv and y
+the float64 rsqrt and norm of r), k the block's rounding changes; and the fused output is
+within half an ulp of y (one rounding of float32 math)."""
 
 from __future__ import annotations
 
@@ -57,9 +52,8 @@ def oracle_quantize(pattern, y, scale_factor=None, group=None):
 
 def block_fn(group, norm, *, residual_arg: bool = False):
     """``(x, residual, gamma) -> (norm_out, residual_out)``: the all-reduce over ``group``,
-    the residual add, then ``norm(r, gamma)``; with ``residual_arg`` the norm takes the
-    all-reduce's output and the residual and adds them itself (vLLM's fused_add form):
-    ``norm(t, residual, gamma) -> (norm_out, residual_out)``."""
+    + residual, ``norm(r, gamma)``; with ``residual_arg`` ``norm(t, residual, gamma)`` adds
+    the residual itself (vLLM's fused_add form)."""
     from torch.distributed import _functional_collectives as funcol
 
     def f(x, residual, gamma):
@@ -118,9 +112,7 @@ def measure(unfused, fused, args, eps: float, dtype) -> dict:
 
 
 def assert_within_bound(m, changes):
-    """``measure``'s ``m`` keeps the bound for ``changes`` rounding changes: the residual
-    output unchanged, the fused output within half an ulp of float64 (+ float32 math), and
-    within ``changes`` units of the unfused output (docs/torch.md)."""
+    """``measure``'s ``m`` keeps the bound for ``changes`` rounding changes (above)."""
     assert m["residual_equal"], m
     assert m["fused_vs_f64_half_ulps"] <= 1.0 + 2.0**-6, m
     assert m["fused_vs_unfused_units"] <= changes, m

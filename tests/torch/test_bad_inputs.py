@@ -1,7 +1,6 @@
-"""Misuse of torch_compat is a clear, early error naming what is wrong: coerced options, the
-buffer check agreeing with the op, argument names, unwritten out-parameters, torch's own
-backend list, and fake (meta) implementations that refuse what the eager op refuses, so
-``torch.compile`` fails while tracing instead of at run time. Ranks are FakeRanks (no GPU)."""
+"""Misuse of torch_compat is a clear, early error naming what is wrong, also in the fake (meta)
+implementations, so that ``torch.compile`` fails while tracing, not at run time. Ranks are
+FakeRanks (no GPU)."""
 
 import pytest
 import torch
@@ -17,39 +16,33 @@ from torch_compat import workspace as wsmod
 from tests.torch.fakes import AR, FUSED, QUANT, fake_workspace, fuse, refused
 from tests.torch.test_torch_compat import _call, _tensors, create_refused
 
-U8 = torch.uint8
+U8, TE, VE = torch.uint8, TypeError, ValueError
 
 
-# --- 4 and 7: options are never coerced, messages name the argument ----------------------------
-
-
+# Options are never coerced; messages name the argument.
 @pytest.mark.parametrize(
     "over,error,match",
     [
         (
             dict(pattern=1.5),
-            ValueError,
+            VE,
             r"unknown fusion pattern 1\.5: pattern must be an "
             r"AllReduceFusionPattern or its int code, not a float",
         ),
-        (dict(pattern="1"), ValueError, "unknown fusion pattern '1': pattern must be"),
-        (dict(pattern=True), ValueError, "unknown fusion pattern True: pattern must be"),
-        (
-            dict(use_oneshot="false"),
-            TypeError,
-            "use_oneshot must be True, False or None, got 'false'",
-        ),
-        (dict(use_oneshot=1), TypeError, "use_oneshot must be True, False or None, got 1"),
-        (dict(fp32_acc="no"), TypeError, "fp32_acc must be True or False, got 'no'"),
-        (dict(fp32_acc=None), TypeError, "fp32_acc must be True or False, got None"),
-        (dict(launch_with_pdl="yes"), TypeError, "launch_with_pdl must be True or False"),
-        (dict(trigger_completion_at_end=0), TypeError, "trigger_completion_at_end must be True or"),
-        (dict(rms_eps="abc"), TypeError, "rms_eps must be a real number, got 'abc'"),
-        (dict(rms_eps=None), TypeError, "rms_eps must be a real number, got None"),
-        (dict(rms_eps=-1.0), ValueError, "rms_eps must be >= 0.0"),
-        (dict(rms_eps=float("nan")), ValueError, "rms_eps must be finite"),
-        (dict(weight_bias=1j), TypeError, "weight_bias must be a real number, got 1j"),
-        (dict(weight_bias=None), TypeError, "weight_bias must be a real number, got None"),
+        (dict(pattern="1"), VE, "unknown fusion pattern '1': pattern must be"),
+        (dict(pattern=True), VE, "unknown fusion pattern True: pattern must be"),
+        (dict(use_oneshot="false"), TE, "use_oneshot must be True, False or None, got 'false'"),
+        (dict(use_oneshot=1), TE, "use_oneshot must be True, False or None, got 1"),
+        (dict(fp32_acc="no"), TE, "fp32_acc must be True or False, got 'no'"),
+        (dict(fp32_acc=None), TE, "fp32_acc must be True or False, got None"),
+        (dict(launch_with_pdl="yes"), TE, "launch_with_pdl must be True or False"),
+        (dict(trigger_completion_at_end=0), TE, "trigger_completion_at_end must be True or"),
+        (dict(rms_eps="abc"), TE, "rms_eps must be a real number, got 'abc'"),
+        (dict(rms_eps=None), TE, "rms_eps must be a real number, got None"),
+        (dict(rms_eps=-1.0), VE, "rms_eps must be >= 0.0"),
+        (dict(rms_eps=float("nan")), VE, "rms_eps must be finite"),
+        (dict(weight_bias=1j), TE, "weight_bias must be a real number, got 1j"),
+        (dict(weight_bias=None), TE, "weight_bias must be a real number, got None"),
     ],
 )
 def test_options_are_never_coerced(cpu_stream, over, error, match):
@@ -75,12 +68,39 @@ def test_real_bools_and_numbers_still_work(cpu_stream):
     assert type(kw["rms_eps"]) is float and type(kw["weight_bias"]) is float
 
 
-# --- 6. is_buffer_size_sufficient agrees with the op ---------------------------------------------
+BF, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+SMALL = dict(max_tokens=128, hidden=1024)  # of bfloat16
+WIDE_BF, WIDE_F32 = (dict(max_tokens=1, hidden=131072, dtype=d) for d in (BF, F32))
 
 
-def _assert_agrees(ws, m, h, dtype):
-    """is_buffer_size_sufficient answers whether pattern 0 on zeros of (m, h) ``dtype`` goes
-    through the op's checks."""
+# is_buffer_size_sufficient answers whether pattern 0 on zeros of (m, h) goes through the
+# op's checks.
+@pytest.mark.parametrize(
+    "ws, m, h, dtype",
+    [
+        (SMALL, 16, 1024, BF),
+        (SMALL, 0, 1024, BF),
+        (SMALL, 129, 1024, BF),
+        (SMALL, 16, 1024, F32),
+        (SMALL, 16, 1024, F16),
+        (SMALL, 256, 512, BF),
+        # The kernel's hidden-size rule: not whole 16-byte vectors, and past the launch limit
+        # (a token's vectors over a cluster of at most 8 CTAs of at most 1024 threads), though
+        # all within the element count ...
+        (WIDE_BF, 1, 1020, BF),
+        (WIDE_BF, 1, 131072, BF),
+        (WIDE_BF, 1, 65544, BF),
+        (WIDE_F32, 1, 6, F32),
+        (WIDE_F32, 1, 40000, F32),
+        # ... and their neighbours the kernel takes.
+        (WIDE_BF, 1, 1024, BF),
+        (WIDE_BF, 1, 65536, BF),
+        (WIDE_F32, 1, 8, F32),
+        (WIDE_F32, 1, 32768, F32),
+    ],
+)
+def test_is_buffer_size_sufficient_agrees_with_the_op(cpu_stream, ws, m, h, dtype):
+    ws = fake_workspace(**ws)
     try:
         torch_compat.allreduce_fusion(torch.zeros(m, h, dtype=dtype), ws, 0)
         accepted = True
@@ -89,52 +109,14 @@ def _assert_agrees(ws, m, h, dtype):
     assert ws.is_buffer_size_sufficient(2, m, h, dtype) == accepted, (m, h, dtype)
 
 
-def test_is_buffer_size_sufficient_agrees_with_the_op(cpu_stream):
-    ws = fake_workspace(max_tokens=128, hidden=1024)
-    for m, h, dtype in [
-        (16, 1024, torch.bfloat16),
-        (0, 1024, torch.bfloat16),
-        (129, 1024, torch.bfloat16),
-        (16, 1024, torch.float32),
-        (16, 1024, torch.float16),
-        (256, 512, torch.bfloat16),
-    ]:
-        _assert_agrees(ws, m, h, dtype)
-
-
-@pytest.mark.parametrize(
-    "dtype,m,h",
-    [
-        # Not whole 16-byte vectors, and past the launch limit (a token's vectors over a cluster
-        # of at most 8 CTAs of at most 1024 threads), though all within the element count.
-        (torch.bfloat16, 1, 1020),
-        (torch.bfloat16, 1, 131072),
-        (torch.bfloat16, 1, 65544),
-        (torch.float32, 1, 6),
-        (torch.float32, 1, 40000),
-        # ... and their neighbours the kernel takes.
-        (torch.bfloat16, 1, 1024),
-        (torch.bfloat16, 1, 65536),
-        (torch.float32, 1, 8),
-        (torch.float32, 1, 32768),
-    ],
-)
-def test_is_buffer_size_sufficient_applies_the_kernels_hidden_size_rule(cpu_stream, dtype, m, h):
-    _assert_agrees(fake_workspace(max_tokens=1, hidden=131072, dtype=dtype), m, h, dtype)
-
-
 @pytest.mark.parametrize(
     "args,error,match",
     [
-        ((2, -1, 1024, torch.bfloat16), ValueError, "num_tokens must be >= 0, got -1"),
-        ((2, 1.5, 1024, torch.bfloat16), TypeError, "num_tokens must be an int"),
-        ((2, 16, 0, torch.bfloat16), ValueError, "hidden_dim must be >= 1"),
-        (
-            (2, 16, 1024, torch.bfloat16, "false"),
-            TypeError,
-            "use_oneshot must be True, False or None",
-        ),
-        ((True, 16, 1024, torch.bfloat16), TypeError, "tp_size must be an int"),
+        ((2, -1, 1024, BF), VE, "num_tokens must be >= 0, got -1"),
+        ((2, 1.5, 1024, BF), TE, "num_tokens must be an int"),
+        ((2, 16, 0, BF), VE, "hidden_dim must be >= 1"),
+        ((2, 16, 1024, BF, "false"), TE, "use_oneshot must be True, False or None"),
+        ((True, 16, 1024, BF), TE, "tp_size must be an int"),
     ],
 )
 def test_is_buffer_size_sufficient_refuses_nonsense(args, error, match):
@@ -142,11 +124,8 @@ def test_is_buffer_size_sufficient_refuses_nonsense(args, error, match):
         fake_workspace().is_buffer_size_sufficient(*args)
 
 
-# --- 8. out-parameters the pattern does not write ------------------------------------------------
-
-
 @pytest.mark.parametrize("pattern", [1, 2, 11])
-def test_output_is_refused_where_the_pattern_does_not_write_it(cpu_stream, monkeypatch, pattern):
+def test_output_is_refused_where_the_pattern_does_not_write_it(cpu_stream, pattern):
     ws, t = fake_workspace(), _tensors()
     if pattern != 1:
         t["quant_out"] = torch.empty(16, 1024, dtype=torch.float8_e4m3fn)
@@ -160,9 +139,7 @@ def test_output_is_refused_where_the_pattern_does_not_write_it(cpu_stream, monke
     assert len(ws._rank_obj.launches) == 1
 
 
-# --- 9. torch's own backend list -----------------------------------------------------------------
-
-
+# torch's own backend list
 @pytest.mark.parametrize(
     "backend,match",
     [
@@ -201,12 +178,9 @@ def test_create_timeout_is_named(gloo_world1):
     create_refused(match, world_size=1, rank=0, timeout_s="soon", error=TypeError)
 
 
-# --- 10. the fake implementations run the eager op's checks --------------------------------------
-
-
+# --- the fake implementations run the eager op's checks
 def _fake(shape, dtype=torch.bfloat16):
-    """A tensor on "cuda" under FakeTensorMode (no GPU needed), else a CPU one (the eager
-    op's workspace here lives on the CPU)."""
+    """Zeros on "cuda" under FakeTensorMode (no GPU needed), else on the eager op's "cpu"."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     fake = isinstance(_get_current_dispatch_mode(), FakeTensorMode)
@@ -238,7 +212,7 @@ FAKE_CASES = {
     "quant_11_3d": (lambda h: _quant(h, 11, (2, 4, 256)), FLAT_3D),
     "too_many_tokens": (lambda h: _fused(h, (65, 256)), "does not fit the workspace"),
     "gamma_dtype": (
-        lambda h: _fused(h, gamma=_fake((256,), torch.float16)),
+        lambda h: _fused(h, gamma=_fake((256,), F16)),
         "rms_gamma must have the input's dtype",
     ),
     "two_shot_impossible": (
@@ -260,14 +234,12 @@ FAKE_CASES = {
 @pytest.mark.parametrize("case", list(FAKE_CASES))
 def test_fake_refuses_what_eager_refuses(handle, cpu_stream, case):
     """Under FakeTensorMode (what torch.compile traces with) the op raises the eager op's
-    ValueError; the same inputs, as real CPU tensors, through the eager op give the same
-    message."""
+    ValueError, which the eager op gives on real CPU tensors of the same metadata."""
     build, match = FAKE_CASES[case]
     with FakeTensorMode():
         op, args = build(handle)
         with pytest.raises(ValueError, match=match):
             op(*args)
-    # The eager op, on real tensors of the same metadata (the workspace is on "cpu").
     op, real = build(handle)
     ws = library.lookup_workspace(handle)
     eager = {

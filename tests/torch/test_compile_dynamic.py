@@ -1,8 +1,7 @@
 """``torch.compile`` of the custom ops with a dynamic token count (``mark_dynamic``, as vLLM
-compiles) and with ``dynamic=True`` and the pattern and group size passed as arguments, on
-CPU: the fake implementations keep symbolic sizes symbolic (their checks wait for the eager
-op) and fix only what decides the outputs' structure (the pattern, the NVFP4 layout), with a
-guard. The graphs run the world-size-1 CPU stand-ins of tests/torch/test_library.py."""
+compiles) and with ``dynamic=True``, on CPU: the fake implementations keep sizes symbolic
+and fix only what decides the outputs' structure (the pattern, the NVFP4 layout), with a
+guard. The graphs run tests/torch/test_library.py's world-size-1 CPU stand-ins."""
 
 import pytest
 import torch
@@ -19,12 +18,17 @@ from tests.torch.test_library import cpu_kernels, cpu_quant_kernel  # noqa: F401
 pytestmark = [pytest.mark.oldest, pytest.mark.usefixtures("fresh_dynamo")]
 
 
+def _dynamic_tokens(*tensors):
+    for t in tensors:
+        torch._dynamo.mark_dynamic(t, 0)
+
+
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 @pytest.mark.parametrize("pattern, extra", QUANT_CASES)
 def test_dynamic_token_count(cpu_quant_kernel, handle, backend, pattern, extra):
-    """mark_dynamic on the token dim: one graph serves 8, 12 and 20 tokens (the NVFP4 and
-    per-token-group scale buffers' sizes stay formulas of the token count), each equal to
-    the op run eagerly. Used to raise ConstraintViolationError for 3, 5, 8 and 9."""
+    """One graph serves 8, 12 and 20 tokens (the NVFP4 and per-token-group scale buffers'
+    sizes stay formulas of the token count), each equal to the eager op's. Used to raise
+    ConstraintViolationError for patterns 3, 5, 8 and 9."""
     counter = CompileCounterWithBackend(backend)
     base = _quant_args(pattern, extra, handle=handle)
 
@@ -34,8 +38,7 @@ def test_dynamic_token_count(cpu_quant_kernel, handle, backend, pattern, extra):
     compiled = torch.compile(f, fullgraph=True, backend=counter)
     for m in (8, 12, 20):
         x, res, g, *_ = _quant_args(pattern, extra, m=m, handle=handle)
-        torch._dynamo.mark_dynamic(x, 0)
-        torch._dynamo.mark_dynamic(res, 0)
+        _dynamic_tokens(x, res)
         got = compiled(x, res, g, base[6])
         assert _meta(got) == _expected_quant_meta(pattern, extra, m=m)
         for a, b in zip(got, f(x, res, g, base[6])):
@@ -54,8 +57,7 @@ def test_dynamic_token_count_plain_ops(cpu_kernels, handle, backend):
     compiled = torch.compile(f, fullgraph=True, backend=counter)
     for m in (8, 12):
         x, res, g = _inputs(m=m)
-        torch._dynamo.mark_dynamic(x, 0)
-        torch._dynamo.mark_dynamic(res, 0)
+        _dynamic_tokens(x, res)
         for a, b in zip(compiled(x, res, g), f(x, res, g)):
             _same(a, b)
     assert counter.frame_count == 1
@@ -63,10 +65,9 @@ def test_dynamic_token_count_plain_ops(cpu_kernels, handle, backend):
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_dynamic_true_with_pattern_and_group_size_as_arguments(cpu_quant_kernel, handle, backend):
-    """dynamic=True traces int arguments as SymInts: the pattern (and layout) are fixed by a
-    guard, so another pattern compiles again instead of reusing a graph with the wrong
-    outputs; the group size stays symbolic. Used to fail with "unknown fusion pattern ...
-    not a SymInt"."""
+    """dynamic=True traces ints as SymInts: a guard fixes the pattern (and layout), so another
+    pattern compiles again rather than reuse a graph of the wrong outputs; the group size
+    stays symbolic. Used to fail with "unknown fusion pattern ... not a SymInt"."""
     counter = CompileCounterWithBackend(backend)
 
     def f(x, res, g, pattern, group):
@@ -90,8 +91,7 @@ def test_dynamic_true_with_pattern_and_group_size_as_arguments(cpu_quant_kernel,
 def test_symbolic_tokens_still_refuse_what_is_concrete(handle):
     """A concrete bad group size is refused while tracing even with a dynamic token count."""
     x, res, g = _inputs(m=8)
-    torch._dynamo.mark_dynamic(x, 0)
-    torch._dynamo.mark_dynamic(res, 0)
+    _dynamic_tokens(x, res)
 
     def f(x, res, g):
         return QUANT(x, res, g, EPS, 0.0, 9, None, 4, None, None, False, handle)

@@ -1,10 +1,7 @@
-"""torch_compat under FlashInfer's name (torch_compat.install_as_flashinfer): the installer,
-the names vLLM and SGLang import, and the legacy TRT-LLM API served by a torch_compat
-workspace. On CPU the workspace is backed by a stand-in of the native rank that records
-each launch (tests/torch/fakes.py's FakeRank), so what is checked is that the
-calls reach torch_compat's op with the right arguments, or are refused as it refuses them;
-the kernel behind them runs in tests/gpu/test_flashinfer_shim.py. vLLM's and SGLang's own
-modules run on it in tests/torch/frameworks/."""
+"""torch_compat under FlashInfer's name (install_as_flashinfer): the installer, the names vLLM
+and SGLang import, and the legacy TRT-LLM API, whose calls reach torch_compat's op with the
+right arguments (on a recording FakeRank) or are refused as it refuses them. The kernel runs
+in tests/gpu/test_flashinfer_shim.py; vLLM's and SGLang's modules in tests/torch/frameworks/."""
 
 import importlib.util
 import sys
@@ -59,14 +56,10 @@ def test_install_makes_flashinfer_comm_importable(shim):
     assert comm.create_allreduce_fusion_workspace is torch_compat.create_allreduce_fusion_workspace
     assert comm.AllReduceFusionPattern.kARResidualRMSNorm == 1
     assert comm.QuantizationSFLayout.SWIZZLED_128x4 == 0
-    for name in (
-        "trtllm_allreduce_fusion",
-        "trtllm_create_ipc_workspace_for_all_reduce_fusion",
-        "trtllm_destroy_ipc_workspace_for_all_reduce_fusion",
-        "trtllm_destroy_ipc_workspace_for_all_reduce",
-        "TRTLLMAllReduceFusionWorkspace",
-        "AllReduceFusionWorkspace",
-    ):
+    names = "trtllm_allreduce_fusion trtllm_create_ipc_workspace_for_all_reduce_fusion"
+    names += " trtllm_destroy_ipc_workspace_for_all_reduce_fusion"
+    names += " trtllm_destroy_ipc_workspace_for_all_reduce"
+    for name in names.split() + ["TRTLLMAllReduceFusionWorkspace", "AllReduceFusionWorkspace"]:
         assert hasattr(comm, name), name
     assert isinstance(CommBackend, type) and TorchDistBackend.__module__.startswith("torch_compat")
     assert torch_compat.install_as_flashinfer() is comm  # idempotent
@@ -99,13 +92,10 @@ def test_torch_dist_backend_over_gloo(gloo_world1, shim):
     from flashinfer.comm.mnnvl import CommBackend, TorchDistBackend
 
     b = TorchDistBackend(group=gloo_world1)
-    assert isinstance(b, CommBackend)
-    assert (b.Get_rank(), b.Get_size()) == (0, 1)
-    assert b.allgather({"a": 1}) == ({"a": 1},)
-    assert b.bcast("x", 0) == "x"
+    assert isinstance(b, CommBackend) and (b.Get_rank(), b.Get_size()) == (0, 1)
+    assert b.allgather({"a": 1}) == ({"a": 1},) and b.bcast("x", 0) == "x"
     b.barrier()
-    sub = b.Split(color=0, key=0)
-    assert sub.Get_size() == 1
+    assert b.Split(color=0, key=0).Get_size() == 1
 
 
 def test_legacy_create_and_call_reach_the_op(shim, fake_create, cpu_stream):
@@ -141,36 +131,24 @@ def test_legacy_create_and_call_reach_the_op(shim, fake_create, cpu_stream):
     assert ws.destroyed
     with pytest.raises(ValueError, match="not a workspace tensor"):
         shim.trtllm_allreduce_fusion(*positional)
+    create = shim.trtllm_create_ipc_workspace_for_all_reduce_fusion
+    with pytest.raises(ValueError, match="use_symm_dev_mem"):
+        create(0, 2, 64, 1024, create_metadata=True, use_symm_dev_mem=True)
 
 
 # The optional tensors and numbers, None unless a test passes them.
-NONE_BY_DEFAULT = (
-    "residual_in residual_out norm_out quant_out scale_out rms_gamma rms_eps scale_factor "
-    "layout_code"
-)
+NONE_BY_DEFAULT = "residual_in residual_out norm_out quant_out scale_out rms_gamma rms_eps"
+NONE_BY_DEFAULT += " scale_factor layout_code"
 
 
 def _legacy_call(shim, tensor, **over):
     """trtllm_allreduce_fusion by keyword: pattern 0 on 16 x 1024 bfloat16 rows of a 2-rank
     group, each argument overridable."""
-    m, h = 16, 1024
-    x = torch.randn(m, h, dtype=torch.bfloat16)
-    kw = dict(
-        allreduce_in=x,
-        world_size=2,
-        world_rank=0,
-        token_num=m,
-        hidden_dim=h,
-        workspace_ptrs=tensor,
-        launch_with_pdl=False,
-        trigger_completion_at_end=True,
-        fp32_acc=False,
-        pattern_code=0,
-        use_oneshot=None,
-        allreduce_out=torch.empty_like(x),
-        **dict.fromkeys(NONE_BY_DEFAULT.split()),
-    )
-    return shim.trtllm_allreduce_fusion(**{**kw, **over})
+    x = torch.randn(16, 1024, dtype=torch.bfloat16)
+    kw = dict(allreduce_in=x, world_size=2, world_rank=0, token_num=16, hidden_dim=1024)
+    kw.update(workspace_ptrs=tensor, launch_with_pdl=False, trigger_completion_at_end=True)
+    kw.update(fp32_acc=False, pattern_code=0, use_oneshot=None, allreduce_out=torch.empty_like(x))
+    return shim.trtllm_allreduce_fusion(**kw | dict.fromkeys(NONE_BY_DEFAULT.split()) | over)
 
 
 @pytest.mark.parametrize(
@@ -195,13 +173,6 @@ def test_legacy_call_refuses_what_flashinfer_would_misread(
     assert not handles.workspace._rank_obj.launches
 
 
-def test_legacy_create_refuses_symmetric_memory(shim, fake_create):
-    with pytest.raises(ValueError, match="use_symm_dev_mem"):
-        shim.trtllm_create_ipc_workspace_for_all_reduce_fusion(
-            0, 2, 64, 1024, create_metadata=True, use_symm_dev_mem=True
-        )
-
-
 def test_legacy_create_without_a_gpu_is_torch_compats_refusal(gloo_world1, shim):
     # The real creation on CPU: torch_compat's own checks answer (here the world size the
     # kernel has no build for), before any memory is touched.
@@ -214,5 +185,5 @@ def test_legacy_create_without_a_gpu_is_torch_compats_refusal(gloo_world1, shim)
 
 
 def test_fp4_swizzled_size():
-    assert trtllm_ar.compute_fp4_swizzled_layout_sf_size(5, 16) == 128 * 16
-    assert trtllm_ar.compute_fp4_swizzled_layout_sf_size(129, 3) == 256 * 4
+    size = trtllm_ar.compute_fp4_swizzled_layout_sf_size
+    assert size(5, 16) == 128 * 16 and size(129, 3) == 256 * 4

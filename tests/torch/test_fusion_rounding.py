@@ -1,10 +1,8 @@
-"""The fusion pass on Hugging Face's own norm classes (transformers' ``LlamaRMSNorm``,
-``Qwen2RMSNorm``): they round the normalized value to the activation dtype before the
-gamma multiply, which the fused op does not. By default the pass leaves them as written
-(bit-identical outputs, the reason reported per block); with ``allow_rounding_change=True``
-it fuses them, names the change, and the outputs keep docs/torch.md's bound against
-float64. vLLM's classes get the same check in the framework venv
-(tests/torch/frameworks/)."""
+"""The fusion pass on Hugging Face's norm classes (``LlamaRMSNorm``, ``Qwen2RMSNorm``), which
+round the normalized value to the activation dtype before the gamma multiply, unlike the
+fused op: left as written by default (bit-identical, the reason per block); fused with
+``allow_rounding_change=True``, naming the change, within docs/torch.md's bound against
+float64. vLLM's classes: tests/torch/frameworks/."""
 
 import functools
 
@@ -36,31 +34,21 @@ def _module_norm(cls, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("cls", list(CLASSES), ids=list(CLASSES))
-def test_hf_norm_is_left_alone_by_default(gloo_world1, cls, dtype):
+def test_hf_norm_is_left_alone_by_default_and_keeps_the_bound_opted_in(gloo_world1, cls, dtype):
     fn = rc.block_fn(gloo_world1, _module_norm(CLASSES[cls], dtype))
+    name = rc.NAMES[dtype]
+    change = f"gamma multiplied in {name} after the norm is rounded to {name}"
     args = rc.inputs(M, H, dtype, seed=1)
     blocks, unfused, after = rc.run_block(fn, workspace(dtype=dtype), args, allow=False)
-    name = rc.NAMES[dtype]
-    assert len(blocks) == 1 and not blocks[0].fused
-    assert f"gamma multiplied in {name} after the norm is rounded to {name}" in blocks[0].reason
+    assert len(blocks) == 1 and not blocks[0].fused and change in blocks[0].reason
     for a, b in zip(unfused, after):
         assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("cls", list(CLASSES), ids=list(CLASSES))
-def test_hf_norm_opted_in_keeps_the_bound(gloo_world1, cls, dtype):
-    fn = rc.block_fn(gloo_world1, _module_norm(CLASSES[cls], dtype))
     ws = workspace(dtype=dtype)
     worst = 0.0
     for seed in range(3):  # fresh inputs each time
         args = rc.inputs(M, H, dtype, seed=10 + seed)
         blocks, unfused, fused = rc.run_block(fn, ws, args, allow=True)
-        name = rc.NAMES[dtype]
-        assert [b.fused for b in blocks] == [True]
-        assert blocks[0].rounding_change == (
-            f"gamma multiplied in {name} after the norm is rounded to {name}"
-        )
+        assert [b.fused for b in blocks] == [True] and blocks[0].rounding_change == change
         m = rc.measure(unfused, fused, args, EPS, dtype)
         rc.assert_within_bound(m, changes=1)
         worst = max(worst, m["fused_vs_unfused_units"])

@@ -20,14 +20,10 @@ sys.meta_path.insert(0, NoTorch())
 
 
 def test_without_torch_the_error_names_the_extra():
+    # The framework-neutral layer still imports.
     result = run_code(
-        NO_TORCH
-        + "try:\n"
-        + "    import torch_compat\n"
-        + "except ImportError as e:\n"
-        + "    print(type(e).__name__, e)\n"
-        + "import jax_fusedar.common.patterns\n"  # the framework-neutral layer still imports
-        + "print('common ok')\n"
+        NO_TORCH + "try:\n    import torch_compat\nexcept ImportError as e:\n"
+        "    print(type(e).__name__, e)\nimport jax_fusedar.common.patterns\nprint('common ok')\n"
     )
     assert result.returncode == 0, result.stderr
     first, second = result.stdout.splitlines()
@@ -51,9 +47,5 @@ def test_import_costs_under_1_3x_import_torch():
             times[mod].append(float(result.stdout.split()[-1]))
     t_torch, t_ours = (statistics.median(times[m]) for m in ("torch", "torch_compat"))
     assert t_ours < 1.3 * t_torch, times
-    assert (
-        "torch._inductor"
-        not in run_code(
-            "import sys, torch_compat; print(sorted(m for m in sys.modules if 'inductor' in m))"
-        ).stdout
-    )
+    code = "import sys, torch_compat; print(sorted(m for m in sys.modules if 'inductor' in m))"
+    assert "torch._inductor" not in run_code(code).stdout

@@ -1,6 +1,6 @@
-"""torch_compat's MoE patterns (6, 7) on CPU: FlashInfer's argument names, defaults and return
-rules, what reaches the native launch, every refused input, and the custom ops' fake
-implementations (the kernels themselves run in tests/gpu/workers/moe_gpu.py)."""
+"""torch_compat's MoE patterns (6, 7) on CPU: FlashInfer's arguments and return rules, the
+native launch, every refused input, the custom ops' fake implementations (the kernels run in
+tests/gpu/workers/moe_gpu.py)."""
 
 import functools
 
@@ -14,9 +14,7 @@ from tests.torch.fakes import fuse, refused, registered
 
 P6 = torch_compat.AllReduceFusionPattern.kMoEReductionARResidualRMSNorm
 P7 = torch_compat.AllReduceFusionPattern.kMoEFinalizeARResidualRMSNorm
-BF = torch.bfloat16
-
-
+BF, VT = torch.bfloat16, (ValueError, TypeError)
 fake_workspace = functools.partial(fakes.fake_workspace, max_tokens=64, hidden=7168)
 pytestmark = pytest.mark.usefixtures("cpu_stream")
 
@@ -87,20 +85,12 @@ def test_reduction_needs_norm_out_writes_output_and_residual_out_when_given():
 
 
 def _with(base, **changes):
-    out = dict(base)
-    for k, v in changes.items():
-        if v is None:
-            out.pop(k, None)
-        else:
-            out[k] = v
-    return out
+    """``base`` with ``changes``, a key changed to None left out."""
+    return {k: v for k, v in (base | changes).items() if v is not None}
 
 
 F = finalize_args(t=2, k=2, rows=4)
-
-
-def _idx(rows):
-    return torch.tensor(rows, dtype=torch.int32)
+_idx = functools.partial(torch.tensor, dtype=torch.int32)
 
 
 @pytest.mark.parametrize(
@@ -126,7 +116,7 @@ def _idx(rows):
     ],
 )
 def test_finalize_refuses(kw, match):
-    refused(fake_workspace(), P7, match, (ValueError, TypeError), **kw)
+    refused(fake_workspace(), P7, match, VT, **kw)
 
 
 def test_finalize_refuses_hidden_sizes_with_a_partial_warp_float32_and_big_calls():
@@ -161,7 +151,7 @@ R = reduction_args(e=3, t=4)
 )
 def test_reduction_refuses(kw, match):
     norm_out = torch.empty(4, 7168, dtype=BF)
-    refused(fake_workspace(), P6, match, (ValueError, TypeError), norm_out=norm_out, **kw)
+    refused(fake_workspace(), P6, match, VT, norm_out=norm_out, **kw)
 
 
 def test_dense_patterns_refuse_moe_arguments():
@@ -201,10 +191,9 @@ def test_custom_ops_fake_implementations_trace_and_refuse():
 
 
 def test_one_moe_rule_refuses_what_flashinfers_launcher_cannot_place():
-    """hidden 8448 is 33 warps per token: no cluster of 2, 4 or 8 CTAs divides them, so one
-    CTA would need 1056 threads and FlashInfer's launcher refuses it inside the launch. The
-    rule JAX applies at trace time (common.moe_limits) refuses it here too, eagerly and in
-    the fake implementations that torch.compile traces."""
+    """Hidden 8448 is 33 warps per token: no cluster of 2, 4 or 8 CTAs divides them, so one
+    CTA would need 1056 threads, which FlashInfer's launcher refuses inside the launch; JAX's
+    trace-time rule (common.moe_limits) refuses it here, eagerly and in the fake impls."""
     ws = fake_workspace(hidden=8448)
     refused(ws, P7, "1056 threads per block", **finalize_args(h=8448))
     norm_out = torch.empty(4, 8448, dtype=BF)

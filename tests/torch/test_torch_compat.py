@@ -1,13 +1,11 @@
-"""torch_compat on CPU (torch's CPU build, no GPU): FlashInfer-compatible signatures, every
-argument check, the c10d-store channel against real HashStore/TCPStore, the group exchange
-with the DP+TP layout that broke vLLM, and that torch_compat never imports JAX.
-
-Ranks are fakes that record what they were given; the kernel itself runs in
-tests/gpu/test_torch.py.
-"""
+"""torch_compat on CPU (no GPU): FlashInfer-compatible signatures, every argument check, the
+c10d-store channel on real HashStore/TCPStore, the group exchange with the DP+TP layout that
+broke vLLM, and no JAX import. Ranks are recording fakes; the kernel runs in
+tests/gpu/test_torch.py."""
 
 import ast
 import datetime
+import functools
 import inspect
 import random
 import socket
@@ -35,33 +33,28 @@ from tests.gpu.harness import run_ranks
 from tests.torch.fakes import FakeRank, fake_workspace, fuse, last_launch, refused
 from tests.repo import run_code
 
-
 # FlashInfer's Python source, from the anchor folder the GPU tests use ($JAX_FUSEDAR_ANCHOR or
 # <repo>/.anchor/anchor-flashinfer: tools/flashinfer_anchor.py); skipped where absent.
 ANCHOR = resolve_anchor_path() / "flashinfer" / "comm" / "allreduce.py"
-
-
-# --- signatures ----------------------------------------------------------------------------------
 
 _ = inspect.Parameter.empty
 POS, KW = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
 
 
 def _signature(text):
-    """(name, default, kind) of each parameter written in ``text`` as in a def: ``name`` or
-    ``name=literal``, a ``*`` before the keyword-only ones."""
+    """(name, default, kind) of each parameter of ``text``, written as in a def."""
     out, kind = [], POS
     for word in text.split():
         if word == "*":
             kind = KW
-            continue
-        name, eq, default = word.partition("=")
-        out.append((name, ast.literal_eval(default) if eq else _, kind))
+        else:
+            name, eq, default = word.partition("=")
+            out.append((name, ast.literal_eval(default) if eq else _, kind))
     return out
 
 
 # flashinfer/comm/allreduce.py (0.7.2.post1 era), in order; the keyword-only options are the
-# MNNVL CuTe DSL backend's.
+# MNNVL CuTe DSL backend's. allreduce_fusion: every parameter, the MoE ones (6, 7) included.
 FI_CREATE = _signature("""
     backend='auto' world_size=None rank=None max_token_num=None hidden_dim=None dtype=None
     gpus_per_node=None comm_backend=None force_oneshot_support=False group=None
@@ -69,8 +62,6 @@ FI_CREATE = _signature("""
     include_shared_expert=None add_residual=None write_residual_output=None
     apply_rms_norm=None output_dtype=None dynamic_fp8=None write_norm_output=None config=None
 """)
-FI_CREATE_ONLY = {n for n, _d, k in FI_CREATE if k == KW}  # CuTe DSL only
-
 FI_FUSION = _signature("""
     input workspace pattern launch_with_pdl=False trigger_completion_at_end=True output=None
     residual_out=None norm_out=None quant_out=None scale_out=None residual_in=None
@@ -80,8 +71,6 @@ FI_FUSION = _signature("""
     expanded_idx_to_permuted_idx=None expert_scale_factor=None shared_expert_output=None
     block_quant_group_size=None weight_bias=0.0 * moe_finalize_backend='trtllm'
 """)
-FI_FUSION_ONLY = set()  # every FlashInfer parameter, the MoE ones (6, 7) included
-
 FI_SUFFICIENT = _signature("self tp_size num_tokens hidden_dim dtype use_oneshot=None")
 
 
@@ -89,30 +78,25 @@ def _params(fn):
     return [(p.name, p.default, p.kind) for p in inspect.signature(fn).parameters.values()]
 
 
-def test_create_signature_matches_flashinfer():
+def test_signatures_and_exports_are_flashinfers():
     ours = _params(torch_compat.create_allreduce_fusion_workspace)
-    assert ours[:-6] == [p for p in FI_CREATE if p[0] not in FI_CREATE_ONLY]
+    assert ours[:-6] == [p for p in FI_CREATE if p[2] != KW]  # without the CuTe DSL options
     # Our additions, keyword-only (check_*: the handshake's names until 0.1.0).
     assert ours[-6:] == _signature(
         "* timeout_s=120.0 handshake=None handshake_timeout_s=None kernel_timeout_s=None "
         "check_calls=None check_timeout_s=None"
     )
-
-
-def test_allreduce_fusion_signature_matches_flashinfer():
-    assert _params(torch_compat.allreduce_fusion)[:-1] == [
-        p for p in FI_FUSION if p[0] not in FI_FUSION_ONLY
-    ]
     # Our addition, keyword-only: pattern 7's routed scaling (FlashInfer's unified API passes
     # None, i.e. 1.0, to its kernel).
-    assert _params(torch_compat.allreduce_fusion)[-1] == ("routed_scaling_factor", None, KW)
-
-
-def test_is_buffer_size_sufficient_signature_matches_flashinfer():
-    assert (
-        _params(torch_compat.TorchAllReduceFusionWorkspace.is_buffer_size_sufficient)
-        == FI_SUFFICIENT
-    )
+    ours = _params(torch_compat.allreduce_fusion)
+    assert ours[:-1] == FI_FUSION and ours[-1] == ("routed_scaling_factor", None, KW)
+    sufficient = torch_compat.TorchAllReduceFusionWorkspace.is_buffer_size_sufficient
+    assert _params(sufficient) == FI_SUFFICIENT
+    assert torch_compat.AllReduceFusionPattern.kARResidualRMSNorm == 1
+    assert torch_compat.QuantizationSFLayout.LINEAR == 2
+    names = {"allreduce_fusion", "AllReduceFusionPattern", "QuantizationSFLayout"}
+    assert set(torch_compat.__all__) >= names | {"create_allreduce_fusion_workspace"}
+    assert set(ops.TORCH_PATTERNS) == set(torch_compat.AllReduceFusionPattern)  # all served
 
 
 def _anchor_signature(tree, name):
@@ -132,17 +116,6 @@ def test_hard_coded_lists_are_flashinfers():
     assert _anchor_signature(tree, "is_buffer_size_sufficient") == FI_SUFFICIENT
 
 
-def test_exports():
-    assert torch_compat.AllReduceFusionPattern.kARResidualRMSNorm == 1
-    assert torch_compat.QuantizationSFLayout.LINEAR == 2
-    assert set(torch_compat.__all__) >= {
-        "create_allreduce_fusion_workspace",
-        "allreduce_fusion",
-        "AllReduceFusionPattern",
-        "QuantizationSFLayout",
-    }
-
-
 @pytest.mark.slow
 def test_importing_torch_compat_does_not_import_jax():
     code = (
@@ -156,25 +129,17 @@ def test_importing_torch_compat_does_not_import_jax():
 
 def _tensors(m=16, h=1024, dtype=torch.bfloat16):
     x = torch.randn(m, h).to(dtype)
-    return dict(
-        input=x,
-        residual_in=torch.randn(m, h).to(dtype),
-        rms_gamma=torch.randn(h).to(dtype),
-        residual_out=torch.empty_like(x),
-        norm_out=torch.empty_like(x),
-    )
+    t = dict(input=x, residual_in=torch.randn(m, h).to(dtype), rms_gamma=torch.randn(h).to(dtype))
+    return t | dict(residual_out=torch.empty_like(x), norm_out=torch.empty_like(x))
 
 
-# --- the workspace object -------------------------------------------------------------------------
-
-
+# --- the workspace object
 def test_workspace_metadata_and_buffer_rule():
     ws = fake_workspace(world=2, max_tokens=128, hidden=1024)
     md = ws.metadata
     want = dict(tp_rank=0, tp_size=2, max_token_num=128, hidden_dim=1024, use_fp32_lamport=False)
     assert {k: md[k] for k in want} == want
-    assert md["lamport_comm_size"] == ws.sizes.lamport_comm_bytes
-    assert ws.backend == "trtllm"
+    assert md["lamport_comm_size"] == ws.sizes.lamport_comm_bytes and ws.backend == "trtllm"
     ok = ws.is_buffer_size_sufficient
     assert ok(2, 128, 1024, torch.bfloat16)
     assert ok(2, 256, 512, torch.float16)  # element count, and fp16 shares bf16's width
@@ -205,9 +170,7 @@ def test_destroy_is_idempotent_and_final(cpu_stream):
     assert "destroyed" in repr(ws)
 
 
-# --- allreduce_fusion: what reaches the kernel and what comes back --------------------------------
-
-
+# --- allreduce_fusion: what reaches the kernel and what comes back
 def test_pattern1_launch_arguments_and_return_value(cpu_stream):
     ws = fake_workspace()
     t = _tensors(m=16)
@@ -221,6 +184,9 @@ def test_pattern1_launch_arguments_and_return_value(cpu_stream):
     assert kw["stream"] == 0xC0FFEE and kw["algorithm"] == launch_mode.ALGORITHM_ONESHOT
     assert kw["launch_with_pdl"] and kw["fp32_acc"] and kw["trigger_completion_at_end"]
     assert kw["rms_eps"] == pytest.approx(1e-5) and kw["weight_bias"] == 1.0
+    # In-place outputs (aliasing the inputs) are allowed.
+    t["residual_out"], t["norm_out"] = t["residual_in"], t["input"]
+    assert fuse(ws, 1, **t) is t["input"]
 
 
 def test_pattern0_allocates_output_like_flashinfer(cpu_stream):
@@ -251,18 +217,15 @@ def test_oneshot_choice_is_the_topology_policy_and_forcible(cpu_stream):
         _call(ws, use_oneshot=False, **_tensors(m=2, h=4096))
 
 
-def test_aliasing_in_place_outputs_is_allowed(cpu_stream):
-    ws = fake_workspace()
-    t = _tensors()
-    t["residual_out"], t["norm_out"] = t["residual_in"], t["input"]
-    assert fuse(ws, 1, **t) is t["input"]
-
-
-# --- allreduce_fusion: every refusal --------------------------------------------------------------
-
-
+# --- allreduce_fusion: every refusal
 def _call(ws, pattern=1, **over):
     return fuse(ws, pattern, **_tensors() | over)
+
+
+E4M3, U8, I32 = torch.float8_e4m3fn, torch.uint8, torch.int32
+_bf, _f8, _u8, _i32 = (
+    functools.partial(torch.empty, dtype=d) for d in (torch.bfloat16, E4M3, U8, I32)
+)
 
 
 NO_NORM = dict(residual_out=None, norm_out=None)
@@ -283,15 +246,12 @@ OUTPUT_1 = r"pattern 1 \(kARResidualRMSNorm\) does not write output"
         (dict(input=torch.randn(16, 1020).bfloat16()), "multiple of 8"),
         (dict(residual_in=torch.randn(16, 512).bfloat16()), "residual_in must have"),
         (dict(residual_in=torch.randn(16, 1024).half()), "residual_in must have the input's dtype"),
-        (dict(residual_out=torch.empty(8, 1024).bfloat16()), "residual_out must have"),
+        (dict(residual_out=_bf(8, 1024)), "residual_out must have"),
         (dict(norm_out=torch.empty(16, 1024)), "norm_out must have the input's dtype"),
-        (dict(norm_out=torch.empty(1024, 16).bfloat16().t()), "norm_out must be contiguous"),
-        (dict(pattern=0, **NO_NORM, output=torch.empty(16, 1023).bfloat16()), "output must have"),
-        (dict(output=torch.empty(16, 1024).bfloat16()), OUTPUT_1),
-        (
-            dict(rms_gamma=torch.randn(16, 1024).bfloat16()),
-            r"rms_gamma must have shape \[hidden_dim\]",
-        ),
+        (dict(norm_out=_bf(1024, 16).t()), "norm_out must be contiguous"),
+        (dict(pattern=0, **NO_NORM, output=_bf(16, 1023)), "output must have"),
+        (dict(output=_bf(16, 1024)), OUTPUT_1),
+        (dict(rms_gamma=_bf(16, 1024)), r"rms_gamma must have shape \[hidden_dim\]"),
         (dict(rms_gamma=torch.randn(1024)), "rms_gamma must have the input's dtype"),
         (dict(rms_gamma=[1.0] * 1024), "rms_gamma must be a torch.Tensor"),
         (dict(rms_gamma=torch.randn(1025).bfloat16()[1:]), "16-byte boundary"),
@@ -301,38 +261,23 @@ OUTPUT_1 = r"pattern 1 \(kARResidualRMSNorm\) does not write output"
         (dict(norm_out=None), "needs norm_out"),
         (dict(quant_out=torch.empty(16, 1024, dtype=torch.uint8)), "does not write quant_out"),
         (dict(scale_out=torch.empty(16, 1)), "does not write scale_out"),
-        (dict(pattern=0, norm_out=torch.empty(16, 1024).bfloat16()), "does not write"),
+        (dict(pattern=0, norm_out=_bf(16, 1024)), "does not write"),
         # FlashInfer's MoE codes: their own inputs (tests/torch/test_moe.py)
         (dict(pattern=6), "kMoEReductionARResidualRMSNorm needs moe_reduction_device_num_experts"),
         (dict(pattern=7), "kMoEFinalizeARResidualRMSNorm needs expanded_idx_to_permuted_idx"),
         (dict(pattern=12), "unknown fusion pattern"),
         (dict(pattern=99), "unknown fusion pattern"),
         (dict(input="x"), "must be a torch.Tensor"),
+        (dict(device="cuda:3"), r"input must be on cuda:3 \(the workspace's device\)"),
+        # 1025 vectors of 8: odd, so a cluster of one CTA, which would need 1025 > 1024 threads.
+        (dict(ws=dict(max_tokens=4, hidden=16384), **_tensors(m=1, h=8200)), "threads per CTA"),
     ],
 )
 def test_refused_with_a_clear_value_error(cpu_stream, over, match):
-    with pytest.raises(ValueError, match=match):
-        _call(fake_workspace(), **over)
-
-
-def test_every_kernel_pattern_is_served():
-    assert set(ops.TORCH_PATTERNS) == set(torch_compat.AllReduceFusionPattern)
-
-
-def test_tensors_must_be_on_the_workspace_device(cpu_stream):
-    ws = fake_workspace()
-    ws.torch_device = torch.device("cuda", 3)
-    with pytest.raises(ValueError, match=r"input must be on cuda:3 \(the workspace's device\)"):
-        _call(ws)
-    assert not ws._rank_obj.launches
-
-
-def test_hidden_size_the_kernel_cannot_launch_is_refused(cpu_stream):
-    # 1025 vectors of 8: odd, so a cluster of one CTA, which would need 1025 > 1024 threads.
-    h = 1025 * 8
-    ws = fake_workspace(max_tokens=4, hidden=8192 * 2)
-    with pytest.raises(ValueError, match="threads per CTA"):
-        _call(ws, **_tensors(m=1, h=h))
+    over = dict(over)
+    ws = fake_workspace(**over.pop("ws", {}))
+    ws.torch_device = torch.device(over.pop("device", "cpu"))
+    refused(ws, over.pop("pattern", 1), match, **_tensors() | over)
 
 
 def test_not_a_workspace_is_a_type_error():
@@ -340,9 +285,7 @@ def test_not_a_workspace_is_a_type_error():
         torch_compat.allreduce_fusion(torch.randn(2, 8), object(), 0)
 
 
-# --- create_allreduce_fusion_workspace: checks before any exchange --------------------------------
-
-
+# --- create_allreduce_fusion_workspace: checks before any exchange
 CREATE = dict(max_token_num=16, hidden_dim=1024, dtype=torch.bfloat16)
 
 
@@ -359,55 +302,44 @@ def test_create_needs_torch_distributed():
     create_refused("init_process_group", world_size=2, rank=0, error=RuntimeError)
 
 
-@pytest.mark.parametrize(
-    "world_size, rank, match",
-    [(1, 1, "group-local"), (2, 0, r"world_size=2 but the TP group has 1 ranks")],
-    ids=["rank_must_be_group_local", "world_size_must_be_the_groups"],
+WORLD_1 = f"world size 1 is not supported.*{', '.join(map(str, SUPPORTED_WORLD_SIZES))}"
+ONE_RANK, TWO_RANKS = dict(world_size=1, rank=0), dict(world_size=2, rank=0)
+# FlashInfer's CommBackend protocol, built over another group.
+OTHER_GROUP = ONE_RANK | dict(
+    comm_backend=types.SimpleNamespace(Get_rank=lambda: 3, Get_size=lambda: 1)
 )
-def test_create_rank_and_world_size_are_the_groups(gloo_world1, world_size, rank, match):
-    create_refused(match, world_size=world_size, rank=rank)
+CREATE_REFUSALS = {
+    "rank_must_be_group_local": ((), dict(world_size=1, rank=1), "group-local"),
+    "world_size_must_be_the_groups": ((), TWO_RANKS, r"world_size=2 but the TP group has 1 ranks"),
+    "world_size_1": ((), ONE_RANK, WORLD_1),
+    "world_size_1_implied": ((), dict(world_size=None, rank=None), WORLD_1),
+    "world_size_1_new_group": ((), ONE_RANK | dict(group="new"), WORLD_1),
+    "world_size_1_new_group_implied": ((), dict(world_size=None, rank=None, group="new"), WORLD_1),
+    "xla": (("xla", 2, 0), {}, "does not exist under torch"),
+    "mnnvl": (("mnnvl", 2, 0), {}, "multicast"),
+    "mnnvl-cutedsl": (("mnnvl-cutedsl", 2, 0), {}, "unknown all-reduce backend"),
+    "nccl": (("nccl", 2, 0), {}, "unknown all-reduce backend"),
+    "xla_from_the_environment": (("auto", 2, 0), dict(env="xla"), "does not exist under torch"),
+    **{
+        f"dtype_{d}": ((), ONE_RANK | dict(dtype=d), "dtype must be torch.bfloat16")
+        for d in (None, torch.float64, torch.int8, "bfloat16")
+    },
+    "comm_backend_of_another_group": ((), OTHER_GROUP, "comm_backend.Get_rank"),
+}
 
 
-@pytest.mark.parametrize("sub", [False, True], ids=["world", "new_group"])
-def test_create_world_size_one_is_refused_clearly(gloo_world1, sub):
-    group = dist.new_group([0]) if sub else None
-    match = f"world size 1 is not supported.*{', '.join(map(str, SUPPORTED_WORLD_SIZES))}"
-    for ws, r in ((1, 0), (None, None)):
-        create_refused(match, world_size=ws, rank=r, group=group)
+@pytest.mark.parametrize("case", CREATE_REFUSALS)
+def test_create_refused(gloo_world1, monkeypatch, case):
+    args, kw, match = CREATE_REFUSALS[case]
+    kw = dict(kw)
+    if kw.get("group") == "new":
+        kw["group"] = dist.new_group([0])
+    if "env" in kw:
+        monkeypatch.setenv(backend_choice.BACKEND_ENV_VAR, kw.pop("env"))
+    create_refused(match, *args, **kw)
 
 
-@pytest.mark.parametrize(
-    "backend, match",
-    [
-        ("xla", "does not exist under torch"),
-        ("mnnvl", "multicast"),
-        ("mnnvl-cutedsl", "unknown all-reduce backend"),
-        ("nccl", "unknown all-reduce backend"),
-    ],
-)
-def test_create_refuses_backends_torch_cannot_run(gloo_world1, backend, match):
-    create_refused(match, backend, 2, 0)
-
-
-def test_create_refuses_xla_from_the_environment(gloo_world1, monkeypatch):
-    monkeypatch.setenv(backend_choice.BACKEND_ENV_VAR, "xla")
-    create_refused("does not exist under torch", "auto", 2, 0)
-
-
-@pytest.mark.parametrize("dtype", [None, torch.float64, torch.int8, "bfloat16"])
-def test_create_refuses_other_dtypes(gloo_world1, dtype):
-    create_refused("dtype must be torch.bfloat16", world_size=1, rank=0, dtype=dtype)
-
-
-def test_create_comm_backend_must_describe_the_same_group(gloo_world1):
-    # FlashInfer's CommBackend protocol, built over another group.
-    other = types.SimpleNamespace(Get_rank=lambda: 3, Get_size=lambda: 1)
-    create_refused("comm_backend.Get_rank", world_size=1, rank=0, comm_backend=other)
-
-
-# --- the store channel ----------------------------------------------------------------------------
-
-
+# --- the store channel
 @pytest.fixture(params=["hash", "tcp"])
 def stores(request):
     """A factory of store handles on one store: the same HashStore object, or a new TCPStore
@@ -416,20 +348,24 @@ def stores(request):
         store = dist.HashStore()
         yield lambda: store
     else:
-        server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30))
-        yield lambda: dist.TCPStore(
-            "127.0.0.1", server.port, 1, False, timeout=datetime.timedelta(seconds=30)
-        )
+        timeout = datetime.timedelta(seconds=30)
+        server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timeout)
+        yield lambda: dist.TCPStore("127.0.0.1", server.port, 1, False, timeout=timeout)
         del server
 
 
-def test_channel_publish_fetch_roundtrip(stores):
+def test_channel_publish_fetch_roundtrip_and_a_late_publisher(stores):
     a, b = StoreChannel(stores(), timeout_s=5), StoreChannel(stores(), timeout_s=5)
     payload = bytes(range(256)) * 3  # IPC handles are binary
     a.publish("k/1", payload)
     assert b.fetch("k/1", "peer") == payload
     b.publish("k/2", b"x")
     assert b.fetch_many({"k/1": "a", "k/2": "b"}) == {"k/1": payload, "k/2": b"x"}
+    chan, late = StoreChannel(stores(), timeout_s=10), StoreChannel(stores(), timeout_s=10)
+    timer = threading.Timer(0.3, late.publish, args=("late", b"ok"))
+    timer.start()
+    assert chan.fetch("late", "late peer") == b"ok"
+    timer.join()
 
 
 def test_channel_fetch_names_who_is_missing_within_the_timeout(stores):
@@ -445,32 +381,21 @@ def test_channel_fetch_names_who_is_missing_within_the_timeout(stores):
     assert "TP rank 0" not in msg and "0.5 s" in msg
 
 
-def test_channel_fetch_waits_for_a_late_publisher(stores):
-    chan, late = StoreChannel(stores(), timeout_s=10), StoreChannel(stores(), timeout_s=10)
-    timer = threading.Timer(0.3, late.publish, args=("late", b"ok"))
-    timer.start()
-    assert chan.fetch("late", "late peer") == b"ok"
-    timer.join()
+@pytest.mark.parametrize("present", [[4, 5, 6], [4, 6]], ids=["all_arrive", "one_missing"])
+def test_channel_barrier(stores, present):
+    """Releases when all arrive (staggered: nobody may leave before the last one), else
+    times out counting the arrivals."""
+    timeout_s = 10 if len(present) == 3 else 0.5
 
-
-def _barrier_threads(stores, processes, present, timeout_s):
     def arrive(p):
-        # Staggered arrivals: nobody may leave before the last one.
         time.sleep(0.05 * present.index(p))
-        StoreChannel(stores(), timeout_s=timeout_s, process=p).barrier("b/1", processes)
+        StoreChannel(stores(), timeout_s=timeout_s, process=p).barrier("b/1", [4, 5, 6])
 
-    done, errors = run_in_threads(arrive, present, timeout_s + 10)
-    return list(done), errors
-
-
-def test_channel_barrier_releases_when_all_arrive(stores):
-    done, errors = _barrier_threads(stores, [4, 5, 6], [4, 5, 6], timeout_s=10)
-    assert not errors and sorted(done) == [4, 5, 6]
-
-
-def test_channel_barrier_timeout_counts_arrivals(stores):
     t0 = time.monotonic()
-    done, errors = _barrier_threads(stores, [4, 5, 6], [4, 6], timeout_s=0.5)
+    done, errors = run_in_threads(arrive, present, timeout_s + 10)
+    if len(present) == 3:
+        assert not errors and sorted(done) == [4, 5, 6]
+        return
     assert time.monotonic() - t0 < 5 and not done
     for e in errors.values():
         assert isinstance(e, TimeoutError)
@@ -484,21 +409,20 @@ def test_channel_barrier_reuse_is_detected():
         StoreChannel(store, timeout_s=1).barrier("b", [0])
 
 
-# --- exchange keys and the group exchange ---------------------------------------------------------
-
-
-@pytest.fixture
-def fresh_serials(monkeypatch):
-    monkeypatch.setattr(wsmod, "_serials", {})
-
-
+# --- exchange keys and the group exchange
 def _key(ranks, serial, purpose="member/rank0"):
-    return exchange.exchange_key(
-        wsmod.NAMESPACE, tp_groups.TPGroup(tuple(ranks), 0), serial, purpose
-    )
+    group = tp_groups.TPGroup(tuple(ranks), 0)
+    return exchange.exchange_key(wsmod.NAMESPACE, group, serial, purpose)
 
 
-def test_keys_unique_across_groups_with_identical_seeds(fresh_serials):
+def test_keys_and_serials_per_group(monkeypatch):
+    monkeypatch.setattr(wsmod, "_serials", {})
+    # A process that also builds a WORLD workspace keeps its TP group's serials in step with
+    # a peer that does not.
+    assert wsmod._next_serial([0, 1, 2, 3]) == 1
+    assert wsmod._next_serial([0, 1]) == 1 and wsmod._next_serial([0, 1]) == 2
+    assert wsmod._next_serial([2, 3]) == 1
+    monkeypatch.setattr(wsmod, "_serials", {})
     # vLLM seeds `random` the same on every rank; keys must not depend on it.
     keys = {}
     for ranks in ([0, 1], [2, 3]):
@@ -512,15 +436,6 @@ def test_keys_unique_across_groups_with_identical_seeds(fresh_serials):
     assert _key([0, 1], wsmod._next_serial([0, 1])) != keys[(0, 1)]
 
 
-def test_serials_count_per_group(fresh_serials):
-    # A process that also builds a WORLD workspace keeps its TP group's serials in step with
-    # a peer that does not.
-    assert wsmod._next_serial([0, 1, 2, 3]) == 1
-    assert wsmod._next_serial([0, 1]) == 1
-    assert wsmod._next_serial([0, 1]) == 2
-    assert wsmod._next_serial([2, 3]) == 1
-
-
 def _join_threads(layout, timeout_s=10.0, hosts=None, skip=(), backend="trtllm"):
     """layout: {global rank: (group's global ranks, device)}; one thread per process on one
     HashStore (the default store each process would share)."""
@@ -528,16 +443,9 @@ def _join_threads(layout, timeout_s=10.0, hosts=None, skip=(), backend="trtllm")
 
     def join(me):
         ranks, device = layout[me]
-        return wsmod._join_group(
-            global_ranks=ranks,
-            me=me,
-            device=device,
-            host=(hosts or {}).get(me, "node0"),
-            channel=StoreChannel(store, timeout_s=timeout_s, process=me),
-            serial=1,
-            backend=backend,
-            make_rank=lambda dev, tp: FakeRank(me, dev, tp),
-        )
+        kw = dict(global_ranks=ranks, me=me, device=device, host=(hosts or {}).get(me, "node0"))
+        kw.update(channel=StoreChannel(store, timeout_s=timeout_s, process=me), serial=1)
+        return wsmod._join_group(**kw, backend=backend, make_rank=lambda d, t: FakeRank(me, d, t))
 
     return run_in_threads(join, [p for p in layout if p not in skip], timeout_s * 4)
 
@@ -567,15 +475,13 @@ def test_member_that_never_joins_is_named():
     out, errors = _join_threads(DP_TP, timeout_s=0.5, skip=(3,))
     assert time.monotonic() - t0 < 5
     assert set(out) == {0, 1} and set(errors) == {2}
-    msg = str(errors[2])
     assert isinstance(errors[2], TimeoutError)
-    assert "TP rank 1 of group [2, 3] (global rank 3)" in msg
+    assert "TP rank 1 of group [2, 3] (global rank 3)" in str(errors[2])
 
 
 def test_group_across_hosts_is_refused_by_every_member():
-    out, errors = _join_threads(
-        {0: ([0, 1], 0), 1: ([0, 1], 0)}, hosts={1: "node1"}, backend="auto"
-    )
+    layout = {0: ([0, 1], 0), 1: ([0, 1], 0)}
+    out, errors = _join_threads(layout, hosts={1: "node1"}, backend="auto")
     assert not out and set(errors) == {0, 1}
     for e in errors.values():
         assert isinstance(e, ValueError) and "spans 2 nodes" in str(e)
@@ -592,15 +498,12 @@ def test_shared_gpu_is_allowed_with_a_warning(caplog):
     assert "share a GPU" in caplog.text
 
 
-# --- multi-process CPU run over gloo: groups from dist.new_group, the real default store ---------
-
-
+# --- multi-process CPU run over gloo: groups from dist.new_group, the real default store
 def gloo_worker(rank, world, chan, *, port):
     """DP=2 x TP=2 with gloo: the checks that need real subgroups, and the exchange over
     the default store with the crossed device layout (fake ranks: no GPU here)."""
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+    url = f"tcp://127.0.0.1:{port}"
+    dist.init_process_group("gloo", init_method=url, rank=rank, world_size=world)
     try:
         groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every process, same order
         group = groups[rank // 2]
@@ -621,23 +524,13 @@ def gloo_worker(rank, world, chan, *, port):
         elif not torch.cuda.is_available():  # correct arguments: stops at the missing GPU
             seen["correct"] = _error_of(world_size=2, rank=rank)
         ranks = dist.get_process_group_ranks(group)
-        native, members = wsmod._join_group(
-            global_ranks=ranks,
-            me=rank,
-            device=[0, 1, 1, 0][rank],
-            host=socket.gethostname(),
-            channel=StoreChannel(timeout_s=30, process=rank),
-            serial=wsmod._next_serial(ranks),
-            backend="auto",
-            make_rank=lambda dev, tp: FakeRank(rank, dev, tp),
-        )
-        return {
-            "seen": seen,
-            "tp_rank": native.tp_rank,
-            "device": native.device,
-            "peers": {str(k): v for k, v in native.peers.items()},
-            "members": [(m.process, m.device) for m in members],
-        }
+        kw = dict(global_ranks=ranks, me=rank, device=[0, 1, 1, 0][rank], backend="auto")
+        kw.update(host=socket.gethostname(), channel=StoreChannel(timeout_s=30, process=rank))
+        kw.update(serial=wsmod._next_serial(ranks), make_rank=lambda d, t: FakeRank(rank, d, t))
+        native, members = wsmod._join_group(**kw)
+        out = dict(seen=seen, tp_rank=native.tp_rank, device=native.device)
+        out["peers"] = {str(k): v for k, v in native.peers.items()}
+        return out | {"members": [(m.process, m.device) for m in members]}
     finally:
         dist.destroy_process_group()
 
@@ -658,17 +551,10 @@ def test_dp_tp_over_gloo_four_processes():
     assert res[0]["peers"] == {"1": ("ipc", "ipc:1:1:1")}
 
 
-# --- allreduce_fusion: the quantized patterns -----------------------------------------------------
-
+# --- allreduce_fusion: the quantized patterns
 QP = torch_compat.AllReduceFusionPattern
-FP8_STATIC = (QP.kARResidualRMSNormFP8Quant, QP.kARResidualRMSNormOutFP8Quant)
-FP8_DYNAMIC = (QP.kARResidualRMSNormDynamicFP8Quant, QP.kARResidualRMSNormOutDynamicFP8Quant)
-FP8_GROUP = (
-    QP.kARResidualRMSNormPerTokenGroupFP8PackedQuant,
-    QP.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant,
-)
 NVFP4 = (QP.kARResidualRMSNormFP4Quant, QP.kARResidualRMSNormOutFP4Quant)
-QUANT = FP8_STATIC + FP8_DYNAMIC + FP8_GROUP + NVFP4
+QUANT = [QP(p) for p in (2, 4, 10, 11, 8, 9, 3, 5)]
 
 
 def group_scale_out(m, h, g):
@@ -684,11 +570,9 @@ def _qtensors(pattern, m=16, h=1024, dtype=torch.bfloat16, group=128, layout=Non
     if not traits.has_norm_out:
         del t["norm_out"]
     if traits.quant == "fp4":
-        lay = 0 if layout is None else layout
+        shape = quant_layouts.nvfp4_scale_shape(m, h, layout or 0)
         t["quant_out"] = torch.empty(m, h // 2, dtype=torch.uint8)
-        t["scale_out"] = torch.empty(
-            quant_layouts.nvfp4_scale_shape(m, h, lay), dtype=torch.float8_e4m3fn
-        )
+        t["scale_out"] = torch.empty(shape, dtype=torch.float8_e4m3fn)
         t["scale_factor"] = torch.tensor([448.0 * 6.0], dtype=torch.float32)
         if layout is not None:
             t["layout_code"] = layout
@@ -714,12 +598,12 @@ def test_quantized_pattern_launch_arguments_and_return_value(cpu_stream, sm100, 
     assert out is (t["norm_out"] if traits.has_norm_out else t["quant_out"])
     ((args, kw),) = ws._rank_obj.launches
     assert args == (int(pattern), native.DTYPE_CODES["bfloat16"], 16, 1024, t["input"].data_ptr())
-    assert kw["quant_out"] == t["quant_out"].data_ptr()
-    assert kw["scale_out"] == (t["scale_out"].data_ptr() if "scale_out" in t else 0)
-    assert kw["norm_out"] == (t["norm_out"].data_ptr() if traits.has_norm_out else 0)
-    assert kw["residual_out"] == t["residual_out"].data_ptr() and kw["allreduce_out"] == 0
-    assert kw["scale_factor"] == (t["scale_factor"].data_ptr() if "scale_factor" in t else 0)
-    assert kw["block_quant_group_size"] == (128 if pattern in FP8_GROUP else 0)
+    ptr = {k: v.data_ptr() for k, v in t.items() if torch.is_tensor(v)}
+    assert kw["quant_out"] == ptr["quant_out"] and kw["scale_out"] == ptr.get("scale_out", 0)
+    assert kw["norm_out"] == (ptr["norm_out"] if traits.has_norm_out else 0)
+    assert kw["residual_out"] == ptr["residual_out"] and kw["allreduce_out"] == 0
+    assert kw["scale_factor"] == ptr.get("scale_factor", 0)
+    assert kw["block_quant_group_size"] == (128 if pattern in (8, 9) else 0)  # per token group
     assert kw["layout"] == 0
 
 
@@ -759,8 +643,7 @@ def test_nvfp4_is_refused_below_sm100(cpu_stream, sm90):
     for p in NVFP4:
         refused(ws, p, r"NVFP4 patterns \(3, 5\) need an sm100\+ GPU.*sm90", **_qtensors(p))
     assert not ws._rank_obj.launches
-    # The FP8 patterns do not depend on the architecture.
-    fuse(ws, 4, **_qtensors(4))
+    fuse(ws, 4, **_qtensors(4))  # the FP8 patterns do not depend on the architecture
 
 
 def test_scale_factor_as_python_float_like_flashinfer(cpu_stream, monkeypatch):
@@ -793,12 +676,9 @@ def test_quantized_inputs_a_pattern_does_not_read_are_ignored(cpu_stream):
 
 
 def _bad(pattern, **over):
-    t = _qtensors(pattern)
-    t.update(over)
-    return pattern, t
+    return pattern, _qtensors(pattern) | over
 
 
-E4M3, U8, I32 = torch.float8_e4m3fn, torch.uint8, torch.int32
 STRIDE_1_16, ROUND_UP = r"stride must be \(1, 16\)", r".*round_up\(token_num, 4\) = 16"
 
 
@@ -813,23 +693,14 @@ STRIDE_1_16, ROUND_UP = r"stride must be \(1, 16\)", r".*round_up\(token_num, 4\
         (*_bad(4, norm_out=None), r"needs norm_out"),
         (*_bad(9, residual_in=None), r"needs residual_in"),
         # outputs the pattern does not write
-        (*_bad(2, norm_out=torch.empty(16, 1024).bfloat16()), "does not write norm_out"),
+        (*_bad(2, norm_out=_bf(16, 1024)), "does not write norm_out"),
         (*_bad(4, scale_out=torch.empty(16, 1)), "does not write scale_out"),
-        (*_bad(10, output=torch.empty(16, 1024).bfloat16()), "does not write output"),
+        (*_bad(10, output=_bf(16, 1024)), "does not write output"),
         # quant_out
-        (*_bad(2, quant_out=torch.empty(16, 1024, dtype=U8)), "quant_out must have dtype"),
-        (
-            *_bad(4, quant_out=torch.empty(16, 512, dtype=E4M3)),
-            r"quant_out must have shape \[16, 1024\]",
-        ),
-        (
-            *_bad(11, quant_out=torch.empty(1024, 16, dtype=E4M3).t()),
-            "quant_out must be contiguous",
-        ),
-        (
-            *_bad(10, quant_out=torch.empty(16 * 1024 + 1, dtype=E4M3)[1:].view(16, 1024)),
-            "16-byte boundary",
-        ),
+        (*_bad(2, quant_out=_u8(16, 1024)), "quant_out must have dtype"),
+        (*_bad(4, quant_out=_f8(16, 512)), r"quant_out must have shape \[16, 1024\]"),
+        (*_bad(11, quant_out=_f8(1024, 16).t()), "quant_out must be contiguous"),
+        (*_bad(10, quant_out=_f8(16 * 1024 + 1)[1:].view(16, 1024)), "16-byte boundary"),
         (*_bad(9, quant_out=[0] * 4), "quant_out must be a torch.Tensor"),
         # static scale_factor
         (*_bad(2, scale_factor=None), r"needs scale_factor \(the dequantization scale"),
@@ -850,11 +721,23 @@ STRIDE_1_16, ROUND_UP = r"stride must be \(1, 16\)", r".*round_up\(token_num, 4\
         (*_bad(9, block_quant_group_size=512), "power of two from 8 to 256"),
         (*_bad(9, block_quant_group_size=128.0), "must be an int"),
         (*_bad(9, block_quant_group_size=True), "must be an int"),
-        (*_bad(8, scale_out=torch.empty(2, 17, dtype=I32)[:, :16].t()), STRIDE_1_16 + ROUND_UP),
-        (*_bad(8, scale_out=torch.empty(16, 2, dtype=I32)), r"scale_out " + STRIDE_1_16),
+        (*_bad(8, scale_out=_i32(2, 17)[:, :16].t()), STRIDE_1_16 + ROUND_UP),
+        (*_bad(8, scale_out=_i32(16, 2)), r"scale_out " + STRIDE_1_16),
         (*_bad(8, scale_out=group_scale_out(16, 1024, 64)), r"scale_out shape must be \(16, 2\)"),
         (*_bad(9, scale_out=torch.empty(2, 16).t()), "torch.int32"),
         (*_bad(9, scale_out=torch.empty(2, 16, dtype=torch.int64).t()), "torch.int32"),
+        # NVFP4
+        (*_bad(3, quant_out=_u8(16, 1024)), r"quant_out must have shape \[16, 512\]"),
+        (*_bad(5, quant_out=_f8(16, 512)), "quant_out must have dtype torch.uint8"),
+        (*_bad(3, scale_out=_f8(128, 60)), "exactly 8192 bytes"),
+        (*_bad(5, scale_out=_f8(16, 64)), r"SWIZZLED_128x4.*\(128, 64\)"),
+        (*_bad(5, scale_out=torch.empty(128, 64).half()), "scale_out must have dtype"),
+        (*_bad(5, scale_out=_f8(64, 128).t()), "scale_out must be contiguous"),
+        (*_bad(5, layout_code=1), "SWIZZLED_8x4"),
+        (*_bad(5, layout_code=7), "unknown NVFP4 scale layout"),
+        (*_bad(5, layout_code=2), r"exactly 1024 bytes.*LINEAR"),  # swizzled-size, linear layout
+        (*_bad(3, scale_factor=None), r"needs scale_factor \(the NVFP4 global scale"),
+        (*_bad(5, scale_out=None), "needs scale_out"),
     ],
 )
 def test_quantized_refusals_are_clear_value_errors(cpu_stream, sm100, pattern, t, match):
@@ -876,34 +759,6 @@ def test_group_size_rule_follows_dtype_width(cpu_stream):
     # 96 divides 1536 but is no power of two: the kernel's shared-memory path, not offered.
     with pytest.raises(ValueError, match="power of two from 8 to 256 for bfloat16, got 96"):
         fuse(fake_workspace(), 9, **_qtensors(9, h=1536, group=96))
-
-
-@pytest.mark.parametrize(
-    "pattern, over, match",
-    [
-        (
-            3,
-            dict(quant_out=torch.empty(16, 1024, dtype=U8)),
-            r"quant_out must have shape \[16, 512\]",
-        ),
-        (
-            5,
-            dict(quant_out=torch.empty(16, 512, dtype=E4M3)),
-            "quant_out must have dtype torch.uint8",
-        ),
-        (3, dict(scale_out=torch.empty(128, 60, dtype=E4M3)), "exactly 8192 bytes"),
-        (5, dict(scale_out=torch.empty(16, 64, dtype=E4M3)), r"SWIZZLED_128x4.*\(128, 64\)"),
-        (5, dict(scale_out=torch.empty(128, 64, dtype=torch.float16)), "scale_out must have dtype"),
-        (5, dict(scale_out=torch.empty(64, 128, dtype=E4M3).t()), "scale_out must be contiguous"),
-        (5, dict(layout_code=1), "SWIZZLED_8x4"),
-        (5, dict(layout_code=7), "unknown NVFP4 scale layout"),
-        (5, dict(layout_code=2), r"exactly 1024 bytes.*LINEAR"),  # swizzled-size, linear layout
-        (3, dict(scale_factor=None), r"needs scale_factor \(the NVFP4 global scale"),
-        (5, dict(scale_out=None), "needs scale_out"),
-    ],
-)
-def test_nvfp4_refusals(cpu_stream, sm100, pattern, over, match):
-    refused(fake_workspace(), pattern, match, **_qtensors(pattern) | over)
 
 
 def test_nvfp4_needs_16bit_input_and_hidden_multiple_of_16(cpu_stream, sm100):

@@ -1,19 +1,12 @@
 """CPU run of the GPU tests' shared pieces, so the GPU run has the best chance to pass first
-time: the tensor plumbing and checks of tests/gpu/workers/torch_workers.py and
-tests/gpu/workers/parity_jax_torch.py, with a simulated kernel standing in for the launch, and the
-JAX phase of the parity test on JAX's CPU reference path (2 virtual devices).
-
-The simulated kernel goes through the real torch_compat.allreduce_fusion argument checks
-(on a FakeRank workspace) and then writes outputs computed like the kernel (sum rounded to
-T, + residual rounded to T, fp32 norm rounded to T, quantized with tests/oracles/quant_oracle.py).
-"""
+time: the plumbing and checks of tests/gpu/workers/torch_workers.py and parity_jax_torch.py
+with a simulated kernel, and the parity test's JAX phase on JAX's CPU reference path."""
 
 import numpy as np
 import pytest
 import torch
 
 import torch_compat
-
 from torch_compat import library
 
 from tests.gpu.harness import bound_problems, draw_case, free_port, run_ranks
@@ -26,8 +19,9 @@ from tests.torch.test_library import fake_workspace as fake_workspace_world1
 
 
 class SimTC:
-    """Stands in for the torch_compat module in the workers: real checks, simulated kernel
-    over the group's inputs ``xs`` (all ranks, torch tensors of the call dtype)."""
+    """torch_compat for the workers: the real argument checks (on a FakeRank workspace), then
+    the kernel simulated over the group's inputs ``xs`` (all ranks, of the call dtype): sum,
+    + residual and fp32 norm each rounded to T, quantized with tests/oracles/quant_oracle.py."""
 
     def __init__(self, xs):
         self.xs = xs
@@ -55,37 +49,26 @@ class SimTC:
         return ret
 
 
-def _case(seed, m, hidden, dtype, world=2):
-    xs, res, gam = draw_case(seed, world, m, hidden)
-    dt = tw._torch_dtype(torch, dtype)
-    return (
-        [tw.to_torch(torch, a, dt, "cpu") for a in xs],
-        tw.to_torch(torch, res, dt, "cpu"),
-        tw.to_torch(torch, gam, dt, "cpu"),
-    )
-
-
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("m, oneshot", [(1, True), (17, False)])
 def test_workers_plumbing_and_checks_with_a_simulated_kernel(cpu_stream, dtype, m, oneshot):
-    hidden = 512
-    xs, res, gam = _case(7, m, hidden, dtype)
-    dt = xs[0].dtype
+    hidden, dt = 512, tw._torch_dtype(torch, dtype)
+    xs, res, gam = draw_case(7, 2, m, hidden)
+    xs = [tw.to_torch(torch, a, dt, "cpu") for a in xs]
+    res, gam = (tw.to_torch(torch, a, dt, "cpu") for a in (res, gam))
     ws = fake_workspace(max_tokens=32, hidden=hidden)
     sim = SimTC(xs)
     res64, gam64 = res.double().numpy(), gam.double().numpy()
     ref = tw.group_oracle([x.double().numpy() for x in xs], res64, gam64)
     sf = tw.static_scale(ref)
-    sf_d = torch.tensor([sf])
     got = {}
     for p in (0, 1) + tw.FP8_PATTERNS:
         outs = tw.new_outputs(torch, p, m, hidden, dt, "cpu")
-        tw.call_pattern(sim, ws, p, xs[0], res, gam, outs, sf=sf_d, oneshot=oneshot)
+        tw.call_pattern(sim, ws, p, xs[0], res, gam, outs, sf=torch.tensor([sf]), oneshot=oneshot)
         got[p] = tw.outputs_to_numpy(torch, outs)
     assert [c[0] for c in sim.calls] == [0, 1, 2, 4, 10, 11, 8, 9]
     assert all(c[1] is oneshot and c[2] is True for c in sim.calls)
-    launches = ws._rank_obj.launches
-    assert [a[0] for a, _ in launches] == [0, 1, 2, 4, 10, 11, 8, 9]
+    assert [a[0] for a, _ in ws._rank_obj.launches] == [0, 1, 2, 4, 10, 11, 8, 9]
     e = tw.plain_errors({**got[0], **got[1]}, ref, res64, gam64, dtype, 0.0)
     assert e["nans"] == 0 and e["allreduce"] <= 0.5 and e["residual"] <= 1.0
     assert e["norm"] <= 3.0, e
@@ -162,20 +145,12 @@ def test_parity_phase1_on_cpu_and_phase2_logic_with_a_simulated_kernel(tmp_path,
 
 @pytest.mark.slow
 def test_parity_phase1_as_four_rank_processes_on_cpu(tmp_path, cpu_stream):
-    """The JAX phase as one `jax.distributed` process per rank (what runs where GPUs are
-    fewer than ranks), 4 ranks over gloo; phase 2's logic at 4 ranks with the simulated
-    kernel: every output compared, both sides within the accumulation bounds."""
+    """The JAX phase as one `jax.distributed` process per rank over gloo (as where GPUs are
+    fewer than ranks); phase 2 at 4 ranks: every output compared, within the bounds."""
     pytest.importorskip("jax")
     phase = dict(timeout_s=600, out_dir=str(tmp_path), hiddens=(256,), platform="cpu")
-    res = run_ranks(
-        par.jax_rank_phase,
-        4,
-        **phase,
-        port=free_port(),
-        seed=5,
-        tokens=(1, 9),
-        dtypes=("bfloat16",),
-    )
+    phase.update(port=free_port(), seed=5, tokens=(1, 9), dtypes=("bfloat16",))
+    res = run_ranks(par.jax_rank_phase, 4, **phase)
     assert [r["world"] for r in res] == [4] * 4 and res[0]["cases"] == 3, res
     meta, data = par.load(str(tmp_path))
     assert meta["world"] == 4 and len(meta["cases"]) == 3
@@ -192,9 +167,8 @@ def test_parity_phase1_as_four_rank_processes_on_cpu(tmp_path, cpu_stream):
 
 @pytest.mark.parametrize("norm", ["manual", "F.rms_norm"])
 def test_fusion_pass_model_on_cpu(gloo_world1, norm):
-    model, args, ref64 = tw.build_tp_model(
-        torch, gloo_world1, 0, 1, m=8, hidden=256, layers=4, seed=5, device="cpu", norm=norm
-    )
+    shape = dict(m=8, hidden=256, layers=4, seed=5, device="cpu", norm=norm)
+    model, args, ref64 = tw.build_tp_model(torch, gloo_world1, 0, 1, **shape)
     gm = tw.trace_tp_model(torch, model, args)
     ar = torch.ops._c10d_functional.all_reduce.default
     assert tw.count_targets(gm, ar) == 4
@@ -205,9 +179,8 @@ def test_fusion_pass_model_on_cpu(gloo_world1, norm):
         # The manual form rounds before gamma: fused only when asked (docs/torch.md).
         assert torch_compat.fuse_allreduce_rmsnorm(gm, ws) == (4 if norm != "manual" else 0)
         allow = norm == "manual"
-        assert torch_compat.fuse_allreduce_rmsnorm(gm, ws, allow_rounding_change=allow) == (
-            4 if allow else 0
-        )
+        fused = torch_compat.fuse_allreduce_rmsnorm(gm, ws, allow_rounding_change=allow)
+        assert fused == (4 if allow else 0)
         assert tw.count_targets(gm, library.ALLREDUCE_RESIDUAL_RMSNORM) == 4
         assert tw.count_targets(gm, ar) == 0
         fused = gm(*args)

@@ -1,8 +1,7 @@
-"""The framework venv: vLLM and SGLang pinned (requirements.txt beside this file), installed
-with ``--no-deps`` into a venv of their own whose ``.pth`` adds the running interpreter's
-site-packages (its torch, transformers and pytest), so nothing of the test venv changes and
-torch is not downloaded again. Made once and kept (``build/framework-venv``, or
-``$JAX_FUSEDAR_FRAMEWORK_VENV``); remade when requirements.txt changes."""
+"""The framework venv: vLLM and SGLang pinned (requirements.txt), installed ``--no-deps`` into
+a venv whose ``.pth`` adds this interpreter's site-packages (torch, transformers, pytest):
+the test venv is untouched, torch not downloaded again. Kept in ``build/framework-venv`` (or
+``$JAX_FUSEDAR_FRAMEWORK_VENV``), remade when requirements.txt changes."""
 
 from __future__ import annotations
 
@@ -42,19 +41,14 @@ def _make(root: pathlib.Path) -> pathlib.Path:
     if python.exists() and stamp.exists() and stamp.read_text() == _digest():
         return python
     subprocess.run([sys.executable, "-m", "venv", "--clear", str(root)], check=True)
-    purelib = subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+    code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    purelib = subprocess.run([python, "-c", code], check=True, capture_output=True, text=True)
+    purelib = purelib.stdout.strip()
     # The test venv's packages, after the framework venv's own.
     paths = [p for p in site.getsitepackages() if os.path.isdir(p)]
     pathlib.Path(purelib, "test_venv.pth").write_text("\n".join(paths) + "\n")
-    subprocess.run(
-        [str(python), "-m", "pip", "install", "-q", "--no-deps", "-r", str(REQUIREMENTS)],
-        check=True,
-    )
+    pip = [python, "-m", "pip", "install", "-q", "--no-deps", "-r", REQUIREMENTS]
+    subprocess.run(list(map(str, pip)), check=True)
     stamp.write_text(_digest())
     return python
 
@@ -62,12 +56,8 @@ def _make(root: pathlib.Path) -> pathlib.Path:
 def run(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """Runs ``script`` (a file beside this one) in the framework venv from the checkout's
     root, so torch_compat is the checkout's."""
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.run(
+    argv, env = (
         [str(framework_python()), str(HERE / script), *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+        dict(os.environ, PYTHONPATH=str(REPO)),
     )
+    return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
