@@ -1,5 +1,5 @@
 """The fusion pass's rounding rule on a norm module (tests/torch/test_fusion_rounding.py;
-vLLM's in tests/torch/frameworks/check_vllm.py): ``all_reduce -> + residual -> norm`` traced
+vLLM's in tests/torch/frameworks/check.py): ``all_reduce -> + residual -> norm`` traced
 with make_fx, run before and after the pass on the fused op's world-size-1 CPU stand-in, and
 measured against float64. The bound is docs/torch.md's: per element ``|fused - original| <=
 k * U``, ``U = ulp_T(|r|) * inv * |gamma| + ulp_T(|y|)`` (r the residual sum in T, inv and y
