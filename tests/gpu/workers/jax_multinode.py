@@ -78,9 +78,8 @@ def _mesh(jax, name, world, local):
     if order == "transpose":
         grid = np.array(devices, dtype=object).reshape(world, local).T
     else:
-        grid = np.array([devices[i] for i in (order or range(len(devices)))], dtype=object).reshape(
-            shape
-        )
+        ordered = [devices[i] for i in (order or range(len(devices)))]
+        grid = np.array(ordered, dtype=object).reshape(shape)
     return Mesh(grid, axes), ws_axes
 
 
@@ -97,22 +96,13 @@ def _program(jax, jf, mesh, workspaces):
     def body(x, residual, gamma):
         outs = []
         for ws in workspaces:
-            o = jf.allreduce_fusion(
-                x.reshape(TOKENS, HIDDEN),
-                axis_name=ws.axis_name,
-                workspace=ws,
-                residual=residual,
-                rms_gamma=gamma,
-            )
-            outs += [
-                o.residual_out.reshape(keep + (TOKENS, HIDDEN)),
-                o.norm_out.reshape(keep + (TOKENS, HIDDEN)),
-            ]
+            kw = dict(axis_name=ws.axis_name, workspace=ws, residual=residual, rms_gamma=gamma)
+            o = jf.allreduce_fusion(x.reshape(TOKENS, HIDDEN), **kw)
+            outs += [a.reshape(keep + (TOKENS, HIDDEN)) for a in (o.residual_out, o.norm_out)]
         return tuple(outs)
 
-    out_specs = tuple(
-        P(*[None if a == ws.axis_name else a for a in axes]) for ws in workspaces for _ in range(2)
-    )
+    spec = lambda ws: P(*[None if a == ws.axis_name else a for a in axes])
+    out_specs = tuple(spec(ws) for ws in workspaces for _ in range(2))
     return jit_shard_map(jax, body, mesh, (P(*axes), P(), P()), out_specs)
 
 
@@ -120,15 +110,10 @@ def _avals(jax, mesh, dtype):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    shapes = (
-        (mesh.devices.shape + (TOKENS, HIDDEN), P(*mesh.axis_names)),
-        ((TOKENS, HIDDEN), P()),
-        ((HIDDEN,), P()),
-    )
-    return [
-        jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
-        for shape, spec in shapes
-    ]
+    shapes = ((mesh.devices.shape + (TOKENS, HIDDEN), P(*mesh.axis_names)), ((TOKENS, HIDDEN), P()))
+    shapes += (((HIDDEN,), P()),)
+    sds = lambda shape, spec: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+    return [sds(shape, spec) for shape, spec in shapes]
 
 
 def _check_outputs(jax, mesh, workspaces, fn, dtype, seed):
@@ -141,57 +126,40 @@ def _check_outputs(jax, mesh, workspaces, fn, dtype, seed):
     from tests.oracles import oracle
 
     rng = np.random.default_rng(seed)
-    partials = rng.standard_normal(mesh.devices.shape + (TOKENS, HIDDEN), dtype=np.float32).astype(
-        dtype
-    )
+    partials = rng.standard_normal(mesh.devices.shape + (TOKENS, HIDDEN), dtype=np.float32)
+    partials = partials.astype(dtype)
     residual = rng.standard_normal((TOKENS, HIDDEN), dtype=np.float32).astype(dtype)
     gamma = rng.uniform(-2, 2, HIDDEN).astype(np.float32).astype(dtype)
 
     def put(value, spec):
-        return jax.make_array_from_callback(
-            value.shape, NamedSharding(mesh, spec), lambda idx: value[idx]
-        )
+        sharding = NamedSharding(mesh, spec)
+        return jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx])
 
     outs = fn(put(partials, P(*mesh.axis_names)), put(residual, P()), put(gamma, P()))
     worst = {"residual": 0.0, "norm": 0.0, "shards": 0}
     for i, ws in enumerate(workspaces):
         # Every group's sum over its members: the workspace's axis summed, kept with size 1.
-        group_sum = partials.astype(np.float64).sum(
-            axis=mesh.axis_names.index(ws.axis_name), keepdims=True
-        )
+        axis = mesh.axis_names.index(ws.axis_name)
+        group_sum = partials.astype(np.float64).sum(axis=axis, keepdims=True)
         s, r64, y64, inv = oracle.fused_reference(
             [group_sum], residual, gamma, rms_eps=1e-6, weight_bias=0.0
         )
         for got_r, got_n in zip(outs[2 * i].addressable_shards, outs[2 * i + 1].addressable_shards):
             idx = got_r.index
             assert got_n.index == idx
-            r = oracle.residual_error_ulps(
-                np.asarray(got_r.data), s[idx], r64[idx], residual, DTYPE
-            )
-            y = np.asarray(got_n.data)
-            n = oracle.norm_error_ulps(
-                y, s[idx], y64[idx], inv[idx], residual, gamma, weight_bias=0.0, dtype_name=DTYPE
-            )
+            r_got, y = np.asarray(got_r.data), np.asarray(got_n.data)
+            r = oracle.residual_error_ulps(r_got, s[idx], r64[idx], residual, DTYPE)
+            kw = dict(weight_bias=0.0, dtype_name=DTYPE)
+            n = oracle.norm_error_ulps(y, s[idx], y64[idx], inv[idx], residual, gamma, **kw)
             keep_max(worst, {"residual": r, "norm": n})
             worst["shards"] += 1
     return worst
 
 
 def worker(
-    rank,
-    world,
-    chan,
-    *,
-    port,
-    platform,
-    local_devices,
-    hosts,
-    layouts,
-    backends,
-    seed,
-    device_ids=None,
-    run_xla_all_reduces=True,
-):
+    rank, world, chan, *, port, platform, local_devices, hosts, layouts, backends, seed,
+    device_ids=None, run_xla_all_reduces=True
+):  # fmt: skip
     """One process: pretends to run on host ``hosts[rank]``, then, for every layout and
     backend, records {"backend" | "error", "custom_calls", "all_reduces", "worst", ...}.
     ``run_xla_all_reduces=False``: a program that holds XLA all-reduces is decided and
@@ -200,9 +168,8 @@ def worker(
     from tests.gpu.harness import simulate_host
 
     simulate_host(hosts[rank])
-    jax = _setup(
-        rank, world, port, platform, local_devices, device_ids[rank] if device_ids else None
-    )
+    ids = device_ids[rank] if device_ids else None
+    jax = _setup(rank, world, port, platform, local_devices, ids)
     import jax.numpy as jnp
 
     import jax_fusedar as jf
@@ -213,12 +180,8 @@ def worker(
     logging.getLogger("jax_fusedar").addHandler(reasons)
     import socket
 
-    out = {
-        "rank": rank,
-        "host": socket.gethostname(),
-        "layouts": {},
-        "devices": [f"{d.id}@{d.process_index}" for d in jax.devices()],
-    }
+    out = {"rank": rank, "host": socket.gethostname(), "layouts": {}}
+    out["devices"] = [f"{d.id}@{d.process_index}" for d in jax.devices()]
     dtype = jnp.dtype(DTYPE)
     for name in layouts:
         mesh, ws_axes = _mesh(jax, name, world, local_devices)
@@ -229,14 +192,11 @@ def worker(
         for backend in backends:
             rec = res[backend] = {}
             workspaces = []
+            kw = dict(max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=dtype, backend=backend)
+            cpu = platform == "cpu"
+            make = jf.abstract_workspace if cpu else jf.create_allreduce_fusion_workspace
             try:
                 for axis in ws_axes:
-                    kw = dict(max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=dtype, backend=backend)
-                    make = (
-                        jf.abstract_workspace
-                        if platform == "cpu"
-                        else jf.create_allreduce_fusion_workspace
-                    )
                     workspaces.append(make(mesh, axis, **kw))
                     if backend == "auto":  # a second one: its reason is not logged again
                         # (another name: two live kernel workspaces may not share a key)
@@ -267,9 +227,8 @@ def worker(
                     ws.destroy()
                 continue
             chan.barrier(f"{name}/{backend}/run")
-            rec["worst"] = _check_outputs(
-                jax, mesh, workspaces, fn, dtype, seed + len(out["layouts"])
-            )
+            case_seed = seed + len(out["layouts"])
+            rec["worst"] = _check_outputs(jax, mesh, workspaces, fn, dtype, case_seed)
             for ws in workspaces:
                 ws.destroy()
             chan.barrier(f"{name}/{backend}/done")
