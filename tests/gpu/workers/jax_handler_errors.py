@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tests.gpu.workers.common import jax_workspace
+
 TOKENS, HIDDEN = 16, 1024
 
 
@@ -26,9 +28,7 @@ def run(jax, jnp, jf, mesh, P, rank, world, seed, glob, local):
 
     assert register_ffi_targets()
     bf16 = jnp.bfloat16
-    ws = jf.create_allreduce_fusion_workspace(
-        mesh, "tp", max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=bf16
-    )
+    ws = jax_workspace(jf, mesh, TOKENS, HIDDEN, bf16)
     assert ws.backend == "trtllm", ws
     rng = np.random.default_rng(seed + rank)
     x = glob(P("tp"), rng.standard_normal((TOKENS, HIDDEN)).astype(bf16))
@@ -37,31 +37,15 @@ def run(jax, jnp, jf, mesh, P, rank, world, seed, glob, local):
     sds = jax.ShapeDtypeStruct
 
     def call(pattern, results, algorithm=1):
-        def body(x, r, g):
-            outs = jax.ffi.ffi_call(FFI_TARGET, results)(
-                x,
-                r,
-                g,
-                workspace_id=np.int64(ws.id),
-                pattern=np.int32(pattern),
-                algorithm=np.int32(algorithm),
-                fp32_acc=True,
-                rms_eps=np.float32(1e-6),
-                weight_bias=np.float32(0.0),
-                layout=np.int32(0),
-                block_quant_group_size=np.int32(0),
-            )
-            return outs[0]
+        attrs = dict(workspace_id=np.int64(ws.id), pattern=np.int32(pattern), fp32_acc=True)
+        attrs.update(algorithm=np.int32(algorithm), rms_eps=np.float32(1e-6), layout=np.int32(0))
+        attrs.update(weight_bias=np.float32(0.0), block_quant_group_size=np.int32(0))
 
-        f = jax.jit(
-            jax.shard_map(
-                body,
-                mesh=mesh,
-                in_specs=(P("tp"), P("tp"), P()),
-                out_specs=P("tp"),
-                check_vma=False,
-            )
-        )
+        def body(x, r, g):
+            return jax.ffi.ffi_call(FFI_TARGET, results)(x, r, g, **attrs)[0]
+
+        specs = dict(in_specs=(P("tp"), P("tp"), P()), out_specs=P("tp"), check_vma=False)
+        f = jax.jit(jax.shard_map(body, mesh=mesh, **specs))
         try:
             jax.block_until_ready(f(x, r, g))
             return "no error"

@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from tests.gpu.workers.common import jit_shard_map
+from tests.gpu.workers.common import jax_workspace, jit_shard_map
 
 CMDBUF_ON = (
     "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,"
@@ -35,34 +35,20 @@ def main() -> dict:
 
     m, hidden = 4096, 8192
     mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
-    ws = jf.create_allreduce_fusion_workspace(
-        mesh, "tp", max_token_num=m, hidden_dim=hidden, dtype=jnp.bfloat16
-    )
+    ws = jax_workspace(jf, mesh, m, hidden, jnp.bfloat16)
 
     def program(use_oneshot):
         def body(x, r, g):
-            o = jf.allreduce_fusion(
-                x[0],
-                axis_name="tp",
-                workspace=ws,
-                residual=r,
-                rms_gamma=g,
-                use_oneshot=use_oneshot,
-                strict=True,
-            )
+            kw = dict(axis_name="tp", workspace=ws, use_oneshot=use_oneshot, strict=True)
+            o = jf.allreduce_fusion(x[0], residual=r, rms_gamma=g, **kw)
             return o.residual_out, o.norm_out
 
         return jit_shard_map(jax, body, mesh, (P("tp"), P(), P()), (P(), P()))
 
     auto, twoshot = program(None), program(False)
     split, replicated = NamedSharding(mesh, P("tp")), NamedSharding(mesh, P())
-    out = {
-        "backend": ws.backend,
-        "chosen": launch_mode.ALGORITHM_NAMES[
-            launch_mode.choose_algorithm(m, hidden, ws.sizes, None)
-        ],
-        "replays": [],
-    }
+    chosen = launch_mode.choose_algorithm(m, hidden, ws.sizes, None)
+    out = {"backend": ws.backend, "chosen": launch_mode.ALGORITHM_NAMES[chosen], "replays": []}
     for rep in range(3):
         xs, residual, gamma = draw_case(1000 + rep, 2, m, hidden)
         x = jax.device_put(jnp.asarray(np.stack(xs), jnp.bfloat16), split)
@@ -76,10 +62,8 @@ def main() -> dict:
         got = jax.block_until_ready(auto(x, r, g))
         out.setdefault("host_launches", []).append(native.ext.launch_count() - launches)
         want = jax.block_until_ready(twoshot(x, r, g))
-        same = [
-            bool(np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16)))
-            for a, b in zip(got, want)
-        ]
+        u16 = lambda a: np.asarray(a).view(np.uint16)
+        same = [bool(np.array_equal(u16(a), u16(b))) for a, b in zip(got, want)]
         nans = int(sum(np.isnan(np.asarray(a, np.float32)).sum() for a in got))
         out["replays"].append({"same_bits": same, "nans": nans})
     ws.destroy()

@@ -27,7 +27,8 @@ import sys
 import threading
 import time
 
-from tests.gpu.workers.common import error_text, new_seed, plain_ulps, print_result
+from tests.gpu.workers.common import error_text, jax_workspace, jit_shard_map, new_seed
+from tests.gpu.workers.common import plain_ulps, print_result
 
 import numpy as np
 
@@ -53,24 +54,17 @@ def worker(rank, world, chan, *, port, seed):
     from tests.gpu.harness import draw_case
 
     mesh = Mesh(np.array(jax.devices()), ("tp",))
-    ws = jf.create_allreduce_fusion_workspace(
-        mesh, "tp", max_token_num=64, hidden_dim=HIDDEN, dtype=jnp.bfloat16, timeout_s=TIMEOUT_S
-    )
+    ws = jax_workspace(jf, mesh, 64, HIDDEN, jnp.bfloat16, timeout_s=TIMEOUT_S)
     out = {"rank": rank, "backend": ws.backend, "timeout_s": ws.timeout_s}
 
     def f(x, r, g):
-        o = jf.allreduce_fusion(
-            x, axis_name="tp", workspace=ws, residual=r, rms_gamma=g, use_oneshot=True
-        )
+        kw = dict(axis_name="tp", workspace=ws, use_oneshot=True)
+        o = jf.allreduce_fusion(x, residual=r, rms_gamma=g, **kw)
         return o.residual_out, o.norm_out
 
-    fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=(P(), P())))
+    fn = jit_shard_map(jax, f, mesh, (P("tp"), P(), P()), (P(), P()))
     xs, res, gam = draw_case(seed, world, TOKENS, HIDDEN, jnp.bfloat16)
-    args = (
-        _global(jax, mesh, P("tp"), xs[rank]),
-        _global(jax, mesh, P(), res),
-        _global(jax, mesh, P(), gam),
-    )
+    args = [_global(jax, mesh, s, a) for s, a in ((P("tp"), xs[rank]), (P(), res), (P(), gam))]
     r_out, n_out = jax.block_until_ready(fn(*args))
     x64 = [x.astype(np.float64) for x in xs]
     r64, g64 = res.astype(np.float64), gam.astype(np.float64)
@@ -79,12 +73,8 @@ def worker(rank, world, chan, *, port, seed):
     chan.barrier("good")
     if rank == 0:
         # Kept by the harness if this process ends without a result (a lost trap).
-        chan.note(
-            backend=out["backend"],
-            timeout_s=out["timeout_s"],
-            good=out["good"],
-            failing_call_at=time.monotonic(),
-        )
+        facts = {k: out[k] for k in ("backend", "timeout_s", "good")}
+        chan.note(**facts, failing_call_at=time.monotonic())
         failing = {}
         # Where the time goes: when the call was handed to XLA, when the kernel's record
         # appeared in host memory (polled), when XLA raised.
@@ -141,11 +131,8 @@ def main(argv):
     from tests.gpu.workers.native_timeout import run_ranks_allowing_death
 
     seed = new_seed()
-    print_result(
-        {"seed": seed, "timeout_s": TIMEOUT_S},
-        "ranks",
-        lambda: run_ranks_allowing_death(worker, 2, timeout_s=150, port=free_port(), seed=seed),
-    )
+    run = lambda: run_ranks_allowing_death(worker, 2, timeout_s=150, port=free_port(), seed=seed)
+    print_result({"seed": seed, "timeout_s": TIMEOUT_S}, "ranks", run)
 
 
 if __name__ == "__main__":

@@ -33,11 +33,9 @@ def run(*, tokens, hidden, seed):
     worst = {"residual": 0.0, "norm": 0.0, "cases": 0}
     rng = np.random.default_rng(seed)
     for m in tokens:
-        xs = [
-            torch.from_numpy(rng.standard_normal((m, hidden), dtype=np.float32)).bfloat16()
-            for _ in range(world)
-        ]
-        res = torch.from_numpy(rng.standard_normal((m, hidden), dtype=np.float32)).bfloat16()
+        normal = lambda: torch.from_numpy(rng.standard_normal((m, hidden), dtype=np.float32))
+        xs = [normal().bfloat16() for _ in range(world)]
+        res = normal().bfloat16()
         gam = torch.from_numpy(rng.uniform(-2, 2, hidden).astype(np.float32)).bfloat16()
         outs = []
         for r in range(world):
@@ -47,20 +45,9 @@ def run(*, tokens, hidden, seed):
                 torch.cuda.synchronize()
                 outs.append((x, rd, gd, ro, no))
         for r in range(world):  # launched back to back, before either is waited for
-            x, rd, gd, ro, no = outs[r]
-            ranks[r].launch(
-                1,
-                code,
-                m,
-                hidden,
-                x.data_ptr(),
-                residual_in=rd.data_ptr(),
-                residual_out=ro.data_ptr(),
-                norm_out=no.data_ptr(),
-                rms_gamma=gd.data_ptr(),
-                algorithm=1,
-                stream=streams[r].cuda_stream,
-            )
+            x, rd, gd, ro, no = (t.data_ptr() for t in outs[r])
+            kw = dict(residual_in=rd, residual_out=ro, norm_out=no, rms_gamma=gd, algorithm=1)
+            ranks[r].launch(1, code, m, hidden, x, **kw, stream=streams[r].cuda_stream)
         for s in streams:
             s.synchronize()
         x32, r32, g32 = [t.float().numpy() for t in xs], res.float().numpy(), gam.float().numpy()
@@ -78,12 +65,6 @@ if __name__ == "__main__":
     import os
     import sys
 
-    print(
-        json.dumps(
-            run(
-                tokens=(1, 16, 64),
-                hidden=int(sys.argv[1]) if len(sys.argv) > 1 else 4096,
-                seed=int.from_bytes(os.urandom(4), "little"),
-            )
-        )
-    )
+    hidden = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(json.dumps(run(tokens=(1, 16, 64), hidden=hidden, seed=seed)))
