@@ -20,13 +20,10 @@ unused ``output`` when none is passed (we pass none, so they do); it returns the
 downstream" output (norm_out, else quant_out, else output), which torch_compat mirrors.
 """
 
-from __future__ import annotations
-
 import time
 
 import numpy as np
 
-from jax_fusedar.common import quant_layouts
 from jax_fusedar.common.patterns import TRAITS, AllReduceFusionPattern
 from tests.gpu.workers.common import counters
 
@@ -47,39 +44,14 @@ def _np_dtype(name):
 
 
 def _outputs(torch, p, m, h, dtype, device):
-    """Fresh outputs of pattern ``p`` as FlashInfer's API wants them, and the buffers to
-    poison and compare (the group scales' whole dense (K, T) buffer)."""
-    t = TRAITS[AllReduceFusionPattern(p)]
-    outs, buffers = {}, {}
+    """Fresh poisoned outputs of pattern ``p`` as FlashInfer's API wants them
+    (torch_workers.new_outputs), and the buffers to compare (the group scales' whole dense
+    (K, T) buffer)."""
+    from tests.gpu.workers.torch_workers import new_outputs
 
-    def like():
-        return torch.empty((m, h), dtype=dtype, device=device)
-
-    if t.has_allreduce_out:
-        outs["output"] = like()
-    if t.has_residual:
-        outs["residual_out"] = like()
-    if t.has_norm_out:
-        outs["norm_out"] = like()
-    if t.quant is not None:
-        outs["quant_out"] = torch.empty((m, h), dtype=torch.float8_e4m3fn, device=device)
-    if t.quant == "dynamic_fp8":
-        outs["scale_out"] = torch.empty((m, 1), dtype=torch.float32, device=device)
-    if t.quant == "group_fp8":
-        k, tt = quant_layouts.group_scale_buffer_shape(m, h, GROUP)
-        base = torch.empty((k, tt), dtype=torch.int32, device=device)
-        outs["scale_out"] = base[:, :m].t()  # shape (m, k), strides (1, tt)
-        buffers["scale_out"] = base
-    for name, tensor in outs.items():
-        buffers.setdefault(name, tensor)
-    for name, b in buffers.items():  # poison
-        if b.dtype == torch.float8_e4m3fn:
-            b.view(torch.uint8).fill_(0xFF)
-        elif b.dtype == torch.int32:
-            b.fill_(-1)
-        else:
-            b.fill_(float("nan"))
-    return outs, buffers
+    outs = new_outputs(torch, p, m, h, dtype, device, GROUP)
+    base = outs.pop("_scale_buf", None)
+    return outs, dict(outs, **({} if base is None else {"scale_out": base}))
 
 
 def _call(fn, ws, p, x, residual, gamma, sf, outs, oneshot, fp32_acc):

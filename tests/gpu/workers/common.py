@@ -2,8 +2,6 @@
 ``python -m tests.gpu.workers.<name>`` (tests/gpu/case_runs.py reads it), the text of a call
 expected to fail, a fresh seed, and a rank's gloo process group."""
 
-from __future__ import annotations
-
 import json
 import os
 import sys

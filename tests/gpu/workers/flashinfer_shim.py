@@ -1,14 +1,9 @@
-"""Per-process body of tests/gpu/test_flashinfer_shim.py: FlashInfer's legacy TRT-LLM API
-as torch_compat serves it (``torch_compat.as_flashinfer.comm``, what
-``install_as_flashinfer()`` installs as ``flashinfer.comm``:
-``trtllm_create_ipc_workspace_for_all_reduce_fusion`` and ``trtllm_allreduce_fusion``),
-against a reference on the same inputs: FlashInfer's own build (the anchor's unified
-``allreduce_fusion``; same kernel) where the anchor is there, else torch_compat's unified
-``allreduce_fusion``. Every output poisoned first, fresh inputs per case, bytes compared and
-both held to the float64 oracle's bounds (anchor_compare.run_case).
+"""Per-process body of tests/gpu/test_flashinfer_shim.py: FlashInfer's legacy TRT-LLM API as
+torch_compat serves it (``torch_compat.as_flashinfer.comm``, which ``install_as_flashinfer()``
+installs as ``flashinfer.comm``) against FlashInfer's own unified ``allreduce_fusion`` (the
+anchor; same kernel), else torch_compat's: poisoned outputs, fresh inputs per case, bytes
+compared and both held to the float64 oracle's bounds (anchor_compare.run_case).
 """
-
-from __future__ import annotations
 
 import time
 

@@ -1,22 +1,17 @@
-"""The op family's batching rule on the kernel (the "batching" task of
-tests/gpu/workers/jax_multiprocess.py): ``jax.vmap`` and N-D inputs fold the batch into the
-token dimension (``jax_fusedar.ops.family.table_batch``), and the folded call must still be
-served by the kernel (``strict=True``: a fallback raises) and be right.
+"""The op family's batching rule on the kernel (the "batching" task of jax_multiprocess.py):
+``jax.vmap`` and N-D inputs fold the batch into tokens (``jax_fusedar.ops.family.table_batch``),
+and the folded call must still be served by the kernel (``strict=True``: a fallback raises)
+and be right.
 
-* dense (pattern 1, and pattern 0 for the sum): a vmapped call, and the same inputs as one
-  N-D call, against the float64 oracle's bounds (every row of every batch element:
-  harness.bound_problems); the vmapped call with a batched ``rms_gamma`` (one call per
-  element: ``jax.lax.map``) too;
-* MoE reduction (pattern 6): a vmapped call against one unbatched kernel call per element,
-  bit for bit: the one-shot MoE kernel computes each token's row alone, so folding the
-  batch into tokens must not change a bit of it.
+* dense (pattern 1, and 0 for the sum): a vmapped call, the same inputs as one N-D call, and a
+  vmapped call with a batched ``rms_gamma`` (one call per element) against the float64
+  oracle's bounds on every row of every element (harness.bound_problems);
+* MoE reduction (pattern 6): a vmapped call against one call per element, bit for bit: the
+  one-shot MoE kernel computes each token's row alone, so the folding must change no bit.
 
-Fresh inputs from ``seed``; every rank rebuilds the whole group's inputs and its oracle. On
-platform "cpu" the same bodies run on the reference path (the kernel's additions,
-``fallback="kernel_exact"``), strict off.
+Every rank rebuilds the whole group's inputs and its oracle. On platform "cpu" the bodies run
+on the reference path (``fallback="kernel_exact"``), strict off.
 """
-
-from __future__ import annotations
 
 import numpy as np
 

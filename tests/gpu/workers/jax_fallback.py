@@ -16,8 +16,6 @@ them, and measures each output against the float64 oracle in the bounds of docs/
 over gloo (the CPU tests' dry run).
 """
 
-from __future__ import annotations
-
 import os
 
 import numpy as np
@@ -63,7 +61,6 @@ def worker(rank, world, chan, *, port, seed, cases, platform="cuda"):
     jax, shared = _setup(rank, world, port, platform)
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
-
     import jax_fusedar as jf
     from jax_fusedar.ops.dense import FFI_TARGET
     from tests import collectives

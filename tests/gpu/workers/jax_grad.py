@@ -1,20 +1,17 @@
-"""Gradients of a TP MLP with the fused op (the kernel on GPUs) against the same model
-unfused (psum + residual add + RMSNorm, jax_fusedar.ops.reference) and a float64 numpy oracle
-with hand-written backpropagation (no JAX). Runs in any process layout: inputs are placed
-with make_array_from_callback from full arrays every process draws from one seed, and
-results are gathered with process_allgather, so the same code runs as two `jax.distributed`
-processes on GPUs (tests/gpu/test_jax.py) and in one process on 2 CPU devices
-(tests/jax/test_quant_worker_plumbing.py, where the fused op is the reference and the two models
-must agree bit for bit).
+"""Gradients of a TP MLP with the fused op (the kernel on GPUs) against the same model unfused
+(psum + residual add + RMSNorm, jax_fusedar.ops.reference) and a float64 numpy oracle with
+hand-written backpropagation. Inputs are placed with make_array_from_callback from arrays
+every process draws from one seed and results gathered with process_allgather, so the same
+code runs as two `jax.distributed` GPU processes (tests/gpu/test_jax.py) and in one process
+on 2 CPU devices (tests/jax/test_quant_worker_plumbing.py: there the fused op is the
+reference and the two models must agree bit for bit).
 
-The model: L layers of y -> tanh(y @ W1) @ W2 (W1 column-, W2 row-parallel over "tp"),
-then (residual, y) = allreduce_fusion(partial, residual, gamma); loss = sum(y_L * ct) for a
-random ct, so the gradient is one VJP. Errors are measured per gradient tensor, in ulps of
-the dtype at the tensor's largest float64 magnitude ("ulps of scale": gradients of matmuls
-have no meaningful per-element ulp where they cancel), and as a normwise relative error.
+The model: L layers of y -> tanh(y @ W1) @ W2 (W1 column-, W2 row-parallel over "tp"), then
+(residual, y) = allreduce_fusion(partial, residual, gamma); loss = sum(y_L * ct), so the
+gradient is one VJP. Errors per gradient tensor are in ulps of the dtype at the tensor's
+largest float64 magnitude ("ulps of scale": matmul gradients have no meaningful per-element
+ulp where they cancel), and normwise relative.
 """
-
-from __future__ import annotations
 
 import numpy as np
 
@@ -82,7 +79,6 @@ def run(
 ):  # fmt: skip
     from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding
-
     from jax_fusedar.ops import reference
 
     def place(spec, full):

@@ -1,19 +1,16 @@
-"""Per-process body of the handler-error GPU test (two `jax.distributed` processes).
+"""Per-process body of the handler-error GPU test (two `jax.distributed` processes): the dense
+FFI target called directly (``jax.ffi.ffi_call``, bypassing allreduce_fusion's Python checks),
+each call's error returned:
 
-Calls the dense FFI target directly (``jax.ffi.ffi_call``, bypassing the Python checks that
-keep ``allreduce_fusion``'s calls well formed) and returns what each call raised:
-
-* ``wrong_norm_out``: pattern 1 with a norm_out of half the elements: the handler checks
-  every result (not only the first), so an INVALID_ARGUMENT naming result 1 (norm_out);
+* ``wrong_norm_out``: pattern 1 with a norm_out of half the elements: the handler checks every
+  result (not only the first), so an INVALID_ARGUMENT naming result 1 (norm_out);
 * ``wrong_scale_out``: pattern 11 with a scale_out of the wrong element type;
-* ``unknown_algorithm``: well-formed results, algorithm code 7: the core's launch check
-  refuses it (INVALID_ARGUMENT), which the handler reported as INTERNAL before;
-* ``good``: the same well-formed call with algorithm one-shot, which runs.
+* ``unknown_algorithm``: algorithm code 7: the core's launch check refuses it
+  (INVALID_ARGUMENT), which the handler reported as INTERNAL before;
+* ``good``: the same well-formed call one-shot, which runs.
 
-Every refusal happens on both ranks alike before any kernel launch, so nothing waits.
+Every refusal happens on both ranks alike before any launch, so nothing waits.
 """
-
-from __future__ import annotations
 
 import numpy as np
 

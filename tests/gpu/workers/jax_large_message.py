@@ -1,12 +1,8 @@
-"""One process driving both GPUs: the fused op under jit + shard_map at a size where auto picks
-the large-message algorithm (4096 x 8192 bf16, 64 MiB per rank), with XLA command buffers on,
-against FlashInfer's two-shot kernel forced on the same inputs. Prints ``RESULT {json}``.
-
-The custom call's algorithm attribute is read from the lowered program, and the programs run
-three times on fresh inputs (command-buffer replays): every output must equal the two-shot
-kernel's bit for bit."""
-
-from __future__ import annotations
+"""One process driving both GPUs: the fused op under jit + shard_map where auto picks the
+large-message algorithm (4096 x 8192 bf16, 64 MiB per rank), XLA command buffers on, against
+FlashInfer's two-shot kernel forced on the same inputs: the custom call's algorithm attribute
+in the lowered program, and three runs on fresh inputs (command-buffer replays) equal to the
+two-shot kernel's bit for bit. Prints ``RESULT {json}``."""
 
 import json
 import os
@@ -28,7 +24,6 @@ def main() -> dict:
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
-
     import jax_fusedar as jf
     from jax_fusedar.common import launch_mode, native
     from tests.gpu.harness import draw_case

@@ -1,23 +1,17 @@
 """One process driving two devices: misuse that only the GPU path could turn into a silent
-wrong answer, and the numerics documented for extreme rows.
+wrong answer, and the numerics documented for extreme rows. ``python -m
+tests.gpu.workers.jax_misuse PLATFORM`` (``cuda``: two GPUs, the kernel; ``cpu``: two virtual
+devices, the reference path, so the plumbing runs in CI) prints ``RESULT {json}``:
 
-``python -m tests.gpu.workers.jax_misuse PLATFORM`` (``cuda``: two GPUs, the trtllm kernel; ``cpu``:
-two virtual devices, the reference path, so the plumbing runs in CI) prints one line
-``RESULT {json}``:
-
-* ``good``: a workspace on the mesh [d0, d1], called under that mesh (shard_map) and under
-  ``jax.pmap(devices=[d0, d1])``: errors in ulps against the float64 oracle, whether the two
-  agree bit for bit, and whether the lowered program has the custom call;
+* ``good``: a workspace on the mesh [d0, d1] called under that mesh (shard_map) and under
+  ``jax.pmap(devices=[d0, d1])``: ulps against the float64 oracle, whether the two agree bit
+  for bit, whether the lowered program has the custom call;
 * ``flipped_shard_map`` / ``flipped_pmap``: the same workspace under the mesh [d1, d0] and
-  under ``pmap(devices=[d1, d0])``, the 2-device equivalent of a regrouped mesh (each device
-  would find its rank in the workspace and sum in the other order, or, with more devices,
-  with the wrong group): the error message, or "no error";
-* ``overflow``: rows of |r| ~ 1e20 in bf16, whose fp32 sum of squares overflows: whether
-  norm_out is +-0 with the sign of r * gamma (README, Numerics), next to an ordinary row
-  within bounds.
+  ``pmap(devices=[d1, d0])``, the 2-device form of a regrouped mesh (each device would sum in
+  the other order, or with more devices in the wrong group): the error, or "no error";
+* ``overflow``: bf16 rows of |r| ~ 1e20, whose fp32 sum of squares overflows: whether norm_out
+  is +-0 with the sign of r * gamma (README, Numerics), next to an ordinary row in bounds.
 """
-
-from __future__ import annotations
 
 import json
 import os
@@ -38,7 +32,6 @@ def main(platform: str) -> dict:
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
-
     import jax_fusedar as jf
     from jax_fusedar.ops.dense import FFI_TARGET
     from tests.oracles import oracle

@@ -1,29 +1,21 @@
-"""Per-process body of the multi-node layout tests: `jax.distributed` processes that look
-like separate hosts (``harness.simulate_host``: own host name per process), on one machine.
+"""Per-process body of the multi-node layout tests: `jax.distributed` processes that look like
+separate hosts (``harness.simulate_host``), on one machine. Each builds the same meshes over
+the global devices (ordered by process: host h holds [h*L, (h+1)*L)) and, per layout and
+backend, records what the workspace chose (or the error), the lowering's kernel custom calls
+and XLA all-reduces and, where it runs, each local output against the float64 oracle. On
+platform "cpu" ``abstract_workspace`` decides (as on CUDA GPUs with these hosts) and the
+program, lowered for cuda, runs on CPU over gloo; on "cuda" ``create_allreduce_fusion_workspace``
+decides and the program runs on the GPUs (the kernel or XLA's NCCL all-reduce).
 
-Each process builds the same meshes over the global devices (ordered by process, so host h
-holds devices [h*L, (h+1)*L) of the flat order) and, for each layout and requested backend,
-records what the workspace chose (or the error), the program's lowering (custom calls to the
-kernel, XLA all-reduces) and, where it runs, each local output against the float64 oracle.
-
-* platform "cpu": the backend is decided by ``abstract_workspace`` (as it would be on CUDA
-  GPUs with these hosts), the program is lowered for cuda and run on CPU (the reference
-  path, over gloo);
-* platform "cuda": ``create_allreduce_fusion_workspace`` decides, and the program runs on the
-  GPUs (the kernel or XLA's NCCL all-reduce).
-
-Layouts (P processes = hosts, L devices each; a layout needing more devices is skipped):
+Layouts (P processes = hosts, L devices each; one needing more devices is skipped):
 
 * "dp_across_hosts": ("dp", "tp") = (P, L), every TP group inside one host;
 * "tp_across_hosts": ("dp", "tp") = (L, P), every TP group across all hosts;
 * "mixed_groups":    ("pp", "dp", "tp") = (2, 2, 2) over devices [0, 1, 2, 4, 3, 5, 6, 7]:
                      TP groups [0, 1] and [6, 7] inside a host, [2, 4] and [3, 5] across;
 * "tp_and_pp":       ("pp", "dp", "tp") = (2, 2, 2) in host order: TP inside a host, PP
-                     across; one program with a fused call over "tp" and one over "pp", each
-                     with its own workspace.
+                     across; one program with a fused call over each, each its own workspace.
 """
-
-from __future__ import annotations
 
 import logging
 import os
@@ -122,7 +114,6 @@ def _check_outputs(jax, mesh, workspaces, fn, dtype, seed):
     residual_out and norm_out against the float64 oracle of its group."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
-
     from tests.oracles import oracle
 
     rng = np.random.default_rng(seed)
@@ -171,7 +162,6 @@ def worker(
     ids = device_ids[rank] if device_ids else None
     jax = _setup(rank, world, port, platform, local_devices, ids)
     import jax.numpy as jnp
-
     import jax_fusedar as jf
     from jax_fusedar.common import native
     from jax_fusedar.ops.dense import FFI_TARGET

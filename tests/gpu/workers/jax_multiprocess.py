@@ -17,8 +17,6 @@ device per process over gloo (the CPU tests' dry run of these workers). Tasks:
   results or attributes; vmap and N-D calls folded into tokens on the kernel).
 """
 
-from __future__ import annotations
-
 import os
 
 import numpy as np
@@ -60,7 +58,6 @@ def worker(rank, world, chan, *, port, xla_flags, task, seed, platform="cuda", *
     jax = _setup(rank, world, port, xla_flags, platform)
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
-
     import jax_fusedar as jf
     from tests.oracles import oracle
 

@@ -1,21 +1,15 @@
-"""Per-process body of the NVFP4 GPU test (two `jax.distributed` processes, sm100+ only).
-
-One jitted program per (dtype, layout, hidden, tokens, one/two-shot) runs patterns 3
-(NVFP4) and 5 (NVFP4 + norm_out) on the same inputs, with the global scale
-448 * 6 / amax(y) passed as a device array. Checks:
-* the quantization of the kernel's own norm_out (pattern 5) against the independent numpy
-  oracle (tests/quant_oracle.nvfp4), for both ways of rounding gs / SF ("ieee" and
-  "reciprocal"; the better one is reported): e2m1 codes equal or one step apart, counted;
-* the scale bytes the kernel wrote equal the oracle's, at every position the layout
-  defines (SWIZZLED_128x4 and LINEAR; padding bytes are left unwritten by the kernel and
-  are not compared);
-* pattern 3 against pattern 5: residual outputs equal; codes and scales counted apart;
-* residual_out and norm_out within the core bounds against the float64 oracle.
-Written for Blackwell (sm100): tests/gpu/test_jax.py skips it on older GPUs, where the
-API refuses NVFP4 (checked there instead).
+"""Per-process body of the NVFP4 GPU test (two `jax.distributed` processes, sm100+ only: on
+older GPUs the API refuses NVFP4, checked by tests/gpu/test_jax.py). One jitted program per
+(dtype, layout, hidden, tokens, one/two-shot) runs patterns 3 (NVFP4) and 5 (+ norm_out) on the
+same inputs, global scale 448 * 6 / amax(y) as a device array. Checks:
+* pattern 5's codes against tests/oracles/quant_oracle.nvfp4 on the kernel's own norm_out, for
+  both roundings of gs / SF ("ieee", "reciprocal"; the better reported): e2m1 codes equal or
+  one step apart, counted;
+* the scale bytes equal the oracle's wherever the layout (SWIZZLED_128x4, LINEAR) defines them
+  (the kernel leaves padding unwritten);
+* pattern 3 against 5: residual outputs equal; codes and scales counted apart;
+* residual_out and norm_out within the core bounds of the float64 oracle.
 """
-
-from __future__ import annotations
 
 import numpy as np
 

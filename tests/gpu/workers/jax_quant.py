@@ -1,21 +1,17 @@
-"""Per-process body of the quantized-pattern GPU test (two `jax.distributed` processes).
-
-One jitted program per (dtype, hidden, tokens, one/two-shot) runs patterns 2, 4 (static
-FP8), 10, 11 (dynamic FP8) and 8, 9 (per-token-group FP8, group 128) on the same inputs.
-Checks, per pattern pair:
-* the quantization of the kernel's own norm_out (patterns 4, 11, 9) against the independent
-  numpy oracle (tests/oracles/quant_oracle.py): codes equal or one e4m3 step apart, counted;
-* the pattern without norm_out (2, 10, 8) bit-identical to its twin, except quant codes one
-  e4m3 step apart in a tiny fraction (twins may launch with different block/cluster sizes,
-  which reorders RMSNorm's fp32 sum of squares); the same program run twice bit-identical;
-* scales: dynamic within 2 fp32 ulps of the oracle (fast-math division), group UE8M0 bytes
-  equal; dequantized values within the e4m3 bound |q*s - y| <= 2^-4 |y| + 2^-10 s;
-* residual_out and norm_out within the core bounds against the float64 oracle (the
-  accumulation bounds at every world size, the ulp bounds at 2 ranks).
+"""Per-process body of the quantized-pattern GPU test (two `jax.distributed` processes). One
+jitted program per (dtype, hidden, tokens, one/two-shot) runs patterns 2, 4 (static FP8), 10,
+11 (dynamic FP8) and 8, 9 (per-token-group FP8, group 128) on the same inputs. Checks:
+* the kernel's own norm_out (4, 11, 9) quantized by tests/oracles/quant_oracle.py: codes equal
+  or one e4m3 step apart, counted;
+* each pattern without norm_out (2, 10, 8) bit-identical to its twin, but for quant codes one
+  step apart in a tiny fraction (twins may launch with other block/cluster sizes, reordering
+  RMSNorm's fp32 sum of squares); the same program run twice bit-identical;
+* dynamic scales within 2 fp32 ulps of the oracle (fast-math division), group UE8M0 bytes
+  equal; dequantized values within |q*s - y| <= 2^-4 |y| + 2^-10 s;
+* residual_out and norm_out within the float64 oracle's core bounds (the accumulation bounds
+  at any world size, the ulp bounds at 2 ranks).
 NVFP4 (3, 5) must be refused at trace time on this sm90 GPU.
 """
-
-from __future__ import annotations
 
 import numpy as np
 

@@ -1,19 +1,15 @@
-"""One JAX process driving every local GPU (``--platform cuda``) or 8 CPU devices
-(``--platform cpu``, the plumbing run of tests/jax/test_jit_export_worker_plumbing.py). Tasks
-(each prints one ``RESULT <json>`` line):
+"""One JAX process driving every local GPU (``--platform cuda``) or 8 CPU devices (``--platform
+cpu``: tests/jax/test_jit_export_worker_plumbing.py). Each task prints ``RESULT <json>``:
 
-* ``jit``:    the 4-layer model of tests/jax/sharded_model.py under plain jit on Auto axes
-              (Shardy + custom_partitioning) and on Explicit axes, against the shard_map
-              version: bitwise equal?; the compiled HLO's fused custom calls and all-reduces.
+* ``jit``:    tests/jax/sharded_model.py's 4-layer model under plain jit on Auto axes (Shardy +
+              custom_partitioning) and on Explicit axes against its shard_map version: bitwise
+              equal?; the compiled HLO's fused custom calls and all-reduces.
 * ``export``: exports the shard_map layer for ("cpu", "cuda") with ``abstract_workspace``
-              (nothing allocated) and writes the artifact, the inputs and the workspace id.
-* ``serve``:  a fresh process: calls the artifact before its workspace exists (the error),
-              then creates the workspace with the same arguments and calls it: bitwise equal
-              to the same layer jitted here?; the kernel's host launches during the call;
-              the fused calls in the compiled artifact (on CPU: the dead cuda branch's).
+              (nothing allocated); writes the artifact, the inputs and the workspace id.
+* ``serve``:  in a fresh process, the artifact called before its workspace exists (the error),
+              then with it: bitwise equal to the layer jitted here?; the kernel's host
+              launches; the fused calls in the compiled artifact (on CPU: the dead cuda branch's).
 """
-
-from __future__ import annotations
 
 import argparse
 import contextlib
@@ -66,7 +62,6 @@ def _finite(arrays):
 def task_jit(jax, seed: int) -> dict:
     import jax.numpy as jnp
     from jax.sharding import AxisType
-
     import jax_fusedar as jf
     from tests.jax.sharded_model import BATCH, SEQ, jit_model, model_params, place
     from tests.jax.sharded_model import HIDDEN as H, shard_map_model
@@ -118,7 +113,6 @@ def task_export(jax, path: str, seed: int) -> dict:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
-
     import jax_fusedar as jf
 
     mesh = jax.make_mesh((len(jax.devices()),), ("tp",))
@@ -143,7 +137,6 @@ def task_serve(jax, path: str) -> dict:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
-
     import jax_fusedar as jf
 
     mesh = jax.make_mesh((len(jax.devices()),), ("tp",))

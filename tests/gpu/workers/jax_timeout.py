@@ -1,27 +1,22 @@
 """Per-process body of the JAX bounded-wait test (tests/gpu/test_timeout.py): two
-`jax.distributed` processes (one GPU each, or sharing one), a workspace with
-timeout_s=TIMEOUT_S. Both run one good jitted call (checked against the float64 oracle); then
-rank 1 stops calling and rank 0's next call must raise from the computation (XLA's generic
-CUDA error, re-raised by ``ws.explain_errors()`` as RuntimeError with the recorded text naming
-rank 1); the record must reach host memory within TIMEOUT_S + 1 s (a thread polls it) and the
-raise come within TIMEOUT_S + 2 s; ``ws.failures()`` and ``ws.raise_if_failed()`` must give the
-same text, and the call after that must raise too. Rank 0 sends what it found to rank 1
-before that last call, in case the dead CUDA context takes the process down with it.
+`jax.distributed` processes (a GPU each, or sharing one), a workspace with timeout_s=TIMEOUT_S.
+Both make one good call (against the float64 oracle); then rank 1 stops and rank 0's next call
+must raise from the computation (XLA's generic CUDA error, re-raised by
+``ws.explain_errors()`` as RuntimeError with the record naming rank 1), the record reaching
+host memory within TIMEOUT_S + 1 s (a thread polls it) and the raise within TIMEOUT_S + 2 s;
+``ws.failures()`` and ``ws.raise_if_failed()`` give the same text, and the next call raises
+too. Rank 0 sends its findings to rank 1 before that call, in case the dead context takes the
+process down.
 
-Where the GPU driver never reports rank 0's trap (ranks sharing a GPU;
-jax_fusedar/common/lost_traps.py), rank 0's synchronization spins until the watcher ends the
-process (exit code lost_traps.EXIT_CODE, the record on stderr) lost_traps.GRACE_S after the
-record appeared. What rank 0 knew before its failing call (backend, timeout, the good call's
-errors, when the failing call began) is noted to the harness first (``chan.note``), so the
-test checks it either way. Rank 1 waits for rank 0's findings for PARTIAL_WAIT_S only and
-then reports at once, before rank 0's end takes the `jax.distributed` service (hosted by
-process 0) down with it.
+Where the driver never reports rank 0's trap (ranks sharing a GPU; lost_traps.py), the
+watcher ends rank 0 (exit code lost_traps.EXIT_CODE, the record on stderr) lost_traps.GRACE_S
+after the record appeared; what rank 0 knew before its failing call is noted to the harness
+first (``chan.note``), so the test checks it either way. Rank 1 waits PARTIAL_WAIT_S for rank
+0's findings, then reports at once, before rank 0's end takes the `jax.distributed` service
+(hosted by process 0) down.
 
-Run by hand:  python -m tests.gpu.workers.jax_timeout
-The last stdout line is "RESULT <json>".
+Run by hand:  python -m tests.gpu.workers.jax_timeout   (last stdout line: "RESULT <json>")
 """
-
-from __future__ import annotations
 
 import sys
 import threading
@@ -49,7 +44,6 @@ def worker(rank, world, chan, *, port, seed):
     import jax.numpy as jnp
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
-
     import jax_fusedar as jf
     from tests.gpu.harness import draw_case
 

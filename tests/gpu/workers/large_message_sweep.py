@@ -1,19 +1,15 @@
-"""Per-rank body of the large-message sweep (torch tensors, raw-pointer launch).
-
-For every case (dtype, hidden, tokens, pattern) each rank draws the whole group's inputs,
-poisons every output with 0xff bytes (NaN for the float outputs), runs the call with the
-large-message algorithm and again with FlashInfer's two-shot kernel, and reports:
+"""Per-rank body of the large-message sweep (torch tensors, raw-pointer launch). Per case (dtype,
+hidden, tokens, pattern) each rank draws the whole group's inputs, poisons every output with
+0xff bytes, and runs the call with the large-message algorithm and with FlashInfer's two-shot
+kernel; it reports:
 
 * bit differences between the two (the large-message path reuses the two-shot math and launch
   shape, so there must be none, quantized outputs and scales included),
-* for pattern 1 the ulp-scaled errors against the float64 oracle (tests/oracles/oracle.py),
-* NaNs left in the float outputs (unwritten elements),
-* a digest of its outputs, so the test can check that all ranks hold identical bits,
-* a CUDA-graph check: the call captured once and replayed on fresh inputs matches an eager call,
-* a loop mixing the four algorithms (one-shot, two-shot, large-message) without host syncs.
+* for pattern 1 the ulps against the float64 oracle, and NaNs left (unwritten elements),
+* a digest of its outputs (all ranks must hold the same bits),
+* a CUDA graph of the call replayed on fresh inputs against an eager call,
+* a loop mixing the algorithms (one-shot, two-shot, large-message) without host syncs.
 """
-
-from __future__ import annotations
 
 import functools
 import hashlib
@@ -69,7 +65,6 @@ def _on_device(torch, draw, rank, device):
 
 def worker(rank, world, chan, *, cases, max_tokens, hidden_max, loop_calls, seed):
     import torch
-
     from jax_fusedar.common import native
     from tests.gpu.harness import device_for, draw_case
 

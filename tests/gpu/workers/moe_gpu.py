@@ -22,8 +22,6 @@ fused and anchor loops on a shared GPU (to see that they finish); MOE_GPU_CASES_
 stage 1's CUDA-graph check and bench.
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import os
@@ -61,14 +59,11 @@ CASES = [
     (6, "bfloat16", 1, 7168, 1, 1, None, None, None),
 ]
 # MOE_GPU_BENCH_TOKENS=1024 (comma-separated) narrows the bench, e.g. to look at one size.
-BENCH_TOKENS = tuple(
-    int(t) for t in os.environ.get("MOE_GPU_BENCH_TOKENS", "1,16,128,1024").split(",")
-)
+BENCH_TOKENS = tuple(map(int, os.environ.get("MOE_GPU_BENCH_TOKENS", "1,16,128,1024").split(",")))
 
 
 def deepseek_case(tokens):
-    """The bf16 pattern-7 case at DeepSeek's shapes (hidden 7168, top 8 of 256 experts), with
-    expert scales and a shared expert."""
+    """bf16 pattern 7 at DeepSeek's shapes (hidden 7168, top 8 of 256), scales, shared expert."""
     return (7, "bfloat16", tokens, 7168, 8, 256, True, True, 1.0)
 
 
@@ -188,7 +183,6 @@ def _ranks_share_a_gpu():
 def _gloo_rank(rank, world, port):
     """(torch, torch.distributed, this rank's device) in a gloo group of the ranks."""
     import torch
-
     from tests.gpu.harness import device_for
     from tests.gpu.workers.common import init_gloo
 
@@ -367,9 +361,8 @@ def _torch_rank(rank, world, channel, *, port, anchor_path, out_dir):
     for tokens in BENCH_TOKENS if nccl is not None or shared_loops else ():
         c = deepseek_case(tokens)
         t = case_tensors(torch, c, case_inputs(c), rank, dev)
-        idx, res, g_, s_, sh, ro, no = (
-            t[k] for k in ("idx", "res", "g", "s", "sh", "res_out", "norm")
-        )
+        idx, res, g_, s_, sh = (t[k] for k in ("idx", "res", "g", "s", "sh"))
+        ro, no = t["res_out"], t["norm"]
         p_, kw = moe_call(c, t, launch_with_pdl=True)
 
         def fused():
@@ -434,15 +427,9 @@ def stage_torch(out_dir, anchor_path):
     anchor_path = str(where)
     # The harness kills the ranks itself on timeout (a shell timeout would orphan them, still
     # spinning on the GPUs).
-    reports = run_ranks(
-        _torch_rank,
-        WORLD,
-        timeout_s=float(os.environ.get("MOE_GPU_TORCH_TIMEOUT_S", "240")),
-        port=free_port(),
-        anchor_path=anchor_path,
-        out_dir=str(out_dir),
-    )
-    return reports
+    timeout_s = float(os.environ.get("MOE_GPU_TORCH_TIMEOUT_S", "240"))
+    kw = dict(port=free_port(), anchor_path=anchor_path, out_dir=str(out_dir))
+    return run_ranks(_torch_rank, WORLD, timeout_s=timeout_s, **kw)
 
 
 # --- stage 2: JAX -----------------------------------------------------------------------------
@@ -456,7 +443,6 @@ def _jax_rank(rank, world, channel, *, port, out_dir):
     jax = _setup(rank, world, port, "")
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
-
     import jax_fusedar as jf
 
     mesh = _tp_mesh(jax)  # TP rank = process index: this process holds row `rank` below
@@ -590,13 +576,8 @@ def _jax_rank(rank, world, channel, *, port, out_dir):
 def stage_jax(out_dir):
     from tests.gpu.harness import free_port, run_ranks
 
-    return run_ranks(
-        _jax_rank,
-        WORLD,
-        timeout_s=float(os.environ.get("MOE_GPU_JAX_TIMEOUT_S", "300")),
-        port=free_port(),
-        out_dir=str(out_dir),
-    )
+    timeout_s = float(os.environ.get("MOE_GPU_JAX_TIMEOUT_S", "300"))
+    return run_ranks(_jax_rank, WORLD, timeout_s=timeout_s, port=free_port(), out_dir=str(out_dir))
 
 
 # --- stage 3: the anchor at hidden 2880 ----------------------------------------------------
@@ -626,9 +607,8 @@ def stage_anchor_2880(anchor_path):
     from tests.gpu.harness import free_port, run_ranks
 
     anchor.prepare_parent(anchor.path(anchor_path))
-    return run_ranks(
-        _anchor_2880_rank, WORLD, timeout_s=25, port=free_port(), anchor_path=anchor_path
-    )
+    kw = dict(timeout_s=25, port=free_port(), anchor_path=anchor_path)
+    return run_ranks(_anchor_2880_rank, WORLD, **kw)
 
 
 def main(argv=None):
@@ -645,15 +625,12 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     for stage in a.stages.split(","):
         t0 = time.time()
+        stages = {"torch": lambda: stage_torch(out, a.anchor), "jax": lambda: stage_jax(out)}
+        stages["anchor2880"] = lambda: stage_anchor_2880(a.anchor)
         try:
-            if stage == "torch":
-                result = stage_torch(out, a.anchor)
-            elif stage == "jax":
-                result = stage_jax(out)
-            elif stage == "anchor2880":
-                result = stage_anchor_2880(a.anchor)
-            else:
+            if stage not in stages:
                 raise ValueError(f"unknown stage {stage}")
+            result = stages[stage]()
         except Exception as e:
             import traceback
 

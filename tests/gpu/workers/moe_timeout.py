@@ -2,24 +2,20 @@
 two processes, each with a torch_compat workspace (kernel_timeout_s=TIMEOUT_S, the handshake
 off), one case per run, because a trapped kernel kills the CUDA context of its process.
 
-  never_finalize   GOOD_FIRST good pattern-7 calls (MoE finalize), checked against the
-                   float64 oracle; then rank 1 makes no call and rank 0's pattern-7 call
-                   must fail within TIMEOUT_S + 1 s, its record naming rank 1, and the next
-                   launch (native and through torch_compat) must be refused with the record.
+  never_finalize   GOOD_FIRST good pattern-7 calls (MoE finalize) against the float64 oracle;
+                   then rank 1 makes no call and rank 0's pattern-7 call must fail within
+                   TIMEOUT_S + 1 s, its record naming rank 1, the next launch (native and
+                   through torch_compat) refused with the record.
   never_reduction  the same with pattern 6 (MoE reduction).
 
-Ranks take GPU harness.device_for(rank): with one GPU both ranks share it (the waiting rank
-spins, traps and fails alone; the rank that made no call stays healthy). Where the GPU
-driver never reports rank 0's trap (jax_fusedar/common/lost_traps.py), the watcher ends
-rank 0's process (exit code lost_traps.EXIT_CODE, the record on stderr) lost_traps.GRACE_S
-after the record appeared; what rank 0 knew before its failing call is noted to the harness
-first (``chan.note``), and rank 1 waits for its verdict AFTER_FAILURE_WAIT_S at most.
+Ranks take GPU harness.device_for(rank): with one GPU both share it (the waiting rank traps
+alone; the other stays healthy). Where the driver never reports rank 0's trap (lost_traps.py),
+the watcher ends rank 0 (exit code lost_traps.EXIT_CODE, the record on stderr), having noted
+what it knew before the failing call (``chan.note``); rank 1 waits AFTER_FAILURE_WAIT_S.
 
 Run one case by hand:  python -m tests.gpu.workers.moe_timeout never_finalize
 The last stdout line is "RESULT <json>".
 """
-
-from __future__ import annotations
 
 import sys
 import time

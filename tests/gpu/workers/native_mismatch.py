@@ -1,7 +1,7 @@
-"""GPU body of the cross-rank handshake (handshake; ffi/core/handshake.h): two ranks in
-two processes (CUDA IPC), one case per run, because a trapped handshake kills the CUDA
-context of its process. Every case first makes the MATCHING calls with the check on (outputs
-NaN-poisoned, then against the float64 oracle), then:
+"""GPU body of the cross-rank handshake (handshake; ffi/core/handshake.h): two ranks in two
+processes (CUDA IPC), one case per run, because a trapped handshake kills the CUDA context of
+its process. Every case first makes the MATCHING calls with the check on (outputs NaN-poisoned,
+then against the float64 oracle), then:
 
   ok        the same calls with the check off, a CUDA graph of checked calls replayed
             (the device-resident call counter must advance on replay), and the handshake's
@@ -12,23 +12,17 @@ NaN-poisoned, then against the float64 oracle), then:
   timeout   rank 1 makes no call; rank 0 times out after TIMEOUT_CASE_S and fails, while
             rank 1's context stays healthy.
 
-"Fail": the stream synchronisation raises a CUDA error (the handshake's __trap) within the
-timeout instead of hanging, the rank's failure record (failure(), from pinned host memory)
-describes the mismatch, and the next launch is refused with it; or, where the GPU driver
-never reports a rank's trap (ranks sharing a GPU trapping at the same moment), the rank's
-process ends with lost_traps.EXIT_CODE and the record on stderr lost_traps.GRACE_S after the
-record appeared (its result is harness.run_ranks's {"rank", "exitcode", "exited_at",
-"notes"}, the notes holding what it had before its failing call and when that call began).
-The device printf lands in this process's stdout, which tests/gpu/test_topology.py checks.
-
-"ok" and "timeout" also run with more ranks (``python -m ... timeout 8``: the last rank
-makes no call, every other one must time out naming it); the mismatches are for two ranks.
+"Fail": the stream synchronisation raises (the handshake's __trap) within the timeout, the
+failure record (failure(), from pinned host memory) describes the mismatch and the next launch
+is refused with it; or, where the driver never reports the trap (ranks sharing a GPU trapping
+together), the process ends with lost_traps.EXIT_CODE and the record on stderr: its result is
+harness.run_ranks's {"rank", "exitcode", "exited_at", "notes"} (notes: what it had before the
+failing call, and when that began). The device printf lands in stdout (test_topology.py).
+"ok" and "timeout" also run with more ranks (the last one makes no call).
 
 Run one case by hand:  python -m tests.gpu.workers.native_mismatch tokens [world]
 The last stdout line is "RESULT <json>".
 """
-
-from __future__ import annotations
 
 import ctypes
 import hashlib
@@ -308,7 +302,6 @@ def _failing_call(ws, rank, case, device, seed, world, torch):
 
 def worker(rank, world, chan, *, case, seed):
     import torch
-
     from jax_fusedar.common import native
 
     ext = native.require()

@@ -1,23 +1,18 @@
-"""GPU body of the "mixed" topology: world size 4 over 2 processes, each process driving
-BOTH GPUs as two TP ranks, connected by jax_fusedar.common.exchange (Member(process, device)):
+"""GPU body of the "mixed" topology: world size 4 over 2 processes, each driving BOTH GPUs as
+two TP ranks, connected by jax_fusedar.common.exchange (Member(process, device)):
 
     TP rank 0: process 0, GPU 0      TP rank 2: process 1, GPU 0
     TP rank 1: process 0, GPU 1      TP rank 3: process 1, GPU 1
 
-so peers in the same process are reached through raw peer pointers (set_peer_pointers) and
-peers in the other process through CUDA IPC handles (open_peer_ipc), two of them on the
-same GPU in another process (their kernels time-slice). The handles travel over a
-torch TCPStore through torch_compat's StoreChannel (the exchange.Channel protocol).
-
-Two workspaces: one with the handshake off, one with it on (the handshake over the same
-mixed mapping). On each, pattern-1 calls in one-shot and two-shot against the float64
-oracle (NaN-poisoned outputs, fresh inputs per call; all four ranks must also agree
-bitwise). Then both are destroyed and each GPU's free memory must come back.
+Peers in the same process are reached by raw peer pointers, the others by CUDA IPC (two on
+the same GPU in another process: their kernels time-slice); the handles travel over a torch
+TCPStore through torch_compat's StoreChannel. Two workspaces, handshake off and on: on each,
+one- and two-shot pattern-1 calls against the float64 oracle (NaN-poisoned outputs, fresh
+inputs; all four ranks must agree bitwise). Then both are destroyed and each GPU's free
+memory must come back.
 
 Run by hand:  python -m tests.gpu.workers.native_mixed      (last stdout line: "RESULT <json>")
 """
-
-from __future__ import annotations
 
 import datetime
 import hashlib
@@ -39,7 +34,6 @@ def _mem(ext):
 def worker(proc, nprocs, chan, *, port, seed):
     import torch
     import torch.distributed as dist
-
     from jax_fusedar.common import exchange, native, tp_groups
     from tests.gpu.workers.native_mismatch import draw_inputs, flush_c_stdio, fused_call
     from tests.gpu.workers.native_mismatch import new_outputs, oracle_errors, worst_of

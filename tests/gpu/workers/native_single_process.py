@@ -1,12 +1,8 @@
-"""One process driving two ranks through raw peer pointers (set_peer_pointers), the
-single-process path JAX uses when one process drives several GPUs.
-
-With two GPUs the ranks sit on devices 0 and 1 (peer access over NVLink). With one GPU
-both sit on device 0 and their kernels run on two streams at once; the sizes are kept
-small so both grids are resident together (a spin-wait needs its peer running).
+"""One process driving two ranks through raw peer pointers (set_peer_pointers), the path JAX
+takes when one process drives several GPUs: with two GPUs on devices 0 and 1 (NVLink), with
+one both on device 0, their kernels on two streams at once (sizes kept small so both grids are
+resident together: a spin-wait needs its peer running).
 """
-
-from __future__ import annotations
 
 import numpy as np
 
@@ -15,7 +11,6 @@ from tests.gpu.workers.common import keep_max, plain_ulps
 
 def run(*, tokens, hidden, seed):
     import torch
-
     from jax_fusedar.common import native
 
     ext = native.require()

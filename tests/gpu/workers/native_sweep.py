@@ -1,13 +1,8 @@
-"""Per-rank body of the native kernel sweep (torch tensors, raw-pointer launch).
-
-Every rank runs the same case list in the same order (the kernel's protocol needs it),
-draws the *whole group's* inputs from per-case seeds so each can build the float64
-oracle, poisons its outputs with NaN before each launch, and reports per-dtype maxima of
-the ulp-scaled errors (tests/oracles/oracle.py) plus a digest of its outputs so the test can check
-all ranks produced identical bits.
+"""Per-rank body of the native kernel sweep (torch tensors, raw-pointer launch): every rank
+runs the same cases in the same order (the protocol needs it), draws the whole group's inputs
+from per-case seeds (for the float64 oracle), poisons its outputs with NaN, and reports
+per-dtype maxima of the ulp-scaled errors and a digest of its outputs (all ranks' must agree).
 """
-
-from __future__ import annotations
 
 import hashlib
 
@@ -34,7 +29,6 @@ def _inputs(seed, world, m, hidden, tdtype, torch):
 
 def worker(rank, world, chan, *, tokens, hiddens, max_tokens, loop_calls, seed):
     import torch
-
     from jax_fusedar.common import native
     from tests.gpu.harness import device_for
 

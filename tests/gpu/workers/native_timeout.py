@@ -2,39 +2,31 @@
 processes (CUDA IPC, the handshake off), one case per run, because a trapped kernel kills
 the CUDA context of its process.
 
-  ok             same_bits_calls() good calls (a cycle of pattern 0/1 shapes, one- and
-                 two-shot) on a workspace with the timeout on and, call for call, on one with
-                 it off (timeout_s=0): the same bits (differing bytes counted on the device),
-                 within the float64 oracle's bounds; a CUDA graph of good calls replayed on
-                 the timeout-on workspace; the per-call time on vs off.
+  ok             same_bits_calls() good calls (pattern 0/1 shapes, one- and two-shot) on a
+                 workspace with the timeout on and, call for call, one with it off: the same
+                 bits (counted on the device), within the float64 oracle's bounds; a CUDA
+                 graph of good calls replayed; the per-call time on vs off.
   never_oneshot  after a few good calls rank 1 makes no call; rank 0's one-shot call
   never_twoshot  (Lamport poll) / two-shot call (barrier flags) must fail within
                  TIMEOUT_S + 1 s, its record naming rank 1, the next launch refused with it.
-  killed         after a few good calls rank 1 is SIGKILLed; rank 0's next call must fail
-                 the same way.
+  killed         after a few good calls rank 1 is SIGKILLed; rank 0's next call fails alike.
   tokens         rank 0 calls one-shot with 16 tokens, rank 1 with 17 (no handshake): both
                  ranks must fail within TIMEOUT_S + 1 s, each naming the other.
-  never_large    on a workspace for LARGE_TOKENS tokens, after one good call of that size
-                 (auto picks the large-message algorithm) rank 1 makes no call; rank 0's
-                 large-message call (its entry flag wait) must fail the same way.
-  destroy_waits  after the good calls rank 1 makes no call; rank 0 launches a one-shot call
-                 and destroys the workspace at once, whose cudaDeviceSynchronize waits for
-                 that call to time out: a Python thread must keep running meanwhile (destroy
-                 releases the GIL), and failure() must still read the record after destroy.
+  never_large    after a good LARGE_TOKENS call (the large-message algorithm) rank 1 makes no
+                 call; rank 0's large-message call (its entry flag wait) must fail alike.
+  destroy_waits  rank 0 launches a one-shot call no peer joins and destroys the workspace at
+                 once, whose cudaDeviceSynchronize waits for the timeout: a Python thread must
+                 keep running (destroy releases the GIL), failure() still read the record.
 
-The "never_*" cases also run with more ranks (``python -m ... never_oneshot 8``: the last rank
-makes no call, every other one must fail naming it). Where the GPU driver never reports a
-rank's trap (ranks sharing a GPU timing out together; jax_fusedar/common/lost_traps.py), its
-process ends with lost_traps.EXIT_CODE and the record on stderr lost_traps.GRACE_S after the
-record appeared: its result is harness.run_ranks's {"rank", "exitcode", "exited_at", "notes"},
-the notes holding the good calls' errors and when the failing call began. The other ranks wait
-for it AFTER_FAILURE_WAIT_S at most.
+The "never_*" cases also run with more ranks (the last one makes no call). Where the driver
+never reports a rank's trap (ranks sharing a GPU timing out together; lost_traps.py), its
+process ends with lost_traps.EXIT_CODE and the record on stderr: its result is
+harness.run_ranks's {"rank", "exitcode", "exited_at", "notes"} (notes: the good calls' errors
+and when the failing call began); the others wait AFTER_FAILURE_WAIT_S for it.
 
 Run one case by hand:  python -m tests.gpu.workers.native_timeout never_oneshot [world]
 The last stdout line is "RESULT <json>".
 """
-
-from __future__ import annotations
 
 import os
 import signal
@@ -174,9 +166,7 @@ def _destroy_during_a_failing_call(ws, rank, device, seed, world, torch, note):
 
 def worker(rank, world, chan, *, case, seed):
     import torch
-
     from jax_fusedar.common import native
-
     from tests.gpu.harness import device_for
 
     ext = native.require()

@@ -14,8 +14,6 @@ float64 oracle (tests/oracles/oracle.py, quant_oracle.py). Phase 1 also runs on 
 2's per-case logic with a simulated kernel in tests/torch/test_worker_plumbing.py.
 """
 
-from __future__ import annotations
-
 import json
 import os
 
@@ -85,7 +83,6 @@ def _run_jax(jax, devices, local_ranks, out_dir, seed, tokens, hiddens, dtypes):
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
-
     import jax_fusedar as jf
     from tests.gpu.harness import draw_case
 

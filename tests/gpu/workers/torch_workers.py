@@ -7,8 +7,6 @@ Inputs are drawn from seeds derived from (seed, group, case, member), so every m
 rebuild its whole group's inputs and the float64 oracle (tests/oracles/oracle.py).
 """
 
-from __future__ import annotations
-
 import contextlib
 import hashlib
 import random
