@@ -44,9 +44,8 @@ def _np_dtype(name):
 
 
 def _outputs(torch, p, m, h, dtype, device):
-    """Fresh poisoned outputs of pattern ``p`` as FlashInfer's API wants them
-    (torch_workers.new_outputs), and the buffers to compare (the group scales' whole dense
-    (K, T) buffer)."""
+    """Poisoned outputs of pattern ``p`` (torch_workers.new_outputs) and the buffers to compare
+    (the group scales' whole (K, T) buffer)."""
     from tests.gpu.workers.torch_workers import new_outputs
 
     outs = new_outputs(torch, p, m, h, dtype, device, GROUP)
@@ -186,10 +185,8 @@ def run_case(
     torch, calls, *, rank, device, dtype_name, xs, res, gam, m, hidden, oneshot, patterns,
     result, stats
 ):  # fmt: skip
-    """One shape case: every pattern through both builds, fp32_acc True then False, outputs
-    compared byte for byte; the fp32_acc=True outputs against the oracles. ``calls`` maps
-    "ours"/"anchor" to (allreduce_fusion, workspace); ``xs`` (every rank's partial sums),
-    ``res`` and ``gam`` are numpy arrays already in the call dtype."""
+    """One shape case: every pattern through both builds (``calls``: "ours"/"anchor" ->
+    (allreduce_fusion, workspace)), fp32_acc True then False, bytes compared; the oracles."""
     from tests.oracles import oracle
 
     dtype = getattr(torch, dtype_name)
@@ -260,10 +257,8 @@ def run_case(
 
 
 def sweep(torch, dist, result, make_calls, world, seed, tokens, hiddens, dtypes, patterns):
-    """Per dtype: ``make_calls(torch dtype)`` gives run_case's ``calls`` and the workspaces
-    to free after, then every shape case (harness.shape_cases) runs on the rank and device
-    of ``result`` (new_result's), case k's inputs drawn from seed + k, into the stats
-    result["oracle"][dtype name]."""
+    """Per dtype, ``make_calls`` (-> run_case's ``calls``, the workspaces to free) then every
+    shape case, inputs from seed + k, into result["oracle"][dtype]."""
     from tests.gpu.harness import draw_case, shape_cases
 
     case_no = 0

@@ -24,30 +24,17 @@ from tests.gpu.workers.common import jax_workspace, jit_shard_map
 
 
 def _setup(rank, world, port, platform):
-    os.environ["JAX_PLATFORMS"] = platform
-    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-    os.environ.pop("XLA_FLAGS", None)
-    from tests.gpu.harness import device_for
-    from tests.gpu.workers.common import jax_distributed
-
-    if platform == "cpu":
-        os.environ["JAX_NUM_CPU_DEVICES"] = "1"
-        return jax_distributed(rank, world, port, platform), False
     from jax_fusedar.common import native
+    from tests.gpu.workers.jax_multiprocess import _setup
 
-    shared = native.gpu_count() < world
-    if shared:
-        # NCCL: one "host" per rank, connected by its socket transport over loopback.
-        os.environ.update(
-            NCCL_HOSTID=f"jax-fusedar-rank{rank}",
-            NCCL_P2P_DISABLE="1",
-            NCCL_SHM_DISABLE="1",
-            NCCL_IB_DISABLE="1",
-            NCCL_NET="Socket",
-            NCCL_SOCKET_IFNAME="lo",
-        )
-    os.environ["NCCL_NVLS_ENABLE"] = "0"  # never NVLink multicast (docs/decisions.md)
-    return jax_distributed(rank, world, port, platform, [device_for(rank)]), shared
+    shared = platform != "cpu" and native.gpu_count() < world
+    if shared:  # NCCL: one "host" per rank, connected by its socket transport over loopback
+        os.environ.update(NCCL_HOSTID=f"jax-fusedar-rank{rank}", NCCL_P2P_DISABLE="1")
+        os.environ.update(NCCL_SHM_DISABLE="1", NCCL_IB_DISABLE="1", NCCL_NET="Socket")
+        os.environ["NCCL_SOCKET_IFNAME"] = "lo"
+    if platform != "cpu":
+        os.environ["NCCL_NVLS_ENABLE"] = "0"  # never NVLink multicast (docs/decisions.md)
+    return _setup(rank, world, port, "", platform), shared  # XLA_FLAGS empty
 
 
 def _collectives(compiled):
@@ -69,7 +56,7 @@ def worker(rank, world, chan, *, port, seed, cases, platform="cuda"):
     from tests.gpu.workers.jax_multiprocess import _local as local
     from tests.oracles import oracle
 
-    mesh = _tp_mesh(jax)
+    mesh, AR = _tp_mesh(jax), jf.AllReduceFusionPattern.kAllReduce
     out = {"rank": rank, "world": world, "jax": jax.__version__, "shared_gpu": shared}
     out["devices"] = [str(d) for d in jax.devices()]
     glob = lambda spec, a: _global(jax, mesh, spec, a)
@@ -94,9 +81,7 @@ def worker(rank, world, chan, *, port, seed, cases, platform="cuda"):
                 return o.residual_out, o.norm_out
 
             def fused_sum(x):
-                kw = dict(
-                    axis_name="tp", workspace=ws, pattern=jf.AllReduceFusionPattern.kAllReduce
-                )
+                kw = dict(axis_name="tp", workspace=ws, pattern=AR)
                 return jf.allreduce_fusion(x, **kw).allreduce_out
 
             def plain(x, r, g, wb=wb):
@@ -122,9 +107,10 @@ def worker(rank, world, chan, *, port, seed, cases, platform="cuda"):
                 got[name] = compiled(*a)
             # The compiled modules: the fallback moves no more than the user's psum.
             for name in ("fused", "fused_sum"):
-                hlo[name]["costlier_than_plain"] = collectives.costlier(
+                costlier = collectives.costlier(
                     hlo[name]["collectives"], hlo["plain"]["collectives"]
                 )
+                hlo[name]["costlier_than_plain"] = costlier
             w["hlo"].append({"tokens": m, "hidden": hidden, **hlo})
 
             x64 = [x.astype(np.float64) for x in xs]
@@ -146,9 +132,8 @@ def worker(rank, world, chan, *, port, seed, cases, platform="cuda"):
             }
             worst_of(w, errs)
             # Information: how often the fused outputs equal the user's program's bits.
-            w.setdefault("bitwise_equal", []).append(
-                bool(np.array_equal(r_f, r_p) and np.array_equal(y_f, y_p))
-            )
+            same = bool(np.array_equal(r_f, r_p) and np.array_equal(y_f, y_p))
+            w.setdefault("bitwise_equal", []).append(same)
             finite = all(np.isfinite(a).all() for a in (r_f, y_f, s_f))
             w["finite"] = w.get("finite", True) and bool(finite)
             w["cases"] += 1
@@ -173,15 +158,8 @@ def check(res):
                 problems.append(f"{where} {dtype}: non-finite outputs")
             # plain_norm_own is reported only: XLA may compute the user's norm from the sum
             # before its rounding to the dtype (excess precision), which the fused op never does.
-            limits = dict.fromkeys(
-                (
-                    "allreduce_bound",
-                    "plain_allreduce_bound",
-                    "residual_bound",
-                    "plain_residual_bound",
-                ),
-                1.0,
-            )
+            bounds = ("allreduce_bound", "plain_allreduce_bound", "residual_bound")
+            limits = dict.fromkeys((*bounds, "plain_residual_bound"), 1.0)
             limits["norm_own"] = oracle.NORM_GIVEN_RESIDUAL_ULPS[dtype]
             for k, v in limits.items():
                 if not w[k] <= v:  # NaN fails too
@@ -201,8 +179,6 @@ def check(res):
                     if h[name]["fused_custom_calls"]:
                         problems.append(f"{case} {name}: a fused custom call on the xla backend")
                     if h[name]["collectives"] != want:
-                        problems.append(
-                            f"{case} {name}: collectives {h[name]['collectives']}, the user's "
-                            f"psum {want}"
-                        )
+                        got = h[name]["collectives"]
+                        problems.append(f"{case} {name}: collectives {got}, the user's psum {want}")
     return problems

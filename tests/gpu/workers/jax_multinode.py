@@ -76,10 +76,8 @@ def _mesh(jax, name, world, local):
 
 
 def _program(jax, jf, mesh, workspaces):
-    """shard_map over every mesh axis, each device holding its own partial sum [TOKENS,
-    HIDDEN]: the fused all-reduce + residual + RMSNorm of those partials over each
-    workspace's axis (several workspaces: several independent calls in one program).
-    Returns (residual_out, norm_out) per workspace, one row per group (its axis kept, size 1)."""
+    """shard_map over every mesh axis, each device holding its own partials: the fused call
+    over each workspace's axis; (residual_out, norm_out) per workspace, that axis kept, size 1."""
     from jax.sharding import PartitionSpec as P
 
     axes = tuple(mesh.axis_names)
@@ -109,9 +107,8 @@ def _avals(jax, mesh, dtype):
 
 
 def _check_outputs(jax, mesh, workspaces, fn, dtype, seed):
-    """Runs fn on fresh random inputs (different partials on every device); the worst error
-    (ulps of the call dtype, tests/oracles/oracle.py's measure) of this process's shards of every
-    residual_out and norm_out against the float64 oracle of its group."""
+    """Runs fn on fresh partials; the worst ulps of this process's shards of every residual_out
+    and norm_out against its group's float64 oracle."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
     from tests.oracles import oracle
@@ -151,11 +148,9 @@ def worker(
     rank, world, chan, *, port, platform, local_devices, hosts, layouts, backends, seed,
     device_ids=None, run_xla_all_reduces=True
 ):  # fmt: skip
-    """One process: pretends to run on host ``hosts[rank]``, then, for every layout and
-    backend, records {"backend" | "error", "custom_calls", "all_reduces", "worst", ...}.
-    ``run_xla_all_reduces=False``: a program that holds XLA all-reduces is decided and
-    lowered but not run ("not_run" says why): the processes share a GPU, and XLA's NCCL
-    refuses two ranks on one GPU."""
+    """Pretends to run on host ``hosts[rank]``, then records per layout and backend what
+    happened. ``run_xla_all_reduces=False``: a program with XLA all-reduces is lowered but not
+    run ("not_run"): the processes share a GPU, and XLA's NCCL refuses that."""
     from tests.gpu.harness import simulate_host
 
     simulate_host(hosts[rank])
@@ -197,9 +192,8 @@ def worker(
                     ws.destroy()
                 continue
             rec["backend"] = {ws.axis_name: ws.backend for ws in workspaces}
-            rec["groups"] = {
-                ws.axis_name: [list(g.members) for g in ws.groups] for ws in workspaces
-            }
+            members = lambda ws: [list(g.members) for g in ws.groups]
+            rec["groups"] = {ws.axis_name: members(ws) for ws in workspaces}
             if any(ws.backend == "trtllm" for ws in workspaces) and not native.available():
                 rec["not_lowered"] = "the kernel's custom call needs the native extension"
                 continue  # the decision above is still recorded
@@ -209,10 +203,8 @@ def worker(
             rec["custom_calls"] = text.count(f"custom_call @{FFI_TARGET}")
             rec["all_reduces"] = text.count("stablehlo.all_reduce")
             if rec["all_reduces"] and not run_xla_all_reduces:
-                rec["not_run"] = (
-                    "XLA's all-reduce between processes sharing a GPU: NCCL "
-                    "refuses two ranks on one GPU"
-                )
+                why = "XLA's all-reduce between processes sharing a GPU: NCCL refuses"
+                rec["not_run"] = why + " two ranks on one GPU"
                 for ws in workspaces:
                     ws.destroy()
                 continue

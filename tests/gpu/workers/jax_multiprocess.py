@@ -89,9 +89,8 @@ def worker(rank, world, chan, *, port, xla_flags, task, seed, platform="cuda", *
 
 
 def _parity(jax, jnp, jf, oracle, mesh, P, rank, world, seed, tokens, hiddens, kernel=True):
-    """Per dtype, the worst errors (harness.bound_problems's keys) over the cases, and, per
-    fp32_acc setting, the worst two-rank ulp measures (``ulps_fp32_acc`` /
-    ``ulps_no_fp32_acc``: what fp32_acc=False costs at this world size, reported)."""
+    """Per dtype, the worst errors (harness.bound_problems's keys), and per fp32_acc the worst
+    two-rank ulps (what fp32_acc=False costs at this world size, reported)."""
     from tests.gpu.harness import draw_case, shape_cases, worst_of
     from tests.gpu.workers.common import plain_ulps
 

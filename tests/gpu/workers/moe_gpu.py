@@ -128,11 +128,9 @@ def to_device(torch, a, dev, dtype="bfloat16"):
 
 
 def case_tensors(torch, c, inputs, rank, dev):
-    """This rank's tensors of case ``c`` on ``dev`` (in its dtype): residual ``res``, gamma ``g``
-    and NaN outputs ``res_out`` and ``norm``; pattern 7: permuted rows ``p``, indices ``idx``,
-    expert scales ``s`` and shared output ``sh`` (each None where the case has none); pattern
-    6: expert scales ``es``, expert outputs ``eo`` [experts * tokens, hidden], token input
-    ``ti`` and the NaN all-reduce output ``ar``."""
+    """This rank's tensors of case ``c`` on ``dev`` in its dtype: ``res``, ``g``, NaN ``res_out``
+    and ``norm``; pattern 7's ``p``, ``idx``, ``s``, ``sh`` (None where the case has none), or
+    pattern 6's ``es``, ``eo`` [experts * tokens, hidden], ``ti`` and NaN ``ar``."""
     to_t = lambda a: to_device(torch, a, dev, c[1])
     t = {"res": to_t(inputs["residual"]), "g": to_t(inputs["gamma"])}
     t["norm"] = torch.full_like(t["res"], float("nan"))

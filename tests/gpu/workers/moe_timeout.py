@@ -33,9 +33,8 @@ CASES = {"never_finalize": 7, "never_reduction": 6}
 
 
 def moe_case(pattern):
-    """A case tuple of tests.gpu.workers.moe_gpu (its inputs and oracle): bf16, TOKENS x HIDDEN;
-    pattern 7: top-4 of 16 experts with router weights and a shared expert; pattern 6: 4
-    experts per rank."""
+    """A moe_gpu case, bf16, TOKENS x HIDDEN: pattern 7 top-4 of 16 experts with router weights
+    and a shared expert; pattern 6 with 4 experts per rank."""
     if pattern == 7:
         return (7, "bfloat16", TOKENS, HIDDEN, 4, 16, True, True, 1.0)
     return (6, "bfloat16", TOKENS, HIDDEN, 4, 4, None, None, None)
@@ -49,9 +48,8 @@ def _inputs(c, seed):
 
 
 class _Call:
-    """One MoE call of rank ``rank`` on device ``dev``: its tensors (moe_gpu.case_tensors:
-    outputs poisoned with NaN), the torch_compat call, and the same call through the native
-    Rank."""
+    """One MoE call of rank ``rank``: its tensors (moe_gpu.case_tensors), through torch_compat
+    and through the native Rank."""
 
     def __init__(self, c, inputs, rank, dev, torch):
         from tests.gpu.workers.moe_gpu import case_tensors

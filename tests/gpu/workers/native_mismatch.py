@@ -91,9 +91,8 @@ def oracle_errors(xs, residual, gamma, outs, pattern, *, weight_bias=0.0, dtype=
 
 
 def fused_call(ws, pattern, m, x, res, gamma, outs, *, oneshot, stream, algorithm=None):
-    """One raw-pointer launch of pattern 0 (writes outs['allreduce']) or 1 (outs['residual'],
-    outs['norm']) on `stream` (a torch stream). ``algorithm`` (launch_mode.ALGORITHM_*), when
-    given, overrides the one-shot/two-shot choice ``oneshot``."""
+    """One raw-pointer launch of pattern 0 (outs['allreduce']) or 1 (outs['residual'],
+    outs['norm']); ``algorithm`` (launch_mode.ALGORITHM_*) overrides ``oneshot``."""
     from jax_fusedar.common import native
 
     algorithm = int(oneshot) if algorithm is None else algorithm
@@ -111,9 +110,8 @@ def new_outputs(x, torch):
 
 
 class Case:
-    """One case's draw_inputs (HIDDEN wide) on this rank: every rank's ``xs``, the
-    ``residual`` and ``gamma`` (CPU), this rank's ``x``, ``res`` and ``gam`` on ``device``,
-    and NaN ``outs``."""
+    """One case on this rank: every rank's ``xs``, ``residual`` and ``gamma`` (CPU), this rank's
+    ``x``, ``res``, ``gam`` on ``device``, and NaN ``outs``."""
 
     def __init__(self, seed, world, m, rank, device, torch):
         self.m = m
@@ -176,9 +174,8 @@ def make_workspace(
 
 
 def graph_replays(ws, rank, world, device, seed, torch, chan):
-    """Captures 3 checked pattern-1 calls in a CUDA graph and replays it 3 times (each
-    replay: outputs poisoned first, then checked), then one eager call after the replays:
-    the device counter must have advanced in step on both ranks."""
+    """3 checked pattern-1 calls captured in a CUDA graph and replayed 3 times (poisoned, then
+    checked), then one eager call: the device call counter must have advanced in step."""
     c = Case(seed, world, 16, rank, device, torch)
     g = torch.cuda.CUDAGraph()
     capture_error = None
@@ -245,10 +242,8 @@ def check_untouched(result, ws, device, torch):
 
 
 def failing_launch(ws, launch, stream, out, *, relaunch=None, launch_returned=False):
-    """Into ``out``: ``launch()`` of a call that must fail (its seconds until it returned,
-    where ``launch_returned``), the error of its stream's synchronisation, the seconds until
-    then, ``ws``'s failure record, and the error of the next launch (``relaunch()``, default
-    ``launch()``), which must be refused with the recorded text."""
+    """Into ``out``: ``launch()``, a call that must fail (``launch_returned``: its seconds), its
+    stream's error and seconds, the failure record, and the refused ``relaunch()`` (or launch)."""
     t0 = time.monotonic()
     launch()
     if launch_returned:

@@ -79,9 +79,8 @@ def _good_calls(ws, rank, world, device, seed, torch, n=GOOD_FIRST):
 
 
 def _same_bits(on, off, rank, world, device, seed, torch):
-    """same_bits_calls() calls on each workspace, interleaved, same inputs: device-side
-    count of the output bytes that differ, and the oracle errors of each cycle entry's last
-    call."""
+    """same_bits_calls() interleaved calls on each workspace, same inputs: the differing output
+    bytes (counted on the device) and the oracle errors of each cycle entry's last call."""
     stream = torch.cuda.current_stream(device)
     # (pattern, case, the timeout-off call's outputs) per cycle entry
     cases = []
@@ -235,10 +234,8 @@ def worker(rank, world, chan, *, case, seed):
 
 
 def run_ranks_allowing_death(fn, world, *, timeout_s, killed=(), **kwargs):
-    """tests.gpu.harness.run_ranks, except that the ranks in `killed` are expected to die by
-    SIGKILL without a result, and a rank whose trap the GPU driver never reported may end
-    with lost_traps.EXIT_CODE (jax_fusedar/common/lost_traps.py): their results are
-    {"rank": r, "exitcode": code}."""
+    """harness.run_ranks, but the ranks in `killed` may die by SIGKILL and a rank whose trap
+    the driver lost may exit with lost_traps.EXIT_CODE: {"rank": r, "exitcode": code}."""
     from jax_fusedar.common import lost_traps
     from tests.gpu.harness import run_ranks
 

@@ -77,9 +77,8 @@ def jax_rank_phase(
 
 
 def _run_jax(jax, devices, local_ranks, out_dir, seed, tokens, hiddens, dtypes):
-    """Every case through jf.allreduce_fusion on the mesh of ``devices`` (TP rank = position);
-    writes the outputs of the TP ranks ``local_ranks`` (those of this process) to
-    parity_r<rank>.npz, and, in the process holding rank 0, the inputs and parity.json."""
+    """Every case on the mesh of ``devices`` (TP rank = position): the outputs of this
+    process's ``local_ranks`` to parity_r<rank>.npz; with rank 0, the inputs and parity.json."""
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -170,9 +169,8 @@ def _values(raw, dtype):
 
 
 def compare_case(torch, tc, ws, device, data, c, rank, sync, world=2):
-    """Runs case ``c`` through torch_compat on this rank and compares with JAX's outputs of
-    the same TP rank. Returns {"diffs": {pattern: {output: differing elements}},
-    "torch": oracle errors, "jax": oracle errors, "quant_torch"/"quant_jax": quant_stats}."""
+    """Case ``c`` through torch_compat on this rank against JAX's outputs of the same TP rank:
+    {"diffs", "torch"/"jax" oracle errors, "quant_torch"/"quant_jax" quant_stats}."""
     from tests.gpu.harness import worst_of
 
     k = f"c{c['case']}"

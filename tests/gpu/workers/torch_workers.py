@@ -54,9 +54,8 @@ def _workspace(tc, torch, world, rank, max_tokens, hidden, dtype=None, **kw):
 
 
 def drawn_case(torch, seed, world, m, hidden, dt, *, wb=0.0):
-    """harness.draw_case's inputs as CPU tensors of ``dt``, the float64 values of those
-    (rounded) tensors and the group's oracle on them: (xs_t, res_t, gam_t, xs64, res64,
-    gam64, ref)."""
+    """harness.draw_case as CPU tensors of ``dt``, their float64 values and the group's oracle:
+    (xs_t, res_t, gam_t, xs64, res64, gam64, ref)."""
     from tests.gpu.harness import draw_case
 
     xs, res, gam = draw_case(seed, world, m, hidden)
@@ -91,15 +90,11 @@ class _Pattern1Case:
 
     def __init__(self, torch, device, tp_rank, xs, residual, gamma):
         self.torch = torch
-        self.host = (
-            [t.float().numpy() for t in xs],
-            residual.float().numpy(),
-            gamma.float().numpy(),
-        )
+        f32 = lambda t: t.float().numpy()
+        self.host = ([f32(t) for t in xs], f32(residual), f32(gamma))
         self.x = xs[tp_rank].to(device)
         self.res_in, self.gamma_d = residual.to(device), gamma.to(device)
-        self.res_out = torch.empty_like(self.x)
-        self.norm_out = torch.empty_like(self.x)
+        self.res_out, self.norm_out = torch.empty_like(self.x), torch.empty_like(self.x)
 
     def run(self, ws, tally, **kw):
         """Poisons the outputs, calls, waits; adds the residual and norm ulps and the NaN
@@ -142,11 +137,9 @@ def dp_tp_worker(rank, world, chan, *, port, seed, tokens, hidden):
         torch.manual_seed(SHARED_SEED)
         ws = _workspace(tc, torch, 2, tp_rank, max(tokens), hidden, group=groups[g])
         placement = {"rank": rank, "group": g, "tp_rank": ws.rank, "device": ws.device}
-        placement.update(
-            global_ranks=list(ws.global_ranks),
-            member_devices=[m.device for m in ws.members],
-            gpus=torch.cuda.device_count(),
-        )
+        placement["global_ranks"] = list(ws.global_ranks)
+        placement["member_devices"] = [m.device for m in ws.members]
+        placement["gpus"] = torch.cuda.device_count()
         dist.barrier()  # both groups start together, so their calls overlap
         tally, digests, cases = _new_tally(), [], []
         for i, m in enumerate(tokens):
@@ -239,9 +232,8 @@ def to_torch(torch, a, dtype, device):
 
 
 def new_outputs(torch, pattern, m, hidden, dtype, device, group=GROUP):
-    """Poisoned outputs of ``pattern``: NaN in float outputs, 0xFF bytes (e4m3 NaN, UE8M0
-    255) in quant_out and the group scales. ``_scale_buf`` is the dense (K, T) buffer behind
-    the per-token-group scale view."""
+    """Poisoned outputs of ``pattern`` (NaN; 0xFF bytes in quant_out and the group scales);
+    ``_scale_buf`` is the dense (K, T) buffer behind the per-token-group scale view."""
     from jax_fusedar.common import quant_layouts
 
     t = _traits(pattern)
@@ -286,9 +278,8 @@ def call_pattern(
 
 
 def outputs_to_numpy(torch, outs):
-    """Host copies: float outputs as float64 values plus raw bytes (``<name>_bytes``),
-    quant_out as uint8 bytes, dynamic scales as float32 [M, 1], group scales as the dense
-    int32 (K, T) buffer (key ``scale_out``)."""
+    """Host copies: floats as float64 plus raw bytes (``<name>_bytes``), quant_out as uint8,
+    dynamic scales as float32 [M, 1], group scales as the dense int32 (K, T) buffer."""
     got = {}
     for k, v in outs.items():
         if k == "scale_out" and "_scale_buf" in outs:
@@ -319,9 +310,8 @@ ACCUMULATED = {"allreduce_out": "output", "residual_out": "residual_out", "norm_
 
 
 def plain_errors(got, ref, res, gam, dtype, wb, *, xs=None, fp32_acc=True):
-    """ulp errors (tests/oracles/oracle.py) of whatever float outputs ``got`` holds + NaN
-    count; given every rank's inputs ``xs``, also the accumulation measures that hold at
-    every world size (oracle.accumulation_errors, for this ``fp32_acc``)."""
+    """ulps of whatever float outputs ``got`` holds, the NaN count, and given every rank's
+    ``xs`` the accumulation measures of any world size (oracle.accumulation_errors)."""
     from tests.oracles import oracle
 
     s64, r64, y64, inv64 = ref
@@ -344,20 +334,15 @@ def plain_errors(got, ref, res, gam, dtype, wb, *, xs=None, fp32_acc=True):
 
 
 def new_quant_stats():
-    return counters(
-        "cases elements worse group_scale_mismatch poisoned",
-        "dyn_scale_ulps residual norm",
-        steps1={"static": 0, "dynamic": 0, "group": 0},
-        twin_diffs=[],
-    )
+    steps1 = {"static": 0, "dynamic": 0, "group": 0}
+    ints = "cases elements worse group_scale_mismatch poisoned"
+    return counters(ints, "dyn_scale_ulps residual norm", steps1=steps1, twin_diffs=[])
 
 
 def quant_stats(stats, by_pattern, ref, res, gam, dtype, sf, group, label, xs=None):
-    """Accumulates into ``stats`` the FP8 checks of one case. ``by_pattern``: {2, 4, 10,
-    11, 8, 9: outputs_to_numpy(...)}. Codes of the Out patterns (4, 11, 9) against
-    tests/oracles/quant_oracle.py applied to the kernel's own norm_out; each non-Out twin (2, 10, 8)
-    against its Out twin; scales against the oracle; residual/norm against float64 (and,
-    given every rank's inputs ``xs``, the accumulation bounds)."""
+    """Adds the FP8 checks of one case (``by_pattern``: {2, 4, 10, 11, 8, 9: outputs_to_numpy})
+    to ``stats``: the Out patterns' codes against quant_oracle on their own norm_out, each twin
+    against its Out twin, scales against the oracle, residual/norm against float64."""
     from tests.gpu.harness import worst_of
     from tests.oracles import quant_oracle
 
@@ -368,9 +353,8 @@ def quant_stats(stats, by_pattern, ref, res, gam, dtype, sf, group, label, xs=No
         worst_of(stats, {k: v for k, v in e.items() if k != "nans"})
         q = o[p]["quant_out"]
         stats["poisoned"] += e["nans"] + int(np.sum((q & 0x7F) == 0x7F))
-    stats["poisoned"] += int(
-        np.isnan(o[10]["scale_out"]).sum() + np.isnan(o[11]["scale_out"]).sum()
-    )
+    for p in (10, 11):
+        stats["poisoned"] += int(np.isnan(o[p]["scale_out"]).sum())
     for p in (8, 9):
         stats["poisoned"] += int(np.sum(o[p]["scale_out"][:, :m].view(np.uint8) == 0xFF))
     for name, a, b in (
@@ -493,9 +477,8 @@ def fp8_worker(rank, world, chan, *, port, seed, shapes, dtypes):
 
 
 def compile_worker(rank, world, chan, *, port, seed, m, hidden, backend):
-    """The custom ops (patterns 0, 1 and quantized 11 and 9) under
-    torch.compile(fullgraph=True) on the GPU: the same bits as eager, and within the oracle
-    bounds."""
+    """The custom ops (patterns 0, 1, 11, 9) under torch.compile(fullgraph=True): the same bits
+    as eager, and within the oracle bounds."""
     with _gloo(rank, world, port) as (torch, dist, device, tc):
         from torch_compat import library
 
@@ -547,9 +530,8 @@ def compile_worker(rank, world, chan, *, port, seed, m, hidden, backend):
 
 
 def cuda_graph_worker(rank, world, chan, *, port, seed, m, hidden, replays):
-    """Captures pattern 1 and pattern 11 (dynamic FP8) in one torch.cuda.CUDAGraph each,
-    then replays each ``replays`` times with fresh inputs copied into the static input
-    buffers, checking every replay against the float64 oracle (and quant_oracle)."""
+    """Patterns 1 and 11 each captured in a CUDAGraph and replayed ``replays`` times on fresh
+    inputs copied into the static buffers, every replay against the oracles."""
     with _gloo(rank, world, port) as (torch, dist, device, tc):
         from tests.gpu.harness import draw_case, worst_of
         from tests.oracles import quant_oracle
@@ -576,9 +558,8 @@ def cuda_graph_worker(rank, world, chan, *, port, seed, m, hidden, replays):
             captured_launches = _native_launches() - launches0
             torch.cuda.synchronize()
             dist.barrier()
-            worst = counters(
-                "nans replays code_steps1 code_worse poisoned", "residual norm scale_ulps"
-            )
+            ints = "nans replays code_steps1 code_worse poisoned"
+            worst = counters(ints, "residual norm scale_ulps")
             launches1 = _native_launches()
             for i in range(replays):
                 drawn = drawn_case(torch, seed * 1000 + 100 + i + 1000 * p, world, m, hidden, dt)
@@ -631,10 +612,8 @@ def rms_manual(x, g, eps=RMS_EPS):
 
 
 def build_tp_model(torch, group, rank, world, *, m, hidden, layers, seed, device, norm):
-    """(model, args, (norm64, residual64)): a ``layers``-layer TP block stack, row-parallel
-    matmul -> funcol.all_reduce over ``group`` -> + residual -> RMSNorm (``norm``: "manual"
-    or "F.rms_norm"), this rank's shards as args, and the float64 numpy model of the same
-    bf16-rounded values."""
+    """(model, args, (norm64, residual64)): ``layers`` TP blocks (row-parallel matmul ->
+    funcol.all_reduce -> + residual -> RMSNorm ``norm``), this rank's shards, the float64 model."""
     import torch.nn.functional as F
     from torch.distributed import _functional_collectives as funcol
 
@@ -643,17 +622,14 @@ def build_tp_model(torch, group, rank, world, *, m, hidden, layers, seed, device
     shard = hidden // world
     x_full = rng.standard_normal((m, hidden), dtype=np.float32)
     res0 = rng.standard_normal((m, hidden), dtype=np.float32)
-    w_full = [
-        rng.standard_normal((hidden, hidden), dtype=np.float32) / np.sqrt(hidden)
-        for _ in range(layers)
-    ]
+    w_full = [rng.standard_normal((hidden, hidden), dtype=np.float32) for _ in range(layers)]
+    w_full = [w / np.sqrt(hidden) for w in w_full]
     gammas = [rng.uniform(0.5, 1.5, hidden).astype(np.float32) for _ in range(layers)]
     lo, hi = rank * shard, (rank + 1) * shard
     t = lambda a: to_torch(torch, a, dt, device)
     args = (t(x_full[:, lo:hi]), t(res0), *[t(w[lo:hi]) for w in w_full], *[t(g) for g in gammas])
-    norm_fn = (
-        rms_manual if norm == "manual" else (lambda r, g: F.rms_norm(r, (hidden,), g, RMS_EPS))
-    )
+    f_rms_norm = lambda r, g: F.rms_norm(r, (hidden,), g, RMS_EPS)
+    norm_fn = rms_manual if norm == "manual" else f_rms_norm
 
     def model(x_shard, residual, *wg):
         w_sh, gs = wg[:layers], wg[layers:]
@@ -693,11 +669,11 @@ def compare_models(torch, fused, unfused, ref64):
     def rel(out, ref):
         return float(np.max(np.abs(out.float().cpu().double().numpy() - ref)) / np.max(np.abs(ref)))
 
+    pairs = zip(fused, unfused)
     return {
         "finite": bool(all(bool(torch.isfinite(a).all()) for a in (*fused, *unfused))),
         "fused_vs_unfused": max(
-            float((a.float() - b.float()).abs().max() / b.float().abs().max())
-            for a, b in zip(fused, unfused)
+            float((a.float() - b.float()).abs().max() / b.float().abs().max()) for a, b in pairs
         ),
         "fused_vs_f64": max(rel(fused[0], ref64[0]), rel(fused[1], ref64[1])),
         "unfused_vs_f64": max(rel(unfused[0], ref64[0]), rel(unfused[1], ref64[1])),
@@ -709,10 +685,8 @@ def count_targets(gm, target):
 
 
 def fusion_pass_worker(rank, world, chan, *, port, seed, m, hidden, layers, mode):
-    """The TP model of build_tp_model over a real NCCL group (the unfused baseline).
-    mode "make_fx": for each norm form, trace, run (NCCL all-reduce), apply
-    fuse_allreduce_rmsnorm, run again. mode "inductor": torch.compile(fullgraph=True) with
-    the pass as inductor's post-grad custom pass against torch.compile without it."""
+    """build_tp_model over NCCL (the unfused baseline). "make_fx": per norm form, trace, run,
+    fuse_allreduce_rmsnorm, run; "inductor": torch.compile with the pass as post-grad pass."""
     with _gloo(rank, world, port) as (torch, dist, device, tc):
         from torch_compat import fusion_pass, library
 
