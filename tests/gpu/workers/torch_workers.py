@@ -21,22 +21,18 @@ SHARED_SEED = 1234
 RMS_EPS = 1e-6
 
 
-def _init(rank, world, port, wanted_device):
+@contextlib.contextmanager
+def _gloo(rank, world, port, wanted_device=None):
+    """(torch, dist, device, torch_compat): this process in a gloo group on GPU ``wanted_device``
+    (default ``rank``) modulo the GPUs there are; the process group is destroyed on leaving."""
     from tests.gpu.workers.common import init_gloo, no_multicast_defaults
 
     no_multicast_defaults()  # inherited from tests/conftest.py under pytest, not by hand
     import torch
 
-    device = wanted_device % torch.cuda.device_count()
+    device = (rank if wanted_device is None else wanted_device) % torch.cuda.device_count()
     # The workspace takes torch.cuda.current_device(), which init_gloo sets.
-    return (*init_gloo(rank, world, port, device), device)
-
-
-@contextlib.contextmanager
-def _gloo(rank, world, port, wanted_device=None):
-    """(torch, dist, device, torch_compat) of ``_init`` (GPU ``rank`` unless
-    ``wanted_device``); the process group is destroyed on leaving."""
-    torch, dist, device = _init(rank, world, port, rank if wanted_device is None else wanted_device)
+    torch, dist = init_gloo(rank, world, port, device)
     import torch_compat as tc
 
     try:
