@@ -1,35 +1,31 @@
 """Per-process body of tests/gpu/test_anchor.py: torch_compat against FlashInfer's own build.
 
 Every rank joins torch.distributed over gloo, creates a torch_compat workspace and
-FlashInfer's (backend "trtllm"), and runs the same inputs through both
-``allreduce_fusion``s: patterns 0, 1, static FP8 4/2, dynamic FP8 11/10 and per-token-group
-FP8 9/8 (group 128), bf16 and fp16, tokens x hidden from the sweep, one-shot and two-shot
-forced identically for both, fp32_acc True and False, launch_with_pdl=True. Every output is
-poisoned first (NaN; e4m3 and UE8M0 bytes 0xFF). Both builds compile the same kernel from
-the same header, so every output byte should agree: per pattern and output the differing
-bytes are counted (group scales over the whole (K, T) buffer, padding included).
+FlashInfer's (backend "trtllm") and runs the same inputs through both ``allreduce_fusion``s:
+patterns 0, 1, static FP8 4/2, dynamic FP8 11/10, per-token-group FP8 9/8 (group 128), bf16
+and fp16, the sweep's shapes, one- and two-shot forced alike, fp32_acc True and False,
+launch_with_pdl=True, every output poisoned first (NaN; e4m3 and UE8M0 bytes 0xFF). Both
+compile the same kernel from the same header, so every output byte should agree: differing
+bytes are counted per pattern and output (group scales over the whole (K, T) buffer).
 
-Both are also measured against the float64 oracle (tests/oracles/oracle.py): for both
-fp32_acc settings, all-reduce and residual_out against the accumulation bounds and norm_out
-against the RMSNorm of the build's own residual_out; with fp32_acc=True also all-reduce and
-residual_out in ulps of the intermediate magnitudes, norm_out likewise; the quantized outputs
-against tests/oracles/quant_oracle.py applied to the build's own norm_out (the ``...Out...``
-twin's for patterns 2, 10, 8), as tests/gpu/workers/jax_quant.py does: e4m3 codes
-counted one step apart and more, dynamic scales in fp32 ulps, group scale bytes.
+Both are also held to the float64 oracle (tests/oracles/oracle.py): for both fp32_acc, the
+accumulation bounds (norm_out against the RMSNorm of the build's own residual_out); with
+fp32_acc=True also the ulps of the intermediate magnitudes; the quantized outputs against
+tests/oracles/quant_oracle.py on the build's own norm_out (the ``...Out...`` twin's for 2, 10,
+8), as jax_quant.py does: e4m3 codes one step apart and more, dynamic scales in fp32 ulps,
+group scale bytes.
 
 FlashInfer's quirks met here: patterns other than 0 and the dynamic FP8 ones allocate an
 unused ``output`` when none is passed (we pass none, so they do); it returns the "most
 downstream" output (norm_out, else quant_out, else output), which torch_compat mirrors.
 """
 
-from __future__ import annotations
-
 import time
 
 import numpy as np
 
-from jax_fusedar.common import quant_layouts
 from jax_fusedar.common.patterns import TRAITS, AllReduceFusionPattern
+from tests.gpu.workers.common import counters
 
 GROUP = 128
 RMS_EPS = 1e-6
@@ -48,53 +44,19 @@ def _np_dtype(name):
 
 
 def _outputs(torch, p, m, h, dtype, device):
-    """Fresh outputs of pattern ``p`` as FlashInfer's API wants them, and the buffers to
-    poison and compare (the group scales' whole dense (K, T) buffer)."""
-    t = TRAITS[AllReduceFusionPattern(p)]
-    outs, buffers = {}, {}
+    """Poisoned outputs of pattern ``p`` (torch_workers.new_outputs) and the buffers to compare
+    (the group scales' whole (K, T) buffer)."""
+    from tests.gpu.workers.torch_workers import new_outputs
 
-    def like():
-        return torch.empty((m, h), dtype=dtype, device=device)
-
-    if t.has_allreduce_out:
-        outs["output"] = like()
-    if t.has_residual:
-        outs["residual_out"] = like()
-    if t.has_norm_out:
-        outs["norm_out"] = like()
-    if t.quant is not None:
-        outs["quant_out"] = torch.empty((m, h), dtype=torch.float8_e4m3fn, device=device)
-    if t.quant == "dynamic_fp8":
-        outs["scale_out"] = torch.empty((m, 1), dtype=torch.float32, device=device)
-    if t.quant == "group_fp8":
-        k, tt = quant_layouts.group_scale_buffer_shape(m, h, GROUP)
-        base = torch.empty((k, tt), dtype=torch.int32, device=device)
-        outs["scale_out"] = base[:, :m].t()  # shape (m, k), strides (1, tt)
-        buffers["scale_out"] = base
-    for name, tensor in outs.items():
-        buffers.setdefault(name, tensor)
-    for name, b in buffers.items():  # poison
-        if b.dtype == torch.float8_e4m3fn:
-            b.view(torch.uint8).fill_(0xFF)
-        elif b.dtype == torch.int32:
-            b.fill_(-1)
-        else:
-            b.fill_(float("nan"))
-    return outs, buffers
+    outs = new_outputs(torch, p, m, h, dtype, device, GROUP)
+    base = outs.pop("_scale_buf", None)
+    return outs, dict(outs, **({} if base is None else {"scale_out": base}))
 
 
 def _call(fn, ws, p, x, residual, gamma, sf, outs, oneshot, fp32_acc):
     t = TRAITS[AllReduceFusionPattern(p)]
-    kw = dict(
-        input=x,
-        workspace=ws,
-        pattern=p,
-        launch_with_pdl=True,
-        rms_eps=RMS_EPS,
-        use_oneshot=oneshot,
-        fp32_acc=fp32_acc,
-        **outs,
-    )
+    kw = dict(input=x, workspace=ws, pattern=p, launch_with_pdl=True, rms_eps=RMS_EPS, **outs)
+    kw.update(use_oneshot=oneshot, fp32_acc=fp32_acc)
     if t.has_residual:
         kw.update(residual_in=residual, rms_gamma=gamma)
     if t.uses_scale_factor:
@@ -140,50 +102,34 @@ def _oracle_stats(host, dtype_name, ref, sf, m):
     from tests.oracles import oracle, quant_oracle
 
     s64, r64, y64, inv64, res64, gam64 = ref
-    st = {
-        "allreduce": 0.0,
-        "residual": 0.0,
-        "norm": 0.0,
-        "steps1": {},
-        "worse": 0,
-        "dyn_scale_ulps": 0.0,
-        "group_scale_mismatch": 0,
-        "elements": 0,
-    }
+    st = counters("worse group_scale_mismatch elements", "allreduce residual norm dyn_scale_ulps")
+    st["steps1"] = {}
+    f64 = lambda outs, k: outs[k].astype(np.float64)
     for p, outs in host.items():
         if "output" in outs:
-            a = outs["output"].astype(np.float64)
-            keep_max(st, {"allreduce": oracle.allreduce_error_ulps(a, s64, dtype_name)})
+            e = oracle.allreduce_error_ulps(f64(outs, "output"), s64, dtype_name)
+            keep_max(st, {"allreduce": e})
         if "residual_out" in outs:
-            r = outs["residual_out"].astype(np.float64)
-            keep_max(st, {"residual": oracle.residual_error_ulps(r, s64, r64, res64, dtype_name)})
+            e = oracle.residual_error_ulps(f64(outs, "residual_out"), s64, r64, res64, dtype_name)
+            keep_max(st, {"residual": e})
         if "norm_out" in outs:
-            n = outs["norm_out"].astype(np.float64)
-            e = oracle.norm_error_ulps(
-                n, s64, y64, inv64, res64, gam64, weight_bias=0.0, dtype_name=dtype_name
-            )
+            kw = dict(weight_bias=0.0, dtype_name=dtype_name)
+            e = oracle.norm_error_ulps(f64(outs, "norm_out"), s64, y64, inv64, res64, gam64, **kw)
             keep_max(st, {"norm": e})
-    wants = {}
-    for p in (4, 11, 9):
-        if p not in host:
-            continue
-        y = host[p]["norm_out"]  # the build's own norm output, in the call dtype
-        if p == 4:
-            wants[p] = ("static", quant_oracle.fp8_static(y, float(sf)), None)
-        elif p == 11:
-            q, s = quant_oracle.fp8_dynamic(y, "ieee")
-            wants[p] = ("dynamic", q, s)
-        else:
-            q, b = quant_oracle.fp8_group(y, GROUP)
-            wants[p] = ("group", q, b)
+    wants = {}  # the build's own norm output, in the call dtype, quantized by the oracle
+    if 4 in host:
+        wants[4] = ("static", quant_oracle.fp8_static(host[4]["norm_out"], float(sf)), None)
+    if 11 in host:
+        wants[11] = ("dynamic", *quant_oracle.fp8_dynamic(host[11]["norm_out"], "ieee"))
+    if 9 in host:
+        wants[9] = ("group", *quant_oracle.fp8_group(host[9]["norm_out"], GROUP))
     for p, outs in host.items():
         base = TWIN.get(p, p)
         if base not in wants or "quant_out" not in outs:
             continue
         kind, q_want, s_want = wants[base]
-        d = quant_oracle.code_steps(
-            outs["quant_out"].reshape(m, -1), np.asarray(q_want).view(np.uint8).reshape(m, -1)
-        )
+        q_want = np.asarray(q_want).view(np.uint8).reshape(m, -1)
+        d = quant_oracle.code_steps(outs["quant_out"].reshape(m, -1), q_want)
         st["steps1"][kind] = st["steps1"].get(kind, 0) + int((d == 1).sum())
         st["worse"] += int((d > 1).sum())
         st["elements"] += int(d.size)
@@ -208,38 +154,15 @@ def _merge_stats(into, st):
 
 
 def new_result(rank, device, torch_version, anchor_module):
-    return {
-        "rank": rank,
-        "device": device,
-        "torch": torch_version,
-        "anchor_module": anchor_module,
-        "cases": 0,
-        "calls": 0,
-        "diffs": {},
-        "return_mismatch": [],
-        "unwritten": {i: 0 for i in IMPLS},
-        "refused": {},
-        "oracle": {},
-    }
+    out = dict(rank=rank, device=device, torch=torch_version, anchor_module=anchor_module)
+    out.update(cases=0, calls=0, diffs={}, return_mismatch=[], unwritten=dict.fromkeys(IMPLS, 0))
+    return {**out, "refused": {}, "oracle": {}}
 
 
 def new_stats():
-    return {
-        i: {
-            "allreduce": 0.0,
-            "residual": 0.0,
-            "norm": 0.0,
-            "allreduce_bound": 0.0,
-            "residual_bound": 0.0,
-            "norm_own": 0.0,
-            "steps1": {},
-            "worse": 0,
-            "dyn_scale_ulps": 0.0,
-            "group_scale_mismatch": 0,
-            "elements": 0,
-        }
-        for i in IMPLS
-    }
+    floats = "allreduce residual norm allreduce_bound residual_bound norm_own dyn_scale_ulps"
+    ints = "worse group_scale_mismatch elements"
+    return {i: counters(ints, floats, steps1={}) for i in IMPLS}
 
 
 def _accumulation_stats(by_acc, xs, res64, gam64, dtype_name):
@@ -251,44 +174,19 @@ def _accumulation_stats(by_acc, xs, res64, gam64, dtype_name):
     st = {}
     for fp32_acc, host in by_acc.items():
         p0, p1 = host.get(0, {}), host.get(1, {})
-        worst_of(
-            st,
-            oracle.accumulation_errors(
-                xs,
-                res64,
-                gam64,
-                allreduce_out=p0.get("output"),
-                residual_out=p1.get("residual_out"),
-                norm_out=p1.get("norm_out"),
-                fp32_acc=fp32_acc,
-                rms_eps=RMS_EPS,
-                dtype_name=dtype_name,
-            ),
-        )
+        outs = dict(allreduce_out=p0.get("output"), residual_out=p1.get("residual_out"))
+        kw = dict(fp32_acc=fp32_acc, rms_eps=RMS_EPS, dtype_name=dtype_name)
+        e = oracle.accumulation_errors(xs, res64, gam64, **outs, norm_out=p1.get("norm_out"), **kw)
+        worst_of(st, e)
     return st
 
 
 def run_case(
-    torch,
-    calls,
-    *,
-    rank,
-    device,
-    dtype_name,
-    xs,
-    res,
-    gam,
-    m,
-    hidden,
-    oneshot,
-    patterns,
-    result,
-    stats,
-):
-    """One shape case: every pattern through both builds, fp32_acc True then False, outputs
-    compared byte for byte; the fp32_acc=True outputs against the oracles. ``calls`` maps
-    "ours"/"anchor" to (allreduce_fusion, workspace); ``xs`` (every rank's partial sums),
-    ``res`` and ``gam`` are numpy arrays already in the call dtype."""
+    torch, calls, *, rank, device, dtype_name, xs, res, gam, m, hidden, oneshot, patterns,
+    result, stats
+):  # fmt: skip
+    """One shape case: every pattern through both builds (``calls``: "ours"/"anchor" ->
+    (allreduce_fusion, workspace)), fp32_acc True then False, bytes compared; the oracles."""
     from tests.oracles import oracle
 
     dtype = getattr(torch, dtype_name)
@@ -334,11 +232,9 @@ def run_case(
                     plain[impl][fp32_acc][p] = h
             if len(bufs) == 2:
                 for name in bufs["ours"]:
-                    a = _bytes(torch, bufs["ours"][name])
-                    b = _bytes(torch, bufs["anchor"][name])
-                    d = result["diffs"].setdefault(
-                        f"p{p}:{name}", {"bytes": 0, "differing": 0, "cases": []}
-                    )
+                    a, b = (_bytes(torch, bufs[impl][name]) for impl in IMPLS)
+                    new = {"bytes": 0, "differing": 0, "cases": []}
+                    d = result["diffs"].setdefault(f"p{p}:{name}", new)
                     n = int(np.sum(a != b))
                     d["bytes"] += int(a.size)
                     d["differing"] += n
@@ -355,20 +251,18 @@ def run_case(
     anc_st = ours_st if same else _oracle_stats(host["anchor"], dtype_name, ref, sf_val, m)
     xs64 = [np.asarray(x, np.float64) for x in xs]
     for impl, st in (("ours", ours_st), ("anchor", anc_st)):
-        _merge_stats(
-            stats[impl], {**st, **_accumulation_stats(plain[impl], xs64, res64, gam64, dtype_name)}
-        )
+        acc = _accumulation_stats(plain[impl], xs64, res64, gam64, dtype_name)
+        _merge_stats(stats[impl], {**st, **acc})
     result["cases"] += 1
 
 
 def sweep(torch, dist, result, make_calls, world, seed, tokens, hiddens, dtypes, patterns):
-    """Per dtype: ``make_calls(torch dtype)`` gives run_case's ``calls`` and the workspaces
-    to free after, then every shape case (harness.shape_cases) runs on the rank and device
-    of ``result`` (new_result's), case k's inputs drawn from seed + k, into the stats
-    result["oracle"][dtype name]."""
+    """Per dtype, ``make_calls`` (-> run_case's ``calls``, the workspaces to free) then every
+    shape case, inputs from seed + k, into result["oracle"][dtype]."""
     from tests.gpu.harness import draw_case, shape_cases
 
     case_no = 0
+    where = dict(rank=result["rank"], device=result["device"], patterns=patterns, result=result)
     for dtype_name in dtypes:
         calls, workspaces = make_calls(getattr(torch, dtype_name))
         stats = new_stats()
@@ -376,22 +270,8 @@ def sweep(torch, dist, result, make_calls, world, seed, tokens, hiddens, dtypes,
         for hidden, m, oneshot in shape_cases(tokens, hiddens, world):
             case_no += 1
             xs, res, gam = draw_case(seed + case_no, world, m, hidden, npdt)
-            run_case(
-                torch,
-                calls,
-                rank=result["rank"],
-                device=result["device"],
-                dtype_name=dtype_name,
-                xs=xs,
-                res=res,
-                gam=gam,
-                m=m,
-                hidden=hidden,
-                oneshot=oneshot,
-                patterns=patterns,
-                result=result,
-                stats=stats,
-            )
+            case = dict(xs=xs, res=res, gam=gam, m=m, hidden=hidden, oneshot=oneshot)
+            run_case(torch, calls, **where, dtype_name=dtype_name, stats=stats, **case)
         result["oracle"][dtype_name] = stats
         dist.barrier()  # no rank frees while a peer may still read its buffers
         for ws in workspaces:
@@ -403,13 +283,10 @@ def worker(
 ):
     from tests.gpu import anchor
     from tests.gpu.workers.common import anchor_workspace
-    from tests.gpu.workers.torch_workers import _init, _workspace
+    from tests.gpu.workers.torch_workers import _gloo, _workspace
 
-    torch, dist, device = _init(rank, world, port, rank)
-    import torch_compat as tc
-
-    t0 = time.monotonic()
-    try:
+    with _gloo(rank, world, port) as (torch, dist, device, tc):
+        t0 = time.monotonic()
         fi = anchor.load(anchor_path)  # raises AnchorUnavailable with the reason
         result = new_result(rank, device, torch.__version__, getattr(fi, "__file__", "?"))
 
@@ -422,5 +299,3 @@ def worker(
         sweep(torch, dist, result, make_calls, world, seed, tokens, hiddens, dtypes, patterns)
         result["seconds"] = time.monotonic() - t0
         return result
-    finally:
-        dist.destroy_process_group()

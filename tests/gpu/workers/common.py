@@ -2,8 +2,6 @@
 ``python -m tests.gpu.workers.<name>`` (tests/gpu/case_runs.py reads it), the text of a call
 expected to fail, a fresh seed, and a rank's gloo process group."""
 
-from __future__ import annotations
-
 import json
 import os
 import sys
@@ -112,6 +110,12 @@ def scale_ulps(got, want):
     return float(np.max(np.abs(got.astype(np.float64) - want) / ulp32))
 
 
+def counters(ints="", floats="", **more):
+    """A stats dict: 0 for each name in ``ints``, 0.0 for each in ``floats`` (names split on
+    spaces), then ``more``."""
+    return {**dict.fromkeys(ints.split(), 0), **dict.fromkeys(floats.split(), 0.0), **more}
+
+
 def keep_max(into, errors):
     """``into[k] = max(into[k], v)`` for every error (Python's max: a NaN error keeps the
     number held; the workers that use this count NaN outputs apart)."""
@@ -123,6 +127,13 @@ def keep_max(into, errors):
 def jit_shard_map(jax, body, mesh, in_specs, out_specs):
     """``jax.jit(jax.shard_map(body, ...))``: the program form every JAX worker runs."""
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+
+
+def jax_workspace(jf, mesh, tokens, hidden, dtype, **kw):
+    """``jf.create_allreduce_fusion_workspace`` over the "tp" axis of ``mesh``."""
+    return jf.create_allreduce_fusion_workspace(
+        mesh, "tp", max_token_num=tokens, hidden_dim=hidden, dtype=dtype, **kw
+    )
 
 
 def jax_distributed(rank, world, port, platform, device_ids=None, **kw):

@@ -1,26 +1,21 @@
-"""The op family's batching rule on the kernel (the "batching" task of
-tests/gpu/workers/jax_multiprocess.py): ``jax.vmap`` and N-D inputs fold the batch into the
-token dimension (``jax_fusedar.ops.family.table_batch``), and the folded call must still be
-served by the kernel (``strict=True``: a fallback raises) and be right.
+"""The op family's batching rule on the kernel (the "batching" task of jax_multiprocess.py):
+``jax.vmap`` and N-D inputs fold the batch into tokens (``jax_fusedar.ops.family.table_batch``),
+and the folded call must still be served by the kernel (``strict=True``: a fallback raises)
+and be right.
 
-* dense (pattern 1, and pattern 0 for the sum): a vmapped call, and the same inputs as one
-  N-D call, against the float64 oracle's bounds (every row of every batch element:
-  harness.bound_problems); the vmapped call with a batched ``rms_gamma`` (one call per
-  element: ``jax.lax.map``) too;
-* MoE reduction (pattern 6): a vmapped call against one unbatched kernel call per element,
-  bit for bit: the one-shot MoE kernel computes each token's row alone, so folding the
-  batch into tokens must not change a bit of it.
+* dense (pattern 1, and 0 for the sum): a vmapped call, the same inputs as one N-D call, and a
+  vmapped call with a batched ``rms_gamma`` (one call per element) against the float64
+  oracle's bounds on every row of every element (harness.bound_problems);
+* MoE reduction (pattern 6): a vmapped call against one call per element, bit for bit: the
+  one-shot MoE kernel computes each token's row alone, so the folding must change no bit.
 
-Fresh inputs from ``seed``; every rank rebuilds the whole group's inputs and its oracle. On
-platform "cpu" the same bodies run on the reference path (the kernel's additions,
-``fallback="kernel_exact"``), strict off.
+Every rank rebuilds the whole group's inputs and its oracle. On platform "cpu" the bodies run
+on the reference path (``fallback="kernel_exact"``), strict off.
 """
-
-from __future__ import annotations
 
 import numpy as np
 
-from tests.gpu.workers.common import jit_shard_map
+from tests.gpu.workers.common import jax_workspace, jit_shard_map
 
 BATCH, TOKENS, HIDDEN = 3, 5, 1024
 
@@ -33,9 +28,7 @@ def run(jax, jnp, jf, mesh, P, rank, world, seed, *, glob, local, kernel=True):
 
     strict = bool(kernel)
     bf16 = jnp.bfloat16
-    ws = jf.create_allreduce_fusion_workspace(
-        mesh, "tp", max_token_num=BATCH * TOKENS, hidden_dim=HIDDEN, dtype=bf16
-    )
+    ws = jax_workspace(jf, mesh, BATCH * TOKENS, HIDDEN, bf16)
     assert ws.backend == ("trtllm" if kernel else "xla"), ws
     rng = np.random.default_rng(seed)
     xs = [rng.standard_normal((BATCH, TOKENS, HIDDEN)).astype(np.float32) for _ in range(world)]
@@ -56,7 +49,7 @@ def run(jax, jnp, jf, mesh, P, rank, world, seed, *, glob, local, kernel=True):
         mapped = jax.vmap(fused)(x, r, g)  # a batched gamma: one call per element
         return (*folded, *nd, *mapped)
 
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=(P(),) * 9))
+    fn = jit_shard_map(jax, body, mesh, (P("tp"), P(), P()), (P(),) * 9)
     outs = [local(o) for o in fn(glob(P("tp"), xs[rank][None]), glob(P(), res), glob(P(), gam))]
     worst = {"cases": 0}
     for form, (r_out, n_out, a_out) in zip(("vmap", "nd", "map"), (outs[:3], outs[3:6], outs[6:])):
@@ -66,21 +59,8 @@ def run(jax, jnp, jf, mesh, P, rank, world, seed, *, glob, local, kernel=True):
             r64, g64 = res[b].astype(np.float64), g.astype(np.float64)
             got = dict(residual_out=r_out[b], norm_out=n_out[b], allreduce_out=a_out[b])
             worst_of(worst, plain_ulps(x64, r64, g64, "bfloat16", **got))
-            worst_of(
-                worst,
-                oracle.accumulation_errors(
-                    x64,
-                    r64,
-                    g64,
-                    allreduce_out=a_out[b],
-                    residual_out=r_out[b],
-                    norm_out=n_out[b],
-                    fp32_acc=True,
-                    rms_eps=1e-6,
-                    weight_bias=0.0,
-                    dtype_name="bfloat16",
-                ),
-            )
+            kw = dict(fp32_acc=True, rms_eps=1e-6, weight_bias=0.0, dtype_name="bfloat16")
+            worst_of(worst, oracle.accumulation_errors(x64, r64, g64, **got, **kw))
             worst["cases"] += 1
     ws.destroy()
     return {"dense": worst, "moe_mismatches": _moe(jax, jf, mesh, P, rank, world, seed, glob, mo)}
@@ -91,33 +71,18 @@ def _moe(jax, jf, mesh, P, rank, world, seed, glob, mo, experts=4, hidden=1024):
     output elements whose bits differ (0 expected)."""
     import jax.numpy as jnp
 
-    ws = jf.create_allreduce_fusion_workspace(
-        mesh, "tp", max_token_num=BATCH * TOKENS, hidden_dim=hidden, dtype=jnp.bfloat16
-    )
+    ws = jax_workspace(jf, mesh, BATCH * TOKENS, hidden, jnp.bfloat16)
     rng = np.random.default_rng(seed + 1)
-    cases = [
-        mo.random_reduction_case(
-            rng, tokens=TOKENS, experts=experts, world=world, dtype_name="bfloat16", hidden=hidden
-        )
-        for _ in range(BATCH)
-    ]
+    kw = dict(tokens=TOKENS, experts=experts, world=world, dtype_name="bfloat16", hidden=hidden)
+    cases = [mo.random_reduction_case(rng, **kw) for _ in range(BATCH)]
 
     def stack(key):
         return np.stack([c[key][rank] for c in cases])[None]  # [1, BATCH, ...] per rank
 
     def one(e, s, t, r, g):
-        o = jf.moe_reduction_allreduce_fusion(
-            e,
-            s,
-            t,
-            axis_name="tp",
-            workspace=ws,
-            residual=r,
-            rms_gamma=g,
-            return_allreduce_out=True,
-            strict=ws.backend == "trtllm",
-            fallback="kernel_exact",
-        )
+        kw = dict(axis_name="tp", workspace=ws, return_allreduce_out=True)
+        kw.update(strict=ws.backend == "trtllm", fallback="kernel_exact")
+        o = jf.moe_reduction_allreduce_fusion(e, s, t, residual=r, rms_gamma=g, **kw)
         return o.residual_out, o.norm_out, o.allreduce_out
 
     def body(e, s, t, r, g):
@@ -128,13 +93,8 @@ def _moe(jax, jf, mesh, P, rank, world, seed, glob, mo, experts=4, hidden=1024):
 
     fn = jit_shard_map(jax, body, mesh, (P("tp"),) * 3 + (P(), P()), (P(),) * 6)
     residual = np.stack([c["residual"] for c in cases])
-    outs = fn(
-        glob(P("tp"), stack("expert_outputs")),
-        glob(P("tp"), stack("expert_scales")),
-        glob(P("tp"), stack("token_input")),
-        glob(P(), residual),
-        glob(P(), cases[0]["gamma"]),
-    )
+    args = [glob(P("tp"), stack(k)) for k in ("expert_outputs", "expert_scales", "token_input")]
+    outs = fn(*args, glob(P(), residual), glob(P(), cases[0]["gamma"]))
     outs = [np.asarray(o.addressable_data(0)).view(np.uint16) for o in outs]
     ws.destroy()
     return int(sum((a != b).sum() for a, b in zip(outs[:3], outs[3:])))

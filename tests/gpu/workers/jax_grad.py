@@ -1,22 +1,21 @@
-"""Gradients of a TP MLP with the fused op (the kernel on GPUs) against the same model
-unfused (psum + residual add + RMSNorm, jax_fusedar.ops.reference) and a float64 numpy oracle
-with hand-written backpropagation (no JAX). Runs in any process layout: inputs are placed
-with make_array_from_callback from full arrays every process draws from one seed, and
-results are gathered with process_allgather, so the same code runs as two `jax.distributed`
-processes on GPUs (tests/gpu/test_jax.py) and in one process on 2 CPU devices
-(tests/jax/test_quant_worker_plumbing.py, where the fused op is the reference and the two models
-must agree bit for bit).
+"""Gradients of a TP MLP with the fused op (the kernel on GPUs) against the same model unfused
+(psum + residual add + RMSNorm, jax_fusedar.ops.reference) and a float64 numpy oracle with
+hand-written backpropagation. Inputs are placed with make_array_from_callback from arrays
+every process draws from one seed and results gathered with process_allgather, so the same
+code runs as two `jax.distributed` GPU processes (tests/gpu/test_jax.py) and in one process
+on 2 CPU devices (tests/jax/test_quant_worker_plumbing.py: there the fused op is the
+reference and the two models must agree bit for bit).
 
-The model: L layers of y -> tanh(y @ W1) @ W2 (W1 column-, W2 row-parallel over "tp"),
-then (residual, y) = allreduce_fusion(partial, residual, gamma); loss = sum(y_L * ct) for a
-random ct, so the gradient is one VJP. Errors are measured per gradient tensor, in ulps of
-the dtype at the tensor's largest float64 magnitude ("ulps of scale": gradients of matmuls
-have no meaningful per-element ulp where they cancel), and as a normwise relative error.
+The model: L layers of y -> tanh(y @ W1) @ W2 (W1 column-, W2 row-parallel over "tp"), then
+(residual, y) = allreduce_fusion(partial, residual, gamma); loss = sum(y_L * ct), so the
+gradient is one VJP. Errors per gradient tensor are in ulps of the dtype at the tensor's
+largest float64 magnitude ("ulps of scale": matmul gradients have no meaningful per-element
+ulp where they cancel), and normwise relative.
 """
 
-from __future__ import annotations
-
 import numpy as np
+
+from tests.gpu.workers.common import jax_workspace
 
 EPS = 1e-6
 ULP1 = {"bfloat16": 2.0**-7, "float32": 2.0**-23}  # ulp of 1.0
@@ -75,22 +74,11 @@ def errors(got, want, dtype):
 
 
 def run(
-    jax,
-    jnp,
-    jf,
-    mesh,
-    P,
-    seed,
-    *,
-    dtypes=("bfloat16", "float32"),
-    layers=2,
-    tokens=16,
-    hidden=1024,
-    ffn=2048,
-):
+    jax, jnp, jf, mesh, P, seed, *, dtypes=("bfloat16", "float32"), layers=2, tokens=16,
+    hidden=1024, ffn=2048
+):  # fmt: skip
     from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding
-
     from jax_fusedar.ops import reference
 
     def place(spec, full):
@@ -104,14 +92,11 @@ def run(
     stats = {}
     for dtype in dtypes:
         w1, w2, gamma, x, ct = draw(seed, dtype, layers, tokens, hidden, ffn)
-        ws = jf.create_allreduce_fusion_workspace(
-            mesh, "tp", max_token_num=tokens, hidden_dim=hidden, dtype=jnp.dtype(dtype)
-        )
+        ws = jax_workspace(jf, mesh, tokens, hidden, jnp.dtype(dtype))
 
         def fused(p, r, g):
-            o = jf.allreduce_fusion(
-                p, axis_name="tp", workspace=ws, residual=r, rms_gamma=g, rms_eps=EPS, strict=True
-            )
+            kw = dict(axis_name="tp", workspace=ws, rms_eps=EPS, strict=True)
+            o = jf.allreduce_fusion(p, residual=r, rms_gamma=g, **kw)
             return o.residual_out, o.norm_out
 
         def unfused(p, r, g):
@@ -146,21 +131,10 @@ def run(
         for name, a, b in zip(NAMES, got, ref):
             fe, fr = errors(a, want[name], dtype)
             ue, ur = errors(b, want[name], dtype)
-            per[name] = {
-                "fused_ulps": fe,
-                "unfused_ulps": ue,
-                "fused_rel": fr,
-                "unfused_rel": ur,
-                "finite": bool(np.isfinite(a).all()),
-                "fused_vs_unfused_diffs": int(
-                    np.count_nonzero(
-                        np.asarray(a).view(f"u{a.itemsize}") != np.asarray(b).view(f"u{b.itemsize}")
-                    )
-                ),
-            }
-        stats[dtype] = {
-            "grads": per,
-            "backend": ws.backend,
-            "custom_calls": compiled.count("jax_fusedar_allreduce_fusion_v2"),
-        }
+            bits = lambda t: np.asarray(t).view(f"u{t.itemsize}")
+            per[name] = dict(fused_ulps=fe, unfused_ulps=ue, fused_rel=fr, unfused_rel=ur)
+            per[name]["finite"] = bool(np.isfinite(a).all())
+            per[name]["fused_vs_unfused_diffs"] = int(np.count_nonzero(bits(a) != bits(b)))
+        calls = compiled.count("jax_fusedar_allreduce_fusion_v2")
+        stats[dtype] = {"grads": per, "backend": ws.backend, "custom_calls": calls}
     return stats

@@ -1,21 +1,20 @@
-"""Per-process body of the handler-error GPU test (two `jax.distributed` processes).
+"""Per-process body of the handler-error GPU test (two `jax.distributed` processes): the dense
+FFI target called directly (``jax.ffi.ffi_call``, bypassing allreduce_fusion's Python checks),
+each call's error returned:
 
-Calls the dense FFI target directly (``jax.ffi.ffi_call``, bypassing the Python checks that
-keep ``allreduce_fusion``'s calls well formed) and returns what each call raised:
-
-* ``wrong_norm_out``: pattern 1 with a norm_out of half the elements: the handler checks
-  every result (not only the first), so an INVALID_ARGUMENT naming result 1 (norm_out);
+* ``wrong_norm_out``: pattern 1 with a norm_out of half the elements: the handler checks every
+  result (not only the first), so an INVALID_ARGUMENT naming result 1 (norm_out);
 * ``wrong_scale_out``: pattern 11 with a scale_out of the wrong element type;
-* ``unknown_algorithm``: well-formed results, algorithm code 7: the core's launch check
-  refuses it (INVALID_ARGUMENT), which the handler reported as INTERNAL before;
-* ``good``: the same well-formed call with algorithm one-shot, which runs.
+* ``unknown_algorithm``: algorithm code 7: the core's launch check refuses it
+  (INVALID_ARGUMENT), which the handler reported as INTERNAL before;
+* ``good``: the same well-formed call one-shot, which runs.
 
-Every refusal happens on both ranks alike before any kernel launch, so nothing waits.
+Every refusal happens on both ranks alike before any launch, so nothing waits.
 """
 
-from __future__ import annotations
-
 import numpy as np
+
+from tests.gpu.workers.common import jax_workspace
 
 TOKENS, HIDDEN = 16, 1024
 
@@ -26,9 +25,7 @@ def run(jax, jnp, jf, mesh, P, rank, world, seed, glob, local):
 
     assert register_ffi_targets()
     bf16 = jnp.bfloat16
-    ws = jf.create_allreduce_fusion_workspace(
-        mesh, "tp", max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=bf16
-    )
+    ws = jax_workspace(jf, mesh, TOKENS, HIDDEN, bf16)
     assert ws.backend == "trtllm", ws
     rng = np.random.default_rng(seed + rank)
     x = glob(P("tp"), rng.standard_normal((TOKENS, HIDDEN)).astype(bf16))
@@ -37,31 +34,15 @@ def run(jax, jnp, jf, mesh, P, rank, world, seed, glob, local):
     sds = jax.ShapeDtypeStruct
 
     def call(pattern, results, algorithm=1):
-        def body(x, r, g):
-            outs = jax.ffi.ffi_call(FFI_TARGET, results)(
-                x,
-                r,
-                g,
-                workspace_id=np.int64(ws.id),
-                pattern=np.int32(pattern),
-                algorithm=np.int32(algorithm),
-                fp32_acc=True,
-                rms_eps=np.float32(1e-6),
-                weight_bias=np.float32(0.0),
-                layout=np.int32(0),
-                block_quant_group_size=np.int32(0),
-            )
-            return outs[0]
+        attrs = dict(workspace_id=np.int64(ws.id), pattern=np.int32(pattern), fp32_acc=True)
+        attrs.update(algorithm=np.int32(algorithm), rms_eps=np.float32(1e-6), layout=np.int32(0))
+        attrs.update(weight_bias=np.float32(0.0), block_quant_group_size=np.int32(0))
 
-        f = jax.jit(
-            jax.shard_map(
-                body,
-                mesh=mesh,
-                in_specs=(P("tp"), P("tp"), P()),
-                out_specs=P("tp"),
-                check_vma=False,
-            )
-        )
+        def body(x, r, g):
+            return jax.ffi.ffi_call(FFI_TARGET, results)(x, r, g, **attrs)[0]
+
+        specs = dict(in_specs=(P("tp"), P("tp"), P()), out_specs=P("tp"), check_vma=False)
+        f = jax.jit(jax.shard_map(body, mesh=mesh, **specs))
         try:
             jax.block_until_ready(f(x, r, g))
             return "no error"

@@ -1,19 +1,15 @@
-"""One process driving both GPUs: the fused op under jit + shard_map at a size where auto picks
-the large-message algorithm (4096 x 8192 bf16, 64 MiB per rank), with XLA command buffers on,
-against FlashInfer's two-shot kernel forced on the same inputs. Prints ``RESULT {json}``.
-
-The custom call's algorithm attribute is read from the lowered program, and the programs run
-three times on fresh inputs (command-buffer replays): every output must equal the two-shot
-kernel's bit for bit."""
-
-from __future__ import annotations
+"""One process driving both GPUs: the fused op under jit + shard_map where auto picks the
+large-message algorithm (4096 x 8192 bf16, 64 MiB per rank), XLA command buffers on, against
+FlashInfer's two-shot kernel forced on the same inputs: the custom call's algorithm attribute
+in the lowered program, and three runs on fresh inputs (command-buffer replays) equal to the
+two-shot kernel's bit for bit. Prints ``RESULT {json}``."""
 
 import json
 import os
 
 import numpy as np
 
-from tests.gpu.workers.common import jit_shard_map
+from tests.gpu.workers.common import jax_workspace, jit_shard_map
 
 CMDBUF_ON = (
     "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,"
@@ -28,41 +24,26 @@ def main() -> dict:
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
-
     import jax_fusedar as jf
     from jax_fusedar.common import launch_mode, native
     from tests.gpu.harness import draw_case
 
     m, hidden = 4096, 8192
     mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
-    ws = jf.create_allreduce_fusion_workspace(
-        mesh, "tp", max_token_num=m, hidden_dim=hidden, dtype=jnp.bfloat16
-    )
+    ws = jax_workspace(jf, mesh, m, hidden, jnp.bfloat16)
 
     def program(use_oneshot):
         def body(x, r, g):
-            o = jf.allreduce_fusion(
-                x[0],
-                axis_name="tp",
-                workspace=ws,
-                residual=r,
-                rms_gamma=g,
-                use_oneshot=use_oneshot,
-                strict=True,
-            )
+            kw = dict(axis_name="tp", workspace=ws, use_oneshot=use_oneshot, strict=True)
+            o = jf.allreduce_fusion(x[0], residual=r, rms_gamma=g, **kw)
             return o.residual_out, o.norm_out
 
         return jit_shard_map(jax, body, mesh, (P("tp"), P(), P()), (P(), P()))
 
     auto, twoshot = program(None), program(False)
     split, replicated = NamedSharding(mesh, P("tp")), NamedSharding(mesh, P())
-    out = {
-        "backend": ws.backend,
-        "chosen": launch_mode.ALGORITHM_NAMES[
-            launch_mode.choose_algorithm(m, hidden, ws.sizes, None)
-        ],
-        "replays": [],
-    }
+    chosen = launch_mode.choose_algorithm(m, hidden, ws.sizes, None)
+    out = {"backend": ws.backend, "chosen": launch_mode.ALGORITHM_NAMES[chosen], "replays": []}
     for rep in range(3):
         xs, residual, gamma = draw_case(1000 + rep, 2, m, hidden)
         x = jax.device_put(jnp.asarray(np.stack(xs), jnp.bfloat16), split)
@@ -76,10 +57,8 @@ def main() -> dict:
         got = jax.block_until_ready(auto(x, r, g))
         out.setdefault("host_launches", []).append(native.ext.launch_count() - launches)
         want = jax.block_until_ready(twoshot(x, r, g))
-        same = [
-            bool(np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16)))
-            for a, b in zip(got, want)
-        ]
+        u16 = lambda a: np.asarray(a).view(np.uint16)
+        same = [bool(np.array_equal(u16(a), u16(b))) for a, b in zip(got, want)]
         nans = int(sum(np.isnan(np.asarray(a, np.float32)).sum() for a in got))
         out["replays"].append({"same_bits": same, "nans": nans})
     ws.destroy()

@@ -1,23 +1,17 @@
 """One process driving two devices: misuse that only the GPU path could turn into a silent
-wrong answer, and the numerics documented for extreme rows.
+wrong answer, and the numerics documented for extreme rows. ``python -m
+tests.gpu.workers.jax_misuse PLATFORM`` (``cuda``: two GPUs, the kernel; ``cpu``: two virtual
+devices, the reference path, so the plumbing runs in CI) prints ``RESULT {json}``:
 
-``python -m tests.gpu.workers.jax_misuse PLATFORM`` (``cuda``: two GPUs, the trtllm kernel; ``cpu``:
-two virtual devices, the reference path, so the plumbing runs in CI) prints one line
-``RESULT {json}``:
-
-* ``good``: a workspace on the mesh [d0, d1], called under that mesh (shard_map) and under
-  ``jax.pmap(devices=[d0, d1])``: errors in ulps against the float64 oracle, whether the two
-  agree bit for bit, and whether the lowered program has the custom call;
+* ``good``: a workspace on the mesh [d0, d1] called under that mesh (shard_map) and under
+  ``jax.pmap(devices=[d0, d1])``: ulps against the float64 oracle, whether the two agree bit
+  for bit, whether the lowered program has the custom call;
 * ``flipped_shard_map`` / ``flipped_pmap``: the same workspace under the mesh [d1, d0] and
-  under ``pmap(devices=[d1, d0])``, the 2-device equivalent of a regrouped mesh (each device
-  would find its rank in the workspace and sum in the other order, or, with more devices,
-  with the wrong group): the error message, or "no error";
-* ``overflow``: rows of |r| ~ 1e20 in bf16, whose fp32 sum of squares overflows: whether
-  norm_out is +-0 with the sign of r * gamma (README, Numerics), next to an ordinary row
-  within bounds.
+  ``pmap(devices=[d1, d0])``, the 2-device form of a regrouped mesh (each device would sum in
+  the other order, or with more devices in the wrong group): the error, or "no error";
+* ``overflow``: bf16 rows of |r| ~ 1e20, whose fp32 sum of squares overflows: whether norm_out
+  is +-0 with the sign of r * gamma (README, Numerics), next to an ordinary row in bounds.
 """
-
-from __future__ import annotations
 
 import json
 import os
@@ -25,7 +19,7 @@ import sys
 
 import numpy as np
 
-from tests.gpu.workers.common import jit_shard_map
+from tests.gpu.workers.common import jax_workspace, jit_shard_map
 
 
 def main(platform: str) -> dict:
@@ -38,7 +32,6 @@ def main(platform: str) -> dict:
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
-
     import jax_fusedar as jf
     from jax_fusedar.ops.dense import FFI_TARGET
     from tests.oracles import oracle
@@ -48,21 +41,13 @@ def main(platform: str) -> dict:
     d = jax.devices()[:2]
     mesh, flipped = Mesh(np.array(d), ("tp",)), Mesh(np.array(d[::-1]), ("tp",))
     seed = int.from_bytes(os.urandom(4), "little")
-    ws = jf.create_allreduce_fusion_workspace(
-        mesh, "tp", max_token_num=32, hidden_dim=1024, dtype=jnp.bfloat16
-    )
-    out = {
-        "platform": platform,
-        "backend": ws.backend,
-        "devices": [str(x) for x in d],
-        "seed": seed,
-        "jax": jax.__version__,
-    }
+    ws = jax_workspace(jf, mesh, 32, 1024, jnp.bfloat16)
+    out = {"platform": platform, "backend": ws.backend, "devices": [str(x) for x in d]}
+    out.update(seed=seed, jax=jax.__version__)
 
     def body(x, r, g):
-        o = jf.allreduce_fusion(
-            x, axis_name="tp", workspace=ws, residual=r, rms_gamma=g, strict=True
-        )
+        kw = dict(axis_name="tp", workspace=ws, strict=True)
+        o = jf.allreduce_fusion(x, residual=r, rms_gamma=g, **kw)
         return o.residual_out, o.norm_out
 
     def sharded(m):
@@ -72,11 +57,8 @@ def main(platform: str) -> dict:
         return jax.pmap(body, axis_name="tp", in_axes=(0, None, None), devices=devices)
 
     def place(m, xs, res, gam):
-        return (
-            jax.device_put(np.concatenate(xs), NamedSharding(m, P("tp"))),
-            jax.device_put(res, NamedSharding(m, P())),
-            jax.device_put(gam, NamedSharding(m, P())),
-        )
+        put = lambda a, spec: jax.device_put(a, NamedSharding(m, spec))
+        return put(np.concatenate(xs), P("tp")), put(res, P()), put(gam, P())
 
     # --- the workspace's own mesh and its pmap twin --------------------------------------------
     tokens, hidden = 17, 1024
@@ -88,22 +70,17 @@ def main(platform: str) -> dict:
     r64, g64 = res.astype(np.float64), gam.astype(np.float64)
     got = dict(residual_out=np.asarray(r_out, np.float64), norm_out=np.asarray(n_out, np.float64))
     ulps = plain_ulps(x64, r64, g64, "bfloat16", **got)
-    good = {
+    pairs = ((r_p, r_out), (n_p, n_out))
+    u16, f32 = (lambda a: np.asarray(a).view(np.uint16)), (lambda a: np.asarray(a, np.float32))
+    out["good"] = {
         "residual_ulps": ulps["residual"],
         "norm_ulps": ulps["norm"],
         # Bits (the kernel is deterministic), and values: XLA's CPU reference may give
         # a zero's sign differently in two differently fused programs.
-        "pmap_equals_shard_map_bits": all(
-            np.array_equal(np.asarray(a[0]).view(np.uint16), np.asarray(b).view(np.uint16))
-            for a, b in ((r_p, r_out), (n_p, n_out))
-        ),
-        "pmap_equals_shard_map_values": all(
-            np.array_equal(np.asarray(a[0], np.float32), np.asarray(b, np.float32))
-            for a, b in ((r_p, r_out), (n_p, n_out))
-        ),
+        "pmap_equals_shard_map_bits": all(np.array_equal(u16(a[0]), u16(b)) for a, b in pairs),
+        "pmap_equals_shard_map_values": all(np.array_equal(f32(a[0]), f32(b)) for a, b in pairs),
         "custom_call": FFI_TARGET in sharded(mesh).lower(*args).as_text(),
     }
-    out["good"] = good
 
     # --- the same devices in the other order -----------------------------------------------
     def error_of(thunk):
@@ -128,24 +105,15 @@ def main(platform: str) -> dict:
     r_o, n_o = sharded(mesh)(*place(mesh, [rows, zeros], zeros, gam))
     n_o = np.asarray(n_o).astype(np.float32)
     want_sign = np.signbit(rows[:3].astype(np.float32)) ^ np.signbit(gam.astype(np.float32))
-    rs, rr, ry, rinv = oracle.fused_reference(
-        [rows[3:].astype(np.float64)], np.zeros((1, hidden)), g64, rms_eps=1e-6, weight_bias=0.0
-    )
+    row64, zero = rows[3:].astype(np.float64), np.zeros((1, hidden))
+    rs, rr, ry, rinv = oracle.fused_reference([row64], zero, g64, rms_eps=1e-6, weight_bias=0.0)
+    kw = dict(weight_bias=0.0, dtype_name="bfloat16")
     out["overflow"] = {
-        "residual_exact": bool(
-            np.array_equal(np.asarray(r_o).view(np.uint16), rows.view(np.uint16))
-        ),
+        "residual_exact": bool(np.array_equal(u16(r_o), rows.view(np.uint16))),
         "zero_rows": bool(np.all(n_o[:3] == 0.0)),
         "signs_of_r_times_gamma": bool(np.array_equal(np.signbit(n_o[:3]), want_sign)),
         "ordinary_row_norm_ulps": oracle.norm_error_ulps(
-            n_o[3:].astype(np.float64),
-            rs,
-            ry,
-            rinv,
-            np.zeros((1, hidden)),
-            g64,
-            weight_bias=0.0,
-            dtype_name="bfloat16",
+            n_o[3:].astype(np.float64), rs, ry, rinv, zero, g64, **kw
         ),
     }
     ws.destroy()

@@ -1,29 +1,21 @@
-"""Per-process body of the multi-node layout tests: `jax.distributed` processes that look
-like separate hosts (``harness.simulate_host``: own host name per process), on one machine.
+"""Per-process body of the multi-node layout tests: `jax.distributed` processes that look like
+separate hosts (``harness.simulate_host``), on one machine. Each builds the same meshes over
+the global devices (ordered by process: host h holds [h*L, (h+1)*L)) and, per layout and
+backend, records what the workspace chose (or the error), the lowering's kernel custom calls
+and XLA all-reduces and, where it runs, each local output against the float64 oracle. On
+platform "cpu" ``abstract_workspace`` decides (as on CUDA GPUs with these hosts) and the
+program, lowered for cuda, runs on CPU over gloo; on "cuda" ``create_allreduce_fusion_workspace``
+decides and the program runs on the GPUs (the kernel or XLA's NCCL all-reduce).
 
-Each process builds the same meshes over the global devices (ordered by process, so host h
-holds devices [h*L, (h+1)*L) of the flat order) and, for each layout and requested backend,
-records what the workspace chose (or the error), the program's lowering (custom calls to the
-kernel, XLA all-reduces) and, where it runs, each local output against the float64 oracle.
-
-* platform "cpu": the backend is decided by ``abstract_workspace`` (as it would be on CUDA
-  GPUs with these hosts), the program is lowered for cuda and run on CPU (the reference
-  path, over gloo);
-* platform "cuda": ``create_allreduce_fusion_workspace`` decides, and the program runs on the
-  GPUs (the kernel or XLA's NCCL all-reduce).
-
-Layouts (P processes = hosts, L devices each; a layout needing more devices is skipped):
+Layouts (P processes = hosts, L devices each; one needing more devices is skipped):
 
 * "dp_across_hosts": ("dp", "tp") = (P, L), every TP group inside one host;
 * "tp_across_hosts": ("dp", "tp") = (L, P), every TP group across all hosts;
 * "mixed_groups":    ("pp", "dp", "tp") = (2, 2, 2) over devices [0, 1, 2, 4, 3, 5, 6, 7]:
                      TP groups [0, 1] and [6, 7] inside a host, [2, 4] and [3, 5] across;
 * "tp_and_pp":       ("pp", "dp", "tp") = (2, 2, 2) in host order: TP inside a host, PP
-                     across; one program with a fused call over "tp" and one over "pp", each
-                     with its own workspace.
+                     across; one program with a fused call over each, each its own workspace.
 """
-
-from __future__ import annotations
 
 import logging
 import os
@@ -78,17 +70,14 @@ def _mesh(jax, name, world, local):
     if order == "transpose":
         grid = np.array(devices, dtype=object).reshape(world, local).T
     else:
-        grid = np.array([devices[i] for i in (order or range(len(devices)))], dtype=object).reshape(
-            shape
-        )
+        ordered = [devices[i] for i in (order or range(len(devices)))]
+        grid = np.array(ordered, dtype=object).reshape(shape)
     return Mesh(grid, axes), ws_axes
 
 
 def _program(jax, jf, mesh, workspaces):
-    """shard_map over every mesh axis, each device holding its own partial sum [TOKENS,
-    HIDDEN]: the fused all-reduce + residual + RMSNorm of those partials over each
-    workspace's axis (several workspaces: several independent calls in one program).
-    Returns (residual_out, norm_out) per workspace, one row per group (its axis kept, size 1)."""
+    """shard_map over every mesh axis, each device holding its own partials: the fused call
+    over each workspace's axis; (residual_out, norm_out) per workspace, that axis kept, size 1."""
     from jax.sharding import PartitionSpec as P
 
     axes = tuple(mesh.axis_names)
@@ -97,22 +86,13 @@ def _program(jax, jf, mesh, workspaces):
     def body(x, residual, gamma):
         outs = []
         for ws in workspaces:
-            o = jf.allreduce_fusion(
-                x.reshape(TOKENS, HIDDEN),
-                axis_name=ws.axis_name,
-                workspace=ws,
-                residual=residual,
-                rms_gamma=gamma,
-            )
-            outs += [
-                o.residual_out.reshape(keep + (TOKENS, HIDDEN)),
-                o.norm_out.reshape(keep + (TOKENS, HIDDEN)),
-            ]
+            kw = dict(axis_name=ws.axis_name, workspace=ws, residual=residual, rms_gamma=gamma)
+            o = jf.allreduce_fusion(x.reshape(TOKENS, HIDDEN), **kw)
+            outs += [a.reshape(keep + (TOKENS, HIDDEN)) for a in (o.residual_out, o.norm_out)]
         return tuple(outs)
 
-    out_specs = tuple(
-        P(*[None if a == ws.axis_name else a for a in axes]) for ws in workspaces for _ in range(2)
-    )
+    spec = lambda ws: P(*[None if a == ws.axis_name else a for a in axes])
+    out_specs = tuple(spec(ws) for ws in workspaces for _ in range(2))
     return jit_shard_map(jax, body, mesh, (P(*axes), P(), P()), out_specs)
 
 
@@ -120,91 +100,63 @@ def _avals(jax, mesh, dtype):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    shapes = (
-        (mesh.devices.shape + (TOKENS, HIDDEN), P(*mesh.axis_names)),
-        ((TOKENS, HIDDEN), P()),
-        ((HIDDEN,), P()),
-    )
-    return [
-        jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
-        for shape, spec in shapes
-    ]
+    shapes = ((mesh.devices.shape + (TOKENS, HIDDEN), P(*mesh.axis_names)), ((TOKENS, HIDDEN), P()))
+    shapes += (((HIDDEN,), P()),)
+    sds = lambda shape, spec: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+    return [sds(shape, spec) for shape, spec in shapes]
 
 
 def _check_outputs(jax, mesh, workspaces, fn, dtype, seed):
-    """Runs fn on fresh random inputs (different partials on every device); the worst error
-    (ulps of the call dtype, tests/oracles/oracle.py's measure) of this process's shards of every
-    residual_out and norm_out against the float64 oracle of its group."""
+    """Runs fn on fresh partials; the worst ulps of this process's shards of every residual_out
+    and norm_out against its group's float64 oracle."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
-
     from tests.oracles import oracle
 
     rng = np.random.default_rng(seed)
-    partials = rng.standard_normal(mesh.devices.shape + (TOKENS, HIDDEN), dtype=np.float32).astype(
-        dtype
-    )
+    partials = rng.standard_normal(mesh.devices.shape + (TOKENS, HIDDEN), dtype=np.float32)
+    partials = partials.astype(dtype)
     residual = rng.standard_normal((TOKENS, HIDDEN), dtype=np.float32).astype(dtype)
     gamma = rng.uniform(-2, 2, HIDDEN).astype(np.float32).astype(dtype)
 
     def put(value, spec):
-        return jax.make_array_from_callback(
-            value.shape, NamedSharding(mesh, spec), lambda idx: value[idx]
-        )
+        sharding = NamedSharding(mesh, spec)
+        return jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx])
 
     outs = fn(put(partials, P(*mesh.axis_names)), put(residual, P()), put(gamma, P()))
     worst = {"residual": 0.0, "norm": 0.0, "shards": 0}
     for i, ws in enumerate(workspaces):
         # Every group's sum over its members: the workspace's axis summed, kept with size 1.
-        group_sum = partials.astype(np.float64).sum(
-            axis=mesh.axis_names.index(ws.axis_name), keepdims=True
-        )
+        axis = mesh.axis_names.index(ws.axis_name)
+        group_sum = partials.astype(np.float64).sum(axis=axis, keepdims=True)
         s, r64, y64, inv = oracle.fused_reference(
             [group_sum], residual, gamma, rms_eps=1e-6, weight_bias=0.0
         )
         for got_r, got_n in zip(outs[2 * i].addressable_shards, outs[2 * i + 1].addressable_shards):
             idx = got_r.index
             assert got_n.index == idx
-            r = oracle.residual_error_ulps(
-                np.asarray(got_r.data), s[idx], r64[idx], residual, DTYPE
-            )
-            y = np.asarray(got_n.data)
-            n = oracle.norm_error_ulps(
-                y, s[idx], y64[idx], inv[idx], residual, gamma, weight_bias=0.0, dtype_name=DTYPE
-            )
+            r_got, y = np.asarray(got_r.data), np.asarray(got_n.data)
+            r = oracle.residual_error_ulps(r_got, s[idx], r64[idx], residual, DTYPE)
+            kw = dict(weight_bias=0.0, dtype_name=DTYPE)
+            n = oracle.norm_error_ulps(y, s[idx], y64[idx], inv[idx], residual, gamma, **kw)
             keep_max(worst, {"residual": r, "norm": n})
             worst["shards"] += 1
     return worst
 
 
 def worker(
-    rank,
-    world,
-    chan,
-    *,
-    port,
-    platform,
-    local_devices,
-    hosts,
-    layouts,
-    backends,
-    seed,
-    device_ids=None,
-    run_xla_all_reduces=True,
-):
-    """One process: pretends to run on host ``hosts[rank]``, then, for every layout and
-    backend, records {"backend" | "error", "custom_calls", "all_reduces", "worst", ...}.
-    ``run_xla_all_reduces=False``: a program that holds XLA all-reduces is decided and
-    lowered but not run ("not_run" says why): the processes share a GPU, and XLA's NCCL
-    refuses two ranks on one GPU."""
+    rank, world, chan, *, port, platform, local_devices, hosts, layouts, backends, seed,
+    device_ids=None, run_xla_all_reduces=True
+):  # fmt: skip
+    """Pretends to run on host ``hosts[rank]``, then records per layout and backend what
+    happened. ``run_xla_all_reduces=False``: a program with XLA all-reduces is lowered but not
+    run ("not_run"): the processes share a GPU, and XLA's NCCL refuses that."""
     from tests.gpu.harness import simulate_host
 
     simulate_host(hosts[rank])
-    jax = _setup(
-        rank, world, port, platform, local_devices, device_ids[rank] if device_ids else None
-    )
+    ids = device_ids[rank] if device_ids else None
+    jax = _setup(rank, world, port, platform, local_devices, ids)
     import jax.numpy as jnp
-
     import jax_fusedar as jf
     from jax_fusedar.common import native
     from jax_fusedar.ops.dense import FFI_TARGET
@@ -213,12 +165,8 @@ def worker(
     logging.getLogger("jax_fusedar").addHandler(reasons)
     import socket
 
-    out = {
-        "rank": rank,
-        "host": socket.gethostname(),
-        "layouts": {},
-        "devices": [f"{d.id}@{d.process_index}" for d in jax.devices()],
-    }
+    out = {"rank": rank, "host": socket.gethostname(), "layouts": {}}
+    out["devices"] = [f"{d.id}@{d.process_index}" for d in jax.devices()]
     dtype = jnp.dtype(DTYPE)
     for name in layouts:
         mesh, ws_axes = _mesh(jax, name, world, local_devices)
@@ -229,14 +177,11 @@ def worker(
         for backend in backends:
             rec = res[backend] = {}
             workspaces = []
+            kw = dict(max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=dtype, backend=backend)
+            cpu = platform == "cpu"
+            make = jf.abstract_workspace if cpu else jf.create_allreduce_fusion_workspace
             try:
                 for axis in ws_axes:
-                    kw = dict(max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=dtype, backend=backend)
-                    make = (
-                        jf.abstract_workspace
-                        if platform == "cpu"
-                        else jf.create_allreduce_fusion_workspace
-                    )
                     workspaces.append(make(mesh, axis, **kw))
                     if backend == "auto":  # a second one: its reason is not logged again
                         # (another name: two live kernel workspaces may not share a key)
@@ -247,9 +192,8 @@ def worker(
                     ws.destroy()
                 continue
             rec["backend"] = {ws.axis_name: ws.backend for ws in workspaces}
-            rec["groups"] = {
-                ws.axis_name: [list(g.members) for g in ws.groups] for ws in workspaces
-            }
+            members = lambda ws: [list(g.members) for g in ws.groups]
+            rec["groups"] = {ws.axis_name: members(ws) for ws in workspaces}
             if any(ws.backend == "trtllm" for ws in workspaces) and not native.available():
                 rec["not_lowered"] = "the kernel's custom call needs the native extension"
                 continue  # the decision above is still recorded
@@ -259,17 +203,14 @@ def worker(
             rec["custom_calls"] = text.count(f"custom_call @{FFI_TARGET}")
             rec["all_reduces"] = text.count("stablehlo.all_reduce")
             if rec["all_reduces"] and not run_xla_all_reduces:
-                rec["not_run"] = (
-                    "XLA's all-reduce between processes sharing a GPU: NCCL "
-                    "refuses two ranks on one GPU"
-                )
+                why = "XLA's all-reduce between processes sharing a GPU: NCCL refuses"
+                rec["not_run"] = why + " two ranks on one GPU"
                 for ws in workspaces:
                     ws.destroy()
                 continue
             chan.barrier(f"{name}/{backend}/run")
-            rec["worst"] = _check_outputs(
-                jax, mesh, workspaces, fn, dtype, seed + len(out["layouts"])
-            )
+            case_seed = seed + len(out["layouts"])
+            rec["worst"] = _check_outputs(jax, mesh, workspaces, fn, dtype, case_seed)
             for ws in workspaces:
                 ws.destroy()
             chan.barrier(f"{name}/{backend}/done")

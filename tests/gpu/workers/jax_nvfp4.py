@@ -1,25 +1,19 @@
-"""Per-process body of the NVFP4 GPU test (two `jax.distributed` processes, sm100+ only).
-
-One jitted program per (dtype, layout, hidden, tokens, one/two-shot) runs patterns 3
-(NVFP4) and 5 (NVFP4 + norm_out) on the same inputs, with the global scale
-448 * 6 / amax(y) passed as a device array. Checks:
-* the quantization of the kernel's own norm_out (pattern 5) against the independent numpy
-  oracle (tests/quant_oracle.nvfp4), for both ways of rounding gs / SF ("ieee" and
-  "reciprocal"; the better one is reported): e2m1 codes equal or one step apart, counted;
-* the scale bytes the kernel wrote equal the oracle's, at every position the layout
-  defines (SWIZZLED_128x4 and LINEAR; padding bytes are left unwritten by the kernel and
-  are not compared);
-* pattern 3 against pattern 5: residual outputs equal; codes and scales counted apart;
-* residual_out and norm_out within the core bounds against the float64 oracle.
-Written for Blackwell (sm100): tests/gpu/test_jax.py skips it on older GPUs, where the
-API refuses NVFP4 (checked there instead).
+"""Per-process body of the NVFP4 GPU test (two `jax.distributed` processes, sm100+ only: on
+older GPUs the API refuses NVFP4, checked by tests/gpu/test_jax.py). One jitted program per
+(dtype, layout, hidden, tokens, one/two-shot) runs patterns 3 (NVFP4) and 5 (+ norm_out) on the
+same inputs, global scale 448 * 6 / amax(y) as a device array. Checks:
+* pattern 5's codes against tests/oracles/quant_oracle.nvfp4 on the kernel's own norm_out, for
+  both roundings of gs / SF ("ieee", "reciprocal"; the better reported): e2m1 codes equal or
+  one step apart, counted;
+* the scale bytes equal the oracle's wherever the layout (SWIZZLED_128x4, LINEAR) defines them
+  (the kernel leaves padding unwritten);
+* pattern 3 against 5: residual outputs equal; codes and scales counted apart;
+* residual_out and norm_out within the core bounds of the float64 oracle.
 """
-
-from __future__ import annotations
 
 import numpy as np
 
-from tests.gpu.workers.common import jit_shard_map
+from tests.gpu.workers.common import counters, jax_workspace, jit_shard_map
 
 
 def _e2m1_steps(a_packed, b_packed):
@@ -42,27 +36,13 @@ def run(jax, jnp, jf, mesh, P, rank, world, seed, tokens, hiddens, glob, local):
 
     Pn = jf.AllReduceFusionPattern
     Lay = jf.QuantizationSFLayout
-    stats = {
-        "cases": 0,
-        "codes": 0,
-        "steps1": 0,
-        "worse": 0,
-        "division": {},
-        "scale_bytes": 0,
-        "scale_mismatch": 0,
-        "twin_residual_diffs": 0,
-        "twin_code_diffs": 0,
-        "twin_scale_diffs": 0,
-        "residual": 0.0,
-        "norm": 0.0,
-        "nan_outputs": 0,
-    }
+    ints = "cases codes steps1 worse scale_bytes scale_mismatch twin_residual_diffs"
+    ints += " twin_code_diffs twin_scale_diffs nan_outputs"
+    stats = counters(ints, "residual norm", division={})
     case = 0
     for dtype in ("bfloat16", "float16"):
         jdt = jnp.dtype(dtype)
-        ws = jf.create_allreduce_fusion_workspace(
-            mesh, "tp", max_token_num=max(tokens), hidden_dim=max(hiddens), dtype=jdt
-        )
+        ws = jax_workspace(jf, mesh, max(tokens), max(hiddens), jdt)
         for layout in (Lay.SWIZZLED_128x4, Lay.LINEAR):
             for hidden, m, oneshot in shape_cases(tokens, hiddens, world):
                 case += 1
@@ -71,16 +51,8 @@ def run(jax, jnp, jf, mesh, P, rank, world, seed, tokens, hiddens, glob, local):
                 gs = np.asarray([448.0 * 6.0 / np.abs(y64).max()], np.float32)
 
                 def f(x, r, g, s, oneshot=oneshot, layout=layout):
-                    kw = dict(
-                        axis_name="tp",
-                        workspace=ws,
-                        residual=r,
-                        rms_gamma=g,
-                        use_oneshot=oneshot,
-                        strict=True,
-                        scale_factor=s,
-                        layout_code=layout,
-                    )
+                    kw = dict(axis_name="tp", workspace=ws, residual=r, rms_gamma=g, strict=True)
+                    kw.update(use_oneshot=oneshot, scale_factor=s, layout_code=layout)
                     o3 = jf.allreduce_fusion(x, pattern=Pn.kARResidualRMSNormFP4Quant, **kw)
                     o5 = jf.allreduce_fusion(x, pattern=Pn.kARResidualRMSNormOutFP4Quant, **kw)
                     return (
@@ -96,9 +68,8 @@ def run(jax, jnp, jf, mesh, P, rank, world, seed, tokens, hiddens, glob, local):
                 s3b = np.ascontiguousarray(s3).view(np.uint8).reshape(-1)
                 s5b = np.ascontiguousarray(s5).view(np.uint8).reshape(-1)
 
-                stats["nan_outputs"] += int(
-                    np.isnan(r5.astype(np.float32)).sum() + np.isnan(n5.astype(np.float32)).sum()
-                )
+                nans = np.isnan(r5.astype(np.float32)).sum() + np.isnan(n5.astype(np.float32)).sum()
+                stats["nan_outputs"] += int(nans)
                 got = dict(residual_out=r5.astype(np.float64), norm_out=n5.astype(np.float64))
                 res64, gam64 = res.astype(np.float64), gam.astype(np.float64)
                 keep_max(stats, plain_ulps(xs, res64, gam64, dtype, **got))
@@ -121,9 +92,8 @@ def run(jax, jnp, jf, mesh, P, rank, world, seed, tokens, hiddens, glob, local):
                 stats["scale_bytes"] += int(written.sum())
                 stats["scale_mismatch"] += int(np.sum(s5b[written] != buf[written]))
 
-                stats["twin_residual_diffs"] += int(
-                    np.sum(r3.view(np.uint16) != r5.view(np.uint16))
-                )
+                twin_r = int(np.sum(r3.view(np.uint16) != r5.view(np.uint16)))
+                stats["twin_residual_diffs"] += twin_r
                 stats["twin_code_diffs"] += int(np.sum(q3 != q5))
                 stats["twin_scale_diffs"] += int(np.sum(s3b[written] != s5b[written]))
                 stats["cases"] += 1

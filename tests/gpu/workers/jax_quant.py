@@ -1,25 +1,21 @@
-"""Per-process body of the quantized-pattern GPU test (two `jax.distributed` processes).
-
-One jitted program per (dtype, hidden, tokens, one/two-shot) runs patterns 2, 4 (static
-FP8), 10, 11 (dynamic FP8) and 8, 9 (per-token-group FP8, group 128) on the same inputs.
-Checks, per pattern pair:
-* the quantization of the kernel's own norm_out (patterns 4, 11, 9) against the independent
-  numpy oracle (tests/oracles/quant_oracle.py): codes equal or one e4m3 step apart, counted;
-* the pattern without norm_out (2, 10, 8) bit-identical to its twin, except quant codes one
-  e4m3 step apart in a tiny fraction (twins may launch with different block/cluster sizes,
-  which reorders RMSNorm's fp32 sum of squares); the same program run twice bit-identical;
-* scales: dynamic within 2 fp32 ulps of the oracle (fast-math division), group UE8M0 bytes
-  equal; dequantized values within the e4m3 bound |q*s - y| <= 2^-4 |y| + 2^-10 s;
-* residual_out and norm_out within the core bounds against the float64 oracle (the
-  accumulation bounds at every world size, the ulp bounds at 2 ranks).
+"""Per-process body of the quantized-pattern GPU test (two `jax.distributed` processes). One
+jitted program per (dtype, hidden, tokens, one/two-shot) runs patterns 2, 4 (static FP8), 10,
+11 (dynamic FP8) and 8, 9 (per-token-group FP8, group 128) on the same inputs. Checks:
+* the kernel's own norm_out (4, 11, 9) quantized by tests/oracles/quant_oracle.py: codes equal
+  or one e4m3 step apart, counted;
+* each pattern without norm_out (2, 10, 8) bit-identical to its twin, but for quant codes one
+  step apart in a tiny fraction (twins may launch with other block/cluster sizes, reordering
+  RMSNorm's fp32 sum of squares); the same program run twice bit-identical;
+* dynamic scales within 2 fp32 ulps of the oracle (fast-math division), group UE8M0 bytes
+  equal; dequantized values within |q*s - y| <= 2^-4 |y| + 2^-10 s;
+* residual_out and norm_out within the float64 oracle's core bounds (the accumulation bounds
+  at any world size, the ulp bounds at 2 ranks).
 NVFP4 (3, 5) must be refused at trace time on this sm90 GPU.
 """
 
-from __future__ import annotations
-
 import numpy as np
 
-from tests.gpu.workers.common import jit_shard_map
+from tests.gpu.workers.common import counters, jax_workspace, jit_shard_map
 
 GROUP = 128
 
@@ -40,27 +36,14 @@ def run(jax, jnp, jf, mesh, P, rank, world, seed, tokens, hiddens, glob, local):
     from tests.gpu.workers.common import keep_max, plain_ulps, scale_ulps
 
     Pn = jf.AllReduceFusionPattern
-    stats = {
-        "cases": 0,
-        "elements": 0,
-        "steps1": {},
-        "worse": 0,
-        "twins_equal": True,
-        "dyn_scale_ulps": 0.0,
-        "group_scale_mismatch": 0,
-        "dequant_violations": 0,
-        "residual": 0.0,
-        "norm": 0.0,
-        "rerun_diffs": 0,
-        "twin_code_steps1": 0,
-        "twin_other_diffs": 0,
-    }
+    ints = "cases elements worse group_scale_mismatch dequant_violations rerun_diffs"
+    ints += " twin_code_steps1 twin_other_diffs"
+    stats = counters(ints, "dyn_scale_ulps residual norm", steps1={}, twins_equal=True)
+    group = {"block_quant_group_size": GROUP}
     case = 0
     for dtype in ("bfloat16", "float16"):
         jdt = jnp.dtype(dtype)
-        ws = jf.create_allreduce_fusion_workspace(
-            mesh, "tp", max_token_num=max(tokens), hidden_dim=max(hiddens), dtype=jdt
-        )
+        ws = jax_workspace(jf, mesh, max(tokens), max(hiddens), jdt)
         for hidden, m, oneshot in shape_cases(tokens, hiddens, world):
             case += 1
             xs, res, gam = draw_case(seed + case, world, m, hidden, jdt)
@@ -69,30 +52,17 @@ def run(jax, jnp, jf, mesh, P, rank, world, seed, tokens, hiddens, glob, local):
             sf = np.asarray([np.abs(y64).max() / 224.0], np.float32)
 
             def f(x, r, g, s, oneshot=oneshot):
-                kw = dict(
-                    axis_name="tp",
-                    workspace=ws,
-                    residual=r,
-                    rms_gamma=g,
-                    use_oneshot=oneshot,
-                    strict=True,
-                    # the CPU dry run: the kernel's additions, whose bounds are checked
-                    fallback="kernel_exact",
-                )
+                # fallback: the CPU dry run, the kernel's additions, whose bounds are checked
+                kw = dict(axis_name="tp", workspace=ws, residual=r, rms_gamma=g, strict=True)
+                kw.update(use_oneshot=oneshot, fallback="kernel_exact")
                 out = []
                 for pat, extra in (
                     (Pn.kARResidualRMSNormFP8Quant, {"scale_factor": s}),
                     (Pn.kARResidualRMSNormOutFP8Quant, {"scale_factor": s}),
                     (Pn.kARResidualRMSNormDynamicFP8Quant, {}),
                     (Pn.kARResidualRMSNormOutDynamicFP8Quant, {}),
-                    (
-                        Pn.kARResidualRMSNormPerTokenGroupFP8PackedQuant,
-                        {"block_quant_group_size": GROUP},
-                    ),
-                    (
-                        Pn.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant,
-                        {"block_quant_group_size": GROUP},
-                    ),
+                    (Pn.kARResidualRMSNormPerTokenGroupFP8PackedQuant, group),
+                    (Pn.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant, group),
                 ):
                     o = jf.allreduce_fusion(x, pattern=pat, **kw, **extra)
                     out.append(tuple(v for v in o if v is not None))
@@ -110,14 +80,8 @@ def run(jax, jnp, jf, mesh, P, rank, world, seed, tokens, hiddens, glob, local):
                     for o1, o2 in zip(outs, again)
                     for a, b in zip(o1, o2)
                 )
-            (
-                (r2, q2),
-                (r4, n4, q4),
-                (r10, q10, s10),
-                (r11, n11, q11, s11),
-                (r8, q8, s8),
-                (r9, n9, q9, s9),
-            ) = outs
+            (r2, q2), (r4, n4, q4), (r10, q10, s10) = outs[:3]
+            (r11, n11, q11, s11), (r8, q8, s8), (r9, n9, q9, s9) = outs[3:]
             byte = _bytes
             for name, a, b in (
                 ("static r", r2, r4),
@@ -141,50 +105,26 @@ def run(jax, jnp, jf, mesh, P, rank, world, seed, tokens, hiddens, glob, local):
                     )
                     key = "twin_code_steps1" if one_step else "twin_other_diffs"
                     stats[key] += diff
-                    where = np.argwhere(_bytes(a) != _bytes(b))[:12]
-                    stats.setdefault("twin_diffs", []).append(
-                        {
-                            "what": name,
-                            "dtype": dtype,
-                            "hidden": hidden,
-                            "tokens": m,
-                            "oneshot": oneshot,
-                            "count": diff,
-                            "first": [
-                                [int(i) for i in w]
-                                + [int(_bytes(a)[tuple(w)]), int(_bytes(b)[tuple(w)])]
-                                for w in where
-                            ],
-                        }
-                    )
+                    ab, bb = _bytes(a), _bytes(b)
+                    first = [
+                        [*map(int, w), int(ab[tuple(w)]), int(bb[tuple(w)])]
+                        for w in np.argwhere(ab != bb)[:12]
+                    ]
+                    entry = dict(what=name, dtype=dtype, hidden=hidden, tokens=m, oneshot=oneshot)
+                    entry.update(count=diff, first=first)
+                    stats.setdefault("twin_diffs", []).append(entry)
             for r_out, n_out in ((r4, n4), (r11, n11), (r9, n9)):
                 got = dict(residual_out=r_out.astype(np.float64), norm_out=n_out.astype(np.float64))
-                worst_of(
-                    stats,
-                    {
-                        **plain_ulps(
-                            xs, res.astype(np.float64), gam.astype(np.float64), dtype, **got
-                        ),
-                        **oracle.accumulation_errors(
-                            xs,
-                            res,
-                            gam,
-                            residual_out=r_out.astype(np.float64),
-                            norm_out=n_out.astype(np.float64),
-                            rms_eps=1e-6,
-                            dtype_name=dtype,
-                        ),
-                    },
-                )
+                ulps = plain_ulps(xs, res.astype(np.float64), gam.astype(np.float64), dtype, **got)
+                kw = dict(rms_eps=1e-6, dtype_name=dtype)
+                acc = oracle.accumulation_errors(xs, res, gam, **got, **kw)
+                worst_of(stats, {**ulps, **acc})
             # Quantize the kernel's own norm output with the oracle.
             want4 = quant_oracle.fp8_static(n4, float(sf[0]))
             want11, ws11 = quant_oracle.fp8_dynamic(n11, "ieee")
             want9, wb9 = quant_oracle.fp8_group(n9, GROUP)
-            for name, got, want in (
-                ("static", q4, want4),
-                ("dynamic", q11, want11),
-                ("group", q9, want9),
-            ):
+            quantized = (("static", q4, want4), ("dynamic", q11, want11), ("group", q9, want9))
+            for name, got, want in quantized:
                 d = quant_oracle.code_steps(byte(got), np.asarray(want).view(np.uint8))
                 stats["steps1"][name] = stats["steps1"].get(name, 0) + int((d == 1).sum())
                 stats["worse"] += int((d > 1).sum())
@@ -195,13 +135,11 @@ def run(jax, jnp, jf, mesh, P, rank, world, seed, tokens, hiddens, glob, local):
             from jax_fusedar.ops import quant_arrays
 
             y = n11.astype(np.float64)
+            deq9 = np.asarray(quant_arrays.dequantize_fp8(q9, s9, group_size=GROUP), np.float64)
             for deq, scale in (
                 (q4.astype(np.float64) * sf[0], sf[0]),
                 (q11.astype(np.float64) * s11, s11),
-                (
-                    np.asarray(quant_arrays.dequantize_fp8(q9, s9, group_size=GROUP), np.float64),
-                    None,
-                ),
+                (deq9, None),
             ):
                 if scale is None:
                     scale = np.asarray(
@@ -213,24 +151,12 @@ def run(jax, jnp, jf, mesh, P, rank, world, seed, tokens, hiddens, glob, local):
             stats["cases"] += 1
         # NVFP4 on sm90 writes zeros: the API refuses it before tracing the kernel.
         try:
-            jax.jit(
-                jax.shard_map(
-                    lambda x, r, g, s: (
-                        jf.allreduce_fusion(
-                            x,
-                            axis_name="tp",
-                            workspace=ws,
-                            residual=r,
-                            rms_gamma=g,
-                            scale_factor=s,
-                            pattern=Pn.kARResidualRMSNormFP4Quant,
-                        ).quant_out
-                    ),
-                    mesh=mesh,
-                    in_specs=(P("tp"), P(), P(), P()),
-                    out_specs=P(),
-                )
-            ).trace(glob(P("tp"), xs[rank]), glob(P(), res), glob(P(), gam), glob(P(), sf))
+            kw = dict(axis_name="tp", workspace=ws, pattern=Pn.kARResidualRMSNormFP4Quant)
+            nvfp4 = lambda x, r, g, s: (
+                jf.allreduce_fusion(x, residual=r, rms_gamma=g, scale_factor=s, **kw).quant_out
+            )
+            fn = jit_shard_map(jax, nvfp4, mesh, (P("tp"), P(), P(), P()), P())
+            fn.trace(glob(P("tp"), xs[rank]), glob(P(), res), glob(P(), gam), glob(P(), sf))
             stats["nvfp4_refused"] = "no error"
         except ValueError as e:
             stats["nvfp4_refused"] = str(e)[:200]

@@ -1,28 +1,25 @@
-"""One JAX process driving every local GPU (``--platform cuda``) or 8 CPU devices
-(``--platform cpu``, the plumbing run of tests/jax/test_jit_export_worker_plumbing.py). Tasks
-(each prints one ``RESULT <json>`` line):
+"""One JAX process driving every local GPU (``--platform cuda``) or 8 CPU devices (``--platform
+cpu``: tests/jax/test_jit_export_worker_plumbing.py). Each task prints ``RESULT <json>``:
 
-* ``jit``:    the 4-layer model of tests/jax/sharded_model.py under plain jit on Auto axes
-              (Shardy + custom_partitioning) and on Explicit axes, against the shard_map
-              version: bitwise equal?; the compiled HLO's fused custom calls and all-reduces.
+* ``jit``:    tests/jax/sharded_model.py's 4-layer model under plain jit on Auto axes (Shardy +
+              custom_partitioning) and on Explicit axes against its shard_map version: bitwise
+              equal?; the compiled HLO's fused custom calls and all-reduces.
 * ``export``: exports the shard_map layer for ("cpu", "cuda") with ``abstract_workspace``
-              (nothing allocated) and writes the artifact, the inputs and the workspace id.
-* ``serve``:  a fresh process: calls the artifact before its workspace exists (the error),
-              then creates the workspace with the same arguments and calls it: bitwise equal
-              to the same layer jitted here?; the kernel's host launches during the call;
-              the fused calls in the compiled artifact (on CPU: the dead cuda branch's).
+              (nothing allocated); writes the artifact, the inputs and the workspace id.
+* ``serve``:  in a fresh process, the artifact called before its workspace exists (the error),
+              then with it: bitwise equal to the layer jitted here?; the kernel's host
+              launches; the fused calls in the compiled artifact (on CPU: the dead cuda branch's).
 """
 
-from __future__ import annotations
-
 import argparse
+import contextlib
 import json
 import os
 import sys
 
 import numpy as np
 
-from tests.gpu.workers.common import jit_shard_map
+from tests.gpu.workers.common import jax_workspace, jit_shard_map
 
 NAME = "served-layer"
 TOKENS, HIDDEN = 16, 4096
@@ -58,20 +55,16 @@ def _bits(a):
     return a.view(f"u{a.itemsize}")
 
 
+def _finite(arrays):
+    return bool(all(np.isfinite(g.astype(np.float32)).all() for g in arrays))
+
+
 def task_jit(jax, seed: int) -> dict:
     import jax.numpy as jnp
     from jax.sharding import AxisType
-
     import jax_fusedar as jf
-    from tests.jax.sharded_model import (
-        BATCH,
-        HIDDEN as H,
-        SEQ,
-        jit_model,
-        model_params,
-        place,
-        shard_map_model,
-    )
+    from tests.jax.sharded_model import BATCH, SEQ, jit_model, model_params, place
+    from tests.jax.sharded_model import HIDDEN as H, shard_map_model
 
     n = len(jax.devices())
     dp = 2 if n >= 4 else 1
@@ -79,34 +72,26 @@ def task_jit(jax, seed: int) -> dict:
     for axis_type in (AxisType.Auto, AxisType.Explicit):
         rng = np.random.default_rng(seed)
         mesh = jax.make_mesh((dp, n // dp), ("dp", "tp"), axis_types=(axis_type,) * 2)
-        with jf.create_allreduce_fusion_workspace(
-            mesh, "tp", max_token_num=BATCH * SEQ, hidden_dim=H, dtype=jnp.bfloat16
-        ) as ws:
-            params, x = place(
-                mesh,
-                model_params(rng),
-                rng.standard_normal((BATCH, SEQ, H)).astype(np.float32).astype(jnp.bfloat16),
-            )
+        with jax_workspace(jf, mesh, BATCH * SEQ, H, jnp.bfloat16) as ws:
+            x = rng.standard_normal((BATCH, SEQ, H)).astype(np.float32).astype(jnp.bfloat16)
+            params, x = place(mesh, model_params(rng), x)
             want = [np.asarray(a) for a in shard_map_model(mesh, ws)(params, x)]
             fn = jax.jit(lambda p, x: jit_model(p, x, workspace=ws))
-            if axis_type == AxisType.Explicit:
-                with jax.set_mesh(mesh):
-                    got, hlo = fn(params, x), fn.lower(params, x).compile().as_text()
-            else:
+            explicit = axis_type == AxisType.Explicit
+            with jax.set_mesh(mesh) if explicit else contextlib.nullcontext():
                 got, hlo = fn(params, x), fn.lower(params, x).compile().as_text()
             got = [np.asarray(a) for a in got]
+            pairs = list(zip(got, want))
             out[axis_type.name] = {
                 "backend": ws.backend,
-                "bitwise_equal": all(np.array_equal(_bits(g), _bits(w)) for g, w in zip(got, want)),
+                "bitwise_equal": all(np.array_equal(_bits(g), _bits(w)) for g, w in pairs),
                 # Where they differ: how many elements, and by how much.
-                "differing_elements": [
-                    int((_bits(g) != _bits(w)).sum()) for g, w in zip(got, want)
-                ],
+                "differing_elements": [int((_bits(g) != _bits(w)).sum()) for g, w in pairs],
                 "max_abs_difference": [
                     float(np.abs(g.astype(np.float64) - w.astype(np.float64)).max())
-                    for g, w in zip(got, want)
+                    for g, w in pairs
                 ],
-                "finite": bool(all(np.isfinite(g.astype(np.float32)).all() for g in got)),
+                "finite": _finite(got),
                 "fused_calls_in_hlo": _fused_calls(hlo),
                 "all_reduces_in_hlo": hlo.count("all-reduce("),
             }
@@ -117,9 +102,8 @@ def _layer(jax, jf, mesh, ws):
     from jax.sharding import PartitionSpec as P
 
     def body(partial, residual, gamma):
-        out = jf.allreduce_fusion(
-            partial, axis_name="tp", workspace=ws, residual=residual, rms_gamma=gamma
-        )
+        kw = dict(axis_name="tp", workspace=ws)
+        out = jf.allreduce_fusion(partial, residual=residual, rms_gamma=gamma, **kw)
         return out.residual_out, out.norm_out
 
     return jit_shard_map(jax, body, mesh, (P("tp"), P(), P()), (P(), P()))
@@ -129,28 +113,23 @@ def task_export(jax, path: str, seed: int) -> dict:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
-
     import jax_fusedar as jf
 
     mesh = jax.make_mesh((len(jax.devices()),), ("tp",))
     n = mesh.shape["tp"]
-    ws = jf.abstract_workspace(
-        mesh, "tp", max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=jnp.bfloat16, name=NAME
-    )
-    specs = [
-        jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, sp))
-        for s, sp in (((n * TOKENS, HIDDEN), P("tp")), ((TOKENS, HIDDEN), P()), ((HIDDEN,), P()))
-    ]
+    kw = dict(max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=jnp.bfloat16, name=NAME)
+    ws = jf.abstract_workspace(mesh, "tp", **kw)
+    shapes = (((n * TOKENS, HIDDEN), P("tp")), ((TOKENS, HIDDEN), P()), ((HIDDEN,), P()))
+    sds = lambda s, sp: jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, sp))
+    specs = [sds(s, sp) for s, sp in shapes]
     exported = jf.export.export(_layer(jax, jf, mesh, ws), platforms=("cpu", "cuda"))(*specs)
     with open(path + ".bin", "wb") as f:
         f.write(exported.serialize())
     rng = np.random.default_rng(seed)
-    np.savez(
-        path + ".npz",
-        partial=rng.standard_normal((n * TOKENS, HIDDEN)).astype(np.float32),
-        residual=rng.standard_normal((TOKENS, HIDDEN)).astype(np.float32),
-        gamma=rng.uniform(-2, 2, HIDDEN).astype(np.float32),
-    )
+    partial = rng.standard_normal((n * TOKENS, HIDDEN)).astype(np.float32)
+    residual = rng.standard_normal((TOKENS, HIDDEN)).astype(np.float32)
+    gamma = rng.uniform(-2, 2, HIDDEN).astype(np.float32)
+    np.savez(path + ".npz", partial=partial, residual=residual, gamma=gamma)
     return {"workspace_id": ws.id, "ids_in_artifact": jf.export.workspace_ids(exported)}
 
 
@@ -158,17 +137,14 @@ def task_serve(jax, path: str) -> dict:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
-
     import jax_fusedar as jf
 
     mesh = jax.make_mesh((len(jax.devices()),), ("tp",))
     with open(path + ".bin", "rb") as f:
         exported = jf.export.deserialize(f.read())
     data = np.load(path + ".npz")
-    args = [
-        jax.device_put(data[k].astype(jnp.bfloat16), NamedSharding(mesh, s))
-        for k, s in (("partial", P("tp")), ("residual", P()), ("gamma", P()))
-    ]
+    put = lambda k, s: jax.device_put(data[k].astype(jnp.bfloat16), NamedSharding(mesh, s))
+    args = [put(k, s) for k, s in (("partial", P("tp")), ("residual", P()), ("gamma", P()))]
     out = {"devices": [str(d) for d in jax.devices()]}
     kw = dict(max_token_num=TOKENS, hidden_dim=HIDDEN, dtype=jnp.bfloat16)
     # A workspace under another name does not match the artifact's key.
@@ -188,12 +164,9 @@ def task_serve(jax, path: str) -> dict:
         out["kernel_launches"] = (native.ext.launch_count() if native.available() else 0) - launches
         want = [np.asarray(a) for a in _layer(jax, jf, mesh, ws)(*args)]
         hlo = jax.jit(exported.call).lower(*args).compile().as_text()
-    out.update(
-        bitwise_equal=all(np.array_equal(_bits(g), _bits(w)) for g, w in zip(got, want)),
-        finite=bool(all(np.isfinite(g.astype(np.float32)).all() for g in got)),
-        fused_calls_in_hlo=_fused_calls(hlo),
-        shapes=[list(g.shape) for g in got],
-    )
+    out["bitwise_equal"] = all(np.array_equal(_bits(g), _bits(w)) for g, w in zip(got, want))
+    out.update(finite=_finite(got), fused_calls_in_hlo=_fused_calls(hlo))
+    out["shapes"] = [list(g.shape) for g in got]
     return out
 
 
@@ -205,12 +178,8 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     jax = _setup(a.platform)
-    if a.task == "jit":
-        result = task_jit(jax, a.seed)
-    elif a.task == "export":
-        result = task_export(jax, a.path, a.seed)
-    else:
-        result = task_serve(jax, a.path)
+    tasks = {"jit": lambda: task_jit(jax, a.seed), "serve": lambda: task_serve(jax, a.path)}
+    result = tasks.get(a.task, lambda: task_export(jax, a.path, a.seed))()
     print("RESULT " + json.dumps(result), flush=True)
 
 

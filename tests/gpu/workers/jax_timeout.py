@@ -1,33 +1,29 @@
 """Per-process body of the JAX bounded-wait test (tests/gpu/test_timeout.py): two
-`jax.distributed` processes (one GPU each, or sharing one), a workspace with
-timeout_s=TIMEOUT_S. Both run one good jitted call (checked against the float64 oracle); then
-rank 1 stops calling and rank 0's next call must raise from the computation (XLA's generic
-CUDA error, re-raised by ``ws.explain_errors()`` as RuntimeError with the recorded text naming
-rank 1); the record must reach host memory within TIMEOUT_S + 1 s (a thread polls it) and the
-raise come within TIMEOUT_S + 2 s; ``ws.failures()`` and ``ws.raise_if_failed()`` must give the
-same text, and the call after that must raise too. Rank 0 sends what it found to rank 1
-before that last call, in case the dead CUDA context takes the process down with it.
+`jax.distributed` processes (a GPU each, or sharing one), a workspace with timeout_s=TIMEOUT_S.
+Both make one good call (against the float64 oracle); then rank 1 stops and rank 0's next call
+must raise from the computation (XLA's generic CUDA error, re-raised by
+``ws.explain_errors()`` as RuntimeError with the record naming rank 1), the record reaching
+host memory within TIMEOUT_S + 1 s (a thread polls it) and the raise within TIMEOUT_S + 2 s;
+``ws.failures()`` and ``ws.raise_if_failed()`` give the same text, and the next call raises
+too. Rank 0 sends its findings to rank 1 before that call, in case the dead context takes the
+process down.
 
-Where the GPU driver never reports rank 0's trap (ranks sharing a GPU;
-jax_fusedar/common/lost_traps.py), rank 0's synchronization spins until the watcher ends the
-process (exit code lost_traps.EXIT_CODE, the record on stderr) lost_traps.GRACE_S after the
-record appeared. What rank 0 knew before its failing call (backend, timeout, the good call's
-errors, when the failing call began) is noted to the harness first (``chan.note``), so the
-test checks it either way. Rank 1 waits for rank 0's findings for PARTIAL_WAIT_S only and
-then reports at once, before rank 0's end takes the `jax.distributed` service (hosted by
-process 0) down with it.
+Where the driver never reports rank 0's trap (ranks sharing a GPU; lost_traps.py), the
+watcher ends rank 0 (exit code lost_traps.EXIT_CODE, the record on stderr) lost_traps.GRACE_S
+after the record appeared; what rank 0 knew before its failing call is noted to the harness
+first (``chan.note``), so the test checks it either way. Rank 1 waits PARTIAL_WAIT_S for rank
+0's findings, then reports at once, before rank 0's end takes the `jax.distributed` service
+(hosted by process 0) down.
 
-Run by hand:  python -m tests.gpu.workers.jax_timeout
-The last stdout line is "RESULT <json>".
+Run by hand:  python -m tests.gpu.workers.jax_timeout   (last stdout line: "RESULT <json>")
 """
-
-from __future__ import annotations
 
 import sys
 import threading
 import time
 
-from tests.gpu.workers.common import error_text, new_seed, plain_ulps, print_result
+from tests.gpu.workers.common import error_text, jax_workspace, jit_shard_map, new_seed
+from tests.gpu.workers.common import plain_ulps, print_result
 
 import numpy as np
 
@@ -48,29 +44,21 @@ def worker(rank, world, chan, *, port, seed):
     import jax.numpy as jnp
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
-
     import jax_fusedar as jf
     from tests.gpu.harness import draw_case
 
     mesh = Mesh(np.array(jax.devices()), ("tp",))
-    ws = jf.create_allreduce_fusion_workspace(
-        mesh, "tp", max_token_num=64, hidden_dim=HIDDEN, dtype=jnp.bfloat16, timeout_s=TIMEOUT_S
-    )
+    ws = jax_workspace(jf, mesh, 64, HIDDEN, jnp.bfloat16, timeout_s=TIMEOUT_S)
     out = {"rank": rank, "backend": ws.backend, "timeout_s": ws.timeout_s}
 
     def f(x, r, g):
-        o = jf.allreduce_fusion(
-            x, axis_name="tp", workspace=ws, residual=r, rms_gamma=g, use_oneshot=True
-        )
+        kw = dict(axis_name="tp", workspace=ws, use_oneshot=True)
+        o = jf.allreduce_fusion(x, residual=r, rms_gamma=g, **kw)
         return o.residual_out, o.norm_out
 
-    fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=(P(), P())))
+    fn = jit_shard_map(jax, f, mesh, (P("tp"), P(), P()), (P(), P()))
     xs, res, gam = draw_case(seed, world, TOKENS, HIDDEN, jnp.bfloat16)
-    args = (
-        _global(jax, mesh, P("tp"), xs[rank]),
-        _global(jax, mesh, P(), res),
-        _global(jax, mesh, P(), gam),
-    )
+    args = [_global(jax, mesh, s, a) for s, a in ((P("tp"), xs[rank]), (P(), res), (P(), gam))]
     r_out, n_out = jax.block_until_ready(fn(*args))
     x64 = [x.astype(np.float64) for x in xs]
     r64, g64 = res.astype(np.float64), gam.astype(np.float64)
@@ -79,12 +67,8 @@ def worker(rank, world, chan, *, port, seed):
     chan.barrier("good")
     if rank == 0:
         # Kept by the harness if this process ends without a result (a lost trap).
-        chan.note(
-            backend=out["backend"],
-            timeout_s=out["timeout_s"],
-            good=out["good"],
-            failing_call_at=time.monotonic(),
-        )
+        facts = {k: out[k] for k in ("backend", "timeout_s", "good")}
+        chan.note(**facts, failing_call_at=time.monotonic())
         failing = {}
         # Where the time goes: when the call was handed to XLA, when the kernel's record
         # appeared in host memory (polled), when XLA raised.
@@ -141,11 +125,8 @@ def main(argv):
     from tests.gpu.workers.native_timeout import run_ranks_allowing_death
 
     seed = new_seed()
-    print_result(
-        {"seed": seed, "timeout_s": TIMEOUT_S},
-        "ranks",
-        lambda: run_ranks_allowing_death(worker, 2, timeout_s=150, port=free_port(), seed=seed),
-    )
+    run = lambda: run_ranks_allowing_death(worker, 2, timeout_s=150, port=free_port(), seed=seed)
+    print_result({"seed": seed, "timeout_s": TIMEOUT_S}, "ranks", run)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,15 @@
-"""Per-rank body of the large-message sweep (torch tensors, raw-pointer launch).
-
-For every case (dtype, hidden, tokens, pattern) each rank draws the whole group's inputs,
-poisons every output with 0xff bytes (NaN for the float outputs), runs the call with the
-large-message algorithm and again with FlashInfer's two-shot kernel, and reports:
+"""Per-rank body of the large-message sweep (torch tensors, raw-pointer launch). Per case (dtype,
+hidden, tokens, pattern) each rank draws the whole group's inputs, poisons every output with
+0xff bytes, and runs the call with the large-message algorithm and with FlashInfer's two-shot
+kernel; it reports:
 
 * bit differences between the two (the large-message path reuses the two-shot math and launch
   shape, so there must be none, quantized outputs and scales included),
-* for pattern 1 the ulp-scaled errors against the float64 oracle (tests/oracles/oracle.py),
-* NaNs left in the float outputs (unwritten elements),
-* a digest of its outputs, so the test can check that all ranks hold identical bits,
-* a CUDA-graph check: the call captured once and replayed on fresh inputs matches an eager call,
-* a loop mixing the four algorithms (one-shot, two-shot, large-message) without host syncs.
+* for pattern 1 the ulps against the float64 oracle, and NaNs left (unwritten elements),
+* a digest of its outputs (all ranks must hold the same bits),
+* a CUDA graph of the call replayed on fresh inputs against an eager call,
+* a loop mixing the algorithms (one-shot, two-shot, large-message) without host syncs.
 """
-
-from __future__ import annotations
 
 import functools
 import hashlib
@@ -25,6 +21,7 @@ LARGE = launch_mode.ALGORITHM_LARGE_MESSAGE
 TWOSHOT = launch_mode.ALGORITHM_TWOSHOT
 ONESHOT = launch_mode.ALGORITHM_ONESHOT
 GROUP = 128
+OUTPUTS = ("residual_out", "norm_out", "quant_out", "scale_out")
 
 
 def _outputs(torch, pattern, m, hidden, dtype, device):
@@ -50,27 +47,12 @@ def _outputs(torch, pattern, m, hidden, dtype, device):
 def _launch(ws, native, pattern, dtype, m, hidden, inputs, outs, algorithm, fp32_acc, stream):
     """One raw-pointer launch; ``inputs``: (x, residual, gamma, static scale) on the device."""
     x, res, gamma, scale = inputs
-    ptr = lambda name: outs[name].data_ptr() if name in outs else 0  # noqa: E731
-    ws.launch(
-        pattern,
-        native.DTYPE_CODES[dtype],
-        m,
-        hidden,
-        x.data_ptr(),
-        residual_in=res.data_ptr(),
-        residual_out=ptr("residual_out"),
-        norm_out=ptr("norm_out"),
-        quant_out=ptr("quant_out"),
-        scale_out=ptr("scale_out"),
-        rms_gamma=gamma.data_ptr(),
-        scale_factor=scale.data_ptr() if pattern == 4 else 0,
-        rms_eps=1e-6,
-        weight_bias=0.0,
-        algorithm=algorithm,
-        fp32_acc=fp32_acc,
-        block_quant_group_size=GROUP if pattern == 9 else 0,
-        stream=stream,
-    )
+    ptrs = {k: outs[k].data_ptr() if k in outs else 0 for k in OUTPUTS}
+    kw = dict(residual_in=res.data_ptr(), rms_gamma=gamma.data_ptr(), rms_eps=1e-6, weight_bias=0.0)
+    kw.update(scale_factor=scale.data_ptr() if pattern == 4 else 0, algorithm=algorithm)
+    kw.update(fp32_acc=fp32_acc, block_quant_group_size=GROUP if pattern == 9 else 0)
+    args = (pattern, native.DTYPE_CODES[dtype], m, hidden, x.data_ptr())
+    ws.launch(*args, **ptrs, **kw, stream=stream)
 
 
 def _on_device(torch, draw, rank, device):
@@ -83,7 +65,6 @@ def _on_device(torch, draw, rank, device):
 
 def worker(rank, world, chan, *, cases, max_tokens, hidden_max, loop_calls, seed):
     import torch
-
     from jax_fusedar.common import native
     from tests.gpu.harness import device_for, draw_case
 
@@ -104,9 +85,8 @@ def worker(rank, world, chan, *, cases, max_tokens, hidden_max, loop_calls, seed
     worst = {"residual": 0.0, "norm": 0.0, "cases": 0}
     for i, (dtype, hidden, m, pattern) in enumerate(cases):
         xs, residual, gamma = draw_case(seed + i, world, m, hidden)
-        xs = [torch.from_numpy(x).to(tdt[dtype]) for x in xs]
-        residual = torch.from_numpy(residual).to(tdt[dtype])
-        gamma = torch.from_numpy(gamma).to(tdt[dtype])
+        to_t = lambda a: torch.from_numpy(a).to(tdt[dtype])
+        xs, residual, gamma = [to_t(x) for x in xs], to_t(residual), to_t(gamma)
         x, res, gam = xs[rank].cuda(device), residual.cuda(device), gamma.cuda(device)
         scale = torch.tensor([0.37], dtype=torch.float32, device=device)
         fp32_acc = i % 3 != 2
@@ -127,11 +107,8 @@ def worker(rank, world, chan, *, cases, max_tokens, hidden_max, loop_calls, seed
             nan_outputs += int(torch.isnan(got[LARGE][name].float()).sum())
         if pattern == 1:
             r_np, g_np = residual.float().numpy(), gamma.float().numpy()
-            res_out = got[LARGE]["residual_out"].float().cpu().numpy()
-            norm_out = got[LARGE]["norm_out"].float().cpu().numpy()
-            xs32 = [t.float().numpy() for t in xs]
-            errs = plain_ulps(xs32, r_np, g_np, dtype, residual_out=res_out, norm_out=norm_out)
-            keep_max(worst, errs)
+            outs = {k: got[LARGE][k].float().cpu().numpy() for k in ("residual_out", "norm_out")}
+            keep_max(worst, plain_ulps([t.float().numpy() for t in xs], r_np, g_np, dtype, **outs))
             worst["cases"] += 1
 
     # CUDA graph: capture one large-message call, replay it on fresh inputs copied into the
@@ -177,13 +154,6 @@ def worker(rank, world, chan, *, cases, max_tokens, hidden_max, loop_calls, seed
         int((loop_outs[k].view(torch.uint8) != last[k].view(torch.uint8)).sum()) for k in last
     )
     ws.destroy() if hasattr(ws, "destroy") else None
-    return {
-        "device": device,
-        "digest": digest.hexdigest(),
-        "mismatches": mismatches,
-        "nan_outputs": nan_outputs,
-        "worst": worst,
-        "graph_diffs": graph_diffs,
-        "loop_diffs": loop_diffs,
-        "cases": len(cases),
-    }
+    out = {"device": device, "digest": digest.hexdigest(), "mismatches": mismatches}
+    out.update(nan_outputs=nan_outputs, worst=worst, graph_diffs=graph_diffs)
+    return {**out, "loop_diffs": loop_diffs, "cases": len(cases)}

@@ -1,32 +1,26 @@
 """The MoE patterns (6, 7) on 2 ranks (``--world`` 4 or 8 for more), in three stages that write
-JSON reports to --out. Each rank is a process with a GPU of its own, or, with fewer GPUs, the
-ranks share them (rank r on GPU r % G; correctness only: the benches need a GPU per rank and
-say so in the report).
+JSON reports to --out; rank r on GPU r % G (ranks sharing GPUs run correctness only: the benches
+need a GPU per rank and say so in the report).
 
-1. torch (one process per rank): torch_compat against the float64 oracle (bounds of
-   tests/oracles/moe_oracle.py) and against FlashInfer's own build (the anchor) byte for byte, the
-   custom op captured in a CUDA graph and replayed with fresh inputs, and the bench: fused
-   torch_compat vs the anchor vs the unfused torch sequence (gather + weighted sum + NCCL
-   all_reduce + add + RMSNorm), each as CUDA-graph replays timed with CUDA events;
-2. JAX (one `jax.distributed` process per rank, as TP serving runs): the same cases through
-   jax_fusedar's MoE ops, bitwise against stage 1's torch outputs, and the bench: fused vs
-   the unfused XLA sequence (gather + weighted sum + psum + add + RMSNorm), chains of
-   dependent calls in one jit;
+1. torch (a process per rank): torch_compat against the float64 oracle (tests/oracles/
+   moe_oracle.py) and FlashInfer's own build (the anchor) byte for byte, the custom op captured
+   in a CUDA graph and replayed on fresh inputs, and the bench: fused vs the anchor vs the
+   unfused torch sequence (gather + weighted sum + NCCL all_reduce + add + RMSNorm), each as
+   CUDA-graph replays timed with CUDA events;
+2. JAX (a `jax.distributed` process per rank, as TP serving runs): the same cases through
+   jax_fusedar's MoE ops, bitwise against stage 1's outputs, and the bench: fused vs the unfused
+   XLA sequence (with psum), chains of dependent calls in one jit;
 3. the anchor alone at hidden 2880 (a partial warp per token, refused by jax_fusedar and
    torch_compat) against the oracle, to show why.
 
     python -m tests.gpu.workers.moe_gpu --out DIR [--anchor PATH] [--stages torch,jax,anchor2880]
         [--world N]
 
-(from the repository's root).
-
 MOE_GPU_TORCH_TIMEOUT_S and MOE_GPU_JAX_TIMEOUT_S bound stages 1 and 2 (their ranks are killed
 after it); MOE_GPU_BENCH_TOKENS narrows the benches; MOE_GPU_BENCH_ON_SHARED_GPU=1 runs stage 1's
-fused and anchor loops on a shared GPU (to see that they finish); MOE_GPU_CASES_ONLY=1
-skips the CUDA-graph check and the bench of stage 1.
+fused and anchor loops on a shared GPU (to see that they finish); MOE_GPU_CASES_ONLY=1 skips
+stage 1's CUDA-graph check and bench.
 """
-
-from __future__ import annotations
 
 import argparse
 import json
@@ -36,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.gpu.workers.common import jit_shard_map, no_multicast_defaults
+from tests.gpu.workers.common import jax_workspace, jit_shard_map, no_multicast_defaults
 
 no_multicast_defaults()
 
@@ -65,9 +59,14 @@ CASES = [
     (6, "bfloat16", 1, 7168, 1, 1, None, None, None),
 ]
 # MOE_GPU_BENCH_TOKENS=1024 (comma-separated) narrows the bench, e.g. to look at one size.
-BENCH_TOKENS = tuple(
-    int(t) for t in os.environ.get("MOE_GPU_BENCH_TOKENS", "1,16,128,1024").split(",")
-)
+BENCH_TOKENS = tuple(map(int, os.environ.get("MOE_GPU_BENCH_TOKENS", "1,16,128,1024").split(",")))
+
+
+def deepseek_case(tokens):
+    """bf16 pattern 7 at DeepSeek's shapes (hidden 7168, top 8 of 256), scales, shared expert."""
+    return (7, "bfloat16", tokens, 7168, 8, 256, True, True, 1.0)
+
+
 # The cases JAX repeats (every compile costs seconds): both patterns, both dtypes, routed
 # scaling, one call above the one-shot threshold of 128 tokens.
 JAX_CASES = [CASES[1], CASES[3], CASES[4], CASES[5], CASES[7], CASES[8]]
@@ -88,20 +87,10 @@ def case_inputs(c, rng=None):
     pattern, dtype, tokens, hidden, k, experts = c[:6]
     if rng is None:
         rng = np.random.default_rng([pattern, tokens, hidden, k, experts])
+    kw = dict(tokens=tokens, experts=experts, world=WORLD, dtype_name=dtype, hidden=hidden)
     if pattern == 7:
-        return mo.random_finalize_case(
-            rng,
-            tokens=tokens,
-            top_k=k,
-            experts=experts,
-            world=WORLD,
-            dtype_name=dtype,
-            hidden=hidden,
-            pad=2,
-        )
-    return mo.random_reduction_case(
-        rng, tokens=tokens, experts=experts, world=WORLD, dtype_name=dtype, hidden=hidden
-    )
+        return mo.random_finalize_case(rng, top_k=k, pad=2, **kw)
+    return mo.random_reduction_case(rng, **kw)
 
 
 JAX_CASE_NAMES = {case_name(c) for c in JAX_CASES}
@@ -111,41 +100,21 @@ def oracle_errors(c, inputs, outs):
     """(residual_out, norm_out[, allreduce_out]) errors as fractions of their bounds."""
     import tests.oracles.moe_oracle as mo
 
-    pattern, dtype = c[0], c[1]
-    if pattern == 7:
-        exact = [
-            mo.finalize_local64(
-                inputs["permuted"][r],
-                inputs["idx"][r],
-                inputs["scale"] if c[6] else None,
-                inputs["shared"][r] if c[7] else None,
-                c[8],
-            )
-            for r in range(WORLD)
-        ]
+    i = inputs
+    if c[0] == 7:
+        scale = i["scale"] if c[6] else None
+        local = lambda r: (i["permuted"][r], i["idx"][r], scale, i["shared"][r] if c[7] else None)
+        exact = [mo.finalize_local64(*local(r), c[8]) for r in range(WORLD)]
     else:
-        exact = [
-            mo.reduction_local64(
-                inputs["expert_outputs"][r], inputs["expert_scales"][r], inputs["token_input"][r]
-            )
-            for r in range(WORLD)
-        ]
+        local = lambda r: (i["expert_outputs"][r], i["expert_scales"][r], i["token_input"][r])
+        exact = [mo.reduction_local64(*local(r)) for r in range(WORLD)]
     s64, r64, y64, inv = mo.epilogue64(
-        [e[0] for e in exact], inputs["residual"], inputs["gamma"], rms_eps=EPS, weight_bias=0.0
+        [e[0] for e in exact], i["residual"], i["gamma"], rms_eps=EPS, weight_bias=0.0
     )
-    magnitude = sum(e[1] for e in exact) + np.abs(np.asarray(inputs["residual"], np.float64))
-    return mo.errors(
-        outs,
-        s64=s64,
-        r64=r64,
-        y64=y64,
-        inv64=inv,
-        magnitude=magnitude,
-        roundings=WORLD * (2 * exact[0][2] + 1) + WORLD,
-        gamma=inputs["gamma"],
-        weight_bias=0.0,
-        dtype_name=dtype,
-    )
+    magnitude = sum(e[1] for e in exact) + np.abs(np.asarray(i["residual"], np.float64))
+    kw = dict(s64=s64, r64=r64, y64=y64, inv64=inv, magnitude=magnitude, gamma=i["gamma"])
+    roundings = WORLD * (2 * exact[0][2] + 1) + WORLD
+    return mo.errors(outs, roundings=roundings, weight_bias=0.0, dtype_name=c[1], **kw)
 
 
 def _bits(a):
@@ -156,6 +125,46 @@ def to_device(torch, a, dev, dtype="bfloat16"):
     """The bits of a numpy 16-bit array as a torch ``dtype`` tensor on ``dev``."""
     t = torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).to(dev)
     return t.view(getattr(torch, dtype))
+
+
+def case_tensors(torch, c, inputs, rank, dev):
+    """This rank's tensors of case ``c`` on ``dev`` in its dtype: ``res``, ``g``, NaN ``res_out``
+    and ``norm``; pattern 7's ``p``, ``idx``, ``s``, ``sh`` (None where the case has none), or
+    pattern 6's ``es``, ``eo`` [experts * tokens, hidden], ``ti`` and NaN ``ar``."""
+    to_t = lambda a: to_device(torch, a, dev, c[1])
+    t = {"res": to_t(inputs["residual"]), "g": to_t(inputs["gamma"])}
+    t["norm"] = torch.full_like(t["res"], float("nan"))
+    t["res_out"] = torch.full_like(t["res"], float("nan"))
+    if c[0] == 7:
+        t["p"] = to_t(inputs["permuted"][rank])
+        t["idx"] = torch.from_numpy(inputs["idx"][rank]).to(dev)
+        t["s"] = to_t(inputs["scale"]) if c[6] else None
+        t["sh"] = to_t(inputs["shared"][rank]) if c[7] else None
+    else:
+        t["es"] = torch.from_numpy(inputs["expert_scales"][rank]).to(dev)
+        t["eo"] = to_t(inputs["expert_outputs"][rank]).reshape(c[5] * c[2], c[3])
+        t["ti"] = to_t(inputs["token_input"][rank])
+        t["ar"] = torch.full_like(t["res"], float("nan"))
+    return t
+
+
+def moe_call(c, t, **kw):
+    """(input, keywords) of the unified allreduce_fusion call (torch_compat's and the
+    anchor's) of case ``c`` on its tensors ``t`` (case_tensors'), plus ``kw``."""
+    kw.update(residual_in=t["res"], rms_gamma=t["g"], residual_out=t["res_out"], norm_out=t["norm"])
+    kw["rms_eps"] = EPS
+    if c[0] == 7:
+        kw.update(expanded_idx_to_permuted_idx=t["idx"], expert_scale_factor=t["s"])
+        return t["p"], dict(kw, shared_expert_output=t["sh"])
+    kw.update(moe_reduction_device_num_experts=c[5], moe_reduction_scale_input=t["es"])
+    kw.update(moe_reduction_active_experts_token_input=t["eo"], output=t["ar"])
+    return t["res"], dict(kw, moe_reduction_token_input=t["ti"])
+
+
+def host_outputs(torch, c, t, dtype):
+    """Case ``c``'s outputs (residual_out, norm_out[, allreduce_out]) as numpy ``dtype``."""
+    outs = [t["res_out"], t["norm"]] + ([t["ar"]] if c[0] == 6 else [])
+    return [o.cpu().view(torch.int16).numpy().view(dtype) for o in outs]
 
 
 def _ranks_share_a_gpu():
@@ -172,7 +181,6 @@ def _ranks_share_a_gpu():
 def _gloo_rank(rank, world, port):
     """(torch, torch.distributed, this rank's device) in a gloo group of the ranks."""
     import torch
-
     from tests.gpu.harness import device_for
     from tests.gpu.workers.common import init_gloo
 
@@ -201,91 +209,28 @@ def _torch_rank(rank, world, channel, *, port, anchor_path, out_dir):
     except Exception as e:  # reported, and the anchor comparisons are marked missing
         anchor_error = f"{type(e).__name__}: {e}"
 
-    def to_t(a, dtype):
-        return to_device(torch, a, dev, dtype)
-
-    def finalize_tensors(inputs):
-        """This rank's bf16 pattern-7 tensors of a case with expert scales and shared output."""
-        return dict(
-            p=to_t(inputs["permuted"][rank], "bfloat16"),
-            idx=torch.from_numpy(inputs["idx"][rank]).to(dev),
-            res=to_t(inputs["residual"], "bfloat16"),
-            g=to_t(inputs["gamma"], "bfloat16"),
-            s=to_t(inputs["scale"], "bfloat16"),
-            sh=to_t(inputs["shared"][rank], "bfloat16"),
-        )
-
     def run_case(c, inputs, impl):
-        dtype = c[1]
-        res_in = to_t(inputs["residual"], dtype)
-        gamma = to_t(inputs["gamma"], dtype)
-        norm = torch.full_like(res_in, float("nan"))
-        res_out = torch.full_like(res_in, float("nan"))
-        if c[0] == 7:
-            args = dict(
-                input=to_t(inputs["permuted"][rank], dtype),
-                expanded_idx_to_permuted_idx=torch.from_numpy(inputs["idx"][rank]).to(dev),
-                expert_scale_factor=to_t(inputs["scale"], dtype) if c[6] else None,
-                shared_expert_output=to_t(inputs["shared"][rank], dtype) if c[7] else None,
+        t = case_tensors(torch, c, inputs, rank, dev)
+        if impl == "ours":
+            x, kw = moe_call(c, t, launch_with_pdl=True)
+            if c[0] == 7:
+                kw["routed_scaling_factor"] = c[8]
+            tc.allreduce_fusion(x, ws, c[0], **kw)
+        elif c[0] == 7:
+            kw = dict(allreduce_in=t["p"], residual_in=t["res"], norm_weight=t["g"], eps=EPS)
+            kw.update(expanded_idx_to_permuted_idx=t["idx"], norm_out=t["norm"])
+            kw.update(residual_out=t["res_out"], quant_out=None, scale_out=None)
+            kw.update(workspace_ptrs=fws.workspace_tensor, launch_with_pdl=True)
+            kw.update(world_rank=rank, world_size=world, weight_bias=0.0)
+            kw.update(shared_expert_output=t["sh"], expert_scale_factor=t["s"])
+            fi.trtllm_moe_finalize_allreduce_fusion(
+                routed_scaling_factor=None if c[8] == 1.0 else c[8], **kw
             )
-            if impl == "ours":
-                tc.allreduce_fusion(
-                    workspace=ws,
-                    pattern=7,
-                    residual_in=res_in,
-                    rms_gamma=gamma,
-                    residual_out=res_out,
-                    norm_out=norm,
-                    rms_eps=EPS,
-                    launch_with_pdl=True,
-                    routed_scaling_factor=c[8],
-                    **args,
-                )
-            else:
-                fi.trtllm_moe_finalize_allreduce_fusion(
-                    allreduce_in=args["input"],
-                    residual_in=res_in,
-                    norm_weight=gamma,
-                    expanded_idx_to_permuted_idx=args["expanded_idx_to_permuted_idx"],
-                    norm_out=norm,
-                    residual_out=res_out,
-                    quant_out=None,
-                    scale_out=None,
-                    workspace_ptrs=fws.workspace_tensor,
-                    launch_with_pdl=True,
-                    world_rank=rank,
-                    world_size=world,
-                    eps=EPS,
-                    shared_expert_output=args["shared_expert_output"],
-                    expert_scale_factor=args["expert_scale_factor"],
-                    routed_scaling_factor=None if c[8] == 1.0 else c[8],
-                    weight_bias=0.0,
-                )
-            outs = [res_out, norm]
         else:
-            e = c[5]
-            ar = torch.full_like(res_in, float("nan"))
-            kw = dict(
-                moe_reduction_device_num_experts=e,
-                moe_reduction_scale_input=torch.from_numpy(inputs["expert_scales"][rank]).to(dev),
-                moe_reduction_active_experts_token_input=to_t(
-                    inputs["expert_outputs"][rank], dtype
-                ).reshape(e * c[2], c[3]),
-                moe_reduction_token_input=to_t(inputs["token_input"][rank], dtype),
-                residual_in=res_in,
-                rms_gamma=gamma,
-                residual_out=res_out,
-                norm_out=norm,
-                output=ar,
-                rms_eps=EPS,
-                launch_with_pdl=True,
-            )
-            mod = tc if impl == "ours" else fi
-            wsx = ws if impl == "ours" else fws
-            mod.allreduce_fusion(res_in, wsx, 6, **kw)
-            outs = [res_out, norm, ar]
+            x, kw = moe_call(c, t, launch_with_pdl=True)
+            fi.allreduce_fusion(x, fws, 6, **kw)
         torch.cuda.synchronize()
-        return [o.cpu().view(torch.int16).numpy().view(inputs["residual"].dtype) for o in outs]
+        return host_outputs(torch, c, t, inputs["residual"].dtype)
 
     def say(*msg):
         if rank == 0:
@@ -314,10 +259,8 @@ def _torch_rank(rank, world, channel, *, port, anchor_path, out_dir):
         report["cases"][name] = entry
         say(name, entry)
     if rank == 0:
-        np.savez(
-            Path(out_dir) / "moe_torch_outputs.npz",
-            **{k: v for k, v in saved.items() if k.split("/")[0] in JAX_CASE_NAMES},
-        )
+        jax_cases = {k: v for k, v in saved.items() if k.split("/")[0] in JAX_CASE_NAMES}
+        np.savez(Path(out_dir) / "moe_torch_outputs.npz", **jax_cases)
 
     if os.environ.get("MOE_GPU_CASES_ONLY") == "1":  # a short run: correctness only
         ws.destroy()
@@ -325,10 +268,9 @@ def _torch_rank(rank, world, channel, *, port, anchor_path, out_dir):
         return report
 
     # CUDA graph: the custom op captured once, replayed with fresh inputs.
-    c = (7, "bfloat16", 16, 7168, 8, 256, True, True, 1.0)
-    inputs = case_inputs(c)
+    c = deepseek_case(16)
     handle = library.register_workspace(ws)
-    static = finalize_tensors(inputs)
+    static = case_tensors(torch, c, case_inputs(c), rank, dev)
     op = torch.ops.torch_compat.moe_finalize_allreduce_residual_rmsnorm
 
     def call(t=static):
@@ -355,26 +297,17 @@ def _torch_rank(rank, world, channel, *, port, anchor_path, out_dir):
     # workspace's largest size: a rank then starts its next call while a slower peer is still in
     # this one. FlashInfer's finalize kernel polls the peers' buffers, which a peer already in
     # its next call clears (docs/moe.md); this hung (or, with bounded waits, trapped).
-    c = (7, "bfloat16", MAX_TOKENS, 7168, 8, 256, True, True, 1.0)
-    inputs = case_inputs(c)
-    big = finalize_tensors(inputs)
-
-    def big_call():
-        return call(big)
-
+    c = deepseek_case(MAX_TOKENS)
+    big = case_tensors(torch, c, case_inputs(c), rank, dev)
     say("back-to-back calls at", MAX_TOKENS, "tokens")
     t0 = time.perf_counter()
-    outs = [big_call() for _ in range(BACK_TO_BACK_CALLS)]
+    outs = [call(big) for _ in range(BACK_TO_BACK_CALLS)]
     torch.cuda.synchronize()
     first = outs[0][1].view(torch.int16)
-    report["back_to_back"] = {
-        "calls": BACK_TO_BACK_CALLS,
-        "tokens": MAX_TOKENS,
-        "seconds": round(time.perf_counter() - t0, 3),
-        "calls_differing_from_the_first": sum(
-            int(not torch.equal(o[1].view(torch.int16), first)) for o in outs[1:]
-        ),
-    }
+    b2b = {"calls": BACK_TO_BACK_CALLS, "tokens": MAX_TOKENS}
+    b2b["seconds"] = round(time.perf_counter() - t0, 3)
+    differing = sum(int(not torch.equal(o[1].view(torch.int16), first)) for o in outs[1:])
+    report["back_to_back"] = {**b2b, "calls_differing_from_the_first": differing}
     say("back-to-back:", report["back_to_back"])
     del outs
 
@@ -424,22 +357,11 @@ def _torch_rank(rank, world, channel, *, port, anchor_path, out_dir):
         bench = "not run: ranks share a GPU (time-sliced kernels; NCCL needs one GPU per rank)"
         say("bench", bench)
     for tokens in BENCH_TOKENS if nccl is not None or shared_loops else ():
-        c = (7, "bfloat16", tokens, 7168, 8, 256, True, True, 1.0)
-        inputs = case_inputs(c)
-        t = finalize_tensors(inputs)
-        p_, idx, res, g_, s_, sh = (t[k] for k in ("p", "idx", "res", "g", "s", "sh"))
-        ro, no = torch.empty_like(res), torch.empty_like(res)
-        kw = dict(
-            residual_in=res,
-            rms_gamma=g_,
-            residual_out=ro,
-            norm_out=no,
-            expanded_idx_to_permuted_idx=idx,
-            expert_scale_factor=s_,
-            shared_expert_output=sh,
-            rms_eps=EPS,
-            launch_with_pdl=True,
-        )
+        c = deepseek_case(tokens)
+        t = case_tensors(torch, c, case_inputs(c), rank, dev)
+        idx, res, g_, s_, sh = (t[k] for k in ("idx", "res", "g", "s", "sh"))
+        ro, no = t["res_out"], t["norm"]
+        p_, kw = moe_call(c, t, launch_with_pdl=True)
 
         def fused():
             tc.allreduce_fusion(p_, ws, 7, **kw)
@@ -503,15 +425,9 @@ def stage_torch(out_dir, anchor_path):
     anchor_path = str(where)
     # The harness kills the ranks itself on timeout (a shell timeout would orphan them, still
     # spinning on the GPUs).
-    reports = run_ranks(
-        _torch_rank,
-        WORLD,
-        timeout_s=float(os.environ.get("MOE_GPU_TORCH_TIMEOUT_S", "240")),
-        port=free_port(),
-        anchor_path=anchor_path,
-        out_dir=str(out_dir),
-    )
-    return reports
+    timeout_s = float(os.environ.get("MOE_GPU_TORCH_TIMEOUT_S", "240"))
+    kw = dict(port=free_port(), anchor_path=anchor_path, out_dir=str(out_dir))
+    return run_ranks(_torch_rank, WORLD, timeout_s=timeout_s, **kw)
 
 
 # --- stage 2: JAX -----------------------------------------------------------------------------
@@ -525,19 +441,11 @@ def _jax_rank(rank, world, channel, *, port, out_dir):
     jax = _setup(rank, world, port, "")
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
-
     import jax_fusedar as jf
 
     mesh = _tp_mesh(jax)  # TP rank = process index: this process holds row `rank` below
     workspaces = {
-        d: jf.create_allreduce_fusion_workspace(
-            mesh,
-            "tp",
-            max_token_num=MAX_TOKENS,
-            hidden_dim=HIDDEN_WS,
-            dtype=jnp.dtype(d),
-            backend="trtllm",
-        )
+        d: jax_workspace(jf, mesh, MAX_TOKENS, HIDDEN_WS, jnp.dtype(d), backend="trtllm")
         for d in ("bfloat16", "float16")
     }
     torch_out = np.load(Path(out_dir) / "moe_torch_outputs.npz")
@@ -546,28 +454,26 @@ def _jax_rank(rank, world, channel, *, port, out_dir):
     def put(a, spec):
         return _global(jax, mesh, spec, a[rank : rank + 1] if spec == P("tp") else a)
 
-    mine = lambda o: np.asarray(o.addressable_data(0))  # noqa: E731
+    mine = lambda o: np.asarray(o.addressable_data(0))
     report = {"rank": rank, "devices": [str(d) for d in jax.devices()], "cases": {}}
 
     def say(*msg):
         if rank == 0:
             print(f"[jax {time.strftime('%T')}]", *msg, flush=True)
 
+    jx = dict(axis_name="tp", rms_eps=EPS, strict=True)
+
+    def finalize(ws, c, p, i, sh, res, g, s):
+        """The pattern-7 call of case ``c`` on this rank's shards (finalize_args' order)."""
+        kw = dict(expert_scale_factor=s if c[6] else None, routed_scaling_factor=c[8])
+        kw["shared_expert_output"] = sh[0] if c[7] else None
+        return jf.moe_finalize_allreduce_fusion(
+            p[0], i[0], workspace=ws, residual=res, rms_gamma=g, **kw, **jx
+        )
+
     def finalize_fn(ws, c):
-        def body(p, i, sh, res, g, s):
-            out = jf.moe_finalize_allreduce_fusion(
-                p[0],
-                i[0],
-                axis_name="tp",
-                workspace=ws,
-                residual=res,
-                rms_gamma=g,
-                expert_scale_factor=s if c[6] else None,
-                shared_expert_output=sh[0] if c[7] else None,
-                routed_scaling_factor=c[8],
-                rms_eps=EPS,
-                strict=True,
-            )
+        def body(*args):
+            out = finalize(ws, c, *args)
             return out.residual_out, out.norm_out
 
         return jit_shard_map(jax, body, mesh, (P("tp"),) * 3 + (P(),) * 3, (P(), P()))
@@ -577,16 +483,11 @@ def _jax_rank(rank, world, channel, *, port, out_dir):
         indices and shared outputs stacked over the ranks, then residual, gamma, scales."""
         rows = max(p.shape[0] for p in inputs["permuted"])
         h = inputs["residual"].shape[1]
-        perm = np.stack(
-            [
-                np.concatenate([p, np.zeros((rows - p.shape[0], h), p.dtype)])
-                for p in inputs["permuted"]
-            ]
-        )
+        pad = lambda p: np.concatenate([p, np.zeros((rows - p.shape[0], h), p.dtype)])
+        perm = np.stack([pad(p) for p in inputs["permuted"]])
         stacked = (perm, np.stack(inputs["idx"]), np.stack(inputs["shared"]))
-        return [put(a, P("tp")) for a in stacked] + [
-            put(inputs[k], P()) for k in ("residual", "gamma", "scale")
-        ]
+        replicated = [put(inputs[k], P()) for k in ("residual", "gamma", "scale")]
+        return [put(a, P("tp")) for a in stacked] + replicated
 
     for c in JAX_CASES:
         name = case_name(c)
@@ -597,26 +498,14 @@ def _jax_rank(rank, world, channel, *, port, out_dir):
             args = finalize_args(inputs)
         else:
 
-            def body(x, s, t, res, g):
-                out = jf.moe_reduction_allreduce_fusion(
-                    x[0],
-                    s[0],
-                    t[0],
-                    axis_name="tp",
-                    workspace=ws,
-                    residual=res,
-                    rms_gamma=g,
-                    rms_eps=EPS,
-                    return_allreduce_out=True,
-                    strict=True,
-                )
+            def body(x, s, t, res, g, ws=ws):
+                kw = dict(workspace=ws, residual=res, rms_gamma=g, return_allreduce_out=True)
+                out = jf.moe_reduction_allreduce_fusion(x[0], s[0], t[0], **kw, **jx)
                 return out.residual_out, out.norm_out, out.allreduce_out
 
             f = jit_shard_map(jax, body, mesh, (P("tp"),) * 3 + (P(),) * 2, (P(), P(), P()))
-            args = [
-                put(np.stack(inputs[k]), P("tp"))
-                for k in ("expert_outputs", "expert_scales", "token_input")
-            ]
+            keys = ("expert_outputs", "expert_scales", "token_input")
+            args = [put(np.stack(inputs[k]), P("tp")) for k in keys]
             args += [put(inputs["residual"], P()), put(inputs["gamma"], P())]
         lowered = f.lower(*args)
         text = lowered.as_text()
@@ -640,25 +529,12 @@ def _jax_rank(rank, world, channel, *, port, out_dir):
     chain = 20
     bench = {}
     for tokens in BENCH_TOKENS:
-        c = (7, "bfloat16", tokens, 7168, 8, 256, True, True, 1.0)
+        c = deepseek_case(tokens)
         inputs = case_inputs(c)
-        ws = workspaces["bfloat16"]
 
-        def fused_chain(p, i, sh, res, g, s):
+        def fused_chain(p, i, sh, res, g, s, c=c):
             def step(_, r):
-                out = jf.moe_finalize_allreduce_fusion(
-                    p[0],
-                    i[0],
-                    axis_name="tp",
-                    workspace=ws,
-                    residual=r,
-                    rms_gamma=g,
-                    expert_scale_factor=s,
-                    shared_expert_output=sh[0],
-                    rms_eps=EPS,
-                    strict=True,
-                )
-                return out.norm_out
+                return finalize(workspaces["bfloat16"], c, p, i, sh, r, g, s).norm_out
 
             return jax.lax.fori_loop(0, chain, step, res)
 
@@ -668,19 +544,12 @@ def _jax_rank(rank, world, channel, *, port, out_dir):
                 valid = ii >= 0
                 rows = jnp.take(p[0], jnp.where(valid, ii, 0), axis=0).astype(jnp.float32)
                 w = jnp.where(valid, s.astype(jnp.float32), 0.0)[..., None]
-                y = (
-                    (rows * w).sum(1).astype(jnp.bfloat16).astype(jnp.float32)
-                    + sh[0].astype(jnp.float32)
-                ).astype(jnp.bfloat16)
+                f32, bf16 = jnp.float32, jnp.bfloat16
+                y = ((rows * w).sum(1).astype(bf16).astype(f32) + sh[0].astype(f32)).astype(bf16)
                 y = jax.lax.psum(y, "tp")
-                rr = (y.astype(jnp.float32) + r.astype(jnp.float32)).astype(jnp.bfloat16)
-                rf = rr.astype(jnp.float32)
-                n = (
-                    rf
-                    * jax.lax.rsqrt(jnp.mean(rf * rf, -1, keepdims=True) + EPS)
-                    * g.astype(jnp.float32)
-                )
-                return n.astype(jnp.bfloat16)
+                rf = (y.astype(f32) + r.astype(f32)).astype(bf16).astype(f32)
+                n = rf * jax.lax.rsqrt(jnp.mean(rf * rf, -1, keepdims=True) + EPS) * g.astype(f32)
+                return n.astype(bf16)
 
             return jax.lax.fori_loop(0, chain, step, res)
 
@@ -705,13 +574,8 @@ def _jax_rank(rank, world, channel, *, port, out_dir):
 def stage_jax(out_dir):
     from tests.gpu.harness import free_port, run_ranks
 
-    return run_ranks(
-        _jax_rank,
-        WORLD,
-        timeout_s=float(os.environ.get("MOE_GPU_JAX_TIMEOUT_S", "300")),
-        port=free_port(),
-        out_dir=str(out_dir),
-    )
+    timeout_s = float(os.environ.get("MOE_GPU_JAX_TIMEOUT_S", "300"))
+    return run_ranks(_jax_rank, WORLD, timeout_s=timeout_s, port=free_port(), out_dir=str(out_dir))
 
 
 # --- stage 3: the anchor at hidden 2880 ----------------------------------------------------
@@ -726,24 +590,11 @@ def _anchor_2880_rank(rank, world, channel, *, port, anchor_path):
     fws = anchor_workspace(fi, dist, world, rank, 64, 2880, torch.bfloat16)
     c = (7, "bfloat16", 16, 2880, 4, 32, True, True, 1.0)
     inputs = case_inputs(c)
-    t = lambda a: to_device(torch, a, dev)
-    res = t(inputs["residual"])
-    norm, ro = torch.full_like(res, float("nan")), torch.full_like(res, float("nan"))
-    fi.allreduce_fusion(
-        t(inputs["permuted"][rank]),
-        fws,
-        7,
-        residual_in=res,
-        rms_gamma=t(inputs["gamma"]),
-        residual_out=ro,
-        norm_out=norm,
-        expanded_idx_to_permuted_idx=torch.from_numpy(inputs["idx"][rank]).to(dev),
-        expert_scale_factor=t(inputs["scale"]),
-        shared_expert_output=t(inputs["shared"][rank]),
-        rms_eps=EPS,
-    )
+    t = case_tensors(torch, c, inputs, rank, dev)
+    x, kw = moe_call(c, t)
+    fi.allreduce_fusion(x, fws, 7, **kw)
     torch.cuda.synchronize()
-    outs = [o.cpu().view(torch.int16).numpy().view(inputs["residual"].dtype) for o in (ro, norm)]
+    outs = host_outputs(torch, c, t, inputs["residual"].dtype)
     errs = oracle_errors(c, inputs, outs) if rank == 0 else None
     dist.destroy_process_group()
     return {"rank": rank, "oracle_error_fraction_of_bound": errs}
@@ -754,9 +605,8 @@ def stage_anchor_2880(anchor_path):
     from tests.gpu.harness import free_port, run_ranks
 
     anchor.prepare_parent(anchor.path(anchor_path))
-    return run_ranks(
-        _anchor_2880_rank, WORLD, timeout_s=25, port=free_port(), anchor_path=anchor_path
-    )
+    kw = dict(timeout_s=25, port=free_port(), anchor_path=anchor_path)
+    return run_ranks(_anchor_2880_rank, WORLD, **kw)
 
 
 def main(argv=None):
@@ -773,15 +623,12 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     for stage in a.stages.split(","):
         t0 = time.time()
+        stages = {"torch": lambda: stage_torch(out, a.anchor), "jax": lambda: stage_jax(out)}
+        stages["anchor2880"] = lambda: stage_anchor_2880(a.anchor)
         try:
-            if stage == "torch":
-                result = stage_torch(out, a.anchor)
-            elif stage == "jax":
-                result = stage_jax(out)
-            elif stage == "anchor2880":
-                result = stage_anchor_2880(a.anchor)
-            else:
+            if stage not in stages:
                 raise ValueError(f"unknown stage {stage}")
+            result = stages[stage]()
         except Exception as e:
             import traceback
 

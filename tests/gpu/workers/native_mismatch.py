@@ -1,9 +1,7 @@
-"""GPU body of the cross-rank handshake (handshake; ffi/core/handshake.h): two ranks in
-two processes (CUDA IPC), one case per run, because a trapped handshake kills the CUDA
-context of its process.
-
-Every case first makes MATCHING_CALLS matching calls with the check on (outputs against the
-float64 oracle, NaN-poisoned before each call), then:
+"""GPU body of the cross-rank handshake (handshake; ffi/core/handshake.h): two ranks in two
+processes (CUDA IPC), one case per run, because a trapped handshake kills the CUDA context of
+its process. Every case first makes the MATCHING calls with the check on (outputs NaN-poisoned,
+then against the float64 oracle), then:
 
   ok        the same calls with the check off, a CUDA graph of checked calls replayed
             (the device-resident call counter must advance on replay), and the handshake's
@@ -14,25 +12,17 @@ float64 oracle, NaN-poisoned before each call), then:
   timeout   rank 1 makes no call; rank 0 times out after TIMEOUT_CASE_S and fails, while
             rank 1's context stays healthy.
 
-"Fail" means: the stream synchronisation raises a CUDA error (the handshake's __trap)
-within the timeout instead of hanging, the rank's failure record (failure(),
-read from pinned host memory) describes the mismatch, and the next launch on that rank is
-refused with the same description; or, where the GPU driver never reports a rank's trap
-(ranks sharing a GPU that trap at the same moment), that rank's process ends with
-jax_fusedar.common.lost_traps.EXIT_CODE and the record on stderr lost_traps.GRACE_S after the
-record appeared (its result is then harness.run_ranks's {"rank": r, "exitcode": ...,
-"exited_at": ..., "notes": ...}, the notes holding what the rank had before its failing
-call and when that call began). The device printf output lands in this process's
-stdout, which the pytest side (tests/gpu/test_topology.py) captures and checks.
-
-"ok" and "timeout" also run with more ranks (``python -m ... timeout 8``: the last rank
-makes no call, every other one must time out naming it); the mismatches are for two ranks.
+"Fail": the stream synchronisation raises (the handshake's __trap) within the timeout, the
+failure record (failure(), from pinned host memory) describes the mismatch and the next launch
+is refused with it; or, where the driver never reports the trap (ranks sharing a GPU trapping
+together), the process ends with lost_traps.EXIT_CODE and the record on stderr: its result is
+harness.run_ranks's {"rank", "exitcode", "exited_at", "notes"} (notes: what it had before the
+failing call, and when that began). The device printf lands in stdout (test_topology.py).
+"ok" and "timeout" also run with more ranks (the last one makes no call).
 
 Run one case by hand:  python -m tests.gpu.workers.native_mismatch tokens [world]
 The last stdout line is "RESULT <json>".
 """
-
-from __future__ import annotations
 
 import ctypes
 import hashlib
@@ -47,15 +37,8 @@ HIDDEN = 4096
 MAX_TOKENS = 64
 DTYPE = "bfloat16"
 # (pattern, tokens, one-shot) of the matching calls every case makes first
-MATCHING = [
-    (1, 16, True),
-    (1, 17, False),
-    (0, 16, True),
-    (1, 1, True),
-    (1, 33, False),
-    (0, 40, False),
-    (1, 64, True),
-]
+MATCHING = [(1, 16, True), (1, 17, False), (0, 16, True), (1, 1, True), (1, 33, False)]
+MATCHING += [(0, 40, False), (1, 64, True)]
 MISMATCH_TIMEOUT_S = 20.0  # a mismatch must be reported long before this
 TIMEOUT_CASE_S = 3.0
 CASES = ("ok", "tokens", "pattern", "oneshot", "timeout")
@@ -63,6 +46,7 @@ CASES = ("ok", "tokens", "pattern", "oneshot", "timeout")
 # lost ends after lost_traps.GRACE_S.
 AFTER_FAILURE_WAIT_S = 20.0
 BOUNDS = {"allreduce": 1.0, "residual": 1.0, "norm": 3.0}
+KEYS = {0: ("allreduce",), 1: ("residual", "norm")}  # the outputs of patterns 0 and 1
 
 
 def flush_c_stdio():
@@ -78,11 +62,8 @@ def draw_inputs(seed, world, m, hidden, torch):
     from tests.gpu.harness import draw_case
 
     xs, residual, gamma = draw_case(seed, world, m, hidden)
-    return (
-        [torch.from_numpy(x).bfloat16() for x in xs],
-        torch.from_numpy(residual).bfloat16(),
-        torch.from_numpy(gamma).bfloat16(),
-    )
+    bf16 = lambda a: torch.from_numpy(a).bfloat16()
+    return [bf16(x) for x in xs], bf16(residual), bf16(gamma)
 
 
 def oracle_errors(xs, residual, gamma, outs, pattern, *, weight_bias=0.0, dtype="bfloat16"):
@@ -97,66 +78,57 @@ def oracle_errors(xs, residual, gamma, outs, pattern, *, weight_bias=0.0, dtype=
         x64, r_np, g_np, rms_eps=1e-6, weight_bias=weight_bias
     )
     acc = (len(xs) - 1) * 2.0**-24 * np.sum([np.abs(x) for x in x64], axis=0)
+    got = {k: outs[k].double().cpu().numpy() for k in KEYS[pattern]}
     if pattern == 0:
-        out = outs["allreduce"].double().cpu().numpy()
-        return {
-            "allreduce": float(
-                np.max(np.abs(out - s64) / (oracle.ulp(np.abs(s64) + acc, dtype) + acc))
-            )
-        }
+        scale = oracle.ulp(np.abs(s64) + acc, dtype) + acc
+        return {"allreduce": float(np.max(np.abs(got["allreduce"] - s64) / scale))}
     carried = oracle.ulp(np.abs(s64) + np.abs(r_np) + acc, dtype) + acc
-    res = outs["residual"].double().cpu().numpy()
-    norm = outs["norm"].double().cpu().numpy()
+    norm_scale = carried * inv64 * np.abs(weight_bias + g_np) + oracle.ulp(y64, dtype)
     return {
-        "residual": float(np.max(np.abs(res - r64) / carried)),
-        "norm": float(
-            np.max(
-                np.abs(norm - y64)
-                / (carried * inv64 * np.abs(weight_bias + g_np) + oracle.ulp(y64, dtype))
-            )
-        ),
+        "residual": float(np.max(np.abs(got["residual"] - r64) / carried)),
+        "norm": float(np.max(np.abs(got["norm"] - y64) / norm_scale)),
     }
 
 
 def fused_call(ws, pattern, m, x, res, gamma, outs, *, oneshot, stream, algorithm=None):
-    """One raw-pointer launch of pattern 0 (writes outs['allreduce']) or 1 (outs['residual'],
-    outs['norm']) on `stream` (a torch stream). ``algorithm`` (launch_mode.ALGORITHM_*), when
-    given, overrides the one-shot/two-shot choice ``oneshot``."""
+    """One raw-pointer launch of pattern 0 (outs['allreduce']) or 1 (outs['residual'],
+    outs['norm']); ``algorithm`` (launch_mode.ALGORITHM_*) overrides ``oneshot``."""
     from jax_fusedar.common import native
 
     algorithm = int(oneshot) if algorithm is None else algorithm
     if pattern == 0:
         ptrs = {"allreduce_out": outs["allreduce"].data_ptr()}
     else:
-        ptrs = {
-            "residual_in": res.data_ptr(),
-            "residual_out": outs["residual"].data_ptr(),
-            "norm_out": outs["norm"].data_ptr(),
-            "rms_gamma": gamma.data_ptr(),
-            "rms_eps": 1e-6,
-        }
-    ws.launch(
-        pattern,
-        native.DTYPE_CODES[DTYPE],
-        m,
-        x.shape[1],
-        x.data_ptr(),
-        **ptrs,
-        algorithm=algorithm,
-        stream=stream.cuda_stream,
-    )
+        ptrs = dict(residual_in=res.data_ptr(), rms_gamma=gamma.data_ptr(), rms_eps=1e-6)
+        ptrs.update(residual_out=outs["residual"].data_ptr(), norm_out=outs["norm"].data_ptr())
+    args = (pattern, native.DTYPE_CODES[DTYPE], m, x.shape[1], x.data_ptr())
+    ws.launch(*args, **ptrs, algorithm=algorithm, stream=stream.cuda_stream)
 
 
 def new_outputs(x, torch):
     return {k: torch.full_like(x, float("nan")) for k in ("allreduce", "residual", "norm")}
 
 
-def on_device(seed, world, m, rank, device, torch):
-    """One case's draw_inputs (HIDDEN wide), this rank's x, the residual and gamma on
-    ``device``, and NaN outputs: (xs, residual, gamma, x, res, gam, outs)."""
-    xs, residual, gamma = draw_inputs(seed, world, m, HIDDEN, torch)
-    x, res, gam = (t.cuda(device) for t in (xs[rank], residual, gamma))
-    return xs, residual, gamma, x, res, gam, new_outputs(x, torch)
+class Case:
+    """One case on this rank: every rank's ``xs``, ``residual`` and ``gamma`` (CPU), this rank's
+    ``x``, ``res``, ``gam`` on ``device``, and NaN ``outs``."""
+
+    def __init__(self, seed, world, m, rank, device, torch):
+        self.m = m
+        xs, residual, gamma = draw_inputs(seed, world, m, HIDDEN, torch)
+        self.xs, self.residual, self.gamma = xs, residual, gamma
+        self.x, self.res, self.gam = (t.cuda(device) for t in (xs[rank], residual, gamma))
+        self.outs = new_outputs(self.x, torch)
+
+    def launch(self, ws, pattern, outs=None, **kw):
+        """fused_call of this case into ``outs`` (default: its own)."""
+        outs = self.outs if outs is None else outs
+        fused_call(ws, pattern, self.m, self.x, self.res, self.gam, outs, **kw)
+
+    def errors(self, pattern, outs=None):
+        """oracle_errors of ``outs`` (default: its own)."""
+        outs = self.outs if outs is None else outs
+        return oracle_errors(self.xs, self.residual, self.gamma, outs, pattern)
 
 
 def worst_of(errs):
@@ -170,62 +142,41 @@ def worst_of(errs):
 
 
 def matching_calls(ws, rank, world, device, stream, seed, torch):
-    """MATCHING on `ws`; returns (per-call errors, digest of all outputs)."""
+    """MATCHING on `ws`; returns (per-call errors, their worst, digest of all outputs)."""
     errs, digest = [], hashlib.sha256()
     for i, (pattern, m, oneshot) in enumerate(MATCHING):
-        xs, residual, gamma, x, res, gam, outs = on_device(seed + i, world, m, rank, device, torch)
-        fused_call(ws, pattern, m, x, res, gam, outs, oneshot=oneshot, stream=stream)
+        c = Case(seed + i, world, m, rank, device, torch)
+        c.launch(ws, pattern, oneshot=oneshot, stream=stream)
         stream.synchronize()
-        e = oracle_errors(xs, residual, gamma, outs, pattern)
-        e["call"] = [pattern, m, oneshot]
-        errs.append(e)
-        for k in ("allreduce",) if pattern == 0 else ("residual", "norm"):
-            digest.update(outs[k].cpu().view(torch.uint8).numpy().tobytes())
-    return errs, digest.hexdigest()
+        errs.append({**c.errors(pattern), "call": [pattern, m, oneshot]})
+        for k in KEYS[pattern]:
+            digest.update(c.outs[k].cpu().view(torch.uint8).numpy().tobytes())
+    worst = worst_of([{k: v for k, v in e.items() if k != "call"} for e in errs])
+    return errs, worst, digest.hexdigest()
 
 
 def make_workspace(
-    ext,
-    chan,
-    tag,
-    device,
-    world,
-    rank,
-    *,
-    handshake,
-    timeout_s,
-    kernel_timeout_s=None,
-    max_tokens=MAX_TOKENS,
-):
+    ext, chan, tag, device, world, rank, *, handshake, timeout_s, kernel_timeout_s=None,
+    max_tokens=MAX_TOKENS
+):  # fmt: skip
     """A workspace over CUDA IPC; ``timeout_s`` is the handshake's, ``kernel_timeout_s``
     the kernel's bounded waits' (None: the default)."""
-    from jax_fusedar.common import native
+    from jax_fusedar.common import lost_traps, native
 
     kw = {} if kernel_timeout_s is None else {"timeout_s": kernel_timeout_s}
-    ws = ext.Rank(
-        device,
-        world,
-        rank,
-        max_tokens,
-        HIDDEN,
-        native.DTYPE_CODES[DTYPE],
-        handshake=handshake,
-        handshake_timeout_s=timeout_s,
-        **kw,
-    )
+    kw.update(handshake=handshake, handshake_timeout_s=timeout_s)
+    code = native.DTYPE_CODES[DTYPE]
+    ws = ext.Rank(device, world, rank, max_tokens, HIDDEN, code, **kw)
     connect_ipc(ws, chan, rank, f"ipc-{tag}")
     chan.barrier(f"ready-{tag}")
-    from jax_fusedar.common import lost_traps
-
     lost_traps.watch(ws, device)  # as the JAX and torch workspaces do
     return ws
 
 
 def graph_replays(ws, rank, world, device, seed, torch, chan):
-    """Captures 3 checked pattern-1 calls in a CUDA graph and replays it 3 times (each
-    replay: outputs poisoned first, then checked), then one eager call after the replays:
-    the device counter must have advanced in step on both ranks."""
-    xs, residual, gamma, x, res, gam, outs = on_device(seed, world, 16, rank, device, torch)
+    """3 checked pattern-1 calls captured in a CUDA graph and replayed 3 times (poisoned, then
+    checked), then one eager call: the device call counter must have advanced in step."""
+    c = Case(seed, world, 16, rank, device, torch)
     g = torch.cuda.CUDAGraph()
     capture_error = None
     try:
@@ -233,7 +184,7 @@ def graph_replays(ws, rank, world, device, seed, torch, chan):
         with torch.cuda.graph(g, capture_error_mode="relaxed"):
             s = torch.cuda.current_stream(device)
             for k in range(3):
-                fused_call(ws, 1, 16, x, res, gam, outs, oneshot=(k != 1), stream=s)
+                c.launch(ws, 1, oneshot=(k != 1), stream=s)
     except Exception as e:  # noqa: BLE001 - reported, and both ranks skip the replays
         capture_error = f"{type(e).__name__}: {e}"
     errors = chan.all_gather("graph-captured", capture_error)
@@ -241,17 +192,15 @@ def graph_replays(ws, rank, world, device, seed, torch, chan):
         return {"capture_errors": errors}
     stream = torch.cuda.current_stream(device)
     errs = []
-    for _ in range(3):
-        for t in outs.values():
+    for replay in (True, True, True, False):  # the last one an eager call
+        for t in c.outs.values():
             t.fill_(float("nan"))
-        g.replay()
+        if replay:
+            g.replay()
+        else:
+            c.launch(ws, 1, oneshot=True, stream=stream)
         stream.synchronize()
-        errs.append(oracle_errors(xs, residual, gamma, outs, 1))
-    for t in outs.values():
-        t.fill_(float("nan"))
-    fused_call(ws, 1, 16, x, res, gam, outs, oneshot=True, stream=stream)
-    stream.synchronize()
-    errs.append(oracle_errors(xs, residual, gamma, outs, 1))
+        errs.append(c.errors(1))
     del g
     return {"capture_errors": None, "worst": worst_of(errs), "replays": 3}
 
@@ -259,22 +208,19 @@ def graph_replays(ws, rank, world, device, seed, torch, chan):
 def timing(ws, rank, world, device, seed, torch, *, calls=100, reps=5):
     """Median over `reps` of (ms for `calls` back-to-back pattern-1 one-shot calls)/calls;
     the last call's outputs are checked."""
-    xs, residual, gamma, x, res, gam, outs = on_device(seed, world, 16, rank, device, torch)
+    c = Case(seed, world, 16, rank, device, torch)
     stream = torch.cuda.current_stream(device)
     per_call = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(stream)
         for _ in range(calls):
-            fused_call(ws, 1, 16, x, res, gam, outs, oneshot=True, stream=stream)
+            c.launch(ws, 1, oneshot=True, stream=stream)
         end.record(stream)
         stream.synchronize()
         per_call.append(start.elapsed_time(end) / calls)
-    return {
-        "ms_per_call_median": float(np.median(per_call)),
-        "ms_per_call": per_call,
-        "last_call": oracle_errors(xs, residual, gamma, outs, 1),
-    }
+    out = {"ms_per_call_median": float(np.median(per_call)), "ms_per_call": per_call}
+    return {**out, "last_call": c.errors(1)}
 
 
 def await_verdict(chan, result, tag, timeout_s=AFTER_FAILURE_WAIT_S):
@@ -293,6 +239,21 @@ def check_untouched(result, ws, device, torch):
     result["healthy_after"] = float(t.sum().item()) == 499500.0
     result["failure_record"] = ws.failure()
     ws.destroy()
+
+
+def failing_launch(ws, launch, stream, out, *, relaunch=None, launch_returned=False):
+    """Into ``out``: ``launch()``, a call that must fail (``launch_returned``: its seconds), its
+    stream's error and seconds, the failure record, and the refused ``relaunch()`` (or launch)."""
+    t0 = time.monotonic()
+    launch()
+    if launch_returned:
+        out["launch_returned_s"] = time.monotonic() - t0
+    out["sync_error"] = error_text(stream.synchronize, 600)
+    out["elapsed_s"] = time.monotonic() - t0
+    flush_c_stdio()
+    out["failure_record"] = ws.failure()
+    out["relaunch_error"] = error_text(relaunch or launch, 1500)
+    return out
 
 
 def finish_ok(result, ws, off, rank, world, device, seed, torch, chan):
@@ -328,27 +289,14 @@ def _failing_call(ws, rank, case, device, seed, world, torch):
     if call is None:
         return None
     pattern, m, oneshot = call
-    xs, residual, gamma, x, res, gam, outs = on_device(seed, world, m, rank, device, torch)
+    c = Case(seed, world, m, rank, device, torch)
     stream = torch.cuda.current_stream(device)
-    out = {"call": [pattern, m, oneshot]}
-    t0 = time.monotonic()
-    fused_call(ws, pattern, m, x, res, gam, outs, oneshot=oneshot, stream=stream)
-    out["launch_returned_s"] = time.monotonic() - t0
-    out["sync_error"] = error_text(stream.synchronize, 600)
-    out["elapsed_s"] = time.monotonic() - t0
-    flush_c_stdio()
-    out["failure_record"] = ws.failure()
-    # The next launch must be refused with the same description.
-    out["relaunch_error"] = error_text(
-        lambda: fused_call(ws, pattern, m, x, res, gam, outs, oneshot=oneshot, stream=stream),
-        1500,
-    )
-    return out
+    launch = lambda: c.launch(ws, pattern, oneshot=oneshot, stream=stream)
+    return failing_launch(ws, launch, stream, {"call": [pattern, m, oneshot]}, launch_returned=True)
 
 
 def worker(rank, world, chan, *, case, seed):
     import torch
-
     from jax_fusedar.common import native
 
     ext = native.require()
@@ -356,30 +304,20 @@ def worker(rank, world, chan, *, case, seed):
     torch.cuda.set_device(device)
     stream = torch.cuda.current_stream(device)
     timeout_s = TIMEOUT_CASE_S if case == "timeout" else MISMATCH_TIMEOUT_S
-    result = {
-        "rank": rank,
-        "device": device,
-        "case": case,
-        "gpu": torch.cuda.get_device_name(device),
-    }
+    result = {"rank": rank, "device": device, "case": case}
+    result["gpu"] = torch.cuda.get_device_name(device)
     ws = make_workspace(
         ext, chan, "checked", device, world, rank, handshake=True, timeout_s=timeout_s
     )
     result["handshake"], result["handshake_timeout_s"] = ws.handshake, ws.handshake_timeout_s
-    errs, result["digest"] = matching_calls(ws, rank, world, device, stream, seed, torch)
-    result["matching"] = errs
-    result["worst"] = worst_of([{k: v for k, v in e.items() if k != "call"} for e in errs])
+    calls = (rank, world, device, stream, seed, torch)
+    result["matching"], result["worst"], result["digest"] = matching_calls(ws, *calls)
     if case == "ok":
         off = make_workspace(
             ext, chan, "unchecked", device, world, rank, handshake=False, timeout_s=30.0
         )
         result["off_handshake"] = off.handshake
-        errs_off, result["off_digest"] = matching_calls(
-            off, rank, world, device, stream, seed, torch
-        )
-        result["off_worst"] = worst_of(
-            [{k: v for k, v in e.items() if k != "call"} for e in errs_off]
-        )
+        _, result["off_worst"], result["off_digest"] = matching_calls(off, *calls)
         return finish_ok(result, ws, off, rank, world, device, seed, torch, chan)
     chan.barrier("before-mismatch")
     if failing_call_of(case, rank, world) is not None:
@@ -399,18 +337,8 @@ def main(argv):
 
     case, world = case_of(argv, CASES, "ok", any_world=lambda c: c in ("ok", "timeout"))
     seed = new_seed()
-    print_result(
-        {"case": case, "seed": seed},
-        "ranks",
-        lambda: run_ranks(
-            worker,
-            world,
-            timeout_s=120,
-            case=case,
-            seed=seed,
-            allow_exit=(lost_traps.EXIT_CODE,),
-        ),
-    )
+    kw = dict(timeout_s=120, case=case, seed=seed, allow_exit=(lost_traps.EXIT_CODE,))
+    print_result({"case": case, "seed": seed}, "ranks", lambda: run_ranks(worker, world, **kw))
 
 
 if __name__ == "__main__":

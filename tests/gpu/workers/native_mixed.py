@@ -1,23 +1,18 @@
-"""GPU body of the "mixed" topology: world size 4 over 2 processes, each process driving
-BOTH GPUs as two TP ranks, connected by jax_fusedar.common.exchange (Member(process, device)):
+"""GPU body of the "mixed" topology: world size 4 over 2 processes, each driving BOTH GPUs as
+two TP ranks, connected by jax_fusedar.common.exchange (Member(process, device)):
 
     TP rank 0: process 0, GPU 0      TP rank 2: process 1, GPU 0
     TP rank 1: process 0, GPU 1      TP rank 3: process 1, GPU 1
 
-so peers in the same process are reached through raw peer pointers (set_peer_pointers) and
-peers in the other process through CUDA IPC handles (open_peer_ipc), two of them on the
-same GPU in another process (their kernels time-slice). The handles travel over a
-torch TCPStore through torch_compat's StoreChannel (the exchange.Channel protocol).
-
-Two workspaces: one with the handshake off, one with it on (the handshake over the same
-mixed mapping). On each, pattern-1 calls in one-shot and two-shot against the float64
-oracle (NaN-poisoned outputs, fresh inputs per call; all four ranks must also agree
-bitwise). Then both are destroyed and each GPU's free memory must come back.
+Peers in the same process are reached by raw peer pointers, the others by CUDA IPC (two on
+the same GPU in another process: their kernels time-slice); the handles travel over a torch
+TCPStore through torch_compat's StoreChannel. Two workspaces, handshake off and on: on each,
+one- and two-shot pattern-1 calls against the float64 oracle (NaN-poisoned outputs, fresh
+inputs; all four ranks must agree bitwise). Then both are destroyed and each GPU's free
+memory must come back.
 
 Run by hand:  python -m tests.gpu.workers.native_mixed      (last stdout line: "RESULT <json>")
 """
-
-from __future__ import annotations
 
 import datetime
 import hashlib
@@ -39,16 +34,9 @@ def _mem(ext):
 def worker(proc, nprocs, chan, *, port, seed):
     import torch
     import torch.distributed as dist
-
     from jax_fusedar.common import exchange, native, tp_groups
-    from tests.gpu.workers.native_mismatch import (
-        draw_inputs,
-        flush_c_stdio,
-        fused_call,
-        new_outputs,
-        oracle_errors,
-        worst_of,
-    )
+    from tests.gpu.workers.native_mismatch import draw_inputs, flush_c_stdio, fused_call
+    from tests.gpu.workers.native_mismatch import new_outputs, oracle_errors, worst_of
     from torch_compat.channel import StoreChannel
 
     ext = native.require()
@@ -56,9 +44,8 @@ def worker(proc, nprocs, chan, *, port, seed):
     for d in (0, 1):  # contexts on both GPUs before the first memory reading
         torch.zeros(1, device=d)
         torch.cuda.synchronize(d)
-    store = dist.TCPStore(
-        "127.0.0.1", port, nprocs, proc == 0, timeout=datetime.timedelta(seconds=60)
-    )
+    timeout = datetime.timedelta(seconds=60)
+    store = dist.TCPStore("127.0.0.1", port, nprocs, proc == 0, timeout=timeout)
     kv = StoreChannel(store, timeout_s=60.0, process=proc)
     members = [exchange.Member(p, d) for p in (0, 1) for d in (0, 1)]  # (process, device)
     group = tp_groups.TPGroup((0, 1, 2, 3), 0)
@@ -77,31 +64,17 @@ def worker(proc, nprocs, chan, *, port, seed):
     for serial, check in ((1, False), (2, True)):
 
         def make_rank(device, tp_rank, check=check):
-            return ext.Rank(
-                device,
-                WORLD,
-                tp_rank,
-                MAX_TOKENS,
-                HIDDEN,
-                code,
-                handshake=check,
-                handshake_timeout_s=60.0,
-            )
+            kw = dict(handshake=check, handshake_timeout_s=60.0)
+            return ext.Rank(device, WORLD, tp_rank, MAX_TOKENS, HIDDEN, code, **kw)
 
-        plan = exchange.create_and_publish(
-            group, members, proc, make_rank, kv, namespace="mixed_test", serial=serial
-        )
-        exchange.connect_and_finalize(plan, proc, kv, namespace="mixed_test", serial=serial)
+        names = dict(namespace="mixed_test", serial=serial)
+        plan = exchange.create_and_publish(group, members, proc, make_rank, kv, **names)
+        exchange.connect_and_finalize(plan, proc, kv, **names)
         workspaces[check] = plan.local  # {tp_rank: Rank}
     result["local_tp_ranks"] = sorted(workspaces[False])
-    result["paths"] = {
-        str(tp): {
-            str(p): ("pointers" if m.process == proc else "ipc")
-            for p, m in enumerate(members)
-            if p != tp
-        }
-        for tp in workspaces[False]
-    }
+    path = lambda m: "pointers" if m.process == proc else "ipc"
+    peers = lambda tp: {str(p): path(m) for p, m in enumerate(members) if p != tp}
+    result["paths"] = {str(tp): peers(tp) for tp in workspaces[False]}
     chan.barrier("created")
     free_mid = _mem(ext)
     chan.barrier("measured-mid")  # the calls below allocate inputs through torch
@@ -139,11 +112,8 @@ def worker(proc, nprocs, chan, *, port, seed):
                 local[str(tp)] = h.hexdigest()
             digests.append(local)
             del launched, x, res, gam, outs
-        calls["on" if check else "off"] = {
-            "worst": worst_of([{k: e[k] for k in ("residual", "norm")} for e in errs]),
-            "per_call": errs,
-            "digests": digests,
-        }
+        worst = worst_of([{k: e[k] for k in ("residual", "norm")} for e in errs])
+        calls["on" if check else "off"] = {"worst": worst, "per_call": errs, "digests": digests}
     result["calls"] = calls
     result["failure_records"] = [ws.failure() for ws in workspaces[True].values()]
     flush_c_stdio()
@@ -169,11 +139,8 @@ def main():
     from tests.gpu.harness import free_port, run_ranks
 
     seed = new_seed()
-    print_result(
-        {"seed": seed},
-        "processes",
-        lambda: run_ranks(worker, 2, timeout_s=150, port=free_port(), seed=seed),
-    )
+    run = lambda: run_ranks(worker, 2, timeout_s=150, port=free_port(), seed=seed)
+    print_result({"seed": seed}, "processes", run)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,8 @@
-"""One process driving two ranks through raw peer pointers (set_peer_pointers), the
-single-process path JAX uses when one process drives several GPUs.
-
-With two GPUs the ranks sit on devices 0 and 1 (peer access over NVLink). With one GPU
-both sit on device 0 and their kernels run on two streams at once; the sizes are kept
-small so both grids are resident together (a spin-wait needs its peer running).
+"""One process driving two ranks through raw peer pointers (set_peer_pointers), the path JAX
+takes when one process drives several GPUs: with two GPUs on devices 0 and 1 (NVLink), with
+one both on device 0, their kernels on two streams at once (sizes kept small so both grids are
+resident together: a spin-wait needs its peer running).
 """
-
-from __future__ import annotations
 
 import numpy as np
 
@@ -15,7 +11,6 @@ from tests.gpu.workers.common import keep_max, plain_ulps
 
 def run(*, tokens, hidden, seed):
     import torch
-
     from jax_fusedar.common import native
 
     ext = native.require()
@@ -33,11 +28,9 @@ def run(*, tokens, hidden, seed):
     worst = {"residual": 0.0, "norm": 0.0, "cases": 0}
     rng = np.random.default_rng(seed)
     for m in tokens:
-        xs = [
-            torch.from_numpy(rng.standard_normal((m, hidden), dtype=np.float32)).bfloat16()
-            for _ in range(world)
-        ]
-        res = torch.from_numpy(rng.standard_normal((m, hidden), dtype=np.float32)).bfloat16()
+        normal = lambda: torch.from_numpy(rng.standard_normal((m, hidden), dtype=np.float32))
+        xs = [normal().bfloat16() for _ in range(world)]
+        res = normal().bfloat16()
         gam = torch.from_numpy(rng.uniform(-2, 2, hidden).astype(np.float32)).bfloat16()
         outs = []
         for r in range(world):
@@ -47,20 +40,9 @@ def run(*, tokens, hidden, seed):
                 torch.cuda.synchronize()
                 outs.append((x, rd, gd, ro, no))
         for r in range(world):  # launched back to back, before either is waited for
-            x, rd, gd, ro, no = outs[r]
-            ranks[r].launch(
-                1,
-                code,
-                m,
-                hidden,
-                x.data_ptr(),
-                residual_in=rd.data_ptr(),
-                residual_out=ro.data_ptr(),
-                norm_out=no.data_ptr(),
-                rms_gamma=gd.data_ptr(),
-                algorithm=1,
-                stream=streams[r].cuda_stream,
-            )
+            x, rd, gd, ro, no = (t.data_ptr() for t in outs[r])
+            kw = dict(residual_in=rd, residual_out=ro, norm_out=no, rms_gamma=gd, algorithm=1)
+            ranks[r].launch(1, code, m, hidden, x, **kw, stream=streams[r].cuda_stream)
         for s in streams:
             s.synchronize()
         x32, r32, g32 = [t.float().numpy() for t in xs], res.float().numpy(), gam.float().numpy()
@@ -78,12 +60,6 @@ if __name__ == "__main__":
     import os
     import sys
 
-    print(
-        json.dumps(
-            run(
-                tokens=(1, 16, 64),
-                hidden=int(sys.argv[1]) if len(sys.argv) > 1 else 4096,
-                seed=int.from_bytes(os.urandom(4), "little"),
-            )
-        )
-    )
+    hidden = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(json.dumps(run(tokens=(1, 16, 64), hidden=hidden, seed=seed)))

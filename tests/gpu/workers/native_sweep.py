@@ -1,13 +1,8 @@
-"""Per-rank body of the native kernel sweep (torch tensors, raw-pointer launch).
-
-Every rank runs the same case list in the same order (the kernel's protocol needs it),
-draws the *whole group's* inputs from per-case seeds so each can build the float64
-oracle, poisons its outputs with NaN before each launch, and reports per-dtype maxima of
-the ulp-scaled errors (tests/oracles/oracle.py) plus a digest of its outputs so the test can check
-all ranks produced identical bits.
+"""Per-rank body of the native kernel sweep (torch tensors, raw-pointer launch): every rank
+runs the same cases in the same order (the protocol needs it), draws the whole group's inputs
+from per-case seeds (for the float64 oracle), poisons its outputs with NaN, and reports
+per-dtype maxima of the ulp-scaled errors and a digest of its outputs (all ranks' must agree).
 """
-
-from __future__ import annotations
 
 import hashlib
 
@@ -28,16 +23,12 @@ def _inputs(seed, world, m, hidden, tdtype, torch):
     from tests.gpu.harness import draw_case
 
     xs, residual, gamma = draw_case(seed, world, m, hidden)
-    return (
-        [torch.from_numpy(x).to(tdtype) for x in xs],
-        torch.from_numpy(residual).to(tdtype),
-        torch.from_numpy(gamma).to(tdtype),
-    )
+    to_t = lambda a: torch.from_numpy(a).to(tdtype)
+    return [to_t(x) for x in xs], to_t(residual), to_t(gamma)
 
 
 def worker(rank, world, chan, *, tokens, hiddens, max_tokens, loop_calls, seed):
     import torch
-
     from jax_fusedar.common import native
     from tests.gpu.harness import device_for
 
@@ -66,22 +57,12 @@ def worker(rank, world, chan, *, tokens, hiddens, max_tokens, loop_calls, seed):
         fp32_acc = i % 3 != 2  # and, every third case, FlashInfer's default rounding
         x = xs[rank].cuda(device)
         res_d, gamma_d = residual.cuda(device), gamma.cuda(device)
-        ar_out = torch.full_like(x, float("nan"))
-        res_out = torch.full_like(x, float("nan"))
-        norm_out = torch.full_like(x, float("nan"))
+        ar_out, res_out, norm_out = (torch.full_like(x, float("nan")) for _ in range(3))
         args = (native.DTYPE_CODES[dtype], m, hidden, x.data_ptr())
         kw = dict(algorithm=int(oneshot), fp32_acc=fp32_acc, stream=stream.cuda_stream)
         ws_for[dtype].launch(0, *args, allreduce_out=ar_out.data_ptr(), **kw)
         ws_for[dtype].launch(
-            1,
-            *args,
-            residual_in=res_d.data_ptr(),
-            residual_out=res_out.data_ptr(),
-            norm_out=norm_out.data_ptr(),
-            rms_gamma=gamma_d.data_ptr(),
-            rms_eps=1e-6,
-            weight_bias=wb,
-            **kw,
+            1, *args, **_fused_ptrs(res_d, gamma_d, res_out, norm_out), weight_bias=wb, **kw
         )
         stream.synchronize()
         outs = [t.float().cpu().numpy() for t in (ar_out, res_out, norm_out)]
@@ -104,41 +85,26 @@ def worker(rank, world, chan, *, tokens, hiddens, max_tokens, loop_calls, seed):
         res_out, norm_out = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(stream)
+        args = (native.DTYPE_CODES[dtype], m, hidden, x.data_ptr())
+        ptrs = _fused_ptrs(res_d, gamma_d, res_out, norm_out)
+        ptrs.pop("rms_eps")  # the launch's default
         for k in range(loop_calls):
             ws_for[dtype].launch(
-                1,
-                native.DTYPE_CODES[dtype],
-                m,
-                hidden,
-                x.data_ptr(),
-                residual_in=res_d.data_ptr(),
-                residual_out=res_out.data_ptr(),
-                norm_out=norm_out.data_ptr(),
-                rms_gamma=gamma_d.data_ptr(),
-                algorithm=int(k % 5 != 0),
-                stream=stream.cuda_stream,
+                1, *args, **ptrs, algorithm=int(k % 5 != 0), stream=stream.cuda_stream
             )
         end.record(stream)
         stream.synchronize()
-        loop = {
-            "calls": loop_calls,
-            "ms_per_call": start.elapsed_time(end) / loop_calls,
-            **plain_ulps(
-                [t.float().numpy() for t in xs],
-                residual.float().numpy(),
-                gamma.float().numpy(),
-                dtype,
-                residual_out=res_out.float().cpu().numpy(),
-                norm_out=norm_out.float().cpu().numpy(),
-            ),
-        }
+        f32 = lambda t: t.float().cpu().numpy()
+        got = dict(residual_out=f32(res_out), norm_out=f32(norm_out))
+        loop = {"calls": loop_calls, "ms_per_call": start.elapsed_time(end) / loop_calls}
+        loop.update(plain_ulps([f32(t) for t in xs], f32(residual), f32(gamma), dtype, **got))
     for ws in workspaces.values():
         ws.destroy()
-    return {
-        "device": device,
-        "worst": worst,
-        "digest": digest.hexdigest(),
-        "nan_outputs": nan_outputs,
-        "loop": loop,
-        "gpu": torch.cuda.get_device_name(device),
-    }
+    out = {"device": device, "worst": worst, "digest": digest.hexdigest(), "loop": loop}
+    return {**out, "nan_outputs": nan_outputs, "gpu": torch.cuda.get_device_name(device)}
+
+
+def _fused_ptrs(res, gamma, res_out, norm_out):
+    """Pattern 1's pointer arguments (and rms_eps) of a raw launch."""
+    ptrs = dict(residual_in=res.data_ptr(), residual_out=res_out.data_ptr(), rms_eps=1e-6)
+    return dict(ptrs, norm_out=norm_out.data_ptr(), rms_gamma=gamma.data_ptr())

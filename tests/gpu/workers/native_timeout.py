@@ -2,45 +2,31 @@
 processes (CUDA IPC, the handshake off), one case per run, because a trapped kernel kills
 the CUDA context of its process.
 
-  ok             same_bits_calls() good calls (a cycle of one-shot/two-shot, pattern 0/1
-                 shapes; 10,000 with a GPU per rank, 1,000 where the ranks share one) on a
-                 workspace with the timeout on and, call for call, on one with it off
-                 (timeout_s=0): the outputs must be the same bits (differing bytes counted
-                 on the device) and match the float64 oracle; a CUDA graph of good calls
-                 replayed on the timeout-on workspace; the per-call time on vs off.
+  ok             same_bits_calls() good calls (pattern 0/1 shapes, one- and two-shot) on a
+                 workspace with the timeout on and, call for call, one with it off: the same
+                 bits (counted on the device), within the float64 oracle's bounds; a CUDA
+                 graph of good calls replayed; the per-call time on vs off.
   never_oneshot  after a few good calls rank 1 makes no call; rank 0's one-shot call
   never_twoshot  (Lamport poll) / two-shot call (barrier flags) must fail within
                  TIMEOUT_S + 1 s, its record naming rank 1, the next launch refused with it.
-  killed         after a few good calls rank 1 is SIGKILLed; rank 0's next call must fail
-                 the same way.
+  killed         after a few good calls rank 1 is SIGKILLed; rank 0's next call fails alike.
   tokens         rank 0 calls one-shot with 16 tokens, rank 1 with 17 (no handshake): both
                  ranks must fail within TIMEOUT_S + 1 s, each naming the other.
-  never_large    on a workspace for LARGE_TOKENS tokens, after the good calls and one good
-                 call of LARGE_TOKENS (auto picks the large-message algorithm there) rank 1
-                 makes no call; rank 0's large-message call (its entry flag wait) must fail
-                 within TIMEOUT_S + 1 s, its record naming rank 1, the next launch refused.
-  destroy_waits  after the good calls rank 1 makes no call; rank 0 launches a one-shot call
-                 and, without synchronizing, destroys the workspace, whose
-                 cudaDeviceSynchronize then waits for that call to time out: a Python thread
-                 must keep running meanwhile (destroy releases the GIL), and after destroy
-                 the rank's failure() must still read the record (kept at destroy).
+  never_large    after a good LARGE_TOKENS call (the large-message algorithm) rank 1 makes no
+                 call; rank 0's large-message call (its entry flag wait) must fail alike.
+  destroy_waits  rank 0 launches a one-shot call no peer joins and destroys the workspace at
+                 once, whose cudaDeviceSynchronize waits for the timeout: a Python thread must
+                 keep running (destroy releases the GIL), failure() still read the record.
 
-The "never_*" cases also run with more ranks (``python -m ... never_oneshot 8``): then the
-last rank makes no call and every other rank must fail naming it; the other cases are for
-two ranks.
-
-Where the GPU driver never reports a failing rank's trap (ranks sharing a GPU that time out
-at the same moment; jax_fusedar/common/lost_traps.py), that rank's process ends with
-lost_traps.EXIT_CODE and the record on stderr lost_traps.GRACE_S after the record appeared:
-its result is harness.run_ranks's {"rank", "exitcode", "exited_at", "notes"}, the notes
-holding what it had before its failing call (the good calls' errors) and when that call
-began. The other ranks wait for it AFTER_FAILURE_WAIT_S at most.
+The "never_*" cases also run with more ranks (the last one makes no call). Where the driver
+never reports a rank's trap (ranks sharing a GPU timing out together; lost_traps.py), its
+process ends with lost_traps.EXIT_CODE and the record on stderr: its result is
+harness.run_ranks's {"rank", "exitcode", "exited_at", "notes"} (notes: the good calls' errors
+and when the failing call began); the others wait AFTER_FAILURE_WAIT_S for it.
 
 Run one case by hand:  python -m tests.gpu.workers.native_timeout never_oneshot [world]
 The last stdout line is "RESULT <json>".
 """
-
-from __future__ import annotations
 
 import os
 import signal
@@ -49,21 +35,10 @@ import time
 
 from tests.gpu.workers.common import case_of, error_text, new_seed, print_result
 
-from tests.gpu.workers.native_mismatch import (
-    DTYPE,
-    HIDDEN,
-    MATCHING,
-    await_verdict,
-    check_untouched,
-    finish_ok,
-    on_device,
-    flush_c_stdio,
-    fused_call,
-    make_workspace,
-    new_outputs,
-    oracle_errors,
-    worst_of,
-)
+from tests.gpu.workers.native_mismatch import DTYPE, HIDDEN, KEYS, MATCHING, Case
+from tests.gpu.workers.native_mismatch import await_verdict, check_untouched, failing_launch
+from tests.gpu.workers.native_mismatch import finish_ok, flush_c_stdio, make_workspace
+from tests.gpu.workers.native_mismatch import new_outputs, worst_of
 from tests.gpu.workers.native_mismatch import BOUNDS  # noqa: F401 - the tests read it here
 
 TIMEOUT_S = 3.0
@@ -89,7 +64,6 @@ TICK_S = 0.01  # the destroy_waits case's Python thread counts these while destr
 # Above the auto crossover at 2 ranks (launch_mode.LARGE_MESSAGE_MIN_MIB: 48 MiB per rank):
 # 8192 x 4096 bf16 is 64 MiB.
 LARGE_TOKENS = 8192
-KEYS = {0: ("allreduce",), 1: ("residual", "norm")}
 
 
 def _good_calls(ws, rank, world, device, seed, torch, n=GOOD_FIRST):
@@ -97,46 +71,40 @@ def _good_calls(ws, rank, world, device, seed, torch, n=GOOD_FIRST):
     errs = []
     for i in range(n):
         pattern, m, oneshot = CYCLE[i % len(CYCLE)]
-        xs, residual, gamma, x, res, gam, outs = on_device(seed + i, world, m, rank, device, torch)
-        fused_call(ws, pattern, m, x, res, gam, outs, oneshot=oneshot, stream=stream)
+        c = Case(seed + i, world, m, rank, device, torch)
+        c.launch(ws, pattern, oneshot=oneshot, stream=stream)
         stream.synchronize()
-        errs.append(oracle_errors(xs, residual, gamma, outs, pattern))
+        errs.append(c.errors(pattern))
     return worst_of(errs)
 
 
 def _same_bits(on, off, rank, world, device, seed, torch):
-    """same_bits_calls() calls on each workspace, interleaved, same inputs: device-side
-    count of the output bytes that differ, and the oracle errors of each cycle entry's last
-    call."""
+    """same_bits_calls() interleaved calls on each workspace, same inputs: the differing output
+    bytes (counted on the device) and the oracle errors of each cycle entry's last call."""
     stream = torch.cuda.current_stream(device)
+    # (pattern, case, the timeout-off call's outputs) per cycle entry
     cases = []
     for i, (pattern, m, oneshot) in enumerate(CYCLE):
-        # (xs, residual, gamma, x, res, gam, outputs) and the timeout-off call's outputs
-        drawn = on_device(seed + i, world, m, rank, device, torch)
-        cases.append((pattern, m, oneshot, *drawn, new_outputs(drawn[3], torch)))
+        c = Case(seed + i, world, m, rank, device, torch)
+        cases.append((pattern, oneshot, c, new_outputs(c.x, torch)))
     differing = torch.zeros((), dtype=torch.int64, device=device)
     t0 = time.monotonic()
     calls = same_bits_calls(world)
     for i in range(calls):
-        pattern, m, oneshot, _, _, _, x, res, gam, out_on, out_off = cases[i % len(cases)]
+        pattern, oneshot, c, out_off = cases[i % len(cases)]
         for k in KEYS[pattern]:  # different poisons: an unwritten output differs
-            out_on[k].fill_(float("nan"))
+            c.outs[k].fill_(float("nan"))
             out_off[k].fill_(float("inf"))
-        fused_call(on, pattern, m, x, res, gam, out_on, oneshot=oneshot, stream=stream)
-        fused_call(off, pattern, m, x, res, gam, out_off, oneshot=oneshot, stream=stream)
+        c.launch(on, pattern, oneshot=oneshot, stream=stream)
+        c.launch(off, pattern, out_off, oneshot=oneshot, stream=stream)
         for k in KEYS[pattern]:
-            differing += (out_on[k].view(torch.uint8) != out_off[k].view(torch.uint8)).sum()
+            differing += (c.outs[k].view(torch.uint8) != out_off[k].view(torch.uint8)).sum()
     stream.synchronize()
     errs = []
-    for pattern, m, oneshot, xs, residual, gamma, *_, out_on, out_off in cases:
-        errs.append(oracle_errors(xs, residual, gamma, out_on, pattern))
-        errs.append(oracle_errors(xs, residual, gamma, out_off, pattern))
-    return {
-        "calls": calls,
-        "differing_bytes": int(differing.item()),
-        "worst": worst_of(errs),
-        "seconds": time.monotonic() - t0,
-    }
+    for pattern, _, c, out_off in cases:
+        errs += [c.errors(pattern), c.errors(pattern, out_off)]
+    out = {"calls": calls, "differing_bytes": int(differing.item()), "worst": worst_of(errs)}
+    return {**out, "seconds": time.monotonic() - t0}
 
 
 def large_algorithm(world):
@@ -150,35 +118,19 @@ def large_algorithm(world):
 
 def _good_large_call(ws, rank, world, device, seed, torch, algorithm):
     """One pattern-1 call of LARGE_TOKENS with `algorithm`: its errors against the oracle."""
-    xs, residual, gamma, x, res, gam, outs = on_device(
-        seed, world, LARGE_TOKENS, rank, device, torch
-    )
+    c = Case(seed, world, LARGE_TOKENS, rank, device, torch)
     stream = torch.cuda.current_stream(device)
-    fused_call(
-        ws, 1, LARGE_TOKENS, x, res, gam, outs, oneshot=False, stream=stream, algorithm=algorithm
-    )
+    c.launch(ws, 1, oneshot=False, stream=stream, algorithm=algorithm)
     stream.synchronize()
-    return oracle_errors(xs, residual, gamma, outs, 1)
+    return c.errors(1)
 
 
 def _failing_call(ws, pattern, m, oneshot, rank, device, seed, world, torch, algorithm=None):
-    xs, residual, gamma, x, res, gam, outs = on_device(seed, world, m, rank, device, torch)
+    c = Case(seed, world, m, rank, device, torch)
     stream = torch.cuda.current_stream(device)
     out = {"call": [pattern, m, oneshot], "algorithm": algorithm}
-    t0 = time.monotonic()
-
-    def launch():
-        fused_call(
-            ws, pattern, m, x, res, gam, outs, oneshot=oneshot, stream=stream, algorithm=algorithm
-        )
-
-    launch()
-    out["sync_error"] = error_text(stream.synchronize, 600)
-    out["elapsed_s"] = time.monotonic() - t0
-    flush_c_stdio()
-    out["failure_record"] = ws.failure()
-    out["relaunch_error"] = error_text(launch, 1500)  # refused, with the recorded text
-    return out
+    launch = lambda: c.launch(ws, pattern, oneshot=oneshot, stream=stream, algorithm=algorithm)
+    return failing_launch(ws, launch, stream, out)
 
 
 def _destroy_during_a_failing_call(ws, rank, device, seed, world, torch, note):
@@ -187,7 +139,7 @@ def _destroy_during_a_failing_call(ws, rank, device, seed, world, torch, note):
     TICK_S meanwhile; the ticks show whether the GIL was free during the wait."""
     import threading
 
-    xs, residual, gamma, x, res, gam, outs = on_device(seed, world, 16, rank, device, torch)
+    c = Case(seed, world, 16, rank, device, torch)
     stream = torch.cuda.current_stream(device)
     ticks, stop = [0], threading.Event()
 
@@ -197,7 +149,7 @@ def _destroy_during_a_failing_call(ws, rank, device, seed, world, torch, note):
             time.sleep(TICK_S)
 
     thread = threading.Thread(target=tick, daemon=True)
-    fused_call(ws, 1, 16, x, res, gam, outs, oneshot=True, stream=stream)
+    c.launch(ws, 1, oneshot=True, stream=stream)
     note()
     thread.start()
     t0 = time.monotonic()
@@ -213,20 +165,14 @@ def _destroy_during_a_failing_call(ws, rank, device, seed, world, torch, note):
 
 def worker(rank, world, chan, *, case, seed):
     import torch
-
     from jax_fusedar.common import native
-
     from tests.gpu.harness import device_for
 
     ext = native.require()
     device = device_for(rank)  # ranks share the GPU when there is one
     torch.cuda.set_device(device)
-    result = {
-        "rank": rank,
-        "device": device,
-        "case": case,
-        "gpu": torch.cuda.get_device_name(device),
-    }
+    result = {"rank": rank, "device": device, "case": case}
+    result["gpu"] = torch.cuda.get_device_name(device)
     size = {"max_tokens": LARGE_TOKENS} if case == "never_large" else {}
     kw = dict(handshake=False, timeout_s=30.0)
     ws = make_workspace(
@@ -288,10 +234,8 @@ def worker(rank, world, chan, *, case, seed):
 
 
 def run_ranks_allowing_death(fn, world, *, timeout_s, killed=(), **kwargs):
-    """tests.gpu.harness.run_ranks, except that the ranks in `killed` are expected to die by
-    SIGKILL without a result, and a rank whose trap the GPU driver never reported may end
-    with lost_traps.EXIT_CODE (jax_fusedar/common/lost_traps.py): their results are
-    {"rank": r, "exitcode": code}."""
+    """harness.run_ranks, but the ranks in `killed` may die by SIGKILL and a rank whose trap
+    the driver lost may exit with lost_traps.EXIT_CODE: {"rank": r, "exitcode": code}."""
     from jax_fusedar.common import lost_traps
     from tests.gpu.harness import run_ranks
 
@@ -305,17 +249,11 @@ def run_ranks_allowing_death(fn, world, *, timeout_s, killed=(), **kwargs):
 def main(argv):
     case, world = case_of(argv, CASES, "ok", any_world=lambda c: c.startswith("never"))
     seed = new_seed()
+    kw = dict(timeout_s=120, killed=(1,) if case == "killed" else (), case=case, seed=seed)
     print_result(
         {"case": case, "seed": seed, "timeout_s": TIMEOUT_S},
         "ranks",
-        lambda: run_ranks_allowing_death(
-            worker,
-            world,
-            timeout_s=120,
-            killed=(1,) if case == "killed" else (),
-            case=case,
-            seed=seed,
-        ),
+        lambda: run_ranks_allowing_death(worker, world, **kw),
     )
 
 

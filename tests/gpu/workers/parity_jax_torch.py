@@ -1,25 +1,18 @@
 """JAX vs torch bitwise parity of the fused op (tests/gpu/test_parity.py).
 
-Phase 1 runs every pattern available on sm90 (0, 1, 2, 4, 8, 9, 10, 11) for bf16 and fp16
-over a few shapes, one- and two-shot forced explicitly, with N ranks (2, 4 or 8), and
-writes the inputs (float32 of the dtype-rounded values) and each rank's outputs (raw
-bytes) to ``parity.npz`` (+ ``parity_r<rank>.npz``) and ``parity.json`` in a directory:
-``jax_phase`` in one process driving N GPUs (``jax.shard_map`` over an N-device mesh, the
-single-process peer-pointer workspace), or, where GPUs are fewer than ranks,
-``jax_rank_phase`` in N `jax.distributed` processes sharing them (CUDA IPC).
+Phase 1 runs every sm90 pattern (0, 1, 2, 4, 8, 9, 10, 11), bf16 and fp16, a few shapes, one-
+and two-shot forced, N ranks (2, 4 or 8), and writes the inputs (float32 of the dtype-rounded
+values) and each rank's output bytes to ``parity.npz``, ``parity_r<rank>.npz`` and
+``parity.json``: ``jax_phase`` in one process driving N GPUs (the single-process peer-pointer
+workspace), or, with fewer GPUs than ranks, ``jax_rank_phase`` in N `jax.distributed`
+processes sharing them (CUDA IPC).
 
-Phase 2 (``torch_phase``, N processes, gloo + our IPC workspace; ranks share GPUs when
-fewer): loads them, runs torch_compat.allreduce_fusion on the same inputs with the same
-use_oneshot, fp32_acc, eps and scales, and counts, per case, pattern and output, the
-elements whose bytes differ from JAX's output of the same TP rank; both sides are also
-checked against the float64 oracle (tests/oracles/oracle.py: the accumulation bounds,
-tests/oracles/quant_oracle.py).
-
-The phase-1 body also runs on CPU (JAX's reference path, 2 virtual devices) and the
-phase-2 per-case logic with a simulated kernel, in tests/torch/test_worker_plumbing.py.
+Phase 2 (``torch_phase``, N gloo processes, our IPC workspace) runs torch_compat on the same
+inputs, use_oneshot, fp32_acc, eps and scales, and counts per case, pattern and output the
+elements whose bytes differ from JAX's of the same TP rank; both sides are also held to the
+float64 oracle (tests/oracles/oracle.py, quant_oracle.py). Phase 1 also runs on CPU and phase
+2's per-case logic with a simulated kernel in tests/torch/test_worker_plumbing.py.
 """
-
-from __future__ import annotations
 
 import json
 import os
@@ -27,37 +20,24 @@ import os
 import numpy as np
 
 from tests.gpu.workers import torch_workers as tw
-from tests.gpu.workers.common import jit_shard_map
+from tests.gpu.workers.common import counters, jax_workspace, jit_shard_map
 
 PATTERNS = (0, 1, 2, 4, 8, 9, 10, 11)
 GROUP = tw.GROUP
 # JAX's AllReduceFusionOutputs fields -> torch_compat's argument names
-JAX_TO_TORCH = {
-    "allreduce_out": "output",
-    "residual_out": "residual_out",
-    "norm_out": "norm_out",
-    "quant_out": "quant_out",
-    "scale_out": "scale_out",
-}
+JAX_TO_TORCH = {"allreduce_out": "output"}
+JAX_TO_TORCH.update({n: n for n in ("residual_out", "norm_out", "quant_out", "scale_out")})
+FLOATS = ("output", "residual_out", "norm_out")
 
 
 def case_list(seed, tokens, hiddens, dtypes, world=2):
     from tests.gpu.harness import shape_cases
 
-    out = []
-    for dtype in dtypes:
-        for hidden, m, oneshot in shape_cases(tokens, hiddens, world):
-            out.append(
-                {
-                    "case": len(out),
-                    "seed": seed * 1000 + len(out),
-                    "dtype": dtype,
-                    "hidden": hidden,
-                    "m": m,
-                    "oneshot": oneshot,
-                }
-            )
-    return out
+    shapes = [(d, *c) for d in dtypes for c in shape_cases(tokens, hiddens, world)]
+    return [
+        {"case": i, "seed": seed * 1000 + i, "dtype": d, "hidden": h, "m": m, "oneshot": o}
+        for i, (d, h, m, o) in enumerate(shapes)
+    ]
 
 
 def _as_bytes(a):
@@ -97,13 +77,11 @@ def jax_rank_phase(
 
 
 def _run_jax(jax, devices, local_ranks, out_dir, seed, tokens, hiddens, dtypes):
-    """Every case through jf.allreduce_fusion on the mesh of ``devices`` (TP rank = position);
-    writes the outputs of the TP ranks ``local_ranks`` (those of this process) to
-    parity_r<rank>.npz, and, in the process holding rank 0, the inputs and parity.json."""
+    """Every case on the mesh of ``devices`` (TP rank = position): the outputs of this
+    process's ``local_ranks`` to parity_r<rank>.npz; with rank 0, the inputs and parity.json."""
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
-
     import jax_fusedar as jf
     from tests.gpu.harness import draw_case
 
@@ -116,9 +94,7 @@ def _run_jax(jax, devices, local_ranks, out_dir, seed, tokens, hiddens, dtypes):
     backends = {}
     for dtype in dtypes:
         jdt = jnp.dtype(dtype)
-        ws = jf.create_allreduce_fusion_workspace(
-            mesh, "tp", max_token_num=max(tokens), hidden_dim=max(hiddens), dtype=jdt
-        )
+        ws = jax_workspace(jf, mesh, max(tokens), max(hiddens), jdt)
         backends[dtype] = ws.backend
         for c in (c for c in cases if c["dtype"] == dtype):
             m, hidden, oneshot = c["m"], c["hidden"], c["oneshot"]
@@ -136,14 +112,8 @@ def _run_jax(jax, devices, local_ranks, out_dir, seed, tokens, hiddens, dtypes):
             def f(x, r, g, s, oneshot=oneshot):
                 outs = []
                 for p in PATTERNS:
-                    kw = dict(
-                        axis_name="tp",
-                        workspace=ws,
-                        pattern=p,
-                        use_oneshot=oneshot,
-                        fp32_acc=True,
-                        strict=True,
-                    )
+                    kw = dict(axis_name="tp", workspace=ws, pattern=p, use_oneshot=oneshot)
+                    kw.update(fp32_acc=True, strict=True)
                     if p != 0:
                         kw.update(residual=r, rms_gamma=g, rms_eps=tw.RMS_EPS, weight_bias=0.0)
                     if p in (2, 4):
@@ -159,12 +129,8 @@ def _run_jax(jax, devices, local_ranks, out_dir, seed, tokens, hiddens, dtypes):
             def put(a, spec):  # this process's part of the global array
                 return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), a)
 
-            outs = fn(
-                put(np.concatenate([xs[r] for r in local_ranks]), P("tp")),
-                put(res, P()),
-                put(gam, P()),
-                put(sf, P()),
-            )
+            mine = np.concatenate([xs[r] for r in local_ranks])
+            outs = fn(put(mine, P("tp")), put(res, P()), put(gam, P()), put(sf, P()))
             for p, o in zip(PATTERNS, outs):
                 meta["outputs"][str(p)] = sorted(o)
                 for name, arr in o.items():
@@ -180,13 +146,8 @@ def _run_jax(jax, devices, local_ranks, out_dir, seed, tokens, hiddens, dtypes):
         np.savez(os.path.join(out_dir, "parity.npz"), **arrays)
         with open(os.path.join(out_dir, "parity.json"), "w") as fh:
             json.dump(meta, fh)
-    return {
-        "cases": len(meta["cases"]),
-        "backends": backends,
-        "jax": jax.__version__,
-        "devices": meta["devices"],
-        "world": world,
-    }
+    out = {"cases": len(meta["cases"]), "backends": backends, "jax": jax.__version__}
+    return {**out, "devices": meta["devices"], "world": world}
 
 
 def load(out_dir):
@@ -208,9 +169,8 @@ def _values(raw, dtype):
 
 
 def compare_case(torch, tc, ws, device, data, c, rank, sync, world=2):
-    """Runs case ``c`` through torch_compat on this rank and compares with JAX's outputs of
-    the same TP rank. Returns {"diffs": {pattern: {output: differing elements}},
-    "torch": oracle errors, "jax": oracle errors, "quant_torch"/"quant_jax": quant_stats}."""
+    """Case ``c`` through torch_compat on this rank against JAX's outputs of the same TP rank:
+    {"diffs", "torch"/"jax" oracle errors, "quant_torch"/"quant_jax" quant_stats}."""
     from tests.gpu.harness import worst_of
 
     k = f"c{c['case']}"
@@ -241,43 +201,30 @@ def compare_case(torch, tc, ws, device, data, c, rank, sync, world=2):
                 assert tname not in got, (p, tname)
                 continue
             raw = data[key]
-            if tname in ("output", "residual_out", "norm_out"):
-                mine = got[tname + "_bytes"].view(np.uint16)
-                theirs = raw.view(np.uint16)
-                jx[tname] = _values(raw, dtype)
+            jx[tname] = _values(raw, dtype) if tname in FLOATS else raw
+            if tname in FLOATS:
+                mine, theirs = got[tname + "_bytes"].view(np.uint16), raw.view(np.uint16)
             elif tname == "quant_out":
                 mine, theirs = got[tname], raw
-                jx[tname] = raw
             elif p in (8, 9):  # dense (K, T) int32: compare the written tokens
                 mine, theirs = got[tname][:, :m], raw[:, :m]
-                jx[tname] = raw
             else:  # dynamic scales float32 [M, 1]
                 mine, theirs = got[tname].view(np.uint32), raw.view(np.uint32)
-                jx[tname] = raw
             if mine.shape != theirs.shape:
                 d[tname] = f"shape {mine.shape} vs JAX {theirs.shape}"
             else:
                 d[tname] = int(np.sum(mine != theirs))
         diffs[p] = d
         for src, errs in ((got, err_t), (jx, err_j)):
-            e = tw.plain_errors(
-                {n: v for n, v in src.items() if n in ("output", "residual_out", "norm_out")},
-                ref,
-                res64,
-                gam64,
-                dtype,
-                0.0,
-                xs=xs64,
-            )
+            floats = {n: v for n, v in src.items() if n in FLOATS}
+            e = tw.plain_errors(floats, ref, res64, gam64, dtype, 0.0, xs=xs64)
             worst_of(errs, {n: v for n, v in e.items() if n != "nans"})
             errs["nans"] += e["nans"]
         by_torch[p], by_jax[p] = got, jx
     label = f"{dtype} {m}x{hidden} {'one' if c['oneshot'] else 'two'}-shot"
+    args = (ref, res64, gam64, dtype, sf[0], GROUP, label)
     q_t, q_j = (
-        tw.quant_stats(
-            tw.new_quant_stats(), by, ref, res64, gam64, dtype, sf[0], GROUP, label, xs=xs64
-        )
-        for by in (by_torch, by_jax)
+        tw.quant_stats(tw.new_quant_stats(), by, *args, xs=xs64) for by in (by_torch, by_jax)
     )
     return {"diffs": diffs, "torch": err_t, "jax": err_j, "quant_torch": q_t, "quant_jax": q_j}
 
@@ -289,34 +236,23 @@ def merge_quant(total, q):
         total[k] += q[k]
     for k in total["steps1"]:
         total["steps1"][k] += q["steps1"][k]
-    worst_of(
-        total,
-        {
-            k: q[k]
-            for k in ("dyn_scale_ulps", "residual", "norm", "residual_bound", "norm_own")
-            if k in q
-        },
-    )
+    keys = ("dyn_scale_ulps", "residual", "norm", "residual_bound", "norm_own")
+    worst_of(total, {k: q[k] for k in keys if k in q})
     total["twin_diffs"] += q["twin_diffs"]
     return total
 
 
 def torch_phase(rank, world, chan, *, port, out_dir):
-    torch, dist, device = tw._init(rank, world, port, rank)
-    import torch_compat as tc
-
     from tests.gpu.harness import worst_of
 
-    try:
+    with tw._gloo(rank, world, port) as (torch, dist, device, tc):
         meta, data = load(out_dir)
         assert meta["world"] == world, (meta["world"], world)
         cases = meta["cases"]
         tokens, hidden = max(c["m"] for c in cases), max(c["hidden"] for c in cases)
         ws = tw._workspace(tc, torch, world, rank, tokens, hidden)
         per_case, differing = [], {}
-        worst = {
-            s: {"allreduce": 0.0, "residual": 0.0, "norm": 0.0, "nans": 0} for s in ("torch", "jax")
-        }
+        worst = {s: counters("nans", "allreduce residual norm") for s in ("torch", "jax")}
         quant = {s: tw.new_quant_stats() for s in ("torch", "jax")}
         for c in cases:
             out = compare_case(torch, tc, ws, device, data, c, rank, torch.cuda.synchronize, world)
@@ -333,13 +269,5 @@ def torch_phase(rank, world, chan, *, port, out_dir):
                 merge_quant(quant[s], out[f"quant_{s}"])
         dist.barrier()
         ws.destroy()
-        return {
-            "rank": rank,
-            "cases": len(cases),
-            "differing_elements": differing,
-            "per_case": per_case,
-            "worst": worst,
-            "quant": quant,
-        }
-    finally:
-        dist.destroy_process_group()
+        out = {"rank": rank, "cases": len(cases), "differing_elements": differing}
+        return {**out, "per_case": per_case, "worst": worst, "quant": quant}

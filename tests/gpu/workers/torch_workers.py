@@ -1,52 +1,57 @@
 """Per-process bodies of the torch_compat GPU tests (tests/gpu/test_torch.py).
 
-Each process joins torch.distributed over gloo (never NCCL: the workspace exchange is our
-own, over the c10d store, and gloo needs nothing from the GPUs) and drives GPU
-``wanted % torch.cuda.device_count()``: on a machine with fewer GPUs than processes,
-ranks share a GPU (their kernels time-slice; the protocol still completes).
-
+Each process joins torch.distributed over gloo (never NCCL: the workspace exchange is our own,
+over the c10d store) and drives GPU ``wanted % torch.cuda.device_count()``: with fewer GPUs
+than processes, ranks share a GPU (their kernels time-slice; the protocol still completes).
 Inputs are drawn from seeds derived from (seed, group, case, member), so every member can
 rebuild its whole group's inputs and the float64 oracle (tests/oracles/oracle.py).
 """
 
-from __future__ import annotations
-
+import contextlib
 import hashlib
 import random
 import time
 
 import numpy as np
 
-from tests.gpu.workers.common import keep_max, scale_ulps
+from tests.gpu.workers.common import counters, keep_max, scale_ulps
 
 # What vLLM does on every rank, identically: the exchange must not depend on it.
 SHARED_SEED = 1234
 RMS_EPS = 1e-6
 
 
-def _init(rank, world, port, wanted_device):
+@contextlib.contextmanager
+def _gloo(rank, world, port, wanted_device=None):
+    """(torch, dist, device, torch_compat): this process in a gloo group on GPU ``wanted_device``
+    (default ``rank``) modulo the GPUs there are; the process group is destroyed on leaving."""
     from tests.gpu.workers.common import init_gloo, no_multicast_defaults
 
     no_multicast_defaults()  # inherited from tests/conftest.py under pytest, not by hand
     import torch
 
-    device = wanted_device % torch.cuda.device_count()
+    device = (rank if wanted_device is None else wanted_device) % torch.cuda.device_count()
     # The workspace takes torch.cuda.current_device(), which init_gloo sets.
-    return (*init_gloo(rank, world, port, device), device)
+    torch, dist = init_gloo(rank, world, port, device)
+    import torch_compat as tc
+
+    try:
+        yield torch, dist, device, tc
+    finally:
+        dist.destroy_process_group()
 
 
-def _workspace(tc, torch, world, rank, max_tokens, hidden, dtype=None):
+def _workspace(tc, torch, world, rank, max_tokens, hidden, dtype=None, **kw):
     """A torch_compat workspace (bf16 unless ``dtype``) of the whole world, 120 s to create."""
     dtype = torch.bfloat16 if dtype is None else dtype
     return tc.create_allreduce_fusion_workspace(
-        "trtllm", world, rank, max_tokens, hidden, dtype, timeout_s=120
+        "trtllm", world, rank, max_tokens, hidden, dtype, timeout_s=120, **kw
     )
 
 
 def drawn_case(torch, seed, world, m, hidden, dt, *, wb=0.0):
-    """harness.draw_case's inputs as CPU tensors of ``dt``, the float64 values of those
-    (rounded) tensors and the group's oracle on them: (xs_t, res_t, gam_t, xs64, res64,
-    gam64, ref)."""
+    """harness.draw_case as CPU tensors of ``dt``, their float64 values and the group's oracle:
+    (xs_t, res_t, gam_t, xs64, res64, gam64, ref)."""
     from tests.gpu.harness import draw_case
 
     xs, res, gam = draw_case(seed, world, m, hidden)
@@ -72,50 +77,44 @@ def _group_inputs(seed, group, case, m, hidden, world, torch):
     return xs, residual, gamma
 
 
+def _new_tally():
+    return {"worst": {"residual": 0.0, "norm": 0.0}, "nan_outputs": 0}
+
+
 class _Pattern1Case:
     """One pattern-1 call on this member's device, checked against the float64 oracle."""
 
     def __init__(self, torch, device, tp_rank, xs, residual, gamma):
         self.torch = torch
-        self.host = (
-            [t.float().numpy() for t in xs],
-            residual.float().numpy(),
-            gamma.float().numpy(),
-        )
+        f32 = lambda t: t.float().numpy()
+        self.host = ([f32(t) for t in xs], f32(residual), f32(gamma))
         self.x = xs[tp_rank].to(device)
         self.res_in, self.gamma_d = residual.to(device), gamma.to(device)
-        self.res_out = torch.empty_like(self.x)
-        self.norm_out = torch.empty_like(self.x)
+        self.res_out, self.norm_out = torch.empty_like(self.x), torch.empty_like(self.x)
 
-    def run(self, ws, **kw):
-        """Poisons the outputs, calls, waits; returns (residual ulps, norm ulps, NaN count,
-        digest of both outputs)."""
+    def run(self, ws, tally, **kw):
+        """Poisons the outputs, calls, waits; adds the residual and norm ulps and the NaN
+        count to ``tally`` (_new_tally's); returns the digest of both outputs."""
         import torch_compat as tc
         from tests.gpu.workers.common import plain_ulps
 
         torch = self.torch
         self.res_out.fill_(float("nan"))
         self.norm_out.fill_(float("nan"))
-        ret = tc.allreduce_fusion(
-            self.x,
-            ws,
-            tc.AllReduceFusionPattern.kARResidualRMSNorm,
-            residual_out=self.res_out,
-            norm_out=self.norm_out,
-            residual_in=self.res_in,
-            rms_gamma=self.gamma_d,
-            rms_eps=RMS_EPS,
-            **kw,
-        )
+        outs = dict(residual_out=self.res_out, norm_out=self.norm_out)
+        ins = dict(residual_in=self.res_in, rms_gamma=self.gamma_d, rms_eps=RMS_EPS)
+        pattern = tc.AllReduceFusionPattern.kARResidualRMSNorm
+        ret = tc.allreduce_fusion(self.x, ws, pattern, **outs, **ins, **kw)
         assert ret is self.norm_out, "pattern 1 must return norm_out (FlashInfer's rule)"
         torch.cuda.synchronize()
         r, y = (t.float().cpu().numpy() for t in (self.res_out, self.norm_out))
         e = plain_ulps(*self.host, "bfloat16", residual_out=r, norm_out=y)
+        keep_max(tally["worst"], {"residual": e["residual"], "norm": e["norm"]})
+        tally["nan_outputs"] += int(np.isnan(r).sum() + np.isnan(y).sum())
         digest = hashlib.sha256()
         for t in (self.res_out, self.norm_out):
             digest.update(t.cpu().view(torch.uint8).numpy().tobytes())
-        nans = int(np.isnan(r).sum() + np.isnan(y).sum())
-        return e["residual"], e["norm"], nans, digest.hexdigest()
+        return digest.hexdigest()
 
 
 # DP=2 x TP=2 on two GPUs with group B crossed, as in vLLM's DP+TP bug reports: group A =
@@ -126,84 +125,46 @@ DP_TP_DEVICES = (0, 1, 1, 0)
 
 
 def dp_tp_worker(rank, world, chan, *, port, seed, tokens, hidden):
-    torch, dist, device = _init(rank, world, port, DP_TP_DEVICES[rank])
-    import torch_compat as tc
-
-    try:
+    with _gloo(rank, world, port, DP_TP_DEVICES[rank]) as (torch, dist, device, tc):
         groups = [dist.new_group(g) for g in DP_TP_GROUPS]  # every process, same order
         g, tp_rank = rank // 2, rank % 2
         random.seed(SHARED_SEED)
         np.random.seed(SHARED_SEED)
         torch.manual_seed(SHARED_SEED)
-        ws = tc.create_allreduce_fusion_workspace(
-            "trtllm",
-            world_size=2,
-            rank=tp_rank,
-            max_token_num=max(tokens),
-            hidden_dim=hidden,
-            dtype=torch.bfloat16,
-            group=groups[g],
-            timeout_s=120,
-        )
-        placement = {
-            "rank": rank,
-            "group": g,
-            "tp_rank": ws.rank,
-            "device": ws.device,
-            "global_ranks": list(ws.global_ranks),
-            "member_devices": [m.device for m in ws.members],
-            "gpus": torch.cuda.device_count(),
-        }
+        ws = _workspace(tc, torch, 2, tp_rank, max(tokens), hidden, group=groups[g])
+        placement = {"rank": rank, "group": g, "tp_rank": ws.rank, "device": ws.device}
+        placement["global_ranks"] = list(ws.global_ranks)
+        placement["member_devices"] = [m.device for m in ws.members]
+        placement["gpus"] = torch.cuda.device_count()
         dist.barrier()  # both groups start together, so their calls overlap
-        worst = {"residual": 0.0, "norm": 0.0}
-        nan_outputs, digests, cases = 0, [], []
+        tally, digests, cases = _new_tally(), [], []
         for i, m in enumerate(tokens):
             xs, residual, gamma = _group_inputs(seed, g, i, m, hidden, 2, torch)
             case = _Pattern1Case(torch, device, tp_rank, xs, residual, gamma)
             # The heuristic's choice, and two-shot wherever it can run (more tokens than ranks).
             for use_oneshot in (None, False) if m > 2 else (None,):
-                r_ulps, n_ulps, nans, digest = case.run(
-                    ws, use_oneshot=use_oneshot, launch_with_pdl=True, fp32_acc=True
-                )
-                keep_max(worst, {"residual": r_ulps, "norm": n_ulps})
-                nan_outputs += nans
-                digests.append(digest)
+                kw = dict(use_oneshot=use_oneshot, launch_with_pdl=True, fp32_acc=True)
+                digests.append(case.run(ws, tally, **kw))
                 cases.append((m, use_oneshot))
         dist.barrier(group=groups[g])  # no member frees while its peer may still launch
         ws.destroy()
-        return {
-            **placement,
-            "worst": worst,
-            "nan_outputs": nan_outputs,
-            "digests": digests,
-            "cases": cases,
-        }
-    finally:
-        dist.destroy_process_group()
+        return {**placement, **tally, "digests": digests, "cases": cases}
 
 
 def cycles_worker(rank, world, chan, *, port, seed, cycles, tokens, hidden):
     """``cycles`` x (create, one checked pattern-1 call, destroy), with the device's free
     memory before the first and after the last. Destroy is local, as FlashInfer's is: no
     barrier between the call and the destroy."""
-    torch, dist, device = _init(rank, world, port, rank)
-    import torch_compat as tc
-
-    try:
+    with _gloo(rank, world, port) as (torch, dist, device, tc):
         xs, residual, gamma = _group_inputs(seed, 0, 0, tokens, hidden, world, torch)
         case = _Pattern1Case(torch, device, rank, xs, residual, gamma)
-        worst = {"residual": 0.0, "norm": 0.0}
-        nan_outputs = 0
-        reprs = []
+        tally, reprs = _new_tally(), []
 
         def cycle():
-            nonlocal nan_outputs
             ws = _workspace(tc, torch, world, rank, tokens, hidden)
             if not reprs:
                 reprs.append(repr(ws))
-            r_ulps, n_ulps, nans, _ = case.run(ws)
-            keep_max(worst, {"residual": r_ulps, "norm": n_ulps})
-            nan_outputs += nans
+            case.run(ws, tally)
             ws.destroy()
 
         def free_bytes():
@@ -223,27 +184,13 @@ def cycles_worker(rank, world, chan, *, port, seed, cycles, tokens, hidden):
             cycle()
         seconds = time.monotonic() - t0
         after = free_bytes()
-        return {
-            "rank": rank,
-            "device": device,
-            "cycles": cycles,
-            "seconds": seconds,
-            "free_before": before,
-            "free_after": after,
-            "worst": worst,
-            "nan_outputs": nan_outputs,
-            "repr": reprs[0],
-        }
-    finally:
-        dist.destroy_process_group()
+        out = {"rank": rank, "device": device, "cycles": cycles, "seconds": seconds}
+        return {**out, "free_before": before, "free_after": after, **tally, "repr": reprs[0]}
 
 
 def never_join_worker(rank, world, chan, *, port, create_timeout_s):
     """Rank 1 never creates its workspace; rank 0 must get a TimeoutError naming it."""
-    torch, dist, device = _init(rank, world, port, rank)
-    import torch_compat as tc
-
-    try:
+    with _gloo(rank, world, port) as (torch, dist, device, tc):
         if rank == 1:
             chan.barrier("attempted")  # just waits until rank 0 gave up, then exits
             return {"rank": 1}
@@ -258,16 +205,12 @@ def never_join_worker(rank, world, chan, *, port, create_timeout_s):
         elapsed = time.monotonic() - t0
         chan.barrier("attempted")
         return {"rank": 0, "error_type": error_type, "message": message, "seconds": elapsed}
-    finally:
-        dist.destroy_process_group()
 
 
-# =====================================================================================
-# Patterns 0/1 parity sweep, FP8 patterns, torch.compile, CUDA graphs, the fusion pass.
-# The tensor plumbing (new_outputs / call_pattern / outputs_to_numpy) and the checks
-# (plain_errors / quant_stats) are shared with tests/gpu/workers/parity_jax_torch.py and are run
-# on CPU by tests/torch/test_worker_plumbing.py with a simulated kernel.
-# =====================================================================================
+# --- Patterns 0/1 parity sweep, FP8 patterns, torch.compile, CUDA graphs, the fusion pass. The
+# tensor plumbing (new_outputs / call_pattern / outputs_to_numpy) and the checks (plain_errors /
+# quant_stats) are shared with parity_jax_torch.py and run on CPU with a simulated kernel by
+# tests/torch/test_worker_plumbing.py.
 
 FP8_PATTERNS = (2, 4, 10, 11, 8, 9)  # twins: (2, 4), (10, 11), (8, 9)
 GROUP = 128
@@ -285,51 +228,33 @@ def to_torch(torch, a, dtype, device):
 
 
 def new_outputs(torch, pattern, m, hidden, dtype, device, group=GROUP):
-    """Poisoned outputs of ``pattern``: NaN in float outputs, 0xFF bytes (e4m3 NaN, UE8M0
-    255) in quant_out and the group scales. ``_scale_buf`` is the dense (K, T) buffer behind
-    the per-token-group scale view."""
+    """Poisoned outputs of ``pattern`` (NaN; 0xFF bytes in quant_out and the group scales);
+    ``_scale_buf`` is the dense (K, T) buffer behind the per-token-group scale view."""
     from jax_fusedar.common import quant_layouts
 
     t = _traits(pattern)
-    out = {}
-    nan = float("nan")
-    if t.has_allreduce_out:
-        out["output"] = torch.full((m, hidden), nan, dtype=dtype, device=device)
-    if t.has_residual:
-        out["residual_out"] = torch.full((m, hidden), nan, dtype=dtype, device=device)
-    if t.has_norm_out:
-        out["norm_out"] = torch.full((m, hidden), nan, dtype=dtype, device=device)
+    full = lambda shape, dt=dtype, v=float("nan"): torch.full(shape, v, dtype=dt, device=device)
+    plain = {"output": t.has_allreduce_out, "residual_out": t.has_residual}
+    out = {k: full((m, hidden)) for k, on in {**plain, "norm_out": t.has_norm_out}.items() if on}
     if t.quant is not None:
         assert t.quant != "fp4", "NVFP4 is not run on sm90"
         q = torch.empty((m, hidden), dtype=torch.float8_e4m3fn, device=device)
         q.view(torch.uint8).fill_(0xFF)
         out["quant_out"] = q
     if t.quant == "dynamic_fp8":
-        out["scale_out"] = torch.full((m, 1), nan, dtype=torch.float32, device=device)
+        out["scale_out"] = full((m, 1), torch.float32)
     if t.quant == "group_fp8":
         k, tt = quant_layouts.group_scale_buffer_shape(m, hidden, group)
-        buf = torch.full((k, tt), -1, dtype=torch.int32, device=device)
+        buf = full((k, tt), torch.int32, -1)
         out["_scale_buf"] = buf
         out["scale_out"] = buf[:, :m].t()  # FlashInfer's (M, K) tensor, strides (1, T)
     return out
 
 
 def call_pattern(
-    tc,
-    ws,
-    pattern,
-    x,
-    res,
-    gam,
-    outs,
-    *,
-    sf=None,
-    group=GROUP,
-    oneshot=None,
-    fp32_acc=True,
-    wb=0.0,
-    pdl=True,
-):
+    tc, ws, pattern, x, res, gam, outs, *, sf=None, group=GROUP, oneshot=None, fp32_acc=True,
+    wb=0.0, pdl=True
+):  # fmt: skip
     """One torch_compat.allreduce_fusion call of ``pattern`` into ``outs``; checks the
     returned tensor is FlashInfer's (norm_out, else quant_out, else output)."""
     t = _traits(pattern)
@@ -349,9 +274,8 @@ def call_pattern(
 
 
 def outputs_to_numpy(torch, outs):
-    """Host copies: float outputs as float64 values plus raw bytes (``<name>_bytes``),
-    quant_out as uint8 bytes, dynamic scales as float32 [M, 1], group scales as the dense
-    int32 (K, T) buffer (key ``scale_out``)."""
+    """Host copies: floats as float64 plus raw bytes (``<name>_bytes``), quant_out as uint8,
+    dynamic scales as float32 [M, 1], group scales as the dense int32 (K, T) buffer."""
     got = {}
     for k, v in outs.items():
         if k == "scale_out" and "_scale_buf" in outs:
@@ -372,73 +296,49 @@ def group_oracle(xs, res, gam, *, wb=0.0):
     """float64 oracle tuple (s, r, y, inv) of the group's inputs (numpy, any float dtype)."""
     from tests.oracles import oracle
 
-    return oracle.fused_reference(
-        [np.asarray(x, np.float64) for x in xs],
-        np.asarray(res, np.float64),
-        np.asarray(gam, np.float64),
-        rms_eps=RMS_EPS,
-        weight_bias=wb,
-    )
+    f64 = lambda a: np.asarray(a, np.float64)
+    xs64 = [f64(x) for x in xs]
+    return oracle.fused_reference(xs64, f64(res), f64(gam), rms_eps=RMS_EPS, weight_bias=wb)
+
+
+# oracle.accumulation_errors's keywords -> the outputs' names here (FlashInfer's)
+ACCUMULATED = {"allreduce_out": "output", "residual_out": "residual_out", "norm_out": "norm_out"}
 
 
 def plain_errors(got, ref, res, gam, dtype, wb, *, xs=None, fp32_acc=True):
-    """ulp errors (tests/oracles/oracle.py) of whatever float outputs ``got`` holds + NaN
-    count; given every rank's inputs ``xs``, also the accumulation measures that hold at
-    every world size (oracle.accumulation_errors, for this ``fp32_acc``)."""
+    """ulps of whatever float outputs ``got`` holds, the NaN count, and given every rank's
+    ``xs`` the accumulation measures of any world size (oracle.accumulation_errors)."""
     from tests.oracles import oracle
 
     s64, r64, y64, inv64 = ref
     e = {"nans": 0}
     if xs is not None:
-        e.update(
-            oracle.accumulation_errors(
-                xs,
-                res,
-                gam,
-                allreduce_out=got.get("output"),
-                residual_out=got.get("residual_out"),
-                norm_out=got.get("norm_out"),
-                fp32_acc=fp32_acc,
-                rms_eps=RMS_EPS,
-                weight_bias=wb,
-                dtype_name=dtype,
-            )
-        )
+        outs = {k: got.get(name) for k, name in ACCUMULATED.items()}
+        kw = dict(fp32_acc=fp32_acc, rms_eps=RMS_EPS, weight_bias=wb, dtype_name=dtype)
+        e.update(oracle.accumulation_errors(xs, res, gam, **outs, **kw))
     if "output" in got:
         e["allreduce"] = oracle.allreduce_error_ulps(got["output"], s64, dtype)
-        e["nans"] += int(np.isnan(got["output"]).sum())
     if "residual_out" in got:
         e["residual"] = oracle.residual_error_ulps(got["residual_out"], s64, r64, res, dtype)
-        e["nans"] += int(np.isnan(got["residual_out"]).sum())
     if "norm_out" in got:
         e["norm"] = oracle.norm_error_ulps(
             got["norm_out"], s64, y64, inv64, res, gam, weight_bias=wb, dtype_name=dtype
         )
-        e["nans"] += int(np.isnan(got["norm_out"]).sum())
+    for k in ("output", "residual_out", "norm_out"):
+        e["nans"] += int(np.isnan(got[k]).sum()) if k in got else 0
     return e
 
 
 def new_quant_stats():
-    return {
-        "cases": 0,
-        "elements": 0,
-        "steps1": {"static": 0, "dynamic": 0, "group": 0},
-        "worse": 0,
-        "twin_diffs": [],
-        "dyn_scale_ulps": 0.0,
-        "group_scale_mismatch": 0,
-        "poisoned": 0,
-        "residual": 0.0,
-        "norm": 0.0,
-    }
+    steps1 = {"static": 0, "dynamic": 0, "group": 0}
+    ints = "cases elements worse group_scale_mismatch poisoned"
+    return counters(ints, "dyn_scale_ulps residual norm", steps1=steps1, twin_diffs=[])
 
 
 def quant_stats(stats, by_pattern, ref, res, gam, dtype, sf, group, label, xs=None):
-    """Accumulates into ``stats`` the FP8 checks of one case. ``by_pattern``: {2, 4, 10,
-    11, 8, 9: outputs_to_numpy(...)}. Codes of the Out patterns (4, 11, 9) against
-    tests/oracles/quant_oracle.py applied to the kernel's own norm_out; each non-Out twin (2, 10, 8)
-    against its Out twin; scales against the oracle; residual/norm against float64 (and,
-    given every rank's inputs ``xs``, the accumulation bounds)."""
+    """Adds the FP8 checks of one case (``by_pattern``: {2, 4, 10, 11, 8, 9: outputs_to_numpy})
+    to ``stats``: the Out patterns' codes against quant_oracle on their own norm_out, each twin
+    against its Out twin, scales against the oracle, residual/norm against float64."""
     from tests.gpu.harness import worst_of
     from tests.oracles import quant_oracle
 
@@ -449,9 +349,8 @@ def quant_stats(stats, by_pattern, ref, res, gam, dtype, sf, group, label, xs=No
         worst_of(stats, {k: v for k, v in e.items() if k != "nans"})
         q = o[p]["quant_out"]
         stats["poisoned"] += e["nans"] + int(np.sum((q & 0x7F) == 0x7F))
-    stats["poisoned"] += int(
-        np.isnan(o[10]["scale_out"]).sum() + np.isnan(o[11]["scale_out"]).sum()
-    )
+    for p in (10, 11):
+        stats["poisoned"] += int(np.isnan(o[p]["scale_out"]).sum())
     for p in (8, 9):
         stats["poisoned"] += int(np.sum(o[p]["scale_out"][:, :m].view(np.uint8) == 0xFF))
     for name, a, b in (
@@ -467,12 +366,8 @@ def quant_stats(stats, by_pattern, ref, res, gam, dtype, sf, group, label, xs=No
     want4 = quant_oracle.fp8_static(o[4]["norm_out"], float(sf))
     want11, ws11 = quant_oracle.fp8_dynamic(o[11]["norm_out"], "ieee")
     want9, wb9 = quant_oracle.fp8_group(o[9]["norm_out"], group)
-    for kind, got, want in (
-        ("static", o[4]["quant_out"], want4),
-        ("dynamic", o[11]["quant_out"], want11),
-        ("group", o[9]["quant_out"], want9),
-    ):
-        d = quant_oracle.code_steps(got, np.asarray(want).view(np.uint8))
+    for kind, p, want in (("static", 4, want4), ("dynamic", 11, want11), ("group", 9, want9)):
+        d = quant_oracle.code_steps(o[p]["quant_out"], np.asarray(want).view(np.uint8))
         stats["steps1"][kind] += int((d == 1).sum())
         stats["worse"] += int((d > 1).sum())
     keep_max(stats, {"dyn_scale_ulps": scale_ulps(o[11]["scale_out"], ws11)})
@@ -491,70 +386,50 @@ def _torch_dtype(torch, name):
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
 
 
-def _cases_with_seeds(seed, tokens, hiddens, world, dtypes):
-    from tests.gpu.harness import shape_cases
-
-    out = []
-    for dtype in dtypes:
-        for hidden, m, oneshot in shape_cases(tokens, hiddens, world):
-            out.append((len(out), dtype, hidden, m, oneshot))
-    return [(seed * 1000 + i, dtype, hidden, m, oneshot) for i, dtype, hidden, m, oneshot in out]
+def _on_device(drawn, rank, device):
+    """This rank's x, the residual and gamma of a drawn_case on ``device``."""
+    xs_t, res_t, gam_t = drawn[:3]
+    return xs_t[rank].to(device), res_t.to(device), gam_t.to(device)
 
 
 def parity_worker(rank, world, chan, *, port, seed, tokens, hiddens, dtypes):
     """Patterns 0 and 1 over tokens x hiddens x dtypes, one- and two-shot, against the
     float64 oracle; every rank's outputs must agree bit for bit (digest)."""
-    torch, dist, device = _init(rank, world, port, rank)
-    import torch_compat as tc
-    from tests.gpu.harness import worst_of
+    from tests.gpu.harness import shape_cases, worst_of
 
-    try:
+    with _gloo(rank, world, port) as (torch, dist, device, tc):
         ws = _workspace(tc, torch, world, rank, max(tokens), max(hiddens))
-        worst = {d: {"allreduce": 0.0, "residual": 0.0, "norm": 0.0, "cases": 0} for d in dtypes}
-        nans, digest, cases = 0, hashlib.sha256(), []
-        for i, (cseed, dtype, hidden, m, oneshot) in enumerate(
-            _cases_with_seeds(seed, tokens, hiddens, world, dtypes)
-        ):
+        worst = {d: counters("cases", "allreduce residual norm") for d in dtypes}
+        nans, digest = 0, hashlib.sha256()
+        cases = [(d, *c) for d in dtypes for c in shape_cases(tokens, hiddens, world)]
+        for i, (dtype, hidden, m, oneshot) in enumerate(cases):
             dt = _torch_dtype(torch, dtype)
             wb, acc = float(i % 2), i % 3 != 2
-            xs_t, res_t, gam_t, xs64, res_np, gam_np, ref = drawn_case(
-                torch, cseed, world, m, hidden, dt, wb=wb
-            )
-            x, r_d, g_d = xs_t[rank].to(device), res_t.to(device), gam_t.to(device)
+            drawn = drawn_case(torch, seed * 1000 + i, world, m, hidden, dt, wb=wb)
+            x, r_d, g_d = _on_device(drawn, rank, device)
             got, opts = {}, dict(oneshot=oneshot, fp32_acc=acc, wb=wb, pdl=bool(i % 2))
             for p in (0, 1):
                 outs = new_outputs(torch, p, m, hidden, dt, device)
                 call_pattern(tc, ws, p, x, r_d, g_d, outs, **opts)
                 torch.cuda.synchronize()
                 got.update(outputs_to_numpy(torch, outs))
+            _, _, _, xs64, res_np, gam_np, ref = drawn
             e = plain_errors(got, ref, res_np, gam_np, dtype, wb, xs=xs64, fp32_acc=acc)
-            w = worst[dtype]
-            worst_of(w, {k: v for k, v in e.items() if k != "nans"})
-            w["cases"] += 1
+            worst_of(worst[dtype], {k: v for k, v in e.items() if k != "nans"})
+            worst[dtype]["cases"] += 1
             nans += e["nans"]
             for k in ("output_bytes", "residual_out_bytes", "norm_out_bytes"):
                 digest.update(got[k].tobytes())
-            cases.append((dtype, hidden, m, oneshot))
         dist.barrier()
         ws.destroy()
-        return {
-            "rank": rank,
-            "worst": worst,
-            "nans": nans,
-            "digest": digest.hexdigest(),
-            "cases": cases,
-        }
-    finally:
-        dist.destroy_process_group()
+        out = {"rank": rank, "worst": worst, "nans": nans}
+        return {**out, "digest": digest.hexdigest(), "cases": cases}
 
 
 def fp8_worker(rank, world, chan, *, port, seed, shapes, dtypes):
     """The FP8 patterns through torch_compat.allreduce_fusion (quant_stats); ``shapes``:
     (hidden, tokens, use_oneshot) list."""
-    torch, dist, device = _init(rank, world, port, rank)
-    import torch_compat as tc
-
-    try:
+    with _gloo(rank, world, port) as (torch, dist, device, tc):
         max_elems = max(h * m for h, m, _ in shapes)
         hmax = max(h for h, _, _ in shapes)
         ws = _workspace(tc, torch, world, rank, -(-max_elems // hmax), hmax)
@@ -562,71 +437,51 @@ def fp8_worker(rank, world, chan, *, port, seed, shapes, dtypes):
         # NVFP4 on this GPU: refused before any launch (sm90), or run (sm100+).
         cc = torch.cuda.get_device_capability(device)
         stats["capability"] = list(cc)
-        i = 0
-        for dtype in dtypes:
+        cases = [(dtype, *shape) for dtype in dtypes for shape in shapes]
+        for i, (dtype, hidden, m, oneshot) in enumerate(cases, 1):
             dt = _torch_dtype(torch, dtype)
-            for hidden, m, oneshot in shapes:
-                i += 1
-                xs_t, res_t, gam_t, xs64, res_np, gam_np, ref = drawn_case(
-                    torch, seed * 1000 + i, world, m, hidden, dt
-                )
-                sf = static_scale(ref)
-                sf_d = torch.tensor([sf], dtype=torch.float32, device=device)
-                x, r_d, g_d = xs_t[rank].to(device), res_t.to(device), gam_t.to(device)
-                by_p = {}
-                for p in FP8_PATTERNS:
-                    outs = new_outputs(torch, p, m, hidden, dt, device)
-                    call_pattern(tc, ws, p, x, r_d, g_d, outs, sf=sf_d, oneshot=oneshot)
-                    torch.cuda.synchronize()
-                    by_p[p] = outputs_to_numpy(torch, outs)
-                label = f"{dtype} {m}x{hidden} {'one' if oneshot else 'two'}-shot"
-                quant_stats(stats, by_p, ref, res_np, gam_np, dtype, sf, GROUP, label, xs=xs64)
+            drawn = drawn_case(torch, seed * 1000 + i, world, m, hidden, dt)
+            _, _, _, xs64, res_np, gam_np, ref = drawn
+            sf = static_scale(ref)
+            sf_d = torch.tensor([sf], dtype=torch.float32, device=device)
+            x, r_d, g_d = _on_device(drawn, rank, device)
+            by_p = {}
+            for p in FP8_PATTERNS:
+                outs = new_outputs(torch, p, m, hidden, dt, device)
+                call_pattern(tc, ws, p, x, r_d, g_d, outs, sf=sf_d, oneshot=oneshot)
+                torch.cuda.synchronize()
+                by_p[p] = outputs_to_numpy(torch, outs)
+            label = f"{dtype} {m}x{hidden} {'one' if oneshot else 'two'}-shot"
+            quant_stats(stats, by_p, ref, res_np, gam_np, dtype, sf, GROUP, label, xs=xs64)
         try:
             x = torch.randn(16, 1024, device=device).bfloat16()
-            outs = {
-                "residual_out": torch.empty_like(x),
-                "norm_out": torch.empty_like(x),
-                "quant_out": torch.empty(16, 512, dtype=torch.uint8, device=device),
-                "scale_out": torch.empty(128, 64, dtype=torch.uint8, device=device),
-            }
+            outs = {"residual_out": torch.empty_like(x), "norm_out": torch.empty_like(x)}
+            outs["quant_out"] = torch.empty(16, 512, dtype=torch.uint8, device=device)
+            outs["scale_out"] = torch.empty(128, 64, dtype=torch.uint8, device=device)
             if cc[0] >= 10:
                 stats["nvfp4_refused"] = "sm100+: not refused (not run here)"
             else:
-                tc.allreduce_fusion(
-                    x,
-                    ws,
-                    5,
-                    residual_in=x,
-                    rms_gamma=x[0].clone(),
-                    scale_factor=torch.ones(1, device=device),
-                    **outs,
-                )
+                one = torch.ones(1, device=device)
+                ins = dict(residual_in=x, rms_gamma=x[0].clone(), scale_factor=one)
+                tc.allreduce_fusion(x, ws, 5, **ins, **outs)
                 stats["nvfp4_refused"] = "no error"
         except ValueError as e:
             stats["nvfp4_refused"] = str(e)[:200]
         dist.barrier()
         ws.destroy()
         return {"rank": rank, "quant": stats}
-    finally:
-        dist.destroy_process_group()
 
 
 def compile_worker(rank, world, chan, *, port, seed, m, hidden, backend):
-    """The custom ops (patterns 0, 1 and quantized 11 and 9) under
-    torch.compile(fullgraph=True) on the GPU: the same bits as eager, and within the oracle
-    bounds."""
-    torch, dist, device = _init(rank, world, port, rank)
-    import torch_compat as tc
-    from torch_compat import library
+    """The custom ops (patterns 0, 1, 11, 9) under torch.compile(fullgraph=True): the same bits
+    as eager, and within the oracle bounds."""
+    with _gloo(rank, world, port) as (torch, dist, device, tc):
+        from torch_compat import library
 
-    try:
         ws = _workspace(tc, torch, world, rank, m, hidden)
         h = library.register_workspace(ws)
-        AR, FUSED, QUANT = (
-            library.ALLREDUCE,
-            library.ALLREDUCE_RESIDUAL_RMSNORM,
-            library.ALLREDUCE_RESIDUAL_RMSNORM_QUANT,
-        )
+        AR, FUSED = library.ALLREDUCE, library.ALLREDUCE_RESIDUAL_RMSNORM
+        QUANT = library.ALLREDUCE_RESIDUAL_RMSNORM_QUANT
 
         def f(x, res, g):
             a = AR(x, None, True, h)
@@ -635,10 +490,9 @@ def compile_worker(rank, world, chan, *, port, seed, m, hidden, backend):
             r9, n9, q9, s9 = QUANT(x, res, g, RMS_EPS, 0.0, 9, None, GROUP, None, None, True, h)
             return a, r, n, r11, n11, q11, s11, r9, n9, q9, s9
 
-        xs_t, res_t, gam_t, xs64, res64, gam64, ref = drawn_case(
-            torch, seed, world, m, hidden, torch.bfloat16
-        )
-        args = (xs_t[rank].to(device), res_t.to(device), gam_t.to(device))
+        drawn = drawn_case(torch, seed, world, m, hidden, torch.bfloat16)
+        _, _, _, xs64, res64, gam64, ref = drawn
+        args = _on_device(drawn, rank, device)
         eager = f(*args)
         torch.cuda.synchronize()
         torch._dynamo.reset()
@@ -650,12 +504,9 @@ def compile_worker(rank, world, chan, *, port, seed, m, hidden, backend):
         names = ("allreduce", "residual_out", "norm_out", *quant)
         differing = {}
         for name, a, b in zip(names, eager, got):
-            same_meta = (a.shape, a.dtype, a.stride()) == (b.shape, b.dtype, b.stride())
-            if not same_meta:
-                differing[name] = (
-                    f"metadata {tuple(a.shape)} {a.dtype} {a.stride()} vs "
-                    f"{tuple(b.shape)} {b.dtype} {b.stride()}"
-                )
+            meta_a, meta_b = (f"{tuple(t.shape)} {t.dtype} {t.stride()}" for t in (a, b))
+            if (a.shape, a.dtype, a.stride()) != (b.shape, b.dtype, b.stride()):
+                differing[name] = f"metadata {meta_a} vs {meta_b}"
                 continue
             if name == "s9":  # only the written (M, K) view
                 a, b = a.contiguous(), b.contiguous()
@@ -665,39 +516,22 @@ def compile_worker(rank, world, chan, *, port, seed, m, hidden, backend):
             if n:
                 differing[name] = n
         plain = zip(("output", "residual_out", "norm_out"), got[:3])
-        e = plain_errors(
-            {k: t.float().cpu().double().numpy() for k, t in plain},
-            ref,
-            res64,
-            gam64,
-            "bfloat16",
-            0.0,
-            xs=xs64,
-        )
+        host = {k: t.float().cpu().double().numpy() for k, t in plain}
+        e = plain_errors(host, ref, res64, gam64, "bfloat16", 0.0, xs=xs64)
         dist.barrier()
         library.unregister_workspace(h)
         ws.destroy()
-        return {
-            "rank": rank,
-            "backend": backend,
-            "differing": differing,
-            "errors": e,
-            "torch": torch.__version__,
-        }
-    finally:
-        dist.destroy_process_group()
+        out = {"rank": rank, "backend": backend, "differing": differing, "errors": e}
+        return {**out, "torch": torch.__version__}
 
 
 def cuda_graph_worker(rank, world, chan, *, port, seed, m, hidden, replays):
-    """Captures pattern 1 and pattern 11 (dynamic FP8) in one torch.cuda.CUDAGraph each,
-    then replays each ``replays`` times with fresh inputs copied into the static input
-    buffers, checking every replay against the float64 oracle (and quant_oracle)."""
-    torch, dist, device = _init(rank, world, port, rank)
-    import torch_compat as tc
-    from tests.oracles import quant_oracle
-    from tests.gpu.harness import draw_case, worst_of
+    """Patterns 1 and 11 each captured in a CUDAGraph and replayed ``replays`` times on fresh
+    inputs copied into the static buffers, every replay against the oracles."""
+    with _gloo(rank, world, port) as (torch, dist, device, tc):
+        from tests.gpu.harness import draw_case, worst_of
+        from tests.oracles import quant_oracle
 
-    try:
         ws = _workspace(tc, torch, world, rank, m, hidden)
         dt = torch.bfloat16
         x = torch.zeros(m, hidden, dtype=dt, device=device)
@@ -708,9 +542,8 @@ def cuda_graph_worker(rank, world, chan, *, port, seed, m, hidden, replays):
             outs = new_outputs(torch, p, m, hidden, dt, device)
             # Warm-up outside the capture with real data (collective: both ranks).
             xs, r0, g0 = draw_case(seed * 1000 + p, world, m, hidden)
-            x.copy_(to_torch(torch, xs[rank], dt, device))
-            res.copy_(to_torch(torch, r0, dt, device))
-            gam.copy_(to_torch(torch, g0, dt, device))
+            for t, a in ((x, xs[rank]), (res, r0), (gam, g0)):
+                t.copy_(to_torch(torch, a, dt, device))
             call_pattern(tc, ws, p, x, res, gam, outs, oneshot=None, pdl=pdl)
             torch.cuda.synchronize()
             dist.barrier()
@@ -721,24 +554,14 @@ def cuda_graph_worker(rank, world, chan, *, port, seed, m, hidden, replays):
             captured_launches = _native_launches() - launches0
             torch.cuda.synchronize()
             dist.barrier()
-            worst = {
-                "residual": 0.0,
-                "norm": 0.0,
-                "nans": 0,
-                "replays": 0,
-                "code_steps1": 0,
-                "code_worse": 0,
-                "scale_ulps": 0.0,
-                "poisoned": 0,
-            }
+            ints = "nans replays code_steps1 code_worse poisoned"
+            worst = counters(ints, "residual norm scale_ulps")
             launches1 = _native_launches()
             for i in range(replays):
-                xs_t, r_t, g_t, xs64, r64, g64, ref = drawn_case(
-                    torch, seed * 1000 + 100 + i + 1000 * p, world, m, hidden, dt
-                )
-                x.copy_(xs_t[rank].to(device))
-                res.copy_(r_t.to(device))
-                gam.copy_(g_t.to(device))
+                drawn = drawn_case(torch, seed * 1000 + 100 + i + 1000 * p, world, m, hidden, dt)
+                xs_t, r_t, g_t, xs64, r64, g64, ref = drawn
+                for t, a in ((x, xs_t[rank]), (res, r_t), (gam, g_t)):
+                    t.copy_(a.to(device))
                 for k, v in outs.items():  # poison before every replay
                     if k in ("residual_out", "norm_out") or (k == "scale_out" and p == 11):
                         v.fill_(float("nan"))
@@ -766,8 +589,6 @@ def cuda_graph_worker(rank, world, chan, *, port, seed, m, hidden, replays):
         dist.barrier()
         ws.destroy()
         return {"rank": rank, "m": m, "hidden": hidden, "results": results}
-    finally:
-        dist.destroy_process_group()
 
 
 def _native_launches():
@@ -787,10 +608,8 @@ def rms_manual(x, g, eps=RMS_EPS):
 
 
 def build_tp_model(torch, group, rank, world, *, m, hidden, layers, seed, device, norm):
-    """(model, args, (norm64, residual64)): a ``layers``-layer TP block stack, row-parallel
-    matmul -> funcol.all_reduce over ``group`` -> + residual -> RMSNorm (``norm``: "manual"
-    or "F.rms_norm"), this rank's shards as args, and the float64 numpy model of the same
-    bf16-rounded values."""
+    """(model, args, (norm64, residual64)): ``layers`` TP blocks (row-parallel matmul ->
+    funcol.all_reduce -> + residual -> RMSNorm ``norm``), this rank's shards, the float64 model."""
     import torch.nn.functional as F
     from torch.distributed import _functional_collectives as funcol
 
@@ -799,17 +618,14 @@ def build_tp_model(torch, group, rank, world, *, m, hidden, layers, seed, device
     shard = hidden // world
     x_full = rng.standard_normal((m, hidden), dtype=np.float32)
     res0 = rng.standard_normal((m, hidden), dtype=np.float32)
-    w_full = [
-        rng.standard_normal((hidden, hidden), dtype=np.float32) / np.sqrt(hidden)
-        for _ in range(layers)
-    ]
+    w_full = [rng.standard_normal((hidden, hidden), dtype=np.float32) for _ in range(layers)]
+    w_full = [w / np.sqrt(hidden) for w in w_full]
     gammas = [rng.uniform(0.5, 1.5, hidden).astype(np.float32) for _ in range(layers)]
     lo, hi = rank * shard, (rank + 1) * shard
-    t = lambda a: to_torch(torch, a, dt, device)  # noqa: E731
+    t = lambda a: to_torch(torch, a, dt, device)
     args = (t(x_full[:, lo:hi]), t(res0), *[t(w[lo:hi]) for w in w_full], *[t(g) for g in gammas])
-    norm_fn = (
-        rms_manual if norm == "manual" else (lambda r, g: F.rms_norm(r, (hidden,), g, RMS_EPS))
-    )
+    f_rms_norm = lambda r, g: F.rms_norm(r, (hidden,), g, RMS_EPS)
+    norm_fn = rms_manual if norm == "manual" else f_rms_norm
 
     def model(x_shard, residual, *wg):
         w_sh, gs = wg[:layers], wg[layers:]
@@ -849,11 +665,11 @@ def compare_models(torch, fused, unfused, ref64):
     def rel(out, ref):
         return float(np.max(np.abs(out.float().cpu().double().numpy() - ref)) / np.max(np.abs(ref)))
 
+    pairs = zip(fused, unfused)
     return {
         "finite": bool(all(bool(torch.isfinite(a).all()) for a in (*fused, *unfused))),
         "fused_vs_unfused": max(
-            float((a.float() - b.float()).abs().max() / b.float().abs().max())
-            for a, b in zip(fused, unfused)
+            float((a.float() - b.float()).abs().max() / b.float().abs().max()) for a, b in pairs
         ),
         "fused_vs_f64": max(rel(fused[0], ref64[0]), rel(fused[1], ref64[1])),
         "unfused_vs_f64": max(rel(unfused[0], ref64[0]), rel(unfused[1], ref64[1])),
@@ -865,15 +681,11 @@ def count_targets(gm, target):
 
 
 def fusion_pass_worker(rank, world, chan, *, port, seed, m, hidden, layers, mode):
-    """The TP model of build_tp_model over a real NCCL group (the unfused baseline).
-    mode "make_fx": for each norm form, trace, run (NCCL all-reduce), apply
-    fuse_allreduce_rmsnorm, run again. mode "inductor": torch.compile(fullgraph=True) with
-    the pass as inductor's post-grad custom pass against torch.compile without it."""
-    torch, dist, device = _init(rank, world, port, rank)
-    import torch_compat as tc
-    from torch_compat import fusion_pass, library
+    """build_tp_model over NCCL (the unfused baseline). "make_fx": per norm form, trace, run,
+    fuse_allreduce_rmsnorm, run; "inductor": torch.compile with the pass as post-grad pass."""
+    with _gloo(rank, world, port) as (torch, dist, device, tc):
+        from torch_compat import fusion_pass, library
 
-    try:
         nccl = dist.new_group(list(range(world)), backend="nccl")
         ws = _workspace(tc, torch, world, rank, m, hidden)
         ar = torch.ops._c10d_functional.all_reduce.default
@@ -914,5 +726,3 @@ def fusion_pass_worker(rank, world, chan, *, port, seed, m, hidden, layers, mode
         dist.barrier()
         ws.destroy()
         return out
-    finally:
-        dist.destroy_process_group()
