@@ -18,19 +18,11 @@ pytestmark = pytest.mark.oldest
 require_host_devices()
 
 WORLD = 8
-TOKENS = (1, 7, 64)
-HIDDENS = (8, 256, 1024)
 # rms_norm of exact inputs rounds once: half an ulp plus fp32 noise (16-bit); fp32 carries
 # the rsqrt's and the mean's own rounding.
 RMS_NORM_ULPS = {"bfloat16": 0.51, "float16": 0.51, "float32": 8.0}
 
-shapes = pytest.mark.parametrize("tokens,hidden", [(m, h) for m in TOKENS for h in HIDDENS])
 dtypes = pytest.mark.parametrize("dtype", DTYPES)
-weight_biases = pytest.mark.parametrize("weight_bias", [0.0, 1.0])
-
-
-def every_case(test):  # slow: every dtype, weight_bias, token count and hidden size
-    return pytest.mark.slow(dtypes(weight_biases(shapes(test))))
 
 
 def assert_rms_norm_of(r, gamma, weight_bias, y, dtype, rms_eps=RMS_EPS):
@@ -64,30 +56,6 @@ def test_rms_norm_eps_is_inside_the_root(dtype):
     assert_rms_norm_of(r, gamma, 0.0, np.asarray(_rms_norm(r, gamma, 0.0, 1e-3)), dtype, 1e-3)
 
 
-@every_case
-def test_rms_norm_and_epilogue_against_oracle(dtype, weight_bias, tokens, hidden):
-    rng = new_rng()
-    summed = random_values(rng, (tokens, hidden), dtype)  # an all-reduce already rounded to T
-    residual = random_values(rng, (tokens, hidden), dtype)
-    gamma = random_gamma(rng, hidden, dtype)
-    y = np.asarray(_rms_norm(residual, gamma, weight_bias, RMS_EPS))
-    assert y.dtype == jdtype(dtype) and y.shape == residual.shape
-    assert_rms_norm_of(residual, gamma, weight_bias, y, dtype)
-    kw = dict(rms_eps=RMS_EPS, weight_bias=weight_bias)
-    epilogues = lambda s, res, g: (
-        reference.epilogue(s, None, None, pattern=0, **kw),
-        reference.epilogue(s, res, g, pattern=1, **kw),
-    )
-    (ar, none_r, none_n), (none_a, res_out, norm_out) = jax.jit(epilogues)(summed, residual, gamma)
-    assert none_r is None and none_n is None and none_a is None
-    # Pattern 0 has nothing after the all-reduce: the sum comes back unchanged.
-    np.testing.assert_array_equal(bits(ar), bits(summed))
-    outs = dict(residual_out=res_out, norm_out=norm_out, what="epilogue")
-    check_outputs(dtype, [summed], residual=residual, gamma=gamma, weight_bias=weight_bias, **outs)
-    # The residual add rounds exactly once, from fp32.
-    assert_rounds_like_the_kernel(ar, res_out, [summed], residual, dtype)
-
-
 def _run_reference(partials, residual, gamma, weight_bias, **kwargs):
     """Numpy (allreduce, residual, norm) of patterns 0 and 1 on the per-rank partials
     [WORLD, M, H] over a WORLD-device mesh, every rank's the same bits. (Gathered per rank:
@@ -109,12 +77,33 @@ def _run_reference(partials, residual, gamma, weight_bias, **kwargs):
     return [o[0] for o in outs]
 
 
-@every_case
-def test_allreduce_fusion_reference_in_shard_map(dtype, weight_bias, tokens, hidden):
+@pytest.mark.slow  # every dtype, weight_bias, token count and hidden size
+@dtypes
+@pytest.mark.parametrize("weight_bias", [0.0, 1.0])
+@pytest.mark.parametrize("tokens,hidden", [(m, h) for m in (1, 7, 64) for h in (8, 256, 1024)])
+def test_reference_against_oracle(dtype, weight_bias, tokens, hidden):
+    """RMSNorm alone, the epilogue after a rounded sum, and the whole op over WORLD ranks."""
     rng = new_rng()
-    partials = random_partials(rng, (WORLD, tokens, hidden), dtype)
+    summed = random_values(rng, (tokens, hidden), dtype)  # an all-reduce already rounded to T
     residual = random_values(rng, (tokens, hidden), dtype)
     gamma = random_gamma(rng, hidden, dtype)
+    y = np.asarray(_rms_norm(residual, gamma, weight_bias, RMS_EPS))
+    assert y.dtype == jdtype(dtype) and y.shape == residual.shape
+    assert_rms_norm_of(residual, gamma, weight_bias, y, dtype)
+    kw = dict(rms_eps=RMS_EPS, weight_bias=weight_bias)
+    epilogues = lambda s, res, g: (
+        reference.epilogue(s, None, None, pattern=0, **kw),
+        reference.epilogue(s, res, g, pattern=1, **kw),
+    )
+    (ar, none_r, none_n), (none_a, res_out, norm_out) = jax.jit(epilogues)(summed, residual, gamma)
+    assert none_r is None and none_n is None and none_a is None
+    # Pattern 0 has nothing after the all-reduce: the sum comes back unchanged.
+    np.testing.assert_array_equal(bits(ar), bits(summed))
+    outs = dict(residual_out=res_out, norm_out=norm_out, what="epilogue")
+    check_outputs(dtype, [summed], residual=residual, gamma=gamma, weight_bias=weight_bias, **outs)
+    # The residual add rounds exactly once, from fp32.
+    assert_rounds_like_the_kernel(ar, res_out, [summed], residual, dtype)
+    partials = random_partials(rng, (WORLD, tokens, hidden), dtype)
     ar, res_out, norm_out = _run_reference(partials, residual, gamma, weight_bias)
     outs = dict(allreduce_out=ar, residual_out=res_out, norm_out=norm_out, what="reference")
     check_outputs(dtype, partials, residual=residual, gamma=gamma, weight_bias=weight_bias, **outs)
