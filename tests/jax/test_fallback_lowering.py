@@ -170,41 +170,30 @@ def row_parallel_args(mesh):
     return tuple(shaped(mesh, shape, spec) for shape, spec in specs)
 
 
+@pytest.mark.parametrize("axes", ["explicit", "auto"])
 @pytest.mark.parametrize("with_workspace", [True, False], ids=["xla_workspace", "no_workspace"])
 @PER_WORLD
-def test_row_parallel_on_explicit_axes_moves_no_more_than_the_partitioners_psum(
-    world, with_workspace
-):
-    mesh = explicit_mesh(world)
-    ws = xla_workspace(mesh) if with_workspace else None
-
-    def fused(h, w, r, g):
-        out = jf.row_parallel_allreduce_fusion(h, w, residual=r, rms_gamma=g, workspace=ws)
-        return out.residual_out, out.norm_out
-
-    in_specs = (P(None, "tp"), P("tp", None))
-    psum = jax.shard_map(
-        lambda h, w: jax.lax.psum(h @ w, "tp"), mesh=mesh, in_specs=in_specs, out_specs=P()
-    )
-    args = row_parallel_args(mesh)
+def test_row_parallel_moves_no_more_than_the_partitioners_psum(world, with_workspace, axes):
+    """Auto axes: the partition rule runs when XLA compiles (jax.export cannot carry it), so
+    its per-shard program, what every GPU runs, is lowered for cuda here."""
+    mesh = explicit_mesh(world) if axes == "explicit" else tp_mesh(world)
+    ws, args = xla_workspace(mesh) if with_workspace else None, row_parallel_args(mesh)
+    if axes == "auto":
+        dims = partitioning._Contraction.matmul(2)
+        cfg = partitioning._checked_config(dims, ws, 1e-6, 0.0, True, None, None, None, "xla")
+        text = partitioned_shard_text(cfg, mesh, args, check_vma=True)
+        assert summary(text) == psum_program(mesh), (ws, summary(text))
+        return
+    kw = dict(in_specs=(P(None, "tp"), P("tp", None)), out_specs=P())
+    psum = jax.shard_map(lambda h, w: jax.lax.psum(h @ w, "tp"), mesh=mesh, **kw)
     with jax.set_mesh(mesh):
+        fused = lambda h, w, r, g: jf.row_parallel_allreduce_fusion(
+            h, w, residual=r, rms_gamma=g, workspace=ws
+        )[1:3]
         got = cuda_collectives(fused, *args)
         base = cuda_collectives(jax.jit(lambda h, w, r, g: psum(h, w) + r), *args)
     check_not_costlier(got, base, f"row_parallel world {world}")
     assert got["all_reduce"] == base["all_reduce"] == psum_program(tp_mesh(world))["all_reduce"]
-
-
-@PER_WORLD
-def test_row_parallel_partition_rule_on_auto_axes_moves_no_more_than_psum(world):
-    """Auto axes: the partition rule runs when XLA compiles (jax.export cannot carry it),
-    so its per-shard program, what every GPU runs, is lowered for cuda here."""
-    mesh = tp_mesh(world)
-    for ws in (xla_workspace(mesh), None):
-        cfg = partitioning._checked_config(
-            partitioning._Contraction.matmul(2), ws, 1e-6, 0.0, True, None, None, None, "xla"
-        )
-        text = partitioned_shard_text(cfg, mesh, row_parallel_args(mesh), check_vma=True)
-        assert summary(text) == psum_program(mesh), (ws, summary(text))
 
 
 def norm_after(sum_fn):
