@@ -2,16 +2,14 @@
 numpy oracle (tests/oracles/quant_oracle.py): bitwise equality, layouts, error bounds, bad inputs.
 A random test names its fresh seed in its failure message; rerun one with QUANT_SEED=<seed>.
 
-Error bounds checked on dequantized values (float64 truth x = float(y)):
-  * e4m3, normal range: |x - q*s| <= 2^-4 |x| (half an ulp of a 3-bit mantissa); subnormal
-    range: <= 2^-10 * s (half the smallest subnormal 2^-9, times the scale). Saturation
-    (static FP8 with too small a scale) is excluded from the bound. Dynamic and group scales
-    never saturate: s >= amax/448 (dynamic up to the fp32 rounding of amax/448, so 448*(1+2^-23)
-    may round back to 448).
-  * e2m1 per 16-block with SF in the e4m3 normal range: |x - q*SF/gs| <= max(0.25, |v|/4) * SF/gs
-    (+ fp32 slack) where v = x*gs/SF is the value e2m1 rounds (steps 0.5 up to 2, 1 up to 4,
-    2 up to 6; |v| <= 6/(1-2^-4) as SF is rounded from gs*amax/6).
-"""
+Error bounds on dequantized values (float64 truth x = float(y)):
+  * e4m3: |x - q*s| <= 2^-4 |x| in the normal range (half an ulp of a 3-bit mantissa), <= 2^-10 s
+    in the subnormal one (half the smallest subnormal 2^-9, times s); static FP8's saturation
+    excluded. Dynamic and group scales never saturate: s >= amax/448 (dynamic up to the fp32
+    rounding of amax/448, so 448*(1+2^-23) may round back to 448).
+  * e2m1 per 16-block, SF an e4m3 normal: |x - q*SF/gs| <= max(0.25, |v|/4) * SF/gs (+ fp32
+    slack), v = x*gs/SF the value e2m1 rounds (steps 0.5 up to 2, 1 up to 4, 2 up to 6;
+    |v| <= 6/(1-2^-4) as SF is rounded from gs*amax/6)."""
 
 import os
 
@@ -211,25 +209,6 @@ def _positive_values(dtype_name):
     return bits.view(DTYPES[dtype_name]).astype(np.float64)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_fp8_static_reciprocal_then_multiply(dtype):
-    """The kernel multiplies by fl(1/scale); y / scale rounds differently exactly when the
-    product sits near an e4m3 midpoint, which scale = 7 * 2^k produces for some 30 y (13 and
-    15 do for fewer; 3, 5, 9, 11 and 0.1 for none)."""
-    seed, rng = seeded()
-    vals = _positive_values(dtype)
-    for k in rng.choice(np.arange(-6, 6), 2, replace=False):
-        s = 7.0 * 2.0 ** int(k)
-        kernel = O.e4m3_bytes_sat(O.fl(vals * O.fl(1.0 / s)))
-        divided = O.e4m3_bytes_sat(O.fl(vals / s))
-        y = vals[kernel != divided]
-        assert y.size, (s, seed)
-        y = np.concatenate([y, -y])[None, :].astype(DTYPES[dtype])
-        got = bytes_of(_static(jnp.asarray(y), f32([s])))
-        assert_e4m3_equal(got, O.fp8_static(y, s), f"scale={s} seed={seed}")
-        assert_e4m3_equal(got[0, : y.shape[1] // 2], kernel[kernel != divided], f"scale={s}")
-
-
 def test_reciprocal_division_mode():
     """division="reciprocal" (fl(a * fl(1/b))) against the oracle's, and it does differ."""
     seed, rng = seeded()
@@ -270,10 +249,24 @@ def _nvfp4_order_blocks(dtype_name, gs):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_nvfp4_operation_order(dtype):
+def test_the_kernels_order_of_operations(dtype):
     """Constructed inputs that tell the kernel's order of operations from plausible others
-    (random data hits these only by chance), plus the exact e2m1 ties."""
+    (random data hits these only by chance), plus the exact e2m1 ties. Static FP8: the kernel
+    multiplies by fl(1/scale); y / scale rounds differently exactly when the product sits near
+    an e4m3 midpoint, which scale = 7 * 2^k produces for some 30 y (13 and 15 do for fewer;
+    3, 5, 9, 11 and 0.1 for none)."""
     seed, rng = seeded()
+    vals = _positive_values(dtype)
+    for k in rng.choice(np.arange(-6, 6), 2, replace=False):
+        s = 7.0 * 2.0 ** int(k)
+        kernel = O.e4m3_bytes_sat(O.fl(vals * O.fl(1.0 / s)))
+        divided = O.e4m3_bytes_sat(O.fl(vals / s))
+        y = vals[kernel != divided]
+        assert y.size, (s, seed)
+        y = np.concatenate([y, -y])[None, :].astype(DTYPES[dtype])
+        got = bytes_of(_static(jnp.asarray(y), f32([s])))
+        assert_e4m3_equal(got, O.fp8_static(y, s), f"scale={s} seed={seed}")
+        assert_e4m3_equal(got[0, : y.shape[1] // 2], kernel[kernel != divided], f"scale={s}")
     found_sf = found_q = 0
     # gs = 3 * 2^k makes both orderings land on e4m3 / e2m1 midpoints (found for every k);
     # a random gs rarely does
@@ -297,11 +290,16 @@ def test_nvfp4_operation_order(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_nan_inf_semantics(dtype):
+    """Also T = float (VEC_SIZE 4) on the FP8 paths: g=24 takes the shared-memory max (24/4 = 6
+    vectors, not a power of two), g=32 the warp shuffle."""
     seed, rng = seeded()
     y = make_y(rng, 17, 96, dtype, specials=True)
     # 32: warp-shuffle max (NaN ignored); 24 and 4: shared-memory atomicMax (NaN wins)
     assert_fp8_paths_match(y, 0.75, (32, 24, 4), seed)
     assert_nvfp4_layouts_match(y, np.float32(3.0), f"seed={seed}")
+    y32 = y.astype(np.float32)
+    y32[3] *= np.float32(1 + 2.0**-20)  # bits a 16-bit type would not have
+    assert_fp8_paths_match(y32, 0.3, (24, 32), seed)
     # documented specifics: NaN -> NaN (static), NaN -> -448 (dynamic clamp via fmaxf),
     # all-NaN NVFP4 block -> NaN SF and +6 codes (0x77)
     nan_static = _static(f32([[np.nan]]).astype(jnp.bfloat16), f32(1.0))
@@ -310,15 +308,6 @@ def test_nan_inf_semantics(dtype):
     assert float(qd[0, 0].astype(jnp.float32)) == -448.0
     p, sf = _nvfp4(jnp.full((1, 16), jnp.nan, jnp.bfloat16), f32(1.0), 2)
     assert np.all(np.asarray(p) == 0x77) and np.isnan(float(sf[0, 0].astype(jnp.float32)))
-
-
-def test_float32_input_fp8_paths():
-    """T = float (VEC_SIZE 4) is accepted by the FP8 paths: g=24 takes the shared-memory max
-    (24/4 = 6 vectors, not a power of two), g=32 the warp shuffle."""
-    seed, rng = seeded()
-    y = make_y(rng, 17, 96, "bfloat16", specials=True).astype(np.float32)
-    y[3] *= np.float32(1 + 2.0**-20)  # bits a 16-bit type would not have
-    assert_fp8_paths_match(y, 0.3, (24, 32), seed)
 
 
 def test_e2m1_rounding_table():
