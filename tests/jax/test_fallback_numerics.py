@@ -7,8 +7,6 @@ rounding short; on the op (world 4 and 8), within the bound and bit for bit the 
 ``psum`` + add in the same program, so a site ``fuse`` rewrote runs the original's collective.
 The GPU test (tests/gpu/test_fallback.py) holds XLA's NCCL all-reduce to the same bound."""
 
-import json
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,10 +16,10 @@ from jax.sharding import PartitionSpec as P
 import jax_fusedar as jf
 from jax_fusedar.ops import partitioning
 from jax_fusedar.common.limits import SUPPORTED_WORLD_SIZES
-from tests.jax.child_process import cpu_env, run_script
-from tests.jax.cpu_helpers import DTYPES, RMS_EPS, bits, jdtype, make_mesh, new_rng
-from tests.jax.cpu_helpers import partials_of_kind, random_gamma, random_values
+from tests.jax.cpu_helpers import DTYPES, RMS_EPS, assert_same_bits, bits, jdtype, make_mesh
+from tests.jax.cpu_helpers import new_rng, partials_of_kind, random_gamma, random_values
 from tests.jax.cpu_helpers import require_host_devices, run_sharded, xla_workspace
+from tests.jax.fuse_checks import compiled, rms_norm
 from tests.oracles import oracle
 
 require_host_devices()
@@ -164,48 +162,27 @@ def test_the_op_falls_back_to_the_users_psum_within_the_bound(world, dtype):
         assert norm_own <= oracle.NORM_GIVEN_RESIDUAL_ULPS[dtype], where
 
 
-FUSED_EQUALS_ORIGINAL = r"""
-import json, sys
-import jax, jax.numpy as jnp, numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
-import jax_fusedar as jf
-from tests.jax.fuse_checks import rms_norm  # at the fused op's rounding points
-
-dtype = jnp.dtype(sys.argv[1])
-world, tokens, hidden = 4, 16, 256
-mesh = Mesh(np.array(jax.devices()[:world]), ("tp",))
-
-def layer(x, r, g):
-    r = jax.lax.psum(x, "tp") + r
-    return r, rms_norm(r, g)
-
-model = jax.jit(jax.shard_map(layer, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=P()))
-rng = np.random.default_rng(int(sys.argv[2]))
-x = (rng.standard_normal((world * tokens, hidden)) * rng.uniform(1, 100, (world * tokens, 1)))
-args = [jnp.asarray(v, dtype) for v in (x, rng.standard_normal((tokens, hidden)),
-                                        1 + 0.1 * rng.standard_normal(hidden))]
-fused = jf.fuse(model, mesh=mesh, axis_name="tp")  # backend "auto": xla on CPU
-got, want = fused(*args), model(*args)
-same = [bool(np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8)))
-        for a, b in zip(got, want)]
-print("FACTS " + json.dumps({"report": fused.report.line(), "same": same}))
-"""
-
-
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_a_site_fused_on_the_fallback_is_the_original_program(dtype):
     """fuse on CPU: the fused site runs the original's psum, so with a norm at the fused op's
     rounding points the program keeps its bits (float16: XLA's CPU psum rounds every addition).
-    A fresh process, with the CPU tests' XLA flags (excess precision off: every rounding kept)."""
-    env = cpu_env(8)
-    for var in ("JAX_FUSEDAR_STRICT", "JAX_FUSEDAR_ALLREDUCE_BACKEND"):
-        env.pop(var, None)
-    seed = int(new_rng().integers(1 << 30))
-    r = run_script(FUSED_EQUALS_ORIGINAL, dtype, str(seed), env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
-    facts = json.loads(r.stdout.split("FACTS ", 1)[1])
-    assert facts["report"].startswith("jax_fusedar.fuse: fused 1 of 1"), facts
-    assert facts["same"] == [True, True], (seed, facts)
+    Compiled with excess precision off (fuse_checks.compiled): XLA keeps every rounding."""
+    mesh, rng = make_mesh((4,), ("tp",)), new_rng()
+
+    def layer(x, r, g):
+        r = jax.lax.psum(x, "tp") + r
+        return r, rms_norm(r, g)
+
+    model = jax.jit(jax.shard_map(layer, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=P()))
+    x = rng.standard_normal((4 * 16, 256)) * rng.uniform(1, 100, (4 * 16, 1))
+    args = [
+        jnp.asarray(v, dtype)
+        for v in (x, rng.standard_normal((16, 256)), 1 + 0.1 * rng.standard_normal(256))
+    ]
+    fused = jf.fuse(model, mesh=mesh, axis_name="tp")  # backend "auto": xla on CPU
+    got, want = compiled(fused)(*args), compiled(model)(*args)
+    assert fused.report.line().startswith("jax_fusedar.fuse: fused 1 of 1"), fused.report.line()
+    assert_same_bits(got, want, f"fused vs original, {dtype}")
 
 
 @pytest.mark.parametrize("bad", ["psum", "XLA", None, True, 1])
