@@ -286,15 +286,11 @@ def test_module_falls_back_and_refuses_as_the_op(fw, mesh):
         small.destroy()
 
 
-def test_linen_gamma_is_logically_partitioned(mesh, ws):
-    nn = Linen().lib
+def test_flax_gamma_carries_its_sharding_metadata(mesh, ws):
+    nn, nnx = Linen().lib, NNX().lib
     box = Linen().make(ws, kernel_axes=("embed_norm",))[0]["params"]["scale"]
     assert isinstance(box, nn.LogicallyPartitioned) and box.names == ("embed_norm",)
     assert nn.logical_to_mesh_axes(box.names, (("embed_norm", None),)) == P(None)
-
-
-def test_nnx_gamma_carries_its_sharding_metadata(mesh, ws):
-    nnx = NNX().lib
     with jax.set_mesh(mesh):  # Flax places a parameter with sharding metadata on creation
         m = NNX().ours.ResidualRMSNorm(HIDDEN, workspace=ws, kernel_axes=(None,), rngs=nnx.Rngs(0))
     assert m.scale.get_metadata()["out_sharding"] == (None,)
