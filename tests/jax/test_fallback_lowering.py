@@ -317,12 +317,8 @@ def test_plain_conversions_give_the_explicit_roundings_bits_where_xla_keeps_them
     tiny, normal = inputs(True), inputs(False)
     results, texts = {}, {}
     for fallback in ("xla", "xla_plain"):
-
-        def body(x, r, g):
-            kw = dict(residual=r, rms_gamma=g, fallback=fallback)
-            out = jf.allreduce_fusion(x, axis_name="tp", workspace=ws, **kw)
-            return out.residual_out, out.norm_out
-
+        kw = dict(axis_name="tp", workspace=ws, fallback=fallback)
+        body = lambda x, r, g: jf.allreduce_fusion(x, residual=r, rms_gamma=g, **kw)[1:3]
         f = jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=(P(), P()))
         loss = lambda x, r, g: jnp.sum(f(x, r, g)[1].astype(jnp.float32) * ct)
         texts[fallback] = jax.jit(f).lower(*tiny, gamma).as_text()
