@@ -67,8 +67,7 @@ def inputs(kind, rng, world, shape, dtype_name):
     return np.stack([a] + [small] * (world - 1)).astype(np.float32).astype(t)
 
 
-def sum64(xs):
-    return np.sum(xs.astype(np.float64), axis=0)
+sum64 = lambda xs: np.sum(xs.astype(np.float64), axis=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -98,12 +97,8 @@ def test_bound_is_reached_in_rank_order(world, dtype):
     assert 0.8 <= ratio <= 1.0, ratio
     kernel = oracle.bound_ratio(s, s64, oracle.sum_error_bound(xs, dtype, fp32_acc=True))
     assert kernel > world / 2, kernel
-
-
-def test_a_bound_one_rounding_short_is_exceeded():
-    xs = inputs("absorbed", new_rng(), 4, (64, 256), "bfloat16")
-    s = chain(list(xs), "bfloat16")
-    assert oracle.bound_ratio(s, sum64(xs), oracle.psum_error_bound(xs[:-1], "bfloat16")) > 1.0
+    if (world, dtype) == (4, "bfloat16"):  # the same bound counted one rounding short
+        assert oracle.bound_ratio(s, s64, oracle.psum_error_bound(xs[:-1], dtype)) > 1.0
 
 
 def test_at_two_ranks_the_bound_is_the_kernels():
