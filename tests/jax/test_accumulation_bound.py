@@ -59,15 +59,11 @@ def test_without_fp32_acc_the_bound_is_reached_and_the_two_rank_bound_is_not_eno
     assert oracle.allreduce_error_ulps(s, s64, dtype) > 8.0
     s_acc = emulate_kernel_sum(xs, dtype, fp32_acc=True)
     assert oracle.allreduce_error_ulps(s_acc, s64, dtype) <= 1.0
-
-
-def test_a_bound_one_rounding_short_is_exceeded():
-    """The bound counts every rounding: the same recurrence over one rank fewer (one rounding
-    fewer) is exceeded by the emulated kernel on cancelling inputs."""
-    xs = partials_of_kind("cancelling", new_rng(), 8, (256, 512), "bfloat16")
-    s = emulate_kernel_sum(xs, "bfloat16", fp32_acc=False)
-    short = oracle.sum_error_bound(xs[1:], "bfloat16", fp32_acc=False)
-    assert oracle.bound_ratio(s, np.sum(xs.astype(np.float64), axis=0), short) > 1.0
+    if (world, dtype) == (8, "bfloat16"):
+        # The bound counts every rounding: over one rank fewer (one rounding fewer) it is
+        # exceeded.
+        short = oracle.sum_error_bound(xs[1:], dtype, fp32_acc=False)
+        assert oracle.bound_ratio(s, s64, short) > 1.0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
