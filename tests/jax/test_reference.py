@@ -114,14 +114,11 @@ def test_reference_against_oracle(dtype, weight_bias, tokens, hidden):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_residual_add_sees_the_rounded_sum(dtype):
-    """The all-reduce is rounded to T *before* the residual is added (two roundings).
-
-    Per element, with h half an ulp at 1 and a a random signed power of two: rank 0 holds a
-    (even mantissa) or a(1+2h) (odd), rank 1 holds a*h, the other ranks cancel in pairs. The
-    exact sums a(1+h) and a(1+3h) are ties, which T rounds to even: a and a(1+4h). Adding
-    the residual +a*h resp. -a*h makes another tie that rounds back to a resp. a(1+4h).
-    Adding it to the unrounded sum instead gives a(1+2h), exactly: a different answer in
-    every element. Magnitudes keep every fp32 partial sum exact, in any order."""
+    """The all-reduce is rounded to T *before* the residual is added (two roundings). With h
+    half an ulp at 1, a a signed power of two: rank 0 holds a (even mantissa) or a(1+2h) (odd),
+    rank 1 a*h, the others cancel in pairs. The sums a(1+h), a(1+3h) are ties, rounded to even:
+    a, a(1+4h); the residual +-a*h makes another tie, back to a, a(1+4h). Added to the unrounded
+    sum it gives a(1+2h) exactly, in every element. Every fp32 partial sum is exact."""
     rng = new_rng()
     h = 2.0 ** -({"bfloat16": 7, "float16": 10}[dtype] + 1)
     shape = (7, 256)
