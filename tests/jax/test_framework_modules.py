@@ -72,18 +72,16 @@ def direct(ws, partial, residual, gamma, **kw):
     return jf.allreduce_fusion(partial, **kw)[1:3]
 
 
-def sharded(mesh, f, in_specs, out_specs=OUT_SPECS):
-    return jit_shard_map(f, mesh, in_specs, out_specs)
+sharded = lambda mesh, f, in_specs, out_specs=OUT_SPECS: jit_shard_map(f, mesh, in_specs, out_specs)
+cotangent = lambda mesh, rng: put(
+    mesh, P("dp"), rng.standard_normal((DP * TOKENS, HIDDEN)).astype(np.float32)
+)
 
 
 def loss(outs, cot):
     residual_out, norm_out = outs
     f32 = lambda a: a.astype(jnp.float32)
     return jnp.sum(f32(norm_out) * cot) + jnp.sum(f32(residual_out) * cot[::-1])
-
-
-def cotangent(mesh, rng):
-    return put(mesh, P("dp"), rng.standard_normal((DP * TOKENS, HIDDEN)).astype(np.float32))
 
 
 class Framework:
