@@ -203,8 +203,7 @@ def test_matches_oracle(kind, dtype, M, H):
             assert_nvfp4_layouts_match(y, gs32, f"gs={gs32!r} seed={seed}")
 
 
-def _positive_values(dtype_name):
-    """Every positive finite value of T, as float64."""
+def _positive_values(dtype_name):  # every positive finite value of T, as float64
     bits = np.arange(1, 0x7C00 if dtype_name == "float16" else 0x7F80, dtype=np.uint16)
     return bits.view(DTYPES[dtype_name]).astype(np.float64)
 
