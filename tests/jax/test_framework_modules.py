@@ -178,26 +178,32 @@ def test_module_matches_the_oracle_and_the_op_bit_for_bit(fw, mesh, ws, gamma_dt
         oracle_check(host_p[i], host_r[i], gamma, got[0][i], got[1][i], what)
 
 
-# The gradient and scan + remat tests compile several programs each (2-4 s of CPU on 2
-# cores): the full suite runs them, the quick lane leaves them out.
+# Compiles several programs (4-8 s of CPU on 2 cores): the quick lane leaves it out.
 @pytest.mark.slow
 def test_module_gradients_are_the_ops(fw, mesh, ws):
     """jax.grad through the module (gamma, the partial sum and the residual) equals, bit for
-    bit, jax.grad through allreduce_fusion, whose gradient is that of the plain math."""
+    bit, jax.grad through allreduce_fusion, whose gradient is that of the plain math. Two
+    layers of it in a lax.scan over stacked parameters, each under jax.checkpoint: forward and
+    gradients equal the two layers unrolled without remat."""
     rng = new_rng()
-    params, call = module_with_gamma(fw, ws, rng, "float32")
+    params, call = fw.make(ws)
+    layers = [fw.with_gamma(params, random_gamma(rng, HIDDEN, "float32")) for _ in range(2)]
     partial, residual, _, _ = inputs(mesh, rng)
     cot = cotangent(mesh, rng)
 
-    def grads(outputs, first):
-        """jax.grad of the loss of ``outputs(first, partial, residual)`` w.r.t. all three."""
-        grad = jax.grad(lambda q, p, r, c: loss(outputs(q, p, r), c), (0, 1, 2))
-        return sharded(mesh, grad, (P(), *SPECS, P("dp")), (P(), *SPECS))(
+    def grads(outputs, first, argnums=(0, 1, 2)):
+        """outputs(first, partial, residual), and jax.grad of its loss w.r.t. ``argnums``."""
+        body = lambda q, p, r, c: (
+            outputs(q, p, r),
+            jax.grad(lambda *a: loss(outputs(*a), c), argnums)(q, p, r),
+        )
+        grad_specs = tuple((P(), *SPECS)[i] for i in argnums)
+        return sharded(mesh, body, (P(), *SPECS, P("dp")), (OUT_SPECS, grad_specs))(
             first, partial, residual, cot
         )
 
-    got, g = grads(call, params), fw.gamma_of(params)
-    want = grads(lambda g, p, r: direct(ws, p, r, g), g)
+    got, g = grads(call, layers[0])[1], fw.gamma_of(layers[0])
+    want = grads(lambda g, p, r: direct(ws, p, r, g), g)[1]
     assert_same_bits(
         (fw.gamma_of(got[0]), *got[1:]), want, f"{fw.name}: gradients against the op's"
     )
@@ -213,18 +219,7 @@ def test_module_gradients_are_the_ops(fw, mesh, ws):
         )
         return out, norm
 
-    assert_same_bits(want, grads(plain_math, g), "the op's gradients against the plain math's")
-
-
-@pytest.mark.slow
-def test_module_under_scan_and_remat(fw, mesh, ws):
-    """Two layers of the module in a lax.scan over stacked parameters, each layer under
-    jax.checkpoint: forward and gradients equal the two layers unrolled without remat."""
-    rng = new_rng()
-    params, call = fw.make(ws)
-    layers = [fw.with_gamma(params, random_gamma(rng, HIDDEN, "float32")) for _ in range(2)]
-    stacked = jax.tree.map(lambda *a: jnp.stack(a), *layers)
-    partial, residual, _, _ = inputs(mesh, rng)
+    assert_same_bits(want, grads(plain_math, g)[1], "the op's gradients against the plain math's")
 
     def scanned(stacked, p, r):
         r, norms = jax.lax.scan(lambda r, layer: jax.checkpoint(call)(layer, p, r), r, stacked)
@@ -235,15 +230,8 @@ def test_module_under_scan_and_remat(fw, mesh, ws):
             r, n = call(layer, p, r)
         return r, n
 
-    cot = cotangent(mesh, rng)
-
-    def run(f, params):
-        body = lambda q, p, r, c: (f(q, p, r), jax.grad(lambda q: loss(f(q, p, r), c))(q))
-        return sharded(mesh, body, (P(), *SPECS, P("dp")), (OUT_SPECS, P()))(
-            params, partial, residual, cot
-        )
-
-    (s_out, s_grad), (u_out, u_grad) = run(scanned, stacked), run(unrolled, layers)
+    s_out, (s_grad,) = grads(scanned, jax.tree.map(lambda *a: jnp.stack(a), *layers), (0,))
+    u_out, (u_grad,) = grads(unrolled, layers, (0,))
     assert_same_bits(s_out, u_out, f"{fw.name}: scan + remat forward")
     assert_same_bits(
         [fw.gamma_of(jax.tree.map(lambda a: a[i], s_grad)) for i in range(2)],
