@@ -82,19 +82,6 @@ def test_row_parallel_refuses_bad_options_by_name_up_front(
         call_row_parallel(mesh, args, workspace=ws, **over)
 
 
-def test_row_parallel_misuse_without_a_workspace_is_named(monkeypatch):
-    """A bad precision, a missing gamma and a bad $JAX_FUSEDAR_STRICT, each refused by name."""
-    mesh = mesh_2x4(AxisType.Auto)
-    with pytest.raises(ValueError, match="[Pp]recision"):
-        call_row_parallel(mesh, row_parallel_args(mesh), precision="fastest-please")
-    h, w, r, _ = row_parallel_args(mesh)
-    with pytest.raises(ValueError, match="rms_gamma is required"):
-        jf.row_parallel_allreduce_fusion(h, w, residual=r, rms_gamma=None)
-    monkeypatch.setenv(backend_choice.STRICT_ENV_VAR, "maybe")
-    with pytest.raises(ValueError, match=r"\$JAX_FUSEDAR_STRICT='maybe' is not a boolean"):
-        call_row_parallel(mesh, row_parallel_args(mesh, k_sharded=False))
-
-
 @AXIS_TYPES
 @pytest.mark.parametrize("contraction", ["matmul", "bhtq,hqd->btd"])
 def test_row_parallel_hidden_size_the_kernel_cannot_take_is_refused_while_tracing(
@@ -133,9 +120,10 @@ def test_row_parallel_residual_none_is_zeros(axis_type, k_sharded):
     assert_same_bits(call_row_parallel(mesh, (h, w, None, g), workspace=ws), want, "residual=None")
 
 
-def test_row_parallel_good_options_still_give_allreduce_fusions_bits():
-    """The options reach the per-shard program unchanged: each fp32_acc (it differs on the
-    kernel-exact fallback) equals shard_map + allreduce_fusion with the same options."""
+def test_row_parallel_options_on_auto_axes(monkeypatch):
+    """Good options reach the per-shard program unchanged: each fp32_acc (it differs on the
+    kernel-exact fallback) equals shard_map + allreduce_fusion with the same options. A bad
+    precision, a missing gamma and a bad $JAX_FUSEDAR_STRICT are each refused by name."""
     mesh = mesh_2x4(AxisType.Auto)
     ws = xla_workspace(mesh, max_token_num=TOKENS, hidden_dim=N)
     args, outs = row_parallel_args(mesh), {}
@@ -150,6 +138,13 @@ def test_row_parallel_good_options_still_give_allreduce_fusions_bits():
         )
         outs[acc] = got
     assert not np.array_equal(bits(outs[True][1]), bits(outs[False][1]))
+    with pytest.raises(ValueError, match="[Pp]recision"):
+        call_row_parallel(mesh, args, precision="fastest-please")
+    with pytest.raises(ValueError, match="rms_gamma is required"):
+        jf.row_parallel_allreduce_fusion(*args[:2], residual=args[2], rms_gamma=None)
+    monkeypatch.setenv(backend_choice.STRICT_ENV_VAR, "maybe")
+    with pytest.raises(ValueError, match=r"\$JAX_FUSEDAR_STRICT='maybe' is not a boolean"):
+        call_row_parallel(mesh, row_parallel_args(mesh, k_sharded=False))
 
 
 def test_allreduce_fusion_in_an_inner_shard_map_over_tp_within_an_outer_over_dp():
