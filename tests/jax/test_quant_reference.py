@@ -327,7 +327,7 @@ def test_e2m1_rounding_table():
 
 def test_e4m3_conversion_is_rne_satfinite():
     """XLA's f32 -> e4m3 (after the clamp) agrees with ml_dtypes and with a table RNE at every
-    midpoint and its neighbours, subnormals included."""
+    midpoint and its neighbours, subnormals included; the constants and fast-math claims."""
     t = np.arange(0, 0x7F, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
     m32 = ((t[:-1] + t[1:]) / 2).astype(np.float32)
     extra = [448.0, 460.0, 464.0, 470.0, 1e9, np.inf, 2.0**-10, 3 * 2.0**-11]
@@ -345,9 +345,6 @@ def test_e4m3_conversion_is_rne_satfinite():
     tie = (best % 2 == 1) & (d[np.arange(a.size), nxt] == d[np.arange(a.size), best])
     code = np.where(tie, best + 1, best) | np.where(np.signbit(v), 0x80, 0)
     np.testing.assert_array_equal(got, code.astype(np.uint8))
-
-
-def test_constants_and_fast_math_claims():
     assert hex(np.float32(1e-10).view(np.uint32)) == "0x2edbe6ff"
     assert Q._DYN_MIN_SCALE == np.float32(2.0**-9 / 448)
     # a multiply by fl(1/448) lands exactly on the power of two for every amax = 7 * 2^j
