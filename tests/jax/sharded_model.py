@@ -20,18 +20,12 @@ ACT_SPEC = P("dp", None, None)
 def model_params(rng, dtype=jnp.bfloat16, hidden=HIDDEN, ffn=FFN):
     """Per layer: column-parallel up projection, row-parallel down projection, norm gamma;
     scaled so that activations stay O(1) through the layers. Fresh values from ``rng``."""
-
-    def normal(shape, scale):
-        return (rng.standard_normal(shape) * scale).astype(np.float32).astype(dtype)
-
-    return [
-        dict(
-            w1=normal((hidden, ffn), 1 / 16),
-            w2=normal((ffn, hidden), 1 / 16),
-            gamma=rng.uniform(-2, 2, hidden).astype(np.float32).astype(dtype),
-        )
-        for _ in range(LAYERS)
-    ]
+    cast = lambda a: a.astype(np.float32).astype(dtype)
+    normal = lambda shape: cast(rng.standard_normal(shape) / 16)
+    layer = lambda: dict(
+        w1=normal((hidden, ffn)), w2=normal((ffn, hidden)), gamma=cast(rng.uniform(-2, 2, hidden))
+    )
+    return [layer() for _ in range(LAYERS)]
 
 
 def jit_model(params, x, *, workspace):
@@ -52,28 +46,22 @@ def shard_map_model(mesh, ws):
     def body(params, x):
         h, residual = x, x
         for p in params:
-            a = jax.nn.gelu(jnp.dot(h, p["w1"]))
-            partial = jnp.dot(a, p["w2"])
-            shape = partial.shape
+            partial = jnp.dot(jax.nn.gelu(jnp.dot(h, p["w1"])), p["w2"])
+            shape, flat = partial.shape, lambda a: a.reshape(-1, partial.shape[-1])
             out = jf.allreduce_fusion(
-                partial.reshape(-1, shape[-1]),
+                flat(partial),
                 axis_name="tp",
                 workspace=ws,
-                residual=residual.reshape(-1, shape[-1]),
+                residual=flat(residual),
                 rms_gamma=p["gamma"],
             )
             h, residual = out.norm_out.reshape(shape), out.residual_out.reshape(shape)
         return h, residual
 
-    specs = [PARAM_SPECS] * LAYERS
-    return jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=(specs, ACT_SPEC), out_specs=(ACT_SPEC, ACT_SPEC))
-    )
+    specs = ([PARAM_SPECS] * LAYERS, ACT_SPEC)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(ACT_SPEC, ACT_SPEC)))
 
 
 def place(mesh, params, x):
-    params = [
-        {k: jax.device_put(v, NamedSharding(mesh, PARAM_SPECS[k])) for k, v in p.items()}
-        for p in params
-    ]
-    return params, jax.device_put(x, NamedSharding(mesh, ACT_SPEC))
+    put = lambda v, spec: jax.device_put(v, NamedSharding(mesh, spec))
+    return [{k: put(v, PARAM_SPECS[k]) for k, v in p.items()} for p in params], put(x, ACT_SPEC)

@@ -10,9 +10,9 @@ from tests.test_readme import RUNNER, cpu_blocks, run_blocks
 from tests.repo import REPO
 
 PAGE = REPO / "docs" / "frameworks.md"
-FACTS = """
-facts = {name: [list(ns[name].shape), str(ns[name].dtype)]
-         for name in ("out", "stream", "norm", "eqx_stream", "eqx_norm") if name in ns}
+OUTS = ("out", "stream", "norm", "eqx_stream", "eqx_norm")
+FACTS = f"""
+facts = {{name: [list(ns[name].shape), str(ns[name].dtype)] for name in {OUTS} if name in ns}}
 facts["grads_finite"] = bool(all(np.isfinite(np.asarray(g, np.float32)).all()
                                  for g in __import__("jax").tree.leaves(ns["grads"])))
 print("PAGE " + json.dumps(facts))
@@ -28,5 +28,4 @@ def test_frameworks_page_blocks_run_on_8_cpu_devices(monkeypatch):
     monkeypatch.setattr("tests.test_readme.RUNNER", RUNNER + FACTS)
     out = run_blocks("docs/frameworks.md", blocks)
     facts = json.loads(out.split("PAGE ", 1)[1])
-    outs = ("out", "stream", "norm", "eqx_stream", "eqx_norm")
-    assert facts == {**dict.fromkeys(outs, [[4, 16, 256], "bfloat16"]), "grads_finite": True}
+    assert facts == {**dict.fromkeys(OUTS, [[4, 16, 256], "bfloat16"]), "grads_finite": True}

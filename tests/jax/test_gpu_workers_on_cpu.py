@@ -1,20 +1,17 @@
-"""The JAX GPU workers (tests/gpu/workers/jax_multiprocess.py: parity, the long loop, the FP8
-patterns) at 4 ranks on CPUs: one `jax.distributed` process per rank over gloo, JAX's
-reference path in place of the kernel. The reference path rounds where the kernel rounds
-(fp32_acc=False included), so this runs the workers' plumbing and, for real, the checks the
-GPU tests apply at world sizes above 2 (harness.bound_problems: the accumulation bounds)
-before a GPU does."""
-
-import os
+"""The JAX GPU workers (tests/gpu/workers/) as CPU processes over gloo, the reference path in
+place of the kernel. It rounds where the kernel rounds, so this runs the workers' plumbing
+and, for real, the GPU tests' checks above 2 ranks (harness.bound_problems) before a GPU does."""
 
 import pytest
 
 from tests.gpu import harness
 
+pytestmark = pytest.mark.slow
+
 
 def _ranks(worker, world, **kw):
     """``worker`` as ``world`` CPU processes with a fresh seed."""
-    seed = int.from_bytes(os.urandom(4), "little") % (1 << 30)
+    seed = harness.random_seed(1 << 30)
     return harness.run_ranks_with_port(
         worker, world, timeout_s=600, seed=seed, platform="cpu", **kw
     )
@@ -26,7 +23,6 @@ def _run(task, world, **kw):
     return _ranks(jax_multiprocess.worker, world, xla_flags="", task=task, **kw)
 
 
-@pytest.mark.slow
 def test_parity_worker_at_four_ranks_within_the_bounds():
     from tests.gpu.test_jax import parity_problems
 
@@ -36,17 +32,14 @@ def test_parity_worker_at_four_ranks_within_the_bounds():
     w = res[0]["worst"]["bfloat16"]
     # 2 token counts: one-shot, and two-shot for 9 > 4 tokens; fp32_acc=False on 1 of 3.
     assert w["cases"] == 3 and w["ulps_no_fp32_acc"], w
-    for key in ("allreduce_bound", "residual_bound", "norm_own"):
-        assert 0.0 < w[key], (key, w)
+    assert all(0.0 < w[key] for key in ("allreduce_bound", "residual_bound", "norm_own")), w
     # Every rank held the same bounds over the same data.
     assert all(r["worst"] == res[0]["worst"] for r in res)
 
 
-@pytest.mark.slow
 def test_batching_worker_at_four_ranks():
-    """tests/gpu/workers/jax_batching.py on the reference path: the dense batch forms within
-    the oracle's bounds, the MoE vmap equal to one call per element, as the GPU test
-    (tests/gpu/test_jax.py::test_jax_batched_calls_fold_into_the_kernel) holds them."""
+    """jax_batching.py: the dense batch forms within the oracle's bounds, the MoE vmap equal to
+    one call per element, as tests/gpu/test_jax.py::test_jax_batched_calls_fold_into_the_kernel."""
     from tests.gpu.test_jax import batching_problems
 
     res = _run("batching", 4)
@@ -54,52 +47,34 @@ def test_batching_worker_at_four_ranks():
     assert all(r["batching"]["dense"]["residual_bound"] > 0 for r in res)
 
 
-@pytest.mark.slow
 def test_loop_worker_at_four_ranks():
     (r, *_) = _run("loop", 4, calls=20, m=4, hidden=256)
     assert r["loop"]["calls"] == 20 and r["loop"]["violations"] == 0, r
 
 
-@pytest.mark.slow
 def test_quant_worker_at_four_ranks():
-    from tests.gpu.harness import bound_problems
-
-    res = _run("quant", 4, tokens=(1, 9), hiddens=(256,))
-    for r in res:
-        q = r["quant"]
+    for q in (r["quant"] for r in _run("quant", 4, tokens=(1, 9), hiddens=(256,))):
         assert q["cases"] == 2 * 3 and q["worse"] == 0, q
-        assert not bound_problems(q, "bfloat16", 4), q
+        assert not harness.bound_problems(q, "bfloat16", 4), q
         assert "residual_bound" in q and "norm_own" in q, q
 
 
-@pytest.mark.slow
 def test_model_worker_at_two_ranks():
-    """The 64-layer model task's plumbing (8 layers here): the fused model against the same
-    math unfused on one device and a float64 model, as tests/gpu/test_jax.py holds it; no
-    kernel on CPU, so no host launches either."""
-    res = _run("model", 2, layers=8, m=4, hidden=256, ffn=512)
-    for r in res:
-        m = r["model"]
+    """The 64-layer model task (8 layers here) against the same math unfused and a float64
+    model, as tests/gpu/test_jax.py holds it; no kernel on CPU, so no host launches."""
+    for m in (r["model"] for r in _run("model", 2, layers=8, m=4, hidden=256, ffn=512)):
         assert m["finite"] and m["fused_vs_f64"] <= 1.25 * m["unfused_vs_f64"] + 1e-3, m
         assert m["host_launches_per_run"] == [0, 0, 0], m
 
 
-@pytest.mark.slow
 def test_fuse_styles_worker_at_two_ranks():
-    """tests/gpu/fuse_styles.py's worker as two CPU processes (the reference lowering over
-    gloo, so XLA collectives stay and every style runs): every site fused, and the fused
-    models as accurate as the unfused ones (fuse_styles.check)."""
+    """tests/gpu/fuse_styles.py's worker (XLA collectives stay, every style runs): every site
+    fused, the fused models as accurate as the unfused ones (fuse_styles.check)."""
     from tests.gpu import fuse_styles
     from tests.gpu.test_fuse_styles import CONFIG
 
-    styles = [
-        "per_linear_llama",
-        "sequence_parallel_llama",
-        "plain_jit_llama_explicit",
-        "hf_flax_llama_float32",
-        "annotated_llama_per_token",
-        "scanned_llama_shard_map",
-    ]
+    styles = ["per_linear_llama", "sequence_parallel_llama", "plain_jit_llama_explicit"]
+    styles += ["hf_flax_llama_float32", "annotated_llama_per_token", "scanned_llama_shard_map"]
     config = dict(CONFIG, hidden=256, ffn=512, seq=16, heads=4)
     res = _ranks(fuse_styles.worker, 2, styles=styles, config=config)
     assert not fuse_styles.check(res, styles, platform="cpu")
@@ -107,11 +82,9 @@ def test_fuse_styles_worker_at_two_ranks():
         assert all(v["xla_collectives"] and "skipped" not in v for v in r["styles"].values())
 
 
-@pytest.mark.slow
 def test_fallback_worker_at_two_ranks():
-    """tests/gpu/workers/jax_fallback.py as two CPU processes over gloo: the fused call on an
-    xla workspace and the user's psum + add + RMSNorm, both within the fallback's bound of
-    the float64 oracle, and the compiled modules' collectives compared (the CPU's own)."""
+    """jax_fallback.py: the fused call on an xla workspace and the user's psum + add + RMSNorm
+    within the fallback's bound of the oracle; the compiled collectives compared."""
     from tests.gpu.test_fallback import _run
     from tests.gpu.workers import jax_fallback
 

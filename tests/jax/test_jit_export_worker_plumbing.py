@@ -1,7 +1,5 @@
-"""CPU run of the workers of tests/gpu/test_jit_export.py (8 CPU devices, XLA workspaces), so
-that their plumbing and checks are proven before a GPU runs them: on CPU the op lowers to the
-reference, so the HLO has all-reduces instead of the kernel, and the ("cpu", "cuda")
-artifact runs its CPU branch."""
+"""CPU run of the workers of tests/gpu/test_jit_export.py (8 CPU devices, XLA workspaces): the
+op lowers to the reference (all-reduces in the HLO), the ("cpu", "cuda") artifact its CPU branch."""
 
 import pytest
 
@@ -13,8 +11,7 @@ pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbu
 @pytest.mark.slow
 def test_jit_worker_on_cpu():
     res = run_task("jit", "cpu", seed=7)
-    for axes in ("Auto", "Explicit"):
-        r = res[axes]
+    for r in (res["Auto"], res["Explicit"]):
         assert r["backend"] == "xla" and r["fused_calls_in_hlo"] == 0, r
         assert r["all_reduces_in_hlo"] == 4 and r["bitwise_equal"] and r["finite"], r
 
@@ -27,9 +24,8 @@ def test_export_and_serve_workers_on_cpu(tmp_path):
             "serving the (cpu, cuda) artifact compiles its cuda branch against the host twin "
             "of the FFI target, which is in the native extension (exporting needs none)"
         )
-    path = str(tmp_path / "layer")
-    made = run_task("export", "cpu", path=path, seed=7)
-    served = run_task("serve", "cpu", path=path)
+    made = run_task("export", "cpu", path=str(tmp_path / "layer"), seed=7)
+    served = run_task("serve", "cpu", path=str(tmp_path / "layer"))
     assert made["ids_in_artifact"] == [made["workspace_id"]]
     # CPU workspaces are XLA ones (another key): the artifact's CPU branch needs none.
     assert served["backend"] == "xla" and served["missing_workspace_error"] == "no error"

@@ -1,8 +1,6 @@
 """The demo's Llama (jax_fusedar.models.llama) on 8 virtual CPU devices: configuration checks,
-on-device weight init (the GPU demo's path), unrolled == scanned layers.
-
-Its logits against Hugging Face's LlamaForCausalLM: tests/jax/test_transformers_parity.py.
-"""
+on-device weight init (the GPU demo's path), unrolled == scanned layers. Its logits against
+Hugging Face's LlamaForCausalLM: tests/jax/test_transformers_parity.py."""
 
 import dataclasses
 
@@ -33,10 +31,10 @@ def test_config_that_does_not_split_is_refused_by_name(change, message):
 
 
 def test_llama3_8b_shapes():
-    cfg = llama.LLAMA3_8B
-    shapes = (cfg.layers, cfg.hidden, cfg.ffn, cfg.heads, cfg.kv_heads, cfg.head_dim)
+    c = llama.LLAMA3_8B
+    shapes = (c.layers, c.hidden, c.ffn, c.heads, c.kv_heads, c.head_dim)
     assert shapes == (32, 4096, 14336, 32, 8, 128)
-    cfg.check(2)
+    c.check(2)
 
 
 @pytest.mark.slow
@@ -62,7 +60,7 @@ def test_packed_projections_give_each_rank_its_own_q_k_v_and_gate_up():
     w = llama.init_params_numpy(cfg, 11)
     tree = llama.from_hf_layout(w, tp)
     qkv, gu = tree["layers"]["wqkv"], tree["layers"]["w_gate_up"]
-    nq, nkv, nf = (cfg.heads * cfg.head_dim // tp, cfg.kv_heads * cfg.head_dim // tp, cfg.ffn // tp)
+    nq, nkv, nf = cfg.heads * cfg.head_dim // tp, cfg.kv_heads * cfg.head_dim // tp, cfg.ffn // tp
     cols = {"wq": nq, "wk": nkv, "wv": nkv, "w_gate": nf, "w_up": nf}
 
     def packed(*names):  # rank after rank, that rank's columns of each of ``names``
@@ -87,12 +85,8 @@ def test_unrolled_and_scanned_layers_agree():
     with pytest.raises(ValueError, match="stacked"):
         llama.arrange(per_layer, MESH, "tp", scan=True)
     tokens = jnp.asarray(np.random.default_rng(5).integers(0, cfg.vocab, (2, 6)), jnp.int32)
-    out = {}
-    for name, scan, p in (
-        ("scan", True, params),
-        ("unrolled", False, params),
-        ("unrolled per layer", False, per_layer),
-    ):
+    out, runs = {}, [("scan", True, params), ("unrolled", False, params)]
+    for name, scan, p in runs + [("unrolled per layer", False, per_layer)]:
         fwd = jax.jit(llama.make_forward(cfg, MESH, "tp", scan=scan))
         cache = llama.init_cache(cfg, MESH, "tp", jnp.float32, 2, 8)
         logits, ck, cv = fwd(p, tokens, *cache, jnp.int32(0))

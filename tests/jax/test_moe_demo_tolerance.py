@@ -1,9 +1,8 @@
 """The tolerance of ``demo --moe`` (jax_fusedar/cli/compare.py ``moe_tolerance``), on 8 virtual
-CPU devices, where the MoE op runs its reference lowering with the kernel's rounding points
-(jax_fusedar/ops/moe_reference.py): the MoE layers' magnitudes measured on the unsharded model
-(``moe_llama.term_ratios``) are the TP group's, the fused TP model of the one-process-per-rank
-demo stays within the tolerance of the unsharded reference at 2, 4 and 8 ranks, and a model
-that differs by more than rounding does not."""
+CPU devices, where the MoE op runs its reference lowering with the kernel's rounding points:
+the MoE layers' magnitudes measured on the unsharded model (``moe_llama.term_ratios``) are the
+TP group's, the fused TP model of the one-process-per-rank demo stays within the tolerance of
+the unsharded reference at 2, 4 and 8 ranks, and a model off by more than rounding does not."""
 
 import math
 
@@ -23,9 +22,7 @@ require_host_devices()
 # 6-10 s a test on 2 CPU cores: the full suite runs them, the quick lane does not.
 pytestmark = [pytest.mark.usefixtures("hermetic"), pytest.mark.slow]
 
-CFG = moe_llama.TINY
-AXIS = "tp"
-DTYPE = jnp.bfloat16
+CFG, AXIS, DTYPE = moe_llama.TINY, "tp", jnp.bfloat16
 
 
 def _prompt(seed):
@@ -43,49 +40,40 @@ def _reference(seed, prompt):
     params = moe_llama.init_params(CFG, mesh1, AXIS, DTYPE, seed)
     fwd = moe_llama.make_forward(CFG, mesh1, AXIS, mlp=moe_llama.plain_moe_mlp(CFG))
     logits = np.asarray(jax.jit(fwd)(params, prompt, *_cache(mesh1, prompt), jnp.int32(0))[0])
-    return logits, lambda tp: moe_llama.term_ratios(
-        CFG, mesh1, AXIS, params, prompt, *_cache(mesh1, prompt), tp=tp
+    ratios = lambda tp, cache: moe_llama.term_ratios(
+        CFG, mesh1, AXIS, params, prompt, *cache, tp=tp
     )
+    return logits, lambda tp: ratios(tp, _cache(mesh1, prompt))
 
 
-def _fused(tp, seed, prompt, *, drop_shared=False):
-    """Logits of the demo's fused TP model (the MoE finalize op; the attention's all-reduce
-    fused by jax_fusedar.fuse) on ``tp`` devices. ``drop_shared``: a wrong model, without
-    the shared expert."""
+def _fused_error(tp, seed, prompt, ref, *, drop_shared=False):
+    """max |logits - ref| / max |ref| of the demo's fused TP model (MoE finalize op, attention
+    fused by fuse) on ``tp`` devices; ``drop_shared``: a wrong model, without the shared expert."""
     mesh = make_mesh((tp,), (AXIS,))
     params = moe_llama.init_params(CFG, mesh, AXIS, DTYPE, seed, vocab_parallel=False)
     if drop_shared:
         params["layers"]["shared_down"] = jnp.zeros_like(params["layers"]["shared_down"])
-    ws = jf.create_allreduce_fusion_workspace(
-        mesh, AXIS, max_token_num=prompt.size, hidden_dim=CFG.base.hidden, dtype=DTYPE
-    )
-    fwd = moe_llama.make_forward(
-        CFG, mesh, AXIS, mlp=moe_llama.fused_moe_mlp(CFG, ws), vocab_parallel=False
-    )
-    out = jax.jit(jf.fuse(fwd, workspace=ws))(params, prompt, *_cache(mesh, prompt), jnp.int32(0))[
-        0
-    ]
-    return np.asarray(out)
+    kw = dict(max_token_num=prompt.size, hidden_dim=CFG.base.hidden, dtype=DTYPE)
+    ws = jf.create_allreduce_fusion_workspace(mesh, AXIS, **kw)
+    mlp = moe_llama.fused_moe_mlp(CFG, ws)
+    fwd = moe_llama.make_forward(CFG, mesh, AXIS, mlp=mlp, vocab_parallel=False)
+    out = jax.jit(jf.fuse(fwd, workspace=ws))(params, prompt, *_cache(mesh, prompt), jnp.int32(0))
+    return np.max(np.abs(np.asarray(out[0]) - ref)) / np.max(np.abs(ref))
 
 
 def test_the_kernel_roundings_and_the_formula():
     # top-8 of the GPU preset over 2 ranks: 8 products and 8 additions, 2 shared-expert
     # additions, 1 all-reduce addition.
     assert moe_kernel_roundings(8, 2) == 19
-    eps = 2.0**-7
-    ratios = [0.5, 0.25]
+    eps, ratios = 2.0**-7, [0.5, 0.25]
+    want = eps + 2 * (eps + math.sqrt(2) * eps / 2)
+    want += sum(eps + math.sqrt(20) * eps / 2 * m for m in ratios)
     got = moe_tolerance("bfloat16", ratios, 20, dense_sites=2, world=2)
-    want = (
-        eps
-        + 2 * (eps + math.sqrt(2) * eps / 2)
-        + sum(eps + math.sqrt(20) * eps / 2 * m for m in ratios)
-    )
     assert got == pytest.approx(want, rel=1e-12)
     # A block whose terms are as large as the stream (m = 1), rounded as often as a psum of
     # 2 partial sums, is a site of the dense formula.
-    assert moe_tolerance("bfloat16", [1.0] * 3, 2) == pytest.approx(
-        reference_tolerance("bfloat16", 2, 3), rel=1e-12
-    )
+    dense = reference_tolerance("bfloat16", 2, 3)
+    assert moe_tolerance("bfloat16", [1.0] * 3, 2) == pytest.approx(dense, rel=1e-12)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -116,8 +104,8 @@ def test_the_fused_tp_model_is_within_the_moe_tolerance(tp, seed):
     # The magnitudes tighten it below the count of every rounding site at full scale, the
     # MoE demo's former tolerance (11 sites a layer at top-8 on GPUs, top_k + 3 here).
     assert tol < reference_tolerance("bfloat16", tp, CFG.base.layers * (CFG.top_k + 3)) / 2
-    rel = np.max(np.abs(_fused(tp, seed, prompt) - ref)) / np.max(np.abs(ref))
+    rel = _fused_error(tp, seed, prompt, ref)
     assert rel <= tol, (rel, tol)
     # A model that differs by more than rounding (no shared expert) is outside it.
-    wrong = np.max(np.abs(_fused(tp, seed, prompt, drop_shared=True) - ref)) / np.max(np.abs(ref))
+    wrong = _fused_error(tp, seed, prompt, ref, drop_shared=True)
     assert wrong > tol, (wrong, tol)

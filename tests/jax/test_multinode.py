@@ -1,17 +1,9 @@
 """Multi-node JAX meshes on one CPU machine: two `jax.distributed` processes that look like
-two hosts (each in its own UTS + mount namespace with host name node0 / node1, see
-``harness.simulate_host``), 4 virtual CPU devices each, coordinator on 127.0.0.1.
+two hosts (``harness.simulate_host``: node0 / node1), 4 CPU devices each. The backend is
+decided per TP group from its own hosts: TP inside a host keeps the kernel, TP across hosts
+takes XLA's all-reduce with ``auto`` and raises with ``trtllm``; every program also runs
+against the float64 oracle. The worker (tests/gpu/workers/jax_multinode.py) is the GPU test's."""
 
-The backend is decided per workspace from each TP group's own hosts (not the mesh's): TP inside
-a host, DP across hosts keeps the kernel (``auto`` and ``trtllm``); TP across hosts takes XLA's
-all-reduce with ``auto`` (saying why once) and raises with ``trtllm``, naming the group's
-members and hosts; 2 x 2 x 2 meshes mix both (one backend for the whole workspace), or put TP
-inside a host next to PP across hosts in one program. The same two processes with the same
-host name keep the kernel. Every program also runs on CPU (the reference path, over gloo)
-against the float64 oracle. The worker (tests/gpu/workers/jax_multinode.py) is the GPU test's.
-"""
-
-import os
 import re
 import subprocess
 import sys
@@ -20,13 +12,11 @@ import pytest
 
 from tests.gpu.workers import jax_multinode as mn
 from tests.jax.child_process import cpu_env
-from tests.gpu.harness import free_port, run_ranks, simulated_hosts_problem
+from tests.gpu.harness import free_port, random_seed, run_ranks, simulated_hosts_problem
 from tests.repo import REPO
 
-
 _PROBLEM = simulated_hosts_problem()
-# Its fixtures start simulated hosts (about 12 s of CPU): the full suite runs the module, the
-# quick lane does not.
+# Its fixtures start simulated hosts (about 12 s of CPU): the quick lane leaves it out.
 pytestmark = [
     pytest.mark.skipif(
         _PROBLEM is not None,
@@ -37,9 +27,8 @@ pytestmark = [
 
 
 def _run(hosts, layouts, backends):
-    seed = int.from_bytes(os.urandom(4), "little")
     kw = dict(platform="cpu", local_devices=4, hosts=hosts, layouts=layouts, backends=backends)
-    return run_ranks(mn.worker, 2, timeout_s=120, port=free_port(), seed=seed, **kw)
+    return run_ranks(mn.worker, 2, timeout_s=120, port=free_port(), seed=random_seed(), **kw)
 
 
 @pytest.fixture(scope="module")
@@ -63,10 +52,8 @@ def _ids(r, members):
 
 
 def _lowered_and_right(rec, custom_calls, all_reduces=None):
-    """The lowering's custom calls (and all-reduces: none, or some) and the numerics.
-    Skips the rest of a test where the kernel's lowering cannot be built (the decision was
-    checked before): allreduce_fusion emits the custom call only with the native module's FFI
-    targets (tests/skips.py says how to build it)."""
+    """The lowering's custom calls (and all-reduces: none, or some) and the numerics; skips the
+    rest of a test where the kernel's lowering needs the native module (tests/skips.py)."""
     if custom_calls and "not_lowered" in rec:
         pytest.skip(f"decision checked; lowering not checked: {rec['not_lowered']}")
     assert rec["custom_calls"] == custom_calls, rec
@@ -89,71 +76,57 @@ def test_processes_look_like_two_hosts(two_hosts, one_host):
     assert all(len(r["devices"]) == 8 for r in two_hosts)
 
 
-@pytest.mark.parametrize("backend", ["auto", "trtllm"])
-def test_dp_across_hosts_tp_within_keeps_the_kernel(two_hosts, backend):
+def test_tp_within_a_host_keeps_the_kernel(two_hosts):
+    """DP across the hosts, and TP inside a host next to PP across them in one program; the
+    lowerings checked last (a skip there leaves every decision checked)."""
+    lowered = []
     for r in two_hosts:
-        rec = r["layouts"]["dp_across_hosts"][backend]
-        assert rec["backend"] == {"tp": "trtllm"}, rec
-        assert [_ids(r, g) for g in rec["groups"]["tp"]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-        _lowered_and_right(rec, 1, all_reduces=False)
+        for backend in ("auto", "trtllm"):
+            rec = r["layouts"]["dp_across_hosts"][backend]
+            assert rec["backend"] == {"tp": "trtllm"}, rec
+            assert [_ids(r, g) for g in rec["groups"]["tp"]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+            lowered.append((rec, False))
+        auto = r["layouts"]["tp_and_pp"]["auto"]
+        assert f"TP group [0, {_p1(r)}] (devices)" in r["layouts"]["tp_and_pp"]["trtllm"]["error"]
+        assert auto["backend"] == {"tp": "trtllm", "pp": "xla"}, auto
+        lowered.append((auto, True))
+    for rec, all_reduces in lowered:
+        _lowered_and_right(rec, 1, all_reduces=all_reduces)
 
 
-def test_tp_across_hosts_auto_takes_xla(two_hosts):
+def test_tp_across_hosts_takes_xla_with_auto_and_is_refused_with_trtllm(two_hosts):
+    """``auto`` takes XLA's all-reduce, for the whole workspace where some of its groups span
+    the hosts (one program), and says why once per layout; ``trtllm`` names the group."""
     for r in two_hosts:
-        rec = r["layouts"]["tp_across_hosts"]["auto"]
-        assert rec["backend"] == {"tp": "xla"}, rec
-        _lowered_and_right(rec, 0, all_reduces=True)
-
-
-def test_tp_across_hosts_trtllm_names_members_and_hosts(two_hosts):
-    for r in two_hosts:
-        err, d = r["layouts"]["tp_across_hosts"]["trtllm"]["error"], _p1(r)
+        d, msgs, rec = _p1(r), r["reasons_logged"], r["layouts"]["tp_across_hosts"]
+        assert rec["auto"]["backend"] == {"tp": "xla"}, rec
+        _lowered_and_right(rec["auto"], 0, all_reduces=True)
+        err = rec["trtllm"]["error"]
         assert err.startswith(_across(d, 0, [f"[{i}, {d + i}]" for i in (1, 2, 3)])), err
         assert "the 'trtllm' all-reduce backend works only within one node" in err
-
-
-def test_mixed_groups_decide_once_for_the_workspace(two_hosts):
-    # Groups [0, 1] and [6, 7] inside a host, [2, 4] and [3, 5] across: one program, so
-    # the whole workspace takes XLA with auto, and trtllm names the first group across.
-    for r in two_hosts:
+        # Groups [0, 1] and [6, 7] inside a host, [2, 4] and [3, 5] across.
         rec = r["layouts"]["mixed_groups"]
         assert [_ids(r, g) for g in rec["auto"]["groups"]["tp"]] == [[0, 1], [2, 4], [3, 5], [6, 7]]
         assert rec["auto"]["backend"] == {"tp": "xla"}
         _lowered_and_right(rec["auto"], 0)
-        d = _p1(r)
         assert rec["trtllm"]["error"].startswith(_across(d, 2, [f"[3, {d + 1}]"]))
-
-
-def test_tp_within_and_pp_across_hosts_in_one_program(two_hosts):
-    for r in two_hosts:
-        auto = r["layouts"]["tp_and_pp"]["auto"]
-        assert f"TP group [0, {_p1(r)}] (devices)" in r["layouts"]["tp_and_pp"]["trtllm"]["error"]
-        assert auto["backend"] == {"tp": "trtllm", "pp": "xla"}, auto
-        _lowered_and_right(auto, 1, all_reduces=True)
-
-
-def test_reason_logged_once_per_layout(two_hosts):
-    for r in two_hosts:
         # tp_across, mixed_groups, and tp_and_pp's "pp": each workspace was created twice.
-        msgs = r["reasons_logged"]
         assert len(msgs) == 3, msgs
-        assert all(
-            "uses XLA's all-reduce (psum + RMSNorm) for all its" in m
-            and "since one program runs on every rank" in m
-            for m in msgs
-        ), msgs
-        assert (
-            "axis 'tp' uses XLA's all-reduce (psum + RMSNorm) for all its 4 TP groups" in msgs[0]
-            and f"TP group [0, {_p1(r)}]" in msgs[0]
-        ), msgs
+        for m in msgs:
+            assert "uses XLA's all-reduce (psum + RMSNorm) for all its" in m, msgs
+            assert "since one program runs on every rank" in m, msgs
+        first = "axis 'tp' uses XLA's all-reduce (psum + RMSNorm) for all its 4 TP groups"
+        assert first in msgs[0] and f"TP group [0, {d}]" in msgs[0], msgs
 
 
 def test_same_host_keeps_the_kernel_across_processes(one_host):
-    layouts = ("tp_across_hosts", "mixed_groups")
-    recs = [r["layouts"][layout]["auto"] for r in one_host for layout in layouts]
+    recs = [
+        r["layouts"][layout]["auto"]
+        for r in one_host
+        for layout in ("tp_across_hosts", "mixed_groups")
+    ]
     assert [r["reasons_logged"] for r in one_host] == [[], []]
-    for rec in recs:
-        assert rec["backend"] == {"tp": "trtllm"}, rec
+    assert all(rec["backend"] == {"tp": "trtllm"} for rec in recs), recs
     for rec in recs:
         _lowered_and_right(rec, 1)
 
@@ -181,23 +154,20 @@ def test_docs_two_node_script_runs(tmp_path):
     try:
         results = [p.communicate(timeout=120) for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        for p in (p for p in procs if p.poll() is None):
+            p.kill()
+            p.wait()
     for rank, (p, (stdout, stderr)) in enumerate(zip(procs, results)):
-        out = stdout + stderr
-        assert p.returncode == 0, out[-3000:]
+        out = (stdout + stderr)[-3000:]
+        assert p.returncode == 0, out
         # gloo's own threads may write "[Gloo] Rank N is connected to ..." into stdout too,
         # at times split after "Rank ", which leaves a line starting with the rank.
         lines = [
-            line
-            for line in stdout.splitlines()
-            if line.startswith(f"{rank} ") and "connected" not in line
+            x for x in stdout.splitlines() if x.startswith(f"{rank} ") and "connected" not in x
         ]
         # On CPU the workspace is the reference path; 4 TP ranks per process, 2 groups.
-        assert "backend='xla', axis='tp', world_size=4, groups=2" in lines[0], out[-3000:]
-        assert len(lines) == 2, out[-3000:]
+        assert "backend='xla', axis='tp', world_size=4, groups=2" in lines[0], out
+        assert len(lines) == 2, out
         # One norm_out shard per local device; RMSNorm * gamma ~ N(0, 1): a std near 1.
         stds = [float(v) for v in re.findall(r"[-+]?\d*\.\d+(?:e[-+]?\d+)?", lines[1])]
         assert len(stds) == 4 and all(0.5 < v < 2.0 for v in stds), lines[1]

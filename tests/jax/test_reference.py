@@ -1,6 +1,5 @@
 """The reference math (jax_fusedar/ops/reference.py) against the float64 oracle
-(tests/oracles/oracle.py), and its rounding points bit for bit. CPU only: 8 virtual host
-devices."""
+(tests/oracles/oracle.py), and its rounding points bit for bit, on 8 CPU devices."""
 
 import jax
 import numpy as np
@@ -8,21 +7,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from tests.oracles import oracle
-from tests.jax.cpu_helpers import (
-    DTYPES,
-    RMS_EPS,
-    bits,
-    check_outputs,
-    jdtype,
-    kernel_rounding,
-    make_mesh,
-    new_rng,
-    random_gamma,
-    random_partials,
-    random_values,
-    require_host_devices,
-    run_sharded,
-)
+from tests.jax.cpu_helpers import DTYPES, RMS_EPS, bits, check_outputs, jdtype, kernel_rounding
+from tests.jax.cpu_helpers import make_mesh, new_rng, random_gamma, random_partials, random_values
+from tests.jax.cpu_helpers import require_host_devices, run_sharded
 from jax_fusedar.ops import reference
 
 # Also in the oldest-versions lane (./dev oldest).
@@ -31,30 +18,17 @@ pytestmark = pytest.mark.oldest
 require_host_devices()
 
 WORLD = 8
-TOKENS = (1, 7, 64)
-HIDDENS = (8, 256, 1024)
 # rms_norm of exact inputs rounds once: half an ulp plus fp32 noise (16-bit); fp32 carries
 # the rsqrt's and the mean's own rounding.
 RMS_NORM_ULPS = {"bfloat16": 0.51, "float16": 0.51, "float32": 8.0}
 
-shapes = pytest.mark.parametrize("tokens,hidden", [(m, h) for m in TOKENS for h in HIDDENS])
 dtypes = pytest.mark.parametrize("dtype", DTYPES)
-weight_biases = pytest.mark.parametrize("weight_bias", [0.0, 1.0])
-
-
-def every_case(test):
-    """Slow: every dtype, weight_bias, token count and hidden size."""
-    return pytest.mark.slow(dtypes(weight_biases(shapes(test))))
 
 
 def assert_rms_norm_of(r, gamma, weight_bias, y, dtype, rms_eps=RMS_EPS):
     """y is RMSNorm(r) rounded once: measured in ulps of the float64 norm of r as given."""
-    r64 = np.asarray(r).astype(np.float64)
-    y64 = (
-        r64
-        / np.sqrt(np.mean(r64 * r64, axis=-1, keepdims=True) + rms_eps)
-        * (weight_bias + np.asarray(gamma).astype(np.float64))
-    )
+    r64, g64 = np.asarray(r).astype(np.float64), np.asarray(gamma).astype(np.float64)
+    y64 = r64 / np.sqrt(np.mean(r64 * r64, axis=-1, keepdims=True) + rms_eps) * (weight_bias + g64)
     err = oracle.allreduce_error_ulps(y, y64, dtype)
     assert err <= RMS_NORM_ULPS[dtype], f"not RMSNorm(r) rounded once: off by {err} ulps"
 
@@ -72,16 +46,6 @@ def _rms_norm(r, gamma, weight_bias, rms_eps):
     return reference.rms_norm(r, gamma, rms_eps=rms_eps, weight_bias=weight_bias, out_dtype=r.dtype)
 
 
-@every_case
-def test_rms_norm_against_oracle(dtype, weight_bias, tokens, hidden):
-    rng = new_rng()
-    r = random_values(rng, (tokens, hidden), dtype)
-    gamma = random_gamma(rng, hidden, dtype)
-    y = np.asarray(_rms_norm(r, gamma, weight_bias, RMS_EPS))
-    assert y.dtype == jdtype(dtype) and y.shape == r.shape
-    assert_rms_norm_of(r, gamma, weight_bias, y, dtype)
-
-
 @dtypes
 def test_rms_norm_eps_is_inside_the_root(dtype):
     # Values ~1e-2 and eps 1e-3: eps is a tenth of the mean square, so misplacing it (outside
@@ -89,43 +53,17 @@ def test_rms_norm_eps_is_inside_the_root(dtype):
     rng = new_rng()
     r = (random_values(rng, (7, 256), "float32") * 1e-2).astype(jdtype(dtype))
     gamma = random_gamma(rng, 256, dtype)
-    y = np.asarray(_rms_norm(r, gamma, 0.0, 1e-3))
-    assert_rms_norm_of(r, gamma, 0.0, y, dtype, rms_eps=1e-3)
-
-
-@every_case
-def test_epilogue_against_oracle(dtype, weight_bias, tokens, hidden):
-    rng = new_rng()
-    summed = random_values(rng, (tokens, hidden), dtype)  # an all-reduce already rounded to T
-    residual = random_values(rng, (tokens, hidden), dtype)
-    gamma = random_gamma(rng, hidden, dtype)
-
-    @jax.jit
-    def epilogues(s, res, g):
-        return (
-            reference.epilogue(s, None, None, pattern=0, rms_eps=RMS_EPS, weight_bias=weight_bias),
-            reference.epilogue(s, res, g, pattern=1, rms_eps=RMS_EPS, weight_bias=weight_bias),
-        )
-
-    (ar, none_r, none_n), (none_a, res_out, norm_out) = epilogues(summed, residual, gamma)
-    assert none_r is None and none_n is None and none_a is None
-    # Pattern 0 has nothing after the all-reduce: the sum comes back unchanged.
-    np.testing.assert_array_equal(bits(ar), bits(summed))
-    outs = dict(residual_out=res_out, norm_out=norm_out, what="epilogue")
-    check_outputs(dtype, [summed], residual=residual, gamma=gamma, weight_bias=weight_bias, **outs)
-    # The residual add rounds exactly once, from fp32.
-    assert_rounds_like_the_kernel(ar, res_out, [summed], residual, dtype)
+    assert_rms_norm_of(r, gamma, 0.0, np.asarray(_rms_norm(r, gamma, 0.0, 1e-3)), dtype, 1e-3)
 
 
 def _run_reference(partials, residual, gamma, weight_bias, **kwargs):
-    """Pattern 0 on the per-rank partials [WORLD, M, H], and pattern 1 with the (replicated)
-    residual and gamma, over a WORLD-device mesh. Checks that every rank got the same bits;
-    returns numpy (allreduce, residual, norm). (The outputs are gathered per rank: without
-    fp32_acc the reference all-gathers, which leaves them varying for check_vma.)"""
+    """Numpy (allreduce, residual, norm) of patterns 0 and 1 on the per-rank partials
+    [WORLD, M, H] over a WORLD-device mesh, every rank's the same bits. (Gathered per rank:
+    without fp32_acc the reference all-gathers, which leaves them varying for check_vma.)"""
     kwargs.update(axis_name="tp", rms_eps=RMS_EPS, weight_bias=weight_bias)
 
     def f(x, res, g):
-        ar, _, _ = reference.allreduce_fusion_reference(x[0], None, None, pattern=0, **kwargs)
+        ar = reference.allreduce_fusion_reference(x[0], None, None, pattern=0, **kwargs)[0]
         _, res_out, norm_out = reference.allreduce_fusion_reference(
             x[0], res, g, pattern=1, **kwargs
         )
@@ -139,16 +77,36 @@ def _run_reference(partials, residual, gamma, weight_bias, **kwargs):
     return [o[0] for o in outs]
 
 
-@every_case
-def test_allreduce_fusion_reference_in_shard_map(dtype, weight_bias, tokens, hidden):
+@pytest.mark.slow  # every dtype, weight_bias, token count and hidden size
+@dtypes
+@pytest.mark.parametrize("weight_bias", [0.0, 1.0])
+@pytest.mark.parametrize("tokens,hidden", [(m, h) for m in (1, 7, 64) for h in (8, 256, 1024)])
+def test_reference_against_oracle(dtype, weight_bias, tokens, hidden):
+    """RMSNorm alone, the epilogue after a rounded sum, and the whole op over WORLD ranks."""
     rng = new_rng()
-    partials = random_partials(rng, (WORLD, tokens, hidden), dtype)
+    summed = random_values(rng, (tokens, hidden), dtype)  # an all-reduce already rounded to T
     residual = random_values(rng, (tokens, hidden), dtype)
     gamma = random_gamma(rng, hidden, dtype)
+    y = np.asarray(_rms_norm(residual, gamma, weight_bias, RMS_EPS))
+    assert y.dtype == jdtype(dtype) and y.shape == residual.shape
+    assert_rms_norm_of(residual, gamma, weight_bias, y, dtype)
+    kw = dict(rms_eps=RMS_EPS, weight_bias=weight_bias)
+    epilogues = lambda s, res, g: (
+        reference.epilogue(s, None, None, pattern=0, **kw),
+        reference.epilogue(s, res, g, pattern=1, **kw),
+    )
+    (ar, none_r, none_n), (none_a, res_out, norm_out) = jax.jit(epilogues)(summed, residual, gamma)
+    assert none_r is None and none_n is None and none_a is None
+    # Pattern 0 has nothing after the all-reduce: the sum comes back unchanged.
+    np.testing.assert_array_equal(bits(ar), bits(summed))
+    outs = dict(residual_out=res_out, norm_out=norm_out, what="epilogue")
+    check_outputs(dtype, [summed], residual=residual, gamma=gamma, weight_bias=weight_bias, **outs)
+    # The residual add rounds exactly once, from fp32.
+    assert_rounds_like_the_kernel(ar, res_out, [summed], residual, dtype)
+    partials = random_partials(rng, (WORLD, tokens, hidden), dtype)
     ar, res_out, norm_out = _run_reference(partials, residual, gamma, weight_bias)
-    inputs = dict(residual=residual, gamma=gamma, weight_bias=weight_bias)
-    outs = dict(allreduce_out=ar, residual_out=res_out, norm_out=norm_out)
-    check_outputs(dtype, partials, **inputs, **outs, what=f"reference over {WORLD} ranks")
+    outs = dict(allreduce_out=ar, residual_out=res_out, norm_out=norm_out, what="reference")
+    check_outputs(dtype, partials, residual=residual, gamma=gamma, weight_bias=weight_bias, **outs)
     assert_rounds_like_the_kernel(ar, res_out, partials, residual, dtype)
     # The norm reads the residual as rounded to T, not the fp32 sum before that rounding.
     assert_rms_norm_of(res_out, gamma, weight_bias, norm_out, dtype)
@@ -156,14 +114,11 @@ def test_allreduce_fusion_reference_in_shard_map(dtype, weight_bias, tokens, hid
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_residual_add_sees_the_rounded_sum(dtype):
-    """The all-reduce is rounded to T *before* the residual is added (two roundings).
-
-    Per element, with h half an ulp at 1 and a a random signed power of two: rank 0 holds a
-    (even mantissa) or a(1+2h) (odd), rank 1 holds a*h, the other ranks cancel in pairs. The
-    exact sums a(1+h) and a(1+3h) are ties, which T rounds to even: a and a(1+4h). Adding
-    the residual +a*h resp. -a*h makes another tie that rounds back to a resp. a(1+4h).
-    Adding it to the unrounded sum instead gives a(1+2h), exactly: a different answer in
-    every element. Magnitudes keep every fp32 partial sum exact, in any order."""
+    """The all-reduce is rounded to T *before* the residual is added (two roundings). With h
+    half an ulp at 1, a a signed power of two: rank 0 holds a (even mantissa) or a(1+2h) (odd),
+    rank 1 a*h, the others cancel in pairs. The sums a(1+h), a(1+3h) are ties, rounded to even:
+    a, a(1+4h); the residual +-a*h makes another tie, back to a, a(1+4h). Added to the unrounded
+    sum it gives a(1+2h) exactly, in every element. Every fp32 partial sum is exact."""
     rng = new_rng()
     h = 2.0 ** -({"bfloat16": 7, "float16": 10}[dtype] + 1)
     shape = (7, 256)
@@ -193,9 +148,8 @@ def test_residual_add_sees_the_rounded_sum(dtype):
 
 
 def test_fp32_partials_with_cancellation_stay_within_the_summation_bound():
-    """Full-precision fp32 partials: the fp32 psum rounds (in an unspecified order), so with
-    cancellation it is not within an ulp of |sum|; it must stay within the classic bound of
-    recursive summation, (N - 1) u sum|x_r|, and residual_out within that plus its own ulp."""
+    """fp32 partials: with cancellation the fp32 psum (any order) is not within an ulp of |sum|,
+    but within recursive summation's (N - 1) u sum|x_r|; residual_out plus its own ulp."""
     rng = new_rng()
     partials = rng.standard_normal((WORLD, 64, 256)).astype(np.float32)
     residual = random_values(rng, (64, 256), "float32")
@@ -229,9 +183,8 @@ def test_without_fp32_acc_every_addition_rounds_in_rank_order(dtype):
 
 
 def test_float16_subnormal_results_are_kept():
-    """Results below float16's smallest normal (2**-14, about 6.1e-5) are subnormals, as the
-    kernel's fp32 -> half conversion makes them, not zeros: the all-reduce, the residual add
-    and the norm (a small gamma) each land there."""
+    """Below float16's smallest normal (2**-14), the all-reduce, residual add and norm give
+    subnormals, as the kernel's fp32 -> half conversion does, not zeros."""
     rng = new_rng()
     # Multiples of the subnormal step 2**-24, exact in float16 and in every sum here:
     # |sum| <= 8 * 100 steps and |sum + residual| <= 1000 steps, below 2**-14 = 1024 steps.

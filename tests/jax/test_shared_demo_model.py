@@ -1,9 +1,8 @@
 """What the demo's one-process-per-rank mode (jax_fusedar/cli/shared_demo.py) relies on in the
-model, on 8 virtual CPU devices in one process: the replicated LM head gives the logits of
-the vocabulary-parallel one; weights drawn on the devices are the same values for any mesh,
-and ``repack_columns`` reads them as the same model for another TP size (what makes the
-unsharded reference the same model on GPUs); and the fused TP model stays within
-``reference_tolerance`` of that reference at 2, 4 and 8 ranks."""
+model, on 8 CPU devices: a replicated LM head gives the vocabulary-parallel one's logits; device
+draws are the same values for any mesh, and ``repack_columns`` reads them as the same model for
+another TP size (what makes the unsharded reference the same model on GPUs); the fused TP model
+stays within ``reference_tolerance`` of that reference at 2, 4 and 8 ranks."""
 
 import jax
 import jax.numpy as jnp
@@ -20,17 +19,14 @@ require_host_devices()
 # 4-5 s a test on 2 CPU cores: the full suite runs them, the quick lane does not.
 pytestmark = [pytest.mark.usefixtures("hermetic"), pytest.mark.slow]
 
-CFG = llama.TINY
-AXIS = "tp"
+CFG, AXIS = llama.TINY, "tp"
 
 
 def _logits(mesh, params, prompt, *, vocab_parallel=True, fused=False):
     fwd = llama.make_forward(CFG, mesh, AXIS, scan=True, vocab_parallel=vocab_parallel)
     if fused:
-        ws = jf.create_allreduce_fusion_workspace(
-            mesh, AXIS, max_token_num=prompt.size, hidden_dim=CFG.hidden, dtype=jnp.bfloat16
-        )
-        fwd = jf.fuse(fwd, workspace=ws)
+        kw = dict(max_token_num=prompt.size, hidden_dim=CFG.hidden, dtype=jnp.bfloat16)
+        fwd = jf.fuse(fwd, workspace=jf.create_allreduce_fusion_workspace(mesh, AXIS, **kw))
     cache = llama.init_cache(CFG, mesh, AXIS, jnp.bfloat16, *prompt.shape)
     return np.asarray(jax.jit(fwd)(params, prompt, *cache, jnp.int32(0))[0])
 
@@ -44,9 +40,8 @@ def test_a_replicated_lm_head_gives_the_same_logits():
     split = llama.init_params(CFG, mesh, AXIS, jnp.bfloat16, 0)
     whole = llama.init_params(CFG, mesh, AXIS, jnp.bfloat16, 0, vocab_parallel=False)
     assert whole["lm_head"].sharding.spec == jax.sharding.PartitionSpec()
-    a = _logits(mesh, split, _prompt())
     b = _logits(mesh, whole, _prompt(), vocab_parallel=False)
-    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(_logits(mesh, split, _prompt()), b)
 
 
 def test_device_draws_do_not_depend_on_the_mesh():

@@ -1,13 +1,8 @@
 """The demo's Llama (jax_fusedar.models.llama), unfused and fused by jax_fusedar.fuse, against
-Hugging Face transformers' LlamaForCausalLM with the same weights: a model no one here wrote.
-
-float32 on CPU, tensor parallel over 8 virtual devices on the JAX side; transformers' model is
-built from a LlamaConfig in code (nothing downloaded), eager attention. Tolerance: the two
-differ only in float32 summation order (matmuls split over 8 ranks and re-summed by the
-all-reduce, attention and softmax kernels), so the logits agree to a few float32 ulps of the
-accumulated magnitudes: 2e-5 of max|logits| (measured: about 1e-6). Greedy tokens must agree
-for every step.
-"""
+Hugging Face transformers' LlamaForCausalLM (built in code, eager attention) with the same
+weights: a model no one here wrote. float32, TP over 8 CPU devices: the two differ only in
+float32 summation order, so the logits agree to a few float32 ulps of the accumulated
+magnitudes: 2e-5 of max|logits| (measured: about 1e-6). Greedy tokens agree at every step."""
 
 import numpy as np
 import pytest
@@ -32,28 +27,17 @@ REL_TOL = 2e-5
 
 def hf_model(cfg, weights):
     conf = transformers.LlamaConfig(
-        vocab_size=cfg.vocab,
-        hidden_size=cfg.hidden,
-        intermediate_size=cfg.ffn,
-        num_hidden_layers=cfg.layers,
-        num_attention_heads=cfg.heads,
-        num_key_value_heads=cfg.kv_heads,
-        rope_theta=cfg.rope_theta,
-        rms_norm_eps=cfg.rms_eps,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        mlp_bias=False,
-        hidden_act="silu",
-    )
+        vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
+        num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_eps,
+        max_position_embeddings=256, tie_word_embeddings=False, attention_bias=False,
+        mlp_bias=False, hidden_act="silu"
+    )  # fmt: skip
     conf._attn_implementation = "eager"
     model = transformers.LlamaForCausalLM(conf).eval()
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
-    sd = {
-        "model.embed_tokens.weight": t(weights["embed"]),
-        "model.norm.weight": t(weights["final_norm"]),
-        "lm_head.weight": t(weights["lm_head"].T),
-    }
+    sd = {"lm_head.weight": t(weights["lm_head"].T), "model.norm.weight": t(weights["final_norm"])}
+    sd["model.embed_tokens.weight"] = t(weights["embed"])
     names = {f"w{p}": f"self_attn.{p}_proj" for p in "qkvo"}
     names.update({f"w_{p}": f"mlp.{p}_proj" for p in ("gate", "up", "down")})
     for i in range(cfg.layers):
@@ -69,29 +53,28 @@ def hf_model(cfg, weights):
 
 @pytest.fixture(scope="module")
 def setup():
-    weights = llama.init_params_numpy(CFG, SEED)
-    model = hf_model(CFG, weights)
+    """transformers' logits of the prompt, its greedy tokens and their logits; the JAX side."""
+    model = hf_model(CFG, llama.init_params_numpy(CFG, SEED))
     prompt = np.random.default_rng(SEED).integers(0, CFG.vocab, (BATCH, PROMPT))
     with torch.no_grad():
         ids = torch.from_numpy(prompt)
-        ref_prompt_logits = model(ids).logits.numpy()
-        toks, step_logits = [], []
+        first, toks, steps = model(ids).logits.numpy(), [], []
         for _ in range(STEPS):
             last = model(ids).logits[:, -1]
-            step_logits.append(last.numpy())
             nxt = last.argmax(-1)
+            steps.append(last.numpy())
             toks.append(nxt.numpy())
             ids = torch.cat([ids, nxt[:, None]], 1)
     mesh = jax.make_mesh((8,), ("tp",))
-    params = llama.init_params(CFG, mesh, "tp", jnp.float32, SEED)
-    return dict(
-        mesh=mesh,
-        params=params,
-        prompt=jnp.asarray(prompt, jnp.int32),
-        ref_prompt_logits=ref_prompt_logits,
-        ref_tokens=np.stack(toks, 1),
-        ref_step_logits=np.stack(step_logits),
+    ref = dict(
+        ref_prompt_logits=first, ref_tokens=np.stack(toks, 1), ref_step_logits=np.stack(steps)
     )
+    params = llama.init_params(CFG, mesh, "tp", jnp.float32, SEED)
+    return dict(ref, mesh=mesh, params=params, prompt=jnp.asarray(prompt, jnp.int32))
+
+
+def rel_err(got, ref):
+    return np.max(np.abs(np.asarray(got) - ref)) / np.max(np.abs(ref))
 
 
 @pytest.mark.slow
@@ -104,14 +87,10 @@ def test_llama_matches_transformers_unfused_and_fused(setup, scan):
     for name, prog in (("unfused", jax.jit(fwd)), ("fused", jax.jit(fused))):
         cache = llama.init_cache(CFG, mesh, "tp", jnp.float32, BATCH, PROMPT + STEPS)
         logits, _, _ = prog(params, setup["prompt"], *cache, jnp.int32(0))
-        ref = setup["ref_prompt_logits"]
-        err = np.max(np.abs(np.asarray(logits) - ref)) / np.max(np.abs(ref))
-        assert err <= REL_TOL, (name, err)
+        assert rel_err(logits, setup["ref_prompt_logits"]) <= REL_TOL, name
         toks, step_logits = llama.greedy_decode(prog, prog, params, setup["prompt"], *cache, STEPS)
         np.testing.assert_array_equal(toks, setup["ref_tokens"], err_msg=name)
-        ref = setup["ref_step_logits"]
-        err = np.max(np.abs(step_logits - ref)) / np.max(np.abs(ref))
-        assert err <= REL_TOL, (name, "decode", err)
+        assert rel_err(step_logits, setup["ref_step_logits"]) <= REL_TOL, (name, "decode")
     rep = fused.report
     assert len(rep.fused) == len(rep.sites) == (2 if scan else 2 * CFG.layers), rep.line()
     assert rep.fused_runs() == 2 * CFG.layers
