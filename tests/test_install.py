@@ -197,13 +197,26 @@ ARCHS = "archs_arg=-DJAX_FUSEDAR_CUDA_ARCHS="
         (["9.0"], {"JAX_FUSEDAR_CUDA_ARCHS": "100a"}, f"{ARCHS}100a "),
         # Asked for (CI: no GPU), every default architecture or JAX_FUSEDAR_CUDA_ARCHS.
         (None, {"JAX_FUSEDAR_BUILD_KERNELS": "1"}, f"^build=1 {ARCHS}90a;100a "),
-        (None, {"JAX_FUSEDAR_BUILD_KERNELS": "1", "JAX_FUSEDAR_CUDA_ARCHS": "100a"},
-         f"^build=1 {ARCHS}100a "),
+        (
+            None,
+            {"JAX_FUSEDAR_BUILD_KERNELS": "1", "JAX_FUSEDAR_CUDA_ARCHS": "100a"},
+            f"^build=1 {ARCHS}100a ",
+        ),
         (["9.0"], {"JAX_FUSEDAR_BUILD_KERNELS": "off"}, "^build=0 "),
     ],
-    ids=["no_gpu", "no_gpu_listed", "gpu_tests_alone", "workers_asked", "visible_gpus",
-         "two_archs", "archs_asked", "kernels_asked", "kernels_asked_one_arch", "kernels_off"],
-)  # fmt: skip
+    ids=[
+        "no_gpu",
+        "no_gpu_listed",
+        "gpu_tests_alone",
+        "workers_asked",
+        "visible_gpus",
+        "two_archs",
+        "archs_asked",
+        "kernels_asked",
+        "kernels_asked_one_arch",
+        "kernels_off",
+    ],
+)
 def test_dev_build_plan(tmp_path, gpus, env, want):
     """``want``: the start of the plan's line (^...), its end (...$), or a part of it."""
     plan = build_plan(tmp_path, gpus, **env)

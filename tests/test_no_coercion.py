@@ -82,10 +82,18 @@ def gamma():
     return jnp.ones(256, jnp.bfloat16)
 
 
-@pytest.mark.parametrize("name,value", cases(
-    use_oneshot=OPTIONAL_BOOL, fp32_acc=BOOL + [None], strict=OPTIONAL_BOOL, rms_eps=FLOAT,
-    weight_bias=FLOAT, pattern=["1", 1.0, True], axis_name=NAME,
-))  # fmt: skip
+@pytest.mark.parametrize(
+    "name,value",
+    cases(
+        use_oneshot=OPTIONAL_BOOL,
+        fp32_acc=BOOL + [None],
+        strict=OPTIONAL_BOOL,
+        rms_eps=FLOAT,
+        weight_bias=FLOAT,
+        pattern=["1", 1.0, True],
+        axis_name=NAME,
+    ),
+)
 def test_allreduce_fusion(mesh, ws, name, value):
     kw = {"axis_name": "tp", "rms_gamma": gamma(), name: value}
     body = lambda x: jf.allreduce_fusion(x, workspace=ws, **kw).norm_out
@@ -134,10 +142,17 @@ def test_moe_finalize_allreduce_fusion(mesh, ws, name, value):
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
-@pytest.mark.parametrize("name,value", cases(
-    use_oneshot=OPTIONAL_BOOL, fp32_acc=BOOL + [None], strict=OPTIONAL_BOOL, rms_eps=FLOAT,
-    weight_bias=FLOAT, precision=["quickest", 3],
-))  # fmt: skip
+@pytest.mark.parametrize(
+    "name,value",
+    cases(
+        use_oneshot=OPTIONAL_BOOL,
+        fp32_acc=BOOL + [None],
+        strict=OPTIONAL_BOOL,
+        rms_eps=FLOAT,
+        weight_bias=FLOAT,
+        precision=["quickest", 3],
+    ),
+)
 def test_row_parallel_allreduce_fusion(axis_type, name, value):
     mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(axis_type,) * 2)
     ws = jf.create_allreduce_fusion_workspace(mesh, "tp", **MESH_KW)
@@ -158,19 +173,28 @@ JAX_CALLS = {
     "create_allreduce_fusion_workspace": (
         lambda mesh, ws, **kw: jf.create_allreduce_fusion_workspace(mesh, **kw),
         {**MESH_KW, "axis_name": "tp"},
-        cases(max_token_num=INT, hidden_dim=INT, exchange_timeout_s=FLOAT,
-              handshake=OPTIONAL_BOOL, handshake_timeout_s=["30", True, 1j],
-              timeout_s=["30", True, 1j], name=[5, ""], backend=[5], dtype=["int8", None],
-              axis_name=NAME),
+        cases(
+            max_token_num=INT,
+            hidden_dim=INT,
+            exchange_timeout_s=FLOAT,
+            handshake=OPTIONAL_BOOL,
+            handshake_timeout_s=["30", True, 1j],
+            timeout_s=["30", True, 1j],
+            name=[5, ""],
+            backend=[5],
+            dtype=["int8", None],
+            axis_name=NAME,
+        ),
     ),
     "abstract_workspace": (
         lambda mesh, ws, **kw: jf.abstract_workspace(mesh, **kw),
         {**MESH_KW, "axis_name": "tp"},
-        cases(max_token_num=INT, hidden_dim=INT, name=[5, ""], backend=[5, "fast"],
-              axis_name=NAME),
+        cases(max_token_num=INT, hidden_dim=INT, name=[5, ""], backend=[5, "fast"], axis_name=NAME),
     ),
     "workspace_set_timeout": (
-        lambda mesh, ws, timeout_s: ws.set_timeout(timeout_s), {}, cases(timeout_s=["5", True, 1j])
+        lambda mesh, ws, timeout_s: ws.set_timeout(timeout_s),
+        {},
+        cases(timeout_s=["5", True, 1j]),
     ),
     "workspace_is_buffer_size_sufficient": (
         lambda mesh, ws, **kw: ws.is_buffer_size_sufficient(**kw),
@@ -180,11 +204,17 @@ JAX_CALLS = {
     "fuse": (
         lambda mesh, ws, **kw: jf.fuse(lambda x: x, mesh=mesh, **kw),
         {},
-        cases(max_tokens=INT, use_oneshot=OPTIONAL_BOOL, strict=OPTIONAL_BOOL,
-              allow_rounding_change=BOOL + [None], backend=[5, "fast"], log_level=["INFO", True],
-              axis_name=[5]),
+        cases(
+            max_tokens=INT,
+            use_oneshot=OPTIONAL_BOOL,
+            strict=OPTIONAL_BOOL,
+            allow_rounding_change=BOOL + [None],
+            backend=[5, "fast"],
+            log_level=["INFO", True],
+            axis_name=[5],
+        ),
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize(
@@ -228,15 +258,23 @@ def _dense_tensors(torch, pattern):
 
 
 TORCH_DENSE = (
-    [(1, n, v) for n, v in cases(
-        use_oneshot=OPTIONAL_BOOL, fp32_acc=BOOL + [None], launch_with_pdl=BOOL + [None],
-        trigger_completion_at_end=BOOL + [None], rms_eps=FLOAT, weight_bias=FLOAT,
-        pattern=["1", 1.0, True], moe_finalize_backend=[5],
-    )]
+    [
+        (1, n, v)
+        for n, v in cases(
+            use_oneshot=OPTIONAL_BOOL,
+            fp32_acc=BOOL + [None],
+            launch_with_pdl=BOOL + [None],
+            trigger_completion_at_end=BOOL + [None],
+            rms_eps=FLOAT,
+            weight_bias=FLOAT,
+            pattern=["1", 1.0, True],
+            moe_finalize_backend=[5],
+        )
+    ]
     + [(9, "block_quant_group_size", v) for v in INT]
     + [(3, "layout_code", v) for v in STRICT_INT]
     + [(4, "scale_factor", v) for v in ["0.5", True, None]]
-)  # fmt: skip
+)
 
 
 @pytest.mark.parametrize("pattern,name,value", TORCH_DENSE)
@@ -252,11 +290,18 @@ def test_torch_allreduce_fusion(torch_ws, pattern, name, value):
     assert not torch_ws.native_rank().launches
 
 
-@pytest.mark.parametrize("name,value", cases(
-    rms_eps=FLOAT, weight_bias=FLOAT, launch_with_pdl=BOOL + [None], fp32_acc=BOOL + [None],
-    use_oneshot=OPTIONAL_BOOL, trigger_completion_at_end=BOOL + [None],
-    routed_scaling_factor=["2.5", True, 1j],
-))  # fmt: skip
+@pytest.mark.parametrize(
+    "name,value",
+    cases(
+        rms_eps=FLOAT,
+        weight_bias=FLOAT,
+        launch_with_pdl=BOOL + [None],
+        fp32_acc=BOOL + [None],
+        use_oneshot=OPTIONAL_BOOL,
+        trigger_completion_at_end=BOOL + [None],
+        routed_scaling_factor=["2.5", True, 1j],
+    ),
+)
 def test_torch_moe_allreduce_fusion(torch_ws, name, value):
     import torch_compat
     from tests.torch.test_moe import P7, finalize_args
@@ -276,12 +321,23 @@ def test_torch_is_buffer_size_sufficient(torch_ws, name, value):
     expect_named(lambda: torch_ws.is_buffer_size_sufficient(**kw), name, value)
 
 
-@pytest.mark.parametrize("name,value", cases(
-    backend=[5, "fast"], world_size=["1", 1.0, True], rank=["0", 0.0, True], max_token_num=INT,
-    hidden_dim=INT, dtype=["bfloat16", None], timeout_s=FLOAT[:-1], handshake=OPTIONAL_BOOL,
-    handshake_timeout_s=["30", True, 1j], kernel_timeout_s=["30", True, 1j],
-    gpus_per_node=INT, force_oneshot_support=BOOL,
-))  # fmt: skip
+@pytest.mark.parametrize(
+    "name,value",
+    cases(
+        backend=[5, "fast"],
+        world_size=["1", 1.0, True],
+        rank=["0", 0.0, True],
+        max_token_num=INT,
+        hidden_dim=INT,
+        dtype=["bfloat16", None],
+        timeout_s=FLOAT[:-1],
+        handshake=OPTIONAL_BOOL,
+        handshake_timeout_s=["30", True, 1j],
+        kernel_timeout_s=["30", True, 1j],
+        gpus_per_node=INT,
+        force_oneshot_support=BOOL,
+    ),
+)
 def test_torch_create_allreduce_fusion_workspace(gloo_world1, name, value):
     import torch
     import torch_compat
@@ -327,11 +383,16 @@ def test_cli_flags(capsys, flag, value):
     assert f"argument {flag}" in err, err
 
 
-@pytest.mark.parametrize("var,value", [
-    ("JAX_FUSEDAR_STRICT", "maybe"), ("JAX_FUSEDAR_HANDSHAKE", "2"),
-    ("JAX_FUSEDAR_TIMEOUT_S", "abc"), ("JAX_FUSEDAR_HANDSHAKE_TIMEOUT_S", "soon"),
-    ("JAX_FUSEDAR_ALLREDUCE_BACKEND", "fast"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "var,value",
+    [
+        ("JAX_FUSEDAR_STRICT", "maybe"),
+        ("JAX_FUSEDAR_HANDSHAKE", "2"),
+        ("JAX_FUSEDAR_TIMEOUT_S", "abc"),
+        ("JAX_FUSEDAR_HANDSHAKE_TIMEOUT_S", "soon"),
+        ("JAX_FUSEDAR_ALLREDUCE_BACKEND", "fast"),
+    ],
+)
 def test_cli_environment(monkeypatch, capsys, var, value):
     """In process (tests/cli/test_environment.py runs the commands). The --out folder cannot
     be created, so a run that missed the variable stops there, without running the demo."""

@@ -64,17 +64,26 @@ def _programs(jax, jnp, mesh):
     same = lambda g: g
     return {
         "gemma_scale_rounded_by_the_program": (
-            gemma, "bfloat16", lambda g: rounded(1.0 + g), {"pattern": 1, "weight_bias": 0.0}
+            gemma,
+            "bfloat16",
+            lambda g: rounded(1.0 + g),
+            {"pattern": 1, "weight_bias": 0.0},
         ),
         "float32_model_gamma_through_bfloat16": (through_bf16, "float32", rounded, {"pattern": 1}),
         "residual_from_the_same_shard_map": (
-            residual_inside, "bfloat16", same, {"pattern": 1, "negated_residual": True}
+            residual_inside,
+            "bfloat16",
+            same,
+            {"pattern": 1, "negated_residual": True},
         ),
         "two_sites_on_one_shard_map": (two_sites, "bfloat16", same, {"pattern": 1, "sites": 2}),
         "per_linear_dynamic_fp8_without_the_norm": (
-            fp8_without_norm, "bfloat16", same, {"pattern": 10}
+            fp8_without_norm,
+            "bfloat16",
+            same,
+            {"pattern": 10},
         ),
-    }  # fmt: skip
+    }
 
 
 def _inputs(rng, world, dtype):

@@ -92,14 +92,20 @@ def _one_style(jax, jf, style, cfg, mesh, seed, gpus, world, platform):
         # the xla backend a sequence-parallel site stays as written), and the fused calls
         # run the reference on CPU.
         workspace = jf.abstract_workspace(
-            mesh, "tp", max_token_num=cfg.tokens, hidden_dim=cfg.hidden, dtype=dtype,
+            mesh,
+            "tp",
+            max_token_num=cfg.tokens,
+            hidden_dim=cfg.hidden,
+            dtype=dtype,
             backend="trtllm",
-        )  # fmt: skip
+        )
         target = dict(workspace=workspace)
     fused = jf.fuse(
-        style.forward(cfg, mesh), **target, allow_rounding_change=style.allow_rounding_change,
+        style.forward(cfg, mesh),
+        **target,
+        allow_rounding_change=style.allow_rounding_change,
         strict=True,
-    )  # fmt: skip
+    )
     with jax.set_mesh(mesh):
         compiled = jax.jit(fused).lower(params, x).compile()
     out = fusion_facts(fused, compiled.as_text())

@@ -36,9 +36,13 @@ def test_torch_compat_matches_flashinfer_bitwise(anchor_path, world):
     seed = run_seed()
     shown = dict(tokens=TOKENS if world == 2 else TOKENS[:3], hiddens=HIDDENS)
     res = run_ranks_with_port(
-        anchor_compare.worker, world, timeout_s=900, seed=seed, anchor_path=str(anchor_path),
+        anchor_compare.worker,
+        world,
+        timeout_s=900,
+        seed=seed,
+        anchor_path=str(anchor_path),
         **shown,
-    )  # fmt: skip
+    )
     report(
         f"torch_anchor_world{world}",
         {"seed": seed, **shown, "patterns": anchor_compare.PATTERNS, "ranks": res},

@@ -15,9 +15,13 @@ CASES = ((1, 1024), (16, 4096), (129, 7168))
 
 def _run(world, platform="cuda", cases=CASES):
     return run_ranks_with_port(
-        jax_fallback.worker, world, timeout_s=900, seed=random_seed(1 << 30), cases=cases,
+        jax_fallback.worker,
+        world,
+        timeout_s=900,
+        seed=random_seed(1 << 30),
+        cases=cases,
         platform=platform,
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("world", world_params(quick=(2,), worlds=(2, 4)))

@@ -27,10 +27,14 @@ def test_legacy_api_runs_the_kernel():
     anchor_path, _ = anchor.prepared()
     seed, world = run_seed(), 2
     res = run_ranks_with_port(
-        flashinfer_shim.worker, world, timeout_s=900, seed=seed,
+        flashinfer_shim.worker,
+        world,
+        timeout_s=900,
+        seed=seed,
         anchor_path=str(anchor_path) if anchor_path else None,
-        tokens=(1, 16, 128), hiddens=(4096, 8192),
-    )  # fmt: skip
+        tokens=(1, 16, 128),
+        hiddens=(4096, 8192),
+    )
     report(f"flashinfer_shim_world{world}", {"seed": seed, "ranks": res})
     for r in res:
         anchor.check_rank(r, world, scales=False)

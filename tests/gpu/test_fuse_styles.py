@@ -21,9 +21,13 @@ CONFIG = dict(batch=2, seq=64, hidden=1024, heads=8, head_dim=128, ffn=2048, lay
 
 def test_style_models_fused_on_gpus():
     res = run_ranks_with_port(
-        fuse_styles.worker, 2, timeout_s=1500, seed=random_seed(1 << 30), styles=STYLES,
+        fuse_styles.worker,
+        2,
+        timeout_s=1500,
+        seed=random_seed(1 << 30),
+        styles=STYLES,
         config=CONFIG,
-    )  # fmt: skip
+    )
     report("gpu_fuse_styles", res)
     problems = fuse_styles.check(res, STYLES)
     assert not problems, "\n".join(problems)

@@ -11,9 +11,13 @@ pytestmark = pytest.mark.gpu
 
 def test_handler_errors_name_the_result_and_keep_the_code():
     res = run_ranks_with_port(
-        jax_multiprocess.worker, 2, timeout_s=600, xla_flags="", task="handler_errors",
+        jax_multiprocess.worker,
+        2,
+        timeout_s=600,
+        xla_flags="",
+        task="handler_errors",
         seed=random_seed(),
-    )  # fmt: skip
+    )
     report("jax_handler_errors", res)
     for r in res:
         e = r["handler_errors"]

@@ -25,9 +25,14 @@ CMDBUF = {"on": CMDBUF_ON, "off": CMDBUF_OFF}
 def _run(name, task, xla_flags, world=2, **kw):
     """jax_multiprocess's ``task`` at ``world`` ranks, reported as ``name``."""
     res = run_ranks_with_port(
-        jax_multiprocess.worker, world, timeout_s=900, xla_flags=xla_flags, task=task,
-        seed=random_seed(), **kw,
-    )  # fmt: skip
+        jax_multiprocess.worker,
+        world,
+        timeout_s=900,
+        xla_flags=xla_flags,
+        task=task,
+        seed=random_seed(),
+        **kw,
+    )
     report(name, res)
     return res
 

@@ -40,10 +40,15 @@ def test_large_message_two_ranks(sweep):
     assert any(launch_mode.prefers_large_message(m, h, sizes) for _, h, m, _ in cases)
     assert any(not launch_mode.prefers_large_message(m, h, sizes) for _, h, m, _ in cases)
     results = run_ranks(
-        large_message_sweep.worker, 2, timeout_s=1200, cases=cases, max_tokens=max_tokens,
-        hidden_max=hidden_max, loop_calls=env_int("JAX_FUSEDAR_LOOP_CALLS", 500),
+        large_message_sweep.worker,
+        2,
+        timeout_s=1200,
+        cases=cases,
+        max_tokens=max_tokens,
+        hidden_max=hidden_max,
+        loop_calls=env_int("JAX_FUSEDAR_LOOP_CALLS", 500),
         seed=random_seed(),
-    )  # fmt: skip
+    )
     report("large_message", results)
     assert results[0]["digest"] == results[1]["digest"], "ranks disagree bitwise"
     for r in results:

@@ -27,10 +27,18 @@ def _run(name, hosts, layouts, backends, device_ids):
     # XLA's NCCL all-reduce can run between the processes where no GPU serves both.
     own_gpus = not set(device_ids[0]) & set(device_ids[1])
     res = run_ranks_with_port(
-        mn.worker, 2, timeout_s=300, platform="cuda", local_devices=len(device_ids[0]),
-        hosts=hosts, layouts=layouts, backends=backends, device_ids=device_ids,
-        seed=random_seed(), run_xla_all_reduces=own_gpus,
-    )  # fmt: skip
+        mn.worker,
+        2,
+        timeout_s=300,
+        platform="cuda",
+        local_devices=len(device_ids[0]),
+        hosts=hosts,
+        layouts=layouts,
+        backends=backends,
+        device_ids=device_ids,
+        seed=random_seed(),
+        run_xla_all_reduces=own_gpus,
+    )
     report(name, res)
     return res
 
@@ -52,9 +60,12 @@ def _devices(r):
 
 def test_tp_across_hosts_takes_xla_with_auto_and_refuses_trtllm():
     res = _run(
-        "multinode_tp_across_hosts", TWO_HOSTS, ["tp_across_hosts"], ("auto", "trtllm"),
+        "multinode_tp_across_hosts",
+        TWO_HOSTS,
+        ["tp_across_hosts"],
+        ("auto", "trtllm"),
         _one_gpu_each(),
-    )  # fmt: skip
+    )
     for r in res:
         (a,), (b,) = _devices(r)
         auto = r["layouts"]["tp_across_hosts"]["auto"]

@@ -27,10 +27,15 @@ def test_native_sweep_two_ranks(sweep):
     tokens = (1, 16, 17, 129) if quick else (1, 2, 15, 16, 17, 64, 128, 129, 1000, 2048)
     hiddens = (1024, 7168) if quick else (1024, 4096, 7168, 8192)
     results = run_ranks(
-        native_sweep.worker, 2, timeout_s=1500, tokens=tokens, hiddens=hiddens,
-        max_tokens=max(tokens), loop_calls=env_int("JAX_FUSEDAR_LOOP_CALLS", 2000),
+        native_sweep.worker,
+        2,
+        timeout_s=1500,
+        tokens=tokens,
+        hiddens=hiddens,
+        max_tokens=max(tokens),
+        loop_calls=env_int("JAX_FUSEDAR_LOOP_CALLS", 2000),
         seed=random_seed(),
-    )  # fmt: skip
+    )
     shown = {"ranks": results, "bounds": BOUNDS, "tokens": tokens, "hiddens": hiddens}
     report("native_sweep", shown)
     print(json.dumps({r["device"]: r["worst"] for r in results}, indent=1))

@@ -61,9 +61,13 @@ def test_jax_and_torch_outputs_are_bitwise_identical(world):
             # element written; scales within 1 fp32 ulp (dynamic) or equal (group).
             steps = q["steps1"]
             if (
-                q["worse"] or q["poisoned"] or q["group_scale_mismatch"]
-                or q["dyn_scale_ulps"] > 1.0 or steps["static"] or steps["group"]
+                q["worse"]
+                or q["poisoned"]
+                or q["group_scale_mismatch"]
+                or q["dyn_scale_ulps"] > 1.0
+                or steps["static"]
+                or steps["group"]
                 or steps["dynamic"] > 2e-3 * q["elements"]
-            ):  # fmt: skip
+            ):
                 problems.append(f"{where} FP8 outside the oracle bounds: {q}")
     assert not problems, "\n".join(problems)

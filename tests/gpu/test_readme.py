@@ -25,8 +25,12 @@ def test_readme_gpu_block_runs_under_torchrun(line, code, tmp_path):
     pythonpath = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     r = subprocess.run(
-        [*run, str(script)], env=dict(os.environ, PYTHONPATH=pythonpath), capture_output=True,
-        text=True, timeout=600, cwd=tmp_path,
-    )  # fmt: skip
+        [*run, str(script)],
+        env=dict(os.environ, PYTHONPATH=pythonpath),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, f"README.md:{line} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     assert r.stdout.count("README block done on rank") == 2, r.stdout

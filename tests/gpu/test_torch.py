@@ -80,9 +80,13 @@ def test_torch_parity_patterns_0_1_sweep(world):
     """Patterns 0 and 1, one- and two-shot, fp32_acc True and False (every third case)."""
     tokens, hiddens = ((1, 16, 128, 1024), (4096, 8192)) if world == 2 else ((1, 16, 128), (4096,))
     res = _seeded(
-        f"torch_parity_world{world}", "parity_worker", world,
-        tokens=tokens, hiddens=hiddens, dtypes=("bfloat16", "float16"),
-    )  # fmt: skip
+        f"torch_parity_world{world}",
+        "parity_worker",
+        world,
+        tokens=tokens,
+        hiddens=hiddens,
+        dtypes=("bfloat16", "float16"),
+    )
     problems = []
     for r in res:
         assert r["nans"] == 0, r
@@ -102,9 +106,13 @@ def test_torch_fp8_patterns(world):
     shapes = [(1024, 1, True), (1024, 17, True), (1024, 17, False), (4096, 128, True)]
     shapes += [(4096, 128, False)] + ([(8192, 1024, False)] if world == 2 else [])
     res = _seeded(
-        f"torch_fp8_world{world}", "fp8_worker", world, {"shapes": shapes},
-        shapes=shapes, dtypes=("bfloat16", "float16"),
-    )  # fmt: skip
+        f"torch_fp8_world{world}",
+        "fp8_worker",
+        world,
+        {"shapes": shapes},
+        shapes=shapes,
+        dtypes=("bfloat16", "float16"),
+    )
     for r in res:
         q = r["quant"]
         assert q["cases"] == 2 * len(shapes), q
@@ -131,9 +139,13 @@ def test_torch_custom_ops_under_torch_compile(backend, world):
     """torch.compile(fullgraph=True) of the custom ops (patterns 0, 1, 11, 9) on the GPU:
     the same bits and metadata as eager, and the plain outputs within the oracle bounds."""
     res = _seeded(
-        f"torch_compile_{backend}_world{world}", "compile_worker", world,
-        m=128, hidden=4096, backend=backend,
-    )  # fmt: skip
+        f"torch_compile_{backend}_world{world}",
+        "compile_worker",
+        world,
+        m=128,
+        hidden=4096,
+        backend=backend,
+    )
     for r in res:
         assert r["differing"] == {}, r
         e = r["errors"]
@@ -146,9 +158,13 @@ def test_torch_cuda_graph_capture_and_replay(world):
     replay checked against the oracle; the replays launch nothing from the host."""
     replays = 100 if world == 2 else 20
     res = _seeded(
-        f"torch_cuda_graph_world{world}", "cuda_graph_worker", world,
-        m=128, hidden=4096, replays=replays,
-    )  # fmt: skip
+        f"torch_cuda_graph_world{world}",
+        "cuda_graph_worker",
+        world,
+        m=128,
+        hidden=4096,
+        replays=replays,
+    )
     for r in res:
         for name, w in r["results"].items():
             assert w["replays"] == replays and w["nans"] == 0, (name, w)
@@ -168,9 +184,14 @@ def test_torch_fusion_pass_on_a_4_layer_tp_model(mode):
     unfused graph keeps the residual sum in fp32 where the kernel rounds it to bf16) and
     within 2e-2 (about 5 bf16 ulps of the largest output) of it elementwise."""
     res = _seeded(
-        f"torch_fusion_pass_{mode}", "fusion_pass_worker", 2,
-        m=64, hidden=4096, layers=4, mode=mode,
-    )  # fmt: skip
+        f"torch_fusion_pass_{mode}",
+        "fusion_pass_worker",
+        2,
+        m=64,
+        hidden=4096,
+        layers=4,
+        mode=mode,
+    )
     for r in res:
         for form, f in r["forms"].items():
             assert f["replaced"] == 4, (form, f)

@@ -206,8 +206,17 @@ def bits(a) -> np.ndarray:
     return a.view(f"u{a.itemsize}")
 
 
-def check_outputs(dtype_name, partials, *, residual=None, gamma=None, weight_bias=0.0,
-                  rms_eps=RMS_EPS, what="", **outputs) -> dict:  # fmt: skip
+def check_outputs(
+    dtype_name,
+    partials,
+    *,
+    residual=None,
+    gamma=None,
+    weight_bias=0.0,
+    rms_eps=RMS_EPS,
+    what="",
+    **outputs,
+) -> dict:
     """Asserts that the given outputs (of shape [M, H] and the call dtype) match the float64
     oracle for the per-rank ``partials`` ([M, H] each) within the ulp bounds above; returns
     the errors. ``residual`` defaults to zeros, as in the API."""

@@ -27,12 +27,20 @@ REL_TOL = 2e-5
 
 def hf_model(cfg, weights):
     conf = transformers.LlamaConfig(
-        vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
-        num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
-        num_key_value_heads=cfg.kv_heads, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_eps,
-        max_position_embeddings=256, tie_word_embeddings=False, attention_bias=False,
-        mlp_bias=False, hidden_act="silu"
-    )  # fmt: skip
+        vocab_size=cfg.vocab,
+        hidden_size=cfg.hidden,
+        intermediate_size=cfg.ffn,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.rms_eps,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        hidden_act="silu",
+    )
     conf._attn_implementation = "eager"
     model = transformers.LlamaForCausalLM(conf).eval()
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731

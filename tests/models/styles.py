@@ -74,15 +74,31 @@ BIAS = (*PT, ("bias", True))  # ... and Equinox's RMSNorm bias
 STYLES = [
     Style("per_linear_llama", per_linear_llama, 2, True, PSUM_IN_SHARD_MAP),
     Style("sequence_parallel_llama", sequence_parallel_llama, 2, True, REDUCE_SCATTER),
-    Style("sequence_parallel_llama_norm_after_gather", sequence_parallel_llama, 2, True,
-          REDUCE_SCATTER, forward_kwargs=(("norm_after_gather", True),), grad_check=False),
+    Style(
+        "sequence_parallel_llama_norm_after_gather",
+        sequence_parallel_llama,
+        2,
+        True,
+        REDUCE_SCATTER,
+        forward_kwargs=(("norm_after_gather", True),),
+        grad_check=False,
+    ),
     Style("megatron_mlp", megatron_mlp, 1, True, CUSTOM_RULE_PSUM),
     Style("plain_jit_llama_auto", plain_jit_llama, 2, True, PLAIN_JIT),
-    Style("plain_jit_llama_explicit", plain_jit_llama, 2, True, PLAIN_JIT,
-          axis_type=AxisType.Explicit),
+    Style(
+        "plain_jit_llama_explicit", plain_jit_llama, 2, True, PLAIN_JIT, axis_type=AxisType.Explicit
+    ),
     Style("gemma_sandwich", gemma, 2, False, PSUM, reason="sandwich norm"),
-    Style("gemma_pre_norm", gemma, 2, True, PSUM, forward_kwargs=(("sandwich", False),),
-          weight_bias=1.0, grad_check=False),
+    Style(
+        "gemma_pre_norm",
+        gemma,
+        2,
+        True,
+        PSUM,
+        forward_kwargs=(("sandwich", False),),
+        weight_bias=1.0,
+        grad_check=False,
+    ),
     # gamma multiplied after the normalized value's rounding: the fused op computes that
     # rounded value (a gamma of ones) and the program's own multiplication stays after it.
     Style("hf_flax_llama", hf_flax_llama, 2, True, PSUM),
@@ -91,24 +107,58 @@ STYLES = [
     # Sharding constraints and checkpoint names between the matmul, the add and the norm.
     Style("annotated_llama", annotated_llama, 2, True, PLAIN_JIT, forward_kwargs=RM),
     # Equinox's per-token Linear under vmap: w @ x, then a transpose.
-    Style("annotated_llama_per_token", annotated_llama, 2, True, PLAIN_JIT, forward_kwargs=PT,
-          grad_check=False),
+    Style(
+        "annotated_llama_per_token",
+        annotated_llama,
+        2,
+        True,
+        PLAIN_JIT,
+        forward_kwargs=PT,
+        grad_check=False,
+    ),
     # Equinox's RMSNorm with its bias: refused by default, fused with the flag.
-    Style("annotated_llama_bias", annotated_llama, 2, False, PLAIN_JIT, forward_kwargs=BIAS,
-          reason="a bias added to the normalized value before its rounding to bfloat16"),
-    Style("annotated_llama_bias_allow", annotated_llama, 2, True, PLAIN_JIT,
-          forward_kwargs=BIAS, allow_rounding_change=True, rounding_change=True),
+    Style(
+        "annotated_llama_bias",
+        annotated_llama,
+        2,
+        False,
+        PLAIN_JIT,
+        forward_kwargs=BIAS,
+        reason="a bias added to the normalized value before its rounding to bfloat16",
+    ),
+    Style(
+        "annotated_llama_bias_allow",
+        annotated_llama,
+        2,
+        True,
+        PLAIN_JIT,
+        forward_kwargs=BIAS,
+        allow_rounding_change=True,
+        rounding_change=True,
+    ),
     # MaxText's RMSNorm: gamma in T by an einsum after the rounding (left after the fused norm).
-    Style("annotated_llama_gamma_einsum", annotated_llama, 2, True, PLAIN_JIT,
-          forward_kwargs=(*RM, ("gamma_einsum", True)), grad_check=False),
+    Style(
+        "annotated_llama_gamma_einsum",
+        annotated_llama,
+        2,
+        True,
+        PLAIN_JIT,
+        forward_kwargs=(*RM, ("gamma_einsum", True)),
+        grad_check=False,
+    ),
     # Scanned over the layers: the add of layer i and the norm of layer i + 1 in two
     # iterations (the loop is rotated). The body's 2 sites are the program's sites, each
     # running once per layer (sites_per_layer * layers = 2 with 2 layers).
     Style("scanned_llama_plain_jit", scanned_llama, 1, True, PLAIN_JIT),
-    Style("scanned_llama_shard_map", scanned_llama, 1, True, PSUM,
-          forward_kwargs=(("layout", "shard_map"),)),
-    Style("hf_flax_llama_float32", hf_flax_llama, 2, True, PSUM, dtype="float32",
-          grad_check=False),
-]  # fmt: skip
+    Style(
+        "scanned_llama_shard_map",
+        scanned_llama,
+        1,
+        True,
+        PSUM,
+        forward_kwargs=(("layout", "shard_map"),),
+    ),
+    Style("hf_flax_llama_float32", hf_flax_llama, 2, True, PSUM, dtype="float32", grad_check=False),
+]
 
 BY_NAME = {s.name: s for s in STYLES}

@@ -134,9 +134,18 @@ def norm_error_given_residual_ulps(
 
 
 def accumulation_errors(
-    xs, residual=None, gamma=None, *, allreduce_out=None, residual_out=None, norm_out=None,
-    fp32_acc: bool = True, rms_eps: float = 1e-6, weight_bias: float = 0.0, dtype_name: str,
-) -> dict:  # fmt: skip
+    xs,
+    residual=None,
+    gamma=None,
+    *,
+    allreduce_out=None,
+    residual_out=None,
+    norm_out=None,
+    fp32_acc: bool = True,
+    rms_eps: float = 1e-6,
+    weight_bias: float = 0.0,
+    dtype_name: str,
+) -> dict:
     """For the outputs given, the errors that hold at every world size: ``allreduce_bound``
     and ``residual_bound`` (error / bound, at most 1) and ``norm_own`` (ulps, at most
     NORM_GIVEN_RESIDUAL_ULPS). ``xs``: every rank's input in rank order."""
@@ -152,9 +161,13 @@ def accumulation_errors(
         out["residual_bound"] = bound_ratio(residual_out, s64 + res, bound)
         if norm_out is not None:
             out["norm_own"] = norm_error_given_residual_ulps(
-                norm_out, residual_out, gamma, rms_eps=rms_eps, weight_bias=weight_bias,
+                norm_out,
+                residual_out,
+                gamma,
+                rms_eps=rms_eps,
+                weight_bias=weight_bias,
                 dtype_name=dtype_name,
-            )  # fmt: skip
+            )
     return out
 
 

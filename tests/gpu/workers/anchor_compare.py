@@ -182,9 +182,22 @@ def _accumulation_stats(by_acc, xs, res64, gam64, dtype_name):
 
 
 def run_case(
-    torch, calls, *, rank, device, dtype_name, xs, res, gam, m, hidden, oneshot, patterns,
-    result, stats
-):  # fmt: skip
+    torch,
+    calls,
+    *,
+    rank,
+    device,
+    dtype_name,
+    xs,
+    res,
+    gam,
+    m,
+    hidden,
+    oneshot,
+    patterns,
+    result,
+    stats,
+):
     """One shape case: every pattern through both builds (``calls``: "ours"/"anchor" ->
     (allreduce_fusion, workspace)), fp32_acc True then False, bytes compared; the oracles."""
     from tests.oracles import oracle

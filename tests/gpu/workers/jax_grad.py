@@ -74,9 +74,19 @@ def errors(got, want, dtype):
 
 
 def run(
-    jax, jnp, jf, mesh, P, seed, *, dtypes=("bfloat16", "float32"), layers=2, tokens=16,
-    hidden=1024, ffn=2048
-):  # fmt: skip
+    jax,
+    jnp,
+    jf,
+    mesh,
+    P,
+    seed,
+    *,
+    dtypes=("bfloat16", "float32"),
+    layers=2,
+    tokens=16,
+    hidden=1024,
+    ffn=2048,
+):
     from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding
     from jax_fusedar.ops import reference

@@ -145,9 +145,20 @@ def _check_outputs(jax, mesh, workspaces, fn, dtype, seed):
 
 
 def worker(
-    rank, world, chan, *, port, platform, local_devices, hosts, layouts, backends, seed,
-    device_ids=None, run_xla_all_reduces=True
-):  # fmt: skip
+    rank,
+    world,
+    chan,
+    *,
+    port,
+    platform,
+    local_devices,
+    hosts,
+    layouts,
+    backends,
+    seed,
+    device_ids=None,
+    run_xla_all_reduces=True,
+):
     """Pretends to run on host ``hosts[rank]``, then records per layout and backend what
     happened. ``run_xla_all_reduces=False``: a program with XLA all-reduces is lowered but not
     run ("not_run"): the processes share a GPU, and XLA's NCCL refuses that."""

@@ -156,9 +156,18 @@ def matching_calls(ws, rank, world, device, stream, seed, torch):
 
 
 def make_workspace(
-    ext, chan, tag, device, world, rank, *, handshake, timeout_s, kernel_timeout_s=None,
-    max_tokens=MAX_TOKENS
-):  # fmt: skip
+    ext,
+    chan,
+    tag,
+    device,
+    world,
+    rank,
+    *,
+    handshake,
+    timeout_s,
+    kernel_timeout_s=None,
+    max_tokens=MAX_TOKENS,
+):
     """A workspace over CUDA IPC; ``timeout_s`` is the handshake's, ``kernel_timeout_s``
     the kernel's bounded waits' (None: the default)."""
     from jax_fusedar.common import lost_traps, native

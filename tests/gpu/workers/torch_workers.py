@@ -252,9 +252,21 @@ def new_outputs(torch, pattern, m, hidden, dtype, device, group=GROUP):
 
 
 def call_pattern(
-    tc, ws, pattern, x, res, gam, outs, *, sf=None, group=GROUP, oneshot=None, fp32_acc=True,
-    wb=0.0, pdl=True
-):  # fmt: skip
+    tc,
+    ws,
+    pattern,
+    x,
+    res,
+    gam,
+    outs,
+    *,
+    sf=None,
+    group=GROUP,
+    oneshot=None,
+    fp32_acc=True,
+    wb=0.0,
+    pdl=True,
+):
     """One torch_compat.allreduce_fusion call of ``pattern`` into ``outs``; checks the
     returned tensor is FlashInfer's (norm_out, else quant_out, else output)."""
     t = _traits(pattern)
